@@ -1,0 +1,219 @@
+"""The ``bonsai`` command (a contract: scripts and the explorer's export page call it).
+
+Exit status: 0 on success; 1 on a user error (bad file, infeasible budget, unknown model), with a
+one-paragraph message on stderr and no traceback; 2 on bad arguments (argparse's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from bonsai_core.budget import Budget, format_bytes, parse_budget
+from bonsai_core.errors import BonsaiError, BudgetError
+
+# Size options any zoo model may take (each model accepts its own subset; see `bonsai zoo`).
+MODEL_OPTIONS = ("batch", "seq", "layers", "width", "heads", "vocab", "image")
+
+
+def _budget_arg(text: str) -> Budget:
+    try:
+        return parse_budget(text)
+    except BudgetError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """MODEL and its size options, shared by trace, export and verify."""
+    p.add_argument("model", metavar="MODEL", help="a zoo name (see `bonsai zoo`) or package.module:factory")
+    for name in MODEL_OPTIONS:
+        p.add_argument(f"--{name}", type=_positive_int, default=None, metavar="N", help=f"model option {name}")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and the example batch (default 0)")
+
+
+def model_options(args: argparse.Namespace) -> dict[str, int]:
+    return {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) is not None}
+
+
+def _write_json(path: str, payload: dict[str, Any]) -> None:
+    try:
+        Path(path).write_text(json.dumps(payload, separators=(",", ":")) + "\n")
+    except OSError as e:
+        raise BonsaiError(f"Cannot write {path!r}: {e.strerror}. Check that its folder exists and is writable.") from None
+
+
+# -- verbs ---------------------------------------------------------------------------------------
+
+def cmd_zoo(args: argparse.Namespace) -> int:
+    from bonsai_core.zoo import ZOO
+
+    if args.json:
+        print(json.dumps({name: {"description": e.description, "options": e.options} for name, e in ZOO.items()}))
+        return 0
+    for name, entry in ZOO.items():
+        opts = " ".join(f"--{k} {v}" for k, v in entry.options.items())
+        print(f"{name:8s} {entry.description}\n         {opts}")
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from bonsai_core.graph import save_graph
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.trace import trace_zoo
+
+    traced = trace_zoo(args.model, profile=args.cost_model, seed=args.seed, **model_options(args))
+    g = traced.graph
+    try:
+        save_graph(g, args.output)
+    except OSError as e:
+        raise BonsaiError(f"Cannot write {args.output!r}: {e.strerror}.") from None
+    summary = {**g.summary(), "no_remat_peak": no_remat_peak(g), "trace_seconds": traced.seconds,
+               "cost_model": args.cost_model}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"traced {g.name}: {g.n} nodes ({summary['forward_nodes']} forward), {g.num_edges} edges in "
+              f"{traced.seconds:.2f} s; no-remat peak {format_bytes(summary['no_remat_peak'])}, fixed "
+              f"{format_bytes(g.fixed_mem)}; wrote {args.output}")
+    return 0
+
+
+def cmd_solve(args: argparse.Namespace) -> int:
+    from bonsai_core.graph import load_graph
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers import solve
+
+    g = load_graph(args.graph)
+    reference = no_remat_peak(g)
+    budget = args.budget.resolve(reference)
+    options = {k: v for k, v in (("granularity", args.granularity), ("backend", args.backend),
+                                 ("time_limit", args.time_limit)) if v is not None}
+    schedule = solve(g, budget, method=args.method, **options)
+    _write_json(args.output, schedule.to_dict())
+    stats = {"method": args.method, "budget": budget, "no_remat_peak": reference, **schedule.stats}
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        print(f"{args.method} on {g.name} under {format_bytes(budget)} ({budget / reference:.0%} of the no-remat "
+              f"peak): peak {format_bytes(stats['peak'])}, overhead {stats['overhead']:+.2%}, status "
+              f"{stats.get('status', '?')}, solved in {stats.get('solve_seconds', 0):.2f} s; wrote {args.output}")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from bonsai_core.graph import load_graph
+    from bonsai_core.schedule import load_schedule, simulate
+
+    g = load_graph(args.graph)
+    schedule = load_schedule(args.schedule)
+    sim = simulate(g, schedule)
+    stats = {"graph": g.name, "method": schedule.method, "budget": schedule.budget, **sim.stats(),
+             "feasible": sim.feasible(schedule.budget), "ops": len(schedule.ops)}
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        fits = "" if schedule.budget is None else (" (within budget)" if stats["feasible"] else " (OVER budget)")
+        print(f"{schedule.method} schedule on {g.name}: {len(schedule.ops)} ops, peak {format_bytes(sim.peak)}{fits}, "
+              f"compute {sim.compute_cost:.6g} s, overhead {sim.overhead:+.2%}, {sim.recomputes} recomputations")
+    return 0
+
+
+def cmd_app(args: argparse.Namespace) -> int:
+    app = Path(__file__).resolve().parent.parent / "explorer" / "app.py"
+    if not app.is_file():
+        raise BonsaiError(f"The explorer is not installed next to bonsai_core ({app} is missing): run "
+                          "`streamlit run explorer/app.py` from a checkout of the project.")
+    os.execvp(sys.executable, [sys.executable, "-m", "streamlit", "run", str(app), *args.streamlit_args])
+    return 0  # not reached
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from bonsai_core.solvers import METHODS
+
+    parser = argparse.ArgumentParser(prog="bonsai", description="Optimal tensor rematerialization explorer.")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = sub.add_parser("zoo", help="list built-in models and their options")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_zoo)
+
+    p = sub.add_parser("trace", help="trace a model's training step into a bonsai-graph JSON")
+    add_model_arguments(p)
+    p.add_argument("--cost-model", default="h100", choices=_profiles(), help="device profile for op costs")
+    p.add_argument("-o", "--output", required=True, metavar="GRAPH.json")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("solve", help="find a rematerialization schedule under a memory budget")
+    p.add_argument("graph", metavar="GRAPH.json")
+    p.add_argument("--budget", required=True, type=_budget_arg,
+                   help="bytes (123456789), with a unit (800MiB, 2.5GB) or a share of the no-remat peak (60%%)")
+    p.add_argument("--method", default="none", choices=list(METHODS))
+    p.add_argument("--granularity", type=_positive_int, default=None, help="largest segment size (bonsai)")
+    p.add_argument("--backend", choices=("highs", "scip"), default=None, help="MILP backend")
+    p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="solver time limit, seconds")
+    p.add_argument("-o", "--output", required=True, metavar="SCHEDULE.json")
+    p.add_argument("--json", action="store_true", help="print the stats as one JSON object")
+    p.set_defaults(func=cmd_solve)
+
+    p = sub.add_parser("simulate", help="replay a schedule and report its peak memory and cost")
+    p.add_argument("graph", metavar="GRAPH.json")
+    p.add_argument("schedule", metavar="SCHEDULE.json")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("app", help="start the explorer (streamlit run explorer/app.py)")
+    p.add_argument("streamlit_args", nargs=argparse.REMAINDER, help="passed on to streamlit")
+    p.set_defaults(func=cmd_app)
+    return parser
+
+
+def _profiles() -> list[str]:
+    from bonsai_core.costmodel import PROFILES
+
+    return list(PROFILES)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except BonsaiError as e:
+        print(f"bonsai {args.verb}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"bonsai {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+def entry_point() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry_point()

@@ -1,0 +1,29 @@
+"""The one family of errors a user can cause.
+
+Every message says what was wrong and what to do; the CLI prints it without a traceback and exits 1,
+the app shows it with ``st.error``.
+"""
+
+
+class BonsaiError(Exception):
+    """Base class of every error a user can cause (bad file, bad budget, unknown model, ...)."""
+
+
+class GraphError(BonsaiError):
+    """A bonsai-graph file or object is malformed."""
+
+
+class ScheduleError(BonsaiError):
+    """A schedule breaks the simulator's rules or does not belong to the graph."""
+
+
+class BudgetError(BonsaiError):
+    """A budget could not be parsed, or no schedule of the method fits under it."""
+
+
+class ModelError(BonsaiError):
+    """A model could not be found, built or traced."""
+
+
+class SolverError(BonsaiError):
+    """A solver failed, timed out without a solution, or is not installed."""

@@ -1,0 +1,355 @@
+"""The operator graph of one training step, and its bonsai-graph JSON format (version 1).
+
+A :class:`Graph` is immutable. Per-node data lives in numpy arrays (costs, sizes) and the edges in
+CSR form, so a graph of ten thousand operators is cheap to hold, hash and hand to a solver. Every
+property an algorithm needs is computed once, in the constructor.
+
+Example::
+
+    >>> g = Graph.from_nodes("tiny", fixed_mem=0, nodes=[
+    ...     dict(name="a", op="aten.relu.default", phase="forward", cost=1.0, mem=4, deps=[]),
+    ...     dict(name="b", op="aten.relu.default", phase="forward", cost=1.0, mem=4, deps=[0])])
+    >>> g.n, g.outputs.tolist()
+    (2, [1])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from bonsai_core.errors import GraphError
+
+FORMAT = "bonsai-graph"
+VERSION = 1
+PHASES = ("forward", "backward", "input", "param")
+
+# Refused before any heavy work: a graph beyond these is not a training step this tool can help with
+# interactively (the op-level solvers have tighter limits of their own).
+MAX_NODES = 200_000
+MAX_EDGES = 2_000_000
+MAX_FILE_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node, as a plain record (for display and JSON); the Graph itself stores arrays."""
+
+    id: int
+    name: str
+    op: str
+    phase: str
+    cost: float
+    mem: int
+    deps: tuple[int, ...]
+    alias_of: int | None
+    shape: str = ""
+
+
+class Graph:
+    """A training step's operators in a valid execution order, with costs and output sizes.
+
+    Attributes (all read-only):
+        name: the graph's name (the model it was traced from).
+        n: number of nodes; ids are ``0..n-1`` in a topological (plain execution) order.
+        fixed_mem: bytes live for the whole step whatever the schedule (params, grads, batch).
+        names, ops, phases, shapes: per-node strings.
+        cost: float64[n], seconds to compute each node (0 only for views).
+        mem: int64[n], bytes of each node's output(s) (0 for views).
+        alias_of: int64[n], the node whose storage a view shares, or -1.
+        dep_ptr, dep_idx: CSR of each node's inputs (``deps(v)``), sorted.
+        user_ptr, user_idx: CSR of each node's consumers (``users(v)``), sorted.
+        is_output: bool[n], nodes with no consumers (the loss, parameter gradients).
+        is_forward: bool[n], nodes of the forward pass (phase ``forward``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fixed_mem: int,
+        names: Sequence[str],
+        ops: Sequence[str],
+        phases: Sequence[str],
+        cost: Iterable[float],
+        mem: Iterable[int],
+        deps: Sequence[Sequence[int]],
+        alias_of: Iterable[int | None],
+        shapes: Sequence[str] | None = None,
+    ) -> None:
+        n = len(names)
+        if n == 0:
+            raise GraphError("The graph has no nodes: trace a model or load a graph with at least one operator.")
+        if n > MAX_NODES:
+            raise GraphError(f"The graph has {n} nodes; this tool handles at most {MAX_NODES}. Trace a smaller model.")
+        self.name = str(name)
+        self.fixed_mem = int(fixed_mem)
+        self.names = tuple(names)
+        self.ops = tuple(ops)
+        self.phases = tuple(phases)
+        self.shapes = tuple(shapes) if shapes is not None else ("",) * n
+        self.cost = np.asarray(list(cost), dtype=np.float64)
+        self.mem = np.asarray(list(mem), dtype=np.int64)
+        self.alias_of = np.asarray([-1 if a is None else a for a in alias_of], dtype=np.int64)
+        dep_lists = [sorted(set(int(d) for d in ds)) for ds in deps]
+        self.dep_ptr = np.zeros(n + 1, dtype=np.int64)
+        self.dep_ptr[1:] = np.cumsum([len(ds) for ds in dep_lists])
+        self.dep_idx = np.fromiter((d for ds in dep_lists for d in ds), dtype=np.int64, count=int(self.dep_ptr[-1]))
+        if len(self.dep_idx) > MAX_EDGES:
+            raise GraphError(f"The graph has {len(self.dep_idx)} edges; this tool handles at most {MAX_EDGES}.")
+        for arr, what in ((self.ops, "ops"), (self.phases, "phases"), (self.cost, "cost"), (self.mem, "mem"),
+                          (self.alias_of, "alias_of"), (self.shapes, "shapes"), (dep_lists, "deps")):
+            if len(arr) != n:
+                raise GraphError(f"The graph has {n} names but {len(arr)} {what}: every node needs each field.")
+        self._validate()
+
+        # Consumers, as CSR: the transpose of the dependency matrix.
+        order = np.argsort(self.dep_idx, kind="stable")
+        dst = np.repeat(np.arange(n, dtype=np.int64), np.diff(self.dep_ptr))
+        self.user_idx = dst[order]
+        self.user_ptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(self.dep_idx, minlength=n), out=self.user_ptr[1:])
+        self.is_output = np.diff(self.user_ptr) == 0
+        self.is_forward = np.array([p == "forward" for p in self.phases], dtype=bool)
+        self.is_view = self.alias_of >= 0
+        self.total_cost = math.fsum(self.cost.tolist())
+        self.activation_bytes = int(self.mem[self.is_forward].sum())
+        self.peak_lower_bound = self._peak_lower_bound()
+        self.hash = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        for arr in (self.cost, self.mem, self.alias_of, self.dep_ptr, self.dep_idx, self.user_ptr,
+                    self.user_idx, self.is_output, self.is_forward, self.is_view):
+            arr.setflags(write=False)
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_nodes(cls, name: str, fixed_mem: int, nodes: Sequence[dict[str, Any]]) -> "Graph":
+        """Build a graph from node dicts (``name, op, phase, cost, mem, deps`` and optional
+        ``alias_of``, ``shape``), listed in execution order; ids are their positions."""
+        return cls(
+            name=name,
+            fixed_mem=fixed_mem,
+            names=[nd.get("name", f"n{i}") for i, nd in enumerate(nodes)],
+            ops=[nd.get("op", "") for nd in nodes],
+            phases=[nd.get("phase", "forward") for nd in nodes],
+            cost=[nd["cost"] for nd in nodes],
+            mem=[nd["mem"] for nd in nodes],
+            deps=[nd.get("deps", []) for nd in nodes],
+            alias_of=[nd.get("alias_of") for nd in nodes],
+            shapes=[str(nd.get("shape", "")) for nd in nodes],
+        )
+
+    def _validate(self) -> None:
+        n = self.n
+        if self.fixed_mem < 0:
+            raise GraphError(f"fixed_mem is {self.fixed_mem}; it must be a byte count >= 0.")
+        for v in range(n):
+            where = f"Node {v} ({self.names[v]!r})"
+            if self.phases[v] not in PHASES:
+                raise GraphError(f"{where} has phase {self.phases[v]!r}; use one of {', '.join(PHASES)}.")
+            c, m = self.cost[v], self.mem[v]
+            if not math.isfinite(c) or c < 0:
+                raise GraphError(f"{where} has cost {c}; a cost is a finite number of seconds >= 0.")
+            if m < 0:
+                raise GraphError(f"{where} has mem {m}; mem is a byte count >= 0.")
+            deps = self.deps(v)
+            if len(deps) and (deps[-1] >= v or deps[0] < 0):
+                bad = deps[-1] if deps[-1] >= v else deps[0]
+                raise GraphError(
+                    f"{where} depends on node {bad}, which is not an earlier node: deps must name nodes "
+                    "listed before it (the node order must be a valid execution order, with no cycles)."
+                )
+            a = int(self.alias_of[v])
+            if a >= 0:
+                if a not in deps:
+                    raise GraphError(f"{where} is a view of node {a} (alias_of) but does not read it: "
+                                     "a view's base must be one of its deps.")
+                if m != 0:
+                    raise GraphError(f"{where} is a view (alias_of={a}) but has mem {m}; a view shares its "
+                                     "base's storage, so its mem must be 0.")
+            elif c <= 0:
+                raise GraphError(f"{where} has cost 0 but is not a view; every computed node costs time > 0.")
+
+    def _peak_lower_bound(self) -> int:
+        """The memory of the largest single compute step: fixed_mem + a node's output + its inputs
+        (and the bases of views among them). No schedule can peak below this (Checkmate's
+        ``max_degree_ram``)."""
+        best = 0
+        for v in range(self.n):
+            live = {v, *self.deps(v).tolist()}
+            stack = list(live)
+            while stack:  # a resident view keeps its base resident
+                a = int(self.alias_of[stack.pop()])
+                if a >= 0 and a not in live:
+                    live.add(a)
+                    stack.append(a)
+            best = max(best, int(self.mem[list(live)].sum()))
+        return self.fixed_mem + best
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.dep_ptr[-1])
+
+    @property
+    def outputs(self) -> np.ndarray:
+        """Ids of the step's outputs: the nodes nobody consumes (loss, parameter gradients)."""
+        return np.flatnonzero(self.is_output)
+
+    def deps(self, v: int) -> np.ndarray:
+        """Sorted ids of the nodes whose outputs node ``v`` reads."""
+        return self.dep_idx[self.dep_ptr[v]:self.dep_ptr[v + 1]]
+
+    def users(self, v: int) -> np.ndarray:
+        """Sorted ids of the nodes that read node ``v``'s output."""
+        return self.user_idx[self.user_ptr[v]:self.user_ptr[v + 1]]
+
+    def node(self, v: int) -> NodeInfo:
+        a = int(self.alias_of[v])
+        return NodeInfo(v, self.names[v], self.ops[v], self.phases[v], float(self.cost[v]), int(self.mem[v]),
+                        tuple(self.deps(v).tolist()), None if a < 0 else a, self.shapes[v])
+
+    def summary(self) -> dict[str, Any]:
+        """Counts and sizes a person wants first (the explorer's model page, ``bonsai trace``)."""
+        return {
+            "name": self.name,
+            "nodes": self.n,
+            "edges": self.num_edges,
+            "forward_nodes": int(self.is_forward.sum()),
+            "backward_nodes": int((~self.is_forward).sum()),
+            "views": int(self.is_view.sum()),
+            "fixed_mem": self.fixed_mem,
+            "activation_bytes": self.activation_bytes,
+            "peak_lower_bound": self.peak_lower_bound,
+            "total_cost": self.total_cost,
+        }
+
+    def __repr__(self) -> str:
+        return f"Graph({self.name!r}, n={self.n}, edges={self.num_edges}, fixed_mem={self.fixed_mem})"
+
+    # -- JSON ----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        nodes = []
+        for v in range(self.n):
+            a = int(self.alias_of[v])
+            nd = {"id": v, "name": self.names[v], "op": self.ops[v], "phase": self.phases[v],
+                  "cost": float(self.cost[v]), "mem": int(self.mem[v]), "deps": self.deps(v).tolist(),
+                  "alias_of": None if a < 0 else a}
+            if self.shapes[v]:
+                nd["shape"] = self.shapes[v]
+            nodes.append(nd)
+        return {"format": FORMAT, "version": VERSION, "name": self.name, "fixed_mem": self.fixed_mem,
+                "nodes": nodes}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Graph":
+        """Parse a bonsai-graph document (already JSON-decoded), naming the field of any defect."""
+        if not isinstance(data, dict):
+            raise GraphError("A bonsai-graph file holds one JSON object with 'format', 'version', 'name', "
+                             f"'fixed_mem' and 'nodes'; this one holds a {type(data).__name__}.")
+        if data.get("format") != FORMAT:
+            raise GraphError(f"'format' is {data.get('format')!r}, not {FORMAT!r}: this is not a bonsai-graph "
+                             "file (a schedule file? pass it as the schedule instead).")
+        if data.get("version") != VERSION:
+            raise GraphError(f"'version' is {data.get('version')!r}; this tool reads bonsai-graph version "
+                             f"{VERSION}. Re-trace the model with this version of bonsai.")
+        nodes = data.get("nodes")
+        if not isinstance(nodes, list) or not nodes:
+            raise GraphError("'nodes' must be a non-empty list of node objects.")
+        if len(nodes) > MAX_NODES:
+            raise GraphError(f"The graph has {len(nodes)} nodes; this tool handles at most {MAX_NODES}.")
+        fixed_mem = _int_field(data.get("fixed_mem"), "'fixed_mem'")
+        parsed = []
+        for i, nd in enumerate(nodes):
+            where = f"Node at position {i}"
+            if not isinstance(nd, dict):
+                raise GraphError(f"{where} is a {type(nd).__name__}, not an object with id, op, cost, mem, deps.")
+            if nd.get("id") != i or isinstance(nd.get("id"), bool):
+                raise GraphError(f"{where} has id {nd.get('id')!r}; ids must be 0, 1, 2, ... in listed order "
+                                 "(no duplicates, no gaps).")
+            where = f"Node {i}"
+            deps = nd.get("deps", [])
+            if not isinstance(deps, list):
+                raise GraphError(f"{where}: 'deps' must be a list of node ids, not {type(deps).__name__}.")
+            alias = nd.get("alias_of")
+            parsed.append({
+                "name": _str_field(nd.get("name", f"n{i}"), f"{where} 'name'"),
+                "op": _str_field(nd.get("op", ""), f"{where} 'op'"),
+                "phase": _str_field(nd.get("phase", "forward"), f"{where} 'phase'"),
+                "cost": _float_field(nd.get("cost"), f"{where} 'cost'"),
+                "mem": _int_field(nd.get("mem"), f"{where} 'mem'"),
+                "deps": [_int_field(d, f"{where} 'deps'") for d in deps],
+                "alias_of": None if alias is None else _int_field(alias, f"{where} 'alias_of'"),
+                "shape": str(nd.get("shape", "")),
+            })
+            if len(set(parsed[-1]["deps"])) != len(deps):
+                raise GraphError(f"{where} lists the same dependency twice in 'deps'.")
+            if alias is not None and not 0 <= parsed[-1]["alias_of"] < i:
+                raise GraphError(f"{where} has alias_of {alias}, which is not an earlier node.")
+        return cls.from_nodes(_str_field(data.get("name", "graph"), "'name'"), fixed_mem, parsed)
+
+
+def _int_field(x: Any, what: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x != int(x):
+        raise GraphError(f"{what} is {x!r}; it must be a whole number.")
+    return int(x)
+
+
+def _float_field(x: Any, what: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise GraphError(f"{what} is {x!r}; it must be a finite number.")
+    return float(x)
+
+
+def _str_field(x: Any, what: str) -> str:
+    if not isinstance(x, str):
+        raise GraphError(f"{what} is {x!r}; it must be a string.")
+    return x
+
+
+def parse_json_bytes(raw: bytes, what: str) -> Any:
+    """Decode a JSON document, turning every way it can be broken into one clear GraphError."""
+    if len(raw) > MAX_FILE_BYTES:
+        raise GraphError(f"The {what} is {len(raw) / 2**20:.0f} MiB; files over {MAX_FILE_BYTES // 2**20} MiB "
+                         "are refused.")
+    if not raw.strip():
+        raise GraphError(f"The {what} is empty.")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise GraphError(f"The {what} is not text (it is not UTF-8): expected a JSON file.") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        msg = getattr(e, "msg", "nesting too deep")
+        where = f" at line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise GraphError(f"The {what} is not valid JSON{where}: {msg}.") from None
+
+
+def read_json_file(path: str | os.PathLike, what: str) -> Any:
+    p = Path(path)
+    if not p.is_file():
+        raise GraphError(f"No such {what}: {str(p)!r}.")
+    if p.stat().st_size > MAX_FILE_BYTES:
+        raise GraphError(f"{str(p)!r} is {p.stat().st_size / 2**20:.0f} MiB; files over "
+                         f"{MAX_FILE_BYTES // 2**20} MiB are refused.")
+    return parse_json_bytes(p.read_bytes(), f"{what} {str(p)!r}")
+
+
+def load_graph(path: str | os.PathLike) -> Graph:
+    """Read and validate a bonsai-graph JSON file."""
+    return Graph.from_dict(read_json_file(path, "graph file"))
+
+
+def save_graph(graph: Graph, path: str | os.PathLike) -> None:
+    Path(path).write_text(json.dumps(graph.to_dict(), separators=(",", ":")) + "\n")

@@ -1,0 +1,109 @@
+"""Measure the memory a real training step uses, to hold the simulator's predictions to account.
+
+On CPU, :class:`LiveBytes` is a ``TorchDispatchMode`` that follows tensor storages: every storage an
+op creates is counted when it appears and uncounted when its last reference dies (a weakref
+finalizer on the storage). Views and in-place results share an input's storage and are not counted
+again. On CUDA, ``torch.cuda.max_memory_allocated`` is the measure.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of storages created by ops run inside it, while they are alive.
+
+    ``live`` is the current count and ``peak`` the largest it has been; storages that existed before
+    the mode (parameters, the batch) are not counted.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in inputs or key in self._sizes or st.device.type == "meta":
+                continue
+            self._sizes[key] = st.nbytes()
+            self.live += st.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(st, self._release, key)
+        return out
+
+    def _release(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """One real training step: its peak bytes (fixed memory included) and the loss it computed."""
+
+    peak: int
+    fixed: int
+    loss: float
+    device: str
+
+
+def measure_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
+                 step: Callable[[], torch.Tensor] | None = None) -> MeasuredStep:
+    """Run one forward + loss + backward of ``model`` and measure its peak memory.
+
+    Gradient buffers are allocated first (as in steady-state training, where ``.grad`` persists), so
+    the fixed memory is parameters + gradients + buffers + the batch, as in a traced graph's
+    ``fixed_mem``. ``step`` replaces the default ``loss_fn(model(*inputs)).backward()`` (for example
+    an exported, checkpointed model's step); it must return the loss.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    loss_buffers = list(loss_fn.buffers()) if isinstance(loss_fn, nn.Module) else []
+    fixed_tensors = [*model.parameters(), *(p.grad for p in params), *model.buffers(), *loss_buffers, *inputs]
+    fixed = storage_bytes(fixed_tensors)
+
+    def default_step() -> torch.Tensor:
+        loss = loss_fn(model(*inputs))
+        loss.backward()
+        return loss
+
+    run = step or default_step
+    device = inputs[0].device if inputs else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss = run()
+        torch.cuda.synchronize(device)
+        return MeasuredStep(int(torch.cuda.max_memory_allocated(device)), fixed, float(loss.detach()), "cuda")
+    tracker = LiveBytes()
+    with tracker:
+        loss = run()
+        loss_value = float(loss.detach())
+    return MeasuredStep(fixed + tracker.peak, fixed, loss_value, str(device))

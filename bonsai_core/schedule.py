@@ -1,0 +1,230 @@
+"""Schedules (ordered compute/free ops), their bonsai-schedule JSON format, and the simulator.
+
+The simulator is the single judge of every method. Its rules (DESIGN.md):
+
+1. ``compute v`` needs every dep of v resident (a view's base is one of its deps); computing a
+   resident node is an error. Afterwards v is resident.
+2. ``free v`` needs v resident and no resident view of v.
+3. Memory at a compute step is ``fixed_mem`` + the bytes of all resident nodes, the new one included;
+   ``peak`` is the largest such value.
+4. Every node is computed at least once.
+5. ``compute_cost`` is the sum of the computed nodes' costs; ``overhead`` is
+   ``compute_cost / graph.total_cost - 1``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import json
+
+import numpy as np
+
+from bonsai_core.errors import GraphError, ScheduleError
+from bonsai_core.graph import Graph, read_json_file
+
+FORMAT = "bonsai-schedule"
+VERSION = 1
+COMPUTE, FREE = "compute", "free"
+
+
+@dataclass
+class Schedule:
+    """An ordered list of ``("compute", v)`` / ``("free", v)`` ops for one graph.
+
+    ``stats`` holds what the method reports (peak, compute_cost, overhead, solve_seconds, variables,
+    status, gap, ...); ``extra`` holds method-specific structure (for example the checkpoint regions
+    of a segment schedule), kept in the JSON for the explorer and the exporter.
+    """
+
+    graph: str
+    method: str
+    ops: list[tuple[str, int]]
+    budget: int | None = None
+    graph_hash: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"format": FORMAT, "version": VERSION, "graph": self.graph, "graph_hash": self.graph_hash,
+             "method": self.method, "budget": self.budget, "ops": [[k, int(v)] for k, v in self.ops],
+             "stats": self.stats}
+        if self.extra:
+            d["extra"] = self.extra
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Schedule":
+        if not isinstance(data, dict):
+            raise ScheduleError("A bonsai-schedule file holds one JSON object with 'format', 'graph' and 'ops'.")
+        if data.get("format") != FORMAT:
+            raise ScheduleError(f"'format' is {data.get('format')!r}, not {FORMAT!r}: this is not a "
+                                "bonsai-schedule file (a graph file? pass it as the graph instead).")
+        if data.get("version") != VERSION:
+            raise ScheduleError(f"'version' is {data.get('version')!r}; this tool reads bonsai-schedule "
+                                f"version {VERSION}.")
+        raw_ops = data.get("ops")
+        if not isinstance(raw_ops, list):
+            raise ScheduleError("'ops' must be a list of [\"compute\" | \"free\", node id] pairs.")
+        ops = []
+        for i, op in enumerate(raw_ops):
+            if (not isinstance(op, list) or len(op) != 2 or op[0] not in (COMPUTE, FREE)
+                    or isinstance(op[1], bool) or not isinstance(op[1], int)):
+                raise ScheduleError(f"Op {i} is {op!r}; each op is [\"compute\", id] or [\"free\", id].")
+            ops.append((op[0], op[1]))
+        budget = data.get("budget")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not np.isfinite(budget) or budget < 0):
+            raise ScheduleError(f"'budget' is {budget!r}; it must be a byte count or null.")
+        stats, extra = data.get("stats", {}), data.get("extra", {})
+        if not isinstance(stats, dict) or not isinstance(extra, dict):
+            raise ScheduleError("'stats' and 'extra' must be JSON objects.")
+        gh = data.get("graph_hash")
+        return cls(graph=str(data.get("graph", "")), method=str(data.get("method", "")), ops=ops,
+                   budget=None if budget is None else int(budget), graph_hash=None if gh is None else str(gh),
+                   stats=stats, extra=extra)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What the simulator measured of a valid schedule.
+
+    ``timeline[i]`` is the memory (bytes, fixed_mem included) right after op i; at a compute op it is
+    the step's memory of rule 3, so ``peak == timeline.max()``.
+    """
+
+    peak: int
+    peak_op: int
+    compute_cost: float
+    overhead: float
+    computes: int
+    recomputes: int
+    timeline: np.ndarray
+
+    def feasible(self, budget: int | None) -> bool:
+        return budget is None or self.peak <= budget
+
+    def stats(self) -> dict[str, Any]:
+        return {"peak": self.peak, "compute_cost": self.compute_cost, "overhead": self.overhead,
+                "recomputes": self.recomputes}
+
+
+def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> SimResult:
+    """Replay a schedule on a graph under the rules above; raise ScheduleError at the first broken
+    rule, naming the op and the node. O(len(ops) + edges)."""
+    ops = schedule.ops if isinstance(schedule, Schedule) else schedule
+    if isinstance(schedule, Schedule) and schedule.graph_hash and schedule.graph_hash != graph.hash:
+        raise ScheduleError(
+            f"This schedule was made for graph {schedule.graph!r} (hash {schedule.graph_hash}), not for "
+            f"{graph.name!r} (hash {graph.hash}): solve again for this graph.")
+    n = graph.n
+    deps = [graph.deps(v).tolist() for v in range(n)]
+    alias = graph.alias_of.tolist()
+    mem = graph.mem.tolist()
+    cost = graph.cost.tolist()
+    resident = [False] * n
+    computed = [0] * n
+    live_views = [0] * n  # resident views of each node
+    live = graph.fixed_mem
+    peak, peak_op = live, -1
+    computed_costs: list[float] = []
+    timeline = np.empty(len(ops), dtype=np.int64)
+    for i, (kind, v) in enumerate(ops):
+        if not (isinstance(v, (int, np.integer)) and 0 <= v < n):
+            raise ScheduleError(f"Op {i} ({kind} {v!r}) names no node of graph {graph.name!r} "
+                                f"(ids are 0..{n - 1}): is this schedule for another graph?")
+        if kind == COMPUTE:
+            if resident[v]:
+                raise ScheduleError(f"Op {i} computes node {v} ({graph.names[v]!r}), which is already resident.")
+            for d in deps[v]:
+                if not resident[d]:
+                    raise ScheduleError(f"Op {i} computes node {v} ({graph.names[v]!r}) but its input "
+                                        f"{d} ({graph.names[d]!r}) is not resident.")
+            resident[v] = True
+            computed[v] += 1
+            if alias[v] >= 0:
+                live_views[alias[v]] += 1
+            live += mem[v]
+            computed_costs.append(cost[v])
+            if live > peak:
+                peak, peak_op = live, i
+        elif kind == FREE:
+            if not resident[v]:
+                raise ScheduleError(f"Op {i} frees node {v} ({graph.names[v]!r}), which is not resident.")
+            if live_views[v]:
+                raise ScheduleError(f"Op {i} frees node {v} ({graph.names[v]!r}) while {live_views[v]} view(s) "
+                                    "of it are resident: free the views first.")
+            resident[v] = False
+            if alias[v] >= 0:
+                live_views[alias[v]] -= 1
+            live -= mem[v]
+        else:
+            raise ScheduleError(f"Op {i} has kind {kind!r}; use 'compute' or 'free'.")
+        timeline[i] = live
+    never = [v for v in range(n) if not computed[v]]
+    if never:
+        v = never[0]
+        raise ScheduleError(f"The schedule never computes node {v} ({graph.names[v]!r})"
+                            + (f" and {len(never) - 1} other node(s)" if len(never) > 1 else "")
+                            + ": every node must be computed at least once.")
+    base, total = graph.total_cost, math.fsum(computed_costs)
+    return SimResult(peak=int(peak), peak_op=peak_op, compute_cost=total,
+                     overhead=(total / base - 1.0) if base > 0 else 0.0,
+                     computes=len([1 for k, _ in ops if k == COMPUTE]), recomputes=int(sum(computed) - n),
+                     timeline=timeline)
+
+
+def release_order(graph: Graph, order: Iterable[int]) -> list[tuple[str, int]]:
+    """Compute the nodes in ``order`` (each once), freeing every node right after its last use.
+
+    A node's last use is its last consumer in ``order``, or, for a base, the release of its last
+    view (a resident view keeps its base alive); an output nobody reads is freed right after it is
+    computed. Views are freed before their bases.
+    """
+    order = list(order)
+    pos = np.full(graph.n, -1, dtype=np.int64)
+    pos[order] = np.arange(len(order))
+    release = pos.copy()
+    for v in order:
+        for d in graph.deps(v):
+            release[d] = max(release[d], pos[v])
+    for v in sorted(order, key=lambda u: -pos[u]):  # views come after their bases
+        a = graph.alias_of[v]
+        if a >= 0:
+            release[a] = max(release[a], release[v])
+    frees_at: dict[int, list[int]] = {}
+    for v in order:
+        frees_at.setdefault(int(release[v]), []).append(v)
+    ops: list[tuple[str, int]] = []
+    for t, v in enumerate(order):
+        ops.append((COMPUTE, v))
+        for u in sorted(frees_at.get(t, ()), key=lambda u: -pos[u]):
+            ops.append((FREE, u))
+    return ops
+
+
+def none_schedule(graph: Graph) -> Schedule:
+    """No rematerialization: every node once, in listed order, freed after its last use."""
+    return Schedule(graph=graph.name, method="none", ops=release_order(graph, range(graph.n)),
+                    graph_hash=graph.hash)
+
+
+def no_remat_peak(graph: Graph) -> int:
+    """The peak of the plain schedule: the reference a ``60%`` budget is a share of."""
+    return simulate(graph, none_schedule(graph)).peak
+
+
+def load_schedule(path: str | os.PathLike) -> Schedule:
+    try:
+        data = read_json_file(path, "schedule file")
+    except GraphError as e:  # the same reader, but the user should hear "schedule"
+        raise ScheduleError(str(e)) from None
+    return Schedule.from_dict(data)
+
+
+def save_schedule(schedule: Schedule, path: str | os.PathLike) -> None:
+    Path(path).write_text(json.dumps(schedule.to_dict(), separators=(",", ":")) + "\n")

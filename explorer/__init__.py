@@ -1,0 +1,1 @@
+"""The Streamlit explorer: entry script, shared state, cached calls and plot helpers."""

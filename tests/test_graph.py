@@ -1,0 +1,75 @@
+import json
+
+import pytest
+
+from bonsai_core.errors import GraphError
+from bonsai_core.graph import Graph, load_graph, save_graph
+
+from tests.graphs import chain
+
+
+def test_derived_properties_of_a_chain():
+    g = chain(3)
+    assert g.n == 6 and g.num_edges == 2 + 3 + 2
+    assert g.outputs.tolist() == [5]
+    assert g.users(0).tolist() == [1, 5]
+    assert g.is_forward.tolist() == [True] * 3 + [False] * 3
+    # the largest step: b0 reads f0 and b1 -> three tensors of 10 bytes
+    assert g.peak_lower_bound == 30
+
+
+def test_json_round_trip_preserves_everything(tmp_path):
+    g = chain(4, fixed_mem=7)
+    path = tmp_path / "g.json"
+    save_graph(g, path)
+    h = load_graph(path)
+    assert h.to_dict() == g.to_dict() and h.hash == g.hash
+
+
+def _doc(**node_overrides):
+    nodes = [{"id": 0, "name": "a", "op": "x", "phase": "forward", "cost": 1.0, "mem": 4, "deps": [], "alias_of": None},
+             {"id": 1, "name": "b", "op": "x", "phase": "forward", "cost": 1.0, "mem": 4, "deps": [0], "alias_of": None}]
+    nodes[1].update(node_overrides)
+    return {"format": "bonsai-graph", "version": 1, "name": "t", "fixed_mem": 0, "nodes": nodes}
+
+
+@pytest.mark.parametrize("override, words", [
+    ({"deps": [1]}, "not an earlier node"),
+    ({"deps": [5]}, "not an earlier node"),
+    ({"deps": [-1]}, "not an earlier node"),
+    ({"deps": [0, 0]}, "same dependency twice"),
+    ({"mem": -3}, "mem"),
+    ({"mem": "big"}, "'mem'"),
+    ({"cost": float("nan")}, "'cost'"),
+    ({"cost": 0}, "cost 0"),
+    ({"alias_of": 0, "mem": 4}, "must be 0"),
+    ({"alias_of": 0, "mem": 0, "deps": []}, "must be one of its deps"),
+    ({"alias_of": 7}, "alias_of"),
+    ({"id": 0}, "ids must be 0, 1, 2"),
+    ({"phase": "sideways"}, "phase"),
+])
+def test_each_defect_names_the_node_and_the_problem(override, words):
+    with pytest.raises(GraphError, match=words) as info:
+        Graph.from_dict(_doc(**override))
+    assert "1" in str(info.value)
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"", "empty"),
+    (b"\x89PNG\r\n\x1a\n\x00\xff", "not text"),
+    (b"{\"format\": ", "not valid JSON"),
+    (b"[1, 2]", "one JSON object"),
+    (json.dumps({"format": "bonsai-schedule"}).encode(), "not a bonsai-graph"),
+    (json.dumps({"format": "bonsai-graph", "version": 9}).encode(), "version"),
+    (json.dumps({"format": "bonsai-graph", "version": 1, "nodes": []}).encode(), "non-empty"),
+])
+def test_broken_files_get_a_clear_error(tmp_path, content, words):
+    path = tmp_path / "g.json"
+    path.write_bytes(content)
+    with pytest.raises(GraphError, match=words):
+        load_graph(path)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(GraphError, match="No such graph file"):
+        load_graph(tmp_path / "nope.json")
