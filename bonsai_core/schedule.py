@@ -178,38 +178,55 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
                      timeline=timeline)
 
 
-def release_order(graph: Graph, order: Iterable[int]) -> list[tuple[str, int]]:
-    """Compute the nodes in ``order`` (each once), freeing every node right after its last use.
+def schedule_ops(graph: Graph, sequence: Iterable[int]) -> list[tuple[str, int]]:
+    """Turn a compute sequence (node ids, repeats meaning recomputation) into compute/free ops that
+    free every copy of a node right after its last use, the least memory that sequence allows.
 
-    A node's last use is its last consumer in ``order``, or, for a base, the release of its last
-    view (a resident view keeps its base alive); an output nobody reads is freed right after it is
-    computed. Views are freed before their bases.
+    Each read binds to the node's latest copy; a copy is freed after its last reader, or right after
+    it is computed if nobody reads it (an output's buffer is part of ``fixed_mem``). A resident view
+    keeps its base's copy alive, and views are freed before their bases. O(len(sequence) + edges).
+
+    Raises ScheduleError if the sequence reads a node before computing it, or recomputes a node
+    whose previous copy is still needed (by a reader or by a live view).
     """
-    order = list(order)
-    pos = np.full(graph.n, -1, dtype=np.int64)
-    pos[order] = np.arange(len(order))
-    release = pos.copy()
-    for v in order:
-        for d in graph.deps(v):
-            release[d] = max(release[d], pos[v])
-    for v in sorted(order, key=lambda u: -pos[u]):  # views come after their bases
-        a = graph.alias_of[v]
+    seq = [int(v) for v in sequence]
+    latest = [-1] * graph.n  # position of each node's current copy
+    release = list(range(len(seq)))  # position after which each copy is freed
+    base_copy = [-1] * len(seq)  # for a view's copy: its base's copy
+    for p, v in enumerate(seq):
+        for d in graph.deps(v).tolist():
+            if latest[d] < 0:
+                raise ScheduleError(f"The sequence computes node {v} ({graph.names[v]!r}) at step {p} before "
+                                    f"its input {d} ({graph.names[d]!r}).")
+            release[latest[d]] = p
+        a = int(graph.alias_of[v])
         if a >= 0:
-            release[a] = max(release[a], release[v])
+            base_copy[p] = latest[a]
+        latest[v] = p
+    for p in reversed(range(len(seq))):  # views come after their bases
+        if base_copy[p] >= 0:
+            release[base_copy[p]] = max(release[base_copy[p]], release[p])
+    last_copy: dict[int, int] = {}
+    for p, v in enumerate(seq):
+        prev = last_copy.get(v)
+        if prev is not None and release[prev] >= p:
+            raise ScheduleError(f"The sequence recomputes node {v} ({graph.names[v]!r}) at step {p} while its "
+                                "previous copy is still needed.")
+        last_copy[v] = p
     frees_at: dict[int, list[int]] = {}
-    for v in order:
-        frees_at.setdefault(int(release[v]), []).append(v)
+    for p in range(len(seq)):
+        frees_at.setdefault(release[p], []).append(p)
     ops: list[tuple[str, int]] = []
-    for t, v in enumerate(order):
+    for p, v in enumerate(seq):
         ops.append((COMPUTE, v))
-        for u in sorted(frees_at.get(t, ()), key=lambda u: -pos[u]):
-            ops.append((FREE, u))
+        for q in sorted(frees_at.get(p, ()), reverse=True):  # later copies (views) first
+            ops.append((FREE, seq[q]))
     return ops
 
 
 def none_schedule(graph: Graph) -> Schedule:
     """No rematerialization: every node once, in listed order, freed after its last use."""
-    return Schedule(graph=graph.name, method="none", ops=release_order(graph, range(graph.n)),
+    return Schedule(graph=graph.name, method="none", ops=schedule_ops(graph, range(graph.n)),
                     graph_hash=graph.hash)
 
 

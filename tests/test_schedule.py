@@ -2,7 +2,7 @@ import pytest
 
 from bonsai_core.errors import ScheduleError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import (Schedule, load_schedule, no_remat_peak, none_schedule, release_order,
+from bonsai_core.schedule import (Schedule, load_schedule, no_remat_peak, none_schedule, schedule_ops,
                                   save_schedule, simulate)
 
 from tests.graphs import chain
@@ -50,7 +50,7 @@ def test_a_view_keeps_its_base_alive():
     g = _view_graph()
     with pytest.raises(ScheduleError, match="view"):
         simulate(g, [("compute", 0), ("compute", 1), ("free", 0)])
-    ops = release_order(g, range(3))
+    ops = schedule_ops(g, range(3))
     assert ops.index(("free", 1)) < ops.index(("free", 0))
     assert simulate(g, ops).peak == 12
 
@@ -85,3 +85,18 @@ def test_bad_schedule_documents(doc, words):
 
 def test_no_remat_peak_is_the_none_peak(chain4):
     assert no_remat_peak(chain4) == simulate(chain4, none_schedule(chain4)).peak
+
+
+def test_schedule_ops_frees_a_copy_before_its_recomputation():
+    g = chain(2)  # f0 f1 b1 b0
+    ops = schedule_ops(g, [0, 1, 2, 0, 3])
+    assert ops == [("compute", 0), ("compute", 1), ("free", 0), ("compute", 2), ("free", 1),
+                   ("compute", 0), ("compute", 3), ("free", 3), ("free", 0), ("free", 2)]
+    assert simulate(g, ops).recomputes == 1
+
+
+def test_schedule_ops_rejects_impossible_sequences():
+    with pytest.raises(ScheduleError, match="before its input"):
+        schedule_ops(chain(2), [1, 0, 2, 3])
+    with pytest.raises(ScheduleError, match="still needed"):  # the live view pins the base's first copy
+        schedule_ops(_view_graph(), [0, 1, 0, 2])

@@ -1,0 +1,123 @@
+"""Checkpoint regions: the schedule space of Bonsai's segment ILP and of Chen's √n checkpointing.
+
+A :class:`CheckpointPlan` splits the forward pass into disjoint segments and marks some of them
+recomputed. Its schedule, the one every method of this family returns and the exporter maps onto
+``torch.utils.checkpoint``, is:
+
+* the forward pass runs once, in listed order;
+* a recomputed segment keeps only its *boundary*, the nodes read by forward nodes outside it (its
+  outputs, which are the next segments' inputs; and the base of any kept view). Its other nodes
+  are freed after their last forward use;
+* right before the first backward node that reads a dropped node of the segment, the segment is
+  rebuilt once from its inputs: the dropped nodes the backward pass reads, and what they need.
+
+The schedule stores the plan in ``Schedule.extra`` as ``{"segments": [[ids...], ...],
+"recomputed": [segment index, ...]}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from bonsai_core.errors import ScheduleError
+from bonsai_core.graph import Graph
+from bonsai_core.schedule import Schedule, schedule_ops
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Disjoint segments of forward node ids covering the forward pass, and which are recomputed."""
+
+    segments: tuple[tuple[int, ...], ...]
+    recomputed: frozenset[int]
+
+    @classmethod
+    def of(cls, segments: Sequence[Sequence[int]], recomputed: Sequence[int] = ()) -> "CheckpointPlan":
+        return cls(tuple(tuple(sorted(int(v) for v in s)) for s in segments), frozenset(int(i) for i in recomputed))
+
+    def to_extra(self) -> dict[str, Any]:
+        return {"segments": [list(s) for s in self.segments], "recomputed": sorted(self.recomputed)}
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> "CheckpointPlan":
+        if "segments" not in extra:
+            raise ScheduleError("This schedule holds no checkpoint regions ('extra.segments'); it is a general "
+                                "schedule, not a bonsai/chen checkpoint plan.")
+        return cls.of(extra["segments"], extra.get("recomputed", ()))
+
+
+def segment_of(graph: Graph, plan: CheckpointPlan) -> np.ndarray:
+    """int64[n]: each forward node's segment index (-1 for backward nodes). Checks the cover."""
+    seg = np.full(graph.n, -1, dtype=np.int64)
+    for i, members in enumerate(plan.segments):
+        for v in members:
+            if not (0 <= v < graph.n and graph.is_forward[v]):
+                raise ScheduleError(f"Segment {i} names node {v}, which is not a forward node of {graph.name!r}.")
+            if seg[v] >= 0:
+                raise ScheduleError(f"Node {v} ({graph.names[v]!r}) is in segments {seg[v]} and {i}; segments "
+                                    "must be disjoint.")
+            seg[v] = i
+    missing = np.flatnonzero(graph.is_forward & (seg < 0))
+    if len(missing):
+        raise ScheduleError(f"Forward node {missing[0]} ({graph.names[missing[0]]!r}) is in no segment; the "
+                            "segments must cover the forward pass.")
+    bad = [i for i in plan.recomputed if not 0 <= i < len(plan.segments)]
+    if bad:
+        raise ScheduleError(f"Recomputed segment {bad[0]} does not exist (there are {len(plan.segments)}).")
+    return seg
+
+
+def dropped_nodes(graph: Graph, plan: CheckpointPlan) -> np.ndarray:
+    """bool[n]: nodes of recomputed segments that are not kept after the forward pass."""
+    seg = segment_of(graph, plan)
+    in_recomputed = np.isin(seg, list(plan.recomputed)) if plan.recomputed else np.zeros(graph.n, dtype=bool)
+    dropped = in_recomputed.copy()
+    for v in np.flatnonzero(in_recomputed):
+        if any(graph.is_forward[u] and seg[u] != seg[v] for u in graph.users(v)):
+            dropped[v] = False  # a boundary: later segments read it
+    for v in reversed(range(graph.n)):  # a kept view keeps its base
+        a = graph.alias_of[v]
+        if a >= 0 and graph.is_forward[v] and not dropped[v]:
+            dropped[a] = False
+    return dropped
+
+
+def checkpoint_sequence(graph: Graph, plan: CheckpointPlan) -> list[int]:
+    """The compute sequence of a plan: forward once, each recomputed segment rebuilt right before
+    the first backward node that reads one of its dropped nodes. O(n + edges)."""
+    seg = segment_of(graph, plan)
+    dropped = dropped_nodes(graph, plan)
+    order = list(range(graph.n))
+    seq = [v for v in order if graph.is_forward[v]]
+    rebuilt: set[int] = set()
+    for b in order:
+        if graph.is_forward[b]:
+            continue
+        for d in graph.deps(b).tolist():
+            if dropped[d] and seg[d] not in rebuilt:
+                rebuilt.add(int(seg[d]))
+                seq.extend(_rebuild(graph, plan.segments[seg[d]], dropped))
+        seq.append(b)
+    return seq
+
+
+def _rebuild(graph: Graph, members: Sequence[int], dropped: np.ndarray) -> list[int]:
+    """The dropped nodes of one segment that the backward pass reads, with their dropped ancestors
+    in the segment, in topological order."""
+    need: set[int] = set()
+    stack = [v for v in members if dropped[v] and any(not graph.is_forward[u] for u in graph.users(v))]
+    while stack:
+        v = stack.pop()
+        if v not in need:
+            need.add(v)
+            stack.extend(d for d in graph.deps(v).tolist() if dropped[d])
+    return sorted(need)
+
+
+def plan_schedule(graph: Graph, plan: CheckpointPlan, method: str) -> Schedule:
+    """The validated-by-construction schedule of a plan, carrying the plan in ``extra``."""
+    ops = schedule_ops(graph, checkpoint_sequence(graph, plan))
+    return Schedule(graph=graph.name, method=method, ops=ops, graph_hash=graph.hash, extra=plan.to_extra())

@@ -1,0 +1,89 @@
+"""Solving CVXPY mixed-integer programs on HiGHS or SCIP, with one way of reporting the outcome.
+
+Both MILP methods (``checkmate``, ``bonsai``) build a ``cp.Problem`` from sparse matrices with the
+budget as a ``cp.Parameter`` and hand it here. :func:`solve_milp` applies the time limit in each
+backend's own terms, and turns what each backend says (HiGHS' ``user_limit``, SCIP's
+``optimal_inaccurate`` on a time-out, SCIP's ``SolverError`` with no incumbent) into one
+:class:`MilpOutcome`: ``optimal``, ``feasible`` (with its gap), or ``infeasible``; a run with no
+solution at all raises SolverError with what to do.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bonsai_core.errors import SolverError
+
+BACKENDS = ("highs", "scip")
+DEFAULT_BACKEND = "highs"
+
+
+@dataclass(frozen=True)
+class MilpOutcome:
+    status: str  # "optimal" | "feasible" | "infeasible"
+    objective: float | None
+    gap: float | None  # relative MIP gap; 0 when optimal, None when the backend could not say
+    solve_seconds: float
+    variables: int
+    constraints: int
+
+    def stats(self) -> dict[str, Any]:
+        return {"status": self.status, "gap": self.gap, "solve_seconds": self.solve_seconds,
+                "variables": self.variables, "constraints": self.constraints, "objective": self.objective}
+
+
+def problem_size(problem: Any) -> tuple[int, int]:
+    """(scalar decision variables, scalar constraints) of a CVXPY problem."""
+    m = problem.size_metrics
+    return int(m.num_scalar_variables), int(m.num_scalar_eq_constr + m.num_scalar_leq_constr)
+
+
+def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float | None = None,
+               verbose: bool = False) -> MilpOutcome:
+    """Solve ``problem`` (a CVXPY MILP) on ``backend`` within ``time_limit`` seconds."""
+    import cvxpy as cp
+
+    if backend not in BACKENDS:
+        raise SolverError(f"Unknown MILP backend {backend!r}; choose one of: {', '.join(BACKENDS)}.")
+    if backend not in cp.installed_solvers() and backend.upper() not in cp.installed_solvers():
+        package = {"highs": "highspy", "scip": "pyscipopt"}[backend]
+        raise SolverError(f"The {backend} backend is not installed: pip install {package}.")
+    options: dict[str, Any] = {}
+    if time_limit is not None:
+        options = {"time_limit": float(time_limit)} if backend == "highs" else {
+            "scip_params": {"limits/time": float(time_limit)}}
+    variables, constraints = problem_size(problem)
+    start = time.perf_counter()
+    try:
+        problem.solve(solver=backend.upper(), verbose=verbose, **options)
+    except cp.error.SolverError as e:
+        limit = f" within the time limit of {time_limit:g} s" if time_limit else ""
+        raise SolverError(f"The {backend} backend found no solution{limit} ({e}). Raise --time-limit, raise "
+                          "the budget, or try the other backend.") from None
+    except Exception as e:  # a backend crash must not surface as a traceback
+        raise SolverError(f"The {backend} backend failed: {type(e).__name__}: {e}") from None
+    seconds = time.perf_counter() - start
+    status = problem.status
+    if status in ("infeasible", "infeasible_inaccurate"):
+        return MilpOutcome("infeasible", None, None, seconds, variables, constraints)
+    has_solution = all(v.value is not None for v in problem.variables())
+    if not has_solution:
+        limit = f" within the time limit of {time_limit:g} s" if time_limit else ""
+        raise SolverError(f"The {backend} backend stopped with status {status!r} and no solution{limit}. "
+                          "Raise --time-limit or the budget, or try the other backend.")
+    gap = _gap(problem, backend)
+    if status == "optimal" and (gap is None or gap <= 1e-4):
+        return MilpOutcome("optimal", float(problem.value), 0.0, seconds, variables, constraints)
+    return MilpOutcome("feasible", float(problem.value), gap, seconds, variables, constraints)
+
+
+def _gap(problem: Any, backend: str) -> float | None:
+    extra = problem.solver_stats.extra_stats
+    try:
+        gap = extra.mip_gap if backend == "highs" else extra["model"].getGap()
+    except (AttributeError, KeyError, TypeError):
+        return None
+    return float(gap) if gap is not None and math.isfinite(gap) else None

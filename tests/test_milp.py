@@ -1,0 +1,35 @@
+import cvxpy as cp
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from bonsai_core.errors import SolverError
+from bonsai_core.solvers.milp import solve_milp
+
+
+def _knapsack(capacity: float):
+    weights = sp.csr_matrix(np.array([[3.0, 4.0, 5.0, 6.0]]))
+    x = cp.Variable(4, boolean=True)
+    cap = cp.Parameter(value=capacity)
+    return cp.Problem(cp.Maximize(np.array([4.0, 5.0, 6.0, 7.0]) @ x), [weights @ x <= cap]), cap
+
+
+@pytest.mark.parametrize("backend", ["highs", "scip"])
+def test_both_backends_reach_the_optimum_and_report_size(backend):
+    problem, _ = _knapsack(10.0)
+    out = solve_milp(problem, backend=backend, time_limit=10)
+    assert out.status == "optimal" and out.objective == pytest.approx(12.0) and out.gap == 0.0
+    assert out.variables == 4 and out.constraints >= 1
+
+
+@pytest.mark.parametrize("backend", ["highs", "scip"])
+def test_infeasible_is_a_status_not_an_exception(backend):
+    problem, cap = _knapsack(10.0)
+    cap.value = -1.0
+    assert solve_milp(problem, backend=backend).status == "infeasible"
+
+
+def test_unknown_backend_is_a_clear_error():
+    problem, _ = _knapsack(10.0)
+    with pytest.raises(SolverError, match="highs, scip"):
+        solve_milp(problem, backend="gurobi")
