@@ -22,6 +22,8 @@ from bonsai_core.budget import format_bytes
 # name -> (module, function, one-line description)
 METHODS: dict[str, tuple[str, str, str]] = {
     "none": ("bonsai_core.solvers.baseline", "solve_none", "no rematerialization (the baseline peak)"),
+    "checkmate": ("bonsai_core.solvers.checkmate", "solve_checkmate", "Checkmate's op-level MILP (optimal in its stage model; up to 400 nodes)"),
+    "moccasin": ("bonsai_core.solvers.moccasin", "solve_moccasin", "Moccasin's retention-interval CP model on CP-SAT (option copies, default 2)"),
 }
 
 

@@ -69,7 +69,7 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
     status = problem.status
     if status in ("infeasible", "infeasible_inaccurate"):
         return MilpOutcome("infeasible", None, None, seconds, variables, constraints)
-    has_solution = all(v.value is not None for v in problem.variables())
+    has_solution = all(v.value is not None for v in problem.variables()) and _backend_has_solution(problem, backend)
     if not has_solution:
         limit = f" within the time limit of {time_limit:g} s" if time_limit else ""
         raise SolverError(f"The {backend} backend stopped with status {status!r} and no solution{limit}. "
@@ -78,6 +78,15 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
     if status == "optimal" and (gap is None or gap <= 1e-4):
         return MilpOutcome("optimal", float(problem.value), 0.0, seconds, variables, constraints)
     return MilpOutcome("feasible", float(problem.value), gap, seconds, variables, constraints)
+
+
+def _backend_has_solution(problem: Any, backend: str) -> bool:
+    """HiGHS stopped by its time limit before any incumbent still hands CVXPY a vector (not a
+    solution): its primal solution status says so (0 = none, 2 = feasible)."""
+    if backend != "highs":
+        return True
+    status = getattr(problem.solver_stats.extra_stats, "primal_solution_status", None)
+    return status is None or int(status) == 2
 
 
 def _gap(problem: Any, backend: str) -> float | None:

@@ -1,0 +1,179 @@
+"""The ``moccasin`` method: Moccasin's retention-interval CP model (Bartan et al., ICML 2023), CP-SAT.
+
+Time is Checkmate's stage grid laid out as one axis (Moccasin's ``use_stage`` model): event
+``(t, o) -> t(t+1)/2 + o`` for ``o <= t`` is "node o may be computed in stage t", so stage t runs the
+events of nodes 0..t in listed order and ends with node t's first computation. Each node v has up to
+C copies (option ``copies``); copy c is an optional interval ``[start, end)`` over that axis: it is
+computed at ``start`` (an event of node v) and stays resident until ``end``.
+
+* copy 0 is present and starts at event (v, v), v's first computation; copy c > 0 is present only if
+  copy c-1 is, and starts at or after copy c-1's end (at most one copy of a node is resident);
+* memory: ``AddCumulative`` of every copy's interval with demand ``mem_v`` under
+  ``budget - fixed_mem`` (bytes divided by their gcd, which keeps it exact);
+* precedence, one reservoir per (edge u -> v, copy j of v): some copy of u is resident at the event
+  copy j of v is computed (``start_u < start_v < end_u``), Moccasin's ``reservoir_option=2``;
+* a view: one reservoir per view keeps some single copy of its base resident over each whole
+  interval of the view (a resident view keeps its base resident);
+* objective: the total compute cost (costs scaled to integers), minimised.
+
+Integer variables: start, size, end and presence per copy, O(C * n); reservoirs: O(C * edges).
+The solution, read as (start, node) pairs in time order, is a compute sequence that
+:func:`bonsai_core.schedule.schedule_ops` turns into ops freeing each copy right after its last use:
+its simulated peak is never above the CP's memory, and its cost is the CP's objective (up to the
+integer scaling of costs).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from bonsai_core.errors import BudgetError, SolverError
+from bonsai_core.graph import Graph
+from bonsai_core.schedule import Schedule, no_remat_peak, schedule_ops
+from bonsai_core.solvers.checkmate import check_size, effective_users, infeasible_message
+
+# Moccasin has O(n) variables but O(n^2) time points and one reservoir per edge and copy; beyond this
+# CP-SAT rarely finds a first solution in minutes on two cores. Use ``bonsai`` above it.
+MAX_NODES = 1500
+DEFAULT_COPIES = 2
+# Costs become integers in units of total_cost / _COST_STEPS: a relative resolution of 1e-7.
+_COST_STEPS = 10**7
+
+
+def _event(t: int, o: int) -> int:
+    """The time of "node o in stage t" (o <= t) on the CP's axis."""
+    return t * (t + 1) // 2 + o
+
+
+def _integer_costs(graph: Graph) -> tuple[list[int], float]:
+    """Costs as integers (views stay 0, every other node at least 1) and the seconds per unit."""
+    unit = graph.total_cost / _COST_STEPS if graph.total_cost > 0 else 1.0
+    return [0 if c <= 0 else max(1, round(c / unit)) for c in graph.cost.tolist()], unit
+
+
+def _no_remat_ends(graph: Graph, users: list[np.ndarray]) -> list[int]:
+    """End of each node's single interval in the plain schedule (the hint): one past the event of
+    its last effective user's first computation, or its own."""
+    return [_event(int(us[-1]), int(us[-1])) + 1 if len(us) else _event(v, v) + 1 for v, us in enumerate(users)]
+
+
+def solve_moccasin(graph: Graph, budget: int | None, *, time_limit: float | None = None,
+                   copies: int = DEFAULT_COPIES, num_workers: int = 2, max_nodes: int = MAX_NODES,
+                   **_: object) -> Schedule:
+    """Moccasin's schedule under ``budget`` bytes with at most ``copies`` computations per node.
+
+    Raises SolverError for a graph above ``max_nodes`` nodes, a bad option, or no solution within
+    ``time_limit`` seconds, and BudgetError when the model is proven infeasible at this budget.
+    Stats: status (optimal / feasible), gap (relative, from CP-SAT's objective bound), variables,
+    constraints, build_seconds, solve_seconds, objective (total compute cost, seconds)."""
+    from ortools.sat.python import cp_model
+
+    check_size(graph, "moccasin", max_nodes)
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise SolverError(f"moccasin's option copies is {copies!r}; it is the number of computations allowed "
+                          "per node, a whole number >= 1 (default 2).")
+    start_clock = time.perf_counter()
+    n, c_max = graph.n, copies
+    horizon = _event(n - 1, n - 1) + 1
+    users = effective_users(graph)
+    cost, unit = _integer_costs(graph)
+    mems = graph.mem.tolist()
+    capacity_bytes = (budget if budget is not None else graph.fixed_mem + sum(mems)) - graph.fixed_mem
+    if capacity_bytes < 0:
+        raise BudgetError(infeasible_message(graph, capacity_bytes + graph.fixed_mem, "moccasin",
+                                             no_remat_peak(graph)))
+    scale = math.gcd(*[m for m in mems if m > 0]) or 1
+    capacity = capacity_bytes // scale  # exact: memory is a multiple of scale
+
+    model = cp_model.CpModel()
+    start: list[list[Any]] = []
+    end: list[list[Any]] = []
+    present: list[list[Any]] = []
+    intervals: list[list[Any]] = []
+    for v in range(n):
+        first = _event(v, v)
+        later = [_event(t, v) for t in range(v + 1, n)]
+        s_v, e_v, p_v, i_v = [], [], [], []
+        for c in range(c_max if later else 1):
+            if c == 0:
+                s = model.new_constant(first)
+                p = model.new_constant(1)
+            else:
+                s = model.new_int_var_from_domain(cp_model.Domain.from_values(later), f"s{v}_{c}")
+                p = model.new_bool_var(f"p{v}_{c}")
+                model.add_implication(p, p_v[-1])
+                model.add(s >= e_v[-1]).only_enforce_if(p)
+            e = model.new_int_var(first + 1, horizon, f"e{v}_{c}")
+            size = model.new_int_var(1, horizon, f"d{v}_{c}")
+            i_v.append(model.new_optional_interval_var(s, size, e, p, f"i{v}_{c}"))
+            s_v.append(s), e_v.append(e), p_v.append(p)
+        start.append(s_v), end.append(e_v), present.append(p_v), intervals.append(i_v)
+
+    heavy = [v for v in range(n) if mems[v] > 0]
+    model.add_cumulative([iv for v in heavy for iv in intervals[v]],
+                         [mems[v] // scale for v in heavy for _ in intervals[v]], capacity)
+
+    alias = graph.alias_of.tolist()
+    for v in range(n):
+        for u in graph.deps(v).tolist():
+            if u == alias[v]:
+                continue  # the view's own reservoir below covers its base
+            held = [x for i in range(len(start[u])) for x in (start[u][i] + 1, end[u][i])]
+            held_p = [x for i in range(len(start[u])) for x in (present[u][i], present[u][i])]
+            for j in range(len(start[v])):  # some copy of u is resident when copy j of v is computed
+                model.add_reservoir_constraint_with_active(
+                    held + [start[v][j], start[v][j] + 1], [1, -1] * len(start[u]) + [-1, 1],
+                    held_p + [present[v][j], present[v][j]], 0, len(start[u]) + 1)
+        a = alias[v]
+        if a >= 0:  # one copy of the base is resident over each whole interval of the view
+            held = [x for i in range(len(start[a])) for x in (start[a][i] + 1, end[a][i])]
+            held_p = [x for i in range(len(start[a])) for x in (present[a][i], present[a][i])]
+            mine = [x for j in range(len(start[v])) for x in (start[v][j], end[v][j])]
+            mine_p = [x for j in range(len(start[v])) for x in (present[v][j], present[v][j])]
+            model.add_reservoir_constraint_with_active(
+                held + mine, [1, -1] * len(start[a]) + [-1, 1] * len(start[v]), held_p + mine_p, 0,
+                len(start[a]))
+
+    recomputes = [(p, cost[v]) for v in range(n) for p in present[v][1:]]
+    model.minimize(cp_model.LinearExpr.weighted_sum([p for p, _ in recomputes], [c for _, c in recomputes])
+                   + sum(cost))
+    for v, e in enumerate(_no_remat_ends(graph, users)):  # hint: the plain schedule
+        model.add_hint(end[v][0], e)
+        for p in present[v][1:]:
+            model.add_hint(p, 0)
+    proto = model.proto
+    variables, constraints = len(proto.variables), len(proto.constraints)
+    build_seconds = time.perf_counter() - start_clock
+
+    solver = cp_model.CpSolver()
+    if time_limit is not None:
+        solver.parameters.max_time_in_seconds = float(time_limit)
+    solver.parameters.num_workers = max(1, int(num_workers))
+    clock = time.perf_counter()
+    status = solver.solve(model)
+    solve_seconds = time.perf_counter() - clock
+    if status == cp_model.INFEASIBLE:
+        raise BudgetError(infeasible_message(graph, capacity_bytes + graph.fixed_mem, "moccasin",
+                                             no_remat_peak(graph))
+                          + f" (moccasin allows {c_max} computation(s) per node: option copies raises it.)")
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        limit = f" within the time limit of {time_limit:g} s" if time_limit is not None else ""
+        raise SolverError(f"CP-SAT found no moccasin schedule for {graph.name!r}{limit} (status "
+                          f"{solver.status_name(status)}). Raise --time-limit or the budget, or use method "
+                          "'bonsai'.")
+    events = sorted((solver.value(start[v][c]), v) for v in range(n) for c in range(len(start[v]))
+                    if solver.boolean_value(present[v][c]))
+    sequence = [v for _, v in events]
+    objective, bound = solver.objective_value, solver.best_objective_bound
+    optimal = status == cp_model.OPTIMAL
+    gap = 0.0 if optimal else (objective - bound) / objective if objective > 0 else 0.0
+    schedule = Schedule(graph=graph.name, method="moccasin", ops=schedule_ops(graph, sequence), budget=budget,
+                        graph_hash=graph.hash)
+    schedule.stats = {"status": "optimal" if optimal else "feasible", "gap": max(gap, 0.0),
+                      "variables": variables, "constraints": constraints, "build_seconds": build_seconds,
+                      "solve_seconds": solve_seconds, "objective": objective * unit, "copies": c_max}
+    return schedule

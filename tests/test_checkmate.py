@@ -1,0 +1,155 @@
+import math
+import random
+import time
+
+import pytest
+
+from bonsai_core.errors import BudgetError, SolverError
+from bonsai_core.graph import Graph
+from bonsai_core.schedule import no_remat_peak, simulate
+from bonsai_core.solvers import solve
+from bonsai_core.solvers import checkmate
+from tests.graphs import chain
+from tests.stage_model import stage_optimum
+
+
+def weighted_chain(costs: list[float], mems: list[int], fixed_mem: int = 0) -> Graph:
+    """chain(n) with a cost and a size per forward op (its backward op gets the same)."""
+    n = len(costs)
+    nodes = [dict(name=f"f{i}", phase="forward", cost=costs[i], mem=mems[i], deps=[i - 1] if i else [])
+             for i in range(n)]
+    for i in reversed(range(n)):
+        deps = [i] + ([len(nodes) - 1] if i < n - 1 else [])
+        nodes.append(dict(name=f"b{i}", phase="backward", cost=costs[i], mem=mems[i], deps=sorted(deps)))
+    return Graph.from_nodes(f"wchain{n}", fixed_mem, nodes)
+
+
+def view_dag() -> Graph:
+    """A forward pass with a view and a skip connection, and its backward pass."""
+    return Graph.from_nodes("viewdag", 7, [
+        dict(name="a", phase="forward", cost=3.0, mem=10, deps=[]),
+        dict(name="v", op="aten.view.default", phase="forward", cost=0.0, mem=0, deps=[0], alias_of=0),
+        dict(name="b", phase="forward", cost=1.0, mem=20, deps=[1]),
+        dict(name="c", phase="forward", cost=2.0, mem=10, deps=[0, 2]),
+        dict(name="gc", phase="backward", cost=1.0, mem=10, deps=[3]),
+        dict(name="gb", phase="backward", cost=1.0, mem=20, deps=[2, 4]),
+        dict(name="ga", phase="backward", cost=1.0, mem=10, deps=[1, 5]),
+    ])
+
+
+def random_dag(seed: int, n: int = 7) -> Graph:
+    """A random DAG of n nodes, each reading one or two earlier nodes, with one view."""
+    rng = random.Random(seed)
+    nodes = [dict(name="n0", phase="forward", cost=rng.uniform(0.5, 3), mem=rng.randint(1, 5) * 8, deps=[])]
+    nodes.append(dict(name="view", phase="forward", cost=0.0, mem=0, deps=[0], alias_of=0))
+    for v in range(2, n):
+        deps = sorted(set(rng.sample(range(v), min(v, rng.randint(1, 2)))))
+        nodes.append(dict(name=f"n{v}", phase="forward" if v < n // 2 else "backward",
+                          cost=rng.uniform(0.5, 3), mem=rng.randint(1, 5) * 8, deps=deps))
+    return Graph.from_nodes(f"random{seed}", 16, nodes)
+
+
+def budgets(graph: Graph, count: int = 4) -> list[int]:
+    lo, hi = graph.peak_lower_bound, no_remat_peak(graph)
+    return sorted({lo + (hi - lo) * k // (count - 1) for k in range(count)})
+
+
+GRAPHS = [weighted_chain([1.0, 3.0, 2.0], [10, 30, 20]),
+          weighted_chain([2.0, 1.0, 4.0, 1.0], [20, 10, 10, 30], fixed_mem=5),
+          view_dag(), random_dag(1), random_dag(2), random_dag(3)]
+
+
+@pytest.mark.parametrize("graph", GRAPHS, ids=lambda g: g.name)
+def test_checkmate_reaches_the_exhaustive_stage_model_optimum(graph):
+    for budget in budgets(graph):
+        best = stage_optimum(graph, budget)
+        if math.isinf(best):
+            with pytest.raises(BudgetError):
+                solve(graph, budget, "checkmate", time_limit=30)
+            continue
+        schedule = solve(graph, budget, "checkmate", time_limit=30)
+        assert schedule.stats["status"] == "optimal"
+        assert schedule.stats["objective"] == pytest.approx(best, rel=1e-6)
+        assert schedule.stats["compute_cost"] == pytest.approx(schedule.stats["objective"], rel=1e-6)
+        assert schedule.stats["peak"] <= budget
+
+
+def fan_in() -> Graph:
+    """A big node X read by p, q and r, all three read by one op: computing r needs X, p and q
+    resident, 130 bytes, more than any single op's 110 (the lower bound)."""
+    return Graph.from_nodes("fanin", 0, [
+        dict(name="X", cost=1.0, mem=100, deps=[]),
+        *[dict(name=x, cost=1.0, mem=10, deps=[0]) for x in "pqr"],
+        dict(name="out", cost=1.0, mem=10, deps=[1, 2, 3]),
+    ])
+
+
+def test_an_infeasible_budget_names_the_lower_bound_and_a_budget_that_fits():
+    g = fan_in()
+    assert g.peak_lower_bound == 110 and math.isinf(stage_optimum(g, 129)) and stage_optimum(g, 130) == 5.0
+    with pytest.raises(BudgetError, match=r"below 110 B .* fits in 130 B"):
+        solve(g, 120, "checkmate", time_limit=30)
+    assert solve(g, 130, "checkmate", time_limit=30).stats["peak"] == 130
+
+
+def test_scip_backend_reaches_the_same_optimum():
+    g = view_dag()
+    budget = budgets(g)[1]
+    highs = solve(g, budget, "checkmate", backend="highs", time_limit=30)
+    scip = solve(g, budget, "checkmate", backend="scip", time_limit=30)
+    assert scip.stats["backend"] == "scip" and scip.stats["status"] == "optimal"
+    assert scip.stats["compute_cost"] == pytest.approx(highs.stats["compute_cost"], rel=1e-6)
+
+
+def test_resolving_at_another_budget_reuses_the_cached_model():
+    g = weighted_chain([1.0, 2.0, 1.5, 1.0], [10, 20, 10, 10])
+    first = solve(g, no_remat_peak(g), "checkmate", time_limit=30)
+    tight = g.peak_lower_bound
+    again = solve(g, tight, "checkmate", time_limit=30)
+    assert first.stats["build_seconds"] > 0 and again.stats["build_seconds"] == 0.0
+    assert first.stats["compute_cost"] == pytest.approx(g.total_cost)
+    best = stage_optimum(g, tight)
+    assert best > g.total_cost and again.stats["compute_cost"] == pytest.approx(best)
+
+
+def test_fixed_memory_counts_against_the_budget():
+    light, heavy = chain(3), chain(3, fixed_mem=100)
+    budget = budgets(light)[1]
+    assert solve(heavy, budget + 100, "checkmate", time_limit=30).stats["compute_cost"] == pytest.approx(
+        solve(light, budget, "checkmate", time_limit=30).stats["compute_cost"])
+
+
+def test_model_size_is_reported_and_grows_quadratically():
+    small = solve(chain(3), None, "checkmate", time_limit=30).stats
+    large = solve(chain(6), None, "checkmate", time_limit=30).stats
+    assert small["variables"] > 0 and small["constraints"] > 0
+    assert large["variables"] > 3 * small["variables"]  # 2x the nodes, about 4x the variables
+    for key in ("status", "gap", "build_seconds", "solve_seconds"):
+        assert key in small
+
+
+def test_graphs_over_the_size_limit_are_refused_with_a_pointer_to_bonsai():
+    with pytest.raises(SolverError, match=r"limited to 5 nodes.*bonsai"):
+        solve(chain(3), None, "checkmate", max_nodes=5)
+    assert checkmate.MAX_NODES >= 100
+
+
+def test_the_time_limit_is_honoured_with_a_solution_or_a_clear_error():
+    g = chain(30, fixed_mem=0)  # 60 nodes: ~10k binaries
+    limit = 2.0
+    start = time.perf_counter()
+    try:
+        schedule = solve(g, g.peak_lower_bound + 40, "checkmate", time_limit=limit)
+        assert schedule.stats["status"] in ("optimal", "feasible")
+    except SolverError as e:
+        assert "time limit" in str(e)
+    assert time.perf_counter() - start < limit + 20  # build + canonicalisation + a loaded machine
+
+
+def test_the_stage_sequence_puts_recomputations_before_each_stages_node():
+    assert checkmate.stage_sequence([[], [], [0], [1, 0]]) == [0, 1, 0, 2, 0, 1, 3]
+
+
+def test_effective_users_of_a_base_include_its_views_users():
+    users = checkmate.effective_users(view_dag())
+    assert users[0].tolist() == [1, 2, 3, 6] and users[1].tolist() == [2, 6]
