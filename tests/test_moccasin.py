@@ -1,0 +1,85 @@
+"""Moccasin's CP model against the exhaustive stage-model search (with and without a copy limit)."""
+
+import math
+import time
+
+import pytest
+
+from bonsai_core.errors import BudgetError, SolverError
+from bonsai_core.schedule import no_remat_peak
+from bonsai_core.solvers import solve
+from tests.graphs import chain
+from tests.test_checkmate import budgets, fan_in, random_dag, stage_optimum, view_dag, weighted_chain
+
+GRAPHS = [weighted_chain([1.0, 3.0, 2.0], [10, 30, 20]),
+          weighted_chain([2.0, 1.0, 4.0, 1.0], [20, 10, 10, 30], fixed_mem=5),
+          view_dag(), random_dag(1), random_dag(2)]
+
+
+@pytest.mark.parametrize("graph", GRAPHS, ids=lambda g: g.name)
+def test_moccasin_with_two_copies_reaches_the_two_copy_stage_model_optimum(graph):
+    for budget in budgets(graph, 3):
+        best = stage_optimum(graph, budget, copies=2)
+        if math.isinf(best):
+            with pytest.raises(BudgetError, match="copies"):
+                solve(graph, budget, "moccasin", time_limit=30)
+            continue
+        schedule = solve(graph, budget, "moccasin", time_limit=30)
+        assert schedule.stats["status"] == "optimal" and schedule.stats["gap"] == 0.0
+        assert schedule.stats["compute_cost"] == pytest.approx(best, rel=1e-5)
+        assert schedule.stats["objective"] == pytest.approx(schedule.stats["compute_cost"], rel=1e-5)
+        assert schedule.stats["peak"] <= budget
+
+
+def test_enough_copies_reach_checkmates_optimum_where_two_copies_cannot():
+    g = chain(4)  # at 30 bytes f0 must be computed three times
+    assert math.isinf(stage_optimum(g, 30, copies=2))
+    with pytest.raises(BudgetError, match="copies"):
+        solve(g, 30, "moccasin", time_limit=30)
+    schedule = solve(g, 30, "moccasin", copies=3, time_limit=30)
+    assert schedule.stats["compute_cost"] == pytest.approx(stage_optimum(g, 30)) and schedule.stats["peak"] <= 30
+
+
+def test_an_infeasible_budget_names_the_lower_bound_and_the_no_remat_peak():
+    g = fan_in()
+    with pytest.raises(BudgetError, match=rf"below 110 B .* fits in {no_remat_peak(g)} B"):
+        solve(g, 120, "moccasin", time_limit=30)
+
+
+def test_integer_variables_grow_linearly_with_the_graph():
+    small = solve(chain(5), None, "moccasin", time_limit=30).stats
+    large = solve(chain(10), None, "moccasin", time_limit=30).stats
+    assert large["variables"] <= 2.2 * small["variables"]
+    for key in ("status", "gap", "constraints", "build_seconds", "solve_seconds"):
+        assert key in small
+
+
+def test_the_time_limit_is_honoured_and_the_gap_reported():
+    g = chain(30)
+    limit = 2.0
+    start = time.perf_counter()
+    try:
+        schedule = solve(g, g.peak_lower_bound + 60, "moccasin", time_limit=limit)
+        assert schedule.stats["status"] in ("optimal", "feasible") and schedule.stats["gap"] >= 0.0
+        assert schedule.stats["peak"] <= g.peak_lower_bound + 60
+    except SolverError as e:
+        assert "time limit" in str(e)
+    assert time.perf_counter() - start < limit + 15
+
+
+@pytest.mark.parametrize("copies", [0, 1.5, "two"])
+def test_a_bad_copies_option_is_a_clear_error(copies):
+    with pytest.raises(SolverError, match="copies"):
+        solve(chain(2), None, "moccasin", copies=copies)
+
+
+@pytest.mark.slow
+def test_a_traced_model_with_views_gets_a_valid_schedule(traced_zoo):
+    g = traced_zoo["resnet"].graph
+    budget = int(0.9 * no_remat_peak(g))
+    try:
+        schedule = solve(g, budget, "moccasin", time_limit=10)
+    except SolverError as e:  # a loaded machine may not find one in time: the error must say so
+        assert "time limit" in str(e)
+        return
+    assert schedule.stats["peak"] <= budget and schedule.stats["status"] in ("optimal", "feasible")
