@@ -52,8 +52,26 @@ def run_one(graph_file: str, label: str, method: str, fractions: list[float], ti
                                                   "peak", "recomputes")})
         except BonsaiError as e:
             row.update({"status": "error", "error": f"{type(e).__name__}: {e}"})
+            row.update(model_size(graph, name, budget))
         row["wall_seconds"] = time.perf_counter() - start
         print(json.dumps(row), flush=True)
+
+
+def model_size(graph, method: str, budget: int) -> dict:
+    """Variables and constraints of the model a failed solve built (they are in the stats otherwise)."""
+    if method == "checkmate":
+        from bonsai_core.solvers import checkmate
+        from bonsai_core.solvers.milp import problem_size
+
+        model = checkmate._models.get(graph.hash)
+        if model is None:
+            return {}
+        variables, constraints = problem_size(model.problem)
+        return {"variables": variables, "constraints": constraints, "build_seconds": model.build_seconds}
+    from bonsai_core.solvers.moccasin import build_model
+
+    built = build_model(graph, budget)
+    return {"variables": built.variables, "constraints": built.constraints, "build_seconds": built.build_seconds}
 
 
 def table(rows: list[dict]) -> str:

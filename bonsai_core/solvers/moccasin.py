@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,18 +62,25 @@ def _no_remat_ends(graph: Graph, users: list[np.ndarray]) -> list[int]:
     return [_event(int(us[-1]), int(us[-1])) + 1 if len(us) else _event(v, v) + 1 for v, us in enumerate(users)]
 
 
-def solve_moccasin(graph: Graph, budget: int | None, *, time_limit: float | None = None,
-                   copies: int = DEFAULT_COPIES, num_workers: int = 2, max_nodes: int = MAX_NODES,
-                   **_: object) -> Schedule:
-    """Moccasin's schedule under ``budget`` bytes with at most ``copies`` computations per node.
+@dataclass
+class CpRemat:
+    """A built Moccasin model: the CP-SAT model and the variables a solution is read from."""
 
-    Raises SolverError for a graph above ``max_nodes`` nodes, a bad option, or no solution within
-    ``time_limit`` seconds, and BudgetError when the model is proven infeasible at this budget.
-    Stats: status (optimal / feasible), gap (relative, from CP-SAT's objective bound), variables,
-    constraints, build_seconds, solve_seconds, objective (total compute cost, seconds)."""
+    model: Any
+    start: list[list[Any]]  # start[v][c]: the event copy c of node v is computed at
+    present: list[list[Any]]  # present[v][c]: copy c exists
+    copies: int
+    cost_unit: float  # seconds per unit of the integer objective
+    variables: int
+    constraints: int
+    build_seconds: float
+
+
+def build_model(graph: Graph, budget: int | None, copies: int = DEFAULT_COPIES) -> CpRemat:
+    """Moccasin's CP model of ``graph`` under ``budget`` bytes (None: unconstrained), hinted with the
+    plain schedule. O(copies^2 * edges) constraints; BudgetError if the budget is below fixed_mem."""
     from ortools.sat.python import cp_model
 
-    check_size(graph, "moccasin", max_nodes)
     if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
         raise SolverError(f"moccasin's option copies is {copies!r}; it is the number of computations allowed "
                           "per node, a whole number >= 1 (default 2).")
@@ -147,9 +155,26 @@ def solve_moccasin(graph: Graph, budget: int | None, *, time_limit: float | None
         for p in present[v][1:]:
             model.add_hint(p, 0)
     proto = model.proto
-    variables, constraints = len(proto.variables), len(proto.constraints)
-    build_seconds = time.perf_counter() - start_clock
+    return CpRemat(model, start, present, c_max, unit, len(proto.variables), len(proto.constraints),
+                   time.perf_counter() - start_clock)
 
+
+def solve_moccasin(graph: Graph, budget: int | None, *, time_limit: float | None = None,
+                   copies: int = DEFAULT_COPIES, num_workers: int = 2, max_nodes: int = MAX_NODES,
+                   **_: object) -> Schedule:
+    """Moccasin's schedule under ``budget`` bytes with at most ``copies`` computations per node.
+
+    Raises SolverError for a graph above ``max_nodes`` nodes, a bad option, or no solution within
+    ``time_limit`` seconds, and BudgetError when the model is proven infeasible at this budget.
+    Stats: status (optimal / feasible), gap (relative to the recomputation cost, from CP-SAT's
+    objective bound), variables, constraints, build_seconds, solve_seconds, objective (total compute
+    cost, seconds)."""
+    from ortools.sat.python import cp_model
+
+    check_size(graph, "moccasin", max_nodes)
+    built = build_model(graph, budget, copies)
+    model, start, present, c_max, unit = built.model, built.start, built.present, built.copies, built.cost_unit
+    n = graph.n
     solver = cp_model.CpSolver()
     if time_limit is not None:
         solver.parameters.max_time_in_seconds = float(time_limit)
@@ -158,8 +183,8 @@ def solve_moccasin(graph: Graph, budget: int | None, *, time_limit: float | None
     status = solver.solve(model)
     solve_seconds = time.perf_counter() - clock
     if status == cp_model.INFEASIBLE:
-        raise BudgetError(infeasible_message(graph, capacity_bytes + graph.fixed_mem, "moccasin",
-                                             no_remat_peak(graph))
+        limit_bytes = budget if budget is not None else graph.fixed_mem + int(graph.mem.sum())
+        raise BudgetError(infeasible_message(graph, limit_bytes, "moccasin", no_remat_peak(graph))
                           + f" (moccasin allows {c_max} computation(s) per node: option copies raises it.)")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         limit = f" within the time limit of {time_limit:g} s" if time_limit is not None else ""
@@ -175,6 +200,7 @@ def solve_moccasin(graph: Graph, budget: int | None, *, time_limit: float | None
     schedule = Schedule(graph=graph.name, method="moccasin", ops=schedule_ops(graph, sequence), budget=budget,
                         graph_hash=graph.hash)
     schedule.stats = {"status": "optimal" if optimal else "feasible", "gap": max(gap, 0.0),
-                      "variables": variables, "constraints": constraints, "build_seconds": build_seconds,
-                      "solve_seconds": solve_seconds, "objective": graph.total_cost + objective * unit, "copies": c_max}
+                      "variables": built.variables, "constraints": built.constraints,
+                      "build_seconds": built.build_seconds, "solve_seconds": solve_seconds,
+                      "objective": graph.total_cost + objective * unit, "copies": c_max}
     return schedule
