@@ -194,7 +194,7 @@ def _build(graph: Graph) -> _Model:
     """Build the MILP from sparse matrices. O(n * (n + edges)) memory and time."""
     import cvxpy as cp
 
-    start = time.perf_counter()
+    start = time.perf_counter()  # after the import: cvxpy takes seconds to load on a busy machine
     n = graph.n
     q = n * (n - 1) // 2  # strictly-lower pairs: R and S
     p = n * (n + 1) // 2  # lower pairs: U
