@@ -146,8 +146,10 @@ GRAPHS = [weighted_chain([1.0, 3.0, 2.0], [10, 30, 20]),
 
 @pytest.mark.parametrize("graph", GRAPHS, ids=lambda g: g.name)
 def test_checkmate_reaches_the_exhaustive_stage_model_optimum(graph):
+    # The MILP's stages are the nodes that are not views (a view's consumers read its base).
+    small, _ = checkmate.contract_views(graph)
     for budget in budgets(graph):
-        best = stage_optimum(graph, budget)
+        best = stage_optimum(small, budget)
         if math.isinf(best):
             with pytest.raises(BudgetError):
                 solve(graph, budget, "checkmate", time_limit=30)
@@ -157,6 +159,20 @@ def test_checkmate_reaches_the_exhaustive_stage_model_optimum(graph):
         assert schedule.stats["objective"] == pytest.approx(best, rel=1e-6)
         assert schedule.stats["compute_cost"] == pytest.approx(schedule.stats["objective"], rel=1e-6)
         assert schedule.stats["peak"] <= budget
+        assert best <= stage_optimum(graph, budget)  # views as stages of their own only constrain
+
+
+def test_contracting_views_rewires_their_consumers_to_the_base():
+    g = view_dag()
+    small, kept = checkmate.contract_views(g)
+    assert kept.tolist() == [0, 2, 3, 4, 5, 6] and small.n == 6 and not small.is_view.any()
+    assert small.deps(1).tolist() == [0] and small.deps(5).tolist() == [0, 4]  # b and ga read a
+
+
+def test_expanding_views_recomputes_a_view_only_for_a_new_copy_of_its_base():
+    g = view_dag()
+    assert checkmate.expand_views(g, [0, 2, 3, 4, 5, 6]) == [0, 1, 2, 3, 4, 5, 6]
+    assert checkmate.expand_views(g, [0, 2, 3, 4, 5, 0, 6]) == [0, 1, 2, 3, 4, 5, 0, 1, 6]
 
 
 def fan_in() -> Graph:
@@ -214,7 +230,7 @@ def test_model_size_is_reported_and_grows_quadratically():
 
 
 def test_graphs_over_the_size_limit_are_refused_with_a_pointer_to_bonsai():
-    with pytest.raises(SolverError, match=r"limited to 5 nodes.*bonsai"):
+    with pytest.raises(SolverError, match=r"6 nodes that are not views .* limited to 5 nodes.*bonsai"):
         solve(chain(3), None, "checkmate", max_nodes=5)
     assert checkmate.MAX_NODES >= 100
 

@@ -111,13 +111,75 @@ def infeasible_message(graph: Graph, budget: int, method: str, feasible: int | N
             "another method (bonsai, chen) whose schedules are not restricted to this stage model.")
 
 
-def check_size(graph: Graph, method: str, limit: int) -> None:
+def check_size(graph: Graph, method: str, limit: int, counted: str = "nodes") -> None:
+    """Refuse a graph of more than ``limit`` nodes, saying what to do instead."""
     if graph.n > limit:
         raise SolverError(
-            f"Method {method!r} refuses {graph.name!r}: it has {graph.n} nodes and the op-level model is "
+            f"Method {method!r} refuses {graph.name!r}: it has {graph.n} {counted} and the op-level model is "
             f"limited to {limit} nodes (its size grows with the square of the node count, and beyond that "
             "no backend finds a solution in useful time). Use method 'bonsai', whose segment ILP scales, "
             f"or pass max_nodes={graph.n} to try anyway.")
+
+
+def contract_views(graph: Graph) -> tuple[Graph, np.ndarray]:
+    """The graph without its views, and the original id of each node it keeps (in order).
+
+    A view costs nothing and holds no bytes: all it does is keep its base resident while it is. So a
+    consumer of a view may as well read the view's root base (the first non-view up its alias chain)
+    directly, which keeps the base resident for exactly as long. Traced transformers are half views,
+    and the op-level models grow with the square of the node count. O(n + edges)."""
+    alias = graph.alias_of.tolist()
+    root = list(range(graph.n))
+    for v in range(graph.n):
+        if alias[v] >= 0:
+            root[v] = root[alias[v]]
+    kept = np.flatnonzero(~graph.is_view)
+    if len(kept) == graph.n:
+        return graph, kept
+    new_id = {int(v): i for i, v in enumerate(kept.tolist())}
+    nodes = [dict(name=graph.names[v], op=graph.ops[v], phase=graph.phases[v], cost=float(graph.cost[v]),
+                  mem=int(graph.mem[v]), deps=sorted({new_id[root[d]] for d in graph.deps(v).tolist()}))
+             for v in kept.tolist()]
+    return Graph.from_nodes(graph.name, graph.fixed_mem, nodes), kept
+
+
+def expand_views(graph: Graph, sequence: Sequence[int]) -> list[int]:
+    """Put the views back into a compute sequence of :func:`contract_views`'s graph (in original
+    ids): a view is (re)computed right before a node that reads it, unless its copy still belongs to
+    its base's current copy, and a view nobody reads right after its base's first computation. Views
+    cost nothing and hold no bytes, so the sequence's cost and memory are unchanged. O(length)."""
+    alias = graph.alias_of.tolist()
+    generation = [0] * graph.n  # how many times each node has been computed
+    bound_to = [-1] * graph.n  # for a view: the generation of its base when its copy was computed
+    unread_views: dict[int, list[int]] = {}
+    for v in range(graph.n):
+        if alias[v] >= 0 and not len(graph.users(v)):
+            unread_views.setdefault(alias[v], []).append(v)
+    out: list[int] = []
+
+    def ensure(v: int) -> None:  # make v's resident copy belong to its base's current copy
+        a = alias[v]
+        if alias[a] >= 0:
+            ensure(a)
+        if generation[v] and bound_to[v] == generation[a]:
+            return
+        out.append(v)
+        generation[v] += 1
+        bound_to[v] = generation[a]
+
+    def compute(u: int) -> None:
+        for d in graph.deps(u).tolist():
+            if alias[d] >= 0:
+                ensure(d)
+        out.append(u)
+        generation[u] += 1
+        if generation[u] == 1:
+            for v in unread_views.get(u, ()):
+                compute(v)
+
+    for u in sequence:
+        compute(int(u))
+    return out
 
 
 # -- building the MILP -------------------------------------------------------------------------
@@ -360,20 +422,23 @@ def solve_checkmate(graph: Graph, budget: int | None, *, time_limit: float | Non
     solve_seconds, objective (the MILP's total compute cost, seconds)."""
     from bonsai_core.solvers.milp import solve_milp
 
-    check_size(graph, "checkmate", max_nodes)
-    model, cached = _model(graph)
+    small, kept = contract_views(graph)
+    check_size(small, "checkmate", max_nodes, "nodes that are not views")
+    model, cached = _model(small)
     limit = budget if budget is not None else graph.fixed_mem + int(graph.mem.sum())
     with model.lock:  # one cached problem, possibly shared by the explorer's threads
         model.budget.value = max((limit - graph.fixed_mem + _HALF_BYTE) / model.mem_scale, 0.0)
         outcome = solve_milp(model.problem, backend=backend, time_limit=time_limit)
         if outcome.status == "infeasible":
             raise BudgetError(infeasible_message(graph, limit, "checkmate"))
-        r_off = np.asarray(model.x.value[: graph.n * (graph.n - 1) // 2])
-    stages = recomputed_from_r(graph.n, r_off)
-    seq = stage_sequence(stages)
+        r_off = np.asarray(model.x.value[: small.n * (small.n - 1) // 2])
+    stages = [kept[s].tolist() for s in recomputed_from_r(small.n, r_off)]
+    seq = expand_views(graph, [int(v) for v in kept[stage_sequence(recomputed_from_r(small.n, r_off))]])
     schedule = Schedule(graph=graph.name, method="checkmate", ops=schedule_ops(graph, seq), budget=budget,
                         graph_hash=graph.hash)
     schedule.stats = {**outcome.stats(), "objective": (outcome.objective + model.base_cost) * model.cost_scale,
-                      "build_seconds": 0.0 if cached else model.build_seconds, "backend": backend}
+                      "build_seconds": 0.0 if cached else model.build_seconds, "backend": backend,
+                      "model_nodes": small.n}
+    # Stage t of the model (the t-th non-view node) recomputes these nodes (original ids) first.
     schedule.extra = {"stage_recomputes": stages}
     return schedule
