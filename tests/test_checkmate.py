@@ -169,6 +169,18 @@ def test_contracting_views_rewires_their_consumers_to_the_base():
     assert small.deps(1).tolist() == [0] and small.deps(5).tolist() == [0, 4]  # b and ga read a
 
 
+def test_expanding_views_computes_a_chain_of_unread_views_after_its_base():
+    g = Graph.from_nodes("views", 0, [
+        dict(name="a", cost=1.0, mem=8, deps=[]),
+        dict(name="v1", cost=0.0, mem=0, deps=[0], alias_of=0),
+        dict(name="v2", cost=0.0, mem=0, deps=[1], alias_of=1),  # read by nothing
+        dict(name="b", cost=1.0, mem=8, deps=[0]),
+    ])
+    small, kept = checkmate.contract_views(g)
+    assert small.n == 2 and checkmate.expand_views(g, kept.tolist()) == [0, 1, 2, 3]
+    assert solve(g, None, "checkmate", time_limit=30).stats["peak"] == 16
+
+
 def test_expanding_views_recomputes_a_view_only_for_a_new_copy_of_its_base():
     g = view_dag()
     assert checkmate.expand_views(g, [0, 2, 3, 4, 5, 6]) == [0, 1, 2, 3, 4, 5, 6]

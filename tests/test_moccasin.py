@@ -8,6 +8,7 @@ import pytest
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.solvers import solve
+from bonsai_core.solvers.checkmate import contract_views
 from tests.graphs import chain
 from tests.test_checkmate import budgets, fan_in, random_dag, stage_optimum, view_dag, weighted_chain
 
@@ -18,8 +19,9 @@ GRAPHS = [weighted_chain([1.0, 3.0, 2.0], [10, 30, 20]),
 
 @pytest.mark.parametrize("graph", GRAPHS, ids=lambda g: g.name)
 def test_moccasin_with_two_copies_reaches_the_two_copy_stage_model_optimum(graph):
+    small, _ = contract_views(graph)  # the model's stages are the nodes that are not views
     for budget in budgets(graph, 3):
-        best = stage_optimum(graph, budget, copies=2)
+        best = stage_optimum(small, budget, copies=2)
         if math.isinf(best):
             with pytest.raises(BudgetError, match="copies"):
                 solve(graph, budget, "moccasin", time_limit=30)
@@ -65,6 +67,25 @@ def test_the_time_limit_is_honoured_and_the_gap_reported():
     except SolverError as e:
         assert "time limit" in str(e)
     assert time.perf_counter() - start < limit + 15
+
+
+@pytest.mark.parametrize("graph", [view_dag(), random_dag(1), random_dag(3)], ids=lambda g: g.name)
+def test_the_model_itself_handles_views_as_stages_with_a_reservoir_per_view(graph):
+    from ortools.sat.python import cp_model
+
+    from bonsai_core.solvers.moccasin import build_model
+
+    for budget in budgets(graph, 3):
+        best = stage_optimum(graph, budget, copies=2)  # views as stages of their own
+        built = build_model(graph, budget)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = 30
+        status = solver.solve(built.model)
+        if math.isinf(best):
+            assert status == cp_model.INFEASIBLE
+        else:
+            assert status == cp_model.OPTIMAL
+            assert graph.total_cost + solver.objective_value * built.cost_unit == pytest.approx(best, rel=1e-5)
 
 
 @pytest.mark.parametrize("copies", [0, 1.5, "two"])

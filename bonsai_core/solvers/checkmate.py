@@ -151,10 +151,13 @@ def expand_views(graph: Graph, sequence: Sequence[int]) -> list[int]:
     alias = graph.alias_of.tolist()
     generation = [0] * graph.n  # how many times each node has been computed
     bound_to = [-1] * graph.n  # for a view: the generation of its base when its copy was computed
-    unread_views: dict[int, list[int]] = {}
+    root = list(range(graph.n))
+    unread_views: dict[int, list[int]] = {}  # root base -> views that nothing reads
     for v in range(graph.n):
-        if alias[v] >= 0 and not len(graph.users(v)):
-            unread_views.setdefault(alias[v], []).append(v)
+        if alias[v] >= 0:
+            root[v] = root[alias[v]]
+            if not len(graph.users(v)):
+                unread_views.setdefault(root[v], []).append(v)
     out: list[int] = []
 
     def ensure(v: int) -> None:  # make v's resident copy belong to its base's current copy
@@ -175,7 +178,7 @@ def expand_views(graph: Graph, sequence: Sequence[int]) -> list[int]:
         generation[u] += 1
         if generation[u] == 1:
             for v in unread_views.get(u, ()):
-                compute(v)
+                ensure(v)
 
     for u in sequence:
         compute(int(u))

@@ -13,7 +13,10 @@ computed at ``start`` (an event of node v) and stays resident until ``end``.
 * precedence, one reservoir per (edge u -> v, copy j of v): some copy of u is resident at the event
   copy j of v is computed (``start_u < start_v < end_u``), Moccasin's ``reservoir_option=2``;
 * a view: one reservoir per view keeps some single copy of its base resident over each whole
-  interval of the view (a resident view keeps its base resident);
+  interval of the view (a resident view keeps its base resident). :func:`solve_moccasin` first
+  contracts the views away as ``checkmate`` does (:func:`~bonsai_core.solvers.checkmate.contract_views`:
+  a view's consumers read its base, and the views are put back into the sequence), which halves a
+  traced transformer's model; :func:`build_model` still takes graphs with views;
 * objective: the recomputation cost (costs scaled to integers), minimised; ``gap`` is relative to it.
 
 Integer variables: start, size, end and presence per copy, O(C * n); reservoirs: O(C * edges).
@@ -35,7 +38,8 @@ import numpy as np
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak, schedule_ops
-from bonsai_core.solvers.checkmate import check_size, effective_users, infeasible_message
+from bonsai_core.solvers.checkmate import (check_size, contract_views, effective_users, expand_views,
+                                          infeasible_message)
 
 # Moccasin has O(n) variables but O(n^2) time points and one reservoir per edge and copy; beyond this
 # CP-SAT rarely finds a first solution in minutes on two cores. Use ``bonsai`` above it.
@@ -171,10 +175,11 @@ def solve_moccasin(graph: Graph, budget: int | None, *, time_limit: float | None
     cost, seconds)."""
     from ortools.sat.python import cp_model
 
-    check_size(graph, "moccasin", max_nodes)
-    built = build_model(graph, budget, copies)
+    small, kept = contract_views(graph)  # as checkmate: views cost nothing, their consumers read the base
+    check_size(small, "moccasin", max_nodes, "nodes that are not views")
+    built = build_model(small, budget, copies)
     model, start, present, c_max, unit = built.model, built.start, built.present, built.copies, built.cost_unit
-    n = graph.n
+    n = small.n
     solver = cp_model.CpSolver()
     if time_limit is not None:
         solver.parameters.max_time_in_seconds = float(time_limit)
@@ -193,7 +198,7 @@ def solve_moccasin(graph: Graph, budget: int | None, *, time_limit: float | None
                           "'bonsai'.")
     events = sorted((solver.value(start[v][c]), v) for v in range(n) for c in range(len(start[v]))
                     if solver.boolean_value(present[v][c]))
-    sequence = [v for _, v in events]
+    sequence = expand_views(graph, [int(kept[v]) for _, v in events])
     objective, bound = solver.objective_value, solver.best_objective_bound
     optimal = status == cp_model.OPTIMAL
     gap = 0.0 if optimal else (objective - bound) / objective if objective > 0 else 0.0
@@ -202,5 +207,6 @@ def solve_moccasin(graph: Graph, budget: int | None, *, time_limit: float | None
     schedule.stats = {"status": "optimal" if optimal else "feasible", "gap": max(gap, 0.0),
                       "variables": built.variables, "constraints": built.constraints,
                       "build_seconds": built.build_seconds, "solve_seconds": solve_seconds,
-                      "objective": graph.total_cost + objective * unit, "copies": c_max}
+                      "objective": graph.total_cost + objective * unit, "copies": c_max,
+                      "model_nodes": small.n}
     return schedule
