@@ -48,8 +48,9 @@ from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, schedule_ops, simulate
 
-# Above this many nodes the MILP has hundreds of thousands of binaries (267 nodes: ~190k) and
-# neither backend finds a solution in minutes; the segment ILP (``bonsai``) is the tool there.
+# Above this many nodes (views excepted) the MILP has over 400k variables and 900k constraints
+# (measured on a 400-node chain) and neither backend finds a solution in minutes; the segment ILP
+# (``bonsai``) is the tool there. docs/SOLVERS_CHECKMATE_MOCCASIN.md has the measurements.
 MAX_NODES = 400
 _CACHE_SIZE = 4
 # Memory is scaled so the largest node is this many units: keeps the MILP's coefficients near 1.
@@ -433,7 +434,7 @@ def solve_checkmate(graph: Graph, budget: int | None, *, time_limit: float | Non
         model.budget.value = max((limit - graph.fixed_mem + _HALF_BYTE) / model.mem_scale, 0.0)
         outcome = solve_milp(model.problem, backend=backend, time_limit=time_limit)
         if outcome.status == "infeasible":
-            raise BudgetError(infeasible_message(graph, limit, "checkmate"))
+            raise BudgetError(infeasible_message(graph, limit, "checkmate", stage_feasible_budget(small)))
         r_off = np.asarray(model.x.value[: small.n * (small.n - 1) // 2])
     stages = [kept[s].tolist() for s in recomputed_from_r(small.n, r_off)]
     seq = expand_views(graph, [int(v) for v in kept[stage_sequence(recomputed_from_r(small.n, r_off))]])
