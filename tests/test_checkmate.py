@@ -266,3 +266,18 @@ def test_the_stage_sequence_puts_recomputations_before_each_stages_node():
 def test_effective_users_of_a_base_include_its_views_users():
     users = checkmate.effective_users(view_dag())
     assert users[0].tolist() == [1, 2, 3, 6] and users[1].tolist() == [2, 6]
+
+
+def test_cli_json_output_stays_one_json_object_on_stdout(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from bonsai_core.graph import save_graph
+
+    save_graph(chain(3), tmp_path / "g.json")
+    done = subprocess.run([sys.executable, "-m", "bonsai_core.cli", "solve", str(tmp_path / "g.json"), "--budget",
+                           "80%", "--method", "checkmate", "--time-limit", "30", "--json", "-o",
+                           str(tmp_path / "s.json")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["method"] == "checkmate"  # HiGHS' banner went to stderr

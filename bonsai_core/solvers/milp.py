@@ -55,6 +55,8 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
     if time_limit is not None:
         options = {"time_limit": float(time_limit)} if backend == "highs" else {
             "scip_params": {"limits/time": float(time_limit)}}
+    if backend == "highs":
+        _banner_to_stderr()
     variables, constraints = problem_size(problem)
     start = time.perf_counter()
     try:
@@ -78,6 +80,31 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
     if status == "optimal" and (gap is None or gap <= 1e-4):
         return MilpOutcome("optimal", float(problem.value), 0.0, seconds, variables, constraints)
     return MilpOutcome("feasible", float(problem.value), gap, seconds, variables, constraints)
+
+
+_banner_shown = False
+
+
+def _banner_to_stderr() -> None:
+    """HiGHS prints a banner on stdout when the process makes its first solver, whatever the
+    options: make that first one with stdout pointed at stderr, so ``--json`` output stays JSON."""
+    global _banner_shown
+    if _banner_shown:
+        return
+    import os
+    import sys
+
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        _banner_shown = True
 
 
 def _backend_has_solution(problem: Any, backend: str) -> bool:
