@@ -63,14 +63,16 @@ def model_size(graph, method: str, budget: int) -> dict:
         from bonsai_core.solvers import checkmate
         from bonsai_core.solvers.milp import problem_size
 
-        model = checkmate._models.get(graph.hash)
+        model = checkmate._models.get(checkmate.contract_views(graph)[0].hash)
         if model is None:
             return {}
         variables, constraints = problem_size(model.problem)
         return {"variables": variables, "constraints": constraints, "build_seconds": model.build_seconds}
     from bonsai_core.solvers.moccasin import build_model
 
-    built = build_model(graph, budget)
+    from bonsai_core.solvers.checkmate import contract_views
+
+    built = build_model(contract_views(graph)[0], budget)
     return {"variables": built.variables, "constraints": built.constraints, "build_seconds": built.build_seconds}
 
 
