@@ -117,9 +117,15 @@ def _backend_has_solution(problem: Any, backend: str) -> bool:
 
 
 def _gap(problem: Any, backend: str) -> float | None:
+    """(incumbent - bound) / |incumbent|, HiGHS' definition; SCIP's own getGap() divides by the
+    smaller of the two, which reads as several hundred percent for the same solution."""
     extra = problem.solver_stats.extra_stats
     try:
-        gap = extra.mip_gap if backend == "highs" else extra["model"].getGap()
+        if backend == "highs":
+            gap = extra.mip_gap
+        else:
+            primal, dual = extra["model"].getPrimalbound(), extra["model"].getDualbound()
+            gap = 0.0 if primal == dual else abs(primal - dual) / abs(primal) if primal else math.inf
     except (AttributeError, KeyError, TypeError):
         return None
     return float(gap) if gap is not None and math.isfinite(gap) else None
