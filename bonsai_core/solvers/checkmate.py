@@ -440,7 +440,10 @@ def solve_checkmate(graph: Graph, budget: int | None, *, time_limit: float | Non
     seq = expand_views(graph, [int(v) for v in kept[stage_sequence(recomputed_from_r(small.n, r_off))]])
     schedule = Schedule(graph=graph.name, method="checkmate", ops=schedule_ops(graph, seq), budget=budget,
                         graph_hash=graph.hash)
-    schedule.stats = {**outcome.stats(), "objective": (outcome.objective + model.base_cost) * model.cost_scale,
+    stats = outcome.stats()
+    if stats["gap"] is not None:  # the recomputation cost is >= 0, so a bound below 0 proves nothing more
+        stats["gap"] = min(stats["gap"], 1.0)
+    schedule.stats = {**stats, "objective": (outcome.objective + model.base_cost) * model.cost_scale,
                       "build_seconds": 0.0 if cached else model.build_seconds, "backend": backend,
                       "model_nodes": small.n}
     # Stage t of the model (the t-th non-view node) recomputes these nodes (original ids) first.
