@@ -149,6 +149,37 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fraction_arg(text: str) -> float:
+    value = _budget_arg(text if text.strip().endswith("%") else text + "%")
+    if value.fraction is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: bench budgets are shares of the no-remat peak, like 70 or 70%")
+    return value.fraction
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bonsai_core import bench
+    from bonsai_core.peers import PEERS
+    from bonsai_core.solvers import METHODS
+
+    methods = args.methods or list(METHODS)
+    peers = args.peers if args.peers is not None else list(PEERS)
+    for m in methods:
+        if m not in METHODS:
+            raise BonsaiError(f"Unknown method {m!r}; choose from: {', '.join(METHODS)}.")
+    for p in peers:
+        if p not in PEERS:
+            raise BonsaiError(f"Unknown peer {p!r}; choose from: {', '.join(PEERS)}.")
+    config = bench.BenchConfig(
+        models=args.models or list(bench.QUICK_MODELS if args.quick else bench.FULL_MODELS),
+        budgets=args.budgets or list(bench.QUICK_BUDGETS if args.quick else bench.FULL_BUDGETS),
+        methods=methods, peers=peers,
+        time_limit=args.time_limit or (10.0 if args.quick else 60.0), backend=args.backend,
+        max_nodes=dict(bench.BENCH_NODE_LIMITS))
+    rows = bench.run_bench(config, args.output, progress=lambda line: print(line, flush=True))
+    print(f"wrote {len(rows)} rows to {args.output}/results.csv, results.md and plots")
+    return 0
+
+
 def cmd_app(args: argparse.Namespace) -> int:
     app = Path(__file__).resolve().parent.parent / "explorer" / "app.py"
     if not app.is_file():
@@ -194,6 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also replay through the caching-allocator model: reserved peak and fragmentation")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("bench", help="every method and peer on the same models and budgets: tables and plots")
+    p.add_argument("--models", nargs="+", metavar="MODEL", help="zoo models, e.g. gpt or gpt:layers=2,width=256")
+    p.add_argument("--budgets", nargs="+", type=_fraction_arg, metavar="PCT", help="shares of the no-remat peak")
+    p.add_argument("--methods", nargs="+", metavar="METHOD", help="default: every method")
+    p.add_argument("--peers", nargs="*", metavar="PEER", help="torch-budget, per-block (default: both)")
+    p.add_argument("--quick", action="store_true", help="two small models, two budgets (a minute or two)")
+    p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="per solve (default 60, quick 10)")
+    p.add_argument("--backend", choices=("highs", "scip"), default="highs", help="MILP backend")
+    p.add_argument("-o", "--output", required=True, metavar="DIR")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("app", help="start the explorer (streamlit run explorer/app.py)")
     p.add_argument("streamlit_args", nargs=argparse.REMAINDER, help="passed on to streamlit")
