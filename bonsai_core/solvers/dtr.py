@@ -148,13 +148,22 @@ class Runtime:
         """Make v resident, recomputing its evicted inputs first (recursively)."""
         if self.resident[v]:
             return
-        for d in self.deps[v]:
-            self.materialize(d, policy)
-            self.pinned[d] += 1
+        self.acquire(self.deps[v], policy)
         self.compute(v, policy)
         for d in self.deps[v]:
             self.pinned[d] -= 1
             self.last_access[d] = self.clock
+
+    def acquire(self, deps: list[int], policy: Callable[["Runtime", int], bool]) -> None:
+        """Pin every input: the resident ones first, so that recomputing a missing one cannot evict
+        them, then each missing one as soon as it is rebuilt."""
+        missing = [d for d in deps if not self.resident[d]]
+        for d in deps:
+            if self.resident[d]:
+                self.pinned[d] += 1
+        for d in missing:
+            self.materialize(d, policy)
+            self.pinned[d] += 1
 
     def release(self, t: int) -> None:
         """Free t for good if the program no longer reads it and none of its views is resident;
@@ -170,9 +179,7 @@ class Runtime:
         sys.setrecursionlimit(max(old, 4 * self.g.n + 1000))
         try:
             for v in range(self.g.n):
-                for d in self.deps[v]:
-                    self.materialize(d, policy)
-                    self.pinned[d] += 1
+                self.acquire(self.deps[v], policy)
                 self.compute(v, policy)
                 for d in self.deps[v]:
                     self.pinned[d] -= 1
