@@ -114,8 +114,8 @@ def test_neighbourhood_cost_adds_adjacent_evicted_regions():
     rt.evict(1)
     rt.evict(3)
     labels, region_cost = rt.evicted_regions()
-    assert rt.projected_cost(2, labels, region_cost) == pytest.approx(3.0)  # itself + f1 + f3
-    assert rt.projected_cost(4, labels, region_cost) == pytest.approx(2.0)
+    assert rt.projected_cost(2, labels, region_cost, {}) == pytest.approx(3.0)  # itself + f1 (input) + f3 (user)
+    assert rt.projected_cost(4, labels, region_cost, {}) == pytest.approx(2.0)  # itself + f3 to rebuild it
 
 
 def test_dtr_under_the_allocator_keeps_evicting_until_one_block_fits():
@@ -179,14 +179,6 @@ def test_heuristic_schedules_of_gpt_fit_60_percent_and_pass_the_simulator(gpt, m
     assert s.stats.get("pool_high_water", 0) <= budget
     r = replay(gpt, s)
     assert r.reserved_peak >= r.peak == sim.peak
-
-
-def test_coop_recomputes_less_than_dtr_in_the_same_pool(gpt):
-    # the measured Coop claim at one point; docs/HEURISTICS.md has the full table
-    budget = int(no_remat_peak(gpt) * 0.6)
-    coop = solve(gpt, budget, "coop")
-    dtr = solve(gpt, budget, "dtr", allocator=True)
-    assert coop.stats["overhead"] < dtr.stats["overhead"]
 
 
 def test_dynamic_methods_raise_budget_error_when_nothing_can_be_evicted(gpt):

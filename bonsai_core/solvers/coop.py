@@ -84,6 +84,7 @@ def coop_policy(window_cost: WindowCost = "stale") -> Callable[[Runtime, int], b
     def policy(rt: Runtime, v: int) -> bool:
         request = round_size(rt.mem[v])
         labels, region_cost = rt.evicted_regions() if window_cost == "stale" else (None, None)
+        memo: dict[int, float] = {}
         best = None
         for blocks in rt.alloc.segments():
             sizes = [b.size for b in blocks]
@@ -95,7 +96,7 @@ def coop_policy(window_cost: WindowCost = "stale") -> Callable[[Runtime, int], b
                 elif not rt.evictable(t):
                     costs.append(math.inf)
                 elif window_cost == "stale":
-                    costs.append(rt.projected_cost(t, labels, region_cost) / rt.staleness(t))
+                    costs.append(rt.projected_cost(t, labels, region_cost, memo) / rt.staleness(t))
                 else:
                     costs.append(rt.cost[t])
             found = min_cost_window(sizes, costs, request)

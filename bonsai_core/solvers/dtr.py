@@ -22,7 +22,7 @@ Coop's contiguous eviction is measured against.
 
 What DTR executed is emitted as compute/free ops: a static schedule the simulator validates and the
 exporter treats like any other. Inputs of the op being run (and of recomputations under way) are
-pinned; a base is evicted together with its resident views (views free first, as the simulator
+pinned (the resident ones before any missing one is rebuilt, so rebuilding cannot evict them); a base is evicted together with its resident views (views free first, as the simulator
 requires). Output-less tensors (the loss, gradients) are freed right after they are computed.
 """
 
@@ -80,6 +80,10 @@ class Runtime:
         self.computes = 0
         self.evictions = 0
         self.evicted_version = 0  # bumps whenever the set of evicted tensors changes
+        self.free_at_failure: list[float] = []
+        # freed by the program after its last read (DTR's "banished"); unlike DTR's, it can still be
+        # rebuilt if an evicted tensor needs it, at a cost the heuristic counts (rebuild_cost)
+        self.banished = [False] * n
 
     # -- memory --------------------------------------------------------------------------------
 
@@ -115,6 +119,9 @@ class Runtime:
     # -- execution -----------------------------------------------------------------------------
 
     def make_room(self, v: int, policy: Callable[["Runtime", int], bool]) -> None:
+        if self.alloc is not None and not self.fits(v):
+            # OneFlow's fragmentation rate: the pool's free share when a request finds no block
+            self.free_at_failure.append(1.0 - self.alloc.allocated / self.alloc.reserved)
         while not self.fits(v):
             if not policy(self, v):
                 pinned = sum(self.mem[t] for t in range(self.g.n) if self.resident[t] and self.pinned[t])
@@ -134,6 +141,7 @@ class Runtime:
         if self.ever[v]:
             self.evicted_version += 1
         self.resident[v] = self.ever[v] = True
+        self.banished[v] = False
         self.live += self.mem[v]
         self.ops.append((COMPUTE, v))
         self.computes += 1
@@ -166,11 +174,14 @@ class Runtime:
             self.pinned[d] += 1
 
     def release(self, t: int) -> None:
-        """Free t for good if the program no longer reads it and none of its views is resident;
-        then its base may go too."""
+        """Free t for good (banish it) if the program no longer reads it, none of its views is
+        resident and no evicted tensor that the program still reads needs it to be rebuilt; then
+        its base may go too. A tensor kept by the last rule stays evictable."""
         while (t >= 0 and self.resident[t] and self.uses_left[t] == 0 and not self.pinned[t]
-               and not any(self.resident[u] for u in self.views[t])):
+               and not any(self.resident[u] for u in self.views[t])
+               and not any(self.ever[u] and not self.resident[u] and self.uses_left[u] > 0 for u in self.users[t])):
             self._free(t)
+            self.banished[t] = True
             t = self.alias[t]
 
     def run(self, policy: Callable[["Runtime", int], bool]) -> None:
@@ -194,13 +205,15 @@ class Runtime:
     # -- heuristics ----------------------------------------------------------------------------
 
     def evicted_regions(self) -> tuple[np.ndarray, np.ndarray]:
-        """Connected components of the evicted tensors (edges between evicted deps/users):
-        (component label per node, -1 if not evicted; total cost per component)."""
+        """Connected components of the tensors evicted by the policy and not yet rebuilt (edges
+        between evicted deps/users): (component label per node, -1 if not evicted; total cost per
+        component). DTR's equivalence-class approximation of evicted regions."""
         from scipy.sparse import csr_matrix
         from scipy.sparse.csgraph import connected_components
 
         g = self.g
-        evicted = np.array([e and not r for e, r in zip(self.ever, self.resident)], dtype=bool)
+        evicted = np.array([e and not r and not b for e, r, b in zip(self.ever, self.resident, self.banished)],
+                           dtype=bool)
         src = np.repeat(np.arange(g.n), np.diff(g.dep_ptr))
         keep = evicted[src] & evicted[g.dep_idx]
         adj = csr_matrix((np.ones(int(keep.sum())), (src[keep], g.dep_idx[keep])), shape=(g.n, g.n))
@@ -209,10 +222,19 @@ class Runtime:
         costs = np.bincount(labels[evicted], weights=g.cost[evicted], minlength=g.n)
         return labels, costs
 
-    def projected_cost(self, t: int, labels: np.ndarray, region_cost: np.ndarray) -> float:
-        """cost(t) plus the cost of each distinct evicted region adjacent to t."""
-        seen = {int(labels[u]) for u in self.deps[t] + self.users[t] if labels[u] >= 0}
-        return self.cost[t] + sum(float(region_cost[c]) for c in seen)
+    def rebuild_cost(self, t: int, memo: dict[int, float]) -> float:
+        """cost(t) plus what rebuilding its non-resident inputs costs, recursively (DTR's evicted
+        ancestor region, with banished ancestors included since this runtime can rebuild them).
+        Shared ancestors are counted once per path: an upper bound, O(n + edges) per memo."""
+        if t not in memo:
+            memo[t] = self.cost[t] + sum(self.rebuild_cost(d, memo) for d in self.deps[t] if not self.resident[d])
+        return memo[t]
+
+    def projected_cost(self, t: int, labels: np.ndarray, region_cost: np.ndarray, memo: dict[int, float]) -> float:
+        """h_DTR's numerator: t's rebuild cost plus the cost of each distinct region of evicted
+        tensors that reads t (they would need t rebuilt too)."""
+        seen = {int(labels[u]) for u in self.users[t] if labels[u] >= 0}
+        return self.rebuild_cost(t, memo) + sum(float(region_cost[c]) for c in seen)
 
     def staleness(self, t: int) -> float:
         return max(self.clock - self.last_access[t], 1e-12)
@@ -232,10 +254,11 @@ def dtr_policy(heuristic: Heuristic = "neighbourhood") -> Callable[[Runtime, int
         if heuristic == "neighbourhood" and cache["version"] != rt.evicted_version:
             cache["regions"], cache["version"] = rt.evicted_regions(), rt.evicted_version
         best, best_h = -1, math.inf
+        memo: dict[int, float] = {}
         for t in range(rt.g.n):
             if not rt.evictable(t):
                 continue
-            c = rt.projected_cost(t, *cache["regions"]) if heuristic == "neighbourhood" else rt.cost[t]
+            c = rt.projected_cost(t, *cache["regions"], memo) if heuristic == "neighbourhood" else rt.cost[t]
             h = c / (rt.mem[t] * rt.staleness(t))
             if h < best_h:
                 best, best_h = t, h
@@ -251,6 +274,8 @@ def finish(rt: Runtime, graph: Graph, method: str, extra_stats: dict) -> Schedul
     stats = {"status": "heuristic", "evictions": rt.evictions, **extra_stats}
     if rt.alloc is not None:
         stats["pool_high_water"] = rt.alloc.high_water + graph.fixed_mem
+        stats["alloc_failures"] = len(rt.free_at_failure)
+        stats["free_at_failure"] = float(np.mean(rt.free_at_failure)) if rt.free_at_failure else 0.0
     return Schedule(graph=graph.name, method=method, ops=rt.ops, graph_hash=graph.hash, stats=stats)
 
 
