@@ -31,16 +31,18 @@ from bonsai_core.graph import Graph
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.solvers import METHODS, solve
 from bonsai_core.trace import trace_zoo
+from bonsai_core.zoo import GPT2_SMALL
 
 MODELS = {"default": {"gpt": {}, "resnet": {}, "unet": {}},
-          "large": {"gpt": {"batch": 32}, "resnet": {"batch": 64}, "unet": {"batch": 16}}}
+          "large": {"gpt": {"batch": 32}, "resnet": {"batch": 64}, "unet": {"batch": 16}},
+          "gpt2": {"gpt": GPT2_SMALL}}
 # label -> (method, options)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "chen": ("chen", {}),
-    "dtr": ("dtr", {}),
-    "dtr-pool": ("dtr", {"allocator": True}),
-    "coop": ("coop", {}),
-    "coop-nopart": ("coop", {"partition": False}),
+    "dtr": ("dtr", {"budget_hint": False}),
+    "dtr-pool": ("dtr", {"allocator": True, "budget_hint": False}),
+    "coop": ("coop", {"budget_hint": False}),
+    "coop-nopart": ("coop", {"partition": False, "budget_hint": False}),
 }
 ILP_METHODS = ("checkmate", "bonsai", "moccasin")
 

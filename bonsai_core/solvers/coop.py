@@ -39,7 +39,7 @@ from bonsai_core.allocator import Allocator, round_size
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule
-from bonsai_core.solvers.dtr import Runtime, finish
+from bonsai_core.solvers.dtr import Runtime, finish, with_budget_hint
 
 WindowCost = Literal["stale", "recompute"]
 
@@ -112,9 +112,11 @@ def coop_policy(window_cost: WindowCost = "stale") -> Callable[[Runtime, int], b
 
 
 def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = None,
-               window_cost: WindowCost = "stale", partition: bool = True, **_: object) -> Schedule:
-    """Coop in a pool of ``budget`` bytes (``fixed_mem`` included); see the module docstring.
-    O(evictions * (blocks + n + edges) + len(ops))."""
+               window_cost: WindowCost = "stale", partition: bool = True, budget_hint: bool = True,
+               **_: object) -> Schedule:
+    """Coop in a pool of ``budget`` bytes (``fixed_mem`` included); see the module docstring. On
+    failure, ``budget_hint`` bisects for a budget that works (8 more runs) to name it.
+    O(evictions * (blocks + n + edges) + len(ops)) per run."""
     if window_cost not in ("stale", "recompute"):
         raise SolverError(f"Unknown Coop window cost {window_cost!r}; use 'stale' or 'recompute'.")
     if budget is None:
@@ -123,7 +125,11 @@ def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = N
     if budget <= graph.fixed_mem:
         raise BudgetError(f"A pool of {budget} bytes cannot hold {graph.name!r}'s fixed memory "
                           f"({graph.fixed_mem} bytes); raise the budget.")
-    pool = Allocator(budget - graph.fixed_mem, policy="arena")
-    rt = Runtime(graph, budget, pool, cost_density_sides(graph) if partition else None)
-    rt.run(coop_policy(window_cost))
-    return finish(rt, graph, "coop", {"window_cost": window_cost, "partition": partition, "allocator": "arena"})
+    sides = cost_density_sides(graph) if partition else None
+
+    def run_once(b: int) -> Schedule:
+        rt = Runtime(graph, b, Allocator(b - graph.fixed_mem, policy="arena"), sides)
+        rt.run(coop_policy(window_cost))
+        return finish(rt, graph, "coop", {"window_cost": window_cost, "partition": partition, "allocator": "arena"})
+
+    return with_budget_hint(graph, budget, run_once) if budget_hint else run_once(budget)

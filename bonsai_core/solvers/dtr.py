@@ -279,17 +279,50 @@ def finish(rt: Runtime, graph: Graph, method: str, extra_stats: dict) -> Schedul
     return Schedule(graph=graph.name, method=method, ops=rt.ops, graph_hash=graph.hash, stats=stats)
 
 
+def with_budget_hint(graph: Graph, budget: int, run_once: Callable[[int], Schedule], steps: int = 8) -> Schedule:
+    """Run under ``budget``; if that fails, bisect (``steps`` runs, between the budget and twice the
+    no-remat peak) for a budget at which the method does run, and name it in the BudgetError.
+    A heuristic's success is not monotone in the budget, so the named budget is one that works,
+    not a proven minimum."""
+    from bonsai_core.schedule import no_remat_peak
+
+    try:
+        return run_once(budget)
+    except BudgetError as first:
+        lo, hi = budget, 2 * no_remat_peak(graph)
+
+        def works(b: int) -> bool:
+            try:
+                run_once(b)
+                return True
+            except BudgetError:
+                return False
+
+        if hi <= lo or not works(hi):
+            raise
+        for _ in range(steps):
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if works(mid) else (mid, hi)
+        raise BudgetError(f"{first} It does run under {format_bytes(hi)} ({hi} bytes; found by bisection, "
+                          "not a proven minimum).") from None
+
+
 def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = None,
-              heuristic: Heuristic = "neighbourhood", allocator: bool = False, **_: object) -> Schedule:
+              heuristic: Heuristic = "neighbourhood", allocator: bool = False, budget_hint: bool = True,
+              **_: object) -> Schedule:
     """DTR under ``budget`` live bytes, or (``allocator=True``) in a pool of ``budget`` bytes.
-    O(evictions * (n + edges) + len(ops))."""
+    On failure, ``budget_hint`` bisects for a budget that works (8 more runs) to name it.
+    O(evictions * (n + edges) + len(ops)) per run."""
     if heuristic not in ("neighbourhood", "local"):
         raise SolverError(f"Unknown DTR heuristic {heuristic!r}; use 'neighbourhood' or 'local'.")
-    pool = None
-    if allocator:
-        if budget is None:
-            raise BudgetError("DTR under the allocator model needs a budget: the pool's capacity.")
-        pool = Allocator(budget - graph.fixed_mem, policy="arena")
-    rt = Runtime(graph, budget, pool)
-    rt.run(dtr_policy(heuristic))
-    return finish(rt, graph, "dtr", {"heuristic": heuristic, "allocator": "arena" if allocator else "none"})
+    if allocator and budget is None:
+        raise BudgetError("DTR under the allocator model needs a budget: the pool's capacity.")
+
+    def run_once(b: int | None) -> Schedule:
+        rt = Runtime(graph, b, Allocator(b - graph.fixed_mem, policy="arena") if allocator else None)
+        rt.run(dtr_policy(heuristic))
+        return finish(rt, graph, "dtr", {"heuristic": heuristic, "allocator": "arena" if allocator else "none"})
+
+    if budget is None or not budget_hint:
+        return run_once(budget)
+    return with_budget_hint(graph, budget, run_once)
