@@ -60,7 +60,8 @@ def run(graph: Graph, budget: int | None, method: str, options: dict[str, Any]) 
             "status", "plan")
     return {"ok": True, **{k: s.stats[k] for k in keys if k in s.stats}, "reserved_peak": r.reserved_peak,
             "fragmentation": r.fragmentation, "arena_reserved": arena.reserved_peak,
-            "memory": s.budget if "pool_high_water" in s.stats else arena.reserved_peak, "seconds": time.perf_counter() - start}
+            "memory": s.budget if "pool_high_water" in s.stats else arena.reserved_peak,
+            "seconds": time.perf_counter() - start}
 
 
 def smallest_budget(graph: Graph, method: str, options: dict[str, Any], hi: int, steps: int = 12) -> int | None:

@@ -10,9 +10,10 @@ dynamic rematerialization *inside* the allocator, as OneFlow's DTR allocator doe
 * **sliding-window eviction** (``EvictAndFindPieceOnce``): when no free block fits a request, walk
   the pool's blocks in address order keeping a window of free blocks and evictable tensors whose
   size covers the request (a pinned tensor ends the window), and evict the window of least total
-  cost: one pass, two pointers. A tensor's cost is OneFlow's: its compute time plus the compute
-  time of the evicted regions next to it, divided by its staleness (the window already pays for
-  its size); ``window_cost="recompute"`` drops the staleness and neighbourhood terms.
+  cost: one pass, two pointers. A tensor's cost is OneFlow's (``RematableTensorStorage::cost``):
+  its neighbourhood cost (``dtr``'s: rebuild cost plus the evicted regions that read it) divided by
+  its staleness, with no size term since the window already covers the request;
+  ``window_cost="recompute"`` uses its plain compute cost instead.
 * **cheap tensor partitioning**: tensors of low cost density (seconds per byte, below the graph's
   median) are placed at the low end of the free block best-fit picks, the others at the high end, so
   cheap tensors cluster next to each other and a window of cheap tensors is contiguous.

@@ -8,11 +8,10 @@ tensor of lowest heuristic
 
 (cheap to recompute, large, long unused), and when an evicted tensor is read again it is recomputed,
 recursively through whatever of its own inputs was evicted too. The *evicted-neighbourhood* variant
-(DTR's h_DTR, the default) adds to cost(t) the cost of the evicted tensors connected to t through
-evicted tensors (its evicted ancestors would be recomputed with it, its evicted descendants would
-need it): evicting next to an evicted region makes that region more expensive. As in DTR's
-"equivalence class" approximation, these regions are the connected components of the evicted
-tensors (recomputed lazily when the evicted set changed).
+(DTR's h_DTR, the default) replaces cost(t) by what evicting t really puts at stake: its rebuild
+cost (its own cost plus rebuilding its non-resident inputs, recursively) and the cost of each
+region of evicted tensors that reads it (they would need t rebuilt). As in DTR's "equivalence
+class" approximation, the regions are the connected components of the evicted tensors.
 
 The budget limits live bytes (``fixed_mem`` included, as the simulator counts them). With
 ``allocator=True`` the budget is instead the capacity of an address-level pool
@@ -22,8 +21,10 @@ Coop's contiguous eviction is measured against.
 
 What DTR executed is emitted as compute/free ops: a static schedule the simulator validates and the
 exporter treats like any other. Inputs of the op being run (and of recomputations under way) are
-pinned (the resident ones before any missing one is rebuilt, so rebuilding cannot evict them); a base is evicted together with its resident views (views free first, as the simulator
-requires). Output-less tensors (the loss, gradients) are freed right after they are computed.
+pinned (the resident ones before any missing one is rebuilt, so rebuilding cannot evict them); a
+base is evicted together with its resident views (views free first, as the simulator requires).
+Output-less tensors (the loss, gradients) are freed right after they are computed. A tensor the
+program has freed for good stays rebuildable, at a cost the heuristic counts.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Callable, Literal
 
 import numpy as np
 
-from bonsai_core.allocator import Allocator
+from bonsai_core.allocator import Allocator, round_size
 from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
@@ -89,7 +90,7 @@ class Runtime:
 
     def fits(self, v: int) -> bool:
         if self.alloc is not None:
-            return not self.holds[v] or self.alloc.find_block(_rounded(self.mem[v]), "left") is not None
+            return not self.holds[v] or self.alloc.find_block(round_size(self.mem[v]), "left") is not None
         return self.budget is None or self.live + self.mem[v] <= self.budget
 
     def evictable(self, t: int) -> bool:
@@ -238,12 +239,6 @@ class Runtime:
 
     def staleness(self, t: int) -> float:
         return max(self.clock - self.last_access[t], 1e-12)
-
-
-def _rounded(nbytes: int) -> int:
-    from bonsai_core.allocator import round_size
-
-    return round_size(nbytes)
 
 
 def dtr_policy(heuristic: Heuristic = "neighbourhood") -> Callable[[Runtime, int], bool]:
