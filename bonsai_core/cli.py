@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     p.add_argument("dir", metavar="DIR", help="the folder `bonsai export` wrote")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--grads", choices=("direct", "autograd"), default="direct", help="how gradients are delivered")
+    p.add_argument("--grads", choices=("autograd", "direct"), default="autograd", help="how gradients are delivered")
     p.add_argument("--atol", type=_positive_float, default=1e-5, help="loss/gradient tolerance (default 1e-5)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)

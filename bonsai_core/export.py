@@ -231,7 +231,7 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
         f'    """Schedule ops {split}..{len(ops) - 1}: recomputations and the backward pass."""\n'
         f"{indent(bwd)}\n\n\n"
         "PROGRAM = Program(PARAMS, BUFFERS, INPUTS, forward_part, backward_part, INFO)\n\n\n"
-        "def load(model: nn.Module, grads: str = \"direct\") -> Checkpointed:\n"
+        "def load(model: nn.Module, grads: str = \"autograd\") -> Checkpointed:\n"
         '    """Wrap ``model`` (same class and shapes as exported) to train with the schedule:\n'
         "    ``loss = load(model)(*inputs, loss_fn=loss_fn); loss.backward()``. See README.md.\"\"\"\n"
         "    return Checkpointed(model, PROGRAM, grads)\n"
@@ -333,9 +333,9 @@ optimizer.step(); optimizer.zero_grad()
   are fine). Under `torch.no_grad()`, `ck(*inputs)` is just `model(*inputs)`.
 * Inputs, parameters and targets must have the traced shapes and dtypes (the schedule and its memory
   are made for them); `ck` raises a clear error otherwise.
-* `load(model, grads="autograd")` hands gradients back through autograd instead of writing `.grad`
-  as they are computed: needed for `DistributedDataParallel` and parameter hooks; it holds every
-  gradient until the backward pass ends (more memory than predicted).
+* Gradients reach autograd one by one, the moment the schedule computes them, so parameter hooks
+  and `DistributedDataParallel` work: wrap the checkpointed module, `DDP(ck)`, not `model`.
+  `load(model, grads="direct")` writes `.grad` itself instead, bypassing autograd and its hooks.
 
 ## Check it on your GPU
 
@@ -380,7 +380,7 @@ class Verification:
 
 
 def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, device: str = "cpu",
-                  seed: int = 0, grads: str = "direct") -> Verification:
+                  seed: int = 0, grads: str = "autograd") -> Verification:
     """Run one step of the original model and of the export on ``device`` (one after the other, so
     only one copy is resident) and compare loss, gradients and peak memory (``measure_step``)."""
     from bonsai_core import zoo

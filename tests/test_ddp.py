@@ -30,8 +30,8 @@ def _worker(rank: int, out_dir: str, store: str, results: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         model = zoo.build(MODEL, seed=0, **OPTIONS)[0]
-        # DDP needs every gradient to pass through autograd, where its all-reduce hooks sit
-        ddp = torch.nn.parallel.DistributedDataParallel(load_export(out_dir).load(model, grads="autograd"))
+        # the default grads="autograd" hands each gradient to autograd, where DDP's all-reduce hooks sit
+        ddp = torch.nn.parallel.DistributedDataParallel(load_export(out_dir).load(model))
         inputs, loss_fn = _shard(rank)
         ddp(*inputs, loss_fn=loss_fn).backward()
         torch.save({n: p.grad for n, p in model.named_parameters()}, f"{results}/rank{rank}.pt")

@@ -116,7 +116,7 @@ def test_export_matches_original_and_predicted_peak(small_steps, tmp_path, name,
 def test_plain_schedule_export_allocates_what_eager_pytorch_does(small_steps, tmp_path):
     traced, signature = small_steps["gpt"]
     out = export_traced(traced, signature, none_schedule(traced.graph), tmp_path)
-    v = verify_export("gpt", SMALL["gpt"], out)
+    v = verify_export("gpt", SMALL["gpt"], out, grads="direct")
     assert v.loss_diff == 0 and v.max_grad_diff == 0
     assert abs(v.measured_peak - v.predicted_peak) <= 64  # the autograd engine's 4-byte loss seed, rounded
     assert v.original_peak == pytest.approx(v.measured_peak, rel=0.01)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-GRAD_MODES = ("direct", "autograd")
+GRAD_MODES = ("autograd", "direct")
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,6 @@ class _ScheduledStep(torch.autograd.Function):
         params, mode = ctx.params, ctx.mode
         # loss.backward() seeds 1; anything else (a scaled loss, AMP's GradScaler) scales every gradient
         scale = None if bool((grad_loss == 1).all()) else grad_loss
-        grads: list[torch.Tensor | None] = [None] * len(tensors)
 
         def emit(j: int, g: torch.Tensor) -> None:
             if scale is not None:
@@ -66,11 +65,13 @@ class _ScheduledStep(torch.autograd.Function):
             if mode == "direct":
                 _accumulate(params[j], g)
             else:
-                grads[j] = g
+                # a reentrant backward from the parameter itself: autograd accumulates g and runs the
+                # parameter's hooks (DDP's all-reduce among them) now, not when this backward ends
+                torch.autograd.backward(params[j], g)
 
         ctx.program.backward(tensors, alive, ctx.dev, emit)
         del alive
-        return (None, None, None, *grads)
+        return (None, None, None, *([None] * len(tensors)))
 
 
 def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
@@ -90,13 +91,15 @@ class Checkpointed(nn.Module):
     backward part and the gradients land in ``model``'s ``.grad``. Under ``torch.no_grad()``,
     ``ck(*inputs)`` returns ``model(*inputs)`` (nothing to recompute without a backward pass).
 
-    ``grads="direct"`` (default) adds each parameter gradient into ``.grad`` the moment the schedule
-    computes it, as the simulator assumes, so the measured peak is the predicted one. ``grads="autograd"``
-    hands all gradients back to autograd at the end of the backward part instead: parameter hooks and
-    ``DistributedDataParallel`` see them, at the price of holding them until the backward part ends.
+    ``grads="autograd"`` (default) hands each parameter gradient to autograd the moment the schedule
+    computes it (a reentrant ``torch.autograd.backward`` from the parameter), so parameter hooks and
+    ``DistributedDataParallel``'s all-reduce run as in eager training. ``grads="direct"`` adds it into
+    ``.grad`` itself, bypassing autograd (and its hooks). Both free each gradient where the schedule
+    does; with ``.grad`` already allocated both reach the predicted peak. When ``.grad`` is None,
+    ``direct`` takes the gradient's storage over where autograd may copy it (one gradient at a time).
     """
 
-    def __init__(self, model: nn.Module, program: Program, grads: str = "direct") -> None:
+    def __init__(self, model: nn.Module, program: Program, grads: str = "autograd") -> None:
         super().__init__()
         if grads not in GRAD_MODES:
             raise ValueError(f"grads={grads!r}; choose one of {GRAD_MODES}.")
