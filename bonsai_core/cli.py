@@ -148,8 +148,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     schedule = load_schedule(args.schedule)
     out = export_model(args.model, model_options(args), schedule, args.output, seed=args.seed)
-    print(f"exported {args.model} with its {schedule.method} schedule to {out}: run it with {out}/checkpointed.py "
-          f"(see {out}/README.md); check it with `bonsai verify {args.model} ... {out}`")
+    opts = "".join(f" --{k} {v}" for k, v in model_options(args).items())
+    print(f"exported {args.model} with its {schedule.method} schedule to {out} (checkpointed.py, schedule.json, "
+          f"README.md); check it with: bonsai verify {args.model}{opts} {out}")
     return 0
 
 

@@ -104,7 +104,7 @@ def export_traced(traced: Traced, signature: StepSignature, schedule: Schedule, 
         saved = Schedule(graph=graph.name, method=schedule.method, ops=list(schedule.ops), budget=schedule.budget,
                          graph_hash=graph.hash, stats={**schedule.stats, **sim.stats()}, extra=schedule.extra)
         (out / "schedule.json").write_text(json.dumps(saved.to_dict(), separators=(",", ":")) + "\n")
-        (out / "README.md").write_text(_readme(info, schedule))
+        (out / "README.md").write_text(_readme(info, schedule, out.resolve()))
     except OSError as e:
         raise ExportError(f"Cannot write the export to {str(out)!r}: {e.strerror}. Choose a writable folder.") from None
     return out
@@ -299,7 +299,7 @@ class _Writer:
 
 # -- README --------------------------------------------------------------------------------------
 
-def _readme(info: dict[str, Any], schedule: Schedule) -> str:
+def _readme(info: dict[str, Any], schedule: Schedule, folder: Path) -> str:
     from bonsai_core.budget import format_bytes
 
     model = info.get("model", "MODEL")
@@ -319,7 +319,7 @@ recomputations, compute overhead {info['overhead']:+.2%}.
 ## Train with it (plain PyTorch, no bonsai needed)
 
 ```python
-import sys; sys.path.insert(0, "THIS_FOLDER")
+import sys; sys.path.insert(0, "{folder}")  # this folder
 import checkpointed
 
 ck = checkpointed.load(model)          # shares model's parameters
@@ -340,15 +340,16 @@ optimizer.step(); optimizer.zero_grad()
 ## Check it on your GPU
 
 ```
-bonsai verify {model} {opts} THIS_FOLDER --device cuda
+bonsai verify {model} {opts} {folder} --device cuda
 ```
 
 runs the original and this model side by side and prints the loss difference, the largest
 gradient difference, the predicted peak and the measured peak (`torch.cuda.max_memory_allocated`).
 Without bonsai installed, measure it yourself: `torch.cuda.reset_peak_memory_stats()`, one step as
 above, then `torch.cuda.max_memory_allocated()` (with `.grad` already allocated, as in steady-state
-training). The CUDA caching allocator rounds blocks up and cuBLAS keeps a workspace, so expect a few
-MiB above the prediction.
+training). `max_memory_allocated` also counts what the simulator does not model: the caching
+allocator's rounding of block sizes, and workspaces that cuBLAS and cuDNN (convolutions) allocate
+through it. On CPU (`bonsai verify ... --device cpu`) the measured peak matches the prediction.
 """
 
 
@@ -414,7 +415,10 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
         loss.backward()
         return loss
 
-    measured = measure_step(net, inputs, loss_fn, step=step)
+    try:
+        measured = measure_step(net, inputs, loss_fn, step=step)
+    except (TypeError, ValueError) as e:  # the runtime's own checks: shapes, dtypes, loss buffers
+        raise ModelError(f"The export in {str(out_dir)!r} does not fit {model!r} with these options: {e}") from None
     diff = max((float((p.grad.detach().cpu() - reference[n]).abs().max()) for n, p in net.named_parameters()
                 if n in reference), default=0.0)
     return Verification(device=measured.device, loss_original=original.loss, loss_exported=measured.loss,
