@@ -137,6 +137,10 @@ def test_scaled_loss_and_autograd_mode_give_the_same_gradients(small_steps, tmp_
             torch.testing.assert_close(p.grad, r, atol=ATOL, rtol=0)
     with torch.no_grad():
         torch.testing.assert_close(ck(*inputs), model(*inputs))
+    loss = ck(*inputs, loss_fn=loss_fn)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once per forward"):
+        loss.backward()
 
 
 def test_wrong_shapes_and_missing_loss_are_explained(small_steps, tmp_path):

@@ -55,6 +55,9 @@ class _ScheduledStep(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):  # noqa: ANN001
         tensors = ctx.saved_tensors
         alive, ctx.alive = ctx.alive, None
+        if alive is None:
+            raise RuntimeError("The scheduled backward frees the step's tensors as it goes, so it runs once per "
+                               "forward (retain_graph is not supported): call ck(...) again for another backward.")
         params, mode = ctx.params, ctx.mode
         # loss.backward() seeds 1; anything else (a scaled loss, AMP's GradScaler) scales every gradient
         scale = None if bool((grad_loss == 1).all()) else grad_loss
