@@ -103,7 +103,6 @@ def test_export_matches_original_and_predicted_peak(small_steps, tmp_path, name,
     g = traced.graph
     schedule = FACTORIES[factory](g, level)
     sim = simulate(g, schedule)
-    assert sim.recomputes > 0  # the factories really recompute
     out = export_traced(traced, signature, schedule, tmp_path, spec={"model": name, "options": SMALL[name]})
     v = verify_export(name, SMALL[name], out)
     assert v.predicted_peak == sim.peak
@@ -111,6 +110,42 @@ def test_export_matches_original_and_predicted_peak(small_steps, tmp_path, name,
     assert v.measured_peak == pytest.approx(sim.peak, rel=0.10)
     if sim.peak < 0.99 * v.original_peak:  # the schedule promises clearly less than the plain model uses
         assert v.measured_peak < v.original_peak
+
+
+@pytest.mark.parametrize("factory", ["checkpoint-every-other", "recompute-before-use"])
+def test_the_test_schedules_really_recompute(small_steps, factory):
+    for traced, _ in small_steps.values():
+        assert all(simulate(traced.graph, FACTORIES[factory](traced.graph, level)).recomputes > 0 for level in LEVELS)
+
+
+@pytest.mark.parametrize("name", ["resnet", "gpt"])
+def test_late_frees_and_nodes_left_resident_are_followed(small_steps, tmp_path, name):
+    """General schedules need not free at last use: delay random frees (or drop them, leaving the
+    node resident at the end); the real step must still match the simulator."""
+    traced, signature = small_steps[name]
+    g = traced.graph
+    rng = np.random.default_rng(0)
+    ops = list(recompute_before_use(g, 1).ops)
+    for _ in range(40):
+        i = int(rng.choice([k for k, (kind, _) in enumerate(ops) if kind == "free"]))
+        moved = ops[:i] + ops[i + 1:]
+        if rng.random() < 0.2:
+            candidate = moved  # never freed: resident at the end
+        else:
+            j = int(rng.integers(i, len(moved) + 1))
+            candidate = moved[:j] + [ops[i]] + moved[j:]
+        try:
+            simulate(g, candidate)
+        except ScheduleError:
+            continue  # the move broke a rule (a recompute of a still-resident node, a base freed before a view)
+        ops = candidate
+    schedule = Schedule(g.name, "test-late-frees", ops, graph_hash=g.hash)
+    sim = simulate(g, schedule)
+    assert sim.peak > simulate(g, recompute_before_use(g, 1)).peak  # the moves cost memory
+    out = export_traced(traced, signature, schedule, tmp_path)
+    v = verify_export(name, SMALL[name], out)
+    assert v.loss_diff <= ATOL and v.max_grad_diff <= ATOL
+    assert abs(v.measured_peak - sim.peak) <= 64
 
 
 def test_plain_schedule_export_allocates_what_eager_pytorch_does(small_steps, tmp_path):
