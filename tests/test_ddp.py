@@ -3,7 +3,6 @@ processes) and gets the gradients one process computes for the whole batch."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
