@@ -22,6 +22,7 @@ from bonsai_core.budget import format_bytes
 # name -> (module, function, one-line description)
 METHODS: dict[str, tuple[str, str, str]] = {
     "none": ("bonsai_core.solvers.baseline", "solve_none", "no rematerialization (the baseline peak)"),
+    "bonsai": ("bonsai_core.solvers.bonsai", "solve_bonsai", "Bonsai's segment ILP: checkpoint regions, optimal in its model"),
 }
 
 
