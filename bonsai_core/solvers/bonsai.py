@@ -66,7 +66,9 @@ from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.segment import Segmentation, segment
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, solve_milp
 
-_MIB = float(2**20)  # the model counts MiB: byte counts near 1e10 would strain the solvers' tolerances
+# The model counts memory in units of a thousandth of the plain peak: raw byte counts near 1e10 (or near
+# 1e1 on toy graphs) would strain the solvers' tolerances, and 1e-7 of a unit is under a byte up to 10 GB.
+_UNITS_PER_PEAK = 1000.0
 _CACHE_SIZE = 8
 _MAX_TIGHTEN = 4
 _SAVE_STEPS = 4  # steps of a segment's savings curve the ILP sees (more: tighter model, more non-zeros)
@@ -271,7 +273,8 @@ class BuiltModel:
     recompute: Any
     product: Any
     delta: Any
-    budget: Any  # cp.Parameter, MiB
+    budget: Any  # cp.Parameter, in units
+    unit: float  # bytes per unit of the model's memory rows
     build_seconds: float
     _min_peak: Any = None
 
@@ -306,8 +309,8 @@ class BuiltModel:
 
             z = cp.Variable()
             cons = [c for c in self.problem.constraints[:-1]]  # all but the budget row
-            cons.append(self.delta + self.interval_peak / _MIB <= z)
-            self._min_peak = (cp.Problem(cp.Minimize(z), cons), z)
+            cons.append(self.delta + self.interval_peak / self.unit <= z)
+            self._min_peak = (cp.Problem(cp.Minimize(z / _UNITS_PER_PEAK), cons), z)
         return self._min_peak
 
 
@@ -378,20 +381,21 @@ def _build(graph: Graph, seg: Segmentation) -> BuiltModel:
     recompute = cp.Variable(count, boolean=True, name="recompute")
     product = cp.Variable(count, boolean=True, name="product")
     delta = cp.Variable(k, name="delta")
-    budget = cp.Parameter(nonneg=True, name="budget_mib")
-    budget.value = float(memory.max()) / _MIB
+    budget = cp.Parameter(nonneg=True, name="budget")
+    unit = max(1.0, float(memory.max()) / _UNITS_PER_PEAK)
+    budget.value = float(memory.max()) / unit
     cost = coef.cost[candidates] / graph.total_cost if graph.total_cost > 0 else coef.cost[candidates]
     constraints = [
         flow @ select == rhs,
         product <= select, product <= recompute, product >= select + recompute - 1,
         recompute <= w.astype(np.float64),
-        diff @ delta == (events / _MIB) @ product,
-        delta + interval_peak / _MIB <= budget,
+        diff @ delta == (events / unit) @ product,
+        delta + interval_peak / unit <= budget,
     ]
     problem = cp.Problem(cp.Minimize(cost @ product), constraints)
     return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, plain=plain, candidates=candidates,
                       events=events, interval_peak=interval_peak, problem=problem,
-                      select=select, recompute=recompute, product=product, delta=delta, budget=budget,
+                      select=select, recompute=recompute, product=product, delta=delta, budget=budget, unit=unit,
                       build_seconds=time.perf_counter() - start)
 
 
@@ -413,7 +417,7 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
     solve_seconds = 0.0
     for _attempt in range(_MAX_TIGHTEN + 1):
         effective = target - tightened
-        built.budget.value = effective / _MIB
+        built.budget.value = effective / built.unit
         outcome = solve_milp(built.problem, backend=backend, time_limit=time_limit)
         solve_seconds += outcome.solve_seconds
         if outcome.status == "infeasible":
@@ -440,7 +444,7 @@ def _infeasible(graph: Graph, built: BuiltModel, budget: int, backend: str,
                 time_limit: float | None) -> BudgetError:
     problem, z = built.min_peak_problem()
     outcome = solve_milp(problem, backend=backend, time_limit=time_limit)
-    smallest = int(np.ceil(float(z.value) * _MIB))
+    smallest = int(np.ceil(float(z.value) * built.unit))
     proven = "" if outcome.status == "optimal" else " (the search for it stopped early; it may be lower)"
     return BudgetError(
         f"bonsai (granularity {built.seg.granularity}) found no checkpoint plan of {graph.name!r} within "

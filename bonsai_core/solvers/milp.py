@@ -58,7 +58,9 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
     variables, constraints = problem_size(problem)
     start = time.perf_counter()
     try:
-        problem.solve(solver=backend.upper(), verbose=verbose, **options)
+        # No warm start: CVXPY 1.9 hands HiGHS the previous solution after a Parameter change and
+        # HiGHS can return that stale point as "optimal" (seen on the bonsai ILP when raising the budget).
+        problem.solve(solver=backend.upper(), verbose=verbose, warm_start=False, **options)
     except cp.error.SolverError as e:
         limit = f" within the time limit of {time_limit:g} s" if time_limit else ""
         raise SolverError(f"The {backend} backend found no solution{limit} ({e}). Raise --time-limit, raise "
