@@ -20,22 +20,25 @@ rebuilds right before b" and "b computed". ``P[k]`` is the memory of the plan wi
 recomputed at point k (measured with the simulator). Every node's lifetime in a plan depends only
 on its own segment (dropped or kept) and on the rebuilds that read it, so the memory of any plan is
 ``P[k] + sum_s y[s] * D[s, k]`` up to the conservative bounds below, where ``D[s]`` is a step
-function with at most four steps:
+function with a handful of steps:
 
 * from the first point where a rebuild input of s (a kept node it reads) would be freed in the plain
   schedule: ``+ext[s]``, the bytes of those inputs, which must now stay alive until the rebuild;
-* from the step after the segment: ``-saved[s]``, the dropped nodes the plain schedule would keep;
-* at "rebuilds before r[s]" (r[s]: the first backward reader of a dropped node): ``+peak[s]``, the
-  most bytes of rebuilt copies alive at once while the segment is rebuilt;
+* at up to ``_SAVE_STEPS`` points inside and right after the segment, as the forward copies of
+  dropped nodes are freed: minus the savings so far (a staircase under the savings curve; in total
+  ``saved[s]``, the dropped nodes the plain schedule would keep for the backward pass);
+* at "rebuilds before r[s]" (r[s]: the first backward reader of a dropped node): ``peak[s]`` replaces
+  ``ext[s]``: the most bytes of rebuilt copies and kept inputs alive at once during the rebuild;
 * from "r[s] computed" on: 0 again (rebuilt copies live exactly as long as plain ones).
 
-So ``delta = cumsum(G @ y)`` over the event points (``G``: the step heights, 4 non-zeros per
-candidate), and ``delta[k] + max(P over interval k) <= budget``: one constraint per interval.
-Conservative where it is not exact: savings inside the segment's own forward steps are not counted,
-inputs are counted alive from the earliest of their plain frees, rebuild peaks of segments rebuilt
-before the same node are added, and two rebuilds reading the same input both count it. The
-simulator judges the result; should the simulated peak ever exceed the budget, the budget given to
-the model is tightened by the excess and the ILP re-solved (``stats["tightened_by"]``).
+So ``delta = cumsum(G @ y)`` over the event points (``G``: the step heights, at most
+``_SAVE_STEPS + 3`` non-zeros per candidate), and ``delta[k] + max(P over interval k) <= budget``:
+one constraint per interval, which covers every point where a peak can occur. Conservative where it
+is not exact: savings inside the segment are a staircase, inputs are counted alive from the earliest
+of their plain frees, rebuild peaks of segments rebuilt before the same node are added, and two
+rebuilds reading the same input both count it. The simulator judges the result; should the simulated
+peak ever exceed the budget, the budget given to the model is tightened by the excess and the ILP
+re-solved (``stats["tightened_by"]``).
 
 A candidate is worth recomputing only if what it saves exceeds the inputs it must keep
 (``saved > ext``, the paper's rule); multi-atom candidates that are not worth it are dropped from

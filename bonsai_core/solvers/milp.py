@@ -51,10 +51,14 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
     if backend not in cp.installed_solvers() and backend.upper() not in cp.installed_solvers():
         package = {"highs": "highspy", "scip": "pyscipopt"}[backend]
         raise SolverError(f"The {backend} backend is not installed: pip install {package}.")
-    options: dict[str, Any] = {}
+    # SCIP's default gap limit is 0 (prove the exact optimum); HiGHS stops at a relative gap of 1e-4.
+    # Give SCIP the same 1e-4, so that "optimal" means the same thing on both backends.
+    options: dict[str, Any] = {} if backend == "highs" else {"scip_params": {"limits/gap": 1e-4}}
     if time_limit is not None:
-        options = {"time_limit": float(time_limit)} if backend == "highs" else {
-            "scip_params": {"limits/time": float(time_limit)}}
+        if backend == "highs":
+            options["time_limit"] = float(time_limit)
+        else:
+            options["scip_params"]["limits/time"] = float(time_limit)
     variables, constraints = problem_size(problem)
     start = time.perf_counter()
     try:
@@ -77,7 +81,8 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
         raise SolverError(f"The {backend} backend stopped with status {status!r} and no solution{limit}. "
                           "Raise --time-limit or the budget, or try the other backend.")
     gap = _gap(problem, backend)
-    if status == "optimal" and (gap is None or gap <= 1e-4):
+    # A gap within 1e-4 is optimal on either backend, whatever CVXPY calls SCIP's "gap limit" stop.
+    if (gap is not None and gap <= 1e-4) or (status == "optimal" and gap is None):
         return MilpOutcome("optimal", float(problem.value), 0.0, seconds, variables, constraints)
     return MilpOutcome("feasible", float(problem.value), gap, seconds, variables, constraints)
 
