@@ -11,6 +11,8 @@ solution at all raises SolverError with what to do.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +61,8 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
             options["time_limit"] = float(time_limit)
         else:
             options["scip_params"]["limits/time"] = float(time_limit)
+    if backend == "highs":
+        _swallow_highs_banner()
     variables, constraints = problem_size(problem)
     start = time.perf_counter()
     try:
@@ -85,6 +89,33 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
     if (gap is not None and gap <= 1e-4) or (status == "optimal" and gap is None):
         return MilpOutcome("optimal", float(problem.value), 0.0, seconds, variables, constraints)
     return MilpOutcome("feasible", float(problem.value), gap, seconds, variables, constraints)
+
+
+_banner_swallowed = False
+
+
+def _swallow_highs_banner() -> None:
+    """HiGHS prints a banner on stdout when a process makes its first solver object, which would
+    corrupt ``bonsai solve --json``. Make that first object with stdout pointed at stderr."""
+    global _banner_swallowed
+    if _banner_swallowed:
+        return
+    import ctypes
+
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        highspy.Highs()
+        ctypes.CDLL(None).fflush(None)  # C stdio may hold the banner in its buffer
+    except (OSError, TypeError, AttributeError):  # no libc by that name: the banner may show, no harm
+        pass
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    _banner_swallowed = True
 
 
 def _gap(problem: Any, backend: str) -> float | None:
