@@ -41,13 +41,42 @@ def random_net(seed: int, n: int = 6) -> Graph:
     return Graph.from_nodes(f"net{seed}", 16, nodes)
 
 
+def viewed_net(seed: int, n: int = 6) -> Graph:
+    """Like random_net, with forward views: some f_i is followed by a view of it, which the next op
+    reads (and, sometimes, the backward pass too): the view must stay in its base's segment."""
+    rng = np.random.default_rng(seed)
+    nodes, fdeps, ids = [], [], []
+    for i in range(n):
+        deps = [len(nodes) - 1] if nodes else []
+        if i >= 2 and rng.random() < 0.3:
+            deps.append(ids[int(rng.integers(0, i - 1))])
+        nodes.append(dict(name=f"f{i}", phase="forward", cost=float(rng.uniform(1, 4)),
+                          mem=int(rng.integers(1, 9)) * 8, deps=sorted(set(deps))))
+        fdeps.append(sorted(set(deps)))
+        ids.append(len(nodes) - 1)
+        if i < n - 1 and rng.random() < 0.5:
+            nodes.append(dict(name=f"v{i}", phase="forward", cost=0.0, mem=0, deps=[ids[-1]], alias_of=ids[-1]))
+    for i in reversed(range(n)):
+        f = ids[i]
+        deps = {f, *fdeps[i]} | ({len(nodes) - 1} if i < n - 1 else set())
+        if f + 1 < len(nodes) and nodes[f + 1].get("alias_of") == f and rng.random() < 0.5:
+            deps.add(f + 1)  # the backward pass reads the view
+        nodes.append(dict(name=f"g{i}", phase="backward", cost=float(rng.uniform(1, 4)),
+                          mem=int(rng.integers(1, 9)) * 8, deps=sorted(deps)))
+    return Graph.from_nodes(f"viewed{seed}", 16, nodes)
+
+
 def all_plans(graph: Graph):
-    """Every checkpoint plan of a view-free graph: each split of the forward pass into contiguous
-    segments, with each subset of them recomputed."""
-    fwd = np.flatnonzero(graph.is_forward).tolist()
+    """Every checkpoint plan that keeps views with their bases: each split of the forward pass into
+    contiguous segments at allowed cuts, with each subset of the segments recomputed."""
+    from bonsai_core.segment import atom_boundaries
+
+    fwd, cuts_allowed = atom_boundaries(graph)
+    fwd = fwd.tolist()
+    inner = [c for c in cuts_allowed.tolist() if 0 < c < len(fwd)]
     m = len(fwd)
-    for cuts in itertools.product([False, True], repeat=m - 1):
-        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [m]
+    for cuts in itertools.product([False, True], repeat=len(inner)):
+        bounds = [0] + [c for c, on in zip(inner, cuts) if on] + [m]
         segments = [fwd[a:b] for a, b in zip(bounds, bounds[1:])]
         for rec in itertools.product([False, True], repeat=len(segments)):
             yield CheckpointPlan.of(segments, [i for i, r in enumerate(rec) if r])
@@ -63,7 +92,8 @@ def brute_force(graph: Graph) -> list[tuple[int, float]]:
 
 
 @pytest.mark.parametrize("graph", [chain(5), chain(6, mem=8), random_net(0), random_net(1), random_net(2),
-                                   random_net(3, n=7)], ids=lambda g: g.name)
+                                   random_net(3, n=7), viewed_net(0), viewed_net(1), viewed_net(2)],
+                         ids=lambda g: g.name)
 def test_bonsai_matches_brute_force_over_all_checkpoint_plans(graph):
     plans = brute_force(graph)
     peaks = sorted({p for p, _ in plans})
