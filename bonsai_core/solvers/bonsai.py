@@ -53,6 +53,7 @@ actually rebuilt, divided by the graph's total cost: the objective is the predic
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -318,6 +319,7 @@ class BuiltModel:
 
 
 _cache: "OrderedDict[tuple[str, int], BuiltModel]" = OrderedDict()
+_lock = threading.RLock()
 
 
 def build(graph: Graph, granularity: int | None = None) -> BuiltModel:
@@ -413,6 +415,12 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         schedule.stats = {"status": "optimal", "gap": 0.0, "variables": 0, "constraints": 0,
                           "build_seconds": 0.0, "solve_seconds": 0.0, "candidates": 0, "segments": 0}
         return schedule
+    with _lock:  # the cached problems are shared (explorer sessions run in threads)
+        return _solve(graph, budget, time_limit, granularity, backend)
+
+
+def _solve(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None,
+           backend: str) -> Schedule:
     cached = (graph.hash, segment(graph, granularity).granularity) in _cache
     built = build(graph, granularity)
     target = int(budget) if budget is not None else int(built.plain.memory.max())
@@ -447,7 +455,10 @@ def _infeasible(graph: Graph, built: BuiltModel, budget: int, backend: str,
                 time_limit: float | None) -> BudgetError:
     problem, z = built.min_peak_problem()
     outcome = solve_milp(problem, backend=backend, time_limit=time_limit)
-    smallest = int(np.ceil(float(z.value) * built.unit))
+    # The model's own peak of the plan found (exact bytes) is a budget the main problem accepts even
+    # at the solvers' tolerances; and it is above the budget just refused.
+    smallest = max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.product.value)),
+                   budget + 1)
     proven = "" if outcome.status == "optimal" else " (the search for it stopped early; it may be lower)"
     return BudgetError(
         f"bonsai (granularity {built.seg.granularity}) found no checkpoint plan of {graph.name!r} within "
