@@ -94,9 +94,9 @@ def main() -> None:
         label, g = load(args.granularity_model)
         plain = no_remat_peak(g)
         print(f"\nGranularity on {label} ({g.n} nodes), budget 70% of the no-remat peak, HiGHS:\n")
-        print("| granularity | candidates | ILP cand. | vars | cons | build s | solve s | status | peak/plain "
-              "| overhead |")
-        print("|" + "---|" * 10)
+        print("| granularity | candidates | ILP cand. | vars | cons | build s | solve s | status | gap | "
+              "peak/plain | overhead |")
+        print("|" + "---|" * 11)
         for gran in args.granularities:
             B._cache.clear()
             r = run(g, int(plain * 0.7), granularity=gran, time_limit=args.time_limit)
@@ -107,7 +107,7 @@ def main() -> None:
                 continue
             print(f"| {r['granularity']} | {r['candidates']} | {r['ilp_candidates']} | {r['variables']} | "
                   f"{r['constraints']} | {r['build_seconds']:.2f} | {r['solve_seconds']:.2f} | {r['status']} | "
-                  f"{r['peak'] / plain:.3f} | {r['overhead']:.4f} |", flush=True)
+                  f"{fmt(r['gap'], '.2g')} | {r['peak'] / plain:.3f} | {r['overhead']:.4f} |", flush=True)
 
     if not args.skip_resolve:
         label, g = load(args.resolve_model)
