@@ -1,0 +1,89 @@
+"""Model: pick a built-in model and trace it, or upload a graph / exported program; its summary."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from bonsai_core import zoo
+from bonsai_core.budget import format_bytes
+from bonsai_core.errors import BonsaiError
+from explorer import compute, loaders, state
+
+st.title("Model")
+st.caption("Trace a training step (forward + loss + backward) into an operator graph, or load one.")
+
+zoo_tab, upload_tab = st.tabs(["Built-in models", "Upload a graph or a .pt2"])
+
+with zoo_tab:
+    names = list(zoo.ZOO)
+    name = st.selectbox("Model", names, index=names.index("gpt"), key="zoo_name",
+                        format_func=lambda n: f"{n} — {zoo.ZOO[n].description}")
+    defaults = zoo.ZOO[name].options
+    cols = st.columns(min(len(defaults), 6) or 1)
+    chosen = {}
+    for i, (opt, default) in enumerate(defaults.items()):
+        chosen[opt] = int(cols[i % len(cols)].number_input(opt, min_value=1, value=int(default), step=1,
+                                                            key=f"zoo_{name}_{opt}"))
+    left, right = st.columns([1, 4])
+    if left.button("Trace", type="primary", key="trace"):
+        options = tuple(sorted((k, v) for k, v in chosen.items() if v != defaults[k]))
+        with st.status(f"Tracing {name}…", expanded=False) as status:
+            try:
+                status.write("Building the model under FakeTensorMode and capturing the joint graph (AOTAutograd)…")
+                traced = compute.trace_model(name, options)
+                status.update(label=f"Traced {traced.label}: {traced.graph.n} ops", state="complete")
+                state.set_model(traced)
+            except BonsaiError as e:
+                status.update(label="Tracing failed", state="error")
+                state.show_error(str(e), "Change the size options and trace again.")
+    right.caption("GPT-2 small (layers 12, width 768, heads 12, seq 512, vocab 50257) traces in a few "
+                  "seconds into ~1.5k ops.")
+    if st.button("Back to the built-in default", key="reset"):
+        state.set_model(compute.default_model(str(state.DEFAULT_GRAPH)))
+
+with upload_tab:
+    st.markdown(
+        "A **bonsai-graph JSON** (from `bonsai trace MODEL -o graph.json`) is read as data. "
+        "A **.pt2** from `torch.export.save(torch.export.export(model, example_inputs), 'model.pt2')` is loaded "
+        "with `torch.export.load` — only when it holds plain tensors and no pickled objects or compiled code — "
+        f"and its training step is traced with the loss **{loaders.LOSS_DESCRIPTION}**. "
+        f"Limit: {loaders.MAX_PT2_BYTES // 2**20} MiB.")
+    upload = st.file_uploader("Graph JSON or .pt2", type=["json", "pt2"], key="upload")
+    if upload is not None:
+        data = upload.getvalue()
+        if st.session_state.get("loaded_upload") != (upload.name, len(data)):
+            with st.spinner(f"Loading {upload.name}…"):
+                try:
+                    state.set_model(compute.load_upload(data, upload.name))
+                    st.session_state["loaded_upload"] = (upload.name, len(data))
+                except BonsaiError as e:
+                    state.show_error(str(e))
+
+m = state.model()
+g = m.graph
+summary = g.summary()
+reference = compute.no_remat(g).peak
+st.subheader(m.label)
+if m.note:
+    st.info(m.note)
+c = st.columns(5)
+c[0].metric("operators", summary["nodes"], help=f"{summary['forward_nodes']} forward, "
+            f"{summary['backward_nodes']} backward, {summary['views']} views, {summary['edges']} edges")
+c[1].metric("parameters", f"{m.parameters:,}" if m.parameters is not None else "—",
+            help="Unknown for an uploaded graph JSON (its fixed memory holds them).")
+c[2].metric("activation bytes", format_bytes(summary["activation_bytes"]), help="Outputs of all forward ops.")
+c[3].metric("no-remat peak", format_bytes(reference), help="Peak of the plain schedule: every op once.")
+c[4].metric("lower bound on any peak", format_bytes(summary["peak_lower_bound"]),
+            help="Fixed memory + the largest single op with its inputs: no schedule can peak lower.")
+c = st.columns(5)
+c[0].metric("forward ops", summary["forward_nodes"])
+c[1].metric("backward ops", summary["backward_nodes"])
+c[2].metric("fixed memory", format_bytes(summary["fixed_mem"]), help="Parameters, gradients, batch.")
+c[3].metric("step compute time", f"{summary['total_cost'] * 1e3:.3f} ms", help="Sum of op costs (cost model).")
+c[4].metric("lower bound / no-remat", f"{100 * summary['peak_lower_bound'] / reference:.0f}%")
+
+with st.expander("Largest activations"):
+    top = sorted(range(g.n), key=lambda v: -int(g.mem[v]))[:15]
+    st.dataframe([{"op": g.names[v], "kind": g.ops[v], "phase": g.phases[v], "shape": g.shapes[v],
+                   "bytes": format_bytes(int(g.mem[v])), "cost (µs)": round(float(g.cost[v]) * 1e6, 2)} for v in top],
+                 hide_index=True, width="stretch")
