@@ -19,18 +19,17 @@ import streamlit as st  # noqa: E402
 
 from explorer import state  # noqa: E402
 
-st.set_page_config(page_title="Bonsai explorer", page_icon="🌳", layout="wide")
+st.set_page_config(page_title="Bonsai explorer", page_icon=":material/park:", layout="wide")
 
 PAGES = [
-    st.Page(ROOT / "pages" / "model.py", title="Model", icon="🧩", url_path="model", default=True),
-    st.Page(ROOT / "pages" / "graph.py", title="Graph", icon="🕸️", url_path="graph"),
-    st.Page(ROOT / "pages" / "solve.py", title="Solve", icon="🧮", url_path="solve"),
-    st.Page(ROOT / "pages" / "memory.py", title="Memory", icon="📈", url_path="memory"),
-    st.Page(ROOT / "pages" / "compare.py", title="Compare", icon="⚖️", url_path="compare"),
-    st.Page(ROOT / "pages" / "export.py", title="Export", icon="📦", url_path="export"),
+    st.Page(ROOT / "pages" / "model.py", title="Model", icon=":material/account_tree:", default=True),
+    st.Page(ROOT / "pages" / "graph.py", title="Graph", icon=":material/hub:", url_path="graph"),
+    st.Page(ROOT / "pages" / "solve.py", title="Solve", icon=":material/calculate:", url_path="solve"),
+    st.Page(ROOT / "pages" / "memory.py", title="Memory", icon=":material/show_chart:", url_path="memory"),
+    st.Page(ROOT / "pages" / "compare.py", title="Compare", icon=":material/balance:", url_path="compare"),
+    st.Page(ROOT / "pages" / "export.py", title="Export", icon=":material/download:", url_path="export"),
 ]
 
 page = st.navigation(PAGES)
-st.sidebar.title("🌳 Bonsai explorer")
 state.sidebar()
 page.run()

@@ -49,7 +49,7 @@ for i, method in enumerate([s.method, *extra]):
                  "peak % of no remat": round(100 * out.sim.peak / base.peak, 1),
                  "overhead %": round(100 * out.sim.overhead, 2), "ops": len(out.schedule.ops),
                  "recomputed ops": out.sim.recomputes})
-if s.method != "none":
+if not any(r["schedule"] == "none" for r in rows):  # no remat is the reference line
     none = compute.solve(g, None, "none")
     curves.append(plots.curve("no remat", base.timeline, compute.op_costs(g, none.schedule), base.peak, base.peak_op,
                               plots.method_colour("none"), x_mode, dash="dash"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import streamlit as st
 
-from bonsai_core import zoo
 from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BonsaiError
 from explorer import compute, loaders, state
@@ -12,7 +11,38 @@ from explorer import compute, loaders, state
 st.title("Model")
 st.caption("Trace a training step (forward + loss + backward) into an operator graph, or load one.")
 
+m = state.model()
+g = m.graph
+summary = g.summary()
+reference = compute.no_remat(g).peak
+st.subheader(m.label)
+if m.note:
+    st.info(m.note)
+c = st.columns(5)
+c[0].metric("operators", summary["nodes"], help=f"{summary['forward_nodes']} forward, "
+            f"{summary['backward_nodes']} backward, {summary['views']} views, {summary['edges']} edges")
+params_slot = c[1].empty()  # filled last: counting them imports torch, which the first paint need not wait for
+c[2].metric("activation bytes", format_bytes(summary["activation_bytes"]), help="Outputs of all forward ops.")
+c[3].metric("no-remat peak", format_bytes(reference), help="Peak of the plain schedule: every op once.")
+c[4].metric("lower bound on any peak", format_bytes(summary["peak_lower_bound"]),
+            help="Fixed memory + the largest single op with its inputs: no schedule can peak lower.")
+c = st.columns(5)
+c[0].metric("forward ops", summary["forward_nodes"])
+c[1].metric("backward ops", summary["backward_nodes"])
+c[2].metric("fixed memory", format_bytes(summary["fixed_mem"]), help="Parameters, gradients, batch.")
+c[3].metric("step compute time", f"{summary['total_cost'] * 1e3:.3f} ms", help="Sum of op costs (cost model).")
+c[4].metric("lower bound / no-remat", f"{100 * summary['peak_lower_bound'] / reference:.0f}%")
+
+with st.expander("Largest activations"):
+    top = sorted(range(g.n), key=lambda v: -int(g.mem[v]))[:15]
+    st.dataframe([{"op": g.names[v], "kind": g.ops[v], "phase": g.phases[v], "shape": g.shapes[v],
+                   "bytes": format_bytes(int(g.mem[v])), "cost (µs)": round(float(g.cost[v]) * 1e6, 2)} for v in top],
+                 hide_index=True, width="stretch")
+
+st.subheader("Change the model")
 zoo_tab, upload_tab = st.tabs(["Built-in models", "Upload a graph or a .pt2"])
+
+from bonsai_core import zoo  # noqa: E402  (imports torch: after the summary is on screen)
 
 with zoo_tab:
     names = list(zoo.ZOO)
@@ -33,6 +63,8 @@ with zoo_tab:
                 traced = compute.trace_model(name, options)
                 status.update(label=f"Traced {traced.label}: {traced.graph.n} ops", state="complete")
                 state.set_model(traced)
+                st.toast(f"Traced {traced.label}: {traced.graph.n} ops in the graph.")
+                st.rerun()  # redraw the summary above for the new model
             except BonsaiError as e:
                 status.update(label="Tracing failed", state="error")
                 state.show_error(str(e), "Change the size options and trace again.")
@@ -40,6 +72,7 @@ with zoo_tab:
                   "seconds into ~1.5k ops.")
     if st.button("Back to the built-in default", key="reset"):
         state.set_model(compute.default_model(str(state.DEFAULT_GRAPH)))
+        st.rerun()
 
 with upload_tab:
     st.markdown(
@@ -51,39 +84,22 @@ with upload_tab:
     upload = st.file_uploader("Graph JSON or .pt2", type=["json", "pt2"], key="upload")
     if upload is not None:
         data = upload.getvalue()
-        if st.session_state.get("loaded_upload") != (upload.name, len(data)):
+        seen = st.session_state.get("loaded_upload")
+        if seen is None or seen[:2] != (upload.name, len(data)):
             with st.spinner(f"Loading {upload.name}…"):
                 try:
-                    state.set_model(compute.load_upload(data, upload.name))
-                    st.session_state["loaded_upload"] = (upload.name, len(data))
+                    loaded, error = compute.load_upload(data, upload.name), None
                 except BonsaiError as e:
-                    state.show_error(str(e))
+                    loaded, error = None, str(e)
+            st.session_state["loaded_upload"] = seen = (upload.name, len(data), error)  # tried once: no retry loop
+            if loaded is not None:
+                state.set_model(loaded)
+                st.rerun()
+        if seen[2]:
+            state.show_error(seen[2], "Upload another file: a bonsai-graph JSON or a .pt2 from torch.export.save.")
 
-m = state.model()
-g = m.graph
-summary = g.summary()
-reference = compute.no_remat(g).peak
-st.subheader(m.label)
-if m.note:
-    st.info(m.note)
-c = st.columns(5)
-c[0].metric("operators", summary["nodes"], help=f"{summary['forward_nodes']} forward, "
-            f"{summary['backward_nodes']} backward, {summary['views']} views, {summary['edges']} edges")
-c[1].metric("parameters", f"{m.parameters:,}" if m.parameters is not None else "—",
-            help="Unknown for an uploaded graph JSON (its fixed memory holds them).")
-c[2].metric("activation bytes", format_bytes(summary["activation_bytes"]), help="Outputs of all forward ops.")
-c[3].metric("no-remat peak", format_bytes(reference), help="Peak of the plain schedule: every op once.")
-c[4].metric("lower bound on any peak", format_bytes(summary["peak_lower_bound"]),
-            help="Fixed memory + the largest single op with its inputs: no schedule can peak lower.")
-c = st.columns(5)
-c[0].metric("forward ops", summary["forward_nodes"])
-c[1].metric("backward ops", summary["backward_nodes"])
-c[2].metric("fixed memory", format_bytes(summary["fixed_mem"]), help="Parameters, gradients, batch.")
-c[3].metric("step compute time", f"{summary['total_cost'] * 1e3:.3f} ms", help="Sum of op costs (cost model).")
-c[4].metric("lower bound / no-remat", f"{100 * summary['peak_lower_bound'] / reference:.0f}%")
-
-with st.expander("Largest activations"):
-    top = sorted(range(g.n), key=lambda v: -int(g.mem[v]))[:15]
-    st.dataframe([{"op": g.names[v], "kind": g.ops[v], "phase": g.phases[v], "shape": g.shapes[v],
-                   "bytes": format_bytes(int(g.mem[v])), "cost (µs)": round(float(g.cost[v]) * 1e6, 2)} for v in top],
-                 hide_index=True, width="stretch")
+parameters = m.parameters
+if parameters is None and m.zoo is not None:
+    parameters = compute.zoo_parameters(m.zoo, tuple(sorted(m.options.items())))
+params_slot.metric("parameters", f"{parameters:,}" if parameters is not None else "—",
+                   help="Unknown for an uploaded graph JSON (its fixed memory holds them).")
