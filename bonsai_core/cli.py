@@ -133,12 +133,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sim = simulate(g, schedule)
     stats = {"graph": g.name, "method": schedule.method, "budget": schedule.budget, **sim.stats(),
              "feasible": sim.feasible(schedule.budget), "ops": len(schedule.ops)}
+    if args.allocator:
+        from bonsai_core.allocator import replay
+
+        stats.update(replay(g, schedule).stats())
     if args.json:
         print(json.dumps(stats))
     else:
         fits = "" if schedule.budget is None else (" (within budget)" if stats["feasible"] else " (OVER budget)")
         print(f"{schedule.method} schedule on {g.name}: {len(schedule.ops)} ops, peak {format_bytes(sim.peak)}{fits}, "
               f"compute {sim.compute_cost:.6g} s, overhead {sim.overhead:+.2%}, {sim.recomputes} recomputations")
+        if args.allocator:
+            print(f"caching allocator: reserved peak {format_bytes(stats['reserved_peak'])} in {stats['segments']} "
+                  f"segment(s), fragmentation {stats['fragmentation']:.1%} at the reserved peak")
     return 0
 
 
@@ -183,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="replay a schedule and report its peak memory and cost")
     p.add_argument("graph", metavar="GRAPH.json")
     p.add_argument("schedule", metavar="SCHEDULE.json")
+    p.add_argument("--allocator", action="store_true",
+                   help="also replay through the caching-allocator model: reserved peak and fragmentation")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_simulate)
 

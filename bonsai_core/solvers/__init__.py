@@ -22,6 +22,9 @@ from bonsai_core.budget import format_bytes
 # name -> (module, function, one-line description)
 METHODS: dict[str, tuple[str, str, str]] = {
     "none": ("bonsai_core.solvers.baseline", "solve_none", "no rematerialization (the baseline peak)"),
+    "chen": ("bonsai_core.solvers.chen", "solve_chen", "sqrt(n) / memory-balanced greedy checkpointing (Chen et al. 2016)"),
+    "dtr": ("bonsai_core.solvers.dtr", "solve_dtr", "dynamic greedy eviction, h = cost / (memory * staleness) (DTR)"),
+    "coop": ("bonsai_core.solvers.coop", "solve_coop", "sliding-window contiguous eviction in the allocator's address space (Coop)"),
 }
 
 
