@@ -149,6 +149,32 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from bonsai_core.export import export_model
+    from bonsai_core.schedule import load_schedule
+
+    schedule = load_schedule(args.schedule)
+    out = export_model(args.model, model_options(args), schedule, args.output, seed=args.seed)
+    print(f"exported {args.model} with its {schedule.method} schedule to {out}: run it with {out}/checkpointed.py "
+          f"(see {out}/README.md); check it with `bonsai verify {args.model} ... {out}`")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from bonsai_core.export import verify_export
+
+    v = verify_export(args.model, model_options(args), args.dir, device=args.device, seed=args.seed, grads=args.grads)
+    ok = v.loss_diff <= args.atol and v.max_grad_diff <= args.atol and v.peak_error <= 0.10
+    if args.json:
+        print(json.dumps({**v.to_dict(), "ok": ok}))
+    else:
+        print(f"on {v.device}: loss {v.loss_exported:.6g} (original {v.loss_original:.6g}, difference {v.loss_diff:.3g}); "
+              f"largest gradient difference {v.max_grad_diff:.3g}\npeak: predicted {format_bytes(v.predicted_peak)}, "
+              f"measured {format_bytes(v.measured_peak)} ({v.peak_error:+.2%}); original model "
+              f"{format_bytes(v.original_peak)}\n{'OK' if ok else 'MISMATCH'}")
+    return 0 if ok else 1
+
+
 def cmd_app(args: argparse.Namespace) -> int:
     app = Path(__file__).resolve().parent.parent / "explorer" / "app.py"
     if not app.is_file():
@@ -194,6 +220,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also replay through the caching-allocator model: reserved peak and fragmentation")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("export", help="write a runnable checkpointed model that follows a schedule")
+    add_model_arguments(p)
+    p.add_argument("schedule", metavar="SCHEDULE.json", help="a schedule solved for this model's traced graph")
+    p.add_argument("-o", "--output", required=True, metavar="DIR")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("verify", help="run the original and an exported model side by side and compare")
+    add_model_arguments(p)
+    p.add_argument("dir", metavar="DIR", help="the folder `bonsai export` wrote")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--grads", choices=("direct", "autograd"), default="direct", help="how gradients are delivered")
+    p.add_argument("--atol", type=_positive_float, default=1e-5, help="loss/gradient tolerance (default 1e-5)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("app", help="start the explorer (streamlit run explorer/app.py)")
     p.add_argument("streamlit_args", nargs=argparse.REMAINDER, help="passed on to streamlit")
