@@ -111,6 +111,14 @@ def no_remat(graph: Graph) -> SimResult:
     return simulate(graph, none_schedule(graph))
 
 
+def names_option(method: str, option: str) -> bool:
+    """Whether a method's solve function declares ``option`` by name (not just ``**options``)."""
+    try:
+        return option in inspect.signature(solvers.get_solver(method)).parameters
+    except BonsaiError:
+        return False
+
+
 def accepted_options(method: str) -> set[str] | None:
     """The keyword options a method's solve function declares; None when it takes ``**options``."""
     try:

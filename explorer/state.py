@@ -102,6 +102,9 @@ def sidebar() -> Settings:
     ignored = tuple(sorted(k for k in chosen if accepted is not None and k not in accepted))
     if ignored:
         sb.caption(f"{method} takes no {', '.join(ignored)}: not passed.")
+    unnamed = [k for k, _ in options if not compute.names_option(method, k)]
+    if unnamed:
+        sb.caption(f"{method} does not name {', '.join(unnamed)}: passed, but it may ignore it.")
     s = Settings(budget, pct, method, options, ignored)
     ss["settings"] = s
     return s

@@ -50,7 +50,7 @@ else:
     st.caption("Pick methods and a budget range, then run the sweep: each point is a full solve (cached).")
 
 st.subheader("Solver cost against granularity")
-takes = [m for m in methods if (a := compute.accepted_options(m)) is None or "granularity" in a]
+takes = [m for m in methods if compute.names_option(m, "granularity")] or methods
 c1, c2 = st.columns([3, 3])
 gm = c1.multiselect("Methods", takes, default=[m for m in takes if m != "none"][:1] or takes[:1], key="gran_methods")
 n_fwd = max(2, int(g.is_forward.sum()))

@@ -18,6 +18,7 @@ from bonsai_core import solvers
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import Schedule, no_remat_peak
+from explorer import compute
 from tests.graphs import chain
 
 APP = "explorer/app.py"
@@ -85,6 +86,7 @@ def test_every_page_renders_on_the_default_model():
 
 def test_moving_the_budget_slider_moves_the_memory_plot():
     at = goto(app(), "memory")
+    at.sidebar.slider(key="budget_pct").set_value(100).run()
     before = budget_line(at)
     at.sidebar.slider(key="budget_pct").set_value(80).run()
     assert not at.exception
@@ -93,6 +95,7 @@ def test_moving_the_budget_slider_moves_the_memory_plot():
 
 def test_an_infeasible_budget_is_an_error_with_what_to_do_not_a_traceback():
     at = goto(app(), "solve")
+    at.sidebar.selectbox(key="method").set_value("none").run()
     at.sidebar.slider(key="budget_pct").set_value(50).run()
     assert not at.exception
     assert any("Raise the budget" in e.value for e in at.error)
@@ -153,6 +156,7 @@ def test_memory_page_overlays_ticked_methods_with_no_remat(fake_method):
 
 def test_compare_sweeps_budgets_and_granularities_with_progress(fake_method):
     at = goto(app(), "compare")
+    at.sidebar.slider(key="budget_pct").set_value(95).run()
     at.multiselect(key="sweep_methods").set_value(["fake", "none"]).run()
     at.number_input(key="sweep_points").set_value(3).run()
     at.button(key="sweep_run").click().run()
@@ -167,13 +171,21 @@ def test_compare_sweeps_budgets_and_granularities_with_progress(fake_method):
     assert len(set(variables)) == 3
 
 
-def test_export_offers_the_schedule_json(fake_method):
+def test_export_offers_the_schedule_json_and_the_checkpointed_model_zip(fake_method):
     at = app()
     at.sidebar.selectbox(key="method").set_value("fake").run()
+    at.sidebar.slider(key="budget_pct").set_value(90).run()
     goto(at, "export")
     assert not at.error
-    assert at.get("download_button")
-    assert any("bonsai export gpt schedule.json" in c.value for c in at.code) or at.get("button")
+    assert len(at.get("download_button")) == 2  # schedule and graph JSON
+    assert any("bonsai export gpt schedule.json" in c.value for c in at.code)
+    if compute.exporter() is None:
+        return
+    at.button(key="export_build").click().run()
+    assert not at.exception
+    assert not at.error, [e.value for e in at.error]
+    assert len(at.get("download_button")) == 3
+    assert any("checkpointed.py" in c.value for c in at.code)
 
 
 def test_tracing_a_zoo_model_replaces_the_summary():
