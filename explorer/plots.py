@@ -165,7 +165,7 @@ def graph_figure(graph: Graph, nodes: np.ndarray, pos: np.ndarray, group: np.nda
                 ex += [pos[j, 0], pos[i, 0], None]
                 ey += [pos[j, 1], pos[i, 1], None]
     fig = go.Figure()
-    fig.add_trace(go.Scattergl(x=ex, y=ey, mode="lines", line=dict(color="rgba(120,120,120,0.25)", width=1),
+    fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=dict(color="rgba(120,120,120,0.25)", width=1),
                                hoverinfo="skip", showlegend=False))
     fwd = graph.is_forward[nodes]
     context = np.zeros(len(nodes), dtype=bool) if context is None else np.asarray(context)
@@ -177,14 +177,14 @@ def graph_figure(graph: Graph, nodes: np.ndarray, pos: np.ndarray, group: np.nda
             continue
         hover = [_hover(graph, int(nodes[i]), group_names[group[i]] if group[i] >= 0 else "—", bool(recomputed[i]))
                  for i in idx]
-        fig.add_trace(go.Scattergl(
+        fig.add_trace(go.Scatter(
             x=pos[idx, 0], y=pos[idx, 1], mode="markers", name=name, text=hover, hoverinfo="text",
             marker=dict(color=colours[idx].tolist(), size=sizes[idx], symbol=symbol,
                         opacity=np.where(context[idx], 0.35, 1.0).tolist(),
                         line=dict(color=[RECOMPUTE if r else "white" for r in recomputed[idx]],
                                   width=[3 if r else 0.5 for r in recomputed[idx]]))))
     if recomputed.any():
-        fig.add_trace(go.Scattergl(x=[None], y=[None], mode="markers", name="recomputed",
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="recomputed",
                                    marker=dict(color="white", size=10, line=dict(color=RECOMPUTE, width=3))))
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)

@@ -57,7 +57,8 @@ if not any(r["schedule"] == "none" for r in rows):  # no remat is the reference 
                  "overhead %": 0.0, "ops": len(none.schedule.ops), "recomputed ops": 0})
 
 for method, error in errors:
-    state.show_error(f"{method}: {error}", "Raise the budget in the sidebar or untick the method.")
+    state.show_error(f"{method}: {error}", "Raise the budget in the sidebar or pick another method."
+                     if method == s.method else "Raise the budget in the sidebar or untick the method.")
 st.plotly_chart(plots.memory_figure(curves, s.budget, g.peak_lower_bound, x_mode), width="stretch",
                 key="memory_plot")
 st.dataframe(rows, hide_index=True, width="stretch")

@@ -26,7 +26,9 @@ from bonsai_core.schedule import no_remat_peak
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = ROOT / "screenshots"
-PAGES = {"model": "", "graph": "graph", "solve": "solve", "memory": "memory", "compare": "compare", "export": "export"}
+# page -> (URL path, whether it opens with a plot)
+PAGES = {"model": ("", False), "graph": ("graph", True), "solve": ("solve", True), "memory": ("memory", True),
+         "compare": ("compare", False), "export": ("export", False)}
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync"]
 
@@ -105,17 +107,31 @@ def drag_budget(page, fraction: float) -> float:
 
 
 def test_every_page_renders_without_an_exception(page, server):
-    for name, path in PAGES.items():
+    for name, (path, has_plot) in PAGES.items():
         start = time.perf_counter()
         page.goto(f"{server}/{path}")
         wait_idle(page)
         assert "Page not found" not in page.content(), name
-        if page.locator('[data-testid="stPlotlyChart"]').count():
-            page.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg')
+        if has_plot:
+            page.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg .scatterlayer .trace')
         page.wait_for_timeout(500)  # let plotly finish its transitions before the screenshot
         assert page.locator('[data-testid="stException"]').count() == 0, name
         page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
         print(f"{name}: {time.perf_counter() - start:.2f} s")
+
+
+def test_first_paint_of_the_default_model_within_three_seconds(page, server):
+    """A fresh session on a running server: from navigation to the model's summary on screen."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        page.goto(server)
+        page.wait_for_selector('[data-testid="stMetric"]')
+        times.append(time.perf_counter() - start)
+        wait_idle(page)
+    print("first paint (s):", " ".join(f"{t:.3f}" for t in times))
+    (SHOTS / "first-paint.txt").write_text(" ".join(f"{t:.4f}" for t in times) + "\n")
+    assert statistics.median(times) <= 3.0
 
 
 def test_budget_slider_moves_the_memory_plot_within_a_second(page, server):
