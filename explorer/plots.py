@@ -125,10 +125,12 @@ def layered_layout(graph: Graph, nodes: np.ndarray | None = None) -> np.ndarray:
         return np.zeros((1, 2))
     pos = nx.multipartite_layout(g, subset_key="layer", align="vertical")
     xy = np.array([pos[i] for i in range(len(nodes))], dtype=float)
-    y = xy[:, 1]
-    span = max(float(np.ptp(y)), 1e-9)
-    y = (y - y.min()) / span  # 0..1 within a band
     fwd = graph.is_forward[nodes]
+    y = np.zeros(len(nodes))
+    for band in (fwd, ~fwd):  # spread each pass over its own band, whatever the other's width
+        if band.any():
+            yb = xy[band, 1]
+            y[band] = (yb - yb.min()) / max(float(np.ptp(yb)), 1e-9) if np.ptp(yb) > 0 else 0.5
     out = np.zeros((len(nodes), 2))
     if fwd.all() or (~fwd).all():
         out[:, 0], out[:, 1] = depth, y
@@ -136,10 +138,10 @@ def layered_layout(graph: Graph, nodes: np.ndarray | None = None) -> np.ndarray:
     f_max = max(int(depth[fwd].max()), 1)
     b_min, b_max = int(depth[~fwd].min()), int(depth[~fwd].max())
     out[fwd, 0] = depth[fwd]
-    out[fwd, 1] = 1.2 + y[fwd]
+    out[fwd, 1] = 0.25 + 0.75 * y[fwd]
     # mirror the backward pass onto the same width, loss end on the right
     out[~fwd, 0] = f_max - (depth[~fwd] - b_min) * (f_max / max(b_max - b_min, 1))
-    out[~fwd, 1] = -y[~fwd]
+    out[~fwd, 1] = -0.25 - 0.75 * y[~fwd]
     return out
 
 

@@ -118,6 +118,13 @@ def test_every_page_renders_without_an_exception(page, server):
         assert page.locator('[data-testid="stException"]').count() == 0, name
         page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
         print(f"{name}: {time.perf_counter() - start:.2f} s")
+        if name == "compare":  # the sweep, with its progress bar, in the browser too
+            page.get_by_role("button", name="Run the sweep").click()
+            page.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg .scatterlayer .trace', timeout=120_000)
+            wait_idle(page)
+            assert page.locator('[data-testid="stException"]').count() == 0
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(SHOTS / "compare-sweep.png"), full_page=True)
 
 
 def test_first_paint_of_the_default_model_within_three_seconds(page, server):
