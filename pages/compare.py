@@ -17,8 +17,10 @@ methods = solvers.available_methods()
 
 st.subheader("Budget sweep")
 c1, c2, c3 = st.columns([3, 3, 1])
-chosen = c1.multiselect("Methods", methods, default=[m for m in methods if m != "none"] or methods,
-                        key="sweep_methods")
+# the sidebar's method against the quick heuristics; the exact solvers are a tick away (and slower)
+quick = [m for m in dict.fromkeys([s.method, "chen", "dtr", "coop"]) if m in methods]
+chosen = c1.multiselect("Methods", methods, default=quick, key="sweep_methods",
+                        help="Each point is a full solve at that budget with the sidebar's options.")
 low, high = c2.slider("Budgets (% of the no-remat peak)", 5, 100, (40, 100), step=5, key="sweep_range")
 points = c3.number_input("Points", 2, 40, 7, key="sweep_points")
 if st.button("Run the sweep", type="primary", key="sweep_run", disabled=not chosen):

@@ -39,7 +39,11 @@ c[3].metric("solve time", f"{solve:.3f} s" if isinstance(solve, (int, float)) el
 
 timeline = plots.curve(s.method, out.sim.timeline, compute.op_costs(g, out.schedule), out.sim.peak, out.sim.peak_op,
                        plots.method_colour(s.method))
-st.plotly_chart(plots.memory_figure([timeline], s.budget, g.peak_lower_bound, height=300), width="stretch",
+base = compute.no_remat(g)
+plain = compute.solve(g, None, "none")
+reference_curve = plots.curve("no remat", base.timeline, compute.op_costs(g, plain.schedule), base.peak,
+                              base.peak_op, plots.method_colour("none"), dash="dot")
+st.plotly_chart(plots.memory_figure([timeline, reference_curve] if s.method != "none" else [timeline], s.budget, g.peak_lower_bound, height=300), width="stretch",
                 key="solve_plot")
 
 segments = out.schedule.extra.get("segments")
