@@ -42,7 +42,8 @@ def cli_commands() -> str:
     lines = [f"bonsai trace {m.zoo} {flags}".rstrip() + " -o graph.json",
              f"bonsai solve graph.json --budget {s.budget} --method {s.method} {solve_flags}".rstrip()
              + " -o schedule.json",
-             "bonsai export " + shlex.quote(m.zoo) + " schedule.json -o checkpointed/"]
+             f"bonsai export {shlex.quote(m.zoo)} {flags}".rstrip() + " schedule.json -o checkpointed/",
+             f"bonsai verify {shlex.quote(m.zoo)} {flags}".rstrip() + " checkpointed/ --device cuda   # on the GPU machine"]
     return "\n".join(lines)
 
 
@@ -76,8 +77,16 @@ else:
     if built and built[0] == g.hash and built[1] == s:
         st.download_button("Download the checkpointed model (.zip)", built[2], file_name=f"{stem}.zip",
                            mime="application/zip", type="primary", key="dl_zip")
-        st.markdown("**Run it on a GPU machine** with the same torch version:")
-        st.code(f"unzip {stem}.zip && cd {stem}\npip install torch=={__import__('torch').__version__}\n"
-                "python checkpointed.py   # see README.md: it runs one step and reports peak memory", language="bash")
+        flags = " ".join(f"--{k} {v}" for k, v in sorted(m.options.items()))
+        st.markdown("**Run it on a GPU machine** (same torch version). Check it against the original model — "
+                    "loss, gradients, predicted vs measured peak (`torch.cuda.max_memory_allocated`):")
+        st.code(f"unzip {stem}.zip\nbonsai verify {m.zoo} {flags} {stem}/ --device cuda".replace("  ", " "),
+                language="bash")
+        st.markdown("Or train with it in plain PyTorch (no bonsai needed; the zip's README.md has the details):")
+        st.code(f'import sys; sys.path.insert(0, "{stem}")\nimport checkpointed\n\n'
+                "ck = checkpointed.load(model)          # shares model's parameters\n"
+                "loss = ck(*inputs, loss_fn=loss_fn)    # same loss as loss_fn(model(*inputs))\n"
+                "loss.backward()                        # the scheduled backward pass\n"
+                "optimizer.step(); optimizer.zero_grad()", language="python")
     st.caption("Or from the command line:")
     st.code(cli_commands(), language="bash")

@@ -25,8 +25,8 @@ st.caption("Forward ops (circles) run left to right along the top, backward ops 
                              "consecutive ops" + (", recomputed ops ringed in red." if recomputed.any() else ".")))
 
 c1, c2, c3 = st.columns([2, 2, 3])
-view = c1.segmented_control("View", ["collapsed", "every op"], key="graph_view",
-                            default="collapsed" if g.n > LARGE else "every op")
+default_view = "collapsed" if g.n > LARGE else "every op"
+view = c1.segmented_control("View", ["collapsed", "every op"], key="graph_view", default=default_view) or default_view
 block = c2.number_input("Block size (ops)", 4, 256, 16, step=4, key="graph_block",
                         help="Ops per block where there are no segments (and in the backward pass).")
 groups = plots.node_groups(g, segments, recomputed_segments, block=int(block))

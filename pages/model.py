@@ -49,11 +49,16 @@ with zoo_tab:
     name = st.selectbox("Model", names, index=names.index("gpt"), key="zoo_name",
                         format_func=lambda n: f"{n} — {zoo.ZOO[n].description}")
     defaults = zoo.ZOO[name].options
+    if name == "gpt" and st.button("GPT-2 small sizes", key="gpt2_preset",
+                                   help=", ".join(f"{k}={v}" for k, v in zoo.GPT2_SMALL.items())):
+        for k, v in zoo.GPT2_SMALL.items():  # before the inputs below exist, so they take these values
+            st.session_state[f"zoo_gpt_{k}"] = v
     cols = st.columns(min(len(defaults), 6) or 1)
     chosen = {}
     for i, (opt, default) in enumerate(defaults.items()):
-        chosen[opt] = int(cols[i % len(cols)].number_input(opt, min_value=1, value=int(default), step=1,
-                                                            key=f"zoo_{name}_{opt}"))
+        key = f"zoo_{name}_{opt}"
+        st.session_state.setdefault(key, int(default))  # state, not value=: the preset button sets it too
+        chosen[opt] = int(cols[i % len(cols)].number_input(opt, min_value=1, step=1, key=key))
     left, right = st.columns([1, 4])
     if left.button("Trace", type="primary", key="trace"):
         options = tuple(sorted((k, v) for k, v in chosen.items() if v != defaults[k]))
@@ -68,8 +73,7 @@ with zoo_tab:
             except BonsaiError as e:
                 status.update(label="Tracing failed", state="error")
                 state.show_error(str(e), "Change the size options and trace again.")
-    right.caption("GPT-2 small (layers 12, width 768, heads 12, seq 512, vocab 50257) traces in a few "
-                  "seconds into ~1.5k ops.")
+    right.caption("GPT-2 small traces in a few seconds into ~1.5k ops; its graph opens collapsed to segments.")
     if st.button("Back to the built-in default", key="reset"):
         state.set_model(compute.default_model(str(state.DEFAULT_GRAPH)))
         st.rerun()

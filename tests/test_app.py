@@ -185,7 +185,7 @@ def test_export_offers_the_schedule_json_and_the_checkpointed_model_zip(fake_met
     assert not at.exception
     assert not at.error, [e.value for e in at.error]
     assert len(at.get("download_button")) == 3
-    assert any("checkpointed.py" in c.value for c in at.code)
+    assert any("bonsai verify gpt" in c.value and "--device cuda" in c.value for c in at.code)
 
 
 def test_tracing_a_zoo_model_replaces_the_summary():
@@ -223,3 +223,12 @@ def test_uploading_a_pt2_traces_its_step_with_the_documented_loss(tmp_path):
     assert not at.error
     assert "sum of squares" in at.info[0].value
     assert at.session_state["model"].source == "pt2"
+
+
+def test_the_gpt2_small_preset_fills_in_the_size_options():
+    from bonsai_core.zoo import GPT2_SMALL
+
+    at = app()
+    at.button(key="gpt2_preset").click().run()
+    assert not at.exception and not at.warning
+    assert {k: at.number_input(key=f"zoo_gpt_{k}").value for k in GPT2_SMALL} == GPT2_SMALL
