@@ -21,6 +21,7 @@ from explorer import compute
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_GRAPH = ROOT / "assets" / "gpt-default.json"
 BACKENDS = ("default", "highs", "scip")
+DEFAULT_TIME_LIMIT = 20.0  # seconds per solve; 0 in the sidebar removes it
 PREFERRED_METHODS = ("bonsai", "chen", "checkmate", "none")
 
 
@@ -94,6 +95,9 @@ def sidebar() -> Settings:
         backend = st.selectbox("MILP backend", BACKENDS, key="backend")
         if backend != "default":
             chosen["backend"] = backend
+        # A visible default: an exact solver on a large graph (bonsai on GPT-2 small) can otherwise
+        # hold the page for minutes; at the limit it returns its best schedule (status "feasible").
+        ss.setdefault("time_limit", DEFAULT_TIME_LIMIT)
         limit = st.number_input("Time limit (s, 0 = none)", min_value=0.0, max_value=3600.0, step=5.0,
                                 key="time_limit")
         if limit > 0:
