@@ -26,7 +26,8 @@ reserved_on = c3.toggle("Reserved bytes (allocator model)", key="memory_reserved
                         "The allocator model (bonsai_core.allocator) is not in this checkout.")
 
 
-def reserved_of(outcome: compute.Outcome) -> np.ndarray | None:
+def allocation(outcome: compute.Outcome):
+    """The allocator replay of a solved schedule when the toggle is on (None otherwise)."""
     if not reserved_on:
         return None
     result = compute.replay(g, outcome)
@@ -34,7 +35,7 @@ def reserved_of(outcome: compute.Outcome) -> np.ndarray | None:
         st.warning(f"Allocator replay of {outcome.method}: {result}")
         return None
     reserved = getattr(result, "reserved", None)
-    return None if reserved is None or len(reserved) != len(outcome.schedule.ops) else np.asarray(reserved)
+    return None if reserved is None or len(reserved) != len(outcome.schedule.ops) else result
 
 
 curves, rows, errors = [], [], []
@@ -43,12 +44,18 @@ for i, method in enumerate([s.method, *extra]):
     if not out.ok:
         errors.append((method, out.error))
         continue
+    alloc = allocation(out)
     curves.append(plots.curve(method, out.sim.timeline, compute.op_costs(g, out.schedule), out.sim.peak,
-                              out.sim.peak_op, plots.method_colour(method, i), x_mode, reserved=reserved_of(out)))
-    rows.append({"schedule": method, "peak": format_bytes(out.sim.peak),
-                 "peak % of no remat": round(100 * out.sim.peak / base.peak, 1),
-                 "overhead %": round(100 * out.sim.overhead, 2), "ops": len(out.schedule.ops),
-                 "recomputed ops": out.sim.recomputes})
+                              out.sim.peak_op, plots.method_colour(method, i), x_mode,
+                              reserved=None if alloc is None else np.asarray(alloc.reserved)))
+    row = {"schedule": method, "peak": format_bytes(out.sim.peak),
+           "peak % of no remat": round(100 * out.sim.peak / base.peak, 1),
+           "overhead %": round(100 * out.sim.overhead, 2), "ops": len(out.schedule.ops),
+           "recomputed ops": out.sim.recomputes}
+    if alloc is not None:
+        row |= {"reserved peak": format_bytes(alloc.reserved_peak),
+                "fragmentation %": round(100 * float(alloc.fragmentation), 1)}
+    rows.append(row)
 if not any(r["schedule"] == "none" for r in rows):  # no remat is the reference line
     none = compute.solve(g, None, "none")
     curves.append(plots.curve("no remat", base.timeline, compute.op_costs(g, none.schedule), base.peak, base.peak_op,

@@ -150,6 +150,9 @@ def test_memory_page_overlays_ticked_methods_with_no_remat(fake_method):
     goto(at, "memory")
     names = [t.get("name") for t in plot_spec(at)["data"]]
     assert "fake" in names and "no remat" in names
+    if compute.allocator_replay() is not None:  # live vs reserved from the allocator model
+        assert "fake (reserved)" in names
+        assert "reserved peak" in at.dataframe[0].value.columns
     at.radio(key="memory_x").set_value("ops").run()
     assert plot_spec(at)["layout"]["xaxis"]["title"]["text"] == "schedule step (op)"
 
