@@ -140,6 +140,10 @@ def solve(graph: Graph, budget: int | None, method: str, options: Options = ()) 
         sim = simulate(graph, schedule)
     except BonsaiError as e:
         return Outcome(method, budget, options, error=str(e), wall_seconds=time.perf_counter() - start)
+    except Exception as e:  # a solver bug or a backend failure: say so in the page, never a traceback
+        return Outcome(method, budget, options, wall_seconds=time.perf_counter() - start,
+                       error=f"Method {method!r} failed unexpectedly ({type(e).__name__}: {e}). Try another method "
+                             "or backend, and report this with the model and budget.")
     return Outcome(method, budget, options, schedule, sim, wall_seconds=time.perf_counter() - start)
 
 

@@ -73,6 +73,9 @@ else:
                 st.session_state["export_zip"] = (g.hash, s, buf.getvalue())
             except BonsaiError as e:
                 state.show_error(str(e))
+            except Exception as e:  # an exporter failure: a message, not a traceback
+                state.show_error(f"The export failed ({type(e).__name__}: {e}).",
+                                 "Download the schedule JSON and run `bonsai export` to see the full error.")
     built = st.session_state.get("export_zip")
     if built and built[0] == g.hash and built[1] == s:
         st.download_button("Download the checkpointed model (.zip)", built[2], file_name=f"{stem}.zip",

@@ -70,9 +70,10 @@ with zoo_tab:
                 state.set_model(traced)
                 st.toast(f"Traced {traced.label}: {traced.graph.n} ops in the graph.")
                 st.rerun()  # redraw the summary above for the new model
-            except BonsaiError as e:
+            except Exception as e:  # ModelError, or torch refusing these sizes (st.rerun is no Exception)
                 status.update(label="Tracing failed", state="error")
-                state.show_error(str(e), "Change the size options and trace again.")
+                message = str(e) if isinstance(e, BonsaiError) else f"Tracing {name} failed ({type(e).__name__}: {e})."
+                state.show_error(message, "Change the size options and trace again.")
     right.caption("GPT-2 small traces in a few seconds into ~1.5k ops; its graph opens collapsed to segments.")
     if st.button("Back to the built-in default", key="reset"):
         state.set_model(compute.default_model(str(state.DEFAULT_GRAPH)))
@@ -95,6 +96,8 @@ with upload_tab:
                     loaded, error = compute.load_upload(data, upload.name), None
                 except BonsaiError as e:
                     loaded, error = None, str(e)
+                except Exception as e:  # e.g. torch failing to trace an exported program
+                    loaded, error = None, f"Could not load {upload.name} ({type(e).__name__}: {e})."
             st.session_state["loaded_upload"] = seen = (upload.name, len(data), error)  # tried once: no retry loop
             if loaded is not None:
                 state.set_model(loaded)

@@ -235,3 +235,13 @@ def test_the_gpt2_small_preset_fills_in_the_size_options():
     at.button(key="gpt2_preset").click().run()
     assert not at.exception and not at.warning
     assert {k: at.number_input(key=f"zoo_gpt_{k}").value for k in GPT2_SMALL} == GPT2_SMALL
+
+
+def test_tracing_with_impossible_sizes_is_an_error_and_keeps_the_model():
+    at = app()
+    at.selectbox(key="zoo_name").set_value("vgg").run()
+    at.number_input(key="zoo_vgg_image").set_value(1).run()
+    at.button(key="trace").click().run()
+    assert not at.exception
+    assert any("Change the size options" in e.value for e in at.error)
+    assert metric(at, "operators") == "267"
