@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,10 @@ from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate
 GRAPH_HASH = {Graph: lambda g: g.hash}
 
 Options = tuple[tuple[str, Any], ...]
+
+# Sessions rerun in threads; solvers keep cached models (a CVXPY problem whose budget parameter is
+# set before each solve), so two solves must not interleave.
+_SOLVE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,8 @@ def solve(graph: Graph, budget: int | None, method: str, options: Options = ()) 
     """``solvers.solve`` with the options the user set, its simulation, or its error message."""
     start = time.perf_counter()
     try:
-        schedule = solvers.solve(graph, budget, method, **dict(options))
+        with _SOLVE_LOCK:
+            schedule = solvers.solve(graph, budget, method, **dict(options))
         sim = simulate(graph, schedule)
     except BonsaiError as e:
         return Outcome(method, budget, options, error=str(e), wall_seconds=time.perf_counter() - start)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import threading
 import zipfile
 from typing import Any
@@ -45,9 +46,12 @@ def check_pt2(data: bytes) -> None:
 
     ``torch.export.load`` unpickles with ``weights_only=False`` for tensors stored as pickles,
     ``pickle.loads`` for opaque constants, loads TorchBind objects and AOTInductor shared
-    libraries, and falls back to an older format on errors. We accept only archives in the current
-    format whose weights and constants are raw tensor payloads; the sample inputs are then read with
-    ``weights_only`` forced on. O(number of archive members)."""
+    libraries, falls back to an older format on errors, resolves call targets by attribute path
+    from ``torch``, parses shape expressions with ``sympify``, and ``.module()`` compiles guard code.
+    We accept only archives in the current format whose weights and constants are raw tensor
+    payloads and whose program has static shapes, no guard code and only aten/prims call targets
+    (see :func:`_check_program`); the sample inputs are then read with ``weights_only`` forced on.
+    O(archive size)."""
     from torch.export.pt2_archive import constants as c
 
     if len(data) > MAX_PT2_BYTES:
@@ -69,6 +73,12 @@ def check_pt2(data: bytes) -> None:
     if not any(n.startswith(c.MODELS_DIR) and n.endswith(".json") for n in names):
         raise ModelError(refuse.format("is in an old format (or holds no exported program)", torch.__version__))
     for n in names:
+        if n.startswith(c.MODELS_DIR) and n.endswith(".json"):
+            try:
+                program = json.loads(archive.read(names[n]))
+            except ValueError:
+                raise ModelError(refuse.format(f"has an unreadable program ({n})", torch.__version__)) from None
+            _check_program(program, refuse, torch.__version__)
         if n.startswith((c.AOTINDUCTOR_DIR, c.EXECUTORCH_DIR, c.MTIA_DIR, c.XL_MODEL_WEIGHTS_DIR)):
             raise ModelError(refuse.format(f"holds compiled artifacts ({n})", torch.__version__))
         if n.startswith((c.WEIGHTS_DIR, c.CONSTANTS_DIR)) and n.endswith(".pt"):
@@ -84,6 +94,39 @@ def check_pt2(data: bytes) -> None:
                 path = str(meta.get("path_name", ""))
                 if path.startswith((c.CUSTOM_OBJ_FILENAME_PREFIX, c.OPAQUE_OBJ_FILENAME_PREFIX)):
                     raise ModelError(refuse.format(f"holds a custom object {fqn!r}", torch.__version__))
+
+
+# What an uploaded program may call: aten/prims kernels and tuple indexing. Deserialisation resolves
+# any "torch.<path>" target by attribute lookup (torch.os.system is one), so anything else is refused.
+_SAFE_TARGET = re.compile(r"^(torch\.ops\.(aten|prims)\.\w+(\.\w+)?|_operator\.getitem)$")
+
+
+def _check_program(program: Any, refuse: str, version: str) -> None:
+    """Refuse a serialised ExportedProgram whose loading or unlifting would evaluate strings:
+    guard code (compiled into a guard function by ``.module()``), symbolic shape expressions (parsed
+    with sympy's eval-based ``sympify``), custom objects, or call targets outside aten/prims."""
+    if not isinstance(program, dict):
+        raise ModelError(refuse.format("holds no exported program object", version))
+    if program.get("guards_code"):
+        raise ModelError(refuse.format("carries guard code, which loading would compile and run", version))
+    if program.get("range_constraints"):
+        raise ModelError(refuse.format("has dynamic shapes (export with static shapes)", version))
+    stack = [program]
+    while stack:  # O(size of the document)
+        x = stack.pop()
+        if isinstance(x, dict):
+            for key, value in x.items():
+                if key == "expr_str":
+                    raise ModelError(refuse.format("has symbolic shape expressions (export with static shapes)",
+                                                   version))
+                if key == "custom_obj_values" and value:
+                    raise ModelError(refuse.format("holds custom objects", version))
+                if key == "target" and isinstance(value, str) and not _SAFE_TARGET.match(value):
+                    raise ModelError(refuse.format(f"calls {value[:80]!r}, which is not an aten or prims operator",
+                                                   version))
+                stack.append(value)
+        elif isinstance(x, list):
+            stack.extend(x)
 
 
 class SumOfSquares:

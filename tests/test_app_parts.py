@@ -133,3 +133,21 @@ def test_memory_figure_draws_budget_line_and_each_peak():
     assert [t.name for t in fig.data if t.showlegend is not False] == ["bonsai", "none"]
     assert fig.layout.shapes[0].y0 == pytest.approx(120 / plots.MIB)
     assert curves[0].x[-1] > curves[1].x[-1]  # recomputation takes longer on the time axis
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda d: d["graph_module"]["graph"]["nodes"][0].update(target="torch.os.system"), "not an aten or prims"),
+    (lambda d: d.update(guards_code=["__import__('os').system('true')"]), "guard code"),
+    (lambda d: d.update(range_constraints={"s0": {"min_val": 1, "max_val": 8}}), "dynamic shapes"),
+    (lambda d: d["graph_module"]["graph"]["nodes"][0].update(meta={"expr_str": "s0*2"}), "symbolic shape"),
+])
+def test_a_pt2_program_that_loading_would_evaluate_is_refused(edit, reason):
+    def tamper(name: str, body: bytes) -> bytes:
+        if "/models/" in name and name.endswith(".json"):
+            doc = json.loads(body)
+            edit(doc)
+            return json.dumps(doc).encode()
+        return body
+
+    with pytest.raises(ModelError, match=reason):
+        loaders.check_pt2(rewrite(tiny_pt2(), tamper))
