@@ -30,6 +30,7 @@ PAGES = [
     st.Page(ROOT / "pages" / "export.py", title="Export", icon=":material/download:", url_path="export"),
 ]
 
+st.logo(str(ROOT / "assets" / "logo.svg"), icon_image=str(ROOT / "assets" / "icon.svg"), size="large")
 page = st.navigation(PAGES)
 state.sidebar()
 page.run()

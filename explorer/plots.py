@@ -89,7 +89,9 @@ def memory_figure(curves: Sequence[Curve], budget: int | None, lower_bound: int 
                       annotation_text=f"lower bound {format_bytes(lower_bound)}",
                       annotation_position="bottom right", annotation_font_color="#888")
     fig.update_xaxes(title="elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)")
-    fig.update_yaxes(title="memory (MiB)", rangemode="tozero")
+    tops = [c.peak for c in curves] + [int(np.max(c.reserved)) for c in curves if c.reserved is not None]
+    top = max(tops + ([budget] if budget is not None else []) + [1])
+    fig.update_yaxes(title="memory (MiB)", range=[0, 1.15 * top / MIB])  # headroom for the peak labels
     return _style(fig, height)
 
 

@@ -64,7 +64,7 @@ def sidebar() -> Settings:
     if "budget_pct" not in ss:
         ss["budget_pct"] = 100 if ss["method"] == "none" else 70
     sb = st.sidebar
-    sb.markdown(f":material/park: **Bonsai explorer** · {model().label}  \n{g.n} ops · no-remat peak {format_bytes(reference)}")
+    sb.markdown(f"**{model().label}**  \n{g.n} ops · no-remat peak {format_bytes(reference)}")
     method = sb.selectbox("Method", methods, key="method", format_func=lambda m: m,
                           help="\n".join(f"- **{m}**: {solvers.describe(m)}" for m in methods))
     sb.caption(solvers.describe(method))
