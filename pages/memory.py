@@ -58,10 +58,16 @@ for i, method in enumerate([s.method, *extra]):
     rows.append(row)
 if not any(r["schedule"] == "none" for r in rows):  # no remat is the reference line
     none = compute.solve(g, None, "none")
+    alloc = allocation(none)
     curves.append(plots.curve("no remat", base.timeline, compute.op_costs(g, none.schedule), base.peak, base.peak_op,
-                              plots.method_colour("none"), x_mode, dash="dash"))
-    rows.append({"schedule": "no remat", "peak": format_bytes(base.peak), "peak % of no remat": 100.0,
-                 "overhead %": 0.0, "ops": len(none.schedule.ops), "recomputed ops": 0})
+                              plots.method_colour("none"), x_mode, dash="dash",
+                              reserved=None if alloc is None else np.asarray(alloc.reserved)))
+    row = {"schedule": "no remat", "peak": format_bytes(base.peak), "peak % of no remat": 100.0,
+           "overhead %": 0.0, "ops": len(none.schedule.ops), "recomputed ops": 0}
+    if alloc is not None:
+        row |= {"reserved peak": format_bytes(alloc.reserved_peak),
+                "fragmentation %": round(100 * float(alloc.fragmentation), 1)}
+    rows.append(row)
 
 for method, error in errors:
     state.show_error(f"{method}: {error}", "Raise the budget in the sidebar or pick another method."
