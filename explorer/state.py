@@ -118,15 +118,21 @@ def settings() -> Settings:
     return st.session_state["settings"]
 
 
-def outcome(method: str | None = None) -> compute.Outcome:
-    """The current model solved with the sidebar's settings (``method`` overrides the method, and
-    then only the options that method takes are passed)."""
+def options_for(method: str) -> compute.Options:
+    """The sidebar's options that ``method`` takes (all of them for the sidebar's own method)."""
     s = settings()
-    if method is None or method == s.method:
-        return compute.solve(model().graph, s.budget, s.method, s.options)
+    if method == s.method:
+        return s.options
     accepted = compute.accepted_options(method)
-    options = tuple((k, v) for k, v in s.options if accepted is None or k in accepted)
-    return compute.solve(model().graph, s.budget, method, options)
+    return tuple((k, v) for k, v in s.options if accepted is None or k in accepted)
+
+
+def outcome(method: str | None = None) -> compute.Outcome:
+    """The current model solved with the sidebar's budget and options (``method`` overrides the
+    method, and then only the options that method takes are passed)."""
+    s = settings()
+    method = method or s.method
+    return compute.solve(model().graph, s.budget, method, options_for(method))
 
 
 def show_error(message: str, hint: str = "") -> None:

@@ -30,7 +30,7 @@ if st.button("Run the sweep", type="primary", key="sweep_run", disabled=not chos
     jobs = [(m, b) for m in chosen for b in budgets]
     for i, (method, budget) in enumerate(jobs):
         bar.progress(i / len(jobs), text=f"{method} at {100 * budget / reference:.0f}% ({i + 1}/{len(jobs)})")
-        out = compute.solve(g, budget, method, state.outcome(method).options)
+        out = compute.solve(g, budget, method, state.options_for(method))
         if out.ok:
             rows.append({"method": method, "budget": budget, "peak": out.sim.peak, "overhead": out.sim.overhead,
                          "solve_seconds": float(out.schedule.stats.get("solve_seconds", out.wall_seconds))})
@@ -71,7 +71,7 @@ if st.button("Run at the sidebar's budget", key="gran_run", disabled=not gm):
     jobs = [(m, k) for m in gm for k in grans]
     for i, (method, k) in enumerate(jobs):
         bar.progress(i / max(len(jobs), 1), text=f"{method}, granularity {k} ({i + 1}/{len(jobs)})")
-        options = dict(state.outcome(method).options)
+        options = dict(state.options_for(method))
         options["granularity"] = k
         out = compute.solve(g, s.budget, method, tuple(sorted(options.items())))
         if out.ok:
