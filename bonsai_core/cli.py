@@ -133,13 +133,78 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sim = simulate(g, schedule)
     stats = {"graph": g.name, "method": schedule.method, "budget": schedule.budget, **sim.stats(),
              "feasible": sim.feasible(schedule.budget), "ops": len(schedule.ops)}
+    if args.allocator:
+        from bonsai_core.allocator import replay
+
+        stats.update(replay(g, schedule).stats())
     if args.json:
         print(json.dumps(stats))
     else:
         fits = "" if schedule.budget is None else (" (within budget)" if stats["feasible"] else " (OVER budget)")
         print(f"{schedule.method} schedule on {g.name}: {len(schedule.ops)} ops, peak {format_bytes(sim.peak)}{fits}, "
               f"compute {sim.compute_cost:.6g} s, overhead {sim.overhead:+.2%}, {sim.recomputes} recomputations")
+        if args.allocator:
+            print(f"caching allocator: reserved peak {format_bytes(stats['reserved_peak'])} in {stats['segments']} "
+                  f"segment(s), fragmentation {stats['fragmentation']:.1%} at the reserved peak")
     return 0
+
+
+def _fraction_arg(text: str) -> float:
+    value = _budget_arg(text if text.strip().endswith("%") else text + "%")
+    if value.fraction is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: bench budgets are shares of the no-remat peak, like 70 or 70%")
+    return value.fraction
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bonsai_core import bench
+    from bonsai_core.peers import PEERS
+    from bonsai_core.solvers import METHODS
+
+    methods = args.methods or list(METHODS)
+    peers = args.peers if args.peers is not None else list(PEERS)
+    for m in methods:
+        if m not in METHODS:
+            raise BonsaiError(f"Unknown method {m!r}; choose from: {', '.join(METHODS)}.")
+    for p in peers:
+        if p not in PEERS:
+            raise BonsaiError(f"Unknown peer {p!r}; choose from: {', '.join(PEERS)}.")
+    config = bench.BenchConfig(
+        models=args.models or list(bench.QUICK_MODELS if args.quick else bench.FULL_MODELS),
+        budgets=args.budgets or list(bench.QUICK_BUDGETS if args.quick else bench.FULL_BUDGETS),
+        methods=methods, peers=peers,
+        time_limit=args.time_limit or (10.0 if args.quick else 60.0), backend=args.backend,
+        max_nodes=dict(bench.BENCH_NODE_LIMITS))
+    rows = bench.run_bench(config, args.output, progress=lambda line: print(line, flush=True))
+    print(f"wrote {len(rows)} rows to {args.output}/results.csv, results.md and plots")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from bonsai_core.export import export_model
+    from bonsai_core.schedule import load_schedule
+
+    schedule = load_schedule(args.schedule)
+    out = export_model(args.model, model_options(args), schedule, args.output, seed=args.seed)
+    opts = "".join(f" --{k} {v}" for k, v in model_options(args).items())
+    print(f"exported {args.model} with its {schedule.method} schedule to {out} (checkpointed.py, schedule.json, "
+          f"README.md); check it with: bonsai verify {args.model}{opts} {out}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from bonsai_core.export import verify_export
+
+    v = verify_export(args.model, model_options(args), args.dir, device=args.device, seed=args.seed, grads=args.grads)
+    ok = v.loss_diff <= args.atol and v.max_grad_diff <= args.atol and v.peak_error <= 0.10
+    if args.json:
+        print(json.dumps({**v.to_dict(), "ok": ok}))
+    else:
+        print(f"on {v.device}: loss {v.loss_exported:.6g} (original {v.loss_original:.6g}, difference {v.loss_diff:.3g}); "
+              f"largest gradient difference {v.max_grad_diff:.3g}\npeak: predicted {format_bytes(v.predicted_peak)}, "
+              f"measured {format_bytes(v.measured_peak)} ({v.peak_error:+.2%}); original model "
+              f"{format_bytes(v.original_peak)}\n{'OK' if ok else 'MISMATCH'}")
+    return 0 if ok else 1
 
 
 def cmd_app(args: argparse.Namespace) -> int:
@@ -183,8 +248,36 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="replay a schedule and report its peak memory and cost")
     p.add_argument("graph", metavar="GRAPH.json")
     p.add_argument("schedule", metavar="SCHEDULE.json")
+    p.add_argument("--allocator", action="store_true",
+                   help="also replay through the caching-allocator model: reserved peak and fragmentation")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("bench", help="every method and peer on the same models and budgets: tables and plots")
+    p.add_argument("--models", nargs="+", metavar="MODEL", help="zoo models, e.g. gpt or gpt:layers=2,width=256")
+    p.add_argument("--budgets", nargs="+", type=_fraction_arg, metavar="PCT", help="shares of the no-remat peak")
+    p.add_argument("--methods", nargs="+", metavar="METHOD", help="default: every method")
+    p.add_argument("--peers", nargs="*", metavar="PEER", help="torch-budget, per-block (default: both)")
+    p.add_argument("--quick", action="store_true", help="two small models, two budgets (a minute or two)")
+    p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="per solve (default 60, quick 10)")
+    p.add_argument("--backend", choices=("highs", "scip"), default="highs", help="MILP backend")
+    p.add_argument("-o", "--output", required=True, metavar="DIR")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("export", help="write a runnable checkpointed model that follows a schedule")
+    add_model_arguments(p)
+    p.add_argument("schedule", metavar="SCHEDULE.json", help="a schedule solved for this model's traced graph")
+    p.add_argument("-o", "--output", required=True, metavar="DIR")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("verify", help="run the original and an exported model side by side and compare")
+    add_model_arguments(p)
+    p.add_argument("dir", metavar="DIR", help="the folder `bonsai export` wrote")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--grads", choices=("autograd", "direct"), default="autograd", help="how gradients are delivered")
+    p.add_argument("--atol", type=_positive_float, default=1e-5, help="loss/gradient tolerance (default 1e-5)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("app", help="start the explorer (streamlit run explorer/app.py)")
     p.add_argument("streamlit_args", nargs=argparse.REMAINDER, help="passed on to streamlit")

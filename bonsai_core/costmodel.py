@@ -9,6 +9,7 @@ per-kernel cost that dominates small ops. Relative costs are what the solvers ne
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -37,3 +38,19 @@ PROFILES: dict[str, DeviceProfile] = {p.name: p for p in [
                   "a laptop/server CPU core complex: 200 GFLOP/s fp32, 25 GB/s DRAM"),
 ]}
 DEFAULT_PROFILE = "h100"
+
+
+def op_cost(profile: DeviceProfile, func: Any, args: Any, kwargs: Any, out: Any) -> float:
+    """Roofline cost of one aten op call on real or fake tensors: FLOPs from
+    ``torch.utils.flop_counter``'s registry (matmuls, convolutions, attention), else about one op per
+    output element; bytes moved are the distinct input and output storages."""
+    from torch.utils.flop_counter import flop_registry
+
+    from bonsai_core.tensors import storage_bytes, tensors_in
+
+    counter = flop_registry.get(getattr(func, "overloadpacket", None))
+    if counter is not None:
+        flops = float(counter(*args, **kwargs, out_val=out))
+    else:
+        flops = float(sum(t.numel() for t in tensors_in(out)))
+    return profile.cost(flops, storage_bytes((args, kwargs)) + storage_bytes(out))

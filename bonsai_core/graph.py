@@ -94,10 +94,13 @@ class Graph:
         self.ops = tuple(ops)
         self.phases = tuple(phases)
         self.shapes = tuple(shapes) if shapes is not None else ("",) * n
-        self.cost = np.asarray(list(cost), dtype=np.float64)
-        self.mem = np.asarray(list(mem), dtype=np.int64)
-        self.alias_of = np.asarray([-1 if a is None else a for a in alias_of], dtype=np.int64)
-        dep_lists = [sorted(set(int(d) for d in ds)) for ds in deps]
+        try:
+            self.cost = np.asarray(list(cost), dtype=np.float64)
+            self.mem = np.asarray(list(mem), dtype=np.int64)
+            self.alias_of = np.asarray([-1 if a is None else a for a in alias_of], dtype=np.int64)
+            dep_lists = [sorted(set(int(d) for d in ds)) for ds in deps]
+        except (OverflowError, ValueError, TypeError) as e:
+            raise GraphError(f"A node's cost, mem, deps or alias_of is not a number in range ({e}).") from None
         self.dep_ptr = np.zeros(n + 1, dtype=np.int64)
         self.dep_ptr[1:] = np.cumsum([len(ds) for ds in dep_lists])
         self.dep_idx = np.fromiter((d for ds in dep_lists for d in ds), dtype=np.int64, count=int(self.dep_ptr[-1]))
@@ -301,9 +304,14 @@ class Graph:
         return cls.from_nodes(_str_field(data.get("name", "graph"), "'name'"), fixed_mem, parsed)
 
 
+MAX_INT = 2**62  # bytes and ids beyond this are corrupt, not real (and overflow int64)
+
+
 def _int_field(x: Any, what: str) -> int:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x != int(x):
         raise GraphError(f"{what} is {x!r}; it must be a whole number.")
+    if abs(x) > MAX_INT:
+        raise GraphError(f"{what} is {x!r}, beyond any real size or id (at most 2**62).")
     return int(x)
 
 

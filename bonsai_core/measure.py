@@ -15,20 +15,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        seen[st._cdata] = st.nbytes()
-    return sum(seen.values())
+from bonsai_core.tensors import storage_bytes, tensors_in
 
 
 class LiveBytes(TorchDispatchMode):
@@ -47,8 +35,8 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
+        inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
+        for t in tensors_in(out):
             st = t.untyped_storage()
             key = st._cdata
             if key in inputs or key in self._sizes or st.device.type == "meta":

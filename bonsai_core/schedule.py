@@ -78,7 +78,7 @@ class Schedule:
             ops.append((op[0], op[1]))
         budget = data.get("budget")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                                   or not np.isfinite(budget) or budget < 0):
+                                   or not math.isfinite(budget) or not 0 <= budget <= 2**62):
             raise ScheduleError(f"'budget' is {budget!r}; it must be a byte count or null.")
         stats, extra = data.get("stats", {}), data.get("extra", {})
         if not isinstance(stats, dict) or not isinstance(extra, dict):

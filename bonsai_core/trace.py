@@ -29,9 +29,10 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES, DeviceProfile
+from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES, DeviceProfile, op_cost
 from bonsai_core.errors import ModelError
 from bonsai_core.graph import Graph
+from bonsai_core.tensors import storage_bytes, tensors_in
 
 
 
@@ -113,14 +114,14 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             ids[node] = _LEAF
-            fixed += _storage_bytes(node.meta.get("val"))
+            fixed += storage_bytes(node.meta.get("val"))
             continue
         if node.op == "output":
             outputs = [ids[a] for a in tree_flatten(node.args)[0] if isinstance(a, fx.Node) and ids[a] != _LEAF]
             continue
         if node.op == "get_attr":
             ids[node] = _LEAF
-            fixed += _storage_bytes(getattr(gm, node.target, None))
+            fixed += storage_bytes(getattr(gm, node.target, None))
             continue
         if node.target is operator.getitem:
             ids[node] = ids[node.args[0]]
@@ -138,8 +139,8 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
                 nodes.append({
                     "name": node.name, "op": op, "phase": phase, "deps": dep_ids,
                     "alias_of": ids[base] if is_view else None,
-                    "mem": 0 if is_view else _storage_bytes(node.meta.get("val")),
-                    "cost": 0.0 if is_view else _cost(node, inputs, profile),
+                    "mem": 0 if is_view else storage_bytes(node.meta.get("val")),
+                    "cost": 0.0 if is_view else _cost(node, profile),
                     "shape": _shape_str(node.meta.get("val")),
                 })
                 fx_names.append(node.name)
@@ -152,7 +153,7 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     for ph_name, p_name in signature.inputs_to_parameters.items():
         if p_name in grad_params:
-            fixed += _storage_bytes(placeholders[ph_name].meta.get("val", params.get(p_name)))
+            fixed += storage_bytes(placeholders[ph_name].meta.get("val", params.get(p_name)))
     return _prune(name, fixed, nodes, fx_names, outputs)
 
 
@@ -182,43 +183,20 @@ def _view_base(node: fx.Node, inputs: list[fx.Node]) -> fx.Node | None:
 
     Storage identity of the traced (fake) values, not the op's schema, decides: it also catches
     ``_unsafe_view`` and ops returning lists of views (``split``), which schemas do not mark."""
-    outs = _tensors(node.meta.get("val"))
+    outs = tensors_in(node.meta.get("val"))
     owners: dict[int, fx.Node] = {}
     for a in inputs:
-        for t in _tensors(a.meta.get("val")):
+        for t in tensors_in(a.meta.get("val")):
             owners.setdefault(t.untyped_storage()._cdata, a)
     bases = [owners.get(t.untyped_storage()._cdata) for t in outs]
     return bases[0] if bases and all(b is not None for b in bases) else None
 
 
-def _tensors(val: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor)]
-
-
-def _storage_bytes(val: Any) -> int:
-    seen, total = set(), 0
-    for t in _tensors(val):
-        storage = t.untyped_storage()
-        if storage._cdata not in seen:
-            seen.add(storage._cdata)
-            total += storage.nbytes()
-    return total
-
-
 def _shape_str(val: Any) -> str:
-    ts = _tensors(val)
+    ts = tensors_in(val)
     return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in ts[:3]) + (" ..." if len(ts) > 3 else "")
 
 
-def _cost(node: fx.Node, inputs: list[fx.Node], profile: DeviceProfile) -> float:
-    from torch.utils.flop_counter import flop_registry
-
-    flops = 0.0
-    counter = flop_registry.get(getattr(node.target, "overloadpacket", None))
-    if counter is not None:
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
-        flops = float(counter(*args, **kwargs, out_val=node.meta.get("val")))
-    else:  # elementwise/reduction work: about one op per output element
-        flops = float(sum(t.numel() for t in _tensors(node.meta.get("val"))))
-    moved = sum(_storage_bytes(a.meta.get("val")) for a in inputs) + _storage_bytes(node.meta.get("val"))
-    return profile.cost(flops, moved)
+def _cost(node: fx.Node, profile: DeviceProfile) -> float:
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+    return op_cost(profile, node.target, args, kwargs, node.meta.get("val"))

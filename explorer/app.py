@@ -1,6 +1,10 @@
-"""Bonsai explorer: `streamlit run explorer/app.py`.
+"""Bonsai explorer: ``streamlit run explorer/app.py`` (or ``bonsai app``).
 
-Opens on the built-in default model (a small GPT whose graph ships in assets/)."""
+The entry script: page setup, the shared sidebar (model + schedule settings) and the navigation.
+It opens on the built-in default model, a small GPT whose graph ships in ``assets/``. Each page in
+``pages/`` reads like a description of what the user sees; state, cached calls and plots live in
+``explorer/``.
+"""
 
 from __future__ import annotations
 
@@ -13,27 +17,20 @@ if str(ROOT) not in sys.path:  # `streamlit run` puts explorer/ on the path, not
 
 import streamlit as st  # noqa: E402
 
-from bonsai_core.budget import format_bytes  # noqa: E402
-from bonsai_core.graph import load_graph  # noqa: E402
-from bonsai_core.schedule import no_remat_peak  # noqa: E402
+from explorer import state  # noqa: E402
 
-DEFAULT_GRAPH = ROOT / "assets" / "gpt-default.json"
+st.set_page_config(page_title="Bonsai explorer", page_icon=":material/park:", layout="wide")
 
+PAGES = [
+    st.Page(ROOT / "pages" / "model.py", title="Model", icon=":material/account_tree:", default=True),
+    st.Page(ROOT / "pages" / "graph.py", title="Graph", icon=":material/hub:", url_path="graph"),
+    st.Page(ROOT / "pages" / "solve.py", title="Solve", icon=":material/calculate:", url_path="solve"),
+    st.Page(ROOT / "pages" / "memory.py", title="Memory", icon=":material/show_chart:", url_path="memory"),
+    st.Page(ROOT / "pages" / "compare.py", title="Compare", icon=":material/balance:", url_path="compare"),
+    st.Page(ROOT / "pages" / "export.py", title="Export", icon=":material/download:", url_path="export"),
+]
 
-@st.cache_resource
-def default_graph():
-    return load_graph(DEFAULT_GRAPH)
-
-
-st.set_page_config(page_title="Bonsai explorer", layout="wide")
-st.title("Bonsai explorer")
-st.caption("Optimal tensor rematerialization for PyTorch training: trace, segment, solve, simulate, export.")
-g = default_graph()
-summary = g.summary()
-st.subheader(f"Model: {g.name}")
-cols = st.columns(5)
-cols[0].metric("operators", summary["nodes"])
-cols[1].metric("forward ops", summary["forward_nodes"])
-cols[2].metric("no-remat peak", format_bytes(no_remat_peak(g)))
-cols[3].metric("fixed memory", format_bytes(g.fixed_mem))
-cols[4].metric("lower bound on any peak", format_bytes(g.peak_lower_bound))
+st.logo(str(ROOT / "assets" / "logo.svg"), icon_image=str(ROOT / "assets" / "icon.svg"), size="large")
+page = st.navigation(PAGES)
+state.sidebar()
+page.run()

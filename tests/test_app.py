@@ -1,7 +1,247 @@
+"""The explorer driven headless with Streamlit's AppTest: every page, its widgets, its errors.
+
+Methods other than ``none`` are written on other branches; here a test-local ``fake`` method
+(checkpoint regions of ``granularity`` consecutive forward ops, all recomputed when the budget is
+below the no-remat peak) is registered into ``METHODS`` so that segments, sweeps and options are
+exercised through the same ``solvers.solve`` path as the real ones.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
 from streamlit.testing.v1 import AppTest
+
+from bonsai_core import solvers
+from bonsai_core.graph import Graph
+from bonsai_core.regions import CheckpointPlan, plan_schedule
+from bonsai_core.schedule import Schedule, no_remat_peak
+from explorer import compute
+from tests.graphs import chain
+
+APP = "explorer/app.py"
+PAGES = ("graph", "solve", "memory", "compare", "export")
+
+
+def solve_fake(graph: Graph, budget: int | None, *, time_limit: float | None = None, granularity: int = 8) -> Schedule:
+    """Checkpoint regions of ``granularity`` consecutive forward ops; all recomputed under a budget."""
+    fwd = [v for v in range(graph.n) if graph.is_forward[v]]
+    segments = [fwd[i:i + granularity] for i in range(0, len(fwd), granularity)]
+    tight = budget is not None and budget < no_remat_peak(graph)
+    schedule = plan_schedule(graph, CheckpointPlan.of(segments, range(len(segments)) if tight else ()), "fake")
+    schedule.stats = {"status": "optimal", "gap": 0.0, "variables": 3 * len(segments), "constraints": len(fwd),
+                      "build_seconds": 0.001, "solve_seconds": 0.002}
+    return schedule
+
+
+@pytest.fixture
+def fake_method(monkeypatch):
+    monkeypatch.setitem(solvers.METHODS, "fake", ("tests.test_app", "solve_fake", "test-local checkpoint regions"))
+
+
+def app() -> AppTest:
+    at = AppTest.from_file("../" + APP, default_timeout=60)
+    at.run()
+    assert not at.exception
+    return at
+
+
+def goto(at: AppTest, page: str) -> AppTest:
+    at.switch_page(f"../pages/{page}.py").run()
+    assert not at.exception, at.exception
+    return at
+
+
+def plot_spec(at: AppTest, index: int = 0) -> dict:
+    return json.loads(at.get("plotly_chart")[index].proto.spec)
+
+
+def budget_line(at: AppTest) -> float:
+    """The y of the memory plot's budget line (MiB)."""
+    shapes = plot_spec(at)["layout"]["shapes"]
+    return next(s["y0"] for s in shapes if s.get("line", {}).get("dash") == "dash")
+
+
+def metric(at: AppTest, label: str) -> str:
+    return next(m.value for m in at.metric if m.label == label)
 
 
 def test_app_opens_on_the_default_model():
-    at = AppTest.from_file("../explorer/app.py", default_timeout=60).run()
+    at = app()
+    assert metric(at, "operators") == "267"
+    assert metric(at, "no-remat peak") == "31.24 MiB"
+    assert metric(at, "parameters") != "—"
+    assert not at.error
+
+
+def test_every_page_renders_on_the_default_model():
+    at = app()
+    for page in PAGES:
+        goto(at, page)
+        assert not at.error, (page, [e.value for e in at.error])
+        assert at.title[0].value
+
+
+def test_moving_the_budget_slider_moves_the_memory_plot():
+    at = goto(app(), "memory")
+    at.sidebar.slider(key="budget_pct").set_value(100).run()
+    before = budget_line(at)
+    at.sidebar.slider(key="budget_pct").set_value(80).run()
     assert not at.exception
-    assert at.metric[0].value == "267"
+    assert budget_line(at) == pytest.approx(0.8 * before, rel=0.01)
+
+
+def test_an_infeasible_budget_is_an_error_with_what_to_do_not_a_traceback():
+    at = goto(app(), "solve")
+    at.sidebar.selectbox(key="method").set_value("none").run()
+    at.sidebar.slider(key="budget_pct").set_value(50).run()
+    assert not at.exception
+    assert any("Raise the budget" in e.value for e in at.error)
+
+
+def test_an_exact_budget_overrides_the_slider_and_a_bad_one_says_how_to_write_it():
+    at = goto(app(), "memory")
+    at.sidebar.text_input(key="budget_text").input("40MiB").run()
+    assert budget_line(at) == pytest.approx(40.0)
+    at.sidebar.text_input(key="budget_text").input("lots").run()
+    assert not at.exception
+    assert any("Cannot read the budget" in e.value for e in at.sidebar.error)
+
+
+def test_a_segment_method_colours_the_graph_and_reports_its_solve(fake_method):
+    at = app()
+    at.sidebar.selectbox(key="method").set_value("fake").run()
+    at.sidebar.slider(key="budget_pct").set_value(80).run()
+    goto(at, "solve")
+    assert not at.error
+    assert metric(at, "status") == "optimal"
+    assert metric(at, "variables") == str(3 * ((at.session_state["model"].graph.is_forward.sum() + 7) // 8))
+    overhead = metric(at, "compute overhead")
+    assert overhead != "0.00%"
+    goto(at, "graph")
+    assert "segments of the **fake** schedule" in at.caption[0].value
+    every_op = plot_spec(at)  # 267 ops: opens op by op
+    assert sum(len(t["text"]) for t in every_op["data"][1:] if t.get("name") in ("forward op", "backward op")) == 267
+    at.segmented_control(key="graph_view").set_value("collapsed").run()
+    assert plot_spec(at) != every_op
+    at.selectbox(key="graph_drill").set_value("segment 1").run()
+    assert not at.exception
+    assert any(c.value.startswith("**segment 1**") for c in at.main.caption)
+
+
+def test_setting_granularity_passes_it_and_changes_the_schedule(fake_method):
+    at = app()
+    at.sidebar.selectbox(key="method").set_value("fake").run()
+    at.sidebar.slider(key="budget_pct").set_value(95).run()
+    goto(at, "solve")
+    default_vars = metric(at, "variables")
+    at.sidebar.toggle(key="granularity_on").set_value(True).run()
+    at.sidebar.slider(key="granularity").set_value(16).run()
+    assert not at.exception
+    assert metric(at, "variables") != default_vars
+
+
+def test_memory_page_overlays_ticked_methods_with_no_remat(fake_method):
+    at = app()
+    at.sidebar.selectbox(key="method").set_value("fake").run()
+    at.sidebar.slider(key="budget_pct").set_value(90).run()
+    goto(at, "memory")
+    names = [t.get("name") for t in plot_spec(at)["data"]]
+    assert "fake" in names and "no remat" in names
+    if compute.allocator_replay() is not None:  # live vs reserved from the allocator model
+        assert "fake (reserved)" in names
+        assert "reserved peak" in at.dataframe[0].value.columns
+    at.radio(key="memory_x").set_value("ops").run()
+    assert plot_spec(at)["layout"]["xaxis"]["title"]["text"] == "schedule step (op)"
+
+
+def test_compare_sweeps_budgets_and_granularities_with_progress(fake_method):
+    at = goto(app(), "compare")
+    at.sidebar.slider(key="budget_pct").set_value(95).run()
+    at.multiselect(key="sweep_methods").set_value(["fake", "none"]).run()
+    at.number_input(key="sweep_points").set_value(3).run()
+    at.button(key="sweep_run").click().run()
+    assert not at.exception
+    spec = plot_spec(at)
+    assert {t["name"] for t in spec["data"]} >= {"fake", "Pareto front"}
+    at.multiselect(key="gran_methods").set_value(["fake"]).run()
+    at.text_input(key="gran_values").input("4, 8, 16").run()
+    at.button(key="gran_run").click().run()
+    assert not at.exception
+    variables = [r for t in plot_spec(at, 1)["data"] if t.get("xaxis") == "x2" for r in t["y"]]
+    assert len(set(variables)) == 3
+
+
+def test_export_offers_the_schedule_json_and_the_checkpointed_model_zip(fake_method):
+    at = app()
+    at.sidebar.selectbox(key="method").set_value("fake").run()
+    at.sidebar.slider(key="budget_pct").set_value(90).run()
+    goto(at, "export")
+    assert not at.error
+    assert len(at.get("download_button")) == 2  # schedule and graph JSON
+    assert any("bonsai export gpt schedule.json" in c.value for c in at.code)
+    if compute.exporter() is None:
+        return
+    at.button(key="export_build").click().run()
+    assert not at.exception
+    assert not at.error, [e.value for e in at.error]
+    assert len(at.get("download_button")) == 3
+    assert any("bonsai verify gpt" in c.value and "--device cuda" in c.value for c in at.code)
+
+
+def test_tracing_a_zoo_model_replaces_the_summary():
+    at = app()
+    at.selectbox(key="zoo_name").set_value("mlp").run()
+    at.number_input(key="zoo_mlp_layers").set_value(2).run()
+    at.button(key="trace").click().run()
+    assert not at.exception
+    assert not at.error
+    assert at.session_state["model"].graph.name == "mlp(layers=2)"
+    assert metric(at, "operators") == str(at.session_state["model"].graph.n)
+
+
+def test_uploading_a_graph_json_loads_it_and_a_bad_file_is_an_error():
+    g = chain(12)
+    at = app()
+    at.file_uploader(key="upload").upload("chain.json", json.dumps(g.to_dict()).encode(), "application/json").run()
+    assert not at.exception
+    assert metric(at, "operators") == str(g.n)
+    assert metric(at, "parameters") == "—"
+    at.file_uploader(key="upload").upload("bad.json", b"{not json", "application/json").run()
+    assert not at.exception
+    assert any("not valid JSON" in e.value for e in at.error)
+
+
+def test_uploading_a_pt2_traces_its_step_with_the_documented_loss(tmp_path):
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    buf = io.BytesIO()
+    torch.export.save(torch.export.export(model, (torch.randn(2, 8),)), buf)
+    at = app()
+    at.file_uploader(key="upload").upload("tiny.pt2", buf.getvalue()).run()
+    assert not at.exception
+    assert not at.error
+    assert "sum of squares" in at.info[0].value
+    assert at.session_state["model"].source == "pt2"
+
+
+def test_the_gpt2_small_preset_fills_in_the_size_options():
+    from bonsai_core.zoo import GPT2_SMALL
+
+    at = app()
+    at.button(key="gpt2_preset").click().run()
+    assert not at.exception and not at.warning
+    assert {k: at.number_input(key=f"zoo_gpt_{k}").value for k in GPT2_SMALL} == GPT2_SMALL
+
+
+def test_tracing_with_impossible_sizes_is_an_error_and_keeps_the_model():
+    at = app()
+    at.selectbox(key="zoo_name").set_value("vgg").run()
+    at.number_input(key="zoo_vgg_image").set_value(1).run()
+    at.button(key="trace").click().run()
+    assert not at.exception
+    assert any("Change the size options" in e.value for e in at.error)
+    assert metric(at, "operators") == "267"

@@ -22,6 +22,10 @@ from bonsai_core.budget import format_bytes
 # name -> (module, function, one-line description)
 METHODS: dict[str, tuple[str, str, str]] = {
     "none": ("bonsai_core.solvers.baseline", "solve_none", "no rematerialization (the baseline peak)"),
+    "bonsai": ("bonsai_core.solvers.bonsai", "solve_bonsai", "Bonsai's segment ILP: checkpoint regions, optimal in its model"),
+    "chen": ("bonsai_core.solvers.chen", "solve_chen", "sqrt(n) / memory-balanced greedy checkpointing (Chen et al. 2016)"),
+    "dtr": ("bonsai_core.solvers.dtr", "solve_dtr", "dynamic greedy eviction, h = cost / (memory * staleness) (DTR)"),
+    "coop": ("bonsai_core.solvers.coop", "solve_coop", "sliding-window contiguous eviction in the allocator's address space (Coop)"),
     "checkmate": ("bonsai_core.solvers.checkmate", "solve_checkmate", "Checkmate's op-level MILP (optimal in its stage model; up to 400 nodes)"),
     "moccasin": ("bonsai_core.solvers.moccasin", "solve_moccasin", "Moccasin's retention-interval CP model on CP-SAT (option copies, default 2)"),
 }

@@ -11,6 +11,8 @@ solution at all raises SolverError with what to do.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -51,16 +53,22 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
     if backend not in cp.installed_solvers() and backend.upper() not in cp.installed_solvers():
         package = {"highs": "highspy", "scip": "pyscipopt"}[backend]
         raise SolverError(f"The {backend} backend is not installed: pip install {package}.")
-    options: dict[str, Any] = {}
+    # SCIP's default gap limit is 0 (prove the exact optimum); HiGHS stops at a relative gap of 1e-4.
+    # Give SCIP the same 1e-4, so that "optimal" means the same thing on both backends.
+    options: dict[str, Any] = {} if backend == "highs" else {"scip_params": {"limits/gap": 1e-4}}
     if time_limit is not None:
-        options = {"time_limit": float(time_limit)} if backend == "highs" else {
-            "scip_params": {"limits/time": float(time_limit)}}
+        if backend == "highs":
+            options["time_limit"] = float(time_limit)
+        else:
+            options["scip_params"]["limits/time"] = float(time_limit)
     if backend == "highs":
-        _banner_to_stderr()
+        _swallow_highs_banner()
     variables, constraints = problem_size(problem)
     start = time.perf_counter()
     try:
-        problem.solve(solver=backend.upper(), verbose=verbose, **options)
+        # No warm start: CVXPY 1.9 hands HiGHS the previous solution after a Parameter change and
+        # HiGHS can return that stale point as "optimal" (seen on the bonsai ILP when raising the budget).
+        problem.solve(solver=backend.upper(), verbose=verbose, warm_start=False, **options)
     except cp.error.SolverError as e:
         limit = f" within the time limit of {time_limit:g} s" if time_limit else ""
         raise SolverError(f"The {backend} backend found no solution{limit} ({e}). Raise --time-limit, raise "
@@ -77,22 +85,22 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
         raise SolverError(f"The {backend} backend stopped with status {status!r} and no solution{limit}. "
                           "Raise --time-limit or the budget, or try the other backend.")
     gap = _gap(problem, backend)
-    if status == "optimal" and (gap is None or gap <= 1e-4):
+    # A gap within 1e-4 is optimal on either backend, whatever CVXPY calls SCIP's "gap limit" stop.
+    if (gap is not None and gap <= 1e-4) or (status == "optimal" and gap is None):
         return MilpOutcome("optimal", float(problem.value), 0.0, seconds, variables, constraints)
     return MilpOutcome("feasible", float(problem.value), gap, seconds, variables, constraints)
 
 
-_banner_shown = False
+_banner_swallowed = False
 
 
-def _banner_to_stderr() -> None:
-    """HiGHS prints a banner on stdout when the process makes its first solver, whatever the
-    options: make that first one with stdout pointed at stderr, so ``--json`` output stays JSON."""
-    global _banner_shown
-    if _banner_shown:
+def _swallow_highs_banner() -> None:
+    """HiGHS prints a banner on stdout when a process makes its first solver object, which would
+    corrupt ``bonsai solve --json``. Make that first object with stdout pointed at stderr."""
+    global _banner_swallowed
+    if _banner_swallowed:
         return
-    import os
-    import sys
+    import ctypes
 
     import highspy
 
@@ -101,10 +109,13 @@ def _banner_to_stderr() -> None:
     try:
         os.dup2(2, 1)
         highspy.Highs()
+        ctypes.CDLL(None).fflush(None)  # C stdio may hold the banner in its buffer
+    except (OSError, TypeError, AttributeError):  # no libc by that name: the banner may show, no harm
+        pass
     finally:
         os.dup2(saved, 1)
         os.close(saved)
-        _banner_shown = True
+    _banner_swallowed = True
 
 
 def _backend_has_solution(problem: Any, backend: str) -> bool:

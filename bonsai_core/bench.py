@@ -1,0 +1,286 @@
+"""``bonsai bench``: every method and every peer on the same models and budgets, in one run.
+
+Writes ``results.csv`` (one row per model x budget x method), ``results.md`` (a table per model and
+the honest list of budgets where bonsai is not the best feasible method) and plots, each as PNG
+(matplotlib) and interactive HTML (plotly): overhead vs budget (Pareto fronts), solve time vs graph
+size (log-log) for the optimising methods, and peak vs budget.
+
+Every schedule row comes from :func:`bonsai_core.solvers.solve`, so it was validated by the simulator;
+peer rows are measured on a real CPU step (:mod:`bonsai_core.peers`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from bonsai_core.errors import BonsaiError, ModelError
+
+COLUMNS = ["model", "nodes", "method", "budget_bytes", "budget_fraction", "feasible", "peak", "overhead",
+           "solve_seconds", "build_seconds", "variables", "constraints", "status", "gap", "reserved_peak",
+           "fragmentation", "note"]
+OPTIMISERS = ("checkmate", "bonsai", "moccasin")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A zoo model at one size: ``gpt`` or ``gpt:layers=2,width=256``."""
+
+    name: str
+    options: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "ModelSpec":
+        name, _, opts = text.partition(":")
+        options = []
+        for item in filter(None, opts.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq or not value.strip().isdigit():
+                raise ModelError(f"Cannot read the model option {item!r} in {text!r}; write name:key=N,key=N, "
+                                 "for example gpt:layers=2,width=256.")
+            options.append((key.strip(), int(value)))
+        return cls(name.strip(), tuple(sorted(options)))
+
+    @property
+    def label(self) -> str:
+        return self.name if not self.options else self.name + ":" + ",".join(f"{k}={v}" for k, v in self.options)
+
+
+QUICK_MODELS = ("mlp:layers=3,batch=512", "gpt:layers=1,seq=64")
+QUICK_BUDGETS = (0.7, 0.5)
+FULL_MODELS = (
+    "mlp:layers=4,batch=512", "mlp", "mlp:layers=12,batch=2048",
+    "vgg:image=16", "vgg", "vgg:layers=3,image=64",
+    "resnet:image=16", "resnet", "resnet:layers=3,image=64",
+    "unet:layers=2,image=32", "unet", "unet:layers=4,image=128",
+    "gpt:layers=1,seq=64", "gpt", "gpt:layers=4,width=256,seq=256",
+    "gpt:batch=8,seq=512,width=768,layers=12,heads=12,vocab=50257",
+)
+FULL_BUDGETS = (0.9, 0.7, 0.5, 0.3)
+# Graph sizes past which the full bench does not run a method (each still has its own hard limits):
+# the op-level MILP's O(n^2) binaries would only time out there, at the time limit per cell.
+BENCH_NODE_LIMITS = {"checkmate": 300, "moccasin": 700}
+
+
+@dataclass
+class BenchConfig:
+    models: list[str]
+    budgets: list[float]
+    methods: list[str]
+    peers: list[str]
+    time_limit: float = 60.0
+    backend: str = "highs"
+    profile: str = "h100"
+    max_nodes: dict[str, int] = field(default_factory=dict)  # method -> largest graph it is run on
+
+
+def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Run every (model, budget, method) and peer; write results.csv, results.md and the plots."""
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers import solve
+    from bonsai_core.trace import trace_zoo
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for text in config.models:
+        spec = ModelSpec.parse(text)
+        traced = trace_zoo(spec.name, profile=config.profile, **dict(spec.options))
+        g = traced.graph
+        reference = no_remat_peak(g)
+        progress(f"{spec.label}: {g.n} nodes, no-remat peak {reference} bytes (traced in {traced.seconds:.1f} s)")
+        for fraction in config.budgets:
+            budget = int(fraction * reference)
+            for method in config.methods:
+                row = _row(spec.label, g.n, method, budget, fraction)
+                limit = config.max_nodes.get(method)
+                if limit is not None and g.n > limit:
+                    row["note"] = f"not run: {g.n} nodes > {limit} (bench size limit for {method})"
+                    rows.append(row)
+                    continue
+                start = time.perf_counter()
+                try:
+                    s = solve(g, budget, method=method, time_limit=config.time_limit, backend=config.backend)
+                    row.update(_schedule_fields(g, s))
+                except BonsaiError as e:
+                    row["note"] = str(e).split(". ")[0][:160]
+                    row["solve_seconds"] = time.perf_counter() - start
+                rows.append(row)
+                progress(f"  {fraction:.0%} {method:10s} feasible={row['feasible']} overhead={row['overhead']} "
+                         f"t={row['solve_seconds']:.2f}s {row['note']}")
+        for peer in config.peers:
+            rows.extend(_peer_rows(peer, spec, g.n, reference, config, progress))
+        _write(rows, out)  # after each model, so a long run leaves results behind
+    write_plots(rows, out)
+    return rows
+
+
+def _row(model: str, nodes: int, method: str, budget: int, fraction: float) -> dict[str, Any]:
+    return {"model": model, "nodes": nodes, "method": method, "budget_bytes": budget, "budget_fraction": fraction,
+            "feasible": False, "peak": None, "overhead": None, "solve_seconds": None, "build_seconds": None,
+            "variables": None, "constraints": None, "status": None, "gap": None, "reserved_peak": None,
+            "fragmentation": None, "note": ""}
+
+
+def _schedule_fields(graph: Any, schedule: Any) -> dict[str, Any]:
+    from bonsai_core.allocator import replay
+
+    st = schedule.stats
+    alloc = replay(graph, schedule)
+    return {"feasible": True, "peak": st["peak"], "overhead": round(st["overhead"], 6),
+            "solve_seconds": st.get("solve_seconds"), "build_seconds": st.get("build_seconds"),
+            "variables": st.get("variables"), "constraints": st.get("constraints"), "status": st.get("status"),
+            "gap": st.get("gap"), "reserved_peak": alloc.reserved_peak, "fragmentation": round(alloc.fragmentation, 4)}
+
+
+def _peer_rows(peer: str, spec: ModelSpec, nodes: int, reference: int, config: BenchConfig,
+               progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    from bonsai_core import peers
+
+    options = dict(spec.options)
+    start = time.perf_counter()
+    try:
+        plain_peak, plain_cost, _ = peers.measure_eager(spec.name, options, config.profile)
+        runs = peers.peer_runs(peer, spec.name, options, config.profile)
+    except Exception as e:  # a peer that cannot run on this model is a result, not a crash
+        progress(f"  {peer}: could not run ({type(e).__name__}: {e})")
+        return [{**_row(spec.label, nodes, peer, int(f * reference), f), "note": f"could not run: {e}"[:160]}
+                for f in config.budgets]
+    seconds = (time.perf_counter() - start) / max(len(runs), 1)
+    rows = []
+    for fraction in config.budgets:
+        budget = int(fraction * reference)
+        row = _row(spec.label, nodes, peer, budget, fraction)
+        best = peers.best_within(runs, budget)
+        if best is None:
+            lowest = min(runs, key=lambda r: r.peak)
+            row["note"] = f"no setting fits; lowest measured peak {lowest.peak} ({lowest.setting})"
+        else:
+            row.update(feasible=True, peak=best.peak, overhead=round(best.compute_cost / plain_cost - 1, 6),
+                       solve_seconds=seconds, status="measured", note=best.setting)
+        rows.append(row)
+        progress(f"  {fraction:.0%} {peer:10s} feasible={row['feasible']} overhead={row['overhead']} {row['note']}")
+    return rows
+
+
+def _write(rows: list[dict[str, Any]], out: Path) -> None:
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r[k] is None else r[k]) for k in COLUMNS})
+    (out / "results.md").write_text(markdown_report(rows))
+
+
+def markdown_report(rows: list[dict[str, Any]]) -> str:
+    """One table per model (budget x method: overhead, or why it failed), best feasible in bold, and
+    the budgets where bonsai is not the best, said plainly."""
+    lines = []
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    not_best = []
+    for model in models:
+        mrows = [r for r in rows if r["model"] == model]
+        lines += [f"### {model} ({mrows[0]['nodes']} nodes)", "",
+                  "| budget | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+        for fraction in dict.fromkeys(r["budget_fraction"] for r in mrows):
+            cells = {r["method"]: r for r in mrows if r["budget_fraction"] == fraction}
+            feasible = {m: r["overhead"] for m, r in cells.items() if r["feasible"] and m != "none"}
+            best = min(feasible.values()) if feasible else None
+            row = [f"{fraction:.0%}"]
+            for m in methods:
+                r = cells.get(m)
+                row.append(_cell(r, best))
+            lines.append("| " + " | ".join(row) + " |")
+            b = cells.get("bonsai")
+            if best is not None and b is not None and (not b["feasible"] or b["overhead"] > best + 1e-9):
+                winner = min(feasible, key=feasible.get)
+                not_best.append(f"- {model} at {fraction:.0%}: best is {winner} ({best:+.2%}); bonsai "
+                                + (f"{b['overhead']:+.2%}" if b["feasible"] else f"not feasible ({b['note'] or b['status']})"))
+        lines.append("")
+    head = ["Cells: recompute overhead (extra compute / plain step), `-` = no schedule under the budget "
+            "(reason in results.csv), **bold** = cheapest feasible method; `none` is feasible only when the "
+            "budget is at least the no-remat peak. Peers (`torch-budget`, `per-block`) are measured on a real "
+            "CPU step.", ""]
+    tail = ["### Where bonsai is not the best", ""] + (not_best or ["- nowhere in this run"]) + [""]
+    return "\n".join(head + lines + tail)
+
+
+def _cell(r: dict[str, Any] | None, best: float | None) -> str:
+    if r is None:
+        return ""
+    if not r["feasible"]:
+        return "-"
+    text = f"{r['overhead']:+.1%}"
+    return f"**{text}**" if best is not None and r["method"] != "none" and abs(r["overhead"] - best) < 1e-9 else text
+
+
+def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
+    """overhead_vs_budget, solve_time_vs_size and peak_vs_budget, each as .png and .html."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for key, ylabel, name in (("overhead", "recompute overhead", "overhead_vs_budget"),
+                              ("peak", "peak (MiB)", "peak_vs_budget")):
+        cols = min(4, len(models))
+        nrows = math.ceil(len(models) / cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+        pfig = make_subplots(rows=nrows, cols=cols, subplot_titles=models)
+        for i, model in enumerate(models):
+            ax = axes[i // cols][i % cols]
+            for j, method in enumerate(methods):
+                pts = sorted((r["budget_fraction"], r[key]) for r in rows
+                             if r["model"] == model and r["method"] == method and r["feasible"])
+                if not pts:
+                    continue
+                xs = [p[0] * 100 for p in pts]
+                ys = [p[1] / 2**20 if key == "peak" else p[1] for p in pts]
+                ax.plot(xs, ys, marker="o", label=method)
+                pfig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=method, legendgroup=method,
+                                          showlegend=i == 0), row=i // cols + 1, col=i % cols + 1)
+            ax.set_title(model, fontsize=9)
+            ax.set_xlabel("budget (% of no-remat peak)")
+            ax.set_ylabel(ylabel)
+            ax.invert_xaxis()
+        legend = {}
+        for ax in axes.flat:
+            legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+        if legend:
+            fig.legend(list(legend.values()), list(legend.keys()), loc="upper center", ncol=len(legend))
+        fig.tight_layout(rect=(0, 0, 1, 0.94))
+        fig.savefig(out / f"{name}.png", dpi=90)
+        plt.close(fig)
+        pfig.update_layout(height=320 * nrows, title=ylabel + " vs budget")
+        pfig.write_html(out / f"{name}.html", include_plotlyjs="cdn")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    pfig = go.Figure()
+    for method in [m for m in methods if m in OPTIMISERS]:
+        pts = sorted((r["nodes"], r["solve_seconds"]) for r in rows
+                     if r["method"] == method and r["solve_seconds"] and r["feasible"])
+        if pts:
+            ax.loglog([p[0] for p in pts], [p[1] for p in pts], "o", label=method, alpha=0.7)
+            pfig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="markers", name=method))
+    ax.set_xlabel("graph nodes")
+    ax.set_ylabel("solve time (s)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "solve_time_vs_size.png", dpi=90)
+    plt.close(fig)
+    pfig.update_layout(xaxis_type="log", yaxis_type="log", xaxis_title="graph nodes", yaxis_title="solve time (s)")
+    pfig.write_html(out / "solve_time_vs_size.html", include_plotlyjs="cdn")
+
+
+def config_json(config: BenchConfig) -> str:
+    return json.dumps(asdict(config), indent=2)

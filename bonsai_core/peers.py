@@ -1,0 +1,179 @@
+"""What practitioners already have, measured on the same models and the same scale as our methods.
+
+* ``torch-budget``: PyTorch's own min-cut rematerialization partitioner
+  (``torch._functorch.partitioners.min_cut_rematerialization_partition``) with
+  ``torch._functorch.config.activation_memory_budget`` set, run through ``torch.compile`` with a
+  custom AOTAutograd backend that executes the partitioned FX graphs eagerly (no inductor).
+* ``per-block``: ``torch.utils.checkpoint`` (non-reentrant) around every block of the model's
+  largest stack of blocks, the ``checkpoint_sequential`` habit.
+
+Nothing here trusts a model of what the peer does: each runs a real training step on CPU, its peak
+is measured by the live-bytes tracker and its compute by :class:`OpCost`, which prices every aten
+op executed with the same roofline (device profile) that costs our graphs. The overhead of a peer
+is its measured cost over the plain eager step's measured cost, minus one.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bonsai_core import zoo
+from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES, op_cost
+from bonsai_core.measure import LiveBytes
+from bonsai_core.tensors import storage_bytes, tensors_in
+
+PEERS = ("torch-budget", "per-block")
+# The knob settings tried for each peer; for a budget, the cheapest setting whose measured peak fits wins.
+TORCH_BUDGET_FRACTIONS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.1, 0.0)
+PER_BLOCK_EVERY = (4, 2, 1)
+
+
+class OpCost(TorchDispatchMode):
+    """Sums the roofline cost of every aten op executed inside it (views cost nothing)."""
+
+    def __init__(self, profile: str = DEFAULT_PROFILE) -> None:
+        super().__init__()
+        self.profile = PROFILES[profile]
+        self.total = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ins = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
+        outs = tensors_in(out)
+        if outs and not all(t.untyped_storage()._cdata in ins for t in outs):
+            self.total += op_cost(self.profile, func, args, kwargs, out)
+        return out
+
+
+@dataclass(frozen=True)
+class PeerRun:
+    """One measured training step of a peer at one knob setting."""
+
+    peer: str
+    setting: str
+    peak: int
+    compute_cost: float
+    loss: float
+
+
+class _Step(nn.Module):
+    def __init__(self, model: nn.Module, loss_fn: nn.Module) -> None:
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.model(*inputs))
+
+
+def _fixed_bytes(model: nn.Module, loss_fn: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    return storage_bytes([*model.parameters(), *(p.grad for p in params), *model.buffers(),
+                          *loss_fn.buffers(), *inputs])
+
+
+def measure_eager(model_name: str, options: dict[str, int], profile: str = DEFAULT_PROFILE,
+                  wrap: Callable[[nn.Module], None] | None = None) -> tuple[int, float, float]:
+    """(peak bytes, compute cost, loss) of one real eager step, after ``wrap(model)`` if given."""
+    model, inputs, loss_fn = zoo.build(model_name, **options)
+    if wrap is not None:
+        wrap(model)
+    fixed = _fixed_bytes(model, loss_fn, inputs)
+    with LiveBytes() as live, OpCost(profile) as cost:
+        loss = loss_fn(model(*inputs))
+        loss.backward()
+    return fixed + live.peak, cost.total, float(loss.detach())
+
+
+def measure_torch_budget(model_name: str, options: dict[str, int], fraction: float,
+                         profile: str = DEFAULT_PROFILE) -> PeerRun:
+    """One step of the model compiled with PyTorch's min-cut partitioner at ``fraction``.
+
+    torch.compile refuses to run under a Python dispatch mode, so the trackers are entered inside
+    the compiled forward and backward graphs (where every allocation of the step happens), and
+    stay one tracker across both, so saved activations are counted from forward into backward."""
+    import torch._functorch.config as functorch_config
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    live, cost = LiveBytes(), OpCost(profile)
+    measuring = {"on": False}
+
+    def compiler(gm: torch.fx.GraphModule, _example: Any) -> Callable:
+        # Boxed code takes the argument list and clears it, so inputs (saved activations) die at
+        # their last use inside the graph, as in a real compiled run.
+        gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+        gm.recompile()
+
+        def run(args: list) -> Any:
+            if not measuring["on"]:
+                return gm(args)
+            with live, cost:
+                return gm(args)
+        run._boxed_call = True
+        return run
+
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
+                           partition_fn=min_cut_rematerialization_partition)
+    model, inputs, loss_fn = zoo.build(model_name, **options)
+    torch._dynamo.reset()
+    with functorch_config.patch(activation_memory_budget=fraction):
+        compiled = torch.compile(_Step(model, loss_fn), backend=backend, fullgraph=True)
+        compiled(*inputs).backward()  # compile (not measured)
+        fixed = _fixed_bytes(model, loss_fn, inputs)
+        measuring["on"] = True
+        loss = compiled(*inputs)
+        loss.backward()
+        measuring["on"] = False
+    torch._dynamo.reset()
+    return PeerRun("torch-budget", f"activation_memory_budget={fraction:g}", fixed + live.peak, cost.total,
+                   float(loss.detach()))
+
+
+def block_stack(model: nn.Module) -> list[nn.Module]:
+    """The model's largest ModuleList/Sequential of blocks (its repeated layers)."""
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            blocks = [m for m in module.children() if any(True for _ in m.parameters())]
+            if len(blocks) > len(best):
+                best = blocks
+    return best
+
+
+def checkpoint_blocks(model: nn.Module, every: int) -> None:
+    """Wrap every ``every``-th block of the model's block stack in non-reentrant checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    for i, block in enumerate(block_stack(model)):
+        if i % every == 0:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def measure_per_block(model_name: str, options: dict[str, int], every: int,
+                      profile: str = DEFAULT_PROFILE) -> PeerRun:
+    peak, cost, loss = measure_eager(model_name, options, profile, wrap=lambda m: checkpoint_blocks(m, every))
+    return PeerRun("per-block", f"checkpoint every {every} block(s)", peak, cost, loss)
+
+
+def peer_runs(peer: str, model_name: str, options: dict[str, int], profile: str = DEFAULT_PROFILE) -> list[PeerRun]:
+    """Every knob setting of a peer, measured."""
+    if peer == "torch-budget":
+        return [measure_torch_budget(model_name, options, f, profile) for f in TORCH_BUDGET_FRACTIONS]
+    if peer == "per-block":
+        return [measure_per_block(model_name, options, k, profile) for k in PER_BLOCK_EVERY]
+    raise ValueError(f"unknown peer {peer!r}; choose one of {PEERS}")
+
+
+def best_within(runs: list[PeerRun], budget: int) -> PeerRun | None:
+    """The cheapest measured setting whose peak fits the budget, or None."""
+    fitting = [r for r in runs if r.peak <= budget]
+    return min(fitting, key=lambda r: (r.compute_cost, r.peak)) if fitting else None

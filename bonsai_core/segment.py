@@ -1,0 +1,137 @@
+"""Operator segmentation: the candidate segments of Bonsai's segment ILP.
+
+The forward pass, in listed order, is cut into **atoms**: the shortest runs of consecutive forward
+ops that never separate a view from its base (a view shares its base's storage, so a checkpoint
+region that keeps one and drops the other would keep both alive anyway). A **candidate segment** is a
+run of whole consecutive atoms with at most ``granularity`` ops; an atom longer than that is still a
+candidate on its own (it cannot be split). The ILP picks a cover of the forward pass out of the
+candidates and decides which of the picked ones to recompute.
+
+Contiguous runs in the listed (topological) order are what a checkpoint region is in
+``torch.utils.checkpoint``: a stretch of the forward code. Such a run is usually connected in the
+forward graph (each op of a layer reads the one before it); a run that straddles independent
+branches is allowed, it is simply a region with several inputs.
+
+Example::
+
+    >>> from tests.graphs import chain
+    >>> s = segment(chain(4), granularity=2)
+    >>> s.sizes.tolist()
+    [1, 2, 1, 2, 1, 2, 1]
+
+Complexity: O(n + edges) for the atoms, O(candidates) for the candidates, and there are at most
+``atoms * granularity`` candidates (fewer where atoms are long): O(n_forward * granularity).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bonsai_core.errors import SolverError
+from bonsai_core.graph import Graph
+
+
+def default_granularity(graph: Graph) -> int:
+    """The paper's default bound on a segment's size: about 2·√(forward ops), at least 1."""
+    return max(1, round(2 * math.sqrt(int(graph.is_forward.sum()))))
+
+
+@dataclass(frozen=True)
+class Segmentation:
+    """Candidate segments of one graph at one granularity.
+
+    Positions are indices into ``forward`` (the forward node ids in listed order). Candidate ``c``
+    is the forward positions ``starts[c] <= p < ends[c]``; atom ``a`` is ``atom_ptr[a] <= p <
+    atom_ptr[a + 1]``. Candidates are sorted by (start, end).
+    """
+
+    graph_hash: str
+    granularity: int
+    forward: np.ndarray  # int64[m]: forward node ids in listed order
+    atom_ptr: np.ndarray  # int64[atoms + 1]: atom boundaries (positions)
+    starts: np.ndarray  # int64[C]
+    ends: np.ndarray  # int64[C], exclusive
+
+    @property
+    def count(self) -> int:
+        """Number of candidate segments."""
+        return len(self.starts)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """int64[C]: ops in each candidate."""
+        return self.ends - self.starts
+
+    @property
+    def atoms(self) -> int:
+        return len(self.atom_ptr) - 1
+
+    def members(self, c: int) -> np.ndarray:
+        """Node ids of candidate ``c``, in listed order."""
+        return self.forward[self.starts[c]:self.ends[c]]
+
+    def summary(self) -> dict[str, Any]:
+        """What the explorer shows next to the graph."""
+        sizes = self.sizes
+        return {"granularity": self.granularity, "forward_ops": len(self.forward), "atoms": self.atoms,
+                "candidates": self.count, "largest_atom": int(np.diff(self.atom_ptr).max(initial=0)),
+                "mean_size": float(sizes.mean()) if len(sizes) else 0.0,
+                "max_size": int(sizes.max(initial=0))}
+
+
+def atom_boundaries(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
+    """(forward ids in listed order, atom boundaries as positions). A cut between positions p-1 and
+    p is forbidden when a forward view at position >= p has its base at a position < p.
+    O(n + edges)."""
+    forward = np.flatnonzero(graph.is_forward).astype(np.int64)
+    m = len(forward)
+    pos = np.full(graph.n, -1, dtype=np.int64)
+    pos[forward] = np.arange(m)
+    views = forward[graph.alias_of[forward] >= 0]
+    bases = graph.alias_of[views]
+    inside = pos[bases] >= 0  # a view of a non-forward node (a backward or input node) binds nothing here
+    lo, hi = pos[bases[inside]] + 1, pos[views[inside]] + 1  # cuts lo..hi-1 (cut p = before position p)
+    # A difference array marks the forbidden cuts in O(m + views).
+    blocked = np.zeros(m + 2, dtype=np.int64)
+    np.add.at(blocked, lo, 1)
+    np.add.at(blocked, hi, -1)
+    forbidden = np.cumsum(blocked)[:m + 1] > 0
+    cuts = np.flatnonzero(~forbidden)
+    cuts = np.union1d(cuts, [0, m])  # the ends of the forward pass are always cuts
+    return forward, cuts.astype(np.int64)
+
+
+def segment(graph: Graph, granularity: int | None = None) -> Segmentation:
+    """Candidate segments of ``graph``: every run of whole consecutive atoms with at most
+    ``granularity`` forward ops, and every atom alone (default granularity: about 2·√n_forward;
+    values above the number of forward ops mean "no bound"). O(n + edges + candidates)."""
+    m = int(graph.is_forward.sum())
+    if granularity is None:
+        granularity = default_granularity(graph)
+    if isinstance(granularity, bool) or not isinstance(granularity, (int, np.integer)) or granularity < 1:
+        raise SolverError(f"Granularity {granularity!r} is not a positive whole number: it is the largest "
+                          "number of ops in a segment (1 = every op alone).")
+    granularity = int(min(granularity, max(m, 1)))
+    forward, atom_ptr = atom_boundaries(graph)
+    k = len(atom_ptr) - 1
+    # Candidate (a, b) = atoms a..b-1. For each start atom a, the ends reach as far as the op budget
+    # allows (searchsorted on the boundary positions), and at least one atom.
+    if k > 0:
+        first = atom_ptr[:-1]
+        last_end = np.searchsorted(atom_ptr, first + granularity, side="right") - 1  # index into atom_ptr
+        last_end = np.maximum(last_end, np.arange(1, k + 1))
+        counts = last_end - np.arange(k)
+        start_atom = np.repeat(np.arange(k), counts)
+        offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        end_atom = start_atom + 1 + offsets
+        starts, ends = atom_ptr[start_atom], atom_ptr[end_atom]
+    else:
+        starts = ends = np.zeros(0, dtype=np.int64)
+    for arr in (forward, atom_ptr, starts, ends):
+        arr.setflags(write=False)
+    return Segmentation(graph_hash=graph.hash, granularity=granularity, forward=forward, atom_ptr=atom_ptr,
+                        starts=starts.astype(np.int64), ends=ends.astype(np.int64))

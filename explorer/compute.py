@@ -1,0 +1,201 @@
+"""Every heavy call the app makes, cached once for all sessions and keyed by graph hash + options.
+
+Graphs are hashed by their content hash (``Graph.hash``), so two sessions tracing the same model
+share every solve. Results are immutable records; pages only read them. Errors a user can cause
+(``BonsaiError``) are cached as part of the outcome too, so dragging the budget slider back over an
+infeasible value is as fast as over a feasible one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import streamlit as st
+
+from bonsai_core import solvers
+from bonsai_core.errors import BonsaiError
+from bonsai_core.graph import Graph
+from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate
+
+GRAPH_HASH = {Graph: lambda g: g.hash}
+
+Options = tuple[tuple[str, Any], ...]
+
+# Sessions rerun in threads; solvers keep cached models (a CVXPY problem whose budget parameter is
+# set before each solve), so two solves must not interleave.
+_SOLVE_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Model:
+    """The model the session works on: its graph and where it came from."""
+
+    graph: Graph
+    source: str  # "zoo", "json" or "pt2"
+    label: str  # what the user sees ("gpt (default)", "my_graph.json", ...)
+    zoo: str | None = None  # zoo name, when the exporter can rebuild the model
+    options: dict[str, int] = field(default_factory=dict)
+    parameters: int | None = None  # parameter count, when known
+    note: str = ""  # e.g. the loss used for a .pt2 upload
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One solve: a validated schedule with its simulation, or the error message to show."""
+
+    method: str
+    budget: int | None
+    options: Options
+    schedule: Schedule | None = None
+    sim: SimResult | None = None
+    error: str | None = None
+    wall_seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.schedule is not None
+
+
+# -- models ----------------------------------------------------------------------------------------
+
+@st.cache_resource(show_spinner=False)
+def default_model(path: str) -> Model:
+    from bonsai_core.graph import load_graph
+
+    graph = load_graph(path)
+    # the asset is `bonsai trace gpt` at its default options (a test pins this); parameters are
+    # counted later, so that the first paint does not wait for torch
+    return Model(graph, "zoo", "gpt (built-in default)", zoo="gpt", options={})
+
+
+@st.cache_resource(show_spinner=False, max_entries=32)
+def zoo_parameters(name: str, options: Options) -> int:
+    """Parameter count of a zoo model, built under FakeTensorMode (no weights allocated)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bonsai_core import zoo
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, _, _ = zoo.build(name, **dict(options))
+        return int(sum(p.numel() for p in model.parameters()))
+
+
+@st.cache_resource(show_spinner=False, max_entries=32)
+def trace_model(name: str, options: Options) -> Model:
+    """Trace a zoo model's training step (raises ModelError on bad options)."""
+    from bonsai_core.trace import trace_zoo
+
+    traced = trace_zoo(name, **dict(options))
+    label = traced.graph.name
+    return Model(traced.graph, "zoo", label, zoo=name, options=dict(options),
+                 parameters=zoo_parameters(name, options))
+
+
+@st.cache_resource(show_spinner=False, max_entries=16)
+def load_upload(data: bytes, filename: str) -> Model:
+    """A graph from an uploaded file: bonsai-graph JSON (parsed as data) or a torch.export ``.pt2``."""
+    from explorer import loaders
+
+    if filename.lower().endswith(".pt2"):
+        stem = filename.rsplit("/", 1)[-1][:-4] or "uploaded"
+        graph = loaders.graph_from_pt2_bytes(data, name=stem)
+        return Model(graph, "pt2", filename, note=f"Traced one training step with the loss {loaders.LOSS_DESCRIPTION}.")
+    return Model(loaders.graph_from_json_bytes(data, filename), "json", filename)
+
+
+# -- solving ---------------------------------------------------------------------------------------
+
+@st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=16)
+def no_remat(graph: Graph) -> SimResult:
+    return simulate(graph, none_schedule(graph))
+
+
+def names_option(method: str, option: str) -> bool:
+    """Whether a method's solve function declares ``option`` by name (not just ``**options``)."""
+    try:
+        return option in inspect.signature(solvers.get_solver(method)).parameters
+    except BonsaiError:
+        return False
+
+
+def accepted_options(method: str) -> set[str] | None:
+    """The keyword options a method's solve function declares; None when it takes ``**options``."""
+    try:
+        fn = solvers.get_solver(method)
+    except BonsaiError:
+        return set()
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+@st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=512)
+def solve(graph: Graph, budget: int | None, method: str, options: Options = ()) -> Outcome:
+    """``solvers.solve`` with the options the user set, its simulation, or its error message."""
+    start = time.perf_counter()
+    try:
+        with _SOLVE_LOCK:
+            schedule = solvers.solve(graph, budget, method, **dict(options))
+        sim = simulate(graph, schedule)
+    except BonsaiError as e:
+        return Outcome(method, budget, options, error=str(e), wall_seconds=time.perf_counter() - start)
+    except Exception as e:  # a solver bug or a backend failure: say so in the page, never a traceback
+        return Outcome(method, budget, options, wall_seconds=time.perf_counter() - start,
+                       error=f"Method {method!r} failed unexpectedly ({type(e).__name__}: {e}). Try another method "
+                             "or backend, and report this with the model and budget.")
+    return Outcome(method, budget, options, schedule, sim, wall_seconds=time.perf_counter() - start)
+
+
+def op_costs(graph: Graph, schedule: Schedule) -> np.ndarray:
+    """float64[len(ops)]: the compute time each op adds (0 for frees). O(len(ops))."""
+    ids = np.fromiter((v for _, v in schedule.ops), dtype=np.int64, count=len(schedule.ops))
+    is_compute = np.fromiter((k == "compute" for k, _ in schedule.ops), dtype=bool, count=len(schedule.ops))
+    return np.where(is_compute, graph.cost[ids], 0.0)
+
+
+def recomputed_nodes(graph: Graph, schedule: Schedule) -> np.ndarray:
+    """bool[n]: nodes the schedule computes more than once (any method, with or without segments)."""
+    counts = np.zeros(graph.n, dtype=np.int64)
+    for kind, v in schedule.ops:
+        if kind == "compute":
+            counts[v] += 1
+    return counts > 1
+
+
+# -- allocator and export, written on other branches: used when present ----------------------------
+
+def allocator_replay():
+    """``bonsai_core.allocator.replay`` when that module exists in this checkout, else None."""
+    try:
+        return getattr(importlib.import_module("bonsai_core.allocator"), "replay", None)
+    except ImportError:
+        return None
+
+
+@st.cache_resource(show_spinner=False, max_entries=64,
+                   hash_funcs={**GRAPH_HASH, Outcome: lambda o: (o.method, o.budget, o.options)})
+def replay(graph: Graph, outcome: Outcome) -> Any:
+    """The allocator model's replay of a solved schedule (live, reserved, fragmentation), None
+    without the allocator module, or the error message."""
+    fn = allocator_replay()
+    if fn is None or outcome.schedule is None:
+        return None
+    try:
+        return fn(graph, outcome.schedule)
+    except BonsaiError as e:
+        return str(e)
+
+
+def exporter():
+    """``bonsai_core.export.export_model`` when that module exists in this checkout, else None."""
+    try:
+        return getattr(importlib.import_module("bonsai_core.export"), "export_model", None)
+    except ImportError:
+        return None

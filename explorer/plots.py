@@ -1,0 +1,318 @@
+"""Plotly figures and the layouts behind them: pure functions of a graph, schedules and numbers.
+
+No Streamlit here, so every figure can be built and checked in a test. Sizes are shown in MiB,
+times in milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import networkx as nx
+import numpy as np
+import plotly.graph_objects as go
+
+from bonsai_core.budget import format_bytes
+from bonsai_core.graph import Graph
+
+MIB = 2**20
+PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#B279A2", "#72B7B2", "#EECA3B", "#9D755D", "#FF9DA6",
+           "#76B7B2", "#BAB0AC", "#59A14F", "#EDC948", "#AF7AA1", "#FF9D9A", "#9C755F", "#79706E")
+METHOD_COLOURS = {"none": "#7f7f7f", "bonsai": "#2ca02c", "checkmate": "#1f77b4", "moccasin": "#9467bd",
+                  "chen": "#ff7f0e", "dtr": "#8c564b", "coop": "#17becf"}
+RECOMPUTE = "#d62728"
+BACKWARD = "#c7c9cc"
+FONT = dict(family="Inter, system-ui, sans-serif", size=13)
+
+
+def method_colour(method: str, i: int = 0) -> str:
+    return METHOD_COLOURS.get(method, PALETTE[i % len(PALETTE)])
+
+
+def _style(fig: go.Figure, height: int = 420) -> go.Figure:
+    fig.update_layout(height=height, margin=dict(l=10, r=10, t=40, b=10), font=FONT,
+                      legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0),
+                      hoverlabel=dict(font_size=12), plot_bgcolor="rgba(0,0,0,0)")
+    return fig
+
+
+# -- memory over time -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Curve:
+    """One schedule's memory timeline, ready to draw."""
+
+    label: str
+    x: np.ndarray  # elapsed compute time (ms) or op index after each op
+    live: np.ndarray  # bytes resident after each op
+    peak: int
+    peak_x: float
+    colour: str
+    dash: str = "solid"
+    reserved: np.ndarray | None = None  # allocator-reserved bytes after each op, when known
+
+
+def curve(label: str, timeline: np.ndarray, op_costs: np.ndarray, peak: int, peak_op: int, colour: str,
+          x_mode: str = "time", dash: str = "solid", reserved: np.ndarray | None = None) -> Curve:
+    """A curve over elapsed compute time (``x_mode="time"``: recomputation stretches it) or over op
+    index (``"ops"``). O(len(ops))."""
+    x = np.cumsum(op_costs) * 1e3 if x_mode == "time" else np.arange(1, len(timeline) + 1, dtype=float)
+    peak_x = float(x[peak_op]) if 0 <= peak_op < len(x) else 0.0
+    return Curve(label, x, np.asarray(timeline), int(peak), peak_x, colour, dash, reserved)
+
+
+def memory_figure(curves: Sequence[Curve], budget: int | None, lower_bound: int | None = None,
+                  x_mode: str = "time", height: int = 440) -> go.Figure:
+    """Memory over time of each curve, the budget line and each curve's peak marker."""
+    fig = go.Figure()
+    for c in curves:
+        fig.add_trace(go.Scatter(x=c.x, y=c.live / MIB, name=c.label, mode="lines", line_shape="hv",
+                                 line=dict(color=c.colour, width=2, dash=c.dash),
+                                 hovertemplate="%{y:.2f} MiB<extra>" + c.label + "</extra>"))
+        if c.reserved is not None:
+            fig.add_trace(go.Scatter(x=c.x, y=np.asarray(c.reserved) / MIB, name=f"{c.label} (reserved)",
+                                     mode="lines", line_shape="hv", line=dict(color=c.colour, width=1, dash="dot"),
+                                     hovertemplate="reserved %{y:.2f} MiB<extra>" + c.label + "</extra>"))
+        fig.add_trace(go.Scatter(x=[c.peak_x], y=[c.peak / MIB], mode="markers+text", showlegend=False,
+                                 marker=dict(color=c.colour, size=11, symbol="triangle-down",
+                                             line=dict(color="white", width=1)),
+                                 text=[f"peak {format_bytes(c.peak)}"], textposition="top center",
+                                 textfont=dict(color=c.colour, size=11),
+                                 hovertemplate=f"{c.label}: peak {format_bytes(c.peak)}<extra></extra>"))
+    if budget is not None:
+        fig.add_hline(y=budget / MIB, line=dict(color=RECOMPUTE, width=2, dash="dash"),
+                      annotation_text=f"budget {format_bytes(budget)}", annotation_position="top left",
+                      annotation_font_color=RECOMPUTE)
+    if lower_bound is not None:
+        fig.add_hline(y=lower_bound / MIB, line=dict(color="#999", width=1, dash="dot"),
+                      annotation_text=f"lower bound {format_bytes(lower_bound)}",
+                      annotation_position="bottom right", annotation_font_color="#888")
+    fig.update_xaxes(title="elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)")
+    tops = [c.peak for c in curves] + [int(np.max(c.reserved)) for c in curves if c.reserved is not None]
+    top = max(tops + ([budget] if budget is not None else []) + [1])
+    fig.update_yaxes(title="memory (MiB)", range=[0, 1.15 * top / MIB])  # headroom for the peak labels
+    return _style(fig, height)
+
+
+# -- the operator graph ----------------------------------------------------------------------------
+
+def layers(graph: Graph, nodes: np.ndarray | None = None) -> np.ndarray:
+    """int64[len(nodes)]: longest-path depth of each node within the induced subgraph, with every
+    backward node placed after every forward one (so the two passes read as two bands). O(n + edges)."""
+    nodes = np.arange(graph.n) if nodes is None else np.asarray(nodes)
+    index = {int(v): i for i, v in enumerate(nodes)}
+    depth = np.zeros(len(nodes), dtype=np.int64)
+    for i, v in enumerate(nodes.tolist()):  # ids are a topological order
+        ds = [index[d] for d in graph.deps(v).tolist() if d in index]
+        if ds:
+            depth[i] = depth[ds].max() + 1
+    fwd = graph.is_forward[nodes]
+    if fwd.any() and (~fwd).any():
+        depth[~fwd] = np.maximum(depth[~fwd], depth[fwd].max() + 1)
+    return depth
+
+
+def layered_layout(graph: Graph, nodes: np.ndarray | None = None) -> np.ndarray:
+    """float[len(nodes), 2]: a layered DAG layout. The forward pass runs left to right along the
+    top band and the backward pass right to left along the bottom band, so each activation sits
+    above the backward ops that read it. Positions within a layer come from networkx's
+    ``multipartite_layout``. O(n + edges)."""
+    nodes = np.arange(graph.n) if nodes is None else np.asarray(nodes)
+    depth = layers(graph, nodes)
+    g = nx.DiGraph()
+    for i, d in enumerate(depth.tolist()):
+        g.add_node(i, layer=d)
+    if len(nodes) == 1:
+        return np.zeros((1, 2))
+    pos = nx.multipartite_layout(g, subset_key="layer", align="vertical")
+    xy = np.array([pos[i] for i in range(len(nodes))], dtype=float)
+    fwd = graph.is_forward[nodes]
+    y = np.zeros(len(nodes))
+    for band in (fwd, ~fwd):  # spread each pass over its own band, whatever the other's width
+        if band.any():
+            yb = xy[band, 1]
+            y[band] = (yb - yb.min()) / max(float(np.ptp(yb)), 1e-9) if np.ptp(yb) > 0 else 0.5
+    out = np.zeros((len(nodes), 2))
+    if fwd.all() or (~fwd).all():
+        out[:, 0], out[:, 1] = depth, y
+        return out
+    f_max = max(int(depth[fwd].max()), 1)
+    b_min, b_max = int(depth[~fwd].min()), int(depth[~fwd].max())
+    out[fwd, 0] = depth[fwd]
+    out[fwd, 1] = 0.25 + 0.75 * y[fwd]
+    # mirror the backward pass onto the same width, loss end on the right
+    out[~fwd, 0] = f_max - (depth[~fwd] - b_min) * (f_max / max(b_max - b_min, 1))
+    out[~fwd, 1] = -0.25 - 0.75 * y[~fwd]
+    return out
+
+
+def _hover(graph: Graph, v: int, group: str, recomputed: bool) -> str:
+    return (f"<b>{graph.names[v]}</b> (#{v})<br>{graph.ops[v]}<br>{graph.shapes[v] or '—'}<br>"
+            f"{format_bytes(int(graph.mem[v]))} · {graph.cost[v] * 1e6:.2f} µs<br>{graph.phases[v]} · {group}"
+            + ("<br><b>recomputed</b>" if recomputed else ""))
+
+
+def graph_figure(graph: Graph, nodes: np.ndarray, pos: np.ndarray, group: np.ndarray, group_names: Sequence[str],
+                 recomputed: np.ndarray, context: np.ndarray | None = None, height: int = 560) -> go.Figure:
+    """The operator graph: forward ops (circles) coloured by segment, backward ops (diamonds) grey,
+    recomputed ops ringed in red; edges between the drawn nodes. ``group[i]`` is node ``nodes[i]``'s
+    segment or block index (-1 for none), ``context`` marks nodes drawn faded (a drill-down's
+    neighbours)."""
+    nodes = np.asarray(nodes)
+    where = {int(v): i for i, v in enumerate(nodes)}
+    ex, ey = [], []
+    for i, v in enumerate(nodes.tolist()):
+        for d in graph.deps(v).tolist():
+            j = where.get(d)
+            if j is not None:
+                ex += [pos[j, 0], pos[i, 0], None]
+                ey += [pos[j, 1], pos[i, 1], None]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=dict(color="rgba(120,120,120,0.25)", width=1),
+                               hoverinfo="skip", showlegend=False))
+    fwd = graph.is_forward[nodes]
+    context = np.zeros(len(nodes), dtype=bool) if context is None else np.asarray(context)
+    colours = np.array([PALETTE[g % len(PALETTE)] if (f and g >= 0) else BACKWARD for g, f in zip(group, fwd)])
+    sizes = 6 + 10 * np.sqrt(graph.mem[nodes] / max(int(graph.mem.max()), 1))
+    for mask, name, symbol in ((fwd, "forward op", "circle"), (~fwd, "backward op", "diamond")):
+        idx = np.flatnonzero(mask)
+        if not len(idx):
+            continue
+        hover = [_hover(graph, int(nodes[i]), group_names[group[i]] if group[i] >= 0 else "—", bool(recomputed[i]))
+                 for i in idx]
+        fig.add_trace(go.Scatter(
+            x=pos[idx, 0], y=pos[idx, 1], mode="markers", name=name, text=hover, hoverinfo="text",
+            marker=dict(color=colours[idx].tolist(), size=sizes[idx], symbol=symbol,
+                        opacity=np.where(context[idx], 0.35, 1.0).tolist(),
+                        line=dict(color=[RECOMPUTE if r else "white" for r in recomputed[idx]],
+                                  width=[3 if r else 0.5 for r in recomputed[idx]]))))
+    if recomputed.any():
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="recomputed",
+                                   marker=dict(color="white", size=10, line=dict(color=RECOMPUTE, width=3))))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _style(fig, height)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """A partition of the nodes for the collapsed view: segments of the forward pass (or blocks of
+    consecutive ops when the schedule has none) and blocks of the backward pass."""
+
+    of: np.ndarray  # int64[n], group index of each node
+    names: tuple[str, ...]
+    recomputed: np.ndarray  # bool[number of groups]
+    forward: np.ndarray  # bool[number of groups]
+
+
+def node_groups(graph: Graph, segments: Sequence[Sequence[int]] | None, recomputed: Sequence[int] = (),
+                block: int = 16) -> Groups:
+    """Segments from a schedule's ``extra`` when given, else blocks of ``block`` consecutive forward
+    ops; the backward pass in blocks of ``block`` consecutive ops. O(n)."""
+    of = np.full(graph.n, -1, dtype=np.int64)
+    names: list[str] = []
+    rec: list[bool] = []
+    fwd: list[bool] = []
+    recomputed = set(int(i) for i in recomputed)
+    if segments:
+        for i, members in enumerate(segments):
+            of[list(members)] = len(names)
+            names.append(f"segment {i}")
+            rec.append(i in recomputed)
+            fwd.append(True)
+    for phase_forward in (True, False):
+        todo = np.flatnonzero((graph.is_forward == phase_forward) & (of < 0))
+        for k in range(0, len(todo), block):
+            of[todo[k:k + block]] = len(names)
+            names.append(f"{'forward' if phase_forward else 'backward'} ops {todo[k]}–{todo[min(k + block, len(todo)) - 1]}")
+            rec.append(False)
+            fwd.append(phase_forward)
+    return Groups(of, tuple(names), np.array(rec, dtype=bool), np.array(fwd, dtype=bool))
+
+
+def collapsed_figure(graph: Graph, groups: Groups, pos: np.ndarray, recomputed_nodes: np.ndarray,
+                     height: int = 560) -> go.Figure:
+    """One marker per group at its members' mean position (area ~ its bytes), edges between groups
+    that exchange tensors. O(n + edges)."""
+    k = len(groups.names)
+    count = np.bincount(groups.of, minlength=k)
+    safe = np.maximum(count, 1)
+    cx = np.bincount(groups.of, weights=pos[:, 0], minlength=k) / safe
+    cy = np.bincount(groups.of, weights=pos[:, 1], minlength=k) / safe
+    mem = np.bincount(groups.of, weights=graph.mem.astype(float), minlength=k)
+    cost = np.bincount(groups.of, weights=graph.cost, minlength=k)
+    rec_ops = np.bincount(groups.of, weights=recomputed_nodes.astype(float), minlength=k)
+    src = np.repeat(np.arange(graph.n), np.diff(graph.dep_ptr))
+    a, b = groups.of[graph.dep_idx], groups.of[src]
+    pairs = {(int(x), int(y)) for x, y in zip(a, b) if x != y}
+    ex, ey = [], []
+    for x, y in pairs:
+        ex += [cx[x], cx[y], None]
+        ey += [cy[x], cy[y], None]
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=dict(color="rgba(120,120,120,0.3)", width=1),
+                             hoverinfo="skip", showlegend=False))
+    colours = [PALETTE[i % len(PALETTE)] if f else BACKWARD for i, f in enumerate(groups.forward)]
+    size = 10 + 30 * np.sqrt(mem / max(mem.max(), 1))
+    hover = [f"<b>{groups.names[i]}</b><br>{count[i]} ops · {format_bytes(mem[i])} · {cost[i] * 1e3:.3f} ms"
+             + (f"<br><b>recomputed</b> ({int(rec_ops[i])} ops rebuilt)" if groups.recomputed[i] or rec_ops[i] else "")
+             for i in range(k)]
+    ring = groups.recomputed | (rec_ops > 0)
+    fig.add_trace(go.Scatter(
+        x=cx, y=cy, mode="markers", text=hover, hoverinfo="text", showlegend=False,
+        marker=dict(color=colours, size=size, symbol=["circle" if f else "diamond" for f in groups.forward],
+                    line=dict(color=[RECOMPUTE if r else "white" for r in ring], width=[4 if r else 1 for r in ring]))))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _style(fig, height)
+
+
+# -- comparisons -----------------------------------------------------------------------------------
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (memory, overhead) points no other point beats on both, sorted by memory. O(p log p)."""
+    front: list[tuple[float, float]] = []
+    for mem, over in sorted(points):
+        if not front or over < front[-1][1]:
+            front.append((mem, over))
+    return front
+
+
+def sweep_figure(rows: Sequence[dict], reference: int, height: int = 420) -> go.Figure:
+    """Overhead against the peak each method reached, per method, over a budget sweep, with the
+    Pareto front over all of them. ``rows``: dicts with method, budget, peak, overhead (feasible)."""
+    fig = go.Figure()
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for i, m in enumerate(methods):
+        mine = sorted((r for r in rows if r["method"] == m), key=lambda r: r["budget"])
+        fig.add_trace(go.Scatter(
+            x=[100 * r["peak"] / reference for r in mine], y=[100 * r["overhead"] for r in mine], name=m,
+            mode="lines+markers", line=dict(color=method_colour(m, i), width=2),
+            customdata=[[100 * r["budget"] / reference, format_bytes(r["peak"])] for r in mine],
+            hovertemplate="budget %{customdata[0]:.0f}% · peak %{customdata[1]}<br>overhead %{y:.2f}%<extra>"
+                          + m + "</extra>"))
+    front = pareto_front([(100 * r["peak"] / reference, 100 * r["overhead"]) for r in rows])
+    if front:
+        fig.add_trace(go.Scatter(x=[p[0] for p in front], y=[p[1] for p in front], name="Pareto front",
+                                 mode="lines", line=dict(color="black", width=1, dash="dot"), line_shape="hv"))
+    fig.update_xaxes(title="peak memory (% of the no-remat peak)")
+    fig.update_yaxes(title="compute overhead (%)", rangemode="tozero")
+    return _style(fig, height)
+
+
+def granularity_figure(rows: Sequence[dict], height: int = 380) -> go.Figure:
+    """Solve time and decision variables against granularity, per method."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("solve time (s)", "decision variables"))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for i, m in enumerate(methods):
+        mine = sorted((r for r in rows if r["method"] == m), key=lambda r: r["granularity"])
+        colour = method_colour(m, i)
+        fig.add_trace(go.Scatter(x=[r["granularity"] for r in mine], y=[r["solve_seconds"] for r in mine], name=m,
+                                 mode="lines+markers", line=dict(color=colour)), row=1, col=1)
+        fig.add_trace(go.Scatter(x=[r["granularity"] for r in mine], y=[r["variables"] for r in mine], name=m,
+                                 mode="lines+markers", line=dict(color=colour), showlegend=False), row=1, col=2)
+    fig.update_xaxes(title="granularity (max ops per segment)")
+    return _style(fig, height)

@@ -1,0 +1,77 @@
+"""Memory: memory over time of the chosen schedule against no remat and any other method ticked."""
+
+from __future__ import annotations
+
+import numpy as np
+import streamlit as st
+
+from bonsai_core import solvers
+from bonsai_core.budget import format_bytes
+from explorer import compute, plots, state
+
+st.title("Memory over time")
+s = state.settings()
+g = state.model().graph
+base = compute.no_remat(g)
+
+c1, c2, c3 = st.columns([3, 2, 2])
+others = [m for m in solvers.available_methods() if m not in (s.method, "none")]
+extra = c1.multiselect("Also show", others, key="memory_others", help="Solved at the same budget and options.")
+x_mode = c2.radio("x axis", ["time", "ops"], key="memory_x", horizontal=True,
+                  format_func=lambda x: "compute time" if x == "time" else "schedule step")
+has_allocator = compute.allocator_replay() is not None
+reserved_on = c3.toggle("Reserved bytes (allocator model)", key="memory_reserved", value=has_allocator,
+                        disabled=not has_allocator,
+                        help="Bytes the caching allocator holds, fragmentation included." if has_allocator else
+                        "The allocator model (bonsai_core.allocator) is not in this checkout.")
+
+
+def allocation(outcome: compute.Outcome):
+    """The allocator replay of a solved schedule when the toggle is on (None otherwise)."""
+    if not reserved_on:
+        return None
+    result = compute.replay(g, outcome)
+    if isinstance(result, str):
+        st.warning(f"Allocator replay of {outcome.method}: {result}")
+        return None
+    reserved = getattr(result, "reserved", None)
+    return None if reserved is None or len(reserved) != len(outcome.schedule.ops) else result
+
+
+curves, rows, errors = [], [], []
+for i, method in enumerate([s.method, *extra]):
+    out = state.outcome(method)
+    if not out.ok:
+        errors.append((method, out.error))
+        continue
+    alloc = allocation(out)
+    curves.append(plots.curve(method, out.sim.timeline, compute.op_costs(g, out.schedule), out.sim.peak,
+                              out.sim.peak_op, plots.method_colour(method, i), x_mode,
+                              reserved=None if alloc is None else np.asarray(alloc.reserved)))
+    row = {"schedule": method, "peak": format_bytes(out.sim.peak),
+           "peak % of no remat": round(100 * out.sim.peak / base.peak, 1),
+           "overhead %": round(100 * out.sim.overhead, 2), "ops": len(out.schedule.ops),
+           "recomputed ops": out.sim.recomputes}
+    if alloc is not None:
+        row |= {"reserved peak": format_bytes(alloc.reserved_peak),
+                "fragmentation %": round(100 * float(alloc.fragmentation), 1)}
+    rows.append(row)
+if not any(r["schedule"] == "none" for r in rows):  # no remat is the reference line
+    none = compute.solve(g, None, "none")
+    alloc = allocation(none)
+    curves.append(plots.curve("no remat", base.timeline, compute.op_costs(g, none.schedule), base.peak, base.peak_op,
+                              plots.method_colour("none"), x_mode, dash="dash",
+                              reserved=None if alloc is None else np.asarray(alloc.reserved)))
+    row = {"schedule": "no remat", "peak": format_bytes(base.peak), "peak % of no remat": 100.0,
+           "overhead %": 0.0, "ops": len(none.schedule.ops), "recomputed ops": 0}
+    if alloc is not None:
+        row |= {"reserved peak": format_bytes(alloc.reserved_peak),
+                "fragmentation %": round(100 * float(alloc.fragmentation), 1)}
+    rows.append(row)
+
+for method, error in errors:
+    state.show_error(f"{method}: {error}", "Raise the budget in the sidebar or pick another method."
+                     if method == s.method else "Raise the budget in the sidebar or untick the method.")
+st.plotly_chart(plots.memory_figure(curves, s.budget, g.peak_lower_bound, x_mode), width="stretch",
+                key="memory_plot")
+st.dataframe(rows, hide_index=True, width="stretch")

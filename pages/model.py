@@ -1,0 +1,112 @@
+"""Model: pick a built-in model and trace it, or upload a graph / exported program; its summary."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from bonsai_core.budget import format_bytes
+from bonsai_core.errors import BonsaiError
+from explorer import compute, loaders, state
+
+st.title("Model")
+st.caption("Trace a training step (forward + loss + backward) into an operator graph, or load one.")
+
+m = state.model()
+g = m.graph
+summary = g.summary()
+reference = compute.no_remat(g).peak
+st.subheader(m.label)
+if m.note:
+    st.info(m.note)
+c = st.columns(5)
+c[0].metric("operators", summary["nodes"], help=f"{summary['forward_nodes']} forward, "
+            f"{summary['backward_nodes']} backward, {summary['views']} views, {summary['edges']} edges")
+params_slot = c[1].empty()  # filled last: counting them imports torch, which the first paint need not wait for
+c[2].metric("activation bytes", format_bytes(summary["activation_bytes"]), help="Outputs of all forward ops.")
+c[3].metric("no-remat peak", format_bytes(reference), help="Peak of the plain schedule: every op once.")
+c[4].metric("lower bound on any peak", format_bytes(summary["peak_lower_bound"]),
+            help="Fixed memory + the largest single op with its inputs: no schedule can peak lower.")
+c = st.columns(5)
+c[0].metric("forward ops", summary["forward_nodes"])
+c[1].metric("backward ops", summary["backward_nodes"])
+c[2].metric("fixed memory", format_bytes(summary["fixed_mem"]), help="Parameters, gradients, batch.")
+c[3].metric("step compute time", f"{summary['total_cost'] * 1e3:.3f} ms", help="Sum of op costs (cost model).")
+c[4].metric("lower bound / no-remat", f"{100 * summary['peak_lower_bound'] / reference:.0f}%")
+
+with st.expander("Largest activations"):
+    top = sorted(range(g.n), key=lambda v: -int(g.mem[v]))[:15]
+    st.dataframe([{"op": g.names[v], "kind": g.ops[v], "phase": g.phases[v], "shape": g.shapes[v],
+                   "bytes": format_bytes(int(g.mem[v])), "cost (µs)": round(float(g.cost[v]) * 1e6, 2)} for v in top],
+                 hide_index=True, width="stretch")
+
+st.subheader("Change the model")
+zoo_tab, upload_tab = st.tabs(["Built-in models", "Upload a graph or a .pt2"])
+
+from bonsai_core import zoo  # noqa: E402  (imports torch: after the summary is on screen)
+
+with zoo_tab:
+    names = list(zoo.ZOO)
+    name = st.selectbox("Model", names, index=names.index("gpt"), key="zoo_name",
+                        format_func=lambda n: f"{n} — {zoo.ZOO[n].description}")
+    defaults = zoo.ZOO[name].options
+    if name == "gpt" and st.button("GPT-2 small sizes", key="gpt2_preset",
+                                   help=", ".join(f"{k}={v}" for k, v in zoo.GPT2_SMALL.items())):
+        for k, v in zoo.GPT2_SMALL.items():  # before the inputs below exist, so they take these values
+            st.session_state[f"zoo_gpt_{k}"] = v
+    cols = st.columns(min(len(defaults), 6) or 1)
+    chosen = {}
+    for i, (opt, default) in enumerate(defaults.items()):
+        key = f"zoo_{name}_{opt}"
+        st.session_state.setdefault(key, int(default))  # state, not value=: the preset button sets it too
+        chosen[opt] = int(cols[i % len(cols)].number_input(opt, min_value=1, step=1, key=key))
+    left, right = st.columns([1, 4])
+    if left.button("Trace", type="primary", key="trace"):
+        options = tuple(sorted((k, v) for k, v in chosen.items() if v != defaults[k]))
+        with st.status(f"Tracing {name}…", expanded=False) as status:
+            try:
+                status.write("Building the model under FakeTensorMode and capturing the joint graph (AOTAutograd)…")
+                traced = compute.trace_model(name, options)
+                status.update(label=f"Traced {traced.label}: {traced.graph.n} ops", state="complete")
+                state.set_model(traced)
+                st.toast(f"Traced {traced.label}: {traced.graph.n} ops in the graph.")
+                st.rerun()  # redraw the summary above for the new model
+            except Exception as e:  # ModelError, or torch refusing these sizes (st.rerun is no Exception)
+                status.update(label="Tracing failed", state="error")
+                message = str(e) if isinstance(e, BonsaiError) else f"Tracing {name} failed ({type(e).__name__}: {e})."
+                state.show_error(message, "Change the size options and trace again.")
+    right.caption("GPT-2 small traces in a few seconds into ~1.5k ops; its graph opens collapsed to segments.")
+    if st.button("Back to the built-in default", key="reset"):
+        state.set_model(compute.default_model(str(state.DEFAULT_GRAPH)))
+        st.rerun()
+
+with upload_tab:
+    st.markdown(
+        "A **bonsai-graph JSON** (from `bonsai trace MODEL -o graph.json`) is read as data. "
+        "A **.pt2** from `torch.export.save(torch.export.export(model, example_inputs), 'model.pt2')` is loaded "
+        "with `torch.export.load` — only when it holds plain tensors and no pickled objects or compiled code — "
+        f"and its training step is traced with the loss **{loaders.LOSS_DESCRIPTION}**. "
+        f"Limit: {loaders.MAX_PT2_BYTES // 2**20} MiB.")
+    upload = st.file_uploader("Graph JSON or .pt2", type=["json", "pt2"], key="upload")
+    if upload is not None:
+        data = upload.getvalue()
+        seen = st.session_state.get("loaded_upload")
+        if seen is None or seen[:2] != (upload.name, len(data)):
+            with st.spinner(f"Loading {upload.name}…"):
+                try:
+                    loaded, error = compute.load_upload(data, upload.name), None
+                except BonsaiError as e:
+                    loaded, error = None, str(e)
+                except Exception as e:  # e.g. torch failing to trace an exported program
+                    loaded, error = None, f"Could not load {upload.name} ({type(e).__name__}: {e})."
+            st.session_state["loaded_upload"] = seen = (upload.name, len(data), error)  # tried once: no retry loop
+            if loaded is not None:
+                state.set_model(loaded)
+                st.rerun()
+        if seen[2]:
+            state.show_error(seen[2], "Upload another file: a bonsai-graph JSON or a .pt2 from torch.export.save.")
+
+parameters = m.parameters
+if parameters is None and m.zoo is not None:
+    parameters = compute.zoo_parameters(m.zoo, tuple(sorted(m.options.items())))
+params_slot.metric("parameters", f"{parameters:,}" if parameters is not None else "—",
+                   help="Unknown for an uploaded graph JSON (its fixed memory holds them).")

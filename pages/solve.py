@@ -1,0 +1,56 @@
+"""Solve: the schedule for the sidebar's budget and method, re-solved on every change."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from bonsai_core.budget import format_bytes
+from explorer import compute, plots, state
+
+st.title("Solve")
+s = state.settings()
+g = state.model().graph
+reference = compute.no_remat(g).peak
+out = state.outcome()
+opts = ", ".join(f"{k}={v}" for k, v in s.options) or "method defaults"
+st.caption(f"**{s.method}** on **{g.name}** under **{format_bytes(s.budget)}** ({s.percent:.1f}% of the no-remat "
+           f"peak), options: {opts}. Every change in the sidebar re-solves; results are cached.")
+
+if not out.ok:
+    state.show_error(out.error, "Raise the budget in the sidebar, pick another method, or give the solver more time.")
+    st.stop()
+
+stats = out.schedule.stats
+status = str(stats.get("status", "—"))
+gap = stats.get("gap")
+c = st.columns(4)
+c[0].metric("status", status + (f" (gap {100 * gap:.2f}%)" if isinstance(gap, (int, float)) and gap > 0 else ""))
+c[1].metric("peak", format_bytes(out.sim.peak), f"{100 * out.sim.peak / reference - 100:+.1f}% vs no remat",
+            delta_color="inverse")
+c[2].metric("compute overhead", f"{100 * out.sim.overhead:.2f}%", help="Recomputed time / one plain step.")
+c[3].metric("recomputed ops", out.sim.recomputes)
+c = st.columns(4)
+c[0].metric("variables", stats.get("variables", "—"))
+c[1].metric("constraints", stats.get("constraints", "—"))
+build, solve = stats.get("build_seconds"), stats.get("solve_seconds")
+c[2].metric("build time", f"{build:.3f} s" if isinstance(build, (int, float)) else "—")
+c[3].metric("solve time", f"{solve:.3f} s" if isinstance(solve, (int, float)) else "—",
+            help=f"Whole call including simulation: {out.wall_seconds:.3f} s (first time; then cached).")
+
+timeline = plots.curve(s.method, out.sim.timeline, compute.op_costs(g, out.schedule), out.sim.peak, out.sim.peak_op,
+                       plots.method_colour(s.method))
+base = compute.no_remat(g)
+plain = compute.solve(g, None, "none")
+reference_curve = plots.curve("no remat", base.timeline, compute.op_costs(g, plain.schedule), base.peak,
+                              base.peak_op, plots.method_colour("none"), dash="dot")
+st.plotly_chart(plots.memory_figure([timeline, reference_curve] if s.method != "none" else [timeline], s.budget, g.peak_lower_bound, height=300), width="stretch",
+                key="solve_plot")
+
+segments = out.schedule.extra.get("segments")
+if segments:
+    rec = set(out.schedule.extra.get("recomputed", []))
+    st.subheader(f"{len(segments)} segments, {len(rec)} recomputed")
+    st.dataframe([{"segment": i, "ops": len(seg), "first op": g.names[seg[0]], "last op": g.names[seg[-1]],
+                   "bytes": format_bytes(int(g.mem[list(seg)].sum())),
+                   "cost (µs)": round(float(g.cost[list(seg)].sum()) * 1e6, 2), "recomputed": i in rec}
+                  for i, seg in enumerate(segments)], hide_index=True, width="stretch")

@@ -1,0 +1,174 @@
+"""The address-level allocator model: PyTorch caching-allocator rules, the arena, and replay."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from bonsai_core.allocator import (LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, Allocator, fragmentation_at_peak, replay,
+                                   round_size, segment_size)
+from bonsai_core.errors import BudgetError
+from bonsai_core.graph import Graph, load_graph
+from bonsai_core.schedule import Schedule, none_schedule, schedule_ops, simulate
+from tests.graphs import chain
+
+MiB = 2**20
+
+
+def test_sizes_round_up_to_512_bytes():
+    assert [round_size(b) for b in (1, 511, 512, 513, 1024)] == [512, 512, 512, 1024, 1024]
+
+
+def test_segment_sizes_follow_the_caching_allocator():
+    assert segment_size(512) == SMALL_BUFFER
+    assert segment_size(MiB) == SMALL_BUFFER
+    assert segment_size(MiB + 512) == LARGE_BUFFER
+    assert segment_size(11 * MiB) == 12 * MiB  # rounded up to 2 MiB
+
+
+def test_small_requests_share_one_small_segment_and_split_it():
+    a = Allocator()
+    b0, b1 = a.malloc(0, 1000), a.malloc(1, 1000)
+    assert a.reserved == SMALL_BUFFER and len(a.heads) == 1
+    assert (b0.addr, b0.size, b1.addr) == (0, 1024, 1024)
+
+
+def test_large_block_is_not_split_when_less_than_1mib_would_remain():
+    a = Allocator()
+    a.malloc(0, 19 * MiB + MiB // 2)  # 20 MiB segment, 0.5 MiB left: not split
+    assert a.by_owner[0].size == LARGE_BUFFER and a.largest_free == 0
+    a2 = Allocator()
+    a2.malloc(0, 2 * MiB)  # 18 MiB left: split
+    assert a2.by_owner[0].size == 2 * MiB and a2.largest_free == 18 * MiB
+
+
+def test_best_fit_takes_the_smallest_free_block_that_fits():
+    a = Allocator()
+    for i, size in enumerate((4096, 512, 2048, 512, 8192, 512)):
+        a.malloc(i, size)
+    a.free(0)  # 4096 B hole at 0
+    a.free(2)  # 2048 B hole
+    assert a.malloc(9, 2000).addr == a.by_owner[1].addr + 512  # the 2048 B hole, not the 4096 B one
+
+
+def test_free_merges_neighbours_and_reuses_the_hole():
+    a = Allocator()
+    for i in range(3):
+        a.malloc(i, 512)
+    a.free(0)
+    a.free(1)
+    assert a.largest_free == SMALL_BUFFER - 3 * 512 and len(a.free_blocks["small"]) == 2
+    assert a.malloc(5, 1024).addr == 0  # the merged 1024 B hole at the bottom
+
+
+def test_segments_are_never_merged_so_a_hole_spanning_them_is_useless():
+    a = Allocator()
+    a.malloc(0, 2 * MiB)
+    a.malloc(1, 15 * MiB)  # both in one 20 MiB segment; 3 MiB left, split
+    a.malloc(2, 12 * MiB)  # own 12 MiB segment
+    a.free(1)
+    a.free(2)
+    # 18 MiB free in the first segment and 12 MiB in the second, but not 25 MiB contiguous
+    assert a.largest_free == 18 * MiB
+    reserved = a.reserved
+    a.malloc(3, 25 * MiB)
+    assert a.reserved == reserved + 26 * MiB
+
+
+def test_capacity_stops_segment_growth():
+    a = Allocator(capacity=LARGE_BUFFER)
+    assert a.malloc(0, 2 * MiB) is not None
+    assert a.malloc(1, 19 * MiB) is None  # would need a second segment
+
+
+def test_arena_places_right_side_requests_at_the_top():
+    a = Allocator(capacity=10 * 4096, policy="arena")
+    left = a.malloc(0, 4096, side="left")
+    right = a.malloc(1, 4096, side="right")
+    assert left.addr == 0 and right.addr + right.size == 10 * 4096
+    assert a.footprint == 10 * 4096  # the high-water mark reached the top
+    assert [b.owner for b in a.blocks()] == [0, -1, 1]
+
+
+def test_fragmentation_is_measured_on_the_reserved_plateau():
+    live = np.array([10, 40, 30, 60, 20])
+    reserved = np.array([50, 100, 100, 100, 100])
+    assert fragmentation_at_peak(live, reserved) == pytest.approx(0.4)
+
+
+def _graph_with_sizes(sizes: list[int], fixed: int = 0) -> Graph:
+    nodes = [dict(name=f"f{i}", op="f", phase="forward", cost=1.0, mem=s, deps=[i - 1] if i else [])
+             for i, s in enumerate(sizes)]
+    return Graph.from_nodes("sizes", fixed, nodes)
+
+
+def test_replay_live_equals_the_simulator_timeline_and_reserved_covers_it():
+    g = chain(6, mem=3 * MiB, fixed_mem=1000)
+    r = replay(g, none_schedule(g))
+    sim = simulate(g, none_schedule(g))
+    assert np.array_equal(r.live, sim.timeline) and r.peak == sim.peak
+    assert np.all(r.reserved >= r.live) and r.reserved_peak == r.reserved.max()
+    assert np.all(np.diff(r.reserved) >= 0)  # nothing is released back
+    assert r.stats()["reserved_peak"] == r.reserved_peak and 0 <= r.fragmentation < 1
+
+
+def test_views_allocate_nothing():
+    nodes = [dict(name="a", op="f", phase="forward", cost=1.0, mem=MiB, deps=[]),
+             dict(name="v", op="view", phase="forward", cost=0.0, mem=0, deps=[0], alias_of=0),
+             dict(name="b", op="f", phase="forward", cost=1.0, mem=512, deps=[1])]
+    g = Graph.from_nodes("views", 0, nodes)
+    r = replay(g, none_schedule(g))
+    assert r.reserved_peak == SMALL_BUFFER  # a 1 MiB block and a 512 B block in one small segment
+
+
+def test_growing_sizes_fragment_the_caching_allocator():
+    # 2, 6 and 12 MiB fill one 20 MiB segment; the 24 MiB request fits in none of their freed
+    # blocks and reserves its own: 44 MiB reserved for at most 36 MiB live
+    g = _graph_with_sizes([2 * MiB, 6 * MiB, 12 * MiB, 24 * MiB])
+    r = replay(g, none_schedule(g))
+    assert (r.peak, r.reserved_peak, r.segments) == (36 * MiB, 44 * MiB, 2)
+    assert r.fragmentation == pytest.approx(1 - 36 / 44)
+
+
+def test_replay_under_a_too_small_capacity_raises_budget_error():
+    g = _graph_with_sizes([12 * MiB, 12 * MiB])
+    with pytest.raises(BudgetError, match="runs out"):
+        replay(g, none_schedule(g), capacity=20 * MiB)
+
+
+def test_arena_replay_reports_the_high_water_mark():
+    g = chain(4, mem=4096)
+    r = replay(g, none_schedule(g), capacity=10 * MiB, policy="arena")
+    assert r.reserved_peak == r.peak  # a chain's frees leave no holes below the top in best fit
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 5 * MiB), min_size=2, max_size=12), st.randoms(use_true_random=False))
+def test_blocks_never_overlap_and_tile_each_segment(sizes, rnd):
+    a = Allocator()
+    live = []
+    for i, s in enumerate(sizes):
+        a.malloc(i, s)
+        live.append(i)
+        if rnd.random() < 0.5:
+            a.free(live.pop(rnd.randrange(len(live))))
+    for seg in a.segments():
+        for x, y in zip(seg, seg[1:]):
+            assert x.addr + x.size == y.addr  # contiguous, no overlap
+            assert not (x.free and y.free)  # free neighbours are always merged
+    assert a.allocated == sum(a.by_owner[o].size for o in live)
+    assert a.reserved == sum(sum(b.size for b in seg) for seg in a.segments())
+
+
+def test_cli_simulate_allocator_prints_reserved_peak(tmp_path, capsys):
+    from bonsai_core.cli import main
+
+    g = load_graph("assets/gpt-default.json")
+    sched = tmp_path / "s.json"
+    sched.write_text(json.dumps(none_schedule(g).to_dict()))
+    assert main(["simulate", "assets/gpt-default.json", str(sched), "--allocator", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["reserved_peak"] >= stats["peak"] and 0 <= stats["fragmentation"] < 1

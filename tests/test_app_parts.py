@@ -1,0 +1,153 @@
+"""The explorer's pure parts: upload loaders, layouts, groups, Pareto fronts, figures."""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+from bonsai_core.errors import GraphError, ModelError
+from bonsai_core.graph import load_graph
+from bonsai_core.regions import CheckpointPlan, plan_schedule
+from bonsai_core.schedule import none_schedule, simulate
+from explorer import loaders, plots
+from tests.graphs import chain
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def tiny_pt2() -> bytes:
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    buf = io.BytesIO()
+    torch.export.save(torch.export.export(model, (torch.randn(2, 8),)), buf)
+    return buf.getvalue()
+
+
+def rewrite(data: bytes, edit) -> bytes:
+    """A copy of a zip archive with ``edit(name, bytes) -> bytes | None`` applied (None drops it)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            new = edit(info.filename, src.read(info))
+            if new is not None:
+                dst.writestr(info.filename, new)
+    return out.getvalue()
+
+
+def test_the_default_asset_is_the_gpt_zoo_model_at_its_default_options():
+    from bonsai_core.trace import trace_zoo
+
+    assert load_graph(ROOT / "assets" / "gpt-default.json").hash == trace_zoo("gpt").graph.hash
+
+
+def test_a_pt2_upload_traces_a_training_step_with_the_sum_of_squares_loss():
+    g = loaders.graph_from_pt2_bytes(tiny_pt2(), name="tiny")
+    assert g.name == "tiny"
+    assert g.is_forward.any() and (~g.is_forward).any()
+    assert any(op.startswith("aten.pow") or op.startswith("aten.mul") for op in g.ops)
+
+
+def test_a_pt2_with_pickled_weights_is_refused_before_loading():
+    def pickle_weights(name: str, body: bytes) -> bytes:
+        if name.endswith("weights_config.json"):
+            config = json.loads(body)
+            for meta in config["config"].values():
+                meta["use_pickle"] = True
+            return json.dumps(config).encode()
+        return body
+
+    with pytest.raises(ModelError, match="cannot be loaded safely.*pickle"):
+        loaders.graph_from_pt2_bytes(rewrite(tiny_pt2(), pickle_weights))
+
+
+def test_a_pt2_with_compiled_code_or_in_the_legacy_format_is_refused():
+    with_so = rewrite(tiny_pt2(), lambda n, b: b)
+    out = io.BytesIO(with_so)
+    with zipfile.ZipFile(out, "a") as z:
+        z.writestr("archive/data/aotinductor/model/model.so", b"\x7fELF")
+    with pytest.raises(ModelError, match="compiled artifacts"):
+        loaders.check_pt2(out.getvalue())
+    legacy = rewrite(tiny_pt2(), lambda n, b: None if "/models/" in n else b)
+    with pytest.raises(ModelError, match="old format"):
+        loaders.check_pt2(legacy)
+
+
+def test_non_zip_and_oversized_uploads_are_refused_with_what_to_do():
+    with pytest.raises(ModelError, match="not a .pt2 archive"):
+        loaders.check_pt2(b"print('hello')")
+    with pytest.raises(ModelError, match="at most"):
+        loaders.check_pt2(b"\0" * (loaders.MAX_PT2_BYTES + 1))
+
+
+def test_a_graph_json_upload_is_parsed_as_data_and_defects_are_named():
+    g = chain(5)
+    assert loaders.graph_from_json_bytes(json.dumps(g.to_dict()).encode()).hash == g.hash
+    with pytest.raises(GraphError, match="not valid JSON"):
+        loaders.graph_from_json_bytes(b"\xff\xfe")
+    with pytest.raises(GraphError, match="not a bonsai-graph"):
+        loaders.graph_from_json_bytes(b'{"format": "bonsai-schedule"}')
+
+
+def test_layout_puts_forward_on_top_and_backward_mirrored_below():
+    g = chain(6)
+    pos = plots.layered_layout(g)
+    fwd, bwd = pos[g.is_forward], pos[~g.is_forward]
+    assert fwd[:, 1].min() > bwd[:, 1].max()
+    assert np.all(np.diff(fwd[:, 0]) > 0)  # forward runs left to right
+    assert np.all(np.diff(bwd[:, 0]) < 0)  # backward (listed b5..b0) runs right to left
+    assert bwd[:, 0].max() == pytest.approx(fwd[:, 0].max())  # the loss end lines up
+
+
+def test_groups_follow_segments_then_blocks_of_the_backward_pass():
+    g = chain(6)
+    groups = plots.node_groups(g, [[0, 1, 2], [3, 4, 5]], recomputed=[0], block=4)
+    assert groups.names[:2] == ("segment 0", "segment 1")
+    assert groups.recomputed.tolist()[:2] == [True, False]
+    assert (groups.of >= 0).all()
+    assert groups.of[6:].tolist() == [2, 2, 2, 2, 3, 3]
+    no_segments = plots.node_groups(g, None, block=4)
+    assert no_segments.names[0] == "forward ops 0–3"
+
+
+def test_pareto_front_keeps_only_points_nothing_beats():
+    points = [(50, 10), (60, 5), (55, 12), (70, 5), (80, 0)]
+    assert plots.pareto_front(points) == [(50, 10), (60, 5), (80, 0)]
+
+
+def test_memory_figure_draws_budget_line_and_each_peak():
+    g = chain(8)
+    plan = plan_schedule(g, CheckpointPlan.of([[0, 1, 2, 3], [4, 5, 6, 7]], [0]), "bonsai")
+    curves = []
+    for s in (plan, none_schedule(g)):
+        sim = simulate(g, s)
+        costs = np.array([g.cost[v] if k == "compute" else 0.0 for k, v in s.ops])
+        curves.append(plots.curve(s.method, sim.timeline, costs, sim.peak, sim.peak_op, "#000"))
+    fig = plots.memory_figure(curves, budget=120, lower_bound=g.peak_lower_bound)
+    assert [t.name for t in fig.data if t.showlegend is not False] == ["bonsai", "none"]
+    assert fig.layout.shapes[0].y0 == pytest.approx(120 / plots.MIB)
+    assert curves[0].x[-1] > curves[1].x[-1]  # recomputation takes longer on the time axis
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda d: d["graph_module"]["graph"]["nodes"][0].update(target="torch.os.system"), "not an aten or prims"),
+    (lambda d: d.update(guards_code=["__import__('os').system('true')"]), "guard code"),
+    (lambda d: d.update(range_constraints={"s0": {"min_val": 1, "max_val": 8}}), "dynamic shapes"),
+    (lambda d: d["graph_module"]["graph"]["nodes"][0].update(meta={"expr_str": "s0*2"}), "symbolic shape"),
+])
+def test_a_pt2_program_that_loading_would_evaluate_is_refused(edit, reason):
+    def tamper(name: str, body: bytes) -> bytes:
+        if "/models/" in name and name.endswith(".json"):
+            doc = json.loads(body)
+            edit(doc)
+            return json.dumps(doc).encode()
+        return body
+
+    with pytest.raises(ModelError, match=reason):
+        loaders.check_pt2(rewrite(tiny_pt2(), tamper))

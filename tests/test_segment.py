@@ -1,0 +1,92 @@
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bonsai_core.errors import SolverError
+from bonsai_core.graph import Graph
+from bonsai_core.segment import default_granularity, segment
+from tests.graphs import chain
+
+ASSET = Path(__file__).resolve().parent.parent / "assets" / "gpt-default.json"
+
+
+@pytest.fixture(scope="module")
+def gpt() -> Graph:
+    return Graph.from_dict(json.loads(ASSET.read_text()))
+
+
+def _check(graph: Graph, seg) -> None:
+    m = int(graph.is_forward.sum())
+    assert seg.forward.tolist() == np.flatnonzero(graph.is_forward).tolist()
+    atoms = np.diff(seg.atom_ptr)
+    assert seg.atom_ptr[0] == 0 and seg.atom_ptr[-1] == m and (atoms > 0).all()
+    starts_atom = np.searchsorted(seg.atom_ptr, seg.starts)
+    ends_atom = np.searchsorted(seg.atom_ptr, seg.ends)
+    # Candidates are runs of whole atoms ...
+    assert (seg.atom_ptr[starts_atom] == seg.starts).all() and (seg.atom_ptr[ends_atom] == seg.ends).all()
+    # ... of at most `granularity` ops, unless a single atom is longer.
+    single = ends_atom - starts_atom == 1
+    assert ((seg.sizes <= seg.granularity) | single).all()
+    # Every atom alone is a candidate, so every cover can be built.
+    assert set(zip(seg.atom_ptr[:-1].tolist(), seg.atom_ptr[1:].tolist())) <= set(zip(seg.starts.tolist(),
+                                                                                     seg.ends.tolist()))
+    # A view never lies in another atom than its base.
+    pos = np.full(graph.n, -1)
+    pos[seg.forward] = np.arange(m)
+    atom_of = np.searchsorted(seg.atom_ptr, np.arange(m), side="right") - 1
+    for v in seg.forward:
+        a = graph.alias_of[v]
+        if a >= 0 and graph.is_forward[a]:
+            assert atom_of[pos[v]] == atom_of[pos[a]]
+    # Every run of atoms within the bound is there, once.
+    runs = {(int(s), int(e)) for s, e in zip(seg.starts, seg.ends)}
+    assert len(runs) == seg.count
+
+
+@pytest.mark.parametrize("granularity", [1, 2, 3, 8])
+def test_chain_candidates_are_all_runs_within_the_bound(granularity):
+    g = chain(8)
+    seg = segment(g, granularity)
+    _check(g, seg)
+    expected = {(s, e) for s in range(8) for e in range(s + 1, min(8, s + granularity) + 1)}
+    assert set(zip(seg.starts.tolist(), seg.ends.tolist())) == expected
+
+
+@pytest.mark.parametrize("granularity", [1, 5, None, 40, 1000])
+def test_gpt_segmentation_covers_respects_bound_and_keeps_views_with_bases(gpt, granularity):
+    _check(gpt, segment(gpt, granularity))
+
+
+def test_granularity_one_gives_the_atoms_and_no_bound_gives_every_run(gpt):
+    atoms = segment(gpt, 1)
+    assert atoms.count == atoms.atoms
+    every = segment(gpt, 10_000)
+    assert every.granularity == int(gpt.is_forward.sum())
+    assert every.count == atoms.atoms * (atoms.atoms + 1) // 2
+
+
+def test_candidate_count_grows_at_most_linearly_with_granularity(gpt):
+    for g in (2, 10, 21):
+        seg = segment(gpt, g)
+        assert seg.count <= seg.atoms * g
+
+
+def test_default_granularity_is_about_twice_the_root_of_the_forward_ops(gpt):
+    m = int(gpt.is_forward.sum())
+    assert default_granularity(gpt) == round(2 * math.sqrt(m))
+    assert segment(gpt).granularity == default_granularity(gpt)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "4", True])
+def test_bad_granularity_is_refused_with_a_clear_message(bad):
+    with pytest.raises(SolverError, match="positive whole number"):
+        segment(chain(4), bad)
+
+
+def test_summary_reports_what_the_explorer_shows(gpt):
+    s = segment(gpt, 10).summary()
+    assert s["candidates"] > s["atoms"] > 0 and s["forward_ops"] == int(gpt.is_forward.sum())
+    assert s["max_size"] <= max(10, s["largest_atom"])
