@@ -54,9 +54,9 @@ class ModelSpec:
 QUICK_MODELS = ("mlp:layers=3,batch=512", "gpt:layers=1,seq=64")
 QUICK_BUDGETS = (0.7, 0.5)
 FULL_MODELS = (
-    "mlp:layers=4,batch=512", "mlp", "mlp:layers=12,batch=2048",
-    "vgg:image=16", "vgg", "vgg:layers=3,image=64",
-    "resnet:image=16", "resnet", "resnet:layers=3,image=64",
+    "mlp:layers=3,batch=512", "mlp", "mlp:layers=12,batch=2048",
+    "vgg:image=16,layers=1", "vgg", "vgg:layers=3,image=64",
+    "resnet:image=16,layers=1", "resnet", "resnet:layers=3,image=64",
     "unet:layers=2,image=32", "unet", "unet:layers=4,image=128",
     "gpt:layers=1,seq=64", "gpt", "gpt:layers=4,width=256,seq=256",
     "gpt:batch=8,seq=512,width=768,layers=12,heads=12,vocab=50257",
@@ -64,7 +64,8 @@ FULL_MODELS = (
 FULL_BUDGETS = (0.9, 0.7, 0.5, 0.3)
 # Graph sizes past which the full bench does not run a method (each still has its own hard limits):
 # the op-level MILP's O(n^2) binaries would only time out there, at the time limit per cell.
-BENCH_NODE_LIMITS = {"checkmate": 300, "moccasin": 700}
+# Peers run a real CPU step per knob setting, which GPT-2 small makes minutes long.
+BENCH_NODE_LIMITS = {"checkmate": 150, "moccasin": 700, "torch-budget": 600, "per-block": 600}
 
 
 @dataclass
@@ -114,6 +115,12 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
                 progress(f"  {fraction:.0%} {method:10s} feasible={row['feasible']} overhead={row['overhead']} "
                          f"t={row['solve_seconds']:.2f}s {row['note']}")
         for peer in config.peers:
+            limit = config.max_nodes.get(peer)
+            if limit is not None and g.n > limit:
+                rows.extend({**_row(spec.label, g.n, peer, int(f * reference), f),
+                             "note": f"not run: {g.n} nodes > {limit} (bench size limit for {peer})"}
+                            for f in config.budgets)
+                continue
             rows.extend(_peer_rows(peer, spec, g.n, reference, config, progress))
         _write(rows, out)  # after each model, so a long run leaves results behind
     write_plots(rows, out)
