@@ -215,7 +215,55 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
             "budget is at least the no-remat peak. Peers (`torch-budget`, `per-block`) are measured on a real "
             "CPU step.", ""]
     tail = ["### Where bonsai is not the best", ""] + (not_best or ["- nowhere in this run"]) + [""]
-    return "\n".join(head + lines + tail)
+    return "\n".join(head + lines + tail + solver_cost_table(rows))
+
+
+def solver_cost_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The optimising methods side by side where checkmate ran: solve time, model size, overhead,
+    gap, and bonsai's speed-up and extra cost against checkmate."""
+    cells = {(r["model"], r["budget_fraction"], r["method"]): r for r in rows}
+    keys = [(r["model"], r["budget_fraction"]) for r in rows if r["method"] == "checkmate" and r["status"]]
+    if not keys:
+        return []
+    out = ["### Solver cost: checkmate vs bonsai vs moccasin", "",
+           "Seconds to solve (status, overhead, gap; variables); speed-up = checkmate seconds / bonsai "
+           "seconds; extra cost = bonsai overhead - checkmate overhead where checkmate proved optimality.", "",
+           "| model | budget | checkmate | bonsai | moccasin | speed-up | extra cost |", "|---|---|---|---|---|---:|---:|"]
+    for model, fraction in keys:
+        c, b, m = (cells.get((model, fraction, k)) for k in OPTIMISERS)
+        speed = extra = ""
+        if c and b and c["solve_seconds"] and b["solve_seconds"] and b["feasible"]:
+            speed = f"{c['solve_seconds'] / b['solve_seconds']:.0f}x"
+            if c["feasible"] and c["status"] == "optimal":
+                extra = f"{b['overhead'] - c['overhead']:+.2%}"
+        out.append(f"| {model} | {fraction:.0%} | {_solver_cell(c)} | {_solver_cell(b)} | {_solver_cell(m)} | "
+                   f"{speed} | {extra} |")
+    return out + [""]
+
+
+def _solver_cell(r: dict[str, Any] | None) -> str:
+    if r is None or r["solve_seconds"] in (None, ""):
+        return ""
+    if not r["feasible"]:
+        return f"{r['solve_seconds']:.2f} s, {r['status'] or 'no schedule'}"
+    gap = f", gap {r['gap']:.1%}" if r["gap"] not in (None, "") and r["gap"] > 0 else ""
+    return f"{r['solve_seconds']:.2f} s, {r['status']}, {r['overhead']:+.1%}{gap}; {r['variables']} vars"
+
+
+def load_rows(csv_path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a results.csv, typed again (to rewrite the report or plots of a finished run)."""
+    def typed(key: str, value: str) -> Any:
+        if value == "":
+            return None
+        if key in ("feasible",):
+            return value == "True"
+        if key in ("model", "method", "status", "note"):
+            return value
+        number = float(value)
+        return int(number) if key in ("nodes", "budget_bytes", "peak", "variables", "constraints",
+                                      "reserved_peak") else number
+    with open(csv_path) as f:
+        return [{k: typed(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def _cell(r: dict[str, Any] | None, best: float | None) -> str:
