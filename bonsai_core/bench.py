@@ -109,7 +109,7 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
                     s = solve(g, budget, method=method, time_limit=config.time_limit, backend=config.backend)
                     row.update(_schedule_fields(g, s))
                 except BonsaiError as e:
-                    row["note"] = str(e).split(". ")[0][:160]
+                    row["note"] = str(e)[:300]
                     row["solve_seconds"] = time.perf_counter() - start
                 rows.append(row)
                 progress(f"  {fraction:.0%} {method:10s} feasible={row['feasible']} overhead={row['overhead']} "
