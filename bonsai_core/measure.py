@@ -61,6 +61,17 @@ class MeasuredStep:
     device: str
 
 
+def allocate_fixed(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any) -> int:
+    """Allocate every gradient buffer (as steady-state training keeps ``.grad``) and return the bytes
+    that live through the whole step: parameters, gradients, buffers, the loss's targets, the batch
+    (a traced graph's ``fixed_mem``)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    loss_buffers = list(loss_fn.buffers()) if isinstance(loss_fn, nn.Module) else []
+    return storage_bytes([*model.parameters(), *(p.grad for p in params), *model.buffers(), *loss_buffers, *inputs])
+
+
 def measure_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
                  step: Callable[[], torch.Tensor] | None = None) -> MeasuredStep:
     """Run one forward + loss + backward of ``model`` and measure its peak memory.
@@ -70,12 +81,7 @@ def measure_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Ca
     ``fixed_mem``. ``step`` replaces the default ``loss_fn(model(*inputs)).backward()`` (for example
     an exported, checkpointed model's step); it must return the loss.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    loss_buffers = list(loss_fn.buffers()) if isinstance(loss_fn, nn.Module) else []
-    fixed_tensors = [*model.parameters(), *(p.grad for p in params), *model.buffers(), *loss_buffers, *inputs]
-    fixed = storage_bytes(fixed_tensors)
+    fixed = allocate_fixed(model, inputs, loss_fn)
 
     def default_step() -> torch.Tensor:
         loss = loss_fn(model(*inputs))

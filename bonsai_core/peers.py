@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bonsai_core import zoo
 from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES, op_cost
-from bonsai_core.measure import LiveBytes
-from bonsai_core.tensors import storage_bytes, tensors_in
+from bonsai_core.measure import LiveBytes, allocate_fixed
+from bonsai_core.tensors import tensors_in
 
 PEERS = ("torch-budget", "per-block")
 # The knob settings tried for each peer; for a budget, the cheapest setting whose measured peak fits wins.
@@ -72,21 +72,13 @@ class _Step(nn.Module):
         return self.loss_fn(self.model(*inputs))
 
 
-def _fixed_bytes(model: nn.Module, loss_fn: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    return storage_bytes([*model.parameters(), *(p.grad for p in params), *model.buffers(),
-                          *loss_fn.buffers(), *inputs])
-
-
 def measure_eager(model_name: str, options: dict[str, int], profile: str = DEFAULT_PROFILE,
                   wrap: Callable[[nn.Module], None] | None = None) -> tuple[int, float, float]:
     """(peak bytes, compute cost, loss) of one real eager step, after ``wrap(model)`` if given."""
     model, inputs, loss_fn = zoo.build(model_name, **options)
     if wrap is not None:
         wrap(model)
-    fixed = _fixed_bytes(model, loss_fn, inputs)
+    fixed = allocate_fixed(model, inputs, loss_fn)
     with LiveBytes() as live, OpCost(profile) as cost:
         loss = loss_fn(model(*inputs))
         loss.backward()
@@ -128,7 +120,7 @@ def measure_torch_budget(model_name: str, options: dict[str, int], fraction: flo
     with functorch_config.patch(activation_memory_budget=fraction):
         compiled = torch.compile(_Step(model, loss_fn), backend=backend, fullgraph=True)
         compiled(*inputs).backward()  # compile (not measured)
-        fixed = _fixed_bytes(model, loss_fn, inputs)
+        fixed = allocate_fixed(model, inputs, loss_fn)
         measuring["on"] = True
         loss = compiled(*inputs)
         loss.backward()
