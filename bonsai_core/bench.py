@@ -222,7 +222,7 @@ def solver_cost_table(rows: list[dict[str, Any]]) -> list[str]:
     """The optimising methods side by side where checkmate ran: solve time, model size, overhead,
     gap, and bonsai's speed-up and extra cost against checkmate."""
     cells = {(r["model"], r["budget_fraction"], r["method"]): r for r in rows}
-    keys = [(r["model"], r["budget_fraction"]) for r in rows if r["method"] == "checkmate" and r["status"]]
+    keys = [(r["model"], r["budget_fraction"]) for r in rows if r["method"] == "checkmate" and r.get("status")]
     if not keys:
         return []
     out = ["### Solver cost: checkmate vs bonsai vs moccasin", "",
@@ -232,7 +232,7 @@ def solver_cost_table(rows: list[dict[str, Any]]) -> list[str]:
     for model, fraction in keys:
         c, b, m = (cells.get((model, fraction, k)) for k in OPTIMISERS)
         speed = extra = ""
-        if c and b and c["solve_seconds"] and b["solve_seconds"] and b["feasible"]:
+        if c and b and c.get("solve_seconds") and b.get("solve_seconds") and b["feasible"]:
             speed = f"{c['solve_seconds'] / b['solve_seconds']:.0f}x"
             if c["feasible"] and c["status"] == "optimal":
                 extra = f"{b['overhead'] - c['overhead']:+.2%}"
@@ -242,11 +242,11 @@ def solver_cost_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _solver_cell(r: dict[str, Any] | None) -> str:
-    if r is None or r["solve_seconds"] in (None, ""):
+    if r is None or r.get("solve_seconds") in (None, ""):
         return ""
     if not r["feasible"]:
         return f"{r['solve_seconds']:.2f} s, {r['status'] or 'no schedule'}"
-    gap = f", gap {r['gap']:.1%}" if r["gap"] not in (None, "") and r["gap"] > 0 else ""
+    gap = f", gap {r['gap']:.1%}" if r.get("gap") not in (None, "") and r["gap"] > 0 else ""
     return f"{r['solve_seconds']:.2f} s, {r['status']}, {r['overhead']:+.1%}{gap}; {r['variables']} vars"
 
 

@@ -32,6 +32,10 @@ def test_markdown_names_budgets_where_bonsai_is_not_best():
     md = markdown_report([row("bonsai", 0.2), row("checkmate", 0.1), row("none", None, False)])
     assert "m at 50%: best is checkmate (+10.00%); bonsai +20.00%" in md
     assert "**+10.0%**" in md
+    rows = [{**row("bonsai", 0.2), "solve_seconds": 0.5, "variables": 10, "gap": 0.0},
+            {**row("checkmate", 0.1), "solve_seconds": 50.0, "variables": 900, "gap": 0.0}]
+    assert "| m | 50% | 50.00 s, optimal, +10.0%; 900 vars | 0.50 s, optimal, +20.0%; 10 vars |  | 100x | +10.00% |" \
+        in markdown_report(rows)
 
 
 def test_model_spec_parsing():
