@@ -3,6 +3,10 @@ processes) and gets the gradients one process computes for the whole batch."""
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -26,7 +30,8 @@ def _worker(rank: int, out_dir: str, store: str, results: str) -> None:
     from bonsai_core.export import load_export
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=120))
     try:
         model = zoo.build(MODEL, seed=0, **OPTIONS)[0]
         # the default grads="autograd" hands each gradient to autograd, where DDP's all-reduce hooks sit
@@ -42,9 +47,16 @@ def test_exported_model_trains_under_ddp_with_single_process_gradients(tmp_path)
     traced = trace_zoo(MODEL, **OPTIONS)
     out = export_traced(traced, step_signature(MODEL, OPTIONS), checkpoint_every_other(traced.graph, 0),
                         tmp_path / "export")
-    # fork: the workers inherit the imported torch instead of importing it again (seconds each)
-    mp.start_processes(_worker, args=(str(out), str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True,
-                       start_method="fork")
+    # spawn, not fork: forking a test process that already runs torch, solver and server threads can
+    # deadlock the children; a hung worker fails the test instead of hanging the suite
+    ctx = mp.start_processes(_worker, args=(str(out), str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("the DDP workers did not finish within 300 s")
 
     # one process, whole batch (both shards): DDP averages the shards' gradients
     model = zoo.build(MODEL, seed=0, **OPTIONS)[0]
