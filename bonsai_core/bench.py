@@ -12,10 +12,9 @@ peer rows are measured on a real CPU step (:mod:`bonsai_core.peers`).
 from __future__ import annotations
 
 import csv
-import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -335,7 +334,3 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
     pfig.update_layout(xaxis_type="log", yaxis_type="log", xaxis_title="graph nodes", yaxis_title="solve time (s)")
     pfig.write_html(out / "solve_time_vs_size.html", include_plotlyjs="cdn")
-
-
-def config_json(config: BenchConfig) -> str:
-    return json.dumps(asdict(config), indent=2)

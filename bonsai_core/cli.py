@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from bonsai_core.budget import Budget, format_bytes, parse_budget
 from bonsai_core.errors import BonsaiError, BudgetError

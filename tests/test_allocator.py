@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bonsai_core.allocator import (LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, Allocator, fragmentation_at_peak, replay,
+from bonsai_core.allocator import (LARGE_BUFFER, SMALL_BUFFER, Allocator, fragmentation_at_peak, replay,
                                    round_size, segment_size)
 from bonsai_core.errors import BudgetError
 from bonsai_core.graph import Graph, load_graph
-from bonsai_core.schedule import Schedule, none_schedule, schedule_ops, simulate
+from bonsai_core.schedule import none_schedule, simulate
 from tests.graphs import chain
 
 MiB = 2**20
