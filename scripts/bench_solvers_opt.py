@@ -63,15 +63,15 @@ def model_size(graph, method: str, budget: int, options: dict) -> dict:
     if method == "checkmate":
         from bonsai_core.solvers import checkmate
         from bonsai_core.solvers.milp import problem_size
+        from bonsai_core.solvers.views import contract_views
 
-        model = checkmate._models.get(checkmate.contract_views(graph)[0].hash)
+        model = checkmate._models.get(contract_views(graph)[0].hash)
         if model is None:
             return {}
         variables, constraints = problem_size(model.problem)
         return {"variables": variables, "constraints": constraints, "build_seconds": model.build_seconds}
     from bonsai_core.solvers.moccasin import build_model
-
-    from bonsai_core.solvers.checkmate import contract_views
+    from bonsai_core.solvers.views import contract_views
 
     built = build_model(contract_views(graph)[0], budget, options.get("copies", 2))
     return {"variables": built.variables, "constraints": built.constraints, "build_seconds": built.build_seconds}

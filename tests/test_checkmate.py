@@ -11,7 +11,7 @@ from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.solvers import solve
-from bonsai_core.solvers import checkmate
+from bonsai_core.solvers import checkmate, stages, views
 from tests.graphs import chain
 
 
@@ -147,7 +147,7 @@ GRAPHS = [weighted_chain([1.0, 3.0, 2.0], [10, 30, 20]),
 @pytest.mark.parametrize("graph", GRAPHS, ids=lambda g: g.name)
 def test_checkmate_reaches_the_exhaustive_stage_model_optimum(graph):
     # The MILP's stages are the nodes that are not views (a view's consumers read its base).
-    small, _ = checkmate.contract_views(graph)
+    small, _ = views.contract_views(graph)
     for budget in budgets(graph):
         best = stage_optimum(small, budget)
         if math.isinf(best):
@@ -164,7 +164,7 @@ def test_checkmate_reaches_the_exhaustive_stage_model_optimum(graph):
 
 def test_contracting_views_rewires_their_consumers_to_the_base():
     g = view_dag()
-    small, kept = checkmate.contract_views(g)
+    small, kept = views.contract_views(g)
     assert kept.tolist() == [0, 2, 3, 4, 5, 6] and small.n == 6 and not small.is_view.any()
     assert small.deps(1).tolist() == [0] and small.deps(5).tolist() == [0, 4]  # b and ga read a
 
@@ -176,15 +176,15 @@ def test_expanding_views_computes_a_chain_of_unread_views_after_its_base():
         dict(name="v2", cost=0.0, mem=0, deps=[1], alias_of=1),  # read by nothing
         dict(name="b", cost=1.0, mem=8, deps=[0]),
     ])
-    small, kept = checkmate.contract_views(g)
-    assert small.n == 2 and checkmate.expand_views(g, kept.tolist()) == [0, 1, 2, 3]
+    small, kept = views.contract_views(g)
+    assert small.n == 2 and views.expand_views(g, kept.tolist()) == [0, 1, 2, 3]
     assert solve(g, None, "checkmate", time_limit=30).stats["peak"] == 16
 
 
 def test_expanding_views_recomputes_a_view_only_for_a_new_copy_of_its_base():
     g = view_dag()
-    assert checkmate.expand_views(g, [0, 2, 3, 4, 5, 6]) == [0, 1, 2, 3, 4, 5, 6]
-    assert checkmate.expand_views(g, [0, 2, 3, 4, 5, 0, 6]) == [0, 1, 2, 3, 4, 5, 0, 1, 6]
+    assert views.expand_views(g, [0, 2, 3, 4, 5, 6]) == [0, 1, 2, 3, 4, 5, 6]
+    assert views.expand_views(g, [0, 2, 3, 4, 5, 0, 6]) == [0, 1, 2, 3, 4, 5, 0, 1, 6]
 
 
 def fan_in() -> Graph:
@@ -260,11 +260,11 @@ def test_the_time_limit_is_honoured_with_a_solution_or_a_clear_error():
 
 
 def test_the_stage_sequence_puts_recomputations_before_each_stages_node():
-    assert checkmate.stage_sequence([[], [], [0], [1, 0]]) == [0, 1, 0, 2, 0, 1, 3]
+    assert stages.stage_sequence([[], [], [0], [1, 0]]) == [0, 1, 0, 2, 0, 1, 3]
 
 
 def test_effective_users_of_a_base_include_its_views_users():
-    users = checkmate.effective_users(view_dag())
+    users = stages.effective_users(view_dag())
     assert users[0].tolist() == [1, 2, 3, 6] and users[1].tolist() == [2, 6]
 
 

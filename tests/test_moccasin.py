@@ -8,7 +8,7 @@ import pytest
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.solvers import solve
-from bonsai_core.solvers.checkmate import contract_views
+from bonsai_core.solvers.views import contract_views
 from tests.graphs import chain
 from tests.test_checkmate import budgets, fan_in, random_dag, stage_optimum, view_dag, weighted_chain
 

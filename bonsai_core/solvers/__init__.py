@@ -1,23 +1,32 @@
 """Every rematerialization method behind one interface.
 
-A method is a function ``solve_x(graph, budget, *, time_limit=None, **options) -> Schedule`` in a
-module of this package. :func:`solve` looks it up by name in :data:`METHODS` (imported lazily, so
-cvxpy and ortools load only when their method is used), runs it, and validates the result with the
-simulator before anyone sees it: the returned schedule's ``stats`` always hold the simulator's
-``peak``, ``compute_cost`` and ``overhead``, plus what the method reports (``status``, ``gap``,
-``variables``, ``constraints``, ``build_seconds``, ``solve_seconds``).
+A method is a function ``solve_x(graph, budget, *, time_limit=None, <options>) -> Schedule`` in a
+module of this package. Its options are its keyword-only parameters, each with a default, and a
+line ``name: what it does`` under an ``Options:`` heading of its docstring. :func:`solve` looks the
+method up by name in :data:`METHODS` (imported lazily, so cvxpy and ortools load only when their
+method is used), refuses options the method does not declare (naming those it accepts), runs it,
+and validates the result with the simulator before anyone sees it: the returned schedule's
+``stats`` always hold the simulator's ``peak``, ``compute_cost`` and ``overhead``, plus what the
+method reports (``status``, ``gap``, ``variables``, ``constraints``, ``build_seconds``,
+``solve_seconds``).
+
+:func:`method_options` lists a method's options (name, default, help) for the CLI and the explorer;
+:func:`parse_option` turns an option's text (``bonsai solve --option copies=3``) into its type.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import re
 import time
-from typing import Any, Callable
+import typing
+from typing import Any, Callable, NamedTuple
 
+from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, simulate
-from bonsai_core.budget import format_bytes
 
 # name -> (module, function, one-line description)
 METHODS: dict[str, tuple[str, str, str]] = {
@@ -29,6 +38,16 @@ METHODS: dict[str, tuple[str, str, str]] = {
     "checkmate": ("bonsai_core.solvers.checkmate", "solve_checkmate", "Checkmate's op-level MILP (optimal in its stage model; up to 400 nodes)"),
     "moccasin": ("bonsai_core.solvers.moccasin", "solve_moccasin", "Moccasin's retention-interval CP model on CP-SAT (option copies, default 2)"),
 }
+DEFAULT_METHOD = "bonsai"
+
+
+class MethodOption(NamedTuple):
+    """One option of a method: its name, default value, one-line help and Python type."""
+
+    name: str
+    default: Any
+    help: str
+    type: Any
 
 
 def available_methods() -> list[str]:
@@ -46,11 +65,129 @@ def get_solver(method: str) -> Callable[..., Schedule]:
     return getattr(importlib.import_module(module), func)
 
 
-def solve(graph: Graph, budget: int | None, method: str = "none", **options: Any) -> Schedule:
+def _option_help(doc: str | None) -> dict[str, str]:
+    """``name: text`` lines under an ``Options:`` heading of a docstring (a line indented deeper
+    than its name continues the text)."""
+    helps: dict[str, str] = {}
+    lines = inspect.cleandoc(doc or "").splitlines()
+    if "Options:" not in [line.strip() for line in lines]:
+        return helps
+    start = [line.strip() for line in lines].index("Options:") + 1
+    name = None
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        m = re.match(r"\s*(\w+):\s*(.*)", line)
+        if m and (name is None or len(line) - len(line.lstrip()) <= indent):
+            name, indent = m.group(1), len(line) - len(line.lstrip())
+            helps[name] = m.group(2)
+        elif name is not None:
+            helps[name] += " " + line.strip()
+    return helps
+
+
+def method_options(method: str) -> list[MethodOption] | None:
+    """The options ``method`` declares, in signature order (None: it still accepts any keyword)."""
+    solver = get_solver(method)
+    params = inspect.signature(solver).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None  # a solver not yet converted to declared options: anything passes
+    try:
+        hints = typing.get_type_hints(solver)
+    except Exception:  # an annotation that does not resolve: fall back to the default's type
+        hints = {}
+    helps = _option_help(solver.__doc__)
+    return [MethodOption(p.name, p.default, helps.get(p.name, ""), hints.get(p.name, type(p.default)))
+            for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def accepted_options(method: str) -> set[str] | None:
+    """Names of the options ``method`` accepts (None: any)."""
+    options = method_options(method)
+    return None if options is None else {o.name for o in options}
+
+
+def check_options(method: str, options: dict[str, Any]) -> None:
+    """Refuse an option ``method`` does not declare, naming the ones it does."""
+    accepted = method_options(method)
+    if accepted is None:
+        return
+    unknown = sorted(set(options) - {o.name for o in accepted})
+    if unknown:
+        listed = ", ".join(f"{o.name} (default {o.default!r})" for o in accepted) or "none"
+        raise SolverError(f"Method {method!r} has no option {', '.join(map(repr, unknown))}; its options are: "
+                          f"{listed}. `bonsai methods` lists every method's options.")
+
+
+def type_name(kind: Any) -> str:
+    """An option's type in words: ``int``, ``one of 'sqrt', 'greedy'``, ``float or none``."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if args:  # a union such as int | None
+        return " or ".join("none" if a is type(None) else type_name(a) for a in args)
+    return getattr(kind, "__name__", str(kind))
+
+
+def parse_option(method: str, text: str) -> tuple[str, Any]:
+    """``name=value`` as the option's name and its value, typed from the option's declared type
+    (``copies=3`` -> 3, ``allocator=true`` -> True, ``segments=none`` -> None)."""
+    name, eq, raw = text.partition("=")
+    name, raw = name.strip().replace("-", "_"), raw.strip()
+    if not eq or not name:
+        raise SolverError(f"Option {text!r} is not name=value (for example copies=3).")
+    options = method_options(method)
+    if options is None:
+        return name, _guess(raw)
+    check_options(method, {name: None})
+    kind = next(o.type for o in options if o.name == name)
+    value = _convert(raw, kind)
+    if value is _BAD:
+        raise SolverError(f"Option {name}={raw!r} of method {method!r}: expected {type_name(kind)}.")
+    return name, value
+
+
+_BAD = object()
+_BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def _convert(raw: str, kind: Any) -> Any:
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is typing.Literal:
+        return next((a for a in args if str(a) == raw), _BAD)
+    if args:  # a union: the first member the text converts to
+        for a in args:
+            value = (None if raw.lower() == "none" else _BAD) if a is type(None) else _convert(raw, a)
+            if value is not _BAD:
+                return value
+        return _BAD
+    if kind is bool:
+        return _BOOLS.get(raw.lower(), _BAD)
+    if kind in (int, float, str):
+        try:
+            return kind(raw)
+        except ValueError:
+            return _BAD
+    return _BAD
+
+
+def _guess(raw: str) -> Any:
+    """A value for an option whose type is not declared: a number, a boolean, none or the text."""
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return _BOOLS.get(raw.lower(), None if raw.lower() == "none" else raw)
+
+
+def solve(graph: Graph, budget: int | None, method: str = DEFAULT_METHOD, **options: Any) -> Schedule:
     """Run ``method`` on ``graph`` under ``budget`` bytes (None: unconstrained) and return its
     schedule, validated by the simulator. Raises BudgetError if the method cannot meet the budget
-    (naming the smallest budget it can meet, or a proven lower bound) and SolverError if it fails."""
+    (naming the smallest budget it can meet, or a proven lower bound) and SolverError if it fails
+    or an option is not one the method declares."""
     solver = get_solver(method)
+    check_options(method, options)
     if budget is not None and budget < graph.peak_lower_bound:
         raise BudgetError(
             f"No schedule can fit in {format_bytes(budget)}: the largest single operator of "

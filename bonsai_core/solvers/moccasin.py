@@ -14,7 +14,7 @@ computed at ``start`` (an event of node v) and stays resident until ``end``.
   copy j of v is computed (``start_u < start_v < end_u``), Moccasin's ``reservoir_option=2``;
 * a view: one reservoir per view keeps some single copy of its base resident over each whole
   interval of the view (a resident view keeps its base resident). :func:`solve_moccasin` first
-  contracts the views away as ``checkmate`` does (:func:`~bonsai_core.solvers.checkmate.contract_views`:
+  contracts the views away as ``checkmate`` does (:func:`~bonsai_core.solvers.views.contract_views`:
   a view's consumers read its base, and the views are put back into the sequence), which halves a
   traced transformer's model; :func:`build_model` still takes graphs with views;
 * objective: the recomputation cost (costs scaled to integers), minimised; ``gap`` is relative to it.
@@ -38,8 +38,9 @@ import numpy as np
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak, schedule_ops
-from bonsai_core.solvers.checkmate import (check_size, contract_views, effective_users, expand_views,
-                                          infeasible_message)
+from bonsai_core.solvers.deadline import Deadline
+from bonsai_core.solvers.stages import check_size, effective_users, infeasible_message
+from bonsai_core.solvers.views import contract_views, expand_views
 
 # Moccasin has O(n) variables but O(n^2) time points and one reservoir per edge and copy; beyond this
 # CP-SAT rarely finds a first solution in minutes on two cores. Use ``bonsai`` above it.
@@ -164,25 +165,33 @@ def build_model(graph: Graph, budget: int | None, copies: int = DEFAULT_COPIES) 
 
 
 def solve_moccasin(graph: Graph, budget: int | None, *, time_limit: float | None = None,
-                   copies: int = DEFAULT_COPIES, num_workers: int = 2, max_nodes: int = MAX_NODES,
-                   **_: object) -> Schedule:
+                   copies: int = DEFAULT_COPIES, num_workers: int = 2, max_nodes: int = MAX_NODES) -> Schedule:
     """Moccasin's schedule under ``budget`` bytes with at most ``copies`` computations per node.
 
     Raises SolverError for a graph above ``max_nodes`` nodes, a bad option, or no solution within
     ``time_limit`` seconds, and BudgetError when the model is proven infeasible at this budget.
     Stats: status (optimal / feasible), gap (relative to the recomputation cost, from CP-SAT's
     objective bound), variables, constraints, build_seconds, solve_seconds, objective (total compute
-    cost, seconds)."""
+    cost, seconds).
+
+    Options:
+        time_limit: seconds for the whole call (building the CP model included); past it, the best schedule found and its gap
+        copies: computations allowed per node (1 = no recomputation; more reach cheaper schedules, slower)
+        num_workers: CP-SAT search threads
+        max_nodes: refuse graphs with more nodes than this (views excepted)
+    """
     from ortools.sat.python import cp_model
 
+    deadline = Deadline(time_limit)
     small, kept = contract_views(graph)  # as checkmate: views cost nothing, their consumers read the base
     check_size(small, "moccasin", max_nodes, "nodes that are not views")
     built = build_model(small, budget, copies)
     model, start, present, c_max, unit = built.model, built.start, built.present, built.copies, built.cost_unit
     n = small.n
     solver = cp_model.CpSolver()
-    if time_limit is not None:
-        solver.parameters.max_time_in_seconds = float(time_limit)
+    left = deadline.left("moccasin", "building its CP model")
+    if left is not None:
+        solver.parameters.max_time_in_seconds = left
     solver.parameters.num_workers = max(1, int(num_workers))
     clock = time.perf_counter()
     status = solver.solve(model)

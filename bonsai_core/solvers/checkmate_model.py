@@ -1,0 +1,203 @@
+"""Checkmate's op-level MILP (Jain et al., MLSys 2020) as a CVXPY problem: :func:`build_milp`.
+
+The stage model ("frontier advancing", over the graph's listed node order): the schedule runs in n
+stages; stage t computes node t for the first time, after recomputing any earlier nodes it chooses,
+in listed order. Decision matrices (lower triangular, t = stage, i = node):
+
+* ``R[t, i]``: node i is computed in stage t (``R[t, t] = 1``; ``R[t, i] = 0`` for i > t);
+* ``S[t, i]``: node i is resident at the start of stage t (strictly lower triangular, ``S[0] = 0``);
+* ``FREE[t, i, k]``: node i is freed right after node k < t is computed in stage t (k is i itself
+  or a consumer of i; a consumer of a view of i counts as a consumer of i, since a resident view
+  keeps its base resident);
+* ``U[t, k]``: memory when node k is computed in stage t (continuous).
+
+Constraints: a node computed in stage t has each input resident or computed earlier in the stage;
+a node resident at the start of stage t+1 was resident or computed in stage t; a node is not
+recomputed while resident; a resident view keeps its base resident; ``FREE[t, i, k]`` may be 1 only
+when k is computed, i is not kept for stage t+1 and no later consumer of i is computed in stage t
+(one row per such hazard: a tighter LP relaxation than Checkmate's one aggregated row per FREE,
+which measured no faster on HiGHS); ``U[t, 0] = sum_i S[t, i] mem_i + R[t, 0] mem_0``,
+``U[t, k] = U[t, k-1] + R[t, k] mem_k - sum_i mem_i FREE[t, i, k-1]``, ``U <= budget - fixed_mem``.
+Objective: ``sum R * cost``, the schedule's total compute cost (``gap`` is relative to its
+recomputation part, the objective less one computation of every node).
+
+FREE only has an upper bound here (Checkmate also forces it to 1 when nothing prevents freeing):
+the solver frees whenever memory is short, and U is then an upper bound on the true memory, which
+is all the budget constraint needs. The schedule is replayed from R alone: R read stage by stage is
+a compute sequence, and :func:`bonsai_core.schedule.schedule_ops` frees every copy right after its
+last use, so the simulated peak is never above the MILP's U and the compute cost is the objective.
+
+Size: ``n(n-1)`` binaries for R and S, one binary per (stage, node, consumer) for FREE, ``n(n+1)/2``
+continuous U: O(n * (n + edges)). The model is built from scipy.sparse matrices with the budget as
+a ``cp.Parameter``, and cached per graph, so a re-solve at another budget skips canonicalisation.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bonsai_core.graph import Graph
+from bonsai_core.solvers.sparse_rows import Rows, lower_offset, ranges, tri_offset
+from bonsai_core.solvers.stages import effective_users
+
+# Memory is scaled so the largest node is this many units: keeps the MILP's coefficients near 1.
+_MEM_UNITS = 1000.0
+
+
+@dataclass
+class CheckmateMilp:
+    """A built Checkmate MILP for one graph; ``budget`` is the parameter a re-solve changes."""
+
+    problem: Any
+    budget: Any  # cp.Parameter: (budget - fixed_mem) in memory units
+    x: Any  # cp.Variable: [R strictly lower (Q), S strictly lower (Q), FREE (nf)], boolean
+    mem_scale: float
+    cost_scale: float
+    base_cost: float  # the scaled cost of the diagonal (every node once): a constant of the objective
+    build_seconds: float
+    lock: threading.Lock
+
+
+def build_milp(graph: Graph) -> CheckmateMilp:
+    """Build the MILP from sparse matrices. O(n * (n + edges)) memory and time."""
+    import cvxpy as cp
+
+    start = time.perf_counter()  # after the import: cvxpy takes seconds to load on a busy machine
+    n = graph.n
+    q = n * (n - 1) // 2  # strictly-lower pairs: R and S
+    p = n * (n + 1) // 2  # lower pairs: U
+    mem_scale = max(float(graph.mem.max()), 1.0) / _MEM_UNITS
+    mem = graph.mem.astype(np.float64) / mem_scale
+    positive = graph.cost[graph.cost > 0]
+    cost_scale = float(positive.mean()) if len(positive) else 1.0
+    cost = graph.cost / cost_scale
+
+    def r_col(t: np.ndarray, i: np.ndarray) -> np.ndarray:  # R[t, i], i < t
+        return lower_offset(t, i)
+
+    def s_col(t: np.ndarray, i: np.ndarray) -> np.ndarray:  # S[t, i], i < t
+        return q + lower_offset(t, i)
+
+    rows = Rows()
+
+    # Dependencies: R[t, j] <= R[t, i] + S[t, i] for each edge i -> j and stage t >= j.
+    src = graph.dep_idx
+    dst = np.repeat(np.arange(n, dtype=np.int64), np.diff(graph.dep_ptr))
+    e, t = ranges(dst, np.full(len(dst), n, dtype=np.int64))
+    i, j = src[e], dst[e]
+    first = rows.add(len(e), np.where(j == t, -1.0, 0.0))  # R[t, t] = 1 moves to the right
+    row = first + np.arange(len(e))
+    off = j < t
+    rows.x_terms(row[off], r_col(t[off], j[off]), 1.0)
+    rows.x_terms(row, r_col(t, i), -1.0)
+    rows.x_terms(row, s_col(t, i), -1.0)
+
+    # Retention: S[t+1, i] <= S[t, i] + R[t, i] for i < t <= n-2 (S[i+1, i] <= R[i, i] = 1 is free).
+    nodes = np.arange(n, dtype=np.int64)
+    v, t = ranges(nodes + 1, np.full(n, n - 1, dtype=np.int64))
+    row = rows.add(len(v), 0.0) + np.arange(len(v))
+    rows.x_terms(row, s_col(t + 1, v), 1.0)
+    rows.x_terms(row, s_col(t, v), -1.0)
+    rows.x_terms(row, r_col(t, v), -1.0)
+
+    # No recomputation of a resident node: R[t, i] + S[t, i] <= 1.
+    v, t = ranges(nodes + 1, np.full(n, n, dtype=np.int64))
+    row = rows.add(len(v), 1.0) + np.arange(len(v))
+    rows.x_terms(row, r_col(t, v), 1.0)
+    rows.x_terms(row, s_col(t, v), 1.0)
+
+    # A resident view keeps its base resident: S[t, view] <= S[t, base].
+    views = np.flatnonzero(graph.alias_of >= 0)
+    w, t = ranges(views + 1, np.full(len(views), n, dtype=np.int64))
+    vw, base = views[w], graph.alias_of[views[w]]
+    row = rows.add(len(w), 0.0) + np.arange(len(w))
+    rows.x_terms(row, s_col(t, vw), 1.0)
+    rows.x_terms(row, s_col(t, base), -1.0)
+
+    # FREE[t, i, k] for each "free edge" (i, k), k < t: k is i or one of its effective users, and
+    # mem_i > 0. (A free after node t itself, the stage's last compute, changes no U: the next
+    # stage's memory is S[t+1].)
+    users = effective_users(graph)
+    owner = np.concatenate([np.full(len(us), a, dtype=np.int64) for a, us in enumerate(users)])
+    flat_users = np.concatenate(users)
+    heavy = graph.mem > 0
+    fe_i = np.concatenate((nodes[heavy], owner[heavy[owner]]))
+    fe_k = np.concatenate((nodes[heavy], flat_users[heavy[owner]]))
+    order = np.argsort(fe_k, kind="stable")  # stage t has the free edges with k < t: a prefix
+    fe_i, fe_k = fe_i[order], fe_k[order]
+    count = np.searchsorted(fe_k, nodes, side="left")
+    nf = int(count.sum())
+    nx = 2 * q + nf
+    t_f, e_f = ranges(np.zeros(n, dtype=np.int64), count)
+    f_i, f_k = fe_i[e_f], fe_k[e_f]
+    f_col = 2 * q + np.arange(nf, dtype=np.int64)
+    # The users of i computed later in stage t are j in users[i] with k < j <= t: a slice of the
+    # flat (owner, user)-sorted list, found by binary search on the key owner * n + user.
+    key = owner * n + flat_users
+    lo = np.searchsorted(key, f_i * n + f_k, side="right")
+    hi = np.searchsorted(key, f_i * n + t_f, side="right")
+    has_next = t_f < n - 1
+    pf, jj = ranges(lo, hi)
+    jj = flat_users[jj]
+    at_t = jj == t_f[pf]
+    # One row per hazard:
+    # F <= R[t, k];  F + S[t+1, i] <= 1;  F + R[t, j] <= 1 for each later user j (F <= 0 if j = t).
+    row = rows.add(nf, 0.0) + np.arange(nf)
+    rows.x_terms(row, f_col, 1.0)
+    rows.x_terms(row, r_col(t_f, f_k), -1.0)
+    kept = np.flatnonzero(has_next)
+    row = rows.add(len(kept), 1.0) + np.arange(len(kept))
+    rows.x_terms(row, f_col[kept], 1.0)
+    rows.x_terms(row, s_col(t_f[kept] + 1, f_i[kept]), 1.0)
+    row = rows.add(len(pf), np.where(at_t, 0.0, 1.0)) + np.arange(len(pf))
+    rows.x_terms(row, f_col[pf], 1.0)
+    rows.x_terms(row[~at_t], r_col(t_f[pf[~at_t]], jj[~at_t]), 1.0)
+    a_ineq, _, b_ineq = rows.matrices(nx, p)
+
+    # Memory: U[t, 0] = sum_i mem_i S[t, i] + mem_0 R[t, 0];
+    #         U[t, k] = U[t, k-1] + mem_k R[t, k] - sum mem_i FREE[t, i, k-1].
+    eq = Rows()
+    first = eq.add(p, 0.0)
+    t_u, k_u = ranges(np.zeros(n, dtype=np.int64), nodes + 1)
+    row = first + tri_offset(t_u, k_u)
+    eq.u_terms(row, tri_offset(t_u, k_u), 1.0)
+    diag = k_u == t_u
+    eq.rhs[-1][tri_offset(t_u[diag], k_u[diag])] = mem[k_u[diag]]  # R[t, t] = 1
+    eq.x_terms(row[~diag], r_col(t_u[~diag], k_u[~diag]), -mem[k_u[~diag]])
+    nz = k_u > 0
+    eq.u_terms(row[nz], tri_offset(t_u[nz], k_u[nz] - 1), -1.0)
+    t_s, i_s = ranges(np.zeros(n, dtype=np.int64), nodes)  # S[t, i], i < t, into U[t, 0]
+    eq.x_terms(first + tri_offset(t_s, np.zeros_like(t_s)), s_col(t_s, i_s), -mem[i_s])
+    eq.x_terms(first + tri_offset(t_f, f_k + 1), f_col, mem[f_i])
+    a_eqx, a_u, b_eq = eq.matrices(nx, p)
+
+    x = cp.Variable(nx, boolean=True, name="R_S_FREE")
+    u = cp.Variable(p, name="U")
+    budget = cp.Parameter(nonneg=True, name="budget", value=float(mem.sum()))
+    c = np.zeros(nx)
+    t_r, i_r = ranges(np.zeros(n, dtype=np.int64), nodes)  # R[t, i], i < t
+    c[r_col(t_r, i_r)] = cost[i_r]
+    base = float(cost.sum())
+    constraints = [a_eqx @ x + a_u @ u == b_eq, u <= budget]
+    if a_ineq.shape[0]:
+        constraints.append(a_ineq @ x <= b_ineq)
+    # The objective leaves out the constant (every node once), so that the backends' relative gap is
+    # the gap on the recomputation cost, as moccasin reports it.
+    problem = cp.Problem(cp.Minimize(c @ x), constraints)
+    return CheckmateMilp(problem, budget, x, mem_scale, cost_scale, base, time.perf_counter() - start,
+                  threading.Lock())
+
+
+def recomputed_from_r(n: int, r_off: np.ndarray) -> list[list[int]]:
+    """The R matrix's strictly-lower part (row-major, as in the model) as per-stage node lists."""
+    t, i = ranges(np.zeros(n, dtype=np.int64), np.arange(n, dtype=np.int64))
+    chosen = r_off > 0.5
+    stages: list[list[int]] = [[] for _ in range(n)]
+    for tt, ii in zip(t[chosen].tolist(), i[chosen].tolist()):
+        stages[tt].append(ii)
+    return stages

@@ -1,0 +1,28 @@
+"""One time limit for a method's whole ``solve`` call, however many inner solves it makes."""
+
+from __future__ import annotations
+
+import time
+
+from bonsai_core.errors import SolverError
+
+
+class Deadline:
+    """``time_limit`` seconds from now (None: no limit). Each inner solve gets :meth:`left`."""
+
+    def __init__(self, time_limit: float | None) -> None:
+        self.time_limit = time_limit
+        self.start = time.perf_counter()
+
+    def left(self, method: str, spent_on: str) -> float | None:
+        """Seconds left for the next inner solve (None: no limit); SolverError if none are, saying
+        what used them up (``spent_on``) and what to do."""
+        if self.time_limit is None:
+            return None
+        left = self.time_limit - (time.perf_counter() - self.start)
+        if left <= 0:
+            raise SolverError(
+                f"Method {method!r} found no schedule within the time limit of {self.time_limit:g} s: "
+                f"{spent_on} took {time.perf_counter() - self.start:.1f} s. Raise --time-limit, or use "
+                "method 'bonsai' on a graph this large.")
+        return left
