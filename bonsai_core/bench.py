@@ -105,7 +105,7 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
                     continue
                 start = time.perf_counter()
                 try:
-                    s = solve(g, budget, method=method, time_limit=config.time_limit, backend=config.backend)
+                    s = solve(g, budget, method=method, **_options(method, config))
                     row.update(_schedule_fields(g, s))
                 except BonsaiError as e:
                     row["note"] = str(e)[:300]
@@ -124,6 +124,15 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
         _write(rows, out)  # after each model, so a long run leaves results behind
     write_plots(rows, out)
     return rows
+
+
+def _options(method: str, config: BenchConfig) -> dict[str, Any]:
+    """The bench's time limit and MILP backend, for the methods that take them."""
+    from bonsai_core.solvers import accepted_options
+
+    accepted = accepted_options(method)
+    return {k: v for k, v in (("time_limit", config.time_limit), ("backend", config.backend))
+            if accepted is None or k in accepted}
 
 
 def _row(model: str, nodes: int, method: str, budget: int, fraction: float) -> dict[str, Any]:
