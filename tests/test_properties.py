@@ -7,10 +7,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bonsai_core.errors import BonsaiError
+from bonsai_core import solvers
+from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak, none_schedule, schedule_ops, simulate
-from bonsai_core.solvers import available_methods, solve
+from bonsai_core.solvers import available_methods, get_solver, solve
+from tests.graphs import chain
 from tests.strategies import graphs
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -52,15 +54,47 @@ def test_recomputing_sequences_give_valid_schedules(g, rnd):
     assert sim.compute_cost >= g.total_cost - 1e-12
 
 
-@pytest.mark.parametrize("method", available_methods())
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(g=graphs(max_nodes=10), share=st.floats(0.3, 1.2))
-def test_every_method_respects_the_budget_when_it_succeeds(method, g, share):
-    budget = int(share * no_remat_peak(g))
-    try:
-        s = solve(g, budget, method=method, time_limit=5)
-    except BonsaiError:
-        return  # infeasible or limited: reported as a typed error, never a crash
-    sim = simulate(g, s)
-    assert sim.peak <= budget and s.stats["peak"] == sim.peak
-    assert np.isclose(s.stats["compute_cost"], sim.compute_cost)
+# Found by this test: coop divides by the pool's reserved bytes when a random graph's first request
+# fails with nothing reserved yet (ZeroDivisionError in the eviction runtime's fragmentation rate).
+# Reported to coop's owner; the mark goes when that is fixed.
+KNOWN_BUGS = {"coop": pytest.mark.xfail(raises=ZeroDivisionError, strict=False,
+                                        reason="coop: 1 - allocated / reserved with nothing reserved")}
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=KNOWN_BUGS.get(m, ())) for m in available_methods()])
+def test_every_method_returns_only_valid_schedules_within_the_budget(method):
+    """The method's own solver function, not ``solve`` (which would turn an over-budget schedule
+    into a BudgetError): a schedule it returns must replay under the simulator's rules (simulate
+    raises ScheduleError otherwise) and peak within the budget; when it cannot, it raises a typed
+    error. At or above the no-remat peak every method must succeed, so the check is never empty."""
+    solver = get_solver(method)
+    solved = []
+
+    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(g=graphs(max_nodes=10), share=st.floats(0.3, 1.2))
+    def check(g, share):
+        budget = int(share * no_remat_peak(g))
+        try:
+            s = solver(g, budget, time_limit=5)
+        except BonsaiError:
+            assert budget < no_remat_peak(g), f"{method} failed at {budget} B, at least the no-remat peak"
+            return
+        sim = simulate(g, s)
+        assert sim.peak <= budget, f"{method} returned a schedule peaking at {sim.peak} B over {budget} B"
+        solved.append(sim.peak)
+        validated = solve(g, budget, method, time_limit=5)  # the interface reports the simulator's numbers
+        assert validated.stats["peak"] == simulate(g, validated).peak <= budget
+        assert np.isclose(validated.stats["compute_cost"], simulate(g, validated).compute_cost)
+
+    check()
+    assert solved, f"{method} solved none of the random graphs"
+
+
+def test_solve_refuses_a_schedule_over_its_budget(monkeypatch):
+    """solve's own check: a method that returns a schedule over the budget is a BudgetError."""
+    g = chain(4)
+    monkeypatch.setitem(solvers.METHODS, "over", ("bonsai_core.solvers.baseline", "solve_none", ""))
+    monkeypatch.setattr("bonsai_core.solvers.baseline.solve_none",
+                        lambda graph, budget, *, time_limit=None: none_schedule(graph))
+    with pytest.raises(BudgetError, match="peaks at"):
+        solve(g, no_remat_peak(g) - 1, "over")

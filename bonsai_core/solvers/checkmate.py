@@ -73,6 +73,8 @@ def solve_checkmate(graph: Graph, budget: int | None, *, time_limit: float | Non
         backend: MILP backend, highs or scip
         max_nodes: refuse graphs with more nodes than this (views excepted)
     """
+    import cvxpy  # noqa: F401  (seconds on a busy machine, once per process: not the solve's time)
+
     deadline = Deadline(time_limit)
     small, kept = contract_views(graph)
     check_size(small, "checkmate", max_nodes, "nodes that are not views")
