@@ -17,7 +17,7 @@ def test_bench_quick_writes_results_tables_and_plots(tmp_path, capsys):
     assert {r["model"] for r in rows} == {"mlp:batch=512,layers=3", "gpt:layers=1,seq=64"}
     assert {r["budget_fraction"] for r in rows} == {"0.7", "0.5"}
     assert {"torch-budget", "per-block", "none"} <= {r["method"] for r in rows}
-    for r in rows:  # a feasible row respects its budget, on our simulator or on the measured step
+    for r in rows:  # a solver row's peak is the simulator's, checked against the budget by solve()
         if r["feasible"] == "True":
             assert int(r["peak"]) <= int(r["budget_bytes"])
     for name in ("overhead_vs_budget", "peak_vs_budget", "solve_time_vs_size"):
@@ -56,3 +56,22 @@ def test_peer_measurements_agree_with_the_plain_step():
     plain_peak, plain_cost, _ = peers.measure_eager("gpt", {"layers": 2, "seq": 64})
     runs = peers.peer_runs("per-block", "gpt", {"layers": 2, "seq": 64})
     assert min(r.peak for r in runs) < plain_peak and all(r.compute_cost > plain_cost for r in runs)
+
+
+def test_a_peer_row_is_the_cheapest_measured_setting_that_fits_its_budget(monkeypatch):
+    """The peer rows, from fake measurements: at each budget the cheapest setting whose measured
+    peak fits (not merely the cheapest, not merely the lowest peak), and "no setting fits" below all."""
+    from bonsai_core import bench
+
+    runs = [peers.PeerRun("per-block", "every 4", 900, 1.1, 0.0), peers.PeerRun("per-block", "every 2", 700, 1.3, 0.0),
+            peers.PeerRun("per-block", "every 1", 500, 1.6, 0.0), peers.PeerRun("per-block", "cheap", 990, 1.05, 0.0)]
+    monkeypatch.setattr(peers, "measure_eager", lambda *a, **k: (1000, 1.0, 0.0))
+    monkeypatch.setattr(peers, "peer_runs", lambda *a, **k: runs)
+    config = bench.BenchConfig(models=["m"], budgets=[0.95, 0.8, 0.6, 0.4], methods=[], peers=["per-block"])
+    rows = bench._peer_rows("per-block", ModelSpec("m"), 10, 1000, config, progress=lambda line: None)
+    got = {r["budget_fraction"]: (r["feasible"], r["peak"], r["note"]) for r in rows}
+    assert got[0.95] == (True, 900, "every 4")  # "cheap" peaks at 990 > 950
+    assert got[0.8] == (True, 700, "every 2")
+    assert got[0.6] == (True, 500, "every 1")
+    assert got[0.4][0] is False and "no setting fits; lowest measured peak 500" in got[0.4][2]
+    assert rows[0]["overhead"] == pytest.approx(0.1)

@@ -247,16 +247,23 @@ def test_graphs_over_the_size_limit_are_refused_with_a_pointer_to_bonsai():
     assert checkmate.MAX_NODES >= 100
 
 
-def test_the_time_limit_is_honoured_with_a_solution_or_a_clear_error():
-    g = chain(30, fixed_mem=0)  # 60 nodes: ~10k binaries
-    limit = 2.0
+def test_past_the_time_limit_the_best_schedule_found_comes_with_its_gap():
+    g, limit = chain(10), 4.0  # HiGHS finds schedules in a second or two here, and may not prove one optimal
+    budget = int(0.7 * no_remat_peak(g))
     start = time.perf_counter()
-    try:
-        schedule = solve(g, g.peak_lower_bound + 40, "checkmate", time_limit=limit)
-        assert schedule.stats["status"] in ("optimal", "feasible")
-    except SolverError as e:
-        assert "time limit" in str(e)
-    assert time.perf_counter() - start < limit + 20  # build + canonicalisation + a loaded machine
+    schedule = solve(g, budget, "checkmate", time_limit=limit)
+    assert time.perf_counter() - start < limit + 10  # the build counts; slack for a loaded machine
+    status, gap = schedule.stats["status"], schedule.stats["gap"]
+    assert (status, gap) == ("optimal", 0.0) or (status == "feasible" and 0 < gap <= 1)
+    assert schedule.stats["peak"] <= budget
+
+
+def test_a_time_limit_too_short_for_any_schedule_says_none_was_found():
+    g, limit = chain(30), 0.5
+    start = time.perf_counter()
+    with pytest.raises(SolverError, match="time limit of 0.5 s"):
+        solve(g, int(0.5 * no_remat_peak(g)), "checkmate", time_limit=limit)
+    assert time.perf_counter() - start < limit + 10
 
 
 def test_the_stage_sequence_puts_recomputations_before_each_stages_node():

@@ -56,17 +56,23 @@ def test_integer_variables_grow_linearly_with_the_graph():
         assert key in small
 
 
-def test_the_time_limit_is_honoured_and_the_gap_reported():
-    g = chain(30)
-    limit = 2.0
+def test_past_the_time_limit_the_best_schedule_found_comes_with_its_gap():
+    g, limit = chain(18), 4.0  # CP-SAT finds schedules at once here, and needs far longer to prove one optimal
+    budget = int(0.7 * no_remat_peak(g))
     start = time.perf_counter()
-    try:
-        schedule = solve(g, g.peak_lower_bound + 60, "moccasin", time_limit=limit)
-        assert schedule.stats["status"] in ("optimal", "feasible") and schedule.stats["gap"] >= 0.0
-        assert schedule.stats["peak"] <= g.peak_lower_bound + 60
-    except SolverError as e:
-        assert "time limit" in str(e)
-    assert time.perf_counter() - start < limit + 15
+    schedule = solve(g, budget, "moccasin", time_limit=limit)
+    assert time.perf_counter() - start < limit + 10  # the model's build counts; slack for a loaded machine
+    status, gap = schedule.stats["status"], schedule.stats["gap"]
+    assert (status, gap) == ("optimal", 0.0) or (status == "feasible" and 0 < gap <= 1)
+    assert schedule.stats["peak"] <= budget
+
+
+def test_a_time_limit_too_short_for_any_schedule_says_none_was_found():
+    g, limit = chain(30), 0.05
+    start = time.perf_counter()
+    with pytest.raises(SolverError, match="within the time limit of 0.05 s"):
+        solve(g, int(0.5 * no_remat_peak(g)), "moccasin", time_limit=limit)
+    assert time.perf_counter() - start < limit + 10
 
 
 @pytest.mark.parametrize("graph", [view_dag(), random_dag(1), random_dag(3)], ids=lambda g: g.name)

@@ -44,8 +44,9 @@ def problem_size(problem: Any) -> tuple[int, int]:
 
 
 def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float | None = None,
-               verbose: bool = False) -> MilpOutcome:
-    """Solve ``problem`` (a CVXPY MILP) on ``backend`` within ``time_limit`` seconds."""
+               verbose: bool = False, whole_limit: float | None = None) -> MilpOutcome:
+    """Solve ``problem`` (a CVXPY MILP) on ``backend`` within ``time_limit`` seconds: what is left
+    of the method's ``whole_limit`` (the user's ``--time-limit``, named in messages) if given."""
     import cvxpy as cp
 
     if backend not in BACKENDS:
@@ -70,7 +71,7 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
         # HiGHS can return that stale point as "optimal" (seen on the bonsai ILP when raising the budget).
         problem.solve(solver=backend.upper(), verbose=verbose, warm_start=False, **options)
     except cp.error.SolverError as e:
-        limit = f" within the time limit of {time_limit:g} s" if time_limit else ""
+        limit = _limit_words(time_limit, whole_limit)
         raise SolverError(f"The {backend} backend found no solution{limit} ({e}). Raise --time-limit, raise "
                           "the budget, or try the other backend.") from None
     except Exception as e:  # a backend crash must not surface as a traceback
@@ -81,7 +82,7 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
         return MilpOutcome("infeasible", None, None, seconds, variables, constraints)
     has_solution = all(v.value is not None for v in problem.variables()) and _backend_has_solution(problem, backend)
     if not has_solution:
-        limit = f" within the time limit of {time_limit:g} s" if time_limit else ""
+        limit = _limit_words(time_limit, whole_limit)
         raise SolverError(f"The {backend} backend stopped with status {status!r} and no solution{limit}. "
                           "Raise --time-limit or the budget, or try the other backend.")
     gap = _gap(problem, backend)
@@ -89,6 +90,11 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
     if (gap is not None and gap <= 1e-4) or (status == "optimal" and gap is None):
         return MilpOutcome("optimal", float(problem.value), 0.0, seconds, variables, constraints)
     return MilpOutcome("feasible", float(problem.value), gap, seconds, variables, constraints)
+
+
+def _limit_words(time_limit: float | None, whole_limit: float | None) -> str:
+    limit = whole_limit if whole_limit is not None else time_limit
+    return f" within the time limit of {limit:g} s" if limit else ""
 
 
 _banner_swallowed = False
