@@ -105,13 +105,15 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_solve(args: argparse.Namespace) -> int:
     from bonsai_core.graph import load_graph
     from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers import solve
+    from bonsai_core.solvers import check_options, parse_option, solve
 
+    options = dict(parse_option(args.method, text) for text in args.option)
+    options.update({k: v for k, v in (("granularity", args.granularity), ("backend", args.backend),
+                                      ("time_limit", args.time_limit)) if v is not None})
+    check_options(args.method, options)  # before a long trace is loaded
     g = load_graph(args.graph)
     reference = no_remat_peak(g)
     budget = args.budget.resolve(reference)
-    options = {k: v for k, v in (("granularity", args.granularity), ("backend", args.backend),
-                                 ("time_limit", args.time_limit)) if v is not None}
     schedule = solve(g, budget, method=args.method, **options)
     _write_json(args.output, schedule.to_dict())
     stats = {"method": args.method, "budget": budget, "no_remat_peak": reference, **schedule.stats}
@@ -121,6 +123,27 @@ def cmd_solve(args: argparse.Namespace) -> int:
         print(f"{args.method} on {g.name} under {format_bytes(budget)} ({budget / reference:.0%} of the no-remat "
               f"peak): peak {format_bytes(stats['peak'])}, overhead {stats['overhead']:+.2%}, status "
               f"{stats.get('status', '?')}, solved in {stats.get('solve_seconds', 0):.2f} s; wrote {args.output}")
+    return 0
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    from bonsai_core.solvers import METHODS, describe, method_options, type_name
+
+    listing = {}
+    for m in ([args.method] if args.method else METHODS):
+        options = method_options(m)
+        listing[m] = {"description": describe(m), "options": None if options is None else [
+            {"name": o.name, "default": o.default, "type": type_name(o.type), "help": o.help} for o in options]}
+    if args.json:
+        print(json.dumps(listing, default=str))
+        return 0
+    for m, entry in listing.items():
+        print(f"{m:10s} {entry['description']}")
+        if entry["options"] is None:
+            print("           options: not declared yet (any --option is passed on unchecked)")
+        for o in entry["options"] or ():
+            print(f"           --option {o['name']}=...  {o['type']}, default {o['default']!r}"
+                  + (f": {o['help']}" if o["help"] else ""))
     return 0
 
 
@@ -165,10 +188,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     peers = args.peers if args.peers is not None else list(PEERS)
     for m in methods:
         if m not in METHODS:
-            raise BonsaiError(f"Unknown method {m!r}; choose from: {', '.join(METHODS)}.")
+            args.parser.error(f"argument --methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
     for p in peers:
         if p not in PEERS:
-            raise BonsaiError(f"Unknown peer {p!r}; choose from: {', '.join(PEERS)}.")
+            args.parser.error(f"argument --peers: unknown peer {p!r} (choose from {', '.join(PEERS)})")
     config = bench.BenchConfig(
         models=args.models or list(bench.QUICK_MODELS if args.quick else bench.FULL_MODELS),
         budgets=args.budgets or list(bench.QUICK_BUDGETS if args.quick else bench.FULL_BUDGETS),
@@ -217,9 +240,10 @@ def cmd_app(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bonsai_core.solvers import METHODS
+    from bonsai_core.solvers import DEFAULT_METHOD, METHODS
 
     parser = argparse.ArgumentParser(prog="bonsai", description="Optimal tensor rematerialization explorer.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     p = sub.add_parser("zoo", help="list built-in models and their options")
@@ -237,13 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("graph", metavar="GRAPH.json")
     p.add_argument("--budget", required=True, type=_budget_arg,
                    help="bytes (123456789), with a unit (800MiB, 2.5GB) or a share of the no-remat peak (60%%)")
-    p.add_argument("--method", default="none", choices=list(METHODS))
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS),
+                   help=f"default {DEFAULT_METHOD}; `bonsai methods` describes each and its options")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="a method option, e.g. copies=3 (moccasin), variant=greedy (chen); repeat for more")
     p.add_argument("--granularity", type=_positive_int, default=None, help="largest segment size (bonsai)")
     p.add_argument("--backend", choices=("highs", "scip"), default=None, help="MILP backend")
     p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="solver time limit, seconds")
     p.add_argument("-o", "--output", required=True, metavar="SCHEDULE.json")
     p.add_argument("--json", action="store_true", help="print the stats as one JSON object")
     p.set_defaults(func=cmd_solve)
+
+    p = sub.add_parser("methods", help="list the methods and the options each takes")
+    p.add_argument("method", nargs="?", choices=list(METHODS), help="only this method")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_methods)
 
     p = sub.add_parser("simulate", help="replay a schedule and report its peak memory and cost")
     p.add_argument("graph", metavar="GRAPH.json")
@@ -262,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="per solve (default 60, quick 10)")
     p.add_argument("--backend", choices=("highs", "scip"), default="highs", help="MILP backend")
     p.add_argument("-o", "--output", required=True, metavar="DIR")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, parser=p)
 
     p = sub.add_parser("export", help="write a runnable checkpointed model that follows a schedule")
     add_model_arguments(p)
@@ -283,6 +315,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("streamlit_args", nargs=argparse.REMAINDER, help="passed on to streamlit")
     p.set_defaults(func=cmd_app)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bonsai-explorer")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        from bonsai_core import __version__
+
+        return __version__
 
 
 def _profiles() -> list[str]:

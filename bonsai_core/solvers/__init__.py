@@ -2,7 +2,7 @@
 
 A method is a function ``solve_x(graph, budget, *, time_limit=None, <options>) -> Schedule`` in a
 module of this package. Its options are its keyword-only parameters, each with a default, and a
-line ``name: what it does`` under an ``Options:`` heading of its docstring. :func:`solve` looks the
+docstring line ``name: what it does``. :func:`solve` looks the
 method up by name in :data:`METHODS` (imported lazily, so cvxpy and ortools load only when their
 method is used), refuses options the method does not declare (naming those it accepts), runs it,
 and validates the result with the simulator before anyone sees it: the returned schedule's
@@ -65,24 +65,20 @@ def get_solver(method: str) -> Callable[..., Schedule]:
     return getattr(importlib.import_module(module), func)
 
 
-def _option_help(doc: str | None) -> dict[str, str]:
-    """``name: text`` lines under an ``Options:`` heading of a docstring (a line indented deeper
-    than its name continues the text)."""
+def _option_help(doc: str | None, names: list[str]) -> dict[str, str]:
+    """The docstring's line ``name: text`` for each option name (under an ``Options:`` heading or
+    not); the lines after it continue the text up to a blank line or the next option."""
     helps: dict[str, str] = {}
-    lines = inspect.cleandoc(doc or "").splitlines()
-    if "Options:" not in [line.strip() for line in lines]:
-        return helps
-    start = [line.strip() for line in lines].index("Options:") + 1
-    name = None
-    for line in lines[start:]:
-        if not line.strip():
-            break
+    current = None
+    for line in inspect.cleandoc(doc or "").splitlines():
         m = re.match(r"\s*(\w+):\s*(.*)", line)
-        if m and (name is None or len(line) - len(line.lstrip()) <= indent):
-            name, indent = m.group(1), len(line) - len(line.lstrip())
-            helps[name] = m.group(2)
-        elif name is not None:
-            helps[name] += " " + line.strip()
+        if m and m.group(1) in names:
+            current = m.group(1)
+            helps[current] = m.group(2).strip()
+        elif current is not None and line.strip():
+            helps[current] += " " + line.strip()
+        else:
+            current = None
     return helps
 
 
@@ -96,9 +92,10 @@ def method_options(method: str) -> list[MethodOption] | None:
         hints = typing.get_type_hints(solver)
     except Exception:  # an annotation that does not resolve: fall back to the default's type
         hints = {}
-    helps = _option_help(solver.__doc__)
+    declared = [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    helps = _option_help(solver.__doc__, [p.name for p in declared])
     return [MethodOption(p.name, p.default, helps.get(p.name, ""), hints.get(p.name, type(p.default)))
-            for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+            for p in declared]
 
 
 def accepted_options(method: str) -> set[str] | None:
