@@ -230,12 +230,54 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def explorer_root() -> Path:
+    """The folder holding ``explorer/app.py``, ``pages/``, ``assets/`` and the Streamlit config: the
+    checkout this module runs from, else the installed ``bonsai_explorer`` package."""
+    import importlib.util
+
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "explorer" / "app.py").is_file():
+        return checkout
+    spec = importlib.util.find_spec("bonsai_explorer.explorer")
+    if spec is None or spec.origin is None:
+        raise BonsaiError("The explorer is not installed (no explorer/app.py next to bonsai_core, no bonsai_explorer "
+                          "package): reinstall with `pip install .` from a checkout of the project.")
+    return Path(spec.origin).resolve().parent.parent
+
+
+def streamlit_flags(config: Path) -> list[str]:
+    """The options of a Streamlit config.toml as ``streamlit run`` flags (``--client.toolbarMode=minimal``):
+    Streamlit reads config.toml only from the working directory, and ``bonsai app`` runs from anywhere."""
+    import tomllib
+
+    if not config.is_file():
+        return []
+    flags: list[str] = []
+
+    def walk(prefix: str, table: dict[str, Any]) -> None:
+        for key, value in table.items():
+            name = f"{prefix}.{key}" if prefix else key
+            if isinstance(value, dict):
+                walk(name, value)
+            else:
+                for item in value if isinstance(value, list) else [value]:
+                    text = str(item).lower() if isinstance(item, bool) else str(item)
+                    flags.append(f"--{name}={text}")
+
+    walk("", tomllib.loads(config.read_text()))
+    return flags
+
+
 def cmd_app(args: argparse.Namespace) -> int:
-    app = Path(__file__).resolve().parent.parent / "explorer" / "app.py"
-    if not app.is_file():
-        raise BonsaiError(f"The explorer is not installed next to bonsai_core ({app} is missing): run "
-                          "`streamlit run explorer/app.py` from a checkout of the project.")
-    os.execvp(sys.executable, [sys.executable, "-m", "streamlit", "run", str(app), *args.streamlit_args])
+    root = explorer_root()
+    config = next((c for c in (root / ".streamlit" / "config.toml", root / "streamlit" / "config.toml") if c.is_file()),
+                  root / ".streamlit" / "config.toml")
+    command = [sys.executable, "-m", "streamlit", "run", *streamlit_flags(config), str(root / "explorer" / "app.py"),
+               *args.streamlit_args]
+    if args.print_command:
+        print(" ".join(command))
+        return 0
+    os.execvp(sys.executable, command)
     return 0  # not reached
 
 
@@ -311,8 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("app", help="start the explorer (streamlit run explorer/app.py)")
-    p.add_argument("streamlit_args", nargs=argparse.REMAINDER, help="passed on to streamlit")
+    p = sub.add_parser("app", help="start the explorer (streamlit run explorer/app.py)",
+                       epilog="Any other argument is passed on to streamlit, e.g. bonsai app --server.port 8502.")
+    p.add_argument("--print-command", action="store_true", help="print the streamlit command instead of running it")
+    p.set_defaults(streamlit_args=[])  # every other argument goes to streamlit, e.g. --server.port 8502
     p.set_defaults(func=cmd_app)
     return parser
 
@@ -336,7 +380,11 @@ def _profiles() -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.verb != "app":  # `bonsai app` passes options it does not know on to streamlit
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.streamlit_args = extra
     try:
         return args.func(args)
     except BonsaiError as e:

@@ -123,3 +123,56 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and re.fullmatch(r"bonsai \d+\.\d+\.\d+\S*\n", capsys.readouterr().out)
+
+
+def test_the_wheel_lists_every_package_of_the_library_and_the_explorer():
+    """pyproject names its packages one by one (the explorer's folders are mapped under
+    bonsai_explorer/): a new bonsai_core subpackage must be added there too, or the wheel lacks it."""
+    import tomllib
+    from pathlib import Path
+
+    from setuptools import find_packages
+
+    root = Path(__file__).resolve().parent.parent
+    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert set(find_packages(str(root), include=["bonsai_core*"])) <= set(tool["packages"])
+    for package, folder in tool["package-dir"].items():
+        assert package in tool["packages"] and (root / folder).is_dir()
+    assert (root / tool["package-dir"]["bonsai_explorer.explorer"] / "app.py").is_file()
+
+
+def test_app_passes_the_streamlit_config_as_flags(capsys):
+    assert main(["app", "--print-command", "--server.port", "8599"]) == 0
+    command = capsys.readouterr().out.split()
+    assert "--browser.gatherUsageStats=false" in command
+    app = next(i for i, word in enumerate(command) if word.endswith("explorer/app.py"))
+    assert command.index("--browser.gatherUsageStats=false") < app and command[app + 1:] == ["--server.port", "8599"]
+
+
+@pytest.mark.slow
+def test_app_runs_from_an_installed_wheel(tmp_path):
+    """Build the wheel, install it into a bare folder, and start the explorer's entry script from there."""
+    from pathlib import Path
+
+    import shutil
+
+    source = tmp_path / "src"  # a copy: building in place would leave build/ and *.egg-info in the checkout
+    shutil.copytree(Path(__file__).resolve().parent.parent, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".hypothesis", ".pytest_cache", "docs", "tests"))
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(source)],
+                   check=True, cwd=tmp_path, timeout=300)
+    wheel = next((tmp_path / "dist").glob("*.whl"))
+    subprocess.run(pip + ["install", "--no-deps", "-q", "--target", str(tmp_path / "site"), str(wheel)], check=True,
+                   timeout=300)
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path / "site")}
+    shown = subprocess.run([sys.executable, "-m", "bonsai_core.cli", "app", "--print-command"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60)
+    app = tmp_path / "site" / "bonsai_explorer" / "explorer" / "app.py"
+    assert shown.returncode == 0 and str(app) in shown.stdout.split() and "--client.toolbarMode=minimal" in shown.stdout
+    check = ("from streamlit.testing.v1 import AppTest\n"
+             f"at = AppTest.from_file({str(app)!r}, default_timeout=120).run()\n"
+             "assert not at.exception, [e.value for e in at.exception]\n"
+             "assert any('no-remat peak' in m.value for m in at.markdown)\n")
+    ran = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
