@@ -30,6 +30,9 @@ from bonsai_core.errors import GraphError
 FORMAT = "bonsai-graph"
 VERSION = 1
 PHASES = ("forward", "backward", "input", "param")
+# Fields every node of a graph file has; "op", "alias_of", "shape" (and fields later versions add,
+# such as "module") are optional.
+REQUIRED_FIELDS = ("id", "name", "phase", "cost", "mem", "deps")
 
 # Refused before any heavy work: a graph beyond these is not a training step this tool can help with
 # interactively (the op-level solvers have tighter limits of their own).
@@ -273,26 +276,33 @@ class Graph:
             raise GraphError("'nodes' must be a non-empty list of node objects.")
         if len(nodes) > MAX_NODES:
             raise GraphError(f"The graph has {len(nodes)} nodes; this tool handles at most {MAX_NODES}.")
-        fixed_mem = _int_field(data.get("fixed_mem"), "'fixed_mem'")
+        if "fixed_mem" not in data:
+            raise GraphError("The graph has no 'fixed_mem': the bytes live for the whole step (parameters, "
+                             "gradients, the batch); write 0 if there are none.")
+        fixed_mem = _int_field(data["fixed_mem"], "'fixed_mem'")
         parsed = []
         for i, nd in enumerate(nodes):
             where = f"Node at position {i}"
             if not isinstance(nd, dict):
-                raise GraphError(f"{where} is a {type(nd).__name__}, not an object with id, op, cost, mem, deps.")
+                raise GraphError(f"{where} is a {type(nd).__name__}, not an object with {', '.join(REQUIRED_FIELDS)}.")
+            missing = [k for k in REQUIRED_FIELDS if k not in nd]
+            if missing:
+                raise GraphError(f"{where} ({nd.get('name', 'unnamed')!r}) has no {', '.join(map(repr, missing))}: every "
+                                 f"node needs {', '.join(REQUIRED_FIELDS)} (a source node has \"deps\": []).")
             if nd.get("id") != i or isinstance(nd.get("id"), bool):
                 raise GraphError(f"{where} has id {nd.get('id')!r}; ids must be 0, 1, 2, ... in listed order "
                                  "(no duplicates, no gaps).")
             where = f"Node {i}"
-            deps = nd.get("deps", [])
+            deps = nd["deps"]
             if not isinstance(deps, list):
                 raise GraphError(f"{where}: 'deps' must be a list of node ids, not {type(deps).__name__}.")
             alias = nd.get("alias_of")
             parsed.append({
-                "name": _str_field(nd.get("name", f"n{i}"), f"{where} 'name'"),
+                "name": _str_field(nd["name"], f"{where} 'name'"),
                 "op": _str_field(nd.get("op", ""), f"{where} 'op'"),
-                "phase": _str_field(nd.get("phase", "forward"), f"{where} 'phase'"),
-                "cost": _float_field(nd.get("cost"), f"{where} 'cost'"),
-                "mem": _int_field(nd.get("mem"), f"{where} 'mem'"),
+                "phase": _str_field(nd["phase"], f"{where} 'phase'"),
+                "cost": _float_field(nd["cost"], f"{where} 'cost'"),
+                "mem": _int_field(nd["mem"], f"{where} 'mem'"),
                 "deps": [_int_field(d, f"{where} 'deps'") for d in deps],
                 "alias_of": None if alias is None else _int_field(alias, f"{where} 'alias_of'"),
                 "shape": str(nd.get("shape", "")),

@@ -54,6 +54,31 @@ def test_each_defect_names_the_node_and_the_problem(override, words):
     assert "1" in str(info.value)
 
 
+@pytest.mark.parametrize("field", ["id", "name", "phase", "cost", "mem", "deps"])
+def test_a_node_missing_a_required_field_is_refused_naming_node_and_field(field):
+    doc = _doc()
+    del doc["nodes"][1][field]
+    with pytest.raises(GraphError, match=rf"Node at position 1 .*has no '{field}'"):
+        Graph.from_dict(doc)
+
+
+def test_optional_fields_may_be_left_out():
+    doc = _doc()
+    for nd in doc["nodes"]:
+        del nd["op"], nd["alias_of"]
+    nd = doc["nodes"][1]
+    nd["module"] = "model.h.0.attn"  # a field a later version adds is ignored, not refused
+    g = Graph.from_dict(doc)
+    assert g.ops == ("", "") and not g.is_view.any() and g.deps(1).tolist() == [0]
+
+
+def test_a_graph_without_fixed_mem_is_refused():
+    doc = _doc()
+    del doc["fixed_mem"]
+    with pytest.raises(GraphError, match="no 'fixed_mem'"):
+        Graph.from_dict(doc)
+
+
 @pytest.mark.parametrize("content, words", [
     (b"", "empty"),
     (b"\x89PNG\r\n\x1a\n\x00\xff", "not text"),
