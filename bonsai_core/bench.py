@@ -1,9 +1,9 @@
 """``bonsai bench``: every method and every peer on the same models and budgets, in one run.
 
 Writes ``results.csv`` (one row per model x budget x method), ``results.md`` (a table per model and
-the honest list of budgets where bonsai is not the best feasible method) and plots, each as PNG
-(matplotlib) and interactive HTML (plotly): overhead vs budget (Pareto fronts), solve time vs graph
-size (log-log) for the optimising methods, and peak vs budget.
+the honest list of budgets where bonsai is not the best feasible method) and PNG plots (matplotlib):
+overhead vs budget (Pareto fronts), solve time vs graph size (log-log) for the optimising methods,
+and peak vs budget. Tables go through pandas (CSV, typed re-reading, markdown via tabulate).
 
 Every schedule row comes from :func:`bonsai_core.solvers.solve`, so it was validated by the simulator;
 peer rows are measured on a real CPU step (:mod:`bonsai_core.peers`).
@@ -11,7 +11,6 @@ peer rows are measured on a real CPU step (:mod:`bonsai_core.peers`).
 
 from __future__ import annotations
 
-import csv
 import math
 import time
 from dataclasses import dataclass, field
@@ -20,9 +19,13 @@ from typing import Any, Callable
 
 from bonsai_core.errors import BonsaiError, ModelError
 
-COLUMNS = ["model", "nodes", "method", "budget_bytes", "budget_fraction", "feasible", "peak", "overhead",
-           "solve_seconds", "build_seconds", "variables", "constraints", "status", "gap", "reserved_peak",
-           "fragmentation", "note"]
+# Each column of results.csv and its pandas type (nullable: a row that did not run has no peak).
+COLUMN_TYPES = {"model": "string", "nodes": "Int64", "method": "string", "budget_bytes": "Int64",
+                "budget_fraction": "Float64", "feasible": "boolean", "peak": "Int64", "overhead": "Float64",
+                "solve_seconds": "Float64", "build_seconds": "Float64", "variables": "Int64", "constraints": "Int64",
+                "status": "string", "gap": "Float64", "reserved_peak": "Int64", "fragmentation": "Float64",
+                "note": "string"}
+COLUMNS = list(COLUMN_TYPES)
 OPTIMISERS = ("checkmate", "bonsai", "moccasin")
 
 
@@ -183,12 +186,14 @@ def _peer_rows(peer: str, spec: ModelSpec, nodes: int, reference: int, config: B
     return rows
 
 
+def _frame(rows: list[dict[str, Any]]):
+    import pandas as pd
+
+    return pd.DataFrame(rows, columns=COLUMNS).astype(COLUMN_TYPES)
+
+
 def _write(rows: list[dict[str, Any]], out: Path) -> None:
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if r[k] is None else r[k]) for k in COLUMNS})
+    _frame(rows).to_csv(out / "results.csv", index=False)
     (out / "results.md").write_text(markdown_report(rows))
 
 
@@ -201,23 +206,18 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
     not_best = []
     for model in models:
         mrows = [r for r in rows if r["model"] == model]
-        lines += [f"### {model} ({mrows[0]['nodes']} nodes)", "",
-                  "| budget | " + " | ".join(methods) + " |", "|---|" + "---:|" * len(methods)]
+        table = []
         for fraction in dict.fromkeys(r["budget_fraction"] for r in mrows):
             cells = {r["method"]: r for r in mrows if r["budget_fraction"] == fraction}
             feasible = {m: r["overhead"] for m, r in cells.items() if r["feasible"] and m != "none"}
             best = min(feasible.values()) if feasible else None
-            row = [f"{fraction:.0%}"]
-            for m in methods:
-                r = cells.get(m)
-                row.append(_cell(r, best))
-            lines.append("| " + " | ".join(row) + " |")
+            table.append({"budget": f"{fraction:.0%}", **{m: _cell(cells.get(m), best) for m in methods}})
             b = cells.get("bonsai")
             if best is not None and b is not None and (not b["feasible"] or b["overhead"] > best + 1e-9):
                 winner = min(feasible, key=feasible.get)
                 not_best.append(f"- {model} at {fraction:.0%}: best is {winner} ({best:+.2%}); bonsai "
                                 + (f"{b['overhead']:+.2%}" if b["feasible"] else f"not feasible ({b['note'] or b['status']})"))
-        lines.append("")
+        lines += [f"### {model} ({mrows[0]['nodes']} nodes)", "", _markdown(table), ""]
     head = ["Cells: recompute overhead (extra compute / plain step), `-` = no schedule under the budget "
             "(reason in results.csv), **bold** = cheapest feasible method; `none` is feasible only when the "
             "budget is at least the no-remat peak. Peers (`torch-budget`, `per-block`) are measured on a real "
@@ -233,10 +233,7 @@ def solver_cost_table(rows: list[dict[str, Any]]) -> list[str]:
     keys = [(r["model"], r["budget_fraction"]) for r in rows if r["method"] == "checkmate" and r.get("status")]
     if not keys:
         return []
-    out = ["### Solver cost: checkmate vs bonsai vs moccasin", "",
-           "Seconds to solve (status, overhead, gap; variables); speed-up = checkmate seconds / bonsai "
-           "seconds; extra cost = bonsai overhead - checkmate overhead where checkmate proved optimality.", "",
-           "| model | budget | checkmate | bonsai | moccasin | speed-up | extra cost |", "|---|---|---|---|---|---:|---:|"]
+    table = []
     for model, fraction in keys:
         c, b, m = (cells.get((model, fraction, k)) for k in OPTIMISERS)
         speed = extra = ""
@@ -244,9 +241,20 @@ def solver_cost_table(rows: list[dict[str, Any]]) -> list[str]:
             speed = f"{c['solve_seconds'] / b['solve_seconds']:.0f}x"
             if c["feasible"] and c["status"] == "optimal":
                 extra = f"{b['overhead'] - c['overhead']:+.2%}"
-        out.append(f"| {model} | {fraction:.0%} | {_solver_cell(c)} | {_solver_cell(b)} | {_solver_cell(m)} | "
-                   f"{speed} | {extra} |")
-    return out + [""]
+        table.append({"model": model, "budget": f"{fraction:.0%}", "checkmate": _solver_cell(c),
+                      "bonsai": _solver_cell(b), "moccasin": _solver_cell(m), "speed-up": speed, "extra cost": extra})
+    return ["### Solver cost: checkmate vs bonsai vs moccasin", "",
+            "Seconds to solve (status, overhead, gap; variables); speed-up = checkmate seconds / bonsai "
+            "seconds; extra cost = bonsai overhead - checkmate overhead where checkmate proved optimality.", "",
+            _markdown(table), ""]
+
+
+def _markdown(table: list[dict[str, str]]) -> str:
+    """A list of rows of text as a markdown table: the first column left-aligned, the rest right."""
+    import pandas as pd
+
+    frame = pd.DataFrame(table)
+    return frame.to_markdown(index=False, colalign=("left",) + ("right",) * (frame.shape[1] - 1))
 
 
 def _solver_cell(r: dict[str, Any] | None) -> str:
@@ -260,18 +268,10 @@ def _solver_cell(r: dict[str, Any] | None) -> str:
 
 def load_rows(csv_path: str | Path) -> list[dict[str, Any]]:
     """Rows of a results.csv, typed again (to rewrite the report or plots of a finished run)."""
-    def typed(key: str, value: str) -> Any:
-        if value == "":
-            return None
-        if key in ("feasible",):
-            return value == "True"
-        if key in ("model", "method", "status", "note"):
-            return value
-        number = float(value)
-        return int(number) if key in ("nodes", "budget_bytes", "peak", "variables", "constraints",
-                                      "reserved_peak") else number
-    with open(csv_path) as f:
-        return [{k: typed(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
+    import pandas as pd
+
+    frame = pd.read_csv(csv_path, dtype=COLUMN_TYPES, keep_default_na=False, na_values=[""])
+    return frame.astype(object).where(frame.notna(), None).to_dict("records")
 
 
 def _cell(r: dict[str, Any] | None, best: float | None) -> str:
@@ -284,13 +284,11 @@ def _cell(r: dict[str, Any] | None, best: float | None) -> str:
 
 
 def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
-    """overhead_vs_budget, solve_time_vs_size and peak_vs_budget, each as .png and .html."""
+    """overhead_vs_budget, peak_vs_budget and solve_time_vs_size, as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -299,19 +297,14 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
         cols = min(4, len(models))
         nrows = math.ceil(len(models) / cols)
         fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
-        pfig = make_subplots(rows=nrows, cols=cols, subplot_titles=models)
         for i, model in enumerate(models):
             ax = axes[i // cols][i % cols]
-            for j, method in enumerate(methods):
+            for method in methods:
                 pts = sorted((r["budget_fraction"], r[key]) for r in rows
                              if r["model"] == model and r["method"] == method and r["feasible"])
-                if not pts:
-                    continue
-                xs = [p[0] * 100 for p in pts]
-                ys = [p[1] / 2**20 if key == "peak" else p[1] for p in pts]
-                ax.plot(xs, ys, marker="o", label=method)
-                pfig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers", name=method, legendgroup=method,
-                                          showlegend=i == 0), row=i // cols + 1, col=i % cols + 1)
+                if pts:
+                    ax.plot([p[0] * 100 for p in pts], [p[1] / 2**20 if key == "peak" else p[1] for p in pts],
+                            marker="o", label=method)
             ax.set_title(model, fontsize=9)
             ax.set_xlabel("budget (% of no-remat peak)")
             ax.set_ylabel(ylabel)
@@ -324,16 +317,12 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
         fig.tight_layout(rect=(0, 0, 1, 0.94))
         fig.savefig(out / f"{name}.png", dpi=90)
         plt.close(fig)
-        pfig.update_layout(height=320 * nrows, title=ylabel + " vs budget")
-        pfig.write_html(out / f"{name}.html", include_plotlyjs="cdn")
     fig, ax = plt.subplots(figsize=(6, 4))
-    pfig = go.Figure()
     for method in [m for m in methods if m in OPTIMISERS]:
         pts = sorted((r["nodes"], r["solve_seconds"]) for r in rows
                      if r["method"] == method and r["solve_seconds"] and r["feasible"])
         if pts:
             ax.loglog([p[0] for p in pts], [p[1] for p in pts], "o", label=method, alpha=0.7)
-            pfig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="markers", name=method))
     ax.set_xlabel("graph nodes")
     ax.set_ylabel("solve time (s)")
     if ax.get_legend_handles_labels()[0]:
@@ -341,5 +330,3 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "solve_time_vs_size.png", dpi=90)
     plt.close(fig)
-    pfig.update_layout(xaxis_type="log", yaxis_type="log", xaxis_title="graph nodes", yaxis_title="solve time (s)")
-    pfig.write_html(out / "solve_time_vs_size.html", include_plotlyjs="cdn")

@@ -1,9 +1,10 @@
 import csv
+import re
 
 import pytest
 
 from bonsai_core import peers
-from bonsai_core.bench import COLUMNS, ModelSpec, markdown_report
+from bonsai_core.bench import COLUMNS, ModelSpec, load_rows, markdown_report
 from bonsai_core.cli import main
 from bonsai_core.errors import ModelError
 
@@ -21,8 +22,11 @@ def test_bench_quick_writes_results_tables_and_plots(tmp_path, capsys):
         if r["feasible"] == "True":
             assert int(r["peak"]) <= int(r["budget_bytes"])
     for name in ("overhead_vs_budget", "peak_vs_budget", "solve_time_vs_size"):
-        assert (out / f"{name}.png").stat().st_size > 1000 and (out / f"{name}.html").exists()
+        assert (out / f"{name}.png").stat().st_size > 1000
     assert "### gpt:layers=1,seq=64" in (out / "results.md").read_text()
+    typed = load_rows(out / "results.csv")  # read back with each column's type
+    assert [r["peak"] for r in typed] == [None if r["peak"] == "" else int(r["peak"]) for r in rows]
+    assert all(isinstance(r["feasible"], bool) and isinstance(r["nodes"], int) for r in typed)
 
 
 def test_markdown_names_budgets_where_bonsai_is_not_best():
@@ -31,11 +35,11 @@ def test_markdown_names_budgets_where_bonsai_is_not_best():
                 "overhead": overhead, "status": "optimal", "note": ""}
     md = markdown_report([row("bonsai", 0.2), row("checkmate", 0.1), row("none", None, False)])
     assert "m at 50%: best is checkmate (+10.00%); bonsai +20.00%" in md
-    assert "**+10.0%**" in md
+    assert re.search(r"\| 50% +\| +\+20.0% \| +\*\*\+10.0%\*\* \| +- \|", md)
     rows = [{**row("bonsai", 0.2), "solve_seconds": 0.5, "variables": 10, "gap": 0.0},
             {**row("checkmate", 0.1), "solve_seconds": 50.0, "variables": 900, "gap": 0.0}]
-    assert "| m | 50% | 50.00 s, optimal, +10.0%; 900 vars | 0.50 s, optimal, +20.0%; 10 vars |  | 100x | +10.00% |" \
-        in markdown_report(rows)
+    assert "| m | 50% | 50.00 s, optimal, +10.0%; 900 vars | 0.50 s, optimal, +20.0%; 10 vars | | 100x | +10.00% |" \
+        in re.sub(" +", " ", markdown_report(rows))  # tabulate pads the columns
 
 
 def test_model_spec_parsing():
