@@ -26,7 +26,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, schedule_ops
 from bonsai_core.solvers.checkmate_model import CheckmateMilp, build_milp, recomputed_from_r
 from bonsai_core.solvers.deadline import Deadline
-from bonsai_core.solvers.milp import DEFAULT_BACKEND, solve_milp
+from bonsai_core.solvers.milp import DEFAULT_BACKEND, canonicalise, solve_milp
 from bonsai_core.solvers.stages import check_size, infeasible_message, stage_feasible_budget, stage_sequence
 from bonsai_core.solvers.views import contract_views, expand_views
 
@@ -82,7 +82,10 @@ def solve_checkmate(graph: Graph, budget: int | None, *, time_limit: float | Non
     limit = budget if budget is not None else graph.fixed_mem + int(graph.mem.sum())
     with model.lock:  # one cached problem, possibly shared by the explorer's threads
         model.budget.value = max((limit - graph.fixed_mem + _HALF_BYTE) / model.mem_scale, 0.0)
-        left = deadline.left("checkmate", "building its MILP")
+        if backend not in model.canonical:
+            canonicalise(model.problem, backend)
+            model.canonical.add(backend)
+        left = deadline.left("checkmate", "building and canonicalising its MILP")
         outcome = solve_milp(model.problem, backend=backend, time_limit=left)
         if outcome.status == "infeasible":
             raise BudgetError(infeasible_message(graph, limit, "checkmate", stage_feasible_budget(small)))

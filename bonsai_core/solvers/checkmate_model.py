@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,7 @@ class CheckmateMilp:
     base_cost: float  # the scaled cost of the diagonal (every node once): a constant of the objective
     build_seconds: float
     lock: threading.Lock
+    canonical: set[str] = field(default_factory=set)  # backends whose matrices the problem caches
 
 
 def build_milp(graph: Graph) -> CheckmateMilp:

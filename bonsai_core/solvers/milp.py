@@ -43,10 +43,8 @@ def problem_size(problem: Any) -> tuple[int, int]:
     return int(m.num_scalar_variables), int(m.num_scalar_eq_constr + m.num_scalar_leq_constr)
 
 
-def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float | None = None,
-               verbose: bool = False, whole_limit: float | None = None) -> MilpOutcome:
-    """Solve ``problem`` (a CVXPY MILP) on ``backend`` within ``time_limit`` seconds: what is left
-    of the method's ``whole_limit`` (the user's ``--time-limit``, named in messages) if given."""
+def check_backend(backend: str) -> None:
+    """SolverError unless ``backend`` is one of :data:`BACKENDS` and installed."""
     import cvxpy as cp
 
     if backend not in BACKENDS:
@@ -54,6 +52,23 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
     if backend not in cp.installed_solvers() and backend.upper() not in cp.installed_solvers():
         package = {"highs": "highspy", "scip": "pyscipopt"}[backend]
         raise SolverError(f"The {backend} backend is not installed: pip install {package}.")
+
+
+def canonicalise(problem: Any, backend: str) -> None:
+    """Turn a parametrised problem into ``backend``'s matrices now and cache them in the problem, so
+    that its solves (at any parameter value) start at once: a time limit then covers this step
+    rather than overrunning by it inside the first solve."""
+    check_backend(backend)
+    problem.get_problem_data(backend.upper())
+
+
+def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float | None = None,
+               verbose: bool = False, whole_limit: float | None = None) -> MilpOutcome:
+    """Solve ``problem`` (a CVXPY MILP) on ``backend`` within ``time_limit`` seconds: what is left
+    of the method's ``whole_limit`` (the user's ``--time-limit``, named in messages) if given."""
+    import cvxpy as cp
+
+    check_backend(backend)
     # SCIP's default gap limit is 0 (prove the exact optimum); HiGHS stops at a relative gap of 1e-4.
     # Give SCIP the same 1e-4, so that "optimal" means the same thing on both backends.
     options: dict[str, Any] = {} if backend == "highs" else {"scip_params": {"limits/gap": 1e-4}}
