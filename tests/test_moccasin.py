@@ -6,7 +6,7 @@ import time
 import pytest
 
 from bonsai_core.errors import BudgetError, SolverError
-from bonsai_core.schedule import no_remat_peak
+from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
 from bonsai_core.solvers.views import contract_views
 from tests.graphs import chain
@@ -104,9 +104,6 @@ def test_a_bad_copies_option_is_a_clear_error(copies):
 def test_a_traced_model_with_views_gets_a_valid_schedule(traced_zoo):
     g = traced_zoo["resnet"].graph
     budget = int(0.9 * no_remat_peak(g))
-    try:
-        schedule = solve(g, budget, "moccasin", time_limit=10)
-    except SolverError as e:  # a loaded machine may not find one in time: the error must say so
-        assert "time limit" in str(e)
-        return
+    schedule = solve(g, budget, "moccasin", time_limit=120)  # generous: a schedule must come back
     assert schedule.stats["peak"] <= budget and schedule.stats["status"] in ("optimal", "feasible")
+    assert simulate(g, schedule).peak == schedule.stats["peak"]

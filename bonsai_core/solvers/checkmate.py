@@ -86,7 +86,7 @@ def solve_checkmate(graph: Graph, budget: int | None, *, time_limit: float | Non
             canonicalise(model.problem, backend)
             model.canonical.add(backend)
         left = deadline.left("checkmate", "building and canonicalising its MILP")
-        outcome = solve_milp(model.problem, backend=backend, time_limit=left)
+        outcome = solve_milp(model.problem, backend=backend, time_limit=left, whole_limit=time_limit)
         if outcome.status == "infeasible":
             raise BudgetError(infeasible_message(graph, limit, "checkmate", stage_feasible_budget(small)))
         r_off = np.asarray(model.x.value[: small.n * (small.n - 1) // 2])
