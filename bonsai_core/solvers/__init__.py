@@ -16,6 +16,7 @@ method reports (``status``, ``gap``, ``variables``, ``constraints``, ``build_sec
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
@@ -82,8 +83,10 @@ def _option_help(doc: str | None, names: list[str]) -> dict[str, str]:
     return helps
 
 
-def method_options(method: str) -> list[MethodOption] | None:
-    """The options ``method`` declares, in signature order (None: it still accepts any keyword)."""
+@functools.lru_cache(maxsize=None)
+def method_options(method: str) -> tuple[MethodOption, ...] | None:
+    """The options ``method`` declares, in signature order (None: it still accepts any keyword).
+    Read once per method from its signature and docstring."""
     solver = get_solver(method)
     params = inspect.signature(solver).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
@@ -94,8 +97,8 @@ def method_options(method: str) -> list[MethodOption] | None:
         hints = {}
     declared = [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
     helps = _option_help(solver.__doc__, [p.name for p in declared])
-    return [MethodOption(p.name, p.default, helps.get(p.name, ""), hints.get(p.name, type(p.default)))
-            for p in declared]
+    return tuple(MethodOption(p.name, p.default, helps.get(p.name, ""), hints.get(p.name, type(p.default)))
+                 for p in declared)
 
 
 def accepted_options(method: str) -> set[str] | None:
