@@ -176,3 +176,16 @@ def test_app_runs_from_an_installed_wheel(tmp_path):
              "assert any('no-remat peak' in m.value for m in at.markdown)\n")
     ran = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr[-2000:]
+
+
+@pytest.mark.parametrize("method", ["none", "bonsai", "chen", "dtr", "coop", "checkmate", "moccasin"])
+def test_every_declared_option_has_a_default_and_a_help_line(method):
+    """The contract of solvers/__init__.py: keyword-only options, each with a default and a
+    docstring line ``name: what it does`` (a method still on ``**kwargs`` declares none yet)."""
+    import inspect
+
+    from bonsai_core.solvers import method_options
+
+    for option in method_options(method) or ():
+        assert option.default is not inspect.Parameter.empty, f"{method}: option {option.name} has no default"
+        assert option.help, f"{method}: option {option.name} has no 'name: help' line in its docstring"
