@@ -29,12 +29,30 @@ it is added to ``live`` and ``reserved`` alike, so the numbers compare with the 
 
 A multi-output op is one block of its outputs' total size (the graph stores only the sum); a real
 allocator gives each output its own block, so this slightly under-counts rounding waste.
+
+**The full arena** (``full=True``): the fixed tensors live in the same address space as the
+activations, allocated in a real training loop's order (:func:`pin_fixed`), so pinned blocks sit
+between the free ranges that activations use: parameters (at model construction), their gradient
+buffers (``zeros_like`` before the first step, as :func:`bonsai_core.measure.allocate_fixed` does),
+the batch, then, after the first step has run and freed its activations, the optimizer state (Adam's
+``exp_avg`` and ``exp_avg_sq`` per parameter, allocated by the first ``optimizer.step()``), then the
+next step's batch (loaded before the previous one is dropped, leaving a batch-sized hole). The
+measured step is that steady-state second step. The graph records only ``fixed_mem``, so the tensors
+are derived from it (:func:`fixed_tensors`): one parameter and one gradient per parameter-gradient
+output of the backward pass (in reverse backward order, which is the model's parameter order), and
+the rest of ``fixed_mem`` (buffers, frozen parameters, the batch) as one batch block. Optimizer state
+is not part of the simulator's ``fixed_mem``: with the full arena the pool holds ``capacity`` plus
+the optimizer state, and ``live`` counts it, so the budget keeps its meaning for every method.
+Still not modelled: CUDA streams (blocks are per-stream in PyTorch; one stream here), the caching
+allocator's release-and-retry on OOM (``empty_cache`` of unused cached segments, then retry: with
+no capacity nothing fails, and a capacity-bound replay reports the failure instead), and the many
+small allocations of the optimizer step itself (``step`` counters, foreach temporaries).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 
@@ -51,6 +69,8 @@ MIN_LARGE_ALLOC = 10 * 2**20  # kMinLargeAlloc
 ROUND_LARGE = 2 * 2**20  # kRoundLarge: larger requests reserve their size rounded up to this
 
 Policy = Literal["caching", "arena"]
+Optimizer = Literal["adam", "sgd"]
+OPTIMIZER_STATES = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ()}  # per parameter, allocation order
 Side = Literal["left", "right"]
 
 
@@ -108,6 +128,7 @@ class Allocator:
         self.reserved = 0
         self.allocated = 0  # bytes of blocks held by owners (rounded sizes, whole unsplit blocks)
         self.high_water = 0  # highest address end ever held, relative to the first segment
+        self.pinned_bytes = 0  # bytes of fixed tensors placed in the pool (the full arena), else 0
         self._next_addr = 0
         if policy == "arena":
             arena = (capacity // MIN_BLOCK) * MIN_BLOCK
@@ -240,10 +261,102 @@ class Allocator:
 
 
 @dataclass(frozen=True)
-class AllocResult:
-    """Per-op allocator state of a replayed schedule (all byte counts include ``fixed_mem``).
+class FixedTensor:
+    """One tensor that lives through the whole step: ``kind`` is param, grad, batch or optimizer."""
 
-    ``live[i]``: bytes of live tensors after op i (the simulator's timeline); ``reserved[i]``: bytes
+    name: str
+    nbytes: int
+    kind: str
+
+
+def gradient_outputs(graph: Graph) -> list[tuple[int, int]]:
+    """The parameter-gradient outputs of the backward pass as (node, bytes), in the model's
+    parameter order (the reverse of the order backward computes them). A gradient that is a view
+    (a weight's ``mm(...).t()``) has its base's bytes."""
+    out = []
+    for v in graph.outputs.tolist():
+        if graph.phases[v] != "backward":
+            continue
+        base = v
+        while graph.alias_of[base] >= 0:
+            base = int(graph.alias_of[base])
+        if graph.mem[base] > 0:
+            out.append((v, int(graph.mem[base])))
+    return out[::-1]
+
+
+def fixed_tensors(graph: Graph, optimizer: Optimizer = "adam") -> list[FixedTensor]:
+    """The step's fixed tensors in allocation order, derived from the graph (see the module
+    docstring): params, grads, the batch block, then the optimizer state. If the gradient outputs
+    do not fit twice in ``fixed_mem`` (a graph not traced by this tool), ``fixed_mem`` is one batch
+    block and there is no optimizer state."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATES)}")
+    grads = gradient_outputs(graph)
+    param_bytes = [b for _, b in grads]
+    rest = graph.fixed_mem - 2 * sum(param_bytes)
+    if rest < 0:
+        return [FixedTensor("fixed_mem", graph.fixed_mem, "batch")] if graph.fixed_mem else []
+    names = [graph.names[v] for v, _ in grads]
+    out = [FixedTensor(f"param of {n}", b, "param") for n, b in zip(names, param_bytes)]
+    out += [FixedTensor(f"grad of {n}", b, "grad") for n, b in zip(names, param_bytes)]
+    if rest:
+        out.append(FixedTensor("batch, buffers, frozen params", rest, "batch"))
+    out += [FixedTensor(f"{state} of {n}", b, "optimizer") for n, b in zip(names, param_bytes)
+            for state in OPTIMIZER_STATES[optimizer]]
+    return out
+
+
+def optimizer_bytes(tensors: list[FixedTensor]) -> int:
+    return sum(t.nbytes for t in tensors if t.kind == "optimizer")
+
+
+def pin_fixed(alloc: Allocator, first_owner: int, tensors: list[FixedTensor],
+              warmup: Callable[[Allocator], None] | None = None) -> dict[int, FixedTensor]:
+    """Place the fixed tensors in ``alloc`` in a training loop's order, as owners ``first_owner``,
+    ``first_owner + 1``, ...: params, grads and the batch; then the first step (``warmup``, which
+    must free every block it takes; skipped when None, which is exact for the arena policy since a
+    finished step leaves only merged free space); then the optimizer state; then the next batch,
+    before the first one is freed. Returns owner -> tensor of the blocks left in the pool. Raises
+    BudgetError if they do not fit."""
+    held: dict[int, FixedTensor] = {}
+    owner = first_owner
+
+    def take(t: FixedTensor) -> int:
+        nonlocal owner
+        if alloc.malloc(owner, t.nbytes) is None:
+            raise BudgetError(f"The pool cannot hold the step's fixed tensors: {t.name} ({format_bytes(t.nbytes)}) "
+                              f"does not fit after {format_bytes(alloc.pinned_bytes)} of them. Raise the budget.")
+        held[owner] = t
+        alloc.pinned_bytes += t.nbytes
+        owner += 1
+        return owner - 1
+
+    batch = [t for t in tensors if t.kind == "batch"]
+    for t in tensors:
+        if t.kind != "optimizer":
+            take(t)
+    if warmup is not None:
+        warmup(alloc)
+    for t in tensors:
+        if t.kind == "optimizer":
+            take(t)
+    for t in batch:  # the next step's batch arrives before the last one is dropped
+        old = next(o for o, h in held.items() if h is t)
+        take(t)
+        alloc.free(old)
+        del held[old]
+        alloc.pinned_bytes -= t.nbytes
+    return held
+
+
+@dataclass(frozen=True)
+class AllocResult:
+    """Per-op allocator state of a replayed schedule (all byte counts include ``fixed_mem``, and with
+    ``full`` the optimizer state).
+
+    ``live[i]``: bytes of live tensors after op i (the simulator's timeline, plus the optimizer
+    state with ``full``); ``reserved[i]``: bytes
     the allocator holds after op i; ``largest_free[i]``: its largest free block after op i.
     ``fragmentation`` = 1 - live / reserved at the reserved peak (see :func:`fragmentation_at_peak`).
     """
@@ -256,10 +369,12 @@ class AllocResult:
     fragmentation: float
     policy: str = "caching"
     segments: int = 0
+    full: bool = False
 
     def stats(self) -> dict[str, Any]:
         return {"peak": self.peak, "reserved_peak": self.reserved_peak, "fragmentation": self.fragmentation,
-                "waste": self.reserved_peak - self.peak, "segments": self.segments, "allocator": self.policy}
+                "waste": self.reserved_peak - self.peak, "segments": self.segments, "allocator": self.policy,
+                "full_arena": self.full}
 
 
 def fragmentation_at_peak(live: np.ndarray, reserved: np.ndarray) -> float:
@@ -275,14 +390,28 @@ def fragmentation_at_peak(live: np.ndarray, reserved: np.ndarray) -> float:
     return float(1.0 - live[i:][on_plateau].max() / top)
 
 
+def full_arena(graph: Graph, capacity: int | None, policy: Policy = "arena", optimizer: Optimizer = "adam",
+               warmup: Callable[[Allocator], None] | None = None) -> tuple[Allocator, int]:
+    """A pool whose fixed tensors are placed as in a training loop (:func:`pin_fixed`), and the
+    optimizer-state bytes it holds beyond ``fixed_mem``. ``capacity`` is in the budget's terms
+    (``fixed_mem`` included, optimizer state not); the pool gets the optimizer state on top."""
+    tensors = fixed_tensors(graph, optimizer)
+    extra = optimizer_bytes(tensors)
+    alloc = Allocator(None if capacity is None else capacity + extra, policy)
+    pin_fixed(alloc, graph.n, tensors, warmup)
+    return alloc, extra
+
+
 def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: int | None = None,
-           policy: Policy = "caching") -> AllocResult:
+           policy: Policy = "caching", full: bool = False, optimizer: Optimizer = "adam") -> AllocResult:
     """Replay a schedule (validated by the simulator first) through the allocator model.
 
     ``capacity`` is the pool's size in the budget's terms (``fixed_mem`` included): with the caching
-    policy no segment may take ``reserved`` past it; the arena policy needs it. Raises BudgetError at
-    the first request that cannot be served within it, and ScheduleError for an invalid schedule.
-    O(len(ops) * blocks).
+    policy no segment may take ``reserved`` past it; the arena policy needs it. ``full`` places the
+    fixed tensors and the ``optimizer``'s state in the pool (the full arena; module docstring): the
+    schedule runs once as the first step, the optimizer state is allocated, and the second step is
+    the one measured. Raises BudgetError at the first request that cannot be served within it, and
+    ScheduleError for an invalid schedule. O(len(ops) * blocks).
     """
     sim = simulate(graph, schedule)
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
@@ -292,25 +421,38 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
                           f"({format_bytes(fixed)}); raise it.")
     if policy == "arena" and capacity is None:
         raise BudgetError("The arena allocator is one pre-reserved pool: give it a capacity (a budget).")
-    alloc = Allocator(None if capacity is None else capacity - fixed, policy)
     mem = graph.mem.tolist()
-    holds = (graph.mem > 0) & ~graph.is_view
+    holds = ((graph.mem > 0) & ~graph.is_view).tolist()
+
+    def step(alloc: Allocator, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0) -> None:
+        for i, (kind, v) in enumerate(ops):
+            if kind == COMPUTE and holds[v]:
+                if alloc.malloc(v, mem[v]) is None:
+                    raise BudgetError(
+                        f"The allocator runs out of its {format_bytes(capacity)} pool at op {i} (computing node {v}, "
+                        f"{graph.names[v]!r}, {format_bytes(mem[v])}): {format_bytes(alloc.footprint + outside)} "
+                        f"is in use and its largest free block is {format_bytes(alloc.largest_free)}. Replay "
+                        "without a capacity to see the reserved peak this schedule needs.")
+            elif kind == FREE and holds[v]:
+                alloc.free(v)
+            if trace is not None:
+                trace[0][i] = alloc.footprint + outside
+                trace[1][i] = alloc.largest_free
+        for v in [o for o in alloc.by_owner if o < graph.n]:  # the step is over: its tensors go
+            alloc.free(v)
+
     reserved = np.empty(len(ops), dtype=np.int64)
     largest = np.empty(len(ops), dtype=np.int64)
-    for i, (kind, v) in enumerate(ops):
-        if kind == COMPUTE and holds[v]:
-            if alloc.malloc(v, mem[v]) is None:
-                raise BudgetError(
-                    f"The allocator runs out of its {format_bytes(capacity)} pool at op {i} (computing node {v}, "
-                    f"{graph.names[v]!r}, {format_bytes(mem[v])}): {format_bytes(alloc.footprint + fixed)} is in use "
-                    f"and its largest free block is {format_bytes(alloc.largest_free)}. Replay without a capacity "
-                    "to see the reserved peak this schedule needs.")
-        elif kind == FREE and holds[v]:
-            alloc.free(v)
-        reserved[i] = alloc.footprint + fixed
-        largest[i] = alloc.largest_free
-    return AllocResult(live=sim.timeline, reserved=reserved, largest_free=largest, peak=sim.peak,
-                       reserved_peak=int(reserved.max()) if len(reserved) else fixed,
-                       fragmentation=fragmentation_at_peak(sim.timeline, reserved), policy=policy,
-                       segments=len(alloc.heads))
-
+    live = sim.timeline
+    if full:
+        alloc, extra = full_arena(graph, capacity, policy, optimizer, warmup=None if policy == "arena" else step)
+        live = sim.timeline + extra
+        step(alloc, (reserved, largest))
+    else:
+        alloc = Allocator(None if capacity is None else capacity - fixed, policy)
+        step(alloc, (reserved, largest), outside=fixed)
+    base = live[0] if len(live) else fixed
+    return AllocResult(live=live, reserved=reserved, largest_free=largest, peak=int(live.max()) if len(live) else base,
+                       reserved_peak=int(reserved.max()) if len(reserved) else int(base),
+                       fragmentation=fragmentation_at_peak(live, reserved), policy=policy,
+                       segments=len(alloc.heads), full=full)

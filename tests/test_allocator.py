@@ -172,3 +172,50 @@ def test_cli_simulate_allocator_prints_reserved_peak(tmp_path, capsys):
     assert main(["simulate", "assets/gpt-default.json", str(sched), "--allocator", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["reserved_peak"] >= stats["peak"] and 0 <= stats["fragmentation"] < 1
+
+
+# -- the full arena -------------------------------------------------------------------------------
+
+def _tiny_step(param_bytes: int = 4096, batch: int = 1024) -> Graph:
+    """A forward op reading a param-less input, a loss, and two parameter-gradient outputs."""
+    nodes = [dict(name="h", op="aten.mm.default", phase="forward", cost=1.0, mem=8192, deps=[]),
+             dict(name="loss", op="f", phase="forward", cost=1.0, mem=512, deps=[0]),
+             dict(name="g1", op="g", phase="backward", cost=1.0, mem=param_bytes, deps=[0, 1]),
+             dict(name="g0", op="g", phase="backward", cost=1.0, mem=2 * param_bytes, deps=[0, 1])]
+    return Graph.from_nodes("tiny-step", 2 * 3 * param_bytes + batch, nodes)
+
+
+def test_fixed_tensors_are_derived_in_a_training_loops_order():
+    from bonsai_core.allocator import fixed_tensors, optimizer_bytes
+
+    g = _tiny_step()
+    tensors = fixed_tensors(g, "adam")
+    assert [t.kind for t in tensors] == ["param", "param", "grad", "grad", "batch"] + ["optimizer"] * 4
+    assert [t.nbytes for t in tensors[:2]] == [8192, 4096]  # parameter order: reverse of backward's
+    assert sum(t.nbytes for t in tensors if t.kind != "optimizer") == g.fixed_mem
+    assert optimizer_bytes(tensors) == 2 * (8192 + 4096)
+    assert optimizer_bytes(fixed_tensors(g, "sgd")) == 0
+
+
+def test_full_arena_leaves_the_first_batch_as_a_hole_between_pinned_tensors():
+    from bonsai_core.allocator import full_arena
+
+    g = _tiny_step()
+    alloc, extra = full_arena(g, capacity=g.fixed_mem + 64 * 1024, policy="arena")
+    layout = [(b.owner >= g.n, b.size) for b in alloc.blocks()]
+    # params + grads pinned at the bottom, the 1 KiB hole of step 1's batch, the Adam moments, the new batch
+    assert layout[:5] == [(True, 8192), (True, 4096), (True, 8192), (True, 4096), (False, 1024)]
+    assert all(pinned for pinned, _ in layout[5:10]) and extra == 2 * (8192 + 4096)
+    assert alloc.pinned_bytes == g.fixed_mem + extra
+
+
+def test_full_arena_replay_counts_the_optimizer_state_as_live_and_reserved():
+    from bonsai_core.allocator import fixed_tensors, optimizer_bytes
+
+    g = _tiny_step()
+    extra = optimizer_bytes(fixed_tensors(g))
+    plain, full = replay(g, none_schedule(g)), replay(g, none_schedule(g), full=True)
+    assert full.peak == plain.peak + extra
+    assert np.array_equal(full.live, plain.live + extra) and np.all(full.reserved >= full.live)
+    arena = replay(g, none_schedule(g), capacity=g.fixed_mem + 64 * 1024, policy="arena", full=True)
+    assert arena.reserved_peak >= arena.peak
