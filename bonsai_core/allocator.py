@@ -403,7 +403,7 @@ def full_arena(graph: Graph, capacity: int | None, policy: Policy = "arena", opt
 
 
 def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: int | None = None,
-           policy: Policy = "caching", full: bool = False, optimizer: Optimizer = "adam") -> AllocResult:
+           policy: Policy = "caching", full: bool = True, optimizer: Optimizer = "adam") -> AllocResult:
     """Replay a schedule (validated by the simulator first) through the allocator model.
 
     ``capacity`` is the pool's size in the budget's terms (``fixed_mem`` included): with the caching
