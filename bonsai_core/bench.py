@@ -82,7 +82,7 @@ class BenchConfig:
 def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run every (model, budget, method) and peer; write results.csv, results.md and the plots."""
     from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers import solve
+    from bonsai_core.solvers import declared_options, solve
     from bonsai_core.trace import trace_zoo
 
     out = Path(out_dir)
@@ -105,7 +105,9 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
                     continue
                 start = time.perf_counter()
                 try:
-                    s = solve(g, budget, method=method, time_limit=config.time_limit, backend=config.backend)
+                    options = {"time_limit": config.time_limit, "backend": config.backend}
+                    s = solve(g, budget, method=method, **{k: v for k, v in options.items()
+                                                           if k in declared_options(method)})
                     row.update(_schedule_fields(g, s))
                 except BonsaiError as e:
                     row["note"] = str(e)[:300]

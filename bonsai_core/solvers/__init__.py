@@ -11,6 +11,7 @@ simulator before anyone sees it: the returned schedule's ``stats`` always hold t
 from __future__ import annotations
 
 import importlib
+import inspect
 import time
 from typing import Any, Callable
 
@@ -46,11 +47,23 @@ def get_solver(method: str) -> Callable[..., Schedule]:
     return getattr(importlib.import_module(module), func)
 
 
+def declared_options(method: str) -> set[str]:
+    """The keyword options ``method``'s solver declares (``time_limit`` among them)."""
+    params = inspect.signature(get_solver(method)).parameters.values()
+    return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
 def solve(graph: Graph, budget: int | None, method: str = "none", **options: Any) -> Schedule:
     """Run ``method`` on ``graph`` under ``budget`` bytes (None: unconstrained) and return its
     schedule, validated by the simulator. Raises BudgetError if the method cannot meet the budget
     (naming the smallest budget it can meet, or a proven lower bound) and SolverError if it fails."""
     solver = get_solver(method)
+    params = inspect.signature(solver).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        unknown = sorted(set(options) - declared_options(method))
+        if unknown:
+            raise SolverError(f"Method {method!r} has no option {', '.join(map(repr, unknown))}; its options are: "
+                              f"{', '.join(sorted(declared_options(method)))}.")
     if budget is not None and budget < graph.peak_lower_bound:
         raise BudgetError(
             f"No schedule can fit in {format_bytes(budget)}: the largest single operator of "
