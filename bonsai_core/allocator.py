@@ -37,10 +37,13 @@ buffers (``zeros_like`` before the first step, as :func:`bonsai_core.measure.all
 the batch, then, after the first step has run and freed its activations, the optimizer state (Adam's
 ``exp_avg`` and ``exp_avg_sq`` per parameter, allocated by the first ``optimizer.step()``), then the
 next step's batch (loaded before the previous one is dropped, leaving a batch-sized hole). The
-measured step is that steady-state second step. The graph records only ``fixed_mem``, so the tensors
-are derived from it (:func:`fixed_tensors`): one parameter and one gradient per parameter-gradient
+measured step is that steady-state second step. The tensors come from the graph's optional
+``fixed_tensors`` field (name, bytes, kind of each, written by ``bonsai trace``); for a graph without
+it they are derived (:func:`fixed_tensors`): one parameter and one gradient per parameter-gradient
 output of the backward pass (in reverse backward order, which is the model's parameter order), and
-the rest of ``fixed_mem`` (buffers, frozen parameters, the batch) as one batch block. Optimizer state
+the rest of ``fixed_mem`` (buffers, frozen parameters, the batch) as one batch block. (The
+derivation misses gradients that are not separate outputs, such as a convolution's weight gradient
+inside ``convolution_backward``'s one node, so it under-counts the optimizer state of conv nets.) Optimizer state
 is not part of the simulator's ``fixed_mem``: with the full arena the pool holds ``capacity`` plus
 the optimizer state, and ``live`` counts it, so the budget keeps its meaning for every method.
 Still not modelled: CUDA streams (blocks are per-stream in PyTorch; one stream here), the caching
@@ -286,24 +289,26 @@ def gradient_outputs(graph: Graph) -> list[tuple[int, int]]:
 
 
 def fixed_tensors(graph: Graph, optimizer: Optimizer = "adam") -> list[FixedTensor]:
-    """The step's fixed tensors in allocation order, derived from the graph (see the module
-    docstring): params, grads, the batch block, then the optimizer state. If the gradient outputs
-    do not fit twice in ``fixed_mem`` (a graph not traced by this tool), ``fixed_mem`` is one batch
-    block and there is no optimizer state."""
+    """The step's fixed tensors in allocation order: params (and buffers, constants), grads, the
+    batch, then the optimizer state (one set per gradient, in parameter order). From the graph's
+    optional ``fixed_tensors`` (written by ``bonsai trace``), else derived from its gradient outputs
+    (see the module docstring); if those do not fit twice in ``fixed_mem`` (a graph not traced by
+    this tool), ``fixed_mem`` is one batch block and there is no optimizer state."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATES)}")
-    grads = gradient_outputs(graph)
-    param_bytes = [b for _, b in grads]
-    rest = graph.fixed_mem - 2 * sum(param_bytes)
-    if rest < 0:
-        return [FixedTensor("fixed_mem", graph.fixed_mem, "batch")] if graph.fixed_mem else []
-    names = [graph.names[v] for v, _ in grads]
-    out = [FixedTensor(f"param of {n}", b, "param") for n, b in zip(names, param_bytes)]
-    out += [FixedTensor(f"grad of {n}", b, "grad") for n, b in zip(names, param_bytes)]
-    if rest:
-        out.append(FixedTensor("batch, buffers, frozen params", rest, "batch"))
-    out += [FixedTensor(f"{state} of {n}", b, "optimizer") for n, b in zip(names, param_bytes)
-            for state in OPTIMIZER_STATES[optimizer]]
+    if graph.fixed_tensors:
+        out = [FixedTensor(n, b, "batch" if k == "input" else k) for n, b, k in graph.fixed_tensors if b > 0]
+        grads = [(t.name.removesuffix(".grad"), t.nbytes) for t in out if t.kind == "grad"]
+    else:
+        grads = [(graph.names[v], b) for v, b in gradient_outputs(graph)]
+        rest = graph.fixed_mem - 2 * sum(b for _, b in grads)
+        if rest < 0:
+            return [FixedTensor("fixed_mem", graph.fixed_mem, "batch")] if graph.fixed_mem else []
+        out = [FixedTensor(f"param of {n}", b, "param") for n, b in grads]
+        out += [FixedTensor(f"grad of {n}", b, "grad") for n, b in grads]
+        if rest:
+            out.append(FixedTensor("batch, buffers, frozen params", rest, "batch"))
+    out += [FixedTensor(f"{state} of {n}", b, "optimizer") for n, b in grads for state in OPTIMIZER_STATES[optimizer]]
     return out
 
 
@@ -402,6 +407,75 @@ def full_arena(graph: Graph, capacity: int | None, policy: Policy = "arena", opt
     return alloc, extra
 
 
+def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], capacity: int | None,
+             trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0, upto: int | None = None) -> None:
+    """Apply a schedule's ops to ``alloc`` (footprint and largest free block after each op into
+    ``trace``); then the step is over and its tensors are freed. With ``upto``, stop right after op
+    ``upto`` instead, leaving the pool as it is at that moment."""
+    mem = graph.mem.tolist()
+    holds = ((graph.mem > 0) & ~graph.is_view).tolist()
+    for i, (kind, v) in enumerate(ops):
+        if kind == COMPUTE and holds[v]:
+            if alloc.malloc(v, mem[v]) is None:
+                raise BudgetError(
+                    f"The allocator runs out of its {format_bytes(capacity)} pool at op {i} (computing node {v}, "
+                    f"{graph.names[v]!r}, {format_bytes(mem[v])}): {format_bytes(alloc.footprint + outside)} "
+                    f"is in use and its largest free block is {format_bytes(alloc.largest_free)}. Replay "
+                    "without a capacity to see the reserved peak this schedule needs.")
+        elif kind == FREE and holds[v]:
+            alloc.free(v)
+        if trace is not None:
+            trace[0][i] = alloc.footprint + outside
+            trace[1][i] = alloc.largest_free
+        if i == upto:
+            return
+    for v in [o for o in alloc.by_owner if o < graph.n]:  # the step is over: its tensors go
+        alloc.free(v)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One block of the address picture: ``kind`` is a fixed tensor's kind (param, grad, batch,
+    optimizer), "activation" (a node's output: evictable) or "free"; ``addr`` is relative to the
+    pool's first byte (segments are laid end to end, one 512-B gap apart)."""
+
+    addr: int
+    size: int
+    kind: str
+    name: str
+    segment: int
+
+
+def layout_at(graph: Graph, schedule: Schedule | list[tuple[str, int]], op: int, capacity: int | None = None,
+              policy: Policy = "caching", optimizer: Optimizer = "adam") -> list[Placed]:
+    """The full arena's address space right after op ``op`` of the (steady-state) step: every
+    block, in address order, with what holds it. The placement is this model's replay (best fit,
+    lowest address), not a pool method's own. O(len(ops) * blocks)."""
+    simulate(graph, schedule)
+    ops = schedule.ops if isinstance(schedule, Schedule) else schedule
+    if not 0 <= op < len(ops):
+        raise ValueError(f"op {op} is outside the schedule's {len(ops)} ops")
+    if policy == "arena" and capacity is None:
+        raise BudgetError("The arena allocator is one pre-reserved pool: give it a capacity (a budget).")
+    tensors = fixed_tensors(graph, optimizer)
+    extra = optimizer_bytes(tensors)
+    alloc = Allocator(None if capacity is None else capacity + extra, policy)
+    held = pin_fixed(alloc, graph.n, tensors,
+                     None if policy == "arena" else (lambda a: run_step(a, graph, ops, capacity)))
+    run_step(alloc, graph, ops, capacity, upto=op)
+    start = alloc.heads[0].addr if alloc.heads else 0
+    out = []
+    for b in alloc.blocks():
+        if b.owner < 0:
+            kind, name = "free", "free"
+        elif b.owner >= graph.n:
+            kind, name = held[b.owner].kind, held[b.owner].name
+        else:
+            kind, name = "activation", graph.names[b.owner]
+        out.append(Placed(b.addr - start, b.size, kind, name, b.segment))
+    return out
+
+
 def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: int | None = None,
            policy: Policy = "caching", full: bool = True, optimizer: Optimizer = "adam") -> AllocResult:
     """Replay a schedule (validated by the simulator first) through the allocator model.
@@ -421,25 +495,8 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
                           f"({format_bytes(fixed)}); raise it.")
     if policy == "arena" and capacity is None:
         raise BudgetError("The arena allocator is one pre-reserved pool: give it a capacity (a budget).")
-    mem = graph.mem.tolist()
-    holds = ((graph.mem > 0) & ~graph.is_view).tolist()
-
     def step(alloc: Allocator, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0) -> None:
-        for i, (kind, v) in enumerate(ops):
-            if kind == COMPUTE and holds[v]:
-                if alloc.malloc(v, mem[v]) is None:
-                    raise BudgetError(
-                        f"The allocator runs out of its {format_bytes(capacity)} pool at op {i} (computing node {v}, "
-                        f"{graph.names[v]!r}, {format_bytes(mem[v])}): {format_bytes(alloc.footprint + outside)} "
-                        f"is in use and its largest free block is {format_bytes(alloc.largest_free)}. Replay "
-                        "without a capacity to see the reserved peak this schedule needs.")
-            elif kind == FREE and holds[v]:
-                alloc.free(v)
-            if trace is not None:
-                trace[0][i] = alloc.footprint + outside
-                trace[1][i] = alloc.largest_free
-        for v in [o for o in alloc.by_owner if o < graph.n]:  # the step is over: its tensors go
-            alloc.free(v)
+        run_step(alloc, graph, ops, capacity, trace, outside)
 
     reserved = np.empty(len(ops), dtype=np.int64)
     largest = np.empty(len(ops), dtype=np.int64)

@@ -219,3 +219,35 @@ def test_full_arena_replay_counts_the_optimizer_state_as_live_and_reserved():
     assert np.array_equal(full.live, plain.live + extra) and np.all(full.reserved >= full.live)
     arena = replay(g, none_schedule(g), capacity=g.fixed_mem + 64 * 1024, policy="arena", full=True)
     assert arena.reserved_peak >= arena.peak
+
+
+@pytest.mark.slow
+def test_traced_graphs_list_their_fixed_tensors():
+    from bonsai_core.allocator import fixed_tensors, optimizer_bytes
+    from bonsai_core.trace import trace_zoo
+
+    g = trace_zoo("resnet", batch=2, image=16, layers=1).graph  # conv weight grads are not separate outputs
+    kinds = [k for _, _, k in g.fixed_tensors]
+    assert sum(b for _, b, _ in g.fixed_tensors) == g.fixed_mem
+    assert kinds.index("grad") > max(i for i, k in enumerate(kinds) if k == "param")  # grads after params
+    assert optimizer_bytes(fixed_tensors(g)) == 2 * sum(b for _, b, k in g.fixed_tensors if k == "grad")
+
+
+def test_fixed_tensors_field_round_trips_and_old_graphs_still_load():
+    import json
+
+    from bonsai_core.allocator import fixed_tensors
+
+    base = _tiny_step()
+    g = Graph.from_nodes(base.name, base.fixed_mem, [base.node(v).__dict__ | {"deps": list(base.node(v).deps)}
+                                                     for v in range(base.n)],
+                         [["w", 4096, "param"], ["x", 2048, "input"], ["w.grad", 4096, "grad"],
+                          ["c", base.fixed_mem - 10240, "constant"]])
+    assert [t.kind for t in fixed_tensors(g)] == ["param", "batch", "grad", "constant", "optimizer", "optimizer"]
+    data = g.to_dict()
+    assert Graph.from_dict(json.loads(json.dumps(data))).fixed_tensors == g.fixed_tensors
+    del data["fixed_tensors"]  # a graph written before the field existed
+    assert Graph.from_dict(data).fixed_tensors == ()
+    data["fixed_tensors"] = [["w", g.fixed_mem + 1, "param"]]
+    with pytest.raises(Exception, match="add up to"):
+        Graph.from_dict(data)

@@ -115,6 +115,9 @@ class Runtime:
         self.evicted_version = 0  # bumps whenever the set of evicted tensors changes
         self.free_at_failure: list[float] = []
         self.search_seconds: list[float] = []  # wall time of each eviction search (policy call)
+        # the pool's high-water mark and the most bytes held in blocks since it was last raised:
+        # fragmentation at the peak = what placement touched but tensors could not use
+        self.high_water, self.held_at_high_water = 0, 0
         # DTR's equivalence classes of evicted tensors (union-find, never split)
         self.uf_parent = list(range(n))
         self.uf_cost = [0.0] * n
@@ -249,6 +252,10 @@ class Runtime:
         if self.alloc is not None and self.holds[v]:
             if self.alloc.malloc(v, self.mem[v], self.side_of(v)) is None:  # fits() checked a left fit
                 self.alloc.malloc(v, self.mem[v], "left")
+            if self.alloc.high_water > self.high_water:
+                self.high_water, self.held_at_high_water = self.alloc.high_water, self.alloc.allocated
+            else:
+                self.held_at_high_water = max(self.held_at_high_water, self.alloc.allocated)
         if self.ever[v]:
             self.evicted_version += 1
             self._uf_remove_cost(v)
@@ -349,6 +356,9 @@ def finish(rt: Runtime, graph: Graph, method: str, extra_stats: dict) -> Schedul
         stats["pool_high_water"] = rt.alloc.high_water + (0 if rt.alloc.pinned_bytes else graph.fixed_mem)
         stats["alloc_failures"] = len(rt.free_at_failure)
         stats["free_at_failure"] = float(np.mean(rt.free_at_failure)) if rt.free_at_failure else 0.0
+        # reserved - live at the pool's peak (high-water mark), in bytes and as a share of it
+        stats["pool_waste"] = rt.high_water - rt.held_at_high_water
+        stats["pool_fragmentation"] = (stats["pool_waste"] / rt.high_water) if rt.high_water else 0.0
     return Schedule(graph=graph.name, method=method, ops=rt.ops, graph_hash=graph.hash, stats=stats)
 
 
