@@ -251,3 +251,36 @@ def test_fixed_tensors_field_round_trips_and_old_graphs_still_load():
     data["fixed_tensors"] = [["w", g.fixed_mem + 1, "param"]]
     with pytest.raises(Exception, match="add up to"):
         Graph.from_dict(data)
+
+
+def test_address_figure_draws_every_block_at_its_address_by_kind():
+    from bonsai_core.allocator import layout_at
+    from bonsai_core.graph import load_graph
+    from bonsai_core.schedule import none_schedule
+    from explorer.plots import address_figure
+
+    g = load_graph("assets/gpt-default.json")
+    s = none_schedule(g)
+    blocks = layout_at(g, s, len(s.ops) // 2)
+    fig = address_figure(blocks)
+    bars = {t.name: t for t in fig.data}
+    assert {"parameters (pinned)", "gradients (pinned)", "optimizer state (pinned)",
+            "activations (evictable)"} <= set(bars)
+    assert sum(len(t.x) for t in fig.data) == len(blocks)
+    act = [b for b in blocks if b.kind == "activation"]
+    assert list(bars["activations (evictable)"].base) == [b.addr / 2**20 for b in act]
+
+
+def test_memory_page_shows_the_address_space_at_the_chosen_op():
+    from tests.test_app import app, goto, plot_spec
+
+    at = goto(app(), "memory")
+    assert not at.error
+    spec = plot_spec(at, 1)
+    names = {t["name"] for t in spec["data"]}
+    assert {"parameters (pinned)", "optimizer state (pinned)", "activations (evictable)"} <= names
+    at.slider(key="memory_address_op").set_value(0).run()
+    assert not at.exception
+    assert "after op 0" in plot_spec(at, 1)["layout"]["title"]["text"]
+    at.radio(key="memory_address_policy").set_value("arena").run()
+    assert not at.exception
