@@ -14,8 +14,10 @@ allocation, merged with free neighbours on free, never merged across segments):
   for requests under 10 MiB and the request rounded up to 2 MiB otherwise; best fit (smallest
   block that fits, lowest address on ties); a block is split when what is left is at least 512 B
   (small pool) or more than 1 MiB (large pool), otherwise the tensor holds the whole block. When no
-  cached block fits, a new segment is reserved ("cudaMalloc") if the pool capacity allows; segments
-  are never released back (no ``empty_cache``), so ``reserved`` never shrinks.
+  cached block fits, a new segment is reserved ("cudaMalloc") if the pool capacity allows; if it does
+  not, every cached segment that holds no tensor is released and the request retried (PyTorch's
+  release-and-retry on OOM). Without a capacity nothing is ever released, so ``reserved`` never
+  shrinks.
 * ``"arena"`` is the one pre-reserved pool of OneFlow's DTR allocator that Coop works in
   (``oneflow/core/vm/dtr_ep_allocator.cpp``): a single segment of ``capacity - fixed_mem`` bytes,
   512-B aligned pieces, best fit, always split. A piece may be placed at the left (low) or right
@@ -46,10 +48,9 @@ derivation misses gradients that are not separate outputs, such as a convolution
 inside ``convolution_backward``'s one node, so it under-counts the optimizer state of conv nets.) Optimizer state
 is not part of the simulator's ``fixed_mem``: with the full arena the pool holds ``capacity`` plus
 the optimizer state, and ``live`` counts it, so the budget keeps its meaning for every method.
-Still not modelled: CUDA streams (blocks are per-stream in PyTorch; one stream here), the caching
-allocator's release-and-retry on OOM (``empty_cache`` of unused cached segments, then retry: with
-no capacity nothing fails, and a capacity-bound replay reports the failure instead), and the many
-small allocations of the optimizer step itself (``step`` counters, foreach temporaries).
+Still not modelled: CUDA streams (blocks are per-stream in PyTorch; one stream here), garbage
+collection thresholds and expandable segments (off by default), and the many small allocations of
+the optimizer step itself (``step`` counters, foreach temporaries).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class Allocator:
             raise ValueError("the arena policy needs a capacity")
         self.policy: Policy = policy
         self.capacity = capacity
-        self.heads: list[Block] = []  # first block of each segment; segment i starts at addr of heads[i]
+        self.heads: list[Block | None] = []  # first block of each segment (None once released)
         self.pools: list[str] = []  # pool of each segment
         self.free_blocks: dict[str, set[Block]] = {"small": set(), "large": set(), "arena": set()}
         self.by_owner: dict[int, Block] = {}
@@ -153,7 +154,7 @@ class Allocator:
     def blocks(self) -> Iterator[Block]:
         """Every block, in address order."""
         for head in self.heads:
-            b: Block | None = head
+            b: Block | None = head  # None: a released segment
             while b is not None:
                 yield b
                 b = b.next
@@ -161,6 +162,8 @@ class Allocator:
     def segments(self) -> Iterator[list[Block]]:
         """The blocks of each segment, in address order (Coop's window never crosses a segment)."""
         for head in self.heads:
+            if head is None:  # released
+                continue
             out, b = [], head
             while b is not None:
                 out.append(b)
@@ -204,9 +207,26 @@ class Allocator:
         block = self.find_block(size, side)
         if block is None:
             if not self.can_grow(size):
-                return None
+                self.release_cached()  # PyTorch's release-and-retry
+                if not self.can_grow(size):
+                    return None
             block = self._add_segment(segment_size(size), self.pool_of(size))
         return self._take(block, size, owner, side)
+
+    def release_cached(self) -> int:
+        """PyTorch's release-and-retry on OOM: give back every cached segment that holds no tensor
+        (``release_cached_blocks``, as ``empty_cache`` does); returns the bytes released. Only the
+        caching policy releases; the arena is one pool."""
+        if self.policy != "caching":
+            return 0
+        released = 0
+        for i, head in enumerate(self.heads):
+            if head is not None and head.free and head.next is None:
+                self.free_blocks[self.pools[i]].discard(head)
+                self.heads[i] = None
+                self.reserved -= head.size
+                released += head.size
+        return released
 
     def _take(self, block: Block, size: int, owner: int, side: Side) -> Block:
         pool = self.pools[block.segment]
@@ -233,7 +253,7 @@ class Allocator:
         block.owner = owner
         self.by_owner[owner] = block
         self.allocated += block.size
-        self.high_water = max(self.high_water, block.addr + block.size - self.heads[0].addr)
+        self.high_water = max(self.high_water, block.addr + block.size)
         return block
 
     def free(self, owner: int) -> None:
@@ -463,7 +483,7 @@ def layout_at(graph: Graph, schedule: Schedule | list[tuple[str, int]], op: int,
     held = pin_fixed(alloc, graph.n, tensors,
                      None if policy == "arena" else (lambda a: run_step(a, graph, ops, capacity)))
     run_step(alloc, graph, ops, capacity, upto=op)
-    start = alloc.heads[0].addr if alloc.heads else 0
+    start = 0  # the first segment's address
     out = []
     for b in alloc.blocks():
         if b.owner < 0:
@@ -512,4 +532,4 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     return AllocResult(live=live, reserved=reserved, largest_free=largest, peak=int(live.max()) if len(live) else base,
                        reserved_peak=int(reserved.max()) if len(reserved) else int(base),
                        fragmentation=fragmentation_at_peak(live, reserved), policy=policy,
-                       segments=len(alloc.heads), full=full)
+                       segments=sum(h is not None for h in alloc.heads), full=full)

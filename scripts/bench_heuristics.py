@@ -16,7 +16,8 @@ and, for reference, DTR counting live bytes only and Chen's static checkpointing
 Budgets are shares of the model's no-remat peak and, like the simulator's, do not include the
 optimizer state: a pool of budget B holds B + the Adam state.
 
-    python scripts/bench_heuristics.py --out docs/heuristics
+    python scripts/bench_heuristics.py --out docs/heuristics                        # zoo default sizes
+    python scripts/bench_heuristics.py --size large --out docs/heuristics-large     # bigger batches
 
 writes ``results.json``, ``table.md`` and ``heuristics.png`` there.
 """
@@ -41,6 +42,8 @@ from bonsai_core.solvers import solve
 from bonsai_core.trace import trace_zoo
 
 MODELS = ("gpt", "resnet", "unet", "mlp", "vgg")
+SIZES = {"default": {}, "large": {"gpt": {"batch": 32}, "resnet": {"batch": 64}, "unet": {"batch": 16},
+                                  "mlp": {"batch": 4096}, "vgg": {"batch": 64}}}
 # label -> (method, options); the first four run in the full arena
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "dtr-pool": ("dtr", {"allocator": True, "full_arena": True, "budget_hint": False}),
@@ -88,13 +91,13 @@ def smallest_budget(graph: Graph, label: str, hi: int, time_limit: float, steps:
     return hi
 
 
-def bench_model(name: str, time_limit: float) -> dict[str, Any]:
-    g = trace_zoo(name).graph
+def bench_model(name: str, time_limit: float, options: dict[str, Any]) -> dict[str, Any]:
+    g = trace_zoo(name, **options).graph
     ref = no_remat_peak(g)
     adam = optimizer_bytes(fixed_tensors(g))
-    entry: dict[str, Any] = {"nodes": g.n, "no_remat_peak": ref, "fixed_mem": g.fixed_mem, "adam_bytes": adam,
+    entry: dict[str, Any] = {"options": options, "nodes": g.n, "no_remat_peak": ref, "fixed_mem": g.fixed_mem, "adam_bytes": adam,
                              "smallest_budget": {}, "sweep": {}}
-    print(f"{name}: {g.n} nodes, no-remat peak {format_bytes(ref)}, fixed {format_bytes(g.fixed_mem)}, "
+    print(f"{name} {options}: {g.n} nodes, no-remat peak {format_bytes(ref)}, fixed {format_bytes(g.fixed_mem)}, "
           f"Adam state {format_bytes(adam)}", flush=True)
     for label in VARIANTS:
         entry["sweep"][label] = [{"frac": f, **run(g, int(f * ref), label, time_limit)} for f in SWEEP]
@@ -172,14 +175,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/heuristics")
     ap.add_argument("--models", nargs="+", default=list(MODELS), help="zoo names (at their default sizes)")
+    ap.add_argument("--size", choices=list(SIZES), default="default", help="zoo sizes (large: bigger batches)")
     ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per solve")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"sweep": list(SWEEP), "variants": {k: [m, o] for k, (m, o) in VARIANTS.items()},
+    results: dict[str, Any] = {"size": args.size, "sweep": list(SWEEP), "variants": {k: [m, o] for k, (m, o) in VARIANTS.items()},
                                "models": {}}
     for name in args.models:
-        results["models"][name] = bench_model(name, args.time_limit)
+        results["models"][name] = bench_model(name, args.time_limit, SIZES[args.size].get(name, {}))
         (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "table.md").write_text(table(results))
     plot(results, out / "heuristics.png")

@@ -284,3 +284,14 @@ def test_memory_page_shows_the_address_space_at_the_chosen_op():
     assert "after op 0" in plot_spec(at, 1)["layout"]["title"]["text"]
     at.radio(key="memory_address_policy").set_value("arena").run()
     assert not at.exception
+
+
+def test_release_and_retry_frees_cached_segments_when_the_capacity_is_reached():
+    a = Allocator(capacity=24 * MiB)
+    a.malloc(0, 12 * MiB)  # its own 12 MiB segment
+    a.free(0)  # cached, holding nothing
+    assert a.reserved == 12 * MiB
+    assert a.malloc(1, 14 * MiB) is not None  # 12 + 14 > 24: the empty segment is released first
+    assert a.reserved == 14 * MiB and len(list(a.segments())) == 1
+    a.malloc(2, 4 * MiB)  # a 20 MiB segment would pass the capacity; nothing left to release
+    assert a.malloc(3, 9 * MiB) is None
