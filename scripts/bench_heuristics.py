@@ -111,30 +111,70 @@ def at(entry: dict[str, Any], label: str, frac: float) -> dict[str, Any]:
     return next(p for p in entry["sweep"][label] if abs(p["frac"] - frac) < 1e-9)
 
 
+def summary(results: dict[str, Any]) -> list[str]:
+    """Coop vs DTR in the same full-arena pool, per model: smallest budgets, and medians over the sweep
+    budgets where both run."""
+    lines = ["Coop (op-type partitioning, the default) vs DTR in the same full-arena pool; medians over the "
+             "sweep budgets where both run:", "",
+             "| model | smallest budget dtr-pool / coop | budgets both run | free share at a failed request "
+             "dtr-pool / coop | pool frag. at high water dtr-pool / coop "
+             "| overhead dtr-pool / coop | searches dtr-pool / coop | median search dtr-pool / coop |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, e in results["models"].items():
+        ref = e["no_remat_peak"]
+        sb = [e["smallest_budget"][k] for k in ("dtr-pool", "coop")]
+        both = [(a, b) for a, b in zip(e["sweep"]["dtr-pool"], e["sweep"]["coop"]) if a["ok"] and b["ok"]]
+        cells = [" / ".join(f"{x / ref:.1%}" if x else "-" for x in sb), str(len(both))]
+        if both:
+            med = lambda key, i: statistics.median(p[i][key] for p in both)  # noqa: E731
+            searched = [p for p in both if p[0].get("eviction_searches") and p[1].get("eviction_searches")]
+            lat = " / ".join(f"{1e3 * statistics.median(p[i]['search_seconds_median'] for p in searched):.2f} ms"
+                             for i in (0, 1)) if searched else "-"
+            failed = [p for p in both if p[0].get("alloc_failures") and p[1].get("alloc_failures")]
+            rate = " / ".join(f"{statistics.median(p[i]['free_at_failure'] for p in failed):.1%}"
+                              for i in (0, 1)) if failed else "-"
+            cells += [rate, f"{med('pool_fragmentation', 0):.1%} / {med('pool_fragmentation', 1):.1%}",
+                      f"{med('overhead', 0):+.1%} / {med('overhead', 1):+.1%}",
+                      f"{med('eviction_searches', 0):.0f} / {med('eviction_searches', 1):.0f}", lat]
+        else:
+            cells += ["-"] * 5
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def table(results: dict[str, Any]) -> str:
     labels = list(VARIANTS)
-    lines = ["Smallest budget each method meets (share of the no-remat peak; optimizer state not counted):", "",
+    lines = summary(results) + ["Smallest budget each method meets (share of the no-remat peak; optimizer state not counted). "
+                                "dtr and chen do not run in a pool: in brackets, the least pool a best-fit arena needs "
+                                "for their schedules over the sweep (optimizer state not counted):", "",
              "| model | nodes | " + " | ".join(labels) + " |", "| --- | --- |" + " --- |" * len(labels)]
     for name, e in results["models"].items():
         ref = e["no_remat_peak"]
-        cells = [f"{e['smallest_budget'][k] / ref:.1%}" if e["smallest_budget"][k] else "-" for k in labels]
+        cells = []
+        for k in labels:
+            cell = f"{e['smallest_budget'][k] / ref:.1%}" if e["smallest_budget"][k] else "-"
+            arena = [p["arena_reserved"] - e["adam_bytes"] for p in e["sweep"][k] if p["ok"] and "arena_reserved" in p]
+            cells.append(cell + (f" ({min(arena) / ref:.1%})" if arena else ""))
         lines.append(f"| {name} | {e['nodes']} | " + " | ".join(cells) + " |")
-    lines += ["", "At 80% and 60% of the no-remat peak: overhead; pool fragmentation (reserved - live at the pool's "
-              "peak, share of it); caching-allocator fragmentation of the same schedule (full arena); eviction "
+    lines += ["", "At 80% and 60% of the no-remat peak: overhead; for pool methods the free share of the pool when "
+              "a request found no block (Coop's and OneFlow's fragmentation rate; mean over the failures) and the pool "
+              "fragmentation at its high-water mark (touched - held there, share of it); caching-allocator fragmentation of the same schedule (full arena); eviction "
               "searches and their median latency (shared machine, under load):", "",
-              "| model | budget | method | overhead | pool frag. | caching frag. | searches | median search |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| model | budget | method | overhead | free share at failed requests (count) | pool frag. "
+              "| caching frag. | searches | median search |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, e in results["models"].items():
         for frac in (0.8, 0.6):
             for label in labels:
                 r = at(e, label, frac)
                 if not r["ok"]:
-                    lines.append(f"| {name} | {frac:.0%} | {label} | does not fit | | | | |")
+                    lines.append(f"| {name} | {frac:.0%} | {label} | does not fit | | | | | |")
                     continue
                 pool = f"{r['pool_fragmentation']:.1%}" if "pool_fragmentation" in r else \
                     f"({r['arena_fragmentation']:.1%} best-fit replay)"
                 search = f"{1e3 * r['search_seconds_median']:.2f} ms" if r.get("eviction_searches") else ""
-                lines.append(f"| {name} | {frac:.0%} | {label} | {r['overhead']:+.1%} | {pool} | "
+                rate = f"{r['free_at_failure']:.1%} ({r['alloc_failures']})" if "alloc_failures" in r else ""
+                lines.append(f"| {name} | {frac:.0%} | {label} | {r['overhead']:+.1%} | {rate} | {pool} | "
                              f"{r['caching_fragmentation']:.1%} | {r.get('eviction_searches', '')} | {search} |")
     return "\n".join(lines) + "\n"
 
@@ -177,9 +217,15 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS), help="zoo names (at their default sizes)")
     ap.add_argument("--size", choices=list(SIZES), default="default", help="zoo sizes (large: bigger batches)")
     ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per solve")
+    ap.add_argument("--report-only", action="store_true", help="rewrite table.md and the plot from results.json")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        results = json.loads((out / "results.json").read_text())
+        (out / "table.md").write_text(table(results))
+        plot(results, out / "heuristics.png")
+        return
     results: dict[str, Any] = {"size": args.size, "sweep": list(SWEEP), "variants": {k: [m, o] for k, (m, o) in VARIANTS.items()},
                                "models": {}}
     for name in args.models:
