@@ -11,7 +11,7 @@ dynamic rematerialization *inside* the allocator, as OneFlow's DTR allocator doe
   the pool's blocks in address order keeping a window of free blocks and evictable tensors whose
   size covers the request (a pinned tensor ends the window), and evict the window of least total
   cost: one pass, two pointers. A tensor's cost is OneFlow's (``RematableTensorStorage::cost``):
-  its cost plus its evicted neighbourhood's (DTR's e\*, ``eviction.Runtime.estar_cost``) divided by
+  its cost plus its evicted neighbourhood's (DTR's e*, ``eviction.Runtime.estar_cost``) divided by
   its staleness, with no size term since the window already covers the request;
   ``window_cost="recompute"`` uses its plain compute cost instead.
 * **cheap tensor partitioning**: cheap tensors are placed at the low end of the free block best-fit

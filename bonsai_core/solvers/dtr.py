@@ -3,11 +3,11 @@
 The program runs in listed order on :class:`bonsai_core.solvers.eviction.Runtime`; whenever an
 output does not fit, DTR evicts the one evictable tensor of least heuristic score, and repeats. The
 paper's heuristics (``heuristic=``), with c the compute cost, m the bytes, s the staleness (compute
-seconds since the last access) and e\\* the evicted neighbourhood (see ``eviction.py``):
+seconds since the last access) and e* the evicted neighbourhood (see ``eviction.py``):
 
-* ``"dtr"`` (h_DTR, the default): (c(t) + c(e\\*(t))) / (m(t) · s(t)), e\\* from the exact connected
+* ``"dtr"`` (h_DTR, the default): (c(t) + c(e*(t))) / (m(t) · s(t)), e* from the exact connected
   components of the evicted tensors;
-* ``"dtr_eq"`` (h_DTR^eq): the same with e\\* from union-find equivalence classes (merged on
+* ``"dtr_eq"`` (h_DTR^eq): the same with e* from union-find equivalence classes (merged on
   eviction, never split: what DTR's prototype runs);
 * ``"local"``: c(t) / (m(t) · s(t)), no neighbourhood;
 * ``"lru"``: 1 / s(t), the least recently used tensor goes;

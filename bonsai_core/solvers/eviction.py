@@ -11,13 +11,13 @@ treats like any other. Inputs of the op being run (and of recomputations under w
 resident ones before any missing one is rebuilt, so rebuilding cannot evict them); a base is evicted
 together with its resident views (views free first, as the simulator requires).
 
-**Evicted neighbourhoods (DTR's e\\*).** DTR's heuristic charges a tensor t for what evicting it would
+**Evicted neighbourhoods (DTR's e*).** DTR's heuristic charges a tensor t for what evicting it would
 make expensive: its own cost plus the cost of every evicted tensor connected to it through evicted
-tensors (its *evicted neighbourhood* e\\*(t): rebuilding t needs its evicted ancestors, rebuilding an
+tensors (its *evicted neighbourhood* e*(t): rebuilding t needs its evicted ancestors, rebuilding an
 evicted descendant needs t). Two ways to know the connected groups, both DTR's:
 
 * ``exact``: the connected components of the evicted tensors now, recomputed (O(n + edges)) only
-  when the evicted set changes; e\\*(t) is the union of the components adjacent to t, each counted
+  when the evicted set changes; e*(t) is the union of the components adjacent to t, each counted
   once, so its cost is linear in the size of those components however they branch (a shared
   ancestor of a diamond is counted once, not once per path).
 * ``eq``: DTR's equivalence classes, a union-find that merges an evicted tensor with its evicted
@@ -27,17 +27,17 @@ evicted descendant needs t). Two ways to know the connected groups, both DTR's:
 **Deallocation** (DTR's section 3): when the program is done with a tensor,
 
 * ``"free"`` (the default): it is freed, stays rebuildable if an evicted tensor needs it, but is
-  not part of anyone's e\* (which holds only what the policy evicted). Measured on the zoo GPT, this
+  not part of anyone's e* (which holds only what the policy evicted). Measured on the zoo GPT, this
   gives DTR about a tenth of eager eviction's overhead at 80% of the no-remat peak.
 * ``"evict"`` (DTR's eager eviction): it is freed but stays rebuildable, as if evicted; its cost
-  counts in its neighbours' e\*, so e\* grows over everything the program has freed.
+  counts in its neighbours' e*, so e* grows over everything the program has freed.
 * ``"banish"`` (DTR's banishing): it is freed for good, and can never be rebuilt. That is only safe
   when no evicted tensor still needs it to be rebuilt, so until then it stays resident (and
   evictable, an ordinary eviction); once banished, its resident users that the program still reads
   are *locked* (never evicted), since nothing could rebuild them; a locked tensor is still freed
   when the program is done with it.
 * ``"evict"`` (DTR's eager eviction): it is freed but stays rebuildable, as if evicted; its cost
-  counts in its neighbours' e\\*.
+  counts in its neighbours' e*.
 """
 
 from __future__ import annotations
