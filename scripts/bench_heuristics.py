@@ -18,6 +18,7 @@ optimizer state: a pool of budget B holds B + the Adam state.
 
     python scripts/bench_heuristics.py --out docs/heuristics                        # zoo default sizes
     python scripts/bench_heuristics.py --size large --out docs/heuristics-large     # bigger batches
+    python scripts/bench_heuristics.py --size gpt2 --models gpt --out docs/heuristics-gpt2   # GPT-2 small
 
 writes ``results.json``, ``table.md`` and ``heuristics.png`` there.
 """
@@ -40,10 +41,12 @@ from bonsai_core.graph import Graph
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.solvers import solve
 from bonsai_core.trace import trace_zoo
+from bonsai_core.zoo import GPT2_SMALL
 
 MODELS = ("gpt", "resnet", "unet", "mlp", "vgg")
 SIZES = {"default": {}, "large": {"gpt": {"batch": 32}, "resnet": {"batch": 64}, "unet": {"batch": 16},
-                                  "mlp": {"batch": 4096}, "vgg": {"batch": 64}}}
+                                  "mlp": {"batch": 4096}, "vgg": {"batch": 64}},
+         "gpt2": {"gpt": GPT2_SMALL}}
 # label -> (method, options); the first four run in the full arena
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "dtr-pool": ("dtr", {"allocator": True, "full_arena": True, "budget_hint": False}),
