@@ -14,8 +14,10 @@ allocation, merged with free neighbours on free, never merged across segments):
   for requests under 10 MiB and the request rounded up to 2 MiB otherwise; best fit (smallest
   block that fits, lowest address on ties); a block is split when what is left is at least 512 B
   (small pool) or more than 1 MiB (large pool), otherwise the tensor holds the whole block. When no
-  cached block fits, a new segment is reserved ("cudaMalloc") if the pool capacity allows; segments
-  are never released back (no ``empty_cache``), so ``reserved`` never shrinks.
+  cached block fits, a new segment is reserved ("cudaMalloc") if the pool capacity allows; if it does
+  not, every cached segment that holds no tensor is released and the request retried (PyTorch's
+  release-and-retry on OOM). Without a capacity nothing is ever released, so ``reserved`` never
+  shrinks.
 * ``"arena"`` is the one pre-reserved pool of OneFlow's DTR allocator that Coop works in
   (``oneflow/core/vm/dtr_ep_allocator.cpp``): a single segment of ``capacity - fixed_mem`` bytes,
   512-B aligned pieces, best fit, always split. A piece may be placed at the left (low) or right
@@ -29,12 +31,32 @@ it is added to ``live`` and ``reserved`` alike, so the numbers compare with the 
 
 A multi-output op is one block of its outputs' total size (the graph stores only the sum); a real
 allocator gives each output its own block, so this slightly under-counts rounding waste.
+
+**The full arena** (``full=True``): the fixed tensors live in the same address space as the
+activations, allocated in a real training loop's order (:func:`pin_fixed`), so pinned blocks sit
+between the free ranges that activations use: parameters (at model construction), their gradient
+buffers (``zeros_like`` before the first step, as :func:`bonsai_core.measure.allocate_fixed` does),
+the batch, then, after the first step has run and freed its activations, the optimizer state (Adam's
+``exp_avg`` and ``exp_avg_sq`` per parameter, allocated by the first ``optimizer.step()``), then the
+next step's batch (loaded before the previous one is dropped, leaving a batch-sized hole). The
+measured step is that steady-state second step. The tensors come from the graph's optional
+``fixed_tensors`` field (name, bytes, kind of each, written by ``bonsai trace``); for a graph without
+it they are derived (:func:`fixed_tensors`): one parameter and one gradient per parameter-gradient
+output of the backward pass (in reverse backward order, which is the model's parameter order), and
+the rest of ``fixed_mem`` (buffers, frozen parameters, the batch) as one batch block. (The
+derivation misses gradients that are not separate outputs, such as a convolution's weight gradient
+inside ``convolution_backward``'s one node, so it under-counts the optimizer state of conv nets.) Optimizer state
+is not part of the simulator's ``fixed_mem``: with the full arena the pool holds ``capacity`` plus
+the optimizer state, and ``live`` counts it, so the budget keeps its meaning for every method.
+Still not modelled: CUDA streams (blocks are per-stream in PyTorch; one stream here), garbage
+collection thresholds and expandable segments (off by default), and the many small allocations of
+the optimizer step itself (``step`` counters, foreach temporaries).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 
@@ -51,6 +73,8 @@ MIN_LARGE_ALLOC = 10 * 2**20  # kMinLargeAlloc
 ROUND_LARGE = 2 * 2**20  # kRoundLarge: larger requests reserve their size rounded up to this
 
 Policy = Literal["caching", "arena"]
+Optimizer = Literal["adam", "sgd"]
+OPTIMIZER_STATES = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ()}  # per parameter, allocation order
 Side = Literal["left", "right"]
 
 
@@ -101,13 +125,14 @@ class Allocator:
             raise ValueError("the arena policy needs a capacity")
         self.policy: Policy = policy
         self.capacity = capacity
-        self.heads: list[Block] = []  # first block of each segment; segment i starts at addr of heads[i]
+        self.heads: list[Block | None] = []  # first block of each segment (None once released)
         self.pools: list[str] = []  # pool of each segment
         self.free_blocks: dict[str, set[Block]] = {"small": set(), "large": set(), "arena": set()}
         self.by_owner: dict[int, Block] = {}
         self.reserved = 0
         self.allocated = 0  # bytes of blocks held by owners (rounded sizes, whole unsplit blocks)
         self.high_water = 0  # highest address end ever held, relative to the first segment
+        self.pinned_bytes = 0  # bytes of fixed tensors placed in the pool (the full arena), else 0
         self._next_addr = 0
         if policy == "arena":
             arena = (capacity // MIN_BLOCK) * MIN_BLOCK
@@ -129,7 +154,7 @@ class Allocator:
     def blocks(self) -> Iterator[Block]:
         """Every block, in address order."""
         for head in self.heads:
-            b: Block | None = head
+            b: Block | None = head  # None: a released segment
             while b is not None:
                 yield b
                 b = b.next
@@ -137,6 +162,8 @@ class Allocator:
     def segments(self) -> Iterator[list[Block]]:
         """The blocks of each segment, in address order (Coop's window never crosses a segment)."""
         for head in self.heads:
+            if head is None:  # released
+                continue
             out, b = [], head
             while b is not None:
                 out.append(b)
@@ -180,9 +207,26 @@ class Allocator:
         block = self.find_block(size, side)
         if block is None:
             if not self.can_grow(size):
-                return None
+                self.release_cached()  # PyTorch's release-and-retry
+                if not self.can_grow(size):
+                    return None
             block = self._add_segment(segment_size(size), self.pool_of(size))
         return self._take(block, size, owner, side)
+
+    def release_cached(self) -> int:
+        """PyTorch's release-and-retry on OOM: give back every cached segment that holds no tensor
+        (``release_cached_blocks``, as ``empty_cache`` does); returns the bytes released. Only the
+        caching policy releases; the arena is one pool."""
+        if self.policy != "caching":
+            return 0
+        released = 0
+        for i, head in enumerate(self.heads):
+            if head is not None and head.free and head.next is None:
+                self.free_blocks[self.pools[i]].discard(head)
+                self.heads[i] = None
+                self.reserved -= head.size
+                released += head.size
+        return released
 
     def _take(self, block: Block, size: int, owner: int, side: Side) -> Block:
         pool = self.pools[block.segment]
@@ -209,7 +253,7 @@ class Allocator:
         block.owner = owner
         self.by_owner[owner] = block
         self.allocated += block.size
-        self.high_water = max(self.high_water, block.addr + block.size - self.heads[0].addr)
+        self.high_water = max(self.high_water, block.addr + block.size)
         return block
 
     def free(self, owner: int) -> None:
@@ -240,10 +284,104 @@ class Allocator:
 
 
 @dataclass(frozen=True)
-class AllocResult:
-    """Per-op allocator state of a replayed schedule (all byte counts include ``fixed_mem``).
+class FixedTensor:
+    """One tensor that lives through the whole step: ``kind`` is param, grad, batch or optimizer."""
 
-    ``live[i]``: bytes of live tensors after op i (the simulator's timeline); ``reserved[i]``: bytes
+    name: str
+    nbytes: int
+    kind: str
+
+
+def gradient_outputs(graph: Graph) -> list[tuple[int, int]]:
+    """The parameter-gradient outputs of the backward pass as (node, bytes), in the model's
+    parameter order (the reverse of the order backward computes them). A gradient that is a view
+    (a weight's ``mm(...).t()``) has its base's bytes."""
+    out = []
+    for v in graph.outputs.tolist():
+        if graph.phases[v] != "backward":
+            continue
+        base = v
+        while graph.alias_of[base] >= 0:
+            base = int(graph.alias_of[base])
+        if graph.mem[base] > 0:
+            out.append((v, int(graph.mem[base])))
+    return out[::-1]
+
+
+def fixed_tensors(graph: Graph, optimizer: Optimizer = "adam") -> list[FixedTensor]:
+    """The step's fixed tensors in allocation order: params (and buffers, constants), grads, the
+    batch, then the optimizer state (one set per gradient, in parameter order). From the graph's
+    optional ``fixed_tensors`` (written by ``bonsai trace``), else derived from its gradient outputs
+    (see the module docstring); if those do not fit twice in ``fixed_mem`` (a graph not traced by
+    this tool), ``fixed_mem`` is one batch block and there is no optimizer state."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATES)}")
+    if graph.fixed_tensors:
+        out = [FixedTensor(n, b, "batch" if k == "input" else k) for n, b, k in graph.fixed_tensors if b > 0]
+        grads = [(t.name.removesuffix(".grad"), t.nbytes) for t in out if t.kind == "grad"]
+    else:
+        grads = [(graph.names[v], b) for v, b in gradient_outputs(graph)]
+        rest = graph.fixed_mem - 2 * sum(b for _, b in grads)
+        if rest < 0:
+            return [FixedTensor("fixed_mem", graph.fixed_mem, "batch")] if graph.fixed_mem else []
+        out = [FixedTensor(f"param of {n}", b, "param") for n, b in grads]
+        out += [FixedTensor(f"grad of {n}", b, "grad") for n, b in grads]
+        if rest:
+            out.append(FixedTensor("batch, buffers, frozen params", rest, "batch"))
+    out += [FixedTensor(f"{state} of {n}", b, "optimizer") for n, b in grads for state in OPTIMIZER_STATES[optimizer]]
+    return out
+
+
+def optimizer_bytes(tensors: list[FixedTensor]) -> int:
+    return sum(t.nbytes for t in tensors if t.kind == "optimizer")
+
+
+def pin_fixed(alloc: Allocator, first_owner: int, tensors: list[FixedTensor],
+              warmup: Callable[[Allocator], None] | None = None) -> dict[int, FixedTensor]:
+    """Place the fixed tensors in ``alloc`` in a training loop's order, as owners ``first_owner``,
+    ``first_owner + 1``, ...: params, grads and the batch; then the first step (``warmup``, which
+    must free every block it takes; skipped when None, which is exact for the arena policy since a
+    finished step leaves only merged free space); then the optimizer state; then the next batch,
+    before the first one is freed. Returns owner -> tensor of the blocks left in the pool. Raises
+    BudgetError if they do not fit."""
+    held: dict[int, FixedTensor] = {}
+    owner = first_owner
+
+    def take(t: FixedTensor) -> int:
+        nonlocal owner
+        if alloc.malloc(owner, t.nbytes) is None:
+            raise BudgetError(f"The pool cannot hold the step's fixed tensors: {t.name} ({format_bytes(t.nbytes)}) "
+                              f"does not fit after {format_bytes(alloc.pinned_bytes)} of them. Raise the budget.")
+        held[owner] = t
+        alloc.pinned_bytes += t.nbytes
+        owner += 1
+        return owner - 1
+
+    batch = [t for t in tensors if t.kind == "batch"]
+    for t in tensors:
+        if t.kind != "optimizer":
+            take(t)
+    if warmup is not None:
+        warmup(alloc)
+    for t in tensors:
+        if t.kind == "optimizer":
+            take(t)
+    for t in batch:  # the next step's batch arrives before the last one is dropped
+        old = next(o for o, h in held.items() if h is t)
+        take(t)
+        alloc.free(old)
+        del held[old]
+        alloc.pinned_bytes -= t.nbytes
+    return held
+
+
+@dataclass(frozen=True)
+class AllocResult:
+    """Per-op allocator state of a replayed schedule (all byte counts include ``fixed_mem``, and with
+    ``full`` the optimizer state).
+
+    ``live[i]``: bytes of live tensors after op i (the simulator's timeline, plus the optimizer
+    state with ``full``); ``reserved[i]``: bytes
     the allocator holds after op i; ``largest_free[i]``: its largest free block after op i.
     ``fragmentation`` = 1 - live / reserved at the reserved peak (see :func:`fragmentation_at_peak`).
     """
@@ -256,10 +394,12 @@ class AllocResult:
     fragmentation: float
     policy: str = "caching"
     segments: int = 0
+    full: bool = False
 
     def stats(self) -> dict[str, Any]:
         return {"peak": self.peak, "reserved_peak": self.reserved_peak, "fragmentation": self.fragmentation,
-                "waste": self.reserved_peak - self.peak, "segments": self.segments, "allocator": self.policy}
+                "waste": self.reserved_peak - self.peak, "segments": self.segments, "allocator": self.policy,
+                "full_arena": self.full}
 
 
 def fragmentation_at_peak(live: np.ndarray, reserved: np.ndarray) -> float:
@@ -275,14 +415,97 @@ def fragmentation_at_peak(live: np.ndarray, reserved: np.ndarray) -> float:
     return float(1.0 - live[i:][on_plateau].max() / top)
 
 
+def full_arena(graph: Graph, capacity: int | None, policy: Policy = "arena", optimizer: Optimizer = "adam",
+               warmup: Callable[[Allocator], None] | None = None) -> tuple[Allocator, int]:
+    """A pool whose fixed tensors are placed as in a training loop (:func:`pin_fixed`), and the
+    optimizer-state bytes it holds beyond ``fixed_mem``. ``capacity`` is in the budget's terms
+    (``fixed_mem`` included, optimizer state not); the pool gets the optimizer state on top."""
+    tensors = fixed_tensors(graph, optimizer)
+    extra = optimizer_bytes(tensors)
+    alloc = Allocator(None if capacity is None else capacity + extra, policy)
+    pin_fixed(alloc, graph.n, tensors, warmup)
+    return alloc, extra
+
+
+def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], capacity: int | None,
+             trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0, upto: int | None = None) -> None:
+    """Apply a schedule's ops to ``alloc`` (footprint and largest free block after each op into
+    ``trace``); then the step is over and its tensors are freed. With ``upto``, stop right after op
+    ``upto`` instead, leaving the pool as it is at that moment."""
+    mem = graph.mem.tolist()
+    holds = ((graph.mem > 0) & ~graph.is_view).tolist()
+    for i, (kind, v) in enumerate(ops):
+        if kind == COMPUTE and holds[v]:
+            if alloc.malloc(v, mem[v]) is None:
+                raise BudgetError(
+                    f"The allocator runs out of its {format_bytes(capacity)} pool at op {i} (computing node {v}, "
+                    f"{graph.names[v]!r}, {format_bytes(mem[v])}): {format_bytes(alloc.footprint + outside)} "
+                    f"is in use and its largest free block is {format_bytes(alloc.largest_free)}. Replay "
+                    "without a capacity to see the reserved peak this schedule needs.")
+        elif kind == FREE and holds[v]:
+            alloc.free(v)
+        if trace is not None:
+            trace[0][i] = alloc.footprint + outside
+            trace[1][i] = alloc.largest_free
+        if i == upto:
+            return
+    for v in [o for o in alloc.by_owner if o < graph.n]:  # the step is over: its tensors go
+        alloc.free(v)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One block of the address picture: ``kind`` is a fixed tensor's kind (param, grad, batch,
+    optimizer), "activation" (a node's output: evictable) or "free"; ``addr`` is relative to the
+    pool's first byte (segments are laid end to end, one 512-B gap apart)."""
+
+    addr: int
+    size: int
+    kind: str
+    name: str
+    segment: int
+
+
+def layout_at(graph: Graph, schedule: Schedule | list[tuple[str, int]], op: int, capacity: int | None = None,
+              policy: Policy = "caching", optimizer: Optimizer = "adam") -> list[Placed]:
+    """The full arena's address space right after op ``op`` of the (steady-state) step: every
+    block, in address order, with what holds it. The placement is this model's replay (best fit,
+    lowest address), not a pool method's own. O(len(ops) * blocks)."""
+    simulate(graph, schedule)
+    ops = schedule.ops if isinstance(schedule, Schedule) else schedule
+    if not 0 <= op < len(ops):
+        raise ValueError(f"op {op} is outside the schedule's {len(ops)} ops")
+    if policy == "arena" and capacity is None:
+        raise BudgetError("The arena allocator is one pre-reserved pool: give it a capacity (a budget).")
+    tensors = fixed_tensors(graph, optimizer)
+    extra = optimizer_bytes(tensors)
+    alloc = Allocator(None if capacity is None else capacity + extra, policy)
+    held = pin_fixed(alloc, graph.n, tensors,
+                     None if policy == "arena" else (lambda a: run_step(a, graph, ops, capacity)))
+    run_step(alloc, graph, ops, capacity, upto=op)
+    start = 0  # the first segment's address
+    out = []
+    for b in alloc.blocks():
+        if b.owner < 0:
+            kind, name = "free", "free"
+        elif b.owner >= graph.n:
+            kind, name = held[b.owner].kind, held[b.owner].name
+        else:
+            kind, name = "activation", graph.names[b.owner]
+        out.append(Placed(b.addr - start, b.size, kind, name, b.segment))
+    return out
+
+
 def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: int | None = None,
-           policy: Policy = "caching") -> AllocResult:
+           policy: Policy = "caching", full: bool = True, optimizer: Optimizer = "adam") -> AllocResult:
     """Replay a schedule (validated by the simulator first) through the allocator model.
 
     ``capacity`` is the pool's size in the budget's terms (``fixed_mem`` included): with the caching
-    policy no segment may take ``reserved`` past it; the arena policy needs it. Raises BudgetError at
-    the first request that cannot be served within it, and ScheduleError for an invalid schedule.
-    O(len(ops) * blocks).
+    policy no segment may take ``reserved`` past it; the arena policy needs it. ``full`` places the
+    fixed tensors and the ``optimizer``'s state in the pool (the full arena; module docstring): the
+    schedule runs once as the first step, the optimizer state is allocated, and the second step is
+    the one measured. Raises BudgetError at the first request that cannot be served within it, and
+    ScheduleError for an invalid schedule. O(len(ops) * blocks).
     """
     sim = simulate(graph, schedule)
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
@@ -292,25 +515,21 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
                           f"({format_bytes(fixed)}); raise it.")
     if policy == "arena" and capacity is None:
         raise BudgetError("The arena allocator is one pre-reserved pool: give it a capacity (a budget).")
-    alloc = Allocator(None if capacity is None else capacity - fixed, policy)
-    mem = graph.mem.tolist()
-    holds = (graph.mem > 0) & ~graph.is_view
+    def step(alloc: Allocator, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0) -> None:
+        run_step(alloc, graph, ops, capacity, trace, outside)
+
     reserved = np.empty(len(ops), dtype=np.int64)
     largest = np.empty(len(ops), dtype=np.int64)
-    for i, (kind, v) in enumerate(ops):
-        if kind == COMPUTE and holds[v]:
-            if alloc.malloc(v, mem[v]) is None:
-                raise BudgetError(
-                    f"The allocator runs out of its {format_bytes(capacity)} pool at op {i} (computing node {v}, "
-                    f"{graph.names[v]!r}, {format_bytes(mem[v])}): {format_bytes(alloc.footprint + fixed)} is in use "
-                    f"and its largest free block is {format_bytes(alloc.largest_free)}. Replay without a capacity "
-                    "to see the reserved peak this schedule needs.")
-        elif kind == FREE and holds[v]:
-            alloc.free(v)
-        reserved[i] = alloc.footprint + fixed
-        largest[i] = alloc.largest_free
-    return AllocResult(live=sim.timeline, reserved=reserved, largest_free=largest, peak=sim.peak,
-                       reserved_peak=int(reserved.max()) if len(reserved) else fixed,
-                       fragmentation=fragmentation_at_peak(sim.timeline, reserved), policy=policy,
-                       segments=len(alloc.heads))
-
+    live = sim.timeline
+    if full:
+        alloc, extra = full_arena(graph, capacity, policy, optimizer, warmup=None if policy == "arena" else step)
+        live = sim.timeline + extra
+        step(alloc, (reserved, largest))
+    else:
+        alloc = Allocator(None if capacity is None else capacity - fixed, policy)
+        step(alloc, (reserved, largest), outside=fixed)
+    base = live[0] if len(live) else fixed
+    return AllocResult(live=live, reserved=reserved, largest_free=largest, peak=int(live.max()) if len(live) else base,
+                       reserved_peak=int(reserved.max()) if len(reserved) else int(base),
+                       fragmentation=fragmentation_at_peak(live, reserved), policy=policy,
+                       segments=sum(h is not None for h in alloc.heads), full=full)

@@ -33,6 +33,7 @@ PHASES = ("forward", "backward", "input", "param")
 # Fields every node of a graph file has; "op", "alias_of", "shape" (and fields later versions add,
 # such as "module") are optional.
 REQUIRED_FIELDS = ("id", "name", "phase", "cost", "mem", "deps")
+FIXED_KINDS = ("param", "buffer", "grad", "input", "constant")  # of the optional 'fixed_tensors' entries
 
 # Refused before any heavy work: a graph beyond these is not a training step this tool can help with
 # interactively (the op-level solvers have tighter limits of their own).
@@ -85,6 +86,7 @@ class Graph:
         deps: Sequence[Sequence[int]],
         alias_of: Iterable[int | None],
         shapes: Sequence[str] | None = None,
+        fixed_tensors: Sequence[Sequence[Any]] = (),
     ) -> None:
         n = len(names)
         if n == 0:
@@ -97,6 +99,8 @@ class Graph:
         self.ops = tuple(ops)
         self.phases = tuple(phases)
         self.shapes = tuple(shapes) if shapes is not None else ("",) * n
+        # optional: the tensors fixed_mem is made of, (name, bytes, kind) in allocation order
+        self.fixed_tensors = tuple((str(t[0]), int(t[1]), str(t[2])) for t in fixed_tensors)
         try:
             self.cost = np.asarray(list(cost), dtype=np.float64)
             self.mem = np.asarray(list(mem), dtype=np.int64)
@@ -135,10 +139,12 @@ class Graph:
     # -- construction --------------------------------------------------------------------------
 
     @classmethod
-    def from_nodes(cls, name: str, fixed_mem: int, nodes: Sequence[dict[str, Any]]) -> "Graph":
+    def from_nodes(cls, name: str, fixed_mem: int, nodes: Sequence[dict[str, Any]],
+                   fixed_tensors: Sequence[Sequence[Any]] = ()) -> "Graph":
         """Build a graph from node dicts (``name, op, phase, cost, mem, deps`` and optional
         ``alias_of``, ``shape``), listed in execution order; ids are their positions."""
         return cls(
+            fixed_tensors=fixed_tensors,
             name=name,
             fixed_mem=fixed_mem,
             names=[nd.get("name", f"n{i}") for i, nd in enumerate(nodes)],
@@ -155,6 +161,14 @@ class Graph:
         n = self.n
         if self.fixed_mem < 0:
             raise GraphError(f"fixed_mem is {self.fixed_mem}; it must be a byte count >= 0.")
+        if self.fixed_tensors:
+            bad = [t for t in self.fixed_tensors if t[1] < 0 or t[2] not in FIXED_KINDS]
+            if bad:
+                raise GraphError(f"'fixed_tensors' entry {list(bad[0])} is not [name, bytes >= 0, kind] with kind "
+                                 f"one of {', '.join(FIXED_KINDS)}.")
+            if sum(t[1] for t in self.fixed_tensors) != self.fixed_mem:
+                raise GraphError(f"'fixed_tensors' add up to {sum(t[1] for t in self.fixed_tensors)} bytes, not "
+                                 f"fixed_mem ({self.fixed_mem}); fix one of them or drop 'fixed_tensors'.")
         for v in range(n):
             where = f"Node {v} ({self.names[v]!r})"
             if self.phases[v] not in PHASES:
@@ -256,8 +270,10 @@ class Graph:
             if self.shapes[v]:
                 nd["shape"] = self.shapes[v]
             nodes.append(nd)
-        return {"format": FORMAT, "version": VERSION, "name": self.name, "fixed_mem": self.fixed_mem,
-                "nodes": nodes}
+        out = {"format": FORMAT, "version": VERSION, "name": self.name, "fixed_mem": self.fixed_mem, "nodes": nodes}
+        if self.fixed_tensors:
+            out["fixed_tensors"] = [list(t) for t in self.fixed_tensors]
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> "Graph":
@@ -311,7 +327,12 @@ class Graph:
                 raise GraphError(f"{where} lists the same dependency twice in 'deps'.")
             if alias is not None and not 0 <= parsed[-1]["alias_of"] < i:
                 raise GraphError(f"{where} has alias_of {alias}, which is not an earlier node.")
-        return cls.from_nodes(_str_field(data.get("name", "graph"), "'name'"), fixed_mem, parsed)
+        fixed_tensors = data.get("fixed_tensors", [])
+        if not isinstance(fixed_tensors, list) or not all(isinstance(t, list) and len(t) == 3 for t in fixed_tensors):
+            raise GraphError("'fixed_tensors' (optional) must be a list of [name, bytes, kind] triples.")
+        fixed_tensors = [(_str_field(t[0], "'fixed_tensors' name"), _int_field(t[1], "'fixed_tensors' bytes"),
+                          _str_field(t[2], "'fixed_tensors' kind")) for t in fixed_tensors]
+        return cls.from_nodes(_str_field(data.get("name", "graph"), "'name'"), fixed_mem, parsed, fixed_tensors)
 
 
 MAX_INT = 2**62  # bytes and ids beyond this are corrupt, not real (and overflow int64)

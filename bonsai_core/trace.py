@@ -111,10 +111,15 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
     phase = "forward"
     outputs: list[int] = []
 
+    # the tensors fixed_mem is made of, in a training loop's allocation order (graph 'fixed_tensors')
+    kind_of = {**{k: "param" for k in signature.inputs_to_parameters},
+               **{k: "buffer" for k in signature.inputs_to_buffers}}
+    fixed_tensors: list[tuple[str, int, str]] = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             ids[node] = _LEAF
             fixed += storage_bytes(node.meta.get("val"))
+            fixed_tensors.append((node.name, storage_bytes(node.meta.get("val")), kind_of.get(node.name, "input")))
             continue
         if node.op == "output":
             outputs = [ids[a] for a in tree_flatten(node.args)[0] if isinstance(a, fx.Node) and ids[a] != _LEAF]
@@ -122,6 +127,7 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
         if node.op == "get_attr":
             ids[node] = _LEAF
             fixed += storage_bytes(getattr(gm, node.target, None))
+            fixed_tensors.append((node.name, storage_bytes(getattr(gm, node.target, None)), "constant"))
             continue
         if node.target is operator.getitem:
             ids[node] = ids[node.args[0]]
@@ -154,11 +160,15 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
     for ph_name, p_name in signature.inputs_to_parameters.items():
         if p_name in grad_params:
             fixed += storage_bytes(placeholders[ph_name].meta.get("val", params.get(p_name)))
-    return _prune(name, fixed, nodes, fx_names, outputs)
+            fixed_tensors.append((f"{ph_name}.grad", storage_bytes(placeholders[ph_name].meta.get("val", params.get(p_name))),
+                                  "grad"))
+    order = {"param": 0, "buffer": 0, "constant": 0, "grad": 1, "input": 2}  # construction, zeros_like grads, batch
+    fixed_tensors.sort(key=lambda t: order[t[2]])
+    return _prune(name, fixed, nodes, fx_names, outputs, fixed_tensors)
 
 
 def _prune(name: str, fixed: int, nodes: list[dict[str, Any]], fx_names: list[str],
-           outputs: list[int]) -> tuple[Graph, list[str]]:
+           outputs: list[int], fixed_tensors: list[tuple[str, int, str]] = ()) -> tuple[Graph, list[str]]:
     """Keep the nodes some output needs, renumbered in order."""
     needed = set()
     stack = list(outputs)
@@ -175,7 +185,7 @@ def _prune(name: str, fixed: int, nodes: list[dict[str, Any]], fx_names: list[st
         nd["deps"] = [new_id[d] for d in nd["deps"]]
         nd["alias_of"] = None if nd["alias_of"] is None else new_id[nd["alias_of"]]
         kept.append(nd)
-    return Graph.from_nodes(name, fixed, kept), [fx_names[i] for i in keep]
+    return Graph.from_nodes(name, fixed, kept, fixed_tensors), [fx_names[i] for i in keep]
 
 
 def _view_base(node: fx.Node, inputs: list[fx.Node]) -> fx.Node | None:

@@ -316,3 +316,34 @@ def granularity_figure(rows: Sequence[dict], height: int = 380) -> go.Figure:
                                  mode="lines+markers", line=dict(color=colour), showlegend=False), row=1, col=2)
     fig.update_xaxes(title="granularity (max ops per segment)")
     return _style(fig, height)
+
+
+# -- the address space at one moment -----------------------------------------------------------------
+
+ADDRESS_COLOURS = {"param": "#4C78A8", "buffer": "#72B7B2", "constant": "#72B7B2", "grad": "#B279A2",
+                   "optimizer": "#9D755D", "batch": "#EECA3B", "activation": "#F58518", "free": "#E8E8E8"}
+ADDRESS_LABELS = {"param": "parameters (pinned)", "buffer": "buffers (pinned)", "constant": "constants (pinned)",
+                  "grad": "gradients (pinned)", "optimizer": "optimizer state (pinned)", "batch": "batch (pinned)",
+                  "activation": "activations (evictable)", "free": "free"}
+
+
+def address_figure(blocks: Sequence, title: str = "", height: int = 260) -> go.Figure:
+    """The allocator's address space at one moment: one horizontal bar per segment, each block an
+    address range coloured by what holds it (pinned fixed tensors, evictable activations, free).
+    ``blocks`` are :class:`bonsai_core.allocator.Placed` (addr, size, kind, name, segment). O(blocks)."""
+    fig = go.Figure()
+    segments = sorted({b.segment for b in blocks})
+    row = {s: f"segment {i}" for i, s in enumerate(segments)}
+    for kind, label in ADDRESS_LABELS.items():
+        mine = [b for b in blocks if b.kind == kind]
+        if not mine:
+            continue
+        fig.add_trace(go.Bar(
+            name=label, orientation="h", y=[row[b.segment] for b in mine], x=[b.size / MIB for b in mine],
+            base=[b.addr / MIB for b in mine], marker=dict(color=ADDRESS_COLOURS[kind], line=dict(color="white", width=0.5)),
+            customdata=[[b.name, format_bytes(b.size), b.addr / MIB] for b in mine],
+            hovertemplate="%{customdata[0]}<br>%{customdata[1]} at %{customdata[2]:.2f} MiB<extra>" + label + "</extra>"))
+    fig.update_layout(barmode="overlay", title=title or None, bargap=0.3)
+    fig.update_xaxes(title="address (MiB from the pool's start)")
+    fig.update_yaxes(autorange="reversed")
+    return _style(fig, height)

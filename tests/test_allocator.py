@@ -172,3 +172,126 @@ def test_cli_simulate_allocator_prints_reserved_peak(tmp_path, capsys):
     assert main(["simulate", "assets/gpt-default.json", str(sched), "--allocator", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["reserved_peak"] >= stats["peak"] and 0 <= stats["fragmentation"] < 1
+
+
+# -- the full arena -------------------------------------------------------------------------------
+
+def _tiny_step(param_bytes: int = 4096, batch: int = 1024) -> Graph:
+    """A forward op reading a param-less input, a loss, and two parameter-gradient outputs."""
+    nodes = [dict(name="h", op="aten.mm.default", phase="forward", cost=1.0, mem=8192, deps=[]),
+             dict(name="loss", op="f", phase="forward", cost=1.0, mem=512, deps=[0]),
+             dict(name="g1", op="g", phase="backward", cost=1.0, mem=param_bytes, deps=[0, 1]),
+             dict(name="g0", op="g", phase="backward", cost=1.0, mem=2 * param_bytes, deps=[0, 1])]
+    return Graph.from_nodes("tiny-step", 2 * 3 * param_bytes + batch, nodes)
+
+
+def test_fixed_tensors_are_derived_in_a_training_loops_order():
+    from bonsai_core.allocator import fixed_tensors, optimizer_bytes
+
+    g = _tiny_step()
+    tensors = fixed_tensors(g, "adam")
+    assert [t.kind for t in tensors] == ["param", "param", "grad", "grad", "batch"] + ["optimizer"] * 4
+    assert [t.nbytes for t in tensors[:2]] == [8192, 4096]  # parameter order: reverse of backward's
+    assert sum(t.nbytes for t in tensors if t.kind != "optimizer") == g.fixed_mem
+    assert optimizer_bytes(tensors) == 2 * (8192 + 4096)
+    assert optimizer_bytes(fixed_tensors(g, "sgd")) == 0
+
+
+def test_full_arena_leaves_the_first_batch_as_a_hole_between_pinned_tensors():
+    from bonsai_core.allocator import full_arena
+
+    g = _tiny_step()
+    alloc, extra = full_arena(g, capacity=g.fixed_mem + 64 * 1024, policy="arena")
+    layout = [(b.owner >= g.n, b.size) for b in alloc.blocks()]
+    # params + grads pinned at the bottom, the 1 KiB hole of step 1's batch, the Adam moments, the new batch
+    assert layout[:5] == [(True, 8192), (True, 4096), (True, 8192), (True, 4096), (False, 1024)]
+    assert all(pinned for pinned, _ in layout[5:10]) and extra == 2 * (8192 + 4096)
+    assert alloc.pinned_bytes == g.fixed_mem + extra
+
+
+def test_full_arena_replay_counts_the_optimizer_state_as_live_and_reserved():
+    from bonsai_core.allocator import fixed_tensors, optimizer_bytes
+
+    g = _tiny_step()
+    extra = optimizer_bytes(fixed_tensors(g))
+    plain, full = replay(g, none_schedule(g), full=False), replay(g, none_schedule(g))
+    assert full.peak == plain.peak + extra
+    assert np.array_equal(full.live, plain.live + extra) and np.all(full.reserved >= full.live)
+    arena = replay(g, none_schedule(g), capacity=g.fixed_mem + 64 * 1024, policy="arena", full=True)
+    assert arena.reserved_peak >= arena.peak
+
+
+@pytest.mark.slow
+def test_traced_graphs_list_their_fixed_tensors():
+    from bonsai_core.allocator import fixed_tensors, optimizer_bytes
+    from bonsai_core.trace import trace_zoo
+
+    g = trace_zoo("resnet", batch=2, image=16, layers=1).graph  # conv weight grads are not separate outputs
+    kinds = [k for _, _, k in g.fixed_tensors]
+    assert sum(b for _, b, _ in g.fixed_tensors) == g.fixed_mem
+    assert kinds.index("grad") > max(i for i, k in enumerate(kinds) if k == "param")  # grads after params
+    assert optimizer_bytes(fixed_tensors(g)) == 2 * sum(b for _, b, k in g.fixed_tensors if k == "grad")
+
+
+def test_fixed_tensors_field_round_trips_and_old_graphs_still_load():
+    import json
+
+    from bonsai_core.allocator import fixed_tensors
+
+    base = _tiny_step()
+    g = Graph.from_nodes(base.name, base.fixed_mem, [base.node(v).__dict__ | {"deps": list(base.node(v).deps)}
+                                                     for v in range(base.n)],
+                         [["w", 4096, "param"], ["x", 2048, "input"], ["w.grad", 4096, "grad"],
+                          ["c", base.fixed_mem - 10240, "constant"]])
+    assert [t.kind for t in fixed_tensors(g)] == ["param", "batch", "grad", "constant", "optimizer", "optimizer"]
+    data = g.to_dict()
+    assert Graph.from_dict(json.loads(json.dumps(data))).fixed_tensors == g.fixed_tensors
+    del data["fixed_tensors"]  # a graph written before the field existed
+    assert Graph.from_dict(data).fixed_tensors == ()
+    data["fixed_tensors"] = [["w", g.fixed_mem + 1, "param"]]
+    with pytest.raises(Exception, match="add up to"):
+        Graph.from_dict(data)
+
+
+def test_address_figure_draws_every_block_at_its_address_by_kind():
+    from bonsai_core.allocator import layout_at
+    from bonsai_core.graph import load_graph
+    from bonsai_core.schedule import none_schedule
+    from explorer.plots import address_figure
+
+    g = load_graph("assets/gpt-default.json")
+    s = none_schedule(g)
+    blocks = layout_at(g, s, len(s.ops) // 2)
+    fig = address_figure(blocks)
+    bars = {t.name: t for t in fig.data}
+    assert {"parameters (pinned)", "gradients (pinned)", "optimizer state (pinned)",
+            "activations (evictable)"} <= set(bars)
+    assert sum(len(t.x) for t in fig.data) == len(blocks)
+    act = [b for b in blocks if b.kind == "activation"]
+    assert list(bars["activations (evictable)"].base) == [b.addr / 2**20 for b in act]
+
+
+def test_memory_page_shows_the_address_space_at_the_chosen_op():
+    from tests.test_app import app, goto, plot_spec
+
+    at = goto(app(), "memory")
+    assert not at.error
+    spec = plot_spec(at, 1)
+    names = {t["name"] for t in spec["data"]}
+    assert {"parameters (pinned)", "optimizer state (pinned)", "activations (evictable)"} <= names
+    at.slider(key="memory_address_op").set_value(0).run()
+    assert not at.exception
+    assert "after op 0" in plot_spec(at, 1)["layout"]["title"]["text"]
+    at.radio(key="memory_address_policy").set_value("arena").run()
+    assert not at.exception
+
+
+def test_release_and_retry_frees_cached_segments_when_the_capacity_is_reached():
+    a = Allocator(capacity=24 * MiB)
+    a.malloc(0, 12 * MiB)  # its own 12 MiB segment
+    a.free(0)  # cached, holding nothing
+    assert a.reserved == 12 * MiB
+    assert a.malloc(1, 14 * MiB) is not None  # 12 + 14 > 24: the empty segment is released first
+    assert a.reserved == 14 * MiB and len(list(a.segments())) == 1
+    a.malloc(2, 4 * MiB)  # a 20 MiB segment would pass the capacity; nothing left to release
+    assert a.malloc(3, 9 * MiB) is None

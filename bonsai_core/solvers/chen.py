@@ -20,6 +20,7 @@ fits it raises BudgetError naming the smallest peak it reached.
 from __future__ import annotations
 
 import math
+import time
 from typing import Iterable, Literal, Sequence
 
 import numpy as np
@@ -29,6 +30,7 @@ from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import Schedule, simulate
+from bonsai_core.solvers.eviction import deadline_of
 
 Variant = Literal["sqrt", "greedy", "auto"]
 MAX_CANDIDATES = 48  # plans tried per variant under a budget: each costs one simulation, O(n + edges)
@@ -113,9 +115,16 @@ def candidate_plans(graph: Graph, variant: Variant) -> list[tuple[str, Checkpoin
 
 
 def solve_chen(graph: Graph, budget: int | None, *, time_limit: float | None = None,
-               variant: Variant = "auto", segments: int | None = None, **_: object) -> Schedule:
-    """√n or memory-balanced checkpointing; see the module docstring. With ``segments`` the sqrt
-    variant uses exactly that many segments whatever the budget. O(candidates * (n + edges))."""
+               variant: Variant = "auto", segments: int | None = None) -> Schedule:
+    """√n or memory-balanced checkpointing; see the module docstring.
+
+    time_limit: seconds for the whole call: past it, the best plan that fits so far (status
+    "time_limit"), or a SolverError if none does yet.
+    variant: "sqrt", "greedy" or "auto" (both) under a budget.
+    segments: with it, the sqrt variant uses exactly that many segments whatever the budget.
+
+    O(candidates * (n + edges))."""
+    deadline = deadline_of(time_limit)
     if variant not in ("sqrt", "greedy", "auto"):
         raise SolverError(f"Unknown chen variant {variant!r}; use 'sqrt', 'greedy' or 'auto'.")
     if not graph.is_forward.any():
@@ -127,18 +136,26 @@ def solve_chen(graph: Graph, budget: int | None, *, time_limit: float | None = N
         plans = candidate_plans(graph, variant)
     best: tuple[tuple[float, int], str, Schedule] | None = None
     lowest = None
+    timed_out, tried = False, 0
     for label, plan in plans:
+        if deadline is not None and time.perf_counter() > deadline:
+            timed_out = True
+            break
+        tried += 1
         schedule = plan_schedule(graph, plan, "chen")
         sim = simulate(graph, schedule)
         lowest = sim.peak if lowest is None else min(lowest, sim.peak)
         key = (sim.compute_cost, sim.peak)
         if sim.feasible(budget) and (best is None or key < best[0]):
             best = (key, label, schedule)
+    if best is None and timed_out:
+        raise SolverError(f"Chen checkpointing of {graph.name!r} found no plan within {format_bytes(budget)} in its "
+                          f"time limit of {time_limit} s: raise the time limit or the budget.")
     if best is None:
         raise BudgetError(f"Chen checkpointing cannot fit {graph.name!r} in {format_bytes(budget)}: the lowest peak "
                           f"of its {len(plans)} plans is {format_bytes(lowest)} ({lowest} bytes). Raise the budget "
                           "to at least that, or use an optimal method (bonsai, checkmate).")
     _, label, schedule = best
-    schedule.stats = {"status": "heuristic", "plan": label, "plans_tried": len(plans),
+    schedule.stats = {"status": "time_limit" if timed_out else "heuristic", "plan": label, "plans_tried": tried,
                       "segments": len(schedule.extra["segments"])}
     return schedule

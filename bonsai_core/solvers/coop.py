@@ -11,18 +11,27 @@ dynamic rematerialization *inside* the allocator, as OneFlow's DTR allocator doe
   the pool's blocks in address order keeping a window of free blocks and evictable tensors whose
   size covers the request (a pinned tensor ends the window), and evict the window of least total
   cost: one pass, two pointers. A tensor's cost is OneFlow's (``RematableTensorStorage::cost``):
-  its neighbourhood cost (``dtr``'s: rebuild cost plus the evicted regions that read it) divided by
+  its cost plus its evicted neighbourhood's (DTR's e*, ``eviction.Runtime.estar_cost``) divided by
   its staleness, with no size term since the window already covers the request;
   ``window_cost="recompute"`` uses its plain compute cost instead.
-* **cheap tensor partitioning**: tensors of low cost density (seconds per byte, below the graph's
-  median) are placed at the low end of the free block best-fit picks, the others at the high end, so
-  cheap tensors cluster next to each other and a window of cheap tensors is contiguous.
-* **recomputable in-place**: not applicable here, and not modelled. Coop's in-place trick keeps a
+* **cheap tensor partitioning**: cheap tensors are placed at the low end of the free block best-fit
+  picks, the others at the high end, so cheap tensors cluster next to each other and a window of
+  cheap tensors is contiguous. Which tensors are cheap (``partition=``): ``"op_type"`` is the
+  reference's classification (OneFlow's ``FindPiece``: outputs of conv, matmul, batched matmul and
+  add_n, and their backward kernels, are expensive); ``"cost_density"`` puts tensors whose cost per
+  byte is above the graph's median on the expensive side; ``"none"`` turns it off.
+* **the full arena** (``full_arena=True``, the default): the step's parameters, gradients, batch
+  and optimizer state sit in the same pool, in a training loop's allocation order
+  (:func:`bonsai_core.allocator.full_arena`), so windows must work around pinned blocks: the setting
+  Coop's paper is about.
+* **recomputable in-place**: not modelled. Coop's in-place trick keeps a
   tensor recomputable when an in-place op overwrites its buffer. The graphs this tool traces are
   AOTAutograd's *functionalized* joint graphs: every op writes a fresh output, there are no mutating
   ops, so every tensor is already recomputable from its inputs. (What in-place does buy on a real
   GPU, reusing a dying input's block for the output, changes addresses only, and no graph here
-  records which ops PyTorch would run in place.)
+  records which ops PyTorch would run in place; modelling the block reuse would also need an
+  in-place op kind in the schedule format, since the simulator counts an op's output and its inputs
+  as separate bytes.)
 
 The run is emitted as compute/free ops, a static schedule validated by the simulator. The pool's
 high-water mark (the bytes of the pool that placement really touched) is reported as
@@ -36,22 +45,44 @@ from typing import Callable, Literal
 
 import numpy as np
 
-from bonsai_core.allocator import Allocator, round_size
+from bonsai_core.allocator import Optimizer, round_size
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule
-from bonsai_core.solvers.dtr import Runtime, finish, with_budget_hint
+from bonsai_core.solvers.eviction import (DEALLOCATIONS, Deallocation, Runtime, TimeLimitReached, arena_pool,
+                                          deadline_of, finish, with_budget_hint)
 
 WindowCost = Literal["stale", "recompute"]
+Partition = Literal["op_type", "cost_density", "none"]
+PARTITIONS = ("op_type", "cost_density", "none")
+# OneFlow's high-compute-cost op types (dtr_ep_allocator.cpp, FindPiece), as aten names
+EXPENSIVE_OPS = ("aten.convolution.", "aten.convolution_backward.", "aten.mm.", "aten.addmm.", "aten.bmm.",
+                 "aten.baddbmm.", "aten._scaled_dot_product", "aten.add_n")
 
 
 def cost_density_sides(graph: Graph) -> Callable[[int], str]:
-    """Cheap tensor partitioning: 'left' for tensors of cost/byte below the median, else 'right'."""
+    """Cheap tensor partitioning by cost density: 'left' for tensors of cost/byte at or below the
+    median, else 'right'."""
     holds = (graph.mem > 0) & ~graph.is_view
     density = np.where(holds, graph.cost / np.maximum(graph.mem, 1), 0.0)
     median = float(np.median(density[holds])) if holds.any() else 0.0
     sides = np.where(density <= median, "left", "right")
     return lambda v: str(sides[v])
+
+
+def op_type_sides(graph: Graph) -> Callable[[int], str]:
+    """Cheap tensor partitioning by op type, as the reference does: outputs of conv / matmul-like
+    ops (and their backward kernels) 'right', everything else 'left'."""
+    sides = ["right" if op.startswith(EXPENSIVE_OPS) else "left" for op in graph.ops]
+    return lambda v: sides[v]
+
+
+def partition_sides(graph: Graph, partition: Partition) -> Callable[[int], str] | None:
+    if partition == "op_type":
+        return op_type_sides(graph)
+    if partition == "cost_density":
+        return cost_density_sides(graph)
+    return None
 
 
 def min_cost_window(sizes: list[int], costs: list[float], request: int) -> tuple[int, int, float] | None:
@@ -84,8 +115,6 @@ def coop_policy(window_cost: WindowCost = "stale") -> Callable[[Runtime, int], b
 
     def policy(rt: Runtime, v: int) -> bool:
         request = round_size(rt.mem[v])
-        labels, region_cost = rt.evicted_regions() if window_cost == "stale" else (None, None)
-        memo: dict[int, float] = {}
         best = None
         for blocks in rt.alloc.segments():
             sizes = [b.size for b in blocks]
@@ -97,7 +126,7 @@ def coop_policy(window_cost: WindowCost = "stale") -> Callable[[Runtime, int], b
                 elif not rt.evictable(t):
                     costs.append(math.inf)
                 elif window_cost == "stale":
-                    costs.append(rt.projected_cost(t, labels, region_cost, memo) / rt.staleness(t))
+                    costs.append(rt.estar_cost(t) / rt.staleness(t))
                 else:
                     costs.append(rt.cost[t])
             found = min_cost_window(sizes, costs, request)
@@ -113,24 +142,46 @@ def coop_policy(window_cost: WindowCost = "stale") -> Callable[[Runtime, int], b
 
 
 def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = None,
-               window_cost: WindowCost = "stale", partition: bool = True, budget_hint: bool = True,
-               **_: object) -> Schedule:
-    """Coop in a pool of ``budget`` bytes (``fixed_mem`` included); see the module docstring. On
-    failure, ``budget_hint`` bisects for a budget that works (8 more runs) to name it.
+               window_cost: WindowCost = "stale", partition: Partition = "op_type", full_arena: bool = True,
+               optimizer: Optimizer = "adam", deallocation: Deallocation = "free",
+               budget_hint: bool = True) -> Schedule:
+    """Coop in a pool of ``budget`` bytes (``fixed_mem`` included; with the full arena, the
+    optimizer state on top); see the module docstring.
+
+    time_limit: seconds for the whole call, the budget bisection included.
+    window_cost: "stale" (e* cost / staleness, OneFlow's) or "recompute" (plain compute cost).
+    partition: cheap tensor partitioning, "op_type" (the reference's), "cost_density" or "none".
+    full_arena: place params, grads, batch and optimizer state in the pool.
+    optimizer: whose state the full arena holds: "adam" (two moments per parameter) or "sgd" (none).
+    deallocation: when the program frees a tensor: "free" (rebuildable, outside e*), "evict" (DTR's
+        eager eviction) or "banish" (DTR's banishing); see ``eviction.py``.
+    budget_hint: on failure, bisect (up to 8 more runs) for a budget that works and name it.
+
     O(evictions * (blocks + n + edges) + len(ops)) per run."""
     if window_cost not in ("stale", "recompute"):
         raise SolverError(f"Unknown Coop window cost {window_cost!r}; use 'stale' or 'recompute'.")
+    if partition not in PARTITIONS:
+        raise SolverError(f"Unknown Coop partition {partition!r}; use one of {', '.join(PARTITIONS)}.")
+    if deallocation not in DEALLOCATIONS:
+        raise SolverError(f"Unknown deallocation {deallocation!r}; use one of {', '.join(DEALLOCATIONS)}.")
     if budget is None:
         # no pressure: nothing is ever evicted; size the pool so that the plain run fits
         budget = graph.fixed_mem + int(sum(round_size(m) for m in graph.mem.tolist() if m > 0))
     if budget <= graph.fixed_mem:
         raise BudgetError(f"A pool of {budget} bytes cannot hold {graph.name!r}'s fixed memory "
                           f"({graph.fixed_mem} bytes); raise the budget.")
-    sides = cost_density_sides(graph) if partition else None
+    deadline = deadline_of(time_limit)
+    sides = partition_sides(graph, partition)
 
     def run_once(b: int) -> Schedule:
-        rt = Runtime(graph, b, Allocator(b - graph.fixed_mem, policy="arena"), sides)
+        rt = Runtime(graph, b, arena_pool(graph, b, full_arena, optimizer), sides, deallocation, deadline)
         rt.run(coop_policy(window_cost))
-        return finish(rt, graph, "coop", {"window_cost": window_cost, "partition": partition, "allocator": "arena"})
+        return finish(rt, graph, "coop", {"window_cost": window_cost, "partition": partition, "allocator": "arena",
+                                          "full_arena": full_arena})
 
-    return with_budget_hint(graph, budget, run_once) if budget_hint else run_once(budget)
+    if not budget_hint:
+        try:
+            return run_once(budget)
+        except TimeLimitReached as e:
+            raise SolverError(f"{e} No schedule was found within it: raise the time limit or the budget.") from None
+    return with_budget_hint(graph, budget, run_once, deadline=deadline)
