@@ -121,8 +121,11 @@ def segment(graph: Graph, granularity: int | None = None,
     """Candidate segments of ``graph``: every run of whole consecutive atoms with at most
     ``granularity`` non-view forward ops, and every atom alone (default granularity: about
     2·√(non-view forward ops); values above that count mean "no bound"). ``extra``: more candidates
-    of any length, as (start, end) positions; those that are not runs of whole atoms are skipped
-    (the solver adds the segments of Chen's plans this way). O(n + edges + candidates)."""
+    of any length, as (start, end) positions (the solver adds the segments of Chen's plans this way);
+    their ends become atom boundaries too (the short runs stay runs of the atoms without them: a
+    kept piece of an atom needs no candidate of its own in the ILP). Such a cut may separate a view from its base: harmless,
+    since the base is then read from another segment and kept as a boundary
+    (:func:`bonsai_core.regions.dropped_nodes`). O(n + edges + candidates)."""
     m = op_count(graph)
     if granularity is None:
         granularity = default_granularity(graph)
@@ -131,6 +134,8 @@ def segment(graph: Graph, granularity: int | None = None,
                           "number of ops in a segment (1 = every op alone).")
     granularity = int(min(granularity, max(m, 1)))
     forward, atom_ptr = atom_boundaries(graph)
+    spans = np.asarray(sorted(set(map(tuple, extra))), dtype=np.int64).reshape(-1, 2)
+    spans = spans[(0 <= spans[:, 0]) & (spans[:, 0] < spans[:, 1]) & (spans[:, 1] <= len(forward))]
     op_ptr = np.concatenate([[0], np.cumsum(~graph.is_view[forward])]).astype(np.int64)
     k = len(atom_ptr) - 1
     # Candidate (a, b) = atoms a..b-1. For each start atom a, the ends reach as far as the op budget
@@ -147,10 +152,9 @@ def segment(graph: Graph, granularity: int | None = None,
     else:
         starts = ends = np.zeros(0, dtype=np.int64)
     starts, ends = starts.astype(np.int64), ends.astype(np.int64)
-    if len(extra):
-        spans = np.asarray(sorted(set(map(tuple, extra))), dtype=np.int64).reshape(-1, 2)
-        whole = np.isin(spans[:, 0], atom_ptr) & np.isin(spans[:, 1], atom_ptr) & (spans[:, 0] < spans[:, 1])
-        pairs = np.unique(np.concatenate([np.stack([starts, ends], 1), spans[whole]]), axis=0)
+    if len(spans):  # after the short runs, so that they stay runs of the view-respecting atoms
+        atom_ptr = np.union1d(atom_ptr, spans.ravel()).astype(np.int64)
+        pairs = np.unique(np.concatenate([np.stack([starts, ends], 1), spans]), axis=0)
         starts, ends = pairs[:, 0].copy(), pairs[:, 1].copy()  # np.unique sorts by (start, end)
     for arr in (forward, atom_ptr, starts, ends, op_ptr):
         arr.setflags(write=False)

@@ -100,13 +100,12 @@ def test_views_ride_with_their_base_and_do_not_count_towards_the_size(gpt):
     assert positions[multi].max() > 12 >= seg.sizes[multi].max()
 
 
-def test_extra_candidates_are_added_when_they_are_runs_of_whole_atoms(gpt):
+def test_extra_candidates_are_added_and_their_ends_become_atom_boundaries(gpt):
     base = segment(gpt, 3)
     m, ptr = len(base.forward), base.atom_ptr
-    whole = [(0, m), (int(ptr[1]), int(ptr[-2]))]
-    inside = np.flatnonzero(np.diff(ptr) > 1)[0]  # an atom of several ops: a cut inside it is not allowed
-    split = (int(ptr[inside]), int(ptr[inside]) + 1)
-    seg = segment(gpt, 3, whole + [split])
+    inside = int(ptr[np.flatnonzero(np.diff(ptr) > 1)[0]]) + 1  # a cut inside an atom (between a base and its view)
+    extra = [(0, m), (int(ptr[1]), inside)]
+    seg = segment(gpt, 3, extra)
     got = set(zip(seg.starts.tolist(), seg.ends.tolist()))
-    assert set(whole) <= got and split not in got and seg.count == base.count + 2
+    assert set(extra) <= got and inside in seg.atom_ptr.tolist() and seg.atoms == base.atoms + 1 and seg.count == base.count + 2
     assert (np.diff(seg.starts) >= 0).all()

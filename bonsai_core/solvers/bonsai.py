@@ -50,20 +50,40 @@ from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, solve_milp
 
 _CACHE_SIZE = 8
 _MAX_TIGHTEN = 4
-_LADDER = (1, 2, 4, 8)  # the auto granularity's rungs, in multiples of the default
+_LADDER = (1, 2, 4, 8)
+DEFAULT_GAP = 0.01  # the issue's target ("optimal, gap <= 1%"); HiGHS closes the last 0.2% slowly on GPTs  # the auto granularity's rungs, in multiples of the default
 
 
-@dataclass(frozen=True)
+@dataclass
 class Seeds:
-    """Chen's checkpoint plans of one graph, simulated: what bonsai can always fall back on."""
+    """Chen's checkpoint plans of one graph: what bonsai can always fall back on. Each plan is
+    simulated only when needed (once), cheapest first."""
 
-    spans: tuple[tuple[int, int], ...]  # their segments as (start, end) forward positions
-    plans: tuple[tuple[int, float, str, CheckpointPlan], ...]  # (peak, compute cost, label, plan)
+    spans: tuple[tuple[int, int], ...]  # their recomputed segments as (start, end) forward positions
+    plans: tuple[tuple[str, CheckpointPlan, tuple[tuple[int, int], ...]], ...]  # (label, plan, its spans)
+    peaks: dict[int, int]  # plan index -> simulated peak
 
-    def best(self, budget: int) -> tuple[int, float, str, CheckpointPlan] | None:
-        """The cheapest plan (then the lowest peak) within ``budget``."""
-        fits = [p for p in self.plans if p[0] <= budget]
-        return min(fits, key=lambda p: (p[1], p[0])) if fits else None
+    def peak(self, graph: Graph, i: int) -> int:
+        if i not in self.peaks:
+            self.peaks[i] = simulate(graph, plan_schedule(graph, self.plans[i][1], "bonsai")).peak
+        return self.peaks[i]
+
+    def best(self, graph: Graph, built: BuiltModel, budget: int, below: float = np.inf,
+             clock: "_Clock | None" = None) -> tuple[int, float, str, CheckpointPlan] | None:
+        """The cheapest plan within ``budget`` whose compute cost is below ``below``, as (peak, cost,
+        label, plan); costs come from the model's (exact) per-candidate costs, peaks from the simulator."""
+        index = {(int(a), int(b)): c for c, (a, b) in enumerate(zip(built.seg.starts, built.seg.ends))}
+        costs = [graph.total_cost + sum(float(built.coef.cost[index[sp]]) for sp in spans if sp in index)
+                 for _, _, spans in self.plans]
+        for i in sorted(range(len(self.plans)), key=costs.__getitem__):
+            if costs[i] >= below or (clock is not None and clock.out()):
+                return None
+            if self.peak(graph, i) <= budget:
+                return self.peak(graph, i), costs[i], self.plans[i][0], self.plans[i][1]
+        return None
+
+    def lowest_peak(self, graph: Graph) -> int | None:
+        return min((self.peak(graph, i) for i in range(len(self.plans))), default=None)
 
 
 _cache: "OrderedDict[tuple[str, Any], Any]" = OrderedDict()
@@ -88,14 +108,13 @@ def seeds(graph: Graph) -> Seeds:
         forward = np.flatnonzero(graph.is_forward)
         pos = np.full(graph.n, -1, dtype=np.int64)
         pos[forward] = np.arange(len(forward))
-        spans, plans = set(), []
+        plans = []
         for label, plan in candidate_plans(graph, "auto"):
-            for i in plan.recomputed:
-                members = pos[list(plan.segments[i])]
-                spans.add((int(members.min()), int(members.max()) + 1))
-            sim = simulate(graph, plan_schedule(graph, plan, "bonsai"))
-            plans.append((sim.peak, sim.compute_cost, label, plan))
-        return Seeds(spans=tuple(sorted(spans)), plans=tuple(plans))
+            spans = tuple((int(pos[list(plan.segments[i])].min()), int(pos[list(plan.segments[i])].max()) + 1)
+                          for i in sorted(plan.recomputed))
+            plans.append((label, plan, spans))
+        return Seeds(spans=tuple(sorted({sp for *_, spans in plans for sp in spans})), plans=tuple(plans),
+                     peaks={})
 
     return _cached((graph.hash, "seeds"), make)
 
@@ -121,7 +140,8 @@ def build(graph: Graph, granularity: int | None = None) -> BuiltModel:
 
 
 def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None = None,
-                 granularity: int | None = None, backend: str = DEFAULT_BACKEND) -> Schedule:
+                 granularity: int | None = None, backend: str = DEFAULT_BACKEND,
+                 gap: float = DEFAULT_GAP) -> Schedule:
     """Bonsai's segment ILP: the cheapest checkpoint plan whose modelled peak fits ``budget``.
 
     Options:
@@ -129,6 +149,8 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         granularity: the largest number of non-view ops in a short candidate segment; None: "auto",
             the smallest of a ladder of granularities whose model meets the budget.
         backend: the MILP backend, "highs" or "scip".
+        gap: the relative MIP gap at which the search stops (0.01: within 1% of the model's optimum;
+            1e-4 proves the optimum, as "optimal" means everywhere in this project).
 
     Raises BudgetError (naming the smallest budget bonsai can meet) when none fits or none was found in
     time, SolverError when the backend fails."""
@@ -139,7 +161,7 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
                           "granularity": 0, "plan_source": "ilp"}
         return schedule
     with _lock:  # the cached problems are shared (explorer sessions run in threads)
-        return _solve(graph, budget, time_limit, granularity, backend)
+        return _solve(graph, budget, time_limit, granularity, backend, gap)
 
 
 class _Clock:
@@ -155,13 +177,12 @@ class _Clock:
 
 
 def _solve(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None,
-           backend: str) -> Schedule:
+           backend: str, gap: float) -> Schedule:
     clock = _Clock(time_limit)
     plain_peak = int(_plain(graph).memory.max())
     target = int(budget) if budget is not None else plain_peak
     ladder = auto_ladder(graph) if granularity is None else [granularity]
     seed = seeds(graph)
-    fallback = seed.best(target)
     tried: list[int] = []
     found = None  # (schedule, outcome, built, rec, tightened)
     built = None
@@ -171,11 +192,12 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         cached = (graph.hash, ("model", min(gran, max(1, op_count(graph))))) in _cache
         built = build(graph, gran)
         tried.append(built.seg.granularity)
-        found = _solve_model(graph, built, target, backend, clock)
+        found = _solve_model(graph, built, target, backend, clock, gap)
         if found is not None:
             found = (*found, cached)
             break
     if found is None:
+        fallback = seed.best(graph, built, target, clock=clock) if built is not None else None
         if fallback is None:
             raise _no_plan(graph, built, target, backend, clock, seed, tried)
         return _seeded(graph, fallback, tried, clock, built)
@@ -183,7 +205,8 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
     sim = simulate(graph, schedule)
     model_peak, ilp_peak = built.predicted_peak(rec), sim.peak
     source = "ilp"
-    if fallback is not None and (fallback[1], fallback[0]) < (sim.compute_cost, sim.peak):
+    fallback = seed.best(graph, built, target, below=sim.compute_cost * (1 - 1e-9), clock=clock)
+    if fallback is not None:
         schedule, source = plan_schedule(graph, fallback[3], "bonsai"), "chen"
         sim = simulate(graph, schedule)
     schedule.stats = {
@@ -202,7 +225,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
     return schedule
 
 
-def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clock: _Clock):
+def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clock: _Clock, gap: float):
     """The ILP at ``target`` with tightening, or None when the model cannot meet it (or no time is
     left before a plan was found). Returns (schedule, outcome, built, rec, tightened)."""
     tightened, seconds = 0, 0.0
@@ -212,7 +235,7 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
         if left is not None and left <= 0:
             break
         built.budget.value = (target - tightened) / built.unit
-        outcome = solve_milp(built.problem, backend=backend, time_limit=left)
+        outcome = solve_milp(built.problem, backend=backend, time_limit=left, gap=gap)
         seconds += outcome.solve_seconds
         if outcome.status == "infeasible":
             break
@@ -244,7 +267,7 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
              tried: list[int]) -> BudgetError:
     """The error for a budget no plan was found for: the smallest budget bonsai can meet (its model's
     or a Chen plan's, whichever is lower), or that the time ran out."""
-    lowest_seed = min((p[0] for p in seed.plans), default=None)
+    lowest_seed = seed.lowest_peak(graph) if not clock.out() else None
     smallest, proven = lowest_seed, False
     left = clock.left()
     if built is not None and (left is None or left > 0):

@@ -44,8 +44,9 @@ def problem_size(problem: Any) -> tuple[int, int]:
 
 
 def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float | None = None,
-               verbose: bool = False) -> MilpOutcome:
-    """Solve ``problem`` (a CVXPY MILP) on ``backend`` within ``time_limit`` seconds."""
+               verbose: bool = False, gap: float | None = None) -> MilpOutcome:
+    """Solve ``problem`` (a CVXPY MILP) on ``backend`` within ``time_limit`` seconds, stopping at the
+    relative MIP ``gap`` (default 1e-4 on both backends)."""
     import cvxpy as cp
 
     if backend not in BACKENDS:
@@ -56,6 +57,11 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
     # SCIP's default gap limit is 0 (prove the exact optimum); HiGHS stops at a relative gap of 1e-4.
     # Give SCIP the same 1e-4, so that "optimal" means the same thing on both backends.
     options: dict[str, Any] = {} if backend == "highs" else {"scip_params": {"limits/gap": 1e-4}}
+    if gap is not None:
+        if backend == "highs":
+            options["mip_rel_gap"] = float(gap)
+        else:
+            options["scip_params"]["limits/gap"] = float(gap)
     if time_limit is not None:
         if backend == "highs":
             options["time_limit"] = float(time_limit)
