@@ -291,3 +291,15 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
         f"bonsai ({where}) found no checkpoint plan of {graph.name!r} within {format_bytes(budget)}: the smallest "
         f"budget it can guarantee is {format_bytes(smallest)} ({smallest} bytes){note}. Raise the budget to at "
         "least that, try a larger --granularity, or another method.")
+
+
+def smallest_budget(graph: Graph, granularity: int | None = None, backend: str = DEFAULT_BACKEND,
+                    time_limit: float | None = None) -> tuple[int, str]:
+    """(bytes, status): the smallest budget bonsai's model meets at ``granularity`` (None: the top of
+    the auto ladder), by the min-peak MILP; status is the MILP's ("optimal" proves it)."""
+    with _lock:
+        built = build(graph, auto_ladder(graph)[-1] if granularity is None else granularity)
+        problem, z = built.min_peak_problem()
+        outcome = solve_milp(problem, backend=backend, time_limit=time_limit)
+        return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.rec.value))), \
+            outcome.status
