@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from bonsai_core.budget import format_bytes
-from bonsai_core.errors import BudgetError
+from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import Schedule, simulate
@@ -235,7 +235,13 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
         if left is not None and left <= 0:
             break
         built.budget.value = (target - tightened) / built.unit
-        outcome = solve_milp(built.problem, backend=backend, time_limit=left, gap=gap)
+        try:
+            outcome = solve_milp(built.problem, backend=backend, time_limit=left, gap=gap)
+        except SolverError:
+            if left is None:
+                raise
+            break  # the time ran out before the backend had a plan: fall back on what else was found
+
         seconds += outcome.solve_seconds
         if outcome.status == "infeasible":
             break
