@@ -76,8 +76,10 @@ class Seeds:
         costs = [graph.total_cost + sum(float(built.coef.cost[index[sp]]) for sp in spans if sp in index)
                  for _, _, spans in self.plans]
         for i in sorted(range(len(self.plans)), key=costs.__getitem__):
-            if costs[i] >= below or (clock is not None and clock.out()):
+            if costs[i] >= below:
                 return None
+            if i not in self.peaks and clock is not None and clock.out():
+                continue  # past the time limit only plans already simulated are considered
             if self.peak(graph, i) <= budget:
                 return self.peak(graph, i), costs[i], self.plans[i][0], self.plans[i][1]
         return None
