@@ -147,7 +147,7 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile) -> Coeffi
         lo = int(seg.starts[group[-1]])
         need = {}  # forward position -> rebuilt copy's last position in the window (absent: not rebuilt)
         live = np.zeros(j - lo + 1, dtype=np.int64)  # bytes of rebuilt copies at each window position
-        save_at = np.zeros(j - lo + 2, dtype=np.int64)  # bytes whose forward copy is gone from here on
+        save_at: dict[int, int] = {}  # sequence position -> bytes whose forward copy is gone from there on
         inputs: dict[int, int] = {}  # kept node read by the rebuild -> its last reader's position
         total_cost, saved, peak, first = 0.0, 0, 0, n + 1
         gi = 0
@@ -156,7 +156,8 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile) -> Coeffi
             if keep_l[p] <= j:  # dropped
                 if rel_l[v] > j:
                     saved += mem_l[v]
-                    save_at[max(p, keep_l[p]) + 1 - lo] += mem_l[v]
+                    at = max(p, keep_l[p]) + 1
+                    save_at[at] = save_at.get(at, 0) + mem_l[v]
                 first = min(first, first_bwd_l[p])
                 last = j if has_bwd_l[p] else -1
                 for u in fwd_users[p]:
@@ -180,7 +181,7 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile) -> Coeffi
                     continue
                 out_cost[c], out_saved[c], out_peak[c] = total_cost, saved, peak
                 out_rebuild[c] = first
-                save_pos[c], save_step[c] = _staircase(save_at[p - lo:], p)
+                save_pos[c], save_step[c] = _staircase(save_at)
                 late = [d for d in inputs if rel_l[d] < first]  # alive longer than plain
                 if late:
                     out_ext[c] = sum(mem_l[d] for d in late)
@@ -198,17 +199,26 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile) -> Coeffi
                         save_step=np.concatenate(save_step) if count else np.zeros(0, dtype=np.int64))
 
 
-def _staircase(jumps: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
-    """At most SAVE_STEPS steps under the savings curve ``cumsum(jumps)`` (position ``first + i``):
-    the last non-zero jump and the largest others. Each step takes every saving up to its position,
-    so the staircase never claims a saving before it happens (conservative), and ends at the total."""
-    nz = np.flatnonzero(jumps)
-    if len(nz) > SAVE_STEPS:
-        rest = nz[:-1]
-        top = rest[np.argpartition(jumps[rest], -(SAVE_STEPS - 1))[-(SAVE_STEPS - 1):]]
-        nz = np.sort(np.append(top, nz[-1]))
-    cum = np.cumsum(jumps)[nz]
-    return nz + first, np.diff(cum, prepend=0)
+def _staircase(jumps: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """At most SAVE_STEPS steps under the savings curve (``jumps``: position -> bytes saved from there
+    on): the last jump and the largest others. Each step takes every saving up to its position, so the
+    staircase never claims a saving before it happens (conservative), and ends at the total."""
+    items = sorted(jumps.items())
+    if not items:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    keep = range(len(items))
+    if len(items) > SAVE_STEPS:
+        top = sorted(range(len(items) - 1), key=lambda i: items[i][1])[-(SAVE_STEPS - 1):]
+        keep = sorted(top) + [len(items) - 1]
+    running, total, steps, positions = 0, 0, [], []
+    chosen = set(keep)
+    for i, (pos, amount) in enumerate(items):
+        running += amount
+        if i in chosen:
+            positions.append(pos)
+            steps.append(running - total)
+            total = running
+    return np.asarray(positions, dtype=np.int64), np.asarray(steps, dtype=np.int64)
 
 
 def memory_steps(coef: Coefficients, columns: np.ndarray, m: int, points: int | None = None) -> sp.coo_matrix:
