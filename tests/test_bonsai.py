@@ -1,4 +1,3 @@
-import importlib
 import itertools
 import json
 import re
@@ -13,6 +12,7 @@ from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
 from bonsai_core.solvers import bonsai as B
+from bonsai_core.solvers.chen import candidate_plans
 from tests.graphs import chain
 
 ASSET = Path(__file__).resolve().parent.parent / "assets" / "gpt-default.json"
@@ -355,3 +355,35 @@ def test_gpt2_small_solves_to_optimality():
     for frac in (0.9, 0.7):
         s = solve(g, int(no_remat_peak(g) * frac), "bonsai", time_limit=300)
         assert s.stats["status"] == "optimal" or (s.stats["gap"] is not None and s.stats["gap"] <= 0.01)
+
+
+def test_bonsai_meets_every_budget_chen_meets_at_no_more_overhead(gpt):
+    """Chen's plans are in bonsai's space (their segments are candidates, and they are simulated as
+    seeds), so wherever one fits, bonsai fits at an overhead no higher."""
+    plain = no_remat_peak(gpt)
+    lowest = min(simulate(gpt, plan_schedule(gpt, plan, "chen")).peak
+                 for _, plan in candidate_plans(gpt, "auto"))
+    for budget in sorted({int(plain * 0.7), max(int(plain * 0.5), lowest), lowest}):
+        chen = solve(gpt, budget, "chen")
+        s = solve(gpt, budget, "bonsai")  # a BudgetError here fails the test
+        assert s.stats["peak"] <= budget
+        assert s.stats["overhead"] <= chen.stats["overhead"] + 1e-9, budget
+
+
+def test_time_limit_bounds_the_whole_call_and_says_when_nothing_was_found(gpt):
+    B._cache.clear()
+    with pytest.raises(BudgetError, match="time limit"):
+        solve(gpt, int(no_remat_peak(gpt) * 0.6), "bonsai", time_limit=1e-9)
+    s = solve(gpt, int(no_remat_peak(gpt) * 0.6), "bonsai", time_limit=60)
+    assert s.stats["status"] in ("optimal", "feasible")
+
+
+def test_stats_say_which_granularity_auto_chose_and_a_set_one_is_kept(gpt):
+    from bonsai_core.segment import default_granularity
+
+    budget = int(no_remat_peak(gpt) * 0.7)
+    auto = solve(gpt, budget, "bonsai")
+    assert auto.stats["granularity_mode"] == "auto" and auto.stats["granularity"] in B.auto_ladder(gpt)
+    assert auto.stats["granularities_tried"][0] == default_granularity(gpt)
+    fixed = solve(gpt, budget, "bonsai", granularity=7)
+    assert fixed.stats["granularity"] == 7 and fixed.stats["granularity_mode"] == "set"
