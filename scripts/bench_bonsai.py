@@ -130,7 +130,7 @@ def main() -> None:
             chen = min(simulate(g, plan_schedule(g, p, "chen")).peak for _, p in candidate_plans(g, "auto"))
             rows.append({"model": label, "sweep": "smallest", "bonsai": smallest, "bonsai_status": status,
                          "chen": chen, "lower_bound": g.peak_lower_bound, "plain_peak": plain})
-            print(f"| {label} | {smallest / plain:.1%} ({status}) | {chen / plain:.1%} | "
+            print(f"| {label} | {'-' if smallest is None else f'{smallest / plain:.1%}'} ({status}) | {chen / plain:.1%} | "
                   f"{g.peak_lower_bound / plain:.1%} |", flush=True)
 
     if not args.skip_granularity:

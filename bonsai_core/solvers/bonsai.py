@@ -280,8 +280,13 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
     left = clock.left()
     if built is not None and (left is None or left > 0):
         problem, z = built.min_peak_problem()
-        outcome = solve_milp(problem, backend=backend, time_limit=left)
-        if outcome.status != "infeasible":
+        try:
+            outcome = solve_milp(problem, backend=backend, time_limit=left)
+        except SolverError:
+            if left is None:
+                raise
+            outcome = None  # no plan before the time limit: only Chen's lowest peak is known
+        if outcome is not None and outcome.status != "infeasible":
             rec = np.round(built.rec.value)
             # The model's own peak of the plan found (exact bytes) is a budget the main problem accepts even
             # at the solvers' tolerances; and it is above the budget just refused.
@@ -302,12 +307,18 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
 
 
 def smallest_budget(graph: Graph, granularity: int | None = None, backend: str = DEFAULT_BACKEND,
-                    time_limit: float | None = None) -> tuple[int, str]:
+                    time_limit: float | None = None) -> tuple[int | None, str]:
     """(bytes, status): the smallest budget bonsai's model meets at ``granularity`` (None: the top of
-    the auto ladder), by the min-peak MILP; status is the MILP's ("optimal" proves it)."""
+    the auto ladder), by the min-peak MILP; status is the MILP's ("optimal" proves it). (None,
+    "time_limit") when the backend had no plan within ``time_limit``."""
     with _lock:
         built = build(graph, auto_ladder(graph)[-1] if granularity is None else granularity)
         problem, z = built.min_peak_problem()
-        outcome = solve_milp(problem, backend=backend, time_limit=time_limit)
+        try:
+            outcome = solve_milp(problem, backend=backend, time_limit=time_limit)
+        except SolverError:
+            if time_limit is None:
+                raise
+            return None, "time_limit"
         return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.rec.value))), \
             outcome.status
