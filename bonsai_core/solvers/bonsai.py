@@ -34,7 +34,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -186,8 +186,8 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
     ladder = auto_ladder(graph) if granularity is None else [granularity]
     seed = seeds(graph)
     tried: list[int] = []
-    found = None  # (schedule, outcome, built, rec, tightened)
-    built = None
+    found: _Found | None = None
+    built, cached = None, False
     for gran in ladder:
         if clock.out():
             break
@@ -196,16 +196,15 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         tried.append(built.seg.granularity)
         found = _solve_model(graph, built, target, backend, clock, gap)
         if found is not None:
-            found = (*found, cached)
             break
     if found is None:
         fallback = seed.best(graph, built, target, clock=clock) if built is not None else None
         if fallback is None:
             raise _no_plan(graph, built, target, backend, clock, seed, tried)
         return _seeded(graph, fallback, tried, clock, built)
-    schedule, outcome, built, rec, tightened, cached = found
+    schedule, outcome = found.schedule, found.outcome
     sim = simulate(graph, schedule)
-    model_peak, ilp_peak = built.predicted_peak(rec), sim.peak
+    model_peak, ilp_peak = built.predicted_peak(found.rec), sim.peak
     source = "ilp"
     fallback = seed.best(graph, built, target, below=sim.compute_cost * (1 - 1e-9), clock=clock)
     if fallback is not None:
@@ -219,7 +218,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         "segments": len(CheckpointPlan.from_extra(schedule.extra).segments),
         "recomputed_segments": len(CheckpointPlan.from_extra(schedule.extra).recomputed),
         "model_peak": model_peak, "model_slack": model_peak - ilp_peak,
-        "tightened_by": tightened, "plan_source": source,
+        "tightened_by": found.tightened, "plan_source": source,
     }
     if source == "chen":
         schedule.stats.update(status="feasible", gap=None, seed_plan=fallback[2],
@@ -227,9 +226,17 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
     return schedule
 
 
-def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clock: _Clock, gap: float):
+class _Found(NamedTuple):
+    schedule: Schedule
+    outcome: MilpOutcome  # its solve_seconds: all solves of the tightening together
+    rec: np.ndarray  # 0/1 over the built model's candidates
+    tightened: int  # bytes taken off the budget handed to the model
+
+
+def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clock: _Clock,
+                 gap: float) -> _Found | None:
     """The ILP at ``target`` with tightening, or None when the model cannot meet it (or no time is
-    left before a plan was found). Returns (schedule, outcome, built, rec, tightened)."""
+    left before a plan was found)."""
     tightened, seconds = 0, 0.0
     best = None
     for _attempt in range(_MAX_TIGHTEN + 1):
@@ -243,7 +250,6 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
             if left is None:
                 raise
             break  # the time ran out before the backend had a plan: fall back on what else was found
-
         seconds += outcome.solve_seconds
         if outcome.status == "infeasible":
             break
@@ -253,7 +259,7 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
         if peak <= target:
             outcome = MilpOutcome(outcome.status, outcome.objective, outcome.gap, seconds, outcome.variables,
                                   outcome.constraints)
-            best = (schedule, outcome, built, rec, tightened)
+            best = _Found(schedule, outcome, rec, tightened)
             break
         tightened += peak - target  # the model was not conservative here: ask it for the excess less
     return best
