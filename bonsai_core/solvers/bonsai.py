@@ -48,7 +48,7 @@ from bonsai_core.solvers.bonsai_coef import PlainProfile, plain_profile
 from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, solve_milp
 
-_CACHE_SIZE = 8
+_CACHE_SIZE = 24  # entries: per graph its plain profile, its seeds and one model per rung tried
 _MAX_TIGHTEN = 4
 _LADDER = (1, 2, 4, 8)
 DEFAULT_GAP = 0.01  # the target ("optimal, gap <= 1%"); HiGHS closes the last 0.2% slowly on GPTs  # the auto granularity's rungs, in multiples of the default
