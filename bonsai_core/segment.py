@@ -3,8 +3,9 @@
 The forward pass, in listed order, is cut into **atoms**: the shortest runs of consecutive forward
 ops that never separate a view from its base (a view shares its base's storage, so a checkpoint
 region that keeps one and drops the other would keep both alive anyway). A **candidate segment** is a
-run of whole consecutive atoms with at most ``granularity`` ops; an atom longer than that is still a
-candidate on its own (it cannot be split). The ILP picks a cover of the forward pass out of the
+run of whole consecutive atoms with at most ``granularity`` non-view ops (a view is free to rebuild and
+rides with its base, so it does not count); an atom longer than that is still a candidate on its own
+(it cannot be split). The ILP picks a cover of the forward pass out of the
 candidates and decides which of the picked ones to recompute.
 
 Contiguous runs in the listed (topological) order are what a checkpoint region is in
@@ -21,13 +22,16 @@ Example::
 
 Complexity: O(n + edges) for the atoms, O(candidates) for the candidates, and there are at most
 ``atoms * granularity`` candidates (fewer where atoms are long): O(n_forward * granularity).
+
+``granularity=None`` is the paper's default bound, round(2·√(non-view forward ops));
+:mod:`bonsai_core.solvers.bonsai` chooses the granularity itself ("auto") when it is not given.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -35,9 +39,14 @@ from bonsai_core.errors import SolverError
 from bonsai_core.graph import Graph
 
 
+def op_count(graph: Graph) -> int:
+    """Forward ops that count towards a segment's size: the non-view ones."""
+    return int((graph.is_forward & ~graph.is_view).sum())
+
+
 def default_granularity(graph: Graph) -> int:
-    """The paper's default bound on a segment's size: about 2·√(forward ops), at least 1."""
-    return max(1, round(2 * math.sqrt(int(graph.is_forward.sum()))))
+    """The paper's default bound on a segment's size: about 2·√(non-view forward ops), at least 1."""
+    return max(1, round(2 * math.sqrt(op_count(graph))))
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class Segmentation:
     atom_ptr: np.ndarray  # int64[atoms + 1]: atom boundaries (positions)
     starts: np.ndarray  # int64[C]
     ends: np.ndarray  # int64[C], exclusive
+    op_ptr: np.ndarray  # int64[m + 1]: non-view ops before each position (op_ptr[-1]: all of them)
 
     @property
     def count(self) -> int:
@@ -63,8 +73,8 @@ class Segmentation:
 
     @property
     def sizes(self) -> np.ndarray:
-        """int64[C]: ops in each candidate."""
-        return self.ends - self.starts
+        """int64[C]: non-view ops in each candidate (what the granularity bounds)."""
+        return self.op_ptr[self.ends] - self.op_ptr[self.starts]
 
     @property
     def atoms(self) -> int:
@@ -77,8 +87,9 @@ class Segmentation:
     def summary(self) -> dict[str, Any]:
         """What the explorer shows next to the graph."""
         sizes = self.sizes
-        return {"granularity": self.granularity, "forward_ops": len(self.forward), "atoms": self.atoms,
-                "candidates": self.count, "largest_atom": int(np.diff(self.atom_ptr).max(initial=0)),
+        return {"granularity": self.granularity, "forward_ops": len(self.forward),
+                "non_view_ops": int(self.op_ptr[-1]), "atoms": self.atoms,
+                "candidates": self.count, "largest_atom": int(np.diff(self.op_ptr[self.atom_ptr]).max(initial=0)),
                 "mean_size": float(sizes.mean()) if len(sizes) else 0.0,
                 "max_size": int(sizes.max(initial=0))}
 
@@ -105,11 +116,17 @@ def atom_boundaries(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
     return forward, cuts.astype(np.int64)
 
 
-def segment(graph: Graph, granularity: int | None = None) -> Segmentation:
+def segment(graph: Graph, granularity: int | None = None,
+            extra: Sequence[tuple[int, int]] = ()) -> Segmentation:
     """Candidate segments of ``graph``: every run of whole consecutive atoms with at most
-    ``granularity`` forward ops, and every atom alone (default granularity: about 2·√n_forward;
-    values above the number of forward ops mean "no bound"). O(n + edges + candidates)."""
-    m = int(graph.is_forward.sum())
+    ``granularity`` non-view forward ops, and every atom alone (default granularity: about
+    2·√(non-view forward ops); values above that count mean "no bound"). ``extra``: more candidates
+    of any length, as (start, end) positions (the solver adds the segments of Chen's plans this way);
+    their ends become atom boundaries too (the short runs stay runs of the atoms without them: a
+    kept piece of an atom needs no candidate of its own in the ILP). Such a cut may separate a view from its base: harmless,
+    since the base is then read from another segment and kept as a boundary
+    (:func:`bonsai_core.regions.dropped_nodes`). O(n + edges + candidates)."""
+    m = op_count(graph)
     if granularity is None:
         granularity = default_granularity(graph)
     if isinstance(granularity, bool) or not isinstance(granularity, (int, np.integer)) or granularity < 1:
@@ -117,12 +134,15 @@ def segment(graph: Graph, granularity: int | None = None) -> Segmentation:
                           "number of ops in a segment (1 = every op alone).")
     granularity = int(min(granularity, max(m, 1)))
     forward, atom_ptr = atom_boundaries(graph)
+    spans = np.asarray(sorted(set(map(tuple, extra))), dtype=np.int64).reshape(-1, 2)
+    spans = spans[(0 <= spans[:, 0]) & (spans[:, 0] < spans[:, 1]) & (spans[:, 1] <= len(forward))]
+    op_ptr = np.concatenate([[0], np.cumsum(~graph.is_view[forward])]).astype(np.int64)
     k = len(atom_ptr) - 1
     # Candidate (a, b) = atoms a..b-1. For each start atom a, the ends reach as far as the op budget
     # allows (searchsorted on the boundary positions), and at least one atom.
     if k > 0:
-        first = atom_ptr[:-1]
-        last_end = np.searchsorted(atom_ptr, first + granularity, side="right") - 1  # index into atom_ptr
+        ops_at = op_ptr[atom_ptr]  # non-view ops before each atom boundary
+        last_end = np.searchsorted(ops_at, ops_at[:-1] + granularity, side="right") - 1  # index into atom_ptr
         last_end = np.maximum(last_end, np.arange(1, k + 1))
         counts = last_end - np.arange(k)
         start_atom = np.repeat(np.arange(k), counts)
@@ -131,7 +151,12 @@ def segment(graph: Graph, granularity: int | None = None) -> Segmentation:
         starts, ends = atom_ptr[start_atom], atom_ptr[end_atom]
     else:
         starts = ends = np.zeros(0, dtype=np.int64)
-    for arr in (forward, atom_ptr, starts, ends):
+    starts, ends = starts.astype(np.int64), ends.astype(np.int64)
+    if len(spans):  # after the short runs, so that they stay runs of the view-respecting atoms
+        atom_ptr = np.union1d(atom_ptr, spans.ravel()).astype(np.int64)
+        pairs = np.unique(np.concatenate([np.stack([starts, ends], 1), spans]), axis=0)
+        starts, ends = pairs[:, 0].copy(), pairs[:, 1].copy()  # np.unique sorts by (start, end)
+    for arr in (forward, atom_ptr, starts, ends, op_ptr):
         arr.setflags(write=False)
     return Segmentation(graph_hash=graph.hash, granularity=granularity, forward=forward, atom_ptr=atom_ptr,
-                        starts=starts.astype(np.int64), ends=ends.astype(np.int64))
+                        starts=starts, ends=ends, op_ptr=op_ptr)

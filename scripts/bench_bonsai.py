@@ -1,34 +1,46 @@
-"""Measure the bonsai segment ILP: build and solve time, size, overhead and gap on traced zoo graphs,
-the effect of the granularity, and the live re-solve time after a budget change.
+"""Measure the bonsai segment ILP: solve time, size, overhead and gap on traced zoo graphs next to
+chen and dtr, the smallest budget each reaches, the effect of the granularity, and the live re-solve
+time after a budget change.
 
     PYTHONPATH=. python scripts/bench_bonsai.py -o bench-bonsai.json     # everything (many minutes)
-    PYTHONPATH=. python scripts/bench_bonsai.py --models gpt:layers=1 --skip-granularity --skip-resolve
+    PYTHONPATH=. python scripts/bench_bonsai.py --models gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8 \
+        --fractions 0.45 0.4 --skip-granularity --skip-resolve --skip-smallest
+    PYTHONPATH=. python scripts/bench_bonsai.py --models graph.json ...   # a traced graph file (no re-tracing)
 
 (``PYTHONPATH=.`` makes a worktree's ``bonsai_core`` win over an installed one.)
 
 Every schedule goes through ``bonsai_core.solvers.solve`` (so the simulator validates it); budgets are
-shares of the no-remat peak. Prints Markdown tables and writes the raw rows as JSON.
+shares of the no-remat peak. Default options for every method (bonsai: granularity "auto", gap 1%),
+except the time limit. Prints Markdown tables, the load average (the machine may be shared), and
+writes the raw rows as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import time
 from typing import Any
 
 from bonsai_core.errors import BonsaiError
+from bonsai_core.graph import load_graph
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.solvers import bonsai as B
 from bonsai_core.solvers import solve
 from bonsai_core.trace import trace_zoo
 from bonsai_core.zoo import GPT2_SMALL
 
-DEFAULT_MODELS = ["gpt:layers=1", "gpt:layers=2", "resnet", "unet", "gpt2-small"]
+GPT4 = "gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8"
+DEFAULT_MODELS = [GPT4, "resnet", "unet", "gpt2-small"]
 
 
 def load(spec: str):
-    """``name[:k=v,...]`` or ``gpt2-small`` -> (label, Graph)."""
+    """``name[:k=v,...]``, ``gpt2-small`` or a graph JSON file -> (label, Graph)."""
+    if spec.endswith(".json"):
+        g = load_graph(spec)
+        return os.path.basename(spec), g
     if spec == "gpt2-small":
         return spec, trace_zoo("gpt", **GPT2_SMALL).graph
     name, _, opts = spec.partition(":")
@@ -36,97 +48,132 @@ def load(spec: str):
     return spec, trace_zoo(name, **options).graph
 
 
-def run(graph, budget: int | None, **options: Any) -> dict[str, Any]:
+def run(graph, budget: int | None, method: str = "bonsai", **options: Any) -> dict[str, Any]:
     start = time.perf_counter()
     try:
-        s = solve(graph, budget, "bonsai", **options)
+        s = solve(graph, budget, method, **options)
     except BonsaiError as e:
-        return {"error": str(e), "wall_seconds": time.perf_counter() - start}
+        return {"error": str(e).split(":")[0], "wall_seconds": time.perf_counter() - start}
     st = s.stats
     return {k: st.get(k) for k in ("status", "gap", "variables", "constraints", "build_seconds", "solve_seconds",
                                    "candidates", "ilp_candidates", "segments", "recomputed_segments", "peak",
-                                   "overhead", "cached", "granularity", "tightened_by")} | {
-        "wall_seconds": time.perf_counter() - start}
+                                   "overhead", "cached", "granularity", "granularities_tried", "plan_source",
+                                   "model_slack", "tightened_by")} | {"wall_seconds": time.perf_counter() - start}
 
 
 def fmt(x: Any, spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
 
 
+def load_average() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=DEFAULT_MODELS)
-    ap.add_argument("--fractions", nargs="*", type=float, default=[0.9, 0.7, 0.5])
-    ap.add_argument("--backends", nargs="*", default=["highs", "scip"])
+    ap.add_argument("--fractions", nargs="*", type=float, default=[0.7, 0.5, 0.45, 0.4])
+    ap.add_argument("--backends", nargs="*", default=["highs"])
+    ap.add_argument("--compare", nargs="*", default=["chen", "dtr"])
     ap.add_argument("--time-limit", type=float, default=120.0)
-    ap.add_argument("--granularity-model", default="gpt:layers=2")
-    ap.add_argument("--granularities", nargs="*", type=int, default=[1, 5, 10, 21, 40, 80, 109])
-    ap.add_argument("--resolve-model", default="gpt:layers=4")
+    ap.add_argument("--granularity-model", default=GPT4)
+    ap.add_argument("--granularities", nargs="*", type=int, default=[5, 10, 19, 38, 76])
+    ap.add_argument("--resolve-model", default=GPT4)
     ap.add_argument("--skip-granularity", action="store_true")
     ap.add_argument("--skip-resolve", action="store_true")
+    ap.add_argument("--skip-smallest", action="store_true")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
+    print(f"load average at start: {load_average()}\n")
 
-    print("| model | nodes | fwd | budget | backend | cand. | ILP cand. | vars | cons | build s | solve s | status "
-          "| gap | peak/plain | overhead |")
-    print("|" + "---|" * 15)
+    print("| model | nodes | budget | method | granularity | ILP cand. | vars | wall s | status | gap | source "
+          "| peak/plain | overhead |")
+    print("|" + "---|" * 13)
+    graphs = {}
     for spec in args.models:
-        label, g = load(spec)
+        label, g = graphs[spec] = load(spec)
         plain = no_remat_peak(g)
         for backend in args.backends:
-            B._cache.clear()  # each backend's first row pays the build
+            B._cache.clear()  # the first row pays the build (and the import of CVXPY, once per process)
             for frac in args.fractions:
-                r = run(g, int(plain * frac), backend=backend, time_limit=args.time_limit)
-                r |= {"model": label, "nodes": g.n, "forward": int(g.is_forward.sum()), "fraction": frac,
-                      "backend": backend, "plain_peak": plain}
-                rows.append(r)
-                if "error" in r:
-                    print(f"| {label} | {g.n} | {r['forward']} | {frac:.0%} | {backend} | {r['error']} |")
-                    continue
-                print(f"| {label} | {g.n} | {r['forward']} | {frac:.0%} | {backend} | {r['candidates']} | "
-                      f"{r['ilp_candidates']} | {r['variables']} | {r['constraints']} | "
-                      f"{fmt(r['build_seconds'], '.2f')}{'' if not r['cached'] else ' (cached)'} | "
-                      f"{fmt(r['solve_seconds'], '.2f')} | {r['status']} | {fmt(r['gap'], '.2g')} | "
-                      f"{r['peak'] / plain:.3f} | {r['overhead']:.4f} |", flush=True)
+                for method in ["bonsai"] + args.compare:
+                    opts = {"backend": backend} if method == "bonsai" else {}
+                    opts["time_limit"] = args.time_limit
+                    r = run(g, int(plain * frac), method, **opts)
+                    r |= {"model": label, "nodes": g.n, "fraction": frac, "method": method, "backend": backend,
+                          "plain_peak": plain, "load": load_average()}
+                    rows.append(r)
+                    if "error" in r:
+                        print(f"| {label} | {g.n} | {frac:.0%} | {method} | {r['error']} ({r['wall_seconds']:.2f} s) |")
+                        continue
+                    print(f"| {label} | {g.n} | {frac:.0%} | {method} | {fmt(r['granularity'])} | "
+                          f"{fmt(r['ilp_candidates'])} | {fmt(r['variables'])} | {r['wall_seconds']:.2f} | "
+                          f"{r['status']} | {fmt(r['gap'], '.2g')} | {fmt(r['plan_source'])} | "
+                          f"{r['peak'] / plain:.3f} | {r['overhead']:+.2%} |", flush=True)
+    print(f"\nload average: {load_average()}")
+
+    if not args.skip_smallest:
+        print("\nSmallest budget reached (share of the no-remat peak): bonsai's model at the top of its auto "
+              "ladder (min-peak MILP), chen's lowest plan, and the per-op lower bound:\n")
+        print("| model | bonsai model (status) | chen | per-op lower bound |")
+        print("|---|---|---|---|")
+        from bonsai_core.regions import plan_schedule
+        from bonsai_core.schedule import simulate
+        from bonsai_core.solvers.chen import candidate_plans
+
+        for spec in args.models:
+            label, g = graphs[spec]
+            plain = no_remat_peak(g)
+            smallest, status = B.smallest_budget(g, time_limit=args.time_limit)
+            chen = min(simulate(g, plan_schedule(g, p, "chen")).peak for _, p in candidate_plans(g, "auto"))
+            rows.append({"model": label, "sweep": "smallest", "bonsai": smallest, "bonsai_status": status,
+                         "chen": chen, "lower_bound": g.peak_lower_bound, "plain_peak": plain})
+            print(f"| {label} | {'-' if smallest is None else f'{smallest / plain:.1%}'} ({status}) | {chen / plain:.1%} | "
+                  f"{g.peak_lower_bound / plain:.1%} |", flush=True)
 
     if not args.skip_granularity:
         label, g = load(args.granularity_model)
         plain = no_remat_peak(g)
-        print(f"\nGranularity on {label} ({g.n} nodes), budget 70% of the no-remat peak, HiGHS:\n")
-        print("| granularity | candidates | ILP cand. | vars | cons | build s | solve s | status | gap | "
-              "peak/plain | overhead |")
-        print("|" + "---|" * 11)
+        print(f"\nGranularity on {label} ({g.n} nodes), budget 45% of the no-remat peak, HiGHS:\n")
+        print("| granularity | candidates | ILP cand. | vars | cons | wall s | status | gap | peak/plain | overhead |")
+        print("|" + "---|" * 10)
         for gran in args.granularities:
             B._cache.clear()
-            r = run(g, int(plain * 0.7), granularity=gran, time_limit=args.time_limit)
-            r |= {"model": label, "sweep": "granularity", "granularity_asked": gran, "fraction": 0.7}
+            r = run(g, int(plain * 0.45), granularity=gran, time_limit=args.time_limit)
+            r |= {"model": label, "sweep": "granularity", "granularity_asked": gran, "fraction": 0.45}
             rows.append(r)
             if "error" in r:
                 print(f"| {gran} | {r['error']} |")
                 continue
             print(f"| {r['granularity']} | {r['candidates']} | {r['ilp_candidates']} | {r['variables']} | "
-                  f"{r['constraints']} | {r['build_seconds']:.2f} | {r['solve_seconds']:.2f} | {r['status']} | "
-                  f"{fmt(r['gap'], '.2g')} | {r['peak'] / plain:.3f} | {r['overhead']:.4f} |", flush=True)
+                  f"{r['constraints']} | {r['wall_seconds']:.2f} | {r['status']} | {fmt(r['gap'], '.2g')} | "
+                  f"{r['peak'] / plain:.3f} | {r['overhead']:+.2%} |", flush=True)
 
     if not args.skip_resolve:
         label, g = load(args.resolve_model)
         plain = no_remat_peak(g)
         print(f"\nLive re-solve on {label} ({g.n} nodes): one build, then budget changes:\n")
-        print("| backend | budget | cached | build s | solve s | wall s (solve + schedule + simulate) | "
-              "overhead |")
-        print("|" + "---|" * 7)
+        print("| backend | budget | cached | wall s (solve + schedule + simulate) | status | overhead |")
+        print("|" + "---|" * 6)
         for backend in args.backends:
             B._cache.clear()
-            for frac in (0.9, 0.8, 0.7, 0.75, 0.85, 0.65):
+            walls = []
+            for frac in (0.9, 0.8, 0.7, 0.75, 0.85, 0.65, 0.6, 0.55, 0.5):
                 r = run(g, int(plain * frac), backend=backend, time_limit=args.time_limit)
                 r |= {"model": label, "sweep": "resolve", "fraction": frac, "backend": backend}
                 rows.append(r)
                 if "error" in r:
                     print(f"| {backend} | {frac:.0%} | {r['error']} |")
                     continue
-                print(f"| {backend} | {frac:.0%} | {r['cached']} | {r['build_seconds']:.2f} | "
-                      f"{r['solve_seconds']:.2f} | {r['wall_seconds']:.2f} | {r['overhead']:.4f} |", flush=True)
+                if r["cached"]:
+                    walls.append(r["wall_seconds"])
+                print(f"| {backend} | {frac:.0%} | {r['cached']} | {r['wall_seconds']:.2f} | {r['status']} | "
+                      f"{r['overhead']:+.2%} |", flush=True)
+            if walls:
+                print(f"\nmedian re-solve ({backend}, cached rows): {statistics.median(walls):.2f} s; "
+                      f"load average {load_average()}")
 
     if args.output:
         with open(args.output, "w") as f:

@@ -12,6 +12,7 @@ from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
 from bonsai_core.solvers import bonsai as B
+from bonsai_core.solvers.chen import candidate_plans
 from tests.graphs import chain
 
 ASSET = Path(__file__).resolve().parent.parent / "assets" / "gpt-default.json"
@@ -66,6 +67,39 @@ def viewed_net(seed: int, n: int = 6) -> Graph:
     return Graph.from_nodes(f"viewed{seed}", 16, nodes)
 
 
+def reader_net(seed: int, n: int = 6) -> Graph:
+    """Forward ops like linear/relu/mul/add: each backward op g_i reads g_{i+1} and, by kind, f_i's
+    inputs, its output, both or neither. A backward op that reads an op's inputs but not its output
+    makes candidates whose rebuild must keep inputs alive past their plain free (ext > 0)."""
+    rng = np.random.default_rng(seed)
+    nodes, fdeps = [], []
+    for i in range(n):
+        deps = [i - 1] if i else []
+        if i >= 2 and rng.random() < 0.4:
+            deps.append(int(rng.integers(0, i - 1)))
+        fdeps.append(deps)
+        nodes.append(dict(name=f"f{i}", phase="forward", cost=float(rng.integers(1, 4)),
+                          mem=int(rng.integers(1, 5)), deps=deps))
+    for i in reversed(range(n)):
+        kind = rng.integers(4)  # 0: inputs, 1: output, 2: both, 3: neither
+        deps = ({len(nodes) - 1} if i < n - 1 else set()) | (set(fdeps[i]) if kind in (0, 2) else set()) | \
+            ({i} if kind in (1, 2) else set())
+        nodes.append(dict(name=f"g{i}", phase="backward", cost=float(rng.integers(1, 4)),
+                          mem=int(rng.integers(1, 5)), deps=sorted(deps)))
+    return Graph.from_nodes(f"reader{seed}", 0, nodes)
+
+
+MUL8 = {"format": "bonsai-graph", "version": 1, "name": "mul8", "fixed_mem": 0, "nodes": [
+    {"id": 0, "name": "a", "phase": "forward", "cost": 1, "mem": 2, "deps": []},
+    {"id": 1, "name": "b1", "phase": "forward", "cost": 1, "mem": 1, "deps": [0]},
+    {"id": 2, "name": "b2", "phase": "forward", "cost": 1, "mem": 1, "deps": [1]},
+    {"id": 3, "name": "c", "phase": "forward", "cost": 1, "mem": 1, "deps": [0, 2]},
+    {"id": 4, "name": "g_c", "phase": "backward", "cost": 1, "mem": 1, "deps": [0, 2]},
+    {"id": 5, "name": "g_b2", "phase": "backward", "cost": 1, "mem": 1, "deps": [1, 4]},
+    {"id": 6, "name": "g_b1", "phase": "backward", "cost": 1, "mem": 1, "deps": [1, 5]},
+    {"id": 7, "name": "g_a", "phase": "backward", "cost": 1, "mem": 1, "deps": [6]}]}
+
+
 def all_plans(graph: Graph):
     """Every checkpoint plan that keeps views with their bases: each split of the forward pass into
     contiguous segments at allowed cuts, with each subset of the segments recomputed."""
@@ -84,11 +118,67 @@ def all_plans(graph: Graph):
 
 def brute_force(graph: Graph) -> list[tuple[int, float]]:
     """(simulated peak, compute cost) of every checkpoint plan."""
+    return [p[:2] for p in brute_force_plans(graph)]
+
+
+def brute_force_plans(graph: Graph) -> list[tuple[int, float, CheckpointPlan]]:
     out = []
     for plan in all_plans(graph):
         sim = simulate(graph, plan_schedule(graph, plan, "brute"))
-        out.append((sim.peak, sim.compute_cost))
+        out.append((sim.peak, sim.compute_cost, plan))
     return out
+
+
+def modelled_peak(built, plan: CheckpointPlan) -> int:
+    """The segment model's peak of any plan whose recomputed segments are candidates (pruned or not),
+    computed from the coefficients directly (independent of which candidates the ILP keeps)."""
+    from bonsai_core.solvers.bonsai_coef import memory_steps
+
+    seg = built.seg
+    pos = {int(v): i for i, v in enumerate(seg.forward)}
+    index = {(int(a), int(b)): c for c, (a, b) in enumerate(zip(seg.starts, seg.ends))}
+    cols = [index[(min(pos[v] for v in plan.segments[i]), max(pos[v] for v in plan.segments[i]) + 1)]
+            for i in sorted(plan.recomputed)]
+    memory = built.plain.memory
+    steps = memory_steps(built.coef, np.asarray(cols, dtype=np.int64), len(seg.forward), points=len(memory))
+    return int((memory + np.cumsum(np.asarray(steps.sum(axis=1)).ravel())).max())
+
+
+@pytest.mark.parametrize("graph", [Graph.from_dict(MUL8)] + [reader_net(s, n) for s, n in ((0, 7), (1, 6), (3, 7), (4, 5), (7, 7), (11, 6))],
+                         ids=lambda g: g.name)
+def test_pruning_is_exact_in_the_model_when_rebuilds_keep_inputs_alive(graph):
+    """Graphs with ext > 0 on many candidates: at every budget, the ILP's optimum equals the cheapest
+    plan whose *modelled* peak fits (so pruning lost nothing), the result never costs less than the
+    true optimum nor peaks over the budget, and it is the true optimum wherever the model is exact."""
+    m = int(graph.is_forward.sum())
+    built = B.build(graph, m)
+    plans = [(p, c, modelled_peak(built, plan)) for p, c, plan in brute_force_plans(graph)]
+    assert any(built.coef.ext[c] > 0 for c in range(built.seg.count))
+    for budget in sorted({p for p, _, _ in plans} | {q for _, _, q in plans}):
+        true_best = min((c for p, c, _ in plans if p <= budget), default=None)
+        model_best = min((c for _, c, q in plans if q <= budget), default=None)
+        if true_best is None:
+            continue
+        schedule = solve(graph, budget, "bonsai", granularity=m)
+        st = schedule.stats
+        assert st["peak"] <= budget and st["compute_cost"] >= true_best - 1e-9
+        if model_best is not None:  # the ILP's own optimum, whichever plan was returned
+            ilp = st["objective"] if st["plan_source"] == "ilp" else st["ilp_overhead"]
+            assert graph.total_cost * (1 + ilp) == pytest.approx(model_best), budget
+            assert st["compute_cost"] <= model_best + 1e-9
+        if all(q == p for p, _, q in plans if p <= budget):
+            assert st["compute_cost"] == pytest.approx(true_best), budget
+
+
+def test_mul8_meets_budget_4_at_the_optimum():
+    """The issue's smallest case: recomputing b1, b2 (with a, their segment's boundary) fits 4 bytes
+    at cost 9; the old `saved > ext` rule pruned it and claimed 5 bytes were needed."""
+    g = Graph.from_dict(MUL8)
+    s = solve(g, 4, "bonsai")
+    assert s.stats["peak"] <= 4 and s.stats["compute_cost"] == pytest.approx(9)
+    plan = CheckpointPlan.from_extra(s.extra)
+    rebuilt = {v for i in plan.recomputed for v in plan.segments[i]}
+    assert {1, 2} <= rebuilt and 3 not in rebuilt
 
 
 @pytest.mark.parametrize("graph", [chain(5), chain(6, mem=8), random_net(0), random_net(1), random_net(2),
@@ -107,20 +197,39 @@ def test_bonsai_matches_brute_force_over_all_checkpoint_plans(graph):
 
 
 @pytest.mark.parametrize("granularity", range(1, 7))
-def test_every_granularity_gives_a_feasible_plan_and_finer_never_wins(granularity):
+def test_every_granularity_meets_every_budget_its_candidates_meet_and_finer_never_wins(granularity):
+    """At each budget some checkpoint plan meets, bonsai at a set granularity must meet it whenever a
+    plan made of that granularity's candidates (or a Chen plan) does, and at the optimum of those
+    plans (the model is exact on chains); the coarser granularity never costs more."""
     g = chain(6)
-    budget = 50
-    costs = []
-    for gr in (granularity, 6):
-        try:
-            s = solve(g, budget, "bonsai", granularity=gr)
-        except BudgetError:
-            costs.append(np.inf)
+    plans = brute_force_plans(g)
+    built = B.build(g, granularity)
+    spans = set(zip(built.seg.starts.tolist(), built.seg.ends.tolist()))
+    pos = {int(v): i for i, v in enumerate(built.seg.forward)}
+
+    def expressible(plan):
+        return all((min(pos[v] for v in plan.segments[i]), max(pos[v] for v in plan.segments[i]) + 1) in spans
+                   for i in plan.recomputed)
+
+    for budget in sorted({p for p, _, _ in plans}):
+        best = min((c for p, c, plan in plans if p <= budget and expressible(plan)), default=None)
+        if best is None:
             continue
-        assert s.stats["peak"] <= budget and s.stats["granularity"] == gr
-        assert all(len(seg) <= gr for seg in s.extra["segments"])
-        costs.append(s.stats["compute_cost"])
-    assert costs[1] <= costs[0]  # more candidates never cost more
+        s = solve(g, budget, "bonsai", granularity=granularity)  # a BudgetError here fails the test
+        assert s.stats["peak"] <= budget and s.stats["granularity"] == granularity
+        assert s.stats["compute_cost"] == pytest.approx(best), budget
+        coarse = solve(g, budget, "bonsai", granularity=6)
+        assert coarse.stats["compute_cost"] <= s.stats["compute_cost"] + 1e-9
+
+
+@pytest.mark.parametrize("graph", [chain(6), random_net(1), reader_net(2, n=6), viewed_net(0)], ids=lambda g: g.name)
+def test_auto_granularity_meets_every_budget_a_checkpoint_plan_meets_on_small_graphs(graph):
+    plans = brute_force(graph)
+    for budget in sorted({p for p, _ in plans}):
+        s = solve(graph, budget, "bonsai")  # a BudgetError here fails the test
+        assert s.stats["peak"] <= budget and s.stats["granularity_mode"] == "auto"
+        assert s.stats["compute_cost"] <= min(c for p, c in plans if p <= budget) * 1.0 + 1e-9 or \
+            s.stats["model_slack"] > 0
 
 
 @pytest.mark.parametrize("name", ["resnet", "unet", "vgg", "mlp"])
@@ -147,19 +256,23 @@ def test_model_bounds_the_simulated_peak_of_every_plan_it_can_express(gpt):
     for granularity in (None, 5, 60):
         built = B.build(gpt, granularity)
         starts, ends = built.seg.starts[built.candidates], built.seg.ends[built.candidates]
-        worth = built.coef.worth[built.candidates]
+        atoms = built.seg.atom_ptr
         exact = 0
         for _ in range(25):
-            select, product = np.zeros(len(starts)), np.zeros(len(starts))
+            rec = np.zeros(len(starts))
             pos = 0
             while pos < len(built.seg.forward):
-                c = rng.choice(np.flatnonzero(starts == pos))
-                select[c] = 1
-                product[c] = worth[c] and rng.random() < 0.6
-                pos = ends[c]
-            plan = built.plan(select, product)
+                options = np.flatnonzero(starts == pos)
+                if len(options) and rng.random() < 0.6:
+                    c = rng.choice(options)
+                    rec[c] = 1
+                    pos = ends[c]
+                else:  # keep the atom
+                    pos = atoms[np.searchsorted(atoms, pos, side="right")]
+            plan = built.plan(rec)
+            assert built.rec_of(plan) is not None and (built.rec_of(plan) == rec).all()
             sim = simulate(gpt, plan_schedule(gpt, plan, "bonsai")).peak
-            predicted = built.predicted_peak(product)
+            predicted = built.predicted_peak(rec)
             assert predicted >= sim
             exact += predicted == sim
         assert exact >= 20
@@ -202,7 +315,7 @@ def test_both_backends_agree_and_report_their_stats(gpt, backend):
                 "candidates", "ilp_candidates"):
         assert key in st
     assert st["status"] == "optimal" and st["backend"] == backend
-    assert st["variables"] >= 3 * st["ilp_candidates"]
+    assert st["variables"] >= st["ilp_candidates"]
     other = solve(gpt, budget, "bonsai", backend="scip" if backend == "highs" else "highs", time_limit=60)
     assert st["compute_cost"] == pytest.approx(other.stats["compute_cost"], rel=1e-4)
 
@@ -238,7 +351,39 @@ def test_gpt2_small_solves_to_optimality():
     from bonsai_core.zoo import GPT2_SMALL
 
     g = trace_zoo("gpt", **GPT2_SMALL).graph
-    # HiGHS proves 90% in seconds but stalls proving 70% (docs/BONSAI.md); SCIP proves it.
-    for frac, backend in ((0.9, "highs"), (0.7, "scip")):
-        s = solve(g, int(no_remat_peak(g) * frac), "bonsai", backend=backend, time_limit=120)
-        assert s.stats["status"] == "optimal"  # solve times are measured in docs/BONSAI.md, not asserted
+    # Default options (HiGHS, gap 1%): within 1% of the model's optimum; times are in docs/BONSAI.md.
+    for frac in (0.9, 0.7):
+        s = solve(g, int(no_remat_peak(g) * frac), "bonsai", time_limit=300)
+        assert s.stats["status"] == "optimal" or (s.stats["gap"] is not None and s.stats["gap"] <= 0.01)
+
+
+def test_bonsai_meets_every_budget_chen_meets_at_no_more_overhead(gpt):
+    """Chen's plans are in bonsai's space (their segments are candidates, and they are simulated as
+    seeds), so wherever one fits, bonsai fits at an overhead no higher."""
+    plain = no_remat_peak(gpt)
+    lowest = min(simulate(gpt, plan_schedule(gpt, plan, "chen")).peak
+                 for _, plan in candidate_plans(gpt, "auto"))
+    for budget in sorted({int(plain * 0.7), max(int(plain * 0.5), lowest), lowest}):
+        chen = solve(gpt, budget, "chen")
+        s = solve(gpt, budget, "bonsai")  # a BudgetError here fails the test
+        assert s.stats["peak"] <= budget
+        assert s.stats["overhead"] <= chen.stats["overhead"] + 1e-9, budget
+
+
+def test_time_limit_bounds_the_whole_call_and_says_when_nothing_was_found(gpt):
+    B._cache.clear()
+    with pytest.raises(BudgetError, match="time limit"):
+        solve(gpt, int(no_remat_peak(gpt) * 0.6), "bonsai", time_limit=1e-9)
+    s = solve(gpt, int(no_remat_peak(gpt) * 0.6), "bonsai", time_limit=60)
+    assert s.stats["status"] in ("optimal", "feasible")
+
+
+def test_stats_say_which_granularity_auto_chose_and_a_set_one_is_kept(gpt):
+    from bonsai_core.segment import default_granularity
+
+    budget = int(no_remat_peak(gpt) * 0.7)
+    auto = solve(gpt, budget, "bonsai")
+    assert auto.stats["granularity_mode"] == "auto" and auto.stats["granularity"] in B.auto_ladder(gpt)
+    assert auto.stats["granularities_tried"][0] == default_granularity(gpt)
+    fixed = solve(gpt, budget, "bonsai", granularity=7)
+    assert fixed.stats["granularity"] == 7 and fixed.stats["granularity_mode"] == "set"

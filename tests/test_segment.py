@@ -7,7 +7,7 @@ import pytest
 
 from bonsai_core.errors import SolverError
 from bonsai_core.graph import Graph
-from bonsai_core.segment import default_granularity, segment
+from bonsai_core.segment import default_granularity, op_count, segment
 from tests.graphs import chain
 
 ASSET = Path(__file__).resolve().parent.parent / "assets" / "gpt-default.json"
@@ -64,7 +64,7 @@ def test_granularity_one_gives_the_atoms_and_no_bound_gives_every_run(gpt):
     atoms = segment(gpt, 1)
     assert atoms.count == atoms.atoms
     every = segment(gpt, 10_000)
-    assert every.granularity == int(gpt.is_forward.sum())
+    assert every.granularity == op_count(gpt) < int(gpt.is_forward.sum())  # views do not count
     assert every.count == atoms.atoms * (atoms.atoms + 1) // 2
 
 
@@ -74,8 +74,8 @@ def test_candidate_count_grows_at_most_linearly_with_granularity(gpt):
         assert seg.count <= seg.atoms * g
 
 
-def test_default_granularity_is_about_twice_the_root_of_the_forward_ops(gpt):
-    m = int(gpt.is_forward.sum())
+def test_default_granularity_is_about_twice_the_root_of_the_non_view_forward_ops(gpt):
+    m = int((gpt.is_forward & ~gpt.is_view).sum())
     assert default_granularity(gpt) == round(2 * math.sqrt(m))
     assert segment(gpt).granularity == default_granularity(gpt)
 
@@ -90,3 +90,22 @@ def test_summary_reports_what_the_explorer_shows(gpt):
     s = segment(gpt, 10).summary()
     assert s["candidates"] > s["atoms"] > 0 and s["forward_ops"] == int(gpt.is_forward.sum())
     assert s["max_size"] <= max(10, s["largest_atom"])
+
+
+def test_views_ride_with_their_base_and_do_not_count_towards_the_size(gpt):
+    seg = segment(gpt, 12)
+    positions = seg.ends - seg.starts
+    assert (seg.sizes <= positions).all() and (seg.sizes < positions).any()
+    multi = np.searchsorted(seg.atom_ptr, seg.ends) - np.searchsorted(seg.atom_ptr, seg.starts) > 1
+    assert positions[multi].max() > 12 >= seg.sizes[multi].max()
+
+
+def test_extra_candidates_are_added_and_their_ends_become_atom_boundaries(gpt):
+    base = segment(gpt, 3)
+    m, ptr = len(base.forward), base.atom_ptr
+    inside = int(ptr[np.flatnonzero(np.diff(ptr) > 1)[0]]) + 1  # a cut inside an atom (between a base and its view)
+    extra = [(0, m), (int(ptr[1]), inside)]
+    seg = segment(gpt, 3, extra)
+    got = set(zip(seg.starts.tolist(), seg.ends.tolist()))
+    assert set(extra) <= got and inside in seg.atom_ptr.tolist() and seg.atoms == base.atoms + 1 and seg.count == base.count + 2
+    assert (np.diff(seg.starts) >= 0).all()

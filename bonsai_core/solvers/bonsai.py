@@ -1,54 +1,31 @@
-"""The ``bonsai`` method: Bonsai's segment ILP (OOPSLA 2026) in CVXPY.
+"""The ``bonsai`` method: Bonsai's segment ILP (OOPSLA 2026), the solve entry and its cache.
 
-The forward pass is cut into candidate segments (:mod:`bonsai_core.segment`); the ILP picks a
-cover of the forward pass out of them and decides which picked segments to recompute. Its schedule
-space is exactly :class:`bonsai_core.regions.CheckpointPlan`: a recomputed segment keeps its
-boundary, drops the rest after the forward pass and is rebuilt once right before the first
-backward node that reads a dropped node.
+The forward pass is cut into candidate segments (:mod:`bonsai_core.segment`); the ILP
+(:mod:`bonsai_core.solvers.bonsai_model`, coefficients from :mod:`bonsai_core.solvers.bonsai_coef`)
+picks a cover of the forward pass out of them and which of them to recompute. Its schedule space is
+exactly :class:`bonsai_core.regions.CheckpointPlan`: a recomputed segment keeps its boundary, drops
+the rest after the forward pass and is rebuilt once right before the first backward node that reads
+a dropped node.
 
-**Variables** (per ILP candidate ``s``): ``select[s]``, ``recompute[s]`` and their product
-``y[s] = select[s] * recompute[s]`` (linearised: ``y <= select``, ``y <= recompute``,
-``y >= select + recompute - 1``); plus one continuous ``delta[k]`` per interval of the memory axis
-on which the recomputed segments change the memory (below).
+**Candidates.** Every run of whole atoms with at most ``granularity`` non-view ops, plus every segment
+of Chen's checkpoint plans (:func:`bonsai_core.solvers.chen.candidate_plans`, any length): so Chen's
+plans are in the model's space at every granularity.
 
-**Cover.** Candidates are runs of consecutive atoms, so "every forward op in exactly one selected
-segment" is a path from the first cut to the last: at every atom boundary, the selected segments
-ending there equal those starting there (a flow: 2 non-zeros per candidate instead of one per op).
+**Granularity "auto"** (``granularity=None``, the default): the ladder d, 2d, 4d, 8d (d = round(2·√(non-view
+forward ops)), capped at their count); the smallest rung whose model meets the budget is solved (the
+built problems are cached, so a later budget reuses them). A set ``granularity`` solves that one.
 
-**Memory.** The memory axis has one point per forward step and two per backward node ``b``: "the
-rebuilds right before b" and "b computed". ``P[k]`` is the memory of the plan with nothing
-recomputed at point k (measured with the simulator). Every node's lifetime in a plan depends only
-on its own segment (dropped or kept) and on the rebuilds that read it, so the memory of any plan is
-``P[k] + sum_s y[s] * D[s, k]`` up to the conservative bounds below, where ``D[s]`` is a step
-function with a handful of steps:
+**Seeds.** Chen's plans are also simulated (exactly, once per graph); the cheapest that fits the budget
+is returned instead of the ILP's plan when it is cheaper or the ILP found none. The model is
+conservative (it may overestimate a plan's peak), so this keeps bonsai at or below chen wherever a
+Chen plan fits (``stats["plan_source"]`` says which won).
 
-* from the first point where a rebuild input of s (a kept node it reads) would be freed in the plain
-  schedule: ``+ext[s]``, the bytes of those inputs, which must now stay alive until the rebuild;
-* at up to ``_SAVE_STEPS`` points inside and right after the segment, as the forward copies of
-  dropped nodes are freed: minus the savings so far (a staircase under the savings curve; in total
-  ``saved[s]``, the dropped nodes the plain schedule would keep for the backward pass);
-* at "rebuilds before r[s]" (r[s]: the first backward reader of a dropped node): ``peak[s]`` replaces
-  ``ext[s]``: the most bytes of rebuilt copies and kept inputs alive at once during the rebuild;
-* from "r[s] computed" on: 0 again (rebuilt copies live exactly as long as plain ones).
+**The simulator judges**: the ILP's plan is simulated; should its peak ever exceed the budget, the
+budget given to the model is tightened by the excess and the ILP re-solved (``stats["tightened_by"]``).
 
-So ``delta = cumsum(G @ y)`` over the event points (``G``: the step heights, at most
-``_SAVE_STEPS + 3`` non-zeros per candidate), and ``delta[k] + max(P over interval k) <= budget``:
-one constraint per interval, which covers every point where a peak can occur. Conservative where it
-is not exact: savings inside the segment are a staircase, inputs are counted alive from the earliest
-of their plain frees, rebuild peaks of segments rebuilt before the same node are added, and two
-rebuilds reading the same input both count it. The simulator judges the result; should the simulated
-peak ever exceed the budget, the budget given to the model is tightened by the excess and the ILP
-re-solved (``stats["tightened_by"]``).
-
-A candidate is worth recomputing only if what it saves exceeds the inputs it must keep
-(``saved > ext``, the paper's rule); multi-atom candidates that are not worth it are dropped from
-the ILP (a kept segment changes nothing, so single atoms cover for them).
-
-**Objective**: the recomputation time, ``sum cost[s] * y[s]`` with ``cost[s]`` the cost of the nodes
-actually rebuilt, divided by the graph's total cost: the objective is the predicted overhead.
-
-**Re-solve**: the built problem is cached per (graph hash, granularity) with the budget a
-``cp.Parameter``, so a budget change skips canonicalisation.
+**Time limit**: ``time_limit`` bounds the whole call (the seeds, every rung's build and MILP solve, the
+tightening and the smallest-budget search). Past it: the best valid plan found so far (``status``
+"feasible" with the MILP's gap) or a BudgetError saying none was found.
 """
 
 from __future__ import annotations
@@ -57,411 +34,297 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
-import scipy.sparse as sp
 
 from bonsai_core.budget import format_bytes
-from bonsai_core.errors import BudgetError
+from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import Schedule, simulate
-from bonsai_core.segment import Segmentation, segment
-from bonsai_core.solvers.milp import DEFAULT_BACKEND, solve_milp
+from bonsai_core.segment import default_granularity, op_count, segment
+from bonsai_core.solvers.bonsai_coef import PlainProfile, plain_profile
+from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
+from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, solve_milp
 
-# The model counts memory in units of a thousandth of the plain peak: raw byte counts near 1e10 (or near
-# 1e1 on toy graphs) would strain the solvers' tolerances, and 1e-7 of a unit is under a byte up to 10 GB.
-_UNITS_PER_PEAK = 1000.0
-_CACHE_SIZE = 8
+_CACHE_SIZE = 24  # entries: per graph its plain profile, its seeds and one model per rung tried
 _MAX_TIGHTEN = 4
-_SAVE_STEPS = 4  # steps of a segment's savings curve the ILP sees (more: tighter model, more non-zeros)
+_LADDER = (1, 2, 4, 8)
+DEFAULT_GAP = 0.01  # the issue's target ("optimal, gap <= 1%"); HiGHS closes the last 0.2% slowly on GPTs  # the auto granularity's rungs, in multiples of the default
 
-
-# -- per-candidate coefficients ------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Coefficients:
-    """What each candidate segment does when recomputed (arrays over the segmentation's candidates)."""
-
-    cost: np.ndarray  # float64: seconds of the nodes rebuilt
-    saved: np.ndarray  # int64: dropped bytes the plain schedule keeps past the segment
-    ext: np.ndarray  # int64: kept inputs of the rebuild the plain schedule frees before it
-    ext_start: np.ndarray  # int64: sequence position from which ext counts
-    peak: np.ndarray  # int64: most bytes of rebuilt copies and late inputs alive during the rebuild
-    rebuild_at: np.ndarray  # int64: sequence position of the backward node the rebuild precedes (-1: none)
-    # The savings as a staircase over the segment's own forward steps (CSR over candidates): from
-    # sequence position save_pos[k] on, save_step[k] more bytes are saved. At most _SAVE_STEPS steps;
-    # the last is at the latest point where a dropped node's forward copy is freed.
-    save_ptr: np.ndarray
-    save_pos: np.ndarray
-    save_step: np.ndarray
-
-    @property
-    def worth(self) -> np.ndarray:
-        """bool: recomputing saves more than it keeps (the paper's rule)."""
-        return (self.rebuild_at >= 0) & (self.saved > self.ext)
-
-
-@dataclass(frozen=True)
-class PlainProfile:
-    """The plain plan (nothing recomputed) on the sequence order: forward nodes, then the rest."""
-
-    order: np.ndarray  # int64[n]: node id at each sequence position
-    seq_pos: np.ndarray  # int64[n]: sequence position of each node
-    release: np.ndarray  # int64[n]: sequence position after whose compute the node is freed (n: never)
-    memory: np.ndarray  # int64[T]: memory at each point of the memory axis
-
-
-def plain_profile(graph: Graph) -> PlainProfile:
-    """Simulate the plan with nothing recomputed and read off lifetimes and the memory axis.
-    Points: forward step t -> t; backward (sequence position q >= m) -> 2q - m (its rebuilds) and
-    2q - m + 1 (its compute). O(n + edges)."""
-    forward = np.flatnonzero(graph.is_forward)
-    order = np.concatenate([forward, np.flatnonzero(~graph.is_forward)]).astype(np.int64)
-    seq_pos = np.empty(graph.n, dtype=np.int64)
-    seq_pos[order] = np.arange(graph.n)
-    plan = CheckpointPlan.of([forward.tolist()] if len(forward) else [])
-    schedule = plan_schedule(graph, plan, "bonsai")
-    sim = simulate(graph, schedule)
-    kinds = np.array([k == "compute" for k, _ in schedule.ops])
-    step = np.cumsum(kinds) - 1  # sequence position of the latest compute at each op
-    release = np.full(graph.n, graph.n, dtype=np.int64)
-    frees = np.flatnonzero(~kinds)
-    release[[schedule.ops[i][1] for i in frees]] = step[frees]
-    at_compute = sim.timeline[kinds]  # memory at each compute step, in sequence order
-    m = len(forward)
-    backward_mem = at_compute[m:]
-    memory = np.empty(m + 2 * (graph.n - m), dtype=np.int64)
-    memory[:m] = at_compute[:m]
-    memory[m::2] = backward_mem - graph.mem[order[m:]]  # before b's output exists
-    memory[m + 1::2] = backward_mem
-    return PlainProfile(order=order, seq_pos=seq_pos, release=release, memory=memory)
-
-
-def point_of(q: np.ndarray | int, m: int, rebuild: bool = False) -> np.ndarray | int:
-    """Memory-axis point of sequence position q: a forward step, or a backward node's compute (or,
-    with ``rebuild``, the rebuilds before it)."""
-    q = np.asarray(q)
-    out = np.where(q < m, q, 2 * q - m + (0 if rebuild else 1))
-    return out if out.ndim else int(out)
-
-
-def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile) -> Coefficients:
-    """Per-candidate recomputation cost, savings, kept inputs and rebuild peak.
-
-    For a fixed segment end j, which nodes are dropped (``keep_until <= j``), which must be rebuilt
-    (dropped and read by the backward pass, or by a rebuilt node at a position <= j) and how long each
-    rebuilt copy lives do not depend on the start; so one sweep from j down to the smallest start
-    yields every candidate ending at j. O(sum over ends of the longest candidate * degree).
-    """
-    forward, m, n = seg.forward, len(seg.forward), graph.n
-    fpos = np.full(n, n, dtype=np.int64)  # forward position, n for non-forward nodes
-    fpos[forward] = np.arange(m)
-    mem, cost, release, seq_pos = graph.mem, graph.cost, plain.release, plain.seq_pos
-    # Per-node facts, vectorised over the edge list.
-    src = graph.dep_idx
-    dst = np.repeat(np.arange(n), np.diff(graph.dep_ptr))
-    fwd_edge = graph.is_forward[dst]
-    last_fwd_user = np.full(n, -1, dtype=np.int64)
-    np.maximum.at(last_fwd_user, src[fwd_edge], fpos[dst[fwd_edge]])
-    first_bwd_user = np.full(n, n + 1, dtype=np.int64)
-    np.minimum.at(first_bwd_user, src[~fwd_edge], seq_pos[dst[~fwd_edge]])
-    has_bwd = first_bwd_user <= n
-    keep_until = last_fwd_user.copy()  # a node is kept by segment end j iff keep_until > j
-    for v in forward[::-1]:  # a kept forward view keeps its base (views come after their bases)
-        a = graph.alias_of[v]
-        if a >= 0:
-            keep_until[a] = max(keep_until[a], keep_until[v])
-    fwd_users = [graph.users(v)[graph.is_forward[graph.users(v)]].tolist() for v in forward]
-    fwd_deps = [graph.deps(v).tolist() for v in forward]
-    alias = graph.alias_of.tolist()
-    mem_l, cost_l, rel_l, fpos_l = mem.tolist(), cost.tolist(), release.tolist(), fpos.tolist()
-    keep_l, has_bwd_l, first_bwd_l = keep_until[forward].tolist(), has_bwd[forward].tolist(), \
-        first_bwd_user[forward].tolist()
-
-    count = seg.count
-    out_cost = np.zeros(count)
-    out_saved, out_ext, out_peak = (np.zeros(count, dtype=np.int64) for _ in range(3))
-    out_ext_start = np.zeros(count, dtype=np.int64)
-    out_rebuild = np.full(count, -1, dtype=np.int64)
-    save_pos: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
-    save_step: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
-    order = np.lexsort((-seg.starts, seg.ends))  # by end, then start descending
-    ends = seg.ends[order]
-    groups = np.split(order, np.flatnonzero(np.diff(ends)) + 1) if count else []
-    for group in groups:
-        j = int(seg.ends[group[0]]) - 1
-        lo = int(seg.starts[group[-1]])
-        need = {}  # forward position -> rebuilt copy's last position in the window (absent: not rebuilt)
-        live = np.zeros(j - lo + 1, dtype=np.int64)  # bytes of rebuilt copies at each window position
-        save_at = np.zeros(j - lo + 2, dtype=np.int64)  # bytes whose forward copy is gone from here on
-        inputs: dict[int, int] = {}  # kept node read by the rebuild -> its last reader's position
-        total_cost, saved, peak, first = 0.0, 0, 0, n + 1
-        gi = 0
-        for p in range(j, lo - 1, -1):
-            v = int(forward[p])
-            if keep_l[p] <= j:  # dropped
-                if rel_l[v] > j:
-                    saved += mem_l[v]
-                    save_at[max(p, keep_l[p]) + 1 - lo] += mem_l[v]
-                first = min(first, first_bwd_l[p])
-                last = j if has_bwd_l[p] else -1
-                for u in fwd_users[p]:
-                    pu = fpos_l[u]
-                    if pu <= j and pu in need:
-                        last = max(last, need[pu] if alias[u] == v else pu)
-                if last >= 0:
-                    need[p] = last
-                    live[p - lo:last - lo + 1] += mem_l[v]
-                    peak = max(peak, int(live[p - lo:last - lo + 1].max()))
-                    total_cost += cost_l[v]
-                    inputs.pop(v, None)
-                    for d in fwd_deps[p]:
-                        while d >= 0 and d not in inputs:
-                            inputs[d] = p  # the sweep goes down: the first reader seen is the last
-                            d = alias[d]  # a kept view keeps its base alive with it
-            while gi < len(group) and seg.starts[group[gi]] == p:
-                c = group[gi]
-                gi += 1
-                if not need:
-                    continue
-                out_cost[c], out_saved[c], out_peak[c] = total_cost, saved, peak
-                out_rebuild[c] = first
-                save_pos[c], save_step[c] = _staircase(save_at[p - lo:], p)
-                late = [d for d in inputs if rel_l[d] < first]  # alive longer than plain
-                if late:
-                    out_ext[c] = sum(mem_l[d] for d in late)
-                    out_ext_start[c] = min(rel_l[d] for d in late) + 1
-                    # During the rebuild such an input lives until its last rebuilt reader.
-                    during = live[p - lo:].copy()
-                    for d in late:
-                        during[:inputs[d] - p + 1] += mem_l[d]
-                    out_peak[c] = int(during.max())
-    save_ptr = np.zeros(count + 1, dtype=np.int64)
-    save_ptr[1:] = np.cumsum([len(a) for a in save_pos])
-    return Coefficients(cost=out_cost, saved=out_saved, ext=out_ext, ext_start=out_ext_start, peak=out_peak,
-                        rebuild_at=out_rebuild, save_ptr=save_ptr,
-                        save_pos=np.concatenate(save_pos) if count else np.zeros(0, dtype=np.int64),
-                        save_step=np.concatenate(save_step) if count else np.zeros(0, dtype=np.int64))
-
-
-def _staircase(jumps: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
-    """At most _SAVE_STEPS steps under the savings curve ``cumsum(jumps)`` (position ``first + i``):
-    the last non-zero jump and the largest others. Each step takes every saving up to its position,
-    so the staircase never claims a saving before it happens (conservative), and ends at the total."""
-    nz = np.flatnonzero(jumps)
-    if len(nz) > _SAVE_STEPS:
-        rest = nz[:-1]
-        top = rest[np.argpartition(jumps[rest], -(_SAVE_STEPS - 1))[-(_SAVE_STEPS - 1):]]
-        nz = np.sort(np.append(top, nz[-1]))
-    cum = np.cumsum(jumps)[nz]
-    return nz + first, np.diff(cum, prepend=0)
-
-
-# -- the ILP -------------------------------------------------------------------------------------
 
 @dataclass
-class BuiltModel:
-    """A built segment ILP for one (graph, granularity), reused across budgets."""
+class Seeds:
+    """Chen's checkpoint plans of one graph: what bonsai can always fall back on. Each plan is
+    simulated only when needed (once), cheapest first."""
 
-    graph_hash: str
-    seg: Segmentation
-    coef: Coefficients
-    plain: PlainProfile
-    candidates: np.ndarray  # int64[C']: segmentation candidates that are in the ILP
-    events: sp.csr_matrix  # (K, C') bytes: step heights of the memory change at each event point
-    interval_peak: np.ndarray  # int64[K]: the plain memory's maximum from each event point to the next
-    problem: Any
-    select: Any
-    recompute: Any
-    product: Any
-    delta: Any
-    budget: Any  # cp.Parameter, in units
-    unit: float  # bytes per unit of the model's memory rows
-    build_seconds: float
-    _min_peak: Any = None
+    spans: tuple[tuple[int, int], ...]  # their recomputed segments as (start, end) forward positions
+    plans: tuple[tuple[str, CheckpointPlan, tuple[tuple[int, int], ...]], ...]  # (label, plan, its spans)
+    peaks: dict[int, int]  # plan index -> simulated peak
 
-    def predicted_peak(self, product: np.ndarray) -> int:
-        """The model's bound on the peak of the plan whose recomputed ILP candidates are
-        ``product`` (0/1 over the ILP candidates)."""
-        delta = np.cumsum(self.events @ np.asarray(product, dtype=np.float64))
-        return int(np.ceil((self.interval_peak + delta).max()))
+    def peak(self, graph: Graph, i: int) -> int:
+        if i not in self.peaks:
+            self.peaks[i] = simulate(graph, plan_schedule(graph, self.plans[i][1], "bonsai")).peak
+        return self.peaks[i]
 
-    def plan(self, select: np.ndarray, product: np.ndarray) -> CheckpointPlan:
-        """The checkpoint plan of an ILP solution. Consecutive kept segments are merged up to the
-        granularity (merging kept segments changes nothing in the schedule) so that the explorer
-        shows recomputed regions and kept stretches, not a confetti of atoms."""
-        chosen = self.candidates[np.asarray(select) > 0.5]
-        recomputed = set(self.candidates[np.asarray(product) > 0.5].tolist())
-        chosen = chosen[np.argsort(self.seg.starts[chosen])]
-        spans: list[tuple[int, int, bool]] = []
-        for c in chosen.tolist():
-            start, end, rec = int(self.seg.starts[c]), int(self.seg.ends[c]), c in recomputed
-            if (spans and not rec and not spans[-1][2]
-                    and end - spans[-1][0] <= self.seg.granularity):
-                spans[-1] = (spans[-1][0], end, False)
-            else:
-                spans.append((start, end, rec))
-        segments = [self.seg.forward[a:b].tolist() for a, b, _ in spans]
-        return CheckpointPlan.of(segments, [i for i, (_, _, rec) in enumerate(spans) if rec])
+    def best(self, graph: Graph, built: BuiltModel, budget: int, below: float = np.inf,
+             clock: "_Clock | None" = None) -> tuple[int, float, str, CheckpointPlan] | None:
+        """The cheapest plan within ``budget`` whose compute cost is below ``below``, as (peak, cost,
+        label, plan); costs come from the model's (exact) per-candidate costs, peaks from the simulator."""
+        index = {(int(a), int(b)): c for c, (a, b) in enumerate(zip(built.seg.starts, built.seg.ends))}
+        costs = [graph.total_cost + sum(float(built.coef.cost[index[sp]]) for sp in spans if sp in index)
+                 for _, _, spans in self.plans]
+        for i in sorted(range(len(self.plans)), key=costs.__getitem__):
+            if costs[i] >= below:
+                return None
+            if i not in self.peaks and clock is not None and clock.out():
+                continue  # past the time limit only plans already simulated are considered
+            if self.peak(graph, i) <= budget:
+                return self.peak(graph, i), costs[i], self.plans[i][0], self.plans[i][1]
+        return None
 
-    def min_peak_problem(self) -> tuple[Any, Any]:
-        """(problem, z): the smallest budget the model can meet, for the infeasible-budget message."""
-        if self._min_peak is None:
-            import cvxpy as cp
-
-            z = cp.Variable()
-            cons = [c for c in self.problem.constraints[:-1]]  # all but the budget row
-            cons.append(self.delta + self.interval_peak / self.unit <= z)
-            self._min_peak = (cp.Problem(cp.Minimize(z / _UNITS_PER_PEAK), cons), z)
-        return self._min_peak
+    def lowest_peak(self, graph: Graph) -> int | None:
+        return min((self.peak(graph, i) for i in range(len(self.plans))), default=None)
 
 
-_cache: "OrderedDict[tuple[str, int], BuiltModel]" = OrderedDict()
+_cache: "OrderedDict[tuple[str, Any], Any]" = OrderedDict()
 _lock = threading.RLock()
 
 
-def build(graph: Graph, granularity: int | None = None) -> BuiltModel:
-    """The segment ILP of ``graph`` at ``granularity``, built once per (graph hash, granularity)
-    and cached (the last few), so a budget change only sets the Parameter."""
-    seg = segment(graph, granularity)
-    key = (graph.hash, seg.granularity)
+def _cached(key: tuple[str, Any], make: Any) -> Any:
     if key in _cache:
         _cache.move_to_end(key)
         return _cache[key]
-    built = _build(graph, seg)
-    _cache[key] = built
+    value = _cache[key] = make()
     while len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
-    return built
+    return value
 
 
-def _build(graph: Graph, seg: Segmentation) -> BuiltModel:
-    import cvxpy as cp
+def seeds(graph: Graph) -> Seeds:
+    """Chen's plans of ``graph`` (both variants), simulated; cached per graph."""
+    from bonsai_core.solvers.chen import candidate_plans
 
-    start = time.perf_counter()
-    plain = plain_profile(graph)
-    coef = coefficients(graph, seg, plain)
-    m = len(seg.forward)
-    worth = coef.worth
-    single_atom = np.searchsorted(seg.atom_ptr, seg.starts) + 1 == np.searchsorted(seg.atom_ptr, seg.ends)
-    candidates = np.flatnonzero(worth | single_atom)  # a kept multi-atom segment is its atoms, kept
-    count = len(candidates)
-    w = worth[candidates]
+    def make() -> Seeds:
+        forward = np.flatnonzero(graph.is_forward)
+        pos = np.full(graph.n, -1, dtype=np.int64)
+        pos[forward] = np.arange(len(forward))
+        plans = []
+        for label, plan in candidate_plans(graph, "auto"):
+            spans = tuple((int(pos[list(plan.segments[i])].min()), int(pos[list(plan.segments[i])].max()) + 1)
+                          for i in sorted(plan.recomputed))
+            plans.append((label, plan, spans))
+        return Seeds(spans=tuple(sorted({sp for *_, spans in plans for sp in spans})), plans=tuple(plans),
+                     peaks={})
 
-    # Events: step heights of each worth candidate's memory change (bytes), at points of the axis.
-    cw = candidates[w]
-    cols = np.flatnonzero(w)
-    at = coef.rebuild_at[cw]
-    ext, saved, peak = coef.ext[cw], coef.saved[cw], coef.peak[cw]
-    lengths = np.diff(coef.save_ptr)[cw]
-    take = np.concatenate([np.arange(coef.save_ptr[c], coef.save_ptr[c + 1]) for c in cw]) if len(cw) else \
-        np.zeros(0, dtype=np.int64)
-    rows = np.concatenate([point_of(coef.ext_start[cw], m, rebuild=True), point_of(coef.save_pos[take], m, rebuild=True),
-                           point_of(at, m, rebuild=True), point_of(at, m)])
-    heights = np.concatenate([ext, -coef.save_step[take], peak - ext, saved - peak]).astype(np.float64)
-    col_idx = np.concatenate([cols, np.repeat(cols, lengths), cols, cols])
-    keep = heights != 0
-    rows, heights, col_idx = rows[keep], heights[keep], col_idx[keep]
-    points = np.union1d([0], rows)  # point 0 always opens an interval, so the whole axis is covered
-    events = sp.csr_matrix((heights, (np.searchsorted(points, rows), col_idx)), shape=(len(points), count))
-    memory = plain.memory
-    interval_peak = np.maximum.reduceat(memory, points)
+    return _cached((graph.hash, "seeds"), make)
 
-    # Cover: a path through the atom boundaries (flow conservation at every inner boundary).
-    atoms = seg.atoms
-    a_start = np.searchsorted(seg.atom_ptr, seg.starts[candidates])
-    a_end = np.searchsorted(seg.atom_ptr, seg.ends[candidates])
-    flow = sp.csr_matrix((np.concatenate([np.ones(count), -np.ones(count)]),
-                          (np.concatenate([a_start, a_end]), np.tile(np.arange(count), 2))),
-                         shape=(atoms + 1, count))[:atoms]  # the last row is implied by the others
-    rhs = np.zeros(atoms)
-    if atoms:
-        rhs[0] = 1.0
 
-    k = len(points)
-    diff = sp.eye(k, format="csr") - sp.eye(k, k=-1, format="csr")
-    select = cp.Variable(count, boolean=True, name="select")
-    recompute = cp.Variable(count, boolean=True, name="recompute")
-    product = cp.Variable(count, boolean=True, name="product")
-    delta = cp.Variable(k, name="delta")
-    budget = cp.Parameter(nonneg=True, name="budget")
-    unit = max(1.0, float(memory.max()) / _UNITS_PER_PEAK)
-    budget.value = float(memory.max()) / unit
-    cost = coef.cost[candidates] / graph.total_cost if graph.total_cost > 0 else coef.cost[candidates]
-    constraints = [
-        flow @ select == rhs,
-        product <= select, product <= recompute, product >= select + recompute - 1,
-        recompute <= w.astype(np.float64),
-        diff @ delta == (events / unit) @ product,
-        delta + interval_peak / unit <= budget,
-    ]
-    problem = cp.Problem(cp.Minimize(cost @ product), constraints)
-    return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, plain=plain, candidates=candidates,
-                      events=events, interval_peak=interval_peak, problem=problem,
-                      select=select, recompute=recompute, product=product, delta=delta, budget=budget, unit=unit,
-                      build_seconds=time.perf_counter() - start)
+def _plain(graph: Graph) -> PlainProfile:
+    return _cached((graph.hash, "plain"), lambda: plain_profile(graph))
+
+
+def auto_ladder(graph: Graph) -> list[int]:
+    """The granularities "auto" tries, smallest first."""
+    top = max(1, op_count(graph))
+    return sorted({min(top, default_granularity(graph) * k) for k in _LADDER})
+
+
+def build(graph: Graph, granularity: int | None = None) -> BuiltModel:
+    """The segment ILP of ``graph`` at ``granularity`` (None: the paper's default, round(2·√ops)),
+    with Chen's segments as extra candidates; built once per (graph hash, granularity) and cached
+    (the last few), so a budget change only sets the Parameter."""
+    gran = default_granularity(graph) if granularity is None else granularity
+    seg = segment(graph, gran)  # validates the granularity before anything is built
+    key = (graph.hash, ("model", seg.granularity))
+    return _cached(key, lambda: build_model(graph, segment(graph, seg.granularity, seeds(graph).spans), _plain(graph)))
 
 
 def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None = None,
-                 granularity: int | None = None, backend: str = DEFAULT_BACKEND, **_: object) -> Schedule:
+                 granularity: int | None = None, backend: str = DEFAULT_BACKEND,
+                 gap: float = DEFAULT_GAP) -> Schedule:
     """Bonsai's segment ILP: the cheapest checkpoint plan whose modelled peak fits ``budget``.
 
-    Raises BudgetError (naming the smallest budget the model can meet) when none fits, SolverError
-    when the backend fails."""
+    Options:
+        time_limit: seconds for the whole call (None: no limit).
+        granularity: the largest number of non-view ops in a short candidate segment; None: "auto",
+            the smallest of a ladder of granularities whose model meets the budget.
+        backend: the MILP backend, "highs" or "scip".
+        gap: the relative MIP gap at which the search stops (0.01: within 1% of the model's optimum;
+            1e-4 proves the optimum, as "optimal" means everywhere in this project).
+
+    Raises BudgetError (naming the smallest budget bonsai can meet) when none fits or none was found in
+    time, SolverError when the backend fails."""
     if not graph.is_forward.any():  # nothing to checkpoint
         schedule = plan_schedule(graph, CheckpointPlan.of([]), "bonsai")
         schedule.stats = {"status": "optimal", "gap": 0.0, "variables": 0, "constraints": 0,
-                          "build_seconds": 0.0, "solve_seconds": 0.0, "candidates": 0, "segments": 0}
+                          "build_seconds": 0.0, "solve_seconds": 0.0, "candidates": 0, "segments": 0,
+                          "granularity": 0, "plan_source": "ilp"}
         return schedule
     with _lock:  # the cached problems are shared (explorer sessions run in threads)
-        return _solve(graph, budget, time_limit, granularity, backend)
+        return _solve(graph, budget, time_limit, granularity, backend, gap)
+
+
+class _Clock:
+    def __init__(self, limit: float | None) -> None:
+        self.deadline = None if limit is None else time.perf_counter() + float(limit)
+
+    def left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.perf_counter()
+
+    def out(self) -> bool:
+        left = self.left()
+        return left is not None and left <= 0
 
 
 def _solve(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None,
-           backend: str) -> Schedule:
-    cached = (graph.hash, segment(graph, granularity).granularity) in _cache
-    built = build(graph, granularity)
-    target = int(budget) if budget is not None else int(built.plain.memory.max())
-    tightened = 0
-    solve_seconds = 0.0
-    for _attempt in range(_MAX_TIGHTEN + 1):
-        effective = target - tightened
-        built.budget.value = effective / built.unit
-        outcome = solve_milp(built.problem, backend=backend, time_limit=time_limit)
-        solve_seconds += outcome.solve_seconds
-        if outcome.status == "infeasible":
-            raise _infeasible(graph, built, target, backend, time_limit)
-        select, product = built.select.value, built.product.value
-        plan = built.plan(select, product)
-        schedule = plan_schedule(graph, plan, "bonsai")
-        peak = simulate(graph, schedule).peak
-        if peak <= target:
+           backend: str, gap: float) -> Schedule:
+    clock = _Clock(time_limit)
+    plain_peak = int(_plain(graph).memory.max())
+    target = int(budget) if budget is not None else plain_peak
+    ladder = auto_ladder(graph) if granularity is None else [granularity]
+    seed = seeds(graph)
+    tried: list[int] = []
+    found: _Found | None = None
+    built, cached = None, False
+    for gran in ladder:
+        if clock.out():
             break
-        tightened += peak - target  # the model was not conservative here: ask it for the excess less
+        cached = (graph.hash, ("model", min(gran, max(1, op_count(graph))))) in _cache
+        built = build(graph, gran)
+        tried.append(built.seg.granularity)
+        found = _solve_model(graph, built, target, backend, clock, gap)
+        if found is not None:
+            break
+    if found is None:
+        fallback = seed.best(graph, built, target, clock=clock) if built is not None else None
+        if fallback is None:
+            raise _no_plan(graph, built, target, backend, clock, seed, tried)
+        return _seeded(graph, fallback, tried, clock, built)
+    schedule, outcome = found.schedule, found.outcome
+    sim = simulate(graph, schedule)
+    model_peak, ilp_peak = built.predicted_peak(found.rec), sim.peak
+    source = "ilp"
+    fallback = seed.best(graph, built, target, below=sim.compute_cost * (1 - 1e-9), clock=clock)
+    if fallback is not None:
+        schedule, source = plan_schedule(graph, fallback[3], "bonsai"), "chen"
+        sim = simulate(graph, schedule)
     schedule.stats = {
-        **outcome.stats(), "solve_seconds": solve_seconds, "build_seconds": built.build_seconds,
-        "cached": cached, "backend": backend,
-        "granularity": built.seg.granularity, "candidates": built.seg.count,
-        "ilp_candidates": len(built.candidates), "segments": len(plan.segments),
-        "recomputed_segments": len(plan.recomputed), "model_peak": built.predicted_peak(np.round(product)),
-        "tightened_by": tightened,
+        **outcome.stats(), "solve_seconds": outcome.solve_seconds, "build_seconds": built.build_seconds,
+        "cached": cached, "backend": backend, "granularity": built.seg.granularity,
+        "granularity_mode": "auto" if granularity is None else "set", "granularities_tried": tried,
+        "candidates": built.seg.count, "ilp_candidates": len(built.candidates),
+        "segments": len(CheckpointPlan.from_extra(schedule.extra).segments),
+        "recomputed_segments": len(CheckpointPlan.from_extra(schedule.extra).recomputed),
+        "model_peak": model_peak, "model_slack": model_peak - ilp_peak,
+        "tightened_by": found.tightened, "plan_source": source,
     }
+    if source == "chen":
+        schedule.stats.update(status="feasible", gap=None, seed_plan=fallback[2],
+                              ilp_overhead=outcome.objective)
     return schedule
 
 
-def _infeasible(graph: Graph, built: BuiltModel, budget: int, backend: str,
-                time_limit: float | None) -> BudgetError:
-    problem, z = built.min_peak_problem()
-    outcome = solve_milp(problem, backend=backend, time_limit=time_limit)
-    # The model's own peak of the plan found (exact bytes) is a budget the main problem accepts even
-    # at the solvers' tolerances; and it is above the budget just refused.
-    smallest = max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.product.value)),
-                   budget + 1)
-    proven = "" if outcome.status == "optimal" else " (the search for it stopped early; it may be lower)"
+class _Found(NamedTuple):
+    schedule: Schedule
+    outcome: MilpOutcome  # its solve_seconds: all solves of the tightening together
+    rec: np.ndarray  # 0/1 over the built model's candidates
+    tightened: int  # bytes taken off the budget handed to the model
+
+
+def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clock: _Clock,
+                 gap: float) -> _Found | None:
+    """The ILP at ``target`` with tightening, or None when the model cannot meet it (or no time is
+    left before a plan was found)."""
+    tightened, seconds = 0, 0.0
+    best = None
+    for _attempt in range(_MAX_TIGHTEN + 1):
+        left = clock.left()
+        if left is not None and left <= 0:
+            break
+        built.budget.value = (target - tightened) / built.unit
+        try:
+            outcome = solve_milp(built.problem, backend=backend, time_limit=left, gap=gap)
+        except SolverError:
+            if left is None:
+                raise
+            break  # the time ran out before the backend had a plan: fall back on what else was found
+        seconds += outcome.solve_seconds
+        if outcome.status == "infeasible":
+            break
+        rec = np.round(built.rec.value)
+        schedule = plan_schedule(graph, built.plan(rec), "bonsai")
+        peak = simulate(graph, schedule).peak
+        if peak <= target:
+            outcome = MilpOutcome(outcome.status, outcome.objective, outcome.gap, seconds, outcome.variables,
+                                  outcome.constraints)
+            best = _Found(schedule, outcome, rec, tightened)
+            break
+        tightened += peak - target  # the model was not conservative here: ask it for the excess less
+    return best
+
+
+def _seeded(graph: Graph, fallback: tuple[int, float, str, CheckpointPlan], tried: list[int], clock: _Clock,
+            built: BuiltModel | None) -> Schedule:
+    schedule = plan_schedule(graph, fallback[3], "bonsai")
+    plan = fallback[3]
+    schedule.stats = {"status": "time_limit" if clock.out() else "feasible", "gap": None,
+                      "plan_source": "chen", "seed_plan": fallback[2], "granularities_tried": tried,
+                      "granularity": built.seg.granularity if built is not None else None,
+                      "segments": len(plan.segments), "recomputed_segments": len(plan.recomputed),
+                      "build_seconds": built.build_seconds if built is not None else 0.0}
+    return schedule
+
+
+def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, clock: _Clock, seed: Seeds,
+             tried: list[int]) -> BudgetError:
+    """The error for a budget no plan was found for: the smallest budget bonsai can meet (its model's
+    or a Chen plan's, whichever is lower), or that the time ran out."""
+    lowest_seed = seed.lowest_peak(graph) if not clock.out() else None
+    smallest, proven = lowest_seed, False
+    left = clock.left()
+    if built is not None and (left is None or left > 0):
+        problem, z = built.min_peak_problem()
+        try:
+            outcome = solve_milp(problem, backend=backend, time_limit=left)
+        except SolverError:
+            if left is None:
+                raise
+            outcome = None  # no plan before the time limit: only Chen's lowest peak is known
+        if outcome is not None and outcome.status != "infeasible":
+            rec = np.round(built.rec.value)
+            # The model's own peak of the plan found (exact bytes) is a budget the main problem accepts even
+            # at the solvers' tolerances; and it is above the budget just refused.
+            model = max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(rec), budget + 1)
+            smallest = model if smallest is None else min(smallest, model)
+            proven = outcome.status == "optimal"
+    where = f"granularit{'y' if len(tried) == 1 else 'ies'} {', '.join(map(str, tried)) or 'none'}"
+    if clock.out() and smallest is None:
+        return BudgetError(f"bonsai found no checkpoint plan of {graph.name!r} within {format_bytes(budget)} "
+                           f"before the time limit ({where}). Raise --time-limit or the budget.")
+    if smallest is None:
+        return BudgetError(f"bonsai found no checkpoint plan of {graph.name!r} within {format_bytes(budget)}.")
+    note = "" if proven else " (the search for it stopped early; it may be lower)"
     return BudgetError(
-        f"bonsai (granularity {built.seg.granularity}) found no checkpoint plan of {graph.name!r} within "
-        f"{format_bytes(budget)}: the smallest budget its segment model can guarantee is "
-        f"{format_bytes(smallest)} ({smallest} bytes){proven}. Raise the budget to at least that, try a larger "
-        "--granularity, or another method.")
+        f"bonsai ({where}) found no checkpoint plan of {graph.name!r} within {format_bytes(budget)}: the smallest "
+        f"budget it can guarantee is {format_bytes(smallest)} ({smallest} bytes){note}. Raise the budget to at "
+        "least that, try a larger --granularity, or another method.")
+
+
+def smallest_budget(graph: Graph, granularity: int | None = None, backend: str = DEFAULT_BACKEND,
+                    time_limit: float | None = None) -> tuple[int | None, str]:
+    """(bytes, status): the smallest budget bonsai's model meets at ``granularity`` (None: the top of
+    the auto ladder), by the min-peak MILP; status is the MILP's ("optimal" proves it). (None,
+    "time_limit") when the backend had no plan within ``time_limit``."""
+    with _lock:
+        built = build(graph, auto_ladder(graph)[-1] if granularity is None else granularity)
+        problem, z = built.min_peak_problem()
+        try:
+            outcome = solve_milp(problem, backend=backend, time_limit=time_limit)
+        except SolverError:
+            if time_limit is None:
+                raise
+            return None, "time_limit"
+        return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.rec.value))), \
+            outcome.status

@@ -63,15 +63,21 @@ def canonicalise(problem: Any, backend: str) -> None:
 
 
 def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float | None = None,
-               verbose: bool = False, whole_limit: float | None = None) -> MilpOutcome:
+               verbose: bool = False, whole_limit: float | None = None, gap: float | None = None) -> MilpOutcome:
     """Solve ``problem`` (a CVXPY MILP) on ``backend`` within ``time_limit`` seconds: what is left
-    of the method's ``whole_limit`` (the user's ``--time-limit``, named in messages) if given."""
+    of the method's ``whole_limit`` (the user's ``--time-limit``, named in messages) if given.
+    The solve stops at the relative MIP ``gap`` (default 1e-4 on both backends)."""
     import cvxpy as cp
 
     check_backend(backend)
     # SCIP's default gap limit is 0 (prove the exact optimum); HiGHS stops at a relative gap of 1e-4.
     # Give SCIP the same 1e-4, so that "optimal" means the same thing on both backends.
     options: dict[str, Any] = {} if backend == "highs" else {"scip_params": {"limits/gap": 1e-4}}
+    if gap is not None:
+        if backend == "highs":
+            options["mip_rel_gap"] = float(gap)
+        else:
+            options["scip_params"]["limits/gap"] = float(gap)
     if time_limit is not None:
         if backend == "highs":
             options["time_limit"] = float(time_limit)

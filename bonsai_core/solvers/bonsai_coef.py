@@ -1,0 +1,262 @@
+"""Bonsai's coefficient sweep: what recomputing each candidate segment does to the memory and the time.
+
+The memory axis has one point per forward step and two per backward node ``b``: "the rebuilds right
+before b" and "b computed". ``P[k]`` (:func:`plain_profile`) is the memory of the plan with nothing
+recomputed at point k, measured with the simulator. Every node's lifetime in a checkpoint plan
+depends only on its own segment (dropped or kept) and on the rebuilds that read it, so the memory of
+a plan is ``P[k] + sum_s y[s] * D[s, k]`` up to the conservative bounds below, where ``D[s]`` is a
+step function with a handful of steps (:func:`coefficients`):
+
+* from the first point where a rebuild input of s (a kept node it reads) would be freed in the plain
+  schedule: ``+ext[s]``, the bytes of those inputs, which must now stay alive until the rebuild;
+* at up to ``SAVE_STEPS`` points inside and right after the segment, as the forward copies of
+  dropped nodes are freed: minus the savings so far (a staircase under the savings curve; in total
+  ``saved[s]``, the dropped nodes the plain schedule would keep for the backward pass);
+* at "rebuilds before r[s]" (r[s]: the first backward reader of a dropped node): ``peak[s]`` replaces
+  ``ext[s]``: the most bytes of rebuilt copies and kept inputs alive at once during the rebuild;
+* from "r[s] computed" on: 0 again (rebuilt copies live exactly as long as plain ones).
+
+Conservative where it is not exact: savings inside the segment are a staircase, inputs are counted
+alive from the earliest of their plain frees, rebuild peaks of segments rebuilt before the same node
+are added, and two rebuilds reading the same input both count it. :func:`memory_steps` turns the
+coefficients into the sparse step matrix the ILP uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+from bonsai_core.graph import Graph
+from bonsai_core.regions import CheckpointPlan, plan_schedule
+from bonsai_core.schedule import simulate
+from bonsai_core.segment import Segmentation
+
+SAVE_STEPS = 4  # steps of a segment's savings curve the ILP sees (more: tighter model, more non-zeros)
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """What each candidate segment does when recomputed (arrays over the segmentation's candidates)."""
+
+    cost: np.ndarray  # float64: seconds of the nodes rebuilt
+    saved: np.ndarray  # int64: dropped bytes the plain schedule keeps past the segment
+    ext: np.ndarray  # int64: kept inputs of the rebuild the plain schedule frees before it
+    ext_start: np.ndarray  # int64: sequence position from which ext counts
+    peak: np.ndarray  # int64: most bytes of rebuilt copies and late inputs alive during the rebuild
+    rebuild_at: np.ndarray  # int64: sequence position of the backward node the rebuild precedes (-1: none)
+    # The savings as a staircase over the segment's own forward steps (CSR over candidates): from
+    # sequence position save_pos[k] on, save_step[k] more bytes are saved. At most SAVE_STEPS steps;
+    # the last is at the latest point where a dropped node's forward copy is freed.
+    save_ptr: np.ndarray
+    save_pos: np.ndarray
+    save_step: np.ndarray
+
+
+@dataclass(frozen=True)
+class PlainProfile:
+    """The plain plan (nothing recomputed) on the sequence order: forward nodes, then the rest."""
+
+    order: np.ndarray  # int64[n]: node id at each sequence position
+    seq_pos: np.ndarray  # int64[n]: sequence position of each node
+    release: np.ndarray  # int64[n]: sequence position after whose compute the node is freed (n: never)
+    memory: np.ndarray  # int64[T]: memory at each point of the memory axis
+
+
+def plain_profile(graph: Graph) -> PlainProfile:
+    """Simulate the plan with nothing recomputed and read off lifetimes and the memory axis.
+    Points: forward step t -> t; backward (sequence position q >= m) -> 2q - m (its rebuilds) and
+    2q - m + 1 (its compute). O(n + edges)."""
+    forward = np.flatnonzero(graph.is_forward)
+    order = np.concatenate([forward, np.flatnonzero(~graph.is_forward)]).astype(np.int64)
+    seq_pos = np.empty(graph.n, dtype=np.int64)
+    seq_pos[order] = np.arange(graph.n)
+    plan = CheckpointPlan.of([forward.tolist()] if len(forward) else [])
+    schedule = plan_schedule(graph, plan, "bonsai")
+    sim = simulate(graph, schedule)
+    kinds = np.array([k == "compute" for k, _ in schedule.ops])
+    step = np.cumsum(kinds) - 1  # sequence position of the latest compute at each op
+    release = np.full(graph.n, graph.n, dtype=np.int64)
+    frees = np.flatnonzero(~kinds)
+    release[[schedule.ops[i][1] for i in frees]] = step[frees]
+    at_compute = sim.timeline[kinds]  # memory at each compute step, in sequence order
+    m = len(forward)
+    backward_mem = at_compute[m:]
+    memory = np.empty(m + 2 * (graph.n - m), dtype=np.int64)
+    memory[:m] = at_compute[:m]
+    memory[m::2] = backward_mem - graph.mem[order[m:]]  # before b's output exists
+    memory[m + 1::2] = backward_mem
+    return PlainProfile(order=order, seq_pos=seq_pos, release=release, memory=memory)
+
+
+def point_of(q: np.ndarray | int, m: int, rebuild: bool = False) -> np.ndarray | int:
+    """Memory-axis point of sequence position q: a forward step, or a backward node's compute (or,
+    with ``rebuild``, the rebuilds before it)."""
+    q = np.asarray(q)
+    out = np.where(q < m, q, 2 * q - m + (0 if rebuild else 1))
+    return out if out.ndim else int(out)
+
+
+def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile) -> Coefficients:
+    """Per-candidate recomputation cost, savings, kept inputs and rebuild peak.
+
+    For a fixed segment end j, which nodes are dropped (``keep_until <= j``), which must be rebuilt
+    (dropped and read by the backward pass, or by a rebuilt node at a position <= j) and how long each
+    rebuilt copy lives do not depend on the start; so one sweep from j down to the smallest start
+    yields every candidate ending at j. O(sum over ends of the longest candidate * degree).
+    """
+    forward, m, n = seg.forward, len(seg.forward), graph.n
+    fpos = np.full(n, n, dtype=np.int64)  # forward position, n for non-forward nodes
+    fpos[forward] = np.arange(m)
+    mem, cost, release, seq_pos = graph.mem, graph.cost, plain.release, plain.seq_pos
+    # Per-node facts, vectorised over the edge list.
+    src = graph.dep_idx
+    dst = np.repeat(np.arange(n), np.diff(graph.dep_ptr))
+    fwd_edge = graph.is_forward[dst]
+    last_fwd_user = np.full(n, -1, dtype=np.int64)
+    np.maximum.at(last_fwd_user, src[fwd_edge], fpos[dst[fwd_edge]])
+    first_bwd_user = np.full(n, n + 1, dtype=np.int64)
+    np.minimum.at(first_bwd_user, src[~fwd_edge], seq_pos[dst[~fwd_edge]])
+    has_bwd = first_bwd_user <= n
+    keep_until = last_fwd_user.copy()  # a node is kept by segment end j iff keep_until > j
+    for v in forward[::-1]:  # a kept forward view keeps its base (views come after their bases)
+        a = graph.alias_of[v]
+        if a >= 0:
+            keep_until[a] = max(keep_until[a], keep_until[v])
+    fwd_users = [graph.users(v)[graph.is_forward[graph.users(v)]].tolist() for v in forward]
+    fwd_deps = [graph.deps(v).tolist() for v in forward]
+    alias = graph.alias_of.tolist()
+    mem_l, cost_l, rel_l, fpos_l = mem.tolist(), cost.tolist(), release.tolist(), fpos.tolist()
+    keep_l, has_bwd_l, first_bwd_l = keep_until[forward].tolist(), has_bwd[forward].tolist(), \
+        first_bwd_user[forward].tolist()
+
+    count = seg.count
+    out_cost = np.zeros(count)
+    out_saved, out_ext, out_peak = (np.zeros(count, dtype=np.int64) for _ in range(3))
+    out_ext_start = np.zeros(count, dtype=np.int64)
+    out_rebuild = np.full(count, -1, dtype=np.int64)
+    save_pos: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
+    save_step: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
+    order = np.lexsort((-seg.starts, seg.ends))  # by end, then start descending
+    ends = seg.ends[order]
+    groups = np.split(order, np.flatnonzero(np.diff(ends)) + 1) if count else []
+    for group in groups:
+        j = int(seg.ends[group[0]]) - 1
+        lo = int(seg.starts[group[-1]])
+        need = {}  # forward position -> rebuilt copy's last position in the window (absent: not rebuilt)
+        live = np.zeros(j - lo + 1, dtype=np.int64)  # bytes of rebuilt copies at each window position
+        save_at: dict[int, int] = {}  # sequence position -> bytes whose forward copy is gone from there on
+        inputs: dict[int, int] = {}  # kept node read by the rebuild -> its last reader's position
+        total_cost, saved, peak, first = 0.0, 0, 0, n + 1
+        gi = 0
+        for p in range(j, lo - 1, -1):
+            v = int(forward[p])
+            if keep_l[p] <= j:  # dropped
+                if rel_l[v] > j:
+                    saved += mem_l[v]
+                    at = max(p, keep_l[p]) + 1
+                    save_at[at] = save_at.get(at, 0) + mem_l[v]
+                first = min(first, first_bwd_l[p])
+                last = j if has_bwd_l[p] else -1
+                for u in fwd_users[p]:
+                    pu = fpos_l[u]
+                    if pu <= j and pu in need:
+                        last = max(last, need[pu] if alias[u] == v else pu)
+                if last >= 0:
+                    need[p] = last
+                    live[p - lo:last - lo + 1] += mem_l[v]
+                    peak = max(peak, int(live[p - lo:last - lo + 1].max()))
+                    total_cost += cost_l[v]
+                    inputs.pop(v, None)
+                    for d in fwd_deps[p]:
+                        while d >= 0 and d not in inputs:
+                            inputs[d] = p  # the sweep goes down: the first reader seen is the last
+                            d = alias[d]  # a kept view keeps its base alive with it
+            while gi < len(group) and seg.starts[group[gi]] == p:
+                c = group[gi]
+                gi += 1
+                if not need:
+                    continue
+                out_cost[c], out_saved[c], out_peak[c] = total_cost, saved, peak
+                out_rebuild[c] = first
+                save_pos[c], save_step[c] = _staircase(save_at)
+                late = [d for d in inputs if rel_l[d] < first]  # alive longer than plain
+                if late:
+                    out_ext[c] = sum(mem_l[d] for d in late)
+                    out_ext_start[c] = min(rel_l[d] for d in late) + 1
+                    # During the rebuild such an input lives until its last rebuilt reader.
+                    during = live[p - lo:].copy()
+                    for d in late:
+                        during[:inputs[d] - p + 1] += mem_l[d]
+                    out_peak[c] = int(during.max())
+    save_ptr = np.zeros(count + 1, dtype=np.int64)
+    save_ptr[1:] = np.cumsum([len(a) for a in save_pos])
+    return Coefficients(cost=out_cost, saved=out_saved, ext=out_ext, ext_start=out_ext_start, peak=out_peak,
+                        rebuild_at=out_rebuild, save_ptr=save_ptr,
+                        save_pos=np.concatenate(save_pos) if count else np.zeros(0, dtype=np.int64),
+                        save_step=np.concatenate(save_step) if count else np.zeros(0, dtype=np.int64))
+
+
+def _staircase(jumps: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """At most SAVE_STEPS steps under the savings curve (``jumps``: position -> bytes saved from there
+    on): the last jump and the largest others. Each step takes every saving up to its position, so the
+    staircase never claims a saving before it happens (conservative), and ends at the total."""
+    items = sorted(jumps.items())
+    if not items:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    keep = range(len(items))
+    if len(items) > SAVE_STEPS:
+        top = sorted(range(len(items) - 1), key=lambda i: items[i][1])[-(SAVE_STEPS - 1):]
+        keep = sorted(top) + [len(items) - 1]
+    running, total, steps, positions = 0, 0, [], []
+    chosen = set(keep)
+    for i, (pos, amount) in enumerate(items):
+        running += amount
+        if i in chosen:
+            positions.append(pos)
+            steps.append(running - total)
+            total = running
+    return np.asarray(positions, dtype=np.int64), np.asarray(steps, dtype=np.int64)
+
+
+def memory_steps(coef: Coefficients, columns: np.ndarray, m: int, points: int | None = None) -> sp.coo_matrix:
+    """(points, len(columns)) bytes: the step heights of ``D[s]`` for candidates ``columns`` at the
+    points of the memory axis (``points``: its length, default just enough; duplicates summed). Row k of ``cumsum`` is the memory
+    change at point k when that candidate is recomputed. Candidates with nothing to rebuild change
+    nothing."""
+    cols = np.flatnonzero(coef.rebuild_at[columns] >= 0)
+    cw = np.asarray(columns)[cols]
+    at = coef.rebuild_at[cw]
+    ext, saved, peak = coef.ext[cw], coef.saved[cw], coef.peak[cw]
+    lengths = np.diff(coef.save_ptr)[cw]
+    take = (np.concatenate([np.arange(coef.save_ptr[c], coef.save_ptr[c + 1]) for c in cw]) if len(cw)
+            else np.zeros(0, dtype=np.int64))
+    rows = np.concatenate([point_of(coef.ext_start[cw], m, rebuild=True), point_of(coef.save_pos[take], m, rebuild=True),
+                           point_of(at, m, rebuild=True), point_of(at, m)]).astype(np.int64)
+    heights = np.concatenate([ext, -coef.save_step[take], peak - ext, saved - peak]).astype(np.float64)
+    col_idx = np.concatenate([cols, np.repeat(cols, lengths), cols, cols])
+    keep = heights != 0
+    size = points if points is not None else int(rows.max()) + 1 if len(rows) else 1
+    out = sp.coo_matrix((heights[keep], (rows[keep], col_idx[keep])), shape=(size, len(columns)))
+    out.sum_duplicates()
+    return out
+
+
+def lowers_memory(coef: Coefficients, m: int) -> np.ndarray:
+    """bool[C]: recomputing the candidate lowers the modelled memory at some point (``D[s]`` dips
+    below 0). The others are never in an optimum of the model: with them kept instead, every memory
+    row is as low or lower and the cost no higher, so leaving them out of the ILP loses nothing."""
+    steps = memory_steps(coef, np.arange(len(coef.cost)), m).tocsc()
+    steps.sort_indices()
+    running = np.cumsum(steps.data)
+    counts = np.diff(steps.indptr)
+    before = np.concatenate([[0.0], running])[steps.indptr[:-1]]
+    running -= np.repeat(before, counts)  # cumsum within each column (rows sorted)
+    out = np.zeros(len(coef.cost), dtype=bool)
+    nonempty = counts > 0
+    if nonempty.any():
+        lowest = np.minimum.reduceat(running, steps.indptr[:-1][nonempty])
+        out[np.flatnonzero(nonempty)] = lowest < 0
+    return out

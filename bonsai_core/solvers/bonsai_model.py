@@ -1,0 +1,165 @@
+"""Bonsai's segment ILP for one segmentation, built once in CVXPY and re-solved per budget.
+
+**Variables.** ``rec[s]`` (binary) for each candidate whose recomputation lowers the modelled memory
+somewhere (:func:`bonsai_core.solvers.bonsai_coef.lowers_memory`; the others are never in an optimum of
+the model, see there), ``keep[a]`` (binary) for each atom, and one continuous ``delta[k]`` per interval
+of the memory axis on which recomputed segments change the memory. A kept segment of several atoms
+has exactly the schedule of its atoms kept one by one, so kept segments need no variables of their
+own; the plan merges consecutive kept atoms into kept stretches.
+
+**Cover.** Every forward op lies in exactly one recomputed candidate or kept atom. Candidates are runs
+of whole atoms, so a cover is a path from the first atom boundary to the last whose arcs are the
+``rec`` candidates and the ``keep`` atoms: flow conservation at every inner boundary (a network
+matrix, 2 non-zeros per variable).
+
+**Memory.** ``delta = cumsum(G @ rec)`` over the event points (``G``: the step heights of
+:func:`~bonsai_core.solvers.bonsai_coef.memory_steps`), and ``delta[k] + max(P over interval k) <=
+budget``: one row per interval, which covers every point where a peak can occur.
+
+**Objective**: the recomputation time, ``sum cost[s] * rec[s]`` with ``cost[s]`` the cost of the nodes
+actually rebuilt, divided by the graph's total cost: the predicted overhead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+
+from bonsai_core.graph import Graph
+from bonsai_core.regions import CheckpointPlan
+from bonsai_core.segment import Segmentation
+from bonsai_core.solvers.bonsai_coef import Coefficients, PlainProfile, coefficients, lowers_memory, memory_steps
+
+# The model counts memory in units of a thousandth of the plain peak: raw byte counts near 1e10 (or near
+# 1e1 on toy graphs) would strain the solvers' tolerances, and 1e-7 of a unit is under a byte up to 10 GB.
+UNITS_PER_PEAK = 1000.0
+
+
+@dataclass
+class BuiltModel:
+    """A built segment ILP for one segmentation, reused across budgets."""
+
+    graph_hash: str
+    seg: Segmentation
+    coef: Coefficients
+    plain: PlainProfile
+    candidates: np.ndarray  # int64[C']: segmentation candidates that may be recomputed (the rec variables)
+    events: sp.csr_matrix  # (K, C') bytes: step heights of the memory change at each event point
+    interval_peak: np.ndarray  # int64[K]: the plain memory's maximum from each event point to the next
+    problem: Any
+    rec: Any
+    keep: Any
+    delta: Any
+    budget: Any  # cp.Parameter, in units
+    unit: float  # bytes per unit of the model's memory rows
+    build_seconds: float
+    _min_peak: Any = None
+
+    def predicted_peak(self, rec: np.ndarray) -> int:
+        """The model's bound on the peak of the plan whose recomputed ILP candidates are ``rec``
+        (0/1 over :attr:`candidates`)."""
+        delta = np.cumsum(self.events @ np.asarray(rec, dtype=np.float64))
+        return int(np.ceil((self.interval_peak + delta).max()))
+
+    def plan(self, rec: np.ndarray) -> CheckpointPlan:
+        """The checkpoint plan of an ILP solution: the recomputed candidates, and the stretches
+        between them kept (merging kept atoms changes nothing in the schedule, and the explorer then
+        shows recomputed regions and kept stretches, not a confetti of atoms)."""
+        chosen = self.candidates[np.asarray(rec) > 0.5]
+        chosen = chosen[np.argsort(self.seg.starts[chosen])]
+        m = len(self.seg.forward)
+        spans: list[tuple[int, int]] = []
+        pos = 0
+        for c in chosen.tolist():
+            start, end = int(self.seg.starts[c]), int(self.seg.ends[c])
+            if start > pos:
+                spans.append((pos, start))
+            spans.append((start, end))
+            pos = end
+        if pos < m:
+            spans.append((pos, m))
+        recomputed = {(int(self.seg.starts[c]), int(self.seg.ends[c])) for c in chosen.tolist()}
+        return CheckpointPlan.of([self.seg.forward[a:b].tolist() for a, b in spans],
+                                 [i for i, span in enumerate(spans) if span in recomputed])
+
+    def rec_of(self, plan: CheckpointPlan) -> np.ndarray | None:
+        """0/1 over :attr:`candidates` for ``plan``'s recomputed segments, or None when one of them is
+        not an ILP candidate (the plan is outside the model, or a pruned candidate is in it)."""
+        pos = np.full(int(self.seg.forward.max(initial=-1)) + 1, -1, dtype=np.int64)
+        pos[self.seg.forward] = np.arange(len(self.seg.forward))
+        index = {(int(self.seg.starts[c]), int(self.seg.ends[c])): i for i, c in enumerate(self.candidates.tolist())}
+        out = np.zeros(len(self.candidates))
+        for i in plan.recomputed:
+            members = pos[list(plan.segments[i])]
+            span = (int(members.min()), int(members.max()) + 1)
+            if span not in index or span[1] - span[0] != len(members):
+                return None
+            out[index[span]] = 1.0
+        return out
+
+    def min_peak_problem(self) -> tuple[Any, Any]:
+        """(problem, z): the smallest budget the model can meet, for the infeasible-budget message."""
+        if self._min_peak is None:
+            import cvxpy as cp
+
+            z = cp.Variable()
+            cons = list(self.problem.constraints[:-1])  # all but the budget row
+            cons.append(self.delta + self.interval_peak / self.unit <= z)
+            self._min_peak = (cp.Problem(cp.Minimize(z / UNITS_PER_PEAK), cons), z)
+        return self._min_peak
+
+
+def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile) -> BuiltModel:
+    """The segment ILP of one segmentation (see the module docstring)."""
+    import cvxpy as cp
+
+    start = time.perf_counter()
+    coef = coefficients(graph, seg, plain)
+    m = len(seg.forward)
+    candidates = np.flatnonzero(lowers_memory(coef, m))
+    count, atoms = len(candidates), seg.atoms
+
+    memory = plain.memory
+    steps = memory_steps(coef, candidates, m, points=len(memory)).tocsr()
+    rows = np.flatnonzero(np.diff(steps.indptr))
+    points = np.union1d([0], rows)  # point 0 always opens an interval, so the whole axis is covered
+    events = steps[points]
+    interval_peak = np.maximum.reduceat(memory, points)
+
+    # Cover: a path through the atom boundaries; arcs are rec candidates and kept atoms.
+    a_start = np.searchsorted(seg.atom_ptr, seg.starts[candidates])
+    a_end = np.searchsorted(seg.atom_ptr, seg.ends[candidates])
+    arange = np.arange(atoms)
+
+    def arcs(tail: np.ndarray, head: np.ndarray) -> sp.csr_matrix:
+        k = len(tail)
+        return sp.csr_matrix((np.concatenate([np.ones(k), -np.ones(k)]),
+                              (np.concatenate([tail, head]), np.tile(np.arange(k), 2))),
+                             shape=(atoms + 1, k))[:atoms]  # the last row is implied by the others
+
+    rhs = np.zeros(atoms)
+    if atoms:
+        rhs[0] = 1.0
+
+    k = len(points)
+    diff = sp.eye(k, format="csr") - sp.eye(k, k=-1, format="csr")
+    rec = cp.Variable(count, boolean=True, name="rec")
+    keep = cp.Variable(atoms, boolean=True, name="keep")
+    delta = cp.Variable(k, name="delta")
+    budget = cp.Parameter(nonneg=True, name="budget")
+    unit = max(1.0, float(memory.max()) / UNITS_PER_PEAK)
+    budget.value = float(memory.max()) / unit
+    cost = coef.cost[candidates] / graph.total_cost if graph.total_cost > 0 else coef.cost[candidates]
+    constraints = [
+        arcs(a_start, a_end) @ rec + arcs(arange, arange + 1) @ keep == rhs,
+        diff @ delta == (events / unit) @ rec,
+        delta + interval_peak / unit <= budget,
+    ]
+    problem = cp.Problem(cp.Minimize(cost @ rec), constraints)
+    return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, plain=plain, candidates=candidates,
+                      events=events, interval_peak=interval_peak, problem=problem, rec=rec, keep=keep,
+                      delta=delta, budget=budget, unit=unit, build_seconds=time.perf_counter() - start)
