@@ -126,8 +126,14 @@ def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Call
         gm, signature = _export_joint(step, tuple(inputs), name)
     except _NoGradient:  # rare, and finding which parameters costs an autograd pass: only then
         frozen = _params_without_gradient(model, inputs, loss_fn, name)
-        with _frozen(model, frozen):
-            gm, signature = _export_joint(step, tuple(inputs), name)
+        try:
+            with _frozen(model, frozen):
+                gm, signature = _export_joint(step, tuple(inputs), name)
+        except _NoGradient:
+            raise ModelError(f"Tracing {name!r} failed: AOTAutograd says a trainable parameter gets no gradient "
+                             f"from the loss, but an autograd pass finds {len(frozen)} such parameter(s) "
+                             f"({', '.join(frozen[:5]) or 'none'}). Set requires_grad=False on the parameters "
+                             "your loss does not use.") from None
     graph, fx_names = _to_graph(gm, signature, name, PROFILES[profile])
     writes = [(fx_name, buffer) for fx_name, buffer in signature.buffers_to_mutate.items()]
     return Traced(graph, gm, fx_names, time.perf_counter() - start, writes, frozen)
@@ -236,6 +242,9 @@ def _frozen(model: nn.Module, names: list[str]) -> Iterator[None]:
 
 _LEAF = -1  # a placeholder, or a view of one: part of fixed_mem, not a node
 _ALL = -1  # every output of an op (a single-output op whose value is a buffer's new value)
+# Cost of a node that takes one output of a multi-output op: no kernel runs, but the format wants
+# every non-view node to cost something, so a nanosecond of bookkeeping.
+_GETITEM_COST = 1e-9
 
 
 def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProfile) -> tuple[Graph, list[str]]:
@@ -247,6 +256,15 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
     nodes: list[dict[str, Any]] = []
     fx_names: list[str] = []
     outputs: list[int] = []
+    split: dict[fx.Node, set[int]] = {}  # multi-output op -> outputs that are nodes of their own
+
+    def add(node: fx.Node, op: str, deps: list[int], alias_of: int | None, mem: int, cost: float) -> None:
+        computed_by = node.args[0] if node.target is operator.getitem else node  # an output's phase is its op's
+        phase = "forward" if computed_by in forward else "backward"
+        nodes.append({"name": node.name, "op": op, "phase": phase, "deps": deps, "alias_of": alias_of,
+                      "mem": mem, "cost": cost, "shape": _shape_str(node.meta.get("val"))})
+        fx_names.append(node.name)
+        ids[node] = len(nodes) - 1
 
     for node in fx_nodes:
         if node.op in ("placeholder", "get_attr"):
@@ -258,27 +276,26 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
             outputs = [ids[a] for a in tree_flatten(node.args)[0] if isinstance(a, fx.Node) and ids[a] != _LEAF]
             continue
         if node.target is operator.getitem:
-            ids[node] = ids[node.args[0]]
+            op_node, index = node.args
+            if index in split.get(op_node, ()):
+                mem = 0 if index in written.get(op_node, ()) else storage_bytes(op_node.meta["val"][index])
+                add(node, "getitem", [ids[op_node]], None, mem, _GETITEM_COST)
+            else:
+                ids[node] = ids[op_node]
             continue
         op = str(node.target)
         inputs = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
         base = _view_base(node, inputs)
+        deps = sorted({ids[a] for a in inputs if ids[a] != _LEAF})
         if op in _IDENTITY_OPS and inputs:
             ids[node] = ids[inputs[0]]
         elif base is not None and ids[base] == _LEAF:
             ids[node] = _LEAF
+        elif base is not None:
+            add(node, op, deps, ids[base], 0, 0.0)
         else:
-            is_view = base is not None
-            nodes.append({
-                "name": node.name, "op": op, "phase": "forward" if node in forward else "backward",
-                "deps": sorted({ids[a] for a in inputs if ids[a] != _LEAF}),
-                "alias_of": ids[base] if is_view else None,
-                "mem": 0 if is_view else _output_bytes(node, written.get(node, set())),
-                "cost": 0.0 if is_view else _cost(node, profile),
-                "shape": _shape_str(node.meta.get("val")),
-            })
-            fx_names.append(node.name)
-            ids[node] = len(nodes) - 1
+            split[node] = _separate_outputs(node) if node in forward else set()
+            add(node, op, deps, None, _output_bytes(node, written.get(node, set()) | split[node]), _cost(node, profile))
     return _prune(name, fixed, nodes, fx_names, outputs)
 
 
@@ -320,13 +337,37 @@ def _buffer_outputs(fx_nodes: list[fx.Node], signature: Any) -> dict[fx.Node, se
     return written
 
 
-def _output_bytes(node: fx.Node, written: set[int]) -> int:
-    """Storage bytes of the op's outputs, less those that are written into buffers."""
+def _separate_outputs(node: fx.Node) -> set[int]:
+    """Outputs of a forward multi-output op that become nodes of their own: the used outputs after
+    the first that are at most a quarter of its size (batch norm's statistics, dropout's mask).
+
+    Eager frees each output when its last reader is done; one node holding them all would keep a
+    batch norm's normalised output (or dropout's output) alive as long as the statistics (the mask)
+    that the backward pass reads much later. The output's node follows its op's node, and in the
+    forward pass nothing is freed between the two (an op's inputs are saved for the backward pass or
+    read by the next op), so the kernel's moment of allocating all outputs at once is counted right.
+    What the simulator misses is a recomputation of the op while such an output's node is resident:
+    the kernel allocates that output again for a moment. The size limit bounds that to a quarter of
+    the op's output (max-pooling's int64 indices, twice its output, stay with their op).
+    Backward ops keep one node: their outputs (an input gradient with the weight gradients) die
+    together within an op or two, and splitting them would let frees slip between the kernel and
+    its output nodes."""
+    outs = node.meta.get("val")
+    used = sorted({u.args[1] for u in node.users if u.target is operator.getitem and u.users})
+    if len(used) < 2 or not isinstance(outs, (tuple, list)):
+        return set()
+    first = storage_bytes(outs[used[0]])
+    return {i for i in used[1:] if 4 * storage_bytes(outs[i]) <= first}
+
+
+def _output_bytes(node: fx.Node, excluded: set[int]) -> int:
+    """Storage bytes of the op's outputs, less the excluded ones (written into buffers, or nodes of
+    their own)."""
     val = node.meta.get("val")
-    if _ALL in written:
+    if _ALL in excluded:
         return 0
-    if written and isinstance(val, (tuple, list)):
-        val = [v for i, v in enumerate(val) if i not in written]
+    if excluded and isinstance(val, (tuple, list)):
+        val = [v for i, v in enumerate(val) if i not in excluded]
     return storage_bytes(val)
 
 
