@@ -80,6 +80,10 @@ class Traced:
     ``frozen_params`` are the model's parameters (names relative to the model) that get no gradient
     from the loss: traced as ``requires_grad=False``, so the FX graph has no gradient output for
     them and their ``.grad`` must stay ``None``.
+    ``hidden_aliases`` are unused names of tied parameters that the model reads under another name
+    (BERT's ``cls.predictions.bias`` = ``cls.predictions.decoder.bias``): they were left out of the
+    traced module's parameters, so the FX graph has no placeholder for them; the parameter itself
+    is traced (and gets its gradient) under its other name.
     """
 
     graph: Graph
@@ -88,6 +92,7 @@ class Traced:
     seconds: float
     buffer_writes: list[tuple[str, str]] = field(default_factory=list)
     frozen_params: list[str] = field(default_factory=list)
+    hidden_aliases: list[str] = field(default_factory=list)
 
 
 class _Step(nn.Module):
@@ -122,21 +127,23 @@ def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Call
     start = time.perf_counter()
     step = _Step(model, loss_fn)
     frozen: list[str] = []
+    hidden: list[str] = []
     try:
         gm, signature = _export_joint(step, tuple(inputs), name)
-    except _NoGradient:  # rare, and finding which parameters costs an autograd pass: only then
-        frozen = _params_without_gradient(model, inputs, loss_fn, name)
+    except _NoGradient:  # rare, and finding the parameters costs a forward trace: only then
+        unused = _unused_parameters(step, tuple(inputs), name)
         try:
-            with _frozen(model, frozen):
+            with _without_unused(step, unused) as (frozen, hidden):
                 gm, signature = _export_joint(step, tuple(inputs), name)
         except _NoGradient:
-            raise ModelError(f"Tracing {name!r} failed: AOTAutograd says a trainable parameter gets no gradient "
-                             f"from the loss, but an autograd pass finds {len(frozen)} such parameter(s) "
-                             f"({', '.join(frozen[:5]) or 'none'}). Set requires_grad=False on the parameters "
-                             "your loss does not use.") from None
+            raise ModelError(f"Tracing {name!r} failed: a trainable parameter gets no gradient from the loss "
+                             "although the model reads it (through an op without a gradient, such as argmax). "
+                             "Set requires_grad=False on it.") from None
+    frozen = [n.removeprefix("model.") for n in frozen]
+    hidden = [n.removeprefix("model.") for n in hidden]
     graph, fx_names = _to_graph(gm, signature, name, PROFILES[profile])
     writes = [(fx_name, buffer) for fx_name, buffer in signature.buffers_to_mutate.items()]
-    return Traced(graph, gm, fx_names, time.perf_counter() - start, writes, frozen)
+    return Traced(graph, gm, fx_names, time.perf_counter() - start, writes, frozen, hidden)
 
 
 # -- tracing -------------------------------------------------------------------------------------
@@ -203,39 +210,55 @@ def _skip_tensor_asserts() -> Iterator[None]:
         yield
 
 
-def _params_without_gradient(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
-                             name: str) -> list[str]:
-    """Names of the trainable parameters the loss gives no gradient: one autograd pass (on fake
-    tensors when the model is fake), leaving the model's buffers and the RNG as they were."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not named:
-        return []
-    buffers = [(b, b.clone()) for b in model.buffers()]  # a real step updates BatchNorm statistics
+def _unused_parameters(step: _Step, inputs: tuple[torch.Tensor, ...], name: str) -> list[str]:
+    """Names (in ``step``) of the parameters the forward pass never reads: the placeholders without
+    users in the forward-only graph. Each gets no gradient."""
+    from torch._functorch.aot_autograd import aot_export_module
+
     try:
-        with _skip_tensor_asserts(), torch.random.fork_rng(devices=[]):
-            loss = loss_fn(model(*inputs))
-            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-    except Exception as e:  # the same failures as the trace itself, said the same way
-        raise _model_error(e, _Step(model, loss_fn), name) from None
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-    return [n for (n, _), g in zip(named, grads) if g is None]
+        with _skip_tensor_asserts():
+            gm, signature = aot_export_module(step, inputs, trace_joint=False)
+    except Exception as e:  # the same failures as the joint trace, said the same way
+        raise _model_error(e, step, name) from None
+    unused = {n.name for n in gm.graph.nodes if n.op == "placeholder" and not n.users}
+    return [p for ph, p in signature.inputs_to_parameters.items() if ph in unused]
 
 
 @contextlib.contextmanager
-def _frozen(model: nn.Module, names: list[str]) -> Iterator[None]:
-    """Set ``requires_grad=False`` on the named parameters for the duration (AOTAutograd refuses
-    trainable parameters that get no gradient)."""
-    params = dict(model.named_parameters())
-    for n in names:
+def _without_unused(step: _Step, unused: list[str]) -> Iterator[tuple[list[str], list[str]]]:
+    """Trace ``step`` with its unused parameters out of the way, yielding (frozen, hidden): a
+    parameter no name of which is read is frozen (``requires_grad=False``), and an unused name of a
+    tied parameter that is read under another name (BERT's ``cls.predictions.bias``, tied to
+    ``decoder.bias``) is hidden from ``named_parameters`` (AOTAutograd lists every name of a tied
+    parameter and refuses a name that gets no gradient). Everything is put back afterwards."""
+    names_of: dict[int, list[str]] = {}
+    for n, p in step.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(n)
+    owners = dict(step.named_modules(remove_duplicate=False))
+    params = dict(step.named_parameters(remove_duplicate=False))
+    frozen = [n for n in unused if all(alias in unused for alias in names_of[id(params[n])]) and params[n].requires_grad]
+    hidden = [n for n in unused if n not in frozen and params[n].requires_grad]
+    frozen = list(dict.fromkeys(names_of[id(params[n])][0] for n in frozen))  # a tied parameter once
+    saved = {}
+    for n in hidden:
+        module_name, _, attr = n.rpartition(".")
+        module = owners[module_name]
+        saved.setdefault(module_name, dict(module._parameters))
+        del module._parameters[attr]
+        module.__dict__[attr] = params[n]  # still readable as an attribute, no longer a named parameter
+    for n in frozen:
         params[n].requires_grad_(False)
     try:
-        yield
+        yield frozen, hidden
     finally:
-        for n in names:
+        for n in frozen:
             params[n].requires_grad_(True)
+        for module_name, original in saved.items():
+            module = owners[module_name]
+            for attr in original:
+                module.__dict__.pop(attr, None)
+            module._parameters.clear()
+            module._parameters.update(original)  # same order as before: the exporter's signature
 
 
 # -- FX -> Graph ---------------------------------------------------------------------------------
@@ -378,8 +401,9 @@ def _fixed_bytes(gm: fx.GraphModule, signature: Any) -> int:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fixed = storage_bytes([n.meta.get("val") for n in placeholders])
     by_name = {n.name: n for n in placeholders}
-    fixed += sum(storage_bytes(by_name[ph].meta.get("val")) for ph, p in signature.inputs_to_parameters.items()
-                 if p in grad_params)
+    # a tied parameter (GPT-2's wte = lm_head) is two placeholders of one storage, with one .grad
+    fixed += storage_bytes([by_name[ph].meta.get("val") for ph, p in signature.inputs_to_parameters.items()
+                            if p in grad_params])
     return fixed
 
 
