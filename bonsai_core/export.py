@@ -291,6 +291,8 @@ class _Writer:
         raise ExportError(f"Cannot write the constant {a!r} ({type(a).__name__}) into the exported program.")
 
     def call(self, node: fx.Node) -> str:
+        if node.target is operator.getitem:  # an output of a multi-output op that is a graph node of its own
+            return f"{self.expr(node.args[0])}[{node.args[1]!r}]"
         if not isinstance(node.target, torch._ops.OpOverload):
             raise ExportError(f"FX node {node.name!r} calls {node.target!r}, not an aten op; it cannot be exported.")
         args = [self.expr(a) for a in node.args] + [f"{k}={self.expr(v)}" for k, v in node.kwargs.items()]

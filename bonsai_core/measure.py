@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.nn as nn
@@ -61,11 +61,13 @@ class MeasuredStep:
     device: str
 
 
-def allocate_fixed(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any) -> int:
+def allocate_fixed(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any,
+                   frozen: Collection[str] = ()) -> int:
     """Allocate every gradient buffer (as steady-state training keeps ``.grad``) and return the bytes
     that live through the whole step: parameters, gradients, buffers, the loss's targets, the batch
-    (a traced graph's ``fixed_mem``)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    (a traced graph's ``fixed_mem``). ``frozen`` names parameters the loss gives no gradient
+    (``Traced.frozen_params``): their ``.grad`` stays ``None``, as eager leaves it."""
+    params = [p for n, p in model.named_parameters() if p.requires_grad and n not in frozen]
     for p in params:
         p.grad = torch.zeros_like(p)
     loss_buffers = list(loss_fn.buffers()) if isinstance(loss_fn, nn.Module) else []
@@ -73,15 +75,17 @@ def allocate_fixed(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: 
 
 
 def measure_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
-                 step: Callable[[], torch.Tensor] | None = None) -> MeasuredStep:
+                 step: Callable[[], torch.Tensor] | None = None, frozen: Collection[str] = ()) -> MeasuredStep:
     """Run one forward + loss + backward of ``model`` and measure its peak memory.
 
     Gradient buffers are allocated first (as in steady-state training, where ``.grad`` persists), so
     the fixed memory is parameters + gradients + buffers + the batch, as in a traced graph's
     ``fixed_mem``. ``step`` replaces the default ``loss_fn(model(*inputs)).backward()`` (for example
-    an exported, checkpointed model's step); it must return the loss.
+    an exported, checkpointed model's step); it must return the loss. ``frozen``: see
+    :func:`allocate_fixed`. BatchNorm statistics are updated in place (their buffers are fixed
+    memory) and dropout masks are counted like any other tensor.
     """
-    fixed = allocate_fixed(model, inputs, loss_fn)
+    fixed = allocate_fixed(model, inputs, loss_fn, frozen)
 
     def default_step() -> torch.Tensor:
         loss = loss_fn(model(*inputs))

@@ -14,15 +14,40 @@ How FX nodes become graph nodes:
   base, ``mem`` 0, ``cost`` 0.
 * every other op is a compute node whose ``mem`` is its outputs' storage bytes and whose ``cost``
   comes from a roofline of FLOPs (``torch.utils.flop_counter``) and bytes moved on a device profile.
-* nodes up to the loss are ``forward``, the rest ``backward``; nodes that no output needs are dropped.
+* nodes that no output needs are dropped.
+
+Phases: a node is ``forward`` if eager runs it in the forward pass: it comes no later than the loss
+in execution order, or a buffer update (below) needs it. The rest is ``backward``. The loss is the
+step's user output (``signature.user_outputs``), not ``backward_signature.loss_output``, which
+counts the mutated buffers among the outputs and so names a BatchNorm statistic when there is one.
+
+BatchNorm and other buffer mutations: AOTAutograd returns each mutated buffer's new value (running
+mean / var, ``num_batches_tracked``) as an extra graph output. Eager writes them into the buffers in
+place, and the buffers are already ``fixed_mem``, so those outputs add no bytes to their node: a
+batch norm node's ``mem`` is its output and saved statistics only, and the ``num_batches_tracked + 1``
+node has ``mem`` 0. :attr:`Traced.buffer_writes` lists them for the exporter, which must copy them
+back into the module's buffers.
+
+Parameters that get no gradient from the loss (BERT's pooler under the MLM loss) are traced as
+frozen: their ``.grad`` stays ``None`` as in eager, so their gradient bytes are not ``fixed_mem``.
+:attr:`Traced.frozen_params` names them.
+
+Model code that reads a tensor's value (``.item()``, ``if`` on a tensor) cannot be traced on fake
+tensors: it raises a :class:`ModelError` naming the module and the source line. A ``torch._assert``
+whose condition is a tensor is only a check, not a branch, so it is skipped while tracing (the
+user's own eager run still checks it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import os
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+from unittest import mock
 
 import torch
 import torch.fx as fx
@@ -38,17 +63,36 @@ from bonsai_core.tensors import storage_bytes, tensors_in
 
 # What torch says when a closure holds a tensor that tracing cannot lift as an input.
 _CAPTURED_CONSTANT_SIGNS = ("fake buffer", "_tensor_constant", "convert all Tensors to FakeTensors")
+# What torch raises when Python code needs a tensor's value (which fake tensors do not have).
+_DATA_DEPENDENT_ERRORS = ("DataDependentOutputException", "GuardOnDataDependentSymNode",
+                          "DynamicOutputShapeException", "UnsupportedOperatorException")
 _IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 @dataclass
 class Traced:
-    """A traced step: the graph, plus the FX module and its node names for the exporter."""
+    """A traced step: the graph, plus what the exporter needs to run the FX module again.
+
+    ``buffer_writes`` are the step's buffer mutations in the FX graph's output order: (FX node name
+    of the new value, buffer name relative to the traced ``_Step``, e.g. ``model.bn1.running_mean``
+    or ``loss_fn.count``); a faithful replay copies each value into its buffer after the step.
+    ``frozen_params`` are the model's parameters (names relative to the model) that get no gradient
+    from the loss: traced as ``requires_grad=False``, so the FX graph has no gradient output for
+    them and their ``.grad`` must stay ``None``.
+    ``hidden_aliases`` are unused names of tied parameters that the model reads under another name
+    (BERT's ``cls.predictions.bias`` = ``cls.predictions.decoder.bias``): they were left out of the
+    traced module's parameters, so the FX graph has no placeholder for them; the parameter itself
+    is traced (and gets its gradient) under its other name.
+    """
 
     graph: Graph
     module: fx.GraphModule
     fx_names: list[str]  # FX node name of each graph node
     seconds: float
+    buffer_writes: list[tuple[str, str]] = field(default_factory=list)
+    frozen_params: list[str] = field(default_factory=list)
+    hidden_aliases: list[str] = field(default_factory=list)
 
 
 class _Step(nn.Module):
@@ -78,97 +122,307 @@ def trace_zoo(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, **option
 def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
                name: str = "model", profile: str = DEFAULT_PROFILE) -> Traced:
     """Trace one training step of ``model`` on ``inputs`` with ``loss_fn`` into a Graph."""
-    from torch._functorch.aot_autograd import aot_export_module
-
     if profile not in PROFILES:
         raise ModelError(f"Unknown cost model {profile!r}; choose one of: {', '.join(PROFILES)}.")
     start = time.perf_counter()
+    step = _Step(model, loss_fn)
+    frozen: list[str] = []
+    hidden: list[str] = []
     try:
-        gm, signature = aot_export_module(_Step(model, loss_fn), tuple(inputs), trace_joint=True,
-                                          output_loss_index=0)
-    except Exception as e:  # torch raises many types here; the user needs the message, not the stack
-        if any(sign in str(e) for sign in _CAPTURED_CONSTANT_SIGNS):
-            raise ModelError("The loss function (or model) captures tensors, such as targets, as constants. "
-                             "Make loss_fn an nn.Module that holds them as buffers, like "
-                             "bonsai_core.zoo.CrossEntropyLoss.") from None
-        raise ModelError(f"Tracing {name!r} failed ({type(e).__name__}): {e}") from None
+        gm, signature = _export_joint(step, tuple(inputs), name)
+    except _NoGradient:  # rare, and finding the parameters costs a forward trace: only then
+        unused = _unused_parameters(step, tuple(inputs), name)
+        try:
+            with _without_unused(step, unused) as (frozen, hidden):
+                gm, signature = _export_joint(step, tuple(inputs), name)
+        except _NoGradient:
+            raise ModelError(f"Tracing {name!r} failed: a trainable parameter gets no gradient from the loss "
+                             "although the model reads it (through an op without a gradient, such as argmax). "
+                             "Set requires_grad=False on it.") from None
+    frozen = [n.removeprefix("model.") for n in frozen]
+    hidden = [n.removeprefix("model.") for n in hidden]
     graph, fx_names = _to_graph(gm, signature, name, PROFILES[profile])
-    return Traced(graph, gm, fx_names, time.perf_counter() - start)
+    writes = [(fx_name, buffer) for fx_name, buffer in signature.buffers_to_mutate.items()]
+    return Traced(graph, gm, fx_names, time.perf_counter() - start, writes, frozen, hidden)
+
+
+# -- tracing -------------------------------------------------------------------------------------
+
+class _NoGradient(Exception):
+    """AOTAutograd refused a trainable parameter that the loss gives no gradient."""
+
+
+def _export_joint(step: _Step, inputs: tuple[torch.Tensor, ...], name: str) -> tuple[fx.GraphModule, Any]:
+    """``aot_export_module`` of the joint step, with torch's failures turned into advice."""
+    from torch._functorch.aot_autograd import aot_export_module
+
+    try:
+        with _skip_tensor_asserts():
+            return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+    except Exception as e:  # torch raises many types here; the user needs the message, not the stack
+        if "did not receive a gradient" in str(e):
+            raise _NoGradient() from None
+        raise _model_error(e, step, name) from None
+
+
+def _model_error(e: Exception, step: _Step, name: str) -> ModelError:
+    if any(sign in str(e) for sign in _CAPTURED_CONSTANT_SIGNS):
+        return ModelError("The loss function (or model) captures tensors, such as targets, as constants. "
+                          "Make loss_fn an nn.Module that holds them as buffers, like "
+                          "bonsai_core.zoo.CrossEntropyLoss.")
+    if type(e).__name__ in _DATA_DEPENDENT_ERRORS:
+        return ModelError(f"Tracing {name!r} failed: {_user_code(e, step)} reads a tensor's value "
+                          f"({str(e).splitlines()[0]}): `.item()`, `int()`/`bool()` of a tensor, or an `if` on "
+                          "one. Tracing runs on shapes only, so no value is known there. Make the code "
+                          "independent of tensor values (`torch.where` instead of an `if`, checks on "
+                          "`x.shape` instead of on tensor contents, `.item()` calls moved out of forward).")
+    return ModelError(f"Tracing {name!r} failed ({type(e).__name__}): {e}")
+
+
+def _user_code(e: BaseException, step: _Step) -> str:
+    """'module NAME (Class) at FILE:LINE `code`' for the innermost frame of e outside torch and bonsai."""
+    frames = [(f, tb_line) for f, tb_line in traceback.walk_tb(e.__traceback__)
+              if not f.f_code.co_filename.startswith(_TORCH_DIR) and f.f_code.co_filename != __file__]
+    if not frames:
+        return "model code"
+    frame, line = frames[-1]
+    summary = traceback.FrameSummary(frame.f_code.co_filename, line, frame.f_code.co_name)
+    where = f"{summary.filename}:{line} `{(summary.line or '').strip()}`"
+    owner = frame.f_locals.get("self")
+    if isinstance(owner, nn.Module):
+        path = next((n for n, m in step.named_modules() if m is owner), "")
+        label = path.removeprefix("model.").removeprefix("model") or "(the model itself)"
+        return f"module {label} ({type(owner).__name__}) at {where}"
+    return f"{frame.f_code.co_name} at {where}"
+
+
+@contextlib.contextmanager
+def _skip_tensor_asserts() -> Iterator[None]:
+    """``torch._assert`` on a tensor condition is a check, not a branch: skip it while tracing
+    (fake tensors have no value to check), keep every other assert."""
+    real_assert = torch._assert
+
+    def traced_assert(condition: Any, message: str) -> None:
+        if not isinstance(condition, torch.Tensor):
+            real_assert(condition, message)
+
+    with mock.patch.object(torch, "_assert", traced_assert):
+        yield
+
+
+def _unused_parameters(step: _Step, inputs: tuple[torch.Tensor, ...], name: str) -> list[str]:
+    """Names (in ``step``) of the parameters the forward pass never reads: the placeholders without
+    users in the forward-only graph. Each gets no gradient."""
+    from torch._functorch.aot_autograd import aot_export_module
+
+    try:
+        with _skip_tensor_asserts():
+            gm, signature = aot_export_module(step, inputs, trace_joint=False)
+    except Exception as e:  # the same failures as the joint trace, said the same way
+        raise _model_error(e, step, name) from None
+    unused = {n.name for n in gm.graph.nodes if n.op == "placeholder" and not n.users}
+    return [p for ph, p in signature.inputs_to_parameters.items() if ph in unused]
+
+
+@contextlib.contextmanager
+def _without_unused(step: _Step, unused: list[str]) -> Iterator[tuple[list[str], list[str]]]:
+    """Trace ``step`` with its unused parameters out of the way, yielding (frozen, hidden): a
+    parameter no name of which is read is frozen (``requires_grad=False``), and an unused name of a
+    tied parameter that is read under another name (BERT's ``cls.predictions.bias``, tied to
+    ``decoder.bias``) is hidden from ``named_parameters`` (AOTAutograd lists every name of a tied
+    parameter and refuses a name that gets no gradient). Everything is put back afterwards."""
+    names_of: dict[int, list[str]] = {}
+    for n, p in step.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(n)
+    owners = dict(step.named_modules(remove_duplicate=False))
+    params = dict(step.named_parameters(remove_duplicate=False))
+    frozen = [n for n in unused if all(alias in unused for alias in names_of[id(params[n])]) and params[n].requires_grad]
+    hidden = [n for n in unused if n not in frozen and params[n].requires_grad]
+    frozen = list(dict.fromkeys(names_of[id(params[n])][0] for n in frozen))  # a tied parameter once
+    saved = {}
+    for n in hidden:
+        module_name, _, attr = n.rpartition(".")
+        module = owners[module_name]
+        saved.setdefault(module_name, dict(module._parameters))
+        del module._parameters[attr]
+        module.__dict__[attr] = params[n]  # still readable as an attribute, no longer a named parameter
+    for n in frozen:
+        params[n].requires_grad_(False)
+    try:
+        yield frozen, hidden
+    finally:
+        for n in frozen:
+            params[n].requires_grad_(True)
+        for module_name, original in saved.items():
+            module = owners[module_name]
+            for attr in original:
+                module.__dict__.pop(attr, None)
+            module._parameters.clear()
+            module._parameters.update(original)  # same order as before: the exporter's signature
 
 
 # -- FX -> Graph ---------------------------------------------------------------------------------
 
 _LEAF = -1  # a placeholder, or a view of one: part of fixed_mem, not a node
+_ALL = -1  # every output of an op (a single-output op whose value is a buffer's new value)
+# Cost of a node that takes one output of a multi-output op: no kernel runs, but the format wants
+# every non-view node to cost something, so a nanosecond of bookkeeping.
+_GETITEM_COST = 1e-9
 
 
 def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProfile) -> tuple[Graph, list[str]]:
-    loss_fx = signature.backward_signature.loss_output
-    fixed = 0
-    grad_params = set(signature.backward_signature.gradients_to_parameters.values())
+    fx_nodes = list(gm.graph.nodes)
+    forward = _forward_nodes(fx_nodes, signature)
+    written = _buffer_outputs(fx_nodes, signature)
+    fixed_tensors = _fixed_tensors(gm, signature)
     ids: dict[fx.Node, int] = {}  # FX node -> our node id, or _LEAF
     nodes: list[dict[str, Any]] = []
     fx_names: list[str] = []
-    phase = "forward"
     outputs: list[int] = []
+    split: dict[fx.Node, set[int]] = {}  # multi-output op -> outputs that are nodes of their own
 
-    # the tensors fixed_mem is made of, in a training loop's allocation order (graph 'fixed_tensors')
-    kind_of = {**{k: "param" for k in signature.inputs_to_parameters},
-               **{k: "buffer" for k in signature.inputs_to_buffers}}
-    fixed_tensors: list[tuple[str, int, str]] = []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
+    def add(node: fx.Node, op: str, deps: list[int], alias_of: int | None, mem: int, cost: float) -> None:
+        computed_by = node.args[0] if node.target is operator.getitem else node  # an output's phase is its op's
+        phase = "forward" if computed_by in forward else "backward"
+        nodes.append({"name": node.name, "op": op, "phase": phase, "deps": deps, "alias_of": alias_of,
+                      "mem": mem, "cost": cost, "shape": _shape_str(node.meta.get("val"))})
+        fx_names.append(node.name)
+        ids[node] = len(nodes) - 1
+
+    for node in fx_nodes:
+        if node.op in ("placeholder", "get_attr"):
             ids[node] = _LEAF
-            fixed += storage_bytes(node.meta.get("val"))
-            fixed_tensors.append((node.name, storage_bytes(node.meta.get("val")), kind_of.get(node.name, "input")))
             continue
         if node.op == "output":
             outputs = [ids[a] for a in tree_flatten(node.args)[0] if isinstance(a, fx.Node) and ids[a] != _LEAF]
             continue
-        if node.op == "get_attr":
-            ids[node] = _LEAF
-            fixed += storage_bytes(getattr(gm, node.target, None))
-            fixed_tensors.append((node.name, storage_bytes(getattr(gm, node.target, None)), "constant"))
-            continue
         if node.target is operator.getitem:
-            ids[node] = ids[node.args[0]]
-        else:
-            op = str(node.target)
-            inputs = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
-            base = _view_base(node, inputs)
-            if op in _IDENTITY_OPS and inputs:
-                ids[node] = ids[inputs[0]]
-            elif base is not None and ids[base] == _LEAF:
-                ids[node] = _LEAF
+            op_node, index = node.args
+            if index in split.get(op_node, ()):
+                mem = 0 if index in written.get(op_node, ()) else storage_bytes(op_node.meta["val"][index])
+                add(node, "getitem", [ids[op_node]], None, mem, _GETITEM_COST)
             else:
-                dep_ids = sorted({ids[a] for a in inputs if ids[a] != _LEAF})
-                is_view = base is not None
-                nodes.append({
-                    "name": node.name, "op": op, "phase": phase, "deps": dep_ids,
-                    "alias_of": ids[base] if is_view else None,
-                    "mem": 0 if is_view else storage_bytes(node.meta.get("val")),
-                    "cost": 0.0 if is_view else _cost(node, profile),
-                    "shape": _shape_str(node.meta.get("val")),
-                })
-                fx_names.append(node.name)
-                ids[node] = len(nodes) - 1
-        if node.name == loss_fx:
-            phase = "backward"
-
-    # parameter gradients live in buffers for the whole step (DESIGN.md: part of fixed_mem)
-    params = dict(gm.named_parameters())
-    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    for ph_name, p_name in signature.inputs_to_parameters.items():
-        if p_name in grad_params:
-            fixed += storage_bytes(placeholders[ph_name].meta.get("val", params.get(p_name)))
-            fixed_tensors.append((f"{ph_name}.grad", storage_bytes(placeholders[ph_name].meta.get("val", params.get(p_name))),
-                                  "grad"))
-    order = {"param": 0, "buffer": 0, "constant": 0, "grad": 1, "input": 2}  # construction, zeros_like grads, batch
-    fixed_tensors.sort(key=lambda t: order[t[2]])
-    return _prune(name, fixed, nodes, fx_names, outputs, fixed_tensors)
+                ids[node] = ids[op_node]
+            continue
+        op = str(node.target)
+        inputs = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
+        base = _view_base(node, inputs)
+        deps = sorted({ids[a] for a in inputs if ids[a] != _LEAF})
+        if op in _IDENTITY_OPS and inputs:
+            ids[node] = ids[inputs[0]]
+        elif base is not None and ids[base] == _LEAF:
+            ids[node] = _LEAF
+        elif base is not None:
+            add(node, op, deps, ids[base], 0, 0.0)
+        else:
+            split[node] = _separate_outputs(node) if node in forward else set()
+            add(node, op, deps, None, _output_bytes(node, written.get(node, set()) | split[node]), _cost(node, profile))
+    return _prune(name, fixed_tensors, nodes, fx_names, outputs)
 
 
-def _prune(name: str, fixed: int, nodes: list[dict[str, Any]], fx_names: list[str],
-           outputs: list[int], fixed_tensors: list[tuple[str, int, str]] = ()) -> tuple[Graph, list[str]]:
+def _loss_node(fx_nodes: list[fx.Node], signature: Any) -> fx.Node:
+    """The loss: the step's one user output. (``backward_signature.loss_output`` indexes all outputs,
+    mutated buffers first, so with a batch norm it names a running statistic.)"""
+    (loss_name,) = signature.user_outputs
+    return next(n for n in fx_nodes if n.name == loss_name)
+
+
+def _forward_nodes(fx_nodes: list[fx.Node], signature: Any) -> set[fx.Node]:
+    """The FX nodes eager runs in the forward pass: those up to the loss in execution order, and
+    whatever computes a buffer's new value (in case a loss module updates a buffer after the loss)."""
+    loss = _loss_node(fx_nodes, signature)
+    forward = set(fx_nodes[:fx_nodes.index(loss) + 1])
+    by_name = {n.name: n for n in fx_nodes}
+    stack = [by_name[fx_name] for fx_name in signature.buffers_to_mutate]
+    while stack:
+        n = stack.pop()
+        if n not in forward:
+            forward.add(n)
+            stack.extend(n.all_input_nodes)
+    return forward
+
+
+def _buffer_outputs(fx_nodes: list[fx.Node], signature: Any) -> dict[fx.Node, set[int]]:
+    """For each op, which of its outputs are a buffer's new value (``_ALL`` for a single output).
+
+    Eager writes these into the buffer in place (``running_mean.mul_(...).add_(...)``), and the buffer
+    is fixed_mem already, so they add no bytes to their op's node."""
+    by_name = {n.name: n for n in fx_nodes}
+    written: dict[fx.Node, set[int]] = {}
+    for fx_name in signature.buffers_to_mutate:
+        n = by_name[fx_name]
+        if n.target is operator.getitem:
+            written.setdefault(n.args[0], set()).add(n.args[1])
+        else:
+            written.setdefault(n, set()).add(_ALL)
+    return written
+
+
+def _separate_outputs(node: fx.Node) -> set[int]:
+    """Outputs of a forward multi-output op that become nodes of their own: the used outputs after
+    the first that are at most a quarter of its size (batch norm's statistics, dropout's mask).
+
+    Eager frees each output when its last reader is done; one node holding them all would keep a
+    batch norm's normalised output (or dropout's output) alive as long as the statistics (the mask)
+    that the backward pass reads much later. The output's node follows its op's node, and in the
+    forward pass nothing is freed between the two (an op's inputs are saved for the backward pass or
+    read by the next op), so the kernel's moment of allocating all outputs at once is counted right.
+    What the simulator misses is a recomputation of the op while such an output's node is resident:
+    the kernel allocates that output again for a moment. The size limit bounds that to a quarter of
+    the op's output (max-pooling's int64 indices, twice its output, stay with their op).
+    Backward ops keep one node: their outputs (an input gradient with the weight gradients) die
+    together within an op or two, and splitting them would let frees slip between the kernel and
+    its output nodes."""
+    outs = node.meta.get("val")
+    used = sorted({u.args[1] for u in node.users if u.target is operator.getitem and u.users})
+    if len(used) < 2 or not isinstance(outs, (tuple, list)):
+        return set()
+    first = storage_bytes(outs[used[0]])
+    return {i for i in used[1:] if 4 * storage_bytes(outs[i]) <= first}
+
+
+def _output_bytes(node: fx.Node, excluded: set[int]) -> int:
+    """Storage bytes of the op's outputs, less the excluded ones (written into buffers, or nodes of
+    their own)."""
+    val = node.meta.get("val")
+    if _ALL in excluded:
+        return 0
+    if excluded and isinstance(val, (tuple, list)):
+        val = [v for i, v in enumerate(val) if i not in excluded]
+    return storage_bytes(val)
+
+
+def _fixed_tensors(gm: fx.GraphModule, signature: Any) -> list[tuple[str, int, str]]:
+    """The tensors ``fixed_mem`` is made of, as ``(name, bytes, kind)`` in a training loop's allocation
+    order (the graph's optional ``fixed_tensors``): parameters, buffers and captured constants when the
+    model is built, the gradients of the trainable parameters (frozen ones have none), then the batch.
+    They live for the whole step (DESIGN.md). A storage counts once: a tied parameter (GPT-2's
+    wte = lm_head) is two placeholders of one storage, with one ``.grad``."""
+    kind_of = {**{k: "param" for k in signature.inputs_to_parameters},
+               **{k: "buffer" for k in signature.inputs_to_buffers}}
+    grad_params = set(signature.backward_signature.gradients_to_parameters.values())
+    seen: set[tuple[int, str]] = set()
+    model, grads, batch = [], [], []
+
+    def add(to: list, name: str, value: Any, kind: str) -> None:
+        key = value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else id(value)
+        if (key, kind) not in seen:
+            seen.add((key, kind))
+            to.append((name, storage_bytes(value), kind))
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value, kind = node.meta.get("val"), kind_of.get(node.name, "input")
+            add(batch if kind == "input" else model, node.name, value, kind)
+            if signature.inputs_to_parameters.get(node.name) in grad_params:
+                add(grads, f"{node.name}.grad", value, "grad")
+        elif node.op == "get_attr":
+            add(model, node.name, getattr(gm, node.target, None), "constant")
+    return model + grads + batch
+
+
+def _prune(name: str, fixed_tensors: list[tuple[str, int, str]], nodes: list[dict[str, Any]],
+           fx_names: list[str], outputs: list[int]) -> tuple[Graph, list[str]]:
     """Keep the nodes some output needs, renumbered in order."""
     needed = set()
     stack = list(outputs)
@@ -185,6 +439,7 @@ def _prune(name: str, fixed: int, nodes: list[dict[str, Any]], fx_names: list[st
         nd["deps"] = [new_id[d] for d in nd["deps"]]
         nd["alias_of"] = None if nd["alias_of"] is None else new_id[nd["alias_of"]]
         kept.append(nd)
+    fixed = sum(t[1] for t in fixed_tensors)
     return Graph.from_nodes(name, fixed, kept, fixed_tensors), [fx_names[i] for i in keep]
 
 

@@ -70,7 +70,7 @@ def metric(at: AppTest, label: str) -> str:
 
 def test_app_opens_on_the_default_model():
     at = app()
-    assert metric(at, "operators") == "267"
+    assert metric(at, "operators") == "277"
     assert metric(at, "no-remat peak") == "31.24 MiB"
     assert metric(at, "parameters") != "—"
     assert not at.error
@@ -122,8 +122,8 @@ def test_a_segment_method_colours_the_graph_and_reports_its_solve(fake_method):
     assert overhead != "0.00%"
     goto(at, "graph")
     assert "segments of the **fake** schedule" in at.caption[0].value
-    every_op = plot_spec(at)  # 267 ops: opens op by op
-    assert sum(len(t["text"]) for t in every_op["data"][1:] if t.get("name") in ("forward op", "backward op")) == 267
+    every_op = plot_spec(at)  # 277 ops: opens op by op
+    assert sum(len(t["text"]) for t in every_op["data"][1:] if t.get("name") in ("forward op", "backward op")) == 277
     at.segmented_control(key="graph_view").set_value("collapsed").run()
     assert plot_spec(at) != every_op
     at.selectbox(key="graph_drill").set_value("segment 1").run()
@@ -244,4 +244,4 @@ def test_tracing_with_impossible_sizes_is_an_error_and_keeps_the_model():
     at.button(key="trace").click().run()
     assert not at.exception
     assert any("Change the size options" in e.value for e in at.error)
-    assert metric(at, "operators") == "267"
+    assert metric(at, "operators") == "277"
