@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 import uuid
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import torch
 
 from bonsai_core.errors import ScheduleError
 from bonsai_core.export.program import ExportError, StepSignature, generate_program, step_signature
@@ -63,6 +64,9 @@ def export_traced(traced: Traced, signature: StepSignature, schedule: Schedule, 
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "checkpointed.py").write_text(RUNTIME.read_text() + "\n\n" + program)
+        constants = constants_of(traced)
+        if constants:
+            torch.save(constants, out / "constants.pt")
         saved = Schedule(graph=graph.name, method=schedule.method, ops=list(schedule.ops), budget=schedule.budget,
                          graph_hash=graph.hash, stats={**schedule.stats, **sim.stats()}, extra=schedule.extra)
         (out / "schedule.json").write_text(json.dumps(saved.to_dict(), separators=(",", ":")) + "\n")
@@ -77,13 +81,28 @@ def load_export(out_dir: str | Path) -> ModuleType:
     path = Path(out_dir) / "checkpointed.py"
     if not path.is_file():
         raise ExportError(f"{str(path)!r} does not exist: pass the folder that `bonsai export` wrote.")
-    name = f"_bonsai_export_{uuid.uuid4().hex}"
-    spec = importlib.util.spec_from_file_location(name, path)
+    # the standard recipe, without sys.modules: the generated file must load this way
+    spec = importlib.util.spec_from_file_location(f"_bonsai_export_{uuid.uuid4().hex}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(name, None)
+    spec.loader.exec_module(module)
     return module
+
+
+def constants_of(traced: Traced) -> dict[str, torch.Tensor]:
+    """The tensors the traced model created itself (FX ``get_attr``: masks, position ids, empty
+    tensors), as plain CPU tensors that ``torch.load(..., weights_only=True)`` reads back."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gm = traced.module
+    constants = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        t = getattr(gm, node.target)
+        if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type == "meta":
+            raise ExportError(f"The traced step holds a constant {node.target!r} ({type(t).__name__}) whose values "
+                              "tracing did not keep. Make it a buffer of the model (register_buffer) so it becomes an "
+                              "input of the step.")
+        constants[node.target] = t.detach().to("cpu").clone()
+    return constants

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +18,16 @@ import torch.fx as fx
 
 from bonsai_core.errors import BonsaiError
 from bonsai_core.schedule import COMPUTE, FREE, Schedule
-from bonsai_core.trace import Traced
+from bonsai_core.trace import _IDENTITY_OPS, Traced
 
-_IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}  # as trace.py folds them
+# Kernels the tracer picked for its own device, and the runtime helpers (same arguments and outputs)
+# that call the kernel of the device the step runs on: a program runs wherever its batch is.
+PORTABLE_OPS = {
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": "sdpa_forward",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": "sdpa_backward",
+}
+# Substrings of aten op names that exist for one device only; no exported program may call one.
+DEVICE_SPECIFIC = ("_for_cpu", "cudnn", "miopen", "mkldnn", "_cuda", "cuda_", "_mps", "_xpu", "onednn", "fbgemm")
 
 class ExportError(BonsaiError):
     """A schedule or model cannot be exported (wrong graph, unsupported op or constant)."""
@@ -60,27 +68,45 @@ def signature_of(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], loss_
 def generate_program(traced: Traced, signature: StepSignature, schedule: Schedule, info: dict[str, Any]) -> str:
     """Python source of the scheduled step: ``forward_part``, ``backward_part``, ``PROGRAM`` and ``load``.
 
-    O(len(ops) + FX nodes). Raises ExportError for ops or constants it cannot write out."""
+    The joint graph's outputs are, in AOTAutograd's order: the new values of mutated buffers
+    (``traced.buffer_writes``), the loss, then one gradient per trainable parameter (none for
+    ``traced.frozen_params``). O(len(ops) + FX nodes). Raises ExportError for ops or constants it
+    cannot write out."""
     graph, gm = traced.graph, traced.module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     _check_signature(placeholders, signature)
-    writer = _Writer(placeholders, {name: v for v, name in enumerate(traced.fx_names)})
+    constants = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    writer = _Writer(placeholders, {name: v for v, name in enumerate(traced.fx_names)}, constants)
     fx_of = {n.name: n for n in gm.graph.nodes}
     nodes = [fx_of[name] for name in traced.fx_names]
 
+    buffer_writes = list(getattr(traced, "buffer_writes", ()))
+    frozen = set(getattr(traced, "frozen_params", ()))
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     results = list(out_node.args[0])
-    loss_fx, grad_fx = results[0], results[1:]
-    trainable = [j for j, p in enumerate(signature.params) if p[3]]
+    written, loss_fx, grad_fx = results[:len(buffer_writes)], results[len(buffer_writes)], results[len(buffer_writes) + 1:]
+    trainable = [j for j, p in enumerate(signature.params) if p[3] and p[0] not in frozen]
     if len(grad_fx) != len(trainable):
         raise ExportError(f"The traced step returns {len(grad_fx)} gradients for {len(trainable)} trainable "
                           "parameters; the graph does not match the model's parameters.")
     loss_node = writer.root(loss_fx)
     emits: dict[int, list[tuple[int, str]]] = {}
     for j, g in zip(trainable, grad_fx):
-        if g is None:
-            continue
-        emits.setdefault(writer.root(g), []).append((j, writer.expr(g)))
+        if g is not None:
+            emits.setdefault(writer.root(g), []).append((j, writer.expr(g)))
+    # a mutated buffer is written in place right after its new value is first computed, as eager
+    # BatchNorm updates its running statistics during the forward pass
+    first_lines: list[str] = []
+    writes: dict[int, list[str]] = {}
+    buffer_index = {f"{owner}.{name}": k for k, (owner, name, *_) in enumerate(signature.buffers)}
+    for value, (_, buffer) in zip(written, buffer_writes):
+        if buffer not in buffer_index:
+            raise ExportError(f"The traced step writes buffer {buffer!r}, which the model and loss do not have.")
+        line = f"a{len(signature.params) + buffer_index[buffer]}.copy_({writer.expr(value)})  # {buffer}"
+        try:
+            writes.setdefault(writer.root(value), []).append(line)
+        except ExportError:  # a value made of placeholders only: write it before anything runs
+            first_lines.append(line)
 
     ops = schedule.ops
     split = next(i for i, (k, v) in enumerate(ops) if k == COMPUTE and v == loss_node) + 1
@@ -90,6 +116,10 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
     for kind, v in ops[:split]:
         (alive.add if kind == COMPUTE else alive.discard)(v)
     carried = sorted(alive)
+    computes = Counter(v for kind, v in ops if kind == COMPUTE)
+    # random ops that are computed again draw the same numbers: the generator state before the first
+    # compute is kept and restored around each recomputation (what torch.utils.checkpoint does)
+    replayed = {v for v, count in computes.items() if count > 1 and _is_random(nodes[v])}
 
     computed: set[int] = set()
 
@@ -99,11 +129,18 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
             if kind == FREE:
                 lines.append(f"del v{v}")
                 continue
-            lines.append(f"v{v} = {writer.call(nodes[v])}  # {graph.names[v]}")
+            line = f"v{v} = {writer.call(nodes[v])}  # {graph.names[v]}"
+            if v in replayed and v in computed:
+                lines += [f"with replay_rng(rng[{v}], dev):", "    " + line]
+                continue
+            if v in replayed:
+                lines.append(f"rng[{v}] = rng_state(dev)")
+            lines.append(line)
             if v not in computed:
                 computed.add(v)
                 if v == loss_node:
                     lines.append(f"loss = {writer.expr(loss_fx)}")
+                lines += writes.get(v, [])
                 for j, expr in emits.get(v, ()):
                     if not backward:
                         raise ExportError("A parameter gradient is computed before the loss; the schedule is malformed.")
@@ -111,9 +148,9 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
         return lines
 
     forward_ops, backward_ops = ops[:split], ops[split:]
-    unpack = "(" + "".join(f"a{i}, " for i in range(len(placeholders))) + ") = args"
+    unpack = "(" + "".join(f"a{i}, " for i in range(len(placeholders) + len(constants))) + ") = args"
     carried_vars = "".join(f"v{v}, " for v in carried)
-    fwd = [unpack, *body(forward_ops, False), f"return loss, [{carried_vars}]"]
+    fwd = [unpack, "rng = {}", *first_lines, *body(forward_ops, False), f"return loss, [{carried_vars}], rng"]
     bwd = [unpack]
     if carried:
         bwd += [f"({carried_vars}) = alive", "alive.clear()  # the schedule's del statements now free them"]
@@ -127,19 +164,25 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
         f"INFO = {info!r}\n"
         f"PARAMS = {signature.params!r}\n"
         f"BUFFERS = {signature.buffers!r}\n"
-        f"INPUTS = {signature.inputs!r}\n\n\n"
+        f"INPUTS = {signature.inputs!r}\n"
+        f"CONSTANTS = {constants!r}  # tensors the model created while traced, in constants.pt\n\n\n"
         "def forward_part(args, dev):\n"
         f'    """Schedule ops 0..{split - 1}: the forward pass up to the loss."""\n'
         f"{indent(fwd)}\n\n\n"
-        "def backward_part(args, alive, dev, emit):\n"
+        "def backward_part(args, alive, rng, dev, emit):\n"
         f'    """Schedule ops {split}..{len(ops) - 1}: recomputations and the backward pass."""\n'
         f"{indent(bwd)}\n\n\n"
-        "PROGRAM = Program(PARAMS, BUFFERS, INPUTS, forward_part, backward_part, INFO)\n\n\n"
+        "PROGRAM = Program(PARAMS, BUFFERS, INPUTS, CONSTANTS, forward_part, backward_part, INFO)\n\n\n"
         "def load(model: nn.Module, grads: str = \"autograd\") -> Checkpointed:\n"
         '    """Wrap ``model`` (same class and shapes as exported) to train with the schedule:\n'
         "    ``loss = load(model)(*inputs, loss_fn=loss_fn); loss.backward()``. See README.md.\"\"\"\n"
-        "    return Checkpointed(model, PROGRAM, grads)\n"
+        "    return Checkpointed(model, PROGRAM, grads, load_constants(__file__, CONSTANTS))\n"
     )
+
+
+def _is_random(node: fx.Node) -> bool:
+    """Whether the op draws from the random number generator (dropout, bernoulli, rand*, ...)."""
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
 
 
 def _check_signature(placeholders: list[fx.Node], sig: StepSignature) -> None:
@@ -155,8 +198,9 @@ class _Writer:
     """Writes FX nodes and their arguments as Python expressions over ``a<i>`` (placeholders),
     ``v<id>`` (graph nodes) and ``dev`` (the device the step runs on)."""
 
-    def __init__(self, placeholders: list[fx.Node], graph_ids: dict[str, int]) -> None:
+    def __init__(self, placeholders: list[fx.Node], graph_ids: dict[str, int], constants: list[str]) -> None:
         self.ph = {n: i for i, n in enumerate(placeholders)}
+        self.const = {name: len(placeholders) + i for i, name in enumerate(constants)}  # after the placeholders
         self.ids = graph_ids
 
     def root(self, node: fx.Node) -> int:
@@ -171,6 +215,8 @@ class _Writer:
         if isinstance(a, fx.Node):
             if a.op == "placeholder":
                 return f"a{self.ph[a]}"
+            if a.op == "get_attr":
+                return f"a{self.const[a.target]}"
             if a.name in self.ids:
                 return f"v{self.ids[a.name]}"
             if a.target is operator.getitem:
@@ -179,8 +225,8 @@ class _Writer:
                 return self.expr(a.args[0])
             if a.op == "call_function":  # a view of a parameter or input: free to recompute at each use
                 return self.call(a)
-            raise ExportError(f"FX node {a.name!r} ({a.op}) cannot be exported: only aten ops, parameters, buffers "
-                              "and inputs are supported (no tensor constants captured by the model).")
+            raise ExportError(f"FX node {a.name!r} ({a.op}) cannot be exported: only aten ops, parameters, buffers, "
+                              "inputs and tensor constants are supported.")
         if isinstance(a, (list, tuple)):
             inner = ", ".join(self.expr(x) for x in a)
             return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
@@ -197,5 +243,9 @@ class _Writer:
     def call(self, node: fx.Node) -> str:
         if not isinstance(node.target, torch._ops.OpOverload):
             raise ExportError(f"FX node {node.name!r} calls {node.target!r}, not an aten op; it cannot be exported.")
+        name = str(node.target)
+        if name not in PORTABLE_OPS and any(sign in name for sign in DEVICE_SPECIFIC):
+            raise ExportError(f"FX node {node.name!r} calls {name}, a kernel of one device only; the export would not "
+                              "run elsewhere. Report the op: it needs a device-neutral form in PORTABLE_OPS.")
         args = [self.expr(a) for a in node.args] + [f"{k}={self.expr(v)}" for k, v in node.kwargs.items()]
-        return f"torch.ops.{node.target}({', '.join(args)})"
+        return f"{PORTABLE_OPS.get(str(node.target), f'torch.ops.{node.target}')}({', '.join(args)})"
