@@ -19,6 +19,7 @@ How FX nodes become graph nodes:
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
 from dataclasses import dataclass
@@ -63,29 +64,35 @@ class _Step(nn.Module):
         return (self.loss_fn(self.model(*inputs)),)
 
 
-def trace_zoo(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, **options: Any) -> Traced:
+def trace_zoo(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autocast: str | None = None,
+              **options: Any) -> Traced:
     """Build a zoo model (or ``package.module:factory``) under FakeTensorMode and trace its step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from bonsai_core import zoo
 
     label = name if not options else name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
+    label += f" autocast {autocast}" if autocast else ""
     with FakeTensorMode(allow_non_fake_inputs=True):
         model, inputs, loss_fn = zoo.build(name, seed=seed, **options)
-        return trace_step(model, inputs, loss_fn, name=label, profile=profile)
+        return trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast)
 
 
 def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
-               name: str = "model", profile: str = DEFAULT_PROFILE) -> Traced:
-    """Trace one training step of ``model`` on ``inputs`` with ``loss_fn`` into a Graph."""
+               name: str = "model", profile: str = DEFAULT_PROFILE, autocast: str | None = None) -> Traced:
+    """Trace one training step of ``model`` on ``inputs`` with ``loss_fn`` into a Graph.
+
+    ``autocast`` ("bf16" | "fp16") traces the step under ``torch.autocast``: the graph holds the casts
+    and the lower-precision tensors autocast makes."""
     from torch._functorch.aot_autograd import aot_export_module
 
     if profile not in PROFILES:
         raise ModelError(f"Unknown cost model {profile!r}; choose one of: {', '.join(PROFILES)}.")
     start = time.perf_counter()
     try:
-        gm, signature = aot_export_module(_Step(model, loss_fn), tuple(inputs), trace_joint=True,
-                                          output_loss_index=0)
+        with _autocast(autocast):
+            gm, signature = aot_export_module(_Step(model, loss_fn), tuple(inputs), trace_joint=True,
+                                              output_loss_index=0)
     except Exception as e:  # torch raises many types here; the user needs the message, not the stack
         if any(sign in str(e) for sign in _CAPTURED_CONSTANT_SIGNS):
             raise ModelError("The loss function (or model) captures tensors, such as targets, as constants. "
@@ -94,6 +101,17 @@ def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Call
         raise ModelError(f"Tracing {name!r} failed ({type(e).__name__}): {e}") from None
     graph, fx_names = _to_graph(gm, signature, name, PROFILES[profile])
     return Traced(graph, gm, fx_names, time.perf_counter() - start)
+
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _autocast(autocast: str | None) -> Any:
+    if autocast is None:
+        return contextlib.nullcontext()
+    if autocast not in AUTOCAST:
+        raise ModelError(f"Unknown autocast {autocast!r}; choose one of: {', '.join(AUTOCAST)}.")
+    return torch.autocast(device_type="cpu", dtype=AUTOCAST[autocast])  # models are traced on CPU fake tensors
 
 
 # -- FX -> Graph ---------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ RUNTIME = Path(__file__).resolve().parent.parent / "export_runtime" / "runtime.p
 
 
 def export_model(model: str, options: dict[str, Any], schedule: Schedule, out_dir: str | Path, *,
-                 profile: str | None = None, seed: int = 0) -> Path:
+                 profile: str | None = None, seed: int = 0, autocast: str | None = None) -> Path:
     """Trace ``model`` (a zoo name or ``package.module:factory``) with ``options``, check that
     ``schedule`` was made for that graph, and write the runnable export to ``out_dir``.
 
@@ -34,7 +34,7 @@ def export_model(model: str, options: dict[str, Any], schedule: Schedule, out_di
     profiles = [profile] if profile else [DEFAULT_PROFILE, *(p for p in PROFILES if p != DEFAULT_PROFILE)]
     traced = None
     for p in profiles:
-        traced = trace_zoo(model, profile=p, seed=seed, **options)
+        traced = trace_zoo(model, profile=p, seed=seed, autocast=autocast, **options)
         if schedule.graph_hash in (None, traced.graph.hash):
             break
     assert traced is not None
@@ -45,7 +45,7 @@ def export_model(model: str, options: dict[str, Any], schedule: Schedule, out_di
             "the model and options (--batch, --layers, ...) you traced the schedule's graph with, or solve again "
             "for this graph.")
     return export_traced(traced, step_signature(model, options, seed), schedule, out_dir,
-                         spec={"model": model, "options": dict(options), "seed": seed})
+                         spec={"model": model, "options": dict(options), "seed": seed, "autocast": autocast})
 
 
 def export_traced(traced: Traced, signature: StepSignature, schedule: Schedule, out_dir: str | Path,

@@ -98,15 +98,21 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
     # BatchNorm updates its running statistics during the forward pass
     first_lines: list[str] = []
     writes: dict[int, list[str]] = {}
+    rebind: dict[int, str] = {}  # at every compute of a written node (a recomputation need not write again)
     buffer_index = {f"{owner}.{name}": k for k, (owner, name, *_) in enumerate(signature.buffers)}
     for value, (_, buffer) in zip(written, buffer_writes):
         if buffer not in buffer_index:
             raise ExportError(f"The traced step writes buffer {buffer!r}, which the model and loss do not have.")
-        line = f"a{len(signature.params) + buffer_index[buffer]}.copy_({writer.expr(value)})  # {buffer}"
+        target, expr = f"a{len(signature.params) + buffer_index[buffer]}", writer.expr(value)
+        line = f"{target}.copy_({expr})  # {buffer}"
         try:
-            writes.setdefault(writer.root(value), []).append(line)
+            root = writer.root(value)
         except ExportError:  # a value made of placeholders only: write it before anything runs
             first_lines.append(line)
+            continue
+        writes.setdefault(root, []).append(line)
+        if expr == f"v{root}":  # then the node is the buffer: its own copy goes, as the trace counts it (no bytes)
+            rebind[root] = f"v{root} = {target}  # written into {buffer}"
 
     ops = schedule.ops
     split = next(i for i, (k, v) in enumerate(ops) if k == COMPUTE and v == loss_node) + 1
@@ -121,21 +127,48 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
     # compute is kept and restored around each recomputation (what torch.utils.checkpoint does)
     replayed = {v for v, count in computes.items() if count > 1 and _is_random(nodes[v])}
 
+    # A multi-output op whose outputs are also nodes of their own (``getitem`` nodes, e.g. a batch norm's
+    # saved statistics) is held as a list; each such node takes its output over (the op's slot is
+    # cleared), so that output lives as long as its own node, as the simulator counts it. The slot is
+    # kept while the same copy of the op is read again by a recomputation of that output.
+    getitem_of = {v: (writer.root(n.args[0]), n.args[1]) for v, n in enumerate(nodes) if n.target is operator.getitem}
+    split_ops = {op for op, _ in getitem_of.values()}
+    getitems = {op: [(g, i) for g, (o, i) in getitem_of.items() if o == op] for op in split_ops}
+    release: set[int] = set()  # positions in ops of getitem computes that clear their op's slot
+    unread: dict[int, list[int]] = {}  # position of an op's compute -> slots no getitem reads from that copy
+    pending: set[int] = set()
+    for p in range(len(ops) - 1, -1, -1):
+        kind, v = ops[p]
+        if v in split_ops:
+            if kind == COMPUTE:
+                unread[p] = [i for g, i in getitems[v] if g not in pending]
+            pending -= {g for g, _ in getitems[v]}
+        elif kind == COMPUTE and v in getitem_of:
+            if v not in pending:
+                release.add(p)
+            pending.add(v)
+
     computed: set[int] = set()
 
-    def body(part: list[tuple[str, int]], backward: bool) -> list[str]:
+    def body(positions: range, backward: bool) -> list[str]:
         lines = []
-        for kind, v in part:
+        for p in positions:
+            kind, v = ops[p]
             if kind == FREE:
                 lines.append(f"del v{v}")
                 continue
-            line = f"v{v} = {writer.call(nodes[v])}  # {graph.names[v]}"
+            call = writer.call(nodes[v])
+            line = f"v{v} = {f'list({call})' if v in split_ops else call}  # {graph.names[v]}"
             if v in replayed and v in computed:
                 lines += [f"with replay_rng(rng[{v}], dev):", "    " + line]
-                continue
-            if v in replayed:
-                lines.append(f"rng[{v}] = rng_state(dev)")
-            lines.append(line)
+            else:
+                if v in replayed:
+                    lines.append(f"rng[{v}] = rng_state(dev)")
+                lines.append(line)
+            lines += [f"v{v}[{i}] = None  # no node reads it from this copy" for i in unread.get(p, ())]
+            if p in release:
+                op, index = getitem_of[v]
+                lines.append(f"v{op}[{index}] = None  # v{v} holds it now")
             if v not in computed:
                 computed.add(v)
                 if v == loss_node:
@@ -145,16 +178,17 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
                     if not backward:
                         raise ExportError("A parameter gradient is computed before the loss; the schedule is malformed.")
                     lines.append(f"emit({j}, {expr})")
+            if v in rebind:
+                lines.append(rebind[v])
         return lines
 
-    forward_ops, backward_ops = ops[:split], ops[split:]
     unpack = "(" + "".join(f"a{i}, " for i in range(len(placeholders) + len(constants))) + ") = args"
     carried_vars = "".join(f"v{v}, " for v in carried)
-    fwd = [unpack, "rng = {}", *first_lines, *body(forward_ops, False), f"return loss, [{carried_vars}], rng"]
+    fwd = [unpack, "rng = {}", *first_lines, *body(range(split), False), f"return loss, [{carried_vars}], rng"]
     bwd = [unpack]
     if carried:
         bwd += [f"({carried_vars}) = alive", "alive.clear()  # the schedule's del statements now free them"]
-    bwd += body(backward_ops, True) or ["pass"]
+    bwd += body(range(split, len(ops)), True) or ["pass"]
 
     def indent(lines: list[str]) -> str:
         return "\n".join("    " + line for line in lines)
@@ -241,6 +275,8 @@ class _Writer:
         raise ExportError(f"Cannot write the constant {a!r} ({type(a).__name__}) into the exported program.")
 
     def call(self, node: fx.Node) -> str:
+        if node.target is operator.getitem:  # an output of a multi-output op that is a node of its own
+            return f"{self.expr(node.args[0])}[{node.args[1]!r}]"
         if not isinstance(node.target, torch._ops.OpOverload):
             raise ExportError(f"FX node {node.name!r} calls {node.target!r}, not an aten op; it cannot be exported.")
         name = str(node.target)

@@ -108,7 +108,8 @@ class _ScheduledStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program: Program, mode: str, params: list[nn.Parameter], *tensors: torch.Tensor):  # noqa: ANN001
         dev = tensors[len(tensors) - len(program.constants) - 1].device if program.inputs else tensors[0].device
-        loss, alive, rng = program.forward(tensors, dev)
+        with torch.autocast(dev.type, enabled=False):  # the program holds the traced casts already
+            loss, alive, rng = program.forward(tensors, dev)
         ctx.program, ctx.mode, ctx.dev, ctx.params, ctx.alive, ctx.rng = program, mode, dev, params, alive, rng
         ctx.save_for_backward(*tensors)
         # a new tensor object: ctx holds the schedule's own loss tensor, and an output held by ctx
@@ -136,7 +137,8 @@ class _ScheduledStep(torch.autograd.Function):
                 # parameter's hooks (DDP's all-reduce among them) now, not when this backward ends
                 torch.autograd.backward(params[j], g)
 
-        ctx.program.backward(tensors, alive, ctx.rng, ctx.dev, emit)
+        with torch.autocast(ctx.dev.type, enabled=False):
+            ctx.program.backward(tensors, alive, ctx.rng, ctx.dev, emit)
         del alive
         return (None, None, None, *([None] * len(tensors)))
 
