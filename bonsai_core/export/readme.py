@@ -13,6 +13,8 @@ def readme(info: dict[str, Any], schedule: Schedule, folder: Path) -> str:
 
     model = info.get("model", "MODEL")
     opts = " ".join(f"--{k} {v}" for k, v in (info.get("options") or {}).items())
+    if info.get("autocast"):
+        opts += f" --autocast {info['autocast']}"
     regions = ""
     if "segments" in schedule.extra:
         regions = (f"\nThe schedule is a checkpoint-region plan: {len(schedule.extra['segments'])} segments, "
@@ -42,8 +44,15 @@ optimizer.step(); optimizer.zero_grad()
   are fine). Under `torch.no_grad()`, `ck(*inputs)` is just `model(*inputs)`.
 * Inputs, parameters and targets must have the traced shapes and dtypes (the schedule and its memory
   are made for them); `ck` raises a clear error otherwise.
+* Dropout and other random ops draw the same numbers when the schedule recomputes them (the
+  generator state of their first computation is restored around each recomputation); under one
+  `torch.manual_seed` the step equals the original's bitwise. Buffer updates (BatchNorm running
+  statistics) are written into `model`'s buffers as eager training writes them. Tensors the model
+  created while traced are in `constants.pt` (if present; keep it next to `checkpointed.py`).
+* {"The step was traced under `torch.autocast` (" + str(info.get("autocast")) + "): the casts are in the program, which runs them whether or not you wrap the call in autocast; `GradScaler` works as usual." if info.get("autocast") else "The step was traced in full precision (no autocast); to train under autocast, trace and export with `--autocast bf16|fp16`."}
 * Gradients reach autograd one by one, the moment the schedule computes them, so parameter hooks
-  and `DistributedDataParallel` work: wrap the checkpointed module, `DDP(ck)`, not `model`.
+  `DistributedDataParallel` and FSDP2 work: wrap the checkpointed module, `DDP(ck)` or
+  `fully_shard(ck)`, not `model`.
   `load(model, grads="direct")` writes `.grad` itself instead, bypassing autograd and its hooks.
 
 ## Check it on your GPU
@@ -53,7 +62,8 @@ bonsai verify {model} {opts} {folder} --device cuda
 ```
 
 runs the original and this model side by side and prints the loss difference, the largest
-gradient difference, the predicted peak and the measured peak (`torch.cuda.max_memory_allocated`).
+gradient difference, the predicted peak and the measured peak (`torch.cuda.max_memory_allocated`),
+with `.grad` pre-allocated and with `.grad` None, and the wall time of both steps.
 Without bonsai installed, measure it yourself: `torch.cuda.reset_peak_memory_stats()`, one step as
 above, then `torch.cuda.max_memory_allocated()` (with `.grad` already allocated, as in steady-state
 training). `max_memory_allocated` also counts what the simulator does not model: the caching
