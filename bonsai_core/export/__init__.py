@@ -17,9 +17,9 @@ and general ones (checkmate, moccasin, dtr, coop) run the same way. ``verify_exp
 and the exported step side by side and compares loss, gradients and peak memory.
 """
 
-from bonsai_core.export.folder import export_model, export_traced, load_export
+from bonsai_core.export.folder import export_model, export_traced, load_export, trace_for_schedule
 from bonsai_core.export.program import ExportError, StepSignature, generate_program, signature_of, step_signature
 from bonsai_core.export.verify import Verification, verify_export
 
 __all__ = ["ExportError", "StepSignature", "Verification", "export_model", "export_traced", "generate_program",
-           "load_export", "signature_of", "step_signature", "verify_export"]
+           "load_export", "signature_of", "step_signature", "trace_for_schedule", "verify_export"]

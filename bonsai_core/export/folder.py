@@ -25,9 +25,20 @@ def export_model(model: str, options: dict[str, Any], schedule: Schedule, out_di
     """Trace ``model`` (a zoo name or ``package.module:factory``) with ``options``, check that
     ``schedule`` was made for that graph, and write the runnable export to ``out_dir``.
 
-    ``profile`` is the cost model the graph was traced with (it changes node costs, so the graph
-    hash); None tries the default first, then the others. Returns ``out_dir``.
+    ``profile`` and ``autocast`` as in :func:`trace_for_schedule`. Returns ``out_dir``.
     """
+    traced = trace_for_schedule(model, options, schedule, profile=profile, seed=seed, autocast=autocast)
+    return export_traced(traced, step_signature(model, options, seed), schedule, out_dir,
+                         spec={"model": model, "options": dict(options), "seed": seed, "autocast": autocast})
+
+
+def trace_for_schedule(model: str, options: dict[str, Any], schedule: Schedule, *, profile: str | None = None,
+                       seed: int = 0, autocast: str | None = None) -> Traced:
+    """Trace ``model`` with ``options`` and check that ``schedule`` was made for that graph.
+
+    ``profile`` is the cost model the graph was traced with (it changes node costs, so the graph
+    hash); None tries the default first, then the others. ``autocast`` ("bf16" | "fp16") traces under
+    ``torch.autocast``. Raises ScheduleError on a mismatch."""
     from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES
     from bonsai_core.trace import trace_zoo
 
@@ -41,11 +52,10 @@ def export_model(model: str, options: dict[str, Any], schedule: Schedule, out_di
     if schedule.graph_hash not in (None, traced.graph.hash):
         raise ScheduleError(
             f"This schedule was made for graph {schedule.graph!r} (hash {schedule.graph_hash}), but {model!r} with "
-            f"options {options or '{}'} traces to {traced.graph.name!r} (hash {traced.graph.hash}). Export with "
-            "the model and options (--batch, --layers, ...) you traced the schedule's graph with, or solve again "
-            "for this graph.")
-    return export_traced(traced, step_signature(model, options, seed), schedule, out_dir,
-                         spec={"model": model, "options": dict(options), "seed": seed, "autocast": autocast})
+            f"options {options or '{}'}{f' and autocast {autocast}' if autocast else ''} traces to "
+            f"{traced.graph.name!r} (hash {traced.graph.hash}). Export with the model and options (--batch, "
+            "--layers, --autocast, ...) you traced the schedule's graph with, or solve again for this graph.")
+    return traced
 
 
 def export_traced(traced: Traced, signature: StepSignature, schedule: Schedule, out_dir: str | Path,
