@@ -53,6 +53,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     for name in MODEL_OPTIONS:
         p.add_argument(f"--{name}", type=_positive_int, default=None, metavar="N", help=f"model option {name}")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and the example batch (default 0)")
+    p.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
+                   help="trace/run the step under torch.autocast with this dtype (default: off)")
 
 
 def model_options(args: argparse.Namespace) -> dict[str, int]:
@@ -85,7 +87,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from bonsai_core.schedule import no_remat_peak
     from bonsai_core.trace import trace_zoo
 
-    traced = trace_zoo(args.model, profile=args.cost_model, seed=args.seed, **model_options(args))
+    traced = trace_zoo(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
+                       **model_options(args))
     g = traced.graph
     try:
         save_graph(g, args.output)
@@ -204,29 +207,82 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from bonsai_core.export import export_model
     from bonsai_core.schedule import load_schedule
 
     schedule = load_schedule(args.schedule)
-    out = export_model(args.model, model_options(args), schedule, args.output, seed=args.seed)
+    if args.backend == "checkpoint":
+        export_checkpoint = _checkpoint_backend().export_checkpoint
+        out = export_checkpoint(args.model, model_options(args), schedule, args.output, seed=args.seed)
+    else:
+        from bonsai_core.export import export_model
+
+        out = export_model(args.model, model_options(args), schedule, args.output, seed=args.seed,
+                           autocast=args.autocast)
     opts = "".join(f" --{k} {v}" for k, v in model_options(args).items())
-    print(f"exported {args.model} with its {schedule.method} schedule to {out} (checkpointed.py, schedule.json, "
-          f"README.md); check it with: bonsai verify {args.model}{opts} {out}")
+    opts += f" --autocast {args.autocast}" if args.autocast else ""
+    print(f"exported {args.model} with its {schedule.method} schedule ({args.backend} back-end) to {out} "
+          f"(checkpointed.py, schedule.json, README.md); check it with: bonsai verify {args.model}{opts} {out}")
     return 0
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    from bonsai_core.export import verify_export
+def _checkpoint_backend() -> Any:
+    """``bonsai_core.export_checkpoint`` (the torch.utils.checkpoint back-end), or a clear error."""
+    try:
+        import bonsai_core.export_checkpoint as backend
+    except ModuleNotFoundError as e:
+        if e.name != "bonsai_core.export_checkpoint":
+            raise
+        raise BonsaiError("The checkpoint back-end is not part of this installation; use --backend replay.") from None
+    return backend
 
-    v = verify_export(args.model, model_options(args), args.dir, device=args.device, seed=args.seed, grads=args.grads)
-    ok = v.loss_diff <= args.atol and v.max_grad_diff <= args.atol and v.peak_error <= 0.10
-    if args.json:
-        print(json.dumps({**v.to_dict(), "ok": ok}))
+
+def _is_checkpoint_export(folder: str) -> bool:
+    """Whether ``folder`` was written by the checkpoint back-end (the replay's file defines PROGRAM)."""
+    path = Path(folder) / "checkpointed.py"
+    return path.is_file() and "\nPROGRAM = Program(" not in path.read_text()
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    if _is_checkpoint_export(args.dir):
+        v = _checkpoint_backend().verify_checkpoint(args.model, model_options(args), args.dir, device=args.device,
+                                                    seed=args.seed, autocast=args.autocast)
+        report = v.to_dict()
+        problems = [f"{what} differs by {report[key]:.3g} (> {args.atol:g})"
+                    for what, key in (("the loss", "loss_diff"), ("a gradient", "max_grad_diff")) if report[key] > args.atol]
+        if report.get("peak_error") is not None and abs(report["peak_error"]) > args.peak_tolerance:
+            problems.append(f"the measured peak is {report['peak_error']:+.1%} off the prediction "
+                            f"(tolerance {args.peak_tolerance:.0%}, above or below)")
+        ok = not problems
     else:
-        print(f"on {v.device}: loss {v.loss_exported:.6g} (original {v.loss_original:.6g}, difference {v.loss_diff:.3g}); "
-              f"largest gradient difference {v.max_grad_diff:.3g}\npeak: predicted {format_bytes(v.predicted_peak)}, "
-              f"measured {format_bytes(v.measured_peak)} ({v.peak_error:+.2%}); original model "
-              f"{format_bytes(v.original_peak)}\n{'OK' if ok else 'MISMATCH'}")
+        from bonsai_core.export import verify_export
+
+        v = verify_export(args.model, model_options(args), args.dir, device=args.device, seed=args.seed,
+                          grads=args.grads, autocast=args.autocast)
+        report = v.to_dict()
+        problems = v.problems(atol=args.atol, peak_tolerance=args.peak_tolerance)
+        ok = not problems
+    if args.json:
+        print(json.dumps({**report, "ok": ok, "problems": problems}))
+        return 0 if ok else 1
+    print(f"on {report.get('device', args.device)}: loss {report['loss_exported']:.6g} (original {report['loss_original']:.6g}, "
+          f"difference {report['loss_diff']:.3g}); largest gradient difference {report['max_grad_diff']:.3g}")
+    if report.get("predicted_peak") is None:  # the checkpoint back-end away from the traced size
+        print(f"peak: measured {format_bytes(report['measured_peak'])} (no prediction for this size); original "
+              f"model {format_bytes(report['original_peak'])}")
+    else:
+        print(f"peak: predicted {format_bytes(report['predicted_peak'])}, measured {format_bytes(report['measured_peak'])} "
+              f"({report['peak_error']:+.2%}, tolerance ±{args.peak_tolerance:.0%}); original model "
+              f"{format_bytes(report['original_peak'])}")
+    if "measured_peak_grads_none" in report:
+        print(f"with .grad None (after zero_grad): measured {format_bytes(report['measured_peak_grads_none'])} "
+              f"({report['peak_error_grads_none']:+.2%}), gradient difference {report['max_grad_diff_grads_none']:.3g}; "
+              f"buffers after the step differ by {report['max_buffer_diff']:.3g}")
+    if report.get("seconds_original"):
+        measured = report["seconds_exported"] / report["seconds_original"] - 1.0
+        print(f"time per step: original {report['seconds_original'] * 1e3:.1f} ms, exported "
+              f"{report['seconds_exported'] * 1e3:.1f} ms (overhead {measured:+.1%} measured, "
+              f"{report.get('predicted_overhead') or 0.0:+.1%} predicted compute)")
+    print("OK" if ok else "MISMATCH: " + "; ".join(problems))
     return 0 if ok else 1
 
 
@@ -342,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     p.add_argument("schedule", metavar="SCHEDULE.json", help="a schedule solved for this model's traced graph")
     p.add_argument("-o", "--output", required=True, metavar="DIR")
+    p.add_argument("--backend", choices=("replay", "checkpoint"), default="replay",
+                   help="replay: the traced step as generated Python (any schedule; default); checkpoint: "
+                        "torch.utils.checkpoint on your own module (region schedules)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("verify", help="run the original and an exported model side by side and compare")
@@ -350,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--grads", choices=("autograd", "direct"), default="autograd", help="how gradients are delivered")
     p.add_argument("--atol", type=_positive_float, default=1e-5, help="loss/gradient tolerance (default 1e-5)")
+    p.add_argument("--peak-tolerance", type=_positive_float, default=0.10, metavar="SHARE",
+                   help="largest |measured/predicted - 1| of the peak, above or below (default 0.10)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
 

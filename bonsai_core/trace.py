@@ -107,33 +107,40 @@ class _Step(nn.Module):
         return (self.loss_fn(self.model(*inputs)),)
 
 
-def trace_zoo(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, **options: Any) -> Traced:
+def trace_zoo(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autocast: str | None = None,
+              **options: Any) -> Traced:
     """Build a zoo model (or ``package.module:factory``) under FakeTensorMode and trace its step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from bonsai_core import zoo
 
     label = name if not options else name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
+    label += f" autocast {autocast}" if autocast else ""
     with FakeTensorMode(allow_non_fake_inputs=True):
         model, inputs, loss_fn = zoo.build(name, seed=seed, **options)
-        return trace_step(model, inputs, loss_fn, name=label, profile=profile)
+        return trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast)
 
 
 def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
-               name: str = "model", profile: str = DEFAULT_PROFILE) -> Traced:
-    """Trace one training step of ``model`` on ``inputs`` with ``loss_fn`` into a Graph."""
+               name: str = "model", profile: str = DEFAULT_PROFILE, autocast: str | None = None) -> Traced:
+    """Trace one training step of ``model`` on ``inputs`` with ``loss_fn`` into a Graph.
+
+    ``autocast`` ("bf16" | "fp16") traces the step under ``torch.autocast``: the graph holds the casts
+    and the lower-precision tensors autocast makes."""
     if profile not in PROFILES:
         raise ModelError(f"Unknown cost model {profile!r}; choose one of: {', '.join(PROFILES)}.")
+    cast = _autocast(autocast)
     start = time.perf_counter()
     step = _Step(model, loss_fn)
     frozen: list[str] = []
     hidden: list[str] = []
     try:
-        gm, signature = _export_joint(step, tuple(inputs), name)
+        with cast:
+            gm, signature = _export_joint(step, tuple(inputs), name)
     except _NoGradient:  # rare, and finding the parameters costs a forward trace: only then
         unused = _unused_parameters(step, tuple(inputs), name)
         try:
-            with _without_unused(step, unused) as (frozen, hidden):
+            with _without_unused(step, unused) as (frozen, hidden), _autocast(autocast):
                 gm, signature = _export_joint(step, tuple(inputs), name)
         except _NoGradient:
             raise ModelError(f"Tracing {name!r} failed: a trainable parameter gets no gradient from the loss "
@@ -144,6 +151,17 @@ def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Call
     graph, fx_names = _to_graph(gm, signature, name, PROFILES[profile])
     writes = [(fx_name, buffer) for fx_name, buffer in signature.buffers_to_mutate.items()]
     return Traced(graph, gm, fx_names, time.perf_counter() - start, writes, frozen, hidden)
+
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _autocast(autocast: str | None) -> Any:
+    if autocast is None:
+        return contextlib.nullcontext()
+    if autocast not in AUTOCAST:
+        raise ModelError(f"Unknown autocast {autocast!r}; choose one of: {', '.join(AUTOCAST)}.")
+    return torch.autocast(device_type="cpu", dtype=AUTOCAST[autocast])  # models are traced on CPU fake tensors
 
 
 # -- tracing -------------------------------------------------------------------------------------

@@ -58,8 +58,8 @@ elif export_model is None:
             "above, or make the same model from the command line:")
     st.code(cli_commands(), language="bash")
 else:
-    st.markdown("A folder with `checkpointed.py` (the model with `torch.utils.checkpoint` at this schedule's "
-                "recomputed segments), `schedule.json` and a `README.md`, zipped.")
+    st.markdown("A folder with `checkpointed.py` (the traced training step replayed in this schedule's order: "
+                "plain PyTorch, recomputations included), `schedule.json` and a `README.md`, zipped.")
     if st.button("Build the checkpointed model", key="export_build"):
         with st.spinner("Exporting…"):
             try:

@@ -21,7 +21,8 @@ import torch
 from bonsai_core import zoo
 from bonsai_core.cli import main
 from bonsai_core.errors import ScheduleError
-from bonsai_core.export import export_model, export_traced, load_export, step_signature, verify_export
+from bonsai_core.export import (ExportError, Verification, export_model, export_traced, load_export, step_signature,
+                                verify_export)
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import Schedule, no_remat_peak, none_schedule, schedule_ops, simulate
@@ -81,9 +82,10 @@ def recompute_before_use(graph: Graph, level: int) -> Schedule:
 def solver_factory(method: str, time_limit: float = 20.0) -> ScheduleFactory:
     """A real method at level i's budget: the peak lower bound plus ``BUDGET_SHARES[i]`` of the headroom
     up to the no-remat peak (small models are parameter-heavy, so shares of the peak itself are often
-    below the bound). A method that cannot meet a budget is skipped there: that is the solver's
-    business, not the exporter's."""
-    from bonsai_core.errors import BudgetError, SolverError
+    below the bound). A method that cannot meet a budget (``BudgetError``) is skipped there, naming it:
+    that is the solver's business, not the exporter's. Any other failure (a ``SolverError``, a crash of
+    a MILP back-end) fails the test."""
+    from bonsai_core.errors import BudgetError
     from bonsai_core.solvers import solve
 
     def factory(graph: Graph, level: int) -> Schedule:
@@ -91,8 +93,8 @@ def solver_factory(method: str, time_limit: float = 20.0) -> ScheduleFactory:
         budget = int(lb + BUDGET_SHARES[level] * (no_remat_peak(graph) - lb))
         try:
             return solve(graph, budget, method=method, time_limit=time_limit)
-        except (BudgetError, SolverError) as e:
-            pytest.skip(f"{method} cannot meet this budget: {e}")
+        except BudgetError as e:
+            pytest.skip(f"{method} cannot meet the budget {budget} bytes ({type(e).__name__}): {e}")
 
     return factory
 
@@ -270,3 +272,275 @@ def test_cli_export_and_verify(tmp_path, capsys):
     assert report["max_grad_diff"] <= ATOL and abs(report["peak_error"]) < 0.10 and report["ok"]
     assert main(["export", "gpt", *opts[:-2], "--vocab", "32", str(sched), "-o", str(tmp_path / "x")]) == 1
     assert "traces to" in capsys.readouterr().err
+
+
+# -- real models: dropout, tensor constants, BatchNorm, frozen parameters, SDPA, autocast -----------
+
+def _export(tmp_path, model: str, options: dict, factory: ScheduleFactory, level: int = 2, autocast: str | None = None):
+    traced = trace_zoo(model, autocast=autocast, **options)
+    schedule = factory(traced.graph, level)
+    out = export_traced(traced, step_signature(model, options), schedule, tmp_path / schedule.method,
+                        spec={"model": model, "options": options, "autocast": autocast})
+    return traced, schedule, out
+
+
+def _recomputed_random_nodes(traced, schedule: Schedule) -> int:
+    from bonsai_core.export.program import _is_random
+
+    fx_of = {n.name: n for n in traced.module.graph.nodes}
+    computes = [v for kind, v in schedule.ops if kind == "compute"]
+    return sum(1 for v in set(computes) if computes.count(v) > 1 and _is_random(fx_of[traced.fx_names[v]]))
+
+
+@pytest.mark.parametrize("factory", ["none", "checkpoint-every-other", "recompute-before-use"])
+def test_dropout_masks_are_replayed_bitwise(tmp_path, factory):
+    """Under one seed the exported step equals eager bitwise, also when a dropout is recomputed."""
+    make = (lambda g, level: none_schedule(g)) if factory == "none" else FACTORIES[factory]
+    traced, schedule, out = _export(tmp_path, "tests.export_models:dropout_mlp", {}, make)
+    if factory == "recompute-before-use":
+        assert _recomputed_random_nodes(traced, schedule) == 2  # both dropouts are drawn again
+    v = verify_export("tests.export_models:dropout_mlp", {}, out, repeats=0)
+    assert v.loss_diff == 0 and v.max_grad_diff == 0 and v.max_grad_diff_grads_none == 0
+    assert v.measured_peak == pytest.approx(v.predicted_peak, rel=0.05)
+
+
+def test_dropout_replay_leaves_the_live_generator_where_eager_does(tmp_path):
+    _, _, out = _export(tmp_path, "tests.export_models:dropout_mlp", {}, recompute_before_use)
+    model, inputs, loss_fn = zoo.build("tests.export_models:dropout_mlp")
+    torch.manual_seed(1)
+    loss_fn(model(*inputs)).backward()
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(1)
+    load_export(out).load(model)(*inputs, loss_fn=loss_fn).backward()
+    assert torch.equal(torch.get_rng_state(), after_eager)
+
+
+@pytest.mark.slow
+def test_hf_gpt2_with_dropout_and_tensor_constants_exports_bitwise(tmp_path):
+    traced, schedule, out = _export(tmp_path, "tests.export_models:hf_gpt2", {}, recompute_before_use)
+    assert [n for n in traced.module.graph.nodes if n.op == "get_attr"]  # HF GPT-2 captures tensor constants
+    assert _recomputed_random_nodes(traced, schedule) > 0
+    constants = torch.load(out / "constants.pt", weights_only=True)
+    assert constants and all(type(t) is torch.Tensor for t in constants.values())
+    v = verify_export("tests.export_models:hf_gpt2", {}, out, repeats=0)
+    assert v.loss_diff == 0 and v.max_grad_diff == 0, v
+    assert not v.problems(), v.problems()
+
+
+def test_tensor_constants_are_buffers_of_the_checkpointed_module(tmp_path):
+    """A model that creates a tensor inside forward (a constant of the traced graph)."""
+    (tmp_path / "constmodel.py").write_text(textwrap.dedent("""
+        import torch, torch.nn as nn
+        from bonsai_core.zoo import CrossEntropyLoss
+
+        class Scaled(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 3)
+            def forward(self, x):
+                return self.lin(x) * torch.tensor([1.0, 2.0, 3.0])
+
+        def make():
+            return Scaled(), (torch.randn(4, 8),), CrossEntropyLoss(torch.randint(0, 3, (4,)))
+    """))
+    import sys as _sys
+    _sys.path.insert(0, str(tmp_path))
+    try:
+        traced, _, out = _export(tmp_path, "constmodel:make", {}, lambda g, level: none_schedule(g))
+        constants = torch.load(out / "constants.pt", weights_only=True)
+        assert [t.tolist() for t in constants.values()] == [[1.0, 2.0, 3.0]]
+        ck = load_export(out).load(zoo.build("constmodel:make")[0])
+        assert [b.tolist() for b in ck.buffers() if b.shape == (3,)] == [[1.0, 2.0, 3.0]]
+        v = verify_export("constmodel:make", {}, out, repeats=0)
+        assert v.loss_diff == 0 and v.max_grad_diff == 0 and not v.problems()
+    finally:
+        _sys.path.remove(str(tmp_path))
+
+
+def _needs_trace_field(field: str) -> None:
+    from bonsai_core.trace import Traced
+
+    if field not in Traced.__dataclass_fields__:  # added by the `trace` branch
+        pytest.skip(f"this trace.py does not record Traced.{field} yet")
+
+
+@pytest.mark.parametrize("factory", ["none", "recompute-before-use"])
+def test_batchnorm_statistics_are_written_back(tmp_path, factory):
+    make = (lambda g, level: none_schedule(g)) if factory == "none" else FACTORIES[factory]
+    _needs_trace_field("buffer_writes")
+    _, _, out = _export(tmp_path, "tests.export_models:batchnorm_cnn", {}, make)
+    model, inputs, loss_fn = zoo.build("tests.export_models:batchnorm_cnn")
+    reference, _, _ = zoo.build("tests.export_models:batchnorm_cnn")
+    loss_fn(reference(*inputs)).backward()
+    load_export(out).load(model)(*inputs, loss_fn=loss_fn).backward()
+    for (name, b), (_, r) in zip(model.named_buffers(), reference.named_buffers()):
+        assert torch.equal(b, r), name  # running_mean, running_var, num_batches_tracked
+    assert int(model[1].num_batches_tracked) == 1
+    v = verify_export("tests.export_models:batchnorm_cnn", {}, out, repeats=0)
+    assert v.max_buffer_diff == 0 and v.max_grad_diff == 0
+    assert v.measured_peak == pytest.approx(v.predicted_peak, rel=0.05)
+
+
+def test_frozen_parameters_keep_grad_none(tmp_path):
+    _needs_trace_field("frozen_params")
+    traced = trace_zoo("tests.export_models:unused_param")
+    assert traced.frozen_params == ["unused.weight", "unused.bias"]
+    _, _, out = _export(tmp_path, "tests.export_models:unused_param", {}, recompute_before_use)
+    model, inputs, loss_fn = zoo.build("tests.export_models:unused_param")
+    load_export(out).load(model)(*inputs, loss_fn=loss_fn).backward()
+    assert model.unused.weight.grad is None and model.unused.bias.grad is None
+    assert model.body[0].weight.grad is not None
+    v = verify_export("tests.export_models:unused_param", {}, out, repeats=0)
+    assert not v.grads_none_mismatch and v.max_grad_diff == 0
+
+
+def _program_ops(out) -> set[str]:
+    """The aten ops the generated program (not the copied runtime) calls."""
+    import re
+
+    program = (out / "checkpointed.py").read_text().split("# ---- generated by `bonsai export`")[1]
+    return set(re.findall(r"torch\.ops\.(aten\.[\w.]+)\(", program))
+
+
+def _hf_models() -> list[str]:
+    """The `hf:` model source, once this checkout has it (engineer "hf"), at small sizes."""
+    try:
+        from bonsai_core import hf  # noqa: F401
+    except ImportError:
+        return []
+    return ["hf:gpt2", "hf:bert", "hf:llama", "hf:vit", "hf:resnet"]
+
+
+def _device_specific(out) -> list[str]:
+    from bonsai_core.export.program import DEVICE_SPECIFIC
+
+    return [op for op in _program_ops(out) if any(sign in op for sign in DEVICE_SPECIFIC)]
+
+
+def test_no_exported_zoo_program_calls_a_device_specific_kernel(small_steps, tmp_path):
+    for name, (traced, signature) in small_steps.items():
+        out = export_traced(traced, signature, none_schedule(traced.graph), tmp_path / name)
+        assert _program_ops(out) and not _device_specific(out), name
+
+
+@pytest.mark.slow
+def test_no_exported_hf_program_calls_a_device_specific_kernel(tmp_path):
+    """Llama's attention traces to the fused CPU kernel; the program calls the device-neutral helper."""
+    models = ["tests.export_models:hf_llama", "tests.export_models:hf_gpt2", *_hf_models()]
+    for name in models:
+        _, _, out = _export(tmp_path / name.replace(":", "_"), name, {}, lambda g, level: none_schedule(g))
+        assert _program_ops(out) and not _device_specific(out), name
+        if name.endswith("hf_llama"):
+            assert "sdpa_forward(" in (out / "checkpointed.py").read_text().split("# ---- generated")[1]
+
+
+def test_sdpa_helpers_call_a_kernel_that_exists_off_the_cpu():
+    """Off the CPU the helpers use the memory-efficient attention kernel: checked on the meta device
+    (shapes and signatures; no GPU here)."""
+    from bonsai_core.export_runtime import runtime
+
+    q = torch.empty(2, 3, 16, 8, device="meta")
+    out, logsumexp = runtime.sdpa_forward(q, q, q, 0.0, True, scale=0.25)
+    grads = runtime.sdpa_backward(out, q, q, q, out, logsumexp, 0.0, True, scale=0.25)
+    assert out.shape == q.shape and [g.shape for g in grads] == [q.shape] * 3
+
+
+@pytest.mark.slow
+def test_llama_with_fused_attention_exports_and_verifies(tmp_path):
+    _, _, out = _export(tmp_path, "tests.export_models:hf_llama", {}, recompute_before_use)
+    v = verify_export("tests.export_models:hf_llama", {}, out, repeats=1)
+    assert not v.problems(), v.problems()  # fp32, atol 1e-5 (the fused attention kernel splits work by thread)
+    assert v.seconds_original > 0 and v.seconds_exported > 0
+
+
+@pytest.mark.parametrize("autocast", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])
+def test_autocast_trace_exports_and_verifies(tmp_path, autocast):
+    traced, _, out = _export(tmp_path, "gpt", SMALL["gpt"], recompute_before_use, autocast=autocast)
+    assert any(str(AUTOCAST_DTYPE[autocast]).removeprefix("torch.") in s for s in traced.graph.shapes)
+    v = verify_export("gpt", SMALL["gpt"], out, repeats=0)
+    assert v.autocast == autocast
+    # the program holds the very casts eager autocast makes: equal, not merely close
+    assert v.loss_diff == 0 and v.max_grad_diff == 0
+    assert abs(v.measured_peak - v.predicted_peak) <= 64
+
+
+AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.slow
+def test_grad_scaler_works_with_an_autocast_export(tmp_path):
+    _, _, out = _export(tmp_path, "gpt", SMALL["gpt"], recompute_before_use, autocast="fp16")
+    model, inputs, loss_fn = zoo.build("gpt", **SMALL["gpt"])
+    reference, _, _ = zoo.build("gpt", **SMALL["gpt"])
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss_fn(reference(*inputs)).backward()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.autocast("cpu", dtype=torch.float16):  # the program ignores the ambient autocast
+        loss = load_export(out).load(model)(*inputs, loss_fn=loss_fn)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, atol=ATOL, rtol=0)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def test_verify_reports_a_peak_far_below_the_prediction():
+    v = Verification(device="cpu", loss_original=1.0, loss_exported=1.0, max_grad_diff=0.0, predicted_peak=1000,
+                     measured_peak=700, original_peak=1000, measured_peak_grads_none=600)
+    assert any("below the prediction" in p for p in v.problems())
+    assert not Verification(device="cpu", loss_original=1.0, loss_exported=1.0, max_grad_diff=0.0,
+                            predicted_peak=1000, measured_peak=1000, original_peak=1000,
+                            measured_peak_grads_none=900).problems()
+
+
+def test_export_loads_with_the_plain_importlib_recipe(small_steps, tmp_path):
+    import importlib.util
+    import sys as _sys
+
+    traced, signature = small_steps["mlp"]
+    out = export_traced(traced, signature, recompute_before_use(traced.graph, 1), tmp_path)
+    spec = importlib.util.spec_from_file_location("my_checkpointed", out / "checkpointed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not put into sys.modules first
+    assert "my_checkpointed" not in _sys.modules
+    model, inputs, loss_fn = zoo.build("mlp", **SMALL["mlp"])
+    module.load(model)(*inputs, loss_fn=loss_fn).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_cli_backend_choice(tmp_path, capsys):
+    opts = ["--batch", "8", "--width", "16", "--layers", "2"]
+    graph, sched = tmp_path / "g.json", tmp_path / "s.json"
+    assert main(["trace", "mlp", *opts, "-o", str(graph)]) == 0
+    g = Graph.from_dict(json.loads(graph.read_text()))
+    sched.write_text(json.dumps(recompute_before_use(g, 1).to_dict()))
+    capsys.readouterr()
+    try:
+        import bonsai_core.export_checkpoint  # noqa: F401  (engineer "ckpt"'s back-end)
+    except ImportError:
+        assert main(["export", "mlp", *opts, str(sched), "-o", str(tmp_path / "c"), "--backend", "checkpoint"]) == 1
+        assert "--backend replay" in capsys.readouterr().err
+    else:  # a general schedule: the checkpoint back-end refuses it and says to use the replay
+        assert main(["export", "mlp", *opts, str(sched), "-o", str(tmp_path / "c"), "--backend", "checkpoint"]) == 1
+        assert "replay" in capsys.readouterr().err
+    assert main(["export", "mlp", *opts, str(sched), "-o", str(tmp_path / "r"), "--backend", "replay"]) == 0
+    capsys.readouterr()
+    assert main(["verify", "mlp", *opts, str(tmp_path / "r")]) == 0
+    text = capsys.readouterr().out
+    assert "with .grad None" in text and "time per step" in text and text.rstrip().endswith("OK")
+
+
+def test_a_device_specific_op_is_refused_with_advice(small_steps, tmp_path):
+    from bonsai_core.export.program import _Writer
+
+    node = next(n for n in small_steps["mlp"][0].module.graph.nodes if n.op == "call_function")
+    node_target = node.target
+    try:
+        node.target = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+        node.target = torch.ops.aten.mkldnn_convolution.default
+        with pytest.raises(ExportError, match="one device only"):
+            _Writer([], {}, []).call(node)
+    finally:
+        node.target = node_target

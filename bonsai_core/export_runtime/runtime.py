@@ -11,9 +11,10 @@ and the gradients) when autograd calls the Function's ``backward``.
 
 from __future__ import annotations
 
+import contextlib
 import math  # noqa: F401  (the generated program writes inf / nan as math.inf / math.nan)
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+import os
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
@@ -21,16 +22,79 @@ import torch.nn as nn
 GRAD_MODES = ("autograd", "direct")
 
 
-@dataclass(frozen=True)
-class Program:
-    """A generated training step: the placeholders it reads and its two scheduled halves."""
+class Program(NamedTuple):
+    """A generated training step: the placeholders it reads and its two scheduled halves.
+
+    (A NamedTuple, not a dataclass: the file then loads with the plain ``importlib`` recipe, without
+    being put into ``sys.modules`` first.)"""
 
     params: Sequence[tuple[str, tuple[int, ...], str, bool]]  # model parameter name, shape, dtype, requires_grad
     buffers: Sequence[tuple[str, str, tuple[int, ...], str]]  # owner ("model" | "loss_fn"), name, shape, dtype
     inputs: Sequence[tuple[tuple[int, ...], str]]  # shape, dtype of each model input
+    constants: Sequence[str]  # tensors the traced model created itself (saved in constants.pt)
     forward: Callable[..., Any]
     backward: Callable[..., Any]
     info: dict[str, Any]
+
+
+def load_constants(program_file: str, names: Sequence[str]) -> list[torch.Tensor]:
+    """The traced step's tensor constants, from ``constants.pt`` next to ``program_file``."""
+    if not names:
+        return []
+    saved = torch.load(os.path.join(os.path.dirname(os.path.abspath(program_file)), "constants.pt"), weights_only=True)
+    return [saved[name] for name in names]
+
+
+# -- random ops: a recomputation draws what the first computation drew ----------------------------
+
+def rng_state(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The generator state random ops on ``dev`` draw from (CPU's, and the device's on CUDA)."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def replay_rng(state: tuple[torch.Tensor, torch.Tensor | None], dev: torch.device) -> Iterator[None]:
+    """Run with the generator at ``state`` (saved before the first computation), then put the live
+    generator back: the recomputation repeats the first one's numbers and consumes none."""
+    live = rng_state(dev)
+    _set_rng(state, dev)
+    try:
+        yield
+    finally:
+        _set_rng(live, dev)
+
+
+def _set_rng(state: tuple[torch.Tensor, torch.Tensor | None], dev: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], dev)
+
+
+# -- kernels traced on one device, run on the device of the batch ---------------------------------
+
+def sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):  # noqa: ANN001, ANN201
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` (output, logsumexp) on CPU, where it was
+    traced; on other devices the memory-efficient attention kernel, which returns the same pair."""
+    if query.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    if dropout_p:
+        raise NotImplementedError("attention dropout off the CPU is not supported by this export")
+    out, logsumexp, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention.default(
+        query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)
+    return out, logsumexp
+
+
+def sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):  # noqa: ANN001, ANN201
+    """The backward of :func:`sdpa_forward` on the same device: (grad_query, grad_key, grad_value)."""
+    if query.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+            grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    no_philox = torch.empty((), dtype=torch.int64, device=query.device)  # read only with dropout
+    grad_q, grad_k, grad_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default(
+        grad_out, query, key, value, attn_mask, out, logsumexp, no_philox, no_philox, dropout_p,
+        [True, True, True, False], is_causal, scale=scale)
+    return grad_q, grad_k, grad_v
 
 
 class _ScheduledStep(torch.autograd.Function):
@@ -43,9 +107,10 @@ class _ScheduledStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, program: Program, mode: str, params: list[nn.Parameter], *tensors: torch.Tensor):  # noqa: ANN001
-        dev = tensors[-1].device if program.inputs else tensors[0].device
-        loss, alive = program.forward(tensors, dev)
-        ctx.program, ctx.mode, ctx.dev, ctx.params, ctx.alive = program, mode, dev, params, alive
+        dev = tensors[len(tensors) - len(program.constants) - 1].device if program.inputs else tensors[0].device
+        with torch.autocast(dev.type, enabled=False):  # the program holds the traced casts already
+            loss, alive, rng = program.forward(tensors, dev)
+        ctx.program, ctx.mode, ctx.dev, ctx.params, ctx.alive, ctx.rng = program, mode, dev, params, alive, rng
         ctx.save_for_backward(*tensors)
         # a new tensor object: ctx holds the schedule's own loss tensor, and an output held by ctx
         # would be a reference cycle that keeps the whole step alive
@@ -72,7 +137,8 @@ class _ScheduledStep(torch.autograd.Function):
                 # parameter's hooks (DDP's all-reduce among them) now, not when this backward ends
                 torch.autograd.backward(params[j], g)
 
-        ctx.program.backward(tensors, alive, ctx.dev, emit)
+        with torch.autocast(ctx.dev.type, enabled=False):
+            ctx.program.backward(tensors, alive, ctx.rng, ctx.dev, emit)
         del alive
         return (None, None, None, *([None] * len(tensors)))
 
@@ -102,7 +168,8 @@ class Checkpointed(nn.Module):
     ``direct`` takes the gradient's storage over where autograd may copy it (one gradient at a time).
     """
 
-    def __init__(self, model: nn.Module, program: Program, grads: str = "autograd") -> None:
+    def __init__(self, model: nn.Module, program: Program, grads: str = "autograd",
+                 constants: Sequence[torch.Tensor] = ()) -> None:
         super().__init__()
         if grads not in GRAD_MODES:
             raise ValueError(f"grads={grads!r}; choose one of {GRAD_MODES}.")
@@ -118,6 +185,11 @@ class Checkpointed(nn.Module):
         for name, shape, dtype, _ in program.params:
             _check(f"parameter {name!r}", named[name], shape, dtype)
         self._param_names = [name for name, *_ in program.params]
+        # buffers of this module (not of ``model``), so ``ck.to(device)`` moves them with the model
+        device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
+        self._constant_names = [f"constant{i}" for i in range(len(constants))]
+        for name, t in zip(self._constant_names, constants):
+            self.register_buffer(name, t.to(device), persistent=False)
 
     def forward(self, *inputs: torch.Tensor, loss_fn: nn.Module | None = None) -> torch.Tensor:
         if loss_fn is None:
@@ -140,7 +212,8 @@ class Checkpointed(nn.Module):
             buffers.append(_check(f"{owner} buffer {name!r}", owners[owner][name], shape, dtype))
         for i, (x, (shape, dtype)) in enumerate(zip(inputs, self.program.inputs)):
             _check(f"input {i}", x, shape, dtype)
-        return _ScheduledStep.apply(self.program, self.grads, params, *params, *buffers, *inputs)
+        constants = [getattr(self, name) for name in self._constant_names]
+        return _ScheduledStep.apply(self.program, self.grads, params, *params, *buffers, *inputs, *constants)
 
     def extra_repr(self) -> str:
         info = self.program.info

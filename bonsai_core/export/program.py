@@ -1,0 +1,287 @@
+"""The exported *program*: the traced joint graph written out as straight-line Python in a schedule's order.
+
+One line per ``compute`` op (a recomputation is the same line run again) and a ``del`` per ``free`` op,
+split at the loss into ``forward_part`` and ``backward_part``. ``StepSignature`` records the joint graph's
+placeholders (parameters, buffers, the batch) so the runtime can feed them in ``aot_export_module``'s order.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from bonsai_core.errors import BonsaiError
+from bonsai_core.schedule import COMPUTE, FREE, Schedule
+from bonsai_core.trace import _IDENTITY_OPS, Traced
+
+# Kernels the tracer picked for its own device, and the runtime helpers (same arguments and outputs)
+# that call the kernel of the device the step runs on: a program runs wherever its batch is.
+PORTABLE_OPS = {
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": "sdpa_forward",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": "sdpa_backward",
+}
+# Substrings of aten op names that exist for one device only; no exported program may call one.
+DEVICE_SPECIFIC = ("_for_cpu", "cudnn", "miopen", "mkldnn", "_cuda", "cuda_", "_mps", "_xpu", "onednn", "fbgemm")
+
+class ExportError(BonsaiError):
+    """A schedule or model cannot be exported (wrong graph, unsupported op or constant)."""
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    """What the joint graph's placeholders are, in ``aot_export_module``'s order: parameters, buffers,
+    then the model's inputs. Names are relative to their owner (``model`` or ``loss_fn``)."""
+
+    params: list[tuple[str, tuple[int, ...], str, bool]]
+    buffers: list[tuple[str, str, tuple[int, ...], str]]
+    inputs: list[tuple[tuple[int, ...], str]]
+
+def step_signature(model: str, options: dict[str, Any], seed: int = 0) -> StepSignature:
+    """The placeholders of ``model``'s traced step (built on fake tensors: no real memory)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bonsai_core import zoo
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        net, inputs, loss_fn = zoo.build(model, seed=seed, **options)
+        return signature_of(net, inputs, loss_fn)
+
+
+def signature_of(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any) -> StepSignature:
+    """The placeholder order ``aot_export_module`` gives ``trace._Step(model, loss_fn)``."""
+    if isinstance(loss_fn, torch.nn.Module) and any(True for _ in loss_fn.parameters()):
+        raise ExportError("The loss function has parameters; export supports losses whose tensors are buffers "
+                          "(targets), like bonsai_core.zoo.CrossEntropyLoss. Move learnable parts into the model.")
+    params = [(n, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
+              for n, p in model.named_parameters(remove_duplicate=False)]
+    buffers = [("model", n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers(remove_duplicate=False)]
+    if isinstance(loss_fn, torch.nn.Module):
+        buffers += [("loss_fn", n, tuple(b.shape), str(b.dtype)) for n, b in loss_fn.named_buffers(remove_duplicate=False)]
+    return StepSignature(params, buffers, [(tuple(x.shape), str(x.dtype)) for x in inputs])
+
+def generate_program(traced: Traced, signature: StepSignature, schedule: Schedule, info: dict[str, Any]) -> str:
+    """Python source of the scheduled step: ``forward_part``, ``backward_part``, ``PROGRAM`` and ``load``.
+
+    The joint graph's outputs are, in AOTAutograd's order: the new values of mutated buffers
+    (``traced.buffer_writes``), the loss, then one gradient per trainable parameter (none for
+    ``traced.frozen_params``). O(len(ops) + FX nodes). Raises ExportError for ops or constants it
+    cannot write out."""
+    graph, gm = traced.graph, traced.module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    _check_signature(placeholders, signature)
+    constants = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    writer = _Writer(placeholders, {name: v for v, name in enumerate(traced.fx_names)}, constants)
+    fx_of = {n.name: n for n in gm.graph.nodes}
+    nodes = [fx_of[name] for name in traced.fx_names]
+
+    buffer_writes = list(getattr(traced, "buffer_writes", ()))
+    frozen = set(getattr(traced, "frozen_params", ()))
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    results = list(out_node.args[0])
+    written, loss_fx, grad_fx = results[:len(buffer_writes)], results[len(buffer_writes)], results[len(buffer_writes) + 1:]
+    trainable = [j for j, p in enumerate(signature.params) if p[3] and p[0] not in frozen]
+    if len(grad_fx) != len(trainable):
+        raise ExportError(f"The traced step returns {len(grad_fx)} gradients for {len(trainable)} trainable "
+                          "parameters; the graph does not match the model's parameters.")
+    loss_node = writer.root(loss_fx)
+    emits: dict[int, list[tuple[int, str]]] = {}
+    for j, g in zip(trainable, grad_fx):
+        if g is not None:
+            emits.setdefault(writer.root(g), []).append((j, writer.expr(g)))
+    # a mutated buffer is written in place right after its new value is first computed, as eager
+    # BatchNorm updates its running statistics during the forward pass
+    first_lines: list[str] = []
+    writes: dict[int, list[str]] = {}
+    rebind: dict[int, str] = {}  # at every compute of a written node (a recomputation need not write again)
+    buffer_index = {f"{owner}.{name}": k for k, (owner, name, *_) in enumerate(signature.buffers)}
+    for value, (_, buffer) in zip(written, buffer_writes):
+        if buffer not in buffer_index:
+            raise ExportError(f"The traced step writes buffer {buffer!r}, which the model and loss do not have.")
+        target, expr = f"a{len(signature.params) + buffer_index[buffer]}", writer.expr(value)
+        line = f"{target}.copy_({expr})  # {buffer}"
+        try:
+            root = writer.root(value)
+        except ExportError:  # a value made of placeholders only: write it before anything runs
+            first_lines.append(line)
+            continue
+        writes.setdefault(root, []).append(line)
+        if expr == f"v{root}":  # then the node is the buffer: its own copy goes, as the trace counts it (no bytes)
+            rebind[root] = f"v{root} = {target}  # written into {buffer}"
+
+    ops = schedule.ops
+    split = next(i for i, (k, v) in enumerate(ops) if k == COMPUTE and v == loss_node) + 1
+    while split < len(ops) and ops[split][0] == FREE:
+        split += 1
+    alive: set[int] = set()
+    for kind, v in ops[:split]:
+        (alive.add if kind == COMPUTE else alive.discard)(v)
+    carried = sorted(alive)
+    computes = Counter(v for kind, v in ops if kind == COMPUTE)
+    # random ops that are computed again draw the same numbers: the generator state before the first
+    # compute is kept and restored around each recomputation (what torch.utils.checkpoint does)
+    replayed = {v for v, count in computes.items() if count > 1 and _is_random(nodes[v])}
+
+    # A multi-output op whose outputs are also nodes of their own (``getitem`` nodes, e.g. a batch norm's
+    # saved statistics) is held as a list; each such node takes its output over (the op's slot is
+    # cleared), so that output lives as long as its own node, as the simulator counts it. The slot is
+    # kept while the same copy of the op is read again by a recomputation of that output.
+    getitem_of = {v: (writer.root(n.args[0]), n.args[1]) for v, n in enumerate(nodes) if n.target is operator.getitem}
+    split_ops = {op for op, _ in getitem_of.values()}
+    getitems = {op: [(g, i) for g, (o, i) in getitem_of.items() if o == op] for op in split_ops}
+    release: set[int] = set()  # positions in ops of getitem computes that clear their op's slot
+    unread: dict[int, list[int]] = {}  # position of an op's compute -> slots no getitem reads from that copy
+    pending: set[int] = set()
+    for p in range(len(ops) - 1, -1, -1):
+        kind, v = ops[p]
+        if v in split_ops:
+            if kind == COMPUTE:
+                unread[p] = [i for g, i in getitems[v] if g not in pending]
+            pending -= {g for g, _ in getitems[v]}
+        elif kind == COMPUTE and v in getitem_of:
+            if v not in pending:
+                release.add(p)
+            pending.add(v)
+
+    computed: set[int] = set()
+
+    def body(positions: range, backward: bool) -> list[str]:
+        lines = []
+        for p in positions:
+            kind, v = ops[p]
+            if kind == FREE:
+                lines.append(f"del v{v}")
+                continue
+            call = writer.call(nodes[v])
+            line = f"v{v} = {f'list({call})' if v in split_ops else call}  # {graph.names[v]}"
+            if v in replayed and v in computed:
+                lines += [f"with replay_rng(rng[{v}], dev):", "    " + line]
+            else:
+                if v in replayed:
+                    lines.append(f"rng[{v}] = rng_state(dev)")
+                lines.append(line)
+            lines += [f"v{v}[{i}] = None  # no node reads it from this copy" for i in unread.get(p, ())]
+            if p in release:
+                op, index = getitem_of[v]
+                lines.append(f"v{op}[{index}] = None  # v{v} holds it now")
+            if v not in computed:
+                computed.add(v)
+                if v == loss_node:
+                    lines.append(f"loss = {writer.expr(loss_fx)}")
+                lines += writes.get(v, [])
+                for j, expr in emits.get(v, ()):
+                    if not backward:
+                        raise ExportError("A parameter gradient is computed before the loss; the schedule is malformed.")
+                    lines.append(f"emit({j}, {expr})")
+            if v in rebind:
+                lines.append(rebind[v])
+        return lines
+
+    unpack = "(" + "".join(f"a{i}, " for i in range(len(placeholders) + len(constants))) + ") = args"
+    carried_vars = "".join(f"v{v}, " for v in carried)
+    fwd = [unpack, "rng = {}", *first_lines, *body(range(split), False), f"return loss, [{carried_vars}], rng"]
+    bwd = [unpack]
+    if carried:
+        bwd += [f"({carried_vars}) = alive", "alive.clear()  # the schedule's del statements now free them"]
+    bwd += body(range(split, len(ops)), True) or ["pass"]
+
+    def indent(lines: list[str]) -> str:
+        return "\n".join("    " + line for line in lines)
+
+    return (
+        "# ---- generated by `bonsai export` from the schedule below: do not edit ----\n"
+        f"INFO = {info!r}\n"
+        f"PARAMS = {signature.params!r}\n"
+        f"BUFFERS = {signature.buffers!r}\n"
+        f"INPUTS = {signature.inputs!r}\n"
+        f"CONSTANTS = {constants!r}  # tensors the model created while traced, in constants.pt\n\n\n"
+        "def forward_part(args, dev):\n"
+        f'    """Schedule ops 0..{split - 1}: the forward pass up to the loss."""\n'
+        f"{indent(fwd)}\n\n\n"
+        "def backward_part(args, alive, rng, dev, emit):\n"
+        f'    """Schedule ops {split}..{len(ops) - 1}: recomputations and the backward pass."""\n'
+        f"{indent(bwd)}\n\n\n"
+        "PROGRAM = Program(PARAMS, BUFFERS, INPUTS, CONSTANTS, forward_part, backward_part, INFO)\n\n\n"
+        "def load(model: nn.Module, grads: str = \"autograd\") -> Checkpointed:\n"
+        '    """Wrap ``model`` (same class and shapes as exported) to train with the schedule:\n'
+        "    ``loss = load(model)(*inputs, loss_fn=loss_fn); loss.backward()``. See README.md.\"\"\"\n"
+        "    return Checkpointed(model, PROGRAM, grads, load_constants(__file__, CONSTANTS))\n"
+    )
+
+
+def _is_random(node: fx.Node) -> bool:
+    """Whether the op draws from the random number generator (dropout, bernoulli, rand*, ...)."""
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+
+
+def _check_signature(placeholders: list[fx.Node], sig: StepSignature) -> None:
+    expected = [p[1] for p in sig.params] + [b[2] for b in sig.buffers] + [x[0] for x in sig.inputs]
+    got = [tuple(getattr(n.meta.get("val"), "shape", ())) for n in placeholders]
+    if expected != got:
+        raise ExportError(f"The traced step has {len(got)} inputs (parameters, buffers, batch) of shapes {got[:4]}..., "
+                          f"but the model has {len(expected)} of shapes {expected[:4]}...: the model factory must "
+                          "build the same model each time.")
+
+
+class _Writer:
+    """Writes FX nodes and their arguments as Python expressions over ``a<i>`` (placeholders),
+    ``v<id>`` (graph nodes) and ``dev`` (the device the step runs on)."""
+
+    def __init__(self, placeholders: list[fx.Node], graph_ids: dict[str, int], constants: list[str]) -> None:
+        self.ph = {n: i for i, n in enumerate(placeholders)}
+        self.const = {name: len(placeholders) + i for i, name in enumerate(constants)}  # after the placeholders
+        self.ids = graph_ids
+
+    def root(self, node: fx.Node) -> int:
+        """The graph node whose value ``node`` reads (through getitem and identities)."""
+        if node.name in self.ids:
+            return self.ids[node.name]
+        if node.target is operator.getitem or str(node.target) in _IDENTITY_OPS:
+            return self.root(node.args[0])
+        raise ExportError(f"FX node {node.name!r} is no node of the traced graph.")
+
+    def expr(self, a: Any) -> str:
+        if isinstance(a, fx.Node):
+            if a.op == "placeholder":
+                return f"a{self.ph[a]}"
+            if a.op == "get_attr":
+                return f"a{self.const[a.target]}"
+            if a.name in self.ids:
+                return f"v{self.ids[a.name]}"
+            if a.target is operator.getitem:
+                return f"{self.expr(a.args[0])}[{a.args[1]!r}]"
+            if str(a.target) in _IDENTITY_OPS:
+                return self.expr(a.args[0])
+            if a.op == "call_function":  # a view of a parameter or input: free to recompute at each use
+                return self.call(a)
+            raise ExportError(f"FX node {a.name!r} ({a.op}) cannot be exported: only aten ops, parameters, buffers, "
+                              "inputs and tensor constants are supported.")
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(self.expr(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+        if isinstance(a, torch.device):
+            return "dev"  # traced on one device; runs on the device of the batch
+        if isinstance(a, float):
+            return repr(a) if math.isfinite(a) else ("math.nan" if math.isnan(a) else ("math.inf" if a > 0 else "-math.inf"))
+        if a is None or isinstance(a, (bool, int, str)):
+            return repr(a)
+        if isinstance(a, (torch.dtype, torch.memory_format, torch.layout)):
+            return str(a)
+        raise ExportError(f"Cannot write the constant {a!r} ({type(a).__name__}) into the exported program.")
+
+    def call(self, node: fx.Node) -> str:
+        if node.target is operator.getitem:  # an output of a multi-output op that is a node of its own
+            return f"{self.expr(node.args[0])}[{node.args[1]!r}]"
+        if not isinstance(node.target, torch._ops.OpOverload):
+            raise ExportError(f"FX node {node.name!r} calls {node.target!r}, not an aten op; it cannot be exported.")
+        name = str(node.target)
+        if name not in PORTABLE_OPS and any(sign in name for sign in DEVICE_SPECIFIC):
+            raise ExportError(f"FX node {node.name!r} calls {name}, a kernel of one device only; the export would not "
+                              "run elsewhere. Report the op: it needs a device-neutral form in PORTABLE_OPS.")
+        args = [self.expr(a) for a in node.args] + [f"{k}={self.expr(v)}" for k, v in node.kwargs.items()]
+        return f"{PORTABLE_OPS.get(str(node.target), f'torch.ops.{node.target}')}({', '.join(args)})"

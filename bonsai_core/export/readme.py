@@ -1,0 +1,72 @@
+"""The README.md written into every export folder: how to train with it and check it on a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bonsai_core.schedule import Schedule
+
+
+def readme(info: dict[str, Any], schedule: Schedule, folder: Path) -> str:
+    from bonsai_core.budget import format_bytes
+
+    model = info.get("model", "MODEL")
+    opts = " ".join(f"--{k} {v}" for k, v in (info.get("options") or {}).items())
+    if info.get("autocast"):
+        opts += f" --autocast {info['autocast']}"
+    regions = ""
+    if "segments" in schedule.extra:
+        regions = (f"\nThe schedule is a checkpoint-region plan: {len(schedule.extra['segments'])} segments, "
+                   f"{len(schedule.extra.get('recomputed', []))} recomputed (``extra`` in schedule.json). The program "
+                   "rebuilds each recomputed region once, right before the first backward op that needs it.\n")
+    return f"""# Checkpointed `{model}` ({info['method']} schedule)
+
+Made by `bonsai export` for graph `{info['graph']}` (hash `{info['graph_hash']}`).
+Predicted peak: **{format_bytes(info['predicted_peak'])}** ({info['predicted_peak']} bytes, of which
+{format_bytes(info['fixed_mem'])} fixed: parameters, gradients, buffers, the batch); {info['recomputes']}
+recomputations, compute overhead {info['overhead']:+.2%}.
+{regions}
+## Train with it (plain PyTorch, no bonsai needed)
+
+```python
+import sys; sys.path.insert(0, "{folder}")  # this folder
+import checkpointed
+
+ck = checkpointed.load(model)          # shares model's parameters
+loss = ck(*inputs, loss_fn=loss_fn)    # same loss as loss_fn(model(*inputs))
+loss.backward()                        # scheduled backward; gradients land in model's .grad
+optimizer.step(); optimizer.zero_grad()
+```
+
+* The schedule covers the whole step, loss included, so `ck` computes the loss: pass the same kind of
+  loss module you traced with (an `nn.Module` holding its targets as buffers; new targets per batch
+  are fine). Under `torch.no_grad()`, `ck(*inputs)` is just `model(*inputs)`.
+* Inputs, parameters and targets must have the traced shapes and dtypes (the schedule and its memory
+  are made for them); `ck` raises a clear error otherwise.
+* Dropout and other random ops draw the same numbers when the schedule recomputes them (the
+  generator state of their first computation is restored around each recomputation); under one
+  `torch.manual_seed` the step equals the original's bitwise. Buffer updates (BatchNorm running
+  statistics) are written into `model`'s buffers as eager training writes them. Tensors the model
+  created while traced are in `constants.pt` (if present; keep it next to `checkpointed.py`).
+* {"The step was traced under `torch.autocast` (" + str(info.get("autocast")) + "): the casts are in the program, which runs them whether or not you wrap the call in autocast; `GradScaler` works as usual." if info.get("autocast") else "The step was traced in full precision (no autocast); to train under autocast, trace and export with `--autocast bf16|fp16`."}
+* Gradients reach autograd one by one, the moment the schedule computes them, so parameter hooks
+  `DistributedDataParallel` and FSDP2 work: wrap the checkpointed module, `DDP(ck)` or
+  `fully_shard(ck)`, not `model`.
+  `load(model, grads="direct")` writes `.grad` itself instead, bypassing autograd and its hooks.
+
+## Check it on your GPU
+
+```
+bonsai verify {model} {opts} {folder} --device cuda
+```
+
+runs the original and this model side by side and prints the loss difference, the largest
+gradient difference, the predicted peak and the measured peak (`torch.cuda.max_memory_allocated`),
+with `.grad` pre-allocated and with `.grad` None, and the wall time of both steps.
+Without bonsai installed, measure it yourself: `torch.cuda.reset_peak_memory_stats()`, one step as
+above, then `torch.cuda.max_memory_allocated()` (with `.grad` already allocated, as in steady-state
+training). `max_memory_allocated` also counts what the simulator does not model: the caching
+allocator's rounding of block sizes, and workspaces that cuBLAS and cuDNN (convolutions) allocate
+through it. On CPU (`bonsai verify ... --device cpu`) the measured peak matches the prediction.
+"""

@@ -1,0 +1,240 @@
+"""``verify_export``: the original and the exported step side by side on one device.
+
+What it checks (each one a field of :class:`Verification`):
+
+* loss, gradients and buffers (BatchNorm statistics) after one step, against the original model's
+  step under the same ``torch.manual_seed`` (so dropout draws the same masks);
+* the peak, both ways: measured against predicted, with ``.grad`` pre-allocated (the simulator's
+  ``fixed_mem``) and again with ``.grad`` None (after ``optimizer.zero_grad()``), where the gradients
+  must match too and the peak must not exceed the prediction;
+* wall time of the exported step against the original's (the measured overhead, next to the
+  simulator's predicted one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from bonsai_core.errors import ModelError
+from bonsai_core.export.folder import load_export
+from bonsai_core.tensors import storage_bytes
+from bonsai_core.trace import AUTOCAST
+
+PEAK_TOLERANCE = 0.10  # |measured / predicted - 1| beyond this is a mismatch, above or below
+TIMING_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The original and the exported step, side by side on one device."""
+
+    device: str
+    loss_original: float
+    loss_exported: float
+    max_grad_diff: float
+    predicted_peak: int
+    measured_peak: int
+    original_peak: int
+    max_buffer_diff: float = 0.0  # model buffers (BatchNorm statistics) after the step
+    max_grad_diff_grads_none: float = 0.0  # the exported step again, starting from .grad None
+    measured_peak_grads_none: int = 0
+    grads_none_mismatch: tuple[str, ...] = ()  # parameters whose .grad is None in one run only
+    seconds_original: float = 0.0  # median wall time of one step (no memory tracking)
+    seconds_exported: float = 0.0
+    predicted_overhead: float = 0.0  # the simulator's compute overhead of the schedule
+    autocast: str | None = None
+
+    @property
+    def loss_diff(self) -> float:
+        return abs(self.loss_exported - self.loss_original)
+
+    @property
+    def peak_error(self) -> float:
+        """(measured - predicted) / predicted, with ``.grad`` pre-allocated: negative when the real
+        step used less than predicted (as much a model or tracker error as using more)."""
+        return self.measured_peak / self.predicted_peak - 1.0
+
+    @property
+    def peak_error_grads_none(self) -> float:
+        return self.measured_peak_grads_none / self.predicted_peak - 1.0
+
+    @property
+    def measured_overhead(self) -> float:
+        """Exported step time / original step time - 1."""
+        return self.seconds_exported / self.seconds_original - 1.0 if self.seconds_original > 0 else 0.0
+
+    def problems(self, atol: float = 1e-5, peak_tolerance: float = PEAK_TOLERANCE) -> list[str]:
+        """What is wrong, in words; empty when the export is verified."""
+        out = []
+        if self.loss_diff > atol:
+            out.append(f"the loss differs by {self.loss_diff:.3g} (> {atol:g})")
+        if max(self.max_grad_diff, self.max_grad_diff_grads_none) > atol:
+            out.append(f"a gradient differs by {max(self.max_grad_diff, self.max_grad_diff_grads_none):.3g} (> {atol:g})")
+        if self.grads_none_mismatch:
+            out.append(f".grad is None in one run only for {', '.join(self.grads_none_mismatch[:3])}")
+        if self.max_buffer_diff > atol:
+            out.append(f"a buffer (e.g. a BatchNorm statistic) differs by {self.max_buffer_diff:.3g} after the step")
+        if self.peak_error > peak_tolerance:
+            out.append(f"the measured peak is {self.peak_error:+.1%} above the prediction (tolerance {peak_tolerance:.0%})")
+        elif self.peak_error < -peak_tolerance:
+            out.append(f"the measured peak is {self.peak_error:+.1%} below the prediction (tolerance {peak_tolerance:.0%}): "
+                       "the simulator's graph or the memory tracker is wrong for this model; report it")
+        if self.peak_error_grads_none > peak_tolerance:
+            out.append(f"with .grad None the measured peak is {self.peak_error_grads_none:+.1%} above the prediction")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "loss_diff": self.loss_diff, "peak_error": self.peak_error,
+                "peak_error_grads_none": self.peak_error_grads_none, "measured_overhead": self.measured_overhead}
+
+
+def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, device: str = "cpu",
+                  seed: int = 0, grads: str = "autograd", autocast: str | None = None,
+                  repeats: int = TIMING_REPEATS) -> Verification:
+    """Run one step of the original model and of the export on ``device`` (one after the other, so
+    only one copy is resident) and compare loss, gradients, buffers, peak memory and time.
+
+    ``autocast`` ("bf16" | "fp16") runs the original under ``torch.autocast``; the default is the
+    one the export was traced with. ``repeats`` untracked steps of each are timed (0: no timing)."""
+    from bonsai_core import zoo
+    from bonsai_core.measure import LiveBytes, measure_step
+
+    exported = load_export(out_dir)
+    predicted = int(exported.INFO["predicted_peak"])
+    traced_autocast = exported.INFO.get("autocast")
+    if autocast is None:
+        autocast = traced_autocast
+    elif autocast != traced_autocast:
+        raise ModelError(f"This export was traced with autocast {traced_autocast or 'off'}, not {autocast}: export "
+                         "again with --autocast, or verify without it.")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError("--device cuda was asked for, but this PyTorch sees no CUDA device.")
+
+    def build() -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:
+        net, inputs, loss_fn = zoo.build(model, seed=seed, **options)
+        if isinstance(loss_fn, nn.Module):
+            loss_fn = loss_fn.to(dev)
+        return net.to(dev), tuple(x.to(dev) for x in inputs), loss_fn
+
+    def seeded(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:  # the same random numbers (dropout masks) in both steps
+            torch.manual_seed(seed)
+            with _autocast(dev, autocast):
+                return step()
+        return run
+
+    def load(net: nn.Module) -> Any:
+        try:
+            return exported.load(net, grads=grads)
+        except ValueError as e:
+            raise ModelError(f"The export in {str(out_dir)!r} does not fit {model!r} with these options: {e}") from None
+
+    def exported_step(ck: Any, inputs: tuple[torch.Tensor, ...], loss_fn: Any) -> Callable[[], torch.Tensor]:
+        def step() -> torch.Tensor:
+            loss = ck(*inputs, loss_fn=loss_fn)
+            loss.backward()
+            return loss
+        return step
+
+    # the original model: one step from .grad None (which parameters get a gradient, the buffers
+    # after one step), then the same step again from the same buffers for its peak
+    net, inputs, loss_fn = build()
+    before = {n: b.detach().clone() for n, b in net.named_buffers()}
+    seeded(lambda: _eager_step(net, inputs, loss_fn))()
+    reference = {n: p.grad.detach().cpu() for n, p in net.named_parameters() if p.grad is not None}
+    ref_buffers = {n: b.detach().cpu().clone() for n, b in net.named_buffers()}
+    with torch.no_grad():
+        for n, b in net.named_buffers():
+            b.copy_(before[n])
+    net.zero_grad(set_to_none=True)
+    original = measure_step(net, inputs, loss_fn, step=seeded(lambda: _eager_step(net, inputs, loss_fn)))
+    seconds_original = _median_seconds(seeded(lambda: _eager_step(net, inputs, loss_fn)), dev, repeats)
+    del net, inputs, loss_fn
+
+    # the export, .grad pre-allocated (steady-state training)
+    net, inputs, loss_fn = build()
+    ck = load(net)
+    try:
+        measured = measure_step(net, inputs, loss_fn, step=seeded(exported_step(ck, inputs, loss_fn)))
+    except (TypeError, ValueError) as e:  # the runtime's own checks: shapes, dtypes, loss buffers
+        raise ModelError(f"The export in {str(out_dir)!r} does not fit {model!r} with these options: {e}") from None
+    grad_diff = _max_diff({n: p.grad for n, p in net.named_parameters() if n in reference}, reference)
+    buffer_diff = _max_diff(dict(net.named_buffers()), ref_buffers)
+    seconds_exported = _median_seconds(seeded(exported_step(ck, inputs, loss_fn)), dev, repeats)
+    del net, inputs, loss_fn, ck
+
+    # the export, .grad None (after optimizer.zero_grad())
+    net, inputs, loss_fn = build()
+    ck = load(net)
+    fixed = storage_bytes([*net.parameters(), *net.buffers(), *inputs,
+                           *(loss_fn.buffers() if isinstance(loss_fn, nn.Module) else ())])
+    step = seeded(exported_step(ck, inputs, loss_fn))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        step()
+        torch.cuda.synchronize(dev)
+        peak_none = int(torch.cuda.max_memory_allocated(dev))
+    else:
+        tracker = LiveBytes()
+        with tracker:
+            step()
+        peak_none = fixed + tracker.peak
+    got = {n: p.grad for n, p in net.named_parameters()}
+    mismatch = tuple(n for n, g in got.items() if (g is None) != (n not in reference))
+    grad_diff_none = _max_diff({n: g for n, g in got.items() if g is not None and n in reference}, reference)
+
+    return Verification(device=measured.device, loss_original=original.loss, loss_exported=measured.loss,
+                        max_grad_diff=grad_diff, predicted_peak=predicted, measured_peak=measured.peak,
+                        original_peak=original.peak, max_buffer_diff=buffer_diff,
+                        max_grad_diff_grads_none=grad_diff_none, measured_peak_grads_none=peak_none,
+                        grads_none_mismatch=mismatch, seconds_original=seconds_original,
+                        seconds_exported=seconds_exported, predicted_overhead=float(exported.INFO.get("overhead", 0.0)),
+                        autocast=autocast)
+
+
+def _eager_step(net: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any) -> torch.Tensor:
+    loss = loss_fn(net(*inputs))
+    loss.backward()
+    return loss
+
+
+@contextlib.contextmanager
+def _autocast(dev: torch.device, autocast: str | None) -> Iterator[None]:
+    if autocast is None:
+        yield
+        return
+    with torch.autocast(device_type=dev.type, dtype=AUTOCAST[autocast]):
+        yield
+
+
+def _max_diff(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between same-named tensors (compared on the CPU, in float64)."""
+    return max((float((got[n].detach().cpu().double() - reference[n].double()).abs().max())
+                for n in got if n in reference and reference[n].numel()), default=0.0)
+
+
+def _median_seconds(step: Callable[[], torch.Tensor], dev: torch.device, repeats: int) -> float:
+    """Median wall time of ``repeats`` steps (after one warm-up step), without memory tracking."""
+    if repeats <= 0:
+        return 0.0
+    times = []
+    for i in range(repeats + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
