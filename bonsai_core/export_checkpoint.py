@@ -307,17 +307,16 @@ def policy(saves):
     return decide
 
 
+def contexts(saves):
+    """The (forward, recomputation) contexts of one checkpointed call, with a fresh policy."""
+    return create_selective_checkpoint_contexts(policy(saves))
+
+
 def checkpointed(forward, saves):
-    """``forward`` run under non-reentrant checkpointing with the save policy ``saves``."""
-
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        context = functools.partial(create_selective_checkpoint_contexts, policy(saves))
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
-
-    run.bonsai_checkpointed = True
-    return run
+    """``forward`` run under non-reentrant checkpointing with the save policy ``saves`` (a
+    ``functools.partial`` of torch's own ``checkpoint``, which torch.compile knows)."""
+    return functools.partial(checkpoint, forward, use_reentrant=False,
+                             context_fn=functools.partial(contexts, saves))
 
 
 def apply(model: torch.nn.Module) -> torch.nn.Module:
@@ -329,7 +328,7 @@ def apply(model: torch.nn.Module) -> torch.nn.Module:
                          f"{{INFO['model']!r}} ({{type(model).__name__}} differs). Export again for this model.")
     for path, saves in SAVE.items():
         module = modules[path]
-        if getattr(module.forward, "bonsai_checkpointed", False):
+        if isinstance(module.forward, functools.partial) and module.forward.func is checkpoint:
             raise ValueError(f"Submodule {{path!r}} is already checkpointed: call apply(model) once.")
         module.forward = checkpointed(module.forward, saves)
     return model
