@@ -61,7 +61,8 @@ from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
 from bonsai_core.schedule import Schedule, simulate
 
-# Views the traced (functionalized) graph writes as ``view`` where eager runs ``_unsafe_view``.
+# Views the traced (functionalized) graph may write as ``view`` where eager runs ``_unsafe_view``: one name
+# for both on both sides.
 _SAME_OP = {"aten._unsafe_view.default": "aten.view.default"}
 
 
@@ -145,9 +146,9 @@ def align(runtime_ops: list[str], traced_ops: list[str]) -> np.ndarray:
     """int64[len(runtime_ops)]: the traced forward position each run-time op is, or -1.
 
     Matches ops in order (``difflib``): run-time-only ops (views of parameters, casts) stay -1."""
-    norm = [_SAME_OP.get(op, op) for op in runtime_ops]
     at = np.full(len(runtime_ops), -1, dtype=np.int64)
-    matcher = difflib.SequenceMatcher(None, norm, traced_ops, autojunk=False)
+    matcher = difflib.SequenceMatcher(None, [_SAME_OP.get(op, op) for op in runtime_ops],
+                                      [_SAME_OP.get(op, op) for op in traced_ops], autojunk=False)
     for block in matcher.get_matching_blocks():
         at[block.a:block.a + block.size] = np.arange(block.b, block.b + block.size)
     return at
