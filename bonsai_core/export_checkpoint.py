@@ -1,0 +1,522 @@
+"""The ``checkpoint`` export back-end: a checkpoint-region schedule applied to the user's own module.
+
+``export_model`` (the ``replay`` back-end) writes the traced aten graph out as a program. This back-end
+instead writes a short ``checkpointed.py`` whose ``apply(model)`` wraps some submodules of the user's
+model in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` with a selective-activation-
+checkpointing (SAC) policy: the model's own Python code runs, at any batch size, under autocast and
+``torch.compile``.
+
+How a plan (``regions.CheckpointPlan``: bonsai, chen) becomes checkpoints:
+
+1. **Which tensors.** ``regions.dropped_nodes`` is the set of forward nodes the plan frees after the
+   forward pass and rebuilds in the backward pass. Every other forward node that a backward node reads
+   is *kept*.
+2. **Which ops at run time.** One forward + loss of the model runs on fake tensors under a dispatch
+   mode that records the aten ops (as SAC's policy sees them) and, with global module hooks, the op
+   range of every module call. ``difflib`` aligns that op sequence with the traced graph's forward
+   nodes (same ops in the same order, up to views of parameters and ``_unsafe_view``/``view``).
+3. **Where to checkpoint.** Autograd keeps a tensor because the *reader* of it saved it, so a dropped
+   tensor is only dropped if its producer and all its forward readers run inside one checkpoint. For
+   each dropped node, the innermost module call holding it and its forward readers is a candidate;
+   the outermost candidates (never the whole model) become the checkpointed submodules ("units").
+4. **What to save.** Inside a unit, the SAC policy says ``MUST_SAVE`` for the ops whose outputs are
+   kept and read by the backward pass, ``PREFER_RECOMPUTE`` for every other op (dropped nodes, and
+   ops nothing in the backward pass reads). Ops are named as SAC counts them: the k-th call of an aten
+   op inside one forward of the unit, so the policy does not depend on shapes (any batch size).
+
+Where it differs from the plan (the measured peak shows it; docs/EXPORT.md has numbers): a unit is
+rebuilt as a whole at its first saved-tensor use in the backward pass (the plan rebuilds a region right
+before the first backward reader of a *dropped* node), the rebuild re-runs the unit's ops up to the
+last saved one (transient tensors the plan does not rebuild), the unit's inputs are held by the
+checkpoint until then, and a dropped node that no module call short of the whole model holds together
+with its readers (or that the loss computes) stays saved: ``INFO["unrealised_dropped_bytes"]``.
+
+General schedules (checkmate, moccasin, dtr, coop: several recomputations of one tensor, frees that
+are not at last use) have no such form and are refused with a pointer to ``--backend replay``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import json
+import pprint
+import statistics
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bonsai_core.errors import ModelError, ScheduleError
+from bonsai_core.export import ExportError
+from bonsai_core.graph import Graph
+from bonsai_core.regions import CheckpointPlan, dropped_nodes
+from bonsai_core.schedule import Schedule, simulate
+
+# Views the traced (functionalized) graph may write as ``view`` where eager runs ``_unsafe_view``: one name
+# for both on both sides.
+_SAME_OP = {"aten._unsafe_view.default": "aten.view.default"}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One checkpointed submodule: its name in ``model.named_modules()`` and, per aten op, which of
+    its calls inside one forward of the submodule save their output (the rest are recomputed)."""
+
+    path: str
+    saves: dict[str, list[int]]
+    ops: int  # aten ops one forward of the submodule runs
+    dropped_bytes: int  # bytes of the plan's dropped nodes this unit recomputes
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """How a plan maps onto a model's submodules."""
+
+    units: list[Unit]
+    dropped_bytes: int  # all the plan's dropped nodes
+    unrealised: list[int]  # dropped nodes that stay saved (no unit holds them with their readers)
+    unrealised_bytes: int
+
+
+# -- recording the step's ops and module calls -----------------------------------------------------
+
+@dataclass(frozen=True)
+class RecordedStep:
+    """The aten ops of one forward + loss as SAC's policy sees them, and each module call's op range."""
+
+    ops: list[str]
+    calls: list[tuple[str, int, int]]  # (module path, first op, one past the last op), model modules only
+    call_counts: Counter
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+        self.ignored = SAC_IGNORED_OPS
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        if func not in self.ignored:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor]) -> RecordedStep:
+    """Run ``loss_fn(model(*inputs))`` once (with grad, as in training) and record it. Cheap on fake tensors."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    names = {id(m): name for name, m in model.named_modules()}
+    recorder = _OpRecorder()
+    open_calls: list[tuple[str, int]] = []
+    calls: list[tuple[str, int, int]] = []
+    counts: Counter = Counter()
+
+    def pre(module: nn.Module, _args: Any) -> None:
+        if id(module) in names:
+            open_calls.append((names[id(module)], len(recorder.ops)))
+
+    def post(module: nn.Module, _args: Any, _out: Any) -> None:
+        if id(module) in names and open_calls:
+            path, start = open_calls.pop()
+            calls.append((path, start, len(recorder.ops)))
+            counts[path] += 1
+
+    hooks = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+    try:
+        with torch.enable_grad(), recorder:
+            loss_fn(model(*inputs))
+    finally:
+        for h in hooks:
+            h.remove()
+    return RecordedStep(recorder.ops, calls, counts)
+
+
+def align(runtime_ops: list[str], traced_ops: list[str]) -> np.ndarray:
+    """int64[len(runtime_ops)]: the traced forward position each run-time op is, or -1.
+
+    Matches ops in order (``difflib``): run-time-only ops (views of parameters, casts) stay -1."""
+    at = np.full(len(runtime_ops), -1, dtype=np.int64)
+    matcher = difflib.SequenceMatcher(None, [_SAME_OP.get(op, op) for op in runtime_ops],
+                                      [_SAME_OP.get(op, op) for op in traced_ops], autojunk=False)
+    for block in matcher.get_matching_blocks():
+        at[block.a:block.a + block.size] = np.arange(block.b, block.b + block.size)
+    return at
+
+
+# -- plan -> units ---------------------------------------------------------------------------------
+
+def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep) -> CheckpointLayout:
+    """Choose the checkpointed submodules and their save policies for ``plan`` (see the module doc)."""
+    forward = np.flatnonzero(graph.is_forward)
+    at = align(step.ops, [graph.ops[v] for v in forward])
+    runtime_of = np.full(graph.n, -1, dtype=np.int64)  # node -> run-time op index
+    runtime_of[forward[at[at >= 0]]] = np.flatnonzero(at >= 0)
+    dropped = dropped_nodes(graph, plan)
+    read_by_backward = np.zeros(graph.n, dtype=bool)
+    for b in np.flatnonzero(~graph.is_forward):
+        read_by_backward[graph.deps(b)] = True
+    kept_for_backward = graph.is_forward & read_by_backward & ~dropped
+
+    # Module calls that may be units: inside the model (not the whole model), called once per step.
+    calls = [(p, a, b) for p, a, b in step.calls if p and step.call_counts[p] == 1]
+    chosen: dict[int, list[int]] = {}  # call index -> dropped nodes it was chosen for
+    unrealised: list[int] = []
+    for d in np.flatnonzero(dropped).tolist():
+        if graph.is_view[d] and graph.mem[d] == 0 and runtime_of[d] < 0:
+            continue  # a view the run folds away (for example into a parameter view): nothing to drop
+        span = [runtime_of[d]] + [runtime_of[u] for u in graph.users(d).tolist() if graph.is_forward[u]]
+        if min(span) < 0:
+            unrealised.append(d)
+            continue
+        lo, hi = min(span), max(span)
+        holding = [i for i, (_, a, b) in enumerate(calls) if a <= lo and hi < b]
+        if not holding:
+            unrealised.append(d)
+            continue
+        inner = min(holding, key=lambda i: calls[i][2] - calls[i][1])
+        chosen.setdefault(inner, []).append(d)
+    # outermost chosen calls become units; the others' nodes go to the unit holding them
+    outer = [i for i in chosen if not any(j != i and calls[j][1] <= calls[i][1] and calls[i][2] <= calls[j][2]
+                                          and (calls[j][1], -calls[j][2]) != (calls[i][1], -calls[i][2])
+                                          for j in chosen)]
+    units = []
+    for i in sorted(outer, key=lambda i: calls[i][1]):
+        path, a, b = calls[i]
+        members = [d for j in chosen if calls[i][1] <= calls[j][1] and calls[j][2] <= calls[i][2] for d in chosen[j]]
+        saves: dict[str, list[int]] = {}
+        seen: Counter = Counter()
+        for r in range(a, b):
+            op = step.ops[r]
+            k = seen[op]
+            seen[op] += 1
+            if at[r] >= 0 and kept_for_backward[forward[at[r]]]:
+                saves.setdefault(op, []).append(k)
+        units.append(Unit(path, saves, b - a, int(graph.mem[members].sum())))
+    return CheckpointLayout(units, int(graph.mem[dropped].sum()), sorted(unrealised),
+                            int(graph.mem[unrealised].sum()) if unrealised else 0)
+
+
+# -- export ----------------------------------------------------------------------------------------
+
+def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, out_dir: str | Path, *,
+                      profile: str | None = None, seed: int = 0) -> Path:
+    """Write the checkpoint back-end's export of ``schedule`` (a bonsai/chen checkpoint-region plan)
+    for ``model`` (a zoo name or ``package.module:factory``) built with ``options``. Returns ``out_dir``.
+
+    Raises ExportError for a schedule that is not a checkpoint-region plan (use the replay back-end),
+    ScheduleError when the schedule was made for another graph."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bonsai_core import zoo
+
+    if "segments" not in schedule.extra:
+        raise ExportError(
+            f"The checkpoint back-end applies checkpoint-region plans (methods bonsai and chen); this "
+            f"{schedule.method!r} schedule is a general recompute sequence (a tensor may be recomputed several "
+            "times, or freed before its last use), which torch.utils.checkpoint cannot express. Export it with "
+            "--backend replay, or solve with --method bonsai or chen.")
+    traced = _trace_for(model, options, schedule, profile, seed)
+    graph = traced.graph
+    sim = simulate(graph, schedule)
+    plan = CheckpointPlan.from_extra(schedule.extra)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        net, inputs, loss_fn = zoo.build(model, seed=seed, **options)
+        step = record_step(net, inputs, loss_fn)
+    lay = layout(graph, plan, step)
+    info = {"graph": graph.name, "graph_hash": graph.hash, "method": schedule.method, "budget": schedule.budget,
+            "predicted_peak": sim.peak, "fixed_mem": graph.fixed_mem, "recomputes": sim.recomputes,
+            "overhead": sim.overhead, "model": model, "options": dict(options), "seed": seed,
+            "batch": int(inputs[0].shape[0]) if inputs and inputs[0].dim() else None,
+            "dropped_bytes": lay.dropped_bytes, "unrealised_dropped_bytes": lay.unrealised_bytes,
+            "unrealised_dropped_nodes": len(lay.unrealised)}
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "checkpointed.py").write_text(generate_source(info, lay))
+        saved = Schedule(graph=graph.name, method=schedule.method, ops=list(schedule.ops), budget=schedule.budget,
+                         graph_hash=graph.hash, stats={**schedule.stats, **sim.stats()}, extra=schedule.extra)
+        (out / "schedule.json").write_text(json.dumps(saved.to_dict(), separators=(",", ":")) + "\n")
+        (out / "README.md").write_text(_readme(info, lay, out.resolve()))
+    except OSError as e:
+        raise ExportError(f"Cannot write the export to {str(out)!r}: {e.strerror}. Choose a writable folder.") from None
+    return out
+
+
+def _trace_for(model: str, options: dict[str, Any], schedule: Schedule, profile: str | None, seed: int):
+    """The traced step the schedule was made for (trying each cost model when ``profile`` is None)."""
+    from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES
+    from bonsai_core.trace import trace_zoo
+
+    profiles = [profile] if profile else [DEFAULT_PROFILE, *(p for p in PROFILES if p != DEFAULT_PROFILE)]
+    for p in profiles:
+        traced = trace_zoo(model, profile=p, seed=seed, **options)
+        if schedule.graph_hash in (None, traced.graph.hash):
+            return traced
+    raise ScheduleError(
+        f"This schedule was made for graph {schedule.graph!r} (hash {schedule.graph_hash}), but {model!r} with "
+        f"options {options or '{}'} traces to {traced.graph.name!r} (hash {traced.graph.hash}). Export with the "
+        "model and options (--batch, --layers, ...) you traced the schedule's graph with, or solve again.")
+
+
+_TEMPLATE = '''\
+"""Checkpointed training for `{model}`: the {method} schedule of graph `{graph}`, applied to your own module.
+
+Generated by `bonsai export --backend checkpoint` (see README.md). Plain PyTorch only:
+
+    import checkpointed
+    checkpointed.apply(model)          # in place; returns model
+    loss = loss_fn(model(*inputs)); loss.backward()
+
+`apply` wraps each submodule named in SAVE in torch.utils.checkpoint.checkpoint (non-reentrant) with
+a selective-activation-checkpointing policy: inside one forward of that submodule, the k-th call of
+an aten op keeps its output for the backward pass if k is listed under the op (MUST_SAVE); every
+other op is recomputed in the backward pass (PREFER_RECOMPUTE). Any batch size; autocast works.
+"""
+
+import functools
+from collections import Counter
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+INFO = {info}
+
+SAVE = {save}
+
+
+def policy(saves):
+    """A SAC policy for one forward of a checkpointed submodule (called once per op, in order)."""
+    seen = {{False: Counter(), True: Counter()}}  # older torch also asks during the recomputation
+
+    def decide(ctx, op, *args, **kwargs):
+        name = str(op)
+        k = seen[ctx.is_recompute][name]
+        seen[ctx.is_recompute][name] += 1
+        return CheckpointPolicy.MUST_SAVE if k in saves.get(name, ()) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return decide
+
+
+def contexts(saves):
+    """The (forward, recomputation) contexts of one checkpointed call, with a fresh policy."""
+    return create_selective_checkpoint_contexts(policy(saves))
+
+
+def checkpointed(forward, saves):
+    """``forward`` run under non-reentrant checkpointing with the save policy ``saves`` (a
+    ``functools.partial`` of torch's own ``checkpoint``, which torch.compile knows)."""
+    return functools.partial(checkpoint, forward, use_reentrant=False,
+                             context_fn=functools.partial(contexts, saves))
+
+
+def apply(model: torch.nn.Module) -> torch.nn.Module:
+    """Checkpoint ``model``'s submodules as the schedule says (in place) and return ``model``."""
+    modules = dict(model.named_modules())
+    missing = [path for path in SAVE if path not in modules]
+    if missing:
+        raise ValueError(f"The model has no submodule {{missing[0]!r}}: this export was made for "
+                         f"{{INFO['model']!r}} ({{type(model).__name__}} differs). Export again for this model.")
+    for path, saves in SAVE.items():
+        module = modules[path]
+        if isinstance(module.forward, functools.partial) and module.forward.func is checkpoint:
+            raise ValueError(f"Submodule {{path!r}} is already checkpointed: call apply(model) once.")
+        module.forward = checkpointed(module.forward, saves)
+    return model
+'''
+
+
+def generate_source(info: dict[str, Any], lay: CheckpointLayout) -> str:
+    """The text of ``checkpointed.py``."""
+    save = {u.path: u.saves for u in lay.units}
+    return _TEMPLATE.format(model=info["model"], method=info["method"], graph=info["graph"],
+                            info=pprint.pformat(info, sort_dicts=False, width=110),
+                            save=pprint.pformat(save, sort_dicts=False, width=110))
+
+
+def _readme(info: dict[str, Any], lay: CheckpointLayout, folder: Path) -> str:
+    from bonsai_core.budget import format_bytes
+
+    model = info["model"]
+    opts = " ".join(f"--{k} {v}" for k, v in (info.get("options") or {}).items())
+    units = "\n".join(f"| `{u.path}` | {u.ops} | {sum(map(len, u.saves.values()))} | {format_bytes(u.dropped_bytes)} |"
+                      for u in lay.units) or "| (none: the plan recomputes nothing) | | | |"
+    unrealised = ""
+    if lay.unrealised:
+        unrealised = (f"\n{len(lay.unrealised)} dropped tensor(s) of the plan ({format_bytes(lay.unrealised_bytes)}) "
+                      "are not held by any submodule short of the whole model together with their readers (or are "
+                      "computed by the loss), so they stay saved: the real peak can exceed the prediction by up to "
+                      "that much.\n")
+    return f"""# Checkpointed `{model}` ({info['method']} schedule, checkpoint back-end)
+
+Made by `bonsai export --backend checkpoint` for graph `{info['graph']}` (hash `{info['graph_hash']}`).
+Predicted peak at the traced size: **{format_bytes(info['predicted_peak'])}** ({info['predicted_peak']} bytes, of
+which {format_bytes(info['fixed_mem'])} fixed); compute overhead {info['overhead']:+.2%}.
+
+## Train with it
+
+```python
+import importlib.util
+spec = importlib.util.spec_from_file_location("checkpointed", "{folder}/checkpointed.py")
+checkpointed = importlib.util.module_from_spec(spec); spec.loader.exec_module(checkpointed)
+
+checkpointed.apply(model)               # your own module, checkpointed in place
+loss = loss_fn(model(*inputs))          # any batch size; torch.autocast works
+loss.backward(); optimizer.step(); optimizer.zero_grad()
+```
+
+## What it checkpoints
+
+| submodule | aten ops per forward | ops saved | dropped bytes recomputed |
+| --- | --- | --- | --- |
+{units}
+{unrealised}
+Each submodule runs under `torch.utils.checkpoint.checkpoint(use_reentrant=False)` with a selective
+policy (`SAVE` in `checkpointed.py`): the tensors the schedule keeps are saved, the rest is recomputed
+when the backward pass reaches the submodule.
+
+## Check it
+
+```
+bonsai verify {model} {opts} {folder} --backend checkpoint
+```
+"""
+
+
+# -- verification ----------------------------------------------------------------------------------
+
+def load_checkpointed(out_dir: str | Path) -> ModuleType:
+    """Import ``out_dir/checkpointed.py`` with the standard importlib recipe (not put in sys.modules)."""
+    path = Path(out_dir) / "checkpointed.py"
+    if not path.is_file():
+        raise ExportError(f"{str(path)!r} does not exist: pass the folder that `bonsai export --backend checkpoint` wrote.")
+    spec = importlib.util.spec_from_file_location(f"_bonsai_checkpointed_{uuid.uuid4().hex}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "apply") or not hasattr(module, "SAVE"):
+        raise ExportError(f"{str(path)!r} is not a checkpoint back-end export (no apply/SAVE): verify it with "
+                          "--backend replay.")
+    return module
+
+
+@dataclass(frozen=True)
+class CheckpointVerification:
+    """The original model and the checkpointed one, one step each on one device at one batch size."""
+
+    device: str
+    batch: int | None
+    traced_size: bool  # the export's own options: the prediction applies
+    loss_original: float
+    loss_exported: float
+    max_grad_diff: float
+    predicted_peak: int | None  # None away from the traced size
+    measured_peak: int
+    original_peak: int
+    seconds_original: float
+    seconds_exported: float
+    predicted_overhead: float
+
+    @property
+    def loss_diff(self) -> float:
+        return abs(self.loss_exported - self.loss_original)
+
+    @property
+    def peak_error(self) -> float | None:
+        """(measured - predicted) / predicted, at the traced size."""
+        return None if not self.predicted_peak else self.measured_peak / self.predicted_peak - 1.0
+
+    @property
+    def time_overhead(self) -> float:
+        """Measured wall time of the checkpointed step over the original's, minus one."""
+        return self.seconds_exported / self.seconds_original - 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "loss_diff": self.loss_diff, "peak_error": self.peak_error,
+                "time_overhead": self.time_overhead}
+
+
+def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, *, device: str = "cpu",
+                      seed: int = 0, batch: int | None = None, autocast: str | None = None,
+                      repeats: int = 3) -> CheckpointVerification:
+    """One training step of the original model and of the model with ``apply`` from ``out_dir``:
+    loss, gradients (``.grad`` compared), peak memory (``measure.measure_step``) and wall time
+    (median of ``repeats`` further steps). ``batch`` runs another batch size than the traced one
+    (no predicted peak there); ``autocast`` ("bf16" / "fp16") runs both under ``torch.autocast``."""
+    from bonsai_core import zoo
+    from bonsai_core.measure import measure_step
+
+    exported = load_checkpointed(out_dir)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError("--device cuda was asked for, but this PyTorch sees no CUDA device.")
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if autocast is not None and autocast not in dtypes:
+        raise ModelError(f"--autocast {autocast!r}: use bf16 or fp16.")
+    opts = dict(options)
+    traced_size = batch is None or batch == exported.INFO.get("batch")
+    if batch is not None:
+        opts["batch"] = batch
+
+    def build(checkpointed: bool) -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:
+        net, inputs, loss_fn = zoo.build(model, seed=seed, **opts)
+        if isinstance(loss_fn, nn.Module):
+            loss_fn = loss_fn.to(dev)
+        net = net.to(dev)
+        if checkpointed:
+            try:
+                exported.apply(net)
+            except ValueError as e:
+                raise ModelError(f"The export in {str(out_dir)!r} does not fit {model!r}: {e}") from None
+        return net, tuple(x.to(dev) for x in inputs), loss_fn
+
+    def run(checkpointed: bool) -> tuple[Any, nn.Module, float]:
+        net, inputs, loss_fn = build(checkpointed)
+
+        def step() -> torch.Tensor:
+            with torch.autocast(dev.type, dtype=dtypes[autocast]) if autocast else _null():
+                loss = loss_fn(net(*inputs))
+            loss.backward()
+            return loss
+
+        measured = measure_step(net, inputs, loss_fn, step=step)
+        grads = {n: p.grad.detach().float().cpu().clone() for n, p in net.named_parameters() if p.grad is not None}
+        times = []
+        for _ in range(max(1, repeats)):
+            _sync(dev)
+            start = time.perf_counter()
+            step()
+            _sync(dev)
+            times.append(time.perf_counter() - start)
+        return measured, grads, statistics.median(times)
+
+    original, reference, t_original = run(False)
+    measured, grads, t_exported = run(True)
+    diff = max((float((grads[n] - reference[n]).abs().max()) for n in reference if n in grads), default=0.0)
+    return CheckpointVerification(
+        device=measured.device, batch=opts.get("batch"), traced_size=traced_size,
+        loss_original=original.loss, loss_exported=measured.loss, max_grad_diff=diff,
+        predicted_peak=int(exported.INFO["predicted_peak"]) if traced_size and not autocast else None,
+        measured_peak=measured.peak, original_peak=original.peak, seconds_original=t_original,
+        seconds_exported=t_exported, predicted_overhead=float(exported.INFO["overhead"]))
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)

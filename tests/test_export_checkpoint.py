@@ -1,0 +1,176 @@
+"""The checkpoint back-end: a region plan applied to the user's own module (torch.utils.checkpoint + SAC).
+
+Each case: trace a small model, solve a real method under a budget (the peak lower bound plus a
+share of the headroom to the no-remat peak, as in tests/test_export.py), export with
+``export_checkpoint``, and run ``verify_checkpoint``: the same loss and gradients as the original at the
+traced batch size and at another one, and the measured CPU peak within 10% of the simulator's
+prediction at the traced size (below the original model's measured peak).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from bonsai_core.export import ExportError
+from bonsai_core.export_checkpoint import export_checkpoint, load_checkpointed, verify_checkpoint
+from bonsai_core.schedule import no_remat_peak, simulate
+from bonsai_core.solvers import solve
+from bonsai_core.trace import trace_zoo
+from bonsai_core.zoo import CrossEntropyLoss
+
+GPT = dict(batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
+ATOL = 1e-5
+PEAK_TOLERANCE = 0.10
+OTHER_BATCH = 3
+
+
+def hf_gpt2(batch: int = 2, seq: int = 16, layers: int = 2, width: int = 32, heads: int = 2, vocab: int = 64):
+    """Hugging Face GPT-2 (``GPT2LMHeadModel`` from a small config, no weights) behind the few lines a
+    training script writes around it: input ids in, logits out. Eager attention and an explicit
+    all-ones attention mask keep the step traceable on this branch (``hf:gpt2`` is another branch's)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=width, n_layer=layers, n_head=heads,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                        bos_token_id=None, eos_token_id=None)
+    config._attn_implementation = "eager"
+    idx = torch.randint(0, vocab, (batch, seq + 1))
+    return CausalLM(GPT2LMHeadModel(config)), (idx[:, :-1].contiguous(),), \
+        CrossEntropyLoss(idx[:, 1:].contiguous(), flatten=True)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+HF_GPT2 = "tests.test_export_checkpoint:hf_gpt2"
+
+
+_graphs: dict = {}
+_schedules: dict = {}
+
+
+def solved(model: str, options: dict, method: str, share: float):
+    """(graph, schedule), traced and solved once per session (tracing and the ILP dominate test time)."""
+    key = (model, tuple(sorted(options.items())))
+    if key not in _graphs:
+        _graphs[key] = trace_zoo(model, **options).graph
+    graph = _graphs[key]
+    if (key, method, share) not in _schedules:
+        lb = graph.peak_lower_bound
+        _schedules[key, method, share] = solve(graph, int(lb + share * (no_remat_peak(graph) - lb)), method=method)
+    return graph, _schedules[key, method, share]
+
+
+@pytest.fixture(scope="module")
+def gpt_export(tmp_path_factory):
+    """The zoo gpt's bonsai schedule (budget share 0.5), exported once."""
+    _, schedule = solved("gpt", GPT, "bonsai", 0.5)
+    return export_checkpoint("gpt", GPT, schedule, tmp_path_factory.mktemp("gpt") / "ck")
+
+
+def check_export(tmp_path, model: str, options: dict, method: str, share: float) -> None:
+    graph, schedule = solved(model, options, method, share)
+    sim = simulate(graph, schedule)
+    assert sim.recomputes > 0, "the schedule must recompute something"
+    out = export_checkpoint(model, options, schedule, tmp_path / "ck")
+    exported = load_checkpointed(out)
+    assert exported.SAVE, "at least one submodule is checkpointed"
+    assert exported.INFO["dropped_bytes"] > exported.INFO["unrealised_dropped_bytes"]
+
+    at_traced = verify_checkpoint(model, options, out, repeats=1)
+    assert at_traced.loss_diff <= ATOL and at_traced.max_grad_diff <= ATOL, at_traced.to_dict()
+    assert at_traced.predicted_peak == sim.peak
+    assert abs(at_traced.peak_error) <= PEAK_TOLERANCE, at_traced.to_dict()
+    assert at_traced.measured_peak < at_traced.original_peak, at_traced.to_dict()
+
+    other = verify_checkpoint(model, options, out, batch=OTHER_BATCH, repeats=1)
+    assert other.batch == OTHER_BATCH and not other.traced_size and other.predicted_peak is None
+    assert other.loss_diff <= ATOL and other.max_grad_diff <= ATOL, other.to_dict()
+
+
+@pytest.mark.parametrize("method,share", [("bonsai", 0.5), pytest.param("bonsai", 0.7, marks=pytest.mark.slow),
+                                          pytest.param("chen", 0.7, marks=pytest.mark.slow)])
+def test_zoo_gpt_trains_the_same_within_the_predicted_peak(tmp_path, method, share):
+    check_export(tmp_path, "gpt", GPT, method, share)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("share", [0.5, 0.7])
+def test_hf_gpt2_bonsai_trains_the_same_within_the_predicted_peak(tmp_path, share):
+    check_export(tmp_path, HF_GPT2, {}, "bonsai", share)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="needs the `hf:ARCH` model source from branch `hf` (and its tracing "
+                                        "fixes); flip to a plain test after merging it")
+def test_hf_source_gpt2_bonsai(tmp_path):
+    check_export(tmp_path, "hf:gpt2", {"layers": 2, "width": 32, "heads": 2, "seq": 16, "vocab": 64, "batch": 2},
+                 "bonsai", 0.5)
+
+
+def test_general_schedules_are_refused_with_a_pointer_to_replay(tmp_path):
+    _, schedule = solved("gpt", GPT, "dtr", 0.5)
+    with pytest.raises(ExportError, match="--backend replay"):
+        export_checkpoint("gpt", GPT, schedule, tmp_path / "ck")
+
+
+def test_export_loads_with_the_standard_importlib_recipe_and_applies_once(gpt_export):
+    out = gpt_export
+    spec = importlib.util.spec_from_file_location("checkpointed", out / "checkpointed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not in sys.modules first
+    assert "checkpointed" not in sys.modules
+    from bonsai_core import zoo
+
+    net, inputs, loss_fn = zoo.build("gpt", **GPT)
+    assert module.apply(net) is net
+    with pytest.raises(ValueError, match="already checkpointed"):
+        module.apply(net)
+    with pytest.raises(ValueError, match="no submodule"):
+        module.apply(nn.Linear(2, 2))
+    with torch.no_grad():  # no backward: the checkpoints just run the forward
+        net(*inputs)
+    assert (out / "schedule.json").is_file() and "apply(model)" in (out / "README.md").read_text()
+
+
+def test_bf16_autocast_on_cpu(gpt_export):
+    v = verify_checkpoint("gpt", GPT, gpt_export, autocast="bf16", repeats=1)
+    # the checkpoint re-runs the recomputation under the forward's autocast state: the same bf16 kernels
+    assert v.loss_diff <= 1e-3 and v.max_grad_diff <= 1e-3, v.to_dict()
+    assert v.predicted_peak is None  # the schedule's bytes are fp32 ones
+
+
+@pytest.mark.slow
+def test_torch_compile_aot_eager(gpt_export):
+    """torch.compile traces the checkpoints as its own checkpoint op (about 30 s on a loaded 2-core
+    machine with the aot_eager backend; inductor worked too in a manual run but took minutes)."""
+    from bonsai_core import zoo
+
+    module = load_checkpointed(gpt_export)
+
+    def step(compiled: bool):
+        net, inputs, loss_fn = zoo.build("gpt", **GPT)
+        run = torch.compile(module.apply(net), backend="aot_eager") if compiled else net
+        loss = loss_fn(run(*inputs))
+        loss.backward()
+        return float(loss), {n: p.grad for n, p in net.named_parameters()}
+
+    torch._dynamo.reset()
+    try:
+        loss, grads = step(True)
+    finally:
+        torch._dynamo.reset()
+    ref_loss, ref = step(False)
+    assert abs(loss - ref_loss) <= ATOL
+    assert max(float((grads[n] - ref[n]).abs().max()) for n in ref) <= ATOL
