@@ -270,23 +270,31 @@ GPT2_SMALL = dict(batch=8, seq=512, width=768, layers=12, heads=12, vocab=50257)
 
 
 def build(name: str, seed: int = 0, **options: Any) -> Built:
-    """Build a zoo model (or a ``package.module:factory`` callable) with its batch and loss.
+    """Build a zoo model, a Hugging Face model (``hf:ARCH`` or ``hf:PATH/config.json``, see
+    ``bonsai_core.hf``) or a ``package.module:factory`` callable, with its batch and loss.
 
     Options not given take the entry's defaults; unknown options raise ModelError.
     """
-    if ":" in name:
+    is_hf = name.startswith("hf:")
+    if ":" in name and not is_hf:
         return _build_factory(name, seed, **options)
-    if name not in ZOO:
-        raise ModelError(f"Unknown model {name!r}. Built-in models: {', '.join(ZOO)}; or pass "
+    if not is_hf and name not in ZOO:
+        raise ModelError(f"Unknown model {name!r}. Built-in models: {', '.join(ZOO)}; Hugging Face models: "
+                         "hf:ARCH (see `bonsai zoo`) or hf:PATH/config.json; or pass "
                          "'package.module:factory' for a callable returning (model, example_inputs, loss_fn).")
+    for key, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelError(f"Option {key}={value!r} of model {name!r} must be a positive whole number.")
+    if is_hf:
+        from bonsai_core import hf
+
+        torch.manual_seed(seed)
+        return hf.build(name[len("hf:"):], **options)
     entry = ZOO[name]
     unknown = sorted(set(options) - set(entry.options))
     if unknown:
         raise ModelError(f"Model {name!r} has no option {', '.join(map(repr, unknown))}; its options are "
                          + ", ".join(f"{k} (default {v})" for k, v in entry.options.items()) + ".")
-    for key, value in options.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ModelError(f"Option {key}={value!r} of model {name!r} must be a positive whole number.")
     torch.manual_seed(seed)
     return entry.factory(**options)
 
