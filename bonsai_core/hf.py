@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -207,33 +208,54 @@ def parse_config(text: str | bytes, source: str) -> dict[str, Any]:
     return data
 
 
-def build_from_config(data: dict[str, Any], source: str = "config.json", **options: Any) -> Built:
-    """Build the model a config dict describes, with its batch and loss (see :func:`build`).
+@dataclass(frozen=True)
+class ConfigModel:
+    """A user's config, read: the model it describes, its training task and the size options it takes."""
+
+    config: Any
+    model_class: type
+    task: str
+    options: dict[str, int]  # batch, and seq (text) or image (vision), with their defaults
+    source: str
+
+    def build(self, **options: Any) -> Built:
+        """The model with a batch and labels (see :func:`build`); refuses options that change its shape."""
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise ModelError(f"{self.source} fixes the model's shape, so option(s) {', '.join(unknown)} do not apply: "
+                             f"change them in the config instead. This model takes {', '.join(self.options)} "
+                             "(defaults " + ", ".join(f"{k}={v}" for k, v in self.options.items()) + ").")
+        sizes = {**self.options, **options}
+        positions = _max_positions(self.config)
+        if "seq" in sizes and sizes["seq"] > positions:
+            raise ModelError(f"seq={sizes['seq']} is longer than the {positions} positions of {self.source}.")
+        return _with_task(self.model_class, self.config, self.task, source=self.source, **sizes)
+
+
+def read_config(data: dict[str, Any], source: str = "config.json") -> ConfigModel:
+    """The model a config dict describes.
 
     The class comes from the config's ``architectures`` (or, without it, its ``model_type``: masked
-    LM, else causal LM, else image classification) among those classes of ``transformers``; custom code
-    (``auto_map``) is never loaded. Options: ``batch``, and ``seq`` (text) or ``image`` (vision)."""
+    LM, else causal LM, else image classification) among those classes of ``transformers``; custom
+    code (``auto_map``) is never loaded."""
     _require_transformers()
     import transformers
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.for_model(**{**data, "attn_implementation": ATTENTION})
-    except (ValueError, TypeError, KeyError) as e:
+    except Exception as e:  # unknown model_type, or a field of the wrong type (huggingface_hub's validation)
         raise ModelError(f"{source}: transformers cannot make a config from it ({e}). Check its \"model_type\" "
-                         f"(transformers {transformers.__version__} knows it?) and its fields.") from None
+                         f"(does transformers {transformers.__version__} know it?) and its fields.") from None
     model_class, task = _model_class(config, source)
-    allowed = {"batch": 8, **({"image": getattr(config, "image_size", 224)} if task == IMAGE_CLASSIFICATION
-                              else {"seq": min(128, _max_positions(config))})}
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ModelError(f"{source} fixes the model's shape, so option(s) {', '.join(unknown)} do not apply: change "
-                         f"them in the config instead. This model takes {', '.join(allowed)} (defaults "
-                         + ", ".join(f"{k}={v}" for k, v in allowed.items()) + ").")
-    sizes = {**allowed, **options}
-    if task != IMAGE_CLASSIFICATION and sizes["seq"] > _max_positions(config):
-        raise ModelError(f"seq={sizes['seq']} is longer than the {_max_positions(config)} positions of {source}.")
-    return _with_task(model_class, config, task, **sizes)
+    sizes = {"image": getattr(config, "image_size", 224)} if task == IMAGE_CLASSIFICATION else \
+        {"seq": min(128, _max_positions(config))}
+    return ConfigModel(config, model_class, task, {"batch": 8, **sizes}, source)
+
+
+def build_from_config(data: dict[str, Any], source: str = "config.json", **options: Any) -> Built:
+    """Build the model a config dict describes, with its batch and loss: ``read_config(...).build(...)``."""
+    return read_config(data, source).build(**options)
 
 
 def _model_class(config: Any, source: str) -> tuple[type, str]:
@@ -267,12 +289,19 @@ def _max_positions(config: Any) -> int:
     return 128
 
 
-def _with_task(model_class: type, config: Any, task: str, batch: int, seq: int = 0, image: int = 0) -> Built:
+def _with_task(model_class: type, config: Any, task: str, batch: int, seq: int = 0, image: int = 0,
+               source: str = "") -> Built:
     """The model in training mode with a batch and labels for its task, wrapped as :class:`WithLabels`."""
     config._attn_implementation = ATTENTION
     if task == IMAGE_CLASSIFICATION:
         config.problem_type = "single_label_classification"
-    model = _instantiate(model_class, config).train()
+    try:
+        model = _instantiate(model_class, config).train()
+    except Exception as e:  # a user's config can reach any code path of the model class
+        if not source:
+            raise
+        raise ModelError(f"{source}: building {model_class.__name__} from it failed ({type(e).__name__}: {e}). "
+                         "Check the config's fields.") from None
     model.loss_type = _LOSS_TYPE[task]  # what its labels path computes (transformers guesses from the class name)
     if task == CAUSAL_LM:
         ids = torch.randint(0, config.vocab_size, (batch, seq))

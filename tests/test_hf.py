@@ -187,6 +187,8 @@ def test_config_parsed_from_bytes_as_the_explorer_uploads_it(tmp_path):
     ('{"model_type": "gpt2", "architectures": ["GPT2ForSequenceClassification"]}', "is not supported"),
     ('{"model_type": "gpt2", "auto_map": {"AutoModelForCausalLM": "evil.Model"}, "architectures": ["Evil"]}',
      "is not supported"),
+    ('{"model_type": "gpt2", "n_layer": "two", "architectures": ["GPT2LMHeadModel"]}',
+     "cannot make a config|building GPT2LMHeadModel from it failed"),
 ])
 def test_bad_config_files_are_clear_model_errors(tmp_path, content, message):
     path = tmp_path / "config.json"
