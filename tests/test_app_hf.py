@@ -24,6 +24,7 @@ def metric(at: AppTest, label: str) -> str:
     return next(m.value for m in at.metric if m.label == label)
 
 
+@pytest.mark.slow  # ~10 s of CPU (importing transformers, a first trace) on this machine
 def test_tracing_hf_gpt2_at_a_tiny_size_replaces_the_model():
     at = app()
     at.selectbox(key="hf_arch").set_value("gpt2").run()
