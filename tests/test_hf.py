@@ -247,3 +247,16 @@ def test_bench_reads_hf_model_specs():
     assert ModelSpec.parse("hf:gpt2:layers=2,seq=64") == ModelSpec("hf:gpt2", (("layers", 2), ("seq", 64)))
     assert ModelSpec.parse("gpt:layers=2") == ModelSpec("gpt", (("layers", 2),))
     assert ModelSpec.parse("tests.user_model:make") == ModelSpec("tests.user_model:make")
+
+
+def test_a_model_whose_constructor_reads_tensor_values_is_a_clear_error_on_fake_tensors(tmp_path):
+    """ConvNeXt computes its drop-path rates with ``torch.linspace(...).tolist()`` in ``__init__``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import ConvNextConfig
+
+    config = ConvNextConfig(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_labels=10)
+    config.architectures = ["ConvNextForImageClassification"]
+    config.save_pretrained(tmp_path)
+    assert zoo.build(f"hf:{tmp_path}", batch=2, image=32)[0].training  # for real it builds
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ModelError, match="constructor reads tensor values"):
+        zoo.build(f"hf:{tmp_path}", batch=2, image=32)
