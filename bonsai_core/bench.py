@@ -35,9 +35,11 @@ class ModelSpec:
 
     @classmethod
     def parse(cls, text: str) -> "ModelSpec":
-        # options follow the last colon (names may hold colons: hf:gpt2, package.module:factory)
+        from bonsai_core.zoo import ZOO
+
+        # options follow the last colon; names may hold colons too (hf:gpt2, package.module:factory)
         name, colon, opts = text.rpartition(":")
-        if not colon or not ("=" in opts or not opts.strip()):
+        if not colon or ("=" not in opts and name.strip() not in ZOO):
             name, opts = text, ""
         options = []
         for item in filter(None, opts.split(",")):
