@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 
 from bonsai_core.errors import ModelError
-from bonsai_core.zoo import Built, ZooEntry, _check_divisible
+from bonsai_core.zoo import Built, ZooEntry, check_divisible
 
 PREFIX = "hf:"
 ATTENTION = "eager"
@@ -89,7 +89,7 @@ def _gpt2(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, hea
           vocab: int = 512) -> Built:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    _check_divisible(width, heads, "width")
+    check_divisible(width, heads, "width")
     config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=seq, vocab_size=vocab,
                         bos_token_id=vocab - 1, eos_token_id=vocab - 1)  # GPT-2's <|endoftext|> is its last id
     return _with_task(GPT2LMHeadModel, config, CAUSAL_LM, batch=batch, seq=seq)
@@ -99,7 +99,7 @@ def _bert(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, hea
           vocab: int = 512) -> Built:
     from transformers import BertConfig, BertForMaskedLM
 
-    _check_divisible(width, heads, "width")
+    check_divisible(width, heads, "width")
     config = BertConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
                         intermediate_size=4 * width, max_position_embeddings=seq, vocab_size=vocab)
     return _with_task(BertForMaskedLM, config, MASKED_LM, batch=batch, seq=seq)
@@ -123,7 +123,7 @@ def _mistral(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, 
 
 def _decoder_sizes(seq: int, width: int, layers: int, heads: int, vocab: int) -> dict[str, int]:
     """Llama-family sizes: grouped-query attention with half as many key/value heads when it can."""
-    _check_divisible(width, heads, "width")
+    check_divisible(width, heads, "width")
     if vocab < 3:
         raise ModelError(f"vocab={vocab} is too small: Llama-family models reserve token ids 1 and 2 (BOS, EOS).")
     return dict(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
@@ -134,8 +134,8 @@ def _decoder_sizes(seq: int, width: int, layers: int, heads: int, vocab: int) ->
 def _vit(batch: int = 8, image: int = 32, width: int = 128, layers: int = 2, heads: int = 4) -> Built:
     from transformers import ViTConfig, ViTForImageClassification
 
-    _check_divisible(width, heads, "width")
-    _check_divisible(image, 8, "image")
+    check_divisible(width, heads, "width")
+    check_divisible(image, 8, "image")
     config = ViTConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
                        intermediate_size=4 * width, image_size=image, patch_size=image // 8, num_labels=CLASSES)
     return _with_task(ViTForImageClassification, config, IMAGE_CLASSIFICATION, batch=batch, image=image)
@@ -169,12 +169,8 @@ def build(spec: str, **options: Any) -> Built:
     missing ``transformers``."""
     _require_transformers()
     if spec in ARCHS:
-        entry = ARCHS[spec]
-        unknown = sorted(set(options) - set(entry.options))
-        if unknown:
-            raise ModelError(f"Model hf:{spec} has no option {', '.join(map(repr, unknown))}; its options are "
-                             + ", ".join(f"{k} (default {v})" for k, v in entry.options.items()) + ".")
-        return entry.factory(**options)
+        ARCHS[spec].check_options(options, PREFIX + spec)
+        return ARCHS[spec].factory(**options)
     path = Path(spec)
     if not (spec.endswith(".json") or "/" in spec or path.exists()):
         raise ModelError(f"Unknown Hugging Face architecture {spec!r}. Built in: "
