@@ -114,8 +114,8 @@ with hf_tab:
 
     st.markdown("**Or your own `config.json`** (as `config.save_pretrained(folder)` writes it; "
                 f"up to {MAX_CONFIG_BYTES // 1024} KiB). It is read as JSON data: no code from it or from the Hub "
-                "is run (`auto_map` and `trust_remote_code` are never used). Its `architectures` must name a causal "
-                "LM, masked LM or image classification class of `transformers`.")
+                "is run (`auto_map` and `trust_remote_code` are never used). Its `architectures` (or else its "
+                "`model_type`) must give a causal LM, masked LM or image classification class of `transformers`.")
     config_upload = st.file_uploader("Hugging Face config.json", type=["json"], key="hf_config")
     if config_upload is not None:
         config_bytes = config_upload.getvalue()
