@@ -31,14 +31,19 @@ OPTIMISERS = ("checkmate", "bonsai", "moccasin")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A zoo model at one size: ``gpt`` or ``gpt:layers=2,width=256``."""
+    """A zoo model at one size: ``gpt``, ``gpt:layers=2,width=256`` or ``hf:gpt2:layers=2``."""
 
     name: str
     options: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> "ModelSpec":
-        name, _, opts = text.partition(":")
+        from bonsai_core.zoo import ZOO
+
+        # options follow the last colon; names may hold colons too (hf:gpt2, package.module:factory)
+        name, colon, opts = text.rpartition(":")
+        if not colon or ("=" not in opts and name.strip() not in ZOO):
+            name, opts = text, ""
         options = []
         for item in filter(None, opts.split(",")):
             key, eq, value = item.partition("=")

@@ -49,7 +49,7 @@ def _positive_int(text: str) -> int:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """MODEL and its size options, shared by trace, export and verify."""
-    p.add_argument("model", metavar="MODEL", help="a zoo name (see `bonsai zoo`) or package.module:factory")
+    p.add_argument("model", metavar="MODEL", help="a zoo name, hf:ARCH or hf:PATH/config.json (see `bonsai zoo`), or package.module:factory")
     for name in MODEL_OPTIONS:
         p.add_argument(f"--{name}", type=_positive_int, default=None, metavar="N", help=f"model option {name}")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and the example batch (default 0)")
@@ -71,14 +71,18 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 # -- verbs ---------------------------------------------------------------------------------------
 
 def cmd_zoo(args: argparse.Namespace) -> int:
+    from bonsai_core.hf import ARCHS, PREFIX
     from bonsai_core.zoo import ZOO
 
+    entries = {**ZOO, **{PREFIX + name: e for name, e in ARCHS.items()}}
     if args.json:
-        print(json.dumps({name: {"description": e.description, "options": e.options} for name, e in ZOO.items()}))
+        print(json.dumps({name: {"description": e.description, "options": e.options} for name, e in entries.items()}))
         return 0
-    for name, entry in ZOO.items():
+    for name, entry in entries.items():
         opts = " ".join(f"--{k} {v}" for k, v in entry.options.items())
-        print(f"{name:8s} {entry.description}\n         {opts}")
+        print(f"{name:11s} {entry.description}\n            {opts}")
+    print(f"{PREFIX}PATH     a Hugging Face config.json (or its folder): causal LM, masked LM or image classification\n"
+          "            --batch 8, and --seq (text, default min(128, positions)) or --image (vision, the config's)")
     return 0
 
 

@@ -213,7 +213,7 @@ def _mlp(batch: int = 1024, width: int = 256, layers: int = 6) -> Built:
 
 def _vgg(batch: int = 16, width: int = 16, layers: int = 2, image: int = 32) -> Built:
     stages = 3
-    _check_divisible(image, 2**stages, "image")
+    check_divisible(image, 2**stages, "image")
     model = VGG(width, layers, stages, 10, image)
     x = torch.randn(batch, 3, image, image)
     return model, (x,), CrossEntropyLoss(torch.randint(0, 10, (batch,)))
@@ -226,7 +226,7 @@ def _resnet(batch: int = 16, width: int = 16, layers: int = 2, image: int = 32) 
 
 
 def _unet(batch: int = 4, width: int = 16, layers: int = 3, image: int = 64) -> Built:
-    _check_divisible(image, 2**layers, "image")
+    check_divisible(image, 2**layers, "image")
     model = UNet(width, layers, 4)
     x = torch.randn(batch, 3, image, image)
     return model, (x,), CrossEntropyLoss(torch.randint(0, 4, (batch, image, image)))
@@ -234,13 +234,13 @@ def _unet(batch: int = 4, width: int = 16, layers: int = 3, image: int = 64) -> 
 
 def _gpt(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, heads: int = 4,
          vocab: int = 512) -> Built:
-    _check_divisible(width, heads, "width")
+    check_divisible(width, heads, "width")
     model = GPT(vocab, seq, width, layers, heads)
     idx = torch.randint(0, vocab, (batch, seq + 1))
     return model, (idx[:, :-1].contiguous(),), CrossEntropyLoss(idx[:, 1:].contiguous(), flatten=True)
 
 
-def _check_divisible(value: int, by: int, what: str) -> None:
+def check_divisible(value: int, by: int, what: str) -> None:
     if value <= 0 or value % by:
         raise ModelError(f"{what}={value} must be a positive multiple of {by} for this model.")
 
@@ -256,6 +256,13 @@ class ZooEntry:
         """The model's size options and their defaults."""
         return {p.name: p.default for p in inspect.signature(self.factory).parameters.values()}
 
+    def check_options(self, options: dict[str, Any], label: str) -> None:
+        """Raise ModelError naming the options this model does not take, and the ones it does."""
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise ModelError(f"Model {label} has no option {', '.join(map(repr, unknown))}; its options are "
+                             + ", ".join(f"{k} (default {v})" for k, v in self.options.items()) + ".")
+
 
 ZOO: dict[str, ZooEntry] = {e.name: e for e in [
     ZooEntry("mlp", _mlp, "multi-layer perceptron (Linear + GELU), classification"),
@@ -270,23 +277,28 @@ GPT2_SMALL = dict(batch=8, seq=512, width=768, layers=12, heads=12, vocab=50257)
 
 
 def build(name: str, seed: int = 0, **options: Any) -> Built:
-    """Build a zoo model (or a ``package.module:factory`` callable) with its batch and loss.
+    """Build a zoo model, a Hugging Face model (``hf:ARCH`` or ``hf:PATH/config.json``, see
+    ``bonsai_core.hf``) or a ``package.module:factory`` callable, with its batch and loss.
 
     Options not given take the entry's defaults; unknown options raise ModelError.
     """
-    if ":" in name:
+    is_hf = name.startswith("hf:")
+    if ":" in name and not is_hf:
         return _build_factory(name, seed, **options)
-    if name not in ZOO:
-        raise ModelError(f"Unknown model {name!r}. Built-in models: {', '.join(ZOO)}; or pass "
+    if not is_hf and name not in ZOO:
+        raise ModelError(f"Unknown model {name!r}. Built-in models: {', '.join(ZOO)}; Hugging Face models: "
+                         "hf:ARCH (see `bonsai zoo`) or hf:PATH/config.json; or pass "
                          "'package.module:factory' for a callable returning (model, example_inputs, loss_fn).")
-    entry = ZOO[name]
-    unknown = sorted(set(options) - set(entry.options))
-    if unknown:
-        raise ModelError(f"Model {name!r} has no option {', '.join(map(repr, unknown))}; its options are "
-                         + ", ".join(f"{k} (default {v})" for k, v in entry.options.items()) + ".")
     for key, value in options.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ModelError(f"Option {key}={value!r} of model {name!r} must be a positive whole number.")
+    if is_hf:
+        from bonsai_core import hf
+
+        torch.manual_seed(seed)
+        return hf.build(name[len("hf:"):], **options)
+    entry = ZOO[name]
+    entry.check_options(options, repr(name))
     torch.manual_seed(seed)
     return entry.factory(**options)
 

@@ -37,9 +37,9 @@ class Model:
     """The model the session works on: its graph and where it came from."""
 
     graph: Graph
-    source: str  # "zoo", "json" or "pt2"
+    source: str  # "zoo" (also hf:ARCH), "hf-config", "json" or "pt2"
     label: str  # what the user sees ("gpt (default)", "my_graph.json", ...)
-    zoo: str | None = None  # zoo name, when the exporter can rebuild the model
+    zoo: str | None = None  # zoo name or hf:ARCH, when the exporter can rebuild the model
     options: dict[str, int] = field(default_factory=dict)
     parameters: int | None = None  # parameter count, when known
     note: str = ""  # e.g. the loss used for a .pt2 upload
@@ -95,6 +95,29 @@ def trace_model(name: str, options: Options) -> Model:
     label = traced.graph.name
     return Model(traced.graph, "zoo", label, zoo=name, options=dict(options),
                  parameters=zoo_parameters(name, options))
+
+
+@st.cache_resource(show_spinner=False, max_entries=16)
+def trace_hf_config(data: bytes, filename: str, options: Options) -> Model:
+    """Trace the model an uploaded Hugging Face config.json describes (parsed as JSON: no code runs).
+
+    Raises ModelError for a bad config or options."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from bonsai_core import hf
+    from bonsai_core.trace import trace_step
+
+    described = hf.read_config(hf.parse_config(data, filename), source=filename)
+    label = f"{filename} ({described.model_class.__name__}" + "".join(f", {k}={v}" for k, v in options) + ")"
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        torch.manual_seed(0)
+        model, inputs, loss_fn = described.build(**dict(options))
+        parameters = int(sum(p.numel() for p in model.parameters()))
+        traced = trace_step(model, inputs, loss_fn, name=label)
+    return Model(traced.graph, "hf-config", label, parameters=parameters,
+                 note=f"{described.model_class.__name__} from the uploaded {filename}, its {described.task} loss. "
+                      f"To export it, save the file and run `bonsai export hf:PATH/{filename}` with these options.")
 
 
 @st.cache_resource(show_spinner=False, max_entries=16)

@@ -1,4 +1,4 @@
-"""Model: pick a built-in model and trace it, or upload a graph / exported program; its summary."""
+"""Model: trace a built-in or Hugging Face model (or an uploaded config.json), or upload a graph / exported program; its summary."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import streamlit as st
 from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BonsaiError
 from explorer import compute, loaders, state
+
+MAX_CONFIG_BYTES = 256 * 1024  # real config.json files are a few KiB
 
 st.title("Model")
 st.caption("Trace a training step (forward + loss + backward) into an operator graph, or load one.")
@@ -40,9 +42,41 @@ with st.expander("Largest activations"):
                  hide_index=True, width="stretch")
 
 st.subheader("Change the model")
-zoo_tab, upload_tab = st.tabs(["Built-in models", "Upload a graph or a .pt2"])
+zoo_tab, hf_tab, upload_tab = st.tabs(["Built-in models", "Hugging Face", "Upload a graph or a .pt2"])
 
-from bonsai_core import zoo  # noqa: E402  (imports torch: after the summary is on screen)
+from bonsai_core import hf, zoo  # noqa: E402  (imports torch: after the summary is on screen)
+
+
+def trace_with_progress(what: str, trace, hint: str) -> None:
+    """Run ``trace()`` (-> compute.Model) inside a status box; on success make it the session's model."""
+    with st.status(f"Tracing {what}…", expanded=False) as status:
+        try:
+            status.write("Building the model under FakeTensorMode and capturing the joint graph (AOTAutograd)…")
+            traced = trace()
+            status.update(label=f"Traced {traced.label}: {traced.graph.n} ops", state="complete")
+            state.set_model(traced)
+            st.toast(f"Traced {traced.label}: {traced.graph.n} ops in the graph.")
+            st.rerun()  # redraw the summary above for the new model
+        except Exception as e:  # ModelError, or torch refusing these sizes (st.rerun is no Exception)
+            status.update(label="Tracing failed", state="error")
+            message = str(e) if isinstance(e, BonsaiError) else f"Tracing {what} failed ({type(e).__name__}: {e})."
+            state.show_error(message, hint)
+
+
+def size_inputs(prefix: str, defaults: dict[str, int]) -> dict[str, int]:
+    """One number input per size option, keyed ``{prefix}_{option}``; the values chosen."""
+    cols = st.columns(min(len(defaults), 6) or 1)
+    chosen = {}
+    for i, (opt, default) in enumerate(defaults.items()):
+        key = f"{prefix}_{opt}"
+        st.session_state.setdefault(key, int(default))  # state, not value=: a preset button may set it too
+        chosen[opt] = int(cols[i % len(cols)].number_input(opt, min_value=1, step=1, key=key))
+    return chosen
+
+
+def changed(chosen: dict[str, int], defaults: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted((k, v) for k, v in chosen.items() if v != defaults[k]))
+
 
 with zoo_tab:
     names = list(zoo.ZOO)
@@ -53,31 +87,53 @@ with zoo_tab:
                                    help=", ".join(f"{k}={v}" for k, v in zoo.GPT2_SMALL.items())):
         for k, v in zoo.GPT2_SMALL.items():  # before the inputs below exist, so they take these values
             st.session_state[f"zoo_gpt_{k}"] = v
-    cols = st.columns(min(len(defaults), 6) or 1)
-    chosen = {}
-    for i, (opt, default) in enumerate(defaults.items()):
-        key = f"zoo_{name}_{opt}"
-        st.session_state.setdefault(key, int(default))  # state, not value=: the preset button sets it too
-        chosen[opt] = int(cols[i % len(cols)].number_input(opt, min_value=1, step=1, key=key))
+    chosen = size_inputs(f"zoo_{name}", defaults)
     left, right = st.columns([1, 4])
     if left.button("Trace", type="primary", key="trace"):
-        options = tuple(sorted((k, v) for k, v in chosen.items() if v != defaults[k]))
-        with st.status(f"Tracing {name}…", expanded=False) as status:
-            try:
-                status.write("Building the model under FakeTensorMode and capturing the joint graph (AOTAutograd)…")
-                traced = compute.trace_model(name, options)
-                status.update(label=f"Traced {traced.label}: {traced.graph.n} ops", state="complete")
-                state.set_model(traced)
-                st.toast(f"Traced {traced.label}: {traced.graph.n} ops in the graph.")
-                st.rerun()  # redraw the summary above for the new model
-            except Exception as e:  # ModelError, or torch refusing these sizes (st.rerun is no Exception)
-                status.update(label="Tracing failed", state="error")
-                message = str(e) if isinstance(e, BonsaiError) else f"Tracing {name} failed ({type(e).__name__}: {e})."
-                state.show_error(message, "Change the size options and trace again.")
+        options = changed(chosen, defaults)
+        trace_with_progress(name, lambda: compute.trace_model(name, options), "Change the size options and trace again.")
     right.caption("GPT-2 small traces in a few seconds into ~1.5k ops; its graph opens collapsed to segments.")
     if st.button("Back to the built-in default", key="reset"):
         state.set_model(compute.default_model(str(state.DEFAULT_GRAPH)))
         st.rerun()
+
+with hf_tab:
+    st.markdown(
+        "Models of Hugging Face `transformers`, built from their config class (no download, no weights) and "
+        "traced with their own training loss (the `labels` path: causal LM, masked LM or image classification), "
+        "dropout at the config's default, eager attention. The same models as `bonsai trace hf:ARCH`.")
+    archs = list(hf.ARCHS)
+    arch = st.selectbox("Architecture", archs, key="hf_arch",
+                        format_func=lambda a: f"hf:{a} — {hf.ARCHS[a].description}")
+    hf_defaults = hf.ARCHS[arch].options
+    hf_chosen = size_inputs(f"hf_{arch}", hf_defaults)
+    if st.button("Trace", type="primary", key="hf_trace"):
+        hf_options = changed(hf_chosen, hf_defaults)
+        trace_with_progress(f"hf:{arch}", lambda: compute.trace_model(f"hf:{arch}", hf_options),
+                            "Change the size options and trace again.")
+
+    st.markdown("**Or your own `config.json`** (as `config.save_pretrained(folder)` writes it; "
+                f"up to {MAX_CONFIG_BYTES // 1024} KiB). It is read as JSON data: no code from it or from the Hub "
+                "is run (`auto_map` and `trust_remote_code` are never used). Its `architectures` (or else its "
+                "`model_type`) must give a causal LM, masked LM or image classification class of `transformers`.")
+    config_upload = st.file_uploader("Hugging Face config.json", type=["json"], key="hf_config")
+    if config_upload is not None:
+        config_bytes = config_upload.getvalue()
+        try:
+            if len(config_bytes) > MAX_CONFIG_BYTES:
+                raise BonsaiError(f"{config_upload.name} is {len(config_bytes):,} bytes; a config.json is at most "
+                                  f"{MAX_CONFIG_BYTES // 1024} KiB.")
+            described = hf.read_config(hf.parse_config(config_bytes, config_upload.name), source=config_upload.name)
+        except BonsaiError as e:
+            described = None
+            state.show_error(str(e), "Upload a Hugging Face config.json.")
+        if described is not None:
+            st.caption(f"{described.model_class.__name__}: {described.task}.")
+            config_chosen = size_inputs("hf_config", described.options)
+            if st.button("Trace this config", type="primary", key="hf_config_trace"):
+                config_options = tuple(sorted(config_chosen.items()))
+                trace_with_progress(config_upload.name, lambda: compute.trace_hf_config(
+                    config_bytes, config_upload.name, config_options), "Change the size options or the config.")
 
 with upload_tab:
     st.markdown(

@@ -1,0 +1,342 @@
+"""Hugging Face ``transformers`` models as a model source: ``hf:ARCH`` and ``hf:PATH/config.json``.
+
+``build(spec, **options) -> (model, example_inputs, loss_fn)``, the zoo's contract (``zoo.build``
+dispatches ``hf:`` names here, after seeding). Each model is built from its ``*Config`` and model
+class, never downloaded and without weights files; under ``FakeTensorMode`` (``bonsai trace``) no
+memory is allocated, and ``bonsai export``/``verify`` build the same model with real, seeded weights.
+
+The traced loss is the model's own training loss, through its ``labels`` path:
+
+* causal LM (``gpt2``, ``llama``, ``mistral``): ``labels = input_ids``, which the model shifts by one;
+* masked LM (``bert``): 15% of the positions of each row (at least one), drawn from the seed, are
+  replaced by the last token id, which stands for ``[MASK]``; ``labels`` holds the original token
+  there and -100 (ignored) elsewhere; the other tokens are drawn from ``[0, vocab - 1)``;
+* image classification (``vit``, ``resnet``): one class out of 10 per image.
+
+How the model is wrapped: :class:`WithLabels` holds the Hugging Face model as its submodule ``model``
+(so its parameters keep their own names under ``model.``, e.g. ``model.transformer.h.0.attn.c_attn.weight``)
+and the labels as a buffer; its ``forward(*inputs)`` calls the model with ``labels=`` and returns
+``.loss``. The loss function is :class:`ModelLoss`, which returns that loss unchanged.
+
+Size options, mapped onto each config (``bonsai zoo`` lists them with their defaults):
+
+* ``width`` → ``n_embd``/``hidden_size``; the feed-forward size is 4 × width (``intermediate_size``,
+  GPT-2's default ``n_inner``); ``layers`` → the number of blocks; ``heads`` → attention heads
+  (Llama/Mistral: ``num_key_value_heads`` = heads / 2 when heads is even, grouped-query attention
+  as in Llama 3, else heads); ``seq`` → the sequence length and ``max_position_embeddings`` /
+  ``n_positions``; ``vocab`` → ``vocab_size``.
+* ViT: ``image`` → ``image_size``, cut into an 8 × 8 grid of patches (``patch_size`` = image / 8).
+* ResNet: ``width`` → the stem's channels; four stages of basic blocks with ``width × (1, 2, 4, 8)``
+  channels and ``layers`` blocks each (ResNet-18 is width 64, layers 2).
+
+Dropout stays at each config's default (0.1 for GPT-2 and BERT), the model is in training mode, and
+attention is ``attn_implementation="eager"``: its matmul/softmax/dropout ops are plain aten ops that
+run on any device, where SDPA traced on CPU records the CPU-only kernel
+``_scaled_dot_product_flash_attention_for_cpu``, which an exported step could not run on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from bonsai_core.errors import ModelError
+from bonsai_core.zoo import Built, ZooEntry, check_divisible
+
+PREFIX = "hf:"
+ATTENTION = "eager"
+CLASSES = 10  # image classes of the built-in vision architectures
+MASK_SHARE = 0.15  # BERT's share of masked positions
+INSTALL = "pip install transformers==5.23.0"
+
+# The training tasks whose loss bonsai knows: the model's `labels` path and what its inputs are.
+CAUSAL_LM, MASKED_LM, IMAGE_CLASSIFICATION = "causal language modelling", "masked language modelling", "image classification"
+_LOSS_TYPE = {CAUSAL_LM: "ForCausalLM", MASKED_LM: "ForMaskedLM", IMAGE_CLASSIFICATION: "ForImageClassification"}
+
+# `no_init_weights` patches module globals; builds take turns (the explorer traces in threads).
+_BUILD_LOCK = threading.Lock()
+
+
+class WithLabels(nn.Module):
+    """A Hugging Face model and its labels: ``forward(*inputs)`` is the model's own training loss."""
+
+    def __init__(self, model: nn.Module, input_names: tuple[str, ...], labels: torch.Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.input_names = input_names
+        self.register_buffer("labels", labels)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(**dict(zip(self.input_names, inputs)), labels=self.labels).loss
+
+
+class ModelLoss(nn.Module):
+    """The loss function of a model that returns its own loss: that loss, unchanged."""
+
+    def forward(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+
+# -- built-in architectures ----------------------------------------------------------------------
+
+def _gpt2(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, heads: int = 4,
+          vocab: int = 512) -> Built:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    check_divisible(width, heads, "width")
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=seq, vocab_size=vocab,
+                        bos_token_id=vocab - 1, eos_token_id=vocab - 1)  # GPT-2's <|endoftext|> is its last id
+    return _with_task(GPT2LMHeadModel, config, CAUSAL_LM, batch=batch, seq=seq)
+
+
+def _bert(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, heads: int = 4,
+          vocab: int = 512) -> Built:
+    from transformers import BertConfig, BertForMaskedLM
+
+    check_divisible(width, heads, "width")
+    config = BertConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
+                        intermediate_size=4 * width, max_position_embeddings=seq, vocab_size=vocab)
+    return _with_task(BertForMaskedLM, config, MASKED_LM, batch=batch, seq=seq)
+
+
+def _llama(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, heads: int = 4,
+           vocab: int = 512) -> Built:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _with_task(LlamaForCausalLM, LlamaConfig(**_decoder_sizes(seq, width, layers, heads, vocab)),
+                      CAUSAL_LM, batch=batch, seq=seq)
+
+
+def _mistral(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, heads: int = 4,
+             vocab: int = 512) -> Built:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _with_task(MistralForCausalLM, MistralConfig(**_decoder_sizes(seq, width, layers, heads, vocab)),
+                      CAUSAL_LM, batch=batch, seq=seq)
+
+
+def _decoder_sizes(seq: int, width: int, layers: int, heads: int, vocab: int) -> dict[str, int]:
+    """Llama-family sizes: grouped-query attention with half as many key/value heads when it can."""
+    check_divisible(width, heads, "width")
+    if vocab < 3:
+        raise ModelError(f"vocab={vocab} is too small: Llama-family models reserve token ids 1 and 2 (BOS, EOS).")
+    return dict(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
+                num_key_value_heads=heads // 2 if heads % 2 == 0 else heads, intermediate_size=4 * width,
+                max_position_embeddings=seq, vocab_size=vocab)
+
+
+def _vit(batch: int = 8, image: int = 32, width: int = 128, layers: int = 2, heads: int = 4) -> Built:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    check_divisible(width, heads, "width")
+    check_divisible(image, 8, "image")
+    config = ViTConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
+                       intermediate_size=4 * width, image_size=image, patch_size=image // 8, num_labels=CLASSES)
+    return _with_task(ViTForImageClassification, config, IMAGE_CLASSIFICATION, batch=batch, image=image)
+
+
+def _resnet(batch: int = 8, image: int = 32, width: int = 16, layers: int = 2) -> Built:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    config = ResNetConfig(embedding_size=width, hidden_sizes=[width * 2**i for i in range(4)], depths=[layers] * 4,
+                          layer_type="basic", num_labels=CLASSES)
+    return _with_task(ResNetForImageClassification, config, IMAGE_CLASSIFICATION, batch=batch, image=image)
+
+
+ARCHS: dict[str, ZooEntry] = {e.name: e for e in [
+    ZooEntry("gpt2", _gpt2, "GPT2LMHeadModel: GPT-2 decoder, causal LM loss, dropout 0.1"),
+    ZooEntry("bert", _bert, "BertForMaskedLM: BERT encoder, masked LM loss on 15% of tokens, dropout 0.1"),
+    ZooEntry("llama", _llama, "LlamaForCausalLM: RMSNorm, rotary, SwiGLU, grouped-query attention; causal LM"),
+    ZooEntry("mistral", _mistral, "MistralForCausalLM: Llama-style decoder with sliding-window attention; causal LM"),
+    ZooEntry("vit", _vit, "ViTForImageClassification: vision transformer on 8x8 patches, 10 classes"),
+    ZooEntry("resnet", _resnet, "ResNetForImageClassification: basic blocks with BatchNorm, 10 classes"),
+]}
+
+
+# -- building ------------------------------------------------------------------------------------
+
+def build(spec: str, **options: Any) -> Built:
+    """Build ``ARCH`` or ``PATH`` (a ``config.json`` or the folder holding one) with its batch and loss.
+
+    The caller seeds torch first (``zoo.build`` does). Raises ModelError for an unknown
+    architecture, an unreadable or unsupported config, an option the model does not take, or a
+    missing ``transformers``."""
+    _require_transformers()
+    if spec in ARCHS:
+        ARCHS[spec].check_options(options, PREFIX + spec)
+        return ARCHS[spec].factory(**options)
+    path = Path(spec)
+    if not (spec.endswith(".json") or "/" in spec or path.exists()):
+        raise ModelError(f"Unknown Hugging Face architecture {spec!r}. Built in: "
+                         + ", ".join(PREFIX + a for a in ARCHS) + f"; or give a model's config: {PREFIX}PATH/config.json "
+                         "(or the folder holding it).")
+    return build_from_config(load_config_file(path), source=str(path), **options)
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (or ``path/config.json``), read as data."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "it is not text"
+        raise ModelError(f"Cannot read the model config {str(file)!r} ({reason}). Give {PREFIX}PATH where PATH "
+                         "is a Hugging Face config.json or the folder holding one.") from None
+    return parse_config(text, str(file))
+
+
+def parse_config(text: str | bytes, source: str) -> dict[str, Any]:
+    """A config.json's object, refusing what is not one (JSON only: nothing is executed)."""
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelError(f"{source} is not valid JSON ({e}). Give a Hugging Face config.json, as "
+                         "`config.save_pretrained(folder)` writes it.") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ModelError(f"{source} is not a Hugging Face model config: it needs a \"model_type\" "
+                         "(like \"gpt2\"), as `config.save_pretrained(folder)` writes it.")
+    return data
+
+
+@dataclass(frozen=True)
+class ConfigModel:
+    """A user's config, read: the model it describes, its training task and the size options it takes."""
+
+    config: Any
+    model_class: type
+    task: str
+    options: dict[str, int]  # batch, and seq (text) or image (vision), with their defaults
+    source: str
+
+    def build(self, **options: Any) -> Built:
+        """The model with a batch and labels (see :func:`build`); refuses options that change its shape."""
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise ModelError(f"{self.source} fixes the model's shape, so option(s) {', '.join(unknown)} do not apply: "
+                             f"change them in the config instead. This model takes {', '.join(self.options)} "
+                             "(defaults " + ", ".join(f"{k}={v}" for k, v in self.options.items()) + ").")
+        sizes = {**self.options, **options}
+        positions = _max_positions(self.config)
+        if "seq" in sizes and sizes["seq"] > positions:
+            raise ModelError(f"seq={sizes['seq']} is longer than the {positions} positions of {self.source}.")
+        return _with_task(self.model_class, self.config, self.task, source=self.source, **sizes)
+
+
+def read_config(data: dict[str, Any], source: str = "config.json") -> ConfigModel:
+    """The model a config dict describes.
+
+    The class comes from the config's ``architectures`` (or, without it, its ``model_type``: masked
+    LM, else causal LM, else image classification) among those classes of ``transformers``; custom
+    code (``auto_map``) is never loaded."""
+    _require_transformers()
+    import transformers
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(**{**data, "attn_implementation": ATTENTION})
+    except Exception as e:  # unknown model_type, or a field of the wrong type (huggingface_hub's validation)
+        raise ModelError(f"{source}: transformers cannot make a config from it ({e}). Check its \"model_type\" "
+                         f"(does transformers {transformers.__version__} know it?) and its fields.") from None
+    model_class, task = _model_class(config, source)
+    sizes = {"image": getattr(config, "image_size", 224)} if task == IMAGE_CLASSIFICATION else \
+        {"seq": min(128, _max_positions(config))}
+    return ConfigModel(config, model_class, task, {"batch": 8, **sizes}, source)
+
+
+def build_from_config(data: dict[str, Any], source: str = "config.json", **options: Any) -> Built:
+    """Build the model a config dict describes, with its batch and loss: ``read_config(...).build(...)``."""
+    return read_config(data, source).build(**options)
+
+
+def _model_class(config: Any, source: str) -> tuple[type, str]:
+    """The model class for a config, and its training task."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    # without "architectures", masked LM first: BERT-family types have both, and that is how they pretrain
+    mappings = {MASKED_LM: auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, CAUSAL_LM: auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                IMAGE_CLASSIFICATION: auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}
+    classes = {name: task for task, mapping in mappings.items() for names in mapping.values()
+               for name in ((names,) if isinstance(names, str) else names)}
+    wanted = list(getattr(config, "architectures", None) or [])
+    for name in wanted:
+        if name in classes and hasattr(transformers, name):
+            return getattr(transformers, name), classes[name]
+    if not wanted:
+        for task, mapping in mappings.items():
+            if isinstance(mapping.get(config.model_type), str) and hasattr(transformers, mapping[config.model_type]):
+                return getattr(transformers, mapping[config.model_type]), task
+    what = f"architectures {wanted}" if wanted else f"model_type {config.model_type!r}"
+    raise ModelError(f"{source}: {what} is not supported. bonsai traces the training losses of causal LM "
+                     "(...ForCausalLM, GPT2LMHeadModel), masked LM (...ForMaskedLM) and image classification "
+                     "(...ForImageClassification) models of transformers; set \"architectures\" to one of those.")
+
+
+def _max_positions(config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    return 128
+
+
+def _with_task(model_class: type, config: Any, task: str, batch: int, seq: int = 0, image: int = 0,
+               source: str = "") -> Built:
+    """The model in training mode with a batch and labels for its task, wrapped as :class:`WithLabels`."""
+    config._attn_implementation = ATTENTION
+    if task == IMAGE_CLASSIFICATION:
+        config.problem_type = "single_label_classification"
+    try:
+        model = _instantiate(model_class, config).train()
+    except Exception as e:  # a user's config can reach any code path of the model class
+        if not source:
+            raise
+        if type(e).__name__ == "DataDependentOutputException":
+            raise ModelError(f"{source}: {model_class.__name__}'s constructor reads tensor values (e.g. "
+                             "`.tolist()`), which do not exist while bonsai builds it on fake tensors; this model "
+                             "class cannot be traced.") from None
+        raise ModelError(f"{source}: building {model_class.__name__} from it failed ({type(e).__name__}: {e}). "
+                         "Check the config's fields.") from None
+    model.loss_type = _LOSS_TYPE[task]  # what its labels path computes (transformers guesses from the class name)
+    if task == CAUSAL_LM:
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+        return WithLabels(model, ("input_ids",), ids.clone()), (ids,), ModelLoss()
+    if task == MASKED_LM:
+        mask_id = config.vocab_size - 1
+        ids = torch.randint(0, mask_id, (batch, seq))
+        chosen = torch.rand(batch, seq).topk(max(1, round(MASK_SHARE * seq)), dim=1).indices
+        masked = torch.zeros(batch, seq, dtype=torch.bool).scatter(1, chosen, True)
+        labels = torch.where(masked, ids, torch.full_like(ids, -100))
+        return WithLabels(model, ("input_ids",), labels), (torch.where(masked, mask_id, ids),), ModelLoss()
+    channels = getattr(config, "num_channels", 3)
+    pixels = torch.randn(batch, channels, image, image)
+    labels = torch.randint(0, config.num_labels, (batch,))
+    return WithLabels(model, ("pixel_values",), labels), (pixels,), ModelLoss()
+
+
+def _instantiate(model_class: type, config: Any) -> nn.Module:
+    """``model_class(config)``; on fake tensors, without weight initialisation (values do not exist
+    there, and ``trunc_normal_`` reads them), then tied as the initialisation would have."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers.initialization import no_init_weights
+
+    with _BUILD_LOCK:
+        if not isinstance(torch.empty(0), FakeTensor):
+            return model_class(config)
+        with no_init_weights():
+            model = model_class(config)
+        model.tie_weights()
+        return model
+
+
+def _require_transformers() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ModelError(f"hf: models need the transformers package: {INSTALL}.") from None
+

@@ -1,0 +1,76 @@
+"""The Model page's Hugging Face tab, driven headless with Streamlit's AppTest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+pytest.importorskip("transformers")
+
+APP = "explorer/app.py"
+TINY_GPT2 = dict(batch=2, seq=16, width=32, layers=1, heads=2, vocab=64)
+
+
+def app() -> AppTest:
+    at = AppTest.from_file("../" + APP, default_timeout=120)
+    at.run()
+    assert not at.exception
+    return at
+
+
+def metric(at: AppTest, label: str) -> str:
+    return next(m.value for m in at.metric if m.label == label)
+
+
+@pytest.mark.slow  # ~10 s of CPU (importing transformers, a first trace) on this machine
+def test_tracing_hf_gpt2_at_a_tiny_size_replaces_the_model():
+    at = app()
+    at.selectbox(key="hf_arch").set_value("gpt2").run()
+    for k, v in TINY_GPT2.items():
+        at.number_input(key=f"hf_gpt2_{k}").set_value(v)
+    at.button(key="hf_trace").click().run()
+    assert not at.exception and not at.error
+    model = at.session_state["model"]
+    assert model.zoo == "hf:gpt2" and model.options == TINY_GPT2  # what the export page rebuilds
+    assert model.graph.name.startswith("hf:gpt2(batch=2")
+    assert metric(at, "operators") == str(model.graph.n)
+    assert int(metric(at, "parameters").replace(",", "")) == model.parameters > 0
+
+
+def _gpt2_config_bytes(tmp_path) -> bytes:
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=32, vocab_size=64)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(tmp_path)
+    return (tmp_path / "config.json").read_bytes()
+
+
+@pytest.mark.slow
+def test_an_uploaded_config_json_is_traced_with_its_size_options(tmp_path):
+    at = app()
+    at.file_uploader(key="hf_config").upload("config.json", _gpt2_config_bytes(tmp_path), "application/json").run()
+    assert not at.exception and not at.error
+    assert any("GPT2LMHeadModel" in c.value for c in at.caption)
+    at.number_input(key="hf_config_batch").set_value(2)
+    at.number_input(key="hf_config_seq").set_value(8)
+    at.button(key="hf_config_trace").click().run()
+    assert not at.exception and not at.error
+    model = at.session_state["model"]
+    assert model.source == "hf-config" and model.zoo is None
+    assert "GPT2LMHeadModel" in model.label and "batch=2" in model.label and model.parameters > 0
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"{not json", "not valid JSON"),
+    (json.dumps({"model_type": "gpt2", "architectures": ["GPT2ForSequenceClassification"]}).encode(), "not supported"),
+    (b" " * (300 * 1024), "at most 256 KiB"),
+])
+def test_a_bad_config_upload_is_an_error_not_a_traceback(content, message):
+    at = app()
+    at.file_uploader(key="hf_config").upload("config.json", content, "application/json").run()
+    assert not at.exception
+    assert any(message in e.value for e in at.error)
+    assert not at.get("button") or all(b.key != "hf_config_trace" for b in at.button)
