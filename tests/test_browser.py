@@ -1,21 +1,26 @@
 """The explorer in a real browser: served with the README's command, driven by headless Chromium.
 
 Visits every page, drags the budget slider on the memory page and waits for the plot's budget line
-to move, timing slider release -> plot updated. Screenshots go to ``screenshots/`` (ignored by git).
-Skips only when Debian's chromium is not installed (``apt-get install -y chromium``).
+to move, timing slider release -> plot updated; ten sessions drag at once (slow); the sweep's Pareto
+line is sampled pixel by pixel in the light and the dark theme. Screenshots go to ``screenshots/``
+(ignored by git). Skips only when Debian's chromium is not installed (``apt-get install -y chromium``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
+import math
 import os
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
-
-import math
 
 import pytest
 
@@ -41,15 +46,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
-    """``streamlit run explorer/app.py`` (the README's command), headless on a free port."""
+@contextlib.contextmanager
+def serve():
+    """``streamlit run explorer/app.py`` (the README's command), headless on a free port; stopped on exit."""
     port = free_port()
+    log = tempfile.TemporaryFile(mode="w+")  # not a pipe: a full pipe would stall the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "explorer/app.py", "--server.headless", "true",
          "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
          "--server.fileWatcherType", "none"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -58,14 +64,25 @@ def server():
             break
         except OSError:
             if proc.poll() is not None:
-                pytest.fail("streamlit exited: " + proc.stdout.read())
+                log.seek(0)
+                pytest.fail("streamlit exited: " + log.read())
             time.sleep(0.2)
-    yield url
-    proc.terminate()
     try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +184,71 @@ def test_budget_slider_moves_the_memory_plot_within_a_second(page, server):
     print("slider release -> plot updated (s):", " ".join(f"{x:.3f}" for x in latencies), f"median {median:.3f}")
     (SHOTS / "latency.txt").write_text(" ".join(f"{x:.4f}" for x in latencies) + f"\nmedian {median:.4f}\n")
     assert median <= 1.0
+
+
+# -- both themes: the Pareto line must stand out from the background ---------------------------------
+
+PARETO_PIXELS = """() => {
+    // points along the Pareto front's path, in page pixels, and the plot's background colour
+    const plot = [...document.querySelectorAll('[data-testid="stPlotlyChart"] .js-plotly-plot')]
+        .find(p => p.data && p.data.some(t => t.name === 'Pareto front'));
+    const i = plot.data.findIndex(t => t.name === 'Pareto front');
+    const path = plot.querySelectorAll('.scatterlayer .trace')[i].querySelector('path.js-line');
+    const m = path.getScreenCTM(), n = 200, L = path.getTotalLength(), pts = [];
+    for (let k = 0; k <= n; k++) {
+        const p = path.getPointAtLength(L * k / n);
+        pts.push([m.a * p.x + m.c * p.y + m.e + window.scrollX, m.b * p.x + m.d * p.y + m.f + window.scrollY]);
+    }
+    const app = getComputedStyle(document.querySelector('[data-testid="stApp"]')).backgroundColor;
+    const r = plot.getBoundingClientRect();
+    return {pts, stroke: getComputedStyle(path).stroke, app,
+            box: [r.left + window.scrollX, r.top + window.scrollY, r.right + window.scrollX, r.bottom + window.scrollY]};
+}"""
+
+
+def luminance(rgb) -> float:
+    lin = [x / 12.92 if x <= 0.04045 else ((x + 0.055) / 1.055) ** 2.4 for x in (c / 255 for c in rgb[:3])]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def contrast(a, b) -> float:
+    hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_pareto_line_stands_out_in_the_light_and_the_dark_theme(server, scheme):
+    """Streamlit follows the browser's colour scheme (no theme in .streamlit/config.toml): the sweep's
+    Pareto line, sampled pixel by pixel in a screenshot, must contrast with the app's background."""
+    from PIL import Image
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        try:
+            pg = browser.new_context(viewport={"width": 1440, "height": 1000}, color_scheme=scheme).new_page()
+            pg.set_default_timeout(120_000)
+            pg.goto(f"{server}/compare")
+            wait_idle(pg)
+            pg.get_by_role("button", name="Run the sweep").click()
+            pg.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg .scatterlayer .trace')
+            wait_idle(pg)
+            pg.wait_for_timeout(500)
+            found = pg.evaluate(PARETO_PIXELS)
+            shot = Image.open(io.BytesIO(pg.screenshot(full_page=True))).convert("RGB")
+            shot.save(SHOTS / f"compare-sweep-{scheme}.png")
+        finally:
+            browser.close()
+    # the plot's background: its most common pixel colour
+    background = max(shot.crop(tuple(int(v) for v in found["box"])).getcolors(1 << 24))[1]
+    app = [int(x) for x in found["app"][found["app"].index("(") + 1:-1].split(",")[:3]]
+    assert (luminance(app) < 0.2) == (scheme == "dark"), found["app"]  # the theme followed the browser
+    assert (luminance(background) < 0.2) == (scheme == "dark"), background
+    # the best pixel within a pixel of each point (the line is dotted and anti-aliased)
+    best = [max(contrast(shot.getpixel((int(x) + dx, int(y) + dy)), background) for dx in (-1, 0, 1)
+                for dy in (-1, 0, 1)) for x, y in found["pts"] if 1 <= x < shot.width - 1 and 1 <= y < shot.height - 1]
+    visible = sum(c >= 3.0 for c in best) / len(best)
+    print(f"{scheme}: stroke {found['stroke']} on {found['app']}: {100 * visible:.0f}% of {len(best)} points "
+          "at contrast >= 3")
+    assert visible >= 0.4  # dots and gaps: at least the dots stand out
