@@ -299,12 +299,10 @@ async def ten_sessions(url: str, reference: int) -> list[float]:
                 pg.set_default_timeout(120_000)
                 pages.append(pg)
 
-            async def open_memory(pg):
-                await pg.goto(f"{url}/memory")
+            for pg in pages:  # one after the other: ten tabs parsing Streamlit's bundle at once time out here
+                await pg.goto(f"{url}/memory", wait_until="commit")
                 await pg.wait_for_selector('[data-testid="stPlotlyChart"] .annotation-text')
                 await pg.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')")
-
-            await asyncio.gather(*(open_memory(pg) for pg in pages))
             latencies = []
             for r in range(ROUNDS):  # 30 different budgets between 66% and 95%: each a fresh solve
                 latencies += await asyncio.gather(*(drag_and_time(pg, 66 + 3 * i + r, reference)
@@ -333,9 +331,9 @@ def test_ten_sessions_dragging_at_once_see_their_plot_within_two_seconds():
         load_before = os.getloadavg()
         worker = threading.Thread(target=drive, args=(url,), daemon=True)
         worker.start()
-        worker.join(timeout=300)
+        worker.join(timeout=600)
         load_after = os.getloadavg()
-    assert not worker.is_alive(), "the ten sessions did not finish within 300 s"
+    assert not worker.is_alive(), "the ten sessions did not finish within 600 s"
     if "error" in result:
         raise result["error"]
     lat = sorted(result["latencies"])
