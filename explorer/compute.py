@@ -8,12 +8,13 @@ infeasible value is as fast as over a feasible one.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
-import threading
 import time
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import streamlit as st
@@ -27,9 +28,11 @@ GRAPH_HASH = {Graph: lambda g: g.hash}
 
 Options = tuple[tuple[str, Any], ...]
 
-# Sessions rerun in threads; solvers keep cached models (a CVXPY problem whose budget parameter is
-# set before each solve), so two solves must not interleave.
-_SOLVE_LOCK = threading.Lock()
+# Sessions rerun in threads and solve concurrently. No app-wide lock: a method that reuses a built
+# problem across calls guards it itself (bonsai's cached segment ILPs and checkmate's cached MILPs are
+# CVXPY problems whose budget Parameter is set before each solve, each behind its module's lock), the
+# other methods keep no state between calls, and ``st.cache_resource`` computes each key once, so
+# sessions asking for the same solve wait for that one computation.
 
 
 @dataclass(frozen=True)
@@ -159,13 +162,82 @@ def accepted_options(method: str) -> set[str] | None:
     return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
+GENERIC_OPTIONS = ("time_limit", "granularity", "backend")  # the sidebar draws these for every method
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One method-specific option (chen's variant, dtr's heuristic, moccasin's copies, ...)."""
+
+    name: str
+    default: Any
+    kind: type = str  # bool, int, float or str
+    choices: tuple | None = None  # the allowed values of a Literal option
+    help: str = ""
+
+    def parse(self, text: str) -> Any:
+        """The option's value from its text in a link; ValueError when it is not one."""
+        if self.choices:
+            value = next((c for c in self.choices if str(c) == text), None)
+            if value is None:
+                raise ValueError(f"one of {', '.join(map(str, self.choices))}")
+            return value
+        if self.kind is bool:
+            if text.lower() not in ("true", "false"):
+                raise ValueError("true or false")
+            return text.lower() == "true"
+        return self.kind(text)
+
+
+def method_options(method: str) -> tuple[OptionSpec, ...]:
+    """The options ``method`` declares beyond the sidebar's generic ones: from
+    ``solvers.method_options`` where this checkout has it, else from the solve function's keyword-only
+    parameters and their type hints."""
+    try:
+        declared = getattr(solvers, "method_options", None)
+        if declared is not None:
+            specs = [_spec(name, d) for name, d in _named(declared(method))]
+        else:
+            fn = solvers.get_solver(method)
+            hints = typing.get_type_hints(fn)
+            specs = [_spec(p.name, p, hints.get(p.name)) for p in inspect.signature(fn).parameters.values()
+                     if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    except (BonsaiError, NameError, TypeError):  # an unknown method, or hints that do not resolve
+        return ()
+    return tuple(sp for sp in specs if sp.name not in GENERIC_OPTIONS)
+
+
+def _named(declared: Any) -> list[tuple[str, Any]]:
+    """(name, declaration) pairs from a mapping, a dataclass or a sequence of named declarations."""
+    if isinstance(declared, dict):
+        return list(declared.items())
+    if dataclasses.is_dataclass(declared):
+        return [(f.name, f) for f in dataclasses.fields(declared)]
+    return [(d.name, d) for d in declared]
+
+
+def _spec(name: str, declared: Any, hint: Any = None) -> OptionSpec:
+    """An OptionSpec from an ``inspect.Parameter``, a dataclass field or any object with ``default``
+    (and optionally ``choices``, ``type``/``annotation``, ``help``/``doc``)."""
+    default = getattr(declared, "default", None)
+    if default in (inspect.Parameter.empty, dataclasses.MISSING):
+        default = None
+    hint = hint if hint is not None else getattr(declared, "annotation", getattr(declared, "type", None))
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    choices = getattr(declared, "choices", None)
+    if choices is None and typing.get_origin(hint) is Literal:
+        choices = tuple(args)
+    kind = type(default) if default is not None else next((a for a in [hint, *args] if a in (bool, int, float)), str)
+    return OptionSpec(name, default, kind, tuple(choices) if choices else None,
+                      str(getattr(declared, "help", "") or getattr(declared, "doc", "") or ""))
+
+
 @st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=512)
 def solve(graph: Graph, budget: int | None, method: str, options: Options = ()) -> Outcome:
     """``solvers.solve`` with the options the user set, its simulation, or its error message."""
     start = time.perf_counter()
     try:
-        with _SOLVE_LOCK:
-            schedule = solvers.solve(graph, budget, method, **dict(options))
+        schedule = solvers.solve(graph, budget, method, **dict(options))
         sim = simulate(graph, schedule)
     except BonsaiError as e:
         return Outcome(method, budget, options, error=str(e), wall_seconds=time.perf_counter() - start)

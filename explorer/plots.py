@@ -17,12 +17,21 @@ from bonsai_core.budget import format_bytes
 from bonsai_core.graph import Graph
 
 MIB = 2**20
-PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#B279A2", "#72B7B2", "#EECA3B", "#9D755D", "#FF9DA6",
-           "#76B7B2", "#BAB0AC", "#59A14F", "#EDC948", "#AF7AA1", "#FF9D9A", "#9C755F", "#79706E")
-METHOD_COLOURS = {"none": "#7f7f7f", "bonsai": "#2ca02c", "checkmate": "#1f77b4", "moccasin": "#9467bd",
-                  "chen": "#ff7f0e", "dtr": "#8c564b", "coop": "#17becf"}
+# Okabe & Ito's colour-blind-safe palette (its black left out: it vanishes on the dark theme). Hue is
+# never the only channel: segments also cycle through SEGMENT_SYMBOLS (3 is coprime to 7, so neighbours
+# differ in shape and a (colour, shape) pair repeats only every 21 segments), methods have a symbol each.
+PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
+SEGMENT_SYMBOLS = ("circle", "square", "triangle-up")
+METHOD_COLOURS = {"none": "#999999", "bonsai": "#009E73", "checkmate": "#0072B2", "moccasin": "#CC79A7",
+                  "chen": "#E69F00", "dtr": "#D55E00", "coop": "#56B4E9"}
+METHOD_SYMBOLS = {"none": "star", "bonsai": "circle", "checkmate": "square", "moccasin": "diamond",
+                  "chen": "triangle-up", "dtr": "x", "coop": "cross"}
+OTHER_SYMBOLS = ("pentagon", "hexagon", "triangle-down", "star-square", "hourglass")
 RECOMPUTE = "#d62728"
-BACKWARD = "#c7c9cc"
+BACKWARD = "#a9acb0"  # a mid grey: visible on the light and the dark background
+# Lines drawn in the text colour of Streamlit's light and dark themes; "unknown" (the theme is not known
+# yet) is a grey with at least 3:1 contrast against both backgrounds (WCAG's minimum for graphics).
+FOREGROUND = {"light": "#31333F", "dark": "#FAFAFA", None: "#8C8C8C"}
 FONT = dict(family="Inter, system-ui, sans-serif", size=13)
 
 
@@ -30,10 +39,22 @@ def method_colour(method: str, i: int = 0) -> str:
     return METHOD_COLOURS.get(method, PALETTE[i % len(PALETTE)])
 
 
+def method_symbol(method: str, i: int = 0) -> str:
+    return METHOD_SYMBOLS.get(method, OTHER_SYMBOLS[i % len(OTHER_SYMBOLS)])
+
+
+def segment_style(group: int) -> tuple[str, str]:
+    """(colour, marker symbol) of segment or block ``group``."""
+    return PALETTE[group % len(PALETTE)], SEGMENT_SYMBOLS[group % len(SEGMENT_SYMBOLS)]
+
+
+LAYOUT = dict(margin=dict(l=10, r=10, t=40, b=10), font=FONT, hoverlabel=dict(font_size=12),
+              legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0),
+              plot_bgcolor="rgba(0,0,0,0)")
+
+
 def _style(fig: go.Figure, height: int = 420) -> go.Figure:
-    fig.update_layout(height=height, margin=dict(l=10, r=10, t=40, b=10), font=FONT,
-                      legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0),
-                      hoverlabel=dict(font_size=12), plot_bgcolor="rgba(0,0,0,0)")
+    fig.update_layout(LAYOUT, height=height)
     return fig
 
 
@@ -64,35 +85,44 @@ def curve(label: str, timeline: np.ndarray, op_costs: np.ndarray, peak: int, pea
 
 def memory_figure(curves: Sequence[Curve], budget: int | None, lower_bound: int | None = None,
                   x_mode: str = "time", height: int = 440) -> go.Figure:
-    """Memory over time of each curve, the budget line and each curve's peak marker."""
-    fig = go.Figure()
+    """Memory over time of each curve, the budget line and each curve's peak marker.
+
+    Built as one figure from plain dicts, not with ``add_trace`` / ``add_hline`` / ``update_layout``:
+    plotly validates on every such call, which took most of a rerun's time (0.15-0.2 s here), and every
+    drag of the budget slider redraws this figure."""
+    data = []
     for c in curves:
-        fig.add_trace(go.Scatter(x=c.x, y=c.live / MIB, name=c.label, mode="lines", line_shape="hv",
-                                 line=dict(color=c.colour, width=2, dash=c.dash),
-                                 hovertemplate="%{y:.2f} MiB<extra>" + c.label + "</extra>"))
+        data.append(dict(type="scatter", x=c.x, y=c.live / MIB, name=c.label, mode="lines", line_shape="hv",
+                         line=dict(color=c.colour, width=2, dash=c.dash),
+                         hovertemplate="%{y:.2f} MiB<extra>" + c.label + "</extra>"))
         if c.reserved is not None:
-            fig.add_trace(go.Scatter(x=c.x, y=np.asarray(c.reserved) / MIB, name=f"{c.label} (reserved)",
-                                     mode="lines", line_shape="hv", line=dict(color=c.colour, width=1, dash="dot"),
-                                     hovertemplate="reserved %{y:.2f} MiB<extra>" + c.label + "</extra>"))
-        fig.add_trace(go.Scatter(x=[c.peak_x], y=[c.peak / MIB], mode="markers+text", showlegend=False,
-                                 marker=dict(color=c.colour, size=11, symbol="triangle-down",
-                                             line=dict(color="white", width=1)),
-                                 text=[f"peak {format_bytes(c.peak)}"], textposition="top center",
-                                 textfont=dict(color=c.colour, size=11),
-                                 hovertemplate=f"{c.label}: peak {format_bytes(c.peak)}<extra></extra>"))
-    if budget is not None:
-        fig.add_hline(y=budget / MIB, line=dict(color=RECOMPUTE, width=2, dash="dash"),
-                      annotation_text=f"budget {format_bytes(budget)}", annotation_position="top left",
-                      annotation_font_color=RECOMPUTE)
-    if lower_bound is not None:
-        fig.add_hline(y=lower_bound / MIB, line=dict(color="#999", width=1, dash="dot"),
-                      annotation_text=f"lower bound {format_bytes(lower_bound)}",
-                      annotation_position="bottom right", annotation_font_color="#888")
-    fig.update_xaxes(title="elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)")
+            data.append(dict(type="scatter", x=c.x, y=np.asarray(c.reserved) / MIB, name=f"{c.label} (reserved)",
+                             mode="lines", line_shape="hv", line=dict(color=c.colour, width=1, dash="dot"),
+                             hovertemplate="reserved %{y:.2f} MiB<extra>" + c.label + "</extra>"))
+        data.append(dict(type="scatter", x=[c.peak_x], y=[c.peak / MIB], mode="markers+text", showlegend=False,
+                         marker=dict(color=c.colour, size=11, symbol="triangle-down", line=dict(color="white", width=1)),
+                         text=[f"peak {format_bytes(c.peak)}"], textposition="top center",
+                         textfont=dict(color=c.colour, size=11),
+                         hovertemplate=f"{c.label}: peak {format_bytes(c.peak)}<extra></extra>"))
+    shapes, notes = [], []
+    for value, colour, width, dash, text, corner in (
+            (budget, RECOMPUTE, 2, "dash", "budget", "top left"),
+            (lower_bound, "#999", 1, "dot", "lower bound", "bottom right")):
+        if value is None:
+            continue
+        y = value / MIB
+        shapes.append(dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=y, y1=y,
+                           line=dict(color=colour, width=width, dash=dash)))
+        top, left = corner.startswith("top"), corner.endswith("left")
+        notes.append(dict(text=f"{text} {format_bytes(value)}", xref="x domain", x=0 if left else 1, yref="y", y=y,
+                          xanchor="left" if left else "right", yanchor="bottom" if top else "top",
+                          showarrow=False, font=dict(color=RECOMPUTE if text == "budget" else "#888")))
     tops = [c.peak for c in curves] + [int(np.max(c.reserved)) for c in curves if c.reserved is not None]
     top = max(tops + ([budget] if budget is not None else []) + [1])
-    fig.update_yaxes(title="memory (MiB)", range=[0, 1.15 * top / MIB])  # headroom for the peak labels
-    return _style(fig, height)
+    layout = dict(LAYOUT, height=height, shapes=shapes, annotations=notes,
+                  xaxis=dict(title=dict(text="elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)")),
+                  yaxis=dict(title=dict(text="memory (MiB)"), range=[0, 1.15 * top / MIB]))  # room for peak labels
+    return go.Figure(data=data, layout=layout)
 
 
 # -- the operator graph ----------------------------------------------------------------------------
@@ -173,12 +203,15 @@ def graph_figure(graph: Graph, nodes: np.ndarray, pos: np.ndarray, group: np.nda
                                hoverinfo="skip", showlegend=False))
     fwd = graph.is_forward[nodes]
     context = np.zeros(len(nodes), dtype=bool) if context is None else np.asarray(context)
-    colours = np.array([PALETTE[g % len(PALETTE)] if (f and g >= 0) else BACKWARD for g, f in zip(group, fwd)])
+    styles = [segment_style(g) if (f and g >= 0) else (BACKWARD, "diamond") for g, f in zip(group, fwd)]
+    colours = np.array([c for c, _ in styles])
+    symbols = np.array([m for _, m in styles])
     sizes = 6 + 10 * np.sqrt(graph.mem[nodes] / max(int(graph.mem.max()), 1))
-    for mask, name, symbol in ((fwd, "forward op", "circle"), (~fwd, "backward op", "diamond")):
+    for mask, name in ((fwd, "forward op"), (~fwd, "backward op")):
         idx = np.flatnonzero(mask)
         if not len(idx):
             continue
+        symbol = symbols[idx].tolist()
         hover = [_hover(graph, int(nodes[i]), group_names[group[i]] if group[i] >= 0 else "—", bool(recomputed[i]))
                  for i in idx]
         fig.add_trace(go.Scatter(
@@ -253,7 +286,7 @@ def collapsed_figure(graph: Graph, groups: Groups, pos: np.ndarray, recomputed_n
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=dict(color="rgba(120,120,120,0.3)", width=1),
                              hoverinfo="skip", showlegend=False))
-    colours = [PALETTE[i % len(PALETTE)] if f else BACKWARD for i, f in enumerate(groups.forward)]
+    styles = [segment_style(i) if f else (BACKWARD, "diamond") for i, f in enumerate(groups.forward)]
     size = 10 + 30 * np.sqrt(mem / max(mem.max(), 1))
     hover = [f"<b>{groups.names[i]}</b><br>{count[i]} ops · {format_bytes(mem[i])} · {cost[i] * 1e3:.3f} ms"
              + (f"<br><b>recomputed</b> ({int(rec_ops[i])} ops rebuilt)" if groups.recomputed[i] or rec_ops[i] else "")
@@ -261,7 +294,7 @@ def collapsed_figure(graph: Graph, groups: Groups, pos: np.ndarray, recomputed_n
     ring = groups.recomputed | (rec_ops > 0)
     fig.add_trace(go.Scatter(
         x=cx, y=cy, mode="markers", text=hover, hoverinfo="text", showlegend=False,
-        marker=dict(color=colours, size=size, symbol=["circle" if f else "diamond" for f in groups.forward],
+        marker=dict(color=[c for c, _ in styles], size=size, symbol=[m for _, m in styles],
                     line=dict(color=[RECOMPUTE if r else "white" for r in ring], width=[4 if r else 1 for r in ring]))))
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
@@ -279,9 +312,10 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, flo
     return front
 
 
-def sweep_figure(rows: Sequence[dict], reference: int, height: int = 420) -> go.Figure:
-    """Overhead against the peak each method reached, per method, over a budget sweep, with the
-    Pareto front over all of them. ``rows``: dicts with method, budget, peak, overhead (feasible)."""
+def sweep_figure(rows: Sequence[dict], reference: int, height: int = 420, theme: str | None = None) -> go.Figure:
+    """Overhead against the peak each method reached, per method (colour and marker symbol), over a
+    budget sweep, with the Pareto front over all of them in the theme's text colour (``theme``: "light",
+    "dark" or None when unknown). ``rows``: dicts with method, budget, peak, overhead (feasible)."""
     fig = go.Figure()
     methods = list(dict.fromkeys(r["method"] for r in rows))
     for i, m in enumerate(methods):
@@ -289,13 +323,15 @@ def sweep_figure(rows: Sequence[dict], reference: int, height: int = 420) -> go.
         fig.add_trace(go.Scatter(
             x=[100 * r["peak"] / reference for r in mine], y=[100 * r["overhead"] for r in mine], name=m,
             mode="lines+markers", line=dict(color=method_colour(m, i), width=2),
+            marker=dict(symbol=method_symbol(m, i), size=9),
             customdata=[[100 * r["budget"] / reference, format_bytes(r["peak"])] for r in mine],
             hovertemplate="budget %{customdata[0]:.0f}% · peak %{customdata[1]}<br>overhead %{y:.2f}%<extra>"
                           + m + "</extra>"))
     front = pareto_front([(100 * r["peak"] / reference, 100 * r["overhead"]) for r in rows])
     if front:
         fig.add_trace(go.Scatter(x=[p[0] for p in front], y=[p[1] for p in front], name="Pareto front",
-                                 mode="lines", line=dict(color="black", width=1, dash="dot"), line_shape="hv"))
+                                 mode="lines", line=dict(color=FOREGROUND.get(theme, FOREGROUND[None]), width=2, dash="dot"),
+                                 line_shape="hv"))
     fig.update_xaxes(title="peak memory (% of the no-remat peak)")
     fig.update_yaxes(title="compute overhead (%)", rangemode="tozero")
     return _style(fig, height)
@@ -310,10 +346,12 @@ def granularity_figure(rows: Sequence[dict], height: int = 380) -> go.Figure:
     for i, m in enumerate(methods):
         mine = sorted((r for r in rows if r["method"] == m), key=lambda r: r["granularity"])
         colour = method_colour(m, i)
+        marker = dict(symbol=method_symbol(m, i), size=9)
         fig.add_trace(go.Scatter(x=[r["granularity"] for r in mine], y=[r["solve_seconds"] for r in mine], name=m,
-                                 mode="lines+markers", line=dict(color=colour)), row=1, col=1)
+                                 mode="lines+markers", line=dict(color=colour), marker=marker), row=1, col=1)
         fig.add_trace(go.Scatter(x=[r["granularity"] for r in mine], y=[r["variables"] for r in mine], name=m,
-                                 mode="lines+markers", line=dict(color=colour), showlegend=False), row=1, col=2)
+                                 mode="lines+markers", line=dict(color=colour), marker=marker, showlegend=False),
+                      row=1, col=2)
     fig.update_xaxes(title="granularity (max ops per segment)")
     return _style(fig, height)
 

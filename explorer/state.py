@@ -8,6 +8,7 @@ values while the user moves between pages. Pages call :func:`model`, :func:`sett
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import streamlit as st
 
 from bonsai_core import solvers
 from bonsai_core.budget import format_bytes, parse_budget
-from bonsai_core.errors import BonsaiError
+from bonsai_core.errors import BonsaiError, ModelError
 from explorer import compute
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +55,9 @@ def default_method() -> str:
 
 
 def sidebar() -> Settings:
-    """Draw the schedule settings in the sidebar and return them."""
+    """Draw the schedule settings in the sidebar and return them; the URL's query parameters set
+    them on a session's first run and mirror them after every run (a shareable link)."""
+    restore_view()
     g = model().graph
     reference = compute.no_remat(g).peak
     methods = solvers.available_methods()
@@ -64,6 +67,8 @@ def sidebar() -> Settings:
     if "budget_pct" not in ss:
         ss["budget_pct"] = 100 if ss["method"] == "none" else 70
     sb = st.sidebar
+    if ss.get("view_problem"):
+        sb.warning(ss.pop("view_problem"), icon=":material/link_off:")
     sb.markdown(f"**{model().label}**  \n{g.n} ops · no-remat peak {format_bytes(reference)}")
     method = sb.selectbox("Method", methods, key="method", format_func=lambda m: m,
                           help="\n".join(f"- **{m}**: {solvers.describe(m)}" for m in methods))
@@ -102,6 +107,10 @@ def sidebar() -> Settings:
                                 key="time_limit")
         if limit > 0:
             chosen["time_limit"] = float(limit)
+        for spec in compute.method_options(method):  # chen's variant, dtr's heuristic, moccasin's copies...
+            value = option_widget(method, spec)
+            if value is not None and value != spec.default:
+                chosen[spec.name] = value
     options = tuple(sorted((k, v) for k, v in chosen.items() if accepted is None or k in accepted))
     ignored = tuple(sorted(k for k in chosen if accepted is not None and k not in accepted))
     if ignored:
@@ -111,7 +120,112 @@ def sidebar() -> Settings:
         sb.caption(f"{method} does not name {', '.join(unnamed)}: passed, but it may ignore it.")
     s = Settings(budget, pct, method, options, ignored)
     ss["settings"] = s
+    st.query_params.from_dict(view_params(method))
     return s
+
+
+def option_widget(method: str, spec: compute.OptionSpec) -> object:
+    """The sidebar widget of one method-specific option, at the method's default until set; returns
+    its value."""
+    key = f"opt_{method}_{spec.name}"
+    st.session_state.setdefault(key, spec.default)  # state, not value=: a link may have set it
+    label, helptext = f"{spec.name} ({method})", spec.help or None
+    if spec.choices:
+        return st.selectbox(label, spec.choices, key=key, help=helptext)
+    if spec.kind is bool:
+        return st.toggle(label, key=key, help=helptext)
+    if spec.kind in (int, float):
+        return st.number_input(label, key=key, help=helptext, step=1 if spec.kind is int else None,
+                               placeholder="method default")
+    return st.text_input(label, key=key, help=helptext) or None
+
+
+# -- the view as a link ------------------------------------------------------------------------------
+# ?model=NAME&size=k:v,...&method=M&budget=PCT&exact=TEXT&granularity=K&backend=B&time_limit=S&o.NAME=V
+# (the page is the URL's path). Only what differs from the defaults is written.
+
+SAFE_MODEL = re.compile(r"^(hf:)?[A-Za-z0-9_-]+$")  # a zoo or hf name; never a module path to import
+
+
+def view_params(method: str) -> dict[str, str]:
+    """The current view as query parameters."""
+    ss = st.session_state
+    m = model()
+    params: dict[str, str] = {}
+    if m.zoo is not None and (m.zoo != "gpt" or m.options):
+        params["model"] = m.zoo
+        if m.options:
+            params["size"] = ",".join(f"{k}:{v}" for k, v in sorted(m.options.items()))
+    params["method"] = method
+    params["budget"] = str(ss["budget_pct"])
+    if ss.get("budget_text", "").strip():
+        params["exact"] = ss["budget_text"].strip()
+    if ss.get("granularity_on"):
+        params["granularity"] = str(ss["granularity"])
+    if ss.get("backend", "default") != "default":
+        params["backend"] = ss["backend"]
+    if ss.get("time_limit", DEFAULT_TIME_LIMIT) != DEFAULT_TIME_LIMIT:
+        params["time_limit"] = f"{ss['time_limit']:g}"
+    for spec in compute.method_options(method):
+        value = ss.get(f"opt_{method}_{spec.name}")
+        if value is not None and value != spec.default:
+            params[f"o.{spec.name}"] = str(value)
+    return params
+
+
+def restore_view() -> None:
+    """On a session's first run, set the model and the sidebar's widgets from the query parameters;
+    a value that cannot be used is named in the sidebar and left at its default."""
+    ss = st.session_state
+    if ss.get("view_restored"):
+        return
+    ss["view_restored"] = True
+    q = st.query_params
+    method = q.get("method", "")
+    methods = solvers.available_methods()
+    # query parameter -> the session-state items it sets (raising ValueError when unusable)
+    parsers = {
+        "model": lambda v: restore_model(v, q.get("size", "")),
+        "method": lambda v: {"method": _one_of("method", v, methods)},
+        "budget": lambda v: {"budget_pct": min(100, max(5, int(v)))},
+        "exact": lambda v: {"budget_text": v},
+        "granularity": lambda v: {"granularity": max(1, int(v)), "granularity_on": True},
+        "backend": lambda v: {"backend": _one_of("backend", v, BACKENDS)},
+        "time_limit": lambda v: {"time_limit": max(0.0, min(3600.0, float(v)))},
+    }
+    for spec in compute.method_options(method) if method in methods else ():
+        parsers[f"o.{spec.name}"] = lambda v, spec=spec: {f"opt_{method}_{spec.name}": spec.parse(v)}
+    problems = []
+    for name, parse in parsers.items():
+        if name in q:
+            try:
+                ss.update(parse(q[name]))
+            except (ValueError, BonsaiError) as e:
+                problems.append(f"{name}={q[name]} ({e})")
+    if problems:
+        ss["view_problem"] = "The link's view was not fully restored: " + "; ".join(problems) + "."
+
+
+def _one_of(what: str, value: str, allowed) -> str:
+    if value not in allowed:
+        raise ValueError(f"no {what} is called {value!r}")
+    return value
+
+
+def restore_model(name: str, size: str) -> dict:
+    """Trace the zoo model a link names (the default's graph is already loaded); sets no widget."""
+    if not SAFE_MODEL.match(name):
+        raise ModelError("not a built-in model name")
+    options = tuple(sorted((k, int(v)) for k, v in (item.split(":", 1) for item in size.split(",") if item)))
+    if name != "gpt" or options:
+        with st.spinner(f"Tracing {name} for the link's view…", show_time=True):
+            try:
+                set_model(compute.trace_model(name, options))
+            except BonsaiError:
+                raise
+            except Exception as e:  # torch refusing these sizes
+                raise ModelError(f"tracing failed ({type(e).__name__}: {e})") from e
+    return {}
 
 
 def settings() -> Settings:
@@ -132,7 +246,18 @@ def outcome(method: str | None = None) -> compute.Outcome:
     method, and then only the options that method takes are passed)."""
     s = settings()
     method = method or s.method
-    return compute.solve(model().graph, s.budget, method, options_for(method))
+    options = options_for(method)
+    limit = dict(options).get("time_limit")
+    # shown only when the solve is not cached (after st.spinner's half-second delay)
+    with st.spinner(f"Solving: **{method}** under {format_bytes(s.budget)} ({s.percent:.1f}% of the no-remat peak), "
+                    + (f"time limit {limit:g} s" if limit else "no time limit") + "…", show_time=True):
+        return compute.solve(model().graph, s.budget, method, options)
+
+
+def theme() -> str | None:
+    """"light" or "dark" as the browser reports it (None when it has not yet, e.g. in tests)."""
+    kind = getattr(getattr(st.context, "theme", None), "type", None)
+    return kind if kind in ("light", "dark") else None
 
 
 def show_error(message: str, hint: str = "") -> None:

@@ -3,11 +3,27 @@ against granularity."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
+import pandas as pd
 import streamlit as st
 
 from bonsai_core import solvers
 from explorer import compute, plots, state
+
+
+def sweep_table(rows: list[dict], failures: list[tuple], reference: int) -> pd.DataFrame:
+    """One row per solve of the sweep, failures included (with their error), by method then budget."""
+    solved = [{"method": r["method"], "budget %": round(100 * r["budget"] / reference, 1), "budget (bytes)": r["budget"],
+               "peak (bytes)": r["peak"], "peak %": round(100 * r["peak"] / reference, 2),
+               "overhead %": round(100 * r["overhead"], 3), "solve seconds": round(r["solve_seconds"], 4), "error": ""}
+              for r in rows]
+    failed = [{"method": m, "budget %": round(100 * b / reference, 1), "budget (bytes)": b, "error": e}
+              for m, b, e in failures]
+    columns = ["method", "budget %", "budget (bytes)", "peak (bytes)", "peak %", "overhead %", "solve seconds", "error"]
+    return pd.DataFrame(solved + failed, columns=columns).sort_values(["method", "budget (bytes)"], kind="stable")
+
 
 st.title("Compare methods")
 s = state.settings()
@@ -28,8 +44,11 @@ if st.button("Run the sweep", type="primary", key="sweep_run", disabled=not chos
     bar = st.progress(0.0, text="Solving…")
     rows, failures = [], []
     jobs = [(m, b) for m in chosen for b in budgets]
+    started, limit = time.perf_counter(), dict(s.options).get("time_limit")
+    limit_text = f"; at most {limit:g} s per solve" if limit else ""
     for i, (method, budget) in enumerate(jobs):
-        bar.progress(i / len(jobs), text=f"{method} at {100 * budget / reference:.0f}% ({i + 1}/{len(jobs)})")
+        bar.progress(i / len(jobs), text=f"{method} at {100 * budget / reference:.0f}% ({i + 1}/{len(jobs)}, "
+                     f"{time.perf_counter() - started:.0f} s so far{limit_text})")
         out = compute.solve(g, budget, method, state.options_for(method))
         if out.ok:
             rows.append({"method": method, "budget": budget, "peak": out.sim.peak, "overhead": out.sim.overhead,
@@ -43,7 +62,13 @@ sweep = st.session_state.get("sweep")
 if sweep and sweep[0] == g.hash:
     _, rows, failures = sweep
     if rows:
-        st.plotly_chart(plots.sweep_figure(rows, reference), width="stretch", key="sweep_plot")
+        st.plotly_chart(plots.sweep_figure(rows, reference, theme=state.theme()), width="stretch", key="sweep_plot")
+    table = sweep_table(rows, failures, reference)
+    st.dataframe(table, hide_index=True, width="stretch", key="sweep_table",
+                 column_config={"peak (bytes)": st.column_config.NumberColumn(format="%d"),
+                                "budget (bytes)": st.column_config.NumberColumn(format="%d")})
+    st.download_button("Download the sweep (CSV)", table.to_csv(index=False), file_name=f"{g.name.split('(')[0]}-sweep.csv",
+                       mime="text/csv", key="sweep_csv", icon=":material/download:")
     if failures:
         with st.expander(f"{len(failures)} budgets out of reach"):
             for method, budget, error in failures:

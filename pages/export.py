@@ -1,4 +1,4 @@
-"""Export: the schedule as JSON, and the runnable checkpointed model as a zip."""
+"""Export: the schedule as JSON, and the runnable model that replays it (a zip)."""
 
 from __future__ import annotations
 
@@ -58,8 +58,12 @@ elif export_model is None:
             "above, or make the same model from the command line:")
     st.code(cli_commands(), language="bash")
 else:
-    st.markdown("A folder with `checkpointed.py` (the traced training step replayed in this schedule's order: "
-                "plain PyTorch, recomputations included), `schedule.json` and a `README.md`, zipped.")
+    st.markdown("A folder with `checkpointed.py`, `schedule.json` and a `README.md`, zipped. `checkpointed.py` "
+                "replays the schedule: the traced training step (forward, loss, backward, as aten ops) written out "
+                "as straight-line Python in the schedule's order, a recomputation being the same line run again and "
+                "a free a `del`, so the real step allocates what the simulator counted. It does not use "
+                "`torch.utils.checkpoint` and runs with plain PyTorch, sharing your model's parameters. `bonsai export --backend checkpoint` "
+                "applies it to your own module with `torch.utils.checkpoint` instead.")
     if st.button("Build the checkpointed model", key="export_build"):
         with st.spinner("Exporting…"):
             try:

@@ -18,10 +18,10 @@ recomputed = compute.recomputed_nodes(g, out.schedule) if out.ok else np.zeros(g
 
 if not out.ok:
     state.show_error(out.error, "The graph is drawn without a schedule; change the budget or method in the sidebar.")
-st.caption("Forward ops (circles) run left to right along the top, backward ops (diamonds) right to left along "
-           "the bottom. " + (f"Colours: the {len(segments)} segments of the **{out.method}** schedule; "
+st.caption("Forward ops run left to right along the top, backward ops (grey diamonds) right to left along "
+           "the bottom. " + (f"Colour and shape: the {len(segments)} segments of the **{out.method}** schedule; "
                              f"{len(recomputed_segments)} recomputed (red ring)." if segments else
-                             f"The **{out.method}** schedule has no segments: forward ops are coloured in blocks of "
+                             f"The **{out.method}** schedule has no segments: forward ops are coloured and shaped in blocks of "
                              "consecutive ops" + (", recomputed ops ringed in red." if recomputed.any() else ".")))
 
 c1, c2, c3 = st.columns([2, 2, 3])

@@ -29,13 +29,18 @@ c[1].metric("peak", format_bytes(out.sim.peak), f"{100 * out.sim.peak / referenc
             delta_color="inverse")
 c[2].metric("compute overhead", f"{100 * out.sim.overhead:.2f}%", help="Recomputed time / one plain step.")
 c[3].metric("recomputed ops", out.sim.recomputes)
-c = st.columns(4)
+chosen = stats.get("granularity")  # what a segment method used ("auto" picks it: the solver says which)
+c = st.columns(5 if chosen is not None else 4)
 c[0].metric("variables", stats.get("variables", "—"))
 c[1].metric("constraints", stats.get("constraints", "—"))
 build, solve = stats.get("build_seconds"), stats.get("solve_seconds")
 c[2].metric("build time", f"{build:.3f} s" if isinstance(build, (int, float)) else "—")
 c[3].metric("solve time", f"{solve:.3f} s" if isinstance(solve, (int, float)) else "—",
             help=f"Whole call including simulation: {out.wall_seconds:.3f} s (first time; then cached).")
+if chosen is not None:
+    asked = dict(s.options).get("granularity")
+    c[4].metric("granularity", chosen, help="Largest segment, in forward ops: "
+                + (f"set to {asked} in the sidebar." if asked is not None else "the method's own choice."))
 
 timeline = plots.curve(s.method, out.sim.timeline, compute.op_costs(g, out.schedule), out.sim.peak, out.sim.peak_op,
                        plots.method_colour(s.method))

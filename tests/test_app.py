@@ -32,7 +32,7 @@ def solve_fake(graph: Graph, budget: int | None, *, time_limit: float | None = N
     tight = budget is not None and budget < no_remat_peak(graph)
     schedule = plan_schedule(graph, CheckpointPlan.of(segments, range(len(segments)) if tight else ()), "fake")
     schedule.stats = {"status": "optimal", "gap": 0.0, "variables": 3 * len(segments), "constraints": len(fwd),
-                      "build_seconds": 0.001, "solve_seconds": 0.002}
+                      "build_seconds": 0.001, "solve_seconds": 0.002, "granularity": granularity}
     return schedule
 
 
@@ -137,10 +137,12 @@ def test_setting_granularity_passes_it_and_changes_the_schedule(fake_method):
     at.sidebar.slider(key="budget_pct").set_value(95).run()
     goto(at, "solve")
     default_vars = metric(at, "variables")
+    assert metric(at, "granularity") == "8"  # what the method chose, from its stats
     at.sidebar.toggle(key="granularity_on").set_value(True).run()
     at.sidebar.slider(key="granularity").set_value(16).run()
     assert not at.exception
     assert metric(at, "variables") != default_vars
+    assert metric(at, "granularity") == "16"
 
 
 def test_memory_page_overlays_ticked_methods_with_no_remat(fake_method):
@@ -172,6 +174,77 @@ def test_compare_sweeps_budgets_and_granularities_with_progress(fake_method):
     assert not at.exception
     variables = [r for t in plot_spec(at, 1)["data"] if t.get("xaxis") == "x2" for r in t["y"]]
     assert len(set(variables)) == 3
+
+
+def test_the_sweep_has_a_table_and_a_csv_download(fake_method):
+    at = goto(app(), "compare")
+    at.multiselect(key="sweep_methods").set_value(["fake", "none"]).run()
+    at.slider(key="sweep_range").set_value((50, 100)).run()
+    at.number_input(key="sweep_points").set_value(3).run()
+    at.button(key="sweep_run").click().run()
+    assert not at.exception
+    table = next(d.value for d in at.dataframe if "overhead %" in d.value.columns)
+    assert len(table) == 6  # 2 methods x 3 budgets (50, 75, 100%), solved or with the error
+    assert sorted(table["budget %"].round()) == [50, 50, 75, 75, 100, 100]
+    solved = table["error"] == ""
+    assert table[solved]["peak (bytes)"].notna().all() and table[~solved]["peak (bytes)"].isna().all()
+    none = table[table["method"] == "none"]
+    assert none[none["error"] == ""]["budget %"].tolist() == [100.0]  # no remat fits only the whole peak
+    assert all("Raise the budget" in e for e in none[none["error"] != ""]["error"])
+    assert [b.proto.label for b in at.get("download_button")] == ["Download the sweep (CSV)"]
+
+
+def test_the_view_is_mirrored_in_the_url_and_a_link_restores_it(fake_method):
+    at = app()
+    at.sidebar.selectbox(key="method").set_value("fake").run()
+    at.sidebar.slider(key="budget_pct").set_value(80).run()
+    at.sidebar.toggle(key="granularity_on").set_value(True).run()
+    at.sidebar.slider(key="granularity").set_value(12).run()
+    assert at.query_params == {"method": "fake", "budget": "80", "granularity": "12"}
+    link = dict(at.query_params)
+
+    fresh = AppTest.from_file("../" + APP, default_timeout=60)
+    fresh.query_params.update(link)
+    fresh.run()
+    assert not fresh.exception and not fresh.sidebar.warning
+    assert fresh.sidebar.selectbox(key="method").value == "fake"
+    assert fresh.sidebar.slider(key="budget_pct").value == 80
+    assert fresh.sidebar.slider(key="granularity").value == 12
+    goto(fresh, "solve")
+    assert metric(fresh, "granularity") == "12"
+    assert fresh.query_params == link  # the link survives a page change
+
+
+def test_a_link_with_a_zoo_model_traces_it_and_a_bad_link_is_named_not_run():
+    at = AppTest.from_file("../" + APP, default_timeout=60)
+    at.query_params.update({"model": "mlp", "size": "layers:2", "method": "none", "budget": "100"})
+    at.run()
+    assert not at.exception
+    assert at.session_state["model"].graph.name == "mlp(layers=2)"
+    assert at.query_params["model"] == "mlp" and at.query_params["size"] == "layers:2"
+
+    bad = AppTest.from_file("../" + APP, default_timeout=60)
+    bad.query_params.update({"model": "os:system", "method": "nosuch", "budget": "lots"})
+    bad.run()
+    assert not bad.exception
+    warning = bad.sidebar.warning[0].value
+    assert "model=os:system" in warning and "method=nosuch" in warning and "budget=lots" in warning
+    assert bad.session_state["model"].label == "gpt (built-in default)"
+
+
+def test_method_specific_options_appear_in_the_sidebar_and_reach_the_solver():
+    at = app()
+    at.sidebar.selectbox(key="method").set_value("chen").run()
+    at.sidebar.slider(key="budget_pct").set_value(70).run()
+    variant = at.sidebar.selectbox(key="opt_chen_variant")
+    assert variant.value == "auto" and "sqrt" in variant.options
+    assert "variant" not in dict(at.session_state["settings"].options)  # the default is not passed
+    variant.set_value("sqrt").run()
+    assert not at.exception
+    assert dict(at.session_state["settings"].options)["variant"] == "sqrt"
+    assert at.query_params["o.variant"] == "sqrt"
+    at.sidebar.selectbox(key="method").set_value("dtr").run()
+    assert at.sidebar.selectbox(key="opt_dtr_heuristic").value == "neighbourhood"
 
 
 def test_export_offers_the_schedule_json_and_the_checkpointed_model_zip(fake_method):

@@ -135,6 +135,49 @@ def test_memory_figure_draws_budget_line_and_each_peak():
     assert curves[0].x[-1] > curves[1].x[-1]  # recomputation takes longer on the time axis
 
 
+def test_the_pareto_line_follows_the_theme_and_is_never_black():
+    rows = [{"method": m, "budget": b, "peak": b, "overhead": o}
+            for m, b, o in (("a", 50, 0.3), ("a", 80, 0.1), ("b", 60, 0.2), ("b", 100, 0.0))]
+    colours = {}
+    for theme in ("light", "dark", None):
+        fig = plots.sweep_figure(rows, 100, theme=theme)
+        front = next(t for t in fig.data if t.name == "Pareto front")
+        colours[theme] = front.line.color
+    assert colours["light"] == plots.FOREGROUND["light"] and colours["dark"] == plots.FOREGROUND["dark"]
+    assert "black" not in colours.values() and "#000000" not in colours.values()
+    # methods differ by marker symbol as well as colour
+    symbols = [t.marker.symbol for t in plots.sweep_figure(rows, 100).data if t.name in ("a", "b")]
+    assert len(set(symbols)) == 2
+
+
+def test_neighbouring_segments_differ_in_shape_as_well_as_colour():
+    styles = [plots.segment_style(i) for i in range(30)]
+    assert all(a[0] != b[0] and a[1] != b[1] for a, b in zip(styles, styles[1:]))
+    assert len(set(styles[:21])) == 21  # a (colour, shape) pair repeats only every 21 segments
+    g = chain(6)
+    fig = plots.graph_figure(g, np.arange(g.n), plots.layered_layout(g), np.array([0, 0, 1, 1, 2, 2] + [-1] * 6),
+                             ["segment 0", "segment 1", "segment 2"], np.zeros(g.n, dtype=bool))
+    forward = next(t for t in fig.data if t.name == "forward op")
+    assert list(forward.marker.symbol) == ["circle", "circle", "square", "square", "triangle-up", "triangle-up"]
+
+
+def contrast(a: str, b: str) -> float:
+    """WCAG contrast ratio of two #rrggbb colours."""
+    def luminance(c: str) -> float:
+        rgb = [int(c[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+        lin = [x / 12.92 if x <= 0.04045 else ((x + 0.055) / 1.055) ** 2.4 for x in rgb]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+    hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def test_lines_drawn_in_the_foreground_stand_out_on_both_streamlit_backgrounds():
+    light, dark = "#FFFFFF", "#0E1117"  # Streamlit's light and dark backgrounds
+    assert contrast(plots.FOREGROUND["light"], light) >= 4.5 and contrast(plots.FOREGROUND["dark"], dark) >= 4.5
+    assert min(contrast(plots.FOREGROUND[None], light), contrast(plots.FOREGROUND[None], dark)) >= 3.0
+    assert min(contrast(plots.BACKWARD, light), contrast(plots.BACKWARD, dark)) >= 2.0
+
+
 @pytest.mark.parametrize("edit, reason", [
     (lambda d: d["graph_module"]["graph"]["nodes"][0].update(target="torch.os.system"), "not an aten or prims"),
     (lambda d: d.update(guards_code=["__import__('os').system('true')"]), "guard code"),
