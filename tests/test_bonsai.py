@@ -387,3 +387,11 @@ def test_stats_say_which_granularity_auto_chose_and_a_set_one_is_kept(gpt):
     assert auto.stats["granularities_tried"][0] == default_granularity(gpt)
     fixed = solve(gpt, budget, "bonsai", granularity=7)
     assert fixed.stats["granularity"] == 7 and fixed.stats["granularity_mode"] == "set"
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, "1%", True])
+def test_bad_gap_is_refused_with_a_clear_message(bad):
+    from bonsai_core.errors import SolverError
+
+    with pytest.raises(SolverError, match="relative MIP gap"):
+        solve(chain(3), None, "bonsai", gap=bad)

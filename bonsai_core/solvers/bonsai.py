@@ -156,6 +156,9 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
 
     Raises BudgetError (naming the smallest budget bonsai can meet) when none fits or none was found in
     time, SolverError when the backend fails."""
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < 1:
+        raise SolverError(f"gap {gap!r} is not a relative MIP gap in [0, 1): 0.01 stops within 1% of the "
+                          "model's optimum, 1e-4 proves it.")
     if not graph.is_forward.any():  # nothing to checkpoint
         schedule = plan_schedule(graph, CheckpointPlan.of([]), "bonsai")
         schedule.stats = {"status": "optimal", "gap": 0.0, "variables": 0, "constraints": 0,
