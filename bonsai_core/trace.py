@@ -8,7 +8,10 @@ How FX nodes become graph nodes:
 
 * placeholders (parameters, buffers, the batch) are not nodes: their bytes, and those of the
   parameter gradients, are ``fixed_mem``. Views of them are not nodes either.
-* ``getitem`` of a multi-output op is that op's node (its ``mem`` is all outputs added up).
+* ``getitem`` of a multi-output op is that op's node (its ``mem`` is all outputs added up), except,
+  for forward ops, the used outputs after the first that are at most a quarter of its size (batch
+  norm's statistics, dropout's mask): each is a node of its own (op ``getitem``, ``deps`` = the op's
+  node, ``mem`` its bytes, a nanosecond of ``cost``), so the big output dies when eager frees it.
 * ``detach`` / ``alias`` are identities and fold into their input.
 * other views (``view``, ``t``, ``transpose``, ``split``, ``_unsafe_view``, ...) are view nodes: ``alias_of`` their
   base, ``mem`` 0, ``cost`` 0.
