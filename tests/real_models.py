@@ -218,3 +218,22 @@ def bert_mlm(batch: int = 4, seq: int = 128, width: int = 128, layers: int = 2, 
     model = _vocab_logits(lambda m, ids: m(input_ids=ids).logits)(inner).train()
     ids = torch.randint(0, vocab, (batch, seq))
     return model, (ids,), CrossEntropyLoss(ids, flatten=True)
+
+
+# -- model code that reads a tensor's value -------------------------------------------------------
+
+class ItemBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().max().item() > 100:  # a branch on a value: not traceable, refused with advice
+            x = x / 100
+        return self.lin(x)
+
+
+def item_branch(batch: int = 4, seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 16), ItemBranch())
+    return model, (torch.randn(batch, 16),), CrossEntropyLoss(torch.randint(0, 10, (batch,)))

@@ -77,3 +77,16 @@ def test_vit_with_torch_assert_traces():
     traced = trace_zoo(_spec("vit_assert"), batch=2, layers=1, width=32)
     _forward_is_a_prefix_ending_at_the_loss(traced.graph)
     assert torch._assert.__module__ == "torch"
+
+
+def test_cli_refuses_a_value_branch_with_the_line_and_no_traceback():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    run = subprocess.run([sys.executable, "-m", "bonsai_core.cli", "trace", _spec("item_branch")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 1
+    assert "module 1 (ItemBranch)" in run.stderr and "real_models.py" in run.stderr and ".item()" in run.stderr
+    assert "Traceback" not in run.stderr
