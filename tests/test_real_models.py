@@ -79,13 +79,14 @@ def test_vit_with_torch_assert_traces():
     assert torch._assert.__module__ == "torch"
 
 
-def test_cli_refuses_a_value_branch_with_the_line_and_no_traceback():
+def test_cli_refuses_a_value_branch_with_the_line_and_no_traceback(tmp_path):
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    run = subprocess.run([sys.executable, "-m", "bonsai_core.cli", "trace", _spec("item_branch")],
+    run = subprocess.run([sys.executable, "-m", "bonsai_core.cli", "trace", _spec("item_branch"),
+                          "-o", str(tmp_path / "g.json")],
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 1
     assert "module 1 (ItemBranch)" in run.stderr and "real_models.py" in run.stderr and ".item()" in run.stderr
