@@ -8,7 +8,10 @@ How FX nodes become graph nodes:
 
 * placeholders (parameters, buffers, the batch) are not nodes: their bytes, and those of the
   parameter gradients, are ``fixed_mem``. Views of them are not nodes either.
-* ``getitem`` of a multi-output op is that op's node (its ``mem`` is all outputs added up).
+* ``getitem`` of a multi-output op is that op's node (its ``mem`` is all outputs added up), except,
+  for forward ops, the used outputs after the first that are at most a quarter of its size (batch
+  norm's statistics, dropout's mask): each is a node of its own (op ``getitem``, ``deps`` = the op's
+  node, ``mem`` its bytes, a nanosecond of ``cost``), so the big output dies when eager frees it.
 * ``detach`` / ``alias`` are identities and fold into their input.
 * other views (``view``, ``t``, ``transpose``, ``split``, ``_unsafe_view``, ...) are view nodes: ``alias_of`` their
   base, ``mem`` 0, ``cost`` 0.
@@ -66,6 +69,7 @@ _CAPTURED_CONSTANT_SIGNS = ("fake buffer", "_tensor_constant", "convert all Tens
 # What torch raises when Python code needs a tensor's value (which fake tensors do not have).
 _DATA_DEPENDENT_ERRORS = ("DataDependentOutputException", "GuardOnDataDependentSymNode",
                           "DynamicOutputShapeException", "UnsupportedOperatorException")
+_UNMARKED_VIEWS = {"aten._unsafe_view.default"}  # views whose schema does not say so
 _IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -464,15 +468,28 @@ def _prune(name: str, fixed_tensors: list[tuple[str, int, str]], nodes: list[dic
 def _view_base(node: fx.Node, inputs: list[fx.Node]) -> fx.Node | None:
     """The input whose storage all of this op's outputs share, or None for an op that allocates.
 
-    Storage identity of the traced (fake) values, not the op's schema, decides: it also catches
-    ``_unsafe_view`` and ops returning lists of views (``split``), which schemas do not mark."""
+    Storage identity of the traced (fake) values decides: it also catches ``_unsafe_view`` and ops
+    returning lists of views (``split``), which schemas do not mark. When the values do not share
+    storages although the op is a view (fake copies of a real model's parameters can lose their
+    storage identity), the op's schema decides: outputs that alias ``self`` without writing it."""
     outs = tensors_in(node.meta.get("val"))
     owners: dict[int, fx.Node] = {}
     for a in inputs:
         for t in tensors_in(a.meta.get("val")):
             owners.setdefault(t.untyped_storage()._cdata, a)
     bases = [owners.get(t.untyped_storage()._cdata) for t in outs]
-    return bases[0] if bases and all(b is not None for b in bases) else None
+    if bases and all(b is not None for b in bases):
+        return bases[0]
+    return _schema_view_base(node)
+
+
+def _schema_view_base(node: fx.Node) -> fx.Node | None:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    aliases = [r.alias_info for r in schema.returns]
+    is_view = str(node.target) in _UNMARKED_VIEWS or all(a is not None and not a.is_write for a in aliases)
+    return node.args[0] if is_view else None
 
 
 def _shape_str(val: Any) -> str:

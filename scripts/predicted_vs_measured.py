@@ -1,7 +1,11 @@
-"""Predicted (simulator, no-remat schedule) vs measured (real eager step) peak memory of every zoo
-model at its default size, as a markdown table: `python scripts/predicted_vs_measured.py`."""
+"""Predicted (simulator, no-remat schedule) vs measured (real eager CPU step) peak memory of every zoo
+model at its default size and of the real models in tests/real_models.py (BatchNorm CNNs, a ViT with
+``torch._assert``, Hugging Face GPT-2 and BERT from configs), as a markdown table:
+``python scripts/predicted_vs_measured.py`` (``--zoo`` or ``--real`` for one half)."""
 
 from __future__ import annotations
+
+import sys
 
 from bonsai_core import zoo
 from bonsai_core.budget import format_bytes
@@ -9,15 +13,32 @@ from bonsai_core.measure import measure_step
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.trace import trace_zoo
 
+# name -> options; the transformers twice: with the configs' dropout 0.1 and without
+REAL = [("tests.real_models:resnet18_bn", {}), ("tests.real_models:mobilenet_v3_small", {}),
+        *((f"tests.real_models:{m}", {"dropout": p}) for m in ("vit_assert", "gpt2", "bert_mlm") for p in (0.1, 0.0))]
+
+
+def row(name: str, options: dict) -> str:
+    traced = trace_zoo(name, **options)
+    g = traced.graph
+    predicted = no_remat_peak(g)
+    model, inputs, loss_fn = zoo.build(name, **options)
+    measured = measure_step(model, inputs, loss_fn, frozen=traced.frozen_params).peak
+    label = name.removeprefix("tests.real_models:") + "".join(f" {k}={v}" for k, v in options.items())
+    return (f"| {label} | {g.n} ({int(g.is_forward.sum())} forward) | {format_bytes(predicted)} | "
+            f"{format_bytes(measured)} | {predicted / measured:.4f} |")
+
 
 def main() -> None:
+    which = sys.argv[1:] or ["--zoo", "--real"]
     print("| model | ops | predicted peak | measured peak (CPU live bytes) | predicted / measured |")
     print("|---|---:|---:|---:|---:|")
-    for name in zoo.ZOO:
-        g = trace_zoo(name).graph
-        predicted = no_remat_peak(g)
-        measured = measure_step(*zoo.build(name)).peak
-        print(f"| {name} | {g.n} | {format_bytes(predicted)} | {format_bytes(measured)} | {predicted / measured:.4f} |")
+    if "--zoo" in which:
+        for name in zoo.ZOO:
+            print(row(name, {}), flush=True)
+    if "--real" in which:
+        for name, options in REAL:
+            print(row(name, options), flush=True)
 
 
 if __name__ == "__main__":

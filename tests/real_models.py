@@ -167,9 +167,9 @@ class ViT(nn.Module):
 
 
 def vit_assert(batch: int = 8, image: int = 32, patch: int = 4, width: int = 128, layers: int = 2,
-               heads: int = 4, seed: int = 0):
+               heads: int = 4, dropout: float = 0.1, seed: int = 0):
     torch.manual_seed(seed)
-    model = ViT(image, patch, width, layers, heads).train()
+    model = ViT(image, patch, width, layers, heads, dropout=dropout).train()
     return model, (torch.randn(batch, 3, image, image),), CrossEntropyLoss(torch.randint(0, 10, (batch,)))
 
 
@@ -190,28 +190,50 @@ def _vocab_logits(logits_of):
 
 
 def gpt2(batch: int = 4, seq: int = 128, width: int = 128, layers: int = 2, heads: int = 4, vocab: int = 1000,
-         seed: int = 0):
+         dropout: float = 0.1, seed: int = 0):
     """``GPT2LMHeadModel`` (dropout 0.1, SDPA attention) with the next-token loss."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     config = GPT2Config(n_embd=width, n_layer=layers, n_head=heads, n_positions=seq, vocab_size=vocab,
-                        attn_implementation="sdpa")
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                        bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
     model = _vocab_logits(lambda m, ids: m(input_ids=ids).logits)(GPT2LMHeadModel(config)).train()
     ids = torch.randint(0, vocab, (batch, seq))
     return model, (ids,), CrossEntropyLoss(torch.roll(ids, -1, 1), flatten=True)
 
 
 def bert_mlm(batch: int = 4, seq: int = 128, width: int = 128, layers: int = 2, heads: int = 4, vocab: int = 1000,
-             seed: int = 0):
-    """``BertForMaskedLM`` (dropout 0.1; its pooler gets no gradient from the MLM loss)."""
+             dropout: float = 0.1, seed: int = 0):
+    """``BertForMaskedLM`` (dropout 0.1; ``cls.predictions.bias`` is a tied alias of the decoder's
+    bias that the forward pass never reads under that name)."""
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(seed)
     config = BertConfig(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
                         intermediate_size=4 * width, max_position_embeddings=seq, vocab_size=vocab,
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
                         attn_implementation="sdpa")
     inner = BertForMaskedLM(config)
     model = _vocab_logits(lambda m, ids: m(input_ids=ids).logits)(inner).train()
     ids = torch.randint(0, vocab, (batch, seq))
     return model, (ids,), CrossEntropyLoss(ids, flatten=True)
+
+
+# -- model code that reads a tensor's value -------------------------------------------------------
+
+class ItemBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().max().item() > 100:  # a branch on a value: not traceable, refused with advice
+            x = x / 100
+        return self.lin(x)
+
+
+def item_branch(batch: int = 4, seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 16), ItemBranch())
+    return model, (torch.randn(batch, 16),), CrossEntropyLoss(torch.randint(0, 10, (batch,)))

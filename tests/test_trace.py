@@ -92,3 +92,104 @@ def test_factory_spec_loads_a_user_model():
 def test_gpt2_small_traces_without_allocating():
     traced = trace_zoo("gpt", **zoo.GPT2_SMALL)
     assert traced.graph.n > 1000
+
+
+# -- BatchNorm, unused parameters, data-dependent code (issue 11) ----------------------------------
+
+def _bn_net():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 8, 4)).train()
+    return model, (torch.randn(2, 3, 8, 8),), zoo.CrossEntropyLoss(torch.tensor([0, 3]))
+
+
+def test_batch_norm_ops_are_forward_and_the_loss_ends_the_forward_pass():
+    traced = trace_step(*_bn_net())
+    g = traced.graph
+    forward = [v for v in range(g.n) if g.is_forward[v]]
+    assert forward == list(range(len(forward)))  # a prefix: forward, then backward
+    assert g.ops[forward[-1]] == "aten.nll_loss_forward.default"  # the loss is the last forward op
+    ops = {g.ops[v]: g.phases[v] for v in range(g.n)}
+    assert ops["aten._native_batch_norm_legit_functional.default"] == "forward"
+    assert ops["aten.relu.default"] == "forward" and ops["aten.addmm.default"] == "forward"
+    assert ops["aten.native_batch_norm_backward.default"] == "backward"
+    assert [b for _, b in traced.buffer_writes] == ["model.1.running_mean", "model.1.running_var",
+                                                    "model.1.num_batches_tracked"]
+
+
+def test_batch_norm_statistics_add_no_bytes_and_do_not_keep_the_output_alive():
+    g = trace_step(*_bn_net()).graph
+    bn = g.ops.index("aten._native_batch_norm_legit_functional.default")
+    assert g.mem[bn] == 2 * 8 * 8 * 8 * 4  # the normalised output only: running stats go into buffers
+    stats = [v for v in g.users(bn).tolist() if g.ops[v] == "getitem"]
+    assert sorted(int(g.mem[v]) for v in stats) == [0, 0, 32, 32]  # new running mean/var, save_mean/rstd
+    assert all(g.is_forward[u] for u in g.users(bn))  # read by relu and its own outputs, not by backward
+    counter = g.names.index("add")  # num_batches_tracked + 1, written in place by eager
+    assert g.mem[counter] == 0
+
+
+def test_batch_norm_model_predicted_peak_matches_a_real_step():
+    model, inputs, loss_fn = _bn_net()
+    g = trace_step(model, inputs, loss_fn).graph
+    measured = measure_step(model, inputs, loss_fn)
+    assert measured.fixed == g.fixed_mem
+    assert simulate(g, none_schedule(g)).peak == pytest.approx(measured.peak, rel=0.05)
+
+
+class _PartlyUsed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_parameters_without_gradient_are_traced_frozen():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _PartlyUsed(), (torch.randn(2, 4),), zoo.MSELoss(torch.zeros(2, 4))
+    traced = trace_step(model, inputs, loss_fn)
+    assert traced.frozen_params == ["unused.weight", "unused.bias"]
+    assert all(p.requires_grad for p in model.parameters())  # put back after tracing
+    measured = measure_step(model, inputs, loss_fn, frozen=traced.frozen_params)
+    assert model.unused.weight.grad is None and model.used.weight.grad is not None
+    assert traced.graph.fixed_mem == measured.fixed  # no gradient bytes for the frozen ones
+
+
+class _ItemBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum().item() > 0:  # a branch on a tensor's value
+            x = x * 2
+        return self.lin(x)
+
+
+class _TensorAssert(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        torch._assert(x.shape[1] == 4, "four features")
+        torch._assert(torch.isfinite(x).all(), "finite input")  # a check on a tensor condition
+        return self.lin(x)
+
+
+def test_a_branch_on_a_tensor_value_names_the_module_and_line():
+    model = torch.nn.Sequential(_ItemBranch())
+    with pytest.raises(ModelError) as e:
+        trace_step(model, (torch.randn(2, 4),), zoo.MSELoss(torch.zeros(2, 4)))
+    message = str(e.value)
+    assert "module 0 (_ItemBranch)" in message and "test_trace.py" in message
+    assert "x.sum().item() > 0" in message and "torch.where" in message
+
+
+def test_a_torch_assert_on_a_tensor_is_skipped_while_tracing():
+    real_assert = torch._assert
+    traced = trace_step(_TensorAssert(), (torch.randn(2, 4),), zoo.MSELoss(torch.zeros(2, 4)))
+    assert traced.graph.is_forward.any() and torch._assert is real_assert
+    with pytest.raises(AssertionError, match="finite"):  # eager still checks
+        _TensorAssert()(torch.full((2, 4), float("nan")))
