@@ -24,9 +24,10 @@ How a plan (``regions.CheckpointPlan``: bonsai, chen) becomes checkpoints:
    unit is replaced by the candidates nested in it, or dropped, while that lowers the simulated peak.
    That peak is ``INFO["realised_peak"]``: the back-end's own prediction.
 4. **What to save.** Inside a unit, the SAC policy says ``MUST_SAVE`` for the ops whose outputs are
-   kept and read by the backward pass, ``PREFER_RECOMPUTE`` for every other op (dropped nodes, and
-   ops nothing in the backward pass reads). Ops are named as SAC counts them: the k-th call of an aten
-   op inside one forward of the unit, so the policy does not depend on shapes (any batch size).
+   kept and read by the backward pass (and the bases of such views), ``PREFER_RECOMPUTE`` for every
+   other op (dropped nodes, and ops nothing in the backward pass reads). Ops are named as SAC counts
+   them: the k-th call of an aten op inside one forward of the unit, so the policy does not depend on
+   shapes (any batch size).
 
 Where it differs from the plan (the measured peak shows it; docs/EXPORT.md has numbers): a unit is
 rebuilt as a whole at its first saved-tensor use in the backward pass (the plan rebuilds a region right
@@ -41,6 +42,7 @@ are not at last use) have no such form and are refused with a pointer to ``--bac
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 import json
@@ -570,7 +572,7 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
         net, inputs, loss_fn = build(checkpointed)
 
         def step() -> torch.Tensor:
-            with torch.autocast(dev.type, dtype=dtypes[autocast]) if autocast else _null():
+            with torch.autocast(dev.type, dtype=dtypes[autocast]) if autocast else contextlib.nullcontext():
                 loss = loss_fn(net(*inputs))
             loss.backward()
             return loss
@@ -596,12 +598,6 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
         realised_peak=int(exported.INFO["realised_peak"]) if traced_size and not autocast else None,
         measured_peak=measured.peak, original_peak=original.peak, seconds_original=t_original,
         seconds_exported=t_exported, predicted_overhead=float(exported.INFO["overhead"]))
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def _sync(dev: torch.device) -> None:
