@@ -18,11 +18,16 @@ How a plan (``regions.CheckpointPlan``: bonsai, chen) becomes checkpoints:
 3. **Where to checkpoint.** Autograd keeps a tensor because the *reader* of it saved it, so a dropped
    tensor is only dropped if its producer and all its forward readers run inside one checkpoint. For
    each dropped node, the innermost module call holding it and its forward readers is a candidate;
-   the outermost candidates (never the whole model) become the checkpointed submodules ("units").
+   the outermost candidates (never the whole model) are the first choice of checkpointed submodules
+   ("units"). Then the simulator judges: :func:`realised_sequence` writes what the checkpoints will
+   really run (each unit rebuilt whole at its first saved-tensor use) as a compute sequence, and a
+   unit is replaced by the candidates nested in it, or dropped, while that lowers the simulated peak.
+   That peak is ``INFO["realised_peak"]``: the back-end's own prediction.
 4. **What to save.** Inside a unit, the SAC policy says ``MUST_SAVE`` for the ops whose outputs are
-   kept and read by the backward pass, ``PREFER_RECOMPUTE`` for every other op (dropped nodes, and
-   ops nothing in the backward pass reads). Ops are named as SAC counts them: the k-th call of an aten
-   op inside one forward of the unit, so the policy does not depend on shapes (any batch size).
+   kept and read by the backward pass (and the bases of such views), ``PREFER_RECOMPUTE`` for every
+   other op (dropped nodes, and ops nothing in the backward pass reads). Ops are named as SAC counts
+   them: the k-th call of an aten op inside one forward of the unit, so the policy does not depend on
+   shapes (any batch size).
 
 Where it differs from the plan (the measured peak shows it; docs/EXPORT.md has numbers): a unit is
 rebuilt as a whole at its first saved-tensor use in the backward pass (the plan rebuilds a region right
@@ -37,6 +42,7 @@ are not at last use) have no such form and are refused with a pointer to ``--bac
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 import json
@@ -59,7 +65,7 @@ from bonsai_core.errors import ModelError, ScheduleError
 from bonsai_core.export import ExportError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
-from bonsai_core.schedule import Schedule, simulate
+from bonsai_core.schedule import Schedule, schedule_ops, simulate
 
 # Views the traced (functionalized) graph may write as ``view`` where eager runs ``_unsafe_view``: one name
 # for both on both sides.
@@ -85,6 +91,7 @@ class CheckpointLayout:
     dropped_bytes: int  # all the plan's dropped nodes
     unrealised: list[int]  # dropped nodes that stay saved (no unit holds them with their readers)
     unrealised_bytes: int
+    realised_peak: int  # the simulator's peak of what the checkpoints really run (realised_sequence)
 
 
 # -- recording the step's ops and module calls -----------------------------------------------------
@@ -157,54 +164,133 @@ def align(runtime_ops: list[str], traced_ops: list[str]) -> np.ndarray:
 # -- plan -> units ---------------------------------------------------------------------------------
 
 def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep) -> CheckpointLayout:
-    """Choose the checkpointed submodules and their save policies for ``plan`` (see the module doc)."""
+    """Choose the checkpointed submodules and their save policies for ``plan`` (see the module doc).
+
+    The candidates are the outermost module calls chosen for the dropped nodes; then, while it lowers
+    the simulated peak of what the checkpoints will really do (:func:`realised_sequence`), a unit is
+    replaced by the chosen calls nested in it, or removed. O(units * (n + edges)) per pass."""
     forward = np.flatnonzero(graph.is_forward)
     at = align(step.ops, [graph.ops[v] for v in forward])
-    runtime_of = np.full(graph.n, -1, dtype=np.int64)  # node -> run-time op index
-    runtime_of[forward[at[at >= 0]]] = np.flatnonzero(at >= 0)
+    node_at = np.where(at >= 0, forward[np.maximum(at, 0)], -1)  # run-time op -> graph node, or -1
+    runtime_of = np.full(graph.n, -1, dtype=np.int64)
+    runtime_of[node_at[node_at >= 0]] = np.flatnonzero(node_at >= 0)
     dropped = dropped_nodes(graph, plan)
     read_by_backward = np.zeros(graph.n, dtype=bool)
     for b in np.flatnonzero(~graph.is_forward):
         read_by_backward[graph.deps(b)] = True
-    kept_for_backward = graph.is_forward & read_by_backward & ~dropped
 
     # Module calls that may be units: inside the model (not the whole model), called once per step.
     calls = [(p, a, b) for p, a, b in step.calls if p and step.call_counts[p] == 1]
-    chosen: dict[int, list[int]] = {}  # call index -> dropped nodes it was chosen for
-    unrealised: list[int] = []
+    chosen: dict[int, list[int]] = {}  # call index -> dropped nodes whose innermost holding call it is
     for d in np.flatnonzero(dropped).tolist():
-        if graph.is_view[d] and graph.mem[d] == 0 and runtime_of[d] < 0:
-            continue  # a view the run folds away (for example into a parameter view): nothing to drop
         span = [runtime_of[d]] + [runtime_of[u] for u in graph.users(d).tolist() if graph.is_forward[u]]
         if min(span) < 0:
-            unrealised.append(d)
             continue
-        lo, hi = min(span), max(span)
-        holding = [i for i, (_, a, b) in enumerate(calls) if a <= lo and hi < b]
-        if not holding:
-            unrealised.append(d)
-            continue
-        inner = min(holding, key=lambda i: calls[i][2] - calls[i][1])
-        chosen.setdefault(inner, []).append(d)
-    # outermost chosen calls become units; the others' nodes go to the unit holding them
-    outer = [i for i in chosen if not any(j != i and calls[j][1] <= calls[i][1] and calls[i][2] <= calls[j][2]
-                                          and (calls[j][1], -calls[j][2]) != (calls[i][1], -calls[i][2])
-                                          for j in chosen)]
-    units = []
-    for i in sorted(outer, key=lambda i: calls[i][1]):
+        holding = [i for i, (_, a, b) in enumerate(calls) if a <= min(span) and max(span) < b]
+        if holding:
+            chosen.setdefault(min(holding, key=lambda i: calls[i][2] - calls[i][1]), []).append(d)
+
+    def inside(j: int, i: int) -> bool:
+        return calls[i][1] <= calls[j][1] and calls[j][2] <= calls[i][2]
+
+    def outermost(ids: list[int]) -> list[int]:
+        return sorted((i for i in ids if not any(j != i and inside(i, j) and calls[j][1:] != calls[i][1:]
+                                                  for j in ids)), key=lambda i: calls[i][1])
+
+    def realise(units: list[int]) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+        """Per unit (its graph nodes, its dropped nodes), and every dropped node realised."""
+        groups = [np.array(sorted(d for j in chosen if inside(j, i) for d in chosen[j]), dtype=np.int64)
+                  for i in units]
+        realised = np.zeros(graph.n, dtype=bool)
+        for drops in groups:
+            realised[drops] = True
+        realised &= ~kept_for_backward(graph, read_by_backward, realised)  # the base of a kept view stays
+        out = []
+        for i, drops in zip(units, groups):
+            nodes = node_at[calls[i][1]:calls[i][2]]
+            out.append((nodes[nodes >= 0], drops[realised[drops]]))
+        return out, realised
+
+    def peak(units: list[int]) -> int:
+        parts, _ = realise(units)
+        try:
+            return simulate(graph, schedule_ops(graph, realised_sequence(graph, parts, read_by_backward))).peak
+        except ScheduleError:  # a layout the sequence model cannot express: never prefer it
+            return 2**62
+
+    units = outermost(list(chosen))
+    best = peak(units)
+    improved = True
+    while improved:
+        improved = False
+        for i in units:
+            rest = [j for j in units if j != i]
+            nested = outermost([j for j in chosen if j != i and inside(j, i) and calls[j][1:] != calls[i][1:]])
+            for alternative in ([*rest, *nested], rest) if nested else (rest,):
+                p = peak(sorted(alternative, key=lambda j: calls[j][1]))
+                if p < best:
+                    units, best, improved = sorted(alternative, key=lambda j: calls[j][1]), p, True
+                    break
+            if improved:
+                break
+
+    parts, realised = realise(units)
+    saved = kept_for_backward(graph, read_by_backward, realised)
+    out = []
+    for i, (_, drops) in zip(units, parts):
         path, a, b = calls[i]
-        members = [d for j in chosen if calls[i][1] <= calls[j][1] and calls[j][2] <= calls[i][2] for d in chosen[j]]
         saves: dict[str, list[int]] = {}
         seen: Counter = Counter()
         for r in range(a, b):
             op = step.ops[r]
             k = seen[op]
             seen[op] += 1
-            if at[r] >= 0 and kept_for_backward[forward[at[r]]]:
+            if node_at[r] >= 0 and saved[node_at[r]]:
                 saves.setdefault(op, []).append(k)
-        units.append(Unit(path, saves, b - a, int(graph.mem[members].sum())))
-    return CheckpointLayout(units, int(graph.mem[dropped].sum()), sorted(unrealised),
-                            int(graph.mem[unrealised].sum()) if unrealised else 0)
+        out.append(Unit(path, saves, b - a, int(graph.mem[drops].sum()) if len(drops) else 0))
+    unrealised = np.flatnonzero(dropped & ~realised)
+    return CheckpointLayout(out, int(graph.mem[dropped].sum()), unrealised.tolist(), int(graph.mem[unrealised].sum()),
+                            best if units else peak([]))
+
+
+def kept_for_backward(graph: Graph, read_by_backward: np.ndarray, realised: np.ndarray) -> np.ndarray:
+    """bool[n]: forward nodes the checkpoints save: read by the backward pass and not dropped, and the
+    base of every such view (saving a view holds its base's storage; recomputing the base would make a
+    second copy)."""
+    kept = graph.is_forward & read_by_backward & ~realised
+    for v in range(graph.n - 1, -1, -1):  # views come after their bases
+        if kept[v] and graph.alias_of[v] >= 0:
+            kept[graph.alias_of[v]] = True
+    return kept
+
+
+def realised_sequence(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_by_backward: np.ndarray) -> list[int]:
+    """The compute sequence the checkpoints really run, as the simulator's input: the forward pass
+    once; before the first backward node that reads a saved or dropped node of a unit, the unit's
+    recomputation: its nodes in order up to the last saved-or-dropped one, except the saved ones (SAC
+    hands those back from its cache). Dropped nodes outside every unit stay saved."""
+    seq = np.flatnonzero(graph.is_forward).tolist()
+    realised = np.zeros(graph.n, dtype=bool)
+    for _, drops in units:
+        realised[drops] = True
+    kept = kept_for_backward(graph, read_by_backward, realised)
+    triggers = []
+    for nodes, drops in units:
+        saved = nodes[kept[nodes]]
+        watch = set(np.concatenate([drops, saved]).tolist())
+        order = sorted(set(nodes.tolist()))
+        last = max((v for v in order if v in watch), default=-1)
+        skip = set(saved.tolist())
+        triggers.append((watch, [v for v in order if v <= last and v not in skip]))
+    done = [False] * len(units)
+    for b in np.flatnonzero(~graph.is_forward).tolist():
+        deps = set(graph.deps(b).tolist())
+        for k, (watch, rebuild) in enumerate(triggers):
+            if not done[k] and deps & watch:
+                done[k] = True
+                seq.extend(rebuild)
+        seq.append(b)
+    return seq
 
 
 # -- export ----------------------------------------------------------------------------------------
@@ -238,6 +324,7 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
             "predicted_peak": sim.peak, "fixed_mem": graph.fixed_mem, "recomputes": sim.recomputes,
             "overhead": sim.overhead, "model": model, "options": dict(options), "seed": seed,
             "batch": int(inputs[0].shape[0]) if inputs and inputs[0].dim() else None,
+            "realised_peak": lay.realised_peak,
             "dropped_bytes": lay.dropped_bytes, "unrealised_dropped_bytes": lay.unrealised_bytes,
             "unrealised_dropped_nodes": len(lay.unrealised)}
     out = Path(out_dir)
@@ -420,7 +507,8 @@ class CheckpointVerification:
     loss_original: float
     loss_exported: float
     max_grad_diff: float
-    predicted_peak: int | None  # None away from the traced size
+    predicted_peak: int | None  # the schedule's peak; None away from the traced size or under autocast
+    realised_peak: int | None  # the simulator's peak of what the checkpoints really run (same conditions)
     measured_peak: int
     original_peak: int
     seconds_original: float
@@ -484,7 +572,7 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
         net, inputs, loss_fn = build(checkpointed)
 
         def step() -> torch.Tensor:
-            with torch.autocast(dev.type, dtype=dtypes[autocast]) if autocast else _null():
+            with torch.autocast(dev.type, dtype=dtypes[autocast]) if autocast else contextlib.nullcontext():
                 loss = loss_fn(net(*inputs))
             loss.backward()
             return loss
@@ -507,14 +595,9 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
         device=measured.device, batch=opts.get("batch"), traced_size=traced_size,
         loss_original=original.loss, loss_exported=measured.loss, max_grad_diff=diff,
         predicted_peak=int(exported.INFO["predicted_peak"]) if traced_size and not autocast else None,
+        realised_peak=int(exported.INFO["realised_peak"]) if traced_size and not autocast else None,
         measured_peak=measured.peak, original_peak=original.peak, seconds_original=t_original,
         seconds_exported=t_exported, predicted_overhead=float(exported.INFO["overhead"]))
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def _sync(dev: torch.device) -> None:

@@ -92,6 +92,8 @@ def check_export(tmp_path, model: str, options: dict, method: str, share: float)
     assert at_traced.loss_diff <= ATOL and at_traced.max_grad_diff <= ATOL, at_traced.to_dict()
     assert at_traced.predicted_peak == sim.peak
     assert abs(at_traced.peak_error) <= PEAK_TOLERANCE, at_traced.to_dict()
+    # the back-end's own prediction (what the checkpoints really run, simulated) is the closer one
+    assert abs(at_traced.measured_peak / at_traced.realised_peak - 1) <= PEAK_TOLERANCE, at_traced.to_dict()
     assert at_traced.measured_peak < at_traced.original_peak, at_traced.to_dict()
 
     other = verify_checkpoint(model, options, out, batch=OTHER_BATCH, repeats=1)
