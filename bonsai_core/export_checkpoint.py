@@ -62,7 +62,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bonsai_core.errors import ModelError, ScheduleError
-from bonsai_core.export import ExportError
+from bonsai_core.export import ExportError, trace_for_schedule
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
 from bonsai_core.schedule import Schedule, schedule_ops, simulate
@@ -312,7 +312,7 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
             f"{schedule.method!r} schedule is a general recompute sequence (a tensor may be recomputed several "
             "times, or freed before its last use), which torch.utils.checkpoint cannot express. Export it with "
             "--backend replay, or solve with --method bonsai or chen.")
-    traced = _trace_for(model, options, schedule, profile, seed)
+    traced = trace_for_schedule(model, options, schedule, profile=profile, seed=seed)
     graph = traced.graph
     sim = simulate(graph, schedule)
     plan = CheckpointPlan.from_extra(schedule.extra)
@@ -338,22 +338,6 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
     except OSError as e:
         raise ExportError(f"Cannot write the export to {str(out)!r}: {e.strerror}. Choose a writable folder.") from None
     return out
-
-
-def _trace_for(model: str, options: dict[str, Any], schedule: Schedule, profile: str | None, seed: int):
-    """The traced step the schedule was made for (trying each cost model when ``profile`` is None)."""
-    from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES
-    from bonsai_core.trace import trace_zoo
-
-    profiles = [profile] if profile else [DEFAULT_PROFILE, *(p for p in PROFILES if p != DEFAULT_PROFILE)]
-    for p in profiles:
-        traced = trace_zoo(model, profile=p, seed=seed, **options)
-        if schedule.graph_hash in (None, traced.graph.hash):
-            return traced
-    raise ScheduleError(
-        f"This schedule was made for graph {schedule.graph!r} (hash {schedule.graph_hash}), but {model!r} with "
-        f"options {options or '{}'} traces to {traced.graph.name!r} (hash {traced.graph.hash}). Export with the "
-        "model and options (--batch, --layers, ...) you traced the schedule's graph with, or solve again.")
 
 
 _TEMPLATE = '''\

@@ -114,8 +114,6 @@ def test_hf_gpt2_bonsai_trains_the_same_within_the_predicted_peak(tmp_path, shar
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs the `hf:ARCH` model source from branch `hf` (and its tracing "
-                                        "fixes); flip to a plain test after merging it")
 def test_hf_source_gpt2_bonsai(tmp_path):
     check_export(tmp_path, "hf:gpt2", {"layers": 2, "width": 32, "heads": 2, "seq": 16, "vocab": 64, "batch": 2},
                  "bonsai", 0.5)

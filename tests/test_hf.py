@@ -20,10 +20,6 @@ TEXT = dict(batch=2, seq=16, width=32, layers=1, heads=2, vocab=64)
 TINY = {"gpt2": TEXT, "bert": TEXT, "llama": TEXT, "mistral": TEXT,
         "vit": dict(batch=2, image=16, width=32, layers=1, heads=2), "resnet": dict(batch=2, image=16, width=8, layers=1)}
 
-BERT_TIED_BIAS = ("issue #11 item 4 (trace): BertForMaskedLM ties cls.predictions.decoder.bias to cls.predictions.bias; "
-                  "aot_export_module lifts both names and the unused one gets no gradient")
-RESNET_BATCHNORM = "issue #11 item 2 (trace): every op after the first BatchNorm is labelled backward"
-
 
 def _traced_arch(arch: str, options: dict[str, int]):
     from bonsai_core.trace import trace_zoo
@@ -51,10 +47,7 @@ def test_hf_gpt2_traces_with_forward_ops_labelled_forward():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [
-    "llama", "mistral", "vit",
-    pytest.param("bert", marks=pytest.mark.xfail(strict=True, reason=BERT_TIED_BIAS)),
-    pytest.param("resnet", marks=pytest.mark.xfail(strict=True, reason=RESNET_BATCHNORM)),
-])
+"llama", "mistral", "vit", "bert", "resnet"])
 def test_each_hf_arch_traces_with_forward_ops_labelled_forward(arch):
     _check_forward_labelled(arch)
 
