@@ -159,9 +159,9 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     for ph_name, p_name in signature.inputs_to_parameters.items():
         if p_name in grad_params:
-            fixed += storage_bytes(placeholders[ph_name].meta.get("val", params.get(p_name)))
-            fixed_tensors.append((f"{ph_name}.grad", storage_bytes(placeholders[ph_name].meta.get("val", params.get(p_name))),
-                                  "grad"))
+            grad_bytes = storage_bytes(placeholders[ph_name].meta.get("val", params.get(p_name)))
+            fixed += grad_bytes
+            fixed_tensors.append((f"{ph_name}.grad", grad_bytes, "grad"))
     order = {"param": 0, "buffer": 0, "constant": 0, "grad": 1, "input": 2}  # construction, zeros_like grads, batch
     fixed_tensors.sort(key=lambda t: order[t[2]])
     return _prune(name, fixed, nodes, fx_names, outputs, fixed_tensors)

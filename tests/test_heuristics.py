@@ -227,7 +227,8 @@ def test_op_type_partitioning_sends_matmul_and_conv_outputs_right(gpt):
 # -- on a traced graph -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method,options", [("dtr", {}), ("dtr", {"allocator": True}),
-                                            ("dtr", {"allocator": True, "full_arena": True}), ("dtr", {"heuristic": "dtr_eq"}),
+                                            ("dtr", {"allocator": True, "full_arena": True}),
+                                            ("dtr", {"heuristic": "dtr_eq"}),
                                             ("coop", {}), ("coop", {"partition": "cost_density"}),
                                             ("coop", {"partition": "none", "window_cost": "recompute",
                                                       "full_arena": False}),
