@@ -378,9 +378,11 @@ def address_figure(blocks: Sequence, title: str = "", height: int = 260) -> go.F
             continue
         fig.add_trace(go.Bar(
             name=label, orientation="h", y=[row[b.segment] for b in mine], x=[b.size / MIB for b in mine],
-            base=[b.addr / MIB for b in mine], marker=dict(color=ADDRESS_COLOURS[kind], line=dict(color="white", width=0.5)),
+            base=[b.addr / MIB for b in mine],
+            marker=dict(color=ADDRESS_COLOURS[kind], line=dict(color="white", width=0.5)),
             customdata=[[b.name, format_bytes(b.size), b.addr / MIB] for b in mine],
-            hovertemplate="%{customdata[0]}<br>%{customdata[1]} at %{customdata[2]:.2f} MiB<extra>" + label + "</extra>"))
+            hovertemplate="%{customdata[0]}<br>%{customdata[1]} at %{customdata[2]:.2f} MiB<extra>" + label
+                          + "</extra>"))
     fig.update_layout(barmode="overlay", title=title or None, bargap=0.3)
     fig.update_xaxes(title="address (MiB from the pool's start)")
     fig.update_yaxes(autorange="reversed")

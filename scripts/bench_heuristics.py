@@ -98,7 +98,8 @@ def bench_model(name: str, time_limit: float, options: dict[str, Any]) -> dict[s
     g = trace_zoo(name, **options).graph
     ref = no_remat_peak(g)
     adam = optimizer_bytes(fixed_tensors(g))
-    entry: dict[str, Any] = {"options": options, "nodes": g.n, "no_remat_peak": ref, "fixed_mem": g.fixed_mem, "adam_bytes": adam,
+    entry: dict[str, Any] = {"options": options, "nodes": g.n, "no_remat_peak": ref, "fixed_mem": g.fixed_mem,
+                             "adam_bytes": adam,
                              "smallest_budget": {}, "sweep": {}}
     print(f"{name} {options}: {g.n} nodes, no-remat peak {format_bytes(ref)}, fixed {format_bytes(g.fixed_mem)}, "
           f"Adam state {format_bytes(adam)}", flush=True)
@@ -147,7 +148,8 @@ def summary(results: dict[str, Any]) -> list[str]:
 
 def table(results: dict[str, Any]) -> str:
     labels = list(VARIANTS)
-    lines = summary(results) + ["Smallest budget each method meets (share of the no-remat peak; optimizer state not counted). "
+    lines = summary(results) + ["Smallest budget each method meets (share of the no-remat peak; optimizer state "
+                                "not counted). "
                                 "dtr and chen do not run in a pool: in brackets, the least pool a best-fit arena needs "
                                 "for their schedules over the sweep (optimizer state not counted):", "",
              "| model | nodes | " + " | ".join(labels) + " |", "| --- | --- |" + " --- |" * len(labels)]
@@ -161,7 +163,8 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | {e['nodes']} | " + " | ".join(cells) + " |")
     lines += ["", "At 80% and 60% of the no-remat peak: overhead; for pool methods the free share of the pool when "
               "a request found no block (Coop's and OneFlow's fragmentation rate; mean over the failures) and the pool "
-              "fragmentation at its high-water mark (touched - held there, share of it); caching-allocator fragmentation of the same schedule (full arena); eviction "
+              "fragmentation at its high-water mark (touched - held there, share of it); caching-allocator "
+              "fragmentation of the same schedule (full arena); eviction "
               "searches and their median latency (shared machine, under load):", "",
               "| model | budget | method | overhead | free share at failed requests (count) | pool frag. "
               "| caching frag. | searches | median search |",
@@ -229,7 +232,8 @@ def main() -> None:
         (out / "table.md").write_text(table(results))
         plot(results, out / "heuristics.png")
         return
-    results: dict[str, Any] = {"size": args.size, "sweep": list(SWEEP), "variants": {k: [m, o] for k, (m, o) in VARIANTS.items()},
+    results: dict[str, Any] = {"size": args.size, "sweep": list(SWEEP),
+                               "variants": {k: [m, o] for k, (m, o) in VARIANTS.items()},
                                "models": {}}
     for name in args.models:
         results["models"][name] = bench_model(name, args.time_limit, SIZES[args.size].get(name, {}))
