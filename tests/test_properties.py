@@ -57,11 +57,7 @@ def test_recomputing_sequences_give_valid_schedules(g, rnd):
 # Found by this test: coop divides by the pool's reserved bytes when a random graph's first request
 # fails with nothing reserved yet (ZeroDivisionError in the eviction runtime's fragmentation rate).
 # Reported to coop's owner; the mark goes when that is fixed.
-KNOWN_BUGS = {"coop": pytest.mark.xfail(raises=ZeroDivisionError, strict=False,
-                                        reason="coop: 1 - allocated / reserved with nothing reserved")}
-
-
-@pytest.mark.parametrize("method", [pytest.param(m, marks=KNOWN_BUGS.get(m, ())) for m in available_methods()])
+@pytest.mark.parametrize("method", available_methods())
 def test_every_method_returns_only_valid_schedules_within_the_budget(method):
     """The method's own solver function, not ``solve`` (which would turn an over-budget schedule
     into a BudgetError): a schedule it returns must replay under the simulator's rules (simulate
@@ -69,14 +65,15 @@ def test_every_method_returns_only_valid_schedules_within_the_budget(method):
     error. At or above the no-remat peak every method must succeed (coop, whose budget is an
     allocator pool, on some graph), so the check is never empty."""
     solver = get_solver(method)
+    # coop's budget is an allocator pool; its full arena rounds every block to 512 B, more than these
+    # graphs' whole peaks, so the property is checked on the activations' pool alone
+    options = {"full_arena": False} if method == "coop" else {}
     solved = []
 
-    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(g=graphs(max_nodes=10), share=st.floats(0.3, 1.2))
     def check(g, share):
         budget = int(share * no_remat_peak(g))
         try:
-            s = solver(g, budget, time_limit=5)
+            s = solver(g, budget, time_limit=5, **options)
         except BonsaiError:
             # coop's budget is an allocator pool: block rounding and fragmentation come on top
             assert method == "coop" or budget < no_remat_peak(g), f"{method} failed at {budget} B, the no-remat peak"
@@ -84,11 +81,15 @@ def test_every_method_returns_only_valid_schedules_within_the_budget(method):
         sim = simulate(g, s)
         assert sim.peak <= budget, f"{method} returned a schedule peaking at {sim.peak} B over {budget} B"
         solved.append(sim.peak)
-        validated = solve(g, budget, method, time_limit=5)  # the interface reports the simulator's numbers
+        validated = solve(g, budget, method, time_limit=5, **options)  # the interface reports the simulator's numbers
         assert validated.stats["peak"] == simulate(g, validated).peak <= budget
         assert np.isclose(validated.stats["compute_cost"], simulate(g, validated).compute_cost)
 
-    check()
+    settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
+        given(g=graphs(max_nodes=10), share=st.floats(0.3, 1.2))(check))()
+    # and one fixed case at the no-remat peak, whatever budgets hypothesis drew (in whole allocator
+    # blocks, which coop's pool rounds every tensor up to)
+    check(chain(6, mem=512), 1.0)
     assert solved, f"{method} solved none of the random graphs"
 
 
