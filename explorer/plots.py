@@ -85,15 +85,19 @@ def curve(label: str, timeline: np.ndarray, op_costs: np.ndarray, peak: int, pea
 
 def memory_figure(curves: Sequence[Curve], budget: int | None, lower_bound: int | None = None,
                   x_mode: str = "time", height: int = 440) -> go.Figure:
-    """Memory over time of each curve, the budget line and each curve's peak marker.
+    """Memory over time of each curve (its colour, dash and a few markers of its method's symbol), the
+    budget line and each curve's peak marker.
 
     Built as one figure from plain dicts, not with ``add_trace`` / ``add_hline`` / ``update_layout``:
     plotly validates on every such call, which took most of a rerun's time (0.15-0.2 s here), and every
     drag of the budget slider redraws this figure."""
     data = []
-    for c in curves:
-        data.append(dict(type="scatter", x=c.x, y=c.live / MIB, name=c.label, mode="lines", line_shape="hv",
+    for i, c in enumerate(curves):
+        # a few markers along each line, the method's symbol: curves differ by more than hue
+        symbol = method_symbol("none" if c.label == "no remat" else c.label, i)
+        data.append(dict(type="scatter", x=c.x, y=c.live / MIB, name=c.label, mode="lines+markers", line_shape="hv",
                          line=dict(color=c.colour, width=2, dash=c.dash),
+                         marker=dict(symbol=symbol, size=7, color=c.colour, maxdisplayed=12),
                          hovertemplate="%{y:.2f} MiB<extra>" + c.label + "</extra>"))
         if c.reserved is not None:
             data.append(dict(type="scatter", x=c.x, y=np.asarray(c.reserved) / MIB, name=f"{c.label} (reserved)",

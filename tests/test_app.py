@@ -17,7 +17,7 @@ from streamlit.testing.v1 import AppTest
 from bonsai_core import solvers
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
-from bonsai_core.schedule import Schedule, no_remat_peak
+from bonsai_core.schedule import Schedule, no_remat_peak, none_schedule
 from explorer import compute
 from tests.graphs import chain
 
@@ -318,3 +318,38 @@ def test_tracing_with_impossible_sizes_is_an_error_and_keeps_the_model():
     assert not at.exception
     assert any("Change the size options" in e.value for e in at.error)
     assert metric(at, "operators") == "277"
+
+
+SLOW_CALLS: list[int | None] = []
+
+
+def solve_slow(graph: Graph, budget: int | None, *, time_limit: float | None = None) -> Schedule:
+    """A method whose solve waits a second (releasing the GIL, as a solver back-end does)."""
+    import time
+
+    SLOW_CALLS.append(budget)
+    time.sleep(1.0)
+    return none_schedule(graph)
+
+
+def test_two_sessions_solve_at_the_same_time_and_one_solve_is_shared(monkeypatch):
+    """No app-wide solve lock: two different solves overlap; the same solve asked twice runs once."""
+    import threading
+    import time
+
+    monkeypatch.setitem(solvers.METHODS, "slow", ("tests.test_app", "solve_slow", "test-local, sleeps 1 s"))
+    SLOW_CALLS.clear()
+    g = chain(6)
+    budgets = [10**9 + 1, 10**9 + 2, 10**9 + 3, 10**9 + 3]  # two fresh solves, and one asked for twice
+    outs = {}
+    threads = [threading.Thread(target=lambda i=i, b=b: outs.__setitem__(i, compute.solve(g, b, "slow")))
+               for i, b in enumerate(budgets)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    wall = time.perf_counter() - start
+    assert all(outs[i].ok for i in range(4)), [o.error for o in outs.values()]
+    assert sorted(SLOW_CALLS) == budgets[:3]  # the repeated key was computed once (st.cache_resource's per-key lock)
+    assert wall < 2.5, f"{wall:.2f} s: solves ran one after another (three would take 3 s)"

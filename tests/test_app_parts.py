@@ -133,6 +133,8 @@ def test_memory_figure_draws_budget_line_and_each_peak():
     assert [t.name for t in fig.data if t.showlegend is not False] == ["bonsai", "none"]
     assert fig.layout.shapes[0].y0 == pytest.approx(120 / plots.MIB)
     assert curves[0].x[-1] > curves[1].x[-1]  # recomputation takes longer on the time axis
+    lines = [t for t in fig.data if t.showlegend is not False]
+    assert len({t.marker.symbol for t in lines}) == 2  # told apart by marker symbol, not hue alone
 
 
 def test_the_pareto_line_follows_the_theme_and_is_never_black():

@@ -96,16 +96,22 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def page(server):
+def browser():
     from playwright.sync_api import sync_playwright
 
     SHOTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        pg = browser.new_page(viewport={"width": 1440, "height": 1000})
-        pg.set_default_timeout(60_000)
-        yield pg
-        browser.close()
+        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser):
+    pg = browser.new_page(viewport={"width": 1440, "height": 1000})
+    pg.set_default_timeout(60_000)
+    yield pg
+    pg.close()
 
 
 def wait_idle(page) -> None:
@@ -232,29 +238,26 @@ def contrast(a, b) -> float:
 
 
 @pytest.mark.parametrize("scheme", ["light", "dark"])
-def test_the_pareto_line_stands_out_in_the_light_and_the_dark_theme(server, scheme):
+def test_the_pareto_line_stands_out_in_the_light_and_the_dark_theme(browser, server, scheme):
     """Streamlit follows the browser's colour scheme (no theme in .streamlit/config.toml): the sweep's
     Pareto line, sampled pixel by pixel in a screenshot, must contrast with the app's background."""
     from PIL import Image
-    from playwright.sync_api import sync_playwright
 
-    SHOTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        try:
-            pg = browser.new_context(viewport={"width": 1440, "height": 1000}, color_scheme=scheme).new_page()
-            pg.set_default_timeout(120_000)
-            pg.goto(f"{server}/compare")
-            wait_idle(pg)
-            pg.get_by_role("button", name="Run the sweep").click()
-            pg.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg .scatterlayer .trace')
-            wait_idle(pg)
-            pg.wait_for_timeout(500)
-            pg.screenshot(path=str(SHOTS / f"compare-sweep-{scheme}.png"), full_page=True)
-            found = pg.evaluate(PARETO_PIXELS)
-            shot = Image.open(io.BytesIO(pg.screenshot(full_page=True))).convert("RGB")
-        finally:
-            browser.close()
+    context = browser.new_context(viewport={"width": 1440, "height": 1000}, color_scheme=scheme)
+    try:
+        pg = context.new_page()
+        pg.set_default_timeout(120_000)
+        pg.goto(f"{server}/compare")
+        wait_idle(pg)
+        pg.get_by_role("button", name="Run the sweep").click()
+        pg.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg .scatterlayer .trace')
+        wait_idle(pg)
+        pg.wait_for_timeout(500)
+        pg.screenshot(path=str(SHOTS / f"compare-sweep-{scheme}.png"), full_page=True)
+        found = pg.evaluate(PARETO_PIXELS)
+        shot = Image.open(io.BytesIO(pg.screenshot(full_page=True))).convert("RGB")
+    finally:
+        context.close()
     # the plot's background: its most common pixel colour
     background = max(shot.crop(tuple(int(v) for v in found["box"])).getcolors(1 << 24))[1]
     app = [int(x) for x in found["app"][found["app"].index("(") + 1:-1].split(",")[:3]]
