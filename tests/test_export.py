@@ -544,3 +544,21 @@ def test_a_device_specific_op_is_refused_with_advice(small_steps, tmp_path):
             _Writer([], {}, []).call(node)
     finally:
         node.target = node_target
+
+
+@pytest.fixture(scope="module")
+def dropout_step():
+    name = "tests.export_models:dropout_mlp"
+    return trace_zoo(name), step_signature(name, {})
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_FACTORIES else m
+                                    for m in METHODS if m != "none"])
+def test_every_method_schedule_replays_dropout_bitwise(dropout_step, tmp_path, method):
+    """Each real method's schedule on a dropout model: under one seed, loss and gradients equal eager's."""
+    traced, signature = dropout_step
+    schedule = solver_factory(method)(traced.graph, 1)
+    out = export_traced(traced, signature, schedule, tmp_path)
+    v = verify_export("tests.export_models:dropout_mlp", {}, out, repeats=0)
+    assert v.loss_diff == 0 and v.max_grad_diff == 0 and v.max_grad_diff_grads_none == 0
+    assert v.measured_peak == pytest.approx(v.predicted_peak, rel=0.05)
