@@ -89,16 +89,28 @@ class Seeds:
 
 
 _cache: "OrderedDict[tuple[str, Any], Any]" = OrderedDict()
-_lock = threading.RLock()
+_cache_lock = threading.Lock()  # guards the dict itself, never held while building
+_graph_locks: dict[str, threading.RLock] = {}
+
+
+def _graph_lock(graph: Graph) -> threading.RLock:
+    """One lock per graph: its cached problems hold a budget Parameter that a solve sets, so solves
+    of one graph take turns, while explorer sessions on other graphs solve at the same time."""
+    with _cache_lock:
+        return _graph_locks.setdefault(graph.hash, threading.RLock())
 
 
 def _cached(key: tuple[str, Any], make: Any) -> Any:
-    if key in _cache:
-        _cache.move_to_end(key)
-        return _cache[key]
-    value = _cache[key] = make()
-    while len(_cache) > _CACHE_SIZE:
-        _cache.popitem(last=False)
+    """``make()`` once per key (keys start with the graph's hash; callers hold that graph's lock)."""
+    with _cache_lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+    value = make()
+    with _cache_lock:
+        _cache[key] = value
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
     return value
 
 
@@ -165,7 +177,7 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
                           "build_seconds": 0.0, "solve_seconds": 0.0, "candidates": 0, "segments": 0,
                           "granularity": 0, "plan_source": "ilp"}
         return schedule
-    with _lock:  # the cached problems are shared (explorer sessions run in threads)
+    with _graph_lock(graph):  # the cached problems are shared (explorer sessions run in threads)
         return _solve(graph, budget, time_limit, granularity, backend, gap)
 
 
@@ -320,7 +332,7 @@ def smallest_budget(graph: Graph, granularity: int | None = None, backend: str =
     """(bytes, status): the smallest budget bonsai's model meets at ``granularity`` (None: the top of
     the auto ladder), by the min-peak MILP; status is the MILP's ("optimal" proves it). (None,
     "time_limit") when the backend had no plan within ``time_limit``."""
-    with _lock:
+    with _graph_lock(graph):
         built = build(graph, auto_ladder(graph)[-1] if granularity is None else granularity)
         problem, z = built.min_peak_problem()
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -119,14 +120,19 @@ def _limit_words(time_limit: float | None, whole_limit: float | None) -> str:
 
 
 _banner_swallowed = False
+_banner_lock = threading.Lock()  # two threads swapping fd 1 at once could leave stdout on stderr
 
 
 def _swallow_highs_banner() -> None:
     """HiGHS prints a banner on stdout when a process makes its first solver object, which would
     corrupt ``bonsai solve --json``. Make that first object with stdout pointed at stderr."""
+    with _banner_lock:
+        if not _banner_swallowed:
+            _make_first_highs_quietly()
+
+
+def _make_first_highs_quietly() -> None:
     global _banner_swallowed
-    if _banner_swallowed:
-        return
     import ctypes
 
     import highspy
