@@ -1,0 +1,42 @@
+"""Is the dropout gap in README's "Predicted vs measured memory" only CPU eager's dropout kernel?
+
+Measures the eager CPU step of the dropout-0.1 real models with dropout run as ``native_dropout``
+(the fused kernel, bool mask, that CUDA eager uses and the trace records), also inside SDPA (its math
+form: softmax(QK^T/sqrt(d) + causal mask) @ V with the dropout in between):
+``python scripts/dropout_kernel_check.py``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from bonsai_core import zoo
+from bonsai_core.measure import measure_step
+from bonsai_core.schedule import no_remat_peak
+from bonsai_core.trace import trace_zoo
+
+
+class Fused(TorchFunctionMode):
+    """F.dropout and SDPA with dropout, run with native_dropout."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            x, p = args[0], kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            if training and p > 0:
+                return torch.native_dropout(x, p, True)[0]
+        if func is F.scaled_dot_product_attention and kwargs.get("dropout_p", 0) > 0:
+            q, k, v = args[:3]
+            a = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5 + (torch.full((q.shape[-2], k.shape[-2]), float("-inf")).triu(1) if kwargs.get("is_causal") else 0), -1)
+            return torch.native_dropout(a, kwargs["dropout_p"], True)[0] @ v
+        return func(*args, **kwargs)
+
+
+for name in ("vit_assert", "gpt2", "bert_mlm"):
+    spec = "tests.real_models:" + name
+    g = trace_zoo(spec).graph
+    m, i, l = zoo.build(spec)
+    with Fused():
+        r = measure_step(m, i, l)
+    print(name, no_remat_peak(g), r.peak, no_remat_peak(g) / r.peak)
