@@ -1,7 +1,8 @@
 """Predicted (simulator, no-remat schedule) vs measured (real eager CPU step) peak memory of every zoo
 model at its default size and of the real models in tests/real_models.py (BatchNorm CNNs, a ViT with
-``torch._assert``, Hugging Face GPT-2 and BERT from configs), as a markdown table:
-``python scripts/predicted_vs_measured.py`` (``--zoo`` or ``--real`` for one half)."""
+``torch._assert``, Hugging Face GPT-2 and BERT from configs)
+and of the ``hf:`` architectures at their default sizes, as a markdown table:
+``python scripts/predicted_vs_measured.py`` (``--zoo``, ``--real`` or ``--hf`` for one part)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def row(name: str, options: dict) -> str:
 
 
 def main() -> None:
-    which = sys.argv[1:] or ["--zoo", "--real"]
+    which = sys.argv[1:] or ["--zoo", "--real", "--hf"]
     print("| model | ops | predicted peak | measured peak (CPU live bytes) | predicted / measured |")
     print("|---|---:|---:|---:|---:|")
     if "--zoo" in which:
@@ -39,6 +40,11 @@ def main() -> None:
     if "--real" in which:
         for name, options in REAL:
             print(row(name, options), flush=True)
+    if "--hf" in which:
+        from bonsai_core.hf import ARCHS
+
+        for arch in ARCHS:
+            print(row(f"hf:{arch}", {}), flush=True)
 
 
 if __name__ == "__main__":
