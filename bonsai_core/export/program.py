@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -74,6 +74,9 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
     cannot write out."""
     graph, gm = traced.graph, traced.module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    hidden = set(getattr(traced, "hidden_aliases", ()))
+    if hidden:  # unused names of tied parameters were traced without a placeholder (trace.Traced)
+        signature = replace(signature, params=[p for p in signature.params if p[0] not in hidden])
     _check_signature(placeholders, signature)
     constants = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
     writer = _Writer(placeholders, {name: v for v, name in enumerate(traced.fx_names)}, constants)

@@ -178,7 +178,9 @@ class Checkpointed(nn.Module):
         self.grads = grads
         named = dict(model.named_parameters(remove_duplicate=False))
         missing = [name for name, *_ in program.params if name not in named]
-        if missing or len(named) != len(program.params):
+        # every distinct parameter is in the program (a tied one may be there under one name only)
+        covered = {id(named[name]) for name, *_ in program.params if name in named}
+        if missing or covered != {id(p) for p in named.values()}:
             raise ValueError(f"This export was made for a model with parameters {[n for n, *_ in program.params][:5]}... "
                              f"({len(program.params)} in all); the given model has {len(named)} "
                              f"({', '.join(missing[:3]) or 'others'} missing). Load it with the model you exported.")
