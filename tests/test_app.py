@@ -244,7 +244,8 @@ def test_method_specific_options_appear_in_the_sidebar_and_reach_the_solver():
     assert dict(at.session_state["settings"].options)["variant"] == "sqrt"
     assert at.query_params["o.variant"] == "sqrt"
     at.sidebar.selectbox(key="method").set_value("dtr").run()
-    assert at.sidebar.selectbox(key="opt_dtr_heuristic").value == "neighbourhood"
+    heuristic = next(o for o in solvers.method_options("dtr") if o.name == "heuristic")
+    assert at.sidebar.selectbox(key="opt_dtr_heuristic").value == heuristic.default
 
 
 def test_export_offers_the_schedule_json_and_the_checkpointed_model_zip(fake_method):
