@@ -6,9 +6,9 @@ buffers, so tracing lifts them as inputs instead of baking them in as constants.
 deterministic under a fixed seed, and the defaults are small enough for a real CPU step in well
 under a second while activations, not weights, dominate the peak.
 
-The convolutional models use no batch norm on purpose: a fused norm op returns its output together
-with small statistics, and the graph format keeps an op's outputs together (DESIGN.md), which would
-keep the normalised output alive until the backward pass where eager PyTorch frees it early.
+The zoo's convolutional models use no batch norm (they predate its support and their graphs are
+pinned by tests); models with BatchNorm, dropout and tied weights come from ``hf:ARCH``
+(:mod:`bonsai_core.hf`) or ``tests/real_models.py``.
 """
 
 from __future__ import annotations
