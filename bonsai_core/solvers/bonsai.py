@@ -31,7 +31,6 @@ tightening and the smallest-budget search). Past it: the best valid plan found s
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -46,6 +45,7 @@ from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.segment import default_granularity, op_count, segment
 from bonsai_core.solvers.bonsai_coef import PlainProfile, plain_profile
 from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
+from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, solve_milp
 
 _CACHE_SIZE = 24  # entries: per graph its plain profile, its seeds and one model per rung tried
@@ -69,7 +69,7 @@ class Seeds:
         return self.peaks[i]
 
     def best(self, graph: Graph, built: BuiltModel, budget: int, below: float = np.inf,
-             clock: "_Clock | None" = None) -> tuple[int, float, str, CheckpointPlan] | None:
+             clock: "Deadline | None" = None) -> tuple[int, float, str, CheckpointPlan] | None:
         """The cheapest plan within ``budget`` whose compute cost is below ``below``, as (peak, cost,
         label, plan); costs come from the model's (exact) per-candidate costs, peaks from the simulator."""
         index = {(int(a), int(b)): c for c, (a, b) in enumerate(zip(built.seg.starts, built.seg.ends))}
@@ -78,7 +78,7 @@ class Seeds:
         for i in sorted(range(len(self.plans)), key=costs.__getitem__):
             if costs[i] >= below:
                 return None
-            if i not in self.peaks and clock is not None and clock.out():
+            if i not in self.peaks and clock is not None and clock.passed():
                 continue  # past the time limit only plans already simulated are considered
             if self.peak(graph, i) <= budget:
                 return self.peak(graph, i), costs[i], self.plans[i][0], self.plans[i][1]
@@ -181,21 +181,9 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         return _solve(graph, budget, time_limit, granularity, backend, gap)
 
 
-class _Clock:
-    def __init__(self, limit: float | None) -> None:
-        self.deadline = None if limit is None else time.perf_counter() + float(limit)
-
-    def left(self) -> float | None:
-        return None if self.deadline is None else self.deadline - time.perf_counter()
-
-    def out(self) -> bool:
-        left = self.left()
-        return left is not None and left <= 0
-
-
 def _solve(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None,
            backend: str, gap: float) -> Schedule:
-    clock = _Clock(time_limit)
+    clock = Deadline(time_limit)
     plain_peak = int(_plain(graph).memory.max())
     target = int(budget) if budget is not None else plain_peak
     ladder = auto_ladder(graph) if granularity is None else [granularity]
@@ -204,7 +192,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
     found: _Found | None = None
     built, cached = None, False
     for gran in ladder:
-        if clock.out():
+        if clock.passed():
             break
         cached = (graph.hash, ("model", min(gran, max(1, op_count(graph))))) in _cache
         built = build(graph, gran)
@@ -248,14 +236,14 @@ class _Found(NamedTuple):
     tightened: int  # bytes taken off the budget handed to the model
 
 
-def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clock: _Clock,
+def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clock: Deadline,
                  gap: float) -> _Found | None:
     """The ILP at ``target`` with tightening, or None when the model cannot meet it (or no time is
     left before a plan was found)."""
     tightened, seconds = 0, 0.0
     best = None
     for _attempt in range(_MAX_TIGHTEN + 1):
-        left = clock.left()
+        left = clock.remaining()
         if left is not None and left <= 0:
             break
         built.budget.value = (target - tightened) / built.unit
@@ -280,11 +268,11 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
     return best
 
 
-def _seeded(graph: Graph, fallback: tuple[int, float, str, CheckpointPlan], tried: list[int], clock: _Clock,
+def _seeded(graph: Graph, fallback: tuple[int, float, str, CheckpointPlan], tried: list[int], clock: Deadline,
             built: BuiltModel | None) -> Schedule:
     schedule = plan_schedule(graph, fallback[3], "bonsai")
     plan = fallback[3]
-    schedule.stats = {"status": "time_limit" if clock.out() else "feasible", "gap": None,
+    schedule.stats = {"status": "time_limit" if clock.passed() else "feasible", "gap": None,
                       "plan_source": "chen", "seed_plan": fallback[2], "granularities_tried": tried,
                       "granularity": built.seg.granularity if built is not None else None,
                       "segments": len(plan.segments), "recomputed_segments": len(plan.recomputed),
@@ -292,13 +280,13 @@ def _seeded(graph: Graph, fallback: tuple[int, float, str, CheckpointPlan], trie
     return schedule
 
 
-def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, clock: _Clock, seed: Seeds,
+def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, clock: Deadline, seed: Seeds,
              tried: list[int]) -> BudgetError:
     """The error for a budget no plan was found for: the smallest budget bonsai can meet (its model's
     or a Chen plan's, whichever is lower), or that the time ran out."""
-    lowest_seed = seed.lowest_peak(graph) if not clock.out() else None
+    lowest_seed = seed.lowest_peak(graph) if not clock.passed() else None
     smallest, proven = lowest_seed, False
-    left = clock.left()
+    left = clock.remaining()
     if built is not None and (left is None or left > 0):
         problem, z = built.min_peak_problem()
         try:
@@ -315,7 +303,7 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
             smallest = model if smallest is None else min(smallest, model)
             proven = outcome.status == "optimal"
     where = f"granularit{'y' if len(tried) == 1 else 'ies'} {', '.join(map(str, tried)) or 'none'}"
-    if clock.out() and smallest is None:
+    if clock.passed() and smallest is None:
         return BudgetError(f"bonsai found no checkpoint plan of {graph.name!r} within {format_bytes(budget)} "
                            f"before the time limit ({where}). Raise --time-limit or the budget.")
     if smallest is None:

@@ -20,7 +20,6 @@ fits it raises BudgetError naming the smallest peak it reached.
 from __future__ import annotations
 
 import math
-import time
 from typing import Iterable, Literal, Sequence
 
 import numpy as np
@@ -30,7 +29,7 @@ from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import Schedule, simulate
-from bonsai_core.solvers.eviction import deadline_of
+from bonsai_core.solvers.deadline import Deadline
 
 Variant = Literal["sqrt", "greedy", "auto"]
 MAX_CANDIDATES = 48  # plans tried per variant under a budget: each costs one simulation, O(n + edges)
@@ -124,7 +123,7 @@ def solve_chen(graph: Graph, budget: int | None, *, time_limit: float | None = N
     segments: with it, the sqrt variant uses exactly that many segments whatever the budget.
 
     O(candidates * (n + edges))."""
-    deadline = deadline_of(time_limit)
+    deadline = Deadline(time_limit)
     if variant not in ("sqrt", "greedy", "auto"):
         raise SolverError(f"Unknown chen variant {variant!r}; use 'sqrt', 'greedy' or 'auto'.")
     if not graph.is_forward.any():
@@ -138,7 +137,7 @@ def solve_chen(graph: Graph, budget: int | None, *, time_limit: float | None = N
     lowest = None
     timed_out, tried = False, 0
     for label, plan in plans:
-        if deadline is not None and time.perf_counter() > deadline:
+        if deadline.passed():
             timed_out = True
             break
         tried += 1

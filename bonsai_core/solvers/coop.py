@@ -49,8 +49,9 @@ from bonsai_core.allocator import Optimizer, round_size
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule
+from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.eviction import (DEALLOCATIONS, Deallocation, Runtime, TimeLimitReached, arena_pool,
-                                          deadline_of, finish, with_budget_hint)
+                                          finish, with_budget_hint)
 
 WindowCost = Literal["stale", "recompute"]
 Partition = Literal["op_type", "cost_density", "none"]
@@ -170,7 +171,7 @@ def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = N
     if budget <= graph.fixed_mem:
         raise BudgetError(f"A pool of {budget} bytes cannot hold {graph.name!r}'s fixed memory "
                           f"({graph.fixed_mem} bytes); raise the budget.")
-    deadline = deadline_of(time_limit)
+    deadline = Deadline(time_limit)
     sides = partition_sides(graph, partition)
 
     def run_once(b: int) -> Schedule:

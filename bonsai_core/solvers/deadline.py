@@ -8,11 +8,23 @@ from bonsai_core.errors import SolverError
 
 
 class Deadline:
-    """``time_limit`` seconds from now (None: no limit). Each inner solve gets :meth:`left`."""
+    """``time_limit`` seconds from now (None: no limit), shared by every inner solve and search of
+    one method call: :meth:`remaining` and :meth:`passed` to decide, :meth:`left` to give an inner
+    solve its share (or fail saying what used the time up)."""
 
     def __init__(self, time_limit: float | None) -> None:
+        if time_limit is not None and not time_limit > 0:
+            raise SolverError(f"time_limit is {time_limit}; give a positive number of seconds (or none).")
         self.time_limit = time_limit
         self.start = time.perf_counter()
+
+    def remaining(self) -> float | None:
+        """Seconds left, possibly negative (None: no limit)."""
+        return None if self.time_limit is None else self.time_limit - (time.perf_counter() - self.start)
+
+    def passed(self) -> bool:
+        left = self.remaining()
+        return left is not None and left <= 0
 
     def left(self, method: str, spent_on: str) -> float | None:
         """Seconds left for the next inner solve (None: no limit); SolverError if none are, saying

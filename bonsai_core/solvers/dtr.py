@@ -28,8 +28,9 @@ from bonsai_core.allocator import Optimizer
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule
+from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.eviction import (DEALLOCATIONS, Deallocation, Runtime, TimeLimitReached, arena_pool,
-                                          deadline_of, finish, with_budget_hint)
+                                          finish, with_budget_hint)
 
 Heuristic = Literal["dtr", "dtr_eq", "local", "lru", "size"]
 HEURISTICS = ("dtr", "dtr_eq", "local", "lru", "size")
@@ -86,7 +87,7 @@ def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = No
         raise BudgetError("DTR under the allocator model needs a budget: the pool's capacity.")
     if full_arena and not allocator:
         raise SolverError("full_arena places the fixed tensors in the allocator's pool: set allocator=True too.")
-    deadline = deadline_of(time_limit)
+    deadline = Deadline(time_limit)
 
     def run_once(b: int | None) -> Schedule:
         pool = arena_pool(graph, b, full_arena, optimizer) if allocator else None

@@ -52,6 +52,7 @@ from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import COMPUTE, FREE, Schedule
+from bonsai_core.solvers.deadline import Deadline
 
 Deallocation = Literal["free", "evict", "banish"]
 DEALLOCATIONS = ("free", "evict", "banish")
@@ -76,7 +77,7 @@ class Runtime:
 
     def __init__(self, graph: Graph, budget: int | None, allocator: Allocator | None = None,
                  side_of: Callable[[int], str] | None = None, deallocation: Deallocation = "free",
-                 deadline: float | None = None) -> None:
+                 deadline: Deadline | None = None) -> None:
         if deallocation not in DEALLOCATIONS:
             raise SolverError(f"Unknown deallocation {deallocation!r}; use one of {', '.join(DEALLOCATIONS)}.")
         self.g = graph
@@ -129,7 +130,7 @@ class Runtime:
         return self.ever[t] and not self.resident[t] and not self.banished[t] and not self.freed[t]
 
     def check_deadline(self) -> None:
-        if self.deadline is not None and time.perf_counter() > self.deadline:
+        if self.deadline is not None and self.deadline.passed():
             raise TimeLimitReached(f"Dynamic rematerialization of {self.g.name!r} ran past its time limit.")
 
     # -- memory --------------------------------------------------------------------------------
@@ -373,17 +374,8 @@ def arena_pool(graph: Graph, budget: int, full: bool, optimizer: Optimizer) -> A
     return Allocator(budget - graph.fixed_mem, policy="arena")
 
 
-def deadline_of(time_limit: float | None) -> float | None:
-    """The perf_counter time a call started now must finish by (None: no limit)."""
-    if time_limit is None:
-        return None
-    if time_limit <= 0:
-        raise SolverError(f"time_limit is {time_limit}; give a positive number of seconds (or none).")
-    return time.perf_counter() + time_limit
-
-
 def with_budget_hint(graph: Graph, budget: int, run_once: Callable[[int], Schedule], steps: int = 8,
-                     deadline: float | None = None) -> Schedule:
+                     deadline: Deadline | None = None) -> Schedule:
     """Run under ``budget``; if that fails, bisect (at most ``steps`` runs, between the budget and
     twice the no-remat peak, stopping at ``deadline``) for a budget at which the method does run,
     and name it in the BudgetError. A heuristic's success is not monotone in the budget, so the named
