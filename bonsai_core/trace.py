@@ -44,6 +44,7 @@ user's own eager run still checks it).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import os
 import time
@@ -55,6 +56,8 @@ from unittest import mock
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES, DeviceProfile, op_cost
@@ -179,7 +182,7 @@ def _export_joint(step: _Step, inputs: tuple[torch.Tensor, ...], name: str) -> t
     from torch._functorch.aot_autograd import aot_export_module
 
     try:
-        with _skip_tensor_asserts():
+        with _as_in_eager():
             return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
     except Exception as e:  # torch raises many types here; the user needs the message, not the stack
         if "did not receive a gradient" in str(e):
@@ -218,6 +221,44 @@ def _user_code(e: BaseException, step: _Step) -> str:
     return f"{frame.f_code.co_name} at {where}"
 
 
+class _EagerDropoutOff(TorchFunctionMode):
+    """A dropout that drops nothing (``p == 0``, or not training) returns its input itself in eager
+    PyTorch: no kernel, no new tensor. AOTAutograd's decomposition of ``aten.dropout`` records a
+    ``clone`` there instead (a copy, to keep outputs from aliasing inputs), which would count a copy
+    of every such activation that eager never makes: Hugging Face Llama's attention dropout
+    (``attention_dropout`` 0.0) doubled each layer's attention probabilities. While tracing, such a
+    dropout returns its input, as in eager, so the graph (and the program exported from it) has no
+    node for it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
+            call = _DROPOUTS[func].bind(*args, **kwargs)
+            call.apply_defaults()
+            tensor, p, training = call.args[:3]
+            if p == 0 or not training:
+                return tensor
+        return func(*args, **kwargs)
+
+
+# The dropouts whose eager kernel returns its input when p == 0 or not training (ATen's
+# ``_dropout_impl``), with their signatures (input, p, training, ...): torch.nn.functional's, which
+# call the torch.* ones, and the torch.* ones for code that calls them directly.
+_DROPOUTS = {f: inspect.signature(f) for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+                                                 F.alpha_dropout, F.feature_alpha_dropout)}
+_DROPOUTS.update({f: inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                        for n in ("input", "p", "train")])
+                  for f in (torch.dropout, torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout)})
+
+
+@contextlib.contextmanager
+def _as_in_eager() -> Iterator[None]:
+    """What tracing changes so that the graph is the step eager runs: no copy for a dropout that
+    drops nothing, and ``torch._assert`` on tensors skipped."""
+    with _skip_tensor_asserts(), _EagerDropoutOff():
+        yield
+
+
 @contextlib.contextmanager
 def _skip_tensor_asserts() -> Iterator[None]:
     """``torch._assert`` on a tensor condition is a check, not a branch: skip it while tracing
@@ -238,7 +279,7 @@ def _unused_parameters(step: _Step, inputs: tuple[torch.Tensor, ...], name: str)
     from torch._functorch.aot_autograd import aot_export_module
 
     try:
-        with _skip_tensor_asserts():
+        with _as_in_eager():
             gm, signature = aot_export_module(step, inputs, trace_joint=False)
     except Exception as e:  # the same failures as the joint trace, said the same way
         raise _model_error(e, step, name) from None
