@@ -155,7 +155,7 @@ def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Call
                              "Set requires_grad=False on it.") from None
     frozen = [n.removeprefix("model.") for n in frozen]
     hidden = [n.removeprefix("model.") for n in hidden]
-    graph, fx_names = _to_graph(gm, signature, name, PROFILES[profile])
+    graph, fx_names = _to_graph(gm, signature, name, PROFILES[profile], _placeholder_tensors(step, inputs, signature))
     writes = [(fx_name, buffer) for fx_name, buffer in signature.buffers_to_mutate.items()]
     return Traced(graph, gm, fx_names, time.perf_counter() - start, writes, frozen, hidden)
 
@@ -333,11 +333,21 @@ _ALL = -1  # every output of an op (a single-output op whose value is a buffer's
 _GETITEM_COST = 1e-9
 
 
-def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProfile) -> tuple[Graph, list[str]]:
+def _placeholder_tensors(step: _Step, inputs: tuple[torch.Tensor, ...], signature: Any) -> dict[str, torch.Tensor]:
+    """The tensor each placeholder was traced from (parameter, buffer or batch tensor): their storages
+    say which placeholders share memory (AOTAutograd's fake copies of real tensors do not keep that)."""
+    named = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
+    tensors = {ph: named[n] for ph, n in {**signature.inputs_to_parameters, **signature.inputs_to_buffers}.items() if n in named}
+    tensors.update((ph, t) for ph, t in zip(signature.user_inputs, inputs) if isinstance(t, torch.Tensor))
+    return tensors
+
+
+def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProfile,
+              originals: dict[str, torch.Tensor]) -> tuple[Graph, list[str]]:
     fx_nodes = list(gm.graph.nodes)
     forward = _forward_nodes(fx_nodes, signature)
     written = _buffer_outputs(fx_nodes, signature)
-    fixed_tensors = _fixed_tensors(gm, signature)
+    fixed_tensors = _fixed_tensors(gm, signature, originals)
     ids: dict[fx.Node, int] = {}  # FX node -> our node id, or _LEAF
     nodes: list[dict[str, Any]] = []
     fx_names: list[str] = []
@@ -455,22 +465,26 @@ def _output_bytes(node: fx.Node, excluded: set[int]) -> int:
     return storage_bytes(val)
 
 
-def _fixed_tensors(gm: fx.GraphModule, signature: Any) -> list[tuple[str, int, str]]:
+def _fixed_tensors(gm: fx.GraphModule, signature: Any, originals: dict[str, torch.Tensor]) -> list[tuple[str, int, str]]:
     """The tensors ``fixed_mem`` is made of, as ``(name, bytes, kind)`` in a training loop's allocation
     order (the graph's optional ``fixed_tensors``): parameters, buffers and captured constants when the
     model is built, the gradients of the trainable parameters (frozen ones have none), then the batch.
-    They live for the whole step (DESIGN.md). A storage counts once: a tied parameter (GPT-2's
-    wte = lm_head) is two placeholders of one storage, with one ``.grad``."""
+    They live for the whole step (DESIGN.md). A storage (of the tensor a placeholder was traced from,
+    ``originals``) counts once: a tied parameter (GPT-2's wte = lm_head) is two placeholders of one
+    storage, with one ``.grad``, and a loss buffer that is the batch itself (language-model targets =
+    the input ids) is one storage, whatever its kinds."""
     kind_of = {**{k: "param" for k in signature.inputs_to_parameters},
                **{k: "buffer" for k in signature.inputs_to_buffers}}
     grad_params = set(signature.backward_signature.gradients_to_parameters.values())
-    seen: set[tuple[int, str]] = set()
+    seen: set[tuple[int, bool]] = set()
     model, grads, batch = [], [], []
 
     def add(to: list, name: str, value: Any, kind: str) -> None:
-        key = value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else id(value)
-        if (key, kind) not in seen:
-            seen.add((key, kind))
+        traced_from = originals.get(name.removesuffix(".grad"), value)
+        storage = traced_from.untyped_storage()._cdata if isinstance(traced_from, torch.Tensor) else id(value)
+        key = (storage, kind == "grad")  # a gradient is counted by its parameter's storage, but is another
+        if key not in seen:
+            seen.add(key)
             to.append((name, storage_bytes(value), kind))
 
     for node in gm.graph.nodes:
