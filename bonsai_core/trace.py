@@ -39,6 +39,10 @@ Model code that reads a tensor's value (``.item()``, ``if`` on a tensor) cannot 
 tensors: it raises a :class:`ModelError` naming the module and the source line. A ``torch._assert``
 whose condition is a tensor is only a check, not a branch, so it is skipped while tracing (the
 user's own eager run still checks it).
+
+A dropout that drops nothing (``p == 0``, as in Llama's and ViT's configs, or not training) returns
+its input in eager PyTorch; AOTAutograd's decomposition would record a ``clone`` that eager never
+makes, so while tracing such a dropout returns its input and the graph has no node for it.
 """
 
 from __future__ import annotations
