@@ -39,11 +39,16 @@ Model code that reads a tensor's value (``.item()``, ``if`` on a tensor) cannot 
 tensors: it raises a :class:`ModelError` naming the module and the source line. A ``torch._assert``
 whose condition is a tensor is only a check, not a branch, so it is skipped while tracing (the
 user's own eager run still checks it).
+
+A dropout that drops nothing (``p == 0``, as in Llama's and ViT's configs, or not training) returns
+its input in eager PyTorch; AOTAutograd's decomposition would record a ``clone`` that eager never
+makes, so while tracing such a dropout returns its input and the graph has no node for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import os
 import time
@@ -55,6 +60,8 @@ from unittest import mock
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES, DeviceProfile, op_cost
@@ -152,7 +159,7 @@ def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Call
                              "Set requires_grad=False on it.") from None
     frozen = [n.removeprefix("model.") for n in frozen]
     hidden = [n.removeprefix("model.") for n in hidden]
-    graph, fx_names = _to_graph(gm, signature, name, PROFILES[profile])
+    graph, fx_names = _to_graph(gm, signature, name, PROFILES[profile], _placeholder_tensors(step, inputs, signature))
     writes = [(fx_name, buffer) for fx_name, buffer in signature.buffers_to_mutate.items()]
     return Traced(graph, gm, fx_names, time.perf_counter() - start, writes, frozen, hidden)
 
@@ -179,7 +186,7 @@ def _export_joint(step: _Step, inputs: tuple[torch.Tensor, ...], name: str) -> t
     from torch._functorch.aot_autograd import aot_export_module
 
     try:
-        with _skip_tensor_asserts():
+        with _as_in_eager():
             return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
     except Exception as e:  # torch raises many types here; the user needs the message, not the stack
         if "did not receive a gradient" in str(e):
@@ -218,6 +225,44 @@ def _user_code(e: BaseException, step: _Step) -> str:
     return f"{frame.f_code.co_name} at {where}"
 
 
+class _EagerDropoutOff(TorchFunctionMode):
+    """A dropout that drops nothing (``p == 0``, or not training) returns its input itself in eager
+    PyTorch: no kernel, no new tensor. AOTAutograd's decomposition of ``aten.dropout`` records a
+    ``clone`` there instead (a copy, to keep outputs from aliasing inputs), which would count a copy
+    of every such activation that eager never makes: Hugging Face Llama's attention dropout
+    (``attention_dropout`` 0.0) doubled each layer's attention probabilities. While tracing, such a
+    dropout returns its input, as in eager, so the graph (and the program exported from it) has no
+    node for it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
+            call = _DROPOUTS[func].bind(*args, **kwargs)
+            call.apply_defaults()
+            tensor, p, training = call.args[:3]
+            if p == 0 or not training:
+                return tensor
+        return func(*args, **kwargs)
+
+
+# The dropouts whose eager kernel returns its input when p == 0 or not training (ATen's
+# ``_dropout_impl``), with their signatures (input, p, training, ...): torch.nn.functional's, which
+# call the torch.* ones, and the torch.* ones for code that calls them directly.
+_DROPOUTS = {f: inspect.signature(f) for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d,
+                                                 F.alpha_dropout, F.feature_alpha_dropout)}
+_DROPOUTS.update({f: inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                        for n in ("input", "p", "train")])
+                  for f in (torch.dropout, torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout)})
+
+
+@contextlib.contextmanager
+def _as_in_eager() -> Iterator[None]:
+    """What tracing changes so that the graph is the step eager runs: no copy for a dropout that
+    drops nothing, and ``torch._assert`` on tensors skipped."""
+    with _skip_tensor_asserts(), _EagerDropoutOff():
+        yield
+
+
 @contextlib.contextmanager
 def _skip_tensor_asserts() -> Iterator[None]:
     """``torch._assert`` on a tensor condition is a check, not a branch: skip it while tracing
@@ -238,7 +283,7 @@ def _unused_parameters(step: _Step, inputs: tuple[torch.Tensor, ...], name: str)
     from torch._functorch.aot_autograd import aot_export_module
 
     try:
-        with _skip_tensor_asserts():
+        with _as_in_eager():
             gm, signature = aot_export_module(step, inputs, trace_joint=False)
     except Exception as e:  # the same failures as the joint trace, said the same way
         raise _model_error(e, step, name) from None
@@ -292,11 +337,21 @@ _ALL = -1  # every output of an op (a single-output op whose value is a buffer's
 _GETITEM_COST = 1e-9
 
 
-def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProfile) -> tuple[Graph, list[str]]:
+def _placeholder_tensors(step: _Step, inputs: tuple[torch.Tensor, ...], signature: Any) -> dict[str, torch.Tensor]:
+    """The tensor each placeholder was traced from (parameter, buffer or batch tensor): their storages
+    say which placeholders share memory (AOTAutograd's fake copies of real tensors do not keep that)."""
+    named = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
+    tensors = {ph: named[n] for ph, n in {**signature.inputs_to_parameters, **signature.inputs_to_buffers}.items() if n in named}
+    tensors.update((ph, t) for ph, t in zip(signature.user_inputs, inputs) if isinstance(t, torch.Tensor))
+    return tensors
+
+
+def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProfile,
+              originals: dict[str, torch.Tensor]) -> tuple[Graph, list[str]]:
     fx_nodes = list(gm.graph.nodes)
     forward = _forward_nodes(fx_nodes, signature)
     written = _buffer_outputs(fx_nodes, signature)
-    fixed_tensors = _fixed_tensors(gm, signature)
+    fixed_tensors = _fixed_tensors(gm, signature, originals)
     ids: dict[fx.Node, int] = {}  # FX node -> our node id, or _LEAF
     nodes: list[dict[str, Any]] = []
     fx_names: list[str] = []
@@ -414,22 +469,26 @@ def _output_bytes(node: fx.Node, excluded: set[int]) -> int:
     return storage_bytes(val)
 
 
-def _fixed_tensors(gm: fx.GraphModule, signature: Any) -> list[tuple[str, int, str]]:
+def _fixed_tensors(gm: fx.GraphModule, signature: Any, originals: dict[str, torch.Tensor]) -> list[tuple[str, int, str]]:
     """The tensors ``fixed_mem`` is made of, as ``(name, bytes, kind)`` in a training loop's allocation
     order (the graph's optional ``fixed_tensors``): parameters, buffers and captured constants when the
     model is built, the gradients of the trainable parameters (frozen ones have none), then the batch.
-    They live for the whole step (DESIGN.md). A storage counts once: a tied parameter (GPT-2's
-    wte = lm_head) is two placeholders of one storage, with one ``.grad``."""
+    They live for the whole step (DESIGN.md). A storage (of the tensor a placeholder was traced from,
+    ``originals``) counts once: a tied parameter (GPT-2's wte = lm_head) is two placeholders of one
+    storage, with one ``.grad``, and a loss buffer that is the batch itself (language-model targets =
+    the input ids) is one storage, whatever its kinds."""
     kind_of = {**{k: "param" for k in signature.inputs_to_parameters},
                **{k: "buffer" for k in signature.inputs_to_buffers}}
     grad_params = set(signature.backward_signature.gradients_to_parameters.values())
-    seen: set[tuple[int, str]] = set()
+    seen: set[tuple[int, bool]] = set()
     model, grads, batch = [], [], []
 
     def add(to: list, name: str, value: Any, kind: str) -> None:
-        key = value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else id(value)
-        if (key, kind) not in seen:
-            seen.add((key, kind))
+        traced_from = originals.get(name.removesuffix(".grad"), value)
+        storage = traced_from.untyped_storage()._cdata if isinstance(traced_from, torch.Tensor) else id(value)
+        key = (storage, kind == "grad")  # a gradient is counted by its parameter's storage, but is another
+        if key not in seen:
+            seen.add(key)
             to.append((name, storage_bytes(value), kind))
 
     for node in gm.graph.nodes:

@@ -2,7 +2,8 @@
 
 Measures the eager CPU step of the dropout-0.1 real models with dropout run as ``native_dropout``
 (the fused kernel, bool mask, that CUDA eager uses and the trace records), also inside SDPA (its math
-form: softmax(QK^T/sqrt(d) + causal mask) @ V with the dropout in between):
+form: softmax(QK^T/sqrt(d) + causal mask) @ V with the dropout in between), and of ``hf:gpt2`` and
+``hf:bert`` at their default sizes (eager attention: its dropout is ``F.dropout``):
 ``python scripts/dropout_kernel_check.py``."""
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ class Fused(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-for name in ("vit_assert", "gpt2", "bert_mlm"):
-    spec = "tests.real_models:" + name
-    g = trace_zoo(spec).graph
+for spec in ("tests.real_models:vit_assert", "tests.real_models:gpt2", "tests.real_models:bert_mlm", "hf:gpt2", "hf:bert"):
+    traced = trace_zoo(spec)
+    g = traced.graph
     m, i, l = zoo.build(spec)
     with Fused():
-        r = measure_step(m, i, l)
-    print(name, no_remat_peak(g), r.peak, no_remat_peak(g) / r.peak)
+        r = measure_step(m, i, l, frozen=traced.frozen_params)
+    print(spec, no_remat_peak(g), r.peak, no_remat_peak(g) / r.peak, flush=True)

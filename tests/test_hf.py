@@ -52,6 +52,23 @@ def test_each_hf_arch_traces_with_forward_ops_labelled_forward(arch):
     _check_forward_labelled(arch)
 
 
+@pytest.mark.parametrize("arch, options", [
+    ("llama", dict(batch=2, seq=64, width=32, layers=1, heads=2, vocab=64)),
+    ("vit", dict(batch=2, image=16, width=32, layers=1, heads=2))])
+def test_hf_arch_without_dropout_predicts_the_eager_peak(arch, options):
+    """Llama's attention dropout and ViT's dropouts are nn.Dropout(0.0): eager returns the input
+    itself, so the prediction must not count a copy (sizes where the attention probabilities, which
+    such a copy would double, are a large part of the peak)."""
+    from bonsai_core.measure import measure_step
+    from bonsai_core.schedule import no_remat_peak
+
+    traced = _traced_arch(arch, options)
+    model, inputs, loss_fn = zoo.build(f"hf:{arch}", **options)
+    measured = measure_step(model, inputs, loss_fn, frozen=traced.frozen_params)
+    assert traced.graph.fixed_mem == measured.fixed
+    assert no_remat_peak(traced.graph) == pytest.approx(measured.peak, rel=0.05)
+
+
 def test_every_built_in_arch_has_a_tiny_size_here():
     assert set(TINY) == set(hf.ARCHS)
 

@@ -193,3 +193,31 @@ def test_a_torch_assert_on_a_tensor_is_skipped_while_tracing():
     assert traced.graph.is_forward.any() and torch._assert is real_assert
     with pytest.raises(AssertionError, match="finite"):  # eager still checks
         _TensorAssert()(torch.full((2, 4), float("nan")))
+
+
+def test_loss_targets_that_are_the_input_ids_count_once_in_fixed_memory():
+    """A language model's targets are its input ids: one storage, a loss buffer and the batch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    ids = torch.randint(0, 16, (2, 32))
+    loss_fn = zoo.CrossEntropyLoss(ids, flatten=True)
+    g = trace_step(model, (ids,), loss_fn).graph
+    assert g.fixed_mem == measure_step(model, (ids,), loss_fn).fixed
+    assert sum(t[1] for t in g.fixed_tensors if t[2] in ("buffer", "input")) == ids.numel() * 8
+
+
+def _mlp(*dropouts: float) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    gaps = [[torch.nn.Dropout(p)] for p in dropouts] or [[], []]
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), *gaps[0], torch.nn.GELU(), *gaps[1], torch.nn.Linear(64, 4))
+
+
+@pytest.mark.parametrize("dropouts, train", [((0.0, 0.0), True), ((0.5, 0.1), False)])
+def test_a_dropout_that_drops_nothing_is_no_copy(dropouts, train):
+    """Eager's dropout with p=0 (or in eval mode) returns its input: the step's graph and peak are
+    those of the model without the dropouts (AOTAutograd's decomposition would add a clone)."""
+    inputs, loss_fn = (torch.randn(32, 16),), zoo.MSELoss(torch.zeros(32, 4))
+    plain = trace_step(_mlp(), inputs, loss_fn).graph
+    g = trace_step(_mlp(*dropouts).train(train), inputs, loss_fn).graph
+    assert g.ops == plain.ops and not any(op.startswith("aten.clone") for op in g.ops)
+    assert simulate(g, none_schedule(g)).peak == simulate(plain, none_schedule(plain)).peak
