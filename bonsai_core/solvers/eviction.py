@@ -228,7 +228,9 @@ class Runtime:
     def make_room(self, v: int, policy: Policy) -> None:
         if self.alloc is not None and not self.fits(v):
             # OneFlow's fragmentation rate: the pool's free share when a request finds no block
-            self.free_at_failure.append(1.0 - self.alloc.allocated / self.alloc.reserved)
+            # (none is free while nothing is reserved yet)
+            reserved = self.alloc.reserved
+            self.free_at_failure.append(1.0 - self.alloc.allocated / reserved if reserved else 0.0)
         while not self.fits(v):
             self.check_deadline()
             start = time.perf_counter()
