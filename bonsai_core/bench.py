@@ -101,7 +101,7 @@ FULL_BUDGETS = (0.9, 0.7, 0.5, 0.3)
 # Graph sizes past which the full bench does not run a method (each still has its own hard limits):
 # the op-level MILP's O(n^2) binaries would only time out there, at the time limit per cell.
 # Peers run a real CPU step per knob setting, which GPT-2 small makes minutes long.
-BENCH_NODE_LIMITS = {"checkmate": 150, "moccasin": 700, "torch-budget": 600, "per-block": 600}
+BENCH_NODE_LIMITS = {"checkmate": 160, "moccasin": 700, "torch-budget": 600, "per-block": 600}
 
 
 @dataclass
@@ -379,7 +379,33 @@ def markdown_report(rows: list[dict[str, Any]], reach: list[dict[str, Any]] = ()
             "budget is at least the no-remat peak. Peers (`torch-budget`, `per-block`) are measured on a real "
             "CPU step.", ""]
     tail = ["### Where bonsai is not the best", ""] + (not_best or ["- nowhere in this run"]) + [""]
+    tail += ["### Bonsai against the checkpoint plans its space holds", ""] + bonsai_summary(rows) + [""]
     return "\n".join(head + lines + reach_table(list(reach)) + tail + solver_cost_table(rows))
+
+
+def bonsai_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Counts over the cells: where bonsai is the cheapest feasible method, and every cell where chen
+    or the per-block peer (plans in bonsai's space) fits and bonsai does not, or costs less than it."""
+    cells: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["model"], r["budget_fraction"]), {})[r["method"]] = r
+    cheapest = contested = 0
+    misses = []
+    for (model, fraction), by_method in cells.items():
+        b = by_method.get("bonsai")
+        feasible = {m: r["overhead"] for m, r in by_method.items() if r["feasible"] and m != "none"}
+        if b is None or not feasible:
+            continue
+        contested += 1
+        cheapest += b["feasible"] and b["overhead"] <= min(feasible.values()) + 1e-9
+        for rival in ("chen", "per-block"):
+            if rival in feasible and (not b["feasible"] or b["overhead"] > feasible[rival] + 1e-9):
+                mine = f"{b['overhead']:+.2%}" if b["feasible"] else "not feasible"
+                misses.append(f"- {model} at {fraction:.0%}: {rival} {feasible[rival]:+.2%}, bonsai {mine}")
+    return [f"- bonsai is the cheapest feasible method in {cheapest} of the {contested} cells where any method "
+            "fits (ties included)",
+            "- cells where chen or per-block checkpointing fits and bonsai does not, or costs less than bonsai:"
+            + (" none" if not misses else "")] + misses
 
 
 def solver_cost_table(rows: list[dict[str, Any]]) -> list[str]:

@@ -43,6 +43,10 @@ def test_markdown_names_budgets_where_bonsai_is_not_best():
     md = markdown_report([row("bonsai", 0.2), row("checkmate", 0.1), row("none", None, False)])
     assert "m at 50%: best is checkmate (+10.00%); bonsai +20.00%" in md
     assert re.search(r"\| 50% +\| +\+20.0% \| +\*\*\+10.0%\*\* \| +- \|", md)
+    md = markdown_report([row("bonsai", 0.2), row("chen", 0.15), row("per-block", 0.3), row("checkmate", 0.1)])
+    assert "cheapest feasible method in 0 of the 1 cells" in md
+    assert "- m at 50%: chen +15.00%, bonsai +20.00%" in md and "per-block +30.00%" not in md
+    assert "cheapest feasible method in 1 of the 1 cells" in markdown_report([row("bonsai", 0.1), row("chen", 0.1)])
     rows = [{**row("bonsai", 0.2), "solve_seconds": 0.5, "variables": 10, "gap": 0.0},
             {**row("checkmate", 0.1), "solve_seconds": 50.0, "variables": 900, "gap": 0.0}]
     assert "| m | 50% | 50.00 s, optimal, +10.0%; 900 vars | 0.50 s, optimal, +20.0%; 10 vars | | 100x | +10.00% |" \
