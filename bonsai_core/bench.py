@@ -1,7 +1,9 @@
 """``bonsai bench``: every method and every peer on the same models and budgets, in one run.
 
-Writes ``results.csv`` (one row per model x budget x method), ``results.md`` (a table per model and
-the honest list of budgets where bonsai is not the best feasible method) and PNG plots (matplotlib):
+Writes ``results.csv`` (one row per model x budget x method), ``reach.csv`` (one row per model: the
+smallest budget each method reaches, next to the per-op lower bound), ``results.md`` (a table per
+model, the reach table, and the honest list of budgets where bonsai is not the best feasible method)
+and PNG plots (matplotlib):
 overhead vs budget (Pareto fronts), solve time vs graph size (log-log) for the optimising methods,
 and peak vs budget. Tables go through pandas (CSV, typed re-reading, markdown via tabulate).
 
@@ -27,19 +29,40 @@ COLUMN_TYPES = {"model": "string", "nodes": "Int64", "method": "string", "budget
                 "note": "string"}
 COLUMNS = list(COLUMN_TYPES)
 OPTIMISERS = ("checkmate", "bonsai", "moccasin")
+# reach.csv: per model, the smallest budget each method reaches (bytes) and how it was found.
+REACH_TYPES = {"model": "string", "nodes": "Int64", "no_remat_peak": "Int64", "lower_bound": "Int64",
+               "bonsai": "Int64", "bonsai_status": "string", "chen": "Int64", "dtr": "Int64", "coop": "Int64",
+               "seconds": "Float64"}
+REACH_METHODS = ("bonsai", "chen", "dtr", "coop")
+BISECTION_STEPS = 10  # dtr/coop: budget resolution (no-remat peak - lower bound) / 2**10, about 0.1%
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A zoo model at one size: ``gpt``, ``gpt:layers=2,width=256`` or ``hf:gpt2:layers=2``."""
+    """A zoo model at one size: ``gpt``, ``gpt:layers=2,width=256`` or ``hf:gpt2:layers=2``, with
+    budgets of its own after ``@`` (shares of its no-remat peak, run besides the bench's):
+    ``gpt:layers=4@40,37``."""
 
     name: str
     options: tuple[tuple[str, int], ...] = ()
+    budgets: tuple[float, ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> "ModelSpec":
         from bonsai_core.zoo import ZOO
 
+        text, at, pcts = text.partition("@")
+        budgets = []
+        for item in filter(None, pcts.split(",")) if at else ():
+            try:
+                budgets.append(float(item.strip().rstrip("%")) / 100)
+            except ValueError:
+                budgets.append(-1.0)
+            if not 0 < budgets[-1]:
+                raise ModelError(f"Cannot read the budget {item!r} in {text + at + pcts!r}; write model@PCT,PCT, "
+                                 "for example gpt@45,40 (shares of the no-remat peak).")
+        if at and not budgets:
+            raise ModelError(f"No budgets after '@' in {text + at!r}; write model@PCT,PCT, for example gpt@45,40.")
         # options follow the last colon; names may hold colons too (hf:gpt2, package.module:factory)
         name, colon, opts = text.rpartition(":")
         if not colon or ("=" not in opts and name.strip() not in ZOO):
@@ -51,28 +74,34 @@ class ModelSpec:
                 raise ModelError(f"Cannot read the model option {item!r} in {text!r}; write name:key=N,key=N, "
                                  "for example gpt:layers=2,width=256.")
             options.append((key.strip(), int(value)))
-        return cls(name.strip(), tuple(sorted(options)))
+        return cls(name.strip(), tuple(sorted(options)), tuple(budgets))
 
     @property
     def label(self) -> str:
         return self.name if not self.options else self.name + ":" + ",".join(f"{k}={v}" for k, v in self.options)
 
+    def budgets_with(self, shared: list[float]) -> list[float]:
+        """The bench's budgets and this model's own, largest first."""
+        return sorted(set(shared) | set(self.budgets), reverse=True)
+
 
 QUICK_MODELS = ("mlp:layers=3,batch=512", "gpt:layers=1,seq=64")
 QUICK_BUDGETS = (0.7, 0.5)
+# The issue-12 GPT (4 layers, 525 nodes) first, with the budgets where methods part ways; then the
+# Hugging Face models at their default sizes, the zoo at its default sizes (plus the 1-layer gpt,
+# the one transformer checkmate's op-level MILP is run on) and GPT-2 small last. Larger zoo sizes
+# only added minutes of time-limited MILPs: the full run is meant to fit ~25 minutes on 2 cores.
 FULL_MODELS = (
-    "mlp:layers=3,batch=512", "mlp", "mlp:layers=12,batch=2048",
-    "vgg:image=16,layers=1", "vgg", "vgg:layers=3,image=64",
-    "resnet:image=16,layers=1", "resnet", "resnet:layers=3,image=64",
-    "unet:layers=2,image=32", "unet", "unet:layers=4,image=128",
-    "gpt:layers=1,seq=64", "gpt", "gpt:layers=4,width=256,seq=256",
+    "gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8@50,45,40,37",
+    "hf:gpt2", "hf:bert", "hf:llama", "hf:vit", "hf:resnet",
+    "mlp", "vgg", "resnet", "unet", "gpt:layers=1,seq=64", "gpt",
     "gpt:batch=8,seq=512,width=768,layers=12,heads=12,vocab=50257",
 )
 FULL_BUDGETS = (0.9, 0.7, 0.5, 0.3)
 # Graph sizes past which the full bench does not run a method (each still has its own hard limits):
 # the op-level MILP's O(n^2) binaries would only time out there, at the time limit per cell.
 # Peers run a real CPU step per knob setting, which GPT-2 small makes minutes long.
-BENCH_NODE_LIMITS = {"checkmate": 150, "moccasin": 700, "torch-budget": 600, "per-block": 600}
+BENCH_NODE_LIMITS = {"checkmate": 160, "moccasin": 700, "torch-budget": 600, "per-block": 600}
 
 
 @dataclass
@@ -88,7 +117,8 @@ class BenchConfig:
 
 
 def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run every (model, budget, method) and peer; write results.csv, results.md and the plots."""
+    """Run every (model, budget, method) and peer, and each method's smallest reachable budget per
+    model; write results.csv, reach.csv, results.md and the plots."""
     from bonsai_core.schedule import no_remat_peak
     from bonsai_core.solvers import solve
     from bonsai_core.trace import trace_zoo
@@ -96,13 +126,15 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    reach: list[dict[str, Any]] = []
     for text in config.models:
         spec = ModelSpec.parse(text)
         traced = trace_zoo(spec.name, profile=config.profile, **dict(spec.options))
         g = traced.graph
         reference = no_remat_peak(g)
         progress(f"{spec.label}: {g.n} nodes, no-remat peak {reference} bytes (traced in {traced.seconds:.1f} s)")
-        for fraction in config.budgets:
+        budgets = spec.budgets_with(config.budgets)
+        for fraction in budgets:
             budget = int(fraction * reference)
             for method in config.methods:
                 row = _row(spec.label, g.n, method, budget, fraction)
@@ -126,12 +158,95 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
             if limit is not None and g.n > limit:
                 rows.extend({**_row(spec.label, g.n, peer, int(f * reference), f),
                              "note": f"not run: {g.n} nodes > {limit} (bench size limit for {peer})"}
-                            for f in config.budgets)
+                            for f in budgets)
                 continue
-            rows.extend(_peer_rows(peer, spec, g.n, reference, config, progress))
-        _write(rows, out)  # after each model, so a long run leaves results behind
+            rows.extend(_peer_rows(peer, spec, g.n, reference, budgets, config, progress))
+        if any(m in REACH_METHODS for m in config.methods):
+            reach.append(smallest_budgets(spec.label, g, config))
+            progress("  smallest budgets: " + ", ".join(f"{m} {_share(reach[-1], m)}" for m in
+                                                        ("lower_bound",) + REACH_METHODS if m in reach[-1]))
+        _write(rows, reach, out)  # after each model, so a long run leaves results behind
     write_plots(rows, out)
     return rows
+
+
+def smallest_budgets(model: str, graph: Any, config: BenchConfig) -> dict[str, Any]:
+    """The smallest budget (bytes) each of bonsai, chen, dtr and coop (those in the bench) reaches on
+    ``graph``, computed once per model:
+
+    * bonsai: the min-peak MILP of its segment model at the top of the auto ladder
+      (:func:`~bonsai_core.solvers.bonsai.smallest_budget`, ``bonsai_status`` says whether it was
+      proven within the time limit). Bonsai also tries Chen's plans as seeds, so in a solve it meets
+      every budget chen meets as well.
+    * chen: the lowest simulated peak over the plans it tries under a budget.
+    * dtr, coop: the smallest budget a bisection between the per-op lower bound and the no-remat
+      peak meets (a heuristic's success is not monotone in the budget: a budget it meets, not a
+      proven minimum); the whole bisection within one time limit.
+    """
+    from bonsai_core.schedule import no_remat_peak
+
+    start = time.perf_counter()
+    row: dict[str, Any] = {"model": model, "nodes": graph.n, "no_remat_peak": no_remat_peak(graph),
+                           "lower_bound": graph.peak_lower_bound}
+    if "bonsai" in config.methods:
+        from bonsai_core.solvers.bonsai import smallest_budget
+
+        try:
+            row["bonsai"], row["bonsai_status"] = smallest_budget(graph, backend=config.backend,
+                                                                  time_limit=config.time_limit)
+        except BonsaiError as e:
+            row["bonsai"], row["bonsai_status"] = None, f"failed: {e}"[:120]
+    if "chen" in config.methods:
+        row["chen"] = chen_lowest_peak(graph)
+    for method in ("dtr", "coop"):
+        if method in config.methods:
+            row[method] = bisect_budget(graph, method, row["no_remat_peak"], config.time_limit)
+    row["seconds"] = round(time.perf_counter() - start, 3)
+    return row
+
+
+def chen_lowest_peak(graph: Any) -> int:
+    """The lowest simulated peak over the checkpoint plans chen tries under a budget."""
+    from bonsai_core.regions import plan_schedule
+    from bonsai_core.schedule import simulate
+    from bonsai_core.solvers.chen import candidate_plans
+
+    return min(simulate(graph, plan_schedule(graph, plan, "chen")).peak for _, plan in candidate_plans(graph, "auto"))
+
+
+def bisect_budget(graph: Any, method: str, reference: int, time_limit: float) -> int | None:
+    """The smallest budget between the per-op lower bound and ``reference`` at which ``method``
+    (dtr or coop, without its own budget hint) found a schedule in a bisection of at most
+    BISECTION_STEPS runs after the two ends; None if it met neither end within ``time_limit``."""
+    from bonsai_core.solvers import solve
+
+    deadline = time.perf_counter() + time_limit
+
+    def meets(budget: int) -> bool:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise TimeoutError
+        try:
+            solve(graph, budget, method=method, time_limit=left, budget_hint=False)
+            return True
+        except BonsaiError:
+            return False
+
+    hi = None
+    try:
+        if meets(graph.peak_lower_bound):
+            return graph.peak_lower_bound
+        if not meets(reference):
+            return None
+        lo, hi = graph.peak_lower_bound, reference
+        for _ in range(BISECTION_STEPS):
+            mid = (lo + hi) // 2
+            if mid == lo:
+                break
+            lo, hi = (lo, mid) if meets(mid) else (mid, hi)
+    except TimeoutError:
+        pass
+    return hi
 
 
 def _options(method: str, config: BenchConfig) -> dict[str, Any]:
@@ -161,7 +276,7 @@ def _schedule_fields(graph: Any, schedule: Any) -> dict[str, Any]:
             "gap": st.get("gap"), "reserved_peak": alloc.reserved_peak, "fragmentation": round(alloc.fragmentation, 4)}
 
 
-def _peer_rows(peer: str, spec: ModelSpec, nodes: int, reference: int, config: BenchConfig,
+def _peer_rows(peer: str, spec: ModelSpec, nodes: int, reference: int, budgets: list[float], config: BenchConfig,
                progress: Callable[[str], None]) -> list[dict[str, Any]]:
     from bonsai_core import peers
 
@@ -173,10 +288,10 @@ def _peer_rows(peer: str, spec: ModelSpec, nodes: int, reference: int, config: B
     except Exception as e:  # a peer that cannot run on this model is a result, not a crash
         progress(f"  {peer}: could not run ({type(e).__name__}: {e})")
         return [{**_row(spec.label, nodes, peer, int(f * reference), f), "note": f"could not run: {e}"[:160]}
-                for f in config.budgets]
+                for f in budgets]
     seconds = (time.perf_counter() - start) / max(len(runs), 1)
     rows = []
-    for fraction in config.budgets:
+    for fraction in budgets:
         budget = int(fraction * reference)
         row = _row(spec.label, nodes, peer, budget, fraction)
         best = peers.best_within(runs, budget)
@@ -191,20 +306,56 @@ def _peer_rows(peer: str, spec: ModelSpec, nodes: int, reference: int, config: B
     return rows
 
 
-def _frame(rows: list[dict[str, Any]]):
+def _frame(rows: list[dict[str, Any]], types: dict[str, str] = COLUMN_TYPES):
     import pandas as pd
 
-    return pd.DataFrame(rows, columns=COLUMNS).astype(COLUMN_TYPES)
+    return pd.DataFrame(rows, columns=list(types)).astype(types)
 
 
-def _write(rows: list[dict[str, Any]], out: Path) -> None:
+def _write(rows: list[dict[str, Any]], reach: list[dict[str, Any]], out: Path) -> None:
     _frame(rows).to_csv(out / "results.csv", index=False)
-    (out / "results.md").write_text(markdown_report(rows))
+    _frame(reach, REACH_TYPES).to_csv(out / "reach.csv", index=False)
+    (out / "results.md").write_text(markdown_report(rows, reach))
 
 
-def markdown_report(rows: list[dict[str, Any]]) -> str:
-    """One table per model (budget x method: overhead, or why it failed), best feasible in bold, and
-    the budgets where bonsai is not the best, said plainly."""
+def _share(row: dict[str, Any], key: str) -> str:
+    """``row[key]`` bytes as a share of the model's no-remat peak ("-" when not found)."""
+    value = row.get(key)
+    return "-" if value is None else f"{value / row['no_remat_peak']:.1%}"
+
+
+def reach_table(reach: list[dict[str, Any]]) -> list[str]:
+    """The smallest budget each method reaches per model, as shares of its no-remat peak, next to
+    the per-op lower bound that no schedule can go below."""
+    if not reach:
+        return []
+    methods = [m for m in REACH_METHODS if any(r.get(m) is not None or r.get(f"{m}_status") for r in reach)]
+    table = []
+    for r in reach:
+        cells = {m: _share(r, m) for m in methods}
+        if "bonsai" in cells and r.get("bonsai_status") not in (None, "optimal"):
+            cells["bonsai"] += f" ({r.get('bonsai_status')}, not proven)"
+        table.append({"model": f"{r['model']} ({r['nodes']} nodes)", "no-remat peak": _mib(r["no_remat_peak"]),
+                      "per-op bound": _share(r, "lower_bound"), **cells})
+    return ["### Smallest reachable budget", "",
+            "Share of the no-remat peak. per-op bound: the largest single operator with its inputs and the "
+            "fixed memory (`Graph.peak_lower_bound`; no schedule goes below it). bonsai: the min-peak MILP of "
+            "its segment model at the top of its auto granularity ladder (not proven optimal where a status "
+            "is shown); in a solve bonsai also meets every budget chen meets, since Chen's plans are its "
+            "seeds. chen: the lowest simulated peak of the plans it tries. dtr, coop: the smallest budget a "
+            "bisection between the bound and the no-remat peak met (heuristics are not monotone in the "
+            "budget: a budget they meet, not a proven minimum). checkmate and moccasin are not computed "
+            "(one more MILP per model, minutes on the larger graphs). `-`: not found within the time limit.",
+            "", _markdown(table), ""]
+
+
+def _mib(value: int) -> str:
+    return f"{value / 2**20:.2f} MiB"
+
+
+def markdown_report(rows: list[dict[str, Any]], reach: list[dict[str, Any]] = ()) -> str:
+    """One table per model (budget x method: overhead, or why it failed), best feasible in bold, the
+    smallest budget each method reaches, and the budgets where bonsai is not the best, said plainly."""
     lines = []
     models = list(dict.fromkeys(r["model"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -228,7 +379,33 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
             "budget is at least the no-remat peak. Peers (`torch-budget`, `per-block`) are measured on a real "
             "CPU step.", ""]
     tail = ["### Where bonsai is not the best", ""] + (not_best or ["- nowhere in this run"]) + [""]
-    return "\n".join(head + lines + tail + solver_cost_table(rows))
+    tail += ["### Bonsai against the checkpoint plans its space holds", ""] + bonsai_summary(rows) + [""]
+    return "\n".join(head + lines + reach_table(list(reach)) + tail + solver_cost_table(rows))
+
+
+def bonsai_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Counts over the cells: where bonsai is the cheapest feasible method, and every cell where chen
+    or the per-block peer (plans in bonsai's space) fits and bonsai does not, or costs less than it."""
+    cells: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["model"], r["budget_fraction"]), {})[r["method"]] = r
+    cheapest = contested = 0
+    misses = []
+    for (model, fraction), by_method in cells.items():
+        b = by_method.get("bonsai")
+        feasible = {m: r["overhead"] for m, r in by_method.items() if r["feasible"] and m != "none"}
+        if b is None or not feasible:
+            continue
+        contested += 1
+        cheapest += b["feasible"] and b["overhead"] <= min(feasible.values()) + 1e-9
+        for rival in ("chen", "per-block"):
+            if rival in feasible and (not b["feasible"] or b["overhead"] > feasible[rival] + 1e-9):
+                mine = f"{b['overhead']:+.2%}" if b["feasible"] else "not feasible"
+                misses.append(f"- {model} at {fraction:.0%}: {rival} {feasible[rival]:+.2%}, bonsai {mine}")
+    return [f"- bonsai is the cheapest feasible method in {cheapest} of the {contested} cells where any method "
+            "fits (ties included)",
+            "- cells where chen or per-block checkpointing fits and bonsai does not, or costs less than bonsai:"
+            + (" none" if not misses else "")] + misses
 
 
 def solver_cost_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -271,11 +448,12 @@ def _solver_cell(r: dict[str, Any] | None) -> str:
     return f"{r['solve_seconds']:.2f} s, {r['status']}, {r['overhead']:+.1%}{gap}; {r['variables']} vars"
 
 
-def load_rows(csv_path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a results.csv, typed again (to rewrite the report or plots of a finished run)."""
+def load_rows(csv_path: str | Path, types: dict[str, str] = COLUMN_TYPES) -> list[dict[str, Any]]:
+    """Rows of a results.csv (or, with REACH_TYPES, a reach.csv), typed again (to rewrite the report
+    or plots of a finished run)."""
     import pandas as pd
 
-    frame = pd.read_csv(csv_path, dtype=COLUMN_TYPES, keep_default_na=False, na_values=[""])
+    frame = pd.read_csv(csv_path, dtype=types, keep_default_na=False, na_values=[""])
     return frame.astype(object).where(frame.notna(), None).to_dict("records")
 
 

@@ -388,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("bench", help="every method and peer on the same models and budgets: tables and plots")
-    p.add_argument("--models", nargs="+", metavar="MODEL", help="zoo models, e.g. gpt or gpt:layers=2,width=256")
+    p.add_argument("--models", nargs="+", metavar="MODEL",
+                   help="zoo or hf: models, e.g. gpt or gpt:layers=2,width=256; MODEL@PCT,PCT adds budgets for that model")
     p.add_argument("--budgets", nargs="+", type=_fraction_arg, metavar="PCT", help="shares of the no-remat peak")
     p.add_argument("--methods", nargs="+", metavar="METHOD", help="default: every method")
     p.add_argument("--peers", nargs="*", metavar="PEER", help="torch-budget, per-block (default: both)")

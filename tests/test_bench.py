@@ -4,9 +4,12 @@ import re
 import pytest
 
 from bonsai_core import peers
-from bonsai_core.bench import COLUMNS, ModelSpec, load_rows, markdown_report
+from bonsai_core.bench import COLUMNS, REACH_TYPES, BenchConfig, ModelSpec, load_rows, markdown_report, smallest_budgets
 from bonsai_core.cli import main
-from bonsai_core.errors import ModelError
+from bonsai_core.errors import BudgetError, ModelError
+from bonsai_core.schedule import no_remat_peak
+from bonsai_core.solvers import solve
+from tests.graphs import chain
 
 
 def test_bench_quick_writes_results_tables_and_plots(tmp_path, capsys):
@@ -27,6 +30,10 @@ def test_bench_quick_writes_results_tables_and_plots(tmp_path, capsys):
     typed = load_rows(out / "results.csv")  # read back with each column's type
     assert [r["peak"] for r in typed] == [None if r["peak"] == "" else int(r["peak"]) for r in rows]
     assert all(isinstance(r["feasible"], bool) and isinstance(r["nodes"], int) for r in typed)
+    reach = load_rows(out / "reach.csv", REACH_TYPES)  # one row per model, every method's smallest budget
+    assert [r["model"] for r in reach] == ["mlp:batch=512,layers=3", "gpt:layers=1,seq=64"]
+    assert all(r["lower_bound"] <= r[m] <= r["no_remat_peak"] for r in reach for m in ("bonsai", "chen", "dtr", "coop"))
+    assert "### Smallest reachable budget" in (out / "results.md").read_text()
 
 
 def test_markdown_names_budgets_where_bonsai_is_not_best():
@@ -36,6 +43,10 @@ def test_markdown_names_budgets_where_bonsai_is_not_best():
     md = markdown_report([row("bonsai", 0.2), row("checkmate", 0.1), row("none", None, False)])
     assert "m at 50%: best is checkmate (+10.00%); bonsai +20.00%" in md
     assert re.search(r"\| 50% +\| +\+20.0% \| +\*\*\+10.0%\*\* \| +- \|", md)
+    md = markdown_report([row("bonsai", 0.2), row("chen", 0.15), row("per-block", 0.3), row("checkmate", 0.1)])
+    assert "cheapest feasible method in 0 of the 1 cells" in md
+    assert "- m at 50%: chen +15.00%, bonsai +20.00%" in md and "per-block +30.00%" not in md
+    assert "cheapest feasible method in 1 of the 1 cells" in markdown_report([row("bonsai", 0.1), row("chen", 0.1)])
     rows = [{**row("bonsai", 0.2), "solve_seconds": 0.5, "variables": 10, "gap": 0.0},
             {**row("checkmate", 0.1), "solve_seconds": 50.0, "variables": 900, "gap": 0.0}]
     assert "| m | 50% | 50.00 s, optimal, +10.0%; 900 vars | 0.50 s, optimal, +20.0%; 10 vars | | 100x | +10.00% |" \
@@ -46,6 +57,30 @@ def test_model_spec_parsing():
     assert ModelSpec.parse("gpt:layers=2,width=64").options == (("layers", 2), ("width", 64))
     with pytest.raises(ModelError, match="key=N"):
         ModelSpec.parse("gpt:layers")
+    spec = ModelSpec.parse("gpt:layers=4,width=256@45,40%,37")  # budgets of its own, besides the bench's
+    assert (spec.name, spec.options, spec.budgets) == ("gpt", (("layers", 4), ("width", 256)), (0.45, 0.4, 0.37))
+    assert spec.label == "gpt:layers=4,width=256"
+    assert spec.budgets_with([0.9, 0.5, 0.4]) == [0.9, 0.5, 0.45, 0.4, 0.37]
+    assert ModelSpec.parse("hf:gpt2@50").name == "hf:gpt2"
+    for bad in ("gpt@", "gpt@x", "gpt@-5"):
+        with pytest.raises(ModelError, match="model@PCT"):
+            ModelSpec.parse(bad)
+
+
+def test_smallest_reachable_budget_of_each_method_is_met_and_chens_is_its_lowest_peak():
+    g = chain(12, mem=2**20)  # MiB tensors: coop's arena rounds blocks up to 512 bytes
+    config = BenchConfig(models=[], budgets=[], methods=["bonsai", "chen", "dtr", "coop"], peers=[], time_limit=20)
+    reach = smallest_budgets("chain12", g, config)
+    assert reach["no_remat_peak"] == no_remat_peak(g) and reach["lower_bound"] == g.peak_lower_bound
+    assert reach["bonsai_status"] == "optimal"
+    for method in ("bonsai", "chen", "dtr", "coop"):  # each one's budget is met by that method
+        assert g.peak_lower_bound <= reach[method] < no_remat_peak(g), method
+        assert solve(g, reach[method], method=method).stats["peak"] <= reach[method]
+    with pytest.raises(BudgetError):  # chen's is the lowest peak of its plans: a byte less fails
+        solve(g, reach["chen"] - 1, method="chen")
+    md = markdown_report([], [reach])
+    share = f"{reach['chen'] / reach['no_remat_peak']:.1%}"
+    assert re.search(rf"\| chain12 \(24 nodes\) \| +13.00 MiB \| +{g.peak_lower_bound / no_remat_peak(g):.1%} \|.*{share}", md)
 
 
 def test_peer_measurements_agree_with_the_plain_step():
@@ -72,7 +107,7 @@ def test_a_peer_row_is_the_cheapest_measured_setting_that_fits_its_budget(monkey
     monkeypatch.setattr(peers, "measure_eager", lambda *a, **k: (1000, 1.0, 0.0))
     monkeypatch.setattr(peers, "peer_runs", lambda *a, **k: runs)
     config = bench.BenchConfig(models=["m"], budgets=[0.95, 0.8, 0.6, 0.4], methods=[], peers=["per-block"])
-    rows = bench._peer_rows("per-block", ModelSpec("m"), 10, 1000, config, progress=lambda line: None)
+    rows = bench._peer_rows("per-block", ModelSpec("m"), 10, 1000, config.budgets, config, progress=lambda line: None)
     got = {r["budget_fraction"]: (r["feasible"], r["peak"], r["note"]) for r in rows}
     assert got[0.95] == (True, 900, "every 4")  # "cheap" peaks at 990 > 950
     assert got[0.8] == (True, 700, "every 2")
