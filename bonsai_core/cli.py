@@ -230,13 +230,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_backend() -> Any:
-    """``bonsai_core.export_checkpoint`` (the torch.utils.checkpoint back-end), or a clear error."""
-    try:
-        import bonsai_core.export_checkpoint as backend
-    except ModuleNotFoundError as e:
-        if e.name != "bonsai_core.export_checkpoint":
-            raise
-        raise BonsaiError("The checkpoint back-end is not part of this installation; use --backend replay.") from None
+    """``bonsai_core.export_checkpoint`` (the torch.utils.checkpoint back-end), imported when used."""
+    import bonsai_core.export_checkpoint as backend
+
     return backend
 
 

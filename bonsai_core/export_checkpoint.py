@@ -44,12 +44,10 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import importlib.util
 import json
 import pprint
 import statistics
 import time
-import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,7 +60,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bonsai_core.errors import ModelError, ScheduleError
-from bonsai_core.export import ExportError, trace_for_schedule
+from bonsai_core.export import ExportError, load_export, trace_for_schedule
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
 from bonsai_core.schedule import Schedule, schedule_ops, simulate
@@ -459,7 +457,7 @@ when the backward pass reaches the submodule.
 ## Check it
 
 ```
-bonsai verify {model} {opts} {folder} --backend checkpoint
+bonsai verify {model} {opts} {folder}
 ```
 """
 
@@ -468,13 +466,8 @@ bonsai verify {model} {opts} {folder} --backend checkpoint
 
 def load_checkpointed(out_dir: str | Path) -> ModuleType:
     """Import ``out_dir/checkpointed.py`` with the standard importlib recipe (not put in sys.modules)."""
+    module = load_export(out_dir)
     path = Path(out_dir) / "checkpointed.py"
-    if not path.is_file():
-        raise ExportError(f"{str(path)!r} does not exist: pass the folder that `bonsai export --backend checkpoint` wrote.")
-    spec = importlib.util.spec_from_file_location(f"_bonsai_checkpointed_{uuid.uuid4().hex}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     if not hasattr(module, "apply") or not hasattr(module, "SAVE"):
         raise ExportError(f"{str(path)!r} is not a checkpoint back-end export (no apply/SAVE): verify it with "
                           "--backend replay.")
