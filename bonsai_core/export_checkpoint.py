@@ -235,20 +235,37 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep) -> Checkpoint
     parts, realised = realise(units)
     saved = kept_for_backward(graph, read_by_backward, realised)
     out = []
-    for i, (_, drops) in zip(units, parts):
+    for i, (nodes, drops) in zip(units, parts):
         path, a, b = calls[i]
+        inside = set(nodes.tolist())
         saves: dict[str, list[int]] = {}
         seen: Counter = Counter()
         for r in range(a, b):
             op = step.ops[r]
             k = seen[op]
             seen[op] += 1
-            if node_at[r] >= 0 and saved[node_at[r]]:
+            if node_at[r] >= 0 and saved[node_at[r]] and read_inside(graph, node_at[r], inside):
                 saves.setdefault(op, []).append(k)
         out.append(Unit(path, saves, b - a, int(graph.mem[drops].sum()) if len(drops) else 0))
     unrealised = np.flatnonzero(dropped & ~realised)
     return CheckpointLayout(out, int(graph.mem[dropped].sum()), unrealised.tolist(), int(graph.mem[unrealised].sum()),
                             best if units else peak([]))
+
+
+def read_inside(graph: Graph, v: int, inside: set[int]) -> bool:
+    """Whether a forward op of the unit ``inside`` reads ``v`` (directly or through views of it). Only
+    then can the unit's own backward save it; a unit output read only outside (say the input of the
+    next layer's matmul) is saved by its reader as usual, and SAC caching it too would hold it until the
+    unit's recomputation pops it, or to the end of the step when the recomputation stops early."""
+    stack = [v]
+    while stack:
+        for u in graph.users(stack.pop()).tolist():
+            if graph.is_forward[u] and u in inside:
+                if graph.is_view[u]:
+                    stack.append(u)
+                else:
+                    return True
+    return False
 
 
 def kept_for_backward(graph: Graph, read_by_backward: np.ndarray, realised: np.ndarray) -> np.ndarray:

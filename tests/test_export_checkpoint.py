@@ -107,16 +107,25 @@ def test_zoo_gpt_trains_the_same_within_the_predicted_peak(tmp_path, method, sha
     check_export(tmp_path, "gpt", GPT, method, share)
 
 
+# Eager autograd holds what the simulator frees at last use: a backward node keeps its saved tensors
+# until the whole node has run (gelu_new's last mul: 16 KiB here), and a tied weight's first partial
+# gradient waits in the engine's input buffer for the last one (GPT-2's wte: 8 KiB). At share 0.5 this
+# puts the measured peak 10.5% over the plan (426,632 vs 385,920 B; 6.0% over the back-end's own
+# realised prediction).
+EAGER_GAP = pytest.mark.xfail(strict=True, reason="known gap (issue #13): +10.5% over the plan at share 0.5")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("share", [0.5, 0.7])
+@pytest.mark.parametrize("share", [pytest.param(0.5, marks=EAGER_GAP), 0.7])
 def test_hf_gpt2_bonsai_trains_the_same_within_the_predicted_peak(tmp_path, share):
     check_export(tmp_path, HF_GPT2, {}, "bonsai", share)
 
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="known gap (issue #13): on hf:gpt2 (eager attention, dropout 0.1) the "
-                                        "checkpoint back-end's measured peak is +19.6% over the schedule's "
-                                        "prediction (loss and gradients equal); the replay back-end meets it")
+                                        "checkpoint back-end's measured peak is +15.5% over the schedule's "
+                                        "prediction (455,304 vs 394,368 B; its own realised prediction "
+                                        "420,736 B); loss and gradients equal; the replay back-end meets it")
 def test_hf_source_gpt2_bonsai(tmp_path):
     check_export(tmp_path, "hf:gpt2", {"layers": 2, "width": 32, "heads": 2, "seq": 16, "vocab": 64, "batch": 2},
                  "bonsai", 0.5)
