@@ -226,6 +226,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     opts += f" --autocast {args.autocast}" if args.autocast else ""
     print(f"exported {args.model} with its {schedule.method} schedule ({args.backend} back-end) to {out} "
           f"(checkpointed.py, schedule.json, README.md); check it with: bonsai verify {args.model}{opts} {out}")
+    if args.backend == "checkpoint":
+        info = _checkpoint_backend().load_checkpointed(out).INFO
+        if info["realised_peak"] > 1.05 * info["predicted_peak"] and schedule.stats.get("regions") != "modules":
+            print(f"note: the submodule checkpoints can only approximate this plan: simulated peak "
+                  f"{format_bytes(info['realised_peak'])} against the plan's {format_bytes(info['predicted_peak'])}. "
+                  "A plan that recomputes module calls only is followed exactly: solve with --option regions=modules.")
     return 0
 
 

@@ -11,10 +11,9 @@ How a plan (``regions.CheckpointPlan``: bonsai, chen) becomes checkpoints:
 1. **Which tensors.** ``regions.dropped_nodes`` is the set of forward nodes the plan frees after the
    forward pass and rebuilds in the backward pass. Every other forward node that a backward node reads
    is *kept*.
-2. **Which ops at run time.** One forward + loss of the model runs on fake tensors under a dispatch
-   mode that records the aten ops (as SAC's policy sees them) and, with global module hooks, the op
-   range of every module call. ``difflib`` aligns that op sequence with the traced graph's forward
-   nodes (same ops in the same order, up to views of parameters and ``_unsafe_view``/``view``).
+2. **Which ops at run time.** :func:`bonsai_core.modules.record_step` runs one forward + loss on fake
+   tensors and records the aten ops (as SAC's policy sees them) and the op range of every module
+   call; :func:`bonsai_core.modules.align` places those ops on the traced graph's forward nodes.
 3. **Where to checkpoint.** Autograd keeps a tensor because the *reader* of it saved it, so a dropped
    tensor is only dropped if its producer and all its forward readers run inside one checkpoint. For
    each dropped node, the innermost module call holding it and its forward readers is a candidate;
@@ -43,7 +42,6 @@ are not at last use) have no such form and are refused with a pointer to ``--bac
 from __future__ import annotations
 
 import contextlib
-import difflib
 import json
 import pprint
 import statistics
@@ -52,23 +50,18 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bonsai_core.errors import ModelError, ScheduleError
 from bonsai_core.export import ExportError, load_export, trace_for_schedule
 from bonsai_core.graph import Graph
+from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
 from bonsai_core.schedule import Schedule, schedule_ops, simulate
-
-# Views the traced (functionalized) graph may write as ``view`` where eager runs ``_unsafe_view``: one name
-# for both on both sides.
-_SAME_OP = {"aten._unsafe_view.default": "aten.view.default"}
-
 
 @dataclass(frozen=True)
 class Unit:
@@ -90,73 +83,6 @@ class CheckpointLayout:
     unrealised: list[int]  # dropped nodes that stay saved (no unit holds them with their readers)
     unrealised_bytes: int
     realised_peak: int  # the simulator's peak of what the checkpoints really run (realised_sequence)
-
-
-# -- recording the step's ops and module calls -----------------------------------------------------
-
-@dataclass(frozen=True)
-class RecordedStep:
-    """The aten ops of one forward + loss as SAC's policy sees them, and each module call's op range."""
-
-    ops: list[str]
-    calls: list[tuple[str, int, int]]  # (module path, first op, one past the last op), model modules only
-    call_counts: Counter
-
-
-class _OpRecorder(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        from torch.utils.checkpoint import SAC_IGNORED_OPS
-
-        self.ignored = SAC_IGNORED_OPS
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
-        if func not in self.ignored:
-            self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor]) -> RecordedStep:
-    """Run ``loss_fn(model(*inputs))`` once (with grad, as in training) and record it. Cheap on fake tensors."""
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
-    names = {id(m): name for name, m in model.named_modules()}
-    recorder = _OpRecorder()
-    open_calls: list[tuple[str, int]] = []
-    calls: list[tuple[str, int, int]] = []
-    counts: Counter = Counter()
-
-    def pre(module: nn.Module, _args: Any) -> None:
-        if id(module) in names:
-            open_calls.append((names[id(module)], len(recorder.ops)))
-
-    def post(module: nn.Module, _args: Any, _out: Any) -> None:
-        if id(module) in names and open_calls:
-            path, start = open_calls.pop()
-            calls.append((path, start, len(recorder.ops)))
-            counts[path] += 1
-
-    hooks = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
-    try:
-        with torch.enable_grad(), recorder:
-            loss_fn(model(*inputs))
-    finally:
-        for h in hooks:
-            h.remove()
-    return RecordedStep(recorder.ops, calls, counts)
-
-
-def align(runtime_ops: list[str], traced_ops: list[str]) -> np.ndarray:
-    """int64[len(runtime_ops)]: the traced forward position each run-time op is, or -1.
-
-    Matches ops in order (``difflib``): run-time-only ops (views of parameters, casts) stay -1."""
-    at = np.full(len(runtime_ops), -1, dtype=np.int64)
-    matcher = difflib.SequenceMatcher(None, [_SAME_OP.get(op, op) for op in runtime_ops],
-                                      [_SAME_OP.get(op, op) for op in traced_ops], autojunk=False)
-    for block in matcher.get_matching_blocks():
-        at[block.a:block.a + block.size] = np.arange(block.b, block.b + block.size)
-    return at
 
 
 # -- plan -> units ---------------------------------------------------------------------------------

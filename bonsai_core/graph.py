@@ -87,6 +87,7 @@ class Graph:
         alias_of: Iterable[int | None],
         shapes: Sequence[str] | None = None,
         fixed_tensors: Sequence[Sequence[Any]] = (),
+        modules: Sequence[Sequence[Any]] = (),
     ) -> None:
         n = len(names)
         if n == 0:
@@ -101,6 +102,8 @@ class Graph:
         self.shapes = tuple(shapes) if shapes is not None else ("",) * n
         # optional: the tensors fixed_mem is made of, (name, bytes, kind) in allocation order
         self.fixed_tensors = tuple((str(t[0]), int(t[1]), str(t[2])) for t in fixed_tensors)
+        # optional: the user's module calls, (path, first, last) forward node ids, inclusive
+        self.modules = tuple((str(t[0]), int(t[1]), int(t[2])) for t in modules)
         try:
             self.cost = np.asarray(list(cost), dtype=np.float64)
             self.mem = np.asarray(list(mem), dtype=np.int64)
@@ -140,11 +143,12 @@ class Graph:
 
     @classmethod
     def from_nodes(cls, name: str, fixed_mem: int, nodes: Sequence[dict[str, Any]],
-                   fixed_tensors: Sequence[Sequence[Any]] = ()) -> "Graph":
+                   fixed_tensors: Sequence[Sequence[Any]] = (), modules: Sequence[Sequence[Any]] = ()) -> "Graph":
         """Build a graph from node dicts (``name, op, phase, cost, mem, deps`` and optional
         ``alias_of``, ``shape``), listed in execution order; ids are their positions."""
         return cls(
             fixed_tensors=fixed_tensors,
+            modules=modules,
             name=name,
             fixed_mem=fixed_mem,
             names=[nd.get("name", f"n{i}") for i, nd in enumerate(nodes)],
@@ -169,6 +173,10 @@ class Graph:
             if sum(t[1] for t in self.fixed_tensors) != self.fixed_mem:
                 raise GraphError(f"'fixed_tensors' add up to {sum(t[1] for t in self.fixed_tensors)} bytes, not "
                                  f"fixed_mem ({self.fixed_mem}); fix one of them or drop 'fixed_tensors'.")
+        for path, first, last in self.modules:
+            if not (0 <= first <= last < n and self.phases[first] == self.phases[last] == "forward"):
+                raise GraphError(f"'modules' entry [{path!r}, {first}, {last}] is not [path, first, last] with "
+                                 "first <= last forward node ids; fix it or drop 'modules' (it is optional).")
         for v in range(n):
             where = f"Node {v} ({self.names[v]!r})"
             if self.phases[v] not in PHASES:
@@ -273,6 +281,8 @@ class Graph:
         out = {"format": FORMAT, "version": VERSION, "name": self.name, "fixed_mem": self.fixed_mem, "nodes": nodes}
         if self.fixed_tensors:
             out["fixed_tensors"] = [list(t) for t in self.fixed_tensors]
+        if self.modules:
+            out["modules"] = [list(t) for t in self.modules]
         return out
 
     @classmethod
@@ -332,7 +342,13 @@ class Graph:
             raise GraphError("'fixed_tensors' (optional) must be a list of [name, bytes, kind] triples.")
         fixed_tensors = [(_str_field(t[0], "'fixed_tensors' name"), _int_field(t[1], "'fixed_tensors' bytes"),
                           _str_field(t[2], "'fixed_tensors' kind")) for t in fixed_tensors]
-        return cls.from_nodes(_str_field(data.get("name", "graph"), "'name'"), fixed_mem, parsed, fixed_tensors)
+        modules = data.get("modules", [])
+        if not isinstance(modules, list) or not all(isinstance(t, list) and len(t) == 3 for t in modules):
+            raise GraphError("'modules' (optional) must be a list of [path, first, last] triples.")
+        modules = [(_str_field(t[0], "'modules' path"), _int_field(t[1], "'modules' first"),
+                    _int_field(t[2], "'modules' last")) for t in modules]
+        return cls.from_nodes(_str_field(data.get("name", "graph"), "'name'"), fixed_mem, parsed, fixed_tensors,
+                              modules)
 
 
 MAX_INT = 2**62  # bytes and ids beyond this are corrupt, not real (and overflow int64)

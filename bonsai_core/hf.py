@@ -66,14 +66,19 @@ _BUILD_LOCK = threading.Lock()
 class WithLabels(nn.Module):
     """A Hugging Face model and its labels: ``forward(*inputs)`` is the model's own training loss."""
 
-    def __init__(self, model: nn.Module, input_names: tuple[str, ...], labels: torch.Tensor) -> None:
+    def __init__(self, model: nn.Module, input_names: tuple[str, ...], labels: torch.Tensor,
+                 attention_mask: bool = False) -> None:
         super().__init__()
         self.model = model
         self.input_names = input_names
+        self.attention_mask = attention_mask
         self.register_buffer("labels", labels)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.model(**dict(zip(self.input_names, inputs)), labels=self.labels).loss
+        kwargs = dict(zip(self.input_names, inputs))
+        if self.attention_mask:  # what a tokenizer's batch carries (all ones: no padding)
+            kwargs["attention_mask"] = torch.ones_like(inputs[0])
+        return self.model(**kwargs, labels=self.labels).loss
 
 
 class ModelLoss(nn.Module):
@@ -289,6 +294,10 @@ def _with_task(model_class: type, config: Any, task: str, batch: int, seq: int =
                source: str = "") -> Built:
     """The model in training mode with a batch and labels for its task, wrapped as :class:`WithLabels`."""
     config._attn_implementation = ATTENTION
+    # A training step keeps no key/value cache (transformers turns it off under gradient checkpointing
+    # too): a cache would grow again when a checkpointed attention is recomputed.
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
     if task == IMAGE_CLASSIFICATION:
         config.problem_type = "single_label_classification"
     try:
@@ -305,7 +314,7 @@ def _with_task(model_class: type, config: Any, task: str, batch: int, seq: int =
     model.loss_type = _LOSS_TYPE[task]  # what its labels path computes (transformers guesses from the class name)
     if task == CAUSAL_LM:
         ids = torch.randint(0, config.vocab_size, (batch, seq))
-        return WithLabels(model, ("input_ids",), ids.clone()), (ids,), ModelLoss()
+        return WithLabels(model, ("input_ids",), ids.clone(), attention_mask=True), (ids,), ModelLoss()
     if task == MASKED_LM:
         mask_id = config.vocab_size - 1
         ids = torch.randint(0, mask_id, (batch, seq))

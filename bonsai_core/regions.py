@@ -121,3 +121,46 @@ def plan_schedule(graph: Graph, plan: CheckpointPlan, method: str) -> Schedule:
     """The validated-by-construction schedule of a plan, carrying the plan in ``extra``."""
     ops = schedule_ops(graph, checkpoint_sequence(graph, plan))
     return Schedule(graph=graph.name, method=method, ops=ops, graph_hash=graph.hash, extra=plan.to_extra())
+
+
+def block_stack(graph: Graph) -> list[tuple[str, int, int]]:
+    """The model's repeated blocks from the graph's ``modules`` field: the calls named
+    ``<parent>.<index>`` under the parent with the most of them (a transformer's layers, a ResNet's
+    blocks), as (path, first, last) forward node ids, in order; [] when the graph records no modules."""
+    children: dict[str, list[tuple[str, int, int]]] = {}
+    for path, first, last in graph.modules:
+        parent, _, index = path.rpartition(".")
+        if index.isdigit():
+            children.setdefault(parent, []).append((path, first, last))
+    return max(children.values(), key=len, default=[])
+
+
+def block_plans(graph: Graph, every: Sequence[int] = (1, 2, 4)) -> list[tuple[str, CheckpointPlan]]:
+    """Per-block checkpointing (``torch.utils.checkpoint`` around every k-th block, as the per-block
+    peer runs it) as checkpoint plans: each block of :func:`block_stack` its own segment, every
+    ``k``-th of them recomputed, the forward ops between blocks in kept segments."""
+    blocks = block_stack(graph)
+    if not blocks:
+        return []
+    forward = np.flatnonzero(graph.is_forward)
+    pos = np.full(graph.n, -1, dtype=np.int64)
+    pos[forward] = np.arange(len(forward))
+    plans = []
+    for k in every:
+        segments: list[list[int]] = []
+        recomputed: list[int] = []
+        at = 0
+        for i, (_, first, last) in enumerate(blocks):
+            a, b = int(pos[first]), int(pos[last]) + 1
+            if a < at:  # overlapping calls (not a block stack): no plan
+                return plans
+            if a > at:
+                segments.append(forward[at:a].tolist())
+            if i % k == 0:
+                recomputed.append(len(segments))
+            segments.append(forward[a:b].tolist())
+            at = b
+        if at < len(forward):
+            segments.append(forward[at:].tolist())
+        plans.append((f"per-block every {k}", CheckpointPlan.of(segments, recomputed)))
+    return plans

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 from unittest import mock
 
+import numpy as np
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -160,8 +161,30 @@ def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Call
     frozen = [n.removeprefix("model.") for n in frozen]
     hidden = [n.removeprefix("model.") for n in hidden]
     graph, fx_names = _to_graph(gm, signature, name, PROFILES[profile], _placeholder_tensors(step, inputs, signature))
+    modules = _module_spans(model, tuple(inputs), loss_fn, graph, autocast)
+    if modules:
+        graph = Graph.from_dict({**graph.to_dict(), "modules": modules})
     writes = [(fx_name, buffer) for fx_name, buffer in signature.buffers_to_mutate.items()]
     return Traced(graph, gm, fx_names, time.perf_counter() - start, writes, frozen, hidden)
+
+
+def _module_spans(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
+                  graph: Graph, autocast: str | None) -> list[list[Any]]:
+    """The graph's ``modules`` field: [path, first, last] forward node ids of each submodule called once
+    (:mod:`bonsai_core.modules`), from one more forward + loss on fake tensors. Optional structure:
+    a model whose forward cannot run again that way simply gets none."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from bonsai_core.modules import module_spans, record_step
+
+    forward = np.flatnonzero(graph.is_forward)
+    fake = all(isinstance(x, FakeTensor) for x in inputs)
+    try:
+        with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), _autocast(autocast):
+            step = record_step(model, inputs, loss_fn)
+    except Exception:  # noqa: BLE001 (any failure only means no module structure)
+        return []
+    return [[path, int(forward[a]), int(forward[b])] for path, a, b in module_spans(step, [graph.ops[v] for v in forward])]
 
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}

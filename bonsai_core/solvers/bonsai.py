@@ -8,17 +8,21 @@ the rest after the forward pass and is rebuilt once right before the first backw
 a dropped node.
 
 **Candidates.** Every run of whole atoms with at most ``granularity`` non-view ops, plus every segment
-of Chen's checkpoint plans (:func:`bonsai_core.solvers.chen.candidate_plans`, any length): so Chen's
-plans are in the model's space at every granularity.
+of Chen's checkpoint plans (:func:`bonsai_core.solvers.chen.candidate_plans`, any length) and every
+module call the trace recorded (``Graph.modules``: a transformer block, its attention, its MLP): so
+Chen's plans and per-module checkpointing are in the model's space at every granularity.
 
 **Granularity "auto"** (``granularity=None``, the default): the ladder d, 2d, 4d, 8d (d = round(2·√(non-view
 forward ops)), capped at their count); the smallest rung whose model meets the budget is solved (the
 built problems are cached, so a later budget reuses them). A set ``granularity`` solves that one.
 
-**Seeds.** Chen's plans are also simulated (exactly, once per graph); the cheapest that fits the budget
-is returned instead of the ILP's plan when it is cheaper or the ILP found none. The model is
-conservative (it may overestimate a plan's peak), so this keeps bonsai at or below chen wherever a
-Chen plan fits (``stats["plan_source"]`` says which won).
+**Seeds.** Chen's plans and the per-block plans of the model's block stack
+(:func:`bonsai_core.regions.block_plans`: every 1st, 2nd, 4th block checkpointed, as the per-block
+peer does) are also simulated (exactly, once per graph); the cheapest that fits the budget is
+returned instead of the ILP's plan when it is cheaper or the ILP found none. The model is
+conservative (it may overestimate a plan's peak), so this keeps bonsai at or below chen and
+per-block checkpointing wherever one of their plans fits (``stats["plan_source"]``: "ilp" or
+"seed", with the seed's label in ``stats["seed_plan"]``).
 
 **The simulator judges**: the ILP's plan is simulated; should its peak ever exceed the budget, the
 budget given to the model is tightened by the excess and the ILP re-solved (``stats["tightened_by"]``).
@@ -33,14 +37,14 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
-from bonsai_core.regions import CheckpointPlan, plan_schedule
+from bonsai_core.regions import CheckpointPlan, block_plans, plan_schedule
 from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.segment import default_granularity, op_count, segment
 from bonsai_core.solvers.bonsai_coef import PlainProfile, plain_profile
@@ -50,8 +54,9 @@ from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, solve_milp
 
 _CACHE_SIZE = 24  # entries: per graph its plain profile, its seeds and one model per rung tried
 _MAX_TIGHTEN = 4
-_LADDER = (1, 2, 4, 8)
-DEFAULT_GAP = 0.01  # the issue's target ("optimal, gap <= 1%"); HiGHS closes the last 0.2% slowly on GPTs  # the auto granularity's rungs, in multiples of the default
+_LADDER = (1, 2, 4, 8)  # the auto granularity's rungs, in multiples of the default
+DEFAULT_GAP = 0.01  # the issue's target ("optimal, gap <= 1%"); HiGHS closes the last 0.2% slowly on GPTs
+Regions = Literal["any", "modules"]  # which candidate segments may be recomputed
 
 
 @dataclass
@@ -114,8 +119,16 @@ def _cached(key: tuple[str, Any], make: Any) -> Any:
     return value
 
 
-def seeds(graph: Graph) -> Seeds:
-    """Chen's plans of ``graph`` (both variants), simulated; cached per graph."""
+def module_spans(graph: Graph) -> set[tuple[int, int]]:
+    """The recorded module calls (``Graph.modules``) as (start, end) forward positions."""
+    pos = np.full(graph.n, -1, dtype=np.int64)
+    pos[np.flatnonzero(graph.is_forward)] = np.arange(int(graph.is_forward.sum()))
+    return {(int(pos[first]), int(pos[last]) + 1) for _, first, last in graph.modules}
+
+
+def seeds(graph: Graph, regions: Regions = "any") -> Seeds:
+    """The seed plans of ``graph``, simulated when needed; cached per graph. ``regions="any"``: Chen's
+    plans (both variants) and the per-block plans; ``"modules"``: the per-block plans only."""
     from bonsai_core.solvers.chen import candidate_plans
 
     def make() -> Seeds:
@@ -123,14 +136,15 @@ def seeds(graph: Graph) -> Seeds:
         pos = np.full(graph.n, -1, dtype=np.int64)
         pos[forward] = np.arange(len(forward))
         plans = []
-        for label, plan in candidate_plans(graph, "auto"):
+        chen = candidate_plans(graph, "auto") if regions == "any" else []
+        for label, plan in [*chen, *block_plans(graph)]:
             spans = tuple((int(pos[list(plan.segments[i])].min()), int(pos[list(plan.segments[i])].max()) + 1)
                           for i in sorted(plan.recomputed))
             plans.append((label, plan, spans))
-        return Seeds(spans=tuple(sorted({sp for *_, spans in plans for sp in spans})), plans=tuple(plans),
-                     peaks={})
+        return Seeds(spans=tuple(sorted({sp for *_, spans in plans for sp in spans} | module_spans(graph))),
+                     plans=tuple(plans), peaks={})
 
-    return _cached((graph.hash, "seeds"), make)
+    return _cached((graph.hash, ("seeds", regions)), make)
 
 
 def _plain(graph: Graph) -> PlainProfile:
@@ -143,19 +157,32 @@ def auto_ladder(graph: Graph) -> list[int]:
     return sorted({min(top, default_granularity(graph) * k) for k in _LADDER})
 
 
-def build(graph: Graph, granularity: int | None = None) -> BuiltModel:
+def build(graph: Graph, granularity: int | None = None, regions: Regions = "any") -> BuiltModel:
     """The segment ILP of ``graph`` at ``granularity`` (None: the paper's default, round(2·√ops)),
-    with Chen's segments as extra candidates; built once per (graph hash, granularity) and cached
-    (the last few), so a budget change only sets the Parameter."""
+    with Chen's segments and the module calls as extra candidates; built once per (graph hash,
+    granularity, regions) and cached (the last few), so a budget change only sets the Parameter.
+    ``regions="modules"``: only module calls may be recomputed (the rest of the forward pass is kept
+    atom by atom), so the granularity plays no part."""
+    if regions == "modules":
+        granularity = 1
     gran = default_granularity(graph) if granularity is None else granularity
     seg = segment(graph, gran)  # validates the granularity before anything is built
-    key = (graph.hash, ("model", seg.granularity))
-    return _cached(key, lambda: build_model(graph, segment(graph, seg.granularity, seeds(graph).spans), _plain(graph)))
+    key = (graph.hash, ("model", seg.granularity, regions))
+
+    def make() -> BuiltModel:
+        full = segment(graph, seg.granularity, seeds(graph, regions).spans)
+        allowed = None
+        if regions == "modules":
+            calls = module_spans(graph)
+            allowed = np.array([(a, b) in calls for a, b in zip(full.starts.tolist(), full.ends.tolist())], dtype=bool)
+        return build_model(graph, full, _plain(graph), allowed)
+
+    return _cached(key, make)
 
 
 def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None = None,
                  granularity: int | None = None, backend: str = DEFAULT_BACKEND,
-                 gap: float = DEFAULT_GAP) -> Schedule:
+                 gap: float = DEFAULT_GAP, regions: Regions = "any") -> Schedule:
     """Bonsai's segment ILP: the cheapest checkpoint plan whose modelled peak fits ``budget``.
 
     Options:
@@ -165,12 +192,20 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         backend: the MILP backend, "highs" or "scip".
         gap: the relative MIP gap at which the search stops (0.01: within 1% of the model's optimum;
             1e-4 proves the optimum, as "optimal" means everywhere in this project).
+        regions: "any" (contiguous runs of ops, Chen's segments and module calls) or "modules" (only
+            the module calls the trace recorded may be recomputed: plans that the ``checkpoint``
+            export back-end applies to those submodules one to one).
 
     Raises BudgetError (naming the smallest budget bonsai can meet) when none fits or none was found in
     time, SolverError when the backend fails."""
     if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < 1:
         raise SolverError(f"gap {gap!r} is not a relative MIP gap in [0, 1): 0.01 stops within 1% of the "
                           "model's optimum, 1e-4 proves it.")
+    if regions not in ("any", "modules"):
+        raise SolverError(f"regions {regions!r}: use 'any' (runs of ops) or 'modules' (the model's module calls).")
+    if regions == "modules" and not graph.modules:
+        raise SolverError(f"regions 'modules': the graph {graph.name!r} records no module calls (its file has no "
+                          "'modules' field). Trace the model again with this version of bonsai, or use regions 'any'.")
     if not graph.is_forward.any():  # nothing to checkpoint
         schedule = plan_schedule(graph, CheckpointPlan.of([]), "bonsai")
         schedule.stats = {"status": "optimal", "gap": 0.0, "variables": 0, "constraints": 0,
@@ -178,24 +213,24 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
                           "granularity": 0, "plan_source": "ilp"}
         return schedule
     with _graph_lock(graph):  # the cached problems are shared (explorer sessions run in threads)
-        return _solve(graph, budget, time_limit, granularity, backend, gap)
+        return _solve(graph, budget, time_limit, granularity, backend, gap, regions)
 
 
 def _solve(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None,
-           backend: str, gap: float) -> Schedule:
+           backend: str, gap: float, regions: Regions) -> Schedule:
     clock = Deadline(time_limit)
     plain_peak = int(_plain(graph).memory.max())
     target = int(budget) if budget is not None else plain_peak
-    ladder = auto_ladder(graph) if granularity is None else [granularity]
-    seed = seeds(graph)
+    ladder = [1] if regions == "modules" else auto_ladder(graph) if granularity is None else [granularity]
+    seed = seeds(graph, regions)
     tried: list[int] = []
     found: _Found | None = None
     built, cached = None, False
     for gran in ladder:
         if clock.passed():
             break
-        cached = (graph.hash, ("model", min(gran, max(1, op_count(graph))))) in _cache
-        built = build(graph, gran)
+        cached = (graph.hash, ("model", min(gran, max(1, op_count(graph))), regions)) in _cache
+        built = build(graph, gran, regions)
         tried.append(built.seg.granularity)
         found = _solve_model(graph, built, target, backend, clock, gap)
         if found is not None:
@@ -203,7 +238,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
     if found is None:
         fallback = seed.best(graph, built, target, clock=clock) if built is not None else None
         if fallback is None:
-            raise _no_plan(graph, built, target, backend, clock, seed, tried)
+            raise _no_plan(graph, built, target, backend, clock, seed, tried, regions)
         return _seeded(graph, fallback, tried, clock, built)
     schedule, outcome = found.schedule, found.outcome
     sim = simulate(graph, schedule)
@@ -211,7 +246,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
     source = "ilp"
     fallback = seed.best(graph, built, target, below=sim.compute_cost * (1 - 1e-9), clock=clock)
     if fallback is not None:
-        schedule, source = plan_schedule(graph, fallback[3], "bonsai"), "chen"
+        schedule, source = plan_schedule(graph, fallback[3], "bonsai"), "seed"
         sim = simulate(graph, schedule)
     schedule.stats = {
         **outcome.stats(), "solve_seconds": outcome.solve_seconds, "build_seconds": built.build_seconds,
@@ -221,9 +256,9 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         "segments": len(CheckpointPlan.from_extra(schedule.extra).segments),
         "recomputed_segments": len(CheckpointPlan.from_extra(schedule.extra).recomputed),
         "model_peak": model_peak, "model_slack": model_peak - ilp_peak,
-        "tightened_by": found.tightened, "plan_source": source,
+        "tightened_by": found.tightened, "plan_source": source, "regions": regions,
     }
-    if source == "chen":
+    if source == "seed":
         schedule.stats.update(status="feasible", gap=None, seed_plan=fallback[2],
                               ilp_overhead=outcome.objective)
     return schedule
@@ -273,7 +308,7 @@ def _seeded(graph: Graph, fallback: tuple[int, float, str, CheckpointPlan], trie
     schedule = plan_schedule(graph, fallback[3], "bonsai")
     plan = fallback[3]
     schedule.stats = {"status": "time_limit" if clock.passed() else "feasible", "gap": None,
-                      "plan_source": "chen", "seed_plan": fallback[2], "granularities_tried": tried,
+                      "plan_source": "seed", "seed_plan": fallback[2], "granularities_tried": tried,
                       "granularity": built.seg.granularity if built is not None else None,
                       "segments": len(plan.segments), "recomputed_segments": len(plan.recomputed),
                       "build_seconds": built.build_seconds if built is not None else 0.0}
@@ -281,7 +316,7 @@ def _seeded(graph: Graph, fallback: tuple[int, float, str, CheckpointPlan], trie
 
 
 def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, clock: Deadline, seed: Seeds,
-             tried: list[int]) -> BudgetError:
+             tried: list[int], regions: Regions = "any") -> BudgetError:
     """The error for a budget no plan was found for: the smallest budget bonsai can meet (its model's
     or a Chen plan's, whichever is lower), or that the time ran out."""
     lowest_seed = seed.lowest_peak(graph) if not clock.passed() else None
@@ -309,10 +344,13 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
     if smallest is None:
         return BudgetError(f"bonsai found no checkpoint plan of {graph.name!r} within {format_bytes(budget)}.")
     note = "" if proven else " (the search for it stopped early; it may be lower)"
+    widen = "a larger --granularity"
+    if regions == "modules":
+        where, widen = "module calls only", "regions 'any' (runs of ops)"
     return BudgetError(
         f"bonsai ({where}) found no checkpoint plan of {graph.name!r} within {format_bytes(budget)}: the smallest "
         f"budget it can guarantee is {format_bytes(smallest)} ({smallest} bytes){note}. Raise the budget to at "
-        "least that, try a larger --granularity, or another method.")
+        f"least that, try {widen}, or another method.")
 
 
 def smallest_budget(graph: Graph, granularity: int | None = None, backend: str = DEFAULT_BACKEND,

@@ -113,14 +113,16 @@ class BuiltModel:
         return self._min_peak
 
 
-def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile) -> BuiltModel:
-    """The segment ILP of one segmentation (see the module docstring)."""
+def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: np.ndarray | None = None) -> BuiltModel:
+    """The segment ILP of one segmentation (see the module docstring). ``allowed`` (bool over the
+    segmentation's candidates): only those may be recomputed (None: all)."""
     import cvxpy as cp
 
     start = time.perf_counter()
     coef = coefficients(graph, seg, plain)
     m = len(seg.forward)
-    candidates = np.flatnonzero(lowers_memory(coef, m))
+    useful = lowers_memory(coef, m)
+    candidates = np.flatnonzero(useful if allowed is None else useful & allowed)
     count, atoms = len(candidates), seg.atoms
 
     memory = plain.memory
