@@ -48,6 +48,10 @@ derivation misses gradients that are not separate outputs, such as a convolution
 inside ``convolution_backward``'s one node, so it under-counts the optimizer state of conv nets.) Optimizer state
 is not part of the simulator's ``fixed_mem``: with the full arena the pool holds ``capacity`` plus
 the optimizer state, and ``live`` counts it, so the budget keeps its meaning for every method.
+``updates="copy"`` replays the first ``optimizer.step()`` as copy-on-write (each parameter, then each
+optimizer state, in order: a new block, then the old one freed), so the pinned tensors the measured
+step works around have moved; ``"inplace"`` (the default) keeps them where they were allocated: Coop's
+*recomputable in-place*, which lets the optimizer update unevictable tensors in place.
 Still not modelled: CUDA streams (blocks are per-stream in PyTorch; one stream here), garbage
 collection thresholds and expandable segments (off by default), and the many small allocations of
 the optimizer step itself (``step`` counters, foreach temporaries).
@@ -74,6 +78,10 @@ ROUND_LARGE = 2 * 2**20  # kRoundLarge: larger requests reserve their size round
 
 Policy = Literal["caching", "arena"]
 Optimizer = Literal["adam", "sgd"]
+# How the optimizer writes parameters and its state: in place (the tensors keep their addresses; Coop's
+# recomputable in-place) or copy-on-write (a new block, then the old one freed: how a rematerializing
+# runtime keeps a mutated tensor's old value recomputable without it).
+Updates = Literal["inplace", "copy"]
 OPTIMIZER_STATES = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ()}  # per parameter, allocation order
 Side = Literal["left", "right"]
 
@@ -337,13 +345,14 @@ def optimizer_bytes(tensors: list[FixedTensor]) -> int:
 
 
 def pin_fixed(alloc: Allocator, first_owner: int, tensors: list[FixedTensor],
-              warmup: Callable[[Allocator], None] | None = None) -> dict[int, FixedTensor]:
+              warmup: Callable[[Allocator], None] | None = None, updates: Updates = "inplace") -> dict[int, FixedTensor]:
     """Place the fixed tensors in ``alloc`` in a training loop's order, as owners ``first_owner``,
     ``first_owner + 1``, ...: params, grads and the batch; then the first step (``warmup``, which
     must free every block it takes; skipped when None, which is exact for the arena policy since a
-    finished step leaves only merged free space); then the optimizer state; then the next batch,
-    before the first one is freed. Returns owner -> tensor of the blocks left in the pool. Raises
-    BudgetError if they do not fit."""
+    finished step leaves only merged free space); then the optimizer state, and with ``updates="copy"``
+    the optimizer's writes as copy-on-write (each parameter, then each state: a new block, then the old
+    one freed); then the next batch, before the first one is freed. Returns owner -> tensor of the
+    blocks left in the pool. Raises BudgetError if they do not fit."""
     held: dict[int, FixedTensor] = {}
     owner = first_owner
 
@@ -366,12 +375,24 @@ def pin_fixed(alloc: Allocator, first_owner: int, tensors: list[FixedTensor],
     for t in tensors:
         if t.kind == "optimizer":
             take(t)
-    for t in batch:  # the next step's batch arrives before the last one is dropped
+
+    def rewrite(t: FixedTensor) -> None:
+        """``t`` written out of place: its new block is taken before the old one is freed."""
         old = next(o for o, h in held.items() if h is t)
         take(t)
         alloc.free(old)
         del held[old]
         alloc.pinned_bytes -= t.nbytes
+
+    if updates == "copy":
+        for kind in ("param", "optimizer"):
+            for t in tensors:
+                if t.kind == kind:
+                    rewrite(t)
+    elif updates != "inplace":
+        raise ValueError(f"unknown updates {updates!r}; use 'inplace' or 'copy'")
+    for t in batch:  # the next step's batch arrives before the last one is dropped
+        rewrite(t)
     return held
 
 
@@ -416,14 +437,14 @@ def fragmentation_at_peak(live: np.ndarray, reserved: np.ndarray) -> float:
 
 
 def full_arena(graph: Graph, capacity: int | None, policy: Policy = "arena", optimizer: Optimizer = "adam",
-               warmup: Callable[[Allocator], None] | None = None) -> tuple[Allocator, int]:
+               warmup: Callable[[Allocator], None] | None = None, updates: Updates = "inplace") -> tuple[Allocator, int]:
     """A pool whose fixed tensors are placed as in a training loop (:func:`pin_fixed`), and the
     optimizer-state bytes it holds beyond ``fixed_mem``. ``capacity`` is in the budget's terms
     (``fixed_mem`` included, optimizer state not); the pool gets the optimizer state on top."""
     tensors = fixed_tensors(graph, optimizer)
     extra = optimizer_bytes(tensors)
     alloc = Allocator(None if capacity is None else capacity + extra, policy)
-    pin_fixed(alloc, graph.n, tensors, warmup)
+    pin_fixed(alloc, graph.n, tensors, warmup, updates)
     return alloc, extra
 
 
@@ -497,14 +518,16 @@ def layout_at(graph: Graph, schedule: Schedule | list[tuple[str, int]], op: int,
 
 
 def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: int | None = None,
-           policy: Policy = "caching", full: bool = True, optimizer: Optimizer = "adam") -> AllocResult:
+           policy: Policy = "caching", full: bool = True, optimizer: Optimizer = "adam",
+           updates: Updates = "inplace") -> AllocResult:
     """Replay a schedule (validated by the simulator first) through the allocator model.
 
     ``capacity`` is the pool's size in the budget's terms (``fixed_mem`` included): with the caching
     policy no segment may take ``reserved`` past it; the arena policy needs it. ``full`` places the
     fixed tensors and the ``optimizer``'s state in the pool (the full arena; module docstring): the
     schedule runs once as the first step, the optimizer state is allocated, and the second step is
-    the one measured. Raises BudgetError at the first request that cannot be served within it, and
+    the one measured; ``updates`` says how the optimizer wrote the fixed tensors in between (module
+    docstring). Raises BudgetError at the first request that cannot be served within it, and
     ScheduleError for an invalid schedule. O(len(ops) * blocks).
     """
     sim = simulate(graph, schedule)
@@ -522,7 +545,8 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     largest = np.empty(len(ops), dtype=np.int64)
     live = sim.timeline
     if full:
-        alloc, extra = full_arena(graph, capacity, policy, optimizer, warmup=None if policy == "arena" else step)
+        alloc, extra = full_arena(graph, capacity, policy, optimizer, warmup=None if policy == "arena" else step,
+                                  updates=updates)
         live = sim.timeline + extra
         step(alloc, (reserved, largest))
     else:

@@ -209,6 +209,27 @@ def test_full_arena_leaves_the_first_batch_as_a_hole_between_pinned_tensors():
     assert alloc.pinned_bytes == g.fixed_mem + extra
 
 
+def test_copy_on_write_updates_move_the_parameters_and_adam_state():
+    """Coop's recomputable in-place keeps the optimizer's writes at their addresses; copy-on-write
+    takes a new block for each parameter and moment before freeing the old one."""
+    from bonsai_core.allocator import full_arena
+
+    g = _tiny_step()
+    capacity = g.fixed_mem + 64 * 1024
+
+    def pinned(updates):
+        alloc, extra = full_arena(g, capacity, policy="arena", updates=updates)
+        return alloc, [(b.addr, b.size) for b in alloc.blocks() if b.owner >= g.n]
+
+    (inplace, at), (copy, moved) = pinned("inplace"), pinned("copy")
+    assert inplace.pinned_bytes == copy.pinned_bytes and sorted(s for _, s in at) == sorted(s for _, s in moved)
+    params_and_state = {8192, 4096}
+    assert at != moved and [a for a, s in at if s in params_and_state][:2] == [0, 8192]  # params first, in place
+    assert copy.high_water > inplace.high_water  # each copy is taken while its original still lives
+    with pytest.raises(ValueError, match="updates"):
+        full_arena(g, capacity, policy="arena", updates="twice")
+
+
 def test_full_arena_replay_counts_the_optimizer_state_as_live_and_reserved():
     from bonsai_core.allocator import fixed_tensors, optimizer_bytes
 

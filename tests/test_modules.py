@@ -1,12 +1,11 @@
 """The user's module structure in the graph (``Graph.modules``) and what Bonsai does with it."""
 
-import numpy as np
 import pytest
 
-from bonsai_core.errors import GraphError
+from bonsai_core.errors import GraphError, SolverError
 from bonsai_core.graph import Graph
-from bonsai_core.regions import block_plans, block_stack, plan_schedule
-from bonsai_core.schedule import simulate
+from bonsai_core.regions import CheckpointPlan, block_plans, block_stack, plan_schedule
+from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
 from bonsai_core.solvers.bonsai import build
 from bonsai_core.trace import trace_zoo
@@ -84,7 +83,17 @@ def test_bonsai_is_never_above_per_block_checkpointing(gpt4):
         assert sim.compute_cost <= per_block.compute_cost * (1 + 1e-9), (label, s.stats)
 
 
-def test_graphs_without_modules_have_no_block_plans():
+def test_graphs_without_modules_have_no_block_plans_and_no_module_regions():
     g = chain(6)
     assert g.modules == () and block_stack(g) == [] and block_plans(g) == []
-    assert np.array_equal(build(g).seg.starts, build(Graph.from_dict(g.to_dict())).seg.starts)
+    with pytest.raises(SolverError, match="records no module calls"):
+        solve(g, no_remat_peak(g), method="bonsai", regions="modules")
+
+
+def test_module_regions_recompute_module_calls_only(gpt4):
+    calls = {tuple(range(first, last + 1)) for _, first, last in gpt4.modules}
+    budget = (gpt4.peak_lower_bound + no_remat_peak(gpt4)) // 2
+    s = solve(gpt4, budget, method="bonsai", regions="modules")
+    plan = CheckpointPlan.from_extra(s.extra)
+    assert plan.recomputed and all(plan.segments[i] in calls for i in plan.recomputed)
+    assert simulate(gpt4, s).peak <= budget and s.stats["regions"] == "modules"

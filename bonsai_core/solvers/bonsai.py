@@ -239,7 +239,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         fallback = seed.best(graph, built, target, clock=clock) if built is not None else None
         if fallback is None:
             raise _no_plan(graph, built, target, backend, clock, seed, tried, regions)
-        return _seeded(graph, fallback, tried, clock, built)
+        return _seeded(graph, fallback, tried, clock, built, regions)
     schedule, outcome = found.schedule, found.outcome
     sim = simulate(graph, schedule)
     model_peak, ilp_peak = built.predicted_peak(found.rec), sim.peak
@@ -304,14 +304,14 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
 
 
 def _seeded(graph: Graph, fallback: tuple[int, float, str, CheckpointPlan], tried: list[int], clock: Deadline,
-            built: BuiltModel | None) -> Schedule:
+            built: BuiltModel | None, regions: Regions) -> Schedule:
     schedule = plan_schedule(graph, fallback[3], "bonsai")
     plan = fallback[3]
     schedule.stats = {"status": "time_limit" if clock.passed() else "feasible", "gap": None,
                       "plan_source": "seed", "seed_plan": fallback[2], "granularities_tried": tried,
                       "granularity": built.seg.granularity if built is not None else None,
                       "segments": len(plan.segments), "recomputed_segments": len(plan.recomputed),
-                      "build_seconds": built.build_seconds if built is not None else 0.0}
+                      "build_seconds": built.build_seconds if built is not None else 0.0, "regions": regions}
     return schedule
 
 

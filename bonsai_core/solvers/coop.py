@@ -145,7 +145,7 @@ def coop_policy(window_cost: WindowCost = "stale") -> Callable[[Runtime, int], b
 def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = None,
                window_cost: WindowCost = "stale", partition: Partition = "op_type", full_arena: bool = True,
                optimizer: Optimizer = "adam", deallocation: Deallocation = "free",
-               budget_hint: bool = True) -> Schedule:
+               budget_hint: bool = True, inplace_updates: bool = True) -> Schedule:
     """Coop in a pool of ``budget`` bytes (``fixed_mem`` included; with the full arena, the
     optimizer state on top); see the module docstring.
 
@@ -157,6 +157,9 @@ def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = N
     deallocation: when the program frees a tensor: "free" (rebuildable, outside e*), "evict" (DTR's
         eager eviction) or "banish" (DTR's banishing); see ``eviction.py``.
     budget_hint: on failure, bisect (up to 8 more runs) for a budget that works and name it.
+    inplace_updates: with the full arena, Coop's recomputable in-place: the optimizer updates
+        parameters and its state in place, so the pinned blocks keep their addresses (False: copy-on-write
+        updates, which move them; see ``allocator.pin_fixed``).
 
     O(evictions * (blocks + n + edges) + len(ops)) per run."""
     if window_cost not in ("stale", "recompute"):
@@ -175,10 +178,11 @@ def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = N
     sides = partition_sides(graph, partition)
 
     def run_once(b: int) -> Schedule:
-        rt = Runtime(graph, b, arena_pool(graph, b, full_arena, optimizer), sides, deallocation, deadline)
+        rt = Runtime(graph, b, arena_pool(graph, b, full_arena, optimizer, inplace_updates), sides, deallocation,
+                     deadline)
         rt.run(coop_policy(window_cost))
         return finish(rt, graph, "coop", {"window_cost": window_cost, "partition": partition, "allocator": "arena",
-                                          "full_arena": full_arena})
+                                          "full_arena": full_arena, "inplace_updates": inplace_updates})
 
     if not budget_hint:
         try:

@@ -66,7 +66,7 @@ def dtr_policy(heuristic: Heuristic = "dtr") -> Callable[[Runtime, int], bool]:
 
 def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = None, heuristic: Heuristic = "dtr",
               allocator: bool = False, full_arena: bool = False, optimizer: Optimizer = "adam",
-              deallocation: Deallocation = "free", budget_hint: bool = True) -> Schedule:
+              deallocation: Deallocation = "free", budget_hint: bool = True, inplace_updates: bool = True) -> Schedule:
     """DTR under ``budget`` live bytes, or in a pool of ``budget`` bytes; see the module docstring.
 
     time_limit: seconds for the whole call, the budget bisection included.
@@ -77,6 +77,8 @@ def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = No
     deallocation: when the program frees a tensor: "free" (rebuildable, outside e*), "evict" (DTR's
         eager eviction) or "banish" (DTR's banishing); see ``eviction.py``.
     budget_hint: on failure, bisect (up to 8 more runs) for a budget that works and name it.
+    inplace_updates: with the full arena, whether the optimizer updates parameters and its state in
+        place (True) or copy-on-write (False, moving them; see ``allocator.pin_fixed``).
 
     O(evictions * (n + edges) + len(ops)) per run."""
     if heuristic not in HEURISTICS:
@@ -90,11 +92,11 @@ def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = No
     deadline = Deadline(time_limit)
 
     def run_once(b: int | None) -> Schedule:
-        pool = arena_pool(graph, b, full_arena, optimizer) if allocator else None
+        pool = arena_pool(graph, b, full_arena, optimizer, inplace_updates) if allocator else None
         rt = Runtime(graph, b, pool, deallocation=deallocation, deadline=deadline)
         rt.run(dtr_policy(heuristic))
         return finish(rt, graph, "dtr", {"heuristic": heuristic, "allocator": "arena" if allocator else "none",
-                                         "full_arena": full_arena})
+                                         "full_arena": full_arena, "inplace_updates": inplace_updates})
 
     if budget is None or not budget_hint:
         try:

@@ -365,12 +365,13 @@ def finish(rt: Runtime, graph: Graph, method: str, extra_stats: dict) -> Schedul
     return Schedule(graph=graph.name, method=method, ops=rt.ops, graph_hash=graph.hash, stats=stats)
 
 
-def arena_pool(graph: Graph, budget: int, full: bool, optimizer: Optimizer) -> Allocator:
+def arena_pool(graph: Graph, budget: int, full: bool, optimizer: Optimizer, inplace_updates: bool = True) -> Allocator:
     """The arena pool of ``budget`` bytes a pool run works in: with ``full``, the step's fixed
-    tensors and the optimizer state placed in it (and the state's bytes added to it), else
-    ``budget - fixed_mem`` bytes of activations only."""
+    tensors and the optimizer state placed in it (and the state's bytes added to it), written by the
+    optimizer in place or copy-on-write (``inplace_updates``), else ``budget - fixed_mem`` bytes of
+    activations only."""
     if full:
-        return full_arena(graph, budget, "arena", optimizer)[0]
+        return full_arena(graph, budget, "arena", optimizer, updates="inplace" if inplace_updates else "copy")[0]
     return Allocator(budget - graph.fixed_mem, policy="arena")
 
 

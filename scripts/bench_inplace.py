@@ -1,0 +1,60 @@
+"""Coop's recomputable in-place, measured: the optimizer writing parameters and Adam's state in place
+(the pinned blocks keep their addresses) against copy-on-write (each a new block, then the old one
+freed: the layout a rematerializing runtime without recomputable in-place leaves), for coop and for
+DTR in the same full-arena pool (``allocator.pin_fixed``'s ``updates``).
+
+Per zoo model at its default size: the smallest budget each variant meets (the bisection of
+``scripts/bench_heuristics.py``) and, at 80% of the no-remat peak, the overhead and the pool's
+fragmentation (reserved - held at its high-water mark, as a share of it).
+
+    PYTHONPATH=. python scripts/bench_inplace.py [--models gpt resnet ...] [--time-limit 20]
+
+prints a markdown table (docs/HEURISTICS.md has the measured one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_heuristics as bench  # noqa: E402 (the shared runner and bisection)
+
+from bonsai_core.schedule import no_remat_peak  # noqa: E402
+from bonsai_core.trace import trace_zoo  # noqa: E402
+
+VARIANTS = {
+    "coop in place": ("coop", {"budget_hint": False}),
+    "coop copy": ("coop", {"budget_hint": False, "inplace_updates": False}),
+    "dtr-pool in place": ("dtr", {"allocator": True, "full_arena": True, "budget_hint": False}),
+    "dtr-pool copy": ("dtr", {"allocator": True, "full_arena": True, "budget_hint": False, "inplace_updates": False}),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(bench.MODELS))
+    ap.add_argument("--time-limit", type=float, default=20.0)
+    args = ap.parse_args()
+    bench.VARIANTS.update(VARIANTS)
+    bench.POOL = (*bench.POOL, *VARIANTS)
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print("| model | variant | smallest budget | overhead at 80% | pool fragmentation at 80% |")
+    print("|---|---|---|---|---|")
+    for name in args.models:
+        g = trace_zoo(name).graph
+        ref = no_remat_peak(g)
+        for label in VARIANTS:
+            smallest = bench.smallest_budget(g, label, int(1.5 * ref), args.time_limit)
+            row = bench.run(g, int(0.8 * ref), label, args.time_limit)
+            at80 = (f"{row['overhead']:+.2%} | {row['pool_fragmentation']:.1%}" if row["ok"]
+                    else f"- ({row['error']}) | -")
+            print(f"| {name} | {label} | {smallest / ref:.1%} | {at80} |" if smallest else
+                  f"| {name} | {label} | - | {at80} |", flush=True)
+    print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
