@@ -10,6 +10,7 @@ solution at all raises SolverError with what to do.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -44,13 +45,20 @@ def problem_size(problem: Any) -> tuple[int, int]:
     return int(m.num_scalar_variables), int(m.num_scalar_eq_constr + m.num_scalar_leq_constr)
 
 
-def check_backend(backend: str) -> None:
-    """SolverError unless ``backend`` is one of :data:`BACKENDS` and installed."""
+@functools.lru_cache(maxsize=None)
+def _installed_solvers() -> frozenset[str]:
+    """CVXPY's installed solvers, asked once (it probes every solver package: ~20 ms a call, which
+    an explorer re-solve would pay on every slider move)."""
     import cvxpy as cp
 
+    return frozenset(cp.installed_solvers())
+
+
+def check_backend(backend: str) -> None:
+    """SolverError unless ``backend`` is one of :data:`BACKENDS` and installed."""
     if backend not in BACKENDS:
         raise SolverError(f"Unknown MILP backend {backend!r}; choose one of: {', '.join(BACKENDS)}.")
-    if backend not in cp.installed_solvers() and backend.upper() not in cp.installed_solvers():
+    if backend not in _installed_solvers() and backend.upper() not in _installed_solvers():
         package = {"highs": "highspy", "scip": "pyscipopt"}[backend]
         raise SolverError(f"The {backend} backend is not installed: pip install {package}.")
 
