@@ -123,6 +123,14 @@ def plan_schedule(graph: Graph, plan: CheckpointPlan, method: str) -> Schedule:
     return Schedule(graph=graph.name, method=method, ops=ops, graph_hash=graph.hash, extra=plan.to_extra())
 
 
+def forward_positions(graph: Graph) -> np.ndarray:
+    """int64[n]: each forward node's position in the listed forward order, -1 for the others."""
+    pos = np.full(graph.n, -1, dtype=np.int64)
+    forward = np.flatnonzero(graph.is_forward)
+    pos[forward] = np.arange(len(forward))
+    return pos
+
+
 def block_stack(graph: Graph) -> list[tuple[str, int, int]]:
     """The model's repeated blocks from the graph's ``modules`` field: the calls named
     ``<parent>.<index>`` under the parent with the most of them (a transformer's layers, a ResNet's
@@ -143,8 +151,7 @@ def block_plans(graph: Graph, every: Sequence[int] = (1, 2, 4)) -> list[tuple[st
     if not blocks:
         return []
     forward = np.flatnonzero(graph.is_forward)
-    pos = np.full(graph.n, -1, dtype=np.int64)
-    pos[forward] = np.arange(len(forward))
+    pos = forward_positions(graph)
     plans = []
     for k in every:
         segments: list[list[int]] = []

@@ -44,7 +44,7 @@ import numpy as np
 from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
-from bonsai_core.regions import CheckpointPlan, block_plans, plan_schedule
+from bonsai_core.regions import CheckpointPlan, block_plans, forward_positions, plan_schedule
 from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.segment import default_granularity, op_count, segment
 from bonsai_core.solvers.bonsai_coef import PlainProfile, plain_profile
@@ -121,8 +121,7 @@ def _cached(key: tuple[str, Any], make: Any) -> Any:
 
 def module_spans(graph: Graph) -> set[tuple[int, int]]:
     """The recorded module calls (``Graph.modules``) as (start, end) forward positions."""
-    pos = np.full(graph.n, -1, dtype=np.int64)
-    pos[np.flatnonzero(graph.is_forward)] = np.arange(int(graph.is_forward.sum()))
+    pos = forward_positions(graph)
     return {(int(pos[first]), int(pos[last]) + 1) for _, first, last in graph.modules}
 
 
@@ -132,9 +131,7 @@ def seeds(graph: Graph, regions: Regions = "any") -> Seeds:
     from bonsai_core.solvers.chen import candidate_plans
 
     def make() -> Seeds:
-        forward = np.flatnonzero(graph.is_forward)
-        pos = np.full(graph.n, -1, dtype=np.int64)
-        pos[forward] = np.arange(len(forward))
+        pos = forward_positions(graph)
         plans = []
         chen = candidate_plans(graph, "auto") if regions == "any" else []
         for label, plan in [*chen, *block_plans(graph)]:
