@@ -81,7 +81,7 @@ def cmd_zoo(args: argparse.Namespace) -> int:
     for name, entry in entries.items():
         opts = " ".join(f"--{k} {v}" for k, v in entry.options.items())
         print(f"{name:11s} {entry.description}\n            {opts}")
-    print(f"{PREFIX}PATH     a Hugging Face config.json (or its folder): causal LM, masked LM or image classification\n"
+    print(f"{PREFIX}PATH     a Hugging Face config.json (or its folder): causal LM, masked LM, image classification or seq2seq LM\n"
           "            --batch 8, and --seq (text, default min(128, positions)) or --image (vision, the config's)")
     return 0
 

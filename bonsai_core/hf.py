@@ -11,7 +11,10 @@ The traced loss is the model's own training loss, through its ``labels`` path:
 * masked LM (``bert``): 15% of the positions of each row (at least one), drawn from the seed, are
   replaced by the last token id, which stands for ``[MASK]``; ``labels`` holds the original token
   there and -100 (ignored) elsewhere; the other tokens are drawn from ``[0, vocab - 1)``;
-* image classification (``vit``, ``resnet``): one class out of 10 per image.
+* image classification (``vit``, ``resnet``): one class out of 10 per image;
+* sequence-to-sequence LM (a ``config.json`` of T5, BART, ...): ``labels = input_ids``, which the
+  model shifts right into the decoder's inputs (the decoder learns to reproduce the encoder's input:
+  a real step's shapes and ops, through the model's own loss).
 
 How the model is wrapped: :class:`WithLabels` holds the Hugging Face model as its submodule ``model``
 (so its parameters keep their own names under ``model.``, e.g. ``model.transformer.h.0.attn.c_attn.weight``)
@@ -57,6 +60,8 @@ INSTALL = "pip install transformers==5.23.0"
 
 # The training tasks whose loss bonsai knows: the model's `labels` path and what its inputs are.
 CAUSAL_LM, MASKED_LM, IMAGE_CLASSIFICATION = "causal language modelling", "masked language modelling", "image classification"
+SEQ2SEQ_LM = "sequence-to-sequence language modelling"
+# transformers picks a loss from the class name's suffix; the seq2seq classes compute their own
 _LOSS_TYPE = {CAUSAL_LM: "ForCausalLM", MASKED_LM: "ForMaskedLM", IMAGE_CLASSIFICATION: "ForImageClassification"}
 
 # `no_init_weights` patches module globals; builds take turns (the explorer traces in threads).
@@ -227,7 +232,7 @@ class ConfigModel:
                              f"change them in the config instead. This model takes {', '.join(self.options)} "
                              "(defaults " + ", ".join(f"{k}={v}" for k, v in self.options.items()) + ").")
         sizes = {**self.options, **options}
-        positions = _max_positions(self.config)
+        positions = _max_positions(self.config, self.model_class)
         if "seq" in sizes and sizes["seq"] > positions:
             raise ModelError(f"seq={sizes['seq']} is longer than the {positions} positions of {self.source}.")
         return _with_task(self.model_class, self.config, self.task, source=self.source, **sizes)
@@ -250,7 +255,7 @@ def read_config(data: dict[str, Any], source: str = "config.json") -> ConfigMode
                          f"(does transformers {transformers.__version__} know it?) and its fields.") from None
     model_class, task = _model_class(config, source)
     sizes = {"image": getattr(config, "image_size", 224)} if task == IMAGE_CLASSIFICATION else \
-        {"seq": min(128, _max_positions(config))}
+        {"seq": min(128, _max_positions(config, model_class))}
     return ConfigModel(config, model_class, task, {"batch": 8, **sizes}, source)
 
 
@@ -266,7 +271,8 @@ def _model_class(config: Any, source: str) -> tuple[type, str]:
 
     # without "architectures", masked LM first: BERT-family types have both, and that is how they pretrain
     mappings = {MASKED_LM: auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, CAUSAL_LM: auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                IMAGE_CLASSIFICATION: auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}
+                IMAGE_CLASSIFICATION: auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+                SEQ2SEQ_LM: auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES}
     classes = {name: task for task, mapping in mappings.items() for names in mapping.values()
                for name in ((names,) if isinstance(names, str) else names)}
     wanted = list(getattr(config, "architectures", None) or [])
@@ -275,19 +281,30 @@ def _model_class(config: Any, source: str) -> tuple[type, str]:
             return getattr(transformers, name), classes[name]
     if not wanted:
         for task, mapping in mappings.items():
-            if isinstance(mapping.get(config.model_type), str) and hasattr(transformers, mapping[config.model_type]):
-                return getattr(transformers, mapping[config.model_type]), task
+            names = mapping.get(config.model_type) or ("",)
+            name = names if isinstance(names, str) else names[0]  # DeiT: (plain head, head with teacher)
+            if name and hasattr(transformers, name):
+                return getattr(transformers, name), task
     what = f"architectures {wanted}" if wanted else f"model_type {config.model_type!r}"
     raise ModelError(f"{source}: {what} is not supported. bonsai traces the training losses of causal LM "
-                     "(...ForCausalLM, GPT2LMHeadModel), masked LM (...ForMaskedLM) and image classification "
+                     "(...ForCausalLM, GPT2LMHeadModel), masked LM (...ForMaskedLM), sequence-to-sequence LM "
+                     "(...ForConditionalGeneration of T5, BART, ...) and image classification "
                      "(...ForImageClassification) models of transformers; set \"architectures\" to one of those.")
 
 
-def _max_positions(config: Any) -> int:
-    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
-        if isinstance(getattr(config, key, None), int):
-            return getattr(config, key)
-    return 128
+def _max_positions(config: Any, model_class: type | None = None) -> int:
+    """The longest sequence the config's position table holds. RoBERTa-style embeddings (a class of
+    the model's module with ``create_position_ids_from_input_ids``) number positions from
+    ``pad_token_id + 1``, so RoBERTa's 514 positions hold 512 tokens."""
+    import sys
+
+    table = next((getattr(config, key) for key in ("max_position_embeddings", "n_positions", "n_ctx")
+                  if isinstance(getattr(config, key, None), int)), 128)
+    module = sys.modules.get(getattr(model_class, "__module__", ""), None)
+    pad = getattr(config, "pad_token_id", None)
+    offset = any(isinstance(obj, type) and hasattr(obj, "create_position_ids_from_input_ids")
+                 for obj in vars(module).values()) if module is not None else False
+    return table - pad - 1 if offset and isinstance(pad, int) else table
 
 
 def _with_task(model_class: type, config: Any, task: str, batch: int, seq: int = 0, image: int = 0,
@@ -311,10 +328,13 @@ def _with_task(model_class: type, config: Any, task: str, batch: int, seq: int =
                              "class cannot be traced.") from None
         raise ModelError(f"{source}: building {model_class.__name__} from it failed ({type(e).__name__}: {e}). "
                          "Check the config's fields.") from None
-    model.loss_type = _LOSS_TYPE[task]  # what its labels path computes (transformers guesses from the class name)
-    if task == CAUSAL_LM:
+    if task in _LOSS_TYPE:
+        model.loss_type = _LOSS_TYPE[task]  # what its labels path computes (transformers guesses from the class name)
+    if task in (CAUSAL_LM, SEQ2SEQ_LM):
         ids = torch.randint(0, config.vocab_size, (batch, seq))
-        return WithLabels(model, ("input_ids",), ids.clone(), attention_mask=True), (ids,), ModelLoss()
+        # a causal LM's packed-sequence check reads the mask's values when there is none; T5's mask
+        # check reads them when there is one
+        return WithLabels(model, ("input_ids",), ids.clone(), attention_mask=task == CAUSAL_LM), (ids,), ModelLoss()
     if task == MASKED_LM:
         mask_id = config.vocab_size - 1
         ids = torch.randint(0, mask_id, (batch, seq))
@@ -331,14 +351,23 @@ def _with_task(model_class: type, config: Any, task: str, batch: int, seq: int =
 def _instantiate(model_class: type, config: Any) -> nn.Module:
     """``model_class(config)``; on fake tensors, without weight initialisation (values do not exist
     there, and ``trunc_normal_`` reads them), then tied as the initialisation would have."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
     from transformers.initialization import no_init_weights
 
     with _BUILD_LOCK:
         if not isinstance(torch.empty(0), FakeTensor):
             return model_class(config)
         with no_init_weights():
-            model = model_class(config)
+            try:
+                model = model_class(config)
+            except Exception as e:
+                if type(e).__name__ != "DataDependentOutputException":
+                    raise
+                # The constructor reads a value it computed (ConvNeXt's drop-path rates:
+                # `torch.linspace(...).tolist()`): build on real, uninitialised tensors instead, which
+                # the trace takes as constants of the fake step (memory untouched until written).
+                with unset_fake_temporarily():
+                    model = model_class(config)
         model.tie_weights()
         return model
 

@@ -80,6 +80,8 @@ _DATA_DEPENDENT_ERRORS = ("DataDependentOutputException", "GuardOnDataDependentS
 _UNMARKED_VIEWS = {"aten._unsafe_view.default"}  # views whose schema does not say so
 _IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_BONSAI_DIR = os.path.dirname(__file__)
+_ZOO_FILE = os.path.join(_BONSAI_DIR, "zoo.py")
 
 
 @dataclass
@@ -223,7 +225,7 @@ def _model_error(e: Exception, step: _Step, name: str) -> ModelError:
                           "Make loss_fn an nn.Module that holds them as buffers, like "
                           "bonsai_core.zoo.CrossEntropyLoss.")
     if type(e).__name__ in _DATA_DEPENDENT_ERRORS:
-        return ModelError(f"Tracing {name!r} failed: {_user_code(e, step)} reads a tensor's value "
+        return ModelError(f"Tracing {name!r} failed: {user_code(e, step)} reads a tensor's value "
                           f"({str(e).splitlines()[0]}): `.item()`, `int()`/`bool()` of a tensor, or an `if` on "
                           "one. Tracing runs on shapes only, so no value is known there. Make the code "
                           "independent of tensor values (`torch.where` instead of an `if`, checks on "
@@ -231,10 +233,13 @@ def _model_error(e: Exception, step: _Step, name: str) -> ModelError:
     return ModelError(f"Tracing {name!r} failed ({type(e).__name__}): {e}")
 
 
-def _user_code(e: BaseException, step: _Step) -> str:
-    """'module NAME (Class) at FILE:LINE `code`' for the innermost frame of e outside torch and bonsai."""
+def user_code(e: BaseException, root: nn.Module) -> str:
+    """'module NAME (Class) at FILE:LINE `code`' for the innermost frame of e in model code: outside
+    torch and bonsai's own machinery (the zoo's models count as model code). NAME: the module's path
+    in ``root``."""
     frames = [(f, tb_line) for f, tb_line in traceback.walk_tb(e.__traceback__)
-              if not f.f_code.co_filename.startswith(_TORCH_DIR) and f.f_code.co_filename != __file__]
+              if not f.f_code.co_filename.startswith(_TORCH_DIR)
+              and (not f.f_code.co_filename.startswith(_BONSAI_DIR) or f.f_code.co_filename == _ZOO_FILE)]
     if not frames:
         return "model code"
     frame, line = frames[-1]
@@ -242,7 +247,7 @@ def _user_code(e: BaseException, step: _Step) -> str:
     where = f"{summary.filename}:{line} `{(summary.line or '').strip()}`"
     owner = frame.f_locals.get("self")
     if isinstance(owner, nn.Module):
-        path = next((n for n, m in step.named_modules() if m is owner), "")
+        path = next((n for n, m in root.named_modules() if m is owner), "")
         label = path.removeprefix("model.").removeprefix("model") or "(the model itself)"
         return f"module {label} ({type(owner).__name__}) at {where}"
     return f"{frame.f_code.co_name} at {where}"

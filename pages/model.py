@@ -100,7 +100,7 @@ with zoo_tab:
 with hf_tab:
     st.markdown(
         "Models of Hugging Face `transformers`, built from their config class (no download, no weights) and "
-        "traced with their own training loss (the `labels` path: causal LM, masked LM or image classification), "
+        "traced with their own training loss (the `labels` path: causal LM, masked LM, image classification or seq2seq LM), "
         "dropout at the config's default, eager attention. The same models as `bonsai trace hf:ARCH`.")
     archs = list(hf.ARCHS)
     arch = st.selectbox("Architecture", archs, key="hf_arch",
@@ -115,7 +115,7 @@ with hf_tab:
     st.markdown("**Or your own `config.json`** (as `config.save_pretrained(folder)` writes it; "
                 f"up to {MAX_CONFIG_BYTES // 1024} KiB). It is read as JSON data: no code from it or from the Hub "
                 "is run (`auto_map` and `trust_remote_code` are never used). Its `architectures` (or else its "
-                "`model_type`) must give a causal LM, masked LM or image classification class of `transformers`.")
+                "`model_type`) must give a causal LM, masked LM, image classification or seq2seq LM (T5, BART) class of `transformers`.")
     config_upload = st.file_uploader("Hugging Face config.json", type=["json"], key="hf_config")
     if config_upload is not None:
         config_bytes = config_upload.getvalue()

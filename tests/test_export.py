@@ -283,6 +283,21 @@ def test_cli_export_and_verify(tmp_path, capsys):
     assert "traces to" in capsys.readouterr().err
 
 
+def test_verify_names_the_model_code_that_fails_on_real_tensors(tmp_path, capsys):
+    """The trace runs on shapes only, so an index past a table passes it; verify runs the model for
+    real and must say where it failed, not print a traceback."""
+    graph, out = tmp_path / "g.json", tmp_path / "out"
+    assert main(["trace", "tests.user_model:make_out_of_range", "-o", str(graph)]) == 0
+    g = Graph.from_dict(json.loads(graph.read_text()))
+    (tmp_path / "s.json").write_text(json.dumps(none_schedule(g).to_dict()))
+    assert main(["export", "tests.user_model:make_out_of_range", str(tmp_path / "s.json"), "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["verify", "tests.user_model:make_out_of_range", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "fails on real tensors" in err and "user_model.py" in err and "self.table(self.positions)" in err, err
+    assert "Traceback" not in err
+
+
 # -- real models: dropout, tensor constants, BatchNorm, frozen parameters, SDPA, autocast -----------
 
 def _export(tmp_path, model: str, options: dict, factory: ScheduleFactory, level: int = 2, autocast: str | None = None):

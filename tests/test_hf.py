@@ -259,14 +259,72 @@ def test_bench_reads_hf_model_specs():
     assert ModelSpec.parse("tests.user_model:make") == ModelSpec("tests.user_model:make")
 
 
-def test_a_model_whose_constructor_reads_tensor_values_is_a_clear_error_on_fake_tensors(tmp_path):
-    """ConvNeXt computes its drop-path rates with ``torch.linspace(...).tolist()`` in ``__init__``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _save(config, folder, architecture: str | None = None):
+    config.architectures = [architecture] if architecture else None
+    config.save_pretrained(folder)
+    return f"hf:{folder}"
+
+
+def _predicts_the_eager_peak(spec: str, **options) -> None:
+    from bonsai_core.measure import measure_step
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.trace import trace_zoo
+
+    traced = trace_zoo(spec, **options)
+    model, inputs, loss_fn = zoo.build(spec, **options)
+    measured = measure_step(model, inputs, loss_fn, frozen=traced.frozen_params)
+    # T5's trace holds one 8-byte scalar constant as fixed memory that its eager step makes per call
+    assert traced.graph.fixed_mem == pytest.approx(measured.fixed, abs=8)
+    assert no_remat_peak(traced.graph) == pytest.approx(measured.peak, rel=0.05)  # issue #11's bound
+
+
+def test_a_model_whose_constructor_reads_tensor_values_builds_on_real_uninitialised_tensors(tmp_path):
+    """ConvNeXt computes its drop-path rates with ``torch.linspace(...).tolist()`` in ``__init__``,
+    which fake tensors cannot answer: it is built on real, uninitialised tensors and traced."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from transformers import ConvNextConfig
 
-    config = ConvNextConfig(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_labels=10)
-    config.architectures = ["ConvNextForImageClassification"]
-    config.save_pretrained(tmp_path)
-    assert zoo.build(f"hf:{tmp_path}", batch=2, image=32)[0].training  # for real it builds
-    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ModelError, match="constructor reads tensor values"):
-        zoo.build(f"hf:{tmp_path}", batch=2, image=32)
+    spec = _save(ConvNextConfig(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_labels=10), tmp_path,
+                 "ConvNextForImageClassification")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, (pixels,), _ = zoo.build(spec, batch=2, image=32)
+        assert isinstance(pixels, FakeTensor) and not isinstance(next(model.parameters()), FakeTensor)
+    _predicts_the_eager_peak(spec, batch=2, image=32)
+
+
+def test_roberta_positions_start_after_the_padding_id(tmp_path):
+    """RoBERTa numbers positions from pad_token_id + 1: a table of 34 holds 32 tokens."""
+    from transformers import RobertaConfig
+
+    spec = _save(RobertaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                               vocab_size=64, max_position_embeddings=34, pad_token_id=1), tmp_path)
+    assert hf.read_config(hf.load_config_file(tmp_path / "config.json")).options["seq"] == 32
+    with pytest.raises(ModelError, match="seq=33 is longer than the 32 positions"):
+        zoo.build(spec, batch=2, seq=33)
+    model, inputs, loss_fn = zoo.build(spec, batch=2, seq=32)
+    assert torch.isfinite(loss_fn(model(*inputs)))  # every position inside the table
+
+
+def test_a_model_type_with_several_classes_uses_the_first(tmp_path):
+    """DeiT's image-classification entry is (plain head, head with distillation teacher)."""
+    from transformers import DeiTConfig
+
+    spec = _save(DeiTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=64, num_labels=10), tmp_path)
+    model, _, _ = zoo.build(spec, batch=2)
+    assert type(model.model).__name__ == "DeiTForImageClassification"
+
+
+def test_seq2seq_lm_trains_on_its_own_loss_with_the_input_as_labels(tmp_path):
+    """T5 without "architectures": its seq2seq LM class, labels = input ids (shifted right into the
+    decoder by the model), the model's own cross entropy; the trace predicts the eager peak."""
+    from transformers import T5Config
+
+    spec = _save(T5Config(d_model=32, d_ff=64, d_kv=16, num_layers=1, num_heads=2, vocab_size=64,
+                          decoder_start_token_id=0, dropout_rate=0.0), tmp_path)
+    model, (ids,), loss_fn = zoo.build(spec, batch=2, seq=8)
+    assert type(model.model).__name__ == "T5ForConditionalGeneration"
+    with torch.no_grad():
+        logits = model.model(input_ids=ids, labels=ids).logits
+        assert loss_fn(model(ids)) == pytest.approx(float(F.cross_entropy(logits.flatten(0, 1), ids.flatten())))
+    _predicts_the_eager_peak(spec, batch=2, seq=8)

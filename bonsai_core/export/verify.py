@@ -149,7 +149,15 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
     # after one step), then the same step again from the same buffers for its peak
     net, inputs, loss_fn = build()
     before = {n: b.detach().clone() for n, b in net.named_buffers()}
-    seeded(lambda: _eager_step(net, inputs, loss_fn))()
+    try:
+        seeded(lambda: _eager_step(net, inputs, loss_fn))()
+    except Exception as e:  # the user's model on real values, which the trace (shapes only) never ran
+        from bonsai_core.trace import user_code
+
+        raise ModelError(f"One training step of {model!r} with these options fails on real tensors, before the "
+                         f"export is run: {user_code(e, net)}: {type(e).__name__}: {e}. Tracing runs on shapes "
+                         "only and cannot see this; fix the model or its options (a sequence longer than its "
+                         "position table, an index out of range) and trace again.") from None
     reference = {n: p.grad.detach().cpu() for n, p in net.named_parameters() if p.grad is not None}
     ref_buffers = {n: b.detach().cpu().clone() for n, b in net.named_buffers()}
     with torch.no_grad():
