@@ -33,14 +33,17 @@ def _check(graph: Graph, seg) -> None:
     # Every atom alone is a candidate, so every cover can be built.
     assert set(zip(seg.atom_ptr[:-1].tolist(), seg.atom_ptr[1:].tolist())) <= set(zip(seg.starts.tolist(),
                                                                                      seg.ends.tolist()))
-    # A view never lies in another atom than its base.
+    # Every non-view op starts an atom, so an atom holds at most one: the finest cover that counts.
+    views = graph.is_view[seg.forward]
+    cuts = set(seg.atom_ptr.tolist())
+    assert all(p in cuts for p in np.flatnonzero(~views).tolist())
+    # A cut before a view never separates a view from its base (a view rides with the op before it).
     pos = np.full(graph.n, -1)
     pos[seg.forward] = np.arange(m)
-    atom_of = np.searchsorted(seg.atom_ptr, np.arange(m), side="right") - 1
     for v in seg.forward:
         a = graph.alias_of[v]
         if a >= 0 and graph.is_forward[a]:
-            assert atom_of[pos[v]] == atom_of[pos[a]]
+            assert not any(c in cuts and views[c] for c in range(pos[a] + 1, pos[v] + 1)), (v, a)
     # Every run of atoms within the bound is there, once.
     runs = {(int(s), int(e)) for s, e in zip(seg.starts, seg.ends)}
     assert len(runs) == seg.count
@@ -56,7 +59,7 @@ def test_chain_candidates_are_all_runs_within_the_bound(granularity):
 
 
 @pytest.mark.parametrize("granularity", [1, 5, None, 40, 1000])
-def test_gpt_segmentation_covers_respects_bound_and_keeps_views_with_bases(gpt, granularity):
+def test_gpt_segmentation_covers_respects_bound_and_cuts_before_every_op(gpt, granularity):
     _check(gpt, segment(gpt, granularity))
 
 
@@ -103,7 +106,7 @@ def test_views_ride_with_their_base_and_do_not_count_towards_the_size(gpt):
 def test_extra_candidates_are_added_and_their_ends_become_atom_boundaries(gpt):
     base = segment(gpt, 3)
     m, ptr = len(base.forward), base.atom_ptr
-    inside = int(ptr[np.flatnonzero(np.diff(ptr) > 1)[0]]) + 1  # a cut inside an atom (between a base and its view)
+    inside = int(ptr[np.flatnonzero(np.diff(ptr) > 1)[0]]) + 1  # a cut inside an atom (between an op and its view)
     extra = [(0, m), (int(ptr[1]), inside)]
     seg = segment(gpt, 3, extra)
     got = set(zip(seg.starts.tolist(), seg.ends.tolist()))
