@@ -101,8 +101,9 @@ MUL8 = {"format": "bonsai-graph", "version": 1, "name": "mul8", "fixed_mem": 0, 
 
 
 def all_plans(graph: Graph):
-    """Every checkpoint plan that keeps views with their bases: each split of the forward pass into
-    contiguous segments at allowed cuts, with each subset of the segments recomputed."""
+    """Every checkpoint plan: each split of the forward pass into contiguous segments at the allowed
+    cuts (before every op; never before a view that would split it from its base), with each subset
+    of the segments recomputed."""
     from bonsai_core.segment import atom_boundaries
 
     fwd, cuts_allowed = atom_boundaries(graph)
