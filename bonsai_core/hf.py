@@ -41,6 +41,7 @@ run on any device, where SDPA traced on CPU records the CPU-only kernel
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -296,8 +297,6 @@ def _max_positions(config: Any, model_class: type | None = None) -> int:
     """The longest sequence the config's position table holds. RoBERTa-style embeddings (a class of
     the model's module with ``create_position_ids_from_input_ids``) number positions from
     ``pad_token_id + 1``, so RoBERTa's 514 positions hold 512 tokens."""
-    import sys
-
     table = next((getattr(config, key) for key in ("max_position_embeddings", "n_positions", "n_ctx")
                   if isinstance(getattr(config, key, None), int)), 128)
     module = sys.modules.get(getattr(model_class, "__module__", ""), None)
