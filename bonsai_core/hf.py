@@ -321,10 +321,6 @@ def _with_task(model_class: type, config: Any, task: str, batch: int, seq: int =
     except Exception as e:  # a user's config can reach any code path of the model class
         if not source:
             raise
-        if type(e).__name__ == "DataDependentOutputException":
-            raise ModelError(f"{source}: {model_class.__name__}'s constructor reads tensor values (e.g. "
-                             "`.tolist()`), which do not exist while bonsai builds it on fake tensors; this model "
-                             "class cannot be traced.") from None
         raise ModelError(f"{source}: building {model_class.__name__} from it failed ({type(e).__name__}: {e}). "
                          "Check the config's fields.") from None
     if task in _LOSS_TYPE:
