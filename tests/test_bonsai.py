@@ -150,11 +150,17 @@ def modelled_peak(built, plan: CheckpointPlan) -> int:
 def test_pruning_is_exact_in_the_model_when_rebuilds_keep_inputs_alive(graph):
     """Graphs with ext > 0 on many candidates: at every budget, the ILP's optimum equals the cheapest
     plan whose *modelled* peak fits (so pruning lost nothing), the result never costs less than the
-    true optimum nor peaks over the budget, and it is the true optimum wherever the model is exact."""
+    true optimum nor peaks over the budget, and it is the true optimum wherever the model is exact.
+    Both pruning rules are at work on these graphs (candidates that never lower the memory, and
+    candidates dominated by one inside them)."""
+    from bonsai_core.solvers.bonsai_coef import lowers_memory
+
     m = int(graph.is_forward.sum())
     built = B.build(graph, m)
     plans = [(p, c, modelled_peak(built, plan)) for p, c, plan in brute_force_plans(graph)]
     assert any(built.coef.ext[c] > 0 for c in range(built.seg.count))
+    useful = int(lowers_memory(built.coef, len(built.seg.forward)).sum())
+    assert len(built.candidates) < useful < built.seg.count
     for budget in sorted({p for p, _, _ in plans} | {q for _, _, q in plans}):
         true_best = min((c for p, c, _ in plans if p <= budget), default=None)
         model_best = min((c for _, c, q in plans if q <= budget), default=None)

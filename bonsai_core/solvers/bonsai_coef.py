@@ -244,19 +244,71 @@ def memory_steps(coef: Coefficients, columns: np.ndarray, m: int, points: int | 
     return out
 
 
-def lowers_memory(coef: Coefficients, m: int) -> np.ndarray:
-    """bool[C]: recomputing the candidate lowers the modelled memory at some point (``D[s]`` dips
-    below 0). The others are never in an optimum of the model: with them kept instead, every memory
-    row is as low or lower and the cost no higher, so leaving them out of the ILP loses nothing."""
-    steps = memory_steps(coef, np.arange(len(coef.cost)), m).tocsc()
+def _running_extremes(steps: sp.spmatrix, extreme: np.ufunc) -> np.ndarray:
+    """``extreme`` (np.minimum or np.maximum) over the rows of ``cumsum(steps, axis=0)``, per column,
+    from the non-zeros alone (the running sum is 0 above a column's first step, and 0 counts)."""
+    steps = sp.csc_matrix(steps)
+    steps.sum_duplicates()
     steps.sort_indices()
     running = np.cumsum(steps.data)
     counts = np.diff(steps.indptr)
     before = np.concatenate([[0.0], running])[steps.indptr[:-1]]
     running -= np.repeat(before, counts)  # cumsum within each column (rows sorted)
-    out = np.zeros(len(coef.cost), dtype=bool)
+    out = np.zeros(steps.shape[1])
     nonempty = counts > 0
     if nonempty.any():
-        lowest = np.minimum.reduceat(running, steps.indptr[:-1][nonempty])
-        out[np.flatnonzero(nonempty)] = lowest < 0
+        out[nonempty] = extreme(extreme.reduceat(running, steps.indptr[:-1][nonempty]), 0.0)
     return out
+
+
+def lowers_memory(coef: Coefficients, m: int) -> np.ndarray:
+    """bool[C]: recomputing the candidate lowers the modelled memory at some point (``D[s]`` dips
+    below 0). The others are never in an optimum of the model: with them kept instead, every memory
+    row is as low or lower and the cost no higher, so leaving them out of the ILP loses nothing."""
+    return _running_extremes(memory_steps(coef, np.arange(len(coef.cost)), m), np.minimum) < 0
+
+
+_PAIRS_PER_CHUNK = 200_000  # candidate pairs compared at once (bounds the memory of the comparison)
+
+
+def dominated(coef: Coefficients, seg: Segmentation, columns: np.ndarray, m: int) -> np.ndarray:
+    """bool over ``columns`` (candidates): another of them lies inside it, sharing its first or its last
+    op, costs no more and never needs more modelled memory (``cumsum D`` at or below at every point).
+
+    Such a candidate is never needed by an optimum of the model: recompute the inner one instead and
+    keep the rest of its atoms (kept atoms cost nothing and change no memory row), and every row is as
+    low or lower at no higher cost. Nesting is a strict order and the relation is transitive, so
+    dropping all of them at once keeps, for each, an undominated one inside it. Typical case: a run
+    that ends with an op whose output the backward pass needs anyway rebuilds it for nothing.
+    (On the traced GPTs two thirds of the candidates go; the model's optimum is unchanged.)"""
+    columns = np.asarray(columns, dtype=np.int64)
+    starts, ends, cost = seg.starts[columns], seg.ends[columns], coef.cost[columns]
+    outer, inner = _nested_pairs(starts, ends)
+    cheaper = cost[inner] <= cost[outer]
+    outer, inner = outer[cheaper], inner[cheaper]
+    out = np.zeros(len(columns), dtype=bool)
+    if not len(outer):
+        return out
+    steps = memory_steps(coef, columns, m).tocsc()
+    for lo in range(0, len(outer), _PAIRS_PER_CHUNK):
+        o, i = outer[lo:lo + _PAIRS_PER_CHUNK], inner[lo:lo + _PAIRS_PER_CHUNK]
+        never_above = _running_extremes(steps[:, i] - steps[:, o], np.maximum) <= 0
+        out[o[never_above]] = True
+    return out
+
+
+def _nested_pairs(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(outer, inner) index pairs of spans where inner lies strictly inside outer and shares its start
+    or its end."""
+    outer, inner = [], []
+    for key, other in ((starts, ends), (ends, -starts)):  # same start: shorter end; same end: later start
+        order = np.lexsort((other, key))
+        bounds = np.flatnonzero(np.diff(key[order])) + 1
+        for group in np.split(order, bounds):
+            if len(group) > 1:
+                a, b = np.triu_indices(len(group), k=1)  # group sorted by `other`: a's span inside b's
+                outer.append(group[b])
+                inner.append(group[a])
+    if not outer:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(outer), np.concatenate(inner)

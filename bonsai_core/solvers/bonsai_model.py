@@ -1,11 +1,12 @@
 """Bonsai's segment ILP for one segmentation, built once in CVXPY and re-solved per budget.
 
 **Variables.** ``rec[s]`` (binary) for each candidate whose recomputation lowers the modelled memory
-somewhere (:func:`bonsai_core.solvers.bonsai_coef.lowers_memory`; the others are never in an optimum of
-the model, see there), ``keep[a]`` (binary) for each atom, and one continuous ``delta[k]`` per interval
-of the memory axis on which recomputed segments change the memory. A kept segment of several atoms
-has exactly the schedule of its atoms kept one by one, so kept segments need no variables of their
-own; the plan merges consecutive kept atoms into kept stretches.
+somewhere (:func:`bonsai_core.solvers.bonsai_coef.lowers_memory`) and that no candidate inside it
+dominates (:func:`~bonsai_core.solvers.bonsai_coef.dominated`): the others are never needed by an
+optimum of the model, see there. ``keep[a]`` (binary) for each atom, and one continuous ``delta[k]``
+per interval of the memory axis on which recomputed segments change the memory. A kept segment of
+several atoms has exactly the schedule of its atoms kept one by one, so kept segments need no
+variables of their own; the plan merges consecutive kept atoms into kept stretches.
 
 **Cover.** Every forward op lies in exactly one recomputed candidate or kept atom. Candidates are runs
 of whole atoms, so a cover is a path from the first atom boundary to the last whose arcs are the
@@ -32,7 +33,8 @@ import scipy.sparse as sp
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan
 from bonsai_core.segment import Segmentation
-from bonsai_core.solvers.bonsai_coef import Coefficients, PlainProfile, coefficients, lowers_memory, memory_steps
+from bonsai_core.solvers.bonsai_coef import (Coefficients, PlainProfile, coefficients, dominated, lowers_memory,
+                                             memory_steps)
 
 # The model counts memory in units of a thousandth of the plain peak: raw byte counts near 1e10 (or near
 # 1e1 on toy graphs) would strain the solvers' tolerances, and 1e-7 of a unit is under a byte up to 10 GB.
@@ -123,6 +125,7 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     m = len(seg.forward)
     useful = lowers_memory(coef, m)
     candidates = np.flatnonzero(useful if allowed is None else useful & allowed)
+    candidates = candidates[~dominated(coef, seg, candidates, m)]
     count, atoms = len(candidates), seg.atoms
 
     memory = plain.memory
