@@ -79,32 +79,42 @@ st.plotly_chart(plots.memory_figure(curves, s.budget, g.peak_lower_bound, x_mode
                 key="memory_plot")
 st.dataframe(rows, hide_index=True, width="stretch")
 
-st.subheader("Address space at one moment")
-st.caption("Where each tensor sits in the allocator after one op of the steady-state step, the full arena: "
-           "parameters, gradients, the batch and Adam's state are pinned where a training loop allocated them, "
-           "and activations fill the free ranges between them. A request needs one free range large enough, "
-           "which is why contiguity matters. The placement is the allocator model's replay (best fit), not a "
-           "pool method's own.")
-a1, a2 = st.columns([1, 3])
-solved = {m: state.outcome(m) for m in [s.method, *extra]}
-choices = [m for m, o in solved.items() if o.ok] or ["none"]
-picked = a1.selectbox("Schedule", choices, key="memory_address_method")
-policy = a1.radio("Allocator", ["caching", "arena"], key="memory_address_policy", horizontal=True,
-                  format_func=lambda p: "PyTorch caching" if p == "caching" else "one pool of the budget",
-                  help="PyTorch's caching allocator (2 / 20 MiB segments), or a single pre-reserved pool of the "
-                       "budget's size (plus the optimizer state), as Coop's runs in.")
-outcome = solved.get(picked) or compute.solve(g, None, "none")
-n_ops = len(outcome.schedule.ops)
-op = a2.slider("After op", 0, n_ops - 1, value=max(0, min(outcome.sim.peak_op, n_ops - 1)), key="memory_address_op",
-               help="Starts at the schedule's live peak.")
-kind, node = outcome.schedule.ops[op]
-try:
-    blocks = layout_at(g, outcome.schedule, op, capacity=s.budget if policy == "arena" else None, policy=policy)
-except BudgetError as e:
-    state.show_error(str(e), "Pick the caching allocator, or raise the budget in the sidebar.")
-else:
-    title = f"{picked}, after op {op}: {kind} {g.names[node]}"
-    st.plotly_chart(plots.address_figure(blocks, title), width="stretch", key="memory_address_plot")
-    free = [b.size for b in blocks if b.kind == "free"]
-    st.caption(f"{len(blocks)} blocks · free {format_bytes(sum(free))} in {len(free)} ranges, the largest "
-               f"{format_bytes(max(free, default=0))}.")
+
+def address_space() -> None:
+    """Where each tensor sits in the allocator after one op of one of the shown schedules."""
+    st.caption("Where each tensor sits in the allocator after one op of the steady-state step, the full arena: "
+               "parameters, gradients, the batch and Adam's state are pinned where a training loop allocated them, "
+               "and activations fill the free ranges between them. A request needs one free range large enough, "
+               "which is why contiguity matters. The placement is the allocator model's replay (best fit), not a "
+               "pool method's own.")
+    a1, a2 = st.columns([1, 3])
+    solved = {m: state.outcome(m) for m in [s.method, *extra]}
+    choices = [m for m, o in solved.items() if o.ok] or ["none"]
+    picked = a1.selectbox("Schedule", choices, key="memory_address_method")
+    policy = a1.radio("Allocator", ["caching", "arena"], key="memory_address_policy", horizontal=True,
+                      format_func=lambda p: "PyTorch caching" if p == "caching" else "one pool of the budget",
+                      help="PyTorch's caching allocator (2 / 20 MiB segments), or a single pre-reserved pool of the "
+                           "budget's size (plus the optimizer state), as Coop's runs in.")
+    outcome = solved.get(picked) or compute.solve(g, None, "none")
+    n_ops = len(outcome.schedule.ops)
+    op = a2.slider("After op", 0, n_ops - 1, value=max(0, min(outcome.sim.peak_op, n_ops - 1)), key="memory_address_op",
+                   help="Starts at the schedule's live peak.")
+    kind, node = outcome.schedule.ops[op]
+    try:
+        blocks = layout_at(g, outcome.schedule, op, capacity=s.budget if policy == "arena" else None, policy=policy)
+    except BudgetError as e:
+        state.show_error(str(e), "Pick the caching allocator, or raise the budget in the sidebar.")
+    else:
+        title = f"{picked}, after op {op}: {kind} {g.names[node]}"
+        st.plotly_chart(plots.address_figure(blocks, title), width="stretch", key="memory_address_plot")
+        free = [b.size for b in blocks if b.kind == "free"]
+        st.caption(f"{len(blocks)} blocks · free {format_bytes(sum(free))} in {len(free)} ranges, the largest "
+                   f"{format_bytes(max(free, default=0))}.")
+
+
+# Drawn only while open (a lazy expander): the address map is a second plotly chart that every budget
+# change would redraw, most of a browser tab's work per slider move (docs/EXPLORER.md).
+address = st.expander("Address space at one moment", key="memory_address_open", on_change="rerun")
+if address.open:
+    with address:
+        address_space()

@@ -297,6 +297,9 @@ def test_memory_page_shows_the_address_space_at_the_chosen_op():
 
     at = goto(app(), "memory")
     assert not at.error
+    assert len(at.get("plotly_chart")) == 1  # closed: not drawn on every budget change
+    at.session_state["memory_address_open"] = True  # what opening the expander does
+    at.run()
     spec = plot_spec(at, 1)
     names = {t["name"] for t in spec["data"]}
     assert {"parameters (pinned)", "optimizer state (pinned)", "activations (evictable)"} <= names
