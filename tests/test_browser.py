@@ -317,8 +317,49 @@ async def drag_and_time(pg, pct: int, reference: int, script_ends: list[float]) 
     await pg.wait_for_function(ANNOTATION_IS, arg="budget " + format_bytes(math.floor(settled / 100 * reference)),
                                polling=50)
     drawn = time.perf_counter() - released
+    deadline = time.perf_counter() + 60  # the plot can be drawn before the rerun's last message arrives
+    while not any(t > released for t in script_ends) and time.perf_counter() < deadline:
+        await asyncio.sleep(0.02)
     answered = min((t for t in script_ends if t > released), default=math.inf) - released
     return drawn, answered
+
+
+@contextlib.contextmanager
+def browsers_at_lowest_priority():
+    """While inside, every thread of every Chromium process this test started runs at ``nice 19``
+    (re-applied every half second: Chromium sets its own threads' priorities). In a classroom each
+    browser draws on its own machine; here ten tabs share the server's two cores, and at equal
+    priority they starve the server they wait for (median 4.2 s against 2.7 s measured)."""
+    stop = threading.Event()
+
+    def ours() -> list[int]:
+        parent = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                parent[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        mine, grew = {os.getpid()}, True
+        while grew:
+            grew = False
+            for pid, ppid in parent.items():
+                if ppid in mine and pid not in mine:
+                    mine.add(pid)
+                    grew = True
+        return [pid for pid in mine if "chrom" in Path(f"/proc/{pid}/comm").read_text(errors="ignore")]
+
+    def renice():
+        while not stop.wait(0.5):
+            for pid in ours():
+                for tid in os.listdir(f"/proc/{pid}/task") if os.path.exists(f"/proc/{pid}/task") else []:
+                    with contextlib.suppress(OSError):
+                        os.setpriority(os.PRIO_PROCESS, int(tid), 19)
+
+    worker = threading.Thread(target=renice, daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        worker.join()
 
 
 async def ten_sessions(url: str, reference: int) -> tuple[list[tuple[float, float]], float]:
@@ -360,8 +401,9 @@ def test_ten_sessions_dragging_at_once_all_see_their_plot_update():
     moment, three times; every drag updates its own session's plot. The latencies are a measurement,
     written to screenshots/concurrent-latency.txt (the target, median <= 2 s, is judged from that
     report on an idle machine and in docs/EXPLORER.md, not asserted: a loaded machine would fail it).
-    Besides "plot updated" the report gives "server answered" (the rerun's last message arrived): on
-    this small machine the ten tabs draw on the same two cores as the server."""
+    Besides "plot updated" the report gives "server answered" (the rerun's last message arrived). The
+    ten tabs draw on the same two cores as the server, at the lowest priority (as if each ran on its
+    own machine, as in a classroom, except that their drawing still takes the cores' spare time)."""
     reference = no_remat_peak(load_graph(ROOT / "assets" / "gpt-default.json"))
     SHOTS.mkdir(exist_ok=True)
     result: dict = {}
@@ -372,7 +414,7 @@ def test_ten_sessions_dragging_at_once_all_see_their_plot_update():
         except Exception as e:  # re-raised in the test's thread
             result["error"] = e
 
-    with serve() as url:
+    with serve() as url, browsers_at_lowest_priority():
         load_before = os.getloadavg()
         worker = threading.Thread(target=drive, args=(url,), daemon=True)
         worker.start()
