@@ -113,7 +113,7 @@ def address_space() -> None:
 
 
 # Drawn only while open (a lazy expander): the address map is a second plotly chart that every budget
-# change would redraw, most of a browser tab's work per slider move (docs/EXPLORER.md).
+# change would redraw, about 40% of a browser tab's work per slider move (docs/EXPLORER.md).
 address = st.expander("Address space at one moment", key="memory_address_open", on_change="rerun")
 if address.open:
     with address:

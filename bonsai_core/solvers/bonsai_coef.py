@@ -280,7 +280,7 @@ def dominated(coef: Coefficients, seg: Segmentation, columns: np.ndarray, m: int
     low or lower at no higher cost. Nesting is a strict order and the relation is transitive, so
     dropping all of them at once keeps, for each, an undominated one inside it. Typical case: a run
     that ends with an op whose output the backward pass needs anyway rebuilds it for nothing.
-    (On the traced GPTs two thirds of the candidates go; the model's optimum is unchanged.)"""
+    (1076 of the 1644 candidates that lower the memory on the 4-layer GPT of docs/BONSAI.md.)"""
     columns = np.asarray(columns, dtype=np.int64)
     starts, ends, cost = seg.starts[columns], seg.ends[columns], coef.cost[columns]
     outer, inner = _nested_pairs(starts, ends)
