@@ -81,10 +81,7 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
     check_backend(backend)
     # SCIP's default gap limit is 0 (prove the exact optimum); HiGHS stops at a relative gap of 1e-4.
     # Give SCIP the same 1e-4, so that "optimal" means the same thing on both backends.
-    # HiGHS runs its MIP search on one thread: a second worker bought nothing measurable on the segment ILPs
-    # (4-layer GPT: 0.83-1.36 s either way; 24-layer GPT: 6.0 vs 6.3 s) and cost 35-60% more CPU, which
-    # explorer sessions solving at the same time need (docs/EXPLORER.md).
-    options: dict[str, Any] = {"threads": 1} if backend == "highs" else {"scip_params": {"limits/gap": 1e-4}}
+    options: dict[str, Any] = {} if backend == "highs" else {"scip_params": {"limits/gap": 1e-4}}
     if gap is not None:
         if backend == "highs":
             options["mip_rel_gap"] = float(gap)
