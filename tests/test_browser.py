@@ -328,8 +328,9 @@ async def drag_and_time(pg, pct: int, reference: int, script_ends: list[float]) 
 def browsers_at_lowest_priority():
     """While inside, every thread of every Chromium process this test started runs at ``nice 19``
     (re-applied every half second: Chromium sets its own threads' priorities). In a classroom each
-    browser draws on its own machine; here ten tabs share the server's two cores, and at equal
-    priority they starve the server they wait for (median 4.2 s against 2.7 s measured)."""
+    browser draws on its own machine; here ten tabs share the server's two cores, and this keeps them
+    from taking the server's turn (the medians measured with and without it are within the
+    run-to-run spread, docs/EXPLORER.md)."""
     stop = threading.Event()
 
     def ours() -> list[int]:
