@@ -250,11 +250,12 @@ def bisect_budget(graph: Any, method: str, reference: int, time_limit: float) ->
 
 
 def _options(method: str, config: BenchConfig) -> dict[str, Any]:
-    """The bench's time limit and MILP backend, for the methods that take them."""
+    """The bench's time limit and MILP backend, for the methods that take them; every solve from scratch
+    (bonsai would otherwise answer a budget with the plan of a larger one that fits it, in no time)."""
     from bonsai_core.solvers import accepted_options
 
     accepted = accepted_options(method)
-    return {k: v for k, v in (("time_limit", config.time_limit), ("backend", config.backend))
+    return {k: v for k, v in (("time_limit", config.time_limit), ("backend", config.backend), ("reuse", False))
             if accepted is None or k in accepted}
 
 

@@ -35,8 +35,11 @@ c[0].metric("variables", stats.get("variables", "—"))
 c[1].metric("constraints", stats.get("constraints", "—"))
 build, solve = stats.get("build_seconds"), stats.get("solve_seconds")
 c[2].metric("build time", f"{build:.3f} s" if isinstance(build, (int, float)) else "—")
+reused = stats.get("reused_from")
 c[3].metric("solve time", f"{solve:.3f} s" if isinstance(solve, (int, float)) else "—",
-            help=f"Whole call including simulation: {out.wall_seconds:.3f} s (first time; then cached).")
+            help=f"Whole call including simulation: {out.wall_seconds:.3f} s (first time; then cached)."
+            + (f" Not solved again: the plan found at {format_bytes(reused)} fits this budget, so it is just as close "
+               "to this budget's optimum." if reused is not None else ""))
 if chosen is not None:
     asked = dict(s.options).get("granularity")
     c[4].metric("granularity", chosen, help="Largest segment, in forward ops: "

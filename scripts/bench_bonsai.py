@@ -49,6 +49,8 @@ def load(spec: str):
 
 
 def run(graph, budget: int | None, method: str = "bonsai", **options: Any) -> dict[str, Any]:
+    if method == "bonsai":
+        options.setdefault("reuse", False)  # measure every solve, never a plan reused from a larger budget
     start = time.perf_counter()
     try:
         s = solve(graph, budget, method, **options)

@@ -114,3 +114,13 @@ def test_a_peer_row_is_the_cheapest_measured_setting_that_fits_its_budget(monkey
     assert got[0.6] == (True, 500, "every 1")
     assert got[0.4][0] is False and "no setting fits; lowest measured peak 500" in got[0.4][2]
     assert rows[0]["overhead"] == pytest.approx(0.1)
+
+
+def test_bench_solves_every_budget_from_scratch():
+    """bonsai answers a budget a plan solved for a larger one fits with that plan in no time; the bench
+    times solves, so it turns that off (and passes only options a method declares)."""
+    from bonsai_core.bench import _options
+
+    config = BenchConfig(models=[], budgets=[], methods=["bonsai", "chen"], peers=[], time_limit=20)
+    assert _options("bonsai", config)["reuse"] is False
+    assert "reuse" not in _options("chen", config)

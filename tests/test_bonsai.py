@@ -307,6 +307,27 @@ def test_rebudget_reuses_the_built_problem_and_matches_a_fresh_solve(gpt):
     assert second.stats["peak"] <= budgets[1] < first.stats["peak"]
 
 
+def test_a_plan_is_reused_exactly_over_the_budgets_it_fits_below_the_one_it_was_solved_for(gpt):
+    plain = no_remat_peak(gpt)
+    B._cache.clear()
+    high = int(plain * 0.86)
+    first = solve(gpt, high, "bonsai", gap=0.0)
+    low = max(first.stats["model_peak"], first.stats["peak"])
+    assert low < high and "reused_from" not in first.stats
+    for budget in (low, (low + high) // 2, high):
+        again = solve(gpt, budget, "bonsai", gap=0.0)
+        assert again.stats["reused_from"] == high and again.stats["solve_seconds"] == 0.0
+        assert again.extra == first.extra and again.budget == budget and again.stats["peak"] <= budget
+        fresh = solve(gpt, budget, "bonsai", gap=0.0, reuse=False)  # what solving would have found
+        assert "reused_from" not in fresh.stats
+        assert again.stats["compute_cost"] == pytest.approx(fresh.stats["compute_cost"])
+    below = solve(gpt, low - 1, "bonsai", gap=0.0)  # the plan does not fit: solved
+    assert "reused_from" not in below.stats and below.stats["peak"] < low
+    assert first.budget == high  # the remembered plan is a copy: reuses did not change the first answer
+    other_gap = solve(gpt, (low + high) // 2, "bonsai", gap=0.01)  # other options, other plans
+    assert "reused_from" not in other_gap.stats
+
+
 def test_infeasible_budget_names_the_smallest_budget_bonsai_meets(gpt):
     lower = gpt.peak_lower_bound
     with pytest.raises(BudgetError, match="smallest budget") as info:

@@ -27,6 +27,12 @@ per-block checkpointing wherever one of their plans fits (``stats["plan_source"]
 **The simulator judges**: the ILP's plan is simulated; should its peak ever exceed the budget, the
 budget given to the model is tightened by the excess and the ILP re-solved (``stats["tightened_by"]``).
 
+**Plans reused across budgets.** A plan the ILP found at budget B, within the gap, whose modelled and
+simulated peaks are at most p, is within the same gap of the optimum at every budget b in [p, B]: the
+optimum at b is no cheaper than at B, and the plan fits b. So a solve at such a b returns that plan
+(``stats["reused_from"]``: B) without solving; dragging the explorer's budget slider over a plan's
+interval costs nothing (``reuse=False`` always solves, as the benchmarks do).
+
 **Time limit**: ``time_limit`` bounds the whole call (the seeds, every rung's build and MILP solve, the
 tightening and the smallest-budget search). Past it: the best valid plan found so far (``status``
 "feasible" with the MILP's gap) or a BudgetError saying none was found.
@@ -34,6 +40,7 @@ tightening and the smallest-budget search). Past it: the best valid plan found s
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -52,7 +59,8 @@ from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
 from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, solve_milp
 
-_CACHE_SIZE = 24  # entries: per graph its plain profile, its seeds and one model per rung tried
+_CACHE_SIZE = 32  # entries: per graph its plain profile, its seeds, one model per rung tried, its solved plans
+_PLANS_KEPT = 64  # solved plans remembered per graph and options, for reuse at budgets they fit
 _MAX_TIGHTEN = 4
 _LADDER = (1, 2, 4, 8)  # the auto granularity's rungs, in multiples of the default
 DEFAULT_GAP = 0.01  # the issue's target ("optimal, gap <= 1%"); HiGHS closes the last 0.2% slowly on GPTs
@@ -179,7 +187,7 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
 
 def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None = None,
                  granularity: int | None = None, backend: str = DEFAULT_BACKEND,
-                 gap: float = DEFAULT_GAP, regions: Regions = "any") -> Schedule:
+                 gap: float = DEFAULT_GAP, regions: Regions = "any", reuse: bool = True) -> Schedule:
     """Bonsai's segment ILP: the cheapest checkpoint plan whose modelled peak fits ``budget``.
 
     Options:
@@ -192,6 +200,8 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         regions: "any" (contiguous runs of ops, Chen's segments and module calls) or "modules" (only
             the module calls the trace recorded may be recomputed: plans that the ``checkpoint``
             export back-end applies to those submodules one to one).
+        reuse: answer with a plan solved earlier (same graph and options) at a larger budget when it
+            fits this one (it is then within the same gap of this budget's optimum); False: always solve.
 
     Raises BudgetError (naming the smallest budget bonsai can meet) when none fits or none was found in
     time, SolverError when the backend fails."""
@@ -209,8 +219,51 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
                           "build_seconds": 0.0, "solve_seconds": 0.0, "candidates": 0, "segments": 0,
                           "granularity": 0, "plan_source": "ilp"}
         return schedule
+    plans = (graph.hash, ("plans", granularity, regions, backend, gap))
+    # looked up before waiting for the graph's lock (another session may be solving for minutes), and again
+    # after it (the one that held it may have solved a plan that fits)
+    earlier = _reused(plans, budget) if reuse else None
+    if earlier is not None:
+        return earlier
     with _graph_lock(graph):  # the cached problems are shared (explorer sessions run in threads)
-        return _solve(graph, budget, time_limit, granularity, backend, gap, regions)
+        earlier = _reused(plans, budget) if reuse else None
+        if earlier is not None:
+            return earlier
+        schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions)
+        if budget is not None and _reusable(schedule, gap):
+            st = schedule.stats
+            entry = (max(st["model_peak"], st["model_peak"] - st["model_slack"]), int(budget), _copy(schedule))
+            solved = _cached(plans, list)
+            with _cache_lock:
+                solved.insert(0, entry)
+                del solved[_PLANS_KEPT:]
+        return schedule
+
+
+def _reused(plans: tuple[str, Any], budget: int | None) -> Schedule | None:
+    """A copy of a plan solved for a larger budget that fits ``budget`` (module docstring), if one is known."""
+    if budget is None:
+        return None
+    with _cache_lock:
+        solved = list(_cache.get(plans, ()))
+    for low, high, earlier in solved:  # (lowest budget it fits, budget it was solved for, plan)
+        if low <= budget <= high:
+            return _copy(earlier, reused_from=high, solve_seconds=0.0, build_seconds=0.0, cached=True)
+    return None
+
+
+def _reusable(schedule: Schedule, gap: float) -> bool:
+    """Whether ``schedule`` (just solved) is within ``gap`` of the model's optimum at the budget it was
+    solved for: an ILP plan, found within the gap, the model's budget not tightened."""
+    st = schedule.stats
+    return (st.get("plan_source") == "ilp" and st.get("tightened_by") == 0 and st.get("gap") is not None
+            and st["gap"] <= gap)
+
+
+def _copy(schedule: Schedule, **stats: Any) -> Schedule:
+    """A copy whose stats and fields the caller may change (``solve`` sets them on what it returns)."""
+    return dataclasses.replace(schedule, ops=list(schedule.ops), stats={**schedule.stats, **stats},
+                               extra=dict(schedule.extra))
 
 
 def _solve(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None,
