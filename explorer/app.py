@@ -19,7 +19,7 @@ import streamlit as st  # noqa: E402
 
 from explorer import state  # noqa: E402
 
-st.set_page_config(page_title="Bonsai explorer", page_icon=":material/park:", layout="wide")
+st.set_page_config(page_title="Bonsai explorer", page_icon=str(ROOT / "assets" / "icon.svg"), layout="wide")
 
 PAGES = [
     st.Page(ROOT / "pages" / "model.py", title="Model", icon=":material/account_tree:", default=True),

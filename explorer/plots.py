@@ -83,6 +83,15 @@ def curve(label: str, timeline: np.ndarray, op_costs: np.ndarray, peak: int, pea
     return Curve(label, x, np.asarray(timeline), int(peak), peak_x, colour, dash, reserved)
 
 
+def _steps(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The points where a step line (``line_shape="hv"``) changes, and its last: the same drawing from
+    half the points or fewer (every budget change sends and redraws them in each browser)."""
+    y = np.asarray(y)
+    keep = np.ones(len(y), dtype=bool)
+    keep[1:-1] = y[1:-1] != y[:-2]
+    return np.asarray(x)[keep], y[keep]
+
+
 def memory_figure(curves: Sequence[Curve], budget: int | None, lower_bound: int | None = None,
                   x_mode: str = "time", height: int = 440) -> go.Figure:
     """Memory over time of each curve (its colour, dash and a few markers of its method's symbol), the
@@ -95,12 +104,14 @@ def memory_figure(curves: Sequence[Curve], budget: int | None, lower_bound: int 
     for i, c in enumerate(curves):
         # a few markers along each line, the method's symbol: curves differ by more than hue
         symbol = method_symbol("none" if c.label == "no remat" else c.label, i)
-        data.append(dict(type="scatter", x=c.x, y=c.live / MIB, name=c.label, mode="lines+markers", line_shape="hv",
+        x, live = _steps(c.x, c.live / MIB)
+        data.append(dict(type="scatter", x=x, y=live, name=c.label, mode="lines+markers", line_shape="hv",
                          line=dict(color=c.colour, width=2, dash=c.dash),
                          marker=dict(symbol=symbol, size=7, color=c.colour, maxdisplayed=12),
                          hovertemplate="%{y:.2f} MiB<extra>" + c.label + "</extra>"))
         if c.reserved is not None:
-            data.append(dict(type="scatter", x=c.x, y=np.asarray(c.reserved) / MIB, name=f"{c.label} (reserved)",
+            x, reserved = _steps(c.x, np.asarray(c.reserved) / MIB)
+            data.append(dict(type="scatter", x=x, y=reserved, name=f"{c.label} (reserved)",
                              mode="lines", line_shape="hv", line=dict(color=c.colour, width=1, dash="dot"),
                              hovertemplate="reserved %{y:.2f} MiB<extra>" + c.label + "</extra>"))
         data.append(dict(type="scatter", x=[c.peak_x], y=[c.peak / MIB], mode="markers+text", showlegend=False,
