@@ -12,6 +12,7 @@ import io
 import json
 
 import pytest
+import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from bonsai_core import solvers
@@ -91,6 +92,23 @@ def test_moving_the_budget_slider_moves_the_memory_plot():
     at.sidebar.slider(key="budget_pct").set_value(80).run()
     assert not at.exception
     assert budget_line(at) == pytest.approx(0.8 * before, rel=0.01)
+
+
+def test_a_budget_an_earlier_plan_fits_says_it_was_not_solved_again():
+    """bonsai's plan at 78% of the default model peaks at 74.4%: at 76% the Solve page shows that plan,
+    solved in 0 s, and says why (a user comparing solve times must not read it as a 0-second solve)."""
+    from bonsai_core.solvers import bonsai
+
+    st.cache_resource.clear()  # no solve at 76% cached by an earlier test
+    bonsai._cache.clear()
+    at = goto(app(), "solve")
+    at.sidebar.slider(key="budget_pct").set_value(78).run()
+    solved = next(m for m in at.metric if m.label == "solve time")
+    at.sidebar.slider(key="budget_pct").set_value(76).run()
+    assert not at.exception
+    reused = next(m for m in at.metric if m.label == "solve time")
+    assert reused.value == "0.000 s" and "Not solved again" in reused.proto.help
+    assert "Not solved again" not in solved.proto.help
 
 
 def test_an_infeasible_budget_is_an_error_with_what_to_do_not_a_traceback():
