@@ -135,9 +135,12 @@ def memory_figure(curves: Sequence[Curve], budget: int | None, lower_bound: int 
     tops = [c.peak for c in curves] + [int(np.max(c.reserved)) for c in curves if c.reserved is not None]
     top = max(tops + ([budget] if budget is not None else []) + [1])
     layout = dict(LAYOUT, height=height, shapes=shapes, annotations=notes,
-                  xaxis=dict(title=dict(text="elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)"), automargin=False),
-                  yaxis=dict(title=dict(text="memory (MiB)"), range=[0, 1.15 * top / MIB], automargin=False),
-                  margin=dict(l=64, r=10, t=48, b=48))  # room for peak labels
+                  xaxis=dict(title=dict(text="elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)"),
+                             automargin=False),
+                  yaxis=dict(title=dict(text="memory (MiB)"), range=[0, 1.15 * top / MIB],  # room for peak labels
+                             automargin=False),
+                  # fixed margins: automatic ones make Plotly measure every label on every redraw
+                  margin=dict(l=64, r=10, t=48, b=48))
     return go.Figure(data=data, layout=layout)
 
 

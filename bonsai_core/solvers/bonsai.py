@@ -219,33 +219,33 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
                           "build_seconds": 0.0, "solve_seconds": 0.0, "candidates": 0, "segments": 0,
                           "granularity": 0, "plan_source": "ilp"}
         return schedule
-    plans = (graph.hash, ("plans", granularity, regions, backend, gap))
+    plans_key = (graph.hash, ("plans", granularity, regions, backend, gap))
     # looked up before waiting for the graph's lock (another session may be solving for minutes), and again
     # after it (the one that held it may have solved a plan that fits)
-    earlier = _reused(plans, budget) if reuse else None
+    earlier = _reused(plans_key, budget) if reuse else None
     if earlier is not None:
         return earlier
     with _graph_lock(graph):  # the cached problems are shared (explorer sessions run in threads)
-        earlier = _reused(plans, budget) if reuse else None
+        earlier = _reused(plans_key, budget) if reuse else None
         if earlier is not None:
             return earlier
         schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions)
         if budget is not None and _reusable(schedule, gap):
             st = schedule.stats
             entry = (max(st["model_peak"], st["model_peak"] - st["model_slack"]), int(budget), _copy(schedule))
-            solved = _cached(plans, list)
+            solved = _cached(plans_key, list)
             with _cache_lock:
                 solved.insert(0, entry)
                 del solved[_PLANS_KEPT:]
         return schedule
 
 
-def _reused(plans: tuple[str, Any], budget: int | None) -> Schedule | None:
+def _reused(plans_key: tuple[str, Any], budget: int | None) -> Schedule | None:
     """A copy of a plan solved for a larger budget that fits ``budget`` (module docstring), if one is known."""
     if budget is None:
         return None
     with _cache_lock:
-        solved = list(_cache.get(plans, ()))
+        solved = list(_cache.get(plans_key, ()))
     for low, high, earlier in solved:  # (lowest budget it fits, budget it was solved for, plan)
         if low <= budget <= high:
             return _copy(earlier, reused_from=high, solve_seconds=0.0, build_seconds=0.0, cached=True)
