@@ -232,7 +232,8 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions)
         if budget is not None and _reusable(schedule, gap):
             st = schedule.stats
-            entry = (max(st["model_peak"], st["model_peak"] - st["model_slack"]), int(budget), _copy(schedule))
+            simulated_peak = st["model_peak"] - st["model_slack"]
+            entry = (max(st["model_peak"], simulated_peak), int(budget), _copy(schedule))
             solved = _cached(plans_key, list)
             with _cache_lock:
                 solved.insert(0, entry)
