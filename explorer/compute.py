@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import math
 import time
 import typing
 from dataclasses import dataclass, field
@@ -232,20 +233,35 @@ def _spec(name: str, declared: Any, hint: Any = None) -> OptionSpec:
                       str(getattr(declared, "help", "") or getattr(declared, "doc", "") or ""))
 
 
+class Unfinished(Exception):
+    """A capped solve (``solve(..., _cap=s)``) that ran into its cap: its outcome is not cached."""
+
+
 @st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=512)
-def solve(graph: Graph, budget: int | None, method: str, options: Options = ()) -> Outcome:
-    """``solvers.solve`` with the options the user set, its simulation, or its error message."""
+def solve(graph: Graph, budget: int | None, method: str, options: Options = (), _cap: float | None = None) -> Outcome:
+    """``solvers.solve`` with the options the user set, its simulation, or its error message.
+
+    ``_cap`` (not part of the cache key) runs the method with its time limit lowered to ``_cap``
+    seconds: a call that ends sooner is the uncapped call's outcome (the limit was never reached) and is
+    cached as such; one that reaches it raises :class:`Unfinished` and nothing is cached."""
     start = time.perf_counter()
+    run = dict(options)
+    if _cap is not None:
+        run["time_limit"] = min(float(run.get("time_limit") or math.inf), _cap)  # 0 or absent: no limit
     try:
-        schedule = solvers.solve(graph, budget, method, **dict(options))
+        schedule = solvers.solve(graph, budget, method, **run)
         sim = simulate(graph, schedule)
     except BonsaiError as e:
-        return Outcome(method, budget, options, error=str(e), wall_seconds=time.perf_counter() - start)
+        outcome = Outcome(method, budget, options, error=str(e), wall_seconds=time.perf_counter() - start)
     except Exception as e:  # a solver bug or a backend failure: say so in the page, never a traceback
-        return Outcome(method, budget, options, wall_seconds=time.perf_counter() - start,
-                       error=f"Method {method!r} failed unexpectedly ({type(e).__name__}: {e}). Try another method "
-                             "or backend, and report this with the model and budget.")
-    return Outcome(method, budget, options, schedule, sim, wall_seconds=time.perf_counter() - start)
+        outcome = Outcome(method, budget, options, wall_seconds=time.perf_counter() - start,
+                          error=f"Method {method!r} failed unexpectedly ({type(e).__name__}: {e}). Try another "
+                                "method or backend, and report this with the model and budget.")
+    else:
+        outcome = Outcome(method, budget, options, schedule, sim, wall_seconds=time.perf_counter() - start)
+    if _cap is not None and outcome.wall_seconds >= _cap:
+        raise Unfinished(f"{method} at {budget} B did not finish within {_cap:g} s")
+    return outcome
 
 
 def op_costs(graph: Graph, schedule: Schedule) -> np.ndarray:

@@ -17,7 +17,7 @@ import streamlit as st
 from bonsai_core import solvers
 from bonsai_core.budget import format_bytes, parse_budget
 from bonsai_core.errors import BonsaiError, ModelError
-from explorer import compute
+from explorer import ahead, compute
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_GRAPH = ROOT / "assets" / "gpt-default.json"
@@ -35,6 +35,7 @@ class Settings:
     method: str
     options: compute.Options  # only options the user set, and only those the method takes
     ignored: tuple[str, ...] = ()  # options set but not taken by the method
+    slider: bool = True  # the budget is the slider's (not typed in "Exact budget")
 
 
 def model() -> compute.Model:
@@ -73,8 +74,9 @@ def sidebar() -> Settings:
     method = sb.selectbox("Method", methods, key="method", format_func=lambda m: m,
                           help="\n".join(f"- **{m}**: {solvers.describe(m)}" for m in methods))
     sb.caption(solvers.describe(method))
-    pct = sb.slider("Memory budget (% of the no-remat peak)", min_value=5, max_value=100, step=1, key="budget_pct")
-    budget = int(math.floor(pct / 100 * reference))
+    pct = sb.slider("Memory budget (% of the no-remat peak)", min_value=ahead.SLIDER.start,
+                    max_value=ahead.SLIDER.stop - 1, step=1, key="budget_pct")
+    budget = ahead.budget_at(pct, reference)
     exact = sb.text_input("Exact budget (optional)", key="budget_text", placeholder="e.g. 24MiB, 25000000 or 62.5%",
                           help="Overrides the slider: bytes, bytes with a unit (MiB, GB, ...) or a % of the no-remat peak.")
     if exact.strip():
@@ -118,7 +120,7 @@ def sidebar() -> Settings:
     unnamed = [k for k, _ in options if not compute.names_option(method, k)]
     if unnamed:
         sb.caption(f"{method} does not name {', '.join(unnamed)}: passed, but it may ignore it.")
-    s = Settings(budget, pct, method, options, ignored)
+    s = Settings(budget, pct, method, options, ignored, slider=not exact.strip())
     ss["settings"] = s
     st.query_params.from_dict(view_params(method))
     return s
@@ -251,7 +253,11 @@ def outcome(method: str | None = None) -> compute.Outcome:
     # shown only when the solve is not cached (after st.spinner's half-second delay)
     with st.spinner(f"Solving: **{method}** under {format_bytes(s.budget)} ({s.percent:.1f}% of the no-remat peak), "
                     + (f"time limit {limit:g} s" if limit else "no time limit") + "…", show_time=True):
-        return compute.solve(model().graph, s.budget, method, options)
+        out = compute.solve(model().graph, s.budget, method, options)
+    if method == s.method and s.slider:  # solve the slider's other positions while the user looks
+        g = model().graph
+        ahead.solve_ahead(g, out, compute.no_remat(g).peak, int(s.percent))
+    return out
 
 
 def theme() -> str | None:

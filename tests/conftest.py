@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bonsai_core.graph import Graph
 from tests.graphs import chain
+
+# The explorer solves the budget slider's other positions in a background thread (explorer/ahead.py):
+# off for the whole run (it would compete with every other test for the two cores, and the app tests
+# measure what a session solves). The tests of that thread and the ten-session test turn it on.
+os.environ.setdefault("BONSAI_SOLVE_AHEAD", "0")
 
 
 @pytest.fixture

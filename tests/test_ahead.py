@@ -1,0 +1,141 @@
+"""Solving the budget slider's other positions in the background (explorer/ahead.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import streamlit as st
+
+from bonsai_core import solvers
+from bonsai_core.errors import BudgetError
+from bonsai_core.schedule import no_remat_peak, none_schedule, simulate
+from explorer import ahead, compute
+from tests.graphs import chain
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """``solvers.solve`` replaced by one that records each budget and meets only budgets >= 40% of the
+    no-remat peak (below: BudgetError, as a real method at a budget it cannot meet)."""
+    graph = chain(6, mem=10_000)  # every slider position a different budget
+    reference = no_remat_peak(graph)
+    asked: list[int] = []
+
+    def fake_solve(g, budget, method, **options):
+        asked.append(budget)
+        if budget < 0.4 * reference:
+            raise BudgetError(f"no schedule under {budget} B")
+        return none_schedule(g)
+
+    st.cache_resource.clear()
+    monkeypatch.setattr(solvers, "solve", fake_solve)
+    yield graph, reference, asked
+    st.cache_resource.clear()  # the fake's schedules must not reach other tests
+
+
+def solved(graph, method: str, seconds: float) -> compute.Outcome:
+    """A session's outcome whose solver took ``seconds`` (option x=1)."""
+    schedule = none_schedule(graph)
+    schedule.stats["solve_seconds"] = seconds
+    return compute.Outcome(method, None, (("x", 1),), schedule, simulate(graph, schedule), wall_seconds=seconds)
+
+
+def test_a_job_solves_every_position_down_to_the_first_unmet_budget(recorded):
+    graph, reference, asked = recorded
+    ahead._run(graph, "fake", (), reference, 70)
+    pcts = sorted(p for p in ahead.SLIDER if ahead.budget_at(p, reference) in asked)
+    lowest_met = min(p for p in ahead.SLIDER if ahead.budget_at(p, reference) >= 0.4 * reference)
+    assert pcts == [p for p in ahead.SLIDER if p >= lowest_met - 1 and p != 70]  # one unmet, then it stops
+    asked.clear()
+    for p in (lowest_met, 85, 100):  # what a session's drag asks for now comes from the cache
+        assert compute.solve(graph, ahead.budget_at(p, reference), "fake", ()).ok
+    assert asked == []
+
+
+def test_the_side_that_took_less_solver_time_goes_next(monkeypatch):
+    graph = chain(6, mem=10_000)
+    reference = no_remat_peak(graph)
+    asked: list[int] = []
+
+    def fake_solve(g, budget, method, **options):  # below 70%: 0.2 s each, unmet below 60%
+        asked.append(round(100 * budget / reference))
+        if budget < 0.7 * reference:
+            time.sleep(0.2)
+        if budget < 0.6 * reference:
+            raise BudgetError(f"no schedule under {budget} B")
+        return none_schedule(g)
+
+    st.cache_resource.clear()
+    monkeypatch.setattr(solvers, "solve", fake_solve)
+    try:
+        ahead._run(graph, "fake", (), reference, 70)
+    finally:
+        st.cache_resource.clear()
+    # a tie goes below; then every cheap position above before the second costly one below
+    assert asked == [69, *range(71, 101), *range(68, 58, -1)]
+
+
+def test_a_side_stops_at_a_solve_that_reaches_the_cap_and_that_solve_is_not_kept(monkeypatch):
+    graph = chain(6, mem=10_000)
+    reference = no_remat_peak(graph)
+    limits: dict[int, float] = {}
+
+    def fake_solve(g, budget, method, time_limit=None, **options):  # below 70%: past the cap
+        limits[round(100 * budget / reference)] = time_limit
+        if budget < 0.7 * reference:
+            time.sleep(0.3)
+        return none_schedule(g)
+
+    st.cache_resource.clear()
+    monkeypatch.setattr(solvers, "solve", fake_solve)
+    monkeypatch.setattr(ahead, "SLOW_SOLVE_SECONDS", 0.2)
+    try:
+        ahead._run(graph, "fake", (("time_limit", 20.0),), reference, 70)
+        assert sorted(limits) == [69, *range(71, 101)]  # one capped below, then that side stopped
+        assert set(limits.values()) == {0.2}  # the user's 20 s lowered to the cap
+        limits.clear()
+        compute.solve(graph, ahead.budget_at(69, reference), "fake", (("time_limit", 20.0),))
+        compute.solve(graph, ahead.budget_at(71, reference), "fake", (("time_limit", 20.0),))
+        assert limits == {69: 20.0}  # the capped solve was not kept; the finished one was, as the user's
+    finally:
+        st.cache_resource.clear()
+
+
+def test_the_background_thread_runs_each_job_once_and_only_when_enabled(recorded, monkeypatch):
+    graph, reference, asked = recorded
+    monkeypatch.setenv("BONSAI_SOLVE_AHEAD", "0")
+    ahead.solve_ahead(graph, solved(graph, "fake", 0.1), reference, 70)
+    assert ahead._worker is None and asked == []
+    monkeypatch.setenv("BONSAI_SOLVE_AHEAD", "1")
+    ahead.solve_ahead(graph, solved(graph, "fake", ahead.SLOW_SOLVE_SECONDS + 1), reference, 70)
+    key = (graph.hash, "fake", (("x", 1),))
+    assert key not in ahead._pending and key not in ahead._started  # after a slow solve: nothing queued
+    ahead.solve_ahead(graph, solved(graph, "fake", 0.1), reference, 70)
+    ahead._worker.join(timeout=60)
+    assert ahead._worker is None and len(asked) > 30  # the thread ends with its last job
+    done = len(asked)
+    ahead.solve_ahead(graph, solved(graph, "fake", 0.1), reference, 50)  # the same job: not queued again
+    assert ahead._worker is None and len(asked) == done
+    ahead.solve_ahead(graph, solved(graph, "none", 0.1), reference, 70)  # no remat does not depend on the budget
+    assert (graph.hash, "none", (("x", 1),)) not in ahead._started
+    ahead.solve_ahead(graph, solved(graph, "other", 0.1), reference, 70)  # a new job: a new thread
+    ahead._worker.join(timeout=60)
+    assert len(asked) == 2 * done
+
+
+def test_a_session_asks_for_its_neighbours_only_when_the_slider_sets_the_budget(monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    asked = []
+    monkeypatch.setattr(ahead, "solve_ahead", lambda g, out, reference, pct: asked.append((out.method, pct)))
+    at = AppTest.from_file(str(ROOT / "explorer" / "app.py"), default_timeout=120)
+    at.switch_page(str(ROOT / "pages" / "solve.py"))
+    at.run()
+    at.sidebar.slider(key="budget_pct").set_value(80).run()
+    assert not at.exception and asked[-1] == ("bonsai", 80)
+    asked.clear()
+    at.sidebar.text_input(key="budget_text").input("75%").run()
+    assert not at.exception and asked == []
