@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from bonsai_core.budget import format_bytes
-from explorer import compute, plots, state
+from explorer import ahead, compute, plots, state
 
 st.title("Solve")
 s = state.settings()
@@ -14,7 +14,9 @@ reference = compute.no_remat(g).peak
 out = state.outcome()
 opts = ", ".join(f"{k}={v}" for k, v in s.options) or "method defaults"
 st.caption(f"**{s.method}** on **{g.name}** under **{format_bytes(s.budget)}** ({s.percent:.1f}% of the no-remat "
-           f"peak), options: {opts}. Every change in the sidebar re-solves; results are cached.")
+           f"peak), options: {opts}. Every change in the sidebar re-solves; results are cached"
+           + (f", and the slider's other positions are solved in the background ({ahead.SLOW_SOLVE_SECONDS:g} s at "
+              "most each), so a drag may find its plan solved already." if ahead.enabled() else "."))
 
 if not out.ok:
     state.show_error(out.error, "Raise the budget in the sidebar, pick another method, or give the solver more time.")

@@ -131,11 +131,16 @@ def test_a_session_asks_for_its_neighbours_only_when_the_slider_sets_the_budget(
 
     asked = []
     monkeypatch.setattr(ahead, "solve_ahead", lambda g, out, reference, pct: asked.append((out.method, pct)))
+    monkeypatch.setenv("BONSAI_SOLVE_AHEAD", "1")  # (the recording stands in for the thread)
     at = AppTest.from_file(str(ROOT / "explorer" / "app.py"), default_timeout=120)
     at.switch_page(str(ROOT / "pages" / "solve.py"))
     at.run()
+    assert any("solved in the background" in c.value for c in at.caption)  # the Solve page says so
     at.sidebar.slider(key="budget_pct").set_value(80).run()
     assert not at.exception and asked[-1] == ("bonsai", 80)
     asked.clear()
     at.sidebar.text_input(key="budget_text").input("75%").run()
     assert not at.exception and asked == []
+    monkeypatch.setenv("BONSAI_SOLVE_AHEAD", "0")
+    at.run()
+    assert not any("solved in the background" in c.value for c in at.caption)
