@@ -43,6 +43,13 @@ def solved(graph, method: str, seconds: float) -> compute.Outcome:
     return compute.Outcome(method, None, (("x", 1),), schedule, simulate(graph, schedule), wall_seconds=seconds)
 
 
+def wait_for_the_thread() -> None:
+    worker = ahead._worker  # None once it has ended
+    if worker is not None:
+        worker.join(timeout=60)
+    assert ahead._worker is None  # it ends with its last job
+
+
 def test_a_job_solves_every_position_down_to_the_first_unmet_budget(recorded):
     graph, reference, asked = recorded
     ahead._run(graph, "fake", (), reference, 70)
@@ -114,15 +121,15 @@ def test_the_background_thread_runs_each_job_once_and_only_when_enabled(recorded
     key = (graph.hash, "fake", (("x", 1),))
     assert key not in ahead._pending and key not in ahead._started  # after a slow solve: nothing queued
     ahead.solve_ahead(graph, solved(graph, "fake", 0.1), reference, 70)
-    ahead._worker.join(timeout=60)
-    assert ahead._worker is None and len(asked) > 30  # the thread ends with its last job
+    wait_for_the_thread()
+    assert len(asked) > 30
     done = len(asked)
     ahead.solve_ahead(graph, solved(graph, "fake", 0.1), reference, 50)  # the same job: not queued again
     assert ahead._worker is None and len(asked) == done
     ahead.solve_ahead(graph, solved(graph, "none", 0.1), reference, 70)  # no remat does not depend on the budget
     assert (graph.hash, "none", (("x", 1),)) not in ahead._started
     ahead.solve_ahead(graph, solved(graph, "other", 0.1), reference, 70)  # a new job: a new thread
-    ahead._worker.join(timeout=60)
+    wait_for_the_thread()
     assert len(asked) == 2 * done
 
 
