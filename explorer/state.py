@@ -189,7 +189,7 @@ def restore_view() -> None:
     parsers = {
         "model": lambda v: restore_model(v, q.get("size", "")),
         "method": lambda v: {"method": _one_of("method", v, methods)},
-        "budget": lambda v: {"budget_pct": min(100, max(5, int(v)))},
+        "budget": lambda v: {"budget_pct": min(ahead.SLIDER.stop - 1, max(ahead.SLIDER.start, int(v)))},
         "exact": lambda v: {"budget_text": v},
         "granularity": lambda v: {"granularity": max(1, int(v)), "granularity_on": True},
         "backend": lambda v: {"backend": _one_of("backend", v, BACKENDS)},
