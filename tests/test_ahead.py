@@ -16,24 +16,44 @@ from tests.graphs import chain
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def recorded(monkeypatch):
-    """``solvers.solve`` replaced by one that records each budget and meets only budgets >= 40% of the
-    no-remat peak (below: BudgetError, as a real method at a budget it cannot meet)."""
-    graph = chain(6, mem=10_000)  # every slider position a different budget
-    reference = no_remat_peak(graph)
-    asked: list[int] = []
+GRAPH = chain(6, mem=10_000)  # every slider position a different budget
+REFERENCE = no_remat_peak(GRAPH)
 
-    def fake_solve(g, budget, method, **options):
-        asked.append(budget)
-        if budget < 0.4 * reference:
-            raise BudgetError(f"no schedule under {budget} B")
-        return none_schedule(g)
+
+def pct_of(budget: int) -> int:
+    return round(100 * budget / REFERENCE)
+
+
+@pytest.fixture
+def fake_method(monkeypatch):
+    """``install(fake)``: ``solvers.solve`` replaced by ``fake(budget, **options)``, which returns a
+    schedule of GRAPH or raises; Streamlit's cache cleared before and after (the fake's schedules must
+    not reach other tests)."""
+    def install(fake):
+        def fake_solve(g, budget, method, **options):
+            fake(budget, **options)
+            return none_schedule(g)
+
+        monkeypatch.setattr(solvers, "solve", fake_solve)
 
     st.cache_resource.clear()
-    monkeypatch.setattr(solvers, "solve", fake_solve)
-    yield graph, reference, asked
-    st.cache_resource.clear()  # the fake's schedules must not reach other tests
+    yield install
+    st.cache_resource.clear()
+
+
+@pytest.fixture
+def recorded(fake_method):
+    """A fake method that records each budget and meets only budgets >= 40% of the no-remat peak
+    (below: BudgetError, as a real method at a budget it cannot meet)."""
+    asked: list[int] = []
+
+    def fake(budget, **options):
+        asked.append(budget)
+        if budget < 0.4 * REFERENCE:
+            raise BudgetError(f"no schedule under {budget} B")
+
+    fake_method(fake)
+    return GRAPH, REFERENCE, asked
 
 
 def solved(graph, method: str, seconds: float) -> compute.Outcome:
@@ -62,53 +82,40 @@ def test_a_job_solves_every_position_down_to_the_first_unmet_budget(recorded):
     assert asked == []
 
 
-def test_the_side_that_took_less_solver_time_goes_next(monkeypatch):
-    graph = chain(6, mem=10_000)
-    reference = no_remat_peak(graph)
+def test_the_side_that_took_less_solver_time_goes_next(fake_method):
     asked: list[int] = []
 
-    def fake_solve(g, budget, method, **options):  # below 70%: 0.2 s each, unmet below 60%
-        asked.append(round(100 * budget / reference))
-        if budget < 0.7 * reference:
+    def fake(budget, **options):  # below 70%: 0.2 s each, unmet below 60%
+        asked.append(pct_of(budget))
+        if budget < 0.7 * REFERENCE:
             time.sleep(0.2)
-        if budget < 0.6 * reference:
+        if budget < 0.6 * REFERENCE:
             raise BudgetError(f"no schedule under {budget} B")
-        return none_schedule(g)
 
-    st.cache_resource.clear()
-    monkeypatch.setattr(solvers, "solve", fake_solve)
-    try:
-        ahead._run(graph, "fake", (), reference, 70)
-    finally:
-        st.cache_resource.clear()
+    fake_method(fake)
+    ahead._run(GRAPH, "fake", (), REFERENCE, 70)
     # a tie goes below; then every cheap position above before the second costly one below
     assert asked == [69, *range(71, 101), *range(68, 58, -1)]
 
 
-def test_a_side_stops_at_a_solve_that_reaches_the_cap_and_that_solve_is_not_kept(monkeypatch):
-    graph = chain(6, mem=10_000)
-    reference = no_remat_peak(graph)
+def test_a_side_stops_at_a_solve_that_reaches_the_cap_and_that_solve_is_not_kept(fake_method, monkeypatch):
     limits: dict[int, float] = {}
 
-    def fake_solve(g, budget, method, time_limit=None, **options):  # below 70%: past the cap
-        limits[round(100 * budget / reference)] = time_limit
-        if budget < 0.7 * reference:
+    def fake(budget, time_limit=None, **options):  # below 70%: past the cap
+        limits[pct_of(budget)] = time_limit
+        if budget < 0.7 * REFERENCE:
             time.sleep(0.3)
-        return none_schedule(g)
 
-    st.cache_resource.clear()
-    monkeypatch.setattr(solvers, "solve", fake_solve)
+    fake_method(fake)
     monkeypatch.setattr(ahead, "SLOW_SOLVE_SECONDS", 0.2)
-    try:
-        ahead._run(graph, "fake", (("time_limit", 20.0),), reference, 70)
-        assert sorted(limits) == [69, *range(71, 101)]  # one capped below, then that side stopped
-        assert set(limits.values()) == {0.2}  # the user's 20 s lowered to the cap
-        limits.clear()
-        compute.solve(graph, ahead.budget_at(69, reference), "fake", (("time_limit", 20.0),))
-        compute.solve(graph, ahead.budget_at(71, reference), "fake", (("time_limit", 20.0),))
-        assert limits == {69: 20.0}  # the capped solve was not kept; the finished one was, as the user's
-    finally:
-        st.cache_resource.clear()
+    options = (("time_limit", 20.0),)
+    ahead._run(GRAPH, "fake", options, REFERENCE, 70)
+    assert sorted(limits) == [69, *range(71, 101)]  # one capped below, then that side stopped
+    assert set(limits.values()) == {0.2}  # the user's 20 s lowered to the cap
+    limits.clear()
+    compute.solve(GRAPH, ahead.budget_at(69, REFERENCE), "fake", options)
+    compute.solve(GRAPH, ahead.budget_at(71, REFERENCE), "fake", options)
+    assert limits == {69: 20.0}  # the capped solve was not kept; the finished one was, as the user's
 
 
 def test_the_background_thread_runs_each_job_once_and_only_when_enabled(recorded, monkeypatch):
