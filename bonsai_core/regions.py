@@ -8,11 +8,18 @@ recomputed. Its schedule, the one every method of this family returns and the ex
 * a recomputed segment keeps only its *boundary*, the nodes read by forward nodes outside it (its
   outputs, which are the next segments' inputs; and the base of any kept view). Its other nodes
   are freed after their last forward use;
+* a recomputed segment that **drops its outputs** (``CheckpointPlan.drop_outputs``) keeps only the
+  nodes that a forward view outside it aliases: its outputs are freed too, after their last forward
+  reader, and rebuilt with the rest. Every forward reader outside such a segment must be in a kept
+  segment (its forward pass has run by then; a rebuild reading the output would have nothing to read).
+  This is not a ``torch.utils.checkpoint`` region (an op after the region would hold the output for
+  its own backward); the ``checkpoint`` export back-end cannot realise it, the schedule runtime can;
 * right before the first backward node that reads a dropped node of the segment, the segment is
   rebuilt once from its inputs: the dropped nodes the backward pass reads, and what they need.
 
 The schedule stores the plan in ``Schedule.extra`` as ``{"segments": [[ids...], ...],
-"recomputed": [segment index, ...]}``.
+"recomputed": [segment index, ...], "drop_outputs": [segment index, ...]}`` (the last only when
+not empty).
 """
 
 from __future__ import annotations
@@ -29,24 +36,31 @@ from bonsai_core.schedule import Schedule, schedule_ops
 
 @dataclass(frozen=True)
 class CheckpointPlan:
-    """Disjoint segments of forward node ids covering the forward pass, and which are recomputed."""
+    """Disjoint segments of forward node ids covering the forward pass, which are recomputed, and which
+    of those drop their outputs too (module docstring)."""
 
     segments: tuple[tuple[int, ...], ...]
     recomputed: frozenset[int]
+    drop_outputs: frozenset[int] = frozenset()
 
     @classmethod
-    def of(cls, segments: Sequence[Sequence[int]], recomputed: Sequence[int] = ()) -> "CheckpointPlan":
-        return cls(tuple(tuple(sorted(int(v) for v in s)) for s in segments), frozenset(int(i) for i in recomputed))
+    def of(cls, segments: Sequence[Sequence[int]], recomputed: Sequence[int] = (),
+           drop_outputs: Sequence[int] = ()) -> "CheckpointPlan":
+        return cls(tuple(tuple(sorted(int(v) for v in s)) for s in segments), frozenset(int(i) for i in recomputed),
+                   frozenset(int(i) for i in drop_outputs))
 
     def to_extra(self) -> dict[str, Any]:
-        return {"segments": [list(s) for s in self.segments], "recomputed": sorted(self.recomputed)}
+        extra: dict[str, Any] = {"segments": [list(s) for s in self.segments], "recomputed": sorted(self.recomputed)}
+        if self.drop_outputs:
+            extra["drop_outputs"] = sorted(self.drop_outputs)
+        return extra
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "CheckpointPlan":
         if "segments" not in extra:
             raise ScheduleError("This schedule holds no checkpoint regions ('extra.segments'); it is a general "
                                 "schedule, not a bonsai/chen checkpoint plan.")
-        return cls.of(extra["segments"], extra.get("recomputed", ()))
+        return cls.of(extra["segments"], extra.get("recomputed", ()), extra.get("drop_outputs", ()))
 
 
 def segment_of(graph: Graph, plan: CheckpointPlan) -> np.ndarray:
@@ -67,21 +81,36 @@ def segment_of(graph: Graph, plan: CheckpointPlan) -> np.ndarray:
     bad = [i for i in plan.recomputed if not 0 <= i < len(plan.segments)]
     if bad:
         raise ScheduleError(f"Recomputed segment {bad[0]} does not exist (there are {len(plan.segments)}).")
+    kept_outputs = sorted(plan.drop_outputs - plan.recomputed)
+    if kept_outputs:
+        raise ScheduleError(f"Segment {kept_outputs[0]} drops its outputs but is not recomputed; only a "
+                            "recomputed segment can drop its outputs.")
     return seg
 
 
 def dropped_nodes(graph: Graph, plan: CheckpointPlan) -> np.ndarray:
-    """bool[n]: nodes of recomputed segments that are not kept after the forward pass."""
+    """bool[n]: nodes of recomputed segments that are not kept after the forward pass. Refuses a plan
+    whose segment drops an output that a recomputed segment reads."""
     seg = segment_of(graph, plan)
     in_recomputed = np.isin(seg, list(plan.recomputed)) if plan.recomputed else np.zeros(graph.n, dtype=bool)
     dropped = in_recomputed.copy()
     for v in np.flatnonzero(in_recomputed):
-        if any(graph.is_forward[u] and seg[u] != seg[v] for u in graph.users(v)):
+        outside = [u for u in graph.users(v).tolist() if graph.is_forward[u] and seg[u] != seg[v]]
+        if seg[v] in plan.drop_outputs:  # kept only for a view outside (then the base of a boundary)
+            outside = [u for u in outside if graph.alias_of[u] == v]
+        if outside:
             dropped[v] = False  # a boundary: later segments read it
     for v in reversed(range(graph.n)):  # a kept view keeps its base
         a = graph.alias_of[v]
         if a >= 0 and graph.is_forward[v] and not dropped[v]:
             dropped[a] = False
+    for v in np.flatnonzero(dropped & np.isin(seg, list(plan.drop_outputs))):
+        for u in graph.users(v).tolist():
+            if graph.is_forward[u] and seg[u] != seg[v] and seg[u] in plan.recomputed:
+                raise ScheduleError(
+                    f"Segment {seg[v]} drops its outputs, but node {v} ({graph.names[v]!r}) is read by node {u} "
+                    f"({graph.names[u]!r}) of the recomputed segment {seg[u]}, whose rebuild would need it. A "
+                    "segment may drop its outputs only when every forward reader outside it is kept.")
     return dropped
 
 

@@ -59,8 +59,11 @@ st.plotly_chart(plots.memory_figure([timeline, reference_curve] if s.method != "
 segments = out.schedule.extra.get("segments")
 if segments:
     rec = set(out.schedule.extra.get("recomputed", []))
-    st.subheader(f"{len(segments)} segments, {len(rec)} recomputed")
+    opened = set(out.schedule.extra.get("drop_outputs", []))  # bonsai's option drop_outputs
+    st.subheader(f"{len(segments)} segments, {len(rec)} recomputed" +
+                 (f" ({len(opened)} with their outputs dropped)" if opened else ""))
     st.dataframe([{"segment": i, "ops": len(seg), "first op": g.names[seg[0]], "last op": g.names[seg[-1]],
                    "bytes": format_bytes(int(g.mem[list(seg)].sum())),
-                   "cost (µs)": round(float(g.cost[list(seg)].sum()) * 1e6, 2), "recomputed": i in rec}
+                   "cost (µs)": round(float(g.cost[list(seg)].sum()) * 1e6, 2), "recomputed": i in rec,
+                   **({"outputs dropped": i in opened} if opened else {})}
                   for i, seg in enumerate(segments)], hide_index=True, width="stretch")

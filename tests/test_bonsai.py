@@ -177,6 +177,125 @@ def test_pruning_is_exact_in_the_model_when_rebuilds_keep_inputs_alive(graph):
             assert st["compute_cost"] == pytest.approx(true_best), budget
 
 
+# The forward pass peaks at f2 unless f0, read by f1 and the backward pass, is freed after f1: only a
+# segment that drops its output can do that.
+FORWARD_PEAK = {"format": "bonsai-graph", "version": 1, "name": "forward_peak", "fixed_mem": 0, "nodes": [
+    {"id": 0, "name": "f0", "phase": "forward", "cost": 1, "mem": 8, "deps": []},
+    {"id": 1, "name": "f1", "phase": "forward", "cost": 1, "mem": 1, "deps": [0]},
+    {"id": 2, "name": "f2", "phase": "forward", "cost": 1, "mem": 8, "deps": [1]},
+    {"id": 3, "name": "g2", "phase": "backward", "cost": 1, "mem": 1, "deps": [1]},
+    {"id": 4, "name": "g1", "phase": "backward", "cost": 1, "mem": 1, "deps": [0, 3]},
+    {"id": 5, "name": "g0", "phase": "backward", "cost": 1, "mem": 1, "deps": [4]}]}
+
+
+def all_plans_dropping_outputs(graph: Graph):
+    """Every checkpoint plan, each recomputed segment with its outputs kept or dropped (the valid ones:
+    no dropped output read by a recomputed segment)."""
+    from bonsai_core.errors import ScheduleError
+    from bonsai_core.regions import dropped_nodes
+
+    for plan in all_plans(graph):
+        rec = sorted(plan.recomputed)
+        for flags in itertools.product([False, True], repeat=len(rec)):
+            opened = CheckpointPlan(plan.segments, plan.recomputed, frozenset(i for i, f in zip(rec, flags) if f))
+            try:
+                dropped_nodes(graph, opened)
+            except ScheduleError:
+                continue
+            yield opened
+
+
+def modelled_peak_dropping_outputs(built, plan: CheckpointPlan) -> int:
+    """:func:`modelled_peak` with segments that drop their outputs: their coefficients come from
+    ``built.coef_open`` (a segment whose outputs no later forward op reads is the same as kept)."""
+    from bonsai_core.solvers.bonsai_coef import memory_steps
+
+    seg, m = built.seg, len(built.seg.forward)
+    pos = {int(v): i for i, v in enumerate(seg.forward)}
+    index = {(int(a), int(b)): c for c, (a, b) in enumerate(zip(seg.starts, seg.ends))}
+    memory = built.plain.memory
+    total = np.zeros(len(memory))
+    for i in sorted(plan.recomputed):
+        c = index[(min(pos[v] for v in plan.segments[i]), max(pos[v] for v in plan.segments[i]) + 1)]
+        has_readers = built.coef_open.reader_ptr[c + 1] > built.coef_open.reader_ptr[c]
+        coef = built.coef_open if i in plan.drop_outputs and has_readers else built.coef
+        total += np.asarray(memory_steps(coef, np.array([c]), m, points=len(memory)).sum(axis=1)).ravel()
+    return int((memory + np.cumsum(total)).max())
+
+
+@pytest.mark.parametrize("graph", [Graph.from_dict(FORWARD_PEAK), Graph.from_dict(MUL8), random_net(0, n=5), random_net(4, n=6), viewed_net(1, n=5),
+                                   viewed_net(2, n=5)] + [reader_net(s, n) for s, n in ((0, 6), (3, 6), (4, 5))],
+                         ids=lambda g: g.name)
+def test_dropping_outputs_is_optimal_in_its_model_and_never_worse(graph):
+    """drop_outputs=True against every plan of the larger space: the model bounds every plan's peak; at
+    every budget the ILP's optimum is
+    the cheapest plan whose modelled peak fits (outputs kept or dropped), the schedule fits the
+    budget, and it never costs more than the plan with outputs kept, nor than the true optimum of the
+    larger space where the model is exact."""
+    m = int(graph.is_forward.sum())
+    built = B.build(graph, m, drop_outputs=True)
+    plans = []
+    for plan in all_plans_dropping_outputs(graph):
+        sim = simulate(graph, plan_schedule(graph, plan, "brute"))
+        plans.append((sim.peak, sim.compute_cost, modelled_peak_dropping_outputs(built, plan)))
+    assert built.drops_outputs.any()  # the larger space is at work on these graphs
+    assert all(q >= p for p, _, q in plans)  # the model bounds every plan's simulated peak
+    for budget in sorted({p for p, _, _ in plans} | {q for _, _, q in plans}):
+        true_best = min((c for p, c, _ in plans if p <= budget), default=None)
+        model_best = min((c for _, c, q in plans if q <= budget), default=None)
+        if true_best is None:
+            continue
+        st = solve(graph, budget, "bonsai", granularity=m, drop_outputs=True).stats
+        assert st["peak"] <= budget and st["compute_cost"] >= true_best - 1e-9
+        if model_best is not None:
+            ilp = st["objective"] if st["plan_source"] == "ilp" else st["ilp_overhead"]
+            assert graph.total_cost * (1 + ilp) == pytest.approx(model_best), budget
+        try:
+            kept = solve(graph, budget, "bonsai", granularity=m).stats["compute_cost"]
+        except BudgetError:
+            kept = np.inf
+        assert st["compute_cost"] <= kept + 1e-9, budget
+        if all(q == p for p, _, q in plans if p <= budget):
+            assert st["compute_cost"] == pytest.approx(true_best), budget
+
+
+def test_dropping_an_output_frees_it_after_its_last_forward_reader():
+    """FORWARD_PEAK: recomputing f0 with its output dropped saves its 8 bytes from f2 on (after f1, its
+    reader, which must be kept); the model's peak of that plan is the simulator's."""
+    from bonsai_core.solvers.bonsai_coef import coefficients
+
+    g = Graph.from_dict(FORWARD_PEAK)
+    built = B.build(g, 3, drop_outputs=True)
+    c = next(c for c in range(built.seg.count) if (built.seg.starts[c], built.seg.ends[c]) == (0, 1))
+    opened = coefficients(g, built.seg, built.plain, drop_outputs=True)
+    assert opened.save_pos[opened.save_ptr[c]:opened.save_ptr[c + 1]].tolist() == [2]
+    assert opened.reader_atom[opened.reader_ptr[c]:opened.reader_ptr[c + 1]].tolist() == [1]
+    assert built.coef.saved[c] == 0  # with its output kept, f0 saves nothing
+    plan = CheckpointPlan.of([[0], [1], [2]], [0], [0])  # f0 alone, its output dropped
+    assert simulate(g, plan_schedule(g, plan, "bonsai")).peak == modelled_peak_dropping_outputs(built, plan) == 10
+    assert solve(g, 10, "bonsai", granularity=3, drop_outputs=True).stats["peak"] <= 10
+
+
+def test_a_segment_may_drop_only_outputs_that_kept_segments_read():
+    """regions: a dropped output read by a recomputed segment is refused with the nodes named; read by
+    a kept segment it is freed after that read and rebuilt before its first backward reader."""
+    from bonsai_core.errors import ScheduleError
+    from bonsai_core.regions import dropped_nodes
+
+    g = chain(4)
+    ids = np.flatnonzero(g.is_forward).tolist()
+    with pytest.raises(ScheduleError, match="drops its outputs.*recomputed segment 1"):
+        dropped_nodes(g, CheckpointPlan.of([ids[:2], ids[2:]], [0, 1], [0]))
+    with pytest.raises(ScheduleError, match="not recomputed"):
+        dropped_nodes(g, CheckpointPlan.of([ids[:2], ids[2:]], [1], [0]))
+    closed = dropped_nodes(g, CheckpointPlan.of([ids[:2], ids[2:]], [0]))
+    opened = dropped_nodes(g, CheckpointPlan.of([ids[:2], ids[2:]], [0], [0]))
+    assert not closed[ids[1]] and opened[ids[1]] and opened[ids[0]] == closed[ids[0]]
+    plan = CheckpointPlan.of([ids[:2], ids[2:]], [0], [0])
+    assert CheckpointPlan.from_extra(plan.to_extra()) == plan
+    assert simulate(g, plan_schedule(g, plan, "bonsai")).peak > 0  # the simulator accepts the schedule
+
+
 def test_mul8_meets_budget_4_at_the_optimum():
     """The issue's smallest case: recomputing b1, b2 (with a, their segment's boundary) fits 4 bytes
     at cost 9; the old `saved > ext` rule pruned it and claimed 5 bytes were needed."""

@@ -79,7 +79,7 @@ def recompute_before_use(graph: Graph, level: int) -> Schedule:
     return Schedule(graph.name, "test-recompute", schedule_ops(graph, seq), graph_hash=graph.hash)
 
 
-def solver_factory(method: str, time_limit: float = 20.0) -> ScheduleFactory:
+def solver_factory(method: str, time_limit: float = 20.0, **options) -> ScheduleFactory:
     """A real method at level i's budget: the peak lower bound plus ``BUDGET_SHARES[i]`` of the headroom
     up to the no-remat peak (small models are parameter-heavy, so shares of the peak itself are often
     below the bound). A method that cannot meet a budget (``BudgetError``) is skipped there, naming it:
@@ -92,7 +92,7 @@ def solver_factory(method: str, time_limit: float = 20.0) -> ScheduleFactory:
         lb = graph.peak_lower_bound
         budget = int(lb + BUDGET_SHARES[level] * (no_remat_peak(graph) - lb))
         try:
-            return solve(graph, budget, method=method, time_limit=time_limit)
+            return solve(graph, budget, method=method, time_limit=time_limit, **options)
         except BudgetError as e:
             pytest.skip(f"{method} cannot meet the budget {budget} bytes ({type(e).__name__}): {e}")
 
@@ -106,6 +106,7 @@ FACTORIES: dict[str, ScheduleFactory] = {
 # every real method that does recomputation; the op-level MILP takes minutes over all cases, so slow
 FACTORIES.update({m: solver_factory(m) for m in METHODS if m != "none"})
 FACTORIES["checkmate"] = solver_factory("checkmate", time_limit=60.0)
+FACTORIES["bonsai-drop-outputs"] = solver_factory("bonsai", drop_outputs=True)  # plans beyond checkpoint regions
 SLOW_FACTORIES = {"checkmate"}
 # Checkmate's op-level MILP at these sizes: HiGHS found no incumbent within 60 s for unet at shares 0.7
 # and 0.5 (59 model nodes, 9,086 variables) nor for gpt at 0.5 (125 nodes, 41,124 variables; SCIP needed
@@ -135,6 +136,13 @@ def test_export_matches_original_and_predicted_peak(small_steps, tmp_path, name,
     assert v.measured_peak == pytest.approx(sim.peak, rel=0.10)
     if sim.peak < 0.99 * v.original_peak:  # the schedule promises clearly less than the plain model uses
         assert v.measured_peak < v.original_peak
+
+
+def test_the_drop_outputs_plans_exported_above_drop_outputs(small_steps):
+    """The bonsai-drop-outputs cases would test nothing new if no plan dropped an output."""
+    dropping = [name for name, (traced, _) in small_steps.items() for level in LEVELS
+                if CheckpointPlan.from_extra(FACTORIES["bonsai-drop-outputs"](traced.graph, level).extra).drop_outputs]
+    assert len(dropping) >= 3, dropping
 
 
 @pytest.mark.parametrize("factory", ["checkpoint-every-other", "recompute-before-use"])

@@ -5,7 +5,8 @@ The forward pass is cut into candidate segments (:mod:`bonsai_core.segment`); th
 picks a cover of the forward pass out of them and which of them to recompute. Its schedule space is
 exactly :class:`bonsai_core.regions.CheckpointPlan`: a recomputed segment keeps its boundary, drops
 the rest after the forward pass and is rebuilt once right before the first backward node that reads
-a dropped node.
+a dropped node (with the option ``drop_outputs``, a recomputed segment may drop its outputs too when
+only kept ops read them in the forward pass).
 
 **Candidates.** Every run of whole atoms with at most ``granularity`` non-view ops, plus every segment
 of Chen's checkpoint plans (:func:`bonsai_core.solvers.chen.candidate_plans`, any length) and every
@@ -162,17 +163,19 @@ def auto_ladder(graph: Graph) -> list[int]:
     return sorted({min(top, default_granularity(graph) * k) for k in _LADDER})
 
 
-def build(graph: Graph, granularity: int | None = None, regions: Regions = "any") -> BuiltModel:
+def build(graph: Graph, granularity: int | None = None, regions: Regions = "any",
+          drop_outputs: bool = False) -> BuiltModel:
     """The segment ILP of ``graph`` at ``granularity`` (None: the paper's default, round(2·√ops)),
     with Chen's segments and the module calls as extra candidates; built once per (graph hash,
     granularity, regions) and cached (the last few), so a budget change only sets the Parameter.
     ``regions="modules"``: only module calls may be recomputed (the rest of the forward pass is kept
-    atom by atom), so the granularity plays no part."""
+    atom by atom), so the granularity plays no part. ``drop_outputs``: candidates may also be
+    recomputed with their outputs dropped (:class:`~bonsai_core.regions.CheckpointPlan`)."""
     if regions == "modules":
         granularity = 1
     gran = default_granularity(graph) if granularity is None else granularity
     seg = segment(graph, gran)  # validates the granularity before anything is built
-    key = (graph.hash, ("model", seg.granularity, regions))
+    key = (graph.hash, ("model", seg.granularity, regions, drop_outputs))
 
     def make() -> BuiltModel:
         full = segment(graph, seg.granularity, seeds(graph, regions).spans)
@@ -180,14 +183,15 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
         if regions == "modules":
             calls = module_spans(graph)
             allowed = np.array([(a, b) in calls for a, b in zip(full.starts.tolist(), full.ends.tolist())], dtype=bool)
-        return build_model(graph, full, _plain(graph), allowed)
+        return build_model(graph, full, _plain(graph), allowed, drop_outputs)
 
     return _cached(key, make)
 
 
 def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None = None,
                  granularity: int | None = None, backend: str = DEFAULT_BACKEND,
-                 gap: float = DEFAULT_GAP, regions: Regions = "any", reuse: bool = True) -> Schedule:
+                 gap: float = DEFAULT_GAP, regions: Regions = "any", drop_outputs: bool = False,
+                 reuse: bool = True) -> Schedule:
     """Bonsai's segment ILP: the cheapest checkpoint plan whose modelled peak fits ``budget``.
 
     Options:
@@ -200,6 +204,9 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         regions: "any" (contiguous runs of ops, Chen's segments and module calls) or "modules" (only
             the module calls the trace recorded may be recomputed: plans that the ``checkpoint``
             export back-end applies to those submodules one to one).
+        drop_outputs: also let a recomputed segment drop its outputs when only kept ops read them in the
+            forward pass (rebuilt before their first backward reader): a larger schedule space, beyond
+            torch.utils.checkpoint regions, and a model about 1.7 times larger (docs/BONSAI.md).
         reuse: answer with a plan solved earlier (same graph and options) at a larger budget when it
             fits this one (it is then within the same gap of this budget's optimum); False: always solve.
 
@@ -213,13 +220,16 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
     if regions == "modules" and not graph.modules:
         raise SolverError(f"regions 'modules': the graph {graph.name!r} records no module calls (its file has no "
                           "'modules' field). Trace the model again with this version of bonsai, or use regions 'any'.")
+    if drop_outputs and regions == "modules":
+        raise SolverError("drop_outputs needs regions 'any': with regions 'modules' the plan is applied to the "
+                          "module calls as torch.utils.checkpoint regions, which keep their outputs.")
     if not graph.is_forward.any():  # nothing to checkpoint
         schedule = plan_schedule(graph, CheckpointPlan.of([]), "bonsai")
         schedule.stats = {"status": "optimal", "gap": 0.0, "variables": 0, "constraints": 0,
                           "build_seconds": 0.0, "solve_seconds": 0.0, "candidates": 0, "segments": 0,
                           "granularity": 0, "plan_source": "ilp"}
         return schedule
-    plans_key = (graph.hash, ("plans", granularity, regions, backend, gap))
+    plans_key = (graph.hash, ("plans", granularity, regions, drop_outputs, backend, gap))
     # looked up before waiting for the graph's lock (another session may be solving for minutes), and again
     # after it (the one that held it may have solved a plan that fits)
     earlier = _reused(plans_key, budget) if reuse else None
@@ -229,7 +239,7 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         earlier = _reused(plans_key, budget) if reuse else None
         if earlier is not None:
             return earlier
-        schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions)
+        schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions, drop_outputs)
         if budget is not None and _reusable(schedule, gap):
             st = schedule.stats
             simulated_peak = st["model_peak"] - st["model_slack"]
@@ -268,7 +278,7 @@ def _copy(schedule: Schedule, **stats: Any) -> Schedule:
 
 
 def _solve(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None,
-           backend: str, gap: float, regions: Regions) -> Schedule:
+           backend: str, gap: float, regions: Regions, drop_outputs: bool) -> Schedule:
     clock = Deadline(time_limit)
     plain_peak = int(_plain(graph).memory.max())
     target = int(budget) if budget is not None else plain_peak
@@ -280,8 +290,8 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
     for gran in ladder:
         if clock.passed():
             break
-        cached = (graph.hash, ("model", min(gran, max(1, op_count(graph))), regions)) in _cache
-        built = build(graph, gran, regions)
+        cached = (graph.hash, ("model", min(gran, max(1, op_count(graph))), regions, drop_outputs)) in _cache
+        built = build(graph, gran, regions, drop_outputs)
         tried.append(built.seg.granularity)
         found = _solve_model(graph, built, target, backend, clock, gap)
         if found is not None:
@@ -308,6 +318,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         "recomputed_segments": len(CheckpointPlan.from_extra(schedule.extra).recomputed),
         "model_peak": model_peak, "model_slack": model_peak - ilp_peak,
         "tightened_by": found.tightened, "plan_source": source, "regions": regions,
+        "outputs_dropped": len(CheckpointPlan.from_extra(schedule.extra).drop_outputs),
     }
     if source == "seed":
         schedule.stats.update(status="feasible", gap=None, seed_plan=fallback[2],

@@ -53,6 +53,10 @@ class Coefficients:
     save_ptr: np.ndarray
     save_pos: np.ndarray
     save_step: np.ndarray
+    # With ``drop_outputs``: the atoms holding the forward readers of the candidate's dropped outputs
+    # (CSR over candidates), which must be kept; a candidate without any drops no output.
+    reader_ptr: np.ndarray
+    reader_atom: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -99,8 +103,11 @@ def point_of(q: np.ndarray | int, m: int, rebuild: bool = False) -> np.ndarray |
     return out if out.ndim else int(out)
 
 
-def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile) -> Coefficients:
-    """Per-candidate recomputation cost, savings, kept inputs and rebuild peak.
+def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outputs: bool = False) -> Coefficients:
+    """Per-candidate recomputation cost, savings, kept inputs and rebuild peak; with ``drop_outputs``,
+    of the candidate recomputed with its outputs dropped too (:class:`~bonsai_core.regions.CheckpointPlan`):
+    only what a forward view outside it aliases is kept, an output's forward copy is freed after its
+    last forward reader, and the readers' atoms are recorded (they must be kept).
 
     For a fixed segment end j, which nodes are dropped (``keep_until <= j``), which must be rebuilt
     (dropped and read by the backward pass, or by a rebuilt node at a position <= j) and how long each
@@ -125,6 +132,13 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile) -> Coeffi
         a = graph.alias_of[v]
         if a >= 0:
             keep_until[a] = max(keep_until[a], keep_until[v])
+    view_until = np.full(n, -1, dtype=np.int64)  # the last forward view of a node, through views of views
+    for v in forward[::-1]:
+        a = graph.alias_of[v]
+        if a >= 0:
+            view_until[a] = max(view_until[a], fpos[v], view_until[v])
+    drop_until = (view_until if drop_outputs else keep_until)[forward].tolist()  # dropped by end j iff <= j
+    atom_of = np.searchsorted(seg.atom_ptr, np.arange(m), side="right") - 1
     fwd_users = [graph.users(v)[graph.is_forward[graph.users(v)]].tolist() for v in forward]
     fwd_deps = [graph.deps(v).tolist() for v in forward]
     alias = graph.alias_of.tolist()
@@ -139,6 +153,7 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile) -> Coeffi
     out_rebuild = np.full(count, -1, dtype=np.int64)
     save_pos: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
     save_step: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
+    readers: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
     order = np.lexsort((-seg.starts, seg.ends))  # by end, then start descending
     ends = seg.ends[order]
     groups = np.split(order, np.flatnonzero(np.diff(ends)) + 1) if count else []
@@ -149,15 +164,18 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile) -> Coeffi
         live = np.zeros(j - lo + 1, dtype=np.int64)  # bytes of rebuilt copies at each window position
         save_at: dict[int, int] = {}  # sequence position -> bytes whose forward copy is gone from there on
         inputs: dict[int, int] = {}  # kept node read by the rebuild -> its last reader's position
+        outside: set[int] = set()  # forward positions after j that read a dropped node
         total_cost, saved, peak, first = 0.0, 0, 0, n + 1
         gi = 0
         for p in range(j, lo - 1, -1):
             v = int(forward[p])
-            if keep_l[p] <= j:  # dropped
-                if rel_l[v] > j:
+            if drop_until[p] <= j:  # dropped
+                if rel_l[v] > max(j, keep_l[p]):  # the plain schedule keeps it past its forward use
                     saved += mem_l[v]
                     at = max(p, keep_l[p]) + 1
                     save_at[at] = save_at.get(at, 0) + mem_l[v]
+                if keep_l[p] > j:
+                    outside.update(fpos_l[u] for u in fwd_users[p] if fpos_l[u] > j)
                 first = min(first, first_bwd_l[p])
                 last = j if has_bwd_l[p] else -1
                 for u in fwd_users[p]:
@@ -182,6 +200,8 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile) -> Coeffi
                 out_cost[c], out_saved[c], out_peak[c] = total_cost, saved, peak
                 out_rebuild[c] = first
                 save_pos[c], save_step[c] = _staircase(save_at)
+                if outside:
+                    readers[c] = np.unique(atom_of[sorted(outside)])
                 late = [d for d in inputs if rel_l[d] < first]  # alive longer than plain
                 if late:
                     out_ext[c] = sum(mem_l[d] for d in late)
@@ -191,12 +211,18 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile) -> Coeffi
                     for d in late:
                         during[:inputs[d] - p + 1] += mem_l[d]
                     out_peak[c] = int(during.max())
-    save_ptr = np.zeros(count + 1, dtype=np.int64)
-    save_ptr[1:] = np.cumsum([len(a) for a in save_pos])
+    save_ptr, save_pos_all = _csr(save_pos)
+    reader_ptr, reader_atom = _csr(readers)
     return Coefficients(cost=out_cost, saved=out_saved, ext=out_ext, ext_start=out_ext_start, peak=out_peak,
-                        rebuild_at=out_rebuild, save_ptr=save_ptr,
-                        save_pos=np.concatenate(save_pos) if count else np.zeros(0, dtype=np.int64),
-                        save_step=np.concatenate(save_step) if count else np.zeros(0, dtype=np.int64))
+                        rebuild_at=out_rebuild, save_ptr=save_ptr, save_pos=save_pos_all,
+                        save_step=_csr(save_step)[1], reader_ptr=reader_ptr, reader_atom=reader_atom)
+
+
+def _csr(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(ptr, values) of a list of int64 arrays."""
+    ptr = np.zeros(len(rows) + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum([len(r) for r in rows])
+    return ptr, np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, dtype=np.int64)
 
 
 def _staircase(jumps: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:

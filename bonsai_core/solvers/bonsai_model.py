@@ -17,6 +17,11 @@ matrix, 2 non-zeros per variable).
 :func:`~bonsai_core.solvers.bonsai_coef.memory_steps`), and ``delta[k] + max(P over interval k) <=
 budget``: one row per interval, which covers every point where a peak can occur.
 
+**Outputs dropped** (``drop_outputs``): each candidate whose outputs later forward ops read gets a
+second ``rec`` column with its own coefficients (``coefficients(..., drop_outputs=True)``), and one row
+per atom holding such a reader: ``rec[s] <= keep[a]`` (a recomputed reader's rebuild would have
+nothing to read).
+
 **Objective**: the recomputation time, ``sum cost[s] * rec[s]`` with ``cost[s]`` the cost of the nodes
 actually rebuilt, divided by the graph's total cost: the predicted overhead.
 """
@@ -48,8 +53,10 @@ class BuiltModel:
     graph_hash: str
     seg: Segmentation
     coef: Coefficients
+    coef_open: Coefficients | None  # with drop_outputs: the candidates recomputed with their outputs dropped
     plain: PlainProfile
-    candidates: np.ndarray  # int64[C']: segmentation candidates that may be recomputed (the rec variables)
+    candidates: np.ndarray  # int64[C']: the segmentation candidate of each rec variable
+    drops_outputs: np.ndarray  # bool[C']: the rec variable recomputes its candidate with its outputs dropped
     events: sp.csr_matrix  # (K, C') bytes: step heights of the memory change at each event point
     interval_peak: np.ndarray  # int64[K]: the plain memory's maximum from each event point to the next
     problem: Any
@@ -71,7 +78,9 @@ class BuiltModel:
         """The checkpoint plan of an ILP solution: the recomputed candidates, and the stretches
         between them kept (merging kept atoms changes nothing in the schedule, and the explorer then
         shows recomputed regions and kept stretches, not a confetti of atoms)."""
-        chosen = self.candidates[np.asarray(rec) > 0.5]
+        picked = np.asarray(rec) > 0.5
+        chosen = self.candidates[picked]
+        opened = {(int(self.seg.starts[c]), int(self.seg.ends[c])) for c in self.candidates[picked & self.drops_outputs]}
         chosen = chosen[np.argsort(self.seg.starts[chosen])]
         m = len(self.seg.forward)
         spans: list[tuple[int, int]] = []
@@ -86,21 +95,23 @@ class BuiltModel:
             spans.append((pos, m))
         recomputed = {(int(self.seg.starts[c]), int(self.seg.ends[c])) for c in chosen.tolist()}
         return CheckpointPlan.of([self.seg.forward[a:b].tolist() for a, b in spans],
-                                 [i for i, span in enumerate(spans) if span in recomputed])
+                                 [i for i, span in enumerate(spans) if span in recomputed],
+                                 [i for i, span in enumerate(spans) if span in opened])
 
     def rec_of(self, plan: CheckpointPlan) -> np.ndarray | None:
         """0/1 over :attr:`candidates` for ``plan``'s recomputed segments, or None when one of them is
         not an ILP candidate (the plan is outside the model, or a pruned candidate is in it)."""
         pos = np.full(int(self.seg.forward.max(initial=-1)) + 1, -1, dtype=np.int64)
         pos[self.seg.forward] = np.arange(len(self.seg.forward))
-        index = {(int(self.seg.starts[c]), int(self.seg.ends[c])): i for i, c in enumerate(self.candidates.tolist())}
+        index = {(int(self.seg.starts[c]), int(self.seg.ends[c]), bool(o)): i
+                 for i, (c, o) in enumerate(zip(self.candidates.tolist(), self.drops_outputs.tolist()))}
         out = np.zeros(len(self.candidates))
         for i in plan.recomputed:
             members = pos[list(plan.segments[i])]
-            span = (int(members.min()), int(members.max()) + 1)
-            if span not in index or span[1] - span[0] != len(members):
+            key = (int(members.min()), int(members.max()) + 1, i in plan.drop_outputs)
+            if key not in index or key[1] - key[0] != len(members):
                 return None
-            out[index[span]] = 1.0
+            out[index[key]] = 1.0
         return out
 
     def min_peak_problem(self) -> tuple[Any, Any]:
@@ -115,21 +126,39 @@ class BuiltModel:
         return self._min_peak
 
 
-def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: np.ndarray | None = None) -> BuiltModel:
+def _columns(coef: Coefficients, seg: Segmentation, m: int, allowed: np.ndarray | None) -> np.ndarray:
+    """The candidates that get a rec variable: those that lower the memory, are allowed, and that no
+    candidate inside them dominates."""
+    useful = lowers_memory(coef, m)
+    candidates = np.flatnonzero(useful if allowed is None else useful & allowed)
+    return candidates[~dominated(coef, seg, candidates, m)]
+
+
+def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: np.ndarray | None = None,
+                drop_outputs: bool = False) -> BuiltModel:
     """The segment ILP of one segmentation (see the module docstring). ``allowed`` (bool over the
-    segmentation's candidates): only those may be recomputed (None: all)."""
+    segmentation's candidates): only those may be recomputed (None: all). ``drop_outputs``: each
+    candidate whose outputs are read by later forward ops may also be recomputed with its outputs
+    dropped, as long as the atoms holding those readers are kept."""
     import cvxpy as cp
 
     start = time.perf_counter()
-    coef = coefficients(graph, seg, plain)
     m = len(seg.forward)
-    useful = lowers_memory(coef, m)
-    candidates = np.flatnonzero(useful if allowed is None else useful & allowed)
-    candidates = candidates[~dominated(coef, seg, candidates, m)]
+    coef = coefficients(graph, seg, plain)
+    closed = _columns(coef, seg, m, allowed)
+    if drop_outputs:
+        opened_coef = coefficients(graph, seg, plain, drop_outputs=True)
+        has_readers = np.diff(opened_coef.reader_ptr) > 0
+        opened = _columns(opened_coef, seg, m, has_readers if allowed is None else has_readers & allowed)
+    else:
+        opened_coef, opened = coef, np.zeros(0, dtype=np.int64)
+    candidates = np.concatenate([closed, opened])
+    drops = np.concatenate([np.zeros(len(closed), dtype=bool), np.ones(len(opened), dtype=bool)])
     count, atoms = len(candidates), seg.atoms
 
     memory = plain.memory
-    steps = memory_steps(coef, candidates, m, points=len(memory)).tocsr()
+    steps = sp.hstack([memory_steps(coef, closed, m, points=len(memory)),
+                       memory_steps(opened_coef, opened, m, points=len(memory))]).tocsr()
     rows = np.flatnonzero(np.diff(steps.indptr))
     points = np.union1d([0], rows)  # point 0 always opens an interval, so the whole axis is covered
     events = steps[points]
@@ -158,13 +187,23 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     budget = cp.Parameter(nonneg=True, name="budget")
     unit = max(1.0, float(memory.max()) / UNITS_PER_PEAK)
     budget.value = float(memory.max()) / unit
-    cost = coef.cost[candidates] / graph.total_cost if graph.total_cost > 0 else coef.cost[candidates]
+    cost = np.concatenate([coef.cost[closed], opened_coef.cost[opened]])
+    cost = cost / graph.total_cost if graph.total_cost > 0 else cost
     constraints = [
         arcs(a_start, a_end) @ rec + arcs(arange, arange + 1) @ keep == rhs,
         diff @ delta == (events / unit) @ rec,
-        delta + interval_peak / unit <= budget,
     ]
+    if len(opened):  # a candidate that drops its outputs needs the atoms of their readers kept
+        per = np.diff(opened_coef.reader_ptr)[opened]
+        which = np.repeat(np.arange(len(closed), count), per)
+        readers = np.concatenate([opened_coef.reader_atom[opened_coef.reader_ptr[c]:opened_coef.reader_ptr[c + 1]]
+                                  for c in opened])
+        rows = np.arange(len(which))
+        constraints.append(sp.csr_matrix((np.ones(len(rows)), (rows, which)), shape=(len(rows), count)) @ rec
+                           <= sp.csr_matrix((np.ones(len(rows)), (rows, readers)), shape=(len(rows), atoms)) @ keep)
+    constraints.append(delta + interval_peak / unit <= budget)  # last: min_peak_problem replaces it
     problem = cp.Problem(cp.Minimize(cost @ rec), constraints)
-    return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, plain=plain, candidates=candidates,
+    return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, plain=plain, candidates=candidates, drops_outputs=drops,
+                      coef_open=opened_coef if drop_outputs else None,
                       events=events, interval_peak=interval_peak, problem=problem, rec=rec, keep=keep,
                       delta=delta, budget=budget, unit=unit, build_seconds=time.perf_counter() - start)
