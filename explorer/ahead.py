@@ -7,9 +7,10 @@ On a small machine serving a classroom this is what keeps a drag fast while ten 
 (docs/EXPLORER.md has the measurements); bonsai's reuse of a plan across budgets makes most positions
 free. Jobs stay small: each background solve runs with its time limit capped at
 :data:`SLOW_SOLVE_SECONDS` (one that reaches the cap is thrown away, see ``compute.solve``'s ``_cap``),
-so a session's own solve never waits longer than that for the graph's problem; a side stops at the
-first budget the method cannot meet (a lower one will not fit either) or the first capped solve, and
-a job after :data:`JOB_SECONDS`. ``BONSAI_SOLVE_AHEAD=0`` turns it off.
+so a session's own solve never waits longer than that for the graph's problem; the side below stops
+at the first budget the method cannot meet (a lower one will not fit either) or the first capped
+solve, the side above goes on past a capped solve (larger budgets are usually easier), and a job
+stops after :data:`JOB_SECONDS`. ``BONSAI_SOLVE_AHEAD=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ def _run(graph: Graph, method: str, options: compute.Options, reference: int, pc
         try:  # capped: a user's solve waiting for the graph's problem waits no longer than the cap
             out = compute.solve(graph, budget_at(p, reference), method, options, _cap=SLOW_SOLVE_SECONDS)
         except compute.Unfinished:
-            del sides[side]  # slow from here on: solved on demand only
-            continue
+            if side < 0:
+                del sides[side]  # smaller budgets are harder: solved on demand only
+            continue  # above, one hard budget (e.g. the first that fits at all) need not hold up easier ones
         finally:
             spent[side] += time.perf_counter() - began
         if side < 0 and not out.ok:

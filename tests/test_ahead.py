@@ -98,24 +98,24 @@ def test_the_side_that_took_less_solver_time_goes_next(fake_method):
     assert asked == [69, *range(71, 101), *range(68, 58, -1)]
 
 
-def test_a_side_stops_at_a_solve_that_reaches_the_cap_and_that_solve_is_not_kept(fake_method, monkeypatch):
+def test_a_capped_solve_stops_the_side_below_not_the_side_above_and_is_not_kept(fake_method, monkeypatch):
     limits: dict[int, float] = {}
 
-    def fake(budget, time_limit=None, **options):  # below 70%: past the cap
+    def fake(budget, time_limit=None, **options):  # below 70% and at 75%: past the cap
         limits[pct_of(budget)] = time_limit
-        if budget < 0.7 * REFERENCE:
+        if budget < 0.7 * REFERENCE or pct_of(budget) == 75:
             time.sleep(0.3)
 
     fake_method(fake)
     monkeypatch.setattr(ahead, "SLOW_SOLVE_SECONDS", 0.2)
     options = (("time_limit", 20.0),)
     ahead._run(GRAPH, "fake", options, REFERENCE, 70)
-    assert sorted(limits) == [69, *range(71, 101)]  # one capped below, then that side stopped
+    assert sorted(limits) == [69, *range(71, 101)]  # one capped below, then that side stopped; above went on
     assert set(limits.values()) == {0.2}  # the user's 20 s lowered to the cap
     limits.clear()
-    compute.solve(GRAPH, ahead.budget_at(69, REFERENCE), "fake", options)
-    compute.solve(GRAPH, ahead.budget_at(71, REFERENCE), "fake", options)
-    assert limits == {69: 20.0}  # the capped solve was not kept; the finished one was, as the user's
+    for p in (69, 71, 75, 76):
+        compute.solve(GRAPH, ahead.budget_at(p, REFERENCE), "fake", options)
+    assert limits == {69: 20.0, 75: 20.0}  # the capped solves were not kept; the finished ones were, as the user's
 
 
 def test_the_background_thread_runs_each_job_once_and_only_when_enabled(recorded, monkeypatch):
