@@ -299,7 +299,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
     if found is None:
         fallback = seed.best(graph, built, target, clock=clock) if built is not None else None
         if fallback is None:
-            raise _no_plan(graph, built, target, backend, clock, seed, tried, regions)
+            raise _no_plan(graph, built, target, backend, clock, seed, tried, regions, drop_outputs)
         return _seeded(graph, fallback, tried, clock, built, regions)
     schedule, outcome = found.schedule, found.outcome
     sim = simulate(graph, schedule)
@@ -378,7 +378,7 @@ def _seeded(graph: Graph, fallback: tuple[int, float, str, CheckpointPlan], trie
 
 
 def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, clock: Deadline, seed: Seeds,
-             tried: list[int], regions: Regions = "any") -> BudgetError:
+             tried: list[int], regions: Regions = "any", drop_outputs: bool = False) -> BudgetError:
     """The error for a budget no plan was found for: the smallest budget bonsai can meet (its model's
     or a Chen plan's, whichever is lower), or that the time ran out."""
     lowest_seed = seed.lowest_peak(graph) if not clock.passed() else None
@@ -406,7 +406,7 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
     if smallest is None:
         return BudgetError(f"bonsai found no checkpoint plan of {graph.name!r} within {format_bytes(budget)}.")
     note = "" if proven else " (the search for it stopped early; it may be lower)"
-    widen = "a larger --granularity"
+    widen = "a larger --granularity" + ("" if drop_outputs else ", --option drop_outputs=true")
     if regions == "modules":
         where, widen = "module calls only", "regions 'any' (runs of ops)"
     return BudgetError(
