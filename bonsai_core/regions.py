@@ -42,17 +42,20 @@ class CheckpointPlan:
     segments: tuple[tuple[int, ...], ...]
     recomputed: frozenset[int]
     drop_outputs: frozenset[int] = frozenset()
+    saved: frozenset[int] = frozenset()  # node ids kept inside recomputed segments (SAC's "must save")
 
     @classmethod
     def of(cls, segments: Sequence[Sequence[int]], recomputed: Sequence[int] = (),
-           drop_outputs: Sequence[int] = ()) -> "CheckpointPlan":
+           drop_outputs: Sequence[int] = (), saved: Sequence[int] = ()) -> "CheckpointPlan":
         return cls(tuple(tuple(sorted(int(v) for v in s)) for s in segments), frozenset(int(i) for i in recomputed),
-                   frozenset(int(i) for i in drop_outputs))
+                   frozenset(int(i) for i in drop_outputs), frozenset(int(v) for v in saved))
 
     def to_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"segments": [list(s) for s in self.segments], "recomputed": sorted(self.recomputed)}
         if self.drop_outputs:
             extra["drop_outputs"] = sorted(self.drop_outputs)
+        if self.saved:
+            extra["saved"] = sorted(self.saved)
         return extra
 
     @classmethod
@@ -60,7 +63,8 @@ class CheckpointPlan:
         if "segments" not in extra:
             raise ScheduleError("This schedule holds no checkpoint regions ('extra.segments'); it is a general "
                                 "schedule, not a bonsai/chen checkpoint plan.")
-        return cls.of(extra["segments"], extra.get("recomputed", ()), extra.get("drop_outputs", ()))
+        return cls.of(extra["segments"], extra.get("recomputed", ()), extra.get("drop_outputs", ()),
+                      extra.get("saved", ()))
 
 
 def segment_of(graph: Graph, plan: CheckpointPlan) -> np.ndarray:
@@ -81,6 +85,9 @@ def segment_of(graph: Graph, plan: CheckpointPlan) -> np.ndarray:
     bad = [i for i in plan.recomputed if not 0 <= i < len(plan.segments)]
     if bad:
         raise ScheduleError(f"Recomputed segment {bad[0]} does not exist (there are {len(plan.segments)}).")
+    not_forward = [v for v in plan.saved if not (0 <= v < graph.n and graph.is_forward[v])]
+    if not_forward:
+        raise ScheduleError(f"Saved node {not_forward[0]} is not a forward node of {graph.name!r}.")
     kept_outputs = sorted(plan.drop_outputs - plan.recomputed)
     if kept_outputs:
         raise ScheduleError(f"Segment {kept_outputs[0]} drops its outputs but is not recomputed; only a "
@@ -98,8 +105,8 @@ def dropped_nodes(graph: Graph, plan: CheckpointPlan) -> np.ndarray:
         outside = [u for u in graph.users(v).tolist() if graph.is_forward[u] and seg[u] != seg[v]]
         if seg[v] in plan.drop_outputs:  # kept only for a view outside (then the base of a boundary)
             outside = [u for u in outside if graph.alias_of[u] == v]
-        if outside:
-            dropped[v] = False  # a boundary: later segments read it
+        if outside or v in plan.saved:
+            dropped[v] = False  # a boundary (later segments read it), or saved by the plan
     for v in reversed(range(graph.n)):  # a kept view keeps its base
         a = graph.alias_of[v]
         if a >= 0 and graph.is_forward[v] and not dropped[v]:

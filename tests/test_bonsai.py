@@ -89,6 +89,34 @@ def reader_net(seed: int, n: int = 6) -> Graph:
     return Graph.from_nodes(f"reader{seed}", 0, nodes)
 
 
+def masked_net(seed: int, n: int = 5) -> Graph:
+    """Like random_net, with one op f_k that also reads a constant built inside the forward pass (``ones``
+    then ``tril``, reading no other node, as an attention mask): a segment holding it and f_k's input can
+    save the constant instead of rebuilding it. g_k reads the mask, as masked_fill's backward does."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, n))
+    nodes, fdeps, ids = [], [], []
+    for i in range(n):
+        if i == k:
+            nodes.append(dict(name="ones", phase="forward", cost=float(rng.integers(1, 4)), mem=1, deps=[]))
+            nodes.append(dict(name="tril", phase="forward", cost=float(rng.integers(1, 4)), mem=1,
+                              deps=[len(nodes) - 1]))
+        deps = [ids[-1]] if ids else []
+        if i >= 2 and rng.random() < 0.4:
+            deps.append(ids[int(rng.integers(0, i - 1))])
+        if i == k:
+            deps.append(len(nodes) - 1)
+        fdeps.append(sorted(deps))
+        ids.append(len(nodes))
+        nodes.append(dict(name=f"f{i}", phase="forward", cost=float(rng.integers(1, 4)),
+                          mem=int(rng.integers(1, 9)), deps=sorted(deps)))
+    for i in reversed(range(n)):
+        deps = {ids[i], *fdeps[i]} | ({len(nodes) - 1} if i < n - 1 else set())
+        nodes.append(dict(name=f"g{i}", phase="backward", cost=float(rng.integers(1, 4)),
+                          mem=int(rng.integers(1, 9)), deps=sorted(deps)))
+    return Graph.from_nodes(f"masked{seed}", 4, nodes)
+
+
 MUL8 = {"format": "bonsai-graph", "version": 1, "name": "mul8", "fixed_mem": 0, "nodes": [
     {"id": 0, "name": "a", "phase": "forward", "cost": 1, "mem": 2, "deps": []},
     {"id": 1, "name": "b1", "phase": "forward", "cost": 1, "mem": 1, "deps": [0]},
@@ -188,6 +216,85 @@ FORWARD_PEAK = {"format": "bonsai-graph", "version": 1, "name": "forward_peak", 
     {"id": 5, "name": "g0", "phase": "backward", "cost": 1, "mem": 1, "deps": [4]}]}
 
 
+def all_plans_saving_constants(graph: Graph):
+    """Every checkpoint plan, each recomputed segment saving its self-contained nodes or not."""
+    from bonsai_core.segment import segment
+    from bonsai_core.solvers.bonsai_coef import self_contained_from
+
+    seg = segment(graph, 1)
+    lowest = dict(zip(seg.forward.tolist(), self_contained_from(graph, seg).tolist()))
+    pos = {int(v): i for i, v in enumerate(seg.forward)}
+    for plan in all_plans(graph):
+        rec = sorted(plan.recomputed)
+        constants = {i: [v for v in plan.segments[i] if lowest[v] >= min(pos[u] for u in plan.segments[i])]
+                     for i in rec}
+        choices = [i for i in rec if 0 < len(constants[i]) < len(plan.segments[i])]
+        for flags in itertools.product([False, True], repeat=len(choices)):
+            saved = [v for i, f in zip(choices, flags) if f for v in constants[i]]
+            yield CheckpointPlan(plan.segments, plan.recomputed, frozenset(), frozenset(saved))
+
+
+def modelled_peak_saving_constants(built, plan: CheckpointPlan) -> int:
+    """:func:`modelled_peak` with segments that save their self-contained nodes (``built.coefs``)."""
+    from bonsai_core.solvers.bonsai_coef import memory_steps
+
+    seg, m = built.seg, len(built.seg.forward)
+    pos = {int(v): i for i, v in enumerate(seg.forward)}
+    index = {(int(a), int(b)): c for c, (a, b) in enumerate(zip(seg.starts, seg.ends))}
+    memory = built.plain.memory
+    total = np.zeros(len(memory))
+    for i in sorted(plan.recomputed):
+        c = index[(min(pos[v] for v in plan.segments[i]), max(pos[v] for v in plan.segments[i]) + 1)]
+        coef = built.coefs[False, bool(plan.saved & set(plan.segments[i]))]
+        total += np.asarray(memory_steps(coef, np.array([c]), m, points=len(memory)).sum(axis=1)).ravel()
+    return int((memory + np.cumsum(total)).max())
+
+
+@pytest.mark.parametrize("graph", [masked_net(s, n) for s, n in ((0, 5), (1, 5), (2, 6), (3, 5), (5, 6), (8, 5))],
+                         ids=lambda g: g.name)
+def test_saving_constants_is_optimal_in_its_model_and_never_worse(graph):
+    """Graphs with a mask-like constant: against every plan whose recomputed segments save their
+    self-contained nodes or not, the model bounds every plan's simulated peak; at every budget the
+    ILP's optimum is the cheapest plan whose modelled peak fits, the schedule fits, it never costs
+    more than with save_constants=False, and it is the true optimum where the model is exact."""
+    m = int(graph.is_forward.sum())
+    built = B.build(graph, m)
+    assert built.saves_constants.any()
+    plans = []
+    for plan in all_plans_saving_constants(graph):
+        sim = simulate(graph, plan_schedule(graph, plan, "brute"))
+        plans.append((sim.peak, sim.compute_cost, modelled_peak_saving_constants(built, plan)))
+    assert all(q >= p for p, _, q in plans)
+    for budget in sorted({p for p, _, _ in plans} | {q for _, _, q in plans}):
+        true_best = min((c for p, c, _ in plans if p <= budget), default=None)
+        model_best = min((c for _, c, q in plans if q <= budget), default=None)
+        if true_best is None:
+            continue
+        st = solve(graph, budget, "bonsai", granularity=m).stats
+        assert st["peak"] <= budget and st["compute_cost"] >= true_best - 1e-9
+        if model_best is not None:
+            ilp = st["objective"] if st["plan_source"] == "ilp" else st["ilp_overhead"]
+            assert graph.total_cost * (1 + ilp) == pytest.approx(model_best), budget
+        try:
+            rebuilt = solve(graph, budget, "bonsai", granularity=m, save_constants=False).stats["compute_cost"]
+        except BudgetError:
+            rebuilt = np.inf
+        assert st["compute_cost"] <= rebuilt + 1e-9, budget
+        if all(q == p for p, _, q in plans if p <= budget):
+            assert st["compute_cost"] == pytest.approx(true_best), budget
+
+
+def test_a_segment_saves_the_mask_instead_of_rebuilding_it():
+    """masked_net(1): at 36 bytes the cheapest plan recomputes the segment f1, ones, tril, f2 but saves
+    ones and tril (cost 29); rebuilding the mask too costs 30."""
+    g = masked_net(1, 5)
+    s = solve(g, 36, "bonsai", granularity=5)
+    assert s.stats["compute_cost"] == pytest.approx(29) and s.stats["constants_saved"] == 2
+    plan = CheckpointPlan.from_extra(s.extra)
+    assert [g.names[v] for v in sorted(plan.saved)] == ["ones", "tril"]
+    assert solve(g, 36, "bonsai", granularity=5, save_constants=False).stats["compute_cost"] == pytest.approx(30)
+
+
 def all_plans_dropping_outputs(graph: Graph):
     """Every checkpoint plan, each recomputed segment with its outputs kept or dropped (the valid ones:
     no dropped output read by a recomputed segment)."""
@@ -207,7 +314,7 @@ def all_plans_dropping_outputs(graph: Graph):
 
 def modelled_peak_dropping_outputs(built, plan: CheckpointPlan) -> int:
     """:func:`modelled_peak` with segments that drop their outputs: their coefficients come from
-    ``built.coef_open`` (a segment whose outputs no later forward op reads is the same as kept)."""
+    ``built.coefs`` (a segment whose outputs no later forward op reads is the same as kept)."""
     from bonsai_core.solvers.bonsai_coef import memory_steps
 
     seg, m = built.seg, len(built.seg.forward)
@@ -217,8 +324,9 @@ def modelled_peak_dropping_outputs(built, plan: CheckpointPlan) -> int:
     total = np.zeros(len(memory))
     for i in sorted(plan.recomputed):
         c = index[(min(pos[v] for v in plan.segments[i]), max(pos[v] for v in plan.segments[i]) + 1)]
-        has_readers = built.coef_open.reader_ptr[c + 1] > built.coef_open.reader_ptr[c]
-        coef = built.coef_open if i in plan.drop_outputs and has_readers else built.coef
+        opened = built.coefs[True, False]
+        has_readers = opened.reader_ptr[c + 1] > opened.reader_ptr[c]
+        coef = opened if i in plan.drop_outputs and has_readers else built.coef
         total += np.asarray(memory_steps(coef, np.array([c]), m, points=len(memory)).sum(axis=1)).ravel()
     return int((memory + np.cumsum(total)).max())
 

@@ -164,18 +164,19 @@ def auto_ladder(graph: Graph) -> list[int]:
 
 
 def build(graph: Graph, granularity: int | None = None, regions: Regions = "any",
-          drop_outputs: bool = False) -> BuiltModel:
+          drop_outputs: bool = False, save_constants: bool = True) -> BuiltModel:
     """The segment ILP of ``graph`` at ``granularity`` (None: the paper's default, round(2·√ops)),
     with Chen's segments and the module calls as extra candidates; built once per (graph hash,
     granularity, regions) and cached (the last few), so a budget change only sets the Parameter.
     ``regions="modules"``: only module calls may be recomputed (the rest of the forward pass is kept
     atom by atom), so the granularity plays no part. ``drop_outputs``: candidates may also be
-    recomputed with their outputs dropped (:class:`~bonsai_core.regions.CheckpointPlan`)."""
+    recomputed with their outputs dropped (:class:`~bonsai_core.regions.CheckpointPlan`); ``save_constants``:
+    candidates may also be recomputed saving their self-contained nodes."""
     if regions == "modules":
         granularity = 1
     gran = default_granularity(graph) if granularity is None else granularity
     seg = segment(graph, gran)  # validates the granularity before anything is built
-    key = (graph.hash, ("model", seg.granularity, regions, drop_outputs))
+    key = (graph.hash, ("model", seg.granularity, regions, drop_outputs, save_constants))
 
     def make() -> BuiltModel:
         full = segment(graph, seg.granularity, seeds(graph, regions).spans)
@@ -183,7 +184,7 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
         if regions == "modules":
             calls = module_spans(graph)
             allowed = np.array([(a, b) in calls for a, b in zip(full.starts.tolist(), full.ends.tolist())], dtype=bool)
-        return build_model(graph, full, _plain(graph), allowed, drop_outputs)
+        return build_model(graph, full, _plain(graph), allowed, drop_outputs, save_constants)
 
     return _cached(key, make)
 
@@ -191,7 +192,7 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
 def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None = None,
                  granularity: int | None = None, backend: str = DEFAULT_BACKEND,
                  gap: float = DEFAULT_GAP, regions: Regions = "any", drop_outputs: bool = False,
-                 reuse: bool = True) -> Schedule:
+                 save_constants: bool = True, reuse: bool = True) -> Schedule:
     """Bonsai's segment ILP: the cheapest checkpoint plan whose modelled peak fits ``budget``.
 
     Options:
@@ -207,6 +208,9 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         drop_outputs: also let a recomputed segment drop its outputs when only kept ops read them in the
             forward pass (rebuilt before their first backward reader): a larger schedule space, beyond
             torch.utils.checkpoint regions, and a model about 1.7 times larger (docs/BONSAI.md).
+        save_constants: a recomputed segment may save its self-contained nodes (those that read nothing
+            computed outside it: attention masks, position ids) instead of rebuilding them, as selective
+            checkpointing's "must save" does; False: recomputed segments rebuild all they drop.
         reuse: answer with a plan solved earlier (same graph and options) at a larger budget when it
             fits this one (it is then within the same gap of this budget's optimum); False: always solve.
 
@@ -229,7 +233,7 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
                           "build_seconds": 0.0, "solve_seconds": 0.0, "candidates": 0, "segments": 0,
                           "granularity": 0, "plan_source": "ilp"}
         return schedule
-    plans_key = (graph.hash, ("plans", granularity, regions, drop_outputs, backend, gap))
+    plans_key = (graph.hash, ("plans", granularity, regions, drop_outputs, save_constants, backend, gap))
     # looked up before waiting for the graph's lock (another session may be solving for minutes), and again
     # after it (the one that held it may have solved a plan that fits)
     earlier = _reused(plans_key, budget) if reuse else None
@@ -239,7 +243,7 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         earlier = _reused(plans_key, budget) if reuse else None
         if earlier is not None:
             return earlier
-        schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions, drop_outputs)
+        schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions, drop_outputs, save_constants)
         if budget is not None and _reusable(schedule, gap):
             st = schedule.stats
             simulated_peak = st["model_peak"] - st["model_slack"]
@@ -278,7 +282,7 @@ def _copy(schedule: Schedule, **stats: Any) -> Schedule:
 
 
 def _solve(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None,
-           backend: str, gap: float, regions: Regions, drop_outputs: bool) -> Schedule:
+           backend: str, gap: float, regions: Regions, drop_outputs: bool, save_constants: bool) -> Schedule:
     clock = Deadline(time_limit)
     plain_peak = int(_plain(graph).memory.max())
     target = int(budget) if budget is not None else plain_peak
@@ -290,8 +294,9 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
     for gran in ladder:
         if clock.passed():
             break
-        cached = (graph.hash, ("model", min(gran, max(1, op_count(graph))), regions, drop_outputs)) in _cache
-        built = build(graph, gran, regions, drop_outputs)
+        cached = (graph.hash, ("model", min(gran, max(1, op_count(graph))), regions, drop_outputs,
+                               save_constants)) in _cache
+        built = build(graph, gran, regions, drop_outputs, save_constants)
         tried.append(built.seg.granularity)
         found = _solve_model(graph, built, target, backend, clock, gap)
         if found is not None:
@@ -319,6 +324,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         "model_peak": model_peak, "model_slack": model_peak - ilp_peak,
         "tightened_by": found.tightened, "plan_source": source, "regions": regions,
         "outputs_dropped": len(CheckpointPlan.from_extra(schedule.extra).drop_outputs),
+        "constants_saved": len(CheckpointPlan.from_extra(schedule.extra).saved),
     }
     if source == "seed":
         schedule.stats.update(status="feasible", gap=None, seed_plan=fallback[2],

@@ -103,16 +103,41 @@ def point_of(q: np.ndarray | int, m: int, rebuild: bool = False) -> np.ndarray |
     return out if out.ndim else int(out)
 
 
-def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outputs: bool = False) -> Coefficients:
+def self_contained_from(graph: Graph, seg: Segmentation) -> np.ndarray:
+    """int64[m]: for each forward position, the smallest position among the node and its ancestors. A
+    node is **self-contained** in a segment starting at s when this is >= s: it reads nothing computed
+    outside the segment (an attention mask built from ``ones``, position ids from ``arange``)."""
+    fpos = np.full(graph.n, -1, dtype=np.int64)
+    fpos[seg.forward] = np.arange(len(seg.forward))
+    lowest = np.zeros(graph.n, dtype=np.int64)
+    for v in seg.forward.tolist():  # topological: deps come first
+        deps = graph.deps(v)
+        lowest[v] = min(int(fpos[v]), int(lowest[deps].min())) if len(deps) else fpos[v]
+    return lowest[seg.forward]
+
+
+def saves_constants(seg: Segmentation, lowest: np.ndarray) -> np.ndarray:
+    """bool[C]: the candidate holds self-contained nodes, but not only those (the ones that can save them)."""
+    count = np.array([int((lowest[a:b] >= a).sum()) for a, b in zip(seg.starts.tolist(), seg.ends.tolist())],
+                     dtype=np.int64)
+    return (count > 0) & (count < seg.ends - seg.starts)
+
+
+def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outputs: bool = False,
+                 save_constants: bool = False) -> Coefficients:
     """Per-candidate recomputation cost, savings, kept inputs and rebuild peak; with ``drop_outputs``,
     of the candidate recomputed with its outputs dropped too (:class:`~bonsai_core.regions.CheckpointPlan`):
     only what a forward view outside it aliases is kept, an output's forward copy is freed after its
-    last forward reader, and the readers' atoms are recorded (they must be kept).
+    last forward reader, and the readers' atoms are recorded (they must be kept). With
+    ``save_constants``, of the candidate that saves its self-contained nodes (:func:`self_contained_from`)
+    instead of rebuilding them, for the candidates of :func:`saves_constants` (the others rebuild nothing).
 
     For a fixed segment end j, which nodes are dropped (``keep_until <= j``), which must be rebuilt
     (dropped and read by the backward pass, or by a rebuilt node at a position <= j) and how long each
     rebuilt copy lives do not depend on the start; so one sweep from j down to the smallest start
-    yields every candidate ending at j. O(sum over ends of the longest candidate * degree).
+    yields every candidate ending at j. O(sum over ends of the longest candidate * degree). Which
+    nodes are self-contained does depend on the start: with ``save_constants`` each candidate has a
+    sweep of its own.
     """
     forward, m, n = seg.forward, len(seg.forward), graph.n
     fpos = np.full(n, n, dtype=np.int64)  # forward position, n for non-forward nodes
@@ -154,12 +179,19 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outp
     save_pos: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
     save_step: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
     readers: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
-    order = np.lexsort((-seg.starts, seg.ends))  # by end, then start descending
-    ends = seg.ends[order]
-    groups = np.split(order, np.flatnonzero(np.diff(ends)) + 1) if count else []
+    if save_constants:
+        lowest = self_contained_from(graph, seg)
+        lowest_l = lowest.tolist()
+        groups = [np.array([c]) for c in np.flatnonzero(saves_constants(seg, lowest))]
+    else:
+        order = np.lexsort((-seg.starts, seg.ends))  # by end, then start descending
+        ends = seg.ends[order]
+        groups = np.split(order, np.flatnonzero(np.diff(ends)) + 1) if count else []
+        lowest_l = [-1] * m  # nothing is saved
     for group in groups:
         j = int(seg.ends[group[0]]) - 1
         lo = int(seg.starts[group[-1]])
+        saved_from = lo if save_constants else m  # a node is saved when lowest_l[p] >= saved_from
         need = {}  # forward position -> rebuilt copy's last position in the window (absent: not rebuilt)
         live = np.zeros(j - lo + 1, dtype=np.int64)  # bytes of rebuilt copies at each window position
         save_at: dict[int, int] = {}  # sequence position -> bytes whose forward copy is gone from there on
@@ -169,7 +201,7 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outp
         gi = 0
         for p in range(j, lo - 1, -1):
             v = int(forward[p])
-            if drop_until[p] <= j:  # dropped
+            if drop_until[p] <= j and lowest_l[p] < saved_from:  # dropped
                 if rel_l[v] > max(j, keep_l[p]):  # the plain schedule keeps it past its forward use
                     saved += mem_l[v]
                     at = max(p, keep_l[p]) + 1

@@ -39,7 +39,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan
 from bonsai_core.segment import Segmentation
 from bonsai_core.solvers.bonsai_coef import (Coefficients, PlainProfile, coefficients, dominated, lowers_memory,
-                                             memory_steps)
+                                             memory_steps, self_contained_from)
 
 # The model counts memory in units of a thousandth of the plain peak: raw byte counts near 1e10 (or near
 # 1e1 on toy graphs) would strain the solvers' tolerances, and 1e-7 of a unit is under a byte up to 10 GB.
@@ -52,11 +52,13 @@ class BuiltModel:
 
     graph_hash: str
     seg: Segmentation
-    coef: Coefficients
-    coef_open: Coefficients | None  # with drop_outputs: the candidates recomputed with their outputs dropped
+    coef: Coefficients  # the candidates recomputed as checkpoint regions (outputs kept, nothing saved)
+    coefs: dict[tuple[bool, bool], Coefficients]  # per kind of column: (drops outputs, saves constants)
     plain: PlainProfile
     candidates: np.ndarray  # int64[C']: the segmentation candidate of each rec variable
     drops_outputs: np.ndarray  # bool[C']: the rec variable recomputes its candidate with its outputs dropped
+    saves_constants: np.ndarray  # bool[C']: ... saving its self-contained nodes
+    lowest: np.ndarray  # int64[m]: bonsai_coef.self_contained_from
     events: sp.csr_matrix  # (K, C') bytes: step heights of the memory change at each event point
     interval_peak: np.ndarray  # int64[K]: the plain memory's maximum from each event point to the next
     problem: Any
@@ -81,6 +83,7 @@ class BuiltModel:
         picked = np.asarray(rec) > 0.5
         chosen = self.candidates[picked]
         opened = {(int(self.seg.starts[c]), int(self.seg.ends[c])) for c in self.candidates[picked & self.drops_outputs]}
+        saved = [v for c in self.candidates[picked & self.saves_constants].tolist() for v in self.constants(c)]
         chosen = chosen[np.argsort(self.seg.starts[chosen])]
         m = len(self.seg.forward)
         spans: list[tuple[int, int]] = []
@@ -96,19 +99,26 @@ class BuiltModel:
         recomputed = {(int(self.seg.starts[c]), int(self.seg.ends[c])) for c in chosen.tolist()}
         return CheckpointPlan.of([self.seg.forward[a:b].tolist() for a, b in spans],
                                  [i for i, span in enumerate(spans) if span in recomputed],
-                                 [i for i, span in enumerate(spans) if span in opened])
+                                 [i for i, span in enumerate(spans) if span in opened], saved)
+
+    def constants(self, c: int) -> list[int]:
+        """The self-contained nodes of candidate ``c`` (what a column saving them saves)."""
+        a, b = int(self.seg.starts[c]), int(self.seg.ends[c])
+        return self.seg.forward[a:b][self.lowest[a:b] >= a].tolist()
 
     def rec_of(self, plan: CheckpointPlan) -> np.ndarray | None:
         """0/1 over :attr:`candidates` for ``plan``'s recomputed segments, or None when one of them is
         not an ILP candidate (the plan is outside the model, or a pruned candidate is in it)."""
         pos = np.full(int(self.seg.forward.max(initial=-1)) + 1, -1, dtype=np.int64)
         pos[self.seg.forward] = np.arange(len(self.seg.forward))
-        index = {(int(self.seg.starts[c]), int(self.seg.ends[c]), bool(o)): i
-                 for i, (c, o) in enumerate(zip(self.candidates.tolist(), self.drops_outputs.tolist()))}
+        index = {(int(self.seg.starts[c]), int(self.seg.ends[c]), bool(o), bool(k)): i
+                 for i, (c, o, k) in enumerate(zip(self.candidates.tolist(), self.drops_outputs.tolist(),
+                                                   self.saves_constants.tolist()))}
         out = np.zeros(len(self.candidates))
         for i in plan.recomputed:
             members = pos[list(plan.segments[i])]
-            key = (int(members.min()), int(members.max()) + 1, i in plan.drop_outputs)
+            key = (int(members.min()), int(members.max()) + 1, i in plan.drop_outputs,
+                   bool(plan.saved & set(plan.segments[i])))
             if key not in index or key[1] - key[0] != len(members):
                 return None
             out[index[key]] = 1.0
@@ -135,30 +145,33 @@ def _columns(coef: Coefficients, seg: Segmentation, m: int, allowed: np.ndarray 
 
 
 def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: np.ndarray | None = None,
-                drop_outputs: bool = False) -> BuiltModel:
+                drop_outputs: bool = False, save_constants: bool = False) -> BuiltModel:
     """The segment ILP of one segmentation (see the module docstring). ``allowed`` (bool over the
     segmentation's candidates): only those may be recomputed (None: all). ``drop_outputs``: each
     candidate whose outputs are read by later forward ops may also be recomputed with its outputs
-    dropped, as long as the atoms holding those readers are kept."""
+    dropped, as long as the atoms holding those readers are kept. ``save_constants``: each candidate
+    holding self-contained nodes may also be recomputed saving them."""
     import cvxpy as cp
 
     start = time.perf_counter()
     m = len(seg.forward)
-    coef = coefficients(graph, seg, plain)
-    closed = _columns(coef, seg, m, allowed)
-    if drop_outputs:
-        opened_coef = coefficients(graph, seg, plain, drop_outputs=True)
-        has_readers = np.diff(opened_coef.reader_ptr) > 0
-        opened = _columns(opened_coef, seg, m, has_readers if allowed is None else has_readers & allowed)
-    else:
-        opened_coef, opened = coef, np.zeros(0, dtype=np.int64)
-    candidates = np.concatenate([closed, opened])
-    drops = np.concatenate([np.zeros(len(closed), dtype=bool), np.ones(len(opened), dtype=bool)])
+    lowest = self_contained_from(graph, seg)
+    kinds = [(drop, save) for drop in (False, True)[:1 + drop_outputs] for save in (False, True)[:1 + save_constants]]
+    coefs, columns = {}, {}
+    for drop, save in kinds:
+        coef_k = coefficients(graph, seg, plain, drop_outputs=drop, save_constants=save)
+        ok = np.ones(seg.count, dtype=bool) if allowed is None else allowed.copy()
+        if drop:
+            ok &= np.diff(coef_k.reader_ptr) > 0  # else the same as keeping its outputs
+        coefs[drop, save], columns[drop, save] = coef_k, _columns(coef_k, seg, m, ok)
+    coef = coefs[False, False]
+    candidates = np.concatenate([columns[k] for k in kinds])
+    drops = np.concatenate([np.full(len(columns[k]), k[0]) for k in kinds]).astype(bool)
+    saves = np.concatenate([np.full(len(columns[k]), k[1]) for k in kinds]).astype(bool)
     count, atoms = len(candidates), seg.atoms
 
     memory = plain.memory
-    steps = sp.hstack([memory_steps(coef, closed, m, points=len(memory)),
-                       memory_steps(opened_coef, opened, m, points=len(memory))]).tocsr()
+    steps = sp.hstack([memory_steps(coefs[k], columns[k], m, points=len(memory)) for k in kinds]).tocsr()
     rows = np.flatnonzero(np.diff(steps.indptr))
     points = np.union1d([0], rows)  # point 0 always opens an interval, so the whole axis is covered
     events = steps[points]
@@ -187,23 +200,28 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     budget = cp.Parameter(nonneg=True, name="budget")
     unit = max(1.0, float(memory.max()) / UNITS_PER_PEAK)
     budget.value = float(memory.max()) / unit
-    cost = np.concatenate([coef.cost[closed], opened_coef.cost[opened]])
+    cost = np.concatenate([coefs[k].cost[columns[k]] for k in kinds])
     cost = cost / graph.total_cost if graph.total_cost > 0 else cost
     constraints = [
         arcs(a_start, a_end) @ rec + arcs(arange, arange + 1) @ keep == rhs,
         diff @ delta == (events / unit) @ rec,
     ]
-    if len(opened):  # a candidate that drops its outputs needs the atoms of their readers kept
-        per = np.diff(opened_coef.reader_ptr)[opened]
-        which = np.repeat(np.arange(len(closed), count), per)
-        readers = np.concatenate([opened_coef.reader_atom[opened_coef.reader_ptr[c]:opened_coef.reader_ptr[c + 1]]
-                                  for c in opened])
+    # A column that drops its candidate's outputs needs the atoms of their readers kept.
+    which, readers, first = [], [], 0
+    for k in kinds:
+        if k[0]:
+            ptr, atom = coefs[k].reader_ptr, coefs[k].reader_atom
+            for i, c in enumerate(columns[k].tolist()):
+                which.extend([first + i] * int(ptr[c + 1] - ptr[c]))
+                readers.extend(atom[ptr[c]:ptr[c + 1]].tolist())
+        first += len(columns[k])
+    if which:
         rows = np.arange(len(which))
         constraints.append(sp.csr_matrix((np.ones(len(rows)), (rows, which)), shape=(len(rows), count)) @ rec
                            <= sp.csr_matrix((np.ones(len(rows)), (rows, readers)), shape=(len(rows), atoms)) @ keep)
     constraints.append(delta + interval_peak / unit <= budget)  # last: min_peak_problem replaces it
     problem = cp.Problem(cp.Minimize(cost @ rec), constraints)
-    return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, plain=plain, candidates=candidates, drops_outputs=drops,
-                      coef_open=opened_coef if drop_outputs else None,
+    return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, coefs=coefs, plain=plain, candidates=candidates,
+                      drops_outputs=drops, saves_constants=saves, lowest=lowest,
                       events=events, interval_peak=interval_peak, problem=problem, rec=rec, keep=keep,
                       delta=delta, budget=budget, unit=unit, build_seconds=time.perf_counter() - start)
