@@ -13,13 +13,17 @@ recomputed. Its schedule, the one every method of this family returns and the ex
   reader, and rebuilt with the rest. Every forward reader outside such a segment must be in a kept
   segment (its forward pass has run by then; a rebuild reading the output would have nothing to read).
   This is not a ``torch.utils.checkpoint`` region (an op after the region would hold the output for
-  its own backward); the ``checkpoint`` export back-end cannot realise it, the schedule runtime can;
+  its own backward): the ``checkpoint`` export back-end only approximates it, ``replay`` follows it;
+* nodes the plan **saves** (``CheckpointPlan.saved``, selective activation checkpointing's "must
+  save") are kept even inside a recomputed segment, like a boundary; Bonsai saves a segment's
+  self-contained nodes this way (an attention mask built inside it), which are cheaper to keep than
+  to rebuild;
 * right before the first backward node that reads a dropped node of the segment, the segment is
   rebuilt once from its inputs: the dropped nodes the backward pass reads, and what they need.
 
 The schedule stores the plan in ``Schedule.extra`` as ``{"segments": [[ids...], ...],
-"recomputed": [segment index, ...], "drop_outputs": [segment index, ...]}`` (the last only when
-not empty).
+"recomputed": [segment index, ...], "drop_outputs": [segment index, ...], "saved": [node id, ...]}``
+(the last two only when not empty).
 """
 
 from __future__ import annotations

@@ -60,10 +60,13 @@ segments = out.schedule.extra.get("segments")
 if segments:
     rec = set(out.schedule.extra.get("recomputed", []))
     opened = set(out.schedule.extra.get("drop_outputs", []))  # bonsai's option drop_outputs
+    saved = set(out.schedule.extra.get("saved", []))  # nodes kept inside recomputed segments
     st.subheader(f"{len(segments)} segments, {len(rec)} recomputed" +
-                 (f" ({len(opened)} with their outputs dropped)" if opened else ""))
+                 (f" ({len(opened)} with their outputs dropped)" if opened else "") +
+                 (f", {len(saved)} ops saved inside them" if saved else ""))
     st.dataframe([{"segment": i, "ops": len(seg), "first op": g.names[seg[0]], "last op": g.names[seg[-1]],
                    "bytes": format_bytes(int(g.mem[list(seg)].sum())),
                    "cost (µs)": round(float(g.cost[list(seg)].sum()) * 1e6, 2), "recomputed": i in rec,
-                   **({"outputs dropped": i in opened} if opened else {})}
+                   **({"outputs dropped": i in opened} if opened else {}),
+                   **({"saved ops": len(saved.intersection(seg))} if saved else {})}
                   for i, seg in enumerate(segments)], hide_index=True, width="stretch")

@@ -117,7 +117,8 @@ def self_contained_from(graph: Graph, seg: Segmentation) -> np.ndarray:
 
 
 def saves_constants(seg: Segmentation, lowest: np.ndarray) -> np.ndarray:
-    """bool[C]: the candidate holds self-contained nodes, but not only those (the ones that can save them)."""
+    """bool[C]: the candidate holds self-contained nodes, but not only those (the ones that save them; a
+    candidate made only of such nodes, one starting at the first op, is rebuilt like any other)."""
     count = np.array([int((lowest[a:b] >= a).sum()) for a, b in zip(seg.starts.tolist(), seg.ends.tolist())],
                      dtype=np.int64)
     return (count > 0) & (count < seg.ends - seg.starts)
@@ -129,8 +130,8 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outp
     of the candidate recomputed with its outputs dropped too (:class:`~bonsai_core.regions.CheckpointPlan`):
     only what a forward view outside it aliases is kept, an output's forward copy is freed after its
     last forward reader, and the readers' atoms are recorded (they must be kept). With
-    ``save_constants``, of the candidate that saves its self-contained nodes (:func:`self_contained_from`)
-    instead of rebuilding them, for the candidates of :func:`saves_constants` (the others rebuild nothing).
+    ``save_constants``, the candidates of :func:`saves_constants` save their self-contained nodes
+    (:func:`self_contained_from`) instead of rebuilding them.
 
     For a fixed segment end j, which nodes are dropped (``keep_until <= j``), which must be rebuilt
     (dropped and read by the backward pass, or by a rebuilt node at a position <= j) and how long each
@@ -179,19 +180,17 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outp
     save_pos: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
     save_step: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
     readers: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
-    if save_constants:
-        lowest = self_contained_from(graph, seg)
-        lowest_l = lowest.tolist()
-        groups = [np.array([c]) for c in np.flatnonzero(saves_constants(seg, lowest))]
-    else:
-        order = np.lexsort((-seg.starts, seg.ends))  # by end, then start descending
-        ends = seg.ends[order]
-        groups = np.split(order, np.flatnonzero(np.diff(ends)) + 1) if count else []
-        lowest_l = [-1] * m  # nothing is saved
-    for group in groups:
+    lowest = self_contained_from(graph, seg)
+    lowest_l = lowest.tolist()
+    saving = saves_constants(seg, lowest) if save_constants else np.zeros(count, dtype=bool)
+    order = np.flatnonzero(~saving)
+    order = order[np.lexsort((-seg.starts[order], seg.ends[order]))]  # by end, then start descending
+    groups = np.split(order, np.flatnonzero(np.diff(seg.ends[order])) + 1) if len(order) else []
+    singles = [np.array([c]) for c in np.flatnonzero(saving)]  # one sweep each: saved nodes depend on the start
+    for group in [*groups, *singles]:
         j = int(seg.ends[group[0]]) - 1
         lo = int(seg.starts[group[-1]])
-        saved_from = lo if save_constants else m  # a node is saved when lowest_l[p] >= saved_from
+        saved_from = lo if saving[group[0]] else m  # a node is saved when lowest_l[p] >= saved_from
         need = {}  # forward position -> rebuilt copy's last position in the window (absent: not rebuilt)
         live = np.zeros(j - lo + 1, dtype=np.int64)  # bytes of rebuilt copies at each window position
         save_at: dict[int, int] = {}  # sequence position -> bytes whose forward copy is gone from there on

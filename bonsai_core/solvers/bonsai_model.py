@@ -39,7 +39,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan
 from bonsai_core.segment import Segmentation
 from bonsai_core.solvers.bonsai_coef import (Coefficients, PlainProfile, coefficients, dominated, lowers_memory,
-                                             memory_steps, self_contained_from)
+                                             memory_steps, saves_constants, self_contained_from)
 
 # The model counts memory in units of a thousandth of the plain peak: raw byte counts near 1e10 (or near
 # 1e1 on toy graphs) would strain the solvers' tolerances, and 1e-7 of a unit is under a byte up to 10 GB.
@@ -52,12 +52,12 @@ class BuiltModel:
 
     graph_hash: str
     seg: Segmentation
-    coef: Coefficients  # the candidates recomputed as checkpoint regions (outputs kept, nothing saved)
-    coefs: dict[tuple[bool, bool], Coefficients]  # per kind of column: (drops outputs, saves constants)
+    coef: Coefficients  # the candidates recomputed with their outputs kept
+    coefs: dict[bool, Coefficients]  # per kind of column: whether it drops its candidate's outputs
     plain: PlainProfile
     candidates: np.ndarray  # int64[C']: the segmentation candidate of each rec variable
     drops_outputs: np.ndarray  # bool[C']: the rec variable recomputes its candidate with its outputs dropped
-    saves_constants: np.ndarray  # bool[C']: ... saving its self-contained nodes
+    saving: np.ndarray  # bool[C] over the segmentation's candidates: recomputed, it saves its self-contained nodes
     lowest: np.ndarray  # int64[m]: bonsai_coef.self_contained_from
     events: sp.csr_matrix  # (K, C') bytes: step heights of the memory change at each event point
     interval_peak: np.ndarray  # int64[K]: the plain memory's maximum from each event point to the next
@@ -83,7 +83,7 @@ class BuiltModel:
         picked = np.asarray(rec) > 0.5
         chosen = self.candidates[picked]
         opened = {(int(self.seg.starts[c]), int(self.seg.ends[c])) for c in self.candidates[picked & self.drops_outputs]}
-        saved = [v for c in self.candidates[picked & self.saves_constants].tolist() for v in self.constants(c)]
+        saved = [v for c in chosen.tolist() for v in self.constants(c)]
         chosen = chosen[np.argsort(self.seg.starts[chosen])]
         m = len(self.seg.forward)
         spans: list[tuple[int, int]] = []
@@ -102,24 +102,26 @@ class BuiltModel:
                                  [i for i, span in enumerate(spans) if span in opened], saved)
 
     def constants(self, c: int) -> list[int]:
-        """The self-contained nodes of candidate ``c`` (what a column saving them saves)."""
+        """The nodes candidate ``c`` saves when recomputed: its self-contained ones, if it saves them."""
+        if not self.saving[c]:
+            return []
         a, b = int(self.seg.starts[c]), int(self.seg.ends[c])
         return self.seg.forward[a:b][self.lowest[a:b] >= a].tolist()
 
     def rec_of(self, plan: CheckpointPlan) -> np.ndarray | None:
         """0/1 over :attr:`candidates` for ``plan``'s recomputed segments, or None when one of them is
-        not an ILP candidate (the plan is outside the model, or a pruned candidate is in it)."""
+        not an ILP column (the plan is outside the model, or a pruned candidate is in it, or it saves
+        other nodes than the candidate does)."""
         pos = np.full(int(self.seg.forward.max(initial=-1)) + 1, -1, dtype=np.int64)
         pos[self.seg.forward] = np.arange(len(self.seg.forward))
-        index = {(int(self.seg.starts[c]), int(self.seg.ends[c]), bool(o), bool(k)): i
-                 for i, (c, o, k) in enumerate(zip(self.candidates.tolist(), self.drops_outputs.tolist(),
-                                                   self.saves_constants.tolist()))}
+        index = {(int(self.seg.starts[c]), int(self.seg.ends[c]), bool(o)): i
+                 for i, (c, o) in enumerate(zip(self.candidates.tolist(), self.drops_outputs.tolist()))}
         out = np.zeros(len(self.candidates))
         for i in plan.recomputed:
             members = pos[list(plan.segments[i])]
-            key = (int(members.min()), int(members.max()) + 1, i in plan.drop_outputs,
-                   bool(plan.saved & set(plan.segments[i])))
-            if key not in index or key[1] - key[0] != len(members):
+            key = (int(members.min()), int(members.max()) + 1, i in plan.drop_outputs)
+            if key not in index or key[1] - key[0] != len(members) or \
+                    sorted(plan.saved & set(plan.segments[i])) != sorted(self.constants(int(self.candidates[index[key]]))):
                 return None
             out[index[key]] = 1.0
         return out
@@ -149,25 +151,25 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     """The segment ILP of one segmentation (see the module docstring). ``allowed`` (bool over the
     segmentation's candidates): only those may be recomputed (None: all). ``drop_outputs``: each
     candidate whose outputs are read by later forward ops may also be recomputed with its outputs
-    dropped, as long as the atoms holding those readers are kept. ``save_constants``: each candidate
-    holding self-contained nodes may also be recomputed saving them."""
+    dropped, as long as the atoms holding those readers are kept. ``save_constants``: a recomputed
+    candidate saves its self-contained nodes (``bonsai_coef.saves_constants``) instead of rebuilding them."""
     import cvxpy as cp
 
     start = time.perf_counter()
     m = len(seg.forward)
     lowest = self_contained_from(graph, seg)
-    kinds = [(drop, save) for drop in (False, True)[:1 + drop_outputs] for save in (False, True)[:1 + save_constants]]
+    kinds = [False, True][:1 + drop_outputs]  # whether the column drops its candidate's outputs
     coefs, columns = {}, {}
-    for drop, save in kinds:
-        coef_k = coefficients(graph, seg, plain, drop_outputs=drop, save_constants=save)
+    for drop in kinds:
+        coef_k = coefficients(graph, seg, plain, drop_outputs=drop, save_constants=save_constants)
         ok = np.ones(seg.count, dtype=bool) if allowed is None else allowed.copy()
         if drop:
             ok &= np.diff(coef_k.reader_ptr) > 0  # else the same as keeping its outputs
-        coefs[drop, save], columns[drop, save] = coef_k, _columns(coef_k, seg, m, ok)
-    coef = coefs[False, False]
+        coefs[drop], columns[drop] = coef_k, _columns(coef_k, seg, m, ok)
+    coef = coefs[False]
     candidates = np.concatenate([columns[k] for k in kinds])
-    drops = np.concatenate([np.full(len(columns[k]), k[0]) for k in kinds]).astype(bool)
-    saves = np.concatenate([np.full(len(columns[k]), k[1]) for k in kinds]).astype(bool)
+    drops = np.concatenate([np.full(len(columns[k]), k) for k in kinds]).astype(bool)
+    saving = saves_constants(seg, lowest) if save_constants else np.zeros(seg.count, dtype=bool)
     count, atoms = len(candidates), seg.atoms
 
     memory = plain.memory
@@ -209,7 +211,7 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     # A column that drops its candidate's outputs needs the atoms of their readers kept.
     which, readers, first = [], [], 0
     for k in kinds:
-        if k[0]:
+        if k:
             ptr, atom = coefs[k].reader_ptr, coefs[k].reader_atom
             for i, c in enumerate(columns[k].tolist()):
                 which.extend([first + i] * int(ptr[c + 1] - ptr[c]))
@@ -222,6 +224,6 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     constraints.append(delta + interval_peak / unit <= budget)  # last: min_peak_problem replaces it
     problem = cp.Problem(cp.Minimize(cost @ rec), constraints)
     return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, coefs=coefs, plain=plain, candidates=candidates,
-                      drops_outputs=drops, saves_constants=saves, lowest=lowest,
+                      drops_outputs=drops, saving=saving, lowest=lowest,
                       events=events, interval_peak=interval_peak, problem=problem, rec=rec, keep=keep,
                       delta=delta, budget=budget, unit=unit, build_seconds=time.perf_counter() - start)
