@@ -3,9 +3,10 @@
 The forward pass is cut into candidate segments (:mod:`bonsai_core.segment`); the ILP
 (:mod:`bonsai_core.solvers.bonsai_model`, coefficients from :mod:`bonsai_core.solvers.bonsai_coef`)
 picks a cover of the forward pass out of them and which of them to recompute. Its schedule space is
-exactly :class:`bonsai_core.regions.CheckpointPlan`: a recomputed segment keeps its boundary, drops
-the rest after the forward pass and is rebuilt once right before the first backward node that reads
-a dropped node (with the option ``drop_outputs``, a recomputed segment may drop its outputs too when
+exactly :class:`bonsai_core.regions.CheckpointPlan`: a recomputed segment keeps its boundary and its
+self-contained nodes (an attention mask built inside it: cheaper to keep than to rebuild), drops the
+rest after the forward pass and is rebuilt once right before the first backward node that reads a
+dropped node (with the option ``drop_outputs``, a recomputed segment may drop its outputs too when
 only kept ops read them in the forward pass).
 
 **Candidates.** Every run of whole atoms with at most ``granularity`` non-view ops, plus every segment
@@ -171,7 +172,7 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
     ``regions="modules"``: only module calls may be recomputed (the rest of the forward pass is kept
     atom by atom), so the granularity plays no part. ``drop_outputs``: candidates may also be
     recomputed with their outputs dropped (:class:`~bonsai_core.regions.CheckpointPlan`); ``save_constants``:
-    candidates may also be recomputed saving their self-contained nodes."""
+    a recomputed candidate saves its self-contained nodes."""
     if regions == "modules":
         granularity = 1
     gran = default_granularity(graph) if granularity is None else granularity
@@ -208,9 +209,9 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         drop_outputs: also let a recomputed segment drop its outputs when only kept ops read them in the
             forward pass (rebuilt before their first backward reader): a larger schedule space, beyond
             torch.utils.checkpoint regions, and a model about 1.7 times larger (docs/BONSAI.md).
-        save_constants: a recomputed segment may save its self-contained nodes (those that read nothing
+        save_constants: a recomputed segment saves its self-contained nodes (those that read nothing
             computed outside it: attention masks, position ids) instead of rebuilding them, as selective
-            checkpointing's "must save" does; False: recomputed segments rebuild all they drop.
+            checkpointing's "must save" does; False: it rebuilds them with the rest.
         reuse: answer with a plan solved earlier (same graph and options) at a larger budget when it
             fits this one (it is then within the same gap of this budget's optimum); False: always solve.
 
