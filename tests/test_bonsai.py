@@ -223,7 +223,7 @@ def all_plans_saving_constants(graph: Graph):
     from bonsai_core.solvers.bonsai_coef import self_contained_from
 
     seg = segment(graph, 1)
-    lowest = dict(zip(seg.forward.tolist(), self_contained_from(graph, seg).tolist()))
+    lowest = dict(zip(seg.forward.tolist(), self_contained_from(graph).tolist()))
     pos = {int(v): i for i, v in enumerate(seg.forward)}
     for plan in all_plans(graph):
         saved = []

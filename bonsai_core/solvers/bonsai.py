@@ -53,10 +53,10 @@ import numpy as np
 from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
-from bonsai_core.regions import CheckpointPlan, block_plans, forward_positions, plan_schedule
+from bonsai_core.regions import CheckpointPlan, block_plans, checkpoint_sequence, forward_positions, plan_schedule
 from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.segment import default_granularity, op_count, segment
-from bonsai_core.solvers.bonsai_coef import PlainProfile, plain_profile
+from bonsai_core.solvers.bonsai_coef import PlainProfile, plain_profile, self_contained_from
 from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
 from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, solve_milp
@@ -71,25 +71,27 @@ Regions = Literal["any", "modules"]  # which candidate segments may be recompute
 
 @dataclass
 class Seeds:
-    """Chen's checkpoint plans of one graph: what bonsai can always fall back on. Each plan is
-    simulated only when needed (once), cheapest first."""
+    """Chen's checkpoint plans and the per-block plans of one graph: what bonsai can always fall back
+    on. Each plan's compute cost is exact (its rebuilds counted) and its peak is simulated only when
+    needed (once), cheapest first."""
 
     spans: tuple[tuple[int, int], ...]  # their recomputed segments as (start, end) forward positions
     plans: tuple[tuple[str, CheckpointPlan, tuple[tuple[int, int], ...]], ...]  # (label, plan, its spans)
     peaks: dict[int, int]  # plan index -> simulated peak
+    costs: list[float] | None = None  # plan index -> compute cost, filled on first use
 
     def peak(self, graph: Graph, i: int) -> int:
         if i not in self.peaks:
             self.peaks[i] = simulate(graph, plan_schedule(graph, self.plans[i][1], "bonsai")).peak
         return self.peaks[i]
 
-    def best(self, graph: Graph, built: BuiltModel, budget: int, below: float = np.inf,
+    def best(self, graph: Graph, budget: int, below: float = np.inf,
              clock: "Deadline | None" = None) -> tuple[int, float, str, CheckpointPlan] | None:
         """The cheapest plan within ``budget`` whose compute cost is below ``below``, as (peak, cost,
-        label, plan); costs come from the model's (exact) per-candidate costs, peaks from the simulator."""
-        index = {(int(a), int(b)): c for c, (a, b) in enumerate(zip(built.seg.starts, built.seg.ends))}
-        costs = [graph.total_cost + sum(float(built.coef.cost[index[sp]]) for sp in spans if sp in index)
-                 for _, _, spans in self.plans]
+        label, plan)."""
+        if self.costs is None:
+            self.costs = [float(graph.cost[checkpoint_sequence(graph, plan)].sum()) for _, plan, _ in self.plans]
+        costs = self.costs
         for i in sorted(range(len(self.plans)), key=costs.__getitem__):
             if costs[i] >= below:
                 return None
@@ -101,6 +103,21 @@ class Seeds:
 
     def lowest_peak(self, graph: Graph) -> int | None:
         return min((self.peak(graph, i) for i in range(len(self.plans))), default=None)
+
+
+def saving_constants(graph: Graph, plan: CheckpointPlan) -> CheckpointPlan:
+    """``plan`` with each recomputed segment saving its self-contained nodes (when it holds others too),
+    as bonsai's own plans do."""
+    pos = forward_positions(graph)
+    lowest = self_contained_from(graph)
+    saved = []
+    for i in plan.recomputed:
+        members = list(plan.segments[i])
+        start = int(pos[members].min())
+        constants = [v for v in members if lowest[pos[v]] >= start]
+        if len(constants) < len(members):
+            saved += constants
+    return dataclasses.replace(plan, saved=frozenset(saved))
 
 
 _cache: "OrderedDict[tuple[str, Any], Any]" = OrderedDict()
@@ -135,9 +152,10 @@ def module_spans(graph: Graph) -> set[tuple[int, int]]:
     return {(int(pos[first]), int(pos[last]) + 1) for _, first, last in graph.modules}
 
 
-def seeds(graph: Graph, regions: Regions = "any") -> Seeds:
+def seeds(graph: Graph, regions: Regions = "any", save_constants: bool = True) -> Seeds:
     """The seed plans of ``graph``, simulated when needed; cached per graph. ``regions="any"``: Chen's
-    plans (both variants) and the per-block plans; ``"modules"``: the per-block plans only."""
+    plans (both variants) and the per-block plans; ``"modules"``: the per-block plans only. With
+    ``save_constants``, each also as bonsai's plans run it (:func:`saving_constants`), where that differs."""
     from bonsai_core.solvers.chen import candidate_plans
 
     def make() -> Seeds:
@@ -148,10 +166,13 @@ def seeds(graph: Graph, regions: Regions = "any") -> Seeds:
             spans = tuple((int(pos[list(plan.segments[i])].min()), int(pos[list(plan.segments[i])].max()) + 1)
                           for i in sorted(plan.recomputed))
             plans.append((label, plan, spans))
+            saving = saving_constants(graph, plan) if save_constants else plan
+            if saving != plan:
+                plans.append((f"{label}, constants saved", saving, spans))
         return Seeds(spans=tuple(sorted({sp for *_, spans in plans for sp in spans} | module_spans(graph))),
                      plans=tuple(plans), peaks={})
 
-    return _cached((graph.hash, ("seeds", regions)), make)
+    return _cached((graph.hash, ("seeds", regions, save_constants)), make)
 
 
 def _plain(graph: Graph) -> PlainProfile:
@@ -288,7 +309,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
     plain_peak = int(_plain(graph).memory.max())
     target = int(budget) if budget is not None else plain_peak
     ladder = [1] if regions == "modules" else auto_ladder(graph) if granularity is None else [granularity]
-    seed = seeds(graph, regions)
+    seed = seeds(graph, regions, save_constants)
     tried: list[int] = []
     found: _Found | None = None
     built, cached = None, False
@@ -303,7 +324,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         if found is not None:
             break
     if found is None:
-        fallback = seed.best(graph, built, target, clock=clock) if built is not None else None
+        fallback = seed.best(graph, target, clock=clock) if built is not None else None
         if fallback is None:
             raise _no_plan(graph, built, target, backend, clock, seed, tried, regions, drop_outputs)
         return _seeded(graph, fallback, tried, clock, built, regions)
@@ -311,7 +332,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
     sim = simulate(graph, schedule)
     model_peak, ilp_peak = built.predicted_peak(found.rec), sim.peak
     source = "ilp"
-    fallback = seed.best(graph, built, target, below=sim.compute_cost * (1 - 1e-9), clock=clock)
+    fallback = seed.best(graph, target, below=sim.compute_cost * (1 - 1e-9), clock=clock)
     if fallback is not None:
         schedule, source = plan_schedule(graph, fallback[3], "bonsai"), "seed"
         sim = simulate(graph, schedule)

@@ -103,17 +103,19 @@ def point_of(q: np.ndarray | int, m: int, rebuild: bool = False) -> np.ndarray |
     return out if out.ndim else int(out)
 
 
-def self_contained_from(graph: Graph, seg: Segmentation) -> np.ndarray:
-    """int64[m]: for each forward position, the smallest position among the node and its ancestors. A
-    node is **self-contained** in a segment starting at s when this is >= s: it reads nothing computed
-    outside the segment (an attention mask built from ``ones``, position ids from ``arange``)."""
+def self_contained_from(graph: Graph) -> np.ndarray:
+    """int64[m]: for each forward position (forward nodes in listed order), the smallest position among
+    the node and its ancestors. A node is **self-contained** in a segment starting at s when this is
+    >= s: it reads nothing computed outside the segment (an attention mask built from ``ones``,
+    position ids from ``arange``)."""
+    forward = np.flatnonzero(graph.is_forward)
     fpos = np.full(graph.n, -1, dtype=np.int64)
-    fpos[seg.forward] = np.arange(len(seg.forward))
+    fpos[forward] = np.arange(len(forward))
     lowest = np.zeros(graph.n, dtype=np.int64)
-    for v in seg.forward.tolist():  # topological: deps come first
+    for v in forward.tolist():  # topological: deps come first
         deps = graph.deps(v)
         lowest[v] = min(int(fpos[v]), int(lowest[deps].min())) if len(deps) else fpos[v]
-    return lowest[seg.forward]
+    return lowest[forward]
 
 
 def saves_constants(seg: Segmentation, lowest: np.ndarray) -> np.ndarray:
@@ -180,7 +182,7 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outp
     save_pos: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
     save_step: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
     readers: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
-    lowest = self_contained_from(graph, seg)
+    lowest = self_contained_from(graph)
     lowest_l = lowest.tolist()
     saving = saves_constants(seg, lowest) if save_constants else np.zeros(count, dtype=bool)
     order = np.flatnonzero(~saving)

@@ -22,6 +22,10 @@ second ``rec`` column with its own coefficients (``coefficients(..., drop_output
 per atom holding such a reader: ``rec[s] <= keep[a]`` (a recomputed reader's rebuild would have
 nothing to read).
 
+**Saved constants** (``save_constants``): a recomputed candidate keeps its self-contained nodes
+(``bonsai_coef.self_contained_from``: an attention mask built inside it) instead of rebuilding them;
+its coefficients say so, and :meth:`BuiltModel.plan` lists them in ``CheckpointPlan.saved``.
+
 **Objective**: the recomputation time, ``sum cost[s] * rec[s]`` with ``cost[s]`` the cost of the nodes
 actually rebuilt, divided by the graph's total cost: the predicted overhead.
 """
@@ -157,7 +161,7 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
 
     start = time.perf_counter()
     m = len(seg.forward)
-    lowest = self_contained_from(graph, seg)
+    lowest = self_contained_from(graph)
     kinds = [False, True][:1 + drop_outputs]  # whether the column drops its candidate's outputs
     coefs, columns = {}, {}
     for drop in kinds:
