@@ -54,7 +54,7 @@ class Coefficients:
     save_pos: np.ndarray
     save_step: np.ndarray
     # With ``drop_outputs``: the atoms holding the forward readers of the candidate's dropped outputs
-    # (CSR over candidates), which must be kept; a candidate without any drops no output.
+    # (CSR over candidates), which must be kept; none: the candidate drops no output.
     reader_ptr: np.ndarray
     reader_atom: np.ndarray
 
