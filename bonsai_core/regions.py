@@ -40,8 +40,8 @@ from bonsai_core.schedule import Schedule, schedule_ops
 
 @dataclass(frozen=True)
 class CheckpointPlan:
-    """Disjoint segments of forward node ids covering the forward pass, which are recomputed, and which
-    of those drop their outputs too (module docstring)."""
+    """Disjoint segments of forward node ids covering the forward pass, which are recomputed, which of
+    those drop their outputs too, and which nodes are saved inside them (module docstring)."""
 
     segments: tuple[tuple[int, ...], ...]
     recomputed: frozenset[int]
