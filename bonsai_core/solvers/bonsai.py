@@ -56,7 +56,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, block_plans, checkpoint_sequence, forward_positions, plan_schedule
 from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.segment import default_granularity, op_count, segment
-from bonsai_core.solvers.bonsai_coef import PlainProfile, plain_profile, self_contained_from
+from bonsai_core.solvers.bonsai_coef import PlainProfile, plain_profile, saved_positions, self_contained_from
 from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
 from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, solve_milp
@@ -108,16 +108,11 @@ class Seeds:
 def saving_constants(graph: Graph, plan: CheckpointPlan) -> CheckpointPlan:
     """``plan`` with each recomputed segment saving its self-contained nodes (when it holds others too),
     as bonsai's own plans do."""
-    pos = forward_positions(graph)
-    lowest = self_contained_from(graph)
-    saved = []
-    for i in plan.recomputed:
-        members = list(plan.segments[i])
-        start = int(pos[members].min())
-        constants = [v for v in members if lowest[pos[v]] >= start]
-        if len(constants) < len(members):
-            saved += constants
-    return dataclasses.replace(plan, saved=frozenset(saved))
+    pos, forward, lowest = forward_positions(graph), np.flatnonzero(graph.is_forward), self_contained_from(graph)
+    spans = [(int(pos[list(plan.segments[i])].min()), int(pos[list(plan.segments[i])].max()) + 1)
+             for i in plan.recomputed]  # seed segments are runs of the forward order
+    return dataclasses.replace(plan, saved=frozenset(int(v) for a, b in spans
+                                                     for v in forward[saved_positions(lowest, a, b)]))
 
 
 _cache: "OrderedDict[tuple[str, Any], Any]" = OrderedDict()
@@ -201,7 +196,7 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
     key = (graph.hash, ("model", seg.granularity, regions, drop_outputs, save_constants))
 
     def make() -> BuiltModel:
-        full = segment(graph, seg.granularity, seeds(graph, regions).spans)
+        full = segment(graph, seg.granularity, seeds(graph, regions, save_constants).spans)
         allowed = None
         if regions == "modules":
             calls = module_spans(graph)

@@ -53,6 +53,7 @@ class Coefficients:
     save_ptr: np.ndarray
     save_pos: np.ndarray
     save_step: np.ndarray
+    saving: np.ndarray  # bool[C]: the candidate saves its self-contained nodes (``save_constants``)
     # With ``drop_outputs``: the atoms holding the forward readers of the candidate's dropped outputs
     # (CSR over candidates), which must be kept; none: the candidate drops no output.
     reader_ptr: np.ndarray
@@ -118,12 +119,18 @@ def self_contained_from(graph: Graph) -> np.ndarray:
     return lowest[forward]
 
 
+def saved_positions(lowest: np.ndarray, start: int, end: int) -> np.ndarray:
+    """The forward positions a recomputed segment over ``start <= p < end`` saves: its self-contained
+    ones (``lowest``: :func:`self_contained_from`), unless it holds nothing else (a segment starting at
+    the first op is rebuilt like any other)."""
+    inside = np.flatnonzero(lowest[start:end] >= start) + start
+    return inside if len(inside) < end - start else inside[:0]
+
+
 def saves_constants(seg: Segmentation, lowest: np.ndarray) -> np.ndarray:
-    """bool[C]: the candidate holds self-contained nodes, but not only those (the ones that save them; a
-    candidate made only of such nodes, one starting at the first op, is rebuilt like any other)."""
-    count = np.array([int((lowest[a:b] >= a).sum()) for a, b in zip(seg.starts.tolist(), seg.ends.tolist())],
-                     dtype=np.int64)
-    return (count > 0) & (count < seg.ends - seg.starts)
+    """bool[C]: the candidate saves some of its nodes when recomputed (:func:`saved_positions`)."""
+    return np.array([len(saved_positions(lowest, a, b)) > 0 for a, b in zip(seg.starts.tolist(), seg.ends.tolist())],
+                    dtype=bool)
 
 
 def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outputs: bool = False,
@@ -248,7 +255,8 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outp
     reader_ptr, reader_atom = _csr(readers)
     return Coefficients(cost=out_cost, saved=out_saved, ext=out_ext, ext_start=out_ext_start, peak=out_peak,
                         rebuild_at=out_rebuild, save_ptr=save_ptr, save_pos=save_pos_all,
-                        save_step=_csr(save_step)[1], reader_ptr=reader_ptr, reader_atom=reader_atom)
+                        save_step=_csr(save_step)[1], saving=saving, reader_ptr=reader_ptr,
+                        reader_atom=reader_atom)
 
 
 def _csr(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

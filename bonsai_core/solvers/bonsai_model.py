@@ -43,7 +43,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan
 from bonsai_core.segment import Segmentation
 from bonsai_core.solvers.bonsai_coef import (Coefficients, PlainProfile, coefficients, dominated, lowers_memory,
-                                             memory_steps, saves_constants, self_contained_from)
+                                             memory_steps, saved_positions, self_contained_from)
 
 # The model counts memory in units of a thousandth of the plain peak: raw byte counts near 1e10 (or near
 # 1e1 on toy graphs) would strain the solvers' tolerances, and 1e-7 of a unit is under a byte up to 10 GB.
@@ -109,8 +109,7 @@ class BuiltModel:
         """The nodes candidate ``c`` saves when recomputed: its self-contained ones, if it saves them."""
         if not self.saving[c]:
             return []
-        a, b = int(self.seg.starts[c]), int(self.seg.ends[c])
-        return self.seg.forward[a:b][self.lowest[a:b] >= a].tolist()
+        return self.seg.forward[saved_positions(self.lowest, int(self.seg.starts[c]), int(self.seg.ends[c]))].tolist()
 
     def rec_of(self, plan: CheckpointPlan) -> np.ndarray | None:
         """0/1 over :attr:`candidates` for ``plan``'s recomputed segments, or None when one of them is
@@ -173,7 +172,6 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     coef = coefs[False]
     candidates = np.concatenate([columns[k] for k in kinds])
     drops = np.concatenate([np.full(len(columns[k]), k) for k in kinds]).astype(bool)
-    saving = saves_constants(seg, lowest) if save_constants else np.zeros(seg.count, dtype=bool)
     count, atoms = len(candidates), seg.atoms
 
     memory = plain.memory
@@ -228,6 +226,6 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     constraints.append(delta + interval_peak / unit <= budget)  # last: min_peak_problem replaces it
     problem = cp.Problem(cp.Minimize(cost @ rec), constraints)
     return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, coefs=coefs, plain=plain, candidates=candidates,
-                      drops_outputs=drops, saving=saving, lowest=lowest,
+                      drops_outputs=drops, saving=coef.saving, lowest=lowest,
                       events=events, interval_peak=interval_peak, problem=problem, rec=rec, keep=keep,
                       delta=delta, budget=budget, unit=unit, build_seconds=time.perf_counter() - start)
