@@ -32,5 +32,6 @@ PAGES = [
 
 st.logo(str(ROOT / "assets" / "logo.svg"), icon_image=str(ROOT / "assets" / "icon.svg"), size="large")
 page = st.navigation(PAGES)
-state.sidebar()
+budget_slot = state.sidebar()
 page.run()
+state.budget_fragment(budget_slot)  # the budget slider, and what the page hands to state.follow_budget

@@ -3,16 +3,24 @@
 The sidebar is drawn by the entry script on every run, before the page, so its widgets keep their
 values while the user moves between pages. Pages call :func:`model`, :func:`settings` and
 :func:`outcome` and never touch ``st.session_state`` keys themselves.
+
+The budget slider is the one control users drag, so a drag reruns as little as it can: the slider is
+drawn in a fragment (:func:`budget_fragment`, after the page) with the part of the page that depends
+on the budget, which a page that shows a schedule hands over with :func:`follow_budget`. A drag then
+reruns the slider and that part, not the sidebar and the rest of the page: fewer messages to the
+browser and less for it to redraw (docs/EXPLORER.md, "Many sessions at once").
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import streamlit as st
+from streamlit.delta_generator import DeltaGenerator
 
 from bonsai_core import solvers
 from bonsai_core.budget import format_bytes, parse_budget
@@ -32,10 +40,10 @@ class Settings:
 
     budget: int
     percent: float  # the budget as a share of the no-remat peak
+    slider: bool  # the budget is the slider's (not typed in "Exact budget")
     method: str
     options: compute.Options  # only options the user set, and only those the method takes
     ignored: tuple[str, ...] = ()  # options set but not taken by the method
-    slider: bool = True  # the budget is the slider's (not typed in "Exact budget")
 
 
 def model() -> compute.Model:
@@ -55,14 +63,16 @@ def default_method() -> str:
     return next((m for m in PREFERRED_METHODS if m in methods), methods[0])
 
 
-def sidebar() -> Settings:
-    """Draw the schedule settings in the sidebar and return them; the URL's query parameters set
-    them on a session's first run and mirror them after every run (a shareable link)."""
+def sidebar() -> DeltaGenerator:
+    """Draw the schedule settings in the sidebar; the URL's query parameters set them on a session's
+    first run and mirror them after every run (a shareable link). Returns the budget slider's place,
+    left for :func:`budget_fragment`."""
     restore_view()
     g = model().graph
     reference = compute.no_remat(g).peak
     methods = solvers.available_methods()
     ss = st.session_state
+    ss.pop("budget_view", None)  # one a run stopped before budget_fragment left behind
     if ss.get("method") not in methods:
         ss["method"] = default_method()
     if "budget_pct" not in ss:
@@ -74,20 +84,14 @@ def sidebar() -> Settings:
     method = sb.selectbox("Method", methods, key="method", format_func=lambda m: m,
                           help="\n".join(f"- **{m}**: {solvers.describe(m)}" for m in methods))
     sb.caption(solvers.describe(method))
-    pct = sb.slider("Memory budget (% of the no-remat peak)", min_value=ahead.SLIDER.start,
-                    max_value=ahead.SLIDER.stop - 1, step=1, key="budget_pct")
-    budget = ahead.budget_at(pct, reference)
+    budget_slot = sb.container()
     exact = sb.text_input("Exact budget (optional)", key="budget_text", placeholder="e.g. 24MiB, 25000000 or 62.5%",
                           help="Overrides the slider: bytes, bytes with a unit (MiB, GB, ...) or a % of the no-remat peak.")
     if exact.strip():
         try:
-            budget = parse_budget(exact).resolve(reference)
-            pct = 100 * budget / reference
+            parse_budget(exact)
         except BonsaiError as e:
             sb.error(str(e))
-    lb = g.peak_lower_bound
-    sb.caption(f"Budget **{format_bytes(budget)}** ({budget:,} bytes, {pct:.1f}%) · no schedule fits below "
-               f"{format_bytes(lb)} ({100 * lb / reference:.0f}%)")
 
     accepted = compute.accepted_options(method)
     chosen: dict[str, object] = {}
@@ -120,10 +124,63 @@ def sidebar() -> Settings:
     unnamed = [k for k, _ in options if not compute.names_option(method, k)]
     if unnamed:
         sb.caption(f"{method} does not name {', '.join(unnamed)}: passed, but it may ignore it.")
-    s = Settings(budget, pct, method, options, ignored, slider=not exact.strip())
-    ss["settings"] = s
-    st.query_params.from_dict(view_params(method))
-    return s
+    budget, percent, slider = current_budget()
+    ss["settings"] = Settings(budget, percent, slider, method, options, ignored)
+    return budget_slot
+
+
+def current_budget() -> tuple[int, float, bool]:
+    """(budget in bytes, as a % of the no-remat peak, whether it is the slider's) as the slider and
+    the exact field now say; an exact budget that cannot be read leaves the slider's (the sidebar
+    says why)."""
+    ss = st.session_state
+    reference = compute.no_remat(model().graph).peak
+    exact = ss.get("budget_text", "").strip()
+    if exact:
+        try:
+            budget = parse_budget(exact).resolve(reference)
+            return budget, 100 * budget / reference, False
+        except BonsaiError:
+            pass
+    pct = ss["budget_pct"]
+    return ahead.budget_at(pct, reference), float(pct), True
+
+
+def follow_budget(view: Callable[[], None]) -> None:
+    """Have ``view``, the part of this page that depends on the budget (drawn last on the page), run
+    in :func:`budget_fragment`: each drag of the slider reruns it. It reads :func:`settings` and
+    :func:`outcome` as usual; its own widgets rerun it alone too."""
+    st.session_state["budget_view"] = view
+
+
+def budget_fragment(slot: DeltaGenerator) -> None:
+    """Run by the entry script after the page: the budget slider and the budget it gives, in their
+    place in the sidebar (``slot``), then the page's :func:`follow_budget` view, as one fragment."""
+    view = st.session_state.pop("budget_view", None)
+
+    def budget_and_view() -> None:
+        budget_controls(slot)
+        if view is not None:
+            view()
+
+    st.fragment(budget_and_view)()
+
+
+def budget_controls(slot: DeltaGenerator) -> None:
+    """The slider and its budget in ``slot``; brings the settings up to date with them (a drag reruns
+    this, not :func:`sidebar`) and mirrors the view in the URL."""
+    ss = st.session_state
+    slot.slider("Memory budget (% of the no-remat peak)", min_value=ahead.SLIDER.start,
+                max_value=ahead.SLIDER.stop - 1, step=1, key="budget_pct")
+    budget, percent, slider = current_budget()
+    s = ss["settings"] = replace(ss["settings"], budget=budget, percent=percent, slider=slider)
+    g = model().graph
+    reference, lb = compute.no_remat(g).peak, g.peak_lower_bound
+    slot.caption(f"Budget **{format_bytes(s.budget)}** ({s.budget:,} bytes, {s.percent:.1f}%) · no schedule fits "
+                 f"below {format_bytes(lb)} ({100 * lb / reference:.0f}%)")
+    params = view_params(s.method)
+    if params != st.query_params.to_dict():  # each change is a message to the browser
+        st.query_params.from_dict(params)
 
 
 def option_widget(method: str, spec: compute.OptionSpec) -> object:

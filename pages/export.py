@@ -16,27 +16,10 @@ from bonsai_core.errors import BonsaiError
 from explorer import compute, state
 
 st.title("Export")
-s = state.settings()
-m = state.model()
-g = m.graph
-out = state.outcome()
-if not out.ok:
-    state.show_error(out.error, "Nothing to export yet: raise the budget or pick another method in the sidebar.")
-    st.stop()
-
-stem = f"{g.name.split('(')[0]}-{s.method}-{s.budget}"
-st.subheader("Schedule")
-st.markdown(f"The **{s.method}** schedule of **{g.name}** under **{format_bytes(s.budget)}**: {len(out.schedule.ops)} "
-            f"ops, peak {format_bytes(out.sim.peak)}, overhead {100 * out.sim.overhead:.2f}% (bonsai-schedule JSON, "
-            "version 1; replay it with `bonsai simulate graph.json schedule.json`).")
-c1, c2 = st.columns(2)
-c1.download_button("Download schedule JSON", json.dumps(out.schedule.to_dict(), separators=(",", ":")),
-                   file_name=f"{stem}.schedule.json", mime="application/json", type="primary", key="dl_schedule")
-c2.download_button("Download graph JSON", json.dumps(g.to_dict(), separators=(",", ":")),
-                   file_name=f"{stem}.graph.json", mime="application/json", key="dl_graph")
 
 
-def cli_commands() -> str:
+def cli_commands(m: compute.Model, s: state.Settings) -> str:
+    """The command lines that make the same schedule and model."""
     flags = " ".join(f"--{k} {v}" for k, v in sorted(m.options.items()))
     solve_flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.options)
     lines = [f"bonsai trace {m.zoo} {flags}".rstrip() + " -o graph.json",
@@ -47,53 +30,78 @@ def cli_commands() -> str:
     return "\n".join(lines)
 
 
-st.subheader("Runnable checkpointed model")
-export_model = compute.exporter()
-if m.zoo is None:
-    st.info(f"This graph came from an upload ({m.label}), so the explorer cannot rebuild its model to export it. "
-            "Export schedules of uploaded graphs with the JSON above; to get a runnable model, trace the model "
-            "with `bonsai trace package.module:factory -o graph.json` and use `bonsai export`.")
-elif export_model is None:
-    st.info("The model exporter (`bonsai_core.export`) is not part of this installation yet. Download the schedule "
-            "above, or make the same model from the command line:")
-    st.code(cli_commands(), language="bash")
-else:
-    st.markdown("A folder with `checkpointed.py`, `schedule.json` and a `README.md`, zipped. `checkpointed.py` "
-                "replays the schedule: the traced training step (forward, loss, backward, as aten ops) written out "
-                "as straight-line Python in the schedule's order, a recomputation being the same line run again and "
-                "a free a `del`, so the real step allocates what the simulator counted. It does not use "
-                "`torch.utils.checkpoint` and runs with plain PyTorch, sharing your model's parameters. `bonsai export --backend checkpoint` "
-                "applies it to your own module with `torch.utils.checkpoint` instead.")
-    if st.button("Build the checkpointed model", key="export_build"):
-        with st.spinner("Exporting…"):
-            try:
-                with tempfile.TemporaryDirectory() as tmp:
-                    folder = Path(export_model(m.zoo, dict(m.options), out.schedule, Path(tmp) / stem))
-                    buf = io.BytesIO()
-                    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-                        for f in sorted(folder.rglob("*")):
-                            if f.is_file():
-                                z.write(f, Path(stem) / f.relative_to(folder))
-                st.session_state["export_zip"] = (g.hash, s, buf.getvalue())
-            except BonsaiError as e:
-                state.show_error(str(e))
-            except Exception as e:  # an exporter failure: a message, not a traceback
-                state.show_error(f"The export failed ({type(e).__name__}: {e}).",
-                                 "Download the schedule JSON and run `bonsai export` to see the full error.")
-    built = st.session_state.get("export_zip")
-    if built and built[0] == g.hash and built[1] == s:
-        st.download_button("Download the checkpointed model (.zip)", built[2], file_name=f"{stem}.zip",
-                           mime="application/zip", type="primary", key="dl_zip")
-        flags = " ".join(f"--{k} {v}" for k, v in sorted(m.options.items()))
-        st.markdown("**Run it on a GPU machine** (same torch version). Check it against the original model — "
-                    "loss, gradients, predicted vs measured peak (`torch.cuda.max_memory_allocated`):")
-        st.code(f"unzip {stem}.zip\nbonsai verify {m.zoo} {flags} {stem}/ --device cuda".replace("  ", " "),
-                language="bash")
-        st.markdown("Or train with it in plain PyTorch (no bonsai needed; the zip's README.md has the details):")
-        st.code(f'import sys; sys.path.insert(0, "{stem}")\nimport checkpointed\n\n'
-                "ck = checkpointed.load(model)          # shares model's parameters\n"
-                "loss = ck(*inputs, loss_fn=loss_fn)    # same loss as loss_fn(model(*inputs))\n"
-                "loss.backward()                        # the scheduled backward pass\n"
-                "optimizer.step(); optimizer.zero_grad()", language="python")
-    st.caption("Or from the command line:")
-    st.code(cli_commands(), language="bash")
+def export() -> None:
+    """The schedule at the sidebar's budget, to download or to build into a runnable model."""
+    s = state.settings()
+    m = state.model()
+    g = m.graph
+    out = state.outcome()
+    if not out.ok:
+        state.show_error(out.error, "Nothing to export yet: raise the budget or pick another method in the sidebar.")
+        return
+
+    stem = f"{g.name.split('(')[0]}-{s.method}-{s.budget}"
+    st.subheader("Schedule")
+    st.markdown(f"The **{s.method}** schedule of **{g.name}** under **{format_bytes(s.budget)}**: {len(out.schedule.ops)} "
+                f"ops, peak {format_bytes(out.sim.peak)}, overhead {100 * out.sim.overhead:.2f}% (bonsai-schedule JSON, "
+                "version 1; replay it with `bonsai simulate graph.json schedule.json`).")
+    c1, c2 = st.columns(2)
+    c1.download_button("Download schedule JSON", json.dumps(out.schedule.to_dict(), separators=(",", ":")),
+                       file_name=f"{stem}.schedule.json", mime="application/json", type="primary", key="dl_schedule")
+    c2.download_button("Download graph JSON", json.dumps(g.to_dict(), separators=(",", ":")),
+                       file_name=f"{stem}.graph.json", mime="application/json", key="dl_graph")
+
+    st.subheader("Runnable checkpointed model")
+    export_model = compute.exporter()
+    if m.zoo is None:
+        st.info(f"This graph came from an upload ({m.label}), so the explorer cannot rebuild its model to export it. "
+                "Export schedules of uploaded graphs with the JSON above; to get a runnable model, trace the model "
+                "with `bonsai trace package.module:factory -o graph.json` and use `bonsai export`.")
+    elif export_model is None:
+        st.info("The model exporter (`bonsai_core.export`) is not part of this installation yet. Download the schedule "
+                "above, or make the same model from the command line:")
+        st.code(cli_commands(m, s), language="bash")
+    else:
+        st.markdown("A folder with `checkpointed.py`, `schedule.json` and a `README.md`, zipped. `checkpointed.py` "
+                    "replays the schedule: the traced training step (forward, loss, backward, as aten ops) written out "
+                    "as straight-line Python in the schedule's order, a recomputation being the same line run again and "
+                    "a free a `del`, so the real step allocates what the simulator counted. It does not use "
+                    "`torch.utils.checkpoint` and runs with plain PyTorch, sharing your model's parameters. "
+                    "`bonsai export --backend checkpoint` applies it to your own module with `torch.utils.checkpoint` "
+                    "instead.")
+        if st.button("Build the checkpointed model", key="export_build"):
+            with st.spinner("Exporting…"):
+                try:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        folder = Path(export_model(m.zoo, dict(m.options), out.schedule, Path(tmp) / stem))
+                        buf = io.BytesIO()
+                        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+                            for f in sorted(folder.rglob("*")):
+                                if f.is_file():
+                                    z.write(f, Path(stem) / f.relative_to(folder))
+                    st.session_state["export_zip"] = (g.hash, s, buf.getvalue())
+                except BonsaiError as e:
+                    state.show_error(str(e))
+                except Exception as e:  # an exporter failure: a message, not a traceback
+                    state.show_error(f"The export failed ({type(e).__name__}: {e}).",
+                                     "Download the schedule JSON and run `bonsai export` to see the full error.")
+        built = st.session_state.get("export_zip")
+        if built and built[0] == g.hash and built[1] == s:
+            st.download_button("Download the checkpointed model (.zip)", built[2], file_name=f"{stem}.zip",
+                               mime="application/zip", type="primary", key="dl_zip")
+            flags = " ".join(f"--{k} {v}" for k, v in sorted(m.options.items()))
+            st.markdown("**Run it on a GPU machine** (same torch version). Check it against the original model — "
+                        "loss, gradients, predicted vs measured peak (`torch.cuda.max_memory_allocated`):")
+            st.code(f"unzip {stem}.zip\nbonsai verify {m.zoo} {flags} {stem}/ --device cuda".replace("  ", " "),
+                    language="bash")
+            st.markdown("Or train with it in plain PyTorch (no bonsai needed; the zip's README.md has the details):")
+            st.code(f'import sys; sys.path.insert(0, "{stem}")\nimport checkpointed\n\n'
+                    "ck = checkpointed.load(model)          # shares model's parameters\n"
+                    "loss = ck(*inputs, loss_fn=loss_fn)    # same loss as loss_fn(model(*inputs))\n"
+                    "loss.backward()                        # the scheduled backward pass\n"
+                    "optimizer.step(); optimizer.zero_grad()", language="python")
+        st.caption("Or from the command line:")
+        st.code(cli_commands(m, s), language="bash")
+
+
+state.follow_budget(export)

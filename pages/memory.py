@@ -13,12 +13,11 @@ from bonsai_core.errors import BudgetError
 from explorer import compute, plots, state
 
 st.title("Memory over time")
-s = state.settings()
 g = state.model().graph
 base = compute.no_remat(g)
 
 c1, c2, c3 = st.columns([3, 2, 2])
-others = [m for m in solvers.available_methods() if m not in (s.method, "none")]
+others = [m for m in solvers.available_methods() if m not in (state.settings().method, "none")]
 extra = c1.multiselect("Also show", others, key="memory_others", help="Solved at the same budget and options.")
 x_mode = c2.radio("x axis", ["time", "ops"], key="memory_x", horizontal=True,
                   format_func=lambda x: "compute time" if x == "time" else "schedule step")
@@ -41,46 +40,7 @@ def allocation(outcome: compute.Outcome):
     return None if reserved is None or len(reserved) != len(outcome.schedule.ops) else result
 
 
-curves, rows, errors = [], [], []
-for i, method in enumerate([s.method, *extra]):
-    out = state.outcome(method)
-    if not out.ok:
-        errors.append((method, out.error))
-        continue
-    alloc = allocation(out)
-    curves.append(plots.curve(method, out.sim.timeline, compute.op_costs(g, out.schedule), out.sim.peak,
-                              out.sim.peak_op, plots.method_colour(method, i), x_mode,
-                              reserved=None if alloc is None else np.asarray(alloc.reserved)))
-    row = {"schedule": method, "peak": format_bytes(out.sim.peak),
-           "peak % of no remat": round(100 * out.sim.peak / base.peak, 1),
-           "overhead %": round(100 * out.sim.overhead, 2), "ops": len(out.schedule.ops),
-           "recomputed ops": out.sim.recomputes}
-    if alloc is not None:
-        row |= {"reserved peak": format_bytes(alloc.reserved_peak),
-                "fragmentation %": round(100 * float(alloc.fragmentation), 1)}
-    rows.append(row)
-if not any(r["schedule"] == "none" for r in rows):  # no remat is the reference line
-    none = compute.solve(g, None, "none")
-    alloc = allocation(none)
-    curves.append(plots.curve("no remat", base.timeline, compute.op_costs(g, none.schedule), base.peak, base.peak_op,
-                              plots.method_colour("none"), x_mode, dash="dash",
-                              reserved=None if alloc is None else np.asarray(alloc.reserved)))
-    row = {"schedule": "no remat", "peak": format_bytes(base.peak), "peak % of no remat": 100.0,
-           "overhead %": 0.0, "ops": len(none.schedule.ops), "recomputed ops": 0}
-    if alloc is not None:
-        row |= {"reserved peak": format_bytes(alloc.reserved_peak),
-                "fragmentation %": round(100 * float(alloc.fragmentation), 1)}
-    rows.append(row)
-
-for method, error in errors:
-    state.show_error(f"{method}: {error}", "Raise the budget in the sidebar or pick another method."
-                     if method == s.method else "Raise the budget in the sidebar or untick the method.")
-st.plotly_chart(plots.memory_figure(curves, s.budget, g.peak_lower_bound, x_mode), width="stretch",
-                key="memory_plot")
-st.dataframe(rows, hide_index=True, width="stretch")
-
-
-def address_space() -> None:
+def address_space(s: state.Settings) -> None:
     """Where each tensor sits in the allocator after one op of one of the shown schedules."""
     st.caption("Where each tensor sits in the allocator after one op of the steady-state step, the full arena: "
                "parameters, gradients, the batch and Adam's state are pinned where a training loop allocated them, "
@@ -112,9 +72,53 @@ def address_space() -> None:
                    f"{format_bytes(max(free, default=0))}.")
 
 
-# Drawn only while open (a lazy expander): the address map is a second plotly chart that every budget
-# change would redraw, about 40% of a browser tab's work per slider move (docs/EXPLORER.md).
-address = st.expander("Address space at one moment", key="memory_address_open", on_change="rerun")
-if address.open:
-    with address:
-        address_space()
+def memory_over_time() -> None:
+    """The plot and the table at the sidebar's budget, and the address space when open."""
+    s = state.settings()
+    curves, rows, errors = [], [], []
+    for i, method in enumerate([s.method, *extra]):
+        out = state.outcome(method)
+        if not out.ok:
+            errors.append((method, out.error))
+            continue
+        alloc = allocation(out)
+        curves.append(plots.curve(method, out.sim.timeline, compute.op_costs(g, out.schedule), out.sim.peak,
+                                  out.sim.peak_op, plots.method_colour(method, i), x_mode,
+                                  reserved=None if alloc is None else np.asarray(alloc.reserved)))
+        row = {"schedule": method, "peak": format_bytes(out.sim.peak),
+               "peak % of no remat": f"{100 * out.sim.peak / base.peak:.1f}",
+               "overhead %": f"{100 * out.sim.overhead:.2f}", "ops": len(out.schedule.ops),
+               "recomputed ops": out.sim.recomputes}
+        if alloc is not None:
+            row |= {"reserved peak": format_bytes(alloc.reserved_peak),
+                    "fragmentation %": f"{100 * float(alloc.fragmentation):.1f}"}
+        rows.append(row)
+    if not any(r["schedule"] == "none" for r in rows):  # no remat is the reference line
+        none = compute.solve(g, None, "none")
+        alloc = allocation(none)
+        curves.append(plots.curve("no remat", base.timeline, compute.op_costs(g, none.schedule), base.peak, base.peak_op,
+                                  plots.method_colour("none"), x_mode, dash="dash",
+                                  reserved=None if alloc is None else np.asarray(alloc.reserved)))
+        row = {"schedule": "no remat", "peak": format_bytes(base.peak), "peak % of no remat": "100.0",
+               "overhead %": "0.00", "ops": len(none.schedule.ops), "recomputed ops": 0}
+        if alloc is not None:
+            row |= {"reserved peak": format_bytes(alloc.reserved_peak),
+                    "fragmentation %": f"{100 * float(alloc.fragmentation):.1f}"}
+        rows.append(row)
+
+    for method, error in errors:
+        state.show_error(f"{method}: {error}", "Raise the budget in the sidebar or pick another method."
+                         if method == s.method else "Raise the budget in the sidebar or untick the method.")
+    st.plotly_chart(plots.memory_figure(curves, s.budget, g.peak_lower_bound, x_mode), width="stretch",
+                    key="memory_plot")
+    st.table(rows, hide_index=True)  # a static table: a data grid cost each browser 0.1 CPU-s more per drag
+
+    # Drawn only while open (a lazy expander): the address map is a second plotly chart that every budget
+    # change would redraw, about 40% of a browser tab's work per slider move (docs/EXPLORER.md).
+    address = st.expander("Address space at one moment", key="memory_address_open", on_change="rerun")
+    if address.open:
+        with address:
+            address_space(s)
+
+
+state.follow_budget(memory_over_time)

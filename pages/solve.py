@@ -8,65 +8,72 @@ from bonsai_core.budget import format_bytes
 from explorer import ahead, compute, plots, state
 
 st.title("Solve")
-s = state.settings()
-g = state.model().graph
-reference = compute.no_remat(g).peak
-out = state.outcome()
-opts = ", ".join(f"{k}={v}" for k, v in s.options) or "method defaults"
-st.caption(f"**{s.method}** on **{g.name}** under **{format_bytes(s.budget)}** ({s.percent:.1f}% of the no-remat "
-           f"peak), options: {opts}. Every change in the sidebar re-solves; results are cached"
-           + (f", and the slider's other positions are solved in the background ({ahead.SLOW_SOLVE_SECONDS:g} s at "
-              "most each), so a drag may find its plan solved already." if ahead.enabled() else "."))
 
-if not out.ok:
-    state.show_error(out.error, "Raise the budget in the sidebar, pick another method, or give the solver more time.")
-    st.stop()
 
-stats = out.schedule.stats
-status = str(stats.get("status", "—"))
-gap = stats.get("gap")
-c = st.columns(4)
-c[0].metric("status", status + (f" (gap {100 * gap:.2f}%)" if isinstance(gap, (int, float)) and gap > 0 else ""))
-c[1].metric("peak", format_bytes(out.sim.peak), f"{100 * out.sim.peak / reference - 100:+.1f}% vs no remat",
-            delta_color="inverse")
-c[2].metric("compute overhead", f"{100 * out.sim.overhead:.2f}%", help="Recomputed time / one plain step.")
-c[3].metric("recomputed ops", out.sim.recomputes)
-chosen = stats.get("granularity")  # what a segment method used ("auto" picks it: the solver says which)
-c = st.columns(5 if chosen is not None else 4)
-c[0].metric("variables", stats.get("variables", "—"))
-c[1].metric("constraints", stats.get("constraints", "—"))
-build, solve = stats.get("build_seconds"), stats.get("solve_seconds")
-c[2].metric("build time", f"{build:.3f} s" if isinstance(build, (int, float)) else "—")
-reused = stats.get("reused_from")
-c[3].metric("solve time", f"{solve:.3f} s" if isinstance(solve, (int, float)) else "—",
-            help=f"Whole call including simulation: {out.wall_seconds:.3f} s (first time; then cached)."
-            + (f" Not solved again: the plan found at {format_bytes(reused)} fits this budget, so it is just as close "
-               "to this budget's optimum." if reused is not None else ""))
-if chosen is not None:
-    asked = dict(s.options).get("granularity")
-    c[4].metric("granularity", chosen, help="Largest segment, in forward ops: "
-                + (f"set to {asked} in the sidebar." if asked is not None else "the method's own choice."))
+def schedule() -> None:
+    """The schedule at the sidebar's budget: its numbers, memory over time and segments."""
+    s = state.settings()
+    g = state.model().graph
+    reference = compute.no_remat(g).peak
+    out = state.outcome()
+    opts = ", ".join(f"{k}={v}" for k, v in s.options) or "method defaults"
+    st.caption(f"**{s.method}** on **{g.name}** under **{format_bytes(s.budget)}** ({s.percent:.1f}% of the no-remat "
+               f"peak), options: {opts}. Every change in the sidebar re-solves; results are cached"
+               + (f", and the slider's other positions are solved in the background ({ahead.SLOW_SOLVE_SECONDS:g} s at "
+                  "most each), so a drag may find its plan solved already." if ahead.enabled() else "."))
 
-timeline = plots.curve(s.method, out.sim.timeline, compute.op_costs(g, out.schedule), out.sim.peak, out.sim.peak_op,
-                       plots.method_colour(s.method))
-base = compute.no_remat(g)
-plain = compute.solve(g, None, "none")
-reference_curve = plots.curve("no remat", base.timeline, compute.op_costs(g, plain.schedule), base.peak,
-                              base.peak_op, plots.method_colour("none"), dash="dot")
-st.plotly_chart(plots.memory_figure([timeline, reference_curve] if s.method != "none" else [timeline], s.budget, g.peak_lower_bound, height=300), width="stretch",
-                key="solve_plot")
+    if not out.ok:
+        state.show_error(out.error, "Raise the budget in the sidebar, pick another method, or give the solver more time.")
+        return
 
-segments = out.schedule.extra.get("segments")
-if segments:
-    rec = set(out.schedule.extra.get("recomputed", []))
-    opened = set(out.schedule.extra.get("drop_outputs", []))  # bonsai's option drop_outputs
-    saved = set(out.schedule.extra.get("saved", []))  # nodes kept inside recomputed segments
-    st.subheader(f"{len(segments)} segments, {len(rec)} recomputed" +
-                 (f" ({len(opened)} with their outputs dropped)" if opened else "") +
-                 (f", {len(saved)} ops saved inside them" if saved else ""))
-    st.dataframe([{"segment": i, "ops": len(seg), "first op": g.names[seg[0]], "last op": g.names[seg[-1]],
-                   "bytes": format_bytes(int(g.mem[list(seg)].sum())),
-                   "cost (µs)": round(float(g.cost[list(seg)].sum()) * 1e6, 2), "recomputed": i in rec,
-                   **({"outputs dropped": i in opened} if opened else {}),
-                   **({"saved ops": len(saved.intersection(seg))} if saved else {})}
-                  for i, seg in enumerate(segments)], hide_index=True, width="stretch")
+    stats = out.schedule.stats
+    status = str(stats.get("status", "—"))
+    gap = stats.get("gap")
+    c = st.columns(4)
+    c[0].metric("status", status + (f" (gap {100 * gap:.2f}%)" if isinstance(gap, (int, float)) and gap > 0 else ""))
+    c[1].metric("peak", format_bytes(out.sim.peak), f"{100 * out.sim.peak / reference - 100:+.1f}% vs no remat",
+                delta_color="inverse")
+    c[2].metric("compute overhead", f"{100 * out.sim.overhead:.2f}%", help="Recomputed time / one plain step.")
+    c[3].metric("recomputed ops", out.sim.recomputes)
+    chosen = stats.get("granularity")  # what a segment method used ("auto" picks it: the solver says which)
+    c = st.columns(5 if chosen is not None else 4)
+    c[0].metric("variables", stats.get("variables", "—"))
+    c[1].metric("constraints", stats.get("constraints", "—"))
+    build, solve = stats.get("build_seconds"), stats.get("solve_seconds")
+    c[2].metric("build time", f"{build:.3f} s" if isinstance(build, (int, float)) else "—")
+    reused = stats.get("reused_from")
+    c[3].metric("solve time", f"{solve:.3f} s" if isinstance(solve, (int, float)) else "—",
+                help=f"Whole call including simulation: {out.wall_seconds:.3f} s (first time; then cached)."
+                + (f" Not solved again: the plan found at {format_bytes(reused)} fits this budget, so it is just as close "
+                   "to this budget's optimum." if reused is not None else ""))
+    if chosen is not None:
+        asked = dict(s.options).get("granularity")
+        c[4].metric("granularity", chosen, help="Largest segment, in forward ops: "
+                    + (f"set to {asked} in the sidebar." if asked is not None else "the method's own choice."))
+
+    timeline = plots.curve(s.method, out.sim.timeline, compute.op_costs(g, out.schedule), out.sim.peak, out.sim.peak_op,
+                           plots.method_colour(s.method))
+    base = compute.no_remat(g)
+    plain = compute.solve(g, None, "none")
+    reference_curve = plots.curve("no remat", base.timeline, compute.op_costs(g, plain.schedule), base.peak,
+                                  base.peak_op, plots.method_colour("none"), dash="dot")
+    st.plotly_chart(plots.memory_figure([timeline, reference_curve] if s.method != "none" else [timeline], s.budget, g.peak_lower_bound, height=300), width="stretch",
+                    key="solve_plot")
+
+    segments = out.schedule.extra.get("segments")
+    if segments:
+        rec = set(out.schedule.extra.get("recomputed", []))
+        opened = set(out.schedule.extra.get("drop_outputs", []))  # bonsai's option drop_outputs
+        saved = set(out.schedule.extra.get("saved", []))  # nodes kept inside recomputed segments
+        st.subheader(f"{len(segments)} segments, {len(rec)} recomputed" +
+                     (f" ({len(opened)} with their outputs dropped)" if opened else "") +
+                     (f", {len(saved)} ops saved inside them" if saved else ""))
+        st.dataframe([{"segment": i, "ops": len(seg), "first op": g.names[seg[0]], "last op": g.names[seg[-1]],
+                       "bytes": format_bytes(int(g.mem[list(seg)].sum())),
+                       "cost (µs)": round(float(g.cost[list(seg)].sum()) * 1e6, 2), "recomputed": i in rec,
+                       **({"outputs dropped": i in opened} if opened else {}),
+                       **({"saved ops": len(saved.intersection(seg))} if saved else {})}
+                      for i, seg in enumerate(segments)], hide_index=True, width="stretch")
+
+
+state.follow_budget(schedule)

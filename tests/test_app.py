@@ -16,10 +16,10 @@ import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from bonsai_core import solvers
-from bonsai_core.graph import Graph
+from bonsai_core.graph import Graph, load_graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import Schedule, no_remat_peak, none_schedule
-from explorer import compute
+from explorer import compute, state
 from tests.graphs import chain
 
 APP = "explorer/app.py"
@@ -92,6 +92,20 @@ def test_moving_the_budget_slider_moves_the_memory_plot():
     at.sidebar.slider(key="budget_pct").set_value(80).run()
     assert not at.exception
     assert budget_line(at) == pytest.approx(0.8 * before, rel=0.01)
+
+
+def test_the_budget_slider_keeps_its_value_on_every_page():
+    """The slider is drawn in the budget fragment after whichever page runs (explorer/state.py): it
+    must be the same widget on every page (a widget drawn by a page's own script is a different one
+    on each page and would start again at its minimum) and every page must see its budget."""
+    at = goto(app(), "memory")
+    at.sidebar.slider(key="budget_pct").set_value(83).run()
+    for page in ("model", "graph", "solve", "compare", "export", "memory"):
+        goto(at, page)
+        assert at.sidebar.slider(key="budget_pct").value == 83, page
+        assert at.session_state["settings"].percent == 83.0, page
+        assert any("83.0%" in c.value for c in at.sidebar.caption), page
+    assert budget_line(at) == pytest.approx(0.83 * no_remat_peak(load_graph(state.DEFAULT_GRAPH)) / 2**20, rel=1e-3)
 
 
 def test_a_budget_an_earlier_plan_fits_says_it_was_not_solved_again():
@@ -172,7 +186,7 @@ def test_memory_page_overlays_ticked_methods_with_no_remat(fake_method):
     assert "fake" in names and "no remat" in names
     if compute.allocator_replay() is not None:  # live vs reserved from the allocator model
         assert "fake (reserved)" in names
-        assert "reserved peak" in at.dataframe[0].value.columns
+        assert "reserved peak" in at.table[0].value.columns
     at.radio(key="memory_x").set_value("ops").run()
     assert plot_spec(at)["layout"]["xaxis"]["title"]["text"] == "schedule step (op)"
 

@@ -177,7 +177,22 @@ def test_first_paint_of_the_default_model_within_three_seconds(page, server):
     assert statistics.median(times) <= 3.0
 
 
+def redrawn_elements(frames: list[bytes]) -> list[str]:
+    """The kinds of the elements Streamlit (re)drew in these websocket frames, e.g. ["slider", "markdown"]."""
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+    kinds = []
+    for payload in frames:
+        msg = ForwardMsg()
+        msg.ParseFromString(payload)
+        if msg.WhichOneof("type") == "delta" and msg.delta.WhichOneof("type") == "new_element":
+            kinds.append(msg.delta.new_element.WhichOneof("type"))
+    return kinds
+
+
 def test_budget_slider_moves_the_memory_plot_within_a_second(page, server):
+    frames: list[bytes] = []
+    page.on("websocket", lambda ws: ws.on("framereceived", lambda p: frames.append(p) if isinstance(p, bytes) else None))
     page.goto(f"{server}/memory")
     wait_idle(page)
     page.wait_for_selector('[data-testid="stPlotlyChart"] .annotation-text')
@@ -185,6 +200,7 @@ def test_budget_slider_moves_the_memory_plot_within_a_second(page, server):
     latencies = []
     for i, fraction in enumerate((0.9, 0.75, 0.95, 0.8, 1.0, 0.85, 0.97)):
         before = budget_annotation(page)
+        frames.clear()
         start = drag_budget(page, fraction)
         # the value the slider settled on, read in the browser: the plot must show exactly its budget
         pct = int(page.locator('[data-testid="stSlider"]').filter(has_text="Memory budget").first
@@ -197,6 +213,13 @@ def test_budget_slider_moves_the_memory_plot_within_a_second(page, server):
         assert budget_annotation(page) != before
         wait_idle(page)
         assert page.locator('[data-testid="stException"]').count() == 0
+        # the drag reran the budget's fragment alone (state.budget_fragment): the slider, its caption in the
+        # sidebar, the plot and the table; not the page's title, its other widgets or the rest of the sidebar
+        redrawn = redrawn_elements(frames)
+        assert "plotly_chart" in redrawn and "slider" in redrawn, redrawn
+        assert not {"heading", "selectbox", "multiselect", "radio", "text_input"} & set(redrawn), redrawn
+        assert page.locator('[data-testid="stSidebar"]').get_by_text(expected.removeprefix("budget ")).count() >= 1
+        assert f"budget={pct}" in page.url
         if i == 0:
             page.screenshot(path=str(SHOTS / "memory-after-drag.png"), full_page=True)
     median = statistics.median(latencies)
