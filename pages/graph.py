@@ -26,16 +26,21 @@ def segmented_graph() -> None:
     recomputed = compute.recomputed_nodes(g, out.schedule) if out.ok else np.zeros(g.n, dtype=bool)
 
     if not out.ok:
-        state.show_error(out.error, "The graph is drawn without a schedule; change the budget or method in the sidebar.")
+        state.show_error(out.error,
+                         "The graph is drawn without a schedule; change the budget or method in the sidebar.")
+    if segments:
+        colouring = (f"Colour and shape: the {len(segments)} segments of the **{out.method}** schedule; "
+                     f"{len(recomputed_segments)} recomputed (red ring).")
+    else:
+        colouring = (f"The **{out.method}** schedule has no segments: forward ops are coloured and shaped in blocks "
+                     "of consecutive ops" + (", recomputed ops ringed in red." if recomputed.any() else "."))
     st.caption("Forward ops run left to right along the top, backward ops (grey diamonds) right to left along "
-               "the bottom. " + (f"Colour and shape: the {len(segments)} segments of the **{out.method}** schedule; "
-                                 f"{len(recomputed_segments)} recomputed (red ring)." if segments else
-                                 f"The **{out.method}** schedule has no segments: forward ops are coloured and shaped in "
-                                 "blocks of consecutive ops" + (", recomputed ops ringed in red." if recomputed.any() else ".")))
+               "the bottom. " + colouring)
 
     c1, c2, c3 = st.columns([2, 2, 3])
     default_view = "collapsed" if g.n > LARGE else "every op"
-    view = c1.segmented_control("View", ["collapsed", "every op"], key="graph_view", default=default_view) or default_view
+    view = (c1.segmented_control("View", ["collapsed", "every op"], key="graph_view", default=default_view)
+            or default_view)
     block = c2.number_input("Block size (ops)", 4, 256, 16, step=4, key="graph_block",
                             help="Ops per block where there are no segments (and in the backward pass).")
     groups = plots.node_groups(g, segments, recomputed_segments, block=int(block))

@@ -23,7 +23,8 @@ def schedule() -> None:
                   "most each), so a drag may find its plan solved already." if ahead.enabled() else "."))
 
     if not out.ok:
-        state.show_error(out.error, "Raise the budget in the sidebar, pick another method, or give the solver more time.")
+        state.show_error(out.error,
+                         "Raise the budget in the sidebar, pick another method, or give the solver more time.")
         return
 
     stats = out.schedule.stats
@@ -57,7 +58,8 @@ def schedule() -> None:
     plain = compute.solve(g, None, "none")
     reference_curve = plots.curve("no remat", base.timeline, compute.op_costs(g, plain.schedule), base.peak,
                                   base.peak_op, plots.method_colour("none"), dash="dot")
-    st.plotly_chart(plots.memory_figure([timeline, reference_curve] if s.method != "none" else [timeline], s.budget, g.peak_lower_bound, height=300), width="stretch",
+    curves = [timeline, reference_curve] if s.method != "none" else [timeline]
+    st.plotly_chart(plots.memory_figure(curves, s.budget, g.peak_lower_bound, height=300), width="stretch",
                     key="solve_plot")
 
     segments = out.schedule.extra.get("segments")
