@@ -105,12 +105,12 @@ class Seeds:
         return min((self.peak(graph, i) for i in range(len(self.plans))), default=None)
 
 
-def saving_constants(graph: Graph, plan: CheckpointPlan) -> CheckpointPlan:
-    """``plan`` with each recomputed segment saving its self-contained nodes (when it holds others too),
-    as bonsai's own plans do."""
-    pos, forward, lowest = forward_positions(graph), np.flatnonzero(graph.is_forward), self_contained_from(graph)
-    spans = [(int(pos[list(plan.segments[i])].min()), int(pos[list(plan.segments[i])].max()) + 1)
-             for i in plan.recomputed]  # seed segments are runs of the forward order
+def saving_constants(graph: Graph, plan: CheckpointPlan, spans: tuple[tuple[int, int], ...],
+                     lowest: np.ndarray) -> CheckpointPlan:
+    """``plan``, whose recomputed segments are the forward-position ``spans`` (seed segments are runs of
+    the forward order), with each of them saving its self-contained nodes (when it holds others too),
+    as bonsai's own plans do; ``lowest``: :func:`self_contained_from`."""
+    forward = np.flatnonzero(graph.is_forward)
     return dataclasses.replace(plan, saved=frozenset(int(v) for a, b in spans
                                                      for v in forward[saved_positions(lowest, a, b)]))
 
@@ -155,13 +155,14 @@ def seeds(graph: Graph, regions: Regions = "any", save_constants: bool = True) -
 
     def make() -> Seeds:
         pos = forward_positions(graph)
+        lowest = self_contained_from(graph) if save_constants else None
         plans = []
         chen = candidate_plans(graph, "auto") if regions == "any" else []
         for label, plan in [*chen, *block_plans(graph)]:
             spans = tuple((int(pos[list(plan.segments[i])].min()), int(pos[list(plan.segments[i])].max()) + 1)
                           for i in sorted(plan.recomputed))
             plans.append((label, plan, spans))
-            saving = saving_constants(graph, plan) if save_constants else plan
+            saving = saving_constants(graph, plan, spans, lowest) if save_constants else plan
             if saving != plan:
                 plans.append((f"{label}, constants saved", saving, spans))
         return Seeds(spans=tuple(sorted({sp for *_, spans in plans for sp in spans} | module_spans(graph))),
