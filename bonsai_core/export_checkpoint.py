@@ -58,6 +58,7 @@ import torch.nn as nn
 
 from bonsai_core.errors import ModelError, ScheduleError
 from bonsai_core.export import ExportError, load_export, trace_for_schedule
+from bonsai_core.export.verify import measuring_device
 from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
@@ -98,6 +99,9 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep) -> Checkpoint
     node_at = np.where(at >= 0, forward[np.maximum(at, 0)], -1)  # run-time op -> graph node, or -1
     runtime_of = np.full(graph.n, -1, dtype=np.int64)
     runtime_of[node_at[node_at >= 0]] = np.flatnonzero(node_at >= 0)
+    for v in forward.tolist():  # a multi-output op's outputs (getitem nodes) are made by their op's run
+        if runtime_of[v] < 0 and graph.ops[v] == "getitem" and len(graph.deps(v)):
+            runtime_of[v] = runtime_of[graph.deps(v)[0]]
     dropped = dropped_nodes(graph, plan)
     read_by_backward = np.zeros(graph.n, dtype=bool)
     for b in np.flatnonzero(~graph.is_forward):
@@ -465,9 +469,7 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
     from bonsai_core.measure import measure_step
 
     exported = load_checkpointed(out_dir)
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelError("--device cuda was asked for, but this PyTorch sees no CUDA device.")
+    dev = measuring_device(device)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     if autocast is not None and autocast not in dtypes:
         raise ModelError(f"--autocast {autocast!r}: use bf16 or fp16.")

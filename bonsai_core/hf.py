@@ -316,6 +316,10 @@ def _with_task(model_class: type, config: Any, task: str, batch: int, seq: int =
         config.use_cache = False
     if task == IMAGE_CLASSIFICATION:
         config.problem_type = "single_label_classification"
+    if task == SEQ2SEQ_LM and getattr(config, "decoder_start_token_id", None) is None:
+        raise ModelError(f"{source or model_class.__name__}: the decoder's inputs are the labels shifted right behind "
+                         "config.decoder_start_token_id, which this config does not set. Add it to the config "
+                         f"(T5's checkpoints use the pad token, {getattr(config, 'pad_token_id', None)!r}).")
     try:
         model = _instantiate(model_class, config).train()
     except Exception as e:  # a user's config can reach any code path of the model class

@@ -24,9 +24,22 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Views the traced (functionalized) graph may write as ``view`` where eager runs ``_unsafe_view``: one name
-# for both on both sides.
-_SAME_OP = {"aten._unsafe_view.default": "aten.view.default"}
+# Run-time ops and the names the traced (functionalized) graph gives them, one name for both on both
+# sides: ``view`` where eager runs ``_unsafe_view``, batch norm's functional forms.
+_SAME_OP = {"aten._unsafe_view.default": "aten.view.default",
+            "aten._native_batch_norm_legit_functional.default": "aten.native_batch_norm.default",
+            "aten._native_batch_norm_legit.default": "aten.native_batch_norm.default",
+            "aten._native_batch_norm_legit_no_training.default": "aten.native_batch_norm.default"}
+
+
+def _same_op(op: str) -> str:
+    """The name both sides of :func:`align` compare: an in-place op (``aten.add_.Tensor``, BatchNorm's
+    ``num_batches_tracked += 1``) is traced as its functional form (``aten.add.Tensor``)."""
+    op = _SAME_OP.get(op, op)
+    parts = op.split(".")
+    if len(parts) == 3 and parts[1].endswith("_") and not parts[1].startswith("_"):
+        parts[1] = parts[1][:-1]
+    return ".".join(parts)
 
 
 @dataclass(frozen=True)
@@ -87,8 +100,8 @@ def align(runtime_ops: list[str], traced_ops: list[str]) -> np.ndarray:
 
     Matches ops in order (``difflib``): run-time-only ops (views of parameters, casts) stay -1."""
     at = np.full(len(runtime_ops), -1, dtype=np.int64)
-    matcher = difflib.SequenceMatcher(None, [_SAME_OP.get(op, op) for op in runtime_ops],
-                                      [_SAME_OP.get(op, op) for op in traced_ops], autojunk=False)
+    matcher = difflib.SequenceMatcher(None, [_same_op(op) for op in runtime_ops],
+                                      [_same_op(op) for op in traced_ops], autojunk=False)
     for block in matcher.get_matching_blocks():
         at[block.a:block.a + block.size] = np.arange(block.b, block.b + block.size)
     return at

@@ -8,7 +8,6 @@ infeasible value is as fast as over a feasible one.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 import math
@@ -152,15 +151,12 @@ def names_option(method: str, option: str) -> bool:
 
 
 def accepted_options(method: str) -> set[str] | None:
-    """The keyword options a method's solve function declares; None when it takes ``**options``."""
+    """The keyword options a method declares; None when it takes any (``**options``), empty for an
+    unknown method."""
     try:
-        fn = solvers.get_solver(method)
+        return solvers.accepted_options(method)
     except BonsaiError:
         return set()
-    params = inspect.signature(fn).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 GENERIC_OPTIONS = ("time_limit", "granularity", "backend")  # the sidebar draws these for every method
@@ -191,46 +187,23 @@ class OptionSpec:
 
 
 def method_options(method: str) -> tuple[OptionSpec, ...]:
-    """The options ``method`` declares beyond the sidebar's generic ones: from
-    ``solvers.method_options`` where this checkout has it, else from the solve function's keyword-only
-    parameters and their type hints."""
+    """The options ``method`` declares (``solvers.method_options``) beyond the sidebar's generic ones;
+    none for an unknown method or one that takes any keyword."""
     try:
-        declared = getattr(solvers, "method_options", None)
-        if declared is not None:
-            specs = [_spec(name, d) for name, d in _named(declared(method))]
-        else:
-            fn = solvers.get_solver(method)
-            hints = typing.get_type_hints(fn)
-            specs = [_spec(p.name, p, hints.get(p.name)) for p in inspect.signature(fn).parameters.values()
-                     if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    except (BonsaiError, NameError, TypeError):  # an unknown method, or hints that do not resolve
+        declared = solvers.method_options(method) or ()
+    except BonsaiError:
         return ()
-    return tuple(sp for sp in specs if sp.name not in GENERIC_OPTIONS)
+    return tuple(_spec(o) for o in declared if o.name not in GENERIC_OPTIONS)
 
 
-def _named(declared: Any) -> list[tuple[str, Any]]:
-    """(name, declaration) pairs from a mapping, a dataclass or a sequence of named declarations."""
-    if isinstance(declared, dict):
-        return list(declared.items())
-    if dataclasses.is_dataclass(declared):
-        return [(f.name, f) for f in dataclasses.fields(declared)]
-    return [(d.name, d) for d in declared]
-
-
-def _spec(name: str, declared: Any, hint: Any = None) -> OptionSpec:
-    """An OptionSpec from an ``inspect.Parameter``, a dataclass field or any object with ``default``
-    (and optionally ``choices``, ``type``/``annotation``, ``help``/``doc``)."""
-    default = getattr(declared, "default", None)
-    if default in (inspect.Parameter.empty, dataclasses.MISSING):
-        default = None
-    hint = hint if hint is not None else getattr(declared, "annotation", getattr(declared, "type", None))
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    choices = getattr(declared, "choices", None)
-    if choices is None and typing.get_origin(hint) is Literal:
-        choices = tuple(args)
-    kind = type(default) if default is not None else next((a for a in [hint, *args] if a in (bool, int, float)), str)
-    return OptionSpec(name, default, kind, tuple(choices) if choices else None,
-                      str(getattr(declared, "help", "") or getattr(declared, "doc", "") or ""))
+def _spec(option: solvers.MethodOption) -> OptionSpec:
+    """The sidebar's input for one declared option: a ``Literal`` type gives its choices."""
+    default = None if option.default is inspect.Parameter.empty else option.default
+    args = [a for a in typing.get_args(option.type) if a is not type(None)]
+    choices = tuple(args) if typing.get_origin(option.type) is Literal else None
+    kind = type(default) if default is not None else next(
+        (a for a in [option.type, *args] if a in (bool, int, float)), str)
+    return OptionSpec(option.name, default, kind, choices, option.help)
 
 
 class Unfinished(Exception):

@@ -27,6 +27,11 @@ def test_trace_solve_simulate_agree(gpt_graph, tmp_path, capsys):
     for key in ("peak", "compute_cost", "overhead"):
         assert solved[key] == simulated[key]
     assert simulated["feasible"] is True
+    # the allocator's replay adds its own numbers and leaves the simulator's peak alone
+    assert main(["simulate", str(gpt_graph), str(out), "--allocator", "--json"]) == 0
+    with_allocator = json.loads(capsys.readouterr().out)
+    assert with_allocator["peak"] == solved["peak"]
+    assert with_allocator["allocator_live_peak"] > 0 and with_allocator["reserved_peak"] >= with_allocator["allocator_live_peak"]
     sim = simulate(load_graph(gpt_graph), load_schedule(out))
     assert sim.peak == solved["peak"]
 
@@ -189,3 +194,26 @@ def test_every_declared_option_has_a_default_and_a_help_line(method):
     for option in method_options(method) or ():
         assert option.default is not inspect.Parameter.empty, f"{method}: option {option.name} has no default"
         assert option.help, f"{method}: option {option.name} has no 'name: help' line in its docstring"
+
+
+def test_errors_in_user_input_name_the_cause_without_a_traceback(gpt_graph, tmp_path, capsys):
+    """A factory's own exception (file and line named), a device verify cannot measure on, a budget in
+    bytes that was meant as a share."""
+    from bonsai_core.errors import ModelError
+    from bonsai_core.export.verify import measuring_device
+
+    assert main(["trace", "tests.user_model:make_raising", "-o", str(tmp_path / "g.json")]) == 1
+    err = capsys.readouterr().err
+    assert "user_model.py:" in err and "ValueError: no layer of width 16" in err and "Traceback" not in err, err
+    for device in ("tpu", "mps", ""):
+        with pytest.raises(ModelError, match="cpu or cuda"):
+            measuring_device(device)
+    assert measuring_device("cpu").type == "cpu"
+    assert main(["solve", str(gpt_graph), "--budget", "70", "-o", str(tmp_path / "s.json")]) == 1
+    assert "write 70%" in capsys.readouterr().err
+    # an option given twice, differently; option values no method can use
+    for argv, said in ((["--granularity", "5", "--option", "granularity=10"], "disagree"),
+                       (["--method", "chen", "--option", "segments=0"], "segments=0"),
+                       (["--method", "checkmate", "--option", "max_nodes=-1"], "max_nodes=-1")):
+        assert main(["solve", str(gpt_graph), "--budget", "70%", *argv, "-o", str(tmp_path / "s.json")]) == 1
+        assert said in capsys.readouterr().err

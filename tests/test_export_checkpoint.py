@@ -133,11 +133,14 @@ HF_SOURCE_GPT2 = {"layers": 2, "width": 32, "heads": 2, "seq": 16, "vocab": 64, 
     pytest.param(HF_GPT2, {}, 0.5, marks=pytest.mark.slow),
     pytest.param("hf:gpt2", HF_SOURCE_GPT2, 0.5, marks=pytest.mark.slow),  # dropout 0.1
     pytest.param("hf:gpt2", HF_SOURCE_GPT2, 0.7, marks=pytest.mark.slow),
+    # BatchNorm: the run's in-place `num_batches_tracked += 1` and `native_batch_norm` are traced in
+    # functional form, and its statistics are getitem nodes; each must still be found in its block
+    ("tests.user_model:make_batchnorm_cnn", {}, 0.85),
 ])
 def test_module_region_plans_are_followed_by_the_checkpoints(tmp_path, model, options, share):
     """bonsai with ``regions="modules"`` recomputes module calls only: the checkpoints run the plan
-    itself (the back-end's realised peak is the plan's, up to a boundary view) and the measured peak
-    meets the 10% of the issue, also where the free-form plan does not (the xfails here)."""
+    itself (the back-end's realised peak is the plan's, up to a boundary view) and the measured peak meets the 10% of the issue, also where the
+    free-form plan does not (the xfails here)."""
     check_export(tmp_path, model, options, "bonsai", share, regions="modules")
     info = load_checkpointed(tmp_path / "ck").INFO
     assert info["realised_peak"] <= 1.03 * info["predicted_peak"], info

@@ -24,3 +24,33 @@ class _PositionTable(torch.nn.Module):
 
 def make_out_of_range(seq: int = 4):
     return _PositionTable(seq), (torch.randn(seq, 2),), MSELoss(torch.zeros(seq, 2))
+
+
+class _ResidualBlocks(torch.nn.Module):
+    """A small CNN as users write it: residual blocks of conv, BatchNorm and GELU in a ModuleList."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Conv2d(width, width, 3, padding=1), torch.nn.BatchNorm2d(width),
+                                torch.nn.GELU()) for _ in range(layers))
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean((2, 3)))
+
+
+def make_batchnorm_cnn(width: int = 16, layers: int = 6, batch: int = 2, image: int = 8):
+    from bonsai_core.zoo import CrossEntropyLoss
+
+    return (_ResidualBlocks(width, layers), (torch.randn(batch, 3, image, image),),
+            CrossEntropyLoss(torch.randint(0, 10, (batch,))))
+
+
+def make_raising(hidden: int = 16):
+    """A factory with a bug of its own."""
+    raise ValueError(f"no layer of width {hidden}")

@@ -14,6 +14,7 @@ What it checks (each one a field of :class:`Verification`):
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -29,6 +30,10 @@ from bonsai_core.tensors import storage_bytes
 from bonsai_core.trace import AUTOCAST
 
 PEAK_TOLERANCE = 0.10  # |measured / predicted - 1| beyond this is a mismatch, above or below
+# Under autocast a fused kernel (CPU flash attention) may block its sums differently from eager's call
+# and round one bit apart in the low-precision type: a gradient matches within two of its units in the
+# last place at that tensor's scale (measured on HF Llama and GPT-2 in bf16: at most 0.91 of one).
+ROUNDING = {"bf16": 2 * torch.finfo(torch.bfloat16).eps, "fp16": 2 * torch.finfo(torch.float16).eps}
 TIMING_REPEATS = 3
 
 
@@ -51,6 +56,7 @@ class Verification:
     seconds_exported: float = 0.0
     predicted_overhead: float = 0.0  # the simulator's compute overhead of the schedule
     autocast: str | None = None
+    max_grad_scaled_diff: float = 0.0  # largest gradient difference / that tensor's largest magnitude
 
     @property
     def loss_diff(self) -> float:
@@ -76,8 +82,11 @@ class Verification:
         out = []
         if self.loss_diff > atol:
             out.append(f"the loss differs by {self.loss_diff:.3g} (> {atol:g})")
-        if max(self.max_grad_diff, self.max_grad_diff_grads_none) > atol:
-            out.append(f"a gradient differs by {max(self.max_grad_diff, self.max_grad_diff_grads_none):.3g} (> {atol:g})")
+        grad_diff = max(self.max_grad_diff, self.max_grad_diff_grads_none)
+        rounding = ROUNDING.get(self.autocast or "", 0.0)
+        if grad_diff > atol and not self.max_grad_scaled_diff <= rounding:
+            within = f", nor within {rounding:.3g} of its tensor's scale ({self.autocast})" if rounding else ""
+            out.append(f"a gradient differs by {grad_diff:.3g} (> {atol:g}{within})")
         if self.grads_none_mismatch:
             out.append(f".grad is None in one run only for {', '.join(self.grads_none_mismatch[:3])}")
         if self.max_buffer_diff > atol:
@@ -94,6 +103,20 @@ class Verification:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "loss_diff": self.loss_diff, "peak_error": self.peak_error,
                 "peak_error_grads_none": self.peak_error_grads_none, "measured_overhead": self.measured_overhead}
+
+
+def measuring_device(device: str) -> torch.device:
+    """``torch.device(device)`` for a device whose peak verify can measure: the CPU (a live-bytes
+    tracker) or a CUDA device (``torch.cuda.max_memory_allocated``). ModelError for anything else."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ModelError(f"--device {device!r}: verify measures the peak on cpu or cuda (cuda:N for one GPU).")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError("--device cuda was asked for, but this PyTorch sees no CUDA device.")
+    return dev
 
 
 def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, device: str = "cpu",
@@ -115,9 +138,7 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
     elif autocast != traced_autocast:
         raise ModelError(f"This export was traced with autocast {traced_autocast or 'off'}, not {autocast}: export "
                          "again with --autocast, or verify without it.")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelError("--device cuda was asked for, but this PyTorch sees no CUDA device.")
+    dev = measuring_device(device)
 
     def build() -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:
         net, inputs, loss_fn = zoo.build(model, seed=seed, **options)
@@ -175,7 +196,8 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
         measured = measure_step(net, inputs, loss_fn, step=seeded(exported_step(ck, inputs, loss_fn)))
     except (TypeError, ValueError) as e:  # the runtime's own checks: shapes, dtypes, loss buffers
         raise ModelError(f"The export in {str(out_dir)!r} does not fit {model!r} with these options: {e}") from None
-    grad_diff = _max_diff({n: p.grad for n, p in net.named_parameters() if n in reference}, reference)
+    exported_grads = {n: p.grad for n, p in net.named_parameters() if n in reference}
+    grad_diff, grad_scaled = _max_diff(exported_grads, reference), _scaled_diff(exported_grads, reference)
     buffer_diff = _max_diff(dict(net.named_buffers()), ref_buffers)
     seconds_exported = _median_seconds(seeded(exported_step(ck, inputs, loss_fn)), dev, repeats)
     del net, inputs, loss_fn, ck
@@ -199,7 +221,9 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
         peak_none = fixed + tracker.peak
     got = {n: p.grad for n, p in net.named_parameters()}
     mismatch = tuple(n for n, g in got.items() if (g is None) != (n not in reference))
-    grad_diff_none = _max_diff({n: g for n, g in got.items() if g is not None and n in reference}, reference)
+    exported_grads = {n: g for n, g in got.items() if g is not None and n in reference}
+    grad_diff_none = _max_diff(exported_grads, reference)
+    grad_scaled = max(grad_scaled, _scaled_diff(exported_grads, reference))
 
     return Verification(device=measured.device, loss_original=original.loss, loss_exported=measured.loss,
                         max_grad_diff=grad_diff, predicted_peak=predicted, measured_peak=measured.peak,
@@ -207,7 +231,7 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
                         max_grad_diff_grads_none=grad_diff_none, measured_peak_grads_none=peak_none,
                         grads_none_mismatch=mismatch, seconds_original=seconds_original,
                         seconds_exported=seconds_exported, predicted_overhead=float(exported.INFO.get("overhead", 0.0)),
-                        autocast=autocast)
+                        autocast=autocast, max_grad_scaled_diff=grad_scaled)
 
 
 def _eager_step(net: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any) -> torch.Tensor:
@@ -223,6 +247,18 @@ def _autocast(dev: torch.device, autocast: str | None) -> Iterator[None]:
         return
     with torch.autocast(device_type=dev.type, dtype=AUTOCAST[autocast]):
         yield
+
+
+def _scaled_diff(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """Largest difference between same-named tensors relative to the reference's largest magnitude
+    (inf where the reference is all zeros and the tensors differ)."""
+    worst = 0.0
+    for n in got:
+        if n in reference and reference[n].numel():
+            diff = float((got[n].detach().cpu().double() - reference[n].double()).abs().max())
+            scale = float(reference[n].double().abs().max())
+            worst = max(worst, diff / scale if scale > 0 else (math.inf if diff > 0 else 0.0))
+    return worst
 
 
 def _max_diff(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:

@@ -192,7 +192,9 @@ def solve(graph: Graph, budget: int | None, method: str = DEFAULT_METHOD, **opti
         raise BudgetError(
             f"No schedule can fit in {format_bytes(budget)}: the largest single operator of "
             f"{graph.name!r} needs {format_bytes(graph.peak_lower_bound)} ({graph.peak_lower_bound} bytes) "
-            "with its inputs and the fixed memory. Raise the budget to at least that.")
+            "with its inputs and the fixed memory. Raise the budget to at least that."
+            + (f" (A budget of {budget} means bytes; for a share of the no-remat peak write {budget}%.)"
+               if budget <= 100 else ""))
     start = time.perf_counter()
     schedule = solver(graph, budget, **options)
     wall = time.perf_counter() - start

@@ -37,7 +37,8 @@ interval costs nothing (``reuse=False`` always solves, as the benchmarks do).
 
 **Time limit**: ``time_limit`` bounds the whole call (the seeds, every rung's build and MILP solve, the
 tightening and the smallest-budget search). Past it: the best valid plan found so far (``status``
-"feasible" with the MILP's gap) or a BudgetError saying none was found.
+"feasible" with the MILP's gap, or "time_limit" for a fallback seed plan, no gap known) or a
+BudgetError saying none was found.
 """
 
 from __future__ import annotations

@@ -128,6 +128,8 @@ def solve_chen(graph: Graph, budget: int | None, *, time_limit: float | None = N
         raise SolverError(f"Unknown chen variant {variant!r}; use 'sqrt', 'greedy' or 'auto'.")
     if not graph.is_forward.any():
         raise SolverError(f"{graph.name!r} has no forward nodes: there is nothing to checkpoint.")
+    if segments is not None and segments < 1:
+        raise SolverError(f"segments={segments}: give a positive number of segments (or leave it out).")
     if segments is not None or budget is None:
         label = f"sqrt k={segments or 'sqrt(n)'}"
         plans = [(label, plan_from_cuts(graph, sqrt_cuts(graph, segments)))]

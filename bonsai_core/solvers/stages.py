@@ -69,6 +69,8 @@ def infeasible_message(graph: Graph, budget: int, method: str, feasible: int | N
 
 def check_size(graph: Graph, method: str, limit: int, counted: str = "nodes") -> None:
     """Refuse a graph of more than ``limit`` nodes, saying what to do instead."""
+    if limit < 1:
+        raise SolverError(f"max_nodes={limit}: give a positive number of nodes.")
     if graph.n > limit:
         raise SolverError(
             f"Method {method!r} refuses {graph.name!r}: it has {graph.n} {counted} and the op-level model is "
