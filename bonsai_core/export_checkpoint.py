@@ -58,7 +58,7 @@ import torch.nn as nn
 
 from bonsai_core.errors import ModelError, ScheduleError
 from bonsai_core.export import ExportError, load_export, trace_for_schedule
-from bonsai_core.export.verify import measuring_device
+from bonsai_core.export.verify import PEAK_TOLERANCE, measuring_device
 from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
@@ -449,12 +449,39 @@ class CheckpointVerification:
         return None if not self.predicted_peak else self.measured_peak / self.predicted_peak - 1.0
 
     @property
+    def judged_on_realised(self) -> bool:
+        """Whether the checkpoints run another plan than the schedule (their simulated peak more than 1%
+        off the schedule's, as the export's README said): the measured peak is judged against theirs.
+        A boundary view's bytes apart, as in module-region plans, is not worth it."""
+        return bool(self.predicted_peak and self.realised_peak
+                    and abs(self.realised_peak / self.predicted_peak - 1.0) > 0.01)
+
+    @property
+    def realised_peak_error(self) -> float | None:
+        """(measured - realised) / realised, at the traced size."""
+        return None if not self.predicted_peak or not self.realised_peak else self.measured_peak / self.realised_peak - 1.0
+
+    @property
     def time_overhead(self) -> float:
         """Measured wall time of the checkpointed step over the original's, minus one."""
         return self.seconds_exported / self.seconds_original - 1.0
 
+    def problems(self, atol: float = 1e-5, peak_tolerance: float = PEAK_TOLERANCE) -> list[str]:
+        """What is wrong, in words; empty when the export is verified."""
+        out = [f"{what} differs by {diff:.3g} (> {atol:g})"
+               for what, diff in (("the loss", self.loss_diff), ("a gradient", self.max_grad_diff)) if diff > atol]
+        if self.judged_on_realised:
+            if abs(self.realised_peak_error) > peak_tolerance:
+                out.append(f"the measured peak is {self.realised_peak_error:+.1%} off what the checkpoints run, "
+                           f"simulated (tolerance {peak_tolerance:.0%}, above or below)")
+        elif self.peak_error is not None and abs(self.peak_error) > peak_tolerance:
+            out.append(f"the measured peak is {self.peak_error:+.1%} off the prediction "
+                       f"(tolerance {peak_tolerance:.0%}, above or below)")
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "loss_diff": self.loss_diff, "peak_error": self.peak_error,
+                "judged_on_realised": self.judged_on_realised, "realised_peak_error": self.realised_peak_error,
                 "time_overhead": self.time_overhead}
 
 

@@ -75,7 +75,7 @@ from bonsai_core.tensors import storage_bytes, tensors_in
 # What torch says when a closure holds a tensor that tracing cannot lift as an input.
 _CAPTURED_CONSTANT_SIGNS = ("fake buffer", "_tensor_constant", "convert all Tensors to FakeTensors")
 # What torch raises when Python code needs a tensor's value (which fake tensors do not have).
-_DATA_DEPENDENT_ERRORS = ("DataDependentOutputException", "GuardOnDataDependentSymNode",
+DATA_DEPENDENT_ERRORS = ("DataDependentOutputException", "GuardOnDataDependentSymNode",
                           "DynamicOutputShapeException", "UnsupportedOperatorException")
 _UNMARKED_VIEWS = {"aten._unsafe_view.default"}  # views whose schema does not say so
 _IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
@@ -224,7 +224,7 @@ def _model_error(e: Exception, step: _Step, name: str) -> ModelError:
         return ModelError("The loss function (or model) captures tensors, such as targets, as constants. "
                           "Make loss_fn an nn.Module that holds them as buffers, like "
                           "bonsai_core.zoo.CrossEntropyLoss.")
-    if type(e).__name__ in _DATA_DEPENDENT_ERRORS:
+    if type(e).__name__ in DATA_DEPENDENT_ERRORS:
         return ModelError(f"Tracing {name!r} failed: {user_code(e, step)} reads a tensor's value "
                           f"({str(e).splitlines()[0]}): `.item()`, `int()`/`bool()` of a tensor, or an `if` on "
                           "one. Tracing runs on shapes only, so no value is known there. Make the code "
@@ -233,10 +233,10 @@ def _model_error(e: Exception, step: _Step, name: str) -> ModelError:
     return ModelError(f"Tracing {name!r} failed ({type(e).__name__}): {e}")
 
 
-def user_code(e: BaseException, root: nn.Module) -> str:
+def user_code(e: BaseException, root: nn.Module | None = None) -> str:
     """'module NAME (Class) at FILE:LINE `code`' for the innermost frame of e in model code: outside
     torch and bonsai's own machinery (the zoo's models count as model code). NAME: the module's path
-    in ``root``."""
+    in ``root`` (without a root, as while a factory builds the model: 'module Class at ...')."""
     frames = [(f, tb_line) for f, tb_line in traceback.walk_tb(e.__traceback__)
               if not f.f_code.co_filename.startswith(_TORCH_DIR)
               and (not f.f_code.co_filename.startswith(_BONSAI_DIR) or f.f_code.co_filename == _ZOO_FILE)]
@@ -246,6 +246,8 @@ def user_code(e: BaseException, root: nn.Module) -> str:
     summary = traceback.FrameSummary(frame.f_code.co_filename, line, frame.f_code.co_name)
     where = f"{summary.filename}:{line} `{(summary.line or '').strip()}`"
     owner = frame.f_locals.get("self")
+    if isinstance(owner, nn.Module) and root is None:
+        return f"module {type(owner).__name__} at {where}"
     if isinstance(owner, nn.Module):
         path = next((n for n, m in root.named_modules() if m is owner), "")
         label = path.removeprefix("model.").removeprefix("model") or "(the model itself)"

@@ -16,8 +16,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-import os
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,9 +24,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bonsai_core.errors import BonsaiError, ModelError
-
-# torch's and bonsai's own files: an error's frames outside them are the user's code
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 
 
 class CrossEntropyLoss(nn.Module):
@@ -324,11 +319,11 @@ def _build_factory(spec: str, seed: int, **options: Any) -> Built:
     except BonsaiError:
         raise
     except Exception as e:  # the factory's own code: say where, never a traceback
-        frames = [f for f, _ in traceback.walk_tb(e.__traceback__) if not f.f_code.co_filename.startswith(_LIBRARY_DIRS)]
-        where = f" at {frames[-1].f_code.co_filename}:{frames[-1].f_lineno}" if frames else ""
+        from bonsai_core.trace import DATA_DEPENDENT_ERRORS, user_code
+
         values = ("; it reads a tensor's value, which tracing (on fake tensors: shapes only) cannot give, so compute "
-                  "it from plain Python numbers" if "DataDependent" in type(e).__name__ else "")
-        raise ModelError(f"Calling {call} failed{where} ({type(e).__name__}: {e}){values}.") from None
+                  "it from plain Python numbers" if type(e).__name__ in DATA_DEPENDENT_ERRORS else "")
+        raise ModelError(f"Calling {call} failed in {user_code(e)} ({type(e).__name__}: {e}){values}.") from None
     if not (isinstance(built, tuple) and len(built) == 3 and isinstance(built[0], nn.Module)):
         raise ModelError(f"{spec} must return (model, example_inputs, loss_fn); it returned {type(built).__name__}.")
     model, inputs, loss_fn = built

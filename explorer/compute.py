@@ -144,10 +144,7 @@ def no_remat(graph: Graph) -> SimResult:
 
 def names_option(method: str, option: str) -> bool:
     """Whether a method's solve function declares ``option`` by name (not just ``**options``)."""
-    try:
-        return option in inspect.signature(solvers.get_solver(method)).parameters
-    except BonsaiError:
-        return False
+    return option in (accepted_options(method) or ())
 
 
 def accepted_options(method: str) -> set[str] | None:

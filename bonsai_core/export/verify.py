@@ -197,8 +197,8 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
     except (TypeError, ValueError) as e:  # the runtime's own checks: shapes, dtypes, loss buffers
         raise ModelError(f"The export in {str(out_dir)!r} does not fit {model!r} with these options: {e}") from None
     exported_grads = {n: p.grad for n, p in net.named_parameters() if n in reference}
-    grad_diff, grad_scaled = _max_diff(exported_grads, reference), _scaled_diff(exported_grads, reference)
-    buffer_diff = _max_diff(dict(net.named_buffers()), ref_buffers)
+    grad_diff, grad_scaled = _diffs(exported_grads, reference)
+    buffer_diff = _diffs(dict(net.named_buffers()), ref_buffers)[0]
     seconds_exported = _median_seconds(seeded(exported_step(ck, inputs, loss_fn)), dev, repeats)
     del net, inputs, loss_fn, ck
 
@@ -222,8 +222,8 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
     got = {n: p.grad for n, p in net.named_parameters()}
     mismatch = tuple(n for n, g in got.items() if (g is None) != (n not in reference))
     exported_grads = {n: g for n, g in got.items() if g is not None and n in reference}
-    grad_diff_none = _max_diff(exported_grads, reference)
-    grad_scaled = max(grad_scaled, _scaled_diff(exported_grads, reference))
+    grad_diff_none, scaled_none = _diffs(exported_grads, reference)
+    grad_scaled = max(grad_scaled, scaled_none)
 
     return Verification(device=measured.device, loss_original=original.loss, loss_exported=measured.loss,
                         max_grad_diff=grad_diff, predicted_peak=predicted, measured_peak=measured.peak,
@@ -249,22 +249,18 @@ def _autocast(dev: torch.device, autocast: str | None) -> Iterator[None]:
         yield
 
 
-def _scaled_diff(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    """Largest difference between same-named tensors relative to the reference's largest magnitude
-    (inf where the reference is all zeros and the tensors differ)."""
-    worst = 0.0
+def _diffs(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(largest absolute difference, largest difference relative to its reference's largest magnitude)
+    between same-named tensors, compared on the CPU in float64; relative is inf where a reference is
+    all zeros and the tensors differ."""
+    absolute = scaled = 0.0
     for n in got:
         if n in reference and reference[n].numel():
             diff = float((got[n].detach().cpu().double() - reference[n].double()).abs().max())
             scale = float(reference[n].double().abs().max())
-            worst = max(worst, diff / scale if scale > 0 else (math.inf if diff > 0 else 0.0))
-    return worst
-
-
-def _max_diff(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    """Largest absolute difference between same-named tensors (compared on the CPU, in float64)."""
-    return max((float((got[n].detach().cpu().double() - reference[n].double()).abs().max())
-                for n in got if n in reference and reference[n].numel()), default=0.0)
+            absolute = max(absolute, diff)
+            scaled = max(scaled, diff / scale if scale > 0 else (math.inf if diff > 0 else 0.0))
+    return absolute, scaled
 
 
 def _median_seconds(step: Callable[[], torch.Tensor], dev: torch.device, repeats: int) -> float:
