@@ -42,6 +42,19 @@ def _positive(unit: str) -> Callable[[str], float]:
 
 _positive_float = _positive(" of seconds")
 
+SOLVE_TIME_LIMIT = 60.0  # seconds, `bonsai solve`'s default (the bench's too): an exact method never hangs unseen
+
+
+def _time_limit(text: str) -> float:
+    """An argparse type: seconds, 0 for no limit."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 for no limit)")
+    return value
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -128,6 +141,9 @@ def cmd_solve(args: argparse.Namespace) -> int:
             raise BonsaiError(f"--{name.replace('_', '-')} {flags[name]} and --option {name}={options[name]} disagree; "
                               "give it once.")
     options.update(flags)
+    options.setdefault("time_limit", SOLVE_TIME_LIMIT)
+    if options["time_limit"] == 0:  # 0: no limit, as in the app's sidebar
+        options["time_limit"] = None
     check_options(args.method, options)  # before a long trace is loaded
     g = load_graph(args.graph)
     reference = no_remat_peak(g)
@@ -190,6 +206,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if args.allocator:
             print(f"caching allocator: reserved peak {format_bytes(stats['reserved_peak'])} in {stats['segments']} "
                   f"segment(s), fragmentation {stats['fragmentation']:.1%} at the reserved peak")
+    if not stats["feasible"]:
+        raise BonsaiError(f"the schedule's peak {format_bytes(sim.peak)} exceeds its budget "
+                          f"{format_bytes(schedule.budget)} by {format_bytes(sim.peak - schedule.budget)}.")
     return 0
 
 
@@ -197,6 +216,9 @@ def _fraction_arg(text: str) -> float:
     value = _budget_arg(text if text.strip().endswith("%") else text + "%")
     if value.fraction is None:
         raise argparse.ArgumentTypeError(f"{text!r}: bench budgets are shares of the no-remat peak, like 70 or 70%")
+    if value.fraction < 0.01:  # no schedule gets under the fixed memory; 0.8 was meant as 80%
+        raise argparse.ArgumentTypeError(f"{text!r} reads as {value}: bench budgets are percentages of the no-remat "
+                                         "peak, like 70 or 70%")
     return value.fraction
 
 
@@ -217,7 +239,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         models=args.models or list(bench.QUICK_MODELS if args.quick else bench.FULL_MODELS),
         budgets=args.budgets or list(bench.QUICK_BUDGETS if args.quick else bench.FULL_BUDGETS),
         methods=methods, peers=peers,
-        time_limit=args.time_limit or (10.0 if args.quick else 60.0), backend=args.backend,
+        time_limit=args.time_limit or (10.0 if args.quick else SOLVE_TIME_LIMIT), backend=args.backend,
         max_nodes=dict(bench.BENCH_NODE_LIMITS))
     rows = bench.run_bench(config, args.output, progress=lambda line: print(line, flush=True))
     print(f"wrote {len(rows)} rows to {args.output}/results.csv, results.md and plots")
@@ -381,7 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a method option, e.g. copies=3 (moccasin), variant=greedy (chen); repeat for more")
     p.add_argument("--granularity", type=_positive_int, default=None, help="largest segment size (bonsai)")
     p.add_argument("--backend", choices=("highs", "scip"), default=None, help="MILP backend")
-    p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="solver time limit, seconds")
+    p.add_argument("--time-limit", type=_time_limit, default=None, metavar="S",
+                   help=f"seconds for the whole solve (default {SOLVE_TIME_LIMIT:g}; 0: no limit); past it the "
+                        "best schedule found is returned, its status saying so")
     p.add_argument("-o", "--output", required=True, metavar="SCHEDULE.json")
     p.add_argument("--json", action="store_true", help="print the stats as one JSON object")
     p.set_defaults(func=cmd_solve)
@@ -456,9 +480,21 @@ def _profiles() -> list[str]:
     return list(PROFILES)
 
 
+def _negative_values_attached(argv: Sequence[str]) -> list[str]:
+    """``--budget -5%`` as ``--budget=-5%``: argparse takes a value that starts with "-" and is not a
+    plain number for an option, and would say "expected one argument" instead of what is wrong."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in ("--budget", "--time-limit") and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] += "=" + arg
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(_negative_values_attached(sys.argv[1:] if argv is None else argv))
     if extra and args.verb != "app":  # `bonsai app` passes options it does not know on to streamlit
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:

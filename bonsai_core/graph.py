@@ -72,6 +72,9 @@ class Graph:
         user_ptr, user_idx: CSR of each node's consumers (``users(v)``), sorted.
         is_output: bool[n], nodes with no consumers (the loss, parameter gradients).
         is_forward: bool[n], nodes of the forward pass (phase ``forward``).
+        output_of: int64[n], for an output of a multi-output op that is a node of its own (op
+            ``getitem`` with bytes of its own, reading only the op's node): that op's node; else -1.
+            Its bytes come from the op's kernel only, so it is computed once per run of the op.
     """
 
     def __init__(
@@ -131,12 +134,15 @@ class Graph:
         self.is_output = np.diff(self.user_ptr) == 0
         self.is_forward = np.array([p == "forward" for p in self.phases], dtype=bool)
         self.is_view = self.alias_of >= 0
+        self.output_of = np.array([int(self.dep_idx[self.dep_ptr[v]]) if self.ops[v] == "getitem" and self.mem[v] > 0
+                                   and self.alias_of[v] < 0 and self.dep_ptr[v + 1] - self.dep_ptr[v] == 1 else -1
+                                   for v in range(n)], dtype=np.int64)
         self.total_cost = math.fsum(self.cost.tolist())
         self.activation_bytes = int(self.mem[self.is_forward].sum())
         self.peak_lower_bound = self._peak_lower_bound()
         self.hash = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
         for arr in (self.cost, self.mem, self.alias_of, self.dep_ptr, self.dep_idx, self.user_ptr,
-                    self.user_idx, self.is_output, self.is_forward, self.is_view):
+                    self.user_idx, self.is_output, self.is_forward, self.is_view, self.output_of):
             arr.setflags(write=False)
 
     # -- construction --------------------------------------------------------------------------

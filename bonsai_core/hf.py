@@ -7,7 +7,8 @@ memory is allocated, and ``bonsai export``/``verify`` build the same model with 
 
 The traced loss is the model's own training loss, through its ``labels`` path:
 
-* causal LM (``gpt2``, ``llama``, ``mistral``): ``labels = input_ids``, which the model shifts by one;
+* causal LM (``gpt2``, ``llama``, ``mistral``, ``mixtral``): ``labels = input_ids``, which the model
+  shifts by one (Mixtral's router loss is off, as in its config's default);
 * masked LM (``bert``): 15% of the positions of each row (at least one), drawn from the seed, are
   replaced by the last token id, which stands for ``[MASK]``; ``labels`` holds the original token
   there and -100 (ignored) elsewhere; the other tokens are drawn from ``[0, vocab - 1)``;
@@ -25,7 +26,7 @@ Size options, mapped onto each config (``bonsai zoo`` lists them with their defa
 
 * ``width`` → ``n_embd``/``hidden_size``; the feed-forward size is 4 × width (``intermediate_size``,
   GPT-2's default ``n_inner``); ``layers`` → the number of blocks; ``heads`` → attention heads
-  (Llama/Mistral: ``num_key_value_heads`` = heads / 2 when heads is even, grouped-query attention
+  (Llama/Mistral/Mixtral: ``num_key_value_heads`` = heads / 2 when heads is even, grouped-query attention
   as in Llama 3, else heads); ``seq`` → the sequence length and ``max_position_embeddings`` /
   ``n_positions``; ``vocab`` → ``vocab_size``.
 * ViT: ``image`` → ``image_size``, cut into an 8 × 8 grid of patches (``patch_size`` = image / 8).
@@ -36,6 +37,13 @@ Dropout stays at each config's default (0.1 for GPT-2 and BERT), the model is in
 attention is ``attn_implementation="eager"``: its matmul/softmax/dropout ops are plain aten ops that
 run on any device, where SDPA traced on CPU records the CPU-only kernel
 ``_scaled_dot_product_flash_attention_for_cpu``, which an exported step could not run on a GPU.
+
+Mixture-of-experts models (a ``config.json`` of Mixtral, Qwen-MoE, ...) keep the experts implementation
+their config asks for, else transformers' default ``"grouped_mm"``, the one they would train with:
+``torch.nn.functional.grouped_mm`` over the tokens sorted by expert, static shapes, traced as eager
+runs it (``bonsai_core.trace`` lets its float32 shapes through). No other is substituted: ``"eager"``
+loops over the experts a batch hits (``nonzero``, data-dependent shapes) and cannot be traced on fake
+tensors, and ``"batched_mm"`` gathers every token's expert weights, a different, far larger footprint.
 """
 
 from __future__ import annotations
@@ -132,6 +140,15 @@ def _mistral(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, 
                       CAUSAL_LM, batch=batch, seq=seq)
 
 
+def _mixtral(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, heads: int = 4,
+             vocab: int = 512) -> Built:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**_decoder_sizes(seq, width, layers, heads, vocab), num_local_experts=4,
+                           num_experts_per_tok=2)
+    return _with_task(MixtralForCausalLM, config, CAUSAL_LM, batch=batch, seq=seq)
+
+
 def _decoder_sizes(seq: int, width: int, layers: int, heads: int, vocab: int) -> dict[str, int]:
     """Llama-family sizes: grouped-query attention with half as many key/value heads when it can."""
     check_divisible(width, heads, "width")
@@ -165,6 +182,8 @@ ARCHS: dict[str, ZooEntry] = {e.name: e for e in [
     ZooEntry("bert", _bert, "BertForMaskedLM: BERT encoder, masked LM loss on 15% of tokens, dropout 0.1"),
     ZooEntry("llama", _llama, "LlamaForCausalLM: RMSNorm, rotary, SwiGLU, grouped-query attention; causal LM"),
     ZooEntry("mistral", _mistral, "MistralForCausalLM: Llama-style decoder with sliding-window attention; causal LM"),
+    ZooEntry("mixtral", _mixtral, "MixtralForCausalLM: Mistral whose feed-forward is 4 experts, 2 per token "
+             "(grouped matmuls); causal LM"),
     ZooEntry("vit", _vit, "ViTForImageClassification: vision transformer on 8x8 patches, 10 classes"),
     ZooEntry("resnet", _resnet, "ResNetForImageClassification: basic blocks with BatchNorm, 10 classes"),
 ]}

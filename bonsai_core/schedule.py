@@ -8,7 +8,9 @@ The simulator is the single judge of every method. Its rules (DESIGN.md):
 3. Memory at a compute step is ``fixed_mem`` + the bytes of all resident nodes, the new one included;
    ``peak`` is the largest such value.
 4. Every node is computed at least once.
-5. ``compute_cost`` is the sum of the computed nodes' costs; ``overhead`` is
+5. A separated output (``Graph.output_of``) freed earlier is computed again only after its op's node
+   is: its bytes come from the op's kernel, not from the ``getitem`` (:func:`hold_separated_outputs`).
+6. ``compute_cost`` is the sum of the computed nodes' costs; ``overhead`` is
    ``compute_cost / graph.total_cost - 1``.
 """
 
@@ -129,6 +131,9 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
     resident = [False] * n
     computed = [0] * n
     live_views = [0] * n  # resident views of each node
+    output_of = graph.output_of.tolist()
+    outputs = _separated_outputs(graph)
+    stale = [False] * n  # a separated output freed since its op last ran: no bytes to take it from
     live = graph.fixed_mem
     peak, peak_op = live, -1
     computed_costs: list[float] = []
@@ -144,6 +149,14 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
                 if not resident[d]:
                     raise ScheduleError(f"Op {i} computes node {v} ({graph.names[v]!r}) but its input "
                                         f"{d} ({graph.names[d]!r}) is not resident.")
+            if stale[v]:
+                op = output_of[v]
+                raise ScheduleError(f"Op {i} computes node {v} ({graph.names[v]!r}), an output of node {op} "
+                                    f"({graph.names[op]!r}), again after freeing it, but {op} has not run since: "
+                                    "that output's bytes come only from its op's kernel. Keep it resident, or "
+                                    "recompute its op first.")
+            for out in outputs.get(v, ()):
+                stale[out] = False
             resident[v] = True
             computed[v] += 1
             if alias[v] >= 0:
@@ -159,6 +172,7 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
                 raise ScheduleError(f"Op {i} frees node {v} ({graph.names[v]!r}) while {live_views[v]} view(s) "
                                     "of it are resident: free the views first.")
             resident[v] = False
+            stale[v] = output_of[v] >= 0
             if alias[v] >= 0:
                 live_views[alias[v]] -= 1
             live -= mem[v]
@@ -176,6 +190,42 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
                      overhead=(total / base - 1.0) if base > 0 else 0.0,
                      computes=len([1 for k, _ in ops if k == COMPUTE]), recomputes=int(sum(computed) - n),
                      timeline=timeline)
+
+
+def _separated_outputs(graph: Graph) -> dict[int, list[int]]:
+    """op node -> its outputs that are nodes of their own (``Graph.output_of``)."""
+    outputs: dict[int, list[int]] = {}
+    for s in np.flatnonzero(graph.output_of >= 0).tolist():
+        outputs.setdefault(int(graph.output_of[s]), []).append(s)
+    return outputs
+
+
+def hold_separated_outputs(graph: Graph, ops: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    """``ops`` with every output of a multi-output op that is a node of its own (``Graph.output_of``:
+    batch norm's statistics, dropout's mask) kept resident where it was freed and computed again
+    while its op did not run in between: that free and that compute are dropped.
+
+    Such an output is cheap to compute from its op's node (a ``getitem``), but its bytes come only
+    from the op's kernel: taken again without running the op, it is the same copy, which a real run
+    (and the export) must have kept. The simulator refuses the pair; a method that does not model
+    it (every method's schedule builder) passes its ops through here. O(len(ops))."""
+    output_of = graph.output_of
+    if not (output_of >= 0).any():
+        return list(ops)
+    outputs = _separated_outputs(graph)
+    kept: list[tuple[str, int] | None] = []
+    freed_at: dict[int, int] = {}  # separated output -> position in kept of its free since its op last ran
+    for kind, v in ops:
+        if kind == COMPUTE:
+            if v in freed_at:
+                kept[freed_at.pop(v)] = None  # never freed: the compute reads the copy still held
+                continue
+            for out in outputs.get(v, ()):
+                freed_at.pop(out, None)  # the op ran again: its outputs' next copy is a new one
+        elif output_of[v] >= 0:
+            freed_at[v] = len(kept)
+        kept.append((kind, v))
+    return [op for op in kept if op is not None]
 
 
 def schedule_ops(graph: Graph, sequence: Iterable[int]) -> list[tuple[str, int]]:
@@ -221,7 +271,7 @@ def schedule_ops(graph: Graph, sequence: Iterable[int]) -> list[tuple[str, int]]
         ops.append((COMPUTE, v))
         for q in sorted(frees_at.get(p, ()), reverse=True):  # later copies (views) first
             ops.append((FREE, seq[q]))
-    return ops
+    return hold_separated_outputs(graph, ops)
 
 
 def none_schedule(graph: Graph) -> Schedule:

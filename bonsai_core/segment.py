@@ -119,9 +119,24 @@ def atom_boundaries(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
     np.add.at(blocked, hi, -1)
     splits_a_view = np.cumsum(blocked)[:m + 1] > 0
     before_view = np.append(graph.is_view[forward], False)
-    cuts = np.flatnonzero(~(splits_a_view & before_view))
+    cuts = np.flatnonzero(~(splits_a_view & before_view) & ~splits_an_output(graph, forward))
     cuts = np.union1d(cuts, [0, m])  # the ends of the forward pass are always cuts
     return forward, cuts.astype(np.int64)
+
+
+def splits_an_output(graph: Graph, forward: np.ndarray) -> np.ndarray:
+    """bool[m + 1]: cut p (before forward position p) falls between a multi-output op and one of its
+    separated outputs (``Graph.output_of``). Such an output's bytes come only with its op's kernel,
+    so it is dropped and rebuilt with its op or kept with it (DESIGN rule 5): never cut apart."""
+    m = len(forward)
+    pos = np.full(graph.n, -1, dtype=np.int64)
+    pos[forward] = np.arange(m)
+    outs = forward[graph.output_of[forward] >= 0]
+    outs = outs[pos[graph.output_of[outs]] >= 0]  # (a forward node's op is forward; a hand-made graph's may not be)
+    blocked = np.zeros(m + 2, dtype=np.int64)
+    np.add.at(blocked, pos[graph.output_of[outs]] + 1, 1)
+    np.add.at(blocked, pos[outs] + 1, -1)
+    return np.cumsum(blocked)[:m + 1] > 0
 
 
 def segment(graph: Graph, granularity: int | None = None,
@@ -133,7 +148,8 @@ def segment(graph: Graph, granularity: int | None = None,
     their ends become atom boundaries too (the short runs stay runs of the atoms without them: a
     kept piece of an atom needs no candidate of its own in the ILP). Such a cut may separate a view from its base: harmless,
     since the base is then read from another segment and kept as a boundary
-    (:func:`bonsai_core.regions.dropped_nodes`). O(n + edges + candidates)."""
+    (:func:`bonsai_core.regions.dropped_nodes`); one between an op and its separated output moves to
+    after the output (:func:`splits_an_output`). O(n + edges + candidates)."""
     m = op_count(graph)
     if granularity is None:
         granularity = default_granularity(graph)
@@ -144,6 +160,10 @@ def segment(graph: Graph, granularity: int | None = None,
     forward, atom_ptr = atom_boundaries(graph)
     spans = np.asarray(sorted(set(map(tuple, extra))), dtype=np.int64).reshape(-1, 2)
     spans = spans[(0 <= spans[:, 0]) & (spans[:, 0] < spans[:, 1]) & (spans[:, 1] <= len(forward))]
+    if len(spans):  # a span that ends (or starts) between an op and its separated output takes it in
+        allowed = np.flatnonzero(~splits_an_output(graph, forward))
+        spans = allowed[np.searchsorted(allowed, spans)]
+        spans = np.unique(spans[spans[:, 0] < spans[:, 1]], axis=0).reshape(-1, 2)
     op_ptr = np.concatenate([[0], np.cumsum(~graph.is_view[forward])]).astype(np.int64)
     k = len(atom_ptr) - 1
     # Candidate (a, b) = atoms a..b-1. For each start atom a, the ends reach as far as the op budget

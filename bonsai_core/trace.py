@@ -43,18 +43,26 @@ user's own eager run still checks it).
 A dropout that drops nothing (``p == 0``, as in Llama's and ViT's configs, or not training) returns
 its input in eager PyTorch; AOTAutograd's decomposition would record a ``clone`` that eager never
 makes, so while tracing such a dropout returns its input and the graph has no node for it.
+
+A grouped matmul (``aten._grouped_mm``, how transformers' mixture-of-experts layers run their experts)
+in float32 or float16 gets the shapes its kernels give it, where torch's own shape function refuses
+all but bfloat16 (:func:`_grouped_mm_as_its_kernels`). When an op's shape function fails, fake
+tensors log it with a traceback before the error reaches bonsai: while tracing those records are
+dropped and the op is named in the :class:`ModelError` instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import operator
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 from unittest import mock
 
 import numpy as np
@@ -182,7 +190,8 @@ def _module_spans(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: C
     forward = np.flatnonzero(graph.is_forward)
     fake = all(isinstance(x, FakeTensor) for x in inputs)
     try:
-        with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), _autocast(autocast):
+        with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), _autocast(autocast), \
+                _grouped_mm_as_its_kernels(), _quiet_meta_failures():
             step = record_step(model, inputs, loss_fn)
     except Exception:  # noqa: BLE001 (any failure only means no module structure)
         return []
@@ -210,16 +219,19 @@ def _export_joint(step: _Step, inputs: tuple[torch.Tensor, ...], name: str) -> t
     """``aot_export_module`` of the joint step, with torch's failures turned into advice."""
     from torch._functorch.aot_autograd import aot_export_module
 
-    try:
-        with _as_in_eager():
-            return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
-    except Exception as e:  # torch raises many types here; the user needs the message, not the stack
-        if "did not receive a gradient" in str(e):
-            raise _NoGradient() from None
-        raise _model_error(e, step, name) from None
+    with _quiet_meta_failures() as failures:
+        try:
+            with _as_in_eager():
+                return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+        except Exception as e:  # torch raises many types here; the user needs the message, not the stack
+            if "did not receive a gradient" in str(e):
+                raise _NoGradient() from None
+            raise _model_error(e, step, name, failures.ops) from None
 
 
-def _model_error(e: Exception, step: _Step, name: str) -> ModelError:
+def _model_error(e: Exception, step: _Step, name: str, failed_ops: Sequence[str] = ()) -> ModelError:
+    """The ModelError for a failed trace. ``failed_ops``: the ops whose shape function (meta kernel)
+    raised, as fake tensors logged them (:class:`_MetaFailures`)."""
     if any(sign in str(e) for sign in _CAPTURED_CONSTANT_SIGNS):
         return ModelError("The loss function (or model) captures tensors, such as targets, as constants. "
                           "Make loss_fn an nn.Module that holds them as buffers, like "
@@ -230,7 +242,13 @@ def _model_error(e: Exception, step: _Step, name: str) -> ModelError:
                           "one. Tracing runs on shapes only, so no value is known there. Make the code "
                           "independent of tensor values (`torch.where` instead of an `if`, checks on "
                           "`x.shape` instead of on tensor contents, `.item()` calls moved out of forward).")
-    return ModelError(f"Tracing {name!r} failed ({type(e).__name__}): {e}")
+    first_line = (str(e).strip().splitlines() or [""])[0]
+    if failed_ops:
+        return ModelError(f"Tracing {name!r} failed: {user_code(e, step)} runs {failed_ops[-1]}, whose shape "
+                          f"function (what tracing runs instead of the kernel) refuses its inputs "
+                          f"({type(e).__name__}: {first_line}). If the step runs in eager, that shape function "
+                          "is stricter than the kernel: another dtype or implementation of that layer may trace.")
+    return ModelError(f"Tracing {name!r} failed in {user_code(e, step)} ({type(e).__name__}): {e}")
 
 
 def user_code(e: BaseException, root: nn.Module | None = None) -> str:
@@ -250,7 +268,7 @@ def user_code(e: BaseException, root: nn.Module | None = None) -> str:
         return f"module {type(owner).__name__} at {where}"
     if isinstance(owner, nn.Module):
         path = next((n for n, m in root.named_modules() if m is owner), "")
-        label = path.removeprefix("model.").removeprefix("model") or "(the model itself)"
+        label = ("" if path == "model" else path.removeprefix("model.")) or "(the model itself)"
         return f"module {label} ({type(owner).__name__}) at {where}"
     return f"{frame.f_code.co_name} at {where}"
 
@@ -288,9 +306,111 @@ _DROPOUTS.update({f: inspect.Signature([inspect.Parameter(n, inspect.Parameter.P
 @contextlib.contextmanager
 def _as_in_eager() -> Iterator[None]:
     """What tracing changes so that the graph is the step eager runs: no copy for a dropout that
-    drops nothing, and ``torch._assert`` on tensors skipped."""
-    with _skip_tensor_asserts(), _EagerDropoutOff():
+    drops nothing, ``torch._assert`` on tensors skipped, and float32/float16 grouped matmuls shaped
+    as their kernels shape them."""
+    with _skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels():
         yield
+
+
+# Mixture-of-experts layers of transformers 5 (Mixtral, Qwen-MoE, ...) run their experts, by default
+# (``experts_implementation="grouped_mm"``), as ``torch.nn.functional.grouped_mm``: ``aten._grouped_mm``
+# over the tokens sorted by expert, one matmul per expert's rows, every shape static. Its kernels
+# (CPU, and CUDA's fallback path) take float16, bfloat16 and float32, but the shape function fake
+# tensors run, ``torch._meta_registrations._meta_grouped_mm_common`` (torch 2.13), still refuses all
+# but bfloat16 ("Expected inputs of BF16 type"), so a float32 Mixtral that trains in eager did not
+# trace. While tracing, float16/float32 calls get the kernels' checks (one dtype, 2D/3D operands,
+# 16-byte strides, int32 offsets, no bias) and torch's own output tensor: the shape, dtype and strides
+# eager makes. bfloat16 and the scaled (FP8) variant keep torch's shape function.
+_GROUPED_MM_DTYPES = (torch.float16, torch.float32)
+_grouped_mm_lock = threading.Lock()
+_grouped_mm_state: dict[str, Any] = {"users": 0, "original": None}  # traces in threads share one patch
+
+
+@contextlib.contextmanager
+def _grouped_mm_as_its_kernels() -> Iterator[None]:
+    """Within: ``aten._grouped_mm`` on float16/float32 fake tensors gets its kernels' shapes."""
+    from torch import _meta_registrations as meta
+
+    if not (callable(getattr(meta, "_meta_grouped_mm_common", None))
+            and callable(getattr(meta, "_create_grouped_mm_output_tensor", None))):
+        yield  # another torch: its own shape function
+        return
+    with _grouped_mm_lock:
+        if _grouped_mm_state["users"] == 0:
+            original = _grouped_mm_state["original"] = meta._meta_grouped_mm_common
+            meta._meta_grouped_mm_common = lambda *args, **kwargs: _grouped_mm_meta(original, *args, **kwargs)
+        _grouped_mm_state["users"] += 1
+    try:
+        yield
+    finally:
+        with _grouped_mm_lock:
+            _grouped_mm_state["users"] -= 1
+            if _grouped_mm_state["users"] == 0:
+                meta._meta_grouped_mm_common = _grouped_mm_state["original"]
+
+
+def _grouped_mm_meta(original: Callable[..., torch.Tensor], mat_a: torch.Tensor, mat_b: torch.Tensor,
+                     scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+                     offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                     scale_result: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                     use_fast_accum: bool = False) -> torch.Tensor:
+    """``_meta_grouped_mm_common`` (same arguments) that takes float16/float32 as the kernels do."""
+    if scale_a is not None or scale_b is not None or mat_a.dtype not in _GROUPED_MM_DTYPES:
+        return original(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum)
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+    torch._check(mat_b.dtype == mat_a.dtype and out_dtype in (None, mat_a.dtype),
+                 lambda: f"grouped_mm needs one dtype: mat_a {mat_a.dtype}, mat_b {mat_b.dtype}, out_dtype {out_dtype}")
+    for label, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
+        torch._check(mat.dim() in (2, 3), lambda: f"grouped_mm: {label} must be 2D or 3D, got {mat.dim()}D")
+        stride, size = mat.stride(), mat.shape
+        lead = stride[-1] if stride[-2] == 1 and stride[-1] >= max(1, size[-2]) else \
+            stride[-2] if stride[-1] == 1 and stride[-2] >= max(1, size[-1]) else None
+        torch._check(lead is not None,
+                     lambda: f"grouped_mm: invalid strides {stride} for sizes {tuple(size)} of {label}")
+        torch._check(lead * mat.element_size() % 16 == 0,
+                     lambda: f"grouped_mm: {label}'s strides {stride} are not multiples of 16 bytes")
+    if mat_a.dim() == 3 or mat_b.dim() == 3:  # (2D x 2D groups along the contraction dimension)
+        torch._check(mat_a.size(-1) == mat_b.size(-2), lambda: "grouped_mm: contraction dimensions differ")
+    if mat_a.dim() == 2 or mat_b.dim() == 2:
+        torch._check(offs is not None and offs.dim() == 1 and offs.dtype == torch.int32,
+                     lambda: "grouped_mm: a 2D operand needs 1D int32 offsets")
+    else:
+        torch._check(offs is None, lambda: "grouped_mm: 3D operands take no offsets")
+    torch._check(bias is None, lambda: "grouped_mm: bias is not supported")
+    return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+
+
+# Fake tensors log every op whose shape function raises, with its traceback, before re-raising: a
+# screenful per failure (the CLI showed it above its one-line error). The error itself reaches bonsai.
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+_META_FAILED = "failed while attempting to run meta for %s"
+
+
+class _MetaFailures(logging.Filter):
+    """Drops the current thread's "failed while attempting to run meta for OP" records and keeps OP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+        self.ops: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == _META_FAILED and record.thread == self.thread:
+            self.ops.append(str(record.args[0]) if isinstance(record.args, tuple) and record.args else "an op")
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _quiet_meta_failures() -> Iterator[_MetaFailures]:
+    """Within: failed shape functions are not logged; the filter yielded lists their ops."""
+    failures = _MetaFailures()
+    _FAKE_TENSOR_LOG.addFilter(failures)
+    try:
+        yield failures
+    finally:
+        _FAKE_TENSOR_LOG.removeFilter(failures)
 
 
 @contextlib.contextmanager
@@ -312,11 +432,12 @@ def _unused_parameters(step: _Step, inputs: tuple[torch.Tensor, ...], name: str)
     users in the forward-only graph. Each gets no gradient."""
     from torch._functorch.aot_autograd import aot_export_module
 
-    try:
-        with _as_in_eager():
-            gm, signature = aot_export_module(step, inputs, trace_joint=False)
-    except Exception as e:  # the same failures as the joint trace, said the same way
-        raise _model_error(e, step, name) from None
+    with _quiet_meta_failures() as failures:
+        try:
+            with _as_in_eager():
+                gm, signature = aot_export_module(step, inputs, trace_joint=False)
+        except Exception as e:  # the same failures as the joint trace, said the same way
+            raise _model_error(e, step, name, failures.ops) from None
     unused = {n.name for n in gm.graph.nodes if n.op == "placeholder" and not n.users}
     return [p for ph, p in signature.inputs_to_parameters.items() if ph in unused]
 
@@ -474,9 +595,11 @@ def _separate_outputs(node: fx.Node) -> set[int]:
     that the backward pass reads much later. The output's node follows its op's node, and in the
     forward pass nothing is freed between the two (an op's inputs are saved for the backward pass or
     read by the next op), so the kernel's moment of allocating all outputs at once is counted right.
-    What the simulator misses is a recomputation of the op while such an output's node is resident:
-    the kernel allocates that output again for a moment. The size limit bounds that to a quarter of
-    the op's output (max-pooling's int64 indices, twice its output, stay with their op).
+    Such an output's bytes come only from its op's kernel, so the simulator lets a schedule compute
+    its node again only after the op's node (``Graph.output_of``, DESIGN rule 5). What it misses is a
+    recomputation of the op while such an output's node is resident: the kernel allocates that
+    output again for a moment. The size limit bounds that to a quarter of the op's output
+    (max-pooling's int64 indices, twice its output, stay with their op).
     Backward ops keep one node: their outputs (an input gradient with the weight gradients) die
     together within an op or two, and splitting them would let frees slip between the kernel and
     its output nodes."""

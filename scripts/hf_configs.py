@@ -39,6 +39,7 @@ def configs() -> dict[str, Callable[[], Any]]:
         "qwen2": lambda: T.Qwen2Config(**TEXT, num_key_value_heads=2),
         "phi": lambda: T.PhiConfig(**TEXT),
         "gemma": lambda: T.GemmaConfig(**TEXT, num_key_value_heads=2, head_dim=16),
+        "mixtral": lambda: T.MixtralConfig(**TEXT, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
         "bloom": lambda: T.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=512),
         "falcon": lambda: T.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=512),
         "bart": lambda: T.BartConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

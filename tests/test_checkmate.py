@@ -12,7 +12,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.solvers import solve
 from bonsai_core.solvers import checkmate, stages, views
-from tests.graphs import chain
+from tests.graphs import chain, mask_far_from_use
 
 
 # -- an exhaustive search of the stage model --------------------------------------------------
@@ -288,3 +288,17 @@ def test_cli_json_output_stays_one_json_object_on_stdout(tmp_path):
                            str(tmp_path / "s.json")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["method"] == "checkmate"  # HiGHS' banner went to stderr
+
+
+def test_a_separated_output_is_recomputed_only_with_its_op():
+    """The mask's bytes come only from the dropout kernel (DESIGN rule 5): taking it again from the
+    resident dropout would cost a nanosecond and is no schedule at all. Under 301 bytes the MILP
+    must rerun the dropout (and its input) after the dropout's last backward reader, with the mask."""
+    from bonsai_core.schedule import simulate
+
+    g = mask_far_from_use()
+    assert no_remat_peak(g) == 341
+    s = solve(g, 301, "checkmate")
+    sim = simulate(g, s)
+    recomputed = sorted(v for v in range(g.n) if sum(1 for k, u in s.ops if k == "compute" and u == v) > 1)
+    assert sim.peak <= 301 and recomputed == [0, 1, 2], (sim.peak, s.ops)

@@ -55,12 +55,55 @@ def test_user_errors_exit_1_with_one_message(gpt_graph, tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("budget", ["abc", "-1", "0", "0%", "1e400", "12 GB GB"])
+@pytest.mark.parametrize("budget", ["abc", "-1", "-5%", "0", "0%", "1e400", "12 GB GB"])
 def test_nonsense_budget_exits_2(gpt_graph, tmp_path, budget, capsys):
     with pytest.raises(SystemExit) as info:
         main(["solve", str(gpt_graph), "--budget", budget, "-o", str(tmp_path / "s.json")])
     assert info.value.code == 2
-    assert "budget" in capsys.readouterr().err
+    assert f"budget '{budget}'" in capsys.readouterr().err  # the value named, not "expected one argument"
+
+
+def test_bench_budgets_are_percentages(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--budgets", "0.8", "--models", "mlp", "--methods", "none", "--peers", "-o", str(tmp_path)])
+    assert info.value.code == 2 and "'0.8' reads as 0.8%" in capsys.readouterr().err
+
+
+def test_solve_stops_at_a_default_time_limit_that_0_removes(gpt_graph, tmp_path, monkeypatch):
+    """An exact method on a large graph must not run for hours unseen: `bonsai solve` gives every
+    method SOLVE_TIME_LIMIT seconds unless told otherwise; 0 means no limit, as in the app."""
+    import bonsai_core.solvers as solvers
+    from bonsai_core.cli import SOLVE_TIME_LIMIT
+
+    asked = []
+    real = solvers.solve
+    monkeypatch.setattr(solvers, "solve", lambda g, b, method, **options: asked.append(options) or real(g, b, method, **options))
+    for argv in ([], ["--time-limit", "0"], ["--time-limit", "7.5"], ["--option", "time_limit=3"]):
+        assert main(["solve", str(gpt_graph), "--budget", "70%", *argv, "-o", str(tmp_path / "s.json"), "--json"]) == 0
+    assert [o["time_limit"] for o in asked] == [SOLVE_TIME_LIMIT, None, 7.5, 3.0]
+
+
+def test_simulate_fails_a_schedule_over_its_own_budget(gpt_graph, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["solve", str(gpt_graph), "--budget", "70%", "-o", str(out)]) == 0
+    schedule = json.loads(out.read_text())
+    schedule["budget"] //= 2
+    over = tmp_path / "over.json"
+    over.write_text(json.dumps(schedule))
+    capsys.readouterr()
+    assert main(["simulate", str(gpt_graph), str(over), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["feasible"] is False and "exceeds its budget" in captured.err
+
+
+def test_solve_prints_no_solver_banner(gpt_graph, tmp_path):
+    """HiGHS announces itself when a process makes its first solver object: not on a user's terminal,
+    and never inside --json output."""
+    proc = subprocess.run([sys.executable, "-m", "bonsai_core.cli", "solve", str(gpt_graph), "--budget", "70%",
+                           "-o", str(tmp_path / "s.json"), "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["method"] == "bonsai"
+    assert "HiGHS" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
 
 
 def test_installed_command_prints_no_traceback(tmp_path):

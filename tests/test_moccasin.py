@@ -9,7 +9,7 @@ from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
 from bonsai_core.solvers.views import contract_views
-from tests.graphs import chain
+from tests.graphs import chain, mask_far_from_use
 from tests.test_checkmate import budgets, fan_in, random_dag, stage_optimum, view_dag, weighted_chain
 
 GRAPHS = [weighted_chain([1.0, 3.0, 2.0], [10, 30, 20]),
@@ -107,3 +107,12 @@ def test_a_traced_model_with_views_gets_a_valid_schedule(traced_zoo):
     schedule = solve(g, budget, "moccasin", time_limit=120)  # generous: a schedule must come back
     assert schedule.stats["peak"] <= budget and schedule.stats["status"] in ("optimal", "feasible")
     assert simulate(g, schedule).peak == schedule.stats["peak"]
+
+
+def test_a_separated_output_is_recomputed_only_right_after_its_op():
+    """As checkmate (test_checkmate): under 301 bytes the mask comes from a second run of the dropout."""
+    g = mask_far_from_use()
+    s = solve(g, 301, "moccasin", copies=2)
+    sim = simulate(g, s)
+    recomputed = sorted(v for v in range(g.n) if sum(1 for k, u in s.ops if k == "compute" and u == v) > 1)
+    assert sim.peak <= 301 and recomputed == [0, 1, 2], (sim.peak, s.ops)

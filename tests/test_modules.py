@@ -65,11 +65,22 @@ def test_block_plans_checkpoint_every_kth_block(gpt4):
 
 
 def test_module_calls_are_bonsai_candidates(gpt4):
+    """Each call is a candidate; one that ends with a multi-output op (a LayerNorm) takes in the op's
+    separated outputs listed after it (its statistics: DESIGN rule 5)."""
+    from bonsai_core.segment import splits_an_output
+
     seg = build(gpt4).seg
     pos = {int(v): p for p, v in enumerate(seg.forward)}
     spans = set(zip(seg.starts.tolist(), seg.ends.tolist()))
+    riding = splits_an_output(gpt4, seg.forward)
+    taken_in = 0
     for _, first, last in gpt4.modules:
-        assert (pos[first], pos[last] + 1) in spans
+        end = pos[last] + 1
+        while riding[end]:
+            end += 1
+        taken_in += end > pos[last] + 1
+        assert (pos[first], end) in spans
+    assert taken_in > 0
 
 
 def test_bonsai_is_never_above_per_block_checkpointing(gpt4):

@@ -2,8 +2,8 @@ import pytest
 
 from bonsai_core.errors import ScheduleError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import (Schedule, load_schedule, no_remat_peak, none_schedule, schedule_ops,
-                                  save_schedule, simulate)
+from bonsai_core.schedule import (Schedule, hold_separated_outputs, load_schedule, no_remat_peak, none_schedule,
+                                  schedule_ops, save_schedule, simulate)
 
 from tests.graphs import chain
 
@@ -100,3 +100,36 @@ def test_schedule_ops_rejects_impossible_sequences():
         schedule_ops(chain(2), [1, 0, 2, 3])
     with pytest.raises(ScheduleError, match="still needed"):  # the live view pins the base's first copy
         schedule_ops(_view_graph(), [0, 1, 0, 2])
+
+
+def _dropout_with_mask() -> Graph:
+    """x -> dropout (a multi-output op) -> its mask as a node of its own (``getitem``, 25 bytes) and
+    y; the backward reads y and the mask."""
+    return Graph("dropout", 1000, names=["x", "dropout", "mask", "y", "grad"],
+                 ops=["aten.mm", "aten.native_dropout", "getitem", "aten.mm", "aten.mul"],
+                 phases=["forward", "forward", "forward", "forward", "backward"],
+                 cost=[1, 1, 1e-9, 1, 1], mem=[10, 100, 25, 100, 100], deps=[[], [0], [1], [1], [3, 2]],
+                 alias_of=[None] * 5)
+
+
+def test_a_separated_output_is_taken_again_only_from_a_new_run_of_its_op():
+    """The mask's bytes come from the dropout kernel: freed, then taken again from the dropout's node
+    that never ran again, it would be the copy a real run kept all along (the export held it in its
+    op's output list: measured above the prediction). The simulator refuses it; rerunning the op
+    makes it legal; hold_separated_outputs keeps the mask resident instead, as a real run does."""
+    g = _dropout_with_mask()
+    assert g.output_of.tolist() == [-1, -1, 1, -1, -1]
+    taken_again = [("compute", 0), ("compute", 1), ("compute", 2), ("free", 2), ("compute", 3), ("compute", 2),
+                   ("compute", 4)]
+    with pytest.raises(ScheduleError, match="has not run since"):
+        simulate(g, taken_again)
+    rerun = [("compute", 0), ("compute", 1), ("compute", 2), ("free", 2), ("compute", 3), ("free", 1),
+             ("compute", 1), ("compute", 2), ("compute", 4)]
+    assert simulate(g, rerun).recomputes == 2
+    held = hold_separated_outputs(g, taken_again)
+    assert held == [("compute", 0), ("compute", 1), ("compute", 2), ("compute", 3), ("compute", 4)]
+    assert simulate(g, held).peak == 1000 + 10 + 100 + 25 + 100 + 100
+    # every method's sequences go through it: a sequence that takes the mask twice is the plain one
+    twice, once = schedule_ops(g, [0, 1, 2, 3, 2, 4]), schedule_ops(g, [0, 1, 2, 3, 4])
+    assert [op for op in twice if op[0] == "compute"] == [op for op in once if op[0] == "compute"]
+    assert simulate(g, twice).peak == simulate(g, once).peak

@@ -7,7 +7,7 @@ import pytest
 
 from bonsai_core.errors import SolverError
 from bonsai_core.graph import Graph
-from bonsai_core.segment import default_granularity, op_count, segment
+from bonsai_core.segment import default_granularity, op_count, segment, splits_an_output
 from tests.graphs import chain
 
 ASSET = Path(__file__).resolve().parent.parent / "assets" / "gpt-default.json"
@@ -33,10 +33,13 @@ def _check(graph: Graph, seg) -> None:
     # Every atom alone is a candidate, so every cover can be built.
     assert set(zip(seg.atom_ptr[:-1].tolist(), seg.atom_ptr[1:].tolist())) <= set(zip(seg.starts.tolist(),
                                                                                      seg.ends.tolist()))
-    # Every non-view op starts an atom, so an atom holds at most one: the finest cover that counts.
+    # Every non-view op starts an atom, so an atom holds at most one: the finest cover that counts;
+    # but a separated output rides with its op (DESIGN rule 5): no cut between them.
     views = graph.is_view[seg.forward]
     cuts = set(seg.atom_ptr.tolist())
-    assert all(p in cuts for p in np.flatnonzero(~views).tolist())
+    riding = splits_an_output(graph, seg.forward)
+    assert all(p in cuts for p in np.flatnonzero(~views & ~riding[:-1]).tolist())
+    assert not any(riding[c] for c in cuts)
     # A cut before a view never separates a view from its base (a view rides with the op before it).
     pos = np.full(graph.n, -1)
     pos[seg.forward] = np.arange(m)
@@ -106,9 +109,25 @@ def test_views_ride_with_their_base_and_do_not_count_towards_the_size(gpt):
 def test_extra_candidates_are_added_and_their_ends_become_atom_boundaries(gpt):
     base = segment(gpt, 3)
     m, ptr = len(base.forward), base.atom_ptr
-    inside = int(ptr[np.flatnonzero(np.diff(ptr) > 1)[0]]) + 1  # a cut inside an atom (between an op and its view)
+    riding = splits_an_output(gpt, base.forward)
+    # a cut inside an atom (between an op and its view)
+    inside = next(int(ptr[a]) + 1 for a in np.flatnonzero(np.diff(ptr) > 1) if not riding[ptr[a] + 1])
     extra = [(0, m), (int(ptr[1]), inside)]
     seg = segment(gpt, 3, extra)
     got = set(zip(seg.starts.tolist(), seg.ends.tolist()))
     assert set(extra) <= got and inside in seg.atom_ptr.tolist() and seg.atoms == base.atoms + 1 and seg.count == base.count + 2
     assert (np.diff(seg.starts) >= 0).all()
+
+
+def test_a_candidate_never_ends_between_an_op_and_its_separated_output(gpt):
+    """Layer norm's statistics are nodes of their own whose bytes only its kernel makes: a module
+    span (or Chen segment) ending right after the layer norm takes them in."""
+    seg = segment(gpt, 3)
+    outs = seg.forward[gpt.output_of[seg.forward] >= 0]
+    assert len(outs)
+    pos = {int(v): p for p, v in enumerate(seg.forward.tolist())}
+    op = int(gpt.output_of[outs[0]])
+    last = max(pos[int(o)] for o in outs if gpt.output_of[o] == op)
+    moved = segment(gpt, 3, [(0, pos[op] + 1)])
+    assert (0, last + 1) in set(zip(moved.starts.tolist(), moved.ends.tolist()))
+    assert pos[op] + 1 not in moved.atom_ptr.tolist()

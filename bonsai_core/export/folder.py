@@ -43,19 +43,21 @@ def trace_for_schedule(model: str, options: dict[str, Any], schedule: Schedule, 
     from bonsai_core.trace import trace_zoo
 
     profiles = [profile] if profile else [DEFAULT_PROFILE, *(p for p in PROFILES if p != DEFAULT_PROFILE)]
-    traced = None
+    first = None
     for p in profiles:
         traced = trace_zoo(model, profile=p, seed=seed, autocast=autocast, **options)
         if schedule.graph_hash in (None, traced.graph.hash):
+            return traced
+        first = first or traced
+        if traced.graph.name != schedule.graph:  # another model or size: no cost model makes it match
             break
-    assert traced is not None
-    if schedule.graph_hash not in (None, traced.graph.hash):
-        raise ScheduleError(
-            f"This schedule was made for graph {schedule.graph!r} (hash {schedule.graph_hash}), but {model!r} with "
-            f"options {options or '{}'}{f' and autocast {autocast}' if autocast else ''} traces to "
-            f"{traced.graph.name!r} (hash {traced.graph.hash}). Export with the model and options (--batch, "
-            "--layers, --autocast, ...) you traced the schedule's graph with, or solve again for this graph.")
-    return traced
+    assert first is not None
+    raise ScheduleError(
+        f"This schedule was made for graph {schedule.graph!r} (hash {schedule.graph_hash}), but {model!r} with "
+        f"options {options or '{}'}{f' and autocast {autocast}' if autocast else ''} traces to "
+        f"{first.graph.name!r} (hash {first.graph.hash} with cost model {profiles[0]}). Export with the model and "
+        "options (--batch, --layers, --autocast, ...) you traced the schedule's graph with, or solve again for "
+        "this graph.")
 
 
 def export_traced(traced: Traced, signature: StepSignature, schedule: Schedule, out_dir: str | Path,

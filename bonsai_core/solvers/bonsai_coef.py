@@ -172,7 +172,10 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outp
         a = graph.alias_of[v]
         if a >= 0:
             view_until[a] = max(view_until[a], fpos[v], view_until[v])
-    drop_until = (view_until if drop_outputs else keep_until)[forward].tolist()  # dropped by end j iff <= j
+    drop_until = (view_until if drop_outputs else keep_until).copy()  # dropped by end j iff <= j
+    for v in forward[graph.output_of[forward] >= 0]:  # dropped with its op only (DESIGN rule 5; one atom)
+        drop_until[v] = max(drop_until[v], drop_until[graph.output_of[v]])
+    drop_until = drop_until[forward].tolist()
     atom_of = np.searchsorted(seg.atom_ptr, np.arange(m), side="right") - 1
     fwd_users = [graph.users(v)[graph.is_forward[graph.users(v)]].tolist() for v in forward]
     fwd_deps = [graph.deps(v).tolist() for v in forward]

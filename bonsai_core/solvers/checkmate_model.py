@@ -13,9 +13,10 @@ in listed order. Decision matrices (lower triangular, t = stage, i = node):
 
 Constraints: a node computed in stage t has each input resident or computed earlier in the stage;
 a node resident at the start of stage t+1 was resident or computed in stage t; a node is not
-recomputed while resident; a resident view keeps its base resident; ``FREE[t, i, k]`` may be 1 only
-when k is computed, i is not kept for stage t+1 and no later consumer of i is computed in stage t
-(one row per such hazard: a tighter LP relaxation than Checkmate's one aggregated row per FREE,
+recomputed while resident; a separated output (``Graph.output_of``, whose bytes only its op's kernel
+makes) is recomputed only in a stage that recomputes its op; a resident view keeps its base resident;
+``FREE[t, i, k]`` may be 1 only when k is computed, i is not kept for stage t+1 and no later
+consumer of i is computed in stage t (one row per such hazard: a tighter LP relaxation than Checkmate's one aggregated row per FREE,
 which measured no faster on HiGHS); ``U[t, 0] = sum_i S[t, i] mem_i + R[t, 0] mem_0``,
 ``U[t, k] = U[t, k-1] + R[t, k] mem_k - sum_i mem_i FREE[t, i, k-1]``, ``U <= budget - fixed_mem``.
 Objective: ``sum R * cost``, the schedule's total compute cost (``gap`` is relative to its
@@ -111,6 +112,14 @@ def build_milp(graph: Graph) -> CheckmateMilp:
     row = rows.add(len(v), 1.0) + np.arange(len(v))
     rows.x_terms(row, r_col(t, v), 1.0)
     rows.x_terms(row, s_col(t, v), 1.0)
+
+    # A separated output (Graph.output_of) is recomputed only with its op in the same stage: its bytes
+    # come with the op's kernel, which a getitem alone does not run. R[t, out] <= R[t, op] for t > out.
+    outs = np.flatnonzero(graph.output_of >= 0)
+    w, t = ranges(outs + 1, np.full(len(outs), n, dtype=np.int64))
+    row = rows.add(len(w), 0.0) + np.arange(len(w))
+    rows.x_terms(row, r_col(t, outs[w]), 1.0)
+    rows.x_terms(row, r_col(t, graph.output_of[outs[w]]), -1.0)
 
     # A resident view keeps its base resident: S[t, view] <= S[t, base].
     views = np.flatnonzero(graph.alias_of >= 0)

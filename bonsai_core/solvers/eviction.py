@@ -51,7 +51,7 @@ from bonsai_core.allocator import Allocator, Optimizer, full_arena, round_size
 from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import COMPUTE, FREE, Schedule
+from bonsai_core.schedule import COMPUTE, FREE, Schedule, hold_separated_outputs
 from bonsai_core.solvers.deadline import Deadline
 
 Deallocation = Literal["free", "evict", "banish"]
@@ -94,6 +94,7 @@ class Runtime:
         self.mem = graph.mem.tolist()
         self.cost = graph.cost.tolist()
         self.alias = graph.alias_of.tolist()
+        self.output_of = graph.output_of.tolist()
         self.holds = ((graph.mem > 0) & ~graph.is_view).tolist()  # takes a block in the allocator
         self.views: list[list[int]] = [[] for _ in range(n)]
         for v, a in enumerate(self.alias):
@@ -141,9 +142,11 @@ class Runtime:
         return self.budget is None or self.live + self.mem[v] <= self.budget
 
     def evictable(self, t: int) -> bool:
-        """A tensor of the graph, resident, holding memory, not pinned, not locked, and no pinned
-        resident view (it would go with it)."""
+        """A tensor of the graph, resident, holding memory, not pinned, not locked, no pinned resident
+        view (it would go with it), and not a separated output of a resident op (its bytes come only
+        from the op's kernel: rebuilt from the op's node it would be the same copy)."""
         return (t < self.n and self.resident[t] and self.holds[t] and not self.pinned[t] and not self.locked[t]
+                and not (self.output_of[t] >= 0 and self.resident[self.output_of[t]])
                 and not any(self.resident[u] and not self._view_evictable(u) for u in self.views[t]))
 
     def _view_evictable(self, u: int) -> bool:
@@ -362,7 +365,13 @@ def finish(rt: Runtime, graph: Graph, method: str, extra_stats: dict) -> Schedul
         # reserved - live at the pool's peak (high-water mark), in bytes and as a share of it
         stats["pool_waste"] = rt.high_water - rt.held_at_high_water
         stats["pool_fragmentation"] = (stats["pool_waste"] / rt.high_water) if rt.high_water else 0.0
-    return Schedule(graph=graph.name, method=method, ops=rt.ops, graph_hash=graph.hash, stats=stats)
+    # A separated output released while its op stays resident and rebuilt from it later (an evicted
+    # reader's rebuild) is the same copy: held instead (rare: evictable() never evicts one). The pool
+    # statistics above are the run's as decided; solve() simulates the held ops for the peak.
+    ops = hold_separated_outputs(graph, rt.ops)
+    if len(ops) != len(rt.ops):
+        stats["outputs_held"] = (len(rt.ops) - len(ops)) // 2
+    return Schedule(graph=graph.name, method=method, ops=ops, graph_hash=graph.hash, stats=stats)
 
 
 def arena_pool(graph: Graph, budget: int, full: bool, optimizer: Optimizer, inplace_updates: bool = True) -> Allocator:

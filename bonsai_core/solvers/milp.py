@@ -16,10 +16,15 @@ import os
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from bonsai_core.errors import SolverError
+
+# CVXPY warns "Solution may be inaccurate" when a backend stops at its time limit with an incumbent;
+# solve_milp judges that incumbent itself (its gap, or "no solution") and says so in its status.
+warnings.filterwarnings("ignore", message="Solution may be inaccurate", category=UserWarning)
 
 BACKENDS = ("highs", "scip")
 DEFAULT_BACKEND = "highs"
@@ -133,7 +138,8 @@ _banner_lock = threading.Lock()  # two threads swapping fd 1 at once could leave
 
 def _swallow_highs_banner() -> None:
     """HiGHS prints a banner on stdout when a process makes its first solver object, which would
-    corrupt ``bonsai solve --json``. Make that first object with stdout pointed at stderr."""
+    corrupt ``bonsai solve --json`` and adds two lines of noise to every command. Make that first
+    object with stdout pointed at the null device."""
     with _banner_lock:
         if not _banner_swallowed:
             _make_first_highs_quietly()
@@ -147,8 +153,9 @@ def _make_first_highs_quietly() -> None:
 
     sys.stdout.flush()
     saved = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(2, 1)
+        os.dup2(null, 1)
         highspy.Highs()
         ctypes.CDLL(None).fflush(None)  # C stdio may hold the banner in its buffer
     except (OSError, TypeError, AttributeError):  # no libc by that name: the banner may show, no harm
@@ -156,6 +163,7 @@ def _make_first_highs_quietly() -> None:
     finally:
         os.dup2(saved, 1)
         os.close(saved)
+        os.close(null)
     _banner_swallowed = True
 
 

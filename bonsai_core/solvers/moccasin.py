@@ -7,7 +7,9 @@ C copies (option ``copies``); copy c is an optional interval ``[start, end)`` ov
 computed at ``start`` (an event of node v) and stays resident until ``end``.
 
 * copy 0 is present and starts at event (v, v), v's first computation; copy c > 0 is present only if
-  copy c-1 is, and starts at or after copy c-1's end (at most one copy of a node is resident);
+  copy c-1 is, and starts at or after copy c-1's end (at most one copy of a node is resident); a
+  later copy of a separated output (``Graph.output_of``: its bytes come only with its op's kernel)
+  starts in the stage of a later copy of its op, right after it;
 * memory: ``AddCumulative`` of every copy's interval with demand ``mem_v`` under
   ``budget - fixed_mem`` (bytes divided by their gcd, which keeps it exact);
 * precedence, one reservoir per (edge u -> v, copy j of v): some copy of u is resident at the event
@@ -125,6 +127,19 @@ def build_model(graph: Graph, budget: int | None, copies: int = DEFAULT_COPIES) 
             i_v.append(model.new_optional_interval_var(s, size, e, p, f"i{v}_{c}"))
             s_v.append(s), e_v.append(e), p_v.append(p)
         start.append(s_v), end.append(e_v), present.append(p_v), intervals.append(i_v)
+
+    # A separated output (Graph.output_of) is recomputed only right after a recomputation of its op,
+    # in the same stage: its bytes come with the op's kernel, which a getitem alone does not run.
+    for v in np.flatnonzero(graph.output_of >= 0).tolist():
+        op = int(graph.output_of[v])
+        for c in range(1, len(start[v])):
+            runs = []
+            for k in range(1, len(start[op])):
+                same_run = model.new_bool_var(f"r{v}_{c}_{k}")
+                model.add(start[v][c] == start[op][k] + (v - op)).only_enforce_if(same_run)
+                model.add_implication(same_run, present[op][k])
+                runs.append(same_run)
+            model.add_bool_or(runs).only_enforce_if(present[v][c])
 
     heavy = [v for v in range(n) if mems[v] > 0]
     model.add_cumulative([iv for v in heavy for iv in intervals[v]],
