@@ -27,33 +27,24 @@ def _budget_arg(text: str) -> Budget:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive(unit: str) -> Callable[[str], float]:
-    """An argparse type: a finite number above 0, ``unit`` naming what it counts in the error."""
+def _positive(unit: str, or_zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0 (or 0 itself, with ``or_zero``), ``unit`` naming
+    what it counts in the error."""
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = float("nan")
-        if not value > 0 or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a positive number{unit}")
+        if not (value >= 0 if or_zero else value > 0) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'' if or_zero else 'positive '}number{unit}")
         return value
     return parse
 
 
 _positive_float = _positive(" of seconds")
+_time_limit = _positive(" of seconds (0 for no limit)", or_zero=True)
 
 SOLVE_TIME_LIMIT = 60.0  # seconds, `bonsai solve`'s default (the bench's too): an exact method never hangs unseen
-
-
-def _time_limit(text: str) -> float:
-    """An argparse type: seconds, 0 for no limit."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 for no limit)")
-    return value
 
 
 def _positive_int(text: str) -> int:

@@ -132,12 +132,11 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
 
     # A multi-output op whose outputs are also nodes of their own (``getitem`` nodes, e.g. a batch norm's
     # saved statistics) is held as a list; each such node takes its output over (the op's slot is
-    # cleared), so that output lives as long as its own node, as the simulator counts it. The slot is
-    # kept while the same copy of the op is read again by a recomputation of that output.
+    # cleared), so that output lives as long as its own node, as the simulator counts it. (A schedule
+    # never takes it again from the same copy of the op: DESIGN rule 5, checked by the simulator.)
     getitem_of = {v: (writer.root(n.args[0]), n.args[1]) for v, n in enumerate(nodes) if n.target is operator.getitem}
     split_ops = {op for op, _ in getitem_of.values()}
     getitems = {op: [(g, i) for g, (o, i) in getitem_of.items() if o == op] for op in split_ops}
-    release: set[int] = set()  # positions in ops of getitem computes that clear their op's slot
     unread: dict[int, list[int]] = {}  # position of an op's compute -> slots no getitem reads from that copy
     pending: set[int] = set()
     for p in range(len(ops) - 1, -1, -1):
@@ -147,8 +146,6 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
                 unread[p] = [i for g, i in getitems[v] if g not in pending]
             pending -= {g for g, _ in getitems[v]}
         elif kind == COMPUTE and v in getitem_of:
-            if v not in pending:
-                release.add(p)
             pending.add(v)
 
     computed: set[int] = set()
@@ -169,7 +166,7 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
                     lines.append(f"rng[{v}] = rng_state(dev)")
                 lines.append(line)
             lines += [f"v{v}[{i}] = None  # no node reads it from this copy" for i in unread.get(p, ())]
-            if p in release:
+            if v in getitem_of:
                 op, index = getitem_of[v]
                 lines.append(f"v{op}[{index}] = None  # v{v} holds it now")
             if v not in computed:
