@@ -1,4 +1,5 @@
-"""Plotly figures and the layouts behind them: pure functions of a graph, schedules and numbers.
+"""Plotly figures, the memory chart's Vega-Lite spec and the layouts behind them: pure functions of a
+graph, schedules and numbers.
 
 No Streamlit here, so every figure can be built and checked in a test. Sizes are shown in MiB,
 times in milliseconds.
@@ -6,11 +7,13 @@ times in milliseconds.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Sequence
 
 import networkx as nx
 import numpy as np
+import pandas as pd
 import plotly.graph_objects as go
 
 from bonsai_core.budget import format_bytes
@@ -92,56 +95,109 @@ def _steps(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(x)[keep], y[keep]
 
 
-def memory_figure(curves: Sequence[Curve], budget: int | None, lower_bound: int | None = None,
-                  x_mode: str = "time", height: int = 440) -> go.Figure:
-    """Memory over time of each curve (its colour, dash and a few markers of its method's symbol), the
-    budget line and each curve's peak marker.
+# METHOD_SYMBOLS / OTHER_SYMBOLS (Plotly's names) as Vega's built-in shapes, each still its own
+VEGA_SHAPES = {"circle": "circle", "square": "square", "diamond": "diamond", "triangle-up": "triangle-up",
+               "cross": "cross", "x": "triangle-left", "star": "triangle-right", "pentagon": "wedge",
+               "hexagon": "arrow", "triangle-down": "triangle", "star-square": "stroke", "hourglass": "triangle-down"}
 
-    Built as one figure from plain dicts, not with ``add_trace`` / ``add_hline`` / ``update_layout``:
-    plotly validates on every such call, which took most of a rerun's time (0.15-0.2 s here), and every
-    drag of the budget slider redraws this figure."""
-    data = []
-    for i, c in enumerate(curves):
-        # a few markers along each line, the method's symbol: curves differ by more than hue
-        symbol = method_symbol("none" if c.label == "no remat" else c.label, i)
+
+DASHES = {"dash": [6, 4], "dot": [2, 3]}
+
+
+def _only(kind: str) -> list[dict]:
+    """A Vega-Lite transform keeping the ``levels`` row of one kind."""
+    return [{"filter": f"datum.kind === '{kind}'"}]
+
+
+def _points(x: np.ndarray, mib: np.ndarray, label: str) -> pd.DataFrame:
+    return pd.DataFrame({"x": np.asarray(x, dtype=float), "mib": np.asarray(mib, dtype=float), "schedule": label})
+
+
+def _dataset(parts: list[pd.DataFrame]) -> pd.DataFrame:
+    """One dataset of the chart from its curves' parts, compact on the wire (every drag sends it to each
+    browser): no index column, 32-bit floats, the schedule's name as a category (a third the bytes)."""
+    frame = pd.concat(parts, ignore_index=True) if parts else _points([], [], "")
+    return frame.astype({"x": "float32", "mib": "float32", "schedule": "category"})
+
+
+def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int | None = None,
+                 x_mode: str = "time", height: int = 440) -> dict:
+    """Memory over time of each curve (its colour, dash and a few markers of its method's symbol), the
+    budget line and each curve's peak, as a Vega-Lite spec for ``st.vega_lite_chart``.
+
+    Everything that moves with the budget (the lines, peaks, budget and its label) is in the named
+    ``datasets``; the spec around them depends only on which curves are shown and the x axis. Streamlit
+    then updates a keyed chart's data in place when the budget slider moves, where a Plotly chart is
+    mounted and drawn anew on every change (about half of a browser's work per drag: docs/EXPLORER.md).
+    The "hybrid" renderer draws the marks on a canvas and the text as SVG, readable in the page."""
+    lines, reserved, marks, peaks = [], [], [], []
+    for c in curves:
         x, live = _steps(c.x, c.live / MIB)
-        data.append(dict(type="scatter", x=x, y=live, name=c.label, mode="lines+markers", line_shape="hv",
-                         line=dict(color=c.colour, width=2, dash=c.dash),
-                         marker=dict(symbol=symbol, size=7, color=c.colour, maxdisplayed=12),
-                         hovertemplate="%{y:.2f} MiB<extra>" + c.label + "</extra>"))
+        lines.append(_points(x, live, c.label))
+        # a few markers along each line, the method's symbol: curves differ by more than hue
+        marks.append(lines[-1].iloc[np.unique(np.linspace(0, len(x) - 1, min(12, len(x))).round().astype(int))])
         if c.reserved is not None:
-            x, reserved = _steps(c.x, np.asarray(c.reserved) / MIB)
-            data.append(dict(type="scatter", x=x, y=reserved, name=f"{c.label} (reserved)",
-                             mode="lines", line_shape="hv", line=dict(color=c.colour, width=1, dash="dot"),
-                             hovertemplate="reserved %{y:.2f} MiB<extra>" + c.label + "</extra>"))
-        data.append(dict(type="scatter", x=[c.peak_x], y=[c.peak / MIB], mode="markers+text", showlegend=False,
-                         marker=dict(color=c.colour, size=11, symbol="triangle-down", line=dict(color="white", width=1)),
-                         text=[f"peak {format_bytes(c.peak)}"], textposition="top center",
-                         textfont=dict(color=c.colour, size=11),
-                         hovertemplate=f"{c.label}: peak {format_bytes(c.peak)}<extra></extra>"))
-    shapes, notes = [], []
-    for value, colour, width, dash, text, corner in (
-            (budget, RECOMPUTE, 2, "dash", "budget", "top left"),
-            (lower_bound, "#999", 1, "dot", "lower bound", "bottom right")):
-        if value is None:
-            continue
-        y = value / MIB
-        shapes.append(dict(type="line", xref="x domain", x0=0, x1=1, yref="y", y0=y, y1=y,
-                           line=dict(color=colour, width=width, dash=dash)))
-        top, left = corner.startswith("top"), corner.endswith("left")
-        notes.append(dict(text=f"{text} {format_bytes(value)}", xref="x domain", x=0 if left else 1, yref="y", y=y,
-                          xanchor="left" if left else "right", yanchor="bottom" if top else "top",
-                          showarrow=False, font=dict(color=RECOMPUTE if text == "budget" else "#888")))
+            reserved.append(_points(*_steps(c.x, np.asarray(c.reserved) / MIB), c.label))
+        peaks.append({"x": c.peak_x, "mib": c.peak / MIB, "schedule": c.label, "text": f"peak {format_bytes(c.peak)}"})
     tops = [c.peak for c in curves] + [int(np.max(c.reserved)) for c in curves if c.reserved is not None]
     top = max(tops + ([budget] if budget is not None else []) + [1])
-    layout = dict(LAYOUT, height=height, shapes=shapes, annotations=notes,
-                  xaxis=dict(title=dict(text="elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)"),
-                             automargin=False),
-                  yaxis=dict(title=dict(text="memory (MiB)"), range=[0, 1.15 * top / MIB],  # room for peak labels
-                             automargin=False),
-                  # fixed margins: automatic ones make Plotly measure every label on every redraw
-                  margin=dict(l=64, r=10, t=48, b=48))
-    return go.Figure(data=data, layout=layout)
+    levels = [{"mib": value / MIB, "kind": kind, "text": f"{kind} {format_bytes(value)}"}
+              for value, kind in ((budget, "budget"), (lower_bound, "lower bound")) if value is not None]
+    levels.append({"mib": 1.15 * top / MIB, "kind": "top", "text": ""})
+
+    labels = [c.label for c in curves]
+    x = {"field": "x", "type": "quantitative",
+         "title": "elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)"}
+    y = {"field": "mib", "type": "quantitative", "title": "memory (MiB)"}
+    colour = {"field": "schedule", "type": "nominal", "title": None, "legend": {"orient": "top"},
+              "scale": {"domain": labels, "range": [c.colour for c in curves]}}
+    shape = {"field": "schedule", "type": "nominal", "title": None, "legend": {"orient": "top"},  # merged with colour
+             "scale": {"domain": labels, "range": [VEGA_SHAPES[method_symbol("none" if c.label == "no remat" else c.label, i)]
+                                                   for i, c in enumerate(curves)]}}
+    # a condition, not a scale: a scale would be a third legend to merge with the colour's
+    dash = {"condition": [{"test": f"datum.schedule === {json.dumps(c.label)}", "value": DASHES[c.dash]}
+                          for c in curves if c.dash in DASHES], "value": [1, 0]}
+    return {
+        "height": height,
+        "usermeta": {"embedOptions": {"renderer": "hybrid"}},
+        "datasets": {"lines": _dataset(lines), "reserved": _dataset(reserved), "marks": _dataset(marks),
+                     "peaks": pd.DataFrame(peaks, columns=["x", "mib", "schedule", "text"]), "levels": pd.DataFrame(levels)},
+        "layer": [
+            {"data": {"name": "reserved"}, "encoding": {"x": x, "y": y, "color": colour},
+             "mark": {"type": "line", "interpolate": "step-after", "strokeWidth": 1, "strokeDash": [2, 2]}},
+            {"data": {"name": "lines"}, "encoding": {"x": x, "y": y, "color": colour, "strokeDash": dash},
+             "mark": {"type": "line", "interpolate": "step-after", "strokeWidth": 2},
+             "params": [{"name": "zoom", "select": {"type": "interval", "encodings": ["x"]}, "bind": "scales"}]},
+            {"data": {"name": "marks"}, "encoding": {"x": x, "y": y, "color": colour, "shape": shape},
+             "mark": {"type": "point", "filled": True, "size": 60, "opacity": 1}},
+            # the point of a line nearest the pointer, with its value
+            {"data": {"name": "lines"}, "mark": {"type": "point", "filled": True, "size": 70},
+             "params": [{"name": "hover", "select": {"type": "point", "on": "pointerover", "nearest": True,
+                                                     "clear": "pointerout"}}],
+             "encoding": {"x": x, "y": y, "color": colour,
+                          "opacity": {"condition": {"param": "hover", "empty": False, "value": 1}, "value": 0},
+                          "tooltip": [{"field": "schedule", "title": "schedule"},
+                                      {"field": "mib", "title": "MiB", "format": ".2f"},
+                                      {"field": "x", "title": "ms" if x_mode == "time" else "op", "format": ".4~f"}]}},
+            {"data": {"name": "peaks"}, "encoding": {"x": x, "y": y, "color": colour, "tooltip": {"field": "text"}},
+             "mark": {"type": "point", "shape": "triangle-down", "filled": True, "size": 110, "opacity": 1,
+                      "stroke": "white", "strokeWidth": 1}},
+            {"data": {"name": "peaks"}, "encoding": {"x": x, "y": y, "color": colour, "text": {"field": "text"}},
+             "mark": {"type": "text", "dy": -12, "fontSize": 11}},
+            # unseen: takes the y scale up to the "top" level, room above the peaks for their labels
+            {"data": {"name": "levels"}, "encoding": {"y": y}, "mark": {"type": "point", "opacity": 0}},
+            {"data": {"name": "levels"}, "transform": _only("budget"), "encoding": {"y": y},
+             "mark": {"type": "rule", "color": RECOMPUTE, "strokeWidth": 2, "strokeDash": [6, 4]}},
+            {"data": {"name": "levels"}, "transform": _only("budget"), "encoding": {"y": y, "text": {"field": "text"}},
+             "mark": {"type": "text", "color": RECOMPUTE, "align": "left", "baseline": "bottom", "x": 4, "dy": -3}},
+            {"data": {"name": "levels"}, "transform": _only("lower bound"), "encoding": {"y": y},
+             "mark": {"type": "rule", "color": "#999", "strokeWidth": 1, "strokeDash": [2, 2]}},
+            {"data": {"name": "levels"}, "transform": _only("lower bound"),
+             "encoding": {"y": y, "text": {"field": "text"}},
+             "mark": {"type": "text", "color": "#888", "align": "right", "baseline": "top", "x": {"expr": "width - 4"},
+                      "dy": 3}},
+        ],
+    }
 
 
 # -- the operator graph ----------------------------------------------------------------------------

@@ -24,7 +24,8 @@ x_mode = c2.radio("x axis", ["time", "ops"], key="memory_x", horizontal=True,
 has_allocator = compute.allocator_replay() is not None
 reserved_on = c3.toggle("Reserved bytes (allocator model)", key="memory_reserved", value=has_allocator,
                         disabled=not has_allocator,
-                        help="Bytes the caching allocator holds, fragmentation included." if has_allocator else
+                        help="Bytes the caching allocator holds, fragmentation included: the thin dotted line in each "
+                             "schedule's colour." if has_allocator else
                         "The allocator model (bonsai_core.allocator) is not in this checkout.")
 
 
@@ -109,8 +110,9 @@ def memory_over_time() -> None:
     for method, error in errors:
         state.show_error(f"{method}: {error}", "Raise the budget in the sidebar or pick another method."
                          if method == s.method else "Raise the budget in the sidebar or untick the method.")
-    st.plotly_chart(plots.memory_figure(curves, s.budget, g.peak_lower_bound, x_mode), width="stretch",
-                    key="memory_plot")
+    # keyed, and the budget only in its datasets: each drag updates the chart's data in place (plots.memory_chart)
+    st.vega_lite_chart(spec=plots.memory_chart(curves, s.budget, g.peak_lower_bound, x_mode), width="stretch",
+                       key="memory_plot")
     st.table(rows, hide_index=True)  # a static table: a data grid cost each browser 0.1 CPU-s more per drag
 
     # Drawn only while open (a lazy expander): the address map is a second plotly chart that every budget

@@ -59,8 +59,8 @@ def schedule() -> None:
     reference_curve = plots.curve("no remat", base.timeline, compute.op_costs(g, plain.schedule), base.peak,
                                   base.peak_op, plots.method_colour("none"), dash="dot")
     curves = [timeline, reference_curve] if s.method != "none" else [timeline]
-    st.plotly_chart(plots.memory_figure(curves, s.budget, g.peak_lower_bound, height=300), width="stretch",
-                    key="solve_plot")
+    st.vega_lite_chart(spec=plots.memory_chart(curves, s.budget, g.peak_lower_bound, height=300), width="stretch",
+                       key="solve_plot")
 
     segments = out.schedule.extra.get("segments")
     if segments:

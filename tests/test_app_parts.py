@@ -121,7 +121,7 @@ def test_pareto_front_keeps_only_points_nothing_beats():
     assert plots.pareto_front(points) == [(50, 10), (60, 5), (80, 0)]
 
 
-def test_memory_figure_draws_budget_line_and_each_peak():
+def test_memory_chart_draws_budget_line_and_each_peak_and_moves_them_by_its_data_alone():
     g = chain(8)
     plan = plan_schedule(g, CheckpointPlan.of([[0, 1, 2, 3], [4, 5, 6, 7]], [0]), "bonsai")
     curves = []
@@ -129,12 +129,20 @@ def test_memory_figure_draws_budget_line_and_each_peak():
         sim = simulate(g, s)
         costs = np.array([g.cost[v] if k == "compute" else 0.0 for k, v in s.ops])
         curves.append(plots.curve(s.method, sim.timeline, costs, sim.peak, sim.peak_op, "#000"))
-    fig = plots.memory_figure(curves, budget=120, lower_bound=g.peak_lower_bound)
-    assert [t.name for t in fig.data if t.showlegend is not False] == ["bonsai", "none"]
-    assert fig.layout.shapes[0].y0 == pytest.approx(120 / plots.MIB)
+    spec = plots.memory_chart(curves, budget=120, lower_bound=g.peak_lower_bound)
+    data = spec["datasets"]
+    assert list(data["lines"].schedule.unique()) == ["bonsai", "none"]
+    levels = data["levels"].set_index("kind").mib
+    assert levels["budget"] == pytest.approx(120 / plots.MIB)
+    assert levels["lower bound"] == pytest.approx(g.peak_lower_bound / plots.MIB)
+    assert list(data["peaks"].mib) == pytest.approx([c.peak / plots.MIB for c in curves])
     assert curves[0].x[-1] > curves[1].x[-1]  # recomputation takes longer on the time axis
-    lines = [t for t in fig.data if t.showlegend is not False]
-    assert len({t.marker.symbol for t in lines}) == 2  # told apart by marker symbol, not hue alone
+    shapes = next(layer for layer in spec["layer"] if "shape" in layer["encoding"])["encoding"]["shape"]
+    assert len(set(shapes["scale"]["range"])) == 2  # told apart by marker symbol, not hue alone
+    # the budget lives in the datasets only: Streamlit then updates the drawn chart's data in place
+    moved = plots.memory_chart(curves, budget=90, lower_bound=g.peak_lower_bound)
+    assert moved["datasets"]["levels"].mib[0] == pytest.approx(90 / plots.MIB)
+    assert json.dumps({**moved, "datasets": None}) == json.dumps({**spec, "datasets": None})
 
 
 def test_the_pareto_line_follows_the_theme_and_is_never_black():

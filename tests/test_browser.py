@@ -37,6 +37,10 @@ PAGES = {"model": ("", False), "graph": ("graph", True), "solve": ("solve", True
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync"]
 
+# the memory chart (Vega-Lite, "hybrid" renderer): its marks on a canvas, its labels as SVG text
+CHART_TEXT = '[data-testid="stVegaLiteChart"] text'
+CHART_CANVAS = '[data-testid="stVegaLiteChart"] canvas'
+
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
 
 
@@ -124,7 +128,7 @@ def wait_idle(page) -> None:
 
 
 def budget_annotation(page) -> str:
-    return page.evaluate("""() => [...document.querySelectorAll('[data-testid="stPlotlyChart"] .annotation-text')]
+    return page.evaluate("""() => [...document.querySelectorAll('""" + CHART_TEXT + """')]
                                .map(e => e.textContent).find(t => t.startsWith('budget')) || ''""")
 
 
@@ -148,9 +152,10 @@ def test_every_page_renders_without_an_exception(page, server):
         page.goto(f"{server}/{path}")
         wait_idle(page)
         assert "Page not found" not in page.content(), name
-        if has_plot:
-            page.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg .scatterlayer .trace')
-        page.wait_for_timeout(500)  # let plotly finish its transitions before the screenshot
+        if has_plot:  # a Plotly figure's traces, or the memory chart's labels (Vega-Lite)
+            page.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg .scatterlayer .trace, '
+                                   + CHART_TEXT)
+        page.wait_for_timeout(500)  # let the charts finish their transitions before the screenshot
         assert page.locator('[data-testid="stException"]').count() == 0, name
         page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
         print(f"{name}: {time.perf_counter() - start:.2f} s")
@@ -195,8 +200,9 @@ def test_budget_slider_moves_the_memory_plot_within_a_second(page, server):
     page.on("websocket", lambda ws: ws.on("framereceived", lambda p: frames.append(p) if isinstance(p, bytes) else None))
     page.goto(f"{server}/memory")
     wait_idle(page)
-    page.wait_for_selector('[data-testid="stPlotlyChart"] .annotation-text')
+    page.wait_for_selector(CHART_TEXT)
     reference = no_remat_peak(load_graph(ROOT / "assets" / "gpt-default.json"))
+    page.evaluate(f"() => {{ window.memoryCanvas = document.querySelector('{CHART_CANVAS}'); }}")
     latencies = []
     for i, fraction in enumerate((0.9, 0.75, 0.95, 0.8, 1.0, 0.85, 0.97)):
         before = budget_annotation(page)
@@ -206,9 +212,7 @@ def test_budget_slider_moves_the_memory_plot_within_a_second(page, server):
         pct = int(page.locator('[data-testid="stSlider"]').filter(has_text="Memory budget").first
                   .locator('input[type="range"]').get_attribute("value"))
         expected = "budget " + format_bytes(math.floor(pct / 100 * reference))
-        page.wait_for_function(
-            """(expected) => [...document.querySelectorAll('[data-testid="stPlotlyChart"] .annotation-text')]
-                   .map(e => e.textContent).some(t => t === expected)""", arg=expected)
+        page.wait_for_function(ANNOTATION_IS, arg=expected)
         latencies.append(time.perf_counter() - start)
         assert budget_annotation(page) != before
         wait_idle(page)
@@ -216,12 +220,14 @@ def test_budget_slider_moves_the_memory_plot_within_a_second(page, server):
         # the drag reran the budget's fragment alone (state.budget_fragment): the slider, its caption in the
         # sidebar, the plot and the table; not the page's title, its other widgets or the rest of the sidebar
         redrawn = redrawn_elements(frames)
-        assert "plotly_chart" in redrawn and "slider" in redrawn, redrawn
+        assert "vega_lite_chart" in redrawn and "slider" in redrawn, redrawn
         assert not {"heading", "selectbox", "multiselect", "radio", "text_input"} & set(redrawn), redrawn
         assert page.locator('[data-testid="stSidebar"]').get_by_text(expected.removeprefix("budget ")).count() >= 1
         assert f"budget={pct}" in page.url
         if i == 0:
             page.screenshot(path=str(SHOTS / "memory-after-drag.png"), full_page=True)
+    # the drags changed the chart's data in place (plots.memory_chart): the same chart, never a new one
+    assert page.evaluate(f"() => window.memoryCanvas === document.querySelector('{CHART_CANVAS}')")
     median = statistics.median(latencies)
     print("slider release -> plot updated (s):", " ".join(f"{x:.3f}" for x in latencies), f"median {median:.3f}")
     (SHOTS / "latency.txt").write_text(" ".join(f"{x:.4f}" for x in latencies) + f"\nmedian {median:.4f}\n")
@@ -303,7 +309,7 @@ def test_the_pareto_line_stands_out_in_the_light_and_the_dark_theme(browser, ser
 SESSIONS = 10
 ROUNDS = 3
 SLIDER = '[data-testid="stSlider"]:has-text("Memory budget")'
-ANNOTATION_IS = """(expected) => [...document.querySelectorAll('[data-testid="stPlotlyChart"] .annotation-text')]
+ANNOTATION_IS = """(expected) => [...document.querySelectorAll('""" + CHART_TEXT + """')]
                        .map(e => e.textContent).some(t => t === expected)"""
 
 
@@ -426,15 +432,19 @@ async def ten_sessions(url: str, reference: int) -> tuple[list[tuple[float, floa
 
             for pg in pages:  # one after the other: ten tabs parsing Streamlit's bundle at once time out here
                 await pg.goto(f"{url}/memory", wait_until="commit")
-                await pg.wait_for_selector('[data-testid="stPlotlyChart"] .annotation-text')
+                await pg.wait_for_selector('[data-testid="stVegaLiteChart"] text')
                 await pg.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')")
             waited = await server_idle(SERVER_PIDS[url])
+            for pg in pages:
+                await pg.evaluate(f"() => {{ window.memoryCanvas = document.querySelector('{CHART_CANVAS}'); }}")
             latencies = []
             server_cpu = cpu_seconds(SERVER_PIDS[url])
             for r in range(ROUNDS):  # 30 different budgets between 66% and 97%
                 latencies += await asyncio.gather(*(drag_and_time(pg, 66 + 3 * i + r, reference, ends[i])
                                                     for i, pg in enumerate(pages)))
             server_cpu = cpu_seconds(SERVER_PIDS[url]) - server_cpu
+            for pg in pages:  # under load too, every drag changed the chart's data in place
+                assert await pg.evaluate(f"() => window.memoryCanvas === document.querySelector('{CHART_CANVAS}')")
             await pages[0].screenshot(path=str(SHOTS / "memory-concurrent.png"), full_page=True)
             return latencies, server_cpu, waited
         finally:
