@@ -85,6 +85,8 @@ _CAPTURED_CONSTANT_SIGNS = ("fake buffer", "_tensor_constant", "convert all Tens
 # What torch raises when Python code needs a tensor's value (which fake tensors do not have).
 DATA_DEPENDENT_ERRORS = ("DataDependentOutputException", "GuardOnDataDependentSymNode",
                           "DynamicOutputShapeException", "UnsupportedOperatorException")
+# torch.nn.functional's check that a training-mode batch norm has batch statistics to compute
+_ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
 _UNMARKED_VIEWS = {"aten._unsafe_view.default"}  # views whose schema does not say so
 _IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -243,6 +245,11 @@ def _model_error(e: Exception, step: _Step, name: str, failed_ops: Sequence[str]
                           "independent of tensor values (`torch.where` instead of an `if`, checks on "
                           "`x.shape` instead of on tensor contents, `.item()` calls moved out of forward).")
     first_line = (str(e).strip().splitlines() or [""])[0]
+    if _ONE_VALUE_PER_CHANNEL in first_line:  # a step that fails in eager too, with a known remedy
+        return ModelError(f"Tracing {name!r} failed in {user_code(e, step)}: a batch norm in training mode needs "
+                          f"more than one value per channel to compute its batch statistics ({first_line}). "
+                          "Trace with a larger batch (`--batch 2` or more; the batch field on the explorer's "
+                          "Model page) or larger inputs.")
     if failed_ops:
         return ModelError(f"Tracing {name!r} failed: {user_code(e, step)} runs {failed_ops[-1]}, whose shape "
                           f"function (what tracing runs instead of the kernel) refuses its inputs "

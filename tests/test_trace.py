@@ -187,6 +187,26 @@ def test_a_branch_on_a_tensor_value_names_the_module_and_line():
     assert "x.sum().item() > 0" in message and "torch.where" in message
 
 
+class _Normed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def test_a_batch_norm_with_one_value_per_channel_asks_for_a_larger_batch():
+    """Training-mode batch norm on a batch of one (hf:resnet --batch 1 reaches a 1 x 1 stage): the
+    message says why and what to change, not only torch's words."""
+    model = torch.nn.Sequential(_Normed())
+    with pytest.raises(ModelError) as e:
+        trace_step(model, (torch.randn(1, 4),), zoo.MSELoss(torch.zeros(1, 4)), name="bn")
+    message = str(e.value)
+    assert "module 0 (_Normed)" in message and "self.norm(x)" in message
+    assert "more than one value per channel" in message and "--batch 2" in message
+
+
 def test_a_torch_assert_on_a_tensor_is_skipped_while_tracing():
     real_assert = torch._assert
     traced = trace_step(_TensorAssert(), (torch.randn(2, 4),), zoo.MSELoss(torch.zeros(2, 4)))
