@@ -25,6 +25,17 @@ allocation, merged with free neighbours on free, never merged across segments):
   ``reserved`` is the *high-water mark* of the addresses used (the memory that placement really
   touched), since the whole arena is reserved up front by construction.
 
+* ``"expandable"`` follows the same allocator with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+  (what large training runs set): each pool is one segment of virtual address space that grows by
+  mapping pages (2 MiB in the small pool, 20 MiB in the large one, ``ExpandableSegment``'s page
+  sizes) at its end or into unmapped holes; ``reserved`` counts mapped pages only. A request takes
+  the best-fitting free mapped block (preferring, among blocks that fit, one that does not border
+  unmapped space, as ``get_free_block`` does), else the lowest-addressed run of free and unmapped
+  space that fits (``find_expandable_block``), mapping the pages it lacks. Blocks split whenever at
+  least 512 B remain. On a capacity miss every page lying wholly inside a free block is unmapped
+  (``release_cached_blocks`` -> ``unmap_block``) and the request retried. So a freed hole is reused
+  by any later request that fits it, and the segment-size rounding of the default policy disappears.
+
 Views allocate nothing (they share their base's storage), nor do zero-byte outputs. ``fixed_mem``
 (parameters, gradients, optimizer state, the batch) is counted as one block outside the model:
 it is added to ``live`` and ``reserved`` alike, so the numbers compare with the simulator's.
@@ -76,7 +87,12 @@ LARGE_BUFFER = 20 * 2**20  # kLargeBuffer: segment size for large requests below
 MIN_LARGE_ALLOC = 10 * 2**20  # kMinLargeAlloc
 ROUND_LARGE = 2 * 2**20  # kRoundLarge: larger requests reserve their size rounded up to this
 
-Policy = Literal["caching", "arena"]
+Policy = Literal["caching", "arena", "expandable"]
+POLICIES = ("caching", "arena", "expandable")
+# ExpandableSegment's page size per pool (kSmallBuffer, kLargeBuffer), and the virtual size of a pool's
+# one segment in this model: larger than any device, a multiple of both pages.
+PAGE = {"small": SMALL_BUFFER, "large": LARGE_BUFFER}
+VIRTUAL = LARGE_BUFFER * 2**22
 Optimizer = Literal["adam", "sgd"]
 # How the optimizer writes parameters and its state: in place (the tensors keep their addresses; Coop's
 # recomputable in-place) or copy-on-write (a new block, then the old one freed: how a rematerializing
@@ -103,16 +119,22 @@ def segment_size(size: int) -> int:
 class Block:
     """A contiguous range ``[addr, addr + size)`` of one segment; ``owner`` is the node held, or -1."""
 
-    __slots__ = ("addr", "size", "owner", "segment", "prev", "next")
+    __slots__ = ("addr", "size", "owner", "segment", "prev", "next", "mapped")
 
-    def __init__(self, addr: int, size: int, segment: int) -> None:
+    def __init__(self, addr: int, size: int, segment: int, mapped: bool = True) -> None:
         self.addr, self.size, self.owner, self.segment = addr, size, -1, segment
         self.prev: Block | None = None
         self.next: Block | None = None
+        self.mapped = mapped  # False only for the not-yet-mapped address space of an expandable segment
 
     @property
     def free(self) -> bool:
         return self.owner < 0
+
+    @property
+    def usable(self) -> bool:
+        """Free and mapped: a block a request can take as it is."""
+        return self.owner < 0 and self.mapped
 
     def __repr__(self) -> str:
         return f"Block(addr={self.addr}, size={self.size}, owner={self.owner}, segment={self.segment})"
@@ -127,8 +149,8 @@ class Allocator:
     """
 
     def __init__(self, capacity: int | None = None, policy: Policy = "caching") -> None:
-        if policy not in ("caching", "arena"):
-            raise ValueError(f"unknown allocator policy {policy!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown allocator policy {policy!r}; use one of {', '.join(POLICIES)}")
         if policy == "arena" and capacity is None:
             raise ValueError("the arena policy needs a capacity")
         self.policy: Policy = policy
@@ -142,6 +164,7 @@ class Allocator:
         self.high_water = 0  # highest address end ever held, relative to the first segment
         self.pinned_bytes = 0  # bytes of fixed tensors placed in the pool (the full arena), else 0
         self._next_addr = 0
+        self.expandable: dict[str, int] = {}  # pool -> its one segment (expandable policy)
         if policy == "arena":
             arena = (capacity // MIN_BLOCK) * MIN_BLOCK
             if arena > 0:
@@ -149,22 +172,24 @@ class Allocator:
 
     # -- segments ------------------------------------------------------------------------------
 
-    def _add_segment(self, size: int, pool: str) -> Block:
-        block = Block(self._next_addr, size, len(self.heads))
-        # a gap of one block between segments: two segments are never contiguous
-        self._next_addr += size + MIN_BLOCK
+    def _add_segment(self, size: int, pool: str, mapped: bool = True) -> Block:
+        block = Block(self._next_addr, size, len(self.heads), mapped)
+        # a gap between segments: two segments are never contiguous (a page, keeping pages aligned)
+        self._next_addr += size + (LARGE_BUFFER if self.policy == "expandable" else MIN_BLOCK)
         self.heads.append(block)
         self.pools.append(pool)
-        self.free_blocks[pool].add(block)
-        self.reserved += size
+        if mapped:
+            self.free_blocks[pool].add(block)
+            self.reserved += size
         return block
 
     def blocks(self) -> Iterator[Block]:
-        """Every block, in address order."""
+        """Every mapped block, in address order."""
         for head in self.heads:
             b: Block | None = head  # None: a released segment
             while b is not None:
-                yield b
+                if b.mapped:
+                    yield b
                 b = b.next
 
     def segments(self) -> Iterator[list[Block]]:
@@ -186,7 +211,7 @@ class Allocator:
     # -- allocation ----------------------------------------------------------------------------
 
     def _should_split(self, pool: str, remaining: int) -> bool:
-        if pool == "large":
+        if pool == "large" and self.policy == "caching":
             return remaining > SMALL_SIZE
         return remaining >= MIN_BLOCK
 
@@ -194,12 +219,137 @@ class Allocator:
         """Best fit among the cached free blocks of the request's pool; on ties, the lowest address
         (``side="left"``) or the highest (``"right"``)."""
         pool = self.pool_of(size)
+        if self.policy == "expandable":
+            return self._find_expandable_fit(pool, size)
         best: Block | None = None
         for b in self.free_blocks[pool]:
             if b.size >= size and (best is None or b.size < best.size
                                    or (b.size == best.size and (b.addr < best.addr) == (side == "left"))):
                 best = b
         return best
+
+    def _find_expandable_fit(self, pool: str, size: int) -> Block | None:
+        """``get_free_block`` with expandable segments: the smallest mapped free block that fits,
+        except that a block bordering unmapped space counts as the size it could grow to, so the
+        walk up the size order moves past it to a block that can grow less."""
+        def growable(b: Block) -> int:
+            return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+
+        fits = sorted((b for b in self.free_blocks[pool] if b.size >= size), key=lambda b: (b.size, b.addr))
+        if not fits:
+            return None
+        i = 0
+        while i + 1 < len(fits) and growable(fits[i + 1]) < growable(fits[i]):
+            i += 1
+        return fits[i]
+
+    # -- expandable segments -------------------------------------------------------------------
+
+    def _expandable_run(self, pool: str, size: int) -> Block:
+        """``find_expandable_block``: the lowest-addressed unmapped block (started at the free
+        mapped block right before it, if any) followed by free or unmapped space of ``size`` bytes."""
+        if pool not in self.expandable:
+            self.expandable[pool] = self._add_segment(VIRTUAL, pool, mapped=False).segment
+        b: Block | None = self.heads[self.expandable[pool]]
+        while b is not None:
+            if not b.mapped:
+                start = b.prev if b.prev is not None and b.prev.usable else b
+                room, c = 0, start
+                while c is not None and room < size and c.free:
+                    room, c = room + c.size, c.next
+                if room >= size:
+                    return start
+            b = b.next
+        raise AssertionError("an expandable segment always ends in unmapped space")
+
+    def _pages_to_map(self, start: Block, size: int) -> int:
+        """Bytes of pages that taking ``size`` bytes from ``start`` on must map."""
+        page, need, b, covered = PAGE[self.pools[start.segment]], 0, start, 0
+        while covered < size:
+            assert b is not None
+            if b.mapped:
+                covered += b.size
+            else:
+                mapped = min(b.size, page * -(-(size - covered) // page))
+                need, covered = need + mapped, covered + mapped
+            b = b.next
+        return need
+
+    def _map(self, block: Block, nbytes: int) -> Block:
+        """Map the first ``nbytes`` (whole pages) of unmapped ``block``; merge them with free mapped
+        neighbours and return the resulting free block."""
+        pool = self.pools[block.segment]
+        if nbytes < block.size:
+            rest = Block(block.addr + nbytes, block.size - nbytes, block.segment, mapped=False)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = nbytes
+        block.mapped = True
+        self.reserved += nbytes
+        return self._merge_free(block, self.free_blocks[pool])
+
+    def _grow(self, pool: str, size: int) -> Block | None:
+        """``try_allocate_expandable_block``: map the pages a request lacks, within the capacity."""
+        start = self._expandable_run(pool, size)
+        if self.capacity is not None and self.reserved + self._pages_to_map(start, size) > self.capacity:
+            return None
+        page, block = PAGE[pool], start
+        while True:
+            if not block.mapped:
+                block = self._map(block, min(block.size, page * -(-size // page)))
+            if block.size >= size:
+                return block
+            assert block.next is not None and not block.next.mapped
+            lacking = size - block.size
+            block = self._map(block.next, min(block.next.size, page * -(-lacking // page)))
+
+    def _unmap_free_pages(self) -> int:
+        """``unmap_block`` on every free mapped block: the pages wholly inside it are unmapped."""
+        released = 0
+        for pool, segment in self.expandable.items():
+            page, base = PAGE[pool], self.heads[segment].addr
+            for b in [b for b in self.free_blocks[pool]]:
+                lo = base + page * -(-(b.addr - base) // page)
+                hi = base + page * ((b.addr + b.size - base) // page)
+                if hi <= lo:
+                    continue
+                self.free_blocks[pool].discard(b)
+                parts = [(b.addr, lo - b.addr, True), (lo, hi - lo, False), (hi, b.addr + b.size - hi, True)]
+                prev, nxt, first = b.prev, b.next, None
+                for addr, size, mapped in parts:
+                    if size == 0:
+                        continue
+                    piece = Block(addr, size, segment, mapped)
+                    piece.prev = prev
+                    if prev is not None:
+                        prev.next = piece
+                    first = first or piece
+                    prev = piece
+                    if mapped:
+                        self.free_blocks[pool].add(piece)
+                prev.next = nxt
+                if nxt is not None:
+                    nxt.prev = prev
+                if first.prev is None:
+                    self.heads[segment] = first
+                self.reserved -= hi - lo
+                released += hi - lo
+            self._merge_unmapped(segment)
+        return released
+
+    def _merge_unmapped(self, segment: int) -> None:
+        b = self.heads[segment]
+        while b is not None and b.next is not None:
+            if not b.mapped and not b.next.mapped:
+                gone = b.next
+                b.size += gone.size
+                b.next = gone.next
+                if gone.next is not None:
+                    gone.next.prev = b
+            else:
+                b = b.next
 
     def can_grow(self, size: int) -> bool:
         if self.policy == "arena":
@@ -213,6 +363,14 @@ class Allocator:
             raise ValueError(f"node {owner} already holds a block")
         size = round_size(nbytes)
         block = self.find_block(size, side)
+        if block is None and self.policy == "expandable":
+            pool = self.pool_of(size)
+            block = self._grow(pool, size)
+            if block is None:
+                self.release_cached()
+                block = self._grow(pool, size)
+                if block is None:
+                    return None
         if block is None:
             if not self.can_grow(size):
                 self.release_cached()  # PyTorch's release-and-retry
@@ -224,7 +382,10 @@ class Allocator:
     def release_cached(self) -> int:
         """PyTorch's release-and-retry on OOM: give back every cached segment that holds no tensor
         (``release_cached_blocks``, as ``empty_cache`` does); returns the bytes released. Only the
-        caching policy releases; the arena is one pool."""
+        caching policy releases (with expandable segments: the pages wholly inside free blocks); the
+        arena is one pool."""
+        if self.policy == "expandable":
+            return self._unmap_free_pages()
         if self.policy != "caching":
             return 0
         released = 0
@@ -269,9 +430,12 @@ class Allocator:
         block = self.by_owner.pop(owner)
         self.allocated -= block.size
         block.owner = -1
-        pool = self.free_blocks[self.pools[block.segment]]
+        self._merge_free(block, self.free_blocks[self.pools[block.segment]])
+
+    def _merge_free(self, block: Block, pool: set[Block]) -> Block:
+        """Merge free ``block`` with its free mapped neighbours into one block of ``pool``."""
         for nb in (block.prev, block.next):
-            if nb is not None and nb.free:
+            if nb is not None and nb.usable:
                 pool.discard(nb)
                 lo, hi = (nb, block) if nb is block.prev else (block, nb)
                 lo.size += hi.size
@@ -280,6 +444,7 @@ class Allocator:
                     hi.next.prev = lo
                 block = lo
         pool.add(block)
+        return block
 
     @property
     def largest_free(self) -> int:

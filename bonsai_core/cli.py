@@ -122,8 +122,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_solve(args: argparse.Namespace) -> int:
     from bonsai_core.graph import load_graph
     from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers import check_options, parse_option, solve
+    from bonsai_core.solvers import check_options, parse_option, solve, solve_reserved
 
+    if args.expandable_segments and not args.reserved:
+        raise BonsaiError("--expandable-segments models the allocator whose reserved bytes --reserved budgets; "
+                          "give --reserved too.")
     options = dict(parse_option(args.method, text) for text in args.option)
     flags = {k: v for k, v in (("granularity", args.granularity), ("backend", args.backend),
                                ("time_limit", args.time_limit)) if v is not None}
@@ -139,16 +142,26 @@ def cmd_solve(args: argparse.Namespace) -> int:
     g = load_graph(args.graph)
     reference = no_remat_peak(g)
     budget = args.budget.resolve(reference)
-    schedule = solve(g, budget, method=args.method, **options)
+    if args.reserved:
+        schedule = solve_reserved(g, budget, args.method, policy=_allocator_policy(args), **options)
+    else:
+        schedule = solve(g, budget, method=args.method, **options)
     _write_json(args.output, schedule.to_dict())
     stats = {"method": args.method, "budget": budget, "no_remat_peak": reference, **schedule.stats}
     if args.json:
         print(json.dumps(stats))
     else:
         print(f"{args.method} on {g.name} under {format_bytes(budget)} ({budget / reference:.0%} of the no-remat "
-              f"peak): peak {format_bytes(stats['peak'])}, overhead {stats['overhead']:+.2%}, status "
+              f"peak): peak {format_bytes(stats['peak'])}"
+              + (f", reserved {format_bytes(stats['reserved_peak'])} ({stats['allocator']} allocator)"
+                 if args.reserved else "")
+              + f", overhead {stats['overhead']:+.2%}, status "
               f"{stats.get('status', '?')}, solved in {stats.get('solve_seconds', 0):.2f} s; wrote {args.output}")
     return 0
+
+
+def _allocator_policy(args: argparse.Namespace) -> str:
+    return "expandable" if args.expandable_segments else "caching"
 
 
 def cmd_methods(args: argparse.Namespace) -> int:
@@ -176,6 +189,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from bonsai_core.graph import load_graph
     from bonsai_core.schedule import load_schedule, simulate
 
+    if args.expandable_segments and not args.allocator:
+        raise BonsaiError("--expandable-segments chooses the allocator model that --allocator replays; give --allocator too.")
     g = load_graph(args.graph)
     schedule = load_schedule(args.schedule)
     sim = simulate(g, schedule)
@@ -184,7 +199,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.allocator:
         from bonsai_core.allocator import replay
 
-        alloc = replay(g, schedule).stats()
+        alloc = replay(g, schedule, policy=_allocator_policy(args)).stats()
         # the allocator's live bytes include the optimizer state: its own name, not the simulator's peak
         alloc["allocator_live_peak"] = alloc.pop("peak")
         stats.update(alloc)
@@ -195,7 +210,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"{schedule.method} schedule on {g.name}: {len(schedule.ops)} ops, peak {format_bytes(sim.peak)}{fits}, "
               f"compute {sim.compute_cost:.6g} s, overhead {sim.overhead:+.2%}, {sim.recomputes} recomputations")
         if args.allocator:
-            print(f"caching allocator: reserved peak {format_bytes(stats['reserved_peak'])} in {stats['segments']} "
+            print(f"{stats['allocator']} allocator: reserved peak {format_bytes(stats['reserved_peak'])} in {stats['segments']} "
                   f"segment(s), fragmentation {stats['fragmentation']:.1%} at the reserved peak")
     if not stats["feasible"]:
         raise BonsaiError(f"the schedule's peak {format_bytes(sim.peak)} exceeds its budget "
@@ -397,6 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=_time_limit, default=None, metavar="S",
                    help=f"seconds for the whole solve (default {SOLVE_TIME_LIMIT:g}; 0: no limit); past it the "
                         "best schedule found is returned, its status saying so")
+    p.add_argument("--reserved", action="store_true",
+                   help="the budget bounds the bytes the caching-allocator model reserves (what the GPU holds), "
+                        "not live tensor bytes")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="with --reserved: model PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     p.add_argument("-o", "--output", required=True, metavar="SCHEDULE.json")
     p.add_argument("--json", action="store_true", help="print the stats as one JSON object")
     p.set_defaults(func=cmd_solve)
@@ -411,6 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("schedule", metavar="SCHEDULE.json")
     p.add_argument("--allocator", action="store_true",
                    help="also replay through the caching-allocator model: reserved peak and fragmentation")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="with --allocator: model PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_simulate)
 

@@ -319,3 +319,108 @@ def test_release_and_retry_frees_cached_segments_when_the_capacity_is_reached():
     assert a.reserved == 14 * MiB and len(list(a.segments())) == 1
     a.malloc(2, 4 * MiB)  # a 20 MiB segment would pass the capacity; nothing left to release
     assert a.malloc(3, 9 * MiB) is None
+
+
+# -- expandable segments --------------------------------------------------------------------------
+
+def test_expandable_segments_grow_a_freed_run_by_the_missing_pages_only():
+    def reserved_after(policy: str) -> int:
+        a = Allocator(policy=policy)
+        for owner, size in enumerate((2 * MiB, 6 * MiB, 12 * MiB)):
+            a.malloc(owner, size)
+        for owner in range(3):
+            a.free(owner)
+        a.malloc(3, 24 * MiB)
+        return a.reserved
+
+    # caching: the freed 20 MiB segment cannot serve 24 MiB, a second segment of 24 MiB is reserved;
+    # expandable: the freed run at the segment's end grows by one 20 MiB page
+    assert (reserved_after("caching"), reserved_after("expandable")) == (44 * MiB, 40 * MiB)
+
+
+def test_expandable_segments_cannot_join_a_free_run_across_a_held_block():
+    # the none schedule keeps the 12 MiB block while the 24 MiB one is computed: the free 8 MiB below
+    # it is not next to unmapped space, so 24 MiB takes two new pages (60 MiB; caching reserves 44)
+    g = _graph_with_sizes([2 * MiB, 6 * MiB, 12 * MiB, 24 * MiB])
+    r = replay(g, none_schedule(g), policy="expandable", full=False)
+    assert (r.peak, r.reserved_peak, r.segments) == (36 * MiB, 60 * MiB, 1)
+
+
+def test_expandable_segments_map_small_requests_in_2_mib_pages():
+    a = Allocator(policy="expandable")
+    a.malloc(0, 100)
+    a.malloc(1, 3 * MiB)
+    assert a.reserved == SMALL_BUFFER + LARGE_BUFFER  # one page of each pool
+
+
+def test_expandable_segments_unmap_free_pages_to_serve_a_request_within_the_capacity():
+    a = Allocator(capacity=40 * MiB, policy="expandable")
+    a.malloc(0, 30 * MiB)  # two 20 MiB pages
+    a.malloc(1, 8 * MiB)  # fits in the second page's rest
+    a.free(0)
+    # 30 MiB is free at [0, 30): the page [0, 20) lies wholly inside it and is unmapped on a miss
+    assert a.malloc(2, 32 * MiB) is None  # would need two pages more: 80 MiB > 40 MiB even after unmapping
+    assert a.reserved == 20 * MiB and a.release_cached() == 0
+    assert a.malloc(3, 12 * MiB) is not None  # maps [0, 20) again
+    assert a.reserved == 40 * MiB
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 45 * MiB), min_size=2, max_size=14), st.randoms(use_true_random=False))
+def test_expandable_blocks_tile_the_segment_and_reserved_counts_mapped_pages(sizes, rnd):
+    a = Allocator(policy="expandable")
+    live = []
+    for i, s in enumerate(sizes):
+        assert a.malloc(i, s) is not None
+        live.append(i)
+        if rnd.random() < 0.5:
+            a.free(live.pop(rnd.randrange(len(live))))
+        if rnd.random() < 0.3:
+            a.release_cached()
+    mapped = 0
+    for seg in a.segments():
+        for x, y in zip(seg, seg[1:]):
+            assert x.addr + x.size == y.addr
+            assert not (x.usable and y.usable) and (x.mapped or y.mapped)  # merged neighbours
+        mapped += sum(b.size for b in seg if b.mapped)
+        assert all(b.mapped for b in seg if not b.free)
+    assert a.reserved == mapped
+    assert a.allocated == sum(a.by_owner[o].size for o in live) <= a.reserved
+
+
+# -- budgeting reserved bytes ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["caching", "expandable"])
+def test_solve_reserved_bounds_the_allocator_models_reserved_peak(policy):
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers import solve_reserved
+
+    g = load_graph("assets/gpt-default.json")
+    budget = int(no_remat_peak(g) * 1.2)
+    s = solve_reserved(g, budget, "chen", policy=policy)
+    r = replay(g, s, policy=policy, full=False)
+    assert r.reserved_peak == s.stats["reserved_peak"] <= budget == s.budget
+    assert s.stats["live_budget"] <= budget and s.stats["allocator"] == policy
+
+
+def test_solve_reserved_names_its_lowest_reserved_peak_when_the_budget_cannot_be_met():
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers import solve_reserved
+
+    g = load_graph("assets/gpt-default.json")
+    with pytest.raises(BudgetError, match="lowest reserved peak"):
+        solve_reserved(g, int(no_remat_peak(g) * 0.6), "chen")
+
+
+def test_cli_expandable_segments_needs_the_allocator_it_models(tmp_path, capsys):
+    from bonsai_core.cli import main
+
+    g = "assets/gpt-default.json"
+    assert main(["solve", g, "--budget", "90%", "--expandable-segments", "-o", str(tmp_path / "s.json")]) == 1
+    assert "--reserved" in capsys.readouterr().err
+    assert main(["solve", g, "--budget", "130%", "--reserved", "--expandable-segments", "--method", "chen",
+                 "-o", str(tmp_path / "s.json"), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["allocator"] == "expandable" and stats["reserved_peak"] <= stats["budget"]
+    assert main(["simulate", g, str(tmp_path / "s.json"), "--allocator", "--expandable-segments"]) == 0
+    assert "expandable allocator: reserved peak" in capsys.readouterr().out

@@ -208,3 +208,38 @@ def solve(graph: Graph, budget: int | None, method: str = DEFAULT_METHOD, **opti
             f"peaks at {format_bytes(sim.peak)} ({sim.peak} bytes). Raise the budget to at least that, "
             "or try another method.")
     return schedule
+
+
+def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, policy: str = "caching",
+                   tries: int = 12, **options: Any) -> Schedule:
+    """Like :func:`solve`, but ``budget`` bounds the bytes the allocator model *reserves* for the step
+    (``bonsai_core.allocator.replay`` with ``policy`` "caching", or "expandable" for
+    ``expandable_segments:True``), which is what a GPU must hold, rather than its live tensor bytes.
+
+    Every method plans live bytes, so this asks the method for a live budget, replays its schedule
+    through the allocator and, while the reserved peak is over ``budget``, lowers the live budget by the
+    excess and solves again (at most ``tries`` solves). The schedule's ``budget`` is the reserved budget;
+    its stats add ``reserved_peak``, ``live_budget`` (the live budget its method met) and ``allocator``.
+    Raises BudgetError naming the smallest reserved peak reached when no live budget works."""
+    from bonsai_core.allocator import replay
+
+    live_budget, best = budget, None
+    for _ in range(tries):
+        try:
+            schedule = solve(graph, live_budget, method, **options)
+        except BudgetError:
+            break
+        reserved = replay(graph, schedule, policy=policy, full=False).reserved_peak
+        if best is None or reserved < best[0]:
+            best = (reserved, live_budget)
+        if reserved <= budget:
+            schedule.budget = budget
+            schedule.stats = {**schedule.stats, "reserved_peak": reserved, "live_budget": live_budget,
+                              "allocator": policy}
+            return schedule
+        live_budget -= reserved - budget
+    reached = "" if best is None else (f" Its lowest reserved peak was {format_bytes(best[0])} ({best[0]} bytes), "
+                                       f"at a live budget of {format_bytes(best[1])}.")
+    raise BudgetError(f"Method {method!r} found no schedule of {graph.name!r} whose {policy} allocator reserves at "
+                      f"most {format_bytes(budget)}.{reached} Raise the budget, or try another method or "
+                      "expandable segments (less rounding waste).")
