@@ -489,6 +489,8 @@ def fixed_tensors(graph: Graph, optimizer: Optimizer = "adam") -> list[FixedTens
     this tool), ``fixed_mem`` is one batch block and there is no optimizer state."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATES)}")
+    if graph.optimizer is not None:  # traced with its optimizer: the state is in fixed_mem already
+        return [FixedTensor(n, b, "batch" if k == "input" else k) for n, b, k in graph.fixed_tensors if b > 0]
     if graph.fixed_tensors:
         out = [FixedTensor(n, b, "batch" if k == "input" else k) for n, b, k in graph.fixed_tensors if b > 0]
         grads = [(t.name.removesuffix(".grad"), t.nbytes) for t in out if t.kind == "grad"]
@@ -507,6 +509,12 @@ def fixed_tensors(graph: Graph, optimizer: Optimizer = "adam") -> list[FixedTens
 
 def optimizer_bytes(tensors: list[FixedTensor]) -> int:
     return sum(t.nbytes for t in tensors if t.kind == "optimizer")
+
+
+def state_beyond_fixed(graph: Graph, tensors: list[FixedTensor]) -> int:
+    """Optimizer-state bytes of ``tensors`` that the graph's ``fixed_mem`` does not hold already (all
+    of them, unless the graph was traced with its optimizer)."""
+    return 0 if graph.optimizer is not None else optimizer_bytes(tensors)
 
 
 def pin_fixed(alloc: Allocator, first_owner: int, tensors: list[FixedTensor],
@@ -607,7 +615,7 @@ def full_arena(graph: Graph, capacity: int | None, policy: Policy = "arena", opt
     optimizer-state bytes it holds beyond ``fixed_mem``. ``capacity`` is in the budget's terms
     (``fixed_mem`` included, optimizer state not); the pool gets the optimizer state on top."""
     tensors = fixed_tensors(graph, optimizer)
-    extra = optimizer_bytes(tensors)
+    extra = state_beyond_fixed(graph, tensors)
     alloc = Allocator(None if capacity is None else capacity + extra, policy)
     pin_fixed(alloc, graph.n, tensors, warmup, updates)
     return alloc, extra
@@ -664,7 +672,7 @@ def layout_at(graph: Graph, schedule: Schedule | list[tuple[str, int]], op: int,
     if policy == "arena" and capacity is None:
         raise BudgetError("The arena allocator is one pre-reserved pool: give it a capacity (a budget).")
     tensors = fixed_tensors(graph, optimizer)
-    extra = optimizer_bytes(tensors)
+    extra = state_beyond_fixed(graph, tensors)
     alloc = Allocator(None if capacity is None else capacity + extra, policy)
     held = pin_fixed(alloc, graph.n, tensors,
                      None if policy == "arena" else (lambda a: run_step(a, graph, ops, capacity)))

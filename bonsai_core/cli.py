@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 from bonsai_core.budget import Budget, format_bytes, parse_budget
 from bonsai_core.errors import BonsaiError, BudgetError
+from bonsai_core.optimizer import OPTIMIZERS
 
 # Size options any zoo model may take (each model accepts its own subset; see `bonsai zoo`).
 MODEL_OPTIONS = ("batch", "seq", "layers", "width", "heads", "vocab", "image")
@@ -98,12 +99,13 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     from bonsai_core.graph import save_graph
+    from bonsai_core.optimizer import with_optimizer
     from bonsai_core.schedule import no_remat_peak
     from bonsai_core.trace import trace_zoo
 
     traced = trace_zoo(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
                        **model_options(args))
-    g = traced.graph
+    g = with_optimizer(traced.graph, args.optimizer)
     try:
         save_graph(g, args.output)
     except OSError as e:
@@ -395,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trace", help="trace a model's training step into a bonsai-graph JSON")
     add_model_arguments(p)
     p.add_argument("--cost-model", default="h100", choices=_profiles(), help="device profile for op costs")
+    p.add_argument("--optimizer", default="none", choices=OPTIMIZERS,
+                   help="the optimizer step after the backward pass (foreach, as on CUDA): its state is fixed memory "
+                        "and its step's temporaries can set the peak (default none)")
     p.add_argument("-o", "--output", required=True, metavar="GRAPH.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_trace)

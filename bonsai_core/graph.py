@@ -33,7 +33,7 @@ PHASES = ("forward", "backward", "input", "param")
 # Fields every node of a graph file has; "op", "alias_of", "shape" (and fields later versions add,
 # such as "module") are optional.
 REQUIRED_FIELDS = ("id", "name", "phase", "cost", "mem", "deps")
-FIXED_KINDS = ("param", "buffer", "grad", "input", "constant")  # of the optional 'fixed_tensors' entries
+FIXED_KINDS = ("param", "buffer", "grad", "input", "constant", "optimizer")  # of the optional 'fixed_tensors' entries
 
 # Refused before any heavy work: a graph beyond these is not a training step this tool can help with
 # interactively (the op-level solvers have tighter limits of their own).
@@ -63,7 +63,10 @@ class Graph:
     Attributes (all read-only):
         name: the graph's name (the model it was traced from).
         n: number of nodes; ids are ``0..n-1`` in a topological (plain execution) order.
-        fixed_mem: bytes live for the whole step whatever the schedule (params, grads, batch).
+        fixed_mem: bytes live for the whole step whatever the schedule (params, grads, batch, and the
+            optimizer's state when the graph has an ``optimizer``).
+        optimizer: None, or ``{"name", "step_bytes"}``: the optimizer step that follows the backward pass
+            and the bytes it allocates above ``fixed_mem`` (``optimizer_peak``).
         names, ops, phases, shapes: per-node strings.
         cost: float64[n], seconds to compute each node (0 only for views).
         mem: int64[n], bytes of each node's output(s) (0 for views).
@@ -91,6 +94,7 @@ class Graph:
         shapes: Sequence[str] | None = None,
         fixed_tensors: Sequence[Sequence[Any]] = (),
         modules: Sequence[Sequence[Any]] = (),
+        optimizer: dict[str, Any] | None = None,
     ) -> None:
         n = len(names)
         if n == 0:
@@ -107,6 +111,10 @@ class Graph:
         self.fixed_tensors = tuple((str(t[0]), int(t[1]), str(t[2])) for t in fixed_tensors)
         # optional: the user's module calls, (path, first, last) forward node ids, inclusive
         self.modules = tuple((str(t[0]), int(t[1]), int(t[2])) for t in modules)
+        # optional: the optimizer whose step follows the backward pass (bonsai_core.optimizer): its name and
+        # the bytes its step allocates on top of fixed_mem (its state is in fixed_mem, kind "optimizer")
+        self.optimizer = None if optimizer is None else {"name": str(optimizer["name"]),
+                                                         "step_bytes": int(optimizer["step_bytes"])}
         try:
             self.cost = np.asarray(list(cost), dtype=np.float64)
             self.mem = np.asarray(list(mem), dtype=np.int64)
@@ -149,12 +157,14 @@ class Graph:
 
     @classmethod
     def from_nodes(cls, name: str, fixed_mem: int, nodes: Sequence[dict[str, Any]],
-                   fixed_tensors: Sequence[Sequence[Any]] = (), modules: Sequence[Sequence[Any]] = ()) -> "Graph":
+                   fixed_tensors: Sequence[Sequence[Any]] = (), modules: Sequence[Sequence[Any]] = (),
+                   optimizer: dict[str, Any] | None = None) -> "Graph":
         """Build a graph from node dicts (``name, op, phase, cost, mem, deps`` and optional
         ``alias_of``, ``shape``), listed in execution order; ids are their positions."""
         return cls(
             fixed_tensors=fixed_tensors,
             modules=modules,
+            optimizer=optimizer,
             name=name,
             fixed_mem=fixed_mem,
             names=[nd.get("name", f"n{i}") for i, nd in enumerate(nodes)],
@@ -171,6 +181,8 @@ class Graph:
         n = self.n
         if self.fixed_mem < 0:
             raise GraphError(f"fixed_mem is {self.fixed_mem}; it must be a byte count >= 0.")
+        if self.optimizer is not None and self.optimizer["step_bytes"] < 0:
+            raise GraphError(f"'optimizer' step_bytes is {self.optimizer['step_bytes']}; it must be >= 0.")
         if self.fixed_tensors:
             bad = [t for t in self.fixed_tensors if t[1] < 0 or t[2] not in FIXED_KINDS]
             if bad:
@@ -224,7 +236,13 @@ class Graph:
                     live.add(a)
                     stack.append(a)
             best = max(best, int(self.mem[list(live)].sum()))
-        return self.fixed_mem + best
+        return max(self.fixed_mem + best, self.optimizer_peak)
+
+    @property
+    def optimizer_peak(self) -> int:
+        """Memory during the optimizer step after the backward pass (0 without an optimizer): the fixed
+        memory (its state included) plus what the step allocates. No schedule changes it."""
+        return 0 if self.optimizer is None else self.fixed_mem + self.optimizer["step_bytes"]
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -289,6 +307,8 @@ class Graph:
             out["fixed_tensors"] = [list(t) for t in self.fixed_tensors]
         if self.modules:
             out["modules"] = [list(t) for t in self.modules]
+        if self.optimizer is not None:
+            out["optimizer"] = dict(self.optimizer)
         return out
 
     @classmethod
@@ -353,8 +373,14 @@ class Graph:
             raise GraphError("'modules' (optional) must be a list of [path, first, last] triples.")
         modules = [(_str_field(t[0], "'modules' path"), _int_field(t[1], "'modules' first"),
                     _int_field(t[2], "'modules' last")) for t in modules]
+        optimizer = data.get("optimizer")
+        if optimizer is not None:
+            if not isinstance(optimizer, dict) or not {"name", "step_bytes"} <= set(optimizer):
+                raise GraphError("'optimizer' (optional) must be an object with 'name' and 'step_bytes'.")
+            optimizer = {"name": _str_field(optimizer["name"], "'optimizer' name"),
+                         "step_bytes": _int_field(optimizer["step_bytes"], "'optimizer' step_bytes")}
         return cls.from_nodes(_str_field(data.get("name", "graph"), "'name'"), fixed_mem, parsed, fixed_tensors,
-                              modules)
+                              modules, optimizer)
 
 
 MAX_INT = 2**62  # bytes and ids beyond this are corrupt, not real (and overflow int64)

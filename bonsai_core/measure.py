@@ -75,7 +75,8 @@ def allocate_fixed(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: 
 
 
 def measure_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
-                 step: Callable[[], torch.Tensor] | None = None, frozen: Collection[str] = ()) -> MeasuredStep:
+                 step: Callable[[], torch.Tensor] | None = None, frozen: Collection[str] = (),
+                 optimizer: torch.optim.Optimizer | None = None) -> MeasuredStep:
     """Run one forward + loss + backward of ``model`` and measure its peak memory.
 
     Gradient buffers are allocated first (as in steady-state training, where ``.grad`` persists), so
@@ -83,25 +84,37 @@ def measure_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Ca
     ``fixed_mem``. ``step`` replaces the default ``loss_fn(model(*inputs)).backward()`` (for example
     an exported, checkpointed model's step); it must return the loss. ``frozen``: see
     :func:`allocate_fixed`. BatchNorm statistics are updated in place (their buffers are fixed
-    memory) and dropout masks are counted like any other tensor.
+    memory) and dropout masks are counted like any other tensor. With ``optimizer``, its state is
+    allocated first (fixed memory, :func:`bonsai_core.optimizer.init_state`) and its ``step()`` runs
+    after the backward pass, inside the measurement.
     """
+    from bonsai_core.optimizer import init_state
+
     fixed = allocate_fixed(model, inputs, loss_fn, frozen)
+    if optimizer is not None:
+        fixed += init_state(optimizer)
 
     def default_step() -> torch.Tensor:
         loss = loss_fn(model(*inputs))
         loss.backward()
         return loss
 
-    run = step or default_step
+    train = step or default_step
+
+    def run() -> float:
+        loss = float(train().detach())
+        if optimizer is not None:
+            optimizer.step()
+        return loss
+
     device = inputs[0].device if inputs else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         loss = run()
         torch.cuda.synchronize(device)
-        return MeasuredStep(int(torch.cuda.max_memory_allocated(device)), fixed, float(loss.detach()), "cuda")
+        return MeasuredStep(int(torch.cuda.max_memory_allocated(device)), fixed, loss, "cuda")
     tracker = LiveBytes()
     with tracker:
         loss = run()
-        loss_value = float(loss.detach())
-    return MeasuredStep(fixed + tracker.peak, fixed, loss_value, str(device))
+    return MeasuredStep(fixed + tracker.peak, fixed, loss, str(device))

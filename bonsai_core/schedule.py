@@ -96,7 +96,9 @@ class SimResult:
     """What the simulator measured of a valid schedule.
 
     ``timeline[i]`` is the memory (bytes, fixed_mem included) right after op i; at a compute op it is
-    the step's memory of rule 3, so ``peak == timeline.max()``.
+    the step's memory of rule 3, so ``peak == timeline.max()``, unless the graph's optimizer step
+    (``Graph.optimizer_peak``, after the last op) is higher: then ``peak`` is that and ``peak_op`` the
+    last op.
     """
 
     peak: int
@@ -185,6 +187,8 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
         raise ScheduleError(f"The schedule never computes node {v} ({graph.names[v]!r})"
                             + (f" and {len(never) - 1} other node(s)" if len(never) > 1 else "")
                             + ": every node must be computed at least once.")
+    if graph.optimizer_peak > peak:  # the optimizer step after the backward pass sets the peak
+        peak, peak_op = graph.optimizer_peak, len(ops) - 1
     base, total = graph.total_cost, math.fsum(computed_costs)
     return SimResult(peak=int(peak), peak_op=peak_op, compute_cost=total,
                      overhead=(total / base - 1.0) if base > 0 else 0.0,

@@ -188,6 +188,14 @@ def solve(graph: Graph, budget: int | None, method: str = DEFAULT_METHOD, **opti
     or an option is not one the method declares."""
     solver = get_solver(method)
     check_options(method, options)
+    if budget is not None and budget < graph.optimizer_peak:
+        step = graph.optimizer_peak - graph.fixed_mem
+        raise BudgetError(
+            f"No schedule can fit in {format_bytes(budget)}: the {graph.optimizer['name']} optimizer step after the "
+            f"backward pass of {graph.name!r} needs {format_bytes(graph.optimizer_peak)} "
+            f"({graph.optimizer_peak} bytes): the fixed memory with the optimizer's state, "
+            f"{format_bytes(graph.fixed_mem)}, and the step's own {format_bytes(step)}. Raise the budget to at "
+            "least that, or shard the optimizer state.")
     if budget is not None and budget < graph.peak_lower_bound:
         raise BudgetError(
             f"No schedule can fit in {format_bytes(budget)}: the largest single operator of "

@@ -1,0 +1,101 @@
+"""The optimizer step that follows the backward pass: its state and the bytes its step allocates.
+
+A training step is forward, backward, then ``optimizer.step()``. The optimizer's state lives through
+the whole step (fixed memory, kind ``optimizer``), and its step allocates temporaries of its own after
+the activations are gone, which can set the step's peak. These are PyTorch's rules for the
+implementation a CUDA run uses by default (``foreach``: one kernel over every tensor of a (device,
+dtype) group), as measured on that implementation by ``tests/test_optimizer.py``:
+
+* ``adam`` / ``adamw``: state ``exp_avg`` and ``exp_avg_sq`` per trainable parameter (its dtype and
+  shape); the step allocates one more tensor per parameter (``_foreach_sqrt(exp_avg_sq)``) for the
+  whole group at once, so ``step_bytes`` = the trainable parameters' bytes. AdamW's weight decay is an
+  in-place multiply; Adam is taken with its default ``weight_decay=0`` (a nonzero one adds a
+  ``_foreach_add`` copy of the gradients). The ``step`` counters (4 B each) live on the CPU in a CUDA
+  run and are not counted.
+* ``sgd``: SGD with momentum (0.9, the usual setting): one ``momentum_buffer`` per parameter; the step
+  updates in place (``step_bytes`` 0).
+* ``none``: no optimizer in the step.
+
+Parameters of several dtypes form several groups stepped one after another; this model takes them as
+one group (an upper bound). ``make(params, name)`` builds the optimizer these rules describe.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+from bonsai_core.errors import BonsaiError
+from bonsai_core.graph import Graph
+
+if TYPE_CHECKING:  # torch is imported where an optimizer is built, so the CLI's parser stays light
+    import torch
+
+OPTIMIZERS = ("none", "sgd", "adam", "adamw")
+STATES = {"none": (), "sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq"),
+          "adamw": ("exp_avg", "exp_avg_sq")}
+STEP_TEMPORARIES = {"none": 0, "sgd": 0, "adam": 1, "adamw": 1}  # per byte of trainable parameters
+SGD_MOMENTUM = 0.9
+
+
+def check_name(name: str) -> str:
+    if name not in OPTIMIZERS:
+        raise BonsaiError(f"Unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}.")
+    return name
+
+
+def with_optimizer(graph: Graph, name: str) -> Graph:
+    """``graph`` with ``name``'s state added to its fixed memory (one ``optimizer`` fixed tensor per
+    state and parameter, after the others, as the first ``step()`` allocates them) and its step's
+    temporaries recorded (``Graph.optimizer``). The trainable parameters are the graph's gradient
+    buffers (fixed tensors of kind ``grad``), so the graph must come from ``bonsai trace``."""
+    check_name(name)
+    if graph.optimizer is not None:
+        raise BonsaiError(f"{graph.name!r} already has an optimizer ({graph.optimizer['name']}); trace it again "
+                          "to choose another.")
+    if name == "none":
+        return graph
+    grads = [(t[0].removesuffix(".grad"), t[1]) for t in graph.fixed_tensors if t[2] == "grad"]
+    if not grads:
+        raise BonsaiError(f"{graph.name!r} does not list its gradient buffers ('fixed_tensors' of kind 'grad'), "
+                          "so its optimizer state is unknown: trace the model with `bonsai trace --optimizer`.")
+    state = [(f"{param}.{s}", nbytes, "optimizer") for param, nbytes in grads for s in STATES[name]]
+    data = graph.to_dict()
+    data["fixed_tensors"] = [*data["fixed_tensors"], *map(list, state)]
+    data["fixed_mem"] = graph.fixed_mem + sum(t[1] for t in state)
+    data["optimizer"] = {"name": name, "step_bytes": STEP_TEMPORARIES[name] * sum(b for _, b in grads)}
+    return Graph.from_dict(data)
+
+
+def make(params: Iterable[torch.nn.Parameter], name: str, lr: float = 1e-3) -> torch.optim.Optimizer | None:
+    """The optimizer ``name`` stands for, as a CUDA run builds it by default (``foreach``)."""
+    import torch
+
+    params = list(params)
+    check_name(name)
+    if name == "none":
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM, foreach=True)
+    return (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(params, lr=lr, foreach=True)
+
+
+def init_state(optimizer: torch.optim.Optimizer) -> int:
+    """Allocate ``optimizer``'s state now, as its first ``step()`` would (zeros, the values that step
+    starts from), so that it is fixed memory before a measured step; returns its bytes. The first
+    step then behaves exactly as without this (Adam's moments and SGD's momentum start at zero)."""
+    import torch
+
+    nbytes = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad or optimizer.state[p]:
+                continue
+            if isinstance(optimizer, torch.optim.SGD):
+                state = {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            else:
+                state = {"step": torch.tensor(0.0),
+                         "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                         "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            optimizer.state[p] = state
+            nbytes += sum(t.nbytes for k, t in state.items() if k != "step")
+    return nbytes
