@@ -220,6 +220,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _percent_arg(text: str) -> float:
+    try:
+        value = float(text.strip().removesuffix("%")) / 100
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage like 10%") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: an overhead limit is >= 0%")
+    return value
+
+
 def _fraction_arg(text: str) -> float:
     value = _budget_arg(text if text.strip().endswith("%") else text + "%")
     if value.fraction is None:
@@ -251,6 +261,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_nodes=dict(bench.BENCH_NODE_LIMITS))
     rows = bench.run_bench(config, args.output, progress=lambda line: print(line, flush=True))
     print(f"wrote {len(rows)} rows to {args.output}/results.csv, results.md and plots")
+    return 0
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from bonsai_core import fit
+    from bonsai_core.solvers import METHODS
+
+    methods = args.methods or ["none", "bonsai", "chen", "dtr"]
+    for m in methods:
+        if m not in METHODS:
+            args.parser.error(f"argument --methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
+    if args.gpu.fraction is not None:
+        args.parser.error("argument --gpu: give the GPU's memory in bytes or with a unit (80GiB), not a share")
+    if args.expandable_segments and not args.reserved:
+        raise BonsaiError("--expandable-segments models the allocator whose reserved bytes --reserved budgets; "
+                          "give --reserved too.")
+    limit = args.gpu.resolve(0)
+    time_limit = None if args.time_limit == 0 else (args.time_limit or SOLVE_TIME_LIMIT)
+    reserved = _allocator_policy(args) if args.reserved else None
+    result = fit.fit(args.model, limit, methods, vary=args.vary, max_overhead=args.max_overhead,
+                     options=model_options(args), optimizer=args.optimizer, reserved=reserved,
+                     solver_options={"time_limit": time_limit}, start=args.start,
+                     progress=(lambda line: print(line, flush=True)) if not args.json else None,
+                     trace_kwargs={"seed": args.seed, "autocast": args.autocast})
+    rows = fit.table(result)
+    written = fit.write_report(result, args.output) if args.output else []
+    if args.json:
+        print(json.dumps({"rows": rows, "attempts": [a.row() for a in result.attempts],
+                          "trace_seconds": result.traces}))
+        return 0
+    import pandas as pd
+
+    print(pd.DataFrame(rows).to_markdown(index=False))
+    print(f"traced {len(result.traces)} sizes in {sum(result.traces.values()):.1f} s, "
+          f"{len(result.attempts)} solves in {sum(a.seconds for a in result.attempts):.1f} s"
+          + (f"; wrote {', '.join(written)} to {args.output}" if written else ""))
     return 0
 
 
@@ -452,6 +498,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("highs", "scip"), default="highs", help="MILP backend")
     p.add_argument("-o", "--output", required=True, metavar="DIR")
     p.set_defaults(func=cmd_bench, parser=p)
+
+    p = sub.add_parser("fit", help="the largest micro-batch (or sequence) each method trains within a GPU's memory")
+    add_model_arguments(p)
+    p.add_argument("--gpu", required=True, type=_budget_arg, metavar="BYTES", help="the GPU's memory, e.g. 80GiB")
+    p.add_argument("--vary", choices=("batch", "seq"), default="batch", help="the size searched (default batch)")
+    p.add_argument("--start", type=_positive_int, default=1, metavar="N", help="the first size tried (default 1)")
+    p.add_argument("--max-overhead", type=_percent_arg, default=0.10, metavar="PCT",
+                   help="the largest recompute overhead accepted (default 10%%)")
+    p.add_argument("--methods", nargs="+", metavar="METHOD", help="default: none bonsai chen dtr")
+    p.add_argument("--optimizer", default="none", choices=OPTIMIZERS, help="the optimizer step (see trace)")
+    p.add_argument("--reserved", action="store_true", help="the GPU's memory bounds the caching allocator's reserved bytes")
+    p.add_argument("--expandable-segments", action="store_true", help="with --reserved: expandable segments")
+    p.add_argument("--time-limit", type=_time_limit, default=None, metavar="S",
+                   help=f"seconds per solve (default {SOLVE_TIME_LIMIT:g}; 0: none)")
+    p.add_argument("-o", "--output", default=None, metavar="DIR", help="write fit.csv, fit.md, fit.png and the plans")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_fit, parser=p)
 
     p = sub.add_parser("export", help="write a runnable checkpointed model that follows a schedule")
     add_model_arguments(p)

@@ -1,0 +1,232 @@
+"""What fits on a GPU: the largest micro-batch (or sequence length) each method can train within a
+memory limit at an acceptable recompute overhead, and its plan.
+
+For a model and a size option (``batch`` or ``seq``), :func:`fit` traces the step at a size, solves
+it with every method under the GPU's bytes, and searches the sizes: doubling from the start until no
+method fits, then bisecting each method's boundary. A method *fits* a size when it returns a schedule
+within the limit whose overhead is at most ``max_overhead`` (``none``: the no-remat peak fits).
+Larger sizes are taken never to fit where a smaller one does not (activations grow with the size).
+Each size is traced once, whatever the number of methods; the cost of a search is
+O(log(largest size)) traces and solves per method.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from bonsai_core.errors import BonsaiError, BudgetError, SolverError
+from bonsai_core.graph import Graph
+from bonsai_core.schedule import Schedule, no_remat_peak
+
+MAX_SIZE = 1 << 16  # no search goes past this many samples or tokens
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One method at one size: whether it fits, and the numbers that say so."""
+
+    method: str
+    size: int
+    fits: bool
+    peak: int | None = None
+    reserved_peak: int | None = None
+    overhead: float | None = None
+    status: str = ""
+    seconds: float = 0.0
+    reason: str = ""  # why it does not fit
+    schedule: Schedule | None = field(default=None, compare=False, repr=False)
+
+    def row(self) -> dict[str, Any]:
+        return {"method": self.method, "size": self.size, "fits": self.fits, "peak": self.peak,
+                "reserved_peak": self.reserved_peak, "overhead": self.overhead, "status": self.status,
+                "solve_seconds": round(self.seconds, 3), "reason": self.reason}
+
+
+@dataclass
+class FitResult:
+    """The search: every attempt, each method's largest fitting size, and the traces it took."""
+
+    model: str
+    vary: str
+    limit: int
+    max_overhead: float
+    attempts: list[Attempt]
+    traces: dict[int, float]  # size -> seconds to trace it
+    no_remat_peaks: dict[int, int]
+
+    def best(self, method: str) -> Attempt | None:
+        """``method``'s attempt at its largest fitting size (None: it fits no size tried)."""
+        fitting = [a for a in self.attempts if a.method == method and a.fits]
+        return max(fitting, key=lambda a: a.size, default=None)
+
+    @property
+    def methods(self) -> list[str]:
+        return list(dict.fromkeys(a.method for a in self.attempts))
+
+
+def attempt(graph: Graph, size: int, method: str, limit: int, max_overhead: float, reserved: str | None,
+            options: dict[str, Any]) -> Attempt:
+    """``method`` on ``graph`` under ``limit`` bytes (its reserved bytes with allocator ``reserved``)."""
+    from bonsai_core.solvers import solve, solve_reserved
+
+    start = time.perf_counter()
+    try:
+        if reserved:
+            schedule = solve_reserved(graph, limit, method, policy=reserved, **options)
+        else:
+            schedule = solve(graph, limit, method, **options)
+    except BudgetError:
+        return Attempt(method, size, False, seconds=time.perf_counter() - start,
+                       reason="no-remat peak over the limit" if method == "none" else "no schedule within the limit")
+    except SolverError as e:
+        return Attempt(method, size, False, seconds=time.perf_counter() - start, reason=f"solver: {e}")
+    stats = schedule.stats
+    seconds = time.perf_counter() - start
+    over = stats["overhead"] > max_overhead + 1e-12
+    return Attempt(method, size, not over, stats["peak"], stats.get("reserved_peak"), stats["overhead"],
+                   str(stats.get("status", "")), seconds,
+                   f"overhead {stats['overhead']:+.1%} above {max_overhead:.0%}" if over else "", schedule)
+
+
+def search_sizes(evaluate: Callable[[int], dict[str, bool]], methods: list[str], start: int = 1,
+                 largest: int = MAX_SIZE) -> None:
+    """Call ``evaluate(size)`` (method -> fits) on the sizes that decide each method's largest fitting
+    size: ``start`` doubled until no method fits (or ``largest``), then a bisection per method
+    between its last fitting and first failing size. Sizes already evaluated are not asked again."""
+    seen: dict[int, dict[str, bool]] = {}
+
+    def ask(size: int) -> dict[str, bool]:
+        if size not in seen:
+            seen[size] = evaluate(size)
+        return seen[size]
+
+    size = start
+    while True:
+        if not any(ask(size).values()) or size >= largest:
+            break
+        size = min(2 * size, largest)
+    for m in methods:
+        fit = [s for s, r in seen.items() if r.get(m)]
+        lo = max(fit, default=0)
+        hi = min((s for s, r in seen.items() if not r.get(m) and s > lo), default=None)
+        if hi is None:
+            continue
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ask(mid).get(m):
+                lo = mid
+            else:
+                hi = mid
+
+
+def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_overhead: float = 0.1,
+        options: dict[str, Any] | None = None, optimizer: str = "none", reserved: str | None = None,
+        solver_options: dict[str, Any] | None = None, start: int = 1, largest: int = MAX_SIZE,
+        progress: Callable[[str], None] | None = None, trace_kwargs: dict[str, Any] | None = None) -> FitResult:
+    """Search the sizes of ``model`` (a zoo name, ``hf:...`` or a factory) at which each of ``methods``
+    fits ``limit`` bytes with overhead at most ``max_overhead``. ``vary`` is the model option searched
+    (``batch`` or ``seq``); ``options`` fix the others; ``optimizer`` adds its state and step
+    (``bonsai_core.optimizer``); ``reserved`` ("caching" or "expandable") makes ``limit`` bound the
+    allocator model's reserved bytes; ``solver_options`` go to every method (``time_limit`` ...)."""
+    from bonsai_core.optimizer import with_optimizer
+    from bonsai_core.trace import trace_zoo
+
+    if vary not in ("batch", "seq"):
+        raise BonsaiError(f"--vary {vary!r}: fit searches the micro-batch ('batch') or the sequence length ('seq').")
+    options = {k: v for k, v in (options or {}).items() if k != vary}
+    attempts: list[Attempt] = []
+    traces: dict[int, float] = {}
+    peaks: dict[int, int] = {}
+
+    def evaluate(size: int) -> dict[str, bool]:
+        begin = time.perf_counter()
+        graph = with_optimizer(trace_zoo(model, **(trace_kwargs or {}), **options, **{vary: size}).graph, optimizer)
+        traces[size] = time.perf_counter() - begin
+        peaks[size] = no_remat_peak(graph)
+        result = {}
+        for m in methods:
+            a = attempt(graph, size, m, limit, max_overhead, reserved,
+                        {} if m == "none" else dict(solver_options or {}))
+            attempts.append(a)
+            result[m] = a.fits
+            if progress:
+                progress(f"{vary} {size}: {m} " + (f"fits, overhead {a.overhead:+.2%}" if a.fits else
+                                                  f"does not fit ({a.reason})"))
+        return result
+
+    search_sizes(evaluate, methods, start, largest)
+    return FitResult(model, vary, limit, max_overhead, attempts, traces, peaks)
+
+
+def table(result: FitResult) -> list[dict[str, Any]]:
+    """One row per method: its largest fitting size and that plan's numbers."""
+    from bonsai_core.budget import format_bytes
+
+    rows = []
+    for m in result.methods:
+        best = result.best(m)
+        tried = sorted(a.size for a in result.attempts if a.method == m)
+        failed = [a for a in result.attempts if a.method == m and not a.fits]
+        rows.append({"method": m, f"largest {result.vary}": best.size if best else None,
+                     "peak": format_bytes(best.peak) if best else "",
+                     "reserved": format_bytes(best.reserved_peak) if best and best.reserved_peak else "",
+                     "overhead": f"{best.overhead:+.2%}" if best else "",
+                     "status": best.status if best else "",
+                     "next size fails because": (min(failed, key=lambda a: a.size).reason if failed else
+                                                 f"not tried past {max(tried)}")})
+    return rows
+
+
+def write_report(result: FitResult, out_dir: str) -> list[str]:
+    """fit.csv (every attempt), fit.md (the table and the command's cost) and fit.png (overhead
+    against size per method, failures marked), plus each method's best plan as plan-METHOD.json;
+    returns the files written."""
+    import json
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from bonsai_core.budget import format_bytes
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    pd.DataFrame([a.row() for a in result.attempts]).to_csv(out / "fit.csv", index=False)
+    lines = [f"# What fits: {result.model} within {format_bytes(result.limit)}, overhead at most "
+             f"{result.max_overhead:.0%}", "", pd.DataFrame(table(result)).to_markdown(index=False), "",
+             f"Traced {len(result.traces)} sizes of `{result.vary}` in {sum(result.traces.values()):.1f} s "
+             f"({', '.join(f'{s}: {t:.1f} s' for s, t in sorted(result.traces.items()))}); "
+             f"{len(result.attempts)} solves in {sum(a.seconds for a in result.attempts):.1f} s.", ""]
+    (out / "fit.md").write_text("\n".join(lines))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m in result.methods:
+        mine = sorted((a for a in result.attempts if a.method == m), key=lambda a: a.size)
+        ok = [(a.size, 100 * a.overhead) for a in mine if a.overhead is not None]
+        if ok:
+            ax.plot(*zip(*ok), marker="o", label=m)
+        bad = [a.size for a in mine if not a.fits]
+        if bad:
+            ax.scatter(bad, [100 * result.max_overhead] * len(bad), marker="x", color="grey")
+    ax.axhline(100 * result.max_overhead, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_ylim(-1, max(5.0, 300 * result.max_overhead))  # the region around the limit; far-over points clipped
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(result.vary)
+    ax.set_ylabel("recompute overhead (%)")
+    ax.set_title(f"{result.model} within {format_bytes(result.limit)} (x: does not fit)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "fit.png", dpi=110)
+    plt.close(fig)
+    written += ["fit.csv", "fit.md", "fit.png"]
+    for m in result.methods:
+        best = result.best(m)
+        if best is not None and best.schedule is not None:
+            (out / f"plan-{m}.json").write_text(json.dumps(best.schedule.to_dict(), separators=(",", ":")) + "\n")
+            written.append(f"plan-{m}.json")
+    return written

@@ -1,0 +1,67 @@
+"""bonsai fit: the largest size each method trains within a GPU's memory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bonsai_core.fit import fit, search_sizes, table, write_report
+
+
+@pytest.mark.parametrize("limits", [{"a": 1, "b": 37, "c": 0, "d": 64}, {"a": 5, "b": 6, "c": 100, "d": 2}])
+def test_the_search_finds_each_methods_largest_size(limits):
+    asked = []
+
+    def evaluate(size):
+        asked.append(size)
+        return {m: size <= top for m, top in limits.items()}
+
+    seen = {}
+    search_sizes(lambda s: seen.setdefault(s, evaluate(s)), list(limits), largest=128)
+    assert len(asked) == len(set(asked))  # no size evaluated twice
+    for m, top in limits.items():
+        fits = [s for s in seen if seen[s][m]]
+        if top == 0:
+            assert not fits
+            continue
+        assert max(fits) == min(top, 128)
+        assert top >= 128 or top + 1 in seen  # the boundary was probed
+
+
+@pytest.fixture(scope="module")
+def searched():
+    return fit("gpt", 24 * 2**20, ["none", "bonsai", "chen"], max_overhead=0.15, options=dict(layers=1, seq=32),
+               optimizer="adamw", solver_options={"time_limit": 20})
+
+
+def test_fit_reports_the_boundary_of_every_method(searched):
+    for m in searched.methods:
+        best = searched.best(m)
+        assert best is not None and best.fits and best.peak <= searched.limit and best.overhead <= 0.15
+        above = [a for a in searched.attempts if a.method == m and a.size == best.size + 1]
+        assert above and not above[0].fits and above[0].reason
+    # rematerialization trains a larger batch than none in the same memory
+    assert searched.best("bonsai").size > searched.best("none").size
+    assert set(searched.traces) == {a.size for a in searched.attempts}  # each size traced once
+    assert [r["method"] for r in table(searched)] == ["none", "bonsai", "chen"]
+
+
+def test_fit_writes_its_report(searched, tmp_path):
+    written = write_report(searched, str(tmp_path))
+    assert {"fit.csv", "fit.md", "fit.png", "plan-bonsai.json"} <= set(written)
+    plan = json.loads((tmp_path / "plan-bonsai.json").read_text())
+    assert plan["method"] == "bonsai" and plan["stats"]["peak"] <= searched.limit
+    assert "largest batch" in (tmp_path / "fit.md").read_text()
+
+
+def test_cli_fit(tmp_path, capsys):
+    from bonsai_core.cli import main
+
+    assert main(["fit", "mlp", "--layers", "2", "--width", "64", "--gpu", "2MiB", "--methods", "none", "chen",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["method"]: r for r in out["rows"]}
+    assert rows["chen"]["largest batch"] >= rows["none"]["largest batch"] >= 1
+    with pytest.raises(SystemExit):
+        main(["fit", "mlp", "--gpu", "50%"])
