@@ -27,6 +27,7 @@ PAGES = [
     st.Page(ROOT / "pages" / "solve.py", title="Solve", icon=":material/calculate:", url_path="solve"),
     st.Page(ROOT / "pages" / "memory.py", title="Memory", icon=":material/show_chart:", url_path="memory"),
     st.Page(ROOT / "pages" / "compare.py", title="Compare", icon=":material/balance:", url_path="compare"),
+    st.Page(ROOT / "pages" / "fit.py", title="What fits", icon=":material/memory:", url_path="fit"),
     st.Page(ROOT / "pages" / "export.py", title="Export", icon=":material/download:", url_path="export"),
 ]
 

@@ -463,3 +463,29 @@ def address_figure(blocks: Sequence, title: str = "", height: int = 260) -> go.F
     fig.update_xaxes(title="address (MiB from the pool's start)")
     fig.update_yaxes(autorange="reversed")
     return _style(fig, height)
+
+
+def fit_figure(attempts: Sequence[dict], vary: str, max_overhead: float, height: int = 380) -> go.Figure:
+    """Overhead against the searched size per method (``bonsai_core.fit.Attempt.row()`` dicts): a
+    line through the sizes a method fits, grey crosses where it does not, the overhead limit dashed."""
+    fig = go.Figure()
+    methods = list(dict.fromkeys(a["method"] for a in attempts))
+    for i, m in enumerate(methods):
+        mine = sorted((a for a in attempts if a["method"] == m), key=lambda a: a["size"])
+        ok = [a for a in mine if a["fits"]]
+        fig.add_trace(go.Scatter(x=[a["size"] for a in ok], y=[100 * a["overhead"] for a in ok], name=m,
+                                 mode="lines+markers", line=dict(color=method_colour(m, i)),
+                                 marker=dict(symbol=method_symbol(m, i), size=8),
+                                 hovertemplate=f"{m}: {vary} %{{x}}, overhead %{{y:.2f}}%<extra></extra>"))
+        bad = [a for a in mine if not a["fits"]]
+        if bad:
+            fig.add_trace(go.Scatter(x=[a["size"] for a in bad], y=[100 * max_overhead] * len(bad),
+                                     name=f"{m}: does not fit", mode="markers", showlegend=False,
+                                     marker=dict(symbol="x-thin", size=9, line=dict(width=2, color=method_colour(m, i))),
+                                     text=[a["reason"] for a in bad],
+                                     hovertemplate=f"{m}: {vary} %{{x}} does not fit: %{{text}}<extra></extra>"))
+    fig.add_hline(y=100 * max_overhead, line_dash="dash", line_color="#8C8C8C",
+                  annotation_text=f"overhead limit {max_overhead:.0%}", annotation_position="top left")
+    fig.update_xaxes(title=vary, type="log", dtick=np.log10(2))
+    fig.update_yaxes(title="recompute overhead (%)", rangemode="tozero")
+    return _style(fig, height)

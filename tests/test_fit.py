@@ -65,3 +65,26 @@ def test_cli_fit(tmp_path, capsys):
     assert rows["chen"]["largest batch"] >= rows["none"]["largest batch"] >= 1
     with pytest.raises(SystemExit):
         main(["fit", "mlp", "--gpu", "50%"])
+
+
+def test_the_what_fits_page_searches_the_loaded_model():
+    from tests.test_app import app, goto
+
+    at = goto(app(), "fit")
+    at.text_input(key="fit_gpu").set_value("40MiB").run()
+    at.multiselect(key="fit_methods").set_value(["none", "chen"]).run()
+    at.button(key="fit_run").click().run()
+    assert not at.exception, at.exception
+    table = at.dataframe[0].value
+    assert list(table["method"]) == ["none", "chen"]
+    assert table["largest batch"].min() >= 1
+    assert at.get("plotly_chart")
+
+
+def test_the_what_fits_page_refuses_a_share_as_the_gpu_memory():
+    from tests.test_app import app, goto
+
+    at = goto(app(), "fit")
+    at.text_input(key="fit_gpu").set_value("50%").run()
+    at.button(key="fit_run").click().run()
+    assert not at.exception and "not as a share" in at.error[0].value

@@ -1,0 +1,73 @@
+"""What fits: the largest micro-batch (or sequence length) each method trains within a GPU's memory
+at an acceptable recompute overhead (``bonsai fit``)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from bonsai_core import fit, solvers
+from bonsai_core.budget import format_bytes, parse_budget
+from bonsai_core.errors import BonsaiError
+from bonsai_core.optimizer import OPTIMIZERS
+from bonsai_core.hf import ARCHS, PREFIX
+from bonsai_core.zoo import ZOO
+from explorer import plots, state
+
+st.title("What fits")
+m = state.model()
+st.caption("For each method, the largest size of the model whose training step fits the GPU's memory with "
+           "a recompute overhead under the limit: the model is traced at each size tried, and every method "
+           "solves it. The same search as `bonsai fit`.")
+entry = ZOO.get(m.zoo) or ARCHS.get(m.zoo.removeprefix(PREFIX)) if m.zoo else None
+sizes = [k for k in ("batch", "seq") if entry is not None and k in entry.options]
+if not sizes:
+    st.info("What fits traces the model again at other sizes, so it needs a built-in or Hugging Face model "
+            "with a batch size: choose one on the Model page.")
+    st.stop()
+
+c1, c2, c3 = st.columns(3)
+gpu_text = c1.text_input("GPU memory", value=format_bytes(2 * m.graph.peak_lower_bound).replace(" ", ""),
+                         key="fit_gpu", help="bytes, or with a unit: 80GiB, 24GB, 512MiB")
+vary = c2.selectbox("Size to search", sizes, key="fit_vary")
+max_overhead = c3.slider("Largest overhead (%)", 0, 50, 10, key="fit_overhead") / 100
+c4, c5, c6 = st.columns(3)
+methods = c4.multiselect("Methods", solvers.available_methods(), default=["none", "bonsai", "chen", "dtr"],
+                         key="fit_methods")
+optimizer = c5.selectbox("Optimizer", OPTIMIZERS, index=OPTIMIZERS.index("adamw"), key="fit_optimizer",
+                         help="its state is fixed memory; its step after the backward pass can set the peak")
+reserved = c6.toggle("Budget reserved bytes", value=False, key="fit_reserved",
+                     help="the GPU's memory bounds what the caching allocator reserves, not only live tensors")
+fixed = {k: v for k, v in m.options.items() if k != vary}
+st.caption(f"Model: {m.label}; other sizes fixed at "
+           + (", ".join(f"{k} {v}" for k, v in fixed.items()) or "their defaults") + ". Each solve stops after 10 s.")
+
+if st.button("Find what fits", type="primary", key="fit_run", disabled=not methods):
+    try:
+        limit = parse_budget(gpu_text)
+        if limit.fraction is not None:
+            raise BonsaiError("Give the GPU's memory in bytes or with a unit (80GiB), not as a share.")
+        progress = st.progress(0.0, text="Tracing the first size…")
+        lines: list[str] = []
+
+        def report(line: str) -> None:
+            lines.append(line)
+            progress.progress(min(0.95, len(lines) / (12 * len(methods))), text=line)
+
+        result = fit.fit(m.zoo, limit.resolve(0), methods, vary=vary, max_overhead=max_overhead, options=fixed,
+                         optimizer=optimizer, reserved="caching" if reserved else None,
+                         solver_options={"time_limit": 10.0}, progress=report)
+        progress.progress(1.0, text=f"Done: {len(result.traces)} sizes traced, {len(result.attempts)} solves.")
+        st.session_state["fit_result"] = (m.graph.hash, result)
+    except BonsaiError as e:
+        state.show_error(str(e), "Change the settings and search again.")
+
+saved = st.session_state.get("fit_result")
+if saved and saved[0] == m.graph.hash:
+    result = saved[1]
+    st.subheader(f"Largest {result.vary} within {format_bytes(result.limit)}")
+    st.dataframe(pd.DataFrame(fit.table(result)), hide_index=True, use_container_width=True)
+    st.plotly_chart(plots.fit_figure([a.row() for a in result.attempts], result.vary, result.max_overhead),
+                    use_container_width=True, key="fit_chart")
+    st.caption(f"Traced {len(result.traces)} sizes in {sum(result.traces.values()):.1f} s; "
+               f"{len(result.attempts)} solves in {sum(a.seconds for a in result.attempts):.1f} s.")
