@@ -34,7 +34,7 @@ CHROMIUM = "/usr/bin/chromium"
 SHOTS = ROOT / "screenshots"
 # page -> (URL path, whether it opens with a plot)
 PAGES = {"model": ("", False), "graph": ("graph", True), "solve": ("solve", True), "memory": ("memory", True),
-         "compare": ("compare", False), "export": ("export", False)}
+         "compare": ("compare", False), "fit": ("fit", False), "export": ("export", False)}
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync"]
 
@@ -175,6 +175,14 @@ def test_every_page_renders_without_an_exception(page, server):
             assert page.locator('[data-testid="stException"]').count() == 0
             page.wait_for_timeout(500)
             page.screenshot(path=str(SHOTS / "compare-sweep.png"), full_page=True)
+        if name == "fit":  # the search, its table and its chart
+            page.get_by_role("button", name="Find what fits").click()
+            page.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg .scatterlayer .trace', timeout=240_000)
+            wait_idle(page)
+            assert page.locator('[data-testid="stException"]').count() == 0
+            assert page.get_by_text("Largest batch within").count() == 1
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(SHOTS / "fit-search.png"), full_page=True)
 
 
 def test_first_paint_of_the_default_model_within_three_seconds(page, server):
