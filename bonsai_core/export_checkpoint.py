@@ -59,7 +59,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 import numpy as np
 import torch
@@ -349,15 +349,15 @@ def recomputation_mismatch(forward: list[list[Any]], recompute: list[list[Any]])
     return None
 
 
-def recomputation_mismatches(source: str, model: str, options: dict[str, Any], seed: int) -> dict[str, str]:
-    """One training step of ``model`` on fake tensors with ``checkpointed.py`` (its text ``source``)
-    applied, logging each checkpointed call's ops in its forward and in its recomputation: per
-    submodule whose recomputation SAC would hand other tensors (:func:`recomputation_mismatch`), why.
+def recomputation_mismatches(source: str, build: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...], Any]],
+                             model: str) -> dict[str, str]:
+    """One training step of the model ``build()`` returns (with its inputs and loss; called under
+    ``FakeTensorMode``) with ``checkpointed.py`` (its text ``source``) applied, logging each checkpointed
+    call's ops in its forward and in its recomputation: per submodule whose recomputation SAC would hand
+    other tensors (:func:`recomputation_mismatch`), why. ``model`` names it in messages.
 
     Raises ExportError when the step fails in another way (it would fail in training too)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from bonsai_core import zoo
 
     exported = ModuleType("checkpointed")
     exec(compile(source, "checkpointed.py", "exec"), exported.__dict__)  # noqa: S102 (our own generated code)
@@ -376,7 +376,7 @@ def recomputation_mismatches(source: str, model: str, options: dict[str, Any], s
     exported.contexts = contexts  # what ``apply`` hands each checkpoint
     error = None
     with FakeTensorMode(allow_non_fake_inputs=True), _on_fake_tensors(model), torch.enable_grad():
-        net, inputs, loss_fn = zoo.build(model, seed=seed, **options)
+        net, inputs, loss_fn = build()
         exported.apply(net)
         try:
             loss_fn(net(*inputs)).backward()
@@ -435,7 +435,7 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
                 "dropped_bytes": lay.dropped_bytes, "unrealised_dropped_bytes": lay.unrealised_bytes,
                 "unrealised_dropped_nodes": len(lay.unrealised), "not_checkpointed": dict(not_checkpointed)}
         source = generate_source(info, lay)
-        mismatched = recomputation_mismatches(source, model, options, seed)
+        mismatched = recomputation_mismatches(source, lambda: zoo.build(model, seed=seed, **options), model)
         if not mismatched:
             break
         not_checkpointed.update(mismatched)
