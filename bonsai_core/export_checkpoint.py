@@ -444,8 +444,8 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
         raise ExportError(
             f"The checkpoint back-end cannot apply this plan to {model!r}: no submodule that would realise it "
             f"can be recomputed faithfully; `{path}`: {why}. torch.utils.checkpoint requires a recomputation to "
-            "run the ops its forward ran: keep a submodule's forward free of state it changes (caches filled on "
-            "the first call, counters read back), or export with --backend replay, which runs the traced step.")
+            "run the ops its forward ran: keep a submodule's forward free of state that it changes and reads back "
+            "(a cache it appends to), or export with --backend replay, which runs the traced step.")
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
