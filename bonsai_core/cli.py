@@ -318,6 +318,8 @@ def cmd_export(args: argparse.Namespace) -> int:
           f"(checkpointed.py, schedule.json, README.md); check it with: bonsai verify {args.model}{opts} {out}")
     if args.backend == "checkpoint":
         info = _checkpoint_backend().load_checkpointed(out).INFO
+        for path, why in info.get("not_checkpointed", {}).items():
+            print(f"note: {path} is not checkpointed: {why}.")
         if info["realised_peak"] > 1.05 * info["predicted_peak"] and schedule.stats.get("regions") != "modules":
             print(f"note: the submodule checkpoints can only approximate this plan: simulated peak "
                   f"{format_bytes(info['realised_peak'])} against the plan's {format_bytes(info['predicted_peak'])}. "

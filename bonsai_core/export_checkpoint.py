@@ -26,7 +26,14 @@ How a plan (``regions.CheckpointPlan``: bonsai, chen) becomes checkpoints:
    kept and read by the backward pass (and the bases of such views), ``PREFER_RECOMPUTE`` for every
    other op (dropped nodes, and ops nothing in the backward pass reads). Ops are named as SAC counts
    them: the k-th call of an aten op inside one forward of the unit, so the policy does not depend on
-   shapes (any batch size).
+   shapes (any batch size); the fused attention kernels share one name (``SAME_OP``).
+5. **The recomputation runs what the forward ran.** SAC hands the k-th call of an op in the
+   recomputation what the forward filed for its k-th call of that op, so a forward that changes state it
+   reads (a key/value cache appended to) breaks it mid-backward. ``apply`` hands checkpointed submodules
+   no transformers cache (:func:`without_caches`), and the export runs one step on fake tensors with the
+   checkpoints applied (:func:`recomputation_mismatches`): a submodule whose recomputation fails
+   :func:`recomputation_mismatch` is left out (``INFO["not_checkpointed"]``) and the units chosen again;
+   a plan nothing is left to realise is refused with an ExportError.
 
 Where it differs from the plan (the measured peak shows it; docs/EXPORT.md has numbers): a unit is
 rebuilt as a whole at its first saved-tensor use in the backward pass (the plan rebuilds a region right
@@ -42,19 +49,22 @@ are not at last use) have no such form and are refused with a pointer to ``--bac
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import pprint
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable, Collection
 
 import numpy as np
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bonsai_core.errors import ModelError, ScheduleError
 from bonsai_core.export import ExportError, load_export, trace_for_schedule
@@ -63,6 +73,31 @@ from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
 from bonsai_core.schedule import Schedule, schedule_ops, simulate
+
+# Fused attention kernels by device, one name in the policy: the export records the step on CPU.
+SAME_OP = {f"aten.{kernel}.default": "scaled_dot_product_attention"
+           for kernel in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                          "_scaled_dot_product_fused_attention_overrideable")}
+
+
+def kv_cache_type() -> type | None:
+    """transformers' key/value cache class (``transformers.cache_utils.Cache``) once transformers is
+    imported, else None."""
+    return getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+
+
+def without_caches(forward, cache_type: type):
+    """``forward`` called with every ``cache_type`` argument replaced by None, as transformers' own
+    gradient checkpointing does: a cache passed into a checkpointed submodule would be appended to
+    again by its recomputation, which then runs other ops than its forward did."""
+
+    def call(*args, **kwargs):
+        return forward(*(None if isinstance(a, cache_type) else a for a in args),
+                       **{k: None if isinstance(v, cache_type) else v for k, v in kwargs.items()})
+
+    return call
+
 
 @dataclass(frozen=True)
 class Unit:
@@ -88,8 +123,9 @@ class CheckpointLayout:
 
 # -- plan -> units ---------------------------------------------------------------------------------
 
-def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep) -> CheckpointLayout:
-    """Choose the checkpointed submodules and their save policies for ``plan`` (see the module doc).
+def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Collection[str] = ()) -> CheckpointLayout:
+    """Choose the checkpointed submodules and their save policies for ``plan`` (see the module doc),
+    never a submodule named in ``exclude``.
 
     The candidates are the outermost module calls chosen for the dropped nodes; then, while it lowers
     the simulated peak of what the checkpoints will really do (:func:`realised_sequence`), a unit is
@@ -108,7 +144,7 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep) -> Checkpoint
         read_by_backward[graph.deps(b)] = True
 
     # Module calls that may be units: inside the model (not the whole model), called once per step.
-    calls = [(p, a, b) for p, a, b in step.calls if p and step.call_counts[p] == 1]
+    calls = [(p, a, b) for p, a, b in step.calls if p and step.call_counts[p] == 1 and p not in exclude]
     chosen: dict[int, list[int]] = {}  # call index -> dropped nodes whose innermost holding call it is
     for d in np.flatnonzero(dropped).tolist():
         span = [runtime_of[d]] + [runtime_of[u] for u in graph.users(d).tolist() if graph.is_forward[u]]
@@ -171,7 +207,7 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep) -> Checkpoint
         saves: dict[str, list[int]] = {}
         seen: Counter = Counter()
         for r in range(a, b):
-            op = step.ops[r]
+            op = SAME_OP.get(step.ops[r], step.ops[r])
             k = seen[op]
             seen[op] += 1
             if node_at[r] >= 0 and saved[node_at[r]] and read_inside(graph, node_at[r], inside):
@@ -238,6 +274,125 @@ def realised_sequence(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], 
     return seq
 
 
+@contextlib.contextmanager
+def _on_fake_tensors(model: str) -> Any:
+    """Run ``model``'s step on fake tensors as the trace does (``torch._assert`` on a tensor skipped); a
+    failure there is an ExportError, not a traceback."""
+    from bonsai_core.errors import BonsaiError
+    from bonsai_core.trace import _skip_tensor_asserts
+
+    try:
+        with _skip_tensor_asserts():
+            yield
+    except BonsaiError:
+        raise
+    except Exception as e:  # noqa: BLE001 (the user's model code, run on shapes only)
+        raise ExportError(f"The checkpoint back-end runs {model!r}'s step again on fake tensors to find the ops of "
+                          f"its submodules, and it failed there: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+                          "Export with --backend replay, which runs the traced step.") from None
+
+
+# -- the recomputation runs what the forward ran ---------------------------------------------------
+
+class _OpLog(TorchDispatchMode):
+    """Appends ``[op, output shapes]`` for every op SAC counts (the op first: SAC may raise in it)."""
+
+    def __init__(self, ops: list[list[Any]]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **(kwargs or {}))
+        entry = [str(func), None]
+        self.ops.append(entry)
+        out = func(*args, **(kwargs or {}))
+        entry[1] = tuple(tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+@contextlib.contextmanager
+def _logged(context: Any, ops: list[list[Any]]) -> Any:
+    with context, _OpLog(ops):
+        yield
+
+
+def recomputation_mismatch(forward: list[list[Any]], recompute: list[list[Any]]) -> str | None:
+    """Why SAC would hand a recomputation (``[op, output shapes]`` per op) other tensors than its forward
+    made, in words; None when it would not.
+
+    SAC pairs the k-th call of an op in the recomputation with the k-th call of that op in the forward
+    (the saved output, or a licence to run it again). The pairing is sound when every pair has the same
+    output shapes and the pairs keep the forward's order; the recomputation may stop early, and may skip
+    ops (a constant the forward built and cached) as long as no later call of the same op shifts."""
+    calls: dict[str, list[int]] = {}
+    for i, (op, _) in enumerate(forward):
+        calls.setdefault(op, []).append(i)
+    seen: Counter = Counter()
+    last = -1
+    for j, (op, shapes) in enumerate(recompute):
+        k = seen[op]
+        seen[op] += 1
+        if k >= len(calls.get(op, ())):
+            return (f"its recomputation runs {op} (its op {j + 1}) more often than its forward did "
+                    f"({len(calls.get(op, ()))} time(s)): the forward changes state that the recomputation reads")
+        i = calls[op][k]
+        if shapes is not None and forward[i][1] is not None and shapes != forward[i][1]:
+            return (f"call {k + 1} of {op} makes shapes {list(shapes)} in its recomputation, "
+                    f"{list(forward[i][1])} in its forward: the forward changes state that the recomputation reads")
+        if i < last:
+            return (f"its recomputation runs call {k + 1} of {op} (its op {j + 1}) out of the forward's order: "
+                    "it skips or adds ops, so SAC would hand it another op's tensor")
+        last = i
+    return None
+
+
+def recomputation_mismatches(source: str, build: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...], Any]],
+                             model: str) -> dict[str, str]:
+    """One training step of the model ``build()`` returns (with its inputs and loss; called under
+    ``FakeTensorMode``) with ``checkpointed.py`` (its text ``source``) applied, logging each checkpointed
+    call's ops in its forward and in its recomputation: per submodule whose recomputation SAC would hand
+    other tensors (:func:`recomputation_mismatch`), why. ``model`` names it in messages.
+
+    Raises ExportError when the step fails in another way (it would fail in training too)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    exported = ModuleType("checkpointed")
+    exec(compile(source, "checkpointed.py", "exec"), exported.__dict__)  # noqa: S102 (our own generated code)
+    if not exported.SAVE:
+        return {}
+    paths = {id(saves): path for path, saves in exported.SAVE.items()}
+    runs: list[tuple[str, list[list[Any]], list[list[Any]]]] = []
+    make_contexts = exported.contexts
+
+    def contexts(saves: dict[str, list[int]]) -> tuple[Any, Any]:
+        forward, recompute = make_contexts(saves)
+        run = (paths[id(saves)], [], [])
+        runs.append(run)
+        return _logged(forward, run[1]), _logged(recompute, run[2])
+
+    exported.contexts = contexts  # what ``apply`` hands each checkpoint
+    error = None
+    with FakeTensorMode(allow_non_fake_inputs=True), _on_fake_tensors(model), torch.enable_grad():
+        net, inputs, loss_fn = build()
+        exported.apply(net)
+        try:
+            loss_fn(net(*inputs)).backward()
+        except RuntimeError as e:  # SAC's "not found in storage", checkpoint's CheckpointError
+            error = e
+    found: dict[str, str] = {}
+    for path, forward, recompute in runs:
+        why = recomputation_mismatch(forward, recompute)
+        if why is not None:
+            found.setdefault(path, why)
+    if error is not None and not found:
+        raise ExportError(f"One training step of {model!r} with its checkpoints applied fails (on fake tensors, "
+                          f"at export time): {str(error).splitlines()[0]} Export with --backend replay.") from None
+    return found
+
+
 # -- export ----------------------------------------------------------------------------------------
 
 def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, out_dir: str | Path, *,
@@ -261,21 +416,40 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
     graph = traced.graph
     sim = simulate(graph, schedule)
     plan = CheckpointPlan.from_extra(schedule.extra)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _on_fake_tensors(model):
         net, inputs, loss_fn = zoo.build(model, seed=seed, **options)
+        cache = kv_cache_type()
+        for module in net.modules() if cache is not None else ():  # as the checkpointed submodules will run
+            module.forward = without_caches(module.forward, cache)
         step = record_step(net, inputs, loss_fn)
-    lay = layout(graph, plan, step)
-    info = {"graph": graph.name, "graph_hash": graph.hash, "method": schedule.method, "budget": schedule.budget,
-            "predicted_peak": sim.peak, "fixed_mem": graph.fixed_mem, "recomputes": sim.recomputes,
-            "overhead": sim.overhead, "model": model, "options": dict(options), "seed": seed,
-            "batch": int(inputs[0].shape[0]) if inputs and inputs[0].dim() else None,
-            "realised_peak": lay.realised_peak,
-            "dropped_bytes": lay.dropped_bytes, "unrealised_dropped_bytes": lay.unrealised_bytes,
-            "unrealised_dropped_nodes": len(lay.unrealised)}
+    # A submodule whose recomputation would not run what its forward ran is left out, and the layout
+    # chosen again (each pass leaves out one more submodule, so this ends).
+    not_checkpointed: dict[str, str] = {}
+    while True:
+        lay = layout(graph, plan, step, exclude=not_checkpointed)
+        info = {"graph": graph.name, "graph_hash": graph.hash, "method": schedule.method, "budget": schedule.budget,
+                "predicted_peak": sim.peak, "fixed_mem": graph.fixed_mem, "recomputes": sim.recomputes,
+                "overhead": sim.overhead, "model": model, "options": dict(options), "seed": seed,
+                "batch": int(inputs[0].shape[0]) if inputs and inputs[0].dim() else None,
+                "realised_peak": lay.realised_peak,
+                "dropped_bytes": lay.dropped_bytes, "unrealised_dropped_bytes": lay.unrealised_bytes,
+                "unrealised_dropped_nodes": len(lay.unrealised), "not_checkpointed": dict(not_checkpointed)}
+        source = generate_source(info, lay)
+        mismatched = recomputation_mismatches(source, lambda: zoo.build(model, seed=seed, **options), model)
+        if not mismatched:
+            break
+        not_checkpointed.update(mismatched)
+    if not_checkpointed and not lay.units and lay.dropped_bytes:
+        path, why = next(iter(not_checkpointed.items()))
+        raise ExportError(
+            f"The checkpoint back-end cannot apply this plan to {model!r}: no submodule that would realise it "
+            f"can be recomputed faithfully; `{path}`: {why}. torch.utils.checkpoint requires a recomputation to "
+            "run the ops its forward ran: keep a submodule's forward free of state that it changes and reads back "
+            "(a cache it appends to), or export with --backend replay, which runs the traced step.")
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "checkpointed.py").write_text(generate_source(info, lay))
+        (out / "checkpointed.py").write_text(source)
         saved = Schedule(graph=graph.name, method=schedule.method, ops=list(schedule.ops), budget=schedule.budget,
                          graph_hash=graph.hash, stats={**schedule.stats, **sim.stats()}, extra=schedule.extra)
         (out / "schedule.json").write_text(json.dumps(saved.to_dict(), separators=(",", ":")) + "\n")
@@ -298,9 +472,12 @@ Generated by `bonsai export --backend checkpoint` (see README.md). Plain PyTorch
 a selective-activation-checkpointing policy: inside one forward of that submodule, the k-th call of
 an aten op keeps its output for the backward pass if k is listed under the op (MUST_SAVE); every
 other op is recomputed in the backward pass (PREFER_RECOMPUTE). Any batch size; autocast works.
+A checkpointed submodule is handed no transformers key/value cache (None instead), as transformers'
+own gradient checkpointing does: its recomputation would append to the cache again.
 """
 
 import functools
+import sys
 from collections import Counter
 
 import torch
@@ -310,13 +487,16 @@ INFO = {info}
 
 SAVE = {save}
 
+# One name for the fused attention kernel whichever device runs it (op names in SAVE use it too).
+SAME_OP = {same_op}
+
 
 def policy(saves):
     """A SAC policy for one forward of a checkpointed submodule (called once per op, in order)."""
     seen = {{False: Counter(), True: Counter()}}  # older torch also asks during the recomputation
 
     def decide(ctx, op, *args, **kwargs):
-        name = str(op)
+        name = SAME_OP.get(str(op), str(op))
         k = seen[ctx.is_recompute][name]
         seen[ctx.is_recompute][name] += 1
         return CheckpointPolicy.MUST_SAVE if k in saves.get(name, ()) else CheckpointPolicy.PREFER_RECOMPUTE
@@ -329,11 +509,15 @@ def contexts(saves):
     return create_selective_checkpoint_contexts(policy(saves))
 
 
+{helpers}
+
 def checkpointed(forward, saves):
     """``forward`` run under non-reentrant checkpointing with the save policy ``saves`` (a
-    ``functools.partial`` of torch's own ``checkpoint``, which torch.compile knows)."""
-    return functools.partial(checkpoint, forward, use_reentrant=False,
-                             context_fn=functools.partial(contexts, saves))
+    ``functools.partial`` of torch's own ``checkpoint``, which torch.compile knows), never handed a
+    key/value cache (see ``without_caches``)."""
+    cache = kv_cache_type()
+    return functools.partial(checkpoint, forward if cache is None else without_caches(forward, cache),
+                             use_reentrant=False, context_fn=functools.partial(contexts, saves))
 
 
 def apply(model: torch.nn.Module) -> torch.nn.Module:
@@ -355,9 +539,11 @@ def apply(model: torch.nn.Module) -> torch.nn.Module:
 def generate_source(info: dict[str, Any], lay: CheckpointLayout) -> str:
     """The text of ``checkpointed.py``."""
     save = {u.path: u.saves for u in lay.units}
+    helpers = "\n\n".join(inspect.getsource(f) for f in (kv_cache_type, without_caches))
     return _TEMPLATE.format(model=info["model"], method=info["method"], graph=info["graph"],
                             info=pprint.pformat(info, sort_dicts=False, width=110),
-                            save=pprint.pformat(save, sort_dicts=False, width=110))
+                            save=pprint.pformat(save, sort_dicts=False, width=110),
+                            same_op=pprint.pformat(SAME_OP, width=110), helpers=helpers)
 
 
 def _readme(info: dict[str, Any], lay: CheckpointLayout, folder: Path) -> str:
@@ -373,6 +559,8 @@ def _readme(info: dict[str, Any], lay: CheckpointLayout, folder: Path) -> str:
                       "are not held by any submodule short of the whole model together with their readers (or are "
                       "computed by the loss), so they stay saved: the real peak can exceed the prediction by up to "
                       "that much.\n")
+    for path, why in (info.get("not_checkpointed") or {}).items():
+        unrealised += f"\n`{path}` is not checkpointed: {why}.\n"
     return f"""# Checkpointed `{model}` ({info['method']} schedule, checkpoint back-end)
 
 Made by `bonsai export --backend checkpoint` for graph `{info['graph']}` (hash `{info['graph_hash']}`).

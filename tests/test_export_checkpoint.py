@@ -213,3 +213,120 @@ def test_torch_compile_aot_eager(gpt_export):
     ref_loss, ref = step(False)
     assert abs(loss - ref_loss) <= ATOL
     assert max(float((grads[n] - ref[n]).abs().max()) for n in ref) <= ATOL
+
+
+# -- the recomputation runs what the forward ran (SDPA, key/value caches, state a forward changes) -----------
+
+def check_verifies(tmp_path, model: str, options: dict, share: float, **solve_options):
+    """Export a bonsai plan and run ``verify_checkpoint`` at the traced batch and another: no problem in
+    verify's own words (loss, gradients, the measured peak within its tolerance of the prediction, or of
+    what the checkpoints run when they follow the plan in part) and below the original's peak."""
+    graph, schedule = solved(model, options, "bonsai", share, **solve_options)
+    assert simulate(graph, schedule).recomputes > 0, "the schedule must recompute something"
+    out = export_checkpoint(model, options, schedule, tmp_path / "ck")
+    info = load_checkpointed(out).INFO
+    assert load_checkpointed(out).SAVE and not info["not_checkpointed"], info
+    v = verify_checkpoint(model, options, out, repeats=1)
+    assert not v.problems() and v.measured_peak < v.original_peak, v.to_dict()
+    other = verify_checkpoint(model, options, out, batch=OTHER_BATCH, repeats=1)
+    assert other.loss_diff <= ATOL and other.max_grad_diff <= ATOL, other.to_dict()
+    return v
+
+
+SDPA_GPT2 = "tests.export_models:hf_gpt2"  # as a user builds it: SDPA, dropout 0.1, use_cache on (the default)
+SDPA_LLAMA = "tests.export_models:hf_llama"
+
+
+@pytest.mark.parametrize("model,regions", [
+    (SDPA_GPT2, "modules"),
+    pytest.param(SDPA_GPT2, "any", marks=pytest.mark.slow),
+    pytest.param(SDPA_LLAMA, "modules", marks=pytest.mark.slow),
+    pytest.param(SDPA_LLAMA, "any", marks=pytest.mark.slow),
+])
+def test_sdpa_models_with_a_kv_cache_train_the_same(tmp_path, model, regions):
+    """transformers fills a key/value cache in each attention (``use_cache`` is on by default): a
+    checkpointed attention recomputed with that cache would append to it again and run other ops
+    (torch's "aten.slice.Tensor encountered during backward but not found in storage"). The
+    checkpoints hide the cache from the submodules they wrap, as transformers' own checkpointing does."""
+    check_verifies(tmp_path, model, {}, 0.5, regions=regions)
+
+
+class _Memory(nn.Module):
+    """Attends over every input seen since the model's forward reset it, as a key/value cache does: a
+    state its forward changes and reads back. Functional ops only, no submodule to fall back to."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width ** 0.5)
+        self.seen: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x if self.seen is None else torch.cat([self.seen, x], 1)
+        scores = torch.softmax(torch.tanh(x @ self.weight) @ self.seen.transpose(1, 2), -1)
+        return x + torch.tanh(scores @ self.seen)
+
+
+class _MemoryNet(nn.Module):
+    def __init__(self, width: int, layers: int, nested: bool) -> None:
+        super().__init__()
+        blocks = [nn.Sequential(_Memory(width), nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
+                  if nested else _Memory(width) for _ in range(layers)]
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.modules():
+            if isinstance(m, _Memory):
+                m.seen = None
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).mean(1)
+
+
+def memory_net(batch: int = 2, seq: int = 8, width: int = 16, layers: int = 4, nested: int = 1):
+    return (_MemoryNet(width, layers, bool(nested)), (torch.randn(batch, seq, width),),
+            CrossEntropyLoss(torch.randint(0, 4, (batch,))))
+
+
+MEMORY = "tests.test_export_checkpoint:memory_net"
+
+
+def _memory_plan(nested: int):
+    graph, schedule = solved(MEMORY, {"nested": nested}, "bonsai", 0.3 if nested else 0.6)
+    assert simulate(graph, schedule).recomputes > 0
+    return schedule
+
+
+def test_a_submodule_whose_recomputation_differs_is_left_out(tmp_path):
+    """Each block's recomputation would see its memory filled by the forward: the export leaves the
+    blocks (and their memories) out, says why, checkpoints what is left, and the step trains the same."""
+    out = export_checkpoint(MEMORY, {"nested": 1}, _memory_plan(1), tmp_path / "ck")
+    exported = load_checkpointed(out)
+    left_out = exported.INFO["not_checkpointed"]
+    assert {f"blocks.{i}.0" for i in range(4)} <= set(left_out) <= {f"blocks.{i}{s}" for i in range(4) for s in ("", ".0")}
+    assert all("changes state" in why for why in left_out.values()), left_out
+    assert exported.SAVE and not set(exported.SAVE) & set(left_out)
+    v = verify_checkpoint(MEMORY, {"nested": 1}, out, repeats=1)
+    assert v.loss_diff <= ATOL and v.max_grad_diff <= ATOL, v.to_dict()
+    assert "not checkpointed" in (out / "README.md").read_text()
+
+
+def test_a_plan_no_submodule_can_follow_faithfully_is_refused_at_export(tmp_path):
+    with pytest.raises(ExportError, match="cannot apply this plan.*--backend replay"):
+        export_checkpoint(MEMORY, {"nested": 0}, _memory_plan(0), tmp_path / "ck")
+    assert not (tmp_path / "ck" / "checkpointed.py").exists()
+
+
+def test_recomputation_mismatch_follows_sacs_pairing():
+    from bonsai_core.export_checkpoint import recomputation_mismatch
+
+    fwd = [["aten.ones.default", ((4, 4),)], ["aten.tril.default", ((4, 4),)], ["aten.mm.default", ((2, 4),)],
+           ["aten.relu.default", ((2, 4),)], ["aten.mm.default", ((2, 2),)]]
+    assert recomputation_mismatch(fwd, fwd) is None
+    assert recomputation_mismatch(fwd, fwd[:3]) is None  # stopped early
+    assert recomputation_mismatch(fwd, fwd[2:]) is None  # a cached constant skipped: the pairs hold
+    assert "more often" in recomputation_mismatch(fwd, [*fwd[:2], *fwd[:2]])  # an op the forward ran once
+    grown = [fwd[0], fwd[1], ["aten.mm.default", ((2, 8),)]]
+    assert "shapes" in recomputation_mismatch(fwd, grown)
+    assert "order" in recomputation_mismatch(fwd, [fwd[3], fwd[0]])
+    assert "aten.slice.Tensor" in recomputation_mismatch(fwd, [fwd[0], ["aten.slice.Tensor", ((4, 2),)]])
