@@ -139,7 +139,10 @@ def cmd_solve(args: argparse.Namespace) -> int:
     g = load_graph(args.graph)
     reference = no_remat_peak(g)
     budget = args.budget.resolve(reference)
-    schedule = solve(g, budget, method=args.method, **options)
+    try:
+        schedule = solve(g, budget, method=args.method, **options)
+    except BudgetError as e:
+        raise _naming_a_method_that_meets(g, budget, args.method, e) from None
     _write_json(args.output, schedule.to_dict())
     stats = {"method": args.method, "budget": budget, "no_remat_peak": reference, **schedule.stats}
     if args.json:
@@ -149,6 +152,18 @@ def cmd_solve(args: argparse.Namespace) -> int:
               f"peak): peak {format_bytes(stats['peak'])}, overhead {stats['overhead']:+.2%}, status "
               f"{stats.get('status', '?')}, solved in {stats.get('solve_seconds', 0):.2f} s; wrote {args.output}")
     return 0
+
+
+def _naming_a_method_that_meets(graph: Any, budget: int, method: str, error: BudgetError) -> BudgetError:
+    """``error`` with the method that meets ``budget`` named, with its peak and overhead, when one does."""
+    from bonsai_core.solvers import method_meeting
+
+    other = method_meeting(graph, budget, method)
+    if other is None:
+        return error
+    st = other.stats
+    return BudgetError(f"{error} {other.method} meets this budget (peak {format_bytes(st['peak'])}, overhead "
+                       f"{st['overhead']:+.2%}): --method {other.method}.")
 
 
 def cmd_methods(args: argparse.Namespace) -> int:

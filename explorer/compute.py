@@ -142,6 +142,17 @@ def no_remat(graph: Graph) -> SimResult:
     return simulate(graph, none_schedule(graph))
 
 
+@st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=16)
+def bonsai_reach(graph: Graph) -> int | None:
+    """The smallest budget bonsai meets on ``graph`` with its default options (bytes; None: not found)."""
+    from bonsai_core.solvers.bonsai import lowest_budget
+
+    try:
+        return lowest_budget(graph, time_limit=20.0)
+    except BonsaiError:
+        return None
+
+
 def names_option(method: str, option: str) -> bool:
     """Whether a method's solve function declares ``option`` by name (not just ``**options``)."""
     return option in (accepted_options(method) or ())

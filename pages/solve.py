@@ -25,6 +25,7 @@ def schedule() -> None:
     if not out.ok:
         state.show_error(out.error,
                          "Raise the budget in the sidebar, pick another method, or give the solver more time.")
+        offer_op_level_method(g, s, reference)
         return
 
     stats = out.schedule.stats
@@ -76,6 +77,35 @@ def schedule() -> None:
                        **({"outputs dropped": i in opened} if opened else {}),
                        **({"saved ops": len(saved.intersection(seg))} if saved else {})}
                       for i, seg in enumerate(segments)], hide_index=True, width="stretch")
+
+
+OP_LEVEL = "moccasin"  # its schedules may recompute any op, backward ones too: beyond checkpoint regions
+
+
+def offer_op_level_method(g, s: state.Settings, reference: int) -> None:
+    """Bonsai missed a budget that a schedule can fit: how low its checkpoint regions reach on this
+    graph, what the op-level method does at this budget, and a button that switches to it."""
+    if s.method != "bonsai" or s.budget < g.peak_lower_bound:
+        return
+    reach = compute.bonsai_reach(g)
+    other = state.outcome(OP_LEVEL)
+    text = ("On this graph bonsai's checkpoint regions reach "
+            + (f"**{format_bytes(reach)}** at best ({100 * reach / reference:.1f}% of the no-remat peak)"
+               if reach is not None else "no budget it could find in 20 s")
+            + f"; an op-level schedule can go down to the per-op bound, {format_bytes(g.peak_lower_bound)} "
+            f"({100 * g.peak_lower_bound / reference:.1f}%). ")
+    if not other.ok:
+        st.info(text + f"**{OP_LEVEL}** found no schedule within this budget either: {other.error}",
+                icon=":material/info:")
+        return
+    st.info(text + f"**{OP_LEVEL}** (op-level: it may recompute backward ops too) meets this budget: peak "
+            f"{format_bytes(other.sim.peak)}, overhead {100 * other.sim.overhead:+.2f}%.", icon=":material/info:")
+    if st.button(f"Switch to {OP_LEVEL}", key="switch_method", on_click=_switch_method, args=(OP_LEVEL,)):
+        st.rerun()  # the whole app: the sidebar's method selector is outside this fragment
+
+
+def _switch_method(method: str) -> None:
+    st.session_state["method"] = method
 
 
 state.follow_budget(schedule)

@@ -25,7 +25,7 @@ import typing
 from typing import Any, Callable, NamedTuple
 
 from bonsai_core.budget import format_bytes
-from bonsai_core.errors import BudgetError, SolverError
+from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, simulate
 
@@ -40,6 +40,9 @@ METHODS: dict[str, tuple[str, str, str]] = {
     "moccasin": ("bonsai_core.solvers.moccasin", "solve_moccasin", "Moccasin's retention-interval CP model on CP-SAT (option copies, default 2)"),
 }
 DEFAULT_METHOD = "bonsai"
+# Tried, in order, for a budget another method could not meet (:func:`method_meeting`): Moccasin's op-level
+# optimum, which may recompute backward ops too (beyond checkpoint regions), then DTR's fast heuristic.
+FALLBACK_METHODS = ("moccasin", "dtr")
 
 
 class MethodOption(NamedTuple):
@@ -208,3 +211,19 @@ def solve(graph: Graph, budget: int | None, method: str = DEFAULT_METHOD, **opti
             f"peaks at {format_bytes(sim.peak)} ({sim.peak} bytes). Raise the budget to at least that, "
             "or try another method.")
     return schedule
+
+
+def method_meeting(graph: Graph, budget: int, instead_of: str, time_limit: float = 15.0) -> Schedule | None:
+    """A schedule of another method within ``budget`` (one of :data:`FALLBACK_METHODS`, each under
+    ``time_limit`` seconds), for an error to name the method that meets a budget ``instead_of`` could
+    not; None when none does (or the budget is below the graph's per-op lower bound)."""
+    if budget < graph.peak_lower_bound:
+        return None
+    for method in FALLBACK_METHODS:
+        if method == instead_of:
+            continue
+        try:
+            return solve(graph, budget, method, time_limit=time_limit)
+        except BonsaiError:
+            continue
+    return None

@@ -456,3 +456,13 @@ def smallest_budget(graph: Graph, granularity: int | None = None, backend: str =
             return None, "time_limit"
         return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.rec.value))), \
             outcome.status
+
+
+def lowest_budget(graph: Graph, backend: str = DEFAULT_BACKEND, time_limit: float | None = None) -> int | None:
+    """The smallest budget bonsai meets with its default options: its model's at the top of the auto
+    ladder (:func:`smallest_budget`) or a seed plan's simulated peak, whichever is lower (None when the
+    model's search found nothing in ``time_limit`` and there is no seed)."""
+    model, _ = smallest_budget(graph, backend=backend, time_limit=time_limit)
+    with _graph_lock(graph):
+        seed = seeds(graph).lowest_peak(graph)
+    return min((b for b in (model, seed) if b is not None), default=None)
