@@ -22,6 +22,7 @@ import streamlit as st
 from bonsai_core import solvers
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
+from bonsai_core.regions import RegionBound, region_peak_bound
 from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate
 
 GRAPH_HASH = {Graph: lambda g: g.hash}
@@ -151,6 +152,12 @@ def bonsai_reach(graph: Graph) -> int | None:
         return lowest_budget(graph, time_limit=20.0)
     except BonsaiError:
         return None
+
+
+@st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=16)
+def region_bound(graph: Graph) -> RegionBound:
+    """The least peak of any checkpoint plan of ``graph`` (:func:`bonsai_core.regions.region_peak_bound`)."""
+    return region_peak_bound(graph)
 
 
 def names_option(method: str, option: str) -> bool:

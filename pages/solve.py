@@ -88,17 +88,21 @@ def offer_op_level_method(g, s: state.Settings, reference: int) -> None:
     if s.method != "bonsai" or s.budget < g.peak_lower_bound:
         return
     reach = compute.bonsai_reach(g)
+    bound = compute.region_bound(g)
     other = state.outcome(OP_LEVEL)
     text = ("On this graph bonsai's checkpoint regions reach "
             + (f"**{format_bytes(reach)}** at best ({100 * reach / reference:.1f}% of the no-remat peak)"
                if reach is not None else "no budget it could find in 20 s")
-            + f"; an op-level schedule can go down to the per-op bound, {format_bytes(g.peak_lower_bound)} "
-            f"({100 * g.peak_lower_bound / reference:.1f}%). ")
+            + (f"; no checkpoint plan at all goes below {format_bytes(bound.peak)} ({100 * bound.peak / reference:.1f}%): "
+               f"when `{g.names[bound.node]}` runs, every plan holds {format_bytes(bound.backward_bytes)} of backward "
+               "tensors and that op's inputs" if bound.node >= 0 else "")
+            + f". An op-level schedule, which may recompute backward ops too, can go down to the per-op bound, "
+            f"{format_bytes(g.peak_lower_bound)} ({100 * g.peak_lower_bound / reference:.1f}%). ")
     if not other.ok:
         st.info(text + f"**{OP_LEVEL}** found no schedule within this budget either: {other.error}",
                 icon=":material/info:")
         return
-    st.info(text + f"**{OP_LEVEL}** (op-level: it may recompute backward ops too) meets this budget: peak "
+    st.info(text + f"**{OP_LEVEL}** meets this budget: peak "
             f"{format_bytes(other.sim.peak)}, overhead {100 * other.sim.overhead:+.2f}%.", icon=":material/info:")
     if st.button(f"Switch to {OP_LEVEL}", key="switch_method", on_click=_switch_method, args=(OP_LEVEL,)):
         st.rerun()  # the whole app: the sidebar's method selector is outside this fragment
