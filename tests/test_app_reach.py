@@ -37,3 +37,31 @@ def test_no_offer_where_bonsai_meets_the_budget():
     at.switch_page("../pages/solve.py").run()
     assert not at.exception and not at.error
     assert not any("checkpoint regions reach" in i.value for i in at.info)
+
+
+PREVIEW_SECONDS = 3  # pages/solve.py's: how long the page waits for moccasin beside bonsai's error
+
+
+def slow_moccasin(graph, budget, *, time_limit=None):
+    """Stands in for moccasin: takes longer than the Solve page's preview, then gives the plain schedule."""
+    import time
+
+    from bonsai_core.schedule import none_schedule
+
+    time.sleep(PREVIEW_SECONDS + 0.5)
+    return none_schedule(graph)
+
+
+def test_a_slow_op_level_solve_is_not_waited_for_and_the_switch_is_still_offered(monkeypatch):
+    from bonsai_core import solvers
+
+    monkeypatch.setitem(solvers.METHODS, "moccasin", ("tests.test_app_reach", "slow_moccasin", "slow stand-in"))
+    at = AppTest.from_file("../" + APP, default_timeout=120)
+    at.query_params.update({**UNET, "budget": "97"})
+    at.run()
+    at.switch_page("../pages/solve.py").run()
+    assert not at.exception, at.exception
+    note = next(i.value for i in at.info if "checkpoint regions reach" in i.value)
+    assert f"did not finish within {PREVIEW_SECONDS} s" in note
+    at.button(key="switch_method").click().run()
+    assert at.session_state["method"] == "moccasin"
