@@ -144,10 +144,15 @@ def cmd_solve(args: argparse.Namespace) -> int:
     g = load_graph(args.graph)
     reference = no_remat_peak(g)
     budget = args.budget.resolve(reference)
-    if args.reserved:
-        schedule = solve_reserved(g, budget, args.method, policy=_allocator_policy(args), **options)
-    else:
-        schedule = solve(g, budget, method=args.method, **options)
+    try:
+        if args.reserved:
+            schedule = solve_reserved(g, budget, args.method, policy=_allocator_policy(args), **options)
+        else:
+            schedule = solve(g, budget, method=args.method, **options)
+    except BudgetError as e:
+        if args.reserved:  # another method's live-byte schedule says nothing of its reserved bytes
+            raise
+        raise _naming_a_method_that_meets(g, budget, args.method, e, options["time_limit"]) from None
     _write_json(args.output, schedule.to_dict())
     stats = {"method": args.method, "budget": budget, "no_remat_peak": reference, **schedule.stats}
     if args.json:
@@ -164,6 +169,20 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
 def _allocator_policy(args: argparse.Namespace) -> str:
     return "expandable" if args.expandable_segments else "caching"
+
+
+def _naming_a_method_that_meets(graph: Any, budget: int, method: str, error: BudgetError,
+                                time_limit: float | None) -> BudgetError:
+    """``error`` with the method that meets ``budget`` named, with its peak and overhead, when one does
+    (each method tried for at most 15 s, or the user's time limit if shorter)."""
+    from bonsai_core.solvers import method_meeting
+
+    other = method_meeting(graph, budget, method, time_limit=min(15.0, time_limit or 15.0))
+    if other is None:
+        return error
+    st = other.stats
+    return BudgetError(f"{error} {other.method} meets this budget (peak {format_bytes(st['peak'])}, overhead "
+                       f"{st['overhead']:+.2%}): --method {other.method}.")
 
 
 def cmd_methods(args: argparse.Namespace) -> int:

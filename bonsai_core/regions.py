@@ -29,13 +29,13 @@ The schedule stores the plan in ``Schedule.extra`` as ``{"segments": [[ids...], 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from bonsai_core.errors import ScheduleError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import Schedule, schedule_ops
+from bonsai_core.schedule import FREE, Schedule, none_schedule, schedule_ops
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,47 @@ def plan_schedule(graph: Graph, plan: CheckpointPlan, method: str) -> Schedule:
     """The validated-by-construction schedule of a plan, carrying the plan in ``extra``."""
     ops = schedule_ops(graph, checkpoint_sequence(graph, plan))
     return Schedule(graph=graph.name, method=method, ops=ops, graph_hash=graph.hash, extra=plan.to_extra())
+
+
+class RegionBound(NamedTuple):
+    """The least peak of any checkpoint plan (:func:`region_peak_bound`) and where it is."""
+
+    peak: int  # bytes, fixed_mem included
+    node: int  # the backward node whose computation sets it (-1: a graph without a backward pass)
+    backward_bytes: int  # of it, the backward tensors live then (the node's output included)
+
+
+def region_peak_bound(graph: Graph) -> RegionBound:
+    """A memory no checkpoint plan's schedule goes below, whatever its segments.
+
+    A plan rebuilds forward nodes only: the backward pass computes each backward node once, in listed
+    order, and frees it after its last reader, as the plain schedule does. So when backward node b is
+    computed, the backward nodes the plain schedule holds then, b's inputs and the bases of every view
+    among them are resident under every plan. On a graph whose plain peak is in the backward pass and
+    made mostly of backward tensors (a U-Net's skip gradient, held by a slice until the encoder's
+    backward adds it), this is close to the no-remat peak; an op-level schedule (checkmate, moccasin)
+    goes lower by recomputing backward nodes too. O(ops + edges)."""
+    best = RegionBound(graph.fixed_mem, -1, 0)
+    resident: set[int] = set()
+    for kind, v in none_schedule(graph).ops:
+        if kind == FREE:
+            resident.discard(v)
+            continue
+        resident.add(v)
+        if graph.is_forward[v]:
+            continue
+        backward = {u for u in resident if not graph.is_forward[u]}
+        live = backward | set(graph.deps(v).tolist())
+        stack = list(live)
+        while stack:  # a resident view keeps its base resident
+            a = int(graph.alias_of[stack.pop()])
+            if a >= 0 and a not in live:
+                live.add(a)
+                stack.append(a)
+        peak = graph.fixed_mem + int(graph.mem[list(live)].sum())
+        if peak > best.peak:
+            best = RegionBound(peak, v, int(graph.mem[list(backward)].sum()))
+    return best
 
 
 def forward_positions(graph: Graph) -> np.ndarray:

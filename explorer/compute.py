@@ -22,6 +22,7 @@ import streamlit as st
 from bonsai_core import solvers
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
+from bonsai_core.regions import RegionBound, region_peak_bound
 from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate
 
 GRAPH_HASH = {Graph: lambda g: g.hash}
@@ -140,6 +141,23 @@ def load_upload(data: bytes, filename: str) -> Model:
 @st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=16)
 def no_remat(graph: Graph) -> SimResult:
     return simulate(graph, none_schedule(graph))
+
+
+@st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=16)
+def bonsai_reach(graph: Graph) -> int | None:
+    """The smallest budget bonsai meets on ``graph`` with its default options (bytes; None: not found)."""
+    from bonsai_core.solvers.bonsai import lowest_budget
+
+    try:
+        return lowest_budget(graph, time_limit=20.0)
+    except BonsaiError:
+        return None
+
+
+@st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=16)
+def region_bound(graph: Graph) -> RegionBound:
+    """The least peak of any checkpoint plan of ``graph`` (:func:`bonsai_core.regions.region_peak_bound`)."""
+    return region_peak_bound(graph)
 
 
 def names_option(method: str, option: str) -> bool:

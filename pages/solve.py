@@ -25,6 +25,7 @@ def schedule() -> None:
     if not out.ok:
         state.show_error(out.error,
                          "Raise the budget in the sidebar, pick another method, or give the solver more time.")
+        offer_op_level_method(g, s, reference)
         return
 
     stats = out.schedule.stats
@@ -76,6 +77,47 @@ def schedule() -> None:
                        **({"outputs dropped": i in opened} if opened else {}),
                        **({"saved ops": len(saved.intersection(seg))} if saved else {})}
                       for i, seg in enumerate(segments)], hide_index=True, width="stretch")
+
+
+OP_LEVEL = "moccasin"  # its schedules may recompute any op, backward ones too: beyond checkpoint regions
+PREVIEW_SECONDS = 1.0  # moccasin's solve shown beside bonsai's error; past it, the switch runs it in full
+
+
+def offer_op_level_method(g, s: state.Settings, reference: int) -> None:
+    """Bonsai missed a budget that a schedule can fit: how low its checkpoint regions reach on this
+    graph, what the op-level method does at this budget, and a button that switches to it."""
+    if s.method != "bonsai" or s.budget < g.peak_lower_bound:
+        return
+    reach = compute.bonsai_reach(g)
+    bound = compute.region_bound(g)
+    try:  # a preview: a drag over budgets bonsai misses must not wait for a long solve at each one
+        other = compute.solve(g, s.budget, OP_LEVEL, state.options_for(OP_LEVEL), _cap=PREVIEW_SECONDS)
+    except compute.Unfinished:
+        other = None
+    text = ("On this graph bonsai's checkpoint regions reach "
+            + (f"**{format_bytes(reach)}** at best ({100 * reach / reference:.1f}% of the no-remat peak)"
+               if reach is not None else "no budget it could find in 20 s")
+            + (f"; no checkpoint plan at all goes below {format_bytes(bound.peak)} ({100 * bound.peak / reference:.1f}%): "
+               f"when `{g.names[bound.node]}` runs, every plan holds {format_bytes(bound.backward_bytes)} of backward "
+               "tensors and that op's inputs" if bound.node >= 0 else "")
+            + f". Op-level schedules, which may recompute backward ops too, are held only by the per-op bound, "
+            f"{format_bytes(g.peak_lower_bound)} ({100 * g.peak_lower_bound / reference:.1f}%). ")
+    if other is None:
+        st.info(text + f"**{OP_LEVEL}** did not finish within {PREVIEW_SECONDS:g} s here; switching runs it with "
+                "the sidebar's time limit.", icon=":material/info:")
+    elif not other.ok:
+        st.info(text + f"**{OP_LEVEL}** found no schedule within this budget either: {other.error}",
+                icon=":material/info:")
+        return
+    else:
+        st.info(text + f"**{OP_LEVEL}** meets this budget: peak {format_bytes(other.sim.peak)}, overhead "
+                f"{100 * other.sim.overhead:+.2f}%.", icon=":material/info:")
+    if st.button(f"Switch to {OP_LEVEL}", key="switch_method", on_click=_switch_method, args=(OP_LEVEL,)):
+        st.rerun()  # the whole app: the sidebar's method selector is outside this fragment
+
+
+def _switch_method(method: str) -> None:
+    st.session_state["method"] = method
 
 
 state.follow_budget(schedule)

@@ -635,3 +635,64 @@ def test_bad_gap_is_refused_with_a_clear_message(bad):
 
     with pytest.raises(SolverError, match="relative MIP gap"):
         solve(chain(3), None, "bonsai", gap=bad)
+
+
+@pytest.mark.parametrize("graph", [random_net(0), random_net(3), viewed_net(1, n=5), viewed_net(2, n=5),
+                                   reader_net(1, n=6), masked_net(0, n=5), Graph.from_dict(MUL8)],
+                         ids=lambda g: g.name)
+def test_no_checkpoint_plan_peaks_below_the_region_bound(graph):
+    """Every plan, with its recomputed segments keeping or dropping their outputs, peaks at or above
+    ``region_peak_bound``; where the plain peak is in the backward pass the bound is that peak's
+    backward part plus the op's inputs, so it is above the per-op lower bound or equal to it."""
+    from bonsai_core.regions import region_peak_bound
+
+    bound = region_peak_bound(graph)
+    peaks = [simulate(graph, plan_schedule(graph, plan, "brute")).peak for plan in all_plans_dropping_outputs(graph)]
+    assert min(peaks) >= bound.peak >= graph.fixed_mem
+    assert bound.node >= 0 and not graph.is_forward[bound.node]
+
+
+def test_the_region_bound_is_met_on_a_graph_whose_peak_is_a_backward_tensor():
+    """The backward pass's big tensor g1 (an input gradient bundled with a weight gradient) is held by
+    its view v1 until g3 reads it; at g2 every plan holds g1 and g2, so no plan goes below
+    fixed + g1 + g2, and dropping f0 (read again only by g3) until g3 is all a plan can do."""
+    nodes = [dict(name="f0", phase="forward", cost=1, mem=4, deps=[]),
+             dict(name="f1", phase="forward", cost=1, mem=4, deps=[0]),
+             dict(name="loss", phase="forward", cost=1, mem=1, deps=[1]),
+             dict(name="g1", phase="backward", cost=1, mem=40, deps=[1, 2]),
+             dict(name="v1", phase="backward", cost=0, mem=0, deps=[3], alias_of=3),
+             dict(name="g2", phase="backward", cost=1, mem=30, deps=[4]),
+             dict(name="g3", phase="backward", cost=1, mem=2, deps=[0, 4])]
+    g = Graph.from_nodes("held-gradient", 100, nodes)
+    from bonsai_core.regions import region_peak_bound
+
+    bound = region_peak_bound(g)
+    assert g.names[bound.node] == "g2" and bound.peak == 100 + 40 + 30 and bound.backward_bytes == 70
+    assert no_remat_peak(g) == bound.peak + 4  # f0 is live at g2 in the plain schedule
+    assert min(p for p, _ in brute_force(g)) == bound.peak
+    assert solve(g, bound.peak, "bonsai", reuse=False).stats["peak"] == bound.peak
+
+
+def test_a_small_unet_reaches_only_the_region_bound_and_moccasin_goes_below_it():
+    """The traced small U-Net: its plain peak is in the backward pass, where the concat's input
+    gradient (with its conv's weight gradient, one node) is held by the skip slice until the encoder's
+    backward adds it. Bonsai with dropped outputs reaches exactly the bound every checkpoint plan
+    obeys; one byte below, its error names the bound and moccasin, which recomputes that backward op."""
+    from bonsai_core.regions import region_peak_bound
+    from bonsai_core.trace import trace_zoo
+
+    g = trace_zoo("unet", batch=1, image=4, layers=1, width=16).graph
+    bound = region_peak_bound(g)
+    peak = no_remat_peak(g)
+    assert g.peak_lower_bound < bound.peak < peak and bound.peak > 0.98 * peak
+    assert g.names[bound.node] == "convolution_backward_4"
+    s = solve(g, bound.peak, "bonsai", drop_outputs=True, reuse=False)
+    assert s.stats["peak"] == bound.peak
+    with pytest.raises(BudgetError, match="No checkpoint plan fits below") as info:
+        solve(g, bound.peak - 1, "bonsai", drop_outputs=True, reuse=False)
+    assert "moccasin" in str(info.value)
+    half = (g.peak_lower_bound + peak) // 2
+    m = solve(g, half, "moccasin", time_limit=60)
+    recomputed = {v for k, v in m.ops if k == "compute"}
+    twice = [v for v in recomputed if sum(1 for k, u in m.ops if k == "compute" and u == v) > 1]
+    assert m.stats["peak"] <= half and any(not g.is_forward[v] for v in twice)

@@ -7,7 +7,7 @@ import pytest
 
 from bonsai_core.cli import main
 from bonsai_core.graph import load_graph
-from bonsai_core.schedule import load_schedule, simulate
+from bonsai_core.schedule import load_schedule, none_schedule, simulate
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +260,18 @@ def test_errors_in_user_input_name_the_cause_without_a_traceback(gpt_graph, tmp_
                        (["--method", "checkmate", "--option", "max_nodes=-1"], "max_nodes=-1")):
         assert main(["solve", str(gpt_graph), "--budget", "70%", *argv, "-o", str(tmp_path / "s.json")]) == 1
         assert said in capsys.readouterr().err
+
+
+def test_a_budget_bonsai_misses_names_the_method_that_meets_it(tmp_path, capsys):
+    """A small U-Net: bonsai's checkpoint regions reach 99.3% of the no-remat peak at best; halfway
+    between the per-op bound and the peak, moccasin meets the budget by recomputing a backward op."""
+    graph = tmp_path / "unet.json"
+    assert main(["trace", "unet", "--batch", "1", "--image", "4", "--layers", "1", "--width", "16", "-o", str(graph)]) == 0
+    g = load_graph(graph)
+    half = (g.peak_lower_bound + simulate(g, none_schedule(g)).peak) // 2
+    capsys.readouterr()
+    assert main(["solve", str(graph), "--budget", str(half), "-o", str(tmp_path / "s.json")]) == 1
+    err = capsys.readouterr().err
+    assert "smallest budget it can guarantee" in err and "moccasin meets this budget" in err, err
+    assert "--method moccasin" in err and "Traceback" not in err
+    assert main(["solve", str(graph), "--budget", str(half), "--method", "moccasin", "-o", str(tmp_path / "s.json")]) == 0

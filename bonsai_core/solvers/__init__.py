@@ -25,7 +25,7 @@ import typing
 from typing import Any, Callable, NamedTuple
 
 from bonsai_core.budget import format_bytes
-from bonsai_core.errors import BudgetError, SolverError
+from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, simulate
 
@@ -40,6 +40,9 @@ METHODS: dict[str, tuple[str, str, str]] = {
     "moccasin": ("bonsai_core.solvers.moccasin", "solve_moccasin", "Moccasin's retention-interval CP model on CP-SAT (option copies, default 2)"),
 }
 DEFAULT_METHOD = "bonsai"
+# Tried, in order, for a budget another method could not meet (:func:`method_meeting`): Moccasin's op-level
+# optimum, which may recompute backward ops too (beyond checkpoint regions), then DTR's fast heuristic.
+FALLBACK_METHODS = ("moccasin", "dtr")
 
 
 class MethodOption(NamedTuple):
@@ -251,3 +254,19 @@ def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, p
     raise BudgetError(f"Method {method!r} found no schedule of {graph.name!r} whose {policy} allocator reserves at "
                       f"most {format_bytes(budget)}.{reached} Raise the budget, or try another method or "
                       "expandable segments (less rounding waste).")
+
+
+def method_meeting(graph: Graph, budget: int, instead_of: str, time_limit: float = 15.0) -> Schedule | None:
+    """A schedule of another method within ``budget`` (one of :data:`FALLBACK_METHODS`, each under
+    ``time_limit`` seconds), for an error to name the method that meets a budget ``instead_of`` could
+    not; None when none does (or the budget is below the graph's per-op lower bound)."""
+    if budget < graph.peak_lower_bound:
+        return None
+    for method in FALLBACK_METHODS:
+        if method == instead_of:
+            continue
+        try:
+            return solve(graph, budget, method, time_limit=time_limit)
+        except BonsaiError:
+            continue
+    return None

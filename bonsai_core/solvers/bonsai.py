@@ -54,7 +54,8 @@ import numpy as np
 from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
-from bonsai_core.regions import CheckpointPlan, block_plans, checkpoint_sequence, forward_positions, plan_schedule
+from bonsai_core.regions import (CheckpointPlan, block_plans, checkpoint_sequence, forward_positions, plan_schedule,
+                                 region_peak_bound)
 from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.segment import default_granularity, op_count, segment
 from bonsai_core.solvers.bonsai_coef import PlainProfile, plain_profile, saved_positions, self_contained_from
@@ -434,10 +435,17 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
     widen = "a larger --granularity" + ("" if drop_outputs else ", --option drop_outputs=true")
     if regions == "modules":
         where, widen = "module calls only", "regions 'any' (runs of ops)"
+    bound = region_peak_bound(graph)
+    if budget < bound.peak:  # the limit of checkpoint regions themselves, not of this model
+        widen = "or use a method that also recomputes backward ops (moccasin, checkmate)"
+        note += (f". No checkpoint plan fits below {format_bytes(bound.peak)}: when {graph.names[bound.node]!r} runs "
+                 f"in the backward pass, every plan holds {format_bytes(bound.backward_bytes)} of backward tensors")
+    else:
+        widen = f"try {widen}, or another method"
     return BudgetError(
         f"bonsai ({where}) found no checkpoint plan of {graph.name!r} within {format_bytes(budget)}: the smallest "
         f"budget it can guarantee is {format_bytes(smallest)} ({smallest} bytes){note}. Raise the budget to at "
-        f"least that, try {widen}, or another method.")
+        f"least that, {widen}.")
 
 
 def smallest_budget(graph: Graph, granularity: int | None = None, backend: str = DEFAULT_BACKEND,
@@ -456,3 +464,13 @@ def smallest_budget(graph: Graph, granularity: int | None = None, backend: str =
             return None, "time_limit"
         return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.rec.value))), \
             outcome.status
+
+
+def lowest_budget(graph: Graph, backend: str = DEFAULT_BACKEND, time_limit: float | None = None) -> int | None:
+    """The smallest budget bonsai meets with its default options: its model's at the top of the auto
+    ladder (:func:`smallest_budget`) or a seed plan's simulated peak, whichever is lower (None when the
+    model's search found nothing in ``time_limit`` and there is no seed)."""
+    model, _ = smallest_budget(graph, backend=backend, time_limit=time_limit)
+    with _graph_lock(graph):
+        seed = seeds(graph).lowest_peak(graph)
+    return min((b for b in (model, seed) if b is not None), default=None)
