@@ -63,6 +63,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
 from bonsai_core.schedule import Schedule, schedule_ops, simulate
+from bonsai_core.trace import built_for_tracing
 
 @dataclass(frozen=True)
 class Unit:
@@ -247,10 +248,6 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
 
     Raises ExportError for a schedule that is not a checkpoint-region plan (use the replay back-end),
     ScheduleError when the schedule was made for another graph."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from bonsai_core import zoo
-
     if "segments" not in schedule.extra:
         raise ExportError(
             f"The checkpoint back-end applies checkpoint-region plans (methods bonsai and chen); this "
@@ -261,8 +258,7 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
     graph = traced.graph
     sim = simulate(graph, schedule)
     plan = CheckpointPlan.from_extra(schedule.extra)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        net, inputs, loss_fn = zoo.build(model, seed=seed, **options)
+    with built_for_tracing(model, seed, **options) as (net, inputs, loss_fn):
         step = record_step(net, inputs, loss_fn)
     lay = layout(graph, plan, step)
     info = {"graph": graph.name, "graph_hash": graph.hash, "method": schedule.method, "budget": schedule.budget,

@@ -74,7 +74,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES, DeviceProfile, op_cost
-from bonsai_core.errors import ModelError
+from bonsai_core.errors import ModelError, ValueReadError
 from bonsai_core.graph import Graph
 from bonsai_core.tensors import storage_bytes, tensors_in
 
@@ -140,9 +140,64 @@ def trace_zoo(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autocast
 
     label = name if not options else name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
     label += f" autocast {autocast}" if autocast else ""
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model, inputs, loss_fn = zoo.build(name, seed=seed, **options)
+    with built_for_tracing(name, seed, **options) as (model, inputs, loss_fn):
         return trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast)
+
+
+# -- building a model to trace -------------------------------------------------------------------
+
+@contextlib.contextmanager
+def built_for_tracing(name: str, seed: int = 0, **options: Any) -> Iterator[tuple[nn.Module, tuple[torch.Tensor, ...], Any]]:
+    """Within a ``FakeTensorMode``: the zoo model or factory ``name`` built by the first way that works
+    (:func:`_build_for_tracing`), yielded as (model, inputs, loss_fn) to trace there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield _build_for_tracing(name, seed, options)
+
+
+def _build_for_tracing(name: str, seed: int, options: dict[str, Any]) -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:
+    """Build under the ambient FakeTensorMode, trying in order: (1) the factory as written, on fake
+    tensors; (2) the same with ``torch.nn.init`` skipped, for a constructor that reads a value only
+    while initialising weights (``trunc_normal_`` checks ``mask.any()``): fake tensors have no values
+    to initialise, and the plan does not depend on them; (3) on real CPU tensors (the weights are
+    allocated), for a constructor that reads a value otherwise (``x.item() for x in torch.linspace(...)``).
+    Tracing then runs on fake copies of whatever was built. The factory's inputs and loss are built
+    as written in each."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from bonsai_core import zoo
+
+    try:
+        return zoo.build(name, seed=seed, **options)
+    except ValueReadError:
+        pass
+    try:
+        with _initialisation_skipped():
+            return zoo.build(name, seed=seed, **options)
+    except ValueReadError:
+        pass
+    with unset_fake_temporarily():
+        return zoo.build(name, seed=seed, **options)
+
+
+# torch.nn.init's in-place initialisers: the public ones, and the helpers they call by name (which also
+# catches libraries that keep their own references to the public ones, as transformers does).
+_INIT_HELPERS = ("_no_grad_uniform_", "_no_grad_normal_", "_no_grad_trunc_normal_", "_no_grad_fill_", "_no_grad_zero_")
+
+
+@contextlib.contextmanager
+def _initialisation_skipped() -> Iterator[None]:
+    """Within: every ``torch.nn.init`` initialiser returns its tensor untouched."""
+    def untouched(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor
+
+    names = [n for n in (*_INIT_HELPERS, *getattr(nn.init, "__all__", ()))
+             if n.endswith("_") and callable(getattr(nn.init, n, None))]
+    with contextlib.ExitStack() as stack:
+        for n in names:
+            stack.enter_context(mock.patch.object(nn.init, n, untouched))
+        yield
 
 
 def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from bonsai_core.errors import BonsaiError
 from bonsai_core.schedule import COMPUTE, FREE, Schedule
-from bonsai_core.trace import _IDENTITY_OPS, Traced
+from bonsai_core.trace import _IDENTITY_OPS, Traced, built_for_tracing
 
 # Kernels the tracer picked for its own device, and the runtime helpers (same arguments and outputs)
 # that call the kernel of the device the step runs on: a program runs wherever its batch is.
@@ -44,12 +44,7 @@ class StepSignature:
 
 def step_signature(model: str, options: dict[str, Any], seed: int = 0) -> StepSignature:
     """The placeholders of ``model``'s traced step (built on fake tensors: no real memory)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from bonsai_core import zoo
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        net, inputs, loss_fn = zoo.build(model, seed=seed, **options)
+    with built_for_tracing(model, seed, **options) as (net, inputs, loss_fn):
         return signature_of(net, inputs, loss_fn)
 
 
