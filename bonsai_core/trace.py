@@ -248,7 +248,7 @@ def _module_spans(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: C
     fake = all(isinstance(x, FakeTensor) for x in inputs)
     try:
         with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), _autocast(autocast), \
-                _grouped_mm_as_its_kernels(), _quiet_meta_failures():
+                _grouped_mm_as_its_kernels(), _libraries_compiling(), _quiet_meta_failures():
             step = record_step(model, inputs, loss_fn)
     except Exception:  # noqa: BLE001 (any failure only means no module structure)
         return []
@@ -369,8 +369,18 @@ _DROPOUTS.update({f: inspect.Signature([inspect.Parameter(n, inspect.Parameter.P
 def _as_in_eager() -> Iterator[None]:
     """What tracing changes so that the graph is the step eager runs: no copy for a dropout that
     drops nothing, ``torch._assert`` on tensors skipped, and float32/float16 grouped matmuls shaped
-    as their kernels shape them."""
-    with _skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels():
+    as their kernels shape them; libraries take their compile-time path (:func:`_libraries_compiling`)."""
+    with _skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels(), _libraries_compiling():
+        yield
+
+
+@contextlib.contextmanager
+def _libraries_compiling() -> Iterator[None]:
+    """Within: ``torch.compiler.is_compiling()`` is True, as under ``torch.compile``/``torch.export``.
+    Libraries ask it to skip code that reads tensor values when traced: transformers' causal mask
+    checks whether the positions of a call without an attention mask are packed sequences
+    (``(mask == 0).all()``) unless compiling, and then builds the mask from those positions instead."""
+    with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
         yield
 
 
