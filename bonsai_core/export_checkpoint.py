@@ -58,7 +58,7 @@ import torch.nn as nn
 
 from bonsai_core.errors import ModelError, ScheduleError
 from bonsai_core.export import ExportError, load_export, trace_for_schedule
-from bonsai_core.export.verify import PEAK_TOLERANCE, measuring_device
+from bonsai_core.export.verify import PEAK_TOLERANCE, largest_differences, gradient_problem, measuring_device
 from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
@@ -434,6 +434,8 @@ class CheckpointVerification:
     seconds_original: float
     seconds_exported: float
     predicted_overhead: float
+    max_grad_scaled_diff: float = 0.0  # largest gradient difference / that tensor's largest magnitude
+    autocast: str | None = None
 
     @property
     def loss_diff(self) -> float:
@@ -464,8 +466,9 @@ class CheckpointVerification:
 
     def problems(self, atol: float = 1e-5, peak_tolerance: float = PEAK_TOLERANCE) -> list[str]:
         """What is wrong, in words; empty when the export is verified."""
-        out = [f"{what} differs by {diff:.3g} (> {atol:g})"
-               for what, diff in (("the loss", self.loss_diff), ("a gradient", self.max_grad_diff)) if diff > atol]
+        out = [f"the loss differs by {self.loss_diff:.3g} (> {atol:g})"] if self.loss_diff > atol else []
+        grads = gradient_problem(self.max_grad_diff, self.max_grad_scaled_diff, atol, self.autocast)
+        out += [grads] if grads else []
         if self.judged_on_realised:
             if abs(self.realised_peak_error) > peak_tolerance:
                 out.append(f"the measured peak is {self.realised_peak_error:+.1%} off what the checkpoints run, "
@@ -535,14 +538,15 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
 
     original, reference, t_original = run(False)
     measured, grads, t_exported = run(True)
-    diff = max((float((grads[n] - reference[n]).abs().max()) for n in reference if n in grads), default=0.0)
+    diff, scaled = largest_differences({n: g for n, g in grads.items() if n in reference}, reference)
     return CheckpointVerification(
         device=measured.device, batch=opts.get("batch"), traced_size=traced_size,
         loss_original=original.loss, loss_exported=measured.loss, max_grad_diff=diff,
         predicted_peak=int(exported.INFO["predicted_peak"]) if traced_size and not autocast else None,
         realised_peak=int(exported.INFO["realised_peak"]) if traced_size and not autocast else None,
         measured_peak=measured.peak, original_peak=original.peak, seconds_original=t_original,
-        seconds_exported=t_exported, predicted_overhead=float(exported.INFO["overhead"]))
+        seconds_exported=t_exported, predicted_overhead=float(exported.INFO["overhead"]),
+        max_grad_scaled_diff=scaled, autocast=autocast)
 
 
 def _sync(dev: torch.device) -> None:

@@ -87,6 +87,7 @@ DATA_DEPENDENT_ERRORS = ("DataDependentOutputException", "GuardOnDataDependentSy
                           "DynamicOutputShapeException", "UnsupportedOperatorException")
 # torch.nn.functional's check that a training-mode batch norm has batch statistics to compute
 _ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
+_FIRST_RNN_TRACE = "len(gradients_to_parameters)="
 _UNMARKED_VIEWS = {"aten._unsafe_view.default"}  # views whose schema does not say so
 _IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -279,7 +280,14 @@ def _export_joint(step: _Step, inputs: tuple[torch.Tensor, ...], name: str) -> t
     with _quiet_meta_failures() as failures:
         try:
             with _as_in_eager():
-                return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+                try:
+                    return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+                except AssertionError as e:
+                    if _FIRST_RNN_TRACE not in str(e):
+                        raise
+                    # torch 2.13: the first joint trace of a recurrent layer (nn.LSTM) in a process
+                    # miscounts its gradient outputs; the same trace again is right
+                    return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
         except Exception as e:  # torch raises many types here; the user needs the message, not the stack
             if "did not receive a gradient" in str(e):
                 raise _NoGradient() from None

@@ -125,3 +125,18 @@ def make_linspace_rates(batch: int = 2, width: int = 8, layers: int = 3):
     rates = [x.item() for x in torch.linspace(0.0, 0.2, layers)]
     model = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Dropout(r)) for r in rates))
     return model, (torch.randn(batch, width),), MSELoss(torch.zeros(batch, width))
+
+
+class _ReadsInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.mix(x) if x.sum() > 0 else x
+
+
+def make_reads_in_forward():
+    from bonsai_core.zoo import MSELoss
+
+    return _ReadsInForward(), (torch.randn(2, 4),), MSELoss(torch.zeros(2, 4))
