@@ -206,7 +206,18 @@ def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Call
     """Trace one training step of ``model`` on ``inputs`` with ``loss_fn`` into a Graph.
 
     ``autocast`` ("bf16" | "fp16") traces the step under ``torch.autocast``: the graph holds the casts
-    and the lower-precision tensors autocast makes."""
+    and the lower-precision tensors autocast makes. A step that reads a tensor's value is traced
+    again with libraries on their compile-time path (:func:`_libraries_compiling`); what still reads
+    one raises :class:`ValueReadError`."""
+    try:
+        return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
+    except ValueReadError:
+        with _libraries_compiling():
+            return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
+
+
+def _trace_step_once(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
+                     name: str, profile: str, autocast: str | None) -> Traced:
     if profile not in PROFILES:
         raise ModelError(f"Unknown cost model {profile!r}; choose one of: {', '.join(PROFILES)}.")
     cast = _autocast(autocast)
@@ -249,7 +260,7 @@ def _module_spans(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: C
     fake = all(isinstance(x, FakeTensor) for x in inputs)
     try:
         with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), _autocast(autocast), \
-                _grouped_mm_as_its_kernels(), _libraries_compiling(), _quiet_meta_failures():
+                _grouped_mm_as_its_kernels(), _quiet_meta_failures():
             step = record_step(model, inputs, loss_fn)
     except Exception:  # noqa: BLE001 (any failure only means no module structure)
         return []
@@ -302,7 +313,7 @@ def _model_error(e: Exception, step: _Step, name: str, failed_ops: Sequence[str]
                           "Make loss_fn an nn.Module that holds them as buffers, like "
                           "bonsai_core.zoo.CrossEntropyLoss.")
     if type(e).__name__ in DATA_DEPENDENT_ERRORS:
-        return ModelError(f"Tracing {name!r} failed: {user_code(e, step)} reads a tensor's value "
+        return ValueReadError(f"Tracing {name!r} failed: {user_code(e, step)} reads a tensor's value "
                           f"({str(e).splitlines()[0]}): `.item()`, `int()`/`bool()` of a tensor, or an `if` on "
                           "one. Tracing runs on shapes only, so no value is known there. Make the code "
                           "independent of tensor values (`torch.where` instead of an `if`, checks on "
@@ -377,8 +388,8 @@ _DROPOUTS.update({f: inspect.Signature([inspect.Parameter(n, inspect.Parameter.P
 def _as_in_eager() -> Iterator[None]:
     """What tracing changes so that the graph is the step eager runs: no copy for a dropout that
     drops nothing, ``torch._assert`` on tensors skipped, and float32/float16 grouped matmuls shaped
-    as their kernels shape them; libraries take their compile-time path (:func:`_libraries_compiling`)."""
-    with _skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels(), _libraries_compiling():
+    as their kernels shape them."""
+    with _skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels():
         yield
 
 
@@ -387,7 +398,9 @@ def _libraries_compiling() -> Iterator[None]:
     """Within: ``torch.compiler.is_compiling()`` is True, as under ``torch.compile``/``torch.export``.
     Libraries ask it to skip code that reads tensor values when traced: transformers' causal mask
     checks whether the positions of a call without an attention mask are packed sequences
-    (``(mask == 0).all()``) unless compiling, and then builds the mask from those positions instead."""
+    (``(mask == 0).all()``) unless compiling, and then builds the mask from those positions instead.
+    Only for a step that reads a value otherwise: the compile-time path may run other kernels than
+    eager (transformers' mixture-of-experts layers do), and the graph is to be eager's."""
     with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
         yield
 
