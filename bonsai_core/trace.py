@@ -40,6 +40,11 @@ tensors: it raises a :class:`ModelError` naming the module and the source line. 
 whose condition is a tensor is only a check, not a branch, so it is skipped while tracing (the
 user's own eager run still checks it).
 
+A constructor that reads a tensor's value (``trunc_normal_`` checks ``mask.any()``) is built again
+with ``torch.nn.init`` skipped, then on real CPU tensors (:func:`built_for_tracing`). A step whose
+forward reads a value is traced again with ``torch.compiler.is_compiling()`` True, so library code
+takes its compile-time path (:func:`_libraries_compiling`).
+
 A dropout that drops nothing (``p == 0``, as in Llama's and ViT's configs, or not training) returns
 its input in eager PyTorch; AOTAutograd's decomposition would record a ``clone`` that eager never
 makes, so while tracing such a dropout returns its input and the graph has no node for it.
