@@ -59,6 +59,7 @@ dropped and the op is named in the :class:`ModelError` instead.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import operator
@@ -202,8 +203,44 @@ def _initialisation_skipped() -> Iterator[None]:
              if n.endswith("_") and callable(getattr(nn.init, n, None))]
     with contextlib.ExitStack() as stack:
         for n in names:
-            stack.enter_context(mock.patch.object(nn.init, n, untouched))
+            stack.enter_context(_in_this_thread(nn.init, n, untouched))
         yield
+
+
+_thread_patches: dict[tuple[int, str], list[Any]] = {}  # (owner, attr) -> [original, active, users]
+_thread_patches_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _in_this_thread(owner: Any, attr: str, replacement: Callable[..., Any]) -> Iterator[None]:
+    """Within: ``owner.attr(...)`` calls ``replacement`` in this thread only: traces run in threads of
+    the explorer, and another thread's trace must keep the original. While any thread is within, a
+    dispatcher stands in for the original; the last one out puts the original back."""
+    key = (id(owner), attr)
+    with _thread_patches_lock:
+        if key not in _thread_patches:
+            original, active = getattr(owner, attr), threading.local()
+
+            @functools.wraps(original)
+            def dispatch(*args: Any, **kwargs: Any) -> Any:
+                return (getattr(active, "function", None) or original)(*args, **kwargs)
+
+            _thread_patches[key] = [original, active, 0]
+            setattr(owner, attr, dispatch)
+        entry = _thread_patches[key]
+        entry[2] += 1
+    active = entry[1]
+    previous = getattr(active, "function", None)
+    active.function = replacement
+    try:
+        yield
+    finally:
+        active.function = previous
+        with _thread_patches_lock:
+            entry[2] -= 1
+            if entry[2] == 0:
+                setattr(owner, attr, entry[0])
+                del _thread_patches[key]
 
 
 def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
@@ -406,7 +443,7 @@ def _libraries_compiling() -> Iterator[None]:
     (``(mask == 0).all()``) unless compiling, and then builds the mask from those positions instead.
     Only for a step that reads a value otherwise: the compile-time path may run other kernels than
     eager (transformers' mixture-of-experts layers do), and the graph is to be eager's."""
-    with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
+    with _in_this_thread(torch.compiler, "is_compiling", lambda: True):
         yield
 
 

@@ -84,3 +84,21 @@ def test_a_gradient_is_judged_relative_to_its_scale():
                         original_peak=1000, seconds_original=1.0, seconds_exported=1.0, predicted_overhead=0.0)
     assert not CheckpointVerification(**checkpointed, max_grad_scaled_diff=2e-6).problems()
     assert CheckpointVerification(**checkpointed, max_grad_scaled_diff=1e-3).problems()
+
+
+def test_library_patches_hold_in_the_tracing_thread_only_and_are_put_back():
+    import threading
+
+    import torch
+
+    from bonsai_core.trace import _libraries_compiling
+
+    original = torch.compiler.is_compiling
+    seen = {}
+    with _libraries_compiling():
+        other = threading.Thread(target=lambda: seen.update(other=torch.compiler.is_compiling()))
+        other.start()
+        other.join()
+        seen["here"] = torch.compiler.is_compiling()
+    assert seen == {"here": True, "other": False}
+    assert torch.compiler.is_compiling is original
