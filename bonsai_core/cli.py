@@ -375,7 +375,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(json.dumps({**report, "ok": ok, "problems": problems}))
         return 0 if ok else 1
     print(f"on {report.get('device', args.device)}: loss {report['loss_exported']:.6g} (original {report['loss_original']:.6g}, "
-          f"difference {report['loss_diff']:.3g}); largest gradient difference {report['max_grad_diff']:.3g}")
+          f"difference {report['loss_diff']:.3g}); {_gradient_difference(report)}")
     if report.get("predicted_peak") is None:  # the checkpoint back-end away from the traced size
         print(f"peak: measured {format_bytes(report['measured_peak'])} (no prediction for this size); original "
               f"model {format_bytes(report['original_peak'])}")
@@ -397,6 +397,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
               f"{report.get('predicted_overhead') or 0.0:+.1%} predicted compute)")
     print("OK" if ok else "MISMATCH: " + "; ".join(problems))
     return 0 if ok else 1
+
+
+def _gradient_difference(report: dict[str, Any]) -> str:
+    """The largest gradient difference, absolute and relative to its tensor's largest magnitude."""
+    absolute = max(report["max_grad_diff"], report.get("max_grad_diff_grads_none", 0.0))
+    if absolute == 0:
+        return "gradients bitwise equal"
+    return (f"largest gradient difference {absolute:.3g} absolute, "
+            f"{report.get('max_grad_scaled_diff', 0.0):.3g} of its tensor's largest magnitude")
 
 
 def explorer_root() -> Path:

@@ -25,5 +25,9 @@ class ModelError(BonsaiError):
     """A model could not be found, built or traced."""
 
 
+class ValueReadError(ModelError):
+    """Building or tracing a model read a tensor's value, which fake tensors (shapes only) do not have."""
+
+
 class SolverError(BonsaiError):
     """A solver failed, timed out without a solution, or is not installed."""

@@ -68,11 +68,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bonsai_core.errors import ModelError, ScheduleError
 from bonsai_core.export import ExportError, load_export, trace_for_schedule
-from bonsai_core.export.verify import PEAK_TOLERANCE, measuring_device
+from bonsai_core.export.verify import PEAK_TOLERANCE, largest_differences, gradient_problem, measuring_device
 from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
 from bonsai_core.schedule import Schedule, schedule_ops, simulate
+from bonsai_core.trace import _build_for_tracing as build_for_tracing, built_for_tracing
 
 # Fused attention kernels by device, one name in the policy: the export records the step on CPU.
 SAME_OP = {f"aten.{kernel}.default": "scaled_dot_product_attention"
@@ -402,10 +403,6 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
 
     Raises ExportError for a schedule that is not a checkpoint-region plan (use the replay back-end),
     ScheduleError when the schedule was made for another graph."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from bonsai_core import zoo
-
     if "segments" not in schedule.extra:
         raise ExportError(
             f"The checkpoint back-end applies checkpoint-region plans (methods bonsai and chen); this "
@@ -416,8 +413,7 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
     graph = traced.graph
     sim = simulate(graph, schedule)
     plan = CheckpointPlan.from_extra(schedule.extra)
-    with FakeTensorMode(allow_non_fake_inputs=True), _on_fake_tensors(model):
-        net, inputs, loss_fn = zoo.build(model, seed=seed, **options)
+    with built_for_tracing(model, seed, **options) as (net, inputs, loss_fn), _on_fake_tensors(model):
         cache = kv_cache_type()
         for module in net.modules() if cache is not None else ():  # as the checkpointed submodules will run
             module.forward = without_caches(module.forward, cache)
@@ -435,7 +431,7 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
                 "dropped_bytes": lay.dropped_bytes, "unrealised_dropped_bytes": lay.unrealised_bytes,
                 "unrealised_dropped_nodes": len(lay.unrealised), "not_checkpointed": dict(not_checkpointed)}
         source = generate_source(info, lay)
-        mismatched = recomputation_mismatches(source, lambda: zoo.build(model, seed=seed, **options), model)
+        mismatched = recomputation_mismatches(source, lambda: build_for_tracing(model, seed, options), model)
         if not mismatched:
             break
         not_checkpointed.update(mismatched)
@@ -626,6 +622,8 @@ class CheckpointVerification:
     seconds_original: float
     seconds_exported: float
     predicted_overhead: float
+    max_grad_scaled_diff: float = 0.0  # largest gradient difference / that tensor's largest magnitude
+    autocast: str | None = None
 
     @property
     def loss_diff(self) -> float:
@@ -656,8 +654,9 @@ class CheckpointVerification:
 
     def problems(self, atol: float = 1e-5, peak_tolerance: float = PEAK_TOLERANCE) -> list[str]:
         """What is wrong, in words; empty when the export is verified."""
-        out = [f"{what} differs by {diff:.3g} (> {atol:g})"
-               for what, diff in (("the loss", self.loss_diff), ("a gradient", self.max_grad_diff)) if diff > atol]
+        out = [f"the loss differs by {self.loss_diff:.3g} (> {atol:g})"] if self.loss_diff > atol else []
+        grads = gradient_problem(self.max_grad_diff, self.max_grad_scaled_diff, atol, self.autocast)
+        out += [grads] if grads else []
         if self.judged_on_realised:
             if abs(self.realised_peak_error) > peak_tolerance:
                 out.append(f"the measured peak is {self.realised_peak_error:+.1%} off what the checkpoints run, "
@@ -727,14 +726,15 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
 
     original, reference, t_original = run(False)
     measured, grads, t_exported = run(True)
-    diff = max((float((grads[n] - reference[n]).abs().max()) for n in reference if n in grads), default=0.0)
+    diff, scaled = largest_differences({n: g for n, g in grads.items() if n in reference}, reference)
     return CheckpointVerification(
         device=measured.device, batch=opts.get("batch"), traced_size=traced_size,
         loss_original=original.loss, loss_exported=measured.loss, max_grad_diff=diff,
         predicted_peak=int(exported.INFO["predicted_peak"]) if traced_size and not autocast else None,
         realised_peak=int(exported.INFO["realised_peak"]) if traced_size and not autocast else None,
         measured_peak=measured.peak, original_peak=original.peak, seconds_original=t_original,
-        seconds_exported=t_exported, predicted_overhead=float(exported.INFO["overhead"]))
+        seconds_exported=t_exported, predicted_overhead=float(exported.INFO["overhead"]),
+        max_grad_scaled_diff=scaled, autocast=autocast)
 
 
 def _sync(dev: torch.device) -> None:

@@ -40,6 +40,11 @@ tensors: it raises a :class:`ModelError` naming the module and the source line. 
 whose condition is a tensor is only a check, not a branch, so it is skipped while tracing (the
 user's own eager run still checks it).
 
+A constructor that reads a tensor's value (``trunc_normal_`` checks ``mask.any()``) is built again
+with ``torch.nn.init`` skipped, then on real CPU tensors (:func:`built_for_tracing`). A step whose
+forward reads a value is traced again with ``torch.compiler.is_compiling()`` True, so library code
+takes its compile-time path (:func:`_libraries_compiling`).
+
 A dropout that drops nothing (``p == 0``, as in Llama's and ViT's configs, or not training) returns
 its input in eager PyTorch; AOTAutograd's decomposition would record a ``clone`` that eager never
 makes, so while tracing such a dropout returns its input and the graph has no node for it.
@@ -54,6 +59,7 @@ dropped and the op is named in the :class:`ModelError` instead.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import operator
@@ -74,7 +80,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES, DeviceProfile, op_cost
-from bonsai_core.errors import ModelError
+from bonsai_core.errors import ModelError, ValueReadError
 from bonsai_core.graph import Graph
 from bonsai_core.tensors import storage_bytes, tensors_in
 
@@ -87,6 +93,7 @@ DATA_DEPENDENT_ERRORS = ("DataDependentOutputException", "GuardOnDataDependentSy
                           "DynamicOutputShapeException", "UnsupportedOperatorException")
 # torch.nn.functional's check that a training-mode batch norm has batch statistics to compute
 _ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
+_FIRST_RNN_TRACE = "len(gradients_to_parameters)="
 _UNMARKED_VIEWS = {"aten._unsafe_view.default"}  # views whose schema does not say so
 _IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -140,9 +147,100 @@ def trace_zoo(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autocast
 
     label = name if not options else name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
     label += f" autocast {autocast}" if autocast else ""
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model, inputs, loss_fn = zoo.build(name, seed=seed, **options)
+    with built_for_tracing(name, seed, **options) as (model, inputs, loss_fn):
         return trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast)
+
+
+# -- building a model to trace -------------------------------------------------------------------
+
+@contextlib.contextmanager
+def built_for_tracing(name: str, seed: int = 0, **options: Any) -> Iterator[tuple[nn.Module, tuple[torch.Tensor, ...], Any]]:
+    """Within a ``FakeTensorMode``: the zoo model or factory ``name`` built by the first way that works
+    (:func:`_build_for_tracing`), yielded as (model, inputs, loss_fn) to trace there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield _build_for_tracing(name, seed, options)
+
+
+def _build_for_tracing(name: str, seed: int, options: dict[str, Any]) -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:
+    """Build under the ambient FakeTensorMode, trying in order: (1) the factory as written, on fake
+    tensors; (2) the same with ``torch.nn.init`` skipped, for a constructor that reads a value only
+    while initialising weights (``trunc_normal_`` checks ``mask.any()``): fake tensors have no values
+    to initialise, and the plan does not depend on them; (3) on real CPU tensors (the weights are
+    allocated), for a constructor that reads a value otherwise (``x.item() for x in torch.linspace(...)``).
+    Tracing then runs on fake copies of whatever was built. The factory's inputs and loss are built
+    as written in each."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from bonsai_core import zoo
+
+    try:
+        return zoo.build(name, seed=seed, **options)
+    except ValueReadError:
+        pass
+    try:
+        with _initialisation_skipped():
+            return zoo.build(name, seed=seed, **options)
+    except ValueReadError:
+        pass
+    with unset_fake_temporarily():
+        return zoo.build(name, seed=seed, **options)
+
+
+# torch.nn.init's in-place initialisers: the public ones, and the helpers they call by name (which also
+# catches libraries that keep their own references to the public ones, as transformers does).
+_INIT_HELPERS = ("_no_grad_uniform_", "_no_grad_normal_", "_no_grad_trunc_normal_", "_no_grad_fill_", "_no_grad_zero_")
+
+
+@contextlib.contextmanager
+def _initialisation_skipped() -> Iterator[None]:
+    """Within: every ``torch.nn.init`` initialiser returns its tensor untouched."""
+    def untouched(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor
+
+    names = [n for n in (*_INIT_HELPERS, *getattr(nn.init, "__all__", ()))
+             if n.endswith("_") and callable(getattr(nn.init, n, None))]
+    with contextlib.ExitStack() as stack:
+        for n in names:
+            stack.enter_context(_in_this_thread(nn.init, n, untouched))
+        yield
+
+
+_thread_patches: dict[tuple[int, str], list[Any]] = {}  # (owner, attr) -> [original, active, users]
+_thread_patches_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _in_this_thread(owner: Any, attr: str, replacement: Callable[..., Any]) -> Iterator[None]:
+    """Within: ``owner.attr(...)`` calls ``replacement`` in this thread only: traces run in threads of
+    the explorer, and another thread's trace must keep the original. While any thread is within, a
+    dispatcher stands in for the original; the last one out puts the original back."""
+    key = (id(owner), attr)
+    with _thread_patches_lock:
+        if key not in _thread_patches:
+            original, active = getattr(owner, attr), threading.local()
+
+            @functools.wraps(original)
+            def dispatch(*args: Any, **kwargs: Any) -> Any:
+                return (getattr(active, "function", None) or original)(*args, **kwargs)
+
+            _thread_patches[key] = [original, active, 0]
+            setattr(owner, attr, dispatch)
+        entry = _thread_patches[key]
+        entry[2] += 1
+    active = entry[1]
+    previous = getattr(active, "function", None)
+    active.function = replacement
+    try:
+        yield
+    finally:
+        active.function = previous
+        with _thread_patches_lock:
+            entry[2] -= 1
+            if entry[2] == 0:
+                setattr(owner, attr, entry[0])
+                del _thread_patches[key]
 
 
 def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
@@ -150,7 +248,18 @@ def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Call
     """Trace one training step of ``model`` on ``inputs`` with ``loss_fn`` into a Graph.
 
     ``autocast`` ("bf16" | "fp16") traces the step under ``torch.autocast``: the graph holds the casts
-    and the lower-precision tensors autocast makes."""
+    and the lower-precision tensors autocast makes. A step that reads a tensor's value is traced
+    again with libraries on their compile-time path (:func:`_libraries_compiling`); what still reads
+    one raises :class:`ValueReadError`."""
+    try:
+        return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
+    except ValueReadError:
+        with _libraries_compiling():
+            return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
+
+
+def _trace_step_once(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
+                     name: str, profile: str, autocast: str | None) -> Traced:
     if profile not in PROFILES:
         raise ModelError(f"Unknown cost model {profile!r}; choose one of: {', '.join(PROFILES)}.")
     cast = _autocast(autocast)
@@ -224,7 +333,14 @@ def _export_joint(step: _Step, inputs: tuple[torch.Tensor, ...], name: str) -> t
     with _quiet_meta_failures() as failures:
         try:
             with _as_in_eager():
-                return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+                try:
+                    return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+                except AssertionError as e:
+                    if _FIRST_RNN_TRACE not in str(e):
+                        raise
+                    # torch 2.13: the first joint trace of a recurrent layer (nn.LSTM) in a process
+                    # miscounts its gradient outputs; the same trace again is right
+                    return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
         except Exception as e:  # torch raises many types here; the user needs the message, not the stack
             if "did not receive a gradient" in str(e):
                 raise _NoGradient() from None
@@ -239,7 +355,7 @@ def _model_error(e: Exception, step: _Step, name: str, failed_ops: Sequence[str]
                           "Make loss_fn an nn.Module that holds them as buffers, like "
                           "bonsai_core.zoo.CrossEntropyLoss.")
     if type(e).__name__ in DATA_DEPENDENT_ERRORS:
-        return ModelError(f"Tracing {name!r} failed: {user_code(e, step)} reads a tensor's value "
+        return ValueReadError(f"Tracing {name!r} failed: {user_code(e, step)} reads a tensor's value "
                           f"({str(e).splitlines()[0]}): `.item()`, `int()`/`bool()` of a tensor, or an `if` on "
                           "one. Tracing runs on shapes only, so no value is known there. Make the code "
                           "independent of tensor values (`torch.where` instead of an `if`, checks on "
@@ -316,6 +432,18 @@ def _as_in_eager() -> Iterator[None]:
     drops nothing, ``torch._assert`` on tensors skipped, and float32/float16 grouped matmuls shaped
     as their kernels shape them."""
     with _skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels():
+        yield
+
+
+@contextlib.contextmanager
+def _libraries_compiling() -> Iterator[None]:
+    """Within: ``torch.compiler.is_compiling()`` is True, as under ``torch.compile``/``torch.export``.
+    Libraries ask it to skip code that reads tensor values when traced: transformers' causal mask
+    checks whether the positions of a call without an attention mask are packed sequences
+    (``(mask == 0).all()``) unless compiling, and then builds the mask from those positions instead.
+    Only for a step that reads a value otherwise: the compile-time path may run other kernels than
+    eager (transformers' mixture-of-experts layers do), and the graph is to be eager's."""
+    with _in_this_thread(torch.compiler, "is_compiling", lambda: True):
         yield
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bonsai_core.errors import BonsaiError, ModelError
+from bonsai_core.errors import BonsaiError, ModelError, ValueReadError
 
 
 class CrossEntropyLoss(nn.Module):
@@ -321,9 +321,11 @@ def _build_factory(spec: str, seed: int, **options: Any) -> Built:
     except Exception as e:  # the factory's own code: say where, never a traceback
         from bonsai_core.trace import DATA_DEPENDENT_ERRORS, user_code
 
-        values = ("; it reads a tensor's value, which tracing (on fake tensors: shapes only) cannot give, so compute "
-                  "it from plain Python numbers" if type(e).__name__ in DATA_DEPENDENT_ERRORS else "")
-        raise ModelError(f"Calling {call} failed in {user_code(e)} ({type(e).__name__}: {e}){values}.") from None
+        if type(e).__name__ in DATA_DEPENDENT_ERRORS:
+            raise ValueReadError(f"Calling {call} failed in {user_code(e)} ({type(e).__name__}: {e}); it reads a "
+                                 "tensor's value, which tracing (on fake tensors: shapes only) cannot give, so "
+                                 "compute it from plain Python numbers.") from None
+        raise ModelError(f"Calling {call} failed in {user_code(e)} ({type(e).__name__}: {e}).") from None
     if not (isinstance(built, tuple) and len(built) == 3 and isinstance(built[0], nn.Module)):
         raise ModelError(f"{spec} must return (model, example_inputs, loss_fn); it returned {type(built).__name__}.")
     model, inputs, loss_fn = built

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from bonsai_core.errors import BonsaiError
 from bonsai_core.schedule import COMPUTE, FREE, Schedule
-from bonsai_core.trace import _IDENTITY_OPS, Traced
+from bonsai_core.trace import _IDENTITY_OPS, Traced, built_for_tracing
 
 # Kernels the tracer picked for its own device, and the runtime helpers (same arguments and outputs)
 # that call the kernel of the device the step runs on: a program runs wherever its batch is.
@@ -44,13 +44,26 @@ class StepSignature:
 
 def step_signature(model: str, options: dict[str, Any], seed: int = 0) -> StepSignature:
     """The placeholders of ``model``'s traced step (built on fake tensors: no real memory)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from bonsai_core import zoo
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        net, inputs, loss_fn = zoo.build(model, seed=seed, **options)
+    with built_for_tracing(model, seed, **options) as (net, inputs, loss_fn):
+        refuse_fused_recurrent(net)
         return signature_of(net, inputs, loss_fn)
+
+
+def refuse_fused_recurrent(model: torch.nn.Module) -> None:
+    """ExportError for a model with a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``): eager runs
+    it as one fused kernel, which the replay cannot write out as eager runs it. The trace holds torch's
+    decomposition of it (per-layer kernels of the tracing device, per-step ops elsewhere), and that
+    decomposition draws no dropout between layers (torch 2.13), so with ``dropout > 0`` the exported
+    step would draw other random numbers than eager under the same seed."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.RNNBase):
+            dropout = (f", with dropout {module.dropout:g} between its {module.num_layers} layers drawn inside it"
+                       if module.dropout and module.num_layers > 1 and module.training else "")
+            raise ExportError(
+                f"Module {name or '(the model itself)'!r} ({type(module).__name__}) runs one fused recurrent "
+                f"kernel{dropout}. The replay back-end would run the trace's decomposition of it (many ops, "
+                "without the dropout between layers), not the same step as eager. Export with --backend "
+                "checkpoint: it recomputes the module with its own kernel and the same random numbers.")
 
 
 def signature_of(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any) -> StepSignature:
