@@ -333,3 +333,69 @@ def reasons(graph: Graph, schedule: Schedule, budget: int | None, modules: Modul
             alternative_cost=None if best is None else float(best[1] - cost),
             alternative_fits=best is not None and not best[0][0]))
     return out
+
+
+# -- the chart ------------------------------------------------------------------------------------
+
+MIB = 2**20
+FIXED = "fixed (parameters, gradients, batch)"
+
+
+def bar_frame(b: Bars, x: np.ndarray, step: int, fixed_mem: int) -> "pd.DataFrame":
+    """The bars as the chart's rows: x from the compute's position on the memory curve's x axis
+    (``x[i]`` after op i) to the free's, y in MiB above ``fixed_mem`` (drawn as its own band), and
+    whether each is alive after op ``step``."""
+    import pandas as pd
+
+    ends = np.append(np.asarray(x, dtype=float), float(x[-1]) if len(x) else 0.0)
+    rows = pd.DataFrame({
+        "x": ends[b.start], "x2": ends[np.minimum(b.end, len(x))],
+        "y": (fixed_mem + b.offset) / MIB, "y2": (fixed_mem + b.offset + b.bytes) / MIB,
+        "group": list(b.group), "tensor": list(b.label), "op": list(b.op), "module": list(b.module),
+        "size": [format_bytes(int(v)) for v in b.bytes], "steps": [f"{s}–{e}" for s, e in zip(b.start, b.end)],
+        "recomputed": b.recomputed, "alive": alive_at(b, step)})
+    fixed = pd.DataFrame([{"x": 0.0, "x2": float(ends[-1]), "y": 0.0, "y2": fixed_mem / MIB, "group": FIXED,
+                           "tensor": FIXED, "op": "", "module": "", "size": format_bytes(fixed_mem),
+                           "steps": "the whole step", "recomputed": False, "alive": True}])
+    return pd.concat([fixed, rows], ignore_index=True).astype({"x": "float32", "x2": "float32", "y": "float32",
+                                                                "y2": "float32"})
+
+
+def timeline_chart(frame, groups: Sequence[str], cursor_x: float, x_domain: tuple[float, float], x_title: str,
+                   height: int = 420) -> dict:
+    """The lifetimes as a Vega-Lite spec: a rectangle per bar coloured by module group (recomputed
+    lifetimes outlined in red, those not alive at the cursor faded) and the cursor as a rule. Like the
+    memory chart, everything that moves is in the named datasets, so a keyed chart updates in place."""
+    import pandas as pd
+
+    x = {"field": "x", "type": "quantitative", "title": x_title, "scale": {"domain": list(x_domain), "nice": False}}
+    colour_domain = [FIXED, *[g for g in dict.fromkeys(groups) if g != FIXED]]
+    colour = {"field": "group", "type": "nominal", "title": "made by", "sort": colour_domain,
+              "scale": {"domain": colour_domain, "range": ["#bbbbbb", *TIMELINE_COLOURS]},
+              "legend": {"orient": "bottom", "columns": 6, "symbolType": "square", "labelLimit": 160}}
+    return {
+        "height": height,
+        "usermeta": {"embedOptions": {"renderer": "hybrid"}},
+        "datasets": {"bars": frame, "cursor": pd.DataFrame({"x": [float(cursor_x)]})},
+        "layer": [
+            {"data": {"name": "bars"},
+             "mark": {"type": "rect", "strokeWidth": 1.5},
+             "encoding": {
+                 "x": x, "x2": {"field": "x2"},
+                 "y": {"field": "y", "type": "quantitative", "title": "memory (MiB)", "axis": {"minExtent": 48, "maxExtent": 48}},
+                 "y2": {"field": "y2"}, "color": colour,
+                 "stroke": {"condition": {"test": "datum.recomputed", "value": RECOMPUTED_STROKE}, "value": None},
+                 "opacity": {"condition": {"test": "datum.alive", "value": 0.95}, "value": 0.3},
+                 "tooltip": [{"field": "tensor"}, {"field": "op"}, {"field": "module"}, {"field": "size", "title": "bytes"},
+                             {"field": "steps", "title": "alive (steps)"}, {"field": "recomputed"}]}},
+            {"data": {"name": "cursor"}, "mark": {"type": "rule", "strokeWidth": 2, "color": "#888"},
+             "encoding": {"x": x}},
+        ],
+    }
+
+
+RECOMPUTED_STROKE = "#d62728"
+# Tableau's 20 colours without its reds (red marks a recomputed lifetime)
+TIMELINE_COLOURS = ("#4e79a7", "#a0cbe8", "#f28e2b", "#ffbe7d", "#59a14f", "#8cd17d", "#b6992d", "#f1ce63",
+                    "#499894", "#86bcb6", "#79706e", "#bab0ac", "#d37295", "#fabfd2", "#b07aa1", "#d4a6c8",
+                    "#9d7660", "#d7b5a6")
