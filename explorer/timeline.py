@@ -29,7 +29,7 @@ class Modules:
     """Per node: the innermost module call that ran it (``path``) and the coarser group it is coloured
     by (``group``: its block in the model's block stack, else the top-level module). Backward nodes take
     the module of the forward nodes they read (the activations a backward op consumes are its module's),
-    or "backward" when they read none with a module."""
+    else that of the backward nodes they read (the gradient they carry on), else "backward"."""
 
     path: tuple[str, ...]
     group: tuple[str, ...]
@@ -57,6 +57,8 @@ def node_modules(graph: Graph) -> Modules:
                 path[v], group[v] = (path[max(read)], group[max(read)]) if read else ("forward", "forward")
             continue
         read = [int(d) for d in graph.deps(v) if graph.is_forward[d] and path[d] not in ("", "forward")]
+        if not read:  # only gradients: the module whose gradient it carries on
+            read = [int(d) for d in graph.deps(v) if path[d] not in ("", "forward", "backward")]
         if read:
             d = max(read)  # the latest forward activation it reads: the op it differentiates
             path[v], group[v] = path[d], group[d]
@@ -294,10 +296,12 @@ def _modules_of(members: Sequence[int], modules: Modules) -> str:
 
 
 def reasons(graph: Graph, schedule: Schedule, budget: int | None, modules: Modules | None = None,
-            max_alternatives: int = 24) -> list[Reason]:
-    """For each recomputed segment of a bonsai/chen plan (``schedule.extra``): the bytes it takes off the
+            regions: Sequence[int] | None = None, max_simulations: int = 300) -> list[Reason]:
+    """For each recomputed segment of a bonsai/chen plan (``schedule.extra``; ``regions``: only those
+    segment indices): the bytes it takes off the
     peak and the compute it costs (the plan re-simulated without it), and the next-best region: of the
-    kept segments (the ``max_alternatives`` with the most bytes), the one that, recomputed in its place,
+    kept segments (those with the most bytes, as many as keep the simulations to about
+    ``max_simulations``, at least 3 per region), the one that, recomputed in its place,
     fits ``budget`` at the least compute, or when no single swap fits, the one with the lowest peak.
     O(recomputed · alternatives) simulations."""
     modules = modules or node_modules(graph)
@@ -311,9 +315,10 @@ def reasons(graph: Graph, schedule: Schedule, budget: int | None, modules: Modul
 
     kept = [s for s in range(len(plan.segments)) if s not in plan.recomputed]
     kept.sort(key=lambda s: -int(graph.mem[list(plan.segments[s])].sum()))
-    kept = kept[:max_alternatives]
+    todo = sorted(plan.recomputed if regions is None else set(regions) & plan.recomputed)
+    kept = kept[:max(3, max_simulations // max(len(todo), 1) - 1)]
     out = []
-    for r in sorted(plan.recomputed):
+    for r in todo:
         without = set(plan.recomputed) - {r}
         peak, cost = measure(without)
         best: tuple[tuple[bool, float], float, int, int] | None = None

@@ -146,17 +146,27 @@ def why(outcome: compute.Outcome, budget: int) -> None:
     if not box.open:
         return
     ss = st.session_state
+    regions = sorted(outcome.schedule.extra["recomputed"])
     kept = ss.get("memory_why")
     if kept is None or kept[0] is not outcome.schedule or kept[1] != budget:
-        with st.spinner("Simulating the plan without each region…"):
-            kept = ss["memory_why"] = (outcome.schedule, budget,
-                                       timeline.reasons(g, outcome.schedule, budget, bars_of(outcome)[0]))
+        kept = ss["memory_why"] = (outcome.schedule, budget, [])
+    shown = kept[2]
+    if len(shown) < min(len(regions), WHY_AT_ONCE) or ss.pop("memory_why_more", False):
+        todo = regions[len(shown):len(shown) + WHY_AT_ONCE]
+        with st.spinner(f"Simulating the plan without each of {len(todo)} regions…"):
+            shown += timeline.reasons(g, outcome.schedule, budget, bars_of(outcome)[0], regions=todo)
     with box:
         st.caption("Measured with the simulator, not the solver's model: each region's plan is simulated again "
                    "without it (the bytes it takes off the peak, the compute it costs), and with each of the kept "
                    "segments recomputed in its place (the next best).")
-        for r in kept[2]:
+        for r in shown:
             st.markdown("- " + timeline.reason_line(r, budget))
+        if len(shown) < len(regions):
+            st.button(f"Explain {min(WHY_AT_ONCE, len(regions) - len(shown))} more of {len(regions) - len(shown)}",
+                      key="memory_why_more_button", on_click=lambda: ss.update(memory_why_more=True))
+
+
+WHY_AT_ONCE = 12  # regions explained per click: each costs a few simulations of the whole schedule
 
 
 def memory_over_time() -> None:

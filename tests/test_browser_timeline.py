@@ -112,3 +112,23 @@ def test_the_tour_on_a_first_visit(browser, server):
     pg.get_by_role("button", name="Close tour").click()
     pg.wait_for_selector("text=Tour 1/3", state="detached")
     pg.close()
+
+
+@pytest.mark.slow  # tracing a 60-layer GPT (7,469 ops: ~23 s) and chen's plan on it (~12 s)
+def test_a_7k_op_graph_groups_small_tensors_and_renders(browser, server):
+    pg = open_memory(browser, f"{server}/memory?model=gpt&size=layers:60&method=chen&budget=50")
+    assert "7469 ops" in pg.locator('[data-testid="stSidebar"]').inner_text()
+    assert "are grouped per module" in pg.locator('[data-testid="stCaptionContainer"]').all_inner_texts().__str__()
+    thumb = pg.locator('[data-testid="stSlider"]').filter(has_text="Step through").get_by_role("slider")
+    wait_idle(pg)
+    pg.wait_for_timeout(1000)
+    before = step_text(pg)
+    thumb.focus()
+    start = time.perf_counter()
+    thumb.press("Home")
+    pg.wait_for_function(f"(b) => {{ const t = [...document.querySelectorAll('{STEP}')].map(e => e.textContent)"
+                         ".find(t => /^step \\\\d+: /.test(t)); return t && t !== b; }", arg=before)
+    print(f"7k ops, one step of the scrubber: {time.perf_counter() - start:.2f} s")
+    pg.screenshot(path=str(SHOTS / "memory-timeline-7k.png"), full_page=True)
+    assert pg.locator('[data-testid="stException"]').count() == 0
+    pg.close()
