@@ -151,8 +151,8 @@ def bars(graph: Graph, ops: Sequence[tuple[str, int]], modules: Modules | None =
          max_bars: int = MAX_BARS) -> Bars:
     """The lifetimes of ``ops`` as bars. When there are more than ``max_bars``, the lifetimes under a
     size threshold (the one leaving about half of ``max_bars`` tensors on their own) are grouped by
-    module, pass and whether recomputed: one bar from the group's first compute to its last free, as
-    high as the most bytes of it alive at once. O(len(ops) + bars · alive)."""
+    module, pass, whether recomputed and when they are freed (to a 200th of the schedule): one bar
+    from the group's first compute to its last free, as high as the most bytes of it alive at once. O(len(ops) + bars · alive)."""
     modules = modules or node_modules(graph)
     life = lifetimes(graph, ops)
     k = len(life.node)
@@ -169,12 +169,16 @@ def bars(graph: Graph, ops: Sequence[tuple[str, int]], modules: Modules | None =
     group = [modules.group[v] for v in life.node[idx].tolist()]
     small = np.flatnonzero(~alone)
     if len(small):
-        keys: dict[tuple[str, bool, bool], list[int]] = {}
+        # tensors of one module freed about together (within a 200th of the schedule): a group's bar
+        # then spans about what its members do, not from the first to the last of a whole module's
+        bucket = max(1, len(ops) // 200)
+        keys: dict[tuple[str, bool, bool, int], list[int]] = {}
         for i in small.tolist():
             v = int(life.node[i])
-            keys.setdefault((modules.path[v], bool(graph.is_forward[v]), bool(life.recomputed[i])), []).append(i)
+            key = (modules.path[v], bool(graph.is_forward[v]), bool(life.recomputed[i]), int(life.end[i]) // bucket)
+            keys.setdefault(key, []).append(i)
         g_start, g_end, g_size, g_rec, g_count = [], [], [], [], []
-        for (path, forward, again), members in keys.items():
+        for (path, forward, again, _), members in keys.items():
             m = np.asarray(members)
             s0, e0 = int(life.start[m].min()), int(life.end[m].max())
             sub = Lifetimes(life.node[m], life.start[m] - s0, life.end[m] - s0, life.bytes[m], life.recomputed[m])

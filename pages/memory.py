@@ -129,13 +129,6 @@ def lifetimes(outcome: compute.Outcome, chosen: plots.Curve, step: int, x_domain
                f"{int(b.count[alive].sum())} tensors alive, {format_bytes(int(b.bytes[alive].sum()))}."
                + (f" Tensors under {format_bytes(b.threshold)} are grouped per module ({len(b.start)} bars)."
                   if b.threshold else ""))
-    if ss_playing():
-        time.sleep(PLAY_SECONDS)
-        st.rerun(scope="fragment")
-
-
-def ss_playing() -> bool:
-    return bool(st.session_state.get("memory_playing"))
 
 
 def why(outcome: compute.Outcome, budget: int) -> None:
@@ -227,6 +220,9 @@ def memory_over_time() -> None:
     if address.open:
         with address:
             address_space(s)
+    if st.session_state.get("memory_playing"):  # the next frame: this fragment again, a step further
+        time.sleep(PLAY_SECONDS)
+        st.rerun(scope="fragment")
 
 
 state.follow_budget(memory_over_time)
