@@ -132,8 +132,10 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     then updates a keyed chart's data in place when the budget slider moves, where a Plotly chart is
     mounted and drawn anew on every change (about half of a browser's work per drag: docs/EXPLORER.md).
     The "hybrid" renderer draws the marks on a canvas and the text as SVG, readable in the page.
-    ``cursor`` (an x value) adds a vertical rule, in a dataset of its own; ``x_domain`` fixes the x
-    axis and the y axis's width, so that a chart drawn under it (the tensor lifetimes) lines up."""
+    ``cursor`` (an x value) adds a vertical rule, in a dataset of its own; ``x_domain`` spans the x axis
+    over at least that range (unseen points in a dataset: a domain in the spec would change the spec, and
+    so remount the chart, whenever it moves) and fixes the y axis's width, so that a chart drawn under it
+    with the same range (the tensor lifetimes) lines up."""
     lines, reserved, marks, peaks = [], [], [], []
     for c in curves:
         x, live = _steps(c.x, c.live / MIB)
@@ -154,7 +156,6 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
          "title": "elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)"}
     y = {"field": "mib", "type": "quantitative", "title": "memory (MiB)"}
     if x_domain is not None:
-        x["scale"] = {"domain": list(x_domain), "nice": False}
         y["axis"] = {"minExtent": 48, "maxExtent": 48}
     colour = {"field": "schedule", "type": "nominal", "title": None, "legend": {"orient": "top"},
               "scale": {"domain": labels, "range": [c.colour for c in curves]}}
@@ -209,6 +210,9 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
         spec["datasets"]["cursor"] = pd.DataFrame({"x": [float(cursor)]})
         spec["layer"].append({"data": {"name": "cursor"}, "encoding": {"x": x},
                               "mark": {"type": "rule", "strokeWidth": 2, "color": "#888"}})
+    if x_domain is not None:
+        spec["datasets"]["extent"] = pd.DataFrame({"x": [float(v) for v in x_domain]})
+        spec["layer"].append({"data": {"name": "extent"}, "encoding": {"x": x}, "mark": {"type": "point", "opacity": 0}})
     return spec
 
 

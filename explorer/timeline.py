@@ -374,10 +374,12 @@ def timeline_chart(frame, groups: Sequence[str], cursor_x: float, x_domain: tupl
                    height: int = 420) -> dict:
     """The lifetimes as a Vega-Lite spec: a rectangle per bar coloured by module group (recomputed
     lifetimes outlined in red, those not alive at the cursor faded) and the cursor as a rule. Like the
-    memory chart, everything that moves is in the named datasets, so a keyed chart updates in place."""
+    memory chart, everything that moves is in the named datasets, so a keyed chart updates in place:
+    ``groups`` (the colour legend's order) must not depend on the schedule, and ``x_domain`` is drawn
+    as unseen points, not set as the scale's domain."""
     import pandas as pd
 
-    x = {"field": "x", "type": "quantitative", "title": x_title, "scale": {"domain": list(x_domain), "nice": False}}
+    x = {"field": "x", "type": "quantitative", "title": x_title}
     colour_domain = [FIXED, *[g for g in dict.fromkeys(groups) if g != FIXED]]
     colour = {"field": "group", "type": "nominal", "title": "made by", "sort": colour_domain,
               "scale": {"domain": colour_domain, "range": ["#bbbbbb", *TIMELINE_COLOURS]},
@@ -385,7 +387,8 @@ def timeline_chart(frame, groups: Sequence[str], cursor_x: float, x_domain: tupl
     return {
         "height": height,
         "usermeta": {"embedOptions": {"renderer": "hybrid"}},
-        "datasets": {"bars": frame, "cursor": pd.DataFrame({"x": [float(cursor_x)]})},
+        "datasets": {"bars": frame, "cursor": pd.DataFrame({"x": [float(cursor_x)]}),
+                     "extent": pd.DataFrame({"x": [float(v) for v in x_domain]})},
         "layer": [
             {"data": {"name": "bars"},
              "mark": {"type": "rect", "strokeWidth": 1.5},
@@ -399,6 +402,8 @@ def timeline_chart(frame, groups: Sequence[str], cursor_x: float, x_domain: tupl
                              {"field": "steps", "title": "alive (steps)"}, {"field": "recomputed"}]}},
             {"data": {"name": "cursor"}, "mark": {"type": "rule", "strokeWidth": 2, "color": "#888"},
              "encoding": {"x": x}},
+            # unseen: the memory chart's x range, so that both charts get the same x axis (plots.memory_chart)
+            {"data": {"name": "extent"}, "mark": {"type": "point", "opacity": 0}, "encoding": {"x": x}},
         ],
     }
 

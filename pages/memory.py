@@ -119,7 +119,8 @@ def lifetimes(outcome: compute.Outcome, chosen: plots.Curve, step: int, x_domain
     modules, b = bars_of(outcome)
     frame = timeline.bar_frame(b, chosen.x, step, g.fixed_mem)
     x_title = "elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)"
-    st.vega_lite_chart(spec=timeline.timeline_chart(frame, list(frame["group"]), chosen.x[step], x_domain, x_title),
+    groups = sorted(set(modules.group))  # of the graph, not the schedule: the spec stays the same across budgets
+    st.vega_lite_chart(spec=timeline.timeline_chart(frame, groups, chosen.x[step], x_domain, x_title),
                        width="stretch", key="memory_timeline")
     alive = timeline.alive_at(b, step)
     st.caption(f"Tensor lifetimes of **{outcome.method}**: one bar per tensor from the step that computes it to the "

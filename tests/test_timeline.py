@@ -138,6 +138,24 @@ def test_the_chart_shares_the_memory_curves_x_axis_and_moves_only_data(gpt, plan
         specs.append(timeline.timeline_chart(frame, list(frame["group"]), c.x[step], (0.0, c.x[-1]), "step"))
         memory = plots.memory_chart([c], None, x_mode="ops", cursor=c.x[step], x_domain=(0.0, c.x[-1]))
         assert memory["datasets"]["cursor"]["x"].tolist() == [c.x[step]]
-        assert memory["layer"][0]["encoding"]["x"]["scale"] == specs[-1]["layer"][0]["encoding"]["x"]["scale"]
+        assert memory["datasets"]["extent"]["x"].tolist() == specs[-1]["datasets"]["extent"]["x"].tolist()
+        assert "scale" not in memory["layer"][0]["encoding"]["x"]
     without = [{k: v for k, v in s.items() if k != "datasets"} for s in specs]
     assert without[0] == without[1]  # a keyed chart then updates its data in place
+
+
+def test_the_specs_do_not_change_with_the_budget(gpt):
+    """Only the datasets move with the budget: a changed spec would remount both charts on every drag."""
+    modules = timeline.node_modules(gpt)
+    groups = sorted(set(modules.group))
+    specs = []
+    for pct in (0.6, 0.8):
+        schedule = solvers.solve(gpt, int(pct * no_remat_peak(gpt)), method="chen")
+        sim = simulate(gpt, schedule)
+        c = plots.curve("chen", sim.timeline, np.ones(len(schedule.ops)), sim.peak, sim.peak_op, "#000", "ops")
+        b = timeline.bars(gpt, schedule.ops, modules)
+        frame = timeline.bar_frame(b, c.x, 5, gpt.fixed_mem)
+        chart = timeline.timeline_chart(frame, groups, c.x[5], (0.0, c.x[-1]), "step")
+        memory = plots.memory_chart([c], pct, x_mode="ops", cursor=c.x[5], x_domain=(0.0, c.x[-1]))
+        specs.append([{k: v for k, v in s.items() if k != "datasets"} for s in (chart, memory)])
+    assert specs[0] == specs[1]
