@@ -134,13 +134,17 @@ def lifetimes(outcome: compute.Outcome, chosen: plots.Curve, step: int, x_domain
 
 def why(outcome: compute.Outcome, budget: int) -> None:
     """Why this plan: each recomputed region of a checkpoint plan, what it buys and what it costs."""
-    if not outcome.schedule.extra.get("recomputed"):
-        return
+    # drawn even when there is nothing to explain: a page whose length changed with the budget would
+    # resize the charts above (a scroll bar coming or going) and redraw them from scratch
     box = st.expander("Why this plan", key="memory_why_open", on_change="rerun")
     if not box.open:
         return
+    regions = sorted(outcome.schedule.extra.get("recomputed", ()))
+    if not regions:
+        box.caption(f"{outcome.method}'s schedule has no recomputed checkpoint regions to explain"
+                    + (" (it recomputes single ops: see the step line)." if outcome.sim.recomputes else "."))
+        return
     ss = st.session_state
-    regions = sorted(outcome.schedule.extra["recomputed"])
     kept = ss.get("memory_why")
     if kept is None or kept[0] is not outcome.schedule or kept[1] != budget:
         kept = ss["memory_why"] = (outcome.schedule, budget, [])
