@@ -50,6 +50,11 @@ def step_text(pg) -> str:
                               .find(t => /^step \\d+: /.test(t)) || ''""")
 
 
+def wait_for_another_step(pg, before: str) -> None:
+    pg.wait_for_function(f"(b) => {{ const t = [...document.querySelectorAll('{STEP}')].map(e => e.textContent)"
+                         ".find(t => /^step \\d+: /.test(t)); return t && t !== b; }", arg=before)
+
+
 def chart_pixels(pg) -> bytes:
     return pg.locator(CHART).first.screenshot()
 
@@ -64,8 +69,7 @@ def test_the_scrubber_moves_the_cursor_in_place(browser, server):
     start = time.perf_counter()
     for _ in range(10):
         thumb.press("ArrowLeft")
-    pg.wait_for_function(f"(b) => {{ const t = [...document.querySelectorAll('{STEP}')].map(e => e.textContent)"
-                         ".find(t => /^step \\d+: /.test(t)); return t && t !== b; }", arg=before)
+    wait_for_another_step(pg, before)
     wait_idle(pg)
     print(f"scrub: step line updated {time.perf_counter() - start:.2f} s after the first key")
     after = step_text(pg)
@@ -127,8 +131,7 @@ def test_a_7k_op_graph_groups_small_tensors_and_renders(browser, server):
     thumb.focus()
     start = time.perf_counter()
     thumb.press("Home")
-    pg.wait_for_function(f"(b) => {{ const t = [...document.querySelectorAll('{STEP}')].map(e => e.textContent)"
-                         ".find(t => /^step \\\\d+: /.test(t)); return t && t !== b; }", arg=before)
+    wait_for_another_step(pg, before)
     print(f"7k ops, one step of the scrubber: {time.perf_counter() - start:.2f} s")
     pg.screenshot(path=str(SHOTS / "memory-timeline-7k.png"), full_page=True)
     assert pg.locator('[data-testid="stException"]').count() == 0
