@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:  # `streamlit run` puts explorer/ on the path, not
 
 import streamlit as st  # noqa: E402
 
-from explorer import state  # noqa: E402
+from explorer import state, tour  # noqa: E402
 
 st.set_page_config(page_title="Bonsai explorer", page_icon=str(ROOT / "assets" / "icon.svg"), layout="wide")
 
@@ -34,5 +34,6 @@ PAGES = [
 st.logo(str(ROOT / "assets" / "logo.svg"), icon_image=str(ROOT / "assets" / "icon.svg"), size="large")
 page = st.navigation(PAGES)
 budget_slot = state.sidebar()
+tour.show()  # a first visit's three steps, above the page
 page.run()
 state.budget_fragment(budget_slot)  # the budget slider, and what the page hands to state.follow_budget

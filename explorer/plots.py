@@ -122,7 +122,8 @@ def _dataset(parts: list[pd.DataFrame]) -> pd.DataFrame:
 
 
 def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int | None = None,
-                 x_mode: str = "time", height: int = 440) -> dict:
+                 x_mode: str = "time", height: int = 440, cursor: float | None = None,
+                 x_domain: tuple[float, float] | None = None) -> dict:
     """Memory over time of each curve (its colour, dash and a few markers of its method's symbol), the
     budget line and each curve's peak, as a Vega-Lite spec for ``st.vega_lite_chart``.
 
@@ -130,7 +131,11 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     ``datasets``; the spec around them depends only on which curves are shown and the x axis. Streamlit
     then updates a keyed chart's data in place when the budget slider moves, where a Plotly chart is
     mounted and drawn anew on every change (about half of a browser's work per drag: docs/EXPLORER.md).
-    The "hybrid" renderer draws the marks on a canvas and the text as SVG, readable in the page."""
+    The "hybrid" renderer draws the marks on a canvas and the text as SVG, readable in the page.
+    ``cursor`` (an x value) adds a vertical rule, in a dataset of its own; ``x_domain`` spans the x axis
+    over at least that range (unseen points in a dataset: a domain in the spec would change the spec, and
+    so remount the chart, whenever it moves) and fixes the y axis's width, so that a chart drawn under it
+    with the same range (the tensor lifetimes) lines up."""
     lines, reserved, marks, peaks = [], [], [], []
     for c in curves:
         x, live = _steps(c.x, c.live / MIB)
@@ -150,6 +155,8 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     x = {"field": "x", "type": "quantitative",
          "title": "elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)"}
     y = {"field": "mib", "type": "quantitative", "title": "memory (MiB)"}
+    if x_domain is not None:
+        y["axis"] = {"minExtent": 48, "maxExtent": 48}
     colour = {"field": "schedule", "type": "nominal", "title": None, "legend": {"orient": "top"},
               "scale": {"domain": labels, "range": [c.colour for c in curves]}}
     shape = {"field": "schedule", "type": "nominal", "title": None, "legend": {"orient": "top"},  # merged with colour
@@ -158,7 +165,7 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     # a condition, not a scale: a scale would be a third legend to merge with the colour's
     dash = {"condition": [{"test": f"datum.schedule === {json.dumps(c.label)}", "value": DASHES[c.dash]}
                           for c in curves if c.dash in DASHES], "value": [1, 0]}
-    return {
+    spec = {
         "height": height,
         "usermeta": {"embedOptions": {"renderer": "hybrid"}},
         "datasets": {"lines": _dataset(lines), "reserved": _dataset(reserved), "marks": _dataset(marks),
@@ -199,6 +206,14 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
                       "dy": 3}},
         ],
     }
+    if cursor is not None:
+        spec["datasets"]["cursor"] = pd.DataFrame({"x": [float(cursor)]})
+        spec["layer"].append({"data": {"name": "cursor"}, "encoding": {"x": x},
+                              "mark": {"type": "rule", "strokeWidth": 2, "color": "#888"}})
+    if x_domain is not None:
+        spec["datasets"]["extent"] = pd.DataFrame({"x": [float(v) for v in x_domain]})
+        spec["layer"].append({"data": {"name": "extent"}, "encoding": {"x": x}, "mark": {"type": "point", "opacity": 0}})
+    return spec
 
 
 # -- the operator graph ----------------------------------------------------------------------------

@@ -3,6 +3,8 @@ allocator's address space at one chosen moment."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import streamlit as st
 
@@ -10,7 +12,7 @@ from bonsai_core import solvers
 from bonsai_core.allocator import layout_at
 from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError
-from explorer import compute, plots, state
+from explorer import compute, plots, state, timeline
 
 st.title("Memory over time")
 g = state.model().graph
@@ -73,6 +75,98 @@ def address_space(s: state.Settings) -> None:
                    f"{format_bytes(max(free, default=0))}.")
 
 
+def bars_of(outcome: compute.Outcome) -> tuple[timeline.Modules, timeline.Bars]:
+    """The chosen schedule's lifetime bars, kept for the session while its schedule is the same."""
+    ss = st.session_state
+    kept = ss.get("memory_bars")
+    if kept is None or kept[0] is not outcome.schedule:
+        modules = timeline.node_modules(g)
+        kept = ss["memory_bars"] = (outcome.schedule, modules, timeline.bars(g, outcome.schedule.ops, modules))
+    return kept[1], kept[2]
+
+
+def scrubber(outcome: compute.Outcome) -> int:
+    """A slider over the chosen schedule's steps and a play button; returns the step. Playing reruns
+    this fragment every PLAY_SECONDS, a hundredth of the schedule further each time."""
+    ss = st.session_state
+    last = len(outcome.schedule.ops) - 1
+    if ss.get("memory_step_of") is not outcome.schedule:  # a new schedule starts at its peak
+        ss["memory_step_of"] = outcome.schedule
+        ss["memory_step"] = max(0, min(outcome.sim.peak_op, last))
+    playing = ss.get("memory_playing", False)
+    if playing:
+        ss["memory_step"] = min(last, ss["memory_step"] + max(1, last // 100))
+        if ss["memory_step"] >= last:
+            ss["memory_playing"] = playing = False
+    c1, c2 = st.columns([2, 13], vertical_alignment="bottom")
+    if c1.button("Pause" if playing else "Play", icon=":material/pause:" if playing else ":material/play_arrow:",
+                 key="memory_play", help="Step through the schedule."):
+        ss["memory_playing"] = not playing
+        if not playing and ss["memory_step"] >= last:
+            ss["memory_step"] = 0
+        st.rerun(scope="fragment")
+    step = c2.slider(f"Step through {outcome.method}'s schedule", 0, last, key="memory_step",
+                     help="The grey line on both charts; starts at the schedule's peak.")
+    st.markdown(timeline.step_line(g, outcome.schedule.ops, step, bars_of(outcome)[0]))
+    return step
+
+
+PLAY_SECONDS = 0.4
+
+
+def lifetimes(outcome: compute.Outcome, chosen: plots.Curve, step: int, x_domain: tuple[float, float]) -> None:
+    """The tensor lifetimes of the chosen schedule under the memory curve, on the same x axis."""
+    modules, b = bars_of(outcome)
+    frame = timeline.bar_frame(b, chosen.x, step, g.fixed_mem)
+    x_title = "elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)"
+    groups = sorted(set(modules.group))  # of the graph, not the schedule: the spec stays the same across budgets
+    st.vega_lite_chart(spec=timeline.timeline_chart(frame, groups, chosen.x[step], x_domain, x_title),
+                       width="stretch", key="memory_timeline")
+    alive = timeline.alive_at(b, step)
+    st.caption(f"Tensor lifetimes of **{outcome.method}**: one bar per tensor from the step that computes it to the "
+               f"step that frees it, stacked where a first-fit allocator would place it, above the fixed memory; "
+               f"outlined in red: a recomputed tensor's second life. Coloured by the module that made it (a "
+               f"backward op by the module whose activations it reads). At step {step}: "
+               f"{int(b.count[alive].sum())} tensors alive, {format_bytes(int(b.bytes[alive].sum()))}."
+               + (f" Tensors under {format_bytes(b.threshold)} are grouped per module ({len(b.start)} bars)."
+                  if b.threshold else ""))
+
+
+def why(outcome: compute.Outcome, budget: int) -> None:
+    """Why this plan: each recomputed region of a checkpoint plan, what it buys and what it costs."""
+    # drawn even when there is nothing to explain: a page whose length changed with the budget would
+    # resize the charts above (a scroll bar coming or going) and redraw them from scratch
+    box = st.expander("Why this plan", key="memory_why_open", on_change="rerun")
+    if not box.open:
+        return
+    regions = sorted(outcome.schedule.extra.get("recomputed", ()))
+    if not regions:
+        box.caption(f"{outcome.method}'s schedule has no recomputed checkpoint regions to explain"
+                    + (" (it recomputes single ops: see the step line)." if outcome.sim.recomputes else "."))
+        return
+    ss = st.session_state
+    kept = ss.get("memory_why")
+    if kept is None or kept[0] is not outcome.schedule or kept[1] != budget:
+        kept = ss["memory_why"] = (outcome.schedule, budget, [])
+    shown = kept[2]
+    if len(shown) < min(len(regions), WHY_AT_ONCE) or ss.pop("memory_why_more", False):
+        todo = regions[len(shown):len(shown) + WHY_AT_ONCE]
+        with st.spinner(f"Simulating the plan without each of {len(todo)} regions…"):
+            shown += timeline.reasons(g, outcome.schedule, budget, bars_of(outcome)[0], regions=todo)
+    with box:
+        st.caption("Measured with the simulator, not the solver's model: each region's plan is simulated again "
+                   "without it (the bytes it takes off the peak, the compute it costs), and with each of the kept "
+                   "segments recomputed in its place (the next best).")
+        for r in shown:
+            st.markdown("- " + timeline.reason_line(r, budget))
+        if len(shown) < len(regions):
+            st.button(f"Explain {min(WHY_AT_ONCE, len(regions) - len(shown))} more of {len(regions) - len(shown)}",
+                      key="memory_why_more_button", on_click=lambda: ss.update(memory_why_more=True))
+
+
+WHY_AT_ONCE = 12  # regions explained per click: each costs a few simulations of the whole schedule
+
+
 def memory_over_time() -> None:
     """The plot and the table at the sidebar's budget, and the address space when open."""
     s = state.settings()
@@ -107,12 +201,22 @@ def memory_over_time() -> None:
                     "fragmentation %": f"{100 * float(alloc.fragmentation):.1f}"}
         rows.append(row)
 
-    for method, error in errors:
-        state.show_error(f"{method}: {error}", "Raise the budget in the sidebar or pick another method."
-                         if method == s.method else "Raise the budget in the sidebar or untick the method.")
-    # keyed, and the budget only in its datasets: each drag updates the chart's data in place (plots.memory_chart)
-    st.vega_lite_chart(spec=plots.memory_chart(curves, s.budget, g.peak_lower_bound, x_mode), width="stretch",
-                       key="memory_plot")
+    chosen = state.outcome(s.method)
+    chart_slot = st.container()
+    step = scrubber(chosen) if chosen.ok else None
+    x_domain = (0.0, max(float(c.x[-1]) for c in curves if len(c.x))) if curves else None
+    cursor = float(curves[0].x[step]) if step is not None and curves and curves[0].label == s.method else None
+    with chart_slot:
+        for method, error in errors:
+            state.show_error(f"{method}: {error}", "Raise the budget in the sidebar or pick another method."
+                             if method == s.method else "Raise the budget in the sidebar or untick the method.")
+        # keyed, and the budget only in its datasets: each drag updates the chart's data in place (plots.memory_chart)
+        st.vega_lite_chart(spec=plots.memory_chart(curves, s.budget, g.peak_lower_bound, x_mode,
+                                                   cursor=cursor, x_domain=x_domain if cursor is not None else None),
+                           width="stretch", key="memory_plot")
+    if cursor is not None:
+        lifetimes(chosen, curves[0], step, x_domain)
+        why(chosen, s.budget)
     st.table(rows, hide_index=True)  # a static table: a data grid cost each browser 0.1 CPU-s more per drag
 
     # Drawn only while open (a lazy expander): the address map is a second plotly chart that every budget
@@ -121,6 +225,9 @@ def memory_over_time() -> None:
     if address.open:
         with address:
             address_space(s)
+    if st.session_state.get("memory_playing"):  # the next frame: this fragment again, a step further
+        time.sleep(PLAY_SECONDS)
+        st.rerun(scope="fragment")
 
 
 state.follow_budget(memory_over_time)
