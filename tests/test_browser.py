@@ -218,6 +218,10 @@ def test_budget_slider_moves_the_memory_plot_within_a_second(page, server):
     page.goto(f"{server}/memory")
     wait_idle(page)
     page.wait_for_selector(CHART_TEXT)
+    # every Vega-Lite chart of the page (the memory chart first, the tensor lifetimes under it) drawn
+    # before the memory chart's canvas is taken
+    page.wait_for_function("() => { const charts = document.querySelectorAll('[data-testid=\"stVegaLiteChart\"]');"
+                           " return charts.length >= 2 && [...charts].every(c => c.querySelector('canvas')); }")
     reference = no_remat_peak(load_graph(ROOT / "assets" / "gpt-default.json"))
     page.evaluate(f"() => {{ window.memoryCanvas = document.querySelector('{CHART_CANVAS}'); }}")
     latencies = []
