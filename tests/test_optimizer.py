@@ -126,3 +126,21 @@ def test_cli_trace_with_an_optimizer(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["optimizer"] == {"name": "sgd", "step_bytes": 0}
     assert sum(t[1] for t in data["fixed_tensors"] if t[2] == "optimizer") > 0
+
+
+def test_an_export_of_a_graph_with_its_optimizer_verifies_with_the_optimizer_step(tmp_path, capsys):
+    from bonsai_core.cli import main
+    from bonsai_core.export import load_export
+
+    size = ["--layers", "1", "--batch", "8", "--seq", "64"]  # the activations set the peak, not the step
+    g, s, out = tmp_path / "g.json", tmp_path / "s.json", tmp_path / "out"
+    assert main(["trace", "gpt", *size, "--optimizer", "adamw", "-o", str(g)]) == 0
+    assert main(["solve", str(g), "--budget", "85%", "--method", "chen", "-o", str(s)]) == 0
+    assert main(["export", "gpt", *size, str(s), "-o", str(out)]) == 0
+    assert load_export(out).INFO["optimizer"] == "adamw"
+    capsys.readouterr()
+    assert main(["verify", "gpt", *size, str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    graph = Graph.from_dict(json.loads(g.read_text()))
+    assert report["predicted_peak"] >= graph.optimizer_peak
+    assert abs(report["measured_peak"] - report["predicted_peak"]) <= 64

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import uuid
@@ -14,6 +15,7 @@ import torch
 from bonsai_core.errors import ScheduleError
 from bonsai_core.export.program import ExportError, StepSignature, generate_program, step_signature
 from bonsai_core.export.readme import readme
+from bonsai_core.optimizer import OPTIMIZERS, with_optimizer
 from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.trace import Traced
 
@@ -28,8 +30,10 @@ def export_model(model: str, options: dict[str, Any], schedule: Schedule, out_di
     ``profile`` and ``autocast`` as in :func:`trace_for_schedule`. Returns ``out_dir``.
     """
     traced = trace_for_schedule(model, options, schedule, profile=profile, seed=seed, autocast=autocast)
+    optimizer = traced.graph.optimizer["name"] if traced.graph.optimizer else None
     return export_traced(traced, step_signature(model, options, seed), schedule, out_dir,
-                         spec={"model": model, "options": dict(options), "seed": seed, "autocast": autocast})
+                         spec={"model": model, "options": dict(options), "seed": seed, "autocast": autocast,
+                               "optimizer": optimizer})
 
 
 def trace_for_schedule(model: str, options: dict[str, Any], schedule: Schedule, *, profile: str | None = None,
@@ -37,7 +41,8 @@ def trace_for_schedule(model: str, options: dict[str, Any], schedule: Schedule, 
     """Trace ``model`` with ``options`` and check that ``schedule`` was made for that graph.
 
     ``profile`` is the cost model the graph was traced with (it changes node costs, so the graph
-    hash); None tries the default first, then the others. ``autocast`` ("bf16" | "fp16") traces under
+    hash); None tries the default first, then the others. A graph traced with an optimizer
+    (``bonsai trace --optimizer``) is recognised by its hash, and the returned graph has it. ``autocast`` ("bf16" | "fp16") traces under
     ``torch.autocast``. Raises ScheduleError on a mismatch."""
     from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES
     from bonsai_core.trace import trace_zoo
@@ -48,6 +53,10 @@ def trace_for_schedule(model: str, options: dict[str, Any], schedule: Schedule, 
         traced = trace_zoo(model, profile=p, seed=seed, autocast=autocast, **options)
         if schedule.graph_hash in (None, traced.graph.hash):
             return traced
+        for name in OPTIMIZERS[1:]:  # a graph traced with `--optimizer`: the same step, its optimizer added
+            with_step = with_optimizer(traced.graph, name)
+            if schedule.graph_hash == with_step.hash:
+                return dataclasses.replace(traced, graph=with_step)
         first = first or traced
         if traced.graph.name != schedule.graph:  # another model or size: no cost model makes it match
             break

@@ -143,9 +143,12 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
     one the export was traced with. ``repeats`` untracked steps of each are timed (0: no timing)."""
     from bonsai_core import zoo
     from bonsai_core.measure import LiveBytes, measure_step
+    from bonsai_core.optimizer import make as make_optimizer
 
     exported = load_export(out_dir)
     predicted = int(exported.INFO["predicted_peak"])
+    # the graph's optimizer (bonsai trace --optimizer): its step runs after the measured backward pass
+    optimizer = exported.INFO.get("optimizer") or "none"
     traced_autocast = exported.INFO.get("autocast")
     if autocast is None:
         autocast = traced_autocast
@@ -199,7 +202,8 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
         for n, b in net.named_buffers():
             b.copy_(before[n])
     net.zero_grad(set_to_none=True)
-    original = measure_step(net, inputs, loss_fn, step=seeded(lambda: _eager_step(net, inputs, loss_fn)))
+    original = measure_step(net, inputs, loss_fn, step=seeded(lambda: _eager_step(net, inputs, loss_fn)),
+                            optimizer=make_optimizer(net.parameters(), optimizer))
     seconds_original = _median_seconds(seeded(lambda: _eager_step(net, inputs, loss_fn)), dev, repeats)
     del net, inputs, loss_fn
 
@@ -207,7 +211,8 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
     net, inputs, loss_fn = build()
     ck = load(net)
     try:
-        measured = measure_step(net, inputs, loss_fn, step=seeded(exported_step(ck, inputs, loss_fn)))
+        measured = measure_step(net, inputs, loss_fn, step=seeded(exported_step(ck, inputs, loss_fn)),
+                                optimizer=make_optimizer(net.parameters(), optimizer))
     except (TypeError, ValueError) as e:  # the runtime's own checks: shapes, dtypes, loss buffers
         raise ModelError(f"The export in {str(out_dir)!r} does not fit {model!r} with these options: {e}") from None
     exported_grads = {n: p.grad for n, p in net.named_parameters() if n in reference}
