@@ -1,0 +1,112 @@
+"""Predicted vs measured memory on a CUDA GPU, for the models and settings a real run uses.
+
+For each case: trace the model (on fake tensors, on this machine's CPU), solve it with bonsai at a
+share of its no-remat peak, export the plan (replay back-end), and run the exported step on the GPU.
+The live prediction (the simulator's peak) is compared with ``torch.cuda.max_memory_allocated`` and
+the reserved prediction (the allocator model, ``allocator.replay``) with ``max_memory_reserved``,
+each over the steady-state second step. Prints a markdown table; run it where a GPU is lent:
+
+    python scripts/gpu_check.py [--budget 70] [--expandable-segments] > gpu_check.md
+
+With ``--expandable-segments`` it sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before
+CUDA starts and predicts reserved bytes with the ``expandable`` policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+CASES = [  # (model, options, trace --optimizer)
+    ("gpt", {}, "none"),
+    ("gpt", {"layers": 4, "width": 512, "seq": 512, "heads": 8, "batch": 8}, "adamw"),
+    ("hf:gpt2", {"layers": 4, "width": 512, "seq": 512, "heads": 8, "batch": 8}, "none"),
+    ("hf:llama", {"layers": 4, "width": 512, "seq": 512, "heads": 8, "batch": 4, "vocab": 8192}, "adamw"),
+]
+
+
+def check(model: str, options: dict, optimizer: str, share: float, policy: str, device: str = "cuda") -> str:
+    import torch
+
+    from bonsai_core import zoo
+    from bonsai_core.allocator import replay
+    from bonsai_core.budget import format_bytes
+    from bonsai_core.export import export_model, load_export
+    from bonsai_core.optimizer import init_state, make, with_optimizer
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers import solve
+    from bonsai_core.trace import trace_zoo
+
+    start = time.perf_counter()
+    graph = with_optimizer(trace_zoo(model, **options).graph, optimizer)
+    schedule = solve(graph, int(share * no_remat_peak(graph)), "bonsai", time_limit=60)
+    reserved = replay(graph, schedule, policy=policy, full=True, optimizer="sgd").reserved_peak
+    with tempfile.TemporaryDirectory() as out:
+        export_model(model, options, schedule, out)
+        dev = torch.device(device)
+        net, inputs, loss_fn = zoo.build(model, **options)
+        net, inputs = net.to(dev), tuple(x.to(dev) for x in inputs)
+        loss_fn = loss_fn.to(dev) if isinstance(loss_fn, torch.nn.Module) else loss_fn
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p)
+        opt = make(net.parameters(), optimizer)
+        if opt is not None:
+            init_state(opt)
+        ck = load_export(out).load(net)
+
+        def step() -> None:
+            ck(*inputs, loss_fn=loss_fn).backward()
+            if opt is not None:
+                opt.step()
+
+        step()  # the first step: the caching allocator's segments, as the allocator model's warm-up
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            allocated, held = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        else:  # a dry run of the script: live bytes only (fixed memory counted as traced)
+            from bonsai_core.measure import LiveBytes
+
+            with LiveBytes() as tracker:
+                step()
+            allocated, held = graph.fixed_mem + tracker.peak, None
+        del ck, net, inputs, opt
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    peak = schedule.stats["peak"]
+    label = model + "".join(f" {k}={v}" for k, v in options.items()) + (f" +{optimizer}" if optimizer != "none" else "")
+    return (f"| {label} | {share:.0%} | {format_bytes(peak)} | {format_bytes(allocated)} | {allocated / peak - 1:+.2%} | "
+            f"{format_bytes(reserved)} | "
+            + (f"{format_bytes(held)} | {held / reserved - 1:+.2%} | " if held is not None else "not measured on CPU | | ")
+            + f"{time.perf_counter() - start:.0f} s |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=70, help="share of the no-remat peak, in percent")
+    parser.add_argument("--expandable-segments", action="store_true")
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the pipeline (live bytes only)")
+    args = parser.parse_args()
+    if args.expandable_segments:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("No CUDA device: this script measures on a GPU (--device cpu for a dry run).")
+    policy = "expandable" if args.expandable_segments else "caching"
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "none (CPU dry run)"
+    print(f"GPU: {name}, torch {torch.__version__}, allocator {policy}\n")
+    print("| model | budget | predicted live | max_memory_allocated | diff | predicted reserved | "
+          "max_memory_reserved | diff | time |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for model, options, optimizer in CASES:
+        print(check(model, options, optimizer, args.budget / 100, policy, args.device), flush=True)
+
+
+if __name__ == "__main__":
+    main()
