@@ -228,15 +228,21 @@ class Graph:
         ``max_degree_ram``)."""
         best = 0
         for v in range(self.n):
-            live = {v, *self.deps(v).tolist()}
-            stack = list(live)
-            while stack:  # a resident view keeps its base resident
-                a = int(self.alias_of[stack.pop()])
-                if a >= 0 and a not in live:
-                    live.add(a)
-                    stack.append(a)
+            live = self.with_view_bases({v, *self.deps(v).tolist()})
             best = max(best, int(self.mem[list(live)].sum()))
         return max(self.fixed_mem + best, self.optimizer_peak)
+
+    def with_view_bases(self, nodes: set[int]) -> set[int]:
+        """``nodes`` and the bases of every view among them, transitively: what must be resident
+        while they are (a resident view keeps its base resident)."""
+        live = set(nodes)
+        stack = list(live)
+        while stack:
+            a = int(self.alias_of[stack.pop()])
+            if a >= 0 and a not in live:
+                live.add(a)
+                stack.append(a)
+        return live
 
     @property
     def optimizer_peak(self) -> int:

@@ -193,13 +193,7 @@ def region_peak_bound(graph: Graph) -> RegionBound:
         if graph.is_forward[v]:
             continue
         backward = {u for u in resident if not graph.is_forward[u]}
-        live = backward | set(graph.deps(v).tolist())
-        stack = list(live)
-        while stack:  # a resident view keeps its base resident
-            a = int(graph.alias_of[stack.pop()])
-            if a >= 0 and a not in live:
-                live.add(a)
-                stack.append(a)
+        live = graph.with_view_bases(backward | set(graph.deps(v).tolist()))
         peak = graph.fixed_mem + int(graph.mem[list(live)].sum())
         if peak > best.peak:
             best = RegionBound(peak, v, int(graph.mem[list(backward)].sum()))
