@@ -69,8 +69,16 @@ class FitResult:
 def attempt(graph: Graph, size: int, method: str, limit: int, max_overhead: float, reserved: str | None,
             options: dict[str, Any]) -> Attempt:
     """``method`` on ``graph`` under ``limit`` bytes (its reserved bytes with allocator ``reserved``)."""
+    from bonsai_core.budget import format_bytes
     from bonsai_core.solvers import solve, solve_reserved
 
+    if limit < graph.peak_lower_bound:  # no method can fit: say what does not
+        what = (f"the fixed memory alone (parameters, gradients, optimizer state, batch) is {format_bytes(graph.fixed_mem)}"
+                if limit < graph.fixed_mem else
+                f"the optimizer step needs {format_bytes(graph.optimizer_peak)}"
+                if graph.optimizer_peak == graph.peak_lower_bound else
+                f"its largest op needs {format_bytes(graph.peak_lower_bound)}")
+        return Attempt(method, size, False, reason=what)
     start = time.perf_counter()
     try:
         if reserved:

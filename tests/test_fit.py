@@ -88,3 +88,10 @@ def test_the_what_fits_page_refuses_a_share_as_the_gpu_memory():
     at.text_input(key="fit_gpu").set_value("50%").run()
     at.button(key="fit_run").click().run()
     assert not at.exception and "not as a share" in at.error[0].value
+
+
+def test_fit_says_when_the_fixed_memory_alone_is_over_the_gpu():
+    searched = fit("mlp", 64 * 1024, ["none", "chen"], options=dict(layers=2, width=64), optimizer="adamw")
+    assert all(searched.best(m) is None for m in ("none", "chen"))
+    assert all("fixed memory alone" in a.reason for a in searched.attempts)
+    assert len(searched.traces) == 1  # nothing fits the first size: the search ends there
