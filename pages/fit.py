@@ -66,8 +66,8 @@ saved = st.session_state.get("fit_result")
 if saved and saved[0] == m.graph.hash:
     result = saved[1]
     st.subheader(f"Largest {result.vary} within {format_bytes(result.limit)}")
-    st.dataframe(pd.DataFrame(fit.table(result)), hide_index=True, use_container_width=True)
+    st.dataframe(pd.DataFrame(fit.table(result)), hide_index=True, width="stretch")
     st.plotly_chart(plots.fit_figure([a.row() for a in result.attempts], result.vary, result.max_overhead),
-                    use_container_width=True, key="fit_chart")
+                    width="stretch", key="fit_chart")
     st.caption(f"Traced {len(result.traces)} sizes in {sum(result.traces.values()):.1f} s; "
                f"{len(result.attempts)} solves in {sum(a.seconds for a in result.attempts):.1f} s.")
