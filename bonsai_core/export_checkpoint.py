@@ -49,7 +49,6 @@ are not at last use) have no such form and are refused with a pointer to ``--bac
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import pprint
 import statistics
@@ -67,37 +66,17 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bonsai_core.errors import ModelError, ScheduleError
+from bonsai_core.export_runtime import checkpointing
+from bonsai_core.export_runtime.checkpointing import SAME_OP, apply_saves, kv_cache_type, without_caches
 from bonsai_core.export import ExportError, load_export, trace_for_schedule
 from bonsai_core.export.verify import PEAK_TOLERANCE, largest_differences, gradient_problem, measuring_device
 from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
 from bonsai_core.schedule import Schedule, schedule_ops, simulate
-from bonsai_core.trace import _build_for_tracing as build_for_tracing, built_for_tracing
+from bonsai_core.trace import built_for_tracing
 
-# Fused attention kernels by device, one name in the policy: the export records the step on CPU.
-SAME_OP = {f"aten.{kernel}.default": "scaled_dot_product_attention"
-           for kernel in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-                          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                          "_scaled_dot_product_fused_attention_overrideable")}
-
-
-def kv_cache_type() -> type | None:
-    """transformers' key/value cache class (``transformers.cache_utils.Cache``) once transformers is
-    imported, else None."""
-    return getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
-
-
-def without_caches(forward, cache_type: type):
-    """``forward`` called with every ``cache_type`` argument replaced by None, as transformers' own
-    gradient checkpointing does: a cache passed into a checkpointed submodule would be appended to
-    again by its recomputation, which then runs other ops than its forward did."""
-
-    def call(*args, **kwargs):
-        return forward(*(None if isinstance(a, cache_type) else a for a in args),
-                       **{k: None if isinstance(v, cache_type) else v for k, v in kwargs.items()})
-
-    return call
+CHECKPOINT_RUNTIME = Path(checkpointing.__file__)
 
 
 @dataclass(frozen=True)
@@ -120,6 +99,11 @@ class CheckpointLayout:
     unrealised: list[int]  # dropped nodes that stay saved (no unit holds them with their readers)
     unrealised_bytes: int
     realised_peak: int  # the simulator's peak of what the checkpoints really run (realised_sequence)
+
+    @property
+    def save(self) -> dict[str, dict[str, list[int]]]:
+        """The plan as the runtime applies it: submodule path -> its save policy."""
+        return {u.path: u.saves for u in self.units}
 
 
 # -- plan -> units ---------------------------------------------------------------------------------
@@ -350,39 +334,34 @@ def recomputation_mismatch(forward: list[list[Any]], recompute: list[list[Any]])
     return None
 
 
-def recomputation_mismatches(source: str, build: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...], Any]],
-                             model: str) -> dict[str, str]:
-    """One training step of the model ``build()`` returns (with its inputs and loss; called under
-    ``FakeTensorMode``) with ``checkpointed.py`` (its text ``source``) applied, logging each checkpointed
+def recomputation_mismatches(save: dict[str, dict[str, list[int]]], model: str, net: nn.Module,
+                             inputs: tuple[torch.Tensor, ...], loss_fn: Any) -> dict[str, str]:
+    """One training step of ``net`` (with ``inputs`` and ``loss_fn``, on fake tensors, under the caller's
+    ``FakeTensorMode``) with the plan ``save`` applied (it stays applied), logging each checkpointed
     call's ops in its forward and in its recomputation: per submodule whose recomputation SAC would hand
     other tensors (:func:`recomputation_mismatch`), why. ``model`` names it in messages.
 
     Raises ExportError when the step fails in another way (it would fail in training too)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from bonsai_core.export_runtime.checkpointing import contexts
 
-    exported = ModuleType("checkpointed")
-    exec(compile(source, "checkpointed.py", "exec"), exported.__dict__)  # noqa: S102 (our own generated code)
-    if not exported.SAVE:
+    if not save:
         return {}
-    paths = {id(saves): path for path, saves in exported.SAVE.items()}
+    paths = {id(saves): path for path, saves in save.items()}
     runs: list[tuple[str, list[list[Any]], list[list[Any]]]] = []
-    make_contexts = exported.contexts
 
-    def contexts(saves: dict[str, list[int]]) -> tuple[Any, Any]:
-        forward, recompute = make_contexts(saves)
+    def logged_contexts(saves: dict[str, list[int]]) -> tuple[Any, Any]:
+        forward, recompute = contexts(saves)
         run = (paths[id(saves)], [], [])
         runs.append(run)
         return _logged(forward, run[1]), _logged(recompute, run[2])
 
-    exported.contexts = contexts  # what ``apply`` hands each checkpoint
     error = None
-    with FakeTensorMode(allow_non_fake_inputs=True), _on_fake_tensors(model), torch.enable_grad():
-        net, inputs, loss_fn = build()
-        exported.apply(net)
-        try:
+    apply_saves(net, save, model, logged_contexts)
+    try:
+        with torch.enable_grad():
             loss_fn(net(*inputs)).backward()
-        except RuntimeError as e:  # SAC's "not found in storage", checkpoint's CheckpointError
-            error = e
+    except RuntimeError as e:  # SAC's "not found in storage", checkpoint's CheckpointError
+        error = e
     found: dict[str, str] = {}
     for path, forward, recompute in runs:
         why = recomputation_mismatch(forward, recompute)
@@ -390,11 +369,43 @@ def recomputation_mismatches(source: str, build: Callable[[], tuple[nn.Module, t
             found.setdefault(path, why)
     if error is not None and not found:
         raise ExportError(f"One training step of {model!r} with its checkpoints applied fails (on fake tensors, "
-                          f"at export time): {str(error).splitlines()[0]} Export with --backend replay.") from None
+                          f"before training): {str(error).splitlines()[0]} Export with --backend replay.") from None
     return found
 
 
-# -- export ----------------------------------------------------------------------------------------
+def faithful_layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep,
+                    mismatches: Callable[[dict[str, dict[str, list[int]]]], dict[str, str]]) -> tuple[CheckpointLayout, dict[str, str]]:
+    """The :func:`layout` of ``plan`` without the submodules whose recomputation would not run what their
+    forward ran (``mismatches(save)``: path -> why, :func:`recomputation_mismatches`), and those left out.
+    Each pass leaves out at least one more submodule, so this ends."""
+    not_checkpointed: dict[str, str] = {}
+    while True:
+        lay = layout(graph, plan, step, exclude=not_checkpointed)
+        found = mismatches(lay.save)
+        if not found:
+            return lay, not_checkpointed
+        not_checkpointed.update(found)
+
+
+def hidden_caches(model: nn.Module) -> contextlib.AbstractContextManager:
+    """Within: every submodule of ``model`` is handed no transformers key/value cache, as checkpointed
+    submodules run (:func:`without_caches`); afterwards each runs its own forward again."""
+    stack = contextlib.ExitStack()
+    cache = kv_cache_type()
+    for module in model.modules() if cache is not None else ():
+        had = "forward" in module.__dict__
+        previous = module.__dict__.get("forward")
+        module.forward = without_caches(module.forward, cache)
+        stack.callback(_restore_forward, module, had, previous)
+    return stack
+
+
+def _restore_forward(module: nn.Module, had: bool, previous: Any) -> None:
+    if had:
+        module.forward = previous
+    else:
+        del module.forward
+
 
 def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, out_dir: str | Path, *,
                       profile: str | None = None, seed: int = 0) -> Path:
@@ -414,27 +425,24 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
     sim = simulate(graph, schedule)
     plan = CheckpointPlan.from_extra(schedule.extra)
     with built_for_tracing(model, seed, **options) as (net, inputs, loss_fn), _on_fake_tensors(model):
-        cache = kv_cache_type()
-        for module in net.modules() if cache is not None else ():  # as the checkpointed submodules will run
-            module.forward = without_caches(module.forward, cache)
-        step = record_step(net, inputs, loss_fn)
-    # A submodule whose recomputation would not run what its forward ran is left out, and the layout
-    # chosen again (each pass leaves out one more submodule, so this ends).
-    not_checkpointed: dict[str, str] = {}
-    while True:
-        lay = layout(graph, plan, step, exclude=not_checkpointed)
-        info = {"graph": graph.name, "graph_hash": graph.hash, "method": schedule.method, "budget": schedule.budget,
-                "predicted_peak": sim.peak, "fixed_mem": graph.fixed_mem, "recomputes": sim.recomputes,
-                "overhead": sim.overhead, "model": model, "options": dict(options), "seed": seed,
-                "batch": int(inputs[0].shape[0]) if inputs and inputs[0].dim() else None,
-                "realised_peak": lay.realised_peak,
-                "dropped_bytes": lay.dropped_bytes, "unrealised_dropped_bytes": lay.unrealised_bytes,
-                "unrealised_dropped_nodes": len(lay.unrealised), "not_checkpointed": dict(not_checkpointed)}
-        source = generate_source(info, lay)
-        mismatched = recomputation_mismatches(source, lambda: build_for_tracing(model, seed, options), model)
-        if not mismatched:
-            break
-        not_checkpointed.update(mismatched)
+        with hidden_caches(net):  # as the checkpointed submodules will run
+            step = record_step(net, inputs, loss_fn)
+
+    def mismatches(save: dict[str, dict[str, list[int]]]) -> dict[str, str]:
+        if not save:
+            return {}
+        with built_for_tracing(model, seed, **options) as (net, inputs, loss_fn), _on_fake_tensors(model):
+            return recomputation_mismatches(save, model, net, inputs, loss_fn)
+
+    lay, not_checkpointed = faithful_layout(graph, plan, step, mismatches)
+    info = {"graph": graph.name, "graph_hash": graph.hash, "method": schedule.method, "budget": schedule.budget,
+            "predicted_peak": sim.peak, "fixed_mem": graph.fixed_mem, "recomputes": sim.recomputes,
+            "overhead": sim.overhead, "model": model, "options": dict(options), "seed": seed,
+            "batch": int(inputs[0].shape[0]) if inputs and inputs[0].dim() else None,
+            "realised_peak": lay.realised_peak,
+            "dropped_bytes": lay.dropped_bytes, "unrealised_dropped_bytes": lay.unrealised_bytes,
+            "unrealised_dropped_nodes": len(lay.unrealised), "not_checkpointed": dict(not_checkpointed)}
+    source = generate_source(info, lay)
     if not_checkpointed and not lay.units and lay.dropped_bytes:
         path, why = next(iter(not_checkpointed.items()))
         raise ExportError(
@@ -472,74 +480,26 @@ A checkpointed submodule is handed no transformers key/value cache (None instead
 own gradient checkpointing does: its recomputation would append to the cache again.
 """
 
-import functools
-import sys
-from collections import Counter
-
-import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+{runtime}
 
 INFO = {info}
 
 SAVE = {save}
 
-# One name for the fused attention kernel whichever device runs it (op names in SAVE use it too).
-SAME_OP = {same_op}
-
-
-def policy(saves):
-    """A SAC policy for one forward of a checkpointed submodule (called once per op, in order)."""
-    seen = {{False: Counter(), True: Counter()}}  # older torch also asks during the recomputation
-
-    def decide(ctx, op, *args, **kwargs):
-        name = SAME_OP.get(str(op), str(op))
-        k = seen[ctx.is_recompute][name]
-        seen[ctx.is_recompute][name] += 1
-        return CheckpointPolicy.MUST_SAVE if k in saves.get(name, ()) else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return decide
-
-
-def contexts(saves):
-    """The (forward, recomputation) contexts of one checkpointed call, with a fresh policy."""
-    return create_selective_checkpoint_contexts(policy(saves))
-
-
-{helpers}
-
-def checkpointed(forward, saves):
-    """``forward`` run under non-reentrant checkpointing with the save policy ``saves`` (a
-    ``functools.partial`` of torch's own ``checkpoint``, which torch.compile knows), never handed a
-    key/value cache (see ``without_caches``)."""
-    cache = kv_cache_type()
-    return functools.partial(checkpoint, forward if cache is None else without_caches(forward, cache),
-                             use_reentrant=False, context_fn=functools.partial(contexts, saves))
-
 
 def apply(model: torch.nn.Module) -> torch.nn.Module:
     """Checkpoint ``model``'s submodules as the schedule says (in place) and return ``model``."""
-    modules = dict(model.named_modules())
-    missing = [path for path in SAVE if path not in modules]
-    if missing:
-        raise ValueError(f"The model has no submodule {{missing[0]!r}}: this export was made for "
-                         f"{{INFO['model']!r}} ({{type(model).__name__}} differs). Export again for this model.")
-    for path, saves in SAVE.items():
-        module = modules[path]
-        if isinstance(module.forward, functools.partial) and module.forward.func is checkpoint:
-            raise ValueError(f"Submodule {{path!r}} is already checkpointed: call apply(model) once.")
-        module.forward = checkpointed(module.forward, saves)
-    return model
+    return apply_saves(model, SAVE, INFO["model"])
 '''
 
 
 def generate_source(info: dict[str, Any], lay: CheckpointLayout) -> str:
     """The text of ``checkpointed.py``."""
-    save = {u.path: u.saves for u in lay.units}
-    helpers = "\n\n".join(inspect.getsource(f) for f in (kv_cache_type, without_caches))
+    save = lay.save
     return _TEMPLATE.format(model=info["model"], method=info["method"], graph=info["graph"],
+                            runtime=CHECKPOINT_RUNTIME.read_text().rstrip(),
                             info=pprint.pformat(info, sort_dicts=False, width=110),
-                            save=pprint.pformat(save, sort_dicts=False, width=110),
-                            same_op=pprint.pformat(SAME_OP, width=110), helpers=helpers)
+                            save=pprint.pformat(save, sort_dicts=False, width=110))
 
 
 def _readme(info: dict[str, Any], lay: CheckpointLayout, folder: Path) -> str:

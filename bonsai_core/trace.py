@@ -262,7 +262,8 @@ def _trace_step_once(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn
                      name: str, profile: str, autocast: str | None) -> Traced:
     if profile not in PROFILES:
         raise ModelError(f"Unknown cost model {profile!r}; choose one of: {', '.join(PROFILES)}.")
-    cast = _autocast(autocast)
+    device_type = inputs[0].device.type if inputs else "cpu"
+    cast = _autocast(autocast, device_type)
     start = time.perf_counter()
     step = _Step(model, loss_fn)
     frozen: list[str] = []
@@ -273,7 +274,7 @@ def _trace_step_once(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn
     except _NoGradient:  # rare, and finding the parameters costs a forward trace: only then
         unused = _unused_parameters(step, tuple(inputs), name)
         try:
-            with _without_unused(step, unused) as (frozen, hidden), _autocast(autocast):
+            with _without_unused(step, unused) as (frozen, hidden), _autocast(autocast, device_type):
                 gm, signature = _export_joint(step, tuple(inputs), name)
         except _NoGradient:
             raise ModelError(f"Tracing {name!r} failed: a trainable parameter gets no gradient from the loss "
@@ -300,8 +301,9 @@ def _module_spans(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: C
 
     forward = np.flatnonzero(graph.is_forward)
     fake = all(isinstance(x, FakeTensor) for x in inputs)
+    cast = _autocast(autocast, inputs[0].device.type if inputs else "cpu")
     try:
-        with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), _autocast(autocast), \
+        with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), cast, \
                 _grouped_mm_as_its_kernels(), _quiet_meta_failures():
             step = record_step(model, inputs, loss_fn)
     except Exception:  # noqa: BLE001 (any failure only means no module structure)
@@ -312,12 +314,13 @@ def _module_spans(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: C
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _autocast(autocast: str | None) -> Any:
+def _autocast(autocast: str | None, device_type: str = "cpu") -> Any:
+    """``torch.autocast`` for the device the step is traced on (fake tensors of the inputs' device)."""
     if autocast is None:
         return contextlib.nullcontext()
     if autocast not in AUTOCAST:
         raise ModelError(f"Unknown autocast {autocast!r}; choose one of: {', '.join(AUTOCAST)}.")
-    return torch.autocast(device_type="cpu", dtype=AUTOCAST[autocast])  # models are traced on CPU fake tensors
+    return torch.autocast(device_type=device_type, dtype=AUTOCAST[autocast])
 
 
 # -- tracing -------------------------------------------------------------------------------------

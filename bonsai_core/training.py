@@ -1,0 +1,495 @@
+"""The one call in a training script: plan activation checkpointing under a byte budget, and apply it.
+
+    import bonsai_core as bonsai
+
+    report = bonsai.checkpoint(model, (input_ids,), lambda out: out.loss, budget="20GiB")
+    print(report)                      # what was checkpointed, the predicted peak and compute overhead
+    for batch in loader:               # train as before
+        loss = model(**batch).loss; loss.backward(); ...
+
+Data flows as in the CLI (model -> trace -> graph -> solve -> schedule -> simulate -> apply), with the
+checkpoint export back-end's rules (:mod:`bonsai_core.export_checkpoint`) applied to the user's own
+module instead of written to a folder:
+
+1. **Trace** one training step of ``model`` on fake tensors (shapes only: no device memory is used and
+   the weights are not read), with ``torch.autocast`` when asked, and the optimizer's state when named.
+2. **Solve** a checkpoint-region plan under the budget (methods ``bonsai`` and ``chen``); the simulator
+   validates it.
+3. **Lay it onto submodules**: each region the plan recomputes becomes a submodule run under
+   ``torch.utils.checkpoint`` (non-reentrant) with a selective-activation-checkpointing policy, and one
+   more step on fake tensors checks that every such submodule's recomputation runs what its forward ran
+   (one that does not is left out, and the layout chosen again).
+4. **Apply** it in place (``checkpoint``), or return it (``plan``; ``Plan.apply`` later).
+
+Apply it before ``torch.compile``, ``DistributedDataParallel`` or ``fully_shard`` (FSDP2) wrap the model,
+as torchtitan applies activation checkpointing before sharding. The budget bounds one device's live
+bytes in the traced step: parameters, gradients, buffers, the batch, the optimizer's state when
+``optimizer`` is named, and the activations.
+
+Plans are cached on disk (``$BONSAI_CACHE_DIR``, else ``$XDG_CACHE_HOME/bonsai``, else
+``~/.cache/bonsai``), keyed by what the plan depends on: the model's module classes and their source
+files, parameter and buffer names, shapes and dtypes, training flags, the example inputs' shapes and
+dtypes, each module's plain settings (a dropout's ``p``, a ``transformers`` config), the loss function's
+code, the budget, method and options, and the torch, transformers and
+bonsai versions. The second run of a script applies its plan without tracing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from bonsai_core.budget import Budget, format_bytes, parse_budget
+from bonsai_core.errors import BonsaiError, BudgetError, ModelError
+from bonsai_core.export_runtime.checkpointing import apply_saves, is_checkpointed, remove_checkpoints
+from bonsai_core.graph import Graph
+from bonsai_core.schedule import Schedule, no_remat_peak, simulate
+
+REGION_METHODS = ("bonsai", "chen")  # the methods whose plans are checkpoint regions
+AUTO_MARGIN = 0.10  # share of a device's memory "auto" leaves to the caching allocator's rounding and waste
+CACHE_VERSION = 1
+FIT_TRIES = 3  # solves to bring what the checkpoints run within the budget
+
+Save = dict[str, dict[str, list[int]]]  # submodule path -> {aten op: calls that save their output}
+
+
+@dataclass
+class Report:
+    """What a plan does to one training step (bytes include parameters, gradients and the batch)."""
+
+    method: str
+    budget: int  # bytes the plan was asked to fit
+    budget_source: str  # how the budget was given ("20GiB", "60% of the no-remat peak", "auto: ...")
+    regions: list[str]  # the checkpointed submodules, by path in model.named_modules()
+    predicted_peak: int  # the simulator's peak of what the checkpoints run
+    plan_peak: int  # the plan's own simulated peak (the checkpoints may run it less tightly)
+    no_remat_peak: int
+    fixed_memory: int  # parameters, gradients, buffers, batch and optimizer state
+    overhead: float  # the plan's recomputed compute over one step's, predicted by the cost model
+    not_checkpointed: dict[str, str] = field(default_factory=dict)  # submodule -> why it was left out
+    unrealised_bytes: int = 0  # bytes the plan frees that no submodule can free with torch.utils.checkpoint
+    graph_hash: str = ""
+    seconds: dict[str, float] = field(default_factory=dict)  # trace, solve, layout
+    cached: bool = False  # loaded from the plan cache (nothing traced)
+
+    @property
+    def status(self) -> str:
+        """One line: what was done."""
+        if not self.regions:
+            return "fits without recomputation: nothing checkpointed"
+        return f"checkpointed {len(self.regions)} submodule(s)"
+
+    def __str__(self) -> str:
+        saved = 1 - self.predicted_peak / self.no_remat_peak if self.no_remat_peak else 0.0
+        lines = [
+            f"{self.method} plan within {format_bytes(self.budget)} ({self.budget_source}): {self.status}"
+            + (" [from the plan cache]" if self.cached else ""),
+            f"  predicted peak {format_bytes(self.predicted_peak)} (no recomputation: {format_bytes(self.no_remat_peak)}, "
+            f"{saved:.1%} less); fixed memory {format_bytes(self.fixed_memory)}; "
+            f"recompute overhead {self.overhead:+.1%}",
+        ]
+        if self.regions:
+            shown = ", ".join(self.regions[:8]) + (f", ... ({len(self.regions)} in all)" if len(self.regions) > 8 else "")
+            lines.append(f"  checkpointed: {shown}")
+        for path, why in self.not_checkpointed.items():
+            lines.append(f"  left out {path}: {why}")
+        if self.predicted_peak > self.budget:
+            lines.append(f"  over the budget by {format_bytes(self.predicted_peak - self.budget)}: the checkpoints cannot "
+                         "free all the plan frees (below); lower the budget or use a finer method")
+        if self.unrealised_bytes:
+            lines.append(f"  {format_bytes(self.unrealised_bytes)} the plan frees stay saved: no submodule holds "
+                         "them with their readers")
+        if self.seconds:
+            lines.append("  " + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()))
+        return "\n".join(lines)
+
+
+@dataclass
+class Plan:
+    """A checkpoint-region plan for one model: what to apply, and what it does."""
+
+    save: Save  # submodule path -> its save policy (bonsai_core/export_runtime/checkpointing.py)
+    report: Report
+    schedule: Schedule
+    graph: Graph | None = None  # None when loaded from the plan cache
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Checkpoint ``model``'s submodules as planned (in place) and return ``model``."""
+        try:
+            return apply_saves(model, self.save, self.report.graph_hash[:12] or "the planned model")
+        except ValueError as e:
+            raise ModelError(str(e)) from None
+
+
+def checkpoint(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor],
+               budget: str | int = "auto", method: str = "bonsai", **kwargs: Any) -> Report:
+    """Plan activation checkpointing for ``model`` within ``budget`` and apply it in place: the one call
+    in a training script. Takes :func:`plan`'s arguments and returns its :class:`Report`.
+
+    A model checkpointed by an earlier call gets the new plan instead (the old one is removed first).
+    Raises :class:`~bonsai_core.errors.BudgetError` when no plan fits (naming the smallest budget the
+    method meets) and :class:`~bonsai_core.errors.ModelError` when the model cannot be traced."""
+    remove_checkpoints(model)
+    made = plan(model, example_inputs, loss_fn, budget, method, **kwargs)
+    made.apply(model)
+    return made.report
+
+
+def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor], budget: str | int = "auto",
+         method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none",
+         cache: bool = True, cache_dir: str | os.PathLike | None = None, **options: Any) -> Plan:
+    """A checkpoint-region plan for one training step of ``model`` within ``budget``; nothing applied.
+
+    Args:
+        model: the module to train, on any device, in the mode it trains in (``model.train()``).
+        example_inputs: one batch as the model takes it: a tensor, a tuple of positional tensors, or a
+            dict of keyword tensors (``model(**batch)``), at the size training uses.
+        loss_fn: the model's output -> a scalar loss (``lambda out: out.loss``,
+            ``lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten())``).
+        budget: bytes (``20 * 2**30``), a size (``"20GiB"``, ``"800MB"``), a share of the step's peak
+            without recomputation (``"60%"``), or ``"auto"``: the CUDA device's free memory plus what
+            this process reserves there, less :data:`AUTO_MARGIN` for the allocator.
+        method: ``"bonsai"`` (the segment ILP, default) or ``"chen"`` (sqrt(n) checkpoints).
+        autocast: ``"bf16"`` / ``"fp16"`` when training runs under ``torch.autocast``; by default the
+            autocast state of the call's own context.
+        optimizer: ``"sgd"``, ``"adam"``, ``"adamw"`` to count the optimizer's state and step in the budget.
+        cache: read and write the plan cache (see the module doc); ``cache_dir`` overrides its folder.
+        options: the method's options (as ``bonsai solve --option``), e.g. ``time_limit=30``.
+    """
+    from bonsai_core.solvers import check_options
+
+    if method not in REGION_METHODS:
+        raise BonsaiError(f"bonsai.plan applies checkpoint-region plans, made by the methods {' and '.join(REGION_METHODS)}; "
+                          f"{method!r} makes a general recompute sequence. Use the CLI for it: bonsai solve --method "
+                          f"{method}, then bonsai export --backend replay.")
+    check_options(method, options)
+    root, inputs, prefix = _step_inputs(model, example_inputs, loss_fn)
+    if any(is_checkpointed(m) for m in model.modules()):
+        raise ModelError("The model is already checkpointed by bonsai: plan it as it is without checkpoints "
+                         "(bonsai.remove_checkpoints(model) first), or call bonsai.checkpoint, which replaces the plan.")
+    device = _device(model, inputs)
+    autocast = autocast if autocast is not None else _ambient_autocast(device)
+    wanted, budget_source = _budget(budget, device)
+    settings = {"method": method, "budget": str(budget), "budget_bytes": wanted.bytes, "autocast": autocast,
+                "optimizer": optimizer, "options": {k: repr(v) for k, v in sorted(options.items())},
+                "device": device.type}
+    folder = _cache_folder(cache_dir) if cache else None
+    key = _fingerprint(model, inputs, loss_fn, settings)
+    hit = _read_cached(folder, key) if folder else None
+    if hit is not None:
+        return hit
+
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    step = _FakeStep.of(root, inputs, loss_fn, type(model).__name__)
+    graph = step.graph(autocast, optimizer)
+    seconds["trace"] = time.perf_counter() - start
+    reference = no_remat_peak(graph)
+    limit = wanted.resolve(reference)
+    if wanted.fraction is not None:
+        budget_source = f"{wanted} of the no-remat peak {format_bytes(reference)}"
+    schedule, save, layout = _fitted(step, graph, limit, method, options, seconds)
+    sim = simulate(graph, schedule)
+    report = Report(method=method, budget=limit, budget_source=budget_source,
+                    regions=[_relative(p, prefix) for p in save], predicted_peak=layout.realised_peak,
+                    plan_peak=sim.peak, no_remat_peak=reference, fixed_memory=graph.fixed_mem,
+                    overhead=sim.overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
+                    unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds)
+    made = Plan({_relative(p, prefix): s for p, s in save.items()}, report, schedule, graph)
+    if folder:
+        _write_cached(folder, key, made)
+    return made
+
+
+def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: dict[str, Any],
+            seconds: dict[str, float]) -> tuple[Schedule, Save, "_Layout"]:
+    """Solve within ``limit`` and lay the plan onto submodules; while what the checkpoints run peaks over
+    ``limit`` (a freed tensor no submodule can free with its readers), solve again with the plan's
+    budget lowered by the excess (at most :data:`FIT_TRIES` solves). The best layout found is returned."""
+    from bonsai_core.solvers import solve
+
+    plan_budget, best = limit, None
+    for attempt in range(FIT_TRIES):
+        start = time.perf_counter()
+        try:
+            schedule = solve(graph, plan_budget, method, **options)
+        except BudgetError as e:
+            if best is not None:
+                break
+            raise
+        finally:
+            seconds["solve"] = seconds.get("solve", 0.0) + time.perf_counter() - start
+        start = time.perf_counter()
+        save, layout = step.layout(graph, schedule)
+        seconds["layout"] = seconds.get("layout", 0.0) + time.perf_counter() - start
+        if best is None or layout.realised_peak < best[2].realised_peak:
+            best = (schedule, save, layout)
+        if layout.realised_peak <= limit:
+            break
+        plan_budget -= layout.realised_peak - limit
+    return best
+
+
+# -- the step: inputs, device, autocast, budget --------------------------------------------------
+
+class _KeywordCall(nn.Module):
+    """``model(**dict(zip(names, inputs)))``: a model called with keyword tensors, traced positionally."""
+
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.names = names
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        return self.model(**dict(zip(self.names, inputs)))
+
+
+def _step_inputs(model: Any, example_inputs: Any, loss_fn: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...], str]:
+    """The module to trace, its positional inputs, and the path prefix its submodules get there."""
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"bonsai.checkpoint takes a torch.nn.Module, not {type(model).__name__}.")
+    if not callable(loss_fn):
+        raise ModelError("loss_fn must be a function of the model's output returning a scalar loss, "
+                         "e.g. lambda out: out.loss.")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if isinstance(example_inputs, dict):
+        bad = [k for k, v in example_inputs.items() if not isinstance(v, torch.Tensor)]
+        if bad or not example_inputs:
+            raise ModelError(f"example_inputs: every value of the batch dict must be a tensor ({bad[0]!r} is not)."
+                             if bad else "example_inputs is an empty dict: pass one batch as the model takes it.")
+        return _KeywordCall(model, list(example_inputs)), tuple(example_inputs.values()), "model."
+    if isinstance(example_inputs, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in example_inputs):
+        return model, tuple(example_inputs), ""
+    raise ModelError("example_inputs must be one batch as the model takes it: a tensor, a tuple of tensors "
+                     f"(model(*inputs)) or a dict of tensors (model(**batch)); got {type(example_inputs).__name__}.")
+
+
+def _relative(path: str, prefix: str) -> str:
+    return path[len(prefix):] if prefix and path.startswith(prefix) else path
+
+
+def _device(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.device:
+    for t in (*model.parameters(), *inputs):
+        return t.device
+    return torch.device("cpu")
+
+
+def _ambient_autocast(device: torch.device) -> str | None:
+    """``"bf16"`` / ``"fp16"`` when this call runs inside ``torch.autocast`` for ``device``, else None."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    dtype = torch.get_autocast_dtype(device.type)
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+
+
+def _budget(budget: str | int, device: torch.device) -> tuple[Budget, str]:
+    """The budget and, in words, where it came from."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise BudgetError(f"budget={budget!r}: give bytes (an int), a size ('20GiB'), a share ('60%') or 'auto'.")
+    if budget != "auto":
+        return parse_budget(str(budget)), str(budget)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise BudgetError(f"budget='auto' reads the free memory of the CUDA device the model is on, and it is on "
+                          f"{device.type}: give a size ('20GiB') or a share of the no-remat peak ('60%').")
+    free, total = torch.cuda.mem_get_info(device)
+    usable = free + torch.cuda.memory_reserved(device)
+    limit = int(usable * (1 - AUTO_MARGIN))
+    return Budget(bytes=limit), (f"auto: {format_bytes(usable)} free or reserved by this process on {device} "
+                                 f"(of {format_bytes(total)}), less {AUTO_MARGIN:.0%}")
+
+
+# -- trace and lay out, on fake tensors ------------------------------------------------------------
+
+@dataclass
+class _Layout:
+    realised_peak: int
+    not_checkpointed: dict[str, str]
+    unrealised_bytes: int
+
+
+@dataclass
+class _FakeStep:
+    """The user's training step on fake tensors: a copy of the model (and of the loss, when it is a
+    module) whose parameters and buffers are fake tensors of the same shapes, dtypes and devices, so
+    that planning neither allocates device memory nor changes the user's model (a BatchNorm's
+    statistics, a batch counter)."""
+
+    mode: Any  # the FakeTensorMode every fake tensor here belongs to
+    model: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    loss_fn: Any
+    name: str
+
+    @classmethod
+    def of(cls, model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, name: str) -> "_FakeStep":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            return cls(mode, _fake_copy(model, mode),
+                       tuple(mode.from_tensor(x) for x in inputs),
+                       _fake_copy(loss_fn, mode) if isinstance(loss_fn, nn.Module) else loss_fn, name)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        from bonsai_core.trace import _skip_tensor_asserts
+
+        with self.mode, _skip_tensor_asserts():
+            yield
+
+    def graph(self, autocast: str | None, optimizer: str) -> Graph:
+        """The traced step, with the optimizer's state and step."""
+        from bonsai_core.optimizer import check_name, with_optimizer
+        from bonsai_core.trace import trace_step
+
+        check_name(optimizer)
+        with self.running():
+            traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast)
+        return with_optimizer(traced.graph, optimizer)
+
+    def layout(self, graph: Graph, schedule: Schedule) -> tuple[Save, _Layout]:
+        """The plan laid onto the model's submodules (:func:`bonsai_core.export_checkpoint.faithful_layout`)."""
+        from bonsai_core.export_checkpoint import faithful_layout, hidden_caches, recomputation_mismatches
+        from bonsai_core.modules import record_step
+        from bonsai_core.regions import CheckpointPlan
+
+        with self.running(), hidden_caches(self.model):
+            recorded = record_step(self.model, self.inputs, self.loss_fn)
+
+        def mismatches(save: Save) -> dict[str, str]:
+            with self.running():
+                try:
+                    return recomputation_mismatches(save, self.name, self.model, self.inputs, self.loss_fn)
+                finally:
+                    remove_checkpoints(self.model)
+
+        lay, left_out = faithful_layout(graph, CheckpointPlan.from_extra(schedule.extra), recorded, mismatches)
+        if left_out and not lay.units and lay.dropped_bytes:
+            path, why = next(iter(left_out.items()))
+            raise ModelError(f"bonsai cannot checkpoint {self.name}: no submodule that would realise the plan can be "
+                             f"recomputed faithfully; `{path}`: {why}. torch.utils.checkpoint requires a recomputation "
+                             "to run the ops its forward ran: keep a submodule's forward free of state that it changes "
+                             "and reads back (a cache it appends to).")
+        return lay.save, _Layout(lay.realised_peak, left_out, lay.unrealised_bytes)
+
+
+def _fake_copy(module: nn.Module, mode: Any) -> nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers are ``mode``'s fake tensors (ties kept)."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = mode.from_tensor(b)
+    return copy.deepcopy(module, memo)
+
+
+# -- the plan cache --------------------------------------------------------------------------------
+
+def _cache_folder(cache_dir: str | os.PathLike | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if os.environ.get("BONSAI_CACHE_DIR"):
+        return Path(os.environ["BONSAI_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "bonsai" / "plans"
+
+
+def _fingerprint(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, settings: dict[str, Any]) -> str:
+    """A hash of everything a plan depends on (see the module doc)."""
+    from bonsai_core import __version__
+
+    digest = hashlib.sha256()
+
+    def feed(*parts: Any) -> None:
+        digest.update(repr(parts).encode())
+
+    feed(CACHE_VERSION, __version__, torch.__version__, getattr(sys.modules.get("transformers"), "__version__", None),
+         json.dumps(settings, sort_keys=True))
+    files: set[str] = set()
+    for name, m in model.named_modules():
+        feed(name, type(m).__module__, type(m).__qualname__, m.training, _settings(m))
+        files.add(_source_file(type(m)))
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        feed(name, tuple(t.shape), str(t.dtype), t.requires_grad)
+    for t in inputs:
+        feed(tuple(t.shape), str(t.dtype), t.requires_grad)
+    if isinstance(loss_fn, nn.Module):
+        files.add(_source_file(type(loss_fn)))
+        for name, t in (*loss_fn.named_parameters(), *loss_fn.named_buffers()):
+            feed(name, tuple(t.shape), str(t.dtype))
+    code = getattr(loss_fn, "__code__", None)
+    if code is not None:
+        feed(code.co_code, repr(code.co_consts), code.co_names)
+    for path in sorted(f for f in files if f):
+        try:
+            digest.update(Path(path).read_bytes())
+        except OSError:
+            feed(path)
+    return digest.hexdigest()
+
+
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def _settings(module: nn.Module) -> list[Any]:
+    """A module's own settings: plain attributes (a dropout's ``p``, a norm's ``eps``) and a
+    ``transformers`` config (its ``to_dict()``), which forward code reads (``config.attn_pdrop``)."""
+    out: list[Any] = []
+    for key, value in sorted(vars(module).items()):
+        if key.startswith("_"):
+            continue
+        if isinstance(value, _PLAIN) or (isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value)):
+            out.append((key, value))
+        elif callable(getattr(value, "to_dict", None)):
+            try:
+                out.append((key, json.dumps(value.to_dict(), sort_keys=True, default=str)))
+            except (TypeError, ValueError):
+                out.append((key, type(value).__name__))
+    return out
+
+
+def _source_file(cls: type) -> str:
+    try:
+        return inspect.getsourcefile(cls) or ""
+    except TypeError:  # a built-in class
+        return ""
+
+
+def _read_cached(folder: Path, key: str) -> Plan | None:
+    """The cached plan for ``key``, or None (a missing, unreadable or stale entry is planned again)."""
+    path = folder / f"{key}.json"
+    try:
+        data = json.loads(path.read_text())
+        report = Report(**{**data["report"], "cached": True})
+        return Plan(data["save"], report, Schedule.from_dict(data["schedule"]))
+    except (OSError, ValueError, KeyError, TypeError, BonsaiError):
+        return None
+
+
+def _write_cached(folder: Path, key: str, made: Plan) -> None:
+    """Store ``made`` under ``key`` (atomically; a cache that cannot be written is skipped, with a warning)."""
+    import warnings
+
+    data = {"save": made.save, "report": asdict(made.report), "schedule": made.schedule.to_dict()}
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(data, separators=(",", ":")))
+        os.replace(tmp, folder / f"{key}.json")
+    except OSError as e:
+        warnings.warn(f"bonsai: the plan cache {str(folder)!r} cannot be written ({e.strerror}); plans are not "
+                      "cached. Set BONSAI_CACHE_DIR to a writable folder, or pass cache=False.", stacklevel=3)

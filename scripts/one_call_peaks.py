@@ -1,0 +1,134 @@
+"""``bonsai_core.checkpoint`` on models built from public libraries: the report's predicted peak against
+the peak measured on one real training step (CPU, live bytes), whether loss, gradients and buffers
+equal the model's without the plan (one seed), and how long the first and the cached call take.
+
+    python scripts/one_call_peaks.py [--budget 70%] [--out docs/bench/one_call.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import bonsai_core as bonsai  # noqa: E402
+from bonsai_core.budget import format_bytes  # noqa: E402
+from bonsai_core.measure import measure_step  # noqa: E402
+
+
+def llama(batch: int = 4, seq: int = 256):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=4096, max_position_embeddings=seq)
+    return _maskless(LlamaForCausalLM(config), batch, seq, config.vocab_size)
+
+
+def gpt2(batch: int = 4, seq: int = 256, dropout: float = 0.1):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=256, n_layer=6, n_head=8, vocab_size=4096, n_positions=seq,
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    return _maskless(GPT2LMHeadModel(config), batch, seq, config.vocab_size)
+
+
+def vit(batch: int = 32, image: int = 64):
+    from tests.robust_models import make_vit
+
+    return make_vit(batch=batch, image=image)
+
+
+def cnn(batch: int = 16):
+    from tests.robust_models import make_stochastic_depth_cnn
+
+    return make_stochastic_depth_cnn(batch=batch, width=32, blocks=6, image=32)
+
+
+class _Maskless(nn.Module):
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor):
+        return self.lm(input_ids=ids, labels=ids)  # as training scripts call it: no attention mask
+
+
+def _maskless(lm: nn.Module, batch: int, seq: int, vocab: int):
+    return _Maskless(lm.train()), (torch.randint(0, vocab, (batch, seq)),), lambda out: out.loss
+
+
+MODELS = {"transformers Llama (6 layers, 256 wide, seq 256, SDPA)": llama,
+          "transformers GPT-2 (6 layers, 256 wide, seq 256, SDPA, no dropout)": lambda: gpt2(dropout=0.0),
+          "transformers GPT-2 (6 layers, 256 wide, seq 256, SDPA, dropout 0.1)": gpt2,
+          "transformers ViT (trunc_normal_ init, 64 px, batch 32)": vit,
+          "BatchNorm + SiLU CNN, stochastic depth (torch.nn)": cnn}
+
+
+def one(make, budget: str, cache: Path) -> dict:
+    torch.manual_seed(0)
+    model, inputs, loss_fn = make()
+    reference = copy.deepcopy(model)
+    torch.manual_seed(5)
+    expected = loss_fn(reference(*inputs))
+    expected.backward()
+
+    start = time.perf_counter()
+    report = bonsai.checkpoint(model, inputs, loss_fn, budget=budget, cache_dir=cache)
+    first = time.perf_counter() - start
+    again = copy.deepcopy(reference)
+    start = time.perf_counter()
+    bonsai.checkpoint(again, inputs, loss_fn, budget=budget, cache_dir=cache)
+    cached = time.perf_counter() - start
+
+    torch.manual_seed(5)
+    loss = loss_fn(model(*inputs))
+    loss.backward()
+    same = (loss.item() == expected.item()
+            and all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+            and all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values())))
+    model.zero_grad(set_to_none=True)
+    measured = measure_step(model, inputs, loss_fn).peak
+    return {"regions": len(report.regions), "no_remat": report.no_remat_peak, "predicted": report.predicted_peak,
+            "measured": measured, "error": measured / report.predicted_peak - 1, "overhead": report.overhead,
+            "same": same, "first": first, "cached": cached}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", default="70%")
+    parser.add_argument("--out", type=Path, default=None, help="also write the table to this Markdown file")
+    args = parser.parse_args()
+
+    rows = ["| model | checkpointed | no remat | predicted | measured | error | overhead | same loss, grads, buffers "
+            "| first call | cached call |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    with tempfile.TemporaryDirectory() as cache:
+        for name, make in MODELS.items():
+            r = one(make, args.budget, Path(cache))
+            rows.append(f"| {name} | {r['regions']} | {format_bytes(r['no_remat'])} | {format_bytes(r['predicted'])} "
+                        f"| {format_bytes(r['measured'])} | {r['error']:+.2%} | {r['overhead']:+.1%} "
+                        f"| {'yes' if r['same'] else 'NO'} | {r['first']:.1f} s | {r['cached']:.2f} s |")
+            print(rows[-1], flush=True)
+    header = (f"`python scripts/one_call_peaks.py --budget {args.budget}` on {datetime.date.today()}, "
+              f"{platform.machine()} CPU, torch {torch.__version__}: `bonsai.checkpoint(model, inputs, loss_fn, "
+              f"budget={args.budget!r})`, then one real step measured (live bytes, fixed memory included).\n\n")
+    note = ("\nOn CPU, eager dropout is not the kernel the trace records: the trace writes `native_dropout` (a "
+            "1-byte mask, what CUDA runs), eager CPU draws a float noise tensor (4 bytes per element) and SDPA with "
+            "dropout runs its decomposed math form, so a CPU measurement of a model with dropout is not the "
+            "prediction's device (docs/EXPORT.md, scripts/dropout_kernel_check.py).\n")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(header + "\n".join(rows) + "\n" + note)
+
+
+if __name__ == "__main__":
+    main()
