@@ -68,6 +68,27 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="trace/run the step under torch.autocast with this dtype (default: off)")
 
 
+def _true_or_false(text: str) -> bool:
+    if text.lower() in ("true", "yes", "1"):
+        return True
+    if text.lower() in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
+
+def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
+    """--fsdp N and --reshard-after-forward, shared by trace and fit."""
+    p.add_argument("--fsdp", type=_positive_int, default=1, metavar="N",
+                   help="plan one of N ranks of FSDP2 (fully_shard on each block and on the model): sharded parameters, "
+                        "gradients and optimizer state, and the unsharded blocks over the step (default 1: no sharding)")
+    p.add_argument("--reshard-after-forward", type=_true_or_false, default=True, metavar="true|false",
+                   help="with --fsdp: fully_shard's reshard_after_forward (default true)")
+
+
+def fsdp_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"fsdp": args.fsdp, "reshard_after_forward": args.reshard_after_forward}
+
+
 def model_options(args: argparse.Namespace) -> dict[str, int]:
     return {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) is not None}
 
@@ -104,7 +125,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from bonsai_core.trace import trace_zoo
 
     traced = trace_zoo(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
-                       **model_options(args))
+                       **fsdp_options(args), **model_options(args))
     g = with_optimizer(traced.graph, args.optimizer)
     try:
         save_graph(g, args.output)
@@ -303,7 +324,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
                      options=model_options(args), optimizer=args.optimizer, reserved=reserved,
                      solver_options={"time_limit": time_limit}, start=args.start,
                      progress=(lambda line: print(line, flush=True)) if not args.json else None,
-                     trace_kwargs={"seed": args.seed, "autocast": args.autocast})
+                     trace_kwargs={"seed": args.seed, "autocast": args.autocast, **fsdp_options(args)})
     rows = fit.table(result)
     written = fit.write_report(result, args.output) if args.output else []
     if args.json:
@@ -476,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="none", choices=OPTIMIZERS,
                    help="the optimizer step after the backward pass (foreach, as on CUDA): its state is fixed memory "
                         "and its step's temporaries can set the peak (default none)")
+    add_fsdp_arguments(p)
     p.add_argument("-o", "--output", required=True, metavar="GRAPH.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_trace)
@@ -538,6 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the largest recompute overhead accepted (default 10%%)")
     p.add_argument("--methods", nargs="+", metavar="METHOD", help="default: none bonsai chen dtr")
     p.add_argument("--optimizer", default="none", choices=OPTIMIZERS, help="the optimizer step (see trace)")
+    add_fsdp_arguments(p)
     p.add_argument("--reserved", action="store_true", help="the GPU's memory bounds the caching allocator's reserved bytes")
     p.add_argument("--expandable-segments", action="store_true", help="with --reserved: expandable segments")
     p.add_argument("--time-limit", type=_time_limit, default=None, metavar="S",

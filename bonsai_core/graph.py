@@ -33,7 +33,7 @@ PHASES = ("forward", "backward", "input", "param")
 # Fields every node of a graph file has; "op", "alias_of", "shape" (and fields later versions add,
 # such as "module") are optional.
 REQUIRED_FIELDS = ("id", "name", "phase", "cost", "mem", "deps")
-FIXED_KINDS = ("param", "buffer", "grad", "input", "constant", "optimizer")  # of the optional 'fixed_tensors' entries
+FIXED_KINDS = ("param", "buffer", "grad", "input", "constant", "optimizer", "fsdp")  # of the optional 'fixed_tensors' entries
 
 # Refused before any heavy work: a graph beyond these is not a training step this tool can help with
 # interactively (the op-level solvers have tighter limits of their own).
@@ -67,6 +67,8 @@ class Graph:
             optimizer's state when the graph has an ``optimizer``).
         optimizer: None, or ``{"name", "step_bytes"}``: the optimizer step that follows the backward pass
             and the bytes it allocates above ``fixed_mem`` (``optimizer_peak``).
+        fsdp: None, or ``{"world", "reshard_after_forward", "root_bytes", "units"}``: the step as one FSDP
+            rank holds it (:mod:`bonsai_core.fsdp`); ``units`` are [path, first, last, parameter bytes].
         names, ops, phases, shapes: per-node strings.
         cost: float64[n], seconds to compute each node (0 only for views).
         mem: int64[n], bytes of each node's output(s) (0 for views).
@@ -95,6 +97,7 @@ class Graph:
         fixed_tensors: Sequence[Sequence[Any]] = (),
         modules: Sequence[Sequence[Any]] = (),
         optimizer: dict[str, Any] | None = None,
+        fsdp: dict[str, Any] | None = None,
     ) -> None:
         n = len(names)
         if n == 0:
@@ -115,6 +118,9 @@ class Graph:
         # the bytes its step allocates on top of fixed_mem (its state is in fixed_mem, kind "optimizer")
         self.optimizer = None if optimizer is None else {"name": str(optimizer["name"]),
                                                          "step_bytes": int(optimizer["step_bytes"])}
+        # optional: the FSDP rank this graph is (bonsai_core.fsdp): sharded state and the root's parameters
+        # are in fixed_mem; the blocks' unsharded bytes are the simulator's (fsdp.working_profile)
+        self.fsdp = None if fsdp is None else dict(fsdp)
         try:
             self.cost = np.asarray(list(cost), dtype=np.float64)
             self.mem = np.asarray(list(mem), dtype=np.int64)
@@ -158,13 +164,14 @@ class Graph:
     @classmethod
     def from_nodes(cls, name: str, fixed_mem: int, nodes: Sequence[dict[str, Any]],
                    fixed_tensors: Sequence[Sequence[Any]] = (), modules: Sequence[Sequence[Any]] = (),
-                   optimizer: dict[str, Any] | None = None) -> "Graph":
+                   optimizer: dict[str, Any] | None = None, fsdp: dict[str, Any] | None = None) -> "Graph":
         """Build a graph from node dicts (``name, op, phase, cost, mem, deps`` and optional
         ``alias_of``, ``shape``), listed in execution order; ids are their positions."""
         return cls(
             fixed_tensors=fixed_tensors,
             modules=modules,
             optimizer=optimizer,
+            fsdp=fsdp,
             name=name,
             fixed_mem=fixed_mem,
             names=[nd.get("name", f"n{i}") for i, nd in enumerate(nodes)],
@@ -315,6 +322,8 @@ class Graph:
             out["modules"] = [list(t) for t in self.modules]
         if self.optimizer is not None:
             out["optimizer"] = dict(self.optimizer)
+        if self.fsdp is not None:
+            out["fsdp"] = dict(self.fsdp)
         return out
 
     @classmethod
@@ -385,8 +394,28 @@ class Graph:
                 raise GraphError("'optimizer' (optional) must be an object with 'name' and 'step_bytes'.")
             optimizer = {"name": _str_field(optimizer["name"], "'optimizer' name"),
                          "step_bytes": _int_field(optimizer["step_bytes"], "'optimizer' step_bytes")}
+        fsdp = data.get("fsdp")
+        if fsdp is not None:
+            fsdp = _fsdp_field(fsdp, len(parsed))
         return cls.from_nodes(_str_field(data.get("name", "graph"), "'name'"), fixed_mem, parsed, fixed_tensors,
-                              modules, optimizer)
+                              modules, optimizer, fsdp)
+
+
+def _fsdp_field(fsdp: Any, n: int) -> dict[str, Any]:
+    """The optional ``fsdp`` object (bonsai_core.fsdp.with_fsdp), checked."""
+    shape = ("'fsdp' (optional) must be an object with 'world' (ranks), 'reshard_after_forward', 'root_bytes' "
+             "and 'units' ([path, first, last, parameter bytes] per block).")
+    if not isinstance(fsdp, dict) or not {"world", "reshard_after_forward", "root_bytes", "units"} <= set(fsdp):
+        raise GraphError(shape)
+    units = fsdp["units"]
+    if not isinstance(units, list) or not all(isinstance(u, list) and len(u) == 4 for u in units):
+        raise GraphError(shape)
+    parsed = [[_str_field(u[0], "'fsdp' unit path"), _int_field(u[1], "'fsdp' unit first"),
+               _int_field(u[2], "'fsdp' unit last"), _int_field(u[3], "'fsdp' unit bytes")] for u in units]
+    if any(not 0 <= u[1] <= u[2] < n or u[3] < 0 for u in parsed):
+        raise GraphError(f"An 'fsdp' unit is not [path, first <= last node ids, bytes >= 0]: {shape}")
+    return {"world": _int_field(fsdp["world"], "'fsdp' world"), "reshard_after_forward": bool(fsdp["reshard_after_forward"]),
+            "root_bytes": _int_field(fsdp["root_bytes"], "'fsdp' root_bytes"), "units": parsed}
 
 
 MAX_INT = 2**62  # bytes and ids beyond this are corrupt, not real (and overflow int64)

@@ -187,6 +187,12 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
         raise ScheduleError(f"The schedule never computes node {v} ({graph.names[v]!r})"
                             + (f" and {len(never) - 1} other node(s)" if len(never) > 1 else "")
                             + ": every node must be computed at least once.")
+    if graph.fsdp is not None:  # one FSDP rank: the unsharded blocks and held gradients over the step
+        from bonsai_core.fsdp import working_profile
+
+        timeline = timeline + working_profile(graph, ops)
+        peak_op = int(np.argmax(timeline)) if len(timeline) else -1
+        peak = max(int(timeline.max(initial=graph.fixed_mem)), graph.fixed_mem)
     if graph.optimizer_peak > peak:  # the optimizer step after the backward pass sets the peak
         peak, peak_op = graph.optimizer_peak, len(ops) - 1
     base, total = graph.total_cost, math.fsum(computed_costs)

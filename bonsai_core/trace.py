@@ -139,16 +139,18 @@ class _Step(nn.Module):
 
 
 def trace_zoo(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autocast: str | None = None,
-              **options: Any) -> Traced:
-    """Build a zoo model (or ``package.module:factory``) under FakeTensorMode and trace its step."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from bonsai_core import zoo
-
+              fsdp: int = 1, reshard_after_forward: bool = True, **options: Any) -> Traced:
+    """Build a zoo model (or ``package.module:factory``) under FakeTensorMode and trace its step;
+    with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`)."""
     label = name if not options else name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
     label += f" autocast {autocast}" if autocast else ""
     with built_for_tracing(name, seed, **options) as (model, inputs, loss_fn):
-        return trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast)
+        traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast)
+        if fsdp > 1:
+            from bonsai_core.fsdp import shard_by_blocks
+
+            traced.graph = shard_by_blocks(traced.graph, model, fsdp, reshard_after_forward)
+    return traced
 
 
 # -- building a model to trace -------------------------------------------------------------------

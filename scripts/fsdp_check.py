@@ -1,0 +1,182 @@
+"""FSDP2 per rank, predicted against measured: ``fully_shard`` on each block and on the whole model, N
+gloo processes on CPU, each rank's peak live bytes over one training step (after a first step, so
+gradients are allocated as in steady state) against the simulator's peak of the graph sharded by
+:func:`bonsai_core.fsdp.with_fsdp`, without recomputation and with a bonsai plan applied by
+``bonsai_core.checkpoint`` before sharding.
+
+    python scripts/fsdp_check.py --model gpt --world 2 4 [--budget 70%] [--out docs/bench/fsdp.md]
+    python scripts/fsdp_check.py --model hf:llama --world 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bonsai_core import zoo  # noqa: E402
+from bonsai_core.budget import format_bytes  # noqa: E402
+
+# activations set the peak (at the loss) / parameters do (in a block's backward)
+SIZES = {"gpt": dict(batch=8, seq=128, width=256, layers=4, heads=4, vocab=2048),
+         "gpt-wide": dict(batch=1, seq=32, width=512, layers=4, heads=4, vocab=256),
+         "hf:llama": dict(batch=4, seq=128, width=256, layers=4, heads=4, vocab=2048),
+         "hf:llama-wide": dict(batch=1, seq=32, width=512, layers=4, heads=4, vocab=256)}
+
+
+def fsdp_graph(model: str, options: dict, world: int, reshard: bool = True):
+    """The traced graph as one of ``world`` ranks holds it, and the block paths FSDP shards."""
+    from bonsai_core.fsdp import unit_bytes, with_fsdp
+    from bonsai_core.regions import block_stack
+    from bonsai_core.trace import trace_zoo
+
+    graph = trace_zoo(model, **options).graph
+    stack = block_stack(graph)
+    paths = [p for p, _, _ in stack]
+    net = zoo.build(model, seed=0, **options)[0]
+    sizes, root = unit_bytes(net, paths)
+    blocks = [(p, first, last, b) for (p, first, last), b in zip(stack, sizes)]
+    return graph, with_fsdp(graph, world, blocks, root, reshard), paths
+
+
+def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
+    """What FSDP2 holds that a live-bytes tracker following new storages does not see: the storages it
+    resizes instead of allocating (each parameter's all-gather output, which its unsharded parameter
+    views: grown before a unit runs, shrunk to 0 bytes when resharded), and the collective buffers left
+    from the previous step (the last reduce-scatter's input, the last forward all-gather's output; weak
+    references, gone when FSDP frees them). The measurement polls both at every op."""
+    import weakref
+
+    from torch.distributed.fsdp import FSDPModule
+
+    resized = {}
+    for m in net.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for param in group.fsdp_params if group else ():
+            for t in param.all_gather_outputs:
+                resized[t.untyped_storage()._cdata] = t.untyped_storage()
+    comm = net._get_fsdp_state()._comm_ctx
+    held = [s.reduce_scatter_input for s in comm.reduce_scatter_states]
+    if comm.all_gather_state is not None:
+        held.append(comm.all_gather_state.all_gather_result.all_gather_output)
+    left = {t.untyped_storage()._cdata: weakref.ref(t.untyped_storage()) for t in held if isinstance(t, torch.Tensor)}
+    return list(resized.values()), list(left.values())
+
+
+def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], budget: str | None,
+            store: str, results: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    import bonsai_core as bonsai
+    from bonsai_core.measure import LiveBytes
+    from bonsai_core.tensors import storage_bytes
+
+    class WithResized(LiveBytes):
+        """LiveBytes, plus the current size of FSDP's storages it does not see (``_storages_outside``)."""
+
+        def __init__(self, storages: list, left: list) -> None:
+            super().__init__()
+            self.storages, self.left = storages, left
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            resized = sum(st.nbytes() for st in self.storages) + sum(st().nbytes() for st in self.left if st() is not None)
+            if self.live + resized > self.peak:
+                self.peak, self.at_peak = self.live + resized, (self.live, resized, str(func))
+            return out
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    try:
+        net, inputs, loss_fn = zoo.build(model, seed=0, **options)
+        if budget:
+            bonsai.checkpoint(net, inputs, loss_fn, budget=budget, cache=False)
+        for path in paths:
+            fully_shard(net.get_submodule(path))
+        fully_shard(net)
+        loss_fn(net(*inputs)).backward()  # FSDP's lazy initialisation, and .grad allocated (sharded)
+        local = [t.to_local() if hasattr(t, "to_local") else t
+                 for t in (*net.parameters(), *(p.grad for p in net.parameters() if p.grad is not None), *net.buffers())]
+        loss_buffers = list(loss_fn.buffers()) if isinstance(loss_fn, torch.nn.Module) else []
+        resized, left = _storages_outside(net)
+        fixed = storage_bytes([*local, *loss_buffers, *inputs])
+        tracker = WithResized(resized, left)
+        with tracker:
+            loss_fn(net(*inputs)).backward()
+        Path(results, f"rank{rank}.json").write_text(json.dumps({"fixed": fixed, "peak": fixed + tracker.peak, "at_peak": getattr(tracker, "at_peak", None)}))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(model: str, options: dict, world: int, paths: list[str], budget: str | None) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_worker, args=(world, model, options, paths, budget, f"{tmp}/store", tmp),
+                                 nprocs=world, join=False, start_method="spawn")
+        while not ctx.join(timeout=5):
+            pass
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def predicted(graph, model: str, options: dict, budget: str | None) -> int:
+    """The simulator's peak of ``graph`` (one rank): no recomputation, or the plan ``checkpoint`` applies."""
+    from bonsai_core.schedule import no_remat_peak
+
+    if not budget:
+        return no_remat_peak(graph)
+    import bonsai_core as bonsai
+
+    net, inputs, loss_fn = zoo.build(model, seed=0, **options)
+    report = bonsai.checkpoint(net, inputs, loss_fn, budget=budget, cache=False)
+    # the plan's realised peak on the unsharded graph, moved to this rank's fixed memory
+    unsharded_fixed = report.fixed_memory
+    return report.predicted_peak - unsharded_fixed + graph.fixed_mem
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt", choices=sorted(SIZES))
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--budget", default=None, help="also measure with bonsai's plan at this budget (e.g. 70%%)")
+    parser.add_argument("--out", type=Path, default=None, help="append the table to this Markdown file")
+    args = parser.parse_args()
+
+    options = SIZES[args.model]
+    args.model = args.model.removesuffix("-wide")
+    rows = []
+    for world in args.world:
+        start = time.perf_counter()
+        _, graph, paths = fsdp_graph(args.model, options, world)
+        for budget in (None, args.budget) if args.budget else (None,):
+            expected = predicted(graph, args.model, options, budget)
+            ranks = measure(args.model, options, world, paths, budget)
+            peak = max(r["peak"] for r in ranks)
+            print(ranks, flush=True)
+            rows.append(f"| {args.model} | {world} | {budget or 'none'} | {format_bytes(graph.fixed_mem)} "
+                        f"| {format_bytes(expected)} | {format_bytes(peak)} | {peak / expected - 1:+.2%} "
+                        f"| {time.perf_counter() - start:.0f} s |")
+            print(rows[-1], flush=True)
+    if args.out:
+        header = ("" if args.out.exists() else
+                  f"`python scripts/fsdp_check.py` on {datetime.date.today()}, {platform.machine()} CPU, torch "
+                  f"{torch.__version__}, gloo: per-rank peak live bytes (largest over ranks) against the simulator.\n\n"
+                  "| model | ranks | plan | fixed per rank | predicted | measured | error | time |\n"
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |\n")
+        with args.out.open("a") as f:
+            f.write(header + "\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
