@@ -184,7 +184,11 @@ def cmd_solve(args: argparse.Namespace) -> int:
               + (f", reserved {format_bytes(stats['reserved_peak'])} ({stats['allocator']} allocator)"
                  if args.reserved else "")
               + f", overhead {stats['overhead']:+.2%}, status "
-              f"{stats.get('status', '?')}, solved in {stats.get('solve_seconds', 0):.2f} s; wrote {args.output}")
+              f"{stats.get('status', '?')}"
+              + (f" (gap {stats['gap']:.2%})" if stats.get("status") == "feasible" and stats.get("gap") is not None else "")
+              + f", solved in {stats.get('solve_seconds', 0):.2f} s; wrote {args.output}")
+        if "warm_start" in stats:
+            print(f"warm start: {stats['warm_start']}")
     return 0
 
 

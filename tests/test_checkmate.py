@@ -262,8 +262,18 @@ def test_a_time_limit_too_short_for_any_schedule_says_none_was_found():
     g, limit = chain(30), 0.5
     start = time.perf_counter()
     with pytest.raises(SolverError, match="time limit of 0.5 s"):
-        solve(g, int(0.5 * no_remat_peak(g)), "checkmate", time_limit=limit)
+        solve(g, int(0.5 * no_remat_peak(g)), "checkmate", time_limit=limit, warm_start=False)
     assert time.perf_counter() - start < limit + 10
+
+
+def test_warm_started_the_same_short_limit_returns_a_schedule():
+    """chen meets the budget in milliseconds: that start is the MILP's incumbent from the outset."""
+    g, limit = chain(30), 0.5
+    budget = int(0.5 * no_remat_peak(g))
+    start = time.perf_counter()
+    schedule = solve(g, budget, "checkmate", time_limit=limit)
+    assert time.perf_counter() - start < limit + 10
+    assert schedule.stats["peak"] <= budget and schedule.stats["warm_start"].startswith("chen")
 
 
 def test_the_stage_sequence_puts_recomputations_before_each_stages_node():

@@ -33,3 +33,24 @@ def test_unknown_backend_is_a_clear_error():
     problem, _ = _knapsack(10.0)
     with pytest.raises(SolverError, match="highs, scip"):
         solve_milp(problem, backend="gurobi")
+
+
+
+def _sparse_cover(weight: float):
+    """The cheapest items weighing at least ``weight``, as a SparseMilp (a nonnegative objective, as the
+    recomputation cost is)."""
+    from bonsai_core.solvers.sparse_milp import SparseMilp
+
+    return SparseMilp(cost=np.array([4.0, 5.0, 6.0, 7.0]), matrix=sp.csr_matrix(np.array([[3.0, 4.0, 5.0, 6.0]])),
+                      row_lower=np.array([weight]), row_upper=np.array([np.inf]), col_lower=np.zeros(4),
+                      col_upper=np.ones(4), integer=np.ones(4, dtype=bool))
+
+
+@pytest.mark.parametrize("backend", ["highs", "scip"])
+def test_a_sparse_milp_reaches_the_optimum_from_a_start_on_both_backends(backend):
+    from bonsai_core.solvers.sparse_milp import solve_sparse_milp
+
+    found = solve_sparse_milp(_sparse_cover(10.0), backend, start=np.ones(4), time_limit=10)
+    assert found.outcome.status == "optimal" and found.outcome.objective == pytest.approx(12.0)
+    assert found.values.round().tolist() == [0.0, 1.0, 0.0, 1.0] and found.start_note == f"{backend} improved on it"
+    assert solve_sparse_milp(_sparse_cover(100.0), backend, time_limit=10).outcome.status == "infeasible"

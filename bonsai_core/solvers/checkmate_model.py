@@ -1,4 +1,5 @@
-"""Checkmate's op-level MILP (Jain et al., MLSys 2020) as a CVXPY problem: :func:`build_milp`.
+"""Checkmate's op-level MILP (Jain et al., MLSys 2020): its sparse matrices (:func:`build_matrices`),
+and the CVXPY problem made of them (:func:`build_milp`).
 
 The stage model ("frontier advancing", over the graph's listed node order): the schedule runs in n
 stages; stage t computes node t for the first time, after recomputing any earlier nodes it chooses,
@@ -48,12 +49,64 @@ from bonsai_core.solvers.stages import effective_users
 
 # Memory is scaled so the largest node is this many units: keeps the MILP's coefficients near 1.
 _MEM_UNITS = 1000.0
+# Memory is whole bytes, so U <= budget + half a byte admits exactly the schedules that fit (a tight
+# budget, such as the no-remat peak itself, must stay feasible).
+_HALF_BYTE = 0.5
+
+
+@dataclass
+class CheckmateMatrices:
+    """The MILP as sparse matrices over ``x`` = [R strictly lower (q), S strictly lower (q), FREE (nf)]
+    (binary) and ``u`` = U's lower triangle, row-major (p, continuous):
+
+    minimise ``objective @ x``  subject to  ``ineq_x @ x <= ineq_rhs``,
+    ``eq_x @ x + eq_u @ u == eq_rhs``  and  ``u <= budget`` (memory units, fixed_mem excluded).
+
+    ``free_stage``, ``free_node``, ``free_after``: the (t, i, k) of each FREE column, in column order.
+    ``ineq_families``: (name, first row) of each family of ``ineq_x``'s rows, in row order."""
+
+    n: int
+    q: int
+    p: int
+    ineq_x: Any  # scipy.sparse csr
+    ineq_rhs: np.ndarray
+    ineq_families: list[tuple[str, int]]
+    eq_x: Any
+    eq_u: Any
+    eq_rhs: np.ndarray
+    objective: np.ndarray
+    free_stage: np.ndarray
+    free_node: np.ndarray
+    free_after: np.ndarray
+    mem_scale: float  # bytes per memory unit
+    cost_scale: float  # seconds per cost unit
+    base_cost: float  # the scaled cost of the diagonal (every node once): a constant of the objective
+
+    @property
+    def nx(self) -> int:
+        """Binary variables: R, S and FREE."""
+        return 2 * self.q + len(self.free_stage)
+
+    def r_col(self, t: np.ndarray, i: np.ndarray) -> np.ndarray:
+        """Column of R[t, i], i < t."""
+        return lower_offset(t, i)
+
+    def s_col(self, t: np.ndarray, i: np.ndarray) -> np.ndarray:
+        """Column of S[t, i], i < t."""
+        return self.q + lower_offset(t, i)
+
+    def budget_units(self, budget_bytes: float, fixed_mem: int) -> float:
+        """U's upper bound for a budget in bytes: (budget - fixed_mem + half a byte) in memory units.
+        Memory is whole bytes, so the half byte admits exactly the schedules that fit."""
+        return max((budget_bytes - fixed_mem + _HALF_BYTE) / self.mem_scale, 0.0)
 
 
 @dataclass
 class CheckmateMilp:
-    """A built Checkmate MILP for one graph; ``budget`` is the parameter a re-solve changes."""
+    """A built Checkmate MILP for one graph: its matrices, and the CVXPY problem made of them
+    (``budget`` is the parameter a re-solve changes)."""
 
+    matrices: CheckmateMatrices
     problem: Any
     budget: Any  # cp.Parameter: (budget - fixed_mem) in memory units
     x: Any  # cp.Variable: [R strictly lower (Q), S strictly lower (Q), FREE (nf)], boolean
@@ -66,10 +119,28 @@ class CheckmateMilp:
 
 
 def build_milp(graph: Graph) -> CheckmateMilp:
-    """Build the MILP from sparse matrices. O(n * (n + edges)) memory and time."""
+    """Build the MILP from sparse matrices (:func:`build_matrices`) as a CVXPY problem with the budget
+    as a parameter. O(n * (n + edges)) memory and time."""
     import cvxpy as cp
 
     start = time.perf_counter()  # after the import: cvxpy takes seconds to load on a busy machine
+    m = build_matrices(graph)
+    x = cp.Variable(m.nx, boolean=True, name="R_S_FREE")
+    u = cp.Variable(m.p, name="U")
+    budget = cp.Parameter(nonneg=True, name="budget", value=float(graph.mem.sum()) / m.mem_scale)
+    constraints = [m.eq_x @ x + m.eq_u @ u == m.eq_rhs, u <= budget]
+    if m.ineq_x.shape[0]:
+        constraints.append(m.ineq_x @ x <= m.ineq_rhs)
+    # The objective leaves out the constant (every node once), so that the backends' relative gap is
+    # the gap on the recomputation cost, as moccasin reports it.
+    problem = cp.Problem(cp.Minimize(m.objective @ x), constraints)
+    return CheckmateMilp(m, problem, budget, x, m.mem_scale, m.cost_scale, m.base_cost,
+                         time.perf_counter() - start, threading.Lock())
+
+
+def build_matrices(graph: Graph) -> CheckmateMatrices:
+    """The MILP's sparse matrices (:class:`CheckmateMatrices`), every family of rows vectorised.
+    O(n * (n + edges)) memory and time."""
     n = graph.n
     q = n * (n - 1) // 2  # strictly-lower pairs: R and S
     p = n * (n + 1) // 2  # lower pairs: U
@@ -86,12 +157,14 @@ def build_milp(graph: Graph) -> CheckmateMilp:
         return q + lower_offset(t, i)
 
     rows = Rows()
+    families: list[tuple[str, int]] = []  # (name, first row), for saying which rows a start breaks
 
     # Dependencies: R[t, j] <= R[t, i] + S[t, i] for each edge i -> j and stage t >= j.
     src = graph.dep_idx
     dst = np.repeat(np.arange(n, dtype=np.int64), np.diff(graph.dep_ptr))
     e, t = ranges(dst, np.full(len(dst), n, dtype=np.int64))
     i, j = src[e], dst[e]
+    families.append(("inputs resident", rows.rows))
     first = rows.add(len(e), np.where(j == t, -1.0, 0.0))  # R[t, t] = 1 moves to the right
     row = first + np.arange(len(e))
     off = j < t
@@ -102,6 +175,7 @@ def build_milp(graph: Graph) -> CheckmateMilp:
     # Retention: S[t+1, i] <= S[t, i] + R[t, i] for i < t <= n-2 (S[i+1, i] <= R[i, i] = 1 is free).
     nodes = np.arange(n, dtype=np.int64)
     v, t = ranges(nodes + 1, np.full(n, n - 1, dtype=np.int64))
+    families.append(("retention", rows.rows))
     row = rows.add(len(v), 0.0) + np.arange(len(v))
     rows.x_terms(row, s_col(t + 1, v), 1.0)
     rows.x_terms(row, s_col(t, v), -1.0)
@@ -109,6 +183,7 @@ def build_milp(graph: Graph) -> CheckmateMilp:
 
     # No recomputation of a resident node: R[t, i] + S[t, i] <= 1.
     v, t = ranges(nodes + 1, np.full(n, n, dtype=np.int64))
+    families.append(("no recomputation of a resident node", rows.rows))
     row = rows.add(len(v), 1.0) + np.arange(len(v))
     rows.x_terms(row, r_col(t, v), 1.0)
     rows.x_terms(row, s_col(t, v), 1.0)
@@ -117,6 +192,7 @@ def build_milp(graph: Graph) -> CheckmateMilp:
     # come with the op's kernel, which a getitem alone does not run. R[t, out] <= R[t, op] for t > out.
     outs = np.flatnonzero(graph.output_of >= 0)
     w, t = ranges(outs + 1, np.full(len(outs), n, dtype=np.int64))
+    families.append(("separated output only with its op", rows.rows))
     row = rows.add(len(w), 0.0) + np.arange(len(w))
     rows.x_terms(row, r_col(t, outs[w]), 1.0)
     rows.x_terms(row, r_col(t, graph.output_of[outs[w]]), -1.0)
@@ -125,6 +201,7 @@ def build_milp(graph: Graph) -> CheckmateMilp:
     views = np.flatnonzero(graph.alias_of >= 0)
     w, t = ranges(views + 1, np.full(len(views), n, dtype=np.int64))
     vw, base = views[w], graph.alias_of[views[w]]
+    families.append(("resident view keeps its base", rows.rows))
     row = rows.add(len(w), 0.0) + np.arange(len(w))
     rows.x_terms(row, s_col(t, vw), 1.0)
     rows.x_terms(row, s_col(t, base), -1.0)
@@ -157,13 +234,16 @@ def build_milp(graph: Graph) -> CheckmateMilp:
     at_t = jj == t_f[pf]
     # One row per hazard:
     # F <= R[t, k];  F + S[t+1, i] <= 1;  F + R[t, j] <= 1 for each later user j (F <= 0 if j = t).
+    families.append(("free only after a computation", rows.rows))
     row = rows.add(nf, 0.0) + np.arange(nf)
     rows.x_terms(row, f_col, 1.0)
     rows.x_terms(row, r_col(t_f, f_k), -1.0)
     kept = np.flatnonzero(has_next)
+    families.append(("free only what the next stage drops", rows.rows))
     row = rows.add(len(kept), 1.0) + np.arange(len(kept))
     rows.x_terms(row, f_col[kept], 1.0)
     rows.x_terms(row, s_col(t_f[kept] + 1, f_i[kept]), 1.0)
+    families.append(("free only after the stage's last reader", rows.rows))
     row = rows.add(len(pf), np.where(at_t, 0.0, 1.0)) + np.arange(len(pf))
     rows.x_terms(row, f_col[pf], 1.0)
     rows.x_terms(row[~at_t], r_col(t_f[pf[~at_t]], jj[~at_t]), 1.0)
@@ -186,21 +266,11 @@ def build_milp(graph: Graph) -> CheckmateMilp:
     eq.x_terms(first + tri_offset(t_f, f_k + 1), f_col, mem[f_i])
     a_eqx, a_u, b_eq = eq.matrices(nx, p)
 
-    x = cp.Variable(nx, boolean=True, name="R_S_FREE")
-    u = cp.Variable(p, name="U")
-    budget = cp.Parameter(nonneg=True, name="budget", value=float(mem.sum()))
     c = np.zeros(nx)
     t_r, i_r = ranges(np.zeros(n, dtype=np.int64), nodes)  # R[t, i], i < t
     c[r_col(t_r, i_r)] = cost[i_r]
-    base = float(cost.sum())
-    constraints = [a_eqx @ x + a_u @ u == b_eq, u <= budget]
-    if a_ineq.shape[0]:
-        constraints.append(a_ineq @ x <= b_ineq)
-    # The objective leaves out the constant (every node once), so that the backends' relative gap is
-    # the gap on the recomputation cost, as moccasin reports it.
-    problem = cp.Problem(cp.Minimize(c @ x), constraints)
-    return CheckmateMilp(problem, budget, x, mem_scale, cost_scale, base, time.perf_counter() - start,
-                  threading.Lock())
+    return CheckmateMatrices(n, q, p, a_ineq, b_ineq, families, a_eqx, a_u, b_eq, c, t_f, f_i, f_k,
+                             mem_scale, cost_scale, float(cost.sum()))
 
 
 def recomputed_from_r(n: int, r_off: np.ndarray) -> list[list[int]]:
