@@ -19,7 +19,7 @@ from explorer.plots import FOREGROUND, PALETTE, RECOMPUTE
 BOX_WIDTH = 0.76  # of a column
 BOX_HEIGHT = 1.0  # rows (the layout's unit)
 BAND_GAP = 0.5  # rows between the forward band and the mirrored backward band
-ROW_PX = 80  # a row's height in pixels (a box is one row tall), within the chart's height limits
+ROW_PX = 96  # a row's height in pixels (a box is one row tall), within the chart's height limits
 NEUTRAL = "#C5CAD3"  # a box outside the model's block stack, with no segment to colour it by
 SELECTION = "pick"  # the name of the click selection (Streamlit returns it under this name)
 
@@ -220,7 +220,9 @@ def module_chart(graph: Graph, boxes: Boxes, layout: BoxLayout, stats: BoxStats,
              "encoding": {"x": x, "x2": {"field": "x1"}, "y": y, "y2": {"field": "y1"},
                           "fill": {"field": "fill", "type": "nominal", "scale": None},
                           "fillOpacity": {"condition": {"test": "datum.part === 'backward'", "value": 0.45}, "value": 1},
-                          "stroke": {"field": "stroke", "type": "nominal", "scale": None},
+                          "stroke": {"condition": {"param": SELECTION, "empty": False,
+                                                   "value": FOREGROUND.get(theme, FOREGROUND[None])},
+                                     "field": "stroke", "type": "nominal", "scale": None},
                           "strokeWidth": {"condition": [{"param": SELECTION, "empty": False, "value": 4},
                                                         {"test": "datum.recomputed", "value": 3}],
                                           "value": 0.8},

@@ -14,9 +14,10 @@ reduction or coordinate assignment, so the classic four steps are written out he
    to the mean position of its neighbours in the layer before (after); the order with the fewest
    crossings (:func:`count_crossings`) is kept.
 4. **Coordinates** (:func:`assign_coordinates`): each node pulled towards the mean height of its
-   neighbours, then the layer's heights made to keep their order and spacing with the least weighted
-   squared movement (an isotonic regression, :func:`spaced_fit`); real nodes weigh more than dummy
-   points, so chains run straight and the buses bend around them.
+   neighbours (a box by the boxes at the other end of its short edges), then the layer's heights made to
+   keep their order and spacing with the least weighted squared movement (an isotonic regression,
+   :func:`spaced_fit`); boxes weigh more than dummy points, so chains run straight and the buses bend
+   around them.
 
 Everything is a pure function of its inputs (no plotting), tested in ``tests/test_module_graph.py``.
 """
@@ -30,8 +31,9 @@ import numpy as np
 
 NODE_GAP = 0.4  # space between two boxes of one layer (box heights are given by the caller)
 DUMMY_GAP = 0.25  # space next to a dummy point (a bend of a long edge)
-DUMMY_WEIGHT = 0.05  # how much a dummy point resists being moved, against 1 for a box
+DUMMY_WEIGHT = 0.001  # how much a dummy point resists being moved, against 1 for a box
 SWEEPS = 6  # barycentre sweeps (each one down and one up)
+SHORT_SPAN = 3  # an edge spanning at most this many layers pulls the boxes at its ends together
 
 
 @dataclass(frozen=True)
@@ -210,23 +212,35 @@ def assign_coordinates(graph: LayeredGraph, order: list[list[int]], sizes: np.nd
     gaps = [_gaps(nodes, sizes, graph.n) for nodes in order]
     for nodes, gap in zip(order, gaps):
         y[nodes] = np.concatenate([[0.0], np.cumsum(gap)]) if nodes else []
+    near_preds: list[list[int]] = [[] for _ in range(graph.n)]  # boxes at the other end of short edges
+    near_succs: list[list[int]] = [[] for _ in range(graph.n)]
+    for u, v in graph.bends:
+        if graph.layer[v] - graph.layer[u] <= SHORT_SPAN:
+            near_preds[v].append(u)
+            near_succs[u].append(v)
     for _ in range(rounds):
-        for layers, neighbours in ((range(len(order)), graph.preds), (range(len(order) - 1, -1, -1), graph.succs)):
+        for layers, neighbours, near in ((range(len(order)), graph.preds, near_preds),
+                                         (range(len(order) - 1, -1, -1), graph.succs, near_succs)):
             for at in layers:
                 nodes = order[at]
                 if not nodes:
                     continue
-                wanted = np.array([_weighted_mean(y, weight, neighbours[v]) if neighbours[v] else y[v] for v in nodes])
+                wanted = np.array([_pull(y, near[v] if v < graph.n else [], neighbours[v], v) for v in nodes])
                 y[nodes] = spaced_fit(wanted, gaps[at], weight[nodes])
     real = y[:graph.n]
     top = (real - sizes[:graph.n] / 2).min() if graph.n else 0.0
     return y - top
 
 
-def _weighted_mean(y: np.ndarray, weight: np.ndarray, nodes: list[int]) -> float:
-    """The mean height of ``nodes``, each counted by its weight: a box's neighbours pull it far more than
-    the bends of a long edge do, so a chain stays straight where a bus passes by."""
-    return float(np.average(y[nodes], weights=weight[nodes]))
+def _pull(y: np.ndarray, near: list[int], neighbours: list[int], v: int) -> float:
+    """The height node ``v`` is pulled to: the mean height of ``near``, the boxes at the other end of its
+    short edges (spanning at most ``SHORT_SPAN`` layers, through their bends), when it has any; else of
+    its ``neighbours`` in the next layer (a dummy point's, or a box fed only by long edges). Long edges do
+    not pull boxes: the taps of a bus running along 32 blocks, each pulling a little to one side, would
+    add up to a staircase, as would a branch skipping a layer (``up_proj`` beside ``gate_proj`` and its
+    activation) if only the branch with a box in every layer pulled."""
+    chosen = near or neighbours
+    return float(np.mean(y[chosen])) if chosen else float(y[v])
 
 
 def _gaps(nodes: list[int], sizes: np.ndarray, n: int) -> np.ndarray:

@@ -34,7 +34,7 @@ def mask_far_from_use(fixed_mem: int = 0) -> Graph:
     return Graph.from_nodes("mask-far-from-use", fixed_mem, nodes)
 
 
-def stacked_blocks(blocks: int, width: int = 1024) -> Graph:
+def stacked_blocks(blocks: int, width: int = 1024, shared: bool = False) -> Graph:
     """A transformer-shaped step with a ``modules`` field: an embedding, ``blocks`` blocks (``blocks.i``
     holding ``ln1``, ``attn`` (two parallel projections q, k and their product), a residual add of the
     block's own, ``ln2`` and ``mlp``, another residual add), a head and a loss; the backward pass as
@@ -57,6 +57,10 @@ def stacked_blocks(blocks: int, width: int = 1024) -> Graph:
 
     x = op("emb", [], "aten.embedding.default")
     module("emb", x)
+    rope = None
+    if shared:
+        rope = op("rope", [], "aten.cos.default")
+        module("rope", rope)
     for i in range(blocks):
         start = len(nodes)
         ln1 = op(f"ln1_{i}", [x], "aten.native_layer_norm.default")
@@ -64,7 +68,7 @@ def stacked_blocks(blocks: int, width: int = 1024) -> Graph:
         first = len(nodes)
         q = op(f"q_{i}", [view(f"q_in_{i}", ln1)])  # a linear reads a view of its input, as traced
         k = op(f"k_{i}", [view(f"k_in_{i}", ln1)])
-        o = op(f"o_{i}", [q, k], "aten.bmm.default")
+        o = op(f"o_{i}", [q, k] + ([rope] if shared else []), "aten.bmm.default")
         module(f"blocks.{i}.attn", first)
         h = op(f"add1_{i}", [x, o], "aten.add.Tensor")
         ln2 = op(f"ln2_{i}", [h], "aten.native_layer_norm.default")

@@ -184,19 +184,20 @@ def test_a_chain_of_modules_lays_out_straight_with_no_crossings():
     assert layout.backward_edges == tuple((i + 1, i) for i in range(5))  # gradients flow right to left
 
 
-def test_32_blocks_lay_out_in_a_row_quickly_and_the_parallel_branches_do_not_cross():
-    graph = stacked_blocks(32)
+@pytest.mark.parametrize("shared", [False, True], ids=["blocks", "a tensor every block reads"])
+def test_32_blocks_lay_out_in_a_row_quickly_and_the_parallel_branches_do_not_cross(shared):
+    graph = stacked_blocks(32, shared=shared)
     start = time.perf_counter()
     boxes = module_graph.module_boxes(graph, 1)
     layout = module_graph.box_layout(graph, boxes)
     assert time.perf_counter() - start < 2.0
-    assert boxes.count == 32 + 3  # emb, the blocks, head, the loss
-    assert layout.x.tolist() == list(range(boxes.count)) and layout.crossings == 0
+    assert boxes.count == 32 + 3 + shared  # emb, the blocks, head, the loss (and rope)
+    assert layout.crossings == 0 and np.ptp(layout.y[[boxes.names.index(f"blocks.{i}") for i in range(32)]]) < 0.05
     opened = module_graph.module_boxes(graph, 2)
     layout = module_graph.box_layout(graph, opened)
-    assert layout.crossings == 0
+    assert layout.crossings == 0 or shared  # rope's bus crosses the residual stream's
     attn = [k for k, name in enumerate(opened.names) if name.endswith(".attn")]
-    assert len(attn) == 32 and np.ptp(layout.y[attn]) == pytest.approx(0.0, abs=1e-6)  # the blocks line up
+    assert len(attn) == 32 and np.ptp(layout.y[attn]) < 0.05  # the blocks line up (within a 20th of a box)
 
 
 # -- the numbers and the chart ---------------------------------------------------------------------------
