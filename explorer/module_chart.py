@@ -57,12 +57,13 @@ def box_fills(boxes: Boxes, stats: BoxStats, blocks: list[str]) -> list[str]:
             fills.append(PALETTE[stats.segment[k] % len(PALETTE)])
             continue
         name = boxes.names[k]
-        block = next((i for i, b in enumerate(blocks) if name == b or name.startswith(b + ".") or name.startswith(b + ":")), None)
+        block = next((i for i, b in enumerate(blocks) if name == b or name.startswith((b + ".", b + ":"))), None)
         fills.append(NEUTRAL if block is None else PALETTE[block % len(PALETTE)])
     return fills
 
 
-def _rows(graph: Graph, boxes: Boxes, layout: BoxLayout, stats: BoxStats, fills: list[str], mirror: float) -> pd.DataFrame:
+def _rows(graph: Graph, boxes: Boxes, layout: BoxLayout, stats: BoxStats, fills: list[str],
+          mirror: float) -> pd.DataFrame:
     """One row per box and pass: its rectangle, colours, labels and hover numbers."""
     rows = []
     for k in range(boxes.count):
@@ -176,13 +177,15 @@ def module_chart(graph: Graph, boxes: Boxes, layout: BoxLayout, stats: BoxStats,
     bands = pd.DataFrame([{"y": top + 0.2, "x": left, "text": "forward →"},
                           {"y": mirror - top - 0.2, "x": left, "text": "← backward (gradients)"}])
     x_domain = [left - 0.1, max(rights, default=1.0) + 0.1]
-    x = {"field": "x0", "type": "quantitative", "axis": None, "scale": {"domain": x_domain, "zero": False, "nice": False}}
+    x = {"field": "x0", "type": "quantitative", "axis": None,
+         "scale": {"domain": x_domain, "zero": False, "nice": False}}
     y = {"field": "y0", "type": "quantitative", "axis": None,
          "scale": {"domain": [top, mirror - top], "reverse": True, "zero": False, "nice": False}}
     col_px = "abs(scale('x', 1) - scale('x', 0))"  # a column's width in pixels, as zoomed
     row_px = "abs(scale('y', 1) - scale('y', 0))"
     # labels run upwards in boxes taller than wide; the numbers go under (beside) the label when both fit
     upright = f"colpx * {BOX_WIDTH} < 64 && rowpx * {BOX_HEIGHT} > colpx * {BOX_WIDTH}"
+    label_shown = f"({upright} ? colpx * {BOX_WIDTH} >= 12 : rowpx * {BOX_HEIGHT} >= 14)"  # else unreadable
     numbers_shown = f"({upright} ? colpx * {BOX_WIDTH} >= 26 : rowpx * {BOX_HEIGHT} >= 34)"
     tooltip = [{"field": "name", "title": "module"}, {"field": "part", "title": "pass"},
                {"field": "ops", "title": "ops"}, {"field": "bytes", "title": "output bytes"},
@@ -191,7 +194,7 @@ def module_chart(graph: Graph, boxes: Boxes, layout: BoxLayout, stats: BoxStats,
     spec = {
         "height": height,
         "width": "container",
-        "usermeta": {"embedOptions": {"renderer": "canvas", "actions": False}},
+        "usermeta": {"embedOptions": {"renderer": "hybrid", "actions": False}},  # boxes on a canvas, text as SVG
         "config": {"view": {"stroke": None}},
         "datasets": {"boxes": boxes_data, "frames": frames, "edges": edges, "bands": bands},
         "params": [{"name": "colpx", "expr": col_px}, {"name": "rowpx", "expr": row_px}],
@@ -203,7 +206,8 @@ def module_chart(graph: Graph, boxes: Boxes, layout: BoxLayout, stats: BoxStats,
                           "tooltip": [{"field": "frame", "title": "module"}]}},
             {"data": {"name": "frames"}, "transform": [{"filter": "datum.label !== ''"}],
              "mark": {"type": "text", "align": "left", "baseline": "top", "dx": 4, "dy": 2, "fontSize": 11,
-                      "color": "#8C8C8C", "limit": {"expr": "max(0, 6 * colpx)"}},
+                      "color": "#8C8C8C", "limit": {"expr": "max(0, 6 * colpx)"},
+                      "opacity": {"expr": "colpx >= 8 ? 1 : 0"}},
              "encoding": {"x": x, "y": y, "text": {"field": "label"}}},
             {"data": {"name": "edges"},
              "mark": {"type": "line", "interpolate": "monotone", "strokeWidth": 1.2, "color": "#8C8C8C",
@@ -219,7 +223,8 @@ def module_chart(graph: Graph, boxes: Boxes, layout: BoxLayout, stats: BoxStats,
              "mark": {"type": "rect", "cornerRadius": 3, "cursor": "pointer"},
              "encoding": {"x": x, "x2": {"field": "x1"}, "y": y, "y2": {"field": "y1"},
                           "fill": {"field": "fill", "type": "nominal", "scale": None},
-                          "fillOpacity": {"condition": {"test": "datum.part === 'backward'", "value": 0.45}, "value": 1},
+                          "fillOpacity": {"condition": {"test": "datum.part === 'backward'", "value": 0.45},
+                                          "value": 1},
                           "stroke": {"condition": {"param": SELECTION, "empty": False,
                                                    "value": FOREGROUND.get(theme, FOREGROUND[None])},
                                      "field": "stroke", "type": "nominal", "scale": None},
@@ -232,6 +237,7 @@ def module_chart(graph: Graph, boxes: Boxes, layout: BoxLayout, stats: BoxStats,
             {"data": {"name": "boxes"},
              "mark": {"type": "text", "fontSize": 12, "fontWeight": 600, "baseline": "middle",
                       "angle": {"expr": f"{upright} ? 270 : 0"},
+                      "opacity": {"expr": f"{label_shown} ? 1 : 0"},
                       "dy": {"expr": f"{numbers_shown} ? -7 : 0"},
                       "limit": {"expr": f"max(0, {upright} ? rowpx * {BOX_HEIGHT} - 8 : colpx * {BOX_WIDTH} - 6)"}},
              "encoding": {"x": {**x, "field": "xc"}, "y": {**y, "field": "yc"}, "text": {"field": "label"},

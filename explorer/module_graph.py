@@ -62,6 +62,17 @@ def op_name(op: str) -> str:
     return parts[1] if len(parts) == 3 and parts[0] == "aten" else op
 
 
+def forward_names(op: str) -> tuple[str, ...]:
+    """The forward op names of a ``<name>_backward`` (or ``_backward_data``) op: ``gelu_backward`` ->
+    ``("gelu",)``, ``threshold_backward`` -> ``("relu", "threshold")``; () for any other op."""
+    name = op_name(op)
+    for suffix in ("_backward_data", "_backward"):
+        if name.endswith(suffix):
+            base = name[: -len(suffix)]
+            return FORWARD_OF_BACKWARD.get(base, (base,))
+    return ()
+
+
 # -- the module tree and which call each forward op belongs to ---------------------------------------
 
 @dataclass(frozen=True)
@@ -177,15 +188,10 @@ def _differentiated_op(graph: Graph, b: int, lo: int, hi: int) -> int:
     (``lo``, an op) and the least anchor up its gradient chain (``hi``)."""
     readers = [int(u) for u in graph.users(lo) if graph.is_forward[u] and not graph.is_view[u]
                and graph.output_of[u] < 0]
-    name = op_name(graph.ops[b])
-    for suffix in ("_backward_data", "_backward"):
-        if name.endswith(suffix):
-            base = name[: -len(suffix)]
-            wanted = FORWARD_OF_BACKWARD.get(base, (base,))
-            named = [v for v in [lo, *readers] if op_name(graph.ops[v]) in wanted]
-            if named:
-                return max(named)
-            break
+    wanted = forward_names(graph.ops[b])
+    named = [v for v in [lo, *readers] if op_name(graph.ops[v]) in wanted]
+    if named:
+        return max(named)
     before = [u for u in readers if u < hi]
     return max(before) if before else lo
 
@@ -227,11 +233,9 @@ def _named_by_shape(graph: Graph, b: int, grad: int, hi: int) -> int:
     """Rule 3, for ``<name>_backward`` reading no activation (an embedding's gradient reads only the
     indices, an input): the latest forward ``<name>`` before ``hi`` whose output has the gradient's
     shape; -1 when ``b`` is not such an op or none fits."""
-    name = op_name(graph.ops[b])
-    base = next((name[: -len(s)] for s in ("_backward_data", "_backward") if name.endswith(s)), None)
-    if base is None:
+    wanted = forward_names(graph.ops[b])
+    if not wanted:
         return -1
-    wanted = FORWARD_OF_BACKWARD.get(base, (base,))
     shape = graph.shapes[grad].split("], ")[0]
     for v in range(min(hi, graph.n) - 1, -1, -1):
         if graph.is_forward[v] and op_name(graph.ops[v]) in wanted and graph.shapes[v].split("], ")[0] == shape:
