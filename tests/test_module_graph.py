@@ -253,6 +253,20 @@ def test_the_chart_mirrors_each_box_backward_part_under_it_and_marks_recomputed_
     assert module_chart.SELECTION in params  # a click on a box selects it
 
 
+def test_a_new_schedule_changes_the_chart_data_not_its_spec(gpt):
+    """A budget drag re-solves: the browser updates a chart in place when only its datasets change."""
+    tree = module_graph.module_tree(gpt)
+    boxes = module_graph.module_boxes(gpt, 3)
+    layout = module_graph.box_layout(gpt, boxes)
+    forward = np.flatnonzero(gpt.is_forward).tolist()
+    plain = module_graph.box_stats(gpt, boxes)
+    again = module_graph.box_stats(gpt, boxes, [forward[:50], forward[50:]], np.where(gpt.is_forward, 2, 1))
+    specs = [module_chart.module_chart(gpt, boxes, layout, stats, tree.paths, tree.parent, [])
+             for stats in (plain, again)]
+    assert not specs[0]["datasets"]["boxes"].equals(specs[1]["datasets"]["boxes"])
+    assert [{**spec, "datasets": None} for spec in specs][0] == {**specs[1], "datasets": None}
+
+
 def test_labels_on_fills_have_the_contrast_of_black_or_white_text():
     assert module_chart.text_colour("#F0E442") == "#111111"  # yellow: black text
     assert module_chart.text_colour("#0072B2") == "#FFFFFF"  # blue: white text
