@@ -12,7 +12,6 @@ import numpy as np
 import pandas as pd
 
 from bonsai_core.budget import format_bytes
-from bonsai_core.graph import Graph
 from explorer.module_graph import BoxLayout, Boxes, BoxStats
 from explorer.plots import FOREGROUND, PALETTE, RECOMPUTE
 
@@ -62,8 +61,7 @@ def box_fills(boxes: Boxes, stats: BoxStats, blocks: list[str]) -> list[str]:
     return fills
 
 
-def _rows(graph: Graph, boxes: Boxes, layout: BoxLayout, stats: BoxStats, fills: list[str],
-          mirror: float) -> pd.DataFrame:
+def _rows(boxes: Boxes, layout: BoxLayout, stats: BoxStats, fills: list[str], mirror: float) -> pd.DataFrame:
     """One row per box and pass: its rectangle, colours, labels and hover numbers."""
     rows = []
     for k in range(boxes.count):
@@ -154,7 +152,7 @@ def _edges(layout: BoxLayout, mirror: float) -> pd.DataFrame:
     return frame.astype({"x": "float32", "y": "float32"})
 
 
-def module_chart(graph: Graph, boxes: Boxes, layout: BoxLayout, stats: BoxStats, tree_paths: tuple[str, ...],
+def module_chart(boxes: Boxes, layout: BoxLayout, stats: BoxStats, tree_paths: tuple[str, ...],
                  tree_parent: np.ndarray, blocks: list[str], height: int | None = None,
                  theme: str | None = None) -> dict:
     """The Vega-Lite spec of the module graph: forward boxes left to right on top, each box's backward
@@ -170,7 +168,7 @@ def module_chart(graph: Graph, boxes: Boxes, layout: BoxLayout, stats: BoxStats,
     if height is None:
         height = int(np.clip((mirror - 2 * top) * ROW_PX, 360, 1000))
     fills = box_fills(boxes, stats, blocks)
-    boxes_data = _rows(graph, boxes, layout, stats, fills, mirror)
+    boxes_data = _rows(boxes, layout, stats, fills, mirror)
     frames = _mirrored_frames(frames, mirror)
     edges = _edges(layout, mirror)
     left = min(lefts, default=0.0)

@@ -90,7 +90,7 @@ def module_view(g, out, segments, recomputed_segments, recomputed, colouring: st
                "its backward ops (∇: the ops whose gradients flow from it). " + colouring
                + " A recomputed box shows the bytes recomputing it frees and its recompute time (↻). "
                "Click a box to open its ops; scroll to zoom, drag to pan.")
-    spec = module_chart.module_chart(g, boxes, layout, stats, tree.paths, tree.parent, blocks, theme=state.theme())
+    spec = module_chart.module_chart(boxes, layout, stats, tree.paths, tree.parent, blocks, theme=state.theme())
     st.vega_lite_chart(spec=spec, width="stretch", key="module_graph", on_select="rerun",
                        selection_mode=module_chart.SELECTION)
     if chosen != NONE:

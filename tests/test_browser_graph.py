@@ -90,7 +90,7 @@ def box_centre(pg, graph, depth: int, name: str) -> tuple[float, float]:
     boxes = module_graph.module_boxes(graph, depth)
     layout = module_graph.box_layout(graph, boxes)
     tree = module_graph.module_tree(graph)
-    spec = module_chart.module_chart(graph, boxes, layout, module_graph.box_stats(graph, boxes), tree.paths,
+    spec = module_chart.module_chart(boxes, layout, module_graph.box_stats(graph, boxes), tree.paths,
                                      tree.parent, [])
     rows = spec["datasets"]["boxes"]
     row = rows[(rows.name == name) & (rows.part == "forward")].iloc[0]

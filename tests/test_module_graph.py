@@ -238,7 +238,7 @@ def test_the_chart_mirrors_each_box_backward_part_under_it_and_marks_recomputed_
     qkv = boxes.names.index("blocks.0.attn.qkv")
     computed[(boxes.of == qkv) & gpt.is_forward & ~gpt.is_view] = 2
     stats = module_graph.box_stats(gpt, boxes, [forward.tolist()], computed)
-    spec = module_chart.module_chart(gpt, boxes, layout, stats, tree.paths, tree.parent, [])
+    spec = module_chart.module_chart(boxes, layout, stats, tree.paths, tree.parent, [])
     rows = chart_data(spec, "boxes")
     fwd, bwd = rows[rows.part == "forward"].set_index("box"), rows[rows.part == "backward"].set_index("box")
     assert len(fwd) == boxes.count and set(bwd.index) <= set(fwd.index)
@@ -261,7 +261,7 @@ def test_a_new_schedule_changes_the_chart_data_not_its_spec(gpt):
     forward = np.flatnonzero(gpt.is_forward).tolist()
     plain = module_graph.box_stats(gpt, boxes)
     again = module_graph.box_stats(gpt, boxes, [forward[:50], forward[50:]], np.where(gpt.is_forward, 2, 1))
-    specs = [module_chart.module_chart(gpt, boxes, layout, stats, tree.paths, tree.parent, [])
+    specs = [module_chart.module_chart(boxes, layout, stats, tree.paths, tree.parent, [])
              for stats in (plain, again)]
     assert not specs[0]["datasets"]["boxes"].equals(specs[1]["datasets"]["boxes"])
     assert [{**spec, "datasets": None} for spec in specs][0] == {**specs[1], "datasets": None}
