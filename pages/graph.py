@@ -1,13 +1,17 @@
-"""Graph: the operator graph coloured by segment, recomputed segments ringed in red."""
+"""Graph: the training step as module boxes (forward on top, the backward pass mirrored under it), or
+op by op, coloured by the schedule's segments, recomputed parts in red."""
 
 from __future__ import annotations
 
 import numpy as np
 import streamlit as st
 
-from explorer import compute, plots, state
+from bonsai_core.budget import format_bytes
+from bonsai_core.regions import block_stack
+from explorer import compute, module_chart, module_graph, plots, state
 
-LARGE = 600  # above this many ops the graph opens collapsed
+LARGE = 600  # above this many ops the op-level graph opens collapsed
+NONE = "(none)"
 
 st.title("Operator graph")
 
@@ -15,6 +19,24 @@ st.title("Operator graph")
 @st.cache_resource(show_spinner=False, hash_funcs=compute.GRAPH_HASH, max_entries=8)
 def full_layout(graph):
     return plots.layered_layout(graph)
+
+
+@st.cache_resource(show_spinner=False, hash_funcs=compute.GRAPH_HASH, max_entries=8)
+def module_structure(graph):
+    """The module tree, each forward op's call, each backward op's anchor, the depth to open at and the
+    block stack's paths: everything of the module view that no fold depth or schedule changes."""
+    tree = module_graph.module_tree(graph)
+    owners = module_graph.forward_owners(graph, tree)
+    anchors = module_graph.backward_anchors(graph)
+    return tree, owners, anchors, module_graph.default_depth(graph, tree), [p for p, _, _ in block_stack(graph)]
+
+
+@st.cache_resource(show_spinner=False, hash_funcs=compute.GRAPH_HASH, max_entries=32)
+def boxes_at(graph, depth: int):
+    """The boxes at one fold depth and their layout."""
+    tree, owners, anchors, _, _ = module_structure(graph)
+    boxes = module_graph.module_boxes(graph, depth, tree, owners, anchors)
+    return boxes, module_graph.box_layout(graph, boxes)
 
 
 def segmented_graph() -> None:
@@ -29,18 +51,88 @@ def segmented_graph() -> None:
         state.show_error(out.error,
                          "The graph is drawn without a schedule; change the budget or method in the sidebar.")
     if segments:
-        colouring = (f"Colour and shape: the {len(segments)} segments of the **{out.method}** schedule; "
-                     f"{len(recomputed_segments)} recomputed (red ring).")
+        colouring = (f"Colour: the {len(segments)} segments of the **{out.method}** schedule; "
+                     f"{len(recomputed_segments)} recomputed (red).")
     else:
-        colouring = (f"The **{out.method}** schedule has no segments: forward ops are coloured and shaped in blocks "
-                     "of consecutive ops" + (", recomputed ops ringed in red." if recomputed.any() else "."))
-    st.caption("Forward ops run left to right along the top, backward ops (grey diamonds) right to left along "
-               "the bottom. " + colouring)
+        colouring = (f"The **{out.method}** schedule has no segments: colours mark blocks"
+                     + (", recomputed ops in red." if recomputed.any() else "."))
 
-    c1, c2, c3 = st.columns([2, 2, 3])
-    default_view = "collapsed" if g.n > LARGE else "every op"
-    view = (c1.segmented_control("View", ["collapsed", "every op"], key="graph_view", default=default_view)
-            or default_view)
+    views = ["modules", "collapsed", "every op"] if g.modules else ["collapsed", "every op"]
+    default_view = "modules" if g.modules else "collapsed" if g.n > LARGE else "every op"
+    view = st.segmented_control("View", views, key="graph_view", default=default_view) or default_view
+    if view == "modules":
+        module_view(g, out, segments, recomputed_segments, recomputed, colouring)
+    else:
+        op_view(g, view, segments, recomputed_segments, recomputed, colouring)
+
+
+def module_view(g, out, segments, recomputed_segments, recomputed, colouring: str) -> None:
+    """One box per module call, the backward pass mirrored under it; a box opens its ops."""
+    tree, _, _, start_depth, blocks = module_structure(g)
+    ss = st.session_state
+    c1, c2 = st.columns([2, 3])
+    depth = start_depth
+    if tree.max_depth > 1:
+        ss.setdefault("graph_depth", start_depth)
+        if not 1 <= ss["graph_depth"] <= tree.max_depth:  # a new model may be shallower
+            ss["graph_depth"] = start_depth
+        depth = c1.slider("Fold depth", 1, tree.max_depth, key="graph_depth",
+                          help="1: the calls directly under the model. Deeper opens each call into the calls inside "
+                               "it (a block into attention and MLP), drawn in a frame.")
+    boxes, layout = boxes_at(g, depth)
+    names = [NONE, *boxes.names]
+    follow_click(names)
+    chosen = c2.selectbox("Open a module", names, key="graph_module",
+                          help="Its ops, forward and backward, op by op. Clicking a box opens it too.")
+    computed = module_graph.times_computed(g, out.schedule.ops) if out.ok else None
+    stats = module_graph.box_stats(g, boxes, segments, computed)
+    st.caption(f"One box per module call at fold depth {depth}, forward left to right; under each box, mirrored, "
+               "its backward ops (∇: the ops whose gradients flow from it). " + colouring
+               + " A recomputed box shows the bytes recomputing it frees and its recompute time (↻). "
+               "Click a box to open its ops; scroll to zoom, drag to pan.")
+    spec = module_chart.module_chart(boxes, layout, stats, tree.paths, tree.parent, blocks, theme=state.theme())
+    st.vega_lite_chart(spec=spec, width="stretch", key="module_graph", on_select="rerun",
+                       selection_mode=module_chart.SELECTION)
+    if chosen != NONE:
+        module_ops(g, boxes, boxes.names.index(chosen), stats, segments, recomputed_segments, recomputed)
+
+
+def follow_click(names: list[str]) -> None:
+    """A box clicked in the chart (its selection, from the last run) opens in "Open a module"; a box
+    no longer drawn (another fold depth) closes."""
+    ss = st.session_state
+    event = ss.get("module_graph")
+    picked = (event or {}).get("selection", {}).get(module_chart.SELECTION) or []
+    name = picked[0].get("name") if picked else None
+    if name and name != ss.get("graph_module_clicked"):
+        ss["graph_module_clicked"] = name
+        if name in names:
+            ss["graph_module"] = name
+    if ss.get("graph_module", NONE) not in names:
+        ss["graph_module"] = NONE
+
+
+def module_ops(g, boxes, k: int, stats, segments, recomputed_segments, recomputed) -> None:
+    """One box's ops, forward and backward, op by op."""
+    nodes = np.flatnonzero(boxes.of == k)
+    fwd = int(g.is_forward[nodes].sum())
+    again = (f" {int(stats.recomputed_ops[k])} recomputed: they free {format_bytes(int(stats.saved_bytes[k]))} "
+             f"between the passes for {stats.recompute_cost[k] * 1e3:.3f} ms of recomputation."
+             if stats.recomputed_ops[k] else "")
+    st.caption(f"**{boxes.names[k]}**: {fwd} forward ops ({format_bytes(int(stats.forward_bytes[k]))}, "
+               f"{stats.forward_cost[k] * 1e3:.3f} ms), {len(nodes) - fwd} backward ops "
+               f"({format_bytes(int(stats.backward_bytes[k]))}, {stats.backward_cost[k] * 1e3:.3f} ms)." + again)
+    groups = plots.node_groups(g, segments, recomputed_segments)
+    local = plots.layered_layout(g, nodes)
+    fig = plots.graph_figure(g, nodes, local, groups.of[nodes], groups.names, recomputed[nodes])
+    st.plotly_chart(fig, width="stretch", key="module_ops_plot")
+
+
+def op_view(g, view: str, segments, recomputed_segments, recomputed, colouring: str) -> None:
+    """The op-level graph: every op, or one marker per segment or block ("collapsed"); a drill-down."""
+    st.caption("Forward ops run left to right along the top, backward ops (grey diamonds) right to left along "
+               "the bottom. " + colouring.replace("Colour:", "Colour and shape:").replace("(red)", "(red ring)"))
+    c2, c3 = st.columns([2, 3])
     block = c2.number_input("Block size (ops)", 4, 256, 16, step=4, key="graph_block",
                             help="Ops per block where there are no segments (and in the backward pass).")
     groups = plots.node_groups(g, segments, recomputed_segments, block=int(block))

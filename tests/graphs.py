@@ -32,3 +32,71 @@ def mask_far_from_use(fixed_mem: int = 0) -> Graph:
              dict(name="grad_dropout", op="aten.mm", phase="backward", cost=1.0, mem=100, deps=[1, 5]),
              dict(name="grad_x", op="aten.mul", phase="backward", cost=1.0, mem=10, deps=[2, 6])]
     return Graph.from_nodes("mask-far-from-use", fixed_mem, nodes)
+
+
+def stacked_blocks(blocks: int, width: int = 1024, shared: bool = False) -> Graph:
+    """A transformer-shaped step with a ``modules`` field: an embedding, ``blocks`` blocks (``blocks.i``
+    holding ``ln1``, ``attn`` (two parallel projections q, k and their product), a residual add of the
+    block's own, ``ln2`` and ``mlp``, another residual add), a head and a loss; the backward pass as
+    autograd builds it: one op per forward op, reading its gradient and the forward op's inputs, the
+    gradients of a tensor read twice added up by an ``add`` of their own."""
+    nodes: list[dict] = []
+    modules: list[list] = []
+
+    def op(name: str, deps: list[int], op_: str = "aten.mm.default") -> int:
+        nodes.append(dict(name=name, op=op_, phase="forward", cost=1e-6, mem=width, deps=sorted(deps)))
+        return len(nodes) - 1
+
+    def view(name: str, base: int) -> int:
+        nodes.append(dict(name=name, op="aten.view.default", phase="forward", cost=0.0, mem=0, deps=[base],
+                          alias_of=base))
+        return len(nodes) - 1
+
+    def module(path: str, first: int) -> None:
+        modules.append([path, first, len(nodes) - 1])
+
+    x = op("emb", [], "aten.embedding.default")
+    module("emb", x)
+    rope = None
+    if shared:
+        rope = op("rope", [], "aten.cos.default")
+        module("rope", rope)
+    for i in range(blocks):
+        start = len(nodes)
+        ln1 = op(f"ln1_{i}", [x], "aten.native_layer_norm.default")
+        module(f"blocks.{i}.ln1", ln1)
+        first = len(nodes)
+        q = op(f"q_{i}", [view(f"q_in_{i}", ln1)])  # a linear reads a view of its input, as traced
+        k = op(f"k_{i}", [view(f"k_in_{i}", ln1)])
+        o = op(f"o_{i}", [q, k] + ([rope] if shared else []), "aten.bmm.default")
+        module(f"blocks.{i}.attn", first)
+        h = op(f"add1_{i}", [x, o], "aten.add.Tensor")
+        ln2 = op(f"ln2_{i}", [h], "aten.native_layer_norm.default")
+        module(f"blocks.{i}.ln2", ln2)
+        fc = op(f"fc_{i}", [ln2])
+        act = op(f"gelu_{i}", [fc], "aten.gelu.default")
+        out = op(f"out_{i}", [act])
+        module(f"blocks.{i}.mlp", fc)
+        x = op(f"add2_{i}", [h, out], "aten.add.Tensor")
+        module(f"blocks.{i}", start)
+    head = op("head", [x])
+    module("head", head)
+    loss = op("loss", [head], "aten.nll_loss_forward.default")
+
+    forward = list(nodes)
+    partial: dict[int, list[int]] = {}  # forward node -> backward nodes holding part of its gradient
+    for f in reversed(range(len(forward))):
+        parts = partial.get(f, [])
+        if len(parts) > 1:
+            nodes.append(dict(name=f"sum_grad_{f}", op="aten.add.Tensor", phase="backward", cost=1e-6, mem=width,
+                              deps=sorted(parts)))
+            parts = [len(nodes) - 1]
+        deps = sorted(set(parts) | set(forward[f]["deps"]) | ({f} if f == loss else set()))
+        if not forward[f]["deps"] or "alias_of" in forward[f]:  # a view's gradient is a view of the gradient
+            deps = sorted(set(parts))
+        nodes.append(dict(name=f"grad_{forward[f]['name']}", op="aten.mm.default", phase="backward", cost=1e-6,
+                          mem=width, deps=deps))
+        for d in forward[f]["deps"]:
+            partial.setdefault(d, []).append(len(nodes) - 1)
+    modules.sort(key=lambda m: (m[1], -m[2]))
+    return Graph.from_nodes(f"blocks{blocks}", 0, nodes, modules=modules)

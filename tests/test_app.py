@@ -161,14 +161,60 @@ def test_a_segment_method_colours_the_graph_and_reports_its_solve(fake_method):
     overhead = metric(at, "compute overhead")
     assert overhead != "0.00%"
     goto(at, "graph")
+    assert "segments of the **fake** schedule" in at.caption[0].value  # the module view, by default
+    at.segmented_control(key="graph_view").set_value("every op").run()
     assert "segments of the **fake** schedule" in at.caption[0].value
-    every_op = plot_spec(at)  # 277 ops: opens op by op
+    every_op = plot_spec(at)
     assert sum(len(t["text"]) for t in every_op["data"][1:] if t.get("name") in ("forward op", "backward op")) == 277
     at.segmented_control(key="graph_view").set_value("collapsed").run()
     assert plot_spec(at) != every_op
     at.selectbox(key="graph_drill").set_value("segment 1").run()
     assert not at.exception
     assert any(c.value.startswith("**segment 1**") for c in at.main.caption)
+
+
+def module_boxes_shown(at: AppTest) -> pd.DataFrame:
+    """The module graph's boxes as the page sent them (one row per box and pass)."""
+    proto = at.get("vega_lite_chart")[0].proto
+    data = {d.name: pa.ipc.open_stream(d.data.data).read_pandas() for d in proto.datasets}
+    return data["boxes"]
+
+
+def test_the_graph_page_opens_on_module_boxes_folds_them_and_opens_one(fake_method):
+    at = app()
+    at.sidebar.selectbox(key="method").set_value("fake").run()
+    at.sidebar.slider(key="budget_pct").set_value(80).run()
+    goto(at, "graph")
+    assert at.segmented_control(key="graph_view").value == "modules"
+    assert at.slider(key="graph_depth").value == 3  # the default GPT opens into attention and MLP
+    boxes = module_boxes_shown(at)
+    forward = boxes[boxes.part == "forward"]
+    assert "blocks.0.attn.qkv" in set(forward.name) and len(forward) == 27
+    assert (boxes.part == "backward").sum() > 20
+    assert forward.recomputed.any()  # the fake method recomputes every segment under a tight budget
+    assert (boxes[boxes.recomputed].stroke == "#d62728").all()
+    assert not at.get("plotly_chart")  # no op-level figure until a module is opened
+
+    at.slider(key="graph_depth").set_value(1).run()
+    assert set(module_boxes_shown(at).name) >= {"blocks.0", "blocks.1", "tok", "head"}
+    at.selectbox(key="graph_module").set_value("blocks.1").run()
+    assert not at.exception
+    caption = next(c.value for c in at.main.caption if c.value.startswith("**blocks.1**"))
+    assert "53 forward ops" in caption
+    figure = plot_spec(at)  # the block's ops, forward and backward, op by op
+    assert sum(len(t["text"]) for t in figure["data"] if t.get("name") in ("forward op", "backward op")) == int(
+        (module_boxes_shown(at).query("name == 'blocks.1'").ops).sum())
+
+    at.slider(key="graph_depth").set_value(3).run()  # blocks.1 is no box at depth 3: closed
+    assert at.selectbox(key="graph_module").value == "(none)" and not at.exception
+
+
+def test_a_graph_without_modules_has_no_module_view():
+    at = app()
+    at.session_state["model"] = compute.Model(chain(6), "json", "chain.json")
+    goto(at, "graph")
+    assert at.segmented_control(key="graph_view").options == ["collapsed", "every op"]
+    assert at.get("plotly_chart") and not at.exception
 
 
 def test_setting_granularity_passes_it_and_changes_the_schedule(fake_method):

@@ -1,0 +1,188 @@
+"""The module graph (Graph page) in a real browser: served with the README's command, driven by headless
+Chromium as in tests/test_browser.py.
+
+On the default model: the module view draws, a click on a box opens its ops, screenshots in the light
+and the dark theme. Slow: a Llama with 32 layers (7,440 ops) uploaded as a graph JSON, its module view
+(folded to blocks) timed from the click on "Graph" until the chart is painted; also at every fold
+depth. Reports go to ``screenshots/module-graph.txt``; screenshots to ``screenshots/`` (ignored; the ones
+in docs/screenshots are copies).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+
+from bonsai_core.graph import load_graph
+from bonsai_core.regions import block_stack
+from explorer import module_graph
+from explorer.state import DEFAULT_GRAPH
+from tests.test_browser import BROWSER_ARGS, CHROMIUM, SHOTS, serve, wait_idle, yardstick  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not __import__("os").path.exists(CHROMIUM), reason="Debian's chromium is not installed")
+
+CHART = '[data-testid="stVegaLiteChart"]'
+# the module chart's canvas, once Vega has painted on it (some pixel not transparent), and not one marked old
+PAINTED = """() => {
+  const c = document.querySelector('[data-testid="stVegaLiteChart"] canvas');
+  if (!c || !c.width || c.dataset.old) return false;
+  const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+  for (let i = 3; i < d.length; i += 4 * 61) if (d[i] > 0) return true;
+  return false;
+}"""
+MARK_OLD = """() => document.querySelectorAll('[data-testid="stVegaLiteChart"] canvas')
+                      .forEach(c => c.dataset.old = 1)"""
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        yield b
+        b.close()
+
+
+def open_page(browser, scheme: str = "light"):
+    context = browser.new_context(viewport={"width": 1440, "height": 1000}, color_scheme=scheme)
+    pg = context.new_page()
+    pg.set_default_timeout(180_000)
+    return context, pg
+
+
+def nav(pg, title: str) -> None:
+    """Open a page from the sidebar: the session (and its model) stays, as when a person clicks."""
+    pg.locator('[data-testid="stSidebarNav"] a').filter(has_text=title).click()
+
+
+def graph_drawn(pg) -> float:
+    """Open the Graph page and wait for the module chart painted and the server idle; the seconds it took."""
+    pg.evaluate(MARK_OLD)
+    start = time.perf_counter()
+    nav(pg, "Graph")
+    pg.wait_for_function(PAINTED, polling=50)
+    wait_idle(pg)
+    return time.perf_counter() - start
+
+
+def chart_shot(pg, name: str) -> None:
+    chart = pg.locator(CHART).first
+    chart.scroll_into_view_if_needed()
+    pg.wait_for_timeout(300)
+    chart.screenshot(path=str(SHOTS / name))
+
+
+def box_centre(pg, graph, depth: int, name: str) -> tuple[float, float]:
+    """Where box ``name`` is drawn on the page: its layout position mapped through the chart's domains
+    (as ``module_chart.module_chart`` sets them) onto the chart's canvas."""
+    from explorer import module_chart
+
+    boxes = module_graph.module_boxes(graph, depth)
+    layout = module_graph.box_layout(graph, boxes)
+    tree = module_graph.module_tree(graph)
+    spec = module_chart.module_chart(boxes, layout, module_graph.box_stats(graph, boxes), tree.paths,
+                                     tree.parent, [])
+    rows = spec["datasets"]["boxes"]
+    row = rows[(rows.name == name) & (rows.part == "forward")].iloc[0]
+    encoding = spec["layer"][0]["encoding"]
+    (x0, x1), (y0, y1) = encoding["x"]["scale"]["domain"], encoding["y"]["scale"]["domain"]
+    canvas = pg.locator(f"{CHART} canvas").first.bounding_box()
+    pad = 5  # Vega's default padding around the plot
+    width, height = canvas["width"] - 2 * pad, canvas["height"] - 2 * pad
+    return (canvas["x"] + pad + (row.xc - x0) / (x1 - x0) * width,
+            canvas["y"] + pad + (row.yc - y0) / (y1 - y0) * height)
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_module_view_draws_and_a_click_on_a_box_opens_its_ops(browser, server, scheme):
+    context, pg = open_page(browser, scheme)
+    try:
+        pg.goto(server)
+        wait_idle(pg)
+        seconds = graph_drawn(pg)
+        assert pg.locator('[data-testid="stException"]').count() == 0
+        labels = pg.evaluate(f"() => [...document.querySelectorAll('{CHART} text')].map(t => t.textContent)")
+        assert {"ln2", "∇ ln2", "blocks.1.attn", "forward →"} <= set(labels)  # boxes, backward boxes, frames
+        chart_shot(pg, f"graph-modules-{scheme}.png")
+        graph = load_graph(DEFAULT_GRAPH)
+        x, y = box_centre(pg, graph, module_graph.default_depth(graph), "blocks.1.ln2")
+        pg.mouse.click(x, y)
+        pg.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg .scatterlayer .trace')  # its ops
+        wait_idle(pg)
+        assert pg.get_by_text("blocks.1.ln2", exact=False).count() >= 2  # the select box and the caption
+        assert pg.locator('[data-testid="stException"]').count() == 0
+        pg.screenshot(path=str(SHOTS / f"graph-modules-opened-{scheme}.png"), full_page=True)
+        print(f"{scheme}: module view of the default model drawn {seconds:.2f} s after the click on Graph")
+    finally:
+        context.close()
+
+
+@pytest.fixture(scope="module")
+def llama_graph(tmp_path_factory):
+    """``bonsai trace hf:llama --layers 32 --width 32 --heads 2 --seq 16 --batch 1``: 7,440 ops, 32 blocks."""
+    from bonsai_core.graph import save_graph
+    from bonsai_core.trace import trace_zoo
+
+    path = tmp_path_factory.mktemp("llama") / "llama32.json"
+    save_graph(trace_zoo("hf:llama", layers=32, width=32, heads=2, seq=16, batch=1).graph, path)
+    return path
+
+
+@pytest.mark.slow
+def test_the_module_view_of_a_llama_sized_graph_draws_within_two_seconds(browser, server, llama_graph):
+    graph = load_graph(llama_graph)
+    assert graph.n > 7000 and len(block_stack(graph)) == 32
+    report = []
+    for scheme in ("light", "dark"):
+        context, pg = open_page(browser, scheme)
+        try:
+            pg.goto(f"{server}/?budget=90")  # bonsai: 65 segments, one block in two recomputed (16 s)
+            wait_idle(pg)
+            pg.get_by_role("tab", name="Upload a graph or a .pt2").click()
+            pg.locator('[data-testid="stFileUploader"] input[type="file"]').last.set_input_files(str(llama_graph))
+            pg.wait_for_function(f"() => document.body.innerText.includes('{graph.n} ops')")
+            wait_idle(pg)
+            first = graph_drawn(pg)  # the first time: the chen solve and the module structure, computed
+            times = []
+            for _ in range(3):
+                nav(pg, "Model")
+                wait_idle(pg)
+                times.append(graph_drawn(pg))
+            assert pg.locator('[data-testid="stException"]').count() == 0
+            chart_shot(pg, f"graph-modules-llama-{scheme}.png")
+            depths = []
+            for depth in (4, 5, 4, 3):  # one step at a time (each arrow key is a rerun): one new chart each
+                pg.evaluate(MARK_OLD)
+                slider = (pg.locator('[data-testid="stSlider"]').filter(has_text="Fold depth")
+                          .locator('input[type="range"]'))
+                current = int(slider.input_value())
+                start = time.perf_counter()
+                slider.focus()
+                for _ in range(abs(depth - current)):
+                    pg.keyboard.press("ArrowRight" if depth > current else "ArrowLeft")
+                pg.wait_for_function(PAINTED, polling=50)
+                wait_idle(pg)
+                depths.append((depth, time.perf_counter() - start))
+                if depth == 5:
+                    chart_shot(pg, f"graph-modules-llama-depth5-{scheme}.png")
+            again = " ".join(f"{t:.2f}" for t in times)
+            report.append(f"{scheme}: first visit {first:.2f} s; again (median of {again}) "
+                          f"{statistics.median(times):.2f} s; fold depth "
+                          + ", ".join(f"{d}: {t:.2f} s" for d, t in depths))
+            assert statistics.median(times) <= 2.0
+        finally:
+            context.close()
+    counts = {d: module_graph.module_boxes(graph, d).count for d in range(1, 6)}
+    lines = [f"hf:llama, 32 layers: {graph.n} ops; boxes per fold depth {counts}", *report, yardstick()]
+    print("\n".join(lines))
+    (SHOTS / "module-graph.txt").write_text("\n".join(lines) + "\n")
