@@ -24,7 +24,8 @@ module instead of written to a folder:
 Apply it before ``torch.compile``, ``DistributedDataParallel`` or ``fully_shard`` (FSDP2) wrap the model,
 as torchtitan applies activation checkpointing before sharding. The budget bounds one device's live
 bytes in the traced step: parameters, gradients, buffers, the batch, the optimizer's state when
-``optimizer`` is named, and the activations.
+``optimizer`` is named, and the activations; with ``fsdp=N``, one rank's (its shards, and the blocks
+``fully_shard`` gathers over the step).
 
 Plans are cached on disk (``$BONSAI_CACHE_DIR``, else ``$XDG_CACHE_HOME/bonsai``, else
 ``~/.cache/bonsai``), keyed by what the plan depends on: the model's module classes and their source
@@ -147,8 +148,8 @@ def checkpoint(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], t
 
 
 def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor], budget: str | int = "auto",
-         method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none",
-         cache: bool = True, cache_dir: str | os.PathLike | None = None, **options: Any) -> Plan:
+         method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none", fsdp: int = 1,
+         reshard_after_forward: bool = True, cache: bool = True, cache_dir: str | os.PathLike | None = None, **options: Any) -> Plan:
     """A checkpoint-region plan for one training step of ``model`` within ``budget``; nothing applied.
 
     Args:
@@ -164,6 +165,10 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
         autocast: ``"bf16"`` / ``"fp16"`` when training runs under ``torch.autocast``; by default the
             autocast state of the call's own context.
         optimizer: ``"sgd"``, ``"adam"``, ``"adamw"`` to count the optimizer's state and step in the budget.
+        fsdp: the number of ranks when ``fully_shard`` (FSDP2) will shard each block of the model and the
+            model itself (after this call): the budget is then one rank's, with its share of parameters,
+            gradients and optimizer state and the unsharded blocks over the step (:mod:`bonsai_core.fsdp`);
+            ``reshard_after_forward`` as given to ``fully_shard``.
         cache: read and write the plan cache (see the module doc); ``cache_dir`` overrides its folder.
         options: the method's options (as ``bonsai solve --option``), e.g. ``time_limit=30``.
     """
@@ -182,7 +187,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     autocast = autocast if autocast is not None else _ambient_autocast(device)
     wanted, budget_source = _budget(budget, device)
     settings = {"method": method, "budget": str(budget), "budget_bytes": wanted.bytes, "autocast": autocast,
-                "optimizer": optimizer, "options": {k: repr(v) for k, v in sorted(options.items())},
+                "optimizer": optimizer, "fsdp": [fsdp, reshard_after_forward], "options": {k: repr(v) for k, v in sorted(options.items())},
                 "device": device.type}
     folder = _cache_folder(cache_dir) if cache else None
     key = _fingerprint(model, inputs, loss_fn, settings)
@@ -193,7 +198,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     step = _FakeStep.of(root, inputs, loss_fn, type(model).__name__)
-    graph = step.graph(autocast, optimizer)
+    graph = step.graph(autocast, optimizer, fsdp, reshard_after_forward)
     seconds["trace"] = time.perf_counter() - start
     reference = no_remat_peak(graph)
     limit = wanted.resolve(reference)
@@ -349,15 +354,17 @@ class _FakeStep:
         with self.mode, _skip_tensor_asserts():
             yield
 
-    def graph(self, autocast: str | None, optimizer: str) -> Graph:
-        """The traced step, with the optimizer's state and step."""
+    def graph(self, autocast: str | None, optimizer: str, fsdp: int = 1, reshard_after_forward: bool = True) -> Graph:
+        """The traced step (as one of ``fsdp`` ranks holds it), with the optimizer's state and step."""
+        from bonsai_core.fsdp import shard_by_blocks
         from bonsai_core.optimizer import check_name, with_optimizer
         from bonsai_core.trace import trace_step
 
         check_name(optimizer)
         with self.running():
             traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast)
-        return with_optimizer(traced.graph, optimizer)
+        graph = shard_by_blocks(traced.graph, self.model, fsdp, reshard_after_forward) if fsdp > 1 else traced.graph
+        return with_optimizer(graph, optimizer)
 
     def layout(self, graph: Graph, schedule: Schedule) -> tuple[Save, _Layout]:
         """The plan laid onto the model's submodules (:func:`bonsai_core.export_checkpoint.faithful_layout`)."""

@@ -4,9 +4,8 @@ activation checkpointing before ``fully_shard``). Runs on CPU processes with the
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py --budget 60% --steps 3
 
 Rank 0 plans and writes the plan cache; the other ranks wait for it and apply the cached plan, so every
-rank checkpoints the same submodules. The plan is made for the step as one process runs it: under FSDP
-each rank holds only its shard of the parameters, gradients and optimizer state, so the per-rank peak
-is lower than the report's (a per-rank model of FSDP is not in the plan yet).
+rank checkpoints the same submodules. ``fsdp=world`` makes the budget one rank's: its share of the
+parameters, gradients and optimizer state, and the blocks ``fully_shard`` gathers over the step.
 """
 
 import argparse
@@ -37,7 +36,7 @@ def main() -> None:
 
     if rank != 0:
         dist.barrier()  # rank 0 plans first; the others then read its plan from the cache
-    report = bonsai.checkpoint(model, batch, lambda out: out.loss, budget=args.budget)
+    report = bonsai.checkpoint(model, batch, lambda out: out.loss, budget=args.budget, fsdp=world, optimizer="adamw")
     if rank == 0:
         print(report, flush=True)
         dist.barrier()

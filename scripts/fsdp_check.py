@@ -103,7 +103,7 @@ def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], 
     try:
         net, inputs, loss_fn = zoo.build(model, seed=0, **options)
         if budget:
-            bonsai.checkpoint(net, inputs, loss_fn, budget=budget, cache=False)
+            bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=world, cache=False)
         for path in paths:
             fully_shard(net.get_submodule(path))
         fully_shard(net)
@@ -131,7 +131,8 @@ def measure(model: str, options: dict, world: int, paths: list[str], budget: str
 
 
 def predicted(graph, model: str, options: dict, budget: str | None) -> int:
-    """The simulator's peak of ``graph`` (one rank): no recomputation, or the plan ``checkpoint`` applies."""
+    """The simulator's peak of ``graph`` (one rank): no recomputation, or what ``bonsai.checkpoint(...,
+    fsdp=N)`` predicts for its plan at ``budget`` (a share of the rank's no-remat peak)."""
     from bonsai_core.schedule import no_remat_peak
 
     if not budget:
@@ -139,10 +140,7 @@ def predicted(graph, model: str, options: dict, budget: str | None) -> int:
     import bonsai_core as bonsai
 
     net, inputs, loss_fn = zoo.build(model, seed=0, **options)
-    report = bonsai.checkpoint(net, inputs, loss_fn, budget=budget, cache=False)
-    # the plan's realised peak on the unsharded graph, moved to this rank's fixed memory
-    unsharded_fixed = report.fixed_memory
-    return report.predicted_peak - unsharded_fixed + graph.fixed_mem
+    return bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=graph.fsdp["world"], cache=False).predicted_peak
 
 
 def main() -> None:
@@ -163,7 +161,6 @@ def main() -> None:
             expected = predicted(graph, args.model, options, budget)
             ranks = measure(args.model, options, world, paths, budget)
             peak = max(r["peak"] for r in ranks)
-            print(ranks, flush=True)
             rows.append(f"| {args.model} | {world} | {budget or 'none'} | {format_bytes(graph.fixed_mem)} "
                         f"| {format_bytes(expected)} | {format_bytes(peak)} | {peak / expected - 1:+.2%} "
                         f"| {time.perf_counter() - start:.0f} s |")
