@@ -19,6 +19,8 @@ from bonsai_core.optimizer import OPTIMIZERS
 
 # Size options any zoo model may take (each model accepts its own subset; see `bonsai zoo`).
 MODEL_OPTIONS = ("batch", "seq", "layers", "width", "heads", "vocab", "image")
+# Build options that are names, not sizes (zoo.build): any model's dtype, an hf: model's attention.
+BUILD_OPTIONS = ("dtype", "attention")
 
 
 def _budget_arg(text: str) -> Budget:
@@ -66,10 +68,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for weights and the example batch (default 0)")
     p.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
                    help="trace/run the step under torch.autocast with this dtype (default: off)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="the model's parameters (and float inputs) in this dtype: model.to(dtype) (default: as built, fp32)")
+    p.add_argument("--attention", choices=("sdpa", "eager"), default=None,
+                   help="hf: models: the attention implementation (default: sdpa where the model supports it)")
 
 
-def model_options(args: argparse.Namespace) -> dict[str, int]:
-    return {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) is not None}
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The model's size options and build options (dtype, attention) given on the command line."""
+    return {k: getattr(args, k) for k in (*MODEL_OPTIONS, *BUILD_OPTIONS) if getattr(args, k, None) is not None}
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:

@@ -68,7 +68,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bonsai_core.errors import ModelError, ScheduleError
 from bonsai_core.export import ExportError, load_export, trace_for_schedule
-from bonsai_core.export.verify import PEAK_TOLERANCE, largest_differences, gradient_problem, measuring_device
+from bonsai_core.export.verify import (PEAK_TOLERANCE, gradient_problem, largest_differences, loss_problem,
+                                       measuring_device, precision_of)
 from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
@@ -624,6 +625,7 @@ class CheckpointVerification:
     predicted_overhead: float
     max_grad_scaled_diff: float = 0.0  # largest gradient difference / that tensor's largest magnitude
     autocast: str | None = None
+    precision: str | None = None  # "bf16" / "fp16" when the parameters (their gradients) are in that type
 
     @property
     def loss_diff(self) -> float:
@@ -654,8 +656,9 @@ class CheckpointVerification:
 
     def problems(self, atol: float = 1e-5, peak_tolerance: float = PEAK_TOLERANCE) -> list[str]:
         """What is wrong, in words; empty when the export is verified."""
-        out = [f"the loss differs by {self.loss_diff:.3g} (> {atol:g})"] if self.loss_diff > atol else []
-        grads = gradient_problem(self.max_grad_diff, self.max_grad_scaled_diff, atol, self.autocast)
+        loss = loss_problem(self.loss_original, self.loss_exported, atol, self.precision)
+        out = [loss] if loss else []
+        grads = gradient_problem(self.max_grad_diff, self.max_grad_scaled_diff, atol, self.autocast, self.precision)
         out += [grads] if grads else []
         if self.judged_on_realised:
             if abs(self.realised_peak_error) > peak_tolerance:
@@ -714,7 +717,7 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
             return loss
 
         measured = measure_step(net, inputs, loss_fn, step=step)
-        grads = {n: p.grad.detach().float().cpu().clone() for n, p in net.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.detach().cpu().clone() for n, p in net.named_parameters() if p.grad is not None}
         times = []
         for _ in range(max(1, repeats)):
             _sync(dev)
@@ -734,7 +737,7 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
         realised_peak=int(exported.INFO["realised_peak"]) if traced_size and not autocast else None,
         measured_peak=measured.peak, original_peak=original.peak, seconds_original=t_original,
         seconds_exported=t_exported, predicted_overhead=float(exported.INFO["overhead"]),
-        max_grad_scaled_diff=scaled, autocast=autocast)
+        max_grad_scaled_diff=scaled, autocast=autocast, precision=precision_of(reference.values()))
 
 
 def _sync(dev: torch.device) -> None:

@@ -79,6 +79,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from bonsai_core.attention import FusedAttentionWithDropout
 from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES, DeviceProfile, op_cost
 from bonsai_core.errors import ModelError, ValueReadError
 from bonsai_core.graph import Graph
@@ -302,7 +303,7 @@ def _module_spans(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: C
     fake = all(isinstance(x, FakeTensor) for x in inputs)
     try:
         with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), _autocast(autocast), \
-                _grouped_mm_as_its_kernels(), _quiet_meta_failures():
+                _grouped_mm_as_its_kernels(), FusedAttentionWithDropout(), _quiet_meta_failures():
             step = record_step(model, inputs, loss_fn)
     except Exception:  # noqa: BLE001 (any failure only means no module structure)
         return []
@@ -429,9 +430,10 @@ _DROPOUTS.update({f: inspect.Signature([inspect.Parameter(n, inspect.Parameter.P
 @contextlib.contextmanager
 def _as_in_eager() -> Iterator[None]:
     """What tracing changes so that the graph is the step eager runs: no copy for a dropout that
-    drops nothing, ``torch._assert`` on tensors skipped, and float32/float16 grouped matmuls shaped
-    as their kernels shape them."""
-    with _skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels():
+    drops nothing, ``torch._assert`` on tensors skipped, float32/float16 grouped matmuls shaped
+    as their kernels shape them, and SDPA with dropout recorded as the fused kernel a GPU runs, not
+    the CPU's math path (:mod:`bonsai_core.attention`)."""
+    with _skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels(), FusedAttentionWithDropout():
         yield
 
 
