@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 _SDPA_PARAMETERS = (("query", None), ("key", None), ("value", None), ("attn_mask", None), ("dropout_p", 0.0),
                     ("is_causal", False), ("scale", None), ("enable_gqa", False))
 MASK_ALIGNMENT = 8  # elements: the memory-efficient kernel reads a mask whose strides are multiples of this
+EFFICIENT_ATTENTION = "aten._scaled_dot_product_efficient_attention.default"
 
 
 def sdpa_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -92,3 +93,8 @@ def _kernel_bias(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> 
         last = mask.size(-1)
         mask = F.pad(mask, (0, MASK_ALIGNMENT - last % MASK_ALIGNMENT))[..., :last]
     return mask.expand(query.size(0), query.size(1), query.size(2), key.size(2))
+
+
+def records_attention_dropout(graph: Any) -> bool:
+    """Whether a traced graph holds SDPA with dropout (recorded as the memory-efficient kernel)."""
+    return EFFICIENT_ATTENTION in graph.ops

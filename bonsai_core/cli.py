@@ -332,7 +332,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     schedule = load_schedule(args.schedule)
     if args.backend == "checkpoint":
         export_checkpoint = _checkpoint_backend().export_checkpoint
-        out = export_checkpoint(args.model, model_options(args), schedule, args.output, seed=args.seed)
+        out = export_checkpoint(args.model, model_options(args), schedule, args.output, seed=args.seed,
+                                autocast=args.autocast)
     else:
         from bonsai_core.export import export_model
 
@@ -383,8 +384,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     print(f"on {report.get('device', args.device)}: loss {report['loss_exported']:.6g} (original {report['loss_original']:.6g}, "
           f"difference {report['loss_diff']:.3g}); {_gradient_difference(report)}")
-    if report.get("predicted_peak") is None:  # the checkpoint back-end away from the traced size
-        print(f"peak: measured {format_bytes(report['measured_peak'])} (no prediction for this size); original "
+    if report.get("predicted_peak") is None:  # the checkpoint back-end away from the traced run
+        why = report.get("unpredicted") or "no prediction for this size"
+        print(f"peak: measured {format_bytes(report['measured_peak'])} (not judged: {why}); original "
               f"model {format_bytes(report['original_peak'])}")
     else:
         print(f"peak: predicted {format_bytes(report['predicted_peak'])}, measured {format_bytes(report['measured_peak'])} "

@@ -66,6 +66,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bonsai_core.attention import records_attention_dropout
 from bonsai_core.errors import ModelError, ScheduleError
 from bonsai_core.export import ExportError, load_export, trace_for_schedule
 from bonsai_core.export.verify import (PEAK_TOLERANCE, gradient_problem, largest_differences, loss_problem,
@@ -74,7 +75,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
 from bonsai_core.schedule import Schedule, schedule_ops, simulate
-from bonsai_core.trace import _build_for_tracing as build_for_tracing, built_for_tracing
+from bonsai_core.trace import _autocast, _build_for_tracing as build_for_tracing, built_for_tracing
 
 # Fused attention kernels by device, one name in the policy: the export records the step on CPU.
 SAME_OP = {f"aten.{kernel}.default": "scaled_dot_product_attention"
@@ -352,11 +353,12 @@ def recomputation_mismatch(forward: list[list[Any]], recompute: list[list[Any]])
 
 
 def recomputation_mismatches(source: str, build: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...], Any]],
-                             model: str) -> dict[str, str]:
+                             model: str, autocast: str | None = None) -> dict[str, str]:
     """One training step of the model ``build()`` returns (with its inputs and loss; called under
     ``FakeTensorMode``) with ``checkpointed.py`` (its text ``source``) applied, logging each checkpointed
     call's ops in its forward and in its recomputation: per submodule whose recomputation SAC would hand
-    other tensors (:func:`recomputation_mismatch`), why. ``model`` names it in messages.
+    other tensors (:func:`recomputation_mismatch`), why. ``model`` names it in messages; the forward runs
+    under ``autocast`` ("bf16" / "fp16") when given, as the step was traced.
 
     Raises ExportError when the step fails in another way (it would fail in training too)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -381,7 +383,9 @@ def recomputation_mismatches(source: str, build: Callable[[], tuple[nn.Module, t
         net, inputs, loss_fn = build()
         exported.apply(net)
         try:
-            loss_fn(net(*inputs)).backward()
+            with _autocast(autocast):
+                loss = loss_fn(net(*inputs))
+            loss.backward()
         except RuntimeError as e:  # SAC's "not found in storage", checkpoint's CheckpointError
             error = e
     found: dict[str, str] = {}
@@ -398,9 +402,10 @@ def recomputation_mismatches(source: str, build: Callable[[], tuple[nn.Module, t
 # -- export ----------------------------------------------------------------------------------------
 
 def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, out_dir: str | Path, *,
-                      profile: str | None = None, seed: int = 0) -> Path:
+                      profile: str | None = None, seed: int = 0, autocast: str | None = None) -> Path:
     """Write the checkpoint back-end's export of ``schedule`` (a bonsai/chen checkpoint-region plan)
-    for ``model`` (a zoo name or ``package.module:factory``) built with ``options``. Returns ``out_dir``.
+    for ``model`` (a zoo name or ``package.module:factory``) built with ``options``, its step traced
+    under ``autocast`` ("bf16" / "fp16") when given. Returns ``out_dir``.
 
     Raises ExportError for a schedule that is not a checkpoint-region plan (use the replay back-end),
     ScheduleError when the schedule was made for another graph."""
@@ -410,7 +415,7 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
             f"{schedule.method!r} schedule is a general recompute sequence (a tensor may be recomputed several "
             "times, or freed before its last use), which torch.utils.checkpoint cannot express. Export it with "
             "--backend replay, or solve with --method bonsai or chen.")
-    traced = trace_for_schedule(model, options, schedule, profile=profile, seed=seed)
+    traced = trace_for_schedule(model, options, schedule, profile=profile, seed=seed, autocast=autocast)
     graph = traced.graph
     sim = simulate(graph, schedule)
     plan = CheckpointPlan.from_extra(schedule.extra)
@@ -418,7 +423,8 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
         cache = kv_cache_type()
         for module in net.modules() if cache is not None else ():  # as the checkpointed submodules will run
             module.forward = without_caches(module.forward, cache)
-        step = record_step(net, inputs, loss_fn)
+        with _autocast(autocast):
+            step = record_step(net, inputs, loss_fn)
     # A submodule whose recomputation would not run what its forward ran is left out, and the layout
     # chosen again (each pass leaves out one more submodule, so this ends).
     not_checkpointed: dict[str, str] = {}
@@ -430,9 +436,10 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
                 "batch": int(inputs[0].shape[0]) if inputs and inputs[0].dim() else None,
                 "realised_peak": lay.realised_peak,
                 "dropped_bytes": lay.dropped_bytes, "unrealised_dropped_bytes": lay.unrealised_bytes,
-                "unrealised_dropped_nodes": len(lay.unrealised), "not_checkpointed": dict(not_checkpointed)}
+                "unrealised_dropped_nodes": len(lay.unrealised), "not_checkpointed": dict(not_checkpointed),
+                "autocast": autocast, "attention_dropout": records_attention_dropout(graph)}
         source = generate_source(info, lay)
-        mismatched = recomputation_mismatches(source, lambda: build_for_tracing(model, seed, options), model)
+        mismatched = recomputation_mismatches(source, lambda: build_for_tracing(model, seed, options), model, autocast)
         if not mismatched:
             break
         not_checkpointed.update(mismatched)
@@ -548,6 +555,7 @@ def _readme(info: dict[str, Any], lay: CheckpointLayout, folder: Path) -> str:
 
     model = info["model"]
     opts = " ".join(f"--{k} {v}" for k, v in (info.get("options") or {}).items())
+    opts += f" --autocast {info['autocast']}" if info.get("autocast") else ""
     units = "\n".join(f"| `{u.path}` | {u.ops} | {sum(map(len, u.saves.values()))} | {format_bytes(u.dropped_bytes)} |"
                       for u in lay.units) or "| (none: the plan recomputes nothing) | | | |"
     unrealised = ""
@@ -596,6 +604,18 @@ bonsai verify {model} {opts} {folder}
 
 # -- verification ----------------------------------------------------------------------------------
 
+# Why the checkpoint back-end's peak is not judged under autocast.
+CHECKPOINT_AUTOCAST = (
+    "under autocast the checkpointed submodules run casts whose lifetimes the back-end's simulation of "
+    "them does not follow (hf:llama at a small size measured +15.9% over it); the replay back-end meets "
+    "its prediction under autocast")
+# Why the checkpoint back-end's peak is not judged on the CPU for a step with SDPA dropout.
+CPU_ATTENTION_DROPOUT = (
+    "on the CPU, SDPA with dropout runs its math path, which keeps every layer's batch x heads x seq x seq "
+    "attention probabilities and dropout mask for the backward pass, where the plan counts what the fused "
+    "kernel of a GPU keeps (output, logsumexp, generator seed); measure the peak with --device cuda, or "
+    "check the plan on the CPU with --backend replay, which runs the fused kernel's equivalent")
+
 def load_checkpointed(out_dir: str | Path) -> ModuleType:
     """Import ``out_dir/checkpointed.py`` with the standard importlib recipe (not put in sys.modules)."""
     module = load_export(out_dir)
@@ -626,6 +646,7 @@ class CheckpointVerification:
     max_grad_scaled_diff: float = 0.0  # largest gradient difference / that tensor's largest magnitude
     autocast: str | None = None
     precision: str | None = None  # "bf16" / "fp16" when the parameters (their gradients) are in that type
+    unpredicted: str | None = None  # why no peak is predicted for this run, when the traced size has one
 
     @property
     def loss_diff(self) -> float:
@@ -681,7 +702,10 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
     """One training step of the original model and of the model with ``apply`` from ``out_dir``:
     loss, gradients (``.grad`` compared), peak memory (``measure.measure_step``) and wall time
     (median of ``repeats`` further steps). ``batch`` runs another batch size than the traced one
-    (no predicted peak there); ``autocast`` ("bf16" / "fp16") runs both under ``torch.autocast``."""
+    (no predicted peak there); ``autocast`` ("bf16" / "fp16") runs both under ``torch.autocast``
+    (default: the autocast the export's step was traced with). A run under autocast has no predicted
+    peak (:data:`CHECKPOINT_AUTOCAST`), nor has a step with SDPA dropout on the CPU
+    (:data:`CPU_ATTENTION_DROPOUT`): ``unpredicted`` says why."""
     from bonsai_core import zoo
     from bonsai_core.measure import measure_step
 
@@ -690,8 +714,18 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     if autocast is not None and autocast not in dtypes:
         raise ModelError(f"--autocast {autocast!r}: use bf16 or fp16.")
+    traced_autocast = exported.INFO.get("autocast")
+    autocast = traced_autocast if autocast is None else autocast
     opts = dict(options)
     traced_size = batch is None or batch == exported.INFO.get("batch")
+    unpredicted = None
+    if traced_size and autocast != traced_autocast:
+        unpredicted = f"the schedule was traced with autocast {traced_autocast or 'off'}, this run has {autocast}"
+    elif traced_size and autocast:
+        unpredicted = CHECKPOINT_AUTOCAST
+    elif traced_size and dev.type == "cpu" and exported.INFO.get("attention_dropout"):
+        unpredicted = CPU_ATTENTION_DROPOUT
+    predicted = traced_size and unpredicted is None
     if batch is not None:
         opts["batch"] = batch
 
@@ -733,11 +767,12 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
     return CheckpointVerification(
         device=measured.device, batch=opts.get("batch"), traced_size=traced_size,
         loss_original=original.loss, loss_exported=measured.loss, max_grad_diff=diff,
-        predicted_peak=int(exported.INFO["predicted_peak"]) if traced_size and not autocast else None,
-        realised_peak=int(exported.INFO["realised_peak"]) if traced_size and not autocast else None,
+        predicted_peak=int(exported.INFO["predicted_peak"]) if predicted else None,
+        realised_peak=int(exported.INFO["realised_peak"]) if predicted else None,
         measured_peak=measured.peak, original_peak=original.peak, seconds_original=t_original,
         seconds_exported=t_exported, predicted_overhead=float(exported.INFO["overhead"]),
-        max_grad_scaled_diff=scaled, autocast=autocast, precision=precision_of(reference.values()))
+        max_grad_scaled_diff=scaled, autocast=autocast, precision=precision_of(reference.values()),
+        unpredicted=unpredicted)
 
 
 def _sync(dev: torch.device) -> None:
