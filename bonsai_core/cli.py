@@ -101,6 +101,8 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         print(f"{name:11s} {entry.description}\n            {opts}")
     print(f"{PREFIX}PATH     a Hugging Face config.json (or its folder): causal LM, masked LM, image classification or seq2seq LM\n"
           "            --batch 8, and --seq (text, default min(128, positions)) or --image (vision, the config's)")
+    print("every model also takes --dtype fp32|bf16|fp16 (its parameters' type); hf: models --attention sdpa|eager "
+          "(default: sdpa where the model supports it)")
     return 0
 
 

@@ -33,10 +33,22 @@ Size options, mapped onto each config (``bonsai zoo`` lists them with their defa
 * ResNet: ``width`` → the stem's channels; four stages of basic blocks with ``width × (1, 2, 4, 8)``
   channels and ``layers`` blocks each (ResNet-18 is width 64, layers 2).
 
-Dropout stays at each config's default (0.1 for GPT-2 and BERT), the model is in training mode, and
-attention is ``attn_implementation="eager"``: its matmul/softmax/dropout ops are plain aten ops that
-run on any device, where SDPA traced on CPU records the CPU-only kernel
-``_scaled_dot_product_flash_attention_for_cpu``, which an exported step could not run on a GPU.
+Dropout stays at each config's default (0.1 for GPT-2 and BERT) and the model is in training mode.
+Attention is what transformers trains with by default: SDPA (``attn_implementation="sdpa"``,
+``F.scaled_dot_product_attention``) where the model class supports it, else eager. ``attention="eager"``
+(``--attention eager``) asks for the model's own matmul / softmax / dropout ops, which keep a
+``seq x seq`` score matrix per head for the backward pass; ``attention="sdpa"`` on a class without SDPA
+is refused. On SDPA a causal LM gets no attention mask and is told that each row holds one sequence
+(:func:`one_sequence_per_row`), so that the trace, like eager on real tensors, calls SDPA with
+``is_causal=True`` and no mask (on fake tensors transformers cannot check the batch for padding and
+would build, and the kernel keep, a ``batch x seq x seq`` mask). The trace records SDPA as the fused
+kernels keep it: without dropout the CPU flash kernel (output and logsumexp per row), with dropout
+(GPT-2's and BERT's 0.1) the memory-efficient kernel, which also keeps the generator's seed and offset
+(:mod:`bonsai_core.attention`); an exported program runs each on the device of its batch.
+
+``dtype`` (``--dtype bf16``, any model: :func:`bonsai_core.zoo.build`) builds the model in that type,
+``model.to(torch.bfloat16)`` with float inputs cast too, next to ``--autocast bf16`` (float32 weights,
+bf16 compute).
 
 Mixture-of-experts models (a ``config.json`` of Mixtral, Qwen-MoE, ...) keep the experts implementation
 their config asks for, else transformers' default ``"grouped_mm"``, the one they would train with:

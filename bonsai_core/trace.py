@@ -49,6 +49,12 @@ A dropout that drops nothing (``p == 0``, as in Llama's and ViT's configs, or no
 its input in eager PyTorch; AOTAutograd's decomposition would record a ``clone`` that eager never
 makes, so while tracing such a dropout returns its input and the graph has no node for it.
 
+``F.scaled_dot_product_attention`` with dropout has no fused kernel on the CPU (eager there runs its
+math path, keeping ``seq x seq`` probabilities and a mask per head); a GPU runs a fused one. While
+tracing, such a call is recorded as the memory-efficient attention kernel, which keeps the output,
+the logsumexp and the generator's seed and offset (:mod:`bonsai_core.attention`), so the plan is made
+for what a GPU step holds; the exported program runs that kernel on CUDA and its equivalent on the CPU.
+
 A grouped matmul (``aten._grouped_mm``, how transformers' mixture-of-experts layers run their experts)
 in float32 or float16 gets the shapes its kernels give it, where torch's own shape function refuses
 all but bfloat16 (:func:`_grouped_mm_as_its_kernels`). When an op's shape function fails, fake
