@@ -210,3 +210,25 @@ def test_checkpoint_backend_exports_a_schedule_traced_under_autocast(tmp_path):
     v = verify_checkpoint("hf:llama", options, out, repeats=1)
     assert v.autocast == "bf16" and v.predicted_peak is None and v.unpredicted == CHECKPOINT_AUTOCAST, v.to_dict()
     assert v.loss_diff == 0 and not v.problems(), v.to_dict()
+
+
+def test_low_precision_reference_runs_dropout_as_cuda_does():
+    """verify's reference for bf16 parameters runs ``F.dropout`` as ``native_dropout``: the same mask and
+    forward values as CPU eager's dropout, but a backward scaled by 1 / (1 - p) in float, where CPU eager
+    multiplies by that factor rounded to bf16."""
+    from bonsai_core.export.verify import NativeDropout
+
+    x = torch.randn(4096, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(4096, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    eager = F.dropout(x, 0.1)
+    eager.backward(grad)
+    eager_grad, x.grad = x.grad, None
+    torch.manual_seed(0)
+    with NativeDropout():
+        native = F.dropout(x, 0.1)
+    native.backward(grad)
+    assert torch.equal(native, eager)
+    keep = eager != 0
+    assert torch.equal(x.grad, torch.ops.aten.native_dropout_backward(grad, keep, 1 / 0.9))
+    assert not torch.equal(x.grad, eager_grad)
