@@ -101,7 +101,8 @@ def sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_cau
 
 # -- the memory-efficient attention kernel (SDPA with dropout), and the CPU's equivalent -----------
 
-def efficient_attention_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):  # noqa: ANN001, ANN201
+def efficient_attention_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,  # noqa: ANN001, ANN201
+                                is_causal=False, *, scale=None):
     """``aten._scaled_dot_product_efficient_attention``: (output, logsumexp, philox seed, philox offset).
 
     Off the CPU, that kernel (it draws its dropout mask from the device's generator and returns the
@@ -126,8 +127,8 @@ def efficient_attention_forward(query, key, value, attn_bias, compute_log_sumexp
     return out, logsumexp, seed, offset
 
 
-def efficient_attention_backward(grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,  # noqa: ANN001, ANN201
-                                 dropout_p, grad_input_mask, is_causal=False, *, scale=None):
+def efficient_attention_backward(grad_out, query, key, value, attn_bias, out, logsumexp,  # noqa: ANN001, ANN201
+                                 philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal=False, *, scale=None):
     """The backward of :func:`efficient_attention_forward` on the same device: (grad_query, grad_key,
     grad_value, grad_bias or None). On the CPU the dropout mask is drawn again from the generator
     state the forward kept, and the live generator is put back afterwards."""
