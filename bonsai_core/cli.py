@@ -19,6 +19,8 @@ from bonsai_core.optimizer import OPTIMIZERS
 
 # Size options any zoo model may take (each model accepts its own subset; see `bonsai zoo`).
 MODEL_OPTIONS = ("batch", "seq", "layers", "width", "heads", "vocab", "image")
+# Build options that are names, not sizes (zoo.build): any model's dtype, an hf: model's attention.
+BUILD_OPTIONS = ("dtype", "attention")
 
 
 def _budget_arg(text: str) -> Budget:
@@ -66,6 +68,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for weights and the example batch (default 0)")
     p.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
                    help="trace/run the step under torch.autocast with this dtype (default: off)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="the model's parameters (and float inputs) in this dtype: model.to(dtype) (default: as built, fp32)")
+    p.add_argument("--attention", choices=("sdpa", "eager"), default=None,
+                   help="hf: models: the attention implementation (default: sdpa where the model supports it)")
 
 
 def _true_or_false(text: str) -> bool:
@@ -89,8 +95,9 @@ def fsdp_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"fsdp": args.fsdp, "reshard_after_forward": args.reshard_after_forward}
 
 
-def model_options(args: argparse.Namespace) -> dict[str, int]:
-    return {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) is not None}
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The model's size options and build options (dtype, attention) given on the command line."""
+    return {k: getattr(args, k) for k in (*MODEL_OPTIONS, *BUILD_OPTIONS) if getattr(args, k, None) is not None}
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
@@ -115,6 +122,8 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         print(f"{name:11s} {entry.description}\n            {opts}")
     print(f"{PREFIX}PATH     a Hugging Face config.json (or its folder): causal LM, masked LM, image classification or seq2seq LM\n"
           "            --batch 8, and --seq (text, default min(128, positions)) or --image (vision, the config's)")
+    print("every model also takes --dtype fp32|bf16|fp16 (its parameters' type); hf: models --attention sdpa|eager "
+          "(default: sdpa where the model supports it)")
     return 0
 
 
@@ -350,7 +359,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     schedule = load_schedule(args.schedule)
     if args.backend == "checkpoint":
         export_checkpoint = _checkpoint_backend().export_checkpoint
-        out = export_checkpoint(args.model, model_options(args), schedule, args.output, seed=args.seed)
+        out = export_checkpoint(args.model, model_options(args), schedule, args.output, seed=args.seed,
+                                autocast=args.autocast)
     else:
         from bonsai_core.export import export_model
 
@@ -401,8 +411,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     print(f"on {report.get('device', args.device)}: loss {report['loss_exported']:.6g} (original {report['loss_original']:.6g}, "
           f"difference {report['loss_diff']:.3g}); {_gradient_difference(report)}")
-    if report.get("predicted_peak") is None:  # the checkpoint back-end away from the traced size
-        print(f"peak: measured {format_bytes(report['measured_peak'])} (no prediction for this size); original "
+    if report.get("predicted_peak") is None:  # the checkpoint back-end away from the traced run
+        why = report.get("unpredicted") or "no prediction for this size"
+        print(f"peak: measured {format_bytes(report['measured_peak'])} (not judged: {why}); original "
               f"model {format_bytes(report['original_peak'])}")
     else:
         print(f"peak: predicted {format_bytes(report['predicted_peak'])}, measured {format_bytes(report['measured_peak'])} "

@@ -33,10 +33,22 @@ Size options, mapped onto each config (``bonsai zoo`` lists them with their defa
 * ResNet: ``width`` → the stem's channels; four stages of basic blocks with ``width × (1, 2, 4, 8)``
   channels and ``layers`` blocks each (ResNet-18 is width 64, layers 2).
 
-Dropout stays at each config's default (0.1 for GPT-2 and BERT), the model is in training mode, and
-attention is ``attn_implementation="eager"``: its matmul/softmax/dropout ops are plain aten ops that
-run on any device, where SDPA traced on CPU records the CPU-only kernel
-``_scaled_dot_product_flash_attention_for_cpu``, which an exported step could not run on a GPU.
+Dropout stays at each config's default (0.1 for GPT-2 and BERT) and the model is in training mode.
+Attention is what transformers trains with by default: SDPA (``attn_implementation="sdpa"``,
+``F.scaled_dot_product_attention``) where the model class supports it, else eager. ``attention="eager"``
+(``--attention eager``) asks for the model's own matmul / softmax / dropout ops, which keep a
+``seq x seq`` score matrix per head for the backward pass; ``attention="sdpa"`` on a class without SDPA
+is refused. On SDPA a causal LM gets no attention mask and is told that each row holds one sequence
+(:func:`one_sequence_per_row`), so that the trace, like eager on real tensors, calls SDPA with
+``is_causal=True`` and no mask (on fake tensors transformers cannot check the batch for padding and
+would build, and the kernel keep, a ``batch x seq x seq`` mask). The trace records SDPA as the fused
+kernels keep it: without dropout the CPU flash kernel (output and logsumexp per row), with dropout
+(GPT-2's and BERT's 0.1) the memory-efficient kernel, which also keeps the generator's seed and offset
+(:mod:`bonsai_core.attention`); an exported program runs each on the device of its batch.
+
+``dtype`` (``--dtype bf16``, any model: :func:`bonsai_core.zoo.build`) builds the model in that type,
+``model.to(torch.bfloat16)`` with float inputs cast too, next to ``--autocast bf16`` (float32 weights,
+bf16 compute).
 
 Mixture-of-experts models (a ``config.json`` of Mixtral, Qwen-MoE, ...) keep the experts implementation
 their config asks for, else transformers' default ``"grouped_mm"``, the one they would train with:
@@ -48,12 +60,13 @@ tensors, and ``"batched_mm"`` gathers every token's expert weights, a different,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -62,7 +75,9 @@ from bonsai_core.errors import ModelError
 from bonsai_core.zoo import Built, ZooEntry, check_divisible
 
 PREFIX = "hf:"
-ATTENTION = "eager"
+# attn_implementation: "sdpa" (F.scaled_dot_product_attention, the default where the model class
+# supports it) or "eager" (the model's own matmul / softmax / dropout ops)
+ATTENTIONS = ("sdpa", "eager")
 CLASSES = 10  # image classes of the built-in vision architectures
 MASK_SHARE = 0.15  # BERT's share of masked positions
 INSTALL = "pip install transformers==5.23.0"
@@ -78,21 +93,46 @@ _BUILD_LOCK = threading.Lock()
 
 
 class WithLabels(nn.Module):
-    """A Hugging Face model and its labels: ``forward(*inputs)`` is the model's own training loss."""
+    """A Hugging Face model and its labels: ``forward(*inputs)`` is the model's own training loss.
+
+    ``attention_mask``: pass an all-ones attention mask, as a tokenizer's batch without padding
+    carries. ``one_sequence_per_row``: pass none and tell transformers that each row holds one
+    sequence (:func:`one_sequence_per_row`)."""
 
     def __init__(self, model: nn.Module, input_names: tuple[str, ...], labels: torch.Tensor,
-                 attention_mask: bool = False) -> None:
+                 attention_mask: bool = False, one_sequence_per_row: bool = False) -> None:
         super().__init__()
         self.model = model
         self.input_names = input_names
         self.attention_mask = attention_mask
+        self.one_sequence_per_row = one_sequence_per_row
         self.register_buffer("labels", labels)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         kwargs = dict(zip(self.input_names, inputs))
         if self.attention_mask:  # what a tokenizer's batch carries (all ones: no padding)
             kwargs["attention_mask"] = torch.ones_like(inputs[0])
-        return self.model(**kwargs, labels=self.labels).loss
+        with one_sequence_per_row() if self.one_sequence_per_row else contextlib.nullcontext():
+            return self.model(**kwargs, labels=self.labels).loss
+
+
+@contextlib.contextmanager
+def one_sequence_per_row() -> Iterator[None]:
+    """Within (this thread): transformers' check for several sequences packed into one row, made when
+    a causal LM gets positions and no attention mask, answers "none" without reading the positions.
+
+    A batch here has no padding and one sequence per row, and transformers would find that out by
+    reading tensor values (``find_packed_sequence_indices``), which a trace on fake tensors does not
+    have: there it assumes packing and builds a ``batch x seq x seq`` mask, which the SDPA kernels then
+    read (and keep for the backward pass) where eager, seeing one sequence per row and no padding, calls
+    SDPA with ``is_causal=True`` and no mask. With the answer given, the trace and eager both make
+    the call eager makes."""
+    from transformers import masking_utils
+
+    from bonsai_core.trace import _in_this_thread
+
+    with _in_this_thread(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
 
 
 class ModelLoss(nn.Module):
@@ -105,48 +145,48 @@ class ModelLoss(nn.Module):
 # -- built-in architectures ----------------------------------------------------------------------
 
 def _gpt2(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, heads: int = 4,
-          vocab: int = 512) -> Built:
+          vocab: int = 512, *, attention: str | None = None) -> Built:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     check_divisible(width, heads, "width")
     config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=seq, vocab_size=vocab,
                         bos_token_id=vocab - 1, eos_token_id=vocab - 1)  # GPT-2's <|endoftext|> is its last id
-    return _with_task(GPT2LMHeadModel, config, CAUSAL_LM, batch=batch, seq=seq)
+    return _with_task(GPT2LMHeadModel, config, CAUSAL_LM, batch=batch, seq=seq, attention=attention)
 
 
 def _bert(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, heads: int = 4,
-          vocab: int = 512) -> Built:
+          vocab: int = 512, *, attention: str | None = None) -> Built:
     from transformers import BertConfig, BertForMaskedLM
 
     check_divisible(width, heads, "width")
     config = BertConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
                         intermediate_size=4 * width, max_position_embeddings=seq, vocab_size=vocab)
-    return _with_task(BertForMaskedLM, config, MASKED_LM, batch=batch, seq=seq)
+    return _with_task(BertForMaskedLM, config, MASKED_LM, batch=batch, seq=seq, attention=attention)
 
 
 def _llama(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, heads: int = 4,
-           vocab: int = 512) -> Built:
+           vocab: int = 512, *, attention: str | None = None) -> Built:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return _with_task(LlamaForCausalLM, LlamaConfig(**_decoder_sizes(seq, width, layers, heads, vocab)),
-                      CAUSAL_LM, batch=batch, seq=seq)
+                      CAUSAL_LM, batch=batch, seq=seq, attention=attention)
 
 
 def _mistral(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, heads: int = 4,
-             vocab: int = 512) -> Built:
+             vocab: int = 512, *, attention: str | None = None) -> Built:
     from transformers import MistralConfig, MistralForCausalLM
 
     return _with_task(MistralForCausalLM, MistralConfig(**_decoder_sizes(seq, width, layers, heads, vocab)),
-                      CAUSAL_LM, batch=batch, seq=seq)
+                      CAUSAL_LM, batch=batch, seq=seq, attention=attention)
 
 
 def _mixtral(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, heads: int = 4,
-             vocab: int = 512) -> Built:
+             vocab: int = 512, *, attention: str | None = None) -> Built:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(**_decoder_sizes(seq, width, layers, heads, vocab), num_local_experts=4,
                            num_experts_per_tok=2)
-    return _with_task(MixtralForCausalLM, config, CAUSAL_LM, batch=batch, seq=seq)
+    return _with_task(MixtralForCausalLM, config, CAUSAL_LM, batch=batch, seq=seq, attention=attention)
 
 
 def _decoder_sizes(seq: int, width: int, layers: int, heads: int, vocab: int) -> dict[str, int]:
@@ -159,22 +199,25 @@ def _decoder_sizes(seq: int, width: int, layers: int, heads: int, vocab: int) ->
                 max_position_embeddings=seq, vocab_size=vocab)
 
 
-def _vit(batch: int = 8, image: int = 32, width: int = 128, layers: int = 2, heads: int = 4) -> Built:
+def _vit(batch: int = 8, image: int = 32, width: int = 128, layers: int = 2, heads: int = 4, *,
+         attention: str | None = None) -> Built:
     from transformers import ViTConfig, ViTForImageClassification
 
     check_divisible(width, heads, "width")
     check_divisible(image, 8, "image")
     config = ViTConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
                        intermediate_size=4 * width, image_size=image, patch_size=image // 8, num_labels=CLASSES)
-    return _with_task(ViTForImageClassification, config, IMAGE_CLASSIFICATION, batch=batch, image=image)
+    return _with_task(ViTForImageClassification, config, IMAGE_CLASSIFICATION, batch=batch, image=image,
+                      attention=attention)
 
 
-def _resnet(batch: int = 8, image: int = 32, width: int = 16, layers: int = 2) -> Built:
+def _resnet(batch: int = 8, image: int = 32, width: int = 16, layers: int = 2, *, attention: str | None = None) -> Built:
     from transformers import ResNetConfig, ResNetForImageClassification
 
     config = ResNetConfig(embedding_size=width, hidden_sizes=[width * 2**i for i in range(4)], depths=[layers] * 4,
                           layer_type="basic", num_labels=CLASSES)
-    return _with_task(ResNetForImageClassification, config, IMAGE_CLASSIFICATION, batch=batch, image=image)
+    return _with_task(ResNetForImageClassification, config, IMAGE_CLASSIFICATION, batch=batch, image=image,
+                      attention=attention)
 
 
 ARCHS: dict[str, ZooEntry] = {e.name: e for e in [
@@ -191,22 +234,23 @@ ARCHS: dict[str, ZooEntry] = {e.name: e for e in [
 
 # -- building ------------------------------------------------------------------------------------
 
-def build(spec: str, **options: Any) -> Built:
+def build(spec: str, attention: str | None = None, **options: Any) -> Built:
     """Build ``ARCH`` or ``PATH`` (a ``config.json`` or the folder holding one) with its batch and loss.
 
-    The caller seeds torch first (``zoo.build`` does). Raises ModelError for an unknown
+    ``attention``: "sdpa" or "eager" (:data:`ATTENTIONS`); None is SDPA where the model class supports
+    it, else eager. The caller seeds torch first (``zoo.build`` does). Raises ModelError for an unknown
     architecture, an unreadable or unsupported config, an option the model does not take, or a
     missing ``transformers``."""
     _require_transformers()
     if spec in ARCHS:
         ARCHS[spec].check_options(options, PREFIX + spec)
-        return ARCHS[spec].factory(**options)
+        return ARCHS[spec].factory(**options, attention=attention)
     path = Path(spec)
     if not (spec.endswith(".json") or "/" in spec or path.exists()):
         raise ModelError(f"Unknown Hugging Face architecture {spec!r}. Built in: "
                          + ", ".join(PREFIX + a for a in ARCHS) + f"; or give a model's config: {PREFIX}PATH/config.json "
                          "(or the folder holding it).")
-    return build_from_config(load_config_file(path), source=str(path), **options)
+    return build_from_config(load_config_file(path), source=str(path), attention=attention, **options)
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -244,7 +288,7 @@ class ConfigModel:
     options: dict[str, int]  # batch, and seq (text) or image (vision), with their defaults
     source: str
 
-    def build(self, **options: Any) -> Built:
+    def build(self, attention: str | None = None, **options: Any) -> Built:
         """The model with a batch and labels (see :func:`build`); refuses options that change its shape."""
         unknown = sorted(set(options) - set(self.options))
         if unknown:
@@ -255,7 +299,7 @@ class ConfigModel:
         positions = _max_positions(self.config, self.model_class)
         if "seq" in sizes and sizes["seq"] > positions:
             raise ModelError(f"seq={sizes['seq']} is longer than the {positions} positions of {self.source}.")
-        return _with_task(self.model_class, self.config, self.task, source=self.source, **sizes)
+        return _with_task(self.model_class, self.config, self.task, source=self.source, attention=attention, **sizes)
 
 
 def read_config(data: dict[str, Any], source: str = "config.json") -> ConfigModel:
@@ -269,7 +313,7 @@ def read_config(data: dict[str, Any], source: str = "config.json") -> ConfigMode
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.for_model(**{**data, "attn_implementation": ATTENTION})
+        config = AutoConfig.for_model(**data)
     except Exception as e:  # unknown model_type, or a field of the wrong type (huggingface_hub's validation)
         raise ModelError(f"{source}: transformers cannot make a config from it ({e}). Check its \"model_type\" "
                          f"(does transformers {transformers.__version__} know it?) and its fields.") from None
@@ -279,9 +323,10 @@ def read_config(data: dict[str, Any], source: str = "config.json") -> ConfigMode
     return ConfigModel(config, model_class, task, {"batch": 8, **sizes}, source)
 
 
-def build_from_config(data: dict[str, Any], source: str = "config.json", **options: Any) -> Built:
+def build_from_config(data: dict[str, Any], source: str = "config.json", attention: str | None = None,
+                      **options: Any) -> Built:
     """Build the model a config dict describes, with its batch and loss: ``read_config(...).build(...)``."""
-    return read_config(data, source).build(**options)
+    return read_config(data, source).build(attention=attention, **options)
 
 
 def _model_class(config: Any, source: str) -> tuple[type, str]:
@@ -325,10 +370,23 @@ def _max_positions(config: Any, model_class: type | None = None) -> int:
     return table - pad - 1 if offset and isinstance(pad, int) else table
 
 
+def attention_of(model_class: type, attention: str | None, source: str = "") -> str:
+    """The attention implementation a model is built with: ``attention`` ("sdpa" or "eager"), or for
+    None, SDPA where ``model_class`` supports it (what transformers picks by default), else eager."""
+    if attention is None:
+        return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+    if attention not in ATTENTIONS:
+        raise ModelError(f"attention={attention!r}; choose one of: {', '.join(ATTENTIONS)}.")
+    if attention == "sdpa" and not getattr(model_class, "_supports_sdpa", False):
+        raise ModelError(f"{source or model_class.__name__}: {model_class.__name__} has no SDPA attention in "
+                         "transformers; use attention eager.")
+    return attention
+
+
 def _with_task(model_class: type, config: Any, task: str, batch: int, seq: int = 0, image: int = 0,
-               source: str = "") -> Built:
+               source: str = "", attention: str | None = None) -> Built:
     """The model in training mode with a batch and labels for its task, wrapped as :class:`WithLabels`."""
-    config._attn_implementation = ATTENTION
+    config._attn_implementation = attention = attention_of(model_class, attention, source)
     # A training step keeps no key/value cache (transformers turns it off under gradient checkpointing
     # too): a cache would grow again when a checkpointed attention is recomputed.
     if hasattr(config, "use_cache"):
@@ -350,9 +408,14 @@ def _with_task(model_class: type, config: Any, task: str, batch: int, seq: int =
         model.loss_type = _LOSS_TYPE[task]  # what its labels path computes (transformers guesses from the class name)
     if task in (CAUSAL_LM, SEQ2SEQ_LM):
         ids = torch.randint(0, config.vocab_size, (batch, seq))
-        # a causal LM's packed-sequence check reads the mask's values when there is none; T5's mask
-        # check reads them when there is one
-        return WithLabels(model, ("input_ids",), ids.clone(), attention_mask=task == CAUSAL_LM), (ids,), ModelLoss()
+        # Eager attention: a causal LM gets an all-ones mask (its packed-sequence check reads the
+        # positions when there is none). SDPA: no mask and one sequence per row, so that the step calls
+        # SDPA with is_causal=True and no mask, as eager does (one_sequence_per_row). T5's mask check
+        # reads the mask's values when there is one.
+        causal = task == CAUSAL_LM
+        labelled = WithLabels(model, ("input_ids",), ids.clone(), attention_mask=causal and attention == "eager",
+                              one_sequence_per_row=causal and attention == "sdpa")
+        return labelled, (ids,), ModelLoss()
     if task == MASKED_LM:
         mask_id = config.vocab_size - 1
         ids = torch.randint(0, mask_id, (batch, seq))

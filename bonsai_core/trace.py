@@ -49,6 +49,12 @@ A dropout that drops nothing (``p == 0``, as in Llama's and ViT's configs, or no
 its input in eager PyTorch; AOTAutograd's decomposition would record a ``clone`` that eager never
 makes, so while tracing such a dropout returns its input and the graph has no node for it.
 
+``F.scaled_dot_product_attention`` with dropout has no fused kernel on the CPU (eager there runs its
+math path, keeping ``seq x seq`` probabilities and a mask per head); a GPU runs a fused one. While
+tracing, such a call is recorded as the memory-efficient attention kernel, which keeps the output,
+the logsumexp and the generator's seed and offset (:mod:`bonsai_core.attention`), so the plan is made
+for what a GPU step holds; the exported program runs that kernel on CUDA and its equivalent on the CPU.
+
 A grouped matmul (``aten._grouped_mm``, how transformers' mixture-of-experts layers run their experts)
 in float32 or float16 gets the shapes its kernels give it, where torch's own shape function refuses
 all but bfloat16 (:func:`_grouped_mm_as_its_kernels`). When an op's shape function fails, fake
@@ -79,6 +85,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from bonsai_core.attention import FusedAttentionWithDropout
 from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES, DeviceProfile, op_cost
 from bonsai_core.errors import ModelError, ValueReadError
 from bonsai_core.graph import Graph
@@ -306,7 +313,7 @@ def _module_spans(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: C
     cast = _autocast(autocast, inputs[0].device.type if inputs else "cpu")
     try:
         with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), cast, \
-                _grouped_mm_as_its_kernels(), _quiet_meta_failures():
+                _grouped_mm_as_its_kernels(), FusedAttentionWithDropout(), _quiet_meta_failures():
             step = record_step(model, inputs, loss_fn)
     except Exception:  # noqa: BLE001 (any failure only means no module structure)
         return []
@@ -434,9 +441,10 @@ _DROPOUTS.update({f: inspect.Signature([inspect.Parameter(n, inspect.Parameter.P
 @contextlib.contextmanager
 def _as_in_eager() -> Iterator[None]:
     """What tracing changes so that the graph is the step eager runs: no copy for a dropout that
-    drops nothing, ``torch._assert`` on tensors skipped, and float32/float16 grouped matmuls shaped
-    as their kernels shape them."""
-    with _skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels():
+    drops nothing, ``torch._assert`` on tensors skipped, float32/float16 grouped matmuls shaped
+    as their kernels shape them, and SDPA with dropout recorded as the fused kernel a GPU runs, not
+    the CPU's math path (:mod:`bonsai_core.attention`)."""
+    with _skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels(), FusedAttentionWithDropout():
         yield
 
 

@@ -336,6 +336,7 @@ class _FakeStep:
     inputs: tuple[torch.Tensor, ...]
     loss_fn: Any
     name: str
+    autocast: str | None = None  # as traced (graph), for the layout's runs of the step
 
     @classmethod
     def of(cls, model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, name: str) -> "_FakeStep":
@@ -361,6 +362,7 @@ class _FakeStep:
         from bonsai_core.trace import trace_step
 
         check_name(optimizer)
+        self.autocast = autocast
         with self.running():
             traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast)
         graph = shard_by_blocks(traced.graph, self.model, fsdp, reshard_after_forward) if fsdp > 1 else traced.graph
@@ -371,14 +373,17 @@ class _FakeStep:
         from bonsai_core.export_checkpoint import faithful_layout, hidden_caches, recomputation_mismatches
         from bonsai_core.modules import record_step
         from bonsai_core.regions import CheckpointPlan
+        from bonsai_core.trace import _autocast
 
-        with self.running(), hidden_caches(self.model):
+        device_type = self.inputs[0].device.type if self.inputs else "cpu"
+        with self.running(), hidden_caches(self.model), _autocast(self.autocast, device_type):
             recorded = record_step(self.model, self.inputs, self.loss_fn)
 
         def mismatches(save: Save) -> dict[str, str]:
             with self.running():
                 try:
-                    return recomputation_mismatches(save, self.name, self.model, self.inputs, self.loss_fn)
+                    return recomputation_mismatches(save, self.name, self.model, self.inputs, self.loss_fn,
+                                                    self.autocast)
                 finally:
                     remove_checkpoints(self.model)
 

@@ -6,6 +6,10 @@ buffers, so tracing lifts them as inputs instead of baking them in as constants.
 deterministic under a fixed seed, and the defaults are small enough for a real CPU step in well
 under a second while activations, not weights, dominate the peak.
 
+Build options beside the sizes: ``dtype`` ("fp32", "bf16", "fp16"; any model) builds the model and
+batch in that type (:func:`in_dtype`), and ``attention`` ("sdpa", "eager"; ``hf:`` models only) picks
+the attention implementation (:func:`bonsai_core.hf.build`).
+
 The zoo's convolutional models use no batch norm (they predate its support and their graphs are
 pinned by tests); models with BatchNorm, dropout and tied weights come from ``hf:ARCH``
 (:mod:`bonsai_core.hf`) or ``tests/real_models.py``.
@@ -253,8 +257,10 @@ class ZooEntry:
 
     @property
     def options(self) -> dict[str, int]:
-        """The model's size options and their defaults."""
-        return {p.name: p.default for p in inspect.signature(self.factory).parameters.values()}
+        """The model's size options and their defaults (the factory's parameters that are not
+        keyword-only: a keyword-only one, like ``attention``, is a build choice, not a size)."""
+        return {p.name: p.default for p in inspect.signature(self.factory).parameters.values()
+                if p.kind is not p.KEYWORD_ONLY}
 
     def check_options(self, options: dict[str, Any], label: str) -> None:
         """Raise ModelError naming the options this model does not take, and the ones it does."""
@@ -276,13 +282,63 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
 GPT2_SMALL = dict(batch=8, seq=512, width=768, layers=12, heads=12, vocab=50257)
 
 
+# ``dtype`` build option: the type of the parameters, floating buffers and floating inputs
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def build(name: str, seed: int = 0, **options: Any) -> Built:
     """Build a zoo model, a Hugging Face model (``hf:ARCH`` or ``hf:PATH/config.json``, see
     ``bonsai_core.hf``) or a ``package.module:factory`` callable, with its batch and loss.
 
-    Options not given take the entry's defaults; unknown options raise ModelError.
+    Options not given take the entry's defaults; unknown options raise ModelError. ``dtype`` (any
+    model) and ``attention`` (``hf:`` models) are build options (module docstring).
     """
+    dtype = options.pop("dtype", None)
+    if dtype is not None and dtype not in DTYPES:
+        raise ModelError(f"dtype={dtype!r}; choose one of: {', '.join(DTYPES)}.")
+    return in_dtype(_build(name, seed, options), DTYPES[dtype] if dtype else None)
+
+
+def in_dtype(built: Built, dtype: torch.dtype | None) -> Built:
+    """``built`` with its floating parameters and buffers in ``dtype`` (what ``model.to(dtype)``
+    makes), and its floating inputs and loss buffers too, as a training run in that type holds them.
+    None: unchanged."""
+    if dtype is None:
+        return built
+    model, inputs, loss_fn = built
+    cast = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+    if isinstance(loss_fn, nn.Module):
+        _tensors_to(loss_fn, dtype)  # floating targets (integer class ids stay as they are)
+    return _tensors_to(model, dtype), cast, loss_fn
+
+
+def _tensors_to(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` with every floating parameter and buffer replaced by a copy in ``dtype``, a tied one
+    (one tensor under several names) by one copy. ``module.to(dtype)`` does this for real tensors, but
+    refuses parameters that are fake tensors (it swaps them, and the fake tensor mode holds weak
+    references to them), so the trace, which builds on fake tensors, converts them here."""
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, kept alive; copy)
+
+    def copy(t: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if id(t) not in copies:
+            copies[id(t)] = (t, make(t))
+        return copies[id(t)][1]
+
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None and p.is_floating_point():
+                m._parameters[name] = copy(p, lambda t: nn.Parameter(t.detach().to(dtype), t.requires_grad))
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point():
+                m._buffers[name] = copy(b, lambda t: t.to(dtype))
+    return module
+
+
+def _build(name: str, seed: int, options: dict[str, Any]) -> Built:
+    """:func:`build` without the ``dtype`` option."""
     is_hf = name.startswith("hf:")
+    if "attention" in options and not is_hf:
+        raise ModelError(f"Option attention applies to hf: models only; {name!r} is not one.")
     if ":" in name and not is_hf:
         return _build_factory(name, seed, **options)
     if not is_hf and name not in ZOO:
@@ -290,6 +346,8 @@ def build(name: str, seed: int = 0, **options: Any) -> Built:
                          "hf:ARCH (see `bonsai zoo`) or hf:PATH/config.json; or pass "
                          "'package.module:factory' for a callable returning (model, example_inputs, loss_fn).")
     for key, value in options.items():
+        if key == "attention" and is_hf:
+            continue  # a name, checked by hf.build
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ModelError(f"Option {key}={value!r} of model {name!r} must be a positive whole number.")
     if is_hf:

@@ -101,7 +101,9 @@ with hf_tab:
     st.markdown(
         "Models of Hugging Face `transformers`, built from their config class (no download, no weights) and "
         "traced with their own training loss (the `labels` path: causal LM, masked LM, image classification or seq2seq LM), "
-        "dropout at the config's default, eager attention. The same models as `bonsai trace hf:ARCH`.")
+        "dropout at the config's default, SDPA attention (eager where the model has none). The same models as "
+        "`bonsai trace hf:ARCH`; `--attention eager` and `--dtype bf16` there choose the model's own attention "
+        "ops and bf16 parameters.")
     archs = list(hf.ARCHS)
     arch = st.selectbox("Architecture", archs, key="hf_arch",
                         format_func=lambda a: f"hf:{a} — {hf.ARCHS[a].description}")

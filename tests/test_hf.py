@@ -117,7 +117,7 @@ def test_train_mode_with_config_dropout_and_the_hf_model_under_model():
     model, inputs, loss_fn = zoo.build("hf:gpt2", **TINY["gpt2"])
     assert model.training and model.model.training
     assert model.model.config.resid_pdrop == 0.1 and model.model.config.attn_pdrop == 0.1
-    assert model.model.config._attn_implementation == "eager"
+    assert model.model.config._attn_implementation == "sdpa"  # what transformers trains with by default
     assert "model.transformer.h.0.attn.c_attn.weight" in dict(model.named_parameters())
     torch.manual_seed(3)
     a = loss_fn(model(*inputs))

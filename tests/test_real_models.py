@@ -56,13 +56,21 @@ def test_transformer_without_dropout_predicts_the_real_peak(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(TRANSFORMERS))
-def test_transformer_with_dropout_is_under_cpu_eager_by_its_float_noise(name):
+def test_transformer_with_dropout_is_under_cpu_eager_by_its_float_noise_and_attention(name):
     """The trace records ``native_dropout`` (a bool mask: what CUDA eager and the exported replay
-    run); CPU eager's ``dropout`` keeps a float noise tensor instead, 3 bytes more per element."""
-    traced, predicted, measured = _predicted_and_measured(name, TRANSFORMERS[name])
+    run); CPU eager's ``dropout`` keeps a float noise tensor instead, 3 bytes more per element. And it
+    records SDPA with dropout as the fused kernel a GPU runs (output and logsumexp kept), where CPU eager
+    runs SDPA's math path, which keeps each layer's float32 probabilities, noise and dropped
+    probabilities (batch x heads x tokens x tokens each) for the backward pass."""
+    options = TRANSFORMERS[name]
+    traced, predicted, measured = _predicted_and_measured(name, options)
     _forward_is_a_prefix_ending_at_the_loss(traced.graph)
     assert any("native_dropout" in op for op in traced.graph.ops)
-    assert predicted <= measured.peak <= 1.15 * predicted
+    assert any("efficient_attention" in op for op in traced.graph.ops)
+    model, (x,), _ = zoo.build(_spec(name), **options)
+    tokens = x.shape[1] if x.dim() == 2 else (x.shape[-1] // 4) ** 2 + 1  # ViT: patches of 4 and a class token
+    attention = 2 * 3 * 4 * x.shape[0] * 4 * tokens ** 2  # 2 layers, 4 heads (the factories' defaults)
+    assert predicted <= measured.peak <= 1.15 * predicted + attention
 
 
 @pytest.mark.slow

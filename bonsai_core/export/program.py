@@ -25,6 +25,9 @@ from bonsai_core.trace import _IDENTITY_OPS, Traced, built_for_tracing
 PORTABLE_OPS = {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": "sdpa_forward",
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": "sdpa_backward",
+    # SDPA with dropout (bonsai_core.attention): the kernel on CUDA, its equivalent on the CPU
+    "aten._scaled_dot_product_efficient_attention.default": "efficient_attention_forward",
+    "aten._scaled_dot_product_efficient_attention_backward.default": "efficient_attention_backward",
 }
 # Substrings of aten op names that exist for one device only; no exported program may call one.
 DEVICE_SPECIFIC = ("_for_cpu", "cudnn", "miopen", "mkldnn", "_cuda", "cuda_", "_mps", "_xpu", "onednn", "fbgemm")

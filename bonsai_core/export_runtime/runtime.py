@@ -74,12 +74,14 @@ def _set_rng(state: tuple[torch.Tensor, torch.Tensor | None], dev: torch.device)
 
 def sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):  # noqa: ANN001, ANN201
     """``aten._scaled_dot_product_flash_attention_for_cpu`` (output, logsumexp) on CPU, where it was
-    traced; on other devices the memory-efficient attention kernel, which returns the same pair."""
+    traced; on other devices the memory-efficient attention kernel, which returns the same pair. (The
+    trace records SDPA with dropout as :func:`efficient_attention_forward` instead.)"""
     if query.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     if dropout_p:
-        raise NotImplementedError("attention dropout off the CPU is not supported by this export")
+        raise NotImplementedError("The CPU flash-attention kernel takes no dropout, so a step traced with it has "
+                                  "none; trace and export again with this version of bonsai.")
     out, logsumexp, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention.default(
         query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)
     return out, logsumexp
@@ -95,6 +97,109 @@ def sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_cau
         grad_out, query, key, value, attn_mask, out, logsumexp, no_philox, no_philox, dropout_p,
         [True, True, True, False], is_causal, scale=scale)
     return grad_q, grad_k, grad_v
+
+
+# -- the memory-efficient attention kernel (SDPA with dropout), and the CPU's equivalent -----------
+
+def efficient_attention_forward(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,  # noqa: ANN001, ANN201
+                                is_causal=False, *, scale=None):
+    """``aten._scaled_dot_product_efficient_attention``: (output, logsumexp, philox seed, philox offset).
+
+    Off the CPU, that kernel (it draws its dropout mask from the device's generator and returns the
+    seed and offset it drew with). The CPU has no such kernel: there the same outputs are computed in
+    blocks of query rows (never a whole ``seq x seq`` matrix), and the dropout mask is drawn from the
+    CPU generator in the order eager's SDPA math path draws it (batch, head, query, key), so under one
+    seed it is eager's mask. The "seed" returned on the CPU is the generator's state before the draws
+    (``torch.get_rng_state()``), from which :func:`efficient_attention_backward` draws the mask again."""
+    if query.device.type != "cpu":
+        return torch.ops.aten._scaled_dot_product_efficient_attention.default(
+            query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale=scale)
+    batch, heads, queries, _ = query.shape
+    out = torch.empty(batch, queries, heads, value.shape[-1], dtype=query.dtype).transpose(1, 2)  # the kernel's layout
+    logsumexp = torch.zeros(batch, heads, -(-queries // 32) * 32 if compute_log_sumexp else 0, dtype=torch.float32)
+    seed = torch.get_rng_state() if dropout_p else torch.empty((), dtype=torch.int64)
+    offset = torch.zeros((), dtype=torch.int64)
+    for b, h, rows, q, k, v, probs, scores in _attention_blocks(query, key, value, attn_bias, is_causal, scale):
+        dropped = probs if not dropout_p else probs * _dropout_multiplier(probs, dropout_p)
+        out[b, h, rows].copy_(dropped @ v)
+        if compute_log_sumexp:
+            logsumexp[b, h, rows] = torch.logsumexp(scores, dim=-1)
+    return out, logsumexp, seed, offset
+
+
+def efficient_attention_backward(grad_out, query, key, value, attn_bias, out, logsumexp,  # noqa: ANN001, ANN201
+                                 philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal=False, *, scale=None):
+    """The backward of :func:`efficient_attention_forward` on the same device: (grad_query, grad_key,
+    grad_value, grad_bias or None). On the CPU the dropout mask is drawn again from the generator
+    state the forward kept, and the live generator is put back afterwards."""
+    if query.device.type != "cpu":
+        return torch.ops.aten._scaled_dot_product_efficient_attention_backward.default(
+            grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset, dropout_p,
+            grad_input_mask, is_causal, scale=scale)
+    grad_q, grad_k, grad_v = (torch.empty_permuted(t.shape, (0, 2, 1, 3), dtype=t.dtype) for t in (query, key, value))
+    grad_bias = None
+    if attn_bias is not None and grad_input_mask[3]:  # the kernel's layout: rows padded to a multiple of 16
+        keys = attn_bias.shape[-1]
+        grad_bias = torch.empty(*attn_bias.shape[:-1], -(-keys // 16) * 16, dtype=attn_bias.dtype)[..., :keys]
+    root = math.sqrt(_attention_scale(query, scale))
+    live = torch.get_rng_state()
+    if dropout_p:
+        torch.set_rng_state(philox_seed)
+    try:
+        grad_key = grad_value = None
+        for b, h, rows, q, k, v, probs, _ in _attention_blocks(query, key, value, attn_bias, is_causal, scale):
+            if rows.start == 0:  # a new (batch, head): the key and value gradients sum over its row blocks
+                grad_key, grad_value = torch.zeros_like(k), torch.zeros_like(v)
+            grad = grad_out[b, h, rows].float()
+            keep = None if not dropout_p else _dropout_multiplier(probs, dropout_p)
+            grad_value += (probs if keep is None else probs * keep).transpose(0, 1) @ grad
+            grad_probs = grad @ v.transpose(0, 1)
+            if keep is not None:
+                grad_probs = grad_probs * keep
+            grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, probs, -1, torch.float32)
+            if grad_bias is not None:
+                grad_bias[b, h, rows].copy_(grad_scores)
+            grad_q[b, h, rows].copy_((grad_scores @ k) * root)
+            grad_key += (grad_scores.transpose(0, 1) @ q) * root
+            if rows.stop == query.shape[2]:
+                grad_k[b, h].copy_(grad_key)
+                grad_v[b, h].copy_(grad_value)
+    finally:
+        torch.set_rng_state(live)
+    return grad_q, grad_k, grad_v, grad_bias
+
+
+def _attention_scale(query, scale):  # noqa: ANN001, ANN202
+    return scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+
+
+def _attention_blocks(query, key, value, attn_bias, is_causal, scale):  # noqa: ANN001, ANN202
+    """Attention as SDPA's math path computes it (in float32, query and key each scaled by the square
+    root of the scale), one block of query rows of one (batch, head) at a time, in row-major order.
+    Yields (b, h, rows, scaled query block, scaled key, value, softmax probabilities, scores); a block
+    holds at most as many scores as its (batch, head) has outputs."""
+    batch, heads, queries, dim = query.shape
+    keys = key.shape[2]
+    root = math.sqrt(_attention_scale(query, scale))
+    block = max(1, min(queries, queries * dim // max(keys, 1)))
+    for b in range(batch):
+        for h in range(heads):
+            k, v = key[b, h].float() * root, value[b, h].float()
+            for start in range(0, queries, block):
+                rows = slice(start, min(start + block, queries))
+                q = query[b, h, rows].float() * root
+                scores = q @ k.transpose(0, 1)
+                if attn_bias is not None:
+                    scores += attn_bias[b, h, rows]
+                if is_causal:  # upper-left aligned, as SDPA's is_causal
+                    allowed = torch.ones(rows.stop - start, keys, dtype=torch.bool).tril(start)
+                    scores += torch.where(allowed, 0.0, -math.inf)
+                yield b, h, rows, q, k, v, torch._safe_softmax(scores, -1), scores
+
+
+def _dropout_multiplier(probs, dropout_p):  # noqa: ANN001, ANN202
+    """What eager's CPU dropout multiplies by: a Bernoulli(1 - p) draw over ``probs``'s shape, / (1 - p)."""
+    return torch.empty_like(probs).bernoulli_(1 - dropout_p).div_(1 - dropout_p)
 
 
 class _ScheduledStep(torch.autograd.Function):
