@@ -152,7 +152,7 @@ def main() -> None:
     args = parser.parse_args()
 
     options = SIZES[args.model]
-    args.model = args.model.removesuffix("-wide")
+    label, args.model = args.model, args.model.removesuffix("-wide")
     rows = []
     for world in args.world:
         start = time.perf_counter()
@@ -161,7 +161,7 @@ def main() -> None:
             expected = predicted(graph, args.model, options, budget)
             ranks = measure(args.model, options, world, paths, budget)
             peak = max(r["peak"] for r in ranks)
-            rows.append(f"| {args.model} | {world} | {budget or 'none'} | {format_bytes(graph.fixed_mem)} "
+            rows.append(f"| {label} | {world} | {budget or 'none'} | {format_bytes(graph.fixed_mem)} "
                         f"| {format_bytes(expected)} | {format_bytes(peak)} | {peak / expected - 1:+.2%} "
                         f"| {time.perf_counter() - start:.0f} s |")
             print(rows[-1], flush=True)
