@@ -761,6 +761,6 @@ def pool_replay(graph: Graph, schedule: Schedule, capacity: int | None = None) -
         from bonsai_core.solvers.coop import partition_sides
 
         side_of = partition_sides(graph, stats["partition"])
-    return replay(graph, schedule, capacity=capacity, policy="arena", full=bool(stats.get("full_arena", True)) or not own,
-                  optimizer=stats.get("optimizer", "adam"),
+    full = bool(stats.get("full_arena", True)) or not own
+    return replay(graph, schedule, capacity=capacity, policy="arena", full=full, optimizer=stats.get("optimizer", "adam"),
                   updates="inplace" if stats.get("inplace_updates", True) else "copy", side_of=side_of)
