@@ -622,15 +622,18 @@ def full_arena(graph: Graph, capacity: int | None, policy: Policy = "arena", opt
 
 
 def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], capacity: int | None,
-             trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0, upto: int | None = None) -> None:
+             trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0, upto: int | None = None,
+             side_of: Callable[[int], str] | None = None) -> None:
     """Apply a schedule's ops to ``alloc`` (footprint and largest free block after each op into
     ``trace``); then the step is over and its tensors are freed. With ``upto``, stop right after op
-    ``upto`` instead, leaving the pool as it is at that moment."""
+    ``upto`` instead, leaving the pool as it is at that moment. ``side_of(v)``: the end of the
+    best-fit block node v's output goes to ("left" for all when None), as an eviction run placed it."""
     mem = graph.mem.tolist()
     holds = ((graph.mem > 0) & ~graph.is_view).tolist()
     for i, (kind, v) in enumerate(ops):
         if kind == COMPUTE and holds[v]:
-            if alloc.malloc(v, mem[v]) is None:
+            side = "left" if side_of is None else side_of(v)
+            if alloc.malloc(v, mem[v], side) is None and (side == "left" or alloc.malloc(v, mem[v]) is None):
                 raise BudgetError(
                     f"The allocator runs out of its {format_bytes(capacity)} pool at op {i} (computing node {v}, "
                     f"{graph.names[v]!r}, {format_bytes(mem[v])}): {format_bytes(alloc.footprint + outside)} "
@@ -692,7 +695,7 @@ def layout_at(graph: Graph, schedule: Schedule | list[tuple[str, int]], op: int,
 
 def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: int | None = None,
            policy: Policy = "caching", full: bool = True, optimizer: Optimizer = "adam",
-           updates: Updates = "inplace") -> AllocResult:
+           updates: Updates = "inplace", side_of: Callable[[int], str] | None = None) -> AllocResult:
     """Replay a schedule (validated by the simulator first) through the allocator model.
 
     ``capacity`` is the pool's size in the budget's terms (``fixed_mem`` included): with the caching
@@ -700,8 +703,9 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     fixed tensors and the ``optimizer``'s state in the pool (the full arena; module docstring): the
     schedule runs once as the first step, the optimizer state is allocated, and the second step is
     the one measured; ``updates`` says how the optimizer wrote the fixed tensors in between (module
-    docstring). Raises BudgetError at the first request that cannot be served within it, and
-    ScheduleError for an invalid schedule. O(len(ops) * blocks).
+    docstring). ``side_of`` places each output at one end of its best-fit block (the arena's
+    cheap-tensor partitioning; :func:`run_step`). Raises BudgetError at the first request that cannot
+    be served within it, and ScheduleError for an invalid schedule. O(len(ops) * blocks).
     """
     sim = simulate(graph, schedule)
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
@@ -712,7 +716,7 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     if policy == "arena" and capacity is None:
         raise BudgetError("The arena allocator is one pre-reserved pool: give it a capacity (a budget).")
     def step(alloc: Allocator, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0) -> None:
-        run_step(alloc, graph, ops, capacity, trace, outside)
+        run_step(alloc, graph, ops, capacity, trace, outside, side_of=side_of)
 
     reserved = np.empty(len(ops), dtype=np.int64)
     largest = np.empty(len(ops), dtype=np.int64)
@@ -730,3 +734,33 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
                        reserved_peak=int(reserved.max()) if len(reserved) else int(base),
                        fragmentation=fragmentation_at_peak(live, reserved), policy=policy,
                        segments=sum(h is not None for h in alloc.heads), full=full)
+
+
+def pool_replay(graph: Graph, schedule: Schedule, capacity: int | None = None) -> AllocResult:
+    """``schedule`` replayed in one pre-reserved pool (the ``arena`` policy) of ``capacity`` bytes in
+    the budget's terms (default: the schedule's budget), set up as its method's run set up its pool:
+    the full arena or not (``stats["full_arena"]``; always the full arena for a schedule that did not
+    run in a pool), the optimizer's state
+    (``stats["optimizer"]``, default Adam), its updates in place or copy-on-write
+    (``stats["inplace_updates"]``), and each output at the end of its block the method put it
+    (coop's ``stats["partition"]``). For a schedule of a method that ran in a pool (``coop``, ``dtr``
+    with ``allocator``) this is that run's pool, block for block: the same requests in the same order
+    on the same deterministic allocator (``reserved_peak`` equals the run's ``pool_high_water``),
+    unless the run held separated outputs resident (``stats["outputs_held"]``, rare), whose extra
+    blocks the run did not place: then the replay is what the emitted schedule needs. Any
+    other schedule is placed best fit, lowest address first. ``fragmentation`` is then the one the
+    project reports for a pool (:func:`fragmentation_at_peak`; ``bonsai simulate --allocator --arena``).
+    Raises BudgetError when the schedule has no budget and no capacity is given, or does not fit."""
+    stats = schedule.stats
+    if capacity is None:
+        capacity = schedule.budget
+    if capacity is None:
+        raise BudgetError("A pool replay needs the pool's size: the schedule has no budget, so give a capacity.")
+    side_of, own = None, stats.get("allocator") == "arena"
+    if own and stats.get("partition", "none") != "none":
+        from bonsai_core.solvers.coop import partition_sides
+
+        side_of = partition_sides(graph, stats["partition"])
+    full = bool(stats.get("full_arena", True)) or not own
+    return replay(graph, schedule, capacity=capacity, policy="arena", full=full, optimizer=stats.get("optimizer", "adam"),
+                  updates="inplace" if stats.get("inplace_updates", True) else "copy", side_of=side_of)

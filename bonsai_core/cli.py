@@ -244,17 +244,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from bonsai_core.graph import load_graph
     from bonsai_core.schedule import load_schedule, simulate
 
-    if args.expandable_segments and not args.allocator:
-        raise BonsaiError("--expandable-segments chooses the allocator model that --allocator replays; give --allocator too.")
+    if (args.expandable_segments or args.arena) and not args.allocator:
+        flag = "--arena" if args.arena else "--expandable-segments"
+        raise BonsaiError(f"{flag} chooses the allocator model that --allocator replays; give --allocator too.")
+    if args.expandable_segments and args.arena:
+        raise BonsaiError("--arena and --expandable-segments are two allocator models: choose one.")
     g = load_graph(args.graph)
     schedule = load_schedule(args.schedule)
     sim = simulate(g, schedule)
     stats = {"graph": g.name, "method": schedule.method, "budget": schedule.budget, **sim.stats(),
              "feasible": sim.feasible(schedule.budget), "ops": len(schedule.ops)}
     if args.allocator:
-        from bonsai_core.allocator import replay
+        from bonsai_core.allocator import pool_replay, replay
 
-        alloc = replay(g, schedule, policy=_allocator_policy(args)).stats()
+        alloc = (pool_replay(g, schedule) if args.arena else replay(g, schedule, policy=_allocator_policy(args))).stats()
         # the allocator's live bytes include the optimizer state: its own name, not the simulator's peak
         alloc["allocator_live_peak"] = alloc.pop("peak")
         stats.update(alloc)
@@ -551,6 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also replay through the caching-allocator model: reserved peak and fragmentation")
     p.add_argument("--expandable-segments", action="store_true",
                    help="with --allocator: model PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    p.add_argument("--arena", action="store_true",
+                   help="with --allocator: replay in one pre-reserved pool of the schedule's budget (Coop's and "
+                        "OneFlow's arena), placed as its method placed it (coop, dtr with allocator=true)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_simulate)
 

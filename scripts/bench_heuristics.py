@@ -1,88 +1,125 @@
-"""Coop vs DTR under the full arena: Coop's comparison (Zhang et al., NeurIPS 2023), reproduced.
+"""Coop vs DTR in one pool, as Coop's paper compares them (Zhang et al., NeurIPS 2023).
 
-For each traced model this runs the dynamic methods inside one pool that also holds the step's
-parameters, gradients, batch and Adam state (``full_arena``: :func:`bonsai_core.allocator.full_arena`),
-and, for reference, DTR counting live bytes only and Chen's static checkpointing. Per method:
+The paper runs every method inside one pre-reserved memory pool that also holds the parameters,
+gradients and optimizer state (OneFlow's DTR allocator), and reports the smallest pool each method
+trains in ("up to 2x memory saving") and the compute overhead at equal pools. This script measures
+that for the zoo's and Hugging Face's networks at two sizes each (the zoo default and a larger batch
+or sequence), and GPT-2 small (the zoo GPT at ``zoo.GPT2_SMALL``: batch 8, sequence 512, width 768,
+12 layers and heads, vocabulary 50257), every model traced once:
 
-* the smallest budget it meets (bisection; a heuristic's success is not monotone in the budget, so
-  it is the threshold bisection lands on),
-* recompute overhead across a sweep of budgets,
-* fragmentation: reserved - live at the peak. For the pool methods, in their own pool (the
-  high-water mark of the addresses placement touched vs the bytes held in blocks there); for every
-  schedule, also under PyTorch's caching allocator replaying it (full arena, as PyTorch would run it),
-* eviction search latency: the median wall time of one eviction search (a policy call), and how
-  many searches a run made. The machine is shared, so these are medians under load.
+* **smallest pool** each variant trains in (its schedule, replayed in the pool, fits), by bisection
+  on the budget (10 steps, between the graph's lower bound and 1.5x its no-remat peak; a heuristic's
+  success is not monotone in the budget, so this is the threshold the bisection lands on, not a
+  proven minimum). A pool is the budget plus the Adam state (``allocator.full_arena``): the whole
+  arena, in MiB.
+* **overhead at equal pools**: each variant at 1.0x, 1.2x and 1.5x coop's smallest pool.
+* **fragmentation**: the allocator model's, and only it (:func:`bonsai_core.allocator.fragmentation_at_peak`,
+  1 - live / reserved at the reserved peak), for the same schedule in two allocators: its own pool
+  (:func:`bonsai_core.allocator.pool_replay`: block for block the pool the run used;
+  ``bonsai simulate G S --allocator --arena``) and PyTorch's caching allocator (``replay``;
+  ``bonsai simulate G S --allocator``, the default).
 
-Budgets are shares of the model's no-remat peak and, like the simulator's, do not include the
-optimizer state: a pool of budget B holds B + the Adam state.
+Variants: ``coop`` (its defaults: op-type partitioning, full arena); DTR in the same full-arena pool
+with h_DTR (``dtr-pool``: ``dtr --option allocator=true --option full_arena=true``), with DTR's
+union-find e* (``dtr_eq-pool``, what OneFlow's DTR baseline computes) and with the DTE score
+(``dte-pool``: the free range an eviction leaves instead of the tensor's bytes, the paper's other
+baseline); and DTR counting live bytes only (``dtr``), whose schedule is then placed in the pool best
+fit (``pool_replay``): it trains in a pool when that placement fits.
 
-    python scripts/bench_heuristics.py --out docs/heuristics                        # zoo default sizes
-    python scripts/bench_heuristics.py --size large --out docs/heuristics-large     # bigger batches
-    python scripts/bench_heuristics.py --size gpt2 --models gpt --out docs/heuristics-gpt2   # GPT-2 small
+    PYTHONPATH=. python scripts/bench_heuristics.py --out docs/heuristics --example   # about a minute here
+    PYTHONPATH=. python scripts/bench_heuristics.py --out docs/heuristics --report-only
 
-writes ``results.json``, ``table.md`` and ``heuristics.png`` there.
+writes ``results.json``, ``table.md``, ``coop_vs_dtr.html`` (plotly) and ``coop_vs_dtr.png`` (the
+same figure; kaleido if installed, else headless Chromium) there. ``--example`` adds ``example.md``:
+coop and dtr-pool on the zoo GPT at 60% of its no-remat peak, request by request, from the runs'
+own event logs (``schedule.extra["evictions"]``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from bonsai_core.allocator import fixed_tensors, optimizer_bytes, replay
-from bonsai_core.budget import format_bytes
+from bonsai_core.allocator import fixed_tensors, optimizer_bytes, pool_replay, replay
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import no_remat_peak
+from bonsai_core.schedule import Schedule, no_remat_peak
 from bonsai_core.solvers import solve
 from bonsai_core.trace import trace_zoo
 from bonsai_core.zoo import GPT2_SMALL
 
-MODELS = ("gpt", "resnet", "unet", "mlp", "vgg")
-SIZES = {"default": {}, "large": {"gpt": {"batch": 32}, "resnet": {"batch": 64}, "unet": {"batch": 16},
-                                  "mlp": {"batch": 4096}, "vgg": {"batch": 64}},
-         "gpt2": {"gpt": GPT2_SMALL}}
-# label -> (method, options); the first four run in the full arena
+# (name, options): each network at its zoo default and a larger batch or sequence; hf models are built
+# from configs (no weights); GPT-2 small's shape besides, the largest graph (1,517 nodes)
+MODELS: list[tuple[str, dict[str, int]]] = [
+    ("gpt", {}), ("gpt", {"batch": 16, "seq": 512}), ("gpt", dict(GPT2_SMALL)),
+    ("resnet", {}), ("resnet", {"batch": 64}),
+    ("unet", {}), ("unet", {"batch": 16}),
+    ("vgg", {}), ("vgg", {"batch": 64}),
+    ("mlp", {}), ("mlp", {"batch": 4096}),
+    ("hf:gpt2", {}), ("hf:gpt2", {"seq": 512}),
+    ("hf:bert", {}), ("hf:bert", {"seq": 512}),
+    ("hf:vit", {}), ("hf:vit", {"batch": 64}),
+]
+POOL_ARGS = {"allocator": True, "full_arena": True}
+# label -> (method, options); every one but "dtr" runs inside the pool
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "dtr-pool": ("dtr", {"allocator": True, "full_arena": True, "budget_hint": False}),
-    "coop": ("coop", {"budget_hint": False}),
-    "coop-density": ("coop", {"partition": "cost_density", "budget_hint": False}),
-    "coop-nopart": ("coop", {"partition": "none", "budget_hint": False}),
-    "dtr": ("dtr", {"budget_hint": False}),
-    "chen": ("chen", {}),
+    "coop": ("coop", {}),
+    "dtr-pool": ("dtr", POOL_ARGS),
+    "dtr_eq-pool": ("dtr", {**POOL_ARGS, "heuristic": "dtr_eq"}),
+    "dte-pool": ("dtr", {**POOL_ARGS, "heuristic": "dte"}),
+    "dtr": ("dtr", {}),
 }
-POOL = ("dtr-pool", "coop", "coop-density", "coop-nopart")
-SWEEP = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+FACTORS = (1.0, 1.2, 1.5)  # equal pools: multiples of coop's smallest pool
+FAIL_BAR = 20  # the figure draws "does not train in this pool" as a hatched bar this far below zero
+STEPS = 10
 
 
-def run(graph: Graph, budget: int, label: str, time_limit: float) -> dict[str, Any]:
+def adam_bytes(graph: Graph) -> int:
+    return optimizer_bytes(fixed_tensors(graph)) if graph.optimizer is None else 0
+
+
+def run(graph: Graph, budget: int, label: str, time_limit: float, measure: bool = False) -> dict[str, Any]:
+    """One solve of ``label`` under ``budget``: ok, overhead, eviction counts; with ``measure`` the
+    fragmentation of its schedule in its own pool and under the caching allocator (the allocator
+    model's one definition). It is ok when the method returns a schedule and that schedule fits the
+    pool when replayed (``pool_replay``): for ``dtr`` (live bytes) placed best fit; for a pool method
+    its own run's placement, which differs only when the run held separated outputs (``outputs_held``)."""
     method, options = VARIANTS[label]
     start = time.perf_counter()
     try:
-        s = solve(graph, budget, method, time_limit=time_limit, **options)
+        s = solve(graph, budget, method, time_limit=time_limit, budget_hint=False, **options)
+        own = pool_replay(graph, s, capacity=budget)
     except BonsaiError as e:
-        return {"ok": False, "error": str(e).split(":")[0], "seconds": time.perf_counter() - start}
-    seconds = time.perf_counter() - start
-    caching = replay(graph, s)  # full arena, PyTorch's caching allocator
-    keys = ("overhead", "evictions", "eviction_searches", "search_seconds_median", "pool_high_water",
-            "pool_fragmentation", "pool_waste", "alloc_failures", "free_at_failure")
-    row = {"ok": True, **{k: s.stats[k] for k in keys if k in s.stats}, "seconds": seconds,
-           "caching_reserved": caching.reserved_peak, "caching_fragmentation": caching.fragmentation,
-           "caching_waste": caching.reserved_peak - int(caching.live[int(np.argmax(caching.reserved)):].max())}
-    if label not in POOL:  # the pool a best-fit single arena needs for this schedule (placement by replay)
-        arena = replay(graph, s, capacity=graph.fixed_mem + 8 * max(1, s.stats["peak"]), policy="arena")
-        row["arena_reserved"] = arena.reserved_peak
-        row["arena_fragmentation"] = arena.fragmentation
+        return {"ok": False, "error": str(e).split(":")[0][:120], "seconds": time.perf_counter() - start}
+    row: dict[str, Any] = {"ok": True, "overhead": s.stats["overhead"], "evictions": s.stats.get("evictions", 0),
+                           "requests": len(s.extra.get("evictions", [])), "seconds": time.perf_counter() - start}
+    if measure:
+        row.update(own_fragmentation=fragmentation(graph, s, "arena", budget),
+                   caching_fragmentation=fragmentation(graph, s, "caching"), reserved_peak=own.reserved_peak)
     return row
 
 
-def smallest_budget(graph: Graph, label: str, hi: int, time_limit: float, steps: int = 10) -> int | None:
-    lo = graph.peak_lower_bound
+def fragmentation(graph: Graph, schedule: Schedule, allocator: str, capacity: int | None = None) -> float:
+    """The allocator model's fragmentation of ``schedule``: in its own pool (``"arena"``, what
+    ``bonsai simulate --allocator --arena`` prints) or under PyTorch's caching allocator
+    (``"caching"``, what ``bonsai simulate --allocator`` prints)."""
+    result = pool_replay(graph, schedule, capacity) if allocator == "arena" else replay(graph, schedule)
+    return result.fragmentation
+
+
+def smallest_budget(graph: Graph, label: str, time_limit: float, steps: int = STEPS) -> int | None:
+    lo, hi = graph.peak_lower_bound, int(1.5 * no_remat_peak(graph))
     if not run(graph, hi, label, time_limit)["ok"]:
         return None
     for _ in range(steps):
@@ -94,156 +131,296 @@ def smallest_budget(graph: Graph, label: str, hi: int, time_limit: float, steps:
     return hi
 
 
-def bench_model(name: str, time_limit: float, options: dict[str, Any]) -> dict[str, Any]:
+def label_of(name: str, options: dict[str, int]) -> str:
+    if name == "gpt" and options == GPT2_SMALL:
+        return "gpt GPT-2 small"
+    return name + "".join(f" --{k} {v}" for k, v in options.items())
+
+
+def bench_model(name: str, options: dict[str, int], time_limit: float) -> dict[str, Any]:
+    start = time.perf_counter()
     g = trace_zoo(name, **options).graph
-    ref = no_remat_peak(g)
-    adam = optimizer_bytes(fixed_tensors(g))
-    entry: dict[str, Any] = {"options": options, "nodes": g.n, "no_remat_peak": ref, "fixed_mem": g.fixed_mem,
-                             "adam_bytes": adam,
-                             "smallest_budget": {}, "sweep": {}}
-    print(f"{name} {options}: {g.n} nodes, no-remat peak {format_bytes(ref)}, fixed {format_bytes(g.fixed_mem)}, "
-          f"Adam state {format_bytes(adam)}", flush=True)
+    traced = time.perf_counter() - start
+    ref, adam = no_remat_peak(g), adam_bytes(g)
+    entry: dict[str, Any] = {"model": name, "options": options, "nodes": g.n, "no_remat_peak": ref,
+                             "fixed_mem": g.fixed_mem, "adam_bytes": adam, "trace_seconds": traced,
+                             "smallest_budget": {}, "equal_pools": {}}
     for label in VARIANTS:
-        entry["sweep"][label] = [{"frac": f, **run(g, int(f * ref), label, time_limit)} for f in SWEEP]
-        entry["smallest_budget"][label] = smallest_budget(g, label, int(1.5 * ref), time_limit)
-        b = entry["smallest_budget"][label]
-        print(f"  {label}: smallest budget {b / ref:.1%}" if b else f"  {label}: none", flush=True)
+        entry["smallest_budget"][label] = smallest_budget(g, label, time_limit)
+    coop = entry["smallest_budget"]["coop"]
+    if coop is not None:
+        for f in FACTORS:
+            budget = int(f * (coop + adam)) - adam
+            entry["equal_pools"][str(f)] = {"budget": budget,
+                                            **{label: run(g, budget, label, time_limit, measure=True)
+                                               for label in VARIANTS}}
+    entry["seconds"] = time.perf_counter() - start
+    pools = ", ".join(f"{k} {mib(b + adam) if b else '-'}" for k, b in entry["smallest_budget"].items())
+    print(f"{label_of(name, options)}: {g.n} nodes, traced in {traced:.1f} s; smallest pools (MiB): {pools}; "
+          f"{entry['seconds']:.0f} s", flush=True)
     return entry
 
 
-def at(entry: dict[str, Any], label: str, frac: float) -> dict[str, Any]:
-    return next(p for p in entry["sweep"][label] if abs(p["frac"] - frac) < 1e-9)
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f}"
 
 
-def summary(results: dict[str, Any]) -> list[str]:
-    """Coop vs DTR in the same full-arena pool, per model: smallest budgets, and medians over the sweep
-    budgets where both run."""
-    lines = ["Coop (op-type partitioning, the default) vs DTR in the same full-arena pool; medians over the "
-             "sweep budgets where both run:", "",
-             "| model | smallest budget dtr-pool / coop | budgets both run | free share at a failed request "
-             "dtr-pool / coop | pool frag. at high water dtr-pool / coop "
-             "| overhead dtr-pool / coop | searches dtr-pool / coop | median search dtr-pool / coop |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, e in results["models"].items():
-        ref = e["no_remat_peak"]
-        sb = [e["smallest_budget"][k] for k in ("dtr-pool", "coop")]
-        both = [(a, b) for a, b in zip(e["sweep"]["dtr-pool"], e["sweep"]["coop"]) if a["ok"] and b["ok"]]
-        cells = [" / ".join(f"{x / ref:.1%}" if x else "-" for x in sb), str(len(both))]
-        if both:
-            med = lambda key, i: statistics.median(p[i][key] for p in both)  # noqa: E731
-            searched = [p for p in both if p[0].get("eviction_searches") and p[1].get("eviction_searches")]
-            lat = " / ".join(f"{1e3 * statistics.median(p[i]['search_seconds_median'] for p in searched):.2f} ms"
-                             for i in (0, 1)) if searched else "-"
-            failed = [p for p in both if p[0].get("alloc_failures") and p[1].get("alloc_failures")]
-            rate = " / ".join(f"{statistics.median(p[i]['free_at_failure'] for p in failed):.1%}"
-                              for i in (0, 1)) if failed else "-"
-            cells += [rate, f"{med('pool_fragmentation', 0):.1%} / {med('pool_fragmentation', 1):.1%}",
-                      f"{med('overhead', 0):+.1%} / {med('overhead', 1):+.1%}",
-                      f"{med('eviction_searches', 0):.0f} / {med('eviction_searches', 1):.0f}", lat]
-        else:
-            cells += ["-"] * 5
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return lines + [""]
+# -- the report ------------------------------------------------------------------------------------
+
+def pool_cell(e: dict[str, Any], label: str) -> str:
+    b = e["smallest_budget"][label]
+    return mib(b + e["adam_bytes"]) if b else "-"
+
+
+def ratio(e: dict[str, Any], label: str) -> float | None:
+    b, c = e["smallest_budget"][label], e["smallest_budget"]["coop"]
+    return (b + e["adam_bytes"]) / (c + e["adam_bytes"]) if b and c else None
+
+
+def overhead_cell(r: dict[str, Any]) -> str:
+    return f"{r['overhead']:+.1%}" if r["ok"] else "fails"
+
+
+def frag_cell(r: dict[str, Any], key: str) -> str:
+    return f"{r[key]:.1%}" if r["ok"] else "-"
+
+
+def headline(results: dict[str, Any]) -> dict[str, Any]:
+    """The numbers docs/HEURISTICS.md quotes: how often and by how much coop's smallest pool is below
+    the best DTR-in-the-pool variant's, and the median overheads at equal pools."""
+    entries = list(results["models"].values())
+    pool_variants = [k for k in VARIANTS if k not in ("coop", "dtr")]
+    best = []
+    for e in entries:
+        rs = [r for r in (ratio(e, k) for k in pool_variants) if r is not None]
+        if rs and e["smallest_budget"]["coop"]:
+            best.append(min(rs))
+    out: dict[str, Any] = {"models": len(entries), "coop_smaller": sum(r > 1.0005 for r in best),
+                           "coop_larger": sum(r < 0.9995 for r in best),
+                           "best_dtr_over_coop": [min(best), max(best)] if best else None,
+                           "dtr_pool_over_coop": [r for r in (ratio(e, "dtr-pool") for e in entries) if r]}
+    for f in FACTORS:
+        rows = [e["equal_pools"][str(f)] for e in entries if str(f) in e["equal_pools"]]
+        both = [(p["coop"], p["dtr-pool"]) for p in rows if p["coop"]["ok"] and p["dtr-pool"]["ok"]]
+        out[str(f)] = {"both_run": len(both),
+                       "coop_lower": sum(a["overhead"] < b["overhead"] - 1e-9 for a, b in both),
+                       "coop_higher": sum(a["overhead"] > b["overhead"] + 1e-9 for a, b in both),
+                       "median_coop": statistics.median(a["overhead"] for a, _ in both) if both else None,
+                       "median_dtr_pool": statistics.median(b["overhead"] for _, b in both) if both else None,
+                       "dtr_pool_fails": sum(not p["dtr-pool"]["ok"] for p in rows if p["coop"]["ok"]),
+                       "coop_fails": sum(not p["coop"]["ok"] for p in rows)}
+    return out
 
 
 def table(results: dict[str, Any]) -> str:
     labels = list(VARIANTS)
-    lines = summary(results) + ["Smallest budget each method meets (share of the no-remat peak; optimizer state "
-                                "not counted). "
-                                "dtr and chen do not run in a pool: in brackets, the least pool a best-fit arena needs "
-                                "for their schedules over the sweep (optimizer state not counted):", "",
-             "| model | nodes | " + " | ".join(labels) + " |", "| --- | --- |" + " --- |" * len(labels)]
-    for name, e in results["models"].items():
-        ref = e["no_remat_peak"]
-        cells = []
-        for k in labels:
-            cell = f"{e['smallest_budget'][k] / ref:.1%}" if e["smallest_budget"][k] else "-"
-            arena = [p["arena_reserved"] - e["adam_bytes"] for p in e["sweep"][k] if p["ok"] and "arena_reserved" in p]
-            cells.append(cell + (f" ({min(arena) / ref:.1%})" if arena else ""))
-        lines.append(f"| {name} | {e['nodes']} | " + " | ".join(cells) + " |")
-    lines += ["", "At 80% and 60% of the no-remat peak: overhead; for pool methods the free share of the pool when "
-              "a request found no block (Coop's and OneFlow's fragmentation rate; mean over the failures) and the pool "
-              "fragmentation at its high-water mark (touched - held there, share of it); caching-allocator "
-              "fragmentation of the same schedule (full arena); eviction "
-              "searches and their median latency (shared machine, under load):", "",
-              "| model | budget | method | overhead | free share at failed requests (count) | pool frag. "
-              "| caching frag. | searches | median search |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, e in results["models"].items():
-        for frac in (0.8, 0.6):
-            for label in labels:
-                r = at(e, label, frac)
-                if not r["ok"]:
-                    lines.append(f"| {name} | {frac:.0%} | {label} | does not fit | | | | | |")
-                    continue
-                pool = f"{r['pool_fragmentation']:.1%}" if "pool_fragmentation" in r else \
-                    f"({r['arena_fragmentation']:.1%} best-fit replay)"
-                search = f"{1e3 * r['search_seconds_median']:.2f} ms" if r.get("eviction_searches") else ""
-                rate = f"{r['free_at_failure']:.1%} ({r['alloc_failures']})" if "alloc_failures" in r else ""
-                lines.append(f"| {name} | {frac:.0%} | {label} | {r['overhead']:+.1%} | {rate} | {pool} | "
-                             f"{r['caching_fragmentation']:.1%} | {r.get('eviction_searches', '')} | {search} |")
+    meta = results["meta"]
+    lines = [f"Generated by `{meta['command']}` on {meta['date']} ({meta['machine']}; {meta['seconds']:.0f} s).", "",
+             "Smallest pool each variant trains in (MiB: the whole pool, the Adam state included; bisection, "
+             f"{STEPS} steps) and its ratio to coop's. `dtr` counts live bytes only; its pool is the smallest at "
+             "which its schedule, placed best fit, also fits:", "",
+             "| model | nodes | no-remat peak + Adam | " + " | ".join(labels)
+             + " | dtr-pool / coop | best DTR in the pool / coop |",
+             "| --- | --- | --- |" + " --- |" * len(labels) + " --- | --- |"]
+    for e in results["models"].values():
+        pools = [ratio(e, k) for k in labels if k not in ("coop", "dtr")]
+        pools = [r for r in pools if r is not None]
+        r = ratio(e, "dtr-pool")
+        name = label_of(e["model"], e["options"])
+        lines.append(f"| {name} | {e['nodes']} | {mib(e['no_remat_peak'] + e['adam_bytes'])} | "
+                     + " | ".join(pool_cell(e, k) for k in labels)
+                     + f" | {f'{r:.2f}' if r else '-'} | {f'{min(pools):.2f}' if pools else '-'} |")
+    lines += ["", "At equal pools (multiples of coop's smallest pool): overhead of each variant ('fails': it does "
+              "not train in that pool), and fragmentation (allocator.fragmentation_at_peak: 1 - live / reserved at the "
+              "reserved peak) of coop's and dtr-pool's schedules in their own pool (`bonsai simulate --allocator "
+              "--arena`) and under PyTorch's caching allocator (`bonsai simulate --allocator`):", "",
+              "| model | pool (MiB) | " + " | ".join(f"overhead {k}" for k in labels)
+              + " | frag. own pool coop / dtr-pool | frag. caching coop / dtr-pool |",
+              "| --- | --- |" + " --- |" * len(labels) + " --- | --- |"]
+    for e in results["models"].values():
+        for f, p in e["equal_pools"].items():
+            c, d = p["coop"], p["dtr-pool"]
+            name = label_of(e["model"], e["options"])
+            lines.append(f"| {name} | {float(f):.1f}x = {mib(p['budget'] + e['adam_bytes'])} | "
+                         + " | ".join(overhead_cell(p[k]) for k in labels)
+                         + f" | {frag_cell(c, 'own_fragmentation')} / {frag_cell(d, 'own_fragmentation')}"
+                         + f" | {frag_cell(c, 'caching_fragmentation')} / {frag_cell(d, 'caching_fragmentation')} |")
+    h = results["headline"]
+    lines += ["", f"Headline: over {h['models']} model sizes, coop's smallest pool is below the best DTR variant's in "
+              f"the pool on {h['coop_smaller']} and above it on {h['coop_larger']}"
+              + (f" (best DTR / coop {h['best_dtr_over_coop'][0]:.2f}-{h['best_dtr_over_coop'][1]:.2f})"
+                 if h["best_dtr_over_coop"] else "") + "."]
+    for f in FACTORS:
+        x = h[str(f)]
+        if x["both_run"]:
+            lines.append(f"At {f:.1f}x coop's smallest pool: both run on {x['both_run']}, coop's overhead lower on "
+                         f"{x['coop_lower']}, higher on {x['coop_higher']} (medians {x['median_coop']:+.1%} vs "
+                         f"{x['median_dtr_pool']:+.1%}); dtr-pool fails on {x['dtr_pool_fails']}, coop on "
+                         f"{x['coop_fails']}.")
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
+def figure(results: dict[str, Any]):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    entries = list(results["models"].values())
+    xs = [label_of(e["model"], e["options"]).replace(" --", "<br>--") for e in entries]
+    titles = ["smallest pool, relative to coop's (lower is better; missing: none up to 1.5x the no-remat peak)"] + [
+        f"overhead at {f:.1f}x coop's smallest pool (%; hatched bar below zero: does not train in it)" for f in FACTORS]
+    fig = make_subplots(rows=1 + len(FACTORS), cols=1, shared_xaxes=True, vertical_spacing=0.04,
+                        subplot_titles=titles)
+    colours = dict(zip(VARIANTS, ["#1f77b4", "#d62728", "#ff7f0e", "#9467bd", "#7f7f7f"]))
+    for label in VARIANTS:
+        fig.add_trace(go.Bar(x=xs, y=[ratio(e, label) for e in entries], name=label, marker_color=colours[label],
+                             legendgroup=label), row=1, col=1)
+        for i, f in enumerate(FACTORS):
+            ys, hatch = [], []
+            for e in entries:
+                r = e["equal_pools"].get(str(f), {}).get(label)
+                ys.append(None if r is None else 100 * r["overhead"] if r["ok"] else -FAIL_BAR)
+                hatch.append("" if r is None or r["ok"] else "x")
+            fig.add_trace(go.Bar(x=xs, y=ys, name=label, marker=dict(color=colours[label], pattern_shape=hatch),
+                                 legendgroup=label, showlegend=False), row=2 + i, col=1)
+    fig.update_layout(barmode="group", width=1400, height=1300, template="plotly_white",
+                      title=f"Coop vs DTR in one pool ({results['meta']['date']}; {results['meta']['command']})",
+                      legend=dict(orientation="h", y=1.04, x=0))
+    fig.update_yaxes(title_text="pool / coop's", row=1, col=1)
+    return fig
 
-    models = list(results["models"])
-    fig, axes = plt.subplots(3, len(models), figsize=(4.2 * len(models), 11), squeeze=False)
-    for j, name in enumerate(models):
-        e = results["models"][name]
-        for label, pts in e["sweep"].items():
-            ok = [p for p in pts if p["ok"]]
-            fr = [p["frac"] for p in ok]
-            axes[0][j].plot(fr, [100 * p["overhead"] for p in ok], marker="o", ms=3, label=label)
-            if label in POOL:
-                axes[1][j].plot(fr, [100 * p["pool_fragmentation"] for p in ok], marker="o", ms=3, label=label)
-                searched = [p for p in ok if p.get("eviction_searches")]
-                axes[2][j].plot([p["frac"] for p in searched], [1e3 * p["search_seconds_median"] for p in searched],
-                                marker="o", ms=3, label=label)
-        axes[0][j].set_title(f"{name} ({e['nodes']} nodes, peak {format_bytes(e['no_remat_peak'])})")
-        axes[0][j].set_ylabel("recompute overhead (%)")
-        axes[1][j].set_ylabel("pool fragmentation at its peak (%)")
-        axes[2][j].set_ylabel("median eviction search (ms, shared machine)")
-        for ax in axes[:, j]:
-            ax.set_xlabel("budget / no-remat peak")
-            ax.grid(alpha=0.3)
-    for ax in axes[:, 0]:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+
+def write_png(fig, path: Path) -> str:
+    """The figure as PNG: plotly's kaleido if installed, else headless Chromium on a self-contained copy."""
+    try:
+        fig.write_image(path, width=fig.layout.width, height=fig.layout.height)
+        return "kaleido"
+    except Exception:  # no kaleido (or its browser): the browser the explorer's tests use
+        chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+        if chromium is None:
+            raise SystemExit("no kaleido and no chromium: cannot write the PNG (the HTML is written)")
+        with tempfile.TemporaryDirectory() as tmp:
+            page = Path(tmp) / "figure.html"
+            fig.write_html(page, include_plotlyjs=True, config={"staticPlot": True})
+            subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                            f"--window-size={fig.layout.width},{fig.layout.height}", f"--screenshot={path}",
+                            page.as_uri()], check=True, capture_output=True, timeout=120)
+        return "chromium"
+
+
+def report(results: dict[str, Any], out: Path) -> None:
+    results["headline"] = headline(results)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "table.md").write_text(table(results))
+    fig = figure(results)
+    fig.write_html(out / "coop_vs_dtr.html", include_plotlyjs="cdn")
+    write_png(fig, out / "coop_vs_dtr.png")
+
+
+# -- the worked example ----------------------------------------------------------------------------
+
+def example(time_limit: float, frac: float = 0.6) -> str:
+    """Coop and dtr-pool on the zoo GPT at ``frac`` of its no-remat peak, from their event logs: the
+    requests where they first differ, and what each recomputes."""
+    g = trace_zoo("gpt").graph
+    budget = int(frac * no_remat_peak(g))
+    runs = {label: solve(g, budget, VARIANTS[label][0], time_limit=time_limit, budget_hint=False,
+                         **VARIANTS[label][1]) for label in ("coop", "dtr-pool")}
+    logs = {k: s.extra["evictions"] for k, s in runs.items()}
+    names, mem, cost = g.names, g.mem.tolist(), g.cost.tolist()
+
+    def recomputed(s: Schedule) -> dict[int, int]:
+        seen: dict[int, int] = {}
+        for kind, v in s.ops:
+            if kind == "compute":
+                seen[v] = seen.get(v, 0) + 1
+        return {v: c - 1 for v, c in seen.items() if c > 1}
+
+    lines = [f"Zoo GPT (`gpt`, {g.n} nodes), pool of {frac:.0%} of its no-remat peak ({mib(budget)} MiB + "
+             f"{mib(adam_bytes(g))} MiB Adam state), from each run's `schedule.extra[\"evictions\"]` "
+             "(per request that found no room: ops emitted before it, the node, what was evicted):", ""]
+    for k, s in runs.items():
+        rec = recomputed(s)
+        first_at: dict[int, int] = {}
+        for i, (kind, v) in enumerate(s.ops):
+            if kind == "compute":
+                first_at.setdefault(v, i)
+        rebuilding = sum(first_at[v] < op for op, v, _ in logs[k])
+        freed = [sum(mem[t] for t in ev) / max(mem[v], 1) for _, v, ev in logs[k]]
+        lines.append(f"* {k}: overhead {s.stats['overhead']:+.1%}; {len(logs[k])} requests found no room, "
+                     f"{rebuilding} of them while rebuilding an evicted tensor; they evicted {s.stats['evictions']} "
+                     f"tensors, median {statistics.median(freed):.2f}x the request's bytes (mean "
+                     f"{statistics.mean(freed):.2f}x); {sum(rec.values())} recomputations of {len(rec)} nodes "
+                     f"({sum(cost[v] * c for v, c in rec.items()) * 1e3:.3f} ms of compute)")
+    first = next((i for i, (a, b) in enumerate(zip(logs["coop"], logs["dtr-pool"]))
+                  if a[1] != b[1] or a[2] != b[2]), None)
+    if first is not None:
+        lines += ["", f"Requests 1-{first} are the same in both. From request {first + 1} on:", "",
+                  "| request | method | op | node needing room | evicted (bytes) |", "| --- | --- | --- | --- | --- |"]
+        for i in range(first, min(first + 4, len(logs["coop"]), len(logs["dtr-pool"]))):
+            for k in ("coop", "dtr-pool"):
+                op, v, ev = logs[k][i]
+                evicted = ", ".join(f"{names[t]} ({mib(mem[t])} MiB)" for t in ev if mem[t] > 0)
+                lines.append(f"| {i + 1} | {k} | {op} | {names[v]} ({mib(mem[v])} MiB) | {evicted} |")
+    lines += ["", "The nodes each recomputes most (recomputations x cost):", "",
+              "| method | node | op | recomputations | cost each (us) | bytes (MiB) |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for k, s in runs.items():
+        rec = recomputed(s)
+        for v in sorted(rec, key=lambda v: -rec[v] * cost[v])[:6]:
+            lines.append(f"| {k} | {names[v]} | {g.ops[v]} | {rec[v]} | {cost[v] * 1e6:.1f} | {mib(mem[v])} |")
+    sweep = {"coop": ("coop", {}), "coop window_cost=recompute": ("coop", {"window_cost": "recompute"}),
+             "dtr-pool": VARIANTS["dtr-pool"], "dtr (live bytes, no pool)": VARIANTS["dtr"]}
+    fracs = (0.58, 0.6, 0.62, 0.65)
+    lines += ["", "Overhead around that pool (share of the no-remat peak; 'fails': does not train in it):", "",
+              "| variant | " + " | ".join(f"{f:.0%}" for f in fracs) + " |", "| --- |" + " --- |" * len(fracs)]
+    for k, (method, options) in sweep.items():
+        cells = []
+        for f in fracs:
+            try:
+                s = solve(g, int(f * no_remat_peak(g)), method, time_limit=time_limit, budget_hint=False, **options)
+                cells.append(f"{s.stats['overhead']:+.1%}")
+            except BonsaiError:
+                cells.append("fails")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/heuristics")
-    ap.add_argument("--models", nargs="+", default=list(MODELS), help="zoo names (at their default sizes)")
-    ap.add_argument("--size", choices=list(SIZES), default="default", help="zoo sizes (large: bigger batches)")
-    ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per solve")
-    ap.add_argument("--report-only", action="store_true", help="rewrite table.md and the plot from results.json")
+    names = list(dict.fromkeys(n for n, _ in MODELS))
+    ap.add_argument("--models", nargs="+", default=names, help=f"from {', '.join(names)}")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
+    ap.add_argument("--report-only", action="store_true", help="rewrite table.md and the figure from results.json")
+    ap.add_argument("--example", action="store_true", help="also write example.md (the worked example)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        results = json.loads((out / "results.json").read_text())
-        (out / "table.md").write_text(table(results))
-        plot(results, out / "heuristics.png")
+        report(json.loads((out / "results.json").read_text()), out)
         return
-    results: dict[str, Any] = {"size": args.size, "sweep": list(SWEEP),
+    start = time.perf_counter()
+    command = "PYTHONPATH=. python scripts/bench_heuristics.py " + " ".join(sys.argv[1:])
+    cpu = platform.processor() or platform.machine()
+    results: dict[str, Any] = {"meta": {"command": command.strip(),
+                                        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                                        "machine": f"{os.cpu_count()} CPUs ({cpu}), load average at start "
+                                                   f"{os.getloadavg()[0]:.1f}, Python {platform.python_version()}",
+                                        "seconds": 0.0},
                                "variants": {k: [m, o] for k, (m, o) in VARIANTS.items()},
-                               "models": {}}
-    for name in args.models:
-        results["models"][name] = bench_model(name, args.time_limit, SIZES[args.size].get(name, {}))
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "table.md").write_text(table(results))
-    plot(results, out / "heuristics.png")
-    searches = [p["search_seconds_median"] for e in results["models"].values() for k in POOL
-                for p in e["sweep"][k] if p["ok"] and p.get("eviction_searches")]
-    print(f"wrote {out}/results.json, table.md, heuristics.png; median search {statistics.median(searches):.2e} s"
-          if searches else f"wrote {out}")
+                               "factors": list(FACTORS), "models": {}}
+    for name, options in MODELS:
+        if name in args.models:
+            key = label_of(name, options)
+            results["models"][key] = bench_model(name, options, args.time_limit)
+            results["meta"]["seconds"] = time.perf_counter() - start
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    if args.example:
+        (out / "example.md").write_text(example(args.time_limit))
+    results["meta"]["seconds"] = time.perf_counter() - start
+    report(results, out)
+    print(f"wrote {out}/results.json, table.md, coop_vs_dtr.html, coop_vs_dtr.png "
+          f"in {results['meta']['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bonsai_core.allocator import Allocator, fixed_tensors, optimizer_bytes, replay
+from bonsai_core.allocator import (Allocator, fixed_tensors, fragmentation_at_peak, optimizer_bytes, pool_replay,
+                                   replay)
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph, load_graph
 from bonsai_core.regions import CheckpointPlan
@@ -191,6 +192,36 @@ def test_coop_evicts_one_contiguous_window_instead():
     assert sum(g.cost[evicted]) == 11.0
 
 
+def test_dte_scores_the_free_range_an_eviction_leaves():
+    # f0..f3 fill a 5-slot pool; f1 and f3 are then freed: f0 (cost 1.2, staleness 21) borders one free
+    # slot, f2 (cost 1, staleness 10) one free slot below and two above; x needs three slots
+    g = _leaves_then_reader([1.2, 10.0, 1.0, 10.0], request=3 * 4096)
+    first = {}
+    for heuristic in ("dtr", "dte"):
+        rt = Runtime(g, budget=5 * 4096, allocator=Allocator(5 * 4096, "arena"))
+        policy = dtr_policy(heuristic)
+        _run_until_x(g, rt, policy)
+        for t in (1, 3):
+            rt._free(t)
+        rt.make_room(g.n - 2, policy)
+        first[heuristic] = [v for k, v in rt.ops if k == "free"][2:]
+    # h_DTR: 1.2 / (4096 * 21) < 1 / (4096 * 10), so f0 goes first, frees a range too small, and f2 follows;
+    # DTE: 1.2 / (8192 * 21) > 1 / (16384 * 10): f2 alone leaves the range x needs
+    assert first == {"dtr": [0, 2], "dte": [2]}
+    with pytest.raises(SolverError, match="allocator=True"):
+        solve(g, 16 * 4096, "dtr", heuristic="dte")
+
+
+def test_the_event_log_lists_each_request_and_its_evictions(gpt):
+    s = solve(gpt, int(0.7 * no_remat_peak(gpt)), "coop")
+    log = s.extra["evictions"]
+    assert len(log) == s.stats["alloc_failures"] and sum(len(ev) for _, _, ev in log) == s.stats["evictions"]
+    for op, v, evicted in log:
+        # the request's frees come right before the compute of the node that needed room
+        assert s.ops[op: op + len(evicted)] == [("free", t) for t in evicted]
+        assert s.ops[op + len(evicted)] == ("compute", v)
+
+
 def test_min_cost_window_skips_pinned_blocks():
     inf = math.inf
     assert min_cost_window([4, 4, 4, 4], [0.0, inf, 1.0, 1.0], 8) == (2, 4, 2.0)
@@ -302,3 +333,40 @@ def test_coop_beats_dtr_in_the_same_pool_on_gpt2_small():
     assert coop.stats["free_at_failure"] <= dtr.stats["free_at_failure"]
     pool = budget + optimizer_bytes(fixed_tensors(g))
     assert coop.stats["pool_high_water"] <= pool and dtr.stats["pool_high_water"] <= pool
+
+
+# -- one definition of fragmentation ----------------------------------------------------------------
+
+@pytest.mark.parametrize("method,options", [("coop", {}), ("coop", {"partition": "cost_density"}),
+                                            ("dtr", {"allocator": True, "full_arena": True}),
+                                            ("dtr", {"allocator": True, "heuristic": "dte"})])
+def test_a_pool_replay_is_the_runs_own_pool_block_for_block(gpt, method, options):
+    s = solve(gpt, int(0.65 * no_remat_peak(gpt)), method, **options)
+    r = pool_replay(gpt, s)
+    assert r.reserved_peak == s.stats["pool_high_water"] and r.policy == "arena"
+    assert not any("fragmentation" in k or k == "pool_waste" for k in s.stats)  # the allocator's alone
+
+
+def test_the_bench_table_and_simulate_report_one_fragmentation(gpt, tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from bonsai_core.cli import main
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_heuristics.py"
+    spec = importlib.util.spec_from_file_location("bench_heuristics", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    budget = int(0.65 * no_remat_peak(gpt))
+    row = bench.run(gpt, budget, "coop", 30.0, measure=True)
+    s = solve(gpt, budget, "coop", budget_hint=False)
+    (tmp_path / "s.json").write_text(json.dumps(s.to_dict()))
+    reports = {}
+    for flags in ([], ["--arena"]):
+        assert main(["simulate", "assets/gpt-default.json", str(tmp_path / "s.json"), "--allocator", *flags,
+                     "--json"]) == 0
+        reports[bool(flags)] = json.loads(capsys.readouterr().out)["fragmentation"]
+    own, caching = pool_replay(gpt, s), replay(gpt, s)
+    assert row["own_fragmentation"] == reports[True] == own.fragmentation == fragmentation_at_peak(own.live, own.reserved)
+    assert row["caching_fragmentation"] == reports[False] == caching.fragmentation

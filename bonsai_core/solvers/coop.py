@@ -33,9 +33,12 @@ dynamic rematerialization *inside* the allocator, as OneFlow's DTR allocator doe
   in-place op kind in the schedule format, since the simulator counts an op's output and its inputs
   as separate bytes.)
 
-The run is emitted as compute/free ops, a static schedule validated by the simulator. The pool's
-high-water mark (the bytes of the pool that placement really touched) is reported as
-``stats["pool_high_water"]``.
+The run is emitted as compute/free ops, a static schedule validated by the simulator, with its event
+log in ``extra["evictions"]`` (per request that found no room: the ops emitted before it, the node,
+the tensors evicted). The pool's high-water mark (the bytes of the pool that placement really
+touched) is reported as ``stats["pool_high_water"]``; the pool itself, and its fragmentation (the
+allocator model's, the project's one definition), come from replaying the schedule in it
+(:func:`bonsai_core.allocator.pool_replay`, ``bonsai simulate --allocator --arena``).
 """
 
 from __future__ import annotations
@@ -182,7 +185,8 @@ def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = N
                      deadline)
         rt.run(coop_policy(window_cost))
         return finish(rt, graph, "coop", {"window_cost": window_cost, "partition": partition, "allocator": "arena",
-                                          "full_arena": full_arena, "inplace_updates": inplace_updates})
+                                          "full_arena": full_arena, "inplace_updates": inplace_updates,
+                                          "optimizer": optimizer})
 
     if not budget_hint:
         try:

@@ -11,7 +11,10 @@ seconds since the last access) and e* the evicted neighbourhood (see ``eviction.
   eviction, never split: what DTR's prototype runs);
 * ``"local"``: c(t) / (m(t) · s(t)), no neighbourhood;
 * ``"lru"``: 1 / s(t), the least recently used tensor goes;
-* ``"size"``: 1 / m(t), the largest tensor goes.
+* ``"size"``: 1 / m(t), the largest tensor goes;
+* ``"dte"`` (pool runs only): h_DTR with m(t) replaced by the bytes evicting t would free as one
+  range, t's block plus the free blocks next to it (the DTE baseline of Coop's paper: OneFlow's
+  ``EvictAndFindPieceLoop`` with ``GetSizeIncludingNeighborhood``).
 
 The budget caps live bytes, or (``allocator=True``) DTR runs inside an arena pool of ``budget`` bytes
 and evicts until the request fits one free block (the baseline Coop is compared with); ``full_arena``
@@ -32,8 +35,15 @@ from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.eviction import (DEALLOCATIONS, Deallocation, Runtime, TimeLimitReached, arena_pool,
                                           finish, with_budget_hint)
 
-Heuristic = Literal["dtr", "dtr_eq", "local", "lru", "size"]
-HEURISTICS = ("dtr", "dtr_eq", "local", "lru", "size")
+Heuristic = Literal["dtr", "dtr_eq", "local", "lru", "size", "dte"]
+HEURISTICS = ("dtr", "dtr_eq", "local", "lru", "size", "dte")
+
+
+def free_range(rt: Runtime, t: int) -> int:
+    """Bytes of the contiguous free range evicting t would leave: t's block and the free blocks
+    next to it (free neighbours are always merged, so one each side at most)."""
+    block = rt.alloc.by_owner[t]
+    return block.size + sum(b.size for b in (block.prev, block.next) if b is not None and b.usable)
 
 
 def score(rt: Runtime, t: int, heuristic: Heuristic) -> float:
@@ -42,8 +52,9 @@ def score(rt: Runtime, t: int, heuristic: Heuristic) -> float:
         return 1.0 / rt.staleness(t)
     if heuristic == "size":
         return 1.0 / rt.mem[t]
-    cost = rt.cost[t] if heuristic == "local" else rt.estar_cost(t, exact=heuristic == "dtr")
-    return cost / (rt.mem[t] * rt.staleness(t))
+    cost = rt.cost[t] if heuristic == "local" else rt.estar_cost(t, exact=heuristic != "dtr_eq")
+    size = free_range(rt, t) if heuristic == "dte" else rt.mem[t]
+    return cost / (size * rt.staleness(t))
 
 
 def dtr_policy(heuristic: Heuristic = "dtr") -> Callable[[Runtime, int], bool]:
@@ -70,7 +81,8 @@ def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = No
     """DTR under ``budget`` live bytes, or in a pool of ``budget`` bytes; see the module docstring.
 
     time_limit: seconds for the whole call, the budget bisection included.
-    heuristic: "dtr" (h_DTR, exact e*), "dtr_eq" (union-find e*), "local", "lru" or "size".
+    heuristic: "dtr" (h_DTR, exact e*), "dtr_eq" (union-find e*), "local", "lru", "size" or "dte"
+        (h_DTR over the free range evicting a tensor leaves; with ``allocator`` only).
     allocator: run inside an arena pool of ``budget`` bytes (address-level eviction).
     full_arena: with ``allocator``, place params, grads, batch and optimizer state in the pool.
     optimizer: whose state the full arena holds: "adam" (two moments per parameter) or "sgd" (none).
@@ -87,6 +99,8 @@ def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = No
         raise SolverError(f"Unknown deallocation {deallocation!r}; use one of {', '.join(DEALLOCATIONS)}.")
     if allocator and budget is None:
         raise BudgetError("DTR under the allocator model needs a budget: the pool's capacity.")
+    if heuristic == "dte" and not allocator:
+        raise SolverError("The dte heuristic scores the free range an eviction leaves in the pool: set allocator=True.")
     if full_arena and not allocator:
         raise SolverError("full_arena places the fixed tensors in the allocator's pool: set allocator=True too.")
     deadline = Deadline(time_limit)
@@ -96,7 +110,8 @@ def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = No
         rt = Runtime(graph, b, pool, deallocation=deallocation, deadline=deadline)
         rt.run(dtr_policy(heuristic))
         return finish(rt, graph, "dtr", {"heuristic": heuristic, "allocator": "arena" if allocator else "none",
-                                         "full_arena": full_arena, "inplace_updates": inplace_updates})
+                                         "full_arena": full_arena, "inplace_updates": inplace_updates,
+                                         "optimizer": optimizer})
 
     if budget is None or not budget_hint:
         try:

@@ -28,7 +28,7 @@ evicted descendant needs t). Two ways to know the connected groups, both DTR's:
 
 * ``"free"`` (the default): it is freed, stays rebuildable if an evicted tensor needs it, but is
   not part of anyone's e* (which holds only what the policy evicted). Measured on the zoo GPT at
-  80% of the no-remat peak, DTR's overhead is +10.6% with it against +33.4% with eager eviction
+  80% of the no-remat peak, DTR's overhead is +9.6% with it against +30.1% with eager eviction
   (``scripts/dtr_variants.py``).
 * ``"evict"`` (DTR's eager eviction): it is freed but stays rebuildable, as if evicted; its cost
   counts in its neighbours' e*, so e* grows over everything the program has freed.
@@ -116,9 +116,10 @@ class Runtime:
         self.evicted_version = 0  # bumps whenever the set of evicted tensors changes
         self.free_at_failure: list[float] = []
         self.search_seconds: list[float] = []  # wall time of each eviction search (policy call)
-        # the pool's high-water mark and the most bytes held in blocks since it was last raised:
-        # fragmentation at the peak = what placement touched but tensors could not use
-        self.high_water, self.held_at_high_water = 0, 0
+        # the run's event log: per request that found no room, [ops emitted before it, the node whose
+        # output needed room, the tensors evicted for it (views included), in eviction order]
+        self.log: list[list] = []
+        self._evicting: list[int] | None = None
         # DTR's equivalence classes of evicted tensors (union-find, never split)
         self.uf_parent = list(range(n))
         self.uf_cost = [0.0] * n
@@ -161,6 +162,8 @@ class Runtime:
         self.evictions += 1
         self.evicted_version += 1
         self._uf_add(t)
+        if self._evicting is not None:
+            self._evicting.append(t)
 
     def _free(self, t: int) -> None:
         self.resident[t] = False
@@ -230,10 +233,14 @@ class Runtime:
 
     def make_room(self, v: int, policy: Policy) -> None:
         if self.alloc is not None and not self.fits(v):
-            # OneFlow's fragmentation rate: the pool's free share when a request finds no block
-            # (an empty pool has nothing free)
+            # the pool's free share when a request finds no block (an empty pool has nothing free):
+            # what OneFlow logs at each failed request; the project's fragmentation is
+            # allocator.fragmentation_at_peak alone
             reserved = self.alloc.reserved
             self.free_at_failure.append(1.0 - self.alloc.allocated / reserved if reserved else 0.0)
+        if not self.fits(v):
+            self._evicting = []
+            self.log.append([len(self.ops), v, self._evicting])
         while not self.fits(v):
             self.check_deadline()
             start = time.perf_counter()
@@ -258,10 +265,6 @@ class Runtime:
         if self.alloc is not None and self.holds[v]:
             if self.alloc.malloc(v, self.mem[v], self.side_of(v)) is None:  # fits() checked a left fit
                 self.alloc.malloc(v, self.mem[v], "left")
-            if self.alloc.high_water > self.high_water:
-                self.high_water, self.held_at_high_water = self.alloc.high_water, self.alloc.allocated
-            else:
-                self.held_at_high_water = max(self.held_at_high_water, self.alloc.allocated)
         if self.ever[v]:
             self.evicted_version += 1
             self._uf_remove_cost(v)
@@ -362,16 +365,16 @@ def finish(rt: Runtime, graph: Graph, method: str, extra_stats: dict) -> Schedul
         stats["pool_high_water"] = rt.alloc.high_water + (0 if rt.alloc.pinned_bytes else graph.fixed_mem)
         stats["alloc_failures"] = len(rt.free_at_failure)
         stats["free_at_failure"] = float(np.mean(rt.free_at_failure)) if rt.free_at_failure else 0.0
-        # reserved - live at the pool's peak (high-water mark), in bytes and as a share of it
-        stats["pool_waste"] = rt.high_water - rt.held_at_high_water
-        stats["pool_fragmentation"] = (stats["pool_waste"] / rt.high_water) if rt.high_water else 0.0
+        # fragmentation is the allocator model's alone: allocator.pool_replay(graph, schedule) replays
+        # this run's pool block for block (bonsai simulate --allocator --arena)
     # A separated output released while its op stays resident and rebuilt from it later (an evicted
     # reader's rebuild) is the same copy: held instead (rare: evictable() never evicts one). The pool
     # statistics above are the run's as decided; solve() simulates the held ops for the peak.
     ops = hold_separated_outputs(graph, rt.ops)
     if len(ops) != len(rt.ops):
         stats["outputs_held"] = (len(rt.ops) - len(ops)) // 2
-    return Schedule(graph=graph.name, method=method, ops=ops, graph_hash=graph.hash, stats=stats)
+    return Schedule(graph=graph.name, method=method, ops=ops, graph_hash=graph.hash, stats=stats,
+                    extra={"evictions": rt.log})
 
 
 def arena_pool(graph: Graph, budget: int, full: bool, optimizer: Optimizer, inplace_updates: bool = True) -> Allocator:
