@@ -11,7 +11,9 @@ sharded state a rank holds whole (*unsharded*) tensors for a while. The simulato
 * **Forward**: while an op of block *u* runs, *u*'s parameters are unsharded; with
   ``reshard_after_forward`` (the default) they are freed when the next op outside *u* runs, else they
   stay until *u*'s backward ends.
-* **Backward**: block *u*'s backward is running from the first backward op that reads a tensor of
+* **Backward**: once the gradient reaches the model's output (the first backward op reading a forward
+  tensor of the model rather than of the loss function), the last block's all-gather is prefetched;
+  block *u*'s backward is running from the first backward op that reads a tensor of
   *u*'s forward (its latest one, in forward order) until an op of an earlier block runs; meanwhile
   *u*'s parameters are unsharded again and its gradients are whole (counted in full, from the start of
   its backward to its reduce-scatter). A recomputed forward op of block *u* runs inside *u*'s backward.
@@ -61,14 +63,17 @@ def shard_by_blocks(graph: Graph, model: nn.Module, world: int, reshard_after_fo
 
     stack = block_stack(graph)
     sizes, root = unit_bytes(model, [path for path, _, _ in stack])
+    model_last = max((last for _, _, last in graph.modules), default=graph.n - 1)
     return with_fsdp(graph, world, [(p, first, last, b) for (p, first, last), b in zip(stack, sizes)], root,
-                     reshard_after_forward)
+                     reshard_after_forward, model_last)
 
 
 def with_fsdp(graph: Graph, world: int, blocks: Sequence[tuple[str, int, int, int]], root: int,
-              reshard_after_forward: bool = True) -> Graph:
+              reshard_after_forward: bool = True, model_last: int | None = None) -> Graph:
     """``graph`` as one of ``world`` FSDP ranks holds it (see the module doc). ``blocks``: each block's
-    (path, first, last forward node, parameter bytes), in order; ``root``: the other parameters' bytes.
+    (path, first, last forward node, parameter bytes), in order; ``root``: the other parameters' bytes;
+    ``model_last``: the model's last forward node (the loss function's ops follow; default: all are the
+    model's), where the root's backward begins.
     Apply it before :func:`bonsai_core.optimizer.with_optimizer`, whose state is then sharded too."""
     if world < 1:
         raise BonsaiError(f"--fsdp {world}: the number of ranks must be at least 1.")
@@ -90,6 +95,7 @@ def with_fsdp(graph: Graph, world: int, blocks: Sequence[tuple[str, int, int, in
     data["fixed_tensors"] = [list(t) for t in fixed]
     data["fixed_mem"] = graph.fixed_mem - sum(t[1] for t in graph.fixed_tensors) + sum(t[1] for t in fixed)
     data["fsdp"] = {"world": world, "reshard_after_forward": bool(reshard_after_forward), "root_bytes": root,
+                    "model_last": graph.n - 1 if model_last is None else int(model_last),
                     "units": [[path, int(first), int(last), int(nbytes)] for path, first, last, nbytes in blocks]}
     return Graph.from_dict(data)
 
@@ -105,6 +111,8 @@ def working_profile(graph: Graph, ops: Sequence[tuple[str, int]]) -> np.ndarray:
     owner = _forward_owner(graph, units)
     reads = _backward_unit(graph, owner)
     reshard = graph.fsdp["reshard_after_forward"]
+    model_last = int(graph.fsdp["model_last"])
+    root_backward = False  # the gradient reached the model's output: the last block is prefetched
     gathered: set[int] = set()  # blocks whose parameters are unsharded
     gather_output = int(graph.fsdp["root_bytes"])  # a flat all-gather output FSDP holds: the root's, first
     scatter_input = 0  # the last reduce-scatter's input (a block's gradients), held until the next one
@@ -131,10 +139,11 @@ def working_profile(graph: Graph, ops: Sequence[tuple[str, int]]) -> np.ndarray:
                 gathered.add(u)  # copied out of its prefetched all-gather; the block before it is prefetched
                 current, block_grads = u, 0
                 gather_output = size[u - 1] if u > 0 else 0
+            if in_backward and not root_backward and not forward and current < 0 and size \
+                    and any(graph.is_forward[d] and d <= model_last for d in graph.deps(v).tolist()):
+                root_backward, gather_output = True, size[-1]
             if graph.is_output[v] and not forward:  # a gradient: FSDP holds it, the graph frees it at once
                 held = int(graph.mem[_storage_node(graph, v)])
-                if current < 0 and root_grads == 0 and size:  # the root's backward began: the last block prefetched
-                    gather_output = size[-1]
         out[i] = sum(size[g] for g in gathered) + gather_output + scatter_input + block_grads + root_grads + transient
         if current >= 0:
             block_grads += held

@@ -414,8 +414,12 @@ def _fsdp_field(fsdp: Any, n: int) -> dict[str, Any]:
                _int_field(u[2], "'fsdp' unit last"), _int_field(u[3], "'fsdp' unit bytes")] for u in units]
     if any(not 0 <= u[1] <= u[2] < n or u[3] < 0 for u in parsed):
         raise GraphError(f"An 'fsdp' unit is not [path, first <= last node ids, bytes >= 0]: {shape}")
+    model_last = _int_field(fsdp.get("model_last", n - 1), "'fsdp' model_last")
+    if not 0 <= model_last < n:
+        raise GraphError(f"'fsdp' model_last {model_last} is not a node id: {shape}")
     return {"world": _int_field(fsdp["world"], "'fsdp' world"), "reshard_after_forward": bool(fsdp["reshard_after_forward"]),
-            "root_bytes": _int_field(fsdp["root_bytes"], "'fsdp' root_bytes"), "units": parsed}
+            "root_bytes": _int_field(fsdp["root_bytes"], "'fsdp' root_bytes"), "model_last": model_last,
+            "units": parsed}
 
 
 MAX_INT = 2**62  # bytes and ids beyond this are corrupt, not real (and overflow int64)

@@ -38,17 +38,13 @@ SIZES = {"gpt": dict(batch=8, seq=128, width=256, layers=4, heads=4, vocab=2048)
 
 def fsdp_graph(model: str, options: dict, world: int, reshard: bool = True):
     """The traced graph as one of ``world`` ranks holds it, and the block paths FSDP shards."""
-    from bonsai_core.fsdp import unit_bytes, with_fsdp
+    from bonsai_core.fsdp import shard_by_blocks
     from bonsai_core.regions import block_stack
     from bonsai_core.trace import trace_zoo
 
     graph = trace_zoo(model, **options).graph
-    stack = block_stack(graph)
-    paths = [p for p, _, _ in stack]
     net = zoo.build(model, seed=0, **options)[0]
-    sizes, root = unit_bytes(net, paths)
-    blocks = [(p, first, last, b) for (p, first, last), b in zip(stack, sizes)]
-    return graph, with_fsdp(graph, world, blocks, root, reshard), paths
+    return graph, shard_by_blocks(graph, net, world, reshard), [p for p, _, _ in block_stack(graph)]
 
 
 def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
