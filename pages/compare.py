@@ -138,17 +138,19 @@ def side_config(col, side: str, default: str) -> tuple[str, compute.Options]:
                              help="Largest segment, in forward ops; 0 leaves it to the method (bonsai: auto).")
         granularity = int(k) or None
     own, defaults = {}, {}
-    for spec in compute.method_options(method):
+    specs = compute.method_options(method)
+    box = col.expander(f"{method}'s options ({side.upper()})") if specs else col
+    for spec in specs:
         key = f"side_{side}_{method}_{spec.name}"
         ss.setdefault(key, spec.default)
         defaults[spec.name] = spec.default
         name = f"{spec.name} ({side.upper()})"
         if spec.choices:
-            own[spec.name] = col.selectbox(name, spec.choices, key=key, help=spec.help or None)
+            own[spec.name] = box.selectbox(name, spec.choices, key=key, help=spec.help or None)
         elif spec.kind is bool:
-            own[spec.name] = col.toggle(name, key=key, help=spec.help or None)
+            own[spec.name] = box.toggle(name, key=key, help=spec.help or None)
         elif spec.kind in (int, float):
-            own[spec.name] = col.number_input(name, key=key, help=spec.help or None, placeholder="method default",
+            own[spec.name] = box.number_input(name, key=key, help=spec.help or None, placeholder="method default",
                                               step=1 if spec.kind is int else None)
     base = [(k, v) for k, v in s.options if k in ("time_limit", "backend")]
     return method, pair.config_options(base, compute.accepted_options(method), granularity, own, defaults)
