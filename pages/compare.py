@@ -133,8 +133,9 @@ def side_config(col, side: str, default: str) -> tuple[str, compute.Options]:
     method = col.selectbox(f"Method {side.upper()}", methods, key=f"side_{side}_method")
     granularity = None
     if compute.names_option(method, "granularity"):
-        k = col.number_input(f"Granularity {side.upper()} (0: the method's default)", 0, max(2, int(g.is_forward.sum())),
-                             0, key=f"side_{side}_granularity",
+        top = max(2, int(g.is_forward.sum()))
+        k = col.number_input(f"Granularity {side.upper()} (0: the method's default)", 0, top, 0,
+                             key=f"side_{side}_granularity",
                              help="Largest segment, in forward ops; 0 leaves it to the method (bonsai: auto).")
         granularity = int(k) or None
     own, defaults = {}, {}

@@ -22,7 +22,8 @@ def gpt():
 
 def test_a_side_passes_the_sidebars_generic_options_and_its_own_changed_ones_only():
     base = [("time_limit", 20.0), ("granularity", 12), ("backend", "scip")]
-    got = pair.config_options(base, None, 8, {"variant": "sqrt", "segments": None}, {"variant": "auto", "segments": None})
+    defaults = {"variant": "auto", "segments": None}
+    got = pair.config_options(base, None, 8, {"variant": "sqrt", "segments": None}, defaults)
     assert got == (("backend", "scip"), ("granularity", 8), ("time_limit", 20.0), ("variant", "sqrt"))
     # the sidebar's granularity is not this side's; a default value is not passed; nor what the method does not take
     got = pair.config_options(base, {"time_limit", "variant"}, None, {"variant": "auto"}, {"variant": "auto"})
