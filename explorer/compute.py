@@ -268,6 +268,31 @@ def recomputed_nodes(graph: Graph, schedule: Schedule) -> np.ndarray:
     return counts > 1
 
 
+# -- the module graph: its structure per graph, its boxes per fold depth ------------------------------
+
+@st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=8)
+def module_structure(graph: Graph):
+    """The module tree, each forward op's call, each backward op's anchor, the depth to open at and the
+    block stack's paths: everything of the module view that no fold depth or schedule changes."""
+    from bonsai_core.regions import block_stack
+    from explorer import module_graph
+
+    tree = module_graph.module_tree(graph)
+    owners = module_graph.forward_owners(graph, tree)
+    anchors = module_graph.backward_anchors(graph)
+    return tree, owners, anchors, module_graph.default_depth(graph, tree), [p for p, _, _ in block_stack(graph)]
+
+
+@st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=32)
+def boxes_at(graph: Graph, depth: int):
+    """The boxes at one fold depth and their layout."""
+    from explorer import module_graph
+
+    tree, owners, anchors, _, _ = module_structure(graph)
+    boxes = module_graph.module_boxes(graph, depth, tree, owners, anchors)
+    return boxes, module_graph.box_layout(graph, boxes)
+
+
 # -- allocator and export, written on other branches: used when present ----------------------------
 
 def allocator_replay():

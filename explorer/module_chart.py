@@ -154,11 +154,13 @@ def _edges(layout: BoxLayout, mirror: float) -> pd.DataFrame:
 
 def module_chart(boxes: Boxes, layout: BoxLayout, stats: BoxStats, tree_paths: tuple[str, ...],
                  tree_parent: np.ndarray, blocks: list[str], height: int | None = None,
-                 theme: str | None = None) -> dict:
+                 theme: str | None = None, fills: list[str] | None = None) -> dict:
     """The Vega-Lite spec of the module graph: forward boxes left to right on top, each box's backward
     part mirrored under it, frames around nested calls, edges through the layout's bends. Click a box to
     select it (param ``pick``, field ``name``: outlined thick); scroll to zoom, drag to pan. ``theme``
-    ("light", "dark" or None) sets the colour of the labels on the backward band."""
+    ("light", "dark" or None) sets the colour of the labels on the backward band. ``fills`` (one colour
+    per box) replaces the segment colours (the Compare page colours boxes by which of two schedules
+    recomputes them)."""
     frames = _frames(boxes, tree_paths, tree_parent, layout)
     lefts = [*(layout.x - BOX_WIDTH / 2), *frames.x0]
     rights = [*(layout.x + BOX_WIDTH / 2), *frames.x1]
@@ -167,7 +169,7 @@ def module_chart(boxes: Boxes, layout: BoxLayout, stats: BoxStats, tree_paths: t
     mirror = 2 * bottom + BAND_GAP  # a forward height y is drawn at mirror - y in the backward band
     if height is None:
         height = int(np.clip((mirror - 2 * top) * ROW_PX, 360, 1000))
-    fills = box_fills(boxes, stats, blocks)
+    fills = box_fills(boxes, stats, blocks) if fills is None else list(fills)
     boxes_data = _rows(boxes, layout, stats, fills, mirror)
     frames = _mirrored_frames(frames, mirror)
     edges = _edges(layout, mirror)

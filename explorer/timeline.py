@@ -371,12 +371,13 @@ def bar_frame(b: Bars, x: np.ndarray, step: int, fixed_mem: int) -> "pd.DataFram
 
 
 def timeline_chart(frame, groups: Sequence[str], cursor_x: float, x_domain: tuple[float, float], x_title: str,
-                   height: int = 420) -> dict:
+                   height: int = 420, y_top: float | None = None) -> dict:
     """The lifetimes as a Vega-Lite spec: a rectangle per bar coloured by module group (recomputed
     lifetimes outlined in red, those not alive at the cursor faded) and the cursor as a rule. Like the
     memory chart, everything that moves is in the named datasets, so a keyed chart updates in place:
     ``groups`` (the colour legend's order) must not depend on the schedule, and ``x_domain`` is drawn
-    as unseen points, not set as the scale's domain."""
+    as unseen points, not set as the scale's domain; so is ``y_top`` (MiB), when given, so that two
+    charts drawn one under the other share their y scale."""
     import pandas as pd
 
     x = {"field": "x", "type": "quantitative", "title": x_title}
@@ -388,7 +389,8 @@ def timeline_chart(frame, groups: Sequence[str], cursor_x: float, x_domain: tupl
         "height": height,
         "usermeta": {"embedOptions": {"renderer": "hybrid"}},
         "datasets": {"bars": frame, "cursor": pd.DataFrame({"x": [float(cursor_x)]}),
-                     "extent": pd.DataFrame({"x": [float(v) for v in x_domain]})},
+                     "extent": pd.DataFrame({"x": [float(v) for v in x_domain],
+                                             "y": [0.0, float(y_top) if y_top is not None else 0.0]})},
         "layer": [
             {"data": {"name": "bars"},
              "mark": {"type": "rect", "strokeWidth": 1.5},
@@ -403,7 +405,8 @@ def timeline_chart(frame, groups: Sequence[str], cursor_x: float, x_domain: tupl
             {"data": {"name": "cursor"}, "mark": {"type": "rule", "strokeWidth": 2, "color": "#888"},
              "encoding": {"x": x}},
             # unseen: the memory chart's x range, so that both charts get the same x axis (plots.memory_chart)
-            {"data": {"name": "extent"}, "mark": {"type": "point", "opacity": 0}, "encoding": {"x": x}},
+            {"data": {"name": "extent"}, "mark": {"type": "point", "opacity": 0},
+             "encoding": {"x": x} if y_top is None else {"x": x, "y": {"field": "y", "type": "quantitative"}}},
         ],
     }
 

@@ -1,5 +1,5 @@
-"""Compare: overhead against memory over a budget sweep (the Pareto front), and solver cost
-against granularity."""
+"""Compare: overhead against memory over a budget sweep (the Pareto front), solver cost against
+granularity, and two configurations side by side at the sidebar's budget."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pandas as pd
 import streamlit as st
 
 from bonsai_core import solvers
-from explorer import compute, plots, state
+from bonsai_core.budget import format_bytes
+from explorer import compute, module_chart, module_graph, pair, plots, state, timeline
 
 
 def sweep_table(rows: list[dict], failures: list[tuple], reference: int) -> pd.DataFrame:
@@ -118,3 +119,115 @@ if gs and gs[0] == g.hash:
         st.dataframe(rows, hide_index=True, width="stretch")
     for method, k, error in failures:
         state.show_error(f"{method}, granularity {k}: {error}")
+
+
+# -- two configurations side by side ------------------------------------------------------------------
+
+def side_config(col, side: str, default: str) -> tuple[str, compute.Options]:
+    """One side's method, granularity and own options, drawn in ``col``; its options for ``compute.solve``
+    (the sidebar's time limit and backend, and what this side sets)."""
+    methods = solvers.available_methods()
+    ss = st.session_state
+    if ss.get(f"side_{side}_method") not in methods:
+        ss[f"side_{side}_method"] = default
+    method = col.selectbox(f"Method {side.upper()}", methods, key=f"side_{side}_method")
+    granularity = None
+    if compute.names_option(method, "granularity"):
+        top = max(2, int(g.is_forward.sum()))
+        k = col.number_input(f"Granularity {side.upper()} (0: the method's default)", 0, top, 0,
+                             key=f"side_{side}_granularity",
+                             help="Largest segment, in forward ops; 0 leaves it to the method (bonsai: auto).")
+        granularity = int(k) or None
+    own, defaults = {}, {}
+    specs = compute.method_options(method)
+    box = col.expander(f"{method}'s options ({side.upper()})") if specs else col
+    for spec in specs:
+        key = f"side_{side}_{method}_{spec.name}"
+        ss.setdefault(key, spec.default)
+        defaults[spec.name] = spec.default
+        name = f"{spec.name} ({side.upper()})"
+        if spec.choices:
+            own[spec.name] = box.selectbox(name, spec.choices, key=key, help=spec.help or None)
+        elif spec.kind is bool:
+            own[spec.name] = box.toggle(name, key=key, help=spec.help or None)
+        elif spec.kind in (int, float):
+            own[spec.name] = box.number_input(name, key=key, help=spec.help or None, placeholder="method default",
+                                              step=1 if spec.kind is int else None)
+    base = [(k, v) for k, v in s.options if k in ("time_limit", "backend")]
+    return method, pair.config_options(base, compute.accepted_options(method), granularity, own, defaults)
+
+
+def side_by_side() -> None:
+    """Two configurations at the sidebar's budget: memory curves, lifetimes, module boxes, table."""
+    st.subheader("Two methods side by side")
+    s_ = state.settings()
+    st.caption(f"Both solved at the sidebar's budget, **{format_bytes(s_.budget)}** ({s_.percent:.1f}% of the no-remat "
+               "peak), each schedule checked by the simulator. Pick a method for each side (the same method at two "
+               "granularities works too).")
+    methods = solvers.available_methods()
+    other = next((m for m in ("chen", "bonsai", "dtr", *methods) if m in methods and m != s_.method), s_.method)
+    ca, cb = st.columns(2)
+    configs = [side_config(ca, "a", s_.method), side_config(cb, "b", other)]
+    outs = []
+    for side, (method, options) in zip("AB", configs):
+        with st.spinner(f"Solving {side}: **{method}** under {format_bytes(s_.budget)}…", show_time=True):
+            outs.append(compute.solve(g, s_.budget, method, options))
+    failed = [(side, o) for side, o in zip("AB", outs) if not o.ok]
+    for side, o in failed:
+        state.show_error(f"{side}, {o.method}: {o.error}", "Raise the budget in the sidebar or pick another method.")
+    if failed:
+        return
+    names = pair.distinct_labels(*(pair.label(o.method, o.options) for o in outs))
+
+    # memory over schedule steps, one chart: the same y scale
+    none = compute.solve(g, None, "none")
+    curves = [plots.curve(name, o.sim.timeline, compute.op_costs(g, o.schedule), o.sim.peak, o.sim.peak_op,
+                          pair.CATEGORY_FILLS[i + 1], "ops") for i, (name, o) in enumerate(zip(names, outs))]
+    curves.append(plots.curve("no remat", none.sim.timeline, compute.op_costs(g, none.schedule), none.sim.peak,
+                              none.sim.peak_op, plots.method_colour("none"), "ops", dash="dash"))
+    x_domain = (0.0, float(max(len(o.schedule.ops) for o in outs)))
+    st.vega_lite_chart(spec=plots.memory_chart(curves, s_.budget, g.peak_lower_bound, "ops", height=360,
+                                               x_domain=x_domain), width="stretch", key="side_memory")
+
+    # the module boxes, coloured by who recomputes them
+    tree, _, _, depth, blocks = compute.module_structure(g) if g.modules else (None,) * 5
+    computed = [module_graph.times_computed(g, o.schedule.ops) for o in outs]
+    diff = None
+    if g.modules:
+        boxes, layout = compute.boxes_at(g, depth)
+        kinds = pair.categories(*(pair.recomputed_boxes(g, boxes, c) for c in computed))
+        diff = pair.difference(boxes, kinds)
+        stats = module_graph.box_stats(g, boxes, None, np.maximum(*computed))
+        st.vega_lite_chart(spec=module_chart.module_chart(boxes, layout, stats, tree.paths, tree.parent, blocks,
+                                                          theme=state.theme(), fills=pair.fills(kinds)),
+                           width="stretch", key="side_modules")
+        legend = " · ".join(f":{c}-background[{n}]" for c, n in zip(("gray", "blue", "orange", "violet"),
+                                                                    ("neither", f"only {names[0]}", f"only {names[1]}",
+                                                                     "both")))
+        st.caption(f"Module boxes at fold depth {depth}, coloured by which schedule recomputes them: {legend}. "
+                   "Outlined in red: recomputed by either; hover for the ops, bytes and time.")
+
+    # the tensor lifetimes, one chart per side, same x and y scales
+    modules = timeline.node_modules(g)
+    groups = sorted(set(modules.group))
+    lifetimes = [timeline.bars(g, o.schedule.ops, modules) for o in outs]
+    y_top = max((g.fixed_mem + float(np.max(b.offset + b.bytes, initial=0))) / timeline.MIB for b in lifetimes)
+    for i, (name, o, b) in enumerate(zip(names, outs, lifetimes)):
+        x = np.arange(1, len(o.schedule.ops) + 1, dtype=float)
+        step = max(0, min(o.sim.peak_op, len(x) - 1))
+        frame = timeline.bar_frame(b, x, step, g.fixed_mem)
+        st.markdown(f"**{name}**: tensor lifetimes (grey line: its peak, step {step}; red outline: a recomputed "
+                    "tensor's second life)")
+        st.vega_lite_chart(spec=timeline.timeline_chart(frame, groups, x[step], x_domain, "schedule step (op)",
+                                                         height=300, y_top=1.05 * y_top),
+                           width="stretch", key=f"side_timeline_{'ab'[i]}")
+
+    sides = [pair.Side(name, o.sim.peak, o.sim.overhead, o.sim.recomputes,
+                       len(o.schedule.extra["recomputed"]) if "segments" in o.schedule.extra else None,
+                       (diff.a if i == 0 else diff.b) if diff else ())
+             for i, (name, o) in enumerate(zip(names, outs))]
+    st.markdown(pair.verdict(*sides))
+    st.table(pair.table(*sides, none.sim.peak, diff or pair.Difference((), (), ())), hide_index=True)
+
+
+state.follow_budget(side_by_side)

@@ -7,7 +7,6 @@ import numpy as np
 import streamlit as st
 
 from bonsai_core.budget import format_bytes
-from bonsai_core.regions import block_stack
 from explorer import compute, module_chart, module_graph, plots, state
 
 LARGE = 600  # above this many ops the op-level graph opens collapsed
@@ -21,22 +20,7 @@ def full_layout(graph):
     return plots.layered_layout(graph)
 
 
-@st.cache_resource(show_spinner=False, hash_funcs=compute.GRAPH_HASH, max_entries=8)
-def module_structure(graph):
-    """The module tree, each forward op's call, each backward op's anchor, the depth to open at and the
-    block stack's paths: everything of the module view that no fold depth or schedule changes."""
-    tree = module_graph.module_tree(graph)
-    owners = module_graph.forward_owners(graph, tree)
-    anchors = module_graph.backward_anchors(graph)
-    return tree, owners, anchors, module_graph.default_depth(graph, tree), [p for p, _, _ in block_stack(graph)]
-
-
-@st.cache_resource(show_spinner=False, hash_funcs=compute.GRAPH_HASH, max_entries=32)
-def boxes_at(graph, depth: int):
-    """The boxes at one fold depth and their layout."""
-    tree, owners, anchors, _, _ = module_structure(graph)
-    boxes = module_graph.module_boxes(graph, depth, tree, owners, anchors)
-    return boxes, module_graph.box_layout(graph, boxes)
+module_structure, boxes_at = compute.module_structure, compute.boxes_at  # shared with the Compare page
 
 
 def segmented_graph() -> None:
