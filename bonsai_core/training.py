@@ -128,7 +128,7 @@ class Plan:
     def apply(self, model: nn.Module) -> nn.Module:
         """Checkpoint ``model``'s submodules as planned (in place) and return ``model``."""
         try:
-            return apply_saves(model, self.save, self.report.graph_hash[:12] or "the planned model")
+            return apply_saves(model, self.save, f"a model traced as graph {self.report.graph_hash}")
         except ValueError as e:
             raise ModelError(str(e)) from None
 
@@ -188,7 +188,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     wanted, budget_source = _budget(budget, device)
     settings = {"method": method, "budget": str(budget), "budget_bytes": wanted.bytes, "autocast": autocast,
                 "optimizer": optimizer, "fsdp": [fsdp, reshard_after_forward], "options": {k: repr(v) for k, v in sorted(options.items())},
-                "device": device.type}
+                "device": device.type, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None}
     folder = _cache_folder(cache_dir) if cache else None
     key = _fingerprint(model, inputs, loss_fn, settings)
     hit = _read_cached(folder, key) if folder else None
