@@ -8,18 +8,23 @@ sharded state a rank holds whole (*unsharded*) tensors for a while. The simulato
 * **Fixed per rank**: the sharded parameters, gradients and optimizer state (1/N each, rounded up),
   and the root unit's unsharded parameters, gathered at the first forward op and kept through the
   backward pass (FSDP does not reshard the root after its forward: its head runs first backwards).
-* **Forward**: while an op of block *u* runs, *u*'s parameters are unsharded; with
-  ``reshard_after_forward`` (the default) they are freed when the next op outside *u* runs, else they
-  stay until *u*'s backward ends.
+* **Forward**: while an op of block *u* runs, *u*'s parameters are unsharded, and the flat output of
+  the last all-gather is kept until the next all-gather (the root's first); with
+  ``reshard_after_forward`` (the default) *u* is resharded when an op outside it runs, else it stays
+  unsharded until its backward ends.
 * **Backward**: once the gradient reaches the model's output (the first backward op reading a forward
-  tensor of the model rather than of the loss function), the last block's all-gather is prefetched;
-  block *u*'s backward is running from the first backward op that reads a tensor of
-  *u*'s forward (its latest one, in forward order) until an op of an earlier block runs; meanwhile
-  *u*'s parameters are unsharded again and its gradients are whole (counted in full, from the start of
-  its backward to its reduce-scatter). A recomputed forward op of block *u* runs inside *u*'s backward.
-  The root's gradients are whole from the first backward op to the end of the step.
+  tensor of the model rather than of the loss function), the last block's all-gather is prefetched.
+  Block *u*'s backward runs from the first backward op that reads a tensor of *u*'s forward (the latest
+  block such an op reads) until an op of an earlier block runs; meanwhile *u*'s parameters are
+  unsharded, the block before it is prefetched (its flat all-gather output held), *u*'s gradients are
+  held as they are computed (the graph frees a gradient at once) until its reduce-scatter, whose input
+  (the gradients flattened, copied while they are still held) is kept until the next reduce-scatter.
+  A recomputed forward op of block *u* runs inside *u*'s backward. The root's gradients are held from
+  their computation to the end of the step.
 
-:func:`working_profile` gives those unsharded bytes per schedule op; ``simulate`` adds them to the
+These are FSDP2's own allocations (``torch/distributed/fsdp/_fully_shard``: ``all_gather_state``,
+``reduce_scatter_states``, implicit backward prefetching), measured against gloo processes with
+``scripts/fsdp_check.py`` (docs/REAL_RUNS.md). :func:`working_profile` gives those unsharded bytes per schedule op; ``simulate`` adds them to the
 timeline, so every schedule's peak is the rank's, and :func:`bonsai_core.solvers.solve` tightens a
 method's budget by what they add where they set the peak. Measured against gloo processes:
 docs/REAL_RUNS.md.
