@@ -1,7 +1,7 @@
 """FSDP2 training with bonsai's plan: checkpoint first, then shard each decoder layer (as torchtitan applies
 activation checkpointing before ``fully_shard``). Runs on CPU processes with the gloo back-end:
 
-    torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py --budget 60% --steps 3
+    torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py --budget 70% --steps 3
 
 Rank 0 plans and writes the plan cache; the other ranks wait for it and apply the cached plan, so every
 rank checkpoints the same submodules. ``fsdp=world`` makes the budget one rank's: its share of the
@@ -20,7 +20,7 @@ import bonsai_core as bonsai
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", default="60%", help="bytes, a size (2GiB) or a share of the no-remat peak (60%%)")
+    parser.add_argument("--budget", default="70%", help="bytes, a size (2GiB) or a share of the no-remat peak per rank (70%%)")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
 

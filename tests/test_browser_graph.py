@@ -2,7 +2,7 @@
 Chromium as in tests/test_browser.py.
 
 On the default model: the module view draws, a click on a box opens its ops, screenshots in the light
-and the dark theme. Slow: a Llama with 32 layers (7,440 ops) uploaded as a graph JSON, its module view
+and the dark theme. Slow: a Llama with 32 layers and eager attention (7,440 ops) uploaded as a graph JSON, its module view
 (folded to blocks) timed from the click on "Graph" until the chart is painted; also at every fold
 depth. Reports go to ``screenshots/module-graph.txt``; screenshots to ``screenshots/`` (ignored; the ones
 in docs/screenshots are copies).
@@ -129,12 +129,13 @@ def test_the_module_view_draws_and_a_click_on_a_box_opens_its_ops(browser, serve
 
 @pytest.fixture(scope="module")
 def llama_graph(tmp_path_factory):
-    """``bonsai trace hf:llama --layers 32 --width 32 --heads 2 --seq 16 --batch 1``: 7,440 ops, 32 blocks."""
+    """``bonsai trace hf:llama --layers 32 --width 32 --heads 2 --seq 16 --batch 1 --attention eager``: 7,440
+    ops, 32 blocks (eager attention: the larger graph; with SDPA, the default, 6,103)."""
     from bonsai_core.graph import save_graph
     from bonsai_core.trace import trace_zoo
 
     path = tmp_path_factory.mktemp("llama") / "llama32.json"
-    save_graph(trace_zoo("hf:llama", layers=32, width=32, heads=2, seq=16, batch=1).graph, path)
+    save_graph(trace_zoo("hf:llama", layers=32, width=32, heads=2, seq=16, batch=1, attention="eager").graph, path)
     return path
 
 
