@@ -329,15 +329,9 @@ class Graph:
     @classmethod
     def from_dict(cls, data: Any) -> "Graph":
         """Parse a bonsai-graph document (already JSON-decoded), naming the field of any defect."""
-        if not isinstance(data, dict):
-            raise GraphError("A bonsai-graph file holds one JSON object with 'format', 'version', 'name', "
-                             f"'fixed_mem' and 'nodes'; this one holds a {type(data).__name__}.")
-        if data.get("format") != FORMAT:
-            raise GraphError(f"'format' is {data.get('format')!r}, not {FORMAT!r}: this is not a bonsai-graph "
-                             "file (a schedule file? pass it as the schedule instead).")
-        if data.get("version") != VERSION:
-            raise GraphError(f"'version' is {data.get('version')!r}; this tool reads bonsai-graph version "
-                             f"{VERSION}. Re-trace the model with this version of bonsai.")
+        check_header(data, GraphError, FORMAT, VERSION, fields="'format', 'version', 'name', 'fixed_mem' and 'nodes'",
+                     other="a schedule file? pass it as the schedule instead",
+                     too_new=" Re-trace the model with this version of bonsai.")
         nodes = data.get("nodes")
         if not isinstance(nodes, list) or not nodes:
             raise GraphError("'nodes' must be a non-empty list of node objects.")
@@ -460,6 +454,18 @@ def parse_json_bytes(raw: bytes, what: str) -> Any:
         msg = getattr(e, "msg", "nesting too deep")
         where = f" at line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
         raise GraphError(f"The {what} is not valid JSON{where}: {msg}.") from None
+
+
+def check_header(data: Any, error: type[Exception], fmt: str, version: int, fields: str, other: str,
+                 too_new: str = "") -> None:
+    """Raise ``error`` unless ``data`` is a JSON object of format ``fmt`` and version ``version`` (the
+    bonsai-graph and bonsai-schedule files); ``other`` says what a file of another format may be."""
+    if not isinstance(data, dict):
+        raise error(f"A {fmt} file holds one JSON object with {fields}; this one holds a {type(data).__name__}.")
+    if data.get("format") != fmt:
+        raise error(f"'format' is {data.get('format')!r}, not {fmt!r}: this is not a {fmt} file ({other}).")
+    if data.get("version") != version:
+        raise error(f"'version' is {data.get('version')!r}; this tool reads {fmt} version {version}.{too_new}")
 
 
 def read_json_file(path: str | os.PathLike, what: str) -> Any:

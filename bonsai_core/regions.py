@@ -115,7 +115,7 @@ def dropped_nodes(graph: Graph, plan: CheckpointPlan) -> np.ndarray:
         a = graph.alias_of[v]
         if a >= 0 and graph.is_forward[v] and not dropped[v]:
             dropped[a] = False
-    outs = np.flatnonzero(graph.output_of >= 0)  # a kept op keeps its separated outputs (DESIGN rule 5)
+    outs = np.flatnonzero(graph.output_of >= 0)  # a kept op keeps its separated outputs (the simulator's separated-output rule)
     dropped[outs] &= dropped[graph.output_of[outs]]
     for v in np.flatnonzero(dropped & np.isin(seg, list(plan.drop_outputs))):
         for u in graph.users(v).tolist():

@@ -27,7 +27,7 @@ import json
 import numpy as np
 
 from bonsai_core.errors import GraphError, ScheduleError
-from bonsai_core.graph import Graph, read_json_file
+from bonsai_core.graph import Graph, check_header, read_json_file
 
 FORMAT = "bonsai-schedule"
 VERSION = 1
@@ -61,14 +61,8 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, data: Any) -> "Schedule":
-        if not isinstance(data, dict):
-            raise ScheduleError("A bonsai-schedule file holds one JSON object with 'format', 'graph' and 'ops'.")
-        if data.get("format") != FORMAT:
-            raise ScheduleError(f"'format' is {data.get('format')!r}, not {FORMAT!r}: this is not a "
-                                "bonsai-schedule file (a graph file? pass it as the graph instead).")
-        if data.get("version") != VERSION:
-            raise ScheduleError(f"'version' is {data.get('version')!r}; this tool reads bonsai-schedule "
-                                f"version {VERSION}.")
+        check_header(data, ScheduleError, FORMAT, VERSION, fields="'format', 'version', 'graph' and 'ops'",
+                     other="a graph file? pass it as the graph instead")
         raw_ops = data.get("ops")
         if not isinstance(raw_ops, list):
             raise ScheduleError("'ops' must be a list of [\"compute\" | \"free\", node id] pairs.")
@@ -187,7 +181,19 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
         raise ScheduleError(f"The schedule never computes node {v} ({graph.names[v]!r})"
                             + (f" and {len(never) - 1} other node(s)" if len(never) > 1 else "")
                             + ": every node must be computed at least once.")
-    if graph.fsdp is not None:  # one FSDP rank: the unsharded blocks and held gradients over the step
+    timeline, peak, peak_op = _beyond_the_graph(graph, ops, timeline, peak, peak_op)
+    base, total = graph.total_cost, math.fsum(computed_costs)
+    return SimResult(peak=int(peak), peak_op=peak_op, compute_cost=total,
+                     overhead=(total / base - 1.0) if base > 0 else 0.0,
+                     computes=len([1 for k, _ in ops if k == COMPUTE]), recomputes=int(sum(computed) - n),
+                     timeline=timeline)
+
+
+def _beyond_the_graph(graph: Graph, ops: Sequence[tuple[str, int]], timeline: np.ndarray, peak: int,
+                      peak_op: int) -> tuple[np.ndarray, int, int]:
+    """The timeline and peak with what the step holds beyond the graph's tensors: on an FSDP rank the
+    unsharded blocks and held gradients, and the optimizer step after the backward pass."""
+    if graph.fsdp is not None:
         from bonsai_core.fsdp import working_profile
 
         timeline = timeline + working_profile(graph, ops)
@@ -195,11 +201,7 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
         peak = max(int(timeline.max(initial=graph.fixed_mem)), graph.fixed_mem)
     if graph.optimizer_peak > peak:  # the optimizer step after the backward pass sets the peak
         peak, peak_op = graph.optimizer_peak, len(ops) - 1
-    base, total = graph.total_cost, math.fsum(computed_costs)
-    return SimResult(peak=int(peak), peak_op=peak_op, compute_cost=total,
-                     overhead=(total / base - 1.0) if base > 0 else 0.0,
-                     computes=len([1 for k, _ in ops if k == COMPUTE]), recomputes=int(sum(computed) - n),
-                     timeline=timeline)
+    return timeline, peak, peak_op
 
 
 def _separated_outputs(graph: Graph) -> dict[int, list[int]]:

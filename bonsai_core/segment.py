@@ -118,7 +118,7 @@ def atom_boundaries(graph: Graph) -> tuple[np.ndarray, np.ndarray]:
 def splits_an_output(graph: Graph, forward: np.ndarray) -> np.ndarray:
     """bool[m + 1]: cut p (before forward position p) falls between a multi-output op and one of its
     separated outputs (``Graph.output_of``). Such an output's bytes come only with its op's kernel,
-    so it is dropped and rebuilt with its op or kept with it (DESIGN rule 5): never cut apart."""
+    so it is dropped and rebuilt with its op or kept with it (the simulator's separated-output rule): never cut apart."""
     outs = forward[graph.output_of[forward] >= 0]
     return _cuts_between(forward, graph.output_of[outs], outs, graph.n)
 

@@ -186,19 +186,12 @@ class OptionSpec:
     kind: type = str  # bool, int, float or str
     choices: tuple | None = None  # the allowed values of a Literal option
     help: str = ""
+    declared: Any = str  # the type the method declares (``solvers.MethodOption.type``)
 
     def parse(self, text: str) -> Any:
-        """The option's value from its text in a link; ValueError when it is not one."""
-        if self.choices:
-            value = next((c for c in self.choices if str(c) == text), None)
-            if value is None:
-                raise ValueError(f"one of {', '.join(map(str, self.choices))}")
-            return value
-        if self.kind is bool:
-            if text.lower() not in ("true", "false"):
-                raise ValueError("true or false")
-            return text.lower() == "true"
-        return self.kind(text)
+        """The option's value from its text in a link, as ``bonsai solve --option`` reads it
+        (``solvers.parse_value``); ValueError when it is not one."""
+        return solvers.parse_value(text, self.declared)
 
 
 def method_options(method: str) -> tuple[OptionSpec, ...]:
@@ -218,7 +211,7 @@ def _spec(option: solvers.MethodOption) -> OptionSpec:
     choices = tuple(args) if typing.get_origin(option.type) is Literal else None
     kind = type(default) if default is not None else next(
         (a for a in [option.type, *args] if a in (bool, int, float)), str)
-    return OptionSpec(option.name, default, kind, choices, option.help)
+    return OptionSpec(option.name, default, kind, choices, option.help, option.type)
 
 
 class Unfinished(Exception):

@@ -21,7 +21,7 @@ def mask_far_from_use(fixed_mem: int = 0) -> Graph:
     """A dropout (a multi-output op) whose mask, a node of its own (``getitem``, 40 bytes), is read only
     by the last backward node, while the dropout's output is read until the one before. Freeing the
     mask and taking it again from the resident dropout would lower the peak by its 40 bytes at a
-    nanosecond's cost, but its bytes come only from the dropout kernel (DESIGN rule 5): the peak
+    nanosecond's cost, but its bytes come only from the dropout kernel (the simulator's separated-output rule): the peak
     without it is 341; 301 needs the dropout recomputed after its last backward reader, with the mask."""
     nodes = [dict(name="x", op="aten.mm", phase="forward", cost=1.0, mem=10, deps=[]),
              dict(name="dropout", op="aten.native_dropout", phase="forward", cost=1.0, mem=100, deps=[0]),

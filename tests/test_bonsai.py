@@ -23,48 +23,32 @@ def gpt() -> Graph:
     return Graph.from_dict(json.loads(ASSET.read_text()))
 
 
-def random_net(seed: int, n: int = 6) -> Graph:
+def random_net(seed: int, n: int = 6, views: bool = False) -> Graph:
     """A small training graph with skip connections and uneven sizes: forward f_i reads f_{i-1} and
-    sometimes an earlier f; backward g_i reads g_{i+1}, f_i and f_i's inputs (as real backward ops do)."""
+    sometimes an earlier f; backward g_i reads g_{i+1}, f_i and f_i's inputs (as real backward ops do).
+    With ``views``, some f_i is followed by a view of it, which the next op reads (and, sometimes, the
+    backward pass too): the view must stay in its base's segment."""
     rng = np.random.default_rng(seed)
-    nodes, fdeps = [], []
-    for i in range(n):
-        deps = [i - 1] if i else []
-        if i >= 2 and rng.random() < 0.4:
-            deps.append(int(rng.integers(0, i - 1)))
-        fdeps.append(deps)
-        nodes.append(dict(name=f"f{i}", phase="forward", cost=float(rng.uniform(1, 4)),
-                          mem=int(rng.integers(1, 9)) * 8, deps=deps))
-    for i in reversed(range(n)):
-        deps = {i, *fdeps[i]} | ({len(nodes) - 1} if i < n - 1 else set())
-        nodes.append(dict(name=f"g{i}", phase="backward", cost=float(rng.uniform(1, 4)),
-                          mem=int(rng.integers(1, 9)) * 8, deps=sorted(deps)))
-    return Graph.from_nodes(f"net{seed}", 16, nodes)
-
-
-def viewed_net(seed: int, n: int = 6) -> Graph:
-    """Like random_net, with forward views: some f_i is followed by a view of it, which the next op
-    reads (and, sometimes, the backward pass too): the view must stay in its base's segment."""
-    rng = np.random.default_rng(seed)
-    nodes, fdeps, ids = [], [], []
+    nodes, fdeps, ids = [], [], []  # ids[i]: f_i's node id (views shift it)
     for i in range(n):
         deps = [len(nodes) - 1] if nodes else []
-        if i >= 2 and rng.random() < 0.3:
+        if i >= 2 and rng.random() < (0.3 if views else 0.4):
             deps.append(ids[int(rng.integers(0, i - 1))])
+        deps = sorted(set(deps)) if views else deps
         nodes.append(dict(name=f"f{i}", phase="forward", cost=float(rng.uniform(1, 4)),
-                          mem=int(rng.integers(1, 9)) * 8, deps=sorted(set(deps))))
-        fdeps.append(sorted(set(deps)))
+                          mem=int(rng.integers(1, 9)) * 8, deps=deps))
+        fdeps.append(deps)
         ids.append(len(nodes) - 1)
-        if i < n - 1 and rng.random() < 0.5:
+        if views and i < n - 1 and rng.random() < 0.5:
             nodes.append(dict(name=f"v{i}", phase="forward", cost=0.0, mem=0, deps=[ids[-1]], alias_of=ids[-1]))
     for i in reversed(range(n)):
         f = ids[i]
         deps = {f, *fdeps[i]} | ({len(nodes) - 1} if i < n - 1 else set())
-        if f + 1 < len(nodes) and nodes[f + 1].get("alias_of") == f and rng.random() < 0.5:
+        if views and f + 1 < len(nodes) and nodes[f + 1].get("alias_of") == f and rng.random() < 0.5:
             deps.add(f + 1)  # the backward pass reads the view
         nodes.append(dict(name=f"g{i}", phase="backward", cost=float(rng.uniform(1, 4)),
                           mem=int(rng.integers(1, 9)) * 8, deps=sorted(deps)))
-    return Graph.from_nodes(f"viewed{seed}", 16, nodes)
+    return Graph.from_nodes(f"{'viewed' if views else 'net'}{seed}", 16, nodes)
 
 
 def reader_net(seed: int, n: int = 6) -> Graph:
@@ -216,7 +200,7 @@ FORWARD_PEAK = {"format": "bonsai-graph", "version": 1, "name": "forward_peak", 
     {"id": 5, "name": "g0", "phase": "backward", "cost": 1, "mem": 1, "deps": [4]}]}
 
 
-def all_plans_saving_constants(graph: Graph):
+def all_plans_saving_self_contained(graph: Graph):
     """Every checkpoint plan, each recomputed segment saving its self-contained nodes when it holds
     others too (bonsai's default)."""
     from bonsai_core.segment import segment
@@ -237,7 +221,7 @@ def all_plans_saving_constants(graph: Graph):
 
 @pytest.mark.parametrize("graph", [masked_net(s, n) for s, n in ((0, 5), (1, 5), (2, 6), (3, 5), (5, 6), (8, 5))],
                          ids=lambda g: g.name)
-def test_saving_constants_is_optimal_in_its_model(graph):
+def test_saving_self_contained_is_optimal_in_its_model(graph):
     """Graphs with a mask-like constant, against every plan whose recomputed segments save their
     self-contained nodes: the model bounds every plan's simulated peak; at every budget the ILP's
     optimum is the cheapest plan whose modelled peak fits, the schedule fits, and it is the true
@@ -246,7 +230,7 @@ def test_saving_constants_is_optimal_in_its_model(graph):
     built = B.build(graph, m)
     assert built.saving.any()
     plans = []
-    for plan in all_plans_saving_constants(graph):
+    for plan in all_plans_saving_self_contained(graph):
         sim = simulate(graph, plan_schedule(graph, plan, "brute"))
         plans.append((sim.peak, sim.compute_cost, modelled_peak(built, plan)))
     assert all(q >= p for p, _, q in plans)
@@ -269,10 +253,10 @@ def test_a_segment_saves_the_mask_instead_of_rebuilding_it():
     ones and tril (cost 29); rebuilding the mask too costs 30."""
     g = masked_net(1, 5)
     s = solve(g, 36, "bonsai", granularity=5)
-    assert s.stats["compute_cost"] == pytest.approx(29) and s.stats["constants_saved"] == 2
+    assert s.stats["compute_cost"] == pytest.approx(29) and s.stats["self_contained_saved"] == 2
     plan = CheckpointPlan.from_extra(s.extra)
     assert [g.names[v] for v in sorted(plan.saved)] == ["ones", "tril"]
-    assert solve(g, 36, "bonsai", granularity=5, save_constants=False).stats["compute_cost"] == pytest.approx(30)
+    assert solve(g, 36, "bonsai", granularity=5, save_self_contained=False).stats["compute_cost"] == pytest.approx(30)
 
 
 def all_plans_dropping_outputs(graph: Graph):
@@ -311,8 +295,9 @@ def modelled_peak_dropping_outputs(built, plan: CheckpointPlan) -> int:
     return int((memory + np.cumsum(total)).max())
 
 
-@pytest.mark.parametrize("graph", [Graph.from_dict(FORWARD_PEAK), Graph.from_dict(MUL8), random_net(0, n=5), random_net(4, n=6), viewed_net(1, n=5),
-                                   viewed_net(2, n=5)] + [reader_net(s, n) for s, n in ((0, 6), (3, 6), (4, 5))],
+@pytest.mark.parametrize("graph", [Graph.from_dict(FORWARD_PEAK), Graph.from_dict(MUL8), random_net(0, n=5), random_net(4, n=6),
+                                   random_net(1, 5, views=True), random_net(2, 5, views=True)]
+                         + [reader_net(s, n) for s, n in ((0, 6), (3, 6), (4, 5))],
                          ids=lambda g: g.name)
 def test_dropping_outputs_is_optimal_in_its_model_and_never_worse(graph):
     """drop_outputs=True against every plan of the larger space: the model bounds every plan's peak; at
@@ -396,7 +381,7 @@ def test_mul8_meets_budget_4_at_the_optimum():
 
 
 @pytest.mark.parametrize("graph", [chain(5), chain(6, mem=8), random_net(0), random_net(1), random_net(2),
-                                   random_net(3, n=7), viewed_net(0), viewed_net(1), viewed_net(2)],
+                                   random_net(3, n=7), *(random_net(seed, views=True) for seed in range(3))],
                          ids=lambda g: g.name)
 def test_bonsai_matches_brute_force_over_all_checkpoint_plans(graph):
     plans = brute_force(graph)
@@ -436,7 +421,8 @@ def test_every_granularity_meets_every_budget_its_candidates_meet_and_finer_neve
         assert coarse.stats["compute_cost"] <= s.stats["compute_cost"] + 1e-9
 
 
-@pytest.mark.parametrize("graph", [chain(6), random_net(1), reader_net(2, n=6), viewed_net(0)], ids=lambda g: g.name)
+@pytest.mark.parametrize("graph", [chain(6), random_net(1), reader_net(2, n=6), random_net(0, views=True)],
+                         ids=lambda g: g.name)
 def test_auto_granularity_meets_every_budget_a_checkpoint_plan_meets_on_small_graphs(graph):
     plans = brute_force(graph)
     for budget in sorted({p for p, _ in plans}):
@@ -599,7 +585,7 @@ def test_gpt2_small_solves_to_optimality():
 
 def test_bonsai_meets_every_budget_chen_meets_at_no_more_overhead(gpt):
     """Chen's plans are in bonsai's space (their segments are candidates, and they are simulated as
-    seeds), so wherever one fits, bonsai fits at an overhead no higher."""
+    fallback plans), so wherever one fits, bonsai fits at an overhead no higher."""
     plain = no_remat_peak(gpt)
     lowest = min(simulate(gpt, plan_schedule(gpt, plan, "chen")).peak
                  for _, plan in candidate_plans(gpt, "auto"))
@@ -637,7 +623,7 @@ def test_bad_gap_is_refused_with_a_clear_message(bad):
         solve(chain(3), None, "bonsai", gap=bad)
 
 
-@pytest.mark.parametrize("graph", [random_net(0), random_net(3), viewed_net(1, n=5), viewed_net(2, n=5),
+@pytest.mark.parametrize("graph", [random_net(0), random_net(3), random_net(1, 5, views=True), random_net(2, 5, views=True),
                                    reader_net(1, n=6), masked_net(0, n=5), Graph.from_dict(MUL8)],
                          ids=lambda g: g.name)
 def test_no_checkpoint_plan_peaks_below_the_region_bound(graph):

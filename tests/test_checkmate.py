@@ -301,7 +301,7 @@ def test_cli_json_output_stays_one_json_object_on_stdout(tmp_path):
 
 
 def test_a_separated_output_is_recomputed_only_with_its_op():
-    """The mask's bytes come only from the dropout kernel (DESIGN rule 5): taking it again from the
+    """The mask's bytes come only from the dropout kernel (the simulator's separated-output rule): taking it again from the
     resident dropout would cost a nanosecond and is no schedule at all. Under 301 bytes the MILP
     must rerun the dropout (and its input) after the dropout's last backward reader, with the mask."""
     from bonsai_core.schedule import simulate

@@ -115,7 +115,7 @@ def test_zoo_gpt_trains_the_same_within_the_predicted_peak(tmp_path, method, sha
 # the plan at share 0.5 (423,816 vs 385,024 B) and +8.96% at 0.7 (468,616 vs 430,080 B) since in-place
 # ops and getitem outputs are placed in their submodules (before: +11.2% and +10.5%). The module-region
 # plans of test_module_region_plans_are_followed_by_the_checkpoints meet the 10%.
-EAGER_GAP = pytest.mark.xfail(strict=True, reason="known gap (issue #13): a free-form plan +10.08% over the plan")
+EAGER_GAP = pytest.mark.xfail(strict=True, reason="known gap (docs/EXPORT.md): a free-form plan +10.08% over the plan")
 
 
 @pytest.mark.slow
@@ -148,7 +148,7 @@ def test_module_region_plans_are_followed_by_the_checkpoints(tmp_path, model, op
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known gap (issue #13): free-form plans +9.2-15.0% over the plan on hf:gpt2")
+@pytest.mark.xfail(strict=True, reason="known gap (docs/EXPORT.md): free-form plans +9.2-15.0% over the plan on hf:gpt2")
 def test_hf_source_gpt2_bonsai(tmp_path):
     """hf:gpt2 (eager attention, dropout 0.1), a free-form plan. Which of the model's equally cheap
     plans HiGHS returns decides how closely the checkpoints follow it. Measured over the schedule's

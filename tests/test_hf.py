@@ -275,7 +275,7 @@ def _predicts_the_eager_peak(spec: str, **options) -> None:
     measured = measure_step(model, inputs, loss_fn, frozen=traced.frozen_params)
     # T5's trace holds one 8-byte scalar constant as fixed memory that its eager step makes per call
     assert traced.graph.fixed_mem == pytest.approx(measured.fixed, abs=8)
-    assert no_remat_peak(traced.graph) == pytest.approx(measured.peak, rel=0.05)  # issue #11's bound
+    assert no_remat_peak(traced.graph) == pytest.approx(measured.peak, rel=0.05)  # the trace's no-remat peak within 5% of eager's
 
 
 def test_a_model_whose_constructor_reads_tensor_values_builds_on_real_uninitialised_tensors(tmp_path):

@@ -1,4 +1,4 @@
-"""Issue #11's promise on models no one here wrote: every ``hf:`` architecture goes trace -> solve ->
+"""The promise on models no one here wrote: every ``hf:`` architecture goes trace -> solve ->
 export -> verify, with a schedule that recomputes ops across its dropout / BatchNorm, and trains
 exactly like the original (same loss and gradients, BatchNorm statistics written back, dropout
 masks replayed bitwise under one seed) at the peak the simulator predicted."""

@@ -66,7 +66,7 @@ def test_block_plans_checkpoint_every_kth_block(gpt4):
 
 def test_module_calls_are_bonsai_candidates(gpt4):
     """Each call is a candidate; one that ends with a multi-output op (a LayerNorm) takes in the op's
-    separated outputs listed after it (its statistics: DESIGN rule 5)."""
+    separated outputs listed after it (its statistics: the simulator's separated-output rule)."""
     from bonsai_core.segment import splits_an_output
 
     seg = build(gpt4).seg
@@ -84,7 +84,7 @@ def test_module_calls_are_bonsai_candidates(gpt4):
 
 
 def test_bonsai_is_never_above_per_block_checkpointing(gpt4):
-    """Wherever a per-block plan fits, bonsai meets its peak at no more compute (its seeds and
+    """Wherever a per-block plan fits, bonsai meets its peak at no more compute (its fallback plans and
     candidates contain the plan; the ILP may find a cheaper one)."""
     for label, plan in block_plans(gpt4):
         per_block = simulate(gpt4, plan_schedule(gpt4, plan, "test"))

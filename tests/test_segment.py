@@ -34,7 +34,7 @@ def _check(graph: Graph, seg) -> None:
     assert set(zip(seg.atom_ptr[:-1].tolist(), seg.atom_ptr[1:].tolist())) <= set(zip(seg.starts.tolist(),
                                                                                      seg.ends.tolist()))
     # Every non-view op starts an atom, so an atom holds at most one: the finest cover that counts;
-    # but a separated output rides with its op (DESIGN rule 5): no cut between them.
+    # but a separated output rides with its op (the simulator's separated-output rule): no cut between them.
     views = graph.is_view[seg.forward]
     cuts = set(seg.atom_ptr.tolist())
     riding = splits_an_output(graph, seg.forward)

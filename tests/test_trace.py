@@ -94,7 +94,7 @@ def test_gpt2_small_traces_without_allocating():
     assert traced.graph.n > 1000
 
 
-# -- BatchNorm, unused parameters, data-dependent code (issue 11) ----------------------------------
+# -- BatchNorm, unused parameters, data-dependent code ----------------------------------------------
 
 def _bn_net():
     torch.manual_seed(0)

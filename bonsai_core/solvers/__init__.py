@@ -144,10 +144,20 @@ def parse_option(method: str, text: str) -> tuple[str, Any]:
         return name, _guess(raw)
     check_options(method, {name: None})
     kind = next(o.type for o in options if o.name == name)
-    value = _convert(raw, kind)
+    try:
+        return name, parse_value(raw, kind)
+    except ValueError as e:
+        raise SolverError(f"Option {name}={raw!r} of method {method!r}: {e}.") from None
+
+
+def parse_value(raw: str, kind: Any) -> Any:
+    """An option's value from its text, typed by its declared type (the CLI's ``--option`` and the
+    app's links share these rules: ``true/yes/1``, ``false/no/0``, ``none``, a Literal's members);
+    ValueError naming the expected type when the text is not one."""
+    value = _convert(raw.strip(), kind)
     if value is _BAD:
-        raise SolverError(f"Option {name}={raw!r} of method {method!r}: expected {type_name(kind)}.")
-    return name, value
+        raise ValueError(f"expected {type_name(kind)}")
+    return value
 
 
 _BAD = object()

@@ -18,13 +18,13 @@ Chen's plans and per-module checkpointing are in the model's space at every gran
 forward ops)), capped at their count); the smallest rung whose model meets the budget is solved (the
 built problems are cached, so a later budget reuses them). A set ``granularity`` solves that one.
 
-**Seeds.** Chen's plans and the per-block plans of the model's block stack
+**Fallback plans.** Chen's plans and the per-block plans of the model's block stack
 (:func:`bonsai_core.regions.block_plans`: every 1st, 2nd, 4th block checkpointed, as the per-block
 peer does) are also simulated (exactly, once per graph); the cheapest that fits the budget is
 returned instead of the ILP's plan when it is cheaper or the ILP found none. The model is
 conservative (it may overestimate a plan's peak), so this keeps bonsai at or below chen and
 per-block checkpointing wherever one of their plans fits (``stats["plan_source"]``: "ilp" or
-"seed", with the seed's label in ``stats["seed_plan"]``).
+"fallback", with the plan's label in ``stats["fallback_plan"]``).
 
 **The simulator judges**: the ILP's plan is simulated; should its peak ever exceed the budget, the
 budget given to the model is tightened by the excess and the ILP re-solved (``stats["tightened_by"]``).
@@ -35,9 +35,9 @@ optimum at b is no cheaper than at B, and the plan fits b. So a solve at such a 
 (``stats["reused_from"]``: B) without solving; dragging the explorer's budget slider over a plan's
 interval costs nothing (``reuse=False`` always solves, as the benchmarks do).
 
-**Time limit**: ``time_limit`` bounds the whole call (the seeds, every rung's build and MILP solve, the
+**Time limit**: ``time_limit`` bounds the whole call (the fallback plans, every rung's build and MILP solve, the
 tightening and the smallest-budget search). Past it: the best valid plan found so far (``status``
-"feasible" with the MILP's gap, or "time_limit" for a fallback seed plan, no gap known) or a
+"feasible" with the MILP's gap, or "time_limit" for a fallback plan, no gap known) or a
 BudgetError saying none was found.
 """
 
@@ -63,7 +63,7 @@ from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
 from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, solve_milp
 
-_CACHE_SIZE = 32  # entries: per graph its plain profile, its seeds, one model per rung tried, its solved plans
+_CACHE_SIZE = 32  # entries: per graph its plain profile, its fallback plans, one model per rung tried, its solved plans
 _PLANS_KEPT = 64  # solved plans remembered per graph and options, for reuse at budgets they fit
 _MAX_TIGHTEN = 4
 _LADDER = (1, 2, 4, 8)  # the auto granularity's rungs, in multiples of the default
@@ -72,7 +72,7 @@ Regions = Literal["any", "modules"]  # which candidate segments may be recompute
 
 
 @dataclass
-class Seeds:
+class FallbackPlans:
     """Chen's checkpoint plans and the per-block plans of one graph: what bonsai can always fall back
     on. Each plan's compute cost is exact (its rebuilds counted) and its peak is simulated only when
     needed (once), cheapest first."""
@@ -107,9 +107,9 @@ class Seeds:
         return min((self.peak(graph, i) for i in range(len(self.plans))), default=None)
 
 
-def saving_constants(graph: Graph, plan: CheckpointPlan, spans: tuple[tuple[int, int], ...],
+def saving_self_contained(graph: Graph, plan: CheckpointPlan, spans: tuple[tuple[int, int], ...],
                      lowest: np.ndarray) -> CheckpointPlan:
-    """``plan``, whose recomputed segments are the forward-position ``spans`` (seed segments are runs of
+    """``plan``, whose recomputed segments are the forward-position ``spans`` (fallback plans' segments are runs of
     the forward order), with each of them saving its self-contained nodes (when it holds others too),
     as bonsai's own plans do; ``lowest``: :func:`self_contained_from`."""
     forward = np.flatnonzero(graph.is_forward)
@@ -149,28 +149,28 @@ def module_spans(graph: Graph) -> set[tuple[int, int]]:
     return {(int(pos[first]), int(pos[last]) + 1) for _, first, last in graph.modules}
 
 
-def seeds(graph: Graph, regions: Regions = "any", save_constants: bool = True) -> Seeds:
-    """The seed plans of ``graph``, simulated when needed; cached per graph. ``regions="any"``: Chen's
+def fallback_plans(graph: Graph, regions: Regions = "any", save_self_contained: bool = True) -> FallbackPlans:
+    """The fallback plans of ``graph``, simulated when needed; cached per graph. ``regions="any"``: Chen's
     plans (both variants) and the per-block plans; ``"modules"``: the per-block plans only. With
-    ``save_constants``, each also as bonsai's plans run it (:func:`saving_constants`), where that differs."""
+    ``save_self_contained``, each also as bonsai's plans run it (:func:`saving_self_contained`), where that differs."""
     from bonsai_core.solvers.chen import candidate_plans
 
-    def make() -> Seeds:
+    def make() -> FallbackPlans:
         pos = forward_positions(graph)
-        lowest = self_contained_from(graph) if save_constants else None
+        lowest = self_contained_from(graph) if save_self_contained else None
         plans = []
         chen = candidate_plans(graph, "auto") if regions == "any" else []
         for label, plan in [*chen, *block_plans(graph)]:
             spans = tuple((int(pos[list(plan.segments[i])].min()), int(pos[list(plan.segments[i])].max()) + 1)
                           for i in sorted(plan.recomputed))
             plans.append((label, plan, spans))
-            saving = saving_constants(graph, plan, spans, lowest) if save_constants else plan
+            saving = saving_self_contained(graph, plan, spans, lowest) if save_self_contained else plan
             if saving != plan:
-                plans.append((f"{label}, constants saved", saving, spans))
-        return Seeds(spans=tuple(sorted({sp for *_, spans in plans for sp in spans} | module_spans(graph))),
+                plans.append((f"{label}, self-contained nodes saved", saving, spans))
+        return FallbackPlans(spans=tuple(sorted({sp for *_, spans in plans for sp in spans} | module_spans(graph))),
                      plans=tuple(plans), peaks={})
 
-    return _cached((graph.hash, ("seeds", regions, save_constants)), make)
+    return _cached((graph.hash, ("fallbacks", regions, save_self_contained)), make)
 
 
 def _plain(graph: Graph) -> PlainProfile:
@@ -184,27 +184,27 @@ def auto_ladder(graph: Graph) -> list[int]:
 
 
 def build(graph: Graph, granularity: int | None = None, regions: Regions = "any",
-          drop_outputs: bool = False, save_constants: bool = True) -> BuiltModel:
+          drop_outputs: bool = False, save_self_contained: bool = True) -> BuiltModel:
     """The segment ILP of ``graph`` at ``granularity`` (None: the paper's default, round(2·√ops)),
     with Chen's segments and the module calls as extra candidates; built once per (graph hash,
     granularity, regions) and cached (the last few), so a budget change only sets the Parameter.
     ``regions="modules"``: only module calls may be recomputed (the rest of the forward pass is kept
     atom by atom), so the granularity plays no part. ``drop_outputs``: candidates may also be
-    recomputed with their outputs dropped (:class:`~bonsai_core.regions.CheckpointPlan`); ``save_constants``:
+    recomputed with their outputs dropped (:class:`~bonsai_core.regions.CheckpointPlan`); ``save_self_contained``:
     a recomputed candidate saves its self-contained nodes."""
     if regions == "modules":
         granularity = 1
     gran = default_granularity(graph) if granularity is None else granularity
     seg = segment(graph, gran)  # validates the granularity before anything is built
-    key = (graph.hash, ("model", seg.granularity, regions, drop_outputs, save_constants))
+    key = (graph.hash, ("model", seg.granularity, regions, drop_outputs, save_self_contained))
 
     def make() -> BuiltModel:
-        full = segment(graph, seg.granularity, seeds(graph, regions, save_constants).spans)
+        full = segment(graph, seg.granularity, fallback_plans(graph, regions, save_self_contained).spans)
         allowed = None
         if regions == "modules":
             calls = module_spans(graph)
             allowed = np.array([(a, b) in calls for a, b in zip(full.starts.tolist(), full.ends.tolist())], dtype=bool)
-        return build_model(graph, full, _plain(graph), allowed, drop_outputs, save_constants)
+        return build_model(graph, full, _plain(graph), allowed, drop_outputs, save_self_contained)
 
     return _cached(key, make)
 
@@ -212,7 +212,7 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
 def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None = None,
                  granularity: int | None = None, backend: str = DEFAULT_BACKEND,
                  gap: float = DEFAULT_GAP, regions: Regions = "any", drop_outputs: bool = False,
-                 save_constants: bool = True, reuse: bool = True) -> Schedule:
+                 save_self_contained: bool = True, reuse: bool = True) -> Schedule:
     """Bonsai's segment ILP: the cheapest checkpoint plan whose modelled peak fits ``budget``.
 
     Options:
@@ -228,7 +228,7 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         drop_outputs: also let a recomputed segment drop its outputs when only kept ops read them in the
             forward pass (rebuilt before their first backward reader): a larger schedule space, beyond
             torch.utils.checkpoint regions, and a model about 1.7 times larger (docs/BONSAI.md).
-        save_constants: a recomputed segment saves its self-contained nodes (those that read nothing
+        save_self_contained: a recomputed segment saves its self-contained nodes (those that read nothing
             computed outside it: attention masks, position ids) instead of rebuilding them, as selective
             checkpointing's "must save" does; False: it rebuilds them with the rest.
         reuse: answer with a plan solved earlier (same graph and options) at a larger budget when it
@@ -253,7 +253,7 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
                           "build_seconds": 0.0, "solve_seconds": 0.0, "candidates": 0, "segments": 0,
                           "granularity": 0, "plan_source": "ilp"}
         return schedule
-    plans_key = (graph.hash, ("plans", granularity, regions, drop_outputs, save_constants, backend, gap))
+    plans_key = (graph.hash, ("plans", granularity, regions, drop_outputs, save_self_contained, backend, gap))
     # looked up before waiting for the graph's lock (another session may be solving for minutes), and again
     # after it (the one that held it may have solved a plan that fits)
     earlier = _reused(plans_key, budget) if reuse else None
@@ -263,7 +263,7 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         earlier = _reused(plans_key, budget) if reuse else None
         if earlier is not None:
             return earlier
-        schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions, drop_outputs, save_constants)
+        schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions, drop_outputs, save_self_contained)
         if budget is not None and _reusable(schedule, gap):
             st = schedule.stats
             simulated_peak = st["model_peak"] - st["model_slack"]
@@ -302,12 +302,12 @@ def _copy(schedule: Schedule, **stats: Any) -> Schedule:
 
 
 def _solve(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None,
-           backend: str, gap: float, regions: Regions, drop_outputs: bool, save_constants: bool) -> Schedule:
+           backend: str, gap: float, regions: Regions, drop_outputs: bool, save_self_contained: bool) -> Schedule:
     clock = Deadline(time_limit)
     plain_peak = int(_plain(graph).memory.max())
     target = int(budget) if budget is not None else plain_peak
     ladder = [1] if regions == "modules" else auto_ladder(graph) if granularity is None else [granularity]
-    seed = seeds(graph, regions, save_constants)
+    fallbacks = fallback_plans(graph, regions, save_self_contained)
     tried: list[int] = []
     found: _Found | None = None
     built, cached = None, False
@@ -315,24 +315,24 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         if clock.passed():
             break
         cached = (graph.hash, ("model", min(gran, max(1, op_count(graph))), regions, drop_outputs,
-                               save_constants)) in _cache
-        built = build(graph, gran, regions, drop_outputs, save_constants)
+                               save_self_contained)) in _cache
+        built = build(graph, gran, regions, drop_outputs, save_self_contained)
         tried.append(built.seg.granularity)
         found = _solve_model(graph, built, target, backend, clock, gap)
         if found is not None:
             break
     if found is None:
-        fallback = seed.best(graph, target, clock=clock) if built is not None else None
+        fallback = fallbacks.best(graph, target, clock=clock) if built is not None else None
         if fallback is None:
-            raise _no_plan(graph, built, target, backend, clock, seed, tried, regions, drop_outputs)
-        return _seeded(graph, fallback, tried, clock, built, regions)
+            raise _no_plan(graph, built, target, backend, clock, fallbacks, tried, regions, drop_outputs)
+        return _fallen_back(graph, fallback, tried, clock, built, regions)
     schedule, outcome = found.schedule, found.outcome
     sim = simulate(graph, schedule)
     model_peak, ilp_peak = built.predicted_peak(found.rec), sim.peak
     source = "ilp"
-    fallback = seed.best(graph, target, below=sim.compute_cost * (1 - 1e-9), clock=clock)
+    fallback = fallbacks.best(graph, target, below=sim.compute_cost * (1 - 1e-9), clock=clock)
     if fallback is not None:
-        schedule, source = plan_schedule(graph, fallback[3], "bonsai"), "seed"
+        schedule, source = plan_schedule(graph, fallback[3], "bonsai"), "fallback"
         sim = simulate(graph, schedule)
     schedule.stats = {
         **outcome.stats(), "solve_seconds": outcome.solve_seconds, "build_seconds": built.build_seconds,
@@ -344,10 +344,10 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         "model_peak": model_peak, "model_slack": model_peak - ilp_peak,
         "tightened_by": found.tightened, "plan_source": source, "regions": regions,
         "outputs_dropped": len(CheckpointPlan.from_extra(schedule.extra).drop_outputs),
-        "constants_saved": len(CheckpointPlan.from_extra(schedule.extra).saved),
+        "self_contained_saved": len(CheckpointPlan.from_extra(schedule.extra).saved),
     }
-    if source == "seed":
-        schedule.stats.update(status="feasible", gap=None, seed_plan=fallback[2],
+    if source == "fallback":
+        schedule.stats.update(status="feasible", gap=None, fallback_plan=fallback[2],
                               ilp_overhead=outcome.objective)
     return schedule
 
@@ -391,40 +391,31 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
     return best
 
 
-def _seeded(graph: Graph, fallback: tuple[int, float, str, CheckpointPlan], tried: list[int], clock: Deadline,
-            built: BuiltModel | None, regions: Regions) -> Schedule:
+def _fallen_back(graph: Graph, fallback: tuple[int, float, str, CheckpointPlan], tried: list[int], clock: Deadline,
+                 built: BuiltModel | None, regions: Regions) -> Schedule:
     schedule = plan_schedule(graph, fallback[3], "bonsai")
     plan = fallback[3]
     schedule.stats = {"status": "time_limit" if clock.passed() else "feasible", "gap": None,
-                      "plan_source": "seed", "seed_plan": fallback[2], "granularities_tried": tried,
+                      "plan_source": "fallback", "fallback_plan": fallback[2], "granularities_tried": tried,
                       "granularity": built.seg.granularity if built is not None else None,
                       "segments": len(plan.segments), "recomputed_segments": len(plan.recomputed),
                       "build_seconds": built.build_seconds if built is not None else 0.0, "regions": regions}
     return schedule
 
 
-def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, clock: Deadline, seed: Seeds,
+def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, clock: Deadline, fallbacks: FallbackPlans,
              tried: list[int], regions: Regions = "any", drop_outputs: bool = False) -> BudgetError:
     """The error for a budget no plan was found for: the smallest budget bonsai can meet (its model's
     or a Chen plan's, whichever is lower), or that the time ran out."""
-    lowest_seed = seed.lowest_peak(graph) if not clock.passed() else None
-    smallest, proven = lowest_seed, False
+    lowest_fallback = fallbacks.lowest_peak(graph) if not clock.passed() else None
+    smallest, proven = lowest_fallback, False
     left = clock.remaining()
     if built is not None and (left is None or left > 0):
-        problem, z = built.min_peak_problem()
-        try:
-            outcome = solve_milp(problem, backend=backend, time_limit=left)
-        except SolverError:
-            if left is None:
-                raise
-            outcome = None  # no plan before the time limit: only Chen's lowest peak is known
-        if outcome is not None and outcome.status != "infeasible":
-            rec = np.round(built.rec.value)
-            # The model's own peak of the plan found (exact bytes) is a budget the main problem accepts even
-            # at the solvers' tolerances; and it is above the budget just refused.
-            model = max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(rec), budget + 1)
+        peak, status = _min_peak(built, backend, left)  # None: only Chen's lowest peak is known
+        if peak is not None:
+            model = max(peak, budget + 1)  # above the budget just refused, whatever the solvers' tolerances
             smallest = model if smallest is None else min(smallest, model)
-            proven = outcome.status == "optimal"
+            proven = status == "optimal"
     where = f"granularit{'y' if len(tried) == 1 else 'ies'} {', '.join(map(str, tried)) or 'none'}"
     if clock.passed() and smallest is None:
         return BudgetError(f"bonsai found no checkpoint plan of {graph.name!r} within {format_bytes(budget)} "
@@ -454,23 +445,32 @@ def smallest_budget(graph: Graph, granularity: int | None = None, backend: str =
     the auto ladder), by the min-peak MILP; status is the MILP's ("optimal" proves it). (None,
     "time_limit") when the backend had no plan within ``time_limit``."""
     with _graph_lock(graph):
-        built = build(graph, auto_ladder(graph)[-1] if granularity is None else granularity)
-        problem, z = built.min_peak_problem()
-        try:
-            outcome = solve_milp(problem, backend=backend, time_limit=time_limit)
-        except SolverError:
-            if time_limit is None:
-                raise
-            return None, "time_limit"
-        return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.rec.value))), \
-            outcome.status
+        return _min_peak(build(graph, auto_ladder(graph)[-1] if granularity is None else granularity), backend,
+                         time_limit)
+
+
+def _min_peak(built: BuiltModel, backend: str, time_limit: float | None) -> tuple[int | None, str]:
+    """(bytes, status) of the model's min-peak MILP: the larger of its peak and the exact peak of the plan
+    it found (a budget the main problem accepts even at the solvers' tolerances); (None, status) when it
+    has no plan: infeasible, or none within ``time_limit`` ("time_limit"; without a limit a failure raises)."""
+    problem, z = built.min_peak_problem()
+    try:
+        outcome = solve_milp(problem, backend=backend, time_limit=time_limit)
+    except SolverError:
+        if time_limit is None:
+            raise
+        return None, "time_limit"
+    if outcome.status == "infeasible":
+        return None, outcome.status
+    return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.rec.value))), \
+        outcome.status
 
 
 def lowest_budget(graph: Graph, backend: str = DEFAULT_BACKEND, time_limit: float | None = None) -> int | None:
     """The smallest budget bonsai meets with its default options: its model's at the top of the auto
-    ladder (:func:`smallest_budget`) or a seed plan's simulated peak, whichever is lower (None when the
-    model's search found nothing in ``time_limit`` and there is no seed)."""
+    ladder (:func:`smallest_budget`) or a fallback plan's simulated peak, whichever is lower (None when the
+    model's search found nothing in ``time_limit`` and there is no fallback plan)."""
     model, _ = smallest_budget(graph, backend=backend, time_limit=time_limit)
     with _graph_lock(graph):
-        seed = seeds(graph).lowest_peak(graph)
-    return min((b for b in (model, seed) if b is not None), default=None)
+        fallback = fallback_plans(graph).lowest_peak(graph)
+    return min((b for b in (model, fallback) if b is not None), default=None)

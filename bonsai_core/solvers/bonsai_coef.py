@@ -53,7 +53,7 @@ class Coefficients:
     save_ptr: np.ndarray
     save_pos: np.ndarray
     save_step: np.ndarray
-    saving: np.ndarray  # bool[C]: the candidate saves its self-contained nodes (``save_constants``)
+    saving: np.ndarray  # bool[C]: the candidate saves its self-contained nodes (``save_self_contained``)
     # With ``drop_outputs``: the atoms holding the forward readers of the candidate's dropped outputs
     # (CSR over candidates), which must be kept; none: the candidate drops no output.
     reader_ptr: np.ndarray
@@ -127,41 +127,71 @@ def saved_positions(lowest: np.ndarray, start: int, end: int) -> np.ndarray:
     return inside if len(inside) < end - start else inside[:0]
 
 
-def saves_constants(seg: Segmentation, lowest: np.ndarray) -> np.ndarray:
+def saves_self_contained(seg: Segmentation, lowest: np.ndarray) -> np.ndarray:
     """bool[C]: the candidate saves some of its nodes when recomputed (:func:`saved_positions`)."""
     return np.array([len(saved_positions(lowest, a, b)) > 0 for a, b in zip(seg.starts.tolist(), seg.ends.tolist())],
                     dtype=bool)
 
 
 def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outputs: bool = False,
-                 save_constants: bool = False) -> Coefficients:
+                 save_self_contained: bool = False) -> Coefficients:
     """Per-candidate recomputation cost, savings, kept inputs and rebuild peak; with ``drop_outputs``,
     of the candidate recomputed with its outputs dropped too (:class:`~bonsai_core.regions.CheckpointPlan`):
     only what a forward view outside it aliases is kept, an output's forward copy is freed after its
     last forward reader, and the readers' atoms are recorded (they must be kept). With
-    ``save_constants``, the candidates of :func:`saves_constants` save their self-contained nodes
+    ``save_self_contained``, the candidates of :func:`saves_self_contained` save their self-contained nodes
     (:func:`self_contained_from`) instead of rebuilding them.
 
     For a fixed segment end j, which nodes are dropped (``keep_until <= j``), which must be rebuilt
     (dropped and read by the backward pass, or by a rebuilt node at a position <= j) and how long each
     rebuilt copy lives do not depend on the start; so one sweep from j down to the smallest start
     yields every candidate ending at j. O(sum over ends of the longest candidate * degree). Which
-    nodes are self-contained does depend on the start: with ``save_constants`` each candidate has a
+    nodes are self-contained does depend on the start: with ``save_self_contained`` each candidate has a
     sweep of its own.
     """
+    facts = _forward_facts(graph, seg, plain, drop_outputs)
+    saving = (saves_self_contained(seg, np.array(facts.lowest)) if save_self_contained
+              else np.zeros(seg.count, dtype=bool))
+    out = _Tables.empty(seg.count)
+    for group in _sweep_groups(seg, saving):
+        _sweep(seg, group, facts, bool(saving[group[0]]), out)
+    return out.coefficients(saving)
+
+
+@dataclass(frozen=True)
+class _ForwardFacts:
+    """What the sweeps read, per forward position ``p`` (lists: the sweeps run in Python) or per node
+    id ``v``."""
+
+    forward: np.ndarray  # node id at each forward position
+    drop_until: list[int]  # [p]: dropped by a segment ending at j iff <= j
+    keep: list[int]  # [p]: kept by a segment ending at j iff > j (its last forward reader, or a view's)
+    has_bwd: list[bool]  # [p]: the backward pass reads it
+    first_bwd: list[int]  # [p]: sequence position of its first backward reader (n + 1: none)
+    fwd_users: list[list[int]]  # [p]: its forward readers' node ids
+    fwd_deps: list[list[int]]  # [p]: its inputs' node ids
+    lowest: list[int]  # [p]: :func:`self_contained_from`
+    atom_of: np.ndarray  # [p]: the atom holding it
+    alias: list[int]  # [v]: the node it is a view of (-1: none)
+    mem: list[int]  # [v]
+    cost: list[float]  # [v]
+    release: list[int]  # [v]: sequence position after which the plain schedule frees it
+    fpos: list[int]  # [v]: forward position (n: not a forward node)
+
+
+def _forward_facts(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outputs: bool) -> _ForwardFacts:
+    """Each forward node's readers, lifetime and when a segment ending at j drops it, vectorised over
+    the edge list."""
     forward, m, n = seg.forward, len(seg.forward), graph.n
     fpos = np.full(n, n, dtype=np.int64)  # forward position, n for non-forward nodes
     fpos[forward] = np.arange(m)
-    mem, cost, release, seq_pos = graph.mem, graph.cost, plain.release, plain.seq_pos
-    # Per-node facts, vectorised over the edge list.
     src = graph.dep_idx
     dst = np.repeat(np.arange(n), np.diff(graph.dep_ptr))
     fwd_edge = graph.is_forward[dst]
     last_fwd_user = np.full(n, -1, dtype=np.int64)
     np.maximum.at(last_fwd_user, src[fwd_edge], fpos[dst[fwd_edge]])
     first_bwd_user = np.full(n, n + 1, dtype=np.int64)
-    np.minimum.at(first_bwd_user, src[~fwd_edge], seq_pos[dst[~fwd_edge]])
-    has_bwd = first_bwd_user <= n
+    np.minimum.at(first_bwd_user, src[~fwd_edge], plain.seq_pos[dst[~fwd_edge]])
     keep_until = last_fwd_user.copy()  # a node is kept by segment end j iff keep_until > j
     for v in forward[::-1]:  # a kept forward view keeps its base (views come after their bases)
         a = graph.alias_of[v]
@@ -173,93 +203,117 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outp
         if a >= 0:
             view_until[a] = max(view_until[a], fpos[v], view_until[v])
     drop_until = (view_until if drop_outputs else keep_until).copy()  # dropped by end j iff <= j
-    for v in forward[graph.output_of[forward] >= 0]:  # dropped with its op only (DESIGN rule 5; one atom)
+    for v in forward[graph.output_of[forward] >= 0]:  # dropped with its op only (separated outputs; one atom)
         drop_until[v] = max(drop_until[v], drop_until[graph.output_of[v]])
-    drop_until = drop_until[forward].tolist()
-    atom_of = np.searchsorted(seg.atom_ptr, np.arange(m), side="right") - 1
-    fwd_users = [graph.users(v)[graph.is_forward[graph.users(v)]].tolist() for v in forward]
-    fwd_deps = [graph.deps(v).tolist() for v in forward]
-    alias = graph.alias_of.tolist()
-    mem_l, cost_l, rel_l, fpos_l = mem.tolist(), cost.tolist(), release.tolist(), fpos.tolist()
-    keep_l, has_bwd_l, first_bwd_l = keep_until[forward].tolist(), has_bwd[forward].tolist(), \
-        first_bwd_user[forward].tolist()
+    return _ForwardFacts(
+        forward=forward, drop_until=drop_until[forward].tolist(), keep=keep_until[forward].tolist(),
+        has_bwd=(first_bwd_user <= n)[forward].tolist(), first_bwd=first_bwd_user[forward].tolist(),
+        fwd_users=[graph.users(v)[graph.is_forward[graph.users(v)]].tolist() for v in forward],
+        fwd_deps=[graph.deps(v).tolist() for v in forward], lowest=self_contained_from(graph).tolist(),
+        atom_of=np.searchsorted(seg.atom_ptr, np.arange(m), side="right") - 1, alias=graph.alias_of.tolist(),
+        mem=graph.mem.tolist(), cost=graph.cost.tolist(), release=plain.release.tolist(), fpos=fpos.tolist())
 
-    count = seg.count
-    out_cost = np.zeros(count)
-    out_saved, out_ext, out_peak = (np.zeros(count, dtype=np.int64) for _ in range(3))
-    out_ext_start = np.zeros(count, dtype=np.int64)
-    out_rebuild = np.full(count, -1, dtype=np.int64)
-    save_pos: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
-    save_step: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
-    readers: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * count
-    lowest = self_contained_from(graph)
-    lowest_l = lowest.tolist()
-    saving = saves_constants(seg, lowest) if save_constants else np.zeros(count, dtype=bool)
+
+def _sweep_groups(seg: Segmentation, saving: np.ndarray) -> list[np.ndarray]:
+    """The candidates one sweep computes: those sharing an end (by start, descending), and each saving
+    candidate alone (its saved nodes depend on its start)."""
     order = np.flatnonzero(~saving)
     order = order[np.lexsort((-seg.starts[order], seg.ends[order]))]  # by end, then start descending
     groups = np.split(order, np.flatnonzero(np.diff(seg.ends[order])) + 1) if len(order) else []
-    singles = [np.array([c]) for c in np.flatnonzero(saving)]  # one sweep each: saved nodes depend on the start
-    for group in [*groups, *singles]:
-        j = int(seg.ends[group[0]]) - 1
-        lo = int(seg.starts[group[-1]])
-        saved_from = lo if saving[group[0]] else m  # a node is saved when lowest_l[p] >= saved_from
-        need = {}  # forward position -> rebuilt copy's last position in the window (absent: not rebuilt)
-        live = np.zeros(j - lo + 1, dtype=np.int64)  # bytes of rebuilt copies at each window position
-        save_at: dict[int, int] = {}  # sequence position -> bytes whose forward copy is gone from there on
-        inputs: dict[int, int] = {}  # kept node read by the rebuild -> its last reader's position
-        outside: set[int] = set()  # forward positions after j that read a dropped node
-        total_cost, saved, peak, first = 0.0, 0, 0, n + 1
-        gi = 0
-        for p in range(j, lo - 1, -1):
-            v = int(forward[p])
-            if drop_until[p] <= j and lowest_l[p] < saved_from:  # dropped
-                if rel_l[v] > max(j, keep_l[p]):  # the plain schedule keeps it past its forward use
-                    saved += mem_l[v]
-                    at = max(p, keep_l[p]) + 1
-                    save_at[at] = save_at.get(at, 0) + mem_l[v]
-                if keep_l[p] > j:
-                    outside.update(fpos_l[u] for u in fwd_users[p] if fpos_l[u] > j)
-                first = min(first, first_bwd_l[p])
-                last = j if has_bwd_l[p] else -1
-                for u in fwd_users[p]:
-                    pu = fpos_l[u]
-                    if pu <= j and pu in need:
-                        last = max(last, need[pu] if alias[u] == v else pu)
-                if last >= 0:
-                    need[p] = last
-                    live[p - lo:last - lo + 1] += mem_l[v]
-                    peak = max(peak, int(live[p - lo:last - lo + 1].max()))
-                    total_cost += cost_l[v]
-                    inputs.pop(v, None)
-                    for d in fwd_deps[p]:
-                        while d >= 0 and d not in inputs:
-                            inputs[d] = p  # the sweep goes down: the first reader seen is the last
-                            d = alias[d]  # a kept view keeps its base alive with it
-            while gi < len(group) and seg.starts[group[gi]] == p:
-                c = group[gi]
-                gi += 1
-                if not need:
-                    continue
-                out_cost[c], out_saved[c], out_peak[c] = total_cost, saved, peak
-                out_rebuild[c] = first
-                save_pos[c], save_step[c] = _staircase(save_at)
+    return [*groups, *(np.array([c]) for c in np.flatnonzero(saving))]
+
+
+@dataclass
+class _Tables:
+    """The coefficients being filled in, one entry per candidate."""
+
+    cost: np.ndarray
+    saved: np.ndarray
+    ext: np.ndarray
+    ext_start: np.ndarray
+    peak: np.ndarray
+    rebuild_at: np.ndarray
+    save_pos: list[np.ndarray]
+    save_step: list[np.ndarray]
+    readers: list[np.ndarray]
+
+    @classmethod
+    def empty(cls, count: int) -> "_Tables":
+        none = np.zeros(0, dtype=np.int64)
+        return cls(np.zeros(count), *(np.zeros(count, dtype=np.int64) for _ in range(4)),
+                   np.full(count, -1, dtype=np.int64), [none] * count, [none] * count, [none] * count)
+
+    def coefficients(self, saving: np.ndarray) -> Coefficients:
+        save_ptr, save_pos = _csr(self.save_pos)
+        reader_ptr, reader_atom = _csr(self.readers)
+        return Coefficients(cost=self.cost, saved=self.saved, ext=self.ext, ext_start=self.ext_start,
+                            peak=self.peak, rebuild_at=self.rebuild_at, save_ptr=save_ptr, save_pos=save_pos,
+                            save_step=_csr(self.save_step)[1], saving=saving, reader_ptr=reader_ptr,
+                            reader_atom=reader_atom)
+
+
+def _sweep(seg: Segmentation, group: np.ndarray, f: _ForwardFacts, saving: bool, out: _Tables) -> None:
+    """One sweep from the group's end j down to its smallest start, filling in each candidate of the
+    group as the sweep reaches its start."""
+    j = int(seg.ends[group[0]]) - 1
+    lo = int(seg.starts[group[-1]])
+    saved_from = lo if saving else len(f.forward)  # a node is saved when f.lowest[p] >= saved_from
+    need = {}  # forward position -> rebuilt copy's last position in the window (absent: not rebuilt)
+    live = np.zeros(j - lo + 1, dtype=np.int64)  # bytes of rebuilt copies at each window position
+    save_at: dict[int, int] = {}  # sequence position -> bytes whose forward copy is gone from there on
+    inputs: dict[int, int] = {}  # kept node read by the rebuild -> its last reader's position
+    outside: set[int] = set()  # forward positions after j that read a dropped node
+    total_cost, saved, peak, first = 0.0, 0, 0, len(f.fpos) + 1
+    gi = 0
+    for p in range(j, lo - 1, -1):
+        v = int(f.forward[p])
+        if f.drop_until[p] <= j and f.lowest[p] < saved_from:  # dropped
+            if f.release[v] > max(j, f.keep[p]):  # the plain schedule keeps it past its forward use
+                saved += f.mem[v]
+                at = max(p, f.keep[p]) + 1
+                save_at[at] = save_at.get(at, 0) + f.mem[v]
+            if f.keep[p] > j:
+                outside.update(f.fpos[u] for u in f.fwd_users[p] if f.fpos[u] > j)
+            first = min(first, f.first_bwd[p])
+            last = j if f.has_bwd[p] else -1
+            for u in f.fwd_users[p]:
+                pu = f.fpos[u]
+                if pu <= j and pu in need:
+                    last = max(last, need[pu] if f.alias[u] == v else pu)
+            if last >= 0:
+                need[p] = last
+                live[p - lo:last - lo + 1] += f.mem[v]
+                peak = max(peak, int(live[p - lo:last - lo + 1].max()))
+                total_cost += f.cost[v]
+                inputs.pop(v, None)
+                for d in f.fwd_deps[p]:
+                    while d >= 0 and d not in inputs:
+                        inputs[d] = p  # the sweep goes down: the first reader seen is the last
+                        d = f.alias[d]  # a kept view keeps its base alive with it
+        while gi < len(group) and seg.starts[group[gi]] == p:
+            c = group[gi]
+            gi += 1
+            if need:
+                out.cost[c], out.saved[c], out.peak[c], out.rebuild_at[c] = total_cost, saved, peak, first
+                out.save_pos[c], out.save_step[c] = _staircase(save_at)
                 if outside:
-                    readers[c] = np.unique(atom_of[sorted(outside)])
-                late = [d for d in inputs if rel_l[d] < first]  # alive longer than plain
-                if late:
-                    out_ext[c] = sum(mem_l[d] for d in late)
-                    out_ext_start[c] = min(rel_l[d] for d in late) + 1
-                    # During the rebuild such an input lives until its last rebuilt reader.
-                    during = live[p - lo:].copy()
-                    for d in late:
-                        during[:inputs[d] - p + 1] += mem_l[d]
-                    out_peak[c] = int(during.max())
-    save_ptr, save_pos_all = _csr(save_pos)
-    reader_ptr, reader_atom = _csr(readers)
-    return Coefficients(cost=out_cost, saved=out_saved, ext=out_ext, ext_start=out_ext_start, peak=out_peak,
-                        rebuild_at=out_rebuild, save_ptr=save_ptr, save_pos=save_pos_all,
-                        save_step=_csr(save_step)[1], saving=saving, reader_ptr=reader_ptr,
-                        reader_atom=reader_atom)
+                    out.readers[c] = np.unique(f.atom_of[sorted(outside)])
+                _late_inputs(c, p, inputs, first, live[p - lo:], f, out)
+
+
+def _late_inputs(c: int, start: int, inputs: dict[int, int], first: int, live: np.ndarray, f: _ForwardFacts,
+                 out: _Tables) -> None:
+    """Candidate ``c``'s kept inputs that the rebuild keeps alive longer than the plain schedule (freed
+    there before the rebuild's first backward reader ``first``): their bytes, from when, and the
+    rebuild's peak with them (each lives until its last rebuilt reader; ``live``: from ``start`` on)."""
+    late = [d for d in inputs if f.release[d] < first]
+    if late:
+        out.ext[c] = sum(f.mem[d] for d in late)
+        out.ext_start[c] = min(f.release[d] for d in late) + 1
+        during = live.copy()
+        for d in late:
+            during[:inputs[d] - start + 1] += f.mem[d]
+        out.peak[c] = int(during.max())
 
 
 def _csr(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -22,7 +22,7 @@ second ``rec`` column with its own coefficients (``coefficients(..., drop_output
 per atom holding such a reader: ``rec[s] <= keep[a]`` (a recomputed reader's rebuild would have
 nothing to read).
 
-**Saved constants** (``save_constants``): a recomputed candidate keeps its self-contained nodes
+**Saved self-contained nodes** (``save_self_contained``): a recomputed candidate keeps its self-contained nodes
 (``bonsai_coef.self_contained_from``: an attention mask built inside it) instead of rebuilding them;
 its coefficients say so, and :meth:`BuiltModel.plan` lists them in ``CheckpointPlan.saved``.
 
@@ -87,7 +87,7 @@ class BuiltModel:
         picked = np.asarray(rec) > 0.5
         chosen = self.candidates[picked]
         opened = {(int(self.seg.starts[c]), int(self.seg.ends[c])) for c in self.candidates[picked & self.drops_outputs]}
-        saved = [v for c in chosen.tolist() for v in self.constants(c)]
+        saved = [v for c in chosen.tolist() for v in self.self_contained_saved(c)]
         chosen = chosen[np.argsort(self.seg.starts[chosen])]
         m = len(self.seg.forward)
         spans: list[tuple[int, int]] = []
@@ -105,7 +105,7 @@ class BuiltModel:
                                  [i for i, span in enumerate(spans) if span in recomputed],
                                  [i for i, span in enumerate(spans) if span in opened], saved)
 
-    def constants(self, c: int) -> list[int]:
+    def self_contained_saved(self, c: int) -> list[int]:
         """The nodes candidate ``c`` saves when recomputed: its self-contained ones, if it saves them."""
         if not self.saving[c]:
             return []
@@ -124,7 +124,7 @@ class BuiltModel:
             members = pos[list(plan.segments[i])]
             key = (int(members.min()), int(members.max()) + 1, i in plan.drop_outputs)
             if key not in index or key[1] - key[0] != len(members) or \
-                    sorted(plan.saved & set(plan.segments[i])) != sorted(self.constants(int(self.candidates[index[key]]))):
+                    sorted(plan.saved & set(plan.segments[i])) != sorted(self.self_contained_saved(int(self.candidates[index[key]]))):
                 return None
             out[index[key]] = 1.0
         return out
@@ -150,12 +150,12 @@ def _columns(coef: Coefficients, seg: Segmentation, m: int, allowed: np.ndarray 
 
 
 def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: np.ndarray | None = None,
-                drop_outputs: bool = False, save_constants: bool = False) -> BuiltModel:
+                drop_outputs: bool = False, save_self_contained: bool = False) -> BuiltModel:
     """The segment ILP of one segmentation (see the module docstring). ``allowed`` (bool over the
     segmentation's candidates): only those may be recomputed (None: all). ``drop_outputs``: each
     candidate whose outputs are read by later forward ops may also be recomputed with its outputs
-    dropped, as long as the atoms holding those readers are kept. ``save_constants``: a recomputed
-    candidate saves its self-contained nodes (``bonsai_coef.saves_constants``) instead of rebuilding them."""
+    dropped, as long as the atoms holding those readers are kept. ``save_self_contained``: a recomputed
+    candidate saves its self-contained nodes (``bonsai_coef.saves_self_contained``) instead of rebuilding them."""
     import cvxpy as cp
 
     start = time.perf_counter()
@@ -164,7 +164,7 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     kinds = [False, True][:1 + drop_outputs]  # whether the column drops its candidate's outputs
     coefs, columns = {}, {}
     for drop in kinds:
-        coef_k = coefficients(graph, seg, plain, drop_outputs=drop, save_constants=save_constants)
+        coef_k = coefficients(graph, seg, plain, drop_outputs=drop, save_self_contained=save_self_contained)
         ok = np.ones(seg.count, dtype=bool) if allowed is None else allowed.copy()
         if drop:
             ok &= np.diff(coef_k.reader_ptr) > 0  # else the same as keeping its outputs

@@ -145,70 +145,122 @@ def build_matrices(graph: Graph) -> CheckmateMatrices:
     q = n * (n - 1) // 2  # strictly-lower pairs: R and S
     p = n * (n + 1) // 2  # lower pairs: U
     mem_scale = max(float(graph.mem.max()), 1.0) / _MEM_UNITS
-    mem = graph.mem.astype(np.float64) / mem_scale
     positive = graph.cost[graph.cost > 0]
     cost_scale = float(positive.mean()) if len(positive) else 1.0
-    cost = graph.cost / cost_scale
-
-    def r_col(t: np.ndarray, i: np.ndarray) -> np.ndarray:  # R[t, i], i < t
-        return lower_offset(t, i)
-
-    def s_col(t: np.ndarray, i: np.ndarray) -> np.ndarray:  # S[t, i], i < t
-        return q + lower_offset(t, i)
+    cols = _Columns(q)
+    free = _free_variables(graph, q)
+    nx = 2 * q + len(free.col)
 
     rows = Rows()
     families: list[tuple[str, int]] = []  # (name, first row), for saying which rows a start breaks
+    for name, add_rows in _FAMILIES:
+        families.append((name, rows.rows))
+        add_rows(graph, cols, rows)
+    _add_free_rows(graph, cols, free, rows, families)
+    a_ineq, _, b_ineq = rows.matrices(nx, p)
+    a_eqx, a_u, b_eq = _memory_equalities(graph, graph.mem.astype(np.float64) / mem_scale, cols, free, nx, p)
 
-    # Dependencies: R[t, j] <= R[t, i] + S[t, i] for each edge i -> j and stage t >= j.
+    cost = graph.cost / cost_scale
+    c = np.zeros(nx)
+    t_r, i_r = ranges(np.zeros(n, dtype=np.int64), np.arange(n, dtype=np.int64))  # R[t, i], i < t
+    c[cols.r(t_r, i_r)] = cost[i_r]
+    return CheckmateMatrices(n, q, p, a_ineq, b_ineq, families, a_eqx, a_u, b_eq, c, free.t, free.i, free.k,
+                             mem_scale, cost_scale, float(cost.sum()))
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """Where R and S live in ``x``: R's strictly lower triangle, then S's (``q`` pairs each)."""
+
+    q: int
+
+    def r(self, t: np.ndarray, i: np.ndarray) -> np.ndarray:  # R[t, i], i < t
+        return lower_offset(t, i)
+
+    def s(self, t: np.ndarray, i: np.ndarray) -> np.ndarray:  # S[t, i], i < t
+        return self.q + lower_offset(t, i)
+
+
+def _dependency_rows(graph: Graph, cols: _Columns, rows: Rows) -> None:
+    """Dependencies: R[t, j] <= R[t, i] + S[t, i] for each edge i -> j and stage t >= j."""
+    n = graph.n
     src = graph.dep_idx
     dst = np.repeat(np.arange(n, dtype=np.int64), np.diff(graph.dep_ptr))
     e, t = ranges(dst, np.full(len(dst), n, dtype=np.int64))
     i, j = src[e], dst[e]
-    families.append(("inputs resident", rows.rows))
     first = rows.add(len(e), np.where(j == t, -1.0, 0.0))  # R[t, t] = 1 moves to the right
     row = first + np.arange(len(e))
     off = j < t
-    rows.x_terms(row[off], r_col(t[off], j[off]), 1.0)
-    rows.x_terms(row, r_col(t, i), -1.0)
-    rows.x_terms(row, s_col(t, i), -1.0)
+    rows.x_terms(row[off], cols.r(t[off], j[off]), 1.0)
+    rows.x_terms(row, cols.r(t, i), -1.0)
+    rows.x_terms(row, cols.s(t, i), -1.0)
 
-    # Retention: S[t+1, i] <= S[t, i] + R[t, i] for i < t <= n-2 (S[i+1, i] <= R[i, i] = 1 is free).
-    nodes = np.arange(n, dtype=np.int64)
-    v, t = ranges(nodes + 1, np.full(n, n - 1, dtype=np.int64))
-    families.append(("retention", rows.rows))
+
+def _retention_rows(graph: Graph, cols: _Columns, rows: Rows) -> None:
+    """Retention: S[t+1, i] <= S[t, i] + R[t, i] for i < t <= n-2 (S[i+1, i] <= R[i, i] = 1 is free)."""
+    nodes = np.arange(graph.n, dtype=np.int64)
+    v, t = ranges(nodes + 1, np.full(graph.n, graph.n - 1, dtype=np.int64))
     row = rows.add(len(v), 0.0) + np.arange(len(v))
-    rows.x_terms(row, s_col(t + 1, v), 1.0)
-    rows.x_terms(row, s_col(t, v), -1.0)
-    rows.x_terms(row, r_col(t, v), -1.0)
+    rows.x_terms(row, cols.s(t + 1, v), 1.0)
+    rows.x_terms(row, cols.s(t, v), -1.0)
+    rows.x_terms(row, cols.r(t, v), -1.0)
 
-    # No recomputation of a resident node: R[t, i] + S[t, i] <= 1.
-    v, t = ranges(nodes + 1, np.full(n, n, dtype=np.int64))
-    families.append(("no recomputation of a resident node", rows.rows))
+
+def _resident_rows(graph: Graph, cols: _Columns, rows: Rows) -> None:
+    """No recomputation of a resident node: R[t, i] + S[t, i] <= 1."""
+    nodes = np.arange(graph.n, dtype=np.int64)
+    v, t = ranges(nodes + 1, np.full(graph.n, graph.n, dtype=np.int64))
     row = rows.add(len(v), 1.0) + np.arange(len(v))
-    rows.x_terms(row, r_col(t, v), 1.0)
-    rows.x_terms(row, s_col(t, v), 1.0)
+    rows.x_terms(row, cols.r(t, v), 1.0)
+    rows.x_terms(row, cols.s(t, v), 1.0)
 
-    # A separated output (Graph.output_of) is recomputed only with its op in the same stage: its bytes
-    # come with the op's kernel, which a getitem alone does not run. R[t, out] <= R[t, op] for t > out.
+
+def _separated_output_rows(graph: Graph, cols: _Columns, rows: Rows) -> None:
+    """A separated output (Graph.output_of) is recomputed only with its op in the same stage: its bytes
+    come with the op's kernel, which a getitem alone does not run. R[t, out] <= R[t, op] for t > out."""
     outs = np.flatnonzero(graph.output_of >= 0)
-    w, t = ranges(outs + 1, np.full(len(outs), n, dtype=np.int64))
-    families.append(("separated output only with its op", rows.rows))
+    w, t = ranges(outs + 1, np.full(len(outs), graph.n, dtype=np.int64))
     row = rows.add(len(w), 0.0) + np.arange(len(w))
-    rows.x_terms(row, r_col(t, outs[w]), 1.0)
-    rows.x_terms(row, r_col(t, graph.output_of[outs[w]]), -1.0)
+    rows.x_terms(row, cols.r(t, outs[w]), 1.0)
+    rows.x_terms(row, cols.r(t, graph.output_of[outs[w]]), -1.0)
 
-    # A resident view keeps its base resident: S[t, view] <= S[t, base].
+
+def _view_rows(graph: Graph, cols: _Columns, rows: Rows) -> None:
+    """A resident view keeps its base resident: S[t, view] <= S[t, base]."""
     views = np.flatnonzero(graph.alias_of >= 0)
-    w, t = ranges(views + 1, np.full(len(views), n, dtype=np.int64))
+    w, t = ranges(views + 1, np.full(len(views), graph.n, dtype=np.int64))
     vw, base = views[w], graph.alias_of[views[w]]
-    families.append(("resident view keeps its base", rows.rows))
     row = rows.add(len(w), 0.0) + np.arange(len(w))
-    rows.x_terms(row, s_col(t, vw), 1.0)
-    rows.x_terms(row, s_col(t, base), -1.0)
+    rows.x_terms(row, cols.s(t, vw), 1.0)
+    rows.x_terms(row, cols.s(t, base), -1.0)
 
-    # FREE[t, i, k] for each "free edge" (i, k), k < t: k is i or one of its effective users, and
-    # mem_i > 0. (A free after node t itself, the stage's last compute, changes no U: the next
-    # stage's memory is S[t+1].)
+
+# The families of inequality rows on R and S, in row order (the FREE rows follow them).
+_FAMILIES = (("inputs resident", _dependency_rows), ("retention", _retention_rows),
+             ("no recomputation of a resident node", _resident_rows),
+             ("separated output only with its op", _separated_output_rows),
+             ("resident view keeps its base", _view_rows))
+
+
+@dataclass(frozen=True)
+class _FreeVariables:
+    """The FREE[t, i, k] columns: stage ``t``, node ``i`` freed after node ``k``, column ``col``; and the
+    graph's (owner, user) pairs sorted by ``key`` = owner * n + user."""
+
+    t: np.ndarray
+    i: np.ndarray
+    k: np.ndarray
+    col: np.ndarray
+    key: np.ndarray
+    users: np.ndarray  # the user of each key
+
+
+def _free_variables(graph: Graph, q: int) -> _FreeVariables:
+    """FREE[t, i, k] for each "free edge" (i, k), k < t: k is i or one of its effective users, and
+    mem_i > 0. (A free after node t itself, the stage's last compute, changes no U: the next stage's
+    memory is S[t+1].)"""
+    n = graph.n
+    nodes = np.arange(n, dtype=np.int64)
     users = effective_users(graph)
     owner = np.concatenate([np.full(len(us), a, dtype=np.int64) for a, us in enumerate(users)])
     flat_users = np.concatenate(users)
@@ -218,59 +270,57 @@ def build_matrices(graph: Graph) -> CheckmateMatrices:
     order = np.argsort(fe_k, kind="stable")  # stage t has the free edges with k < t: a prefix
     fe_i, fe_k = fe_i[order], fe_k[order]
     count = np.searchsorted(fe_k, nodes, side="left")
-    nf = int(count.sum())
-    nx = 2 * q + nf
     t_f, e_f = ranges(np.zeros(n, dtype=np.int64), count)
-    f_i, f_k = fe_i[e_f], fe_k[e_f]
-    f_col = 2 * q + np.arange(nf, dtype=np.int64)
+    col = 2 * q + np.arange(int(count.sum()), dtype=np.int64)
+    return _FreeVariables(t_f, fe_i[e_f], fe_k[e_f], col, owner * n + flat_users, flat_users)
+
+
+def _add_free_rows(graph: Graph, cols: _Columns, free: _FreeVariables, rows: Rows,
+                   families: list[tuple[str, int]]) -> None:
+    """One row per hazard of a free: F <= R[t, k];  F + S[t+1, i] <= 1;  F + R[t, j] <= 1 for each later
+    user j of i in stage t (F <= 0 if j = t)."""
+    n, nf = graph.n, len(free.col)
     # The users of i computed later in stage t are j in users[i] with k < j <= t: a slice of the
-    # flat (owner, user)-sorted list, found by binary search on the key owner * n + user.
-    key = owner * n + flat_users
-    lo = np.searchsorted(key, f_i * n + f_k, side="right")
-    hi = np.searchsorted(key, f_i * n + t_f, side="right")
-    has_next = t_f < n - 1
+    # flat (owner, user)-sorted list, found by binary search on its key.
+    lo = np.searchsorted(free.key, free.i * n + free.k, side="right")
+    hi = np.searchsorted(free.key, free.i * n + free.t, side="right")
     pf, jj = ranges(lo, hi)
-    jj = flat_users[jj]
-    at_t = jj == t_f[pf]
-    # One row per hazard:
-    # F <= R[t, k];  F + S[t+1, i] <= 1;  F + R[t, j] <= 1 for each later user j (F <= 0 if j = t).
+    jj = free.users[jj]
+    at_t = jj == free.t[pf]
     families.append(("free only after a computation", rows.rows))
     row = rows.add(nf, 0.0) + np.arange(nf)
-    rows.x_terms(row, f_col, 1.0)
-    rows.x_terms(row, r_col(t_f, f_k), -1.0)
-    kept = np.flatnonzero(has_next)
+    rows.x_terms(row, free.col, 1.0)
+    rows.x_terms(row, cols.r(free.t, free.k), -1.0)
+    kept = np.flatnonzero(free.t < n - 1)
     families.append(("free only what the next stage drops", rows.rows))
     row = rows.add(len(kept), 1.0) + np.arange(len(kept))
-    rows.x_terms(row, f_col[kept], 1.0)
-    rows.x_terms(row, s_col(t_f[kept] + 1, f_i[kept]), 1.0)
+    rows.x_terms(row, free.col[kept], 1.0)
+    rows.x_terms(row, cols.s(free.t[kept] + 1, free.i[kept]), 1.0)
     families.append(("free only after the stage's last reader", rows.rows))
     row = rows.add(len(pf), np.where(at_t, 0.0, 1.0)) + np.arange(len(pf))
-    rows.x_terms(row, f_col[pf], 1.0)
-    rows.x_terms(row[~at_t], r_col(t_f[pf[~at_t]], jj[~at_t]), 1.0)
-    a_ineq, _, b_ineq = rows.matrices(nx, p)
+    rows.x_terms(row, free.col[pf], 1.0)
+    rows.x_terms(row[~at_t], cols.r(free.t[pf[~at_t]], jj[~at_t]), 1.0)
 
-    # Memory: U[t, 0] = sum_i mem_i S[t, i] + mem_0 R[t, 0];
-    #         U[t, k] = U[t, k-1] + mem_k R[t, k] - sum mem_i FREE[t, i, k-1].
+
+def _memory_equalities(graph: Graph, mem: np.ndarray, cols: _Columns, free: _FreeVariables, nx: int,
+                       p: int) -> tuple[Any, Any, np.ndarray]:
+    """Memory (in units), as (x's matrix, U's matrix, right-hand side):
+    U[t, 0] = sum_i mem_i S[t, i] + mem_0 R[t, 0];  U[t, k] = U[t, k-1] + mem_k R[t, k] - sum mem_i FREE[t, i, k-1]."""
+    nodes = np.arange(graph.n, dtype=np.int64)
     eq = Rows()
     first = eq.add(p, 0.0)
-    t_u, k_u = ranges(np.zeros(n, dtype=np.int64), nodes + 1)
+    t_u, k_u = ranges(np.zeros(graph.n, dtype=np.int64), nodes + 1)
     row = first + tri_offset(t_u, k_u)
     eq.u_terms(row, tri_offset(t_u, k_u), 1.0)
     diag = k_u == t_u
     eq.rhs[-1][tri_offset(t_u[diag], k_u[diag])] = mem[k_u[diag]]  # R[t, t] = 1
-    eq.x_terms(row[~diag], r_col(t_u[~diag], k_u[~diag]), -mem[k_u[~diag]])
+    eq.x_terms(row[~diag], cols.r(t_u[~diag], k_u[~diag]), -mem[k_u[~diag]])
     nz = k_u > 0
     eq.u_terms(row[nz], tri_offset(t_u[nz], k_u[nz] - 1), -1.0)
-    t_s, i_s = ranges(np.zeros(n, dtype=np.int64), nodes)  # S[t, i], i < t, into U[t, 0]
-    eq.x_terms(first + tri_offset(t_s, np.zeros_like(t_s)), s_col(t_s, i_s), -mem[i_s])
-    eq.x_terms(first + tri_offset(t_f, f_k + 1), f_col, mem[f_i])
-    a_eqx, a_u, b_eq = eq.matrices(nx, p)
-
-    c = np.zeros(nx)
-    t_r, i_r = ranges(np.zeros(n, dtype=np.int64), nodes)  # R[t, i], i < t
-    c[r_col(t_r, i_r)] = cost[i_r]
-    return CheckmateMatrices(n, q, p, a_ineq, b_ineq, families, a_eqx, a_u, b_eq, c, t_f, f_i, f_k,
-                             mem_scale, cost_scale, float(cost.sum()))
+    t_s, i_s = ranges(np.zeros(graph.n, dtype=np.int64), nodes)  # S[t, i], i < t, into U[t, 0]
+    eq.x_terms(first + tri_offset(t_s, np.zeros_like(t_s)), cols.s(t_s, i_s), -mem[i_s])
+    eq.x_terms(first + tri_offset(free.t, free.k + 1), free.col, mem[free.i])
+    return eq.matrices(nx, p)
 
 
 def recomputed_from_r(n: int, r_off: np.ndarray) -> list[list[int]]:

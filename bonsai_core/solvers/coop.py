@@ -53,8 +53,8 @@ from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule
 from bonsai_core.solvers.deadline import Deadline
-from bonsai_core.solvers.eviction import (DEALLOCATIONS, Deallocation, Runtime, TimeLimitReached, arena_pool,
-                                          finish, with_budget_hint)
+from bonsai_core.solvers.eviction import (DEALLOCATIONS, Deallocation, Runtime, arena_pool, finish,
+                                          run_policy)
 
 WindowCost = Literal["stale", "recompute"]
 Partition = Literal["op_type", "cost_density", "none"]
@@ -188,9 +188,4 @@ def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = N
                                           "full_arena": full_arena, "inplace_updates": inplace_updates,
                                           "optimizer": optimizer})
 
-    if not budget_hint:
-        try:
-            return run_once(budget)
-        except TimeLimitReached as e:
-            raise SolverError(f"{e} No schedule was found within it: raise the time limit or the budget.") from None
-    return with_budget_hint(graph, budget, run_once, deadline=deadline)
+    return run_policy(graph, budget, run_once, budget_hint, deadline)

@@ -32,8 +32,8 @@ from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule
 from bonsai_core.solvers.deadline import Deadline
-from bonsai_core.solvers.eviction import (DEALLOCATIONS, Deallocation, Runtime, TimeLimitReached, arena_pool,
-                                          finish, with_budget_hint)
+from bonsai_core.solvers.eviction import (DEALLOCATIONS, Deallocation, Runtime, arena_pool, finish,
+                                          run_policy)
 
 Heuristic = Literal["dtr", "dtr_eq", "local", "lru", "size", "dte"]
 HEURISTICS = ("dtr", "dtr_eq", "local", "lru", "size", "dte")
@@ -113,9 +113,4 @@ def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = No
                                          "full_arena": full_arena, "inplace_updates": inplace_updates,
                                          "optimizer": optimizer})
 
-    if budget is None or not budget_hint:
-        try:
-            return run_once(budget)
-        except TimeLimitReached as e:
-            raise SolverError(f"{e} No schedule was found within it: raise the time limit or the budget.") from None
-    return with_budget_hint(graph, budget, run_once, deadline=deadline)
+    return run_policy(graph, budget, run_once, budget_hint, deadline)

@@ -387,6 +387,18 @@ def arena_pool(graph: Graph, budget: int, full: bool, optimizer: Optimizer, inpl
     return Allocator(budget - graph.fixed_mem, policy="arena")
 
 
+def run_policy(graph: Graph, budget: int | None, run_once: Callable[[int | None], Schedule], budget_hint: bool,
+               deadline: Deadline | None = None) -> Schedule:
+    """Run an eviction method once under ``budget``; with ``budget_hint`` (and a budget), a failure names
+    a budget at which it does run (:func:`with_budget_hint`)."""
+    if budget is not None and budget_hint:
+        return with_budget_hint(graph, budget, run_once, deadline=deadline)
+    try:
+        return run_once(budget)
+    except TimeLimitReached as e:
+        raise SolverError(f"{e} No schedule was found within it: raise the time limit or the budget.") from None
+
+
 def with_budget_hint(graph: Graph, budget: int, run_once: Callable[[int], Schedule], steps: int = 8,
                      deadline: Deadline | None = None) -> Schedule:
     """Run under ``budget``; if that fails, bisect (at most ``steps`` runs, between the budget and

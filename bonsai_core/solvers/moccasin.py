@@ -105,15 +105,45 @@ def build_model(graph: Graph, budget: int | None, copies: int = DEFAULT_COPIES) 
     capacity = capacity_bytes // scale  # exact: memory is a multiple of scale
 
     model = cp_model.CpModel()
-    start: list[list[Any]] = []
-    end: list[list[Any]] = []
-    present: list[list[Any]] = []
-    intervals: list[list[Any]] = []
-    for v in range(n):
+    start, end, present, intervals = _retention_intervals(model, graph, c_max, horizon)
+    _add_separated_outputs(model, graph, start, present)
+    heavy = [v for v in range(n) if mems[v] > 0]
+    model.add_cumulative([iv for v in heavy for iv in intervals[v]],
+                         [mems[v] // scale for v in heavy for _ in intervals[v]], capacity)
+    _add_residency(model, graph, start, end, present)
+
+    recomputes = [(p, cost[v]) for v in range(n) for p in present[v][1:]]
+    # The recomputation cost; the first computations are a constant, left out so the gap is relative
+    # to what recomputation costs (as checkmate reports it).
+    model.minimize(cp_model.LinearExpr.weighted_sum([p for p, _ in recomputes], [c for _, c in recomputes]))
+    for v, e in enumerate(_no_remat_ends(graph, users)):  # hint: the plain schedule
+        model.add_hint(end[v][0], e)
+        for p in present[v][1:]:
+            model.add_hint(p, 0)
+    proto = model.proto
+    return CpRemat(model, start, present, c_max, unit, len(proto.variables), len(proto.constraints),
+                   time.perf_counter() - start_clock)
+
+
+Copies = list[list[Any]]  # per node, one CP variable per copy (copy 0: the first computation)
+
+
+def _retention_intervals(model: Any, graph: Graph, copies: int,
+                         horizon: int) -> tuple[Copies, Copies, Copies, Copies]:
+    """Each node's copies as optional intervals (start, end, presence, interval): copy 0 starts at the
+    node's own stage and is present; a later copy starts in a later stage, after the previous copy
+    ends, and is present only if the previous one is."""
+    from ortools.sat.python import cp_model
+
+    start: Copies = []
+    end: Copies = []
+    present: Copies = []
+    intervals: Copies = []
+    for v in range(graph.n):
         first = _event(v, v)
-        later = [_event(t, v) for t in range(v + 1, n)]
+        later = [_event(t, v) for t in range(v + 1, graph.n)]
         s_v, e_v, p_v, i_v = [], [], [], []
-        for c in range(c_max if later else 1):
+        for c in range(copies if later else 1):
             if c == 0:
                 s = model.new_constant(first)
                 p = model.new_constant(1)
@@ -127,9 +157,12 @@ def build_model(graph: Graph, budget: int | None, copies: int = DEFAULT_COPIES) 
             i_v.append(model.new_optional_interval_var(s, size, e, p, f"i{v}_{c}"))
             s_v.append(s), e_v.append(e), p_v.append(p)
         start.append(s_v), end.append(e_v), present.append(p_v), intervals.append(i_v)
+    return start, end, present, intervals
 
-    # A separated output (Graph.output_of) is recomputed only right after a recomputation of its op,
-    # in the same stage: its bytes come with the op's kernel, which a getitem alone does not run.
+
+def _add_separated_outputs(model: Any, graph: Graph, start: Copies, present: Copies) -> None:
+    """A separated output (Graph.output_of) is recomputed only right after a recomputation of its op,
+    in the same stage: its bytes come with the op's kernel, which a getitem alone does not run."""
     for v in np.flatnonzero(graph.output_of >= 0).tolist():
         op = int(graph.output_of[v])
         for c in range(1, len(start[v])):
@@ -141,42 +174,33 @@ def build_model(graph: Graph, budget: int | None, copies: int = DEFAULT_COPIES) 
                 runs.append(same_run)
             model.add_bool_or(runs).only_enforce_if(present[v][c])
 
-    heavy = [v for v in range(n) if mems[v] > 0]
-    model.add_cumulative([iv for v in heavy for iv in intervals[v]],
-                         [mems[v] // scale for v in heavy for _ in intervals[v]], capacity)
 
+def _add_residency(model: Any, graph: Graph, start: Copies, end: Copies, present: Copies) -> None:
+    """Some copy of each input is resident when a copy of its reader is computed, and one copy of a
+    view's base over each whole interval of the view (reservoir constraints)."""
     alias = graph.alias_of.tolist()
-    for v in range(n):
+
+    def held(u: int) -> tuple[list[Any], list[Any]]:  # u's copies as +1 from start + 1, -1 at end
+        times = [x for i in range(len(start[u])) for x in (start[u][i] + 1, end[u][i])]
+        return times, [x for i in range(len(start[u])) for x in (present[u][i], present[u][i])]
+
+    for v in range(graph.n):
         for u in graph.deps(v).tolist():
             if u == alias[v]:
                 continue  # the view's own reservoir below covers its base
-            held = [x for i in range(len(start[u])) for x in (start[u][i] + 1, end[u][i])]
-            held_p = [x for i in range(len(start[u])) for x in (present[u][i], present[u][i])]
+            times, active = held(u)
             for j in range(len(start[v])):  # some copy of u is resident when copy j of v is computed
                 model.add_reservoir_constraint_with_active(
-                    held + [start[v][j], start[v][j] + 1], [1, -1] * len(start[u]) + [-1, 1],
-                    held_p + [present[v][j], present[v][j]], 0, len(start[u]) + 1)
+                    times + [start[v][j], start[v][j] + 1], [1, -1] * len(start[u]) + [-1, 1],
+                    active + [present[v][j], present[v][j]], 0, len(start[u]) + 1)
         a = alias[v]
         if a >= 0:  # one copy of the base is resident over each whole interval of the view
-            held = [x for i in range(len(start[a])) for x in (start[a][i] + 1, end[a][i])]
-            held_p = [x for i in range(len(start[a])) for x in (present[a][i], present[a][i])]
+            times, active = held(a)
             mine = [x for j in range(len(start[v])) for x in (start[v][j], end[v][j])]
             mine_p = [x for j in range(len(start[v])) for x in (present[v][j], present[v][j])]
             model.add_reservoir_constraint_with_active(
-                held + mine, [1, -1] * len(start[a]) + [-1, 1] * len(start[v]), held_p + mine_p, 0,
+                times + mine, [1, -1] * len(start[a]) + [-1, 1] * len(start[v]), active + mine_p, 0,
                 len(start[a]))
-
-    recomputes = [(p, cost[v]) for v in range(n) for p in present[v][1:]]
-    # The recomputation cost; the first computations are a constant, left out so the gap is relative
-    # to what recomputation costs (as checkmate reports it).
-    model.minimize(cp_model.LinearExpr.weighted_sum([p for p, _ in recomputes], [c for _, c in recomputes]))
-    for v, e in enumerate(_no_remat_ends(graph, users)):  # hint: the plain schedule
-        model.add_hint(end[v][0], e)
-        for p in present[v][1:]:
-            model.add_hint(p, 0)
-    proto = model.proto
-    return CpRemat(model, start, present, c_max, unit, len(proto.variables), len(proto.constraints),
-                   time.perf_counter() - start_clock)
 
 
 def solve_moccasin(graph: Graph, budget: int | None, *, time_limit: float | None = None,
