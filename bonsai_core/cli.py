@@ -361,7 +361,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     schedule = load_schedule(args.schedule)
     if args.backend == "checkpoint":
-        export_checkpoint = _checkpoint_backend().export_checkpoint
+        from bonsai_core.export.checkpoint import export_checkpoint
+
         out = export_checkpoint(args.model, model_options(args), schedule, args.output, seed=args.seed,
                                 autocast=args.autocast)
     else:
@@ -374,7 +375,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exported {args.model} with its {schedule.method} schedule ({args.backend} back-end) to {out} "
           f"(checkpointed.py, schedule.json, README.md); check it with: bonsai verify {args.model}{opts} {out}")
     if args.backend == "checkpoint":
-        info = _checkpoint_backend().load_checkpointed(out).INFO
+        from bonsai_core.export.verify import load_checkpointed
+
+        info = load_checkpointed(out).INFO
         for path, why in info.get("not_checkpointed", {}).items():
             print(f"note: {path} is not checkpointed: {why}.")
         if info["realised_peak"] > 1.05 * info["predicted_peak"] and schedule.stats.get("regions") != "modules":
@@ -382,13 +385,6 @@ def cmd_export(args: argparse.Namespace) -> int:
                   f"{format_bytes(info['realised_peak'])} against the plan's {format_bytes(info['predicted_peak'])}. "
                   "A plan that recomputes module calls only is followed exactly: solve with --option regions=modules.")
     return 0
-
-
-def _checkpoint_backend() -> Any:
-    """``bonsai_core.export_checkpoint`` (the torch.utils.checkpoint back-end), imported when used."""
-    import bonsai_core.export_checkpoint as backend
-
-    return backend
 
 
 def _is_checkpoint_export(folder: str) -> bool:
@@ -399,8 +395,10 @@ def _is_checkpoint_export(folder: str) -> bool:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     if _is_checkpoint_export(args.dir):
-        v = _checkpoint_backend().verify_checkpoint(args.model, model_options(args), args.dir, device=args.device,
-                                                    seed=args.seed, autocast=args.autocast)
+        from bonsai_core.export.verify import verify_checkpoint
+
+        v = verify_checkpoint(args.model, model_options(args), args.dir, device=args.device, seed=args.seed,
+                              autocast=args.autocast)
     else:
         from bonsai_core.export import verify_export
 

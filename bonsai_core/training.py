@@ -8,7 +8,7 @@
         loss = model(**batch).loss; loss.backward(); ...
 
 Data flows as in the CLI (model -> trace -> graph -> solve -> schedule -> simulate -> apply), with the
-checkpoint export back-end's rules (:mod:`bonsai_core.export_checkpoint`) applied to the user's own
+checkpoint export back-end's rules (:mod:`bonsai_core.export.checkpoint`) applied to the user's own
 module instead of written to a folder:
 
 1. **Trace** one training step of ``model`` on fake tensors (shapes only: no device memory is used and
@@ -369,8 +369,8 @@ class _FakeStep:
         return with_optimizer(graph, optimizer)
 
     def layout(self, graph: Graph, schedule: Schedule) -> tuple[Save, _Layout]:
-        """The plan laid onto the model's submodules (:func:`bonsai_core.export_checkpoint.faithful_layout`)."""
-        from bonsai_core.export_checkpoint import faithful_layout, hidden_caches, recomputation_mismatches
+        """The plan laid onto the model's submodules (:func:`bonsai_core.export.checkpoint.faithful_layout`)."""
+        from bonsai_core.export.checkpoint import faithful_layout, hidden_caches, recomputation_mismatches
         from bonsai_core.modules import record_step
         from bonsai_core.regions import CheckpointPlan
         from bonsai_core.trace import _autocast

@@ -7,7 +7,8 @@ import tempfile
 import time
 from pathlib import Path
 from bonsai_core.errors import BonsaiError
-from bonsai_core.export_checkpoint import export_checkpoint, verify_checkpoint
+from bonsai_core.export.checkpoint import export_checkpoint
+from bonsai_core.export.verify import verify_checkpoint
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.solvers import solve
 from bonsai_core.trace import trace_zoo

@@ -318,7 +318,7 @@ def _export(tmp_path, model: str, options: dict, factory: ScheduleFactory, level
 
 
 def _recomputed_random_nodes(traced, schedule: Schedule) -> int:
-    from bonsai_core.export.program import _is_random
+    from bonsai_core.export.replay import _is_random
 
     fx_of = {n.name: n for n in traced.module.graph.nodes}
     computes = [v for kind, v in schedule.ops if kind == "compute"]
@@ -445,7 +445,7 @@ def _hf_models() -> list[str]:
 
 
 def _device_specific(out) -> list[str]:
-    from bonsai_core.export.program import DEVICE_SPECIFIC
+    from bonsai_core.export.replay import DEVICE_SPECIFIC
 
     return [op for op in _program_ops(out) if any(sign in op for sign in DEVICE_SPECIFIC)]
 
@@ -566,7 +566,7 @@ def test_cli_backend_choice(tmp_path, capsys):
     sched.write_text(json.dumps(recompute_before_use(g, 1).to_dict()))
     capsys.readouterr()
     try:
-        import bonsai_core.export_checkpoint  # noqa: F401  (engineer "ckpt"'s back-end)
+        import bonsai_core.export.checkpoint  # noqa: F401  (engineer "ckpt"'s back-end)
     except ImportError:
         assert main(["export", "mlp", *opts, str(sched), "-o", str(tmp_path / "c"), "--backend", "checkpoint"]) == 1
         assert "--backend replay" in capsys.readouterr().err
@@ -581,7 +581,7 @@ def test_cli_backend_choice(tmp_path, capsys):
 
 
 def test_a_device_specific_op_is_refused_with_advice(small_steps, tmp_path):
-    from bonsai_core.export.program import _Writer
+    from bonsai_core.export.replay import _Writer
 
     node = next(n for n in small_steps["mlp"][0].module.graph.nodes if n.op == "call_function")
     node_target = node.target

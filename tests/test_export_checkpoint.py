@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 
 from bonsai_core.export import ExportError
-from bonsai_core.export_checkpoint import export_checkpoint, load_checkpointed, verify_checkpoint
+from bonsai_core.export.checkpoint import export_checkpoint
+from bonsai_core.export.verify import load_checkpointed, verify_checkpoint
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
 from bonsai_core.trace import trace_zoo
@@ -319,7 +320,7 @@ def test_a_plan_no_submodule_can_follow_faithfully_is_refused_at_export(tmp_path
 
 
 def test_recomputation_mismatch_follows_sacs_pairing():
-    from bonsai_core.export_checkpoint import recomputation_mismatch
+    from bonsai_core.export.checkpoint import recomputation_mismatch
 
     fwd = [["aten.ones.default", ((4, 4),)], ["aten.tril.default", ((4, 4),)], ["aten.mm.default", ((2, 4),)],
            ["aten.relu.default", ((2, 4),)], ["aten.mm.default", ((2, 2),)]]

@@ -3,8 +3,7 @@
 import pytest
 
 from bonsai_core.cli import main
-from bonsai_core.export.verify import GRAD_RTOL, Verification
-from bonsai_core.export_checkpoint import CheckpointVerification
+from bonsai_core.export.verify import GRAD_RTOL, CheckpointVerification, Verification
 
 
 def _trace_solve(model, tmp_path, budget, *options):

@@ -187,7 +187,8 @@ def _module_plan(model: str, options: dict, autocast: str | None = None):
 def test_checkpoint_backend_does_not_judge_a_cpu_peak_of_attention_dropout(tmp_path):
     """The checkpoint back-end runs the user's own module, whose SDPA with dropout takes the math path
     on the CPU: its peak is not the plan's, and verify says why instead of judging it."""
-    from bonsai_core.export_checkpoint import CPU_ATTENTION_DROPOUT, export_checkpoint, verify_checkpoint
+    from bonsai_core.export.checkpoint import export_checkpoint
+    from bonsai_core.export.verify import CPU_ATTENTION_DROPOUT, verify_checkpoint
 
     options = dict(TEXT, layers=2)
     out = export_checkpoint("hf:gpt2", options, _module_plan("hf:gpt2", options), tmp_path / "ck")
@@ -199,7 +200,8 @@ def test_checkpoint_backend_does_not_judge_a_cpu_peak_of_attention_dropout(tmp_p
 def test_checkpoint_backend_exports_a_schedule_traced_under_autocast(tmp_path):
     """A schedule traced under autocast is exported with it (not refused as another graph's) and trains
     the same under autocast; its peak is not judged, and verify says why."""
-    from bonsai_core.export_checkpoint import CHECKPOINT_AUTOCAST, export_checkpoint, load_checkpointed, verify_checkpoint
+    from bonsai_core.export.checkpoint import export_checkpoint
+    from bonsai_core.export.verify import CHECKPOINT_AUTOCAST, load_checkpointed, verify_checkpoint
 
     options = dict(TEXT, layers=2)
     schedule = _module_plan("hf:llama", options, autocast="bf16")

@@ -1,4 +1,6 @@
-"""Write an export folder (``checkpointed.py``, ``schedule.json``, ``README.md``) and load one back."""
+"""What both back-ends share around an export folder: finding the traced step a schedule was made for,
+the ``INFO`` every ``checkpointed.py`` carries, writing the folder (``checkpointed.py``, ``schedule.json``,
+``README.md``) and loading it back."""
 
 from __future__ import annotations
 
@@ -8,32 +10,19 @@ import json
 import uuid
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from bonsai_core.errors import ScheduleError
-from bonsai_core.export.program import ExportError, StepSignature, generate_program, step_signature
-from bonsai_core.export.readme import readme
+from bonsai_core.errors import BonsaiError, ScheduleError
+from bonsai_core.graph import Graph
 from bonsai_core.optimizer import OPTIMIZERS, with_optimizer
-from bonsai_core.schedule import Schedule, simulate
+from bonsai_core.schedule import Schedule, SimResult
 from bonsai_core.trace import Traced
 
-RUNTIME = Path(__file__).resolve().parent.parent / "export_runtime" / "runtime.py"
 
-
-def export_model(model: str, options: dict[str, Any], schedule: Schedule, out_dir: str | Path, *,
-                 profile: str | None = None, seed: int = 0, autocast: str | None = None) -> Path:
-    """Trace ``model`` (a zoo name or ``package.module:factory``) with ``options``, check that
-    ``schedule`` was made for that graph, and write the runnable export to ``out_dir``.
-
-    ``profile`` and ``autocast`` as in :func:`trace_for_schedule`. Returns ``out_dir``.
-    """
-    traced = trace_for_schedule(model, options, schedule, profile=profile, seed=seed, autocast=autocast)
-    optimizer = traced.graph.optimizer["name"] if traced.graph.optimizer else None
-    return export_traced(traced, step_signature(model, options, seed), schedule, out_dir,
-                         spec={"model": model, "options": dict(options), "seed": seed, "autocast": autocast,
-                               "optimizer": optimizer})
+class ExportError(BonsaiError):
+    """A schedule or model cannot be exported (wrong graph, unsupported op or constant)."""
 
 
 def trace_for_schedule(model: str, options: dict[str, Any], schedule: Schedule, *, profile: str | None = None,
@@ -69,29 +58,29 @@ def trace_for_schedule(model: str, options: dict[str, Any], schedule: Schedule, 
         "this graph.")
 
 
-def export_traced(traced: Traced, signature: StepSignature, schedule: Schedule, out_dir: str | Path,
-                  spec: dict[str, Any] | None = None) -> Path:
-    """Write the export of an already traced step (``export_model`` without the tracing)."""
-    graph = traced.graph
-    if schedule.graph_hash not in (None, graph.hash):
-        raise ScheduleError(f"This schedule was made for graph hash {schedule.graph_hash}, not {graph.hash} "
-                            f"({graph.name!r}): solve again for this graph.")
-    sim = simulate(graph, schedule)  # raises ScheduleError on any broken rule
-    info = {"graph": graph.name, "graph_hash": graph.hash, "method": schedule.method, "budget": schedule.budget,
+def schedule_info(graph: Graph, schedule: Schedule, sim: SimResult) -> dict[str, Any]:
+    """The part of ``INFO`` (in ``checkpointed.py``) both back-ends write: the graph, the schedule and
+    the simulator's prediction for it; each back-end appends its own keys."""
+    return {"graph": graph.name, "graph_hash": graph.hash, "method": schedule.method, "budget": schedule.budget,
             "predicted_peak": sim.peak, "fixed_mem": graph.fixed_mem, "recomputes": sim.recomputes,
-            "overhead": sim.overhead, **(spec or {})}
-    program = generate_program(traced, signature, schedule, info)
+            "overhead": sim.overhead}
+
+
+def write_folder(out_dir: str | Path, source: str, graph: Graph, schedule: Schedule, sim: SimResult,
+                 readme: Callable[[Path], str], constants: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write ``checkpointed.py`` (``source``), ``constants.pt`` (when ``constants``), ``schedule.json``
+    (``schedule`` stamped with ``graph``'s hash and ``sim``'s stats) and ``README.md`` (``readme`` of the
+    folder's absolute path) to ``out_dir``; an unwritable folder is an ExportError. Returns ``out_dir``."""
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "checkpointed.py").write_text(RUNTIME.read_text() + "\n\n" + program)
-        constants = constants_of(traced)
+        (out / "checkpointed.py").write_text(source)
         if constants:
             torch.save(constants, out / "constants.pt")
         saved = Schedule(graph=graph.name, method=schedule.method, ops=list(schedule.ops), budget=schedule.budget,
                          graph_hash=graph.hash, stats={**schedule.stats, **sim.stats()}, extra=schedule.extra)
         (out / "schedule.json").write_text(json.dumps(saved.to_dict(), separators=(",", ":")) + "\n")
-        (out / "README.md").write_text(readme(info, schedule, out.resolve()))
+        (out / "README.md").write_text(readme(out.resolve()))
     except OSError as e:
         raise ExportError(f"Cannot write the export to {str(out)!r}: {e.strerror}. Choose a writable folder.") from None
     return out
@@ -108,22 +97,3 @@ def load_export(out_dir: str | Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def constants_of(traced: Traced) -> dict[str, torch.Tensor]:
-    """The tensors the traced model created itself (FX ``get_attr``: masks, position ids, empty
-    tensors), as plain CPU tensors that ``torch.load(..., weights_only=True)`` reads back."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    gm = traced.module
-    constants = {}
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        t = getattr(gm, node.target)
-        if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type == "meta":
-            raise ExportError(f"The traced step holds a constant {node.target!r} ({type(t).__name__}) whose values "
-                              "tracing did not keep. Make it a buffer of the model (register_buffer) so it becomes an "
-                              "input of the step.")
-        constants[node.target] = t.detach().to("cpu").clone()
-    return constants

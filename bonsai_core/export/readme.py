@@ -1,20 +1,30 @@
-"""The README.md written into every export folder: how to train with it and check it on a GPU."""
+"""The README.md written into every export folder, one per back-end: how to train with it and check it."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bonsai_core.schedule import Schedule
 
+if TYPE_CHECKING:
+    from bonsai_core.export.checkpoint import CheckpointLayout
 
-def readme(info: dict[str, Any], schedule: Schedule, folder: Path) -> str:
-    from bonsai_core.budget import format_bytes
 
-    model = info.get("model", "MODEL")
+def verify_options(info: dict[str, Any]) -> str:
+    """The model options of the export's ``INFO`` as ``bonsai verify`` flags (``--batch 8 --autocast bf16``)."""
     opts = " ".join(f"--{k} {v}" for k, v in (info.get("options") or {}).items())
     if info.get("autocast"):
         opts += f" --autocast {info['autocast']}"
+    return opts
+
+
+def replay_readme(info: dict[str, Any], schedule: Schedule, folder: Path) -> str:
+    """The replay back-end's README: the program replays the schedule's aten ops."""
+    from bonsai_core.budget import format_bytes
+
+    model = info.get("model", "MODEL")
+    opts = verify_options(info)
     regions = ""
     if "segments" in schedule.extra:
         regions = (f"\nThe schedule is a checkpoint-region plan: {len(schedule.extra['segments'])} segments, "
@@ -69,4 +79,56 @@ above, then `torch.cuda.max_memory_allocated()` (with `.grad` already allocated,
 training). `max_memory_allocated` also counts what the simulator does not model: the caching
 allocator's rounding of block sizes, and workspaces that cuBLAS and cuDNN (convolutions) allocate
 through it. On CPU (`bonsai verify ... --device cpu`) the measured peak matches the prediction.
+"""
+
+
+def checkpoint_readme(info: dict[str, Any], lay: CheckpointLayout, folder: Path) -> str:
+    """The checkpoint back-end's README: which submodules it checkpoints, and what stays saved."""
+    from bonsai_core.budget import format_bytes
+
+    model = info["model"]
+    opts = verify_options(info)
+    units = "\n".join(f"| `{u.path}` | {u.ops} | {sum(map(len, u.saves.values()))} | {format_bytes(u.dropped_bytes)} |"
+                      for u in lay.units) or "| (none: the plan recomputes nothing) | | | |"
+    unrealised = ""
+    if lay.unrealised:
+        unrealised = (f"\n{len(lay.unrealised)} dropped tensor(s) of the plan ({format_bytes(lay.unrealised_bytes)}) "
+                      "are not held by any submodule short of the whole model together with their readers (or are "
+                      "computed by the loss), so they stay saved: the real peak can exceed the prediction by up to "
+                      "that much.\n")
+    for path, why in (info.get("not_checkpointed") or {}).items():
+        unrealised += f"\n`{path}` is not checkpointed: {why}.\n"
+    return f"""# Checkpointed `{model}` ({info['method']} schedule, checkpoint back-end)
+
+Made by `bonsai export --backend checkpoint` for graph `{info['graph']}` (hash `{info['graph_hash']}`).
+Predicted peak at the traced size: **{format_bytes(info['predicted_peak'])}** ({info['predicted_peak']} bytes, of
+which {format_bytes(info['fixed_mem'])} fixed); compute overhead {info['overhead']:+.2%}.
+
+## Train with it
+
+```python
+import importlib.util
+spec = importlib.util.spec_from_file_location("checkpointed", "{folder}/checkpointed.py")
+checkpointed = importlib.util.module_from_spec(spec); spec.loader.exec_module(checkpointed)
+
+checkpointed.apply(model)               # your own module, checkpointed in place
+loss = loss_fn(model(*inputs))          # any batch size; torch.autocast works
+loss.backward(); optimizer.step(); optimizer.zero_grad()
+```
+
+## What it checkpoints
+
+| submodule | aten ops per forward | ops saved | dropped bytes recomputed |
+| --- | --- | --- | --- |
+{units}
+{unrealised}
+Each submodule runs under `torch.utils.checkpoint.checkpoint(use_reentrant=False)` with a selective
+policy (`SAVE` in `checkpointed.py`): the tensors the schedule keeps are saved, the rest is recomputed
+when the backward pass reaches the submodule.
+
+## Check it
+
+```
+bonsai verify {model} {opts} {folder}
+```
 """

@@ -1,8 +1,10 @@
-"""The exported *program*: the traced joint graph written out as straight-line Python in a schedule's order.
+"""The ``replay`` back-end: the traced joint graph written out as straight-line Python in a schedule's order.
 
 One line per ``compute`` op (a recomputation is the same line run again) and a ``del`` per ``free`` op,
-split at the loss into ``forward_part`` and ``backward_part``. ``StepSignature`` records the joint graph's
-placeholders (parameters, buffers, the batch) so the runtime can feed them in ``aot_export_module``'s order.
+split at the loss into ``forward_part`` and ``backward_part``, below the runtime
+(``bonsai_core/export_runtime/runtime.py``, copied as text) in ``checkpointed.py``. ``StepSignature``
+records the joint graph's placeholders (parameters, buffers, the batch) so the runtime can feed them in
+``aot_export_module``'s order. ``export_model`` traces, generates and writes the folder.
 """
 
 from __future__ import annotations
@@ -10,14 +12,17 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from bonsai_core.errors import BonsaiError
-from bonsai_core.schedule import COMPUTE, FREE, Schedule
+from bonsai_core.errors import ScheduleError
+from bonsai_core.export.folder import ExportError, schedule_info, trace_for_schedule, write_folder
+from bonsai_core.export.readme import replay_readme
+from bonsai_core.schedule import COMPUTE, FREE, Schedule, simulate
 from bonsai_core.trace import _IDENTITY_OPS, Traced, built_for_tracing
 
 # Kernels the tracer picked for its own device, and the runtime helpers (same arguments and outputs)
@@ -32,8 +37,54 @@ PORTABLE_OPS = {
 # Substrings of aten op names that exist for one device only; no exported program may call one.
 DEVICE_SPECIFIC = ("_for_cpu", "cudnn", "miopen", "mkldnn", "_cuda", "cuda_", "_mps", "_xpu", "onednn", "fbgemm")
 
-class ExportError(BonsaiError):
-    """A schedule or model cannot be exported (wrong graph, unsupported op or constant)."""
+RUNTIME = Path(__file__).resolve().parent.parent / "export_runtime" / "runtime.py"
+
+
+def export_model(model: str, options: dict[str, Any], schedule: Schedule, out_dir: str | Path, *,
+                 profile: str | None = None, seed: int = 0, autocast: str | None = None) -> Path:
+    """Trace ``model`` (a zoo name or ``package.module:factory``) with ``options``, check that
+    ``schedule`` was made for that graph, and write the runnable export to ``out_dir``.
+
+    ``profile`` and ``autocast`` as in :func:`trace_for_schedule`. Returns ``out_dir``.
+    """
+    traced = trace_for_schedule(model, options, schedule, profile=profile, seed=seed, autocast=autocast)
+    optimizer = traced.graph.optimizer["name"] if traced.graph.optimizer else None
+    return export_traced(traced, step_signature(model, options, seed), schedule, out_dir,
+                         spec={"model": model, "options": dict(options), "seed": seed, "autocast": autocast,
+                               "optimizer": optimizer})
+
+
+def export_traced(traced: Traced, signature: StepSignature, schedule: Schedule, out_dir: str | Path,
+                  spec: dict[str, Any] | None = None) -> Path:
+    """Write the export of an already traced step (``export_model`` without the tracing)."""
+    graph = traced.graph
+    if schedule.graph_hash not in (None, graph.hash):
+        raise ScheduleError(f"This schedule was made for graph hash {schedule.graph_hash}, not {graph.hash} "
+                            f"({graph.name!r}): solve again for this graph.")
+    sim = simulate(graph, schedule)  # raises ScheduleError on any broken rule
+    info = {**schedule_info(graph, schedule, sim), **(spec or {})}
+    program = generate_program(traced, signature, schedule, info)
+    return write_folder(out_dir, RUNTIME.read_text() + "\n\n" + program, graph, schedule, sim,
+                        lambda folder: replay_readme(info, schedule, folder), constants=constants_of(traced))
+
+
+def constants_of(traced: Traced) -> dict[str, torch.Tensor]:
+    """The tensors the traced model created itself (FX ``get_attr``: masks, position ids, empty
+    tensors), as plain CPU tensors that ``torch.load(..., weights_only=True)`` reads back."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gm = traced.module
+    constants = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        t = getattr(gm, node.target)
+        if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type == "meta":
+            raise ExportError(f"The traced step holds a constant {node.target!r} ({type(t).__name__}) whose values "
+                              "tracing did not keep. Make it a buffer of the model (register_buffer) so it becomes an "
+                              "input of the step.")
+        constants[node.target] = t.detach().to("cpu").clone()
+    return constants
 
 
 @dataclass(frozen=True)
@@ -88,7 +139,26 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
     (``traced.buffer_writes``), the loss, then one gradient per trainable parameter (none for
     ``traced.frozen_params``). O(len(ops) + FX nodes). Raises ExportError for ops or constants it
     cannot write out."""
-    graph, gm = traced.graph, traced.module
+    signature, placeholders, constants, writer, nodes = _collect(traced, signature)
+    outputs = _step_outputs(traced, signature, writer)
+    ops = schedule.ops
+    split, carried = _split_at_loss(ops, outputs.loss_node)
+    body = _Body(ops, nodes, traced.graph.names, writer, outputs, _replayed(ops, nodes), *_multi_outputs(ops, nodes, writer))
+    unpack = "(" + "".join(f"a{i}, " for i in range(len(placeholders) + len(constants))) + ") = args"
+    carried_vars = "".join(f"v{v}, " for v in carried)
+    fwd = [unpack, "rng = {}", *outputs.first_lines, *body.lines(range(split), False),
+           f"return loss, [{carried_vars}], rng"]
+    bwd = [unpack]
+    if carried:
+        bwd += [f"({carried_vars}) = alive", "alive.clear()  # the schedule's del statements now free them"]
+    bwd += body.lines(range(split, len(ops)), True) or ["pass"]
+    return _program_text(info, signature, constants, split, len(ops), fwd, bwd)
+
+
+def _collect(traced: Traced, signature: StepSignature) -> tuple[StepSignature, list[fx.Node], list[str], _Writer, list[fx.Node]]:
+    """The placeholders (checked against ``signature``), tensor constants, expression writer and
+    graph nodes (FX) of the traced step, the signature without the hidden names of tied parameters."""
+    gm = traced.module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     hidden = set(getattr(traced, "hidden_aliases", ()))
     if hidden:  # unused names of tied parameters were traced without a placeholder (trace.Traced)
@@ -97,8 +167,24 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
     constants = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
     writer = _Writer(placeholders, {name: v for v, name in enumerate(traced.fx_names)}, constants)
     fx_of = {n.name: n for n in gm.graph.nodes}
-    nodes = [fx_of[name] for name in traced.fx_names]
+    return signature, placeholders, constants, writer, [fx_of[name] for name in traced.fx_names]
 
+
+@dataclass
+class _StepOutputs:
+    """What the joint graph returns, placed on the graph nodes whose compute writes it out."""
+
+    loss_node: int  # the graph node holding the loss
+    loss_fx: fx.Node  # the loss as the joint graph returns it
+    emits: dict[int, list[tuple[int, str]]]  # graph node -> (parameter index, gradient expression)
+    first_lines: list[str]  # buffer writes of placeholders only: before anything runs
+    writes: dict[int, list[str]]  # graph node -> buffer writes after its first compute
+    rebind: dict[int, str]  # graph node -> the line that makes it the buffer it was written into
+
+
+def _step_outputs(traced: Traced, signature: StepSignature, writer: _Writer) -> _StepOutputs:
+    """The loss, the parameter gradients and the buffer writes of the joint graph's outputs."""
+    gm = traced.module
     buffer_writes = list(getattr(traced, "buffer_writes", ()))
     frozen = set(getattr(traced, "frozen_params", ()))
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -113,8 +199,14 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
     for j, g in zip(trainable, grad_fx):
         if g is not None:
             emits.setdefault(writer.root(g), []).append((j, writer.expr(g)))
-    # a mutated buffer is written in place right after its new value is first computed, as eager
-    # BatchNorm updates its running statistics during the forward pass
+    return _StepOutputs(loss_node, loss_fx, emits, *_buffer_writes(written, buffer_writes, signature, writer))
+
+
+def _buffer_writes(written: list[fx.Node], buffer_writes: list[tuple[Any, str]], signature: StepSignature,
+                   writer: _Writer) -> tuple[list[str], dict[int, list[str]], dict[int, str]]:
+    """Lines writing each mutated buffer in place right after its new value is first computed, as eager
+    BatchNorm updates its running statistics during the forward pass: (before anything runs, per node,
+    rebinds of a node that is the buffer itself)."""
     first_lines: list[str] = []
     writes: dict[int, list[str]] = {}
     rebind: dict[int, str] = {}  # at every compute of a written node (a recomputation need not write again)
@@ -132,28 +224,41 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
         writes.setdefault(root, []).append(line)
         if expr == f"v{root}":  # then the node is the buffer: its own copy goes, as the trace counts it (no bytes)
             rebind[root] = f"v{root} = {target}  # written into {buffer}"
+    return first_lines, writes, rebind
 
-    ops = schedule.ops
+
+def _split_at_loss(ops: list[tuple[str, int]], loss_node: int) -> tuple[int, list[int]]:
+    """Where ``forward_part`` ends (after the loss's compute and the frees right after it), and the
+    nodes alive there, which it hands to ``backward_part``."""
     split = next(i for i, (k, v) in enumerate(ops) if k == COMPUTE and v == loss_node) + 1
     while split < len(ops) and ops[split][0] == FREE:
         split += 1
     alive: set[int] = set()
     for kind, v in ops[:split]:
         (alive.add if kind == COMPUTE else alive.discard)(v)
-    carried = sorted(alive)
-    computes = Counter(v for kind, v in ops if kind == COMPUTE)
-    # random ops that are computed again draw the same numbers: the generator state before the first
-    # compute is kept and restored around each recomputation (what torch.utils.checkpoint does)
-    replayed = {v for v, count in computes.items() if count > 1 and _is_random(nodes[v])}
+    return split, sorted(alive)
 
-    # A multi-output op whose outputs are also nodes of their own (``getitem`` nodes, e.g. a batch norm's
-    # saved statistics) is held as a list; each such node takes its output over (the op's slot is
-    # cleared), so that output lives as long as its own node, as the simulator counts it. (A schedule
-    # never takes it again from the same copy of the op: DESIGN rule 5, checked by the simulator.)
+
+def _replayed(ops: list[tuple[str, int]], nodes: list[fx.Node]) -> set[int]:
+    """Random ops that are computed again: they draw the same numbers, the generator state before the
+    first compute kept and restored around each recomputation (what torch.utils.checkpoint does)."""
+    computes = Counter(v for kind, v in ops if kind == COMPUTE)
+    return {v for v, count in computes.items() if count > 1 and _is_random(nodes[v])}
+
+
+def _multi_outputs(ops: list[tuple[str, int]], nodes: list[fx.Node], writer: _Writer
+                   ) -> tuple[dict[int, tuple[int, Any]], set[int], dict[int, list[int]]]:
+    """(getitem node -> (its op, output index), ops held as lists, schedule position of such an op's
+    compute -> output slots no getitem reads from that copy).
+
+    A multi-output op whose outputs are also nodes of their own (``getitem`` nodes, e.g. a batch norm's
+    saved statistics) is held as a list; each such node takes its output over (the op's slot is
+    cleared), so that output lives as long as its own node, as the simulator counts it. (A schedule
+    never takes it again from the same copy of the op: DESIGN rule 5, checked by the simulator.)"""
     getitem_of = {v: (writer.root(n.args[0]), n.args[1]) for v, n in enumerate(nodes) if n.target is operator.getitem}
     split_ops = {op for op, _ in getitem_of.values()}
     getitems = {op: [(g, i) for g, (o, i) in getitem_of.items() if o == op] for op in split_ops}
-    unread: dict[int, list[int]] = {}  # position of an op's compute -> slots no getitem reads from that copy
+    unread: dict[int, list[int]] = {}
     pending: set[int] = set()
     for p in range(len(ops) - 1, -1, -1):
         kind, v = ops[p]
@@ -163,48 +268,68 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
             pending -= {g for g, _ in getitems[v]}
         elif kind == COMPUTE and v in getitem_of:
             pending.add(v)
+    return getitem_of, split_ops, unread
 
-    computed: set[int] = set()
 
-    def body(positions: range, backward: bool) -> list[str]:
+@dataclass
+class _Body:
+    """Writes schedule ops as program lines; ``computed`` carries over from the forward to the backward part."""
+
+    ops: list[tuple[str, int]]
+    nodes: list[fx.Node]
+    names: list[str]
+    writer: _Writer
+    outputs: _StepOutputs
+    replayed: set[int]
+    getitem_of: dict[int, tuple[int, Any]]
+    split_ops: set[int]
+    unread: dict[int, list[int]]
+    computed: set[int] = field(default_factory=set)
+
+    def lines(self, positions: range, backward: bool) -> list[str]:
+        """The lines of the ops at ``positions``: a ``del`` per free, a call per compute."""
         lines = []
         for p in positions:
-            kind, v = ops[p]
+            kind, v = self.ops[p]
             if kind == FREE:
                 lines.append(f"del v{v}")
-                continue
-            call = writer.call(nodes[v])
-            line = f"v{v} = {f'list({call})' if v in split_ops else call}  # {graph.names[v]}"
-            if v in replayed and v in computed:
-                lines += [f"with replay_rng(rng[{v}], dev):", "    " + line]
             else:
-                if v in replayed:
-                    lines.append(f"rng[{v}] = rng_state(dev)")
-                lines.append(line)
-            lines += [f"v{v}[{i}] = None  # no node reads it from this copy" for i in unread.get(p, ())]
-            if v in getitem_of:
-                op, index = getitem_of[v]
-                lines.append(f"v{op}[{index}] = None  # v{v} holds it now")
-            if v not in computed:
-                computed.add(v)
-                if v == loss_node:
-                    lines.append(f"loss = {writer.expr(loss_fx)}")
-                lines += writes.get(v, [])
-                for j, expr in emits.get(v, ()):
-                    if not backward:
-                        raise ExportError("A parameter gradient is computed before the loss; the schedule is malformed.")
-                    lines.append(f"emit({j}, {expr})")
-            if v in rebind:
-                lines.append(rebind[v])
+                lines += self.compute(p, v, backward)
         return lines
 
-    unpack = "(" + "".join(f"a{i}, " for i in range(len(placeholders) + len(constants))) + ") = args"
-    carried_vars = "".join(f"v{v}, " for v in carried)
-    fwd = [unpack, "rng = {}", *first_lines, *body(range(split), False), f"return loss, [{carried_vars}], rng"]
-    bwd = [unpack]
-    if carried:
-        bwd += [f"({carried_vars}) = alive", "alive.clear()  # the schedule's del statements now free them"]
-    bwd += body(range(split, len(ops)), True) or ["pass"]
+    def compute(self, p: int, v: int, backward: bool) -> list[str]:
+        """The lines of one compute of ``v`` (at schedule position ``p``), with what its first compute emits."""
+        out = self.outputs
+        call = self.writer.call(self.nodes[v])
+        line = f"v{v} = {f'list({call})' if v in self.split_ops else call}  # {self.names[v]}"
+        lines = []
+        if v in self.replayed and v in self.computed:
+            lines += [f"with replay_rng(rng[{v}], dev):", "    " + line]
+        else:
+            if v in self.replayed:
+                lines.append(f"rng[{v}] = rng_state(dev)")
+            lines.append(line)
+        lines += [f"v{v}[{i}] = None  # no node reads it from this copy" for i in self.unread.get(p, ())]
+        if v in self.getitem_of:
+            op, index = self.getitem_of[v]
+            lines.append(f"v{op}[{index}] = None  # v{v} holds it now")
+        if v not in self.computed:
+            self.computed.add(v)
+            if v == out.loss_node:
+                lines.append(f"loss = {self.writer.expr(out.loss_fx)}")
+            lines += out.writes.get(v, [])
+            for j, expr in out.emits.get(v, ()):
+                if not backward:
+                    raise ExportError("A parameter gradient is computed before the loss; the schedule is malformed.")
+                lines.append(f"emit({j}, {expr})")
+        if v in out.rebind:
+            lines.append(out.rebind[v])
+        return lines
+
+
+def _program_text(info: dict[str, Any], signature: StepSignature, constants: list[str], split: int, n_ops: int,
+                  fwd: list[str], bwd: list[str]) -> str:
+    """The generated module: its tables, ``forward_part``, ``backward_part``, ``PROGRAM`` and ``load``."""
 
     def indent(lines: list[str]) -> str:
         return "\n".join("    " + line for line in lines)
@@ -220,7 +345,7 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
         f'    """Schedule ops 0..{split - 1}: the forward pass up to the loss."""\n'
         f"{indent(fwd)}\n\n\n"
         "def backward_part(args, alive, rng, dev, emit):\n"
-        f'    """Schedule ops {split}..{len(ops) - 1}: recomputations and the backward pass."""\n'
+        f'    """Schedule ops {split}..{n_ops - 1}: recomputations and the backward pass."""\n'
         f"{indent(bwd)}\n\n\n"
         "PROGRAM = Program(PARAMS, BUFFERS, INPUTS, CONSTANTS, forward_part, backward_part, INFO)\n\n\n"
         "def load(model: nn.Module, grads: str = \"autograd\") -> Checkpointed:\n"
@@ -236,6 +361,7 @@ def _is_random(node: fx.Node) -> bool:
 
 
 def _check_signature(placeholders: list[fx.Node], sig: StepSignature) -> None:
+    """ExportError unless the traced placeholders have the shapes of the model's parameters, buffers and batch."""
     expected = [p[1] for p in sig.params] + [b[2] for b in sig.buffers] + [x[0] for x in sig.inputs]
     got = [tuple(getattr(n.meta.get("val"), "shape", ())) for n in placeholders]
     if expected != got:

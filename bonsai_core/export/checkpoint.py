@@ -44,20 +44,19 @@ with its readers (or that the loss computes) stays saved: ``INFO["unrealised_dro
 
 General schedules (checkmate, moccasin, dtr, coop: several recomputations of one tensor, frees that
 are not at last use) have no such form and are refused with a pointer to ``--backend replay``.
+
+The folder is written by :func:`bonsai_core.export.folder.write_folder` with the README of
+:func:`bonsai_core.export.readme.checkpoint_readme`, and checked by
+:func:`bonsai_core.export.verify.verify_checkpoint`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import pprint
-import statistics
-import sys
-import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, Collection
 
 import numpy as np
@@ -66,12 +65,11 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bonsai_core.attention import records_attention_dropout
-from bonsai_core.errors import ModelError, ScheduleError
+from bonsai_core.errors import ScheduleError
 from bonsai_core.export_runtime import checkpointing
 from bonsai_core.export_runtime.checkpointing import SAME_OP, apply_saves, kv_cache_type, without_caches
-from bonsai_core.export import ExportError, load_export, trace_for_schedule
-from bonsai_core.export.verify import (PEAK_TOLERANCE, gradient_problem, largest_differences, loss_problem,
-                                       measuring_device, precision_of)
+from bonsai_core.export.folder import ExportError, schedule_info, trace_for_schedule, write_folder
+from bonsai_core.export.readme import checkpoint_readme
 from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
@@ -117,6 +115,25 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Coll
     The candidates are the outermost module calls chosen for the dropped nodes; then, while it lowers
     the simulated peak of what the checkpoints will really do (:func:`realised_sequence`), a unit is
     replaced by the chosen calls nested in it, or removed. O(units * (n + edges)) per pass."""
+    node_at, runtime_of = _align_forward(graph, step)
+    dropped = dropped_nodes(graph, plan)
+    read_by_backward = np.zeros(graph.n, dtype=bool)
+    for b in np.flatnonzero(~graph.is_forward):
+        read_by_backward[graph.deps(b)] = True
+    calls, chosen = _candidate_calls(graph, step, dropped, runtime_of, exclude)
+    candidates = _Candidates(graph, node_at, read_by_backward, calls, chosen)
+    units, best = candidates.improve(candidates.outermost(list(chosen)))
+    parts, realised = candidates.realise(units)
+    saved = kept_for_backward(graph, read_by_backward, realised)
+    out = [_unit(graph, step, node_at, saved, calls[i], nodes, drops) for i, (nodes, drops) in zip(units, parts)]
+    unrealised = np.flatnonzero(dropped & ~realised)
+    return CheckpointLayout(out, int(graph.mem[dropped].sum()), unrealised.tolist(), int(graph.mem[unrealised].sum()),
+                            best if units else candidates.peak([]))
+
+
+def _align_forward(graph: Graph, step: RecordedStep) -> tuple[np.ndarray, np.ndarray]:
+    """(run-time op -> graph node or -1, graph node -> run-time op or -1): the recorded step's ops placed
+    on the graph's forward nodes."""
     forward = np.flatnonzero(graph.is_forward)
     at = align(step.ops, [graph.ops[v] for v in forward])
     node_at = np.where(at >= 0, forward[np.maximum(at, 0)], -1)  # run-time op -> graph node, or -1
@@ -125,14 +142,15 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Coll
     for v in forward.tolist():  # a multi-output op's outputs (getitem nodes) are made by their op's run
         if runtime_of[v] < 0 and graph.ops[v] == "getitem" and len(graph.deps(v)):
             runtime_of[v] = runtime_of[graph.deps(v)[0]]
-    dropped = dropped_nodes(graph, plan)
-    read_by_backward = np.zeros(graph.n, dtype=bool)
-    for b in np.flatnonzero(~graph.is_forward):
-        read_by_backward[graph.deps(b)] = True
+    return node_at, runtime_of
 
-    # Module calls that may be units: inside the model (not the whole model), called once per step.
+
+def _candidate_calls(graph: Graph, step: RecordedStep, dropped: np.ndarray, runtime_of: np.ndarray,
+                     exclude: Collection[str]) -> tuple[list[tuple[str, int, int]], dict[int, list[int]]]:
+    """(module calls that may be units: inside the model, not the whole model, called once per step, not
+    in ``exclude``; call index -> the dropped nodes whose innermost holding call it is)."""
     calls = [(p, a, b) for p, a, b in step.calls if p and step.call_counts[p] == 1 and p not in exclude]
-    chosen: dict[int, list[int]] = {}  # call index -> dropped nodes whose innermost holding call it is
+    chosen: dict[int, list[int]] = {}
     for d in np.flatnonzero(dropped).tolist():
         span = [runtime_of[d]] + [runtime_of[u] for u in graph.users(d).tolist() if graph.is_forward[u]]
         if min(span) < 0:
@@ -140,69 +158,91 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Coll
         holding = [i for i, (_, a, b) in enumerate(calls) if a <= min(span) and max(span) < b]
         if holding:
             chosen.setdefault(min(holding, key=lambda i: calls[i][2] - calls[i][1]), []).append(d)
+    return calls, chosen
 
-    def inside(j: int, i: int) -> bool:
+
+@dataclass
+class _Candidates:
+    """The candidate module calls of a layout, and the simulated peak of a choice of units among them."""
+
+    graph: Graph
+    node_at: np.ndarray  # run-time op -> graph node, or -1
+    read_by_backward: np.ndarray  # bool[n]
+    calls: list[tuple[str, int, int]]  # (path, first op, end op) per candidate call
+    chosen: dict[int, list[int]]  # call index -> dropped nodes whose innermost holding call it is
+
+    def inside(self, j: int, i: int) -> bool:
+        """Whether call ``j`` runs within call ``i``."""
+        calls = self.calls
         return calls[i][1] <= calls[j][1] and calls[j][2] <= calls[i][2]
 
-    def outermost(ids: list[int]) -> list[int]:
-        return sorted((i for i in ids if not any(j != i and inside(i, j) and calls[j][1:] != calls[i][1:]
+    def outermost(self, ids: list[int]) -> list[int]:
+        """The calls of ``ids`` no other (different-spanned) call of ``ids`` holds, in run order."""
+        calls = self.calls
+        return sorted((i for i in ids if not any(j != i and self.inside(i, j) and calls[j][1:] != calls[i][1:]
                                                   for j in ids)), key=lambda i: calls[i][1])
 
-    def realise(units: list[int]) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+    def realise(self, units: list[int]) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
         """Per unit (its graph nodes, its dropped nodes), and every dropped node realised."""
-        groups = [np.array(sorted(d for j in chosen if inside(j, i) for d in chosen[j]), dtype=np.int64)
+        graph, calls, chosen = self.graph, self.calls, self.chosen
+        groups = [np.array(sorted(d for j in chosen if self.inside(j, i) for d in chosen[j]), dtype=np.int64)
                   for i in units]
         realised = np.zeros(graph.n, dtype=bool)
         for drops in groups:
             realised[drops] = True
-        realised &= ~kept_for_backward(graph, read_by_backward, realised)  # the base of a kept view stays
+        realised &= ~kept_for_backward(graph, self.read_by_backward, realised)  # the base of a kept view stays
         out = []
         for i, drops in zip(units, groups):
-            nodes = node_at[calls[i][1]:calls[i][2]]
+            nodes = self.node_at[calls[i][1]:calls[i][2]]
             out.append((nodes[nodes >= 0], drops[realised[drops]]))
         return out, realised
 
-    def peak(units: list[int]) -> int:
-        parts, _ = realise(units)
+    def peak(self, units: list[int]) -> int:
+        """The simulated peak of what checkpointing ``units`` really runs (:func:`realised_sequence`)."""
+        parts, _ = self.realise(units)
         try:
-            return simulate(graph, schedule_ops(graph, realised_sequence(graph, parts, read_by_backward))).peak
+            return simulate(self.graph, schedule_ops(self.graph, realised_sequence(self.graph, parts,
+                                                                                   self.read_by_backward))).peak
         except ScheduleError:  # a layout the sequence model cannot express: never prefer it
             return 2**62
 
-    units = outermost(list(chosen))
-    best = peak(units)
-    improved = True
-    while improved:
-        improved = False
-        for i in units:
-            rest = [j for j in units if j != i]
-            nested = outermost([j for j in chosen if j != i and inside(j, i) and calls[j][1:] != calls[i][1:]])
-            for alternative in ([*rest, *nested], rest) if nested else (rest,):
-                p = peak(sorted(alternative, key=lambda j: calls[j][1]))
-                if p < best:
-                    units, best, improved = sorted(alternative, key=lambda j: calls[j][1]), p, True
+    def improve(self, units: list[int]) -> tuple[list[int], int]:
+        """(units, their peak) after replacing a unit by the chosen calls nested in it, or removing it,
+        while that lowers the peak (first improvement taken, then start over)."""
+        calls = self.calls
+        best = self.peak(units)
+        improved = True
+        while improved:
+            improved = False
+            for i in units:
+                rest = [j for j in units if j != i]
+                nested = self.outermost([j for j in self.chosen
+                                         if j != i and self.inside(j, i) and calls[j][1:] != calls[i][1:]])
+                for alternative in ([*rest, *nested], rest) if nested else (rest,):
+                    p = self.peak(sorted(alternative, key=lambda j: calls[j][1]))
+                    if p < best:
+                        units, best, improved = sorted(alternative, key=lambda j: calls[j][1]), p, True
+                        break
+                if improved:
                     break
-            if improved:
-                break
+        return units, best
 
-    parts, realised = realise(units)
-    saved = kept_for_backward(graph, read_by_backward, realised)
-    out = []
-    for i, (nodes, drops) in zip(units, parts):
-        path, a, b = calls[i]
-        inside = set(nodes.tolist())
-        saves: dict[str, list[int]] = {}
-        seen: Counter = Counter()
-        for r in range(a, b):
-            op = SAME_OP.get(step.ops[r], step.ops[r])
-            k = seen[op]
-            seen[op] += 1
-            if node_at[r] >= 0 and saved[node_at[r]] and read_inside(graph, node_at[r], inside):
-                saves.setdefault(op, []).append(k)
-        out.append(Unit(path, saves, b - a, int(graph.mem[drops].sum()) if len(drops) else 0))
-    unrealised = np.flatnonzero(dropped & ~realised)
-    return CheckpointLayout(out, int(graph.mem[dropped].sum()), unrealised.tolist(), int(graph.mem[unrealised].sum()),
-                            best if units else peak([]))
+
+def _unit(graph: Graph, step: RecordedStep, node_at: np.ndarray, saved: np.ndarray, call: tuple[str, int, int],
+          nodes: np.ndarray, drops: np.ndarray) -> Unit:
+    """The unit of module ``call`` (its graph ``nodes``, its dropped nodes ``drops``): per op as SAC
+    counts it, the calls whose output is ``saved`` and read inside the unit."""
+    path, a, b = call
+    inside = set(nodes.tolist())
+    saves: dict[str, list[int]] = {}
+    seen: Counter = Counter()
+    for r in range(a, b):
+        op = SAME_OP.get(step.ops[r], step.ops[r])
+        k = seen[op]
+        seen[op] += 1
+        if node_at[r] >= 0 and saved[node_at[r]] and read_inside(graph, node_at[r], inside):
+            saves.setdefault(op, []).append(k)
+    return Unit(path, saves, b - a, int(graph.mem[drops].sum()) if len(drops) else 0)
 
 
 def read_inside(graph: Graph, v: int, inside: set[int]) -> bool:
@@ -441,9 +481,7 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
             return recomputation_mismatches(save, model, net, inputs, loss_fn, autocast)
 
     lay, not_checkpointed = faithful_layout(graph, plan, step, mismatches)
-    info = {"graph": graph.name, "graph_hash": graph.hash, "method": schedule.method, "budget": schedule.budget,
-            "predicted_peak": sim.peak, "fixed_mem": graph.fixed_mem, "recomputes": sim.recomputes,
-            "overhead": sim.overhead, "model": model, "options": dict(options), "seed": seed,
+    info = {**schedule_info(graph, schedule, sim), "model": model, "options": dict(options), "seed": seed,
             "batch": int(inputs[0].shape[0]) if inputs and inputs[0].dim() else None,
             "realised_peak": lay.realised_peak,
             "dropped_bytes": lay.dropped_bytes, "unrealised_dropped_bytes": lay.unrealised_bytes,
@@ -457,17 +495,7 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
             f"can be recomputed faithfully; `{path}`: {why}. torch.utils.checkpoint requires a recomputation to "
             "run the ops its forward ran: keep a submodule's forward free of state that it changes and reads back "
             "(a cache it appends to), or export with --backend replay, which runs the traced step.")
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "checkpointed.py").write_text(source)
-        saved = Schedule(graph=graph.name, method=schedule.method, ops=list(schedule.ops), budget=schedule.budget,
-                         graph_hash=graph.hash, stats={**schedule.stats, **sim.stats()}, extra=schedule.extra)
-        (out / "schedule.json").write_text(json.dumps(saved.to_dict(), separators=(",", ":")) + "\n")
-        (out / "README.md").write_text(_readme(info, lay, out.resolve()))
-    except OSError as e:
-        raise ExportError(f"Cannot write the export to {str(out)!r}: {e.strerror}. Choose a writable folder.") from None
-    return out
+    return write_folder(out_dir, source, graph, schedule, sim, lambda folder: checkpoint_readme(info, lay, folder))
 
 
 _TEMPLATE = '''\
@@ -507,233 +535,3 @@ def generate_source(info: dict[str, Any], lay: CheckpointLayout) -> str:
                             runtime=CHECKPOINT_RUNTIME.read_text().rstrip(),
                             info=pprint.pformat(info, sort_dicts=False, width=110),
                             save=pprint.pformat(save, sort_dicts=False, width=110))
-
-
-def _readme(info: dict[str, Any], lay: CheckpointLayout, folder: Path) -> str:
-    from bonsai_core.budget import format_bytes
-
-    model = info["model"]
-    opts = " ".join(f"--{k} {v}" for k, v in (info.get("options") or {}).items())
-    opts += f" --autocast {info['autocast']}" if info.get("autocast") else ""
-    units = "\n".join(f"| `{u.path}` | {u.ops} | {sum(map(len, u.saves.values()))} | {format_bytes(u.dropped_bytes)} |"
-                      for u in lay.units) or "| (none: the plan recomputes nothing) | | | |"
-    unrealised = ""
-    if lay.unrealised:
-        unrealised = (f"\n{len(lay.unrealised)} dropped tensor(s) of the plan ({format_bytes(lay.unrealised_bytes)}) "
-                      "are not held by any submodule short of the whole model together with their readers (or are "
-                      "computed by the loss), so they stay saved: the real peak can exceed the prediction by up to "
-                      "that much.\n")
-    for path, why in (info.get("not_checkpointed") or {}).items():
-        unrealised += f"\n`{path}` is not checkpointed: {why}.\n"
-    return f"""# Checkpointed `{model}` ({info['method']} schedule, checkpoint back-end)
-
-Made by `bonsai export --backend checkpoint` for graph `{info['graph']}` (hash `{info['graph_hash']}`).
-Predicted peak at the traced size: **{format_bytes(info['predicted_peak'])}** ({info['predicted_peak']} bytes, of
-which {format_bytes(info['fixed_mem'])} fixed); compute overhead {info['overhead']:+.2%}.
-
-## Train with it
-
-```python
-import importlib.util
-spec = importlib.util.spec_from_file_location("checkpointed", "{folder}/checkpointed.py")
-checkpointed = importlib.util.module_from_spec(spec); spec.loader.exec_module(checkpointed)
-
-checkpointed.apply(model)               # your own module, checkpointed in place
-loss = loss_fn(model(*inputs))          # any batch size; torch.autocast works
-loss.backward(); optimizer.step(); optimizer.zero_grad()
-```
-
-## What it checkpoints
-
-| submodule | aten ops per forward | ops saved | dropped bytes recomputed |
-| --- | --- | --- | --- |
-{units}
-{unrealised}
-Each submodule runs under `torch.utils.checkpoint.checkpoint(use_reentrant=False)` with a selective
-policy (`SAVE` in `checkpointed.py`): the tensors the schedule keeps are saved, the rest is recomputed
-when the backward pass reaches the submodule.
-
-## Check it
-
-```
-bonsai verify {model} {opts} {folder}
-```
-"""
-
-
-# -- verification ----------------------------------------------------------------------------------
-
-# Why the checkpoint back-end's peak is not judged under autocast.
-CHECKPOINT_AUTOCAST = (
-    "under autocast the checkpointed submodules run casts whose lifetimes the back-end's simulation of "
-    "them does not follow (hf:llama at a small size measured +15.9% over it); the replay back-end meets "
-    "its prediction under autocast")
-# Why the checkpoint back-end's peak is not judged on the CPU for a step with SDPA dropout.
-CPU_ATTENTION_DROPOUT = (
-    "on the CPU, SDPA with dropout runs its math path, which keeps every layer's batch x heads x seq x seq "
-    "attention probabilities and dropout mask for the backward pass, where the plan counts what the fused "
-    "kernel of a GPU keeps (output, logsumexp, generator seed); measure the peak with --device cuda, or "
-    "check the plan on the CPU with --backend replay, which runs the fused kernel's equivalent")
-
-def load_checkpointed(out_dir: str | Path) -> ModuleType:
-    """Import ``out_dir/checkpointed.py`` with the standard importlib recipe (not put in sys.modules)."""
-    module = load_export(out_dir)
-    path = Path(out_dir) / "checkpointed.py"
-    if not hasattr(module, "apply") or not hasattr(module, "SAVE"):
-        raise ExportError(f"{str(path)!r} is not a checkpoint back-end export (no apply/SAVE): verify it with "
-                          "--backend replay.")
-    return module
-
-
-@dataclass(frozen=True)
-class CheckpointVerification:
-    """The original model and the checkpointed one, one step each on one device at one batch size."""
-
-    device: str
-    batch: int | None
-    traced_size: bool  # the export's own options: the prediction applies
-    loss_original: float
-    loss_exported: float
-    max_grad_diff: float
-    predicted_peak: int | None  # the schedule's peak; None away from the traced size or under autocast
-    realised_peak: int | None  # the simulator's peak of what the checkpoints really run (same conditions)
-    measured_peak: int
-    original_peak: int
-    seconds_original: float
-    seconds_exported: float
-    predicted_overhead: float
-    max_grad_scaled_diff: float = 0.0  # largest gradient difference / that tensor's largest magnitude
-    autocast: str | None = None
-    precision: str | None = None  # "bf16" / "fp16" when the parameters (their gradients) are in that type
-    unpredicted: str | None = None  # why no peak is predicted for this run, when the traced size has one
-
-    @property
-    def loss_diff(self) -> float:
-        return abs(self.loss_exported - self.loss_original)
-
-    @property
-    def peak_error(self) -> float | None:
-        """(measured - predicted) / predicted, at the traced size."""
-        return None if not self.predicted_peak else self.measured_peak / self.predicted_peak - 1.0
-
-    @property
-    def judged_on_realised(self) -> bool:
-        """Whether the checkpoints run another plan than the schedule (their simulated peak more than 1%
-        off the schedule's, as the export's README said): the measured peak is judged against theirs.
-        A boundary view's bytes apart, as in module-region plans, is not worth it."""
-        return bool(self.predicted_peak and self.realised_peak
-                    and abs(self.realised_peak / self.predicted_peak - 1.0) > 0.01)
-
-    @property
-    def realised_peak_error(self) -> float | None:
-        """(measured - realised) / realised, at the traced size."""
-        return None if not self.predicted_peak or not self.realised_peak else self.measured_peak / self.realised_peak - 1.0
-
-    @property
-    def time_overhead(self) -> float:
-        """Measured wall time of the checkpointed step over the original's, minus one."""
-        return self.seconds_exported / self.seconds_original - 1.0
-
-    def problems(self, atol: float = 1e-5, peak_tolerance: float = PEAK_TOLERANCE) -> list[str]:
-        """What is wrong, in words; empty when the export is verified."""
-        loss = loss_problem(self.loss_original, self.loss_exported, atol, self.precision)
-        out = [loss] if loss else []
-        grads = gradient_problem(self.max_grad_diff, self.max_grad_scaled_diff, atol, self.autocast, self.precision)
-        out += [grads] if grads else []
-        if self.judged_on_realised:
-            if abs(self.realised_peak_error) > peak_tolerance:
-                out.append(f"the measured peak is {self.realised_peak_error:+.1%} off what the checkpoints run, "
-                           f"simulated (tolerance {peak_tolerance:.0%}, above or below)")
-        elif self.peak_error is not None and abs(self.peak_error) > peak_tolerance:
-            out.append(f"the measured peak is {self.peak_error:+.1%} off the prediction "
-                       f"(tolerance {peak_tolerance:.0%}, above or below)")
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "loss_diff": self.loss_diff, "peak_error": self.peak_error,
-                "judged_on_realised": self.judged_on_realised, "realised_peak_error": self.realised_peak_error,
-                "time_overhead": self.time_overhead}
-
-
-def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, *, device: str = "cpu",
-                      seed: int = 0, batch: int | None = None, autocast: str | None = None,
-                      repeats: int = 3) -> CheckpointVerification:
-    """One training step of the original model and of the model with ``apply`` from ``out_dir``:
-    loss, gradients (``.grad`` compared), peak memory (``measure.measure_step``) and wall time
-    (median of ``repeats`` further steps). ``batch`` runs another batch size than the traced one
-    (no predicted peak there); ``autocast`` ("bf16" / "fp16") runs both under ``torch.autocast``
-    (default: the autocast the export's step was traced with). A run under autocast has no predicted
-    peak (:data:`CHECKPOINT_AUTOCAST`), nor has a step with SDPA dropout on the CPU
-    (:data:`CPU_ATTENTION_DROPOUT`): ``unpredicted`` says why."""
-    from bonsai_core import zoo
-    from bonsai_core.measure import measure_step
-
-    exported = load_checkpointed(out_dir)
-    dev = measuring_device(device)
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    if autocast is not None and autocast not in dtypes:
-        raise ModelError(f"--autocast {autocast!r}: use bf16 or fp16.")
-    traced_autocast = exported.INFO.get("autocast")
-    autocast = traced_autocast if autocast is None else autocast
-    opts = dict(options)
-    traced_size = batch is None or batch == exported.INFO.get("batch")
-    unpredicted = None
-    if traced_size and autocast != traced_autocast:
-        unpredicted = f"the schedule was traced with autocast {traced_autocast or 'off'}, this run has {autocast}"
-    elif traced_size and autocast:
-        unpredicted = CHECKPOINT_AUTOCAST
-    elif traced_size and dev.type == "cpu" and exported.INFO.get("attention_dropout"):
-        unpredicted = CPU_ATTENTION_DROPOUT
-    predicted = traced_size and unpredicted is None
-    if batch is not None:
-        opts["batch"] = batch
-
-    def build(checkpointed: bool) -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:
-        net, inputs, loss_fn = zoo.build(model, seed=seed, **opts)
-        if isinstance(loss_fn, nn.Module):
-            loss_fn = loss_fn.to(dev)
-        net = net.to(dev)
-        if checkpointed:
-            try:
-                exported.apply(net)
-            except ValueError as e:
-                raise ModelError(f"The export in {str(out_dir)!r} does not fit {model!r}: {e}") from None
-        return net, tuple(x.to(dev) for x in inputs), loss_fn
-
-    def run(checkpointed: bool) -> tuple[Any, nn.Module, float]:
-        net, inputs, loss_fn = build(checkpointed)
-
-        def step() -> torch.Tensor:
-            with torch.autocast(dev.type, dtype=dtypes[autocast]) if autocast else contextlib.nullcontext():
-                loss = loss_fn(net(*inputs))
-            loss.backward()
-            return loss
-
-        measured = measure_step(net, inputs, loss_fn, step=step)
-        grads = {n: p.grad.detach().cpu().clone() for n, p in net.named_parameters() if p.grad is not None}
-        times = []
-        for _ in range(max(1, repeats)):
-            _sync(dev)
-            start = time.perf_counter()
-            step()
-            _sync(dev)
-            times.append(time.perf_counter() - start)
-        return measured, grads, statistics.median(times)
-
-    original, reference, t_original = run(False)
-    measured, grads, t_exported = run(True)
-    diff, scaled = largest_differences({n: g for n, g in grads.items() if n in reference}, reference)
-    return CheckpointVerification(
-        device=measured.device, batch=opts.get("batch"), traced_size=traced_size,
-        loss_original=original.loss, loss_exported=measured.loss, max_grad_diff=diff,
-        predicted_peak=int(exported.INFO["predicted_peak"]) if predicted else None,
-        realised_peak=int(exported.INFO["realised_peak"]) if predicted else None,
-        measured_peak=measured.peak, original_peak=original.peak, seconds_original=t_original,
-        seconds_exported=t_exported, predicted_overhead=float(exported.INFO["overhead"]),
-        max_grad_scaled_diff=scaled, autocast=autocast, precision=precision_of(reference.values()),
-        unpredicted=unpredicted)
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
