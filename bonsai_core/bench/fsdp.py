@@ -18,6 +18,10 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: building the command line does not load torch
+    import torch
 
 # activations set the peak (at the loss) / parameters do (in a block's backward)
 SIZES = {"gpt": dict(batch=8, seq=128, width=256, layers=4, heads=4, vocab=2048),
