@@ -123,15 +123,13 @@ def main(args: argparse.Namespace) -> int:
               "ladder (min-peak MILP), chen's lowest plan, and the per-op lower bound:\n")
         print("| model | bonsai model (status) | chen | per-op lower bound |")
         print("|---|---|---|---|")
-        from bonsai_core.regions import plan_schedule
-        from bonsai_core.schedule import simulate
-        from bonsai_core.solvers.chen import candidate_plans
+        from bonsai_core.bench.methods import chen_lowest_peak
 
         for spec in args.models:
             label, g = graphs[spec]
             plain = no_remat_peak(g)
             smallest, status = B.smallest_budget(g, time_limit=args.time_limit)
-            chen = min(simulate(g, plan_schedule(g, p, "chen")).peak for _, p in candidate_plans(g, "auto"))
+            chen = chen_lowest_peak(g)
             rows.append({"model": label, "sweep": "smallest", "bonsai": smallest, "bonsai_status": status,
                          "chen": chen, "lower_bound": g.peak_lower_bound, "plain_peak": plain})
             print(f"| {label} | {'-' if smallest is None else f'{smallest / plain:.1%}'} ({status}) | {chen / plain:.1%} | "
