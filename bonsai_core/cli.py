@@ -297,27 +297,15 @@ def _fraction_arg(text: str) -> float:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """``bonsai bench [SUITE] [options]``: the suite named (default ``methods``), or ``--list`` the suites."""
     from bonsai_core import bench
-    from bonsai_core.peers import PEERS
-    from bonsai_core.solvers import METHODS
 
-    methods = args.methods or list(METHODS)
-    peers = args.peers if args.peers is not None else list(PEERS)
-    for m in methods:
-        if m not in METHODS:
-            args.parser.error(f"argument --methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
-    for p in peers:
-        if p not in PEERS:
-            args.parser.error(f"argument --peers: unknown peer {p!r} (choose from {', '.join(PEERS)})")
-    config = bench.BenchConfig(
-        models=args.models or list(bench.QUICK_MODELS if args.quick else bench.FULL_MODELS),
-        budgets=args.budgets or list(bench.QUICK_BUDGETS if args.quick else bench.FULL_BUDGETS),
-        methods=methods, peers=peers,
-        time_limit=args.time_limit or (10.0 if args.quick else SOLVE_TIME_LIMIT), backend=args.backend,
-        max_nodes=dict(bench.BENCH_NODE_LIMITS))
-    rows = bench.run_bench(config, args.output, progress=lambda line: print(line, flush=True))
-    print(f"wrote {len(rows)} rows to {args.output}/results.csv, results.md and plots")
-    return 0
+    if args.list:
+        print(bench.suite_list())
+        return 0
+    if args.suite is None:
+        return bench.suite(bench.DEFAULT_SUITE).main(args)
+    return args.suite_main(args)
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
@@ -497,12 +485,17 @@ def cmd_app(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bonsai_core.solvers import DEFAULT_METHOD, METHODS
-
     parser = argparse.ArgumentParser(prog="bonsai", description="Optimal tensor rematerialization explorer.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for add in (_add_model_parsers, _add_solve_parsers, _add_bench_parser, _add_fit_parser, _add_export_parsers,
+                _add_app_parser):
+        add(sub)
+    return parser
 
+
+def _add_model_parsers(sub: Any) -> None:
+    """``zoo`` and ``trace``: the models there are, and a model's training step into a graph."""
     p = sub.add_parser("zoo", help="list built-in models and their options")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_zoo)
@@ -517,6 +510,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="GRAPH.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_trace)
+
+
+def _add_solve_parsers(sub: Any) -> None:
+    """``solve``, ``methods`` and ``simulate``: a schedule under a budget, the methods, and the replay."""
+    from bonsai_core.solvers import DEFAULT_METHOD, METHODS
 
     p = sub.add_parser("solve", help="find a rematerialization schedule under a memory budget")
     p.add_argument("graph", metavar="GRAPH.json")
@@ -558,18 +556,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_simulate)
 
-    p = sub.add_parser("bench", help="every method and peer on the same models and budgets: tables and plots")
-    p.add_argument("--models", nargs="+", metavar="MODEL",
-                   help="zoo or hf: models, e.g. gpt or gpt:layers=2,width=256; MODEL@PCT,PCT adds budgets for that model")
-    p.add_argument("--budgets", nargs="+", type=_fraction_arg, metavar="PCT", help="shares of the no-remat peak")
-    p.add_argument("--methods", nargs="+", metavar="METHOD", help="default: every method")
-    p.add_argument("--peers", nargs="*", metavar="PEER", help="torch-budget, per-block (default: both)")
-    p.add_argument("--quick", action="store_true", help="two small models, two budgets (a minute or two)")
-    p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="per solve (default 60, quick 10)")
-    p.add_argument("--backend", choices=("highs", "scip"), default="highs", help="MILP backend")
-    p.add_argument("-o", "--output", required=True, metavar="DIR")
+
+def _add_bench_parser(sub: Any) -> None:
+    """``bench``: the benchmark suites; with no suite, the default suite's options on ``bench`` itself."""
+    from bonsai_core import bench
+
+    p = sub.add_parser("bench", help="benchmark suites (default: every method and peer on the same models and "
+                                     "budgets: tables and plots); --list names them")
+    bench.suite(bench.DEFAULT_SUITE).add_arguments(p, output_required=False)
+    p.add_argument("--list", action="store_true", help="list the suites and what each measures")
+    bench.add_suite_parsers(p)
     p.set_defaults(func=cmd_bench, parser=p)
 
+
+def _add_fit_parser(sub: Any) -> None:
+    """``fit``: the largest size each method trains within a GPU's memory."""
     p = sub.add_parser("fit", help="the largest micro-batch (or sequence) each method trains within a GPU's memory")
     add_model_arguments(p)
     p.add_argument("--gpu", required=True, type=_budget_arg, metavar="BYTES", help="the GPU's memory, e.g. 80GiB")
@@ -588,6 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_fit, parser=p)
 
+
+def _add_export_parsers(sub: Any) -> None:
+    """``export`` and ``verify``: a runnable model that follows a schedule, checked against the original."""
     p = sub.add_parser("export", help="write a runnable checkpointed model that follows a schedule")
     add_model_arguments(p)
     p.add_argument("schedule", metavar="SCHEDULE.json", help="a schedule solved for this model's traced graph")
@@ -608,12 +612,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
 
+
+def _add_app_parser(sub: Any) -> None:
+    """``app``: the explorer."""
     p = sub.add_parser("app", help="start the explorer (streamlit run explorer/app.py)",
                        epilog="Any other argument is passed on to streamlit, e.g. bonsai app --server.port 8502.")
     p.add_argument("--print-command", action="store_true", help="print the streamlit command instead of running it")
     p.set_defaults(streamlit_args=[])  # every other argument goes to streamlit, e.g. --server.port 8502
     p.set_defaults(func=cmd_app)
-    return parser
 
 
 def _version() -> str:

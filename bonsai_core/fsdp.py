@@ -24,7 +24,7 @@ sharded state a rank holds whole (*unsharded*) tensors for a while. The simulato
 
 These are FSDP2's own allocations (``torch/distributed/fsdp/_fully_shard``: ``all_gather_state``,
 ``reduce_scatter_states``, implicit backward prefetching), measured against gloo processes with
-``scripts/fsdp_check.py`` (docs/REAL_RUNS.md). :func:`working_profile` gives those unsharded bytes per schedule op; ``simulate`` adds them to the
+``bonsai bench fsdp`` (docs/REAL_RUNS.md). :func:`working_profile` gives those unsharded bytes per schedule op; ``simulate`` adds them to the
 timeline, so every schedule's peak is the rank's, and :func:`bonsai_core.solvers.solve` tightens a
 method's budget by what they add where they set the peak. Measured against gloo processes:
 docs/REAL_RUNS.md.

@@ -100,7 +100,7 @@ def test_peer_measurements_agree_with_the_plain_step():
 def test_a_peer_row_is_the_cheapest_measured_setting_that_fits_its_budget(monkeypatch):
     """The peer rows, from fake measurements: at each budget the cheapest setting whose measured
     peak fits (not merely the cheapest, not merely the lowest peak), and "no setting fits" below all."""
-    from bonsai_core import bench
+    from bonsai_core.bench import methods as bench
 
     runs = [peers.PeerRun("per-block", "every 4", 900, 1.1, 0.0), peers.PeerRun("per-block", "every 2", 700, 1.3, 0.0),
             peers.PeerRun("per-block", "every 1", 500, 1.6, 0.0), peers.PeerRun("per-block", "cheap", 990, 1.05, 0.0)]
@@ -119,8 +119,55 @@ def test_a_peer_row_is_the_cheapest_measured_setting_that_fits_its_budget(monkey
 def test_bench_solves_every_budget_from_scratch():
     """bonsai answers a budget a plan solved for a larger one fits with that plan in no time; the bench
     times solves, so it turns that off (and passes only options a method declares)."""
-    from bonsai_core.bench import _options
+    from bonsai_core.bench.methods import _options
 
     config = BenchConfig(models=[], budgets=[], methods=["bonsai", "chen"], peers=[], time_limit=20)
     assert _options("bonsai", config)["reuse"] is False
     assert "reuse" not in _options("chen", config)
+
+
+def test_bench_list_names_every_suite(capsys):
+    from bonsai_core.bench import SUITES
+
+    assert main(["bench", "--list"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == list(SUITES)
+
+
+def test_bench_suites_take_their_own_options_and_no_suite_is_the_methods_suite():
+    from bonsai_core.bench import heuristics
+    from bonsai_core.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "heuristics", "--models", "mlp", "--out", "x"])
+    assert (args.suite, args.models, args.out, args.time_limit) == ("heuristics", ["mlp"], "x", 30.0)
+    assert args.suite_main is heuristics.main
+    plain = vars(parser.parse_args(["bench", "--quick", "--models", "mlp", "gpt", "-o", "d"]))
+    named = vars(parser.parse_args(["bench", "methods", "--quick", "--models", "mlp", "gpt", "-o", "d"]))
+    assert plain["suite"] is None and named["suite"] == "methods"
+    assert all(plain[k] == named[k] for k in ("quick", "models", "budgets", "methods", "peers", "time_limit",
+                                              "backend", "output"))
+
+
+def test_bench_without_an_output_folder_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--quick"])
+    assert e.value.code == 2 and "-o/--output" in capsys.readouterr().err
+
+
+def test_the_budget_bisection_lands_on_the_threshold_and_keeps_its_best_on_a_timeout():
+    from bonsai_core.bench.common import bisect_budget
+
+    assert bisect_budget(lambda b: b >= 300, 0, 1024, 10) == 300
+    assert bisect_budget(lambda b: b >= 300, 0, 1024, 3) == 384  # three halvings: 512, 256 (no), 384
+    assert bisect_budget(lambda b: True, 5, 100, 10, try_lo=True) == 5
+    assert bisect_budget(lambda b: False, 5, 100, 10, try_lo=True) is None
+    calls = []
+
+    def slow(budget: int) -> bool:
+        calls.append(budget)
+        if len(calls) > 3:
+            raise TimeoutError
+        return budget >= 300
+
+    assert bisect_budget(slow, 0, 1024, 10) == 512  # met 1024, then 512; 256 failed; out of time at 384
+    assert bisect_budget(lambda b: (_ for _ in ()).throw(TimeoutError), 0, 1024, 10) is None

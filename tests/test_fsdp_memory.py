@@ -127,8 +127,7 @@ def test_per_rank_peak_matches_gloo_processes(model):
     """fully_shard on 2 gloo processes: the largest rank's measured peak within 5% of the prediction."""
     if model.startswith("hf:"):
         pytest.importorskip("transformers")
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import fsdp_check
+    from bonsai_core.bench import fsdp as fsdp_check
 
     options = fsdp_check.SIZES[model]
     name = model.removesuffix("-wide")

@@ -348,16 +348,11 @@ def test_a_pool_replay_is_the_runs_own_pool_block_for_block(gpt, method, options
 
 
 def test_the_bench_table_and_simulate_report_one_fragmentation(gpt, tmp_path, capsys):
-    import importlib.util
     import json
-    from pathlib import Path
 
+    from bonsai_core.bench import heuristics as bench
     from bonsai_core.cli import main
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_heuristics.py"
-    spec = importlib.util.spec_from_file_location("bench_heuristics", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     budget = int(0.65 * no_remat_peak(gpt))
     row = bench.run(gpt, budget, "coop", 30.0, measure=True)
     s = solve(gpt, budget, "coop", budget_hint=False)

@@ -29,7 +29,7 @@ evicted descendant needs t). Two ways to know the connected groups, both DTR's:
 * ``"free"`` (the default): it is freed, stays rebuildable if an evicted tensor needs it, but is
   not part of anyone's e* (which holds only what the policy evicted). Measured on the zoo GPT at
   80% of the no-remat peak, DTR's overhead is +9.6% with it against +30.1% with eager eviction
-  (``scripts/dtr_variants.py``).
+  (``bonsai bench dtr-variants``).
 * ``"evict"`` (DTR's eager eviction): it is freed but stays rebuildable, as if evicted; its cost
   counts in its neighbours' e*, so e* grows over everything the program has freed.
 * ``"banish"`` (DTR's banishing): it is freed for good, and can never be rebuilt. That is only safe

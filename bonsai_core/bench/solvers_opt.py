@@ -6,7 +6,7 @@ times. Each (graph, method) runs in its own process with a hard wall-clock limit
 ignores its time limit cannot stall the run; inside it the budgets are solved in turn, which is how
 the explorer's slider re-solves (checkmate's model is built once and re-solved with a new budget).
 
-    python scripts/bench_solvers_opt.py --time-limit 60 -o bench-opt.jsonl
+    bonsai bench solvers-opt --time-limit 60 -o bench-opt.jsonl
 """
 
 from __future__ import annotations
@@ -95,18 +95,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The suite's options (``--one``: the child process's own, one graph and one method)."""
     p.add_argument("--graphs", nargs="+", default=list(GRAPHS), choices=list(GRAPHS))
     p.add_argument("--methods", nargs="+", default=list(METHODS)[:3], choices=list(METHODS))
     p.add_argument("--budgets", nargs="+", type=float, default=[0.9, 0.7, 0.5], help="shares of the no-remat peak")
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("-o", "--output", default="bench-opt.jsonl")
     p.add_argument("--one", nargs=3, metavar=("GRAPH_FILE", "LABEL", "METHOD"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
+    """Each (graph, method) in a child process under a hard limit; the rows as JSON lines, then a table."""
     if args.one:
         run_one(*args.one, args.budgets, args.time_limit)
-        return
+        return 0
 
     from bonsai_core.graph import save_graph
     from bonsai_core.trace import trace_zoo
@@ -122,8 +125,8 @@ def main() -> None:
             for method in args.methods:
                 # Each budget may take the time limit plus building and a backend's overrun.
                 hard = len(args.budgets) * (args.time_limit * 1.5 + 60)
-                cmd = [sys.executable, __file__, "--one", graph_file, label, method, "--time-limit",
-                       str(args.time_limit), "--budgets", *map(str, args.budgets)]
+                cmd = [sys.executable, "-m", "bonsai_core.cli", "bench", "solvers-opt", "--one", graph_file, label,
+                       method, "--time-limit", str(args.time_limit), "--budgets", *map(str, args.budgets)]
                 try:
                     done = subprocess.run(cmd, capture_output=True, text=True, timeout=hard)
                     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
@@ -139,7 +142,4 @@ def main() -> None:
                         f.write(ln + "\n")
                     print(ln, flush=True)
     print(table(rows))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -2,17 +2,13 @@
 model at its default size and of the real models in tests/real_models.py (BatchNorm CNNs, a ViT with
 ``torch._assert``, Hugging Face GPT-2 and BERT from configs)
 and of the ``hf:`` architectures at their default sizes, as a markdown table:
-``python scripts/predicted_vs_measured.py`` (``--zoo``, ``--real`` or ``--hf`` for one part)."""
+``bonsai bench predicted-vs-measured`` (``--zoo``, ``--real`` or ``--hf`` for one part)."""
 
 from __future__ import annotations
 
-import sys
+import argparse
 
-from bonsai_core import zoo
-from bonsai_core.budget import format_bytes
-from bonsai_core.measure import measure_step
-from bonsai_core.schedule import no_remat_peak
-from bonsai_core.trace import trace_zoo
+from bonsai_core.bench import common
 
 # name -> options; the transformers twice: with the configs' dropout 0.1 and without
 REAL = [("tests.real_models:resnet18_bn", {}), ("tests.real_models:mobilenet_v3_small", {}),
@@ -20,6 +16,12 @@ REAL = [("tests.real_models:resnet18_bn", {}), ("tests.real_models:mobilenet_v3_
 
 
 def row(name: str, options: dict) -> str:
+    from bonsai_core import zoo
+    from bonsai_core.budget import format_bytes
+    from bonsai_core.measure import measure_step
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.trace import trace_zoo
+
     traced = trace_zoo(name, **options)
     g = traced.graph
     predicted = no_remat_peak(g)
@@ -30,8 +32,19 @@ def row(name: str, options: dict) -> str:
             f"{format_bytes(measured)} | {predicted / measured:.4f} |")
 
 
-def main() -> None:
-    which = sys.argv[1:] or ["--zoo", "--real", "--hf"]
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The parts to run (default: all three)."""
+    parser.add_argument("--zoo", action="store_true", help="the zoo models at their default sizes")
+    parser.add_argument("--real", action="store_true", help="the real models in tests/real_models.py")
+    parser.add_argument("--hf", action="store_true", help="the hf: architectures at their default sizes")
+
+
+def main(args: argparse.Namespace) -> int:
+    """One markdown row per model, printed."""
+    from bonsai_core import zoo
+
+    common.import_test_models()
+    which = [f"--{part}" for part in ("zoo", "real", "hf") if getattr(args, part)] or ["--zoo", "--real", "--hf"]
     print("| model | ops | predicted peak | measured peak (CPU live bytes) | predicted / measured |")
     print("|---|---:|---:|---:|---:|")
     if "--zoo" in which:
@@ -45,7 +58,4 @@ def main() -> None:
 
         for arch in ARCHS:
             print(row(f"hf:{arch}", {}), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -4,11 +4,11 @@ freed: the layout a rematerializing runtime without recomputable in-place leaves
 DTR in the same full-arena pool (``allocator.pin_fixed``'s ``updates``).
 
 Per zoo model at its default size: the smallest budget each variant meets (the bisection of
-``scripts/bench_heuristics.py``) and, at 80% of the no-remat peak, the overhead and the fragmentation
+``bonsai bench heuristics``) and, at 80% of the no-remat peak, the overhead and the fragmentation
 of its schedule in its own pool (the allocator model's one definition, 1 - live / reserved at the
 reserved peak: ``allocator.pool_replay``, ``bonsai simulate --allocator --arena``).
 
-    PYTHONPATH=. python scripts/bench_inplace.py [--models gpt resnet ...] [--time-limit 20]
+    bonsai bench inplace [--models gpt resnet ...] [--time-limit 20]
 
 prints a markdown table (docs/HEURISTICS.md has the measured one).
 """
@@ -17,14 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_heuristics as bench  # noqa: E402 (the shared runner and bisection)
-
-from bonsai_core.schedule import no_remat_peak  # noqa: E402
-from bonsai_core.trace import trace_zoo  # noqa: E402
+from bonsai_core.bench import heuristics as bench  # the shared runner and bisection
+from bonsai_core.schedule import no_remat_peak
 
 VARIANTS = {
     "coop in place": ("coop", {}),
@@ -35,11 +30,16 @@ VARIANTS = {
 MODELS = ("gpt", "resnet", "unet", "mlp", "vgg")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The suite's options."""
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--time-limit", type=float, default=20.0)
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
+    """One row per model and variant, printed as a markdown table."""
+    from bonsai_core.trace import trace_zoo
+
     bench.VARIANTS.update(VARIANTS)
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| model | variant | smallest budget | overhead at 80% | pool fragmentation at 80% |")
@@ -55,7 +55,4 @@ def main() -> None:
             print(f"| {name} | {label} | {smallest / ref:.1%} | {at80} |" if smallest else
                   f"| {name} | {label} | - | {at80} |", flush=True)
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

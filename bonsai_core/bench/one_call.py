@@ -2,7 +2,7 @@
 the peak measured on one real training step (CPU, live bytes), whether loss, gradients and buffers
 equal the model's without the plan (one seed), and how long the first and the cached call take.
 
-    python scripts/one_call_peaks.py [--budget 70%] [--out docs/bench/one_call.md]
+    bonsai bench one-call [--budget 70%] [--out docs/bench/one_call.md]
 """
 
 from __future__ import annotations
@@ -11,19 +11,12 @@ import argparse
 import copy
 import datetime
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-import torch
-import torch.nn as nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import bonsai_core as bonsai  # noqa: E402
-from bonsai_core.budget import format_bytes  # noqa: E402
-from bonsai_core.measure import measure_step  # noqa: E402
+from bonsai_core.bench import common
 
 
 def llama(batch: int = 4, seq: int = 256):
@@ -43,28 +36,32 @@ def gpt2(batch: int = 4, seq: int = 256, dropout: float = 0.1):
 
 
 def vit(batch: int = 32, image: int = 64):
+    common.import_test_models()
     from tests.robust_models import make_vit
 
     return make_vit(batch=batch, image=image)
 
 
 def cnn(batch: int = 16):
+    common.import_test_models()
     from tests.robust_models import make_stochastic_depth_cnn
 
     return make_stochastic_depth_cnn(batch=batch, width=32, blocks=6, image=32)
 
 
-class _Maskless(nn.Module):
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
+def _maskless(lm: Any, batch: int, seq: int, vocab: int):
+    """The language model called as training scripts call it: no attention mask, the ids as labels."""
+    import torch
 
-    def forward(self, ids: torch.Tensor):
-        return self.lm(input_ids=ids, labels=ids)  # as training scripts call it: no attention mask
+    class Maskless(torch.nn.Module):
+        def __init__(self, lm: torch.nn.Module) -> None:
+            super().__init__()
+            self.lm = lm
 
+        def forward(self, ids: torch.Tensor):
+            return self.lm(input_ids=ids, labels=ids)
 
-def _maskless(lm: nn.Module, batch: int, seq: int, vocab: int):
-    return _Maskless(lm.train()), (torch.randint(0, vocab, (batch, seq)),), lambda out: out.loss
+    return Maskless(lm.train()), (torch.randint(0, vocab, (batch, seq)),), lambda out: out.loss
 
 
 MODELS = {"transformers Llama (6 layers, 256 wide, seq 256, SDPA)": llama,
@@ -75,6 +72,11 @@ MODELS = {"transformers Llama (6 layers, 256 wide, seq 256, SDPA)": llama,
 
 
 def one(make, budget: str, cache: Path) -> dict:
+    import torch
+
+    import bonsai_core as bonsai
+    from bonsai_core.measure import measure_step
+
     torch.manual_seed(0)
     model, inputs, loss_fn = make()
     reference = copy.deepcopy(model)
@@ -103,11 +105,17 @@ def one(make, budget: str, cache: Path) -> dict:
             "same": same, "first": first, "cached": cached}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The suite's options."""
     parser.add_argument("--budget", default="70%")
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this Markdown file")
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
+    """One row per model, printed and (with ``--out``) written with its header and note."""
+    import torch
+
+    from bonsai_core.budget import format_bytes
 
     rows = ["| model | checkpointed | no remat | predicted | measured | error | overhead | same loss, grads, buffers "
             "| first call | cached call |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -118,7 +126,7 @@ def main() -> None:
                         f"| {format_bytes(r['measured'])} | {r['error']:+.2%} | {r['overhead']:+.1%} "
                         f"| {'yes' if r['same'] else 'NO'} | {r['first']:.1f} s | {r['cached']:.2f} s |")
             print(rows[-1], flush=True)
-    header = (f"`python scripts/one_call_peaks.py --budget {args.budget}` on {datetime.date.today()}, "
+    header = (f"`bonsai bench one-call --budget {args.budget}` on {datetime.date.today()}, "
               f"{platform.machine()} CPU, torch {torch.__version__}: `bonsai.checkpoint(model, inputs, loss_fn, "
               f"budget={args.budget!r})`, then one real step measured (live bytes, fixed memory included).\n\n")
     note = ("\nOn CPU, eager dropout is not the kernel the trace records: the trace writes `native_dropout` (a "
@@ -128,7 +136,4 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(header + "\n".join(rows) + "\n" + note)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

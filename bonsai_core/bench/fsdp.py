@@ -4,8 +4,8 @@ gradients are allocated as in steady state) against the simulator's peak of the 
 :func:`bonsai_core.fsdp.with_fsdp`, without recomputation and with a bonsai plan applied by
 ``bonsai_core.checkpoint`` before sharding.
 
-    python scripts/fsdp_check.py --model gpt --world 2 4 [--budget 70%] [--out docs/bench/fsdp.md]
-    python scripts/fsdp_check.py --model hf:llama --world 2 4
+    bonsai bench fsdp --model gpt --world 2 4 [--budget 70%] [--out docs/bench/fsdp.md]
+    bonsai bench fsdp --model hf:llama --world 2 4
 """
 
 from __future__ import annotations
@@ -14,20 +14,14 @@ import argparse
 import datetime
 import json
 import platform
-import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bonsai_core import zoo  # noqa: E402
-from bonsai_core.budget import format_bytes  # noqa: E402
+if TYPE_CHECKING:  # imported where used: building the command line does not load torch
+    import torch
 
 # activations set the peak (at the loss) / parameters do (in a block's backward)
 SIZES = {"gpt": dict(batch=8, seq=128, width=256, layers=4, heads=4, vocab=2048),
@@ -38,6 +32,7 @@ SIZES = {"gpt": dict(batch=8, seq=128, width=256, layers=4, heads=4, vocab=2048)
 
 def fsdp_graph(model: str, options: dict, world: int, reshard: bool = True):
     """The traced graph as one of ``world`` ranks holds it, and the block paths FSDP shards."""
+    from bonsai_core import zoo
     from bonsai_core.fsdp import shard_by_blocks
     from bonsai_core.regions import block_stack
     from bonsai_core.trace import trace_zoo
@@ -55,6 +50,7 @@ def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
     references, gone when FSDP frees them). The measurement polls both at every op."""
     import weakref
 
+    import torch
     from torch.distributed.fsdp import FSDPModule
 
     resized = {}
@@ -73,9 +69,12 @@ def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
 
 def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], budget: str | None,
             store: str, results: str) -> None:
+    import torch
+    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     import bonsai_core as bonsai
+    from bonsai_core import zoo
     from bonsai_core.measure import LiveBytes
     from bonsai_core.tensors import storage_bytes
 
@@ -118,6 +117,9 @@ def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], 
 
 
 def measure(model: str, options: dict, world: int, paths: list[str], budget: str | None) -> list[dict]:
+    """Each rank's fixed bytes and peak over one steady-state step, from ``world`` spawned processes."""
+    import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_worker, args=(world, model, options, paths, budget, f"{tmp}/store", tmp),
                                  nprocs=world, join=False, start_method="spawn")
@@ -134,18 +136,25 @@ def predicted(graph, model: str, options: dict, budget: str | None) -> int:
     if not budget:
         return no_remat_peak(graph)
     import bonsai_core as bonsai
+    from bonsai_core import zoo
 
     net, inputs, loss_fn = zoo.build(model, seed=0, **options)
     return bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=graph.fsdp["world"], cache=False).predicted_peak
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The suite's options."""
     parser.add_argument("--model", default="gpt", choices=sorted(SIZES))
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--budget", default=None, help="also measure with bonsai's plan at this budget (e.g. 70%%)")
     parser.add_argument("--out", type=Path, default=None, help="append the table to this Markdown file")
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
+    """One row per world size (and plan), printed and (with ``--out``) appended to a Markdown file."""
+    import torch
+
+    from bonsai_core.budget import format_bytes
 
     options = SIZES[args.model]
     label, args.model = args.model, args.model.removesuffix("-wide")
@@ -163,13 +172,10 @@ def main() -> None:
             print(rows[-1], flush=True)
     if args.out:
         header = ("" if args.out.exists() else
-                  f"`python scripts/fsdp_check.py` on {datetime.date.today()}, {platform.machine()} CPU, torch "
+                  f"`bonsai bench fsdp` on {datetime.date.today()}, {platform.machine()} CPU, torch "
                   f"{torch.__version__}, gloo: per-rank peak live bytes (largest over ranks) against the simulator.\n\n"
                   "| model | ranks | plan | fixed per rank | predicted | measured | error | time |\n"
                   "| --- | --- | --- | --- | --- | --- | --- | --- |\n")
         with args.out.open("a") as f:
             f.write(header + "\n".join(rows) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

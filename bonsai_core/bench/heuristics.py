@@ -5,7 +5,7 @@ gradients and optimizer state (OneFlow's DTR allocator), and reports the smalles
 trains in ("up to 2x memory saving") and the compute overhead at equal pools. This script measures
 that for the zoo's and Hugging Face's networks at two sizes each (the zoo default and a larger batch
 or sequence), and GPT-2 small (the zoo GPT at ``zoo.GPT2_SMALL``: batch 8, sequence 512, width 768,
-12 layers and heads, vocabulary 50257), every model traced once:
+12 layers and heads, vocabulary 50257), every model traced once (``bonsai bench heuristics``):
 
 * **smallest pool** each variant trains in (its schedule, replayed in the pool, fits), by bisection
   on the budget (10 steps, between the graph's lower bound and 1.5x its no-remat peak; a heuristic's
@@ -26,8 +26,8 @@ union-find e* (``dtr_eq-pool``, what OneFlow's DTR baseline computes) and with t
 baseline); and DTR counting live bytes only (``dtr``), whose schedule is then placed in the pool best
 fit (``pool_replay``): it trains in a pool when that placement fits.
 
-    PYTHONPATH=. python scripts/bench_heuristics.py --out docs/heuristics --example   # about a minute here
-    PYTHONPATH=. python scripts/bench_heuristics.py --out docs/heuristics --report-only
+    bonsai bench heuristics --out docs/heuristics --example   # about a minute here
+    bonsai bench heuristics --out docs/heuristics --report-only
 
 writes ``results.json``, ``table.md``, ``coop_vs_dtr.html`` (plotly) and ``coop_vs_dtr.png`` (the
 same figure; kaleido if installed, else headless Chromium) there. ``--example`` adds ``example.md``:
@@ -44,7 +44,6 @@ import platform
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -52,17 +51,18 @@ from pathlib import Path
 from typing import Any
 
 from bonsai_core.allocator import fixed_tensors, optimizer_bytes, pool_replay, replay
+from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak
 from bonsai_core.solvers import solve
-from bonsai_core.trace import trace_zoo
-from bonsai_core.zoo import GPT2_SMALL
 
+# GPT-2 small's shape, ``zoo.GPT2_SMALL`` (bonsai_core.zoo imports torch: read only when a run needs it)
+GPT2_SMALL = "GPT2_SMALL"
 # (name, options): each network at its zoo default and a larger batch or sequence; hf models are built
 # from configs (no weights); GPT-2 small's shape besides, the largest graph (1,517 nodes)
-MODELS: list[tuple[str, dict[str, int]]] = [
-    ("gpt", {}), ("gpt", {"batch": 16, "seq": 512}), ("gpt", dict(GPT2_SMALL)),
+MODEL_SIZES: list[tuple[str, dict[str, int] | str]] = [
+    ("gpt", {}), ("gpt", {"batch": 16, "seq": 512}), ("gpt", GPT2_SMALL),
     ("resnet", {}), ("resnet", {"batch": 64}),
     ("unet", {}), ("unet", {"batch": 16}),
     ("vgg", {}), ("vgg", {"batch": 64}),
@@ -71,6 +71,13 @@ MODELS: list[tuple[str, dict[str, int]]] = [
     ("hf:bert", {}), ("hf:bert", {"seq": 512}),
     ("hf:vit", {}), ("hf:vit", {"batch": 64}),
 ]
+
+
+def models() -> list[tuple[str, dict[str, int]]]:
+    """MODEL_SIZES with GPT-2 small's shape filled in."""
+    from bonsai_core.zoo import GPT2_SMALL as shape
+
+    return [(name, dict(shape) if options == GPT2_SMALL else options) for name, options in MODEL_SIZES]
 POOL_ARGS = {"allocator": True, "full_arena": True}
 # label -> (method, options); every one but "dtr" runs inside the pool
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -119,25 +126,23 @@ def fragmentation(graph: Graph, schedule: Schedule, allocator: str, capacity: in
 
 
 def smallest_budget(graph: Graph, label: str, time_limit: float, steps: int = STEPS) -> int | None:
-    lo, hi = graph.peak_lower_bound, int(1.5 * no_remat_peak(graph))
-    if not run(graph, hi, label, time_limit)["ok"]:
-        return None
-    for _ in range(steps):
-        mid = (lo + hi) // 2
-        if run(graph, mid, label, time_limit)["ok"]:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    """The smallest budget ``label`` trains in, bisected between the graph's lower bound and 1.5x its
+    no-remat peak."""
+    return common.bisect_budget(lambda budget: run(graph, budget, label, time_limit)["ok"],
+                                graph.peak_lower_bound, int(1.5 * no_remat_peak(graph)), steps)
 
 
 def label_of(name: str, options: dict[str, int]) -> str:
-    if name == "gpt" and options == GPT2_SMALL:
+    from bonsai_core.zoo import GPT2_SMALL as shape
+
+    if name == "gpt" and options == shape:
         return "gpt GPT-2 small"
     return name + "".join(f" --{k} {v}" for k, v in options.items())
 
 
 def bench_model(name: str, options: dict[str, int], time_limit: float) -> dict[str, Any]:
+    from bonsai_core.trace import trace_zoo
+
     start = time.perf_counter()
     g = trace_zoo(name, **options).graph
     traced = time.perf_counter() - start
@@ -321,6 +326,8 @@ def report(results: dict[str, Any], out: Path) -> None:
 def example(time_limit: float, frac: float = 0.6) -> str:
     """Coop and dtr-pool on the zoo GPT at ``frac`` of its no-remat peak, from their event logs: the
     requests where they first differ, and what each recomputes."""
+    from bonsai_core.trace import trace_zoo
+
     g = trace_zoo("gpt").graph
     budget = int(frac * no_remat_peak(g))
     runs = {label: solve(g, budget, VARIANTS[label][0], time_limit=time_limit, budget_hint=False,
@@ -385,31 +392,33 @@ def example(time_limit: float, frac: float = 0.6) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The suite's options."""
     ap.add_argument("--out", default="docs/heuristics")
-    names = list(dict.fromkeys(n for n, _ in MODELS))
+    names = list(dict.fromkeys(n for n, _ in MODEL_SIZES))
     ap.add_argument("--models", nargs="+", default=names, help=f"from {', '.join(names)}")
     ap.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
     ap.add_argument("--report-only", action="store_true", help="rewrite table.md and the figure from results.json")
     ap.add_argument("--example", action="store_true", help="also write example.md (the worked example)")
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
+    """Every chosen model, then the report (and the worked example) in ``--out``."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         report(json.loads((out / "results.json").read_text()), out)
-        return
+        return 0
     start = time.perf_counter()
-    command = "PYTHONPATH=. python scripts/bench_heuristics.py " + " ".join(sys.argv[1:])
     cpu = platform.processor() or platform.machine()
-    results: dict[str, Any] = {"meta": {"command": command.strip(),
+    results: dict[str, Any] = {"meta": {"command": common.command(),
                                         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                                         "machine": f"{os.cpu_count()} CPUs ({cpu}), load average at start "
                                                    f"{os.getloadavg()[0]:.1f}, Python {platform.python_version()}",
                                         "seconds": 0.0},
                                "variants": {k: [m, o] for k, (m, o) in VARIANTS.items()},
                                "factors": list(FACTORS), "models": {}}
-    for name, options in MODELS:
+    for name, options in models():
         if name in args.models:
             key = label_of(name, options)
             results["models"][key] = bench_model(name, options, args.time_limit)
@@ -421,7 +430,4 @@ def main() -> None:
     report(results, out)
     print(f"wrote {out}/results.json, table.md, coop_vs_dtr.html, coop_vs_dtr.png "
           f"in {results['meta']['seconds']:.0f} s")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,4 +1,5 @@
-"""``bonsai bench``: every method and every peer on the same models and budgets, in one run.
+"""``bonsai bench [methods]``: every method and every peer on the same models and budgets, in one run
+(the default suite).
 
 Writes ``results.csv`` (one row per model x budget x method), ``reach.csv`` (one row per model: the
 smallest budget each method reaches, next to the per-op lower bound), ``results.md`` (a table per
@@ -13,12 +14,14 @@ peer rows are measured on a real CPU step (:mod:`bonsai_core.peers`).
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError, ModelError
 
 # Each column of results.csv and its pandas type (nullable: a row that did not run has no peak).
@@ -170,6 +173,49 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
     return rows
 
 
+def add_arguments(p: argparse.ArgumentParser, output_required: bool = True) -> None:
+    """The options of the methods suite (``bonsai bench`` without a suite takes them too, its output
+    then checked by :func:`main`, since ``bonsai bench --list`` needs none)."""
+    from bonsai_core.cli import _fraction_arg, _positive_float
+
+    p.add_argument("--models", nargs="+", metavar="MODEL",
+                   help="zoo or hf: models, e.g. gpt or gpt:layers=2,width=256; MODEL@PCT,PCT adds budgets for that model")
+    p.add_argument("--budgets", nargs="+", type=_fraction_arg, metavar="PCT", help="shares of the no-remat peak")
+    p.add_argument("--methods", nargs="+", metavar="METHOD", help="default: every method")
+    p.add_argument("--peers", nargs="*", metavar="PEER", help="torch-budget, per-block (default: both)")
+    p.add_argument("--quick", action="store_true", help="two small models, two budgets (a minute or two)")
+    p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="per solve (default 60, quick 10)")
+    p.add_argument("--backend", choices=("highs", "scip"), default="highs", help="MILP backend")
+    p.add_argument("-o", "--output", required=output_required, metavar="DIR")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``bonsai bench [methods]``: check the methods and peers named, run the bench, say where it wrote."""
+    from bonsai_core.cli import SOLVE_TIME_LIMIT
+    from bonsai_core.peers import PEERS
+    from bonsai_core.solvers import METHODS
+
+    if args.output is None:
+        args.parser.error("the following arguments are required: -o/--output")
+    methods = args.methods or list(METHODS)
+    peers = args.peers if args.peers is not None else list(PEERS)
+    for m in methods:
+        if m not in METHODS:
+            args.parser.error(f"argument --methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
+    for p in peers:
+        if p not in PEERS:
+            args.parser.error(f"argument --peers: unknown peer {p!r} (choose from {', '.join(PEERS)})")
+    config = BenchConfig(
+        models=args.models or list(QUICK_MODELS if args.quick else FULL_MODELS),
+        budgets=args.budgets or list(QUICK_BUDGETS if args.quick else FULL_BUDGETS),
+        methods=methods, peers=peers,
+        time_limit=args.time_limit or (10.0 if args.quick else SOLVE_TIME_LIMIT), backend=args.backend,
+        max_nodes=dict(BENCH_NODE_LIMITS))
+    rows = run_bench(config, args.output, progress=lambda line: print(line, flush=True))
+    print(f"wrote {len(rows)} rows to {args.output}/results.csv, results.md and plots")
+    return 0
+
+
 def smallest_budgets(model: str, graph: Any, config: BenchConfig) -> dict[str, Any]:
     """The smallest budget (bytes) each of bonsai, chen, dtr and coop (those in the bench) reaches on
     ``graph``, computed once per model:
@@ -232,21 +278,7 @@ def bisect_budget(graph: Any, method: str, reference: int, time_limit: float) ->
         except BonsaiError:
             return False
 
-    hi = None
-    try:
-        if meets(graph.peak_lower_bound):
-            return graph.peak_lower_bound
-        if not meets(reference):
-            return None
-        lo, hi = graph.peak_lower_bound, reference
-        for _ in range(BISECTION_STEPS):
-            mid = (lo + hi) // 2
-            if mid == lo:
-                break
-            lo, hi = (lo, mid) if meets(mid) else (mid, hi)
-    except TimeoutError:
-        pass
-    return hi
+    return common.bisect_budget(meets, graph.peak_lower_bound, reference, BISECTION_STEPS, try_lo=True)
 
 
 def _options(method: str, config: BenchConfig) -> dict[str, Any]:

@@ -2,12 +2,10 @@
 chen and dtr, the smallest budget each reaches, the effect of the granularity, and the live re-solve
 time after a budget change.
 
-    PYTHONPATH=. python scripts/bench_bonsai.py -o bench-bonsai.json     # everything (many minutes)
-    PYTHONPATH=. python scripts/bench_bonsai.py --models gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8 \
+    bonsai bench bonsai -o bench-bonsai.json     # everything (many minutes)
+    bonsai bench bonsai --models gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8 \
         --fractions 0.45 0.4 --skip-granularity --skip-resolve --skip-smallest
-    PYTHONPATH=. python scripts/bench_bonsai.py --models graph.json ...   # a traced graph file (no re-tracing)
-
-(``PYTHONPATH=.`` makes a worktree's ``bonsai_core`` win over an installed one.)
+    bonsai bench bonsai --models graph.json ...   # a traced graph file (no re-tracing)
 
 Every schedule goes through ``bonsai_core.solvers.solve`` (so the simulator validates it); budgets are
 shares of the no-remat peak. Default options for every method (bonsai: granularity "auto", gap 1%),
@@ -29,8 +27,6 @@ from bonsai_core.graph import load_graph
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.solvers import bonsai as B
 from bonsai_core.solvers import solve
-from bonsai_core.trace import trace_zoo
-from bonsai_core.zoo import GPT2_SMALL
 
 GPT4 = "gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8"
 DEFAULT_MODELS = [GPT4, "resnet", "unet", "gpt2-small"]
@@ -38,6 +34,9 @@ DEFAULT_MODELS = [GPT4, "resnet", "unet", "gpt2-small"]
 
 def load(spec: str):
     """``name[:k=v,...]``, ``gpt2-small`` or a graph JSON file -> (label, Graph)."""
+    from bonsai_core.trace import trace_zoo
+    from bonsai_core.zoo import GPT2_SMALL
+
     if spec.endswith(".json"):
         g = load_graph(spec)
         return os.path.basename(spec), g
@@ -72,8 +71,8 @@ def load_average() -> str:
         return " ".join(f.read().split()[:3])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The suite's options."""
     ap.add_argument("--models", nargs="*", default=DEFAULT_MODELS)
     ap.add_argument("--fractions", nargs="*", type=float, default=[0.7, 0.5, 0.45, 0.4])
     ap.add_argument("--backends", nargs="*", default=["highs"])
@@ -86,7 +85,10 @@ def main() -> None:
     ap.add_argument("--skip-resolve", action="store_true")
     ap.add_argument("--skip-smallest", action="store_true")
     ap.add_argument("-o", "--output", default=None)
-    args = ap.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
+    """The solve table, then the smallest budgets, the granularity sweep and the live re-solve."""
     rows: list[dict[str, Any]] = []
     print(f"load average at start: {load_average()}\n")
 
@@ -121,15 +123,13 @@ def main() -> None:
               "ladder (min-peak MILP), chen's lowest plan, and the per-op lower bound:\n")
         print("| model | bonsai model (status) | chen | per-op lower bound |")
         print("|---|---|---|---|")
-        from bonsai_core.regions import plan_schedule
-        from bonsai_core.schedule import simulate
-        from bonsai_core.solvers.chen import candidate_plans
+        from bonsai_core.bench.methods import chen_lowest_peak
 
         for spec in args.models:
             label, g = graphs[spec]
             plain = no_remat_peak(g)
             smallest, status = B.smallest_budget(g, time_limit=args.time_limit)
-            chen = min(simulate(g, plan_schedule(g, p, "chen")).peak for _, p in candidate_plans(g, "auto"))
+            chen = chen_lowest_peak(g)
             rows.append({"model": label, "sweep": "smallest", "bonsai": smallest, "bonsai_status": status,
                          "chen": chen, "lower_bound": g.peak_lower_bound, "plain_peak": plain})
             print(f"| {label} | {'-' if smallest is None else f'{smallest / plain:.1%}'} ({status}) | {chen / plain:.1%} | "
@@ -180,7 +180,4 @@ def main() -> None:
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=1, default=str)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

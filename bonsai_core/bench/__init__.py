@@ -1,0 +1,62 @@
+"""``bonsai bench``: the benchmark suites, one study each, behind one command.
+
+``bonsai bench SUITE [options]`` runs one suite, ``bonsai bench --list`` names them, and ``bonsai
+bench [options]`` (no suite) runs ``methods``, the default: every method and peer on the same models
+and budgets (:mod:`bonsai_core.bench.methods`, whose names this package re-exports). Each suite is a
+module with ``add_arguments(parser)`` and ``main(args) -> int``; it imports what it measures with
+inside its functions, so building the command line stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+from importlib import import_module
+from types import ModuleType
+
+from bonsai_core.bench.methods import (BENCH_NODE_LIMITS, COLUMN_TYPES, COLUMNS, FULL_BUDGETS, FULL_MODELS,
+                                       QUICK_BUDGETS, QUICK_MODELS, REACH_METHODS, REACH_TYPES, BenchConfig,
+                                       ModelSpec, bisect_budget, chen_lowest_peak, load_rows, markdown_report,
+                                       reach_table, run_bench, smallest_budgets, write_plots)
+
+DEFAULT_SUITE = "methods"
+# suite name -> (module under bonsai_core.bench, what it measures); the order `bonsai bench --list` prints
+SUITES: dict[str, tuple[str, str]] = {
+    "methods": ("methods", "every method and peer on the same models and budgets: tables and plots (the default)"),
+    "heuristics": ("heuristics", "coop vs DTR in one pool: smallest pool, overhead at equal pools, fragmentation"),
+    "inplace": ("inplace", "coop's recomputable in-place optimizer updates against copy-on-write"),
+    "dtr-variants": ("dtr_variants", "DTR's heuristics and deallocation modes on the 2-layer zoo GPT"),
+    "bonsai": ("bonsai", "the bonsai segment ILP: solve time, size, gap, granularity, live re-solve"),
+    "solvers-opt": ("solvers_opt", "the op-level solvers (checkmate on HiGHS and SCIP, moccasin on CP-SAT)"),
+    "one-call": ("one_call", "bonsai.checkpoint on library models: predicted vs measured peak, call times"),
+    "fsdp": ("fsdp", "FSDP2 per rank: the simulator's peak against gloo processes on CPU"),
+    "predicted-vs-measured": ("predicted_vs_measured", "no-remat peak: the simulator against a real eager CPU step"),
+}
+
+__all__ = ["BENCH_NODE_LIMITS", "COLUMN_TYPES", "COLUMNS", "DEFAULT_SUITE", "FULL_BUDGETS", "FULL_MODELS",
+           "QUICK_BUDGETS", "QUICK_MODELS", "REACH_METHODS", "REACH_TYPES", "SUITES", "BenchConfig", "ModelSpec",
+           "add_suite_parsers", "bisect_budget", "chen_lowest_peak", "load_rows", "markdown_report", "reach_table",
+           "run_bench", "smallest_budgets", "suite", "suite_list", "write_plots"]
+
+
+def suite(name: str) -> ModuleType:
+    """The module of suite ``name``."""
+    return import_module(f"bonsai_core.bench.{SUITES[name][0]}")
+
+
+def suite_list() -> str:
+    """One line per suite, its name and what it measures (``bonsai bench --list``)."""
+    width = max(map(len, SUITES))
+    return "\n".join(f"{name:{width}s}  {about}" for name, (_, about) in SUITES.items())
+
+
+def add_suite_parsers(parser: argparse.ArgumentParser) -> None:
+    """``SUITE`` under ``bonsai bench``: one sub-parser per suite with the suite's own options; none
+    given, the bench parser itself runs the default suite (its options are the default's)."""
+    suites = parser.add_subparsers(dest="suite", metavar="SUITE", required=False,
+                                   help="one of: " + ", ".join(SUITES) + f" (default {DEFAULT_SUITE}; --list)")
+    for name, (_, about) in SUITES.items():
+        module = suite(name)
+        p = suites.add_parser(name, help=about, description=module.__doc__.split("\n\n")[0].strip(),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(suite_main=module.main, parser=p)
