@@ -222,7 +222,7 @@ def smallest_budgets(model: str, graph: Any, config: BenchConfig) -> dict[str, A
 
     * bonsai: the min-peak MILP of its segment model at the top of the auto ladder
       (:func:`~bonsai_core.solvers.bonsai.smallest_budget`, ``bonsai_status`` says whether it was
-      proven within the time limit). Bonsai also tries Chen's plans as seeds, so in a solve it meets
+      proven within the time limit). Bonsai also falls back on Chen's plans, so in a solve it meets
       every budget chen meets as well.
     * chen: the lowest simulated peak over the plans it tries under a budget.
     * dtr, coop: the smallest budget a bisection between the per-op lower bound and the no-remat
@@ -375,7 +375,7 @@ def reach_table(reach: list[dict[str, Any]]) -> list[str]:
             "fixed memory (`Graph.peak_lower_bound`; no schedule goes below it). bonsai: the min-peak MILP of "
             "its segment model at the top of its auto granularity ladder (not proven optimal where a status "
             "is shown); in a solve bonsai also meets every budget chen meets, since Chen's plans are its "
-            "seeds. chen: the lowest simulated peak of the plans it tries. dtr, coop: the smallest budget a "
+            "fallback plans. chen: the lowest simulated peak of the plans it tries. dtr, coop: the smallest budget a "
             "bisection between the bound and the no-remat peak met (heuristics are not monotone in the "
             "budget: a budget they meet, not a proven minimum). checkmate and moccasin are not computed "
             "(one more MILP per model, minutes on the larger graphs). `-`: not found within the time limit.",
