@@ -67,11 +67,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bonsai_core.attention import records_attention_dropout
 from bonsai_core.errors import ModelError, ScheduleError
-from bonsai_core.export_runtime import checkpointing
-from bonsai_core.export_runtime.checkpointing import SAME_OP, apply_saves, kv_cache_type, without_caches
 from bonsai_core.export import ExportError, load_export, trace_for_schedule
 from bonsai_core.export.verify import (PEAK_TOLERANCE, gradient_problem, largest_differences, loss_problem,
                                        measuring_device, precision_of)
+from bonsai_core.export_runtime import checkpointing
+from bonsai_core.export_runtime.checkpointing import SAME_OP, apply_saves, kv_cache_type, without_caches
 from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
@@ -266,7 +266,7 @@ def _on_fake_tensors(model: str) -> Any:
     """Run ``model``'s step on fake tensors as the trace does (``torch._assert`` on a tensor skipped); a
     failure there is an ExportError, not a traceback."""
     from bonsai_core.errors import BonsaiError
-    from bonsai_core.trace import _skip_tensor_asserts
+    from bonsai_core.trace.patches import _skip_tensor_asserts
 
     try:
         with _skip_tensor_asserts():
@@ -510,7 +510,7 @@ def generate_source(info: dict[str, Any], lay: CheckpointLayout) -> str:
 
 
 def _readme(info: dict[str, Any], lay: CheckpointLayout, folder: Path) -> str:
-    from bonsai_core.budget import format_bytes
+    from bonsai_core.units import format_bytes
 
     model = info["model"]
     opts = " ".join(f"--{k} {v}" for k, v in (info.get("options") or {}).items())
@@ -665,7 +665,7 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
     (default: the autocast the export's step was traced with). A run under autocast has no predicted
     peak (:data:`CHECKPOINT_AUTOCAST`), nor has a step with SDPA dropout on the CPU
     (:data:`CPU_ATTENTION_DROPOUT`): ``unpredicted`` says why."""
-    from bonsai_core import zoo
+    from bonsai_core import models
     from bonsai_core.measure import measure_step
 
     exported = load_checkpointed(out_dir)
@@ -689,7 +689,7 @@ def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, 
         opts["batch"] = batch
 
     def build(checkpointed: bool) -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:
-        net, inputs, loss_fn = zoo.build(model, seed=seed, **opts)
+        net, inputs, loss_fn = models.build(model, seed=seed, **opts)
         if isinstance(loss_fn, nn.Module):
             loss_fn = loss_fn.to(dev)
         net = net.to(dev)

@@ -26,11 +26,11 @@ from typing import Any
 
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph
+from bonsai_core.models.zoo import GPT2_SMALL
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.solvers import bonsai as B
 from bonsai_core.solvers import solve
-from bonsai_core.trace import trace_zoo
-from bonsai_core.zoo import GPT2_SMALL
+from bonsai_core.trace import trace_model
 
 GPT4 = "gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8"
 DEFAULT_MODELS = [GPT4, "resnet", "unet", "gpt2-small"]
@@ -42,10 +42,10 @@ def load(spec: str):
         g = load_graph(spec)
         return os.path.basename(spec), g
     if spec == "gpt2-small":
-        return spec, trace_zoo("gpt", **GPT2_SMALL).graph
+        return spec, trace_model("gpt", **GPT2_SMALL).graph
     name, _, opts = spec.partition(":")
     options = {k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
-    return spec, trace_zoo(name, **options).graph
+    return spec, trace_model(name, **options).graph
 
 
 def run(graph, budget: int | None, method: str = "bonsai", **options: Any) -> dict[str, Any]:

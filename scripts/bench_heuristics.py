@@ -54,10 +54,10 @@ from typing import Any
 from bonsai_core.allocator import fixed_tensors, optimizer_bytes, pool_replay, replay
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
+from bonsai_core.models.zoo import GPT2_SMALL
 from bonsai_core.schedule import Schedule, no_remat_peak
 from bonsai_core.solvers import solve
-from bonsai_core.trace import trace_zoo
-from bonsai_core.zoo import GPT2_SMALL
+from bonsai_core.trace import trace_model
 
 # (name, options): each network at its zoo default and a larger batch or sequence; hf models are built
 # from configs (no weights); GPT-2 small's shape besides, the largest graph (1,517 nodes)
@@ -139,7 +139,7 @@ def label_of(name: str, options: dict[str, int]) -> str:
 
 def bench_model(name: str, options: dict[str, int], time_limit: float) -> dict[str, Any]:
     start = time.perf_counter()
-    g = trace_zoo(name, **options).graph
+    g = trace_model(name, **options).graph
     traced = time.perf_counter() - start
     ref, adam = no_remat_peak(g), adam_bytes(g)
     entry: dict[str, Any] = {"model": name, "options": options, "nodes": g.n, "no_remat_peak": ref,
@@ -321,7 +321,7 @@ def report(results: dict[str, Any], out: Path) -> None:
 def example(time_limit: float, frac: float = 0.6) -> str:
     """Coop and dtr-pool on the zoo GPT at ``frac`` of its no-remat peak, from their event logs: the
     requests where they first differ, and what each recomputes."""
-    g = trace_zoo("gpt").graph
+    g = trace_model("gpt").graph
     budget = int(frac * no_remat_peak(g))
     runs = {label: solve(g, budget, VARIANTS[label][0], time_limit=time_limit, budget_hint=False,
                          **VARIANTS[label][1]) for label in ("coop", "dtr-pool")}

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_heuristics as bench  # noqa: E402 (the shared runner and bisection)
 
 from bonsai_core.schedule import no_remat_peak  # noqa: E402
-from bonsai_core.trace import trace_zoo  # noqa: E402
+from bonsai_core.trace import trace_model  # noqa: E402
 
 VARIANTS = {
     "coop in place": ("coop", {}),
@@ -45,7 +45,7 @@ def main() -> None:
     print("| model | variant | smallest budget | overhead at 80% | pool fragmentation at 80% |")
     print("|---|---|---|---|---|")
     for name in args.models:
-        g = trace_zoo(name).graph
+        g = trace_model(name).graph
         ref = no_remat_peak(g)
         for label in VARIANTS:
             smallest = bench.smallest_budget(g, label, args.time_limit)

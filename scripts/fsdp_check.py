@@ -26,8 +26,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bonsai_core import zoo  # noqa: E402
-from bonsai_core.budget import format_bytes  # noqa: E402
+from bonsai_core import models  # noqa: E402
+from bonsai_core.units import format_bytes  # noqa: E402
 
 # activations set the peak (at the loss) / parameters do (in a block's backward)
 SIZES = {"gpt": dict(batch=8, seq=128, width=256, layers=4, heads=4, vocab=2048),
@@ -40,10 +40,10 @@ def fsdp_graph(model: str, options: dict, world: int, reshard: bool = True):
     """The traced graph as one of ``world`` ranks holds it, and the block paths FSDP shards."""
     from bonsai_core.fsdp import shard_by_blocks
     from bonsai_core.regions import block_stack
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
-    graph = trace_zoo(model, **options).graph
-    net = zoo.build(model, seed=0, **options)[0]
+    graph = trace_model(model, **options).graph
+    net = models.build(model, seed=0, **options)[0]
     return graph, shard_by_blocks(graph, net, world, reshard), [p for p, _, _ in block_stack(graph)]
 
 
@@ -97,7 +97,7 @@ def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     try:
-        net, inputs, loss_fn = zoo.build(model, seed=0, **options)
+        net, inputs, loss_fn = models.build(model, seed=0, **options)
         if budget:
             bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=world, cache=False)
         for path in paths:
@@ -135,7 +135,7 @@ def predicted(graph, model: str, options: dict, budget: str | None) -> int:
         return no_remat_peak(graph)
     import bonsai_core as bonsai
 
-    net, inputs, loss_fn = zoo.build(model, seed=0, **options)
+    net, inputs, loss_fn = models.build(model, seed=0, **options)
     return bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=graph.fsdp["world"], cache=False).predicted_peak
 
 

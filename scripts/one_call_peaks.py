@@ -22,8 +22,8 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bonsai_core as bonsai  # noqa: E402
-from bonsai_core.budget import format_bytes  # noqa: E402
 from bonsai_core.measure import measure_step  # noqa: E402
+from bonsai_core.units import format_bytes  # noqa: E402
 
 
 def llama(batch: int = 4, seq: int = 256):

@@ -10,8 +10,8 @@ import pyarrow as pa
 from streamlit.testing.v1 import AppTest
 
 from bonsai_core import solvers
-from bonsai_core.budget import format_bytes
 from bonsai_core.schedule import no_remat_peak, simulate
+from bonsai_core.units import format_bytes
 from explorer import compute, module_graph, pair
 from tests.test_app import app, goto
 

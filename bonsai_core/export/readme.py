@@ -9,7 +9,7 @@ from bonsai_core.schedule import Schedule
 
 
 def readme(info: dict[str, Any], schedule: Schedule, folder: Path) -> str:
-    from bonsai_core.budget import format_bytes
+    from bonsai_core.units import format_bytes
 
     model = info.get("model", "MODEL")
     opts = " ".join(f"--{k} {v}" for k, v in (info.get("options") or {}).items())

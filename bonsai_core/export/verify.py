@@ -169,7 +169,7 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
 
     ``autocast`` ("bf16" | "fp16") runs the original under ``torch.autocast``; the default is the
     one the export was traced with. ``repeats`` untracked steps of each are timed (0: no timing)."""
-    from bonsai_core import zoo
+    from bonsai_core import models
     from bonsai_core.measure import LiveBytes, measure_step
     from bonsai_core.optimizer import make as make_optimizer
 
@@ -186,7 +186,7 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
     dev = measuring_device(device)
 
     def build() -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:
-        net, inputs, loss_fn = zoo.build(model, seed=seed, **options)
+        net, inputs, loss_fn = models.build(model, seed=seed, **options)
         if isinstance(loss_fn, nn.Module):
             loss_fn = loss_fn.to(dev)
         return net.to(dev), tuple(x.to(dev) for x in inputs), loss_fn
@@ -220,7 +220,7 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
         with reference_dropout:
             seeded(lambda: _eager_step(net, inputs, loss_fn))()
     except Exception as e:  # the user's model on real values, which the trace (shapes only) never ran
-        from bonsai_core.trace import user_code
+        from bonsai_core.user_code import user_code
 
         raise ModelError(f"One training step of {model!r} with these options fails on real tensors, before the "
                          f"export is run: {user_code(e, net)}: {type(e).__name__}: {e}. Tracing runs on shapes "
