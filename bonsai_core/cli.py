@@ -135,7 +135,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from bonsai_core.trace import trace_model
 
     traced = trace_model(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
-                       **fsdp_options(args), **model_options(args))
+                         **fsdp_options(args), **model_options(args))
     g = with_optimizer(traced.graph, args.optimizer)
     try:
         save_graph(g, args.output)

@@ -1,9 +1,10 @@
 """Hugging Face ``transformers`` models as a model source: ``hf:ARCH`` and ``hf:PATH/config.json``.
 
 ``build(spec, **options) -> (model, example_inputs, loss_fn)``, the zoo's contract
-(:func:`bonsai_core.models.build` dispatches ``hf:`` names here, after seeding). Each model is built from its ``*Config`` and model
-class, never downloaded and without weights files; under ``FakeTensorMode`` (``bonsai trace``) no
-memory is allocated, and ``bonsai export``/``verify`` build the same model with real, seeded weights.
+(:func:`bonsai_core.models.build` dispatches ``hf:`` names here, after seeding). Each model is built
+from its ``*Config`` and model class, never downloaded and without weights files; under
+``FakeTensorMode`` (``bonsai trace``) no memory is allocated, and ``bonsai export``/``verify`` build
+the same model with real, seeded weights.
 
 The traced loss is the model's own training loss, through its ``labels`` path:
 
@@ -237,9 +238,9 @@ def build(spec: str, attention: str | None = None, **options: Any) -> Built:
     """Build ``ARCH`` or ``PATH`` (a ``config.json`` or the folder holding one) with its batch and loss.
 
     ``attention``: "sdpa" or "eager" (:data:`ATTENTIONS`); None is SDPA where the model class supports
-    it, else eager. The caller seeds torch first (:func:`bonsai_core.models.build` does). Raises ModelError for an unknown
-    architecture, an unreadable or unsupported config, an option the model does not take, or a
-    missing ``transformers``."""
+    it, else eager. The caller seeds torch first (:func:`bonsai_core.models.build` does). Raises
+    ModelError for an unknown architecture, an unreadable or unsupported config, an option the model
+    does not take, or a missing ``transformers``."""
     _require_transformers()
     if spec in ARCHS:
         ARCHS[spec].check_options(options, PREFIX + spec)

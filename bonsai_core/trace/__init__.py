@@ -92,7 +92,7 @@ class _Step(nn.Module):
 
 
 def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autocast: str | None = None,
-              fsdp: int = 1, reshard_after_forward: bool = True, **options: Any) -> Traced:
+                fsdp: int = 1, reshard_after_forward: bool = True, **options: Any) -> Traced:
     """Build a model spec (:func:`bonsai_core.models.build`: a zoo name, ``hf:...`` or
     ``package.module:factory``) under FakeTensorMode and trace its step;
     with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`)."""

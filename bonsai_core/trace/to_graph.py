@@ -24,8 +24,8 @@ BatchNorm and other buffer mutations: AOTAutograd returns each mutated buffer's 
 mean / var, ``num_batches_tracked``) as an extra graph output. Eager writes them into the buffers in
 place, and the buffers are already ``fixed_mem``, so those outputs add no bytes to their node: a
 batch norm node's ``mem`` is its output and saved statistics only, and the ``num_batches_tracked + 1``
-node has ``mem`` 0. :attr:`bonsai_core.trace.Traced.buffer_writes` lists them for the exporter, which must copy them
-back into the module's buffers.
+node has ``mem`` 0. :attr:`bonsai_core.trace.Traced.buffer_writes` lists them for the exporter,
+which must copy them back into the module's buffers.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from bonsai_core.tensors import storage_bytes, tensors_in
 
 _UNMARKED_VIEWS = {"aten._unsafe_view.default"}  # views whose schema does not say so
 _IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
+
 _LEAF = -1  # a placeholder, or a view of one: part of fixed_mem, not a node
 _ALL = -1  # every output of an op (a single-output op whose value is a buffer's new value)
 # Cost of a node that takes one output of a multi-output op: no kernel runs, but the format wants
