@@ -11,6 +11,7 @@ modules that need them, so ``import bonsai_core`` is cheap.
 from bonsai_core.errors import BonsaiError, BudgetError, GraphError, ModelError, ScheduleError, SolverError
 from bonsai_core.graph import Graph, load_graph, save_graph
 from bonsai_core.schedule import Schedule, SimResult, load_schedule, save_schedule, simulate
+from bonsai_core.version import __version__  # noqa: F401 (bonsai_core.__version__)
 
 __all__ = [
     "BonsaiError", "BudgetError", "GraphError", "ModelError", "ScheduleError", "SolverError",
@@ -18,7 +19,6 @@ __all__ = [
     "Schedule", "SimResult", "load_schedule", "save_schedule", "simulate",
     "checkpoint", "plan", "remove_checkpoints", "Plan", "Report",
 ]
-__version__ = "0.1.0"
 
 # The one call in a training script (bonsai_core.training imports torch: loaded on first use).
 _TRAINING = ("checkpoint", "plan", "remove_checkpoints", "Plan", "Report")

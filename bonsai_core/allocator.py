@@ -75,10 +75,10 @@ from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 
-from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import COMPUTE, FREE, Schedule, simulate
+from bonsai_core.units import format_bytes
 
 MIN_BLOCK = 512  # kMinBlockSize: every size is rounded up to a multiple of this
 SMALL_SIZE = 2**20  # kSmallSize: largest request of the small pool
@@ -736,6 +736,42 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
                        segments=sum(h is not None for h in alloc.heads), full=full)
 
 
+# -- Coop's cheap tensor partitioning: which end of a free block a tensor is placed at --------------
+# (bonsai_core.solvers.coop places by it; pool_replay replays its placement)
+
+Partition = Literal["op_type", "cost_density", "none"]
+PARTITIONS = ("op_type", "cost_density", "none")
+# OneFlow's high-compute-cost op types (dtr_ep_allocator.cpp, FindPiece), as aten names
+EXPENSIVE_OPS = ("aten.convolution.", "aten.convolution_backward.", "aten.mm.", "aten.addmm.", "aten.bmm.",
+                 "aten.baddbmm.", "aten._scaled_dot_product", "aten.add_n")
+
+
+def cost_density_sides(graph: Graph) -> Callable[[int], str]:
+    """Cheap tensor partitioning by cost density: 'left' for tensors of cost/byte at or below the
+    median, else 'right'."""
+    holds = (graph.mem > 0) & ~graph.is_view
+    density = np.where(holds, graph.cost / np.maximum(graph.mem, 1), 0.0)
+    median = float(np.median(density[holds])) if holds.any() else 0.0
+    sides = np.where(density <= median, "left", "right")
+    return lambda v: str(sides[v])
+
+
+def op_type_sides(graph: Graph) -> Callable[[int], str]:
+    """Cheap tensor partitioning by op type, as the reference does: outputs of conv / matmul-like
+    ops (and their backward kernels) 'right', everything else 'left'."""
+    sides = ["right" if op.startswith(EXPENSIVE_OPS) else "left" for op in graph.ops]
+    return lambda v: sides[v]
+
+
+def partition_sides(graph: Graph, partition: Partition) -> Callable[[int], str] | None:
+    """The side of a free block each node's output is placed at under ``partition`` (None: off)."""
+    if partition == "op_type":
+        return op_type_sides(graph)
+    if partition == "cost_density":
+        return cost_density_sides(graph)
+    return None
+
+
 def pool_replay(graph: Graph, schedule: Schedule, capacity: int | None = None) -> AllocResult:
     """``schedule`` replayed in one pre-reserved pool (the ``arena`` policy) of ``capacity`` bytes in
     the budget's terms (default: the schedule's budget), set up as its method's run set up its pool:
@@ -758,8 +794,6 @@ def pool_replay(graph: Graph, schedule: Schedule, capacity: int | None = None) -
         raise BudgetError("A pool replay needs the pool's size: the schedule has no budget, so give a capacity.")
     side_of, own = None, stats.get("allocator") == "arena"
     if own and stats.get("partition", "none") != "none":
-        from bonsai_core.solvers.coop import partition_sides
-
         side_of = partition_sides(graph, stats["partition"])
     full = bool(stats.get("full_arena", True)) or not own
     return replay(graph, schedule, capacity=capacity, policy="arena", full=full, optimizer=stats.get("optimizer", "adam"),

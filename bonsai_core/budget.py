@@ -13,12 +13,8 @@ import re
 from dataclasses import dataclass
 
 from bonsai_core.errors import BudgetError
+from bonsai_core.units import UNITS
 
-UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
 ACCEPTED = ("a budget is bytes (123456789), bytes with a unit (800MiB, 2.5GB; units B, KB, MB, GB, TB, "
             "KiB, MiB, GiB, TiB), or a share of the no-rematerialization peak (60%)")
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*|%)\s*$")
@@ -63,11 +59,3 @@ def parse_budget(text: str) -> Budget:
         raise BudgetError(f"The budget {text!r} is less than one byte: {ACCEPTED}.")
     return Budget(bytes=int(value))
 
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"

@@ -13,13 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bonsai_core.budget import Budget, format_bytes, parse_budget
+from bonsai_core.budget import Budget, parse_budget
 from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.optimizer import OPTIMIZERS
+from bonsai_core.units import format_bytes
 
 # Size options any zoo model may take (each model accepts its own subset; see `bonsai zoo`).
 MODEL_OPTIONS = ("batch", "seq", "layers", "width", "heads", "vocab", "image")
-# Build options that are names, not sizes (zoo.build): any model's dtype, an hf: model's attention.
+# Build options that are names, not sizes (models.build): any model's dtype, an hf: model's attention.
 BUILD_OPTIONS = ("dtype", "attention")
 
 
@@ -110,8 +111,8 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 # -- verbs ---------------------------------------------------------------------------------------
 
 def cmd_zoo(args: argparse.Namespace) -> int:
-    from bonsai_core.hf import ARCHS, PREFIX
-    from bonsai_core.zoo import ZOO
+    from bonsai_core.models.hf import ARCHS, PREFIX
+    from bonsai_core.models.zoo import ZOO
 
     entries = {**ZOO, **{PREFIX + name: e for name, e in ARCHS.items()}}
     if args.json:
@@ -131,10 +132,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from bonsai_core.graph import save_graph
     from bonsai_core.optimizer import with_optimizer
     from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
-    traced = trace_zoo(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
-                       **fsdp_options(args), **model_options(args))
+    traced = trace_model(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
+                         **fsdp_options(args), **model_options(args))
     g = with_optimizer(traced.graph, args.optimizer)
     try:
         save_graph(g, args.output)
@@ -628,7 +629,7 @@ def _version() -> str:
     try:
         return version("bonsai-explorer")
     except PackageNotFoundError:  # run from a checkout that was never installed
-        from bonsai_core import __version__
+        from bonsai_core.version import __version__
 
         return __version__
 

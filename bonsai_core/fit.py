@@ -69,8 +69,8 @@ class FitResult:
 def attempt(graph: Graph, size: int, method: str, limit: int, max_overhead: float, reserved: str | None,
             options: dict[str, Any]) -> Attempt:
     """``method`` on ``graph`` under ``limit`` bytes (its reserved bytes with allocator ``reserved``)."""
-    from bonsai_core.budget import format_bytes
     from bonsai_core.solvers import solve, solve_reserved
+    from bonsai_core.units import format_bytes
 
     if limit < graph.peak_lower_bound:  # no method can fit: say what does not
         what = (f"the fixed memory alone (parameters, gradients, optimizer state, batch) is {format_bytes(graph.fixed_mem)}"
@@ -139,7 +139,7 @@ def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_
     (``bonsai_core.optimizer``); ``reserved`` ("caching" or "expandable") makes ``limit`` bound the
     allocator model's reserved bytes; ``solver_options`` go to every method (``time_limit`` ...)."""
     from bonsai_core.optimizer import with_optimizer
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
     if vary not in ("batch", "seq"):
         raise BonsaiError(f"--vary {vary!r}: fit searches the micro-batch ('batch') or the sequence length ('seq').")
@@ -150,7 +150,7 @@ def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_
 
     def evaluate(size: int) -> dict[str, bool]:
         begin = time.perf_counter()
-        graph = with_optimizer(trace_zoo(model, **(trace_kwargs or {}), **options, **{vary: size}).graph, optimizer)
+        graph = with_optimizer(trace_model(model, **(trace_kwargs or {}), **options, **{vary: size}).graph, optimizer)
         traces[size] = time.perf_counter() - begin
         peaks[size] = no_remat_peak(graph)
         result = {}
@@ -170,7 +170,7 @@ def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_
 
 def table(result: FitResult) -> list[dict[str, Any]]:
     """One row per method: its largest fitting size and that plan's numbers."""
-    from bonsai_core.budget import format_bytes
+    from bonsai_core.units import format_bytes
 
     rows = []
     for m in result.methods:
@@ -200,7 +200,7 @@ def write_report(result: FitResult, out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    from bonsai_core.budget import format_bytes
+    from bonsai_core.units import format_bytes
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

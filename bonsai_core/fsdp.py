@@ -39,7 +39,7 @@ import numpy as np
 import torch.nn as nn
 
 from bonsai_core.errors import BonsaiError
-from bonsai_core.graph import Graph
+from bonsai_core.graph import Graph, block_stack
 
 SHARDED_KINDS = ("param", "grad", "optimizer")  # fixed tensors each rank holds 1/N of
 
@@ -63,9 +63,7 @@ def unit_bytes(model: nn.Module, blocks: Sequence[str]) -> tuple[list[int], int]
 
 def shard_by_blocks(graph: Graph, model: nn.Module, world: int, reshard_after_forward: bool = True) -> Graph:
     """:func:`with_fsdp` with ``fully_shard`` on each block of the graph's block stack
-    (:func:`bonsai_core.regions.block_stack`) of ``model`` (the traced module) and on the whole model."""
-    from bonsai_core.regions import block_stack
-
+    (:func:`bonsai_core.graph.block_stack`) of ``model`` (the traced module) and on the whole model."""
     stack = block_stack(graph)
     sizes, root = unit_bytes(model, [path for path, _, _ in stack])
     model_last = max((last for _, _, last in graph.modules), default=graph.n - 1)

@@ -395,6 +395,18 @@ class Graph:
                               modules, optimizer, fsdp)
 
 
+def block_stack(graph: Graph) -> list[tuple[str, int, int]]:
+    """The model's repeated blocks from the graph's ``modules`` field: the calls named
+    ``<parent>.<index>`` under the parent with the most of them (a transformer's layers, a ResNet's
+    blocks), as (path, first, last) forward node ids, in order; [] when the graph records no modules."""
+    children: dict[str, list[tuple[str, int, int]]] = {}
+    for path, first, last in graph.modules:
+        parent, _, index = path.rpartition(".")
+        if index.isdigit():
+            children.setdefault(parent, []).append((path, first, last))
+    return max(children.values(), key=len, default=[])
+
+
 def _fsdp_field(fsdp: Any, n: int) -> dict[str, Any]:
     """The optional ``fsdp`` object (bonsai_core.fsdp.with_fsdp), checked."""
     shape = ("'fsdp' (optional) must be an object with 'world' (ranks), 'reshard_after_forward', 'root_bytes' "

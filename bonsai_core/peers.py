@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bonsai_core import zoo
+from bonsai_core import models
 from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES, op_cost
 from bonsai_core.measure import LiveBytes, allocate_fixed
 from bonsai_core.tensors import tensors_in
@@ -75,7 +75,7 @@ class _Step(nn.Module):
 def measure_eager(model_name: str, options: dict[str, int], profile: str = DEFAULT_PROFILE,
                   wrap: Callable[[nn.Module], None] | None = None) -> tuple[int, float, float]:
     """(peak bytes, compute cost, loss) of one real eager step, after ``wrap(model)`` if given."""
-    model, inputs, loss_fn = zoo.build(model_name, **options)
+    model, inputs, loss_fn = models.build(model_name, **options)
     if wrap is not None:
         wrap(model)
     fixed = allocate_fixed(model, inputs, loss_fn)
@@ -115,7 +115,7 @@ def measure_torch_budget(model_name: str, options: dict[str, int], fraction: flo
 
     backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
                            partition_fn=min_cut_rematerialization_partition)
-    model, inputs, loss_fn = zoo.build(model_name, **options)
+    model, inputs, loss_fn = models.build(model_name, **options)
     torch._dynamo.reset()
     with functorch_config.patch(activation_memory_budget=fraction):
         compiled = torch.compile(_Step(model, loss_fn), backend=backend, fullgraph=True)

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from bonsai_core.errors import ScheduleError
-from bonsai_core.graph import Graph
+from bonsai_core.graph import Graph, block_stack
 from bonsai_core.schedule import FREE, Schedule, none_schedule, schedule_ops
 
 
@@ -206,18 +206,6 @@ def forward_positions(graph: Graph) -> np.ndarray:
     forward = np.flatnonzero(graph.is_forward)
     pos[forward] = np.arange(len(forward))
     return pos
-
-
-def block_stack(graph: Graph) -> list[tuple[str, int, int]]:
-    """The model's repeated blocks from the graph's ``modules`` field: the calls named
-    ``<parent>.<index>`` under the parent with the most of them (a transformer's layers, a ResNet's
-    blocks), as (path, first, last) forward node ids, in order; [] when the graph records no modules."""
-    children: dict[str, list[tuple[str, int, int]]] = {}
-    for path, first, last in graph.modules:
-        parent, _, index = path.rpartition(".")
-        if index.isdigit():
-            children.setdefault(parent, []).append((path, first, last))
-    return max(children.values(), key=len, default=[])
 
 
 def block_plans(graph: Graph, every: Sequence[int] = (1, 2, 4)) -> list[tuple[str, CheckpointPlan]]:

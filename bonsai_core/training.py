@@ -51,11 +51,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-from bonsai_core.budget import Budget, format_bytes, parse_budget
+from bonsai_core.budget import Budget, parse_budget
 from bonsai_core.errors import BonsaiError, BudgetError, ModelError
 from bonsai_core.export_runtime.checkpointing import apply_saves, is_checkpointed, remove_checkpoints
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak, simulate
+from bonsai_core.units import format_bytes
 
 REGION_METHODS = ("bonsai", "chen")  # the methods whose plans are checkpoint regions
 AUTO_MARGIN = 0.10  # share of a device's memory "auto" leaves to the caching allocator's rounding and waste
@@ -350,7 +351,7 @@ class _FakeStep:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        from bonsai_core.trace import _skip_tensor_asserts
+        from bonsai_core.trace.patches import _skip_tensor_asserts
 
         with self.mode, _skip_tensor_asserts():
             yield
@@ -422,7 +423,7 @@ def _cache_folder(cache_dir: str | os.PathLike | None) -> Path:
 
 def _fingerprint(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, settings: dict[str, Any]) -> str:
     """A hash of everything a plan depends on (see the module doc)."""
-    from bonsai_core import __version__
+    from bonsai_core.version import __version__
 
     digest = hashlib.sha256()
 

@@ -8,7 +8,7 @@ import argparse
 import torch
 
 import bonsai_core as bonsai
-from bonsai_core import zoo
+from bonsai_core import models
 
 
 def main() -> None:
@@ -18,7 +18,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model, (tokens,), loss_fn = zoo.build("gpt", batch=8, seq=64, width=128, layers=4, heads=4, vocab=256)
+    model, (tokens,), loss_fn = models.build("gpt", batch=8, seq=64, width=128, layers=4, heads=4, vocab=256)
     report = bonsai.checkpoint(model, (tokens,), loss_fn, budget=args.budget, optimizer="adamw")
     print(report)
 

@@ -83,19 +83,19 @@ def zoo_parameters(name: str, options: Options) -> int:
     """Parameter count of a zoo model, built under FakeTensorMode (no weights allocated)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bonsai_core import zoo
+    from bonsai_core import models
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model, _, _ = zoo.build(name, **dict(options))
+        model, _, _ = models.build(name, **dict(options))
         return int(sum(p.numel() for p in model.parameters()))
 
 
 @st.cache_resource(show_spinner=False, max_entries=32)
 def trace_model(name: str, options: Options) -> Model:
     """Trace a zoo model's training step (raises ModelError on bad options)."""
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core import trace
 
-    traced = trace_zoo(name, **dict(options))
+    traced = trace.trace_model(name, **dict(options))
     label = traced.graph.name
     return Model(traced.graph, "zoo", label, zoo=name, options=dict(options),
                  parameters=zoo_parameters(name, options))
@@ -109,7 +109,7 @@ def trace_hf_config(data: bytes, filename: str, options: Options) -> Model:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from bonsai_core import hf
+    from bonsai_core.models import hf
     from bonsai_core.trace import trace_step
 
     described = hf.read_config(hf.parse_config(data, filename), source=filename)
@@ -130,9 +130,11 @@ def load_upload(data: bytes, filename: str) -> Model:
     from explorer import loaders
 
     if filename.lower().endswith(".pt2"):
+        from bonsai_core.models import pt2
+
         stem = filename.rsplit("/", 1)[-1][:-4] or "uploaded"
         graph = loaders.graph_from_pt2_bytes(data, name=stem)
-        return Model(graph, "pt2", filename, note=f"Traced one training step with the loss {loaders.LOSS_DESCRIPTION}.")
+        return Model(graph, "pt2", filename, note=f"Traced one training step with the loss {pt2.LOSS_DESCRIPTION}.")
     return Model(loaders.graph_from_json_bytes(data, filename), "json", filename)
 
 

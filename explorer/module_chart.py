@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from bonsai_core.budget import format_bytes
+from bonsai_core.units import format_bytes
 from explorer.module_graph import BoxLayout, Boxes, BoxStats
 from explorer.plots import FOREGROUND, PALETTE, RECOMPUTE
 

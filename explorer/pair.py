@@ -11,8 +11,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from bonsai_core.budget import format_bytes
 from bonsai_core.graph import Graph
+from bonsai_core.units import format_bytes
 from explorer.module_graph import Boxes
 
 NEITHER, ONLY_A, ONLY_B, BOTH = 0, 1, 2, 3

@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from bonsai_core.budget import format_bytes
 from bonsai_core.graph import Graph
+from bonsai_core.units import format_bytes
 
 MIB = 2**20
 # Okabe & Ito's colour-blind-safe palette (its black left out: it vanishes on the dark theme). Hue is

@@ -23,8 +23,9 @@ import streamlit as st
 from streamlit.delta_generator import DeltaGenerator
 
 from bonsai_core import solvers
-from bonsai_core.budget import format_bytes, parse_budget
+from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError, ModelError
+from bonsai_core.units import format_bytes
 from explorer import ahead, compute
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,10 +14,10 @@ from typing import Sequence
 
 import numpy as np
 
-from bonsai_core.budget import format_bytes
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, block_stack, plan_schedule
 from bonsai_core.schedule import Schedule, simulate
+from bonsai_core.units import format_bytes
 
 MAX_BARS = 1500  # above this many tensor lifetimes, small tensors are grouped per module
 

@@ -10,7 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from bonsai_core import solvers
-from bonsai_core.budget import format_bytes
+from bonsai_core.units import format_bytes
 from explorer import compute, module_chart, module_graph, pair, plots, state, timeline
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BonsaiError
+from bonsai_core.units import format_bytes
 from explorer import compute, state
 
 st.title("Export")

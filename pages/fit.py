@@ -7,11 +7,12 @@ import pandas as pd
 import streamlit as st
 
 from bonsai_core import fit, solvers
-from bonsai_core.budget import format_bytes, parse_budget
+from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError
+from bonsai_core.models.hf import ARCHS, PREFIX
+from bonsai_core.models.zoo import ZOO
 from bonsai_core.optimizer import OPTIMIZERS
-from bonsai_core.hf import ARCHS, PREFIX
-from bonsai_core.zoo import ZOO
+from bonsai_core.units import format_bytes
 from explorer import plots, state
 
 st.title("What fits")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import streamlit as st
 
-from bonsai_core.budget import format_bytes
+from bonsai_core.units import format_bytes
 from explorer import compute, module_chart, module_graph, plots, state
 
 LARGE = 600  # above this many ops the op-level graph opens collapsed

@@ -10,8 +10,8 @@ import streamlit as st
 
 from bonsai_core import solvers
 from bonsai_core.allocator import layout_at
-from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError
+from bonsai_core.units import format_bytes
 from explorer import compute, plots, state, timeline
 
 st.title("Memory over time")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BonsaiError
-from explorer import compute, loaders, state
+from bonsai_core.units import format_bytes
+from explorer import compute, state
 
 MAX_CONFIG_BYTES = 256 * 1024  # real config.json files are a few KiB
 
@@ -44,7 +44,7 @@ with st.expander("Largest activations"):
 st.subheader("Change the model")
 zoo_tab, hf_tab, upload_tab = st.tabs(["Built-in models", "Hugging Face", "Upload a graph or a .pt2"])
 
-from bonsai_core import hf, zoo  # noqa: E402  (imports torch: after the summary is on screen)
+from bonsai_core.models import hf, pt2, zoo  # noqa: E402  (imports torch: after the summary is on screen)
 
 
 def trace_with_progress(what: str, trace, hint: str) -> None:
@@ -142,8 +142,8 @@ with upload_tab:
         "A **bonsai-graph JSON** (from `bonsai trace MODEL -o graph.json`) is read as data. "
         "A **.pt2** from `torch.export.save(torch.export.export(model, example_inputs), 'model.pt2')` is loaded "
         "with `torch.export.load` — only when it holds plain tensors and no pickled objects or compiled code — "
-        f"and its training step is traced with the loss **{loaders.LOSS_DESCRIPTION}**. "
-        f"Limit: {loaders.MAX_PT2_BYTES // 2**20} MiB.")
+        f"and its training step is traced with the loss **{pt2.LOSS_DESCRIPTION}**. "
+        f"Limit: {pt2.MAX_PT2_BYTES // 2**20} MiB.")
     upload = st.file_uploader("Graph JSON or .pt2", type=["json", "pt2"], key="upload")
     if upload is not None:
         data = upload.getvalue()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from bonsai_core.budget import format_bytes
+from bonsai_core.units import format_bytes
 from explorer import ahead, compute, plots, state
 
 st.title("Solve")

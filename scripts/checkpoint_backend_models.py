@@ -11,7 +11,7 @@ from bonsai_core.export.checkpoint import export_checkpoint
 from bonsai_core.export.verify import verify_checkpoint
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.solvers import solve
-from bonsai_core.trace import trace_zoo
+from bonsai_core.trace import trace_model
 
 TEXT = dict(batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
 MODELS = {
@@ -35,7 +35,7 @@ for name in only:
     opts = MODELS[name]
     t0 = time.time()
     try:
-        g = trace_zoo(name, **opts).graph
+        g = trace_model(name, **opts).graph
     except BonsaiError as e:
         print(f"{name}: TRACE REFUSED {str(e)[:150]}", flush=True); continue
     for regions in ("any", "modules"):

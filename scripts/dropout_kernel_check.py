@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from bonsai_core import zoo
+from bonsai_core import models
 from bonsai_core.measure import measure_step
 from bonsai_core.schedule import no_remat_peak
-from bonsai_core.trace import trace_zoo
+from bonsai_core.trace import trace_model
 
 
 class Fused(TorchFunctionMode):
@@ -35,9 +35,9 @@ class Fused(TorchFunctionMode):
 
 
 for spec in ("tests.real_models:vit_assert", "tests.real_models:gpt2", "tests.real_models:bert_mlm", "hf:gpt2", "hf:bert"):
-    traced = trace_zoo(spec)
+    traced = trace_model(spec)
     g = traced.graph
-    m, i, l = zoo.build(spec)
+    m, i, l = models.build(spec)
     with Fused():
         r = measure_step(m, i, l, frozen=traced.frozen_params)
     print(spec, no_remat_peak(g), r.peak, no_remat_peak(g) / r.peak, flush=True)

@@ -34,23 +34,23 @@ CASES = [  # (model, options, trace --optimizer)
 def check(model: str, options: dict, optimizer: str, share: float, policy: str, device: str = "cuda") -> str:
     import torch
 
-    from bonsai_core import zoo
+    from bonsai_core import models
     from bonsai_core.allocator import replay
-    from bonsai_core.budget import format_bytes
     from bonsai_core.export import export_model, load_export
     from bonsai_core.optimizer import init_state, make, with_optimizer
     from bonsai_core.schedule import no_remat_peak
     from bonsai_core.solvers import solve
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
+    from bonsai_core.units import format_bytes
 
     start = time.perf_counter()
-    graph = with_optimizer(trace_zoo(model, **options).graph, optimizer)
+    graph = with_optimizer(trace_model(model, **options).graph, optimizer)
     schedule = solve(graph, int(share * no_remat_peak(graph)), "bonsai", time_limit=60)
     reserved = replay(graph, schedule, policy=policy, full=True, optimizer="sgd").reserved_peak
     with tempfile.TemporaryDirectory() as out:
         export_model(model, options, schedule, out)
         dev = torch.device(device)
-        net, inputs, loss_fn = zoo.build(model, **options)
+        net, inputs, loss_fn = models.build(model, **options)
         net, inputs = net.to(dev), tuple(x.to(dev) for x in inputs)
         loss_fn = loss_fn.to(dev) if isinstance(loss_fn, torch.nn.Module) else loss_fn
         for p in net.parameters():
@@ -95,13 +95,13 @@ def check_one_call(model: str, options: dict, share: float, device: str) -> str:
     import torch
 
     import bonsai_core as bonsai
-    from bonsai_core import zoo
-    from bonsai_core.budget import format_bytes
+    from bonsai_core import models
     from bonsai_core.measure import measure_step
+    from bonsai_core.units import format_bytes
 
     start = time.perf_counter()
     dev = torch.device(device)
-    net, inputs, loss_fn = zoo.build(model, **options)
+    net, inputs, loss_fn = models.build(model, **options)
     net, inputs = net.to(dev), tuple(x.to(dev) for x in inputs)
     loss_fn = loss_fn.to(dev) if isinstance(loss_fn, torch.nn.Module) else loss_fn
     report = bonsai.checkpoint(net, inputs, loss_fn, budget=f"{share:.0%}", cache=False)

@@ -60,12 +60,12 @@ def run_one(arch: str, make: Callable[[], Any], folder: Path, budget: float, bat
     from bonsai_core.export import export_model, verify_export
     from bonsai_core.schedule import no_remat_peak
     from bonsai_core.solvers import solve
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
     make().save_pretrained(folder)
     spec, options = f"hf:{folder}", {"batch": batch}
     start = time.perf_counter()
-    graph = trace_zoo(spec, **options).graph
+    graph = trace_model(spec, **options).graph
     traced = time.perf_counter() - start
     schedule = solve(graph, int(budget * no_remat_peak(graph)), "bonsai", time_limit=60)
     out = export_model(spec, options, schedule, folder / "export")

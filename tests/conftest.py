@@ -23,7 +23,7 @@ def chain4() -> Graph:
 @pytest.fixture(scope="session")
 def traced_zoo():
     """Every zoo model at its default size, traced once: name -> Traced."""
-    from bonsai_core.trace import trace_zoo
-    from bonsai_core.zoo import ZOO
+    from bonsai_core.models.zoo import ZOO
+    from bonsai_core.trace import trace_model
 
-    return {name: trace_zoo(name) for name in ZOO}
+    return {name: trace_model(name) for name in ZOO}

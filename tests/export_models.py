@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from bonsai_core.zoo import CrossEntropyLoss
+from bonsai_core.models.zoo import CrossEntropyLoss
 
 
 def dropout_mlp(batch: int = 16, width: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, ...], nn.Module]:

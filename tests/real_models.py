@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bonsai_core.zoo import CrossEntropyLoss
+from bonsai_core.models.zoo import CrossEntropyLoss
 
 
 # -- ResNet-18 with BatchNorm ----------------------------------------------------------------------

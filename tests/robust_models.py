@@ -5,7 +5,7 @@ tracing or exact replay."""
 import torch
 import torch.nn as nn
 
-from bonsai_core.zoo import CrossEntropyLoss
+from bonsai_core.models.zoo import CrossEntropyLoss
 
 
 class LogitsLoss(CrossEntropyLoss):
@@ -39,7 +39,7 @@ class _TruncNormalNet(nn.Module):
 
 
 def make_trunc_normal(batch: int = 2, seq: int = 4, width: int = 8):
-    from bonsai_core.zoo import MSELoss
+    from bonsai_core.models.zoo import MSELoss
 
     return _TruncNormalNet(seq, width), (torch.randn(batch, seq, width),), MSELoss(torch.zeros(batch, seq, width))
 
@@ -120,7 +120,7 @@ def make_maskless_gpt2(batch: int = 2, seq: int = 8):
 
 def make_linspace_rates(batch: int = 2, width: int = 8, layers: int = 3):
     """A constructor that reads values outside ``torch.nn.init``: per-layer rates from ``torch.linspace``."""
-    from bonsai_core.zoo import MSELoss
+    from bonsai_core.models.zoo import MSELoss
 
     rates = [x.item() for x in torch.linspace(0.0, 0.2, layers)]
     model = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Dropout(r)) for r in rates))
@@ -137,6 +137,6 @@ class _ReadsInForward(nn.Module):
 
 
 def make_reads_in_forward():
-    from bonsai_core.zoo import MSELoss
+    from bonsai_core.models.zoo import MSELoss
 
     return _ReadsInForward(), (torch.randn(2, 4),), MSELoss(torch.zeros(2, 4))

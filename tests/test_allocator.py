@@ -245,9 +245,9 @@ def test_full_arena_replay_counts_the_optimizer_state_as_live_and_reserved():
 @pytest.mark.slow
 def test_traced_graphs_list_their_fixed_tensors():
     from bonsai_core.allocator import fixed_tensors, optimizer_bytes
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
-    g = trace_zoo("resnet", batch=2, image=16, layers=1).graph  # conv weight grads are not separate outputs
+    g = trace_model("resnet", batch=2, image=16, layers=1).graph  # conv weight grads are not separate outputs
     kinds = [k for _, _, k in g.fixed_tensors]
     assert sum(b for _, b, _ in g.fixed_tensors) == g.fixed_mem
     assert kinds.index("grad") > max(i for i, k in enumerate(kinds) if k == "param")  # grads after params

@@ -390,7 +390,7 @@ def test_uploading_a_pt2_traces_its_step_with_the_documented_loss(tmp_path):
 
 
 def test_the_gpt2_small_preset_fills_in_the_size_options():
-    from bonsai_core.zoo import GPT2_SMALL
+    from bonsai_core.models.zoo import GPT2_SMALL
 
     at = app()
     at.button(key="gpt2_preset").click().run()

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pyarrow as pa
 from streamlit.testing.v1 import AppTest
 
 from bonsai_core import solvers
-from bonsai_core.budget import format_bytes
 from bonsai_core.schedule import no_remat_peak, simulate
-from explorer import compute, module_graph, pair
+from bonsai_core.units import format_bytes
+from explorer import module_graph, pair
 from tests.test_app import app, goto
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from bonsai_core.errors import GraphError, ModelError
 from bonsai_core.graph import load_graph
+from bonsai_core.models import pt2
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import none_schedule, simulate
 from explorer import loaders, plots
@@ -42,9 +43,9 @@ def rewrite(data: bytes, edit) -> bytes:
 
 
 def test_the_default_asset_is_the_gpt_zoo_model_at_its_default_options():
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
-    assert load_graph(ROOT / "assets" / "gpt-default.json").hash == trace_zoo("gpt").graph.hash
+    assert load_graph(ROOT / "assets" / "gpt-default.json").hash == trace_model("gpt").graph.hash
 
 
 def test_a_pt2_upload_traces_a_training_step_with_the_sum_of_squares_loss():
@@ -73,17 +74,17 @@ def test_a_pt2_with_compiled_code_or_in_the_legacy_format_is_refused():
     with zipfile.ZipFile(out, "a") as z:
         z.writestr("archive/data/aotinductor/model/model.so", b"\x7fELF")
     with pytest.raises(ModelError, match="compiled artifacts"):
-        loaders.check_pt2(out.getvalue())
+        pt2.check_pt2(out.getvalue())
     legacy = rewrite(tiny_pt2(), lambda n, b: None if "/models/" in n else b)
     with pytest.raises(ModelError, match="old format"):
-        loaders.check_pt2(legacy)
+        pt2.check_pt2(legacy)
 
 
 def test_non_zip_and_oversized_uploads_are_refused_with_what_to_do():
     with pytest.raises(ModelError, match="not a .pt2 archive"):
-        loaders.check_pt2(b"print('hello')")
+        pt2.check_pt2(b"print('hello')")
     with pytest.raises(ModelError, match="at most"):
-        loaders.check_pt2(b"\0" * (loaders.MAX_PT2_BYTES + 1))
+        pt2.check_pt2(b"\0" * (pt2.MAX_PT2_BYTES + 1))
 
 
 def test_a_graph_json_upload_is_parsed_as_data_and_defects_are_named():
@@ -203,4 +204,4 @@ def test_a_pt2_program_that_loading_would_evaluate_is_refused(edit, reason):
         return body
 
     with pytest.raises(ModelError, match=reason):
-        loaders.check_pt2(rewrite(tiny_pt2(), tamper))
+        pt2.check_pt2(rewrite(tiny_pt2(), tamper))

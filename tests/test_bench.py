@@ -86,10 +86,10 @@ def test_smallest_reachable_budget_of_each_method_is_met_and_chens_is_its_lowest
 def test_peer_measurements_agree_with_the_plain_step():
     # the live-bytes and op-cost trackers see the same step the simulator predicts
     from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
     peak, cost, _ = peers.measure_eager("gpt", {"layers": 1, "seq": 64})
-    g = trace_zoo("gpt", layers=1, seq=64).graph
+    g = trace_model("gpt", layers=1, seq=64).graph
     assert peak == pytest.approx(no_remat_peak(g), rel=0.01)
     assert cost == pytest.approx(g.total_cost, rel=0.01)
     plain_peak, plain_cost, _ = peers.measure_eager("gpt", {"layers": 2, "seq": 64})

@@ -573,10 +573,10 @@ def test_cli_json_stays_pure_json_with_the_highs_banner(tmp_path):
 
 @pytest.mark.slow
 def test_gpt2_small_solves_to_optimality():
-    from bonsai_core.trace import trace_zoo
-    from bonsai_core.zoo import GPT2_SMALL
+    from bonsai_core.models.zoo import GPT2_SMALL
+    from bonsai_core.trace import trace_model
 
-    g = trace_zoo("gpt", **GPT2_SMALL).graph
+    g = trace_model("gpt", **GPT2_SMALL).graph
     # Default options (HiGHS, gap 1%): within 1% of the model's optimum; times are in docs/BONSAI.md.
     for frac in (0.9, 0.7):
         s = solve(g, int(no_remat_peak(g) * frac), "bonsai", time_limit=300)
@@ -665,9 +665,9 @@ def test_a_small_unet_reaches_only_the_region_bound_and_moccasin_goes_below_it()
     backward adds it. Bonsai with dropped outputs reaches exactly the bound every checkpoint plan
     obeys; one byte below, its error names the bound and moccasin, which recomputes that backward op."""
     from bonsai_core.regions import region_peak_bound
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
-    g = trace_zoo("unet", batch=1, image=4, layers=1, width=16).graph
+    g = trace_model("unet", batch=1, image=4, layers=1, width=16).graph
     bound = region_peak_bound(g)
     peak = no_remat_peak(g)
     assert g.peak_lower_bound < bound.peak < peak and bound.peak > 0.98 * peak

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from bonsai_core.budget import format_bytes
 from bonsai_core.graph import load_graph
 from bonsai_core.schedule import no_remat_peak
+from bonsai_core.units import format_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"

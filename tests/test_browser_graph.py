@@ -132,10 +132,10 @@ def llama_graph(tmp_path_factory):
     """``bonsai trace hf:llama --layers 32 --width 32 --heads 2 --seq 16 --batch 1 --attention eager``: 7,440
     ops, 32 blocks (eager attention: the larger graph; with SDPA, the default, 6,103)."""
     from bonsai_core.graph import save_graph
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
     path = tmp_path_factory.mktemp("llama") / "llama32.json"
-    save_graph(trace_zoo("hf:llama", layers=32, width=32, heads=2, seq=16, batch=1, attention="eager").graph, path)
+    save_graph(trace_model("hf:llama", layers=32, width=32, heads=2, seq=16, batch=1, attention="eager").graph, path)
     return path
 
 

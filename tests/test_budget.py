@@ -1,7 +1,8 @@
 import pytest
 
-from bonsai_core.budget import format_bytes, parse_budget
+from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BudgetError
+from bonsai_core.units import format_bytes
 
 
 @pytest.mark.parametrize("text, reference, expected", [

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bonsai_core import zoo
+from bonsai_core import models
 from bonsai_core.export import export_traced, step_signature
-from bonsai_core.trace import trace_zoo
+from bonsai_core.trace import trace_model
 from tests.test_export import checkpoint_every_other
 
 MODEL, OPTIONS = "gpt", dict(batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
@@ -22,7 +22,7 @@ WORLD = 2
 
 def _shard(rank: int):
     """Rank ``rank``'s batch and targets: same shapes as the traced ones, different data."""
-    _, inputs, loss_fn = zoo.build(MODEL, seed=100 + rank, **OPTIONS)
+    _, inputs, loss_fn = models.build(MODEL, seed=100 + rank, **OPTIONS)
     return inputs, loss_fn
 
 
@@ -33,7 +33,7 @@ def _worker(rank: int, out_dir: str, store: str, results: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
     try:
-        model = zoo.build(MODEL, seed=0, **OPTIONS)[0]
+        model = models.build(MODEL, seed=0, **OPTIONS)[0]
         # the default grads="autograd" hands each gradient to autograd, where DDP's all-reduce hooks sit
         ddp = torch.nn.parallel.DistributedDataParallel(load_export(out_dir).load(model))
         inputs, loss_fn = _shard(rank)
@@ -44,7 +44,7 @@ def _worker(rank: int, out_dir: str, store: str, results: str) -> None:
 
 
 def test_exported_model_trains_under_ddp_with_single_process_gradients(tmp_path):
-    traced = trace_zoo(MODEL, **OPTIONS)
+    traced = trace_model(MODEL, **OPTIONS)
     out = export_traced(traced, step_signature(MODEL, OPTIONS), checkpoint_every_other(traced.graph, 0),
                         tmp_path / "export")
     # spawn, not fork: forking a test process that already runs torch, solver and server threads can
@@ -59,7 +59,7 @@ def test_exported_model_trains_under_ddp_with_single_process_gradients(tmp_path)
             pytest.fail("the DDP workers did not finish within 300 s")
 
     # one process, whole batch (both shards): DDP averages the shards' gradients
-    model = zoo.build(MODEL, seed=0, **OPTIONS)[0]
+    model = models.build(MODEL, seed=0, **OPTIONS)[0]
     for rank in range(WORLD):
         inputs, loss_fn = _shard(rank)
         (loss_fn(model(*inputs)) / WORLD).backward()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from bonsai_core import zoo
+from bonsai_core import models
 from bonsai_core.cli import main
 from bonsai_core.errors import ScheduleError
 from bonsai_core.export import (ExportError, Verification, export_model, export_traced, load_export, step_signature,
@@ -27,7 +27,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import Schedule, no_remat_peak, none_schedule, schedule_ops, simulate
 from bonsai_core.solvers import METHODS
-from bonsai_core.trace import trace_zoo
+from bonsai_core.trace import trace_model
 
 SMALL = {
     "mlp": dict(batch=64, width=32, layers=4),
@@ -118,7 +118,7 @@ UNSOLVED = {("checkmate", "unet"), ("checkmate", "gpt")}
 @pytest.fixture(scope="module")
 def small_steps():
     """name -> (Traced, StepSignature) of every zoo model at its small size."""
-    return {name: (trace_zoo(name, **opts), step_signature(name, opts)) for name, opts in SMALL.items()}
+    return {name: (trace_model(name, **opts), step_signature(name, opts)) for name, opts in SMALL.items()}
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -194,7 +194,7 @@ def test_scaled_loss_and_autograd_mode_give_the_same_gradients(small_steps, tmp_
     traced, signature = small_steps["resnet"]
     out = export_traced(traced, signature, checkpoint_every_other(traced.graph, 1), tmp_path)
     exported = load_export(out)
-    model, inputs, loss_fn = zoo.build("resnet", **SMALL["resnet"])
+    model, inputs, loss_fn = models.build("resnet", **SMALL["resnet"])
     (3.0 * loss_fn(model(*inputs))).backward()
     reference = [p.grad.clone() for p in model.parameters()]
     for grads in ("direct", "autograd"):
@@ -214,14 +214,14 @@ def test_scaled_loss_and_autograd_mode_give_the_same_gradients(small_steps, tmp_
 def test_wrong_shapes_and_missing_loss_are_explained(small_steps, tmp_path):
     traced, signature = small_steps["mlp"]
     exported = load_export(export_traced(traced, signature, none_schedule(traced.graph), tmp_path))
-    model, inputs, loss_fn = zoo.build("mlp", **SMALL["mlp"])
+    model, inputs, loss_fn = models.build("mlp", **SMALL["mlp"])
     ck = exported.load(model)
     with pytest.raises(TypeError, match="loss included"):
         ck(*inputs)
     with pytest.raises(ValueError, match="export again"):
         ck(inputs[0][:3], loss_fn=loss_fn)
     with pytest.raises(ValueError, match="parameters"):
-        exported.load(zoo.build("mlp", **{**SMALL["mlp"], "layers": 2})[0])
+        exported.load(models.build("mlp", **{**SMALL["mlp"], "layers": 2})[0])
 
 
 def test_export_refuses_a_schedule_of_another_graph(tmp_path):
@@ -229,8 +229,8 @@ def test_export_refuses_a_schedule_of_another_graph(tmp_path):
     model tried)."""
     from bonsai_core.costmodel import DEFAULT_PROFILE
 
-    other = trace_zoo("mlp", batch=8, width=16, layers=2).graph
-    asked = trace_zoo("mlp", batch=8, width=16, layers=3).graph
+    other = trace_model("mlp", batch=8, width=16, layers=2).graph
+    asked = trace_model("mlp", batch=8, width=16, layers=3).graph
     with pytest.raises(ScheduleError, match=f"traces to 'mlp.*' \\(hash {asked.hash} with cost model {DEFAULT_PROFILE}\\)"):
         export_model("mlp", dict(batch=8, width=16, layers=3), none_schedule(other), tmp_path)
 
@@ -253,7 +253,7 @@ def test_exported_folder_runs_without_bonsai_core(tmp_path, monkeypatch):
             return model, (torch.randn(32, 8),), Loss(torch.randint(0, 3, (32,)))
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    traced = trace_zoo("mymodel:make")
+    traced = trace_model("mymodel:make")
     out = export_model("mymodel:make", {}, recompute_before_use(traced.graph, 2), tmp_path / "export")
     script = textwrap.dedent(f"""
         import sys
@@ -310,7 +310,7 @@ def test_verify_names_the_model_code_that_fails_on_real_tensors(tmp_path, capsys
 # -- real models: dropout, tensor constants, BatchNorm, frozen parameters, SDPA, autocast -----------
 
 def _export(tmp_path, model: str, options: dict, factory: ScheduleFactory, level: int = 2, autocast: str | None = None):
-    traced = trace_zoo(model, autocast=autocast, **options)
+    traced = trace_model(model, autocast=autocast, **options)
     schedule = factory(traced.graph, level)
     out = export_traced(traced, step_signature(model, options), schedule, tmp_path / schedule.method,
                         spec={"model": model, "options": options, "autocast": autocast})
@@ -339,7 +339,7 @@ def test_dropout_masks_are_replayed_bitwise(tmp_path, factory):
 
 def test_dropout_replay_leaves_the_live_generator_where_eager_does(tmp_path):
     _, _, out = _export(tmp_path, "tests.export_models:dropout_mlp", {}, recompute_before_use)
-    model, inputs, loss_fn = zoo.build("tests.export_models:dropout_mlp")
+    model, inputs, loss_fn = models.build("tests.export_models:dropout_mlp")
     torch.manual_seed(1)
     loss_fn(model(*inputs)).backward()
     after_eager = torch.get_rng_state()
@@ -364,7 +364,7 @@ def test_tensor_constants_are_buffers_of_the_checkpointed_module(tmp_path):
     """A model that creates a tensor inside forward (a constant of the traced graph)."""
     (tmp_path / "constmodel.py").write_text(textwrap.dedent("""
         import torch, torch.nn as nn
-        from bonsai_core.zoo import CrossEntropyLoss
+        from bonsai_core.models.zoo import CrossEntropyLoss
 
         class Scaled(nn.Module):
             def __init__(self):
@@ -382,7 +382,7 @@ def test_tensor_constants_are_buffers_of_the_checkpointed_module(tmp_path):
         traced, _, out = _export(tmp_path, "constmodel:make", {}, lambda g, level: none_schedule(g))
         constants = torch.load(out / "constants.pt", weights_only=True)
         assert [t.tolist() for t in constants.values()] == [[1.0, 2.0, 3.0]]
-        ck = load_export(out).load(zoo.build("constmodel:make")[0])
+        ck = load_export(out).load(models.build("constmodel:make")[0])
         assert [b.tolist() for b in ck.buffers() if b.shape == (3,)] == [[1.0, 2.0, 3.0]]
         v = verify_export("constmodel:make", {}, out, repeats=0)
         assert v.loss_diff == 0 and v.max_grad_diff == 0 and not v.problems()
@@ -402,8 +402,8 @@ def test_batchnorm_statistics_are_written_back(tmp_path, factory):
     make = (lambda g, level: none_schedule(g)) if factory == "none" else FACTORIES[factory]
     _needs_trace_field("buffer_writes")
     _, _, out = _export(tmp_path, "tests.export_models:batchnorm_cnn", {}, make)
-    model, inputs, loss_fn = zoo.build("tests.export_models:batchnorm_cnn")
-    reference, _, _ = zoo.build("tests.export_models:batchnorm_cnn")
+    model, inputs, loss_fn = models.build("tests.export_models:batchnorm_cnn")
+    reference, _, _ = models.build("tests.export_models:batchnorm_cnn")
     loss_fn(reference(*inputs)).backward()
     load_export(out).load(model)(*inputs, loss_fn=loss_fn).backward()
     for (name, b), (_, r) in zip(model.named_buffers(), reference.named_buffers()):
@@ -416,10 +416,10 @@ def test_batchnorm_statistics_are_written_back(tmp_path, factory):
 
 def test_frozen_parameters_keep_grad_none(tmp_path):
     _needs_trace_field("frozen_params")
-    traced = trace_zoo("tests.export_models:unused_param")
+    traced = trace_model("tests.export_models:unused_param")
     assert traced.frozen_params == ["unused.weight", "unused.bias"]
     _, _, out = _export(tmp_path, "tests.export_models:unused_param", {}, recompute_before_use)
-    model, inputs, loss_fn = zoo.build("tests.export_models:unused_param")
+    model, inputs, loss_fn = models.build("tests.export_models:unused_param")
     load_export(out).load(model)(*inputs, loss_fn=loss_fn).backward()
     assert model.unused.weight.grad is None and model.unused.bias.grad is None
     assert model.body[0].weight.grad is not None
@@ -438,7 +438,7 @@ def _program_ops(out) -> set[str]:
 def _hf_models() -> list[str]:
     """The `hf:` model source, once this checkout has it (engineer "hf"), at small sizes."""
     try:
-        from bonsai_core import hf  # noqa: F401
+        from bonsai_core.models import hf  # noqa: F401
     except ImportError:
         return []
     return ["hf:gpt2", "hf:bert", "hf:llama", "hf:vit", "hf:resnet"]
@@ -459,8 +459,8 @@ def test_no_exported_zoo_program_calls_a_device_specific_kernel(small_steps, tmp
 @pytest.mark.slow
 def test_no_exported_hf_program_calls_a_device_specific_kernel(tmp_path):
     """Llama's attention traces to the fused CPU kernel; the program calls the device-neutral helper."""
-    models = ["tests.export_models:hf_llama", "tests.export_models:hf_gpt2", *_hf_models()]
-    for name in models:
+    specs = ["tests.export_models:hf_llama", "tests.export_models:hf_gpt2", *_hf_models()]
+    for name in specs:
         _, _, out = _export(tmp_path / name.replace(":", "_"), name, {}, lambda g, level: none_schedule(g))
         assert _program_ops(out) and not _device_specific(out), name
         if name.endswith("hf_llama"):
@@ -503,8 +503,8 @@ AUTOCAST_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 @pytest.mark.slow
 def test_grad_scaler_works_with_an_autocast_export(tmp_path):
     _, _, out = _export(tmp_path, "gpt", SMALL["gpt"], recompute_before_use, autocast="fp16")
-    model, inputs, loss_fn = zoo.build("gpt", **SMALL["gpt"])
-    reference, _, _ = zoo.build("gpt", **SMALL["gpt"])
+    model, inputs, loss_fn = models.build("gpt", **SMALL["gpt"])
+    reference, _, _ = models.build("gpt", **SMALL["gpt"])
     with torch.autocast("cpu", dtype=torch.float16):
         loss_fn(reference(*inputs)).backward()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -553,7 +553,7 @@ def test_export_loads_with_the_plain_importlib_recipe(small_steps, tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # not put into sys.modules first
     assert "my_checkpointed" not in _sys.modules
-    model, inputs, loss_fn = zoo.build("mlp", **SMALL["mlp"])
+    model, inputs, loss_fn = models.build("mlp", **SMALL["mlp"])
     module.load(model)(*inputs, loss_fn=loss_fn).backward()
     assert all(p.grad is not None for p in model.parameters())
 
@@ -597,7 +597,7 @@ def test_a_device_specific_op_is_refused_with_advice(small_steps, tmp_path):
 @pytest.fixture(scope="module")
 def dropout_step():
     name = "tests.export_models:dropout_mlp"
-    return trace_zoo(name), step_signature(name, {})
+    return trace_model(name), step_signature(name, {})
 
 
 @pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_FACTORIES else m

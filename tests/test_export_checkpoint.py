@@ -19,10 +19,10 @@ import torch.nn as nn
 from bonsai_core.export import ExportError
 from bonsai_core.export.checkpoint import export_checkpoint
 from bonsai_core.export.verify import load_checkpointed, verify_checkpoint
+from bonsai_core.models.zoo import CrossEntropyLoss
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
-from bonsai_core.trace import trace_zoo
-from bonsai_core.zoo import CrossEntropyLoss
+from bonsai_core.trace import trace_model
 
 GPT = dict(batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
 ATOL = 1e-5
@@ -65,7 +65,7 @@ def solved(model: str, options: dict, method: str, share: float, **solve_options
     """(graph, schedule), traced and solved once per session (tracing and the ILP dominate test time)."""
     key = (model, tuple(sorted(options.items())))
     if key not in _graphs:
-        _graphs[key] = trace_zoo(model, **options).graph
+        _graphs[key] = trace_model(model, **options).graph
     graph = _graphs[key]
     run = (key, method, share, tuple(sorted(solve_options.items())))
     if run not in _schedules:
@@ -172,9 +172,9 @@ def test_export_loads_with_the_standard_importlib_recipe_and_applies_once(gpt_ex
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # not in sys.modules first
     assert "checkpointed" not in sys.modules
-    from bonsai_core import zoo
+    from bonsai_core import models
 
-    net, inputs, loss_fn = zoo.build("gpt", **GPT)
+    net, inputs, loss_fn = models.build("gpt", **GPT)
     assert module.apply(net) is net
     with pytest.raises(ValueError, match="already checkpointed"):
         module.apply(net)
@@ -196,12 +196,12 @@ def test_bf16_autocast_on_cpu(gpt_export):
 def test_torch_compile_aot_eager(gpt_export):
     """torch.compile traces the checkpoints as its own checkpoint op (about 30 s on a loaded 2-core
     machine with the aot_eager backend; inductor worked too in a manual run but took minutes)."""
-    from bonsai_core import zoo
+    from bonsai_core import models
 
     module = load_checkpointed(gpt_export)
 
     def step(compiled: bool):
-        net, inputs, loss_fn = zoo.build("gpt", **GPT)
+        net, inputs, loss_fn = models.build("gpt", **GPT)
         run = torch.compile(module.apply(net), backend="aot_eager") if compiled else net
         loss = loss_fn(run(*inputs))
         loss.backward()

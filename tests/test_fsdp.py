@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bonsai_core import zoo
+from bonsai_core import models
 from bonsai_core.export import export_traced, step_signature
-from bonsai_core.trace import trace_zoo
+from bonsai_core.trace import trace_model
 from tests.test_export import recompute_before_use
 
 MODEL, OPTIONS = "gpt", dict(batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
@@ -22,7 +22,7 @@ WORLD = 2
 
 def _shard(rank: int):
     """Rank ``rank``'s batch and targets: same shapes as the traced ones, different data."""
-    _, inputs, loss_fn = zoo.build(MODEL, seed=100 + rank, **OPTIONS)
+    _, inputs, loss_fn = models.build(MODEL, seed=100 + rank, **OPTIONS)
     return inputs, loss_fn
 
 
@@ -35,7 +35,7 @@ def _worker(rank: int, out_dir: str, store: str, results: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
     try:
-        model = zoo.build(MODEL, seed=0, **OPTIONS)[0]
+        model = models.build(MODEL, seed=0, **OPTIONS)[0]
         ck = fully_shard(load_export(out_dir).load(model))  # shards model's parameters (ck holds model)
         inputs, loss_fn = _shard(rank)
         for step in range(2):  # the second step runs from sharded .grad already allocated
@@ -47,7 +47,7 @@ def _worker(rank: int, out_dir: str, store: str, results: str) -> None:
 
 @pytest.mark.slow  # ~100 s on the shared 2-core machine (process spawn, tracing)
 def test_exported_model_trains_under_fsdp_with_single_process_gradients(tmp_path):
-    traced = trace_zoo(MODEL, **OPTIONS)
+    traced = trace_model(MODEL, **OPTIONS)
     out = export_traced(traced, step_signature(MODEL, OPTIONS), recompute_before_use(traced.graph, 1),
                         tmp_path / "export")
     ctx = mp.start_processes(_worker, args=(str(out), str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD,
@@ -60,7 +60,7 @@ def test_exported_model_trains_under_fsdp_with_single_process_gradients(tmp_path
             pytest.fail("the FSDP workers did not finish within 300 s")
 
     # one process, whole batch (both shards), two steps: FSDP averages the shards' gradients
-    model = zoo.build(MODEL, seed=0, **OPTIONS)[0]
+    model = models.build(MODEL, seed=0, **OPTIONS)[0]
     for _ in range(2):
         for rank in range(WORLD):
             inputs, loss_fn = _shard(rank)

@@ -17,7 +17,7 @@ from bonsai_core.fsdp import with_fsdp, working_profile
 from bonsai_core.graph import Graph
 from bonsai_core.optimizer import with_optimizer
 from bonsai_core.schedule import no_remat_peak, none_schedule, simulate
-from bonsai_core.trace import trace_zoo
+from bonsai_core.trace import trace_model
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = dict(batch=2, seq=16, width=32, layers=3, heads=2, vocab=64)
@@ -25,11 +25,11 @@ GPT = dict(batch=2, seq=16, width=32, layers=3, heads=2, vocab=64)
 
 @pytest.fixture(scope="module")
 def traced():
-    return trace_zoo("gpt", **GPT).graph
+    return trace_model("gpt", **GPT).graph
 
 
 def test_sharded_fixed_memory_is_a_rank_s_share_plus_the_root(traced):
-    sharded = trace_zoo("gpt", fsdp=4, **GPT).graph
+    sharded = trace_model("gpt", fsdp=4, **GPT).graph
     kinds = {}
     for _, nbytes, kind in traced.fixed_tensors:
         kinds[kind] = kinds.get(kind, 0) + nbytes
@@ -48,7 +48,7 @@ def test_the_profile_holds_the_running_block_and_its_neighbours(traced):
     """Forward: the running block's parameters and its flat all-gather output; backward: the running
     block's parameters, the next block's prefetched all-gather, the previous block's reduce-scatter input
     and the running block's gradients so far."""
-    sharded = trace_zoo("gpt", fsdp=2, **GPT).graph
+    sharded = trace_model("gpt", fsdp=2, **GPT).graph
     units = sharded.fsdp["units"]
     size = units[0][3]
     ops = none_schedule(sharded).ops
@@ -67,8 +67,8 @@ def test_the_profile_holds_the_running_block_and_its_neighbours(traced):
 
 
 def test_reshard_after_forward_false_keeps_the_blocks_until_their_backward():
-    keep = trace_zoo("gpt", fsdp=2, reshard_after_forward=False, **GPT).graph
-    again = trace_zoo("gpt", fsdp=2, **GPT).graph
+    keep = trace_model("gpt", fsdp=2, reshard_after_forward=False, **GPT).graph
+    again = trace_model("gpt", fsdp=2, **GPT).graph
     ops = none_schedule(keep).ops
     first_backward = next(i for i, (k, v) in enumerate(ops) if k == "compute" and not keep.is_forward[v])
     assert working_profile(keep, ops)[first_backward - 1] >= sum(u[3] for u in keep.fsdp["units"])
@@ -86,7 +86,7 @@ def test_bad_sharding_is_refused_clearly(traced):
 
 
 def test_the_fsdp_field_round_trips_and_is_checked():
-    sharded = trace_zoo("gpt", fsdp=2, **GPT).graph
+    sharded = trace_model("gpt", fsdp=2, **GPT).graph
     again = Graph.from_dict(json.loads(json.dumps(sharded.to_dict())))
     assert again.fsdp == sharded.fsdp and again.hash == sharded.hash
     bad = sharded.to_dict()
@@ -98,7 +98,7 @@ def test_the_fsdp_field_round_trips_and_is_checked():
 def test_every_method_s_schedule_is_judged_with_the_profile():
     from bonsai_core.solvers import solve
 
-    sharded = trace_zoo("gpt", fsdp=2, **GPT).graph
+    sharded = trace_model("gpt", fsdp=2, **GPT).graph
     budget = int(0.8 * no_remat_peak(sharded))
     for method in ("bonsai", "chen", "dtr"):
         try:

@@ -8,15 +8,15 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bonsai_core.allocator import (Allocator, fixed_tensors, fragmentation_at_peak, optimizer_bytes, pool_replay,
-                                   replay)
+from bonsai_core.allocator import (Allocator, cost_density_sides, fixed_tensors, fragmentation_at_peak, op_type_sides,
+                                   optimizer_bytes, pool_replay, replay)
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph, load_graph
 from bonsai_core.regions import CheckpointPlan
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
 from bonsai_core.solvers.chen import forward_articulation_points, greedy_cuts, plan_from_cuts, sqrt_cuts
-from bonsai_core.solvers.coop import coop_policy, cost_density_sides, min_cost_window, op_type_sides
+from bonsai_core.solvers.coop import coop_policy, min_cost_window
 from bonsai_core.solvers.dtr import dtr_policy
 from bonsai_core.solvers.eviction import Runtime
 from tests.graphs import chain
@@ -322,10 +322,10 @@ def test_solvers_declare_every_option():
 @pytest.mark.slow
 def test_coop_beats_dtr_in_the_same_pool_on_gpt2_small():
     # docs/HEURISTICS.md: both in the same full-arena pool at 80% of the no-remat peak
-    from bonsai_core.trace import trace_zoo
-    from bonsai_core.zoo import GPT2_SMALL
+    from bonsai_core.models.zoo import GPT2_SMALL
+    from bonsai_core.trace import trace_model
 
-    g = trace_zoo("gpt", **GPT2_SMALL).graph
+    g = trace_model("gpt", **GPT2_SMALL).graph
     budget = int(0.8 * no_remat_peak(g))
     coop = solve(g, budget, "coop")
     dtr = solve(g, budget, "dtr", allocator=True, full_arena=True)

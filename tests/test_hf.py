@@ -1,4 +1,4 @@
-"""Hugging Face models as a model source: ``hf:ARCH`` and ``hf:PATH/config.json`` (bonsai_core.hf)."""
+"""Hugging Face models as a model source: ``hf:ARCH`` and ``hf:PATH/config.json`` (bonsai_core.models.hf)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bonsai_core import hf, zoo
+from bonsai_core import models
 from bonsai_core.bench import ModelSpec
 from bonsai_core.cli import main
 from bonsai_core.errors import ModelError
+from bonsai_core.models import hf
 
 pytest.importorskip("transformers")
 
@@ -22,9 +23,9 @@ TINY = {"gpt2": TEXT, "bert": TEXT, "llama": TEXT, "mistral": TEXT, "mixtral": T
 
 
 def _traced_arch(arch: str, options: dict[str, int]):
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
-    return trace_zoo(f"hf:{arch}", **options)
+    return trace_model(f"hf:{arch}", **options)
 
 
 def _check_forward_labelled(arch: str) -> None:
@@ -32,7 +33,7 @@ def _check_forward_labelled(arch: str) -> None:
     convolution nodes are labelled forward, and the loss (one cross-entropy) is forward too."""
     traced = _traced_arch(arch, TINY[arch])
     g = traced.graph
-    model, _, _ = zoo.build(f"hf:{arch}", **TINY[arch])
+    model, _, _ = models.build(f"hf:{arch}", **TINY[arch])
     layers = sum(isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) for m in model.modules())
     heavy = ("aten.mm", "aten.addmm", "aten.bmm", "aten.convolution.")
     forward_heavy = sum(p == "forward" and o.startswith(heavy) for p, o in zip(g.phases, g.ops))
@@ -63,7 +64,7 @@ def test_hf_arch_without_dropout_predicts_the_eager_peak(arch, options):
     from bonsai_core.schedule import no_remat_peak
 
     traced = _traced_arch(arch, options)
-    model, inputs, loss_fn = zoo.build(f"hf:{arch}", **options)
+    model, inputs, loss_fn = models.build(f"hf:{arch}", **options)
     measured = measure_step(model, inputs, loss_fn, frozen=traced.frozen_params)
     assert traced.graph.fixed_mem == measured.fixed
     assert no_remat_peak(traced.graph) == pytest.approx(measured.peak, rel=0.05)
@@ -76,7 +77,7 @@ def test_every_built_in_arch_has_a_tiny_size_here():
 # -- the adapter is faithful: the loss is the model's own training loss, on the labels we mean --------
 
 def _eval_loss_and_logits(arch: str, seed: int = 0):
-    model, inputs, loss_fn = zoo.build(f"hf:{arch}", seed=seed, **TINY[arch])
+    model, inputs, loss_fn = models.build(f"hf:{arch}", seed=seed, **TINY[arch])
     model.eval()  # dropout off, so the loss can be recomputed from the logits
     with torch.no_grad():
         loss = loss_fn(model(*inputs))
@@ -114,7 +115,7 @@ def test_image_classification_loss_is_cross_entropy_on_the_labels(arch):
 
 
 def test_train_mode_with_config_dropout_and_the_hf_model_under_model():
-    model, inputs, loss_fn = zoo.build("hf:gpt2", **TINY["gpt2"])
+    model, inputs, loss_fn = models.build("hf:gpt2", **TINY["gpt2"])
     assert model.training and model.model.training
     assert model.model.config.resid_pdrop == 0.1 and model.model.config.attn_pdrop == 0.1
     assert model.model.config._attn_implementation == "sdpa"  # what transformers trains with by default
@@ -139,9 +140,9 @@ def test_fake_and_real_builds_have_the_same_parameters_and_ties(arch):
                 [(n, tuple(b.shape)) for n, b in model.named_buffers(remove_duplicate=False)],
                 len(list(model.parameters())))
 
-    real = layout(zoo.build(f"hf:{arch}", **TINY[arch])[0])
+    real = layout(models.build(f"hf:{arch}", **TINY[arch])[0])
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = layout(zoo.build(f"hf:{arch}", **TINY[arch])[0])
+        fake = layout(models.build(f"hf:{arch}", **TINY[arch])[0])
     assert fake == real
 
 
@@ -159,11 +160,11 @@ def _save_gpt2_config(folder, **fields):
 def test_config_json_builds_its_model_with_batch_and_seq(tmp_path):
     path = _save_gpt2_config(tmp_path)
     for spec in (f"hf:{path}", f"hf:{tmp_path}"):
-        model, (ids,), loss_fn = zoo.build(spec, batch=3, seq=8)
+        model, (ids,), loss_fn = models.build(spec, batch=3, seq=8)
         assert type(model.model).__name__ == "GPT2LMHeadModel" and ids.shape == (3, 8)
         assert model.model.config.n_layer == 1 and ids.max() < 64
         assert loss_fn(model(ids)).ndim == 0
-    _, (ids,), _ = zoo.build(f"hf:{path}")
+    _, (ids,), _ = models.build(f"hf:{path}")
     assert ids.shape == (8, 32)  # defaults: batch 8, seq min(128, n_positions)
 
 
@@ -172,15 +173,15 @@ def test_config_json_without_architectures_uses_the_model_type(tmp_path):
 
     BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
                vocab_size=64, max_position_embeddings=16).save_pretrained(tmp_path)
-    model, (ids,), _ = zoo.build(f"hf:{tmp_path}", batch=2)
+    model, (ids,), _ = models.build(f"hf:{tmp_path}", batch=2)
     assert type(model.model).__name__ == "BertForMaskedLM" and ids.shape == (2, 16)
 
 
 @pytest.mark.slow
 def test_config_json_traces(tmp_path):
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
-    traced = trace_zoo(f"hf:{_save_gpt2_config(tmp_path)}", batch=2, seq=8)
+    traced = trace_model(f"hf:{_save_gpt2_config(tmp_path)}", batch=2, seq=8)
     assert traced.graph.summary()["forward_nodes"] > 20
 
 
@@ -204,15 +205,15 @@ def test_bad_config_files_are_clear_model_errors(tmp_path, content, message):
     path = tmp_path / "config.json"
     path.write_text(content)
     with pytest.raises(ModelError, match=message):
-        zoo.build(f"hf:{path}")
+        models.build(f"hf:{path}")
 
 
 def test_config_json_refuses_shape_options_and_too_long_sequences(tmp_path):
     path = _save_gpt2_config(tmp_path)
     with pytest.raises(ModelError, match="fixes the model's shape.*layers"):
-        zoo.build(f"hf:{path}", layers=4)
+        models.build(f"hf:{path}", layers=4)
     with pytest.raises(ModelError, match="longer than the 32 positions"):
-        zoo.build(f"hf:{path}", seq=64)
+        models.build(f"hf:{path}", seq=64)
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -227,13 +228,13 @@ def test_config_json_refuses_shape_options_and_too_long_sequences(tmp_path):
 ])
 def test_bad_hf_specs_are_clear_model_errors(spec, options, message):
     with pytest.raises(ModelError, match=message):
-        zoo.build(spec, **options)
+        models.build(spec, **options)
 
 
 def test_missing_transformers_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as if not installed
     with pytest.raises(ModelError, match="pip install transformers==5.23.0"):
-        zoo.build("hf:gpt2")
+        models.build("hf:gpt2")
 
 
 def test_cli_reports_hf_errors_without_a_traceback(capsys, tmp_path):
@@ -268,10 +269,10 @@ def _save(config, folder, architecture: str | None = None):
 def _predicts_the_eager_peak(spec: str, **options) -> None:
     from bonsai_core.measure import measure_step
     from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
-    traced = trace_zoo(spec, **options)
-    model, inputs, loss_fn = zoo.build(spec, **options)
+    traced = trace_model(spec, **options)
+    model, inputs, loss_fn = models.build(spec, **options)
     measured = measure_step(model, inputs, loss_fn, frozen=traced.frozen_params)
     # T5's trace holds one 8-byte scalar constant as fixed memory that its eager step makes per call
     assert traced.graph.fixed_mem == pytest.approx(measured.fixed, abs=8)
@@ -287,7 +288,7 @@ def test_a_model_whose_constructor_reads_tensor_values_builds_on_real_uninitiali
     spec = _save(ConvNextConfig(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_labels=10), tmp_path,
                  "ConvNextForImageClassification")
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model, (pixels,), _ = zoo.build(spec, batch=2, image=32)
+        model, (pixels,), _ = models.build(spec, batch=2, image=32)
         assert isinstance(pixels, FakeTensor) and not isinstance(next(model.parameters()), FakeTensor)
     _predicts_the_eager_peak(spec, batch=2, image=32)
 
@@ -300,8 +301,8 @@ def test_roberta_positions_start_after_the_padding_id(tmp_path):
                                vocab_size=64, max_position_embeddings=34, pad_token_id=1), tmp_path)
     assert hf.read_config(hf.load_config_file(tmp_path / "config.json")).options["seq"] == 32
     with pytest.raises(ModelError, match="seq=33 is longer than the 32 positions"):
-        zoo.build(spec, batch=2, seq=33)
-    model, inputs, loss_fn = zoo.build(spec, batch=2, seq=32)
+        models.build(spec, batch=2, seq=33)
+    model, inputs, loss_fn = models.build(spec, batch=2, seq=32)
     assert torch.isfinite(loss_fn(model(*inputs)))  # every position inside the table
 
 
@@ -311,7 +312,7 @@ def test_a_model_type_with_several_classes_uses_the_first(tmp_path):
 
     spec = _save(DeiTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                             intermediate_size=64, num_labels=10), tmp_path)
-    model, _, _ = zoo.build(spec, batch=2)
+    model, _, _ = models.build(spec, batch=2)
     assert type(model.model).__name__ == "DeiTForImageClassification"
 
 
@@ -322,7 +323,7 @@ def test_seq2seq_lm_trains_on_its_own_loss_with_the_input_as_labels(tmp_path):
 
     spec = _save(T5Config(d_model=32, d_ff=64, d_kv=16, num_layers=1, num_heads=2, vocab_size=64,
                           decoder_start_token_id=0, dropout_rate=0.0), tmp_path)
-    model, (ids,), loss_fn = zoo.build(spec, batch=2, seq=8)
+    model, (ids,), loss_fn = models.build(spec, batch=2, seq=8)
     assert type(model.model).__name__ == "T5ForConditionalGeneration"
     with torch.no_grad():
         logits = model.model(input_ids=ids, labels=ids).logits
@@ -342,14 +343,14 @@ def test_mixture_of_experts_traces_its_float32_grouped_matmuls_as_eager_runs_the
 
     from bonsai_core.measure import measure_step
     from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
     sizes = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                  num_local_experts=4, num_experts_per_tok=2, vocab_size=64, max_position_embeddings=16)
     spec = _save(MixtralConfig(intermediate_size=64, **sizes), tmp_path / "aligned")
-    traced = trace_zoo(spec, batch=2, seq=16)
+    traced = trace_model(spec, batch=2, seq=16)
     assert traced.graph.ops.count("aten._grouped_mm.default") == 6
-    model, inputs, loss_fn = zoo.build(spec, batch=2, seq=16)
+    model, inputs, loss_fn = models.build(spec, batch=2, seq=16)
     measured = measure_step(model, inputs, loss_fn, frozen=traced.frozen_params)
     assert traced.graph.fixed_mem == measured.fixed
     assert no_remat_peak(traced.graph) == pytest.approx(measured.peak, rel=0.05)
@@ -361,7 +362,7 @@ def test_mixture_of_experts_traces_its_float32_grouped_matmuls_as_eager_runs_the
     log.addHandler(handler)
     try:
         with pytest.raises(ModelError, match=r"aten\._grouped_mm\.default.*not multiples of 16 bytes") as e:
-            trace_zoo(_save(MixtralConfig(intermediate_size=30, **sizes), tmp_path / "unaligned"), batch=2, seq=16)
+            trace_model(_save(MixtralConfig(intermediate_size=30, **sizes), tmp_path / "unaligned"), batch=2, seq=16)
     finally:
         log.removeHandler(handler)
     assert "\n" not in str(e.value) and not records

@@ -12,7 +12,7 @@ from bonsai_core.errors import BudgetError
 from bonsai_core.export import export_model, verify_export
 from bonsai_core.schedule import COMPUTE, no_remat_peak
 from bonsai_core.solvers import solve
-from bonsai_core.trace import trace_zoo
+from bonsai_core.trace import trace_model
 
 TEXT = dict(batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
 TINY = {"gpt2": TEXT, "bert": TEXT, "llama": TEXT,
@@ -33,7 +33,7 @@ def _recomputed_ops(graph, schedule) -> set[str]:
 
 def _end_to_end(tmp_path, arch: str, method: str) -> None:
     name, options = f"hf:{arch}", TINY[arch]
-    graph = trace_zoo(name, **options).graph
+    graph = trace_model(name, **options).graph
     assert graph.is_forward.sum() > graph.n / 4, "forward ops labelled backward"
     # budgets between the largest op's need and the no-remat peak (at these sizes the parameters are
     # much of the peak): the tightest of these the method meets

@@ -8,7 +8,7 @@ from bonsai_core.regions import CheckpointPlan, block_plans, block_stack, plan_s
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
 from bonsai_core.solvers.bonsai import build
-from bonsai_core.trace import trace_zoo
+from bonsai_core.trace import trace_model
 from tests.graphs import chain
 
 GPT4 = dict(batch=2, seq=32, width=64, layers=4, heads=2, vocab=128)
@@ -16,7 +16,7 @@ GPT4 = dict(batch=2, seq=32, width=64, layers=4, heads=2, vocab=128)
 
 @pytest.fixture(scope="module")
 def gpt4() -> Graph:
-    return trace_zoo("gpt", **GPT4).graph
+    return trace_model("gpt", **GPT4).graph
 
 
 def _span(graph: Graph, path: str) -> tuple[int, int]:
@@ -38,7 +38,7 @@ def test_the_trace_records_every_block_and_its_parts(gpt4):
 
 
 def test_a_hugging_face_model_gets_its_blocks_too():
-    g = trace_zoo("hf:gpt2", layers=2, width=32, heads=2, seq=16, vocab=64, batch=2).graph
+    g = trace_model("hf:gpt2", layers=2, width=32, heads=2, seq=16, vocab=64, batch=2).graph
     assert [p for p, _, _ in block_stack(g)] == ["model.transformer.h.0", "model.transformer.h.1"]
     first, last = _span(g, "model.transformer.h.1.mlp.act")  # GPT-2's tanh GELU: a run of elementwise ops
     assert {g.ops[v] for v in range(first, last + 1)} >= {"aten.tanh.default", "aten.pow.Tensor_Scalar"}

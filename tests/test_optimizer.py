@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from bonsai_core import zoo
+from bonsai_core import models
 from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.graph import Graph
 from bonsai_core.measure import LiveBytes, measure_step
 from bonsai_core.optimizer import OPTIMIZERS, init_state, make, with_optimizer
 from bonsai_core.schedule import none_schedule, simulate
-from bonsai_core.trace import trace_zoo
+from bonsai_core.trace import trace_model
 
 
 def _trainable_bytes(model: nn.Module) -> int:
@@ -58,7 +58,7 @@ def test_initialised_state_leaves_the_first_step_unchanged():
 
 @pytest.fixture(scope="module")
 def gpt_with_adamw():
-    g = trace_zoo("gpt", layers=1, batch=1, seq=16).graph
+    g = trace_model("gpt", layers=1, batch=1, seq=16).graph
     return g, with_optimizer(g, "adamw")
 
 
@@ -95,11 +95,11 @@ def test_a_budget_below_the_optimizer_step_is_refused_by_name(gpt_with_adamw):
 def test_the_optimizer_steps_bytes_match_a_real_step(name, options):
     # what the optimizer adds to the peak, predicted and measured: its state under the activations'
     # peak (gpt), or its step setting the peak (1 layer, batch 1)
-    g = trace_zoo(name, **options).graph
+    g = trace_model(name, **options).graph
     ga = with_optimizer(g, "adamw")
     predicted = simulate(ga, none_schedule(ga)).peak - simulate(g, none_schedule(g)).peak
-    without = measure_step(*zoo.build(name, **options)) if name != "gpt" else None
-    model, inputs, loss_fn = zoo.build(name, **options)
+    without = measure_step(*models.build(name, **options)) if name != "gpt" else None
+    model, inputs, loss_fn = models.build(name, **options)
     measured = measure_step(model, inputs, loss_fn, optimizer=make(model.parameters(), "adamw"))
     assert measured.fixed == ga.fixed_mem
     if name == "gpt":  # the zoo's eager step is the traced one: the peak itself is predicted

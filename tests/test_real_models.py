@@ -5,10 +5,10 @@ no-remat predicted peak against a real eager CPU step."""
 import pytest
 import torch
 
-from bonsai_core import zoo
+from bonsai_core import models
 from bonsai_core.measure import measure_step
 from bonsai_core.schedule import no_remat_peak
-from bonsai_core.trace import trace_zoo
+from bonsai_core.trace import trace_model
 
 FAST = {"resnet18_bn": dict(batch=2, image=32, width=16), "mobilenet_v3_small": dict(batch=2, image=64)}
 TRANSFORMERS = {"vit_assert": dict(batch=4, layers=2, width=64), "gpt2": dict(batch=2, seq=64, width=64),
@@ -20,8 +20,8 @@ def _spec(name):
 
 
 def _predicted_and_measured(name, options):
-    traced = trace_zoo(_spec(name), **options)
-    model, inputs, loss_fn = zoo.build(_spec(name), **options)
+    traced = trace_model(_spec(name), **options)
+    model, inputs, loss_fn = models.build(_spec(name), **options)
     measured = measure_step(model, inputs, loss_fn, frozen=traced.frozen_params)
     return traced, no_remat_peak(traced.graph), measured
 
@@ -67,7 +67,7 @@ def test_transformer_with_dropout_is_under_cpu_eager_by_its_float_noise_and_atte
     _forward_is_a_prefix_ending_at_the_loss(traced.graph)
     assert any("native_dropout" in op for op in traced.graph.ops)
     assert any("efficient_attention" in op for op in traced.graph.ops)
-    model, (x,), _ = zoo.build(_spec(name), **options)
+    model, (x,), _ = models.build(_spec(name), **options)
     tokens = x.shape[1] if x.dim() == 2 else (x.shape[-1] // 4) ** 2 + 1  # ViT: patches of 4 and a class token
     attention = 2 * 3 * 4 * x.shape[0] * 4 * tokens ** 2  # 2 layers, 4 heads (the factories' defaults)
     assert predicted <= measured.peak <= 1.15 * predicted + attention
@@ -75,14 +75,14 @@ def test_transformer_with_dropout_is_under_cpu_eager_by_its_float_noise_and_atte
 
 @pytest.mark.slow
 def test_bert_tied_alias_is_hidden_not_refused():
-    traced = trace_zoo(_spec("bert_mlm"), **TRANSFORMERS["bert_mlm"])
+    traced = trace_model(_spec("bert_mlm"), **TRANSFORMERS["bert_mlm"])
     assert traced.hidden_aliases == ["inner.cls.predictions.bias"] and traced.frozen_params == []
-    model, _, _ = zoo.build(_spec("bert_mlm"), **TRANSFORMERS["bert_mlm"])
+    model, _, _ = models.build(_spec("bert_mlm"), **TRANSFORMERS["bert_mlm"])
     assert "inner.cls.predictions.bias" in dict(model.named_parameters(remove_duplicate=False))
 
 
 def test_vit_with_torch_assert_traces():
-    traced = trace_zoo(_spec("vit_assert"), batch=2, layers=1, width=32)
+    traced = trace_model(_spec("vit_assert"), batch=2, layers=1, width=32)
     _forward_is_a_prefix_ending_at_the_loss(traced.graph)
     assert torch._assert.__module__ == "torch"
 

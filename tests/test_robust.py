@@ -37,10 +37,10 @@ def test_constructors_that_read_values_build(tmp_path):
 
 def test_a_value_read_in_forward_is_still_refused_with_the_line():
     from bonsai_core.errors import ModelError
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
     with pytest.raises(ModelError, match="reads a tensor's value"):
-        trace_zoo("tests.robust_models:make_reads_in_forward")
+        trace_model("tests.robust_models:make_reads_in_forward")
 
 
 def test_a_causal_lm_called_without_a_mask_traces_exports_and_verifies(tmp_path, capsys):
@@ -90,7 +90,7 @@ def test_library_patches_hold_in_the_tracing_thread_only_and_are_put_back():
 
     import torch
 
-    from bonsai_core.trace import _libraries_compiling
+    from bonsai_core.trace.patches import _libraries_compiling
 
     original = torch.compiler.is_compiling
     seen = {}

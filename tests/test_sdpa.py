@@ -10,15 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bonsai_core import zoo
+from bonsai_core import models
 from bonsai_core.attention import EFFICIENT_ATTENTION
 from bonsai_core.cli import main
 from bonsai_core.errors import ModelError
 from bonsai_core.export import export_traced, step_signature, verify_export
 from bonsai_core.export_runtime import runtime
 from bonsai_core.measure import measure_step
+from bonsai_core.models import zoo
 from bonsai_core.schedule import COMPUTE, no_remat_peak, none_schedule
-from bonsai_core.trace import trace_zoo
+from bonsai_core.trace import trace_model
 
 pytest.importorskip("transformers")
 
@@ -34,15 +35,15 @@ def _fx_nodes(traced, op: str):
 # -- which attention the step runs ---------------------------------------------------------------
 
 def test_hf_models_are_built_with_sdpa_unless_eager_is_asked_for():
-    assert zoo.build("hf:llama", **TEXT)[0].model.config._attn_implementation == "sdpa"
-    assert zoo.build("hf:llama", attention="eager", **TEXT)[0].model.config._attn_implementation == "eager"
-    assert zoo.build("hf:resnet", batch=2, image=16, width=8, layers=1)[0].model.config._attn_implementation == "eager"
+    assert models.build("hf:llama", **TEXT)[0].model.config._attn_implementation == "sdpa"
+    assert models.build("hf:llama", attention="eager", **TEXT)[0].model.config._attn_implementation == "eager"
+    assert models.build("hf:resnet", batch=2, image=16, width=8, layers=1)[0].model.config._attn_implementation == "eager"
     with pytest.raises(ModelError, match="attention='flash'; choose one of: sdpa, eager"):
-        zoo.build("hf:llama", attention="flash", **TEXT)
+        models.build("hf:llama", attention="flash", **TEXT)
     with pytest.raises(ModelError, match="has no SDPA attention"):
-        zoo.build("hf:resnet", attention="sdpa", batch=2, image=16, width=8, layers=1)
+        models.build("hf:resnet", attention="sdpa", batch=2, image=16, width=8, layers=1)
     with pytest.raises(ModelError, match="applies to hf: models only"):
-        zoo.build("gpt", attention="sdpa")
+        models.build("gpt", attention="sdpa")
     assert "attention" not in zoo.ZooEntry("x", lambda batch=1, *, attention=None: None, "").options
 
 
@@ -50,15 +51,15 @@ def test_the_trace_calls_sdpa_as_eager_does_causal_without_a_mask():
     """Eager transformers sees a batch without padding and calls SDPA with is_causal=True and no mask
     (and, for grouped-query attention, the key/value heads as they are); on fake tensors it cannot read
     the batch and would build a batch x seq x seq mask, which the kernel then keeps for the backward."""
-    llama = trace_zoo("hf:llama", **TEXT)
+    llama = trace_model("hf:llama", **TEXT)
     (call,) = _fx_nodes(llama, FLASH_CPU)
     assert call.args[4] is True and call.kwargs.get("attn_mask") is None
     assert call.args[1].meta["val"].shape[1] == TEXT["heads"] // 2  # grouped-query attention, not repeated
     assert not _fx_nodes(llama, "aten.where.self")
-    gpt2 = trace_zoo("hf:gpt2", **TEXT)
+    gpt2 = trace_model("hf:gpt2", **TEXT)
     (call,) = _fx_nodes(gpt2, EFFICIENT_ATTENTION)
     assert call.args[3] is None and call.args[6] is True  # no bias, causal
-    eager = trace_zoo("hf:gpt2", attention="eager", **TEXT)
+    eager = trace_model("hf:gpt2", attention="eager", **TEXT)
     assert not _fx_nodes(eager, EFFICIENT_ATTENTION) and _fx_nodes(eager, "aten._softmax.default")
 
 
@@ -66,7 +67,7 @@ def test_attention_dropout_keeps_what_the_fused_kernel_keeps():
     """GPT-2's attention dropout (0.1): the graph keeps the output, the logsumexp (padded to 32 rows)
     and the generator's seed and offset, not the seq x seq probabilities and mask of the math path."""
     options = dict(TEXT, seq=64)
-    sdpa, eager = trace_zoo("hf:gpt2", **options).graph, trace_zoo("hf:gpt2", attention="eager", **options).graph
+    sdpa, eager = trace_model("hf:gpt2", **options).graph, trace_model("hf:gpt2", attention="eager", **options).graph
     (v,) = [v for v in range(sdpa.n) if sdpa.ops[v] == EFFICIENT_ATTENTION]
     batch, heads, seq, head_dim = options["batch"], options["heads"], options["seq"], options["width"] // options["heads"]
     outputs = sorted(int(sdpa.mem[u]) for u in range(sdpa.n) if sdpa.ops[u] == "getitem" and v in sdpa.deps(u).tolist())
@@ -140,7 +141,7 @@ def test_exported_gpt2_recomputes_its_attention_with_the_same_dropout(tmp_path):
     the generator state, so loss and gradients are eager's, at the predicted peak."""
     from tests.test_export import checkpoint_every_other
 
-    traced = trace_zoo("hf:gpt2", **TEXT)
+    traced = trace_model("hf:gpt2", **TEXT)
     schedule = checkpoint_every_other(traced.graph, 0)
     counts = Counter(v for kind, v in schedule.ops if kind == COMPUTE)
     assert [counts[v] for v in range(traced.graph.n) if traced.graph.ops[v] == EFFICIENT_ATTENTION] == [2]
@@ -159,11 +160,11 @@ def test_bf16_parameters_are_what_a_bf16_step_holds(tmp_path, arch):
     exported step's peak is the prediction to a few bytes, with the same loss and gradients to bf16's
     rounding."""
     options = dict(TEXT, dtype="bf16")
-    traced = trace_zoo(f"hf:{arch}", **options)
-    fp32 = trace_zoo(f"hf:{arch}", **TEXT).graph
+    traced = trace_model(f"hf:{arch}", **options)
+    fp32 = trace_model(f"hf:{arch}", **TEXT).graph
     params = [(n, b) for n, b, kind in traced.graph.fixed_tensors if kind in ("param", "grad")]
     assert sum(b for _, b in params) * 2 == sum(b for n, b, kind in fp32.fixed_tensors if kind in ("param", "grad"))
-    model, inputs, loss_fn = zoo.build(f"hf:{arch}", **options)
+    model, inputs, loss_fn = models.build(f"hf:{arch}", **options)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     measured = measure_step(model, inputs, loss_fn, frozen=traced.frozen_params)
     assert measured.fixed == traced.graph.fixed_mem
@@ -179,7 +180,7 @@ def test_bf16_parameters_are_what_a_bf16_step_holds(tmp_path, arch):
 def _module_plan(model: str, options: dict, autocast: str | None = None):
     from bonsai_core.solvers import solve
 
-    graph = trace_zoo(model, autocast=autocast, **options).graph
+    graph = trace_model(model, autocast=autocast, **options).graph
     lb = graph.peak_lower_bound
     return solve(graph, int(lb + 0.5 * (no_remat_peak(graph) - lb)), "bonsai", regions="modules")
 

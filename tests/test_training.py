@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import bonsai_core as bonsai
-from bonsai_core import zoo
+from bonsai_core import models
 from bonsai_core.errors import BonsaiError, BudgetError, ModelError
 from bonsai_core.export_runtime.checkpointing import is_checkpointed
 from bonsai_core.measure import measure_step
@@ -48,7 +48,7 @@ def _checked(model: nn.Module, call, loss_fn, report: bonsai.Report, reference: 
 
 
 def test_zoo_gpt_trains_the_same_within_the_predicted_peak(tmp_path):
-    model, inputs, loss_fn = zoo.build("gpt", batch=4, seq=32, width=64, layers=3, heads=2, vocab=128)
+    model, inputs, loss_fn = models.build("gpt", batch=4, seq=32, width=64, layers=3, heads=2, vocab=128)
     reference = _step(model, lambda m: m(*inputs), loss_fn)
     state = copy.deepcopy(model.state_dict())
 
@@ -103,7 +103,7 @@ def test_hf_causal_lm_called_without_a_mask_trains_the_same_within_the_predicted
 
 
 def test_the_second_run_applies_the_cached_plan_without_tracing(tmp_path, monkeypatch):
-    model, inputs, loss_fn = zoo.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
+    model, inputs, loss_fn = models.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
     first = bonsai.plan(model, inputs, loss_fn, budget="80%", cache_dir=tmp_path)
     assert list(tmp_path.glob("*.json"))
 
@@ -113,7 +113,7 @@ def test_the_second_run_applies_the_cached_plan_without_tracing(tmp_path, monkey
         raise AssertionError("traced although the plan is cached")
 
     monkeypatch.setattr(bonsai_core.trace, "trace_step", no_trace)
-    again, _, _ = zoo.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
+    again, _, _ = models.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
     report = bonsai.checkpoint(again, inputs, loss_fn, budget="80%", cache_dir=tmp_path)
     assert report.cached and report.regions == first.report.regions
     assert report.predicted_peak == first.report.predicted_peak
@@ -121,7 +121,7 @@ def test_the_second_run_applies_the_cached_plan_without_tracing(tmp_path, monkey
     # Another budget, or another batch size, is another plan.
     with pytest.raises(AssertionError, match="traced although"):
         bonsai.plan(model, inputs, loss_fn, budget="70%", cache_dir=tmp_path)
-    other_setting, _, _ = zoo.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
+    other_setting, _, _ = models.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
     norms = [m for m in other_setting.modules() if isinstance(m, nn.LayerNorm)]
     assert norms
     for m in norms:
@@ -134,7 +134,7 @@ def test_the_second_run_applies_the_cached_plan_without_tracing(tmp_path, monkey
 
 
 def test_a_corrupt_cache_entry_is_planned_again(tmp_path):
-    model, inputs, loss_fn = zoo.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
+    model, inputs, loss_fn = models.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
     bonsai.plan(model, inputs, loss_fn, budget="80%", cache_dir=tmp_path)
     for path in tmp_path.glob("*.json"):
         path.write_text("{not json")
@@ -143,7 +143,7 @@ def test_a_corrupt_cache_entry_is_planned_again(tmp_path):
 
 
 def test_checkpoint_again_replaces_the_plan_and_remove_checkpoints_undoes_it():
-    model, inputs, loss_fn = zoo.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
+    model, inputs, loss_fn = models.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
     reference = _step(model, lambda m: m(*inputs), loss_fn)
     first = bonsai.checkpoint(model, inputs, loss_fn, budget="90%", cache=False)
     second = bonsai.checkpoint(model, inputs, loss_fn, budget="80%", cache=False)
@@ -212,7 +212,7 @@ def test_a_fused_recurrent_kernel_is_refused_with_its_size():
 
 
 def test_under_torch_compile():
-    model, inputs, loss_fn = zoo.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
+    model, inputs, loss_fn = models.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
     reference = _step(model, lambda m: m(*inputs), loss_fn)
     report = bonsai.checkpoint(model, inputs, loss_fn, budget="80%", cache=False)
     assert report.regions
@@ -224,7 +224,7 @@ def test_under_torch_compile():
 
 
 def test_a_budget_no_plan_meets_names_the_smallest_that_can():
-    model, inputs, loss_fn = zoo.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
+    model, inputs, loss_fn = models.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
     with pytest.raises(BudgetError, match="smallest budget|at least"):
         bonsai.checkpoint(model, inputs, loss_fn, budget="20%", cache=False)
     assert not any(is_checkpointed(m) for m in model.modules())
@@ -239,7 +239,7 @@ def test_a_budget_no_plan_meets_names_the_smallest_that_can():
     (dict(budget="60%", nonsense=1), BonsaiError, "nonsense"),
 ])
 def test_bad_arguments_get_clear_errors(kwargs, error, words):
-    model, inputs, loss_fn = zoo.build("gpt", batch=2, seq=16, width=32, layers=1, heads=2, vocab=64)
+    model, inputs, loss_fn = models.build("gpt", batch=2, seq=16, width=32, layers=1, heads=2, vocab=64)
     with pytest.raises(error, match=words):
         bonsai.plan(model, inputs, loss_fn, cache=False, **kwargs)
 
@@ -250,7 +250,7 @@ def test_bad_arguments_get_clear_errors(kwargs, error, words):
     ({}, "empty dict"),
 ])
 def test_inputs_that_are_not_a_batch_get_clear_errors(inputs, words):
-    model, _, loss_fn = zoo.build("gpt", batch=2, seq=16, width=32, layers=1, heads=2, vocab=64)
+    model, _, loss_fn = models.build("gpt", batch=2, seq=16, width=32, layers=1, heads=2, vocab=64)
     with pytest.raises(ModelError, match=words):
         bonsai.plan(model, inputs, loss_fn, budget="60%", cache=False)
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from bonsai_core.zoo import MSELoss
+from bonsai_core.models.zoo import MSELoss
 
 
 def make(hidden: int = 16):
@@ -45,7 +45,7 @@ class _ResidualBlocks(torch.nn.Module):
 
 
 def make_batchnorm_cnn(width: int = 16, layers: int = 6, batch: int = 2, image: int = 8):
-    from bonsai_core.zoo import CrossEntropyLoss
+    from bonsai_core.models.zoo import CrossEntropyLoss
 
     return (_ResidualBlocks(width, layers), (torch.randn(batch, 3, image, image),),
             CrossEntropyLoss(torch.randint(0, 10, (batch,))))

@@ -34,17 +34,17 @@ DEFAULT_MODELS = [GPT4, "resnet", "unet", "gpt2-small"]
 
 def load(spec: str):
     """``name[:k=v,...]``, ``gpt2-small`` or a graph JSON file -> (label, Graph)."""
-    from bonsai_core.trace import trace_zoo
-    from bonsai_core.zoo import GPT2_SMALL
+    from bonsai_core.trace import trace_model
+    from bonsai_core.models.zoo import GPT2_SMALL
 
     if spec.endswith(".json"):
         g = load_graph(spec)
         return os.path.basename(spec), g
     if spec == "gpt2-small":
-        return spec, trace_zoo("gpt", **GPT2_SMALL).graph
+        return spec, trace_model("gpt", **GPT2_SMALL).graph
     name, _, opts = spec.partition(":")
     options = {k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
-    return spec, trace_zoo(name, **options).graph
+    return spec, trace_model(name, **options).graph
 
 
 def run(graph, budget: int | None, method: str = "bonsai", **options: Any) -> dict[str, Any]:

@@ -32,13 +32,13 @@ SIZES = {"gpt": dict(batch=8, seq=128, width=256, layers=4, heads=4, vocab=2048)
 
 def fsdp_graph(model: str, options: dict, world: int, reshard: bool = True):
     """The traced graph as one of ``world`` ranks holds it, and the block paths FSDP shards."""
-    from bonsai_core import zoo
+    from bonsai_core import models
     from bonsai_core.fsdp import shard_by_blocks
     from bonsai_core.regions import block_stack
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
-    graph = trace_zoo(model, **options).graph
-    net = zoo.build(model, seed=0, **options)[0]
+    graph = trace_model(model, **options).graph
+    net = models.build(model, seed=0, **options)[0]
     return graph, shard_by_blocks(graph, net, world, reshard), [p for p, _, _ in block_stack(graph)]
 
 
@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], 
     from torch.distributed.fsdp import fully_shard
 
     import bonsai_core as bonsai
-    from bonsai_core import zoo
+    from bonsai_core import models
     from bonsai_core.measure import LiveBytes
     from bonsai_core.tensors import storage_bytes
 
@@ -96,7 +96,7 @@ def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     try:
-        net, inputs, loss_fn = zoo.build(model, seed=0, **options)
+        net, inputs, loss_fn = models.build(model, seed=0, **options)
         if budget:
             bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=world, cache=False)
         for path in paths:
@@ -136,9 +136,9 @@ def predicted(graph, model: str, options: dict, budget: str | None) -> int:
     if not budget:
         return no_remat_peak(graph)
     import bonsai_core as bonsai
-    from bonsai_core import zoo
+    from bonsai_core import models
 
-    net, inputs, loss_fn = zoo.build(model, seed=0, **options)
+    net, inputs, loss_fn = models.build(model, seed=0, **options)
     return bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=graph.fsdp["world"], cache=False).predicted_peak
 
 
@@ -154,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
     """One row per world size (and plan), printed and (with ``--out``) appended to a Markdown file."""
     import torch
 
-    from bonsai_core.budget import format_bytes
+    from bonsai_core.units import format_bytes
 
     options = SIZES[args.model]
     label, args.model = args.model, args.model.removesuffix("-wide")

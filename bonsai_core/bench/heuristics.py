@@ -4,7 +4,7 @@ The paper runs every method inside one pre-reserved memory pool that also holds 
 gradients and optimizer state (OneFlow's DTR allocator), and reports the smallest pool each method
 trains in ("up to 2x memory saving") and the compute overhead at equal pools. This script measures
 that for the zoo's and Hugging Face's networks at two sizes each (the zoo default and a larger batch
-or sequence), and GPT-2 small (the zoo GPT at ``zoo.GPT2_SMALL``: batch 8, sequence 512, width 768,
+or sequence), and GPT-2 small (the zoo GPT at ``models.zoo.GPT2_SMALL``: batch 8, sequence 512, width 768,
 12 layers and heads, vocabulary 50257), every model traced once (``bonsai bench heuristics``):
 
 * **smallest pool** each variant trains in (its schedule, replayed in the pool, fits), by bisection
@@ -57,7 +57,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak
 from bonsai_core.solvers import solve
 
-# GPT-2 small's shape, ``zoo.GPT2_SMALL`` (bonsai_core.zoo imports torch: read only when a run needs it)
+# GPT-2 small's shape, ``models.zoo.GPT2_SMALL`` (bonsai_core.zoo imports torch: read only when a run needs it)
 GPT2_SMALL = "GPT2_SMALL"
 # (name, options): each network at its zoo default and a larger batch or sequence; hf models are built
 # from configs (no weights); GPT-2 small's shape besides, the largest graph (1,517 nodes)
@@ -75,7 +75,7 @@ MODEL_SIZES: list[tuple[str, dict[str, int] | str]] = [
 
 def models() -> list[tuple[str, dict[str, int]]]:
     """MODEL_SIZES with GPT-2 small's shape filled in."""
-    from bonsai_core.zoo import GPT2_SMALL as shape
+    from bonsai_core.models.zoo import GPT2_SMALL as shape
 
     return [(name, dict(shape) if options == GPT2_SMALL else options) for name, options in MODEL_SIZES]
 POOL_ARGS = {"allocator": True, "full_arena": True}
@@ -133,7 +133,7 @@ def smallest_budget(graph: Graph, label: str, time_limit: float, steps: int = ST
 
 
 def label_of(name: str, options: dict[str, int]) -> str:
-    from bonsai_core.zoo import GPT2_SMALL as shape
+    from bonsai_core.models.zoo import GPT2_SMALL as shape
 
     if name == "gpt" and options == shape:
         return "gpt GPT-2 small"
@@ -141,10 +141,10 @@ def label_of(name: str, options: dict[str, int]) -> str:
 
 
 def bench_model(name: str, options: dict[str, int], time_limit: float) -> dict[str, Any]:
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
     start = time.perf_counter()
-    g = trace_zoo(name, **options).graph
+    g = trace_model(name, **options).graph
     traced = time.perf_counter() - start
     ref, adam = no_remat_peak(g), adam_bytes(g)
     entry: dict[str, Any] = {"model": name, "options": options, "nodes": g.n, "no_remat_peak": ref,
@@ -326,9 +326,9 @@ def report(results: dict[str, Any], out: Path) -> None:
 def example(time_limit: float, frac: float = 0.6) -> str:
     """Coop and dtr-pool on the zoo GPT at ``frac`` of its no-remat peak, from their event logs: the
     requests where they first differ, and what each recomputes."""
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
-    g = trace_zoo("gpt").graph
+    g = trace_model("gpt").graph
     budget = int(frac * no_remat_peak(g))
     runs = {label: solve(g, budget, VARIANTS[label][0], time_limit=time_limit, budget_hint=False,
                          **VARIANTS[label][1]) for label in ("coop", "dtr-pool")}

@@ -38,14 +38,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """One row per model and variant, printed as a markdown table."""
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
     bench.VARIANTS.update(VARIANTS)
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| model | variant | smallest budget | overhead at 80% | pool fragmentation at 80% |")
     print("|---|---|---|---|---|")
     for name in args.models:
-        g = trace_zoo(name).graph
+        g = trace_model(name).graph
         ref = no_remat_peak(g)
         for label in VARIANTS:
             smallest = bench.smallest_budget(g, label, args.time_limit)

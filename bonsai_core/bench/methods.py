@@ -52,7 +52,7 @@ class ModelSpec:
 
     @classmethod
     def parse(cls, text: str) -> "ModelSpec":
-        from bonsai_core.zoo import ZOO
+        from bonsai_core.models.zoo import ZOO
 
         text, at, pcts = text.partition("@")
         budgets = []
@@ -124,7 +124,7 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
     model; write results.csv, reach.csv, results.md and the plots."""
     from bonsai_core.schedule import no_remat_peak
     from bonsai_core.solvers import solve
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -132,7 +132,7 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
     reach: list[dict[str, Any]] = []
     for text in config.models:
         spec = ModelSpec.parse(text)
-        traced = trace_zoo(spec.name, profile=config.profile, **dict(spec.options))
+        traced = trace_model(spec.name, profile=config.profile, **dict(spec.options))
         g = traced.graph
         reference = no_remat_peak(g)
         progress(f"{spec.label}: {g.n} nodes, no-remat peak {reference} bytes (traced in {traced.seconds:.1f} s)")

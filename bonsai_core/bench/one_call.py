@@ -115,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
     """One row per model, printed and (with ``--out``) written with its header and note."""
     import torch
 
-    from bonsai_core.budget import format_bytes
+    from bonsai_core.units import format_bytes
 
     rows = ["| model | checkpointed | no remat | predicted | measured | error | overhead | same loss, grads, buffers "
             "| first call | cached call |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

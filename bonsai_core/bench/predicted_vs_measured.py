@@ -16,16 +16,16 @@ REAL = [("tests.real_models:resnet18_bn", {}), ("tests.real_models:mobilenet_v3_
 
 
 def row(name: str, options: dict) -> str:
-    from bonsai_core import zoo
-    from bonsai_core.budget import format_bytes
+    from bonsai_core import models
+    from bonsai_core.units import format_bytes
     from bonsai_core.measure import measure_step
     from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
-    traced = trace_zoo(name, **options)
+    traced = trace_model(name, **options)
     g = traced.graph
     predicted = no_remat_peak(g)
-    model, inputs, loss_fn = zoo.build(name, **options)
+    model, inputs, loss_fn = models.build(name, **options)
     measured = measure_step(model, inputs, loss_fn, frozen=traced.frozen_params).peak
     label = name.removeprefix("tests.real_models:") + "".join(f" {k}={v}" for k, v in options.items())
     return (f"| {label} | {g.n} ({int(g.is_forward.sum())} forward) | {format_bytes(predicted)} | "
@@ -41,20 +41,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """One markdown row per model, printed."""
-    from bonsai_core import zoo
+    from bonsai_core import models
 
     common.import_test_models()
     which = [f"--{part}" for part in ("zoo", "real", "hf") if getattr(args, part)] or ["--zoo", "--real", "--hf"]
     print("| model | ops | predicted peak | measured peak (CPU live bytes) | predicted / measured |")
     print("|---|---:|---:|---:|---:|")
     if "--zoo" in which:
-        for name in zoo.ZOO:
+        for name in models.zoo.ZOO:
             print(row(name, {}), flush=True)
     if "--real" in which:
         for name, options in REAL:
             print(row(name, options), flush=True)
     if "--hf" in which:
-        from bonsai_core.hf import ARCHS
+        from bonsai_core.models.hf import ARCHS
 
         for arch in ARCHS:
             print(row(f"hf:{arch}", {}), flush=True)

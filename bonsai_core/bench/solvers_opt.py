@@ -112,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
 
     from bonsai_core.graph import save_graph
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
     out = Path(args.output)
     out.write_text("")
@@ -121,7 +121,7 @@ def main(args: argparse.Namespace) -> int:
         for label in args.graphs:
             model, options = GRAPHS[label]
             graph_file = f"{tmp}/{label}.json"
-            save_graph(trace_zoo(model, **options).graph, graph_file)
+            save_graph(trace_model(model, **options).graph, graph_file)
             for method in args.methods:
                 # Each budget may take the time limit plus building and a backend's overrun.
                 hard = len(args.budgets) * (args.time_limit * 1.5 + 60)

@@ -34,12 +34,12 @@ def trace_for_schedule(model: str, options: dict[str, Any], schedule: Schedule, 
     (``bonsai trace --optimizer``) is recognised by its hash, and the returned graph has it. ``autocast`` ("bf16" | "fp16") traces under
     ``torch.autocast``. Raises ScheduleError on a mismatch."""
     from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES
-    from bonsai_core.trace import trace_zoo
+    from bonsai_core.trace import trace_model
 
     profiles = [profile] if profile else [DEFAULT_PROFILE, *(p for p in PROFILES if p != DEFAULT_PROFILE)]
     first = None
     for p in profiles:
-        traced = trace_zoo(model, profile=p, seed=seed, autocast=autocast, **options)
+        traced = trace_model(model, profile=p, seed=seed, autocast=autocast, **options)
         if schedule.graph_hash in (None, traced.graph.hash):
             return traced
         for name in OPTIMIZERS[1:]:  # a graph traced with `--optimizer`: the same step, its optimizer added

@@ -21,7 +21,7 @@ def verify_options(info: dict[str, Any]) -> str:
 
 def replay_readme(info: dict[str, Any], schedule: Schedule, folder: Path) -> str:
     """The replay back-end's README: the program replays the schedule's aten ops."""
-    from bonsai_core.budget import format_bytes
+    from bonsai_core.units import format_bytes
 
     model = info.get("model", "MODEL")
     opts = verify_options(info)
@@ -84,7 +84,7 @@ through it. On CPU (`bonsai verify ... --device cpu`) the measured peak matches 
 
 def checkpoint_readme(info: dict[str, Any], lay: CheckpointLayout, folder: Path) -> str:
     """The checkpoint back-end's README: which submodules it checkpoints, and what stays saved."""
-    from bonsai_core.budget import format_bytes
+    from bonsai_core.units import format_bytes
 
     model = info["model"]
     opts = verify_options(info)

@@ -23,7 +23,8 @@ from bonsai_core.errors import ScheduleError
 from bonsai_core.export.folder import ExportError, schedule_info, trace_for_schedule, write_folder
 from bonsai_core.export.readme import replay_readme
 from bonsai_core.schedule import COMPUTE, FREE, Schedule, simulate
-from bonsai_core.trace import _IDENTITY_OPS, Traced, built_for_tracing
+from bonsai_core.trace import Traced, built_for_tracing
+from bonsai_core.trace.to_graph import _IDENTITY_OPS
 
 # Kernels the tracer picked for its own device, and the runtime helpers (same arguments and outputs)
 # that call the kernel of the device the step runs on: a program runs wherever its batch is.
@@ -124,7 +125,7 @@ def signature_of(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], loss_
     """The placeholder order ``aot_export_module`` gives ``trace._Step(model, loss_fn)``."""
     if isinstance(loss_fn, torch.nn.Module) and any(True for _ in loss_fn.parameters()):
         raise ExportError("The loss function has parameters; export supports losses whose tensors are buffers "
-                          "(targets), like bonsai_core.zoo.CrossEntropyLoss. Move learnable parts into the model.")
+                          "(targets), like bonsai_core.models.zoo.CrossEntropyLoss. Move learnable parts into the model.")
     params = [(n, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
               for n, p in model.named_parameters(remove_duplicate=False)]
     buffers = [("model", n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers(remove_duplicate=False)]

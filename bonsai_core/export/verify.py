@@ -169,9 +169,9 @@ def measuring_device(device: str) -> torch.device:
 def build_on(model: str, options: dict[str, Any], seed: int, dev: torch.device
              ) -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:
     """A fresh ``(net, inputs, loss_fn)`` of ``model`` with ``options`` and ``seed``, moved to ``dev``."""
-    from bonsai_core import zoo
+    from bonsai_core import models
 
-    net, inputs, loss_fn = zoo.build(model, seed=seed, **options)
+    net, inputs, loss_fn = models.build(model, seed=seed, **options)
     if isinstance(loss_fn, nn.Module):
         loss_fn = loss_fn.to(dev)
     return net.to(dev), tuple(x.to(dev) for x in inputs), loss_fn
@@ -267,7 +267,7 @@ def _original_steps(run: _ReplayRun, optimizer: str, repeats: int) -> tuple[dict
         with reference_dropout:
             run.seeded(lambda: _eager_step(net, inputs, loss_fn))()
     except Exception as e:  # the user's model on real values, which the trace (shapes only) never ran
-        from bonsai_core.trace import user_code
+        from bonsai_core.user_code import user_code
 
         raise ModelError(f"One training step of {run.model!r} with these options fails on real tensors, before the "
                          f"export is run: {user_code(e, net)}: {type(e).__name__}: {e}. Tracing runs on shapes "

@@ -24,10 +24,10 @@ import time
 import typing
 from typing import Any, Callable, NamedTuple
 
-from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, simulate
+from bonsai_core.units import format_bytes
 
 # name -> (module, function, one-line description)
 METHODS: dict[str, tuple[str, str, str]] = {

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, none_schedule, simulate
+from bonsai_core.units import format_bytes
 
 
 def solve_none(graph: Graph, budget: int | None, *, time_limit: float | None = None) -> Schedule:

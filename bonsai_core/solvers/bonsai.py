@@ -51,7 +51,6 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import (CheckpointPlan, block_plans, checkpoint_sequence, forward_positions, plan_schedule,
@@ -62,6 +61,7 @@ from bonsai_core.solvers.bonsai_coef import PlainProfile, plain_profile, saved_p
 from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
 from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, solve_milp
+from bonsai_core.units import format_bytes
 
 _CACHE_SIZE = 32  # entries: per graph its plain profile, its fallback plans, one model per rung tried, its solved plans
 _PLANS_KEPT = 64  # solved plans remembered per graph and options, for reuse at budgets they fit

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BonsaiError, BudgetError, ScheduleError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import COMPUTE, Schedule, schedule_ops, simulate
 from bonsai_core.solvers.checkmate_model import CheckmateMatrices
 from bonsai_core.solvers.stages import stage_sequence
+from bonsai_core.units import format_bytes
 
 # Methods asked for a start, in turn: the plain schedule (optimal when it fits), the heuristics (a
 # fraction of a second), Moccasin's CP model (the stage model with at most two computations per node:

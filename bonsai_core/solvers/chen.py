@@ -24,12 +24,12 @@ from typing import Iterable, Literal, Sequence
 
 import numpy as np
 
-from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.solvers.deadline import Deadline
+from bonsai_core.units import format_bytes
 
 Variant = Literal["sqrt", "greedy", "auto"]
 MAX_CANDIDATES = 48  # plans tried per variant under a budget: each costs one simulation, O(n + edges)

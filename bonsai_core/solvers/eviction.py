@@ -48,11 +48,11 @@ from typing import Callable, Literal
 import numpy as np
 
 from bonsai_core.allocator import Allocator, Optimizer, full_arena, round_size
-from bonsai_core.budget import format_bytes
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import COMPUTE, FREE, Schedule, hold_separated_outputs
 from bonsai_core.solvers.deadline import Deadline
+from bonsai_core.units import format_bytes
 
 Deallocation = Literal["free", "evict", "banish"]
 DEALLOCATIONS = ("free", "evict", "banish")

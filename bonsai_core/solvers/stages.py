@@ -12,10 +12,10 @@ from typing import Sequence
 
 import numpy as np
 
-from bonsai_core.budget import format_bytes
 from bonsai_core.errors import SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import schedule_ops, simulate
+from bonsai_core.units import format_bytes
 
 
 def effective_users(graph: Graph) -> list[np.ndarray]:

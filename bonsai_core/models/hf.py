@@ -1,9 +1,10 @@
 """Hugging Face ``transformers`` models as a model source: ``hf:ARCH`` and ``hf:PATH/config.json``.
 
-``build(spec, **options) -> (model, example_inputs, loss_fn)``, the zoo's contract (``zoo.build``
-dispatches ``hf:`` names here, after seeding). Each model is built from its ``*Config`` and model
-class, never downloaded and without weights files; under ``FakeTensorMode`` (``bonsai trace``) no
-memory is allocated, and ``bonsai export``/``verify`` build the same model with real, seeded weights.
+``build(spec, **options) -> (model, example_inputs, loss_fn)``, the zoo's contract
+(:func:`bonsai_core.models.build` dispatches ``hf:`` names here, after seeding). Each model is built
+from its ``*Config`` and model class, never downloaded and without weights files; under
+``FakeTensorMode`` (``bonsai trace``) no memory is allocated, and ``bonsai export``/``verify`` build
+the same model with real, seeded weights.
 
 The traced loss is the model's own training loss, through its ``labels`` path:
 
@@ -46,7 +47,7 @@ kernels keep it: without dropout the CPU flash kernel (output and logsumexp per 
 (GPT-2's and BERT's 0.1) the memory-efficient kernel, which also keeps the generator's seed and offset
 (:mod:`bonsai_core.attention`); an exported program runs each on the device of its batch.
 
-``dtype`` (``--dtype bf16``, any model: :func:`bonsai_core.zoo.build`) builds the model in that type,
+``dtype`` (``--dtype bf16``, any model: :func:`bonsai_core.models.build`) builds the model in that type,
 ``model.to(torch.bfloat16)`` with float inputs cast too, next to ``--autocast bf16`` (float32 weights,
 bf16 compute).
 
@@ -72,7 +73,8 @@ import torch
 import torch.nn as nn
 
 from bonsai_core.errors import ModelError
-from bonsai_core.zoo import Built, ZooEntry, check_divisible
+from bonsai_core.models.entry import Built, ZooEntry, check_divisible
+from bonsai_core.thread_patches import in_this_thread
 
 PREFIX = "hf:"
 # attn_implementation: "sdpa" (F.scaled_dot_product_attention, the default where the model class
@@ -129,9 +131,7 @@ def one_sequence_per_row() -> Iterator[None]:
     the call eager makes."""
     from transformers import masking_utils
 
-    from bonsai_core.trace import _in_this_thread
-
-    with _in_this_thread(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+    with in_this_thread(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
         yield
 
 
@@ -238,9 +238,9 @@ def build(spec: str, attention: str | None = None, **options: Any) -> Built:
     """Build ``ARCH`` or ``PATH`` (a ``config.json`` or the folder holding one) with its batch and loss.
 
     ``attention``: "sdpa" or "eager" (:data:`ATTENTIONS`); None is SDPA where the model class supports
-    it, else eager. The caller seeds torch first (``zoo.build`` does). Raises ModelError for an unknown
-    architecture, an unreadable or unsupported config, an option the model does not take, or a
-    missing ``transformers``."""
+    it, else eager. The caller seeds torch first (:func:`bonsai_core.models.build` does). Raises
+    ModelError for an unknown architecture, an unreadable or unsupported config, an option the model
+    does not take, or a missing ``transformers``."""
     _require_transformers()
     if spec in ARCHS:
         ARCHS[spec].check_options(options, PREFIX + spec)

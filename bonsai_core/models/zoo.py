@@ -1,33 +1,26 @@
 """Built-in models in plain PyTorch, each with a batch and a loss: what ``bonsai trace NAME`` traces.
 
-``build(name, **options) -> (model, example_inputs, loss_fn)``: ``model(*example_inputs)`` is the
-output and ``loss_fn(output)`` a scalar loss. ``loss_fn`` is an ``nn.Module`` whose targets are
-buffers, so tracing lifts them as inputs instead of baking them in as constants. Everything is
-deterministic under a fixed seed, and the defaults are small enough for a real CPU step in well
-under a second while activations, not weights, dominate the peak.
-
-Build options beside the sizes: ``dtype`` ("fp32", "bf16", "fp16"; any model) builds the model and
-batch in that type (:func:`in_dtype`), and ``attention`` ("sdpa", "eager"; ``hf:`` models only) picks
-the attention implementation (:func:`bonsai_core.hf.build`).
+Each entry of :data:`ZOO` builds ``(model, example_inputs, loss_fn)`` (:func:`bonsai_core.models.build`
+seeds torch and checks the options first): ``model(*example_inputs)`` is the output and
+``loss_fn(output)`` a scalar loss. ``loss_fn`` is an ``nn.Module`` whose targets are buffers, so
+tracing lifts them as inputs instead of baking them in as constants. Everything is deterministic under
+a fixed seed, and the defaults are small enough for a real CPU step in well under a second while
+activations, not weights, dominate the peak.
 
 The zoo's convolutional models use no batch norm (they predate its support and their graphs are
 pinned by tests); models with BatchNorm, dropout and tied weights come from ``hf:ARCH``
-(:mod:`bonsai_core.hf`) or ``tests/real_models.py``.
+(:mod:`bonsai_core.models.hf`) or ``tests/real_models.py``.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import math
-from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bonsai_core.errors import BonsaiError, ModelError, ValueReadError
+from bonsai_core.models.entry import Built, ZooEntry, check_divisible
 
 
 class CrossEntropyLoss(nn.Module):
@@ -206,9 +199,6 @@ class GPT(nn.Module):
 
 # -- the zoo -------------------------------------------------------------------------------------
 
-Built = tuple[nn.Module, tuple[torch.Tensor, ...], nn.Module]
-
-
 def _mlp(batch: int = 1024, width: int = 256, layers: int = 6) -> Built:
     model = MLP(64, width, layers, 10)
     x = torch.randn(batch, 64)
@@ -244,32 +234,6 @@ def _gpt(batch: int = 8, seq: int = 128, width: int = 128, layers: int = 2, head
     return model, (idx[:, :-1].contiguous(),), CrossEntropyLoss(idx[:, 1:].contiguous(), flatten=True)
 
 
-def check_divisible(value: int, by: int, what: str) -> None:
-    if value <= 0 or value % by:
-        raise ModelError(f"{what}={value} must be a positive multiple of {by} for this model.")
-
-
-@dataclass(frozen=True)
-class ZooEntry:
-    name: str
-    factory: Callable[..., Built]
-    description: str
-
-    @property
-    def options(self) -> dict[str, int]:
-        """The model's size options and their defaults (the factory's parameters that are not
-        keyword-only: a keyword-only one, like ``attention``, is a build choice, not a size)."""
-        return {p.name: p.default for p in inspect.signature(self.factory).parameters.values()
-                if p.kind is not p.KEYWORD_ONLY}
-
-    def check_options(self, options: dict[str, Any], label: str) -> None:
-        """Raise ModelError naming the options this model does not take, and the ones it does."""
-        unknown = sorted(set(options) - set(self.options))
-        if unknown:
-            raise ModelError(f"Model {label} has no option {', '.join(map(repr, unknown))}; its options are "
-                             + ", ".join(f"{k} (default {v})" for k, v in self.options.items()) + ".")
-
-
 ZOO: dict[str, ZooEntry] = {e.name: e for e in [
     ZooEntry("mlp", _mlp, "multi-layer perceptron (Linear + GELU), classification"),
     ZooEntry("vgg", _vgg, "VGG-style conv net (3x3 conv + ReLU stages, max-pool), classification"),
@@ -281,110 +245,3 @@ ZOO: dict[str, ZooEntry] = {e.name: e for e in [
 # GPT-2 small's shape, for benchmarks (``build("gpt", **GPT2_SMALL)``).
 GPT2_SMALL = dict(batch=8, seq=512, width=768, layers=12, heads=12, vocab=50257)
 
-
-# ``dtype`` build option: the type of the parameters, floating buffers and floating inputs
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def build(name: str, seed: int = 0, **options: Any) -> Built:
-    """Build a zoo model, a Hugging Face model (``hf:ARCH`` or ``hf:PATH/config.json``, see
-    ``bonsai_core.hf``) or a ``package.module:factory`` callable, with its batch and loss.
-
-    Options not given take the entry's defaults; unknown options raise ModelError. ``dtype`` (any
-    model) and ``attention`` (``hf:`` models) are build options (module docstring).
-    """
-    dtype = options.pop("dtype", None)
-    if dtype is not None and dtype not in DTYPES:
-        raise ModelError(f"dtype={dtype!r}; choose one of: {', '.join(DTYPES)}.")
-    return in_dtype(_build(name, seed, options), DTYPES[dtype] if dtype else None)
-
-
-def in_dtype(built: Built, dtype: torch.dtype | None) -> Built:
-    """``built`` with its floating parameters and buffers in ``dtype`` (what ``model.to(dtype)``
-    makes), and its floating inputs and loss buffers too, as a training run in that type holds them.
-    None: unchanged."""
-    if dtype is None:
-        return built
-    model, inputs, loss_fn = built
-    cast = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
-    if isinstance(loss_fn, nn.Module):
-        _tensors_to(loss_fn, dtype)  # floating targets (integer class ids stay as they are)
-    return _tensors_to(model, dtype), cast, loss_fn
-
-
-def _tensors_to(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """``module`` with every floating parameter and buffer replaced by a copy in ``dtype``, a tied one
-    (one tensor under several names) by one copy. ``module.to(dtype)`` does this for real tensors, but
-    refuses parameters that are fake tensors (it swaps them, and the fake tensor mode holds weak
-    references to them), so the trace, which builds on fake tensors, converts them here."""
-    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, kept alive; copy)
-
-    def copy(t: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        if id(t) not in copies:
-            copies[id(t)] = (t, make(t))
-        return copies[id(t)][1]
-
-    for m in module.modules():
-        for name, p in m._parameters.items():
-            if p is not None and p.is_floating_point():
-                m._parameters[name] = copy(p, lambda t: nn.Parameter(t.detach().to(dtype), t.requires_grad))
-        for name, b in m._buffers.items():
-            if b is not None and b.is_floating_point():
-                m._buffers[name] = copy(b, lambda t: t.to(dtype))
-    return module
-
-
-def _build(name: str, seed: int, options: dict[str, Any]) -> Built:
-    """:func:`build` without the ``dtype`` option."""
-    is_hf = name.startswith("hf:")
-    if "attention" in options and not is_hf:
-        raise ModelError(f"Option attention applies to hf: models only; {name!r} is not one.")
-    if ":" in name and not is_hf:
-        return _build_factory(name, seed, **options)
-    if not is_hf and name not in ZOO:
-        raise ModelError(f"Unknown model {name!r}. Built-in models: {', '.join(ZOO)}; Hugging Face models: "
-                         "hf:ARCH (see `bonsai zoo`) or hf:PATH/config.json; or pass "
-                         "'package.module:factory' for a callable returning (model, example_inputs, loss_fn).")
-    for key, value in options.items():
-        if key == "attention" and is_hf:
-            continue  # a name, checked by hf.build
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ModelError(f"Option {key}={value!r} of model {name!r} must be a positive whole number.")
-    if is_hf:
-        from bonsai_core import hf
-
-        torch.manual_seed(seed)
-        return hf.build(name[len("hf:"):], **options)
-    entry = ZOO[name]
-    entry.check_options(options, repr(name))
-    torch.manual_seed(seed)
-    return entry.factory(**options)
-
-
-def _build_factory(spec: str, seed: int, **options: Any) -> Built:
-    module_name, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ModelError(f"Cannot load the model factory {spec!r} ({e}). Give 'package.module:function' "
-                         "with the module importable (for a file in the current directory, run with PYTHONPATH=.).") from None
-    torch.manual_seed(seed)
-    call = f"{spec}({', '.join(f'{k}={v!r}' for k, v in options.items())})"
-    try:
-        built = factory(**options)
-    except TypeError as e:
-        raise ModelError(f"Calling {call} failed: {e}.") from None
-    except BonsaiError:
-        raise
-    except Exception as e:  # the factory's own code: say where, never a traceback
-        from bonsai_core.trace import DATA_DEPENDENT_ERRORS, user_code
-
-        if type(e).__name__ in DATA_DEPENDENT_ERRORS:
-            raise ValueReadError(f"Calling {call} failed in {user_code(e)} ({type(e).__name__}: {e}); it reads a "
-                                 "tensor's value, which tracing (on fake tensors: shapes only) cannot give, so "
-                                 "compute it from plain Python numbers.") from None
-        raise ModelError(f"Calling {call} failed in {user_code(e)} ({type(e).__name__}: {e}).") from None
-    if not (isinstance(built, tuple) and len(built) == 3 and isinstance(built[0], nn.Module)):
-        raise ModelError(f"{spec} must return (model, example_inputs, loss_fn); it returned {type(built).__name__}.")
-    model, inputs, loss_fn = built
-    return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), loss_fn

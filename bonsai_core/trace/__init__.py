@@ -1,0 +1,333 @@
+"""Trace a model's training step (forward + loss + backward) into a :class:`Graph`.
+
+The joint graph comes from AOTAutograd (``aot_export_module(..., trace_joint=True)``): functional
+aten ops, exactly the kernels eager autograd runs, in execution order. :func:`trace_model` builds
+its model under ``FakeTensorMode``, so even GPT-2 small traces without allocating its weights or
+activations.
+
+The package: this module holds the entry points (:func:`trace_model`, :func:`trace_step`) and the
+AOT export; :mod:`bonsai_core.trace.patches` what tracing changes in eager PyTorch so that the graph
+is the step eager runs (dropout, SDPA, grouped matmuls, asserts); :mod:`bonsai_core.trace.to_graph`
+how the FX nodes become graph nodes, their phases and the buffer writes. The models themselves come
+from :func:`bonsai_core.models.build`, which knows nothing of tracing.
+
+Parameters that get no gradient from the loss (BERT's pooler under the MLM loss) are traced as
+frozen: their ``.grad`` stays ``None`` as in eager, so their gradient bytes are not ``fixed_mem``.
+:attr:`Traced.frozen_params` names them.
+
+Model code that reads a tensor's value (``.item()``, ``if`` on a tensor) cannot be traced on fake
+tensors: it raises a :class:`ModelError` naming the module and the source line. A ``torch._assert``
+whose condition is a tensor is only a check, not a branch, so it is skipped while tracing (the
+user's own eager run still checks it).
+
+A constructor that reads a tensor's value (``trunc_normal_`` checks ``mask.any()``) is built again
+with ``torch.nn.init`` skipped, then on real CPU tensors (:func:`built_for_tracing`). A step whose
+forward reads a value is traced again with ``torch.compiler.is_compiling()`` True, so library code
+takes its compile-time path (:func:`_libraries_compiling`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from bonsai_core.attention import FusedAttentionWithDropout
+from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES
+from bonsai_core.errors import ModelError, ValueReadError
+from bonsai_core.graph import Graph
+from bonsai_core.trace.patches import (_as_in_eager, _grouped_mm_as_its_kernels, _initialisation_skipped,
+                                       _libraries_compiling, _quiet_meta_failures)
+from bonsai_core.trace.to_graph import _placeholder_tensors, _to_graph
+from bonsai_core.user_code import DATA_DEPENDENT_ERRORS, user_code
+
+# What torch says when a closure holds a tensor that tracing cannot lift as an input.
+_CAPTURED_CONSTANT_SIGNS = ("fake buffer", "_tensor_constant", "convert all Tensors to FakeTensors")
+# torch.nn.functional's check that a training-mode batch norm has batch statistics to compute
+_ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
+_FIRST_RNN_TRACE = "len(gradients_to_parameters)="
+
+
+@dataclass
+class Traced:
+    """A traced step: the graph, plus what the exporter needs to run the FX module again.
+
+    ``buffer_writes`` are the step's buffer mutations in the FX graph's output order: (FX node name
+    of the new value, buffer name relative to the traced ``_Step``, e.g. ``model.bn1.running_mean``
+    or ``loss_fn.count``); a faithful replay copies each value into its buffer after the step.
+    ``frozen_params`` are the model's parameters (names relative to the model) that get no gradient
+    from the loss: traced as ``requires_grad=False``, so the FX graph has no gradient output for
+    them and their ``.grad`` must stay ``None``.
+    ``hidden_aliases`` are unused names of tied parameters that the model reads under another name
+    (BERT's ``cls.predictions.bias`` = ``cls.predictions.decoder.bias``): they were left out of the
+    traced module's parameters, so the FX graph has no placeholder for them; the parameter itself
+    is traced (and gets its gradient) under its other name.
+    """
+
+    graph: Graph
+    module: fx.GraphModule
+    fx_names: list[str]  # FX node name of each graph node
+    seconds: float
+    buffer_writes: list[tuple[str, str]] = field(default_factory=list)
+    frozen_params: list[str] = field(default_factory=list)
+    hidden_aliases: list[str] = field(default_factory=list)
+
+
+class _Step(nn.Module):
+    """``model`` followed by ``loss_fn``, returning the loss: the module AOTAutograd traces."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn  # registered as a submodule when it is one, so its buffers are lifted
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.loss_fn(self.model(*inputs)),)
+
+
+def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autocast: str | None = None,
+                fsdp: int = 1, reshard_after_forward: bool = True, **options: Any) -> Traced:
+    """Build a model spec (:func:`bonsai_core.models.build`: a zoo name, ``hf:...`` or
+    ``package.module:factory``) under FakeTensorMode and trace its step;
+    with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`)."""
+    label = name if not options else name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
+    label += f" autocast {autocast}" if autocast else ""
+    with built_for_tracing(name, seed, **options) as (model, inputs, loss_fn):
+        traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast)
+        if fsdp > 1:
+            from bonsai_core.fsdp import shard_by_blocks
+
+            traced.graph = shard_by_blocks(traced.graph, model, fsdp, reshard_after_forward)
+    return traced
+
+
+# -- building a model to trace -------------------------------------------------------------------
+
+@contextlib.contextmanager
+def built_for_tracing(name: str, seed: int = 0, **options: Any) -> Iterator[tuple[nn.Module, tuple[torch.Tensor, ...], Any]]:
+    """Within a ``FakeTensorMode``: the model spec ``name`` built by the first way that works
+    (:func:`_build_for_tracing`), yielded as (model, inputs, loss_fn) to trace there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield _build_for_tracing(name, seed, options)
+
+
+def _build_for_tracing(name: str, seed: int, options: dict[str, Any]) -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:
+    """Build under the ambient FakeTensorMode, trying in order: (1) the factory as written, on fake
+    tensors; (2) the same with ``torch.nn.init`` skipped, for a constructor that reads a value only
+    while initialising weights (``trunc_normal_`` checks ``mask.any()``): fake tensors have no values
+    to initialise, and the plan does not depend on them; (3) on real CPU tensors (the weights are
+    allocated), for a constructor that reads a value otherwise (``x.item() for x in torch.linspace(...)``).
+    Tracing then runs on fake copies of whatever was built. The factory's inputs and loss are built
+    as written in each."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from bonsai_core import models
+
+    try:
+        return models.build(name, seed=seed, **options)
+    except ValueReadError:
+        pass
+    try:
+        with _initialisation_skipped():
+            return models.build(name, seed=seed, **options)
+    except ValueReadError:
+        pass
+    with unset_fake_temporarily():
+        return models.build(name, seed=seed, **options)
+
+
+def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
+               name: str = "model", profile: str = DEFAULT_PROFILE, autocast: str | None = None) -> Traced:
+    """Trace one training step of ``model`` on ``inputs`` with ``loss_fn`` into a Graph.
+
+    ``autocast`` ("bf16" | "fp16") traces the step under ``torch.autocast``: the graph holds the casts
+    and the lower-precision tensors autocast makes. A step that reads a tensor's value is traced
+    again with libraries on their compile-time path (:func:`_libraries_compiling`); what still reads
+    one raises :class:`ValueReadError`."""
+    try:
+        return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
+    except ValueReadError:
+        with _libraries_compiling():
+            return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
+
+
+def _trace_step_once(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
+                     name: str, profile: str, autocast: str | None) -> Traced:
+    if profile not in PROFILES:
+        raise ModelError(f"Unknown cost model {profile!r}; choose one of: {', '.join(PROFILES)}.")
+    device_type = inputs[0].device.type if inputs else "cpu"
+    cast = _autocast(autocast, device_type)
+    start = time.perf_counter()
+    step = _Step(model, loss_fn)
+    frozen: list[str] = []
+    hidden: list[str] = []
+    try:
+        with cast:
+            gm, signature = _export_joint(step, tuple(inputs), name)
+    except _NoGradient:  # rare, and finding the parameters costs a forward trace: only then
+        unused = _unused_parameters(step, tuple(inputs), name)
+        try:
+            with _without_unused(step, unused) as (frozen, hidden), _autocast(autocast, device_type):
+                gm, signature = _export_joint(step, tuple(inputs), name)
+        except _NoGradient:
+            raise ModelError(f"Tracing {name!r} failed: a trainable parameter gets no gradient from the loss "
+                             "although the model reads it (through an op without a gradient, such as argmax). "
+                             "Set requires_grad=False on it.") from None
+    frozen = [n.removeprefix("model.") for n in frozen]
+    hidden = [n.removeprefix("model.") for n in hidden]
+    graph, fx_names = _to_graph(gm, signature, name, PROFILES[profile], _placeholder_tensors(step, inputs, signature))
+    modules = _module_spans(model, tuple(inputs), loss_fn, graph, autocast)
+    if modules:
+        graph = Graph.from_dict({**graph.to_dict(), "modules": modules})
+    writes = [(fx_name, buffer) for fx_name, buffer in signature.buffers_to_mutate.items()]
+    return Traced(graph, gm, fx_names, time.perf_counter() - start, writes, frozen, hidden)
+
+
+def _module_spans(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
+                  graph: Graph, autocast: str | None) -> list[list[Any]]:
+    """The graph's ``modules`` field: [path, first, last] forward node ids of each submodule called once
+    (:mod:`bonsai_core.modules`), from one more forward + loss on fake tensors. Optional structure:
+    a model whose forward cannot run again that way simply gets none."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from bonsai_core.modules import module_spans, record_step
+
+    forward = np.flatnonzero(graph.is_forward)
+    fake = all(isinstance(x, FakeTensor) for x in inputs)
+    cast = _autocast(autocast, inputs[0].device.type if inputs else "cpu")
+    try:
+        with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), cast, \
+                _grouped_mm_as_its_kernels(), FusedAttentionWithDropout(), _quiet_meta_failures():
+            step = record_step(model, inputs, loss_fn)
+    except Exception:  # noqa: BLE001 (any failure only means no module structure)
+        return []
+    return [[path, int(forward[a]), int(forward[b])] for path, a, b in module_spans(step, [graph.ops[v] for v in forward])]
+
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _autocast(autocast: str | None, device_type: str = "cpu") -> Any:
+    """``torch.autocast`` for the device the step is traced on (fake tensors of the inputs' device)."""
+    if autocast is None:
+        return contextlib.nullcontext()
+    if autocast not in AUTOCAST:
+        raise ModelError(f"Unknown autocast {autocast!r}; choose one of: {', '.join(AUTOCAST)}.")
+    return torch.autocast(device_type=device_type, dtype=AUTOCAST[autocast])
+
+
+# -- tracing -------------------------------------------------------------------------------------
+
+class _NoGradient(Exception):
+    """AOTAutograd refused a trainable parameter that the loss gives no gradient."""
+
+
+def _export_joint(step: _Step, inputs: tuple[torch.Tensor, ...], name: str) -> tuple[fx.GraphModule, Any]:
+    """``aot_export_module`` of the joint step, with torch's failures turned into advice."""
+    from torch._functorch.aot_autograd import aot_export_module
+
+    with _quiet_meta_failures() as failures:
+        try:
+            with _as_in_eager():
+                try:
+                    return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+                except AssertionError as e:
+                    if _FIRST_RNN_TRACE not in str(e):
+                        raise
+                    # torch 2.13: the first joint trace of a recurrent layer (nn.LSTM) in a process
+                    # miscounts its gradient outputs; the same trace again is right
+                    return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+        except Exception as e:  # torch raises many types here; the user needs the message, not the stack
+            if "did not receive a gradient" in str(e):
+                raise _NoGradient() from None
+            raise _model_error(e, step, name, failures.ops) from None
+
+
+def _model_error(e: Exception, step: _Step, name: str, failed_ops: Sequence[str] = ()) -> ModelError:
+    """The ModelError for a failed trace. ``failed_ops``: the ops whose shape function (meta kernel)
+    raised, as fake tensors logged them (:class:`_MetaFailures`)."""
+    if any(sign in str(e) for sign in _CAPTURED_CONSTANT_SIGNS):
+        return ModelError("The loss function (or model) captures tensors, such as targets, as constants. "
+                          "Make loss_fn an nn.Module that holds them as buffers, like "
+                          "bonsai_core.models.zoo.CrossEntropyLoss.")
+    if type(e).__name__ in DATA_DEPENDENT_ERRORS:
+        return ValueReadError(f"Tracing {name!r} failed: {user_code(e, step)} reads a tensor's value "
+                          f"({str(e).splitlines()[0]}): `.item()`, `int()`/`bool()` of a tensor, or an `if` on "
+                          "one. Tracing runs on shapes only, so no value is known there. Make the code "
+                          "independent of tensor values (`torch.where` instead of an `if`, checks on "
+                          "`x.shape` instead of on tensor contents, `.item()` calls moved out of forward).")
+    first_line = (str(e).strip().splitlines() or [""])[0]
+    if _ONE_VALUE_PER_CHANNEL in first_line:  # a step that fails in eager too, with a known remedy
+        return ModelError(f"Tracing {name!r} failed in {user_code(e, step)}: a batch norm in training mode needs "
+                          f"more than one value per channel to compute its batch statistics ({first_line}). "
+                          "Trace with a larger batch (`--batch 2` or more; the batch field on the explorer's "
+                          "Model page) or larger inputs.")
+    if failed_ops:
+        return ModelError(f"Tracing {name!r} failed: {user_code(e, step)} runs {failed_ops[-1]}, whose shape "
+                          f"function (what tracing runs instead of the kernel) refuses its inputs "
+                          f"({type(e).__name__}: {first_line}). If the step runs in eager, that shape function "
+                          "is stricter than the kernel: another dtype or implementation of that layer may trace.")
+    return ModelError(f"Tracing {name!r} failed in {user_code(e, step)} ({type(e).__name__}): {e}")
+
+
+
+
+def _unused_parameters(step: _Step, inputs: tuple[torch.Tensor, ...], name: str) -> list[str]:
+    """Names (in ``step``) of the parameters the forward pass never reads: the placeholders without
+    users in the forward-only graph. Each gets no gradient."""
+    from torch._functorch.aot_autograd import aot_export_module
+
+    with _quiet_meta_failures() as failures:
+        try:
+            with _as_in_eager():
+                gm, signature = aot_export_module(step, inputs, trace_joint=False)
+        except Exception as e:  # the same failures as the joint trace, said the same way
+            raise _model_error(e, step, name, failures.ops) from None
+    unused = {n.name for n in gm.graph.nodes if n.op == "placeholder" and not n.users}
+    return [p for ph, p in signature.inputs_to_parameters.items() if ph in unused]
+
+
+@contextlib.contextmanager
+def _without_unused(step: _Step, unused: list[str]) -> Iterator[tuple[list[str], list[str]]]:
+    """Trace ``step`` with its unused parameters out of the way, yielding (frozen, hidden): a
+    parameter no name of which is read is frozen (``requires_grad=False``), and an unused name of a
+    tied parameter that is read under another name (BERT's ``cls.predictions.bias``, tied to
+    ``decoder.bias``) is hidden from ``named_parameters`` (AOTAutograd lists every name of a tied
+    parameter and refuses a name that gets no gradient). Everything is put back afterwards."""
+    names_of: dict[int, list[str]] = {}
+    for n, p in step.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(n)
+    owners = dict(step.named_modules(remove_duplicate=False))
+    params = dict(step.named_parameters(remove_duplicate=False))
+    frozen = [n for n in unused if all(alias in unused for alias in names_of[id(params[n])]) and params[n].requires_grad]
+    hidden = [n for n in unused if n not in frozen and params[n].requires_grad]
+    frozen = list(dict.fromkeys(names_of[id(params[n])][0] for n in frozen))  # a tied parameter once
+    saved = {}
+    for n in hidden:
+        module_name, _, attr = n.rpartition(".")
+        module = owners[module_name]
+        saved.setdefault(module_name, dict(module._parameters))
+        del module._parameters[attr]
+        module.__dict__[attr] = params[n]  # still readable as an attribute, no longer a named parameter
+    for n in frozen:
+        params[n].requires_grad_(False)
+    try:
+        yield frozen, hidden
+    finally:
+        for n in frozen:
+            params[n].requires_grad_(True)
+        for module_name, original in saved.items():
+            module = owners[module_name]
+            for attr in original:
+                module.__dict__.pop(attr, None)
+            module._parameters.clear()
+            module._parameters.update(original)  # same order as before: the exporter's signature
+
