@@ -44,8 +44,9 @@ def fake_method(monkeypatch):
     monkeypatch.setitem(solvers.METHODS, "fake", ("tests.test_app", "solve_fake", "test-local checkpoint regions"))
 
 
-def app() -> AppTest:
-    at = AppTest.from_file("../" + APP, default_timeout=60)
+def app(timeout: float = 60) -> AppTest:
+    """The explorer's entry script, run once headless (``timeout``: seconds per rerun)."""
+    at = AppTest.from_file("../" + APP, default_timeout=timeout)
     at.run()
     assert not at.exception
     return at

@@ -7,17 +7,15 @@ import json
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from tests.test_app import app as explorer_app
+
 pytest.importorskip("transformers")
 
-APP = "explorer/app.py"
 TINY_GPT2 = dict(batch=2, seq=16, width=32, layers=1, heads=2, vocab=64)
 
 
 def app() -> AppTest:
-    at = AppTest.from_file("../" + APP, default_timeout=120)
-    at.run()
-    assert not at.exception
-    return at
+    return explorer_app(timeout=120)  # building a transformers model takes longer than the zoo's
 
 
 def metric(at: AppTest, label: str) -> str:

@@ -255,7 +255,7 @@ def _multi_outputs(ops: list[tuple[str, int]], nodes: list[fx.Node], writer: _Wr
     A multi-output op whose outputs are also nodes of their own (``getitem`` nodes, e.g. a batch norm's
     saved statistics) is held as a list; each such node takes its output over (the op's slot is
     cleared), so that output lives as long as its own node, as the simulator counts it. (A schedule
-    never takes it again from the same copy of the op: DESIGN rule 5, checked by the simulator.)"""
+    never takes it again from the same copy of the op: the separated-output rule the simulator checks.)"""
     getitem_of = {v: (writer.root(n.args[0]), n.args[1]) for v, n in enumerate(nodes) if n.target is operator.getitem}
     split_ops = {op for op, _ in getitem_of.values()}
     getitems = {op: [(g, i) for g, (o, i) in getitem_of.items() if o == op] for op in split_ops}

@@ -45,8 +45,8 @@ from bonsai_core.tensors import storage_bytes, tensors_in
 _UNMARKED_VIEWS = {"aten._unsafe_view.default"}  # views whose schema does not say so
 _IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
 
-_LEAF = -1  # a placeholder, or a view of one: part of fixed_mem, not a node
-_ALL = -1  # every output of an op (a single-output op whose value is a buffer's new value)
+_NOT_A_NODE = -1  # a placeholder, or a view of one: part of fixed_mem, not a node
+_WHOLE_OUTPUT = -1  # every output of an op (a single-output op whose value is a buffer's new value)
 # Cost of a node that takes one output of a multi-output op: no kernel runs, but the format wants
 # every non-view node to cost something, so a nanosecond of bookkeeping.
 _GETITEM_COST = 1e-9
@@ -67,7 +67,7 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
     forward = _forward_nodes(fx_nodes, signature)
     written = _buffer_outputs(fx_nodes, signature)
     fixed_tensors = _fixed_tensors(gm, signature, originals)
-    ids: dict[fx.Node, int] = {}  # FX node -> our node id, or _LEAF
+    ids: dict[fx.Node, int] = {}  # FX node -> our node id, or _NOT_A_NODE
     nodes: list[dict[str, Any]] = []
     fx_names: list[str] = []
     outputs: list[int] = []
@@ -83,10 +83,10 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
 
     for node in fx_nodes:
         if node.op in ("placeholder", "get_attr"):
-            ids[node] = _LEAF
+            ids[node] = _NOT_A_NODE
             continue
         if node.op == "output":
-            outputs = [ids[a] for a in tree_flatten(node.args)[0] if isinstance(a, fx.Node) and ids[a] != _LEAF]
+            outputs = [ids[a] for a in tree_flatten(node.args)[0] if isinstance(a, fx.Node) and ids[a] != _NOT_A_NODE]
             continue
         if node.target is operator.getitem:
             op_node, index = node.args
@@ -99,11 +99,11 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
         op = str(node.target)
         inputs = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
         base = _view_base(node, inputs)
-        deps = sorted({ids[a] for a in inputs if ids[a] != _LEAF})
+        deps = sorted({ids[a] for a in inputs if ids[a] != _NOT_A_NODE})
         if op in _IDENTITY_OPS and inputs:
             ids[node] = ids[inputs[0]]
-        elif base is not None and ids[base] == _LEAF:
-            ids[node] = _LEAF
+        elif base is not None and ids[base] == _NOT_A_NODE:
+            ids[node] = _NOT_A_NODE
         elif base is not None:
             add(node, op, deps, ids[base], 0, 0.0)
         else:
@@ -135,7 +135,7 @@ def _forward_nodes(fx_nodes: list[fx.Node], signature: Any) -> set[fx.Node]:
 
 
 def _buffer_outputs(fx_nodes: list[fx.Node], signature: Any) -> dict[fx.Node, set[int]]:
-    """For each op, which of its outputs are a buffer's new value (``_ALL`` for a single output).
+    """For each op, which of its outputs are a buffer's new value (``_WHOLE_OUTPUT`` for a single output).
 
     Eager writes these into the buffer in place (``running_mean.mul_(...).add_(...)``), and the buffer
     is fixed_mem already, so they add no bytes to their op's node."""
@@ -146,7 +146,7 @@ def _buffer_outputs(fx_nodes: list[fx.Node], signature: Any) -> dict[fx.Node, se
         if n.target is operator.getitem:
             written.setdefault(n.args[0], set()).add(n.args[1])
         else:
-            written.setdefault(n, set()).add(_ALL)
+            written.setdefault(n, set()).add(_WHOLE_OUTPUT)
     return written
 
 
@@ -160,7 +160,7 @@ def _separate_outputs(node: fx.Node) -> set[int]:
     forward pass nothing is freed between the two (an op's inputs are saved for the backward pass or
     read by the next op), so the kernel's moment of allocating all outputs at once is counted right.
     Such an output's bytes come only from its op's kernel, so the simulator lets a schedule compute
-    its node again only after the op's node (``Graph.output_of``, DESIGN rule 5). What it misses is a
+    its node again only after the op's node (``Graph.output_of``, the simulator's separated-output rule). What it misses is a
     recomputation of the op while such an output's node is resident: the kernel allocates that
     output again for a moment. The size limit bounds that to a quarter of the op's output
     (max-pooling's int64 indices, twice its output, stay with their op).
@@ -179,7 +179,7 @@ def _output_bytes(node: fx.Node, excluded: set[int]) -> int:
     """Storage bytes of the op's outputs, less the excluded ones (written into buffers, or nodes of
     their own)."""
     val = node.meta.get("val")
-    if _ALL in excluded:
+    if _WHOLE_OUTPUT in excluded:
         return 0
     if excluded and isinstance(val, (tuple, list)):
         val = [v for i, v in enumerate(val) if i not in excluded]
