@@ -11,9 +11,9 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from bonsai_core.budget import Budget, parse_budget
+from bonsai_core.arguments import SOLVE_TIME_LIMIT, budget_arg, positive, positive_int, time_limit_arg
 from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.optimizer import OPTIMIZERS
 from bonsai_core.units import format_bytes
@@ -24,48 +24,11 @@ MODEL_OPTIONS = ("batch", "seq", "layers", "width", "heads", "vocab", "image")
 BUILD_OPTIONS = ("dtype", "attention")
 
 
-def _budget_arg(text: str) -> Budget:
-    try:
-        return parse_budget(text)
-    except BudgetError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive(unit: str, or_zero: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number above 0 (or 0 itself, with ``or_zero``), ``unit`` naming
-    what it counts in the error."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not (value >= 0 if or_zero else value > 0) or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'' if or_zero else 'positive '}number{unit}")
-        return value
-    return parse
-
-
-_positive_float = _positive(" of seconds")
-_time_limit = _positive(" of seconds (0 for no limit)", or_zero=True)
-
-SOLVE_TIME_LIMIT = 60.0  # seconds, `bonsai solve`'s default (the bench's too): an exact method never hangs unseen
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
-    return value
-
-
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """MODEL and its size options, shared by trace, export and verify."""
     p.add_argument("model", metavar="MODEL", help="a zoo name, hf:ARCH or hf:PATH/config.json (see `bonsai zoo`), or package.module:factory")
     for name in MODEL_OPTIONS:
-        p.add_argument(f"--{name}", type=_positive_int, default=None, metavar="N", help=f"model option {name}")
+        p.add_argument(f"--{name}", type=positive_int, default=None, metavar="N", help=f"model option {name}")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and the example batch (default 0)")
     p.add_argument("--autocast", choices=("bf16", "fp16"), default=None,
                    help="trace/run the step under torch.autocast with this dtype (default: off)")
@@ -85,7 +48,7 @@ def _true_or_false(text: str) -> bool:
 
 def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
     """--fsdp N and --reshard-after-forward, shared by trace and fit."""
-    p.add_argument("--fsdp", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--fsdp", type=positive_int, default=1, metavar="N",
                    help="plan one of N ranks of FSDP2 (fully_shard on each block and on the model): sharded parameters, "
                         "gradients and optimizer state, and the unsharded blocks over the step (default 1: no sharding)")
     p.add_argument("--reshard-after-forward", type=_true_or_false, default=True, metavar="true|false",
@@ -285,16 +248,6 @@ def _percent_arg(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: an overhead limit is >= 0%")
     return value
-
-
-def _fraction_arg(text: str) -> float:
-    value = _budget_arg(text if text.strip().endswith("%") else text + "%")
-    if value.fraction is None:
-        raise argparse.ArgumentTypeError(f"{text!r}: bench budgets are shares of the no-remat peak, like 70 or 70%")
-    if value.fraction < 0.01:  # no schedule gets under the fixed memory; 0.8 was meant as 80%
-        raise argparse.ArgumentTypeError(f"{text!r} reads as {value}: bench budgets are percentages of the no-remat "
-                                         "peak, like 70 or 70%")
-    return value.fraction
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -519,15 +472,15 @@ def _add_solve_parsers(sub: Any) -> None:
 
     p = sub.add_parser("solve", help="find a rematerialization schedule under a memory budget")
     p.add_argument("graph", metavar="GRAPH.json")
-    p.add_argument("--budget", required=True, type=_budget_arg,
+    p.add_argument("--budget", required=True, type=budget_arg,
                    help="bytes (123456789), with a unit (800MiB, 2.5GB) or a share of the no-remat peak (60%%)")
     p.add_argument("--method", default=DEFAULT_METHOD, choices=list(METHODS),
                    help=f"default {DEFAULT_METHOD}; `bonsai methods` describes each and its options")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="a method option, e.g. copies=3 (moccasin), variant=greedy (chen); repeat for more")
-    p.add_argument("--granularity", type=_positive_int, default=None, help="largest segment size (bonsai)")
+    p.add_argument("--granularity", type=positive_int, default=None, help="largest segment size (bonsai)")
     p.add_argument("--backend", choices=("highs", "scip"), default=None, help="MILP backend")
-    p.add_argument("--time-limit", type=_time_limit, default=None, metavar="S",
+    p.add_argument("--time-limit", type=time_limit_arg, default=None, metavar="S",
                    help=f"seconds for the whole solve (default {SOLVE_TIME_LIMIT:g}; 0: no limit); past it the "
                         "best schedule found is returned, its status saying so")
     p.add_argument("--reserved", action="store_true",
@@ -574,9 +527,9 @@ def _add_fit_parser(sub: Any) -> None:
     """``fit``: the largest size each method trains within a GPU's memory."""
     p = sub.add_parser("fit", help="the largest micro-batch (or sequence) each method trains within a GPU's memory")
     add_model_arguments(p)
-    p.add_argument("--gpu", required=True, type=_budget_arg, metavar="BYTES", help="the GPU's memory, e.g. 80GiB")
+    p.add_argument("--gpu", required=True, type=budget_arg, metavar="BYTES", help="the GPU's memory, e.g. 80GiB")
     p.add_argument("--vary", choices=("batch", "seq"), default="batch", help="the size searched (default batch)")
-    p.add_argument("--start", type=_positive_int, default=1, metavar="N", help="the first size tried (default 1)")
+    p.add_argument("--start", type=positive_int, default=1, metavar="N", help="the first size tried (default 1)")
     p.add_argument("--max-overhead", type=_percent_arg, default=0.10, metavar="PCT",
                    help="the largest recompute overhead accepted (default 10%%)")
     p.add_argument("--methods", nargs="+", metavar="METHOD", help="default: none bonsai chen dtr")
@@ -584,7 +537,7 @@ def _add_fit_parser(sub: Any) -> None:
     add_fsdp_arguments(p)
     p.add_argument("--reserved", action="store_true", help="the GPU's memory bounds the caching allocator's reserved bytes")
     p.add_argument("--expandable-segments", action="store_true", help="with --reserved: expandable segments")
-    p.add_argument("--time-limit", type=_time_limit, default=None, metavar="S",
+    p.add_argument("--time-limit", type=time_limit_arg, default=None, metavar="S",
                    help=f"seconds per solve (default {SOLVE_TIME_LIMIT:g}; 0: none)")
     p.add_argument("-o", "--output", default=None, metavar="DIR", help="write fit.csv, fit.md, fit.png and the plans")
     p.add_argument("--json", action="store_true")
@@ -607,8 +560,8 @@ def _add_export_parsers(sub: Any) -> None:
     p.add_argument("dir", metavar="DIR", help="the folder `bonsai export` wrote")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--grads", choices=("autograd", "direct"), default="autograd", help="how gradients are delivered")
-    p.add_argument("--atol", type=_positive(" (an absolute tolerance, e.g. 1e-5)"), default=1e-5, help="loss/gradient tolerance (default 1e-5)")
-    p.add_argument("--peak-tolerance", type=_positive(" (a share of the predicted peak, e.g. 0.1 for 10%)"), default=0.10, metavar="SHARE",
+    p.add_argument("--atol", type=positive(" (an absolute tolerance, e.g. 1e-5)"), default=1e-5, help="loss/gradient tolerance (default 1e-5)")
+    p.add_argument("--peak-tolerance", type=positive(" (a share of the predicted peak, e.g. 0.1 for 10%)"), default=0.10, metavar="SHARE",
                    help="largest |measured/predicted - 1| of the peak, above or below (default 0.10)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)

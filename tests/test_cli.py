@@ -73,7 +73,7 @@ def test_solve_stops_at_a_default_time_limit_that_0_removes(gpt_graph, tmp_path,
     """An exact method on a large graph must not run for hours unseen: `bonsai solve` gives every
     method SOLVE_TIME_LIMIT seconds unless told otherwise; 0 means no limit, as in the app."""
     import bonsai_core.solvers as solvers
-    from bonsai_core.cli import SOLVE_TIME_LIMIT
+    from bonsai_core.arguments import SOLVE_TIME_LIMIT
 
     asked = []
     real = solvers.solve

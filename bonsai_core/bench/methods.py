@@ -176,22 +176,22 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
 def add_arguments(p: argparse.ArgumentParser, output_required: bool = True) -> None:
     """The options of the methods suite (``bonsai bench`` without a suite takes them too, its output
     then checked by :func:`main`, since ``bonsai bench --list`` needs none)."""
-    from bonsai_core.cli import _fraction_arg, _positive_float
+    from bonsai_core.arguments import fraction_arg, positive_seconds
 
     p.add_argument("--models", nargs="+", metavar="MODEL",
                    help="zoo or hf: models, e.g. gpt or gpt:layers=2,width=256; MODEL@PCT,PCT adds budgets for that model")
-    p.add_argument("--budgets", nargs="+", type=_fraction_arg, metavar="PCT", help="shares of the no-remat peak")
+    p.add_argument("--budgets", nargs="+", type=fraction_arg, metavar="PCT", help="shares of the no-remat peak")
     p.add_argument("--methods", nargs="+", metavar="METHOD", help="default: every method")
     p.add_argument("--peers", nargs="*", metavar="PEER", help="torch-budget, per-block (default: both)")
     p.add_argument("--quick", action="store_true", help="two small models, two budgets (a minute or two)")
-    p.add_argument("--time-limit", type=_positive_float, default=None, metavar="S", help="per solve (default 60, quick 10)")
+    p.add_argument("--time-limit", type=positive_seconds, default=None, metavar="S", help="per solve (default 60, quick 10)")
     p.add_argument("--backend", choices=("highs", "scip"), default="highs", help="MILP backend")
     p.add_argument("-o", "--output", required=output_required, metavar="DIR")
 
 
 def main(args: argparse.Namespace) -> int:
     """``bonsai bench [methods]``: check the methods and peers named, run the bench, say where it wrote."""
-    from bonsai_core.cli import SOLVE_TIME_LIMIT
+    from bonsai_core.arguments import SOLVE_TIME_LIMIT
     from bonsai_core.peers import PEERS
     from bonsai_core.solvers import METHODS
 

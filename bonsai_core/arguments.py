@@ -1,0 +1,60 @@
+"""The argument types of the ``bonsai`` command and its benchmark suites (argparse ``type=`` callables:
+each turns a bad value into argparse's one-line error, exit status 2)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+from bonsai_core.budget import Budget, parse_budget
+from bonsai_core.errors import BudgetError
+
+SOLVE_TIME_LIMIT = 60.0  # seconds, `bonsai solve`'s default (the bench's too): an exact method never hangs unseen
+
+
+def budget_arg(text: str) -> Budget:
+    """A budget as ``parse_budget`` reads it: bytes, a size (``2GiB``) or a share (``60%``)."""
+    try:
+        return parse_budget(text)
+    except BudgetError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive(unit: str, or_zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0 (or 0 itself, with ``or_zero``), ``unit`` naming
+    what it counts in the error."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (value >= 0 if or_zero else value > 0) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'' if or_zero else 'positive '}number{unit}")
+        return value
+    return parse
+
+
+positive_seconds = positive(" of seconds")
+time_limit_arg = positive(" of seconds (0 for no limit)", or_zero=True)
+
+
+def positive_int(text: str) -> int:
+    """A whole number above 0 (a model's size option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
+
+
+def fraction_arg(text: str) -> float:
+    """A bench budget: a share of the no-remat peak (``70`` or ``70%``) as a fraction (0.7)."""
+    value = budget_arg(text if text.strip().endswith("%") else text + "%")
+    if value.fraction is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: bench budgets are shares of the no-remat peak, like 70 or 70%")
+    if value.fraction < 0.01:  # no schedule gets under the fixed memory; 0.8 was meant as 80%
+        raise argparse.ArgumentTypeError(f"{text!r} reads as {value}: bench budgets are percentages of the no-remat "
+                                         "peak, like 70 or 70%")
+    return value.fraction
