@@ -230,7 +230,7 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
         start = time.perf_counter()
         try:
             schedule = solve(graph, plan_budget, method, **options)
-        except BudgetError as e:
+        except BudgetError:
             if best is not None:
                 break
             raise
@@ -351,9 +351,9 @@ class _FakeStep:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        from bonsai_core.trace.patches import _skip_tensor_asserts
+        from bonsai_core.trace.patches import skip_tensor_asserts
 
-        with self.mode, _skip_tensor_asserts():
+        with self.mode, skip_tensor_asserts():
             yield
 
     def graph(self, autocast: str | None, optimizer: str, fsdp: int = 1, reshard_after_forward: bool = True) -> Graph:
@@ -374,10 +374,10 @@ class _FakeStep:
         from bonsai_core.export.checkpoint import faithful_layout, hidden_caches, recomputation_mismatches
         from bonsai_core.modules import record_step
         from bonsai_core.regions import CheckpointPlan
-        from bonsai_core.trace import _autocast
+        from bonsai_core.trace import autocast_context
 
         device_type = self.inputs[0].device.type if self.inputs else "cpu"
-        with self.running(), hidden_caches(self.model), _autocast(self.autocast, device_type):
+        with self.running(), hidden_caches(self.model), autocast_context(self.autocast, device_type):
             recorded = record_step(self.model, self.inputs, self.loss_fn)
 
         def mismatches(save: Save) -> dict[str, str]:

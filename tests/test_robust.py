@@ -90,11 +90,11 @@ def test_library_patches_hold_in_the_tracing_thread_only_and_are_put_back():
 
     import torch
 
-    from bonsai_core.trace.patches import _libraries_compiling
+    from bonsai_core.trace.patches import libraries_compiling
 
     original = torch.compiler.is_compiling
     seen = {}
-    with _libraries_compiling():
+    with libraries_compiling():
         other = threading.Thread(target=lambda: seen.update(other=torch.compiler.is_compiling()))
         other.start()
         other.join()

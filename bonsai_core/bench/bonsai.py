@@ -89,9 +89,23 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """The solve table, then the smallest budgets, the granularity sweep and the live re-solve."""
-    rows: list[dict[str, Any]] = []
     print(f"load average at start: {load_average()}\n")
+    rows, graphs = solve_table(args)
+    if not args.skip_smallest:
+        rows += smallest_budgets(args, graphs)
+    if not args.skip_granularity:
+        rows += granularity_sweep(args)
+    if not args.skip_resolve:
+        rows += resolve_sweep(args)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    return 0
 
+
+def solve_table(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, tuple[str, Any]]]:
+    """Bonsai (and the methods compared) on every model, backend and budget; the rows and the graphs."""
+    rows: list[dict[str, Any]] = []
     print("| model | nodes | budget | method | granularity | ILP cand. | vars | wall s | status | gap | source "
           "| peak/plain | overhead |")
     print("|" + "---|" * 13)
@@ -117,67 +131,75 @@ def main(args: argparse.Namespace) -> int:
                           f"{r['status']} | {fmt(r['gap'], '.2g')} | {fmt(r['plan_source'])} | "
                           f"{r['peak'] / plain:.3f} | {r['overhead']:+.2%} |", flush=True)
     print(f"\nload average: {load_average()}")
+    return rows, graphs
 
-    if not args.skip_smallest:
-        print("\nSmallest budget reached (share of the no-remat peak): bonsai's model at the top of its auto "
-              "ladder (min-peak MILP), chen's lowest plan, and the per-op lower bound:\n")
-        print("| model | bonsai model (status) | chen | per-op lower bound |")
-        print("|---|---|---|---|")
-        from bonsai_core.bench.methods import chen_lowest_peak
 
-        for spec in args.models:
-            label, g = graphs[spec]
-            plain = no_remat_peak(g)
-            smallest, status = B.smallest_budget(g, time_limit=args.time_limit)
-            chen = chen_lowest_peak(g)
-            rows.append({"model": label, "sweep": "smallest", "bonsai": smallest, "bonsai_status": status,
-                         "chen": chen, "lower_bound": g.peak_lower_bound, "plain_peak": plain})
-            print(f"| {label} | {'-' if smallest is None else f'{smallest / plain:.1%}'} ({status}) | {chen / plain:.1%} | "
-                  f"{g.peak_lower_bound / plain:.1%} |", flush=True)
+def smallest_budgets(args: argparse.Namespace, graphs: dict[str, tuple[str, Any]]) -> list[dict[str, Any]]:
+    """The smallest budget bonsai's model reaches, chen's lowest plan and the per-op bound, per model."""
+    from bonsai_core.bench.methods import chen_lowest_peak
 
-    if not args.skip_granularity:
-        label, g = load(args.granularity_model)
+    print("\nSmallest budget reached (share of the no-remat peak): bonsai's model at the top of its auto "
+          "ladder (min-peak MILP), chen's lowest plan, and the per-op lower bound:\n")
+    print("| model | bonsai model (status) | chen | per-op lower bound |")
+    print("|---|---|---|---|")
+    rows = []
+    for spec in args.models:
+        label, g = graphs[spec]
         plain = no_remat_peak(g)
-        print(f"\nGranularity on {label} ({g.n} nodes), budget 45% of the no-remat peak, HiGHS:\n")
-        print("| granularity | candidates | ILP cand. | vars | cons | wall s | status | gap | peak/plain | overhead |")
-        print("|" + "---|" * 10)
-        for gran in args.granularities:
-            B._cache.clear()
-            r = run(g, int(plain * 0.45), granularity=gran, time_limit=args.time_limit)
-            r |= {"model": label, "sweep": "granularity", "granularity_asked": gran, "fraction": 0.45}
+        smallest, status = B.smallest_budget(g, time_limit=args.time_limit)
+        chen = chen_lowest_peak(g)
+        rows.append({"model": label, "sweep": "smallest", "bonsai": smallest, "bonsai_status": status,
+                     "chen": chen, "lower_bound": g.peak_lower_bound, "plain_peak": plain})
+        print(f"| {label} | {'-' if smallest is None else f'{smallest / plain:.1%}'} ({status}) | {chen / plain:.1%} | "
+              f"{g.peak_lower_bound / plain:.1%} |", flush=True)
+    return rows
+
+
+def granularity_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Bonsai at 45% of the no-remat peak at each granularity asked."""
+    label, g = load(args.granularity_model)
+    plain = no_remat_peak(g)
+    print(f"\nGranularity on {label} ({g.n} nodes), budget 45% of the no-remat peak, HiGHS:\n")
+    print("| granularity | candidates | ILP cand. | vars | cons | wall s | status | gap | peak/plain | overhead |")
+    print("|" + "---|" * 10)
+    rows = []
+    for gran in args.granularities:
+        B._cache.clear()
+        r = run(g, int(plain * 0.45), granularity=gran, time_limit=args.time_limit)
+        r |= {"model": label, "sweep": "granularity", "granularity_asked": gran, "fraction": 0.45}
+        rows.append(r)
+        if "error" in r:
+            print(f"| {gran} | {r['error']} |")
+            continue
+        print(f"| {r['granularity']} | {r['candidates']} | {r['ilp_candidates']} | {r['variables']} | "
+              f"{r['constraints']} | {r['wall_seconds']:.2f} | {r['status']} | {fmt(r['gap'], '.2g')} | "
+              f"{r['peak'] / plain:.3f} | {r['overhead']:+.2%} |", flush=True)
+    return rows
+
+
+def resolve_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The live re-solve: one build, then the budget changed as a slider changes it."""
+    label, g = load(args.resolve_model)
+    plain = no_remat_peak(g)
+    print(f"\nLive re-solve on {label} ({g.n} nodes): one build, then budget changes:\n")
+    print("| backend | budget | cached | wall s (solve + schedule + simulate) | status | overhead |")
+    print("|" + "---|" * 6)
+    rows = []
+    for backend in args.backends:
+        B._cache.clear()
+        walls = []
+        for frac in (0.9, 0.8, 0.7, 0.75, 0.85, 0.65, 0.6, 0.55, 0.5):
+            r = run(g, int(plain * frac), backend=backend, time_limit=args.time_limit)
+            r |= {"model": label, "sweep": "resolve", "fraction": frac, "backend": backend}
             rows.append(r)
             if "error" in r:
-                print(f"| {gran} | {r['error']} |")
+                print(f"| {backend} | {frac:.0%} | {r['error']} |")
                 continue
-            print(f"| {r['granularity']} | {r['candidates']} | {r['ilp_candidates']} | {r['variables']} | "
-                  f"{r['constraints']} | {r['wall_seconds']:.2f} | {r['status']} | {fmt(r['gap'], '.2g')} | "
-                  f"{r['peak'] / plain:.3f} | {r['overhead']:+.2%} |", flush=True)
-
-    if not args.skip_resolve:
-        label, g = load(args.resolve_model)
-        plain = no_remat_peak(g)
-        print(f"\nLive re-solve on {label} ({g.n} nodes): one build, then budget changes:\n")
-        print("| backend | budget | cached | wall s (solve + schedule + simulate) | status | overhead |")
-        print("|" + "---|" * 6)
-        for backend in args.backends:
-            B._cache.clear()
-            walls = []
-            for frac in (0.9, 0.8, 0.7, 0.75, 0.85, 0.65, 0.6, 0.55, 0.5):
-                r = run(g, int(plain * frac), backend=backend, time_limit=args.time_limit)
-                r |= {"model": label, "sweep": "resolve", "fraction": frac, "backend": backend}
-                rows.append(r)
-                if "error" in r:
-                    print(f"| {backend} | {frac:.0%} | {r['error']} |")
-                    continue
-                if r["cached"]:
-                    walls.append(r["wall_seconds"])
-                print(f"| {backend} | {frac:.0%} | {r['cached']} | {r['wall_seconds']:.2f} | {r['status']} | "
-                      f"{r['overhead']:+.2%} |", flush=True)
-            if walls:
-                print(f"\nmedian re-solve ({backend}, cached rows): {statistics.median(walls):.2f} s; "
-                      f"load average {load_average()}")
-
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
-    return 0
+            if r["cached"]:
+                walls.append(r["wall_seconds"])
+            print(f"| {backend} | {frac:.0%} | {r['cached']} | {r['wall_seconds']:.2f} | {r['status']} | "
+                  f"{r['overhead']:+.2%} |", flush=True)
+        if walls:
+            print(f"\nmedian re-solve ({backend}, cached rows): {statistics.median(walls):.2f} s; "
+                  f"load average {load_average()}")
+    return rows

@@ -74,7 +74,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
 from bonsai_core.schedule import Schedule, schedule_ops, simulate
-from bonsai_core.trace import _autocast, built_for_tracing
+from bonsai_core.trace import autocast_context, built_for_tracing
 
 CHECKPOINT_RUNTIME = Path(checkpointing.__file__)
 
@@ -306,10 +306,10 @@ def _on_fake_tensors(model: str) -> Any:
     """Run ``model``'s step on fake tensors as the trace does (``torch._assert`` on a tensor skipped); a
     failure there is an ExportError, not a traceback."""
     from bonsai_core.errors import BonsaiError
-    from bonsai_core.trace import _skip_tensor_asserts
+    from bonsai_core.trace.patches import skip_tensor_asserts
 
     try:
-        with _skip_tensor_asserts():
+        with skip_tensor_asserts():
             yield
     except BonsaiError:
         raise
@@ -402,7 +402,7 @@ def recomputation_mismatches(save: dict[str, dict[str, list[int]]], model: str, 
     apply_saves(net, save, model, logged_contexts)
     try:
         with torch.enable_grad():
-            with _autocast(autocast):
+            with autocast_context(autocast):
                 loss = loss_fn(net(*inputs))
             loss.backward()
     except RuntimeError as e:  # SAC's "not found in storage", checkpoint's CheckpointError
@@ -471,7 +471,7 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
     sim = simulate(graph, schedule)
     plan = CheckpointPlan.from_extra(schedule.extra)
     with built_for_tracing(model, seed, **options) as (net, inputs, loss_fn), _on_fake_tensors(model):
-        with hidden_caches(net), _autocast(autocast):  # as the checkpointed submodules will run
+        with hidden_caches(net), autocast_context(autocast):  # as the checkpointed submodules will run
             step = record_step(net, inputs, loss_fn)
 
     def mismatches(save: dict[str, dict[str, list[int]]]) -> dict[str, str]:

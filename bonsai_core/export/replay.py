@@ -24,7 +24,7 @@ from bonsai_core.export.folder import ExportError, schedule_info, trace_for_sche
 from bonsai_core.export.readme import replay_readme
 from bonsai_core.schedule import COMPUTE, FREE, Schedule, simulate
 from bonsai_core.trace import Traced, built_for_tracing
-from bonsai_core.trace.to_graph import _IDENTITY_OPS
+from bonsai_core.trace.to_graph import IDENTITY_OPS
 
 # Kernels the tracer picked for its own device, and the runtime helpers (same arguments and outputs)
 # that call the kernel of the device the step runs on: a program runs wherever its batch is.
@@ -384,7 +384,7 @@ class _Writer:
         """The graph node whose value ``node`` reads (through getitem and identities)."""
         if node.name in self.ids:
             return self.ids[node.name]
-        if node.target is operator.getitem or str(node.target) in _IDENTITY_OPS:
+        if node.target is operator.getitem or str(node.target) in IDENTITY_OPS:
             return self.root(node.args[0])
         raise ExportError(f"FX node {node.name!r} is no node of the traced graph.")
 
@@ -398,7 +398,7 @@ class _Writer:
                 return f"v{self.ids[a.name]}"
             if a.target is operator.getitem:
                 return f"{self.expr(a.args[0])}[{a.args[1]!r}]"
-            if str(a.target) in _IDENTITY_OPS:
+            if str(a.target) in IDENTITY_OPS:
                 return self.expr(a.args[0])
             if a.op == "call_function":  # a view of a parameter or input: free to recompute at each use
                 return self.call(a)

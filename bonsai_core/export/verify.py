@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from bonsai_core.errors import ModelError
 from bonsai_core.export.folder import ExportError, load_export
 from bonsai_core.tensors import storage_bytes
-from bonsai_core.trace import AUTOCAST
+from bonsai_core.trace import AUTOCAST, autocast_context
 
 PEAK_TOLERANCE = 0.10  # |measured / predicted - 1| beyond this is a mismatch, above or below
 # Under autocast a fused kernel (CPU flash attention) may block its sums differently from eager's call
@@ -231,7 +231,7 @@ class _ReplayRun:
         """``step`` under the seed (the same random numbers, dropout masks, in both steps) and the autocast."""
         def run() -> torch.Tensor:
             torch.manual_seed(self.seed)
-            with _autocast(self.dev, self.autocast):
+            with autocast_context(self.autocast, self.dev.type):
                 return step()
         return run
 
@@ -360,15 +360,6 @@ def _eager_step(net: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any) 
     loss = loss_fn(net(*inputs))
     loss.backward()
     return loss
-
-
-@contextlib.contextmanager
-def _autocast(dev: torch.device, autocast: str | None) -> Iterator[None]:
-    if autocast is None:
-        yield
-        return
-    with torch.autocast(device_type=dev.type, dtype=AUTOCAST[autocast]):
-        yield
 
 
 def largest_differences(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, float]:
@@ -570,7 +561,7 @@ def _checkpoint_steps(net: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn:
     from bonsai_core.measure import measure_step
 
     def step() -> torch.Tensor:
-        with _autocast(dev, autocast):
+        with autocast_context(autocast, dev.type):
             loss = loss_fn(net(*inputs))
         loss.backward()
         return loss

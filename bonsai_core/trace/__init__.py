@@ -23,7 +23,7 @@ user's own eager run still checks it).
 A constructor that reads a tensor's value (``trunc_normal_`` checks ``mask.any()``) is built again
 with ``torch.nn.init`` skipped, then on real CPU tensors (:func:`built_for_tracing`). A step whose
 forward reads a value is traced again with ``torch.compiler.is_compiling()`` True, so library code
-takes its compile-time path (:func:`_libraries_compiling`).
+takes its compile-time path (:func:`libraries_compiling`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES
 from bonsai_core.errors import ModelError, ValueReadError
 from bonsai_core.graph import Graph
 from bonsai_core.trace.patches import (_as_in_eager, _grouped_mm_as_its_kernels, _initialisation_skipped,
-                                       _libraries_compiling, _quiet_meta_failures)
+                                       libraries_compiling, _quiet_meta_failures)
 from bonsai_core.trace.to_graph import _placeholder_tensors, _to_graph
 from bonsai_core.user_code import DATA_DEPENDENT_ERRORS, user_code
 
@@ -150,12 +150,12 @@ def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Call
 
     ``autocast`` ("bf16" | "fp16") traces the step under ``torch.autocast``: the graph holds the casts
     and the lower-precision tensors autocast makes. A step that reads a tensor's value is traced
-    again with libraries on their compile-time path (:func:`_libraries_compiling`); what still reads
+    again with libraries on their compile-time path (:func:`libraries_compiling`); what still reads
     one raises :class:`ValueReadError`."""
     try:
         return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
     except ValueReadError:
-        with _libraries_compiling():
+        with libraries_compiling():
             return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
 
 
@@ -164,7 +164,7 @@ def _trace_step_once(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn
     if profile not in PROFILES:
         raise ModelError(f"Unknown cost model {profile!r}; choose one of: {', '.join(PROFILES)}.")
     device_type = inputs[0].device.type if inputs else "cpu"
-    cast = _autocast(autocast, device_type)
+    cast = autocast_context(autocast, device_type)
     start = time.perf_counter()
     step = _Step(model, loss_fn)
     frozen: list[str] = []
@@ -175,7 +175,7 @@ def _trace_step_once(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn
     except _NoGradient:  # rare, and finding the parameters costs a forward trace: only then
         unused = _unused_parameters(step, tuple(inputs), name)
         try:
-            with _without_unused(step, unused) as (frozen, hidden), _autocast(autocast, device_type):
+            with _without_unused(step, unused) as (frozen, hidden), autocast_context(autocast, device_type):
                 gm, signature = _export_joint(step, tuple(inputs), name)
         except _NoGradient:
             raise ModelError(f"Tracing {name!r} failed: a trainable parameter gets no gradient from the loss "
@@ -202,7 +202,7 @@ def _module_spans(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: C
 
     forward = np.flatnonzero(graph.is_forward)
     fake = all(isinstance(x, FakeTensor) for x in inputs)
-    cast = _autocast(autocast, inputs[0].device.type if inputs else "cpu")
+    cast = autocast_context(autocast, inputs[0].device.type if inputs else "cpu")
     try:
         with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), cast, \
                 _grouped_mm_as_its_kernels(), FusedAttentionWithDropout(), _quiet_meta_failures():
@@ -215,7 +215,7 @@ def _module_spans(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: C
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _autocast(autocast: str | None, device_type: str = "cpu") -> Any:
+def autocast_context(autocast: str | None, device_type: str = "cpu") -> Any:
     """``torch.autocast`` for the device the step is traced on (fake tensors of the inputs' device)."""
     if autocast is None:
         return contextlib.nullcontext()

@@ -94,12 +94,12 @@ def _as_in_eager() -> Iterator[None]:
     drops nothing, ``torch._assert`` on tensors skipped, float32/float16 grouped matmuls shaped
     as their kernels shape them, and SDPA with dropout recorded as the fused kernel a GPU runs, not
     the CPU's math path (:mod:`bonsai_core.attention`)."""
-    with _skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels(), FusedAttentionWithDropout():
+    with skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels(), FusedAttentionWithDropout():
         yield
 
 
 @contextlib.contextmanager
-def _libraries_compiling() -> Iterator[None]:
+def libraries_compiling() -> Iterator[None]:
     """Within: ``torch.compiler.is_compiling()`` is True, as under ``torch.compile``/``torch.export``.
     Libraries ask it to skip code that reads tensor values when traced: transformers' causal mask
     checks whether the positions of a call without an attention mask are packed sequences
@@ -212,7 +212,7 @@ def _quiet_meta_failures() -> Iterator[_MetaFailures]:
 
 
 @contextlib.contextmanager
-def _skip_tensor_asserts() -> Iterator[None]:
+def skip_tensor_asserts() -> Iterator[None]:
     """``torch._assert`` on a tensor condition is a check, not a branch: skip it while tracing
     (fake tensors have no value to check), keep every other assert."""
     real_assert = torch._assert

@@ -43,7 +43,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.tensors import storage_bytes, tensors_in
 
 _UNMARKED_VIEWS = {"aten._unsafe_view.default"}  # views whose schema does not say so
-_IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
+IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
 
 _NOT_A_NODE = -1  # a placeholder, or a view of one: part of fixed_mem, not a node
 _WHOLE_OUTPUT = -1  # every output of an op (a single-output op whose value is a buffer's new value)
@@ -100,7 +100,7 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
         inputs = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
         base = _view_base(node, inputs)
         deps = sorted({ids[a] for a in inputs if ids[a] != _NOT_A_NODE})
-        if op in _IDENTITY_OPS and inputs:
+        if op in IDENTITY_OPS and inputs:
             ids[node] = ids[inputs[0]]
         elif base is not None and ids[base] == _NOT_A_NODE:
             ids[node] = _NOT_A_NODE
