@@ -4,7 +4,7 @@ After a session solves its model at one slider position, one background thread (
 session of the server) solves the positions around it, outward, with the same method and options through
 :func:`explorer.compute.solve`, whose cache every session reads: a drag then finds its plan solved.
 On a small machine serving a classroom this is what keeps a drag fast while ten sessions drag at once
-(docs/EXPLORER.md has the measurements); bonsai's reuse of a plan across budgets makes most positions
+(docs/results/explorer.md has the measurements); bonsai's reuse of a plan across budgets makes most positions
 free. Jobs stay small: each background solve runs with its time limit capped at
 :data:`SLOW_SOLVE_SECONDS` (one that reaches the cap is thrown away, see ``compute.solve``'s ``_cap``),
 so a session's own solve never waits longer than that for the graph's problem; the side below stops

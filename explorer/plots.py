@@ -130,7 +130,7 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     Everything that moves with the budget (the lines, peaks, budget and its label) is in the named
     ``datasets``; the spec around them depends only on which curves are shown and the x axis. Streamlit
     then updates a keyed chart's data in place when the budget slider moves, where a Plotly chart is
-    mounted and drawn anew on every change (about half of a browser's work per drag: docs/EXPLORER.md).
+    mounted and drawn anew on every change (about half of a browser's work per drag, as measured in Chromium).
     The "hybrid" renderer draws the marks on a canvas and the text as SVG, readable in the page.
     ``cursor`` (an x value) adds a vertical rule, in a dataset of its own; ``x_domain`` spans the x axis
     over at least that range (unseen points in a dataset: a domain in the spec would change the spec, and

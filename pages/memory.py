@@ -220,7 +220,7 @@ def memory_over_time() -> None:
     st.table(rows, hide_index=True)  # a static table: a data grid cost each browser 0.1 CPU-s more per drag
 
     # Drawn only while open (a lazy expander): the address map is a second plotly chart that every budget
-    # change would redraw, about 40% of a browser tab's work per slider move (docs/EXPLORER.md).
+    # change would redraw, about 40% of a browser tab's work per slider move, as measured in Chromium.
     address = st.expander("Address space at one moment", key="memory_address_open", on_change="rerun")
     if address.open:
         with address:

@@ -1,7 +1,7 @@
 """The checkpoint back-end on the replay back-end's test models: bonsai (free-form and module plans) at the
 first of lb + 50/70/90% of the headroom it meets, exported with ``export_checkpoint`` and checked with
 ``verify_checkpoint``; one line per model and plan. ``PYTHONPATH=. python scripts/checkpoint_backend_models.py
-[MODEL ...]`` (docs/EXPORT.md has a run)."""
+[MODEL ...]`` (docs/results/export.md has a run)."""
 import sys
 import tempfile
 import time

@@ -1,4 +1,4 @@
-"""Is the dropout gap in README's "Predicted vs measured memory" only CPU eager's dropout kernel?
+"""Is the dropout gap of docs/results/predicted_vs_measured.md only CPU eager's dropout kernel?
 
 Measures the eager CPU step of the dropout-0.1 real models with dropout run as ``native_dropout``
 (the fused kernel, bool mask, that CUDA eager uses and the trace records), also inside SDPA (its math

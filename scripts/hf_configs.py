@@ -7,7 +7,7 @@ back-end), and ``verify`` on CPU: predicted vs measured peak, loss and gradient 
 
     PYTHONPATH=. python scripts/hf_configs.py [--budget 0.7] [--only t5 bart]
 
-prints one markdown row per architecture (the table in README.md) and exits 1 if any fails.
+prints one markdown row per architecture (the table in docs/results/hf_configs.md) and exits 1 if any fails.
 """
 
 from __future__ import annotations

@@ -577,7 +577,7 @@ def test_gpt2_small_solves_to_optimality():
     from bonsai_core.trace import trace_model
 
     g = trace_model("gpt", **GPT2_SMALL).graph
-    # Default options (HiGHS, gap 1%): within 1% of the model's optimum; times are in docs/BONSAI.md.
+    # Default options (HiGHS, gap 1%): within 1% of the model's optimum; times are in docs/results/bonsai.md.
     for frac in (0.9, 0.7):
         s = solve(g, int(no_remat_peak(g) * frac), "bonsai", time_limit=300)
         assert s.stats["status"] == "optimal" or (s.stats["gap"] is not None and s.stats["gap"] <= 0.01)

@@ -1,6 +1,6 @@
 """DTR's heuristics and deallocation modes on the 2-layer zoo GPT (live-byte budget), at 80% and 60%.
 
-    bonsai bench dtr-variants     # prints the markdown table in docs/HEURISTICS.md
+    bonsai bench dtr-variants     # prints the markdown table in docs/results/heuristics.md
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ def frag_cell(r: dict[str, Any], key: str) -> str:
 
 
 def headline(results: dict[str, Any]) -> dict[str, Any]:
-    """The numbers docs/HEURISTICS.md quotes: how often and by how much coop's smallest pool is below
+    """The numbers docs/results/heuristics.md quotes: how often and by how much coop's smallest pool is below
     the best DTR-in-the-pool variant's, and the median overheads at equal pools."""
     entries = list(results["models"].values())
     pool_variants = [k for k in VARIANTS if k not in ("coop", "dtr")]

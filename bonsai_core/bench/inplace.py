@@ -10,7 +10,7 @@ reserved peak: ``allocator.pool_replay``, ``bonsai simulate --allocator --arena`
 
     bonsai bench inplace [--models gpt resnet ...] [--time-limit 20]
 
-prints a markdown table (docs/HEURISTICS.md has the measured one).
+prints a markdown table (docs/results/heuristics.md has the measured one).
 """
 
 from __future__ import annotations

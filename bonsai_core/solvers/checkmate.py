@@ -38,7 +38,7 @@ from bonsai_core.solvers.views import contract_views, expand_views
 
 # Above this many nodes (views excepted) the MILP has over 400k variables and 900k constraints
 # (measured on a 400-node chain) and neither backend finds a solution in minutes; the segment ILP
-# (``bonsai``) is the tool there. docs/SOLVERS_CHECKMATE_MOCCASIN.md has the measurements.
+# (``bonsai``) is the tool there. docs/results/checkmate_moccasin.md has the measurements.
 MAX_NODES = 400
 _CACHE_SIZE = 4
 # The search for a warm start may take this share of the time limit, and at most this many seconds
