@@ -89,11 +89,11 @@ class CheckmateMatrices:
 
     def r_col(self, t: np.ndarray, i: np.ndarray) -> np.ndarray:
         """Column of R[t, i], i < t."""
-        return lower_offset(t, i)
+        return _Columns(self.q).r(t, i)
 
     def s_col(self, t: np.ndarray, i: np.ndarray) -> np.ndarray:
         """Column of S[t, i], i < t."""
-        return self.q + lower_offset(t, i)
+        return _Columns(self.q).s(t, i)
 
     def budget_units(self, budget_bytes: float, fixed_mem: int) -> float:
         """U's upper bound for a budget in bytes: (budget - fixed_mem + half a byte) in memory units.
