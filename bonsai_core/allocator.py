@@ -77,7 +77,7 @@ import numpy as np
 
 from bonsai_core.errors import BudgetError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import COMPUTE, FREE, Schedule, simulate
+from bonsai_core.schedule import COMPUTE, FREE, Schedule, inplace_writes, simulate
 from bonsai_core.units import format_bytes
 
 MIN_BLOCK = 512  # kMinBlockSize: every size is rounded up to a multiple of this
@@ -425,6 +425,14 @@ class Allocator:
         self.high_water = max(self.high_water, block.addr + block.size)
         return block
 
+    def hand_over(self, owner: int, new_owner: int) -> None:
+        """``new_owner`` takes ``owner``'s block where it is: an op that writes its input in place."""
+        block = self.by_owner.pop(owner)
+        if new_owner in self.by_owner:
+            raise ValueError(f"node {new_owner} already holds a block")
+        block.owner = new_owner
+        self.by_owner[new_owner] = block
+
     def free(self, owner: int) -> None:
         """Return ``owner``'s block to its pool, merged with free neighbours of its segment."""
         block = self.by_owner.pop(owner)
@@ -630,8 +638,12 @@ def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], capacit
     best-fit block node v's output goes to ("left" for all when None), as an eviction run placed it."""
     mem = graph.mem.tolist()
     holds = ((graph.mem > 0) & ~graph.is_view).tolist()
+    written = inplace_writes(graph, ops)  # simulator rule 8: the output takes its input's block
+    handed_over = set(written.values())
     for i, (kind, v) in enumerate(ops):
-        if kind == COMPUTE and holds[v]:
+        if i in written:
+            alloc.hand_over(int(graph.inplace_of[v]), v)
+        elif kind == COMPUTE and holds[v]:
             side = "left" if side_of is None else side_of(v)
             if alloc.malloc(v, mem[v], side) is None and (side == "left" or alloc.malloc(v, mem[v]) is None):
                 raise BudgetError(
@@ -639,7 +651,7 @@ def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], capacit
                     f"{graph.names[v]!r}, {format_bytes(mem[v])}): {format_bytes(alloc.footprint + outside)} "
                     f"is in use and its largest free block is {format_bytes(alloc.largest_free)}. Replay "
                     "without a capacity to see the reserved peak this schedule needs.")
-        elif kind == FREE and holds[v]:
+        elif kind == FREE and holds[v] and i not in handed_over:
             alloc.free(v)
         if trace is not None:
             trace[0][i] = alloc.footprint + outside

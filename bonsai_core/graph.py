@@ -30,8 +30,8 @@ from bonsai_core.errors import GraphError
 FORMAT = "bonsai-graph"
 VERSION = 1
 PHASES = ("forward", "backward", "input", "param")
-# Fields every node of a graph file has; "op", "alias_of", "shape" (and fields later versions add,
-# such as "module") are optional.
+# Fields every node of a graph file has; "op", "alias_of", "inplace_of", "shape" (and fields later
+# versions add, such as "module") are optional.
 REQUIRED_FIELDS = ("id", "name", "phase", "cost", "mem", "deps")
 FIXED_KINDS = ("param", "buffer", "grad", "input", "constant", "optimizer", "fsdp")  # of the optional 'fixed_tensors' entries
 
@@ -55,6 +55,7 @@ class NodeInfo:
     deps: tuple[int, ...]
     alias_of: int | None
     shape: str = ""
+    inplace_of: int | None = None
 
 
 class Graph:
@@ -73,6 +74,8 @@ class Graph:
         cost: float64[n], seconds to compute each node (0 only for views).
         mem: int64[n], bytes of each node's output(s) (0 for views).
         alias_of: int64[n], the node whose storage a view shares, or -1.
+        inplace_of: int64[n], the input whose bytes eager overwrites with the node's output (``relu_``,
+            ``x += y``; simulator rule 8), or -1.
         dep_ptr, dep_idx: CSR of each node's inputs (``deps(v)``), sorted.
         user_ptr, user_idx: CSR of each node's consumers (``users(v)``), sorted.
         is_output: bool[n], nodes with no consumers (the loss, parameter gradients).
@@ -98,6 +101,7 @@ class Graph:
         modules: Sequence[Sequence[Any]] = (),
         optimizer: dict[str, Any] | None = None,
         fsdp: dict[str, Any] | None = None,
+        inplace_of: Iterable[int | None] | None = None,
     ) -> None:
         n = len(names)
         if n == 0:
@@ -124,7 +128,8 @@ class Graph:
         try:
             self.cost = np.asarray(list(cost), dtype=np.float64)
             self.mem = np.asarray(list(mem), dtype=np.int64)
-            self.alias_of = np.asarray([-1 if a is None else a for a in alias_of], dtype=np.int64)
+            self.alias_of = _node_ids(alias_of)
+            self.inplace_of = _node_ids([None] * n if inplace_of is None else inplace_of)
             dep_lists = [sorted(set(int(d) for d in ds)) for ds in deps]
         except (OverflowError, ValueError, TypeError) as e:
             raise GraphError(f"A node's cost, mem, deps or alias_of is not a number in range ({e}).") from None
@@ -134,7 +139,8 @@ class Graph:
         if len(self.dep_idx) > MAX_EDGES:
             raise GraphError(f"The graph has {len(self.dep_idx)} edges; this tool handles at most {MAX_EDGES}.")
         for arr, what in ((self.ops, "ops"), (self.phases, "phases"), (self.cost, "cost"), (self.mem, "mem"),
-                          (self.alias_of, "alias_of"), (self.shapes, "shapes"), (dep_lists, "deps")):
+                          (self.alias_of, "alias_of"), (self.inplace_of, "inplace_of"), (self.shapes, "shapes"),
+                          (dep_lists, "deps")):
             if len(arr) != n:
                 raise GraphError(f"The graph has {n} names but {len(arr)} {what}: every node needs each field.")
         self._validate()
@@ -146,6 +152,7 @@ class Graph:
         self.user_ptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.bincount(self.dep_idx, minlength=n), out=self.user_ptr[1:])
         self.is_output = np.diff(self.user_ptr) == 0
+        self._validate_inplace()
         self.is_forward = np.array([p == "forward" for p in self.phases], dtype=bool)
         self.is_view = self.alias_of >= 0
         self.output_of = np.array([int(self.dep_idx[self.dep_ptr[v]]) if self.ops[v] == "getitem" and self.mem[v] > 0
@@ -155,7 +162,7 @@ class Graph:
         self.activation_bytes = int(self.mem[self.is_forward].sum())
         self.peak_lower_bound = self._peak_lower_bound()
         self.hash = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
-        for arr in (self.cost, self.mem, self.alias_of, self.dep_ptr, self.dep_idx, self.user_ptr,
+        for arr in (self.cost, self.mem, self.alias_of, self.inplace_of, self.dep_ptr, self.dep_idx, self.user_ptr,
                     self.user_idx, self.is_output, self.is_forward, self.is_view, self.output_of):
             arr.setflags(write=False)
 
@@ -166,7 +173,7 @@ class Graph:
                    fixed_tensors: Sequence[Sequence[Any]] = (), modules: Sequence[Sequence[Any]] = (),
                    optimizer: dict[str, Any] | None = None, fsdp: dict[str, Any] | None = None) -> "Graph":
         """Build a graph from node dicts (``name, op, phase, cost, mem, deps`` and optional
-        ``alias_of``, ``shape``), listed in execution order; ids are their positions."""
+        ``alias_of``, ``inplace_of``, ``shape``), listed in execution order; ids are their positions."""
         return cls(
             fixed_tensors=fixed_tensors,
             modules=modules,
@@ -181,6 +188,7 @@ class Graph:
             mem=[nd["mem"] for nd in nodes],
             deps=[nd.get("deps", []) for nd in nodes],
             alias_of=[nd.get("alias_of") for nd in nodes],
+            inplace_of=[nd.get("inplace_of") for nd in nodes],
             shapes=[str(nd.get("shape", "")) for nd in nodes],
         )
 
@@ -229,6 +237,22 @@ class Graph:
             elif c <= 0:
                 raise GraphError(f"{where} has cost 0 but is not a view; every computed node costs time > 0.")
 
+    def _validate_inplace(self) -> None:
+        """An in-place write (``inplace_of`` u of node v) reads u, has u's bytes, and is u's last reader in
+        the listed order: eager overwrote u, so nothing after v could have read it."""
+        for v in np.flatnonzero(self.inplace_of >= 0).tolist():
+            u = int(self.inplace_of[v])
+            where = f"Node {v} ({self.names[v]!r}) has inplace_of {u}"
+            if u not in self.deps(v):
+                raise GraphError(f"{where} but does not read it: an in-place op writes one of its inputs.")
+            if self.alias_of[v] >= 0 or self.alias_of[u] >= 0 or self.mem[u] != self.mem[v] or self.mem[v] <= 0:
+                raise GraphError(f"{where}, but an in-place write takes its input's bytes: both must hold the same "
+                                 f"bytes (> 0) and neither may be a view ({self.mem[u]} and {self.mem[v]} bytes).")
+            last = int(self.users(u)[-1])
+            if last != v:
+                raise GraphError(f"{where}, but node {last} reads {u} after it: eager could not have "
+                                 "overwritten it. Drop 'inplace_of' (it is optional).")
+
     def _peak_lower_bound(self) -> int:
         """The memory of the largest single compute step: fixed_mem + a node's output + its inputs
         (and the bases of views among them). No schedule can peak below this (Checkmate's
@@ -236,7 +260,8 @@ class Graph:
         best = 0
         for v in range(self.n):
             live = self.with_view_bases({v, *self.deps(v).tolist()})
-            best = max(best, int(self.mem[list(live)].sum()))
+            written = int(self.mem[self.inplace_of[v]]) if self.inplace_of[v] >= 0 else 0  # rule 8: v takes its bytes
+            best = max(best, int(self.mem[list(live)].sum()) - written)
         return max(self.fixed_mem + best, self.optimizer_peak)
 
     def with_view_bases(self, nodes: set[int]) -> set[int]:
@@ -282,8 +307,9 @@ class Graph:
 
     def node(self, v: int) -> NodeInfo:
         a = int(self.alias_of[v])
+        w = int(self.inplace_of[v])
         return NodeInfo(v, self.names[v], self.ops[v], self.phases[v], float(self.cost[v]), int(self.mem[v]),
-                        tuple(self.deps(v).tolist()), None if a < 0 else a, self.shapes[v])
+                        tuple(self.deps(v).tolist()), None if a < 0 else a, self.shapes[v], None if w < 0 else w)
 
     def summary(self) -> dict[str, Any]:
         """Counts and sizes a person wants first (the explorer's model page, ``bonsai trace``)."""
@@ -314,6 +340,8 @@ class Graph:
                   "alias_of": None if a < 0 else a}
             if self.shapes[v]:
                 nd["shape"] = self.shapes[v]
+            if self.inplace_of[v] >= 0:  # only when set: graphs without in-place writes keep their hash
+                nd["inplace_of"] = int(self.inplace_of[v])
             nodes.append(nd)
         out = {"format": FORMAT, "version": VERSION, "name": self.name, "fixed_mem": self.fixed_mem, "nodes": nodes}
         if self.fixed_tensors:
@@ -357,7 +385,7 @@ class Graph:
             deps = nd["deps"]
             if not isinstance(deps, list):
                 raise GraphError(f"{where}: 'deps' must be a list of node ids, not {type(deps).__name__}.")
-            alias = nd.get("alias_of")
+            alias, inplace = nd.get("alias_of"), nd.get("inplace_of")
             parsed.append({
                 "name": _str_field(nd["name"], f"{where} 'name'"),
                 "op": _str_field(nd.get("op", ""), f"{where} 'op'"),
@@ -366,12 +394,15 @@ class Graph:
                 "mem": _int_field(nd["mem"], f"{where} 'mem'"),
                 "deps": [_int_field(d, f"{where} 'deps'") for d in deps],
                 "alias_of": None if alias is None else _int_field(alias, f"{where} 'alias_of'"),
+                "inplace_of": None if inplace is None else _int_field(inplace, f"{where} 'inplace_of'"),
                 "shape": str(nd.get("shape", "")),
             })
             if len(set(parsed[-1]["deps"])) != len(deps):
                 raise GraphError(f"{where} lists the same dependency twice in 'deps'.")
             if alias is not None and not 0 <= parsed[-1]["alias_of"] < i:
                 raise GraphError(f"{where} has alias_of {alias}, which is not an earlier node.")
+            if inplace is not None and not 0 <= parsed[-1]["inplace_of"] < i:
+                raise GraphError(f"{where} has inplace_of {inplace}, which is not an earlier node.")
         fixed_tensors = data.get("fixed_tensors", [])
         if not isinstance(fixed_tensors, list) or not all(isinstance(t, list) and len(t) == 3 for t in fixed_tensors):
             raise GraphError("'fixed_tensors' (optional) must be a list of [name, bytes, kind] triples.")
@@ -393,6 +424,11 @@ class Graph:
             fsdp = _fsdp_field(fsdp, len(parsed))
         return cls.from_nodes(_str_field(data.get("name", "graph"), "'name'"), fixed_mem, parsed, fixed_tensors,
                               modules, optimizer, fsdp)
+
+
+def _node_ids(ids: Iterable[int | None]) -> np.ndarray:
+    """int64 node ids, -1 for None (a field that names no node)."""
+    return np.asarray([-1 if a is None else a for a in ids], dtype=np.int64)
 
 
 def block_stack(graph: Graph) -> list[tuple[str, int, int]]:

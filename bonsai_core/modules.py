@@ -44,25 +44,59 @@ def _same_op(op: str) -> str:
 
 @dataclass(frozen=True)
 class RecordedStep:
-    """The aten ops of one forward + loss as SAC's policy sees them, and each module call's op range."""
+    """The aten ops of one forward + loss as SAC's policy sees them, each module call's op range, and
+    the ops that wrote an activation in place."""
 
     ops: list[str]
     calls: list[tuple[str, int, int]]  # (module path, first op, one past the last op), model modules only
     call_counts: Counter
+    inplace: list[tuple[int, int]] = ()  # (in-place op, the op whose whole output it overwrote)
 
 
 class _OpRecorder(TorchDispatchMode):
+    """Records each op's name and, for an in-place op (``relu_``, ``add_``) whose first argument is the
+    whole output of an earlier recorded op, that pair: an activation written in place. Writes into
+    parameters, buffers, the batch or views are not activations' and are left out."""
+
     def __init__(self) -> None:
         super().__init__()
         from torch.utils.checkpoint import SAC_IGNORED_OPS
 
         self.ignored = SAC_IGNORED_OPS
         self.ops: list[str] = []
+        self.inplace: list[tuple[int, int]] = []
+        self.made_by: dict[int, int] = {}  # storage address -> the recorded op whose output it last was (-1: other)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        out = func(*args, **(kwargs or {}))
+        at = -1
         if func not in self.ignored:
+            at = len(self.ops)
             self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+            written = _written_in_place(func, args)
+            if written is not None and self.made_by.get(_storage(written), -1) >= 0:
+                self.inplace.append((at, self.made_by[_storage(written)]))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and not t._is_view():
+                self.made_by[_storage(t)] = at
+        return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _written_in_place(func: Any, args: tuple) -> torch.Tensor | None:
+    """The tensor an in-place aten op (``aten.relu_``, ``aten.add_.Tensor``: a name ending in ``_``, its
+    first argument written) overwrites whole, or None."""
+    schema = func._schema
+    if not (schema.name.endswith("_") and schema.arguments and args and isinstance(args[0], torch.Tensor)):
+        return None
+    alias = schema.arguments[0].alias_info
+    t = args[0]
+    if alias is None or not alias.is_write or t._is_view() or t.untyped_storage().nbytes() != t.nbytes:
+        return None
+    return t
 
 
 def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor]) -> RecordedStep:
@@ -92,7 +126,7 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
     finally:
         for h in hooks:
             h.remove()
-    return RecordedStep(recorder.ops, calls, counts)
+    return RecordedStep(recorder.ops, calls, counts, recorder.inplace)
 
 
 def align(runtime_ops: list[str], traced_ops: list[str]) -> np.ndarray:
@@ -105,6 +139,13 @@ def align(runtime_ops: list[str], traced_ops: list[str]) -> np.ndarray:
     for block in matcher.get_matching_blocks():
         at[block.a:block.a + block.size] = np.arange(block.b, block.b + block.size)
     return at
+
+
+def inplace_pairs(step: RecordedStep, forward_ops: list[str]) -> list[tuple[int, int]]:
+    """(v, u) forward positions: the traced op at v is one eager ran in place on the output of u, for the
+    recorded in-place writes whose two ops the alignment with ``forward_ops`` places."""
+    at = align(step.ops, forward_ops)
+    return [(int(at[i]), int(at[p])) for i, p in step.inplace if at[i] >= 0 and at[p] >= 0]
 
 
 def module_spans(step: RecordedStep, forward_ops: list[str]) -> list[tuple[str, int, int]]:

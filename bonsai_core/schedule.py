@@ -12,6 +12,9 @@ The simulator is the single judge of every method. Its rules (DESIGN.md):
    is: its bytes come from the op's kernel, not from the ``getitem`` (:func:`hold_separated_outputs`).
 6. ``compute_cost`` is the sum of the computed nodes' costs; ``overhead`` is
    ``compute_cost / graph.total_cost - 1``.
+7. (FSDP2 working memory: :mod:`bonsai_core.fsdp`.)
+8. A node v with ``inplace_of`` u is written into u's bytes when the schedule frees u right after
+   computing v (before the next compute): that step counts u's bytes once (:func:`inplace_writes`).
 """
 
 from __future__ import annotations
@@ -111,6 +114,29 @@ class SimResult:
                 "recomputes": self.recomputes}
 
 
+def inplace_writes(graph: Graph, ops: Sequence[tuple[str, int]]) -> dict[int, int]:
+    """Rule 8: {position of ``compute v``: position of ``free u``} for every compute of a node v with
+    ``inplace_of`` u after which the schedule frees u before the next compute. Eager runs such an op in
+    place (``relu_``, ``x += y``): v's output takes u's bytes, and freeing u then releases nothing. A
+    schedule that keeps u longer (a later recomputation reads it) gets a fresh output, as the
+    functional op would. O(len(ops))."""
+    inplace_of = graph.inplace_of
+    if not (inplace_of >= 0).any():
+        return {}
+    writes: dict[int, int] = {}
+    for i, (kind, v) in enumerate(ops):
+        if kind != COMPUTE or not 0 <= v < graph.n or inplace_of[v] < 0:
+            continue
+        u = int(inplace_of[v])
+        for j in range(i + 1, len(ops)):
+            if ops[j][0] == COMPUTE:
+                break
+            if ops[j][1] == u:
+                writes[i] = j
+                break
+    return writes
+
+
 def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> SimResult:
     """Replay a schedule on a graph under the rules above; raise ScheduleError at the first broken
     rule, naming the op and the node. O(len(ops) + edges)."""
@@ -128,12 +154,15 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
     computed = [0] * n
     live_views = [0] * n  # resident views of each node
     output_of = graph.output_of.tolist()
+    inplace_of = graph.inplace_of.tolist()
     outputs = _separated_outputs(graph)
     stale = [False] * n  # a separated output freed since its op last ran: no bytes to take it from
     live = graph.fixed_mem
     peak, peak_op = live, -1
     computed_costs: list[float] = []
     timeline = np.empty(len(ops), dtype=np.int64)
+    written = inplace_writes(graph, ops)  # rule 8: compute position -> the free that releases nothing
+    handed_over = set(written.values())
     for i, (kind, v) in enumerate(ops):
         if not (isinstance(v, (int, np.integer)) and 0 <= v < n):
             raise ScheduleError(f"Op {i} ({kind} {v!r}) names no node of graph {graph.name!r} "
@@ -157,7 +186,7 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
             computed[v] += 1
             if alias[v] >= 0:
                 live_views[alias[v]] += 1
-            live += mem[v]
+            live += mem[v] - (mem[inplace_of[v]] if i in written else 0)
             computed_costs.append(cost[v])
             if live > peak:
                 peak, peak_op = live, i
@@ -171,7 +200,7 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
             stale[v] = output_of[v] >= 0
             if alias[v] >= 0:
                 live_views[alias[v]] -= 1
-            live -= mem[v]
+            live -= 0 if i in handed_over else mem[v]
         else:
             raise ScheduleError(f"Op {i} has kind {kind!r}; use 'compute' or 'free'.")
         timeline[i] = live

@@ -29,6 +29,7 @@ takes its compile-time path (:func:`libraries_compiling`).
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -44,7 +45,7 @@ from bonsai_core.errors import ModelError, ValueReadError
 from bonsai_core.graph import Graph
 from bonsai_core.trace.patches import (_as_in_eager, _grouped_mm_as_its_kernels, _initialisation_skipped,
                                        libraries_compiling, _quiet_meta_failures)
-from bonsai_core.trace.to_graph import _placeholder_tensors, _to_graph
+from bonsai_core.trace.to_graph import IDENTITY_OPS, _placeholder_tensors, _to_graph
 from bonsai_core.user_code import DATA_DEPENDENT_ERRORS, user_code
 
 # What torch says when a closure holds a tensor that tracing cannot lift as an input.
@@ -184,21 +185,21 @@ def _trace_step_once(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn
     frozen = [n.removeprefix("model.") for n in frozen]
     hidden = [n.removeprefix("model.") for n in hidden]
     graph, fx_names = _to_graph(gm, signature, name, PROFILES[profile], _placeholder_tensors(step, inputs, signature))
-    modules = _module_spans(model, tuple(inputs), loss_fn, graph, autocast)
-    if modules:
-        graph = Graph.from_dict({**graph.to_dict(), "modules": modules})
+    graph = _with_recorded_structure(graph, gm, fx_names, model, tuple(inputs), loss_fn, autocast)
     writes = [(fx_name, buffer) for fx_name, buffer in signature.buffers_to_mutate.items()]
     return Traced(graph, gm, fx_names, time.perf_counter() - start, writes, frozen, hidden)
 
 
-def _module_spans(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
-                  graph: Graph, autocast: str | None) -> list[list[Any]]:
-    """The graph's ``modules`` field: [path, first, last] forward node ids of each submodule called once
-    (:mod:`bonsai_core.modules`), from one more forward + loss on fake tensors. Optional structure:
-    a model whose forward cannot run again that way simply gets none."""
+def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[str], model: nn.Module,
+                             inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
+                             autocast: str | None) -> Graph:
+    """``graph`` with what one more forward + loss on fake tensors shows (:mod:`bonsai_core.modules`):
+    the ``modules`` field ([path, first, last] forward node ids of each submodule called once) and each
+    node's ``inplace_of`` (the activation eager overwrites with it). Optional structure: a model whose
+    forward cannot run again that way simply gets none."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from bonsai_core.modules import module_spans, record_step
+    from bonsai_core.modules import inplace_pairs, module_spans, record_step
 
     forward = np.flatnonzero(graph.is_forward)
     fake = all(isinstance(x, FakeTensor) for x in inputs)
@@ -208,8 +209,36 @@ def _module_spans(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: C
                 _grouped_mm_as_its_kernels(), FusedAttentionWithDropout(), _quiet_meta_failures():
             step = record_step(model, inputs, loss_fn)
     except Exception:  # noqa: BLE001 (any failure only means no module structure)
-        return []
-    return [[path, int(forward[a]), int(forward[b])] for path, a, b in module_spans(step, [graph.ops[v] for v in forward])]
+        return graph
+    forward_ops = [graph.ops[v] for v in forward]
+    data = graph.to_dict()
+    modules = [[path, int(forward[a]), int(forward[b])] for path, a, b in module_spans(step, forward_ops)]
+    if modules:
+        data["modules"] = modules
+    fx_nodes = {node.name: node for node in gm.graph.nodes}
+    ids = {name: v for v, name in enumerate(fx_names)}
+    for v, u in ((int(forward[a]), int(forward[b])) for a, b in inplace_pairs(step, forward_ops)):
+        if _runs_in_place(graph, fx_nodes[fx_names[v]], ids, v, u):
+            data["nodes"][v]["inplace_of"] = u
+    return Graph.from_dict(data)
+
+
+def _runs_in_place(graph: Graph, node: fx.Node, ids: dict[str, int], v: int, u: int) -> bool:
+    """Whether graph node v (FX ``node``) can be recorded as writing u in place, as the export will run
+    it: its first argument is u's value (through getitem and identities: a batch norm's output), its op
+    has an in-place overload, the two hold the same bytes, and v is u's last reader
+    (:meth:`Graph._validate_inplace`)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    first = node.args[0]
+    while first.name not in ids and (first.target is operator.getitem or str(first.target) in IDENTITY_OPS):
+        first = first.args[0]
+    if ids.get(first.name) != u:
+        return False
+    packet = getattr(torch.ops.aten, target._schema.name.split("::")[-1] + "_", None)
+    return (packet is not None and hasattr(packet, target._overloadname) and graph.alias_of[v] < 0
+            and graph.alias_of[u] < 0 and graph.mem[u] == graph.mem[v] > 0 and int(graph.users(u)[-1]) == v)
 
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
