@@ -631,14 +631,16 @@ def full_arena(graph: Graph, capacity: int | None, policy: Policy = "arena", opt
 
 def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], capacity: int | None,
              trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0, upto: int | None = None,
-             side_of: Callable[[int], str] | None = None) -> None:
+             side_of: Callable[[int], str] | None = None, inplace: bool = True) -> None:
     """Apply a schedule's ops to ``alloc`` (footprint and largest free block after each op into
     ``trace``); then the step is over and its tensors are freed. With ``upto``, stop right after op
     ``upto`` instead, leaving the pool as it is at that moment. ``side_of(v)``: the end of the
-    best-fit block node v's output goes to ("left" for all when None), as an eviction run placed it."""
+    best-fit block node v's output goes to ("left" for all when None), as an eviction run placed it.
+    ``inplace``: an op written in place (simulator rule 8) takes its input's block; False: copy-on-write,
+    a block of its own (a pool run with ``inplace_writes=False``)."""
     mem = graph.mem.tolist()
     holds = ((graph.mem > 0) & ~graph.is_view).tolist()
-    written = inplace_writes(graph, ops)  # simulator rule 8: the output takes its input's block
+    written = inplace_writes(graph, ops) if inplace else {}  # rule 8: the output takes its input's block
     handed_over = set(written.values())
     for i, (kind, v) in enumerate(ops):
         if i in written:
@@ -707,7 +709,8 @@ def layout_at(graph: Graph, schedule: Schedule | list[tuple[str, int]], op: int,
 
 def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: int | None = None,
            policy: Policy = "caching", full: bool = True, optimizer: Optimizer = "adam",
-           updates: Updates = "inplace", side_of: Callable[[int], str] | None = None) -> AllocResult:
+           updates: Updates = "inplace", side_of: Callable[[int], str] | None = None,
+           inplace_writes: bool = True) -> AllocResult:
     """Replay a schedule (validated by the simulator first) through the allocator model.
 
     ``capacity`` is the pool's size in the budget's terms (``fixed_mem`` included): with the caching
@@ -716,7 +719,8 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     schedule runs once as the first step, the optimizer state is allocated, and the second step is
     the one measured; ``updates`` says how the optimizer wrote the fixed tensors in between (module
     docstring). ``side_of`` places each output at one end of its best-fit block (the arena's
-    cheap-tensor partitioning; :func:`run_step`). Raises BudgetError at the first request that cannot
+    cheap-tensor partitioning; :func:`run_step`); ``inplace_writes=False`` gives an op written in place a
+    block of its own (copy-on-write) instead of its input's. Raises BudgetError at the first request that cannot
     be served within it, and ScheduleError for an invalid schedule. O(len(ops) * blocks).
     """
     sim = simulate(graph, schedule)
@@ -728,7 +732,7 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     if policy == "arena" and capacity is None:
         raise BudgetError("The arena allocator is one pre-reserved pool: give it a capacity (a budget).")
     def step(alloc: Allocator, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0) -> None:
-        run_step(alloc, graph, ops, capacity, trace, outside, side_of=side_of)
+        run_step(alloc, graph, ops, capacity, trace, outside, side_of=side_of, inplace=inplace_writes)
 
     reserved = np.empty(len(ops), dtype=np.int64)
     largest = np.empty(len(ops), dtype=np.int64)
@@ -790,12 +794,15 @@ def pool_replay(graph: Graph, schedule: Schedule, capacity: int | None = None) -
     the full arena or not (``stats["full_arena"]``; always the full arena for a schedule that did not
     run in a pool), the optimizer's state
     (``stats["optimizer"]``, default Adam), its updates in place or copy-on-write
-    (``stats["inplace_updates"]``), and each output at the end of its block the method put it
+    (``stats["inplace_updates"]``), in-place ops in their input's block or not (``stats["inplace_writes"]``),
+    and each output at the end of its block the method put it
     (coop's ``stats["partition"]``). For a schedule of a method that ran in a pool (``coop``, ``dtr``
     with ``allocator``) this is that run's pool, block for block: the same requests in the same order
     on the same deterministic allocator (``reserved_peak`` equals the run's ``pool_high_water``),
     unless the run held separated outputs resident (``stats["outputs_held"]``, rare), whose extra
-    blocks the run did not place: then the replay is what the emitted schedule needs. Any
+    blocks the run did not place, or evicted the input of an op it had not written in place right
+    after that op (rarer still: the replay then writes it in place, rule 8): then the replay is what
+    the emitted schedule needs. Any
     other schedule is placed best fit, lowest address first. ``fragmentation`` is then the one the
     project reports for a pool (:func:`fragmentation_at_peak`; ``bonsai simulate --allocator --arena``).
     Raises BudgetError when the schedule has no budget and no capacity is given, or does not fit."""
@@ -809,4 +816,5 @@ def pool_replay(graph: Graph, schedule: Schedule, capacity: int | None = None) -
         side_of = partition_sides(graph, stats["partition"])
     full = bool(stats.get("full_arena", True)) or not own
     return replay(graph, schedule, capacity=capacity, policy="arena", full=full, optimizer=stats.get("optimizer", "adam"),
-                  updates="inplace" if stats.get("inplace_updates", True) else "copy", side_of=side_of)
+                  updates="inplace" if stats.get("inplace_updates", True) else "copy", side_of=side_of,
+                  inplace_writes=bool(stats.get("inplace_writes", True)))

@@ -1,16 +1,22 @@
-"""Coop's recomputable in-place, measured: the optimizer writing parameters and Adam's state in place
-(the pinned blocks keep their addresses) against copy-on-write (each a new block, then the old one
-freed: the layout a rematerializing runtime without recomputable in-place leaves), for coop and for
-DTR in the same full-arena pool (``allocator.pin_fixed``'s ``updates``).
+"""Coop's recomputable in-place, measured in two places, each against copy-on-write (a new block, then
+the old one freed: the layout a rematerializing runtime without recomputable in-place leaves), for
+coop and for DTR in the same full-arena pool:
 
-Per zoo model at its default size: the smallest budget each variant meets (the bisection of
-``bonsai bench heuristics``) and, at 80% of the no-remat peak, the overhead and the fragmentation
-of its schedule in its own pool (the allocator model's one definition, 1 - live / reserved at the
-reserved peak: ``allocator.pool_replay``, ``bonsai simulate --allocator --arena``).
+* ``--study updates``: the optimizer writing parameters and Adam's state in place between steps (the
+  pinned blocks keep their addresses; ``allocator.pin_fixed``'s ``updates``), on the zoo models;
+* ``--study writes``: the ops eager runs in place during the step (``relu_``, ``x += y``: the graph's
+  ``inplace_of``; option ``inplace_writes``), on the models that have them: a torchvision-style
+  ResNet-18 (``tests.real_models:resnet18_bn``) and transformers' ResNet (``hf:resnet``), two sizes each;
+  DTR counting live bytes too.
 
-    bonsai bench inplace [--models gpt resnet ...] [--time-limit 20]
+Per model: the smallest budget each variant meets (the bisection of ``bonsai bench heuristics``) and,
+at 80% of the no-remat peak, the overhead and the fragmentation of its schedule in its own pool (the
+allocator model's one definition, 1 - live / reserved at the reserved peak: ``allocator.pool_replay``,
+``bonsai simulate --allocator --arena``).
 
-prints a markdown table (docs/results/heuristics.md has the measured one).
+    bonsai bench inplace [--study updates|writes|both] [--models gpt resnet ...] [--time-limit 20]
+
+prints markdown tables (docs/results/heuristics.md has the measured ones).
 """
 
 from __future__ import annotations
@@ -28,31 +34,61 @@ VARIANTS = {
     "dtr-pool copy": ("dtr", {"allocator": True, "full_arena": True, "inplace_updates": False}),
 }
 MODELS = ("gpt", "resnet", "unet", "mlp", "vgg")
+WRITES = {
+    "coop writes in place": ("coop", {}),
+    "coop copy-on-write": ("coop", {"inplace_writes": False}),
+    "dtr-pool writes in place": ("dtr", {"allocator": True, "full_arena": True}),
+    "dtr-pool copy-on-write": ("dtr", {"allocator": True, "full_arena": True, "inplace_writes": False}),
+    "dtr writes in place": ("dtr", {}),
+    "dtr copy-on-write": ("dtr", {"inplace_writes": False}),
+}
+# the models with in-place writes (the zoo and the other hf: models have none), two sizes each
+WRITES_MODELS: list[tuple[str, dict[str, int]]] = [
+    ("tests.real_models:resnet18_bn", {"batch": 64}), ("tests.real_models:resnet18_bn", {"batch": 128}),
+    ("hf:resnet", {"batch": 64}), ("hf:resnet", {"batch": 128, "image": 64}),
+]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The suite's options."""
-    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--study", choices=("updates", "writes", "both"), default="both",
+                    help="the optimizer's updates between steps, the ops' in-place writes during the step, or both")
+    ap.add_argument("--models", nargs="+", default=None,
+                    help=f"models (default: {' '.join(MODELS)} for updates; ResNet-18 and hf:resnet for writes)")
     ap.add_argument("--time-limit", type=float, default=20.0)
 
 
 def main(args: argparse.Namespace) -> int:
-    """One row per model and variant, printed as a markdown table."""
-    from bonsai_core.trace import trace_model
+    """One markdown table per study: a row per model and variant."""
+    from bonsai_core.bench.common import import_test_models
 
-    bench.VARIANTS.update(VARIANTS)
+    import_test_models()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
-    print("| model | variant | smallest budget | overhead at 80% | pool fragmentation at 80% |")
-    print("|---|---|---|---|---|")
-    for name in args.models:
-        g = trace_model(name).graph
-        ref = no_remat_peak(g)
-        for label in VARIANTS:
-            smallest = bench.smallest_budget(g, label, args.time_limit)
-            row = bench.run(g, int(0.8 * ref), label, args.time_limit, measure=True)
-            at80 = (f"{row['overhead']:+.2%} | {row['own_fragmentation']:.1%}" if row["ok"]
-                    else f"- ({row['error']}) | -")
-            print(f"| {name} | {label} | {smallest / ref:.1%} | {at80} |" if smallest else
-                  f"| {name} | {label} | - | {at80} |", flush=True)
+    if args.study in ("updates", "both"):
+        print("### The optimizer's updates between steps\n")
+        _table([(name, {}) for name in args.models or MODELS], VARIANTS, args.time_limit)
+    if args.study in ("writes", "both"):
+        print("\n### In-place writes during the step\n")
+        _table([(name, {}) for name in args.models] if args.models else WRITES_MODELS, WRITES, args.time_limit)
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
+
+
+def _table(models: list[tuple[str, dict[str, int]]], variants: dict[str, tuple[str, dict]], time_limit: float) -> None:
+    """Print one row per model and variant: smallest budget, and overhead and pool fragmentation at 80%."""
+    from bonsai_core.trace import trace_model
+
+    bench.VARIANTS.update(variants)
+    print("| model | variant | smallest budget | overhead at 80% | pool fragmentation at 80% |")
+    print("|---|---|---|---|---|")
+    for name, options in models:
+        g = trace_model(name, **options).graph
+        ref = no_remat_peak(g)
+        label = bench.label_of(name, options) + (f" ({int((g.inplace_of >= 0).sum())} in-place ops)"
+                                                 if variants is WRITES else "")
+        for variant in variants:
+            smallest = bench.smallest_budget(g, variant, time_limit)
+            row = bench.run(g, int(0.8 * ref), variant, time_limit, measure=True)
+            at80 = (f"{row['overhead']:+.2%} | {row['own_fragmentation']:.1%}" if row["ok"]
+                    else f"- ({row['error']}) | -")
+            print(f"| {label} | {variant} | {f'{smallest / ref:.1%}' if smallest else '-'} | {at80} |", flush=True)

@@ -24,14 +24,14 @@ dynamic rematerialization *inside* the allocator, as OneFlow's DTR allocator doe
   and optimizer state sit in the same pool, in a training loop's allocation order
   (:func:`bonsai_core.allocator.full_arena`), so windows must work around pinned blocks: the setting
   Coop's paper is about.
-* **recomputable in-place**: not modelled. Coop's in-place trick keeps a
-  tensor recomputable when an in-place op overwrites its buffer. The graphs this tool traces are
-  AOTAutograd's *functionalized* joint graphs: every op writes a fresh output, there are no mutating
-  ops, so every tensor is already recomputable from its inputs. (What in-place does buy on a real
-  GPU, reusing a dying input's block for the output, changes addresses only, and no graph here
-  records which ops PyTorch would run in place; modelling the block reuse would also need an
-  in-place op kind in the schedule format, since the simulator counts an op's output and its inputs
-  as separate bytes.)
+* **recomputable in-place** (``inplace_writes=True``, the default): an op eager runs in place
+  (``relu_``, ``x += y``: the graph's ``inplace_of``, recorded by the tracer) writes its output into
+  its input's block when nothing else needs the input, so the block keeps its address and no second
+  block is asked for; the overwritten input stays rebuildable from its own inputs, so the output is
+  recomputable too (the input is rebuilt, then overwritten again). ``False`` is copy-on-write: a
+  fresh block while the input still holds its own. The optimizer's writes between steps are
+  ``inplace_updates``. BatchNorm's running statistics are buffers, fixed tensors pinned in the full
+  arena and written where they are either way.
 
 The run is emitted as compute/free ops, a static schedule validated by the simulator, with its event
 log in ``extra["evictions"]`` (per request that found no room: the ops emitted before it, the node,
@@ -114,7 +114,7 @@ def coop_policy(window_cost: WindowCost = "stale") -> Callable[[Runtime, int], b
 def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = None,
                window_cost: WindowCost = "stale", partition: Partition = "op_type", full_arena: bool = True,
                optimizer: Optimizer = "adam", deallocation: Deallocation = "free",
-               budget_hint: bool = True, inplace_updates: bool = True) -> Schedule:
+               budget_hint: bool = True, inplace_updates: bool = True, inplace_writes: bool = True) -> Schedule:
     """Coop in a pool of ``budget`` bytes (``fixed_mem`` included; with the full arena, the
     optimizer state on top); see the module docstring.
 
@@ -129,6 +129,8 @@ def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = N
     inplace_updates: with the full arena, Coop's recomputable in-place: the optimizer updates
         parameters and its state in place, so the pinned blocks keep their addresses (False: copy-on-write
         updates, which move them; see ``allocator.pin_fixed``).
+    inplace_writes: Coop's recomputable in-place during the step: an op eager runs in place writes its
+        input's block when nothing else needs the input (False: copy-on-write, a fresh block).
 
     O(evictions * (blocks + n + edges) + len(ops)) per run."""
     if window_cost not in ("stale", "recompute"):
@@ -148,10 +150,10 @@ def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = N
 
     def run_once(b: int) -> Schedule:
         rt = Runtime(graph, b, arena_pool(graph, b, full_arena, optimizer, inplace_updates), sides, deallocation,
-                     deadline)
+                     deadline, inplace_writes)
         rt.run(coop_policy(window_cost))
         return finish(rt, graph, "coop", {"window_cost": window_cost, "partition": partition, "allocator": "arena",
                                           "full_arena": full_arena, "inplace_updates": inplace_updates,
-                                          "optimizer": optimizer})
+                                          "inplace_writes": inplace_writes, "optimizer": optimizer})
 
     return run_policy(graph, budget, run_once, budget_hint, deadline)

@@ -77,7 +77,8 @@ def dtr_policy(heuristic: Heuristic = "dtr") -> Callable[[Runtime, int], bool]:
 
 def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = None, heuristic: Heuristic = "dtr",
               allocator: bool = False, full_arena: bool = False, optimizer: Optimizer = "adam",
-              deallocation: Deallocation = "free", budget_hint: bool = True, inplace_updates: bool = True) -> Schedule:
+              deallocation: Deallocation = "free", budget_hint: bool = True, inplace_updates: bool = True,
+              inplace_writes: bool = True) -> Schedule:
     """DTR under ``budget`` live bytes, or in a pool of ``budget`` bytes; see the module docstring.
 
     time_limit: seconds for the whole call, the budget bisection included.
@@ -91,6 +92,8 @@ def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = No
     budget_hint: on failure, bisect (up to 8 more runs) for a budget that works and name it.
     inplace_updates: with the full arena, whether the optimizer updates parameters and its state in
         place (True) or copy-on-write (False, moving them; see ``allocator.pin_fixed``).
+    inplace_writes: an op eager runs in place (``relu_``, ``x += y``) writes its input's bytes when
+        nothing else needs the input, as eager does (False: a fresh output, the input freed after it).
 
     O(evictions * (n + edges) + len(ops)) per run."""
     if heuristic not in HEURISTICS:
@@ -107,10 +110,10 @@ def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = No
 
     def run_once(b: int | None) -> Schedule:
         pool = arena_pool(graph, b, full_arena, optimizer, inplace_updates) if allocator else None
-        rt = Runtime(graph, b, pool, deallocation=deallocation, deadline=deadline)
+        rt = Runtime(graph, b, pool, deallocation=deallocation, deadline=deadline, inplace_writes=inplace_writes)
         rt.run(dtr_policy(heuristic))
         return finish(rt, graph, "dtr", {"heuristic": heuristic, "allocator": "arena" if allocator else "none",
                                          "full_arena": full_arena, "inplace_updates": inplace_updates,
-                                         "optimizer": optimizer})
+                                         "inplace_writes": inplace_writes, "optimizer": optimizer})
 
     return run_policy(graph, budget, run_once, budget_hint, deadline)

@@ -77,7 +77,7 @@ class Runtime:
 
     def __init__(self, graph: Graph, budget: int | None, allocator: Allocator | None = None,
                  side_of: Callable[[int], str] | None = None, deallocation: Deallocation = "free",
-                 deadline: Deadline | None = None) -> None:
+                 deadline: Deadline | None = None, inplace_writes: bool = True) -> None:
         if deallocation not in DEALLOCATIONS:
             raise SolverError(f"Unknown deallocation {deallocation!r}; use one of {', '.join(DEALLOCATIONS)}.")
         self.g = graph
@@ -95,6 +95,8 @@ class Runtime:
         self.cost = graph.cost.tolist()
         self.alias = graph.alias_of.tolist()
         self.output_of = graph.output_of.tolist()
+        # recomputable in-place: the input whose block an op eager runs in place writes (-1: a fresh block)
+        self.inplace_of = graph.inplace_of.tolist() if inplace_writes else [-1] * n
         self.holds = ((graph.mem > 0) & ~graph.is_view).tolist()  # takes a block in the allocator
         self.views: list[list[int]] = [[] for _ in range(n)]
         for v, a in enumerate(self.alias):
@@ -164,6 +166,19 @@ class Runtime:
         self._uf_add(t)
         if self._evicting is not None:
             self._evicting.append(t)
+
+    def _overwritten(self, u: int) -> None:
+        """u's block now holds an output written in place: u is gone, freed as the program frees (the
+        ``free`` op right after the compute, which rule 8 reads as handing the bytes over), and
+        rebuildable from its inputs."""
+        self.resident[u] = False
+        self.live -= self.mem[u]
+        self.ops.append((FREE, u))
+        if self.deallocation == "evict":
+            self.evicted_version += 1
+            self._uf_add(u)
+        else:
+            self.freed[u] = True
 
     def _free(self, t: int) -> None:
         self.resident[t] = False
@@ -257,14 +272,35 @@ class Runtime:
                     + (", and no contiguous free range large enough" if self.alloc is not None else "")
                     + "). Raise the budget.")
 
+    def written_in_place(self, v: int) -> int:
+        """The input whose block v's output takes (simulator rule 8), or -1: v is an op eager runs in place
+        (``Graph.inplace_of``), and nothing but this compute still needs that input: the program's reads
+        of it are done (v is its last reader), no other rebuild needs it, no view of it is resident, and
+        only this compute pins it. Then v is written where u was (Coop's recomputable in-place: the block
+        keeps its address, and u stays rebuildable from its own inputs); else v gets a fresh block."""
+        u = self.inplace_of[v]
+        if u < 0 or not self.resident[u] or self.pinned[u] != 1:
+            return -1
+        if self.uses_left[u] != (0 if self.ever[v] else 1) or any(self.resident[w] for w in self.views[u]):
+            return -1
+        if any(w != v and (self.is_evicted(w) or (self.freed[w] and not self.resident[w] and self.uses_left[w] > 0))
+               for w in self.users[u]):
+            return -1
+        return u
+
     def compute(self, v: int, policy: Policy) -> None:
-        """Compute v (its deps resident and pinned by the caller), making room first."""
+        """Compute v (its deps resident and pinned by the caller), making room first, or in place."""
         if self.banished[v]:  # banishing keeps this from happening; a bug if it does
             raise SolverError(f"Internal error: banished node {v} ({self.g.names[v]!r}) was to be rebuilt.")
-        self.make_room(v, policy)
-        if self.alloc is not None and self.holds[v]:
-            if self.alloc.malloc(v, self.mem[v], self.side_of(v)) is None:  # fits() checked a left fit
-                self.alloc.malloc(v, self.mem[v], "left")
+        into = self.written_in_place(v)
+        if into >= 0:
+            if self.alloc is not None:
+                self.alloc.hand_over(into, v)
+        else:
+            self.make_room(v, policy)
+            if self.alloc is not None and self.holds[v]:
+                if self.alloc.malloc(v, self.mem[v], self.side_of(v)) is None:  # fits() checked a left fit
+                    self.alloc.malloc(v, self.mem[v], "left")
         if self.ever[v]:
             self.evicted_version += 1
             self._uf_remove_cost(v)
@@ -272,6 +308,8 @@ class Runtime:
         self.freed[v] = False
         self.live += self.mem[v]
         self.ops.append((COMPUTE, v))
+        if into >= 0:
+            self._overwritten(into)
         self.computes += 1
         self.clock += max(self.cost[v], 1e-12)
         self.last_access[v] = self.clock
