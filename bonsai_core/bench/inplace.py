@@ -6,8 +6,7 @@ coop and for DTR in the same full-arena pool:
   pinned blocks keep their addresses; ``allocator.pin_fixed``'s ``updates``), on the zoo models;
 * ``--study writes``: the ops eager runs in place during the step (``relu_``, ``x += y``: the graph's
   ``inplace_of``; option ``inplace_writes``), on the models that have them: a torchvision-style
-  ResNet-18 (``tests.real_models:resnet18_bn``) and transformers' ResNet (``hf:resnet``), two sizes each;
-  DTR counting live bytes too.
+  ResNet-18 (``tests.real_models:resnet18_bn``) and transformers' ResNet (``hf:resnet``), two sizes each.
 
 Per model: the smallest budget each variant meets (the bisection of ``bonsai bench heuristics``) and,
 at 80% of the no-remat peak, the overhead and the fragmentation of its schedule in its own pool (the
@@ -39,8 +38,6 @@ WRITES = {
     "coop copy-on-write": ("coop", {"inplace_writes": False}),
     "dtr-pool writes in place": ("dtr", {"allocator": True, "full_arena": True}),
     "dtr-pool copy-on-write": ("dtr", {"allocator": True, "full_arena": True, "inplace_writes": False}),
-    "dtr writes in place": ("dtr", {}),
-    "dtr copy-on-write": ("dtr", {"inplace_writes": False}),
 }
 # the models with in-place writes (the zoo and the other hf: models have none), two sizes each
 WRITES_MODELS: list[tuple[str, dict[str, int]]] = [
