@@ -109,7 +109,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"traced {g.name}: {g.n} nodes ({summary['forward_nodes']} forward), {g.num_edges} edges in "
+        inplace = f", {summary['inplace_writes']} run in place" if summary["inplace_writes"] else ""
+        print(f"traced {g.name}: {g.n} nodes ({summary['forward_nodes']} forward{inplace}), {g.num_edges} edges in "
               f"{traced.seconds:.2f} s; no-remat peak {format_bytes(summary['no_remat_peak'])}, fixed "
               f"{format_bytes(g.fixed_mem)}; wrote {args.output}")
     return 0

@@ -320,6 +320,7 @@ class Graph:
             "forward_nodes": int(self.is_forward.sum()),
             "backward_nodes": int((~self.is_forward).sum()),
             "views": int(self.is_view.sum()),
+            "inplace_writes": int((self.inplace_of >= 0).sum()),
             "fixed_mem": self.fixed_mem,
             "activation_bytes": self.activation_bytes,
             "peak_lower_bound": self.peak_lower_bound,

@@ -22,7 +22,9 @@ if m.note:
     st.info(m.note)
 c = st.columns(5)
 c[0].metric("operators", summary["nodes"], help=f"{summary['forward_nodes']} forward, "
-            f"{summary['backward_nodes']} backward, {summary['views']} views, {summary['edges']} edges")
+            f"{summary['backward_nodes']} backward, {summary['views']} views, {summary['edges']} edges"
+            + (f"; {summary['inplace_writes']} run in place (relu_, +=): each writes its input's bytes"
+               if summary["inplace_writes"] else ""))
 params_slot = c[1].empty()  # filled last: counting them imports torch, which the first paint need not wait for
 c[2].metric("activation bytes", format_bytes(summary["activation_bytes"]), help="Outputs of all forward ops.")
 c[3].metric("no-remat peak", format_bytes(reference), help="Peak of the plain schedule: every op once.")
