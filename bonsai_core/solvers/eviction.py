@@ -11,6 +11,12 @@ treats like any other. Inputs of the op being run (and of recomputations under w
 resident ones before any missing one is rebuilt, so rebuilding cannot evict them); a base is evicted
 together with its resident views (views free first, as the simulator requires).
 
+**In-place writes** (``inplace_writes``, the default): an op the model runs in place (``Graph.inplace_of``)
+takes its input's bytes, and its block in a pool, when nothing else needs the input any more
+(:meth:`Runtime.written_in_place`); the input is then freed as the program frees, right after the op
+(the simulator's rule 8 reads that pair as the in-place write), and stays rebuildable from its own
+inputs, so the output can be evicted and rebuilt like any other: Coop's recomputable in-place.
+
 **Evicted neighbourhoods (DTR's e*).** DTR's heuristic charges a tensor t for what evicting it would
 make expensive: its own cost plus the cost of every evicted tensor connected to it through evicted
 tensors (its *evicted neighbourhood* e*(t): rebuilding t needs its evicted ancestors, rebuilding an
