@@ -133,17 +133,16 @@ def align(runtime_ops: list[str], traced_ops: list[str]) -> np.ndarray:
     """int64[len(runtime_ops)]: the traced forward position each run-time op is, or -1.
 
     Matches ops in order (``difflib``): run-time-only ops (views of parameters, casts, a CPU batch
-    norm's ``empty``) stay -1. Ops only one side has are left out before matching, so that they cannot
-    draw a longest common run away from the true one (a traced batch norm's ``getitem`` nodes did)."""
-    runtime, traced = [_same_op(op) for op in runtime_ops], [_same_op(op) for op in traced_ops]
-    both = set(runtime) & set(traced)
-    a_at = [i for i, op in enumerate(runtime) if op in both]
-    b_at = [j for j, op in enumerate(traced) if op in both]
-    matcher = difflib.SequenceMatcher(None, [runtime[i] for i in a_at], [traced[j] for j in b_at], autojunk=False)
+    norm's ``empty``, a CPU dropout's ``bernoulli_``) stay -1 and split the matching runs where the
+    two programs differ. The traced side's ``getitem`` nodes (FX's picks from a tuple, never a kernel)
+    are left out before matching: a batch norm's five of them drew a longest common run away from the
+    true one."""
+    runtime = [_same_op(op) for op in runtime_ops]
+    b_at = [j for j, op in enumerate(traced_ops) if op != "getitem"]
+    matcher = difflib.SequenceMatcher(None, runtime, [_same_op(traced_ops[j]) for j in b_at], autojunk=False)
     at = np.full(len(runtime_ops), -1, dtype=np.int64)
     for block in matcher.get_matching_blocks():
-        for k in range(block.size):
-            at[a_at[block.a + k]] = b_at[block.b + k]
+        at[block.a:block.a + block.size] = [b_at[block.b + k] for k in range(block.size)]
     return at
 
 
