@@ -75,3 +75,34 @@ def hf_llama(batch: int = 2, seq: int = 16, width: int = 32, layers: int = 2, he
     config._attn_implementation = "sdpa"
     model = _Logits(LlamaForCausalLM(config)).train()
     return (model, *_lm_batch(batch, seq, vocab))
+
+
+class _InPlaceBlock(nn.Module):
+    """A scaled input rectified in place (``relu_``, the largest tensor: the step's peak is there), pooled,
+    then a torchvision-style basic block: Conv/BatchNorm/ReLU(inplace=True), Conv/BatchNorm, the
+    residual added in place (``out += identity``) and ReLU(inplace=True) again."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 1)
+        self.conv1, self.bn1 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2.0
+        y.relu_()
+        identity = self.stem(nn.functional.avg_pool2d(y, 4))
+        out = self.relu(self.bn1(self.conv1(identity)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        out = self.relu(out)
+        return self.head(out.mean((2, 3)))
+
+
+def inplace_block(batch: int = 8, image: int = 32, width: int = 4) -> tuple[nn.Module, tuple[torch.Tensor, ...], nn.Module]:
+    """:class:`_InPlaceBlock`: in-place writes (``relu_``, ``+=``) that eager and the replay export both run."""
+    torch.manual_seed(0)
+    model = _InPlaceBlock(width).train()
+    return model, (torch.randn(batch, 3, image, image),), CrossEntropyLoss(torch.randint(0, 3, (batch,)))

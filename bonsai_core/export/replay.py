@@ -22,7 +22,7 @@ import torch.fx as fx
 from bonsai_core.errors import ScheduleError
 from bonsai_core.export.folder import ExportError, schedule_info, trace_for_schedule, write_folder
 from bonsai_core.export.readme import replay_readme
-from bonsai_core.schedule import COMPUTE, FREE, Schedule, simulate
+from bonsai_core.schedule import COMPUTE, FREE, Schedule, inplace_writes, simulate
 from bonsai_core.trace import Traced, built_for_tracing
 from bonsai_core.trace.to_graph import IDENTITY_OPS
 
@@ -144,7 +144,8 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
     outputs = _step_outputs(traced, signature, writer)
     ops = schedule.ops
     split, carried = _split_at_loss(ops, outputs.loss_node)
-    body = _Body(ops, nodes, traced.graph.names, writer, outputs, _replayed(ops, nodes), *_multi_outputs(ops, nodes, writer))
+    body = _Body(ops, nodes, traced.graph.names, writer, outputs, _replayed(ops, nodes), *_multi_outputs(ops, nodes, writer),
+                 _in_place(traced, ops, nodes, writer))
     unpack = "(" + "".join(f"a{i}, " for i in range(len(placeholders) + len(constants))) + ") = args"
     carried_vars = "".join(f"v{v}, " for v in carried)
     fwd = [unpack, "rng = {}", *outputs.first_lines, *body.lines(range(split), False),
@@ -247,6 +248,23 @@ def _replayed(ops: list[tuple[str, int]], nodes: list[fx.Node]) -> set[int]:
     return {v for v, count in computes.items() if count > 1 and _is_random(nodes[v])}
 
 
+def _in_place(traced: Traced, ops: list[tuple[str, int]], nodes: list[fx.Node], writer: _Writer) -> set[int]:
+    """Schedule positions of the computes the simulator's rule 8 runs in place (:func:`inplace_writes`):
+    each is written with its op's in-place overload on its first argument, the tensor of the node u it
+    overwrites (``inplace_of``), so the ``del v<u>`` right after it frees nothing, as simulated. The
+    program runs outside autograd (``_ScheduledStep``'s forward, and its backward without
+    ``create_graph``), so nothing saved for a gradient sees the overwritten values."""
+    positions = set(inplace_writes(traced.graph, ops))
+    for p in positions:
+        v = ops[p][1]
+        u = int(traced.graph.inplace_of[v])
+        first = nodes[v].args[0] if nodes[v].args else None
+        if not isinstance(first, fx.Node) or writer.root(first) != u:
+            raise ExportError(f"Node {v} ({traced.graph.names[v]!r}) is recorded as overwriting node {u} in place, "
+                              f"but its first argument is not node {u}'s value; trace the model again.")
+    return positions
+
+
 def _multi_outputs(ops: list[tuple[str, int]], nodes: list[fx.Node], writer: _Writer
                    ) -> tuple[dict[int, tuple[int, Any]], set[int], dict[int, list[int]]]:
     """(getitem node -> (its op, output index), ops held as lists, schedule position of such an op's
@@ -285,6 +303,7 @@ class _Body:
     getitem_of: dict[int, tuple[int, Any]]
     split_ops: set[int]
     unread: dict[int, list[int]]
+    in_place: set[int]  # schedule positions of computes written with the in-place overload (rule 8)
     computed: set[int] = field(default_factory=set)
 
     def lines(self, positions: range, backward: bool) -> list[str]:
@@ -301,7 +320,7 @@ class _Body:
     def compute(self, p: int, v: int, backward: bool) -> list[str]:
         """The lines of one compute of ``v`` (at schedule position ``p``), with what its first compute emits."""
         out = self.outputs
-        call = self.writer.call(self.nodes[v])
+        call = self.writer.call(self.nodes[v], in_place=p in self.in_place)
         line = f"v{v} = {f'list({call})' if v in self.split_ops else call}  # {self.names[v]}"
         lines = []
         if v in self.replayed and v in self.computed:
@@ -417,14 +436,31 @@ class _Writer:
             return str(a)
         raise ExportError(f"Cannot write the constant {a!r} ({type(a).__name__}) into the exported program.")
 
-    def call(self, node: fx.Node) -> str:
+    def call(self, node: fx.Node, in_place: bool = False) -> str:
+        """The call of ``node``'s op on its arguments; with ``in_place``, of the op's in-place overload
+        (:func:`in_place_form`), which writes the result into the first argument."""
         if node.target is operator.getitem:  # an output of a multi-output op that is a node of its own
             return f"{self.expr(node.args[0])}[{node.args[1]!r}]"
         if not isinstance(node.target, torch._ops.OpOverload):
             raise ExportError(f"FX node {node.name!r} calls {node.target!r}, not an aten op; it cannot be exported.")
-        name = str(node.target)
+        target = in_place_form(node) if in_place else node.target
+        name = str(target)
         if name not in PORTABLE_OPS and any(sign in name for sign in DEVICE_SPECIFIC):
             raise ExportError(f"FX node {node.name!r} calls {name}, a kernel of one device only; the export would not "
                               "run elsewhere. Report the op: it needs a device-neutral form in PORTABLE_OPS.")
         args = [self.expr(a) for a in node.args] + [f"{k}={self.expr(v)}" for k, v in node.kwargs.items()]
-        return f"{PORTABLE_OPS.get(str(node.target), f'torch.ops.{node.target}')}({', '.join(args)})"
+        return f"{PORTABLE_OPS.get(name, f'torch.ops.{name}')}({', '.join(args)})"
+
+
+def in_place_form(node: fx.Node) -> torch._ops.OpOverload:
+    """The in-place overload of ``node``'s aten op, same overload name (``aten.relu.default`` ->
+    ``aten.relu_.default``, ``aten.add.Tensor`` -> ``aten.add_.Tensor``): what eager ran where the
+    trace recorded ``inplace_of``. ExportError when the op has none (or only a device-specific
+    helper in PORTABLE_OPS stands for it)."""
+    op = node.target
+    packet = getattr(torch.ops.aten, op._schema.name.split("::")[-1] + "_", None)
+    overload = getattr(packet, op._overloadname, None) if packet is not None else None
+    if overload is None or str(op) in PORTABLE_OPS:
+        raise ExportError(f"FX node {node.name!r} ({op}) is recorded as an in-place write, but {op} has no in-place "
+                          "overload to run it with; trace the model again with this version of bonsai.")
+    return overload
