@@ -67,6 +67,15 @@ def test_model_spec_parsing():
             ModelSpec.parse(bad)
 
 
+def test_suites_read_model_options_as_the_main_bench_does():
+    from bonsai_core.bench import inplace
+
+    assert inplace._models(["hf:resnet:batch=64,image=64", "hf:/cfg/regnet:batch=32", "gpt"]) == [
+        ("hf:resnet", {"batch": 64, "image": 64}), ("hf:/cfg/regnet", {"batch": 32}), ("gpt", {})]
+    with pytest.raises(ModelError, match="key=N"):
+        inplace._models(["hf:resnet:batch=x"])
+
+
 def test_smallest_reachable_budget_of_each_method_is_met_and_chens_is_its_lowest_peak():
     g = chain(12, mem=2**20)  # MiB tensors: coop's arena rounds blocks up to 512 bytes
     config = BenchConfig(models=[], budgets=[], methods=["bonsai", "chen", "dtr", "coop"], peers=[], time_limit=20)

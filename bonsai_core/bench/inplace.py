@@ -13,7 +13,7 @@ at 80% of the no-remat peak, the overhead and the fragmentation of its schedule 
 allocator model's one definition, 1 - live / reserved at the reserved peak: ``allocator.pool_replay``,
 ``bonsai simulate --allocator --arena``).
 
-    bonsai bench inplace [--study updates|writes|both] [--models gpt resnet ...] [--time-limit 20]
+    bonsai bench inplace [--study updates|writes|both] [--models gpt hf:resnet:batch=64 ...] [--time-limit 20]
 
 prints markdown tables (docs/results/heuristics.md has the measured ones).
 """
@@ -51,7 +51,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--study", choices=("updates", "writes", "both"), default="both",
                     help="the optimizer's updates between steps, the ops' in-place writes during the step, or both")
     ap.add_argument("--models", nargs="+", default=None,
-                    help=f"models (default: {' '.join(MODELS)} for updates; ResNet-18 and hf:resnet for writes)")
+                    help=f"models, options after a last colon as in `bonsai bench --models` (hf:resnet:batch=64) "
+                         f"(default: {' '.join(MODELS)} for updates; ResNet-18 and hf:resnet for writes)")
     ap.add_argument("--time-limit", type=float, default=20.0)
 
 
@@ -63,12 +64,20 @@ def main(args: argparse.Namespace) -> int:
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     if args.study in ("updates", "both"):
         print("### The optimizer's updates between steps\n")
-        _table([(name, {}) for name in args.models or MODELS], VARIANTS, args.time_limit)
+        _table(_models(args.models) if args.models else [(name, {}) for name in MODELS], VARIANTS, args.time_limit)
     if args.study in ("writes", "both"):
         print("\n### In-place writes during the step\n")
-        _table([(name, {}) for name in args.models] if args.models else WRITES_MODELS, WRITES, args.time_limit)
+        _table(_models(args.models) if args.models else WRITES_MODELS, WRITES, args.time_limit)
     print(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
+
+
+def _models(texts: list[str]) -> list[tuple[str, dict[str, int]]]:
+    """``--models`` as name and options, read as ``bonsai bench --models`` reads them."""
+    from bonsai_core.bench.methods import ModelSpec
+
+    specs = [ModelSpec.parse(text) for text in texts]
+    return [(spec.name, dict(spec.options)) for spec in specs]
 
 
 def _table(models: list[tuple[str, dict[str, int]]], variants: dict[str, tuple[str, dict]], time_limit: float) -> None:
