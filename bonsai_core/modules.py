@@ -29,10 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _SAME_OP = {"aten._unsafe_view.default": "aten.view.default",
             "aten._native_batch_norm_legit_functional.default": "aten.native_batch_norm.default",
             "aten._native_batch_norm_legit.default": "aten.native_batch_norm.default",
-            "aten._native_batch_norm_legit_no_training.default": "aten.native_batch_norm.default",
-            # CPU dropout's noise (bernoulli_(1 - p).div_(1 - p)) as the graph holds it where it is traced
-            # (between a fused recurrent kernel's layers: bonsai_core.recurrent)
-            "aten.bernoulli_.float": "aten.bernoulli.p", "aten.div_.Scalar": "aten.div.Tensor"}
+            "aten._native_batch_norm_legit_no_training.default": "aten.native_batch_norm.default"}
 
 
 def _same_op(op: str) -> str:
