@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -79,7 +80,8 @@ def recurrent_row(factory: str) -> str:
             decomposed = no_remat_peak(trace_model(spec).graph)
         graph = trace_model(spec).graph
     except BonsaiError as e:
-        return f"| `{factory}` | does not trace: {str(e).splitlines()[0][:160]} |||||||"
+        where = re.search(r"\((aten\.[\w.]+)\)", str(e))
+        return f"| `{factory}` | does not trace ({type(e).__name__}{': ' + where.group(1) if where else ''}) |||||||"
     model, inputs, loss_fn = models.build(spec)
     eager = measure_step(model, inputs, loss_fn).peak
     predicted = no_remat_peak(graph)
