@@ -176,7 +176,3 @@ class FusedRecurrent(TorchFunctionMode):
                 return cpu_lstm(*args)
         return func(*args, **kwargs)
 
-
-def fused_kernels(graph: Any) -> dict[str, int]:
-    """The fused recurrent kernels a traced graph holds: op -> count."""
-    return {MKLDNN_RNN_LAYER: graph.ops.count(MKLDNN_RNN_LAYER)} if MKLDNN_RNN_LAYER in graph.ops else {}
