@@ -118,3 +118,41 @@ def measure_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Ca
     with tracker:
         loss = run()
     return MeasuredStep(fixed + tracker.peak, fixed, loss, str(device))
+
+
+class OpOutputs(TorchDispatchMode):
+    """Records, for every call of the ops in ``ops`` (aten names as a graph writes them, compared with
+    ``bonsai_core.modules._same_op``), the bytes of the new storages its outputs hold: what a fused
+    kernel makes (and what its autograd formula may save), to hold a graph's bytes of that kernel to
+    account (:func:`predicted_op_outputs`). ``calls`` maps op -> bytes per call, in call order."""
+
+    def __init__(self, ops: Collection[str]) -> None:
+        super().__init__()
+        from bonsai_core.modules import _same_op as same_op
+
+        self._same_op = same_op
+        self._ops = {same_op(op) for op in ops}
+        self.calls: dict[str, list[int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = self._same_op(str(func))
+        if name in self._ops:
+            inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
+            storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors_in(out)}
+            self.calls.setdefault(name, []).append(sum(b for k, b in storages.items() if k not in inputs))
+        return out
+
+
+def predicted_op_outputs(graph: Any, op: str) -> list[int]:
+    """The bytes a graph gives each call of ``op`` (in listed order): its node's outputs and those of
+    its separated outputs (``getitem`` nodes reading it)."""
+    from bonsai_core.modules import _same_op as same_op
+
+    out = []
+    for v in range(graph.n):
+        if same_op(graph.ops[v]) == same_op(op):
+            parts = [int(u) for u in graph.users(v) if graph.ops[u] == "getitem"]
+            out.append(int(graph.mem[v]) + sum(int(graph.mem[u]) for u in parts))
+    return out

@@ -203,12 +203,13 @@ def test_planning_leaves_the_model_untouched():
 
 
 def test_a_fused_recurrent_kernel_is_refused_with_its_size():
-    """An LSTM is one fused op whose tensors no checkpoint can split: a budget below it names it."""
+    """An LSTM layer is one fused op whose tensors no checkpoint can split: a budget below it names it.
+    (80% fits since the trace counts the kernel's workspace: checkpointing the LSTM recomputes it.)"""
     from tests import robust_models
 
     model, inputs, loss_fn = robust_models.make_lstm(batch=8, seq=32, width=64, layers=3)
     with pytest.raises(BudgetError, match="largest single operator"):
-        bonsai.checkpoint(model, inputs, loss_fn, budget="80%", cache=False)
+        bonsai.checkpoint(model, inputs, loss_fn, budget="50%", cache=False)
 
 
 def test_under_torch_compile():

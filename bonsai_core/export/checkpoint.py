@@ -65,6 +65,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bonsai_core.attention import records_attention_dropout
+from bonsai_core.derivatives import saves_own_output
 from bonsai_core.errors import ScheduleError
 from bonsai_core.export_runtime import checkpointing
 from bonsai_core.export_runtime.checkpointing import SAME_OP, apply_saves, kv_cache_type, without_caches
@@ -73,7 +74,7 @@ from bonsai_core.export.readme import checkpoint_readme
 from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.regions import CheckpointPlan, dropped_nodes
-from bonsai_core.schedule import Schedule, schedule_ops, simulate
+from bonsai_core.schedule import COMPUTE, FREE, Schedule, schedule_ops, simulate
 from bonsai_core.trace import autocast_context, built_for_tracing
 
 CHECKPOINT_RUNTIME = Path(checkpointing.__file__)
@@ -201,8 +202,7 @@ class _Candidates:
         """The simulated peak of what checkpointing ``units`` really runs (:func:`realised_sequence`)."""
         parts, _ = self.realise(units)
         try:
-            return simulate(self.graph, schedule_ops(self.graph, realised_sequence(self.graph, parts,
-                                                                                   self.read_by_backward))).peak
+            return simulate(self.graph, realised_ops(self.graph, parts, self.read_by_backward)).peak
         except ScheduleError:  # a layout the sequence model cannot express: never prefer it
             return 2**62
 
@@ -231,7 +231,10 @@ class _Candidates:
 def _unit(graph: Graph, step: RecordedStep, node_at: np.ndarray, saved: np.ndarray, call: tuple[str, int, int],
           nodes: np.ndarray, drops: np.ndarray) -> Unit:
     """The unit of module ``call`` (its graph ``nodes``, its dropped nodes ``drops``): per op as SAC
-    counts it, the calls whose output is ``saved`` and read inside the unit."""
+    counts it, the calls whose output is ``saved`` and saved by an op of the unit: read inside it, or
+    saved by its own op's autograd formula (``sigmoid``'s result, a fused recurrent kernel's outputs and
+    workspace: :func:`bonsai_core.derivatives.saves_own_output`). Without the policy naming such an op,
+    its output would be recomputed, not kept."""
     path, a, b = call
     inside = set(nodes.tolist())
     saves: dict[str, list[int]] = {}
@@ -240,7 +243,8 @@ def _unit(graph: Graph, step: RecordedStep, node_at: np.ndarray, saved: np.ndarr
         op = SAME_OP.get(step.ops[r], step.ops[r])
         k = seen[op]
         seen[op] += 1
-        if node_at[r] >= 0 and saved[node_at[r]] and read_inside(graph, node_at[r], inside):
+        v = node_at[r]
+        if v >= 0 and saved[v] and (read_inside(graph, v, inside) or saves_own_output(graph.ops[v])):
             saves.setdefault(op, []).append(k)
     return Unit(path, saves, b - a, int(graph.mem[drops].sum()) if len(drops) else 0)
 
@@ -299,6 +303,54 @@ def realised_sequence(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], 
                 seq.extend(rebuild)
         seq.append(b)
     return seq
+
+
+def realised_ops(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_by_backward: np.ndarray) -> list[tuple[str, int]]:
+    """The simulator's ops of what the checkpoints really run: :func:`realised_sequence`, each copy freed
+    after its last reader, except each unit's inputs (forward nodes outside it that its nodes read, and
+    their bases): ``torch.utils.checkpoint`` keeps the arguments of a checkpointed call for its
+    recomputation until the last backward node that saved a tensor inside the call has run (its saved
+    tensors' unpack hooks hold the call's frame), so they are freed right after the last backward node
+    that reads a node of the unit or one of its inputs, if not later anyway."""
+    ops = schedule_ops(graph, realised_sequence(graph, units, read_by_backward))
+    hold: dict[int, int] = {}  # unit input -> the backward node it is held until
+    backward = np.flatnonzero(~graph.is_forward)
+    for nodes, _ in units:
+        inside = set(nodes.tolist())
+        inputs = {int(d) for v in inside for d in graph.deps(v).tolist() if d not in inside and graph.is_forward[d]}
+        for u in sorted(inputs):
+            while graph.alias_of[u] >= 0:  # a view holds its base
+                u = int(graph.alias_of[u])
+                inputs.add(u)
+        readers = [int(b) for b in backward if inside.union(inputs) & set(graph.deps(b).tolist())]
+        if readers:
+            for u in inputs:
+                hold[u] = max(hold.get(u, -1), readers[-1])
+    return _held(ops, hold)
+
+
+def _held(ops: list[tuple[str, int]], hold: dict[int, int]) -> list[tuple[str, int]]:
+    """``ops`` with the first free of each node of ``hold`` put off until right after its backward node
+    is computed (or right before the node is computed again, whichever comes first); views before
+    their bases, as the simulator wants."""
+    out: list[tuple[str, int]] = []
+    deferred: set[int] = set()
+    done: set[int] = set()
+    for kind, v in ops:
+        if kind == FREE and v in hold and v not in done:
+            deferred.add(v)
+            done.add(v)
+            continue
+        if kind == COMPUTE and v in deferred:
+            out.append((FREE, v))
+            deferred.discard(v)
+        out.append((kind, v))
+        if kind == COMPUTE:
+            ending = sorted((u for u in deferred if hold[u] == v), reverse=True)  # views come after bases
+            for u in ending:
+                out.append((FREE, u))
+                deferred.discard(u)
+    return out + [(FREE, u) for u in sorted(deferred, reverse=True)]
 
 
 @contextlib.contextmanager

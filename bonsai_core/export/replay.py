@@ -106,18 +106,19 @@ def step_signature(model: str, options: dict[str, Any], seed: int = 0) -> StepSi
 
 def refuse_fused_recurrent(model: torch.nn.Module) -> None:
     """ExportError for a model with a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``): eager runs
-    it as one fused kernel, which the replay cannot write out as eager runs it. The trace holds torch's
-    decomposition of it (per-layer kernels of the tracing device, per-step ops elsewhere), and that
-    decomposition draws no dropout between layers (torch 2.13), so with ``dropout > 0`` the exported
-    step would draw other random numbers than eager under the same seed."""
+    it as one fused kernel, which the replay cannot write out as eager runs it. The trace holds the
+    kernel (a float32 CPU ``nn.LSTM``: ``bonsai_core.recurrent``, its dropout between layers drawn by
+    other ops than eager's) or torch's decomposition of it (per-step ops, no dropout between layers in
+    torch 2.13), so with ``dropout > 0`` the exported step would draw other random numbers than eager
+    under the same seed."""
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.RNNBase):
             dropout = (f", with dropout {module.dropout:g} between its {module.num_layers} layers drawn inside it"
                        if module.dropout and module.num_layers > 1 and module.training else "")
             raise ExportError(
                 f"Module {name or '(the model itself)'!r} ({type(module).__name__}) runs one fused recurrent "
-                f"kernel{dropout}. The replay back-end would run the trace's decomposition of it (many ops, "
-                "without the dropout between layers), not the same step as eager. Export with --backend "
+                f"kernel{dropout}. The replay back-end would run the trace's form of it (its aten ops, the "
+                "dropout between layers drawn by other ops), not the same step as eager. Export with --backend "
                 "checkpoint: it recomputes the module with its own kernel and the same random numbers.")
 
 

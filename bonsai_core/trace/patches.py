@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from bonsai_core.attention import FusedAttentionWithDropout
+from bonsai_core.recurrent import FusedRecurrent
 from bonsai_core.thread_patches import in_this_thread
 
 
@@ -92,9 +93,11 @@ _DROPOUTS.update({f: inspect.Signature([inspect.Parameter(n, inspect.Parameter.P
 def _as_in_eager() -> Iterator[None]:
     """What tracing changes so that the graph is the step eager runs: no copy for a dropout that
     drops nothing, ``torch._assert`` on tensors skipped, float32/float16 grouped matmuls shaped
-    as their kernels shape them, and SDPA with dropout recorded as the fused kernel a GPU runs, not
-    the CPU's math path (:mod:`bonsai_core.attention`)."""
-    with skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels(), FusedAttentionWithDropout():
+    as their kernels shape them, SDPA with dropout recorded as the fused kernel a GPU runs, not
+    the CPU's math path (:mod:`bonsai_core.attention`), and ``nn.LSTM`` as the fused kernel eager runs,
+    not torch's per-step decomposition (:mod:`bonsai_core.recurrent`)."""
+    with skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels(), FusedAttentionWithDropout(), \
+            FusedRecurrent():
         yield
 
 
