@@ -132,7 +132,7 @@ def _run_three_ways(rank: int, out_dir: str, store: str, results: str) -> None:
     as the simulator's FSDP rules shard it. Rank 0 writes the losses, gradients, peaks and prediction."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
     from torchtitan.config.job_config import ActivationCheckpoint
     from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_fsdp
@@ -162,8 +162,12 @@ def _run_three_ways(rank: int, out_dir: str, store: str, results: str) -> None:
                 fully_shard(net, mesh=mesh)
             else:
                 apply_fsdp(net, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+                for module in net.modules():  # its gradient divide factor 1 reduces with PREMUL_SUM, which gloo
+                    if isinstance(module, FSDPModule):  # lacks: a plain SUM, the same sum
+                        module.set_force_sum_reduction_for_comms(True)
             step = steady_step_peak(net, inputs, loss_fn)
-            grads = {name: p.grad.full_tensor() for name, p in net.named_parameters()}
+            grads = {name.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor()  # apply_ac's wrapper
+                     for name, p in net.named_parameters()}
             out[way] = {"peak": step["peak"], "loss": step["loss"]}
             if rank == 0:
                 torch.save(grads, Path(results, f"{way}.pt"))
@@ -187,4 +191,5 @@ def test_a_bonsai_plan_in_torchtitan_s_run_matches_its_gradients_and_the_predict
             torch.testing.assert_close(grads[name] * scale, g, rtol=1e-4, atol=1e-6, msg=f"{way}: {name}")
     measured, predicted = out["bonsai-blocks"]["peak"], out["predicted"]
     print(json.dumps(out))
+    assert set(reference) == set(grads)
     assert abs(measured / predicted - 1) <= 0.05, (measured, predicted)

@@ -105,7 +105,8 @@ def build(spec: str, batch: int = DEFAULTS["batch"], seq: int = DEFAULTS["seq"],
 
     model = Transformer(model_args(spec, seq=seq, **sizes)).train()
     if not isinstance(model.output.weight, FakeTensor):
-        model.init_weights()
+        with torch.no_grad():  # as torchtitan's trainer calls it
+            model.init_weights()
     tokens = torch.randint(0, model.vocab_size, (batch, seq + 1))  # a sample; the labels are its next tokens
     return model, (tokens[:, :-1].clone(),), TitanLoss(tokens[:, 1:].clone())
 
