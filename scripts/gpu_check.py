@@ -11,7 +11,7 @@ each over the steady-state second step. Prints a markdown table; run it where a 
 Then torchtitan's Llama 3 step (:data:`TORCHTITAN`: the 8B flavour cut to 4 blocks, seq 8192, batch 2,
 bf16 parameters, AdamW; one GPU, no FSDP), two ways: torchtitan's own selective activation
 checkpointing (its ``apply_ac``, which on a GPU saves the flash kernel's output) against the
-``torchtitan-selective`` method's prediction, and a bonsai plan (``bonsai_core.models.torchtitan.plan_for``)
+``torchtitan-selective`` method's prediction, and a bonsai plan (``bonsai_core.torchtitan.plan_for``)
 at that method's peak against the plan's predicted peak. ``--torchtitan-only`` runs just these.
 
 With ``--expandable-segments`` it sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before
@@ -132,9 +132,9 @@ def check_torchtitan(model: str, options: dict, optimizer: str, policy: str, dev
 
     from bonsai_core import models
     from bonsai_core.allocator import replay
-    from bonsai_core.models import torchtitan as tt
     from bonsai_core.optimizer import init_state, make, with_optimizer
     from bonsai_core.solvers import solve
+    from bonsai_core.torchtitan import plan_for
     from bonsai_core.trace import trace_model
     from bonsai_core.units import format_bytes
 
@@ -152,7 +152,7 @@ def check_torchtitan(model: str, options: dict, optimizer: str, policy: str, dev
             peak = selective.stats["peak"]
             reserved = replay(graph, selective, policy=policy, full=True, optimizer="sgd").reserved_peak  # as check()
         else:
-            made = tt.plan_for(net, options["batch"], options["seq"], selective.stats["peak"], optimizer=optimizer,
+            made = plan_for(net, options["batch"], options["seq"], selective.stats["peak"], optimizer=optimizer,
                                cache=False, time_limit=120)
             made.apply(net)
             peak, reserved = made.report.predicted_peak, None

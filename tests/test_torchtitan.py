@@ -108,10 +108,11 @@ def test_a_plan_is_made_for_a_model_torchtitan_built_on_the_meta_device():
     from torchtitan.models.llama3 import Transformer
 
     from bonsai_core.models import torchtitan as tt
+    from bonsai_core.torchtitan import plan_for
 
     with torch.device("meta"):
         model = Transformer(tt.model_args("llama3:debugmodel", layers=2, seq=128))
-    made = tt.plan_for(model, 2, 128, "85%", fsdp=2, optimizer="none", cache=False)
+    made = plan_for(model, 2, 128, "85%", fsdp=2, optimizer="none", cache=False)
     assert made.save and all(path.startswith("layers.") for path in made.save)
     made.apply(model)
     assert all(path in dict(model.named_modules()) for path in made.save)
@@ -139,14 +140,14 @@ def _run_three_ways(rank: int, out_dir: str, store: str, results: str) -> None:
 
     from bonsai_core import models
     from bonsai_core.bench.fsdp import steady_step_peak
-    from bonsai_core.models import torchtitan as tt
+    from bonsai_core.torchtitan import plan_for
     from tests.distributed import WORLD, join_group
 
     join_group(rank, store)
     try:
         mesh = init_device_mesh("cpu", (WORLD,))
         _, inputs, loss_fn = models.build(TITAN, seed=100 + rank, **GLOO)  # each rank its own batch
-        made = tt.plan_for(models.build(TITAN, seed=0, **GLOO)[0], GLOO["batch"], GLOO["seq"], BUDGET,
+        made = plan_for(models.build(TITAN, seed=0, **GLOO)[0], GLOO["batch"], GLOO["seq"], BUDGET,
                            fsdp=WORLD, optimizer="none", cache=False)
         out = {"predicted": made.report.predicted_peak, "regions": made.report.regions}
         for way in ("torchtitan", "bonsai", "bonsai-blocks"):

@@ -5,7 +5,7 @@
 torchtitan's own ``Transformer`` (``torchtitan.models.llama3``), built from a flavour of its registry
 (``llama3_args``: ``debugmodel``, ``8B``, ``70B``, ``405B``, ...), so its module paths are torchtitan's
 (``layers.0.attention.wq``) and a plan made on it applies to the model a torchtitan run builds
-(:mod:`bonsai_core.export_runtime.torchtitan`). The loss is torchtitan's: ``cross_entropy_loss`` (the
+(:func:`bonsai_core.torchtitan.plan_for`). The loss is torchtitan's: ``cross_entropy_loss`` (the
 logits upcast to float32, summed over tokens) divided by the number of tokens, as its train step
 divides by the valid tokens of the batch (:class:`TitanLoss`); the labels are the next tokens, as
 torchtitan's dataloader gives them.
@@ -63,8 +63,8 @@ class TitanLoss(nn.Module):
         return cross_entropy_loss(pred, self.labels) / self.labels.numel()
 
 
-def flavours(family: str = "llama3") -> dict[str, Any]:
-    """The flavours of torchtitan's registry for ``family``: name -> ``TransformerModelArgs``."""
+def flavours() -> dict[str, Any]:
+    """The flavours of torchtitan's llama3 registry: name -> ``TransformerModelArgs``."""
     _require_torchtitan()
     from torchtitan.models.llama3 import llama3_args
 
@@ -78,7 +78,7 @@ def model_args(spec: str, layers: int | None = None, width: int | None = None, h
     if family not in FAMILIES or not flavour:
         raise ModelError(f"Unknown torchtitan model {PREFIX + spec!r}: give {PREFIX}llama3:FLAVOUR, a flavour of "
                          "torchtitan's registry (" + ", ".join(flavours()) + ").")
-    registry = flavours(family)
+    registry = flavours()
     if flavour not in registry:
         raise ModelError(f"torchtitan's llama3 has no flavour {flavour!r}; its flavours: {', '.join(registry)}.")
     args = registry[flavour]
@@ -121,24 +121,3 @@ def _require_torchtitan() -> None:
         raise ModelError(f"torchtitan {torchtitan.__version__} is installed; bonsai supports torchtitan "
                          f"{SUPPORTED_RELEASE} (docs/MODELS.md says why): {INSTALL}.")
 
-
-# -- a bonsai plan in a torchtitan run -----------------------------------------------------------
-
-def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: str = "bonsai", *,
-             fsdp: int = 1, optimizer: str = "adamw", **options: Any) -> Any:
-    """A checkpoint plan (:func:`bonsai_core.plan`) for one training step of torchtitan's Llama 3
-    ``model`` on a local batch of ``batch x seq`` tokens with torchtitan's loss, as one of ``fsdp``
-    ranks holds it (``optimizer``'s state sharded too). ``model`` is the ``Transformer`` torchtitan
-    built, on any device (``meta`` too: only shapes are read), before ``parallelize_llama``.
-
-    ``plan.apply(model)`` then does what torchtitan's ``apply_ac`` does, one save policy per block
-    (``model.layers.<i>``, and whichever smaller submodules the plan picks), in place: the module
-    paths stay torchtitan's, so its ``apply_fsdp`` (``fully_shard``), which must come after, finds
-    them. Run torchtitan with ``activation_checkpoint.mode = "none"`` so that it does not wrap the
-    blocks again (docs/MODELS.md shows the ``parallelize_fn`` that does both)."""
-    from bonsai_core.training import plan
-
-    device = next(model.parameters()).device
-    tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
-    return plan(model, (tokens,), TitanLoss(tokens.clone()), budget, method, fsdp=fsdp, optimizer=optimizer,
-                **options)
