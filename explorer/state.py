@@ -103,7 +103,10 @@ def sidebar() -> DeltaGenerator:
             ss["granularity"] = max(1, min(top, round(2 * math.sqrt(max(n_fwd, 1)))))
         if st.toggle("Set granularity", key="granularity_on",
                      help="Largest segment, in forward ops (segment methods). Off: the method's default."):
-            chosen["granularity"] = st.slider("Granularity (max ops per segment)", 1, top, key="granularity")
+            chosen["granularity"] = st.slider("Granularity (max non-view ops per segment)", 1, top, key="granularity",
+                                              help="Segments hold at most this many ops that are not views; "
+                                                   "the views ride with their base uncounted (they cost nothing "
+                                                   "to rebuild), so a segment's op count in the Solve table is larger.")
         backend = st.selectbox("MILP backend", BACKENDS, key="backend")
         if backend != "default":
             chosen["backend"] = backend
@@ -179,6 +182,8 @@ def budget_controls(slot: DeltaGenerator) -> None:
     reference, lb = compute.no_remat(g).peak, g.peak_lower_bound
     slot.caption(f"Budget **{format_bytes(s.budget)}** ({s.budget:,} bytes, {s.percent:.1f}%) · no schedule fits "
                  f"below {format_bytes(lb)} ({100 * lb / reference:.0f}%)")
+    if ss.get("tour_step") == 1 and ss.get("tour_budget") not in (None, ss["budget_pct"]):
+        st.rerun()  # the tour's "drag the budget" is done: the whole app, to show its next step
     params = view_params(s.method)
     if params != st.query_params.to_dict():  # each change is a message to the browser
         st.query_params.from_dict(params)

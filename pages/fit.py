@@ -29,7 +29,9 @@ if not sizes:
 
 c1, c2, c3 = st.columns(3)
 gpu_text = c1.text_input("GPU memory", value=format_bytes(2 * m.graph.peak_lower_bound).replace(" ", ""),
-                         key="fit_gpu", help="bytes, or with a unit: 80GiB, 24GB, 512MiB")
+                         key="fit_gpu", help="bytes, or with a unit: 80GiB, 24GB, 512MiB. It starts at twice the "
+                         "current model's lower bound on any schedule's peak, a size where the search has something "
+                         "to find; type your GPU's memory.")
 vary = c2.selectbox("Size to search", sizes, key="fit_vary")
 max_overhead = c3.slider("Largest overhead (%)", 0, 50, 10, key="fit_overhead") / 100
 c4, c5, c6 = st.columns(3)
@@ -40,7 +42,9 @@ optimizer = c5.selectbox("Optimizer", OPTIMIZERS, index=OPTIMIZERS.index("adamw"
 reserved = c6.toggle("Budget reserved bytes", value=False, key="fit_reserved",
                      help="the GPU's memory bounds what the caching allocator reserves, not only live tensors")
 fixed = {k: v for k, v in m.options.items() if k != vary}
-st.caption(f"Model: {m.label}; other sizes fixed at "
+st.caption(f"The GPU memory starts at twice this model's lower bound on any schedule's peak "
+           f"({format_bytes(m.graph.peak_lower_bound)}), a made-up size for a small model: type your GPU's memory. "
+           f"Model: {m.label}; other sizes fixed at "
            + (", ".join(f"{k} {v}" for k, v in fixed.items()) or "their defaults") + ". Each solve stops after 10 s.")
 
 if st.button("Find what fits", type="primary", key="fit_run", disabled=not methods):
