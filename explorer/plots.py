@@ -8,6 +8,7 @@ times in milliseconds.
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -424,6 +425,53 @@ def collapsed_figure(graph: Graph, groups: Groups, pos: np.ndarray, recomputed_n
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
     return _style(fig, height)
+
+
+LABEL_PX = 12  # the smallest label a projector shows legibly
+CHAR_PX = 7.2  # a 12 px label's average character width
+
+
+def placed_labels(x: Sequence[float], texts: Sequence[str], x_range: tuple[float, float],
+                  width_px: float = 1100.0) -> list[int]:
+    """The labels (indices) that fit side by side, left to right, on a chart ``width_px`` wide over
+    ``x_range``: each kept one starts after the last kept one ends (a label centred on its x)."""
+    per_px = max(x_range[1] - x_range[0], 1e-9) / width_px
+    kept, right = [], -math.inf
+    for i in np.argsort(np.asarray(x, dtype=float), kind="stable").tolist():
+        half = (len(texts[i]) * CHAR_PX / 2 + 6) * per_px
+        if x[i] - half >= right:
+            kept.append(i)
+            right = x[i] + half
+    return kept
+
+
+def add_labels(fig: go.Figure, x: Sequence[float], y: Sequence[float], texts: Sequence[str],
+               x_range: tuple[float, float], above: bool = True, width_px: float = 1100.0) -> go.Figure:
+    """Horizontal 12 px labels at (x, y), above (or below) the point, those that would overlap one
+    already placed left out (hover still names every node)."""
+    keep = placed_labels(x, texts, x_range, width_px)
+    if keep:
+        fig.add_trace(go.Scatter(x=[x[i] for i in keep], y=[y[i] for i in keep], mode="text",
+                                 text=[texts[i] for i in keep], textposition="top center" if above else "bottom center",
+                                 textfont=dict(size=LABEL_PX), hoverinfo="skip", showlegend=False, name="labels"))
+    return fig
+
+
+def module_label_points(graph: Graph, nodes: np.ndarray, pos: np.ndarray, names: Sequence[str]) -> tuple[list, list, list]:
+    """One label per run of consecutive forward nodes with the same name (``names[v]``, a node's module):
+    at the run's mean x, above its highest node."""
+    xs, ys, texts = [], [], []
+    fwd = [i for i, v in enumerate(np.asarray(nodes).tolist()) if graph.is_forward[v] and names[v]]
+    run: list[int] = []
+    for i in [*fwd, None]:
+        if run and (i is None or names[int(nodes[i])] != names[int(nodes[run[0]])]):
+            xs.append(float(np.mean(pos[run, 0])))
+            ys.append(float(np.max(pos[run, 1])))
+            texts.append(names[int(nodes[run[0]])])
+            run = []
+        if i is not None:
+            run.append(i)
+    return xs, ys, texts
 
 
 # -- comparisons -----------------------------------------------------------------------------------
