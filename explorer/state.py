@@ -387,3 +387,14 @@ def events_table(out: compute.Outcome, key: str) -> int | None:
     if now is not None:
         st.markdown(f"**↻{now + 1}** " + events.event_line(g, found[now], modules))
     return now
+
+
+def rank_breakdown(out: compute.Outcome) -> dict:
+    """One FSDP rank's memory of a solved schedule by part (``explorer.rank``), with the allocator's
+    extra when its model replays the schedule."""
+    from explorer import rank
+
+    g = model().graph
+    alloc = compute.replay(g, out)
+    ok = alloc is not None and not isinstance(alloc, str)
+    return rank.breakdown(g, out.schedule.ops, out.sim, alloc.reserved if ok else None, alloc.live if ok else None)

@@ -20,6 +20,18 @@ m = state.model()
 st.caption("For each method, the largest size of the model whose training step fits the GPU's memory with "
            "a recompute overhead under the limit: the model is traced at each size tried, and every method "
            "solves it. The same search as `bonsai fit`.")
+if m.graph.fsdp is not None:  # a real run's memory: one rank's, by part, at the sidebar's schedule's peak
+    from explorer import rank
+
+    out = state.outcome()
+    if out.ok:
+        world = m.graph.fsdp["world"]
+        st.subheader(f"One rank's memory of {world} (FSDP) at its peak")
+        table = pd.DataFrame(rank.at_peak(state.rank_breakdown(out), out.sim.peak_op))
+        st.table(table, hide_index=True)
+        st.caption(f"**{out.method}** at {state.settings().percent:.0f}% of the no-remat peak, step {out.sim.peak_op}: "
+                   "what one rank holds (the Memory page draws it over the step). A GPU must hold the sum, the "
+                   "allocator's extra included.")
 entry = ZOO.get(m.zoo) or ARCHS.get(m.zoo.removeprefix(PREFIX)) if m.zoo else None
 sizes = [k for k in ("batch", "seq") if entry is not None and k in entry.options]
 if not sizes:

@@ -12,7 +12,7 @@ from bonsai_core import solvers
 from bonsai_core.allocator import layout_at
 from bonsai_core.errors import BudgetError
 from bonsai_core.units import format_bytes
-from explorer import compute, events, plots, state, timeline
+from explorer import compute, events, plots, rank, state, timeline
 
 st.title("Memory over time")
 g = state.model().graph
@@ -170,6 +170,19 @@ def why(outcome: compute.Outcome, budget: int) -> None:
 WHY_AT_ONCE = 12  # regions explained per click: each costs a few simulations of the whole schedule
 
 
+def per_rank(out: compute.Outcome, chosen: plots.Curve | None, budget: int) -> None:
+    """One FSDP rank's memory over the step, by what holds it."""
+    parts = state.rank_breakdown(out)
+    x = chosen.x if chosen is not None else np.arange(1, len(out.schedule.ops) + 1, dtype=float)
+    st.subheader(f"One rank's memory of {g.fsdp['world']} (FSDP)")
+    st.vega_lite_chart(spec=rank.chart(parts, x, "elapsed compute time (ms)" if x_mode == "time" and chosen is not None
+                                       else "schedule step (op)", budget), width="stretch", key="memory_rank")
+    peak = out.sim.peak_op
+    st.caption(f"**{out.method}**'s schedule on one of {g.fsdp['world']} ranks, stacked: at its peak (step {peak}) "
+               + ", ".join(f"{r['part']} {r['bytes']}" for r in rank.at_peak(parts, peak)) + ". The FSDP parts are "
+               "the simulator's (bonsai_core.fsdp); the allocator's extra is its model's replay.")
+
+
 def memory_over_time() -> None:
     """The plot and the table at the sidebar's budget, and the address space when open."""
     s = state.settings()
@@ -233,6 +246,8 @@ def memory_over_time() -> None:
         lifetimes(chosen, curves[0], step, x_domain)
         why(chosen, s.budget)
     st.table(rows, hide_index=True)  # a static table: a data grid cost each browser 0.1 CPU-s more per drag
+    if g.fsdp is not None and chosen.ok:
+        per_rank(chosen, curves[0] if on_chosen else None, s.budget)
 
     # Drawn only while open (a lazy expander): the address map is a second plotly chart that every budget
     # change would redraw, about 40% of a browser tab's work per slider move, as measured in Chromium.
