@@ -47,6 +47,11 @@ def text_colour(fill: str) -> str:
     return "#111111" if lum > 0.45 else "#FFFFFF"
 
 
+def label_px(text: str) -> int:
+    """About how wide a 12 px bold label is drawn, with the box's padding."""
+    return int(7.2 * len(text)) + 6
+
+
 def box_fills(boxes: Boxes, stats: BoxStats, blocks: list[str], segment_colours: list[str] | None = None) -> list[str]:
     """Each box's colour: its segment's (most of its forward ops; ``segment_colours``, one per segment,
     else by index), or, without segments, its block's in the model's block stack (``blocks``: their
@@ -87,8 +92,12 @@ def _rows(boxes: Boxes, layout: BoxLayout, stats: BoxStats, fills: list[str], mi
                 continue
             numbers = (f"↻ {short_bytes(int(stats.saved_bytes[k]))} · {short_time(stats.recompute_cost[k])}"
                        if recomputed and part == "forward" else short_bytes(int(nbytes)))
+            label = boxes.labels[k] if part == "forward" else "∇ " + boxes.labels[k]
+            # a block of a long stack (layers.17) keeps its index where its name does not fit
+            short = (label.rsplit(".", 1)[1] if label.rsplit(".", 1)[-1].isdigit() and "." in label else label)
+            short = short.removeprefix("∇ ")  # under its forward box, in the band marked backward
             rows.append({**common, "part": part, "y0": yc - BOX_HEIGHT / 2, "y1": yc + BOX_HEIGHT / 2, "yc": yc,
-                         "label": boxes.labels[k] if part == "forward" else "∇ " + boxes.labels[k],
+                         "label": label, "short": short, "label_px": label_px(label), "short_px": label_px(short),
                          "numbers": numbers, "ops": int(ops), "bytes": format_bytes(int(nbytes)),
                          "ms": round(float(cost) * 1e3, 4),
                          "ink": text_colour(fills[k]) if part == "forward" else None})
@@ -190,7 +199,8 @@ def module_chart(boxes: Boxes, layout: BoxLayout, stats: BoxStats, tree_paths: t
     row_px = "abs(scale('y', 1) - scale('y', 0))"
     # labels always horizontal (a projector's audience does not tilt its head), 12 px, cut to the box's
     # width; shown when the box has room for a few letters, else on zoom; the numbers under them
-    label_shown = f"(colpx * {BOX_WIDTH} >= 24 && rowpx * {BOX_HEIGHT} >= 16)"
+    label_shown = f"(colpx * {BOX_WIDTH} >= min(24, datum.short_px) && rowpx * {BOX_HEIGHT} >= 16)"
+    shown_text = f"colpx * {BOX_WIDTH} >= datum.label_px || datum.short_px >= 24 ? datum.label : datum.short"
     numbers_shown = f"(colpx * {BOX_WIDTH} >= 44 && rowpx * {BOX_HEIGHT} >= 36)"
     tooltip = [{"field": "name", "title": "module"}, {"field": "part", "title": "pass"},
                {"field": "ops", "title": "ops"}, {"field": "bytes", "title": "output bytes"},
@@ -244,12 +254,12 @@ def module_chart(boxes: Boxes, layout: BoxLayout, stats: BoxStats, tree_paths: t
                           "strokeDash": {"condition": {"test": "datum.recomputed && datum.part === 'backward'",
                                                        "value": [4, 2]}, "value": [1, 0]},
                           "tooltip": tooltip}},
-            {"data": {"name": "boxes"},
+            {"data": {"name": "boxes"}, "transform": [{"calculate": shown_text, "as": "shown"}],
              "mark": {"type": "text", "fontSize": 12, "fontWeight": 600, "baseline": "middle",
-                      "opacity": {"expr": f"{label_shown} ? 1 : 0"},
                       "dy": {"expr": f"{numbers_shown} ? -7 : 0"},
                       "limit": {"expr": f"max(0, colpx * {BOX_WIDTH} - 6)"}},
-             "encoding": {"x": {**x, "field": "xc"}, "y": {**y, "field": "yc"}, "text": {"field": "label"},
+             "encoding": {"x": {**x, "field": "xc"}, "y": {**y, "field": "yc"}, "text": {"field": "shown"},
+                          "opacity": {"condition": {"test": label_shown, "value": 1}, "value": 0},
                           "color": {"condition": {"test": "datum.ink", "field": "ink", "type": "nominal",
                                                   "scale": None}, "value": FOREGROUND.get(theme, FOREGROUND[None])},
                           "tooltip": tooltip}},
