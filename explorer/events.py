@@ -24,18 +24,26 @@ def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} µs"
 
 
-def recomputed_modules(graph: Graph, event: RecomputeEvent, modules: Modules) -> list[str]:
-    """What the rebuild recomputes, in the order it runs it: the module call of each op (views left
-    out: they cost nothing), and for an op a call runs between its inner calls the op too
-    (``blocks.1: gelu``)."""
+def module_names(graph: Graph, nodes, modules: Modules) -> list[str]:
+    """The module calls that ran ``nodes``, in order, each once: views and a multi-output op's parts left
+    out (they cost nothing), and an op a call runs between its inner calls named with it
+    (``blocks.1: gelu``; ``model: add`` between the model's own calls)."""
     parents = {path.rsplit(".", 1)[0] for path, _, _ in graph.modules if "." in path}
     names = []
-    for v in event.nodes:
-        if graph.alias_of[v] >= 0 or graph.output_of[v] >= 0:  # views and a multi-output op's parts
+    for v in nodes:
+        if graph.alias_of[v] >= 0 or graph.output_of[v] >= 0:
             continue
         path = modules.path[v]
-        names.append(f"{path}: {op_name(graph.ops[v])}" if path in parents else path)
-    return list(dict.fromkeys(names)) or list(dict.fromkeys(modules.path[v] for v in event.nodes))
+        if path in ("", "forward", "backward"):
+            names.append(f"model: {op_name(graph.ops[v])}")
+        else:
+            names.append(f"{path}: {op_name(graph.ops[v])}" if path in parents else path)
+    return list(dict.fromkeys(names)) or list(dict.fromkeys(modules.path[v] for v in nodes))
+
+
+def recomputed_modules(graph: Graph, event: RecomputeEvent, modules: Modules) -> list[str]:
+    """What the rebuild recomputes, in the order it runs it (:func:`module_names`)."""
+    return module_names(graph, event.nodes, modules)
 
 
 def where(graph: Graph, event: RecomputeEvent, modules: Modules, code: bool = False) -> str:

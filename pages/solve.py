@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from bonsai_core.units import format_bytes
-from explorer import ahead, compute, plots, state
+from explorer import ahead, compute, events, plots, state
 
 st.title("Solve")
 
@@ -76,8 +76,8 @@ def schedule() -> None:
             st.caption("**saved ops**: ops inside a recomputed segment that the plan keeps anyway (held from the "
                        "forward pass to the backward, like an unrecomputed segment's), so its rebuild starts from them "
                        "instead of recomputing them.")
-        paths = state.node_modules(g).path
-        st.dataframe([{"segment": i, "modules": segment_modules(seg, paths), "ops": len(seg),
+        modules = state.node_modules(g)
+        st.dataframe([{"segment": i, "modules": segment_modules(g, seg, modules), "ops": len(seg),
                        "bytes": format_bytes(int(g.mem[list(seg)].sum())),
                        "cost (µs)": round(float(g.cost[list(seg)].sum()) * 1e6, 2), "recomputed": i in rec,
                        **({"outputs dropped": i in opened} if opened else {}),
@@ -85,9 +85,9 @@ def schedule() -> None:
                       for i, seg in enumerate(segments)], hide_index=True, width="stretch")
 
 
-def segment_modules(members, paths) -> str:
+def segment_modules(g, members, modules) -> str:
     """The module calls a segment's ops ran in, in order (three, then how many more)."""
-    names = list(dict.fromkeys(paths[v] for v in members))
+    names = events.module_names(g, members, modules)
     return ", ".join(names[:3]) + (f" +{len(names) - 3} more" if len(names) > 3 else "")
 
 
