@@ -19,6 +19,7 @@ import pandas as pd
 from bonsai_core.fsdp import SHARDED_KINDS, working_parts
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import SimResult
+from explorer.plots import RECOMPUTE
 from explorer.timeline import Lifetimes, lifetimes, resident_bytes
 
 SHARDED = "sharded state (1/N of parameters, gradients, optimizer)"
@@ -93,7 +94,7 @@ def chart(parts: dict[str, np.ndarray], x: np.ndarray, x_title: str, budget: int
                                     "legend": {"orient": "bottom", "columns": 2, "labelLimit": 400, "labelFontSize": 12}},
                           "order": {"field": "order"},
                           "tooltip": [{"field": "part"}, {"field": "mib", "format": ".2f", "title": "MiB"}]}},
-            {"data": {"name": "budget"}, "mark": {"type": "rule", "color": "#d62728", "strokeDash": [6, 4], "strokeWidth": 2},
+            {"data": {"name": "budget"}, "mark": {"type": "rule", "color": RECOMPUTE, "strokeDash": [6, 4], "strokeWidth": 2},
              "encoding": {"y": {"field": "mib", "type": "quantitative"}}},
         ],
     }

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_browser import BROWSER_ARGS, CHROMIUM, SHOTS, serve, wait_idle  # noqa: F401
-from tests.test_browser_graph import CHART, assert_labels_legible
+from tests.test_browser_graph import assert_labels_legible
 
 pytestmark = pytest.mark.skipif(not __import__("os").path.exists(CHROMIUM), reason="Debian's chromium is not installed")
 
