@@ -103,12 +103,24 @@ def with_fsdp(graph: Graph, world: int, blocks: Sequence[tuple[str, int, int, in
     return Graph.from_dict(data)
 
 
+WORKING_PARTS = ("all-gathered blocks", "gradients held", "collective buffers")
+
+
 def working_profile(graph: Graph, ops: Sequence[tuple[str, int]]) -> np.ndarray:
     """int64[len(ops)]: the bytes FSDP holds at each op of a schedule beyond ``fixed_mem`` and the graph's
     own tensors (the module doc's rules); zeros for a graph without ``fsdp``."""
-    out = np.zeros(len(ops), dtype=np.int64)
+    return sum(working_parts(graph, ops).values(), np.zeros(len(ops), dtype=np.int64))
+
+
+def working_parts(graph: Graph, ops: Sequence[tuple[str, int]]) -> dict[str, np.ndarray]:
+    """:func:`working_profile` by what holds the bytes (``WORKING_PARTS``): the unsharded parameters of
+    the blocks all-gathered (and the flat all-gather output held for the next copy-out), the gradients
+    held until their reduce-scatter, and the collective buffers (the reduce-scatter's input, the
+    previous all-gather output during a copy-out). int64[len(ops)] each; zeros without ``fsdp``."""
+    parts = {name: np.zeros(len(ops), dtype=np.int64) for name in WORKING_PARTS}
     if graph.fsdp is None:
-        return out
+        return parts
+    blocks_out, grads_out, buffers_out = (parts[name] for name in WORKING_PARTS)
     units = graph.fsdp["units"]
     size = [int(u[3]) for u in units]
     owner = _forward_owner(graph, units)
@@ -147,12 +159,14 @@ def working_profile(graph: Graph, ops: Sequence[tuple[str, int]]) -> np.ndarray:
                 root_backward, gather_output = True, size[-1]
             if graph.is_output[v] and not forward:  # a gradient: FSDP holds it, the graph frees it at once
                 held = int(graph.mem[_storage_node(graph, v)])
-        out[i] = sum(size[g] for g in gathered) + gather_output + scatter_input + block_grads + root_grads + transient
+        blocks_out[i] = sum(size[g] for g in gathered) + gather_output
+        grads_out[i] = block_grads + root_grads
+        buffers_out[i] = scatter_input + transient
         if current >= 0:
             block_grads += held
         else:
             root_grads += held
-    return out
+    return parts
 
 
 def _storage_node(graph: Graph, v: int) -> int:

@@ -89,6 +89,22 @@ class Schedule:
 
 
 @dataclass(frozen=True)
+class RecomputeEvent:
+    """One rebuild in a schedule: a run of consecutive ops that compute nodes again (frees between them
+    allowed), from position ``start`` to ``end`` (the last recompute); ``before``: the node whose first
+    compute ends the run, the op that needs what it rebuilt (-1: the run ends the schedule).
+    ``bytes``: the recomputed tensors still resident when the run ends (what it brings back);
+    ``cost``: the seconds the run's recomputes take."""
+
+    start: int
+    end: int
+    nodes: tuple[int, ...]
+    before: int
+    bytes: int
+    cost: float
+
+
+@dataclass(frozen=True)
 class SimResult:
     """What the simulator measured of a valid schedule.
 
@@ -105,6 +121,8 @@ class SimResult:
     computes: int
     recomputes: int
     timeline: np.ndarray
+    times_computed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # int64[n]
+    events: tuple[RecomputeEvent, ...] = ()  # the schedule's rebuilds in order (:func:`recompute_events`)
 
     def feasible(self, budget: int | None) -> bool:
         return budget is None or self.peak <= budget
@@ -215,7 +233,39 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
     return SimResult(peak=int(peak), peak_op=peak_op, compute_cost=total,
                      overhead=(total / base - 1.0) if base > 0 else 0.0,
                      computes=len([1 for k, _ in ops if k == COMPUTE]), recomputes=int(sum(computed) - n),
-                     timeline=timeline)
+                     timeline=timeline, times_computed=np.asarray(computed, dtype=np.int64),
+                     events=recompute_events(graph, ops))
+
+
+def recompute_events(graph: Graph, ops: Sequence[tuple[str, int]]) -> tuple[RecomputeEvent, ...]:
+    """The rebuilds of a valid schedule, in order: each maximal run of computes of nodes computed
+    before (frees inside the run allowed), with what it brings back and costs. O(len(ops))."""
+    seen = bytearray(graph.n)  # a Python loop over the ops: bytes index faster than a numpy array
+    events: list[RecomputeEvent] = []
+    run: list[int] = []  # positions of the current run's recomputes
+    resident: set[int] = set()  # its recomputed nodes not freed since
+
+    def close(before: int) -> None:
+        if run:
+            nodes = tuple(int(ops[j][1]) for j in run)
+            events.append(RecomputeEvent(start=run[0], end=run[-1], nodes=nodes, before=before,
+                                         bytes=int(graph.mem[sorted(resident)].sum()) if resident else 0,
+                                         cost=math.fsum(graph.cost[list(nodes)].tolist())))
+            run.clear()
+            resident.clear()
+
+    for i, (kind, v) in enumerate(ops):
+        if kind == COMPUTE:
+            if seen[v]:
+                run.append(i)
+                resident.add(v)
+            else:
+                close(int(v))
+                seen[v] = 1
+        elif resident:
+            resident.discard(v)
+    close(-1)
+    return tuple(events)
 
 
 def _beyond_the_graph(graph: Graph, ops: Sequence[tuple[str, int]], timeline: np.ndarray, peak: int,

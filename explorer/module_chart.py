@@ -13,9 +13,9 @@ import pandas as pd
 
 from bonsai_core.units import format_bytes
 from explorer.module_graph import BoxLayout, Boxes, BoxStats
-from explorer.plots import FOREGROUND, PALETTE, RECOMPUTE
+from explorer.plots import FOREGROUND, RECOMPUTE, SEGMENT_PALETTE
 
-BOX_WIDTH = 0.76  # of a column
+BOX_WIDTH = 0.84  # of a column
 BOX_HEIGHT = 1.0  # rows (the layout's unit)
 BAND_GAP = 0.5  # rows between the forward band and the mirrored backward band
 ROW_PX = 96  # a row's height in pixels (a box is one row tall), within the chart's height limits
@@ -47,21 +47,29 @@ def text_colour(fill: str) -> str:
     return "#111111" if lum > 0.45 else "#FFFFFF"
 
 
-def box_fills(boxes: Boxes, stats: BoxStats, blocks: list[str]) -> list[str]:
-    """Each box's colour: its segment's (most of its forward ops), or, without segments, its block's in
-    the model's block stack (``blocks``: their paths), else a neutral grey."""
+def label_px(text: str) -> int:
+    """About how wide a 12 px bold label is drawn, with the box's padding."""
+    return int(7.2 * len(text)) + 6
+
+
+def box_fills(boxes: Boxes, stats: BoxStats, blocks: list[str], segment_colours: list[str] | None = None) -> list[str]:
+    """Each box's colour: its segment's (most of its forward ops; ``segment_colours``, one per segment,
+    else by index), or, without segments, its block's in the model's block stack (``blocks``: their
+    paths), else a neutral grey."""
     fills = []
     for k in range(boxes.count):
         if stats.segment[k] >= 0:
-            fills.append(PALETTE[stats.segment[k] % len(PALETTE)])
+            s = int(stats.segment[k])
+            fills.append(segment_colours[s] if segment_colours else SEGMENT_PALETTE[s % len(SEGMENT_PALETTE)])
             continue
         name = boxes.names[k]
         block = next((i for i, b in enumerate(blocks) if name == b or name.startswith((b + ".", b + ":"))), None)
-        fills.append(NEUTRAL if block is None else PALETTE[block % len(PALETTE)])
+        fills.append(NEUTRAL if block is None else SEGMENT_PALETTE[block % len(SEGMENT_PALETTE)])
     return fills
 
 
-def _rows(boxes: Boxes, layout: BoxLayout, stats: BoxStats, fills: list[str], mirror: float) -> pd.DataFrame:
+def _rows(boxes: Boxes, layout: BoxLayout, stats: BoxStats, fills: list[str], mirror: float,
+          lit: frozenset[int] = frozenset()) -> pd.DataFrame:
     """One row per box and pass: its rectangle, colours, labels and hover numbers."""
     rows = []
     for k in range(boxes.count):
@@ -72,7 +80,7 @@ def _rows(boxes: Boxes, layout: BoxLayout, stats: BoxStats, fills: list[str], mi
                    else f"segments {segs[0]}–{segs[-1]}")
         common = {
             "box": k, "name": boxes.names[k], "x0": x - BOX_WIDTH / 2, "x1": x + BOX_WIDTH / 2, "xc": x,
-            "fill": fills[k], "recomputed": recomputed, "segment": segment,
+            "fill": fills[k], "recomputed": recomputed, "segment": segment, "lit": k in lit,
             "stroke": RECOMPUTE if recomputed else "#8C8C8C",
             "recompute": (f"{int(stats.recomputed_ops[k])} ops, frees {format_bytes(int(stats.saved_bytes[k]))}, "
                           f"+{stats.recompute_cost[k] * 1e3:.3f} ms" if recomputed else "no"),
@@ -84,8 +92,12 @@ def _rows(boxes: Boxes, layout: BoxLayout, stats: BoxStats, fills: list[str], mi
                 continue
             numbers = (f"↻ {short_bytes(int(stats.saved_bytes[k]))} · {short_time(stats.recompute_cost[k])}"
                        if recomputed and part == "forward" else short_bytes(int(nbytes)))
+            label = boxes.labels[k] if part == "forward" else "∇ " + boxes.labels[k]
+            # a block of a long stack (layers.17) keeps its index where its name does not fit
+            short = (label.rsplit(".", 1)[1] if label.rsplit(".", 1)[-1].isdigit() and "." in label else label)
+            short = short.removeprefix("∇ ")  # under its forward box, in the band marked backward
             rows.append({**common, "part": part, "y0": yc - BOX_HEIGHT / 2, "y1": yc + BOX_HEIGHT / 2, "yc": yc,
-                         "label": boxes.labels[k] if part == "forward" else "∇ " + boxes.labels[k],
+                         "label": label, "short": short, "label_px": label_px(label), "short_px": label_px(short),
                          "numbers": numbers, "ops": int(ops), "bytes": format_bytes(int(nbytes)),
                          "ms": round(float(cost) * 1e3, 4),
                          "ink": text_colour(fills[k]) if part == "forward" else None})
@@ -154,13 +166,15 @@ def _edges(layout: BoxLayout, mirror: float) -> pd.DataFrame:
 
 def module_chart(boxes: Boxes, layout: BoxLayout, stats: BoxStats, tree_paths: tuple[str, ...],
                  tree_parent: np.ndarray, blocks: list[str], height: int | None = None,
-                 theme: str | None = None, fills: list[str] | None = None) -> dict:
+                 theme: str | None = None, fills: list[str] | None = None, segment_colours: list[str] | None = None,
+                 lit: frozenset[int] = frozenset()) -> dict:
     """The Vega-Lite spec of the module graph: forward boxes left to right on top, each box's backward
     part mirrored under it, frames around nested calls, edges through the layout's bends. Click a box to
     select it (param ``pick``, field ``name``: outlined thick); scroll to zoom, drag to pan. ``theme``
     ("light", "dark" or None) sets the colour of the labels on the backward band. ``fills`` (one colour
     per box) replaces the segment colours (the Compare page colours boxes by which of two schedules
-    recomputes them)."""
+    recomputes them). ``segment_colours``: one per segment (``plots.segment_colours``); ``lit``: the boxes
+    of the recompute event under the step cursor, drawn with a thick halo."""
     frames = _frames(boxes, tree_paths, tree_parent, layout)
     lefts = [*(layout.x - BOX_WIDTH / 2), *frames.x0]
     rights = [*(layout.x + BOX_WIDTH / 2), *frames.x1]
@@ -169,8 +183,8 @@ def module_chart(boxes: Boxes, layout: BoxLayout, stats: BoxStats, tree_paths: t
     mirror = 2 * bottom + BAND_GAP  # a forward height y is drawn at mirror - y in the backward band
     if height is None:
         height = int(np.clip((mirror - 2 * top) * ROW_PX, 360, 1000))
-    fills = box_fills(boxes, stats, blocks) if fills is None else list(fills)
-    boxes_data = _rows(boxes, layout, stats, fills, mirror)
+    fills = box_fills(boxes, stats, blocks, segment_colours) if fills is None else list(fills)
+    boxes_data = _rows(boxes, layout, stats, fills, mirror, lit)
     frames = _mirrored_frames(frames, mirror)
     edges = _edges(layout, mirror)
     left = min(lefts, default=0.0)
@@ -183,10 +197,11 @@ def module_chart(boxes: Boxes, layout: BoxLayout, stats: BoxStats, tree_paths: t
          "scale": {"domain": [top, mirror - top], "reverse": True, "zero": False, "nice": False}}
     col_px = "abs(scale('x', 1) - scale('x', 0))"  # a column's width in pixels, as zoomed
     row_px = "abs(scale('y', 1) - scale('y', 0))"
-    # labels run upwards in boxes taller than wide; the numbers go under (beside) the label when both fit
-    upright = f"colpx * {BOX_WIDTH} < 64 && rowpx * {BOX_HEIGHT} > colpx * {BOX_WIDTH}"
-    label_shown = f"({upright} ? colpx * {BOX_WIDTH} >= 12 : rowpx * {BOX_HEIGHT} >= 14)"  # else unreadable
-    numbers_shown = f"({upright} ? colpx * {BOX_WIDTH} >= 26 : rowpx * {BOX_HEIGHT} >= 34)"
+    # labels always horizontal (a projector's audience does not tilt its head), 12 px, cut to the box's
+    # width; shown when the box has room for a few letters, else on zoom; the numbers under them
+    label_shown = f"(colpx * {BOX_WIDTH} >= min(24, datum.short_px) && rowpx * {BOX_HEIGHT} >= 16)"
+    shown_text = f"colpx * {BOX_WIDTH} >= datum.label_px || datum.short_px >= 24 ? datum.label : datum.short"
+    numbers_shown = f"(colpx * {BOX_WIDTH} >= 44 && rowpx * {BOX_HEIGHT} >= 36)"
     tooltip = [{"field": "name", "title": "module"}, {"field": "part", "title": "pass"},
                {"field": "ops", "title": "ops"}, {"field": "bytes", "title": "output bytes"},
                {"field": "ms", "title": "compute (ms)"}, {"field": "segment", "title": "segment"},
@@ -205,7 +220,7 @@ def module_chart(boxes: Boxes, layout: BoxLayout, stats: BoxStats, tree_paths: t
              "encoding": {"x": x, "x2": {"field": "x1"}, "y": y, "y2": {"field": "y1"},
                           "tooltip": [{"field": "frame", "title": "module"}]}},
             {"data": {"name": "frames"}, "transform": [{"filter": "datum.label !== ''"}],
-             "mark": {"type": "text", "align": "left", "baseline": "top", "dx": 4, "dy": 2, "fontSize": 11,
+             "mark": {"type": "text", "align": "left", "baseline": "top", "dx": 4, "dy": 2, "fontSize": 12,
                       "color": "#8C8C8C", "limit": {"expr": "max(0, 6 * colpx)"},
                       "opacity": {"expr": "colpx >= 8 ? 1 : 0"}},
              "encoding": {"x": x, "y": y, "text": {"field": "label"}}},
@@ -216,6 +231,11 @@ def module_chart(boxes: Boxes, layout: BoxLayout, stats: BoxStats, tree_paths: t
                           "order": {"field": "i"},
                           "strokeDash": {"condition": {"test": "datum.part === 'backward'", "value": [4, 3]},
                                          "value": [1, 0]}}},
+            # the boxes of the recompute event under the step cursor: a thick halo around them
+            {"data": {"name": "boxes"}, "transform": [{"filter": "datum.lit"}],
+             "mark": {"type": "rect", "cornerRadius": 5, "fillOpacity": 0, "strokeWidth": 7, "strokeOpacity": 0.9,
+                      "stroke": FOREGROUND.get(theme, FOREGROUND[None])},
+             "encoding": {"x": x, "x2": {"field": "x1"}, "y": y, "y2": {"field": "y1"}}},
             {"data": {"name": "boxes"},
              "params": [{"name": SELECTION, "select": {"type": "point", "fields": ["name"], "on": "click",
                                                         "clear": "dblclick"}},
@@ -234,25 +254,28 @@ def module_chart(boxes: Boxes, layout: BoxLayout, stats: BoxStats, tree_paths: t
                           "strokeDash": {"condition": {"test": "datum.recomputed && datum.part === 'backward'",
                                                        "value": [4, 2]}, "value": [1, 0]},
                           "tooltip": tooltip}},
-            {"data": {"name": "boxes"},
+            {"data": {"name": "boxes"}, "transform": [{"calculate": shown_text, "as": "shown"}],
              "mark": {"type": "text", "fontSize": 12, "fontWeight": 600, "baseline": "middle",
-                      "angle": {"expr": f"{upright} ? 270 : 0"},
-                      "opacity": {"expr": f"{label_shown} ? 1 : 0"},
                       "dy": {"expr": f"{numbers_shown} ? -7 : 0"},
-                      "limit": {"expr": f"max(0, {upright} ? rowpx * {BOX_HEIGHT} - 8 : colpx * {BOX_WIDTH} - 6)"}},
-             "encoding": {"x": {**x, "field": "xc"}, "y": {**y, "field": "yc"}, "text": {"field": "label"},
+                      "limit": {"expr": f"max(0, colpx * {BOX_WIDTH} - 6)"}},
+             "encoding": {"x": {**x, "field": "xc"}, "y": {**y, "field": "yc"}, "text": {"field": "shown"},
+                          "opacity": {"condition": {"test": label_shown, "value": 1}, "value": 0},
                           "color": {"condition": {"test": "datum.ink", "field": "ink", "type": "nominal",
                                                   "scale": None}, "value": FOREGROUND.get(theme, FOREGROUND[None])},
                           "tooltip": tooltip}},
             {"data": {"name": "boxes"}, "transform": [{"filter": "datum.part === 'forward'"}],
-             "mark": {"type": "text", "fontSize": 10, "baseline": "middle", "dy": 8,
-                      "angle": {"expr": f"{upright} ? 270 : 0"},
+             "mark": {"type": "text", "fontSize": 12, "baseline": "middle", "dy": 9,
                       "opacity": {"expr": f"{numbers_shown} ? 1 : 0"},
-                      "limit": {"expr": f"max(0, {upright} ? rowpx * {BOX_HEIGHT} - 8 : colpx * {BOX_WIDTH} - 6)"}},
+                      "limit": {"expr": f"max(0, colpx * {BOX_WIDTH} - 6)"}},
              "encoding": {"x": {**x, "field": "xc"}, "y": {**y, "field": "yc"}, "text": {"field": "numbers"},
                           "color": {"field": "ink", "type": "nominal", "scale": None}, "tooltip": tooltip}},
+            # the recomputed badge, on the box's top edge: a mark of its own, not a hue
+            {"data": {"name": "boxes"}, "transform": [{"filter": "datum.recomputed && datum.part === 'forward'"}],
+             "mark": {"type": "text", "text": "↻", "fontSize": 16, "fontWeight": 700, "color": RECOMPUTE,
+                      "baseline": "middle", "dy": -1},
+             "encoding": {"x": {**x, "field": "xc"}, "y": {**y, "field": "y0"}, "tooltip": tooltip}},
             {"data": {"name": "bands"},
-             "mark": {"type": "text", "align": "left", "baseline": "middle", "fontSize": 11, "color": "#8C8C8C",
+             "mark": {"type": "text", "align": "left", "baseline": "middle", "fontSize": 12, "color": "#8C8C8C",
                       "fontStyle": "italic"},
              "encoding": {"x": {**x, "field": "x"}, "y": {**y, "field": "y"}, "text": {"field": "text"}}},
         ],

@@ -291,17 +291,25 @@ class Boxes:
         return len(self.names)
 
 
-def default_depth(graph: Graph, tree: ModuleTree | None = None, most: int = 40) -> int:
-    """The fold depth a model opens at: the deepest with at most ``most`` boxes (a transformer's blocks
-    opened into attention and MLP when there are few blocks), and never above its repeated blocks (a
-    transformer's layers, a ResNet's blocks: 32 of them stay 32 boxes rather than one)."""
+MOST_COLUMNS = 24  # a wide page (about 1100 px of chart) gives each column room for a short 12 px label
+
+
+def default_depth(graph: Graph, tree: ModuleTree | None = None, most: int = 40, columns: int = MOST_COLUMNS) -> int:
+    """The fold depth a model opens at: the deepest with at most ``most`` boxes in at most ``columns``
+    columns, so that their horizontal labels fit (a transformer's blocks opened into attention and MLP
+    when there are few blocks), and never above its repeated blocks (a transformer's layers, a ResNet's
+    blocks: 32 of them stay 32 boxes rather than one)."""
     tree = module_tree(graph) if tree is None else tree
     if not tree.paths:
         return 1
     from bonsai_core.regions import block_stack
 
     owners = forward_owners(graph, tree)
-    fits = [d for d in range(1, tree.max_depth + 1) if module_boxes(graph, d, tree, owners).count <= most]
+    def fits_at(d: int) -> bool:
+        boxes = module_boxes(graph, d, tree, owners)
+        return boxes.count <= most and int(box_layout(graph, boxes).x.max(initial=0)) + 1 <= columns
+
+    fits = [d for d in range(1, tree.max_depth + 1) if fits_at(d)]
     blocks = block_stack(graph)
     block_depth = int(tree.depth[tree.paths.index(blocks[0][0])]) if blocks else 1
     return max(fits + [block_depth])

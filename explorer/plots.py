@@ -8,6 +8,8 @@ times in milliseconds.
 from __future__ import annotations
 
 import json
+import math
+import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,6 +26,9 @@ MIB = 2**20
 # never the only channel: segments also cycle through SEGMENT_SYMBOLS (3 is coprime to 7, so neighbours
 # differ in shape and a (colour, shape) pair repeats only every 21 segments), methods have a symbol each.
 PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
+# Segments and blocks: the same without its vermillion (next to RECOMPUTE's red, a recomputed outline
+# vanished on a vermillion box), its grey in that place
+SEGMENT_PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#999999", "#CC79A7")
 SEGMENT_SYMBOLS = ("circle", "square", "triangle-up")
 METHOD_COLOURS = {"none": "#999999", "bonsai": "#009E73", "checkmate": "#0072B2", "moccasin": "#CC79A7",
                   "chen": "#E69F00", "dtr": "#D55E00", "coop": "#56B4E9"}
@@ -48,7 +53,20 @@ def method_symbol(method: str, i: int = 0) -> str:
 
 def segment_style(group: int) -> tuple[str, str]:
     """(colour, marker symbol) of segment or block ``group``."""
-    return PALETTE[group % len(PALETTE)], SEGMENT_SYMBOLS[group % len(SEGMENT_SYMBOLS)]
+    return SEGMENT_PALETTE[group % len(SEGMENT_PALETTE)], SEGMENT_SYMBOLS[group % len(SEGMENT_SYMBOLS)]
+
+
+def segment_colours(segments: Sequence[Sequence[int]], node_paths: Sequence[str]) -> list[str]:
+    """A colour per segment fixed by the module its first op ran in (``node_paths``: each node's module
+    path), not by its index, so a segment keeps its colour while the budget moves the others; a segment
+    that would take its predecessor's colour takes the next one."""
+    colours: list[str] = []
+    for members in segments:
+        k = zlib.crc32(node_paths[int(members[0])].encode()) % len(SEGMENT_PALETTE) if len(members) else 0
+        if colours and SEGMENT_PALETTE[k] == colours[-1]:
+            k = (k + 1) % len(SEGMENT_PALETTE)
+        colours.append(SEGMENT_PALETTE[k])
+    return colours
 
 
 LAYOUT = dict(margin=dict(l=10, r=10, t=40, b=10), font=FONT, hoverlabel=dict(font_size=12),
@@ -123,7 +141,8 @@ def _dataset(parts: list[pd.DataFrame]) -> pd.DataFrame:
 
 def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int | None = None,
                  x_mode: str = "time", height: int = 440, cursor: float | None = None,
-                 x_domain: tuple[float, float] | None = None) -> dict:
+                 x_domain: tuple[float, float] | None = None,
+                 events: Sequence[tuple[float, str]] = ()) -> dict:
     """Memory over time of each curve (its colour, dash and a few markers of its method's symbol), the
     budget line and each curve's peak, as a Vega-Lite spec for ``st.vega_lite_chart``.
 
@@ -135,8 +154,10 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     ``cursor`` (an x value) adds a vertical rule, in a dataset of its own; ``x_domain`` spans the x axis
     over at least that range (unseen points in a dataset: a domain in the spec would change the spec, and
     so remount the chart, whenever it moves) and fixes the y axis's width, so that a chart drawn under it
-    with the same range (the tensor lifetimes) lines up."""
-    lines, reserved, marks, peaks = [], [], [], []
+    with the same range (the tensor lifetimes) lines up. ``events``: (x, words) of each recompute event,
+    marked by a thin rule and its number (↻1, ↻2, ...) at the top, the words on hover. A reserved line
+    (allocator model) is labelled at its peak: a dotted line never stands without a name."""
+    lines, reserved, marks, peaks, reserved_peaks = [], [], [], [], []
     for c in curves:
         x, live = _steps(c.x, c.live / MIB)
         lines.append(_points(x, live, c.label))
@@ -144,6 +165,9 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
         marks.append(lines[-1].iloc[np.unique(np.linspace(0, len(x) - 1, min(12, len(x))).round().astype(int))])
         if c.reserved is not None:
             reserved.append(_points(*_steps(c.x, np.asarray(c.reserved) / MIB), c.label))
+            at = int(np.argmax(c.reserved))
+            reserved_peaks.append({"x": float(c.x[at]), "mib": float(c.reserved[at]) / MIB, "schedule": c.label,
+                                   "text": f"{c.label} reserved {format_bytes(int(c.reserved[at]))}"})
         peaks.append({"x": c.peak_x, "mib": c.peak / MIB, "schedule": c.label, "text": f"peak {format_bytes(c.peak)}"})
     tops = [c.peak for c in curves] + [int(np.max(c.reserved)) for c in curves if c.reserved is not None]
     top = max(tops + ([budget] if budget is not None else []) + [1])
@@ -169,10 +193,21 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
         "height": height,
         "usermeta": {"embedOptions": {"renderer": "hybrid"}},
         "datasets": {"lines": _dataset(lines), "reserved": _dataset(reserved), "marks": _dataset(marks),
-                     "peaks": pd.DataFrame(peaks, columns=["x", "mib", "schedule", "text"]), "levels": pd.DataFrame(levels)},
+                     "peaks": pd.DataFrame(peaks, columns=["x", "mib", "schedule", "text"]), "levels": pd.DataFrame(levels),
+                     "reserved_peaks": pd.DataFrame(reserved_peaks, columns=["x", "mib", "schedule", "text"]),
+                     "events": pd.DataFrame([{"x": float(ex), "mib": 1.1 * top / MIB, "mark": f"↻{i + 1}", "text": words}
+                                             for i, (ex, words) in enumerate(events)],
+                                            columns=["x", "mib", "mark", "text"])},
         "layer": [
             {"data": {"name": "reserved"}, "encoding": {"x": x, "y": y, "color": colour},
              "mark": {"type": "line", "interpolate": "step-after", "strokeWidth": 1, "strokeDash": [2, 2]}},
+            {"data": {"name": "reserved_peaks"}, "encoding": {"x": x, "y": y, "color": colour, "text": {"field": "text"}},
+             "mark": {"type": "text", "dy": -8, "fontSize": 12, "fontStyle": "italic"}},
+            # recompute events: a thin rule at each and its number on top (the words on hover)
+            {"data": {"name": "events"}, "encoding": {"x": x, "tooltip": {"field": "text"}},
+             "mark": {"type": "rule", "color": RECOMPUTE, "strokeWidth": 1, "opacity": 0.5, "strokeDash": [3, 3]}},
+            {"data": {"name": "events"}, "encoding": {"x": x, "y": y, "text": {"field": "mark"}, "tooltip": {"field": "text"}},
+             "mark": {"type": "text", "color": RECOMPUTE, "fontSize": 12, "fontWeight": 600, "baseline": "bottom"}},
             {"data": {"name": "lines"}, "encoding": {"x": x, "y": y, "color": colour, "strokeDash": dash},
              "mark": {"type": "line", "interpolate": "step-after", "strokeWidth": 2},
              "params": [{"name": "zoom", "select": {"type": "interval", "encodings": ["x"]}, "bind": "scales"}]},
@@ -390,6 +425,53 @@ def collapsed_figure(graph: Graph, groups: Groups, pos: np.ndarray, recomputed_n
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False)
     return _style(fig, height)
+
+
+LABEL_PX = 12  # the smallest label a projector shows legibly
+CHAR_PX = 7.2  # a 12 px label's average character width
+
+
+def placed_labels(x: Sequence[float], texts: Sequence[str], x_range: tuple[float, float],
+                  width_px: float = 1100.0) -> list[int]:
+    """The labels (indices) that fit side by side, left to right, on a chart ``width_px`` wide over
+    ``x_range``: each kept one starts after the last kept one ends (a label centred on its x)."""
+    per_px = max(x_range[1] - x_range[0], 1e-9) / width_px
+    kept, right = [], -math.inf
+    for i in np.argsort(np.asarray(x, dtype=float), kind="stable").tolist():
+        half = (len(texts[i]) * CHAR_PX / 2 + 6) * per_px
+        if x[i] - half >= right:
+            kept.append(i)
+            right = x[i] + half
+    return kept
+
+
+def add_labels(fig: go.Figure, x: Sequence[float], y: Sequence[float], texts: Sequence[str],
+               x_range: tuple[float, float], above: bool = True, width_px: float = 1100.0) -> go.Figure:
+    """Horizontal 12 px labels at (x, y), above (or below) the point, those that would overlap one
+    already placed left out (hover still names every node)."""
+    keep = placed_labels(x, texts, x_range, width_px)
+    if keep:
+        fig.add_trace(go.Scatter(x=[x[i] for i in keep], y=[y[i] for i in keep], mode="text",
+                                 text=[texts[i] for i in keep], textposition="top center" if above else "bottom center",
+                                 textfont=dict(size=LABEL_PX), hoverinfo="skip", showlegend=False, name="labels"))
+    return fig
+
+
+def module_label_points(graph: Graph, nodes: np.ndarray, pos: np.ndarray, names: Sequence[str]) -> tuple[list, list, list]:
+    """One label per run of consecutive forward nodes with the same name (``names[v]``, a node's module):
+    at the run's mean x, above its highest node."""
+    xs, ys, texts = [], [], []
+    fwd = [i for i, v in enumerate(np.asarray(nodes).tolist()) if graph.is_forward[v] and names[v]]
+    run: list[int] = []
+    for i in [*fwd, None]:
+        if run and (i is None or names[int(nodes[i])] != names[int(nodes[run[0]])]):
+            xs.append(float(np.mean(pos[run, 0])))
+            ys.append(float(np.max(pos[run, 1])))
+            texts.append(names[int(nodes[run[0]])])
+            run = []
+        if i is not None:
+            run.append(i)
+    return xs, ys, texts
 
 
 # -- comparisons -----------------------------------------------------------------------------------

@@ -103,7 +103,10 @@ def sidebar() -> DeltaGenerator:
             ss["granularity"] = max(1, min(top, round(2 * math.sqrt(max(n_fwd, 1)))))
         if st.toggle("Set granularity", key="granularity_on",
                      help="Largest segment, in forward ops (segment methods). Off: the method's default."):
-            chosen["granularity"] = st.slider("Granularity (max ops per segment)", 1, top, key="granularity")
+            chosen["granularity"] = st.slider("Granularity (max non-view ops per segment)", 1, top, key="granularity",
+                                              help="Segments hold at most this many ops that are not views; "
+                                                   "the views ride with their base uncounted (they cost nothing "
+                                                   "to rebuild), so a segment's op count in the Solve table is larger.")
         backend = st.selectbox("MILP backend", BACKENDS, key="backend")
         if backend != "default":
             chosen["backend"] = backend
@@ -179,6 +182,8 @@ def budget_controls(slot: DeltaGenerator) -> None:
     reference, lb = compute.no_remat(g).peak, g.peak_lower_bound
     slot.caption(f"Budget **{format_bytes(s.budget)}** ({s.budget:,} bytes, {s.percent:.1f}%) · no schedule fits "
                  f"below {format_bytes(lb)} ({100 * lb / reference:.0f}%)")
+    if ss.get("tour_step") == 1 and ss.get("tour_budget") not in (None, ss["budget_pct"]):
+        st.rerun()  # the tour's "drag the budget" is done: the whole app, to show its next step
     params = view_params(s.method)
     if params != st.query_params.to_dict():  # each change is a message to the browser
         st.query_params.from_dict(params)
@@ -326,3 +331,70 @@ def theme() -> str | None:
 
 def show_error(message: str, hint: str = "") -> None:
     st.error(message + (f"\n\n{hint}" if hint else ""), icon=":material/error:")
+
+
+# -- the step cursor and the recompute events, shared by the Graph and Memory pages ------------------
+
+def step(out: compute.Outcome) -> int:
+    """The shared step cursor on ``out``'s schedule: a new schedule starts at its peak."""
+    ss = st.session_state
+    if ss.get("cursor_of") is not out.schedule:
+        ss["cursor_of"] = out.schedule
+        ss["cursor_step"] = max(0, min(out.sim.peak_op, len(out.schedule.ops) - 1))
+    return ss["cursor_step"]
+
+
+def set_step(out: compute.Outcome, at: int) -> None:
+    ss = st.session_state
+    ss["cursor_of"], ss["cursor_step"] = out.schedule, max(0, min(int(at), len(out.schedule.ops) - 1))
+
+
+def node_modules(g):
+    """Each node's module (``explorer.timeline.node_modules``), kept for the session's model."""
+    ss = st.session_state
+    kept = ss.get("node_modules")
+    if kept is None or kept[0] is not g:
+        from explorer import timeline
+
+        kept = ss["node_modules"] = (g, timeline.node_modules(g))
+    return kept[1]
+
+
+def events_table(out: compute.Outcome, key: str) -> int | None:
+    """The schedule's recompute events (the simulator's, in order) as a table; a click on a row moves
+    the step cursor to the end of that rebuild. Returns the event under the cursor (its index) or None."""
+    from explorer import events
+
+    g = model().graph
+    found = out.sim.events
+    if not found:
+        st.caption(f"**{out.method}** recomputes nothing at this budget: every activation is kept until the "
+                   "backward pass reads it.")
+        return None
+    modules = node_modules(g)
+
+    def picked() -> None:
+        rows = st.session_state[key].selection.rows
+        if rows:
+            set_step(out, found[rows[0]].end)
+
+    st.markdown(f"**{len(found)} recompute events** of {out.method}, in the order they run "
+                "(↻ marks them on the memory curve); click one to move the step cursor there.")
+    st.dataframe(events.event_rows(g, found, modules), hide_index=True, width="stretch", key=key,
+                 on_select=picked, selection_mode="single-row",
+                 height=min(36 * len(found) + 40, 260))
+    now = events.current(found, step(out))
+    if now is not None:
+        st.markdown(f"**↻{now + 1}** " + events.event_line(g, found[now], modules))
+    return now
+
+
+def rank_breakdown(out: compute.Outcome) -> dict:
+    """One FSDP rank's memory of a solved schedule by part (``explorer.rank``), with the allocator's
+    extra when its model replays the schedule."""
+    from explorer import rank
+
+    g = model().graph
+    alloc = compute.replay(g, out)
+    ok = alloc is not None and not isinstance(alloc, str)
+    return rank.breakdown(g, out.schedule.ops, out.sim, alloc.reserved if ok else None, alloc.live if ok else None)

@@ -236,7 +236,9 @@ def step_line(graph: Graph, ops: Sequence[tuple[str, int]], i: int, modules: Mod
         later = next((j for j in range(i + 1, len(ops)) if ops[j][0] == "compute" and int(ops[j][1]) == v), None)
         tail = (f", recomputed at step {later}" if later is not None
                 else ", not needed again" if graph.mem[v] else "")
-        return f"step {i}: free {name} ({where}): −{format_bytes(int(graph.mem[v]))}{tail}"
+        freed = (f"−{format_bytes(int(graph.mem[v]))}" if graph.mem[v] else
+                 "no bytes of its own (a view: its base holds them)" if graph.alias_of[v] >= 0 else "no bytes")
+        return f"step {i}: free {name} ({where}): {freed}{tail}"
     if not again[i]:
         pass_ = "forward" if graph.is_forward[v] else "backward"
         return (f"step {i}: compute {name} ({_short(graph.ops[v])}, {pass_}, {where}): "

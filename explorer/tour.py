@@ -34,12 +34,23 @@ def wanted() -> bool:
     return ss["tour_step"] is not None and m.zoo == "gpt" and not m.options and m.source == "zoo"
 
 
-def show() -> None:
-    """Draw the tour's current step above the page (nothing once closed)."""
+def done_so_far(i: int, page: str) -> int:
+    """The step to show: past each step the user has already done (opened Memory; moved the budget)."""
+    ss = st.session_state
+    ss.setdefault("tour_budget", ss.get("budget_pct"))
+    if i == 0 and page == "memory":
+        i = 1
+    if i == 1 and ss.get("budget_pct") != ss["tour_budget"]:
+        i = 2
+    return i
+
+
+def show(page: str = "") -> None:
+    """Draw the tour's current step above the page (nothing once closed); ``page``: the page's URL path."""
     if not wanted():
         return
     ss = st.session_state
-    i = ss["tour_step"]
+    i = ss["tour_step"] = done_so_far(ss["tour_step"], page)
     title, text, page = STEPS[i]
     box = st.container(border=True, key="tour")
     box.markdown(f"**Tour {i + 1}/{len(STEPS)}: {title}.** {text}")

@@ -11,7 +11,7 @@ import streamlit as st
 
 from bonsai_core import solvers
 from bonsai_core.units import format_bytes
-from explorer import compute, module_chart, module_graph, pair, plots, state, timeline
+from explorer import ahead, compute, module_chart, module_graph, pair, plots, state, timeline
 
 
 def sweep_table(rows: list[dict], failures: list[tuple], reference: int) -> pd.DataFrame:
@@ -157,6 +157,23 @@ def side_config(col, side: str, default: str) -> tuple[str, compute.Options]:
     return method, pair.config_options(base, compute.accepted_options(method), granularity, own, defaults)
 
 
+def offer_budget_both_fit(configs) -> None:
+    """The smallest slider position above the current budget at which both sides fit, with a button
+    that moves the slider there (a few cached solves, 5% apart)."""
+    reference = compute.no_remat(g).peak
+    start = int(state.settings().percent) + 1
+    for pct in [*range(start + (-start) % 5, 100, 5), 100]:
+        budget = ahead.budget_at(pct, reference)
+        if all(compute.solve(g, budget, m, o).ok for m, o in configs):
+            st.info(f"Both fit at **{pct}%** of the no-remat peak ({format_bytes(budget)}).", icon=":material/info:")
+            st.button(f"Set the budget to {pct}%", key="pair_budget", on_click=_set_budget, args=(pct,))
+            return
+
+
+def _set_budget(pct: int) -> None:
+    st.session_state["budget_pct"] = pct
+
+
 def side_by_side() -> None:
     """Two configurations at the sidebar's budget: memory curves, lifetimes, module boxes, table."""
     st.subheader("Two methods side by side")
@@ -165,7 +182,13 @@ def side_by_side() -> None:
                "peak), each schedule checked by the simulator. Pick a method for each side (the same method at two "
                "granularities works too).")
     methods = solvers.available_methods()
-    other = next((m for m in ("chen", "bonsai", "dtr", *methods) if m in methods and m != s_.method), s_.method)
+    candidates = [m for m in dict.fromkeys(("chen", "bonsai", "dtr", *methods)) if m in methods and m != s_.method]
+    if "side_b_method" not in st.session_state:  # opens on a partner that fits this budget, when one does
+        limit = [(k, v) for k, v in s_.options if k in ("time_limit", "backend")]
+        other = next((m for m in candidates[:4] if compute.solve(g, s_.budget, m, tuple(limit)).ok),
+                     candidates[0] if candidates else s_.method)
+    else:
+        other = candidates[0] if candidates else s_.method
     ca, cb = st.columns(2)
     configs = [side_config(ca, "a", s_.method), side_config(cb, "b", other)]
     outs = []
@@ -176,6 +199,7 @@ def side_by_side() -> None:
     for side, o in failed:
         state.show_error(f"{side}, {o.method}: {o.error}", "Raise the budget in the sidebar or pick another method.")
     if failed:
+        offer_budget_both_fit(configs)
         return
     names = pair.distinct_labels(*(pair.label(o.method, o.options) for o in outs))
 

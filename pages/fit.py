@@ -20,6 +20,18 @@ m = state.model()
 st.caption("For each method, the largest size of the model whose training step fits the GPU's memory with "
            "a recompute overhead under the limit: the model is traced at each size tried, and every method "
            "solves it. The same search as `bonsai fit`.")
+if m.graph.fsdp is not None:  # a real run's memory: one rank's, by part, at the sidebar's schedule's peak
+    from explorer import rank
+
+    out = state.outcome()
+    if out.ok:
+        world = m.graph.fsdp["world"]
+        st.subheader(f"One rank's memory of {world} (FSDP) at its peak")
+        table = pd.DataFrame(rank.at_peak(state.rank_breakdown(out), out.sim.peak_op))
+        st.table(table, hide_index=True)
+        st.caption(f"**{out.method}** at {state.settings().percent:.0f}% of the no-remat peak, step {out.sim.peak_op}: "
+                   "what one rank holds (the Memory page draws it over the step). A GPU must hold the sum, the "
+                   "allocator's extra included.")
 entry = ZOO.get(m.zoo) or ARCHS.get(m.zoo.removeprefix(PREFIX)) if m.zoo else None
 sizes = [k for k in ("batch", "seq") if entry is not None and k in entry.options]
 if not sizes:
@@ -29,7 +41,9 @@ if not sizes:
 
 c1, c2, c3 = st.columns(3)
 gpu_text = c1.text_input("GPU memory", value=format_bytes(2 * m.graph.peak_lower_bound).replace(" ", ""),
-                         key="fit_gpu", help="bytes, or with a unit: 80GiB, 24GB, 512MiB")
+                         key="fit_gpu", help="bytes, or with a unit: 80GiB, 24GB, 512MiB. It starts at twice the "
+                         "current model's lower bound on any schedule's peak, a size where the search has something "
+                         "to find; type your GPU's memory.")
 vary = c2.selectbox("Size to search", sizes, key="fit_vary")
 max_overhead = c3.slider("Largest overhead (%)", 0, 50, 10, key="fit_overhead") / 100
 c4, c5, c6 = st.columns(3)
@@ -40,7 +54,9 @@ optimizer = c5.selectbox("Optimizer", OPTIMIZERS, index=OPTIMIZERS.index("adamw"
 reserved = c6.toggle("Budget reserved bytes", value=False, key="fit_reserved",
                      help="the GPU's memory bounds what the caching allocator reserves, not only live tensors")
 fixed = {k: v for k, v in m.options.items() if k != vary}
-st.caption(f"Model: {m.label}; other sizes fixed at "
+st.caption(f"The GPU memory starts at twice this model's lower bound on any schedule's peak "
+           f"({format_bytes(m.graph.peak_lower_bound)}), a made-up size for a small model: type your GPU's memory. "
+           f"Model: {m.label}; other sizes fixed at "
            + (", ".join(f"{k} {v}" for k, v in fixed.items()) or "their defaults") + ". Each solve stops after 10 s.")
 
 if st.button("Find what fits", type="primary", key="fit_run", disabled=not methods):

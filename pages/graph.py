@@ -7,7 +7,7 @@ import numpy as np
 import streamlit as st
 
 from bonsai_core.units import format_bytes
-from explorer import compute, module_chart, module_graph, plots, state
+from explorer import compute, events, module_chart, module_graph, plots, state
 
 LARGE = 600  # above this many ops the op-level graph opens collapsed
 NONE = "(none)"
@@ -68,15 +68,23 @@ def module_view(g, out, segments, recomputed_segments, recomputed, colouring: st
     follow_click(names)
     chosen = c2.selectbox("Open a module", names, key="graph_module",
                           help="Its ops, forward and backward, op by op. Clicking a box opens it too.")
-    computed = module_graph.times_computed(g, out.schedule.ops) if out.ok else None
+    computed = out.sim.times_computed if out.ok else None  # the simulator's count
     stats = module_graph.box_stats(g, boxes, segments, computed)
     st.caption(f"One box per module call at fold depth {depth}, forward left to right; under each box, mirrored, "
                "its backward ops (∇: the ops whose gradients flow from it). " + colouring
-               + " A recomputed box shows the bytes recomputing it frees and its recompute time (↻). "
-               "Click a box to open its ops; scroll to zoom, drag to pan.")
-    spec = module_chart.module_chart(boxes, layout, stats, tree.paths, tree.parent, blocks, theme=state.theme())
-    st.vega_lite_chart(spec=spec, width="stretch", key="module_graph", on_select="rerun",
-                       selection_mode=module_chart.SELECTION)
+               + " A recomputed box is marked ↻ and outlined in red, with the bytes recomputing it frees and its "
+               "recompute time. Click a box to open its ops; scroll to zoom, drag to pan.")
+    chart = st.container()
+    now = state.events_table(out, key="graph_events") if out.ok else None
+    lit = (frozenset(np.unique(boxes.of[events.event_nodes(out.sim.events[now])]).tolist())
+           if now is not None else frozenset())
+    colours = plots.segment_colours(segments, state.node_modules(g).path) if segments else None
+    spec = module_chart.module_chart(boxes, layout, stats, tree.paths, tree.parent, blocks, theme=state.theme(),
+                                     segment_colours=colours, lit=lit)
+    chart.vega_lite_chart(spec=spec, width="stretch", key="module_graph", on_select="rerun",
+                          selection_mode=module_chart.SELECTION)
+    if now is not None:
+        st.caption("Outlined thick on the graph: the boxes of this rebuild and the op that needs it.")
     if chosen != NONE:
         module_ops(g, boxes, boxes.names.index(chosen), stats, segments, recomputed_segments, recomputed)
 
@@ -109,7 +117,14 @@ def module_ops(g, boxes, k: int, stats, segments, recomputed_segments, recompute
     groups = plots.node_groups(g, segments, recomputed_segments)
     local = plots.layered_layout(g, nodes)
     fig = plots.graph_figure(g, nodes, local, groups.of[nodes], groups.names, recomputed[nodes])
+    labelled(fig, g, nodes, local, [module_graph.op_name(op) for op in g.ops])  # each op by its name
     st.plotly_chart(fig, width="stretch", key="module_ops_plot")
+
+
+def labelled(fig, g, nodes, pos, names) -> None:
+    """Horizontal labels over the forward ops (one per run of the same name), as many as fit."""
+    xs, ys, texts = plots.module_label_points(g, nodes, pos, names)
+    plots.add_labels(fig, xs, ys, texts, (float(pos[:, 0].min()), float(pos[:, 0].max())))
 
 
 def op_view(g, view: str, segments, recomputed_segments, recomputed, colouring: str) -> None:
@@ -136,11 +151,14 @@ def op_view(g, view: str, segments, recomputed_segments, recomputed, colouring: 
         local = plots.layered_layout(g, nodes)
         fig = plots.graph_figure(g, nodes, local, groups.of[nodes], groups.names, recomputed[nodes],
                                  context=~np.isin(nodes, members))
+        labelled(fig, g, nodes, local, state.node_modules(g).path)
         st.caption(f"**{drill}**: {len(members)} ops, {len(nodes) - len(members)} neighbours (faded).")
     elif view == "collapsed":
         fig = plots.collapsed_figure(g, groups, pos, recomputed)
+        labelled(fig, g, np.arange(g.n), pos, state.node_modules(g).group)  # each block over its segments
     else:
         fig = plots.graph_figure(g, np.arange(g.n), pos, groups.of, groups.names, recomputed)
+        labelled(fig, g, np.arange(g.n), pos, state.node_modules(g).group)
     st.plotly_chart(fig, width="stretch", key="graph_plot")
 
 

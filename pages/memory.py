@@ -12,7 +12,7 @@ from bonsai_core import solvers
 from bonsai_core.allocator import layout_at
 from bonsai_core.errors import BudgetError
 from bonsai_core.units import format_bytes
-from explorer import compute, plots, state, timeline
+from explorer import compute, events, plots, rank, state, timeline
 
 st.title("Memory over time")
 g = state.model().graph
@@ -24,10 +24,12 @@ extra = c1.multiselect("Also show", others, key="memory_others", help="Solved at
 x_mode = c2.radio("x axis", ["time", "ops"], key="memory_x", horizontal=True,
                   format_func=lambda x: "compute time" if x == "time" else "schedule step")
 has_allocator = compute.allocator_replay() is not None
-reserved_on = c3.toggle("Reserved bytes (allocator model)", key="memory_reserved", value=has_allocator,
+# off by default: these plans are solved for live bytes, and the allocator's reserve (above the no-remat
+# live peak at some budgets) would read as if checkpointing did not help
+reserved_on = c3.toggle("Reserved bytes (allocator model)", key="memory_reserved", value=False,
                         disabled=not has_allocator,
                         help="Bytes the caching allocator holds, fragmentation included: the thin dotted line in each "
-                             "schedule's colour." if has_allocator else
+                             "schedule's colour, labelled at its peak." if has_allocator else
                         "The allocator model (bonsai_core.allocator) is not in this checkout.")
 
 
@@ -90,22 +92,23 @@ def scrubber(outcome: compute.Outcome) -> int:
     this fragment every PLAY_SECONDS, a hundredth of the schedule further each time."""
     ss = st.session_state
     last = len(outcome.schedule.ops) - 1
-    if ss.get("memory_step_of") is not outcome.schedule:  # a new schedule starts at its peak
-        ss["memory_step_of"] = outcome.schedule
-        ss["memory_step"] = max(0, min(outcome.sim.peak_op, last))
+    at = state.step(outcome)  # shared with the Graph page's event list; a new schedule starts at its peak
     playing = ss.get("memory_playing", False)
     if playing:
-        ss["memory_step"] = min(last, ss["memory_step"] + max(1, last // 100))
-        if ss["memory_step"] >= last:
+        at = min(last, at + max(1, last // 100))
+        state.set_step(outcome, at)
+        if at >= last:
             ss["memory_playing"] = playing = False
+    ss["memory_step"] = at
     c1, c2 = st.columns([2, 13], vertical_alignment="bottom")
     if c1.button("Pause" if playing else "Play", icon=":material/pause:" if playing else ":material/play_arrow:",
                  key="memory_play", help="Step through the schedule."):
         ss["memory_playing"] = not playing
-        if not playing and ss["memory_step"] >= last:
-            ss["memory_step"] = 0
+        if not playing and at >= last:
+            state.set_step(outcome, 0)
         st.rerun(scope="fragment")
     step = c2.slider(f"Step through {outcome.method}'s schedule", 0, last, key="memory_step",
+                     on_change=lambda: state.set_step(outcome, ss["memory_step"]),
                      help="The grey line on both charts; starts at the schedule's peak.")
     st.markdown(timeline.step_line(g, outcome.schedule.ops, step, bars_of(outcome)[0]))
     return step
@@ -167,6 +170,19 @@ def why(outcome: compute.Outcome, budget: int) -> None:
 WHY_AT_ONCE = 12  # regions explained per click: each costs a few simulations of the whole schedule
 
 
+def per_rank(out: compute.Outcome, chosen: plots.Curve | None, budget: int) -> None:
+    """One FSDP rank's memory over the step, by what holds it."""
+    parts = state.rank_breakdown(out)
+    x = chosen.x if chosen is not None else np.arange(1, len(out.schedule.ops) + 1, dtype=float)
+    st.subheader(f"One rank's memory of {g.fsdp['world']} (FSDP)")
+    st.vega_lite_chart(spec=rank.chart(parts, x, "elapsed compute time (ms)" if x_mode == "time" and chosen is not None
+                                       else "schedule step (op)", budget), width="stretch", key="memory_rank")
+    peak = out.sim.peak_op
+    st.caption(f"**{out.method}**'s schedule on one of {g.fsdp['world']} ranks, stacked: at its peak (step {peak}) "
+               + ", ".join(f"{r['part']} {r['bytes']}" for r in rank.at_peak(parts, peak)) + ". The FSDP parts are "
+               "the simulator's (bonsai_core.fsdp); the allocator's extra is its model's replay.")
+
+
 def memory_over_time() -> None:
     """The plot and the table at the sidebar's budget, and the address space when open."""
     s = state.settings()
@@ -204,20 +220,34 @@ def memory_over_time() -> None:
     chosen = state.outcome(s.method)
     chart_slot = st.container()
     step = scrubber(chosen) if chosen.ok else None
+    if chosen.ok:
+        state.events_table(chosen, key="memory_events")
+        step = state.step(chosen)  # a click on an event moved it
     x_domain = (0.0, max(float(c.x[-1]) for c in curves if len(c.x))) if curves else None
-    cursor = float(curves[0].x[step]) if step is not None and curves and curves[0].label == s.method else None
+    on_chosen = step is not None and bool(curves) and curves[0].label == s.method
+    cursor = float(curves[0].x[step]) if on_chosen else None
+    marks = [(float(curves[0].x[e.start]), events.event_line(g, e, state.node_modules(g)).replace("`", ""))
+             for e in chosen.sim.events] if on_chosen else []
     with chart_slot:
         for method, error in errors:
             state.show_error(f"{method}: {error}", "Raise the budget in the sidebar or pick another method."
                              if method == s.method else "Raise the budget in the sidebar or untick the method.")
         # keyed, and the budget only in its datasets: each drag updates the chart's data in place (plots.memory_chart)
         st.vega_lite_chart(spec=plots.memory_chart(curves, s.budget, g.peak_lower_bound, x_mode,
-                                                   cursor=cursor, x_domain=x_domain if cursor is not None else None),
+                                                   cursor=cursor, x_domain=x_domain if cursor is not None else None,
+                                                   events=marks),
                            width="stretch", key="memory_plot")
+        if reserved_on:
+            st.caption("Dotted: the bytes PyTorch's caching allocator would reserve for each schedule (the allocator "
+                       "model's replay: live tensors plus its rounding and cached free blocks). These plans were solved "
+                       "for live bytes, so only the solid lines are held under the budget; What fits can budget the "
+                       "reserved bytes instead.")
     if cursor is not None:
         lifetimes(chosen, curves[0], step, x_domain)
         why(chosen, s.budget)
     st.table(rows, hide_index=True)  # a static table: a data grid cost each browser 0.1 CPU-s more per drag
+    if g.fsdp is not None and chosen.ok:
+        per_rank(chosen, curves[0] if on_chosen else None, s.budget)
 
     # Drawn only while open (a lazy expander): the address map is a second plotly chart that every budget
     # change would redraw, about 40% of a browser tab's work per slider move, as measured in Chromium.

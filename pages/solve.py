@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from bonsai_core.units import format_bytes
-from explorer import ahead, compute, plots, state
+from explorer import ahead, compute, events, plots, state
 
 st.title("Solve")
 
@@ -32,7 +32,8 @@ def schedule() -> None:
     status = str(stats.get("status", "—"))
     gap = stats.get("gap")
     c = st.columns(4)
-    c[0].metric("status", status + (f" (gap {100 * gap:.2f}%)" if isinstance(gap, (int, float)) and gap > 0 else ""))
+    c[0].metric("status", status, help="optimal, or feasible: the best schedule found within the time limit"
+                + (f"; gap to the solver's bound {100 * gap:.2f}%." if isinstance(gap, (int, float)) else "."))
     c[1].metric("peak", format_bytes(out.sim.peak), f"{100 * out.sim.peak / reference - 100:+.1f}% vs no remat",
                 delta_color="inverse")
     c[2].metric("compute overhead", f"{100 * out.sim.overhead:.2f}%", help="Recomputed time / one plain step.")
@@ -71,12 +72,23 @@ def schedule() -> None:
         st.subheader(f"{len(segments)} segments, {len(rec)} recomputed" +
                      (f" ({len(opened)} with their outputs dropped)" if opened else "") +
                      (f", {len(saved)} ops saved inside them" if saved else ""))
-        st.dataframe([{"segment": i, "ops": len(seg), "first op": g.names[seg[0]], "last op": g.names[seg[-1]],
+        if saved:
+            st.caption("**saved ops**: ops inside a recomputed segment that the plan keeps anyway (held from the "
+                       "forward pass to the backward, like an unrecomputed segment's), so its rebuild starts from them "
+                       "instead of recomputing them.")
+        modules = state.node_modules(g)
+        st.dataframe([{"segment": i, "modules": segment_modules(g, seg, modules), "ops": len(seg),
                        "bytes": format_bytes(int(g.mem[list(seg)].sum())),
                        "cost (µs)": round(float(g.cost[list(seg)].sum()) * 1e6, 2), "recomputed": i in rec,
                        **({"outputs dropped": i in opened} if opened else {}),
                        **({"saved ops": len(saved.intersection(seg))} if saved else {})}
                       for i, seg in enumerate(segments)], hide_index=True, width="stretch")
+
+
+def segment_modules(g, members, modules) -> str:
+    """The module calls a segment's ops ran in, in order (three, then how many more)."""
+    names = events.module_names(g, members, modules)
+    return ", ".join(names[:3]) + (f" +{len(names) - 3} more" if len(names) > 3 else "")
 
 
 OP_LEVEL = "moccasin"  # its schedules may recompute any op, backward ones too: beyond checkpoint regions

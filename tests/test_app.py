@@ -187,7 +187,10 @@ def test_the_graph_page_opens_on_module_boxes_folds_them_and_opens_one(fake_meth
     at.sidebar.slider(key="budget_pct").set_value(80).run()
     goto(at, "graph")
     assert at.segmented_control(key="graph_view").value == "modules"
-    assert at.slider(key="graph_depth").value == 3  # the default GPT opens into attention and MLP
+    # the default GPT opens into attention and MLP: the deepest depth whose columns fit their labels
+    assert at.slider(key="graph_depth").value == 2
+    assert "blocks.0.attn" in set(module_boxes_shown(at).name)
+    at.slider(key="graph_depth").set_value(3).run()
     boxes = module_boxes_shown(at)
     forward = boxes[boxes.part == "forward"]
     assert "blocks.0.attn.qkv" in set(forward.name) and len(forward) == 27
@@ -239,8 +242,14 @@ def test_memory_page_overlays_ticked_methods_with_no_remat(fake_method):
     goto(at, "memory")
     spec, data = memory_chart(at)
     assert set(data["lines"].schedule) == {"fake", "no remat"}
-    if compute.allocator_replay() is not None:  # live vs reserved from the allocator model
+    assert data["reserved"].empty  # off by default: these plans are solved for live bytes
+    if compute.allocator_replay() is not None:  # live vs reserved from the allocator model, labelled
+        at.toggle(key="memory_reserved").set_value(True).run()
+        data = memory_chart(at)[1]
         assert set(data["reserved"].schedule) == {"fake", "no remat"}
+        assert set(data["reserved_peaks"].schedule) == {"fake", "no remat"}
+        assert all("reserved" in t for t in data["reserved_peaks"].text)
+        assert any(c.value.startswith("Dotted: the bytes") for c in at.caption)
         assert "reserved peak" in at.table[0].value.columns
     assert spec["layer"][1]["encoding"]["x"]["title"] == "elapsed compute time (ms)"
     at.radio(key="memory_x").set_value("ops").run()

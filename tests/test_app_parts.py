@@ -205,3 +205,34 @@ def test_a_pt2_program_that_loading_would_evaluate_is_refused(edit, reason):
 
     with pytest.raises(ModelError, match=reason):
         pt2.check_pt2(rewrite(tiny_pt2(), tamper))
+
+
+# Machado, Oliveira & Fernandes (2009), severity 1.0: linear RGB -> linear RGB as each dichromat sees it
+CVD = {"protanopia": [[0.152286, 1.052583, -0.204868], [0.114503, 0.786281, 0.099216], [-0.003882, -0.048116, 1.051998]],
+       "deuteranopia": [[0.367322, 0.860646, -0.227968], [0.280085, 0.672501, 0.047413], [-0.011820, 0.042940, 0.968881]],
+       "tritanopia": [[1.255528, -0.076749, -0.178779], [-0.078411, 0.930809, 0.147602], [0.004733, 0.691367, 0.303900]]}
+
+
+def seen(colour: str, matrix) -> np.ndarray:
+    """``colour`` (#RRGGBB) as a dichromat sees it, in sRGB 0-255."""
+    c = np.array([int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    linear = np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
+    out = np.clip(np.asarray(matrix) @ linear, 0, 1)
+    return 255 * np.where(out <= 0.0031308, 12.92 * out, 1.055 * out ** (1 / 2.4) - 0.055)
+
+
+@pytest.mark.parametrize("kind", sorted(CVD))
+def test_the_recomputed_red_stands_apart_from_every_segment_colour_for_colour_blind_eyes(kind):
+    red = seen(plots.RECOMPUTE, CVD[kind])
+    distances = [float(np.linalg.norm(seen(c, CVD[kind]) - red)) for c in plots.SEGMENT_PALETTE]
+    assert min(distances) >= 80, dict(zip(plots.SEGMENT_PALETTE, distances))
+    # the palette's vermillion, which the segments no longer use, would not
+    assert float(np.linalg.norm(seen("#D55E00", CVD[kind]) - red)) < 80
+
+
+def test_segment_colours_follow_the_module_not_the_index():
+    paths = ["a"] * 4 + ["b"] * 4 + ["c"] * 4
+    three = plots.segment_colours([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], paths)
+    split = plots.segment_colours([[0, 1], [2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], paths)
+    assert three[2] == split[3]  # the segment in "c" keeps its colour when the one before it splits
+    assert all(a != b for a, b in zip(split, split[1:]))  # neighbours differ

@@ -29,7 +29,7 @@ def step_line(at: AppTest) -> str:
 def check_scrubber(at: AppTest) -> None:
     shown = charts(at)
     assert set(shown) == {"memory", "timeline"}
-    outcome = at.session_state["memory_step_of"]
+    outcome = at.session_state["cursor_of"]
     peak_step = at.slider(key="memory_step").value
     cursor = shown["memory"][1]["cursor"]["x"].iloc[0]
     assert shown["timeline"][1]["cursor"]["x"].iloc[0] == cursor

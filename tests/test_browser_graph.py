@@ -82,6 +82,19 @@ def chart_shot(pg, name: str) -> None:
     chart.screenshot(path=str(SHOTS / name))
 
 
+LABELS = f"""() => [...document.querySelectorAll('{CHART} text')]
+  .filter(t => getComputedStyle(t).opacity !== '0' && t.getAttribute('opacity') !== '0' && t.textContent.trim())
+  .map(t => ({{text: t.textContent, size: parseFloat(t.getAttribute('font-size') || getComputedStyle(t).fontSize),
+              rotated: /rotate\((?!0)/.test(t.getAttribute('transform') || '')}}))"""
+
+
+def assert_labels_legible(pg, at_least: int = 10) -> None:
+    """The module chart's shown labels: at least ``at_least``, each 12 px or more and horizontal."""
+    pg.wait_for_function(f"() => ({LABELS})().length >= {at_least}", timeout=60_000)  # Vega draws after the page
+    shown = pg.evaluate(LABELS)
+    assert all(t["size"] >= 12 and not t["rotated"] for t in shown), [t for t in shown if t["size"] < 12 or t["rotated"]]
+
+
 def box_centre(pg, graph, depth: int, name: str) -> tuple[float, float]:
     """Where box ``name`` is drawn on the page: its layout position mapped through the chart's domains
     (as ``module_chart.module_chart`` sets them) onto the chart's canvas."""
@@ -112,7 +125,8 @@ def test_the_module_view_draws_and_a_click_on_a_box_opens_its_ops(browser, serve
         seconds = graph_drawn(pg)
         assert pg.locator('[data-testid="stException"]').count() == 0
         labels = pg.evaluate(f"() => [...document.querySelectorAll('{CHART} text')].map(t => t.textContent)")
-        assert {"ln2", "∇ ln2", "blocks.1.attn", "forward →"} <= set(labels)  # boxes, backward boxes, frames
+        assert {"ln2", "∇ ln2", "attn", "blocks.1", "forward →"} <= set(labels)  # boxes, backward boxes, frames
+        assert_labels_legible(pg)
         chart_shot(pg, f"graph-modules-{scheme}.png")
         graph = load_graph(DEFAULT_GRAPH)
         x, y = box_centre(pg, graph, module_graph.default_depth(graph), "blocks.1.ln2")
@@ -160,6 +174,7 @@ def test_the_module_view_of_a_llama_sized_graph_draws_within_two_seconds(browser
                 wait_idle(pg)
                 times.append(graph_drawn(pg))
             assert pg.locator('[data-testid="stException"]').count() == 0
+            assert_labels_legible(pg, at_least=32)  # the 32 layers named, horizontally
             chart_shot(pg, f"graph-modules-llama-{scheme}.png")
             depths = []
             for depth in (4, 5, 4, 3):  # one step at a time (each arrow key is a rerun): one new chart each

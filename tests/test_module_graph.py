@@ -135,7 +135,8 @@ def test_fold_depth_names_the_boxes_a_student_expects(gpt):
     assert [module_graph.module_tree(gpt).paths[c] for c in boxes.frames] == ["blocks.0", "blocks.0.attn", "blocks.1",
                                                                               "blocks.1.attn"]
     assert box_name(gpt, boxes, "getitem_1") == "blocks.0.ln1"  # an op's separated outputs go with it
-    assert module_graph.default_depth(gpt) == 3
+    # 26 columns at depth 3 leave too little room for a label; depth 2's 22 fit (MOST_COLUMNS)
+    assert module_graph.default_depth(gpt) == 2 and module_graph.default_depth(gpt, columns=30) == 3
 
 
 def test_each_backward_op_goes_with_the_forward_op_it_differentiates_on_a_synthetic_step():
@@ -251,6 +252,14 @@ def test_the_chart_mirrors_each_box_backward_part_under_it_and_marks_recomputed_
     assert set(frames[frames.part == "forward"].frame) == {"blocks.0", "blocks.0.attn", "blocks.1", "blocks.1.attn"}
     params = [p["name"] for layer in spec["layer"] for p in layer.get("params", [])]
     assert module_chart.SELECTION in params  # a click on a box selects it
+    # recomputed is a badge of its own (not only a hue): a text layer of forward recomputed boxes
+    badges = [layer for layer in spec["layer"] if layer["mark"].get("text") == "↻"]
+    assert badges and "datum.recomputed" in badges[0]["transform"][0]["filter"]
+    texts = [layer["mark"] for layer in spec["layer"] if layer["mark"]["type"] == "text"]
+    assert all(m.get("fontSize", 12) >= 12 and "angle" not in m for m in texts)  # horizontal, 12 px or more
+    lit = module_chart.module_chart(boxes, layout, stats, tree.paths, tree.parent, [], lit=frozenset({qkv}))
+    assert set(chart_data(lit, "boxes").query("lit").box) == {qkv}
+    assert {**lit, "datasets": None} == {**spec, "datasets": None}  # the event under the cursor: data only
 
 
 def test_a_new_schedule_changes_the_chart_data_not_its_spec(gpt):

@@ -17,6 +17,24 @@ def test_none_schedule_of_a_chain_keeps_all_activations_until_backward():
     assert sim.timeline.max() == sim.peak and sim.timeline[-1] == 100 + 0  # output b0 freed
 
 
+def test_recompute_events_name_each_rebuild_in_order_with_the_op_that_needs_it():
+    g = chain(3, mem=10)  # f0 f1 f2, then b2 b1 b0 (node 3 + i)
+    ops = [("compute", 0), ("compute", 1), ("free", 0), ("compute", 2), ("free", 1), ("compute", 3), ("free", 2),
+           ("compute", 0), ("compute", 1), ("compute", 4), ("free", 3), ("free", 1), ("compute", 5), ("free", 0),
+           ("free", 4), ("free", 5)]
+    sim = simulate(g, ops)
+    assert [(e.start, e.end, e.nodes, e.before) for e in sim.events] == [(7, 8, (0, 1), 4)]
+    assert sim.events[0].bytes == 20 and sim.events[0].cost == 2.0
+    assert sum(len(e.nodes) for e in sim.events) == sim.recomputes == 2
+    assert sim.times_computed.tolist() == [2, 2, 1, 1, 1, 1]
+
+
+def test_a_plan_without_recomputation_has_no_events():
+    g = chain(4)
+    sim = simulate(g, none_schedule(g))
+    assert sim.events == () and sim.times_computed.tolist() == [1] * g.n
+
+
 def test_compute_cost_counts_recomputation():
     g = chain(2)
     ops = [("compute", 0), ("compute", 1), ("free", 0), ("compute", 2), ("free", 1),

@@ -1,0 +1,101 @@
+"""One FSDP rank's memory over the step, by what holds it: the sharded state, the root unit and the
+inputs, the blocks all-gathered, the gradients held until their reduce-scatter, the collective
+buffers, the saved activations, the step's other tensors (transients) and, when the allocator model
+replayed the schedule, the allocator's extra (reserved minus live).
+
+Every part comes from what computes it already: the fixed tensors' kinds (``Graph.fixed_tensors``,
+sharded by ``bonsai_core.fsdp.with_fsdp``), FSDP's working memory (``bonsai_core.fsdp.working_parts``,
+the parts the simulator adds to its timeline), the tensors' lifetimes (``explorer.timeline``) and the
+allocator's replay. The parts add up to the simulator's timeline (plus the allocator's extra). Pure.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from bonsai_core.fsdp import SHARDED_KINDS, working_parts
+from bonsai_core.graph import Graph
+from bonsai_core.schedule import SimResult
+from explorer.plots import RECOMPUTE
+from explorer.timeline import Lifetimes, lifetimes, resident_bytes
+
+SHARDED = "sharded state (1/N of parameters, gradients, optimizer)"
+ROOT = "root unit unsharded, inputs"
+ACTIVATIONS = "saved activations"
+TRANSIENTS = "transients (gradients in flight, temporaries)"
+ALLOCATOR = "allocator's extra (reserved − live)"
+
+
+def breakdown(graph: Graph, ops: Sequence[tuple[str, int]], sim: SimResult,
+              reserved: np.ndarray | None = None, live: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """int64[len(ops)] per part, in the order to stack them; ``reserved`` and ``live``: the allocator
+    model's replay of the same schedule (its extra is left out without them)."""
+    n = len(ops)
+    sharded = sum(b for _, b, kind in graph.fixed_tensors if kind in SHARDED_KINDS)
+    parts = {SHARDED: np.full(n, sharded, dtype=np.int64), ROOT: np.full(n, graph.fixed_mem - sharded, dtype=np.int64)}
+    working = working_parts(graph, ops)
+    parts.update(working)
+    own = np.asarray(sim.timeline, dtype=np.int64) - graph.fixed_mem - sum(working.values(), np.zeros(n, dtype=np.int64))
+    life = lifetimes(graph, ops)
+    forward = graph.is_forward[life.node] if len(life.node) else np.zeros(0, dtype=bool)
+    saved = resident_bytes(Lifetimes(*(a[forward] for a in (life.node, life.start, life.end, life.bytes,
+                                                            life.recomputed))), n)
+    parts[ACTIVATIONS] = np.minimum(saved, own)
+    parts[TRANSIENTS] = own - parts[ACTIVATIONS]
+    if reserved is not None and live is not None:
+        parts[ALLOCATOR] = np.maximum(np.asarray(reserved, dtype=np.int64) - np.asarray(live, dtype=np.int64), 0)
+    return parts
+
+
+def at_peak(parts: dict[str, np.ndarray], step: int) -> list[dict]:
+    """The parts at one step, for a table."""
+    from bonsai_core.units import format_bytes
+
+    return [{"part": name, "bytes": format_bytes(int(v[step]))} for name, v in parts.items()]
+
+
+def frame(parts: dict[str, np.ndarray], x: np.ndarray) -> pd.DataFrame:
+    """Long rows (x, part, MiB) at the points where some part changes, for a stacked area chart."""
+    if not len(x):
+        return pd.DataFrame(columns=["x", "part", "mib", "order"])
+    stack = np.vstack(list(parts.values()))
+    keep = np.ones(stack.shape[1], dtype=bool)
+    keep[1:] = (stack[:, 1:] != stack[:, :-1]).any(axis=0)
+    keep[-1] = True
+    idx = np.flatnonzero(keep)
+    return pd.DataFrame({"x": np.tile(np.asarray(x, dtype=float)[idx], len(parts)),
+                         "part": np.repeat(list(parts), len(idx)),
+                         "mib": (stack[:, idx] / 2**20).ravel(),
+                         "order": np.repeat(np.arange(len(parts)), len(idx))})
+
+
+COLOURS = ("#0072B2", "#56B4E9", "#E69F00", "#F0E442", "#CC79A7", "#009E73", "#999999", "#6b4c9a")
+
+
+def chart(parts: dict[str, np.ndarray], x: np.ndarray, x_title: str, budget: int | None = None,
+          height: int = 320) -> dict:
+    """The parts stacked over the step as a Vega-Lite spec (a legend names each; the budget as a rule)."""
+    names = list(parts)
+    spec = {
+        "height": height,
+        "usermeta": {"embedOptions": {"renderer": "hybrid"}},
+        "datasets": {"parts": frame(parts, x),
+                     "budget": pd.DataFrame({"mib": [budget / 2**20] if budget is not None else []})},
+        "layer": [
+            {"data": {"name": "parts"},
+             "mark": {"type": "area", "interpolate": "step-after", "opacity": 0.9},
+             "encoding": {"x": {"field": "x", "type": "quantitative", "title": x_title},
+                          "y": {"field": "mib", "type": "quantitative", "stack": "zero", "title": "memory per rank (MiB)"},
+                          "color": {"field": "part", "type": "nominal", "title": None, "sort": names,
+                                    "scale": {"domain": names, "range": list(COLOURS[:len(names)])},
+                                    "legend": {"orient": "bottom", "columns": 2, "labelLimit": 400, "labelFontSize": 12}},
+                          "order": {"field": "order"},
+                          "tooltip": [{"field": "part"}, {"field": "mib", "format": ".2f", "title": "MiB"}]}},
+            {"data": {"name": "budget"}, "mark": {"type": "rule", "color": RECOMPUTE, "strokeDash": [6, 4], "strokeWidth": 2},
+             "encoding": {"y": {"field": "mib", "type": "quantitative"}}},
+        ],
+    }
+    return spec

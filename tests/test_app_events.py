@@ -1,0 +1,122 @@
+"""Issue 42 in AppTest: the recompute events (listed on Graph and Memory, moving a shared step cursor,
+marked on the memory curve, lighting the graph's boxes), labels on every graph view, one FSDP rank's
+memory by part, Compare opening on a pair that fits, the tour advancing once its step is done."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bonsai_core.schedule import simulate
+from bonsai_core.trace import trace_model
+from explorer import compute, rank, timeline
+from tests.test_app import app, goto, memory_chart, module_boxes_shown, plot_spec
+
+FSDP_GPT = dict(batch=2, seq=16, width=32, layers=3, heads=2, vocab=64)
+
+
+def at_budget(pct: int):
+    at = app()
+    at.sidebar.slider(key="budget_pct").set_value(pct).run()
+    return at
+
+
+def test_memory_page_lists_the_simulators_recompute_events_and_marks_them_on_the_curve():
+    at = goto(at_budget(50), "memory")
+    out = at.session_state["cursor_of"]
+    g = at.session_state["model"].graph
+    sim = simulate(g, out)
+    assert len(sim.events) >= 3  # bonsai at 50% rebuilds several regions in the backward pass
+    table = next(d for d in at.dataframe if "recompute" in d.value.columns)
+    assert list(table.value["step"]) == [e.start for e in sim.events]
+    assert table.value["when"].str.startswith("before ").all()
+    marks = memory_chart(at)[1]["events"]
+    assert list(marks["mark"]) == [f"↻{i + 1}" for i in range(len(sim.events))]
+    assert all(t.startswith("At backward step") for t in marks["text"])
+
+
+def test_an_event_moves_the_shared_cursor_and_lights_its_boxes_on_the_graph():
+    at = goto(at_budget(50), "memory")
+    schedule = at.session_state["cursor_of"]
+    g = at.session_state["model"].graph
+    second = simulate(g, schedule).events[1]
+    at.session_state["cursor_step"] = second.end  # what a click on the event's row does (state.set_step)
+    goto(at, "graph")
+    boxes = module_boxes_shown(at)
+    lit = set(boxes[boxes.lit].name)
+    assert lit and any(m.value.startswith("**↻2**") for m in at.markdown)
+    first = timeline.node_modules(g).path[second.nodes[0]]  # the module the rebuild starts in
+    assert any(first.startswith(name) for name in lit), (first, lit)
+    goto(at, "memory")
+    assert at.slider(key="memory_step").value == second.end  # the same cursor on the Memory page
+
+
+def test_every_graph_view_carries_labels():
+    at = goto(at_budget(50), "graph")
+    boxes = module_boxes_shown(at)
+    assert boxes.label.str.len().gt(0).all()
+    for view in ("every op", "collapsed"):
+        at.segmented_control(key="graph_view").set_value(view).run()
+        labels = [t for t in plot_spec(at)["data"] if t.get("name") == "labels"]
+        assert labels and {"blocks.0", "blocks.1"} <= set(labels[0]["text"])
+        assert labels[0]["textfont"]["size"] >= 12
+    at.segmented_control(key="graph_view").set_value("modules").run()
+    at.selectbox(key="graph_module").set_value("blocks.0.attn").run()
+    labels = [t for t in plot_spec(at)["data"] if t.get("name") == "labels"]
+    assert labels and "addmm" in labels[0]["text"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_gpt():
+    return trace_model("gpt", fsdp=4, **FSDP_GPT).graph
+
+
+def test_one_fsdp_ranks_memory_by_part_on_memory_and_what_fits(fsdp_gpt):
+    at = app()
+    at.session_state["model"] = compute.Model(fsdp_gpt, "json", "gpt-fsdp4.json")
+    at.run()
+    goto(at, "memory")
+    assert any(s.value.startswith("One rank's memory of 4") for s in at.subheader)
+    chart = next(c for c in at.get("vega_lite_chart") if any(d.name == "parts" for d in c.proto.datasets))
+    assert chart is not None
+    out = state_outcome(at)
+    parts = rank.breakdown(fsdp_gpt, out.schedule.ops, out.sim)
+    assert (sum(parts.values()) == out.sim.timeline).all()  # the parts add up to the simulator's timeline
+    assert parts["all-gathered blocks"].max() > 0 and parts[rank.ACTIVATIONS].max() > 0
+    goto(at, "fit")
+    assert any(s.value.startswith("One rank's memory of 4") for s in at.subheader)
+    table = at.table[0].value
+    assert rank.SHARDED in set(table["part"]) and "all-gathered blocks" in set(table["part"])
+
+
+def state_outcome(at):
+    g = at.session_state["model"].graph
+    s = at.session_state["settings"]
+    return compute.solve(g, s.budget, s.method, s.options)
+
+
+def test_compare_opens_on_a_pair_that_fits_at_50_percent():
+    at = goto(at_budget(50), "compare")
+    assert at.selectbox(key="side_b_method").value != "chen"  # chen cannot fit 50% of the default GPT
+    assert not at.error
+
+
+def test_the_tour_advances_when_its_step_is_done():
+    at = app()
+    assert at.markdown[0].value.startswith("**Tour 1/3")
+    goto(at, "memory")
+    assert at.markdown[0].value.startswith("**Tour 2/3")
+    at.sidebar.slider(key="budget_pct").set_value(55).run()
+    assert at.markdown[0].value.startswith("**Tour 3/3")
+
+
+def test_a_free_of_a_view_says_it_frees_no_bytes():
+    from bonsai_core.graph import load_graph
+    from explorer.state import DEFAULT_GRAPH
+
+    g = load_graph(DEFAULT_GRAPH)
+    out = compute.solve(g, None, "none")
+    ops = out.schedule.ops
+    i = next(j for j, (k, v) in enumerate(ops) if k == "free" and g.alias_of[v] >= 0)
+    assert "−0 B" not in timeline.step_line(g, ops, i) and "a view" in timeline.step_line(g, ops, i)
+    assert np.all(out.sim.times_computed == 1)
