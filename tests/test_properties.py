@@ -57,7 +57,7 @@ def test_recomputing_sequences_give_valid_schedules(g, rnd):
 # Found by this test: coop divides by the pool's reserved bytes when a random graph's first request
 # fails with nothing reserved yet (ZeroDivisionError in the eviction runtime's fragmentation rate).
 # Reported to coop's owner; the mark goes when that is fixed.
-@pytest.mark.parametrize("method", available_methods())
+@pytest.mark.parametrize("method", available_methods(any_graph=True))  # tests/test_torchtitan.py: the others
 def test_every_method_returns_only_valid_schedules_within_the_budget(method):
     """The method's own solver function, not ``solve`` (which would turn an over-budget schedule
     into a BudgetError): a schedule it returns must replay under the simulator's rules (simulate

@@ -193,11 +193,11 @@ def main(args: argparse.Namespace) -> int:
     """``bonsai bench [methods]``: check the methods and peers named, run the bench, say where it wrote."""
     from bonsai_core.arguments import SOLVE_TIME_LIMIT
     from bonsai_core.peers import PEERS
-    from bonsai_core.solvers import METHODS
+    from bonsai_core.solvers import METHODS, available_methods
 
     if args.output is None:
         args.parser.error("the following arguments are required: -o/--output")
-    methods = args.methods or list(METHODS)
+    methods = args.methods or available_methods(any_graph=True)  # the zoo's MLPs have no block stack
     peers = args.peers if args.peers is not None else list(PEERS)
     for m in methods:
         if m not in METHODS:

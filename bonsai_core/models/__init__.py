@@ -7,6 +7,7 @@ targets as buffers. Nothing here knows of tracing: :mod:`bonsai_core.trace` call
 * a name of the built-in zoo (:mod:`bonsai_core.models.zoo`: ``mlp``, ``gpt``, ...);
 * ``hf:ARCH`` or ``hf:PATH/config.json``, a Hugging Face ``transformers`` model built from its config
   (:mod:`bonsai_core.models.hf`);
+* ``torchtitan:llama3:FLAVOUR``, torchtitan's own Llama 3 and loss (:mod:`bonsai_core.models.torchtitan`);
 * ``package.module:factory``, a callable of the user's (:mod:`bonsai_core.models.factory`).
 
 An exported program saved as ``.pt2`` (an upload in the explorer) is loaded as data by
@@ -25,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from bonsai_core.errors import ModelError
-from bonsai_core.models import factory, hf
+from bonsai_core.models import factory, hf, torchtitan
 from bonsai_core.models.entry import Built
 from bonsai_core.models.zoo import ZOO
 
@@ -88,17 +89,17 @@ def _build(name: str, seed: int, options: dict[str, Any]) -> Built:
     is_hf = name.startswith("hf:")
     if "attention" in options and not is_hf:
         raise ModelError(f"Option attention applies to hf: models only; {name!r} is not one.")
+    if name.startswith(torchtitan.PREFIX):
+        _check_sizes(name, options)
+        torch.manual_seed(seed)
+        return torchtitan.build(name[len(torchtitan.PREFIX):], **options)
     if ":" in name and not is_hf:
         return factory.build(name, seed, **options)
     if not is_hf and name not in ZOO:
         raise ModelError(f"Unknown model {name!r}. Built-in models: {', '.join(ZOO)}; Hugging Face models: "
-                         "hf:ARCH (see `bonsai zoo`) or hf:PATH/config.json; or pass "
+                         "hf:ARCH (see `bonsai zoo`) or hf:PATH/config.json; torchtitan: torchtitan:llama3:FLAVOUR; or pass "
                          "'package.module:factory' for a callable returning (model, example_inputs, loss_fn).")
-    for key, value in options.items():
-        if key == "attention" and is_hf:
-            continue  # a name, checked by hf.build
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ModelError(f"Option {key}={value!r} of model {name!r} must be a positive whole number.")
+    _check_sizes(name, {k: v for k, v in options.items() if not (k == "attention" and is_hf)})  # a name: hf.build checks it
     if is_hf:
         torch.manual_seed(seed)
         return hf.build(name[len("hf:"):], **options)
@@ -108,3 +109,9 @@ def _build(name: str, seed: int, options: dict[str, Any]) -> Built:
     return entry.factory(**options)
 
 
+
+
+def _check_sizes(name: str, options: dict[str, Any]) -> None:
+    for key, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelError(f"Option {key}={value!r} of model {name!r} must be a positive whole number.")

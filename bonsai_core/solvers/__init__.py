@@ -38,8 +38,16 @@ METHODS: dict[str, tuple[str, str, str]] = {
     "coop": ("bonsai_core.solvers.coop", "solve_coop", "sliding-window contiguous eviction in the allocator's address space (Coop)"),
     "checkmate": ("bonsai_core.solvers.checkmate", "solve_checkmate", "Checkmate's op-level MILP (optimal in its stage model; up to 400 nodes)"),
     "moccasin": ("bonsai_core.solvers.moccasin", "solve_moccasin", "Moccasin's retention-interval CP model on CP-SAT (option copies, default 2)"),
+    "torchtitan-full": ("bonsai_core.solvers.torchtitan", "solve_torchtitan_full",
+                        "torchtitan's full activation checkpointing: every block of the block stack recomputed (fixed plan)"),
+    "torchtitan-selective": ("bonsai_core.solvers.torchtitan", "solve_torchtitan_selective",
+                             "torchtitan's op-level selective checkpointing per block: saves matmuls (every second one "
+                             "recomputed) and attention (fixed plan)"),
 }
 DEFAULT_METHOD = "bonsai"
+# Methods that plan only a graph with a block stack (graph.block_stack: a transformer's layers), as the
+# framework they mirror wraps its blocks; the others plan any graph.
+BLOCK_STACK_METHODS = ("torchtitan-full", "torchtitan-selective")
 # Tried, in order, for a budget another method could not meet (:func:`method_meeting`): Moccasin's op-level
 # optimum, which may recompute backward ops too (beyond checkpoint regions), then DTR's fast heuristic.
 FALLBACK_METHODS = ("moccasin", "dtr")
@@ -54,8 +62,9 @@ class MethodOption(NamedTuple):
     type: Any
 
 
-def available_methods() -> list[str]:
-    return list(METHODS)
+def available_methods(any_graph: bool = False) -> list[str]:
+    """Every method's name; ``any_graph``: only those that plan any graph (not :data:`BLOCK_STACK_METHODS`)."""
+    return [m for m in METHODS if not (any_graph and m in BLOCK_STACK_METHODS)]
 
 
 def describe(method: str) -> str:
