@@ -703,6 +703,7 @@ class _FsdpBuffers:
         self.alloc, self.graph = alloc, graph
         self.events = buffer_events(graph, ops) if graph.fsdp is not None else None
         self.owners: dict[str, int] = {}
+        self.made = 0  # buffers allocated so far: each gets an owner id of its own
         self.held: set[int] = set()  # gradient nodes FSDP holds
         self.dropped: set[int] = set()  # held gradients the graph has freed: their block waits for FSDP's free
         self.malloc: Callable[..., None] | None = None
@@ -728,7 +729,8 @@ class _FsdpBuffers:
                         self.dropped.discard(v)
                         self.alloc.free(v)
             elif b.nbytes > 0:
-                owner = self.owners[b.key] = FSDP_OWNERS + len(self.owners)
+                owner = self.owners[b.key] = FSDP_OWNERS + self.made
+                self.made += 1
                 self.malloc(owner, b.nbytes, f"FSDP's {b.key.partition(':')[0]}", i, stream=b.stream)
             else:
                 self.alloc.free(self.owners.pop(b.key))
