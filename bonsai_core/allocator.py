@@ -63,9 +63,18 @@ the optimizer state, and ``live`` counts it, so the budget keeps its meaning for
 optimizer state, in order: a new block, then the old one freed), so the pinned tensors the measured
 step works around have moved; ``"inplace"`` (the default) keeps them where they were allocated: Coop's
 *recomputable in-place*, which lets the optimizer update unevictable tensors in place.
-Still not modelled: CUDA streams (blocks are per-stream in PyTorch; one stream here), garbage
-collection thresholds and expandable segments (off by default), and the many small allocations of
-the optimizer step itself (``step`` counters, foreach temporaries).
+**Streams.** PyTorch keeps free blocks per stream (``BlockPool`` ordered by (stream, size); a request
+is served only from its stream's blocks, and with expandable segments each stream grows a segment of
+its own): pools here are a size class on a stream (``"large@reduce_scatter"``). The step's ops run on the
+compute stream; on an FSDP rank FSDP2's buffers are replayed on FSDP2's streams
+(:func:`bonsai_core.fsdp.buffer_events`: all-gather outputs on the copy-in stream, reduce-scatter outputs
+on the reduce-scatter stream, the unsharded parameters and reduce-scatter inputs on the compute stream),
+so what one stream freed is not reused by another. FSDP2 keeps a buffer alive until the consuming
+stream is done with it instead of ``record_stream`` (``all_gather_state``, ``reduce_scatter_states``),
+which the events follow. **The optimizer step's temporaries** (:data:`bonsai_core.optimizer.STEP_TEMPORARIES`:
+AdamW's ``_foreach_sqrt``, one tensor per parameter) are allocated after the last op, then freed.
+Still not modelled: garbage collection thresholds, the optimizer step's small allocations (``step``
+counters, norms), and library workspaces (cuBLAS, the flash kernel's backward accumulators).
 """
 
 from __future__ import annotations
