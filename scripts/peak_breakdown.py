@@ -9,7 +9,8 @@ buffers (rule 7: unsharded blocks, all-gather outputs, held gradients, reduce-sc
 allocator model's reserved peak and its extra over the live peak. For a schedule whose plan saves nodes
 (``extra["saved"]``, SAC's MUST_SAVE), the same numbers with every saved node held until its block's rebuild
 in the backward pass, as ``torch.utils.checkpoint``'s ``_CachingTorchDispatchMode`` holds every MUST_SAVE
-output in its storage until the recompute consumes it (the regions' schedules free it after its last reader).
+output in its storage until the recompute consumes it (the regions' schedules free it after its last
+reader; :func:`bonsai_core.regions.hold_saved`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import numpy as np
 from bonsai_core.allocator import replay
 from bonsai_core.fsdp import working_profile
 from bonsai_core.graph import Graph, load_graph
-from bonsai_core.schedule import COMPUTE, FREE, Schedule, load_schedule, simulate
+from bonsai_core.regions import CheckpointPlan, hold_saved
+from bonsai_core.schedule import COMPUTE, Schedule, load_schedule, simulate
 
 GiB = 2**30
 
@@ -48,22 +50,8 @@ def breakdown(graph: Graph, schedule: Schedule, policy: str) -> dict[str, float]
 
 
 def saved_held_to_rebuild(graph: Graph, schedule: Schedule) -> Schedule:
-    """``schedule`` with each saved node's forward free moved to right before its segment's rebuild."""
-    extra = schedule.extra or {}
-    segment = {v: k for k, members in enumerate(extra.get("segments", [])) for v in members}
-    first_backward = next(i for i, (k, v) in enumerate(schedule.ops) if k == COMPUTE and not graph.is_forward[v])
-    rebuild: dict[int, int] = {}
-    for i, (kind, v) in enumerate(schedule.ops[first_backward:], first_backward):
-        if kind == COMPUTE and graph.is_forward[v] and v in segment:
-            rebuild.setdefault(segment[v], i)
-    hold = {v: rebuild[segment[v]] for v in extra.get("saved", ()) if segment.get(v) in rebuild}
-    ops, later = [], {}
-    for i, (kind, v) in enumerate(schedule.ops):
-        ops.extend((FREE, w) for w in later.pop(i, ()))
-        if kind == FREE and v in hold and i < hold[v]:
-            later.setdefault(hold[v], []).append(v)
-        else:
-            ops.append((kind, v))
+    """``schedule`` with each saved node held until its segment's rebuild (:func:`bonsai_core.regions.hold_saved`)."""
+    ops = hold_saved(graph, CheckpointPlan.from_extra(schedule.extra), list(schedule.ops))
     return Schedule(graph=schedule.graph, method=schedule.method, ops=ops, graph_hash=schedule.graph_hash,
                     extra=schedule.extra)
 
