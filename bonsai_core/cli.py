@@ -26,7 +26,8 @@ BUILD_OPTIONS = ("dtype", "attention")
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """MODEL and its size options, shared by trace, export and verify."""
-    p.add_argument("model", metavar="MODEL", help="a zoo name, hf:ARCH or hf:PATH/config.json (see `bonsai zoo`), or package.module:factory")
+    p.add_argument("model", metavar="MODEL", help="a zoo name, hf:ARCH or hf:PATH/config.json (see `bonsai zoo`), "
+                   "torchtitan:llama3:FLAVOUR, or package.module:factory")
     for name in MODEL_OPTIONS:
         p.add_argument(f"--{name}", type=positive_int, default=None, metavar="N", help=f"model option {name}")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and the example batch (default 0)")
@@ -96,6 +97,8 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         print(f"{name:11s} {entry.description}\n            {opts}")
     print(f"{PREFIX}PATH     a Hugging Face config.json (or its folder): causal LM, masked LM, image classification or seq2seq LM\n"
           "            --batch 8, and --seq (text, default min(128, positions)) or --image (vision, the config's)")
+    print("torchtitan:llama3:FLAVOUR torchtitan's own Llama 3 and loss (flavours: debugmodel, 8B, 70B, 405B, ...)\n"
+          "            --batch 1 --seq 2048, and --layers, --width, --heads, --vocab (default: the flavour's)")
     print("every model also takes --dtype fp32|bf16|fp16 (its parameters' type); hf: models --attention sdpa|eager "
           "(default: sdpa where the model supports it)")
     return 0

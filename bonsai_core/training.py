@@ -178,7 +178,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     from bonsai_core.solvers import check_options
 
     if method not in REGION_METHODS:
-        raise BonsaiError(f"bonsai.plan applies checkpoint-region plans, made by the methods {' and '.join(REGION_METHODS)}; "
+        raise BonsaiError(f"bonsai.plan applies checkpoint-region plans, made by the methods {', '.join(REGION_METHODS)}; "
                           f"{method!r} makes a general recompute sequence. Use the CLI for it: bonsai solve --method "
                           f"{method}, then bonsai export --backend replay.")
     check_options(method, options)
@@ -296,7 +296,7 @@ def _device(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.device:
 
 def _ambient_autocast(device: torch.device) -> str | None:
     """``"bf16"`` / ``"fp16"`` when this call runs inside ``torch.autocast`` for ``device``, else None."""
-    if not torch.is_autocast_enabled(device.type):
+    if device.type == "meta" or not torch.is_autocast_enabled(device.type):  # meta: a model not yet materialised
         return None
     dtype = torch.get_autocast_dtype(device.type)
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
@@ -349,7 +349,7 @@ class _FakeStep:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             return cls(mode, _fake_copy(model, mode),
-                       tuple(mode.from_tensor(x) for x in inputs),
+                       tuple(_fake_of(x, mode) for x in inputs),
                        _fake_copy(loss_fn, mode) if isinstance(loss_fn, nn.Module) else loss_fn, name)
 
     @contextlib.contextmanager
@@ -413,10 +413,19 @@ def _fake_copy(module: nn.Module, mode: Any) -> nn.Module:
 
     memo: dict[int, Any] = {}
     for p in module.parameters():
-        memo[id(p)] = nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(_fake_of(p.detach(), mode), requires_grad=p.requires_grad)
     for b in module.buffers():
-        memo[id(b)] = mode.from_tensor(b)
+        memo[id(b)] = _fake_of(b, mode)
     return copy.deepcopy(module, memo)
+
+
+def _fake_of(t: torch.Tensor, mode: Any) -> torch.Tensor:
+    """``mode``'s fake of ``t``; of a ``meta`` tensor (a model built on the meta device, as torchtitan
+    builds it before sharding), a fake CPU tensor of its shape, so that the step traces as on CPU."""
+    if not t.is_meta:
+        return mode.from_tensor(t)
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
 # -- the plan cache --------------------------------------------------------------------------------

@@ -8,6 +8,12 @@ each over the steady-state second step. Prints a markdown table; run it where a 
 
     python scripts/gpu_check.py [--budget 70] [--expandable-segments] > gpu_check.md
 
+Then torchtitan's Llama 3 step (:data:`TORCHTITAN`: the 8B flavour cut to 4 blocks, seq 8192, batch 2,
+bf16 parameters, AdamW; one GPU, no FSDP), two ways: torchtitan's own selective activation
+checkpointing (its ``apply_ac``, which on a GPU saves the flash kernel's output) against the
+``torchtitan-selective`` method's prediction, and a bonsai plan (``bonsai_core.torchtitan.plan_for``)
+at that method's peak against the plan's predicted peak. ``--torchtitan-only`` runs just these.
+
 With ``--expandable-segments`` it sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before
 CUDA starts and predicts reserved bytes with the ``expandable`` policy.
 """
@@ -29,6 +35,10 @@ CASES = [  # (model, options, trace --optimizer)
     ("hf:gpt2", {"layers": 4, "width": 512, "seq": 512, "heads": 8, "batch": 8, "dtype": "bf16"}, "none"),
     ("hf:llama", {"layers": 4, "width": 512, "seq": 512, "heads": 8, "batch": 4, "vocab": 8192, "dtype": "bf16"}, "adamw"),
 ]
+
+# torchtitan's Llama 3 at a size one H200 (139 GiB) holds with room to spare; --device cpu: TORCHTITAN_CPU
+TORCHTITAN = ("torchtitan:llama3:8B", {"layers": 4, "seq": 8192, "batch": 2, "dtype": "bf16"}, "adamw")
+TORCHTITAN_CPU = ("torchtitan:llama3:debugmodel", {"layers": 2, "seq": 256, "batch": 2, "dtype": "bf16"}, "adamw")
 
 
 def check(model: str, options: dict, optimizer: str, share: float, policy: str, device: str = "cuda") -> str:
@@ -112,11 +122,83 @@ def check_one_call(model: str, options: dict, share: float, device: str) -> str:
             f"{measured / report.predicted_peak - 1:+.2%} | | | | {time.perf_counter() - start:.0f} s |")
 
 
+def check_torchtitan(model: str, options: dict, optimizer: str, policy: str, device: str) -> list[str]:
+    """torchtitan's step two ways (module docstring): one table row each, predicted against measured
+    over the second step (live bytes only on a CPU dry run)."""
+    import torch
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
+
+    from bonsai_core import models
+    from bonsai_core.allocator import replay
+    from bonsai_core.optimizer import init_state, make, with_optimizer
+    from bonsai_core.solvers import solve
+    from bonsai_core.torchtitan import plan_for
+    from bonsai_core.trace import trace_model
+    from bonsai_core.units import format_bytes
+
+    start = time.perf_counter()
+    graph = with_optimizer(trace_model(model, **options).graph, optimizer)
+    selective = solve(graph, None, "torchtitan-selective")
+    rows = []
+    for way in ("torchtitan apply_ac selective", "bonsai plan at its peak"):
+        dev = torch.device(device)
+        net, inputs, loss_fn = models.build(model, **options)
+        net, inputs, loss_fn = net.to(dev), tuple(x.to(dev) for x in inputs), loss_fn.to(dev)
+        if way.startswith("torchtitan"):
+            apply_ac(net, ActivationCheckpoint(mode="selective", selective_ac_option="op"),
+                     op_sac_save_list=_op_sac_save_list)
+            peak = selective.stats["peak"]
+            reserved = replay(graph, selective, policy=policy, full=True, optimizer="sgd").reserved_peak  # as check()
+        else:
+            made = plan_for(net, options["batch"], options["seq"], selective.stats["peak"], optimizer=optimizer,
+                               cache=False, time_limit=120)
+            made.apply(net)
+            peak, reserved = made.report.predicted_peak, None
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p)
+        opt = make(net.parameters(), optimizer)
+        if opt is not None:
+            init_state(opt)
+
+        def step() -> None:
+            loss_fn(net(*inputs)).backward()
+            if opt is not None:
+                opt.step()
+
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            allocated, held = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        else:
+            from bonsai_core.measure import LiveBytes
+
+            with LiveBytes() as tracker:
+                step()
+            allocated, held = graph.fixed_mem + tracker.peak, None
+        del net, inputs, opt
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        label = f"{model} {way}" + "".join(f" {k}={v}" for k, v in options.items()) + f" +{optimizer}"
+        budget = "fixed plan" if way.startswith("torchtitan") else format_bytes(selective.stats["peak"])
+        rows.append(f"| {label} | {budget} | {format_bytes(peak)} | {format_bytes(allocated)} | {allocated / peak - 1:+.2%} | "
+                    + (f"{format_bytes(reserved)} | " if reserved is not None else "| ")
+                    + (f"{format_bytes(held)} | {held / reserved - 1:+.2%} | " if held is not None and reserved
+                       else f"{format_bytes(held)} | | " if held is not None else "not measured on CPU | | ")
+                    + f"{time.perf_counter() - start:.0f} s |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=70, help="share of the no-remat peak, in percent")
     parser.add_argument("--expandable-segments", action="store_true")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the pipeline (live bytes only)")
+    parser.add_argument("--torchtitan-only", action="store_true", help="only torchtitan's Llama 3 step")
     args = parser.parse_args()
     if args.expandable_segments:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -130,10 +212,12 @@ def main() -> None:
     print("| model | budget | predicted live | max_memory_allocated | diff | predicted reserved | "
           "max_memory_reserved | diff | time |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for model, options, optimizer in CASES:
+    for model, options, optimizer in [] if args.torchtitan_only else CASES:
         print(check(model, options, optimizer, args.budget / 100, policy, args.device), flush=True)
-    for model, options, _ in CASES[1:3]:  # the one call in a training script, on the user's own module
+    for model, options, _ in [] if args.torchtitan_only else CASES[1:3]:  # the one call, on the user's own module
         print(check_one_call(model, options, args.budget / 100, args.device), flush=True)
+    for row in check_torchtitan(*(TORCHTITAN if args.device == "cuda" else TORCHTITAN_CPU), policy, args.device):
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

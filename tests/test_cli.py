@@ -156,7 +156,9 @@ def test_the_library_refuses_an_undeclared_option():
 def test_methods_lists_each_methods_options(capsys):
     assert main(["methods", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
-    assert set(listing) == {"none", "bonsai", "chen", "dtr", "coop", "checkmate", "moccasin"}
+    assert set(listing) == {"none", "bonsai", "chen", "dtr", "coop", "checkmate", "moccasin", "torchtitan-full",
+                            "torchtitan-selective"}
+    assert listing["torchtitan-selective"]["options"][1]["name"] == "release"
     copies = {o["name"]: o for o in listing["moccasin"]["options"]}["copies"]
     assert copies["default"] == 2 and copies["type"] == "int" and "per node" in copies["help"]
 

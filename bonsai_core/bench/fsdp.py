@@ -80,16 +80,13 @@ def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
     return list(resized.values()), list(left.values())
 
 
-def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], budget: str | None,
-            store: str, results: str, reshard: bool | str = True, mixed_precision: str | None = None) -> None:
+def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn) -> dict:
+    """One rank's fixed bytes and peak live bytes over a steady-state step of ``net`` (already sharded by
+    ``fully_shard``): a first step (FSDP's lazy initialisation, ``.grad`` allocated, sharded), then one
+    measured with :class:`bonsai_core.measure.LiveBytes` plus FSDP's storages it does not see
+    (:func:`_storages_outside`). Also the measured step's loss."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from bonsai_core.fsdp import MIXED_PRECISION
-
-    import bonsai_core as bonsai
-    from bonsai_core import models
     from bonsai_core.measure import LiveBytes
     from bonsai_core.tensors import storage_bytes
 
@@ -107,6 +104,30 @@ def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], 
                 self.peak, self.at_peak = self.live + resized, (self.live, resized, str(func))
             return out
 
+    loss_fn(net(*inputs)).backward()
+    local = [t.to_local() if hasattr(t, "to_local") else t
+             for t in (*net.parameters(), *(p.grad for p in net.parameters() if p.grad is not None), *net.buffers())]
+    loss_buffers = list(loss_fn.buffers()) if isinstance(loss_fn, torch.nn.Module) else []
+    resized, left = _storages_outside(net)
+    fixed = storage_bytes([*local, *loss_buffers, *inputs])
+    tracker = WithResized(resized, left)
+    with tracker:
+        loss = loss_fn(net(*inputs))
+        loss.backward()
+    return {"fixed": fixed, "peak": fixed + tracker.peak, "at_peak": getattr(tracker, "at_peak", None),
+            "loss": float(loss)}
+
+
+def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], budget: str | None,
+            store: str, results: str, reshard: bool | str = True, mixed_precision: str | None = None) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import bonsai_core as bonsai
+    from bonsai_core import models
+    from bonsai_core.fsdp import MIXED_PRECISION
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
@@ -120,16 +141,7 @@ def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], 
         for path, flag in zip(paths, reshard_flags(reshard, len(paths))):
             fully_shard(net.get_submodule(path), reshard_after_forward=flag, mp_policy=policy)
         fully_shard(net, mp_policy=policy)
-        loss_fn(net(*inputs)).backward()  # FSDP's lazy initialisation, and .grad allocated (sharded)
-        local = [t.to_local() if hasattr(t, "to_local") else t
-                 for t in (*net.parameters(), *(p.grad for p in net.parameters() if p.grad is not None), *net.buffers())]
-        loss_buffers = list(loss_fn.buffers()) if isinstance(loss_fn, torch.nn.Module) else []
-        resized, left = _storages_outside(net)
-        fixed = storage_bytes([*local, *loss_buffers, *inputs])
-        tracker = WithResized(resized, left)
-        with tracker:
-            loss_fn(net(*inputs)).backward()
-        Path(results, f"rank{rank}.json").write_text(json.dumps({"fixed": fixed, "peak": fixed + tracker.peak, "at_peak": getattr(tracker, "at_peak", None)}))
+        Path(results, f"rank{rank}.json").write_text(json.dumps(steady_step_peak(net, inputs, loss_fn)))
     finally:
         dist.destroy_process_group()
 

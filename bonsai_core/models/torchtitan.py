@@ -5,7 +5,7 @@
 torchtitan's own ``Transformer`` (``torchtitan.models.llama3``), built from a flavour of its registry
 (``llama3_args``: ``debugmodel``, ``8B``, ``70B``, ``405B``, ...), so its module paths are torchtitan's
 (``layers.0.attention.wq``) and a plan made on it applies to the model a torchtitan run builds
-(:mod:`bonsai_core.export_runtime.torchtitan`). The loss is torchtitan's: ``cross_entropy_loss`` (the
+(:func:`bonsai_core.torchtitan.plan_for`). The loss is torchtitan's: ``cross_entropy_loss`` (the
 logits upcast to float32, summed over tokens) divided by the number of tokens, as its train step
 divides by the valid tokens of the batch (:class:`TitanLoss`); the labels are the next tokens, as
 torchtitan's dataloader gives them.
@@ -63,8 +63,8 @@ class TitanLoss(nn.Module):
         return cross_entropy_loss(pred, self.labels) / self.labels.numel()
 
 
-def flavours(family: str = "llama3") -> dict[str, Any]:
-    """The flavours of torchtitan's registry for ``family``: name -> ``TransformerModelArgs``."""
+def flavours() -> dict[str, Any]:
+    """The flavours of torchtitan's llama3 registry: name -> ``TransformerModelArgs``."""
     _require_torchtitan()
     from torchtitan.models.llama3 import llama3_args
 
@@ -78,7 +78,7 @@ def model_args(spec: str, layers: int | None = None, width: int | None = None, h
     if family not in FAMILIES or not flavour:
         raise ModelError(f"Unknown torchtitan model {PREFIX + spec!r}: give {PREFIX}llama3:FLAVOUR, a flavour of "
                          "torchtitan's registry (" + ", ".join(flavours()) + ").")
-    registry = flavours(family)
+    registry = flavours()
     if flavour not in registry:
         raise ModelError(f"torchtitan's llama3 has no flavour {flavour!r}; its flavours: {', '.join(registry)}.")
     args = registry[flavour]
@@ -105,7 +105,8 @@ def build(spec: str, batch: int = DEFAULTS["batch"], seq: int = DEFAULTS["seq"],
 
     model = Transformer(model_args(spec, seq=seq, **sizes)).train()
     if not isinstance(model.output.weight, FakeTensor):
-        model.init_weights()
+        with torch.no_grad():  # as torchtitan's trainer calls it
+            model.init_weights()
     tokens = torch.randint(0, model.vocab_size, (batch, seq + 1))  # a sample; the labels are its next tokens
     return model, (tokens[:, :-1].clone(),), TitanLoss(tokens[:, 1:].clone())
 
@@ -119,3 +120,4 @@ def _require_torchtitan() -> None:
     if torchtitan.__version__ != SUPPORTED_RELEASE:
         raise ModelError(f"torchtitan {torchtitan.__version__} is installed; bonsai supports torchtitan "
                          f"{SUPPORTED_RELEASE} (docs/MODELS.md says why): {INSTALL}.")
+

@@ -1,0 +1,31 @@
+"""A bonsai plan in a torchtitan run: :func:`plan_for` plans one training step of torchtitan's Llama 3
+(:mod:`bonsai_core.models.torchtitan`) for ``Plan.apply`` to checkpoint in place of torchtitan's
+``apply_ac``, before its ``fully_shard`` (docs/REAL_RUNS.md shows the ``parallelize_fn``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from bonsai_core.models.torchtitan import TitanLoss
+from bonsai_core.training import Plan, plan
+
+
+def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: str = "bonsai", *,
+             fsdp: int = 1, optimizer: str = "adamw", **options: Any) -> Plan:
+    """A checkpoint plan (:func:`bonsai_core.plan`) for one training step of torchtitan's Llama 3
+    ``model`` on a local batch of ``batch x seq`` tokens with torchtitan's loss, as one of ``fsdp``
+    ranks holds it (``optimizer``'s state sharded too). ``model`` is the ``Transformer`` torchtitan
+    built, on any device (``meta`` too: only shapes are read), before ``parallelize_llama``.
+
+    ``plan.apply(model)`` then does what torchtitan's ``apply_ac`` does, one save policy per block
+    (``model.layers.<i>``, and whichever smaller submodules the plan picks), in place: the module
+    paths stay torchtitan's, so its ``apply_fsdp`` (``fully_shard``), which must come after, finds
+    them. Run torchtitan with ``activation_checkpoint.mode = "none"`` so that it does not wrap the
+    blocks again (docs/REAL_RUNS.md shows the ``parallelize_fn`` that does both)."""
+    device = next(model.parameters()).device
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    return plan(model, (tokens,), TitanLoss(tokens.clone()), budget, method, fsdp=fsdp, optimizer=optimizer,
+                **options)
