@@ -64,6 +64,23 @@ COMPUTE_STREAM, ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = "compute", "all_gathe
 ALL_BUT_LAST = "all-but-last"  # torchtitan's apply_fsdp: every block reshards after forward but the last
 
 
+# torchtitan's FSDP2 setting (commit 9dec370 and release 0.2.2): config_manager's
+# training.mixed_precision_param = "bfloat16" / mixed_precision_reduce = "float32", and apply_fsdp's
+# reshard_after_forward = int(layer_id) < len(model.layers) - 1
+TORCHTITAN_FSDP = {"reshard_after_forward": ALL_BUT_LAST, "mixed_precision": "bf16"}
+
+
+def fsdp_defaults(model: str, reshard_after_forward: bool | str | None,
+                  mixed_precision: str | None) -> tuple[bool | str, str | None]:
+    """The FSDP2 setting a model spec is sharded with where the caller leaves it out (None): a
+    ``torchtitan:`` model's is torchtitan's (:data:`TORCHTITAN_FSDP`), any other's ``fully_shard``'s
+    (reshard after forward, no mixed precision). ``mixed_precision="none"`` turns it off."""
+    own = TORCHTITAN_FSDP if model.startswith("torchtitan:") else {"reshard_after_forward": True, "mixed_precision": None}
+    reshard = own["reshard_after_forward"] if reshard_after_forward is None else reshard_after_forward
+    precision = own["mixed_precision"] if mixed_precision is None else mixed_precision
+    return reshard, None if precision == "none" else precision
+
+
 def unit_bytes(model: nn.Module, blocks: Sequence[str], mixed_precision: str | None = None) -> tuple[list[int], int]:
     """The unsharded parameter bytes of each block (by path in ``model.named_modules()``) and of the rest
     of the model (the root unit), each parameter counted once (tied ones in the first unit that has

@@ -248,3 +248,16 @@ def test_mixed_precision_per_rank_peak_matches_gloo_processes(model):
     _, graph, paths = fsdp_check.fsdp_graph(model, options, 2, "all-but-last", "bf16")
     measured = max(r["peak"] for r in fsdp_check.measure(model, options, 2, paths, None, "all-but-last", "bf16"))
     assert abs(measured / no_remat_peak(graph) - 1) <= 0.01, (measured, no_remat_peak(graph))
+
+
+def test_a_torchtitan_model_is_sharded_as_torchtitan_shards_it_unless_told():
+    """torchtitan's FSDP2 setting (bf16 mixed precision, every block but the last resharded) is the
+    default for torchtitan: models; fully_shard's for the others; --mixed-precision none turns it off."""
+    from bonsai_core.fsdp import fsdp_defaults
+
+    assert fsdp_defaults("torchtitan:llama3:8B", None, None) == ("all-but-last", "bf16")
+    assert fsdp_defaults("torchtitan:llama3:8B", True, "none") == (True, None)
+    assert fsdp_defaults("hf:llama", None, None) == (True, None)
+    assert fsdp_defaults("gpt", False, "bf16") == (False, "bf16")
+    plain = trace_model("gpt", fsdp=2, mixed_precision="none", **GPT).graph
+    assert "param_dtype" not in plain.fsdp and plain.fsdp["reshard_after_forward"] is True
