@@ -150,14 +150,20 @@ def shard_by_blocks(graph: Graph, model: nn.Module, world: int, reshard_after_fo
     stack = block_stack(graph)
     sizes, root = unit_bytes(model, [path for path, _, _ in stack], mixed_precision)
     model_last = max((last for _, _, last in graph.modules), default=graph.n - 1)
-    if reshard_after_forward == ALL_BUT_LAST:
-        reshard: bool | list[bool] = [k < len(stack) - 1 for k in range(len(stack))]
-    elif isinstance(reshard_after_forward, bool):
-        reshard = reshard_after_forward
-    else:
-        raise BonsaiError(f"reshard_after_forward {reshard_after_forward!r}: give true, false or {ALL_BUT_LAST!r}.")
+    reshard = reshard_per_block(reshard_after_forward, len(stack))
     return with_fsdp(graph, world, [(p, first, last, b) for (p, first, last), b in zip(stack, sizes)], root,
-                     reshard, model_last, mixed_precision)
+                     reshard if reshard_after_forward == ALL_BUT_LAST else bool(reshard_after_forward),
+                     model_last, mixed_precision)
+
+
+def reshard_per_block(reshard_after_forward: bool | str, blocks: int) -> list[bool]:
+    """``fully_shard``'s reshard_after_forward for each of ``blocks`` blocks: one flag for all, or
+    ``"all-but-last"`` (torchtitan's)."""
+    if reshard_after_forward == ALL_BUT_LAST:
+        return [k < blocks - 1 for k in range(blocks)]
+    if isinstance(reshard_after_forward, bool):
+        return [reshard_after_forward] * blocks
+    raise BonsaiError(f"reshard_after_forward {reshard_after_forward!r}: give true, false or {ALL_BUT_LAST!r}.")
 
 
 def with_fsdp(graph: Graph, world: int, blocks: Sequence[tuple[str, int, int, int]], root: int,

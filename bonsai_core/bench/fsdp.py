@@ -50,10 +50,6 @@ def fsdp_graph(model: str, options: dict, world: int, reshard: bool | str = True
     return graph, shard_by_blocks(graph, net, world, reshard, mixed_precision), [p for p, _, _ in block_stack(graph)]
 
 
-def reshard_flags(reshard: bool | str, blocks: int) -> list[bool]:
-    """fully_shard's reshard_after_forward for each of ``blocks`` blocks."""
-    return [k < blocks - 1 for k in range(blocks)] if reshard == "all-but-last" else [bool(reshard)] * blocks
-
 
 def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
     """What FSDP2 holds that a live-bytes tracker following new storages does not see: the storages it
@@ -126,7 +122,7 @@ def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], 
 
     import bonsai_core as bonsai
     from bonsai_core import models
-    from bonsai_core.fsdp import MIXED_PRECISION
+    from bonsai_core.fsdp import MIXED_PRECISION, reshard_per_block
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -138,7 +134,7 @@ def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], 
                               mixed_precision=mixed_precision, cache=False)
         policy = MixedPrecisionPolicy(param_dtype=MIXED_PRECISION[mixed_precision], reduce_dtype=torch.float32) \
             if mixed_precision else MixedPrecisionPolicy()
-        for path, flag in zip(paths, reshard_flags(reshard, len(paths))):
+        for path, flag in zip(paths, reshard_per_block(reshard, len(paths))):
             fully_shard(net.get_submodule(path), reshard_after_forward=flag, mp_policy=policy)
         fully_shard(net, mp_policy=policy)
         Path(results, f"rank{rank}.json").write_text(json.dumps(steady_step_peak(net, inputs, loss_fn)))
