@@ -120,6 +120,21 @@ def test_a_plan_is_made_for_a_model_torchtitan_built_on_the_meta_device():
         made.apply(model)
 
 
+@pytest.mark.slow
+def test_the_8b_flavour_at_its_published_size_per_rank():
+    """Llama 3 8B's blocks at batch 2, seq 8192 on one of 8 ranks (2 of its 32 blocks, to stay quick):
+    flash attention keeps no seq x seq tensor, selective saves 5 nodes per block and lies between full
+    and no recomputation, and bonsai at selective's peak recomputes no more than selective."""
+    graph = trace_model("torchtitan:llama3:8B", batch=2, seq=8192, layers=2, fsdp=8).graph
+    assert int(graph.mem.max()) < 2 * 8192 * 128256 * 4 + 1  # the largest tensor: the float32 logits
+    selective = solve(graph, None, "torchtitan-selective")
+    assert selective.stats["saved"] == 2 * 5
+    full = solve(graph, None, "torchtitan-full")
+    assert full.stats["peak"] < selective.stats["peak"] < no_remat_peak(graph)
+    bonsai = solve(graph, selective.stats["peak"], "bonsai", time_limit=60)
+    assert bonsai.stats["overhead"] <= selective.stats["overhead"] + 1e-9
+
+
 # -- a bonsai plan in torchtitan's run, on 2 gloo ranks -------------------------------------------
 
 GLOO = dict(batch=2, seq=128, layers=3)
