@@ -63,13 +63,23 @@ the optimizer state, and ``live`` counts it, so the budget keeps its meaning for
 optimizer state, in order: a new block, then the old one freed), so the pinned tensors the measured
 step works around have moved; ``"inplace"`` (the default) keeps them where they were allocated: Coop's
 *recomputable in-place*, which lets the optimizer update unevictable tensors in place.
-Still not modelled: CUDA streams (blocks are per-stream in PyTorch; one stream here), garbage
-collection thresholds and expandable segments (off by default), and the many small allocations of
-the optimizer step itself (``step`` counters, foreach temporaries).
+**Streams.** PyTorch keeps free blocks per stream (``BlockPool`` ordered by (stream, size); a request
+is served only from its stream's blocks, and with expandable segments each stream grows a segment of
+its own): pools here are a size class on a stream (``"large@reduce_scatter"``). The step's ops run on the
+compute stream; on an FSDP rank FSDP2's buffers are replayed on FSDP2's streams
+(:func:`bonsai_core.fsdp.buffer_events`: all-gather outputs on the copy-in stream, reduce-scatter outputs
+on the reduce-scatter stream, the unsharded parameters and reduce-scatter inputs on the compute stream),
+so what one stream freed is not reused by another. FSDP2 keeps a buffer alive until the consuming
+stream is done with it instead of ``record_stream`` (``all_gather_state``, ``reduce_scatter_states``),
+which the events follow. **The optimizer step's temporaries** (:data:`bonsai_core.optimizer.STEP_TEMPORARIES`:
+AdamW's ``_foreach_sqrt``, one tensor per parameter) are allocated after the last op, then freed.
+Still not modelled: garbage collection thresholds, the optimizer step's small allocations (``step``
+counters, norms), and library workspaces (cuBLAS, the flash kernel's backward accumulators).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal
 
@@ -87,6 +97,8 @@ LARGE_BUFFER = 20 * 2**20  # kLargeBuffer: segment size for large requests below
 MIN_LARGE_ALLOC = 10 * 2**20  # kMinLargeAlloc
 ROUND_LARGE = 2 * 2**20  # kRoundLarge: larger requests reserve their size rounded up to this
 
+DEFAULT_STREAM = "compute"  # the stream the step's ops run on (bonsai_core.fsdp.COMPUTE_STREAM)
+
 Policy = Literal["caching", "arena", "expandable"]
 POLICIES = ("caching", "arena", "expandable")
 # ExpandableSegment's page size per pool (kSmallBuffer, kLargeBuffer), and the virtual size of a pool's
@@ -100,6 +112,11 @@ Optimizer = Literal["adam", "sgd"]
 Updates = Literal["inplace", "copy"]
 OPTIMIZER_STATES = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ()}  # per parameter, allocation order
 Side = Literal["left", "right"]
+
+
+def _size_class(pool: str) -> str:
+    """"small", "large" or "arena": a pool's size class, whatever its stream."""
+    return pool.partition("@")[0]
 
 
 def round_size(nbytes: int) -> int:
@@ -157,14 +174,16 @@ class Allocator:
         self.capacity = capacity
         self.heads: list[Block | None] = []  # first block of each segment (None once released)
         self.pools: list[str] = []  # pool of each segment
-        self.free_blocks: dict[str, set[Block]] = {"small": set(), "large": set(), "arena": set()}
+        # free blocks per pool; a pool is a size class on one stream ("large", "large@reduce_scatter"): the
+        # caching allocator keeps blocks per stream and serves a request only from its stream's blocks
+        self.free_blocks: dict[str, set[Block]] = defaultdict(set)
         self.by_owner: dict[int, Block] = {}
         self.reserved = 0
         self.allocated = 0  # bytes of blocks held by owners (rounded sizes, whole unsplit blocks)
         self.high_water = 0  # highest address end ever held, relative to the first segment
         self.pinned_bytes = 0  # bytes of fixed tensors placed in the pool (the full arena), else 0
         self._next_addr = 0
-        self.expandable: dict[str, int] = {}  # pool -> its one segment (expandable policy)
+        self.expandable: dict[str, int] = {}  # pool -> its one segment (expandable policy: one per stream too)
         if policy == "arena":
             arena = (capacity // MIN_BLOCK) * MIN_BLOCK
             if arena > 0:
@@ -203,22 +222,25 @@ class Allocator:
                 b = b.next
             yield out
 
-    def pool_of(self, size: int) -> str:
+    def pool_of(self, size: int, stream: str = DEFAULT_STREAM) -> str:
+        """The pool a request is served from: its size class, on its stream (``get_pool`` and the
+        ``BlockPool``'s (stream, size) order in ``c10/cuda/CUDACachingAllocator.cpp``)."""
         if self.policy == "arena":
             return "arena"
-        return "small" if size <= SMALL_SIZE else "large"
+        size_class = "small" if size <= SMALL_SIZE else "large"
+        return size_class if stream == DEFAULT_STREAM else f"{size_class}@{stream}"
 
     # -- allocation ----------------------------------------------------------------------------
 
     def _should_split(self, pool: str, remaining: int) -> bool:
-        if pool == "large" and self.policy == "caching":
+        if _size_class(pool) == "large" and self.policy == "caching":
             return remaining > SMALL_SIZE
         return remaining >= MIN_BLOCK
 
-    def find_block(self, size: int, side: Side = "left") -> Block | None:
-        """Best fit among the cached free blocks of the request's pool; on ties, the lowest address
-        (``side="left"``) or the highest (``"right"``)."""
-        pool = self.pool_of(size)
+    def find_block(self, size: int, side: Side = "left", stream: str = DEFAULT_STREAM) -> Block | None:
+        """Best fit among the cached free blocks of the request's pool (on its stream); on ties, the
+        lowest address (``side="left"``) or the highest (``"right"``)."""
+        pool = self.pool_of(size, stream)
         if self.policy == "expandable":
             return self._find_expandable_fit(pool, size)
         best: Block | None = None
@@ -264,7 +286,7 @@ class Allocator:
 
     def _pages_to_map(self, start: Block, size: int) -> int:
         """Bytes of pages that taking ``size`` bytes from ``start`` on must map."""
-        page, need, b, covered = PAGE[self.pools[start.segment]], 0, start, 0
+        page, need, b, covered = PAGE[_size_class(self.pools[start.segment])], 0, start, 0
         while covered < size:
             assert b is not None
             if b.mapped:
@@ -295,7 +317,7 @@ class Allocator:
         start = self._expandable_run(pool, size)
         if self.capacity is not None and self.reserved + self._pages_to_map(start, size) > self.capacity:
             return None
-        page, block = PAGE[pool], start
+        page, block = PAGE[_size_class(pool)], start
         while True:
             if not block.mapped:
                 block = self._map(block, min(block.size, page * -(-size // page)))
@@ -309,7 +331,7 @@ class Allocator:
         """``unmap_block`` on every free mapped block: the pages wholly inside it are unmapped."""
         released = 0
         for pool, segment in self.expandable.items():
-            page, base = PAGE[pool], self.heads[segment].addr
+            page, base = PAGE[_size_class(pool)], self.heads[segment].addr
             for b in [b for b in self.free_blocks[pool]]:
                 lo = base + page * -(-(b.addr - base) // page)
                 hi = base + page * ((b.addr + b.size - base) // page)
@@ -356,15 +378,15 @@ class Allocator:
             return False
         return self.capacity is None or self.reserved + segment_size(size) <= self.capacity
 
-    def malloc(self, owner: int, nbytes: int, side: Side = "left") -> Block | None:
-        """Give ``owner`` a block of ``nbytes`` (rounded); None when nothing fits and no segment can
-        be reserved within the capacity (the caller then evicts, or it is out of memory)."""
+    def malloc(self, owner: int, nbytes: int, side: Side = "left", stream: str = DEFAULT_STREAM) -> Block | None:
+        """Give ``owner`` a block of ``nbytes`` (rounded) from ``stream``'s pools; None when nothing fits
+        and no segment can be reserved within the capacity (the caller then evicts, or it is out of memory)."""
         if owner in self.by_owner:
             raise ValueError(f"node {owner} already holds a block")
         size = round_size(nbytes)
-        block = self.find_block(size, side)
+        block = self.find_block(size, side, stream)
         if block is None and self.policy == "expandable":
-            pool = self.pool_of(size)
+            pool = self.pool_of(size, stream)
             block = self._grow(pool, size)
             if block is None:
                 self.release_cached()
@@ -376,7 +398,7 @@ class Allocator:
                 self.release_cached()  # PyTorch's release-and-retry
                 if not self.can_grow(size):
                     return None
-            block = self._add_segment(segment_size(size), self.pool_of(size))
+            block = self._add_segment(segment_size(size), self.pool_of(size, stream))
         return self._take(block, size, owner, side)
 
     def release_cached(self) -> int:
@@ -637,31 +659,107 @@ def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], capacit
     ``upto`` instead, leaving the pool as it is at that moment. ``side_of(v)``: the end of the
     best-fit block node v's output goes to ("left" for all when None), as an eviction run placed it.
     ``inplace``: an op written in place (simulator rule 8) takes its input's block; False: copy-on-write,
-    a block of its own (a pool run with ``inplace_writes=False``)."""
+    a block of its own (a pool run with ``inplace_writes=False``).
+    On an FSDP rank, FSDP2's own buffers (:func:`bonsai_core.fsdp.buffer_events`) are allocated and freed
+    before each op on their streams, and a gradient FSDP holds keeps its block past the graph's free;
+    with an optimizer, its step's temporaries (:data:`bonsai_core.optimizer.STEP_TEMPORARIES`: AdamW's
+    ``_foreach_sqrt``, one tensor per parameter) are allocated after the last op, then freed."""
     mem = graph.mem.tolist()
     holds = ((graph.mem > 0) & ~graph.is_view).tolist()
     written = inplace_writes(graph, ops) if inplace else {}  # rule 8: the output takes its input's block
     handed_over = set(written.values())
+    fsdp = _FsdpBuffers(alloc, graph, ops, capacity, outside)
+
+    def malloc(owner: int, nbytes: int, what: str, i: int, side: str = "left", stream: str = DEFAULT_STREAM) -> None:
+        if alloc.malloc(owner, nbytes, side, stream) is None and (side == "left" or alloc.malloc(owner, nbytes, stream=stream) is None):
+            raise BudgetError(
+                f"The allocator runs out of its {format_bytes(capacity)} pool at op {i} ({what}, {format_bytes(nbytes)}): "
+                f"{format_bytes(alloc.footprint + outside)} is in use and its largest free block is "
+                f"{format_bytes(alloc.largest_free)}. Replay without a capacity to see the reserved peak this schedule needs.")
+
+    fsdp.malloc = malloc
     for i, (kind, v) in enumerate(ops):
+        fsdp.before(i)
         if i in written:
             alloc.hand_over(int(graph.inplace_of[v]), v)
         elif kind == COMPUTE and holds[v]:
             side = "left" if side_of is None else side_of(v)
-            if alloc.malloc(v, mem[v], side) is None and (side == "left" or alloc.malloc(v, mem[v]) is None):
-                raise BudgetError(
-                    f"The allocator runs out of its {format_bytes(capacity)} pool at op {i} (computing node {v}, "
-                    f"{graph.names[v]!r}, {format_bytes(mem[v])}): {format_bytes(alloc.footprint + outside)} "
-                    f"is in use and its largest free block is {format_bytes(alloc.largest_free)}. Replay "
-                    "without a capacity to see the reserved peak this schedule needs.")
-        elif kind == FREE and holds[v] and i not in handed_over:
+            malloc(v, mem[v], f"computing node {v}, {graph.names[v]!r}", i, side)
+        elif kind == FREE and holds[v] and i not in handed_over and not fsdp.keeps(v):
             alloc.free(v)
         if trace is not None:
             trace[0][i] = alloc.footprint + outside
             trace[1][i] = alloc.largest_free
         if i == upto:
             return
-    for v in [o for o in alloc.by_owner if o < graph.n]:  # the step is over: its tensors go
+    fsdp.before(len(ops))  # the post-backward of the units still holding gradients
+    _optimizer_step(alloc, graph, malloc, len(ops) - 1)
+    if trace is not None and ops:
+        trace[0][-1] = max(trace[0][-1], alloc.footprint + outside)
+    for v in [o for o in alloc.by_owner if o < graph.n or o >= FSDP_OWNERS]:  # the step is over: its tensors go
         alloc.free(v)
+
+
+FSDP_OWNERS = 2**50  # owner ids of FSDP2's buffers in the allocator (nodes are below graph.n, fixed tensors just above)
+
+
+class _FsdpBuffers:
+    """FSDP2's buffers of one replayed step, placed as :func:`bonsai_core.fsdp.buffer_events` says."""
+
+    def __init__(self, alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], capacity: int | None, outside: int) -> None:
+        from bonsai_core.fsdp import buffer_events
+
+        self.alloc, self.graph = alloc, graph
+        self.events = buffer_events(graph, ops) if graph.fsdp is not None else None
+        self.owners: dict[str, int] = {}
+        self.made = 0  # buffers allocated so far: each gets an owner id of its own
+        self.held: set[int] = set()  # gradient nodes FSDP holds
+        self.dropped: set[int] = set()  # held gradients the graph has freed: their block waits for FSDP's free
+        self.malloc: Callable[..., None] | None = None
+
+    def keeps(self, v: int) -> bool:
+        """Whether the graph's free of node ``v`` leaves its block to FSDP (a held gradient)."""
+        if v in self.held:
+            self.dropped.add(v)
+            return True
+        return False
+
+    def before(self, i: int) -> None:
+        if self.events is None or i >= len(self.events):
+            return
+        for b in self.events[i]:
+            if b.key.startswith("grad:"):
+                v = int(b.key[5:])
+                if b.nbytes > 0:
+                    self.held.add(v)
+                else:
+                    self.held.discard(v)
+                    if v in self.dropped:
+                        self.dropped.discard(v)
+                        self.alloc.free(v)
+            elif b.nbytes > 0:
+                owner = self.owners[b.key] = FSDP_OWNERS + self.made
+                self.made += 1
+                self.malloc(owner, b.nbytes, f"FSDP's {b.key.partition(':')[0]}", i, stream=b.stream)
+            else:
+                self.alloc.free(self.owners.pop(b.key))
+
+
+def _optimizer_step(alloc: Allocator, graph: Graph, malloc: Callable[..., None], i: int) -> None:
+    """The optimizer step's temporaries after the last op: per trainable parameter (its gradient
+    buffer's bytes), as many tensors as :data:`bonsai_core.optimizer.STEP_TEMPORARIES` says, allocated
+    together (one foreach kernel), then freed."""
+    from bonsai_core.optimizer import STEP_TEMPORARIES
+
+    if graph.optimizer is None:
+        return
+    per_param = STEP_TEMPORARIES[graph.optimizer["name"]]
+    sizes = [t[1] for t in graph.fixed_tensors if t[2] == "grad" and t[1] > 0] * per_param
+    owners = [FSDP_OWNERS - 1 - k for k in range(len(sizes))]
+    for owner, nbytes in zip(owners, sizes):
+        malloc(owner, nbytes, "the optimizer step's temporaries", i)
+    for owner in owners:
+        alloc.free(owner)
 
 
 @dataclass(frozen=True)
@@ -699,6 +797,8 @@ def layout_at(graph: Graph, schedule: Schedule | list[tuple[str, int]], op: int,
     for b in alloc.blocks():
         if b.owner < 0:
             kind, name = "free", "free"
+        elif b.owner >= FSDP_OWNERS:
+            kind, name = "fsdp", "an FSDP buffer"
         elif b.owner >= graph.n:
             kind, name = held[b.owner].kind, held[b.owner].name
         else:

@@ -52,12 +52,23 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fsdp", type=positive_int, default=1, metavar="N",
                    help="plan one of N ranks of FSDP2 (fully_shard on each block and on the model): sharded parameters, "
                         "gradients and optimizer state, and the unsharded blocks over the step (default 1: no sharding)")
-    p.add_argument("--reshard-after-forward", type=_true_or_false, default=True, metavar="true|false",
-                   help="with --fsdp: fully_shard's reshard_after_forward (default true)")
+    p.add_argument("--reshard-after-forward", type=_reshard_arg, default=None, metavar="true|false|all-but-last",
+                   help="with --fsdp: fully_shard's reshard_after_forward for every block, or all-but-last "
+                        "(torchtitan's: the last block is kept unsharded for its backward); default: true, "
+                        "all-but-last for torchtitan: models")
+    p.add_argument("--mixed-precision", choices=("bf16", "fp16", "none"), default=None,
+                   help="with --fsdp: FSDP2's MixedPrecisionPolicy(param_dtype=this, reduce_dtype=fp32) on the fp32 "
+                        "model: fp32 sharded parameters, gradients and optimizer state, blocks all-gathered and "
+                        "computed in this dtype; default: none, bf16 for torchtitan: models (torchtitan's)")
+
+
+def _reshard_arg(text: str) -> bool | str:
+    return "all-but-last" if text.lower() == "all-but-last" else _true_or_false(text)
 
 
 def fsdp_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"fsdp": args.fsdp, "reshard_after_forward": args.reshard_after_forward}
+    return {"fsdp": args.fsdp, "reshard_after_forward": args.reshard_after_forward,
+            "mixed_precision": args.mixed_precision}
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -68,7 +68,8 @@ class Graph:
             optimizer's state when the graph has an ``optimizer``).
         optimizer: None, or ``{"name", "step_bytes"}``: the optimizer step that follows the backward pass
             and the bytes it allocates above ``fixed_mem`` (``optimizer_peak``).
-        fsdp: None, or ``{"world", "reshard_after_forward", "root_bytes", "units"}``: the step as one FSDP
+        fsdp: None, or ``{"world", "reshard_after_forward", "root_bytes", "units"[, "param_dtype",
+            "reduce_dtype"]}``: the step as one FSDP
             rank holds it (:mod:`bonsai_core.fsdp`); ``units`` are [path, first, last, parameter bytes].
         names, ops, phases, shapes: per-node strings.
         cost: float64[n], seconds to compute each node (0 only for views).
@@ -460,9 +461,23 @@ def _fsdp_field(fsdp: Any, n: int) -> dict[str, Any]:
     model_last = _int_field(fsdp.get("model_last", n - 1), "'fsdp' model_last")
     if not 0 <= model_last < n:
         raise GraphError(f"'fsdp' model_last {model_last} is not a node id: {shape}")
-    return {"world": _int_field(fsdp["world"], "'fsdp' world"), "reshard_after_forward": bool(fsdp["reshard_after_forward"]),
-            "root_bytes": _int_field(fsdp["root_bytes"], "'fsdp' root_bytes"), "model_last": model_last,
-            "units": parsed}
+    reshard = fsdp["reshard_after_forward"]
+    if isinstance(reshard, list):
+        if len(reshard) != len(parsed) or not all(isinstance(f, bool) for f in reshard):
+            raise GraphError(f"'fsdp' reshard_after_forward is a bool or one bool per unit: {shape}")
+        reshard = list(reshard)
+    else:
+        reshard = bool(reshard)
+    out = {"world": _int_field(fsdp["world"], "'fsdp' world"), "reshard_after_forward": reshard,
+           "root_bytes": _int_field(fsdp["root_bytes"], "'fsdp' root_bytes"), "model_last": model_last,
+           "units": parsed}
+    dtypes = ("fp32", "bf16", "fp16")  # bonsai_core.fsdp.DTYPE_BYTES
+    for field in ("param_dtype", "reduce_dtype"):
+        if fsdp.get(field) is not None:
+            if fsdp[field] not in dtypes:
+                raise GraphError(f"'fsdp' {field} is {fsdp[field]!r}; it must be one of {', '.join(dtypes)}.")
+            out[field] = fsdp[field]
+    return out
 
 
 MAX_INT = 2**62  # bytes and ids beyond this are corrupt, not real (and overflow int64)

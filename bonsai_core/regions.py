@@ -15,7 +15,9 @@ recomputed. Its schedule, the one every method of this family returns and the ex
   This is not a ``torch.utils.checkpoint`` region (an op after the region would hold the output for
   its own backward): the ``checkpoint`` export back-end only approximates it, ``replay`` follows it;
 * nodes the plan **saves** (``CheckpointPlan.saved``, selective activation checkpointing's "must
-  save") are kept even inside a recomputed segment, like a boundary; Bonsai saves a segment's
+  save") are kept even inside a recomputed segment, like a boundary, until their last reader
+  (a real SAC run holds them at least until the segment's rebuild: :func:`hold_saved`, not yet what
+  plans are judged by, since bonsai's segment ILP counts them to their last reader); Bonsai saves a segment's
   self-contained nodes this way (an attention mask built inside it), which are cheaper to keep than
   to rebuild;
 * right before the first backward node that reads a dropped node of the segment, the segment is
@@ -35,7 +37,7 @@ import numpy as np
 
 from bonsai_core.errors import ScheduleError
 from bonsai_core.graph import Graph, block_stack
-from bonsai_core.schedule import FREE, Schedule, none_schedule, schedule_ops
+from bonsai_core.schedule import COMPUTE, FREE, Schedule, none_schedule, schedule_ops
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,41 @@ def _rebuild(graph: Graph, members: Sequence[int], dropped: np.ndarray) -> list[
             need.add(v)
             stack.extend(d for d in graph.deps(v).tolist() if dropped[d])
     return sorted(need)
+
+
+def hold_saved(graph: Graph, plan: CheckpointPlan, ops: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """``ops`` with each saved node of a recomputed segment that the forward pass frees held until right
+    before its segment's rebuild: selective checkpointing keeps every MUST_SAVE output in its storage
+    until the recomputation consumes it, read or not (``torch/utils/checkpoint.py``,
+    ``_CachingTorchDispatchMode``, then ``_CachedTorchDispatchMode``), so a saved output only a forward op
+    read (a block's last projection, added to the residual) lives to the block's backward. The nodes
+    it is a view of are held with it (a base outlives its views). O(len(ops)).
+    Not applied by :func:`plan_schedule` yet: bonsai's segment ILP counts a saved node to its last reader
+    (tests/test_bonsai.py holds its model to the simulator); ``scripts/peak_breakdown.py`` shows what it adds."""
+    if not plan.saved:
+        return ops
+    seg = segment_of(graph, plan)
+    first_backward = next((i for i, (k, v) in enumerate(ops) if k == COMPUTE and not graph.is_forward[v]), len(ops))
+    rebuild: dict[int, int] = {}  # segment -> op index of its first recomputed node
+    for i in range(first_backward, len(ops)):
+        kind, v = ops[i]
+        if kind == COMPUTE and graph.is_forward[v] and seg[v] in plan.recomputed:
+            rebuild.setdefault(int(seg[v]), i)
+    hold: dict[int, int] = {}
+    for v in plan.saved:
+        at = rebuild.get(int(seg[v]))
+        while at is not None and v >= 0:
+            hold[v] = max(hold.get(v, -1), at)
+            v = int(graph.alias_of[v])
+    out: list[tuple[str, int]] = []
+    later: dict[int, list[int]] = {}
+    for i, (kind, v) in enumerate(ops):
+        out.extend((FREE, w) for w in later.pop(i, ()))
+        if kind == FREE and i < hold.get(v, -1):
+            later.setdefault(hold[v], []).append(v)
+        else:
+            out.append((kind, v))
+    return out
 
 
 def plan_schedule(graph: Graph, plan: CheckpointPlan, method: str) -> Schedule:

@@ -150,7 +150,7 @@ def checkpoint(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], t
 
 def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor], budget: str | int = "auto",
          method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none", fsdp: int = 1,
-         reshard_after_forward: bool = True, cache: bool = True, cache_dir: str | os.PathLike | None = None, **options: Any) -> Plan:
+         reshard_after_forward: bool | str = True, mixed_precision: str | None = None, cache: bool = True, cache_dir: str | os.PathLike | None = None, **options: Any) -> Plan:
     """A checkpoint-region plan for one training step of ``model`` within ``budget``; nothing applied.
 
     Args:
@@ -169,7 +169,9 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
         fsdp: the number of ranks when ``fully_shard`` (FSDP2) will shard each block of the model and the
             model itself (after this call): the budget is then one rank's, with its share of parameters,
             gradients and optimizer state and the unsharded blocks over the step (:mod:`bonsai_core.fsdp`);
-            ``reshard_after_forward`` as given to ``fully_shard``.
+            ``reshard_after_forward`` as given to ``fully_shard`` (or ``"all-but-last"``, torchtitan's);
+            ``mixed_precision="bf16"``: ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32))`` on an fp32 model.
         cache: read and write the plan cache (see the module doc); ``cache_dir`` overrides its folder.
         options: the method's options (as ``bonsai solve --option``), e.g. ``time_limit=30``.
     """
@@ -188,7 +190,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     autocast = autocast if autocast is not None else _ambient_autocast(device)
     wanted, budget_source = _budget(budget, device)
     settings = {"method": method, "budget": str(budget), "budget_bytes": wanted.bytes, "autocast": autocast,
-                "optimizer": optimizer, "fsdp": [fsdp, reshard_after_forward], "options": {k: repr(v) for k, v in sorted(options.items())},
+                "optimizer": optimizer, "fsdp": [fsdp, reshard_after_forward, mixed_precision], "options": {k: repr(v) for k, v in sorted(options.items())},
                 "device": device.type, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None}
     folder = _cache_folder(cache_dir) if cache else None
     key = _fingerprint(model, inputs, loss_fn, settings)
@@ -199,7 +201,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     step = _FakeStep.of(root, inputs, loss_fn, type(model).__name__)
-    graph = step.graph(autocast, optimizer, fsdp, reshard_after_forward)
+    graph = step.graph(autocast, optimizer, fsdp, reshard_after_forward, mixed_precision)
     seconds["trace"] = time.perf_counter() - start
     reference = no_remat_peak(graph)
     limit = wanted.resolve(reference)
@@ -338,6 +340,7 @@ class _FakeStep:
     loss_fn: Any
     name: str
     autocast: str | None = None  # as traced (graph), for the layout's runs of the step
+    mixed_precision: str | None = None  # FSDP2's param_dtype, as traced (graph): every run computes in it
 
     @classmethod
     def of(cls, model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, name: str) -> "_FakeStep":
@@ -351,22 +354,28 @@ class _FakeStep:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
+        from bonsai_core.fsdp import computing_in
         from bonsai_core.trace.patches import skip_tensor_asserts
 
-        with self.mode, skip_tensor_asserts():
+        with self.mode, skip_tensor_asserts(), computing_in(self.model, self.mixed_precision):
             yield
 
-    def graph(self, autocast: str | None, optimizer: str, fsdp: int = 1, reshard_after_forward: bool = True) -> Graph:
-        """The traced step (as one of ``fsdp`` ranks holds it), with the optimizer's state and step."""
-        from bonsai_core.fsdp import shard_by_blocks
+    def graph(self, autocast: str | None, optimizer: str, fsdp: int = 1, reshard_after_forward: bool | str = True,
+              mixed_precision: str | None = None) -> Graph:
+        """The traced step (as one of ``fsdp`` ranks holds it, under FSDP2's ``mixed_precision`` policy),
+        with the optimizer's state and step."""
+        from bonsai_core.fsdp import check_mixed_precision, shard_by_blocks
         from bonsai_core.optimizer import check_name, with_optimizer
         from bonsai_core.trace import trace_step
 
         check_name(optimizer)
-        self.autocast = autocast
+        if check_mixed_precision(mixed_precision) and fsdp < 2:
+            raise ModelError("mixed_precision is FSDP2's policy: give fsdp=N (N >= 2) with it.")
+        self.autocast, self.mixed_precision = autocast, mixed_precision
         with self.running():
             traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast)
-        graph = shard_by_blocks(traced.graph, self.model, fsdp, reshard_after_forward) if fsdp > 1 else traced.graph
+        graph = (shard_by_blocks(traced.graph, self.model, fsdp, reshard_after_forward, mixed_precision)
+                 if fsdp > 1 else traced.graph)
         return with_optimizer(graph, optimizer)
 
     def layout(self, graph: Graph, schedule: Schedule) -> tuple[Save, _Layout]:

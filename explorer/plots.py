@@ -532,10 +532,12 @@ def granularity_figure(rows: Sequence[dict], height: int = 380) -> go.Figure:
 # -- the address space at one moment -----------------------------------------------------------------
 
 ADDRESS_COLOURS = {"param": "#4C78A8", "buffer": "#72B7B2", "constant": "#72B7B2", "grad": "#B279A2",
-                   "optimizer": "#9D755D", "batch": "#EECA3B", "activation": "#F58518", "free": "#E8E8E8"}
+                   "optimizer": "#9D755D", "batch": "#EECA3B", "fsdp": "#54A24B", "activation": "#F58518",
+                   "free": "#E8E8E8"}
 ADDRESS_LABELS = {"param": "parameters (pinned)", "buffer": "buffers (pinned)", "constant": "constants (pinned)",
                   "grad": "gradients (pinned)", "optimizer": "optimizer state (pinned)", "batch": "batch (pinned)",
-                  "activation": "activations (evictable)", "free": "free"}
+                  "fsdp": "FSDP2's unsharded parameters and collective buffers", "activation": "activations (evictable)",
+                  "free": "free"}
 
 
 def address_figure(blocks: Sequence, title: str = "", height: int = 260) -> go.Figure:

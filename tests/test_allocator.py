@@ -424,3 +424,42 @@ def test_cli_expandable_segments_needs_the_allocator_it_models(tmp_path, capsys)
     assert stats["allocator"] == "expandable" and stats["reserved_peak"] <= stats["budget"]
     assert main(["simulate", g, str(tmp_path / "s.json"), "--allocator", "--expandable-segments"]) == 0
     assert "expandable allocator: reserved peak" in capsys.readouterr().out
+
+
+# -- streams, FSDP2's buffers and the optimizer step's temporaries
+
+def test_a_block_freed_on_one_stream_is_not_reused_by_another_stream():
+    """The caching allocator keeps free blocks per stream: a request on the reduce-scatter stream does not
+    take the compute stream's cached block (it reserves a segment of its own), one on the compute stream
+    does. With expandable segments each stream grows a segment of its own."""
+    for policy in ("caching", "expandable"):
+        a = Allocator(policy=policy)
+        a.malloc(0, 30 * MiB)
+        a.free(0)
+        reserved = a.reserved
+        a.malloc(1, 30 * MiB, stream="reduce_scatter")
+        assert a.reserved >= reserved + 30 * MiB, policy
+        again = a.reserved
+        a.malloc(2, 30 * MiB)
+        assert a.reserved == again, policy
+        assert {a.pools[b.segment] for b in (a.by_owner[1], a.by_owner[2])} == {"large@reduce_scatter", "large"}
+
+
+def test_replay_places_fsdp_buffers_on_their_streams_and_the_optimizer_step():
+    """An FSDP rank's replay allocates the all-gather outputs on the copy-in stream and the reduce-scatter
+    outputs on the reduce-scatter stream, holds the gradients FSDP holds, frees everything by the end, and
+    reserves at least the optimizer step's bytes (AdamW's foreach temporaries after the last op)."""
+    from bonsai_core.allocator import run_step
+    from bonsai_core.optimizer import with_optimizer
+    from bonsai_core.trace import trace_model
+
+    graph = with_optimizer(trace_model("gpt", batch=1, seq=16, width=64, layers=2, heads=2, vocab=64, fsdp=2,
+                                       mixed_precision="bf16").graph, "adamw")
+    ops = none_schedule(graph).ops
+    alloc = Allocator()
+    run_step(alloc, graph, ops, None)
+    assert {"small@all_gather_copy_in", "small@reduce_scatter"} <= set(alloc.pools)
+    assert alloc.allocated == 0 and not alloc.by_owner
+    for policy in ("caching", "expandable"):
+        result = replay(graph, none_schedule(graph), policy=policy, full=False)
+        assert result.reserved_peak >= max(simulate(graph, none_schedule(graph)).peak, graph.optimizer_peak)

@@ -136,3 +136,128 @@ def test_per_rank_peak_matches_gloo_processes(model):
     predicted = no_remat_peak(graph)
     assert abs(measured / predicted - 1) <= 0.05, (measured, predicted)
     assert np.isfinite(predicted)
+
+
+# -- FSDP2's mixed precision (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)) and per-block resharding
+
+@pytest.fixture(scope="module")
+def mixed():
+    return trace_model("gpt", fsdp=2, mixed_precision="bf16", **GPT).graph
+
+
+def test_mixed_precision_keeps_fp32_shards_and_gathers_bf16(mixed):
+    """fp32 sharded parameters and gradients (twice the bf16 bytes the trace computed with, halved over 2
+    ranks), bf16 unsharded units (half the fp32 ones), bf16 gradients and activations in the graph."""
+    full = trace_model("gpt", fsdp=2, **GPT).graph
+    assert mixed.fsdp["param_dtype"] == "bf16" and mixed.fsdp["reduce_dtype"] == "fp32"
+    assert [u[3] * 2 for u in mixed.fsdp["units"]] == [u[3] for u in full.fsdp["units"]]
+    assert mixed.fsdp["root_bytes"] * 2 == full.fsdp["root_bytes"]
+
+    def kind_bytes(graph, kind):
+        return sum(b for _, b, k in graph.fixed_tensors if k == kind)
+    for kind in ("param", "grad"):
+        assert kind_bytes(mixed, kind) == kind_bytes(full, kind)  # fp32 shards either way
+    bf16 = [s for s in mixed.shapes if s.startswith("bfloat16")]
+    assert bf16 and not any(s.startswith("float32[2, 16, 32]") for s in mixed.shapes)  # activations bf16
+    adam = with_optimizer(mixed, "adamw")  # fp32 AdamW state, 2x the fp32 gradient shards
+    assert adam.fixed_mem - mixed.fixed_mem == 2 * kind_bytes(mixed, "grad")
+
+
+def test_mixed_precision_reduce_scatters_fp32_and_casts_all_gather_inputs(mixed):
+    """foreach_reduce's input is the bf16 gradients copied into fp32 (twice their bytes), on the compute
+    stream; the sharded output is on the reduce-scatter stream; each all-gather first makes a bf16 copy of
+    the rank's shard on the copy-in stream."""
+    from bonsai_core.fsdp import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, buffer_events
+
+    ops = none_schedule(mixed).ops
+    events = [b for step in buffer_events(mixed, ops) for b in step]
+    scatters = 0
+    for k, b in enumerate(events):
+        if b.key.startswith("reduce_scatter_input:") and b.nbytes > 0:
+            copied = 0  # the gradients copied in, then freed
+            for e in events[k + 1:]:
+                if not e.key.startswith("grad:"):
+                    break
+                copied -= e.nbytes
+            assert b.nbytes == 2 * copied > 0 and b.stream == "compute"
+            scatters += 1
+    assert scatters == len(mixed.fsdp["units"]) + 1  # each block and the root
+    sizes = {int(u): s for u, s in enumerate(u[3] for u in mixed.fsdp["units"])}
+    inputs = [b for b in events if b.key.startswith("all_gather_input:") and b.nbytes > 0]
+    assert inputs and all(b.stream == ALL_GATHER_STREAM for b in inputs)
+    assert {b.nbytes for b in inputs if b.key != "all_gather_input:-1"} == {math.ceil(s / 2) for s in sizes.values()}
+    outputs = [b for b in events if b.key.startswith("reduce_scatter_output:") and b.nbytes > 0]
+    assert outputs and all(b.stream == REDUCE_SCATTER_STREAM for b in outputs)
+    # every buffer allocated is freed by the end of the step, every held gradient released
+    balance: dict[str, int] = {}
+    for b in events:
+        balance[b.key] = balance.get(b.key, 0) + b.nbytes
+    assert not any(balance.values())
+
+
+def test_reshard_all_but_last_keeps_the_last_block_to_its_backward():
+    """torchtitan's apply_fsdp: every block reshards after forward but the last, which stays unsharded
+    into the backward pass and is not all-gathered again."""
+    from bonsai_core.fsdp import buffer_events
+
+    graph = trace_model("gpt", fsdp=2, reshard_after_forward="all-but-last", **GPT).graph
+    assert graph.fsdp["reshard_after_forward"] == [True, True, False]
+    ops = none_schedule(graph).ops
+    gathers = [b.key for step in buffer_events(graph, ops) for b in step
+               if b.key.startswith("all_gather_output:") and b.nbytes > 0]
+    assert gathers.count("all_gather_output:2") == 1 and gathers.count("all_gather_output:0") == 2
+    first_backward = next(i for i, (k, v) in enumerate(ops) if k == "compute" and not graph.is_forward[v])
+    last = graph.fsdp["units"][2][3]
+    every = trace_model("gpt", fsdp=2, **GPT).graph
+    kept, resharded = working_profile(graph, ops), working_profile(every, ops)
+    assert kept[first_backward - 1] - resharded[first_backward - 1] == last
+    again = Graph.from_dict(json.loads(json.dumps(graph.to_dict())))
+    assert again.fsdp == graph.fsdp
+
+
+def test_mixed_precision_needs_fsdp_and_fp32_parameters(tmp_path):
+    import torch
+
+    from bonsai_core.fsdp import computing_in
+
+    with pytest.raises(BonsaiError, match="--fsdp"):
+        trace_model("gpt", mixed_precision="bf16", **GPT)
+    with pytest.raises(BonsaiError, match="fp32"):
+        trace_model("gpt", fsdp=2, mixed_precision="bf16", dtype="bf16", **GPT)
+    model = torch.nn.Linear(4, 4)
+    with computing_in(model, "bf16"):
+        assert model.weight.dtype == torch.bfloat16
+        assert model(torch.ones(2, 4)).dtype == torch.bfloat16  # float inputs cast, as FSDP's root does
+    assert model.weight.dtype == torch.float32 and model(torch.ones(2, 4)).dtype == torch.float32
+    out = tmp_path / "g.json"
+    bad = subprocess.run([sys.executable, "-m", "bonsai_core.cli", "trace", "gpt", "--layers", "2", "--width", "32",
+                          "--mixed-precision", "bf16", "-o", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 1 and "--fsdp" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt", "hf:llama"])
+def test_mixed_precision_per_rank_peak_matches_gloo_processes(model):
+    """fully_shard(..., mp_policy=MixedPrecisionPolicy(bf16, fp32)), the last block kept after forward, on 2
+    gloo processes: the largest rank's measured peak within 1% of the prediction."""
+    if model.startswith("hf:"):
+        pytest.importorskip("transformers")
+    from bonsai_core.bench import fsdp as fsdp_check
+
+    options = fsdp_check.SIZES[model]
+    _, graph, paths = fsdp_check.fsdp_graph(model, options, 2, "all-but-last", "bf16")
+    measured = max(r["peak"] for r in fsdp_check.measure(model, options, 2, paths, None, "all-but-last", "bf16"))
+    assert abs(measured / no_remat_peak(graph) - 1) <= 0.01, (measured, no_remat_peak(graph))
+
+
+def test_a_torchtitan_model_is_sharded_as_torchtitan_shards_it_unless_told():
+    """torchtitan's FSDP2 setting (bf16 mixed precision, every block but the last resharded) is the
+    default for torchtitan: models; fully_shard's for the others; --mixed-precision none turns it off."""
+    from bonsai_core.fsdp import fsdp_defaults
+
+    assert fsdp_defaults("torchtitan:llama3:8B", None, None) == ("all-but-last", "bf16")
+    assert fsdp_defaults("torchtitan:llama3:8B", True, "none") == (True, None)
+    assert fsdp_defaults("hf:llama", None, None) == (True, None)
+    assert fsdp_defaults("gpt", False, "bf16") == (False, "bf16")
+    plain = trace_model("gpt", fsdp=2, mixed_precision="none", **GPT).graph
+    assert "param_dtype" not in plain.fsdp and plain.fsdp["reshard_after_forward"] is True

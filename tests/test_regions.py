@@ -3,7 +3,7 @@ import pytest
 
 from bonsai_core.errors import ScheduleError
 from bonsai_core.regions import CheckpointPlan, checkpoint_sequence, dropped_nodes, plan_schedule
-from bonsai_core.schedule import no_remat_peak, simulate
+from bonsai_core.schedule import Schedule, no_remat_peak, simulate
 from tests.graphs import chain
 
 
@@ -45,3 +45,25 @@ def test_every_random_plan_on_a_traced_gpt_is_a_valid_schedule(traced_zoo):
         sim = simulate(g, plan_schedule(g, plan, "random"))  # raises if any rule is broken
         assert sim.recomputes > 0 or not recomputed
         assert CheckpointPlan.from_extra(plan.to_extra()) == plan
+
+
+def test_hold_saved_keeps_saved_outputs_until_their_segment_s_rebuild():
+    """SAC's storage holds every MUST_SAVE output until the recomputation: with torchtitan's selective
+    plan on a Llama, a saved output only the forward read (the block's last projection, down_proj) is freed
+    right before its block's rebuild; the schedule stays valid and its peak can only rise."""
+    pytest.importorskip("transformers")
+    from bonsai_core.regions import hold_saved
+    from bonsai_core.solvers.torchtitan import selective_plan
+    from bonsai_core.trace import trace_model
+
+    graph = trace_model("hf:llama", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64).graph
+    plan = selective_plan(graph)
+    planned = plan_schedule(graph, plan, "torchtitan-selective")
+    held = hold_saved(graph, plan, list(planned.ops))
+    assert sorted(held) == sorted(planned.ops) and held != planned.ops
+    schedule = Schedule(graph=planned.graph, method=planned.method, ops=held, graph_hash=planned.graph_hash)
+    assert simulate(graph, schedule).peak >= simulate(graph, planned).peak
+    first_backward = next(i for i, (k, v) in enumerate(held) if k == "compute" and not graph.is_forward[v])
+    freed = {v: i for i, (k, v) in enumerate(held) if k == "free"}
+    later = [v for v in plan.saved if freed.get(v, len(held)) > first_backward]
+    assert len(later) == len(plan.saved)  # none of them freed in the forward pass any more

@@ -5,7 +5,12 @@ gradients are allocated as in steady state) against the simulator's peak of the 
 ``bonsai_core.checkpoint`` before sharding.
 
     bonsai bench fsdp --model gpt --world 2 4 [--budget 70%] [--out docs/bench/fsdp.md]
-    bonsai bench fsdp --model hf:llama --world 2 4
+    bonsai bench fsdp --model hf:llama --world 2 4 [--mixed-precision bf16] [--reshard-after-forward all-but-last]
+
+``--mixed-precision bf16`` shards with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32)`` (torchtitan's); ``--reshard-after-forward all-but-last`` keeps the last block
+unsharded after its forward (torchtitan's ``apply_fsdp``). gloo runs both on CPU: bf16 all-gathers and
+fp32 reduce-scatters.
 """
 
 from __future__ import annotations
@@ -30,16 +35,20 @@ SIZES = {"gpt": dict(batch=8, seq=128, width=256, layers=4, heads=4, vocab=2048)
          "hf:llama-wide": dict(batch=1, seq=32, width=512, layers=4, heads=4, vocab=256)}
 
 
-def fsdp_graph(model: str, options: dict, world: int, reshard: bool = True):
-    """The traced graph as one of ``world`` ranks holds it, and the block paths FSDP shards."""
+def fsdp_graph(model: str, options: dict, world: int, reshard: bool | str = True, mixed_precision: str | None = None):
+    """The traced graph (computing as FSDP makes it), that graph as one of ``world`` ranks holds it, and
+    the block paths FSDP shards."""
     from bonsai_core import models
-    from bonsai_core.fsdp import shard_by_blocks
+    from bonsai_core.fsdp import computing_in, shard_by_blocks
     from bonsai_core.regions import block_stack
-    from bonsai_core.trace import trace_model
+    from bonsai_core.trace import built_for_tracing, trace_step
 
-    graph = trace_model(model, **options).graph
+    with built_for_tracing(model, 0, **options) as (net, inputs, loss_fn):
+        with computing_in(net, mixed_precision):
+            graph = trace_step(net, inputs, loss_fn, name=model).graph
     net = models.build(model, seed=0, **options)[0]
-    return graph, shard_by_blocks(graph, net, world, reshard), [p for p, _, _ in block_stack(graph)]
+    return graph, shard_by_blocks(graph, net, world, reshard, mixed_precision), [p for p, _, _ in block_stack(graph)]
+
 
 
 def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
@@ -106,13 +115,14 @@ def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn) -> dict:
 
 
 def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], budget: str | None,
-            store: str, results: str) -> None:
+            store: str, results: str, reshard: bool | str = True, mixed_precision: str | None = None) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import bonsai_core as bonsai
     from bonsai_core import models
+    from bonsai_core.fsdp import MIXED_PRECISION, reshard_per_block
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -120,28 +130,34 @@ def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], 
     try:
         net, inputs, loss_fn = models.build(model, seed=0, **options)
         if budget:
-            bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=world, cache=False)
-        for path in paths:
-            fully_shard(net.get_submodule(path))
-        fully_shard(net)
+            bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=world, reshard_after_forward=reshard,
+                              mixed_precision=mixed_precision, cache=False)
+        policy = MixedPrecisionPolicy(param_dtype=MIXED_PRECISION[mixed_precision], reduce_dtype=torch.float32) \
+            if mixed_precision else MixedPrecisionPolicy()
+        for path, flag in zip(paths, reshard_per_block(reshard, len(paths))):
+            fully_shard(net.get_submodule(path), reshard_after_forward=flag, mp_policy=policy)
+        fully_shard(net, mp_policy=policy)
         Path(results, f"rank{rank}.json").write_text(json.dumps(steady_step_peak(net, inputs, loss_fn)))
     finally:
         dist.destroy_process_group()
 
 
-def measure(model: str, options: dict, world: int, paths: list[str], budget: str | None) -> list[dict]:
+def measure(model: str, options: dict, world: int, paths: list[str], budget: str | None, reshard: bool | str = True,
+            mixed_precision: str | None = None) -> list[dict]:
     """Each rank's fixed bytes and peak over one steady-state step, from ``world`` spawned processes."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(world, model, options, paths, budget, f"{tmp}/store", tmp),
+        ctx = mp.start_processes(_worker, args=(world, model, options, paths, budget, f"{tmp}/store", tmp, reshard,
+                                                mixed_precision),
                                  nprocs=world, join=False, start_method="spawn")
         while not ctx.join(timeout=5):
             pass
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def predicted(graph, model: str, options: dict, budget: str | None) -> int:
+def predicted(graph, model: str, options: dict, budget: str | None, reshard: bool | str = True,
+              mixed_precision: str | None = None) -> int:
     """The simulator's peak of ``graph`` (one rank): no recomputation, or what ``bonsai.checkpoint(...,
     fsdp=N)`` predicts for its plan at ``budget`` (a share of the rank's no-remat peak)."""
     from bonsai_core.schedule import no_remat_peak
@@ -152,7 +168,8 @@ def predicted(graph, model: str, options: dict, budget: str | None) -> int:
     from bonsai_core import models
 
     net, inputs, loss_fn = models.build(model, seed=0, **options)
-    return bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=graph.fsdp["world"], cache=False).predicted_peak
+    return bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=graph.fsdp["world"], reshard_after_forward=reshard,
+                             mixed_precision=mixed_precision, cache=False).predicted_peak
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,6 +178,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--budget", default=None, help="also measure with bonsai's plan at this budget (e.g. 70%%)")
     parser.add_argument("--out", type=Path, default=None, help="append the table to this Markdown file")
+    parser.add_argument("--mixed-precision", choices=("bf16",), default=None,
+                        help="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's")
+    parser.add_argument("--reshard-after-forward", choices=("true", "false", "all-but-last"), default="true",
+                        help="fully_shard's reshard_after_forward per block (all-but-last: torchtitan's)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -172,12 +193,16 @@ def main(args: argparse.Namespace) -> int:
     options = SIZES[args.model]
     label, args.model = args.model, args.model.removesuffix("-wide")
     rows = []
+    reshard = {"true": True, "false": False}.get(args.reshard_after_forward, args.reshard_after_forward)
+    mp = args.mixed_precision
+    setting = ", ".join(x for x in (f"mp {mp}" if mp else "", "" if reshard is True else f"reshard {reshard}") if x)
+    label += f" ({setting})" if setting else ""
     for world in args.world:
         start = time.perf_counter()
-        _, graph, paths = fsdp_graph(args.model, options, world)
+        _, graph, paths = fsdp_graph(args.model, options, world, reshard, mp)
         for budget in (None, args.budget) if args.budget else (None,):
-            expected = predicted(graph, args.model, options, budget)
-            ranks = measure(args.model, options, world, paths, budget)
+            expected = predicted(graph, args.model, options, budget, reshard, mp)
+            ranks = measure(args.model, options, world, paths, budget, reshard, mp)
             peak = max(r["peak"] for r in ranks)
             rows.append(f"| {label} | {world} | {budget or 'none'} | {format_bytes(graph.fixed_mem)} "
                         f"| {format_bytes(expected)} | {format_bytes(peak)} | {peak / expected - 1:+.2%} "

@@ -93,18 +93,31 @@ class _Step(nn.Module):
 
 
 def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autocast: str | None = None,
-                fsdp: int = 1, reshard_after_forward: bool = True, **options: Any) -> Traced:
+                fsdp: int = 1, reshard_after_forward: bool | str | None = None, mixed_precision: str | None = None,
+                **options: Any) -> Traced:
     """Build a model spec (:func:`bonsai_core.models.build`: a zoo name, ``hf:...`` or
     ``package.module:factory``) under FakeTensorMode and trace its step;
-    with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`)."""
+    with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`), with
+    ``mixed_precision`` ("bf16") under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
+    either left None: the model's own setting (:func:`bonsai_core.fsdp.fsdp_defaults`: torchtitan's for a
+    ``torchtitan:`` model)."""
+    from bonsai_core.fsdp import check_mixed_precision, computing_in, fsdp_defaults, shard_by_blocks
+
+    if mixed_precision not in (None, "none") and fsdp < 2:
+        raise ModelError("--mixed-precision is FSDP2's policy: give --fsdp N (N >= 2) with it.")
+    if fsdp > 1:
+        reshard_after_forward, mixed_precision = fsdp_defaults(name, reshard_after_forward, mixed_precision)
+    else:
+        mixed_precision = None
+    check_mixed_precision(mixed_precision)
     label = name if not options else name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
     label += f" autocast {autocast}" if autocast else ""
+    label += f" fsdp mixed precision {mixed_precision}" if mixed_precision else ""
     with built_for_tracing(name, seed, **options) as (model, inputs, loss_fn):
-        traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast)
+        with computing_in(model, mixed_precision):
+            traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast)
         if fsdp > 1:
-            from bonsai_core.fsdp import shard_by_blocks
-
-            traced.graph = shard_by_blocks(traced.graph, model, fsdp, reshard_after_forward)
+            traced.graph = shard_by_blocks(traced.graph, model, fsdp, reshard_after_forward, mixed_precision)
     return traced
 
 

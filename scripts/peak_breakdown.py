@@ -1,0 +1,76 @@
+"""Where a schedule's reserved peak on an FSDP rank comes from, and what holding selective checkpointing's
+saved outputs to their block's recompute would add.
+
+    python scripts/peak_breakdown.py GRAPH.json SCHEDULE.json [--policy expandable|caching]
+
+At the op of the live peak: the fixed bytes (by kind of fixed tensor), the forward tensors resident (the
+saved activations, and the loss's forward outputs), the backward tensors resident (the transients), FSDP2's
+buffers (rule 7: unsharded blocks, all-gather outputs, held gradients, reduce-scatter input), then the
+allocator model's reserved peak and its extra over the live peak. For a schedule whose plan saves nodes
+(``extra["saved"]``, SAC's MUST_SAVE), the same numbers with every saved node held until its block's rebuild
+in the backward pass, as ``torch.utils.checkpoint``'s ``_CachingTorchDispatchMode`` holds every MUST_SAVE
+output in its storage until the recompute consumes it (the regions' schedules free it after its last
+reader; :func:`bonsai_core.regions.hold_saved`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from bonsai_core.allocator import replay
+from bonsai_core.fsdp import working_profile
+from bonsai_core.graph import Graph, load_graph
+from bonsai_core.regions import CheckpointPlan, hold_saved
+from bonsai_core.schedule import COMPUTE, Schedule, load_schedule, simulate
+
+GiB = 2**30
+
+
+def breakdown(graph: Graph, schedule: Schedule, policy: str) -> dict[str, float]:
+    """GiB of each part at the live peak, the reserved peak and the allocator's extra."""
+    sim = simulate(graph, schedule)
+    at = int(np.argmax(sim.timeline))
+    resident: set[int] = set()
+    for kind, v in schedule.ops[: at + 1]:
+        (resident.add if kind == COMPUTE else resident.discard)(v)
+    parts = {f"fixed: {k}": 0.0 for _, _, k in graph.fixed_tensors}
+    for _, nbytes, kind in graph.fixed_tensors:
+        parts[f"fixed: {kind}"] += nbytes / GiB
+    parts["saved forward tensors"] = sum(int(graph.mem[v]) for v in resident if graph.is_forward[v]) / GiB
+    parts["backward tensors (transients)"] = sum(int(graph.mem[v]) for v in resident if not graph.is_forward[v]) / GiB
+    parts["FSDP buffers"] = int(working_profile(graph, schedule.ops)[at]) / GiB
+    parts["live peak"] = sim.peak / GiB
+    reserved = replay(graph, schedule, policy=policy, full=False).reserved_peak
+    parts[f"reserved peak ({policy})"] = reserved / GiB
+    parts["allocator's extra"] = (reserved - sim.peak) / GiB
+    parts["peak op"] = f"{at}: {graph.names[schedule.ops[at][1]]}"
+    return parts
+
+
+def saved_held_to_rebuild(graph: Graph, schedule: Schedule) -> Schedule:
+    """``schedule`` with each saved node held until its segment's rebuild (:func:`bonsai_core.regions.hold_saved`)."""
+    ops = hold_saved(graph, CheckpointPlan.from_extra(schedule.extra), list(schedule.ops))
+    return Schedule(graph=schedule.graph, method=schedule.method, ops=ops, graph_hash=schedule.graph_hash,
+                    extra=schedule.extra)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("graph")
+    parser.add_argument("schedule")
+    parser.add_argument("--policy", choices=("expandable", "caching"), default="expandable")
+    args = parser.parse_args()
+    graph, schedule = load_graph(args.graph), load_schedule(args.schedule)
+    rows = [("as planned", breakdown(graph, schedule, args.policy))]
+    if (schedule.extra or {}).get("saved"):
+        rows.append(("saved outputs held to the rebuild", breakdown(graph, saved_held_to_rebuild(graph, schedule), args.policy)))
+    for title, parts in rows:
+        print(f"{schedule.method} on {graph.name}, {title}:")
+        for name, value in parts.items():
+            print(f"  {name}: {value:.2f} GiB" if isinstance(value, float) else f"  {name}: {value}")
+
+
+if __name__ == "__main__":
+    main()
