@@ -1,0 +1,108 @@
+"""Rule 9, offload to host: the simulator by hand, the allocator and the methods that follow it, and the
+export's saved copies on CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from bonsai_core.costmodel import PROFILES
+from bonsai_core.errors import ScheduleError
+from bonsai_core.schedule import Schedule, copy_timing, simulate
+from tests.graphs import chain
+
+LINK = PROFILES["cpu"].host_link_bytes_per_s
+M = int(LINK * 1.5)  # a tensor whose copy takes 1.5 s; every op of the chain takes 1 s
+
+
+def cpu(ops: list[tuple[str, int]], host_budget: int | None = None) -> Schedule:
+    g = chain(3, mem=M)
+    return Schedule(graph=g.name, method="hand", ops=ops, graph_hash=g.hash, device="cpu", host_budget=host_budget)
+
+
+# chain(3): f0 f1 f2 (ids 0-2), b2 (3, reads f2), b1 (4, reads f1 b2), b0 (5, reads f0 b1)
+FORWARD = [("compute", 0), ("offload", 0), ("compute", 1), ("free", 0), ("compute", 2)]
+BACKWARD_TO_B1 = [("compute", 3), ("free", 2), ("compute", 4), ("free", 1), ("free", 3)]
+LAST = [("compute", 5), ("free", 0), ("free", 4), ("free", 5)]
+
+
+def test_offloaded_bytes_leave_the_device_when_the_copy_ends_and_a_late_reload_stalls():
+    sim = simulate(chain(3, mem=M), cpu([*FORWARD, *BACKWARD_TO_B1, ("reload", 0), *LAST]))
+    # f0's copy runs from 1 s to 2.5 s: freed at 2 s, its bytes stay for f2 (2 s) and go before b2 (3 s)
+    assert sim.timeline[:6].tolist() == [M, M, 2 * M, 2 * M, 3 * M, 2 * M + M]
+    assert sim.timeline[4] == 3 * M and sim.timeline[5] == 3 * M  # f2 counted f0 still; b2 did not
+    # the reload is issued at 5 s and takes 1.5 s, so b0 waits for it: priced as compute time
+    assert sim.stall == pytest.approx(1.5)
+    assert sim.compute_cost == pytest.approx(7.5) and sim.overhead == pytest.approx(0.25)
+    assert sim.offloaded_bytes == M and sim.host_peak == M
+    reload = len(FORWARD) + len(BACKWARD_TO_B1)
+    assert sim.timeline[reload] == sim.timeline[reload - 1] + M  # the bytes come back when the reload starts
+
+
+def test_a_prefetched_reload_is_hidden_by_compute():
+    ops = [*FORWARD, ("reload", 0), *BACKWARD_TO_B1, *LAST]  # issued at 3 s, done at 4.5 s, read at 5 s
+    sim = simulate(chain(3, mem=M), cpu(ops))
+    assert sim.stall == 0 and sim.compute_cost == pytest.approx(6.0)
+
+
+def test_wait_makes_compute_wait_for_the_copy_and_frees_the_bytes_then():
+    ops = [("compute", 0), ("offload", 0), ("compute", 1), ("free", 0), ("wait", 0), ("compute", 2)]
+    timing = copy_timing(chain(3, mem=M), ops, LINK)
+    assert timing.deferred == {3} and timing.device_released == {4: [3]}
+    assert timing.stalls == {4: pytest.approx(0.5)}
+    sim = simulate(chain(3, mem=M), cpu([*ops, *BACKWARD_TO_B1, ("reload", 0), *LAST]))
+    assert sim.timeline[:6].tolist() == [M, M, 2 * M, 2 * M, M, 2 * M]
+
+
+def test_one_copy_stream_per_direction_runs_copies_in_order():
+    ops = [("compute", 0), ("offload", 0), ("compute", 1), ("offload", 1), ("free", 0), ("compute", 2),
+           ("free", 1), ("compute", 3), ("compute", 4), ("compute", 5)]
+    # f0's copy runs 1-2.5 s, f1's is issued at 2 s but waits for it: 2.5-4 s
+    timing = copy_timing(chain(3, mem=M), ops, LINK)
+    assert timing.deferred == {4, 6} and timing.device_released == {7: [4], 8: [6]}
+
+
+def test_the_host_budget_limits_pinned_buffers():
+    ops = [("compute", 0), ("offload", 0), ("compute", 1), ("offload", 1), ("free", 0), ("compute", 2),
+           ("free", 1), *BACKWARD_TO_B1[:1], ("free", 2), ("reload", 1), ("compute", 4), ("free", 1), ("free", 3),
+           ("reload", 0), *LAST]
+    assert simulate(chain(3, mem=M), cpu(ops, host_budget=2 * M)).host_peak == 2 * M
+    with pytest.raises(ScheduleError, match="host budget"):
+        simulate(chain(3, mem=M), cpu(ops, host_budget=M + M // 2))
+
+
+@pytest.mark.parametrize("ops, message", [
+    ([*FORWARD[:4], ("compute", 1)], "already resident"),
+    ([("compute", 0), ("offload", 0), ("free", 0), ("compute", 1)], "offloaded, reload it first"),
+    ([("compute", 0), ("offload", 0), ("free", 0), ("compute", 0)], "offloaded to host"),
+    ([("compute", 0), ("reload", 0)], "not offloaded"),
+    ([("compute", 0), ("offload", 0), ("reload", 0)], "still resident"),
+    ([("compute", 0), ("offload", 0), ("offload", 0)], "already offloaded"),
+    ([("offload", 0)], "not resident"),
+    ([("compute", 0), ("wait", 0)], "never offloaded"),
+])
+def test_broken_offloads_are_refused(ops, message):
+    with pytest.raises(ScheduleError, match=message):
+        simulate(chain(3, mem=M), cpu(ops))
+
+
+def test_offload_fields_round_trip_through_json():
+    s = cpu([("compute", 0), ("offload", 0)], host_budget=123)
+    back = Schedule.from_dict(s.to_dict())
+    assert back.ops == s.ops and back.device == "cpu" and back.host_budget == 123
+    with pytest.raises(ScheduleError, match="'device'"):
+        Schedule.from_dict({**s.to_dict(), "device": "tpu"})
+
+
+def test_the_allocator_follows_offloads():
+    from bonsai_core.allocator import layout_at
+
+    g = chain(3, mem=M)
+    schedule = cpu([*FORWARD, *BACKWARD_TO_B1, ("reload", 0), *LAST])
+
+    def held(op: int) -> list[str]:
+        return sorted(b.name for b in layout_at(g, schedule, op) if b.kind == "activation")
+
+    assert held(4) == ["f0", "f1", "f2"]  # f0 freed at op 3, but its copy runs until 2.5 s
+    assert held(5) == ["b2", "f1", "f2"]  # b2 starts at 3 s: f0's block was given back
+    reload = len(FORWARD) + len(BACKWARD_TO_B1)
+    assert held(reload) == ["b1", "f0"]  # the reload takes a block as a compute does
