@@ -106,3 +106,49 @@ def test_the_allocator_follows_offloads():
     assert held(5) == ["b2", "f1", "f2"]  # b2 starts at 3 s: f0's block was given back
     reload = len(FORWARD) + len(BACKWARD_TO_B1)
     assert held(reload) == ["b1", "f0"]  # the reload takes a block as a compute does
+
+
+# -- the replay export on CPU: host copies counted apart ------------------------------------------
+
+EXPORT_MODEL = "tests.export_models:hf_llama"
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from bonsai_core.export import step_signature
+    from bonsai_core.trace import trace_model
+
+    return trace_model(EXPORT_MODEL), step_signature(EXPORT_MODEL, {})
+
+
+def offloaded(graph, synchronous: bool) -> Schedule:
+    """Every saved tensor of the plain schedule offloaded, timed on the CPU's link."""
+    import numpy as np
+
+    from bonsai_core.offload import offloadable, with_offloads
+    from bonsai_core.schedule import none_schedule
+
+    ops = with_offloads(graph, none_schedule(graph).ops, np.flatnonzero(offloadable(graph)), LINK, synchronous)
+    return Schedule(graph=graph.name, method="test-offload", ops=ops, graph_hash=graph.hash, device="cpu")
+
+
+@pytest.mark.parametrize("synchronous", [True, False])
+def test_an_offloading_export_computes_eagers_step_with_the_predicted_device_and_host_bytes(llama, tmp_path,
+                                                                                             synchronous):
+    from bonsai_core.export import export_traced, verify_export
+    from bonsai_core.schedule import no_remat_peak
+
+    traced, signature = llama
+    g = traced.graph
+    schedule = offloaded(g, synchronous)
+    sim = simulate(g, schedule)
+    assert sim.offloaded_bytes > 0 and sim.peak < no_remat_peak(g)
+    export_traced(traced, signature, schedule, tmp_path)
+    v = verify_export(EXPORT_MODEL, {}, tmp_path, repeats=0)
+    assert v.loss_diff <= ATOL and v.max_grad_diff <= ATOL and v.max_grad_diff_grads_none <= ATOL
+    assert v.measured_host_peak == sim.host_peak  # each offloaded copy lives from its offload to its reload
+    if synchronous:  # the CPU's copies end when issued, as the waits make the simulator time them
+        assert abs(v.measured_peak - v.predicted_peak) <= 64  # the autograd engine's loss seed, rounded
+    else:  # the simulator holds a freed tensor until its copy ends; the CPU frees it at once
+        assert v.measured_peak <= v.predicted_peak + 64
