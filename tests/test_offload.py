@@ -152,3 +152,22 @@ def test_an_offloading_export_computes_eagers_step_with_the_predicted_device_and
         assert abs(v.measured_peak - v.predicted_peak) <= 64  # the autograd engine's loss seed, rounded
     else:  # the simulator holds a freed tensor until its copy ends; the CPU frees it at once
         assert v.measured_peak <= v.predicted_peak + 64
+
+
+# -- dtr and coop: eviction to host ----------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["dtr", "coop"])
+def test_eviction_to_host_replaces_expensive_recomputation(method):
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers import solve
+
+    g = chain(6, mem=2**20, cost=1e-3)  # 1 MiB per op: a round trip over PCIe (41 us) beats a 1 ms rebuild
+    budget = g.fixed_mem + int(0.6 * (no_remat_peak(g) - g.fixed_mem))
+    discard = simulate(g, solve(g, budget, method=method))
+    to_host = solve(g, budget, method=method, offload=True)
+    sim = simulate(g, to_host)
+    kinds = {kind for kind, _ in to_host.ops}
+    assert {"offload", "wait", "reload"} <= kinds and sim.offloaded_bytes > 0
+    assert sim.peak <= budget and sim.recomputes < discard.recomputes
+    assert sim.overhead < discard.overhead
+    assert sim.stall == pytest.approx(2 * sim.offloaded_bytes / PROFILES["h100"].host_link_bytes_per_s)
