@@ -139,9 +139,9 @@ class SimResult:
 
     def stats(self) -> dict[str, Any]:
         out = {"peak": self.peak, "compute_cost": self.compute_cost, "overhead": self.overhead,
-               "recomputes": self.recomputes}
+               "recomputes": self.recomputes, "offloaded_bytes": self.offloaded_bytes}
         if self.offloaded_bytes:
-            out.update(offloaded_bytes=self.offloaded_bytes, host_peak=self.host_peak, offload_stall=self.stall)
+            out.update(host_peak=self.host_peak, offload_stall=self.stall)
         return out
 
 

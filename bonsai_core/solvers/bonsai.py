@@ -184,19 +184,20 @@ def auto_ladder(graph: Graph) -> list[int]:
 
 
 def build(graph: Graph, granularity: int | None = None, regions: Regions = "any",
-          drop_outputs: bool = False, save_self_contained: bool = True) -> BuiltModel:
+          drop_outputs: bool = False, save_self_contained: bool = True, offload: bool = False) -> BuiltModel:
     """The segment ILP of ``graph`` at ``granularity`` (None: the paper's default, round(2·√ops)),
     with Chen's segments and the module calls as extra candidates; built once per (graph hash,
     granularity, regions) and cached (the last few), so a budget change only sets the Parameter.
     ``regions="modules"``: only module calls may be recomputed (the rest of the forward pass is kept
     atom by atom), so the granularity plays no part. ``drop_outputs``: candidates may also be
     recomputed with their outputs dropped (:class:`~bonsai_core.regions.CheckpointPlan`); ``save_self_contained``:
-    a recomputed candidate saves its self-contained nodes."""
+    a recomputed candidate saves its self-contained nodes; ``offload``: saved tensors may go to host memory."""
     if regions == "modules":
         granularity = 1
     gran = default_granularity(graph) if granularity is None else granularity
     seg = segment(graph, gran)  # validates the granularity before anything is built
-    key = (graph.hash, ("model", seg.granularity, regions, drop_outputs, save_self_contained))
+    key = (graph.hash, ("model", seg.granularity, regions, drop_outputs, save_self_contained)
+           + (("offload",) if offload else ()))
 
     def make() -> BuiltModel:
         full = segment(graph, seg.granularity, fallback_plans(graph, regions, save_self_contained).spans)
@@ -204,7 +205,7 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
         if regions == "modules":
             calls = module_spans(graph)
             allowed = np.array([(a, b) in calls for a, b in zip(full.starts.tolist(), full.ends.tolist())], dtype=bool)
-        return build_model(graph, full, _plain(graph), allowed, drop_outputs, save_self_contained)
+        return build_model(graph, full, _plain(graph), allowed, drop_outputs, save_self_contained, offload)
 
     return _cached(key, make)
 
@@ -212,7 +213,7 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
 def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None = None,
                  granularity: int | None = None, backend: str = DEFAULT_BACKEND,
                  gap: float = DEFAULT_GAP, regions: Regions = "any", drop_outputs: bool = False,
-                 save_self_contained: bool = True, reuse: bool = True) -> Schedule:
+                 save_self_contained: bool = True, reuse: bool = True, offload: bool = False) -> Schedule:
     """Bonsai's segment ILP: the cheapest checkpoint plan whose modelled peak fits ``budget``.
 
     Options:
@@ -233,6 +234,9 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
             checkpointing's "must save" does; False: it rebuilds them with the rest.
         reuse: answer with a plan solved earlier (same graph and options) at a larger budget when it
             fits this one (it is then within the same gap of this budget's optimum); False: always solve.
+        offload: keep, recompute or offload each saved tensor: a kept one may be copied to host memory
+            after its last forward reader and reloaded before its first backward reader, its copies
+            hidden by compute in the model (simulator rule 9; docs/BONSAI.md).
 
     Raises BudgetError (naming the smallest budget bonsai can meet) when none fits or none was found in
     time, SolverError when the backend fails."""
@@ -253,7 +257,8 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
                           "build_seconds": 0.0, "solve_seconds": 0.0, "candidates": 0, "segments": 0,
                           "granularity": 0, "plan_source": "ilp"}
         return schedule
-    plans_key = (graph.hash, ("plans", granularity, regions, drop_outputs, save_self_contained, backend, gap))
+    plans_key = (graph.hash, ("plans", granularity, regions, drop_outputs, save_self_contained, backend, gap)
+                 + (("offload",) if offload else ()))
     # looked up before waiting for the graph's lock (another session may be solving for minutes), and again
     # after it (the one that held it may have solved a plan that fits)
     earlier = _reused(plans_key, budget) if reuse else None
@@ -263,7 +268,8 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         earlier = _reused(plans_key, budget) if reuse else None
         if earlier is not None:
             return earlier
-        schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions, drop_outputs, save_self_contained)
+        schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions, drop_outputs, save_self_contained,
+                          offload)
         if budget is not None and _reusable(schedule, gap):
             st = schedule.stats
             simulated_peak = st["model_peak"] - st["model_slack"]
@@ -302,7 +308,8 @@ def _copy(schedule: Schedule, **stats: Any) -> Schedule:
 
 
 def _solve(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None,
-           backend: str, gap: float, regions: Regions, drop_outputs: bool, save_self_contained: bool) -> Schedule:
+           backend: str, gap: float, regions: Regions, drop_outputs: bool, save_self_contained: bool,
+           offload: bool = False) -> Schedule:
     clock = Deadline(time_limit)
     plain_peak = int(_plain(graph).memory.max())
     target = int(budget) if budget is not None else plain_peak
@@ -315,8 +322,8 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         if clock.passed():
             break
         cached = (graph.hash, ("model", min(gran, max(1, op_count(graph))), regions, drop_outputs,
-                               save_self_contained)) in _cache
-        built = build(graph, gran, regions, drop_outputs, save_self_contained)
+                               save_self_contained) + (("offload",) if offload else ())) in _cache
+        built = build(graph, gran, regions, drop_outputs, save_self_contained, offload)
         tried.append(built.seg.granularity)
         found = _solve_model(graph, built, target, backend, clock, gap)
         if found is not None:
@@ -328,7 +335,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         return _fallen_back(graph, fallback, tried, clock, built, regions)
     schedule, outcome = found.schedule, found.outcome
     sim = simulate(graph, schedule)
-    model_peak, ilp_peak = built.predicted_peak(found.rec), sim.peak
+    model_peak, ilp_peak = built.predicted_peak(found.rec, found.off), sim.peak
     source = "ilp"
     fallback = fallbacks.best(graph, target, below=sim.compute_cost * (1 - 1e-9), clock=clock)
     if fallback is not None:
@@ -345,6 +352,8 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         "tightened_by": found.tightened, "plan_source": source, "regions": regions,
         "outputs_dropped": len(CheckpointPlan.from_extra(schedule.extra).drop_outputs),
         "self_contained_saved": len(CheckpointPlan.from_extra(schedule.extra).saved),
+        "offloaded": len(CheckpointPlan.from_extra(schedule.extra).offloaded),
+        **({"offload_candidates": len(built.offload.nodes)} if built.offload is not None else {}),
     }
     if source == "fallback":
         schedule.stats.update(status="feasible", gap=None, fallback_plan=fallback[2],
@@ -357,6 +366,7 @@ class _Found(NamedTuple):
     outcome: MilpOutcome  # its solve_seconds: all solves of the tightening together
     rec: np.ndarray  # 0/1 over the built model's candidates
     tightened: int  # bytes taken off the budget handed to the model
+    off: np.ndarray | None = None  # 0/1 over the built model's offload candidates
 
 
 def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clock: Deadline,
@@ -380,12 +390,13 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
         if outcome.status == "infeasible":
             break
         rec = np.round(built.rec.value)
-        schedule = plan_schedule(graph, built.plan(rec), "bonsai")
+        off = np.round(built.off.value) if built.off is not None else None
+        schedule = plan_schedule(graph, built.plan(rec, off), "bonsai")
         peak = simulate(graph, schedule).peak
         if peak <= target:
             outcome = MilpOutcome(outcome.status, outcome.objective, outcome.gap, seconds, outcome.variables,
                                   outcome.constraints)
-            best = _Found(schedule, outcome, rec, tightened)
+            best = _Found(schedule, outcome, rec, tightened, off)
             break
         tightened += peak - target  # the model was not conservative here: ask it for the excess less
     return best

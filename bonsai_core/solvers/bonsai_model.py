@@ -26,6 +26,9 @@ nothing to read).
 (``bonsai_coef.self_contained_from``: an attention mask built inside it) instead of rebuilding them;
 its coefficients say so, and :meth:`BuiltModel.plan` lists them in ``CheckpointPlan.saved``.
 
+**Offload** (``offload``): one binary ``off[v]`` per saved tensor that may go to host memory, with its
+own steps in the memory rows and its rows (``bonsai_offload.py``): keep, recompute or offload.
+
 **Objective**: the recomputation time, ``sum cost[s] * rec[s]`` with ``cost[s]`` the cost of the nodes
 actually rebuilt, divided by the graph's total cost: the predicted overhead.
 """
@@ -44,6 +47,7 @@ from bonsai_core.regions import CheckpointPlan
 from bonsai_core.segment import Segmentation
 from bonsai_core.solvers.bonsai_coef import (Coefficients, PlainProfile, coefficients, dominated, lowers_memory,
                                              memory_steps, saved_positions, self_contained_from)
+from bonsai_core.solvers.bonsai_offload import OffloadColumns, offload_columns
 
 # The model counts memory in units of a thousandth of the plain peak: raw byte counts near 1e10 (or near
 # 1e1 on toy graphs) would strain the solvers' tolerances, and 1e-7 of a unit is under a byte up to 10 GB.
@@ -73,14 +77,25 @@ class BuiltModel:
     unit: float  # bytes per unit of the model's memory rows
     build_seconds: float
     _min_peak: Any = None
+    off: Any = None  # cp.Variable over offload.nodes (offload=True), else None
+    offload: OffloadColumns | None = None
+    off_events: sp.csr_matrix | None = None  # (K, V) bytes: the offload columns' steps at the event points
 
-    def predicted_peak(self, rec: np.ndarray) -> int:
+    def predicted_peak(self, rec: np.ndarray, off: np.ndarray | None = None) -> int:
         """The model's bound on the peak of the plan whose recomputed ILP candidates are ``rec``
-        (0/1 over :attr:`candidates`)."""
-        delta = np.cumsum(self.events @ np.asarray(rec, dtype=np.float64))
-        return int(np.ceil((self.interval_peak + delta).max()))
+        (0/1 over :attr:`candidates`) and offloaded candidates ``off`` (0/1 over ``offload.nodes``)."""
+        change = self.events @ np.asarray(rec, dtype=np.float64)
+        if off is not None and self.off_events is not None:
+            change = change + self.off_events @ np.asarray(off, dtype=np.float64)
+        return int(np.ceil((self.interval_peak + np.cumsum(change)).max()))
 
-    def plan(self, rec: np.ndarray) -> CheckpointPlan:
+    def offloaded_of(self, off: np.ndarray | None) -> list[int]:
+        """The node ids an ILP solution offloads."""
+        if off is None or self.offload is None:
+            return []
+        return self.offload.nodes[np.asarray(off) > 0.5].tolist()
+
+    def plan(self, rec: np.ndarray, off: np.ndarray | None = None) -> CheckpointPlan:
         """The checkpoint plan of an ILP solution: the recomputed candidates, and the stretches
         between them kept (merging kept atoms changes nothing in the schedule, and the explorer then
         shows recomputed regions and kept stretches, not a confetti of atoms)."""
@@ -103,7 +118,8 @@ class BuiltModel:
         recomputed = {(int(self.seg.starts[c]), int(self.seg.ends[c])) for c in chosen.tolist()}
         return CheckpointPlan.of([self.seg.forward[a:b].tolist() for a, b in spans],
                                  [i for i, span in enumerate(spans) if span in recomputed],
-                                 [i for i, span in enumerate(spans) if span in opened], saved)
+                                 [i for i, span in enumerate(spans) if span in opened], saved,
+                                 self.offloaded_of(off))
 
     def self_contained_saved(self, c: int) -> list[int]:
         """The nodes candidate ``c`` saves when recomputed: its self-contained ones, if it saves them."""
@@ -150,12 +166,13 @@ def _columns(coef: Coefficients, seg: Segmentation, m: int, allowed: np.ndarray 
 
 
 def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: np.ndarray | None = None,
-                drop_outputs: bool = False, save_self_contained: bool = False) -> BuiltModel:
+                drop_outputs: bool = False, save_self_contained: bool = False, offload: bool = False) -> BuiltModel:
     """The segment ILP of one segmentation (see the module docstring). ``allowed`` (bool over the
     segmentation's candidates): only those may be recomputed (None: all). ``drop_outputs``: each
     candidate whose outputs are read by later forward ops may also be recomputed with its outputs
     dropped, as long as the atoms holding those readers are kept. ``save_self_contained``: a recomputed
-    candidate saves its self-contained nodes (``bonsai_coef.saves_self_contained``) instead of rebuilding them."""
+    candidate saves its self-contained nodes (``bonsai_coef.saves_self_contained``) instead of rebuilding them.
+    ``offload``: saved tensors may be offloaded to host memory (``bonsai_offload.py``)."""
     import cvxpy as cp
 
     start = time.perf_counter()
@@ -176,9 +193,16 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
 
     memory = plain.memory
     steps = sp.hstack([memory_steps(coefs[k], columns[k], m, points=len(memory)) for k in kinds]).tocsr()
+    offloads = None
+    if offload:
+        from bonsai_core.schedule import host_link
+
+        offloads = offload_columns(graph, seg, plain, host_link([])[0], points=len(memory))
+        steps = sp.hstack([steps, offloads.steps]).tocsr()
     rows = np.flatnonzero(np.diff(steps.indptr))
     points = np.union1d([0], rows)  # point 0 always opens an interval, so the whole axis is covered
-    events = steps[points]
+    events = steps[points][:, :count]
+    off_events = steps[points][:, count:] if offloads is not None else None
     interval_peak = np.maximum.reduceat(memory, points)
 
     # Cover: a path through the atom boundaries; arcs are rec candidates and kept atoms.
@@ -206,9 +230,27 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     budget.value = float(memory.max()) / unit
     cost = np.concatenate([coefs[k].cost[columns[k]] for k in kinds])
     cost = cost / graph.total_cost if graph.total_cost > 0 else cost
+    change = (events / unit) @ rec
+    objective = cost @ rec
+    off, off_rows = None, []
+    if offloads is not None and len(offloads.nodes):
+        from bonsai_core.schedule import host_link
+
+        v = len(offloads.nodes)
+        off = cp.Variable(v, boolean=True, name="off")
+        change = change + (off_events / unit) @ off
+        objective = objective + (offloads.cost / max(graph.total_cost, 1e-30)) @ off
+        off_rows.append(off <= sp.csr_matrix((np.ones(v), (np.arange(v), offloads.atom)), shape=(v, atoms)) @ keep)
+        for cliques in (offloads.d2h, offloads.h2d):
+            if cliques.shape[0]:
+                off_rows.append(cliques @ off <= 1)
+        host_limit = host_link([])[1]
+        if host_limit is not None:
+            off_rows.append((offloads.mem / unit) @ off <= host_limit / unit)
     constraints = [
         arcs(a_start, a_end) @ rec + arcs(arange, arange + 1) @ keep == rhs,
-        diff @ delta == (events / unit) @ rec,
+        diff @ delta == change,
+        *off_rows,
     ]
     # A column that drops its candidate's outputs needs the atoms of their readers kept.
     which, readers, first = [], [], 0
@@ -224,8 +266,10 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
         constraints.append(sp.csr_matrix((np.ones(len(rows)), (rows, which)), shape=(len(rows), count)) @ rec
                            <= sp.csr_matrix((np.ones(len(rows)), (rows, readers)), shape=(len(rows), atoms)) @ keep)
     constraints.append(delta + interval_peak / unit <= budget)  # last: min_peak_problem replaces it
-    problem = cp.Problem(cp.Minimize(cost @ rec), constraints)
+    problem = cp.Problem(cp.Minimize(objective), constraints)
     return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, coefs=coefs, plain=plain, candidates=candidates,
                       drops_outputs=drops, saving=coef.saving, lowest=lowest,
                       events=events, interval_peak=interval_peak, problem=problem, rec=rec, keep=keep,
-                      delta=delta, budget=budget, unit=unit, build_seconds=time.perf_counter() - start)
+                      delta=delta, budget=budget, unit=unit, build_seconds=time.perf_counter() - start,
+                      off=off, offload=offloads if off is not None else None,
+                      off_events=off_events if off is not None else None)
