@@ -171,3 +171,34 @@ def test_eviction_to_host_replaces_expensive_recomputation(method):
     assert sim.peak <= budget and sim.recomputes < discard.recomputes
     assert sim.overhead < discard.overhead
     assert sim.stall == pytest.approx(2 * sim.offloaded_bytes / PROFILES["h100"].host_link_bytes_per_s)
+
+
+# -- bonsai: keep, recompute or offload ----------------------------------------------------------------
+
+def test_bonsai_offloads_where_a_hidden_copy_beats_a_recomputation():
+    from bonsai_core.regions import CheckpointPlan
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers import solve
+
+    g = chain(8, mem=2**24, cost=1e-3)  # 16 MiB per op: each copy (0.33 ms) hides behind one op (1 ms)
+    budget = g.fixed_mem + int(0.75 * (no_remat_peak(g) - g.fixed_mem))
+    recompute = solve(g, budget, method="bonsai")
+    both = solve(g, budget, method="bonsai", offload=True)
+    sim = simulate(g, both)
+    plan = CheckpointPlan.from_extra(both.extra)
+    assert plan.offloaded and sim.offloaded_bytes == len(plan.offloaded) * 2**24
+    assert sim.peak <= budget and sim.stall == 0  # the model's copies are hidden, and so are the simulator's
+    assert both.stats["offloaded_bytes"] == sim.offloaded_bytes
+    assert sim.overhead < simulate(g, recompute).overhead
+    assert both.stats["model_peak"] >= sim.peak  # the model's bound holds on the simulated plan
+
+
+def test_the_one_call_says_it_does_not_offload_yet():
+    import torch
+
+    from bonsai_core import checkpoint
+    from bonsai_core.errors import BonsaiError
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(BonsaiError, match="do not apply offloads"):
+        checkpoint(model, torch.randn(2, 4), lambda out: out.sum(), "90%", offload=True)
