@@ -22,9 +22,11 @@ Ops = list[tuple[str, int]]
 def offloadable(graph: Graph) -> np.ndarray:
     """bool[n]: the nodes rule 9 lets a method offload as saved tensors: forward, holding bytes (not a
     view, no view of it: a view keeps its base's storage alive), not a step output, read by the
-    backward pass."""
+    backward pass, and not a multi-output op whose other outputs are nodes of their own
+    (``Graph.output_of``: a dropout with its mask; the run holds such an op's outputs together)."""
     has_view = np.zeros(graph.n, dtype=bool)
     has_view[graph.alias_of[graph.is_view]] = True
+    has_view[graph.output_of[graph.output_of >= 0]] = True
     read_backward = np.zeros(graph.n, dtype=bool)
     for b in np.flatnonzero(~graph.is_forward).tolist():
         read_backward[graph.deps(b)] = True

@@ -131,6 +131,7 @@ class SimResult:
     recomputes: int
     timeline: np.ndarray
     offloaded_bytes: int = 0  # rule 9: bytes of every offload op
+    host_timeline: np.ndarray | None = None  # rule 9: pinned host bytes after each op (None: nothing offloaded)
     host_peak: int = 0  # the most pinned host bytes held at once
     stall: float = 0.0  # seconds compute waited for copies (in compute_cost)
 
@@ -287,6 +288,7 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
     timing = timing_of(graph, schedule)
     on_host = [False] * n  # rule 9: a host copy, from its offload to its reload
     host = host_peak = offloaded = 0
+    host_timeline = None if timing is NO_COPIES else np.zeros(len(ops), dtype=np.int64)
     ever_offloaded: set[int] = set()
     for i, (kind, v) in enumerate(ops):
         if not (isinstance(v, (int, np.integer)) and 0 <= v < n):
@@ -366,6 +368,8 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
         else:
             raise ScheduleError(f"Op {i} has kind {kind!r}; use one of {', '.join(KINDS)}.")
         timeline[i] = live
+        if host_timeline is not None:
+            host_timeline[i] = host
     never = [v for v in range(n) if not computed[v]]
     if never:
         v = never[0]
@@ -378,7 +382,8 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
     return SimResult(peak=int(peak), peak_op=peak_op, compute_cost=total,
                      overhead=(total / base - 1.0) if base > 0 else 0.0,
                      computes=len([1 for k, _ in ops if k == COMPUTE]), recomputes=int(sum(computed) - n),
-                     timeline=timeline, offloaded_bytes=offloaded, host_peak=host_peak, stall=stall)
+                     timeline=timeline, offloaded_bytes=offloaded, host_peak=host_peak, stall=stall,
+                     host_timeline=host_timeline)
 
 
 def _beyond_the_graph(graph: Graph, ops: Sequence[tuple[str, int]], timeline: np.ndarray, peak: int,

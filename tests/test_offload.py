@@ -110,16 +110,10 @@ def test_the_allocator_follows_offloads():
 
 # -- the replay export on CPU: host copies counted apart ------------------------------------------
 
-EXPORT_MODEL = "tests.export_models:hf_llama"
 ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def llama():
-    from bonsai_core.export import step_signature
-    from bonsai_core.trace import trace_model
-
-    return trace_model(EXPORT_MODEL), step_signature(EXPORT_MODEL, {})
+# a dropout MLP (random ops, fast to trace) in the default run; transformers' Llama (slow to trace) marked slow
+EXPORT_MODELS = ["tests.export_models:dropout_mlp",
+                 pytest.param("tests.export_models:hf_llama", marks=pytest.mark.slow)]
 
 
 def offloaded(graph, synchronous: bool) -> Schedule:
@@ -134,18 +128,20 @@ def offloaded(graph, synchronous: bool) -> Schedule:
 
 
 @pytest.mark.parametrize("synchronous", [True, False])
-def test_an_offloading_export_computes_eagers_step_with_the_predicted_device_and_host_bytes(llama, tmp_path,
+@pytest.mark.parametrize("model", EXPORT_MODELS)
+def test_an_offloading_export_computes_eagers_step_with_the_predicted_device_and_host_bytes(model, tmp_path,
                                                                                              synchronous):
-    from bonsai_core.export import export_traced, verify_export
+    from bonsai_core.export import export_traced, step_signature, verify_export
     from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.trace import trace_model
 
-    traced, signature = llama
+    traced, signature = trace_model(model), step_signature(model, {})
     g = traced.graph
     schedule = offloaded(g, synchronous)
     sim = simulate(g, schedule)
     assert sim.offloaded_bytes > 0 and sim.peak < no_remat_peak(g)
     export_traced(traced, signature, schedule, tmp_path)
-    v = verify_export(EXPORT_MODEL, {}, tmp_path, repeats=0)
+    v = verify_export(model, {}, tmp_path, repeats=0)
     assert v.loss_diff <= ATOL and v.max_grad_diff <= ATOL and v.max_grad_diff_grads_none <= ATOL
     assert v.measured_host_peak == sim.host_peak  # each offloaded copy lives from its offload to its reload
     if synchronous:  # the CPU's copies end when issued, as the waits make the simulator time them

@@ -326,6 +326,10 @@ class _Body:
             if kind == FREE:
                 lines.append(f"del v{v}")
             elif kind == OFFLOAD:
+                if v in self.split_ops:
+                    raise ExportError(f"The schedule offloads node {v} ({self.names[v]!r}), a multi-output op whose "
+                                      "other outputs are nodes of their own; the program holds them together. "
+                                      "Offload only what offload.offloadable allows.")
                 lines.append(f"h{v} = offload(v{v})")
             elif kind == WAIT:
                 lines.append(f"ready(h{v})")

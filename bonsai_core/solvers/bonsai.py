@@ -451,13 +451,14 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
 
 
 def smallest_budget(graph: Graph, granularity: int | None = None, backend: str = DEFAULT_BACKEND,
-                    time_limit: float | None = None) -> tuple[int | None, str]:
+                    time_limit: float | None = None, offload: bool = False) -> tuple[int | None, str]:
     """(bytes, status): the smallest budget bonsai's model meets at ``granularity`` (None: the top of
     the auto ladder), by the min-peak MILP; status is the MILP's ("optimal" proves it). (None,
-    "time_limit") when the backend had no plan within ``time_limit``."""
+    "time_limit") when the backend had no plan within ``time_limit``. ``offload``: the model with
+    offload columns (the option of :func:`solve_bonsai`)."""
     with _graph_lock(graph):
-        return _min_peak(build(graph, auto_ladder(graph)[-1] if granularity is None else granularity), backend,
-                         time_limit)
+        return _min_peak(build(graph, auto_ladder(graph)[-1] if granularity is None else granularity,
+                               offload=offload), backend, time_limit)
 
 
 def _min_peak(built: BuiltModel, backend: str, time_limit: float | None) -> tuple[int | None, str]:
@@ -473,7 +474,8 @@ def _min_peak(built: BuiltModel, backend: str, time_limit: float | None) -> tupl
         return None, "time_limit"
     if outcome.status == "infeasible":
         return None, outcome.status
-    return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.rec.value))), \
+    off = np.round(built.off.value) if built.off is not None else None
+    return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.rec.value), off)), \
         outcome.status
 
 
