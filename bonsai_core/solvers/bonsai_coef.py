@@ -127,6 +127,42 @@ def saved_positions(lowest: np.ndarray, start: int, end: int) -> np.ndarray:
     return inside if len(inside) < end - start else inside[:0]
 
 
+def density_levels(graph: Graph, shares: tuple[float, ...] = (0.5, 0.8, 0.95)) -> list[np.ndarray]:
+    """Bool masks over forward positions, one per share in ``shares`` (distinct masks only, fewest saved
+    first): the ops with the highest rebuild cost per byte of output that together hold that share of
+    the forward compute, with their views and separated outputs. A recomputed segment of such a level
+    saves these ops' outputs (SAC's MUST_SAVE: matmuls and attention first, as torchtitan's selective
+    recipe does) and recomputes the cheap ops between them. Saving by density is the greedy order of
+    each segment's keep-or-recompute knapsack; the ILP picks the level per segment. O(m log m)."""
+    forward = np.flatnonzero(graph.is_forward)
+    fpos = np.full(graph.n, -1, dtype=np.int64)
+    fpos[forward] = np.arange(len(forward))
+    outs = np.flatnonzero((graph.output_of >= 0) & graph.is_forward)
+    op_bytes = graph.mem.astype(np.float64).copy()  # an op's bytes with its separated outputs'
+    np.add.at(op_bytes, graph.output_of[outs], graph.mem[outs])
+    ops = forward[(graph.alias_of[forward] < 0) & (graph.output_of[forward] < 0) & (op_bytes[forward] > 0)
+                  & (graph.cost[forward] > 0)]
+    total = float(graph.cost[ops].sum())
+    if not len(ops) or total <= 0:
+        return []
+    density = graph.cost[ops] / op_bytes[ops]
+    order = np.argsort(-density, kind="stable")
+    share = np.cumsum(graph.cost[ops][order]) / total
+    levels: list[np.ndarray] = []
+    for target in sorted(shares):
+        cut = density[order][min(int(np.searchsorted(share, target - 1e-12)), len(ops) - 1)]
+        node = np.zeros(graph.n, dtype=bool)
+        node[ops[density >= cut]] = True
+        for v in forward.tolist():  # forward order: an op before its views and separated outputs
+            base = graph.alias_of[v] if graph.alias_of[v] >= 0 else graph.output_of[v]
+            if base >= 0 and node[base]:
+                node[v] = True
+        mask = node[forward]
+        if not any(np.array_equal(mask, other) for other in levels):
+            levels.append(mask)
+    return levels
+
+
 def saves_self_contained(seg: Segmentation, lowest: np.ndarray) -> np.ndarray:
     """bool[C]: the candidate saves some of its nodes when recomputed (:func:`saved_positions`)."""
     return np.array([len(saved_positions(lowest, a, b)) > 0 for a, b in zip(seg.starts.tolist(), seg.ends.tolist())],
@@ -134,7 +170,7 @@ def saves_self_contained(seg: Segmentation, lowest: np.ndarray) -> np.ndarray:
 
 
 def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outputs: bool = False,
-                 save_self_contained: bool = False) -> Coefficients:
+                 save_self_contained: bool = False, pinned: np.ndarray | None = None) -> Coefficients:
     """Per-candidate recomputation cost, savings, kept inputs and rebuild peak; with ``drop_outputs``,
     of the candidate recomputed with its outputs dropped too (:class:`~bonsai_core.regions.CheckpointPlan`):
     only what a forward view outside it aliases is kept, an output's forward copy is freed after its
@@ -147,9 +183,11 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outp
     rebuilt copy lives do not depend on the start; so one sweep from j down to the smallest start
     yields every candidate ending at j. O(sum over ends of the longest candidate * degree). Which
     nodes are self-contained does depend on the start: with ``save_self_contained`` each candidate has a
-    sweep of its own.
+    sweep of its own. ``pinned`` (bool over forward positions, :func:`density_levels`): nodes a
+    recomputed candidate saves whatever its start (selective checkpointing's "must save"); they do not
+    depend on the start, so they keep the shared sweeps.
     """
-    facts = _forward_facts(graph, seg, plain, drop_outputs)
+    facts = _forward_facts(graph, seg, plain, drop_outputs, pinned)
     saving = (saves_self_contained(seg, np.array(facts.lowest)) if save_self_contained
               else np.zeros(seg.count, dtype=bool))
     out = _Tables.empty(seg.count)
@@ -171,6 +209,7 @@ class _ForwardFacts:
     fwd_users: list[list[int]]  # [p]: its forward readers' node ids
     fwd_deps: list[list[int]]  # [p]: its inputs' node ids
     lowest: list[int]  # [p]: :func:`self_contained_from`
+    pinned: list[bool]  # [p]: saved inside every recomputed candidate (a density level's ops)
     atom_of: np.ndarray  # [p]: the atom holding it
     alias: list[int]  # [v]: the node it is a view of (-1: none)
     mem: list[int]  # [v]
@@ -179,7 +218,8 @@ class _ForwardFacts:
     fpos: list[int]  # [v]: forward position (n: not a forward node)
 
 
-def _forward_facts(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outputs: bool) -> _ForwardFacts:
+def _forward_facts(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outputs: bool,
+                   pinned: np.ndarray | None = None) -> _ForwardFacts:
     """Each forward node's readers, lifetime and when a segment ending at j drops it, vectorised over
     the edge list."""
     forward, m, n = seg.forward, len(seg.forward), graph.n
@@ -210,6 +250,7 @@ def _forward_facts(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_ou
         has_bwd=(first_bwd_user <= n)[forward].tolist(), first_bwd=first_bwd_user[forward].tolist(),
         fwd_users=[graph.users(v)[graph.is_forward[graph.users(v)]].tolist() for v in forward],
         fwd_deps=[graph.deps(v).tolist() for v in forward], lowest=self_contained_from(graph).tolist(),
+        pinned=(np.zeros(m, dtype=bool) if pinned is None else np.asarray(pinned, dtype=bool)).tolist(),
         atom_of=np.searchsorted(seg.atom_ptr, np.arange(m), side="right") - 1, alias=graph.alias_of.tolist(),
         mem=graph.mem.tolist(), cost=graph.cost.tolist(), release=plain.release.tolist(), fpos=fpos.tolist())
 
@@ -267,7 +308,7 @@ def _sweep(seg: Segmentation, group: np.ndarray, f: _ForwardFacts, saving: bool,
     gi = 0
     for p in range(j, lo - 1, -1):
         v = int(f.forward[p])
-        if f.drop_until[p] <= j and f.lowest[p] < saved_from:  # dropped
+        if f.drop_until[p] <= j and f.lowest[p] < saved_from and not f.pinned[p]:  # dropped
             if f.release[v] > max(j, f.keep[p]):  # the plain schedule keeps it past its forward use
                 saved += f.mem[v]
                 at = max(p, f.keep[p]) + 1
