@@ -284,16 +284,14 @@ def all_plans_saving_self_contained(graph: Graph):
     """Every checkpoint plan, each recomputed segment saving its self-contained nodes when it holds
     others too (bonsai's default)."""
     from bonsai_core.segment import segment
-    from bonsai_core.solvers.bonsai_coef import self_contained_from
+    from bonsai_core.solvers.bonsai_coef import self_contained
 
     seg = segment(graph, 1)
-    lowest = dict(zip(seg.forward.tolist(), self_contained_from(graph).tolist()))
-    pos = {int(v): i for i, v in enumerate(seg.forward)}
+    constant = dict(zip(seg.forward.tolist(), self_contained(graph).tolist()))
     for plan in all_plans(graph):
         saved = []
         for i in plan.recomputed:
-            start = min(pos[u] for u in plan.segments[i])
-            constants = [v for v in plan.segments[i] if lowest[v] >= start]
+            constants = [v for v in plan.segments[i] if constant[v]]
             if len(constants) < len(plan.segments[i]):
                 saved += constants
         yield CheckpointPlan(plan.segments, plan.recomputed, frozenset(), frozenset(saved))

@@ -60,7 +60,7 @@ from bonsai_core.regions import (CheckpointPlan, block_plans, checkpoint_sequenc
 from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.segment import default_granularity, op_count, segment
 from bonsai_core.solvers.bonsai_coef import (PlainProfile, density_levels, plain_profile, saved_positions,
-                                             self_contained_from)
+                                             self_contained)
 from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
 from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, solve_milp
@@ -111,13 +111,13 @@ class FallbackPlans:
 
 
 def saving_self_contained(graph: Graph, plan: CheckpointPlan, spans: tuple[tuple[int, int], ...],
-                     lowest: np.ndarray) -> CheckpointPlan:
+                     constant: np.ndarray) -> CheckpointPlan:
     """``plan``, whose recomputed segments are the forward-position ``spans`` (fallback plans' segments are runs of
     the forward order), with each of them saving its self-contained nodes (when it holds others too),
-    as bonsai's own plans do; ``lowest``: :func:`self_contained_from`."""
+    as bonsai's own plans do; ``constant``: :func:`self_contained`."""
     forward = np.flatnonzero(graph.is_forward)
     return dataclasses.replace(plan, saved=frozenset(int(v) for a, b in spans
-                                                     for v in forward[saved_positions(lowest, a, b)]))
+                                                     for v in forward[saved_positions(constant, a, b)]))
 
 
 _cache: "OrderedDict[tuple[str, Any], Any]" = OrderedDict()
@@ -160,14 +160,14 @@ def fallback_plans(graph: Graph, regions: Regions = "any", save_self_contained: 
 
     def make() -> FallbackPlans:
         pos = forward_positions(graph)
-        lowest = self_contained_from(graph) if save_self_contained else None
+        constant = self_contained(graph) if save_self_contained else None
         plans = []
         chen = candidate_plans(graph, "auto") if regions == "any" else []
         for label, plan in [*chen, *block_plans(graph)]:
             spans = tuple((int(pos[list(plan.segments[i])].min()), int(pos[list(plan.segments[i])].max()) + 1)
                           for i in sorted(plan.recomputed))
             plans.append((label, plan, spans))
-            saving = saving_self_contained(graph, plan, spans, lowest) if save_self_contained else plan
+            saving = saving_self_contained(graph, plan, spans, constant) if save_self_contained else plan
             if saving != plan:
                 plans.append((f"{label}, self-contained nodes saved", saving, spans))
         return FallbackPlans(spans=tuple(sorted({sp for *_, spans in plans for sp in spans} | module_spans(graph))),
@@ -400,9 +400,8 @@ class _Times:
 
 def _self_contained_count(graph: Graph, plan: CheckpointPlan) -> int:
     """How many of ``plan``'s saved nodes are self-contained in their recomputed segment."""
-    pos, lowest = forward_positions(graph), self_contained_from(graph)
-    return sum(1 for i in plan.recomputed for v in plan.segments[i]
-               if v in plan.saved and lowest[pos[v]] >= min(pos[u] for u in plan.segments[i]))
+    pos, constant = forward_positions(graph), self_contained(graph)
+    return sum(1 for v in plan.saved if constant[pos[v]])
 
 
 class _Found(NamedTuple):

@@ -23,7 +23,7 @@ per atom holding such a reader: ``rec[s] <= keep[a]`` (a recomputed reader's reb
 nothing to read).
 
 **Saved self-contained nodes** (``save_self_contained``): a recomputed candidate keeps its self-contained nodes
-(``bonsai_coef.self_contained_from``: an attention mask built inside it) instead of rebuilding them;
+(``bonsai_coef.self_contained``: an attention mask, a weight's bf16 copy) instead of rebuilding them;
 its coefficients say so, and :meth:`BuiltModel.plan` lists them in ``CheckpointPlan.saved``.
 
 **Ops saved inside recomputed segments** (``levels``: :func:`bonsai_coef.density_levels`): each
@@ -50,7 +50,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan
 from bonsai_core.segment import Segmentation
 from bonsai_core.solvers.bonsai_coef import (Coefficients, PlainProfile, coefficients, dominated, lowers_memory,
-                                             memory_steps, saved_positions, self_contained_from)
+                                             memory_steps, saved_positions, self_contained)
 
 # The model counts memory in units of a thousandth of the plain peak: raw byte counts near 1e10 (or near
 # 1e1 on toy graphs) would strain the solvers' tolerances, and 1e-7 of a unit is under a byte up to 10 GB.
@@ -71,7 +71,7 @@ class BuiltModel:
     levels: np.ndarray  # int64[C']: the density level whose ops the rec variable's segment saves (0: none)
     pinned: list[np.ndarray]  # per level, bool over forward positions: its ops (level 0: none)
     saving: np.ndarray  # bool[C] over the segmentation's candidates: recomputed, it saves its self-contained nodes
-    lowest: np.ndarray  # int64[m]: bonsai_coef.self_contained_from
+    constant: np.ndarray  # bool[m]: bonsai_coef.self_contained
     events: sp.csr_matrix  # (K, C') bytes: step heights of the memory change at each event point
     interval_peak: np.ndarray  # int64[K]: the plain memory's maximum from each event point to the next
     problem: Any
@@ -118,7 +118,7 @@ class BuiltModel:
         """The nodes candidate ``c`` saves when recomputed: its self-contained ones, if it saves them."""
         if not self.saving[c]:
             return []
-        return self.seg.forward[saved_positions(self.lowest, int(self.seg.starts[c]), int(self.seg.ends[c]))].tolist()
+        return self.seg.forward[saved_positions(self.constant, int(self.seg.starts[c]), int(self.seg.ends[c]))].tolist()
 
     def saved_nodes(self, i: int) -> list[int]:
         """The nodes rec variable ``i`` saves when recomputed: its candidate's self-contained ones and
@@ -182,7 +182,7 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
 
     start = time.perf_counter()
     m = len(seg.forward)
-    lowest = self_contained_from(graph)
+    constant = self_contained(graph)
     pinned = [np.zeros(m, dtype=bool), *(levels or [])]
     # kinds of columns: (drops its candidate's outputs, density level saved inside it)
     kinds = [(drop, level) for drop in [False, True][:1 + drop_outputs] for level in range(len(pinned))]
@@ -255,6 +255,6 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     constraints.append(delta + interval_peak / unit <= budget)  # last: min_peak_problem replaces it
     problem = cp.Problem(cp.Minimize(cost @ rec), constraints)
     return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, coefs=coefs, plain=plain, candidates=candidates,
-                      drops_outputs=drops, levels=column_levels, pinned=pinned, saving=coef.saving, lowest=lowest,
+                      drops_outputs=drops, levels=column_levels, pinned=pinned, saving=coef.saving, constant=constant,
                       events=events, interval_peak=interval_peak, problem=problem, rec=rec, keep=keep,
                       delta=delta, budget=budget, unit=unit, build_seconds=time.perf_counter() - start)
