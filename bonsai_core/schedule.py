@@ -16,9 +16,10 @@ The simulator is the single judge of every method. Its rules (DESIGN.md):
 8. A node v with ``inplace_of`` u is written into u's bytes when the schedule frees u right after
    computing v (before the next compute): that step counts u's bytes once (:func:`inplace_writes`).
 9. ``offload v`` copies a resident v to a pinned host buffer on the device-to-host stream, ``reload v``
-   copies it back on the host-to-device stream, ``wait v`` makes compute wait for v's offload copy;
-   v's device bytes go when its copy ends, come back at the reload, and a reader of v waits for the
-   reload: the waits are stalls added to ``compute_cost`` (:func:`copy_timing`).
+   (v freed since) copies it back on the host-to-device stream, ``wait v`` makes compute wait for v's
+   offload copy; a ``free v`` releases v's device bytes only once its copy has ended, a reload takes
+   them back when issued, and a reader of v waits for the reload: the waits are stalls added to
+   ``compute_cost`` (:func:`copy_timing`); the pinned bytes stay within ``host_budget``.
 """
 
 from __future__ import annotations
