@@ -87,7 +87,7 @@ import numpy as np
 
 from bonsai_core.errors import BudgetError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import COMPUTE, FREE, Schedule, inplace_writes, simulate
+from bonsai_core.schedule import COMPUTE, FREE, NO_COPIES, RELOAD, CopyTiming, Schedule, inplace_writes, simulate, timing_of
 from bonsai_core.units import format_bytes
 
 MIN_BLOCK = 512  # kMinBlockSize: every size is rounded up to a multiple of this
@@ -653,13 +653,16 @@ def full_arena(graph: Graph, capacity: int | None, policy: Policy = "arena", opt
 
 def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], capacity: int | None,
              trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0, upto: int | None = None,
-             side_of: Callable[[int], str] | None = None, inplace: bool = True) -> None:
+             side_of: Callable[[int], str] | None = None, inplace: bool = True,
+             timing: CopyTiming = NO_COPIES) -> None:
     """Apply a schedule's ops to ``alloc`` (footprint and largest free block after each op into
     ``trace``); then the step is over and its tensors are freed. With ``upto``, stop right after op
     ``upto`` instead, leaving the pool as it is at that moment. ``side_of(v)``: the end of the
     best-fit block node v's output goes to ("left" for all when None), as an eviction run placed it.
     ``inplace``: an op written in place (simulator rule 8) takes its input's block; False: copy-on-write,
-    a block of its own (a pool run with ``inplace_writes=False``).
+    a block of its own (a pool run with ``inplace_writes=False``). ``timing``: rule 9's clock
+    (:func:`schedule.timing_of`): a free that an offload copy still reads gives its block back when the
+    copy ends, and a reload takes a block as a compute does.
     On an FSDP rank, FSDP2's own buffers (:func:`bonsai_core.fsdp.buffer_events`) are allocated and freed
     before each op on their streams, and a gradient FSDP holds keeps its block past the graph's free;
     with an optimizer, its step's temporaries (:data:`bonsai_core.optimizer.STEP_TEMPORARIES`: AdamW's
@@ -680,12 +683,15 @@ def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], capacit
     fsdp.malloc = malloc
     for i, (kind, v) in enumerate(ops):
         fsdp.before(i)
+        for pos in timing.device_released.get(i, ()):  # rule 9: the copy that read it ended
+            if holds[ops[pos][1]]:
+                alloc.free(ops[pos][1])
         if i in written:
             alloc.hand_over(int(graph.inplace_of[v]), v)
-        elif kind == COMPUTE and holds[v]:
+        elif (kind == COMPUTE or kind == RELOAD) and holds[v]:
             side = "left" if side_of is None else side_of(v)
             malloc(v, mem[v], f"computing node {v}, {graph.names[v]!r}", i, side)
-        elif kind == FREE and holds[v] and i not in handed_over and not fsdp.keeps(v):
+        elif kind == FREE and holds[v] and i not in handed_over and i not in timing.deferred and not fsdp.keeps(v):
             alloc.free(v)
         if trace is not None:
             trace[0][i] = alloc.footprint + outside
@@ -782,6 +788,7 @@ def layout_at(graph: Graph, schedule: Schedule | list[tuple[str, int]], op: int,
     lowest address), not a pool method's own. O(len(ops) * blocks)."""
     simulate(graph, schedule)
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
+    timing = timing_of(graph, schedule)
     if not 0 <= op < len(ops):
         raise ValueError(f"op {op} is outside the schedule's {len(ops)} ops")
     if policy == "arena" and capacity is None:
@@ -790,8 +797,8 @@ def layout_at(graph: Graph, schedule: Schedule | list[tuple[str, int]], op: int,
     extra = state_beyond_fixed(graph, tensors)
     alloc = Allocator(None if capacity is None else capacity + extra, policy)
     held = pin_fixed(alloc, graph.n, tensors,
-                     None if policy == "arena" else (lambda a: run_step(a, graph, ops, capacity)))
-    run_step(alloc, graph, ops, capacity, upto=op)
+                     None if policy == "arena" else (lambda a: run_step(a, graph, ops, capacity, timing=timing)))
+    run_step(alloc, graph, ops, capacity, upto=op, timing=timing)
     start = 0  # the first segment's address
     out = []
     for b in alloc.blocks():
@@ -825,6 +832,7 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     """
     sim = simulate(graph, schedule)
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
+    timing = timing_of(graph, schedule)
     fixed = graph.fixed_mem
     if capacity is not None and capacity < fixed:
         raise BudgetError(f"A pool of {format_bytes(capacity)} cannot even hold {graph.name!r}'s fixed memory "
@@ -832,7 +840,7 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     if policy == "arena" and capacity is None:
         raise BudgetError("The arena allocator is one pre-reserved pool: give it a capacity (a budget).")
     def step(alloc: Allocator, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0) -> None:
-        run_step(alloc, graph, ops, capacity, trace, outside, side_of=side_of, inplace=inplace_writes)
+        run_step(alloc, graph, ops, capacity, trace, outside, side_of=side_of, inplace=inplace_writes, timing=timing)
 
     reserved = np.empty(len(ops), dtype=np.int64)
     largest = np.empty(len(ops), dtype=np.int64)

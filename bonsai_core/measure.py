@@ -23,14 +23,28 @@ class LiveBytes(TorchDispatchMode):
     """Counts the bytes of storages created by ops run inside it, while they are alive.
 
     ``live`` is the current count and ``peak`` the largest it has been; storages that existed before
-    the mode (parameters, the batch) are not counted.
+    the mode (parameters, the batch) are not counted. A storage tagged as a host copy
+    (:meth:`count_on_host`: an export's offloaded tensor, simulator rule 9, which on the CPU lives in the
+    same memory) is counted apart, in ``host_live`` and ``host_peak``.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.host_live = 0
+        self.host_peak = 0
         self._sizes: dict[int, int] = {}
+        self._host: set[int] = set()
+
+    def count_on_host(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage (created inside the mode) as host memory from now on."""
+        key = tensor.untyped_storage()._cdata
+        if key in self._sizes and key not in self._host:
+            self._host.add(key)
+            self.live -= self._sizes[key]
+            self.host_live += self._sizes[key]
+            self.host_peak = max(self.host_peak, self.host_live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         kwargs = kwargs or {}
@@ -48,7 +62,11 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def _release(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
+        if key in self._host:
+            self._host.discard(key)
+            self.host_live -= self._sizes.pop(key, 0)
+        else:
+            self.live -= self._sizes.pop(key, 0)
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,7 @@ class MeasuredStep:
     fixed: int
     loss: float
     device: str
+    host_peak: int = 0  # offloaded copies, counted apart (LiveBytes.count_on_host; not measured on CUDA)
 
 
 def allocate_fixed(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any,
@@ -117,7 +136,7 @@ def measure_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Ca
     tracker = LiveBytes()
     with tracker:
         loss = run()
-    return MeasuredStep(fixed + tracker.peak, fixed, loss, str(device))
+    return MeasuredStep(fixed + tracker.peak, fixed, loss, str(device), tracker.host_peak)
 
 
 class OpOutputs(TorchDispatchMode):

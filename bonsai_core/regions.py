@@ -49,12 +49,14 @@ class CheckpointPlan:
     recomputed: frozenset[int]
     drop_outputs: frozenset[int] = frozenset()
     saved: frozenset[int] = frozenset()  # node ids kept inside recomputed segments (SAC's "must save")
+    offloaded: frozenset[int] = frozenset()  # kept node ids offloaded to host memory (simulator rule 9)
 
     @classmethod
     def of(cls, segments: Sequence[Sequence[int]], recomputed: Sequence[int] = (),
-           drop_outputs: Sequence[int] = (), saved: Sequence[int] = ()) -> "CheckpointPlan":
+           drop_outputs: Sequence[int] = (), saved: Sequence[int] = (), offloaded: Sequence[int] = ()) -> "CheckpointPlan":
         return cls(tuple(tuple(sorted(int(v) for v in s)) for s in segments), frozenset(int(i) for i in recomputed),
-                   frozenset(int(i) for i in drop_outputs), frozenset(int(v) for v in saved))
+                   frozenset(int(i) for i in drop_outputs), frozenset(int(v) for v in saved),
+                   frozenset(int(v) for v in offloaded))
 
     def to_extra(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"segments": [list(s) for s in self.segments], "recomputed": sorted(self.recomputed)}
@@ -62,6 +64,8 @@ class CheckpointPlan:
             extra["drop_outputs"] = sorted(self.drop_outputs)
         if self.saved:
             extra["saved"] = sorted(self.saved)
+        if self.offloaded:
+            extra["offloaded"] = sorted(self.offloaded)
         return extra
 
     @classmethod
@@ -70,7 +74,7 @@ class CheckpointPlan:
             raise ScheduleError("This schedule holds no checkpoint regions ('extra.segments'); it is a general "
                                 "schedule, not a bonsai/chen checkpoint plan.")
         return cls.of(extra["segments"], extra.get("recomputed", ()), extra.get("drop_outputs", ()),
-                      extra.get("saved", ()))
+                      extra.get("saved", ()), extra.get("offloaded", ()))
 
 
 def segment_of(graph: Graph, plan: CheckpointPlan) -> np.ndarray:
@@ -197,8 +201,15 @@ def hold_saved(graph: Graph, plan: CheckpointPlan, ops: list[tuple[str, int]]) -
 
 
 def plan_schedule(graph: Graph, plan: CheckpointPlan, method: str) -> Schedule:
-    """The validated-by-construction schedule of a plan, carrying the plan in ``extra``."""
+    """The validated-by-construction schedule of a plan, carrying the plan in ``extra``; its offloaded
+    nodes copied to host and reloaded ahead of their backward readers (:func:`offload.with_offloads`,
+    on the default device's host link)."""
     ops = schedule_ops(graph, checkpoint_sequence(graph, plan))
+    if plan.offloaded:
+        from bonsai_core.offload import with_offloads
+        from bonsai_core.schedule import host_link
+
+        ops = with_offloads(graph, ops, plan.offloaded, host_link([])[0])
     return Schedule(graph=graph.name, method=method, ops=ops, graph_hash=graph.hash, extra=plan.to_extra())
 
 

@@ -15,10 +15,16 @@ The simulator is the single judge of every method. Its rules (DESIGN.md):
 7. (FSDP2 working memory: :mod:`bonsai_core.fsdp`.)
 8. A node v with ``inplace_of`` u is written into u's bytes when the schedule frees u right after
    computing v (before the next compute): that step counts u's bytes once (:func:`inplace_writes`).
+9. ``offload v`` copies a resident v to a pinned host buffer on the device-to-host stream, ``reload v``
+   (v freed since) copies it back on the host-to-device stream, ``wait v`` makes compute wait for v's
+   offload copy; a ``free v`` releases v's device bytes only once its copy has ended, a reload takes
+   them back when issued, and a reader of v waits for the reload: the waits are stalls added to
+   ``compute_cost`` (:func:`copy_timing`); the pinned bytes stay within ``host_budget``.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
 from dataclasses import dataclass, field
@@ -35,6 +41,8 @@ from bonsai_core.graph import Graph, check_header, read_json_file
 FORMAT = "bonsai-schedule"
 VERSION = 1
 COMPUTE, FREE = "compute", "free"
+OFFLOAD, RELOAD, WAIT = "offload", "reload", "wait"  # rule 9
+KINDS = (COMPUTE, FREE, OFFLOAD, RELOAD, WAIT)
 
 
 @dataclass
@@ -43,7 +51,9 @@ class Schedule:
 
     ``stats`` holds what the method reports (peak, compute_cost, overhead, solve_seconds, variables,
     status, gap, ...); ``extra`` holds method-specific structure (for example the checkpoint regions
-    of a segment schedule), kept in the JSON for the explorer and the exporter.
+    of a segment schedule), kept in the JSON for the explorer and the exporter. ``device`` (a
+    ``costmodel.PROFILES`` name, default the trace's default) and ``host_budget`` (bytes of pinned host
+    memory, default the device's) are what rule 9 times and limits offloads by.
     """
 
     graph: str
@@ -53,6 +63,8 @@ class Schedule:
     graph_hash: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    device: str | None = None
+    host_budget: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {"format": FORMAT, "version": VERSION, "graph": self.graph, "graph_hash": self.graph_hash,
@@ -60,6 +72,10 @@ class Schedule:
              "stats": self.stats}
         if self.extra:
             d["extra"] = self.extra
+        if self.device is not None:
+            d["device"] = self.device
+        if self.host_budget is not None:
+            d["host_budget"] = self.host_budget
         return d
 
     @classmethod
@@ -68,24 +84,34 @@ class Schedule:
                      other="a graph file? pass it as the graph instead")
         raw_ops = data.get("ops")
         if not isinstance(raw_ops, list):
-            raise ScheduleError("'ops' must be a list of [\"compute\" | \"free\", node id] pairs.")
+            raise ScheduleError("'ops' must be a list of [kind, node id] pairs, kind one of "
+                                + ", ".join(f'"{k}"' for k in KINDS) + ".")
         ops = []
         for i, op in enumerate(raw_ops):
-            if (not isinstance(op, list) or len(op) != 2 or op[0] not in (COMPUTE, FREE)
+            if (not isinstance(op, list) or len(op) != 2 or op[0] not in KINDS
                     or isinstance(op[1], bool) or not isinstance(op[1], int)):
-                raise ScheduleError(f"Op {i} is {op!r}; each op is [\"compute\", id] or [\"free\", id].")
+                raise ScheduleError(f"Op {i} is {op!r}; each op is [kind, node id], kind one of "
+                                    + ", ".join(f'"{k}"' for k in KINDS) + ".")
             ops.append((op[0], op[1]))
-        budget = data.get("budget")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                                   or not math.isfinite(budget) or not 0 <= budget <= 2**62):
-            raise ScheduleError(f"'budget' is {budget!r}; it must be a byte count or null.")
+        budget, host_budget = data.get("budget"), data.get("host_budget")
+        for name, value in (("budget", budget), ("host_budget", host_budget)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or not 0 <= value <= 2**62):
+                raise ScheduleError(f"'{name}' is {value!r}; it must be a byte count or null.")
+        device = data.get("device")
+        if device is not None:
+            from bonsai_core.costmodel import PROFILES
+
+            if device not in PROFILES:
+                raise ScheduleError(f"'device' is {device!r}; use one of {', '.join(PROFILES)} or leave it out.")
         stats, extra = data.get("stats", {}), data.get("extra", {})
         if not isinstance(stats, dict) or not isinstance(extra, dict):
             raise ScheduleError("'stats' and 'extra' must be JSON objects.")
         gh = data.get("graph_hash")
         return cls(graph=str(data.get("graph", "")), method=str(data.get("method", "")), ops=ops,
                    budget=None if budget is None else int(budget), graph_hash=None if gh is None else str(gh),
-                   stats=stats, extra=extra)
+                   stats=stats, extra=extra, device=device,
+                   host_budget=None if host_budget is None else int(host_budget))
 
 
 @dataclass(frozen=True)
@@ -123,13 +149,89 @@ class SimResult:
     timeline: np.ndarray
     times_computed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # int64[n]
     events: tuple[RecomputeEvent, ...] = ()  # the schedule's rebuilds in order (:func:`recompute_events`)
+    offloaded_bytes: int = 0  # rule 9: bytes of every offload op
+    host_timeline: np.ndarray | None = None  # rule 9: pinned host bytes after each op (None: nothing offloaded)
+    host_peak: int = 0  # the most pinned host bytes held at once
+    stall: float = 0.0  # seconds compute waited for copies (in compute_cost)
 
     def feasible(self, budget: int | None) -> bool:
         return budget is None or self.peak <= budget
 
     def stats(self) -> dict[str, Any]:
-        return {"peak": self.peak, "compute_cost": self.compute_cost, "overhead": self.overhead,
-                "recomputes": self.recomputes}
+        out = {"peak": self.peak, "compute_cost": self.compute_cost, "overhead": self.overhead,
+               "recomputes": self.recomputes, "offloaded_bytes": self.offloaded_bytes}
+        if self.offloaded_bytes:
+            out.update(host_peak=self.host_peak, offload_stall=self.stall)
+        return out
+
+
+@dataclass(frozen=True)
+class CopyTiming:
+    """Rule 9's clock for a schedule's copies: when freed bytes that a copy still reads are released,
+    and how long compute waits. Positions are indices into the ops."""
+
+    deferred: set[int]  # positions of frees whose bytes an offload copy in flight still reads
+    device_released: dict[int, list[int]]  # op position -> deferred frees whose bytes go just before it
+    host_released: dict[int, list[int]]  # op position -> reloads whose pinned host buffer goes just before it
+    stalls: dict[int, float]  # compute or wait position -> seconds the compute stream waited there
+
+    @property
+    def stall(self) -> float:
+        return math.fsum(self.stalls.values())
+
+
+NO_COPIES = CopyTiming(set(), {}, {}, {})
+
+
+def copy_timing(graph: Graph, ops: Sequence[tuple[str, int]], link_bytes_per_s: float) -> CopyTiming:
+    """Rule 9: time a schedule's copies against its compute. Compute ops run back to back on one
+    stream, each for its ``cost``; each direction of the host link is one copy stream running its
+    copies in schedule order at ``link_bytes_per_s``. A copy starts when it is issued (the clock at
+    its position) or when its stream is free, whichever is later; a reload also not before its
+    offload's copy ends. A ``free v`` issued before v's offload copy ends releases nothing then: the
+    bytes go before the first compute, ``wait`` or reload that starts at or after the copy's end. A reload's
+    pinned host buffer goes likewise after its copy. A compute reading a node whose reload is in
+    flight, and a ``wait v``, start when that copy ends. The pure clock of any op list (validity is
+    :func:`simulate`'s). O(len(ops) log copies)."""
+    mem, cost = graph.mem.tolist(), graph.cost.tolist()
+    clock = d2h_free = h2d_free = 0.0
+    offload_end: dict[int, float] = {}  # node -> end of the copy of its current offload
+    reload_end: dict[int, float] = {}  # node -> end of its reload copy in flight
+    device_pending: list[tuple[float, int]] = []  # (copy end, position of the free it defers), a heap
+    host_pending: list[tuple[float, int]] = []  # (copy end, reload position), a heap
+    deferred: set[int] = set()
+    device_released: dict[int, list[int]] = {}
+    host_released: dict[int, list[int]] = {}
+    stalls: dict[int, float] = {}
+
+    def release(i: int, start: float) -> None:
+        for pending, released in ((device_pending, device_released), (host_pending, host_released)):
+            while pending and pending[0][0] <= start:
+                released.setdefault(i, []).append(heapq.heappop(pending)[1])
+
+    for i, (kind, v) in enumerate(ops):
+        if kind == OFFLOAD:
+            d2h_free = offload_end[v] = max(clock, d2h_free) + mem[v] / link_bytes_per_s
+        elif kind == FREE and offload_end.get(v, 0.0) > clock:
+            deferred.add(i)
+            heapq.heappush(device_pending, (offload_end[v], i))
+        elif kind == RELOAD:
+            start = max(clock, h2d_free, offload_end.pop(v, 0.0))
+            release(i, start)  # v's own deferred free among them: its old bytes go before the new come
+            h2d_free = reload_end[v] = start + mem[v] / link_bytes_per_s
+            heapq.heappush(host_pending, (h2d_free, i))
+        elif kind == WAIT:
+            end = offload_end.get(v, 0.0)
+            if end > clock:
+                stalls[i], clock = end - clock, end
+            release(i, clock)
+        elif kind == COMPUTE:
+            start = max([clock] + [reload_end.pop(d) for d in graph.deps(v).tolist() if d in reload_end])
+            if start > clock:
+                stalls[i] = start - clock
+            release(i, start)
+            clock = start + cost[v]
+    return CopyTiming(deferred, device_released, host_released, stalls)
 
 
 def inplace_writes(graph: Graph, ops: Sequence[tuple[str, int]]) -> dict[int, int]:
@@ -150,15 +252,36 @@ def inplace_writes(graph: Graph, ops: Sequence[tuple[str, int]]) -> dict[int, in
             if ops[j][0] == COMPUTE:
                 break
             if ops[j][1] == u:
-                writes[i] = j
+                if ops[j][0] == FREE:
+                    writes[i] = j
                 break
     return writes
+
+
+def host_link(schedule: Schedule | Sequence[tuple[str, int]]) -> tuple[float, int | None]:
+    """Rule 9's host link for a schedule: (bytes/s per direction, pinned host bytes allowed), from its
+    ``device`` profile (default ``costmodel.DEFAULT_PROFILE``) and its ``host_budget``."""
+    from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES
+
+    device = getattr(schedule, "device", None) or DEFAULT_PROFILE
+    profile = PROFILES[device]
+    limit = getattr(schedule, "host_budget", None)
+    return profile.host_link_bytes_per_s, profile.host_bytes if limit is None else limit
+
+
+def timing_of(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> CopyTiming:
+    """:func:`copy_timing` of a schedule on its device's host link (``NO_COPIES`` when it offloads nothing)."""
+    ops = schedule.ops if isinstance(schedule, Schedule) else schedule
+    if all(kind == COMPUTE or kind == FREE for kind, _ in ops):
+        return NO_COPIES
+    return copy_timing(graph, ops, host_link(schedule)[0])
 
 
 def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> SimResult:
     """Replay a schedule on a graph under the rules above; raise ScheduleError at the first broken
     rule, naming the op and the node. O(len(ops) + edges)."""
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
+    _, host_limit = host_link(schedule)
     if isinstance(schedule, Schedule) and schedule.graph_hash and schedule.graph_hash != graph.hash:
         raise ScheduleError(
             f"This schedule was made for graph {schedule.graph!r} (hash {schedule.graph_hash}), not for "
@@ -181,17 +304,30 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
     timeline = np.empty(len(ops), dtype=np.int64)
     written = inplace_writes(graph, ops)  # rule 8: compute position -> the free that releases nothing
     handed_over = set(written.values())
+    timing = timing_of(graph, schedule)
+    on_host = [False] * n  # rule 9: a host copy, from its offload to its reload
+    host = host_peak = offloaded = 0
+    host_timeline = None if timing is NO_COPIES else np.zeros(len(ops), dtype=np.int64)
+    ever_offloaded: set[int] = set()
     for i, (kind, v) in enumerate(ops):
         if not (isinstance(v, (int, np.integer)) and 0 <= v < n):
             raise ScheduleError(f"Op {i} ({kind} {v!r}) names no node of graph {graph.name!r} "
                                 f"(ids are 0..{n - 1}): is this schedule for another graph?")
+        for pos in timing.device_released.get(i, ()):  # rule 9: frees an offload copy was still reading
+            live -= mem[ops[pos][1]]
+        for pos in timing.host_released.get(i, ()):
+            host -= mem[ops[pos][1]]
         if kind == COMPUTE:
+            if on_host[v] and not resident[v]:
+                raise ScheduleError(f"Op {i} computes node {v} ({graph.names[v]!r}), which is offloaded to host "
+                                    "memory: reload it instead.")
             if resident[v]:
                 raise ScheduleError(f"Op {i} computes node {v} ({graph.names[v]!r}), which is already resident.")
             for d in deps[v]:
                 if not resident[d]:
                     raise ScheduleError(f"Op {i} computes node {v} ({graph.names[v]!r}) but its input "
-                                        f"{d} ({graph.names[d]!r}) is not resident.")
+                                        f"{d} ({graph.names[d]!r}) is not resident"
+                                        + (": it is offloaded, reload it first." if on_host[d] else "."))
             if stale[v]:
                 op = output_of[v]
                 raise ScheduleError(f"Op {i} computes node {v} ({graph.names[v]!r}), an output of node {op} "
@@ -214,14 +350,45 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
             if live_views[v]:
                 raise ScheduleError(f"Op {i} frees node {v} ({graph.names[v]!r}) while {live_views[v]} view(s) "
                                     "of it are resident: free the views first.")
+            if i in handed_over and i in timing.deferred:
+                raise ScheduleError(f"Op {i} frees node {v} ({graph.names[v]!r}) for an in-place write (rule 8) "
+                                    "while its offload copy still reads it: wait for the copy first.")
             resident[v] = False
-            stale[v] = output_of[v] >= 0
+            stale[v] = output_of[v] >= 0 and not on_host[v]
             if alias[v] >= 0:
                 live_views[alias[v]] -= 1
-            live -= 0 if i in handed_over else mem[v]
+            live -= 0 if i in handed_over or i in timing.deferred else mem[v]
+        elif kind == OFFLOAD:
+            what = f"Op {i} offloads node {v} ({graph.names[v]!r})"
+            if not resident[v] or on_host[v]:
+                raise ScheduleError(f"{what}, which is " + ("already offloaded." if on_host[v] else "not resident."))
+            if alias[v] >= 0:
+                raise ScheduleError(f"{what}, a view: offload the node whose storage it shares "
+                                    f"({alias[v]}, {graph.names[alias[v]]!r}).")
+            on_host[v] = True
+            ever_offloaded.add(v)
+            host += mem[v]
+            offloaded += mem[v]
+            host_peak = max(host_peak, host)
+            if host_limit is not None and host > host_limit:
+                raise ScheduleError(f"{what}: the pinned host buffers would hold {host} bytes, over the "
+                                    f"host budget of {host_limit} bytes. Offload less, or raise the host budget.")
+        elif kind == RELOAD:
+            if not on_host[v] or resident[v]:
+                raise ScheduleError(f"Op {i} reloads node {v} ({graph.names[v]!r}), which is "
+                                    + ("still resident: free it first." if on_host[v] else "not offloaded."))
+            resident[v], on_host[v] = True, False
+            live += mem[v]  # the bytes come back when the reload starts
+            if live > peak:
+                peak, peak_op = live, i
+        elif kind == WAIT:
+            if v not in ever_offloaded:
+                raise ScheduleError(f"Op {i} waits for node {v} ({graph.names[v]!r}), which was never offloaded.")
         else:
-            raise ScheduleError(f"Op {i} has kind {kind!r}; use 'compute' or 'free'.")
+            raise ScheduleError(f"Op {i} has kind {kind!r}; use one of {', '.join(KINDS)}.")
         timeline[i] = live
+        if host_timeline is not None:
+            host_timeline[i] = host
     never = [v for v in range(n) if not computed[v]]
     if never:
         v = never[0]
@@ -229,12 +396,14 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
                             + (f" and {len(never) - 1} other node(s)" if len(never) > 1 else "")
                             + ": every node must be computed at least once.")
     timeline, peak, peak_op = _beyond_the_graph(graph, ops, timeline, peak, peak_op)
-    base, total = graph.total_cost, math.fsum(computed_costs)
+    stall = timing.stall
+    base, total = graph.total_cost, math.fsum(computed_costs) + stall
     return SimResult(peak=int(peak), peak_op=peak_op, compute_cost=total,
                      overhead=(total / base - 1.0) if base > 0 else 0.0,
                      computes=len([1 for k, _ in ops if k == COMPUTE]), recomputes=int(sum(computed) - n),
                      timeline=timeline, times_computed=np.asarray(computed, dtype=np.int64),
-                     events=recompute_events(graph, ops))
+                     events=recompute_events(graph, ops), offloaded_bytes=offloaded, host_peak=host_peak,
+                     stall=stall, host_timeline=host_timeline)
 
 
 def recompute_events(graph: Graph, ops: Sequence[tuple[str, int]]) -> tuple[RecomputeEvent, ...]:
@@ -262,7 +431,7 @@ def recompute_events(graph: Graph, ops: Sequence[tuple[str, int]]) -> tuple[Reco
             else:
                 close(int(v))
                 seen[v] = 1
-        elif resident:
+        elif kind == FREE and resident:
             resident.discard(v)
     close(-1)
     return tuple(events)

@@ -182,6 +182,10 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
                           f"{method!r} makes a general recompute sequence. Use the CLI for it: bonsai solve --method "
                           f"{method}, then bonsai export --backend replay.")
     check_options(method, options)
+    if options.get("offload"):
+        raise BonsaiError("bonsai.checkpoint and bonsai.plan do not apply offloads to host memory yet: their plans run "
+                          "as torch.utils.checkpoint regions, which would keep offloaded tensors on the device. Trace the "
+                          "step (bonsai trace), solve it with --option offload=true and export it with --backend replay.")
     root, inputs, prefix = _step_inputs(model, example_inputs, loss_fn)
     if any(is_checkpointed(m) for m in model.modules()):
         raise ModelError("The model is already checkpointed by bonsai: plan it as it is without checkpoints "

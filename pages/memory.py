@@ -196,6 +196,10 @@ def memory_over_time() -> None:
         curves.append(plots.curve(method, out.sim.timeline, compute.op_costs(g, out.schedule), out.sim.peak,
                                   out.sim.peak_op, plots.method_colour(method, i), x_mode,
                                   reserved=None if alloc is None else np.asarray(alloc.reserved)))
+        if out.sim.offloaded_bytes:  # rule 9: the pinned host bytes, a line of their own
+            host = out.sim.host_timeline
+            curves.append(plots.curve(f"{method}: on host", host, compute.op_costs(g, out.schedule), out.sim.host_peak,
+                                      int(np.argmax(host)), plots.method_colour(method, i), x_mode, dash="dot"))
         row = {"schedule": method, "peak": format_bytes(out.sim.peak),
                "peak % of no remat": f"{100 * out.sim.peak / base.peak:.1f}",
                "overhead %": f"{100 * out.sim.overhead:.2f}", "ops": len(out.schedule.ops),

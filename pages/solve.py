@@ -47,6 +47,8 @@ def schedule() -> None:
     reused = stats.get("reused_from")
     c[3].metric("solve time", f"{solve:.3f} s" if isinstance(solve, (int, float)) else "—",
                 help=f"Whole call including simulation: {out.wall_seconds:.3f} s (first time; then cached)."
+                + (" Where it went: " + ", ".join(f"{k} {v:.2f} s" for k, v in stats["time_split"].items()) + "."
+                   if stats.get("time_split") else "")
                 + (f" Not solved again: the plan found at {format_bytes(reused)} fits this budget, so it is just as close "
                    "to this budget's optimum." if reused is not None else ""))
     if chosen is not None:

@@ -168,7 +168,7 @@ def test_pruning_is_exact_in_the_model_when_rebuilds_keep_inputs_alive(graph):
     from bonsai_core.solvers.bonsai_coef import lowers_memory
 
     m = int(graph.is_forward.sum())
-    built = B.build(graph, m)
+    built = B.build(graph, m, save_ops=False)
     plans = [(p, c, modelled_peak(built, plan)) for p, c, plan in brute_force_plans(graph)]
     assert any(built.coef.ext[c] > 0 for c in range(built.seg.count))
     useful = int(lowers_memory(built.coef, len(built.seg.forward)).sum())
@@ -178,7 +178,7 @@ def test_pruning_is_exact_in_the_model_when_rebuilds_keep_inputs_alive(graph):
         model_best = min((c for _, c, q in plans if q <= budget), default=None)
         if true_best is None:
             continue
-        schedule = solve(graph, budget, "bonsai", granularity=m)
+        schedule = solve(graph, budget, "bonsai", granularity=m, save_ops=False)
         st = schedule.stats
         assert st["peak"] <= budget and st["compute_cost"] >= true_best - 1e-9
         if model_best is not None:  # the ILP's own optimum, whichever plan was returned
@@ -187,6 +187,86 @@ def test_pruning_is_exact_in_the_model_when_rebuilds_keep_inputs_alive(graph):
             assert st["compute_cost"] <= model_best + 1e-9
         if all(q == p for p, _, q in plans if p <= budget):
             assert st["compute_cost"] == pytest.approx(true_best), budget
+
+
+def all_plans_saving_ops(graph: Graph, built):
+    """Every checkpoint plan, each recomputed segment saving the ops of one of ``built``'s density
+    levels inside it (level 0: none), as (plan, modelled peak from the coefficients of each segment's
+    level)."""
+    from bonsai_core.solvers.bonsai_coef import memory_steps
+
+    seg, memory = built.seg, built.plain.memory
+    pos = {int(v): i for i, v in enumerate(seg.forward)}
+    index = {(int(a), int(b)): c for c, (a, b) in enumerate(zip(seg.starts, seg.ends))}
+    for plan in all_plans(graph):
+        rec = sorted(plan.recomputed)
+        spans = [(min(pos[v] for v in plan.segments[i]), max(pos[v] for v in plan.segments[i]) + 1) for i in rec]
+        for levels in itertools.product(range(len(built.pinned)), repeat=len(rec)):
+            saved = [int(seg.forward[p]) for (a, b), lv in zip(spans, levels) for p in range(a, b) if built.pinned[lv][p]]
+            total = np.zeros(len(memory))
+            for (a, b), lv in zip(spans, levels):
+                col = np.array([index[a, b]], dtype=np.int64)
+                steps = memory_steps(built.coefs[False, lv], col, len(seg.forward), points=len(memory))
+                total += np.cumsum(np.asarray(steps.sum(axis=1)).ravel())
+            yield CheckpointPlan(plan.segments, plan.recomputed, frozenset(), frozenset(saved)), \
+                int(np.ceil((memory + total).max()))
+
+
+@pytest.mark.parametrize("graph", [random_net(2, 5), reader_net(1, 5)], ids=lambda g: g.name)
+def test_saving_ops_inside_recomputed_segments_is_optimal_in_its_model(graph):
+    """Against every plan whose recomputed segments each save one density level's ops (selective
+    checkpointing's MUST_SAVE): the model bounds every plan's simulated peak; at every budget the ILP's
+    optimum is the cheapest plan whose modelled peak fits, the schedule fits, it is the true optimum
+    where the model is exact, and it never costs more than whole-segment plans (save_ops=False)."""
+    m = int(graph.is_forward.sum())
+    built = B.build(graph, m, save_self_contained=False)
+    assert len(built.pinned) > 1 and (built.levels > 0).any()  # levels with columns of their own
+    plans = []
+    for plan, modelled in all_plans_saving_ops(graph, built):
+        sim = simulate(graph, plan_schedule(graph, plan, "brute"))
+        plans.append((sim.peak, sim.compute_cost, modelled))
+    assert all(q >= p for p, _, q in plans)
+    cheaper_somewhere = False
+    for budget in sorted({p for p, _, _ in plans}):
+        true_best = min(c for p, c, _ in plans if p <= budget)
+        model_best = min((c for _, c, q in plans if q <= budget), default=None)
+        st = solve(graph, budget, "bonsai", granularity=m, save_self_contained=False, reuse=False).stats
+        assert st["peak"] <= budget and st["compute_cost"] >= true_best - 1e-9
+        if model_best is not None and st["plan_source"] == "ilp":
+            assert graph.total_cost * (1 + st["objective"]) == pytest.approx(model_best), budget
+        if all(q == p for p, _, q in plans if p <= budget):
+            assert st["compute_cost"] == pytest.approx(true_best), budget
+        try:
+            whole = solve(graph, budget, "bonsai", granularity=m, save_self_contained=False, save_ops=False,
+                          reuse=False).stats["compute_cost"]
+        except BudgetError:
+            whole = np.inf
+        assert st["compute_cost"] <= whole + 1e-9
+
+
+# f1 is a costly op (a matmul) between two cheap ones; f2 reads f1 and, as a residual add does, f0.
+# Segments alone must keep f0 (f2 reads it from outside any segment without f2) or rebuild f1; a
+# recomputed [f0 f1 f2] that saves f1 drops f0 and rebuilds only f0.
+SKIP_OVER_MATMUL = {"format": "bonsai-graph", "version": 1, "name": "skip_over_matmul", "fixed_mem": 0, "nodes": [
+    {"id": 0, "name": "f0", "phase": "forward", "cost": 1, "mem": 8, "deps": []},
+    {"id": 1, "name": "f1", "phase": "forward", "cost": 20, "mem": 2, "deps": [0]},
+    {"id": 2, "name": "f2", "phase": "forward", "cost": 1, "mem": 2, "deps": [1, 0]},
+    {"id": 3, "name": "f3", "phase": "forward", "cost": 1, "mem": 1, "deps": [2]},
+    {"id": 4, "name": "g3", "phase": "backward", "cost": 1, "mem": 1, "deps": [2]},
+    {"id": 5, "name": "g2", "phase": "backward", "cost": 1, "mem": 1, "deps": [4]},
+    {"id": 6, "name": "g1", "phase": "backward", "cost": 1, "mem": 1, "deps": [5, 0, 1]},
+    {"id": 7, "name": "g0", "phase": "backward", "cost": 1, "mem": 1, "deps": [6]}]}
+
+
+def test_a_recomputed_segment_saves_its_costly_op_and_drops_the_cheap_ones_around_it():
+    g = Graph.from_dict(SKIP_OVER_MATMUL)
+    budget = 12  # the no-remat peak is 13: f0 must go before g3 runs
+    whole = solve(g, budget, "bonsai", save_ops=False, reuse=False).stats
+    st = solve(g, budget, "bonsai", reuse=False)
+    plan = CheckpointPlan.from_extra(st.extra)
+    assert st.stats["peak"] <= budget and 1 in plan.saved
+    assert st.stats["compute_cost"] == pytest.approx(g.total_cost + 1)  # f0 rebuilt, f1 not
+    assert whole["compute_cost"] > st.stats["compute_cost"]
 
 
 # The forward pass peaks at f2 unless f0, read by f1 and the backward pass, is freed after f1: only a
@@ -204,16 +284,14 @@ def all_plans_saving_self_contained(graph: Graph):
     """Every checkpoint plan, each recomputed segment saving its self-contained nodes when it holds
     others too (bonsai's default)."""
     from bonsai_core.segment import segment
-    from bonsai_core.solvers.bonsai_coef import self_contained_from
+    from bonsai_core.solvers.bonsai_coef import self_contained
 
     seg = segment(graph, 1)
-    lowest = dict(zip(seg.forward.tolist(), self_contained_from(graph).tolist()))
-    pos = {int(v): i for i, v in enumerate(seg.forward)}
+    constant = dict(zip(seg.forward.tolist(), self_contained(graph).tolist()))
     for plan in all_plans(graph):
         saved = []
         for i in plan.recomputed:
-            start = min(pos[u] for u in plan.segments[i])
-            constants = [v for v in plan.segments[i] if lowest[v] >= start]
+            constants = [v for v in plan.segments[i] if constant[v]]
             if len(constants) < len(plan.segments[i]):
                 saved += constants
         yield CheckpointPlan(plan.segments, plan.recomputed, frozenset(), frozenset(saved))
@@ -227,7 +305,7 @@ def test_saving_self_contained_is_optimal_in_its_model(graph):
     optimum is the cheapest plan whose modelled peak fits, the schedule fits, and it is the true
     optimum where the model is exact."""
     m = int(graph.is_forward.sum())
-    built = B.build(graph, m)
+    built = B.build(graph, m, save_ops=False)
     assert built.saving.any()
     plans = []
     for plan in all_plans_saving_self_contained(graph):
@@ -239,7 +317,7 @@ def test_saving_self_contained_is_optimal_in_its_model(graph):
         model_best = min((c for _, c, q in plans if q <= budget), default=None)
         if true_best is None:
             continue
-        st = solve(graph, budget, "bonsai", granularity=m).stats
+        st = solve(graph, budget, "bonsai", granularity=m, save_ops=False).stats
         assert st["peak"] <= budget and st["compute_cost"] >= true_best - 1e-9
         if model_best is not None:
             ilp = st["objective"] if st["plan_source"] == "ilp" else st["ilp_overhead"]
@@ -252,11 +330,11 @@ def test_a_segment_saves_the_mask_instead_of_rebuilding_it():
     """masked_net(1): at 36 bytes the cheapest plan recomputes the segment f1, ones, tril, f2 but saves
     ones and tril (cost 29); rebuilding the mask too costs 30."""
     g = masked_net(1, 5)
-    s = solve(g, 36, "bonsai", granularity=5)
+    s = solve(g, 36, "bonsai", granularity=5, save_ops=False)
     assert s.stats["compute_cost"] == pytest.approx(29) and s.stats["self_contained_saved"] == 2
     plan = CheckpointPlan.from_extra(s.extra)
     assert [g.names[v] for v in sorted(plan.saved)] == ["ones", "tril"]
-    assert solve(g, 36, "bonsai", granularity=5, save_self_contained=False).stats["compute_cost"] == pytest.approx(30)
+    assert solve(g, 36, "bonsai", granularity=5, save_self_contained=False, save_ops=False).stats["compute_cost"] == pytest.approx(30)
 
 
 def all_plans_dropping_outputs(graph: Graph):
@@ -288,7 +366,7 @@ def modelled_peak_dropping_outputs(built, plan: CheckpointPlan) -> int:
     total = np.zeros(len(memory))
     for i in sorted(plan.recomputed):
         c = index[(min(pos[v] for v in plan.segments[i]), max(pos[v] for v in plan.segments[i]) + 1)]
-        opened = built.coefs[True]
+        opened = built.coefs[True, 0]
         has_readers = opened.reader_ptr[c + 1] > opened.reader_ptr[c]
         coef = opened if i in plan.drop_outputs and has_readers else built.coef
         total += np.asarray(memory_steps(coef, np.array([c]), m, points=len(memory)).sum(axis=1)).ravel()
@@ -306,7 +384,7 @@ def test_dropping_outputs_is_optimal_in_its_model_and_never_worse(graph):
     budget, and it never costs more than the plan with outputs kept, nor than the true optimum of the
     larger space where the model is exact."""
     m = int(graph.is_forward.sum())
-    built = B.build(graph, m, drop_outputs=True)
+    built = B.build(graph, m, drop_outputs=True, save_ops=False)
     plans = []
     for plan in all_plans_dropping_outputs(graph):
         sim = simulate(graph, plan_schedule(graph, plan, "brute"))
@@ -318,13 +396,13 @@ def test_dropping_outputs_is_optimal_in_its_model_and_never_worse(graph):
         model_best = min((c for _, c, q in plans if q <= budget), default=None)
         if true_best is None:
             continue
-        st = solve(graph, budget, "bonsai", granularity=m, drop_outputs=True).stats
+        st = solve(graph, budget, "bonsai", granularity=m, drop_outputs=True, save_ops=False).stats
         assert st["peak"] <= budget and st["compute_cost"] >= true_best - 1e-9
         if model_best is not None:
             ilp = st["objective"] if st["plan_source"] == "ilp" else st["ilp_overhead"]
             assert graph.total_cost * (1 + ilp) == pytest.approx(model_best), budget
         try:
-            kept = solve(graph, budget, "bonsai", granularity=m).stats["compute_cost"]
+            kept = solve(graph, budget, "bonsai", granularity=m, save_ops=False).stats["compute_cost"]
         except BudgetError:
             kept = np.inf
         assert st["compute_cost"] <= kept + 1e-9, budget
@@ -338,7 +416,7 @@ def test_dropping_an_output_frees_it_after_its_last_forward_reader():
     from bonsai_core.solvers.bonsai_coef import coefficients
 
     g = Graph.from_dict(FORWARD_PEAK)
-    built = B.build(g, 3, drop_outputs=True)
+    built = B.build(g, 3, drop_outputs=True, save_ops=False)
     c = next(c for c in range(built.seg.count) if (built.seg.starts[c], built.seg.ends[c]) == (0, 1))
     opened = coefficients(g, built.seg, built.plain, drop_outputs=True)
     assert opened.save_pos[opened.save_ptr[c]:opened.save_ptr[c + 1]].tolist() == [2]
@@ -346,7 +424,7 @@ def test_dropping_an_output_frees_it_after_its_last_forward_reader():
     assert built.coef.saved[c] == 0  # with its output kept, f0 saves nothing
     plan = CheckpointPlan.of([[0], [1], [2]], [0], [0])  # f0 alone, its output dropped
     assert simulate(g, plan_schedule(g, plan, "bonsai")).peak == modelled_peak_dropping_outputs(built, plan) == 10
-    assert solve(g, 10, "bonsai", granularity=3, drop_outputs=True).stats["peak"] <= 10
+    assert solve(g, 10, "bonsai", granularity=3, drop_outputs=True, save_ops=False).stats["peak"] <= 10
 
 
 def test_a_segment_may_drop_only_outputs_that_kept_segments_read():
@@ -373,7 +451,7 @@ def test_mul8_meets_budget_4_at_the_optimum():
     """The issue's smallest case: recomputing b1, b2 (with a, their segment's boundary) fits 4 bytes
     at cost 9; the old `saved > ext` rule pruned it and claimed 5 bytes were needed."""
     g = Graph.from_dict(MUL8)
-    s = solve(g, 4, "bonsai")
+    s = solve(g, 4, "bonsai", save_ops=False)
     assert s.stats["peak"] <= 4 and s.stats["compute_cost"] == pytest.approx(9)
     plan = CheckpointPlan.from_extra(s.extra)
     rebuilt = {v for i in plan.recomputed for v in plan.segments[i]}
@@ -389,7 +467,7 @@ def test_bonsai_matches_brute_force_over_all_checkpoint_plans(graph):
     m = int(graph.is_forward.sum())
     for budget in peaks:
         best = min(c for p, c in plans if p <= budget)
-        schedule = solve(graph, budget, "bonsai", granularity=m)
+        schedule = solve(graph, budget, "bonsai", granularity=m, save_ops=False)
         assert schedule.stats["peak"] <= budget
         assert schedule.stats["compute_cost"] == pytest.approx(best, rel=1e-6), budget
         assert schedule.stats["tightened_by"] == 0
@@ -402,7 +480,7 @@ def test_every_granularity_meets_every_budget_its_candidates_meet_and_finer_neve
     plans (the model is exact on chains); the coarser granularity never costs more."""
     g = chain(6)
     plans = brute_force_plans(g)
-    built = B.build(g, granularity)
+    built = B.build(g, granularity, save_ops=False)
     spans = set(zip(built.seg.starts.tolist(), built.seg.ends.tolist()))
     pos = {int(v): i for i, v in enumerate(built.seg.forward)}
 
@@ -414,10 +492,10 @@ def test_every_granularity_meets_every_budget_its_candidates_meet_and_finer_neve
         best = min((c for p, c, plan in plans if p <= budget and expressible(plan)), default=None)
         if best is None:
             continue
-        s = solve(g, budget, "bonsai", granularity=granularity)  # a BudgetError here fails the test
+        s = solve(g, budget, "bonsai", granularity=granularity, save_ops=False)  # a BudgetError here fails the test
         assert s.stats["peak"] <= budget and s.stats["granularity"] == granularity
         assert s.stats["compute_cost"] == pytest.approx(best), budget
-        coarse = solve(g, budget, "bonsai", granularity=6)
+        coarse = solve(g, budget, "bonsai", granularity=6, save_ops=False)
         assert coarse.stats["compute_cost"] <= s.stats["compute_cost"] + 1e-9
 
 
@@ -426,7 +504,7 @@ def test_every_granularity_meets_every_budget_its_candidates_meet_and_finer_neve
 def test_auto_granularity_meets_every_budget_a_checkpoint_plan_meets_on_small_graphs(graph):
     plans = brute_force(graph)
     for budget in sorted({p for p, _ in plans}):
-        s = solve(graph, budget, "bonsai")  # a BudgetError here fails the test
+        s = solve(graph, budget, "bonsai", save_ops=False)  # a BudgetError here fails the test
         assert s.stats["peak"] <= budget and s.stats["granularity_mode"] == "auto"
         assert s.stats["compute_cost"] <= min(c for p, c in plans if p <= budget) * 1.0 + 1e-9 or \
             s.stats["model_slack"] > 0
@@ -682,3 +760,20 @@ def test_a_small_unet_reaches_only_the_region_bound_and_moccasin_goes_below_it()
     recomputed = {v for k, v in m.ops if k == "compute"}
     twice = [v for v in recomputed if sum(1 for k, u in m.ops if k == "compute" and u == v) > 1]
     assert m.stats["peak"] <= half and any(not g.is_forward[v] for v in twice)
+
+
+def test_solve_seconds_is_the_wall_time_of_the_whole_call_and_says_where_it_went(gpt):
+    """The reported time includes the model's build (a cold cache here), the MILP, the simulator's
+    checks and the fallback plans: it is the call's wall time, split by part."""
+    import time
+
+    B._cache.clear()
+    start = time.perf_counter()
+    s = solve(gpt, int(no_remat_peak(gpt) * 0.6), "bonsai", reuse=False)
+    wall = time.perf_counter() - start
+    st = s.stats
+    assert {"profile", "build", "solve", "validate"} <= set(st["time_split"])
+    assert st["time_split"]["build"] > 0
+    assert sum(st["time_split"].values()) <= st["solve_seconds"] + 1e-2
+    assert st["solve_seconds"] <= st["wall_seconds"] <= wall
+    assert st["solve_seconds"] >= st["milp_seconds"] + st["time_split"]["build"] - 1e-2

@@ -20,6 +20,7 @@ from bonsai_core.export import ExportError
 from bonsai_core.export.checkpoint import export_checkpoint
 from bonsai_core.export.verify import load_checkpointed, verify_checkpoint
 from bonsai_core.models.zoo import CrossEntropyLoss
+from bonsai_core.regions import CheckpointPlan
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
 from bonsai_core.trace import trace_model
@@ -332,3 +333,22 @@ def test_recomputation_mismatch_follows_sacs_pairing():
     assert "shapes" in recomputation_mismatch(fwd, grown)
     assert "order" in recomputation_mismatch(fwd, [fwd[3], fwd[0]])
     assert "aten.slice.Tensor" in recomputation_mismatch(fwd, [fwd[0], ["aten.slice.Tensor", ((4, 2),)]])
+
+
+def test_module_region_plans_that_save_ops_inside_modules_are_applied_as_sac_policies(tmp_path):
+    """regions="modules" gets bonsai's per-op freedom (save_ops): at share 0.7 of the zoo GPT the plan
+    saves matmul outputs inside its checkpointed modules and costs less than whole-module plans
+    (measured: +6.96% against +13.91%); the export writes those ops as MUST_SAVE, trains the same, and
+    the measured peak is within the tolerance of the prediction (the back-end's realised peak, what the
+    checkpoints really run, is at or below the plan's)."""
+    graph, schedule = solved("gpt", GPT, "bonsai", 0.7, regions="modules")
+    whole = solve(graph, schedule.budget, "bonsai", regions="modules", save_ops=False, reuse=False)
+    assert schedule.stats["overhead"] < whole.stats["overhead"]
+    saved = CheckpointPlan.from_extra(schedule.extra).saved
+    matmuls = ("aten.addmm.default", "aten.bmm.default")
+    assert any(graph.ops[v] in matmuls for v in saved)
+    check_export(tmp_path, "gpt", GPT, "bonsai", 0.7, regions="modules")
+    exported = load_checkpointed(tmp_path / "ck")
+    # the matmuls' outputs reach the model's code as their _unsafe_view (3-D linear, bmm): saved there
+    assert any("aten._unsafe_view.default" in saves for saves in exported.SAVE.values())
+    assert exported.INFO["realised_peak"] <= exported.INFO["predicted_peak"]

@@ -6,6 +6,14 @@ time after a budget change.
     bonsai bench bonsai --models gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8 \
         --fractions 0.45 0.4 --skip-granularity --skip-resolve --skip-smallest
     bonsai bench bonsai --models graph.json ...   # a traced graph file (no re-tracing)
+    bonsai bench bonsai --models g8b.json --fractions 0.5 0.3 --budgets 82.4GiB \
+        --variants default save_ops=false regions=modules --compare chen dtr \
+        --skip-granularity --skip-resolve --skip-smallest   # the real step (docs/results/bonsai.md)
+
+``--variants``: bonsai's option sets, each ``default`` or ``name=value,...`` (``bonsai methods
+bonsai`` lists the options); ``--budgets``: budgets in bytes (``82.4GiB``) next to the shares of
+``--fractions``. The tables give the wall time of each call and where it went (``time_split``), and
+the tool's own peak memory (the process's maximum resident set) after each row.
 
 Every schedule goes through ``bonsai_core.solvers.solve`` (so the simulator validates it); budgets are
 shares of the no-remat peak. Default options for every method (bonsai: granularity "auto", gap 1%),
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import time
 from typing import Any
@@ -59,7 +68,20 @@ def run(graph, budget: int | None, method: str = "bonsai", **options: Any) -> di
     return {k: st.get(k) for k in ("status", "gap", "variables", "constraints", "build_seconds", "solve_seconds",
                                    "candidates", "ilp_candidates", "segments", "recomputed_segments", "peak",
                                    "overhead", "cached", "granularity", "granularities_tried", "plan_source",
-                                   "model_slack", "tightened_by")} | {"wall_seconds": time.perf_counter() - start}
+                                   "model_slack", "tightened_by", "time_split", "saved_nodes")} | \
+        {"wall_seconds": time.perf_counter() - start, "tool_rss_bytes": max_rss()}
+
+
+def max_rss() -> int:
+    """The process's peak resident memory so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def variant_options(text: str) -> dict[str, Any]:
+    """``default`` or ``name=value,...``: bonsai's options, parsed as ``--option`` parses them."""
+    from bonsai_core.solvers import parse_option
+
+    return {} if text == "default" else dict(parse_option("bonsai", part) for part in text.split(","))
 
 
 def fmt(x: Any, spec: str = ".3g") -> str:
@@ -75,6 +97,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The suite's options."""
     ap.add_argument("--models", nargs="*", default=DEFAULT_MODELS)
     ap.add_argument("--fractions", nargs="*", type=float, default=[0.7, 0.5, 0.45, 0.4])
+    ap.add_argument("--budgets", nargs="*", default=[], help="budgets in bytes, e.g. 82.4GiB (after the fractions)")
+    ap.add_argument("--variants", nargs="*", default=["default"],
+                    help="bonsai option sets: 'default' or name=value,... (e.g. save_ops=false regions=modules)")
     ap.add_argument("--backends", nargs="*", default=["highs"])
     ap.add_argument("--compare", nargs="*", default=["chen", "dtr"])
     ap.add_argument("--time-limit", type=float, default=120.0)
@@ -106,30 +131,39 @@ def main(args: argparse.Namespace) -> int:
 def solve_table(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, tuple[str, Any]]]:
     """Bonsai (and the methods compared) on every model, backend and budget; the rows and the graphs."""
     rows: list[dict[str, Any]] = []
-    print("| model | nodes | budget | method | granularity | ILP cand. | vars | wall s | status | gap | source "
-          "| peak/plain | overhead |")
-    print("|" + "---|" * 13)
+    from bonsai_core.budget import parse_budget
+
+    print("| model | nodes | budget | method | granularity | ILP cand. | vars | wall s (split) | status | gap | source "
+          "| peak/plain | overhead | tool RSS |")
+    print("|" + "---|" * 14)
     graphs = {}
     for spec in args.models:
         label, g = graphs[spec] = load(spec)
         plain = no_remat_peak(g)
         for backend in args.backends:
             B._cache.clear()  # the first row pays the build (and the import of CVXPY, once per process)
-            for frac in args.fractions:
-                for method in ["bonsai"] + args.compare:
-                    opts = {"backend": backend} if method == "bonsai" else {}
+            budgets = [int(plain * f) for f in args.fractions] + [parse_budget(b).resolve(plain) for b in args.budgets]
+            for budget in budgets:
+                frac = budget / plain
+                methods = [("bonsai", v) for v in args.variants] + [(m, "") for m in args.compare]
+                for method, variant in methods:
+                    opts = {"backend": backend, **variant_options(variant)} if method == "bonsai" else {}
                     opts["time_limit"] = args.time_limit
-                    r = run(g, int(plain * frac), method, **opts)
-                    r |= {"model": label, "nodes": g.n, "fraction": frac, "method": method, "backend": backend,
-                          "plain_peak": plain, "load": load_average()}
+                    name = method if variant in ("", "default") else f"{method} {variant}"
+                    r = run(g, budget, method, **opts)
+                    r |= {"model": label, "nodes": g.n, "fraction": frac, "budget": budget, "method": name,
+                          "backend": backend, "plain_peak": plain, "load": load_average()}
                     rows.append(r)
                     if "error" in r:
-                        print(f"| {label} | {g.n} | {frac:.0%} | {method} | {r['error']} ({r['wall_seconds']:.2f} s) |")
+                        print(f"| {label} | {g.n} | {frac:.1%} | {name} | {r['error']} ({r['wall_seconds']:.2f} s) |")
                         continue
-                    print(f"| {label} | {g.n} | {frac:.0%} | {method} | {fmt(r['granularity'])} | "
-                          f"{fmt(r['ilp_candidates'])} | {fmt(r['variables'])} | {r['wall_seconds']:.2f} | "
+                    split = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("time_split") or {}).items())
+                    print(f"| {label} | {g.n} | {frac:.1%} | {name} | {fmt(r['granularity'])} | "
+                          f"{fmt(r['ilp_candidates'])} | {fmt(r['variables'])} | {r['wall_seconds']:.2f}"
+                          f"{f' ({split})' if split else ''} | "
                           f"{r['status']} | {fmt(r['gap'], '.2g')} | {fmt(r['plan_source'])} | "
-                          f"{r['peak'] / plain:.3f} | {r['overhead']:+.2%} |", flush=True)
+                          f"{r['peak'] / plain:.3f} | {r['overhead']:+.2%} | {r['tool_rss_bytes'] / 2**30:.2f} GiB |",
+                          flush=True)
     print(f"\nload average: {load_average()}")
     return rows, graphs
 

@@ -518,6 +518,11 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
             f"{schedule.method!r} schedule is a general recompute sequence (a tensor may be recomputed several "
             "times, or freed before its last use), which torch.utils.checkpoint cannot express. Export it with "
             "--backend replay, or solve with --method bonsai or chen.")
+    if schedule.extra.get("offloaded"):
+        raise ExportError(
+            f"This plan offloads {len(schedule.extra['offloaded'])} saved tensor(s) to host memory, which the "
+            "checkpoint back-end does not apply yet (it would run them kept on the device, above the predicted "
+            "peak). Export it with --backend replay, which runs the offloads, or solve without offload=true.")
     traced = trace_for_schedule(model, options, schedule, profile=profile, seed=seed, autocast=autocast)
     graph = traced.graph
     sim = simulate(graph, schedule)

@@ -63,7 +63,7 @@ def schedule_info(graph: Graph, schedule: Schedule, sim: SimResult) -> dict[str,
     the simulator's prediction for it; each back-end appends its own keys."""
     return {"graph": graph.name, "graph_hash": graph.hash, "method": schedule.method, "budget": schedule.budget,
             "predicted_peak": sim.peak, "fixed_mem": graph.fixed_mem, "recomputes": sim.recomputes,
-            "overhead": sim.overhead}
+            "overhead": sim.overhead, "offloaded_bytes": sim.offloaded_bytes, "predicted_host_peak": sim.host_peak}
 
 
 def write_folder(out_dir: str | Path, source: str, graph: Graph, schedule: Schedule, sim: SimResult,
@@ -78,7 +78,8 @@ def write_folder(out_dir: str | Path, source: str, graph: Graph, schedule: Sched
         if constants:
             torch.save(constants, out / "constants.pt")
         saved = Schedule(graph=graph.name, method=schedule.method, ops=list(schedule.ops), budget=schedule.budget,
-                         graph_hash=graph.hash, stats={**schedule.stats, **sim.stats()}, extra=schedule.extra)
+                         graph_hash=graph.hash, stats={**schedule.stats, **sim.stats()}, extra=schedule.extra,
+                         device=schedule.device, host_budget=schedule.host_budget)
         (out / "schedule.json").write_text(json.dumps(saved.to_dict(), separators=(",", ":")) + "\n")
         (out / "README.md").write_text(readme(out.resolve()))
     except OSError as e:

@@ -22,7 +22,7 @@ import torch.fx as fx
 from bonsai_core.errors import ScheduleError
 from bonsai_core.export.folder import ExportError, schedule_info, trace_for_schedule, write_folder
 from bonsai_core.export.readme import replay_readme
-from bonsai_core.schedule import COMPUTE, FREE, Schedule, inplace_writes, simulate
+from bonsai_core.schedule import COMPUTE, FREE, OFFLOAD, RELOAD, WAIT, Schedule, inplace_writes, simulate
 from bonsai_core.trace import Traced, built_for_tracing
 from bonsai_core.trace.to_graph import IDENTITY_OPS
 
@@ -146,9 +146,9 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
     ops = schedule.ops
     split, carried = _split_at_loss(ops, outputs.loss_node)
     body = _Body(ops, nodes, traced.graph.names, writer, outputs, _replayed(ops, nodes), *_multi_outputs(ops, nodes, writer),
-                 _in_place(traced, ops, nodes, writer))
+                 _in_place(traced, ops, nodes, writer), [traced.graph.deps(v).tolist() for v in range(traced.graph.n)])
     unpack = "(" + "".join(f"a{i}, " for i in range(len(placeholders) + len(constants))) + ") = args"
-    carried_vars = "".join(f"v{v}, " for v in carried)
+    carried_vars = "".join(f"{name}, " for name in carried)
     fwd = [unpack, "rng = {}", *outputs.first_lines, *body.lines(range(split), False),
            f"return loss, [{carried_vars}], rng"]
     bwd = [unpack]
@@ -230,16 +230,23 @@ def _buffer_writes(written: list[fx.Node], buffer_writes: list[tuple[Any, str]],
     return first_lines, writes, rebind
 
 
-def _split_at_loss(ops: list[tuple[str, int]], loss_node: int) -> tuple[int, list[int]]:
+def _split_at_loss(ops: list[tuple[str, int]], loss_node: int) -> tuple[int, list[str]]:
     """Where ``forward_part`` ends (after the loss's compute and the frees right after it), and the
-    nodes alive there, which it hands to ``backward_part``."""
+    variables alive there, which it hands to ``backward_part``: ``v<id>`` for a node on the device,
+    ``h<id>`` for its host copy (rule 9)."""
     split = next(i for i, (k, v) in enumerate(ops) if k == COMPUTE and v == loss_node) + 1
     while split < len(ops) and ops[split][0] == FREE:
         split += 1
-    alive: set[int] = set()
+    alive: set[tuple[str, int]] = set()
     for kind, v in ops[:split]:
-        (alive.add if kind == COMPUTE else alive.discard)(v)
-    return split, sorted(alive)
+        if kind in (COMPUTE, RELOAD):
+            alive.add(("v", v))
+            alive.discard(("h", v))
+        elif kind == FREE:
+            alive.discard(("v", v))
+        elif kind == OFFLOAD:
+            alive.add(("h", v))
+    return split, [f"{prefix}{v}" for prefix, v in sorted(alive, key=lambda a: (a[1], a[0] == "h"))]
 
 
 def _replayed(ops: list[tuple[str, int]], nodes: list[fx.Node]) -> set[int]:
@@ -282,6 +289,8 @@ def _multi_outputs(ops: list[tuple[str, int]], nodes: list[fx.Node], writer: _Wr
     pending: set[int] = set()
     for p in range(len(ops) - 1, -1, -1):
         kind, v = ops[p]
+        if kind not in (COMPUTE, FREE):  # a host copy and its reload are the same copy (rule 9)
+            continue
         if v in split_ops:
             if kind == COMPUTE:
                 unread[p] = [i for g, i in getitems[v] if g not in pending]
@@ -305,17 +314,33 @@ class _Body:
     split_ops: set[int]
     unread: dict[int, list[int]]
     in_place: set[int]  # schedule positions of computes written with the in-place overload (rule 8)
+    deps: list[list[int]]  # each graph node's inputs
     computed: set[int] = field(default_factory=set)
+    reloading: set[int] = field(default_factory=set)  # reloaded nodes no compute has waited for yet
 
     def lines(self, positions: range, backward: bool) -> list[str]:
-        """The lines of the ops at ``positions``: a ``del`` per free, a call per compute."""
+        """The lines of the ops at ``positions``: a ``del`` per free, a call per compute, the copies of
+        rule 9 (``offload`` and ``reload`` on the copy streams, ``ready`` where compute waits for one)."""
         lines = []
         for p in positions:
             kind, v = self.ops[p]
             if kind == FREE:
                 lines.append(f"del v{v}")
+            elif kind == OFFLOAD:
+                if v in self.split_ops:
+                    raise ExportError(f"The schedule offloads node {v} ({self.names[v]!r}), a multi-output op whose "
+                                      "other outputs are nodes of their own; the program holds them together. "
+                                      "Offload only what offload.offloadable allows.")
+                lines.append(f"h{v} = offload(v{v})")
+            elif kind == WAIT:
+                lines.append(f"ready(h{v})")
+            elif kind == RELOAD:
+                lines += [f"v{v} = reload(h{v}, dev)", f"del h{v}"]
+                self.reloading.add(v)
             else:
-                lines += self.compute(p, v, backward)
+                waits = sorted(self.reloading.intersection(self.deps[v]))
+                self.reloading.difference_update(waits)
+                lines += [f"ready(v{d})" for d in waits] + self.compute(p, v, backward)
         return lines
 
     def compute(self, p: int, v: int, backward: bool) -> list[str]:

@@ -106,6 +106,7 @@ class Verification:
     autocast: str | None = None
     max_grad_scaled_diff: float = 0.0  # largest gradient difference / that tensor's largest magnitude
     precision: str | None = None  # "bf16" / "fp16" when the parameters (their gradients) are in that type
+    measured_host_peak: int = 0  # offloaded copies (rule 9), counted apart from the peak (CPU only)
 
     @property
     def loss_diff(self) -> float:
@@ -207,7 +208,7 @@ def verify_export(model: str, options: dict[str, Any], out_dir: str | Path, *, d
                         grads_none_mismatch=mismatch, seconds_original=seconds_original,
                         seconds_exported=seconds_exported, predicted_overhead=float(exported.INFO.get("overhead", 0.0)),
                         autocast=autocast, max_grad_scaled_diff=max(grad_scaled, scaled_none),
-                        precision=precision_of(reference.values()))
+                        precision=precision_of(reference.values()), measured_host_peak=measured.host_peak)
 
 
 @dataclass(frozen=True)

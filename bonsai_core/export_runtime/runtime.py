@@ -4,7 +4,8 @@ schedule prescribes.
 
 The step is the AOTAutograd joint graph that ``bonsai trace`` traced: aten ops, one generated line per
 scheduled ``compute`` and a ``del`` per scheduled ``free``, so Python frees each tensor exactly where
-the schedule does and a recomputed tensor is simply computed again. ``forward_part`` runs the ops up to
+the schedule does and a recomputed tensor is simply computed again. A schedule that offloads saved
+tensors to host memory gets an ``offload`` / ``reload`` / ``ready`` call per such op (copy streams below). ``forward_part`` runs the ops up to
 the loss inside ``torch.autograd.Function.forward``; ``backward_part`` runs the rest (the recomputations
 and the gradients) when autograd calls the Function's ``backward``.
 """
@@ -200,6 +201,75 @@ def _attention_blocks(query, key, value, attn_bias, is_causal, scale):  # noqa: 
 def _dropout_multiplier(probs, dropout_p):  # noqa: ANN001, ANN202
     """What eager's CPU dropout multiplies by: a Bernoulli(1 - p) draw over ``probs``'s shape, / (1 - p)."""
     return torch.empty_like(probs).bernoulli_(1 - dropout_p).div_(1 - dropout_p)
+
+
+# -- offload to host (simulator rule 9): a copy stream per direction, overlapped with compute ----------
+
+_COPY_STREAMS: dict[tuple[str, int | None], Any] = {}
+
+
+def _copy_stream(direction: str, dev: torch.device) -> Any:
+    """The one CUDA stream of ``direction`` ("d2h" or "h2d") on ``dev``: copies in issue order."""
+    key = (direction, dev.index)
+    if key not in _COPY_STREAMS:
+        _COPY_STREAMS[key] = torch.cuda.Stream(dev)
+    return _COPY_STREAMS[key]
+
+
+def offload(value):  # noqa: ANN001, ANN201
+    """A host copy of ``value`` (a tensor, or a multi-output op's list), started now: on CUDA a pinned
+    buffer filled on the device-to-host stream once the compute issued so far has written ``value``;
+    ``value``'s block is recorded on that stream, so deleting ``value`` gives the block back only when
+    the copy has ended. On the CPU, where device and host are the same memory, a plain copy that a
+    measuring dispatch mode counts apart (``count_on_host``, bonsai_core.measure.LiveBytes)."""
+    if isinstance(value, (list, tuple)):
+        return [offload(x) if isinstance(x, torch.Tensor) else x for x in value]
+    if value.device.type != "cuda":
+        host = value.clone()
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        for mode in _get_current_dispatch_mode_stack():
+            if hasattr(mode, "count_on_host"):
+                mode.count_on_host(host)
+        return host
+    stream = _copy_stream("d2h", value.device)
+    stream.wait_stream(torch.cuda.current_stream(value.device))
+    with torch.cuda.stream(stream):
+        host = torch.empty_like(value, device="cpu", pin_memory=True)
+        host.copy_(value, non_blocking=True)
+    value.record_stream(stream)
+    host.bonsai_copied = stream.record_event()
+    return host
+
+
+def reload(host, dev: torch.device):  # noqa: ANN001, ANN201
+    """``host`` (what :func:`offload` returned) back on ``dev``, started now: on CUDA a block taken on
+    the compute stream (so the bytes count from here, as the simulator counts them), filled on the
+    host-to-device stream after the offload's copy; call :func:`ready` on the result before reading it."""
+    if isinstance(host, (list, tuple)):
+        return [reload(x, dev) if isinstance(x, torch.Tensor) else x for x in host]
+    if dev.type != "cuda":
+        return host.clone()
+    stream = _copy_stream("h2d", dev)
+    value = torch.empty_like(host, device=dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    offloaded = getattr(host, "bonsai_copied", None)
+    if offloaded is not None:
+        stream.wait_event(offloaded)
+    with torch.cuda.stream(stream):
+        value.copy_(host, non_blocking=True)
+    value.record_stream(stream)
+    value.bonsai_copied = stream.record_event()
+    return value
+
+
+def ready(value) -> None:  # noqa: ANN001
+    """Make the compute stream wait for the copy that wrote ``value`` (a reload), or read it (an offload's
+    host copy, for a scheduled ``wait``); nothing on the CPU, where copies are done when issued."""
+    for t in value if isinstance(value, (list, tuple)) else [value]:
+        event = getattr(t, "bonsai_copied", None) if isinstance(t, torch.Tensor) else None
+        if event is not None:
+            event.wait()
 
 
 class _ScheduledStep(torch.autograd.Function):

@@ -43,8 +43,10 @@ BudgetError saying none was found.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -57,7 +59,8 @@ from bonsai_core.regions import (CheckpointPlan, block_plans, checkpoint_sequenc
                                  region_peak_bound)
 from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.segment import default_granularity, op_count, segment
-from bonsai_core.solvers.bonsai_coef import PlainProfile, plain_profile, saved_positions, self_contained_from
+from bonsai_core.solvers.bonsai_coef import (PlainProfile, density_levels, plain_profile, saved_positions,
+                                             self_contained)
 from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
 from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, solve_milp
@@ -108,13 +111,13 @@ class FallbackPlans:
 
 
 def saving_self_contained(graph: Graph, plan: CheckpointPlan, spans: tuple[tuple[int, int], ...],
-                     lowest: np.ndarray) -> CheckpointPlan:
+                     constant: np.ndarray) -> CheckpointPlan:
     """``plan``, whose recomputed segments are the forward-position ``spans`` (fallback plans' segments are runs of
     the forward order), with each of them saving its self-contained nodes (when it holds others too),
-    as bonsai's own plans do; ``lowest``: :func:`self_contained_from`."""
+    as bonsai's own plans do; ``constant``: :func:`self_contained`."""
     forward = np.flatnonzero(graph.is_forward)
     return dataclasses.replace(plan, saved=frozenset(int(v) for a, b in spans
-                                                     for v in forward[saved_positions(lowest, a, b)]))
+                                                     for v in forward[saved_positions(constant, a, b)]))
 
 
 _cache: "OrderedDict[tuple[str, Any], Any]" = OrderedDict()
@@ -157,14 +160,14 @@ def fallback_plans(graph: Graph, regions: Regions = "any", save_self_contained: 
 
     def make() -> FallbackPlans:
         pos = forward_positions(graph)
-        lowest = self_contained_from(graph) if save_self_contained else None
+        constant = self_contained(graph) if save_self_contained else None
         plans = []
         chen = candidate_plans(graph, "auto") if regions == "any" else []
         for label, plan in [*chen, *block_plans(graph)]:
             spans = tuple((int(pos[list(plan.segments[i])].min()), int(pos[list(plan.segments[i])].max()) + 1)
                           for i in sorted(plan.recomputed))
             plans.append((label, plan, spans))
-            saving = saving_self_contained(graph, plan, spans, lowest) if save_self_contained else plan
+            saving = saving_self_contained(graph, plan, spans, constant) if save_self_contained else plan
             if saving != plan:
                 plans.append((f"{label}, self-contained nodes saved", saving, spans))
         return FallbackPlans(spans=tuple(sorted({sp for *_, spans in plans for sp in spans} | module_spans(graph))),
@@ -184,19 +187,23 @@ def auto_ladder(graph: Graph) -> list[int]:
 
 
 def build(graph: Graph, granularity: int | None = None, regions: Regions = "any",
-          drop_outputs: bool = False, save_self_contained: bool = True) -> BuiltModel:
+          drop_outputs: bool = False, save_self_contained: bool = True, save_ops: bool = True,
+          offload: bool = False) -> BuiltModel:
     """The segment ILP of ``graph`` at ``granularity`` (None: the paper's default, round(2·√ops)),
     with Chen's segments and the module calls as extra candidates; built once per (graph hash,
     granularity, regions) and cached (the last few), so a budget change only sets the Parameter.
     ``regions="modules"``: only module calls may be recomputed (the rest of the forward pass is kept
     atom by atom), so the granularity plays no part. ``drop_outputs``: candidates may also be
     recomputed with their outputs dropped (:class:`~bonsai_core.regions.CheckpointPlan`); ``save_self_contained``:
-    a recomputed candidate saves its self-contained nodes."""
+    a recomputed candidate saves its self-contained nodes; ``save_ops``: it may also save the ops of a
+    density level (:func:`~bonsai_core.solvers.bonsai_coef.density_levels`) inside it; ``offload``: saved
+    tensors may go to host memory."""
     if regions == "modules":
         granularity = 1
     gran = default_granularity(graph) if granularity is None else granularity
     seg = segment(graph, gran)  # validates the granularity before anything is built
-    key = (graph.hash, ("model", seg.granularity, regions, drop_outputs, save_self_contained))
+    key = (graph.hash, ("model", seg.granularity, regions, drop_outputs, save_self_contained, save_ops)
+           + (("offload",) if offload else ()))
 
     def make() -> BuiltModel:
         full = segment(graph, seg.granularity, fallback_plans(graph, regions, save_self_contained).spans)
@@ -204,7 +211,8 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
         if regions == "modules":
             calls = module_spans(graph)
             allowed = np.array([(a, b) in calls for a, b in zip(full.starts.tolist(), full.ends.tolist())], dtype=bool)
-        return build_model(graph, full, _plain(graph), allowed, drop_outputs, save_self_contained)
+        levels = density_levels(graph) if save_ops else None
+        return build_model(graph, full, _plain(graph), allowed, drop_outputs, save_self_contained, levels, offload)
 
     return _cached(key, make)
 
@@ -212,7 +220,8 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
 def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None = None,
                  granularity: int | None = None, backend: str = DEFAULT_BACKEND,
                  gap: float = DEFAULT_GAP, regions: Regions = "any", drop_outputs: bool = False,
-                 save_self_contained: bool = True, reuse: bool = True) -> Schedule:
+                 save_self_contained: bool = True, save_ops: bool = True, reuse: bool = True,
+                 offload: bool = False) -> Schedule:
     """Bonsai's segment ILP: the cheapest checkpoint plan whose modelled peak fits ``budget``.
 
     Options:
@@ -231,8 +240,14 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         save_self_contained: a recomputed segment saves its self-contained nodes (those that read nothing
             computed outside it: attention masks, position ids) instead of rebuilding them, as selective
             checkpointing's "must save" does; False: it rebuilds them with the rest.
+        save_ops: a recomputed segment may also save the outputs of its costliest ops per byte (one of a
+            few density levels: matmuls and attention first, as selective activation checkpointing's
+            MUST_SAVE does) and recompute the rest; False: only whole segments (docs/BONSAI.md).
         reuse: answer with a plan solved earlier (same graph and options) at a larger budget when it
             fits this one (it is then within the same gap of this budget's optimum); False: always solve.
+        offload: keep, recompute or offload each saved tensor: a kept one may be copied to host memory
+            after its last forward reader and reloaded before its first backward reader, its copies
+            hidden by compute in the model (simulator rule 9; docs/BONSAI.md).
 
     Raises BudgetError (naming the smallest budget bonsai can meet) when none fits or none was found in
     time, SolverError when the backend fails."""
@@ -253,7 +268,8 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
                           "build_seconds": 0.0, "solve_seconds": 0.0, "candidates": 0, "segments": 0,
                           "granularity": 0, "plan_source": "ilp"}
         return schedule
-    plans_key = (graph.hash, ("plans", granularity, regions, drop_outputs, save_self_contained, backend, gap))
+    plans_key = (graph.hash, ("plans", granularity, regions, drop_outputs, save_self_contained, save_ops, backend, gap)
+                 + (("offload",) if offload else ()))
     # looked up before waiting for the graph's lock (another session may be solving for minutes), and again
     # after it (the one that held it may have solved a plan that fits)
     earlier = _reused(plans_key, budget) if reuse else None
@@ -263,7 +279,8 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         earlier = _reused(plans_key, budget) if reuse else None
         if earlier is not None:
             return earlier
-        schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions, drop_outputs, save_self_contained)
+        schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions, drop_outputs,
+                          save_self_contained, save_ops, offload)
         if budget is not None and _reusable(schedule, gap):
             st = schedule.stats
             simulated_peak = st["model_peak"] - st["model_slack"]
@@ -302,12 +319,15 @@ def _copy(schedule: Schedule, **stats: Any) -> Schedule:
 
 
 def _solve(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None,
-           backend: str, gap: float, regions: Regions, drop_outputs: bool, save_self_contained: bool) -> Schedule:
+           backend: str, gap: float, regions: Regions, drop_outputs: bool, save_self_contained: bool,
+           save_ops: bool, offload: bool = False) -> Schedule:
     clock = Deadline(time_limit)
-    plain_peak = int(_plain(graph).memory.max())
+    times = _Times()
+    with times("profile"):
+        plain_peak = int(_plain(graph).memory.max())
+        fallbacks = fallback_plans(graph, regions, save_self_contained)
     target = int(budget) if budget is not None else plain_peak
     ladder = [1] if regions == "modules" else auto_ladder(graph) if granularity is None else [granularity]
-    fallbacks = fallback_plans(graph, regions, save_self_contained)
     tried: list[int] = []
     found: _Found | None = None
     built, cached = None, False
@@ -315,27 +335,33 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         if clock.passed():
             break
         cached = (graph.hash, ("model", min(gran, max(1, op_count(graph))), regions, drop_outputs,
-                               save_self_contained)) in _cache
-        built = build(graph, gran, regions, drop_outputs, save_self_contained)
+                               save_self_contained, save_ops) + (("offload",) if offload else ())) in _cache
+        before = dict(times.parts)
+        with times("build"):
+            built = build(graph, gran, regions, drop_outputs, save_self_contained, save_ops, offload)
         tried.append(built.seg.granularity)
-        found = _solve_model(graph, built, target, backend, clock, gap)
+        found = _solve_model(graph, built, target, backend, clock, gap, times)
         if found is not None:
             break
+        times.spent_on("ladder", since=before)  # a rung whose model cannot meet the budget
     if found is None:
-        fallback = fallbacks.best(graph, target, clock=clock) if built is not None else None
-        if fallback is None:
-            raise _no_plan(graph, built, target, backend, clock, fallbacks, tried, regions, drop_outputs)
-        return _fallen_back(graph, fallback, tried, clock, built, regions)
+        with times("fallback"):
+            fallback = fallbacks.best(graph, target, clock=clock) if built is not None else None
+            if fallback is None:
+                raise _no_plan(graph, built, target, backend, clock, fallbacks, tried, regions, drop_outputs)
+        return _fallen_back(graph, fallback, tried, clock, built, regions, times)
     schedule, outcome = found.schedule, found.outcome
-    sim = simulate(graph, schedule)
-    model_peak, ilp_peak = built.predicted_peak(found.rec), sim.peak
-    source = "ilp"
-    fallback = fallbacks.best(graph, target, below=sim.compute_cost * (1 - 1e-9), clock=clock)
-    if fallback is not None:
-        schedule, source = plan_schedule(graph, fallback[3], "bonsai"), "fallback"
+    with times("validate"):
         sim = simulate(graph, schedule)
+    model_peak, ilp_peak = built.predicted_peak(found.rec, found.off), sim.peak
+    source = "ilp"
+    with times("fallback"):
+        fallback = fallbacks.best(graph, target, below=sim.compute_cost * (1 - 1e-9), clock=clock)
+        if fallback is not None:
+            schedule, source = plan_schedule(graph, fallback[3], "bonsai"), "fallback"
+            sim = simulate(graph, schedule)
     schedule.stats = {
-        **outcome.stats(), "solve_seconds": outcome.solve_seconds, "build_seconds": built.build_seconds,
+        **outcome.stats(), **times.stats(), "milp_seconds": outcome.solve_seconds, "build_seconds": built.build_seconds,
         "cached": cached, "backend": backend, "granularity": built.seg.granularity,
         "granularity_mode": "auto" if granularity is None else "set", "granularities_tried": tried,
         "candidates": built.seg.count, "ilp_candidates": len(built.candidates),
@@ -344,7 +370,11 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         "model_peak": model_peak, "model_slack": model_peak - ilp_peak,
         "tightened_by": found.tightened, "plan_source": source, "regions": regions,
         "outputs_dropped": len(CheckpointPlan.from_extra(schedule.extra).drop_outputs),
-        "self_contained_saved": len(CheckpointPlan.from_extra(schedule.extra).saved),
+        "saved_nodes": len(CheckpointPlan.from_extra(schedule.extra).saved),
+        "self_contained_saved": _self_contained_count(graph, CheckpointPlan.from_extra(schedule.extra)),
+        "save_ops": save_ops, "levels": len(built.pinned) - 1,
+        "offloaded": len(CheckpointPlan.from_extra(schedule.extra).offloaded),
+        **({"offload_candidates": len(built.offload.nodes)} if built.offload is not None else {}),
     }
     if source == "fallback":
         schedule.stats.update(status="feasible", gap=None, fallback_plan=fallback[2],
@@ -352,15 +382,48 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
     return schedule
 
 
+class _Times:
+    """Where a solve's wall time goes: ``with times("build"): ...`` adds the seconds to that part."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.parts: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, part: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.parts[part] = self.parts.get(part, 0.0) + time.perf_counter() - start
+
+    def spent_on(self, part: str, since: dict[str, float]) -> None:
+        """Book the seconds every part gained since the snapshot ``since`` to ``part`` instead."""
+        moved = sum(v - since.get(k, 0.0) for k, v in self.parts.items())
+        self.parts = {**since, part: since.get(part, 0.0) + moved}
+
+    def stats(self) -> dict[str, Any]:
+        """``solve_seconds``: the wall time of the call so far; ``time_split``: its parts."""
+        return {"solve_seconds": time.perf_counter() - self.start,
+                "time_split": {k: round(v, 3) for k, v in self.parts.items()}}
+
+
+def _self_contained_count(graph: Graph, plan: CheckpointPlan) -> int:
+    """How many of ``plan``'s saved nodes are self-contained in their recomputed segment."""
+    pos, constant = forward_positions(graph), self_contained(graph)
+    return sum(1 for v in plan.saved if constant[pos[v]])
+
+
 class _Found(NamedTuple):
     schedule: Schedule
     outcome: MilpOutcome  # its solve_seconds: all solves of the tightening together
     rec: np.ndarray  # 0/1 over the built model's candidates
     tightened: int  # bytes taken off the budget handed to the model
+    off: np.ndarray | None = None  # 0/1 over the built model's offload candidates
 
 
 def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clock: Deadline,
-                 gap: float) -> _Found | None:
+                 gap: float, times: _Times) -> _Found | None:
     """The ILP at ``target`` with tightening, or None when the model cannot meet it (or no time is
     left before a plan was found)."""
     tightened, seconds = 0, 0.0
@@ -371,7 +434,8 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
             break
         built.budget.value = (target - tightened) / built.unit
         try:
-            outcome = solve_milp(built.problem, backend=backend, time_limit=left, gap=gap)
+            with times("solve"):
+                outcome = solve_milp(built.problem, backend=backend, time_limit=left, gap=gap)
         except SolverError:
             if left is None:
                 raise
@@ -379,27 +443,30 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
         seconds += outcome.solve_seconds
         if outcome.status == "infeasible":
             break
-        rec = np.round(built.rec.value)
-        schedule = plan_schedule(graph, built.plan(rec), "bonsai")
-        peak = simulate(graph, schedule).peak
+        with times("validate"):
+            rec = np.round(built.rec.value)
+            off = np.round(built.off.value) if built.off is not None else None
+            schedule = plan_schedule(graph, built.plan(rec, off), "bonsai")
+            peak = simulate(graph, schedule).peak
         if peak <= target:
             outcome = MilpOutcome(outcome.status, outcome.objective, outcome.gap, seconds, outcome.variables,
                                   outcome.constraints)
-            best = _Found(schedule, outcome, rec, tightened)
+            best = _Found(schedule, outcome, rec, tightened, off)
             break
         tightened += peak - target  # the model was not conservative here: ask it for the excess less
     return best
 
 
 def _fallen_back(graph: Graph, fallback: tuple[int, float, str, CheckpointPlan], tried: list[int], clock: Deadline,
-                 built: BuiltModel | None, regions: Regions) -> Schedule:
+                 built: BuiltModel | None, regions: Regions, times: _Times) -> Schedule:
     schedule = plan_schedule(graph, fallback[3], "bonsai")
     plan = fallback[3]
     schedule.stats = {"status": "time_limit" if clock.passed() else "feasible", "gap": None,
                       "plan_source": "fallback", "fallback_plan": fallback[2], "granularities_tried": tried,
                       "granularity": built.seg.granularity if built is not None else None,
                       "segments": len(plan.segments), "recomputed_segments": len(plan.recomputed),
-                      "build_seconds": built.build_seconds if built is not None else 0.0, "regions": regions}
+                      "build_seconds": built.build_seconds if built is not None else 0.0, "regions": regions,
+                      **times.stats()}
     return schedule
 
 
@@ -440,13 +507,14 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
 
 
 def smallest_budget(graph: Graph, granularity: int | None = None, backend: str = DEFAULT_BACKEND,
-                    time_limit: float | None = None) -> tuple[int | None, str]:
+                    time_limit: float | None = None, offload: bool = False) -> tuple[int | None, str]:
     """(bytes, status): the smallest budget bonsai's model meets at ``granularity`` (None: the top of
     the auto ladder), by the min-peak MILP; status is the MILP's ("optimal" proves it). (None,
-    "time_limit") when the backend had no plan within ``time_limit``."""
+    "time_limit") when the backend had no plan within ``time_limit``. ``offload``: the model with
+    offload columns (the option of :func:`solve_bonsai`)."""
     with _graph_lock(graph):
-        return _min_peak(build(graph, auto_ladder(graph)[-1] if granularity is None else granularity), backend,
-                         time_limit)
+        return _min_peak(build(graph, auto_ladder(graph)[-1] if granularity is None else granularity,
+                               offload=offload), backend, time_limit)
 
 
 def _min_peak(built: BuiltModel, backend: str, time_limit: float | None) -> tuple[int | None, str]:
@@ -462,7 +530,8 @@ def _min_peak(built: BuiltModel, backend: str, time_limit: float | None) -> tupl
         return None, "time_limit"
     if outcome.status == "infeasible":
         return None, outcome.status
-    return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.rec.value))), \
+    off = np.round(built.off.value) if built.off is not None else None
+    return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.rec.value), off)), \
         outcome.status
 
 

@@ -104,57 +104,107 @@ def point_of(q: np.ndarray | int, m: int, rebuild: bool = False) -> np.ndarray |
     return out if out.ndim else int(out)
 
 
-def self_contained_from(graph: Graph) -> np.ndarray:
-    """int64[m]: for each forward position (forward nodes in listed order), the smallest position among
-    the node and its ancestors. A node is **self-contained** in a segment starting at s when this is
-    >= s: it reads nothing computed outside the segment (an attention mask built from ``ones``,
-    position ids from ``arange``)."""
+def self_contained(graph: Graph) -> np.ndarray:
+    """bool[m] over forward positions (forward nodes in listed order): the node is computed from
+    parameters and constants only, never from the data (an attention mask built from ``ones``, position
+    ids from ``arange``, a weight cast to bf16 or all-gathered by FSDP). The data's path starts at the
+    earliest ancestor of the last forward node (the loss). A recomputed segment saves such nodes
+    instead of rebuilding them: they are cheap to keep, and which they are does not depend on where a
+    segment starts, so one sweep per segment end still serves every candidate. O(n + edges)."""
     forward = np.flatnonzero(graph.is_forward)
+    if not len(forward):
+        return np.zeros(0, dtype=bool)
     fpos = np.full(graph.n, -1, dtype=np.int64)
     fpos[forward] = np.arange(len(forward))
     lowest = np.zeros(graph.n, dtype=np.int64)
     for v in forward.tolist():  # topological: deps come first
         deps = graph.deps(v)
         lowest[v] = min(int(fpos[v]), int(lowest[deps].min())) if len(deps) else fpos[v]
-    return lowest[forward]
+    root = int(forward[lowest[forward[-1]]])
+    data = np.zeros(graph.n, dtype=bool)
+    data[root] = True
+    for v in forward.tolist():
+        deps = graph.deps(v)
+        if len(deps) and data[deps].any():
+            data[v] = True
+    return ~data[forward]
 
 
-def saved_positions(lowest: np.ndarray, start: int, end: int) -> np.ndarray:
+def saved_positions(constant: np.ndarray, start: int, end: int) -> np.ndarray:
     """The forward positions a recomputed segment over ``start <= p < end`` saves: its self-contained
-    ones (``lowest``: :func:`self_contained_from`), unless it holds nothing else (a segment starting at
-    the first op is rebuilt like any other)."""
-    inside = np.flatnonzero(lowest[start:end] >= start) + start
+    ones (``constant``: :func:`self_contained`), unless it holds nothing else."""
+    inside = np.flatnonzero(constant[start:end]) + start
     return inside if len(inside) < end - start else inside[:0]
 
 
-def saves_self_contained(seg: Segmentation, lowest: np.ndarray) -> np.ndarray:
+def saves_self_contained(seg: Segmentation, constant: np.ndarray) -> np.ndarray:
     """bool[C]: the candidate saves some of its nodes when recomputed (:func:`saved_positions`)."""
-    return np.array([len(saved_positions(lowest, a, b)) > 0 for a, b in zip(seg.starts.tolist(), seg.ends.tolist())],
-                    dtype=bool)
+    count = np.concatenate([[0], np.cumsum(constant)])
+    inside = count[seg.ends] - count[seg.starts]
+    return (inside > 0) & (inside < seg.ends - seg.starts)
+
+
+def density_levels(graph: Graph, shares: tuple[float, ...] = (0.5, 0.8, 0.95)) -> list[np.ndarray]:
+    """Bool masks over forward positions, one per share in ``shares`` (distinct masks only, fewest saved
+    first): the ops with the highest rebuild cost per byte of output that together hold that share of
+    the forward compute, with their views and separated outputs. A recomputed segment of such a level
+    saves these ops' outputs (SAC's MUST_SAVE: matmuls and attention first, as torchtitan's selective
+    recipe does) and recomputes the cheap ops between them. Saving by density is the greedy order of
+    each segment's keep-or-recompute knapsack; the ILP picks the level per segment. O(m log m)."""
+    forward = np.flatnonzero(graph.is_forward)
+    fpos = np.full(graph.n, -1, dtype=np.int64)
+    fpos[forward] = np.arange(len(forward))
+    outs = np.flatnonzero((graph.output_of >= 0) & graph.is_forward)
+    op_bytes = graph.mem.astype(np.float64).copy()  # an op's bytes with its separated outputs'
+    np.add.at(op_bytes, graph.output_of[outs], graph.mem[outs])
+    ops = forward[(graph.alias_of[forward] < 0) & (graph.output_of[forward] < 0) & (op_bytes[forward] > 0)
+                  & (graph.cost[forward] > 0)]
+    total = float(graph.cost[ops].sum())
+    if not len(ops) or total <= 0:
+        return []
+    density = graph.cost[ops] / op_bytes[ops]
+    order = np.argsort(-density, kind="stable")
+    share = np.cumsum(graph.cost[ops][order]) / total
+    levels: list[np.ndarray] = []
+    for target in sorted(shares):
+        cut = density[order][min(int(np.searchsorted(share, target - 1e-12)), len(ops) - 1)]
+        node = np.zeros(graph.n, dtype=bool)
+        node[ops[density >= cut]] = True
+        for v in forward.tolist():  # forward order: an op before its views and separated outputs
+            base = graph.alias_of[v] if graph.alias_of[v] >= 0 else graph.output_of[v]
+            if base >= 0 and node[base]:
+                node[v] = True
+        mask = node[forward]
+        if not any(np.array_equal(mask, other) for other in levels):
+            levels.append(mask)
+    return levels
 
 
 def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outputs: bool = False,
-                 save_self_contained: bool = False) -> Coefficients:
+                 save_self_contained: bool = False, pinned: np.ndarray | None = None) -> Coefficients:
     """Per-candidate recomputation cost, savings, kept inputs and rebuild peak; with ``drop_outputs``,
     of the candidate recomputed with its outputs dropped too (:class:`~bonsai_core.regions.CheckpointPlan`):
     only what a forward view outside it aliases is kept, an output's forward copy is freed after its
     last forward reader, and the readers' atoms are recorded (they must be kept). With
-    ``save_self_contained``, the candidates of :func:`saves_self_contained` save their self-contained nodes
-    (:func:`self_contained_from`) instead of rebuilding them.
+    ``save_self_contained``, recomputed candidates save their self-contained nodes
+    (:func:`self_contained`) instead of rebuilding them.
 
     For a fixed segment end j, which nodes are dropped (``keep_until <= j``), which must be rebuilt
     (dropped and read by the backward pass, or by a rebuilt node at a position <= j) and how long each
     rebuilt copy lives do not depend on the start; so one sweep from j down to the smallest start
-    yields every candidate ending at j. O(sum over ends of the longest candidate * degree). Which
-    nodes are self-contained does depend on the start: with ``save_self_contained`` each candidate has a
-    sweep of its own.
+    yields every candidate ending at j. O(sum over ends of the longest candidate * degree). ``pinned`` (bool over forward positions, :func:`density_levels`): nodes a
+    recomputed candidate saves whatever its start (selective checkpointing's "must save"); they do not
+    depend on the start, so they keep the shared sweeps.
     """
-    facts = _forward_facts(graph, seg, plain, drop_outputs)
-    saving = (saves_self_contained(seg, np.array(facts.lowest)) if save_self_contained
-              else np.zeros(seg.count, dtype=bool))
+    constant = self_contained(graph)
+    saving = saves_self_contained(seg, constant) if save_self_contained else np.zeros(seg.count, dtype=bool)
+    kept = np.zeros(len(seg.forward), dtype=bool) if pinned is None else np.asarray(pinned, dtype=bool).copy()
+    if save_self_contained:
+        kept |= constant
+    facts = _forward_facts(graph, seg, plain, drop_outputs, kept)
     out = _Tables.empty(seg.count)
-    for group in _sweep_groups(seg, saving):
-        _sweep(seg, group, facts, bool(saving[group[0]]), out)
+    for group in _sweep_groups(seg):
+        _sweep(seg, group, facts, out)
     return out.coefficients(saving)
 
 
@@ -170,7 +220,7 @@ class _ForwardFacts:
     first_bwd: list[int]  # [p]: sequence position of its first backward reader (n + 1: none)
     fwd_users: list[list[int]]  # [p]: its forward readers' node ids
     fwd_deps: list[list[int]]  # [p]: its inputs' node ids
-    lowest: list[int]  # [p]: :func:`self_contained_from`
+    pinned: list[bool]  # [p]: saved inside every recomputed candidate (self-contained, a density level's ops)
     atom_of: np.ndarray  # [p]: the atom holding it
     alias: list[int]  # [v]: the node it is a view of (-1: none)
     mem: list[int]  # [v]
@@ -179,7 +229,8 @@ class _ForwardFacts:
     fpos: list[int]  # [v]: forward position (n: not a forward node)
 
 
-def _forward_facts(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outputs: bool) -> _ForwardFacts:
+def _forward_facts(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outputs: bool,
+                   pinned: np.ndarray | None = None) -> _ForwardFacts:
     """Each forward node's readers, lifetime and when a segment ending at j drops it, vectorised over
     the edge list."""
     forward, m, n = seg.forward, len(seg.forward), graph.n
@@ -209,18 +260,16 @@ def _forward_facts(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_ou
         forward=forward, drop_until=drop_until[forward].tolist(), keep=keep_until[forward].tolist(),
         has_bwd=(first_bwd_user <= n)[forward].tolist(), first_bwd=first_bwd_user[forward].tolist(),
         fwd_users=[graph.users(v)[graph.is_forward[graph.users(v)]].tolist() for v in forward],
-        fwd_deps=[graph.deps(v).tolist() for v in forward], lowest=self_contained_from(graph).tolist(),
+        fwd_deps=[graph.deps(v).tolist() for v in forward],
+        pinned=(np.zeros(m, dtype=bool) if pinned is None else np.asarray(pinned, dtype=bool)).tolist(),
         atom_of=np.searchsorted(seg.atom_ptr, np.arange(m), side="right") - 1, alias=graph.alias_of.tolist(),
         mem=graph.mem.tolist(), cost=graph.cost.tolist(), release=plain.release.tolist(), fpos=fpos.tolist())
 
 
-def _sweep_groups(seg: Segmentation, saving: np.ndarray) -> list[np.ndarray]:
-    """The candidates one sweep computes: those sharing an end (by start, descending), and each saving
-    candidate alone (its saved nodes depend on its start)."""
-    order = np.flatnonzero(~saving)
-    order = order[np.lexsort((-seg.starts[order], seg.ends[order]))]  # by end, then start descending
-    groups = np.split(order, np.flatnonzero(np.diff(seg.ends[order])) + 1) if len(order) else []
-    return [*groups, *(np.array([c]) for c in np.flatnonzero(saving))]
+def _sweep_groups(seg: Segmentation) -> list[np.ndarray]:
+    """The candidates one sweep computes: those sharing an end (by start, descending)."""
+    order = np.lexsort((-seg.starts, seg.ends))  # by end, then start descending
+    return np.split(order, np.flatnonzero(np.diff(seg.ends[order])) + 1) if len(order) else []
 
 
 @dataclass
@@ -252,12 +301,11 @@ class _Tables:
                             reader_atom=reader_atom)
 
 
-def _sweep(seg: Segmentation, group: np.ndarray, f: _ForwardFacts, saving: bool, out: _Tables) -> None:
+def _sweep(seg: Segmentation, group: np.ndarray, f: _ForwardFacts, out: _Tables) -> None:
     """One sweep from the group's end j down to its smallest start, filling in each candidate of the
     group as the sweep reaches its start."""
     j = int(seg.ends[group[0]]) - 1
     lo = int(seg.starts[group[-1]])
-    saved_from = lo if saving else len(f.forward)  # a node is saved when f.lowest[p] >= saved_from
     need = {}  # forward position -> rebuilt copy's last position in the window (absent: not rebuilt)
     live = np.zeros(j - lo + 1, dtype=np.int64)  # bytes of rebuilt copies at each window position
     save_at: dict[int, int] = {}  # sequence position -> bytes whose forward copy is gone from there on
@@ -267,7 +315,7 @@ def _sweep(seg: Segmentation, group: np.ndarray, f: _ForwardFacts, saving: bool,
     gi = 0
     for p in range(j, lo - 1, -1):
         v = int(f.forward[p])
-        if f.drop_until[p] <= j and f.lowest[p] < saved_from:  # dropped
+        if f.drop_until[p] <= j and not f.pinned[p]:  # dropped
             if f.release[v] > max(j, f.keep[p]):  # the plain schedule keeps it past its forward use
                 saved += f.mem[v]
                 at = max(p, f.keep[p]) + 1

@@ -23,8 +23,18 @@ per atom holding such a reader: ``rec[s] <= keep[a]`` (a recomputed reader's reb
 nothing to read).
 
 **Saved self-contained nodes** (``save_self_contained``): a recomputed candidate keeps its self-contained nodes
-(``bonsai_coef.self_contained_from``: an attention mask built inside it) instead of rebuilding them;
+(``bonsai_coef.self_contained``: an attention mask, a weight's bf16 copy) instead of rebuilding them;
 its coefficients say so, and :meth:`BuiltModel.plan` lists them in ``CheckpointPlan.saved``.
+
+**Ops saved inside recomputed segments** (``levels``: :func:`bonsai_coef.density_levels`): each
+candidate also gets one column per density level L, "recomputed, saving the outputs of L's ops
+inside it" (selective activation checkpointing's MUST_SAVE: the matmuls and attention kernels first),
+with its own coefficients (``coefficients(..., pinned=L)``); :meth:`BuiltModel.plan` lists those ops in
+``CheckpointPlan.saved``. The columns grow by a factor of 1 + len(levels) (times 2 with
+``drop_outputs``), before pruning, which applies within each kind of column.
+
+**Offload** (``offload``): one binary ``off[v]`` per saved tensor that may go to host memory, with its
+own steps in the memory rows and its rows (``bonsai_offload.py``): keep, recompute or offload.
 
 **Objective**: the recomputation time, ``sum cost[s] * rec[s]`` with ``cost[s]`` the cost of the nodes
 actually rebuilt, divided by the graph's total cost: the predicted overhead.
@@ -43,7 +53,8 @@ from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan
 from bonsai_core.segment import Segmentation
 from bonsai_core.solvers.bonsai_coef import (Coefficients, PlainProfile, coefficients, dominated, lowers_memory,
-                                             memory_steps, saved_positions, self_contained_from)
+                                             memory_steps, saved_positions, self_contained)
+from bonsai_core.solvers.bonsai_offload import OffloadColumns, offload_columns
 
 # The model counts memory in units of a thousandth of the plain peak: raw byte counts near 1e10 (or near
 # 1e1 on toy graphs) would strain the solvers' tolerances, and 1e-7 of a unit is under a byte up to 10 GB.
@@ -56,13 +67,15 @@ class BuiltModel:
 
     graph_hash: str
     seg: Segmentation
-    coef: Coefficients  # the candidates recomputed with their outputs kept
-    coefs: dict[bool, Coefficients]  # per kind of column: whether it drops its candidate's outputs
+    coef: Coefficients  # the candidates recomputed with their outputs kept, no op saved
+    coefs: dict[tuple[bool, int], Coefficients]  # per kind of column: (drops its outputs, density level)
     plain: PlainProfile
     candidates: np.ndarray  # int64[C']: the segmentation candidate of each rec variable
     drops_outputs: np.ndarray  # bool[C']: the rec variable recomputes its candidate with its outputs dropped
+    levels: np.ndarray  # int64[C']: the density level whose ops the rec variable's segment saves (0: none)
+    pinned: list[np.ndarray]  # per level, bool over forward positions: its ops (level 0: none)
     saving: np.ndarray  # bool[C] over the segmentation's candidates: recomputed, it saves its self-contained nodes
-    lowest: np.ndarray  # int64[m]: bonsai_coef.self_contained_from
+    constant: np.ndarray  # bool[m]: bonsai_coef.self_contained
     events: sp.csr_matrix  # (K, C') bytes: step heights of the memory change at each event point
     interval_peak: np.ndarray  # int64[K]: the plain memory's maximum from each event point to the next
     problem: Any
@@ -73,21 +86,32 @@ class BuiltModel:
     unit: float  # bytes per unit of the model's memory rows
     build_seconds: float
     _min_peak: Any = None
+    off: Any = None  # cp.Variable over offload.nodes (offload=True), else None
+    offload: OffloadColumns | None = None
+    off_events: sp.csr_matrix | None = None  # (K, V) bytes: the offload columns' steps at the event points
 
-    def predicted_peak(self, rec: np.ndarray) -> int:
+    def predicted_peak(self, rec: np.ndarray, off: np.ndarray | None = None) -> int:
         """The model's bound on the peak of the plan whose recomputed ILP candidates are ``rec``
-        (0/1 over :attr:`candidates`)."""
-        delta = np.cumsum(self.events @ np.asarray(rec, dtype=np.float64))
-        return int(np.ceil((self.interval_peak + delta).max()))
+        (0/1 over :attr:`candidates`) and offloaded candidates ``off`` (0/1 over ``offload.nodes``)."""
+        change = self.events @ np.asarray(rec, dtype=np.float64)
+        if off is not None and self.off_events is not None:
+            change = change + self.off_events @ np.asarray(off, dtype=np.float64)
+        return int(np.ceil((self.interval_peak + np.cumsum(change)).max()))
 
-    def plan(self, rec: np.ndarray) -> CheckpointPlan:
+    def offloaded_of(self, off: np.ndarray | None) -> list[int]:
+        """The node ids an ILP solution offloads."""
+        if off is None or self.offload is None:
+            return []
+        return self.offload.nodes[np.asarray(off) > 0.5].tolist()
+
+    def plan(self, rec: np.ndarray, off: np.ndarray | None = None) -> CheckpointPlan:
         """The checkpoint plan of an ILP solution: the recomputed candidates, and the stretches
         between them kept (merging kept atoms changes nothing in the schedule, and the explorer then
         shows recomputed regions and kept stretches, not a confetti of atoms)."""
         picked = np.asarray(rec) > 0.5
         chosen = self.candidates[picked]
         opened = {(int(self.seg.starts[c]), int(self.seg.ends[c])) for c in self.candidates[picked & self.drops_outputs]}
-        saved = [v for c in chosen.tolist() for v in self.self_contained_saved(c)]
+        saved = [v for i in np.flatnonzero(picked).tolist() for v in self.saved_nodes(i)]
         chosen = chosen[np.argsort(self.seg.starts[chosen])]
         m = len(self.seg.forward)
         spans: list[tuple[int, int]] = []
@@ -103,13 +127,22 @@ class BuiltModel:
         recomputed = {(int(self.seg.starts[c]), int(self.seg.ends[c])) for c in chosen.tolist()}
         return CheckpointPlan.of([self.seg.forward[a:b].tolist() for a, b in spans],
                                  [i for i, span in enumerate(spans) if span in recomputed],
-                                 [i for i, span in enumerate(spans) if span in opened], saved)
+                                 [i for i, span in enumerate(spans) if span in opened], saved,
+                                 self.offloaded_of(off))
 
     def self_contained_saved(self, c: int) -> list[int]:
         """The nodes candidate ``c`` saves when recomputed: its self-contained ones, if it saves them."""
         if not self.saving[c]:
             return []
-        return self.seg.forward[saved_positions(self.lowest, int(self.seg.starts[c]), int(self.seg.ends[c]))].tolist()
+        return self.seg.forward[saved_positions(self.constant, int(self.seg.starts[c]), int(self.seg.ends[c]))].tolist()
+
+    def saved_nodes(self, i: int) -> list[int]:
+        """The nodes rec variable ``i`` saves when recomputed: its candidate's self-contained ones and
+        its level's ops inside it."""
+        c = int(self.candidates[i])
+        a, b = int(self.seg.starts[c]), int(self.seg.ends[c])
+        ops = self.seg.forward[a + np.flatnonzero(self.pinned[int(self.levels[i])][a:b])].tolist()
+        return sorted(set(self.self_contained_saved(c)) | set(ops))
 
     def rec_of(self, plan: CheckpointPlan) -> np.ndarray | None:
         """0/1 over :attr:`candidates` for ``plan``'s recomputed segments, or None when one of them is
@@ -117,16 +150,18 @@ class BuiltModel:
         other nodes than the candidate does)."""
         pos = np.full(int(self.seg.forward.max(initial=-1)) + 1, -1, dtype=np.int64)
         pos[self.seg.forward] = np.arange(len(self.seg.forward))
-        index = {(int(self.seg.starts[c]), int(self.seg.ends[c]), bool(o)): i
-                 for i, (c, o) in enumerate(zip(self.candidates.tolist(), self.drops_outputs.tolist()))}
+        index: dict[tuple[int, int, bool], list[int]] = {}
+        for i, (c, o) in enumerate(zip(self.candidates.tolist(), self.drops_outputs.tolist())):
+            index.setdefault((int(self.seg.starts[c]), int(self.seg.ends[c]), bool(o)), []).append(i)
         out = np.zeros(len(self.candidates))
-        for i in plan.recomputed:
-            members = pos[list(plan.segments[i])]
-            key = (int(members.min()), int(members.max()) + 1, i in plan.drop_outputs)
-            if key not in index or key[1] - key[0] != len(members) or \
-                    sorted(plan.saved & set(plan.segments[i])) != sorted(self.self_contained_saved(int(self.candidates[index[key]]))):
+        for s in plan.recomputed:
+            members = pos[list(plan.segments[s])]
+            key = (int(members.min()), int(members.max()) + 1, s in plan.drop_outputs)
+            saved = sorted(plan.saved & set(plan.segments[s]))
+            match = [i for i in index.get(key, ()) if self.saved_nodes(i) == saved]
+            if not match or key[1] - key[0] != len(members):
                 return None
-            out[index[key]] = 1.0
+            out[match[0]] = 1.0
         return out
 
     def min_peak_problem(self) -> tuple[Any, Any]:
@@ -150,35 +185,52 @@ def _columns(coef: Coefficients, seg: Segmentation, m: int, allowed: np.ndarray 
 
 
 def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: np.ndarray | None = None,
-                drop_outputs: bool = False, save_self_contained: bool = False) -> BuiltModel:
+                drop_outputs: bool = False, save_self_contained: bool = False,
+                levels: list[np.ndarray] | None = None, offload: bool = False) -> BuiltModel:
     """The segment ILP of one segmentation (see the module docstring). ``allowed`` (bool over the
     segmentation's candidates): only those may be recomputed (None: all). ``drop_outputs``: each
     candidate whose outputs are read by later forward ops may also be recomputed with its outputs
     dropped, as long as the atoms holding those readers are kept. ``save_self_contained``: a recomputed
-    candidate saves its self-contained nodes (``bonsai_coef.saves_self_contained``) instead of rebuilding them."""
+    candidate saves its self-contained nodes (``bonsai_coef.saves_self_contained``) instead of rebuilding them.
+    ``levels`` (:func:`bonsai_coef.density_levels`): each candidate may also be recomputed saving the ops
+    of one level inside it. ``offload``: saved tensors may be offloaded to host memory (``bonsai_offload.py``)."""
     import cvxpy as cp
 
     start = time.perf_counter()
     m = len(seg.forward)
-    lowest = self_contained_from(graph)
-    kinds = [False, True][:1 + drop_outputs]  # whether the column drops its candidate's outputs
+    constant = self_contained(graph)
+    pinned = [np.zeros(m, dtype=bool), *(levels or [])]
+    # kinds of columns: (drops its candidate's outputs, density level saved inside it)
+    kinds = [(drop, level) for drop in [False, True][:1 + drop_outputs] for level in range(len(pinned))]
     coefs, columns = {}, {}
-    for drop in kinds:
-        coef_k = coefficients(graph, seg, plain, drop_outputs=drop, save_self_contained=save_self_contained)
+    for drop, level in kinds:
+        coef_k = coefficients(graph, seg, plain, drop_outputs=drop, save_self_contained=save_self_contained,
+                              pinned=pinned[level] if level else None)
         ok = np.ones(seg.count, dtype=bool) if allowed is None else allowed.copy()
         if drop:
             ok &= np.diff(coef_k.reader_ptr) > 0  # else the same as keeping its outputs
-        coefs[drop], columns[drop] = coef_k, _columns(coef_k, seg, m, ok)
-    coef = coefs[False]
+        if level:  # else the same as saving no op
+            inside = np.concatenate([[0], np.cumsum(pinned[level])])
+            ok &= inside[seg.ends] > inside[seg.starts]
+        coefs[drop, level], columns[drop, level] = coef_k, _columns(coef_k, seg, m, ok)
+    coef = coefs[False, 0]
     candidates = np.concatenate([columns[k] for k in kinds])
-    drops = np.concatenate([np.full(len(columns[k]), k) for k in kinds]).astype(bool)
+    drops = np.concatenate([np.full(len(columns[k]), k[0]) for k in kinds]).astype(bool)
+    column_levels = np.concatenate([np.full(len(columns[k]), k[1]) for k in kinds]).astype(np.int64)
     count, atoms = len(candidates), seg.atoms
 
     memory = plain.memory
     steps = sp.hstack([memory_steps(coefs[k], columns[k], m, points=len(memory)) for k in kinds]).tocsr()
+    offloads = None
+    if offload:
+        from bonsai_core.schedule import host_link
+
+        offloads = offload_columns(graph, seg, plain, host_link([])[0], points=len(memory))
+        steps = sp.hstack([steps, offloads.steps]).tocsr()
     rows = np.flatnonzero(np.diff(steps.indptr))
     points = np.union1d([0], rows)  # point 0 always opens an interval, so the whole axis is covered
-    events = steps[points]
+    events = steps[points][:, :count]
+    off_events = steps[points][:, count:] if offloads is not None else None
     interval_peak = np.maximum.reduceat(memory, points)
 
     # Cover: a path through the atom boundaries; arcs are rec candidates and kept atoms.
@@ -206,14 +258,32 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     budget.value = float(memory.max()) / unit
     cost = np.concatenate([coefs[k].cost[columns[k]] for k in kinds])
     cost = cost / graph.total_cost if graph.total_cost > 0 else cost
+    change = (events / unit) @ rec
+    objective = cost @ rec
+    off, off_rows = None, []
+    if offloads is not None and len(offloads.nodes):
+        from bonsai_core.schedule import host_link
+
+        v = len(offloads.nodes)
+        off = cp.Variable(v, boolean=True, name="off")
+        change = change + (off_events / unit) @ off
+        objective = objective + (offloads.cost / max(graph.total_cost, 1e-30)) @ off
+        off_rows.append(off <= sp.csr_matrix((np.ones(v), (np.arange(v), offloads.atom)), shape=(v, atoms)) @ keep)
+        for cliques in (offloads.d2h, offloads.h2d):
+            if cliques.shape[0]:
+                off_rows.append(cliques @ off <= 1)
+        host_limit = host_link([])[1]
+        if host_limit is not None:
+            off_rows.append((offloads.mem / unit) @ off <= host_limit / unit)
     constraints = [
         arcs(a_start, a_end) @ rec + arcs(arange, arange + 1) @ keep == rhs,
-        diff @ delta == (events / unit) @ rec,
+        diff @ delta == change,
+        *off_rows,
     ]
     # A column that drops its candidate's outputs needs the atoms of their readers kept.
     which, readers, first = [], [], 0
     for k in kinds:
-        if k:
+        if k[0]:
             ptr, atom = coefs[k].reader_ptr, coefs[k].reader_atom
             for i, c in enumerate(columns[k].tolist()):
                 which.extend([first + i] * int(ptr[c + 1] - ptr[c]))
@@ -224,8 +294,10 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
         constraints.append(sp.csr_matrix((np.ones(len(rows)), (rows, which)), shape=(len(rows), count)) @ rec
                            <= sp.csr_matrix((np.ones(len(rows)), (rows, readers)), shape=(len(rows), atoms)) @ keep)
     constraints.append(delta + interval_peak / unit <= budget)  # last: min_peak_problem replaces it
-    problem = cp.Problem(cp.Minimize(cost @ rec), constraints)
+    problem = cp.Problem(cp.Minimize(objective), constraints)
     return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, coefs=coefs, plain=plain, candidates=candidates,
-                      drops_outputs=drops, saving=coef.saving, lowest=lowest,
+                      drops_outputs=drops, levels=column_levels, pinned=pinned, saving=coef.saving, constant=constant,
                       events=events, interval_peak=interval_peak, problem=problem, rec=rec, keep=keep,
-                      delta=delta, budget=budget, unit=unit, build_seconds=time.perf_counter() - start)
+                      delta=delta, budget=budget, unit=unit, build_seconds=time.perf_counter() - start,
+                      off=off, offload=offloads if off is not None else None,
+                      off_events=off_events if off is not None else None)

@@ -96,9 +96,9 @@ def coop_policy(window_cost: WindowCost = "stale") -> Callable[[Runtime, int], b
                 elif not rt.evictable(t):
                     costs.append(math.inf)
                 elif window_cost == "stale":
-                    costs.append(rt.estar_cost(t) / rt.staleness(t))
+                    costs.append(rt.eviction_cost(t) / rt.staleness(t))
                 else:
-                    costs.append(rt.cost[t])
+                    costs.append(min(rt.cost[t], rt.eviction_cost(t)))
             found = min_cost_window(sizes, costs, request)
             if found is not None and (best is None or found[2] < best[1]):
                 best = ([b.owner for b in blocks[found[0]:found[1]] if b.owner >= 0], found[2])
@@ -114,7 +114,8 @@ def coop_policy(window_cost: WindowCost = "stale") -> Callable[[Runtime, int], b
 def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = None,
                window_cost: WindowCost = "stale", partition: Partition = "op_type", full_arena: bool = True,
                optimizer: Optimizer = "adam", deallocation: Deallocation = "free",
-               budget_hint: bool = True, inplace_updates: bool = True, inplace_writes: bool = True) -> Schedule:
+               budget_hint: bool = True, inplace_updates: bool = True, inplace_writes: bool = True,
+               offload: bool = False) -> Schedule:
     """Coop in a pool of ``budget`` bytes (``fixed_mem`` included; with the full arena, the
     optimizer state on top); see the module docstring.
 
@@ -131,6 +132,8 @@ def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = N
         updates, which move them; see ``allocator.pin_fixed``).
     inplace_writes: Coop's recomputable in-place during the step: an op eager runs in place writes its
         input's block when nothing else needs the input (False: copy-on-write, a fresh block).
+    offload: an evicted tensor may be copied to host memory instead of discarded, when the round trip
+        costs less than rebuilding it (simulator rule 9; not in Coop's paper; ``eviction.py``).
 
     O(evictions * (blocks + n + edges) + len(ops)) per run."""
     if window_cost not in ("stale", "recompute"):
@@ -150,7 +153,7 @@ def solve_coop(graph: Graph, budget: int | None, *, time_limit: float | None = N
 
     def run_once(b: int) -> Schedule:
         rt = Runtime(graph, b, arena_pool(graph, b, full_arena, optimizer, inplace_updates), sides, deallocation,
-                     deadline, inplace_writes)
+                     deadline, inplace_writes, offload)
         rt.run(coop_policy(window_cost))
         return finish(rt, graph, "coop", {"window_cost": window_cost, "partition": partition, "allocator": "arena",
                                           "full_arena": full_arena, "inplace_updates": inplace_updates,

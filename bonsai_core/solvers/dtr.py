@@ -52,7 +52,7 @@ def score(rt: Runtime, t: int, heuristic: Heuristic) -> float:
         return 1.0 / rt.staleness(t)
     if heuristic == "size":
         return 1.0 / rt.mem[t]
-    cost = rt.cost[t] if heuristic == "local" else rt.estar_cost(t, exact=heuristic != "dtr_eq")
+    cost = rt.cost[t] if heuristic == "local" else rt.eviction_cost(t, exact=heuristic != "dtr_eq")
     size = free_range(rt, t) if heuristic == "dte" else rt.mem[t]
     return cost / (size * rt.staleness(t))
 
@@ -78,7 +78,7 @@ def dtr_policy(heuristic: Heuristic = "dtr") -> Callable[[Runtime, int], bool]:
 def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = None, heuristic: Heuristic = "dtr",
               allocator: bool = False, full_arena: bool = False, optimizer: Optimizer = "adam",
               deallocation: Deallocation = "free", budget_hint: bool = True, inplace_updates: bool = True,
-              inplace_writes: bool = True) -> Schedule:
+              inplace_writes: bool = True, offload: bool = False) -> Schedule:
     """DTR under ``budget`` live bytes, or in a pool of ``budget`` bytes; see the module docstring.
 
     time_limit: seconds for the whole call, the budget bisection included.
@@ -94,6 +94,8 @@ def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = No
         place (True) or copy-on-write (False, moving them; see ``allocator.pin_fixed``).
     inplace_writes: an op eager runs in place (``relu_``, ``x += y``) writes its input's bytes when
         nothing else needs the input, as eager does (False: a fresh output, the input freed after it).
+    offload: an evicted tensor may be copied to host memory instead of discarded, when the round trip
+        costs less than rebuilding it (simulator rule 9; not in DTR's paper; ``eviction.py``).
 
     O(evictions * (n + edges) + len(ops)) per run."""
     if heuristic not in HEURISTICS:
@@ -110,7 +112,8 @@ def solve_dtr(graph: Graph, budget: int | None, *, time_limit: float | None = No
 
     def run_once(b: int | None) -> Schedule:
         pool = arena_pool(graph, b, full_arena, optimizer, inplace_updates) if allocator else None
-        rt = Runtime(graph, b, pool, deallocation=deallocation, deadline=deadline, inplace_writes=inplace_writes)
+        rt = Runtime(graph, b, pool, deallocation=deallocation, deadline=deadline, inplace_writes=inplace_writes,
+                     offload=offload)
         rt.run(dtr_policy(heuristic))
         return finish(rt, graph, "dtr", {"heuristic": heuristic, "allocator": "arena" if allocator else "none",
                                          "full_arena": full_arena, "inplace_updates": inplace_updates,

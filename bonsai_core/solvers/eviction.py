@@ -43,6 +43,17 @@ evicted descendant needs t). Two ways to know the connected groups, both DTR's:
   evictable, an ordinary eviction); once banished, its resident users are *locked* (never
   evicted), since nothing could rebuild them; a locked tensor is still freed when the program is
   done with it.
+
+**Eviction to host** (``offload=True``; neither paper does it: DTR and Coop evict only by discarding,
+and rebuild by recomputing): an evicted tensor is copied to host memory instead of discarded when
+the round trip over the host link (simulator rule 9, the device profile's bandwidth, both ways) costs
+less than rebuilding it (its cost and its evicted neighbourhood's), and the pinned host buffers stay
+within the profile's host memory. The copy is synchronous, as an eviction is: ``offload t``, ``free t``,
+``wait t``, compute stalling until the bytes are free; its rebuild is ``reload t``, the reader stalling
+until the copy is back. Both stalls are priced by the simulator in ``compute_cost``, and the runtime's
+clock (staleness) advances by them. An offloaded tensor is not evicted in DTR's sense (no part of any
+e*: nothing is recomputed to get it back). A host copy the program no longer needs stays until the
+end of the step (the schedule format has no op to drop one).
 """
 
 from __future__ import annotations
@@ -56,7 +67,7 @@ import numpy as np
 from bonsai_core.allocator import Allocator, Optimizer, full_arena, round_size
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import COMPUTE, FREE, Schedule, hold_separated_outputs
+from bonsai_core.schedule import COMPUTE, FREE, OFFLOAD, RELOAD, WAIT, Schedule, hold_separated_outputs
 from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.units import format_bytes
 
@@ -83,7 +94,7 @@ class Runtime:
 
     def __init__(self, graph: Graph, budget: int | None, allocator: Allocator | None = None,
                  side_of: Callable[[int], str] | None = None, deallocation: Deallocation = "free",
-                 deadline: Deadline | None = None, inplace_writes: bool = True) -> None:
+                 deadline: Deadline | None = None, inplace_writes: bool = True, offload: bool = False) -> None:
         if deallocation not in DEALLOCATIONS:
             raise SolverError(f"Unknown deallocation {deallocation!r}; use one of {', '.join(DEALLOCATIONS)}.")
         self.g = graph
@@ -118,6 +129,14 @@ class Runtime:
         self.last_access = [0.0] * n
         self.clock = 0.0
         self.live = graph.fixed_mem
+        # eviction to host (rule 9, offload=True): the default device's link, the host bytes pinned
+        from bonsai_core.schedule import host_link
+
+        self.offload = offload
+        self.link, self.host_limit = host_link([])
+        self.on_host = [False] * n
+        self.host = 0
+        self.offloads = 0
         self.ops: list[tuple[str, int]] = []
         self.computes = 0
         self.evictions = 0
@@ -137,7 +156,8 @@ class Runtime:
 
     def is_evicted(self, t: int) -> bool:
         """Computed before, not resident now, rebuildable, and counted in e*."""
-        return self.ever[t] and not self.resident[t] and not self.banished[t] and not self.freed[t]
+        return (self.ever[t] and not self.resident[t] and not self.banished[t] and not self.freed[t]
+                and not self.on_host[t])
 
     def check_deadline(self) -> None:
         if self.deadline is not None and self.deadline.passed():
@@ -162,16 +182,62 @@ class Runtime:
         return not self.pinned[u] and not any(self.resident[w] and not self._view_evictable(w) for w in self.views[u])
 
     def evict(self, t: int) -> None:
-        """Evict t (rebuildable) and, first, its resident views (recursively)."""
+        """Evict t (rebuildable, or copied to host: :meth:`offloads`) and, first, its resident views
+        (recursively)."""
         for u in self.views[t]:
             if self.resident[u]:
                 self.evict(u)
-        self._free(t)
         self.evictions += 1
-        self.evicted_version += 1
-        self._uf_add(t)
         if self._evicting is not None:
             self._evicting.append(t)
+        if self.offloads_to_host(t):
+            self._to_host(t)
+            return
+        self._free(t)
+        self.evicted_version += 1
+        self._uf_add(t)
+
+    def copy_seconds(self, t: int) -> float:
+        return self.mem[t] / self.link
+
+    def eviction_cost(self, t: int, exact: bool = True) -> float:
+        """What evicting t costs later: rebuilding it (:meth:`estar_cost`), or with ``offload`` the
+        round trip over the host link when that is cheaper and the host has room."""
+        rebuild = self.estar_cost(t, exact)
+        if self._host_fits(t):
+            return min(rebuild, 2 * self.copy_seconds(t))
+        return rebuild
+
+    def offloads_to_host(self, t: int) -> bool:
+        """Whether evicting t copies it to host memory rather than discarding it."""
+        return self._host_fits(t) and 2 * self.copy_seconds(t) < self.estar_cost(t)
+
+    def _host_fits(self, t: int) -> bool:
+        return (self.offload and self.alias[t] < 0 and not self.on_host[t]
+                and (self.host_limit is None or self.host + self.mem[t] <= self.host_limit))
+
+    def _to_host(self, t: int) -> None:
+        """Rule 9, synchronously: the copy, the free, and compute waiting until the bytes are free."""
+        self.ops.append((OFFLOAD, t))
+        self._free(t)
+        self.ops.append((WAIT, t))
+        self.on_host[t] = True
+        self.host += self.mem[t]
+        self.offloads += 1
+        self.clock += self.copy_seconds(t)
+
+    def _reload(self, v: int, policy: Policy) -> None:
+        """Bring v back from host memory: room first, then the copy, the reader stalling until it ends."""
+        self.make_room(v, policy)
+        if self.alloc is not None and self.holds[v]:
+            if self.alloc.malloc(v, self.mem[v], self.side_of(v)) is None:
+                self.alloc.malloc(v, self.mem[v], "left")
+        self.ops.append((RELOAD, v))
+        self.resident[v], self.on_host[v] = True, False
+        self.host -= self.mem[v]
+        self.live += self.mem[v]
+        self.clock += self.copy_seconds(v)
+        self.last_access[v] = self.clock
 
     def _overwritten(self, u: int) -> None:
         """u's block now holds an output written in place: u is gone, freed as the program frees (the
@@ -328,6 +394,9 @@ class Runtime:
         """Make v resident, recomputing its evicted inputs first (recursively)."""
         if self.resident[v]:
             return
+        if self.on_host[v]:
+            self._reload(v, policy)
+            return
         self.acquire(self.deps[v], policy)
         self.compute(v, policy)
         for d in self.deps[v]:
@@ -402,6 +471,7 @@ class Runtime:
 def finish(rt: Runtime, graph: Graph, method: str, extra_stats: dict) -> Schedule:
     """The run's ops as a Schedule, with its counters in ``stats``."""
     stats = {"status": "heuristic", "evictions": rt.evictions, "deallocation": rt.deallocation,
+             **({"offload": True, "offloads": rt.offloads} if rt.offload else {}),
              "eviction_searches": len(rt.search_seconds),
              "search_seconds_median": float(np.median(rt.search_seconds)) if rt.search_seconds else 0.0,
              **extra_stats}
