@@ -245,13 +245,14 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
     variants = [options]
     if method == "bonsai" and "regions" not in options:
         variants.append({**options, "regions": "modules"})
-    best = None
+    best, refused = None, None
     for variant in variants:
         try:
             found = _fitted_with(step, graph, limit, method, variant, seconds)
-        except BudgetError:
+        except BudgetError as e:
+            refused = refused or e  # the options the caller gave say it best
             if variant is variants[-1] and best is None:
-                raise
+                raise refused from None
             continue
         if best is None or found[2].realised_peak < best[2].realised_peak:
             best = found
