@@ -297,3 +297,73 @@ def test_a_byte_budget_is_never_exceeded_with_a_users_function_and_tied_weights(
     assert report.regions and report.predicted_peak <= budget
     for _ in range(2):  # steady state: the gradients exist from the first step on
         assert measure_step(model, (ids,), loss_fn).peak <= budget
+
+
+# -- frozen parameters and adapters --------------------------------------------------------------
+
+class LoRA(nn.Module):
+    """A frozen linear plus a trainable low-rank update (the adapter), as LoRA libraries add one."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base = base
+        self.down, self.up = nn.Linear(base.in_features, rank, bias=False), nn.Linear(rank, base.out_features, bias=False)
+        nn.init.zeros_(self.up.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+def _frozen_llama(adapters: bool, vocab: int = 512):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64)
+    lm = LlamaForCausalLM(config).train()
+    lm.requires_grad_(False)
+    if adapters:
+        for layer in lm.model.layers:
+            layer.self_attn.q_proj = LoRA(layer.self_attn.q_proj)
+            layer.self_attn.v_proj = LoRA(layer.self_attn.v_proj)
+    else:
+        lm.lm_head.requires_grad_(True)  # a frozen backbone and a trainable head
+
+    class Labelled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids: torch.Tensor):
+            return self.lm(input_ids=ids, labels=ids)
+
+    return Labelled(), (torch.randint(0, vocab, (4, 64)),), lambda out: out.loss
+
+
+@pytest.mark.parametrize(("adapters", "budget"), [pytest.param(True, "70%", marks=pytest.mark.slow, id="lora-adapters"),
+                                                  pytest.param(False, "80%", id="frozen-backbone-trainable-head", marks=pytest.mark.xfail(
+                             strict=True, reason="open: measured 1.65 MiB against 1.34 MiB predicted, the peak in the "
+                                                 "frozen MLP's forward (issue 41 item 2)"))])
+def test_frozen_weights_are_predicted_within_one_percent(adapters, budget):
+    """No gradients for frozen parameters, no saved inputs for their weights' gradients: the step
+    without a plan is predicted within 1%, and with one the model trains alike within the prediction."""
+    model, inputs, loss_fn = _frozen_llama(adapters, vocab=512 if adapters else 64)
+    no_remat = bonsai.plan(model, inputs, loss_fn, budget="100%", cache=False).report
+    measured = measure_step(copy.deepcopy(model), inputs, loss_fn)
+    assert measured.fixed == no_remat.fixed_memory
+    assert abs(measured.peak / no_remat.no_remat_peak - 1) <= 0.01, (measured.peak, no_remat.no_remat_peak)
+    _trained_alike(model, inputs, loss_fn, budget=budget)
+
+
+# -- errors that fit the caller --------------------------------------------------------------------
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    (dict(method="dtr"), "method='dtr'"),
+    (dict(fsdp=0), "fsdp=0"),
+    (dict(nonsense=1), "nonsense="),
+])
+def test_the_library_names_its_own_arguments_not_cli_flags(kwargs, words):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    with pytest.raises(bonsai.BonsaiError) as raised:
+        bonsai.plan(model, torch.randn(4, 8), _squared, budget="60%", cache=False, **kwargs)
+    assert words in str(raised.value) and "--" not in str(raised.value)
