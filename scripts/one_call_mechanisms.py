@@ -55,7 +55,7 @@ CASES = [
     ("transformers T5 (tiny config)", _t5, "75%"),
     ("user's STE autograd.Function, tied embedding / LM head", _ste, "60%"),
     ("transformers Llama, frozen, LoRA adapters on q/v", lambda: t._frozen_llama(True), "70%"),
-    ("transformers Llama, frozen backbone, trainable head", lambda: t._frozen_llama(False, vocab=64), "80%"),
+    ("transformers Llama, frozen backbone, trainable head", lambda: t._frozen_llama(False, vocab=64), "90%"),
 ]
 
 
@@ -77,7 +77,11 @@ def main() -> None:
             report = bonsai.checkpoint(model, inputs, loss_fn, budget=budget, cache=False)
             note = ""
         except bonsai.BudgetError:
-            report = bonsai.checkpoint(model, inputs, loss_fn, budget=budget, cache=False, best_effort=True)
+            try:
+                report = bonsai.checkpoint(model, inputs, loss_fn, budget=budget, cache=False, best_effort=True)
+            except bonsai.BudgetError as e:
+                print(f"| {name} | {budget} | - | {format_bytes(plain)} | refused: {str(e)[:120]} | | | | |", flush=True)
+                continue
             note = " (best effort)"
         torch.manual_seed(5)
         loss = loss_fn(model(*inputs))
