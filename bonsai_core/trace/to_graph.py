@@ -15,8 +15,7 @@ How FX nodes become graph nodes:
   comes from a roofline of FLOPs (``torch.utils.flop_counter``) and bytes moved on a device profile.
 * nodes that no output needs are dropped.
 * what eager holds beyond the functional graph: a tied parameter's earlier gradients until its last
-  one (the last gradient node reads them), and the loss with its backward seed (``ones_like(loss)``)
-  to the end of the step (the loss node has both's bytes; the last node reads it).
+  one (the last gradient node reads them).
 
 Phases: a node is ``forward`` if eager runs it in the forward pass: it comes no later than the loss
 in execution order, or a buffer update (below) needs it. The rest is ``backward``. The loss is the
@@ -113,23 +112,8 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
             split[node] = _separate_outputs(node) if node in forward else set()
             add(node, op, deps, None, _output_bytes(node, written.get(node, set()) | split[node]), _cost(node, profile))
     _hold_tied_gradients(nodes, ids, fx_nodes, signature, originals)
-    _hold_the_loss(nodes, ids, _loss_node(fx_nodes, signature))
     return _prune(name, fixed_tensors, nodes, fx_names, outputs)
 
-
-def _hold_the_loss(nodes: list[dict[str, Any]], ids: dict[fx.Node, int], loss: fx.Node) -> None:
-    """The training loop holds ``loss`` through ``loss.backward()``, and autograd's engine holds the
-    gradient it seeds the backward pass with (``ones_like(loss)``) as long: the loss node has both
-    outputs' bytes and the step's last node reads it (the 8 bytes of a float loss a CPU step measured
-    above the prediction)."""
-    v = ids.get(loss, _NOT_A_NODE)
-    if v == _NOT_A_NODE or v == len(nodes) - 1:
-        return
-    while nodes[v]["alias_of"] is not None:  # a view of the loss: its base holds the bytes
-        v = nodes[v]["alias_of"]
-    nodes[v]["mem"] += storage_bytes(loss.meta.get("val"))
-    last = nodes[-1]
-    last["deps"] = sorted(set(last["deps"]) | {v})
 
 
 def _hold_tied_gradients(nodes: list[dict[str, Any]], ids: dict[fx.Node, int], fx_nodes: list[fx.Node],
