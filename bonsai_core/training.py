@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 
 from bonsai_core.budget import Budget, parse_budget
-from bonsai_core.errors import BonsaiError, BudgetError, ModelError
+from bonsai_core.errors import BonsaiError, BudgetError, ModelError, SolverError
 from bonsai_core.export_runtime.checkpointing import apply_saves, is_checkpointed, remove_checkpoints
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak, simulate
@@ -61,7 +61,10 @@ from bonsai_core.units import format_bytes
 REGION_METHODS = ("bonsai", "chen")  # the methods whose plans are checkpoint regions
 AUTO_MARGIN = 0.10  # share of a device's memory "auto" leaves to the caching allocator's rounding and waste
 CACHE_VERSION = 1
-FIT_TRIES = 3  # solves to bring what the checkpoints run within the budget
+FIT_TRIES = 5  # solves to bring what the checkpoints run within the budget
+# what to do when a checkpointed step cannot run, in the library's own terms (the CLI names its flags)
+LIBRARY_ADVICE = ("Plan it with another budget= or method='chen', or train it with the replay back-end "
+                  "(bonsai.plan's schedule, exported by bonsai_core.export).")
 
 Save = dict[str, dict[str, list[int]]]  # submodule path -> {aten op: calls that save their output}
 
@@ -150,7 +153,8 @@ def checkpoint(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], t
 
 def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor], budget: str | int = "auto",
          method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none", fsdp: int = 1,
-         reshard_after_forward: bool | str = True, mixed_precision: str | None = None, cache: bool = True, cache_dir: str | os.PathLike | None = None, **options: Any) -> Plan:
+         reshard_after_forward: bool | str = True, mixed_precision: str | None = None, cache: bool = True,
+         cache_dir: str | os.PathLike | None = None, best_effort: bool = False, **options: Any) -> Plan:
     """A checkpoint-region plan for one training step of ``model`` within ``budget``; nothing applied.
 
     Args:
@@ -173,19 +177,30 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
             ``mixed_precision="bf16"``: ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32))`` on an fp32 model.
         cache: read and write the plan cache (see the module doc); ``cache_dir`` overrides its folder.
+        best_effort: when no layout of checkpointed submodules realises a plan within the budget, return
+            the one with the smallest predicted peak (over the budget; the report says by how much)
+            instead of raising BudgetError.
         options: the method's options (as ``bonsai solve --option``), e.g. ``time_limit=30``.
     """
-    from bonsai_core.solvers import check_options
+    from bonsai_core.solvers import check_options, method_options
 
     if method not in REGION_METHODS:
-        raise BonsaiError(f"bonsai.plan applies checkpoint-region plans, made by the methods {', '.join(REGION_METHODS)}; "
-                          f"{method!r} makes a general recompute sequence. Use the CLI for it: bonsai solve --method "
-                          f"{method}, then bonsai export --backend replay.")
-    check_options(method, options)
+        raise BonsaiError(f"method={method!r}: bonsai.plan applies checkpoint-region plans, made by method="
+                          f"{' or '.join(map(repr, REGION_METHODS))}; {method!r} makes a general recompute sequence, "
+                          "which torch.utils.checkpoint cannot run. Give method='bonsai' or method='chen'.")
+    if isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1:
+        raise BonsaiError(f"fsdp={fsdp!r}: give the number of ranks fully_shard will shard the model over (1 or more).")
+    try:
+        check_options(method, options)
+    except SolverError as e:  # its message ends with the CLI's `bonsai methods`
+        unknown = sorted(set(options) - {o.name for o in method_options(method) or ()})
+        raise SolverError(f"{', '.join(f'{k}=' for k in unknown)}: not an argument of bonsai.plan nor an option of "
+                          f"method={method!r}; its options are {', '.join(o.name for o in method_options(method) or ())}.") from None
     if options.get("offload"):
-        raise BonsaiError("bonsai.checkpoint and bonsai.plan do not apply offloads to host memory yet: their plans run "
-                          "as torch.utils.checkpoint regions, which would keep offloaded tensors on the device. Trace the "
-                          "step (bonsai trace), solve it with --option offload=true and export it with --backend replay.")
+        raise BonsaiError("offload=True: bonsai.checkpoint and bonsai.plan do not apply offloads to host memory yet: "
+                          "their plans run as torch.utils.checkpoint regions, which would keep offloaded tensors on the "
+                          "device. Trace the step (bonsai trace), solve it with --option offload=true and export it with "
+                          "--backend replay.")
     root, inputs, prefix = _step_inputs(model, example_inputs, loss_fn)
     if any(is_checkpointed(m) for m in model.modules()):
         raise ModelError("The model is already checkpointed by bonsai: plan it as it is without checkpoints "
@@ -194,7 +209,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     autocast = autocast if autocast is not None else _ambient_autocast(device)
     wanted, budget_source = _budget(budget, device)
     settings = {"method": method, "budget": str(budget), "budget_bytes": wanted.bytes, "autocast": autocast,
-                "optimizer": optimizer, "fsdp": [fsdp, reshard_after_forward, mixed_precision], "options": {k: repr(v) for k, v in sorted(options.items())},
+                "optimizer": optimizer, "fsdp": [fsdp, reshard_after_forward, mixed_precision], "options": {k: repr(v) for k, v in sorted(options.items())}, "best_effort": best_effort,
                 "device": device.type, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None}
     folder = _cache_folder(cache_dir) if cache else None
     key = _fingerprint(model, inputs, loss_fn, settings)
@@ -211,7 +226,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     limit = wanted.resolve(reference)
     if wanted.fraction is not None:
         budget_source = f"{wanted} of the no-remat peak {format_bytes(reference)}"
-    schedule, save, layout = _fitted(step, graph, limit, method, options, seconds)
+    schedule, save, layout = _fitted(step, graph, limit, method, options, seconds, best_effort)
     sim = simulate(graph, schedule)
     report = Report(method=method, budget=limit, budget_source=budget_source,
                     regions=[_relative(p, prefix) for p in save], predicted_peak=layout.realised_peak,
@@ -225,12 +240,50 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
 
 
 def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: dict[str, Any],
-            seconds: dict[str, float]) -> tuple[Schedule, Save, "_Layout"]:
-    """Solve within ``limit`` and lay the plan onto submodules; while what the checkpoints run peaks over
-    ``limit`` (a freed tensor no submodule can free with its readers), solve again with the plan's
-    budget lowered by the excess (at most :data:`FIT_TRIES` solves). The best layout found is returned."""
+            seconds: dict[str, float], best_effort: bool = False) -> tuple[Schedule, Save, "_Layout"]:
+    """Solve within ``limit`` and lay the plan onto submodules (finer submodules where they free more,
+    :func:`bonsai_core.export.checkpoint.layout`); while what the checkpoints run peaks over ``limit``
+    (a freed tensor no submodule can free with its readers), solve again with the plan's budget lowered
+    by the excess, doubled at each try (at most :data:`FIT_TRIES` solves, never below what any step
+    needs); then, for ``bonsai`` without a ``regions`` option, the same with ``regions="modules"`` (only
+    module calls recomputed: what the checkpoints can realise). The first layout within ``limit`` is
+    returned; when none is, BudgetError names the smallest realised peak found, unless ``best_effort``
+    (then the layout with that peak is returned, over the budget)."""
+    variants = [options]
+    if method == "bonsai" and "regions" not in options:
+        variants.append({**options, "regions": "modules"})
+    best, refused = None, None
+    for variant in variants:
+        try:
+            found = _fitted_with(step, graph, limit, method, variant, seconds)
+        except BudgetError as e:
+            refused = refused or e  # the options the caller gave say it best
+            if variant is variants[-1] and best is None:
+                raise refused from None
+            continue
+        if best is None or found[2].realised_peak < best[2].realised_peak:
+            best = found
+        if best[2].realised_peak <= limit:
+            return best
+    if not best_effort:
+        smallest = best[2].realised_peak
+        if smallest >= 2**62:  # the layout's sequence model could not express any choice of submodules
+            raise BudgetError(f"budget={format_bytes(limit)} ({limit} bytes): no layout of {step.name}'s submodules "
+                              "under torch.utils.checkpoint can be predicted for this plan; give a larger budget.")
+        raise BudgetError(
+            f"budget={format_bytes(limit)} ({limit} bytes) cannot be met by checkpointing {step.name}'s submodules: "
+            f"the smallest peak the checkpoints realise is {format_bytes(smallest)} ({smallest} bytes). Give budget="
+            f"{smallest} or more, or pass best_effort=True to take that plan over the budget.")
+    return best
+
+
+def _fitted_with(step: "_FakeStep", graph: Graph, limit: int, method: str, options: dict[str, Any],
+                 seconds: dict[str, float]) -> tuple[Schedule, Save, "_Layout"]:
+    """The lowering loop of :func:`_fitted` for one set of options: the first layout within ``limit``,
+    else the one with the smallest realised peak. BudgetError when the first solve finds no plan."""
     from bonsai_core.solvers import solve
 
+    floor = max(graph.peak_lower_bound, graph.optimizer_peak, graph.fixed_mem)
     plan_budget, best = limit, None
     for attempt in range(FIT_TRIES):
         start = time.perf_counter()
@@ -247,9 +300,10 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
         seconds["layout"] = seconds.get("layout", 0.0) + time.perf_counter() - start
         if best is None or layout.realised_peak < best[2].realised_peak:
             best = (schedule, save, layout)
-        if layout.realised_peak <= limit:
+        if layout.realised_peak <= limit or plan_budget <= floor:
             break
-        plan_budget -= layout.realised_peak - limit
+        # an ILP within its gap may not move for less than the excess
+        plan_budget = max(floor, plan_budget - (layout.realised_peak - limit) * 2**attempt)
     return best
 
 
@@ -397,7 +451,7 @@ class _FakeStep:
             with self.running():
                 try:
                     return recomputation_mismatches(save, self.name, self.model, self.inputs, self.loss_fn,
-                                                    self.autocast)
+                                                    self.autocast, advice=LIBRARY_ADVICE)
                 finally:
                     remove_checkpoints(self.model)
 

@@ -20,6 +20,8 @@ from bonsai_core.graph import MAX_FILE_BYTES, Graph
 
 def graph_from_json_bytes(data: bytes, filename: str = "upload.json") -> Graph:
     """Parse an uploaded bonsai-graph document. Raises GraphError saying what is wrong."""
+    if not data.strip():
+        raise GraphError(f"{filename} is empty. Upload a bonsai-graph file written by `bonsai trace ... -o graph.json`.")
     if len(data) > MAX_FILE_BYTES:
         raise GraphError(f"{filename} is {len(data) / 2**20:.0f} MiB; graph files are limited to "
                          f"{MAX_FILE_BYTES // 2**20} MiB. Trace a smaller model.")
@@ -37,5 +39,7 @@ def graph_from_pt2_bytes(data: bytes, name: str = "uploaded") -> Graph:
     from bonsai_core.models import pt2
     from bonsai_core.trace import trace_step
 
+    if not data:
+        raise GraphError(f"{name} is empty. Upload a program saved with torch.export.save.")
     module, args, loss_fn = pt2.load(data)
     return trace_step(module, args, loss_fn, name=name).graph

@@ -94,6 +94,11 @@ def test_a_graph_json_upload_is_parsed_as_data_and_defects_are_named():
         loaders.graph_from_json_bytes(b"\xff\xfe")
     with pytest.raises(GraphError, match="not a bonsai-graph"):
         loaders.graph_from_json_bytes(b'{"format": "bonsai-schedule"}')
+    for empty in (b"", b"  \n"):
+        with pytest.raises(GraphError, match="is empty"):
+            loaders.graph_from_json_bytes(empty, "graph.json")
+    with pytest.raises(GraphError, match="is empty"):
+        loaders.graph_from_pt2_bytes(b"", "model.pt2")
 
 
 def test_layout_puts_forward_on_top_and_backward_mirrored_below():

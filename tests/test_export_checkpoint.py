@@ -306,7 +306,9 @@ def test_a_submodule_whose_recomputation_differs_is_left_out(tmp_path):
     out = export_checkpoint(MEMORY, {"nested": 1}, _memory_plan(1), tmp_path / "ck")
     exported = load_checkpointed(out)
     left_out = exported.INFO["not_checkpointed"]
-    assert {f"blocks.{i}.0" for i in range(4)} <= set(left_out) <= {f"blocks.{i}{s}" for i in range(4) for s in ("", ".0")}
+    memories = {f"blocks.{i}{s}" for i in range(4) for s in ("", ".0")}
+    assert len(left_out) >= 4 and set(left_out) <= memories
+    assert not set(exported.SAVE) & memories  # no memory is checkpointed (one the layout does not pick is not tried)
     assert all("changes state" in why for why in left_out.values()), left_out
     assert exported.SAVE and not set(exported.SAVE) & set(left_out)
     v = verify_checkpoint(MEMORY, {"nested": 1}, out, repeats=1)

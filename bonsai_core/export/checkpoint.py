@@ -121,12 +121,15 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Coll
     read_by_backward = np.zeros(graph.n, dtype=bool)
     for b in np.flatnonzero(~graph.is_forward):
         read_by_backward[graph.deps(b)] = True
-    calls, chosen = _candidate_calls(graph, step, dropped, runtime_of, exclude)
-    candidates = _Candidates(graph, node_at, read_by_backward, calls, chosen)
+    chains = inplace_chains(step)
+    calls, chosen = _candidate_calls(graph, step, dropped, runtime_of, exclude, chains)
+    rebuilt = {i: _chain_nodes(graph, node_at, runtime_of, read_by_backward, chains, a, b)
+               for i, (_, a, b) in enumerate(calls)}
+    candidates = _Candidates(graph, node_at, read_by_backward, calls, chosen, rebuilt)
     units, best = candidates.improve(candidates.outermost(list(chosen)))
     parts, realised = candidates.realise(units)
     saved = kept_for_backward(graph, read_by_backward, realised)
-    out = [_unit(graph, step, node_at, saved, calls[i], nodes, drops) for i, (nodes, drops) in zip(units, parts)]
+    out = [_unit(graph, step, node_at, saved, calls[i], nodes, drops, chains) for i, (nodes, drops) in zip(units, parts)]
     unrealised = np.flatnonzero(dropped & ~realised)
     return CheckpointLayout(out, int(graph.mem[dropped].sum()), unrealised.tolist(), int(graph.mem[unrealised].sum()),
                             best if units else candidates.peak([]))
@@ -147,10 +150,12 @@ def _align_forward(graph: Graph, step: RecordedStep) -> tuple[np.ndarray, np.nda
 
 
 def _candidate_calls(graph: Graph, step: RecordedStep, dropped: np.ndarray, runtime_of: np.ndarray,
-                     exclude: Collection[str]) -> tuple[list[tuple[str, int, int]], dict[int, list[int]]]:
+                     exclude: Collection[str], chains: list[list[int]] = ()) -> tuple[list[tuple[str, int, int]], dict[int, list[int]]]:
     """(module calls that may be units: inside the model, not the whole model, called once per step, not
-    in ``exclude``; call index -> the dropped nodes whose innermost holding call it is)."""
-    calls = [(p, a, b) for p, a, b in step.calls if p and step.call_counts[p] == 1 and p not in exclude]
+    in ``exclude``, not writing their input in place (``chains``: its recomputation would write it once
+    more); call index -> the dropped nodes whose innermost holding call it is)."""
+    calls = [(p, a, b) for p, a, b in step.calls if p and step.call_counts[p] == 1 and p not in exclude
+             and not any(c[0] < a and any(a <= r < b for r in c) for c in chains)]
     chosen: dict[int, list[int]] = {}
     for d in np.flatnonzero(dropped).tolist():
         span = [runtime_of[d]] + [runtime_of[u] for u in graph.users(d).tolist() if graph.is_forward[u]]
@@ -171,6 +176,7 @@ class _Candidates:
     read_by_backward: np.ndarray  # bool[n]
     calls: list[tuple[str, int, int]]  # (path, first op, end op) per candidate call
     chosen: dict[int, list[int]]  # call index -> dropped nodes whose innermost holding call it is
+    rebuilt: dict[int, list[int]] = None  # call index -> nodes its recomputation rebuilds though kept (in-place chains)
 
     def inside(self, j: int, i: int) -> bool:
         """Whether call ``j`` runs within call ``i``."""
@@ -186,8 +192,9 @@ class _Candidates:
     def realise(self, units: list[int]) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
         """Per unit (its graph nodes, its dropped nodes), and every dropped node realised."""
         graph, calls, chosen = self.graph, self.calls, self.chosen
-        groups = [np.array(sorted(d for j in chosen if self.inside(j, i) for d in chosen[j]), dtype=np.int64)
-                  for i in units]
+        rebuilt = self.rebuilt or {}
+        groups = [np.array(sorted({d for j in chosen if self.inside(j, i) for d in chosen[j]}.union(rebuilt.get(i, ()))),
+                           dtype=np.int64) for i in units]
         realised = np.zeros(graph.n, dtype=bool)
         for drops in groups:
             realised[drops] = True
@@ -229,24 +236,59 @@ class _Candidates:
 
 
 def _unit(graph: Graph, step: RecordedStep, node_at: np.ndarray, saved: np.ndarray, call: tuple[str, int, int],
-          nodes: np.ndarray, drops: np.ndarray) -> Unit:
+          nodes: np.ndarray, drops: np.ndarray, chains: list[list[int]] = ()) -> Unit:
     """The unit of module ``call`` (its graph ``nodes``, its dropped nodes ``drops``): per op as SAC
     counts it, the calls whose output is ``saved`` and saved by an op of the unit: read inside it, or
     saved by its own op's autograd formula (``sigmoid``'s result, a fused recurrent kernel's outputs and
-    workspace: :func:`bonsai_core.derivatives.saves_own_output`). Without the policy naming such an op,
-    its output would be recomputed, not kept."""
+    workspace: :func:`bonsai_core.derivatives.saves_own_output`), with every in-place chain (``chains``)
+    saved as :func:`saved_in_place` says. Without the policy naming such an op, its output would be
+    recomputed, not kept."""
     path, a, b = call
     inside = set(nodes.tolist())
+    kept = {r for r in range(a, b) if node_at[r] >= 0 and saved[node_at[r]]
+            and (read_inside(graph, node_at[r], inside) or saves_own_output(graph.ops[node_at[r]]))}
+    kept = saved_in_place(kept, chains, a, b)
     saves: dict[str, list[int]] = {}
     seen: Counter = Counter()
     for r in range(a, b):
         op = SAME_OP.get(step.ops[r], step.ops[r])
         k = seen[op]
         seen[op] += 1
-        v = node_at[r]
-        if v >= 0 and saved[v] and (read_inside(graph, v, inside) or saves_own_output(graph.ops[v])):
+        if r in kept:
             saves.setdefault(op, []).append(k)
     return Unit(path, saves, b - a, int(graph.mem[drops].sum()) if len(drops) else 0)
+
+
+def inplace_chains(step: RecordedStep) -> list[list[int]]:
+    """The run-time ops that share one activation's bytes: its producer, then each op that wrote it in
+    place (``step.inplace``), in run order; only chains with a write."""
+    root: dict[int, int] = {}
+    chains: dict[int, list[int]] = {}
+    for w, p in sorted(step.inplace):
+        r = root.setdefault(w, root.get(p, p))
+        chains.setdefault(r, [r]).append(w)
+    return list(chains.values())
+
+
+def saved_in_place(kept: set[int], chains: list[list[int]], a: int, b: int) -> set[int]:
+    """``kept`` (run-time ops of the unit ``[a, b)`` whose outputs its SAC policy saves) without the ops
+    of an in-place chain (docs/EXPORT.md, "In-place writes"): SAC cannot save them. It caches an alias
+    of a saved output, which a later write changes (its check refuses that, even for the in-place op's
+    own output, whose version the write bumps after SAC caches it), and in the recomputation an
+    in-place op hands autograd its own first argument, not the cached tensor. So a chain is recomputed
+    whole, from a fresh output of its producer: the values every reader saw in the forward."""
+    return kept.difference(r for chain in chains for r in chain if a <= r < b)
+
+
+def _chain_nodes(graph: Graph, node_at: np.ndarray, runtime_of: np.ndarray, read_by_backward: np.ndarray,
+                 chains: list[list[int]], a: int, b: int) -> list[int]:
+    """The graph nodes of the in-place chains' ops in ``[a, b)`` that the backward pass reads and no
+    forward op after ``[a, b)`` reads: a unit there frees them after its forward and rebuilds them
+    (:func:`saved_in_place`) even where the plan keeps them. (A chain's output that a later op reads
+    stays held by that reader, as the plan keeps it.)"""
+    nodes = [int(node_at[r]) for chain in chains for r in chain if a <= r < b and node_at[r] >= 0]
+    return [v for v in nodes if read_by_backward[v]
+            and all(a <= runtime_of[u] < b and not graph.is_view[u] for u in graph.users(v).tolist() if graph.is_forward[u])]
 
 
 def read_inside(graph: Graph, v: int, inside: set[int]) -> bool:
@@ -429,18 +471,44 @@ def recomputation_mismatch(forward: list[list[Any]], recompute: list[list[Any]])
 
 
 def recomputation_mismatches(save: dict[str, dict[str, list[int]]], model: str, net: nn.Module,
-                             inputs: tuple[torch.Tensor, ...], loss_fn: Any, autocast: str | None = None) -> dict[str, str]:
+                             inputs: tuple[torch.Tensor, ...], loss_fn: Any, autocast: str | None = None,
+                             advice: str = "Export with --backend replay.") -> dict[str, str]:
     """One training step of ``net`` (with ``inputs`` and ``loss_fn``, on fake tensors, under the caller's
-    ``FakeTensorMode``) with the plan ``save`` applied (it stays applied), logging each checkpointed
-    call's ops in its forward and in its recomputation: per submodule whose recomputation SAC would hand
-    other tensors (:func:`recomputation_mismatch`), why. ``model`` names it in messages; the forward runs
-    under ``autocast`` ("bf16" / "fp16") when given, as the step was traced.
+    ``FakeTensorMode``) with the plan ``save`` applied, logging each checkpointed call's ops in its
+    forward and in its recomputation: per submodule whose recomputation SAC would hand other tensors
+    (:func:`recomputation_mismatch`), why. ``model`` names it in messages; the forward runs under
+    ``autocast`` ("bf16" / "fp16") when given, as the step was traced. ``net`` is left without checkpoints.
 
-    Raises ExportError when the step fails in another way (it would fail in training too)."""
-    from bonsai_core.export_runtime.checkpointing import contexts
-
+    When the step fails in another way, each submodule is tried alone and the ones whose step fails are
+    returned with the error (the others stay in the plan); ExportError (ending with ``advice``) when
+    every one alone runs (the step would fail in training too)."""
     if not save:
         return {}
+    runs, error = _checked_step(save, model, net, inputs, loss_fn, autocast)
+    found: dict[str, str] = {}
+    for path, forward, recompute in runs:
+        why = recomputation_mismatch(forward, recompute)
+        if why is not None:
+            found.setdefault(path, why)
+    if error is None or found:
+        return found
+    if len(save) > 1:
+        for path, saves in save.items():
+            _, alone = _checked_step({path: saves}, model, net, inputs, loss_fn, autocast)
+            if alone is not None:
+                found[path] = f"its recomputation fails: {str(alone).splitlines()[0]}"
+    if not found:
+        raise ExportError(f"One training step of {model!r} with its checkpoints applied fails (on fake tensors, "
+                          f"before training): {str(error).splitlines()[0]} {advice}") from None
+    return found
+
+
+def _checked_step(save: dict[str, dict[str, list[int]]], model: str, net: nn.Module, inputs: tuple[torch.Tensor, ...],
+                  loss_fn: Any, autocast: str | None) -> tuple[list[tuple[str, list, list]], RuntimeError | None]:
+    """(each checkpointed call's path, forward ops and recomputation ops; the step's RuntimeError or None)
+    of one step of ``net`` with ``save`` applied (removed again afterwards)."""
+    from bonsai_core.export_runtime.checkpointing import contexts, remove_checkpoints
+
     paths = {id(saves): path for path, saves in save.items()}
     runs: list[tuple[str, list[list[Any]], list[list[Any]]]] = []
 
@@ -459,15 +527,9 @@ def recomputation_mismatches(save: dict[str, dict[str, list[int]]], model: str, 
             loss.backward()
     except RuntimeError as e:  # SAC's "not found in storage", checkpoint's CheckpointError
         error = e
-    found: dict[str, str] = {}
-    for path, forward, recompute in runs:
-        why = recomputation_mismatch(forward, recompute)
-        if why is not None:
-            found.setdefault(path, why)
-    if error is not None and not found:
-        raise ExportError(f"One training step of {model!r} with its checkpoints applied fails (on fake tensors, "
-                          f"before training): {str(error).splitlines()[0]} Export with --backend replay.") from None
-    return found
+    finally:
+        remove_checkpoints(net)
+    return runs, error
 
 
 def faithful_layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep,

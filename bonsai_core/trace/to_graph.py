@@ -14,6 +14,8 @@ How FX nodes become graph nodes:
 * every other op is a compute node whose ``mem`` is its outputs' storage bytes and whose ``cost``
   comes from a roofline of FLOPs (``torch.utils.flop_counter``) and bytes moved on a device profile.
 * nodes that no output needs are dropped.
+* what eager holds beyond the functional graph: a tied parameter's earlier gradients until its last
+  one (the last gradient node reads them).
 
 Phases: a node is ``forward`` if eager runs it in the forward pass: it comes no later than the loss
 in execution order, or a buffer update (below) needs it. The rest is ``backward``. The loss is the
@@ -109,7 +111,29 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
         else:
             split[node] = _separate_outputs(node) if node in forward else set()
             add(node, op, deps, None, _output_bytes(node, written.get(node, set()) | split[node]), _cost(node, profile))
+    _hold_tied_gradients(nodes, ids, fx_nodes, signature, originals)
     return _prune(name, fixed_tensors, nodes, fx_names, outputs)
+
+
+
+def _hold_tied_gradients(nodes: list[dict[str, Any]], ids: dict[fx.Node, int], fx_nodes: list[fx.Node],
+                         signature: Any, originals: dict[str, torch.Tensor]) -> None:
+    """A tied parameter (an embedding shared with the LM head) gets one gradient per use, each an output
+    of the joint graph. Eager's autograd engine holds the earlier ones in the parameter's input buffer
+    until the last is computed and added, so the last gradient node reads the earlier ones (in place)."""
+    placeholder = {param: ph for ph, param in signature.inputs_to_parameters.items()}
+    by_name = {n.name: n for n in fx_nodes}
+    tied: dict[int, list[int]] = {}
+    for out_name, param in signature.backward_signature.gradients_to_parameters.items():
+        tensor = originals.get(placeholder.get(param, ""))
+        node = by_name.get(out_name)
+        if isinstance(tensor, torch.Tensor) and node is not None and ids.get(node, _NOT_A_NODE) != _NOT_A_NODE:
+            tied.setdefault(tensor.untyped_storage()._cdata, []).append(ids[node])
+    for grads in tied.values():
+        grads = sorted(set(grads))
+        if len(grads) > 1:
+            last = nodes[grads[-1]]
+            last["deps"] = sorted(set(last["deps"]) | set(grads[:-1]))
 
 
 def _loss_node(fx_nodes: list[fx.Node], signature: Any) -> fx.Node:
