@@ -279,7 +279,9 @@ def timing_of(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> C
 
 def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> SimResult:
     """Replay a schedule on a graph under the rules above; raise ScheduleError at the first broken
-    rule, naming the op and the node. O(len(ops) + edges)."""
+    rule, naming the op and the node. O(len(ops) + edges).
+    Long: one pass over the ops with each rule's check inline; every method's schedule goes through this
+    loop, which per-op function calls would slow down."""
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
     _, host_limit = host_link(schedule)
     if isinstance(schedule, Schedule) and schedule.graph_hash and schedule.graph_hash != graph.hash:

@@ -182,25 +182,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
             instead of raising BudgetError.
         options: the method's options (as ``bonsai solve --option``), e.g. ``time_limit=30``.
     """
-    from bonsai_core.solvers import check_options, method_options
-
-    if method not in REGION_METHODS:
-        raise BonsaiError(f"method={method!r}: bonsai.plan applies checkpoint-region plans, made by method="
-                          f"{' or '.join(map(repr, REGION_METHODS))}; {method!r} makes a general recompute sequence, "
-                          "which torch.utils.checkpoint cannot run. Give method='bonsai' or method='chen'.")
-    if isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1:
-        raise BonsaiError(f"fsdp={fsdp!r}: give the number of ranks fully_shard will shard the model over (1 or more).")
-    try:
-        check_options(method, options)
-    except SolverError as e:  # its message ends with the CLI's `bonsai methods`
-        unknown = sorted(set(options) - {o.name for o in method_options(method) or ()})
-        raise SolverError(f"{', '.join(f'{k}=' for k in unknown)}: not an argument of bonsai.plan nor an option of "
-                          f"method={method!r}; its options are {', '.join(o.name for o in method_options(method) or ())}.") from None
-    if options.get("offload"):
-        raise BonsaiError("offload=True: bonsai.checkpoint and bonsai.plan do not apply offloads to host memory yet: "
-                          "their plans run as torch.utils.checkpoint regions, which would keep offloaded tensors on the "
-                          "device. Trace the step (bonsai trace), solve it with --option offload=true and export it with "
-                          "--backend replay.")
+    _check_arguments(method, fsdp, options)
     root, inputs, prefix = _step_inputs(model, example_inputs, loss_fn)
     if any(is_checkpointed(m) for m in model.modules()):
         raise ModelError("The model is already checkpointed by bonsai: plan it as it is without checkpoints "
@@ -237,6 +219,29 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     if folder:
         _write_cached(folder, key, made)
     return made
+
+
+def _check_arguments(method: str, fsdp: int, options: dict[str, Any]) -> None:
+    """Refuse what :func:`plan` cannot do, naming its own arguments (not the CLI's flags)."""
+    from bonsai_core.solvers import check_options, method_options
+
+    if method not in REGION_METHODS:
+        raise BonsaiError(f"method={method!r}: bonsai.plan applies checkpoint-region plans, made by method="
+                          f"{' or '.join(map(repr, REGION_METHODS))}; {method!r} makes a general recompute sequence, "
+                          "which torch.utils.checkpoint cannot run. Give method='bonsai' or method='chen'.")
+    if isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1:
+        raise BonsaiError(f"fsdp={fsdp!r}: give the number of ranks fully_shard will shard the model over (1 or more).")
+    try:
+        check_options(method, options)
+    except SolverError:  # its message ends with the CLI's `bonsai methods`
+        unknown = sorted(set(options) - {o.name for o in method_options(method) or ()})
+        raise SolverError(f"{', '.join(f'{k}=' for k in unknown)}: not an argument of bonsai.plan nor an option of "
+                          f"method={method!r}; its options are {', '.join(o.name for o in method_options(method) or ())}.") from None
+    if options.get("offload"):
+        raise BonsaiError("offload=True: bonsai.checkpoint and bonsai.plan do not apply offloads to host memory yet: "
+                          "their plans run as torch.utils.checkpoint regions, which would keep offloaded tensors on the "
+                          "device. Trace the step (bonsai trace), solve it with --option offload=true and export it with "
+                          "--backend replay.")
 
 
 def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: dict[str, Any],

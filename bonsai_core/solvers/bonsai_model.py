@@ -200,19 +200,7 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     m = len(seg.forward)
     constant = self_contained(graph)
     pinned = [np.zeros(m, dtype=bool), *(levels or [])]
-    # kinds of columns: (drops its candidate's outputs, density level saved inside it)
-    kinds = [(drop, level) for drop in [False, True][:1 + drop_outputs] for level in range(len(pinned))]
-    coefs, columns = {}, {}
-    for drop, level in kinds:
-        coef_k = coefficients(graph, seg, plain, drop_outputs=drop, save_self_contained=save_self_contained,
-                              pinned=pinned[level] if level else None)
-        ok = np.ones(seg.count, dtype=bool) if allowed is None else allowed.copy()
-        if drop:
-            ok &= np.diff(coef_k.reader_ptr) > 0  # else the same as keeping its outputs
-        if level:  # else the same as saving no op
-            inside = np.concatenate([[0], np.cumsum(pinned[level])])
-            ok &= inside[seg.ends] > inside[seg.starts]
-        coefs[drop, level], columns[drop, level] = coef_k, _columns(coef_k, seg, m, ok)
+    kinds, coefs, columns = _column_kinds(graph, seg, plain, m, allowed, drop_outputs, save_self_contained, pinned)
     coef = coefs[False, 0]
     candidates = np.concatenate([columns[k] for k in kinds])
     drops = np.concatenate([np.full(len(columns[k]), k[0]) for k in kinds]).astype(bool)
@@ -238,12 +226,6 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     a_end = np.searchsorted(seg.atom_ptr, seg.ends[candidates])
     arange = np.arange(atoms)
 
-    def arcs(tail: np.ndarray, head: np.ndarray) -> sp.csr_matrix:
-        k = len(tail)
-        return sp.csr_matrix((np.concatenate([np.ones(k), -np.ones(k)]),
-                              (np.concatenate([tail, head]), np.tile(np.arange(k), 2))),
-                             shape=(atoms + 1, k))[:atoms]  # the last row is implied by the others
-
     rhs = np.zeros(atoms)
     if atoms:
         rhs[0] = 1.0
@@ -262,37 +244,14 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
     objective = cost @ rec
     off, off_rows = None, []
     if offloads is not None and len(offloads.nodes):
-        from bonsai_core.schedule import host_link
-
-        v = len(offloads.nodes)
-        off = cp.Variable(v, boolean=True, name="off")
-        change = change + (off_events / unit) @ off
-        objective = objective + (offloads.cost / max(graph.total_cost, 1e-30)) @ off
-        off_rows.append(off <= sp.csr_matrix((np.ones(v), (np.arange(v), offloads.atom)), shape=(v, atoms)) @ keep)
-        for cliques in (offloads.d2h, offloads.h2d):
-            if cliques.shape[0]:
-                off_rows.append(cliques @ off <= 1)
-        host_limit = host_link([])[1]
-        if host_limit is not None:
-            off_rows.append((offloads.mem / unit) @ off <= host_limit / unit)
+        off, off_change, off_cost, off_rows = _offload_terms(graph, offloads, off_events, unit, keep, atoms)
+        change, objective = change + off_change, objective + off_cost
     constraints = [
-        arcs(a_start, a_end) @ rec + arcs(arange, arange + 1) @ keep == rhs,
+        _arcs(a_start, a_end, atoms) @ rec + _arcs(arange, arange + 1, atoms) @ keep == rhs,
         diff @ delta == change,
         *off_rows,
     ]
-    # A column that drops its candidate's outputs needs the atoms of their readers kept.
-    which, readers, first = [], [], 0
-    for k in kinds:
-        if k[0]:
-            ptr, atom = coefs[k].reader_ptr, coefs[k].reader_atom
-            for i, c in enumerate(columns[k].tolist()):
-                which.extend([first + i] * int(ptr[c + 1] - ptr[c]))
-                readers.extend(atom[ptr[c]:ptr[c + 1]].tolist())
-        first += len(columns[k])
-    if which:
-        rows = np.arange(len(which))
-        constraints.append(sp.csr_matrix((np.ones(len(rows)), (rows, which)), shape=(len(rows), count)) @ rec
-                           <= sp.csr_matrix((np.ones(len(rows)), (rows, readers)), shape=(len(rows), atoms)) @ keep)
+    constraints += _readers_kept(kinds, coefs, columns, count, atoms, rec, keep)
     constraints.append(delta + interval_peak / unit <= budget)  # last: min_peak_problem replaces it
     problem = cp.Problem(cp.Minimize(objective), constraints)
     return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, coefs=coefs, plain=plain, candidates=candidates,
@@ -301,3 +260,65 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
                       delta=delta, budget=budget, unit=unit, build_seconds=time.perf_counter() - start,
                       off=off, offload=offloads if off is not None else None,
                       off_events=off_events if off is not None else None)
+
+
+
+def _column_kinds(graph: Graph, seg: Segmentation, plain: PlainProfile, m: int, allowed: np.ndarray | None,
+                  drop_outputs: bool, save_self_contained: bool, pinned: list[np.ndarray]):
+    """The kinds of columns, (drops its candidate's outputs, density level saved inside it), with each
+    kind's coefficients and the candidates it gets a column for."""
+    kinds = [(drop, level) for drop in [False, True][:1 + drop_outputs] for level in range(len(pinned))]
+    coefs, columns = {}, {}
+    for drop, level in kinds:
+        coef_k = coefficients(graph, seg, plain, drop_outputs=drop, save_self_contained=save_self_contained,
+                              pinned=pinned[level] if level else None)
+        ok = np.ones(seg.count, dtype=bool) if allowed is None else allowed.copy()
+        if drop:
+            ok &= np.diff(coef_k.reader_ptr) > 0  # else the same as keeping its outputs
+        if level:  # else the same as saving no op
+            inside = np.concatenate([[0], np.cumsum(pinned[level])])
+            ok &= inside[seg.ends] > inside[seg.starts]
+        coefs[drop, level], columns[drop, level] = coef_k, _columns(coef_k, seg, m, ok)
+    return kinds, coefs, columns
+
+
+def _arcs(tail: np.ndarray, head: np.ndarray, atoms: int) -> sp.csr_matrix:
+    """The cover's arcs from atom boundary ``tail`` to ``head``, one column each (the path's rows)."""
+    k = len(tail)
+    return sp.csr_matrix((np.concatenate([np.ones(k), -np.ones(k)]),
+                          (np.concatenate([tail, head]), np.tile(np.arange(k), 2))),
+                         shape=(atoms + 1, k))[:atoms]  # the last row is implied by the others
+
+def _offload_terms(graph: Graph, offloads, off_events: sp.csr_matrix, unit: float, keep, atoms: int):
+    """The offload choice (``bonsai_offload.py``): one binary per candidate tensor, its memory steps and
+    copy cost, and its rows: only a kept atom's tensor is offloaded, no two copies of one direction
+    overlap, the host memory bounds them all. Returns (off, memory change, cost, rows)."""
+    import cvxpy as cp
+
+    from bonsai_core.schedule import host_link
+
+    v = len(offloads.nodes)
+    off = cp.Variable(v, boolean=True, name="off")
+    rows = [off <= sp.csr_matrix((np.ones(v), (np.arange(v), offloads.atom)), shape=(v, atoms)) @ keep]
+    rows += [cliques @ off <= 1 for cliques in (offloads.d2h, offloads.h2d) if cliques.shape[0]]
+    host_limit = host_link([])[1]
+    if host_limit is not None:
+        rows.append((offloads.mem / unit) @ off <= host_limit / unit)
+    return off, (off_events / unit) @ off, (offloads.cost / max(graph.total_cost, 1e-30)) @ off, rows
+
+
+def _readers_kept(kinds, coefs, columns, count: int, atoms: int, rec, keep) -> list:
+    """Rows saying that a column which drops its candidate's outputs needs the atoms of their readers kept."""
+    which, readers, first = [], [], 0
+    for k in kinds:
+        if k[0]:
+            ptr, atom = coefs[k].reader_ptr, coefs[k].reader_atom
+            for i, c in enumerate(columns[k].tolist()):
+                which.extend([first + i] * int(ptr[c + 1] - ptr[c]))
+                readers.extend(atom[ptr[c]:ptr[c + 1]].tolist())
+        first += len(columns[k])
+    if not which:
+        return []
+    rows = np.arange(len(which))
+    return [sp.csr_matrix((np.ones(len(rows)), (rows, which)), shape=(len(rows), count)) @ rec
+            <= sp.csr_matrix((np.ones(len(rows)), (rows, readers)), shape=(len(rows), atoms)) @ keep]
