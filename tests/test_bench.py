@@ -12,6 +12,7 @@ from bonsai_core.solvers import solve
 from tests.graphs import chain
 
 
+@pytest.mark.slow  # 30 s: every method on the quick suite's models (the default run stays within 5 min)
 def test_bench_quick_writes_results_tables_and_plots(tmp_path, capsys):
     out = tmp_path / "bench"
     assert main(["bench", "--quick", "-o", str(out)]) == 0
