@@ -219,7 +219,7 @@ def test_saving_ops_inside_recomputed_segments_is_optimal_in_its_model(graph):
     optimum is the cheapest plan whose modelled peak fits, the schedule fits, it is the true optimum
     where the model is exact, and it never costs more than whole-segment plans (save_ops=False)."""
     m = int(graph.is_forward.sum())
-    built = B.build(graph, m, save_self_contained=False)
+    built = B.build(graph, m, save_self_contained=False, save_ops=True)
     assert len(built.pinned) > 1 and (built.levels > 0).any()  # levels with columns of their own
     plans = []
     for plan, modelled in all_plans_saving_ops(graph, built):
@@ -230,7 +230,7 @@ def test_saving_ops_inside_recomputed_segments_is_optimal_in_its_model(graph):
     for budget in sorted({p for p, _, _ in plans}):
         true_best = min(c for p, c, _ in plans if p <= budget)
         model_best = min((c for _, c, q in plans if q <= budget), default=None)
-        st = solve(graph, budget, "bonsai", granularity=m, save_self_contained=False, reuse=False).stats
+        st = solve(graph, budget, "bonsai", granularity=m, save_self_contained=False, save_ops=True, reuse=False).stats
         assert st["peak"] <= budget and st["compute_cost"] >= true_best - 1e-9
         if model_best is not None and st["plan_source"] == "ilp":
             assert graph.total_cost * (1 + st["objective"]) == pytest.approx(model_best), budget
@@ -262,7 +262,7 @@ def test_a_recomputed_segment_saves_its_costly_op_and_drops_the_cheap_ones_aroun
     g = Graph.from_dict(SKIP_OVER_MATMUL)
     budget = 12  # the no-remat peak is 13: f0 must go before g3 runs
     whole = solve(g, budget, "bonsai", save_ops=False, reuse=False).stats
-    st = solve(g, budget, "bonsai", reuse=False)
+    st = solve(g, budget, "bonsai", save_ops=True, reuse=False)
     plan = CheckpointPlan.from_extra(st.extra)
     assert st.stats["peak"] <= budget and 1 in plan.saved
     assert st.stats["compute_cost"] == pytest.approx(g.total_cost + 1)  # f0 rebuilt, f1 not

@@ -265,7 +265,7 @@ def test_errors_in_user_input_name_the_cause_without_a_traceback(gpt_graph, tmp_
 
 
 def test_a_budget_bonsai_misses_names_the_method_that_meets_it(tmp_path, capsys):
-    """A small U-Net: bonsai's checkpoint regions reach 99.2% of the no-remat peak at best; halfway
+    """A small U-Net: bonsai's checkpoint regions reach 99.3% of the no-remat peak at best; halfway
     between the per-op bound and the peak, moccasin meets the budget by recomputing a backward op."""
     graph = tmp_path / "unet.json"
     assert main(["trace", "unet", "--batch", "1", "--image", "4", "--layers", "1", "--width", "16", "-o", str(graph)]) == 0

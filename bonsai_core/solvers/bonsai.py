@@ -187,7 +187,7 @@ def auto_ladder(graph: Graph) -> list[int]:
 
 
 def build(graph: Graph, granularity: int | None = None, regions: Regions = "any",
-          drop_outputs: bool = False, save_self_contained: bool = True, save_ops: bool = True,
+          drop_outputs: bool = False, save_self_contained: bool = True, save_ops: bool = False,
           offload: bool = False) -> BuiltModel:
     """The segment ILP of ``graph`` at ``granularity`` (None: the paper's default, round(2·√ops)),
     with Chen's segments and the module calls as extra candidates; built once per (graph hash,
@@ -220,7 +220,7 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
 def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None = None,
                  granularity: int | None = None, backend: str = DEFAULT_BACKEND,
                  gap: float = DEFAULT_GAP, regions: Regions = "any", drop_outputs: bool = False,
-                 save_self_contained: bool = True, save_ops: bool = True, reuse: bool = True,
+                 save_self_contained: bool = True, save_ops: bool = False, reuse: bool = True,
                  offload: bool = False) -> Schedule:
     """Bonsai's segment ILP: the cheapest checkpoint plan whose modelled peak fits ``budget``.
 
@@ -242,7 +242,10 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
             checkpointing's "must save" does; False: it rebuilds them with the rest.
         save_ops: a recomputed segment may also save the outputs of its costliest ops per byte (one of a
             few density levels: matmuls and attention first, as selective activation checkpointing's
-            MUST_SAVE does) and recompute the rest; False: only whole segments (docs/BONSAI.md).
+            MUST_SAVE does) and recompute the rest; False (the default): only whole segments. Opt-in
+            until the model counts what selective checkpointing holds: run through torch.utils.checkpoint
+            (the checkpoint back-end, bonsai.checkpoint) each saved output stays in SAC's storage until
+            its segment's rebuild, which the plan frees after its last reader (docs/BONSAI.md).
         reuse: answer with a plan solved earlier (same graph and options) at a larger budget when it
             fits this one (it is then within the same gap of this budget's optimum); False: always solve.
         offload: keep, recompute or offload each saved tensor: a kept one may be copied to host memory
