@@ -7,13 +7,30 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_browser import CHROMIUM, SHOTS, browser, server, wait_idle  # noqa: F401 (browser, server: the module fixtures)
+from tests.test_browser import BROWSER_ARGS, CHROMIUM, SHOTS, serve, wait_idle  # noqa: F401
 from tests.test_browser_graph import assert_labels_legible
 
 pytestmark = pytest.mark.skipif(not __import__("os").path.exists(CHROMIUM), reason="Debian's chromium is not installed")
 
 GRID = '[data-testid="stDataFrame"]'
 ROW_PX = 35  # Streamlit's data grid: header and rows
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        yield b
+        b.close()
 
 
 def open_at(browser, url: str, scheme: str = "light"):
