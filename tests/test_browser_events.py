@@ -62,7 +62,7 @@ def no_exception(pg) -> None:
 def test_events_are_listed_clickable_and_light_the_graph(browser, server, scheme):
     context, pg = open_at(browser, f"{server}/graph?budget=50", scheme)
     try:
-        pg.wait_for_selector("text=5 recompute events")  # bonsai at 50% on the default GPT
+        pg.wait_for_selector("text=4 recompute events")  # bonsai at 50% on the default GPT
         wait_idle(pg)
         assert_labels_legible(pg)
         click_event(pg, 2)
@@ -76,7 +76,7 @@ def test_events_are_listed_clickable_and_light_the_graph(browser, server, scheme
         pg.wait_for_selector("text=↻2 At backward step")
         marks = pg.evaluate("() => [...document.querySelectorAll('[data-testid=\"stVegaLiteChart\"] text')]"
                             ".map(t => t.textContent)")
-        assert {"↻1", "↻2", "↻5"} <= set(marks)  # the events marked on the memory curve
+        assert {"↻1", "↻2", "↻4"} <= set(marks)  # the events marked on the memory curve
         assert not any("reserved" in t for t in marks)  # reserved bytes are off by default
         click_event(pg, 4)
         no_exception(pg)
