@@ -68,6 +68,8 @@ def test_hf_resnet_batchnorm_recomputed_trains_exactly(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["bonsai", "dtr"])
 @pytest.mark.parametrize("arch", sorted(TINY))
-@pytest.mark.xfail(strict=False, reason="open after the merges of 2026-12-04: bonsai's plan on tiny bert/gpt2 no longer recomputes a dropout op, so the dropout check has nothing to check")
 def test_every_hf_arch_end_to_end(tmp_path, arch, method):
+    if (arch, method) in (("bert", "bonsai"), ("gpt2", "bonsai")):
+        pytest.xfail("open after the merges of 2026-12-04: bonsai's plan on tiny bert/gpt2 no longer recomputes "
+                     "a dropout op, so the dropout check has nothing to check")
     _end_to_end(tmp_path, arch, method)
