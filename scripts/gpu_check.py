@@ -41,6 +41,26 @@ TORCHTITAN = ("torchtitan:llama3:8B", {"layers": 4, "seq": 8192, "batch": 2, "dt
 TORCHTITAN_CPU = ("torchtitan:llama3:debugmodel", {"layers": 2, "seq": 256, "batch": 2, "dtype": "bf16"}, "adamw")
 
 
+def second_step_peaks(step, dev: "torch.device", fixed_mem: int) -> tuple[int, int | None]:
+    """Run ``step`` twice and measure the second (the first sets up the caching allocator's segments, as
+    the allocator model's warm-up does): on CUDA max_memory_allocated and max_memory_reserved; on the
+    CPU, a dry run of the script, live bytes only (fixed memory counted as traced) and no reserved."""
+    import torch
+
+    step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    from bonsai_core.measure import LiveBytes
+
+    with LiveBytes() as tracker:
+        step()
+    return fixed_mem + tracker.peak, None
+
+
 def check(model: str, options: dict, optimizer: str, share: float, policy: str, device: str = "cuda") -> str:
     import torch
 
@@ -75,19 +95,7 @@ def check(model: str, options: dict, optimizer: str, share: float, policy: str, 
             if opt is not None:
                 opt.step()
 
-        step()  # the first step: the caching allocator's segments, as the allocator model's warm-up
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            allocated, held = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-        else:  # a dry run of the script: live bytes only (fixed memory counted as traced)
-            from bonsai_core.measure import LiveBytes
-
-            with LiveBytes() as tracker:
-                step()
-            allocated, held = graph.fixed_mem + tracker.peak, None
+        allocated, held = second_step_peaks(step, dev, graph.fixed_mem)
         del ck, net, inputs, opt
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -167,19 +175,7 @@ def check_torchtitan(model: str, options: dict, optimizer: str, policy: str, dev
             if opt is not None:
                 opt.step()
 
-        step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            allocated, held = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-        else:
-            from bonsai_core.measure import LiveBytes
-
-            with LiveBytes() as tracker:
-                step()
-            allocated, held = graph.fixed_mem + tracker.peak, None
+        allocated, held = second_step_peaks(step, dev, graph.fixed_mem)
         del net, inputs, opt
         if dev.type == "cuda":
             torch.cuda.empty_cache()

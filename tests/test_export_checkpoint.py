@@ -115,14 +115,15 @@ def test_zoo_gpt_trains_the_same_within_the_predicted_peak(tmp_path, method, sha
 # here; a tied weight's first partial gradient waits in the engine's input buffer for the last one:
 # GPT-2's wte, 8 KiB), and the plan's regions do not all line up with submodules. Measured: +10.08% over
 # the plan at share 0.5 (423,816 vs 385,024 B) and +8.96% at 0.7 (468,616 vs 430,080 B) since in-place
-# ops and getitem outputs are placed in their submodules (before: +11.2% and +10.5%). The module-region
-# plans of test_module_region_plans_are_followed_by_the_checkpoints meet the 10%.
-EAGER_GAP = pytest.mark.xfail(strict=True, reason="known gap (docs/EXPORT.md): a free-form plan +10.08% over the plan")
+# ops and getitem outputs are placed in their submodules (before: +11.2% and +10.5%). Since the trace
+# holds a tied weight's earlier gradients (2026-12-04) both shares meet the check.
+# open after the merges of 2026-12-04: the module-region plans on hf:gpt2 at 0.5 realise more than planned
+SAC_GAP = pytest.mark.xfail(strict=False, reason="open: on hf:gpt2 at 0.5 the checkpoints realise 3.2-5.7% over the plan "
+                                                  "(400,256 B against 387,968 B; 418,944 B against 396,160 B)")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("share", [pytest.param(0.5, marks=EAGER_GAP), 0.7])
-@pytest.mark.xfail(strict=False, reason='open after the merges of 2026-12-04: the realised peak is 3.2% over the plan on hf:gpt2 (400,256 B against 387,968 B)')
+@pytest.mark.parametrize("share", [0.5, 0.7])
 def test_hf_gpt2_bonsai_trains_the_same_within_the_predicted_peak(tmp_path, share):
     check_export(tmp_path, HF_GPT2, {}, "bonsai", share)
 
@@ -134,14 +135,13 @@ HF_SOURCE_GPT2 = {"layers": 2, "width": 32, "heads": 2, "seq": 16, "vocab": 64, 
 @pytest.mark.parametrize("model,options,share", [
     ("gpt", GPT, 0.5),
     pytest.param("gpt", {}, 0.5, marks=pytest.mark.slow),  # the default size (8 x 128 tokens, width 128)
-    pytest.param(HF_GPT2, {}, 0.5, marks=pytest.mark.slow),
-    pytest.param("hf:gpt2", HF_SOURCE_GPT2, 0.5, marks=pytest.mark.slow),  # dropout 0.1
+    pytest.param(HF_GPT2, {}, 0.5, marks=[pytest.mark.slow, SAC_GAP]),
+    pytest.param("hf:gpt2", HF_SOURCE_GPT2, 0.5, marks=[pytest.mark.slow, SAC_GAP]),  # dropout 0.1
     pytest.param("hf:gpt2", HF_SOURCE_GPT2, 0.7, marks=pytest.mark.slow),
     # BatchNorm: the run's in-place `num_batches_tracked += 1` and `native_batch_norm` are traced in
     # functional form, and its statistics are getitem nodes; each must still be found in its block
     ("tests.user_model:make_batchnorm_cnn", {}, 0.85),
 ])
-@pytest.mark.xfail(strict=False, reason='open after the merges of 2026-12-04: on hf:gpt2 at 0.5 the realised peak is 5.7% over the plan')
 def test_module_region_plans_are_followed_by_the_checkpoints(tmp_path, model, options, share):
     """bonsai with ``regions="modules"`` recomputes module calls only: the checkpoints run the plan
     itself (the back-end's realised peak is the plan's, up to a boundary view) and the measured peak meets the 10% of the issue, also where the
