@@ -31,7 +31,7 @@ JOB_SECONDS = 30.0
 PENDING_KEPT = 8  # jobs waiting; the oldest is dropped past this (its sessions moved on)
 
 _lock = threading.Lock()
-_pending: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (graph, method, options, reference, pct)
+_pending: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (graph, method, options, reference, pct, reserved)
 _started: set[tuple] = set()  # keys whose job ran or runs: each (graph, method, options) once
 _worker: threading.Thread | None = None  # the thread while it runs
 
@@ -55,14 +55,14 @@ def solve_ahead(graph: Graph, out: compute.Outcome, reference: int, pct: int) ->
     ``out``, a session's solve at ``pct`` (once per graph, method and options; the newest request runs
     first). After a solve slower than the cap nothing is queued: its neighbours would reach the cap too."""
     global _worker
-    method, options = out.method, out.options
+    method, options, reserved = out.method, out.options, out.reserved
     if method == "none" or solver_seconds(out) > SLOW_SOLVE_SECONDS or not enabled():
         return
-    key = (graph.hash, method, options)
+    key = (graph.hash, method, options, reserved)
     with _lock:
         if key in _started or key in _pending:
             return
-        _pending[key] = (graph, method, options, reference, pct)
+        _pending[key] = (graph, method, options, reference, pct, reserved)
         while len(_pending) > PENDING_KEPT:
             _pending.popitem(last=False)
         if _worker is None:
@@ -85,7 +85,8 @@ def _work() -> None:
             logging.getLogger(__name__).exception("solving ahead stopped")
 
 
-def _run(graph: Graph, method: str, options: compute.Options, reference: int, pct: int) -> None:
+def _run(graph: Graph, method: str, options: compute.Options, reference: int, pct: int,
+         reserved: str | None = None) -> None:
     """Solve the positions outward from ``pct``, below and above in turn, the side that has taken less
     solver time first: cheap positions (usually the larger budgets) are not held up behind costly ones."""
     start = time.perf_counter()
@@ -99,7 +100,7 @@ def _run(graph: Graph, method: str, options: compute.Options, reference: int, pc
             continue
         began = time.perf_counter()
         try:  # capped: a user's solve waiting for the graph's problem waits no longer than the cap
-            out = compute.solve(graph, budget_at(p, reference), method, options, _cap=SLOW_SOLVE_SECONDS)
+            out = compute.solve(graph, budget_at(p, reference), method, options, reserved, _cap=SLOW_SOLVE_SECONDS)
         except compute.Unfinished:
             if side < 0:
                 del sides[side]  # smaller budgets are harder: solved on demand only

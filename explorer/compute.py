@@ -8,12 +8,12 @@ infeasible value is as fast as over a feasible one.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import time
 import typing
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
@@ -22,7 +22,7 @@ import streamlit as st
 from bonsai_core import solvers
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
-from bonsai_core.regions import RegionBound, region_peak_bound
+from bonsai_core.regions import CheckpointPlan, RegionBound, region_peak_bound
 from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate
 
 GRAPH_HASH = {Graph: lambda g: g.hash}
@@ -49,6 +49,25 @@ class Model:
     note: str = ""  # e.g. the loss used for a .pt2 upload
 
 
+ALLOCATORS = {"caching": "PyTorch's caching allocator", "expandable": "expandable segments"}
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What a plan's budget bounds: the live tensor bytes (every method's own bound), or the bytes the
+    allocator model reserves (``bonsai solve --reserved``: ``solvers.solve_reserved``)."""
+
+    budget: int | None
+    reserved: str | None = None  # the allocator policy whose reserved bytes ``budget`` bounds (ALLOCATORS)
+    live_budget: int | None = None  # the live budget the method met under a reserved bound
+    reserved_peak: int | None = None  # the reserved peak of the plan, under a reserved bound
+
+    @property
+    def label(self) -> str:
+        """The budget line's name on a memory chart."""
+        return "reserved-bytes bound" if self.reserved else "budget"
+
+
 @dataclass(frozen=True)
 class Outcome:
     """One solve: a validated schedule with its simulation, or the error message to show."""
@@ -60,10 +79,25 @@ class Outcome:
     sim: SimResult | None = None
     error: str | None = None
     wall_seconds: float = 0.0
+    reserved: str | None = None  # solved for the reserved bytes of this allocator policy (ALLOCATORS)
 
     @property
     def ok(self) -> bool:
         return self.schedule is not None
+
+    @cached_property
+    def plan(self) -> CheckpointPlan | None:
+        """The checkpoint regions of a segment method's schedule (bonsai, chen, ...); None for a
+        schedule of single ops (dtr, checkmate, ...) or a failed solve."""
+        if self.schedule is None or "segments" not in self.schedule.extra:
+            return None
+        return CheckpointPlan.from_extra(self.schedule.extra)
+
+    @property
+    def bound(self) -> Bound:
+        """What the budget bounds, and under a reserved bound what the method met."""
+        stats = self.schedule.stats if self.schedule is not None else {}
+        return Bound(self.budget, self.reserved, stats.get("live_budget"), stats.get("reserved_peak"))
 
 
 # -- models ----------------------------------------------------------------------------------------
@@ -99,6 +133,20 @@ def trace_model(name: str, options: Options) -> Model:
     label = traced.graph.name
     return Model(traced.graph, "zoo", label, zoo=name, options=dict(options),
                  parameters=zoo_parameters(name, options))
+
+
+TITAN_FAMILY = "torchtitan:llama3:"
+
+
+@st.cache_resource(show_spinner=False)
+def titan_flavours() -> dict[str, dict[str, int]]:
+    """torchtitan's Llama 3 flavours (``torchtitan:llama3:FLAVOUR``) and the size options the Model page
+    offers for each, at their defaults. Raises ModelError when torchtitan (its supported release) is
+    not installed, with the command that installs it."""
+    from bonsai_core.models import torchtitan
+
+    return {name: {**torchtitan.DEFAULTS, "layers": int(args.n_layers)}
+            for name, args in torchtitan.flavours().items()}
 
 
 @st.cache_resource(show_spinner=False, max_entries=16)
@@ -139,6 +187,15 @@ def load_upload(data: bytes, filename: str) -> Model:
 
 
 # -- solving ---------------------------------------------------------------------------------------
+
+def methods() -> list[str]:
+    """The methods the sidebar offers (``solvers.available_methods``: their optional packages present)."""
+    return solvers.available_methods()
+
+
+def describe(method: str) -> str:
+    return solvers.describe(method)
+
 
 @st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=16)
 def no_remat(graph: Graph) -> SimResult:
@@ -220,10 +277,20 @@ class Unfinished(Exception):
     """A capped solve (``solve(..., _cap=s)``) that ran into its cap: its outcome is not cached."""
 
 
+def solve(graph: Graph, budget: int | None, method: str, options: Options = (), reserved: str | None = None,
+          _cap: float | None = None) -> Outcome:
+    """:func:`solved`, each argument passed the same way whoever calls (Streamlit's cache keys a
+    default left out apart from the same value passed)."""
+    return solved(graph, budget, method, tuple(options), reserved, _cap)
+
+
 @st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=512)
-def solve(graph: Graph, budget: int | None, method: str, options: Options = (), _cap: float | None = None) -> Outcome:
+def solved(graph: Graph, budget: int | None, method: str, options: Options, reserved: str | None,
+           _cap: float | None) -> Outcome:
     """``solvers.solve`` with the options the user set, its simulation, or its error message.
 
+    ``reserved`` (an allocator policy of :data:`ALLOCATORS`) has ``budget`` bound the bytes that allocator
+    reserves instead of the live bytes (``solvers.solve_reserved``, as ``bonsai solve --reserved``).
     ``_cap`` (not part of the cache key) runs the method with its time limit lowered to ``_cap``
     seconds: a call that ends sooner is the uncapped call's outcome (the limit was never reached) and is
     cached as such; one that reaches it raises :class:`Unfinished` and nothing is cached."""
@@ -232,16 +299,21 @@ def solve(graph: Graph, budget: int | None, method: str, options: Options = (), 
     if _cap is not None:
         run["time_limit"] = min(float(run.get("time_limit") or math.inf), _cap)  # 0 or absent: no limit
     try:
-        schedule = solvers.solve(graph, budget, method, **run)
+        if reserved is not None and budget is not None:
+            schedule = solvers.solve_reserved(graph, budget, method, policy=reserved, **run)
+        else:
+            schedule = solvers.solve(graph, budget, method, **run)
         sim = simulate(graph, schedule)
     except BonsaiError as e:
-        outcome = Outcome(method, budget, options, error=str(e), wall_seconds=time.perf_counter() - start)
+        outcome = Outcome(method, budget, options, error=str(e), wall_seconds=time.perf_counter() - start,
+                          reserved=reserved)
     except Exception as e:  # a solver bug or a backend failure: say so in the page, never a traceback
-        outcome = Outcome(method, budget, options, wall_seconds=time.perf_counter() - start,
+        outcome = Outcome(method, budget, options, wall_seconds=time.perf_counter() - start, reserved=reserved,
                           error=f"Method {method!r} failed unexpectedly ({type(e).__name__}: {e}). Try another "
                                 "method or backend, and report this with the model and budget.")
     else:
-        outcome = Outcome(method, budget, options, schedule, sim, wall_seconds=time.perf_counter() - start)
+        outcome = Outcome(method, budget, options, schedule, sim, wall_seconds=time.perf_counter() - start,
+                          reserved=reserved)
     if _cap is not None and outcome.wall_seconds >= _cap:
         raise Unfinished(f"{method} at {budget} B did not finish within {_cap:g} s")
     return outcome
@@ -288,33 +360,44 @@ def boxes_at(graph: Graph, depth: int):
     return boxes, module_graph.box_layout(graph, boxes)
 
 
-# -- allocator and export, written on other branches: used when present ----------------------------
-
-def allocator_replay():
-    """``bonsai_core.allocator.replay`` when that module exists in this checkout, else None."""
-    try:
-        return getattr(importlib.import_module("bonsai_core.allocator"), "replay", None)
-    except ImportError:
-        return None
-
+# -- the allocator model ---------------------------------------------------------------------------
 
 @st.cache_resource(show_spinner=False, max_entries=64,
-                   hash_funcs={**GRAPH_HASH, Outcome: lambda o: (o.method, o.budget, o.options)})
+                   hash_funcs={**GRAPH_HASH, Outcome: lambda o: (o.method, o.budget, o.options, o.reserved)})
 def replay(graph: Graph, outcome: Outcome) -> Any:
-    """The allocator model's replay of a solved schedule (live, reserved, fragmentation), None
-    without the allocator module, or the error message."""
-    fn = allocator_replay()
-    if fn is None or outcome.schedule is None:
+    """The allocator model's replay of a solved schedule (live, reserved, fragmentation), None for a
+    failed solve, or the error message. A plan solved for reserved bytes is replayed as it was bounded
+    (its allocator, the fixed tensors outside the pool: ``solvers.solve_reserved``); any other in the
+    full arena of PyTorch's caching allocator (``bonsai_core.allocator``'s module docstring)."""
+    from bonsai_core.allocator import replay as replay_schedule
+
+    if outcome.schedule is None:
         return None
     try:
-        return fn(graph, outcome.schedule)
+        if outcome.reserved is not None:
+            return replay_schedule(graph, outcome.schedule, policy=outcome.reserved, full=False)
+        return replay_schedule(graph, outcome.schedule)
     except BonsaiError as e:
         return str(e)
 
 
-def exporter():
-    """``bonsai_core.export.export_model`` when that module exists in this checkout, else None."""
-    try:
-        return getattr(importlib.import_module("bonsai_core.export"), "export_model", None)
-    except ImportError:
-        return None
+# -- export ------------------------------------------------------------------------------------------
+
+def export_zip(zoo: str, options: dict[str, int], schedule: Schedule, stem: str) -> bytes:
+    """The export folder of ``schedule`` on the model ``zoo`` (``bonsai_core.export.export_model``),
+    zipped under the folder name ``stem``. Raises BonsaiError as the exporter does."""
+    import io
+    import tempfile
+    import zipfile
+    from pathlib import Path
+
+    from bonsai_core.export import export_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(export_model(zoo, dict(options), schedule, Path(tmp) / stem))
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+            for f in sorted(folder.rglob("*")):
+                if f.is_file():
+                    z.write(f, Path(stem) / f.relative_to(folder))
+    return buf.getvalue()

@@ -142,7 +142,7 @@ def _dataset(parts: list[pd.DataFrame]) -> pd.DataFrame:
 def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int | None = None,
                  x_mode: str = "time", height: int = 440, cursor: float | None = None,
                  x_domain: tuple[float, float] | None = None,
-                 events: Sequence[tuple[float, str]] = ()) -> dict:
+                 events: Sequence[tuple[float, str]] = (), budget_label: str = "budget") -> dict:
     """Memory over time of each curve (its colour, dash and a few markers of its method's symbol), the
     budget line and each curve's peak, as a Vega-Lite spec for ``st.vega_lite_chart``.
 
@@ -156,7 +156,9 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     so remount the chart, whenever it moves) and fixes the y axis's width, so that a chart drawn under it
     with the same range (the tensor lifetimes) lines up. ``events``: (x, words) of each recompute event,
     marked by a thin rule and its number (↻1, ↻2, ...) at the top, the words on hover. A reserved line
-    (allocator model) is labelled at its peak: a dotted line never stands without a name."""
+    (allocator model) is labelled at its peak: a dotted line never stands without a name.
+    ``budget_label`` names the budget line ("reserved-bytes bound" for a plan that bounds the
+    allocator's reserved bytes: ``compute.Bound.label``)."""
     lines, reserved, marks, peaks, reserved_peaks = [], [], [], [], []
     for c in curves:
         x, live = _steps(c.x, c.live / MIB)
@@ -171,8 +173,9 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
         peaks.append({"x": c.peak_x, "mib": c.peak / MIB, "schedule": c.label, "text": f"peak {format_bytes(c.peak)}"})
     tops = [c.peak for c in curves] + [int(np.max(c.reserved)) for c in curves if c.reserved is not None]
     top = max(tops + ([budget] if budget is not None else []) + [1])
-    levels = [{"mib": value / MIB, "kind": kind, "text": f"{kind} {format_bytes(value)}"}
-              for value, kind in ((budget, "budget"), (lower_bound, "lower bound")) if value is not None]
+    levels = [{"mib": value / MIB, "kind": kind, "text": f"{text} {format_bytes(value)}"}
+              for value, kind, text in ((budget, "budget", budget_label), (lower_bound, "lower bound", "lower bound"))
+              if value is not None]
     levels.append({"mib": 1.15 * top / MIB, "kind": "top", "text": ""})
 
     labels = [c.label for c in curves]

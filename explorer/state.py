@@ -22,7 +22,6 @@ from typing import Callable
 import streamlit as st
 from streamlit.delta_generator import DeltaGenerator
 
-from bonsai_core import solvers
 from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError, ModelError
 from bonsai_core.units import format_bytes
@@ -33,6 +32,7 @@ DEFAULT_GRAPH = ROOT / "assets" / "gpt-default.json"
 BACKENDS = ("default", "highs", "scip")
 DEFAULT_TIME_LIMIT = 20.0  # seconds per solve; 0 in the sidebar removes it
 PREFERRED_METHODS = ("bonsai", "chen", "checkmate", "none")
+BOUNDS = {"live": "live bytes", **{policy: f"reserved bytes: {name}" for policy, name in compute.ALLOCATORS.items()}}
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Settings:
     method: str
     options: compute.Options  # only options the user set, and only those the method takes
     ignored: tuple[str, ...] = ()  # options set but not taken by the method
+    reserved: str | None = None  # the budget bounds this allocator's reserved bytes (compute.ALLOCATORS), not live
 
 
 def model() -> compute.Model:
@@ -60,7 +61,7 @@ def set_model(m: compute.Model) -> None:
 
 
 def default_method() -> str:
-    methods = solvers.available_methods()
+    methods = compute.methods()
     return next((m for m in PREFERRED_METHODS if m in methods), methods[0])
 
 
@@ -71,7 +72,7 @@ def sidebar() -> DeltaGenerator:
     restore_view()
     g = model().graph
     reference = compute.no_remat(g).peak
-    methods = solvers.available_methods()
+    methods = compute.methods()
     ss = st.session_state
     ss.pop("budget_view", None)  # one a run stopped before budget_fragment left behind
     if ss.get("method") not in methods:
@@ -83,8 +84,8 @@ def sidebar() -> DeltaGenerator:
         sb.warning(ss.pop("view_problem"), icon=":material/link_off:")
     sb.markdown(f"**{model().label}**  \n{g.n} ops · no-remat peak {format_bytes(reference)}")
     method = sb.selectbox("Method", methods, key="method", format_func=lambda m: m,
-                          help="\n".join(f"- **{m}**: {solvers.describe(m)}" for m in methods))
-    sb.caption(solvers.describe(method))
+                          help="\n".join(f"- **{m}**: {compute.describe(m)}" for m in methods))
+    sb.caption(compute.describe(method))
     budget_slot = sb.container()
     exact = sb.text_input("Exact budget (optional)", key="budget_text", placeholder="e.g. 24MiB, 25000000 or 62.5%",
                           help="Overrides the slider: bytes, bytes with a unit (MiB, GB, ...) or a % of the no-remat peak.")
@@ -97,6 +98,11 @@ def sidebar() -> DeltaGenerator:
     accepted = compute.accepted_options(method)
     chosen: dict[str, object] = {}
     with sb.expander("Solver options", expanded=False):
+        bound = st.selectbox("The budget bounds", BOUNDS, key="budget_bound", format_func=BOUNDS.get,
+                             help="Live bytes: the tensors alive, what every method plans. Reserved bytes: what the "
+                                  "allocator model reserves for them (rounding and cached free blocks included), "
+                                  "which a GPU must hold: the method is asked for lower live budgets until its "
+                                  "plan's reserved peak fits (`bonsai solve --reserved`).")
         n_fwd = int(g.is_forward.sum())
         top = max(2, n_fwd)
         if "granularity" not in ss or not 1 <= ss["granularity"] <= top:  # a new model may be smaller
@@ -129,7 +135,7 @@ def sidebar() -> DeltaGenerator:
     if unnamed:
         sb.caption(f"{method} does not name {', '.join(unnamed)}: passed, but it may ignore it.")
     budget, percent, slider = current_budget()
-    ss["settings"] = Settings(budget, percent, slider, method, options, ignored)
+    ss["settings"] = Settings(budget, percent, slider, method, options, ignored, None if bound == "live" else bound)
     return budget_slot
 
 
@@ -189,27 +195,30 @@ def budget_controls(slot: DeltaGenerator) -> None:
         st.query_params.from_dict(params)
 
 
-def option_widget(method: str, spec: compute.OptionSpec) -> object:
-    """The sidebar widget of one method-specific option, at the method's default until set; returns
-    its value."""
-    key = f"opt_{method}_{spec.name}"
+def option_widget(method: str, spec: compute.OptionSpec, key: str | None = None, label: str | None = None,
+                  where=st) -> object:
+    """The widget of one method-specific option, at the method's default until set, drawn in ``where``
+    (the sidebar's expander by default; the Compare page's sides give their own ``key`` and ``label``);
+    returns its value (None for an empty text)."""
+    key = key or f"opt_{method}_{spec.name}"
     st.session_state.setdefault(key, spec.default)  # state, not value=: a link may have set it
-    label, helptext = f"{spec.name} ({method})", spec.help or None
+    label, helptext = label or f"{spec.name} ({method})", spec.help or None
     if spec.choices:
-        return st.selectbox(label, spec.choices, key=key, help=helptext)
+        return where.selectbox(label, spec.choices, key=key, help=helptext)
     if spec.kind is bool:
-        return st.toggle(label, key=key, help=helptext)
+        return where.toggle(label, key=key, help=helptext)
     if spec.kind in (int, float):
-        return st.number_input(label, key=key, help=helptext, step=1 if spec.kind is int else None,
-                               placeholder="method default")
-    return st.text_input(label, key=key, help=helptext) or None
+        return where.number_input(label, key=key, help=helptext, step=1 if spec.kind is int else None,
+                                  placeholder="method default")
+    return where.text_input(label, key=key, help=helptext) or None
 
 
 # -- the view as a link ------------------------------------------------------------------------------
 # ?model=NAME&size=k:v,...&method=M&budget=PCT&exact=TEXT&granularity=K&backend=B&time_limit=S&o.NAME=V
 # (the page is the URL's path). Only what differs from the defaults is written.
 
-SAFE_MODEL = re.compile(r"^(hf:)?[A-Za-z0-9_-]+$")  # a zoo or hf name; never a module path to import
+# a zoo, hf or torchtitan name; never a module path to import
+SAFE_MODEL = re.compile(r"^(hf:|torchtitan:llama3:)?[A-Za-z0-9_-]+$")
 
 
 def view_params(method: str) -> dict[str, str]:
@@ -231,6 +240,8 @@ def view_params(method: str) -> dict[str, str]:
         params["backend"] = ss["backend"]
     if ss.get("time_limit", DEFAULT_TIME_LIMIT) != DEFAULT_TIME_LIMIT:
         params["time_limit"] = f"{ss['time_limit']:g}"
+    if ss.get("budget_bound", "live") != "live":
+        params["bound"] = ss["budget_bound"]
     for spec in compute.method_options(method):
         value = ss.get(f"opt_{method}_{spec.name}")
         if value is not None and value != spec.default:
@@ -247,7 +258,7 @@ def restore_view() -> None:
     ss["view_restored"] = True
     q = st.query_params
     method = q.get("method", "")
-    methods = solvers.available_methods()
+    methods = compute.methods()
     # query parameter -> the session-state items it sets (raising ValueError when unusable)
     parsers = {
         "model": lambda v: restore_model(v, q.get("size", "")),
@@ -257,6 +268,7 @@ def restore_view() -> None:
         "granularity": lambda v: {"granularity": max(1, int(v)), "granularity_on": True},
         "backend": lambda v: {"backend": _one_of("backend", v, BACKENDS)},
         "time_limit": lambda v: {"time_limit": max(0.0, min(3600.0, float(v)))},
+        "bound": lambda v: {"budget_bound": _one_of("bound", v, BOUNDS)},
     }
     for spec in compute.method_options(method) if method in methods else ():
         parsers[f"o.{spec.name}"] = lambda v, spec=spec: {f"opt_{method}_{spec.name}": spec.parse(v)}
@@ -314,9 +326,10 @@ def outcome(method: str | None = None) -> compute.Outcome:
     options = options_for(method)
     limit = dict(options).get("time_limit")
     # shown only when the solve is not cached (after st.spinner's half-second delay)
-    with st.spinner(f"Solving: **{method}** under {format_bytes(s.budget)} ({s.percent:.1f}% of the no-remat peak), "
-                    + (f"time limit {limit:g} s" if limit else "no time limit") + "…", show_time=True):
-        out = compute.solve(model().graph, s.budget, method, options)
+    bounded = f"reserved bytes ({compute.ALLOCATORS[s.reserved]}) under" if s.reserved else "under"
+    with st.spinner(f"Solving: **{method}**, {bounded} {format_bytes(s.budget)} ({s.percent:.1f}% of the no-remat "
+                    "peak), " + (f"time limit {limit:g} s" if limit else "no time limit") + "…", show_time=True):
+        out = compute.solve(model().graph, s.budget, method, options, s.reserved)
     if method == s.method and s.slider:  # solve the slider's other positions while the user looks
         g = model().graph
         ahead.solve_ahead(g, out, compute.no_remat(g).peak, int(s.percent))

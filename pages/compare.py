@@ -6,31 +6,16 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pandas as pd
 import streamlit as st
 
-from bonsai_core import solvers
 from bonsai_core.units import format_bytes
-from explorer import ahead, compute, module_chart, module_graph, pair, plots, state, timeline
-
-
-def sweep_table(rows: list[dict], failures: list[tuple], reference: int) -> pd.DataFrame:
-    """One row per solve of the sweep, failures included (with their error), by method then budget."""
-    solved = [{"method": r["method"], "budget %": round(100 * r["budget"] / reference, 1), "budget (bytes)": r["budget"],
-               "peak (bytes)": r["peak"], "peak %": round(100 * r["peak"] / reference, 2),
-               "overhead %": round(100 * r["overhead"], 3), "solve seconds": round(r["solve_seconds"], 4), "error": ""}
-              for r in rows]
-    failed = [{"method": m, "budget %": round(100 * b / reference, 1), "budget (bytes)": b, "error": e}
-              for m, b, e in failures]
-    columns = ["method", "budget %", "budget (bytes)", "peak (bytes)", "peak %", "overhead %", "solve seconds", "error"]
-    return pd.DataFrame(solved + failed, columns=columns).sort_values(["method", "budget (bytes)"], kind="stable")
-
+from explorer import ahead, compute, module_chart, module_graph, pair, plots, state, sweeps, timeline
 
 st.title("Compare methods")
 s = state.settings()
 g = state.model().graph
 reference = compute.no_remat(g).peak
-methods = solvers.available_methods()
+methods = compute.methods()
 
 st.subheader("Budget sweep")
 c1, c2, c3 = st.columns([3, 3, 1])
@@ -41,38 +26,33 @@ chosen = c1.multiselect("Methods", methods, default=quick, key="sweep_methods",
 low, high = c2.slider("Budgets (% of the no-remat peak)", 5, 100, (40, 100), step=5, key="sweep_range")
 points = c3.number_input("Points", 2, 40, 7, key="sweep_points")
 if st.button("Run the sweep", type="primary", key="sweep_run", disabled=not chosen):
-    budgets = [int(reference * p / 100) for p in np.linspace(low, high, int(points))]
     bar = st.progress(0.0, text="Solving…")
-    rows, failures = [], []
-    jobs = [(m, b) for m in chosen for b in budgets]
     started, limit = time.perf_counter(), dict(s.options).get("time_limit")
     limit_text = f"; at most {limit:g} s per solve" if limit else ""
-    for i, (method, budget) in enumerate(jobs):
-        bar.progress(i / len(jobs), text=f"{method} at {100 * budget / reference:.0f}% ({i + 1}/{len(jobs)}, "
-                     f"{time.perf_counter() - started:.0f} s so far{limit_text})")
-        out = compute.solve(g, budget, method, state.options_for(method))
-        if out.ok:
-            rows.append({"method": method, "budget": budget, "peak": out.sim.peak, "overhead": out.sim.overhead,
-                         "solve_seconds": float(out.schedule.stats.get("solve_seconds", out.wall_seconds))})
-        else:
-            failures.append((method, budget, out.error))
-    bar.progress(1.0, text=f"Done: {len(rows)} schedules, {len(failures)} budgets out of reach.")
-    st.session_state["sweep"] = (g.hash, rows, failures)
 
-sweep = st.session_state.get("sweep")
-if sweep and sweep[0] == g.hash:
-    _, rows, failures = sweep
-    if rows:
-        st.plotly_chart(plots.sweep_figure(rows, reference, theme=state.theme()), width="stretch", key="sweep_plot")
-    table = sweep_table(rows, failures, reference)
+    def progress(i: int, jobs: int, method: str, budget: int) -> None:
+        bar.progress(i / jobs, text=f"{method} at {100 * budget / reference:.0f}% ({i + 1}/{jobs}, "
+                     f"{time.perf_counter() - started:.0f} s so far{limit_text})")
+
+    found = sweeps.budget_sweep(g, chosen, sweeps.budgets(reference, low, high, points), state.options_for, progress)
+    bar.progress(1.0, text=f"Done: {len(found.rows)} schedules, {len(found.failures)} budgets out of reach.")
+    st.session_state["sweep"] = (g.hash, found)
+
+kept = st.session_state.get("sweep")
+if kept and kept[0] == g.hash:
+    found = kept[1]
+    if found.rows:
+        st.plotly_chart(plots.sweep_figure(found.rows, reference, theme=state.theme()), width="stretch",
+                        key="sweep_plot")
+    table = sweeps.sweep_table(found, reference)
     st.dataframe(table, hide_index=True, width="stretch", key="sweep_table",
                  column_config={"peak (bytes)": st.column_config.NumberColumn(format="%d"),
                                 "budget (bytes)": st.column_config.NumberColumn(format="%d")})
     st.download_button("Download the sweep (CSV)", table.to_csv(index=False), file_name=f"{g.name.split('(')[0]}-sweep.csv",
                        mime="text/csv", key="sweep_csv", icon=":material/download:")
-    if failures:
-        with st.expander(f"{len(failures)} budgets out of reach"):
-            for method, budget, error in failures:
+    if found.failures:
+        with st.expander(f"{len(found.failures)} budgets out of reach"):
+            for method, budget, error in found.failures:
                 st.markdown(f"- **{method}** at {100 * budget / reference:.0f}%: {error}")
 else:
     st.caption("Pick methods and a budget range, then run the sweep: each point is a full solve (cached).")
@@ -81,43 +61,30 @@ st.subheader("Solver cost against granularity")
 takes = [m for m in methods if compute.names_option(m, "granularity")] or methods
 c1, c2 = st.columns([3, 3])
 gm = c1.multiselect("Methods", takes, default=[m for m in takes if m != "none"][:1] or takes[:1], key="gran_methods")
-n_fwd = max(2, int(g.is_forward.sum()))
 values = c2.text_input("Granularities", key="gran_values",
-                       value=", ".join(str(v) for v in sorted({max(1, int(n_fwd * f)) for f in (0.02, 0.05, 0.1, 0.2)})))
+                       value=sweeps.default_granularities(max(2, int(g.is_forward.sum()))))
 if st.button("Run at the sidebar's budget", key="gran_run", disabled=not gm):
     try:
-        grans = sorted({int(v) for v in values.replace(",", " ").split()})
-        if not grans or min(grans) < 1:
-            raise ValueError
+        grans = sweeps.parse_granularities(values)
     except ValueError:
         state.show_error(f"Cannot read the granularities {values!r}.", "Give whole numbers >= 1, e.g. 4, 8, 16.")
         grans = []
     bar = st.progress(0.0, text="Solving…")
-    rows, failures = [], []
-    jobs = [(m, k) for m in gm for k in grans]
-    for i, (method, k) in enumerate(jobs):
-        bar.progress(i / max(len(jobs), 1), text=f"{method}, granularity {k} ({i + 1}/{len(jobs)})")
-        options = dict(state.options_for(method))
-        options["granularity"] = k
-        out = compute.solve(g, s.budget, method, tuple(sorted(options.items())))
-        if out.ok:
-            st_ = out.schedule.stats
-            rows.append({"method": method, "granularity": k, "variables": st_.get("variables", 0),
-                         "constraints": st_.get("constraints", 0),
-                         "solve_seconds": float(st_.get("solve_seconds", out.wall_seconds)),
-                         "overhead %": round(100 * out.sim.overhead, 3)})
-        else:
-            failures.append((method, k, out.error))
-    bar.progress(1.0, text=f"Done: {len(rows)} solves.")
-    st.session_state["granularity_sweep"] = (g.hash, s.budget, rows, failures)
 
-gs = st.session_state.get("granularity_sweep")
-if gs and gs[0] == g.hash:
-    _, budget, rows, failures = gs
-    if rows:
-        st.plotly_chart(plots.granularity_figure(rows), width="stretch", key="gran_plot")
-        st.dataframe(rows, hide_index=True, width="stretch")
-    for method, k, error in failures:
+    def progress(i: int, jobs: int, method: str, k: int) -> None:
+        bar.progress(i / jobs, text=f"{method}, granularity {k} ({i + 1}/{jobs})")
+
+    found = sweeps.granularity_sweep(g, s.budget, gm, grans, state.options_for, progress)
+    bar.progress(1.0, text=f"Done: {len(found.rows)} solves.")
+    st.session_state["granularity_sweep"] = (g.hash, found)
+
+kept = st.session_state.get("granularity_sweep")
+if kept and kept[0] == g.hash:
+    found = kept[1]
+    if found.rows:
+        st.plotly_chart(plots.granularity_figure(found.rows), width="stretch", key="gran_plot")
+        st.dataframe(found.rows, hide_index=True, width="stretch")
+    for method, k, error in found.failures:
         state.show_error(f"{method}, granularity {k}: {error}")
 
 
@@ -126,7 +93,7 @@ if gs and gs[0] == g.hash:
 def side_config(col, side: str, default: str) -> tuple[str, compute.Options]:
     """One side's method, granularity and own options, drawn in ``col``; its options for ``compute.solve``
     (the sidebar's time limit and backend, and what this side sets)."""
-    methods = solvers.available_methods()
+    methods = compute.methods()
     ss = st.session_state
     if ss.get(f"side_{side}_method") not in methods:
         ss[f"side_{side}_method"] = default
@@ -138,21 +105,11 @@ def side_config(col, side: str, default: str) -> tuple[str, compute.Options]:
                              key=f"side_{side}_granularity",
                              help="Largest segment, in forward ops; 0 leaves it to the method (bonsai: auto).")
         granularity = int(k) or None
-    own, defaults = {}, {}
     specs = compute.method_options(method)
     box = col.expander(f"{method}'s options ({side.upper()})") if specs else col
-    for spec in specs:
-        key = f"side_{side}_{method}_{spec.name}"
-        ss.setdefault(key, spec.default)
-        defaults[spec.name] = spec.default
-        name = f"{spec.name} ({side.upper()})"
-        if spec.choices:
-            own[spec.name] = box.selectbox(name, spec.choices, key=key, help=spec.help or None)
-        elif spec.kind is bool:
-            own[spec.name] = box.toggle(name, key=key, help=spec.help or None)
-        elif spec.kind in (int, float):
-            own[spec.name] = box.number_input(name, key=key, help=spec.help or None, placeholder="method default",
-                                              step=1 if spec.kind is int else None)
+    own = {spec.name: state.option_widget(method, spec, key=f"side_{side}_{method}_{spec.name}",
+                                          label=f"{spec.name} ({side.upper()})", where=box) for spec in specs}
+    defaults = {spec.name: spec.default for spec in specs}
     base = [(k, v) for k, v in s.options if k in ("time_limit", "backend")]
     return method, pair.config_options(base, compute.accepted_options(method), granularity, own, defaults)
 
@@ -164,7 +121,7 @@ def offer_budget_both_fit(configs) -> None:
     start = int(state.settings().percent) + 1
     for pct in [*range(start + (-start) % 5, 100, 5), 100]:
         budget = ahead.budget_at(pct, reference)
-        if all(compute.solve(g, budget, m, o).ok for m, o in configs):
+        if all(compute.solve(g, budget, m, o, state.settings().reserved).ok for m, o in configs):
             st.info(f"Both fit at **{pct}%** of the no-remat peak ({format_bytes(budget)}).", icon=":material/info:")
             st.button(f"Set the budget to {pct}%", key="pair_budget", on_click=_set_budget, args=(pct,))
             return
@@ -181,11 +138,11 @@ def side_by_side() -> None:
     st.caption(f"Both solved at the sidebar's budget, **{format_bytes(s_.budget)}** ({s_.percent:.1f}% of the no-remat "
                "peak), each schedule checked by the simulator. Pick a method for each side (the same method at two "
                "granularities works too).")
-    methods = solvers.available_methods()
+    methods = compute.methods()
     candidates = [m for m in dict.fromkeys(("chen", "bonsai", "dtr", *methods)) if m in methods and m != s_.method]
     if "side_b_method" not in st.session_state:  # opens on a partner that fits this budget, when one does
         limit = [(k, v) for k, v in s_.options if k in ("time_limit", "backend")]
-        other = next((m for m in candidates[:4] if compute.solve(g, s_.budget, m, tuple(limit)).ok),
+        other = next((m for m in candidates[:4] if compute.solve(g, s_.budget, m, tuple(limit), s_.reserved).ok),
                      candidates[0] if candidates else s_.method)
     else:
         other = candidates[0] if candidates else s_.method
@@ -194,7 +151,7 @@ def side_by_side() -> None:
     outs = []
     for side, (method, options) in zip("AB", configs):
         with st.spinner(f"Solving {side}: **{method}** under {format_bytes(s_.budget)}…", show_time=True):
-            outs.append(compute.solve(g, s_.budget, method, options))
+            outs.append(compute.solve(g, s_.budget, method, options, s_.reserved))
     failed = [(side, o) for side, o in zip("AB", outs) if not o.ok]
     for side, o in failed:
         state.show_error(f"{side}, {o.method}: {o.error}", "Raise the budget in the sidebar or pick another method.")
@@ -211,7 +168,8 @@ def side_by_side() -> None:
                               none.sim.peak_op, plots.method_colour("none"), "ops", dash="dash"))
     x_domain = (0.0, float(max(len(o.schedule.ops) for o in outs)))
     st.vega_lite_chart(spec=plots.memory_chart(curves, s_.budget, g.peak_lower_bound, "ops", height=360,
-                                               x_domain=x_domain), width="stretch", key="side_memory")
+                                               x_domain=x_domain, budget_label=outs[0].bound.label),
+                       width="stretch", key="side_memory")
 
     # the module boxes, coloured by who recomputes them
     tree, _, _, depth, blocks = compute.module_structure(g) if g.modules else (None,) * 5
@@ -247,7 +205,7 @@ def side_by_side() -> None:
                            width="stretch", key=f"side_timeline_{'ab'[i]}")
 
     sides = [pair.Side(name, o.sim.peak, o.sim.overhead, o.sim.recomputes,
-                       len(o.schedule.extra["recomputed"]) if "segments" in o.schedule.extra else None,
+                       len(o.plan.recomputed) if o.plan else None,
                        (diff.a if i == 0 else diff.b) if diff else ())
              for i, (name, o) in enumerate(zip(names, outs))]
     st.markdown(pair.verdict(*sides))

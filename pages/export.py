@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import io
 import json
 import shlex
-import tempfile
-import zipfile
-from pathlib import Path
 
 import streamlit as st
 
@@ -21,7 +17,9 @@ st.title("Export")
 def cli_commands(m: compute.Model, s: state.Settings) -> str:
     """The command lines that make the same schedule and model."""
     flags = " ".join(f"--{k} {v}" for k, v in sorted(m.options.items()))
-    solve_flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.options)
+    solve_flags = " ".join([f"--{k.replace('_', '-')} {v}" for k, v in s.options]
+                           + (["--reserved"] if s.reserved else []) + (["--expandable-segments"]
+                                                                       if s.reserved == "expandable" else []))
     lines = [f"bonsai trace {m.zoo} {flags}".rstrip() + " -o graph.json",
              f"bonsai solve graph.json --budget {s.budget} --method {s.method} {solve_flags}".rstrip()
              + " -o schedule.json",
@@ -52,15 +50,10 @@ def export() -> None:
                        file_name=f"{stem}.graph.json", mime="application/json", key="dl_graph")
 
     st.subheader("Runnable checkpointed model")
-    export_model = compute.exporter()
     if m.zoo is None:
         st.info(f"This graph came from an upload ({m.label}), so the explorer cannot rebuild its model to export it. "
                 "Export schedules of uploaded graphs with the JSON above; to get a runnable model, trace the model "
                 "with `bonsai trace package.module:factory -o graph.json` and use `bonsai export`.")
-    elif export_model is None:
-        st.info("The model exporter (`bonsai_core.export`) is not part of this installation yet. Download the schedule "
-                "above, or make the same model from the command line:")
-        st.code(cli_commands(m, s), language="bash")
     else:
         st.markdown("A folder with `checkpointed.py`, `schedule.json` and a `README.md`, zipped. `checkpointed.py` "
                     "replays the schedule: the traced training step (forward, loss, backward, as aten ops) written out "
@@ -72,14 +65,8 @@ def export() -> None:
         if st.button("Build the checkpointed model", key="export_build"):
             with st.spinner("Exporting…"):
                 try:
-                    with tempfile.TemporaryDirectory() as tmp:
-                        folder = Path(export_model(m.zoo, dict(m.options), out.schedule, Path(tmp) / stem))
-                        buf = io.BytesIO()
-                        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-                            for f in sorted(folder.rglob("*")):
-                                if f.is_file():
-                                    z.write(f, Path(stem) / f.relative_to(folder))
-                    st.session_state["export_zip"] = (g.hash, s, buf.getvalue())
+                    st.session_state["export_zip"] = (g.hash, s, compute.export_zip(m.zoo, m.options, out.schedule,
+                                                                                    stem))
                 except BonsaiError as e:
                     state.show_error(str(e))
                 except Exception as e:  # an exporter failure: a message, not a traceback

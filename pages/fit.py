@@ -6,14 +6,14 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from bonsai_core import fit, solvers
+from bonsai_core import fit
 from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError
 from bonsai_core.models.hf import ARCHS, PREFIX
 from bonsai_core.models.zoo import ZOO
 from bonsai_core.optimizer import OPTIMIZERS
 from bonsai_core.units import format_bytes
-from explorer import plots, state
+from explorer import compute, plots, state
 
 st.title("What fits")
 m = state.model()
@@ -47,7 +47,7 @@ gpu_text = c1.text_input("GPU memory", value=format_bytes(2 * m.graph.peak_lower
 vary = c2.selectbox("Size to search", sizes, key="fit_vary")
 max_overhead = c3.slider("Largest overhead (%)", 0, 50, 10, key="fit_overhead") / 100
 c4, c5, c6 = st.columns(3)
-methods = c4.multiselect("Methods", solvers.available_methods(), default=["none", "bonsai", "chen", "dtr"],
+methods = c4.multiselect("Methods", compute.methods(), default=["none", "bonsai", "chen", "dtr"],
                          key="fit_methods")
 optimizer = c5.selectbox("Optimizer", OPTIMIZERS, index=OPTIMIZERS.index("adamw"), key="fit_optimizer",
                          help="its state is fixed memory; its step after the backward pass can set the peak")

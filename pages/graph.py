@@ -27,8 +27,9 @@ def segmented_graph() -> None:
     """The graph coloured by the segments of the schedule at the sidebar's budget."""
     g = state.model().graph
     out = state.outcome()
-    segments = out.schedule.extra.get("segments") if out.ok else None
-    recomputed_segments = out.schedule.extra.get("recomputed", []) if out.ok else []
+    plan = out.plan  # the checkpoint regions of a segment method (None: single ops, or no schedule)
+    segments = plan.segments if plan else None
+    recomputed_segments = sorted(plan.recomputed) if plan else []
     recomputed = compute.recomputed_nodes(g, out.schedule) if out.ok else np.zeros(g.n, dtype=bool)
 
     if not out.ok:

@@ -8,7 +8,6 @@ import time
 import numpy as np
 import streamlit as st
 
-from bonsai_core import solvers
 from bonsai_core.allocator import layout_at
 from bonsai_core.errors import BudgetError
 from bonsai_core.units import format_bytes
@@ -19,18 +18,20 @@ g = state.model().graph
 base = compute.no_remat(g)
 
 c1, c2, c3 = st.columns([3, 2, 2])
-others = [m for m in solvers.available_methods() if m not in (state.settings().method, "none")]
+bounded = state.settings().reserved  # the plans bound this allocator's reserved bytes (None: live bytes)
+others = [m for m in compute.methods() if m not in (state.settings().method, "none")]
 extra = c1.multiselect("Also show", others, key="memory_others", help="Solved at the same budget and options.")
 x_mode = c2.radio("x axis", ["time", "ops"], key="memory_x", horizontal=True,
                   format_func=lambda x: "compute time" if x == "time" else "schedule step")
-has_allocator = compute.allocator_replay() is not None
-# off by default: these plans are solved for live bytes, and the allocator's reserve (above the no-remat
-# live peak at some budgets) would read as if checkpointing did not help
-reserved_on = c3.toggle("Reserved bytes (allocator model)", key="memory_reserved", value=False,
-                        disabled=not has_allocator,
-                        help="Bytes the caching allocator holds, fragmentation included: the thin dotted line in each "
-                             "schedule's colour, labelled at its peak." if has_allocator else
-                        "The allocator model (bonsai_core.allocator) is not in this checkout.")
+if bounded:  # always drawn: they are what the budget bounds (a toggle of its own keeps the user's choice)
+    reserved_on = c3.toggle("Reserved bytes (allocator model)", key="memory_reserved_bound", value=True, disabled=True,
+                            help="These plans were solved for the allocator's reserved bytes (sidebar, Solver options), "
+                                 "so their reserved bytes are drawn: the thin dotted line in each schedule's colour.")
+else:  # off by default: these plans are solved for live bytes, and the allocator's reserve (above the no-remat
+    # live peak at some budgets) would read as if checkpointing did not help
+    reserved_on = c3.toggle("Reserved bytes (allocator model)", key="memory_reserved", value=False,
+                            help="Bytes the caching allocator holds, fragmentation included: the thin dotted line in "
+                                 "each schedule's colour, labelled at its peak.")
 
 
 def allocation(outcome: compute.Outcome):
@@ -43,6 +44,18 @@ def allocation(outcome: compute.Outcome):
         return None
     reserved = getattr(result, "reserved", None)
     return None if reserved is None or len(reserved) != len(outcome.schedule.ops) else result
+
+
+def reserved_bound_caption(out: compute.Outcome) -> str:
+    """What the budget line means for plans solved for the allocator's reserved bytes."""
+    bound = out.bound
+    met = (f" **{out.method}** met it with a live budget of {format_bytes(bound.live_budget)}: reserved peak "
+           f"{format_bytes(bound.reserved_peak)}, live peak {format_bytes(out.sim.peak)}." if out.ok else "")
+    return (f"Dashed red: the **reserved-bytes bound** these plans were solved against, {format_bytes(bound.budget)} of "
+            f"what {compute.ALLOCATORS[bound.reserved]} reserves (the allocator model, the fixed tensors outside its "
+            "pool). Each method was asked for lower live budgets until the reserved bytes of its plan (dotted, "
+            "labelled at their peak) fit under it, so the live bytes (solid) stay below it by the allocator's rounding "
+            "and cached free blocks." + met)
 
 
 def address_space(s: state.Settings) -> None:
@@ -142,7 +155,7 @@ def why(outcome: compute.Outcome, budget: int) -> None:
     box = st.expander("Why this plan", key="memory_why_open", on_change="rerun")
     if not box.open:
         return
-    regions = sorted(outcome.schedule.extra.get("recomputed", ()))
+    regions = sorted(outcome.plan.recomputed) if outcome.plan else []
     if not regions:
         box.caption(f"{outcome.method}'s schedule has no recomputed checkpoint regions to explain"
                     + (" (it recomputes single ops: see the step line)." if outcome.sim.recomputes else "."))
@@ -207,9 +220,11 @@ def memory_over_time() -> None:
         if alloc is not None:
             row |= {"reserved peak": format_bytes(alloc.reserved_peak),
                     "fragmentation %": f"{100 * float(alloc.fragmentation):.1f}"}
+        if bounded:
+            row["live budget met"] = format_bytes(out.bound.live_budget)
         rows.append(row)
     if not any(r["schedule"] == "none" for r in rows):  # no remat is the reference line
-        none = compute.solve(g, None, "none")
+        none = compute.solve(g, None, "none", (), bounded)  # replayed as the plans are (compute.replay)
         alloc = allocation(none)
         curves.append(plots.curve("no remat", base.timeline, compute.op_costs(g, none.schedule), base.peak, base.peak_op,
                                   plots.method_colour("none"), x_mode, dash="dash",
@@ -219,6 +234,8 @@ def memory_over_time() -> None:
         if alloc is not None:
             row |= {"reserved peak": format_bytes(alloc.reserved_peak),
                     "fragmentation %": f"{100 * float(alloc.fragmentation):.1f}"}
+        if bounded:
+            row["live budget met"] = "—"
         rows.append(row)
 
     chosen = state.outcome(s.method)
@@ -239,9 +256,11 @@ def memory_over_time() -> None:
         # keyed, and the budget only in its datasets: each drag updates the chart's data in place (plots.memory_chart)
         st.vega_lite_chart(spec=plots.memory_chart(curves, s.budget, g.peak_lower_bound, x_mode,
                                                    cursor=cursor, x_domain=x_domain if cursor is not None else None,
-                                                   events=marks),
+                                                   events=marks, budget_label=chosen.bound.label),
                            width="stretch", key="memory_plot")
-        if reserved_on:
+        if bounded:
+            st.caption(reserved_bound_caption(chosen))
+        elif reserved_on:
             st.caption("Dotted: the bytes PyTorch's caching allocator would reserve for each schedule (the allocator "
                        "model's replay: live tensors plus its rounding and cached free blocks). These plans were solved "
                        "for live bytes, so only the solid lines are held under the budget; What fits can budget the "

@@ -63,14 +63,18 @@ def schedule() -> None:
     reference_curve = plots.curve("no remat", base.timeline, compute.op_costs(g, plain.schedule), base.peak,
                                   base.peak_op, plots.method_colour("none"), dash="dot")
     curves = [timeline, reference_curve] if s.method != "none" else [timeline]
-    st.vega_lite_chart(spec=plots.memory_chart(curves, s.budget, g.peak_lower_bound, height=300), width="stretch",
-                       key="solve_plot")
+    bound = out.bound
+    st.vega_lite_chart(spec=plots.memory_chart(curves, s.budget, g.peak_lower_bound, height=300,
+                                               budget_label=bound.label), width="stretch", key="solve_plot")
+    if bound.reserved:
+        st.caption(f"Solved for reserved bytes: the dashed line is the **reserved-bytes bound**, on what "
+                   f"{compute.ALLOCATORS[bound.reserved]} reserves (the allocator model), not on the live bytes drawn. "
+                   f"{s.method} met it with a live budget of {format_bytes(bound.live_budget)}: reserved peak "
+                   f"{format_bytes(bound.reserved_peak)}. The Memory page draws the reserved bytes over the step.")
 
-    segments = out.schedule.extra.get("segments")
-    if segments:
-        rec = set(out.schedule.extra.get("recomputed", []))
-        opened = set(out.schedule.extra.get("drop_outputs", []))  # bonsai's option drop_outputs
-        saved = set(out.schedule.extra.get("saved", []))  # nodes kept inside recomputed segments
+    plan = out.plan
+    if plan and plan.segments:
+        segments, rec, opened, saved = plan.segments, plan.recomputed, plan.drop_outputs, plan.saved
         st.subheader(f"{len(segments)} segments, {len(rec)} recomputed" +
                      (f" ({len(opened)} with their outputs dropped)" if opened else "") +
                      (f", {len(saved)} ops saved inside them" if saved else ""))
@@ -105,7 +109,7 @@ def offer_op_level_method(g, s: state.Settings, reference: int) -> None:
     reach = compute.bonsai_reach(g)
     bound = compute.region_bound(g)
     try:  # a preview: a drag over budgets bonsai misses must not wait for a long solve at each one
-        other = compute.solve(g, s.budget, OP_LEVEL, state.options_for(OP_LEVEL), _cap=PREVIEW_SECONDS)
+        other = compute.solve(g, s.budget, OP_LEVEL, state.options_for(OP_LEVEL), s.reserved, _cap=PREVIEW_SECONDS)
     except compute.Unfinished:
         other = None
     text = ("On this graph bonsai's checkpoint regions reach "

@@ -125,7 +125,7 @@ def test_the_background_thread_runs_each_job_once_and_only_when_enabled(recorded
     assert ahead._worker is None and asked == []
     monkeypatch.setenv("BONSAI_SOLVE_AHEAD", "1")
     ahead.solve_ahead(graph, solved(graph, "fake", ahead.SLOW_SOLVE_SECONDS + 1), reference, 70)
-    key = (graph.hash, "fake", (("x", 1),))
+    key = (graph.hash, "fake", (("x", 1),), None)  # no reserved bound
     assert key not in ahead._pending and key not in ahead._started  # after a slow solve: nothing queued
     ahead.solve_ahead(graph, solved(graph, "fake", 0.1), reference, 70)
     wait_for_the_thread()

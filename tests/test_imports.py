@@ -109,3 +109,24 @@ def test_there_is_no_import_circle():
     cycles = sorted(nx.simple_cycles(graph), key=lambda c: (len(c), c))
     assert not cycles, f"{len(cycles)} import circle(s), shortest first: " + "; ".join(
         " -> ".join(c + c[:1]) for c in cycles[:20])
+
+
+def test_pages_reach_the_solvers_and_their_plans_only_through_the_explorer():
+    """Pages stay thin (docs/DESIGN.md, layout): a page imports nothing from ``bonsai_core.solvers``
+    and reads no ``schedule.extra`` (``compute.Outcome.plan`` and ``.bound`` say what it holds)."""
+    graph = import_graph()
+    reaching = sorted((page, target) for page, target in graph.edges
+                      if page.startswith(PAGES + ".") and _inside(target, "bonsai_core.solvers"))
+    assert not reaching, f"pages importing the solvers: {reaching}; call explorer/ (compute.methods, compute.solve)"
+    extra = sorted(f"{path.name}:{node.lineno}" for path in sorted((ROOT / PAGES).glob("*.py"))
+                   for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+                   and node.attr == "extra")
+    assert not extra, f"pages reading a schedule's extra: {extra}; use compute.Outcome.plan"
+
+
+def test_the_pages_check_sees_an_import_of_the_solvers(tmp_path):
+    page = tmp_path / PAGES / "bad.py"
+    page.parent.mkdir()
+    page.write_text("from bonsai_core import solvers\n")
+    files = {**module_files(), f"{PAGES}.bad": page}
+    assert "bonsai_core.solvers" in imported_names(f"{PAGES}.bad", page, set(files))
