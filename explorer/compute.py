@@ -290,8 +290,9 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
     """``solvers.solve`` with the options the user set, its simulation, or its error message.
 
     ``reserved`` (an allocator policy of :data:`ALLOCATORS`) has ``budget`` bound the bytes that allocator
-    reserves instead of the live bytes (``solvers.solve_reserved``, as ``bonsai solve --reserved``).
-    ``_cap`` (not part of the cache key) runs the method with its time limit lowered to ``_cap``
+    reserves instead of the live bytes (``solvers.solve_reserved``, as ``bonsai solve --reserved``);
+    with no budget (no remat) it only says how :func:`replay` replays the schedule, as the plans it is
+    drawn beside. ``_cap`` (not part of the cache key) runs the method with its time limit lowered to ``_cap``
     seconds: a call that ends sooner is the uncapped call's outcome (the limit was never reached) and is
     cached as such; one that reaches it raises :class:`Unfinished` and nothing is cached."""
     start = time.perf_counter()
