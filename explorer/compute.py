@@ -149,6 +149,20 @@ def titan_flavours() -> dict[str, dict[str, int]]:
             for name, args in torchtitan.flavours().items()}
 
 
+def size_options(zoo: str | None) -> tuple[str, ...]:
+    """The size options a model the app can trace again takes (a zoo name, ``hf:ARCH`` or a torchtitan
+    flavour); none for an upload or a ``hf:PATH/config.json``."""
+    from bonsai_core.models import hf, torchtitan
+    from bonsai_core.models.zoo import ZOO
+
+    if zoo is None:
+        return ()
+    if zoo.startswith(TITAN_FAMILY):
+        return torchtitan.SIZE_OPTIONS
+    entry = ZOO.get(zoo) or hf.ARCHS.get(zoo.removeprefix(hf.PREFIX))
+    return tuple(entry.options) if entry is not None else ()
+
+
 @st.cache_resource(show_spinner=False, max_entries=16)
 def trace_hf_config(data: bytes, filename: str, options: Options) -> Model:
     """Trace the model an uploaded Hugging Face config.json describes (parsed as JSON: no code runs).

@@ -9,8 +9,6 @@ import streamlit as st
 from bonsai_core import fit
 from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError
-from bonsai_core.models.hf import ARCHS, PREFIX
-from bonsai_core.models.zoo import ZOO
 from bonsai_core.optimizer import OPTIMIZERS
 from bonsai_core.units import format_bytes
 from explorer import compute, plots, state
@@ -32,10 +30,9 @@ if m.graph.fsdp is not None:  # a real run's memory: one rank's, by part, at the
         st.caption(f"**{out.method}** at {state.settings().percent:.0f}% of the no-remat peak, step {out.sim.peak_op}: "
                    "what one rank holds (the Memory page draws it over the step). A GPU must hold the sum, the "
                    "allocator's extra included.")
-entry = ZOO.get(m.zoo) or ARCHS.get(m.zoo.removeprefix(PREFIX)) if m.zoo else None
-sizes = [k for k in ("batch", "seq") if entry is not None and k in entry.options]
+sizes = [k for k in ("batch", "seq") if k in compute.size_options(m.zoo)]
 if not sizes:
-    st.info("What fits traces the model again at other sizes, so it needs a built-in or Hugging Face model "
+    st.info("What fits traces the model again at other sizes, so it needs a built-in, Hugging Face or torchtitan model "
             "with a batch size: choose one on the Model page.")
     st.stop()
 
@@ -51,8 +48,10 @@ methods = c4.multiselect("Methods", compute.methods(), default=["none", "bonsai"
                          key="fit_methods")
 optimizer = c5.selectbox("Optimizer", OPTIMIZERS, index=OPTIMIZERS.index("adamw"), key="fit_optimizer",
                          help="its state is fixed memory; its step after the backward pass can set the peak")
-reserved = c6.toggle("Budget reserved bytes", value=False, key="fit_reserved",
-                     help="the GPU's memory bounds what the caching allocator reserves, not only live tensors")
+bound = state.settings().reserved  # the sidebar's reserved bound, when set, is this page's default
+reserved = c6.toggle("Budget reserved bytes", value=bound is not None, key="fit_reserved",
+                     help=f"the GPU's memory bounds what {compute.ALLOCATORS[bound or 'caching']} reserves, "
+                          "not only live tensors (the sidebar's Solver options choose the allocator)")
 fixed = {k: v for k, v in m.options.items() if k != vary}
 st.caption(f"The GPU memory starts at twice this model's lower bound on any schedule's peak "
            f"({format_bytes(m.graph.peak_lower_bound)}), a made-up size for a small model: type your GPU's memory. "
@@ -72,7 +71,7 @@ if st.button("Find what fits", type="primary", key="fit_run", disabled=not metho
             progress.progress(min(0.95, len(lines) / (12 * len(methods))), text=line)
 
         result = fit.fit(m.zoo, limit.resolve(0), methods, vary=vary, max_overhead=max_overhead, options=fixed,
-                         optimizer=optimizer, reserved="caching" if reserved else None,
+                         optimizer=optimizer, reserved=(bound or "caching") if reserved else None,
                          solver_options={"time_limit": 10.0}, progress=report)
         progress.progress(1.0, text=f"Done: {len(result.traces)} sizes traced, {len(result.attempts)} solves.")
         st.session_state["fit_result"] = (m.graph.hash, result)

@@ -61,6 +61,12 @@ def test_a_reserved_bound_out_of_reach_is_an_error_not_a_traceback():
     assert levels_text(at).startswith("reserved-bytes bound")
 
 
+def test_what_fits_budgets_reserved_bytes_by_default_under_a_reserved_bound():
+    at = goto(bounded("expandable"), "fit")
+    assert at.toggle(key="fit_reserved").value
+    assert "expandable segments" in at.toggle(key="fit_reserved").help
+
+
 def test_a_link_restores_the_reserved_bound():
     at = app()
     at.query_params["bound"] = "expandable"
@@ -89,3 +95,5 @@ def test_torchtitan_llama_is_traced_from_the_model_page():
     goto(at, "graph")
     assert not at.error, [e.value for e in at.error]
     assert any(c.value.startswith("One box per module call") for c in at.caption)
+    goto(at, "fit")  # What fits traces it again at other sizes
+    assert at.selectbox(key="fit_vary").options == ["batch", "seq"]
