@@ -214,7 +214,7 @@ def option_widget(method: str, spec: compute.OptionSpec, key: str | None = None,
 
 
 # -- the view as a link ------------------------------------------------------------------------------
-# ?model=NAME&size=k:v,...&method=M&budget=PCT&exact=TEXT&granularity=K&backend=B&time_limit=S&o.NAME=V
+# ?model=NAME&size=k:v,...&method=M&budget=PCT&exact=TEXT&granularity=K&backend=B&time_limit=S&bound=POLICY&o.NAME=V
 # (the page is the URL's path). Only what differs from the defaults is written.
 
 # a zoo, hf or torchtitan name; never a module path to import

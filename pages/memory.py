@@ -42,8 +42,7 @@ def allocation(outcome: compute.Outcome):
     if isinstance(result, str):
         st.warning(f"Allocator replay of {outcome.method}: {result}")
         return None
-    reserved = getattr(result, "reserved", None)
-    return None if reserved is None or len(reserved) != len(outcome.schedule.ops) else result
+    return result
 
 
 def reserved_bound_caption(out: compute.Outcome) -> str:
