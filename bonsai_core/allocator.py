@@ -503,9 +503,7 @@ def gradient_outputs(graph: Graph) -> list[tuple[int, int]]:
     for v in graph.outputs.tolist():
         if graph.phases[v] != "backward":
             continue
-        base = v
-        while graph.alias_of[base] >= 0:
-            base = int(graph.alias_of[base])
+        base = graph.storage_of(v)
         if graph.mem[base] > 0:
             out.append((v, int(graph.mem[base])))
     return out[::-1]

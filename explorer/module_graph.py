@@ -248,9 +248,7 @@ def _sibling_anchor(graph: Graph, b: int, grads: list[int], anchor: np.ndarray, 
     the gradient and every view of it) and read activations; -1 when none does."""
     found = -1
     for g in grads:
-        base = g
-        while graph.alias_of[base] >= 0 and not graph.is_forward[graph.alias_of[base]]:
-            base = int(graph.alias_of[base])
+        base = graph.storage_of(g, stop_before=graph.is_forward)  # the gradient's storage, not a forward tensor's
         family, stack = {base}, [base]
         while stack:
             for u in graph.users(stack.pop()).tolist():
@@ -469,15 +467,6 @@ def box_stats(graph: Graph, boxes: Boxes, segments: Sequence[Sequence[int]] | No
         per_box(fwd, graph.cost), per_box(~fwd, graph.cost), majority, tuple(touched),
         per_box(fwd & again).astype(np.int64), per_box(fwd & again, graph.mem.astype(float)).astype(np.int64),
         per_box(again, graph.cost * (computed - 1)))
-
-
-def times_computed(graph: Graph, ops: Sequence[tuple[str, int]]) -> np.ndarray:
-    """int64[n]: how many times a schedule's ops compute each node."""
-    counts = np.zeros(graph.n, dtype=np.int64)
-    for kind, v in ops:
-        if kind == "compute":
-            counts[v] += 1
-    return counts
 
 
 # -- the layout ------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def segmented_graph() -> None:
     out = state.outcome()
     segments = out.schedule.extra.get("segments") if out.ok else None
     recomputed_segments = out.schedule.extra.get("recomputed", []) if out.ok else []
-    recomputed = compute.recomputed_nodes(g, out.schedule) if out.ok else np.zeros(g.n, dtype=bool)
+    recomputed = out.sim.times_computed > 1 if out.ok else np.zeros(g.n, dtype=bool)
 
     if not out.ok:
         state.show_error(out.error,

@@ -12,6 +12,7 @@ import pytest
 
 from bonsai_core.graph import Graph, load_graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
+from bonsai_core.schedule import simulate
 from explorer import module_chart, module_graph, sugiyama
 from explorer.state import DEFAULT_GRAPH
 from tests.graphs import chain, stacked_blocks
@@ -216,7 +217,7 @@ def test_box_stats_add_up_to_the_graph_and_count_what_a_plan_recomputes(gpt):
     segments = [forward[forward < first].tolist(), forward[(forward >= first) & (forward <= last)].tolist(),
                 forward[forward > last].tolist()]
     schedule = plan_schedule(gpt, CheckpointPlan.of(segments, [1]), "test")
-    computed = module_graph.times_computed(gpt, schedule.ops)
+    computed = simulate(gpt, schedule).times_computed
     stats = module_graph.box_stats(gpt, boxes, segments, computed)
     k = boxes.names.index("blocks.0")
     again = (computed > 1) & ~gpt.is_view
