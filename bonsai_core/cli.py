@@ -243,7 +243,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     stats = {"graph": g.name, "method": schedule.method, "budget": schedule.budget, **sim.stats(),
              "feasible": sim.feasible(schedule.budget), "ops": len(schedule.ops)}
     if args.allocator:
-        from bonsai_core.allocator import pool_replay, replay
+        from bonsai_core.allocator import replay
+        from bonsai_core.solvers.pool import pool_replay
 
         alloc = (pool_replay(g, schedule) if args.arena else replay(g, schedule, policy=_allocator_policy(args))).stats()
         # the allocator's live bytes include the optimizer state: its own name, not the simulator's peak
