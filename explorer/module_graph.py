@@ -502,9 +502,9 @@ def box_edges(graph: Graph, boxes: Boxes) -> tuple[list[tuple[int, int]], list[t
 def box_layout(graph: Graph, boxes: Boxes) -> BoxLayout:
     """The layered layout of the boxes' forward edges (``explorer/sugiyama.py``); the backward pass is
     drawn as its mirror image. O(boxes + edges) plus the layout's sweeps."""
-    from explorer.sugiyama import layered_layout
+    from explorer.sugiyama import sugiyama_layout
 
     forward, backward = box_edges(graph, boxes)
-    layout = layered_layout(boxes.count, forward)
+    layout = sugiyama_layout(boxes.count, forward)
     return BoxLayout(layout.layer, layout.y, tuple(forward),
                      tuple(None if r is None else tuple(r) for r in layout.routes), tuple(backward), layout.crossings)
