@@ -80,7 +80,7 @@ counters, norms), and library workspaces (cuBLAS, the flash kernel's backward ac
 The parts: :mod:`~bonsai_core.allocator.blocks` (blocks and rounding),
 :mod:`~bonsai_core.allocator.policies` (the allocator state and the three policies),
 :mod:`~bonsai_core.allocator.fixed` (fixed-memory placement, the full arena) and
-:mod:`~bonsai_core.allocator.replay` (a schedule replayed, its address picture). Coop's cheap-tensor
+:mod:`~bonsai_core.allocator.replaying` (a schedule replayed, its address picture). Coop's cheap-tensor
 partitioning is the method's (:mod:`bonsai_core.solvers.coop`), and the replay of a pool method's own
 pool is :func:`bonsai_core.solvers.pool.pool_replay`.
 """
@@ -91,7 +91,7 @@ from bonsai_core.allocator.fixed import (OPTIMIZER_STATES, FixedTensor, Optimize
                                          full_arena, gradient_outputs, optimizer_bytes, pin_fixed, state_beyond_fixed)
 from bonsai_core.allocator.policies import (PAGE, POLICIES, VIRTUAL, Allocator, ArenaAllocator, CachingAllocator,
                                             ExpandableAllocator, Policy)
-from bonsai_core.allocator.replay import (FSDP_OWNERS, AllocResult, Placed, fragmentation_at_peak, layout_at, replay,
+from bonsai_core.allocator.replaying import (FSDP_OWNERS, AllocResult, Placed, fragmentation_at_peak, layout_at, replay,
                                           run_step)
 
 __all__ = ["DEFAULT_STREAM", "FSDP_OWNERS", "LARGE_BUFFER", "MIN_BLOCK", "MIN_LARGE_ALLOC", "OPTIMIZER_STATES", "PAGE",
