@@ -1,5 +1,6 @@
 """The argument types of the ``bonsai`` command and its benchmark suites (argparse ``type=`` callables:
-each turns a bad value into argparse's one-line error, exit status 2)."""
+each turns a bad value into argparse's one-line error, exit status 2), and the rules that tie its
+options together (:func:`reserved_policy`, :func:`solve_time_limit`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 from typing import Callable
 
 from bonsai_core.budget import Budget, parse_budget
-from bonsai_core.errors import BudgetError
+from bonsai_core.errors import BonsaiError, BudgetError
 
 SOLVE_TIME_LIMIT = 60.0  # seconds, `bonsai solve`'s default (the bench's too): an exact method never hangs unseen
 
@@ -58,3 +59,50 @@ def fraction_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} reads as {value}: bench budgets are percentages of the no-remat "
                                          "peak, like 70 or 70%")
     return value.fraction
+
+
+def overhead_arg(text: str) -> float:
+    """A largest recompute overhead: a percentage (``10%`` or ``10``) as a fraction (0.1), 0 or more.
+    Not :func:`fraction_arg`: an overhead is no budget, and 0% (no recomputation) is a limit."""
+    try:
+        value = float(text.strip().removesuffix("%")) / 100
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage like 10%") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: an overhead limit is >= 0%")
+    return value
+
+
+def true_or_false(text: str) -> bool:
+    """true/yes/1 or false/no/0, any case."""
+    if text.lower() in ("true", "yes", "1"):
+        return True
+    if text.lower() in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
+
+def reshard_arg(text: str) -> bool | str:
+    """``--reshard-after-forward``: true, false or all-but-last (a value, not a flag pair: the default
+    depends on the model, and all-but-last is a third choice)."""
+    return "all-but-last" if text.lower() == "all-but-last" else true_or_false(text)
+
+
+def solve_time_limit(seconds: float | None) -> float | None:
+    """The time limit a solve runs under, from ``--time-limit`` or ``--option time_limit`` (the caller's
+    default :data:`SOLVE_TIME_LIMIT` when neither is given): 0 means no limit (None), as in the app."""
+    return None if seconds == 0 else seconds
+
+
+def allocator_policy(args: argparse.Namespace) -> str:
+    """The allocator model the options choose: "expandable" with ``--expandable-segments``, else "caching"."""
+    return "expandable" if args.expandable_segments else "caching"
+
+
+def reserved_policy(args: argparse.Namespace) -> str | None:
+    """The allocator model whose reserved bytes ``--reserved`` budgets (:func:`allocator_policy`), None
+    without ``--reserved``; ``--expandable-segments`` without it is a BonsaiError."""
+    if args.expandable_segments and not args.reserved:
+        raise BonsaiError("--expandable-segments models the allocator whose reserved bytes --reserved budgets; "
+                          "give --reserved too.")
+    return allocator_policy(args) if args.reserved else None

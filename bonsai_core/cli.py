@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from bonsai_core.arguments import SOLVE_TIME_LIMIT, budget_arg, positive, positive_int, time_limit_arg
+from bonsai_core.arguments import (SOLVE_TIME_LIMIT, allocator_policy, budget_arg, overhead_arg, positive, positive_int,
+                                   reserved_policy, reshard_arg, solve_time_limit, time_limit_arg)
 from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.optimizer import OPTIMIZERS
 from bonsai_core.units import format_bytes
@@ -39,20 +40,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf: models: the attention implementation (default: sdpa where the model supports it)")
 
 
-def _true_or_false(text: str) -> bool:
-    if text.lower() in ("true", "yes", "1"):
-        return True
-    if text.lower() in ("false", "no", "0"):
-        return False
-    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
-
-
 def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
     """--fsdp N and --reshard-after-forward, shared by trace and fit."""
     p.add_argument("--fsdp", type=positive_int, default=1, metavar="N",
                    help="plan one of N ranks of FSDP2 (fully_shard on each block and on the model): sharded parameters, "
                         "gradients and optimizer state, and the unsharded blocks over the step (default 1: no sharding)")
-    p.add_argument("--reshard-after-forward", type=_reshard_arg, default=None, metavar="true|false|all-but-last",
+    p.add_argument("--reshard-after-forward", type=reshard_arg, default=None, metavar="true|false|all-but-last",
                    help="with --fsdp: fully_shard's reshard_after_forward for every block, or all-but-last "
                         "(torchtitan's: the last block is kept unsharded for its backward); default: true, "
                         "all-but-last for torchtitan: models")
@@ -60,10 +53,6 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --fsdp: FSDP2's MixedPrecisionPolicy(param_dtype=this, reduce_dtype=fp32) on the fp32 "
                         "model: fp32 sharded parameters, gradients and optimizer state, blocks all-gathered and "
                         "computed in this dtype; default: none, bf16 for torchtitan: models (torchtitan's)")
-
-
-def _reshard_arg(text: str) -> bool | str:
-    return "all-but-last" if text.lower() == "all-but-last" else _true_or_false(text)
 
 
 def fsdp_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -135,9 +124,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from bonsai_core.schedule import no_remat_peak
     from bonsai_core.solvers import check_options, parse_option, solve, solve_reserved
 
-    if args.expandable_segments and not args.reserved:
-        raise BonsaiError("--expandable-segments models the allocator whose reserved bytes --reserved budgets; "
-                          "give --reserved too.")
+    policy = reserved_policy(args)
     options = dict(parse_option(args.method, text) for text in args.option)
     flags = {k: v for k, v in (("granularity", args.granularity), ("backend", args.backend),
                                ("time_limit", args.time_limit)) if v is not None}
@@ -146,20 +133,18 @@ def cmd_solve(args: argparse.Namespace) -> int:
             raise BonsaiError(f"--{name.replace('_', '-')} {flags[name]} and --option {name}={options[name]} disagree; "
                               "give it once.")
     options.update(flags)
-    options.setdefault("time_limit", SOLVE_TIME_LIMIT)
-    if options["time_limit"] == 0:  # 0: no limit, as in the app's sidebar
-        options["time_limit"] = None
+    options["time_limit"] = solve_time_limit(options.get("time_limit", SOLVE_TIME_LIMIT))
     check_options(args.method, options)  # before a long trace is loaded
     g = load_graph(args.graph)
     reference = no_remat_peak(g)
     budget = args.budget.resolve(reference)
     try:
-        if args.reserved:
-            schedule = solve_reserved(g, budget, args.method, policy=_allocator_policy(args), **options)
+        if policy:
+            schedule = solve_reserved(g, budget, args.method, policy=policy, **options)
         else:
             schedule = solve(g, budget, method=args.method, **options)
     except BudgetError as e:
-        if args.reserved:  # another method's live-byte schedule says nothing of its reserved bytes
+        if policy:  # another method's live-byte schedule says nothing of its reserved bytes
             raise
         raise _naming_a_method_that_meets(g, budget, args.method, e, options["time_limit"]) from None
     _write_json(args.output, schedule.to_dict())
@@ -187,10 +172,6 @@ def _time_split(stats: dict) -> str:
     if not parts:
         return ""
     return " (" + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()) + ")"
-
-
-def _allocator_policy(args: argparse.Namespace) -> str:
-    return "expandable" if args.expandable_segments else "caching"
 
 
 def _naming_a_method_that_meets(graph: Any, budget: int, method: str, error: BudgetError,
@@ -243,9 +224,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     stats = {"graph": g.name, "method": schedule.method, "budget": schedule.budget, **sim.stats(),
              "feasible": sim.feasible(schedule.budget), "ops": len(schedule.ops)}
     if args.allocator:
-        from bonsai_core.allocator import pool_replay, replay
+        from bonsai_core.allocator import replay
+        from bonsai_core.solvers.pool import pool_replay
 
-        alloc = (pool_replay(g, schedule) if args.arena else replay(g, schedule, policy=_allocator_policy(args))).stats()
+        alloc = (pool_replay(g, schedule) if args.arena else replay(g, schedule, policy=allocator_policy(args))).stats()
         # the allocator's live bytes include the optimizer state: its own name, not the simulator's peak
         alloc["allocator_live_peak"] = alloc.pop("peak")
         stats.update(alloc)
@@ -262,16 +244,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise BonsaiError(f"the schedule's peak {format_bytes(sim.peak)} exceeds its budget "
                           f"{format_bytes(schedule.budget)} by {format_bytes(sim.peak - schedule.budget)}.")
     return 0
-
-
-def _percent_arg(text: str) -> float:
-    try:
-        value = float(text.strip().removesuffix("%")) / 100
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage like 10%") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: an overhead limit is >= 0%")
-    return value
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -296,12 +268,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
             args.parser.error(f"argument --methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
     if args.gpu.fraction is not None:
         args.parser.error("argument --gpu: give the GPU's memory in bytes or with a unit (80GiB), not a share")
-    if args.expandable_segments and not args.reserved:
-        raise BonsaiError("--expandable-segments models the allocator whose reserved bytes --reserved budgets; "
-                          "give --reserved too.")
+    reserved = reserved_policy(args)
     limit = args.gpu.resolve(0)
-    time_limit = None if args.time_limit == 0 else (args.time_limit or SOLVE_TIME_LIMIT)
-    reserved = _allocator_policy(args) if args.reserved else None
+    time_limit = solve_time_limit(args.time_limit)
     result = fit.fit(args.model, limit, methods, vary=args.vary, max_overhead=args.max_overhead,
                      options=model_options(args), optimizer=args.optimizer, reserved=reserved,
                      solver_options={"time_limit": time_limit}, start=args.start,
@@ -353,14 +322,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_checkpoint_export(folder: str) -> bool:
-    """Whether ``folder`` was written by the checkpoint back-end (the replay's file defines PROGRAM)."""
-    path = Path(folder) / "checkpointed.py"
-    return path.is_file() and "\nPROGRAM = Program(" not in path.read_text()
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
-    if _is_checkpoint_export(args.dir):
+    from bonsai_core.export.folder import export_backend
+
+    if export_backend(args.dir) == "checkpoint":
         from bonsai_core.export.verify import verify_checkpoint
 
         v = verify_checkpoint(args.model, model_options(args), args.dir, device=args.device, seed=args.seed,
@@ -554,14 +519,14 @@ def _add_fit_parser(sub: Any) -> None:
     p.add_argument("--gpu", required=True, type=budget_arg, metavar="BYTES", help="the GPU's memory, e.g. 80GiB")
     p.add_argument("--vary", choices=("batch", "seq"), default="batch", help="the size searched (default batch)")
     p.add_argument("--start", type=positive_int, default=1, metavar="N", help="the first size tried (default 1)")
-    p.add_argument("--max-overhead", type=_percent_arg, default=0.10, metavar="PCT",
+    p.add_argument("--max-overhead", type=overhead_arg, default=0.10, metavar="PCT",
                    help="the largest recompute overhead accepted (default 10%%)")
     p.add_argument("--methods", nargs="+", metavar="METHOD", help="default: none bonsai chen dtr")
     p.add_argument("--optimizer", default="none", choices=OPTIMIZERS, help="the optimizer step (see trace)")
     add_fsdp_arguments(p)
     p.add_argument("--reserved", action="store_true", help="the GPU's memory bounds the caching allocator's reserved bytes")
     p.add_argument("--expandable-segments", action="store_true", help="with --reserved: expandable segments")
-    p.add_argument("--time-limit", type=time_limit_arg, default=None, metavar="S",
+    p.add_argument("--time-limit", type=time_limit_arg, default=SOLVE_TIME_LIMIT, metavar="S",
                    help=f"seconds per solve (default {SOLVE_TIME_LIMIT:g}; 0: none)")
     p.add_argument("-o", "--output", default=None, metavar="DIR", help="write fit.csv, fit.md, fit.png and the plans")
     p.add_argument("--json", action="store_true")
@@ -596,8 +561,7 @@ def _add_app_parser(sub: Any) -> None:
     p = sub.add_parser("app", help="start the explorer (streamlit run explorer/app.py)",
                        epilog="Any other argument is passed on to streamlit, e.g. bonsai app --server.port 8502.")
     p.add_argument("--print-command", action="store_true", help="print the streamlit command instead of running it")
-    p.set_defaults(streamlit_args=[])  # every other argument goes to streamlit, e.g. --server.port 8502
-    p.set_defaults(func=cmd_app)
+    p.set_defaults(func=cmd_app, streamlit_args=[])  # every other argument goes to streamlit, e.g. --server.port 8502
 
 
 def _version() -> str:

@@ -322,7 +322,7 @@ class _Walk:
 
     def hold(self, g: int) -> None:
         """Gradient node ``g``, which the graph frees at once, held by FSDP until its unit's reduce-scatter."""
-        nbytes = int(self.graph.mem[_storage_node(self.graph, g)])
+        nbytes = int(self.graph.mem[self.graph.storage_of(g)])
         if nbytes > 0:
             self.emit(f"grad:{g}", nbytes)
             self.grads.setdefault(self.current, []).append(g)
@@ -438,13 +438,6 @@ def reshard_flags(fsdp: dict[str, Any]) -> list[bool]:
     """Each unit's ``reshard_after_forward`` (the field is one bool for all, or one per unit)."""
     flag = fsdp["reshard_after_forward"]
     return [bool(f) for f in flag] if isinstance(flag, list) else [bool(flag)] * len(fsdp["units"])
-
-
-def _storage_node(graph: Graph, v: int) -> int:
-    """The node whose bytes ``v`` (a view of a view ...) shares."""
-    while graph.alias_of[v] >= 0:
-        v = int(graph.alias_of[v])
-    return v
 
 
 def _forward_owner(graph: Graph, units: Sequence[Sequence[Any]]) -> np.ndarray:

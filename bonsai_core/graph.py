@@ -277,6 +277,15 @@ class Graph:
                 stack.append(a)
         return live
 
+    def storage_of(self, v: int, stop_before: np.ndarray | None = None) -> int:
+        """The node whose bytes ``v`` shares: ``v`` itself, or the base at the end of its chain of
+        views (a view of a view ...). With ``stop_before`` (bool[n]), the walk ends at the last node
+        before a base marked there. O(length of the chain)."""
+        v = int(v)
+        while self.alias_of[v] >= 0 and (stop_before is None or not stop_before[self.alias_of[v]]):
+            v = int(self.alias_of[v])
+        return v
+
     @property
     def optimizer_peak(self) -> int:
         """Memory during the optimizer step after the backward pass (0 without an optimizer): the fixed

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, TypeVar
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bonsai_core.tensors import storage_bytes, tensors_in
+
+T = TypeVar("T")
 
 
 class LiveBytes(TorchDispatchMode):
@@ -93,32 +95,65 @@ def allocate_fixed(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: 
     return storage_bytes([*model.parameters(), *(p.grad for p in params), *model.buffers(), *loss_buffers, *inputs])
 
 
+def eager_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
+               autocast: str | None = None) -> Callable[[], torch.Tensor]:
+    """The plain training step ``loss_fn(model(*inputs)).backward()`` as a function returning the loss;
+    with ``autocast`` ("bf16" | "fp16") its forward pass and loss run under ``torch.autocast`` on the
+    inputs' device, its backward pass outside (as autocast's recipe has it)."""
+    from bonsai_core.trace import autocast_context
+
+    device_type = inputs[0].device.type if inputs else "cpu"
+
+    def step() -> torch.Tensor:
+        with autocast_context(autocast, device_type):
+            loss = loss_fn(model(*inputs))
+        loss.backward()
+        return loss
+    return step
+
+
+def peak_of(step: Callable[[], T], device: torch.device) -> tuple[T, int, int]:
+    """(what ``step`` returns, the most bytes it allocated at once, those of host copies) on
+    ``device``: on CUDA ``torch.cuda.max_memory_allocated`` (everything allocated, what existed before
+    the step included; host copies not measured), else what :class:`LiveBytes` counts of the storages
+    made inside the step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = step()
+        torch.cuda.synchronize(device)
+        return result, int(torch.cuda.max_memory_allocated(device)), 0
+    tracker = LiveBytes()
+    with tracker:
+        result = step()
+    return result, tracker.peak, tracker.host_peak
+
+
 def measure_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
                  step: Callable[[], torch.Tensor] | None = None, frozen: Collection[str] = (),
-                 optimizer: torch.optim.Optimizer | None = None) -> MeasuredStep:
+                 optimizer: torch.optim.Optimizer | None = None, allocate_grads: bool = True) -> MeasuredStep:
     """Run one forward + loss + backward of ``model`` and measure its peak memory.
 
     Gradient buffers are allocated first (as in steady-state training, where ``.grad`` persists), so
     the fixed memory is parameters + gradients + buffers + the batch, as in a traced graph's
-    ``fixed_mem``. ``step`` replaces the default ``loss_fn(model(*inputs)).backward()`` (for example
-    an exported, checkpointed model's step); it must return the loss. ``frozen``: see
-    :func:`allocate_fixed`. BatchNorm statistics are updated in place (their buffers are fixed
-    memory) and dropout masks are counted like any other tensor. With ``optimizer``, its state is
-    allocated first (fixed memory, :func:`bonsai_core.optimizer.init_state`) and its ``step()`` runs
-    after the backward pass, inside the measurement.
+    ``fixed_mem``; ``allocate_grads=False`` leaves ``.grad`` as it is (None after
+    ``optimizer.zero_grad()``: the step allocates the gradients). ``step`` replaces the default
+    :func:`eager_step` (for example an exported, checkpointed model's step); it must return the loss.
+    ``frozen``: see :func:`allocate_fixed`. BatchNorm statistics are updated in place (their buffers
+    are fixed memory) and dropout masks are counted like any other tensor. With ``optimizer``, its
+    state is allocated first (fixed memory, :func:`bonsai_core.optimizer.init_state`) and its
+    ``step()`` runs after the backward pass, inside the measurement.
     """
     from bonsai_core.optimizer import init_state
 
-    fixed = allocate_fixed(model, inputs, loss_fn, frozen)
+    if allocate_grads:
+        fixed = allocate_fixed(model, inputs, loss_fn, frozen)
+    else:
+        loss_buffers = list(loss_fn.buffers()) if isinstance(loss_fn, nn.Module) else []
+        fixed = storage_bytes([*model.parameters(), *model.buffers(), *inputs, *loss_buffers])
     if optimizer is not None:
         fixed += init_state(optimizer)
-
-    def default_step() -> torch.Tensor:
-        loss = loss_fn(model(*inputs))
-        loss.backward()
-        return loss
-
-    train = step or default_step
+    train = step or eager_step(model, inputs, loss_fn)
 
     def run() -> float:
         loss = float(train().detach())
@@ -127,16 +162,10 @@ def measure_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Ca
         return loss
 
     device = inputs[0].device if inputs else torch.device("cpu")
+    loss, peak, host_peak = peak_of(run, device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        loss = run()
-        torch.cuda.synchronize(device)
-        return MeasuredStep(int(torch.cuda.max_memory_allocated(device)), fixed, loss, "cuda")
-    tracker = LiveBytes()
-    with tracker:
-        loss = run()
-    return MeasuredStep(fixed + tracker.peak, fixed, loss, str(device), tracker.host_peak)
+        return MeasuredStep(peak, fixed, loss, "cuda")
+    return MeasuredStep(fixed + peak, fixed, loss, str(device), host_peak)
 
 
 class OpOutputs(TorchDispatchMode):

@@ -130,8 +130,9 @@ def measure_torch_budget(model_name: str, options: dict[str, int], fraction: flo
                    float(loss.detach()))
 
 
-def block_stack(model: nn.Module) -> list[nn.Module]:
-    """The model's largest ModuleList/Sequential of blocks (its repeated layers)."""
+def block_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of the model's largest ModuleList/Sequential of blocks (its repeated layers); the
+    graph's own record of them is :func:`bonsai_core.graph.block_stack`."""
     best: list[nn.Module] = []
     for module in model.modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
@@ -145,7 +146,7 @@ def checkpoint_blocks(model: nn.Module, every: int) -> None:
     """Wrap every ``every``-th block of the model's block stack in non-reentrant checkpointing."""
     from torch.utils.checkpoint import checkpoint
 
-    for i, block in enumerate(block_stack(model)):
+    for i, block in enumerate(block_modules(model)):
         if i % every == 0:
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 

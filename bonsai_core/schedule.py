@@ -439,6 +439,15 @@ def recompute_events(graph: Graph, ops: Sequence[tuple[str, int]]) -> tuple[Reco
     return tuple(events)
 
 
+def recomputes(ops: Sequence[tuple[str, int]], events: Sequence[RecomputeEvent]) -> np.ndarray:
+    """bool[len(ops)]: the compute ops that compute their node a second or later time, those of the
+    rebuilds ``events`` (:func:`recompute_events` of ``ops``, or ``SimResult.events``). O(len(ops))."""
+    flags = np.zeros(len(ops), dtype=bool)
+    for e in events:
+        flags[e.start:e.end + 1] = True
+    return flags & np.fromiter((kind == COMPUTE for kind, _ in ops), dtype=bool, count=len(ops))
+
+
 def _beyond_the_graph(graph: Graph, ops: Sequence[tuple[str, int]], timeline: np.ndarray, peak: int,
                       peak_op: int) -> tuple[np.ndarray, int, int]:
     """The timeline and peak with what the step holds beyond the graph's tensors: on an FSDP rank the

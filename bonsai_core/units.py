@@ -15,10 +15,13 @@ UNITS = {
 }
 
 
-def format_bytes(n: float) -> str:
-    """Human-readable binary size: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
+def format_bytes(n: float, significant: int | None = None) -> str:
+    """Human-readable binary size: ``format_bytes(3 * 2**20) == '3.00 MiB'``; with ``significant``
+    digits instead of two decimals, ``format_bytes(1.5 * 2**20, 3) == '1.5 MiB'`` (a chart's label)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+            if unit == "B":
+                return f"{n:.0f} {unit}"
+            return f"{n:.2f} {unit}" if significant is None else f"{n:.{significant}g} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"

@@ -341,15 +341,6 @@ def op_costs(graph: Graph, schedule: Schedule) -> np.ndarray:
     return np.where(is_compute, graph.cost[ids], 0.0)
 
 
-def recomputed_nodes(graph: Graph, schedule: Schedule) -> np.ndarray:
-    """bool[n]: nodes the schedule computes more than once (any method, with or without segments)."""
-    counts = np.zeros(graph.n, dtype=np.int64)
-    for kind, v in schedule.ops:
-        if kind == "compute":
-            counts[v] += 1
-    return counts > 1
-
-
 # -- the module graph: its structure per graph, its boxes per fold depth ------------------------------
 
 @st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=8)

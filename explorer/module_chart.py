@@ -23,14 +23,6 @@ NEUTRAL = "#C5CAD3"  # a box outside the model's block stack, with no segment to
 SELECTION = "pick"  # the name of the click selection (Streamlit returns it under this name)
 
 
-def short_bytes(n: int) -> str:
-    """Bytes in three significant digits: ``520 KiB``, ``1.5 MiB``, ``12.3 GiB``."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n} B"
-
-
 def short_time(seconds: float) -> str:
     """``1.2 s``, ``3.45 ms``, ``12.3 µs``."""
     if seconds >= 1:
@@ -90,8 +82,8 @@ def _rows(boxes: Boxes, layout: BoxLayout, stats: BoxStats, fills: list[str], mi
                 ("backward", mirror - y, stats.backward_ops[k], stats.backward_bytes[k], stats.backward_cost[k])):
             if part == "backward" and not ops:
                 continue
-            numbers = (f"↻ {short_bytes(int(stats.saved_bytes[k]))} · {short_time(stats.recompute_cost[k])}"
-                       if recomputed and part == "forward" else short_bytes(int(nbytes)))
+            numbers = (f"↻ {format_bytes(int(stats.saved_bytes[k]), 3)} · {short_time(stats.recompute_cost[k])}"
+                       if recomputed and part == "forward" else format_bytes(int(nbytes), 3))
             label = boxes.labels[k] if part == "forward" else "∇ " + boxes.labels[k]
             # a block of a long stack (layers.17) keeps its index where its name does not fit
             short = (label.rsplit(".", 1)[1] if label.rsplit(".", 1)[-1].isdigit() and "." in label else label)

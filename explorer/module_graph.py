@@ -248,9 +248,7 @@ def _sibling_anchor(graph: Graph, b: int, grads: list[int], anchor: np.ndarray, 
     the gradient and every view of it) and read activations; -1 when none does."""
     found = -1
     for g in grads:
-        base = g
-        while graph.alias_of[base] >= 0 and not graph.is_forward[graph.alias_of[base]]:
-            base = int(graph.alias_of[base])
+        base = graph.storage_of(g, stop_before=graph.is_forward)  # the gradient's storage, not a forward tensor's
         family, stack = {base}, [base]
         while stack:
             for u in graph.users(stack.pop()).tolist():
@@ -471,15 +469,6 @@ def box_stats(graph: Graph, boxes: Boxes, segments: Sequence[Sequence[int]] | No
         per_box(again, graph.cost * (computed - 1)))
 
 
-def times_computed(graph: Graph, ops: Sequence[tuple[str, int]]) -> np.ndarray:
-    """int64[n]: how many times a schedule's ops compute each node."""
-    counts = np.zeros(graph.n, dtype=np.int64)
-    for kind, v in ops:
-        if kind == "compute":
-            counts[v] += 1
-    return counts
-
-
 # -- the layout ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -513,9 +502,9 @@ def box_edges(graph: Graph, boxes: Boxes) -> tuple[list[tuple[int, int]], list[t
 def box_layout(graph: Graph, boxes: Boxes) -> BoxLayout:
     """The layered layout of the boxes' forward edges (``explorer/sugiyama.py``); the backward pass is
     drawn as its mirror image. O(boxes + edges) plus the layout's sweeps."""
-    from explorer.sugiyama import layered_layout
+    from explorer.sugiyama import sugiyama_layout
 
     forward, backward = box_edges(graph, boxes)
-    layout = layered_layout(boxes.count, forward)
+    layout = sugiyama_layout(boxes.count, forward)
     return BoxLayout(layout.layer, layout.y, tuple(forward),
                      tuple(None if r is None else tuple(r) for r in layout.routes), tuple(backward), layout.crossings)

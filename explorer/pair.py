@@ -50,7 +50,7 @@ def distinct_labels(a: str, b: str) -> tuple[str, str]:
 
 def recomputed_boxes(graph: Graph, boxes: Boxes, computed: np.ndarray) -> np.ndarray:
     """bool[boxes.count]: boxes with a forward op (not a view) that ``computed`` (times each node is
-    computed, ``module_graph.times_computed``) computes more than once."""
+    computed, ``SimResult.times_computed``) computes more than once."""
     again = (np.asarray(computed) > 1) & graph.is_forward & ~graph.is_view
     return np.bincount(boxes.of[again], minlength=boxes.count) > 0
 

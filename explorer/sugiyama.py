@@ -15,9 +15,9 @@ reduction or coordinate assignment, so the classic four steps are written out he
    crossings (:func:`count_crossings`) is kept.
 4. **Coordinates** (:func:`assign_coordinates`): each node pulled towards the mean height of its
    neighbours (a box by the boxes at the other end of its short edges), then the layer's heights made to
-   keep their order and spacing with the least weighted squared movement (an isotonic regression,
-   :func:`spaced_fit`); boxes weigh more than dummy points, so chains run straight and the buses bend
-   around them.
+   keep their order and spacing with the least weighted squared movement (:func:`spaced_fit`: scipy's
+   isotonic regression on the heights less the gaps); boxes weigh more than dummy points, so chains run
+   straight and the buses bend around them.
 
 Everything is a pure function of its inputs (no plotting), tested in ``tests/test_module_graph.py``.
 """
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from scipy.optimize import isotonic_regression
 
 NODE_GAP = 0.4  # space between two boxes of one layer (box heights are given by the caller)
 DUMMY_GAP = 0.25  # space next to a dummy point (a bend of a long edge)
@@ -48,8 +49,8 @@ class Layout:
     crossings: int  # edge crossings between neighbouring layers, bends included
 
 
-def layered_layout(n: int, edges: Sequence[tuple[int, int]], heights: Sequence[float] | None = None,
-                   sweeps: int = SWEEPS) -> Layout:
+def sugiyama_layout(n: int, edges: Sequence[tuple[int, int]], heights: Sequence[float] | None = None,
+                    sweeps: int = SWEEPS) -> Layout:
     """Lay out ``n`` nodes, numbered in an order every edge should follow (a topological order; an edge
     (u, v) with u >= v is drawn but not laid out). ``heights``: each node's height (1 by default)."""
     heights = np.ones(n) if heights is None else np.asarray(heights, dtype=float)
@@ -254,15 +255,7 @@ def _gaps(nodes: list[int], sizes: np.ndarray, n: int) -> np.ndarray:
 
 def spaced_fit(wanted: np.ndarray, gaps: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """The heights y closest to ``wanted`` (least weighted squared distance) with y[i+1] - y[i] >=
-    gaps[i]: shifted by the gaps, an isotonic regression, solved by pooling adjacent violators. O(k)."""
+    gaps[i]: shifted by the gaps, an isotonic regression (``scipy.optimize.isotonic_regression``, which
+    pools adjacent violators). O(k)."""
     offset = np.concatenate([[0.0], np.cumsum(gaps)])
-    target = np.asarray(wanted, dtype=float) - offset
-    blocks: list[list[float]] = []  # [mean, weight, count]
-    for t, w in zip(target.tolist(), np.asarray(weight, dtype=float).tolist()):
-        blocks.append([t, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, w2, c2 = blocks.pop()
-            m1, w1, c1 = blocks.pop()
-            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
-    fitted = np.concatenate([np.full(c, m) for m, _, c in blocks]) if blocks else np.zeros(0)
-    return fitted + offset
+    return isotonic_regression(np.asarray(wanted, dtype=float) - offset, weights=np.asarray(weight, dtype=float)).x + offset

@@ -16,7 +16,7 @@ import numpy as np
 
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, block_stack, plan_schedule
-from bonsai_core.schedule import Schedule, simulate
+from bonsai_core.schedule import Schedule, recompute_events, recomputes, simulate
 from bonsai_core.units import format_bytes
 
 MAX_BARS = 1500  # above this many tensor lifetimes, small tensors are grouped per module
@@ -84,16 +84,15 @@ class Lifetimes:
 def lifetimes(graph: Graph, ops: Sequence[tuple[str, int]]) -> Lifetimes:
     """O(len(ops))."""
     open_at: dict[int, int] = {}
-    times_computed = np.zeros(graph.n, dtype=np.int64)
+    recomputed = recompute_flags(graph, ops)
     node, start, end, again = [], [], [], []
     mem = graph.mem
     for i, (kind, v) in enumerate(ops):
         v = int(v)
         if kind == "compute":
-            times_computed[v] += 1
             if mem[v] > 0:
                 open_at[v] = len(node)
-                node.append(v), start.append(i), end.append(len(ops)), again.append(times_computed[v] > 1)
+                node.append(v), start.append(i), end.append(len(ops)), again.append(bool(recomputed[i]))
         elif v in open_at:
             end[open_at.pop(v)] = i
     node_a = np.asarray(node, dtype=np.int64)
@@ -231,7 +230,6 @@ def step_line(graph: Graph, ops: Sequence[tuple[str, int]], i: int, modules: Mod
     kind, v = ops[i]
     v = int(v)
     name, where = graph.names[v], modules.path[v]
-    again = recompute_flags(graph, ops)
     if kind == "free":
         later = next((j for j in range(i + 1, len(ops)) if ops[j][0] == "compute" and int(ops[j][1]) == v), None)
         tail = (f", recomputed at step {later}" if later is not None
@@ -239,40 +237,21 @@ def step_line(graph: Graph, ops: Sequence[tuple[str, int]], i: int, modules: Mod
         freed = (f"−{format_bytes(int(graph.mem[v]))}" if graph.mem[v] else
                  "no bytes of its own (a view: its base holds them)" if graph.alias_of[v] >= 0 else "no bytes")
         return f"step {i}: free {name} ({where}): {freed}{tail}"
-    if not again[i]:
+    rebuild = next((e for e in recompute_events(graph, ops) if e.start <= i <= e.end), None)
+    if rebuild is None:
         pass_ = "forward" if graph.is_forward[v] else "backward"
         return (f"step {i}: compute {name} ({_short(graph.ops[v])}, {pass_}, {where}): "
                 f"+{format_bytes(int(graph.mem[v]))}")
-    # a recompute: the run of recomputes around it (frees between them allowed) is one rebuild
-    in_run = again | np.array([k == "free" for k, _ in ops])
-    first, last = i, i
-    while first > 0 and in_run[first - 1]:
-        first -= 1
-    while last + 1 < len(ops) and in_run[last + 1]:
-        last += 1
-    resident: dict[int, bool] = {}
-    for k, u in ops[first:last + 1]:
-        if k == "compute":
-            resident[int(u)] = True
-        else:
-            resident.pop(int(u), None)
-    back = int(sum(int(graph.mem[u]) for u in resident))
-    rebuilt = [int(u) for k, u in ops[first:last + 1] if k == "compute"]
-    needer = int(ops[last + 1][1]) if last + 1 < len(ops) else None
-    need = f", needed by {_short(graph.ops[needer])} ({graph.names[needer]})" if needer is not None else ""
-    return (f"step {i}: recompute {where}: {name} ({rebuilt.index(v) + 1} of {len(rebuilt)} ops rebuilt, "
-            f"{format_bytes(back)} back){need}")
+    needer = rebuild.before
+    need = f", needed by {_short(graph.ops[needer])} ({graph.names[needer]})" if needer >= 0 else ""
+    return (f"step {i}: recompute {where}: {name} ({rebuild.nodes.index(v) + 1} of {len(rebuild.nodes)} ops rebuilt, "
+            f"{format_bytes(rebuild.bytes)} back){need}")
 
 
 def recompute_flags(graph: Graph, ops: Sequence[tuple[str, int]]) -> np.ndarray:
-    """bool[len(ops)]: the compute ops that compute their node a second or later time. O(len(ops))."""
-    seen = np.zeros(graph.n, dtype=bool)
-    flags = np.zeros(len(ops), dtype=bool)
-    for j, (k, u) in enumerate(ops):
-        if k == "compute":
-            flags[j] = seen[u]
-            seen[u] = True
-    return flags
+    """bool[len(ops)]: the compute ops that compute their node a second or later time: those of the
+    simulator's rebuilds (:func:`bonsai_core.schedule.recompute_events`). O(len(ops))."""
+    return recomputes(ops, recompute_events(graph, ops))
 
 
 # -- why this plan --------------------------------------------------------------------------------

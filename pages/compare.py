@@ -173,7 +173,7 @@ def side_by_side() -> None:
 
     # the module boxes, coloured by who recomputes them
     tree, _, _, depth, blocks = compute.module_structure(g) if g.modules else (None,) * 5
-    computed = [module_graph.times_computed(g, o.schedule.ops) for o in outs]
+    computed = [o.sim.times_computed for o in outs]
     diff = None
     if g.modules:
         boxes, layout = compute.boxes_at(g, depth)

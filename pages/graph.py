@@ -30,7 +30,7 @@ def segmented_graph() -> None:
     plan = out.plan  # the checkpoint regions of a segment method (None: single ops, or no schedule)
     segments = plan.segments if plan else None
     recomputed_segments = sorted(plan.recomputed) if plan else []
-    recomputed = compute.recomputed_nodes(g, out.schedule) if out.ok else np.zeros(g.n, dtype=bool)
+    recomputed = out.sim.times_computed > 1 if out.ok else np.zeros(g.n, dtype=bool)
 
     if not out.ok:
         state.show_error(out.error,

@@ -67,7 +67,7 @@ def test_bonsai_and_chen_side_by_side_at_60_percent_on_the_default_model():
     boxes = module_graph.module_boxes(g, module_graph.default_depth(g, tree), tree)
     again = {}
     for m in ("bonsai", "chen"):
-        computed = module_graph.times_computed(g, solvers.solve(g, budget, m, time_limit=20.0).ops)
+        computed = simulate(g, solvers.solve(g, budget, m, time_limit=20.0)).times_computed
         again[m] = {boxes.names[boxes.of[v]] for v in range(g.n)
                     if computed[v] > 1 and g.is_forward[v] and not g.is_view[v]}
     for name, fill in fwd.items():

@@ -23,6 +23,7 @@ from bonsai_core.cli import main
 from bonsai_core.errors import ScheduleError
 from bonsai_core.export import (ExportError, Verification, export_model, export_traced, load_export, step_signature,
                                 verify_export)
+from bonsai_core.export.folder import export_backend
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import Schedule, no_remat_peak, none_schedule, schedule_ops, simulate
@@ -283,13 +284,22 @@ def test_cli_export_and_verify(tmp_path, capsys):
     sched.write_text(json.dumps(checkpoint_every_other(g, 0).to_dict()))
     capsys.readouterr()
     assert main(["export", "gpt", *opts, str(sched), "-o", str(tmp_path / "out")]) == 0
-    assert (tmp_path / "out" / "schedule.json").is_file()
+    assert (tmp_path / "out" / "schedule.json").is_file() and export_backend(tmp_path / "out") == "replay"
     capsys.readouterr()
     assert main(["verify", "gpt", *opts, str(tmp_path / "out"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["max_grad_diff"] <= ATOL and abs(report["peak_error"]) < 0.10 and report["ok"]
     assert main(["export", "gpt", *opts[:-2], "--vocab", "32", str(sched), "-o", str(tmp_path / "x")]) == 1
     assert "traces to" in capsys.readouterr().err
+
+
+def test_an_export_without_its_backend_in_info_is_told_apart_by_its_program(tmp_path):
+    """A folder written before INFO named its back-end: the replay's defines PROGRAM, the checkpoint's not."""
+    for name, source, backend in (("r", "INFO = {}\nPROGRAM = object()\n", "replay"), ("c", "INFO = {}\n", "checkpoint"),
+                                  ("n", "INFO = {'backend': 'checkpoint'}\nPROGRAM = object()\n", "checkpoint")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "checkpointed.py").write_text(source)
+        assert export_backend(tmp_path / name) == backend
 
 
 def test_verify_names_the_model_code_that_fails_on_real_tensors(tmp_path, capsys):

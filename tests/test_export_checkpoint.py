@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from bonsai_core.export import ExportError
 from bonsai_core.export.checkpoint import export_checkpoint
+from bonsai_core.export.folder import export_backend
 from bonsai_core.export.verify import load_checkpointed, verify_checkpoint
 from bonsai_core.models.zoo import CrossEntropyLoss
 from bonsai_core.regions import CheckpointPlan
@@ -174,6 +175,7 @@ def test_export_loads_with_the_standard_importlib_recipe_and_applies_once(gpt_ex
     spec = importlib.util.spec_from_file_location("checkpointed", out / "checkpointed.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # not in sys.modules first
+    assert module.INFO["backend"] == "checkpoint" == export_backend(out)
     assert "checkpointed" not in sys.modules
     from bonsai_core import models
 

@@ -8,8 +8,9 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from bonsai_core.allocator import (Allocator, cost_density_sides, fixed_tensors, fragmentation_at_peak, op_type_sides,
-                                   optimizer_bytes, pool_replay, replay)
+from bonsai_core.allocator import Allocator, fixed_tensors, fragmentation_at_peak, optimizer_bytes, replay
+from bonsai_core.solvers.coop import cost_density_sides, op_type_sides
+from bonsai_core.solvers.pool import pool_replay
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph, load_graph
 from bonsai_core.regions import CheckpointPlan

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from bonsai_core.allocator import layout_at, pool_replay, replay
+from bonsai_core.allocator import layout_at, replay
+from bonsai_core.solvers.pool import pool_replay
 from bonsai_core.errors import GraphError
 from bonsai_core.graph import Graph
 from bonsai_core.models.zoo import CrossEntropyLoss

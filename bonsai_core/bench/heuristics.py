@@ -15,7 +15,7 @@ or sequence), and GPT-2 small (the zoo GPT at ``models.zoo.GPT2_SMALL``: batch 8
 * **overhead at equal pools**: each variant at 1.0x, 1.2x and 1.5x coop's smallest pool.
 * **fragmentation**: the allocator model's, and only it (:func:`bonsai_core.allocator.fragmentation_at_peak`,
   1 - live / reserved at the reserved peak), for the same schedule in two allocators: its own pool
-  (:func:`bonsai_core.allocator.pool_replay`: block for block the pool the run used;
+  (:func:`bonsai_core.solvers.pool.pool_replay`: block for block the pool the run used;
   ``bonsai simulate G S --allocator --arena``) and PyTorch's caching allocator (``replay``;
   ``bonsai simulate G S --allocator``, the default).
 
@@ -50,7 +50,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bonsai_core.allocator import fixed_tensors, optimizer_bytes, pool_replay, replay
+from bonsai_core.allocator import fixed_tensors, optimizer_bytes, replay
+from bonsai_core.solvers.pool import pool_replay
 from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph

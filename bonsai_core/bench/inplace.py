@@ -10,7 +10,7 @@ coop and for DTR in the same full-arena pool:
 
 Per model: the smallest budget each variant meets (the bisection of ``bonsai bench heuristics``) and,
 at 80% of the no-remat peak, the overhead and the fragmentation of its schedule in its own pool (the
-allocator model's one definition, 1 - live / reserved at the reserved peak: ``allocator.pool_replay``,
+allocator model's one definition, 1 - live / reserved at the reserved peak: ``solvers.pool.pool_replay``,
 ``bonsai simulate --allocator --arena``).
 
     bonsai bench inplace [--study updates|writes|both] [--models gpt hf:resnet:batch=64 ...] [--time-limit 20]

@@ -600,7 +600,7 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
             return recomputation_mismatches(save, model, net, inputs, loss_fn, autocast)
 
     lay, not_checkpointed = faithful_layout(graph, plan, step, mismatches)
-    info = {**schedule_info(graph, schedule, sim), "model": model, "options": dict(options), "seed": seed,
+    info = {**schedule_info(graph, schedule, sim, "checkpoint"), "model": model, "options": dict(options), "seed": seed,
             "batch": int(inputs[0].shape[0]) if inputs and inputs[0].dim() else None,
             "realised_peak": lay.realised_peak,
             "dropped_bytes": lay.dropped_bytes, "unrealised_dropped_bytes": lay.unrealised_bytes,

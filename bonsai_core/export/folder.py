@@ -58,10 +58,14 @@ def trace_for_schedule(model: str, options: dict[str, Any], schedule: Schedule, 
         "this graph.")
 
 
-def schedule_info(graph: Graph, schedule: Schedule, sim: SimResult) -> dict[str, Any]:
-    """The part of ``INFO`` (in ``checkpointed.py``) both back-ends write: the graph, the schedule and
-    the simulator's prediction for it; each back-end appends its own keys."""
-    return {"graph": graph.name, "graph_hash": graph.hash, "method": schedule.method, "budget": schedule.budget,
+BACKENDS = ("replay", "checkpoint")
+
+
+def schedule_info(graph: Graph, schedule: Schedule, sim: SimResult, backend: str) -> dict[str, Any]:
+    """The part of ``INFO`` (in ``checkpointed.py``) both back-ends write: the back-end (one of
+    :data:`BACKENDS`), the graph, the schedule and the simulator's prediction for it; each back-end
+    appends its own keys."""
+    return {"backend": backend, "graph": graph.name, "graph_hash": graph.hash, "method": schedule.method, "budget": schedule.budget,
             "predicted_peak": sim.peak, "fixed_mem": graph.fixed_mem, "recomputes": sim.recomputes,
             "overhead": sim.overhead, "offloaded_bytes": sim.offloaded_bytes, "predicted_host_peak": sim.host_peak}
 
@@ -98,3 +102,10 @@ def load_export(out_dir: str | Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def export_backend(out_dir: str | Path) -> str:
+    """The back-end that wrote the export in ``out_dir`` (one of :data:`BACKENDS`), as its ``INFO``
+    says; a folder written before ``INFO`` named it is the replay back-end's when it defines ``PROGRAM``."""
+    module = load_export(out_dir)
+    return getattr(module, "INFO", {}).get("backend") or ("replay" if hasattr(module, "PROGRAM") else "checkpoint")

@@ -63,7 +63,7 @@ def export_traced(traced: Traced, signature: StepSignature, schedule: Schedule, 
         raise ScheduleError(f"This schedule was made for graph hash {schedule.graph_hash}, not {graph.hash} "
                             f"({graph.name!r}): solve again for this graph.")
     sim = simulate(graph, schedule)  # raises ScheduleError on any broken rule
-    info = {**schedule_info(graph, schedule, sim), **(spec or {})}
+    info = {**schedule_info(graph, schedule, sim, "replay"), **(spec or {})}
     program = generate_program(traced, signature, schedule, info)
     return write_folder(out_dir, RUNTIME.read_text() + "\n\n" + program, graph, schedule, sim,
                         lambda folder: replay_readme(info, schedule, folder), constants=constants_of(traced))

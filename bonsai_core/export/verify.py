@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn as nn
@@ -33,7 +33,6 @@ from torch.overrides import TorchFunctionMode
 
 from bonsai_core.errors import ModelError
 from bonsai_core.export.folder import ExportError, load_export
-from bonsai_core.tensors import storage_bytes
 from bonsai_core.trace import AUTOCAST, autocast_context
 
 PEAK_TOLERANCE = 0.10  # |measured / predicted - 1| beyond this is a mismatch, above or below
@@ -85,8 +84,38 @@ def precision_of(tensors: Any) -> str | None:
     return "fp16" if "fp16" in names else next(iter(names), None)
 
 
+class StepVerification:
+    """What the verification of either back-end shares: the original step and the exported one side by
+    side (``loss_original``, ``loss_exported``, ``max_grad_diff``, ``max_grad_scaled_diff``,
+    ``autocast``, ``precision``: fields of each subclass), judged with the same tolerances."""
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("loss_diff",)  # the properties :meth:`to_dict` adds
+
+    @property
+    def loss_diff(self) -> float:
+        return abs(self.loss_exported - self.loss_original)
+
+    def largest_grad_diff(self) -> float:
+        """The largest absolute gradient difference of every run compared."""
+        return self.max_grad_diff
+
+    def problems(self, atol: float = 1e-5, peak_tolerance: float = PEAK_TOLERANCE) -> list[str]:
+        """What is wrong, in words; empty when the export is verified."""
+        loss = loss_problem(self.loss_original, self.loss_exported, atol, self.precision)
+        grads = gradient_problem(self.largest_grad_diff(), self.max_grad_scaled_diff, atol, self.autocast,
+                                 self.precision)
+        return [p for p in (loss, grads) if p] + self.step_problems(atol, peak_tolerance)
+
+    def step_problems(self, atol: float, peak_tolerance: float) -> list[str]:
+        """The problems beyond loss and gradients (buffers, peak) of this back-end's step: none here."""
+        return []
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), **{name: getattr(self, name) for name in self.DERIVED}}
+
+
 @dataclass(frozen=True)
-class Verification:
+class Verification(StepVerification):
     """The original and the exported step, side by side on one device."""
 
     device: str
@@ -108,9 +137,7 @@ class Verification:
     precision: str | None = None  # "bf16" / "fp16" when the parameters (their gradients) are in that type
     measured_host_peak: int = 0  # offloaded copies (rule 9), counted apart from the peak (CPU only)
 
-    @property
-    def loss_diff(self) -> float:
-        return abs(self.loss_exported - self.loss_original)
+    DERIVED: ClassVar[tuple[str, ...]] = ("loss_diff", "peak_error", "peak_error_grads_none", "measured_overhead")
 
     @property
     def peak_error(self) -> float:
@@ -127,14 +154,11 @@ class Verification:
         """Exported step time / original step time - 1."""
         return self.seconds_exported / self.seconds_original - 1.0 if self.seconds_original > 0 else 0.0
 
-    def problems(self, atol: float = 1e-5, peak_tolerance: float = PEAK_TOLERANCE) -> list[str]:
-        """What is wrong, in words; empty when the export is verified."""
+    def largest_grad_diff(self) -> float:
+        return max(self.max_grad_diff, self.max_grad_diff_grads_none)
+
+    def step_problems(self, atol: float, peak_tolerance: float) -> list[str]:
         out = []
-        loss = loss_problem(self.loss_original, self.loss_exported, atol, self.precision)
-        out += [loss] if loss else []
-        grads = gradient_problem(max(self.max_grad_diff, self.max_grad_diff_grads_none), self.max_grad_scaled_diff,
-                                 atol, self.autocast, self.precision)
-        out += [grads] if grads else []
         if self.grads_none_mismatch:
             out.append(f".grad is None in one run only for {', '.join(self.grads_none_mismatch[:3])}")
         if self.max_buffer_diff > atol:
@@ -147,10 +171,6 @@ class Verification:
         if self.peak_error_grads_none > peak_tolerance:
             out.append(f"with .grad None the measured peak is {self.peak_error_grads_none:+.1%} above the prediction")
         return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "loss_diff": self.loss_diff, "peak_error": self.peak_error,
-                "peak_error_grads_none": self.peak_error_grads_none, "measured_overhead": self.measured_overhead}
 
 
 def measuring_device(device: str) -> torch.device:
@@ -258,15 +278,16 @@ def _original_steps(run: _ReplayRun, optimizer: str, repeats: int) -> tuple[dict
     """(reference gradients, reference buffers, measured step, median seconds) of the original model:
     one step from .grad None (which parameters get a gradient, the buffers after one step), then the
     same step again from the same buffers for its peak."""
-    from bonsai_core.measure import measure_step
+    from bonsai_core.measure import eager_step, measure_step
     from bonsai_core.optimizer import make as make_optimizer
 
     net, inputs, loss_fn = run.build()
+    step = run.seeded(eager_step(net, inputs, loss_fn))
     before = {n: b.detach().clone() for n, b in net.named_buffers()}
     reference_dropout = NativeDropout() if precision_of(net.parameters()) else contextlib.nullcontext()
     try:
         with reference_dropout:
-            run.seeded(lambda: _eager_step(net, inputs, loss_fn))()
+            step()
     except Exception as e:  # the user's model on real values, which the trace (shapes only) never ran
         from bonsai_core.user_code import user_code
 
@@ -280,9 +301,8 @@ def _original_steps(run: _ReplayRun, optimizer: str, repeats: int) -> tuple[dict
         for n, b in net.named_buffers():
             b.copy_(before[n])
     net.zero_grad(set_to_none=True)
-    original = measure_step(net, inputs, loss_fn, step=run.seeded(lambda: _eager_step(net, inputs, loss_fn)),
-                            optimizer=make_optimizer(net.parameters(), optimizer))
-    seconds = _median_seconds(run.seeded(lambda: _eager_step(net, inputs, loss_fn)), run.dev, repeats)
+    original = measure_step(net, inputs, loss_fn, step=step, optimizer=make_optimizer(net.parameters(), optimizer))
+    seconds = _median_seconds(step, run.dev, repeats)
     return reference, ref_buffers, original, seconds
 
 
@@ -312,25 +332,11 @@ def _exported_step_from_grads_none(run: _ReplayRun, reference: dict[str, torch.T
                                    ) -> tuple[int, tuple[str, ...], float, float]:
     """(peak, parameters whose .grad is None in one run only, largest gradient difference, largest scaled
     one) of the export starting from ``.grad`` None (after ``optimizer.zero_grad()``)."""
-    from bonsai_core.measure import LiveBytes
+    from bonsai_core.measure import measure_step
 
     net, inputs, loss_fn = run.build()
     ck = run.load(net)
-    fixed = storage_bytes([*net.parameters(), *net.buffers(), *inputs,
-                           *(loss_fn.buffers() if isinstance(loss_fn, nn.Module) else ())])
-    step = run.exported_step(ck, inputs, loss_fn)
-    dev = run.dev
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        step()
-        torch.cuda.synchronize(dev)
-        peak = int(torch.cuda.max_memory_allocated(dev))
-    else:
-        tracker = LiveBytes()
-        with tracker:
-            step()
-        peak = fixed + tracker.peak
+    peak = measure_step(net, inputs, loss_fn, step=run.exported_step(ck, inputs, loss_fn), allocate_grads=False).peak
     got = {n: p.grad for n, p in net.named_parameters()}
     mismatch = tuple(n for n, g in got.items() if (g is None) != (n not in reference))
     exported_grads = {n: g for n, g in got.items() if g is not None and n in reference}
@@ -355,12 +361,6 @@ class NativeDropout(TorchFunctionMode):
             if training and 0 < p < 1 and not call.get("inplace", False):
                 return torch.native_dropout(call["input"], p, True)[0]
         return func(*args, **kwargs)
-
-
-def _eager_step(net: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any) -> torch.Tensor:
-    loss = loss_fn(net(*inputs))
-    loss.backward()
-    return loss
 
 
 def largest_differences(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, float]:
@@ -428,7 +428,7 @@ def load_checkpointed(out_dir: str | Path) -> ModuleType:
 
 
 @dataclass(frozen=True)
-class CheckpointVerification:
+class CheckpointVerification(StepVerification):
     """The original model and the checkpointed one, one step each on one device at one batch size."""
 
     device: str
@@ -449,9 +449,8 @@ class CheckpointVerification:
     precision: str | None = None  # "bf16" / "fp16" when the parameters (their gradients) are in that type
     unpredicted: str | None = None  # why no peak is predicted for this run, when the traced size has one
 
-    @property
-    def loss_diff(self) -> float:
-        return abs(self.loss_exported - self.loss_original)
+    DERIVED: ClassVar[tuple[str, ...]] = ("loss_diff", "peak_error", "judged_on_realised", "realised_peak_error",
+                                          "time_overhead")
 
     @property
     def peak_error(self) -> float | None:
@@ -476,25 +475,15 @@ class CheckpointVerification:
         """Measured wall time of the checkpointed step over the original's, minus one."""
         return self.seconds_exported / self.seconds_original - 1.0
 
-    def problems(self, atol: float = 1e-5, peak_tolerance: float = PEAK_TOLERANCE) -> list[str]:
-        """What is wrong, in words; empty when the export is verified."""
-        loss = loss_problem(self.loss_original, self.loss_exported, atol, self.precision)
-        out = [loss] if loss else []
-        grads = gradient_problem(self.max_grad_diff, self.max_grad_scaled_diff, atol, self.autocast, self.precision)
-        out += [grads] if grads else []
+    def step_problems(self, atol: float, peak_tolerance: float) -> list[str]:
         if self.judged_on_realised:
             if abs(self.realised_peak_error) > peak_tolerance:
-                out.append(f"the measured peak is {self.realised_peak_error:+.1%} off what the checkpoints run, "
-                           f"simulated (tolerance {peak_tolerance:.0%}, above or below)")
+                return [f"the measured peak is {self.realised_peak_error:+.1%} off what the checkpoints run, "
+                        f"simulated (tolerance {peak_tolerance:.0%}, above or below)"]
         elif self.peak_error is not None and abs(self.peak_error) > peak_tolerance:
-            out.append(f"the measured peak is {self.peak_error:+.1%} off the prediction "
-                       f"(tolerance {peak_tolerance:.0%}, above or below)")
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "loss_diff": self.loss_diff, "peak_error": self.peak_error,
-                "judged_on_realised": self.judged_on_realised, "realised_peak_error": self.realised_peak_error,
-                "time_overhead": self.time_overhead}
+            return [f"the measured peak is {self.peak_error:+.1%} off the prediction "
+                    f"(tolerance {peak_tolerance:.0%}, above or below)"]
+        return []
 
 
 def verify_checkpoint(model: str, options: dict[str, Any], out_dir: str | Path, *, device: str = "cpu",
@@ -559,14 +548,9 @@ def _checkpoint_steps(net: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn:
                       autocast: str | None, repeats: int) -> tuple[Any, dict[str, torch.Tensor], float]:
     """(measured step, gradients on the CPU, median seconds of ``repeats`` further steps) of ``net``'s
     plain training step, its forward and loss under ``autocast``."""
-    from bonsai_core.measure import measure_step
+    from bonsai_core.measure import eager_step, measure_step
 
-    def step() -> torch.Tensor:
-        with autocast_context(autocast, dev.type):
-            loss = loss_fn(net(*inputs))
-        loss.backward()
-        return loss
-
+    step = eager_step(net, inputs, loss_fn, autocast)
     measured = measure_step(net, inputs, loss_fn, step=step)
     grads = {n: p.grad.detach().cpu().clone() for n, p in net.named_parameters() if p.grad is not None}
     return measured, grads, statistics.median(_step_seconds(step, dev, max(1, repeats)))

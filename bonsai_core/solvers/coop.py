@@ -38,7 +38,7 @@ log in ``extra["evictions"]`` (per request that found no room: the ops emitted b
 the tensors evicted). The pool's high-water mark (the bytes of the pool that placement really
 touched) is reported as ``stats["pool_high_water"]``; the pool itself, and its fragmentation (the
 allocator model's, the project's one definition), come from replaying the schedule in it
-(:func:`bonsai_core.allocator.pool_replay`, ``bonsai simulate --allocator --arena``).
+(:func:`bonsai_core.solvers.pool.pool_replay`, ``bonsai simulate --allocator --arena``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ from __future__ import annotations
 import math
 from typing import Callable, Literal
 
-from bonsai_core.allocator import PARTITIONS, Optimizer, Partition, partition_sides, round_size
+import numpy as np
+
+from bonsai_core.allocator import Optimizer, round_size
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule
@@ -55,6 +57,45 @@ from bonsai_core.solvers.eviction import (DEALLOCATIONS, Deallocation, Runtime, 
                                           run_policy)
 
 WindowCost = Literal["stale", "recompute"]
+
+
+# -- cheap tensor partitioning: which end of a free block a tensor is placed at ---------------------
+# (bonsai_core.solvers.pool.pool_replay replays the placement)
+
+Partition = Literal["op_type", "cost_density", "none"]
+PARTITIONS = ("op_type", "cost_density", "none")
+# OneFlow's high-compute-cost op types (dtr_ep_allocator.cpp, FindPiece), as aten names
+EXPENSIVE_OPS = ("aten.convolution.", "aten.convolution_backward.", "aten.mm.", "aten.addmm.", "aten.bmm.",
+                 "aten.baddbmm.", "aten._scaled_dot_product", "aten.add_n")
+
+
+def cost_density_sides(graph: Graph) -> Callable[[int], str]:
+    """Cheap tensor partitioning by cost density: 'left' for tensors of cost/byte at or below the
+    median, else 'right'."""
+    holds = (graph.mem > 0) & ~graph.is_view
+    density = np.where(holds, graph.cost / np.maximum(graph.mem, 1), 0.0)
+    median = float(np.median(density[holds])) if holds.any() else 0.0
+    sides = np.where(density <= median, "left", "right")
+    return lambda v: str(sides[v])
+
+
+def op_type_sides(graph: Graph) -> Callable[[int], str]:
+    """Cheap tensor partitioning by op type, as the reference does: outputs of conv / matmul-like
+    ops (and their backward kernels) 'right', everything else 'left'."""
+    sides = ["right" if op.startswith(EXPENSIVE_OPS) else "left" for op in graph.ops]
+    return lambda v: sides[v]
+
+
+def partition_sides(graph: Graph, partition: Partition) -> Callable[[int], str] | None:
+    """The side of a free block each node's output is placed at under ``partition`` (None: off)."""
+    if partition == "op_type":
+        return op_type_sides(graph)
+    if partition == "cost_density":
+        return cost_density_sides(graph)
+    return None
+
+
+
 def min_cost_window(sizes: list[int], costs: list[float], request: int) -> tuple[int, int, float] | None:
     """The contiguous run ``[i, j)`` of blocks with total size >= ``request`` and least total cost,
     where a cost of ``inf`` marks a block that no window may contain. Costs are nonnegative, so for

@@ -479,7 +479,7 @@ def finish(rt: Runtime, graph: Graph, method: str, extra_stats: dict) -> Schedul
         stats["pool_high_water"] = rt.alloc.high_water + (0 if rt.alloc.pinned_bytes else graph.fixed_mem)
         stats["alloc_failures"] = len(rt.free_at_failure)
         stats["free_at_failure"] = float(np.mean(rt.free_at_failure)) if rt.free_at_failure else 0.0
-        # fragmentation is the allocator model's alone: allocator.pool_replay(graph, schedule) replays
+        # fragmentation is the allocator model's alone: solvers.pool.pool_replay(graph, schedule) replays
         # this run's pool block for block (bonsai simulate --allocator --arena)
     # A separated output released while its op stays resident and rebuilt from it later (an evicted
     # reader's rebuild) is the same copy: held instead (rare: evictable() never evicts one). The pool
