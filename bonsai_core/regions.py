@@ -15,11 +15,12 @@ recomputed. Its schedule, the one every method of this family returns and the ex
   This is not a ``torch.utils.checkpoint`` region (an op after the region would hold the output for
   its own backward): the ``checkpoint`` export back-end only approximates it, ``replay`` follows it;
 * nodes the plan **saves** (``CheckpointPlan.saved``, selective activation checkpointing's "must
-  save") are kept even inside a recomputed segment, like a boundary, until their last reader
-  (a real SAC run holds them at least until the segment's rebuild: :func:`hold_saved`, not yet what
-  plans are judged by, since bonsai's segment ILP counts them to their last reader); Bonsai saves a segment's
-  self-contained nodes this way (an attention mask built inside it), which are cheaper to keep than
-  to rebuild;
+  save") are kept even inside a recomputed segment, like a boundary: until their last reader, and at
+  least until the segment's rebuild, as SAC's storage holds them (:func:`hold_saved`; a saved output
+  only a forward op reads, a block's last projection added to the residual, lives to the block's
+  backward). Bonsai saves a segment's self-contained nodes this way (an attention mask built inside
+  it), which are cheaper to keep than to rebuild, and with ``save_ops`` the outputs of its costliest
+  ops (matmuls, attention);
 * right before the first backward node that reads a dropped node of the segment, the segment is
   rebuilt once from its inputs: the dropped nodes the backward pass reads, and what they need.
 
@@ -30,6 +31,7 @@ The schedule stores the plan in ``Schedule.extra`` as ``{"segments": [[ids...], 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
@@ -165,15 +167,37 @@ def _rebuild(graph: Graph, members: Sequence[int], dropped: np.ndarray) -> list[
     return sorted(need)
 
 
+def useful_saved(graph: Graph, plan: CheckpointPlan) -> CheckpointPlan:
+    """``plan`` saving, inside its recomputed segments, only what is read after the forward pass: by the
+    backward pass, by a rebuilt node, by a forward node of another segment, or through a saved view of
+    it. Another saved node (an attention mask's ``ones`` once its ``tril`` is saved) is dropped and
+    never rebuilt: saving it would only hold it in SAC's storage until the rebuild (:func:`hold_saved`).
+    Bonsai's plans save by this rule, and its segment ILP counts them so. O(n + edges)."""
+    if not plan.saved or not plan.recomputed:
+        return plan
+    seg = segment_of(graph, plan)
+    dropped = dropped_nodes(graph, plan)
+    need: set[int] = set()
+    for s in plan.recomputed:
+        need.update(_rebuild(graph, plan.segments[s], dropped))
+    recomputed = np.isin(seg, list(plan.recomputed))
+    useful: set[int] = set()
+    for v in sorted(plan.saved, reverse=True):  # views (later ids) before the nodes they are views of
+        if not recomputed[v] or any(
+                not graph.is_forward[u] or u in need or seg[u] != seg[v] or (graph.alias_of[u] == v and u in useful)
+                for u in graph.users(v).tolist()):
+            useful.add(v)
+    return plan if len(useful) == len(plan.saved) else dataclasses.replace(plan, saved=frozenset(useful))
+
+
 def hold_saved(graph: Graph, plan: CheckpointPlan, ops: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """``ops`` with each saved node of a recomputed segment that the forward pass frees held until right
     before its segment's rebuild: selective checkpointing keeps every MUST_SAVE output in its storage
     until the recomputation consumes it, read or not (``torch/utils/checkpoint.py``,
     ``_CachingTorchDispatchMode``, then ``_CachedTorchDispatchMode``), so a saved output only a forward op
     read (a block's last projection, added to the residual) lives to the block's backward. The nodes
-    it is a view of are held with it (a base outlives its views). O(len(ops)).
-    Not applied by :func:`plan_schedule` yet: bonsai's segment ILP counts a saved node to its last reader
-    (tests/test_bonsai.py holds its model to the simulator); ``scripts/peak_breakdown.py`` shows what it adds."""
+    it is a view of are held with it (a base outlives its views). O(len(ops)). :func:`plan_schedule`
+    applies it, so every method's plans and bonsai's segment ILP count it."""
     if not plan.saved:
         return ops
     seg = segment_of(graph, plan)
@@ -204,7 +228,7 @@ def plan_schedule(graph: Graph, plan: CheckpointPlan, method: str) -> Schedule:
     """The validated-by-construction schedule of a plan, carrying the plan in ``extra``; its offloaded
     nodes copied to host and reloaded ahead of their backward readers (:func:`offload.with_offloads`,
     on the default device's host link)."""
-    ops = schedule_ops(graph, checkpoint_sequence(graph, plan))
+    ops = hold_saved(graph, plan, schedule_ops(graph, checkpoint_sequence(graph, plan)))
     if plan.offloaded:
         from bonsai_core.offload import with_offloads
         from bonsai_core.schedule import host_link

@@ -8,7 +8,7 @@ import pytest
 
 from bonsai_core.errors import BudgetError
 from bonsai_core.graph import Graph
-from bonsai_core.regions import CheckpointPlan, plan_schedule
+from bonsai_core.regions import CheckpointPlan, plan_schedule, useful_saved
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
 from bonsai_core.solvers import bonsai as B
@@ -223,7 +223,7 @@ def test_saving_ops_inside_recomputed_segments_is_optimal_in_its_model(graph):
     assert len(built.pinned) > 1 and (built.levels > 0).any()  # levels with columns of their own
     plans = []
     for plan, modelled in all_plans_saving_ops(graph, built):
-        sim = simulate(graph, plan_schedule(graph, plan, "brute"))
+        sim = simulate(graph, plan_schedule(graph, useful_saved(graph, plan), "brute"))
         plans.append((sim.peak, sim.compute_cost, modelled))
     assert all(q >= p for p, _, q in plans)
     cheaper_somewhere = False
@@ -309,7 +309,7 @@ def test_saving_self_contained_is_optimal_in_its_model(graph):
     assert built.saving.any()
     plans = []
     for plan in all_plans_saving_self_contained(graph):
-        sim = simulate(graph, plan_schedule(graph, plan, "brute"))
+        sim = simulate(graph, plan_schedule(graph, useful_saved(graph, plan), "brute"))
         plans.append((sim.peak, sim.compute_cost, modelled_peak(built, plan)))
     assert all(q >= p for p, _, q in plans)
     for budget in sorted({p for p, _, _ in plans} | {q for _, _, q in plans}):
@@ -328,13 +328,34 @@ def test_saving_self_contained_is_optimal_in_its_model(graph):
 
 def test_a_segment_saves_the_mask_instead_of_rebuilding_it():
     """masked_net(1): at 36 bytes the cheapest plan recomputes the segment f1, ones, tril, f2 but saves
-    ones and tril (cost 29); rebuilding the mask too costs 30."""
+    tril (cost 29); ``ones``, which only tril reads, is then neither saved nor rebuilt (saved, SAC's
+    storage would hold it to the rebuild for nothing). Rebuilding the mask too costs 30."""
     g = masked_net(1, 5)
     s = solve(g, 36, "bonsai", granularity=5, save_ops=False)
-    assert s.stats["compute_cost"] == pytest.approx(29) and s.stats["self_contained_saved"] == 2
+    assert s.stats["compute_cost"] == pytest.approx(29) and s.stats["self_contained_saved"] == 1
     plan = CheckpointPlan.from_extra(s.extra)
-    assert [g.names[v] for v in sorted(plan.saved)] == ["ones", "tril"]
+    assert [g.names[v] for v in sorted(plan.saved)] == ["tril"]
     assert solve(g, 36, "bonsai", granularity=5, save_self_contained=False, save_ops=False).stats["compute_cost"] == pytest.approx(30)
+
+
+def test_the_data_starts_at_the_first_op_that_reads_it_not_at_a_mask_made_from_its_shape():
+    """Hugging Face LMs build ``attention_mask = ones_like(input_ids)`` before the embedding reads the
+    ids. The mask is self-contained; the embedding and every op after it that reads it are not (taking
+    the mask for the data's root made bonsai save a block's matmuls as "self-contained")."""
+    from bonsai_core.solvers.bonsai_coef import self_contained
+
+    g = Graph.from_nodes("hf_like", 0, [
+        dict(name="ones_like", op="aten.ones_like.default", cost=1, mem=4, deps=[]),
+        dict(name="embedding", op="aten.embedding.default", cost=1, mem=8, deps=[]),
+        dict(name="addmm", op="aten.addmm.default", cost=4, mem=8, deps=[1]),
+        dict(name="mask_bias", op="aten.sub.Tensor", cost=1, mem=4, deps=[0]),
+        dict(name="scores", op="aten.add.Tensor", cost=1, mem=8, deps=[2, 3]),
+        dict(name="loss", op="aten.sum.default", cost=1, mem=4, deps=[4]),
+        dict(name="loss_grad", op="aten.ones_like.default", phase="backward", cost=1, mem=4, deps=[5]),
+        dict(name="scores_grad", op="aten.expand.default", phase="backward", cost=1, mem=8, deps=[6]),
+    ])
+    assert dict(zip(g.names, self_contained(g).tolist())) == {
+        "ones_like": True, "embedding": False, "addmm": False, "mask_bias": True, "scores": False, "loss": False}
 
 
 def all_plans_dropping_outputs(graph: Graph):
@@ -549,7 +570,7 @@ def test_model_bounds_the_simulated_peak_of_every_plan_it_can_express(gpt):
                     pos = atoms[np.searchsorted(atoms, pos, side="right")]
             plan = built.plan(rec)
             assert built.rec_of(plan) is not None and (built.rec_of(plan) == rec).all()
-            sim = simulate(gpt, plan_schedule(gpt, plan, "bonsai")).peak
+            sim = simulate(gpt, plan_schedule(gpt, useful_saved(gpt, plan), "bonsai")).peak
             predicted = built.predicted_peak(rec)
             assert predicted >= sim
             exact += predicted == sim

@@ -144,3 +144,19 @@ def test_an_export_of_a_graph_with_its_optimizer_verifies_with_the_optimizer_ste
     graph = Graph.from_dict(json.loads(g.read_text()))
     assert report["predicted_peak"] >= graph.optimizer_peak
     assert abs(report["measured_peak"] - report["predicted_peak"]) <= 64
+
+
+def test_a_budget_below_the_fixed_memory_is_refused_clearly_with_or_without_an_optimizer():
+    """The reserved-bytes loop can ask for a live budget below the fixed memory (even below 0): the
+    error names the fixed memory, not an optimizer the graph does not have."""
+    import pytest
+
+    from bonsai_core.errors import BudgetError
+    from bonsai_core.graph import Graph
+    from bonsai_core.solvers import solve
+
+    g = Graph.from_nodes("tiny", 100, [dict(name="a", cost=1, mem=8, deps=[]),
+                                        dict(name="b", phase="backward", cost=1, mem=8, deps=[0])])
+    for budget in (50, -3):
+        with pytest.raises(BudgetError, match="fixed memory of 'tiny'.*100 B"):
+            solve(g, budget, "bonsai")

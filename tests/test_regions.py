@@ -3,7 +3,7 @@ import pytest
 
 from bonsai_core.errors import ScheduleError
 from bonsai_core.regions import CheckpointPlan, checkpoint_sequence, dropped_nodes, plan_schedule
-from bonsai_core.schedule import Schedule, no_remat_peak, simulate
+from bonsai_core.schedule import Schedule, no_remat_peak, schedule_ops, simulate
 from tests.graphs import chain
 
 
@@ -50,7 +50,8 @@ def test_every_random_plan_on_a_traced_gpt_is_a_valid_schedule(traced_zoo):
 def test_hold_saved_keeps_saved_outputs_until_their_segment_s_rebuild():
     """SAC's storage holds every MUST_SAVE output until the recomputation: with torchtitan's selective
     plan on a Llama, a saved output only the forward read (the block's last projection, down_proj) is freed
-    right before its block's rebuild; the schedule stays valid and its peak can only rise."""
+    right before its block's rebuild (:func:`plan_schedule` applies it); the schedule stays valid and its
+    peak can only rise."""
     pytest.importorskip("transformers")
     from bonsai_core.regions import hold_saved
     from bonsai_core.solvers.torchtitan import selective_plan
@@ -58,11 +59,13 @@ def test_hold_saved_keeps_saved_outputs_until_their_segment_s_rebuild():
 
     graph = trace_model("hf:llama", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64).graph
     plan = selective_plan(graph)
-    planned = plan_schedule(graph, plan, "torchtitan-selective")
-    held = hold_saved(graph, plan, list(planned.ops))
-    assert sorted(held) == sorted(planned.ops) and held != planned.ops
-    schedule = Schedule(graph=planned.graph, method=planned.method, ops=held, graph_hash=planned.graph_hash)
-    assert simulate(graph, schedule).peak >= simulate(graph, planned).peak
+    freed_at_last_use = schedule_ops(graph, checkpoint_sequence(graph, plan))
+    held = plan_schedule(graph, plan, "torchtitan-selective").ops  # every plan's schedule holds them
+    assert held == hold_saved(graph, plan, freed_at_last_use)
+    assert sorted(held) == sorted(freed_at_last_use) and held != freed_at_last_use
+    plain = Schedule(graph=graph.name, method="at last use", ops=freed_at_last_use, graph_hash=graph.hash)
+    assert simulate(graph, Schedule(graph=graph.name, method="held", ops=held, graph_hash=graph.hash)).peak \
+        >= simulate(graph, plain).peak
     first_backward = next(i for i, (k, v) in enumerate(held) if k == "compute" and not graph.is_forward[v])
     freed = {v: i for i, (k, v) in enumerate(held) if k == "free"}
     later = [v for v in plan.saved if freed.get(v, len(held)) > first_backward]

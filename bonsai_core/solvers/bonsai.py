@@ -56,7 +56,7 @@ import numpy as np
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import (CheckpointPlan, block_plans, checkpoint_sequence, forward_positions, plan_schedule,
-                                 region_peak_bound)
+                                 region_peak_bound, useful_saved)
 from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.segment import default_granularity, op_count, segment
 from bonsai_core.solvers.bonsai_coef import (PlainProfile, density_levels, plain_profile, saved_positions,
@@ -116,8 +116,8 @@ def saving_self_contained(graph: Graph, plan: CheckpointPlan, spans: tuple[tuple
     the forward order), with each of them saving its self-contained nodes (when it holds others too),
     as bonsai's own plans do; ``constant``: :func:`self_contained`."""
     forward = np.flatnonzero(graph.is_forward)
-    return dataclasses.replace(plan, saved=frozenset(int(v) for a, b in spans
-                                                     for v in forward[saved_positions(constant, a, b)]))
+    return useful_saved(graph, dataclasses.replace(plan, saved=frozenset(
+        int(v) for a, b in spans for v in forward[saved_positions(constant, a, b)])))
 
 
 _cache: "OrderedDict[tuple[str, Any], Any]" = OrderedDict()
@@ -449,7 +449,7 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
         with times("validate"):
             rec = np.round(built.rec.value)
             off = np.round(built.off.value) if built.off is not None else None
-            schedule = plan_schedule(graph, built.plan(rec, off), "bonsai")
+            schedule = plan_schedule(graph, useful_saved(graph, built.plan(rec, off)), "bonsai")
             peak = simulate(graph, schedule).peak
         if peak <= target:
             outcome = MilpOutcome(outcome.status, outcome.objective, outcome.gap, seconds, outcome.variables,

@@ -54,6 +54,12 @@ class Coefficients:
     save_pos: np.ndarray
     save_step: np.ndarray
     saving: np.ndarray  # bool[C]: the candidate saves its self-contained nodes (``save_self_contained``)
+    # What selective checkpointing's storage holds (CSR over candidates): from memory-axis point
+    # hold_point[k] on, hold_step[k] more bytes (a saved node the plain schedule frees before the rebuild:
+    # +bytes once freed there, -bytes at the rebuild point, where the recomputation takes it back).
+    hold_ptr: np.ndarray
+    hold_point: np.ndarray
+    hold_step: np.ndarray
     # With ``drop_outputs``: the atoms holding the forward readers of the candidate's dropped outputs
     # (CSR over candidates), which must be kept; none: the candidate drops no output.
     reader_ptr: np.ndarray
@@ -120,7 +126,7 @@ def self_contained(graph: Graph) -> np.ndarray:
     for v in forward.tolist():  # topological: deps come first
         deps = graph.deps(v)
         lowest[v] = min(int(fpos[v]), int(lowest[deps].min())) if len(deps) else fpos[v]
-    root = int(forward[lowest[forward[-1]]])
+    root = _data_root(graph, forward, int(forward[lowest[forward[-1]]]))
     data = np.zeros(graph.n, dtype=bool)
     data[root] = True
     for v in forward.tolist():
@@ -128,6 +134,32 @@ def self_contained(graph: Graph) -> np.ndarray:
         if len(deps) and data[deps].any():
             data[v] = True
     return ~data[forward]
+
+
+# Ops that make a tensor from its shape alone (``ones_like(input_ids)``, ``arange``): never the data's root.
+_FACTORIES = ("ones", "zeros", "full", "empty", "arange", "scalar_tensor", "eye", "linspace", "new_ones",
+              "new_zeros", "new_full", "new_empty")
+
+
+def _data_root(graph: Graph, forward: np.ndarray, earliest: int) -> int:
+    """The forward node where the data's path starts: the earliest ancestor of the loss that reads no
+    node and is no tensor factory (an all-ones attention mask made with ``ones_like(input_ids)`` comes
+    before the embedding that reads the ids); ``earliest`` (the earliest ancestor) when every one is."""
+    ancestor = np.zeros(graph.n, dtype=bool)
+    ancestor[forward[-1]] = True
+    for v in forward[::-1].tolist():  # users before their inputs
+        if ancestor[v]:
+            ancestor[graph.deps(v)] = True
+    for v in forward.tolist():
+        if ancestor[v] and not len(graph.deps(v)) and not _is_factory(graph.ops[v]):
+            return v
+    return earliest
+
+
+def _is_factory(op: str) -> bool:
+    """Whether ``op`` ("aten.ones_like.default") makes a tensor from a shape alone."""
+    name = op.split(".")[1] if op.startswith("aten.") and op.count(".") >= 1 else op
+    return name.removesuffix("_like") in _FACTORIES
 
 
 def saved_positions(constant: np.ndarray, start: int, end: int) -> np.ndarray:
@@ -285,12 +317,14 @@ class _Tables:
     save_pos: list[np.ndarray]
     save_step: list[np.ndarray]
     readers: list[np.ndarray]
+    hold_point: list[np.ndarray]
+    hold_step: list[np.ndarray]
 
     @classmethod
     def empty(cls, count: int) -> "_Tables":
         none = np.zeros(0, dtype=np.int64)
         return cls(np.zeros(count), *(np.zeros(count, dtype=np.int64) for _ in range(4)),
-                   np.full(count, -1, dtype=np.int64), [none] * count, [none] * count, [none] * count)
+                   np.full(count, -1, dtype=np.int64), *([none] * count for _ in range(5)))
 
     def coefficients(self, saving: np.ndarray) -> Coefficients:
         save_ptr, save_pos = _csr(self.save_pos)
@@ -298,7 +332,8 @@ class _Tables:
         return Coefficients(cost=self.cost, saved=self.saved, ext=self.ext, ext_start=self.ext_start,
                             peak=self.peak, rebuild_at=self.rebuild_at, save_ptr=save_ptr, save_pos=save_pos,
                             save_step=_csr(self.save_step)[1], saving=saving, reader_ptr=reader_ptr,
-                            reader_atom=reader_atom)
+                            reader_atom=reader_atom, hold_ptr=_csr(self.hold_point)[0],
+                            hold_point=_csr(self.hold_point)[1], hold_step=_csr(self.hold_step)[1])
 
 
 def _sweep(seg: Segmentation, group: np.ndarray, f: _ForwardFacts, out: _Tables) -> None:
@@ -311,11 +346,20 @@ def _sweep(seg: Segmentation, group: np.ndarray, f: _ForwardFacts, out: _Tables)
     save_at: dict[int, int] = {}  # sequence position -> bytes whose forward copy is gone from there on
     inputs: dict[int, int] = {}  # kept node read by the rebuild -> its last reader's position
     outside: set[int] = set()  # forward positions after j that read a dropped node
+    pinned: list[int] = []  # saved nodes in the window, with the nodes they are views of
+    saved_here: set[int] = set()  # forward positions of the saved nodes
     total_cost, saved, peak, first = 0.0, 0, 0, len(f.fpos) + 1
     gi = 0
     for p in range(j, lo - 1, -1):
         v = int(f.forward[p])
-        if f.drop_until[p] <= j and not f.pinned[p]:  # dropped
+        saves = f.pinned[p] and _read_later(p, v, j, need, saved_here, f)
+        if saves:
+            saved_here.add(p)
+            w = v
+            while w >= 0:  # a saved view holds its base
+                pinned.append(w)
+                w = f.alias[w]
+        if f.drop_until[p] <= j and not saves:  # dropped
             if f.release[v] > max(j, f.keep[p]):  # the plain schedule keeps it past its forward use
                 saved += f.mem[v]
                 at = max(p, f.keep[p]) + 1
@@ -347,6 +391,20 @@ def _sweep(seg: Segmentation, group: np.ndarray, f: _ForwardFacts, out: _Tables)
                 if outside:
                     out.readers[c] = np.unique(f.atom_of[sorted(outside)])
                 _late_inputs(c, p, inputs, first, live[p - lo:], f, out)
+                out.hold_point[c], out.hold_step[c] = _held_saved(pinned, inputs, first, f)
+
+
+def _read_later(p: int, v: int, j: int, need: dict[int, int], saved_here: set[int], f: _ForwardFacts) -> bool:
+    """Whether pinned node ``v`` (position ``p``) of a segment ending at ``j`` is read after the forward
+    pass, so the segment saves it (:func:`bonsai_core.regions.useful_saved`): by the backward pass, a
+    rebuilt node (``need``), a forward node after ``j``, or through a saved view (``saved_here``)."""
+    if f.has_bwd[p] or f.keep[p] > j:
+        return True
+    for u in f.fwd_users[p]:
+        pu = f.fpos[u]
+        if pu > j or pu in need or (f.alias[u] == v and pu in saved_here):
+            return True
+    return False
 
 
 def _late_inputs(c: int, start: int, inputs: dict[int, int], first: int, live: np.ndarray, f: _ForwardFacts,
@@ -362,6 +420,22 @@ def _late_inputs(c: int, start: int, inputs: dict[int, int], first: int, live: n
         for d in late:
             during[:inputs[d] - start + 1] += f.mem[d]
         out.peak[c] = int(during.max())
+
+
+def _held_saved(pinned: list[int], inputs: dict[int, int], first: int, f: _ForwardFacts) -> tuple[np.ndarray, np.ndarray]:
+    """(memory-axis points, signed bytes): selective checkpointing keeps each saved node (``pinned``) in
+    its storage until the rebuild before ``first`` takes it back (:func:`bonsai_core.regions.hold_saved`),
+    so one the plain schedule frees earlier lives on from there. The rebuild's late inputs are counted
+    by :func:`_late_inputs` already."""
+    m = f.forward.shape[0]
+    held = [v for v in set(pinned) if f.release[v] < first and v not in inputs]
+    if not held:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    freed = point_of(np.array([f.release[v] + 1 for v in held], dtype=np.int64), m, rebuild=True)
+    taken = point_of(first, m, rebuild=True)
+    sizes = np.array([f.mem[v] for v in held], dtype=np.int64)
+    return (np.concatenate([freed, np.full(len(held), taken)]).astype(np.int64),
+            np.concatenate([sizes, -sizes]))
 
 
 def _csr(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -405,10 +479,14 @@ def memory_steps(coef: Coefficients, columns: np.ndarray, m: int, points: int | 
     lengths = np.diff(coef.save_ptr)[cw]
     take = (np.concatenate([np.arange(coef.save_ptr[c], coef.save_ptr[c + 1]) for c in cw]) if len(cw)
             else np.zeros(0, dtype=np.int64))
+    held = np.diff(coef.hold_ptr)[cw]
+    hold = (np.concatenate([np.arange(coef.hold_ptr[c], coef.hold_ptr[c + 1]) for c in cw]) if len(cw)
+            else np.zeros(0, dtype=np.int64))
     rows = np.concatenate([point_of(coef.ext_start[cw], m, rebuild=True), point_of(coef.save_pos[take], m, rebuild=True),
-                           point_of(at, m, rebuild=True), point_of(at, m)]).astype(np.int64)
-    heights = np.concatenate([ext, -coef.save_step[take], peak - ext, saved - peak]).astype(np.float64)
-    col_idx = np.concatenate([cols, np.repeat(cols, lengths), cols, cols])
+                           point_of(at, m, rebuild=True), point_of(at, m), coef.hold_point[hold]]).astype(np.int64)
+    heights = np.concatenate([ext, -coef.save_step[take], peak - ext, saved - peak,
+                              coef.hold_step[hold]]).astype(np.float64)
+    col_idx = np.concatenate([cols, np.repeat(cols, lengths), cols, cols, np.repeat(cols, held)])
     keep = heights != 0
     size = points if points is not None else int(rows.max()) + 1 if len(rows) else 1
     out = sp.coo_matrix((heights[keep], (rows[keep], col_idx[keep])), shape=(size, len(columns)))

@@ -35,7 +35,7 @@ torchtitan's current main (after 0.3.0) saves every op of the compiler's compute
 
 Both are fixed plans, as in torchtitan: the budget does not change them. Under a budget below the
 plan's peak the method raises BudgetError naming that peak. Their schedules hold each saved output
-until its block's rebuild (:func:`bonsai_core.regions.hold_saved`): torchtitan runs them as
+until its block's rebuild (:func:`bonsai_core.regions.hold_saved`, in every plan's schedule): torchtitan runs them as
 selective activation checkpointing, whose storage keeps every MUST_SAVE output until the
 recomputation consumes it, read or not (a block's last projection, read only by the residual add).
 """
@@ -47,7 +47,7 @@ from typing import Literal
 
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph, block_stack
-from bonsai_core.regions import CheckpointPlan, block_plans, hold_saved, plan_schedule
+from bonsai_core.regions import CheckpointPlan, block_plans, plan_schedule
 from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.units import format_bytes
 
@@ -111,8 +111,7 @@ def solve_torchtitan_selective(graph: Graph, budget: int | None, *, time_limit: 
 
 
 def _fixed(graph: Graph, budget: int | None, plan: CheckpointPlan, method: str) -> Schedule:
-    schedule = plan_schedule(graph, plan, method)
-    schedule.ops = hold_saved(graph, plan, list(schedule.ops))  # as torch.utils.checkpoint's SAC storage holds them
+    schedule = plan_schedule(graph, plan, method)  # holds the saved outputs as SAC's storage does
     peak = simulate(graph, schedule).peak
     if budget is not None and peak > budget:
         raise BudgetError(f"Method {method!r} is a fixed plan, as in torchtitan: on {graph.name!r} it peaks at "
