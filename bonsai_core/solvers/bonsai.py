@@ -242,10 +242,9 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
             checkpointing's "must save" does; False: it rebuilds them with the rest.
         save_ops: a recomputed segment may also save the outputs of its costliest ops per byte (one of a
             few density levels: matmuls and attention first, as selective activation checkpointing's
-            MUST_SAVE does) and recompute the rest; False (the default): only whole segments. Opt-in
-            until the model counts what selective checkpointing holds: run through torch.utils.checkpoint
-            (the checkpoint back-end, bonsai.checkpoint) each saved output stays in SAC's storage until
-            its segment's rebuild, which the plan frees after its last reader (docs/BONSAI.md).
+            MUST_SAVE does) and recompute the rest; each saved output is held until its segment's
+            rebuild, as SAC's storage holds it, and the model counts that. False (the default): only
+            whole segments; opt-in for its solve time on the largest steps (docs/results/bonsai.md).
         reuse: answer with a plan solved earlier (same graph and options) at a larger budget when it
             fits this one (it is then within the same gap of this budget's optimum); False: always solve.
         offload: keep, recompute or offload each saved tensor: a kept one may be copied to host memory
