@@ -350,8 +350,10 @@ def test_module_region_plans_that_save_ops_inside_modules_are_applied_as_sac_pol
     """regions="modules" gets bonsai's per-op freedom (save_ops): at share 0.7 of the zoo GPT the plan
     saves matmul outputs inside its checkpointed modules and costs less than whole-module plans
     (measured: +6.96% against +13.91%); the export writes those ops as MUST_SAVE, trains the same, and
-    the measured peak is within the tolerance of the prediction (the back-end's realised peak, what the
-    checkpoints really run, is at or below the plan's)."""
+    the measured peak is within the tolerance of the prediction. The back-end's realised peak, what the
+    checkpoints really run, is the plan's to the byte (377,728 B; 370,048 B while the policy saved only
+    what the backward pass reads, recomputing the matmuls the plan keeps for the recomputation, and
+    378,240 B while layer norm's statistics were left out of their block's recomputation)."""
     graph, schedule = solved("gpt", GPT, "bonsai", 0.7, regions="modules", save_ops=True)
     whole = solve(graph, schedule.budget, "bonsai", regions="modules", save_ops=False, reuse=False)
     assert schedule.stats["overhead"] < whole.stats["overhead"]
@@ -362,4 +364,4 @@ def test_module_region_plans_that_save_ops_inside_modules_are_applied_as_sac_pol
     exported = load_checkpointed(tmp_path / "ck")
     # the matmuls' outputs reach the model's code as their _unsafe_view (3-D linear, bmm): saved there
     assert any("aten._unsafe_view.default" in saves for saves in exported.SAVE.values())
-    assert exported.INFO["realised_peak"] <= exported.INFO["predicted_peak"]
+    assert exported.INFO["realised_peak"] == exported.INFO["predicted_peak"]

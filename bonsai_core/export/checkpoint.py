@@ -23,7 +23,8 @@ How a plan (``regions.CheckpointPlan``: bonsai, chen) becomes checkpoints:
    unit is replaced by the candidates nested in it, or dropped, while that lowers the simulated peak.
    That peak is ``INFO["realised_peak"]``: the back-end's own prediction.
 4. **What to save.** Inside a unit, the SAC policy says ``MUST_SAVE`` for the ops whose outputs are
-   kept and read by the backward pass (and the bases of such views), ``PREFER_RECOMPUTE`` for every
+   kept and read by the backward pass or saved by the plan (``regions.useful_saved``: a matmul only the
+   recomputation reads), and the bases of such views, ``PREFER_RECOMPUTE`` for every
    other op (dropped nodes, and ops nothing in the backward pass reads). Ops are named as SAC counts
    them: the k-th call of an aten op inside one forward of the unit, so the policy does not depend on
    shapes (any batch size); the fused attention kernels share one name (``SAME_OP``).
@@ -73,7 +74,7 @@ from bonsai_core.export.folder import ExportError, schedule_info, trace_for_sche
 from bonsai_core.export.readme import checkpoint_readme
 from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
-from bonsai_core.regions import CheckpointPlan, dropped_nodes
+from bonsai_core.regions import CheckpointPlan, dropped_nodes, useful_saved
 from bonsai_core.schedule import COMPUTE, FREE, Schedule, schedule_ops, simulate
 from bonsai_core.trace import autocast_context, built_for_tracing
 
@@ -125,10 +126,14 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Coll
     calls, chosen = _candidate_calls(graph, step, dropped, runtime_of, exclude, chains)
     rebuilt = {i: _chain_nodes(graph, node_at, runtime_of, read_by_backward, chains, a, b)
                for i, (_, a, b) in enumerate(calls)}
-    candidates = _Candidates(graph, node_at, read_by_backward, calls, chosen, rebuilt)
+    # what the checkpoints keep: what the backward pass reads and what the plan saves (a matmul whose
+    # output only the recomputation reads: its policy says MUST_SAVE, as the plan does)
+    read_later = read_by_backward.copy()
+    read_later[list(useful_saved(graph, plan).saved)] = True
+    candidates = _Candidates(graph, node_at, read_later, calls, chosen, rebuilt)
     units, best = candidates.improve(candidates.outermost(list(chosen)))
     parts, realised = candidates.realise(units)
-    saved = kept_for_backward(graph, read_by_backward, realised)
+    saved = kept_for_backward(graph, read_later, realised)
     out = [_unit(graph, step, node_at, saved, calls[i], nodes, drops, chains) for i, (nodes, drops) in zip(units, parts)]
     unrealised = np.flatnonzero(dropped & ~realised)
     return CheckpointLayout(out, int(graph.mem[dropped].sum()), unrealised.tolist(), int(graph.mem[unrealised].sum()),
@@ -158,7 +163,8 @@ def _candidate_calls(graph: Graph, step: RecordedStep, dropped: np.ndarray, runt
              and not any(c[0] < a and any(a <= r < b for r in c) for c in chains)]
     chosen: dict[int, list[int]] = {}
     for d in np.flatnonzero(dropped).tolist():
-        span = [runtime_of[d]] + [runtime_of[u] for u in graph.users(d).tolist() if graph.is_forward[u]]
+        made_by = graph.output_of[d] if graph.output_of[d] >= 0 else d  # a separated output runs as its op
+        span = [runtime_of[made_by]] + [runtime_of[u] for u in graph.users(d).tolist() if graph.is_forward[u]]
         if min(span) < 0:
             continue
         holding = [i for i, (_, a, b) in enumerate(calls) if a <= min(span) and max(span) < b]
@@ -200,9 +206,12 @@ class _Candidates:
             realised[drops] = True
         realised &= ~kept_for_backward(graph, self.read_by_backward, realised)  # the base of a kept view stays
         out = []
+        separated = np.flatnonzero(graph.output_of >= 0)
         for i, drops in zip(units, groups):
             nodes = self.node_at[calls[i][1]:calls[i][2]]
-            out.append((nodes[nodes >= 0], drops[realised[drops]]))
+            nodes = nodes[nodes >= 0]
+            nodes = np.union1d(nodes, separated[np.isin(graph.output_of[separated], nodes)])  # run with their op
+            out.append((nodes, drops[realised[drops]]))
         return out, realised
 
     def peak(self, units: list[int]) -> int:
@@ -244,7 +253,7 @@ def _unit(graph: Graph, step: RecordedStep, node_at: np.ndarray, saved: np.ndarr
     saved as :func:`saved_in_place` says. Without the policy naming such an op, its output would be
     recomputed, not kept."""
     path, a, b = call
-    inside = set(nodes.tolist())
+    inside = set(nodes[graph.output_of[nodes] < 0].tolist())  # the ops (a separated output is its op's)
     kept = {r for r in range(a, b) if node_at[r] >= 0 and saved[node_at[r]]
             and (read_inside(graph, node_at[r], inside) or saves_own_output(graph.ops[node_at[r]]))}
     kept = saved_in_place(kept, chains, a, b)
@@ -320,7 +329,8 @@ def kept_for_backward(graph: Graph, read_by_backward: np.ndarray, realised: np.n
 
 def realised_sequence(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_by_backward: np.ndarray) -> list[int]:
     """The compute sequence the checkpoints really run, as the simulator's input: the forward pass
-    once; before the first backward node that reads a saved or dropped node of a unit, the unit's
+    once; before the first backward node that reads a dropped node of a unit or a saved one its own ops
+    read, the unit's
     recomputation: its nodes in order up to the last saved-or-dropped one, except the saved ones (SAC
     hands those back from its cache). Dropped nodes outside every unit stay saved."""
     seq = np.flatnonzero(graph.is_forward).tolist()
@@ -331,7 +341,11 @@ def realised_sequence(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], 
     triggers = []
     for nodes, drops in units:
         saved = nodes[kept[nodes]]
-        watch = set(np.concatenate([drops, saved]).tolist())
+        inside = set(nodes.tolist())
+        # the checkpoint's hooks packed only what the unit's own ops saved: a kept output that only later
+        # ops read (the block's residual sum) is theirs, and reading it does not start the recomputation
+        packed = [v for v in saved.tolist() if read_inside(graph, v, inside) or saves_own_output(graph.ops[v])]
+        watch = set(drops.tolist()).union(packed)
         order = sorted(set(nodes.tolist()))
         last = max((v for v in order if v in watch), default=-1)
         skip = set(saved.tolist())
