@@ -210,13 +210,7 @@ def solve(graph: Graph, budget: int | None, method: str = DEFAULT_METHOD, **opti
     or an option is not one the method declares."""
     solver = get_solver(method)
     check_options(method, options)
-    if budget is not None and budget < graph.fixed_mem:
-        raise BudgetError(
-            f"No schedule can fit in {format_bytes(budget)}: the fixed memory of {graph.name!r} (parameters, their "
-            f"gradients, the batch{', the optimizer state' if graph.optimizer else ''}) is "
-            f"{format_bytes(graph.fixed_mem)} ({graph.fixed_mem} bytes) whatever the schedule. Raise the budget "
-            "to more than that, or shard the model (FSDP).")
-    if budget is not None and budget < graph.optimizer_peak:
+    if budget is not None and graph.optimizer is not None and budget < graph.optimizer_peak:
         step = graph.optimizer_peak - graph.fixed_mem
         raise BudgetError(
             f"No schedule can fit in {format_bytes(budget)}: the {graph.optimizer['name']} optimizer step after the "
