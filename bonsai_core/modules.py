@@ -100,8 +100,11 @@ def _written_in_place(func: Any, args: tuple) -> torch.Tensor | None:
 
 
 def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor]) -> RecordedStep:
-    """Run ``loss_fn(model(*inputs))`` once (with grad, as in training) and record it. Cheap on fake tensors."""
+    """Run ``loss_fn(model(*inputs))`` once (with grad, as in training) and record it. Cheap on fake tensors.
+    Packed sequences there take the batch sizes :func:`bonsai_core.packed.known_batch_sizes` holds."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    from bonsai_core.packed import PackedSequences
 
     names = {id(m): name for name, m in model.named_modules()}
     recorder = _OpRecorder()
@@ -121,7 +124,7 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
 
     hooks = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
     try:
-        with torch.enable_grad(), recorder:
+        with torch.enable_grad(), PackedSequences(), recorder:
             loss_fn(model(*inputs))
     finally:
         for h in hooks:

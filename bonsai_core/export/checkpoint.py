@@ -508,6 +508,7 @@ def _checked_step(save: dict[str, dict[str, list[int]]], model: str, net: nn.Mod
     """(each checkpointed call's path, forward ops and recomputation ops; the step's RuntimeError or None)
     of one step of ``net`` with ``save`` applied (removed again afterwards)."""
     from bonsai_core.export_runtime.checkpointing import contexts, remove_checkpoints
+    from bonsai_core.packed import PackedSequences
 
     paths = {id(saves): path for path, saves in save.items()}
     runs: list[tuple[str, list[list[Any]], list[list[Any]]]] = []
@@ -521,7 +522,7 @@ def _checked_step(save: dict[str, dict[str, list[int]]], model: str, net: nn.Mod
     error = None
     apply_saves(net, save, model, logged_contexts)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), PackedSequences():
             with autocast_context(autocast):
                 loss = loss_fn(net(*inputs))
             loss.backward()
@@ -574,6 +575,14 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
 
     Raises ExportError for a schedule that is not a checkpoint-region plan (use the replay back-end),
     ScheduleError when the schedule was made for another graph."""
+    from bonsai_core.packed import with_batch_sizes_on_demand
+
+    return with_batch_sizes_on_demand(lambda: _export_checkpoint(model, options, schedule, out_dir, profile=profile,
+                                                                 seed=seed, autocast=autocast), model, seed, options)
+
+
+def _export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, out_dir: str | Path, *,
+                       profile: str | None, seed: int, autocast: str | None) -> Path:
     if "segments" not in schedule.extra:
         raise ExportError(
             f"The checkpoint back-end applies checkpoint-region plans (methods bonsai and chen); this "
