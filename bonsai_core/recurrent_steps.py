@@ -32,7 +32,7 @@ def lstm_cell(x_w: torch.Tensor, hidden: Hidden, w_hh: torch.Tensor, b_hh: torch
     pass); the four activations here hold the same bytes."""
     h, c = hidden
     gates = F.linear(h, w_hh, b_hh) + x_w
-    i, f, g, o = gates.chunk(4, 1)
+    i, f, g, o = gates.unsafe_chunk(4, 1)
     i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
     c = f * c + i * g
     return o * c.tanh(), c
@@ -45,10 +45,11 @@ def gru_cell(x_w: torch.Tensor, h: torch.Tensor, w_hh: torch.Tensor, b_hh: torch
     taken before the ``mul_``; the new gate; a copy of ``h - new`` (again before an in-place ``mul_``) and
     the new hidden state. Here the gates are one sigmoid over all three thirds (the third unused), so the
     step keeps the same bytes, and gives the same values."""
+    input_new = x_w.unsafe_chunk(3, 1)[2]
     hidden_gates = F.linear(h, w_hh, b_hh)
-    reset, update, _ = (hidden_gates + x_w).sigmoid().chunk(3, 1)
-    new_hidden = hidden_gates.chunk(3, 1)[2].clone()
-    new = (x_w.chunk(3, 1)[2] + new_hidden * reset).tanh()
+    reset, update, _ = (hidden_gates + x_w).sigmoid().unsafe_chunk(3, 1)
+    new_hidden = hidden_gates.unsafe_chunk(3, 1)[2].clone()
+    new = (input_new + new_hidden * reset).tanh()
     return (h - new) * update + new
 
 

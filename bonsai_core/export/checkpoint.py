@@ -146,6 +146,10 @@ def _align_forward(graph: Graph, step: RecordedStep) -> tuple[np.ndarray, np.nda
     for v in forward.tolist():  # a multi-output op's outputs (getitem nodes) are made by their op's run
         if runtime_of[v] < 0 and graph.ops[v] == "getitem" and len(graph.deps(v)):
             runtime_of[v] = runtime_of[graph.deps(v)[0]]
+        elif runtime_of[v] < 0 and graph.is_view[v] and graph.alias_of[v] >= 0:
+            # a view no run-time op is placed on is made with its base: eager may have made it another
+            # way (ATen's CPU GRU cell writes its gates in place into views of its hidden projection)
+            runtime_of[v] = runtime_of[graph.alias_of[v]]
     return node_at, runtime_of
 
 
@@ -200,9 +204,10 @@ class _Candidates:
             realised[drops] = True
         realised &= ~kept_for_backward(graph, self.read_by_backward, realised)  # the base of a kept view stays
         out = []
+        placed = set(self.node_at[self.node_at >= 0].tolist())
         for i, drops in zip(units, groups):
             nodes = self.node_at[calls[i][1]:calls[i][2]]
-            out.append((nodes[nodes >= 0], drops[realised[drops]]))
+            out.append((with_unplaced_views(graph, nodes[nodes >= 0], placed), drops[realised[drops]]))
         return out, realised
 
     def peak(self, units: list[int]) -> int:
@@ -233,6 +238,16 @@ class _Candidates:
                 if improved:
                     break
         return units, best
+
+
+def with_unplaced_views(graph: Graph, nodes: np.ndarray, placed: set[int]) -> np.ndarray:
+    """``nodes`` (a unit's graph nodes, in order) and the forward views of them that no run-time op is
+    placed on (``placed``: the nodes that are): such a view is made with its base (``_align_forward``)."""
+    inside = set(nodes.tolist())
+    for v in np.flatnonzero(graph.is_forward & graph.is_view).tolist():
+        if v not in placed and int(graph.alias_of[v]) in inside:
+            inside.add(v)
+    return np.array(sorted(inside), dtype=np.int64)
 
 
 def _unit(graph: Graph, step: RecordedStep, node_at: np.ndarray, saved: np.ndarray, call: tuple[str, int, int],
