@@ -184,9 +184,15 @@ def pad(data: torch.Tensor, sizes: Sequence[int], batch_first: bool, padding_val
     length = max(total_length, len(sizes))
     out = data.new_full((length, sizes[0], *data.shape[1:]), padding_value)
     out = torch.index_put(out, (steps, rows), data)
-    with no_dispatch():
-        lengths = torch.tensor([sum(1 for s in sizes if s > b) for b in range(sizes[0])], dtype=torch.int64)
-    return (out.transpose(0, 1) if batch_first else out), lengths
+    return (out.transpose(0, 1) if batch_first else out), _lengths(sizes)
+
+
+def _lengths(sizes: Sequence[int]) -> torch.Tensor:
+    """The sequences' lengths (longest first) as an int64 CPU tensor made by ``full`` ops (a graph
+    constant would not trace): ``pad_packed_sequence`` indexes it with the fake unsorted indices."""
+    lengths = [sum(1 for s in sizes if s > b) for b in range(sizes[0])]
+    runs = [(n, lengths.count(n)) for n in sorted(set(lengths), reverse=True)]
+    return torch.cat([torch.full((count,), n, dtype=torch.int64, device="cpu") for n, count in runs])
 
 
 class PackedSequences(TorchFunctionMode):
