@@ -247,7 +247,7 @@ def test_trace_step_reads_the_batch_sizes_of_real_inputs():
 
 
 def test_the_checkpoint_back_end_trains_a_packed_lstm(tmp_path):
-    """Bonsai at 90% (the least it guarantees at this size is 91%... of 80%), the checkpoint back-end:
+    """Bonsai at 90% (at this small size it has no plan at 80%), the checkpoint back-end:
     the same loss and gradients, its own prediction within 5% (never more than 1% under)."""
     v = _checkpoint_export("tests.test_fused_kernels:make_packed_lm", {}, tmp_path, fraction=0.9)
     assert v.loss_diff == 0 and v.max_grad_diff == 0
