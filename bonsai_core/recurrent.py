@@ -23,9 +23,13 @@ dropout's float noise between the layers (``_dropout_impl``: ``empty_like(x).ber
 ``init_conf`` and ``set_workspace_sizes``, ``rnn_utils.cpp``: ``set_offsets``), registered as the
 kernel's shape function on the ``Meta`` key (:func:`register_workspace_shape`; only fake and meta
 tensors see it). Only where eager runs that kernel: float32 CPU tensors, oneDNN enabled, no
-projections (``proj_size``). Everything else keeps torch's decomposition: ``nn.GRU`` and ``nn.RNN``
-(eager's CPU kernels for them are per-step cells too), packed sequences, other dtypes, and CUDA
-(``_cudnn_rnn``, whose reserve space cuDNN sizes per algorithm: not measured here).
+projections (``proj_size``).
+
+``nn.GRU`` on the CPU, and ``nn.LSTM``/``nn.GRU`` over packed sequences, run no fused kernel: ATen runs
+them as per-step cells, recorded as ATen writes them (:mod:`bonsai_core.recurrent_steps`; packed
+sequences' batch sizes: :mod:`bonsai_core.packed`). Everything else keeps torch's decomposition:
+``nn.RNN``, an unpacked LSTM in other dtypes, projections, and CUDA (``_cudnn_rnn``, whose reserve
+space cuDNN sizes per algorithm: not measured here).
 """
 
 from __future__ import annotations
