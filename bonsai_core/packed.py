@@ -137,19 +137,21 @@ def batch_size_list(batch_sizes: torch.Tensor) -> list[int] | None:
         return [int(s) for s in real.tolist()]
 
 
-def _fake_constant(like: torch.Tensor, values: Sequence[int]) -> torch.Tensor:
-    """An int64 CPU tensor of ``values`` in ``like``'s fake mode that keeps its values."""
+def _batch_sizes_tensor(like: torch.Tensor, values: Sequence[int]) -> torch.Tensor:
+    """A real int64 CPU tensor of ``values`` whose fake twin in ``like``'s fake mode keeps its values
+    (``FakeTensor.constant``, registered with the mode's converter): where the fake mode meets it
+    (``int(batch_sizes[0])``, with or without :class:`PackedSequences`, as in a checkpoint's
+    recomputation) its values are known, and ATen's packed kernels read its data."""
     from torch._guards import detect_fake_mode
     from torch.utils._mode_utils import no_dispatch
 
     with no_dispatch():
         real = torch.tensor(list(values), dtype=torch.int64)
     mode = detect_fake_mode((like,))
-    if mode is None:
-        return real
-    fake = mode.fake_tensor_converter.from_real_tensor(mode, real, make_constant=True)
-    fake._batch_sizes = tuple(values)  # read as ints (never as a graph constant): PackedSequences
-    return fake
+    if mode is not None:
+        real._fake_twin = mode.fake_tensor_converter.from_real_tensor(mode, real, make_constant=True)  # memo is weak
+    real._batch_sizes = tuple(values)  # read as ints while tracing (never as a graph constant)
+    return real
 
 
 def _positions(sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,9 +199,9 @@ def _lengths(sizes: Sequence[int]) -> torch.Tensor:
 
 class PackedSequences(TorchFunctionMode):
     """Within: packing and padding on fake tensors use the batch sizes :func:`known_batch_sizes` holds
-    (see the module doc); ``run_packed(func, args)`` runs a recurrent layer over packed data (``_VF.lstm``
-    or ``_VF.gru``, data form) with its batch sizes as ints, or None to run ATen's own with the real
-    batch sizes. Real tensors are left alone."""
+    (see the module doc). ``run_packed(func, args, sizes)``, given while tracing, runs a recurrent layer
+    over packed data (``_VF.lstm`` or ``_VF.gru``, data form) with its batch sizes as ints, or returns
+    None to run ATen's own with the real batch sizes (as without it). Real tensors are left alone."""
 
     def __init__(self, run_packed: Callable[[Any, tuple, list[int]], Any] | None = None) -> None:
         super().__init__()
@@ -207,13 +209,16 @@ class PackedSequences(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         kwargs = kwargs or {}
-        if func is torch.Tensor.__getitem__ and hasattr(args[0], "_batch_sizes") and isinstance(args[1], int):
-            return args[0]._batch_sizes[args[1]]  # nn.LSTM's int(batch_sizes[0]), with no op on a constant
+        if self.run_packed and func is torch.Tensor.__getitem__ and hasattr(args[0], "_batch_sizes") \
+                and isinstance(args[1], int):
+            # nn.LSTM's int(batch_sizes[0]) while tracing: no op on a constant in the graph. Elsewhere the
+            # op runs (on the constant's values), as in eager and in a checkpoint's recomputation.
+            return args[0]._batch_sizes[args[1]]
         if func is torch._VF._pack_padded_sequence and _is_fake(args[0]):
             input, lengths, batch_first = (list(args) + [kwargs.get("batch_first")])[:3]
             sizes = batch_size_list(lengths)
             sizes = sizes_from_lengths(sizes) if sizes is not None else _next_sizes()
-            return pack(input, sizes, batch_first), _fake_constant(input, sizes)
+            return pack(input, sizes, batch_first), _batch_sizes_tensor(input, sizes)
         if func is torch._VF._pad_packed_sequence and _is_fake(args[0]):
             sizes = batch_size_list(args[1])
             if sizes is not None:
