@@ -170,10 +170,10 @@ The GRU and the packed-sequence LSTM (8 sequences of 32 down to 17 tokens, `pack
 into the LSTM, `pad_packed_sequence` after it) are not fused kernels on the CPU: ATen runs them as
 per-step cells, which the trace now records as ATen writes them (`bonsai_core/recurrent_steps.py`: the
 input projected once per layer, CPU dropout between layers, each cell keeping the bytes eager's in-place
-cell keeps). "decomposition" is torch's Python decomposition of the layer, as traced before; for the
-packed LSTM there was none (tracing failed at `aten._pack_padded_sequence`, which reads the lengths'
-values). Its batch sizes are now read from one real forward pass of the model
-(`bonsai_core/packed.py`), so its plan is made for the traced batch's lengths.
+cell keeps). "decomposition" is torch's Python decomposition of the layer, as traced before; the packed
+LSTM did not trace before (at `aten._pack_padded_sequence`, which reads the lengths' values): its
+decomposition column is torch's, traced with the batch sizes now read from one real forward pass of the
+model (`bonsai_core/packed.py`). A packed step's plan is made for the traced batch's lengths.
 
 ## The optimizer step
 
