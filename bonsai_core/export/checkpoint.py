@@ -276,10 +276,12 @@ def _unit(graph: Graph, step: RecordedStep, node_at: np.ndarray, saved: np.ndarr
 
 def inplace_chains(step: RecordedStep) -> list[list[int]]:
     """The run-time ops that share one activation's bytes: its producer, then each op that wrote it in
-    place (``step.inplace``), in run order; only chains with a write."""
+    place, whole (``step.inplace``) or through a view (``step.view_writes``: ATen's CPU LSTM and GRU
+    cells write their gates into views of one tensor; SAC cannot save those either), in run order;
+    only chains with a write."""
     root: dict[int, int] = {}
     chains: dict[int, list[int]] = {}
-    for w, p in sorted(step.inplace):
+    for w, p in sorted([*step.inplace, *step.view_writes]):
         r = root.setdefault(w, root.get(p, p))
         chains.setdefault(r, [r]).append(w)
     return list(chains.values())
