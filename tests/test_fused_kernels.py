@@ -260,3 +260,18 @@ def test_the_checkpoint_back_end_predicts_a_recomputed_gru(tmp_path):
     v = _checkpoint_export(GRU_LM, dict(batch=4, seq=16, vocab=64, width=32), tmp_path)
     assert v.loss_diff == 0
     assert abs(v.realised_peak_error) <= 0.01, v.to_dict()
+
+
+def test_the_cli_trains_a_packed_lstm_through_the_checkpoint_back_end(tmp_path, capsys):
+    """`bonsai trace`, `solve`, `export --backend checkpoint` and `verify` of a packed-sequence LSTM."""
+    from bonsai_core.cli import main
+
+    model = "tests.test_fused_kernels:make_packed_lm"
+    graph, schedule, out = tmp_path / "g.json", tmp_path / "s.json", tmp_path / "out"
+    assert main(["trace", model, "-o", str(graph)]) == 0
+    assert main(["solve", str(graph), "--budget", "90%", "--method", "bonsai", "-o", str(schedule)]) == 0
+    assert main(["export", model, str(schedule), "--backend", "checkpoint", "-o", str(out)]) == 0
+    capsys.readouterr()
+    code = main(["verify", model, str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
