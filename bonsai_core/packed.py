@@ -11,9 +11,9 @@ sizes each ``pack_padded_sequence`` call made, in call order. Within :func:`know
 :class:`PackedSequences` mode hands them to the fake run, call by call:
 
 * ``_pack_padded_sequence(input, lengths, batch_first)`` becomes the same rows of ``input`` picked with
-  ``aten.index`` (index tensors from ``arange``: no constant in the graph), and a batch sizes tensor
-  that is fake but holds its values (``FakeTensor.constant``), so ``nn.LSTM``'s ``int(batch_sizes[0])``
-  works;
+  ``aten.index`` (index tensors from ``arange``: no constant in the graph), and a real batch sizes
+  tensor whose fake twin holds its values (``FakeTensor.constant``), so ``nn.LSTM``'s
+  ``int(batch_sizes[0])`` works on fake tensors, and ATen's packed kernels read its data;
 * ``_pad_packed_sequence`` becomes the padded output filled with ``index_put`` (the kernel itself
   writes lengths through a data pointer, which a fake tensor has not);
 * ``_VF.lstm``/``_VF.gru`` over packed data get the real batch sizes back where ATen's own kernels
