@@ -51,6 +51,7 @@ class RecordedStep:
     calls: list[tuple[str, int, int]]  # (module path, first op, one past the last op), model modules only
     call_counts: Counter
     inplace: list[tuple[int, int]] = ()  # (in-place op, the op whose whole output it overwrote)
+    view_writes: list[tuple[int, int]] = ()  # (in-place op, the op whose output it wrote through a view)
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -65,7 +66,9 @@ class _OpRecorder(TorchDispatchMode):
         self.ignored = SAC_IGNORED_OPS
         self.ops: list[str] = []
         self.inplace: list[tuple[int, int]] = []
+        self.view_writes: list[tuple[int, int]] = []
         self.made_by: dict[int, int] = {}  # storage address -> the recorded op whose output it last was (-1: other)
+        self.written_by: dict[int, int] = {}  # the same, where an ignored op's alias of it does not count
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         out = func(*args, **(kwargs or {}))
@@ -76,14 +79,27 @@ class _OpRecorder(TorchDispatchMode):
             written = _written_in_place(func, args)
             if written is not None and self.made_by.get(_storage(written), -1) >= 0:
                 self.inplace.append((at, self.made_by[_storage(written)]))
+            elif written is None and _writes_first_argument(func, args) and self.written_by.get(_storage(args[0]), -1) >= 0:
+                self.view_writes.append((at, self.written_by[_storage(args[0])]))  # ATen's CPU RNN cells' gates
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and not t._is_view():
                 self.made_by[_storage(t)] = at
+                if at >= 0 or _storage(t) not in self.written_by:  # not autograd's detach of a saved output
+                    self.written_by[_storage(t)] = at
         return out
 
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+def _writes_first_argument(func: Any, args: tuple) -> bool:
+    """Whether an aten op writes its first argument in place (whole or a view of it)."""
+    schema = func._schema
+    if not (schema.name.endswith("_") and schema.arguments and args and isinstance(args[0], torch.Tensor)):
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
 
 
 def _written_in_place(func: Any, args: tuple) -> torch.Tensor | None:
@@ -100,8 +116,11 @@ def _written_in_place(func: Any, args: tuple) -> torch.Tensor | None:
 
 
 def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor]) -> RecordedStep:
-    """Run ``loss_fn(model(*inputs))`` once (with grad, as in training) and record it. Cheap on fake tensors."""
+    """Run ``loss_fn(model(*inputs))`` once (with grad, as in training) and record it. Cheap on fake tensors.
+    Packed sequences there take the batch sizes :func:`bonsai_core.packed.known_batch_sizes` holds."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    from bonsai_core.packed import PackedSequences
 
     names = {id(m): name for name, m in model.named_modules()}
     recorder = _OpRecorder()
@@ -121,12 +140,12 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
 
     hooks = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
     try:
-        with torch.enable_grad(), recorder:
+        with torch.enable_grad(), PackedSequences(), recorder:
             loss_fn(model(*inputs))
     finally:
         for h in hooks:
             h.remove()
-    return RecordedStep(recorder.ops, calls, counts, recorder.inplace)
+    return RecordedStep(recorder.ops, calls, counts, recorder.inplace, recorder.view_writes)
 
 
 def align(runtime_ops: list[str], traced_ops: list[str]) -> np.ndarray:

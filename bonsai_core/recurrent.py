@@ -23,9 +23,13 @@ dropout's float noise between the layers (``_dropout_impl``: ``empty_like(x).ber
 ``init_conf`` and ``set_workspace_sizes``, ``rnn_utils.cpp``: ``set_offsets``), registered as the
 kernel's shape function on the ``Meta`` key (:func:`register_workspace_shape`; only fake and meta
 tensors see it). Only where eager runs that kernel: float32 CPU tensors, oneDNN enabled, no
-projections (``proj_size``). Everything else keeps torch's decomposition: ``nn.GRU`` and ``nn.RNN``
-(eager's CPU kernels for them are per-step cells too), packed sequences, other dtypes, and CUDA
-(``_cudnn_rnn``, whose reserve space cuDNN sizes per algorithm: not measured here).
+projections (``proj_size``).
+
+``nn.GRU`` on the CPU, and ``nn.LSTM``/``nn.GRU`` over packed sequences, run no fused kernel: ATen runs
+them as per-step cells, recorded as ATen writes them (:mod:`bonsai_core.recurrent_steps`; packed
+sequences' batch sizes: :mod:`bonsai_core.packed`). Everything else keeps torch's decomposition:
+``nn.RNN``, an unpacked LSTM in other dtypes, projections, and CUDA (``_cudnn_rnn``, whose reserve
+space cuDNN sizes per algorithm: not measured here).
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ import threading
 from typing import Any, Sequence
 
 import torch
-from torch.overrides import TorchFunctionMode
+
+from bonsai_core import recurrent_steps
+from bonsai_core.packed import PackedSequences
 
 MKLDNN_RNN_LAYER = "aten.mkldnn_rnn_layer.default"
 LSTM_MODE = 2  # ideep::rnn_kind::LSTM, the mode argument of mkldnn_rnn_layer
@@ -147,25 +153,39 @@ def cpu_lstm(input: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[t
             cy.append(c)
         x = outputs[0] if directions == 1 else torch.cat(outputs, -1)
         if dropout != 0 and train and layer < num_layers - 1:
-            x = _cpu_dropout(x, dropout)
+            x = recurrent_steps.cpu_dropout(x, dropout)
     output = x.transpose(0, 1) if batch_first else x
     return output, torch.stack(hy, 0), torch.stack(cy, 0)
 
 
-def _cpu_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    """``at::dropout`` on the CPU (``_dropout_impl``): a float noise tensor, kept for the backward."""
-    if p == 1:
-        return x * torch.zeros_like(x)
-    noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
-    return x * noise
+def runs_step_by_step(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether eager runs a recurrent layer over these tensors as ATen's per-step CPU cells
+    (:mod:`bonsai_core.recurrent_steps`): all on the CPU, no autocast (which casts the layer whole)."""
+    return all(t.device.type == "cpu" for t in tensors) and not torch.is_autocast_enabled("cpu")
 
 
-class FusedRecurrent(TorchFunctionMode):
+def _run_packed(func: Any, args: tuple, sizes: list[int]) -> Any:
+    """``_VF.lstm``/``_VF.gru`` over packed data as :mod:`bonsai_core.recurrent_steps` writes ATen's CPU
+    layers, or None where eager runs something else (another device, LSTM projections)."""
+    data, _, hx, params, *rest = args
+    hx_list = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+    if not runs_step_by_step([data, *hx_list, *params]):
+        return None
+    if func is torch._VF.lstm:
+        if hx_list[0].size(2) != hx_list[1].size(2):  # proj_size
+            return None
+        return recurrent_steps.cpu_packed_lstm(data, sizes, hx, params, *rest)
+    return recurrent_steps.cpu_packed_gru(data, sizes, hx, params, *rest)
+
+
+class FusedRecurrent(PackedSequences):
     """Within: ``torch._VF.lstm`` (``nn.LSTM``'s call, input form) runs as :func:`cpu_lstm` where eager
-    runs the fused CPU kernel (:func:`runs_fused_kernel`); everything else as usual. For tracing."""
+    runs the fused CPU kernel (:func:`runs_fused_kernel`); ``torch._VF.gru`` on the CPU, and both over
+    packed sequences (:class:`bonsai_core.packed.PackedSequences`, their batch sizes known), as ATen's
+    per-step CPU cells (:mod:`bonsai_core.recurrent_steps`); everything else as usual. For tracing."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(run_packed=_run_packed)
         register_workspace_shape()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
@@ -174,5 +194,9 @@ class FusedRecurrent(TorchFunctionMode):
             input, hx, params = args[:3]
             if runs_fused_kernel(input, hx, params):
                 return cpu_lstm(*args)
-        return func(*args, **kwargs)
+        if func is torch._VF.gru and not kwargs and len(args) == 9 and isinstance(args[2], (list, tuple)):
+            input, hx, params = args[:3]
+            if runs_step_by_step([input, hx, *params]):
+                return recurrent_steps.cpu_gru(*args)
+        return super().__torch_function__(func, types, args, kwargs)
 

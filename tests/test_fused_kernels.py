@@ -91,13 +91,13 @@ def test_saved_outputs_come_from_derivatives_yaml():
     assert saves_own_output("aten.mkldnn_rnn_layer.default") and not saves_own_output("aten.native_layer_norm.default")
 
 
-def _checkpoint_export(spec, options, tmp_path):
+def _checkpoint_export(spec, options, tmp_path, fraction=0.8):
     from bonsai_core.export.checkpoint import export_checkpoint
     from bonsai_core.export.verify import verify_checkpoint
     from bonsai_core.solvers import solve
 
     graph = trace_model(spec, **options).graph
-    schedule = solve(graph, int(0.8 * no_remat_peak(graph)), method="bonsai")
+    schedule = solve(graph, int(fraction * no_remat_peak(graph)), method="bonsai")
     export_checkpoint(spec, options, schedule, tmp_path / "ck")
     return verify_checkpoint(spec, options, tmp_path / "ck", repeats=1)
 
@@ -112,9 +112,166 @@ def test_the_checkpoint_back_end_predicts_a_recomputed_lstm(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("factory", ["make_lstm_lm", "make_bilstm_lm", "make_gru_lm"])
+@pytest.mark.parametrize("factory", ["make_lstm_lm", "make_bilstm_lm", "make_gru_lm", "make_packed_lstm_lm"])
 def test_the_checkpoint_back_end_predicts_recurrent_models(factory, tmp_path):
     """The issue's sizes (batch 8, 32 tokens, width 64): LSTM, bidirectional LSTM, GRU (eager's CPU GRU
     is per-step cell ops, as traced)."""
     v = _checkpoint_export(f"tests.recurrent_models:{factory}", {}, tmp_path)
     assert -0.05 <= v.realised_peak_error <= 0.01, v.to_dict()
+
+
+# -- GRU and packed sequences: ATen's per-step CPU cells ------------------------------------------------
+
+GRU_LM = "tests.recurrent_models:make_gru_lm"
+
+
+@pytest.mark.parametrize("bidirectional,batch_first", [(False, True), (True, False)])
+def test_the_recorded_gru_is_eagers(bidirectional, batch_first):
+    """cpu_gru runs nn.GRU as ATen's CPU cells do: same outputs, the same random dropout between layers."""
+    from bonsai_core.recurrent_steps import cpu_gru
+
+    gru = nn.GRU(8, 16, num_layers=3, dropout=0.3, bidirectional=bidirectional, batch_first=batch_first)
+    x = torch.randn(4, 5, 8)
+    torch.manual_seed(1)
+    expected = gru(x)
+    torch.manual_seed(1)
+    h0 = torch.zeros(3 * (2 if bidirectional else 1), 4 if batch_first else 5, 16)
+    got = cpu_gru(x, h0, gru._flat_weights, True, 3, 0.3, True, bidirectional, batch_first)
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("cell,bidirectional", [("lstm", False), ("lstm", True), ("gru", True)])
+def test_the_recorded_packed_layer_is_eagers(cell, bidirectional):
+    """The packed forms (PackedLayer, ReversedPackedLayer) against eager on the same packed batch."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    from bonsai_core.recurrent_steps import cpu_packed_gru, cpu_packed_lstm
+
+    rnn = {"lstm": nn.LSTM, "gru": nn.GRU}[cell](6, 8, num_layers=2, dropout=0.2, bidirectional=bidirectional)
+    packed = pack_padded_sequence(torch.randn(5, 4, 6), torch.tensor([5, 4, 2, 1]))
+    torch.manual_seed(2)
+    expected = rnn(packed)
+    torch.manual_seed(2)
+    h0 = torch.zeros(2 * (2 if bidirectional else 1), 4, 8)
+    sizes = packed.batch_sizes.tolist()
+    if cell == "lstm":
+        got = cpu_packed_lstm(packed.data, sizes, (h0, h0), rnn._flat_weights, True, 2, 0.2, True, bidirectional)
+        hidden = [got[1], got[2]], list(expected[1])
+    else:
+        got = cpu_packed_gru(packed.data, sizes, h0, rnn._flat_weights, True, 2, 0.2, True, bidirectional)
+        hidden = [got[1]], [expected[1]]
+    torch.testing.assert_close(got[0], expected[0].data, rtol=0, atol=1e-6)
+    for a, b in zip(*hidden):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def _no_remat_against_eager(spec, options):
+    graph = trace_model(spec, **options).graph
+    model, inputs, loss_fn = models.build(spec, **options)
+    return no_remat_peak(graph), measure_step(model, inputs, loss_fn).peak
+
+
+def test_a_gru_is_predicted_by_what_its_cells_keep():
+    """The GRU's cells keep their hidden projection whole (eager writes the gates into it in place) and
+    a copy of what each in-place mul_ overwrites; torch's decomposition predicted the issue's GRU LM 2.5%
+    over its measured step; now 8 bytes under it at the issue's size (docs/results/fused_kernels.md), and
+    within 0.5% at this small one, where the cells' transient tensors weigh more."""
+    predicted, measured = _no_remat_against_eager(GRU_LM, SMALL)
+    assert abs(predicted / measured - 1) < 0.005, (predicted, measured)
+    with mock.patch("bonsai_core.recurrent.runs_step_by_step", lambda *a: False):
+        decomposed = no_remat_peak(trace_model(GRU_LM, **SMALL).graph)
+    assert decomposed != predicted
+
+
+class PackedLM(nn.Module):
+    """An LSTM over sequences packed from lengths that are a model input, as a user's batch brings them."""
+
+    def __init__(self, vocab=32, width=16, bidirectional=False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.rnn = nn.LSTM(width, width, num_layers=2, dropout=0.1, bidirectional=bidirectional)
+        self.head = nn.Linear(width * (2 if bidirectional else 1), vocab)
+
+    def forward(self, ids, lengths):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        packed = pack_padded_sequence(self.embed(ids), lengths, batch_first=True, enforce_sorted=False)
+        out, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=ids.shape[1])
+        return self.head(out)
+
+
+def make_packed_lm(batch=4, seq=16, vocab=64, width=32, bidirectional=False):
+    """Unsorted lengths, from the batch (a model input)."""
+    from bonsai_core.models.zoo import CrossEntropyLoss
+
+    lengths = torch.tensor([seq - 3, seq, 2, seq - 1][:batch])
+    ids = torch.randint(0, vocab, (batch, seq))
+    return (PackedLM(vocab, width, bidirectional), (ids, lengths),
+            CrossEntropyLoss(torch.randint(0, vocab, (batch, seq)), flatten=True))
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_a_packed_lstm_traces_and_is_predicted(bidirectional):
+    """The lengths come from the batch: the trace reads the batch sizes from one real forward pass."""
+    from bonsai_core.packed import recorded_batch_sizes
+
+    spec = "tests.test_fused_kernels:make_packed_lm"
+    options = dict(bidirectional=bidirectional)
+    assert recorded_batch_sizes(spec, **options) == ((4,) * 2 + (3,) * 11 + (2,) * 2 + (1,),)  # lengths 13, 16, 2, 15
+    predicted, measured = _no_remat_against_eager(spec, options)
+    assert -0.01 <= predicted / measured - 1 <= 0.05, (predicted, measured)
+
+
+def test_tracing_a_packed_step_on_fake_tensors_says_what_to_do():
+    """trace_step on a fake model cannot read the lengths: the error says which entry points can."""
+    from bonsai_core.errors import ModelError
+    from bonsai_core.packed import PackedLengthsUnknown
+    from bonsai_core.trace import built_for_tracing, trace_step
+
+    with built_for_tracing("tests.test_fused_kernels:make_packed_lm") as (model, inputs, loss_fn):
+        with pytest.raises(PackedLengthsUnknown, match="trace_model") as info:
+            trace_step(model, inputs, loss_fn)
+    assert isinstance(info.value, ModelError)
+
+
+def test_trace_step_reads_the_batch_sizes_of_real_inputs():
+    from bonsai_core.trace import trace_step
+
+    model, inputs, loss_fn = make_packed_lm()
+    graph = trace_step(model, inputs, loss_fn).graph
+    for p in model.parameters():
+        p.grad = None
+    measured = measure_step(model, inputs, loss_fn).peak
+    assert -0.01 <= no_remat_peak(graph) / measured - 1 <= 0.05
+
+
+def test_the_checkpoint_back_end_trains_a_packed_lstm(tmp_path):
+    """Bonsai at 90% (at this small size it has no plan at 80%), the checkpoint back-end:
+    the same loss and gradients, its own prediction within 5% (never more than 1% under)."""
+    v = _checkpoint_export("tests.test_fused_kernels:make_packed_lm", {}, tmp_path, fraction=0.9)
+    assert v.loss_diff == 0 and v.max_grad_diff == 0
+    assert -0.05 <= v.realised_peak_error <= 0.01, v.to_dict()
+
+
+def test_the_checkpoint_back_end_predicts_a_recomputed_gru(tmp_path):
+    """The GRU module is recomputed (its cells' in-place gates are views no run-time op makes: made with
+    their base), within 1% of the measured step."""
+    v = _checkpoint_export(GRU_LM, dict(batch=4, seq=16, vocab=64, width=32), tmp_path)
+    assert v.loss_diff == 0
+    assert abs(v.realised_peak_error) <= 0.01, v.to_dict()
+
+
+def test_the_cli_trains_a_packed_lstm_through_the_checkpoint_back_end(tmp_path, capsys):
+    """`bonsai trace`, `solve`, `export --backend checkpoint` and `verify` of a packed-sequence LSTM."""
+    from bonsai_core.cli import main
+
+    model = "tests.test_fused_kernels:make_packed_lm"
+    graph, schedule, out = tmp_path / "g.json", tmp_path / "s.json", tmp_path / "out"
+    assert main(["trace", model, "-o", str(graph)]) == 0
+    assert main(["solve", str(graph), "--budget", "90%", "--method", "bonsai", "-o", str(schedule)]) == 0
+    assert main(["export", model, str(schedule), "--backend", "checkpoint", "-o", str(out)]) == 0
+    capsys.readouterr()
+    code = main(["verify", model, str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed

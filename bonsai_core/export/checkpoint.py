@@ -151,6 +151,10 @@ def _align_forward(graph: Graph, step: RecordedStep) -> tuple[np.ndarray, np.nda
     for v in forward.tolist():  # a multi-output op's outputs (getitem nodes) are made by their op's run
         if runtime_of[v] < 0 and graph.ops[v] == "getitem" and len(graph.deps(v)):
             runtime_of[v] = runtime_of[graph.deps(v)[0]]
+        elif runtime_of[v] < 0 and graph.is_view[v] and graph.alias_of[v] >= 0:
+            # a view no run-time op is placed on is made with its base: eager may have made it another
+            # way (ATen's CPU GRU cell writes its gates in place into views of its hidden projection)
+            runtime_of[v] = runtime_of[graph.alias_of[v]]
     return node_at, runtime_of
 
 
@@ -206,12 +210,13 @@ class _Candidates:
             realised[drops] = True
         realised &= ~kept_for_backward(graph, self.read_by_backward, realised)  # the base of a kept view stays
         out = []
+        placed = set(self.node_at[self.node_at >= 0].tolist())
         separated = np.flatnonzero(graph.output_of >= 0)
         for i, drops in zip(units, groups):
             nodes = self.node_at[calls[i][1]:calls[i][2]]
             nodes = nodes[nodes >= 0]
             nodes = np.union1d(nodes, separated[np.isin(graph.output_of[separated], nodes)])  # run with their op
-            out.append((nodes, drops[realised[drops]]))
+            out.append((with_unplaced_views(graph, nodes, placed), drops[realised[drops]]))
         return out, realised
 
     def peak(self, units: list[int]) -> int:
@@ -244,6 +249,16 @@ class _Candidates:
         return units, best
 
 
+def with_unplaced_views(graph: Graph, nodes: np.ndarray, placed: set[int]) -> np.ndarray:
+    """``nodes`` (a unit's graph nodes, in order) and the forward views of them that no run-time op is
+    placed on (``placed``: the nodes that are): such a view is made with its base (``_align_forward``)."""
+    inside = set(nodes.tolist())
+    for v in np.flatnonzero(graph.is_forward & graph.is_view).tolist():
+        if v not in placed and int(graph.alias_of[v]) in inside:
+            inside.add(v)
+    return np.array(sorted(inside), dtype=np.int64)
+
+
 def _unit(graph: Graph, step: RecordedStep, node_at: np.ndarray, saved: np.ndarray, call: tuple[str, int, int],
           nodes: np.ndarray, drops: np.ndarray, chains: list[list[int]] = ()) -> Unit:
     """The unit of module ``call`` (its graph ``nodes``, its dropped nodes ``drops``): per op as SAC
@@ -270,10 +285,12 @@ def _unit(graph: Graph, step: RecordedStep, node_at: np.ndarray, saved: np.ndarr
 
 def inplace_chains(step: RecordedStep) -> list[list[int]]:
     """The run-time ops that share one activation's bytes: its producer, then each op that wrote it in
-    place (``step.inplace``), in run order; only chains with a write."""
+    place, whole (``step.inplace``) or through a view (``step.view_writes``: ATen's CPU LSTM and GRU
+    cells write their gates into views of one tensor; SAC cannot save those either), in run order;
+    only chains with a write."""
     root: dict[int, int] = {}
     chains: dict[int, list[int]] = {}
-    for w, p in sorted(step.inplace):
+    for w, p in sorted([*step.inplace, *step.view_writes]):
         r = root.setdefault(w, root.get(p, p))
         chains.setdefault(r, [r]).append(w)
     return list(chains.values())
@@ -522,6 +539,7 @@ def _checked_step(save: dict[str, dict[str, list[int]]], model: str, net: nn.Mod
     """(each checkpointed call's path, forward ops and recomputation ops; the step's RuntimeError or None)
     of one step of ``net`` with ``save`` applied (removed again afterwards)."""
     from bonsai_core.export_runtime.checkpointing import contexts, remove_checkpoints
+    from bonsai_core.packed import PackedSequences
 
     paths = {id(saves): path for path, saves in save.items()}
     runs: list[tuple[str, list[list[Any]], list[list[Any]]]] = []
@@ -535,7 +553,7 @@ def _checked_step(save: dict[str, dict[str, list[int]]], model: str, net: nn.Mod
     error = None
     apply_saves(net, save, model, logged_contexts)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), PackedSequences():
             with autocast_context(autocast):
                 loss = loss_fn(net(*inputs))
             loss.backward()
@@ -588,6 +606,14 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
 
     Raises ExportError for a schedule that is not a checkpoint-region plan (use the replay back-end),
     ScheduleError when the schedule was made for another graph."""
+    from bonsai_core.packed import with_batch_sizes_on_demand
+
+    return with_batch_sizes_on_demand(lambda: _export_checkpoint(model, options, schedule, out_dir, profile=profile,
+                                                                 seed=seed, autocast=autocast), model, seed, options)
+
+
+def _export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, out_dir: str | Path, *,
+                       profile: str | None, seed: int, autocast: str | None) -> Path:
     if "segments" not in schedule.extra:
         raise ExportError(
             f"The checkpoint back-end applies checkpoint-region plans (methods bonsai and chen); this "

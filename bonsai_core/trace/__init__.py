@@ -43,6 +43,7 @@ from bonsai_core.attention import FusedAttentionWithDropout
 from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES
 from bonsai_core.errors import ModelError, ValueReadError
 from bonsai_core.graph import Graph
+from bonsai_core.packed import PackedLengthsUnknown, batch_sizes_of, known_batch_sizes, with_batch_sizes_on_demand
 from bonsai_core.trace.patches import (_as_in_eager, _grouped_mm_as_its_kernels, _initialisation_skipped,
                                        libraries_compiling, _quiet_meta_failures)
 from bonsai_core.trace.to_graph import IDENTITY_OPS, _placeholder_tensors, _to_graph
@@ -113,12 +114,16 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
     label = name if not options else name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
     label += f" autocast {autocast}" if autocast else ""
     label += f" fsdp mixed precision {mixed_precision}" if mixed_precision else ""
-    with built_for_tracing(name, seed, **options) as (model, inputs, loss_fn):
-        with computing_in(model, mixed_precision):
-            traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast)
-        if fsdp > 1:
-            traced.graph = shard_by_blocks(traced.graph, model, fsdp, reshard_after_forward, mixed_precision)
-    return traced
+
+    def trace() -> Traced:
+        with built_for_tracing(name, seed, **options) as (model, inputs, loss_fn):
+            with computing_in(model, mixed_precision):
+                traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast)
+            if fsdp > 1:
+                traced.graph = shard_by_blocks(traced.graph, model, fsdp, reshard_after_forward, mixed_precision)
+        return traced
+
+    return with_batch_sizes_on_demand(trace, name, seed, options)
 
 
 # -- building a model to trace -------------------------------------------------------------------
@@ -168,6 +173,13 @@ def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Call
     one raises :class:`ValueReadError`."""
     try:
         return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
+    except PackedLengthsUnknown:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if any(is_fake(x) for x in inputs) or any(is_fake(p) for p in model.parameters()):
+            raise
+        with known_batch_sizes(batch_sizes_of(model, inputs, loss_fn)):  # real tensors: read them here
+            return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
     except ValueReadError:
         with libraries_compiling():
             return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
@@ -287,6 +299,8 @@ def _export_joint(step: _Step, inputs: tuple[torch.Tensor, ...], name: str) -> t
                     # torch 2.13: the first joint trace of a recurrent layer (nn.LSTM) in a process
                     # miscounts its gradient outputs; the same trace again is right
                     return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
+        except PackedLengthsUnknown:
+            raise
         except Exception as e:  # torch raises many types here; the user needs the message, not the stack
             if "did not receive a gradient" in str(e):
                 raise _NoGradient() from None
