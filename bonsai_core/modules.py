@@ -29,7 +29,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _SAME_OP = {"aten._unsafe_view.default": "aten.view.default",
             "aten._native_batch_norm_legit_functional.default": "aten.native_batch_norm.default",
             "aten._native_batch_norm_legit.default": "aten.native_batch_norm.default",
-            "aten._native_batch_norm_legit_no_training.default": "aten.native_batch_norm.default"}
+            "aten._native_batch_norm_legit_no_training.default": "aten.native_batch_norm.default",
+            "aten.bernoulli_.float": "aten.bernoulli.p"}
+# Functional ops whose in-place form has another overload name: the CPU dropout's ``bernoulli_(p)`` is
+# traced as ``bernoulli.p``.
+_IN_PLACE_OVERLOAD = {"aten.bernoulli.p": ("bernoulli_", "float")}
 
 
 def _same_op(op: str) -> str:
@@ -40,6 +44,17 @@ def _same_op(op: str) -> str:
     if len(parts) == 3 and parts[1].endswith("_") and not parts[1].startswith("_"):
         parts[1] = parts[1][:-1]
     return ".".join(parts)
+
+
+def in_place_overload(op: Any) -> Any:
+    """The in-place overload eager runs for the functional aten ``op`` of a traced graph, or None:
+    same overload name (``aten.relu.default`` -> ``aten.relu_.default``, ``aten.add.Tensor`` ->
+    ``aten.add_.Tensor``), except where the two names differ (``aten.bernoulli.p`` -> ``aten.bernoulli_.float``)."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    packet_name, overload = _IN_PLACE_OVERLOAD.get(str(op), (op._schema.name.split("::")[-1] + "_", op._overloadname))
+    packet = getattr(torch.ops.aten, packet_name, None)
+    return getattr(packet, overload, None) if packet is not None else None
 
 
 @dataclass(frozen=True)
