@@ -355,12 +355,55 @@ def test_frozen_weights_are_predicted_within_one_percent(adapters, budget):
     _trained_alike(model, inputs, loss_fn, budget=budget)
 
 
+# -- the device the model runs on -----------------------------------------------------------------
+
+def _tiny_gpt2_with_dropout():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64, bos_token_id=0,
+                        eos_token_id=0, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    lm = GPT2LMHeadModel(config).train()
+
+    class Labelled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids: torch.Tensor):
+            return self.lm(input_ids=ids, labels=ids)
+
+    return Labelled(), (torch.randint(0, 512, (2, 64)),), lambda out: out.loss
+
+
+def test_a_cpu_model_with_dropout_is_planned_with_the_cpus_kernels():
+    """On the CPU dropout keeps a float noise and SDPA with dropout runs its math path (the attention
+    probabilities kept): a CPU model is planned with those, predicted to the measured step; ``device=
+    "cuda"`` plans the same model with CUDA's (a bool mask, fused attention), and the report says which."""
+    model, inputs, loss_fn = _tiny_gpt2_with_dropout()
+    on_cpu = bonsai.plan(model, inputs, loss_fn, budget="100%", cache=False)
+    on_cuda = bonsai.plan(model, inputs, loss_fn, budget="100%", cache=False, device="cuda")
+    assert (on_cpu.report.device, on_cuda.report.device) == ("cpu", "cuda")
+    assert "CPU kernels" in str(on_cpu.report) and "CUDA kernels" in str(on_cuda.report)
+    cpu_ops, cuda_ops = set(on_cpu.graph.ops), set(on_cuda.graph.ops)
+    assert {"aten.bernoulli.p", "aten._safe_softmax.default"} <= cpu_ops and "aten.native_dropout.default" not in cpu_ops
+    assert {"aten.native_dropout.default", "aten._scaled_dot_product_efficient_attention.default"} <= cuda_ops
+    noise = [v for v in range(on_cpu.graph.n) if on_cpu.graph.ops[v] == "aten.bernoulli.p"]
+    assert noise and all(on_cpu.graph.inplace_of[v] >= 0 for v in noise)  # drawn into empty_like's bytes
+    measured = measure_step(copy.deepcopy(model), inputs, loss_fn).peak
+    assert abs(measured / on_cpu.report.no_remat_peak - 1) <= 0.001, (measured, on_cpu.report.no_remat_peak)
+    assert on_cuda.report.no_remat_peak < 0.9 * measured  # CUDA's kernels keep less than this CPU step
+    report = _trained_alike(model, inputs, loss_fn, budget="70%")
+    assert report.regions and report.device == "cpu"
+
+
 # -- errors that fit the caller --------------------------------------------------------------------
 
 @pytest.mark.parametrize(("kwargs", "words"), [
     (dict(method="dtr"), "method='dtr'"),
     (dict(fsdp=0), "fsdp=0"),
     (dict(nonsense=1), "nonsense="),
+    (dict(device="tpu"), "device='tpu'"),
 ])
 def test_the_library_names_its_own_arguments_not_cli_flags(kwargs, words):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
