@@ -15,6 +15,7 @@ Two users: the trace stores each module call's span of forward nodes in the grap
 from __future__ import annotations
 
 import difflib
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -66,12 +67,16 @@ class RecordedStep:
     calls: list[tuple[str, int, int]]  # (module path, first op, one past the last op), model modules only
     call_counts: Counter
     inplace: list[tuple[int, int]] = ()  # (in-place op, the op whose whole output it overwrote)
+    # (op, ops run before Python dropped the storage it last wrote): the forward's own lifetimes, as the
+    # model's code holds them (len(ops): held until the loss function returned)
+    released: list[tuple[int, int]] = ()
 
 
 class _OpRecorder(TorchDispatchMode):
     """Records each op's name and, for an in-place op (``relu_``, ``add_``) whose first argument is the
     whole output of an earlier recorded op, that pair: an activation written in place. Writes into
-    parameters, buffers, the batch or views are not activations' and are left out."""
+    parameters, buffers, the batch or views are not activations' and are left out. While ``tracking``,
+    also when each storage an op made is dropped (``released``: a weakref finalizer on the storage)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -81,6 +86,8 @@ class _OpRecorder(TorchDispatchMode):
         self.ops: list[str] = []
         self.inplace: list[tuple[int, int]] = []
         self.made_by: dict[int, int] = {}  # storage address -> the recorded op whose output it last was (-1: other)
+        self.released: list[tuple[int, int]] = []
+        self.tracking = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         out = func(*args, **(kwargs or {}))
@@ -93,8 +100,16 @@ class _OpRecorder(TorchDispatchMode):
                 self.inplace.append((at, self.made_by[_storage(written)]))
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and not t._is_view():
-                self.made_by[_storage(t)] = at
+                key = _storage(t)
+                if key not in self.made_by and at >= 0:
+                    weakref.finalize(t.untyped_storage(), self._release, key)
+                self.made_by[key] = at
         return out
+
+    def _release(self, key: int) -> None:
+        at = self.made_by.pop(key, -1)
+        if self.tracking and at >= 0:
+            self.released.append((at, len(self.ops)))
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -137,11 +152,28 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
     hooks = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
     try:
         with torch.enable_grad(), recorder:
-            loss_fn(model(*inputs))
+            out = model(*inputs)
+            loss = loss_fn(out)
+            del out  # the model's output (logits, a key/value cache) lives until the loss function returns
+            recorder.tracking = False  # what dies with the loss is the backward pass's
+            del loss
     finally:
         for h in hooks:
             h.remove()
-    return RecordedStep(recorder.ops, calls, counts, recorder.inplace)
+    return RecordedStep(recorder.ops, calls, counts, recorder.inplace, recorder.released)
+
+
+def held_until(step: RecordedStep, forward_ops: list[str]) -> list[tuple[int, int]]:
+    """(v, w) forward positions: eager dropped the output of the traced op at v only after the one at w
+    (the last placed op before the release), for the recorded releases the alignment places."""
+    at = align(step.ops, forward_ops)
+    placed = np.maximum.accumulate(np.where(at >= 0, np.arange(len(at)), -1)) if len(at) else at
+    out = []
+    for i, p in step.released:
+        j = int(placed[p - 1]) if p > 0 else -1
+        if at[i] >= 0 and j >= 0 and at[j] > at[i]:
+            out.append((int(at[i]), int(at[j])))
+    return out
 
 
 def align(runtime_ops: list[str], traced_ops: list[str]) -> np.ndarray:

@@ -213,11 +213,12 @@ def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[st
                              autocast: str | None, kernels: str = "cuda") -> Graph:
     """``graph`` with what one more forward + loss on fake tensors shows (:mod:`bonsai_core.modules`):
     the ``modules`` field ([path, first, last] forward node ids of each submodule called once) and each
-    node's ``inplace_of`` (the activation eager overwrites with it). Optional structure: a model whose
-    forward cannot run again that way simply gets none."""
+    node's ``inplace_of`` (the activation eager overwrites with it), and deps for what the model's code
+    holds longer than its last read (:func:`_held_by_python`). Optional structure: a model whose forward
+    cannot run again that way simply gets none."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from bonsai_core.modules import inplace_pairs, module_spans, record_step
+    from bonsai_core.modules import held_until, inplace_pairs, module_spans, record_step
 
     forward = np.flatnonzero(graph.is_forward)
     fake = all(isinstance(x, FakeTensor) for x in inputs)
@@ -235,10 +236,34 @@ def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[st
         data["modules"] = modules
     fx_nodes = {node.name: node for node in gm.graph.nodes}
     ids = {name: v for v, name in enumerate(fx_names)}
-    for v, u in ((int(forward[a]), int(forward[b])) for a, b in inplace_pairs(step, forward_ops)):
+    pairs = [(int(forward[a]), int(forward[b])) for a, b in inplace_pairs(step, forward_ops)]
+    held = [(int(forward[a]), int(forward[b])) for a, b in held_until(step, forward_ops)]
+    for v, extra in _held_by_python(graph, held, {u for _, u in pairs}).items():
+        data["nodes"][v]["deps"] = sorted(set(data["nodes"][v]["deps"]) | extra)
+    graph = Graph.from_dict(data)
+    for v, u in pairs:
         if _runs_in_place(graph, fx_nodes[fx_names[v]], ids, v, u):
             data["nodes"][v]["inplace_of"] = u
     return Graph.from_dict(data)
+
+
+def _held_by_python(graph: Graph, held: list[tuple[int, int]], written: set[int]) -> dict[int, set[int]]:
+    """Extra deps, by graph node, for the forward tensors eager keeps beyond the functional graph's last
+    read (``held``: (u, w), u's storage dropped only after node w ran, as the forward run of
+    :func:`bonsai_core.modules.record_step` saw it): the node at or before w that is no view reads u.
+    Python holds them: a submodule call's arguments until the call returns, a caller's local
+    (``inputs_embeds`` through a whole transformers model), the model's output (logits, a key/value
+    cache) until the loss function returns. Invisible where autograd saves those tensors anyway, they
+    set the peak of a forward that saves little, such as a frozen backbone's. A tensor another op
+    writes in place (``written``) is left alone: the writer's output holds its bytes."""
+    extra: dict[int, set[int]] = {}
+    for u, w in held:
+        if u in written or not graph.is_forward[u]:
+            continue
+        v = next((x for x in range(w, u, -1) if graph.alias_of[x] < 0), -1)
+        if v > u and int(graph.users(u).max(initial=-1)) < v:  # else the graph holds it that long already
+            extra.setdefault(v, set()).add(u)
+    return extra
 
 
 def _runs_in_place(graph: Graph, node: fx.Node, ids: dict[str, int], v: int, u: int) -> bool:
