@@ -170,11 +170,10 @@ def main(args: argparse.Namespace) -> int:
               f"{platform.machine()} CPU, torch {torch.__version__}: `bonsai.checkpoint(model, inputs, loss_fn, "
               f"budget={args.budget!r})`, then one real step measured (live bytes, fixed memory included), and one step "
               "of the model without the plan.\n\n")
-    note = ("\nOn CPU, eager dropout is not the kernel the trace records: the trace writes `native_dropout` (a "
-            "1-byte mask, what CUDA runs), eager CPU draws a float noise tensor (4 bytes per element) and SDPA with "
-            "dropout runs its decomposed math form, which keeps the attention probabilities (the memory-efficient "
-            "kernel the trace records keeps none), so a CPU step of a model with dropout holds more than the "
-            "prediction, with or without the plan (docs/EXPORT.md, scripts/dropout_kernel_check.py).\n")
+    note = ("\nEach model is on the CPU, so `bonsai.checkpoint` plans it with the CPU's kernels (`device`, the "
+            "device of its parameters): dropout's float noise (`empty_like`, `bernoulli_`, `div_`, `mul`) and SDPA "
+            "with dropout on its math path, which keeps the attention probabilities, as eager CPU runs them "
+            "(docs/ONE_CALL.md).\n")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(header + "\n".join(rows) + "\n" + note)
