@@ -88,6 +88,7 @@ class _OpRecorder(TorchDispatchMode):
         self.made_by: dict[int, int] = {}  # storage address -> the recorded op whose output it last was (-1: other)
         self.released: list[tuple[int, int]] = []
         self.tracking = True
+        self.finalizers: list[weakref.finalize] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         out = func(*args, **(kwargs or {}))
@@ -102,7 +103,7 @@ class _OpRecorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and not t._is_view():
                 key = _storage(t)
                 if key not in self.made_by and at >= 0:
-                    weakref.finalize(t.untyped_storage(), self._release, key)
+                    self.finalizers.append(weakref.finalize(t.untyped_storage(), self._release, key))
                 self.made_by[key] = at
         return out
 
@@ -160,6 +161,8 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
     finally:
         for h in hooks:
             h.remove()
+        for f in recorder.finalizers:  # storages a module keeps (a cache) would keep the recorder alive
+            f.detach()
     return RecordedStep(recorder.ops, calls, counts, recorder.inplace, recorder.released)
 
 
