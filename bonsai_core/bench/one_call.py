@@ -153,6 +153,7 @@ def main(args: argparse.Namespace) -> int:
     """One row per model, printed and (with ``--out``) written with its header and note."""
     import torch
 
+    from bonsai_core.errors import BudgetError
     from bonsai_core.units import format_bytes
 
     rows = ["| model | checkpointed | no remat: predicted | measured | with the plan: predicted | measured | error "
@@ -160,7 +161,12 @@ def main(args: argparse.Namespace) -> int:
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     with tempfile.TemporaryDirectory() as cache:
         for name, make in MODELS.items():
-            r = one(make, args.budget, Path(cache))
+            try:
+                r = one(make, args.budget, Path(cache))
+            except BudgetError as e:  # the call refuses a budget its checkpoints cannot meet: a row, not the end
+                rows.append(f"| {name} | refused: {e} |" + " |" * 9)
+                print(rows[-1], flush=True)
+                continue
             rows.append(f"| {name} | {r['regions']} | {format_bytes(r['no_remat'])} "
                         f"| {format_bytes(r['measured_no_remat'])} | {format_bytes(r['predicted'])} "
                         f"| {format_bytes(r['measured'])} | {r['error']:+.2%} | {r['overhead']:+.1%} "
