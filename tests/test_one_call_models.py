@@ -399,6 +399,33 @@ def test_a_cpu_model_with_dropout_is_planned_with_the_cpus_kernels():
     assert report.regions and report.device == "cpu"
 
 
+def test_the_cpus_dropout_is_traced_in_the_asking_thread_only():
+    """The CPU dropout replaces torch's decomposition of ``aten.dropout`` process-wide while any thread asks
+    for it; a trace running in another thread meanwhile still records CUDA's ``native_dropout``."""
+    import threading
+
+    from bonsai_core.trace import trace_step
+    from bonsai_core.trace.patches import _cpu_dropout
+
+    def dropout_ops(kernels: str) -> set[str]:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 8)).train()
+            graph = trace_step(model, (torch.randn(4, 8),), _squared, kernels=kernels).graph
+        return {op for op in graph.ops if "dropout" in op or "bernoulli" in op}
+
+    seen = {}
+    with _cpu_dropout():
+        worker = threading.Thread(target=lambda: seen.setdefault("cuda", dropout_ops("cuda")))
+        worker.start()
+        worker.join()
+        seen["cpu"] = dropout_ops("cpu")
+    assert seen["cuda"] == {"aten.native_dropout.default", "aten.native_dropout_backward.default"}
+    assert seen["cpu"] == {"aten.bernoulli.p"}
+    assert dropout_ops("cuda") == seen["cuda"]  # and torch's decomposition is back afterwards
+
+
 # -- errors that fit the caller --------------------------------------------------------------------
 
 @pytest.mark.parametrize(("kwargs", "words"), [

@@ -115,7 +115,7 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
     with built_for_tracing(name, seed, **options) as (model, inputs, loss_fn):
         with computing_in(model, mixed_precision):
             traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast,
-                                    kernels=kernels)
+                                kernels=kernels)
         if fsdp > 1:
             traced.graph = shard_by_blocks(traced.graph, model, fsdp, reshard_after_forward, mixed_precision)
     return traced
@@ -166,9 +166,9 @@ def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Call
     ``autocast`` ("bf16" | "fp16") traces the step under ``torch.autocast``: the graph holds the casts
     and the lower-precision tensors autocast makes. ``kernels`` ("cuda" | "cpu") is the device whose
     dropout and attention-with-dropout kernels the graph records (:mod:`bonsai_core.trace.patches`):
-    what a GPU step holds (the CLI's, whatever device traces), or what a CPU step does. A step that reads a tensor's value is traced
-    again with libraries on their compile-time path (:func:`libraries_compiling`); what still reads
-    one raises :class:`ValueReadError`."""
+    what a GPU step holds (the CLI's, whatever device traces), or what a CPU step does. A step that
+    reads a tensor's value is traced again with libraries on their compile-time path
+    (:func:`libraries_compiling`); what still reads one raises :class:`ValueReadError`."""
     try:
         return _trace_step_once(model, inputs, loss_fn, name, profile, autocast, kernels)
     except ValueReadError:
