@@ -379,6 +379,9 @@ def _kernels(device: str | torch.device | None, on: torch.device) -> str:
     if kind not in DEVICE_KERNELS:
         raise BonsaiError(f"device={device!r}: give the device whose kernels to plan with, 'cpu' or 'cuda' "
                           "(or leave it out: the device of the model's parameters).")
+    if kind == "cpu" and on.type not in ("cpu", "meta"):  # ATen picks dropout's kernel by the tensors' device
+        raise BonsaiError(f"device='cpu': the model is on {on}, where the step cannot be traced with the CPU's "
+                          "kernels; plan a CPU copy of the model, or leave device out.")
     return kind
 
 
