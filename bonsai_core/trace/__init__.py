@@ -39,13 +39,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from bonsai_core.attention import FusedAttentionWithDropout
 from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES
 from bonsai_core.errors import ModelError, ValueReadError
 from bonsai_core.graph import Graph
 from bonsai_core.packed import PackedLengthsUnknown, batch_sizes_of, known_batch_sizes, with_batch_sizes_on_demand
-from bonsai_core.trace.patches import (_as_in_eager, _grouped_mm_as_its_kernels, _initialisation_skipped,
-                                       libraries_compiling, _quiet_meta_failures)
+from bonsai_core.trace.patches import (KERNELS, _as_in_eager, _grouped_mm_as_its_kernels, _initialisation_skipped,
+                                       device_kernels, libraries_compiling, _quiet_meta_failures)
 from bonsai_core.trace.to_graph import IDENTITY_OPS, _placeholder_tensors, _to_graph
 from bonsai_core.user_code import DATA_DEPENDENT_ERRORS, user_code
 
@@ -95,13 +94,13 @@ class _Step(nn.Module):
 
 def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autocast: str | None = None,
                 fsdp: int = 1, reshard_after_forward: bool | str | None = None, mixed_precision: str | None = None,
-                **options: Any) -> Traced:
+                kernels: str = "cuda", **options: Any) -> Traced:
     """Build a model spec (:func:`bonsai_core.models.build`: a zoo name, ``hf:...`` or
     ``package.module:factory``) under FakeTensorMode and trace its step;
     with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`), with
     ``mixed_precision`` ("bf16") under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
     either left None: the model's own setting (:func:`bonsai_core.fsdp.fsdp_defaults`: torchtitan's for a
-    ``torchtitan:`` model)."""
+    ``torchtitan:`` model). ``kernels``: see :func:`trace_step`."""
     from bonsai_core.fsdp import check_mixed_precision, computing_in, fsdp_defaults, shard_by_blocks
 
     if mixed_precision not in (None, "none") and fsdp < 2:
@@ -118,7 +117,8 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
     def trace() -> Traced:
         with built_for_tracing(name, seed, **options) as (model, inputs, loss_fn):
             with computing_in(model, mixed_precision):
-                traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast)
+                traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast,
+                                    kernels=kernels)
             if fsdp > 1:
                 traced.graph = shard_by_blocks(traced.graph, model, fsdp, reshard_after_forward, mixed_precision)
         return traced
@@ -164,31 +164,36 @@ def _build_for_tracing(name: str, seed: int, options: dict[str, Any]) -> tuple[n
 
 
 def trace_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
-               name: str = "model", profile: str = DEFAULT_PROFILE, autocast: str | None = None) -> Traced:
+               name: str = "model", profile: str = DEFAULT_PROFILE, autocast: str | None = None,
+               kernels: str = "cuda") -> Traced:
     """Trace one training step of ``model`` on ``inputs`` with ``loss_fn`` into a Graph.
 
     ``autocast`` ("bf16" | "fp16") traces the step under ``torch.autocast``: the graph holds the casts
-    and the lower-precision tensors autocast makes. A step that reads a tensor's value is traced
-    again with libraries on their compile-time path (:func:`libraries_compiling`); what still reads
-    one raises :class:`ValueReadError`."""
+    and the lower-precision tensors autocast makes. ``kernels`` ("cuda" | "cpu") is the device whose
+    dropout and attention-with-dropout kernels the graph records (:mod:`bonsai_core.trace.patches`):
+    what a GPU step holds (the CLI's, whatever device traces), or what a CPU step does. A step that
+    reads a tensor's value is traced again with libraries on their compile-time path
+    (:func:`libraries_compiling`); what still reads one raises :class:`ValueReadError`."""
     try:
-        return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
+        return _trace_step_once(model, inputs, loss_fn, name, profile, autocast, kernels)
     except PackedLengthsUnknown:
         from torch._subclasses.fake_tensor import is_fake
 
         if any(is_fake(x) for x in inputs) or any(is_fake(p) for p in model.parameters()):
             raise
         with known_batch_sizes(batch_sizes_of(model, inputs, loss_fn)):  # real tensors: read them here
-            return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
+            return _trace_step_once(model, inputs, loss_fn, name, profile, autocast, kernels)
     except ValueReadError:
         with libraries_compiling():
-            return _trace_step_once(model, inputs, loss_fn, name, profile, autocast)
+            return _trace_step_once(model, inputs, loss_fn, name, profile, autocast, kernels)
 
 
 def _trace_step_once(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
-                     name: str, profile: str, autocast: str | None) -> Traced:
+                     name: str, profile: str, autocast: str | None, kernels: str = "cuda") -> Traced:
     if profile not in PROFILES:
         raise ModelError(f"Unknown cost model {profile!r}; choose one of: {', '.join(PROFILES)}.")
+    if kernels not in KERNELS:
+        raise ModelError(f"Unknown kernels {kernels!r}; choose the device whose kernels to record: {', '.join(KERNELS)}.")
     device_type = inputs[0].device.type if inputs else "cpu"
     cast = autocast_context(autocast, device_type)
     start = time.perf_counter()
@@ -197,12 +202,12 @@ def _trace_step_once(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn
     hidden: list[str] = []
     try:
         with cast:
-            gm, signature = _export_joint(step, tuple(inputs), name)
+            gm, signature = _export_joint(step, tuple(inputs), name, kernels)
     except _NoGradient:  # rare, and finding the parameters costs a forward trace: only then
-        unused = _unused_parameters(step, tuple(inputs), name)
+        unused = _unused_parameters(step, tuple(inputs), name, kernels)
         try:
             with _without_unused(step, unused) as (frozen, hidden), autocast_context(autocast, device_type):
-                gm, signature = _export_joint(step, tuple(inputs), name)
+                gm, signature = _export_joint(step, tuple(inputs), name, kernels)
         except _NoGradient:
             raise ModelError(f"Tracing {name!r} failed: a trainable parameter gets no gradient from the loss "
                              "although the model reads it (through an op without a gradient, such as argmax). "
@@ -210,28 +215,29 @@ def _trace_step_once(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn
     frozen = [n.removeprefix("model.") for n in frozen]
     hidden = [n.removeprefix("model.") for n in hidden]
     graph, fx_names = _to_graph(gm, signature, name, PROFILES[profile], _placeholder_tensors(step, inputs, signature))
-    graph = _with_recorded_structure(graph, gm, fx_names, model, tuple(inputs), loss_fn, autocast)
+    graph = _with_recorded_structure(graph, gm, fx_names, model, tuple(inputs), loss_fn, autocast, kernels)
     writes = [(fx_name, buffer) for fx_name, buffer in signature.buffers_to_mutate.items()]
     return Traced(graph, gm, fx_names, time.perf_counter() - start, writes, frozen, hidden)
 
 
 def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[str], model: nn.Module,
                              inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
-                             autocast: str | None) -> Graph:
+                             autocast: str | None, kernels: str = "cuda") -> Graph:
     """``graph`` with what one more forward + loss on fake tensors shows (:mod:`bonsai_core.modules`):
     the ``modules`` field ([path, first, last] forward node ids of each submodule called once) and each
-    node's ``inplace_of`` (the activation eager overwrites with it). Optional structure: a model whose
-    forward cannot run again that way simply gets none."""
+    node's ``inplace_of`` (the activation eager overwrites with it), and deps for what the model's code
+    holds longer than its last read (:func:`_held_by_python`). Optional structure: a model whose forward
+    cannot run again that way simply gets none."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from bonsai_core.modules import inplace_pairs, module_spans, record_step
+    from bonsai_core.modules import held_until, inplace_pairs, module_spans, record_step
 
     forward = np.flatnonzero(graph.is_forward)
     fake = all(isinstance(x, FakeTensor) for x in inputs)
     cast = autocast_context(autocast, inputs[0].device.type if inputs else "cpu")
     try:
         with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), cast, \
-                _grouped_mm_as_its_kernels(), FusedAttentionWithDropout(), _quiet_meta_failures():
+                _grouped_mm_as_its_kernels(), device_kernels(kernels), _quiet_meta_failures():
             step = record_step(model, inputs, loss_fn)
     except Exception:  # noqa: BLE001 (any failure only means no module structure)
         return graph
@@ -242,10 +248,34 @@ def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[st
         data["modules"] = modules
     fx_nodes = {node.name: node for node in gm.graph.nodes}
     ids = {name: v for v, name in enumerate(fx_names)}
-    for v, u in ((int(forward[a]), int(forward[b])) for a, b in inplace_pairs(step, forward_ops)):
+    pairs = [(int(forward[a]), int(forward[b])) for a, b in inplace_pairs(step, forward_ops)]
+    held = [(int(forward[a]), int(forward[b])) for a, b in held_until(step, forward_ops)]
+    for v, extra in _held_by_python(graph, held, {u for _, u in pairs}).items():
+        data["nodes"][v]["deps"] = sorted(set(data["nodes"][v]["deps"]) | extra)
+    graph = Graph.from_dict(data)
+    for v, u in pairs:
         if _runs_in_place(graph, fx_nodes[fx_names[v]], ids, v, u):
             data["nodes"][v]["inplace_of"] = u
     return Graph.from_dict(data)
+
+
+def _held_by_python(graph: Graph, held: list[tuple[int, int]], written: set[int]) -> dict[int, set[int]]:
+    """Extra deps, by graph node, for the forward tensors eager keeps beyond the functional graph's last
+    read (``held``: (u, w), u's storage dropped only after node w ran, as the forward run of
+    :func:`bonsai_core.modules.record_step` saw it): the node at or before w that is no view reads u.
+    Python holds them: a submodule call's arguments until the call returns, a caller's local
+    (``inputs_embeds`` through a whole transformers model), the model's output (logits, a key/value
+    cache) until the loss function returns. Invisible where autograd saves those tensors anyway, they
+    set the peak of a forward that saves little, such as a frozen backbone's. A tensor another op
+    writes in place (``written``) is left alone: the writer's output holds its bytes."""
+    extra: dict[int, set[int]] = {}
+    for u, w in held:
+        if u in written or not graph.is_forward[u]:
+            continue
+        v = next((x for x in range(w, u, -1) if graph.alias_of[x] < 0), -1)
+        if v > u and int(graph.users(u).max(initial=-1)) < v:  # else the graph holds it that long already
+            extra.setdefault(v, set()).add(u)
+    return extra
 
 
 def _runs_in_place(graph: Graph, node: fx.Node, ids: dict[str, int], v: int, u: int) -> bool:
@@ -261,8 +291,9 @@ def _runs_in_place(graph: Graph, node: fx.Node, ids: dict[str, int], v: int, u: 
         first = first.args[0]
     if ids.get(first.name) != u:
         return False
-    packet = getattr(torch.ops.aten, target._schema.name.split("::")[-1] + "_", None)
-    return (packet is not None and hasattr(packet, target._overloadname) and graph.alias_of[v] < 0
+    from bonsai_core.modules import in_place_overload
+
+    return (in_place_overload(target) is not None and graph.alias_of[v] < 0
             and graph.alias_of[u] < 0 and graph.mem[u] == graph.mem[v] > 0 and int(graph.users(u)[-1]) == v)
 
 
@@ -284,13 +315,13 @@ class _NoGradient(Exception):
     """AOTAutograd refused a trainable parameter that the loss gives no gradient."""
 
 
-def _export_joint(step: _Step, inputs: tuple[torch.Tensor, ...], name: str) -> tuple[fx.GraphModule, Any]:
+def _export_joint(step: _Step, inputs: tuple[torch.Tensor, ...], name: str, kernels: str = "cuda") -> tuple[fx.GraphModule, Any]:
     """``aot_export_module`` of the joint step, with torch's failures turned into advice."""
     from torch._functorch.aot_autograd import aot_export_module
 
     with _quiet_meta_failures() as failures:
         try:
-            with _as_in_eager():
+            with _as_in_eager(kernels):
                 try:
                     return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
                 except AssertionError as e:
@@ -336,14 +367,14 @@ def _model_error(e: Exception, step: _Step, name: str, failed_ops: Sequence[str]
 
 
 
-def _unused_parameters(step: _Step, inputs: tuple[torch.Tensor, ...], name: str) -> list[str]:
+def _unused_parameters(step: _Step, inputs: tuple[torch.Tensor, ...], name: str, kernels: str = "cuda") -> list[str]:
     """Names (in ``step``) of the parameters the forward pass never reads: the placeholders without
     users in the forward-only graph. Each gets no gradient."""
     from torch._functorch.aot_autograd import aot_export_module
 
     with _quiet_meta_failures() as failures:
         try:
-            with _as_in_eager():
+            with _as_in_eager(kernels):
                 gm, signature = aot_export_module(step, inputs, trace_joint=False)
         except Exception as e:  # the same failures as the joint trace, said the same way
             raise _model_error(e, step, name, failures.ops) from None

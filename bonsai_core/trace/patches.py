@@ -7,11 +7,18 @@ A dropout that drops nothing (``p == 0``, as in Llama's and ViT's configs, or no
 its input in eager PyTorch; AOTAutograd's decomposition would record a ``clone`` that eager never
 makes, so while tracing such a dropout returns its input and the graph has no node for it.
 
-``F.scaled_dot_product_attention`` with dropout has no fused kernel on the CPU (eager there runs its
-math path, keeping ``seq x seq`` probabilities and a mask per head); a GPU runs a fused one. While
-tracing, such a call is recorded as the memory-efficient attention kernel, which keeps the output,
-the logsumexp and the generator's seed and offset (:mod:`bonsai_core.attention`), so the plan is made
-for what a GPU step holds; the exported program runs that kernel on CUDA and its equivalent on the CPU.
+Dropout and ``F.scaled_dot_product_attention`` with dropout run other kernels on a GPU than on the CPU,
+and a trace records one device's (``kernels``, :data:`KERNELS`; :func:`device_kernels`):
+
+* ``"cuda"`` (the CLI's, whatever device traced): dropout as ``native_dropout`` (a bool mask, what
+  torch's decomposition writes and CUDA runs) and SDPA with dropout as the memory-efficient attention
+  kernel, which keeps the output, the logsumexp and the generator's seed and offset
+  (:mod:`bonsai_core.attention`); the exported program runs that kernel on CUDA and its equivalent on
+  the CPU.
+* ``"cpu"`` (``bonsai.checkpoint`` on a CPU model): dropout as ATen's CPU kernel runs it
+  (``empty_like``, ``bernoulli_``, ``div_``, ``mul``: a float noise tensor the backward pass reads,
+  :func:`_cpu_dropout`), and SDPA with dropout as its math path (no fused CPU kernel has dropout),
+  which keeps the ``batch x heads x seq x seq`` probabilities and the dropout noise.
 
 A grouped matmul (``aten._grouped_mm``, how transformers' mixture-of-experts layers run their experts)
 in float32 or float16 gets the shapes its kernels give it, where torch's own shape function refuses
@@ -90,15 +97,70 @@ _DROPOUTS.update({f: inspect.Signature([inspect.Parameter(n, inspect.Parameter.P
 
 
 @contextlib.contextmanager
-def _as_in_eager() -> Iterator[None]:
+def _as_in_eager(kernels: str = "cuda") -> Iterator[None]:
     """What tracing changes so that the graph is the step eager runs: no copy for a dropout that
     drops nothing, ``torch._assert`` on tensors skipped, float32/float16 grouped matmuls shaped
-    as their kernels shape them, SDPA with dropout recorded as the fused kernel a GPU runs, not
-    the CPU's math path (:mod:`bonsai_core.attention`), and ``nn.LSTM`` as the fused kernel eager runs,
-    not torch's per-step decomposition (:mod:`bonsai_core.recurrent`)."""
-    with skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels(), FusedAttentionWithDropout(), \
+    as their kernels shape them, dropout and SDPA with dropout as ``kernels``' device runs them
+    (:func:`device_kernels`), and ``nn.LSTM`` as the fused kernel eager runs, not torch's per-step
+    decomposition (:mod:`bonsai_core.recurrent`)."""
+    with skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels(), device_kernels(kernels), \
             FusedRecurrent():
         yield
+
+
+KERNELS = ("cuda", "cpu")  # the devices whose dropout and attention kernels a trace can record
+
+
+def device_kernels(kernels: str) -> contextlib.AbstractContextManager:
+    """Within: dropout and SDPA with dropout recorded as ``kernels``' device runs them (module doc)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}: choose one of {', '.join(map(repr, KERNELS))}.")
+    return FusedAttentionWithDropout() if kernels == "cuda" else _cpu_dropout()
+
+
+# While tracing (under the Python dispatcher) ``aten.dropout`` runs torch's Python decomposition into
+# ``native_dropout``, on every device. ATen's own composite kernel picks by device: the fused kernel on
+# CUDA, and on the CPU ``_dropout_impl``, which draws a float noise tensor (``empty_like(x).bernoulli_(1 - p)
+# .div_(1 - p)``) and returns ``x * noise``: 4 bytes per element kept for the backward pass where the
+# bool mask keeps 1, and SDPA's math path calls it on every attention matrix. While a thread asks for
+# the CPU's kernels, the decomposition is replaced (for that thread) by ATen's composite kernel.
+_DROPOUT_KEYS = (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.Autograd)
+_cpu_dropout_lock = threading.Lock()
+_cpu_dropout_state: dict[str, Any] = {"users": 0, "original": {}}
+_cpu_dropout_thread = threading.local()
+
+
+def _dropout_kernel(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def kernel(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
+        if getattr(_cpu_dropout_thread, "depth", 0):
+            return torch.ops.aten.dropout.default._op_dk(_DROPOUT_KEYS[0], input, p, train)
+        return original(input, p, train)
+    return kernel
+
+
+@contextlib.contextmanager
+def _cpu_dropout() -> Iterator[None]:
+    """Within (this thread): ``aten.dropout`` is traced as ATen's composite kernel runs it on the
+    tensors' device (the CPU's: ``empty_like``, ``bernoulli_``, ``div_``, ``mul``), not as torch's
+    decomposition into ``native_dropout``. Other threads keep the decomposition."""
+    op = torch.ops.aten.dropout.default
+    with _cpu_dropout_lock:
+        if _cpu_dropout_state["users"] == 0:
+            originals = _cpu_dropout_state["original"] = {k: op.py_kernels[k] for k in _DROPOUT_KEYS if k in op.py_kernels}
+            for key, original in originals.items():
+                op.py_kernels[key] = _dropout_kernel(original)
+            op._dispatch_cache.clear()
+        _cpu_dropout_state["users"] += 1
+    _cpu_dropout_thread.depth = getattr(_cpu_dropout_thread, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _cpu_dropout_thread.depth -= 1
+        with _cpu_dropout_lock:
+            _cpu_dropout_state["users"] -= 1
+            if _cpu_dropout_state["users"] == 0:
+                op.py_kernels.update(_cpu_dropout_state["original"])
+                op._dispatch_cache.clear()
 
 
 @contextlib.contextmanager
