@@ -103,6 +103,7 @@ class Graph:
         optimizer: dict[str, Any] | None = None,
         fsdp: dict[str, Any] | None = None,
         inplace_of: Iterable[int | None] | None = None,
+        held: Sequence[Sequence[int]] | None = None,
     ) -> None:
         n = len(names)
         if n == 0:
@@ -132,6 +133,7 @@ class Graph:
             self.alias_of = _node_ids(alias_of)
             self.inplace_of = _node_ids([None] * n if inplace_of is None else inplace_of)
             dep_lists = [sorted(set(int(d) for d in ds)) for ds in deps]
+            held_lists = [()] * n if held is None else [tuple(sorted(set(int(d) for d in ds))) for ds in held]
         except (OverflowError, ValueError, TypeError) as e:
             raise GraphError(f"A node's cost, mem, deps or alias_of is not a number in range ({e}).") from None
         self.dep_ptr = np.zeros(n + 1, dtype=np.int64)
@@ -141,9 +143,17 @@ class Graph:
             raise GraphError(f"The graph has {len(self.dep_idx)} edges; this tool handles at most {MAX_EDGES}.")
         for arr, what in ((self.ops, "ops"), (self.phases, "phases"), (self.cost, "cost"), (self.mem, "mem"),
                           (self.alias_of, "alias_of"), (self.inplace_of, "inplace_of"), (self.shapes, "shapes"),
-                          (dep_lists, "deps")):
+                          (dep_lists, "deps"), (held_lists, "held")):
             if len(arr) != n:
                 raise GraphError(f"The graph has {n} names but {len(arr)} {what}: every node needs each field.")
+        # optional: per node, the deps that are no data read, only the model's Python code holding a tensor
+        # (trace's _held_by_python); they count as deps everywhere but in drawing the data flow (without_held)
+        self.held = tuple(held_lists)
+        self._without_held: Graph | None = None  # computed once, on first use
+        for v, hs in enumerate(self.held):
+            if hs and not set(hs) <= set(dep_lists[v]):
+                raise GraphError(f"Node {v} ({self.names[v]!r}) lists 'held' ids {sorted(set(hs) - set(dep_lists[v]))} "
+                                 "that are not in its 'deps': a held tensor is a dep too. Drop 'held' (it is optional).")
         self._validate()
 
         # Consumers, as CSR: the transpose of the dependency matrix.
@@ -174,7 +184,7 @@ class Graph:
                    fixed_tensors: Sequence[Sequence[Any]] = (), modules: Sequence[Sequence[Any]] = (),
                    optimizer: dict[str, Any] | None = None, fsdp: dict[str, Any] | None = None) -> "Graph":
         """Build a graph from node dicts (``name, op, phase, cost, mem, deps`` and optional
-        ``alias_of``, ``inplace_of``, ``shape``), listed in execution order; ids are their positions."""
+        ``alias_of``, ``inplace_of``, ``shape``, ``held``), listed in execution order; ids are their positions."""
         return cls(
             fixed_tensors=fixed_tensors,
             modules=modules,
@@ -190,6 +200,7 @@ class Graph:
             deps=[nd.get("deps", []) for nd in nodes],
             alias_of=[nd.get("alias_of") for nd in nodes],
             inplace_of=[nd.get("inplace_of") for nd in nodes],
+            held=[nd.get("held", ()) for nd in nodes],
             shapes=[str(nd.get("shape", "")) for nd in nodes],
         )
 
@@ -277,6 +288,19 @@ class Graph:
                 stack.append(a)
         return live
 
+    def without_held(self) -> "Graph":
+        """This graph with only its data deps: what the model's code holds (``held``) dropped. Its data flow,
+        for drawing; memory is the whole graph's."""
+        if not any(self.held):
+            return self
+        if self._without_held is None:
+            data = self.to_dict()
+            for nd in data["nodes"]:
+                held = set(nd.pop("held", ()))
+                nd["deps"] = [d for d in nd["deps"] if d not in held]
+            self._without_held = Graph.from_dict(data)
+        return self._without_held
+
     def storage_of(self, v: int, stop_before: np.ndarray | None = None) -> int:
         """The node whose bytes ``v`` shares: ``v`` itself, or the base at the end of its chain of
         views (a view of a view ...). With ``stop_before`` (bool[n]), the walk ends at the last node
@@ -353,6 +377,8 @@ class Graph:
                 nd["shape"] = self.shapes[v]
             if self.inplace_of[v] >= 0:  # only when set: graphs without in-place writes keep their hash
                 nd["inplace_of"] = int(self.inplace_of[v])
+            if self.held[v]:
+                nd["held"] = list(self.held[v])
             nodes.append(nd)
         out = {"format": FORMAT, "version": VERSION, "name": self.name, "fixed_mem": self.fixed_mem, "nodes": nodes}
         if self.fixed_tensors:
@@ -396,7 +422,9 @@ class Graph:
             deps = nd["deps"]
             if not isinstance(deps, list):
                 raise GraphError(f"{where}: 'deps' must be a list of node ids, not {type(deps).__name__}.")
-            alias, inplace = nd.get("alias_of"), nd.get("inplace_of")
+            alias, inplace, held = nd.get("alias_of"), nd.get("inplace_of"), nd.get("held", [])
+            if not isinstance(held, list):
+                raise GraphError(f"{where}: 'held' (optional) must be a list of node ids, not {type(held).__name__}.")
             parsed.append({
                 "name": _str_field(nd["name"], f"{where} 'name'"),
                 "op": _str_field(nd.get("op", ""), f"{where} 'op'"),
@@ -407,6 +435,7 @@ class Graph:
                 "alias_of": None if alias is None else _int_field(alias, f"{where} 'alias_of'"),
                 "inplace_of": None if inplace is None else _int_field(inplace, f"{where} 'inplace_of'"),
                 "shape": str(nd.get("shape", "")),
+                "held": [_int_field(d, f"{where} 'held'") for d in held],
             })
             if len(set(parsed[-1]["deps"])) != len(deps):
                 raise GraphError(f"{where} lists the same dependency twice in 'deps'.")

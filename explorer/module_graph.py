@@ -147,7 +147,9 @@ def forward_owners(graph: Graph, tree: ModuleTree) -> np.ndarray:
 
 def backward_anchors(graph: Graph) -> np.ndarray:
     """int64[n]: for each backward node, the forward node it is drawn with (the module docstring's four
-    rules); -1 for forward nodes. O(n + edges), plus a local search per gradient sum."""
+    rules); -1 for forward nodes. O(n + edges), plus a local search per gradient sum. Data deps only: a
+    tensor the model's code holds (``Graph.held``) is read by no op."""
+    graph = graph.without_held()
     n = graph.n
     fwd = graph.is_forward
     op_of = np.where((graph.output_of >= 0) & fwd, graph.output_of, np.arange(n))  # getitem -> its op
@@ -487,7 +489,8 @@ class BoxLayout:
 
 def box_edges(graph: Graph, boxes: Boxes) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(forward edges, backward edges) between boxes: a box's op reads another box's op in the same
-    pass. Each pair once, sorted. O(edges)."""
+    pass (data deps: not what the model's code holds). Each pair once, sorted. O(edges)."""
+    graph = graph.without_held()
     src = np.repeat(np.arange(graph.n), np.diff(graph.dep_ptr))  # the reader of each dep entry
     dst = graph.dep_idx
     a, b = boxes.of[dst], boxes.of[src]

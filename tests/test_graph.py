@@ -47,6 +47,8 @@ def _doc(**node_overrides):
     ({"alias_of": 7}, "alias_of"),
     ({"id": 0}, "ids must be 0, 1, 2"),
     ({"phase": "sideways"}, "phase"),
+    ({"held": [0], "deps": []}, "not in its 'deps'"),
+    ({"held": 0}, "'held'"),
 ])
 def test_each_defect_names_the_node_and_the_problem(override, words):
     with pytest.raises(GraphError, match=words) as info:
@@ -70,6 +72,20 @@ def test_optional_fields_may_be_left_out():
     nd["module"] = "model.h.0.attn"  # a field a later version adds is ignored, not refused
     g = Graph.from_dict(doc)
     assert g.ops == ("", "") and not g.is_view.any() and g.deps(1).tolist() == [0]
+
+
+def test_what_the_code_holds_is_a_dep_for_memory_and_none_for_the_data_flow(tmp_path):
+    doc = _doc()
+    doc["nodes"].append({"id": 2, "name": "c", "op": "x", "phase": "forward", "cost": 1.0, "mem": 4, "deps": [0, 1],
+                         "alias_of": None, "held": [0]})  # Python holds a until c ran; c reads only b
+    g = Graph.from_dict(doc)
+    assert g.deps(2).tolist() == [0, 1] and g.held[2] == (0,)
+    save_graph(g, tmp_path / "g.json")
+    assert load_graph(tmp_path / "g.json").hash == g.hash
+    flow = g.without_held()
+    assert flow.deps(2).tolist() == [1] and flow.users(0).tolist() == [1] and not any(flow.held)
+    plain = chain(2)
+    assert plain.without_held() is plain  # nothing held: the graph itself
 
 
 def test_a_graph_without_fixed_mem_is_refused():

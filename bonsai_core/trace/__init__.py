@@ -252,6 +252,7 @@ def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[st
     held = [(int(forward[a]), int(forward[b])) for a, b in held_until(step, forward_ops)]
     for v, extra in _held_by_python(graph, held, {u for _, u in pairs}).items():
         data["nodes"][v]["deps"] = sorted(set(data["nodes"][v]["deps"]) | extra)
+        data["nodes"][v]["held"] = sorted(extra)
     graph = Graph.from_dict(data)
     for v, u in pairs:
         if _runs_in_place(graph, fx_nodes[fx_names[v]], ids, v, u):
