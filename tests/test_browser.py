@@ -220,6 +220,7 @@ def test_budget_slider_moves_the_memory_plot_within_a_second(page, server):
     # the tour's "drag the budget" step reruns the whole app once when done (explorer/tour.py): closed
     # here, so every drag below reruns the budget's fragment alone
     page.get_by_role("button", name="Close tour").click()
+    page.get_by_role("button", name="Close tour").wait_for(state="detached")  # the close's whole-app rerun ran
     wait_idle(page)
     page.wait_for_selector(CHART_TEXT)
     # every Vega-Lite chart of the page (the memory chart first, the tensor lifetimes under it) drawn
