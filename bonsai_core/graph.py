@@ -136,11 +136,7 @@ class Graph:
             held_lists = [()] * n if held is None else [tuple(sorted(set(int(d) for d in ds))) for ds in held]
         except (OverflowError, ValueError, TypeError) as e:
             raise GraphError(f"A node's cost, mem, deps or alias_of is not a number in range ({e}).") from None
-        self.dep_ptr = np.zeros(n + 1, dtype=np.int64)
-        self.dep_ptr[1:] = np.cumsum([len(ds) for ds in dep_lists])
-        self.dep_idx = np.fromiter((d for ds in dep_lists for d in ds), dtype=np.int64, count=int(self.dep_ptr[-1]))
-        if len(self.dep_idx) > MAX_EDGES:
-            raise GraphError(f"The graph has {len(self.dep_idx)} edges; this tool handles at most {MAX_EDGES}.")
+        self.dep_ptr, self.dep_idx = _csr(dep_lists)
         for arr, what in ((self.ops, "ops"), (self.phases, "phases"), (self.cost, "cost"), (self.mem, "mem"),
                           (self.alias_of, "alias_of"), (self.inplace_of, "inplace_of"), (self.shapes, "shapes"),
                           (dep_lists, "deps"), (held_lists, "held")):
@@ -150,18 +146,9 @@ class Graph:
         # (trace's _held_by_python); they count as deps everywhere but in drawing the data flow (without_held)
         self.held = tuple(held_lists)
         self._without_held: Graph | None = None  # computed once, on first use
-        for v, hs in enumerate(self.held):
-            if hs and not set(hs) <= set(dep_lists[v]):
-                raise GraphError(f"Node {v} ({self.names[v]!r}) lists 'held' ids {sorted(set(hs) - set(dep_lists[v]))} "
-                                 "that are not in its 'deps': a held tensor is a dep too. Drop 'held' (it is optional).")
         self._validate()
-
-        # Consumers, as CSR: the transpose of the dependency matrix.
-        order = np.argsort(self.dep_idx, kind="stable")
-        dst = np.repeat(np.arange(n, dtype=np.int64), np.diff(self.dep_ptr))
-        self.user_idx = dst[order]
-        self.user_ptr = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(np.bincount(self.dep_idx, minlength=n), out=self.user_ptr[1:])
+        self._validate_held(dep_lists)
+        self.user_ptr, self.user_idx = _transposed(self.dep_ptr, self.dep_idx)  # consumers, as CSR
         self.is_output = np.diff(self.user_ptr) == 0
         self._validate_inplace()
         self.is_forward = np.array([p == "forward" for p in self.phases], dtype=bool)
@@ -248,6 +235,12 @@ class Graph:
                                      "base's storage, so its mem must be 0.")
             elif c <= 0:
                 raise GraphError(f"{where} has cost 0 but is not a view; every computed node costs time > 0.")
+
+    def _validate_held(self, dep_lists: list[list[int]]) -> None:
+        for v, hs in enumerate(self.held):
+            if hs and not set(hs) <= set(dep_lists[v]):
+                raise GraphError(f"Node {v} ({self.names[v]!r}) lists 'held' ids {sorted(set(hs) - set(dep_lists[v]))} "
+                                 "that are not in its 'deps': a held tensor is a dep too. Drop 'held' (it is optional).")
 
     def _validate_inplace(self) -> None:
         """An in-place write (``inplace_of`` u of node v) reads u, has u's bytes, and is u's last reader in
@@ -464,6 +457,25 @@ class Graph:
             fsdp = _fsdp_field(fsdp, len(parsed))
         return cls.from_nodes(_str_field(data.get("name", "graph"), "'name'"), fixed_mem, parsed, fixed_tensors,
                               modules, optimizer, fsdp)
+
+
+def _csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The CSR (ptr, idx) of ``rows`` (a node's deps each), refused beyond ``MAX_EDGES`` entries."""
+    ptr = np.zeros(len(rows) + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum([len(r) for r in rows])
+    if ptr[-1] > MAX_EDGES:
+        raise GraphError(f"The graph has {int(ptr[-1])} edges; this tool handles at most {MAX_EDGES}.")
+    return ptr, np.fromiter((d for r in rows for d in r), dtype=np.int64, count=int(ptr[-1]))
+
+
+def _transposed(ptr: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The CSR (ptr, idx) of the transpose of the CSR (``ptr``, ``idx``) of n rows over n columns."""
+    n = len(ptr) - 1
+    order = np.argsort(idx, kind="stable")
+    rows = np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr))
+    t_ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(idx, minlength=n), out=t_ptr[1:])
+    return t_ptr, rows[order]
 
 
 def _node_ids(ids: Iterable[int | None]) -> np.ndarray:
