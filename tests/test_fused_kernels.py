@@ -246,6 +246,7 @@ def test_trace_step_reads_the_batch_sizes_of_real_inputs():
     assert -0.01 <= no_remat_peak(graph) / measured - 1 <= 0.05
 
 
+@pytest.mark.slow  # the packed LSTM's back-end run is also test_the_checkpoint_back_end_predicts_recurrent_models'
 def test_the_checkpoint_back_end_trains_a_packed_lstm(tmp_path):
     """Bonsai at 90% (at this small size it has no plan at 80%), the checkpoint back-end:
     the same loss and gradients, its own prediction within 5% (never more than 1% under)."""
@@ -262,6 +263,7 @@ def test_the_checkpoint_back_end_predicts_a_recomputed_gru(tmp_path):
     assert abs(v.realised_peak_error) <= 0.01, v.to_dict()
 
 
+@pytest.mark.slow  # the packed LSTM's back-end run is also test_the_checkpoint_back_end_predicts_recurrent_models'
 def test_the_cli_trains_a_packed_lstm_through_the_checkpoint_back_end(tmp_path, capsys):
     """`bonsai trace`, `solve`, `export --backend checkpoint` and `verify` of a packed-sequence LSTM."""
     from bonsai_core.cli import main
