@@ -242,3 +242,13 @@ def test_a_dropout_that_drops_nothing_is_no_copy(dropouts, train):
     g = trace_step(_mlp(*dropouts).train(train), inputs, loss_fn).graph
     assert g.ops == plain.ops and not any(op.startswith("aten.clone") for op in g.ops)
     assert simulate(g, none_schedule(g)).peak == simulate(plain, none_schedule(plain)).peak
+
+
+def test_what_the_code_holds_never_makes_a_separated_output_an_op_of_its_own():
+    """HF GPT-2 holds its embeddings until the final layer norm: the holder is that op, not its rstd
+    output (a getitem with a dep more would be rebuilt alone, without its op: rstd None in the export)."""
+    graph = trace_model("tests.export_models:hf_gpt2").graph
+    holders = [v for v, held in enumerate(graph.held) if held]
+    assert holders and all(graph.ops[v] != "getitem" for v in holders)
+    separated = [v for v in range(graph.n) if graph.ops[v] == "getitem" and graph.mem[v] > 0 and not graph.is_view[v]]
+    assert separated and all(graph.output_of[v] >= 0 for v in separated)

@@ -263,7 +263,8 @@ def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[st
 def _held_by_python(graph: Graph, held: list[tuple[int, int]], written: set[int]) -> dict[int, set[int]]:
     """Extra deps, by graph node, for the forward tensors eager keeps beyond the functional graph's last
     read (``held``: (u, w), u's storage dropped only after node w ran, as the forward run of
-    :func:`bonsai_core.modules.record_step` saw it): the node at or before w that is no view reads u.
+    :func:`bonsai_core.modules.record_step` saw it): the node at or before w that is no view (nor a
+    separated output, ``Graph.output_of``) reads u.
     Python holds them: a submodule call's arguments until the call returns, a caller's local
     (``inputs_embeds`` through a whole transformers model), the model's output (logits, a key/value
     cache) until the loss function returns. Invisible where autograd saves those tensors anyway, they
@@ -273,7 +274,8 @@ def _held_by_python(graph: Graph, held: list[tuple[int, int]], written: set[int]
     for u, w in held:
         if u in written or not graph.is_forward[u]:
             continue
-        v = next((x for x in range(w, u, -1) if graph.alias_of[x] < 0), -1)
+        # no view, and no separated output of a multi-output op: a dep more would make it an op of its own
+        v = next((x for x in range(w, u, -1) if graph.alias_of[x] < 0 and graph.output_of[x] < 0), -1)
         if v > u and int(graph.users(u).max(initial=-1)) < v:  # else the graph holds it that long already
             extra.setdefault(v, set()).add(u)
     return extra
