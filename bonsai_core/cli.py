@@ -202,7 +202,7 @@ def cmd_methods(args: argparse.Namespace) -> int:
     for m, entry in listing.items():
         print(f"{m:10s} {entry['description']}")
         if entry["options"] is None:
-            print("           options: none declared (a method registered without OPTIONS: any --option is passed on unchecked)")
+            print("           options: none declared (its solver takes **kwargs: any --option is passed on unchecked)")
         for o in entry["options"] or ():
             print(f"           --option {o['name']}=...  {o['type']}, default {o['default']!r}"
                   + (f": {o['help']}" if o["help"] else ""))

@@ -97,12 +97,12 @@ def _option_help(doc: str | None, names: list[str]) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def method_options(method: str) -> tuple[MethodOption, ...] | None:
-    """The options ``method`` declares, in signature order (None: it still accepts any keyword).
+    """The options ``method`` declares, in signature order (None: its solver takes ``**kwargs``, so any keyword passes).
     Read once per method from its signature and docstring."""
     solver = get_solver(method)
     params = inspect.signature(solver).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None  # a solver not yet converted to declared options: anything passes
+        return None  # keyword-only parameters are the declared options; **kwargs declares none
     try:
         hints = typing.get_type_hints(solver)
     except Exception:  # an annotation that does not resolve: fall back to the default's type
