@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from bonsai_core.arguments import (SOLVE_TIME_LIMIT, allocator_policy, budget_arg, overhead_arg, positive, positive_int,
                                    reserved_policy, reshard_arg, solve_time_limit, time_limit_arg)
-from bonsai_core.errors import BonsaiError, BudgetError
+from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.optimizer import OPTIMIZERS
 from bonsai_core.units import format_bytes
 
@@ -260,12 +260,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_fit(args: argparse.Namespace) -> int:
     from bonsai_core import fit
-    from bonsai_core.solvers import METHODS
 
     methods = args.methods or ["none", "bonsai", "chen", "dtr"]
     for m in methods:
-        if m not in METHODS:
-            args.parser.error(f"argument --methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
+        try:
+            fit.method_variant(m)
+        except SolverError as e:
+            args.parser.error(f"argument --methods: {e}")
     if args.gpu.fraction is not None:
         args.parser.error("argument --gpu: give the GPU's memory in bytes or with a unit (80GiB), not a share")
     reserved = reserved_policy(args)
@@ -521,7 +522,8 @@ def _add_fit_parser(sub: Any) -> None:
     p.add_argument("--start", type=positive_int, default=1, metavar="N", help="the first size tried (default 1)")
     p.add_argument("--max-overhead", type=overhead_arg, default=0.10, metavar="PCT",
                    help="the largest recompute overhead accepted (default 10%%)")
-    p.add_argument("--methods", nargs="+", metavar="METHOD", help="default: none bonsai chen dtr")
+    p.add_argument("--methods", nargs="+", metavar="METHOD",
+                   help="default: none bonsai chen dtr; a variant as METHOD:NAME=VALUE,... (bonsai:offload=true)")
     p.add_argument("--optimizer", default="none", choices=OPTIMIZERS, help="the optimizer step (see trace)")
     add_fsdp_arguments(p)
     p.add_argument("--reserved", action="store_true", help="the GPU's memory bounds the caching allocator's reserved bytes")

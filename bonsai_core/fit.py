@@ -7,13 +7,15 @@ method fits, then bisecting each method's boundary. A method *fits* a size when 
 within the limit whose overhead is at most ``max_overhead`` (``none``: the no-remat peak fits).
 Larger sizes are taken never to fit where a smaller one does not (activations grow with the size).
 Each size is traced once, whatever the number of methods; the cost of a search is
-O(log(largest size)) traces and solves per method.
+O(log(largest size)) traces and solves per method. A method may be a variant, ``METHOD:NAME=VALUE,...``
+(``bonsai:offload=true``): the method with those options, searched and reported as a method of its own.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
@@ -64,6 +66,18 @@ class FitResult:
     @property
     def methods(self) -> list[str]:
         return list(dict.fromkeys(a.method for a in self.attempts))
+
+
+def method_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """``METHOD[:NAME=VALUE,...]`` as the method and its options, typed as ``--option`` types them
+    (``bonsai:offload=true`` -> ("bonsai", {"offload": True})); SolverError naming what is wrong."""
+    from bonsai_core.solvers import METHODS, parse_option
+
+    method, _, listed = spec.partition(":")
+    if method not in METHODS:
+        raise SolverError(f"Unknown method {method!r} in {spec!r} (choose from {', '.join(METHODS)}); a variant is "
+                          "METHOD:NAME=VALUE,... such as bonsai:offload=true.")
+    return method, dict(parse_option(method, text) for text in listed.split(",") if text.strip())
 
 
 def attempt(graph: Graph, size: int, method: str, limit: int, max_overhead: float, reserved: str | None,
@@ -137,13 +151,15 @@ def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_
     fits ``limit`` bytes with overhead at most ``max_overhead``. ``vary`` is the model option searched
     (``batch`` or ``seq``); ``options`` fix the others; ``optimizer`` adds its state and step
     (``bonsai_core.optimizer``); ``reserved`` ("caching" or "expandable") makes ``limit`` bound the
-    allocator model's reserved bytes; ``solver_options`` go to every method (``time_limit`` ...)."""
+    allocator model's reserved bytes; ``solver_options`` go to every method (``time_limit`` ...), a variant's
+    own options (:func:`method_variant`) on top."""
     from bonsai_core.optimizer import with_optimizer
     from bonsai_core.trace import trace_model
 
     if vary not in ("batch", "seq"):
         raise BonsaiError(f"--vary {vary!r}: fit searches the micro-batch ('batch') or the sequence length ('seq').")
     options = {k: v for k, v in (options or {}).items() if k != vary}
+    variants = {m: method_variant(m) for m in methods}  # refused before any trace
     attempts: list[Attempt] = []
     traces: dict[int, float] = {}
     peaks: dict[int, int] = {}
@@ -155,8 +171,10 @@ def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_
         peaks[size] = no_remat_peak(graph)
         result = {}
         for m in methods:
-            a = attempt(graph, size, m, limit, max_overhead, reserved,
-                        {} if m == "none" else dict(solver_options or {}))
+            method, own = variants[m]
+            a = attempt(graph, size, method, limit, max_overhead, reserved,
+                        {} if method == "none" else {**(solver_options or {}), **own})
+            a = replace(a, method=m)  # a variant is reported under its own name
             attempts.append(a)
             result[m] = a.fits
             if progress:
@@ -235,6 +253,7 @@ def write_report(result: FitResult, out_dir: str) -> list[str]:
     for m in result.methods:
         best = result.best(m)
         if best is not None and best.schedule is not None:
-            (out / f"plan-{m}.json").write_text(json.dumps(best.schedule.to_dict(), separators=(",", ":")) + "\n")
-            written.append(f"plan-{m}.json")
+            name = "plan-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", m) + ".json"  # bonsai:offload=true -> plan-bonsai-offload-true
+            (out / name).write_text(json.dumps(best.schedule.to_dict(), separators=(",", ":")) + "\n")
+            written.append(name)
     return written
