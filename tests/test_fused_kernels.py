@@ -255,6 +255,7 @@ def test_the_checkpoint_back_end_trains_a_packed_lstm(tmp_path):
     assert -0.05 <= v.realised_peak_error <= 0.01, v.to_dict()
 
 
+@pytest.mark.slow  # 25 s; the default run keeps test_a_gru_is_predicted_by_what_its_cells_keep
 def test_the_checkpoint_back_end_predicts_a_recomputed_gru(tmp_path):
     """The GRU module is recomputed (its cells' in-place gates are views no run-time op makes: made with
     their base), within 1% of the measured step."""
