@@ -27,3 +27,28 @@ def traced_zoo():
     from bonsai_core.trace import trace_model
 
     return {name: trace_model(name) for name in ZOO}
+
+
+# -- the browser tests' served app and headless Chromium (tests/test_browser*.py), one of each per module --
+
+@pytest.fixture(scope="module")
+def server():
+    """The explorer served on a free port (tests.test_browser.serve): its URL."""
+    from tests.test_browser import serve
+
+    with serve() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium, headless, driven by Playwright."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.test_browser import BROWSER_ARGS, CHROMIUM, SHOTS
+
+    SHOTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        yield b
+        b.close()

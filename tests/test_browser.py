@@ -106,23 +106,6 @@ def serve(solve_ahead: bool = False):
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serve() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    SHOTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture(scope="module")
 def page(browser):
     pg = browser.new_page(viewport={"width": 1440, "height": 1000})
     pg.set_default_timeout(60_000)

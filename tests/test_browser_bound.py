@@ -7,29 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_browser import BROWSER_ARGS, CHROMIUM, SHOTS, serve, wait_idle  # noqa: F401
-from tests.test_browser_events import no_exception, open_at
+from tests.test_browser import CHROMIUM, SHOTS, wait_idle
+from tests.test_browser_events import CHART_TEXTS, no_exception, open_at
 
 pytestmark = pytest.mark.skipif(not __import__("os").path.exists(CHROMIUM), reason="Debian's chromium is not installed")
-
-CHART_TEXTS = "() => [...document.querySelectorAll('[data-testid=\"stVegaLiteChart\"] text')].map(t => t.textContent)"
-
-
-@pytest.fixture(scope="module")
-def server():
-    with serve() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    SHOTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        yield b
-        b.close()
 
 
 def test_a_reserved_plan_from_a_link_shows_its_bound_on_the_memory_chart(browser, server):

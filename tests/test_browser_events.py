@@ -7,30 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_browser import BROWSER_ARGS, CHROMIUM, SHOTS, serve, wait_idle  # noqa: F401
+from tests.test_browser import CHROMIUM, SHOTS, wait_idle
 from tests.test_browser_graph import assert_labels_legible
+
+# every text of the page's Vega-Lite charts (their marks, labels and annotations)
+CHART_TEXTS = "() => [...document.querySelectorAll('[data-testid=\"stVegaLiteChart\"] text')].map(t => t.textContent)"
 
 pytestmark = pytest.mark.skipif(not __import__("os").path.exists(CHROMIUM), reason="Debian's chromium is not installed")
 
 GRID = '[data-testid="stDataFrame"]'
 ROW_PX = 35  # Streamlit's data grid: header and rows
-
-
-@pytest.fixture(scope="module")
-def server():
-    with serve() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    SHOTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        yield b
-        b.close()
 
 
 def open_at(browser, url: str, scheme: str = "light"):
@@ -74,10 +60,9 @@ def test_events_are_listed_clickable_and_light_the_graph(browser, server, scheme
         pg.locator('[data-testid="stSidebarNav"] a[href$="/memory"]').click()
         wait_idle(pg)
         pg.wait_for_selector("text=↻2 At backward step")
-        chart_texts = "() => [...document.querySelectorAll('[data-testid=\"stVegaLiteChart\"] text')].map(t => t.textContent)"
         # the events marked on the memory curve (Vega draws the chart's text after the page settles)
-        pg.wait_for_function(f"() => ['↻1', '↻2', '↻4'].every(m => ({chart_texts})().includes(m))")
-        marks = pg.evaluate(chart_texts)
+        pg.wait_for_function(f"() => ['↻1', '↻2', '↻4'].every(m => ({CHART_TEXTS})().includes(m))")
+        marks = pg.evaluate(CHART_TEXTS)
         assert not any("reserved" in t for t in marks)  # reserved bytes are off by default
         click_event(pg, 4)
         no_exception(pg)

@@ -19,7 +19,7 @@ from bonsai_core.graph import load_graph
 from bonsai_core.regions import block_stack
 from explorer import module_graph
 from explorer.state import DEFAULT_GRAPH
-from tests.test_browser import BROWSER_ARGS, CHROMIUM, SHOTS, serve, wait_idle, yardstick  # noqa: F401
+from tests.test_browser import CHROMIUM, SHOTS, wait_idle, yardstick
 
 pytestmark = pytest.mark.skipif(not __import__("os").path.exists(CHROMIUM), reason="Debian's chromium is not installed")
 
@@ -34,23 +34,6 @@ PAINTED = """() => {
 }"""
 MARK_OLD = """() => document.querySelectorAll('[data-testid="stVegaLiteChart"] canvas')
                       .forEach(c => c.dataset.old = 1)"""
-
-
-@pytest.fixture(scope="module")
-def server():
-    with serve() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    SHOTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        yield b
-        b.close()
 
 
 def open_page(browser, scheme: str = "light"):

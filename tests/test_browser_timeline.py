@@ -8,28 +8,11 @@ import time
 
 import pytest
 
-from tests.test_browser import BROWSER_ARGS, CHART_CANVAS, CHROMIUM, SHOTS, serve, wait_idle  # noqa: F401
+from tests.test_browser import CHART_CANVAS, SHOTS, wait_idle
 from tests.test_browser import pytestmark  # noqa: F401  (skips without chromium)
 
 CHART = '[data-testid="stVegaLiteChart"]'
 STEP = '[data-testid="stMarkdownContainer"] p'
-
-
-@pytest.fixture(scope="module")
-def server():
-    with serve() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    SHOTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        yield b
-        b.close()
 
 
 def open_memory(browser, url: str, scheme: str = "light"):
