@@ -19,9 +19,11 @@ back after the recomputation, so they change once per step, as without checkpoin
 import contextlib
 import functools
 import sys
+import weakref
 from collections import Counter
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 # One name for the fused attention kernel whichever device runs it (op names in a plan use it too).
@@ -146,15 +148,218 @@ def apply_saves(model, save, made_for="this model", make_contexts=contexts):
 
 
 def remove_checkpoints(model):
-    """Undo :func:`apply_saves` on ``model`` (in place): every checkpointed submodule runs its own
-    forward again. Returns the paths it restored."""
+    """Undo :func:`apply_saves` and :func:`apply_offloads` on ``model`` (in place): every checkpointed
+    submodule runs its own forward again, and nothing is offloaded. Returns the paths it restored."""
     restored = []
     for path, module in model.named_modules():
-        if is_checkpointed(module):
+        while is_checkpointed(module) or is_offloading(module):
             original = module.forward.original_forward
             if getattr(original, "__self__", None) is module and getattr(original, "__func__", None) is type(module).forward:
                 del module.forward  # the class's own forward again
             else:
                 module.forward = original
-            restored.append(path)
+            if path not in restored:
+                restored.append(path)
     return restored
+
+
+# -- offload to host (simulator rule 9): saved tensors the plan copies to host memory ----------------
+#
+# A plan may offload forward tensors that are computed once, kept (outside every checkpointed
+# submodule) and read by the backward pass: the ``offload`` dict names them as ``save`` names ops,
+# submodule path -> {aten op: [k, ...]} (the output of the k-th call of that op inside one forward of
+# that submodule). As ``torch.autograd.graph.save_on_cpu`` and torchtune's activation offloading do, a
+# saved-tensor pack hook copies such a tensor to host memory when autograd saves it, so the device
+# bytes go when the forward pass drops the tensor, and the unpack hook copies it back when the
+# backward pass first reads it. Only the planned tensors move: a light dispatch mode inside the named
+# submodules counts their ops and notes the storages of the planned outputs; the pack hook offloads a
+# saved tensor whose storage is noted (a saved view of it comes back as the same view of the copy).
+
+def _is_fake(tensor):
+    """Whether ``tensor`` holds no data (a fake or meta tensor: bonsai checks a plan on those)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.is_meta or is_fake(tensor)
+
+
+_OFFLOAD_STREAMS = {}
+
+
+def _offload_stream(direction, device):
+    """The one CUDA copy stream of ``direction`` ("d2h" or "h2d") on ``device``."""
+    key = (direction, device.index)
+    if key not in _OFFLOAD_STREAMS:
+        _OFFLOAD_STREAMS[key] = torch.cuda.Stream(device)
+    return _OFFLOAD_STREAMS[key]
+
+
+class HostCopy:
+    """One offloaded storage: its host copy, made now, and the device copy the backward pass reads,
+    made at the first unpack and dropped once every saved tensor of the storage was unpacked."""
+
+    def __init__(self, base):
+        self.device = base.device
+        self.pending = 0  # saved tensors of this storage not unpacked yet
+        self.reloaded = None
+        self.event = None
+        if self.device.type != "cuda" or _is_fake(base):
+            # the CPU's device and host memory are one: a copy that a measuring dispatch mode counts apart
+            self.host = base.clone()
+            from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+            for mode in _get_current_dispatch_mode_stack():
+                if hasattr(mode, "count_on_host"):
+                    mode.count_on_host(self.host)
+            return
+        stream = _offload_stream("d2h", self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.host = torch.empty_like(base, device="cpu", pin_memory=True)
+            self.host.copy_(base, non_blocking=True)
+        base.record_stream(stream)  # the device block is given back when the copy has ended
+        self.event = stream.record_event()
+
+    def unpacked(self):
+        """The device copy (copied back at the first call), for one saved tensor."""
+        value = self.reloaded
+        if value is None:
+            if self.device.type != "cuda" or _is_fake(self.host):
+                value = self.host.clone()
+            else:
+                stream = _offload_stream("h2d", self.device)
+                value = torch.empty_like(self.host, device=self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                stream.wait_event(self.event)
+                with torch.cuda.stream(stream):
+                    value.copy_(self.host, non_blocking=True)
+                value.record_stream(stream)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.pending -= 1
+        self.reloaded = value if self.pending > 0 else None
+        return value
+
+
+class Offloader:
+    """The saved-tensor hooks of one model: storages noted by :class:`OffloadCounter`, offloaded when
+    autograd saves them. ``packed`` / ``noted`` (when not None) collect the names of what was found."""
+
+    def __init__(self):
+        self.noted = {}  # storage key -> (weakref to the storage, the planned output's name)
+        self.copies = {}  # storage key -> its HostCopy, for this forward
+        self.busy = False  # inside a hook: the counters do not count the hooks' own ops
+        self.packed = None  # names of planned outputs offloaded, when collecting (bonsai's check)
+        self.found = None  # name -> weakref to its storage, when collecting
+
+    def note(self, tensor, name):
+        storage = tensor.untyped_storage()
+        self.noted[storage._cdata] = (weakref.ref(storage), name)
+        self.copies.pop(storage._cdata, None)  # a new storage at a reused address
+        if self.found is not None:
+            self.found[name] = weakref.ref(storage)
+
+    def pack(self, tensor):
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        entry = self.noted.get(key)
+        if entry is None or entry[0]() is not storage:
+            return tensor
+        copy = self.copies.get(key)
+        if copy is None:
+            self.busy = True
+            try:
+                with torch.no_grad():
+                    whole = tensor.detach().as_strided((storage.nbytes() // tensor.element_size(),), (1,), 0)
+                    copy = self.copies[key] = HostCopy(whole)
+            finally:
+                self.busy = False
+            if self.packed is not None:
+                self.packed.add(entry[1])
+        copy.pending += 1
+        return copy, tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        copy, shape, stride, offset = packed
+        self.busy = True
+        try:
+            with torch.no_grad():
+                return copy.unpacked().as_strided(shape, stride, offset)
+        finally:
+            self.busy = False
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def forget(self):
+        """After a forward: the next one notes its own storages (the copies live with autograd's graph)."""
+        self.noted.clear()
+        self.copies.clear()
+
+
+class OffloadCounter(TorchDispatchMode):
+    """Inside one forward of a submodule: counts its ops as SAC does (by name, SAME_OP's names) and
+    notes the output storage of each call ``offload`` names (op -> [k, ...]) with ``offloader``."""
+
+    def __init__(self, offload, offloader, path):
+        super().__init__()
+        self.offload = offload
+        self.offloader = offloader
+        self.path = path
+        self.seen = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+        out = func(*args, **(kwargs or {}))
+        if self.offloader.busy or func in SAC_IGNORED_OPS:
+            return out
+        name = SAME_OP.get(str(func), str(func))
+        k = self.seen[name]
+        self.seen[name] += 1
+        if k in self.offload.get(name, ()) and isinstance(out, torch.Tensor):
+            self.offloader.note(out, (self.path, name, k))
+        return out
+
+
+def offloading(forward, offload, offloader, path, hooks=False):
+    """``forward`` run with ``offload``'s outputs noted (an :class:`OffloadCounter`) and, with
+    ``hooks`` (the model's own forward), under ``offloader``'s saved-tensor hooks."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            if hooks:
+                stack.enter_context(offloader.hooks())
+            if offload:
+                stack.enter_context(OffloadCounter(offload, offloader, path))
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                if hooks:
+                    offloader.forget()
+
+    run.original_forward = forward  # what remove_checkpoints puts back
+    run.offloader = offloader
+    return run
+
+
+def is_offloading(module):
+    """Whether ``module``'s forward was wrapped by :func:`offloading`."""
+    return hasattr(module.forward, "offloader") and hasattr(module.forward, "original_forward")
+
+
+def apply_offloads(model, offload, made_for="this model"):
+    """Offload the saved tensors ``offload`` names (submodule path -> {aten op: [k, ...]}) to host
+    memory in every training step of ``model`` (in place; after :func:`apply_saves`); return the
+    :class:`Offloader`. ``remove_checkpoints`` undoes it."""
+    modules = dict(model.named_modules())
+    missing = [path for path in offload if path not in modules]
+    if missing:
+        raise ValueError(f"The model has no submodule {missing[0]!r}: this plan was made for {made_for!r} "
+                         f"({type(model).__name__} differs). Make the plan again for this model.")
+    offloader = Offloader()
+    for path in sorted(set(offload) | {""}, key=len, reverse=True):  # the model's own forward last (outermost)
+        module = modules[path]
+        module.forward = offloading(module.forward, offload.get(path, {}), offloader, path, hooks=path == "")
+    return offloader
