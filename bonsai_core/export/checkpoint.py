@@ -54,6 +54,7 @@ The folder is written by :func:`bonsai_core.export.folder.write_folder` with the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pprint
 from collections import Counter
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ from bonsai_core.export.folder import ExportError, schedule_info, trace_for_sche
 from bonsai_core.export.readme import checkpoint_readme
 from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
+from bonsai_core.offload import with_offloads
 from bonsai_core.regions import CheckpointPlan, dropped_nodes, useful_saved
 from bonsai_core.schedule import COMPUTE, FREE, Schedule, schedule_ops, simulate
 from bonsai_core.trace import autocast_context, built_for_tracing
@@ -101,22 +103,36 @@ class CheckpointLayout:
     unrealised: list[int]  # dropped nodes that stay saved (no unit holds them with their readers)
     unrealised_bytes: int
     realised_peak: int  # the simulator's peak of what the checkpoints really run (realised_sequence)
+    # the plan's offloaded nodes the run offloads (saved-tensor hooks), by (submodule path, aten op, k)
+    offloaded: dict[tuple[str, str, int], int] = dataclasses.field(default_factory=dict)
+    offloaded_bytes: int = 0
+    host_peak: int = 0  # the simulator's pinned host bytes of those offloads
 
     @property
     def save(self) -> dict[str, dict[str, list[int]]]:
         """The plan as the runtime applies it: submodule path -> its save policy."""
         return {u.path: u.saves for u in self.units}
 
+    @property
+    def offload(self) -> dict[str, dict[str, list[int]]]:
+        """The offloads as the runtime applies them (``apply_offloads``): submodule path -> {aten op: [k, ...]}."""
+        out: dict[str, dict[str, list[int]]] = {}
+        for path, op, k in sorted(self.offloaded):
+            out.setdefault(path, {}).setdefault(op, []).append(k)
+        return out
+
 
 # -- plan -> units ---------------------------------------------------------------------------------
 
-def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Collection[str] = ()) -> CheckpointLayout:
+def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Collection[str] = (),
+           synchronous: bool = True) -> CheckpointLayout:
     """Choose the checkpointed submodules and their save policies for ``plan`` (see the module doc),
-    never a submodule named in ``exclude``.
+    never a submodule named in ``exclude``, and the plan's offloads the run can make (:func:`offload_names`).
 
     The candidates are the outermost module calls chosen for the dropped nodes; then, while it lowers
-    the simulated peak of what the checkpoints will really do (:func:`realised_sequence`), a unit is
-    replaced by the chosen calls nested in it, or removed. O(units * (n + edges)) per pass."""
+    the simulated peak of what the checkpoints will really do (:func:`realised_sequence`, with the
+    offloads; ``synchronous``: each offload's copy ends before the next compute, as on the CPU), a unit
+    is replaced by the chosen calls nested in it, or removed. O(units * (n + edges)) per pass."""
     node_at, runtime_of = _align_forward(graph, step)
     dropped = dropped_nodes(graph, plan)
     read_by_backward = np.zeros(graph.n, dtype=bool)
@@ -130,14 +146,39 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Coll
     # output only the recomputation reads: its policy says MUST_SAVE, as the plan does)
     read_later = read_by_backward.copy()
     read_later[list(useful_saved(graph, plan).saved)] = True
-    candidates = _Candidates(graph, node_at, read_later, calls, chosen, rebuilt)
+    names = offload_names(graph, plan, step, runtime_of)
+    candidates = _Candidates(graph, node_at, read_later, calls, chosen, rebuilt, names, synchronous)
     units, best = candidates.improve(candidates.outermost(list(chosen)))
     parts, realised = candidates.realise(units)
     saved = kept_for_backward(graph, read_later, realised)
     out = [_unit(graph, step, node_at, saved, calls[i], nodes, drops, chains) for i, (nodes, drops) in zip(units, parts)]
     unrealised = np.flatnonzero(dropped & ~realised)
+    sim = candidates.simulated(units)
+    offloaded = candidates.offloaded(parts) if sim is not None else set()
     return CheckpointLayout(out, int(graph.mem[dropped].sum()), unrealised.tolist(), int(graph.mem[unrealised].sum()),
-                            best if units else candidates.peak([]))
+                            2**62 if sim is None else sim.peak, {name: v for name, v in names.items() if v in offloaded},
+                            int(graph.mem[sorted(offloaded)].sum()) if offloaded else 0, 0 if sim is None else sim.host_peak)
+
+
+def offload_names(graph: Graph, plan: CheckpointPlan, step: RecordedStep, runtime_of: np.ndarray) -> dict[tuple[str, str, int], int]:
+    """The plan's offloaded nodes a run can name, by (submodule path, aten op, k): the output of the k-th
+    call of the op (SAC's count, ``SAME_OP``'s names) inside one forward of the innermost module call
+    holding the node's op that runs once per step (the model's own call: path ""). A separated output
+    of a multi-output op (``getitem``) and an op no module call holds (the loss's) have no name: they
+    stay on the device."""
+    once = [(p, a, b) for p, a, b in step.calls if step.call_counts[p] == 1]
+    names: dict[tuple[str, str, int], int] = {}
+    for v in sorted(plan.offloaded):
+        r = int(runtime_of[v])
+        if r < 0 or graph.output_of[v] >= 0 or graph.ops[v] == "getitem":
+            continue
+        holding = [(p, a) for p, a, b in once if a <= r < b]
+        if not holding:
+            continue
+        path, a = max(holding, key=lambda c: c[1])  # the innermost: the latest start (calls nest)
+        op = SAME_OP.get(step.ops[r], step.ops[r])
+        names[(path, op, sum(SAME_OP.get(o, o) == op for o in step.ops[a:r]))] = v
+    return names
 
 
 def _align_forward(graph: Graph, step: RecordedStep) -> tuple[np.ndarray, np.ndarray]:
@@ -187,6 +228,8 @@ class _Candidates:
     calls: list[tuple[str, int, int]]  # (path, first op, end op) per candidate call
     chosen: dict[int, list[int]]  # call index -> dropped nodes whose innermost holding call it is
     rebuilt: dict[int, list[int]] = None  # call index -> nodes its recomputation rebuilds though kept (in-place chains)
+    offloads: dict[tuple[str, str, int], int] = dataclasses.field(default_factory=dict)  # offload_names
+    synchronous: bool = True  # an offload's copy ends before the next compute (the CPU's)
 
     def inside(self, j: int, i: int) -> bool:
         """Whether call ``j`` runs within call ``i``."""
@@ -219,13 +262,35 @@ class _Candidates:
             out.append((with_unplaced_views(graph, nodes, placed), drops[realised[drops]]))
         return out, realised
 
-    def peak(self, units: list[int]) -> int:
-        """The simulated peak of what checkpointing ``units`` really runs (:func:`realised_sequence`)."""
+    def offloaded(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> set[int]:
+        """The named offloads (``offloads``) the units ``parts`` leave to the saved-tensor hooks: nodes
+        outside every unit that no unit reads (a checkpoint holds its inputs, and SAC its saved outputs,
+        on the device)."""
+        inside = set()
+        for nodes, _ in parts:
+            inside.update(nodes.tolist())
+        graph = self.graph
+        return {v for v in self.offloads.values() if v not in inside
+                and not any(graph.is_forward[u] and u in inside for u in graph.users(v).tolist())}
+
+    def simulated(self, units: list[int]) -> Any:
+        """The simulation of what checkpointing ``units`` really runs (:func:`realised_sequence`), with
+        the offloads they leave (each reloaded right before its first backward reader, as the unpack hook
+        does), or None when the sequence model cannot express it."""
         parts, _ = self.realise(units)
+        offloaded = self.offloaded(parts) if self.offloads else ()
         try:
-            return simulate(self.graph, realised_ops(self.graph, parts, self.read_by_backward)).peak
-        except ScheduleError:  # a layout the sequence model cannot express: never prefer it
-            return 2**62
+            ops = realised_ops(self.graph, parts, self.read_by_backward)
+            if offloaded:
+                ops = with_offloads(self.graph, ops, offloaded, float("inf"), self.synchronous)
+            return simulate(self.graph, ops)
+        except ScheduleError:
+            return None
+
+    def peak(self, units: list[int]) -> int:
+        """The simulated peak of what checkpointing ``units`` really runs (:meth:`simulated`)."""
+        sim = self.simulated(units)
+        return 2**62 if sim is None else sim.peak  # a layout the sequence model cannot express: never prefer it
 
     def improve(self, units: list[int]) -> tuple[list[int], int]:
         """(units, their peak) after replacing a unit by the chosen calls nested in it, or removing it,
@@ -565,17 +630,50 @@ def _checked_step(save: dict[str, dict[str, list[int]]], model: str, net: nn.Mod
 
 
 def faithful_layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep,
-                    mismatches: Callable[[dict[str, dict[str, list[int]]]], dict[str, str]]) -> tuple[CheckpointLayout, dict[str, str]]:
+                    mismatches: Callable[[dict[str, dict[str, list[int]]]], dict[str, str]],
+                    offload_misses: Callable[[CheckpointLayout], set] | None = None,
+                    synchronous: bool = True) -> tuple[CheckpointLayout, dict[str, str]]:
     """The :func:`layout` of ``plan`` without the submodules whose recomputation would not run what their
-    forward ran (``mismatches(save)``: path -> why, :func:`recomputation_mismatches`), and those left out.
-    Each pass leaves out at least one more submodule, so this ends."""
+    forward ran (``mismatches(save)``: path -> why, :func:`recomputation_mismatches`), and those left out;
+    then without the offloads the run would not make (``offload_misses(layout)``: their names,
+    :func:`offload_misses`), which stay on the device and are predicted so. Each pass leaves out at least
+    one more submodule or offload, so this ends."""
     not_checkpointed: dict[str, str] = {}
     while True:
-        lay = layout(graph, plan, step, exclude=not_checkpointed)
+        lay = layout(graph, plan, step, exclude=not_checkpointed, synchronous=synchronous)
         found = mismatches(lay.save)
-        if not found:
+        if found:
+            not_checkpointed.update(found)
+            continue
+        missed = offload_misses(lay) if offload_misses is not None and lay.offloaded else set()
+        if not missed:
             return lay, not_checkpointed
-        not_checkpointed.update(found)
+        plan = dataclasses.replace(plan, offloaded=plan.offloaded - {lay.offloaded[name] for name in missed})
+
+
+def offload_misses(save: dict[str, dict[str, list[int]]], offload: dict[str, dict[str, list[int]]], model: str,
+                   net: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, autocast: str | None = None) -> set:
+    """The names (path, aten op, k) of ``offload`` that one forward + loss of ``net`` (on fake tensors,
+    under the caller's ``FakeTensorMode``) with ``save`` and ``offload`` applied does not offload: never
+    made (another op count than recorded), never packed by the saved-tensor hooks (saved only inside a
+    checkpointed submodule or by the loss), or still held on the device once the loss is computed (by a
+    checkpoint's inputs, SAC's cache, a view the forward keeps). ``net`` is left without them."""
+    from bonsai_core.export_runtime.checkpointing import apply_offloads, remove_checkpoints
+    from bonsai_core.packed import PackedSequences
+
+    wanted = {(path, op, k) for path, ops in offload.items() for op, ks in ops.items() for k in ks}
+    apply_saves(net, save, model)
+    try:
+        offloader = apply_offloads(net, offload, model)
+        offloader.packed, offloader.found = set(), {}
+        with torch.enable_grad(), PackedSequences():
+            with autocast_context(autocast):
+                loss = loss_fn(net(*inputs))
+            held = {name for name, ref in offloader.found.items() if ref() is not None}
+            del loss
+    finally:
+        remove_checkpoints(net)
+    return wanted - (offloader.packed - held)
 
 
 def hidden_caches(model: nn.Module) -> contextlib.AbstractContextManager:
@@ -620,11 +718,6 @@ def _export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, 
             f"{schedule.method!r} schedule is a general recompute sequence (a tensor may be recomputed several "
             "times, or freed before its last use), which torch.utils.checkpoint cannot express. Export it with "
             "--backend replay, or solve with --method bonsai or chen.")
-    if schedule.extra.get("offloaded"):
-        raise ExportError(
-            f"This plan offloads {len(schedule.extra['offloaded'])} saved tensor(s) to host memory, which the "
-            "checkpoint back-end does not apply yet (it would run them kept on the device, above the predicted "
-            "peak). Export it with --backend replay, which runs the offloads, or solve without offload=true.")
     traced = trace_for_schedule(model, options, schedule, profile=profile, seed=seed, autocast=autocast)
     graph = traced.graph
     sim = simulate(graph, schedule)
@@ -639,13 +732,19 @@ def _export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, 
         with built_for_tracing(model, seed, **options) as (net, inputs, loss_fn), _on_fake_tensors(model):
             return recomputation_mismatches(save, model, net, inputs, loss_fn, autocast)
 
-    lay, not_checkpointed = faithful_layout(graph, plan, step, mismatches)
+    def misses(lay: CheckpointLayout) -> set:
+        with built_for_tracing(model, seed, **options) as (net, inputs, loss_fn), _on_fake_tensors(model):
+            return offload_misses(lay.save, lay.offload, model, net, inputs, loss_fn, autocast)
+
+    lay, not_checkpointed = faithful_layout(graph, plan, step, mismatches, misses)
     info = {**schedule_info(graph, schedule, sim, "checkpoint"), "model": model, "options": dict(options), "seed": seed,
             "batch": int(inputs[0].shape[0]) if inputs and inputs[0].dim() else None,
             "realised_peak": lay.realised_peak,
             "dropped_bytes": lay.dropped_bytes, "unrealised_dropped_bytes": lay.unrealised_bytes,
             "unrealised_dropped_nodes": len(lay.unrealised), "not_checkpointed": dict(not_checkpointed),
-            "autocast": autocast, "attention_dropout": records_attention_dropout(graph)}
+            "autocast": autocast, "attention_dropout": records_attention_dropout(graph),
+            "offloaded_tensors": len(lay.offloaded), "offloaded_bytes": lay.offloaded_bytes,
+            "offloads_kept_on_device": len(plan.offloaded) - len(lay.offloaded), "host_peak": lay.host_peak}
     source = generate_source(info, lay)
     if not_checkpointed and not lay.units and lay.dropped_bytes:
         path, why = next(iter(not_checkpointed.items()))
@@ -672,6 +771,8 @@ an aten op keeps its output for the backward pass if k is listed under the op (M
 other op is recomputed in the backward pass (PREFER_RECOMPUTE). Any batch size; autocast works.
 A checkpointed submodule is handed no transformers key/value cache (None instead), as transformers'
 own gradient checkpointing does: its recomputation would append to the cache again.
+The outputs OFFLOAD names (the k-th call of an aten op inside one forward of a submodule) are copied
+to host memory when autograd saves them and back when the backward pass reads them (saved-tensor hooks).
 """
 
 {runtime}
@@ -680,10 +781,16 @@ INFO = {info}
 
 SAVE = {save}
 
+OFFLOAD = {offload}
+
 
 def apply(model: torch.nn.Module) -> torch.nn.Module:
-    """Checkpoint ``model``'s submodules as the schedule says (in place) and return ``model``."""
-    return apply_saves(model, SAVE, INFO["model"])
+    """Checkpoint ``model``'s submodules as the schedule says, and offload what OFFLOAD names (in
+    place); return ``model``. ``remove_checkpoints(model)`` undoes both."""
+    apply_saves(model, SAVE, INFO["model"])
+    if OFFLOAD:
+        apply_offloads(model, OFFLOAD, INFO["model"])
+    return model
 '''
 
 
@@ -693,4 +800,5 @@ def generate_source(info: dict[str, Any], lay: CheckpointLayout) -> str:
     return _TEMPLATE.format(model=info["model"], method=info["method"], graph=info["graph"],
                             runtime=CHECKPOINT_RUNTIME.read_text().rstrip(),
                             info=pprint.pformat(info, sort_dicts=False, width=110),
-                            save=pprint.pformat(save, sort_dicts=False, width=110))
+                            save=pprint.pformat(save, sort_dicts=False, width=110),
+                            offload=pprint.pformat(lay.offload, sort_dicts=False, width=110))

@@ -98,6 +98,14 @@ def checkpoint_readme(info: dict[str, Any], lay: CheckpointLayout, folder: Path)
                       "that much.\n")
     for path, why in (info.get("not_checkpointed") or {}).items():
         unrealised += f"\n`{path}` is not checkpointed: {why}.\n"
+    if info.get("offloaded_tensors") or info.get("offloads_kept_on_device"):
+        unrealised += (f"\nOffloaded to host memory: {info.get('offloaded_tensors', 0)} saved tensor(s), "
+                       f"{format_bytes(info.get('offloaded_bytes', 0))} ({info.get('offloaded_bytes', 0)} bytes; host "
+                       f"peak {format_bytes(info.get('host_peak', 0))}), copied to host when autograd saves them and "
+                       "back when the backward pass reads them (`OFFLOAD` in `checkpointed.py`)"
+                       + (f"; {info['offloads_kept_on_device']} tensor(s) the plan offloads stay on the device (a "
+                          "checkpointed submodule holds them, or the run does not make them as traced), and the "
+                          "predicted peak counts them there" if info.get("offloads_kept_on_device") else "") + ".\n")
     return f"""# Checkpointed `{model}` ({info['method']} schedule, checkpoint back-end)
 
 Made by `bonsai export --backend checkpoint` for graph `{info['graph']}` (hash `{info['graph_hash']}`).
