@@ -53,14 +53,15 @@ import torch.nn as nn
 
 from bonsai_core.budget import Budget, parse_budget
 from bonsai_core.errors import BonsaiError, BudgetError, ModelError, SolverError
-from bonsai_core.export_runtime.checkpointing import apply_saves, is_checkpointed, remove_checkpoints
+from bonsai_core.export_runtime.checkpointing import (apply_offloads, apply_saves, is_checkpointed, is_offloading,
+                                                      remove_checkpoints)
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak, simulate
 from bonsai_core.units import format_bytes
 
 REGION_METHODS = ("bonsai", "chen")  # the methods whose plans are checkpoint regions
 AUTO_MARGIN = 0.10  # share of a device's memory "auto" leaves to the caching allocator's rounding and waste
-CACHE_VERSION = 2  # 2: plans name the device whose kernels they were made with (CPU models: the CPU's)
+CACHE_VERSION = 3  # 2: plans name the device whose kernels they were made with (CPU models: the CPU's); 3: offloads
 FIT_TRIES = 5  # solves to bring what the checkpoints run within the budget
 # what to do when a checkpointed step cannot run, in the library's own terms (the CLI names its flags)
 LIBRARY_ADVICE = ("Plan it with another budget= or method='chen', or train it with the replay back-end "
@@ -92,6 +93,10 @@ class Report:
     seconds: dict[str, float] = field(default_factory=dict)  # trace, solve, layout
     cached: bool = False  # loaded from the plan cache (nothing traced)
     device: str = "cuda"  # the device whose kernels the step was traced with (dropout, attention): "cpu" or "cuda"
+    offloaded: int = 0  # saved tensors copied to host memory in each step (offload=True)
+    offloaded_bytes: int = 0  # their bytes
+    host_peak: int = 0  # the most host bytes their copies hold at once (predicted)
+    not_offloaded: int = 0  # tensors the plan offloads that the run cannot (kept on the device, and predicted so)
 
     @property
     def status(self) -> str:
@@ -121,6 +126,12 @@ class Report:
         if self.unrealised_bytes:
             lines.append(f"  {format_bytes(self.unrealised_bytes)} the plan frees stay saved: no submodule holds "
                          "them with their readers")
+        if self.offloaded or self.not_offloaded:
+            lines.append(f"  offloaded to host memory: {self.offloaded} saved tensor(s), "
+                         f"{format_bytes(self.offloaded_bytes)} (host peak {format_bytes(self.host_peak)})"
+                         + (f"; {self.not_offloaded} more the plan offloads stay on the device (held by a checkpointed "
+                            "submodule, or not found at run time)"
+                            if self.not_offloaded else ""))
         if self.seconds:
             lines.append("  " + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()))
         return "\n".join(lines)
@@ -134,13 +145,23 @@ class Plan:
     report: Report
     schedule: Schedule
     graph: Graph | None = None  # None when loaded from the plan cache
+    offload: Save = field(default_factory=dict)  # submodule path -> {aten op: calls whose output goes to host}
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Checkpoint ``model``'s submodules as planned (in place) and return ``model``."""
+        """Checkpoint ``model``'s submodules as planned and install the offloads' saved-tensor hooks (in
+        place); return ``model``. ``bonsai.remove_checkpoints(model)`` undoes both."""
+        made_for = f"a model traced as graph {self.report.graph_hash}"
         try:
-            return apply_saves(model, self.save, f"a model traced as graph {self.report.graph_hash}")
+            apply_saves(model, self.save, made_for)
         except ValueError as e:
             raise ModelError(str(e)) from None
+        try:
+            if self.offload:
+                apply_offloads(model, self.offload, made_for)
+        except ValueError as e:
+            remove_checkpoints(model)
+            raise ModelError(str(e)) from None
+        return model
 
 
 def checkpoint(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor],
@@ -195,7 +216,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     """
     _check_arguments(method, fsdp, options)
     root, inputs, prefix = _step_inputs(model, example_inputs, loss_fn)
-    if any(is_checkpointed(m) for m in model.modules()):
+    if any(is_checkpointed(m) or is_offloading(m) for m in model.modules()):
         raise ModelError("The model is already checkpointed by bonsai: plan it as it is without checkpoints "
                          "(bonsai.remove_checkpoints(model) first), or call bonsai.checkpoint, which replaces the plan.")
     on = _device(model, inputs)
@@ -226,8 +247,11 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
                     regions=[_relative(p, prefix) for p in save], predicted_peak=layout.realised_peak,
                     plan_peak=sim.peak, no_remat_peak=reference, fixed_memory=graph.fixed_mem,
                     overhead=sim.overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
-                    unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds, device=kernels)
-    made = Plan({_relative(p, prefix): s for p, s in save.items()}, report, schedule, graph)
+                    unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds, device=kernels,
+                    offloaded=layout.offloaded, offloaded_bytes=layout.offloaded_bytes, host_peak=layout.host_peak,
+                    not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded)
+    made = Plan({_relative(p, prefix): s for p, s in save.items()}, report, schedule, graph,
+                {_root_relative(p, prefix): ops for p, ops in layout.offload.items()})
     if folder:
         _write_cached(folder, key, made)
     return made
@@ -249,11 +273,6 @@ def _check_arguments(method: str, fsdp: int, options: dict[str, Any]) -> None:
         unknown = sorted(set(options) - {o.name for o in method_options(method) or ()})
         raise SolverError(f"{', '.join(f'{k}=' for k in unknown)}: not an argument of bonsai.plan nor an option of "
                           f"method={method!r}; its options are {', '.join(o.name for o in method_options(method) or ())}.") from None
-    if options.get("offload"):
-        raise BonsaiError("offload=True: bonsai.checkpoint and bonsai.plan do not apply offloads to host memory yet: "
-                          "their plans run as torch.utils.checkpoint regions, which would keep offloaded tensors on the "
-                          "device. Trace the step (bonsai trace), solve it with --option offload=true and export it with "
-                          "--backend replay.")
 
 
 def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: dict[str, Any],
@@ -265,10 +284,13 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
     needs); then, for ``bonsai`` without a ``regions`` option, the same with ``regions="modules"`` (only
     module calls recomputed: what the checkpoints can realise). The first layout within ``limit`` is
     returned; when none is, BudgetError names the smallest realised peak found, unless ``best_effort``
-    (then the layout with that peak is returned, over the budget)."""
+    (then the layout with that peak is returned, over the budget). With ``offload``, the same without it
+    last: a plan whose offloads the checkpoints cannot make may be beaten by one that recomputes instead."""
     variants = [options]
     if method == "bonsai" and "regions" not in options:
         variants.append({**options, "regions": "modules"})
+    if options.get("offload"):  # offloads the checkpoints hold on the device: the plan without them may fit
+        variants += [{k: v for k, v in variant.items() if k != "offload"} for variant in list(variants)]
     best, refused = None, None
     for variant in variants:
         try:
@@ -363,6 +385,11 @@ def _relative(path: str, prefix: str) -> str:
     return path[len(prefix):] if prefix and path.startswith(prefix) else path
 
 
+def _root_relative(path: str, prefix: str) -> str:
+    """``path`` in the user's model (``_relative``; the model itself, ``prefix`` without its dot, is "")."""
+    return "" if prefix and path == prefix[:-1] else _relative(path, prefix)
+
+
 def _device(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.device:
     for t in (*model.parameters(), *inputs):
         return t.device
@@ -416,6 +443,10 @@ class _Layout:
     realised_peak: int
     not_checkpointed: dict[str, str]
     unrealised_bytes: int
+    offload: Save = field(default_factory=dict)  # the offloads the run makes (apply_offloads), by path in the step
+    offloaded: int = 0  # tensors
+    offloaded_bytes: int = 0
+    host_peak: int = 0
 
 
 @dataclass
@@ -432,6 +463,7 @@ class _FakeStep:
     name: str
     autocast: str | None = None  # as traced (graph), for the layout's runs of the step
     mixed_precision: str | None = None  # FSDP2's param_dtype, as traced (graph): every run computes in it
+    kernels: str = "cuda"  # as traced (graph): on the CPU an offload's copy ends when made
 
     @classmethod
     def of(cls, model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, name: str) -> "_FakeStep":
@@ -462,7 +494,7 @@ class _FakeStep:
         check_name(optimizer)
         if check_mixed_precision(mixed_precision) and fsdp < 2:
             raise ModelError("mixed_precision is FSDP2's policy: give fsdp=N (N >= 2) with it.")
-        self.autocast, self.mixed_precision = autocast, mixed_precision
+        self.autocast, self.mixed_precision, self.kernels = autocast, mixed_precision, kernels
         with self.running():
             traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast,
                                 kernels=kernels)
@@ -473,6 +505,7 @@ class _FakeStep:
     def layout(self, graph: Graph, schedule: Schedule) -> tuple[Save, _Layout]:
         """The plan laid onto the model's submodules (:func:`bonsai_core.export.checkpoint.faithful_layout`)."""
         from bonsai_core.export.checkpoint import faithful_layout, hidden_caches, recomputation_mismatches
+        from bonsai_core.export.checkpoint import offload_misses as offload_misses_of
         from bonsai_core.modules import record_step
         from bonsai_core.regions import CheckpointPlan
         from bonsai_core.trace import autocast_context
@@ -489,14 +522,26 @@ class _FakeStep:
                 finally:
                     remove_checkpoints(self.model)
 
-        lay, left_out = faithful_layout(graph, CheckpointPlan.from_extra(schedule.extra), recorded, mismatches)
+        def offload_misses(lay: Any) -> set:
+            with self.running():
+                try:
+                    missed = offload_misses_of(lay.save, lay.offload, self.name, self.model, self.inputs,
+                                               self.loss_fn, self.autocast)
+                finally:
+                    remove_checkpoints(self.model)
+            # under a keyword call the step's root is bonsai's wrapper, which the user's model is not
+            return missed | {name for name in lay.offloaded if name[0] == "" and isinstance(self.model, _KeywordCall)}
+
+        lay, left_out = faithful_layout(graph, CheckpointPlan.from_extra(schedule.extra), recorded, mismatches,
+                                        offload_misses, synchronous=self.kernels == "cpu")
         if left_out and not lay.units and lay.dropped_bytes:
             path, why = next(iter(left_out.items()))
             raise ModelError(f"bonsai cannot checkpoint {self.name}: no submodule that would realise the plan can be "
                              f"recomputed faithfully; `{path}`: {why}. torch.utils.checkpoint requires a recomputation "
                              "to run the ops its forward ran: keep a submodule's forward free of state that it changes "
                              "and reads back (a cache it appends to).")
-        return lay.save, _Layout(lay.realised_peak, left_out, lay.unrealised_bytes)
+        return lay.save, _Layout(lay.realised_peak, left_out, lay.unrealised_bytes, lay.offload, len(lay.offloaded),
+                                 lay.offloaded_bytes, lay.host_peak)
 
 
 def _fake_copy(module: nn.Module, mode: Any) -> nn.Module:
@@ -598,7 +643,7 @@ def _read_cached(folder: Path, key: str) -> Plan | None:
     try:
         data = json.loads(path.read_text())
         report = Report(**{**data["report"], "cached": True})
-        return Plan(data["save"], report, Schedule.from_dict(data["schedule"]))
+        return Plan(data["save"], report, Schedule.from_dict(data["schedule"]), offload=data.get("offload", {}))
     except (OSError, ValueError, KeyError, TypeError, BonsaiError):
         return None
 
@@ -607,7 +652,7 @@ def _write_cached(folder: Path, key: str, made: Plan) -> None:
     """Store ``made`` under ``key`` (atomically; a cache that cannot be written is skipped, with a warning)."""
     import warnings
 
-    data = {"save": made.save, "report": asdict(made.report), "schedule": made.schedule.to_dict()}
+    data = {"save": made.save, "offload": made.offload, "report": asdict(made.report), "schedule": made.schedule.to_dict()}
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{key}.{os.getpid()}.tmp"
