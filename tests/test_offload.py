@@ -189,12 +189,12 @@ def test_bonsai_offloads_where_a_hidden_copy_beats_a_recomputation():
     assert both.stats["model_peak"] >= sim.peak  # the model's bound holds on the simulated plan
 
 
-def test_the_one_call_says_it_does_not_offload_yet():
+def test_the_one_call_takes_offload():
+    """It used to refuse offload=True (BonsaiError "do not apply offloads"); tests/test_one_call_offload.py
+    runs what it does."""
     import torch
 
-    from bonsai_core import checkpoint
-    from bonsai_core.errors import BonsaiError
+    from bonsai_core import plan
 
-    model = torch.nn.Linear(4, 4)
-    with pytest.raises(BonsaiError, match="do not apply offloads"):
-        checkpoint(model, torch.randn(2, 4), lambda out: out.sum(), "90%", offload=True)
+    made = plan(torch.nn.Linear(4, 4), torch.randn(2, 4), lambda out: out.sum(), "100%", cache=False, offload=True)
+    assert made.report.predicted_peak <= made.report.budget
