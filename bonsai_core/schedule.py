@@ -20,6 +20,10 @@ The simulator is the single judge of every method. Its rules (DESIGN.md):
    offload copy; a ``free v`` releases v's device bytes only once its copy has ended, a reload takes
    them back when issued, and a reader of v waits for the reload: the waits are stalls added to
    ``compute_cost`` (:func:`copy_timing`); the pinned bytes stay within ``host_budget``.
+
+What rule 3 counts at each op, the live set, comes back as :class:`Residency`: the interval over which
+each copy of a node holds its device bytes (from its compute or reload to its free, cut short by an
+in-place write of rule 8, carried on by an offload copy of rule 9).
 """
 
 from __future__ import annotations
@@ -130,6 +134,43 @@ class RecomputeEvent:
     cost: float
 
 
+def held_bytes(start: np.ndarray, end: np.ndarray, size: np.ndarray, n_ops: int) -> np.ndarray:
+    """int64[n_ops]: the bytes of the intervals held after each op, interval k held after ops
+    ``start[k]`` to ``end[k] - 1`` (a difference array). O(n_ops + intervals)."""
+    delta = np.zeros(n_ops + 1, dtype=np.int64)
+    np.add.at(delta, start, size)
+    np.add.at(delta, end, -size)
+    return np.cumsum(delta)[:n_ops]
+
+
+@dataclass(frozen=True)
+class Residency:
+    """The per-step live set of a schedule: one interval per copy of a node, in order of its compute or
+    reload. Copy k is node ``node[k]``, whose device bytes count in the timeline after ops ``start[k]``
+    to ``end[k] - 1``: from its compute (or reload) up to its free (``n_ops`` when it stays), except that
+    an input written in place (rule 8) ends at the compute that takes its bytes, and a free an offload
+    copy still reads (rule 9) ends when that copy's bytes are released. Views and other nodes without
+    bytes are in it too, from compute to free. ``recomputed``: the copy comes from a second or later
+    compute of its node (a reload's copy is not). So ``fixed_mem`` + the bytes of ``live_at(i)`` (+
+    FSDP's working memory) is ``timeline[i]``."""
+
+    node: np.ndarray  # int64
+    start: np.ndarray  # int64, the position of the compute or reload op
+    end: np.ndarray  # int64, the first op after which the bytes no longer count
+    recomputed: np.ndarray  # bool
+    n_ops: int
+
+    def live_at(self, i: int) -> np.ndarray:
+        """int64: the nodes whose copies hold bytes right after op ``i``, sorted. O(copies)."""
+        return np.sort(self.node[(self.start <= i) & (i < self.end)])
+
+    def bytes_held(self, mem: np.ndarray, among: np.ndarray | None = None) -> np.ndarray:
+        """int64[n_ops]: the bytes (``mem`` per node) held after each op by the copies of the nodes
+        ``among`` selects (bool per node; None: all). O(n_ops + copies)."""
+        keep = slice(None) if among is None else among[self.node]
+        return held_bytes(self.start[keep], self.end[keep], mem[self.node[keep]].astype(np.int64), self.n_ops)
+
+
 @dataclass(frozen=True)
 class SimResult:
     """What the simulator measured of a valid schedule.
@@ -147,6 +188,7 @@ class SimResult:
     computes: int
     recomputes: int
     timeline: np.ndarray
+    residency: Residency  # the live set after each op: rule 3's bytes, node by node
     times_computed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # int64[n]
     events: tuple[RecomputeEvent, ...] = ()  # the schedule's rebuilds in order (:func:`recompute_events`)
     offloaded_bytes: int = 0  # rule 9: bytes of every offload op
@@ -311,12 +353,18 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
     host = host_peak = offloaded = 0
     host_timeline = None if timing is NO_COPIES else np.zeros(len(ops), dtype=np.int64)
     ever_offloaded: set[int] = set()
+    starts: list[int] = []  # Residency: the position of each copy's compute or reload
+    ends = [len(ops)] * len(ops)  # by a copy's start: the op after which its bytes no longer count
+    copy_of = [0] * n  # each node's current copy, by its start
+    pending: dict[int, int] = {}  # rule 9: position of a free an offload copy still reads -> its copy's start
+    again: list[int] = []  # the copies (by index) of a second or later compute
     for i, (kind, v) in enumerate(ops):
         if not (isinstance(v, (int, np.integer)) and 0 <= v < n):
             raise ScheduleError(f"Op {i} ({kind} {v!r}) names no node of graph {graph.name!r} "
                                 f"(ids are 0..{n - 1}): is this schedule for another graph?")
         for pos in timing.device_released.get(i, ()):  # rule 9: frees an offload copy was still reading
             live -= mem[ops[pos][1]]
+            ends[pending.pop(pos)] = i
         for pos in timing.host_released.get(i, ()):
             host -= mem[ops[pos][1]]
         if kind == COMPUTE:
@@ -342,7 +390,14 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
             computed[v] += 1
             if alias[v] >= 0:
                 live_views[alias[v]] += 1
-            live += mem[v] - (mem[inplace_of[v]] if i in written else 0)
+            if i in written:
+                live -= mem[inplace_of[v]]
+                ends[copy_of[inplace_of[v]]] = i
+            live += mem[v]
+            copy_of[v] = i
+            if computed[v] > 1:
+                again.append(len(starts))
+            starts.append(i)
             computed_costs.append(cost[v])
             if live > peak:
                 peak, peak_op = live, i
@@ -359,7 +414,11 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
             stale[v] = output_of[v] >= 0 and not on_host[v]
             if alias[v] >= 0:
                 live_views[alias[v]] -= 1
-            live -= 0 if i in handed_over or i in timing.deferred else mem[v]
+            if i in timing.deferred:
+                pending[i] = copy_of[v]
+            elif i not in handed_over:
+                live -= mem[v]
+                ends[copy_of[v]] = i
         elif kind == OFFLOAD:
             what = f"Op {i} offloads node {v} ({graph.names[v]!r})"
             if not resident[v] or on_host[v]:
@@ -381,6 +440,8 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
                                     + ("still resident: free it first." if on_host[v] else "not offloaded."))
             resident[v], on_host[v] = True, False
             live += mem[v]  # the bytes come back when the reload starts
+            copy_of[v] = i
+            starts.append(i)
             if live > peak:
                 peak, peak_op = live, i
         elif kind == WAIT:
@@ -400,11 +461,17 @@ def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> Si
     timeline, peak, peak_op = _beyond_the_graph(graph, ops, timeline, peak, peak_op)
     stall = timing.stall
     base, total = graph.total_cost, math.fsum(computed_costs) + stall
+    events = recompute_events(graph, ops)
+    start = np.asarray(starts, dtype=np.int64)
+    recomputed = np.zeros(len(starts), dtype=bool)
+    recomputed[again] = True
+    residency = Residency(node=np.asarray([ops[i][1] for i in starts], dtype=np.int64), start=start,
+                          end=np.asarray(ends, dtype=np.int64)[start], recomputed=recomputed, n_ops=len(ops))
     return SimResult(peak=int(peak), peak_op=peak_op, compute_cost=total,
                      overhead=(total / base - 1.0) if base > 0 else 0.0,
                      computes=len([1 for k, _ in ops if k == COMPUTE]), recomputes=int(sum(computed) - n),
-                     timeline=timeline, times_computed=np.asarray(computed, dtype=np.int64),
-                     events=recompute_events(graph, ops), offloaded_bytes=offloaded, host_peak=host_peak,
+                     timeline=timeline, residency=residency, times_computed=np.asarray(computed, dtype=np.int64),
+                     events=events, offloaded_bytes=offloaded, host_peak=host_peak,
                      stall=stall, host_timeline=host_timeline)
 
 

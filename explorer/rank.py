@@ -5,7 +5,7 @@ replayed the schedule, the allocator's extra (reserved minus live).
 
 Every part comes from what computes it already: the fixed tensors' kinds (``Graph.fixed_tensors``,
 sharded by ``bonsai_core.fsdp.with_fsdp``), FSDP's working memory (``bonsai_core.fsdp.working_parts``,
-the parts the simulator adds to its timeline), the tensors' lifetimes (``explorer.timeline``) and the
+the parts the simulator adds to its timeline), the simulator's live set (``SimResult.residency``) and the
 allocator's replay. The parts add up to the simulator's timeline (plus the allocator's extra). Pure.
 """
 
@@ -20,7 +20,6 @@ from bonsai_core.fsdp import SHARDED_KINDS, working_parts
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import SimResult
 from explorer.plots import RECOMPUTE
-from explorer.timeline import Lifetimes, lifetimes, resident_bytes
 
 SHARDED = "sharded state (1/N of parameters, gradients, optimizer)"
 ROOT = "root unit unsharded, inputs"
@@ -38,13 +37,8 @@ def breakdown(graph: Graph, ops: Sequence[tuple[str, int]], sim: SimResult,
     parts = {SHARDED: np.full(n, sharded, dtype=np.int64), ROOT: np.full(n, graph.fixed_mem - sharded, dtype=np.int64)}
     working = working_parts(graph, ops)
     parts.update(working)
-    own = np.asarray(sim.timeline, dtype=np.int64) - graph.fixed_mem - sum(working.values(), np.zeros(n, dtype=np.int64))
-    life = lifetimes(graph, ops)
-    forward = graph.is_forward[life.node] if len(life.node) else np.zeros(0, dtype=bool)
-    saved = resident_bytes(Lifetimes(*(a[forward] for a in (life.node, life.start, life.end, life.bytes,
-                                                            life.recomputed))), n)
-    parts[ACTIVATIONS] = np.minimum(saved, own)
-    parts[TRANSIENTS] = own - parts[ACTIVATIONS]
+    parts[ACTIVATIONS] = sim.residency.bytes_held(graph.mem, among=graph.is_forward)
+    parts[TRANSIENTS] = sim.residency.bytes_held(graph.mem, among=~graph.is_forward)
     if reserved is not None and live is not None:
         parts[ALLOCATOR] = np.maximum(np.asarray(reserved, dtype=np.int64) - np.asarray(live, dtype=np.int64), 0)
     return parts

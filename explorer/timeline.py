@@ -2,9 +2,8 @@
 one line per schedule step saying what happens, and why a checkpoint plan recomputes what it does.
 
 Pure functions of a graph and a schedule (no Streamlit), so the Memory page only draws them.
-Everything is measured on the schedule's own ops, the simulator's rules: a tensor is resident from its
-compute op up to (not including) its free op, so at every step the bars alive plus ``fixed_mem`` add up
-to the simulator's timeline.
+The lifetimes are the simulator's own (``SimResult.residency``), so at every step the bars alive plus
+``fixed_mem`` add up to the simulator's timeline.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import numpy as np
 
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, block_stack, plan_schedule
-from bonsai_core.schedule import Schedule, recompute_events, recomputes, simulate
+from bonsai_core.schedule import Residency, Schedule, held_bytes, recompute_events, simulate
 from bonsai_core.units import format_bytes
 
 MAX_BARS = 1500  # above this many tensor lifetimes, small tensors are grouped per module
@@ -69,46 +68,6 @@ def node_modules(graph: Graph) -> Modules:
 
 # -- lifetimes ------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Lifetimes:
-    """One entry per residency of a tensor with bytes (views share their base's bytes and are left
-    out): resident after op ``start`` up to op ``end`` (its free; ``len(ops)`` when it stays)."""
-
-    node: np.ndarray  # int64
-    start: np.ndarray  # int64, the compute op's index
-    end: np.ndarray  # int64, the free op's index, or len(ops)
-    bytes: np.ndarray  # int64
-    recomputed: np.ndarray  # bool: this residency comes from a second or later compute of the node
-
-
-def lifetimes(graph: Graph, ops: Sequence[tuple[str, int]]) -> Lifetimes:
-    """O(len(ops))."""
-    open_at: dict[int, int] = {}
-    recomputed = recompute_flags(graph, ops)
-    node, start, end, again = [], [], [], []
-    mem = graph.mem
-    for i, (kind, v) in enumerate(ops):
-        v = int(v)
-        if kind == "compute":
-            if mem[v] > 0:
-                open_at[v] = len(node)
-                node.append(v), start.append(i), end.append(len(ops)), again.append(bool(recomputed[i]))
-        elif v in open_at:
-            end[open_at.pop(v)] = i
-    node_a = np.asarray(node, dtype=np.int64)
-    return Lifetimes(node_a, np.asarray(start, dtype=np.int64), np.asarray(end, dtype=np.int64),
-                     mem[node_a].astype(np.int64) if len(node_a) else np.zeros(0, dtype=np.int64),
-                     np.asarray(again, dtype=bool))
-
-
-def resident_bytes(life: Lifetimes, n_ops: int) -> np.ndarray:
-    """int64[n_ops]: bytes of the lifetimes alive after each op (a difference array). O(n_ops + bars)."""
-    delta = np.zeros(n_ops + 1, dtype=np.int64)
-    np.add.at(delta, life.start, life.bytes)
-    np.add.at(delta, life.end, -life.bytes)
-    return np.cumsum(delta)[:n_ops]
-
-
 def first_fit(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> np.ndarray:
     """int64[k]: an offset (bytes) for each interval, the lowest at which it overlaps no interval alive
     at the same time, taking them in order of start: where a simple first-fit allocator with no
@@ -146,47 +105,51 @@ class Bars:
     threshold: int  # tensors under this many bytes were grouped (0: none)
 
 
-def bars(graph: Graph, ops: Sequence[tuple[str, int]], modules: Modules | None = None,
-         max_bars: int = MAX_BARS) -> Bars:
-    """The lifetimes of ``ops`` as bars. When there are more than ``max_bars``, the lifetimes under a
-    size threshold (the one leaving about half of ``max_bars`` tensors on their own) are grouped by
-    module, pass, whether recomputed and when they are freed (to a 200th of the schedule): one bar
-    from the group's first compute to its last free, as high as the most bytes of it alive at once. O(len(ops) + bars · alive)."""
+def bars(graph: Graph, residency: Residency, modules: Modules | None = None, max_bars: int = MAX_BARS) -> Bars:
+    """The lifetimes of a schedule's tensors with bytes (``SimResult.residency``; views share their
+    base's bytes and are left out) as bars. When there are more than ``max_bars``, the lifetimes under
+    a size threshold (the one leaving about half of ``max_bars`` tensors on their own) are grouped by
+    module, pass, whether recomputed and when they are freed (to a 200th of the schedule): one bar from
+    the group's first compute to its last free, as high as the most bytes of it alive at once.
+    O(len(ops) + bars · alive)."""
     modules = modules or node_modules(graph)
-    life = lifetimes(graph, ops)
-    k = len(life.node)
+    with_bytes = graph.mem[residency.node] > 0
+    node, life_start, life_end, recomputed = (a[with_bytes] for a in (residency.node, residency.start, residency.end,
+                                                                       residency.recomputed))
+    life_bytes = graph.mem[node].astype(np.int64)
+    k = len(node)
     threshold = 0
     if k > max_bars:
-        threshold = int(np.sort(life.bytes)[::-1][max_bars // 2])
-    alone = life.bytes > threshold if threshold else np.ones(k, dtype=bool)
+        threshold = int(np.sort(life_bytes)[::-1][max_bars // 2])
+    alone = life_bytes > threshold if threshold else np.ones(k, dtype=bool)
     idx = np.flatnonzero(alone)
-    start, end, size = [life.start[idx]], [life.end[idx]], [life.bytes[idx]]
-    rec, count = [life.recomputed[idx]], [np.ones(len(idx), dtype=np.int64)]
-    label = [graph.names[v] for v in life.node[idx].tolist()]
-    op = [graph.ops[v] for v in life.node[idx].tolist()]
-    module = [modules.path[v] for v in life.node[idx].tolist()]
-    group = [modules.group[v] for v in life.node[idx].tolist()]
+    start, end, size = [life_start[idx]], [life_end[idx]], [life_bytes[idx]]
+    rec, count = [recomputed[idx]], [np.ones(len(idx), dtype=np.int64)]
+    label = [graph.names[v] for v in node[idx].tolist()]
+    op = [graph.ops[v] for v in node[idx].tolist()]
+    module = [modules.path[v] for v in node[idx].tolist()]
+    group = [modules.group[v] for v in node[idx].tolist()]
     small = np.flatnonzero(~alone)
     if len(small):
         # tensors of one module freed about together (within a 200th of the schedule): a group's bar
         # then spans about what its members do, not from the first to the last of a whole module's
-        bucket = max(1, len(ops) // 200)
+        bucket = max(1, residency.n_ops // 200)
         keys: dict[tuple[str, bool, bool, int], list[int]] = {}
         for i in small.tolist():
-            v = int(life.node[i])
-            key = (modules.path[v], bool(graph.is_forward[v]), bool(life.recomputed[i]), int(life.end[i]) // bucket)
+            v = int(node[i])
+            key = (modules.path[v], bool(graph.is_forward[v]), bool(recomputed[i]), int(life_end[i]) // bucket)
             keys.setdefault(key, []).append(i)
         g_start, g_end, g_size, g_rec, g_count = [], [], [], [], []
         for (path, forward, again, _), members in keys.items():
             m = np.asarray(members)
-            s0, e0 = int(life.start[m].min()), int(life.end[m].max())
-            sub = Lifetimes(life.node[m], life.start[m] - s0, life.end[m] - s0, life.bytes[m], life.recomputed[m])
-            g_start.append(s0), g_end.append(e0), g_size.append(int(resident_bytes(sub, e0 - s0 + 1).max()))
+            s0, e0 = int(life_start[m].min()), int(life_end[m].max())
+            g_start.append(s0), g_end.append(e0)
+            g_size.append(int(held_bytes(life_start[m] - s0, life_end[m] - s0, life_bytes[m], e0 - s0 + 1).max()))
             g_rec.append(again), g_count.append(len(m))
             label.append(f"{len(m)} tensors under {format_bytes(threshold)}")
             op.append("forward ops" if forward else "backward ops")
             module.append(path)
-            group.append(modules.group[int(life.node[m[0]])])
+            group.append(modules.group[int(node[m[0]])])
         start.append(np.asarray(g_start)), end.append(np.asarray(g_end)), size.append(np.asarray(g_size))
         rec.append(np.asarray(g_rec, dtype=bool)), count.append(np.asarray(g_count))
     start_a, end_a, size_a = (np.concatenate(a).astype(np.int64) for a in (start, end, size))
@@ -246,12 +209,6 @@ def step_line(graph: Graph, ops: Sequence[tuple[str, int]], i: int, modules: Mod
     need = f", needed by {_short(graph.ops[needer])} ({graph.names[needer]})" if needer >= 0 else ""
     return (f"step {i}: recompute {where}: {name} ({rebuild.nodes.index(v) + 1} of {len(rebuild.nodes)} ops rebuilt, "
             f"{format_bytes(rebuild.bytes)} back){need}")
-
-
-def recompute_flags(graph: Graph, ops: Sequence[tuple[str, int]]) -> np.ndarray:
-    """bool[len(ops)]: the compute ops that compute their node a second or later time: those of the
-    simulator's rebuilds (:func:`bonsai_core.schedule.recompute_events`). O(len(ops))."""
-    return recomputes(ops, recompute_events(graph, ops))
 
 
 # -- why this plan --------------------------------------------------------------------------------

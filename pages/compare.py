@@ -192,7 +192,7 @@ def side_by_side() -> None:
     # the tensor lifetimes, one chart per side, same x and y scales
     modules = timeline.node_modules(g)
     groups = sorted(set(modules.group))
-    lifetimes = [timeline.bars(g, o.schedule.ops, modules) for o in outs]
+    lifetimes = [timeline.bars(g, o.sim.residency, modules) for o in outs]
     y_top = max((g.fixed_mem + float(np.max(b.offset + b.bytes, initial=0))) / timeline.MIB for b in lifetimes)
     for i, (name, o, b) in enumerate(zip(names, outs, lifetimes)):
         x = np.arange(1, len(o.schedule.ops) + 1, dtype=float)

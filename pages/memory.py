@@ -95,7 +95,7 @@ def bars_of(outcome: compute.Outcome) -> tuple[timeline.Modules, timeline.Bars]:
     kept = ss.get("memory_bars")
     if kept is None or kept[0] is not outcome.schedule:
         modules = timeline.node_modules(g)
-        kept = ss["memory_bars"] = (outcome.schedule, modules, timeline.bars(g, outcome.schedule.ops, modules))
+        kept = ss["memory_bars"] = (outcome.schedule, modules, timeline.bars(g, outcome.sim.residency, modules))
     return kept[1], kept[2]
 
 

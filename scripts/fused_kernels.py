@@ -28,6 +28,7 @@ from unittest import mock
 import torch
 
 from bonsai_core import models
+from bonsai_core.bench.common import page_header
 from bonsai_core.errors import BonsaiError
 from bonsai_core.export.checkpoint import export_checkpoint
 from bonsai_core.export.verify import verify_checkpoint
@@ -128,13 +129,17 @@ def main(argv: list[str]) -> None:
     kernels = [row for spec, options in KERNEL_MODELS.items() for row in kernel_rows(spec, options)]
     recurrent = [recurrent_row(f) for f in RECURRENT]
     optimizers = optimizer_rows("gpt", TEXT)
-    text = TEMPLATE.format(command="PYTHONPATH=. python scripts/fused_kernels.py", optimizers="\n".join(optimizers), date=datetime.date.today().isoformat(), machine=f"{platform.machine()} CPU, torch {torch.__version__}",
+    command = "PYTHONPATH=. python scripts/fused_kernels.py"
+    text = TEMPLATE.format(header=page_header(command, ["scripts/fused_kernels.py"]), command=command,
+                           optimizers="\n".join(optimizers), date=datetime.date.today().isoformat(),
+                           machine=f"{platform.machine()} CPU, torch {torch.__version__}",
                            kernels="\n".join(kernels), recurrent="\n".join(recurrent))
     Path(args.out).write_text(text)
     print(text)
 
 
-TEMPLATE = """# Fused kernels: predicted against measured
+TEMPLATE = """{header}
+# Fused kernels: predicted against measured
 
 Written by `PYTHONPATH=. python scripts/fused_kernels.py` on {date} ({machine}; the project's shared
 development machine, no GPU: every number is CPU live bytes, exact, from `bonsai_core.measure`). Issue 44; how the

@@ -23,7 +23,7 @@ from bonsai_core.allocator import replay
 from bonsai_core.fsdp import working_profile
 from bonsai_core.graph import Graph, load_graph
 from bonsai_core.regions import CheckpointPlan, hold_saved
-from bonsai_core.schedule import COMPUTE, Schedule, load_schedule, simulate
+from bonsai_core.schedule import Schedule, load_schedule, simulate
 
 GiB = 2**30
 
@@ -32,14 +32,13 @@ def breakdown(graph: Graph, schedule: Schedule, policy: str) -> dict[str, float]
     """GiB of each part at the live peak, the reserved peak and the allocator's extra."""
     sim = simulate(graph, schedule)
     at = int(np.argmax(sim.timeline))
-    resident: set[int] = set()
-    for kind, v in schedule.ops[: at + 1]:
-        (resident.add if kind == COMPUTE else resident.discard)(v)
+    resident = sim.residency.live_at(at)
     parts = {f"fixed: {k}": 0.0 for _, _, k in graph.fixed_tensors}
     for _, nbytes, kind in graph.fixed_tensors:
         parts[f"fixed: {kind}"] += nbytes / GiB
-    parts["saved forward tensors"] = sum(int(graph.mem[v]) for v in resident if graph.is_forward[v]) / GiB
-    parts["backward tensors (transients)"] = sum(int(graph.mem[v]) for v in resident if not graph.is_forward[v]) / GiB
+    forward = graph.is_forward[resident]
+    parts["saved forward tensors"] = int(graph.mem[resident[forward]].sum()) / GiB
+    parts["backward tensors (transients)"] = int(graph.mem[resident[~forward]].sum()) / GiB
     parts["FSDP buffers"] = int(working_profile(graph, schedule.ops)[at]) / GiB
     parts["live peak"] = sim.peak / GiB
     reserved = replay(graph, schedule, policy=policy, full=False).reserved_peak

@@ -10,7 +10,7 @@ import pytest
 from bonsai_core import solvers
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
-from bonsai_core.schedule import no_remat_peak, none_schedule, simulate
+from bonsai_core.schedule import no_remat_peak, none_schedule, recomputes, simulate
 from explorer import plots, timeline
 from explorer.state import DEFAULT_GRAPH
 from tests.graphs import chain
@@ -35,16 +35,16 @@ def alive_bytes(b: timeline.Bars, n_ops: int) -> np.ndarray:
 def test_the_bars_add_up_to_the_simulators_timeline(gpt, plan):
     schedule, _ = plan
     sim = simulate(gpt, schedule)
-    b = timeline.bars(gpt, schedule.ops)
+    b = timeline.bars(gpt, sim.residency)
     assert b.threshold == 0 and b.count.sum() == len(b.start)
     assert np.array_equal(alive_bytes(b, len(schedule.ops)) + gpt.fixed_mem, sim.timeline)
-    assert b.recomputed.sum() == len({i for i in np.flatnonzero(timeline.recompute_flags(gpt, schedule.ops))
+    assert b.recomputed.sum() == len({i for i in np.flatnonzero(recomputes(schedule.ops, sim.events))
                                       if gpt.mem[schedule.ops[i][1]] > 0})
 
 
 def test_first_fit_offsets_never_overlap_while_alive(gpt, plan):
     schedule, _ = plan
-    b = timeline.bars(gpt, schedule.ops)
+    b = timeline.bars(gpt, simulate(gpt, schedule).residency)
     for i in range(0, len(schedule.ops), 7):
         idx = np.flatnonzero(timeline.alive_at(b, i))
         spans = sorted((int(b.offset[j]), int(b.offset[j] + b.bytes[j])) for j in idx)
@@ -53,15 +53,15 @@ def test_first_fit_offsets_never_overlap_while_alive(gpt, plan):
 
 def test_small_tensors_are_grouped_per_module_past_the_bar_limit(gpt, plan):
     schedule, _ = plan
-    full = timeline.bars(gpt, schedule.ops)
-    small = timeline.bars(gpt, schedule.ops, max_bars=40)
+    sim = simulate(gpt, schedule)
+    full = timeline.bars(gpt, sim.residency)
+    small = timeline.bars(gpt, sim.residency, max_bars=40)
     assert small.threshold > 0 and len(small.start) < len(full.start)
     assert small.count.sum() == len(full.start)  # every tensor in exactly one bar
     grouped = small.count > 1
     assert grouped.any() and all(label.endswith("under " + timeline.format_bytes(small.threshold))
                                  for label in np.array(small.label)[grouped])
     # a group is as high as its members' most bytes alive at once: never more than the live total
-    sim = simulate(gpt, schedule)
     assert (alive_bytes(small, len(schedule.ops)) >= 0).all()
     assert int(small.bytes[grouped].max()) <= sim.peak - gpt.fixed_mem
 
@@ -84,7 +84,7 @@ def test_a_graph_without_modules_labels_by_pass():
 def test_the_step_line_says_compute_free_and_recompute_with_what_needs_it(gpt, plan):
     schedule, _ = plan
     ops = schedule.ops
-    flags = timeline.recompute_flags(gpt, ops)
+    flags = recomputes(ops, simulate(gpt, schedule).events)
     first = timeline.step_line(gpt, ops, 0)
     v = ops[0][1]
     assert first == (f"step 0: compute {gpt.names[v]} (embedding, forward, tok): "
@@ -121,16 +121,17 @@ def test_reasons_match_the_plan_simulated_without_each_region(gpt, plan):
 
 def test_no_remat_has_nothing_to_explain_but_its_bars_still_add_up(gpt):
     schedule = none_schedule(gpt)
-    b = timeline.bars(gpt, schedule.ops)
+    sim = simulate(gpt, schedule)
+    b = timeline.bars(gpt, sim.residency)
     assert not b.recomputed.any()
-    assert np.array_equal(alive_bytes(b, len(schedule.ops)) + gpt.fixed_mem, simulate(gpt, schedule).timeline)
+    assert np.array_equal(alive_bytes(b, len(schedule.ops)) + gpt.fixed_mem, sim.timeline)
 
 
 def test_the_chart_shares_the_memory_curves_x_axis_and_moves_only_data(gpt, plan):
     schedule, _ = plan
     sim = simulate(gpt, schedule)
     c = plots.curve("chen", sim.timeline, np.ones(len(schedule.ops)), sim.peak, sim.peak_op, "#000", "ops")
-    b = timeline.bars(gpt, schedule.ops)
+    b = timeline.bars(gpt, simulate(gpt, schedule).residency)
     specs = []
     for step in (3, 100):
         frame = timeline.bar_frame(b, c.x, step, gpt.fixed_mem)
@@ -153,7 +154,7 @@ def test_the_specs_do_not_change_with_the_budget(gpt):
         schedule = solvers.solve(gpt, int(pct * no_remat_peak(gpt)), method="chen")
         sim = simulate(gpt, schedule)
         c = plots.curve("chen", sim.timeline, np.ones(len(schedule.ops)), sim.peak, sim.peak_op, "#000", "ops")
-        b = timeline.bars(gpt, schedule.ops, modules)
+        b = timeline.bars(gpt, sim.residency, modules)
         frame = timeline.bar_frame(b, c.x, 5, gpt.fixed_mem)
         chart = timeline.timeline_chart(frame, groups, c.x[5], (0.0, c.x[-1]), "step")
         memory = plots.memory_chart([c], pct, x_mode="ops", cursor=c.x[5], x_domain=(0.0, c.x[-1]))

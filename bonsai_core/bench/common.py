@@ -1,10 +1,16 @@
-"""What several bench suites share: the budget bisection and the command line a report quotes."""
+"""What several bench suites share: the budget bisection, the command line a report quotes and the
+first line of a docs/results page a suite writes (:func:`page_header`)."""
 
 from __future__ import annotations
 
+import hashlib
+import re
+import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def bisect_budget(meets: Callable[[int], bool], lo: int, hi: int, steps: int, try_lo: bool = False) -> int | None:
@@ -40,6 +46,34 @@ def command() -> str:
 def import_test_models() -> None:
     """Put the checkout's root on ``sys.path``, so that the suites measuring the models in ``tests/``
     import them from any working directory (as the scripts they were did)."""
-    root = str(Path(__file__).resolve().parents[2])
-    if root not in sys.path:
-        sys.path.insert(0, root)
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
+# The first line of every docs/results page says what wrote it: a suite or script (``written by``, with
+# the hash of its sources: tests/test_docs.py fails when they changed since), or a person recording
+# measurements by hand (``measured by hand``, with the commands run).
+WRITTEN_BY = re.compile(r"<!-- written by: `(?P<command>[^`]+)` at commit (?P<commit>\S+); "
+                        r"sources (?P<sources>\S+) hash (?P<hash>[0-9a-f]+) -->")
+MEASURED_BY_HAND = re.compile(r"<!-- measured by hand: .+ -->")
+
+
+def source_hash(sources: Sequence[str]) -> str:
+    """The first 12 hex digits of the SHA-256 of the files ``sources`` (paths from the repository root),
+    names and contents: what a page written from them was written by."""
+    digest = hashlib.sha256()
+    for rel in sources:
+        digest.update(rel.encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def page_header(command: str, sources: Sequence[str]) -> str:
+    """The first line of a docs/results page written by ``command`` from the files ``sources`` (the suite
+    or script and what it alone reads, paths from the repository root): the command, the commit checked
+    out (``-dirty`` with changes not committed) and the sources' hash."""
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return f"<!-- written by: `{command}` at commit {commit}; sources {','.join(sources)} hash {source_hash(sources)} -->"
