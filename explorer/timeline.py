@@ -15,7 +15,7 @@ import numpy as np
 
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, block_stack, plan_schedule
-from bonsai_core.schedule import Residency, Schedule, held_bytes, recompute_events, simulate
+from bonsai_core.schedule import RecomputeEvent, Residency, Schedule, held_bytes, recompute_events, simulate
 from bonsai_core.units import format_bytes
 
 MAX_BARS = 1500  # above this many tensor lifetimes, small tensors are grouped per module
@@ -185,10 +185,12 @@ def _short(op: str) -> str:
     return parts[1] if len(parts) >= 3 and parts[0] == "aten" else op
 
 
-def step_line(graph: Graph, ops: Sequence[tuple[str, int]], i: int, modules: Modules | None = None) -> str:
+def step_line(graph: Graph, ops: Sequence[tuple[str, int]], i: int, modules: Modules | None = None,
+              events: Sequence[RecomputeEvent] | None = None) -> str:
     """What op ``i`` of the schedule does, in one line: a compute (and whose module), a recompute (the
     bytes the rebuild it belongs to brings back and the op that needs them), or a free (and whether the
-    tensor comes back later). O(len(ops))."""
+    tensor comes back later). ``events``: the schedule's rebuilds (``SimResult.events``; found from
+    ``ops`` when not given). O(len(ops))."""
     modules = modules or node_modules(graph)
     kind, v = ops[i]
     v = int(v)
@@ -200,7 +202,8 @@ def step_line(graph: Graph, ops: Sequence[tuple[str, int]], i: int, modules: Mod
         freed = (f"−{format_bytes(int(graph.mem[v]))}" if graph.mem[v] else
                  "no bytes of its own (a view: its base holds them)" if graph.alias_of[v] >= 0 else "no bytes")
         return f"step {i}: free {name} ({where}): {freed}{tail}"
-    rebuild = next((e for e in recompute_events(graph, ops) if e.start <= i <= e.end), None)
+    events = recompute_events(graph, ops) if events is None else events
+    rebuild = next((e for e in events if e.start <= i <= e.end), None)
     if rebuild is None:
         pass_ = "forward" if graph.is_forward[v] else "backward"
         return (f"step {i}: compute {name} ({_short(graph.ops[v])}, {pass_}, {where}): "

@@ -122,7 +122,7 @@ def scrubber(outcome: compute.Outcome) -> int:
     step = c2.slider(f"Step through {outcome.method}'s schedule", 0, last, key="memory_step",
                      on_change=lambda: state.set_step(outcome, ss["memory_step"]),
                      help="The grey line on both charts; starts at the schedule's peak.")
-    st.markdown(timeline.step_line(g, outcome.schedule.ops, step, bars_of(outcome)[0]))
+    st.markdown(timeline.step_line(g, outcome.schedule.ops, step, bars_of(outcome)[0], outcome.sim.events))
     return step
 
 

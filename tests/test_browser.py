@@ -41,6 +41,8 @@ BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backgr
 # the memory chart (Vega-Lite, "hybrid" renderer): its marks on a canvas, its labels as SVG text
 CHART_TEXT = '[data-testid="stVegaLiteChart"] text'
 CHART_CANVAS = '[data-testid="stVegaLiteChart"] canvas'
+# colour schemes a test is drawn in: the light one in the default run, the dark one in the slow stage
+THEMES = ["light", pytest.param("dark", marks=pytest.mark.slow)]
 
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
 
@@ -151,21 +153,20 @@ def test_every_page_renders_without_an_exception(page, server):
         assert page.locator('[data-testid="stException"]').count() == 0, name
         page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
         print(f"{name}: {time.perf_counter() - start:.2f} s")
-        if name == "compare":  # the sweep, with its progress bar, in the browser too
-            page.get_by_role("button", name="Run the sweep").click()
-            page.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg .scatterlayer .trace', timeout=120_000)
-            wait_idle(page)
-            assert page.locator('[data-testid="stException"]').count() == 0
-            page.wait_for_timeout(500)
-            page.screenshot(path=str(SHOTS / "compare-sweep.png"), full_page=True)
-        if name == "fit":  # the search, its table and its chart
-            page.get_by_role("button", name="Find what fits").click()
-            page.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg .scatterlayer .trace', timeout=240_000)
-            wait_idle(page)
-            assert page.locator('[data-testid="stException"]').count() == 0
-            assert page.get_by_text("Largest batch within").count() == 1
-            page.wait_for_timeout(500)
-            page.screenshot(path=str(SHOTS / "fit-search.png"), full_page=True)
+
+
+@pytest.mark.slow  # the search traces the model at a dozen batch sizes (about 20 s); tests/test_fit.py runs it in AppTest
+def test_the_fit_search_runs_in_the_browser(page, server):
+    """The search, its table and its chart (the compare page's sweep runs in the Pareto test below)."""
+    page.goto(f"{server}/fit")
+    wait_idle(page)
+    page.get_by_role("button", name="Find what fits").click()
+    page.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg .scatterlayer .trace', timeout=240_000)
+    wait_idle(page)
+    assert page.locator('[data-testid="stException"]').count() == 0
+    assert page.get_by_text("Largest batch within").count() == 1
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(SHOTS / "fit-search.png"), full_page=True)
 
 
 def test_first_paint_of_the_default_model_within_three_seconds(page, server):
@@ -279,7 +280,7 @@ def contrast(a, b) -> float:
     return (hi + 0.05) / (lo + 0.05)
 
 
-@pytest.mark.parametrize("scheme", ["light", "dark"])
+@pytest.mark.parametrize("scheme", THEMES)
 def test_the_pareto_line_stands_out_in_the_light_and_the_dark_theme(browser, server, scheme):
     """Streamlit follows the browser's colour scheme (no theme in .streamlit/config.toml): the sweep's
     Pareto line, sampled pixel by pixel in a screenshot, must contrast with the app's background."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_browser import CHROMIUM, SHOTS, wait_idle
+from tests.test_browser import CHROMIUM, SHOTS, THEMES, wait_idle
 from tests.test_browser_graph import assert_labels_legible
 
 # every text of the page's Vega-Lite charts (their marks, labels and annotations)
@@ -44,7 +44,7 @@ def no_exception(pg) -> None:
     assert pg.locator('[data-testid="stException"]').count() == 0
 
 
-@pytest.mark.parametrize("scheme", ["light", "dark"])
+@pytest.mark.parametrize("scheme", THEMES)
 def test_events_are_listed_clickable_and_light_the_graph(browser, server, scheme):
     context, pg = open_at(browser, f"{server}/graph?budget=50", scheme)
     try:

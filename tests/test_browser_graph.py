@@ -19,7 +19,7 @@ from bonsai_core.graph import load_graph
 from bonsai_core.regions import block_stack
 from explorer import module_graph
 from explorer.state import DEFAULT_GRAPH
-from tests.test_browser import CHROMIUM, SHOTS, wait_idle, yardstick
+from tests.test_browser import CHROMIUM, SHOTS, THEMES, wait_idle, yardstick
 
 pytestmark = pytest.mark.skipif(not __import__("os").path.exists(CHROMIUM), reason="Debian's chromium is not installed")
 
@@ -99,7 +99,7 @@ def box_centre(pg, graph, depth: int, name: str) -> tuple[float, float]:
             canvas["y"] + pad + (row.yc - y0) / (y1 - y0) * height)
 
 
-@pytest.mark.parametrize("scheme", ["light", "dark"])
+@pytest.mark.parametrize("scheme", THEMES)
 def test_the_module_view_draws_and_a_click_on_a_box_opens_its_ops(browser, server, scheme):
     context, pg = open_page(browser, scheme)
     try:

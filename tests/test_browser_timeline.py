@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.test_browser import CHART_CANVAS, SHOTS, wait_idle
+from tests.test_browser import CHART_CANVAS, SHOTS, THEMES, wait_idle
 from tests.test_browser import pytestmark  # noqa: F401  (skips without chromium)
 
 CHART = '[data-testid="stVegaLiteChart"]'
@@ -71,7 +71,7 @@ def test_the_scrubber_moves_the_cursor_in_place(browser, server):
     pg.close()
 
 
-@pytest.mark.parametrize("scheme", ["light", "dark"])
+@pytest.mark.parametrize("scheme", THEMES)
 def test_screenshots_of_the_lifetimes_in_both_themes(browser, server, scheme):
     pg = open_memory(browser, f"{server}/memory", scheme)
     pg.get_by_text("Why this plan").click()

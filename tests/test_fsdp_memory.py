@@ -108,17 +108,18 @@ def test_every_method_s_schedule_is_judged_with_the_profile():
         assert simulate(sharded, schedule).peak <= budget
 
 
-def test_cli_trace_fsdp(tmp_path):
+def test_cli_trace_fsdp(tmp_path, capsys):
+    from bonsai_core.cli import main
+
     out = tmp_path / "g.json"
-    done = subprocess.run([sys.executable, "-m", "bonsai_core.cli", "trace", "gpt", "--layers", "2", "--width", "32",
-                           "--fsdp", "4", "--reshard-after-forward", "false", "-o", str(out)],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
+    assert main(["trace", "gpt", "--layers", "2", "--width", "32", "--fsdp", "4", "--reshard-after-forward", "false",
+                 "-o", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["fsdp"]["world"] == 4 and data["fsdp"]["reshard_after_forward"] is False
-    bad = subprocess.run([sys.executable, "-m", "bonsai_core.cli", "trace", "tests.robust_models:make_trunc_normal", "--fsdp", "2", "-o", str(out)],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode != 0 and "block" in bad.stderr and "Traceback" not in bad.stderr
+    capsys.readouterr()
+    assert main(["trace", "tests.robust_models:make_trunc_normal", "--fsdp", "2", "-o", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "block" in err and "Traceback" not in err
 
 
 @pytest.mark.slow

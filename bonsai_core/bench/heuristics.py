@@ -55,7 +55,7 @@ from bonsai_core.solvers.pool import pool_replay
 from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import Schedule, no_remat_peak
+from bonsai_core.schedule import Schedule, no_remat_peak, simulate
 from bonsai_core.solvers import solve
 
 # GPT-2 small's shape, ``models.zoo.GPT2_SMALL`` (bonsai_core.zoo imports torch: read only when a run needs it)
@@ -337,11 +337,9 @@ def example(time_limit: float, frac: float = 0.6) -> str:
     names, mem, cost = g.names, g.mem.tolist(), g.cost.tolist()
 
     def recomputed(s: Schedule) -> dict[int, int]:
-        seen: dict[int, int] = {}
-        for kind, v in s.ops:
-            if kind == "compute":
-                seen[v] = seen.get(v, 0) + 1
-        return {v: c - 1 for v, c in seen.items() if c > 1}
+        """node -> its recomputations (the simulator's count of its computes, less one)."""
+        times = simulate(g, s).times_computed
+        return {int(v): int(times[v]) - 1 for v in times.nonzero()[0] if times[v] > 1}
 
     lines = [f"Zoo GPT (`gpt`, {g.n} nodes), pool of {frac:.0%} of its no-remat peak ({mib(budget)} MiB + "
              f"{mib(adam_bytes(g))} MiB Adam state), from each run's `schedule.extra[\"evictions\"]` "
