@@ -5,14 +5,17 @@ weights), saved as ``config.json`` and given to bonsai as ``hf:PATH`` exactly as
 For each: the traced graph, bonsai's schedule at ``--budget`` of the no-remat peak, the export (replay
 back-end), and ``verify`` on CPU: predicted vs measured peak, loss and gradient differences.
 
-    PYTHONPATH=. python scripts/hf_configs.py [--budget 0.7] [--only t5 bart]
+    PYTHONPATH=. python scripts/hf_configs.py [--budget 0.7] [--only t5 bart] [-o PAGE]
 
-prints one markdown row per architecture (the table in docs/results/hf_configs.md) and exits 1 if any fails.
+writes docs/results/hf_configs.md (one markdown row per architecture; ``-o`` another page) and exits 1 if
+any fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import platform
 import sys
 import tempfile
 import time
@@ -75,29 +78,54 @@ def run_one(arch: str, make: Callable[[], Any], folder: Path, budget: float, bat
             "loss_diff": v.loss_diff, "grad_diff": v.max_grad_diff, "ok": not v.problems()}
 
 
+COMMAND = "PYTHONPATH=. python scripts/hf_configs.py"
+PAGE = """{header}
+# Hugging Face configs end to end
+
+`{command}` on {date}, {machine}: each config runs trace → bonsai at {budget:.0%} of the no-remat peak →
+export (replay back-end) → verify on CPU, at small sizes (2 layers, width 64; batch {batch}); peaks in
+bytes, live-bytes tracker.
+
+| config | nodes | bonsai overhead | predicted peak | measured peak | error | loss / grad diff |
+| --- | --- | --- | --- | --- | --- | --- |
+{rows}
+"""
+
+
+def row(arch: str, make: Callable[[], Any], budget: float, batch: int) -> tuple[str, bool]:
+    """One architecture's markdown row, and whether it verified."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            r = run_one(arch, make, Path(tmp), budget, batch)
+        except Exception as e:  # report and go on: one architecture's failure is a row, not the end
+            return f"| {arch} | failed: {type(e).__name__}: {str(e).splitlines()[0][:200]} | | | | | |", False
+    return (f"| {arch} | {r['nodes']} | {r['overhead']:+.1%} | {r['predicted']:,} B | {r['measured']:,} B | "
+            f"{r['error']:+.2%} | {r['loss_diff']:.1e} / {r['grad_diff']:.1e} |"), r["ok"]
+
+
 def main() -> int:
+    from bonsai_core.bench.common import page_header
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget", type=float, default=0.7, help="share of the no-remat peak (default 0.7)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--only", nargs="+", help="architectures to run (default: all)")
+    ap.add_argument("-o", "--out", default="docs/results/hf_configs.md", help="the page to write")
     args = ap.parse_args()
     makers = configs()
-    names = args.only or list(makers)
-    print("| config | nodes | bonsai overhead | predicted peak | measured peak | error | loss / grad diff |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    failed = []
-    for arch in names:
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                r = run_one(arch, makers[arch], Path(tmp), args.budget, args.batch)
-            except Exception as e:  # report and go on: one architecture's failure is a row, not the end
-                failed.append(arch)
-                print(f"| {arch} | failed: {type(e).__name__}: {str(e).splitlines()[0][:200]} | | | | | |", flush=True)
-                continue
-        if not r["ok"]:
+    rows, failed = [], []
+    for arch in args.only or list(makers):
+        line, ok = row(arch, makers[arch], args.budget, args.batch)
+        print(line, flush=True)
+        rows.append(line)
+        if not ok:
             failed.append(arch)
-        print(f"| {arch} | {r['nodes']} | {r['overhead']:+.1%} | {r['predicted']:,} B | {r['measured']:,} B | "
-              f"{r['error']:+.2%} | {r['loss_diff']:.1e} / {r['grad_diff']:.1e} |", flush=True)
+    import torch
+
+    Path(args.out).write_text(PAGE.format(
+        header=page_header(COMMAND, ["scripts/hf_configs.py"]), command=COMMAND, date=datetime.date.today(),
+        machine=f"{platform.machine()} CPU, torch {torch.__version__}", budget=args.budget, batch=args.batch,
+        rows="\n".join(rows)))
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
