@@ -1,9 +1,9 @@
 """The exported model computes what the original does, and allocates what the simulator predicted.
 
 Every zoo model at a small size, under schedule factories ``(graph, level) -> Schedule`` at three
-levels (the middle one in the slow stage): two hand-built ones (checkpoint regions; a general schedule with real recomputation) and the
-registered real methods through ``solver_factory`` (level i is a budget ``BUDGET_SHARES[i]`` of the way
-from the peak lower bound to the no-remat peak).
+levels (the middle one in the slow stage): two hand-built ones (checkpoint regions; a general schedule
+with real recomputation) and the registered real methods through ``solver_factory`` (level i is a
+budget ``BUDGET_SHARES[i]`` of the way from the peak lower bound to the no-remat peak).
 """
 
 from __future__ import annotations
