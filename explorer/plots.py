@@ -13,7 +13,6 @@ import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
-import networkx as nx
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -275,17 +274,13 @@ def layers(graph: Graph, nodes: np.ndarray | None = None) -> np.ndarray:
 def layered_layout(graph: Graph, nodes: np.ndarray | None = None) -> np.ndarray:
     """float[len(nodes), 2]: a layered DAG layout. The forward pass runs left to right along the
     top band and the backward pass right to left along the bottom band, so each activation sits
-    above the backward ops that read it. Positions within a layer come from networkx's
-    ``multipartite_layout``. O(n + edges)."""
+    above the backward ops that read it. Within a layer, nodes are spaced evenly in their order,
+    centred on the layer (as networkx's ``multipartite_layout`` places them). O(n + edges)."""
     nodes = np.arange(graph.n) if nodes is None else np.asarray(nodes)
     depth = layers(graph, nodes)
-    g = nx.DiGraph()
-    for i, d in enumerate(depth.tolist()):
-        g.add_node(i, layer=d)
     if len(nodes) == 1:
         return np.zeros((1, 2))
-    pos = nx.multipartite_layout(g, subset_key="layer", align="vertical")
-    xy = np.array([pos[i] for i in range(len(nodes))], dtype=float)
+    xy = np.column_stack([depth, _centred_ranks(depth)]).astype(float)
     fwd = graph.is_forward[nodes]
     y = np.zeros(len(nodes))
     for band in (fwd, ~fwd):  # spread each pass over its own band, whatever the other's width
@@ -304,6 +299,17 @@ def layered_layout(graph: Graph, nodes: np.ndarray | None = None) -> np.ndarray:
     out[~fwd, 0] = f_max - (depth[~fwd] - b_min) * (f_max / max(b_max - b_min, 1))
     out[~fwd, 1] = -0.25 - 0.75 * y[~fwd]
     return out
+
+
+def _centred_ranks(layer: np.ndarray) -> np.ndarray:
+    """float[len(layer)]: each item's position among the items of its layer (in order), less the
+    layer's middle position."""
+    layer = np.asarray(layer, dtype=np.int64)
+    counts = np.bincount(layer)
+    order = np.argsort(layer, kind="stable")
+    ranks = np.empty(len(layer))
+    ranks[order] = np.arange(len(layer)) - (np.cumsum(counts) - counts)[layer[order]]
+    return ranks - (counts[layer] - 1) / 2
 
 
 def _hover(graph: Graph, v: int, group: str, recomputed: bool) -> str:
