@@ -82,7 +82,8 @@ def solve_checkmate(graph: Graph, budget: int | None, *, time_limit: float | Non
         backend: MILP backend, highs or scip
         max_nodes: refuse graphs with more nodes than this (views excepted)
         warm_start: start the MILP from the cheapest schedule of none, chen, dtr, moccasin or bonsai that fits
-            (a quarter of time_limit at most goes to finding it); false: no start, the CVXPY model with the budget a Parameter
+            (a quarter of time_limit at most goes to finding it); false: no start, the CVXPY model with
+            the budget a Parameter
     """
     import cvxpy  # noqa: F401  (seconds on a busy machine, once per process: not the solve's time)
 
