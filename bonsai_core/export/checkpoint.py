@@ -148,13 +148,12 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Coll
     read_later[list(useful_saved(graph, plan).saved)] = True
     names = offload_names(graph, plan, step, runtime_of)
     candidates = _Candidates(graph, node_at, read_later, calls, chosen, rebuilt, names, synchronous)
-    units, best = candidates.improve(candidates.outermost(list(chosen)))
+    units, _ = candidates.improve(candidates.outermost(list(chosen)))
     parts, realised = candidates.realise(units)
     saved = kept_for_backward(graph, read_later, realised)
     out = [_unit(graph, step, node_at, saved, calls[i], nodes, drops, chains) for i, (nodes, drops) in zip(units, parts)]
     unrealised = np.flatnonzero(dropped & ~realised)
-    sim = candidates.simulated(units)
-    offloaded = candidates.offloaded(parts) if sim is not None else set()
+    sim, offloaded = candidates.simulated(parts)
     return CheckpointLayout(out, int(graph.mem[dropped].sum()), unrealised.tolist(), int(graph.mem[unrealised].sum()),
                             2**62 if sim is None else sim.peak, {name: v for name, v in names.items() if v in offloaded},
                             int(graph.mem[sorted(offloaded)].sum()) if offloaded else 0, 0 if sim is None else sim.host_peak)
@@ -273,23 +272,23 @@ class _Candidates:
         return {v for v in self.offloads.values() if v not in inside
                 and not any(graph.is_forward[u] and u in inside for u in graph.users(v).tolist())}
 
-    def simulated(self, units: list[int]) -> Any:
-        """The simulation of what checkpointing ``units`` really runs (:func:`realised_sequence`), with
-        the offloads they leave (each reloaded right before its first backward reader, as the unpack hook
-        does), or None when the sequence model cannot express it."""
-        parts, _ = self.realise(units)
-        offloaded = self.offloaded(parts) if self.offloads else ()
+    def simulated(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[Any, set[int]]:
+        """The simulation of what the checkpointed ``parts`` (:meth:`realise`) really run
+        (:func:`realised_sequence`), with the offloads they leave (:meth:`offloaded`; each reloaded right
+        before its first backward reader, as the unpack hook does), and those offloads; (None, no
+        offloads) when the sequence model cannot express it."""
+        offloaded = self.offloaded(parts) if self.offloads else set()
         try:
             ops = realised_ops(self.graph, parts, self.read_by_backward)
             if offloaded:
                 ops = with_offloads(self.graph, ops, offloaded, float("inf"), self.synchronous)
-            return simulate(self.graph, ops)
+            return simulate(self.graph, ops), offloaded
         except ScheduleError:
-            return None
+            return None, set()
 
     def peak(self, units: list[int]) -> int:
         """The simulated peak of what checkpointing ``units`` really runs (:meth:`simulated`)."""
-        sim = self.simulated(units)
+        sim, _ = self.simulated(self.realise(units)[0])
         return 2**62 if sim is None else sim.peak  # a layout the sequence model cannot express: never prefer it
 
     def improve(self, units: list[int]) -> tuple[list[int], int]:
