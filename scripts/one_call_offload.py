@@ -41,7 +41,7 @@ def llama():
 def main() -> None:
     runs = []
     gpt, inputs, loss_fn = models.build("gpt", batch=4, seq=32, width=64, layers=2, heads=2, vocab=128)
-    runs.append(("zoo gpt batch=4 seq=32 width=64 layers=2", gpt, inputs, loss_fn, gpt, inputs, "80%"))
+    runs.append(("zoo gpt batch=4 seq=32 width=64 layers=2", gpt, inputs, loss_fn, gpt, inputs, "90%"))
     model, batch = llama()
     runs.append(("tiny Llama 2 layers, batch 2x64", model, batch, lambda out: out.loss, Keywords(model, batch),
                  tuple(batch.values()), "90%"))

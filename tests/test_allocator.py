@@ -412,6 +412,31 @@ def test_solve_reserved_names_its_lowest_reserved_peak_when_the_budget_cannot_be
         solve_reserved(g, int(no_remat_peak(g) * 0.6), "chen")
 
 
+def test_solve_reserved_shares_one_time_limit_and_asks_below_each_plans_peak(monkeypatch):
+    """``--time-limit`` bounds the whole reserved call: each live-budget solve gets what the earlier left.
+    Each next live budget is below the last plan's live peak: bonsai answers a budget its last plan
+    meets with that plan again (reused), which would reserve as much (the torchtitan 8B step at batch 1
+    stayed 672 KB over 80 GiB for 12 solves)."""
+    import bonsai_core.solvers as solvers
+    from bonsai_core.schedule import no_remat_peak
+
+    g = load_graph("assets/gpt-default.json")
+    asked, real_solve = [], solvers.solve
+
+    def recorded(graph, budget, method, **options):
+        schedule = real_solve(graph, budget, method, **options)
+        asked.append((options["time_limit"], budget, schedule.stats["peak"]))
+        return schedule
+
+    monkeypatch.setattr(solvers, "solve", recorded)
+    s = solvers.solve_reserved(g, int(no_remat_peak(g) * 1.1), "bonsai", policy="caching", time_limit=60)
+    assert s.stats["reserved_solves"] == len(asked) >= 2  # the first live budget reserves too much
+    limits, budgets, peaks = zip(*asked)
+    assert limits[0] <= 60 and all(later < earlier for earlier, later in zip(limits, limits[1:]))
+    assert all(later < peak for peak, later in zip(peaks, budgets[1:]))
+    assert s.stats["wall_seconds"] >= 60 - limits[-1]
+
+
 def test_cli_expandable_segments_needs_the_allocator_it_models(tmp_path, capsys):
     from bonsai_core.cli import main
 

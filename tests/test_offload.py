@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bonsai_core.costmodel import PROFILES
-from bonsai_core.errors import ScheduleError
+from bonsai_core.errors import ScheduleError, SolverError
 from bonsai_core.schedule import Schedule, copy_timing, simulate
 from tests.graphs import chain
 
@@ -187,6 +187,31 @@ def test_bonsai_offloads_where_a_hidden_copy_beats_a_recomputation():
     assert both.stats["offloaded_bytes"] == sim.offloaded_bytes
     assert sim.overhead < simulate(g, recompute).overhead
     assert both.stats["model_peak"] >= sim.peak  # the model's bound holds on the simulated plan
+
+
+def test_the_offload_model_starts_from_the_plan_without_offload_and_is_never_costlier(monkeypatch):
+    """Its own search can go minutes without an incumbent on the largest steps (the torchtitan 8B step:
+    none in 300 s before the start), so it starts from the plan bonsai finds without offload and returns
+    that plan when it finds nothing better that fits."""
+    from bonsai_core.solvers import bonsai as bonsai_solver
+    from bonsai_core.solvers import solve
+    from bonsai_core.trace import trace_model
+
+    g = trace_model("gpt").graph
+    budget = int(0.6 * bonsai_solver._plain(g).memory.max())
+    recompute = simulate(g, solve(g, budget, method="bonsai", reuse=False))
+    both = solve(g, budget, method="bonsai", offload=True, reuse=False)
+    assert both.stats["offloaded"] > 0 and simulate(g, both).compute_cost < recompute.compute_cost
+    assert both.stats["offload_start"] == "highs improved on it"
+
+    def no_plan(*args, **kwargs):
+        raise SolverError("no incumbent")
+
+    monkeypatch.setattr(bonsai_solver, "_solve_from", no_plan)
+    fallen = solve(g, budget, method="bonsai", offload=True, reuse=False)
+    assert fallen.stats["offloaded"] == 0 and fallen.stats["status"] == "feasible" and fallen.stats["gap"] is None
+    assert "the plan without offload" in fallen.stats["offload_start"]
+    assert simulate(g, fallen).compute_cost == pytest.approx(recompute.compute_cost)
 
 
 def test_the_one_call_takes_offload():

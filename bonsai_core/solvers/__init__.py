@@ -27,6 +27,7 @@ from typing import Any, Callable, NamedTuple
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, simulate
+from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.units import format_bytes
 
 # name -> (module, function, one-line description)
@@ -275,29 +276,41 @@ def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, p
     ``expandable_segments:True``), which is what a GPU must hold, rather than its live tensor bytes.
 
     Every method plans live bytes, so this asks the method for a live budget, replays its schedule
-    through the allocator and, while the reserved peak is over ``budget``, lowers the live budget by the
-    excess and solves again (at most ``tries`` solves). The schedule's ``budget`` is the reserved budget;
-    its stats add ``reserved_peak``, ``live_budget`` (the live budget its method met) and ``allocator``.
-    Raises BudgetError naming the smallest reserved peak reached when no live budget works."""
+    through the allocator and, while the reserved peak is over ``budget``, asks for the plan's live peak
+    less the excess and solves again (at most ``tries`` solves). The schedule's ``budget`` is the reserved budget;
+    its stats add ``reserved_peak``, ``live_budget`` (the live budget its method met), ``allocator`` and
+    ``reserved_solves``; ``wall_seconds`` is the whole call's. A ``time_limit`` option bounds the whole call:
+    each solve gets what the earlier ones left. Raises BudgetError naming the smallest reserved peak
+    reached when no live budget works."""
     from bonsai_core.allocator import replay
 
-    live_budget, best = budget, None
+    clock = Deadline(options.get("time_limit"))
+    live_budget, best, solves = budget, None, 0
     for _ in range(tries):
+        left = clock.remaining()
+        if left is not None and left <= 0:
+            break
         try:
-            schedule = solve(graph, live_budget, method, **options)
+            schedule = solve(graph, live_budget, method, **(options if left is None else {**options, "time_limit": left}))
         except BudgetError:
             break
+        solves += 1
         reserved = replay(graph, schedule, policy=policy, full=False).reserved_peak
         if best is None or reserved < best[0]:
             best = (reserved, live_budget)
         if reserved <= budget:
             schedule.budget = budget
             schedule.stats = {**schedule.stats, "reserved_peak": reserved, "live_budget": live_budget,
-                              "allocator": policy}
+                              "allocator": policy, "reserved_solves": solves,
+                              "wall_seconds": time.perf_counter() - clock.start}
             return schedule
-        live_budget -= reserved - budget
+        # below the plan's own live peak: a plan under a budget also meets every budget down to its peak,
+        # and bonsai answers such a budget with that plan again (reused), reserving as much
+        live_budget = min(live_budget, schedule.stats["peak"]) - (reserved - budget)
     reached = "" if best is None else (f" Its lowest reserved peak was {format_bytes(best[0])} ({best[0]} bytes), "
                                        f"at a live budget of {format_bytes(best[1])}.")
+    if clock.passed():
+        reached += f" The time limit of {clock.time_limit:g} s ran out after {solves} solve(s)."
     raise BudgetError(f"Method {method!r} found no schedule of {graph.name!r} whose {policy} allocator reserves at "
                       f"most {format_bytes(budget)}.{reached} Raise the budget, or try another method or "
                       "expandable segments (less rounding waste).")

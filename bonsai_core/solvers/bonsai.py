@@ -63,7 +63,8 @@ from bonsai_core.solvers.bonsai_coef import (PlainProfile, density_levels, plain
                                              self_contained)
 from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
 from bonsai_core.solvers.deadline import Deadline
-from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, solve_milp
+from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, problem_size, solve_milp
+from bonsai_core.solvers.sparse_milp import from_cvxpy, satisfies, solve_sparse_milp
 from bonsai_core.units import format_bytes
 
 _CACHE_SIZE = 32  # entries: per graph its plain profile, its fallback plans, one model per rung tried, its solved plans
@@ -249,7 +250,8 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
             fits this one (it is then within the same gap of this budget's optimum); False: always solve.
         offload: keep, recompute or offload each saved tensor: a kept one may be copied to host memory
             after its last forward reader and reloaded before its first backward reader, its copies
-            hidden by compute in the model (simulator rule 9; docs/BONSAI.md).
+            hidden by compute in the model (simulator rule 9; docs/BONSAI.md). Solved from the plan
+            without offload as a MIP start, so never costlier than that plan (``stats["offload_start"]``).
 
     Raises BudgetError (naming the smallest budget bonsai can meet) when none fits or none was found in
     time, SolverError when the backend fails."""
@@ -342,7 +344,14 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         with times("build"):
             built = build(graph, gran, regions, drop_outputs, save_self_contained, save_ops, offload)
         tried.append(built.seg.granularity)
-        found = _solve_model(graph, built, target, backend, clock, gap, times)
+        start = None
+        if offload:  # the plan without offload is the offload model's MIP start, and its answer if it finds none
+            with times("build"):
+                plain_built = build(graph, gran, regions, drop_outputs, save_self_contained, save_ops)
+            start = _solve_model(graph, plain_built, target, backend, clock, gap, times)
+            if start is not None and not np.array_equal(plain_built.candidates, built.candidates):
+                raise AssertionError("the models with and without offload have different candidates")
+        found = _solve_model(graph, built, target, backend, clock, gap, times, start)
         if found is not None:
             break
         times.spent_on("ladder", since=before)  # a rung whose model cannot meet the budget
@@ -377,6 +386,7 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         "save_ops": save_ops, "levels": len(built.pinned) - 1,
         "offloaded": len(CheckpointPlan.from_extra(schedule.extra).offloaded),
         **({"offload_candidates": len(built.offload.nodes)} if built.offload is not None else {}),
+        **({"offload_start": found.start_note} if found.start_note else {}),
     }
     if source == "fallback":
         schedule.stats.update(status="feasible", gap=None, fallback_plan=fallback[2],
@@ -422,13 +432,16 @@ class _Found(NamedTuple):
     rec: np.ndarray  # 0/1 over the built model's candidates
     tightened: int  # bytes taken off the budget handed to the model
     off: np.ndarray | None = None  # 0/1 over the built model's offload candidates
+    start_note: str | None = None  # what became of the MIP start (offload models)
 
 
 def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clock: Deadline,
-                 gap: float, times: _Times) -> _Found | None:
+                 gap: float, times: _Times, start: _Found | None = None) -> _Found | None:
     """The ILP at ``target`` with tightening, or None when the model cannot meet it (or no time is
-    left before a plan was found)."""
-    tightened, seconds = 0, 0.0
+    left before a plan was found). ``start``: a plan of the same candidates that offloads nothing,
+    the MIP start of an offload model (whose own search can go minutes without an incumbent on the
+    largest steps) and the answer when that model finds nothing better that fits."""
+    tightened, seconds, note = 0, 0.0, None
     best = None
     for _attempt in range(_MAX_TIGHTEN + 1):
         left = clock.remaining()
@@ -437,9 +450,12 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
         built.budget.value = (target - tightened) / built.unit
         try:
             with times("solve"):
-                outcome = solve_milp(built.problem, backend=backend, time_limit=left, gap=gap)
+                if start is None:
+                    outcome = solve_milp(built.problem, backend=backend, time_limit=left, gap=gap)
+                else:
+                    outcome, note = _solve_from(built, start.rec, backend, left, gap)
         except SolverError:
-            if left is None:
+            if left is None and start is None:
                 raise
             break  # the time ran out before the backend had a plan: fall back on what else was found
         seconds += outcome.solve_seconds
@@ -453,10 +469,37 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
         if peak <= target:
             outcome = MilpOutcome(outcome.status, outcome.objective, outcome.gap, seconds, outcome.variables,
                                   outcome.constraints)
-            best = _Found(schedule, outcome, rec, tightened, off)
+            best = _Found(schedule, outcome, rec, tightened, off, note)
             break
         tightened += peak - target  # the model was not conservative here: ask it for the excess less
+    if start is not None and (best is None or _simulated_cost(graph, best) > _simulated_cost(graph, start)):
+        off = None if built.off is None else np.zeros(built.off.size)
+        outcome = MilpOutcome("feasible", start.outcome.objective, None, start.outcome.solve_seconds + seconds,
+                              *problem_size(built.problem))
+        best = _Found(start.schedule, outcome, start.rec, start.tightened, off,
+                      "the plan without offload: the offload model found none that fits and costs less")
     return best
+
+
+def _simulated_cost(graph: Graph, found: _Found) -> float:
+    return simulate(graph, found.schedule).compute_cost
+
+
+def _solve_from(built: BuiltModel, start: np.ndarray, backend: str, time_limit: float | None,
+                gap: float) -> tuple[MilpOutcome, str]:
+    """The model's MILP on the backend itself, from the MIP start that recomputes the candidates ``start``
+    and offloads nothing (when the start meets the model at its budget), its variables' values set as
+    CVXPY's own solve sets them; and what became of the start. Never worse than the start
+    (:func:`solve_sparse_milp`)."""
+    canonical = from_cvxpy(built.problem)
+    x = canonical.vector(built.start_values(start))
+    meets = satisfies(canonical.milp, x)
+    found = solve_sparse_milp(canonical.milp, backend, x if meets else None, time_limit=time_limit, gap=gap)
+    if found.values is not None:
+        values = np.where(canonical.milp.integer, np.round(found.values), found.values)  # within the backend's tolerance
+        for variable in built.problem.variables():  # CVXPY's validation refuses an empty boolean value
+            variable.save_value(canonical.value_of(values, variable))
+    return found.outcome, found.start_note if meets else "the plan without offload does not meet the model's budget: no start"
 
 
 def _fallen_back(graph: Graph, fallback: tuple[int, float, str, CheckpointPlan], tried: list[int], clock: Deadline,

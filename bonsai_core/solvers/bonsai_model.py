@@ -164,6 +164,21 @@ class BuiltModel:
             out[match[0]] = 1.0
         return out
 
+    def start_values(self, rec: np.ndarray) -> dict[Any, np.ndarray]:
+        """Every variable's value for the plan recomputing the candidates ``rec`` (0/1 over
+        :attr:`candidates`, a cover of the forward pass) with nothing offloaded: a MIP start. The atoms
+        no recomputed candidate covers are kept; the memory changes are the running sum of the steps."""
+        rec = np.asarray(rec, dtype=np.float64)
+        covered = np.zeros(self.seg.atoms + 1, dtype=np.int64)
+        chosen = self.candidates[rec > 0.5]
+        np.add.at(covered, np.searchsorted(self.seg.atom_ptr, self.seg.starts[chosen]), 1)
+        np.add.at(covered, np.searchsorted(self.seg.atom_ptr, self.seg.ends[chosen]), -1)
+        values = {self.rec: rec, self.keep: (np.cumsum(covered)[:-1] == 0).astype(np.float64),
+                  self.delta: np.cumsum((self.events @ rec) / self.unit)}
+        if self.off is not None:
+            values[self.off] = np.zeros(self.off.size)
+        return values
+
     def min_peak_problem(self) -> tuple[Any, Any]:
         """(problem, z): the smallest budget the model can meet, for the infeasible-budget message."""
         if self._min_peak is None:

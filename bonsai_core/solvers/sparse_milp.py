@@ -6,7 +6,9 @@ CVXPY (:mod:`bonsai_core.solvers.milp`) cannot hand a backend a starting solutio
 minutes where another method finds a schedule in a second (docs/results/checkmate_moccasin.md). Here
 the model goes to the backend as whole arrays: HiGHS takes the column-wise matrix in one call; SCIP
 reads the MPS file that HiGHS writes of it (PySCIPOpt has no sparse-matrix input). The start goes in
-as HiGHS' ``setSolution`` or SCIP's ``createSol``/``addSol``.
+as HiGHS' ``setSolution`` or SCIP's ``createSol``/``addSol``. A model built in CVXPY (bonsai's) comes
+here through :func:`from_cvxpy`: CVXPY's own canonical matrices, with each variable's columns, so the
+caller can give its start per variable and read the solution back the same way.
 
 :func:`solve_sparse_milp` reports like :func:`~bonsai_core.solvers.milp.solve_milp`: a
 :class:`~bonsai_core.solvers.milp.MilpOutcome` (``optimal``, ``feasible`` with its gap, or
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import scipy.sparse as sp
 
 from bonsai_core.errors import SolverError
 from bonsai_core.solvers.milp import MilpOutcome, _limit_words, _swallow_highs_banner, check_backend
@@ -57,6 +60,72 @@ class SparseOutcome:
     values: np.ndarray | None
     bound: float
     start_note: str | None = None
+
+
+@dataclass(frozen=True)
+class CanonicalMilp:
+    """A CVXPY MILP as CVXPY canonicalises it for HiGHS (at its parameters' current values): the
+    sparse model, and the first column of each CVXPY variable (a variable's entries are consecutive
+    columns, in column-major order)."""
+
+    milp: SparseMilp
+    offsets: dict[int, int]  # CVXPY variable id -> its first column
+
+    def vector(self, values: dict[Any, np.ndarray]) -> np.ndarray:
+        """The column vector holding ``values`` (CVXPY variable -> its values); every column must be given."""
+        x = np.full(len(self.milp.cost), np.nan)
+        for variable, value in values.items():
+            if variable.size == 0:  # CVXPY drops empty variables from the canonical form
+                continue
+            first = self.offsets[variable.id]
+            x[first:first + variable.size] = np.asarray(value, dtype=np.float64).ravel(order="F")
+        if np.isnan(x).any():
+            raise ValueError("a start must give every column of the canonical MILP")
+        return x
+
+    def value_of(self, x: np.ndarray, variable: Any) -> np.ndarray:
+        """``variable``'s entries in the column vector ``x``, in its shape."""
+        if variable.size == 0:
+            return np.zeros(variable.shape)
+        first = self.offsets[variable.id]
+        return np.asarray(x[first:first + variable.size]).reshape(variable.shape, order="F")
+
+
+def from_cvxpy(problem: Any) -> CanonicalMilp:
+    """``problem`` (a CVXPY problem with a linear objective, linear constraints and boolean or integer
+    variables) as a :class:`SparseMilp`, so that a backend can take a MIP start (which CVXPY cannot
+    hand it). CVXPY's conic form ``A x + s = b`` puts the equalities (``s`` in the zero cone) first and
+    the inequalities (``s >= 0``: ``A x <= b``) after them. The objective's constant, if any, is left out."""
+    import cvxpy as cp
+
+    data, _, inverse = problem.get_problem_data(cp.HIGHS)
+    dims = data["dims"]
+    if dims.exp or dims.soc or dims.psd or dims.p3d:
+        raise SolverError("The problem is not a MILP: CVXPY canonicalised it with non-linear cones.")
+    matrix, b, columns = data["A"], np.asarray(data["b"], dtype=np.float64), data["A"].shape[1]
+    integer = np.zeros(columns, dtype=bool)
+    integer[list(data["bool_vars_idx"]) + list(data["int_vars_idx"])] = True
+    col_lower = np.full(columns, -np.inf) if data.get("lower_bounds") is None else np.asarray(data["lower_bounds"], dtype=np.float64)
+    col_upper = np.full(columns, np.inf) if data.get("upper_bounds") is None else np.asarray(data["upper_bounds"], dtype=np.float64)
+    booleans = list(data["bool_vars_idx"])
+    col_lower[booleans] = np.maximum(col_lower[booleans], 0.0)
+    col_upper[booleans] = np.minimum(col_upper[booleans], 1.0)
+    row_lower = np.concatenate((b[:dims.zero], np.full(len(b) - dims.zero, -np.inf)))
+    offsets = next(step.var_offsets for step in inverse if hasattr(step, "var_offsets"))
+    milp = SparseMilp(cost=np.asarray(data["c"], dtype=np.float64), matrix=sp.csc_matrix(matrix), row_lower=row_lower,
+                      row_upper=b, col_lower=col_lower, col_upper=col_upper, integer=integer)
+    return CanonicalMilp(milp, dict(offsets))
+
+
+def satisfies(milp: SparseMilp, x: np.ndarray, tolerance: float = 1e-6) -> bool:
+    """Whether ``x`` meets every row, bound and integrality of ``milp`` within ``tolerance`` (absolute,
+    scaled by the row's magnitude): a start a backend will accept."""
+    rows = milp.matrix @ x
+    scale = tolerance * np.maximum(1.0, np.abs(rows))
+    whole = np.abs(x[milp.integer] - np.round(x[milp.integer])) <= tolerance
+    return bool(np.all(rows >= milp.row_lower - scale) and np.all(rows <= milp.row_upper + scale)
+                and np.all(x >= milp.col_lower - tolerance) and np.all(x <= milp.col_upper + tolerance)
+                and whole.all())
 
 
 def relative_gap(incumbent: float, bound: float) -> float:
