@@ -27,12 +27,15 @@ baseline); and DTR counting live bytes only (``dtr``), whose schedule is then pl
 fit (``pool_replay``): it trains in a pool when that placement fits.
 
     bonsai bench heuristics --out docs/heuristics --example   # about a minute here
-    bonsai bench heuristics --out docs/heuristics --report-only
+    bonsai bench heuristics --page docs/results/heuristics.md  # and the page's other studies: a few minutes
+    bonsai bench heuristics --out docs/heuristics --report-only [--page PAGE]
 
 writes ``results.json``, ``table.md``, ``coop_vs_dtr.html`` (plotly) and ``coop_vs_dtr.png`` (the
 same figure; kaleido if installed, else headless Chromium) there. ``--example`` adds ``example.md``:
 coop and dtr-pool on the zoo GPT at 60% of its no-remat peak, request by request, from the runs'
-own event logs (``schedule.extra["evictions"]``).
+own event logs (``schedule.extra["evictions"]``). ``--page`` adds the example, runs the other studies
+docs/results/heuristics.md reports (:func:`bonsai_core.bench.heuristics_page.studies`), keeps them in
+``results.json`` and writes the page (:func:`bonsai_core.bench.heuristics_page.page`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from bonsai_core.solvers import solve
 
 # GPT-2 small's shape, ``models.zoo.GPT2_SMALL`` (bonsai_core.zoo imports torch: read only when a run needs it)
 GPT2_SMALL = "GPT2_SMALL"
+GPT2_SMALL_LABEL = "gpt GPT-2 small"
 # (name, options): each network at its zoo default and a larger batch or sequence; hf models are built
 # from configs (no weights); GPT-2 small's shape besides, the largest graph (1,517 nodes)
 MODEL_SIZES: list[tuple[str, dict[str, int] | str]] = [
@@ -88,6 +92,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "dte-pool": ("dtr", {**POOL_ARGS, "heuristic": "dte"}),
     "dtr": ("dtr", {}),
 }
+POOL_VARIANTS = ("dtr-pool", "dtr_eq-pool", "dte-pool")  # DTR evicting inside the same pool as coop
 FACTORS = (1.0, 1.2, 1.5)  # equal pools: multiples of coop's smallest pool
 FAIL_BAR = 20  # the figure draws "does not train in this pool" as a hatched bar this far below zero
 STEPS = 10
@@ -97,13 +102,15 @@ def adam_bytes(graph: Graph) -> int:
     return optimizer_bytes(fixed_tensors(graph)) if graph.optimizer is None else 0
 
 
-def run(graph: Graph, budget: int, label: str, time_limit: float, measure: bool = False) -> dict[str, Any]:
-    """One solve of ``label`` under ``budget``: ok, overhead, eviction counts; with ``measure`` the
-    fragmentation of its schedule in its own pool and under the caching allocator (the allocator
-    model's one definition). It is ok when the method returns a schedule and that schedule fits the
-    pool when replayed (``pool_replay``): for ``dtr`` (live bytes) placed best fit; for a pool method
-    its own run's placement, which differs only when the run held separated outputs (``outputs_held``)."""
-    method, options = VARIANTS[label]
+def run(graph: Graph, budget: int, label: str, time_limit: float, measure: bool = False,
+        variants: dict[str, tuple[str, dict[str, Any]]] = VARIANTS) -> dict[str, Any]:
+    """One solve of ``label`` (a key of ``variants``) under ``budget``: ok, overhead, eviction counts;
+    with ``measure`` the fragmentation of its schedule in its own pool and under the caching allocator
+    (the allocator model's one definition). It is ok when the method returns a schedule and that
+    schedule fits the pool when replayed (``pool_replay``): for ``dtr`` (live bytes) placed best fit;
+    for a pool method its own run's placement, which differs only when the run held separated outputs
+    (``outputs_held``)."""
+    method, options = variants[label]
     start = time.perf_counter()
     try:
         s = solve(graph, budget, method, time_limit=time_limit, budget_hint=False, **options)
@@ -126,10 +133,11 @@ def fragmentation(graph: Graph, schedule: Schedule, allocator: str, capacity: in
     return result.fragmentation
 
 
-def smallest_budget(graph: Graph, label: str, time_limit: float, steps: int = STEPS) -> int | None:
+def smallest_budget(graph: Graph, label: str, time_limit: float, steps: int = STEPS,
+                    variants: dict[str, tuple[str, dict[str, Any]]] = VARIANTS) -> int | None:
     """The smallest budget ``label`` trains in, bisected between the graph's lower bound and 1.5x its
     no-remat peak."""
-    return common.bisect_budget(lambda budget: run(graph, budget, label, time_limit)["ok"],
+    return common.bisect_budget(lambda budget: run(graph, budget, label, time_limit, variants=variants)["ok"],
                                 graph.peak_lower_bound, int(1.5 * no_remat_peak(graph)), steps)
 
 
@@ -137,7 +145,7 @@ def label_of(name: str, options: dict[str, int]) -> str:
     from bonsai_core.models.zoo import GPT2_SMALL as shape
 
     if name == "gpt" and options == shape:
-        return "gpt GPT-2 small"
+        return GPT2_SMALL_LABEL
     return name + "".join(f" --{k} {v}" for k, v in options.items())
 
 
@@ -150,7 +158,8 @@ def bench_model(name: str, options: dict[str, int], time_limit: float) -> dict[s
     ref, adam = no_remat_peak(g), adam_bytes(g)
     entry: dict[str, Any] = {"model": name, "options": options, "nodes": g.n, "no_remat_peak": ref,
                              "fixed_mem": g.fixed_mem, "adam_bytes": adam, "trace_seconds": traced,
-                             "smallest_budget": {}, "equal_pools": {}}
+                             "smallest_budget": {}, "equal_pools": {},
+                             "bisection_step": (int(1.5 * ref) - g.peak_lower_bound) / 2**STEPS}
     for label in VARIANTS:
         entry["smallest_budget"][label] = smallest_budget(g, label, time_limit)
     coop = entry["smallest_budget"]["coop"]
@@ -191,18 +200,30 @@ def frag_cell(r: dict[str, Any], key: str) -> str:
     return f"{r[key]:.1%}" if r["ok"] else "-"
 
 
+def pool_order(e: dict[str, Any]) -> str | None:
+    """How coop's smallest pool compares with the best DTR-in-the-pool variant's: "coop smaller", "same"
+    (within one step of the bisection, which cannot tell them apart) or "coop larger"; None when either
+    trains in none."""
+    coop, others = e["smallest_budget"]["coop"], [e["smallest_budget"][k] for k in POOL_VARIANTS]
+    others = [b for b in others if b]
+    if not coop or not others:
+        return None
+    gap = min(others) - coop
+    return "same" if abs(gap) <= e["bisection_step"] else "coop smaller" if gap > 0 else "coop larger"
+
+
 def headline(results: dict[str, Any]) -> dict[str, Any]:
-    """The numbers docs/results/heuristics.md quotes: how often and by how much coop's smallest pool is below
-    the best DTR-in-the-pool variant's, and the median overheads at equal pools."""
+    """How often and by how much coop's smallest pool is below the best DTR-in-the-pool variant's, and the
+    median overheads at equal pools."""
     entries = list(results["models"].values())
-    pool_variants = [k for k in VARIANTS if k not in ("coop", "dtr")]
     best = []
     for e in entries:
-        rs = [r for r in (ratio(e, k) for k in pool_variants) if r is not None]
+        rs = [r for r in (ratio(e, k) for k in POOL_VARIANTS) if r is not None]
         if rs and e["smallest_budget"]["coop"]:
             best.append(min(rs))
-    out: dict[str, Any] = {"models": len(entries), "coop_smaller": sum(r > 1.0005 for r in best),
-                           "coop_larger": sum(r < 0.9995 for r in best),
+    orders = [pool_order(e) for e in entries]
+    out: dict[str, Any] = {"models": len(entries), "coop_smaller": orders.count("coop smaller"),
+                           "coop_larger": orders.count("coop larger"),
                            "best_dtr_over_coop": [min(best), max(best)] if best else None,
                            "dtr_pool_over_coop": [r for r in (ratio(e, "dtr-pool") for e in entries) if r]}
     for f in FACTORS:
@@ -253,7 +274,7 @@ def table(results: dict[str, Any]) -> str:
                          + f" | {frag_cell(c, 'caching_fragmentation')} / {frag_cell(d, 'caching_fragmentation')} |")
     h = results["headline"]
     lines += ["", f"Headline: over {h['models']} model sizes, coop's smallest pool is below the best DTR variant's in "
-              f"the pool on {h['coop_smaller']} and above it on {h['coop_larger']}"
+              f"the pool on {h['coop_smaller']} and above it on {h['coop_larger']} (by more than one bisection step)"
               + (f" (best DTR / coop {h['best_dtr_over_coop'][0]:.2f}-{h['best_dtr_over_coop'][1]:.2f})"
                  if h["best_dtr_over_coop"] else "") + "."]
     for f in FACTORS:
@@ -324,70 +345,135 @@ def report(results: dict[str, Any], out: Path) -> None:
 
 # -- the worked example ----------------------------------------------------------------------------
 
-def example(time_limit: float, frac: float = 0.6) -> str:
-    """Coop and dtr-pool on the zoo GPT at ``frac`` of its no-remat peak, from their event logs: the
-    requests where they first differ, and what each recomputes."""
+EXAMPLE_FRAC = 0.6
+# the budgets of the sweep around the example's pool (shares of the no-remat peak); 0.7 and 0.8 show where it eases
+SWEEP_FRACS = (0.58, 0.6, 0.62, 0.65, 0.7, 0.8)
+SWEEP: dict[str, tuple[str, dict[str, Any]]] = {
+    "coop": ("coop", {}), "coop window_cost=recompute": ("coop", {"window_cost": "recompute"}),
+    "dtr-pool": VARIANTS["dtr-pool"], "dtr (live bytes, no pool)": VARIANTS["dtr"]}
+EXAMPLE_METHODS = ("coop", "dtr-pool")
+
+
+def recomputed(graph: Graph, schedule: Schedule) -> dict[int, int]:
+    """node -> its recomputations (the simulator's count of its computes, less one)."""
+    times = simulate(graph, schedule).times_computed
+    return {int(v): int(times[v]) - 1 for v in times.nonzero()[0] if times[v] > 1}
+
+
+def run_summary(graph: Graph, schedule: Schedule) -> dict[str, Any]:
+    """What one run's event log (``schedule.extra["evictions"]``: op, node, evicted per request that found
+    no room) says: requests, those made while rebuilding an evicted tensor, bytes evicted per request's
+    bytes, recomputations."""
+    log = schedule.extra["evictions"]
+    mem, cost = graph.mem.tolist(), graph.cost.tolist()
+    first_at: dict[int, int] = {}
+    for i, (kind, v) in enumerate(schedule.ops):
+        if kind == "compute":
+            first_at.setdefault(v, i)
+    freed = [sum(mem[t] for t in evicted) / max(mem[v], 1) for _, v, evicted in log]
+    rec = recomputed(graph, schedule)
+    return {"overhead": schedule.stats["overhead"], "requests": len(log),
+            "rebuilding": sum(first_at[v] < op for op, v, _ in log), "evictions": schedule.stats["evictions"],
+            "freed_median": statistics.median(freed) if freed else None,
+            "freed_mean": statistics.mean(freed) if freed else None,
+            "recomputations": sum(rec.values()), "recomputed_nodes": len(rec),
+            "recompute_seconds": sum(cost[v] * c for v, c in rec.items())}
+
+
+def first_divergence(logs: dict[str, list]) -> int | None:
+    """The index of the first request at which the two runs' logs differ (node or evictions)."""
+    a, b = (logs[k] for k in EXAMPLE_METHODS)
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x[1] != y[1] or x[2] != y[2]), None)
+
+
+def request_rows(graph: Graph, logs: dict[str, list], first: int, count: int = 4) -> list[dict[str, Any]]:
+    """Requests ``first`` to ``first + count`` of each run: op, the node needing room and what was evicted."""
+    names, mem = graph.names, graph.mem.tolist()
+    rows = []
+    for i in range(first, min(first + count, *(len(logs[k]) for k in EXAMPLE_METHODS))):
+        for k in EXAMPLE_METHODS:
+            op, v, evicted = logs[k][i]
+            rows.append({"request": i + 1, "method": k, "op": op, "node": names[v], "bytes": mem[v],
+                         "evicted": [[names[t], mem[t]] for t in evicted if mem[t] > 0]})
+    return rows
+
+
+def most_recomputed(graph: Graph, schedule: Schedule, count: int = 6) -> list[dict[str, Any]]:
+    """The ``count`` nodes the run spends most recomputing (recomputations x cost)."""
+    rec, cost = recomputed(graph, schedule), graph.cost.tolist()
+    return [{"node": graph.names[v], "op": graph.ops[v], "recomputations": rec[v], "cost": cost[v],
+             "bytes": int(graph.mem[v])} for v in sorted(rec, key=lambda v: -rec[v] * cost[v])[:count]]
+
+
+def sweep(graph: Graph, time_limit: float) -> dict[str, list[float | None]]:
+    """variant -> its overhead at each of SWEEP_FRACS (None: does not train in it)."""
+    out: dict[str, list[float | None]] = {}
+    for k, (method, options) in SWEEP.items():
+        out[k] = []
+        for f in SWEEP_FRACS:
+            try:
+                s = solve(graph, int(f * no_remat_peak(graph)), method, time_limit=time_limit, budget_hint=False,
+                          **options)
+                out[k].append(s.stats["overhead"])
+            except BonsaiError:
+                out[k].append(None)
+    return out
+
+
+def example(time_limit: float, frac: float = EXAMPLE_FRAC) -> dict[str, Any]:
+    """Coop and dtr-pool on the zoo GPT at ``frac`` of its no-remat peak, from their event logs: what
+    each run's requests did, the requests where they first differ, what each recomputes most, and both
+    around that pool."""
     from bonsai_core.trace import trace_model
 
     g = trace_model("gpt").graph
     budget = int(frac * no_remat_peak(g))
-    runs = {label: solve(g, budget, VARIANTS[label][0], time_limit=time_limit, budget_hint=False,
-                         **VARIANTS[label][1]) for label in ("coop", "dtr-pool")}
+    runs = {k: solve(g, budget, VARIANTS[k][0], time_limit=time_limit, budget_hint=False, **VARIANTS[k][1])
+            for k in EXAMPLE_METHODS}
     logs = {k: s.extra["evictions"] for k, s in runs.items()}
-    names, mem, cost = g.names, g.mem.tolist(), g.cost.tolist()
+    first = first_divergence(logs)
+    return {"model": "gpt", "nodes": g.n, "frac": frac, "budget": budget, "adam_bytes": adam_bytes(g),
+            "runs": {k: run_summary(g, s) for k, s in runs.items()}, "first_divergence": first,
+            "requests": [] if first is None else request_rows(g, logs, first),
+            "most_recomputed": {k: most_recomputed(g, s) for k, s in runs.items()},
+            "sweep_fracs": list(SWEEP_FRACS), "sweep": sweep(g, time_limit)}
 
-    def recomputed(s: Schedule) -> dict[int, int]:
-        """node -> its recomputations (the simulator's count of its computes, less one)."""
-        times = simulate(g, s).times_computed
-        return {int(v): int(times[v]) - 1 for v in times.nonzero()[0] if times[v] > 1}
 
-    lines = [f"Zoo GPT (`gpt`, {g.n} nodes), pool of {frac:.0%} of its no-remat peak ({mib(budget)} MiB + "
-             f"{mib(adam_bytes(g))} MiB Adam state), from each run's `schedule.extra[\"evictions\"]` "
-             "(per request that found no room: ops emitted before it, the node, what was evicted):", ""]
-    for k, s in runs.items():
-        rec = recomputed(s)
-        first_at: dict[int, int] = {}
-        for i, (kind, v) in enumerate(s.ops):
-            if kind == "compute":
-                first_at.setdefault(v, i)
-        rebuilding = sum(first_at[v] < op for op, v, _ in logs[k])
-        freed = [sum(mem[t] for t in ev) / max(mem[v], 1) for _, v, ev in logs[k]]
-        lines.append(f"* {k}: overhead {s.stats['overhead']:+.1%}; {len(logs[k])} requests found no room, "
-                     f"{rebuilding} of them while rebuilding an evicted tensor; they evicted {s.stats['evictions']} "
-                     f"tensors, median {statistics.median(freed):.2f}x the request's bytes (mean "
-                     f"{statistics.mean(freed):.2f}x); {sum(rec.values())} recomputations of {len(rec)} nodes "
-                     f"({sum(cost[v] * c for v, c in rec.items()) * 1e3:.3f} ms of compute)")
-    first = next((i for i, (a, b) in enumerate(zip(logs["coop"], logs["dtr-pool"]))
-                  if a[1] != b[1] or a[2] != b[2]), None)
-    if first is not None:
+def percent_cell(overhead: float | None) -> str:
+    return "fails" if overhead is None else f"{overhead:+.1%}"
+
+
+def example_markdown(ex: dict[str, Any]) -> str:
+    """example.md: the worked example's runs, their first differing requests, what each recomputes most
+    and the sweep around the pool."""
+    lines = [f"Zoo GPT (`{ex['model']}`, {ex['nodes']} nodes), pool of {ex['frac']:.0%} of its no-remat peak "
+             f"({mib(ex['budget'])} MiB + {mib(ex['adam_bytes'])} MiB Adam state), from each run's "
+             "`schedule.extra[\"evictions\"]` (per request that found no room: ops emitted before it, the node, "
+             "what was evicted):", ""]
+    for k, r in ex["runs"].items():
+        lines.append(f"* {k}: overhead {r['overhead']:+.1%}; {r['requests']} requests found no room, "
+                     f"{r['rebuilding']} of them while rebuilding an evicted tensor; they evicted {r['evictions']} "
+                     f"tensors, median {r['freed_median']:.2f}x the request's bytes (mean {r['freed_mean']:.2f}x); "
+                     f"{r['recomputations']} recomputations of {r['recomputed_nodes']} nodes "
+                     f"({r['recompute_seconds'] * 1e3:.3f} ms of compute)")
+    if ex["first_divergence"] is not None:
+        first = ex["first_divergence"]
         lines += ["", f"Requests 1-{first} are the same in both. From request {first + 1} on:", "",
                   "| request | method | op | node needing room | evicted (bytes) |", "| --- | --- | --- | --- | --- |"]
-        for i in range(first, min(first + 4, len(logs["coop"]), len(logs["dtr-pool"]))):
-            for k in ("coop", "dtr-pool"):
-                op, v, ev = logs[k][i]
-                evicted = ", ".join(f"{names[t]} ({mib(mem[t])} MiB)" for t in ev if mem[t] > 0)
-                lines.append(f"| {i + 1} | {k} | {op} | {names[v]} ({mib(mem[v])} MiB) | {evicted} |")
+        for r in ex["requests"]:
+            evicted = ", ".join(f"{name} ({mib(nbytes)} MiB)" for name, nbytes in r["evicted"])
+            lines.append(f"| {r['request']} | {r['method']} | {r['op']} | {r['node']} ({mib(r['bytes'])} MiB) | "
+                         f"{evicted} |")
     lines += ["", "The nodes each recomputes most (recomputations x cost):", "",
               "| method | node | op | recomputations | cost each (us) | bytes (MiB) |",
               "| --- | --- | --- | --- | --- | --- |"]
-    for k, s in runs.items():
-        rec = recomputed(s)
-        for v in sorted(rec, key=lambda v: -rec[v] * cost[v])[:6]:
-            lines.append(f"| {k} | {names[v]} | {g.ops[v]} | {rec[v]} | {cost[v] * 1e6:.1f} | {mib(mem[v])} |")
-    sweep = {"coop": ("coop", {}), "coop window_cost=recompute": ("coop", {"window_cost": "recompute"}),
-             "dtr-pool": VARIANTS["dtr-pool"], "dtr (live bytes, no pool)": VARIANTS["dtr"]}
-    fracs = (0.58, 0.6, 0.62, 0.65)
+    for k, nodes in ex["most_recomputed"].items():
+        lines += [f"| {k} | {n['node']} | {n['op']} | {n['recomputations']} | {n['cost'] * 1e6:.1f} | "
+                  f"{mib(n['bytes'])} |" for n in nodes]
+    fracs = ex["sweep_fracs"]
     lines += ["", "Overhead around that pool (share of the no-remat peak; 'fails': does not train in it):", "",
               "| variant | " + " | ".join(f"{f:.0%}" for f in fracs) + " |", "| --- |" + " --- |" * len(fracs)]
-    for k, (method, options) in sweep.items():
-        cells = []
-        for f in fracs:
-            try:
-                s = solve(g, int(f * no_remat_peak(g)), method, time_limit=time_limit, budget_hint=False, **options)
-                cells.append(f"{s.stats['overhead']:+.1%}")
-            except BonsaiError:
-                cells.append("fails")
-        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    lines += [f"| {k} | " + " | ".join(map(percent_cell, cells)) + " |" for k, cells in ex["sweep"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -397,24 +483,67 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     names = list(dict.fromkeys(n for n, _ in MODEL_SIZES))
     ap.add_argument("--models", nargs="+", default=names, help=f"from {', '.join(names)}")
     ap.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
-    ap.add_argument("--report-only", action="store_true", help="rewrite table.md and the figure from results.json")
+    ap.add_argument("--report-only", action="store_true",
+                    help="rewrite table.md, the figure (example.md and PAGE when asked) from results.json")
     ap.add_argument("--example", action="store_true", help="also write example.md (the worked example)")
+    ap.add_argument("--page", metavar="PAGE",
+                    help="also run the other studies docs/results/heuristics.md reports (dtr-variants, inplace, a "
+                         "budget on reserved bytes; implies --example) and write that page here; every model")
+
+
+def machine() -> str:
+    """This machine as a report names it: CPUs, memory, the load when the run starts, Python."""
+    cpu = platform.processor() or platform.machine()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{os.cpu_count()} CPUs ({cpu}), {memory:.0f} GiB, load average at start {os.getloadavg()[0]:.1f}, "
+            f"Python {platform.python_version()}")
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Refuse, before any measurement, what would fail only at the end: a page in a missing folder, a page
+    from a subset of the models, --report-only without results.json or, for a page, without the page's studies."""
+    if args.page is not None:
+        if not Path(args.page).parent.is_dir():
+            raise BonsaiError(f"--page {args.page}: the folder {Path(args.page).parent} does not exist.")
+        if set(args.models) != {n for n, _ in MODEL_SIZES}:
+            raise BonsaiError("--page reports every model: leave out --models.")
+    if args.report_only:
+        saved = Path(args.out) / "results.json"
+        if not saved.is_file():
+            raise BonsaiError(f"--report-only: {saved} does not exist; run the suite without it first.")
+        if args.page is not None and "studies" not in json.loads(saved.read_text()):
+            raise BonsaiError(f"--report-only --page: {saved} holds no page studies; run with --page, without "
+                              "--report-only.")
+
+
+def write_outputs(results: dict[str, Any], out: Path, page: str | None) -> None:
+    """results.json, table.md and the figure; example.md when the results hold the example; the page when asked."""
+    report(results, out)
+    if "example" in results:
+        (out / "example.md").write_text(example_markdown(results["example"]))
+    if page is not None:
+        from bonsai_core.bench import heuristics_page
+
+        command = results["meta"]["command"]
+        header = common.page_header(command, heuristics_page.SOURCES)
+        Path(page).write_text(heuristics_page.page(results, command, header))
 
 
 def main(args: argparse.Namespace) -> int:
-    """Every chosen model, then the report (and the worked example) in ``--out``."""
+    """Every chosen model, then the report (and the worked example, and with ``--page`` the page's other
+    studies) in ``--out``."""
+    check_paths(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        report(json.loads((out / "results.json").read_text()), out)
+        write_outputs(json.loads((out / "results.json").read_text()), out, args.page)
         return 0
+    import torch
+
     start = time.perf_counter()
-    cpu = platform.processor() or platform.machine()
     results: dict[str, Any] = {"meta": {"command": common.command(),
                                         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                                        "machine": f"{os.cpu_count()} CPUs ({cpu}), load average at start "
-                                                   f"{os.getloadavg()[0]:.1f}, Python {platform.python_version()}",
-                                        "seconds": 0.0},
+                                        "machine": machine(), "torch": torch.__version__, "seconds": 0.0},
                                "variants": {k: [m, o] for k, (m, o) in VARIANTS.items()},
                                "factors": list(FACTORS), "models": {}}
     for name, options in models():
@@ -423,10 +552,15 @@ def main(args: argparse.Namespace) -> int:
             results["models"][key] = bench_model(name, options, args.time_limit)
             results["meta"]["seconds"] = time.perf_counter() - start
             (out / "results.json").write_text(json.dumps(results, indent=1))
-    if args.example:
-        (out / "example.md").write_text(example(args.time_limit))
+    if args.example or args.page:
+        results["example"] = example(args.time_limit)
+    if args.page:
+        from bonsai_core.bench import heuristics_page
+
+        results["studies"] = heuristics_page.studies(args.time_limit)
     results["meta"]["seconds"] = time.perf_counter() - start
-    report(results, out)
-    print(f"wrote {out}/results.json, table.md, coop_vs_dtr.html, coop_vs_dtr.png "
-          f"in {results['meta']['seconds']:.0f} s")
+    write_outputs(results, out, args.page)
+    print(f"wrote {out}/results.json, table.md, coop_vs_dtr.html, coop_vs_dtr.png"
+          + (", example.md" if "example" in results else "") + (f" and {args.page}" if args.page else "")
+          + f" in {results['meta']['seconds']:.0f} s")
     return 0

@@ -15,13 +15,14 @@ allocator model's one definition, 1 - live / reserved at the reserved peak: ``so
 
     bonsai bench inplace [--study updates|writes|both] [--models gpt hf:resnet:batch=64 ...] [--time-limit 20]
 
-prints markdown tables (docs/results/heuristics.md has the measured ones).
+prints markdown tables (``bonsai bench heuristics --page`` writes them into docs/results/heuristics.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from typing import Iterator
 
 from bonsai_core.bench import heuristics as bench  # the shared runner and bisection
 from bonsai_core.schedule import no_remat_peak
@@ -80,21 +81,30 @@ def _models(texts: list[str]) -> list[tuple[str, dict[str, int]]]:
     return [(spec.name, dict(spec.options)) for spec in specs]
 
 
-def _table(models: list[tuple[str, dict[str, int]]], variants: dict[str, tuple[str, dict]], time_limit: float) -> None:
-    """Print one row per model and variant: smallest budget, and overhead and pool fragmentation at 80%."""
+def measure(models: list[tuple[str, dict[str, int]]], variants: dict[str, tuple[str, dict]],
+            time_limit: float) -> Iterator[dict]:
+    """One row per model and variant, as measured: the model's label and in-place ops, the smallest budget
+    met (a share of the no-remat peak, None when none up to 1.5x), and the run at 80%
+    (:func:`heuristics.run`, measured)."""
     from bonsai_core.trace import trace_model
 
-    bench.VARIANTS.update(variants)
-    print("| model | variant | smallest budget | overhead at 80% | pool fragmentation at 80% |")
-    print("|---|---|---|---|---|")
     for name, options in models:
         g = trace_model(name, **options).graph
         ref = no_remat_peak(g)
-        label = bench.label_of(name, options) + (f" ({int((g.inplace_of >= 0).sum())} in-place ops)"
-                                                 if variants is WRITES else "")
         for variant in variants:
-            smallest = bench.smallest_budget(g, variant, time_limit)
-            row = bench.run(g, int(0.8 * ref), variant, time_limit, measure=True)
-            at80 = (f"{row['overhead']:+.2%} | {row['own_fragmentation']:.1%}" if row["ok"]
-                    else f"- ({row['error']}) | -")
-            print(f"| {label} | {variant} | {f'{smallest / ref:.1%}' if smallest else '-'} | {at80} |", flush=True)
+            smallest = bench.smallest_budget(g, variant, time_limit, variants=variants)
+            yield {"model": bench.label_of(name, options), "inplace_ops": int((g.inplace_of >= 0).sum()),
+                   "variant": variant, "smallest": smallest / ref if smallest else None,
+                   "at80": bench.run(g, int(0.8 * ref), variant, time_limit, measure=True, variants=variants)}
+
+
+def _table(models: list[tuple[str, dict[str, int]]], variants: dict[str, tuple[str, dict]], time_limit: float) -> None:
+    """Print one row per model and variant: smallest budget, and overhead and pool fragmentation at 80%."""
+    print("| model | variant | smallest budget | overhead at 80% | pool fragmentation at 80% |")
+    print("|---|---|---|---|---|")
+    for row in measure(models, variants, time_limit):
+        run = row["at80"]
+        label = row["model"] + (f" ({row['inplace_ops']} in-place ops)" if variants is WRITES else "")
+        at80 = f"{run['overhead']:+.2%} | {run['own_fragmentation']:.1%}" if run["ok"] else f"- ({run['error']}) | -"
+        smallest = f"{row['smallest']:.1%}" if row["smallest"] else "-"
+        print(f"| {label} | {row['variant']} | {smallest} | {at80} |", flush=True)

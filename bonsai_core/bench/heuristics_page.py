@@ -1,0 +1,862 @@
+"""docs/results/heuristics.md, written from one run of the studies it reports: ``bonsai bench heuristics
+--page docs/results/heuristics.md`` runs the Coop-vs-DTR study and its worked example
+(:mod:`bonsai_core.bench.heuristics`), then :func:`studies`: DTR's heuristics and deallocation modes
+(:mod:`~bonsai_core.bench.dtr_variants`), recomputable in-place against copy-on-write
+(:mod:`~bonsai_core.bench.inplace`: the optimizer's updates on the zoo models, the in-place writes of two
+ResNets and of transformers' RegNet-Y) and a budget on reserved bytes (a 4-layer Llama, bonsai, both
+allocator models). :func:`page` writes the page from those results alone: every number it states, and
+every ranking, is computed from them; the fixed prose only explains mechanisms."""
+
+from __future__ import annotations
+
+import re
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, mib, pool_cell,
+                                          pool_order, ratio)
+
+# the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
+SOURCES = ["bonsai_core/bench/heuristics_page.py", "bonsai_core/bench/heuristics.py",
+           "bonsai_core/bench/dtr_variants.py", "bonsai_core/bench/inplace.py", "tests/real_models.py"]
+REGNET_SIZES = ({"batch": 32, "image": 224}, {"batch": 64, "image": 128})
+RESERVED_MODEL = ("hf:llama", {"layers": 4, "width": 512, "seq": 512, "batch": 4, "vocab": 8192})
+RESERVED_FRACS = (0.5, 0.7)
+POLICIES = ("caching", "expandable")
+MODEL_NAMES = {"tests.real_models:resnet18_bn": "ResNet-18"}
+
+
+# -- the studies besides the Coop-vs-DTR one ---------------------------------------------------------
+
+def studies(time_limit: float) -> dict[str, Any]:
+    """Every measurement the page reports besides the Coop-vs-DTR study and its worked example."""
+    from bonsai_core.bench import dtr_variants, inplace
+
+    steps: dict[str, Callable[[], Any]] = {
+        "dtr_variants": dtr_variants.measure,
+        "updates": lambda: list(inplace.measure([(m, {}) for m in inplace.MODELS], inplace.VARIANTS, time_limit)),
+        "writes": lambda: list(inplace.measure(inplace.WRITES_MODELS, inplace.WRITES, time_limit)),
+        "regnet": lambda: regnet_writes(time_limit),
+        "reserved": lambda: reserved_budgets(time_limit)}
+    out = {}
+    for name, measure in steps.items():
+        start = time.perf_counter()
+        out[name] = measure()
+        print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
+    return out
+
+
+def regnet_writes(time_limit: float) -> list[dict[str, Any]]:
+    """The in-place writes study on transformers' RegNet-Y (``RegNetConfig(num_labels=10)``), from a
+    config written to a temporary folder with ``save_pretrained``, at REGNET_SIZES."""
+    from transformers import RegNetConfig
+
+    from bonsai_core.bench import inplace
+
+    with tempfile.TemporaryDirectory() as folder:
+        RegNetConfig(num_labels=10).save_pretrained(folder)
+        models = [(f"hf:{folder}", dict(size)) for size in REGNET_SIZES]
+        rows = list(inplace.measure(models, inplace.WRITES, time_limit))
+    return [{**row, "model": row["model"].replace(f"hf:{folder}", "RegNet-Y")} for row in rows]
+
+
+def lowest_reserved(message: str) -> int | None:
+    """The lowest reserved peak a refused ``solve_reserved`` reached, in bytes, from its error."""
+    found = re.search(r"lowest reserved peak was [^(]*\((\d+) bytes\)", message)
+    return int(found[1]) if found else None
+
+
+def reserved_budgets(time_limit: float) -> dict[str, Any]:
+    """bonsai on RESERVED_MODEL at RESERVED_FRACS of its no-remat peak: the live-budget schedule replayed
+    through both allocator models, and ``solve_reserved`` with each (``bonsai solve --reserved``)."""
+    from bonsai_core.allocator import replay
+    from bonsai_core.errors import BudgetError
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers import solve, solve_reserved
+    from bonsai_core.trace import trace_model
+
+    g = trace_model(RESERVED_MODEL[0], **RESERVED_MODEL[1]).graph
+    ref = no_remat_peak(g)
+    budgets = []
+    for frac in RESERVED_FRACS:
+        budget = int(frac * ref)
+        plain = solve(g, budget, "bonsai", time_limit=time_limit)
+        entry: dict[str, Any] = {
+            "frac": frac, "budget": budget,
+            "plain": {"overhead": plain.stats["overhead"], "live_peak": plain.stats["peak"],
+                      "status": plain.stats["status"], "gap": plain.stats.get("gap"),
+                      "reserved": {p: replay(g, plain, policy=p, full=False).reserved_peak for p in POLICIES}},
+            "reserved": {}}
+        for policy in POLICIES:
+            try:
+                s = solve_reserved(g, budget, "bonsai", policy=policy, time_limit=time_limit)
+                entry["reserved"][policy] = {"ok": True, "live_budget": s.stats["live_budget"],
+                                             "live_peak": s.stats["peak"], "reserved_peak": s.stats["reserved_peak"],
+                                             "overhead": s.stats["overhead"],
+                                             "status": s.stats["status"], "gap": s.stats.get("gap")}
+            except BudgetError as e:
+                entry["reserved"][policy] = {"ok": False, "lowest_reserved": lowest_reserved(str(e))}
+        budgets.append(entry)
+    return {"model": RESERVED_MODEL[0], "options": RESERVED_MODEL[1], "nodes": g.n, "no_remat_peak": ref,
+            "budgets": budgets}
+
+
+# -- words and numbers -----------------------------------------------------------------------------
+
+def pct(x: float) -> str:
+    return f"{x:+.1%}"
+
+
+def pct_or_fails(x: float | None) -> str:
+    return "fails" if x is None else pct(x)
+
+
+def listing(items: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``; ``none`` when empty."""
+    items = list(items)
+    if not items:
+        return "none"
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def median(xs: Iterable[float]) -> float | None:
+    xs = list(xs)
+    return statistics.median(xs) if xs else None
+
+
+def split_by_sign(pairs: Iterable[tuple[str, float, float]], tolerance: float = 1e-9) -> dict[str, list[str]]:
+    """The names of ``(name, a, b)`` where a is lower than b, higher, or equal (within ``tolerance``)."""
+    out: dict[str, list[str]] = {"lower": [], "higher": [], "equal": []}
+    for name, a, b in pairs:
+        out["lower" if a < b - tolerance else "higher" if a > b + tolerance else "equal"].append(name)
+    return out
+
+
+def best_pool_ratio(e: dict[str, Any]) -> float | None:
+    """The smallest pool of the best DTR-in-the-pool variant, over coop's (None when either trains in none)."""
+    rs = [r for r in (ratio(e, k) for k in POOL_VARIANTS) if r is not None]
+    return min(rs) if rs else None
+
+
+def entries(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, entry) of every graph of the study, in its order (the results are keyed by label)."""
+    return list(results["models"].items())
+
+
+def display(model: str) -> str:
+    """A model's label as the page names it (ResNet-18 for tests.real_models:resnet18_bn)."""
+    for spec, name in MODEL_NAMES.items():
+        model = model.replace(spec, name)
+    return model
+
+
+# -- Coop against DTR in one pool ------------------------------------------------------------------
+
+def coop_vs_dtr_intro(results: dict[str, Any]) -> str:
+    """What the study measures and on which graphs (the counts from the results)."""
+    es = entries(results)
+    small = dict(es).get(GPT2_SMALL_LABEL)
+    names = [f"`{m}`" for m in dict.fromkeys(e["model"] for _, e in es)]
+    gpt2 = f", and GPT-2 small (the zoo GPT at `zoo.GPT2_SMALL`, {small['nodes']:,} nodes)" if small else ""
+    factors = listing([f"{f:.1f}x" for f in FACTORS])
+    return ("## Coop against DTR in one pool\n\nWhat it measures is Coop's comparison as the paper makes it: every "
+            "method in one pre-reserved pool that also holds the parameters, gradients, batch and Adam state (the full "
+            f"arena), the **smallest pool** each trains in (bisection on the budget, {STEPS} steps; a run counts when "
+            "it returns a schedule and that schedule, replayed in the pool, fits), and the **overhead at equal pools** "
+            f"({factors} coop's smallest pool). Pools are whole arenas, the Adam state included, in MiB. Variants: "
+            "`coop` with its defaults; DTR in the same pool with h_DTR (`dtr-pool`: `dtr --option allocator=true "
+            "--option full_arena=true`), with union-find e\\* (`dtr_eq-pool`, what OneFlow's DTR baseline computes) "
+            "and with the DTE score (`dte-pool`, the paper's other baseline); and DTR counting live bytes (`dtr`), "
+            f"whose schedule is placed in the pool best fit. Networks: {listing(names)} (the `hf:` ones built from "
+            f"configs), each at its default size and a larger batch or sequence{gpt2}: {len(es)} graphs, each traced "
+            "once. The run writes [`docs/heuristics/table.md`](../heuristics/table.md) (the full table, both "
+            "fragmentations), `results.json`, the figure [`coop_vs_dtr.html`](../heuristics/coop_vs_dtr.html) "
+            "(plotly) and its PNG below, and [`example.md`](../heuristics/example.md) (the worked example).")
+
+
+def smallest_pool_table(results: dict[str, Any]) -> str:
+    """Every graph's smallest pool per variant (MiB) and the ratios to coop's."""
+    lines = ["| model | nodes | no-remat peak + Adam | " + " | ".join(("coop", *POOL_VARIANTS))
+             + " | dtr (live bytes, placed best fit) | best DTR in the pool / coop | dtr / coop |",
+             "| --- |" + " --- |" * 9]
+    for label, e in entries(results):
+        best, live = best_pool_ratio(e), ratio(e, "dtr")
+        cells = [pool_cell(e, k) for k in ("coop", *POOL_VARIANTS, "dtr")]
+        lines.append(f"| {label} | {e['nodes']} | {mib(e['no_remat_peak'] + e['adam_bytes'])} | " + " | ".join(cells)
+                     + f" | {f'{best:.2f}' if best else '-'} | {f'{live:.2f}' if live else '-'} |")
+    return "\n".join(lines)
+
+
+def equal_pools_table(headline: dict[str, Any], graphs: int) -> str:
+    """Per factor of coop's smallest pool: where coop and dtr-pool both train, who is cheaper, the medians."""
+    lines = ["| pool | both coop and dtr-pool train | coop's overhead lower / higher | median overhead coop / dtr-pool "
+             "| dtr-pool does not train / coop does not |", "| --- | --- | --- | --- | --- |"]
+    for f in FACTORS:
+        x = headline[str(f)]
+        medians = (f"{pct(x['median_coop'])} / {pct(x['median_dtr_pool'])}" if x["both_run"] else "-")
+        name = f"{f:.1f}x coop's smallest" if f == FACTORS[0] else f"{f:.1f}x"
+        lines.append(f"| {name} | {x['both_run']} of {graphs} | {x['coop_lower']} / {x['coop_higher']} | {medians} | "
+                     f"{x['dtr_pool_fails']} / {x['coop_fails']} |")
+    return "\n".join(lines)
+
+
+def both_trained(results: dict[str, Any], factor: float) -> list[tuple[str, dict, dict]]:
+    """(graph, coop's run, dtr-pool's run) at ``factor`` x coop's smallest pool, where both train."""
+    out = []
+    for label, e in entries(results):
+        p = e["equal_pools"].get(str(factor))
+        if p and p["coop"]["ok"] and p["dtr-pool"]["ok"]:
+            out.append((label, p["coop"], p["dtr-pool"]))
+    return out
+
+
+def fragmentation_counts(results: dict[str, Any], key: str) -> list[tuple[float, int, int, float, float]]:
+    """Per factor where both train: (factor, graphs where coop's fragmentation ``key`` is lower than
+    dtr-pool's, graphs, coop's median, dtr-pool's median)."""
+    out = []
+    for f in FACTORS:
+        both = both_trained(results, f)
+        if both:
+            lower = split_by_sign((g, c[key], d[key]) for g, c, d in both)["lower"]
+            out.append((f, len(lower), len(both), median(c[key] for _, c, _ in both),
+                        median(d[key] for _, _, d in both)))
+    return out
+
+
+def fragmentation_verdict(results: dict[str, Any]) -> tuple[int, int, int, str]:
+    """(runs where coop's own-pool fragmentation is lower than dtr-pool's, those where its caching-allocator
+    one is, runs where both train, what that says)."""
+    own, caching = (fragmentation_counts(results, k) for k in ("own_fragmentation", "caching_fragmentation"))
+    runs = sum(m for _, _, m, _, _ in own)
+    n_own, n_caching = sum(n for _, n, *_ in own), sum(n for _, n, *_ in caching)
+    if n_own > runs / 2 >= n_caching:
+        said = ("lower in its own pool, not in PyTorch's: the lower fragmentation needs Coop's allocator, not only "
+                "its schedule")
+    elif n_own > runs / 2:
+        said = "lower in both allocators"
+    else:
+        said = "not lower on most runs, even in its own pool"
+    return n_own, n_caching, runs, said
+
+
+def fragmentation_paragraph(results: dict[str, Any]) -> str:
+    """Where coop fragments less than dtr-pool, in their own pool and in PyTorch's caching allocator."""
+    own, caching = (fragmentation_counts(results, k) for k in ("own_fragmentation", "caching_fragmentation"))
+
+    def said(rows):
+        return "; ".join(f"{n} of {m} graphs at {f:.1f}x (median {a:.1%} against {b:.1%})" for f, n, m, a, b in rows)
+
+    n_own, n_caching, runs, verdict_said = fragmentation_verdict(results)
+    return (f"Fragmentation (the allocator model's; where both train): coop's is lower than dtr-pool's in their "
+            f"own pool (`pool_replay`) on {said(own)}; replayed in PyTorch's caching allocator, on {said(caching)}. "
+            f"Over these {runs} runs (coop lower on {n_own} in its own pool, on {n_caching} in PyTorch's), coop's "
+            f"fragmentation is {verdict_said}.")
+
+
+def gpt_sentence(ex: dict[str, Any]) -> str:
+    """Coop and dtr-pool on the 2-layer GPT at the example's pool and the looser ones of the sweep."""
+    fracs, sweep = ex["sweep_fracs"], ex["sweep"]
+    at = {f: (sweep["coop"][i], sweep["dtr-pool"][i]) for i, f in enumerate(fracs)}
+    looser = "; ".join(f"at {f:.0%} {pct_or_fails(at[f][0])} and {pct_or_fails(at[f][1])}" for f in fracs
+                       if f > ex["frac"] + 0.05 + 1e-9)
+    coop, pool = at[ex["frac"]]
+    return (f"The 2-layer GPT at {ex['frac']:.0%} of its no-remat peak, where the comparison started: coop "
+            f"{pct_or_fails(coop)}, dtr-pool {pct_or_fails(pool)} (`bonsai solve` with `--method coop`, and "
+            f"`--method dtr --option allocator=true --option full_arena=true`); {looser}. The worked example below "
+            "takes this pool apart.")
+
+
+def coop_vs_dtr(results: dict[str, Any]) -> str:
+    graphs = len(results["models"])
+    return "\n\n".join([
+        coop_vs_dtr_intro(results).rstrip(), "Smallest pool (MiB), from `docs/heuristics/table.md`:",
+        smallest_pool_table(results),
+        "At equal pools (the generated table has every model and variant, with both fragmentations):",
+        equal_pools_table(results["headline"], graphs), fragmentation_paragraph(results),
+        f"![smallest pool relative to coop's, and overhead at {listing([f'{f:.1f}x' for f in FACTORS])} coop's "
+        "smallest pool](../heuristics/coop_vs_dtr.png)", gpt_sentence(results["example"])])
+
+
+# -- DTR's heuristics ------------------------------------------------------------------------------
+
+FREE_MODE = ("dtr", "dtr_eq", "local", "lru", "size")  # the heuristics, each with deallocation `free`
+
+
+def extremes(overheads: dict[str, list[float | None]], labels: Sequence[str], i: int) -> tuple[list[str], list[str]]:
+    """The labels with the lowest and with the highest overhead at budget ``i`` (those that fit)."""
+    values = {k: overheads[k][i] for k in labels if overheads[k][i] is not None}
+    if not values:
+        return [], []
+    low, high = min(values.values()), max(values.values())
+    return ([k for k, v in values.items() if abs(v - low) < 1e-9],
+            [k for k, v in values.items() if abs(v - high) < 1e-9])
+
+
+def named(labels: Sequence[str]) -> str:
+    return listing([f"`{k}`" for k in labels]) + (" give" if len(labels) > 1 else " gives")
+
+
+def ranking_sentence(part: dict[str, Any], labels: Sequence[str]) -> str:
+    """At each budget, which of ``labels`` has the lowest overhead and which the highest."""
+    o, said = part["overheads"], []
+    for i, frac in enumerate(part["fracs"]):
+        low, high = extremes(o, labels, i)
+        if low:
+            highest = listing([f"`{k}`" for k in high])
+            said.append(f"at {frac:.0%} {named(low)} the lowest overhead ({pct(o[low[0]][i])}), {highest} the highest "
+                        f"({pct(o[high[0]][i])})")
+    return "; ".join(said)
+
+
+def always(part: dict[str, Any], test: Callable[[int], bool]) -> bool:
+    return all(test(i) for i in range(len(part["fracs"])))
+
+
+def dtr_variants_prose(part: dict[str, Any]) -> str:
+    """What the 2-layer GPT's table says about the heuristics, eager eviction and banishing."""
+    o, fracs = part["overheads"], part["fracs"]
+    at = lambda k: ", ".join(f"{pct_or_fails(o[k][i])} at {f:.0%}" for i, f in enumerate(fracs))  # noqa: E731
+    same = always(part, lambda i: o["dtr"][i] == o["dtr_eq"][i])
+    said = ["Exact components (`dtr`) and union-find classes (`dtr_eq`) give "
+            + ("the same overhead at every budget here." if same else f"different overheads: {at('dtr')} against "
+               f"{at('dtr_eq')}."),
+            f"Of the five heuristics with deallocation `free`, {ranking_sentence(part, FREE_MODE)}."]
+    if always(part, lambda i: "lru" in extremes(o, FREE_MODE, i)[1]):
+        said.append("`lru` ignores cost: it evicts what is expensive to rebuild as readily as what is cheap.")
+    evict, free = o["dtr + evict"], o["dtr"]
+    if always(part, lambda i: None not in (evict[i], free[i]) and evict[i] > free[i] > 0):
+        ratios = listing([f"{evict[i] / free[i]:.1f}x `free`'s at {f:.0%}" for i, f in enumerate(fracs)])
+        said.append("Eager eviction (`evict`) makes every e\\* grow over everything the program has freed, which "
+                    f"flattens the scores: its overhead is {ratios}.")
+    else:
+        said.append(f"Eager eviction (`evict`) gives {at('dtr + evict')}, `free` {at('dtr')}.")
+    said.append(banish_sentence(part))
+    return " ".join(said)
+
+
+def banish_sentence(part: dict[str, Any]) -> str:
+    """Where banishing is the cheapest of all the variants, and where it finds no schedule."""
+    o, fracs = part["overheads"], part["fracs"]
+    lowest = [f"{f:.0%} ({pct(o['dtr + banish'][i])})" for i, f in enumerate(fracs)
+              if "dtr + banish" in extremes(o, list(o), i)[0]]
+    fails = [f"{f:.0%}" for i, f in enumerate(fracs) if o["dtr + banish"][i] is None]
+    said = "Banishing (`banish`) never rebuilds a freed tensor"
+    said += f"; it gives the lowest overhead of all at {listing(lowest)}" if lowest else "; it is nowhere the cheapest"
+    if fails:
+        said += (", but it locks a forward activation once its input is freed, and each one's input is freed right "
+                 f"after it is read: at {listing(fails)} it finds no schedule, nothing being left to evict")
+    return said + "."
+
+
+def dtr_variants_section(part: dict[str, Any]) -> str:
+    from bonsai_core.bench.dtr_variants import table
+
+    return (f"### DTR's heuristics and deallocation modes\n\n`bonsai bench dtr-variants` (the 2-layer GPT, "
+            f"{part['nodes']} nodes; live-byte budget, overhead):\n\n{table(part)}\n\n{dtr_variants_prose(part)}")
+
+
+def tight_budgets_section(part: dict[str, Any]) -> str:
+    """The 4-layer GPT at the budgets where DTR thrashes."""
+    from bonsai_core.bench.dtr_variants import table
+
+    o, fracs = part["overheads"], part["fracs"]
+    options = " ".join(f"--{k} {v}" for k, v in part["options"].items())
+    dtr = ", ".join(f"{pct_or_fails(o['dtr'][i])} at {f:.0%}" for i, f in enumerate(fracs))
+    return (f"## DTR at tight budgets on a larger graph\n\nThe 4-layer zoo GPT (`gpt {options}`, {part['nodes']} "
+            f"nodes), live-byte budget, the second table of `bonsai bench dtr-variants`:\n\n{table(part)}\n\n"
+            f"`dtr` with its defaults (h_DTR, exact e\\*, deallocation `free`) gives {dtr} of the no-remat peak. "
+            f"Of all seven variants, {ranking_sentence(part, list(o))}.")
+
+
+# -- does Coop's result reproduce? -----------------------------------------------------------------
+
+def pool_comparison(results: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
+    """Graphs by how the best DTR-in-the-pool variant's smallest pool compares with coop's
+    (:func:`heuristics.pool_order`): (graph, best DTR / coop)."""
+    out: dict[str, list[tuple[str, float]]] = {"coop smaller": [], "same": [], "coop larger": []}
+    for label, e in entries(results):
+        order = pool_order(e)
+        if order is not None:
+            out[order].append((label, best_pool_ratio(e)))
+    return out
+
+
+def live_comparison(results: dict[str, Any]) -> list[tuple[str, float]]:
+    """(graph, dtr's smallest pool / coop's) where coop's is smaller than DTR counting live bytes by more
+    than one bisection step."""
+    return [(label, ratio(e, "dtr")) for label, e in entries(results) if e["smallest_budget"]["coop"]
+            and e["smallest_budget"]["dtr"]
+            and e["smallest_budget"]["dtr"] - e["smallest_budget"]["coop"] > e["bisection_step"]]
+
+
+def times(r: float) -> str:
+    """A ratio with two decimals, three where two would read 1.00."""
+    return f"{r:.3f}x" if f"{r:.2f}" == "1.00" else f"{r:.2f}x"
+
+
+def ratios_said(items: list[tuple[str, float]]) -> str:
+    """``lo to hi: a, b and c``, the graphs in the order of their ratios."""
+    items = sorted(items, key=lambda x: x[1])
+    if not items:
+        return ""
+    bounds = times(items[0][1]) if len(items) == 1 else f"{times(items[0][1])} to {times(items[-1][1])}"
+    return f" ({bounds}: {listing([label for label, _ in items])})"
+
+
+def verdict(results: dict[str, Any]) -> str:
+    """The bold answer: coop's smallest pool against DTR counting live bytes and against DTR in the pool."""
+    graphs, live, pool = len(results["models"]), live_comparison(results), pool_comparison(results)
+    live_all = len(live) == graphs
+    smaller, larger = len(pool["coop smaller"]), len(pool["coop larger"])
+    word = ("Yes" if live_all and not larger
+            else "No" if len(live) <= graphs / 2 and smaller <= larger else "Partly")
+    top = max((r for _, r in live), default=None)
+    against_live = (f"coop's pool is smaller on {len(live)} of {graphs} graphs"
+                    + (f", by up to {times(top)} (the paper: up to 2x)" if top else ""))
+    return (f"**{word}: against DTR that ignores addresses, {against_live}; against DTR in the same pool it is "
+            f"smaller on {smaller}, the same on {len(pool['same'])} and larger on {larger}.**")
+
+
+def memory_bullet(results: dict[str, Any]) -> str:
+    graphs, live, pool = len(results["models"]), live_comparison(results), pool_comparison(results)
+    bounds = sorted(live, key=lambda x: x[1])
+    by = f", by {times(bounds[0][1])} ({bounds[0][0]}) to {times(bounds[-1][1])} ({bounds[-1][0]})" if bounds else ""
+    return (f"* **Memory (\"up to 2x memory saving\").** Against DTR counting live bytes, whose schedule is then "
+            f"placed best fit in the pool, coop trains in a smaller pool on {len(live)} of {graphs} graphs{by}. "
+            "Against DTR *in the same pool*, the baseline the paper's scripts run (OneFlow's DTR and DTE evict inside "
+            f"the same allocator), the best of {listing(POOL_VARIANTS)} needs a larger pool than coop on "
+            f"{len(pool['coop smaller'])} graph{'' if len(pool['coop smaller']) == 1 else 's'}"
+            f"{ratios_said(pool['coop smaller'])}, the same (within one bisection "
+            f"step) on {len(pool['same'])} ({listing([label for label, _ in pool['same']])}), and a smaller one on "
+            f"{len(pool['coop larger'])}{ratios_said(pool['coop larger'])}. {not_monotone(results)}")
+
+
+def not_monotone(results: dict[str, Any]) -> str:
+    """An instance of a variant training in a pool and not in a larger one, when the results hold one."""
+    for label, e in entries(results):
+        for k in VARIANTS:
+            runs = [(e["equal_pools"][str(f)]["budget"], e["equal_pools"][str(f)][k]) for f in FACTORS
+                    if str(f) in e["equal_pools"]]
+            for i, (small, a) in enumerate(runs):
+                failed = [b for b, r in runs[i + 1:] if a["ok"] and not r["ok"]]
+                if failed:
+                    adam = e["adam_bytes"]
+                    return (f"A heuristic's success is not monotone in the pool ({k} trains {label} in "
+                            f"{mib(small + adam)} MiB but not in {mib(failed[0] + adam)} MiB), so these are "
+                            "thresholds the bisection landed on.")
+    return "A heuristic's success need not be monotone in the pool, so these are thresholds the bisection landed on."
+
+
+def overhead_at(results: dict[str, Any], factor: float) -> str:
+    """At ``factor`` x coop's smallest pool: who does not train, who is cheaper where both do (the graphs
+    where coop is dearer named when few), the medians and the graphs where neither recomputes."""
+    x, graphs, both = results["headline"][str(factor)], len(results["models"]), both_trained(results, factor)
+    dearer = [f"{g}: {pct(c['overhead'])} against {pct(d['overhead'])}" for g, c, d in both
+              if c["overhead"] > d["overhead"] + 1e-9]
+    zero = sum(c["overhead"] == 0 == d["overhead"] for _, c, d in both)
+    trains = (f"dtr-pool does not train on {x['dtr_pool_fails']} of {graphs} graphs" if x["dtr_pool_fails"]
+              else f"dtr-pool trains on all {graphs} graphs")
+    said = f"At {factor:.1f}x, {trains}" + (f" and coop does not on {x['coop_fails']}" if x["coop_fails"] else "")
+    if x["both_run"]:
+        higher = f"{x['coop_higher'] or 'none'}" + (f" ({'; '.join(dearer)})" if 0 < len(dearer) <= 3 else "")
+        said += (f"; where both train ({x['both_run']}), coop's overhead is lower on {x['coop_lower'] or 'none'} and "
+                 f"higher on {higher}, medians {pct(x['median_coop'])} against {pct(x['median_dtr_pool'])}"
+                 + (f", and on {zero} neither recomputes anything" if zero else ""))
+    return said + "."
+
+
+def overhead_bullet(results: dict[str, Any]) -> str:
+    """Where coop's overhead is lower more often than dtr-pool's, then each pool's counts."""
+    h = results["headline"]
+    lower = [f"{f:.1f}x" for f in FACTORS if h[str(f)]["coop_lower"] > h[str(f)]["coop_higher"]]
+    lead = (f"coop's is lower on more graphs than dtr-pool's at {listing(lower)} coop's smallest pool" if lower
+            else "coop's is nowhere lower on more graphs than dtr-pool's")
+    return (f"* **Compute overhead at equal pools: {lead}.** "
+            + " ".join(overhead_at(results, f) for f in FACTORS))
+
+
+def fragmentation_bullet(results: dict[str, Any]) -> str:
+    n_own, n_caching, runs, said = fragmentation_verdict(results)
+    return (f"* **Fragmentation: {said.split(':')[0]}.** With the one definition (1 - live / reserved at the reserved "
+            f"peak), coop's schedules leave less of the pool unusable at the high-water mark than dtr-pool's on "
+            f"{n_own} of {runs} runs in the pool each ran in, and on {n_caching} of {runs} replayed in PyTorch's "
+            "caching allocator (by pool above). (The paper's fragmentation rate, the free share of the pool at a "
+            "failed request, is a different quantity; the runs still report it as `free_at_failure`.)")
+
+
+SEARCH_LATENCY = ("* **Search latency** is not measured: both searches here are one Python pass over the pool's "
+                  "blocks, and the machine is shared, so their wall times say little; what differs is the number "
+                  "of requests that need one (below).")
+
+
+def reproduce_section(results: dict[str, Any]) -> str:
+    return "\n".join(["### Does Coop's result reproduce?", "", verdict(results), "", memory_bullet(results),
+                      overhead_bullet(results), fragmentation_bullet(results), SEARCH_LATENCY])
+
+
+# -- the worked example ----------------------------------------------------------------------------
+
+def run_bullet(method: str, r: dict[str, Any]) -> str:
+    return (f"* {method}: {pct(r['overhead'])}; {r['requests']} requests found no room, {r['rebuilding']} of them "
+            f"while rebuilding an evicted tensor; they evicted {r['evictions']} tensors, a median "
+            f"{r['freed_median']:.2f}x the request's bytes; {r['recomputations']} recomputations of "
+            f"{r['recomputed_nodes']} nodes.")
+
+
+def evicted_said(request: dict[str, Any]) -> str:
+    total = sum(nbytes for _, nbytes in request["evicted"])
+    tensors = listing([f"`{name}` ({mib(nbytes)} MiB)" for name, nbytes in request["evicted"]])
+    return f"{tensors}, {mib(total)} MiB in all"
+
+
+def divergence_sentence(ex: dict[str, Any]) -> str:
+    """The first request at which the two runs differ, and what each evicted there."""
+    first = ex["first_divergence"]
+    if first is None:
+        return "The two runs make the same requests and evict the same tensors."
+    coop, pool = (next(r for r in ex["requests"] if r["request"] == first + 1 and r["method"] == k)
+                  for k in ("coop", "dtr-pool"))
+    same = "The first request is" if first == 1 else f"The first {first} requests are"
+    if coop["node"] == pool["node"]:
+        at = f"At request {first + 1} (op {coop['op']}, `{coop['node']}` needs {mib(coop['bytes'])} MiB)"
+    else:
+        at = (f"At request {first + 1} coop needs room for `{coop['node']}` (op {coop['op']}), dtr-pool for "
+              f"`{pool['node']}` (op {pool['op']});")
+    return f"{same} the same in both. {at} coop evicts {evicted_said(coop)}; dtr-pool evicts {evicted_said(pool)}."
+
+
+def more_or_fewer(a: int, b: int) -> str:
+    return "more" if a > b else "fewer" if a < b else "as many"
+
+
+def window_sentence(ex: dict[str, Any]) -> str:
+    """Coop's requests and evictions against dtr-pool's, and why a window leaves the pool full."""
+    coop, pool = ex["runs"]["coop"], ex["runs"]["dtr-pool"]
+    said = (f"Coop evicts {more_or_fewer(coop['evictions'], pool['evictions'])} tensors ({coop['evictions']} against "
+            f"{pool['evictions']}) in {more_or_fewer(coop['requests'], pool['requests'])} requests ({coop['requests']} "
+            f"against {pool['requests']})")
+    if coop["requests"] > pool["requests"]:
+        said += (f": a window frees what the request needs and no more (it was built to; a median "
+                 f"{coop['freed_median']:.2f}x), so the pool stays full and the next allocation asks again, and "
+                 f"{coop['rebuilding']} of its {coop['requests']} requests come while rebuilding an evicted tensor, "
+                 "whose own allocation evicts more")
+    return said + (". The windows' cost is `cost / staleness`, and in the backward pass the stalest tensors are the "
+                   "forward activations it has yet to read, so they look cheapest.")
+
+
+def recomputed_said(nodes: list[dict[str, Any]], count: int = 3) -> str:
+    return listing([f"`{n['node']}` ({n['recomputations']} times, {mib(n['bytes'])} MiB)" for n in nodes[:count]])
+
+
+def sweep_sentence(ex: dict[str, Any]) -> str:
+    """The window's cost term against plain compute cost around the example's pool, and how much single
+    budgets swing."""
+    fracs, sw = ex["sweep_fracs"], ex["sweep"]
+    i = fracs.index(ex["frac"])
+    plain, default = sw["coop window_cost=recompute"], sw["coop"]
+    series = lambda k: "/".join(map(pct_or_fails, sw[k]))  # noqa: E731
+    at_pool = ("does not train in this pool" if plain[i] is None else f"is {pct(plain[i])} here")
+    cheaper = sum(p is not None and d is not None and p < d for p, d in zip(plain, default))
+    near = [j for j, f in enumerate(fracs) if abs(f - ex["frac"]) <= 0.05 + 1e-9]
+    swing = lambda k: [sw[k][j] for j in near if sw[k][j] is not None]  # noqa: E731
+    ranges = ", ".join(f"{k}'s from {pct(min(swing(k)))} to {pct(max(swing(k)))}" for k in ("coop", "dtr-pool")
+                       if swing(k))
+    plain_fails = [f"{f:.0%}" for f, x in zip(fracs, plain) if x is None]
+    return (f"With `window_cost=\"recompute\"` (plain compute cost, no staleness) coop {at_pool}. At "
+            f"{'/'.join(f'{f:.0%}' for f in fracs)} of the no-remat peak the default gives {series('coop')} and "
+            f"the plain cost {series('coop window_cost=recompute')} (dtr-pool {series('dtr-pool')}; DTR counting live "
+            f"bytes {series('dtr (live bytes, no pool)')}): the plain cost is the cheaper of the two at {cheaper} of "
+            f"{len(fracs)} budgets" + (f" and finds no schedule at {listing(plain_fails)}" if plain_fails else "")
+            + f". On a graph of {ex['nodes']} ops one request's choice changes every later one, so single budgets "
+            f"swing: between {fracs[near[0]]:.0%} and {fracs[near[-1]]:.0%} the overheads range, {ranges}. The "
+            "table's medians over many graphs are the comparison to read.")
+
+
+def largest_graph_sentence(results: dict[str, Any]) -> str:
+    """The largest graph's smallest pools and the overheads at coop's smallest pool."""
+    label, e = max(entries(results), key=lambda x: x[1]["nodes"])
+    said = f"larger graphs ({label}, {e['nodes']:,} nodes, is the largest here"
+    best = best_pool_ratio(e)
+    if best is not None:
+        size = {"coop smaller": "a larger pool than", "same": "the same pool as", "coop larger": "a smaller pool than"}
+        said += f": there the best DTR in the pool needs {size[pool_order(e)]} coop, {times(best)}"
+    at = e["equal_pools"].get(str(FACTORS[0]))
+    if at and at["dtr-pool"]["ok"]:
+        said += (f", and at coop's smallest pool dtr-pool's overhead is {pct(at['dtr-pool']['overhead'])} against "
+                 f"coop's {pct(at['coop']['overhead'])}")
+    elif at:
+        said += f", and in coop's smallest pool dtr-pool does not train while coop pays {pct(at['coop']['overhead'])}"
+    return said + ")"
+
+
+def example_section(results: dict[str, Any]) -> str:
+    ex = results["example"]
+    runs, top = ex["runs"], ex["most_recomputed"]
+    return "\n\n".join([
+        f"### A worked example: the 2-layer GPT at {ex['frac']:.0%}",
+        "[`docs/heuristics/example.md`](../heuristics/example.md), generated from the two runs' event logs "
+        f"(`schedule.extra[\"evictions\"]`): a pool of {mib(ex['budget'])} MiB ({ex['frac']:.0%} of the no-remat peak) "
+        f"+ {mib(ex['adam_bytes'])} MiB of Adam state.",
+        "\n".join(run_bullet(k, r) for k, r in runs.items()),
+        f"{divergence_sentence(ex)} {window_sentence(ex)} The tensors coop recomputes most (by recomputations x "
+        f"cost) are {recomputed_said(top['coop'])}; dtr-pool's are {recomputed_said(top['dtr-pool'])}.",
+        sweep_sentence(ex),
+        "What would change the picture: the reference's one-sided neighbourhood (ancestors only), its eager-eviction "
+        f"classes, and its address groups, none measured here; {largest_graph_sentence(results)}; and a GPU run "
+        "checking the caching-allocator replay against `torch.cuda.memory_reserved`."])
+
+
+# -- recomputable in-place -------------------------------------------------------------------------
+
+# method -> (its in-place variant, its copy variant), in each study
+UPDATE_PAIRS = {"coop": ("coop in place", "coop copy"), "dtr-pool": ("dtr-pool in place", "dtr-pool copy")}
+WRITE_PAIRS = {"coop": ("coop writes in place", "coop copy-on-write"),
+               "dtr-pool": ("dtr-pool writes in place", "dtr-pool copy-on-write")}
+INPLACE_COLUMNS = "| model | coop in place | coop copy | dtr-pool in place | dtr-pool copy |\n|---|---|---|---|---|"
+
+
+def by_model(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """model -> variant -> its row, in the rows' order."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        out.setdefault(row["model"], {})[row["variant"]] = row
+    return out
+
+
+def inplace_cell(row: dict[str, Any]) -> str:
+    """Smallest budget; overhead / fragmentation in its own pool at 80%."""
+    smallest = f"{row['smallest']:.1%}" if row["smallest"] else "none"
+    run = row["at80"]
+    at80 = f"{run['overhead']:+.2%} / {run['own_fragmentation']:.1%}" if run["ok"] else "fails at 80%"
+    return f"{smallest}; {at80}"
+
+
+def inplace_table(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> str:
+    order = [v for pair in pairs.values() for v in pair]
+    return INPLACE_COLUMNS + "".join(f"\n| {display(model)} | " + " | ".join(inplace_cell(vs[v]) for v in order) + " |"
+                                     for model, vs in by_model(rows).items())
+
+
+def pair_split(rows: list[dict[str, Any]], pair: tuple[str, str],
+               value: Callable[[dict], float | None]) -> dict[str, list[str]]:
+    """The models where ``value`` of the in-place variant is lower than the copy's, higher, or equal
+    (models where either has none left out)."""
+    values = [(display(m), value(vs[pair[0]]), value(vs[pair[1]])) for m, vs in by_model(rows).items()]
+    return split_by_sign((m, a, b) for m, a, b in values if a is not None and b is not None)
+
+
+def smallest_of(row: dict[str, Any]) -> float | None:
+    return row["smallest"]
+
+
+def overhead_at_80(row: dict[str, Any]) -> float | None:
+    return row["at80"]["overhead"] if row["at80"]["ok"] else None
+
+
+def pair_sentence(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]], what: str) -> str:
+    """Per method, the models where in place meets the smaller budget, where copying does, where they tie;
+    and the same of the overheads at 80%."""
+    said = []
+    for method, pair in pairs.items():
+        budgets, costs = pair_split(rows, pair, smallest_of), pair_split(rows, pair, overhead_at_80)
+        same = f", the same on {listing(budgets['equal'])}" if budgets["equal"] else ""
+        said.append(f"For {method}, {what} meets the smaller budget on {listing(budgets['lower'])}, the copy on "
+                    f"{listing(budgets['higher'])}{same}; at 80% its overhead is lower on {listing(costs['lower'])}, "
+                    f"higher on {listing(costs['higher'])} and the same on {listing(costs['equal'])}"
+                    f"{one_trains(rows, pair)}.")
+    return " ".join(said)
+
+
+def one_trains(rows: list[dict[str, Any]], pair: tuple[str, str]) -> str:
+    """The models where only one of the pair trains at 80%, as a clause."""
+    only = {k: [display(m) for m, vs in by_model(rows).items()
+                if vs[k]["at80"]["ok"] and not vs[other]["at80"]["ok"]] for k, other in (pair, pair[::-1])}
+    said = [f"only {'in place' if k == pair[0] else 'the copy'} trains at 80% on {listing(models)}"
+            for k, models in only.items() if models]
+    return "; " + "; ".join(said) if said else ""
+
+
+def largest_gap(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> str:
+    gaps = [(abs(vs[a]["smallest"] - vs[b]["smallest"]), display(m), method) for m, vs in by_model(rows).items()
+            for method, (a, b) in pairs.items() if vs[a]["smallest"] and vs[b]["smallest"]]
+    gap, model, method = max(gaps)
+    return (f"the largest gap between a model's in-place and copy budgets here is {100 * gap:.1f} points ({method} "
+            f"on {model})")
+
+
+def mixed(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> bool:
+    """Whether in place wins the smallest budget on some model and the copy on another, for some method."""
+    return any(all(pair_split(rows, pair, smallest_of)[k] for k in ("lower", "higher")) for pair in pairs.values())
+
+
+def updates_section(rows: list[dict[str, Any]]) -> str:
+    models = listing([f"`{display(m)}`" for m in by_model(rows)])
+    why = (" Where the moved blocks land decides, and between steps no activation is live, so they land in one free "
+           "range either way." if mixed(rows, UPDATE_PAIRS) else "")
+    return (f"## Recomputable in-place (optimizer updates)\n\nThe optimizer's updates between steps, as `bonsai bench "
+            f"inplace --study updates` measures them ({models} at their zoo default sizes): smallest budget "
+            "(bisection, share of the no-remat peak; a run counts when its schedule fits its own pool on replay) and, "
+            "at 80%, overhead / fragmentation in its own pool (`pool_replay`). \"in place\": the parameters and Adam's "
+            "state written where they are; \"copy\": `inplace_updates=false`, copy-on-write.\n\n"
+            f"{inplace_table(rows, UPDATE_PAIRS)}\n\n{pair_sentence(rows, UPDATE_PAIRS, 'in place')}{why} The "
+            f"bisection is not monotone for heuristics (a budget they meet, not a proven minimum): "
+            f"{largest_gap(rows, UPDATE_PAIRS)}.")
+
+
+def evictions_table(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> str:
+    """At 80%: requests that found no room / tensors evicted, per model and variant."""
+    order = [v for pair in pairs.values() for v in pair]
+    cell = lambda run: f"{run['requests']} / {run['evictions']}" if run["ok"] else "fails"  # noqa: E731
+    return INPLACE_COLUMNS + "".join(f"\n| {display(model)} | " + " | ".join(cell(vs[v]["at80"]) for v in order) + " |"
+                                     for model, vs in by_model(rows).items())
+
+
+def evictions_sentence(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> str:
+    """Per method, the tensors evicted at 80% writing in place and copying on write, over the models where
+    both train."""
+    said = []
+    for method, (a, b) in pairs.items():
+        both = [vs for vs in by_model(rows).values() if vs[a]["at80"]["ok"] and vs[b]["at80"]["ok"]]
+        said.append(f"{method}'s runs evict {sum(vs[a]['at80']['evictions'] for vs in both)} tensors writing in place "
+                    f"against {sum(vs[b]['at80']['evictions'] for vs in both)} copying on write ({len(both)} models)")
+    return "At 80%, summed over the models where both train, " + "; ".join(said) + "."
+
+
+def ops_in_place(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Model (without its size) -> the ops its graph runs in place."""
+    return {display(r["model"]).split(" --")[0]: r["inplace_ops"] for r in rows}
+
+
+def writes_section(rows: list[dict[str, Any]]) -> str:
+    return ("## Recomputable in-place during the step\n\nThe ops eager runs in place during the step, as `bonsai "
+            "bench inplace --study writes` measures them, on the models whose forward runs some: a torchvision-style "
+            "ResNet-18 (`tests.real_models:resnet18_bn`, `ReLU(inplace=True)`) and transformers' ResNet (`hf:resnet`, "
+            f"residual `hidden_state += residual`), two sizes each (ops run in place: "
+            f"{listing([f'{name} {n}' for name, n in ops_in_place(rows).items()])}). Smallest "
+            "budget (bisection, share of the no-remat peak; a run counts when its schedule fits its own pool on "
+            "replay) and, at 80%, overhead / fragmentation in its own pool (`pool_replay`). \"in place\": "
+            "`inplace_writes=true` (the default), the op's output takes its input's block; \"copy\": "
+            "`inplace_writes=false`, a block of its own while the input still holds its own.\n\n"
+            f"{inplace_table(rows, WRITE_PAIRS)}\n\n{pair_sentence(rows, WRITE_PAIRS, 'writing in place')}\n\n"
+            f"Requests that found no room / tensors evicted, at 80%:\n\n{evictions_table(rows, WRITE_PAIRS)}\n\n"
+            f"{evictions_sentence(rows, WRITE_PAIRS)}")
+
+
+def span(values: Iterable[float | None]) -> float:
+    """max - min of the values given (None left out), in percentage points."""
+    xs = [x for x in values if x is not None]
+    return 100 * (max(xs) - min(xs)) if xs else 0.0
+
+
+def regnet_section(rows: list[dict[str, Any]]) -> str:
+    """RegNet-Y: the table, how far the smallest budgets and the overheads move between the variants, and
+    coop's fragmentation."""
+    models = by_model(rows)
+    budgets = {m: span(smallest_of(r) for r in vs.values()) for m, vs in models.items()}
+    costs = {m: span(overhead_at_80(r) for r in vs.values()) for m, vs in models.items()}
+    coop = WRITE_PAIRS["coop"]
+    frag = listing([f"{vs[coop[0]]['at80']['own_fragmentation']:.1%} writing in place and "
+                    f"{vs[coop[1]]['at80']['own_fragmentation']:.1%} copying on write on {m}"
+                    for m, vs in models.items() if vs[coop[0]]["at80"]["ok"] and vs[coop[1]]["at80"]["ok"]])
+    far = max(budgets.values()) > 5 * max(costs.values())
+    return ("A third model from a public library, transformers' RegNet-Y (`RegNetConfig(num_labels=10)`, its default "
+            f"RegNet-Y shape; BatchNorm, ReLU, residual `hidden_state += residual`; "
+            f"{listing([str(n) for n in set(ops_in_place(rows).values())])} ops run in place), "
+            "its config written to a temporary folder with `save_pretrained` and measured the same way (`hf:DIR:"
+            f"batch=32,image=224`, `hf:DIR:batch=64,image=128`):\n\n{inplace_table(rows, WRITE_PAIRS)}\n\n"
+            f"Between the four variants the smallest budgets span "
+            f"{listing([f'{v:.1f} points on {m}' for m, v in budgets.items()])}, the overheads at 80% "
+            f"{listing([f'{v:.1f} points on {m}' for m, v in costs.items()])}"
+            + (": the smallest budgets move far more than the overheads, so on this graph the smallest-budget column "
+               "says little either way" if far else "") + f". At 80% coop's fragmentation in its own pool is {frag}.")
+
+
+# -- budgeting reserved bytes ----------------------------------------------------------------------
+
+def mib2(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def reserved_table(study: dict[str, Any]) -> str:
+    lines = ["| budget (share of the no-remat peak) | allocator | live budget met | live peak | reserved peak | "
+             "overhead |", "| --- | --- | --- | --- | --- | --- |"]
+    for b in study["budgets"]:
+        for policy, r in b["reserved"].items():
+            budget = f"{mib2(b['budget'])} ({b['frac']:.0%})"
+            if r["ok"]:
+                lines.append(f"| {budget} | {policy} | {mib2(r['live_budget'])} | {mib2(r['live_peak'])} | "
+                             f"{mib2(r['reserved_peak'])} | {r['overhead']:+.2%} |")
+            else:
+                lowest = f"lowest reached {mib2(r['lowest_reserved'])}: " if r["lowest_reserved"] else ""
+                lines.append(f"| {budget} | {policy} | — | — | {lowest}refused | — |")
+    return "\n".join(lines)
+
+
+def plain_replayed(b: dict[str, Any]) -> str:
+    """The live-budget schedule at one budget, replayed through both allocator models."""
+    p, over = b["plain"], {k: v > b["budget"] for k, v in b["plain"]["reserved"].items()}
+    fits = ("both over the budget" if all(over.values()) else "both within it" if not any(over.values())
+            else f"the {listing([k for k, o in over.items() if o])} over the budget")
+    return (f"at {b['frac']:.0%} (live peak {mib2(p['live_peak'])}, overhead {p['overhead']:+.2%}) the caching "
+            f"allocator reserves {mib2(p['reserved']['caching'])}, expandable segments "
+            f"{mib2(p['reserved']['expandable'])}, {fits}")
+
+
+ALLOCATOR_NAMES = {"caching": "the caching allocator", "expandable": "expandable segments"}
+
+
+def reserved_cost(b: dict[str, Any]) -> str:
+    """The overhead budgeting reserved bytes adds at one budget, in points, per allocator model."""
+    said = [f"{100 * (r['overhead'] - b['plain']['overhead']):+.1f} points of overhead with {ALLOCATOR_NAMES[k]}"
+            for k, r in b["reserved"].items() if r["ok"]]
+    refused = [ALLOCATOR_NAMES[k] for k, r in b["reserved"].items() if not r["ok"]]
+    if refused:
+        said.append(f"no schedule with {listing(refused)}")
+    return f"at {b['frac']:.0%} " + listing(said)
+
+
+def reserved_prose(study: dict[str, Any]) -> str:
+    """The plain live-budget schedules replayed, what budgeting reserved bytes costs, how close expandable
+    segments stay to the live peak, and how the solves ended."""
+    budgets = study["budgets"]
+    slack = [r["reserved_peak"] - r["live_peak"] for b in budgets for k, r in b["reserved"].items()
+             if r["ok"] and k == "expandable"] + [b["plain"]["reserved"]["expandable"] - b["plain"]["live_peak"]
+                                                  for b in budgets]
+    solves = [b["plain"] for b in budgets] + [r for b in budgets for r in b["reserved"].values() if r["ok"]]
+    gaps = [r["gap"] for r in solves if r.get("gap") is not None]
+    return (f"For comparison, the plain live-budget schedules (`bonsai solve G --budget P`) replayed the same way: "
+            f"{'; '.join(map(plain_replayed, budgets))}. Budgeting reserved bytes gives, against them, "
+            f"{'; '.join(map(reserved_cost, budgets))}. Expandable segments reserve at most {mib2(max(slack))} above "
+            f"the live peak in these runs. The bonsai solves ended {listing(sorted({r['status'] for r in solves}))}"
+            + (f", the largest MIP gap {max(gaps):.2%}" if gaps else "") + ".")
+
+
+def reserved_section(study: dict[str, Any]) -> str:
+    options = " ".join(f"--{k} {v}" for k, v in study["options"].items())
+    return (f"## Budgeting reserved bytes\n\n`{study['model']} {options}`: {study['nodes']:,} nodes, no-remat peak "
+            f"{mib2(study['no_remat_peak'])}. bonsai under a budget on the bytes the allocator model reserves "
+            "(`solvers.solve_reserved`, what `bonsai solve G --budget P --reserved [--expandable-segments]` runs), "
+            "for PyTorch's caching allocator and for expandable segments:\n\n"
+            f"{reserved_table(study)}\n\n{reserved_prose(study)}")
+
+
+# -- the page --------------------------------------------------------------------------------------
+
+def intro(results: dict[str, Any], command: str) -> str:
+    meta = results["meta"]
+    return (f"# Heuristics and the allocator model: measurements\n\n`{command}` on {meta['date']}, {meta['machine']}, "
+            f"torch {meta['torch']}; {meta['seconds']:.0f} s in all. The command ran every study below and wrote this "
+            "page from their results; the schedules are deterministic, so only the run time depends on the machine. "
+            "The methods and the allocator model: [../HEURISTICS.md](../HEURISTICS.md).")
+
+
+def page(results: dict[str, Any], command: str, header: str) -> str:
+    """The whole page from one run's results (the study's, its worked example and :func:`studies`')."""
+    s = results["studies"]
+    return "\n\n".join([header, intro(results, command), coop_vs_dtr(results),
+                        dtr_variants_section(s["dtr_variants"]["small"]), reproduce_section(results),
+                        example_section(results), updates_section(s["updates"]), writes_section(s["writes"]),
+                        regnet_section(s["regnet"]), tight_budgets_section(s["dtr_variants"]["larger"]),
+                        reserved_section(s["reserved"])]) + "\n"

@@ -1,0 +1,182 @@
+"""docs/results/heuristics.md's writer (``bonsai bench heuristics --page``): its sentences say what the
+results say, on small made-up results (the studies themselves take minutes), and bad paths are refused
+before anything is measured."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from bonsai_core.bench import heuristics, heuristics_page as hp
+from bonsai_core.cli import main
+
+MIB = 2**20
+
+
+def run(overhead: float | None, own: float = 0.01, caching: float = 0.3, evictions: int = 3, requests: int = 2) -> dict:
+    """One solve's row as :func:`heuristics.run` writes it (None: it does not train)."""
+    if overhead is None:
+        return {"ok": False, "error": "does not fit"}
+    return {"ok": True, "overhead": overhead, "evictions": evictions, "requests": requests,
+            "own_fragmentation": own, "caching_fragmentation": caching, "reserved_peak": 0}
+
+
+def entry(model: str, coop: float, best_pool: float, dtr: float | None, overheads: dict[str, float | None]) -> dict:
+    """A graph of the study: smallest pools in MiB (the best DTR-in-the-pool variant is dtr_eq-pool), a
+    bisection step of 0.1 MiB, and every variant at the three equal pools with ``overheads``."""
+    budgets = {"coop": coop, "dtr-pool": best_pool + 1, "dtr_eq-pool": best_pool, "dte-pool": None, "dtr": dtr}
+    return {"model": model, "options": {}, "nodes": 100, "no_remat_peak": int(2 * coop * MIB), "adam_bytes": 0,
+            "bisection_step": 0.1 * MIB,
+            "smallest_budget": {k: int(v * MIB) if v else None for k, v in budgets.items()},
+            "equal_pools": {str(f): {"budget": int(f * coop * MIB),
+                                     **{k: run(overheads.get(k, 0.1)) for k in heuristics.VARIANTS}}
+                            for f in heuristics.FACTORS}}
+
+
+def study_results() -> dict:
+    """Three graphs: coop's pool smaller than the best DTR in the pool's, the same (within a step), larger."""
+    models = {"gpt": entry("gpt", 10.0, 12.0, 20.0, {"coop": 0.2, "dtr-pool": None}),
+              "mlp": entry("mlp", 10.0, 10.05, 15.0, {"coop": 0.1, "dtr-pool": 0.3}),
+              "vgg": entry("vgg", 10.0, 9.0, 10.0, {"coop": 0.3, "dtr-pool": 0.1})}
+    results = {"meta": {"command": "bonsai bench heuristics --page P", "date": "2026-01-01 00:00 UTC",
+                        "machine": "2 CPUs", "torch": "2.x", "seconds": 12.0}, "models": models}
+    results["headline"] = heuristics.headline(results)
+    return results
+
+
+def overheads_table(fracs: tuple[float, ...], **cells: list[float | None]) -> dict:
+    """dtr-variants' result for one graph: every label at ``fracs`` (0.1 unless given)."""
+    return {"nodes": 50, "fracs": list(fracs), "options": {"layers": 4},
+            "overheads": {k: cells.get(k.replace(" + ", "_"), [0.1] * len(fracs)) for k in hp.FREE_MODE
+                          + ("dtr + evict", "dtr + banish")}}
+
+
+def example() -> dict:
+    request = {"op": 12, "node": "gelu_1", "bytes": 2 * MIB}
+    return {"model": "gpt", "nodes": 277, "frac": 0.6, "budget": 18 * MIB, "adam_bytes": 4 * MIB,
+            "runs": {k: {"overhead": o, "requests": n, "rebuilding": n - 2, "evictions": e, "freed_median": 1.0,
+                         "freed_mean": 1.2, "recomputations": 30, "recomputed_nodes": 20, "recompute_seconds": 1e-4}
+                     for k, o, n, e in (("coop", 1.444, 12, 30), ("dtr-pool", 2.413, 9, 60))},
+            "first_divergence": 2,
+            "requests": [{**request, "request": 3, "method": "coop", "evicted": [["gelu", 2 * MIB]]},
+                         {**request, "request": 3, "method": "dtr-pool",
+                          "evicted": [["clone", MIB // 2], ["gelu", 2 * MIB]]}],
+            "most_recomputed": {k: [{"node": "addmm", "op": "aten.addmm.default", "recomputations": 5, "cost": 5e-6,
+                                     "bytes": MIB}] for k in ("coop", "dtr-pool")},
+            "sweep_fracs": [0.58, 0.6, 0.62, 0.65, 0.7, 0.8],
+            "sweep": {"coop": [1.3, 1.444, 1.3, 1.4, 0.18, 0.07],
+                      "coop window_cost=recompute": [0.5, None, 0.6, 0.6, 0.1, 0.07],
+                      "dtr-pool": [2.8, 2.413, 1.7, 0.2, 0.2, 0.16],
+                      "dtr (live bytes, no pool)": [1.7, 0.2, 0.2, 0.17, 0.13, 0.1]}}
+
+
+def inplace_rows(pairs: dict[str, tuple[str, str]], copy_fails_on: str = "") -> list[dict]:
+    """Two models; in place meets the smaller budget on "a", the copy on "b"; the copy fails at 80% on
+    ``copy_fails_on``."""
+    rows = []
+    for model, (inplace, copied) in {"a": (0.5, 0.6), "b": (0.7, 0.6)}.items():
+        for method, (v_in, v_copy) in pairs.items():
+            rows.append({"model": model, "inplace_ops": 8, "variant": v_in, "smallest": inplace, "at80": run(0.1)})
+            fails = model == copy_fails_on
+            rows.append({"model": model, "inplace_ops": 8, "variant": v_copy, "smallest": copied,
+                         "at80": run(None if fails else 0.2)})
+    return rows
+
+
+def reserved() -> dict:
+    plain = {"overhead": 0.05, "live_peak": 540 * MIB, "status": "optimal", "gap": 0.0,
+             "reserved": {"caching": 600 * MIB, "expandable": 560 * MIB}}
+    ok = {"ok": True, "live_budget": 500 * MIB, "live_peak": 498 * MIB, "reserved_peak": 548 * MIB, "overhead": 0.07,
+          "status": "feasible", "gap": 0.009}
+    return {"model": "hf:llama", "options": {"layers": 4}, "nodes": 800, "no_remat_peak": 800 * MIB,
+            "budgets": [{"frac": 0.7, "budget": 560 * MIB, "plain": plain,
+                         "reserved": {"caching": ok, "expandable": {"ok": False, "lowest_reserved": 570 * MIB}}}]}
+
+
+def page_results() -> dict:
+    results = study_results()
+    results["example"] = example()
+    results["studies"] = {"dtr_variants": {"small": overheads_table((0.8, 0.6)), "larger": overheads_table((0.5, 0.4))},
+                          "updates": inplace_rows(hp.UPDATE_PAIRS), "writes": inplace_rows(hp.WRITE_PAIRS, "b"),
+                          "regnet": inplace_rows(hp.WRITE_PAIRS), "reserved": reserved()}
+    return results
+
+
+def test_pools_within_one_bisection_step_are_the_same():
+    models = study_results()["models"]
+    assert [heuristics.pool_order(models[m]) for m in ("gpt", "mlp", "vgg")] == ["coop smaller", "same", "coop larger"]
+
+
+def test_the_answer_counts_the_graphs_each_way():
+    results = study_results()
+    assert hp.verdict(results) == (
+        "**Partly: against DTR that ignores addresses, coop's pool is smaller on 2 of 3 graphs, by up to 2.00x (the "
+        "paper: up to 2x); against DTR in the same pool it is smaller on 1, the same on 1 and larger on 1.**")
+    bullet = hp.memory_bullet(results)
+    assert "larger pool than coop on 1 graph (1.20x: gpt), the same (within one bisection step) on 1 (mlp)" in bullet
+    assert "smaller one on 1 (0.90x: vgg)" in bullet
+    results["models"]["vgg"]["smallest_budget"]["dtr_eq-pool"] = 12 * MIB
+    results["models"]["vgg"]["smallest_budget"]["dtr"] = 20 * MIB
+    assert hp.verdict(results).startswith("**Yes: against DTR that ignores addresses, coop's pool is smaller on 3 of 3")
+
+
+def test_overheads_at_equal_pools_name_where_coop_is_dearer():
+    sentence = hp.overhead_at(study_results(), 1.0)
+    assert sentence == ("At 1.0x, dtr-pool does not train on 1 of 3 graphs; where both train (2), coop's overhead is "
+                        "lower on 1 and higher on 1 (vgg: +30.0% against +10.0%), medians +20.0% against +20.0%.")
+
+
+def test_the_dtr_variants_prose_ranks_from_the_table():
+    plain = hp.dtr_variants_prose(overheads_table((0.8, 0.6), lru=[0.2, 3.0], size=[0.1, 0.05],
+                                                  dtr_evict=[0.3, 0.3], dtr_banish=[0.01, None]))
+    assert "at 80% `dtr`, `dtr_eq`, `local` and `size` give the lowest overhead (+10.0%), `lru` the highest" in plain
+    assert "at 60% `size` gives the lowest overhead (+5.0%)" in plain
+    assert "`lru` ignores cost" in plain and "its overhead is 3.0x `free`'s at 80% and 3.0x `free`'s at 60%" in plain
+    assert "the lowest overhead of all at 80% (+1.0%)" in plain and "at 60% it finds no schedule" in plain
+    other = hp.dtr_variants_prose(overheads_table((0.8,), lru=[0.05], dtr_eq=[0.2], dtr_evict=[0.05]))
+    assert "`lru` ignores cost" not in other and "flattens" not in other and "it is nowhere the cheapest" in other
+    assert "different overheads: +10.0% at 80% against +20.0% at 80%" in other
+
+
+def test_the_in_place_sentences_follow_the_rows():
+    rows = inplace_rows(hp.WRITE_PAIRS, copy_fails_on="b")
+    said = hp.pair_sentence(rows, hp.WRITE_PAIRS, "writing in place")
+    assert said.startswith("For coop, writing in place meets the smaller budget on a, the copy on b; at 80% its "
+                           "overhead is lower on a, higher on none and the same on none; only in place trains at 80% "
+                           "on b.")
+    assert hp.largest_gap(rows, hp.WRITE_PAIRS).startswith("the largest gap between a model's in-place and copy "
+                                                           "budgets here is 10.0 points")
+
+
+def test_the_whole_page_from_one_run(tmp_path):
+    results = page_results()
+    page = hp.page(results, "bonsai bench heuristics --page P", "<!-- header -->")
+    headings = [line for line in page.splitlines() if line.startswith("#")]
+    assert headings == ["# Heuristics and the allocator model: measurements", "## Coop against DTR in one pool",
+                        "### DTR's heuristics and deallocation modes", "### Does Coop's result reproduce?",
+                        "### A worked example: the 2-layer GPT at 60%", "## Recomputable in-place (optimizer updates)",
+                        "## Recomputable in-place during the step", "## DTR at tight budgets on a larger graph",
+                        "## Budgeting reserved bytes"]  # docs/HEURISTICS.md links to the last four
+    assert page.startswith("<!-- header -->\n\n# Heuristics") and "None" not in page and "nan" not in page
+    assert "coop +144.4%, dtr-pool +241.3%" in page
+    assert "At request 3 (op 12, `gelu_1` needs 2.0 MiB) coop evicts `gelu` (2.0 MiB), 2.0 MiB in all" in page
+    assert "the plain cost is the cheaper of the two at 4 of 6 budgets and finds no schedule at 60%" in page
+    assert "at 70% +2.0 points of overhead with the caching allocator and no schedule with expandable segments" in page
+    assert "12 s in all" in page
+    assert page == hp.page(copy.deepcopy(results), "bonsai bench heuristics --page P", "<!-- header -->")
+    assert "Requests 1-2 are the same in both" in heuristics.example_markdown(results["example"])
+
+
+def test_bad_paths_are_refused_before_anything_is_measured(tmp_path, capsys):
+    out = str(tmp_path / "out")
+    assert main(["bench", "heuristics", "--out", out, "--page", str(tmp_path / "missing" / "p.md")]) == 1
+    assert "the folder" in capsys.readouterr().err
+    assert main(["bench", "heuristics", "--out", out, "--models", "mlp", "--page", str(tmp_path / "p.md")]) == 1
+    assert "--page reports every model" in capsys.readouterr().err
+    assert main(["bench", "heuristics", "--out", out, "--report-only"]) == 1
+    assert "results.json does not exist" in capsys.readouterr().err
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "results.json").write_text(json.dumps(study_results()))
+    assert main(["bench", "heuristics", "--out", out, "--report-only", "--page", str(tmp_path / "p.md")]) == 1
+    assert "holds no page studies" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "results.json"]  # nothing written
