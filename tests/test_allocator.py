@@ -413,7 +413,7 @@ def test_solve_reserved_names_its_lowest_reserved_peak_when_the_budget_cannot_be
 
 
 def test_solve_reserved_shares_one_time_limit_and_asks_below_each_plans_peak(monkeypatch):
-    """``--time-limit`` bounds the whole reserved call: each live-budget solve gets what the earlier left.
+    """``--time-limit`` bounds the whole reserved call: each live-budget solve gets half of what the earlier left.
     Each next live budget is below the last plan's live peak: bonsai answers a budget its last plan
     meets with that plan again (reused), which would reserve as much (the torchtitan 8B step at batch 1
     stayed 672 KB over 80 GiB for 12 solves)."""
@@ -432,9 +432,9 @@ def test_solve_reserved_shares_one_time_limit_and_asks_below_each_plans_peak(mon
     s = solvers.solve_reserved(g, int(no_remat_peak(g) * 1.1), "bonsai", policy="caching", time_limit=60)
     assert s.stats["reserved_solves"] == len(asked) >= 2  # the first live budget reserves too much
     limits, budgets, peaks = zip(*asked)
-    assert limits[0] <= 60 and all(later < earlier for earlier, later in zip(limits, limits[1:]))
+    assert limits[0] <= 30 and all(later < earlier for earlier, later in zip(limits, limits[1:]))
     assert all(later < peak for peak, later in zip(peaks, budgets[1:]))
-    assert s.stats["wall_seconds"] >= 60 - limits[-1]
+    assert 60 - 2 * limits[-1] <= s.stats["wall_seconds"] <= 60
 
 
 def test_cli_expandable_segments_needs_the_allocator_it_models(tmp_path, capsys):

@@ -280,7 +280,7 @@ def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, p
     less the excess and solves again (at most ``tries`` solves). The schedule's ``budget`` is the reserved budget;
     its stats add ``reserved_peak``, ``live_budget`` (the live budget its method met), ``allocator`` and
     ``reserved_solves``; ``wall_seconds`` is the whole call's. A ``time_limit`` option bounds the whole call:
-    each solve gets what the earlier ones left. Raises BudgetError naming the smallest reserved peak
+    each solve gets half of what the earlier ones left. Raises BudgetError naming the smallest reserved peak
     reached when no live budget works."""
     from bonsai_core.allocator import replay
 
@@ -291,7 +291,8 @@ def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, p
         if left is not None and left <= 0:
             break
         try:
-            schedule = solve(graph, live_budget, method, **(options if left is None else {**options, "time_limit": left}))
+            # half of what is left: a first plan that reserves too much must leave time for the next
+            schedule = solve(graph, live_budget, method, **(options if left is None else {**options, "time_limit": left / 2}))
         except BudgetError:
             break
         solves += 1
