@@ -283,9 +283,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         print(json.dumps({"rows": rows, "attempts": [a.row() for a in result.attempts],
                           "trace_seconds": result.traces}))
         return 0
-    import pandas as pd
-
-    print(pd.DataFrame(rows).to_markdown(index=False))
+    print(fit.markdown_table(result))
     print(f"traced {len(result.traces)} sizes in {sum(result.traces.values()):.1f} s, "
           f"{len(result.attempts)} solves in {sum(a.seconds for a in result.attempts):.1f} s"
           + (f"; wrote {', '.join(written)} to {args.output}" if written else ""))

@@ -205,6 +205,13 @@ def table(result: FitResult) -> list[dict[str, Any]]:
     return rows
 
 
+def markdown_table(result: FitResult) -> str:
+    """:func:`table` as Markdown; "-" for a method that fits no size tried."""
+    import pandas as pd
+
+    return pd.DataFrame(table(result), dtype=object).fillna("-").to_markdown(index=False)
+
+
 def write_report(result: FitResult, out_dir: str) -> list[str]:
     """fit.csv (every attempt), fit.md (the table and the command's cost) and fit.png (overhead
     against size per method, failures marked), plus each method's best plan as plan-METHOD.json;
@@ -225,7 +232,7 @@ def write_report(result: FitResult, out_dir: str) -> list[str]:
     written = []
     pd.DataFrame([a.row() for a in result.attempts]).to_csv(out / "fit.csv", index=False)
     lines = [f"# What fits: {result.model} within {format_bytes(result.limit)}, overhead at most "
-             f"{result.max_overhead:.0%}", "", pd.DataFrame(table(result)).to_markdown(index=False), "",
+             f"{result.max_overhead:.0%}", "", markdown_table(result), "",
              f"Traced {len(result.traces)} sizes of `{result.vary}` in {sum(result.traces.values()):.1f} s "
              f"({', '.join(f'{s}: {t:.1f} s' for s, t in sorted(result.traces.items()))}); "
              f"{len(result.attempts)} solves in {sum(a.seconds for a in result.attempts):.1f} s.", ""]

@@ -55,6 +55,17 @@ def test_fit_writes_its_report(searched, tmp_path):
     assert "largest batch" in (tmp_path / "fit.md").read_text()
 
 
+def test_a_method_that_fits_no_size_reads_as_a_dash_not_nan():
+    from bonsai_core.fit import Attempt, FitResult, markdown_table
+
+    result = FitResult("m", "batch", 2**30, 0.1, [Attempt("none", 1, False, reason="no-remat peak over the limit"),
+                                                   Attempt("bonsai", 1, True, 2**29, None, 0.05, "optimal"),
+                                                   Attempt("bonsai", 2, False, reason="overhead")], {1: 0.1, 2: 0.1}, {})
+    rows = markdown_table(result).splitlines()[2:]
+    assert rows[0].split("|")[2].strip() == "-" and rows[1].split("|")[2].strip() == "1"
+    assert "nan" not in markdown_table(result)
+
+
 def test_cli_fit(tmp_path, capsys):
     from bonsai_core.cli import main
 
