@@ -102,9 +102,33 @@ def _as_in_eager(kernels: str = "cuda") -> Iterator[None]:
     drops nothing, ``torch._assert`` on tensors skipped, float32/float16 grouped matmuls shaped
     as their kernels shape them, dropout and SDPA with dropout as ``kernels``' device runs them
     (:func:`device_kernels`), and ``nn.LSTM`` as the fused kernel eager runs, not torch's per-step
-    decomposition (:mod:`bonsai_core.recurrent`)."""
+    decomposition (:mod:`bonsai_core.recurrent`), and ``silu_backward``/``mish_backward`` as their
+    kernels, not their composite implementations (:func:`_backward_kernels_kept`)."""
     with skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels(), device_kernels(kernels), \
-            FusedRecurrent():
+            FusedRecurrent(), _backward_kernels_kept():
+        yield
+
+
+# AOTAutograd traces the backward pass as if it were to be differentiated again: an op whose Autograd
+# kernel is a composite implementation is decomposed when its inputs require grad. Two aten ops have a
+# composite implementation and kernels of their own, ``silu_backward`` and ``mish_backward``: eager's
+# backward pass runs the kernel (one output), where the trace recorded the composite's sigmoid, its
+# products and their temporaries (hf:mixtral's no-remat peak was predicted 6% above its measurement).
+# While tracing (this thread), they stay one op each.
+_BACKWARD_KERNELS = (torch.ops.aten.silu_backward.default, torch.ops.aten.mish_backward.default)
+
+
+@contextlib.contextmanager
+def _backward_kernels_kept() -> Iterator[None]:
+    """Within (this thread): ``silu_backward`` and ``mish_backward`` traced as the kernels eager runs."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    original = inspect.unwrap(FunctionalTensorMode._can_decompose)  # past another thread's patch
+
+    def can_decompose(mode: Any, func: Any, args: Any, kwargs: Any) -> bool:
+        return func not in _BACKWARD_KERNELS and original(mode, func, args, kwargs)
+
+    with in_this_thread(FunctionalTensorMode, "_can_decompose", can_decompose):
         yield
 
 
