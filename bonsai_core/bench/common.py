@@ -1,14 +1,18 @@
-"""What several bench suites share: the budget bisection, the command line a report quotes and the
-first line of a docs/results page a suite writes (:func:`page_header`)."""
+"""What several bench suites share: the budget bisection, the command line and machine a report quotes,
+the first line of a docs/results page a suite writes (:func:`page_header`) and the small helpers the
+pages' sentences are made with (:func:`pct`, :func:`listing`, :func:`median`)."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import platform
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,6 +45,32 @@ def bisect_budget(meets: Callable[[int], bool], lo: int, hi: int, steps: int, tr
 def command() -> str:
     """The command line this run was started with, as a report quotes it."""
     return "bonsai " + " ".join(sys.argv[1:])
+
+
+def machine() -> str:
+    """This machine as a report names it: CPUs, memory, the load when the run starts, Python."""
+    cpu = platform.processor() or platform.machine()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{os.cpu_count()} CPUs ({cpu}), {memory:.0f} GiB, load average at start {os.getloadavg()[0]:.1f}, "
+            f"Python {platform.python_version()}")
+
+
+def pct(x: float) -> str:
+    """A relative change as a page writes it: ``+1.6%``."""
+    return f"{x:+.1%}"
+
+
+def listing(items: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``; ``none`` when empty."""
+    items = list(items)
+    if not items:
+        return "none"
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def median(xs: Iterable[float]) -> float | None:
+    xs = list(xs)
+    return statistics.median(xs) if xs else None
 
 
 def import_test_models() -> None:

@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -491,14 +489,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "budget on reserved bytes; implies --example) and write that page here; every model")
 
 
-def machine() -> str:
-    """This machine as a report names it: CPUs, memory, the load when the run starts, Python."""
-    cpu = platform.processor() or platform.machine()
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{os.cpu_count()} CPUs ({cpu}), {memory:.0f} GiB, load average at start {os.getloadavg()[0]:.1f}, "
-            f"Python {platform.python_version()}")
-
-
 def check_paths(args: argparse.Namespace) -> None:
     """Refuse, before any measurement, what would fail only at the end: a page in a missing folder, a page
     from a subset of the models, --report-only without results.json or, for a page, without the page's studies."""
@@ -543,7 +533,7 @@ def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     results: dict[str, Any] = {"meta": {"command": common.command(),
                                         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                                        "machine": machine(), "torch": torch.__version__, "seconds": 0.0},
+                                        "machine": common.machine(), "torch": torch.__version__, "seconds": 0.0},
                                "variants": {k: [m, o] for k, (m, o) in VARIANTS.items()},
                                "factors": list(FACTORS), "models": {}}
     for name, options in models():

@@ -10,11 +10,11 @@ every ranking, is computed from them; the fixed prose only explains mechanisms."
 from __future__ import annotations
 
 import re
-import statistics
 import tempfile
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+from bonsai_core.bench.common import listing, median, pct
 from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, mib, pool_cell,
                                           pool_order, ratio)
 
@@ -105,25 +105,8 @@ def reserved_budgets(time_limit: float) -> dict[str, Any]:
 
 # -- words and numbers -----------------------------------------------------------------------------
 
-def pct(x: float) -> str:
-    return f"{x:+.1%}"
-
-
 def pct_or_fails(x: float | None) -> str:
     return "fails" if x is None else pct(x)
-
-
-def listing(items: Sequence[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``; ``none`` when empty."""
-    items = list(items)
-    if not items:
-        return "none"
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
-def median(xs: Iterable[float]) -> float | None:
-    xs = list(xs)
-    return statistics.median(xs) if xs else None
 
 
 def split_by_sign(pairs: Iterable[tuple[str, float, float]], tolerance: float = 1e-9) -> dict[str, list[str]]:

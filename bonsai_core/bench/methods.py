@@ -6,7 +6,10 @@ smallest budget each method reaches, next to the per-op lower bound), ``results.
 model, the reach table, and the honest list of budgets where bonsai is not the best feasible method)
 and PNG plots (matplotlib):
 overhead vs budget (Pareto fronts), solve time vs graph size (log-log) for the optimising methods,
-and peak vs budget. Tables go through pandas (CSV, typed re-reading, markdown via tabulate).
+and peak vs budget. Tables go through pandas (CSV, typed re-reading, markdown via tabulate). ``run.json``
+keeps the command, date, machine and duration. ``--page docs/results/benchmarks.md`` also writes that
+page from those files (:mod:`bonsai_core.bench.benchmarks_page`); ``--report-only`` writes it again from
+the files of a finished run, measuring nothing.
 
 Every schedule row comes from :func:`bonsai_core.solvers.solve`, so it was validated by the simulator;
 peer rows are measured on a real CPU step (:mod:`bonsai_core.peers`).
@@ -15,8 +18,11 @@ peer rows are measured on a real CPU step (:mod:`bonsai_core.peers`).
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import time
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -37,6 +43,7 @@ REACH_TYPES = {"model": "string", "nodes": "Int64", "no_remat_peak": "Int64", "l
                "bonsai": "Int64", "bonsai_status": "string", "chen": "Int64", "dtr": "Int64", "coop": "Int64",
                "seconds": "Float64"}
 REACH_METHODS = ("bonsai", "chen", "dtr", "coop")
+RUN_META = "run.json"  # the run's command, dates, machine and time limit: what its page quotes
 BISECTION_STEPS = 10  # dtr/coop: budget resolution (no-remat peak - lower bound) / 2**10, about 0.1%
 
 
@@ -187,16 +194,45 @@ def add_arguments(p: argparse.ArgumentParser, output_required: bool = True) -> N
     p.add_argument("--time-limit", type=positive_seconds, default=None, metavar="S", help="per solve (default 60, quick 10)")
     p.add_argument("--backend", choices=("highs", "scip"), default="highs", help="MILP backend")
     p.add_argument("-o", "--output", required=output_required, metavar="DIR")
+    p.add_argument("--page", metavar="PAGE", help="also write the page of this run (docs/results/benchmarks.md) "
+                   "from its results; the default models and budgets only")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: write PAGE again from the results.csv, reach.csv and run.json in DIR")
 
 
 def main(args: argparse.Namespace) -> int:
-    """``bonsai bench [methods]``: check the methods and peers named, run the bench, say where it wrote."""
+    """``bonsai bench [methods]``: check the methods and peers named, run the bench, say where it wrote
+    (and write the page); with ``--report-only``, only the page from a finished run."""
+    if args.output is None:
+        args.parser.error("the following arguments are required: -o/--output")
+    check_page_args(args)
+    if args.report_only:
+        write_page(Path(args.output), args.page)
+        print(f"wrote {args.page} from {args.output}")
+        return 0
+    config = config_from(args)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = run_meta(config)
+    (out / RUN_META).write_text(json.dumps(meta, indent=1))
+    start = time.perf_counter()
+    rows = run_bench(config, out, progress=lambda line: print(line, flush=True))
+    meta.update(seconds=round(time.perf_counter() - start, 1),
+                ended=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    (out / RUN_META).write_text(json.dumps(meta, indent=1))
+    print(f"wrote {len(rows)} rows to {args.output}/results.csv, results.md and plots")
+    if args.page:
+        write_page(out, args.page)
+        print(f"wrote {args.page}")
+    return 0
+
+
+def config_from(args: argparse.Namespace) -> BenchConfig:
+    """The bench the options ask for, every method and peer named checked."""
     from bonsai_core.arguments import SOLVE_TIME_LIMIT
     from bonsai_core.peers import PEERS
     from bonsai_core.solvers import METHODS, available_methods
 
-    if args.output is None:
-        args.parser.error("the following arguments are required: -o/--output")
     methods = args.methods or available_methods(any_graph=True)  # the zoo's MLPs have no block stack
     peers = args.peers if args.peers is not None else list(PEERS)
     for m in methods:
@@ -205,15 +241,63 @@ def main(args: argparse.Namespace) -> int:
     for p in peers:
         if p not in PEERS:
             args.parser.error(f"argument --peers: unknown peer {p!r} (choose from {', '.join(PEERS)})")
-    config = BenchConfig(
+    return BenchConfig(
         models=args.models or list(QUICK_MODELS if args.quick else FULL_MODELS),
         budgets=args.budgets or list(QUICK_BUDGETS if args.quick else FULL_BUDGETS),
         methods=methods, peers=peers,
         time_limit=args.time_limit or (10.0 if args.quick else SOLVE_TIME_LIMIT), backend=args.backend,
         max_nodes=dict(BENCH_NODE_LIMITS))
-    rows = run_bench(config, args.output, progress=lambda line: print(line, flush=True))
-    print(f"wrote {len(rows)} rows to {args.output}/results.csv, results.md and plots")
-    return 0
+
+
+def run_meta(config: BenchConfig) -> dict[str, Any]:
+    """What a page says about the run before it starts: command, date, machine, torch, time limit."""
+    import torch
+
+    return {"command": common.command(), "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": common.machine(), "torch": torch.__version__, "time_limit": config.time_limit,
+            "node_limits": config.max_nodes}
+
+
+def check_page_args(args: argparse.Namespace) -> None:
+    """Refuse, before any measurement, what would fail only at the end: a page in a missing folder, a page
+    of a bench other than the default one, --report-only without a page or without a finished run."""
+    if args.page is not None:
+        if not Path(args.page).parent.is_dir():
+            raise BonsaiError(f"--page {args.page}: the folder {Path(args.page).parent} does not exist.")
+        if args.models or args.budgets or args.quick:
+            raise BonsaiError("--page reports the default models and budgets: leave out --models, --budgets and "
+                              "--quick.")
+    if args.report_only:
+        if args.page is None:
+            raise BonsaiError("--report-only writes the page again: name it with --page PAGE.")
+        missing = [name for name in ("results.csv", "reach.csv", RUN_META) if not (Path(args.output) / name).is_file()]
+        if missing:
+            raise BonsaiError(f"--report-only: {', '.join(missing)} missing in {args.output}; run the bench with "
+                              "--page, without --report-only, first.")
+
+
+def read_run_meta(path: Path) -> dict[str, Any]:
+    """run.json of a finished run, refused with the reason when it is not one."""
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as e:
+        raise BonsaiError(f"{path} is not JSON ({e}); run the bench with --page again.") from None
+    missing = [k for k in ("command", "started", "ended", "seconds", "machine", "torch", "time_limit") if k not in meta]
+    if missing:
+        raise BonsaiError(f"{path} lacks {', '.join(missing)}: its run did not finish; run the bench with --page "
+                          "again.")
+    return meta
+
+
+def write_page(out: Path, page: str) -> None:
+    """The page from the run in ``out``: its header names the command that measured it."""
+    from bonsai_core.bench import benchmarks_page
+
+    meta = read_run_meta(out / RUN_META)
+    rows, reach = load_rows(out / "results.csv"), load_rows(out / "reach.csv", REACH_TYPES)
+    header = common.page_header(meta["command"], benchmarks_page.SOURCES)
+    bench_link = os.path.relpath(out, Path(page).parent)
+    Path(page).write_text(benchmarks_page.page(rows, reach, meta, header, bench_link))
 
 
 def smallest_budgets(model: str, graph: Any, config: BenchConfig) -> dict[str, Any]:
