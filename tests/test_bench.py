@@ -144,13 +144,13 @@ def test_bench_list_names_every_suite(capsys):
 
 
 def test_bench_suites_take_their_own_options_and_no_suite_is_the_methods_suite():
-    from bonsai_core.bench import heuristics
+    from bonsai_core.bench import heuristics_page
     from bonsai_core.cli import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["bench", "heuristics", "--models", "mlp", "--out", "x"])
     assert (args.suite, args.models, args.out, args.time_limit) == ("heuristics", ["mlp"], "x", 30.0)
-    assert args.suite_main is heuristics.main
+    assert args.suite_main is heuristics_page.main
     plain = vars(parser.parse_args(["bench", "--quick", "--models", "mlp", "gpt", "-o", "d"]))
     named = vars(parser.parse_args(["bench", "methods", "--quick", "--models", "mlp", "gpt", "-o", "d"]))
     assert plain["suite"] is None and named["suite"] == "methods"

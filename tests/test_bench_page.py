@@ -9,10 +9,10 @@ import json
 import pytest
 
 from bonsai_core.bench import benchmarks_page as bp
-from bonsai_core.bench.methods import COLUMNS, REACH_TYPES, _frame
+from bonsai_core.bench.methods import COLUMNS, FULL_MODELS, REACH_TYPES, ModelSpec, _frame
 from bonsai_core.cli import main
 
-GPT = bp.ModelSpec.parse(bp.FULL_MODELS[0]).label
+GPT = ModelSpec.parse(FULL_MODELS[0]).label
 META = {"command": "bonsai bench --page P -o D", "started": "2026-01-01 00:00 UTC", "ended": "2026-01-01 00:15 UTC",
         "seconds": 900.0, "machine": "2 CPUs", "torch": "2.x", "time_limit": 10.0,
         "node_limits": {"checkmate": 160, "moccasin": 700}}
@@ -133,3 +133,11 @@ def test_report_only_refuses_the_files_of_an_unfinished_run(tmp_path, capsys):
     (tmp_path / "run.json").write_text(json.dumps({k: v for k, v in META.items() if k not in ("ended", "seconds")}))
     assert main(["bench", "-o", str(tmp_path), "--page", str(tmp_path / "p.md"), "--report-only"]) != 0
     assert "lacks ended, seconds: its run did not finish" in capsys.readouterr().err
+
+
+def test_the_models_the_page_names_are_the_suites():
+    from bonsai_core.bench.benchmarks_page import MODEL_NAMES
+
+    labels = {ModelSpec.parse(text).label for text in FULL_MODELS}
+    assert set(MODEL_NAMES) <= labels | {ModelSpec.parse("gpt:layers=1,seq=64").label}
+    assert {ModelSpec.parse(FULL_MODELS[0]).label, ModelSpec.parse(FULL_MODELS[-1]).label} <= set(MODEL_NAMES)

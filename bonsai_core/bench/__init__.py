@@ -22,7 +22,7 @@ DEFAULT_SUITE = "methods"
 # suite name -> (module under bonsai_core.bench, what it measures); the order `bonsai bench --list` prints
 SUITES: dict[str, tuple[str, str]] = {
     "methods": ("methods", "every method and peer on the same models and budgets: tables and plots (the default)"),
-    "heuristics": ("heuristics", "coop vs DTR in one pool: smallest pool, overhead at equal pools, fragmentation"),
+    "heuristics": ("heuristics_page", "coop vs DTR in one pool: smallest pool, overhead at equal pools, fragmentation"),
     "inplace": ("inplace", "coop's recomputable in-place (optimizer updates, in-place ops) vs copy-on-write"),
     "dtr-variants": ("dtr_variants", "DTR's heuristics and deallocation modes on the 2-layer zoo GPT"),
     "bonsai": ("bonsai", "the bonsai segment ILP: solve time, size, gap, granularity, live re-solve"),
@@ -56,7 +56,8 @@ def add_suite_parsers(parser: argparse.ArgumentParser) -> None:
                                    help="one of: " + ", ".join(SUITES) + f" (default {DEFAULT_SUITE}; --list)")
     for name, (_, about) in SUITES.items():
         module = suite(name)
-        p = suites.add_parser(name, help=about, description=module.__doc__.split("\n\n")[0].strip(),
+        doc = getattr(module, "SUITE_DOC", module.__doc__)  # a page writer names the suite it runs
+        p = suites.add_parser(name, help=about, description=doc.split("\n\n")[0].strip(),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(suite_main=module.main, parser=p)

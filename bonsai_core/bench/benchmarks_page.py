@@ -10,7 +10,6 @@ import re
 from typing import Any, Iterable, Sequence
 
 from bonsai_core.bench.common import listing, median, pct
-from bonsai_core.bench.methods import FULL_MODELS, ModelSpec
 from bonsai_core.errors import BonsaiError
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
@@ -19,9 +18,10 @@ TIE = 1e-9  # overheads this close are a tie (as results.md's bold and its count
 OP_LEVEL = ("moccasin", "checkmate", "dtr", "coop")  # schedules of single ops, outside bonsai's plan space
 SOLVER_OF = {"moccasin": "CP-SAT", "checkmate": "MILP"}
 METHOD_NAMES = {"per-block": "per-block checkpointing", "torch-budget": "PyTorch's budget partitioner"}
-MODEL_NAMES = {ModelSpec.parse(text).label: name for text, name in (
-    (FULL_MODELS[0], "the 4-layer GPT"), ("gpt:layers=1,seq=64", "the 1-layer gpt"), ("gpt", "the default gpt"),
-    (FULL_MODELS[-1], "GPT-2 small"))}
+# the suite's models (methods.FULL_MODELS, by their labels) that the prose names; tests/test_bench_page.py checks them
+MODEL_NAMES = {"gpt:batch=8,heads=4,layers=4,seq=256,vocab=1024,width=256": "the 4-layer GPT",
+               "gpt:layers=1,seq=64": "the 1-layer gpt", "gpt": "the default gpt",
+               "gpt:batch=8,heads=12,layers=12,seq=512,vocab=50257,width=768": "GPT-2 small"}
 
 Row = dict[str, Any]
 Cell = dict[str, Row]  # one model at one budget: method -> its row

@@ -34,8 +34,8 @@ writes ``results.json``, ``table.md``, ``coop_vs_dtr.html`` (plotly) and ``coop_
 same figure; kaleido if installed, else headless Chromium) there. ``--example`` adds ``example.md``:
 coop and dtr-pool on the zoo GPT at 60% of its no-remat peak, request by request, from the runs'
 own event logs (``schedule.extra["evictions"]``). ``--page`` adds the example, runs the other studies
-docs/results/heuristics.md reports (:func:`bonsai_core.bench.heuristics_page.studies`), keeps them in
-``results.json`` and writes the page (:func:`bonsai_core.bench.heuristics_page.page`).
+docs/results/heuristics.md reports (``heuristics_page.studies``), keeps them in
+``results.json`` and writes the page (``heuristics_page.page``; the suite's entry is ``heuristics_page.main``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from bonsai_core.allocator import fixed_tensors, optimizer_bytes, replay
 from bonsai_core.solvers.pool import pool_replay
@@ -506,27 +506,26 @@ def check_paths(args: argparse.Namespace) -> None:
                               "--report-only.")
 
 
-def write_outputs(results: dict[str, Any], out: Path, page: str | None) -> None:
-    """results.json, table.md and the figure; example.md when the results hold the example; the page when asked."""
+def write_outputs(results: dict[str, Any], out: Path, page: str | None,
+                  write_page: Callable[[dict[str, Any], str], None] | None = None) -> None:
+    """results.json, table.md and the figure; example.md when the results hold the example; the page
+    (``write_page(results, page)``) when asked."""
     report(results, out)
     if "example" in results:
         (out / "example.md").write_text(example_markdown(results["example"]))
-    if page is not None:
-        from bonsai_core.bench import heuristics_page
-
-        command = results["meta"]["command"]
-        header = common.page_header(command, heuristics_page.SOURCES)
-        Path(page).write_text(heuristics_page.page(results, command, header))
+    if page is not None and write_page is not None:
+        write_page(results, page)
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, studies: Callable[[float], dict[str, Any]] | None = None,
+         write_page: Callable[[dict[str, Any], str], None] | None = None) -> int:
     """Every chosen model, then the report (and the worked example, and with ``--page`` the page's other
-    studies) in ``--out``."""
+    ``studies`` and the page, :func:`bonsai_core.bench.heuristics_page.main`) in ``--out``."""
     check_paths(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        write_outputs(json.loads((out / "results.json").read_text()), out, args.page)
+        write_outputs(json.loads((out / "results.json").read_text()), out, args.page, write_page)
         return 0
     import torch
 
@@ -544,12 +543,10 @@ def main(args: argparse.Namespace) -> int:
             (out / "results.json").write_text(json.dumps(results, indent=1))
     if args.example or args.page:
         results["example"] = example(args.time_limit)
-    if args.page:
-        from bonsai_core.bench import heuristics_page
-
-        results["studies"] = heuristics_page.studies(args.time_limit)
+    if args.page and studies is not None:
+        results["studies"] = studies(args.time_limit)
     results["meta"]["seconds"] = time.perf_counter() - start
-    write_outputs(results, out, args.page)
+    write_outputs(results, out, args.page, write_page)
     print(f"wrote {out}/results.json, table.md, coop_vs_dtr.html, coop_vs_dtr.png"
           + (", example.md" if "example" in results else "") + (f" and {args.page}" if args.page else "")
           + f" in {results['meta']['seconds']:.0f} s")

@@ -14,6 +14,7 @@ import tempfile
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+from bonsai_core.bench import heuristics
 from bonsai_core.bench.common import listing, median, pct
 from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, mib, pool_cell,
                                           pool_order, ratio)
@@ -843,3 +844,23 @@ def page(results: dict[str, Any], command: str, header: str) -> str:
                         example_section(results), updates_section(s["updates"]), writes_section(s["writes"]),
                         regnet_section(s["regnet"]), tight_budgets_section(s["dtr_variants"]["larger"]),
                         reserved_section(s["reserved"])]) + "\n"
+
+
+def write_page(results: dict[str, Any], path: str) -> None:
+    """The page at ``path`` from the suite's ``results``, its header naming the command that measured them."""
+    from pathlib import Path
+
+    from bonsai_core.bench.common import page_header
+
+    command = results["meta"]["command"]
+    Path(path).write_text(page(results, command, page_header(command, SOURCES)))
+
+
+# `bonsai bench heuristics`: the suite (bonsai_core.bench.heuristics) with this page's studies and writer
+SUITE_DOC = heuristics.__doc__
+add_arguments = heuristics.add_arguments
+
+
+def main(args: Any) -> int:
+    """``bonsai bench heuristics``: :func:`bonsai_core.bench.heuristics.main` with ``--page`` written here."""
+    return heuristics.main(args, studies=studies, write_page=write_page)
