@@ -433,6 +433,7 @@ class _Found(NamedTuple):
     tightened: int  # bytes taken off the budget handed to the model
     off: np.ndarray | None = None  # 0/1 over the built model's offload candidates
     start_note: str | None = None  # what became of the MIP start (offload models)
+    cost: float = 0.0  # the schedule's simulated compute cost
 
 
 def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clock: Deadline,
@@ -465,24 +466,21 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
             rec = np.round(built.rec.value)
             off = np.round(built.off.value) if built.off is not None else None
             schedule = plan_schedule(graph, useful_saved(graph, built.plan(rec, off)), "bonsai")
-            peak = simulate(graph, schedule).peak
+            sim = simulate(graph, schedule)
+            peak = sim.peak
         if peak <= target:
             outcome = MilpOutcome(outcome.status, outcome.objective, outcome.gap, seconds, outcome.variables,
                                   outcome.constraints)
-            best = _Found(schedule, outcome, rec, tightened, off, note)
+            best = _Found(schedule, outcome, rec, tightened, off, note, sim.compute_cost)
             break
         tightened += peak - target  # the model was not conservative here: ask it for the excess less
-    if start is not None and (best is None or _simulated_cost(graph, best) > _simulated_cost(graph, start)):
+    if start is not None and (best is None or best.cost > start.cost):
         off = None if built.off is None else np.zeros(built.off.size)
         outcome = MilpOutcome("feasible", start.outcome.objective, None, start.outcome.solve_seconds + seconds,
                               *problem_size(built.problem))
         best = _Found(start.schedule, outcome, start.rec, start.tightened, off,
-                      "the plan without offload: the offload model found none that fits and costs less")
+                      "the plan without offload: the offload model found none that fits and costs less", start.cost)
     return best
-
-
-def _simulated_cost(graph: Graph, found: _Found) -> float:
-    return simulate(graph, found.schedule).compute_cost
 
 
 def _solve_from(built: BuiltModel, start: np.ndarray, backend: str, time_limit: float | None,
