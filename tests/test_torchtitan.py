@@ -194,7 +194,6 @@ def _run_three_ways(rank: int, out_dir: str, store: str, results: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason='open after the merges of 2026-12-04: the one call now refuses 80% (the checkpoints realise 36.81 MiB against 36.46 MiB); needs a budget they meet')
 def test_a_bonsai_plan_in_torchtitan_s_run_matches_its_gradients_and_the_predicted_peak(tmp_path):
     from tests.distributed import WORLD, run_ranks
 
