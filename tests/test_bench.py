@@ -181,3 +181,13 @@ def test_the_budget_bisection_lands_on_the_threshold_and_keeps_its_best_on_a_tim
 
     assert bisect_budget(slow, 0, 1024, 10) == 512  # met 1024, then 512; 256 failed; out of time at 384
     assert bisect_budget(lambda b: (_ for _ in ()).throw(TimeoutError), 0, 1024, 10) is None
+
+
+def test_pytorch_s_budget_partitioner_runs_a_hugging_face_causal_lm_as_eager_does():
+    # the one-sequence-per-row patch is applied outside Dynamo (it cannot enter the per-thread patch's
+    # lock): the compiled step is the eager step (same loss) and recomputes to a lower peak
+    options = {"layers": 1, "seq": 32}
+    peak, _, loss = peers.measure_eager("hf:llama", options)
+    run = peers.measure_torch_budget("hf:llama", options, 0.1)
+    assert run.loss == pytest.approx(loss, rel=1e-5)
+    assert run.peak < peak

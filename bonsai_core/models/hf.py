@@ -135,6 +135,29 @@ def one_sequence_per_row() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def compiled_with_one_sequence_per_row(model: nn.Module) -> Iterator[None]:
+    """Within: ``model`` may be compiled by ``torch.compile`` and still tell transformers that each row
+    holds one sequence, as its eager and traced steps do (:func:`one_sequence_per_row`).
+
+    Dynamo cannot enter the per-thread patch (a lock), so here the check is replaced for the whole
+    process, where Dynamo traces the replacement, and the model's own patch is off. Compiling is not
+    thread-safe in any case (it resets Dynamo's global state)."""
+    from unittest import mock
+
+    from transformers import masking_utils
+
+    wrappers = [m for m in model.modules() if isinstance(m, WithLabels) and m.one_sequence_per_row]
+    for wrapper in wrappers:
+        wrapper.one_sequence_per_row = False
+    try:
+        with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+            yield
+    finally:
+        for wrapper in wrappers:
+            wrapper.one_sequence_per_row = True
+
+
 class ModelLoss(nn.Module):
     """The loss function of a model that returns its own loss: that loss, unchanged."""
 
