@@ -27,6 +27,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "dtr-variants": ("dtr_variants", "DTR's heuristics and deallocation modes on the 2-layer zoo GPT"),
     "bonsai": ("bonsai", "the bonsai segment ILP: solve time, size, gap, granularity, live re-solve"),
     "solvers-opt": ("solvers_opt", "the op-level solvers (checkmate on HiGHS and SCIP, moccasin on CP-SAT)"),
+    "offload": ("offload", "keep, recompute or offload: every method with and without offload, an offload plan run"),
     "one-call": ("one_call", "bonsai.checkpoint on library models: predicted vs measured peak, call times"),
     "fsdp": ("fsdp", "FSDP2 per rank: the simulator's peak against gloo processes on CPU"),
     "predicted-vs-measured": ("predicted_vs_measured", "no-remat peak: the simulator against a real eager CPU step"),

@@ -1,0 +1,268 @@
+"""Keep, recompute or offload (simulator rule 9) on the zoo GPT: each method with and without offload at
+shares of the no-remat peak, then bonsai's offloading plan at one budget exported (replay back-end) and
+run on the CPU against its prediction.
+
+    bonsai bench offload --page docs/results/offload.md        # measures, writes results.json and the page
+    bonsai bench offload --page docs/results/offload.md --report-only   # the page again from results.json
+
+With ``--page`` the whole page is written from this run: every number and comparison on it is computed
+from ``results.json``. The hour-scale offload runs on Llama-3 8B steps are hand records in
+docs/results/real_runs.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+from bonsai_core.bench import common
+
+MODEL = "gpt"  # the zoo GPT at its default size (the explorer's model)
+SHARES = (0.8, 0.6, 0.5, 0.45, 0.4)
+METHODS = ("bonsai", "dtr", "coop")
+EXPORT_SHARE = 0.6
+SOURCES = ["bonsai_core/bench/offload.py"]
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default="docs/bench/offload", help="folder of results.json (default %(default)s)")
+    ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per bonsai solve")
+    ap.add_argument("--page", metavar="PAGE", help="also write the results page there (docs/results/offload.md)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing: write the page from OUT/results.json (needs --page)")
+
+
+# -- measuring ------------------------------------------------------------------------------------
+
+def method_rows(graph: Any, time_limit: float) -> list[dict[str, Any]]:
+    """Every method of METHODS with and without offload at every share of SHARES, through
+    ``solvers.solve`` (so the simulator validated each schedule); a refusal is recorded as its error."""
+    from bonsai_core.errors import BonsaiError
+    from bonsai_core.schedule import no_remat_peak, simulate
+    from bonsai_core.solvers import solve
+
+    peak = no_remat_peak(graph)
+    rows = []
+    for share in SHARES:
+        for method in METHODS:
+            for offload in (False, True):
+                options = {"time_limit": time_limit} if method == "bonsai" else {"budget_hint": False}
+                row: dict[str, Any] = {"share": share, "method": method, "offload": offload}
+                start = time.perf_counter()
+                try:
+                    sim = simulate(graph, solve(graph, int(share * peak), method=method, offload=offload, **options))
+                    row.update(overhead=sim.overhead, peak=sim.peak, offloaded_bytes=sim.offloaded_bytes,
+                               stall=sim.stall)
+                except BonsaiError as e:
+                    row["error"] = type(e).__name__
+                row["seconds"] = time.perf_counter() - start
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def exported_plan(time_limit: float) -> dict[str, Any]:
+    """bonsai's offloading plan at EXPORT_SHARE, exported with the replay back-end and verified on the CPU
+    (``bonsai solve --option offload=true``, ``bonsai export``, ``bonsai verify``)."""
+    from bonsai_core.export import export_model, verify_export
+    from bonsai_core.schedule import no_remat_peak, simulate
+    from bonsai_core.solvers import solve
+    from bonsai_core.trace import trace_model
+
+    graph = trace_model(MODEL).graph
+    schedule = solve(graph, int(EXPORT_SHARE * no_remat_peak(graph)), method="bonsai", offload=True,
+                     time_limit=time_limit)
+    sim = simulate(graph, schedule)
+    with tempfile.TemporaryDirectory() as folder:
+        export_model(MODEL, {}, schedule, folder)
+        v = verify_export(MODEL, {}, folder).to_dict()
+    return {"offloaded_tensors": len({v for kind, v in schedule.ops if kind == "offload"}),
+            "offloaded_bytes": sim.offloaded_bytes, "overhead": sim.overhead, "stall": sim.stall,
+            "host_peak": sim.host_peak, **{k: v[k] for k in ("loss_diff", "max_grad_diff", "predicted_peak",
+                                                                 "measured_peak", "measured_host_peak")}}
+
+
+def measure(time_limit: float) -> dict[str, Any]:
+    import torch
+
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.trace import trace_model
+
+    start = time.perf_counter()
+    graph = trace_model(MODEL).graph
+    results: dict[str, Any] = {
+        "meta": {"command": common.command(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 "machine": common.machine(), "torch": torch.__version__, "time_limit": time_limit},
+        "graph": {"name": MODEL, "nodes": graph.n, "no_remat_peak": no_remat_peak(graph)},
+        "rows": method_rows(graph, time_limit)}
+    results["export"] = exported_plan(time_limit)
+    results["meta"]["seconds"] = time.perf_counter() - start
+    return results
+
+
+# -- the page -------------------------------------------------------------------------------------
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def row_cells(r: dict[str, Any], peak: int) -> str:
+    if "error" in r:
+        return f"{r['error']} | | | "
+    return f"{common.pct(r['overhead'])} | {r['peak'] / peak:.1%} | {mib(r['offloaded_bytes'])} | {r['stall'] * 1e3:.3f} ms"
+
+
+def table(results: dict[str, Any]) -> str:
+    peak = results["graph"]["no_remat_peak"]
+    lines = ["| budget | method | offload | overhead | peak | offloaded | stall | wall |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['share']:.0%} | {r['method']} | {r['offload']} | {row_cells(r, peak)} | {r['seconds']:.1f} s |"
+              for r in results["rows"]]
+    return "\n".join(lines)
+
+
+def pairs(results: dict[str, Any], method: str) -> list[tuple[float, dict[str, Any], dict[str, Any]]]:
+    """(share, without offload, with offload) of ``method``, in the order of the run."""
+    rows = [r for r in results["rows"] if r["method"] == method]
+    by = {(r["share"], r["offload"]): r for r in rows}
+    return [(s, by[s, False], by[s, True]) for s in dict.fromkeys(r["share"] for r in rows)]
+
+
+def shares_said(shares: Sequence[float]) -> str:
+    return common.listing([f"{s:.0%}" for s in shares])
+
+
+def points(gains: Sequence[float]) -> str:
+    """Differences of overhead in points (one point: one percent of the step's compute)."""
+    low, high = min(gains) * 100, max(gains) * 100
+    return f"{high:.1f} points" if round(low, 1) == round(high, 1) else f"{low:.1f}–{high:.1f} points"
+
+
+def method_sentence(results: dict[str, Any], method: str) -> str:
+    """What offload does to ``method``: where it lowers, raises or keeps the overhead, which budgets only
+    one of the two meets, and whether its copies ever stall compute."""
+    cheaper, costlier, same, only_with, only_without = [], [], [], [], []
+    for share, off, on in pairs(results, method):
+        if "error" in off and "error" in on:
+            continue
+        if "error" in off:
+            only_with.append(share)
+        elif "error" in on:
+            only_without.append(share)
+        elif on["overhead"] < off["overhead"] - 1e-9:
+            cheaper.append((share, off["overhead"] - on["overhead"]))
+        elif on["overhead"] > off["overhead"] + 1e-9:
+            costlier.append((share, on["overhead"] - off["overhead"]))
+        else:
+            same.append(share)
+    if not (cheaper or costlier or same or only_with or only_without):
+        return f"**{method}** meets none of the budgets, with or without offload."
+    parts = []
+    if cheaper:
+        parts.append(f"the overhead falls at {shares_said([s for s, _ in cheaper])} (by {points([g for _, g in cheaper])})")
+    if costlier:
+        parts.append(f"the overhead rises at {shares_said([s for s, _ in costlier])} "
+                     f"(by {points([g for _, g in costlier])})")
+    if same:
+        parts.append(f"the overhead is the same at {shares_said(same)}")
+    if only_with:
+        parts.append(f"it meets {shares_said(only_with)} only with offload")
+    if only_without:
+        parts.append(f"it meets {shares_said(only_without)} only without offload")
+    stalls = [on["stall"] for _, _, on in pairs(results, method) if "error" not in on and on["offloaded_bytes"]]
+    if not stalls:
+        parts.append("none of its plans offloads")
+    elif max(stalls) == 0:
+        parts.append("its copies never stall compute")
+    else:
+        parts.append(f"its copies stall compute by up to {max(stalls) * 1e3:.3f} ms")
+    return f"**{method}** with offload: " + common.listing(parts) + "."
+
+
+def findings(results: dict[str, Any]) -> str:
+    sentences = [method_sentence(results, m) for m in METHODS]
+    return ("What the run shows, per method (a point is one percent of the step's compute):\n\n"
+            + "\n".join(f"* {s}" for s in sentences) + "\n\n"
+            "bonsai's model times each copy on the plan's compute clock: the reload ends when the first "
+            "backward op that needs the tensor starts, so its copies are meant to be hidden (the simulator "
+            "prices any wait left). dtr and coop evict to host synchronously when they would otherwise discard (a dynamic run "
+            "does not know when a tensor is read again, so nothing is prefetched); neither paper offloads "
+            "([../HEURISTICS.md](../HEURISTICS.md)). Where a method meets no budget at all, the backward "
+            "pass's own tensors, which nothing offloads, set the floor (`regions.region_peak_bound`).")
+
+
+def export_section(results: dict[str, Any]) -> str:
+    e = results["export"]
+    peak_said = ("to the byte" if e["measured_peak"] == e["predicted_peak"] else
+                 f"{e['measured_peak'] - e['predicted_peak']:+,} B")
+    host_said = ("the simulator's `host_peak` to the byte" if e["measured_host_peak"] == e["host_peak"] else
+                 f"against the simulator's `host_peak` of {e['host_peak']:,} B")
+    exact = e["loss_diff"] == 0 and e["max_grad_diff"] == 0
+    return (f"## An offloading plan exported and run (CPU)\n\n"
+            f"The same code path as\n\n```\nbonsai trace {MODEL} -o gpt.json\n"
+            f"bonsai solve gpt.json --budget {EXPORT_SHARE:.0%} --option offload=true -o gs.json\n"
+            f"bonsai export {MODEL} gs.json -o gexp          # the replay back-end: offload / reload / wait lines\n"
+            f"bonsai verify {MODEL} gexp\n```\n\n"
+            f"The plan offloads {e['offloaded_tensors']} tensors ({mib(e['offloaded_bytes'])}) at "
+            f"{common.pct(e['overhead'])} overhead, {e['stall'] * 1e3:.3f} ms of stall. The exported step's loss and "
+            f"gradients {'equal eager’s exactly' if exact else 'differ from eager’s'} (loss difference "
+            f"{e['loss_diff']:.3g}, largest gradient difference {e['max_grad_diff']:.3g}); its measured device peak is "
+            f"{e['measured_peak']:,} B against {e['predicted_peak']:,} B predicted ({peak_said}), and the host "
+            f"copies, counted apart by the live-bytes tracker, peak at {e['measured_host_peak']:,} B, {host_said}. "
+            "On the CPU a copy ends when it is issued, so this checks the bytes, not the copies' overlap with "
+            "compute, which needs a GPU run.")
+
+
+def page(results: dict[str, Any], header: str) -> str:
+    meta, g = results["meta"], results["graph"]
+    intro = (f"# Keep, recompute or offload: measurements\n\n`{meta['command']}` on {meta['date']}, "
+             f"{meta['machine']}, torch {meta['torch']}; {meta['seconds']:.0f} s in all. The command ran everything "
+             "below and wrote this page from its results. Every number is the simulator's (rule 9 for the copies: "
+             "one copy stream per direction at the H100 profile's PCIe Gen5 x16, 0.8 × 64 GB/s, overlapped with "
+             "compute; stalls priced in the overhead) for schedules it validated, except the exported run's, which "
+             "are measured. The rules: [../DESIGN.md](../DESIGN.md#the-simulator-the-judge-of-every-method); "
+             "bonsai's model: [../BONSAI.md](../BONSAI.md#keep-recompute-or-offload-option-offload); the offload "
+             "plans of Llama-3 8B steps (hours of solving): [real_runs.md](real_runs.md).")
+    methods = (f"## Zoo GPT (`trace_model(\"{g['name']}\")`), every method with and without offload\n\n"
+               f"{g['nodes']} nodes, no-remat peak {mib(g['no_remat_peak'])}; budgets are shares of it, bonsai's time "
+               f"limit {meta['time_limit']:g} s. `stall`: seconds compute waited for copies (in the overhead); "
+               "an error name: the method found no schedule within the budget.\n\n" + table(results))
+    return "\n\n".join([header, intro, methods, findings(results), export_section(results)]) + "\n"
+
+
+def write_page(results: dict[str, Any], path: str) -> None:
+    Path(path).write_text(page(results, common.page_header(results["meta"]["command"], SOURCES)))
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why these options cannot run, before anything is measured; None when they can."""
+    if args.report_only and not args.page:
+        return "--report-only writes the page only: name it with --page PAGE"
+    if args.report_only and not (Path(args.out) / "results.json").is_file():
+        return f"{Path(args.out) / 'results.json'} is missing: run without --report-only first"
+    if args.page and not Path(args.page).parent.is_dir():
+        return f"--page {args.page}: the folder {Path(args.page).parent} does not exist"
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    why = refusal(args)
+    if why:
+        print(f"bonsai bench offload: {why}.")
+        return 2
+    out = Path(args.out)
+    if args.report_only:
+        results = json.loads((out / "results.json").read_text())
+    else:
+        results = measure(args.time_limit)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    if args.page:
+        write_page(results, args.page)
+    print(f"wrote {out / 'results.json'}" + (f" and {args.page}" if args.page else ""))
+    return 0
