@@ -8,7 +8,9 @@ time after a budget change.
     bonsai bench bonsai --models graph.json ...   # a traced graph file (no re-tracing)
     bonsai bench bonsai --models g8b.json --fractions 0.5 0.3 --budgets 82.4GiB \
         --variants default save_ops=false regions=modules --compare chen dtr \
-        --skip-granularity --skip-resolve --skip-smallest   # the real step (docs/results/bonsai.md)
+        --skip-granularity --skip-resolve --skip-smallest   # a real step (docs/results/real_runs.md)
+    bonsai bench bonsai -o docs/bench/bonsai.json --page docs/results/bonsai.md   # and the page's studies
+    bonsai bench bonsai -o docs/bench/bonsai.json --page docs/results/bonsai.md --report-only
 
 ``--variants``: bonsai's option sets, each ``default`` or ``name=value,...`` (``bonsai methods
 bonsai`` lists the options); ``--budgets``: budgets in bytes (``82.4GiB``) next to the shares of
@@ -19,6 +21,12 @@ Every schedule goes through ``bonsai_core.solvers.solve`` (so the simulator vali
 shares of the no-remat peak. Default options for every method (bonsai: granularity "auto", gap 1%),
 except the time limit. Prints Markdown tables, the load average (the machine may be shared), and
 writes the raw rows as JSON.
+
+``--page PAGE`` (the default models and budgets only) also runs the studies docs/results/bonsai.md
+reports (``bonsai_page.studies``: the options ``save_self_contained`` and ``drop_outputs``, the
+explorer's graph dragged from 95% to 45%, the region bound, moccasin at 40%), keeps everything in ``-o``
+and writes the page (``bonsai_page.page``; the suite's entry is ``bonsai_page.main``); ``--report-only``
+writes it again from ``-o``.
 """
 
 from __future__ import annotations
@@ -51,9 +59,14 @@ def load(spec: str):
         return os.path.basename(spec), g
     if spec == "gpt2-small":
         return spec, trace_model("gpt", **GPT2_SMALL).graph
-    name, _, opts = spec.partition(":")
-    options = {k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
+    name, options = spec_options(spec)
     return spec, trace_model(name, **options).graph
+
+
+def spec_options(spec: str) -> tuple[str, dict[str, int]]:
+    """``name[:k=v,...]`` (a zoo name) -> (name, options)."""
+    name, _, opts = spec.partition(":")
+    return name, {k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
 
 
 def run(graph, budget: int | None, method: str = "bonsai", **options: Any) -> dict[str, Any]:
@@ -68,7 +81,8 @@ def run(graph, budget: int | None, method: str = "bonsai", **options: Any) -> di
     return {k: st.get(k) for k in ("status", "gap", "variables", "constraints", "build_seconds", "solve_seconds",
                                    "candidates", "ilp_candidates", "segments", "recomputed_segments", "peak",
                                    "overhead", "cached", "granularity", "granularities_tried", "plan_source",
-                                   "model_slack", "tightened_by", "time_split", "saved_nodes")} | \
+                                   "model_slack", "tightened_by", "time_split", "saved_nodes", "outputs_dropped",
+                                   "self_contained_saved")} | \
         {"wall_seconds": time.perf_counter() - start, "tool_rss_bytes": max_rss()}
 
 
@@ -113,7 +127,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """The solve table, then the smallest budgets, the granularity sweep and the live re-solve."""
+    """The suite's tables (:func:`measure`), their rows written to ``--output`` as JSON."""
+    rows = measure(args)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    return 0
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The solve table, then the smallest budgets, the granularity sweep and the live re-solve: their rows."""
     print(f"load average at start: {load_average()}\n")
     rows, graphs = solve_table(args)
     if not args.skip_smallest:
@@ -122,10 +145,7 @@ def main(args: argparse.Namespace) -> int:
         rows += granularity_sweep(args)
     if not args.skip_resolve:
         rows += resolve_sweep(args)
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
-    return 0
+    return rows
 
 
 def solve_table(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, tuple[str, Any]]]:

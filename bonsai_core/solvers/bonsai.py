@@ -245,7 +245,7 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
             few density levels: matmuls and attention first, as selective activation checkpointing's
             MUST_SAVE does) and recompute the rest; each saved output is held until its segment's
             rebuild, as SAC's storage holds it, and the model counts that. False (the default): only
-            whole segments; opt-in for its solve time on the largest steps (docs/results/bonsai.md).
+            whole segments; opt-in for its solve time on the largest steps (docs/results/real_runs.md).
         reuse: answer with a plan solved earlier (same graph and options) at a larger budget when it
             fits this one (it is then within the same gap of this budget's optimum); False: always solve.
         offload: keep, recompute or offload each saved tensor: a kept one may be copied to host memory
@@ -550,14 +550,15 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
 
 
 def smallest_budget(graph: Graph, granularity: int | None = None, backend: str = DEFAULT_BACKEND,
-                    time_limit: float | None = None, offload: bool = False) -> tuple[int | None, str]:
+                    time_limit: float | None = None, offload: bool = False,
+                    drop_outputs: bool = False) -> tuple[int | None, str]:
     """(bytes, status): the smallest budget bonsai's model meets at ``granularity`` (None: the top of
     the auto ladder), by the min-peak MILP; status is the MILP's ("optimal" proves it). (None,
-    "time_limit") when the backend had no plan within ``time_limit``. ``offload``: the model with
-    offload columns (the option of :func:`solve_bonsai`)."""
+    "time_limit") when the backend had no plan within ``time_limit``. ``offload``, ``drop_outputs``:
+    the model with those columns (the options of :func:`solve_bonsai`)."""
     with _graph_lock(graph):
         return _min_peak(build(graph, auto_ladder(graph)[-1] if granularity is None else granularity,
-                               offload=offload), backend, time_limit)
+                               drop_outputs=drop_outputs, offload=offload), backend, time_limit)
 
 
 def _min_peak(built: BuiltModel, backend: str, time_limit: float | None) -> tuple[int | None, str]:

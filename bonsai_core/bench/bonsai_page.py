@@ -1,0 +1,879 @@
+"""docs/results/bonsai.md, written from one run of the bonsai suite and the studies the page reports:
+``bonsai bench bonsai -o docs/bench/bonsai.json --page docs/results/bonsai.md`` runs the suite's tables
+(:mod:`bonsai_core.bench.bonsai`: bonsai against chen and dtr, the smallest budgets, the granularity
+sweep, the live re-solve), then :func:`studies`: the options ``save_self_contained`` and ``drop_outputs``
+on three GPTs (one plan exported and verified on CPU), the explorer's graph dragged from 95% to 45%,
+the region bound on U-Nets and on small models of other authors, and moccasin at 40% on the 4-layer
+GPT. It keeps the results in ``-o`` and :func:`page` writes the page from them alone: every number it
+states, and every comparison, is computed from them; the fixed prose only explains mechanisms.
+``--report-only`` writes the page again from ``-o`` without measuring."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from bonsai_core.bench import bonsai as suite
+from bonsai_core.bench import common
+from bonsai_core.bench.common import listing, median
+from bonsai_core.errors import BonsaiError
+from bonsai_core.units import format_bytes
+
+# the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
+SOURCES = ["bonsai_core/bench/bonsai_page.py", "bonsai_core/bench/bonsai.py"]
+TIE = 1e-9  # overheads this close are the same plan's
+EXPLORER_GRAPH = "assets/gpt-default.json"
+GPT2_OPTIONS = {"layers": 4, "width": 256, "seq": 256}
+# key -> (how the page names the graph, zoo model or None for the explorer's file, trace options)
+GRAPHS: dict[str, tuple[str, str | None, dict[str, int]]] = {
+    "gpt4": ("the 4-layer GPT", "gpt", suite.spec_options(suite.GPT4)[1]),
+    "explorer": ("the explorer's default GPT", None, {}),
+    "hf_gpt2": ("`hf:gpt2` at 4 layers", "hf:gpt2", GPT2_OPTIONS)}
+BUDGETS = {"gpt4": (0.9, 0.7, 0.5, 0.45, 0.4, 0.37), "explorer": (0.7, 0.6, 0.5, 0.45),
+           "hf_gpt2": (0.7, 0.6, 0.5, 0.45)}
+# bonsai's option sets the page compares: self-contained nodes saved (the default), rebuilt, outputs dropped
+VARIANTS = {"saved": {}, "rebuilt": {"save_self_contained": False}, "dropped": {"drop_outputs": True}}
+EXPORT_AT = 0.6  # the hf:gpt2 plan with dropped outputs exported (replay back-end) and verified on CPU
+DRAG = tuple(round(0.95 - 0.05 * i, 2) for i in range(11))  # the explorer's slider, 95% down to 45%
+MOCCASIN_AT = 0.4
+UNETS = {"1-level U-Net": {"batch": 1, "image": 4, "layers": 1, "width": 16},
+         "2-level U-Net": {"batch": 1, "image": 4, "layers": 2, "width": 16}}
+LARGER_UNET = {"batch": 1, "image": 16, "layers": 1, "width": 4}
+TINY_LM = {"layers": 1, "width": 32, "seq": 8, "batch": 1, "heads": 2, "vocab": 64}
+OTHER_AUTHORS = [("hf:gpt2", TINY_LM), ("hf:llama", TINY_LM), ("hf:bert", TINY_LM),
+                 ("hf:vit", {"layers": 1, "width": 32, "batch": 1, "heads": 2, "image": 16}),
+                 ("hf:resnet", {"layers": 1, "width": 8, "batch": 2, "image": 16}), ("gpt", TINY_LM)]
+HEADROOM_SIZES = [(w, s) for w in (8, 16, 32) for s in (4, 8, 16)]  # the 1-layer zoo GPT, heads 2, batch 1
+HEADROOM_OPTIONS = {"layers": 1, "heads": 2, "batch": 1, "vocab": 64}
+# the options --page fixes (the page reports the suite's defaults); --time-limit may change
+PAGE_FIXED = ("models", "fractions", "budgets", "variants", "backends", "compare", "granularity_model",
+              "granularities", "resolve_model", "skip_granularity", "skip_resolve", "skip_smallest")
+
+Row = dict[str, Any]
+
+
+# -- the studies -----------------------------------------------------------------------------------
+
+def trace(model: str, options: dict[str, int]):
+    from bonsai_core.trace import trace_model
+
+    return trace_model(model, **options).graph
+
+
+def study_graph(key: str):
+    from bonsai_core.graph import load_graph
+
+    _, model, options = GRAPHS[key]
+    return load_graph(common.ROOT / EXPLORER_GRAPH) if model is None else trace(model, options)
+
+
+def trace_command(key: str) -> str:
+    _, model, options = GRAPHS[key]
+    if model is None:
+        return f"`{EXPLORER_GRAPH}`, `bonsai trace gpt`"
+    return f"`bonsai trace {model} {flags(options)}`"
+
+
+def flags(options: dict[str, int]) -> str:
+    return " ".join(f"--{k} {v}" for k, v in options.items())
+
+
+def graph_facts(g) -> dict[str, Any]:
+    """Size, no-remat peak and the self-contained forward nodes (name, bytes) of one graph."""
+    import numpy as np
+
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers.bonsai_coef import self_contained
+
+    forward = np.flatnonzero(g.is_forward)
+    return {"nodes": g.n, "plain_peak": no_remat_peak(g),
+            "self_contained": [[g.names[v], int(g.mem[v])] for v in forward[self_contained(g)].tolist()]}
+
+
+def options_study(g, fractions: Sequence[float], time_limit: float) -> dict[str, list[Row]]:
+    """Bonsai at every budget with each option set of VARIANTS; each set's first budget builds its model."""
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers import bonsai as B
+
+    plain = no_remat_peak(g)
+    out = {}
+    for variant, options in VARIANTS.items():
+        B._cache.clear()
+        out[variant] = [suite.run(g, int(plain * f), time_limit=time_limit, **options) | {"fraction": f}
+                        for f in fractions]
+    return out
+
+
+def export_study(g, time_limit: float) -> dict[str, Any]:
+    """The ``hf:gpt2`` plan with dropped outputs at EXPORT_AT, exported with ``replay`` and run on CPU."""
+    from bonsai_core.export import export_model, verify_export
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers import solve
+
+    start = time.perf_counter()
+    try:
+        schedule = solve(g, int(EXPORT_AT * no_remat_peak(g)), "bonsai", time_limit=time_limit, drop_outputs=True)
+        with tempfile.TemporaryDirectory() as folder:
+            out = export_model(GRAPHS["hf_gpt2"][1], GPT2_OPTIONS, schedule, Path(folder) / "export")
+            verified = verify_export(GRAPHS["hf_gpt2"][1], GPT2_OPTIONS, out)
+    except (BonsaiError, RuntimeError) as e:  # the page says so; the other studies still count
+        return {"fraction": EXPORT_AT, "error": str(e).split("\n")[0], "seconds": time.perf_counter() - start}
+    report = verified.to_dict()
+    return {"fraction": EXPORT_AT, "overhead": schedule.stats["overhead"],
+            "recomputed_segments": schedule.stats["recomputed_segments"],
+            "outputs_dropped": schedule.stats["outputs_dropped"], "problems": verified.problems(),
+            **{k: report.get(k) for k in ("predicted_peak", "measured_peak", "peak_error", "loss_diff",
+                                           "max_grad_diff")},
+            "seconds": time.perf_counter() - start}
+
+
+def drag_study(g, time_limit: float) -> list[Row]:
+    """The explorer's budget slider dragged over DRAG: one build, then one solve per budget."""
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers import bonsai as B
+
+    plain = no_remat_peak(g)
+    B._cache.clear()
+    return [suite.run(g, int(plain * f), time_limit=time_limit) | {"fraction": f} for f in DRAG]
+
+
+def moccasin_study(g, time_limit: float) -> Row:
+    from bonsai_core.schedule import no_remat_peak
+
+    return suite.run(g, int(MOCCASIN_AT * no_remat_peak(g)), "moccasin", time_limit=time_limit) | {
+        "fraction": MOCCASIN_AT}
+
+
+def outcome(g, budget: int, method: str, time_limit: float, **options: Any) -> Row:
+    """One solve: its overhead and status, or that it found none (and why, in short)."""
+    r = suite.run(g, budget, method, time_limit=time_limit, **options)
+    if "error" in r:
+        return {"ok": False, "error": r["error"], "seconds": r["wall_seconds"]}
+    return {"ok": True, "overhead": r["overhead"], "status": r["status"], "gap": r["gap"],
+            "seconds": r["wall_seconds"]}
+
+
+def bound_entry(label: str, g, time_limit: float) -> dict[str, Any]:
+    """The per-op bound, the region bound (where it is) and the smallest budget bonsai meets."""
+    from bonsai_core.regions import region_peak_bound
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers import bonsai as B
+
+    bound = region_peak_bound(g)
+    return {"label": label, "nodes": g.n, "plain_peak": no_remat_peak(g), "fixed": g.fixed_mem,
+            "lower_bound": g.peak_lower_bound, "region_bound": bound.peak,
+            "region_node": g.names[bound.node] if bound.node >= 0 else None, "backward_bytes": bound.backward_bytes,
+            "reach": B.lowest_budget(g, time_limit=time_limit)}
+
+
+def region_entry(label: str, g, time_limit: float,
+                 at_half: Sequence[str] = ("moccasin", "checkmate")) -> dict[str, Any]:
+    """:func:`bound_entry`, bonsai's reach with dropped outputs, and the methods halfway between the per-op
+    bound and the no-remat peak and at the region bound."""
+    from bonsai_core.solvers import bonsai as B
+
+    e = bound_entry(label, g, time_limit)
+    dropped, _ = B.smallest_budget(g, time_limit=time_limit, drop_outputs=True)
+    e["reach_dropped"] = min((b for b in (dropped, e["reach"]) if b is not None), default=None)
+    e["half"] = half = (e["lower_bound"] + e["plain_peak"]) // 2
+    e["at_half"] = {m: outcome(g, half, m, time_limit) for m in ("bonsai", *at_half)}
+    e["at_bound"] = {"bonsai": outcome(g, e["region_bound"], "bonsai", time_limit, drop_outputs=True),
+                     "moccasin": outcome(g, e["region_bound"], "moccasin", time_limit)}
+    return e
+
+
+def headroom_study(time_limit: float) -> list[dict[str, Any]]:
+    """The 1-layer zoo GPT at HEADROOM_SIZES: no-remat peak, per-op bound and bonsai's reach."""
+    return [bound_entry(f"width {w}, seq {s}", trace("gpt", {**HEADROOM_OPTIONS, "width": w, "seq": s}), time_limit)
+            for w, s in HEADROOM_SIZES]
+
+
+def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lambda done: None) -> dict[str, Any]:
+    """Every measurement the page reports besides the suite's tables; ``progress(done so far)`` after each."""
+    graphs = {key: study_graph(key) for key in GRAPHS}
+    steps: dict[str, Callable[[], Any]] = {
+        "graphs": lambda: {k: graph_facts(g) for k, g in graphs.items()},
+        "options": lambda: {k: options_study(g, BUDGETS[k], time_limit) for k, g in graphs.items()},
+        "export": lambda: export_study(graphs["hf_gpt2"], time_limit),
+        "drag": lambda: drag_study(graphs["explorer"], time_limit),
+        "unets": lambda: [region_entry(label, trace("unet", o), time_limit) for label, o in UNETS.items()],
+        "larger_unet": lambda: region_entry("U-Net", trace("unet", LARGER_UNET), time_limit, at_half=("moccasin",)),
+        "explorer_bound": lambda: bound_entry("explorer", graphs["explorer"], time_limit),
+        "headroom": lambda: headroom_study(time_limit),
+        "others": lambda: [bound_entry(name, trace(name, o), time_limit) for name, o in OTHER_AUTHORS],
+        "moccasin": lambda: moccasin_study(graphs["gpt4"], time_limit)}
+    out: dict[str, Any] = {"seconds": {}}
+    for name, measure in steps.items():
+        start = time.perf_counter()
+        out[name] = measure()
+        out["seconds"][name] = round(time.perf_counter() - start, 1)
+        print(f"{name}: {out['seconds'][name]:.0f} s", flush=True)
+        progress(out)
+    return out
+
+
+# -- words and numbers -----------------------------------------------------------------------------
+
+def pct2(x: float) -> str:
+    return f"{x:+.2%}"
+
+
+def budget(fraction: float) -> str:
+    return f"{fraction * 100:g}%"
+
+
+def budgets_said(fractions: Sequence[float]) -> str:
+    """``90/70/50%``."""
+    return "/".join(f"{f * 100:g}" for f in fractions) + "%"
+
+
+def points(x: float) -> str:
+    return f"{100 * x:.2f} points"
+
+
+def points_range(xs: Sequence[float]) -> str:
+    """``0.41 points``, ``0.41–3.10 points``."""
+    lo, hi = min(xs), max(xs)
+    return points(lo) if f"{lo:.4f}" == f"{hi:.4f}" else f"{100 * lo:.2f}–{100 * hi:.2f} points"
+
+
+def share(value: int | None, whole: int) -> str:
+    return "none" if value is None else f"{value / whole:.2%}"
+
+
+def ok(r: Row) -> bool:
+    return "error" not in r
+
+
+def overhead_or_none(r: Row) -> float | None:
+    return r["overhead"] if ok(r) else None
+
+
+def op_kinds(names: Iterable[str]) -> str:
+    """``ones ×4, tril ×4, arange``: node names grouped by op (their ``_N`` suffix dropped)."""
+    counts = Counter(name.rstrip("0123456789").rstrip("_") or name for name in names)
+    return ", ".join(f"`{op}` ×{n}" if n > 1 else f"`{op}`" for op, n in counts.items())
+
+
+def compare(pairs: Sequence[tuple[float, float | None, float | None]]) -> dict[str, list[tuple[float, float]]]:
+    """(budget, a, b) -> budgets where a is lower than b (with b - a), higher (a - b), equal, only a fits,
+    only b fits, neither."""
+    out: dict[str, list[tuple[float, float]]] = {k: [] for k in ("lower", "higher", "equal", "only a", "only b",
+                                                                  "neither")}
+    for f, a, b in pairs:
+        if a is None or b is None:
+            out["neither" if a is None and b is None else "only a" if b is None else "only b"].append((f, 0.0))
+        elif a < b - TIE:
+            out["lower"].append((f, b - a))
+        elif a > b + TIE:
+            out["higher"].append((f, a - b))
+        else:
+            out["equal"].append((f, 0.0))
+    return out
+
+
+def comparison_said(pairs: Sequence[tuple[float, float | None, float | None]], other: str) -> str:
+    """``cheaper at 50/45% (by 1.52–2.30 points) and the same at 90/70%``: a against ``other`` (b)."""
+    c = compare(pairs)
+    said = []
+    for key, words in (("lower", "cheaper"), ("higher", "dearer")):
+        if c[key]:
+            fractions, differences = [f for f, _ in c[key]], [d for _, d in c[key]]
+            said.append(f"{words} at {budgets_said(fractions)} (by {points_range(differences)})")
+    if c["equal"]:
+        said.append(f"the same at {budgets_said([f for f, _ in c['equal']])}")
+    if c["only a"]:
+        said.append(f"the only one to find a plan at {budgets_said([f for f, _ in c['only a']])}")
+    if c["only b"]:
+        said.append(f"without a plan at {budgets_said([f for f, _ in c['only b']])}, where {other} has one")
+    if c["neither"]:
+        said.append(f"without a plan at {budgets_said([f for f, _ in c['neither']])}, as is {other}")
+    return listing(said)
+
+
+def seconds_said(r: Row) -> str:
+    return f"{r['wall_seconds']:.2f} s"
+
+
+def time_span(meta: dict[str, Any]) -> str:
+    """``2026-12-05, 19:05–19:15 UTC``; both dates in full when the run crossed midnight."""
+    start_day, start_time, _ = meta["started"].split()
+    end_day, end_time, _ = meta["ended"].split()
+    if start_day == end_day:
+        return f"{start_day}, {start_time}–{end_time} UTC"
+    return f"{meta['started']} to {meta['ended']}"
+
+
+# -- the page's sections ---------------------------------------------------------------------------
+
+def intro(meta: dict[str, Any], results_link: str) -> str:
+    return (f"# `bonsai` (segment ILP): measurements\n\n`{meta['command']}` on {time_span(meta)} "
+            f"({meta['seconds'] / 60:.0f} minutes in all), {meta['machine']}, load average at the end "
+            f"{meta['load_end']}; torch {meta['torch']}. The command ran every study below and wrote this page from "
+            f"their results, kept in [{results_link}]({results_link}). Budgets are shares of the no-remat peak; "
+            "bonsai runs with its default options (HiGHS, auto granularity, gap 1%) unless a row says otherwise and "
+            "with `reuse=False` (every budget solved, none answered with a plan of a larger budget); every schedule "
+            f"is validated by the simulator; each solve has a time limit of {meta['time_limit']:g} s. Seconds are "
+            "this machine's and move with its load; overheads, variable counts and statuses are the evidence. The "
+            "method: [../BONSAI.md](../BONSAI.md). The segment ILP on torchtitan's and Hugging Face's Llama-3 steps "
+            "(hour-scale runs, recorded by hand): [real_runs.md](real_runs.md#the-segment-ilp-on-llama-3-steps).")
+
+
+def graphs_paragraph(facts: dict[str, dict[str, Any]]) -> str:
+    said = [f"{GRAPHS[k][0]} ({trace_command(k)}, {f['nodes']} nodes, no-remat peak {format_bytes(f['plain_peak'])})"
+            for k, f in facts.items()]
+    return "Graphs (each traced once in the run): " + listing(said) + "."
+
+
+# the suite's tables
+
+def solve_cells(rows: Sequence[Row]) -> dict[tuple[str, float], dict[str, Row]]:
+    """(model, budget) -> method -> row, for the suite's solve table (rows of no sweep)."""
+    out: dict[tuple[str, float], dict[str, Row]] = {}
+    for r in rows:
+        if "sweep" not in r:
+            out.setdefault((r["model"], r["fraction"]), {})[r["method"]] = r
+    return out
+
+
+def model_name(label: str) -> str:
+    return GRAPHS["gpt4"][0] if label == suite.GPT4 else f"`{label}`"
+
+
+def bonsai_cell(r: Row) -> str:
+    if not ok(r):
+        return "no plan"
+    gap = f", gap {r['gap']:.2%}" if r.get("gap") else ""
+    return f"{pct2(r['overhead'])} ({seconds_said(r)}, {r['variables']} vars, {r['status']}{gap})"
+
+
+def solve_table(cells: dict[tuple[str, float], dict[str, Row]], methods: Sequence[str]) -> str:
+    others = [m for m in methods if m != "bonsai"]
+    lines = ["| model | nodes | budget | bonsai: overhead (wall, vars, status) | " + " | ".join(others) + " |",
+             "|---|---|---|---|" + "---|" * len(others)]
+    for (model, f), cell in cells.items():
+        b = cell["bonsai"]
+        lines.append(f"| {model_name(model)} | {b['nodes']} | {budget(f)} | {bonsai_cell(b)} | "
+                     + " | ".join(pct2(c["overhead"]) if ok(c) else "no schedule" for c in (cell[m] for m in others))
+                     + " |")
+    return "\n".join(lines)
+
+
+def solve_sentence(cells: dict[tuple[str, float], dict[str, Row]]) -> str:
+    """Where bonsai is the cheapest of the methods compared, where another is, and the longest solve."""
+    fitting = {k: {m: r["overhead"] for m, r in c.items() if ok(r)} for k, c in cells.items()}
+    contested = {k: c for k, c in fitting.items() if c}
+    cheapest = [k for k, c in contested.items() if "bonsai" in c and c["bonsai"] <= min(c.values()) + TIE]
+    beaten = [beaten_cell(m, f, c) for (m, f), c in contested.items() if (m, f) not in cheapest]
+    unfit: dict[str, list[float]] = {}
+    for (m, f), c in fitting.items():
+        if not c:
+            unfit.setdefault(m, []).append(f)
+    nowhere = [f"{model_name(m)} at {budgets_said(fs)}" for m, fs in unfit.items()]
+    timed = [(r["wall_seconds"], m, f) for (m, f), c in cells.items() for r in [c["bonsai"]] if ok(r)]
+    said = (f"Bonsai is the cheapest of the methods compared in {len(cheapest)} of the {len(contested)} cells where "
+            "one fits")
+    said += "; another is cheaper on " + "; ".join(beaten) if beaten else ""
+    said += f". No method fits {listing(nowhere)}." if nowhere else "."
+    if timed:
+        longest = max(timed)
+        said += (f" Bonsai's solves took a median {median(t for t, _, _ in timed):.2f} s, the longest "
+                 f"{longest[0]:.1f} s ({model_name(longest[1])} at {budget(longest[2])}; the first row of each model "
+                 "builds its model).")
+    return said
+
+
+def beaten_cell(model: str, fraction: float, costs: dict[str, float]) -> str:
+    """``resnet at 50% (dtr +30.00% against +31.00%)``: the methods cheaper than bonsai in one cell."""
+    mine = costs.get("bonsai")
+    cheaper = [f"{m} {pct2(o)}" for m, o in costs.items() if m != "bonsai" and (mine is None or o < mine - TIE)]
+    return (f"{model_name(model)} at {budget(fraction)} ({listing(cheaper)} "
+            + (f"against {pct2(mine)})" if mine is not None else "where bonsai finds none)"))
+
+
+def smallest_table(rows: Sequence[Row]) -> str:
+    lines = ["| model | bonsai's model (min-peak MILP status) | chen | per-op bound |", "|---|---|---|---|"]
+    for r in rows:
+        plain = r["plain_peak"]
+        lines.append(f"| {model_name(r['model'])} | {share(r['bonsai'], plain)} ({r['bonsai_status']}) | "
+                     f"{share(r['chen'], plain)} | {share(r['lower_bound'], plain)} |")
+    return "\n".join(lines)
+
+
+def granularity_table(rows: Sequence[Row]) -> str:
+    lines = ["| granularity | candidates | ILP candidates | vars | wall s | status | overhead |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if ok(r):
+            lines.append(f"| {r['granularity']} | {r['candidates']} | {r['ilp_candidates']} | {r['variables']} | "
+                         f"{r['wall_seconds']:.2f} | {r['status']} | {pct2(r['overhead'])} |")
+        else:
+            lines.append(f"| {r['granularity_asked']} | {r['error']} | | | | | |")
+    return "\n".join(lines)
+
+
+def granularity_sentence(rows: Sequence[Row]) -> str:
+    solved = [r for r in rows if ok(r)]
+    if not solved:
+        return "No granularity found a plan."
+    costs = [r["overhead"] for r in solved]
+    same = max(costs) - min(costs) <= TIE
+    cost = (f"the same overhead ({pct2(costs[0])}) at every granularity" if same else
+            f"overheads from {pct2(min(costs))} to {pct2(max(costs))}")
+    variables, walls = [r["variables"] for r in solved], [r["wall_seconds"] for r in solved]
+    return (f"{len(solved)} of {len(rows)} granularities found a plan, {cost}; the model grows from {min(variables)} "
+            f"to {max(variables)} variables and the solve from {min(walls):.2f} to {max(walls):.2f} s.")
+
+
+def suite_section(rows: Sequence[Row], time_limit: float) -> str:
+    cells = solve_cells(rows)
+    methods = list(dict.fromkeys(m for c in cells.values() for m in c))
+    smallest = [r for r in rows if r.get("sweep") == "smallest"]
+    gran = [r for r in rows if r.get("sweep") == "granularity"]
+    parts = ["## Against chen and dtr, the smallest budgets, the granularity",
+             f"The suite's own tables (`bonsai bench bonsai` without `--page` prints them): bonsai against "
+             f"{listing([m for m in methods if m != 'bonsai'])} on its default models. \"vars\": the MILP's variables; "
+             "wall: the whole call, the build included where the row builds.", solve_table(cells, methods),
+             solve_sentence(cells)]
+    if smallest:
+        parts += ["Smallest budget reached (share of the no-remat peak): bonsai's model at the top of its auto ladder "
+                  f"(min-peak MILP, {time_limit:g} s), chen's lowest plan and the per-op lower bound:",
+                  smallest_table(smallest)]
+    if gran:
+        label = gran[0]["model"]
+        parts += [f"Granularity on {model_name(label)} at {budget(gran[0]['fraction'])} (each row builds its model):",
+                  granularity_table(gran), granularity_sentence(gran)]
+    return "\n\n".join(parts)
+
+
+# self-contained nodes and dropped outputs
+
+def option_rows(study: dict[str, Any], key: str, variant: str) -> list[Row]:
+    return study["options"][key][variant]
+
+
+def self_contained_table(study: dict[str, Any]) -> str:
+    lines = ["| graph | budget | rebuilt (`save_self_contained=False`) | saved (default) | wall s (default) | "
+             "self-contained nodes saved |", "|---|---|---|---|---|---|"]
+    for key in study["options"]:
+        for rebuilt, saved in zip(option_rows(study, key, "rebuilt"), option_rows(study, key, "saved")):
+            better = ok(saved) and ok(rebuilt) and saved["overhead"] < rebuilt["overhead"] - TIE
+            cell = f"**{pct2(saved['overhead'])}**" if better else pct2(saved["overhead"]) if ok(saved) else "no plan"
+            lines.append(f"| {GRAPHS[key][0]} | {budget(saved['fraction'])} | "
+                         f"{pct2(rebuilt['overhead']) if ok(rebuilt) else 'no plan'} | {cell} | "
+                         f"{seconds_said(saved) if ok(saved) else '-'} | "
+                         f"{saved['self_contained_saved'] if ok(saved) else '-'} |")
+    return "\n".join(lines)
+
+
+def pairs(study: dict[str, Any], key: str, a: str, b: str) -> list[tuple[float, float | None, float | None]]:
+    return [(ra["fraction"], overhead_or_none(ra), overhead_or_none(rb))
+            for ra, rb in zip(option_rows(study, key, a), option_rows(study, key, b))]
+
+
+def self_contained_nodes(facts: dict[str, Any]) -> str:
+    nodes = facts["self_contained"]
+    return f"{op_kinds(n for n, _ in nodes)} ({format_bytes(sum(b for _, b in nodes))})" if nodes else "none"
+
+
+def self_contained_prose(study: dict[str, Any]) -> str:
+    said = []
+    for key in study["options"]:
+        name, facts = GRAPHS[key][0], study["graphs"][key]
+        c = compare(pairs(study, key, "saved", "rebuilt"))
+        sentence = (f"On {name} (self-contained forward nodes: {self_contained_nodes(facts)}) saving them is "
+                    + comparison_said(pairs(study, key, "saved", "rebuilt"), "rebuilding"))
+        if not (c["lower"] or c["higher"] or c["only a"] or c["only b"]):
+            saved = [r["self_contained_saved"] for r in option_rows(study, key, "saved") if ok(r)]
+            sentence += ("; its plans save no self-contained node at any budget" if not any(saved) else
+                         f"; its plans save up to {max(saved)} of them, at no gain")
+        said.append(sentence + ".")
+    return " ".join(said)
+
+
+def self_contained_section(study: dict[str, Any]) -> str:
+    return "\n\n".join([
+        "## Self-contained nodes saved against rebuilt (option `save_self_contained`)",
+        "A recomputed segment saves its self-contained nodes, those computed from parameters and constants only "
+        "(`solve(g, budget, \"bonsai\", reuse=False)`, the default), or rebuilds them with the rest "
+        "(`save_self_contained=False`). A zoo GPT block builds its causal mask inside the step (`ones` → `tril` → "
+        "`bitwise_not`), so a segment holding the attention holds the mask; the last column counts the "
+        "self-contained nodes the default plan saves. Bold: cheaper than rebuilding.",
+        self_contained_table(study), self_contained_prose(study)])
+
+
+def dropped_cell(r: Row) -> str:
+    if not ok(r):
+        return "no plan"
+    return (f"{pct2(r['overhead'])} ({r['wall_seconds']:.1f} s, {r['variables']} vars), "
+            f"{r['outputs_dropped']} of {r['recomputed_segments']} recomputed segments drop outputs")
+
+
+def dropped_table(study: dict[str, Any]) -> str:
+    lines = ["| graph | budget | outputs kept (default): overhead (s, vars) | outputs may drop (`drop_outputs=True`) |",
+             "|---|---|---|---|"]
+    for key in study["options"]:
+        for kept, dropped in zip(option_rows(study, key, "saved"), option_rows(study, key, "dropped")):
+            kept_cell = f"{pct2(kept['overhead'])} ({kept['wall_seconds']:.1f} s, {kept['variables']} vars)" \
+                if ok(kept) else "no plan"
+            lines.append(f"| {GRAPHS[key][0]} | {budget(kept['fraction'])} | {kept_cell} | {dropped_cell(dropped)} |")
+    return "\n".join(lines)
+
+
+def dropped_prose(study: dict[str, Any]) -> str:
+    said = [f"On {GRAPHS[key][0]} dropping outputs is "
+            + comparison_said(pairs(study, key, "dropped", "saved"), "keeping them") + "."
+            for key in study["options"]]
+    gains = [(b - a, GRAPHS[key][0], f) for key in study["options"]
+             for f, a, b in pairs(study, key, "dropped", "saved") if a is not None and b is not None and a < b - TIE]
+    if gains:
+        gain, name, f = max(gains)
+        said.append(f"The largest gain: {points(gain)} on {name} at {budget(f)}.")
+    dearer = [f"{GRAPHS[key][0]} at {budget(f)}" for key in study["options"]
+              for f, a, b in pairs(study, key, "dropped", "saved") if a is not None and b is not None and a > b + TIE]
+    if dearer:
+        said.append(f"Where the larger space costs more ({listing(dearer)}), both searches stopped within their 1% gap "
+                    "of different models' optima.")
+    return " ".join(said)
+
+
+def export_sentence(e: dict[str, Any]) -> str:
+    if "error" in e:
+        return f"The export of the `hf:gpt2` plan at {budget(EXPORT_AT)} failed: {e['error']}."
+    verdict = "within the verifier's tolerances" if not e["problems"] else "with problems: " + "; ".join(e["problems"])
+    return (f"The `hf:gpt2` plan at {budget(e['fraction'])} with `drop_outputs` ({pct2(e['overhead'])}, "
+            f"{e['outputs_dropped']} of {e['recomputed_segments']} recomputed segments dropping outputs), exported "
+            f"with the `replay` back-end and run on CPU (`bonsai export hf:gpt2 {flags(GPT2_OPTIONS)} s.json -o out`, "
+            f"`bonsai verify ...`): predicted peak {format_bytes(e['predicted_peak'])}, measured "
+            f"{format_bytes(e['measured_peak'])} ({e['peak_error']:+.2%}); loss difference {e['loss_diff']:.3g}, "
+            f"largest gradient difference {e['max_grad_diff']:.3g}, {verdict}.")
+
+
+def dropped_section(study: dict[str, Any]) -> str:
+    return "\n\n".join([
+        "## Segments that drop their outputs (option `drop_outputs`)",
+        "With `drop_outputs=True` a recomputed segment may also free an output once the forward ops that read it "
+        "have run, and rebuild it with the rest of the segment before the backward pass reads it; the model is "
+        "larger (a second column per such candidate). Both columns save self-contained nodes (the default).",
+        dropped_table(study), dropped_prose(study), export_sentence(study["export"])])
+
+
+# the live re-solve
+
+def walls_said(rows: Sequence[Row]) -> str:
+    """``80% 0.12 s, 70% 0.10 s, 60% no plan``."""
+    return ", ".join(f"{budget(r['fraction'])} {seconds_said(r) if ok(r) else 'no plan'}" for r in rows)
+
+
+def resolve_sentence(rows: Sequence[Row], name: str) -> str:
+    """One build, then the budget changes: the first call, the others, their median."""
+    first, rest = rows[0], rows[1:]
+    cached = [r["wall_seconds"] for r in rest if ok(r) and r.get("cached")]
+    first_said = (f"{budget(first['fraction'])} {seconds_said(first)} (the build, granularity {first['granularity']})"
+                  if ok(first) else f"{budget(first['fraction'])} no plan")
+    failed = [budget(r["fraction"]) for r in rows if not ok(r)]
+    median_said = f"median {median(cached):.2f} s per solve" if cached else "no solve on the built model"
+    return (f"On {name}: {first_said}, then {walls_said(rest)}: {median_said} once built"
+            + (f"; no plan at {listing(failed)}" if failed else "") + ".")
+
+
+def resolve_section(rows: Sequence[Row], drag: Sequence[Row]) -> str:
+    sweep = [r for r in rows if r.get("sweep") == "resolve"]
+    parts = ["## Live re-solve", "A budget change on a built model only sets the budget's parameter: what the "
+             "explorer's slider costs when no earlier plan answers it (`reuse=False`; with reuse, a plan of a larger "
+             "budget that fits is returned without solving). Wall seconds of each call, the schedule and its "
+             "simulation included."]
+    if sweep:
+        parts.append(resolve_sentence(sweep, f"{model_name(sweep[0]['model'])}, the suite's sweep"))
+    parts.append(resolve_sentence(drag, "the explorer's default GPT, dragged from "
+                                  f"{budget(drag[0]['fraction'])} to {budget(drag[-1]['fraction'])} in 5% steps"))
+    return "\n\n".join(parts)
+
+
+# the region bound
+
+def at(o: Row) -> str:
+    """One solve as a cell: ``+2.71% (optimal)``, ``no plan``."""
+    return f"{pct2(o['overhead'])} ({o['status']})" if o["ok"] else "no plan"
+
+
+def unet_table(entries: Sequence[dict[str, Any]]) -> str:
+    lines = ["| graph | nodes | per-op bound | region bound (at) | bonsai reaches | with `drop_outputs` "
+             "| at half: bonsai | moccasin | checkmate | at the region bound: bonsai (`drop_outputs`) / moccasin |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        p = e["plain_peak"]
+        lines.append(f"| {e['label']} | {e['nodes']} | {share(e['lower_bound'], p)} | {share(e['region_bound'], p)} "
+                     f"(`{e['region_node']}`) | {share(e['reach'], p)} | {share(e['reach_dropped'], p)} | "
+                     f"{at(e['at_half']['bonsai'])} | {at(e['at_half']['moccasin'])} | {at(e['at_half']['checkmate'])} "
+                     f"| {at(e['at_bound']['bonsai'])} / {at(e['at_bound']['moccasin'])} |")
+    return "\n".join(lines)
+
+
+def reaches_bound(e: dict[str, Any], key: str) -> bool:
+    return e[key] is not None and e[key] <= e["region_bound"]
+
+
+def unet_prose(entries: Sequence[dict[str, Any]]) -> str:
+    exact = [f"the {e['label']}" for e in entries if reaches_bound(e, "reach_dropped")]
+    plain = [f"the {e['label']}" for e in entries if reaches_bound(e, "reach")]
+    if exact:
+        lead = (f"Bonsai with `drop_outputs` reaches the region bound exactly on {listing(exact)}"
+                + (f", without it on {listing(plain)}" if plain else " (without it, on neither)"))
+    else:
+        lead = "Bonsai reaches the region bound on neither, even with `drop_outputs`"
+    graphs: dict[tuple[str, str], list[str]] = {}  # the same outcome said once for the graphs that share it
+    for e in entries:
+        graphs.setdefault(half_outcome(e), []).append(f"the {e['label']}")
+    halves = [f"{verb} {listing(names)}{proof}" for (verb, proof), names in graphs.items()]
+    return lead + ". Halfway between the per-op bound and the no-remat peak, " + "; ".join(halves) + "."
+
+
+def half_outcome(e: dict[str, Any]) -> tuple[str, str]:
+    """Who fits one graph at half and who proved it: (``moccasin and checkmate fit``, `` (each proven optimal)``)."""
+    fit = [m for m, o in e["at_half"].items() if o["ok"]]
+    if not fit:
+        return "no method fits", ""
+    proven = [m for m in fit if e["at_half"][m]["status"] == "optimal"]
+    proof = ("" if not proven else " (proven optimal)" if proven == fit == fit[:1] else " (each proven optimal)"
+             if proven == fit else f" ({listing(proven)} proven optimal)")
+    return f"{listing(fit)} fit{'s' if len(fit) == 1 else ''}", proof
+
+
+def unet_intro(entries: Sequence[dict[str, Any]]) -> str:
+    e = entries[0]
+    commands = listing([f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()])
+    return ("No checkpoint plan peaks below `regions.region_peak_bound(g)`: the backward tensors live when a backward "
+            "op runs, plus its inputs (why: [../BONSAI.md](../BONSAI.md#where-checkpoint-regions-stop-the-backward-"
+            f"passs-own-tensors)). The small zoo U-Nets are {commands}; on the first ({e['nodes']} nodes, no-remat "
+            f"peak {format_bytes(e['plain_peak'])}, of which {format_bytes(e['fixed'])} fixed) the bound is set at "
+            f"`{e['region_node']}`, with {format_bytes(e['backward_bytes'])} of backward tensors. \"bonsai reaches\": "
+            "`bonsai.lowest_budget(g)`; with `drop_outputs`: its model's min-peak MILP with dropped outputs "
+            "(`smallest_budget(g, drop_outputs=True)`); \"half\": halfway between the per-op bound and the no-remat "
+            "peak; shares of the no-remat peak.")
+
+
+def larger_unet_sentence(e: dict[str, Any]) -> str:
+    p, half = e["plain_peak"], e["at_half"]
+    return (f"On a larger U-Net (`bonsai trace unet {flags(LARGER_UNET)}`, {e['nodes']} nodes) the region bound is "
+            f"{share(e['region_bound'], p)} and bonsai reaches {share(e['reach'], p)} (per-op bound "
+            f"{share(e['lower_bound'], p)}); at half: bonsai {at(half['bonsai'])}, moccasin {at(half['moccasin'])}.")
+
+
+def explorer_bound_sentence(e: dict[str, Any]) -> str:
+    p = e["plain_peak"]
+    below = e["reach"] is not None and e["region_bound"] < e["reach"]
+    return (f"On the explorer's default GPT the region bound ({share(e['region_bound'], p)}) is "
+            + ("below bonsai's reach" if below else "not below bonsai's reach")
+            + f" ({share(e['reach'], p)}; per-op bound {share(e['lower_bound'], p)})"
+            + (": there it is not what stops bonsai." if below else "."))
+
+
+def headroom_share(e: dict[str, Any]) -> float | None:
+    """How much of the headroom between the no-remat peak and the per-op bound bonsai's reach covers."""
+    room = e["plain_peak"] - e["lower_bound"]
+    return None if e["reach"] is None or room <= 0 else (e["plain_peak"] - e["reach"]) / room
+
+
+def headroom_sentence(entries: Sequence[dict[str, Any]]) -> str:
+    shares = [s for s in map(headroom_share, entries) if s is not None]
+    if not shares:
+        return "On the 1-layer zoo GPT bonsai reached no budget below the no-remat peak at any size."
+    none = [e["label"] for e in entries if (headroom_share(e) or 0.0) <= 0]
+    widths = sorted({w for w, _ in HEADROOM_SIZES})
+    seqs = sorted({s for _, s in HEADROOM_SIZES})
+    return (f"On the 1-layer zoo GPT (widths {widths[0]}–{widths[-1]}, seq {seqs[0]}–{seqs[-1]}, heads "
+            f"{HEADROOM_OPTIONS['heads']}, batch {HEADROOM_OPTIONS['batch']}: {len(entries)} sizes) bonsai reaches "
+            f"{min(shares):.0%}–{max(shares):.0%} of the headroom between the no-remat peak and the per-op bound"
+            + (f"; none of it on {listing(none)}." if none else "."))
+
+
+def others_table(entries: Sequence[dict[str, Any]]) -> str:
+    lines = ["| model (`trace_model` size) | per-op bound | region bound (at) | bonsai reaches |", "|---|---|---|---|"]
+    for (name, options), e in zip(OTHER_AUTHORS, entries):
+        p = e["plain_peak"]
+        size = ", ".join(f"{k} {v}" for k, v in options.items())
+        model = f"`{name}`" if name.startswith("hf:") else f"zoo `{name}`"
+        lines.append(f"| {model} ({size}) | {share(e['lower_bound'], p)} | {share(e['region_bound'], p)} "
+                     f"(`{e['region_node']}`) | {share(e['reach'], p)} |")
+    return "\n".join(lines)
+
+
+def bound_share(e: dict[str, Any]) -> float | None:
+    """The part of the gap between the per-op bound and bonsai's reach that the region bound explains."""
+    gap = (e["reach"] or 0) - e["lower_bound"]
+    return None if e["reach"] is None or gap <= 0 else (e["region_bound"] - e["lower_bound"]) / gap
+
+
+def others_prose(entries: Sequence[dict[str, Any]]) -> str:
+    shares = [(bound_share(e), e["label"]) for e in entries]
+    most = [f"`{label}` ({s:.0%})" for s, label in shares if s is not None and s > 0.5]
+    less = [f"`{label}` ({s:.0%})" for s, label in shares if s is not None and s <= 0.5]
+    said = "The region bound covers more than half of what lies between the per-op bound and bonsai's reach on "
+    said += listing(most) if most else "none of them"
+    return said + (f", less on {listing(less)}" if less else "") + "."
+
+
+def region_section(s: dict[str, Any]) -> str:
+    return "\n\n".join([
+        "## Where checkpoint regions stop: the region bound", unet_intro(s["unets"]), unet_table(s["unets"]),
+        unet_prose(s["unets"]) + " " + larger_unet_sentence(s["larger_unet"]) + " "
+        + explorer_bound_sentence(s["explorer_bound"]) + " " + headroom_sentence(s["headroom"]),
+        "On small models of other authors (`g = trace_model(MODEL, **size).graph`; `region_peak_bound(g)`, "
+        "`bonsai.lowest_budget(g)`; shares of the no-remat peak):", others_table(s["others"]),
+        others_prose(s["others"])])
+
+
+# moccasin at 40%
+
+def step_cost_share(a: float, b: float) -> float:
+    """How much costlier a step at overhead a is than one at overhead b, relative to b's."""
+    return (1 + a) / (1 + b) - 1
+
+
+def against(name: str, r: Row | None, m: float) -> str:
+    if r is None or not ok(r):
+        return f"{name} finds no plan"
+    d = r["overhead"] - m
+    side = "above" if d > TIE else "below" if d < -TIE else "level with"
+    cost = abs(step_cost_share(r["overhead"], m))
+    gap = "" if side == "level with" else f" {points(abs(d))} ({cost:.2%} of the step's cost) "
+    return f"{name} {pct2(r['overhead'])} ({seconds_said(r)}) is{gap or ' '}{side} it"
+
+
+def moccasin_section(s: dict[str, Any], time_limit: float) -> str:
+    m = s["moccasin"]
+    rows = {v: next((r for r in option_rows(s, "gpt4", v) if abs(r["fraction"] - MOCCASIN_AT) < 1e-9), None)
+            for v in ("saved", "dropped")}
+    head = (f"## Against moccasin at {budget(MOCCASIN_AT)} on the 4-layer GPT\n\n`solve(g, {MOCCASIN_AT:g} * peak, "
+            f"\"moccasin\", time_limit={time_limit:g})` (CP-SAT, the run's time limit): ")
+    if not ok(m):
+        return head + f"no schedule ({first_sentence(m['error'])}, {seconds_said(m)})."
+    mo = m["overhead"]
+    proof = ("proven optimal" if m["status"] == "optimal" else
+             f"status {m['status']}: the best found in the time limit, which a longer search may lower")
+    return (head + f"{pct2(mo)}, {proof}, {seconds_said(m)}. "
+            + capitalized(against("bonsai's default", rows["saved"], mo)) + "; "
+            + against("with `drop_outputs`", rows["dropped"], mo) + ". Moccasin's space holds every checkpoint "
+            "plan and more (an op recomputed twice, a region rebuilt in part).")
+
+
+def first_sentence(text: str) -> str:
+    """An error's first sentence, without its advice."""
+    return text.split(". ")[0].rstrip(".")
+
+
+def capitalized(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+# -- the page --------------------------------------------------------------------------------------
+
+def page(results: dict[str, Any], header: str, results_link: str) -> str:
+    """The whole page from one run's results (the suite's rows, :func:`studies`' and the run's meta)."""
+    meta, rows, s = results["meta"], results["rows"], results["studies"]
+    return "\n\n".join([header, intro(meta, results_link), graphs_paragraph(s["graphs"]),
+                        self_contained_section(s), dropped_section(s), resolve_section(rows, s["drag"]),
+                        region_section(s), moccasin_section(s, meta["time_limit"]),
+                        suite_section(rows, meta["time_limit"])]) + "\n"
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """The results of a finished ``--page`` run, refused with the reason when ``path`` holds none."""
+    try:
+        results = json.loads(path.read_text())
+    except ValueError as e:
+        raise BonsaiError(f"{path} is not JSON ({e}); run `bonsai bench bonsai --page` again.") from None
+    if not isinstance(results, dict) or "studies" not in results:
+        raise BonsaiError(f"{path} holds no page studies (a run without --page); run with --page, without "
+                          "--report-only.")
+    if "ended" not in results["meta"]:
+        raise BonsaiError(f"{path} is from a run that did not finish; run with --page again.")
+    return results
+
+
+def write_page(results: dict[str, Any], page_path: str, results_path: str) -> None:
+    """The page at ``page_path``, its header naming the command that measured ``results``."""
+    header = common.page_header(results["meta"]["command"], SOURCES)
+    link = os.path.relpath(results_path, Path(page_path).parent)
+    Path(page_path).write_text(page(results, header, link))
+
+
+def check_page_args(args: argparse.Namespace) -> None:
+    """Refuse, before any measurement, what would fail only at the end: --report-only without a page or
+    without the results of a finished run, a page without -o or in a missing folder, a page of other
+    models, budgets or studies than the suite's defaults."""
+    if args.report_only:
+        if args.page is None:
+            raise BonsaiError("--report-only writes the page again: name it with --page PAGE.")
+        if args.output is None or not Path(args.output).is_file():
+            raise BonsaiError(f"--report-only reads the results of a --page run from -o FILE"
+                              f"{f' ({args.output} does not exist)' if args.output else ''}; run with --page first.")
+        read_results(Path(args.output))
+        return
+    if args.page is None:
+        return
+    if args.output is None:
+        raise BonsaiError("--page keeps the run's results in -o FILE.json (what --report-only reads again): name it.")
+    for path, what in ((args.page, "--page"), (args.output, "-o")):
+        if not Path(path).resolve().parent.is_dir():
+            raise BonsaiError(f"{what} {path}: the folder {Path(path).parent} does not exist.")
+    changed = [f"--{name.replace('_', '-')}" for name in PAGE_FIXED
+               if getattr(args, name) != args.parser.get_default(name)]
+    if changed:
+        raise BonsaiError("--page reports the suite's default models, budgets and studies: leave out "
+                          f"{', '.join(changed)}.")
+
+
+def run_page(args: argparse.Namespace) -> dict[str, Any]:
+    """The suite's tables and the page's studies, their results kept in ``-o`` as they come."""
+    import torch
+
+    started = time.perf_counter()
+    results: dict[str, Any] = {"meta": {"command": common.command(), "machine": common.machine(),
+                                        "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                                        "torch": torch.__version__, "time_limit": args.time_limit}}
+
+    def keep() -> None:
+        Path(args.output).write_text(json.dumps(results, indent=1, default=str))
+
+    results["rows"] = suite.measure(args)
+    keep()
+    results["studies"] = studies(args.time_limit, progress=lambda done: (results.update(studies=done), keep()))
+    results["meta"].update(ended=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                           seconds=round(time.perf_counter() - started, 1), load_end=suite.load_average())
+    keep()
+    return results
+
+
+# `bonsai bench bonsai`: the suite (bonsai_core.bench.bonsai) with this page's studies and writer
+SUITE_DOC = suite.__doc__
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The suite's options, and the page's."""
+    suite.add_arguments(ap)
+    ap.add_argument("--page", metavar="PAGE", help="also run the studies docs/results/bonsai.md reports and write "
+                    "that page here, the results kept in -o FILE.json; the suite's default models and budgets only")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing: write PAGE again from the results in -o FILE.json")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``bonsai bench bonsai``: the suite (:func:`bonsai_core.bench.bonsai.main`); with ``--page`` also the
+    page's studies and the page; with ``--report-only`` only the page, from ``-o``."""
+    check_page_args(args)
+    if args.page is None:
+        return suite.main(args)
+    results = read_results(Path(args.output)) if args.report_only else run_page(args)
+    write_page(results, args.page, args.output)
+    measured = "" if args.report_only else f" and {args.output} in {results['meta']['seconds']:.0f} s"
+    print(f"wrote {args.page}{measured}")
+    return 0
