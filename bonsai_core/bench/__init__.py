@@ -28,6 +28,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "bonsai": ("bonsai_page", "the bonsai segment ILP: solve time, size, gap, granularity, live re-solve, region bound"),
     "solvers-opt": ("solvers_opt", "the op-level solvers (checkmate on HiGHS and SCIP, moccasin on CP-SAT)"),
     "offload": ("offload", "keep, recompute or offload: every method with and without offload, an offload plan run"),
+    "export": ("export", "exported steps against their predictions: the zoo, every solver, real models, both back-ends"),
     "one-call": ("one_call", "bonsai.checkpoint on library models: predicted vs measured peak, call times"),
     "fsdp": ("fsdp", "FSDP2 per rank: the simulator's peak against gloo processes on CPU"),
     "predicted-vs-measured": ("predicted_vs_measured", "no-remat peak: the simulator against a real eager CPU step"),

@@ -1,0 +1,952 @@
+"""Exported steps against their predictions, both back-ends: the zoo under tests/test_export.py's schedules,
+every solver's schedule, verify's full report on real models, SDPA and bf16 no-remat peaks, and the replay
+and checkpoint back-ends side by side on the checkpoint back-end's test models.
+
+    bonsai bench export --page docs/results/export.md                # measures, writes results.json and the page
+    bonsai bench export --page docs/results/export.md --report-only  # the page again from results.json
+    bonsai bench export --quick --out /tmp/e --page /tmp/export.md   # one model per study: a smoke test
+
+With ``--page`` the whole page is written from this run: every number, ranking and comparison on it is
+computed from ``results.json``; the fixed prose only explains how the back-ends work. The schedules of the
+first studies are tests/test_export.py's factories (imported from the checkout, with its small sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from bonsai_core.bench import common
+
+# the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
+SOURCES = ["bonsai_core/bench/export.py", "tests/export_models.py", "tests/real_models.py"]
+DEFAULT_OUT = "docs/bench/export"
+RECORD_PAGE = "docs/results/export.md"
+
+ZOO = ("mlp", "vgg", "resnet", "unet", "gpt")
+# tests/test_export.py's schedule factories at the level each runs (none: no recomputation)
+ZOO_SCHEDULES = (("none", None), ("checkpoint-every-other", 1), ("recompute-before-use", 2))
+METHODS = ("bonsai", "chen", "dtr", "coop", "moccasin")
+METHOD_SHARE = 0.5  # of the headroom from the graph's peak lower bound to its no-remat peak
+TIMING_REPEATS = 3
+TEXT = {"batch": 2, "seq": 16, "width": 32, "layers": 2, "heads": 2, "vocab": 64}
+IMAGE_TRANSFORMER = {"batch": 2, "image": 16, "width": 32, "layers": 2, "heads": 2}
+SMALL_GPT2 = {"batch": 2, "seq": 16, "width": 32, "vocab": 64, "heads": 2}
+ATTENTION_MODELS = ("hf:gpt2", "hf:llama")
+ATTENTION_SEQ = 512
+# verify's full report: (model, options, autocast); None options: tests/test_export.py's small size
+VERIFIED = (("tests.export_models:dropout_mlp", {}, None), ("tests.export_models:hf_gpt2", {}, None),
+            ("tests.export_models:hf_llama", {}, None), ("gpt", None, "bf16"), ("gpt", None, "fp16"))
+# both back-ends besides the zoo at its small sizes: (model, options, autocast)
+BACKEND_MODELS = (
+    ("tests.export_models:dropout_mlp", {}, None), ("tests.export_models:batchnorm_cnn", {}, None),
+    ("tests.export_models:unused_param", {}, None), ("tests.export_models:hf_gpt2", {}, None),
+    ("tests.export_models:hf_llama", {}, None),
+    ("hf:gpt2", TEXT, None), ("hf:gpt2", {**TEXT, "attention": "eager"}, None), ("hf:bert", TEXT, None),
+    ("hf:llama", TEXT, None), ("hf:vit", IMAGE_TRANSFORMER, None),
+    ("hf:resnet", {"batch": 4, "image": 32, "width": 8, "layers": 2}, None),
+    ("tests.real_models:vit_assert", IMAGE_TRANSFORMER, None), ("tests.real_models:gpt2", SMALL_GPT2, None),
+    ("tests.real_models:bert_mlm", SMALL_GPT2, None),
+    ("tests.real_models:resnet18_bn", {"batch": 2, "image": 32, "width": 8}, None),
+    ("tests.real_models:mobilenet_v3_small", {"batch": 2, "image": 32}, None),
+    ("hf:gpt2", {**TEXT, "dtype": "bf16"}, None), ("hf:gpt2", TEXT, "bf16"),
+    ("hf:llama", {**TEXT, "dtype": "bf16"}, None), ("hf:llama", TEXT, "bf16"))
+BACKEND_SHARES = (0.5, 0.7, 0.9)  # bonsai at the first of these (of the headroom above lb) that it meets
+REGIONS = ("any", "modules")
+NEAR = 64  # bytes: a measured peak this close to its prediction meets it (the tracker sees a few tiny tensors more)
+# verify_checkpoint's reasons for not judging a peak, as the page names them
+AUTOCAST, SDPA_DROPOUT = "autocast", "SDPA dropout on the CPU"
+REALISED = 0.01  # the checkpoint back-end runs the plan when its realised peak is this close (verify's rule)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default=DEFAULT_OUT, help="folder of results.json (default %(default)s)")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve (default %(default)s)")
+    ap.add_argument("--page", metavar="PAGE", help=f"also write the results page there ({RECORD_PAGE})")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing: write the page from OUT/results.json (needs --page)")
+    ap.add_argument("--quick", action="store_true",
+                    help="one model per study, a smoke test (needs another --out than the default, and another "
+                         f"page than {RECORD_PAGE})")
+
+
+# -- measuring ------------------------------------------------------------------------------------
+
+def export_tests() -> Any:
+    """tests/test_export.py: its schedule factories and small sizes."""
+    common.import_test_models()
+    import tests.test_export
+
+    return tests.test_export
+
+
+def headroom_budget(graph: Any, share: float) -> int:
+    """The graph's peak lower bound plus ``share`` of the headroom up to its no-remat peak."""
+    from bonsai_core.schedule import no_remat_peak
+
+    lb = graph.peak_lower_bound
+    return int(lb + share * (no_remat_peak(graph) - lb))
+
+
+def replay_export(traced: Any, model: str, options: dict[str, Any], autocast: str | None, schedule: Any,
+                  folder: str) -> None:
+    from bonsai_core.export import export_traced, step_signature
+
+    export_traced(traced, step_signature(model, options), schedule, folder,
+                  spec={"model": model, "options": dict(options), "autocast": autocast})
+
+
+def replay_verified(model: str, options: dict[str, Any], folder: str, repeats: int = 0,
+                    grads: str = "autograd") -> dict[str, Any]:
+    """``verify_export``'s report and its verdict (``problems``: empty when verified)."""
+    from bonsai_core.export import verify_export
+
+    v = verify_export(model, options, folder, repeats=repeats, grads=grads)
+    return {**v.to_dict(), "problems": v.problems()}
+
+
+def replay_row(traced: Any, model: str, options: dict[str, Any], autocast: str | None, schedule: Any,
+               repeats: int = 0) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as folder:
+        replay_export(traced, model, options, autocast, schedule, folder)
+        return replay_verified(model, options, folder, repeats)
+
+
+def recomputes(graph: Any, schedule: Any) -> int:
+    from bonsai_core.schedule import simulate
+
+    return simulate(graph, schedule).recomputes
+
+
+def schedule_peak(graph: Any, schedule: Any) -> int:
+    from bonsai_core.schedule import simulate
+
+    return simulate(graph, schedule).peak
+
+
+def zoo_schedule(graph: Any, factory: str, level: int | None) -> Any:
+    from bonsai_core.schedule import none_schedule
+
+    return none_schedule(graph) if level is None else export_tests().FACTORIES[factory](graph, level)
+
+
+def zoo_rows(models: Sequence[str]) -> list[dict[str, Any]]:
+    """Each zoo model at its default size under ZOO_SCHEDULES, exported and verified with gradients
+    through autograd and written directly (``grads="direct"``)."""
+    from bonsai_core.trace import trace_model
+
+    rows = []
+    for model in models:
+        traced = trace_model(model)
+        for factory, level in ZOO_SCHEDULES:
+            schedule = zoo_schedule(traced.graph, factory, level)
+            row = {"model": model, "schedule": factory, "level": level, "nodes": traced.graph.n,
+                   "recomputes": recomputes(traced.graph, schedule)}
+            with tempfile.TemporaryDirectory() as folder:
+                replay_export(traced, model, {}, None, schedule, folder)
+                row["autograd"] = replay_verified(model, {}, folder)
+                row["direct"] = replay_verified(model, {}, folder, grads="direct")
+            print(json.dumps({k: row[k] for k in ("model", "schedule", "recomputes")}), flush=True)
+            rows.append(row)
+    return rows
+
+
+def method_rows(models: Sequence[str], time_limit: float) -> list[dict[str, Any]]:
+    """Every method of METHODS at lb + METHOD_SHARE on the zoo at tests/test_export.py's small sizes,
+    exported and verified; a budget the method does not meet is recorded as its error."""
+    from bonsai_core.errors import BonsaiError
+    from bonsai_core.solvers import solve
+    from bonsai_core.trace import trace_model
+
+    small = export_tests().SMALL
+    rows = []
+    for model in models:
+        traced = trace_model(model, **small[model])
+        budget = headroom_budget(traced.graph, METHOD_SHARE)
+        for method in METHODS:
+            row: dict[str, Any] = {"model": model, "options": small[model], "method": method, "budget": budget}
+            try:
+                schedule = solve(traced.graph, budget, method=method, time_limit=time_limit)
+            except BonsaiError as e:
+                row["error"] = failure(e)
+            else:
+                row["recomputes"] = recomputes(traced.graph, schedule)
+                row["replay"] = replay_row(traced, model, small[model], None, schedule)
+            print(json.dumps({k: row.get(k) for k in ("model", "method", "recomputes", "error")}), flush=True)
+            rows.append(row)
+    return rows
+
+
+def verified_rows(cases: Sequence[tuple[str, dict[str, Any] | None, str | None]]) -> list[dict[str, Any]]:
+    """verify's full report (TIMING_REPEATS timed steps) of each case under no recomputation and
+    recompute-before-use at level 2."""
+    from bonsai_core.trace import trace_model
+
+    small = export_tests().SMALL
+    rows = []
+    for model, options, autocast in cases:
+        options = small[model] if options is None else options
+        traced = trace_model(model, autocast=autocast, **options)
+        for factory, level in (ZOO_SCHEDULES[0], ZOO_SCHEDULES[2]):
+            schedule = zoo_schedule(traced.graph, factory, level)
+            row = {"model": model, "options": options, "autocast": autocast, "schedule": factory, "level": level,
+                   "recomputes": recomputes(traced.graph, schedule),
+                   "replay": replay_row(traced, model, options, autocast, schedule, TIMING_REPEATS)}
+            print(json.dumps({k: row[k] for k in ("model", "autocast", "schedule", "recomputes")}), flush=True)
+            rows.append(row)
+    return rows
+
+
+def attention_rows(models: Sequence[str]) -> list[dict[str, Any]]:
+    """No-remat peaks of ``models`` at their default sizes and seq ATTENTION_SEQ, eager attention and
+    SDPA, fp32 and bf16 parameters (traces only)."""
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.trace import trace_model
+
+    rows = []
+    for model in models:
+        for dtype in ("fp32", "bf16"):
+            for attention in ("eager", "sdpa"):
+                graph = trace_model(model, seq=ATTENTION_SEQ, attention=attention, dtype=dtype).graph
+                rows.append({"model": model, "dtype": dtype, "attention": attention, "nodes": graph.n,
+                             "no_remat_peak": no_remat_peak(graph)})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def first_plan(graph: Any, regions: str, time_limit: float) -> tuple[float, Any] | None:
+    """bonsai's plan at the first share of BACKEND_SHARES it meets, with that share; None if at none. Another
+    refusal (a graph without module calls, for ``regions="modules"``) is raised."""
+    from bonsai_core.errors import BudgetError
+    from bonsai_core.solvers import solve
+
+    for share in BACKEND_SHARES:
+        try:
+            return share, solve(graph, headroom_budget(graph, share), method="bonsai", regions=regions,
+                                time_limit=time_limit)
+        except BudgetError:
+            continue
+    return None
+
+
+def unjudged_reason(unpredicted: str | None) -> str | None:
+    """verify_checkpoint's reason for not judging a peak, in a table cell's words."""
+    from bonsai_core.export.verify import CHECKPOINT_AUTOCAST, CPU_ATTENTION_DROPOUT
+
+    return {CHECKPOINT_AUTOCAST: AUTOCAST, CPU_ATTENTION_DROPOUT: SDPA_DROPOUT}.get(unpredicted, unpredicted)
+
+
+def failure(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def checkpoint_side(model: str, options: dict[str, Any], autocast: str | None, schedule: Any) -> dict[str, Any]:
+    """The plan through the checkpoint back-end: ``verify_checkpoint``'s report, its verdict, and the export's
+    own figures (``INFO``: the schedule's and the realised peak, the dropped bytes left saved)."""
+    from bonsai_core.export.checkpoint import export_checkpoint
+    from bonsai_core.export.verify import load_checkpointed, verify_checkpoint
+
+    with tempfile.TemporaryDirectory() as folder:
+        export_checkpoint(model, options, schedule, folder, autocast=autocast)
+        info = load_checkpointed(folder).INFO
+        v = verify_checkpoint(model, options, folder, repeats=1)
+    return {**v.to_dict(), "problems": v.problems(), "unjudged": unjudged_reason(v.unpredicted),
+            "plan_peak": int(info["predicted_peak"]), "plan_realised_peak": int(info["realised_peak"]),
+            "dropped_bytes": int(info["dropped_bytes"]),
+            "unrealised_dropped_bytes": int(info["unrealised_dropped_bytes"])}
+
+
+def both_backends(traced: Any, model: str, options: dict[str, Any], autocast: str | None, share: float,
+                  schedule: Any) -> dict[str, Any]:
+    """One plan through the replay and the checkpoint back-end; a refusal or a crash of either is recorded
+    as its error (a crash is a result here: the page lists it)."""
+    out: dict[str, Any] = {"share": share, "predicted": schedule_peak(traced.graph, schedule),
+                           "recomputes": recomputes(traced.graph, schedule)}
+    try:
+        out["replay"] = replay_row(traced, model, options, autocast, schedule)
+    except Exception as e:  # noqa: BLE001
+        out["replay_error"] = failure(e)
+    try:
+        out["checkpoint"] = checkpoint_side(model, options, autocast, schedule)
+    except Exception as e:  # noqa: BLE001
+        out["checkpoint_error"] = failure(e)
+    return out
+
+
+def backend_rows(cases: Sequence[tuple[str, dict[str, Any], str | None]], time_limit: float) -> list[dict[str, Any]]:
+    """Each case with bonsai's free-form and module plans (REGIONS) through both back-ends. A refusal of the
+    trace or the solver is recorded as the row's error; the other rows still run."""
+    from bonsai_core.errors import BonsaiError
+    from bonsai_core.trace import trace_model
+
+    rows = []
+    for model, options, autocast in cases:
+        base = {"model": model, "options": options, "autocast": autocast}
+        try:
+            traced = trace_model(model, autocast=autocast, **options)
+        except BonsaiError as e:
+            rows.append({**base, "regions": None, "error": "trace: " + failure(e)})
+            continue
+        for regions in REGIONS:
+            row: dict[str, Any] = {**base, "regions": regions}
+            try:
+                plan = first_plan(traced.graph, regions, time_limit)
+            except BonsaiError as e:
+                row["error"] = "solve: " + failure(e)
+            else:
+                row.update({"no_plan": True} if plan is None
+                           else both_backends(traced, model, options, autocast, *plan))
+            print(json.dumps({k: row.get(k) for k in ("model", "autocast", "regions", "share", "error", "replay_error",
+                                                       "checkpoint_error")}), flush=True)
+            rows.append(row)
+    return rows
+
+
+def chosen(items: Sequence[Any], quick: bool) -> Sequence[Any]:
+    return items[:1] if quick else items
+
+
+def backend_cases(quick: bool) -> list[tuple[str, dict[str, Any], str | None]]:
+    zoo = [(name, opts, None) for name, opts in export_tests().SMALL.items()]
+    return zoo[:1] + list(BACKEND_MODELS[-1:]) if quick else zoo + list(BACKEND_MODELS)
+
+
+def measure(time_limit: float, quick: bool = False) -> dict[str, Any]:
+    import torch
+
+    studies: dict[str, Callable[[], list[dict[str, Any]]]] = {
+        "zoo": lambda: zoo_rows(chosen(ZOO, quick)),
+        "methods": lambda: method_rows(chosen(ZOO, quick), time_limit),
+        "verified": lambda: verified_rows(chosen(VERIFIED, quick)),
+        "attention": lambda: attention_rows(chosen(ATTENTION_MODELS, quick)),
+        "backends": lambda: backend_rows(backend_cases(quick), time_limit)}
+    results: dict[str, Any] = {
+        "meta": {"command": common.command(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 "machine": common.machine(), "torch": torch.__version__, "time_limit": time_limit,
+                 "quick": quick, "study_seconds": {}}}
+    start = time.perf_counter()
+    for name, run in studies.items():
+        study_start = time.perf_counter()
+        results[name] = run()
+        results["meta"]["study_seconds"][name] = time.perf_counter() - study_start
+        print(f"{name}: {results['meta']['study_seconds'][name]:.0f} s", flush=True)
+    results["meta"]["seconds"] = time.perf_counter() - start
+    return results
+
+
+# -- words and numbers ----------------------------------------------------------------------------
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f}"
+
+
+def signed_bytes(n: int) -> str:
+    return f"{n:+,} B"
+
+
+def short(model: str) -> str:
+    """A model spec as the tables name it: ``export_models:hf_gpt2`` for ``tests.export_models:hf_gpt2``."""
+    return model.removeprefix("tests.")
+
+
+def two_sizes(a: int, b: int) -> str:
+    """``10.09 vs 10.16 MiB``; in bytes when MiB would not tell them apart."""
+    return f"{mib(a)} vs {mib(b)} MiB" if mib(a) != mib(b) else f"{a:,} vs {b:,} B"
+
+
+def precision(options: dict[str, Any], autocast: str | None) -> str:
+    if autocast:
+        return f"autocast {autocast}"
+    return options.get("dtype") or "fp32"
+
+
+def options_said(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"
+
+
+def byte_range(gaps: Sequence[int]) -> str:
+    """``+8 B``, ``+4 to +8 B``, ``-8 to +8 B``."""
+    low, high = min(gaps), max(gaps)
+    return signed_bytes(low) if low == high else f"{low:+,} to {high:+,} B"
+
+
+def percent_range(xs: Sequence[float]) -> str:
+    low, high = min(xs), max(xs)
+    return common.pct(low) if f"{low:+.1%}" == f"{high:+.1%}" else f"{common.pct(low)} to {common.pct(high)}"
+
+
+def met_sentence(rows: Sequence[tuple[str, int, int]], what: str) -> str:
+    """Whether each measurement of ``rows`` ((label, measured, predicted)) meets its prediction within NEAR
+    bytes; the rows that miss, named with their error."""
+    met = [m - p for _, m, p in rows if abs(m - p) <= NEAR]
+    missed = [(label, m, p) for label, m, p in rows if abs(m - p) > NEAR]
+    if not missed:
+        return f"{what} meets its prediction in every row: measured − predicted is {byte_range(met)}."
+    said = common.listing([f"{label} ({signed_bytes(m - p)}, {m / p - 1:+.2%})" for label, m, p in missed])
+    if not met:
+        return f"{what} misses its prediction by more than {NEAR} bytes in every row: {said}."
+    return (f"{what} meets its prediction within {NEAR} bytes in {len(met)} of {len(rows)} rows "
+            f"({byte_range(met)}); it misses in {said}.")
+
+
+def differences(label: str, *reports: dict[str, Any]) -> tuple[str, float, float, float]:
+    """(label, loss difference, largest gradient difference, largest relative to its tensor's largest
+    magnitude) over verify's ``reports`` of one row."""
+    return (label, max(v["loss_diff"] for v in reports),
+            max(max(v["max_grad_diff"], v.get("max_grad_diff_grads_none", 0.0)) for v in reports),
+            max(v.get("max_grad_scaled_diff", 0.0) for v in reports))
+
+
+def exact_sentence(rows: Sequence[tuple[str, float, float, float]], what: str) -> str:
+    """Whether loss and gradients are bitwise equal to eager's in every row of ``rows`` (:func:`differences`);
+    the rows where not, with their differences."""
+    differ = [(label, loss, grad, scaled) for label, loss, grad, scaled in rows if loss or grad]
+    if not differ:
+        return f"{what}: loss and gradients bitwise equal to the original's in every row."
+    said = common.listing([f"{label} (loss {loss:.2g}, gradients {grad:.2g}"
+                           + (f", {scaled:.2g} of the tensor's largest magnitude)" if scaled else ")")
+                           for label, loss, grad, scaled in differ])
+    if len(differ) == len(rows):
+        return f"{what}: loss or gradients differ from the original's in every row: {said}."
+    return (f"{what}: loss and gradients bitwise equal to the original's in {len(rows) - len(differ)} of "
+            f"{len(rows)} rows; they differ in {said}.")
+
+
+def verdict_sentence(rows: Sequence[tuple[str, Sequence[str]]], what: str, unit: str = "rows") -> str:
+    """``bonsai verify``'s verdict over ``rows`` ((label, problems)), counted in ``unit``."""
+    failed = [(label, problems) for label, problems in rows if problems]
+    if not failed:
+        return f"`bonsai verify` finds no problem with {what} ({len(rows)} {unit if len(rows) > 1 else unit[:-1]})."
+    said = "; ".join(f"{label}: {'; '.join(problems)}" for label, problems in failed)
+    return f"`bonsai verify` reports a problem with {what} in {len(failed)} of {len(rows)} {unit}: {said}."
+
+
+def count_of(n: int, total: int) -> str:
+    """``every row``, ``no row``, ``3 of 5 rows``."""
+    if n == total:
+        return "every row" if total > 1 else "its one row"
+    return "no row" if n == 0 else f"{n} of {total} rows"
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def diff_cell(x: float) -> str:
+    return "0" if x == 0 else f"{x:.2g}"
+
+
+# -- the zoo --------------------------------------------------------------------------------------
+
+def schedule_label(row: dict[str, Any]) -> str:
+    return row["schedule"] if row["level"] is None else f"{row['schedule']} L{row['level']}"
+
+
+def zoo_label(row: dict[str, Any]) -> str:
+    return f"{row['model']} {schedule_label(row)}"
+
+
+def zoo_table(rows: Sequence[dict[str, Any]]) -> str:
+    def cells(r: dict[str, Any]) -> list[Any]:
+        v = r["autograd"]
+        grad = max(v["max_grad_diff"], v["max_grad_diff_grads_none"], r["direct"]["max_grad_diff"])
+        return [r["model"], schedule_label(r), r["recomputes"], mib(v["predicted_peak"]), mib(v["measured_peak"]),
+                signed_bytes(v["measured_peak"] - v["predicted_peak"]),
+                signed_bytes(r["direct"]["measured_peak"] - v["predicted_peak"]), mib(v["original_peak"]),
+                diff_cell(max(v["loss_diff"], r["direct"]["loss_diff"])), diff_cell(grad)]
+    return table(["model", "schedule", "recomputes", "predicted MiB", "measured MiB", "measured − predicted",
+                  "measured − predicted, grads direct", "original model MiB", "loss diff", "max grad diff"],
+                 map(cells, rows))
+
+
+def zoo_findings(rows: Sequence[dict[str, Any]]) -> str:
+    both = [(f"{zoo_label(r)}{'' if mode == 'autograd' else ' (grads direct)'}", r[mode]["measured_peak"],
+             r[mode]["predicted_peak"]) for r in rows for mode in ("autograd", "direct")]
+    sentences = [met_sentence(both, "The exported step, with gradients through autograd and written directly,")]
+    if all(0 < m - p <= NEAR for _, m, p in both):
+        sentences.append("The few bytes more are tiny tensors the graph does not hold (the autograd engine's loss "
+                         "seed and the runtime's check of it).")
+    same = [r for r in rows if r["direct"]["measured_peak"] == r["autograd"]["measured_peak"]]
+    if len(same) == len(rows):
+        sentences.append("Both gradient modes measure the same peak in every row.")
+    else:
+        sentences.append("The gradient modes measure different peaks in " + common.listing(
+            [f"{zoo_label(r)} ({r['autograd']['measured_peak']:,} vs {r['direct']['measured_peak']:,} B)"
+             for r in rows if r not in same]) + ".")
+    sentences.append(exact_sentence([differences(zoo_label(r), r["autograd"], r["direct"]) for r in rows],
+                                    "Both modes"))
+    sentences += [original_sentence(rows), below_original_sentence(rows)]
+    return " ".join(s for s in sentences if s)
+
+
+def original_sentence(rows: Sequence[dict[str, Any]]) -> str:
+    """The original eager step against the plain (``none``) schedule's prediction."""
+    plain = [(r["model"], r["autograd"]["original_peak"], r["autograd"]["predicted_peak"])
+             for r in rows if r["level"] is None]
+    below = [(m, o, p) for m, o, p in plain if o < p - NEAR]
+    above = [(m, o, p) for m, o, p in plain if o > p + NEAR]
+    near = [(m, o, p) for m, o, p in plain if abs(o - p) <= NEAR]
+
+    def pairs(rs: Sequence[tuple[str, int, int]]) -> str:
+        return common.listing([f"{m} ({two_sizes(o, p)})" for m, o, p in rs])
+    said = []
+    if near:
+        said.append(f"measures the plain schedule's prediction within {NEAR} bytes on "
+                    f"{common.listing([m for m, _, _ in near])}")
+    if below:
+        said.append(f"measures less than the plain schedule predicts on {pairs(below)} (eager autograd saves some "
+                    "tensors other than the joint graph's, so \"below the original\" is judged against the original's "
+                    "measured peak)")
+    if above:
+        said.append(f"measures more than the plain schedule predicts on {pairs(above)}")
+    return f"The original eager step {common.listing(said)}." if said else ""
+
+
+def below_original_sentence(rows: Sequence[dict[str, Any]]) -> str:
+    recomputing = [r for r in rows if r["recomputes"]]
+    not_below = [r for r in recomputing if r["autograd"]["measured_peak"] >= r["autograd"]["original_peak"]]
+    if not recomputing:
+        return ""
+    if not not_below:
+        return "Every schedule that recomputes measures below the original model."
+    return ("A schedule that recomputes measures at or above the original model on "
+            + common.listing([zoo_label(r) for r in not_below]) + ".")
+
+
+def zoo_section(rows: Sequence[dict[str, Any]]) -> str:
+    nodes = common.listing([f"{m} {n}" for m, n in dict((r["model"], r["nodes"]) for r in rows).items()])
+    return ("## Zoo models at their default sizes (replay back-end)\n\n"
+            "Each zoo model at its default size (`trace_model(name)`; graph nodes: " + nodes + ") under three "
+            "schedules: `none`; `checkpoint-every-other` at level 1 (tests/test_export.py: the forward nodes split "
+            "into three contiguous segments, every other one recomputed, `CheckpointPlan` + `plan_schedule`); "
+            "`recompute-before-use` at level 2 (a general schedule: every droppable forward node freed after the "
+            "forward pass and recomputed, with its dropped inputs, right before each backward node that reads it). "
+            "Each is exported (`export_traced`) and verified twice (`verify_export`: gradients through autograd, "
+            "and written directly, `grads=\"direct\"`). \"original model\": the eager step's measured peak; the "
+            "differences cover both modes and the step started from `.grad` None.\n\n"
+            + zoo_table(rows) + "\n\n" + zoo_findings(rows))
+
+
+# -- every solver ---------------------------------------------------------------------------------
+
+def method_label(row: dict[str, Any]) -> str:
+    return f"{row['method']} on {row['model']}"
+
+
+def methods_section(rows: Sequence[dict[str, Any]], time_limit: float) -> str:
+    solved = [r for r in rows if "replay" in r]
+
+    def cells(r: dict[str, Any]) -> list[Any]:
+        if "replay" not in r:
+            unmet = f"no schedule ({r['error'].split(':')[0]})"
+            return [r["model"], r["method"], f"{r['budget']:,}", unmet, "", "", "", "", ""]
+        v = r["replay"]
+        return [r["model"], r["method"], f"{r['budget']:,}", r["recomputes"], f"{v['predicted_peak']:,}",
+                f"{v['measured_peak']:,}", signed_bytes(v["measured_peak"] - v["predicted_peak"]),
+                diff_cell(v["loss_diff"]), diff_cell(max(v["max_grad_diff"], v["max_grad_diff_grads_none"]))]
+    sentences = []
+    if solved:
+        sentences += [met_sentence([(method_label(r), r["replay"]["measured_peak"], r["replay"]["predicted_peak"])
+                                    for r in solved], "The exported step"),
+                      exact_sentence([differences(method_label(r), r["replay"]) for r in solved],
+                                     "Every solved schedule"),
+                      verdict_sentence([(method_label(r), r["replay"]["problems"]) for r in solved],
+                                       "these exports")]
+    unmet: dict[str, list[str]] = {}
+    for r in rows:
+        if "replay" not in r:
+            unmet.setdefault(r["model"], []).append(r["method"])
+    if unmet:
+        sentences.append("No schedule within the budget: " + common.listing(
+            [f"{model} ({common.listing(methods)})" for model, methods in unmet.items()]) + ".")
+    sizes = "; ".join(f"{m} {options_said(o)}" for m, o in dict((r["model"], r["options"]) for r in rows).items())
+    return ("## Every solver's schedule (replay back-end)\n\n"
+            f"The zoo at tests/test_export.py's small sizes ({sizes}); each method solves the budget lb + "
+            f"{METHOD_SHARE:.0%} (`solve(graph, budget, method=..., time_limit={time_limit:g})`), and its schedule is "
+            "exported and verified as above. Bytes. The replay back-end runs any schedule the simulator accepts: "
+            "a tensor recomputed several times, frees before last use. Checkmate (an op-level MILP the tests give a "
+            "minute per case) is left out to keep the run short.\n\n"
+            + table(["model", "method", "budget", "recomputes", "predicted", "measured", "measured − predicted",
+                     "loss diff", "max grad diff"], map(cells, rows)) + "\n\n" + " ".join(sentences))
+
+
+# -- verify's full report -------------------------------------------------------------------------
+
+def verified_label(row: dict[str, Any]) -> str:
+    return f"{short(row['model'])} {precision(row['options'], row['autocast'])} {row['schedule']}"
+
+
+def milliseconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}"
+
+
+def verified_section(rows: Sequence[dict[str, Any]]) -> str:
+    def cells(r: dict[str, Any]) -> list[Any]:
+        v = r["replay"]
+        return [short(r["model"]), precision(r["options"], r["autocast"]), r["schedule"], r["recomputes"],
+                f"{v['predicted_peak']:,}", f"{v['measured_peak']:,}",
+                signed_bytes(v["measured_peak"] - v["predicted_peak"]),
+                f"{v['measured_peak_grads_none']:,}", diff_cell(v["loss_diff"]),
+                diff_cell(max(v["max_grad_diff"], v["max_grad_diff_grads_none"])),
+                f"{milliseconds(v['seconds_original'])} / {milliseconds(v['seconds_exported'])}",
+                f"{common.pct(v['measured_overhead'])} / {common.pct(v['predicted_overhead'])}"]
+    none_peaks = [(r["replay"]["measured_peak_grads_none"] / r["replay"]["measured_peak"] - 1) for r in rows]
+    sentences = [
+        met_sentence([(verified_label(r), r["replay"]["measured_peak"], r["replay"]["predicted_peak"]) for r in rows],
+                     "The exported step"),
+        f"Started from `.grad` None (gradients allocated as the backward pass makes them), it peaks "
+        f"{percent_range(none_peaks)} against the step with `.grad` allocated.",
+        exact_sentence([differences(verified_label(r), r["replay"]) for r in rows], "Against eager"),
+        verdict_sentence([(verified_label(r), r["replay"]["problems"]) for r in rows], "these exports")]
+    models = common.listing(sorted({f"`{r['model']}` ({options_said(r['options'])})" for r in rows}))
+    return ("## Real models, verify's full report (replay back-end)\n\n"
+            f"Models: {models}. `tests/export_models.py` builds its models from `torch.nn` and `transformers` "
+            "configs, no weights. Each traced (under its autocast), exported with `none` and "
+            "`recompute-before-use` at level 2 and verified with "
+            f"`verify_export(..., repeats={TIMING_REPEATS})`. Bytes; \"grads None\" is the exported step's peak "
+            f"from `.grad` None. Times are medians of {TIMING_REPEATS} steps, original / exported, on a shared 2-core "
+            "machine: noise (the first steps of a process pay for its start-up), they show that verify measures "
+            "time, not the export's overhead; \"predicted\" overhead is the simulator's.\n\n"
+            + table(["model", "precision", "schedule", "recomputes", "predicted", "measured", "measured − predicted",
+                     "grads None", "loss diff", "max grad diff", "ms per step", "overhead measured / predicted"],
+                    map(cells, rows)) + "\n\n" + " ".join(sentences))
+
+
+# -- SDPA and bf16 --------------------------------------------------------------------------------
+
+def attention_peaks(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str, str], int]:
+    return {(r["model"], r["dtype"], r["attention"]): r["no_remat_peak"] for r in rows}
+
+
+def attention_section(rows: Sequence[dict[str, Any]]) -> str:
+    peaks = attention_peaks(rows)
+    models = list(dict.fromkeys(r["model"] for r in rows))
+
+    def cells(model: str) -> list[Any]:
+        out = [f"`{model}`"]
+        for dtype in ("fp32", "bf16"):
+            eager, sdpa = peaks[model, dtype, "eager"], peaks[model, dtype, "sdpa"]
+            out += [mib(eager), f"{mib(sdpa)} ({common.pct(sdpa / eager - 1)})"]
+        return out
+
+    def change(dtype_a: str, att_a: str, dtype_b: str, att_b: str) -> str:
+        return common.listing([f"{common.pct(peaks[m, dtype_b, att_b] / peaks[m, dtype_a, att_a] - 1)} on `{m}`"
+                               for m in models])
+    sentences = (f"SDPA against eager attention: {change('fp32', 'eager', 'fp32', 'sdpa')} in fp32, "
+                 f"{change('bf16', 'eager', 'bf16', 'sdpa')} with bf16 parameters. bf16 against fp32: "
+                 f"{change('fp32', 'eager', 'bf16', 'eager')} on eager attention, "
+                 f"{change('fp32', 'sdpa', 'bf16', 'sdpa')} on SDPA.")
+    return ("## SDPA and bf16 on `hf:` models (traces only)\n\n"
+            f"No-remat peaks (MiB) at the models' default sizes (batch 8, width 128, 2 layers, 4 heads, vocab 512) "
+            f"and seq {ATTENTION_SEQ}: `trace_model(model, seq={ATTENTION_SEQ}, attention=..., dtype=...)`, as "
+            f"`bonsai trace MODEL --seq {ATTENTION_SEQ} [--attention eager] [--dtype bf16]`. In parentheses: SDPA "
+            "against eager.\n\n"
+            + table(["model", "eager fp32", "SDPA fp32", "eager bf16", "SDPA bf16"], map(cells, models)) + "\n\n"
+            + sentences + " Eager attention keeps each layer's seq × seq scores (and GPT-2's dropout mask) for the "
+            "backward pass, where SDPA keeps its output and log-sum-exp; Llama's eager attention takes its softmax "
+            "in float32 whatever the parameters' type.")
+
+
+# -- both back-ends -------------------------------------------------------------------------------
+
+def backend_label(row: dict[str, Any]) -> str:
+    label = short(row["model"])
+    if row["options"].get("attention"):
+        label += f" on {row['options']['attention']} attention"
+    if precision(row["options"], row["autocast"]) != "fp32":
+        label += f" {precision(row['options'], row['autocast'])}"
+    return f"{label} {row['regions']}" if row.get("regions") else label
+
+
+def checkpoint_error(ck: dict[str, Any]) -> float:
+    """The checkpoint back-end's measured peak against the plan."""
+    return ck["measured_peak"] / ck["plan_peak"] - 1
+
+
+def realised_gap(ck: dict[str, Any]) -> float:
+    """What the checkpoints run, simulated, against the plan."""
+    return ck["plan_realised_peak"] / ck["plan_peak"] - 1
+
+
+def against_realised(ck: dict[str, Any]) -> float:
+    return ck["measured_peak"] / ck["plan_realised_peak"] - 1
+
+
+def error_cell(error: str) -> str:
+    """``solve: SolverError`` of ``solve: SolverError: its message``."""
+    return ":".join(error.split(":")[:2])
+
+
+def replay_cell(row: dict[str, Any]) -> str:
+    if "replay" not in row:
+        return error_cell(row["replay_error"])
+    v = row["replay"]
+    return f"{v['measured_peak']:,} ({signed_bytes(v['measured_peak'] - v['predicted_peak'])})"
+
+
+def checkpoint_cells(row: dict[str, Any]) -> list[str]:
+    """realised, measured (against the plan), original, dropped bytes left saved."""
+    if "checkpoint" not in row:
+        return ["", error_cell(row["checkpoint_error"]), "", ""]
+    ck = row["checkpoint"]
+    judged = f"not judged: {ck['unjudged']}" if ck["unjudged"] else common.pct(checkpoint_error(ck))
+    return [f"{ck['plan_realised_peak']:,}", f"{ck['measured_peak']:,} ({judged})", f"{ck['original_peak']:,}",
+            f"{ck['unrealised_dropped_bytes']:,} of {ck['dropped_bytes']:,}"]
+
+
+def verdict_cell(row: dict[str, Any]) -> str:
+    def said(side: str) -> str:
+        if side not in row:
+            return "error"
+        return "OK" if not row[side]["problems"] else "; ".join(row[side]["problems"])
+    return f"{said('replay')} / {said('checkpoint')}"
+
+
+def backend_table(rows: Sequence[dict[str, Any]]) -> str:
+    def cells(r: dict[str, Any]) -> list[Any]:
+        head = [f"`{short(r['model'])}`" + (f" ({r['options']['attention']} attention)"
+                                            if r["options"].get("attention") else ""),
+                precision(r["options"], r["autocast"]), r["regions"] or ""]
+        if "error" in r:
+            return head + [error_cell(r["error"]), *[""] * 7]
+        if r.get("no_plan"):
+            return head + ["no plan at lb + " + "/".join(f"{s:.0%}".rstrip("%") for s in BACKEND_SHARES) + "%",
+                           *[""] * 7]
+        return head + [f"lb + {r['share']:.0%}", f"{r['predicted']:,}", replay_cell(r), *checkpoint_cells(r),
+                       verdict_cell(r)]
+    return table(["model", "precision", "regions", "budget", "predicted", "replay measured", "realised (checkpoint)",
+                  "checkpoint measured (vs plan)", "original model", "dropped bytes left saved", "verify"],
+                 map(cells, rows))
+
+
+def planned(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if "share" in r]
+
+
+def checkpointed(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in planned(rows) if "checkpoint" in r]
+
+
+def exact_sentences(rows: Sequence[dict[str, Any]]) -> list[str]:
+    out = []
+    for side, what in (("replay", "The replay back-end"), ("checkpoint", "The checkpoint back-end")):
+        done = [r for r in planned(rows) if side in r]
+        if done:
+            out.append(exact_sentence([differences(backend_label(r), r[side]) for r in done], what))
+    return out
+
+
+def case_label(row: dict[str, Any]) -> str:
+    return backend_label({**row, "regions": None})
+
+
+def rows_said(rows: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], str] | None = None) -> str:
+    """Rows named by model, their plans after it: ``unet (any +12.6%, modules +3.7%)``, ``mlp (any)``."""
+    plans: dict[str, list[str]] = {}
+    for r in rows:
+        plans.setdefault(case_label(r), []).append(r["regions"] + (f" {value(r)}" if value else ""))
+    return common.listing([f"{label} ({('; ' if value else ', ').join(said)})" for label, said in plans.items()])
+
+
+def follows_plan_sentences(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Where the checkpoints run the plan (realised within REALISED of it), and how their measured peaks compare."""
+    rows = checkpointed(rows)
+    follow = [r for r in rows if abs(realised_gap(r["checkpoint"])) <= REALISED]
+    depart = [r for r in rows if abs(realised_gap(r["checkpoint"])) > REALISED]
+    out = []
+    for regions in REGIONS:
+        of = [r for r in rows if r["regions"] == regions]
+        if of:
+            n = sum(r in follow for r in of)
+            out.append(f"With `regions={regions}` the checkpoints run the plan (realised within {REALISED:.0%} of it) "
+                       f"in {count_of(n, len(of))}.")
+    judged = [r for r in follow if not r["checkpoint"]["unjudged"]]
+    if judged:
+        out.append("Where they do and the peak is judged, the checkpoint back-end measures "
+                   f"{percent_range([checkpoint_error(r['checkpoint']) for r in judged])} against the plan.")
+    if depart:
+        gaps = [realised_gap(r["checkpoint"]) for r in depart]
+        out.append(f"In the other {len(depart)} rows the realised peak departs from the plan by {percent_range(gaps)}: "
+                   + rows_said(depart, lambda r: common.pct(realised_gap(r["checkpoint"]))) + ". A submodule "
+                   "checkpoint rebuilds the whole submodule at its first saved-tensor use and holds its inputs until "
+                   "then, and a dropped tensor that no submodule holds together with its readers stays saved; "
+                   "`realised_peak` simulates that, and the export's README states it.")
+    return out
+
+
+def against_realised_sentences(rows: Sequence[dict[str, Any]]) -> list[str]:
+    judged = [r for r in checkpointed(rows) if not r["checkpoint"]["unjudged"]]
+    above = [r for r in judged if against_realised(r["checkpoint"]) > REALISED]
+    below = [r for r in judged if against_realised(r["checkpoint"]) < -REALISED]
+
+    def gap(r: dict[str, Any]) -> str:
+        return common.pct(against_realised(r["checkpoint"]))
+    out = []
+    if judged:
+        within = len(judged) - len(above) - len(below)
+        out.append(f"Against its own simulation (`realised_peak`) the checkpoint back-end's measured peak is within "
+                   f"{REALISED:.0%} in {count_of(within, len(judged))} where it is judged.")
+    recomputing = [r for r in above if r["recomputes"]]
+    untouched = [r for r in above if not r["recomputes"]]
+    if recomputing:
+        out.append(f"It is above by more in {rows_said(recomputing, gap)}. Eager autograd holds some tensors past "
+                   "the last use at which the simulator frees them (a backward node keeps its saved tensors until "
+                   "the whole node has run; a tied weight's first partial gradient waits in the engine's input "
+                   "buffer for the last one); these rows are not traced to their causes one by one.")
+    if untouched:
+        def both(r: dict[str, Any]) -> str:
+            ck = r["checkpoint"]
+            return f"checkpointed {gap(r)}, original {common.pct(ck['original_peak'] / ck['plan_realised_peak'] - 1)}"
+        out.append("It is above by more where the plan recomputes nothing, and so is the original step: "
+                   + rows_said(untouched, both) + "; a matter of the trace, not of the back-end.")
+    if below:
+        out.append(f"It is below by more in {rows_said(below, gap)}.")
+    return out
+
+
+def unjudged_sentence(rows: Sequence[dict[str, Any]]) -> str:
+    unjudged = [r for r in checkpointed(rows) if r["checkpoint"]["unjudged"]]
+    if not unjudged:
+        return ""
+    reasons: dict[str, list[dict[str, Any]]] = {}
+    for r in unjudged:
+        reasons.setdefault(r["checkpoint"]["unjudged"], []).append(r)
+    said = "; ".join(f"{reason}: {rows_said(of)}" for reason, of in reasons.items())
+    why = {SDPA_DROPOUT: "On the CPU, SDPA with dropout in the user's own module runs its math path, which keeps "
+                         "every layer's seq × seq probabilities where the plan counts the fused kernel's outputs (the "
+                         "replay back-end runs the fused kernel's equivalent, so its peaks are judged).",
+           AUTOCAST: "Under autocast the checkpointed submodules run casts whose lifetimes the back-end's "
+                     "simulation does not follow."}
+    count = "1 row" if len(unjudged) == 1 else f"{len(unjudged)} rows"
+    return (f"`verify` prints the checkpoint back-end's peak without judging it in {count} ({said}). "
+            + " ".join(why[reason] for reason in reasons if reason in why))
+
+
+def left_saved_sentence(rows: Sequence[dict[str, Any]]) -> str:
+    rows = checkpointed(rows)
+
+    def share_left(r: dict[str, Any]) -> float:
+        return r["checkpoint"]["unrealised_dropped_bytes"] / r["checkpoint"]["dropped_bytes"]
+    nothing = [r for r in rows if r["checkpoint"]["dropped_bytes"] and share_left(r) == 1]
+    some = [r for r in rows if r["checkpoint"]["dropped_bytes"] and 0 < share_left(r) < 1]
+    out = []
+    if nothing:
+        out.append("Every byte the plan drops stays saved (no submodule holds a dropped tensor with its readers, so "
+                   f"nothing is checkpointed) in {rows_said(nothing)}.")
+    if some:
+        out.append(f"Part of them stays saved in {len(some)} rows, {min(map(share_left, some)):.0%} to "
+                   f"{max(map(share_left, some)):.0%} of the dropped bytes: "
+                   + rows_said(some, lambda r: f"{share_left(r):.0%}") + ".")
+    return " ".join(out)
+
+
+def backend_findings(rows: Sequence[dict[str, Any]]) -> str:
+    replayed = [r for r in planned(rows) if "replay" in r]
+    sentences = []
+    if replayed:
+        sentences.append(met_sentence([(backend_label(r), r["replay"]["measured_peak"], r["replay"]["predicted_peak"])
+                                       for r in replayed], "The replay back-end"))
+    sentences += exact_sentences(rows)
+    sentences += follows_plan_sentences(rows) + against_realised_sentences(rows)
+    sentences += [unjudged_sentence(rows), left_saved_sentence(rows)]
+    no_plan = [r for r in rows if r.get("no_plan")]
+    if no_plan:
+        sentences.append("bonsai finds no plan at lb + " + "/".join(f"{s * 100:g}" for s in BACKEND_SHARES)
+                         + f"% for {rows_said(no_plan)}.")
+    verdicts = [(f"{backend_label(r)} ({side})", r[side]["problems"]) for r in planned(rows)
+                for side in ("replay", "checkpoint") if side in r]
+    if verdicts:
+        sentences.append(verdict_sentence(verdicts, "either back-end", "verdicts"))
+    errors = [f"{backend_label(r)}: {r[k].rstrip('.')}" for r in rows for k in ("error", "replay_error",
+                                                                                "checkpoint_error") if k in r]
+    if errors:
+        sentences.append("Refused or failed: " + "; ".join(errors) + ".")
+    return "What the rows say.\n\n" + "\n".join(f"* {s}" for s in sentences if s)
+
+
+def backend_section(rows: Sequence[dict[str, Any]], time_limit: float) -> str:
+    models = "; ".join(f"`{m}` {options_said(o)}" for m, o in
+                       dict((backend_label({**r, "regions": None}), r["options"]) for r in rows).items())
+    return ("## Both back-ends side by side\n\n"
+            "Each model with bonsai at the first of lb + " + "/".join(f"{s * 100:g}" for s in BACKEND_SHARES) +
+            f"% that it meets (time limit {time_limit:g} s), free-form plans (`regions=any`) and module plans "
+            "(`regions=modules`: only module calls recomputed), each plan exported with both back-ends: replay "
+            "(`export_traced`, `verify_export`) and checkpoint (`export_checkpoint`, `verify_checkpoint`: "
+            "`torch.utils.checkpoint` with selective-checkpoint policies on the user's own submodules). Bytes. "
+            "\"realised\": the checkpoint back-end's simulation of what its checkpoints really run "
+            "(`INFO[\"realised_peak\"]`); `verify` judges the checkpoint back-end's peak against it when it is more "
+            f"than {REALISED:.0%} off the plan. \"dropped bytes left saved\": of the bytes the plan drops, those no "
+            "checkpointed submodule holds with their readers (`INFO[\"unrealised_dropped_bytes\"]`). \"verify\": "
+            "the verdicts of the replay / checkpoint back-end. The models' options: " + models + ".\n\n"
+            + backend_table(rows) + "\n\n" + backend_findings(rows))
+
+
+# -- the page -------------------------------------------------------------------------------------
+
+def page(results: dict[str, Any], header: str) -> str:
+    meta = results["meta"]
+    per_study = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in meta["study_seconds"].items())
+    quick = " (`--quick`: one model per study, a smoke test, not the record)" if meta.get("quick") else ""
+    intro = (f"# Export: measurements\n\n`{meta['command']}` on {meta['date']}{quick}, {meta['machine']}, torch "
+             f"{meta['torch']}; {meta['seconds']:.0f} s in all ({per_study}). The command ran everything below and "
+             "wrote this page from its results. Predicted peaks are the simulator's; measured peaks are the CPU "
+             "live-bytes tracker's (`bonsai verify`); both, and the loss and gradient differences, are exact. "
+             "How the two back-ends work: [../EXPORT.md](../EXPORT.md). \"lb + 50%\" is the budget halfway "
+             "from the graph's per-op peak lower bound to its no-remat peak. Everything here ran on the CPU; the "
+             "commands for a GPU: [../EXPORT.md](../EXPORT.md#limits-of-the-replay-back-end).")
+    sections = [header, intro, zoo_section(results["zoo"]), methods_section(results["methods"], meta["time_limit"]),
+                verified_section(results["verified"]), attention_section(results["attention"]),
+                backend_section(results["backends"], meta["time_limit"])]
+    return "\n\n".join(sections) + "\n"
+
+
+def write_page(results: dict[str, Any], path: str) -> None:
+    Path(path).write_text(page(results, common.page_header(results["meta"]["command"], SOURCES)))
+
+
+def same_path(a: str, b: str) -> bool:
+    return Path(a).resolve() == (common.ROOT / b).resolve() or Path(a).resolve() == Path(b).resolve()
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why these options cannot run, before anything is measured; None when they can."""
+    if args.report_only and not args.page:
+        return "--report-only writes the page only: name it with --page PAGE"
+    if args.report_only and args.quick:
+        return "--quick chooses what to measure and --report-only measures nothing: give one of them"
+    if args.report_only and not (Path(args.out) / "results.json").is_file():
+        return f"{Path(args.out) / 'results.json'} is missing: run without --report-only first"
+    if args.quick and same_path(args.out, DEFAULT_OUT):
+        return f"--quick would overwrite the full run's {DEFAULT_OUT}/results.json: give another --out"
+    if args.quick and args.page and same_path(args.page, RECORD_PAGE):
+        return f"--quick writes a smoke-test page, not the record {RECORD_PAGE}: give another --page"
+    if args.time_limit <= 0:
+        return f"--time-limit {args.time_limit:g}: give a positive number of seconds"
+    if args.page and not Path(args.page).parent.is_dir():
+        return f"--page {args.page}: the folder {Path(args.page).parent} does not exist"
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    why = refusal(args)
+    if why:
+        print(f"bonsai bench export: {why}.")
+        return 2
+    out = Path(args.out)
+    if args.report_only:
+        results = json.loads((out / "results.json").read_text())
+    else:
+        results = measure(args.time_limit, args.quick)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    if args.page:
+        write_page(results, args.page)
+    print(f"wrote {out / 'results.json'}" + (f" and {args.page}" if args.page else ""))
+    return 0
