@@ -407,8 +407,8 @@ def _sync(dev: torch.device) -> None:
 # Why the checkpoint back-end's peak is not judged under autocast.
 CHECKPOINT_AUTOCAST = (
     "under autocast the checkpointed submodules run casts whose lifetimes the back-end's simulation of "
-    "them does not follow (hf:llama at a small size measured +15.9% over it); the replay back-end meets "
-    "its prediction under autocast")
+    "them does not follow (docs/results/export.md measures how far); the replay back-end meets its "
+    "prediction under autocast")
 # Why the checkpoint back-end's peak is not judged on the CPU for a step with SDPA dropout.
 CPU_ATTENTION_DROPOUT = (
     "on the CPU, SDPA with dropout runs its math path, which keeps every layer's batch x heads x seq x seq "
