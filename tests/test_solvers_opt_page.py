@@ -155,10 +155,11 @@ def test_a_cheaper_checkmate_schedule_and_differing_optima_are_said():
     rows = main_rows()
     rows[0] = row("gpt-l1", 0.9, "checkmate-highs", "optimal", 0.0150)  # below moccasin's optimum with 2 copies
     rows[15] = row("gpt-l2", 0.7, "checkmate-highs", "feasible", 0.05, 0.9)  # below moccasin's +7.0%
+    rows[18] = row("resnet", 0.9, "checkmate-highs", "feasible", 0.0494, 0.5)  # moccasin's optimum, not proven
     checkmate = bullets(rows)[1]
     assert "the overheads differ on gpt-l1 at 90% (HiGHS +1.50% against +1.59%)" in checkmate
-    assert "cheaper than moccasin's, or where moccasin has none, in 1: gpt-l2 at 70%, HiGHS +5.0% against +7.0%)" \
-        in checkmate
+    assert ("cheaper than moccasin's, or where moccasin has none, in 1: gpt-l2 at 70%, HiGHS +5.0% against +7.0%; "
+            "as cheap as moccasin's in 1: resnet at 90%, HiGHS +4.9%) and with no schedule in 10.") in checkmate
     assert "is solved to optimality only on gpt-l1 at 90% (HiGHS and SCIP). Where" in checkmate
 
 
@@ -184,25 +185,38 @@ def test_the_warm_start_sentences_follow_an_improvement_and_a_run_without_a_star
     rows[2] = warm_row("checkmate-highs-warm", 60, "feasible", 0.15, 0.3, start_overhead=0.1762)
     rows[5] = warm_row("checkmate-highs-warm", 10, "none")
     rows[1] = warm_row("checkmate-scip", 60, "feasible", 0.3, 1.0)
+    rows[4] = warm_row("checkmate-highs-warm", 30, "feasible", 0.15, 0.3, start_overhead=0.16)
     text = write(main_rows() + rows)
     assert "Without the warm start, HiGHS ends no solution in limit and SCIP ends feasible at +30.0% within 60 s." in text
     assert "With it, 3 of the 4 runs return a schedule within the budget" in text
     assert "; no start was found in the runs at 10 s on HiGHS." in text
     assert "The backend improved on its start in the HiGHS run at 60 s (+17.6% to +15.0%)" in text
     assert "With a 10 s limit, HiGHS ends no solution in limit." in text
+    assert "With a 30 s limit, HiGHS returns in 30 s with a schedule as cheap as at 60 s." in text
     assert "| HiGHS | on | 10 s | none found |" in text
 
 
 def test_the_page_quotes_the_run_and_the_graphs():
     text = write(main_rows() + copies_rows() + warm_rows())
     assert "Date: 2026-01-01, 00:00–00:40 UTC (40 minutes)" in text
-    assert "load average at the end 1.5" in text and "SCIP (PySCIPOpt) 5.0" in text
+    assert "load average at the end 1.5. torch" in text and "SCIP (PySCIPOpt) 5.0" in text
+    rows = main_rows()
+    rows[0]["load"], rows[1]["load"] = 0.8, 4.25
+    assert "load average at the end 1.5, 0.8 to 4.2 as the solves ended. torch" in write(rows)
     assert "```\nbonsai bench solvers-opt --page P\n```" in text
     assert "| gpt-l2 | 277 | 125 | 307 | 20,000,000 B | 9,000,000 B |" in text
     assert "at 3 copies per node (`copies=3`) at 50%, where 2 copies were proven infeasible for gpt-l1, resnet and " \
            "unet:" in text.replace("Moccasin with", "at")
     assert "| unet | 87 | 50% | moccasin-c3 | no solution in limit |" in text
     assert "[checkmate_moccasin.run.json](checkmate_moccasin.run.json)" in text
+
+
+def test_the_main_table_lists_each_cells_methods_together():
+    """The suite writes a (graph, method)'s budgets in turn; the table goes graph, budget, method."""
+    rows = sorted(main_rows(), key=lambda r: (list(GRAPHS).index(r["graph"]), r["method"], -r["budget_share"]))
+    lines = [line for line in write(rows).split("\n") if line.startswith("| gpt-l1 | 153 |") and "%" in line][:4]
+    assert [line.split(" | ")[2:4] for line in lines] == [["90%", "checkmate-highs"], ["90%", "checkmate-scip"],
+                                                          ["90%", "moccasin"], ["70%", "checkmate-highs"]]
 
 
 def test_a_killed_child_is_a_row_of_its_own():

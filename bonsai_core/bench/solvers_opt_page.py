@@ -106,16 +106,23 @@ def start_status(row: Row) -> str:
 
 def table(rows: Sequence[Row]) -> str:
     """One line per row: graph, budget, method, what it ended with, overhead, gap, model size and times."""
-    lines = ["| graph | nodes | budget | method | status | overhead | gap | variables | constraints | build s | solve s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| graph | nodes | budget | method | status | overhead | gap | variables | constraints | build s | "
+             "solve s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def f(key: str, fmt: str) -> str:
             v = r.get(key)
             return "" if v is None else fmt.format(v)
-        lines.append(f"| {r['graph']} | {f('nodes', '{}')} | {share(r['budget_share'])} | {r['method']} | {outcome(r)} | "
-                     f"{f('overhead', '{:.2%}')} | {f('gap', '{:.2%}')} | {f('variables', '{}')} | "
+        lines.append(f"| {r['graph']} | {f('nodes', '{}')} | {share(r['budget_share'])} | {r['method']} | "
+                     f"{outcome(r)} | {f('overhead', '{:.2%}')} | {f('gap', '{:.2%}')} | {f('variables', '{}')} | "
                      f"{f('constraints', '{}')} | {f('build_seconds', '{:.2f}')} | {f('solve_seconds', '{:.1f}')} |")
     return "\n".join(lines)
+
+
+def in_cell_order(rows: Sequence[Row]) -> list[Row]:
+    """The rows graph by graph, each graph's budgets largest first, the methods in the run's order
+    within a budget (the run measures a method's budgets in turn)."""
+    graphs, methods = graphs_of(rows), list(dict.fromkeys(r["method"] for r in rows))
+    return sorted(rows, key=lambda r: (graphs.index(r["graph"]), -r["budget_share"], methods.index(r["method"])))
 
 
 def graph_table(rows: Sequence[Row]) -> str:
@@ -175,7 +182,7 @@ def moccasin_lead(rows: Sequence[Row]) -> str:
 
 
 def moccasin_optimal(rows: Sequence[Row]) -> str:
-    """Where and how fast moccasin is optimal, budget by budget, and its model's size."""
+    """Where and how fast moccasin is optimal, budget by budget."""
     moc = [r for r in rows if r["method"] == "moccasin"]
     optimal = [r for r in moc if r["status"] == "optimal"]
     if not optimal:
@@ -263,7 +270,8 @@ def checkmate_optimal(rows: Sequence[Row]) -> str:
     said = " is solved to optimality only on " + listing([f"{g} at {share(s)} ({listing(b)})"
                                                           for (g, s), b in optimal.items()]) + "."
     pairs = [(key, r, cells[key]["moccasin"]) for key in optimal for m, r in cells[key].items()
-             if m in CHECKMATE and r["status"] == "optimal" and cells[key].get("moccasin", {}).get("status") == "optimal"]
+             if m in CHECKMATE and r["status"] == "optimal"
+             and cells[key].get("moccasin", {}).get("status") == "optimal"]
     differ = [(key, r, moc) for key, r, moc in pairs if abs(r["overhead"] - moc["overhead"]) > TIE]
     if pairs and not differ:
         overheads = sorted({f"{moc['overhead']:+.2%}" for _, _, moc in pairs})
@@ -285,6 +293,7 @@ def against_moccasin(rows: Sequence[Row], after_optimal: bool) -> str:
                 if r["method"] in CHECKMATE and r["status"] == "feasible"]
     costlier = [(r, m) for r, m in unproven if has_schedule(m) and r["overhead"] > m["overhead"] + TIE]
     cheaper = [(r, m) for r, m in unproven if not has_schedule(m) or r["overhead"] < m["overhead"] - TIE]
+    level = [(r, m) for r, m in unproven if (r, m) not in costlier and (r, m) not in cheaper]
     none = [r for r in rows if r["method"] in CHECKMATE and not has_schedule(r)]
     said = []
     if unproven:
@@ -298,6 +307,9 @@ def against_moccasin(rows: Sequence[Row], after_optimal: bool) -> str:
                          + listing([f"{cell_name(r)}, {CHECKMATE[r['method']]} {pct(r['overhead'])}"
                                     + (f" against {pct(m['overhead'])}" if has_schedule(m) else "")
                                     for r, m in cheaper]))
+        if level:
+            parts.append(f"as cheap as moccasin's in {len(level)}: " + listing(
+                [f"{cell_name(r)}, {CHECKMATE[r['method']]} {pct(r['overhead'])}" for r, _ in level]))
         said.append(f"an unproven schedule at the limit in {len(unproven)} runs"
                     + (f" ({'; '.join(parts)})" if parts else ""))
     if none:
@@ -371,9 +383,8 @@ def start_cell(row: Row) -> str:
     method = start_method(row)
     if method is None:
         return "none found"
-    status = start_status(row)
-    return f"{row['warm_start_seconds']:.1f} s: {method}" + (f" ({status})" if status else "") + \
-        f", {start_overhead(row):+.2%}"
+    status = f" ({start_status(row)})" if start_status(row) else ""
+    return f"{row['warm_start_seconds']:.1f} s: {method}{status}, {start_overhead(row):+.2%}"
 
 
 def warm_table(rows: Sequence[Row]) -> str:
@@ -479,10 +490,10 @@ def limits_sentence(rows: Sequence[Row]) -> str:
             said += f" With a {seconds(r['time_limit'])} s limit, {BACKEND_OF[r['method']]} ends {outcome(r)}."
             continue
         points = 100 * (r["overhead"] - full[r["method"]]["overhead"])
-        worse = (f"{abs(points):.1f} points of overhead {'worse' if points > 0 else 'better'}" if abs(points) >= 0.05
-                 else "as cheap")
+        worse = (f"{abs(points):.1f} points of overhead {'worse' if points > 0 else 'better'} than"
+                 if abs(points) >= 0.05 else "as cheap as")
         said += (f" With a {seconds(r['time_limit'])} s limit, {BACKEND_OF[r['method']]} returns in "
-                 f"{seconds(r['wall_seconds'])} s with a schedule {worse} than at {seconds(longest)} s.")
+                 f"{seconds(r['wall_seconds'])} s with a schedule {worse} at {seconds(longest)} s.")
     return said
 
 
@@ -513,16 +524,23 @@ def run_dates(run: dict[str, Any]) -> str:
     return f"{run['started']} to {run['ended']}"
 
 
-def intro(run: dict[str, Any], rows_link: str) -> str:
-    v = run["versions"]
-    return (f"# `checkmate` and `moccasin`: measurements\n\nMachine: {run['machine']}; load average at the end "
-            f"{run['load_end']:.1f}. torch {run['torch']}; HiGHS (highspy) {v['highspy']}, SCIP (PySCIPOpt) "
-            f"{v['pyscipopt']}, CP-SAT (OR-Tools) {v['ortools']}, CVXPY {v['cvxpy']}. Date: {run_dates(run)} "
-            f"({run['seconds'] / 60:.0f} minutes). The methods: [../SOLVERS_CHECKMATE_MOCCASIN.md]"
-            f"(../SOLVERS_CHECKMATE_MOCCASIN.md).\n\nCommand (from the repository root):\n\n```\n{run['command']}\n```\n\n"
+def load_said(run: dict[str, Any], rows: Sequence[Row]) -> str:
+    """The load average at the end, and its range as the child processes ended (rows record it)."""
+    loads = [r["load"] for r in rows if r.get("load") is not None]
+    during = f", {min(loads):.1f} to {max(loads):.1f} as the solves ended" if loads else ""
+    return f"load average at the end {run['load_end']:.1f}{during}"
+
+
+def intro(run: dict[str, Any], rows: Sequence[Row], rows_link: str) -> str:
+    v, run_file = run["versions"], run_link(rows_link)
+    return (f"# `checkmate` and `moccasin`: measurements\n\nMachine: {run['machine']}; {load_said(run, rows)}. "
+            f"torch {run['torch']}; HiGHS (highspy) {v['highspy']}, SCIP (PySCIPOpt) {v['pyscipopt']}, CP-SAT "
+            f"(OR-Tools) {v['ortools']}, CVXPY {v['cvxpy']}. Date: {run_dates(run)} ({run['seconds'] / 60:.0f} "
+            "minutes). The methods: [../SOLVERS_CHECKMATE_MOCCASIN.md](../SOLVERS_CHECKMATE_MOCCASIN.md).\n\n"
+            f"Command (from the repository root):\n\n```\n{run['command']}\n```\n\n"
             "It ran the three studies below and wrote this page from their results alone: one row per graph, method "
             f"and budget in [{rows_link}]({rows_link}), the command, dates and machine beside it "
-            f"([{run_link(rows_link)}]({run_link(rows_link)})). Model sizes and proven optima depend only on the code and "
+            f"([{run_file}]({run_file})). Model sizes and proven optima depend only on the code and "
             "the solvers' versions; what a run reaches within its time limit (status, gap, the schedule it returns) "
             "and the seconds also depend on the machine and its load, so they are indicative.")
 
@@ -570,7 +588,8 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, rows_link: str) 
     if not main:
         raise BonsaiError("The run has no rows of the main study to write a page from: run the suite with --page.")
     limit = run["time_limit"]
-    parts = [header, intro(run, rows_link), main_intro(main, limit), graph_table(rows), DEFINITIONS, table(main)]
+    parts = [header, intro(run, rows, rows_link), main_intro(main, limit), graph_table(rows), DEFINITIONS,
+             table(in_cell_order(main))]
     if copies:
         parts += [copies_intro(copies, main), table(copies)]
     bullets = [moccasin_bullet(main, copies, limit), checkmate_bullet(main), smallest_budget_bullet(main, limit)]
