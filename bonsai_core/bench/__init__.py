@@ -26,7 +26,8 @@ SUITES: dict[str, tuple[str, str]] = {
     "inplace": ("inplace", "coop's recomputable in-place (optimizer updates, in-place ops) vs copy-on-write"),
     "dtr-variants": ("dtr_variants", "DTR's heuristics and deallocation modes on the 2-layer zoo GPT"),
     "bonsai": ("bonsai_page", "the bonsai segment ILP: solve time, size, gap, granularity, live re-solve, region bound"),
-    "solvers-opt": ("solvers_opt", "the op-level solvers (checkmate on HiGHS and SCIP, moccasin on CP-SAT)"),
+    "solvers-opt": ("solvers_opt", "the op-level solvers (checkmate on HiGHS and SCIP, moccasin on CP-SAT); "
+                                   "--page writes docs/results/checkmate_moccasin.md"),
     "offload": ("offload", "keep, recompute or offload: every method with and without offload, an offload plan run"),
     "export": ("export", "exported steps against their predictions: the zoo, every solver, real models, both back-ends"),
     "one-call": ("one_call", "bonsai.checkpoint on library models: predicted vs measured peak, call times"),

@@ -1,7 +1,7 @@
 """A MIP start for Checkmate's MILP: another method's schedule as R, S, FREE and U.
 
-On the 1-layer zoo GPT at 60% of its peak, HiGHS finds no incumbent of the MILP in 300 s where
-``moccasin`` proves its optimum in 1.5 s (docs/results/checkmate_moccasin.md). So ``checkmate``
+On the 1-layer zoo GPT at 60% of its peak, neither HiGHS nor SCIP finds an incumbent of the MILP in
+60 s where ``moccasin`` proves its optimum in seconds (docs/results/checkmate_moccasin.md). So ``checkmate``
 first asks cheaper methods for a schedule within the budget (:func:`find_start`), converts the
 cheapest into the MILP's variables, and hands that to the backend as its first incumbent.
 

@@ -3,7 +3,7 @@ with a MIP start.
 
 CVXPY (:mod:`bonsai_core.solvers.milp`) cannot hand a backend a starting solution of the caller's
 (it only reuses its own previous solve), and an op-level MILP without one may find no incumbent in
-minutes where another method finds a schedule in a second (docs/results/checkmate_moccasin.md). Here
+a minute where another method finds a schedule in seconds (docs/results/checkmate_moccasin.md). Here
 the model goes to the backend as whole arrays: HiGHS takes the column-wise matrix in one call; SCIP
 reads the MPS file that HiGHS writes of it (PySCIPOpt has no sparse-matrix input). The start goes in
 as HiGHS' ``setSolution`` or SCIP's ``createSol``/``addSol``. A model built in CVXPY (bonsai's) comes
