@@ -421,7 +421,7 @@ async def server_idle(pid: int, timeout: float = 120.0) -> float:
 
 
 def session_budget(session: int, round_: int) -> int:
-    """The budget (%) session ``session`` drags to in round ``round_``: all different, 66% to 97% for
+    """The budget (%) session ``session`` drags to in round ``round_``: all different, 66% to 95% for
     ten sessions and three rounds."""
     return 66 + 3 * session + round_
 
