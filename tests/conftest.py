@@ -33,8 +33,8 @@ def traced_zoo():
 
 @pytest.fixture(scope="module")
 def server():
-    """The explorer served on a free port (tests.test_browser.serve): its URL."""
-    from tests.test_browser import serve
+    """The explorer served on a free port (explorer.browser.serve): its URL."""
+    from explorer.browser import serve
 
     with serve() as url:
         yield url
@@ -45,7 +45,8 @@ def browser():
     """Debian's Chromium, headless, driven by Playwright."""
     from playwright.sync_api import sync_playwright
 
-    from tests.test_browser import BROWSER_ARGS, CHROMIUM, SHOTS
+    from explorer.browser import BROWSER_ARGS, CHROMIUM
+    from tests.test_browser import SHOTS
 
     SHOTS.mkdir(exist_ok=True)
     with sync_playwright() as p:

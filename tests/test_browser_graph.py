@@ -1,61 +1,28 @@
 """The module graph (Graph page) in a real browser: served with the README's command, driven by headless
-Chromium as in tests/test_browser.py.
+Chromium as in tests/test_browser.py (the harness: explorer/browser.py).
 
 On the default model: the module view draws, a click on a box opens its ops, screenshots in the light
-and the dark theme. Slow: a Llama with 32 layers and eager attention (7,440 ops) uploaded as a graph JSON, its module view
-(folded to blocks) timed from the click on "Graph" until the chart is painted; also at every fold
-depth. Reports go to ``screenshots/module-graph.txt``; screenshots to ``screenshots/`` (ignored; the ones
-in docs/screenshots are copies).
+and the dark theme. Slow: a Llama with 32 layers and eager attention (over 7,000 ops) uploaded as a
+graph JSON, its module view (folded to blocks) timed from the click on "Graph" until the chart is
+painted; also at every fold depth. Reports go to ``screenshots/module-graph.txt``; screenshots to
+``screenshots/`` (ignored; the ones in docs/screenshots are copies).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 
 import pytest
 
 from bonsai_core.graph import load_graph
 from bonsai_core.regions import block_stack
 from explorer import module_graph
+from explorer.browser import (CHART, CHROMIUM, FOLD_STEPS, LLAMA_32, LLAMA_32_BUDGET, fold_to, graph_drawn,
+                             graph_revisits, open_page, upload_graph, wait_idle)
 from explorer.state import DEFAULT_GRAPH
-from tests.test_browser import CHROMIUM, SHOTS, THEMES, wait_idle, yardstick
+from tests.test_browser import SHOTS, THEMES, yardstick
 
 pytestmark = pytest.mark.skipif(not __import__("os").path.exists(CHROMIUM), reason="Debian's chromium is not installed")
-
-CHART = '[data-testid="stVegaLiteChart"]'
-# the module chart's canvas, once Vega has painted on it (some pixel not transparent), and not one marked old
-PAINTED = """() => {
-  const c = document.querySelector('[data-testid="stVegaLiteChart"] canvas');
-  if (!c || !c.width || c.dataset.old) return false;
-  const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-  for (let i = 3; i < d.length; i += 4 * 61) if (d[i] > 0) return true;
-  return false;
-}"""
-MARK_OLD = """() => document.querySelectorAll('[data-testid="stVegaLiteChart"] canvas')
-                      .forEach(c => c.dataset.old = 1)"""
-
-
-def open_page(browser, scheme: str = "light"):
-    context = browser.new_context(viewport={"width": 1440, "height": 1000}, color_scheme=scheme)
-    pg = context.new_page()
-    pg.set_default_timeout(180_000)
-    return context, pg
-
-
-def nav(pg, title: str) -> None:
-    """Open a page from the sidebar: the session (and its model) stays, as when a person clicks."""
-    pg.locator('[data-testid="stSidebarNav"] a').filter(has_text=title).click()
-
-
-def graph_drawn(pg) -> float:
-    """Open the Graph page and wait for the module chart painted and the server idle; the seconds it took."""
-    pg.evaluate(MARK_OLD)
-    start = time.perf_counter()
-    nav(pg, "Graph")
-    pg.wait_for_function(PAINTED, polling=50)
-    wait_idle(pg)
-    return time.perf_counter() - start
 
 
 def chart_shot(pg, name: str) -> None:
@@ -126,13 +93,14 @@ def test_the_module_view_draws_and_a_click_on_a_box_opens_its_ops(browser, serve
 
 @pytest.fixture(scope="module")
 def llama_graph(tmp_path_factory):
-    """``bonsai trace hf:llama --layers 32 --width 32 --heads 2 --seq 16 --batch 1 --attention eager``: 7,440
-    ops, 32 blocks (eager attention: the larger graph; with SDPA, the default, 6,103)."""
+    """``explorer.browser.LLAMA_32``: a Llama with 32 layers and eager attention (the larger
+    graph; with SDPA, the default, fewer ops), saved as JSON."""
     from bonsai_core.graph import save_graph
     from bonsai_core.trace import trace_model
 
     path = tmp_path_factory.mktemp("llama") / "llama32.json"
-    save_graph(trace_model("hf:llama", layers=32, width=32, heads=2, seq=16, batch=1, attention="eager").graph, path)
+    name, options = LLAMA_32
+    save_graph(trace_model(name, **options).graph, path)
     return path
 
 
@@ -144,34 +112,15 @@ def test_the_module_view_of_a_llama_sized_graph_draws_within_two_seconds(browser
     for scheme in ("light", "dark"):
         context, pg = open_page(browser, scheme)
         try:
-            pg.goto(f"{server}/?budget=90")  # bonsai: 65 segments, one block in two recomputed (16 s)
-            wait_idle(pg)
-            pg.get_by_role("tab", name="Upload a graph or a .pt2").click()
-            pg.locator('[data-testid="stFileUploader"] input[type="file"]').last.set_input_files(str(llama_graph))
-            pg.wait_for_function(f"() => document.body.innerText.includes('{graph.n} ops')")
-            wait_idle(pg)
+            upload_graph(pg, server, llama_graph, graph.n, LLAMA_32_BUDGET)  # bonsai: one block in two recomputed
             first = graph_drawn(pg)  # the first time: the chen solve and the module structure, computed
-            times = []
-            for _ in range(3):
-                nav(pg, "Model")
-                wait_idle(pg)
-                times.append(graph_drawn(pg))
+            times = graph_revisits(pg, 3)
             assert pg.locator('[data-testid="stException"]').count() == 0
             assert_labels_legible(pg, at_least=32)  # the 32 layers named, horizontally
             chart_shot(pg, f"graph-modules-llama-{scheme}.png")
             depths = []
-            for depth in (4, 5, 4, 3):  # one step at a time (each arrow key is a rerun): one new chart each
-                pg.evaluate(MARK_OLD)
-                slider = (pg.locator('[data-testid="stSlider"]').filter(has_text="Fold depth")
-                          .locator('input[type="range"]'))
-                current = int(slider.input_value())
-                start = time.perf_counter()
-                slider.focus()
-                for _ in range(abs(depth - current)):
-                    pg.keyboard.press("ArrowRight" if depth > current else "ArrowLeft")
-                pg.wait_for_function(PAINTED, polling=50)
-                wait_idle(pg)
-                depths.append((depth, time.perf_counter() - start))
+            for depth in FOLD_STEPS:  # one step at a time (each arrow key is a rerun): one new chart each
+                depths.append((depth, fold_to(pg, depth)))
                 if depth == 5:
                     chart_shot(pg, f"graph-modules-llama-depth5-{scheme}.png")
             again = " ".join(f"{t:.2f}" for t in times)

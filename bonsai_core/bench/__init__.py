@@ -29,6 +29,8 @@ SUITES: dict[str, tuple[str, str]] = {
     "solvers-opt": ("solvers_opt", "the op-level solvers (checkmate on HiGHS and SCIP, moccasin on CP-SAT); "
                                    "--page writes docs/results/checkmate_moccasin.md"),
     "offload": ("offload", "keep, recompute or offload: every method with and without offload, an offload plan run"),
+    "explorer": ("explorer_page", "the explorer's latencies in headless Chromium: slider, first paint, ten sessions, "
+                                  "module graph, lifetimes; --page writes docs/results/explorer.md"),
     "export": ("export", "exported steps against their predictions: the zoo, every solver, real models, both back-ends"),
     "one-call": ("one_call", "bonsai.checkpoint on library models: predicted vs measured peak, call times"),
     "fsdp": ("fsdp", "FSDP2 per rank: the simulator's peak against gloo processes on CPU"),

@@ -1,0 +1,576 @@
+"""The explorer's latencies: the budget slider, first paint, ten sessions dragging at once (solving ahead
+on and off), the module graph and the tensor lifetimes, in headless Chromium as the browser tests drive
+it (explorer/browser.py) and in-process for the parts the pages compute.
+
+    bonsai bench explorer --page docs/results/explorer.md                 # measures, writes results.json and the page
+    bonsai bench explorer --page docs/results/explorer.md --report-only   # the page again from results.json
+    bonsai bench explorer --quick --out /tmp/e --page /tmp/explorer.md    # small counts, no large graphs: a smoke test
+
+With ``--page`` the whole page is written from this run: every number and comparison on it is computed
+from ``results.json``. Needs Playwright for Python, Debian's Chromium (/usr/bin/chromium) and
+transformers (the Hugging Face models it traces); latencies mean something on a quiet machine only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import statistics
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Sequence
+
+from bonsai_core.bench import common
+
+SOURCES = ["bonsai_core/bench/explorer_page.py", "explorer/browser.py"]
+DEFAULT_OUT = "docs/bench/explorer"
+RECORD_PAGE = "docs/results/explorer.md"
+
+# how many of each measurement: the full run, and --quick's smoke test
+FULL = {"first_paints": 3, "drags": 7, "sessions": 10, "rounds": 3, "revisits": 3}
+QUICK = {"first_paints": 2, "drags": 3, "sessions": 3, "rounds": 1, "revisits": 1}
+# the targets the page judges medians by (seconds); the browser tests assert the first two and the last
+SLIDER_TARGET, FIRST_PAINT_TARGET, SESSIONS_TARGET, MODULE_VIEW_TARGET = 1.0, 3.0, 2.0, 2.0
+SCRUB_PRESSES = 10  # arrow-key steps of the scrubber, as tests/test_browser_timeline.py presses them
+SHARE = 0.5  # the lifetimes' budget, of the no-remat peak
+REGIONS_AT_ONCE = 12  # regions the "Why this plan" panel explains per click (pages/memory.py's WHY_AT_ONCE)
+TIME_LIMIT = 20.0  # seconds per bonsai solve: the explorer's default (explorer/state.py)
+LARGE_GPT = ("gpt", {"layers": 60})  # browser.LARGE_LINK's model
+
+
+def harness() -> ModuleType:
+    """explorer/browser.py, the browser tests' harness, imported from the checkout (the explorer is no
+    package of the library's: imported when measuring, not when the command line is built)."""
+    common.import_test_models()
+    from explorer import browser
+
+    return browser
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default=DEFAULT_OUT, help="folder of results.json (default %(default)s)")
+    ap.add_argument("--page", metavar="PAGE", help=f"also write the results page there ({RECORD_PAGE})")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing: write the page from OUT/results.json (needs --page)")
+    ap.add_argument("--quick", action="store_true",
+                    help="small counts and no large graphs, a smoke test (needs another --out than the default, "
+                         f"and another page than {RECORD_PAGE})")
+
+
+# -- measuring in-process ---------------------------------------------------------------------------
+
+def seconds_of(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def traced(name: str, options: dict[str, Any], label: str) -> dict[str, Any]:
+    """``trace_model(name, **options)``'s graph, timed: {label, graph, trace_s}."""
+    from bonsai_core.trace import trace_model
+
+    result, seconds = seconds_of(lambda: trace_model(name, **options))
+    return {"label": label, "graph": result.graph, "trace_s": seconds}
+
+
+def graphs_to_measure(quick: bool) -> dict[str, dict[str, Any]]:
+    """The default GPT (the explorer's model), hf:gpt2 and, unless ``quick``, the 32-layer Llama and the
+    60-layer GPT."""
+    from bonsai_core.graph import load_graph
+
+    browser = harness()
+    graphs = {"default": {"label": "default GPT", "graph": load_graph(browser.DEFAULT_GRAPH), "trace_s": None},
+              "gpt2": traced("hf:gpt2", {}, "`hf:gpt2`")}
+    if not quick:
+        graphs["llama"] = traced(*browser.LLAMA_32, "32-layer Llama")
+        graphs["large"] = traced(*LARGE_GPT, "60-layer GPT")
+    return graphs
+
+
+def module_structure_row(key: str, label: str, graph: Any) -> dict[str, Any]:
+    """What the Graph page computes once per graph (the module tree, each forward op's call, each backward
+    op's anchor, the depth to open at), then per fold depth: the boxes, their layout, their stats with
+    the chart's spec; timed as ``explorer.compute.module_structure`` and the page call them."""
+    browser = harness()
+    from explorer import module_chart, module_graph
+
+    def structure():
+        tree = module_graph.module_tree(graph)
+        owners = module_graph.forward_owners(graph, tree)
+        anchors = module_graph.backward_anchors(graph)
+        return tree, owners, anchors, module_graph.default_depth(graph, tree)
+
+    (tree, owners, anchors, start_depth), structure_s = seconds_of(structure)
+    depths = sorted({start_depth, *(d for d in browser.FOLD_STEPS if d <= tree.max_depth)})
+    rows = []
+    for depth in depths:
+        boxes, boxes_s = seconds_of(lambda: module_graph.module_boxes(graph, depth, tree, owners, anchors))
+        layout, layout_s = seconds_of(lambda: module_graph.box_layout(graph, boxes))
+        _, chart_s = seconds_of(lambda: module_chart.module_chart(
+            boxes, layout, module_graph.box_stats(graph, boxes), tree.paths, tree.parent, []))
+        rows.append({"depth": depth, "boxes": boxes.count, "boxes_s": boxes_s, "layout_s": layout_s,
+                     "stats_chart_s": chart_s})
+    return {"key": key, "graph": label, "ops": graph.n, "structure_s": structure_s, "default_depth": start_depth,
+            "depths": rows}
+
+
+def lifetimes_row(label: str, graph: Any, method: str) -> dict[str, Any]:
+    """The Memory page's lifetimes of ``method``'s plan at SHARE: the bars, the chart's rows and spec,
+    the step line at the plan's peak and the reasons of the first REGIONS_AT_ONCE recomputed regions,
+    each timed as pages/memory.py calls them."""
+    import numpy as np
+
+    from bonsai_core.regions import CheckpointPlan
+    from bonsai_core.schedule import no_remat_peak, simulate
+    from bonsai_core.solvers import solve
+    from explorer import timeline
+
+    budget = int(SHARE * no_remat_peak(graph))
+    options = {"time_limit": TIME_LIMIT} if method == "bonsai" else {}
+    schedule, solve_s = seconds_of(lambda: solve(graph, budget, method=method, **options))
+    sim = simulate(graph, schedule)
+    modules = timeline.node_modules(graph)
+    bars, bars_s = seconds_of(lambda: timeline.bars(graph, sim.residency, modules))
+    step = max(0, min(sim.peak_op, len(schedule.ops) - 1))
+    x = np.arange(len(schedule.ops), dtype=float)
+    _, chart_s = seconds_of(lambda: timeline.timeline_chart(timeline.bar_frame(bars, x, step, graph.fixed_mem),
+                                                             sorted(set(modules.group)), x[step],
+                                                             (0.0, x[-1]), "schedule step (op)"))
+    _, step_s = seconds_of(lambda: timeline.step_line(graph, schedule.ops, step, modules, sim.events))
+    regions = sorted(CheckpointPlan.from_extra(schedule.extra).recomputed)
+    todo = regions[:REGIONS_AT_ONCE]
+    _, reasons_s = seconds_of(lambda: timeline.reasons(graph, schedule, budget, modules, regions=todo))
+    return {"graph": label, "ops": graph.n, "method": method, "steps": len(schedule.ops), "solve_s": solve_s,
+            "bars": len(bars.start), "threshold": bars.threshold, "bars_s": bars_s, "chart_s": chart_s,
+            "step_line_s": step_s, "regions": len(regions), "explained": len(todo), "reasons_s": reasons_s}
+
+
+def lifetime_cases(graphs: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
+    """(graph key, method) of the lifetimes' rows: bonsai on the default GPT and on hf:gpt2 (as
+    browser.GPT2_LINK opens it), chen on the 60-layer GPT (browser.LARGE_LINK's plan)."""
+    cases = [("default", "bonsai"), ("gpt2", "bonsai"), ("large", "chen")]
+    return [(key, method) for key, method in cases if key in graphs]
+
+
+# -- measuring in the browser ---------------------------------------------------------------------
+
+def no_exception(page: Any, what: str) -> None:
+    if page.locator('[data-testid="stException"]').count():
+        raise RuntimeError(f"the explorer showed an exception: {what}")
+
+
+def slider_drags(chromium: Any, url: str, drags: int) -> list[float]:
+    """One session on the Memory page drags the budget slider ``drags`` times (browser.DRAG_FRACTIONS, as
+    the browser test): seconds from each release until the plot shows the budget the slider settled on."""
+    browser = harness()
+    reference = browser.default_reference()
+    context, page = browser.open_page(chromium)
+    try:
+        browser.open_memory_for_drags(page, url)
+        latencies = []
+        for fraction in (browser.DRAG_FRACTIONS * drags)[:drags]:
+            seconds, _, _ = browser.timed_drag(page, fraction, reference)
+            latencies.append(seconds)
+            browser.wait_idle(page)
+        no_exception(page, "slider drags")
+        return latencies
+    finally:
+        context.close()
+
+
+def first_paints(chromium: Any, url: str, count: int) -> list[float]:
+    browser = harness()
+    context, page = browser.open_page(chromium)
+    try:
+        return [browser.first_paint(page, url) for _ in range(count)]
+    finally:
+        context.close()
+
+
+def memory_page(chromium: Any, url: str, link: str, presses: int, key: str) -> dict[str, float]:
+    """A new page on the Memory page ``link``: seconds until both its charts are drawn, then ``presses``
+    of ``key`` on the step scrubber until the step line changed."""
+    browser = harness()
+    page, seconds = browser.open_memory(chromium, f"{url}/{link}")
+    try:
+        no_exception(page, link)
+        page.wait_for_timeout(1000)  # the charts' first draw settled, as the test waits before its step
+        return {"charts_s": seconds, "scrub_s": browser.scrub(page, key, presses)}
+    finally:
+        page.close()
+
+
+def graph_page(chromium: Any, url: str, revisits: int) -> dict[str, Any]:
+    """The Graph page of the default model in a new session: the first click on "Graph" and ``revisits``
+    more from the Model page, each until the module chart is painted and the server idle."""
+    browser = harness()
+    context, page = browser.open_page(chromium)
+    try:
+        page.goto(url)
+        browser.wait_idle(page)
+        first = browser.graph_drawn(page)
+        again = browser.graph_revisits(page, revisits)
+        no_exception(page, "the Graph page")
+        return {"first_s": first, "again_s": again}
+    finally:
+        context.close()
+
+
+def llama_view(chromium: Any, url: str, path: Path, ops: int, revisits: int) -> dict[str, Any]:
+    """The 32-layer Llama uploaded as JSON at browser.LLAMA_32_BUDGET: its module view the first time (the
+    plan solved), ``revisits`` more times, then each step of browser.FOLD_STEPS."""
+    browser = harness()
+    context, page = browser.open_page(chromium)
+    try:
+        browser.upload_graph(page, url, path, ops, browser.LLAMA_32_BUDGET)
+        first = browser.graph_drawn(page)
+        again = browser.graph_revisits(page, revisits)
+        folds = [[depth, browser.fold_to(page, depth)] for depth in browser.FOLD_STEPS]
+        no_exception(page, "the Llama's module view")
+        return {"first_s": first, "again_s": again, "folds": folds}
+    finally:
+        context.close()
+
+
+def one_session_studies(counts: dict[str, int], llama: tuple[Path, int] | None, large: bool) -> dict[str, Any]:
+    """Everything one session at a time measures, on one server that solves only what a session asks
+    for (as in the browser tests), in the order a first visitor would meet it."""
+    from playwright.sync_api import sync_playwright
+
+    browser = harness()
+    out: dict[str, Any] = {}
+    with browser.serve() as url, sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=browser.CHROMIUM, args=browser.BROWSER_ARGS)
+        try:
+            out["first_paint_s"] = first_paints(chromium, url, counts["first_paints"])
+            out["memory_first"] = memory_page(chromium, url, "memory", SCRUB_PRESSES, "ArrowLeft")
+            out["memory_again"] = memory_page(chromium, url, "memory", SCRUB_PRESSES, "ArrowLeft")
+            out["slider_s"] = slider_drags(chromium, url, counts["drags"])
+            out["graph"] = graph_page(chromium, url, counts["revisits"])
+            out["gpt2_link"] = memory_page(chromium, url, browser.GPT2_LINK, 1, "Home")
+            if llama:
+                out["llama"] = llama_view(chromium, url, *llama, counts["revisits"])
+            if large:
+                out["large_link"] = memory_page(chromium, url, browser.LARGE_LINK, 1, "Home")
+        finally:
+            chromium.close()
+    return out
+
+
+def sessions_study(solve_ahead: bool, counts: dict[str, int]) -> dict[str, Any]:
+    """``counts["sessions"]`` sessions dragging at once on a fresh server (browser.measure_sessions)."""
+    browser = harness()
+    result = browser.measure_sessions(solve_ahead, browser.default_reference(), counts["sessions"], counts["rounds"])
+    return {"solve_ahead": solve_ahead, **result}
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+def timed_part(parts: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, its seconds and the 1-minute load average as it started and ended kept in ``parts[name]``."""
+    load_start = os.getloadavg()[0]
+    out, seconds = seconds_of(fn)
+    parts[name] = {"seconds": seconds, "load_start": load_start, "load_end": os.getloadavg()[0]}
+    print(f"{name}: {seconds:.1f} s", flush=True)
+    return out
+
+
+def measure(quick: bool) -> dict[str, Any]:
+    import torch
+
+    browser = harness()
+    from bonsai_core.graph import save_graph
+
+    start = time.perf_counter()
+    counts = QUICK if quick else FULL
+    parts: dict[str, Any] = {}
+    results: dict[str, Any] = {
+        "meta": {"command": common.command(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 "machine": common.machine(), "torch": torch.__version__, "streamlit": importlib.metadata.version("streamlit"),
+                 "quick": quick, "counts": counts, "parts": parts}}
+    results["yardstick_s"] = timed_part(parts, "yardstick", browser.yardstick_seconds)
+    graphs = timed_part(parts, "tracing", lambda: graphs_to_measure(quick))
+    results["traces"] = [{"graph": g["label"], "ops": g["graph"].n, "trace_s": g["trace_s"]}
+                         for g in graphs.values() if g["trace_s"] is not None]
+    module_keys = [k for k in ("default", "llama") if k in graphs]
+    results["module_graph"] = timed_part(parts, "module graph in-process", lambda: [
+        module_structure_row(k, graphs[k]["label"], graphs[k]["graph"]) for k in module_keys])
+    results["lifetimes"] = timed_part(parts, "lifetimes in-process", lambda: [
+        lifetimes_row(graphs[k]["label"], graphs[k]["graph"], m) for k, m in lifetime_cases(graphs)])
+    with tempfile.TemporaryDirectory() as folder:
+        llama = None
+        if "llama" in graphs:
+            llama = (Path(folder) / "llama32.json", graphs["llama"]["graph"].n)
+            save_graph(graphs["llama"]["graph"], llama[0])
+        results["browser"] = timed_part(parts, "one session at a time",
+                                        lambda: one_session_studies(counts, llama, large=not quick))
+    results["sessions"] = [timed_part(parts, f"sessions, solving ahead {'on' if ahead else 'off'}",
+                                      lambda: sessions_study(ahead, counts)) for ahead in (True, False)]
+    results["meta"]["seconds"] = time.perf_counter() - start
+    return results
+
+
+# -- the page: words made of numbers -------------------------------------------------------------
+
+def secs(x: float) -> str:
+    return f"{x:.2f} s"
+
+
+def ms(x: float) -> str:
+    return f"{x * 1e3:.2f} ms" if x < 1e-3 else f"{x * 1e3:.1f} ms"
+
+
+def rounds_said(rounds: int) -> str:
+    return "one round" if rounds == 1 else f"{rounds} rounds"
+
+
+def spread(xs: Sequence[float]) -> str:
+    """Every value of a short series, in the run's order: ``0.21 0.25 0.19 s``."""
+    return " ".join(f"{x:.2f}" for x in xs) + " s"
+
+
+def p90(xs: Sequence[float]) -> float:
+    xs = sorted(xs)
+    return xs[int(0.9 * (len(xs) - 1))]  # as the browser test's report takes it
+
+
+def against(value: float, target: float) -> str:
+    """Whether a median meets its target: ``within the 1 s target`` or ``over the 1 s target by 0.20 s``."""
+    if value <= target:
+        return f"within the {target:g} s target"
+    return f"over the {target:g} s target by {value - target:.2f} s"
+
+
+def load_said(results: dict[str, Any]) -> str:
+    """The 1-minute load average at the starts and ends of the run's parts and the sessions' drags."""
+    loads = [x for part in results["meta"]["parts"].values() for x in (part["load_start"], part["load_end"])]
+    loads += [s[key][0] for s in results["sessions"] for key in ("load_before", "load_after")]
+    return f"the 1-minute load average between {min(loads):.2f} and {max(loads):.2f} during the run"
+
+
+def intro(results: dict[str, Any]) -> str:
+    browser = harness()
+    meta = results["meta"]
+    quick = " (`--quick`: small counts, no large graphs; a smoke test, not the record)" if meta.get("quick") else ""
+    return (f"# The explorer: measurements\n\n`{meta['command']}` on {meta['date']}{quick}, {meta['machine']}; "
+            f"torch {meta['torch']}, Streamlit {meta['streamlit']}, headless Chromium ({browser.CHROMIUM}); "
+            f"{meta['seconds'] / 60:.1f} min in all, {load_said(results)}. The machine's yardstick (the best of "
+            f"five runs of a fixed Python loop on one core, so that runs on different machines can be compared): "
+            f"{results['yardstick_s']:.3f} s. The command ran everything below and wrote this page from its "
+            "results; the browser tests (`tests/test_browser*.py`) drive the explorer with the same code "
+            "(`explorer/browser.py`) and assert the slider's, first paint's and the large module view's "
+            "targets named below. The explorer: [../EXPLORER.md](../EXPLORER.md).")
+
+
+def slider_section(results: dict[str, Any]) -> str:
+    b = results["browser"]
+    slider, paint = b["slider_s"], b["first_paint_s"]
+    slider_median, paint_median = statistics.median(slider), statistics.median(paint)
+    return ("## Slider latency and first paint\n\n"
+            "One session on a server that solves only what a session asks for (`BONSAI_SOLVE_AHEAD=0`, as in "
+            "the browser tests), the default model (`bonsai` at the slider's budget). A drag is timed from just "
+            "before the mouse release until the memory plot's budget label shows exactly the budget the slider "
+            "settled on; each new budget is a bonsai re-solve unless a plan already solved fits it. First paint: "
+            "a new session on the running server, from navigation to the model summary's metrics on screen.\n\n"
+            f"* **Slider released → memory plot updated: median {secs(slider_median)}** over {len(slider)} drags "
+            f"({spread(slider)}), {against(slider_median, SLIDER_TARGET)}.\n"
+            f"* **First paint: median {secs(paint_median)}** over {len(paint)} new sessions ({spread(paint)}), "
+            f"{against(paint_median, FIRST_PAINT_TARGET)}.")
+
+
+def sessions_row(s: dict[str, Any]) -> str:
+    drawn, answered = s["drawn"], s["answered"]
+    n = len(drawn)
+    return (f"| {'on' if s['solve_ahead'] else 'off'} | {secs(statistics.median(drawn))} / {secs(p90(drawn))} / "
+            f"{secs(max(drawn))} | {secs(statistics.median(answered))} / {secs(p90(answered))} / "
+            f"{secs(max(answered))} | {s['server_cpu'] / n:.3f} s | {s['browser_cpu'] / n:.2f} s | "
+            f"{s['waited']:.1f} s | {s['load_before'][0]:.2f} → {s['load_after'][0]:.2f} |")
+
+
+def sessions_findings(results: dict[str, Any]) -> list[str]:
+    """The target judged per mode, solving ahead's effect on the server's CPU, the charts updated in place."""
+    by_mode = {s["solve_ahead"]: s for s in results["sessions"]}
+    said = []
+    for ahead, s in by_mode.items():
+        median = statistics.median(s["drawn"])
+        said.append(f"Solving ahead {'on' if ahead else 'off'}: plot updated in a median of {secs(median)}, "
+                    f"{against(median, SESSIONS_TARGET)}.")
+    on, off = by_mode[True], by_mode[False]
+    cpu_on, cpu_off = on["server_cpu"] / len(on["drawn"]), off["server_cpu"] / len(off["drawn"])
+    if cpu_on < cpu_off:
+        said.append(f"Solving ahead cut the server's CPU per drag from {cpu_off:.3f} to {cpu_on:.3f} s "
+                    f"({common.pct(cpu_on / cpu_off - 1)}).")
+    else:
+        said.append(f"Solving ahead did not cut the server's CPU per drag: {cpu_on:.3f} s with it, "
+                    f"{cpu_off:.3f} s without.")
+    tabs = sum(s["browser_cpu"] for s in results["sessions"])
+    server = sum(s["server_cpu"] for s in results["sessions"])
+    said.append(f"Over both runs the tabs' Chromium processes used {tabs / server:.1f} times the server's CPU.")
+    in_place = all(all(s["in_place"]) for s in results["sessions"])
+    said.append("Every session's memory chart was updated in place (the same chart element after all its drags)."
+                if in_place else "Some session's memory chart was mounted anew instead of updated in place.")
+    return said
+
+
+def sessions_section(results: dict[str, Any]) -> str:
+    browser = harness()
+    first = results["sessions"][0]
+    sessions, rounds = results["meta"]["counts"]["sessions"], results["meta"]["counts"]["rounds"]
+    table = ["| solving ahead | plot updated: median / p90 / max | server's rerun arrived: median / p90 / max | "
+             "server CPU per drag | tabs' CPU per drag | server idle after | load average |",
+             "| --- | --- | --- | --- | --- | --- | --- |"] + [sessions_row(s) for s in results["sessions"]]
+    return ("## Many sessions dragging at once\n\n"
+            f"A fresh server, one headless Chromium with {sessions} contexts ({sessions} Streamlit sessions) on the "
+            "Memory page of the default model; once all have drawn it and the server is idle (\"server idle "
+            f"after\": seconds waited after the pages had loaded), {rounds_said(rounds)} in which all drag their "
+            f"budget slider at the same moment, each to its own budget ({len(first['drawn'])} different budgets "
+            f"between {browser.session_budget(0, 0)}% and {browser.session_budget(sessions - 1, rounds - 1)}%), timed "
+            "from each release until (a) that session's plot shows exactly its new budget and (b) the server's rerun "
+            "for it has arrived (Streamlit's \"script finished\" message on the session's websocket). It runs "
+            "twice, on a fresh server each time: as the server runs by default (solving ahead: the drags find "
+            "their plans solved) and with `BONSAI_SOLVE_AHEAD=0` (each drag a fresh solve, unless another "
+            "session's plan fits). The tabs draw on the same cores as the server, at `nice 19` (in a classroom "
+            "each browser draws on its own machine); \"tabs' CPU\": all of this Chromium's processes over the "
+            "drags. The load average is the 1-minute one before and after the run of each mode. The browser "
+            "test `tests/test_browser.py::test_ten_sessions_dragging_at_once_all_see_their_plot_update` "
+            f"(marked slow) asserts that solving ahead cuts the server's CPU per drag; the target (median at "
+            f"most {SESSIONS_TARGET:g} s) is judged here, not asserted: a loaded machine fails any wall-clock "
+            "bound.\n\n" + "\n".join(table) + "\n\n" + "\n".join(f"* {s}" for s in sessions_findings(results)))
+
+
+def depth_cells(row: dict[str, Any]) -> str:
+    return "; ".join(f"depth {d['depth']} ({d['boxes']} boxes): {ms(d['boxes_s'])} / {ms(d['layout_s'])} / "
+                     f"{ms(d['stats_chart_s'])}" for d in row["depths"])
+
+
+def module_graph_section(results: dict[str, Any]) -> str:
+    browser = harness()
+    rows = results["module_graph"]
+    b = results["browser"]
+    g = b["graph"]
+    lines = ["| what | measured |", "| --- | --- |"]
+    lines += [f"| module structure (tree, owners, backward anchors, default depth), once per graph: "
+              f"{r['graph']} ({r['ops']:,} ops) | {secs(r['structure_s'])} |" for r in rows]
+    lines += [f"| boxes / layout / stats and chart spec per fold depth: {r['graph']} | {depth_cells(r)} |"
+              for r in rows]
+    lines.append(f"| click on \"Graph\" until the module chart is painted and the server idle, default GPT | first "
+                 f"visit of a session {secs(g['first_s'])}; again from the Model page: median "
+                 f"{secs(statistics.median(g['again_s']))} ({spread(g['again_s'])}) |")
+    said = ""
+    if "llama" in b:
+        llama, row = b["llama"], next(r for r in rows if r["key"] == "llama")
+        boxes = {d["depth"]: d["boxes"] for d in row["depths"]}
+        median = statistics.median(llama["again_s"])
+        lines.append(f"| the same, {row['graph']} ({row['ops']:,} ops) uploaded as JSON at "
+                     f"{browser.LLAMA_32_BUDGET}%, folded to depth {row['default_depth']} "
+                     f"({boxes[row['default_depth']]} boxes) | **median {secs(median)}** "
+                     f"({spread(llama['again_s'])}); the first visit {secs(llama['first_s'])} (the plan solved) |")
+        lines.append("| one step of the fold depth until the new chart is painted, same graph | "
+                     + ", ".join(f"to {d} ({boxes.get(d, '?')} boxes) {secs(t)}" for d, t in llama["folds"]) + " |")
+        said = (f"\n\nThe {row['graph']}'s module view, folded to its default depth, draws in a median of "
+                f"{secs(median)}: {against(median, MODULE_VIEW_TARGET)} (`tests/test_browser_graph.py -m slow` "
+                "asserts it).")
+    return ("## Module graph\n\nIn-process: `explorer.module_graph` and `module_chart` called as the Graph page "
+            "calls them. In Chromium: light theme, a session's clicks on the sidebar; a fold-depth step is one "
+            "arrow key on the slider (one rerun)." + llama_said(results) + "\n\n" + "\n".join(lines) + said)
+
+
+def llama_said(results: dict[str, Any]) -> str:
+    browser = harness()
+    if not any(r["key"] == "llama" for r in results["module_graph"]):
+        return ""
+    name, options = browser.LLAMA_32
+    return f" The Llama is `bonsai trace {name} " + " ".join(f"--{k} {v}" for k, v in options.items()) + "`."
+
+
+def lifetimes_section(results: dict[str, Any]) -> str:
+    from bonsai_core.units import format_bytes
+
+    browser = harness()
+    b = results["browser"]
+    lines = ["| what | measured |", "| --- | --- |"]
+    for r in results["lifetimes"]:
+        grouped = f", tensors under {format_bytes(r['threshold'])} grouped per module" if r["threshold"] else ""
+        lines.append(f"| {r['graph']} ({r['ops']:,} ops, {r['steps']:,} schedule steps), {r['method']} at "
+                     f"{SHARE:.0%} | bars {ms(r['bars_s'])} ({r['bars']:,} bars{grouped}), chart rows and spec "
+                     f"{ms(r['chart_s'])}, step line {ms(r['step_line_s'])}, reasons of {r['explained']} of "
+                     f"{r['regions']} regions {secs(r['reasons_s'])} (the solve: {secs(r['solve_s'])}) |")
+    first, again = b["memory_first"], b["memory_again"]
+    lines.append(f"| Memory page of the default model in a new session until both charts are drawn and the "
+                 f"server idle | the server's first {secs(first['charts_s'])}, the next {secs(again['charts_s'])} |")
+    lines.append(f"| {SCRUB_PRESSES} arrow-key steps of the scrubber until the step line changed | "
+                 f"{spread([first['scrub_s'], again['scrub_s']])} (in those two sessions) |")
+    gpt2 = b["gpt2_link"]
+    lines.append(f"| `{browser.GPT2_LINK}` in a new session: trace, solve, both charts | "
+                 f"{secs(gpt2['charts_s'])}; one scrubber step (Home key) {secs(gpt2['scrub_s'])} |")
+    if "large_link" in b:
+        large = b["large_link"]
+        lines.append(f"| `{browser.LARGE_LINK}` in a new session: trace, solve, both charts | "
+                     f"{secs(large['charts_s'])}; one scrubber step (Home key) {secs(large['scrub_s'])} |")
+    traces = "; ".join(f"{t['graph']} ({t['ops']:,} ops) {secs(t['trace_s'])}" for t in results["traces"])
+    return ("## Tensor lifetimes and the step scrubber\n\nIn-process: `explorer.timeline` called as the Memory "
+            f"page calls it (the \"Why this plan\" panel explains {REGIONS_AT_ONCE} regions per click; bonsai's "
+            f"time limit {TIME_LIMIT:g} s). In Chromium: the server that served the single sessions above.\n\n"
+            + "\n".join(lines) + f"\n\nTracing, in-process, for the rows above: {traces}.")
+
+
+def page(results: dict[str, Any], header: str) -> str:
+    return "\n\n".join([header, intro(results), slider_section(results), sessions_section(results),
+                        module_graph_section(results), lifetimes_section(results)]) + "\n"
+
+
+def write_page(results: dict[str, Any], path: str) -> None:
+    Path(path).write_text(page(results, common.page_header(results["meta"]["command"], SOURCES)))
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+def same_path(a: str, b: str) -> bool:
+    return Path(a).resolve() in ((common.ROOT / b).resolve(), Path(b).resolve())
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why these options cannot run, before anything is measured; None when they can."""
+    if args.report_only and not args.page:
+        return "--report-only writes the page only: name it with --page PAGE"
+    if args.report_only and args.quick:
+        return "--quick chooses what to measure and --report-only measures nothing: give one of them"
+    if args.report_only and not (Path(args.out) / "results.json").is_file():
+        return f"{Path(args.out) / 'results.json'} is missing: run without --report-only first"
+    if args.quick and same_path(args.out, DEFAULT_OUT):
+        return f"--quick would overwrite the full run's {DEFAULT_OUT}/results.json: give another --out"
+    if args.quick and args.page and same_path(args.page, RECORD_PAGE):
+        return f"--quick writes a smoke-test page, not the record {RECORD_PAGE}: give another --page"
+    if args.page and not Path(args.page).parent.is_dir():
+        return f"--page {args.page}: the folder {Path(args.page).parent} does not exist"
+    if not args.report_only:
+        absent = harness().missing()
+        if absent:
+            return f"cannot drive the explorer in a browser: {absent}"
+        if importlib.util.find_spec("transformers") is None:
+            return "transformers is not installed: the suite traces hf:gpt2 and hf:llama (pip install transformers)"
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    why = refusal(args)
+    if why:
+        print(f"bonsai bench explorer: {why}.")
+        return 2
+    out = Path(args.out)
+    if args.report_only:
+        results = json.loads((out / "results.json").read_text())
+    else:
+        results = measure(args.quick)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    if args.page:
+        write_page(results, args.page)
+    print(f"wrote {out / 'results.json'}" + (f" and {args.page}" if args.page else ""))
+    return 0

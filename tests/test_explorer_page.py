@@ -1,0 +1,175 @@
+"""docs/results/explorer.md's writer (``bonsai bench explorer --page``): its sentences say what made-up
+results say, missed targets included; ``--report-only`` writes the page from a finished run's
+results.json; bad options, and a machine without Chromium or Playwright, are refused before anything is
+measured. No browser runs here (tests/test_browser*.py drive the same harness)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+
+import pytest
+
+from bonsai_core.bench import explorer_page
+from bonsai_core.cli import main
+from explorer import browser
+
+META = {"command": "bonsai bench explorer --page P", "date": "2026-01-01 00:00 UTC", "machine": "2 CPUs",
+        "torch": "2.13.0", "streamlit": "1.67.0", "quick": False, "seconds": 480.0,
+        "counts": {"first_paints": 3, "drags": 4, "sessions": 2, "rounds": 2, "revisits": 3},
+        "parts": {"yardstick": {"seconds": 1.0, "load_start": 0.4, "load_end": 0.5},
+                  "one session at a time": {"seconds": 100.0, "load_start": 0.5, "load_end": 1.3}}}
+
+
+def sessions(ahead, drawn, server_cpu, in_place=(True, True)):
+    return {"solve_ahead": ahead, "drawn": drawn, "answered": [d / 2 for d in drawn], "server_cpu": server_cpu,
+            "browser_cpu": 4 * server_cpu, "waited": 3.0, "in_place": list(in_place),
+            "load_before": [0.9, 0.5, 0.4], "load_after": [1.6, 0.7, 0.5]}
+
+
+def depth(d, boxes):
+    return {"depth": d, "boxes": boxes, "boxes_s": 0.0004, "layout_s": 0.01, "stats_chart_s": 0.008}
+
+
+def lifetime(graph, ops, method, threshold=0):
+    return {"graph": graph, "ops": ops, "method": method, "steps": 2 * ops, "solve_s": 1.2, "bars": 150,
+            "threshold": threshold, "bars_s": 0.0015, "chart_s": 0.007, "step_line_s": 0.00004, "regions": 20,
+            "explained": 12, "reasons_s": 2.2}
+
+
+def results():
+    return {
+        "meta": copy.deepcopy(META), "yardstick_s": 0.104,
+        "traces": [{"graph": "`hf:gpt2`", "ops": 243, "trace_s": 1.0}, {"graph": "32-layer Llama", "ops": 7216,
+                                                                         "trace_s": 20.0}],
+        "module_graph": [
+            {"key": "default", "graph": "default GPT", "ops": 277, "structure_s": 0.015, "default_depth": 2,
+             "depths": [depth(2, 23), depth(3, 27)]},
+            {"key": "llama", "graph": "32-layer Llama", "ops": 7216, "structure_s": 0.6, "default_depth": 3,
+             "depths": [depth(3, 39), depth(4, 199), depth(5, 455)]}],
+        "lifetimes": [lifetime("default GPT", 277, "bonsai"), lifetime("60-layer GPT", 7469, "chen", threshold=4096)],
+        "browser": {"first_paint_s": [1.1, 1.4, 1.25], "slider_s": [0.2, 0.3, 0.25, 0.9],
+                    "memory_first": {"charts_s": 6.0, "scrub_s": 1.7},
+                    "memory_again": {"charts_s": 3.3, "scrub_s": 2.1},
+                    "graph": {"first_s": 1.8, "again_s": [1.4, 1.5, 1.6]},
+                    "gpt2_link": {"charts_s": 9.5, "scrub_s": 0.2},
+                    "llama": {"first_s": 14.0, "again_s": [0.5, 0.7, 0.4], "folds": [[4, 1.4], [5, 2.1], [4, 1.2],
+                                                                                       [3, 0.45]]},
+                    "large_link": {"charts_s": 50.0, "scrub_s": 0.19}},
+        "sessions": [sessions(True, [1.0, 1.5, 1.8, 2.1], 0.2), sessions(False, [2.0, 2.4, 2.6, 2.2], 0.6)]}
+
+
+def test_slider_and_first_paint_are_judged_against_their_targets():
+    r = results()
+    text = explorer_page.slider_section(r)
+    assert ("**Slider released → memory plot updated: median 0.28 s** over 4 drags (0.20 0.30 0.25 0.90 s), "
+            "within the 1 s target.") in text
+    assert "**First paint: median 1.25 s** over 3 new sessions (1.10 1.40 1.25 s), within the 3 s target." in text
+    r["browser"]["slider_s"] = [1.3, 1.1, 1.2]
+    r["browser"]["first_paint_s"] = [3.5]
+    text = explorer_page.slider_section(r)
+    assert "median 1.20 s** over 3 drags (1.30 1.10 1.20 s), over the 1 s target by 0.20 s." in text
+    assert "median 3.50 s** over 1 new sessions (3.50 s), over the 3 s target by 0.50 s." in text
+
+
+def test_the_sessions_findings_say_each_mode_s_target_and_what_solving_ahead_saved():
+    said = explorer_page.sessions_findings(results())
+    assert said == [
+        "Solving ahead on: plot updated in a median of 1.65 s, within the 2 s target.",
+        "Solving ahead off: plot updated in a median of 2.30 s, over the 2 s target by 0.30 s.",
+        "Solving ahead cut the server's CPU per drag from 0.150 to 0.050 s (-66.7%).",
+        "Over both runs the tabs' Chromium processes used 4.0 times the server's CPU.",
+        "Every session's memory chart was updated in place (the same chart element after all its drags)."]
+
+
+def test_solving_ahead_that_saved_nothing_and_a_chart_mounted_anew_are_said_so():
+    r = results()
+    r["sessions"] = [sessions(True, [1.0, 1.2], 0.4, in_place=(True, False)), sessions(False, [1.0, 1.2], 0.3)]
+    said = explorer_page.sessions_findings(r)
+    assert "Solving ahead did not cut the server's CPU per drag: 0.200 s with it, 0.150 s without." in said
+    assert said[-1] == "Some session's memory chart was mounted anew instead of updated in place."
+
+
+def test_the_sessions_table_has_a_row_per_mode():
+    text = explorer_page.sessions_section(results())
+    assert text.startswith("## Many sessions dragging at once\n\nA fresh server, one headless Chromium with 2 contexts")
+    assert "2 rounds in which all drag" in text and "4 different budgets between 66% and 70%" in text
+    assert ("| on | 1.65 s / 1.80 s / 2.10 s | 0.82 s / 0.90 s / 1.05 s | 0.050 s | 0.20 s | 3.0 s | "
+            "0.90 → 1.60 |") in text
+
+
+def test_the_module_graph_section_judges_the_llama_s_median():
+    text = explorer_page.module_graph_section(results())
+    assert ("| the same, 32-layer Llama (7,216 ops) uploaded as JSON at 90%, folded to depth 3 (39 boxes) | "
+            "**median 0.50 s** (0.50 0.70 0.40 s); the first visit 14.00 s (the plan solved) |") in text
+    assert "to 4 (199 boxes) 1.40 s, to 5 (455 boxes) 2.10 s, to 4 (199 boxes) 1.20 s, to 3 (39 boxes) 0.45 s" in text
+    assert "draws in a median of 0.50 s: within the 2 s target" in text
+    assert "depth 3 (39 boxes): 0.40 ms / 10.0 ms / 8.0 ms" in text
+    r = results()
+    r["browser"]["llama"]["again_s"] = [2.5, 2.2, 3.0]
+    assert "draws in a median of 2.50 s: over the 2 s target by 0.50 s" in explorer_page.module_graph_section(r)
+
+
+def test_a_quick_run_without_the_large_graphs_leaves_their_rows_out():
+    r = results()
+    r["meta"]["quick"] = True
+    r["module_graph"] = r["module_graph"][:1]
+    r["lifetimes"] = r["lifetimes"][:1]
+    r["traces"] = r["traces"][:1]
+    del r["browser"]["llama"], r["browser"]["large_link"]
+    text = explorer_page.page(r, "<!-- header -->")
+    assert "(`--quick`: small counts, no large graphs; a smoke test, not the record)" in text
+    assert "Llama" not in text and "layers:60" not in text and "60-layer" not in text
+
+
+def test_the_intro_names_the_machine_its_load_and_yardstick():
+    text = explorer_page.intro(results())
+    assert "on 2026-01-01 00:00 UTC, 2 CPUs; torch 2.13.0, Streamlit 1.67.0" in text
+    assert "8.0 min in all, the 1-minute load average between 0.40 and 1.60 during the run" in text
+    assert "yardstick" in text and "0.104 s" in text
+
+
+def test_the_lifetimes_section_names_grouped_tensors_and_the_links():
+    text = explorer_page.lifetimes_section(results())
+    assert ("| 60-layer GPT (7,469 ops, 14,938 schedule steps), chen at 50% | bars 1.5 ms (150 bars, tensors under "
+            "4.00 KiB grouped per module), chart rows and spec 7.0 ms, step line 0.04 ms, reasons of 12 of 20 regions "
+            "2.20 s") in text
+    assert f"| `{browser.LARGE_LINK}` in a new session: trace, solve, both charts | 50.00 s;" in text
+    assert "| 10 arrow-key steps of the scrubber until the step line changed | 1.70 2.10 s" in text
+
+
+def test_report_only_writes_the_page_from_the_run_s_results(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps(results()))
+    page = tmp_path / "explorer.md"
+    assert main(["bench", "explorer", "--out", str(tmp_path), "--page", str(page), "--report-only"]) == 0
+    text = page.read_text()
+    assert text.startswith("<!-- written by: `bonsai bench explorer --page P` at commit ")
+    assert "sources bonsai_core/bench/explorer_page.py,explorer/browser.py hash " in text.split("\n")[0]
+    assert "## Tensor lifetimes and the step scrubber" in text and "nan" not in text
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--out", "{tmp}", "--report-only"], "name it with --page PAGE"),
+    (["--out", "{tmp}", "--report-only", "--page", "{tmp}/p.md"], "results.json is missing"),
+    (["--out", "{tmp}", "--report-only", "--quick", "--page", "{tmp}/p.md"], "give one of them"),
+    (["--quick", "--page", "{tmp}/p.md"], "would overwrite the full run's docs/bench/explorer/results.json"),
+    (["--out", "{tmp}", "--quick", "--page", "docs/results/explorer.md"], "not the record"),
+    (["--out", "{tmp}", "--page", "{tmp}/missing/p.md"], "does not exist")])
+def test_bad_options_are_refused_before_measuring(tmp_path, capsys, argv, said):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["bench", "explorer", *argv]) == 2
+    assert said in capsys.readouterr().out
+
+
+def test_without_chromium_or_playwright_the_suite_says_so_and_measures_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(browser, "CHROMIUM", str(tmp_path / "no-chromium"))
+    assert main(["bench", "explorer", "--out", str(tmp_path), "--page", str(tmp_path / "p.md")]) == 2
+    out = capsys.readouterr().out
+    assert "cannot drive the explorer in a browser: Debian's chromium is not installed at" in out
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "playwright" else find_spec(name, *a))
+    assert main(["bench", "explorer", "--out", str(tmp_path)]) == 2
+    assert "Playwright for Python is not installed" in capsys.readouterr().out
+    assert not (tmp_path / "results.json").exists()
