@@ -1,6 +1,7 @@
 """What several bench suites share: the budget bisection, the command line and machine a report quotes,
 the first line of a docs/results page a suite writes (:func:`page_header`) and the small helpers the
-pages' sentences are made with (:func:`pct`, :func:`listing`, :func:`median`)."""
+pages' sentences are made with (:func:`pct`, :func:`listing`, :func:`median`), and the command of a suite
+that writes its page from a results.json (:func:`page_refusal`, :func:`run_page_suite`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,3 +108,53 @@ def page_header(command: str, sources: Sequence[str]) -> str:
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     return f"<!-- written by: `{command}` at commit {commit}; sources {','.join(sources)} hash {source_hash(sources)} -->"
+
+
+# -- a suite that writes a docs/results page from its results.json (offload, export, explorer) ------------
+
+def same_path(a: str, b: str) -> bool:
+    """Whether path ``a`` is ``b``, ``b`` read from the working directory or from the repository root."""
+    return Path(a).resolve() in ((ROOT / b).resolve(), Path(b).resolve())
+
+
+def page_refusal(args: Any, default_out: str | None = None, record_page: str | None = None) -> str | None:
+    """Why ``--out``/``--page``/``--report-only`` (and ``--quick``, where the suite has it) cannot run,
+    before anything is measured; None when they can. A quick run may not overwrite ``default_out`` (the
+    full run's results) or ``record_page`` (the page in docs/results)."""
+    quick = getattr(args, "quick", False)
+    results = Path(args.out) / "results.json"
+    if args.report_only and not args.page:
+        return "--report-only writes the page only: name it with --page PAGE"
+    if args.report_only and quick:
+        return "--quick chooses what to measure and --report-only measures nothing: give one of them"
+    if args.report_only and not results.is_file():
+        return f"{results} is missing: run without --report-only first"
+    if quick and default_out and same_path(args.out, default_out):
+        return f"--quick would overwrite the full run's {default_out}/results.json: give another --out"
+    if quick and args.page and record_page and same_path(args.page, record_page):
+        return f"--quick writes a smoke-test page, not the record {record_page}: give another --page"
+    if args.page and not Path(args.page).parent.is_dir():
+        return f"--page {args.page}: the folder {Path(args.page).parent} does not exist"
+    return None
+
+
+def run_page_suite(suite: str, args: Any, refusal: str | None, measure: Callable[[], dict[str, Any]],
+                   write_page: Callable[[dict[str, Any], str], None]) -> int:
+    """``bonsai bench SUITE`` for a suite that writes a page: refuse (exit 2) with ``refusal``'s words, else
+    measure into ``--out``/results.json (or, with ``--report-only``, read it) and write ``--page``."""
+    import json
+
+    if refusal:
+        print(f"bonsai bench {suite}: {refusal}.")
+        return 2
+    out = Path(args.out)
+    if args.report_only:
+        results = json.loads((out / "results.json").read_text())
+    else:
+        results = measure()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    if args.page:
+        write_page(results, args.page)
+    print(f"wrote {out / 'results.json'}" + (f" and {args.page}" if args.page else ""))
+    return 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import json
 import os
 import statistics
 import tempfile
@@ -531,46 +530,18 @@ def write_page(results: dict[str, Any], path: str) -> None:
 
 # -- the command ----------------------------------------------------------------------------------
 
-def same_path(a: str, b: str) -> bool:
-    return Path(a).resolve() in ((common.ROOT / b).resolve(), Path(b).resolve())
-
-
 def refusal(args: argparse.Namespace) -> str | None:
     """Why these options cannot run, before anything is measured; None when they can."""
-    if args.report_only and not args.page:
-        return "--report-only writes the page only: name it with --page PAGE"
-    if args.report_only and args.quick:
-        return "--quick chooses what to measure and --report-only measures nothing: give one of them"
-    if args.report_only and not (Path(args.out) / "results.json").is_file():
-        return f"{Path(args.out) / 'results.json'} is missing: run without --report-only first"
-    if args.quick and same_path(args.out, DEFAULT_OUT):
-        return f"--quick would overwrite the full run's {DEFAULT_OUT}/results.json: give another --out"
-    if args.quick and args.page and same_path(args.page, RECORD_PAGE):
-        return f"--quick writes a smoke-test page, not the record {RECORD_PAGE}: give another --page"
-    if args.page and not Path(args.page).parent.is_dir():
-        return f"--page {args.page}: the folder {Path(args.page).parent} does not exist"
-    if not args.report_only:
-        absent = harness().missing()
-        if absent:
-            return f"cannot drive the explorer in a browser: {absent}"
-        if importlib.util.find_spec("transformers") is None:
-            return "transformers is not installed: the suite traces hf:gpt2 and hf:llama (pip install transformers)"
+    why = common.page_refusal(args, DEFAULT_OUT, RECORD_PAGE)
+    if why or args.report_only:
+        return why
+    absent = harness().missing()
+    if absent:
+        return f"cannot drive the explorer in a browser: {absent}"
+    if importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed: the suite traces hf:gpt2 and hf:llama (pip install transformers)"
     return None
 
 
 def main(args: argparse.Namespace) -> int:
-    why = refusal(args)
-    if why:
-        print(f"bonsai bench explorer: {why}.")
-        return 2
-    out = Path(args.out)
-    if args.report_only:
-        results = json.loads((out / "results.json").read_text())
-    else:
-        results = measure(args.quick)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    if args.page:
-        write_page(results, args.page)
-    print(f"wrote {out / 'results.json'}" + (f" and {args.page}" if args.page else ""))
-    return 0
+    return common.run_page_suite("explorer", args, refusal(args), lambda: measure(args.quick), write_page)

@@ -239,30 +239,6 @@ def write_page(results: dict[str, Any], path: str) -> None:
     Path(path).write_text(page(results, common.page_header(results["meta"]["command"], SOURCES)))
 
 
-def refusal(args: argparse.Namespace) -> str | None:
-    """Why these options cannot run, before anything is measured; None when they can."""
-    if args.report_only and not args.page:
-        return "--report-only writes the page only: name it with --page PAGE"
-    if args.report_only and not (Path(args.out) / "results.json").is_file():
-        return f"{Path(args.out) / 'results.json'} is missing: run without --report-only first"
-    if args.page and not Path(args.page).parent.is_dir():
-        return f"--page {args.page}: the folder {Path(args.page).parent} does not exist"
-    return None
-
-
 def main(args: argparse.Namespace) -> int:
-    why = refusal(args)
-    if why:
-        print(f"bonsai bench offload: {why}.")
-        return 2
-    out = Path(args.out)
-    if args.report_only:
-        results = json.loads((out / "results.json").read_text())
-    else:
-        results = measure(args.time_limit)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    if args.page:
-        write_page(results, args.page)
-    print(f"wrote {out / 'results.json'}" + (f" and {args.page}" if args.page else ""))
-    return 0
+    return common.run_page_suite("offload", args, common.page_refusal(args), lambda: measure(args.time_limit),
+                                 write_page)
