@@ -18,9 +18,9 @@ def test_a_reserved_plan_from_a_link_shows_its_bound_on_the_memory_chart(browser
     try:
         pg.wait_for_selector("text=reserved-bytes bound")
         wait_idle(pg)
-        pg.wait_for_timeout(500)
+        # Vega draws the chart's text after the page settles, later still under load: wait for the label
+        pg.wait_for_function(f"() => ({CHART_TEXTS})().includes('reserved-bytes bound 34.00 MiB')")
         texts = pg.evaluate(CHART_TEXTS)
-        assert "reserved-bytes bound 34.00 MiB" in texts
         assert not any(t.startswith("budget ") for t in texts)
         assert any(t.startswith("chen reserved") for t in texts)  # the bounded bytes, labelled at their peak
         no_exception(pg)
