@@ -21,6 +21,10 @@ TINY = {"gpt2": TEXT, "bert": TEXT, "llama": TEXT,
 # Ops whose recomputation the export must make exact: random draws and BatchNorm.
 SENSITIVE = ("dropout", "batch_norm", "bernoulli")
 PEAK_TOLERANCE = 0.05  # the issue's bound on |measured / predicted - 1|
+# The schedules that must recompute a dropout (0.1) or BatchNorm op, so that the export's replay of it is
+# checked. bonsai's optimal plans on tiny gpt2 and bert keep every dropout output at all of the budgets
+# below (they recompute 2-11 other ops; measured 2026-12-06), so dtr's schedules carry that check there.
+MUST_RECOMPUTE_SENSITIVE = {("gpt2", "dtr"), ("bert", "dtr"), ("resnet", "dtr"), ("resnet", "bonsai")}
 
 
 def _recomputed_ops(graph, schedule) -> set[str]:
@@ -49,7 +53,7 @@ def _end_to_end(tmp_path, arch: str, method: str) -> None:
     recomputed = _recomputed_ops(graph, schedule)
     assert recomputed, f"{method}'s schedule recomputes nothing"
     sensitive = [op for op in recomputed if any(s in op for s in SENSITIVE)]
-    if arch in ("gpt2", "bert", "resnet"):  # the ones with dropout (0.1) or BatchNorm
+    if (arch, method) in MUST_RECOMPUTE_SENSITIVE:
         assert sensitive, f"{method} recomputes none of {name}'s dropout/BatchNorm ops: {sorted(recomputed)}"
 
     out = export_model(name, options, schedule, tmp_path / "export")
@@ -69,7 +73,4 @@ def test_hf_resnet_batchnorm_recomputed_trains_exactly(tmp_path):
 @pytest.mark.parametrize("method", ["bonsai", "dtr"])
 @pytest.mark.parametrize("arch", sorted(TINY))
 def test_every_hf_arch_end_to_end(tmp_path, arch, method):
-    if (arch, method) in (("bert", "bonsai"), ("gpt2", "bonsai")):
-        pytest.xfail("open after the merges of 2026-12-04: bonsai's plan on tiny bert/gpt2 no longer recomputes "
-                     "a dropout op, so the dropout check has nothing to check")
     _end_to_end(tmp_path, arch, method)
