@@ -105,7 +105,9 @@ def llama_graph(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_the_module_view_of_a_llama_sized_graph_draws_within_two_seconds(browser, server, llama_graph):
+def test_the_module_view_of_a_llama_sized_graph_draws_and_folds(browser, server, llama_graph):
+    """A 32-layer Llama's module view: drawn, labelled and folded in both themes. Its times are printed;
+    ``bonsai bench explorer`` measures them against the 2 s target (docs/results/explorer.md)."""
     graph = load_graph(llama_graph)
     assert graph.n > 7000 and len(block_stack(graph)) == 32
     report = []
@@ -127,7 +129,6 @@ def test_the_module_view_of_a_llama_sized_graph_draws_within_two_seconds(browser
             report.append(f"{scheme}: first visit {first:.2f} s; again (median of {again}) "
                           f"{statistics.median(times):.2f} s; fold depth "
                           + ", ".join(f"{d}: {t:.2f} s" for d, t in depths))
-            assert statistics.median(times) <= 2.0
         finally:
             context.close()
     counts = {d: module_graph.module_boxes(graph, d).count for d in range(1, 6)}

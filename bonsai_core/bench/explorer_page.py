@@ -34,7 +34,7 @@ RECORD_PAGE = "docs/results/explorer.md"
 # how many of each measurement: the full run, and --quick's smoke test
 FULL = {"first_paints": 3, "drags": 7, "sessions": 10, "rounds": 3, "revisits": 3}
 QUICK = {"first_paints": 2, "drags": 3, "sessions": 3, "rounds": 1, "revisits": 1}
-# the targets the page judges medians by (seconds); the browser tests assert the first two and the last
+# the targets the page judges medians by (seconds); judged here only: the browser tests share a loaded machine
 SLIDER_TARGET, FIRST_PAINT_TARGET, SESSIONS_TARGET, MODULE_VIEW_TARGET = 1.0, 3.0, 2.0, 2.0
 SCRUB_PRESSES = 10  # arrow-key steps of the scrubber, as tests/test_browser_timeline.py presses them
 SHARE = 0.5  # the lifetimes' budget, of the no-remat peak
@@ -363,8 +363,8 @@ def intro(results: dict[str, Any]) -> str:
             f"five runs of a fixed Python loop on one core, so that runs on different machines can be compared): "
             f"{results['yardstick_s']:.3f} s. The command ran everything below and wrote this page from its "
             "results; the browser tests (`tests/test_browser*.py`) drive the explorer with the same code "
-            "(`explorer/browser.py`) and assert the slider's, first paint's and the large module view's "
-            "targets named below. The explorer: [../EXPLORER.md](../EXPLORER.md).")
+            "(`explorer/browser.py`) and check what the explorer draws; the targets named below are judged "
+            "here only, as a loaded machine fails any wall-clock bound. The explorer: [../EXPLORER.md](../EXPLORER.md).")
 
 
 def slider_section(results: dict[str, Any]) -> str:
@@ -474,7 +474,7 @@ def module_graph_section(results: dict[str, Any]) -> str:
                      + ", ".join(f"to {d} ({boxes.get(d, '?')} boxes) {secs(t)}" for d, t in llama["folds"]) + " |")
         said = (f"\n\nThe {row['graph']}'s module view, folded to its default depth, draws in a median of "
                 f"{secs(median)}: {against(median, MODULE_VIEW_TARGET)} (`tests/test_browser_graph.py -m slow` "
-                "asserts it).")
+                "draws and folds it in both themes).")
     return ("## Module graph\n\nIn-process: `explorer.module_graph` and `module_chart` called as the Graph page "
             "calls them. In Chromium: light theme, a session's clicks on the sidebar; a fold-depth step is one "
             "arrow key on the slider (one rerun)." + llama_said(results) + "\n\n" + "\n".join(lines) + said)
