@@ -82,10 +82,16 @@ def true_or_false(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
 
 
+# ``--reshard-after-forward``: one flag for every block, or how torchtitan applies ``fully_shard``
+# (bonsai_core.fsdp.fsdp_units): "all-but-last" as in December 2024, "torchtitan" as release 0.2.2 does
+ALL_BUT_LAST, TORCHTITAN = "all-but-last", "torchtitan"
+RESHARD_CHOICES = ("true", "false", ALL_BUT_LAST, TORCHTITAN)
+
+
 def reshard_arg(text: str) -> bool | str:
-    """``--reshard-after-forward``: true, false or all-but-last (a value, not a flag pair: the default
-    depends on the model, and all-but-last is a third choice)."""
-    return "all-but-last" if text.lower() == "all-but-last" else true_or_false(text)
+    """``--reshard-after-forward``: true, false, all-but-last or torchtitan (a value, not a flag pair: the
+    default depends on the model, and the last two are further choices)."""
+    return text.lower() if text.lower() in (ALL_BUT_LAST, TORCHTITAN) else true_or_false(text)
 
 
 def solve_time_limit(seconds: float | None) -> float | None:

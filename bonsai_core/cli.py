@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from bonsai_core.arguments import (SOLVE_TIME_LIMIT, allocator_policy, budget_arg, overhead_arg, positive, positive_int,
+from bonsai_core.arguments import (RESHARD_CHOICES, SOLVE_TIME_LIMIT, allocator_policy, budget_arg, overhead_arg, positive, positive_int,
                                    reserved_policy, reshard_arg, solve_time_limit, time_limit_arg)
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.optimizer import OPTIMIZERS
@@ -45,10 +45,11 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fsdp", type=positive_int, default=1, metavar="N",
                    help="plan one of N ranks of FSDP2 (fully_shard on each block and on the model): sharded parameters, "
                         "gradients and optimizer state, and the unsharded blocks over the step (default 1: no sharding)")
-    p.add_argument("--reshard-after-forward", type=reshard_arg, default=None, metavar="true|false|all-but-last",
-                   help="with --fsdp: fully_shard's reshard_after_forward for every block, or all-but-last "
-                        "(torchtitan's: the last block is kept unsharded for its backward); default: true, "
-                        "all-but-last for torchtitan: models")
+    p.add_argument("--reshard-after-forward", type=reshard_arg, default=None, metavar="|".join(RESHARD_CHOICES),
+                   help="with --fsdp: fully_shard's reshard_after_forward for every block; all-but-last: as torchtitan "
+                        "applied it in Dec 2024 (its published memory), the last block kept unsharded for its backward; "
+                        "torchtitan: as its release 0.2.2's apply_fsdp, with tok_embeddings and [norm, output] units of "
+                        "their own; default: true, torchtitan for torchtitan: models")
     p.add_argument("--mixed-precision", choices=("bf16", "fp16", "none"), default=None,
                    help="with --fsdp: FSDP2's MixedPrecisionPolicy(param_dtype=this, reduce_dtype=fp32) on the fp32 "
                         "model: fp32 sharded parameters, gradients and optimizer state, blocks all-gathered and "

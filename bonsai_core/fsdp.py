@@ -1,9 +1,11 @@
 """FSDP2 per rank: the memory one of N processes holds when ``fully_shard`` shards the model by block.
 
-``torch.distributed.fsdp.fully_shard`` applied to each block of the model (a transformer's layers, as
-torchtitan wraps them) and then to the whole model (the *root* unit: embeddings, final norm, head)
+``torch.distributed.fsdp.fully_shard`` applied to each *unit* (each block of the model, a transformer's
+layers; torchtitan 0.2.2 also makes the embedding and ``[norm, output]`` units: :func:`fsdp_units`) and
+then to the whole model (the *root* unit: every parameter left, e.g. embeddings, final norm, head)
 keeps on every rank 1/N of each parameter, of its gradient and of the optimizer's state. Around that
-sharded state a rank holds whole (*unsharded*) tensors for a while. The simulator's rules (docs/DESIGN.md):
+sharded state a rank holds whole (*unsharded*) tensors for a while. The simulator's rules (docs/DESIGN.md;
+a "block" below is any unit):
 
 * **Fixed per rank**: the sharded parameters, gradients and optimizer state (1/N each, rounded up),
   and the root unit's unsharded parameters, gathered at the first forward op and kept through the
@@ -49,6 +51,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from bonsai_core.arguments import ALL_BUT_LAST, TORCHTITAN
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph, block_stack
 
@@ -61,13 +64,18 @@ REDUCE_DTYPE = "fp32"  # torchtitan's mixed_precision_reduce default (MixedPreci
 COMPUTE_STREAM, ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = "compute", "all_gather_copy_in", "reduce_scatter"
 
 
-ALL_BUT_LAST = "all-but-last"  # torchtitan's apply_fsdp: every block reshards after forward but the last
+# How ``fully_shard`` is applied, besides one flag for every block (``reshard_after_forward`` true or false):
+# ALL_BUT_LAST, torchtitan's apply_fsdp of December 2024 (commit 9dec370, the published memory table's):
+# each block, the last one not resharded after forward, then the model (the root keeps embeddings, final
+# norm and head). TORCHTITAN, release 0.2.2's apply_fsdp (models/llama3/infra/parallelize.py, its
+# "default" policy without pipeline parallelism): tok_embeddings, each block (all resharded after
+# forward) and [norm, output] (not resharded: its backward comes first) as units of their own, then the
+# model, which owns nothing left. Its units around the blocks: (module paths, reshard_after_forward)
+TORCHTITAN_FIRST, TORCHTITAN_LAST = (("tok_embeddings",), True), (("norm", "output"), False)
 
-
-# torchtitan's FSDP2 setting (commit 9dec370 and release 0.2.2): config_manager's
-# training.mixed_precision_param = "bfloat16" / mixed_precision_reduce = "float32", and apply_fsdp's
-# reshard_after_forward = int(layer_id) < len(model.layers) - 1
-TORCHTITAN_FSDP = {"reshard_after_forward": ALL_BUT_LAST, "mixed_precision": "bf16"}
+# torchtitan 0.2.2's FSDP2 setting: config_manager's training.mixed_precision_param = "bfloat16" /
+# mixed_precision_reduce = "float32" (as in December 2024), and its apply_fsdp's units
+TORCHTITAN_FSDP = {"reshard_after_forward": TORCHTITAN, "mixed_precision": "bf16"}
 
 
 def fsdp_defaults(model: str, reshard_after_forward: bool | str | None,
@@ -81,10 +89,10 @@ def fsdp_defaults(model: str, reshard_after_forward: bool | str | None,
     return reshard, None if precision == "none" else precision
 
 
-def unit_bytes(model: nn.Module, blocks: Sequence[str], mixed_precision: str | None = None) -> tuple[list[int], int]:
-    """The unsharded parameter bytes of each block (by path in ``model.named_modules()``) and of the rest
-    of the model (the root unit), each parameter counted once (tied ones in the first unit that has
-    them), in ``mixed_precision``'s dtype when given (the all-gathered bytes), else the parameters' own."""
+def unit_bytes(model: nn.Module, units: Sequence[Sequence[str]], mixed_precision: str | None = None) -> tuple[list[int], int]:
+    """The unsharded parameter bytes of each unit (its modules' paths in ``model.named_modules()``) and of
+    the rest of the model (the root unit), each parameter counted once (tied ones in the first unit that
+    has them), in ``mixed_precision``'s dtype when given (the all-gathered bytes), else the parameters' own."""
     seen: set[int] = set()
     itemsize = DTYPE_BYTES[mixed_precision] if mixed_precision else None
 
@@ -96,8 +104,8 @@ def unit_bytes(model: nn.Module, blocks: Sequence[str], mixed_precision: str | N
                 total += p.numel() * (itemsize or p.element_size())
         return total
 
-    per_block = [own(model.get_submodule(path)) for path in blocks]
-    return per_block, own(model)
+    per_unit = [sum(own(model.get_submodule(path)) for path in paths) for paths in units]
+    return per_unit, own(model)
 
 
 def check_mixed_precision(mixed_precision: str | None) -> str | None:
@@ -142,28 +150,38 @@ def computing_in(model: nn.Module, mixed_precision: str | None) -> Iterator[None
             p.data = data
 
 
-def shard_by_blocks(graph: Graph, model: nn.Module, world: int, reshard_after_forward: bool | str = True,
-                    mixed_precision: str | None = None) -> Graph:
-    """:func:`with_fsdp` with ``fully_shard`` on each block of the graph's block stack
-    (:func:`bonsai_core.graph.block_stack`) of ``model`` (the traced module) and on the whole model.
-    ``reshard_after_forward``: one flag for every block, or ``"all-but-last"`` (torchtitan's)."""
-    stack = block_stack(graph)
-    sizes, root = unit_bytes(model, [path for path, _, _ in stack], mixed_precision)
+def shard_by_units(graph: Graph, model: nn.Module, world: int, reshard_after_forward: bool | str = True,
+                   mixed_precision: str | None = None) -> Graph:
+    """:func:`with_fsdp` with ``fully_shard`` on the units :func:`fsdp_units` names (the blocks of the
+    graph's block stack, :func:`bonsai_core.graph.block_stack`, and with ``"torchtitan"`` torchtitan's
+    units around them) of ``model`` (the traced module) and on the whole model."""
+    units = fsdp_units(graph, reshard_after_forward)
+    sizes, root = unit_bytes(model, [paths for paths, _ in units], mixed_precision)
+    spans = {path: (first, last) for path, first, last in reversed(graph.modules)}  # a module's first call
     model_last = max((last for _, _, last in graph.modules), default=graph.n - 1)
-    reshard = reshard_per_block(reshard_after_forward, len(stack))
-    return with_fsdp(graph, world, [(p, first, last, b) for (p, first, last), b in zip(stack, sizes)], root,
-                     reshard if reshard_after_forward == ALL_BUT_LAST else bool(reshard_after_forward),
+    return with_fsdp(graph, world, [(",".join(paths), min(spans[p][0] for p in paths), max(spans[p][1] for p in paths), b)
+                                    for (paths, _), b in zip(units, sizes)], root,
+                     reshard_after_forward if isinstance(reshard_after_forward, bool) else [flag for _, flag in units],
                      model_last, mixed_precision)
 
 
-def reshard_per_block(reshard_after_forward: bool | str, blocks: int) -> list[bool]:
-    """``fully_shard``'s reshard_after_forward for each of ``blocks`` blocks: one flag for all, or
-    ``"all-but-last"`` (torchtitan's)."""
+def fsdp_units(graph: Graph, reshard_after_forward: bool | str) -> list[tuple[tuple[str, ...], bool]]:
+    """The units ``fully_shard`` is applied to before the whole model, in forward order, each as (module
+    paths, its reshard_after_forward): every block of the block stack with one flag for all, or
+    ``"all-but-last"`` (torchtitan's of December 2024), or ``"torchtitan"`` (0.2.2's apply_fsdp: also
+    ``tok_embeddings`` and ``[norm, output]`` where the model has them, as apply_fsdp checks)."""
+    blocks = [(path,) for path, _, _ in block_stack(graph)]
+    if reshard_after_forward == TORCHTITAN:
+        called = {path for path, _, _ in graph.modules}
+        first = [TORCHTITAN_FIRST] if set(TORCHTITAN_FIRST[0]) <= called else []
+        last = [TORCHTITAN_LAST] if set(TORCHTITAN_LAST[0]) <= called else []
+        return [*first, *((b, True) for b in blocks), *last] if blocks else []
     if reshard_after_forward == ALL_BUT_LAST:
-        return [k < blocks - 1 for k in range(blocks)]
+        return [(b, k < len(blocks) - 1) for k, b in enumerate(blocks)]
     if isinstance(reshard_after_forward, bool):
-        return [reshard_after_forward] * blocks
-    raise BonsaiError(f"reshard_after_forward {reshard_after_forward!r}: give true, false or {ALL_BUT_LAST!r}.")
+        return [(b, reshard_after_forward) for b in blocks]
+    raise BonsaiError(f"reshard_after_forward {reshard_after_forward!r}: give true, false, {ALL_BUT_LAST!r} "
+                      f"or {TORCHTITAN!r}.")
 
 
 def with_fsdp(graph: Graph, world: int, blocks: Sequence[tuple[str, int, int, int]], root: int,

@@ -14,10 +14,15 @@ from bonsai_core.training import Plan, plan
 
 
 def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: str = "bonsai", *,
-             fsdp: int = 1, optimizer: str = "adamw", **options: Any) -> Plan:
+             fsdp: int = 1, optimizer: str = "adamw", reshard_after_forward: bool | str = "torchtitan",
+             mixed_precision: str | None = "bf16", **options: Any) -> Plan:
     """A checkpoint plan (:func:`bonsai_core.plan`) for one training step of torchtitan's Llama 3
     ``model`` on a local batch of ``batch x seq`` tokens with torchtitan's loss, as one of ``fsdp``
-    ranks holds it (``optimizer``'s state sharded too). ``model`` is the ``Transformer`` torchtitan
+    ranks holds it (``optimizer``'s state sharded too), sharded as torchtitan 0.2.2's ``apply_fsdp`` shards
+    it (``reshard_after_forward="torchtitan"``, :func:`bonsai_core.fsdp.fsdp_units`; ``True`` for
+    ``fully_shard`` on each block and the model alone) under FSDP2's mixed precision as torchtitan sets it
+    (``training.mixed_precision_param``, bfloat16 by default: ``mixed_precision="bf16"``; None for an fp32
+    run; ignored without ``fsdp``). ``model`` is the ``Transformer`` torchtitan
     built, on any device (``meta`` too: only shapes are read), before ``parallelize_llama``.
 
     ``plan.apply(model)`` then does what torchtitan's ``apply_ac`` does, one save policy per block
@@ -28,4 +33,5 @@ def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: 
     device = next(model.parameters()).device
     tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
     return plan(model, (tokens,), TitanLoss(tokens.clone()), budget, method, fsdp=fsdp, optimizer=optimizer,
+                reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision if fsdp > 1 else None,
                 **options)

@@ -201,7 +201,8 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
         fsdp: the number of ranks when ``fully_shard`` (FSDP2) will shard each block of the model and the
             model itself (after this call): the budget is then one rank's, with its share of parameters,
             gradients and optimizer state and the unsharded blocks over the step (:mod:`bonsai_core.fsdp`);
-            ``reshard_after_forward`` as given to ``fully_shard`` (or ``"all-but-last"``, torchtitan's);
+            ``reshard_after_forward`` as given to ``fully_shard`` (or ``"all-but-last"`` / ``"torchtitan"``, how
+            torchtitan applies it: :func:`bonsai_core.fsdp.fsdp_units`);
             ``mixed_precision="bf16"``: ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32))`` on an fp32 model.
         cache: read and write the plan cache (see the module doc); ``cache_dir`` overrides its folder.
@@ -487,7 +488,7 @@ class _FakeStep:
               mixed_precision: str | None = None, kernels: str = "cuda") -> Graph:
         """The traced step (as one of ``fsdp`` ranks holds it, under FSDP2's ``mixed_precision`` policy),
         with the optimizer's state and step, recording ``kernels``' device's dropout and attention."""
-        from bonsai_core.fsdp import check_mixed_precision, shard_by_blocks
+        from bonsai_core.fsdp import check_mixed_precision, shard_by_units
         from bonsai_core.optimizer import check_name, with_optimizer
         from bonsai_core.trace import trace_step
 
@@ -498,7 +499,7 @@ class _FakeStep:
         with self.running():
             traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast,
                                 kernels=kernels)
-        graph = (shard_by_blocks(traced.graph, self.model, fsdp, reshard_after_forward, mixed_precision)
+        graph = (shard_by_units(traced.graph, self.model, fsdp, reshard_after_forward, mixed_precision)
                  if fsdp > 1 else traced.graph)
         return with_optimizer(graph, optimizer)
 

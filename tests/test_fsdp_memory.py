@@ -246,19 +246,39 @@ def test_mixed_precision_per_rank_peak_matches_gloo_processes(model):
     from bonsai_core.bench import fsdp as fsdp_check
 
     options = fsdp_check.SIZES[model]
-    _, graph, paths = fsdp_check.fsdp_graph(model, options, 2, "all-but-last", "bf16")
-    measured = max(r["peak"] for r in fsdp_check.measure(model, options, 2, paths, None, "all-but-last", "bf16"))
+    _, graph, units = fsdp_check.fsdp_graph(model, options, 2, "all-but-last", "bf16")
+    measured = max(r["peak"] for r in fsdp_check.measure(model, options, 2, units, None, "all-but-last", "bf16"))
     assert abs(measured / no_remat_peak(graph) - 1) <= 0.01, (measured, no_remat_peak(graph))
 
 
 def test_a_torchtitan_model_is_sharded_as_torchtitan_shards_it_unless_told():
-    """torchtitan's FSDP2 setting (bf16 mixed precision, every block but the last resharded) is the
-    default for torchtitan: models; fully_shard's for the others; --mixed-precision none turns it off."""
+    """torchtitan's FSDP2 setting (bf16 mixed precision, its apply_fsdp's units) is the default for
+    torchtitan: models; fully_shard's for the others; --mixed-precision none turns it off."""
     from bonsai_core.fsdp import fsdp_defaults
 
-    assert fsdp_defaults("torchtitan:llama3:8B", None, None) == ("all-but-last", "bf16")
+    assert fsdp_defaults("torchtitan:llama3:8B", None, None) == ("torchtitan", "bf16")
     assert fsdp_defaults("torchtitan:llama3:8B", True, "none") == (True, None)
     assert fsdp_defaults("hf:llama", None, None) == (True, None)
     assert fsdp_defaults("gpt", False, "bf16") == (False, "bf16")
     plain = trace_model("gpt", fsdp=2, mixed_precision="none", **GPT).graph
     assert "param_dtype" not in plain.fsdp and plain.fsdp["reshard_after_forward"] is True
+
+
+@pytest.mark.parametrize("reshard,units,flags", [
+    (True, ["layers.0", "layers.1"], True),
+    ("all-but-last", ["layers.0", "layers.1"], [True, False]),
+    ("torchtitan", ["tok_embeddings", "layers.0", "layers.1", "norm,output"], [True, True, True, False]),
+])
+def test_torchtitan_s_model_is_sharded_in_the_units_its_apply_fsdp_makes(reshard, units, flags):
+    """torchtitan 0.2.2's apply_fsdp: tok_embeddings, each block and [norm, output] units of their own, the
+    last not resharded after forward, the root left with nothing; December 2024's (all-but-last): the
+    blocks alone, the last kept, the root holding embeddings, norm and head. Every parameter is in one
+    unit or the root, all-gathered in bf16."""
+    pytest.importorskip("torchtitan")
+    graph = trace_model("torchtitan:llama3:debugmodel", batch=1, seq=32, layers=2, fsdp=2, reshard_after_forward=reshard).graph
+    fsdp = graph.fsdp
+    assert [u[0] for u in fsdp["units"]] == units and fsdp["reshard_after_forward"] == flags
+    params = sum(nbytes for _, nbytes, kind in trace_model("torchtitan:llama3:debugmodel", batch=1, seq=32,
+                                                             layers=2).graph.fixed_tensors if kind == "param")
+    assert sum(u[3] for u in fsdp["units"]) + fsdp["root_bytes"] == params // 2  # fp32 traced, bf16 gathered
+    assert (fsdp["root_bytes"] == 0) == (reshard == "torchtitan")

@@ -9,8 +9,9 @@ gradients are allocated as in steady state) against the simulator's peak of the 
 
 ``--mixed-precision bf16`` shards with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
 reduce_dtype=torch.float32)`` (torchtitan's); ``--reshard-after-forward all-but-last`` keeps the last block
-unsharded after its forward (torchtitan's ``apply_fsdp``). gloo runs both on CPU: bf16 all-gathers and
-fp32 reduce-scatters.
+unsharded after its forward (torchtitan's ``apply_fsdp`` of December 2024), ``torchtitan`` shards as
+torchtitan 0.2.2's ``apply_fsdp`` does (:data:`bonsai_core.fsdp.TORCHTITAN`). gloo runs both on CPU: bf16
+all-gathers and fp32 reduce-scatters.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bonsai_core.arguments import RESHARD_CHOICES
+
 if TYPE_CHECKING:  # imported where used: building the command line does not load torch
     import torch
 
@@ -37,17 +40,16 @@ SIZES = {"gpt": dict(batch=8, seq=128, width=256, layers=4, heads=4, vocab=2048)
 
 def fsdp_graph(model: str, options: dict, world: int, reshard: bool | str = True, mixed_precision: str | None = None):
     """The traced graph (computing as FSDP makes it), that graph as one of ``world`` ranks holds it, and
-    the block paths FSDP shards."""
+    the units FSDP shards before the model (:func:`bonsai_core.fsdp.fsdp_units`)."""
     from bonsai_core import models
-    from bonsai_core.fsdp import computing_in, shard_by_blocks
-    from bonsai_core.regions import block_stack
+    from bonsai_core.fsdp import computing_in, fsdp_units, shard_by_units
     from bonsai_core.trace import built_for_tracing, trace_step
 
     with built_for_tracing(model, 0, **options) as (net, inputs, loss_fn):
         with computing_in(net, mixed_precision):
             graph = trace_step(net, inputs, loss_fn, name=model).graph
     net = models.build(model, seed=0, **options)[0]
-    return graph, shard_by_blocks(graph, net, world, reshard, mixed_precision), [p for p, _, _ in block_stack(graph)]
+    return graph, shard_by_units(graph, net, world, reshard, mixed_precision), fsdp_units(graph, reshard)
 
 
 
@@ -114,7 +116,7 @@ def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn) -> dict:
             "loss": float(loss)}
 
 
-def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], budget: str | None,
+def _worker(rank: int, world: int, model: str, options: dict, units: list, budget: str | None,
             store: str, results: str, reshard: bool | str = True, mixed_precision: str | None = None) -> None:
     import torch
     import torch.distributed as dist
@@ -122,7 +124,7 @@ def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], 
 
     import bonsai_core as bonsai
     from bonsai_core import models
-    from bonsai_core.fsdp import MIXED_PRECISION, reshard_per_block
+    from bonsai_core.fsdp import MIXED_PRECISION
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -134,21 +136,22 @@ def _worker(rank: int, world: int, model: str, options: dict, paths: list[str], 
                               mixed_precision=mixed_precision, cache=False)
         policy = MixedPrecisionPolicy(param_dtype=MIXED_PRECISION[mixed_precision], reduce_dtype=torch.float32) \
             if mixed_precision else MixedPrecisionPolicy()
-        for path, flag in zip(paths, reshard_per_block(reshard, len(paths))):
-            fully_shard(net.get_submodule(path), reshard_after_forward=flag, mp_policy=policy)
+        for paths, flag in units:  # a unit of several modules is one fully_shard call, as torchtitan's [norm, output]
+            modules = [net.get_submodule(p) for p in paths]
+            fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=flag, mp_policy=policy)
         fully_shard(net, mp_policy=policy)
         Path(results, f"rank{rank}.json").write_text(json.dumps(steady_step_peak(net, inputs, loss_fn)))
     finally:
         dist.destroy_process_group()
 
 
-def measure(model: str, options: dict, world: int, paths: list[str], budget: str | None, reshard: bool | str = True,
+def measure(model: str, options: dict, world: int, units: list, budget: str | None, reshard: bool | str = True,
             mixed_precision: str | None = None) -> list[dict]:
     """Each rank's fixed bytes and peak over one steady-state step, from ``world`` spawned processes."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(world, model, options, paths, budget, f"{tmp}/store", tmp, reshard,
+        ctx = mp.start_processes(_worker, args=(world, model, options, units, budget, f"{tmp}/store", tmp, reshard,
                                                 mixed_precision),
                                  nprocs=world, join=False, start_method="spawn")
         while not ctx.join(timeout=5):
@@ -180,8 +183,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="append the table to this Markdown file")
     parser.add_argument("--mixed-precision", choices=("bf16",), default=None,
                         help="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's")
-    parser.add_argument("--reshard-after-forward", choices=("true", "false", "all-but-last"), default="true",
-                        help="fully_shard's reshard_after_forward per block (all-but-last: torchtitan's)")
+    parser.add_argument("--reshard-after-forward", choices=RESHARD_CHOICES, default="true",
+                        help="fully_shard's reshard_after_forward per block; all-but-last: torchtitan's apply_fsdp of "
+                             "Dec 2024; torchtitan: 0.2.2's (its own units around the blocks)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -199,10 +203,10 @@ def main(args: argparse.Namespace) -> int:
     label += f" ({setting})" if setting else ""
     for world in args.world:
         start = time.perf_counter()
-        _, graph, paths = fsdp_graph(args.model, options, world, reshard, mp)
+        _, graph, units = fsdp_graph(args.model, options, world, reshard, mp)
         for budget in (None, args.budget) if args.budget else (None,):
             expected = predicted(graph, args.model, options, budget, reshard, mp)
-            ranks = measure(args.model, options, world, paths, budget, reshard, mp)
+            ranks = measure(args.model, options, world, units, budget, reshard, mp)
             peak = max(r["peak"] for r in ranks)
             rows.append(f"| {label} | {world} | {budget or 'none'} | {format_bytes(graph.fixed_mem)} "
                         f"| {format_bytes(expected)} | {format_bytes(peak)} | {peak / expected - 1:+.2%} "

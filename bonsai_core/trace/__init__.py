@@ -101,7 +101,7 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
     ``mixed_precision`` ("bf16") under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
     either left None: the model's own setting (:func:`bonsai_core.fsdp.fsdp_defaults`: torchtitan's for a
     ``torchtitan:`` model). ``kernels``: see :func:`trace_step`."""
-    from bonsai_core.fsdp import check_mixed_precision, computing_in, fsdp_defaults, shard_by_blocks
+    from bonsai_core.fsdp import check_mixed_precision, computing_in, fsdp_defaults, shard_by_units
 
     if mixed_precision not in (None, "none") and fsdp < 2:
         raise ModelError("--mixed-precision is FSDP2's policy: give --fsdp N (N >= 2) with it.")
@@ -120,7 +120,7 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
                 traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast,
                                     kernels=kernels)
             if fsdp > 1:
-                traced.graph = shard_by_blocks(traced.graph, model, fsdp, reshard_after_forward, mixed_precision)
+                traced.graph = shard_by_units(traced.graph, model, fsdp, reshard_after_forward, mixed_precision)
         return traced
 
     return with_batch_sizes_on_demand(trace, name, seed, options)
