@@ -83,7 +83,7 @@ def method_variant(spec: str) -> tuple[str, dict[str, Any]]:
 def attempt(graph: Graph, size: int, method: str, limit: int, max_overhead: float, reserved: str | None,
             options: dict[str, Any]) -> Attempt:
     """``method`` on ``graph`` under ``limit`` bytes (its reserved bytes with allocator ``reserved``)."""
-    from bonsai_core.solvers import solve, solve_reserved
+    from bonsai_core.solvers import FIXED_PLAN_METHODS, solve, solve_reserved
     from bonsai_core.units import format_bytes
 
     if limit < graph.peak_lower_bound:  # no method can fit: say what does not
@@ -101,7 +101,8 @@ def attempt(graph: Graph, size: int, method: str, limit: int, max_overhead: floa
             schedule = solve(graph, limit, method, **options)
     except BudgetError:
         return Attempt(method, size, False, seconds=time.perf_counter() - start,
-                       reason="no-remat peak over the limit" if method == "none" else "no schedule within the limit")
+                       reason="no-remat peak over the limit" if method == "none" else "its fixed plan peaks over the limit"
+                       if method in FIXED_PLAN_METHODS else "no schedule within the limit")
     except SolverError as e:
         return Attempt(method, size, False, seconds=time.perf_counter() - start, reason=f"solver: {e}")
     stats = schedule.stats

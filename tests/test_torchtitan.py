@@ -95,7 +95,13 @@ def test_cli_traces_torchtitan_and_solves_and_fits_with_its_methods(tmp_path, ca
     capsys.readouterr()
     assert main(["solve", str(graph), "--method", "torchtitan-selective", "--budget", "100%", "--json",
                  "-o", str(schedule)]) == 0
-    assert json.loads(capsys.readouterr().out)["status"] == "fixed"
+    fixed = json.loads(capsys.readouterr().out)
+    assert fixed["status"] == "fixed"
+    from bonsai_core.fit import attempt
+    from bonsai_core.graph import load_graph
+
+    below = attempt(load_graph(graph), 1, "torchtitan-selective", fixed["peak"] - 1, 1.0, None, {})
+    assert not below.fits and below.reason == "its fixed plan peaks over the limit"  # not "no schedule" found
     assert main(["fit", TITAN, "--seq", "32", "--layers", "2", "--gpu", "60MiB", "--methods", "torchtitan-full",
                  "torchtitan-selective", "--json"]) == 0
     fitted = json.loads(capsys.readouterr().out)

@@ -49,6 +49,8 @@ DEFAULT_METHOD = "bonsai"
 # Methods that plan only a graph with a block stack (graph.block_stack: a transformer's layers), as the
 # framework they mirror wraps its blocks; the others plan any graph.
 BLOCK_STACK_METHODS = ("torchtitan-full", "torchtitan-selective")
+# Methods whose plan does not depend on the budget: a budget below its peak is refused, not planned for.
+FIXED_PLAN_METHODS = ("none", "torchtitan-full", "torchtitan-selective")
 # Tried, in order, for a budget another method could not meet (:func:`method_meeting`): Moccasin's op-level
 # optimum, which may recompute backward ops too (beyond checkpoint regions), then DTR's fast heuristic.
 FALLBACK_METHODS = ("moccasin", "dtr")
