@@ -10,7 +10,7 @@ gradients are allocated as in steady state) against the simulator's peak of the 
 ``--mixed-precision bf16`` shards with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
 reduce_dtype=torch.float32)`` (torchtitan's); ``--reshard-after-forward all-but-last`` keeps the last block
 unsharded after its forward (torchtitan's ``apply_fsdp`` of December 2024), ``torchtitan`` shards as
-torchtitan 0.2.2's ``apply_fsdp`` does (:data:`bonsai_core.fsdp.TORCHTITAN`). gloo runs both on CPU: bf16
+torchtitan 0.2.2's ``apply_fsdp`` does (:func:`bonsai_core.fsdp.fsdp_units`). gloo runs both on CPU: bf16
 all-gathers and fp32 reduce-scatters.
 """
 
