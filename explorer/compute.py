@@ -112,6 +112,10 @@ def default_model(path: str) -> Model:
     return Model(graph, "zoo", "gpt (built-in default)", zoo="gpt", options={})
 
 
+# Options of how the step runs rather than of the model's size: trace_model takes them, the model does not
+RUN_OPTIONS = ("fsdp",)
+
+
 @st.cache_resource(show_spinner=False, max_entries=32)
 def zoo_parameters(name: str, options: Options) -> int:
     """Parameter count of a zoo model, built under FakeTensorMode (no weights allocated)."""
@@ -120,13 +124,14 @@ def zoo_parameters(name: str, options: Options) -> int:
     from bonsai_core import models
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model, _, _ = models.build(name, **dict(options))
+        model, _, _ = models.build(name, **{k: v for k, v in options if k not in RUN_OPTIONS})
         return int(sum(p.numel() for p in model.parameters()))
 
 
 @st.cache_resource(show_spinner=False, max_entries=32)
 def trace_model(name: str, options: Options) -> Model:
-    """Trace a zoo model's training step (raises ModelError on bad options)."""
+    """Trace a zoo model's training step (raises ModelError on bad options); with ``fsdp`` among the
+    options, as one of that many FSDP ranks holds it, sharded as the model's own setting shards it."""
     from bonsai_core import trace
 
     traced = trace.trace_model(name, **dict(options))

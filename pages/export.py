@@ -28,6 +28,21 @@ def cli_commands(m: compute.Model, s: state.Settings) -> str:
     return "\n".join(lines)
 
 
+def per_rank_note(m: compute.Model, s: state.Settings) -> str:
+    """How a plan for one of N FSDP ranks reaches a run: the one call on each rank before ``fully_shard``
+    (the replay back-end writes one unsharded process's step, so it does not export it)."""
+    world = m.graph.fsdp["world"]
+    call = (f'`made = bonsai_core.torchtitan.plan_for(model, batch, seq, {s.budget}, method="{s.method}", '
+            f'fsdp={world})`, then `made.apply(model)`, then torchtitan\'s `parallelize_llama` (its `apply_fsdp`)'
+            if m.zoo and m.zoo.startswith(compute.TITAN_FAMILY) else
+            f'`bonsai_core.checkpoint(model, batch, loss_fn, budget={s.budget}, method="{s.method}", fsdp={world})`, '
+            "then `fully_shard` on each block and on the model")
+    return (f"This plan is for one of {world} FSDP ranks, so it is applied to the model on each rank before sharding, "
+            f"not exported as one process's step: {call}. The call traces your model again and plans it for the "
+            "same sharding; docs/REAL_RUNS.md shows it in a torchtitan run. The schedule and graph JSON above "
+            "are this page's plan.")
+
+
 def export() -> None:
     """The schedule at the sidebar's budget, to download or to build into a runnable model."""
     s = state.settings()
@@ -50,7 +65,9 @@ def export() -> None:
                        file_name=f"{stem}.graph.json", mime="application/json", key="dl_graph")
 
     st.subheader("Runnable checkpointed model")
-    if m.zoo is None:
+    if g.fsdp is not None:
+        st.info(per_rank_note(m, s), icon=":material/info:")
+    elif m.zoo is None:
         st.info(f"This graph came from an upload ({m.label}), so the explorer cannot rebuild its model to export it. "
                 "Export schedules of uploaded graphs with the JSON above; to get a runnable model, trace the model "
                 "with `bonsai trace package.module:factory -o graph.json` and use `bonsai export`.")

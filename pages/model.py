@@ -99,9 +99,14 @@ def torchtitan_models() -> None:
                                index=flavours.index("debugmodel") if "debugmodel" in flavours else 0)
         titan_defaults = titan[flavour]
         titan_chosen = size_inputs(f"titan_{flavour}", titan_defaults)
+        ranks = int(st.number_input(
+            "FSDP ranks", min_value=1, value=1, step=1, key="titan_fsdp",
+            help="Plan one GPU of a run sharded over this many: as torchtitan 0.2.2's apply_fsdp shards the model "
+                 "(embedding, each block, and norm with output as FSDP2 units) under its bf16 mixed precision; "
+                 "each rank holds its share of fp32 parameters and gradients. 1: one GPU, no sharding."))
         left, right = st.columns([1, 4])
         if left.button("Trace", type="primary", key="titan_trace"):
-            titan_options = changed(titan_chosen, titan_defaults)
+            titan_options = tuple(sorted(changed(titan_chosen, titan_defaults) + ((("fsdp", ranks),) if ranks > 1 else ())))
             trace_with_progress(f"torchtitan:llama3:{flavour}",
                                 lambda: compute.trace_model(compute.TITAN_FAMILY + flavour, titan_options),
                                 "Change the size options and trace again.")

@@ -97,3 +97,31 @@ def test_torchtitan_llama_is_traced_from_the_model_page():
     assert any(c.value.startswith("One box per module call") for c in at.caption)
     goto(at, "fit")  # What fits traces it again at other sizes
     assert at.selectbox(key="fit_vary").options == ["batch", "seq"]
+
+
+def test_torchtitan_llama_is_traced_per_fsdp_rank_as_torchtitan_shards_it():
+    """FSDP ranks on the torchtitan tab: the step one of N ranks holds, sharded in torchtitan 0.2.2's units
+    (bf16 mixed precision), its rank breakdown on the Fit page, and a link that traces it again so."""
+    pytest.importorskip("torchtitan")
+    at = app(timeout=180)
+    at.session_state["model_tab"] = "torchtitan"
+    at.run()
+    at.number_input(key="titan_debugmodel_layers").set_value(1).run()
+    at.number_input(key="titan_debugmodel_seq").set_value(256).run()
+    at.number_input(key="titan_fsdp").set_value(4).run()
+    at.button(key="titan_trace").click().run()
+    assert not at.exception, at.exception
+    model = at.session_state["model"]
+    assert model.options == {"fsdp": 4, "layers": 1, "seq": 256}
+    fsdp = model.graph.fsdp
+    assert fsdp["world"] == 4 and fsdp["param_dtype"] == "bf16"
+    assert [u[0] for u in fsdp["units"]] == ["tok_embeddings", "layers.0", "norm,output"]
+    assert at.query_params["size"] == "fsdp:4,layers:1,seq:256"
+    at.sidebar.slider(key="budget_pct").set_value(95).run()  # on a rank this small the unsharded units set the peak
+    goto(at, "fit")
+    assert not at.exception, at.exception
+    assert any("One rank's memory of 4" in h.value for h in at.subheader)
+    goto(at, "export")  # the plan is applied per rank by the one call, not exported as one process's step
+    assert not at.exception, at.exception
+    assert any("one of 4 FSDP ranks" in i.value and "plan_for(" in i.value for i in at.info)
+    assert not [b for b in at.button if b.key == "export_build"]

@@ -521,7 +521,7 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
     smallest, proven = lowest_fallback, False
     left = clock.remaining()
     if built is not None and (left is None or left > 0):
-        peak, status = _min_peak(built, backend, left)  # None: only Chen's lowest peak is known
+        peak, status = _min_peak(graph, built, backend, left)  # None: only Chen's lowest peak is known
         if peak is not None:
             model = max(peak, budget + 1)  # above the budget just refused, whatever the solvers' tolerances
             smallest = model if smallest is None else min(smallest, model)
@@ -557,14 +557,16 @@ def smallest_budget(graph: Graph, granularity: int | None = None, backend: str =
     "time_limit") when the backend had no plan within ``time_limit``. ``offload``, ``drop_outputs``:
     the model with those columns (the options of :func:`solve_bonsai`)."""
     with _graph_lock(graph):
-        return _min_peak(build(graph, auto_ladder(graph)[-1] if granularity is None else granularity,
-                               drop_outputs=drop_outputs, offload=offload), backend, time_limit)
+        return _min_peak(graph, build(graph, auto_ladder(graph)[-1] if granularity is None else granularity,
+                                      drop_outputs=drop_outputs, offload=offload), backend, time_limit)
 
 
-def _min_peak(built: BuiltModel, backend: str, time_limit: float | None) -> tuple[int | None, str]:
-    """(bytes, status) of the model's min-peak MILP: the larger of its peak and the exact peak of the plan
-    it found (a budget the main problem accepts even at the solvers' tolerances); (None, status) when it
-    has no plan: infeasible, or none within ``time_limit`` ("time_limit"; without a limit a failure raises)."""
+def _min_peak(graph: Graph, built: BuiltModel, backend: str, time_limit: float | None) -> tuple[int | None, str]:
+    """(bytes, status) of the model's min-peak MILP: the largest of its peak, the model's exact peak of the
+    plan it found (a budget the main problem accepts even at the solvers' tolerances) and that plan's
+    simulated peak (what the model leaves out, such as an FSDP rank's unsharded blocks, included);
+    (None, status) when it has no plan: infeasible, or none within ``time_limit`` ("time_limit"; without a
+    limit a failure raises)."""
     problem, z = built.min_peak_problem()
     try:
         outcome = solve_milp(problem, backend=backend, time_limit=time_limit)
@@ -574,9 +576,9 @@ def _min_peak(built: BuiltModel, backend: str, time_limit: float | None) -> tupl
         return None, "time_limit"
     if outcome.status == "infeasible":
         return None, outcome.status
-    off = np.round(built.off.value) if built.off is not None else None
-    return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(np.round(built.rec.value), off)), \
-        outcome.status
+    rec, off = np.round(built.rec.value), np.round(built.off.value) if built.off is not None else None
+    simulated = simulate(graph, plan_schedule(graph, useful_saved(graph, built.plan(rec, off)), "bonsai")).peak
+    return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(rec, off), simulated), outcome.status
 
 
 def lowest_budget(graph: Graph, backend: str = DEFAULT_BACKEND, time_limit: float | None = None) -> int | None:
