@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bonsai_core.errors import BonsaiError
+from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.fsdp import with_fsdp, working_profile
 from bonsai_core.graph import Graph
 from bonsai_core.optimizer import with_optimizer
@@ -282,3 +282,20 @@ def test_torchtitan_s_model_is_sharded_in_the_units_its_apply_fsdp_makes(reshard
                                                              layers=2).graph.fixed_tensors if kind == "param")
     assert sum(u[3] for u in fsdp["units"]) + fsdp["root_bytes"] == params // 2  # fp32 traced, bf16 gathered
     assert (fsdp["root_bytes"] == 0) == (reshard == "torchtitan")
+
+
+def test_bonsai_names_a_budget_it_meets_on_a_rank_its_model_leaves_the_unsharded_blocks_out_of():
+    """On a rank whose peak the unsharded blocks set (one small block, 4 ranks), no plan below the no-remat
+    peak fits; bonsai's error names the smallest budget it can guarantee from its min-peak plan as
+    simulated, and meets it (it named the refused budget plus one byte, at every budget)."""
+    import re
+
+    from bonsai_core.solvers import solve
+
+    graph = trace_model("gpt", fsdp=4, layers=1, batch=1, seq=16, width=64, heads=2, vocab=512).graph
+    budget = int(0.9 * no_remat_peak(graph))
+    with pytest.raises(BudgetError) as refused:
+        solve(graph, budget, "bonsai", time_limit=30)
+    guaranteed = int(re.search(r"guarantee is .*?\((\d+) bytes\)", str(refused.value)).group(1))
+    assert guaranteed > budget + 1
+    assert solve(graph, guaranteed, "bonsai", time_limit=30).stats["peak"] <= guaranteed
