@@ -28,19 +28,26 @@ def cli_commands(m: compute.Model, s: state.Settings) -> str:
     return "\n".join(lines)
 
 
-def per_rank_note(m: compute.Model, s: state.Settings) -> str:
+def per_rank_note(m: compute.Model, s: state.Settings, live_peak: int) -> str:
     """How a plan for one of N FSDP ranks reaches a run: the one call on each rank before ``fully_shard``
     (the replay back-end writes one unsharded process's step, so it does not export it)."""
     world = m.graph.fsdp["world"]
-    call = (f'`made = bonsai_core.torchtitan.plan_for(model, batch, seq, {s.budget}, method="{s.method}", '
-            f'fsdp={world})`, then `made.apply(model)`, then torchtitan\'s `parallelize_llama` (its `apply_fsdp`)'
+    # the one call budgets live bytes: under a reserved bound, the live peak of this page's plan
+    budget = live_peak if s.reserved else s.budget
+    optimizer = m.graph.optimizer["name"] if m.graph.optimizer else "none"
+    common = f'{budget}, method="{s.method}", fsdp={world}, optimizer="{optimizer}"'
+    call = (f"`made = bonsai_core.torchtitan.plan_for(model, batch, seq, {common})`, then `made.apply(model)`, then "
+            "torchtitan's `parallelize_llama` (its `apply_fsdp`)"
             if m.zoo and m.zoo.startswith(compute.TITAN_FAMILY) else
-            f'`bonsai_core.checkpoint(model, batch, loss_fn, budget={s.budget}, method="{s.method}", fsdp={world})`, '
-            "then `fully_shard` on each block and on the model")
+            f"`bonsai_core.checkpoint(model, batch, loss_fn, budget={common})`, then `fully_shard` on each block and on "
+            "the model")
     return (f"This plan is for one of {world} FSDP ranks, so it is applied to the model on each rank before sharding, "
-            f"not exported as one process's step: {call}. The call traces your model again and plans it for the "
-            "same sharding; docs/REAL_RUNS.md shows it in a torchtitan run. The schedule and graph JSON above "
-            "are this page's plan.")
+            f"not exported as one process's step: {call}. The call traces your model again and plans it for its "
+            "sharding (`plan_for`: torchtitan's; `bonsai_core.checkpoint`: the `reshard_after_forward` and "
+            "`mixed_precision` you pass)" + (" (the budget is this plan's live peak: the call budgets live bytes)" if s.reserved else "")
+            + ("; give your optimizer (`optimizer=\"adamw\"`) to count its state, which this graph leaves out. "
+               if m.graph.optimizer is None else ". ")
+            + "docs/REAL_RUNS.md shows it in a torchtitan run. The schedule and graph JSON above are this page's plan.")
 
 
 def export() -> None:
@@ -66,7 +73,7 @@ def export() -> None:
 
     st.subheader("Runnable checkpointed model")
     if g.fsdp is not None:
-        st.info(per_rank_note(m, s), icon=":material/info:")
+        st.info(per_rank_note(m, s, out.sim.peak), icon=":material/info:")
     elif m.zoo is None:
         st.info(f"This graph came from an upload ({m.label}), so the explorer cannot rebuild its model to export it. "
                 "Export schedules of uploaded graphs with the JSON above; to get a runnable model, trace the model "
