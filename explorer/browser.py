@@ -442,7 +442,7 @@ async def many_sessions(url: str, reference: int, sessions: int, rounds: int, sh
             pages, ends = [], []
             for _ in range(sessions):
                 pg = await (await browser.new_context(viewport={"width": 1280, "height": 900})).new_page()
-                pg.set_default_timeout(120_000)
+                pg.set_default_timeout(300_000)  # ten tabs on a loaded machine: a bound on waiting, not a measure
                 ends.append(record_script_ends(pg))
                 pages.append(pg)
             for pg in pages:  # one after the other: ten tabs parsing Streamlit's bundle at once time out here
