@@ -75,16 +75,23 @@ def test_a_link_restores_the_reserved_bound():
     assert at.sidebar.selectbox(key="budget_bound").value == "expandable"
 
 
-def test_torchtitan_llama_is_traced_from_the_model_page():
+def titan_tab(seq: int):
+    """The Model page's torchtitan tab (what opening it sets: it runs only while open), debugmodel with one
+    block at ``seq``."""
     pytest.importorskip("torchtitan")
     at = app(timeout=180)
-    at.session_state["model_tab"] = "torchtitan"  # what opening the tab sets (it runs only while open)
+    at.session_state["model_tab"] = "torchtitan"
     at.run()
     assert not at.exception
+    at.number_input(key="titan_debugmodel_layers").set_value(1).run()
+    at.number_input(key="titan_debugmodel_seq").set_value(seq).run()
+    return at
+
+
+def test_torchtitan_llama_is_traced_from_the_model_page():
+    at = titan_tab(64)
     assert at.selectbox(key="titan_flavour").value == "debugmodel"
     assert any("Slow to trace" in c.value for c in at.caption)
-    at.number_input(key="titan_debugmodel_layers").set_value(1).run()
-    at.number_input(key="titan_debugmodel_seq").set_value(64).run()
     at.button(key="titan_trace").click().run()
     assert not at.exception, at.exception
     model = at.session_state["model"]
@@ -102,12 +109,7 @@ def test_torchtitan_llama_is_traced_from_the_model_page():
 def test_torchtitan_llama_is_traced_per_fsdp_rank_as_torchtitan_shards_it():
     """FSDP ranks on the torchtitan tab: the step one of N ranks holds, sharded in torchtitan 0.2.2's units
     (bf16 mixed precision), its rank breakdown on the Fit page, and a link that traces it again so."""
-    pytest.importorskip("torchtitan")
-    at = app(timeout=180)
-    at.session_state["model_tab"] = "torchtitan"
-    at.run()
-    at.number_input(key="titan_debugmodel_layers").set_value(1).run()
-    at.number_input(key="titan_debugmodel_seq").set_value(256).run()
+    at = titan_tab(256)
     at.number_input(key="titan_fsdp").set_value(4).run()
     at.button(key="titan_trace").click().run()
     assert not at.exception, at.exception

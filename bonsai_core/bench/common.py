@@ -112,6 +112,19 @@ def page_header(command: str, sources: Sequence[str]) -> str:
 
 # -- a suite that writes a docs/results page from its results.json (offload, export, explorer) ------------
 
+def add_page_arguments(ap: Any, default_out: str, record_page: str, quick: str | None = None) -> None:
+    """``--out``, ``--page`` and ``--report-only`` (what :func:`page_refusal` and :func:`run_page_suite`
+    read), and ``--quick`` with ``quick`` saying what it measures, where the suite has one."""
+    ap.add_argument("--out", default=default_out, help="folder of results.json (default %(default)s)")
+    ap.add_argument("--page", metavar="PAGE", help=f"also write the results page there ({record_page})")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing: write the page from OUT/results.json (needs --page)")
+    if quick:
+        ap.add_argument("--quick", action="store_true",
+                        help=f"{quick}, a smoke test (needs another --out than the default, and another page than "
+                             f"{record_page})")
+
+
 def same_path(a: str, b: str) -> bool:
     """Whether path ``a`` is ``b``, ``b`` read from the working directory or from the repository root."""
     return Path(a).resolve() in ((ROOT / b).resolve(), Path(b).resolve())

@@ -53,13 +53,7 @@ def harness() -> ModuleType:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--out", default=DEFAULT_OUT, help="folder of results.json (default %(default)s)")
-    ap.add_argument("--page", metavar="PAGE", help=f"also write the results page there ({RECORD_PAGE})")
-    ap.add_argument("--report-only", action="store_true",
-                    help="measure nothing: write the page from OUT/results.json (needs --page)")
-    ap.add_argument("--quick", action="store_true",
-                    help="small counts and no large graphs, a smoke test (needs another --out than the default, "
-                         f"and another page than {RECORD_PAGE})")
+    common.add_page_arguments(ap, DEFAULT_OUT, RECORD_PAGE, quick="small counts and no large graphs")
 
 
 # -- measuring in-process ---------------------------------------------------------------------------

@@ -65,14 +65,8 @@ REALISED = 0.01  # the checkpoint back-end runs the plan when its realised peak 
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--out", default=DEFAULT_OUT, help="folder of results.json (default %(default)s)")
+    common.add_page_arguments(ap, DEFAULT_OUT, RECORD_PAGE, quick="one model per study")
     ap.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve (default %(default)s)")
-    ap.add_argument("--page", metavar="PAGE", help=f"also write the results page there ({RECORD_PAGE})")
-    ap.add_argument("--report-only", action="store_true",
-                    help="measure nothing: write the page from OUT/results.json (needs --page)")
-    ap.add_argument("--quick", action="store_true",
-                    help="one model per study, a smoke test (needs another --out than the default, and another "
-                         f"page than {RECORD_PAGE})")
 
 
 # -- measuring ------------------------------------------------------------------------------------

@@ -30,11 +30,8 @@ SOURCES = ["bonsai_core/bench/offload.py"]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--out", default="docs/bench/offload", help="folder of results.json (default %(default)s)")
+    common.add_page_arguments(ap, "docs/bench/offload", "docs/results/offload.md")
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per bonsai solve")
-    ap.add_argument("--page", metavar="PAGE", help="also write the results page there (docs/results/offload.md)")
-    ap.add_argument("--report-only", action="store_true",
-                    help="measure nothing: write the page from OUT/results.json (needs --page)")
 
 
 # -- measuring ------------------------------------------------------------------------------------
