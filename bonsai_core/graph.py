@@ -20,6 +20,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -327,6 +328,13 @@ class Graph:
     def deps(self, v: int) -> np.ndarray:
         """Sorted ids of the nodes whose outputs node ``v`` reads."""
         return self.dep_idx[self.dep_ptr[v]:self.dep_ptr[v + 1]]
+
+    @cached_property
+    def dep_lists(self) -> tuple[tuple[int, ...], ...]:
+        """Every node's ``deps`` as a tuple of ints: what a Python loop over the nodes indexes (a numpy slice
+        per node costs it more than the loop's own work)."""
+        idx, ptr = tuple(self.dep_idx.tolist()), self.dep_ptr.tolist()
+        return tuple(idx[ptr[v]:ptr[v + 1]] for v in range(self.n))
 
     def users(self, v: int) -> np.ndarray:
         """Sorted ids of the nodes that read node ``v``'s output."""
