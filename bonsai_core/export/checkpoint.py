@@ -752,7 +752,8 @@ def _export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, 
             f"can be recomputed faithfully; `{path}`: {why}. torch.utils.checkpoint requires a recomputation to "
             "run the ops its forward ran: keep a submodule's forward free of state that it changes and reads back "
             "(a cache it appends to), or export with --backend replay, which runs the traced step.")
-    return write_folder(out_dir, source, graph, schedule, sim, lambda folder: checkpoint_readme(info, lay, folder))
+    return write_folder(out_dir, source, graph, schedule, sim, lambda folder: checkpoint_readme(
+        info, [(u.path, u.ops, sum(map(len, u.saves.values())), u.dropped_bytes) for u in lay.units], folder))
 
 
 _TEMPLATE = '''\
