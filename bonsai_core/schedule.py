@@ -156,13 +156,15 @@ class Residency:
     an input written in place (rule 8) ends at the compute that takes its bytes, and a free an offload
     copy still reads (rule 9) ends when that copy's bytes are released. Views and other nodes without
     bytes are in it too, from compute to free. ``recomputed``: the copy comes from a second or later
-    compute of its node (a reload's copy is not). So ``fixed_mem`` + the bytes of ``live_at(i)`` (+
-    FSDP's working memory) is ``timeline[i]``."""
+    compute of its node (a reload's copy is not). ``taken``: its bytes go to the output of the compute at
+    ``end``, written in place (rule 8). So ``fixed_mem`` + the bytes of ``live_at(i)`` (+ FSDP's working
+    memory) is ``timeline[i]``."""
 
     node: np.ndarray  # int64
     start: np.ndarray  # int64, the position of the compute or reload op
     end: np.ndarray  # int64, the first op after which the bytes no longer count
     recomputed: np.ndarray  # bool
+    taken: np.ndarray  # bool
     n_ops: int
 
     def live_at(self, i: int) -> np.ndarray:
@@ -407,6 +409,7 @@ class _Device:
         self.copy_of = [0] * n  # each node's current copy, by its start
         self.starts: list[int] = []
         self.again: list[int] = []  # the copies (by index) of a second or later compute
+        self.taken: list[int] = []  # rule 8: the copies (by start) whose bytes an in-place write took
         self.ends = [len(ops)] * len(ops)
         self.written = inplace_writes(graph, ops)  # rule 8: compute position -> the free that releases nothing
         self.handed_over = set(self.written.values())
@@ -455,6 +458,7 @@ class _Device:
     def write_in_place(self, i: int, v: int) -> None:
         """Rule 8: v takes its input's bytes, whose copy ends here (the free after it releases nothing)."""
         self.ends[self.copy_of[self.inplace_of[v]]] = i
+        self.taken.append(self.copy_of[self.inplace_of[v]])
 
     def reload(self, i: int, v: int) -> None:
         """Rule 9: v's bytes are back on the device, a new copy (no compute)."""
@@ -492,8 +496,10 @@ class _Device:
         start = np.asarray(self.starts, dtype=np.int64)
         recomputed = np.zeros(len(start), dtype=bool)
         recomputed[self.again] = True
+        taken = np.zeros(len(self.ends), dtype=bool)  # by position
+        taken[self.taken] = True
         return Residency(node=nodes[start], start=start, end=np.asarray(self.ends, dtype=np.int64)[start],
-                         recomputed=recomputed, n_ops=len(nodes))
+                         recomputed=recomputed, taken=taken[start], n_ops=len(nodes))
 
 
 class _HostCopies:
