@@ -108,7 +108,7 @@ class Sharding:
         torchtitan's for a ``torchtitan:`` model). Mixed precision is FSDP2's policy: asked for on an
         unsharded step (``world`` 1) it is refused, and a model's default one applies to a sharded step only."""
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise BonsaiError(f"{world!r} ranks: FSDP shards a step over 1 or more ranks (--fsdp N, fsdp=N).")
+            raise BonsaiError(f"fsdp={world!r}: the number of ranks FSDP shards a step over must be at least 1.")
         if mixed_precision not in (None, "none") and world < 2:
             raise BonsaiError(f"Mixed precision {mixed_precision!r} is FSDP2's policy: shard the step over N >= 2 "
                               "ranks with it (--fsdp N, fsdp=N), or leave it out.")
