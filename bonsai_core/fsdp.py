@@ -108,10 +108,10 @@ class Sharding:
         torchtitan's for a ``torchtitan:`` model). Mixed precision is FSDP2's policy: asked for on an
         unsharded step (``world`` 1) it is refused, and a model's default one applies to a sharded step only."""
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise BonsaiError(f"{world!r} ranks: FSDP shards a step over 1 or more ranks (--fsdp N, fsdp=N).")
+            raise BonsaiError(f"fsdp={world!r}: FSDP shards a step over at least 1 rank; give the number of ranks.")
         if mixed_precision not in (None, "none") and world < 2:
-            raise BonsaiError(f"Mixed precision {mixed_precision!r} is FSDP2's policy: shard the step over N >= 2 "
-                              "ranks with it (--fsdp N, fsdp=N), or leave it out.")
+            raise BonsaiError(f"Mixed precision {mixed_precision!r} is FSDP2's policy: shard the step over 2 or more "
+                              "ranks with it (fsdp), or leave it out.")
         reshard, precision = fsdp_defaults(model, reshard_after_forward, mixed_precision)
         return cls(world, reshard, check_mixed_precision(precision) if world > 1 else None)
 
