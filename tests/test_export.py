@@ -38,8 +38,6 @@ SMALL = {
     "gpt": dict(batch=2, seq=16, width=32, layers=2, heads=2, vocab=64),
 }
 LEVELS = (0, 1, 2)
-# the main test's levels: the middle one in the slow stage (the loosest and the tightest budgets by default)
-TEST_LEVELS = [0, pytest.param(1, marks=pytest.mark.slow), 2]
 BUDGET_SHARES = (0.9, 0.7, 0.5)
 ATOL = 1e-5
 
@@ -125,10 +123,23 @@ def small_steps():
     return {name: (trace_model(name, **opts), step_signature(name, opts)) for name, opts in SMALL.items()}
 
 
-@pytest.mark.parametrize("level", TEST_LEVELS)
-@pytest.mark.parametrize("name,factory", [pytest.param(n, f, marks=pytest.mark.slow) if f in SLOW_FACTORIES
-                                          or (f, n) in SLOW_CASES else (n, f)
-                                          for f in FACTORIES for n in SMALL if (f, n) not in UNSOLVED])
+def default_cases() -> set[tuple[str, str, int]]:
+    """The cases the default run keeps, one per mechanism: every factory once (the models taken in turn,
+    the levels alternating) and every model under the general schedule at its tightest level (the most
+    recomputation). The rest of the grid, model x factory x level, is the slow stage's."""
+    models = list(SMALL)
+    kept = {(models[i % len(models)], f, LEVELS[2 * (i % 2)]) for i, f in enumerate(FACTORIES)}
+    return kept | {(m, "recompute-before-use", LEVELS[-1]) for m in models}
+
+
+def export_cases() -> list:
+    keep = default_cases()
+    return [pytest.param(n, f, level, marks=pytest.mark.slow)
+            if f in SLOW_FACTORIES or (f, n) in SLOW_CASES or (n, f, level) not in keep else (n, f, level)
+            for level in LEVELS for f in FACTORIES for n in SMALL if (f, n) not in UNSOLVED]
+
+
+@pytest.mark.parametrize("name,factory,level", export_cases())
 def test_export_matches_original_and_predicted_peak(small_steps, tmp_path, name, factory, level):
     traced, signature = small_steps[name]
     g = traced.graph

@@ -164,6 +164,7 @@ def test_attention_adding_its_bias_in_place_trains_alike_within_the_prediction()
     assert report.regions and report.unrealised_bytes == 0 and report.predicted_peak == report.plan_peak
 
 
+@pytest.mark.slow  # 15-60 s; the mechanism, a bias added to the scores in place: test_attention_adding_its_bias_*
 def test_t5_from_a_tiny_config_trains_alike_within_the_prediction():
     from transformers import T5Config, T5ForConditionalGeneration
 

@@ -268,6 +268,7 @@ def test_example_plain_training_loop(tmp_path):
     assert "checkpointed" in out and "step 1: loss" in out
 
 
+@pytest.mark.slow  # a process of its own, 20-70 s; the one call on Hugging Face LMs in-process: test_hf_causal_lm_*
 def test_example_hugging_face_causal_lm(tmp_path):
     pytest.importorskip("transformers")
     out = _run_example(["examples/train_hf_causal_lm.py", "--steps", "2"], tmp_path)
