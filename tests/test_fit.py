@@ -67,6 +67,7 @@ def test_a_method_that_fits_no_size_reads_as_a_dash_not_nan():
     assert "nan" not in markdown_table(result)
 
 
+@pytest.mark.slow  # 10-30 s; `bonsai fit` from the command line: test_a_variant_is_searched_and_reported_under_*
 def test_cli_fit(tmp_path, capsys):
     from bonsai_core.cli import main
 

@@ -236,6 +236,7 @@ def test_tracing_a_packed_step_on_fake_tensors_says_what_to_do():
     assert isinstance(info.value, ModelError)
 
 
+@pytest.mark.slow  # 10-45 s; the batch sizes read from a real forward: test_a_packed_lstm_traces_and_is_predicted
 def test_trace_step_reads_the_batch_sizes_of_real_inputs():
     from bonsai_core.trace import trace_step
 
