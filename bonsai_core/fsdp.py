@@ -103,15 +103,16 @@ class Sharding:
 
     @classmethod
     def of(cls, world: int = 1, reshard_after_forward: bool | str | None = None, mixed_precision: str | None = None,
-           model: str = "") -> "Sharding":
+           model: str = "", ranks: str = "fsdp=") -> "Sharding":
         """The setting asked for, the model spec's own where left out (None; :func:`fsdp_defaults`:
         torchtitan's for a ``torchtitan:`` model). Mixed precision is FSDP2's policy: asked for on an
-        unsharded step (``world`` 1) it is refused, and a model's default one applies to a sharded step only."""
+        unsharded step (``world`` 1) it is refused, and a model's default one applies to a sharded step only.
+        ``ranks``: how the caller's user gives the ranks, in a refusal (``fsdp=``; the command: ``--fsdp ``)."""
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise BonsaiError(f"fsdp={world!r}: the number of ranks FSDP shards a step over must be at least 1.")
+            raise BonsaiError(f"{ranks}{world!r}: FSDP shards a step over at least 1 rank; give the number of ranks.")
         if mixed_precision not in (None, "none") and world < 2:
-            raise BonsaiError(f"Mixed precision {mixed_precision!r} is FSDP2's policy: shard the step over N >= 2 "
-                              "ranks with it (--fsdp N, fsdp=N), or leave it out.")
+            raise BonsaiError(f"Mixed precision {mixed_precision!r} is FSDP2's policy: give {ranks}N (N >= 2) with it, "
+                              "or leave it out.")
         reshard, precision = fsdp_defaults(model, reshard_after_forward, mixed_precision)
         return cls(world, reshard, check_mixed_precision(precision) if world > 1 else None)
 

@@ -14,6 +14,7 @@ from bonsai_core.solvers import solve
 from bonsai_core.solvers import bonsai as B
 from bonsai_core.solvers.chen import candidate_plans
 from tests.graphs import chain
+from tests.marks import sweep
 
 ASSET = Path(__file__).resolve().parent.parent / "assets" / "gpt-default.json"
 
@@ -212,7 +213,7 @@ def all_plans_saving_ops(graph: Graph, built):
                 int(np.ceil((memory + total).max()))
 
 
-@pytest.mark.parametrize("graph", [random_net(2, 5), reader_net(1, 5)], ids=lambda g: g.name)
+@pytest.mark.parametrize("graph", sweep([reader_net(1, 5), random_net(2, 5)]), ids=lambda g: g.name)
 def test_saving_ops_inside_recomputed_segments_is_optimal_in_its_model(graph):
     """Against every plan whose recomputed segments each save one density level's ops (selective
     checkpointing's MUST_SAVE): the model bounds every plan's simulated peak; at every budget the ILP's
@@ -297,7 +298,7 @@ def all_plans_saving_self_contained(graph: Graph):
         yield CheckpointPlan(plan.segments, plan.recomputed, frozenset(), frozenset(saved))
 
 
-@pytest.mark.parametrize("graph", [masked_net(s, n) for s, n in ((0, 5), (1, 5), (2, 6), (3, 5), (5, 6), (8, 5))],
+@pytest.mark.parametrize("graph", sweep([masked_net(s, n) for s, n in ((0, 5), (1, 5), (3, 5), (8, 5), (2, 6), (5, 6))], 2),
                          ids=lambda g: g.name)
 def test_saving_self_contained_is_optimal_in_its_model(graph):
     """Graphs with a mask-like constant, against every plan whose recomputed segments save their
@@ -394,9 +395,9 @@ def modelled_peak_dropping_outputs(built, plan: CheckpointPlan) -> int:
     return int((memory + np.cumsum(total)).max())
 
 
-@pytest.mark.parametrize("graph", [Graph.from_dict(FORWARD_PEAK), Graph.from_dict(MUL8), random_net(0, n=5), random_net(4, n=6),
-                                   random_net(1, 5, views=True), random_net(2, 5, views=True)]
-                         + [reader_net(s, n) for s, n in ((0, 6), (3, 6), (4, 5))],
+@pytest.mark.parametrize("graph", sweep([Graph.from_dict(FORWARD_PEAK), Graph.from_dict(MUL8), random_net(0, n=5),
+                                         random_net(1, 5, views=True), random_net(2, 5, views=True), reader_net(4, 5),
+                                         random_net(4, n=6), reader_net(0, 6), reader_net(3, 6)], 6),
                          ids=lambda g: g.name)
 def test_dropping_outputs_is_optimal_in_its_model_and_never_worse(graph):
     """drop_outputs=True against every plan of the larger space: the model bounds every plan's peak; at
@@ -722,8 +723,8 @@ def test_bad_gap_is_refused_with_a_clear_message(bad):
         solve(chain(3), None, "bonsai", gap=bad)
 
 
-@pytest.mark.parametrize("graph", [random_net(0), random_net(3), random_net(1, 5, views=True), random_net(2, 5, views=True),
-                                   reader_net(1, n=6), masked_net(0, n=5), Graph.from_dict(MUL8)],
+@pytest.mark.parametrize("graph", sweep([random_net(0), random_net(3), random_net(1, 5, views=True), random_net(2, 5, views=True),
+                                         reader_net(1, n=6), Graph.from_dict(MUL8), masked_net(0, n=5)], 6),
                          ids=lambda g: g.name)
 def test_no_checkpoint_plan_peaks_below_the_region_bound(graph):
     """Every plan, with its recomputed segments keeping or dropping their outputs, peaks at or above

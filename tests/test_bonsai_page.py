@@ -240,7 +240,7 @@ def test_report_only_writes_the_page_from_the_saved_results(tmp_path):
     assert main(["bench", "bonsai", "-o", str(saved), "--page", str(out), "--report-only"]) == 0
     text = compact(out.read_text())
     assert text.startswith("<!-- written by: `bonsai bench bonsai -o R.json --page P` at commit ")
-    assert "sources bonsai_core/bench/bonsai_page.py,bonsai_core/bench/bonsai.py hash " in text.split("\n")[0]
+    assert "sources bonsai_core/bench/bonsai_page.py,bonsai_core/bench/bonsai.py,bonsai_core/bench/templates/bonsai.md hash " in text.split("\n")[0]
     assert "kept in [bonsai.json](bonsai.json)" in text and "The largest gain: 3.50 points" in text
 
 

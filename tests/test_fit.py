@@ -31,7 +31,8 @@ def test_the_search_finds_each_methods_largest_size(limits):
 
 @pytest.fixture(scope="module")
 def searched():
-    return fit("gpt", 24 * 2**20, ["none", "bonsai", "chen"], max_overhead=0.15, options=dict(layers=1, seq=32),
+    # 10 MiB: ten sizes searched (none fits batch 10, bonsai 14); 24 MiB searched nineteen, three times as long
+    return fit("gpt", 10 * 2**20, ["none", "bonsai", "chen"], max_overhead=0.15, options=dict(layers=1, seq=32),
                optimizer="adamw", solver_options={"time_limit": 20})
 
 
@@ -66,6 +67,7 @@ def test_a_method_that_fits_no_size_reads_as_a_dash_not_nan():
     assert "nan" not in markdown_table(result)
 
 
+@pytest.mark.slow  # 10-30 s; `bonsai fit` from the command line: test_a_variant_is_searched_and_reported_under_*
 def test_cli_fit(tmp_path, capsys):
     from bonsai_core.cli import main
 
@@ -82,7 +84,7 @@ def test_the_what_fits_page_searches_the_loaded_model():
     from tests.test_app import app, goto
 
     at = goto(app(), "fit")
-    at.text_input(key="fit_gpu").set_value("40MiB").run()
+    at.text_input(key="fit_gpu").set_value("16MiB").run()  # four sizes searched (40 MiB: eight)
     at.multiselect(key="fit_methods").set_value(["none", "chen"]).run()
     at.button(key="fit_run").click().run()
     assert not at.exception, at.exception

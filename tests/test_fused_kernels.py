@@ -14,6 +14,7 @@ from bonsai_core.measure import OpOutputs, measure_step, predicted_op_outputs
 from bonsai_core.recurrent import MKLDNN_RNN_LAYER, cpu_lstm, onednn_lstm_workspace_bytes, register_workspace_shape
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.trace import trace_model
+from tests.marks import sweep
 
 LSTM_LM = "tests.recurrent_models:make_lstm_lm"
 SMALL = dict(batch=2, seq=8, vocab=32, width=16)
@@ -211,7 +212,7 @@ def make_packed_lm(batch=4, seq=16, vocab=64, width=32, bidirectional=False):
             CrossEntropyLoss(torch.randint(0, vocab, (batch, seq)), flatten=True))
 
 
-@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("bidirectional", sweep([False, True]))
 def test_a_packed_lstm_traces_and_is_predicted(bidirectional):
     """The lengths come from the batch: the trace reads the batch sizes from one real forward pass."""
     from bonsai_core.packed import recorded_batch_sizes
@@ -235,6 +236,7 @@ def test_tracing_a_packed_step_on_fake_tensors_says_what_to_do():
     assert isinstance(info.value, ModelError)
 
 
+@pytest.mark.slow  # 10-45 s; the batch sizes read from a real forward: test_a_packed_lstm_traces_and_is_predicted
 def test_trace_step_reads_the_batch_sizes_of_real_inputs():
     from bonsai_core.trace import trace_step
 

@@ -19,6 +19,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.schedule import COMPUTE, FREE, Schedule, inplace_writes, none_schedule, simulate
 from bonsai_core.trace import trace_model
 from tests.test_export import checkpoint_every_other, recompute_before_use
+from tests.marks import sweep
 
 MODEL = "tests.export_models:inplace_block"
 # (at batch <= 3 this size's BatchNorm statistics are over a quarter of their outputs and stay in the
@@ -108,7 +109,7 @@ def test_an_input_kept_past_the_write_gets_a_fresh_output(block, tmp_path):
     _export_and_verify(traced, signature, schedule, tmp_path, MODEL, {})
 
 
-@pytest.mark.parametrize("make", ["none", "recompute"])
+@pytest.mark.parametrize("make", sweep(["recompute", "none"]))
 def test_hf_resnet_residual_adds_are_run_in_place(tmp_path, make):
     """transformers' ResNet adds each residual in place (``hidden_state += residual``)."""
     traced = trace_model("hf:resnet", **HF_RESNET)

@@ -62,6 +62,7 @@ def test_an_lstm_with_dropout_between_layers_is_refused_by_the_replay(tmp_path, 
     assert "'lstm' (LSTM)" in err and "dropout 0.1" in err and "--backend checkpoint" in err
 
 
+@pytest.mark.slow  # 15-70 s; the model trains alike under the one call in tests/test_training.py
 def test_a_batchnorm_cnn_with_stochastic_depth_verifies_printing_both_differences(tmp_path, capsys):
     printed = _export_verify("tests.robust_models:make_stochastic_depth_cnn", tmp_path, "70%", capsys)
     assert "OK" in printed

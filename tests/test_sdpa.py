@@ -20,6 +20,7 @@ from bonsai_core.measure import measure_step
 from bonsai_core.models import zoo
 from bonsai_core.schedule import COMPUTE, no_remat_peak, none_schedule
 from bonsai_core.trace import trace_model
+from tests.marks import sweep
 
 pytest.importorskip("transformers")
 
@@ -154,7 +155,7 @@ def test_exported_gpt2_recomputes_its_attention_with_the_same_dropout(tmp_path):
     assert not v.problems()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", sweep(["llama", "gpt2"]))
 def test_bf16_parameters_are_what_a_bf16_step_holds(tmp_path, arch):
     """``dtype=bf16``: parameters, gradients and activations in bf16 in the graph, as measured; the
     exported step's peak is the prediction to a few bytes, with the same loss and gradients to bf16's

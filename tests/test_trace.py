@@ -7,6 +7,7 @@ from bonsai_core.measure import LiveBytes, measure_step
 from bonsai_core.models import zoo
 from bonsai_core.schedule import none_schedule, simulate
 from bonsai_core.trace import trace_model, trace_step
+from tests.marks import sweep
 
 
 @pytest.mark.parametrize("name", list(zoo.ZOO))
@@ -42,7 +43,8 @@ def test_zoo_defaults_are_activation_dominated(traced_zoo, name):
     assert peak - g.fixed_mem > g.fixed_mem
 
 
-@pytest.mark.parametrize("name", list(zoo.ZOO))
+# BatchNorm's statistics, attention and a plain MLP by default; the other zoo models in the slow stage
+@pytest.mark.parametrize("name", sweep(["resnet", "gpt", "mlp", *(n for n in zoo.ZOO if n not in ("resnet", "gpt", "mlp"))], 3))
 def test_predicted_no_remat_peak_matches_a_real_step(traced_zoo, name):
     g = traced_zoo[name].graph
     predicted = simulate(g, none_schedule(g)).peak

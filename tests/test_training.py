@@ -263,11 +263,13 @@ def _run_example(args: list[str], tmp_path: Path, timeout: int = 300) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # a process of its own, 15-60 s; the one call in a training loop: test_zoo_gpt_trains_the_same_*
 def test_example_plain_training_loop(tmp_path):
     out = _run_example(["examples/train_gpt.py", "--steps", "2"], tmp_path)
     assert "checkpointed" in out and "step 1: loss" in out
 
 
+@pytest.mark.slow  # a process of its own, 20-70 s; the one call on Hugging Face LMs in-process: test_hf_causal_lm_*
 def test_example_hugging_face_causal_lm(tmp_path):
     pytest.importorskip("transformers")
     out = _run_example(["examples/train_hf_causal_lm.py", "--steps", "2"], tmp_path)

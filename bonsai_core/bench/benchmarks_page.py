@@ -9,11 +9,11 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Sequence
 
-from bonsai_core.bench.common import capitalized, listing, median, pct, run_dates
+from bonsai_core.bench.common import capitalized, listing, median, pct, render, run_dates, template_source
 from bonsai_core.errors import BonsaiError
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
-SOURCES = ["bonsai_core/bench/benchmarks_page.py", "bonsai_core/bench/methods.py"]
+SOURCES = ["bonsai_core/bench/benchmarks_page.py", "bonsai_core/bench/methods.py", template_source("benchmarks")]
 TIE = 1e-9  # overheads this close are a tie (as results.md's bold and its counts take them)
 OP_LEVEL = ("moccasin", "checkmate", "dtr", "coop")  # schedules of single ops, outside bonsai's plan space
 SOLVER_OF = {"moccasin": "CP-SAT", "checkmate": "MILP"}
@@ -439,20 +439,6 @@ def solver_bullet(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) ->
 
 # -- the page --------------------------------------------------------------------------------------
 
-def intro(models: dict[str, dict[float, Cell]], meta: dict[str, Any], bench: str) -> str:
-    cells = sum(len(b) for b in models.values())
-    return (f"# Every method and peer, side by side: what the run shows\n\nMachine: {meta['machine']}, torch "
-            f"{meta['torch']}. Date: {run_dates(meta)} ({meta['seconds'] / 60:.0f} minutes). "
-            f"Command:\n\n```\n{meta['command']}\n```\n\nIt measured {len(models)} models, {cells} model × budget "
-            f"cells in all; the command wrote the tables below and this page from their results. The tables: "
-            f"[{bench}/results.md]({bench}/results.md) (overhead per model × budget × method, smallest reachable "
-            f"budgets, where bonsai is not the best, solver cost); one row per cell with statuses, gaps, reserved "
-            f"bytes and fragmentation: [{bench}/results.csv]({bench}/results.csv); the smallest budget each method "
-            f"reaches: [{bench}/reach.csv]({bench}/reach.csv). What is measured and how: "
-            f"[../BENCHMARKS.md](../BENCHMARKS.md).\n\n![overhead vs budget]({bench}/overhead_vs_budget.png)\n\n"
-            f"![solve time vs graph size]({bench}/solve_time_vs_size.png)\n\n![peak vs budget]({bench}/peak_vs_budget.png)")
-
-
 def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header: str, bench: str) -> str:
     """The whole page from one run: its rows (results.csv), reach (reach.csv) and run.json (``meta``);
     ``bench``: the output folder as a link from the page."""
@@ -464,5 +450,6 @@ def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header
     bullets = [headline_bullet(first, models[first], reach_of.get(first), meta["time_limit"]),
                reach_bullet(reach, meta["time_limit"]) if reach else "",
                cells_bullet(models, first), not_best_bullet(models), solver_bullet(models, meta)]
-    return "\n\n".join([header, intro(models, meta, bench), "## What it shows",
-                        "\n".join(b for b in bullets if b)]) + "\n"
+    return render("benchmarks", header=header, machine=meta["machine"], torch=meta["torch"], dates=run_dates(meta),
+                  minutes=f"{meta['seconds'] / 60:.0f}", command=meta["command"], models=len(models),
+                  cells=sum(len(b) for b in models.values()), bench=bench, bullets="\n".join(b for b in bullets if b))

@@ -26,7 +26,7 @@ from bonsai_core.errors import BonsaiError
 from bonsai_core.units import format_bytes
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
-SOURCES = ["bonsai_core/bench/bonsai_page.py", "bonsai_core/bench/bonsai.py"]
+SOURCES = ["bonsai_core/bench/bonsai_page.py", "bonsai_core/bench/bonsai.py", common.template_source("bonsai")]
 TIE = 1e-9  # overheads this close are the same plan's
 EXPLORER_GRAPH = "assets/gpt-default.json"
 GPT2_OPTIONS = {"layers": 4, "width": 256, "seq": 256}
@@ -303,19 +303,6 @@ def seconds_said(r: Row) -> str:
 
 # -- the page's sections ---------------------------------------------------------------------------
 
-def intro(meta: dict[str, Any], results_link: str) -> str:
-    return (f"# `bonsai` (segment ILP): measurements\n\n`{meta['command']}` on {common.run_dates(meta)} "
-            f"({meta['seconds'] / 60:.0f} minutes in all), {meta['machine']}, load average at the end "
-            f"{meta['load_end']}; torch {meta['torch']}. The command ran every study below and wrote this page from "
-            f"their results, kept in [{results_link}]({results_link}). Budgets are shares of the no-remat peak; "
-            "bonsai runs with its default options (HiGHS, auto granularity, gap 1%) unless a row says otherwise and "
-            "with `reuse=False` (every budget solved, none answered with a plan of a larger budget); every schedule "
-            f"is validated by the simulator; each solve has a time limit of {meta['time_limit']:g} s. Seconds are "
-            "this machine's and move with its load; overheads, variable counts and statuses are the evidence. The "
-            "method: [../BONSAI.md](../BONSAI.md). The segment ILP on torchtitan's and Hugging Face's Llama-3 steps "
-            "(hour-scale runs, recorded by hand): [real_runs.md](real_runs.md#the-segment-ilp-on-llama-3-steps).")
-
-
 def graphs_paragraph(facts: dict[str, dict[str, Any]]) -> str:
     said = [f"{GRAPHS[k][0]} ({trace_command(k)}, {f['nodes']} nodes, no-remat peak {format_bytes(f['plain_peak'])})"
             for k, f in facts.items()]
@@ -410,25 +397,22 @@ def granularity_sentence(rows: Sequence[Row]) -> str:
             f"to {max(variables)} variables and the solve from {min(walls):.2f} to {max(walls):.2f} s.")
 
 
-def suite_section(rows: Sequence[Row], time_limit: float) -> str:
+def suite_values(rows: Sequence[Row], time_limit: float) -> dict[str, str]:
     cells = solve_cells(rows)
     methods = list(dict.fromkeys(m for c in cells.values() for m in c))
     smallest = [r for r in rows if r.get("sweep") == "smallest"]
     gran = [r for r in rows if r.get("sweep") == "granularity"]
-    parts = ["## Against chen and dtr, the smallest budgets, the granularity",
-             f"The suite's own tables (`bonsai bench bonsai` without `--page` prints them): bonsai against "
-             f"{listing([m for m in methods if m != 'bonsai'])} on its default models. \"vars\": the MILP's variables; "
-             "wall: the whole call, the build included where the row builds.", solve_table(cells, methods),
-             solve_sentence(cells)]
+    values = {"compared": listing([m for m in methods if m != "bonsai"]), "solve_table": solve_table(cells, methods),
+              "solve_sentence": solve_sentence(cells), "smallest": "", "granularity": ""}
     if smallest:
-        parts += ["Smallest budget reached (share of the no-remat peak): bonsai's model at the top of its auto ladder "
-                  f"(min-peak MILP, {time_limit:g} s), chen's lowest plan and the per-op lower bound:",
-                  smallest_table(smallest)]
+        values["smallest"] = ("\n\nSmallest budget reached (share of the no-remat peak): bonsai's model at the top of "
+                              f"its auto ladder (min-peak MILP, {time_limit:g} s), chen's lowest plan and the per-op "
+                              f"lower bound:\n\n{smallest_table(smallest)}")
     if gran:
-        label = gran[0]["model"]
-        parts += [f"Granularity on {model_name(label)} at {budget(gran[0]['fraction'])} (each row builds its model):",
-                  granularity_table(gran), granularity_sentence(gran)]
-    return "\n\n".join(parts)
+        values["granularity"] = (f"\n\nGranularity on {model_name(gran[0]['model'])} at {budget(gran[0]['fraction'])} "
+                                 f"(each row builds its model):\n\n{granularity_table(gran)}\n\n"
+                                 f"{granularity_sentence(gran)}")
+    return values
 
 
 # self-contained nodes and dropped outputs
@@ -475,17 +459,6 @@ def self_contained_prose(study: dict[str, Any]) -> str:
     return " ".join(said)
 
 
-def self_contained_section(study: dict[str, Any]) -> str:
-    return "\n\n".join([
-        "## Self-contained nodes saved against rebuilt (option `save_self_contained`)",
-        "A recomputed segment saves its self-contained nodes, those computed from parameters and constants only "
-        "(`solve(g, budget, \"bonsai\", reuse=False)`, the default), or rebuilds them with the rest "
-        "(`save_self_contained=False`). A zoo GPT block builds its causal mask inside the step (`ones` → `tril` → "
-        "`bitwise_not`), so a segment holding the attention holds the mask; the last column counts the "
-        "self-contained nodes the default plan saves. Bold: cheaper than rebuilding.",
-        self_contained_table(study), self_contained_prose(study)])
-
-
 def dropped_cell(r: Row) -> str:
     if not ok(r):
         return "no plan"
@@ -530,15 +503,6 @@ def export_sentence(e: dict[str, Any]) -> str:
             f"largest gradient difference {e['max_grad_diff']:.3g}, {verdict}.")
 
 
-def dropped_section(study: dict[str, Any]) -> str:
-    return "\n\n".join([
-        "## Segments that drop their outputs (option `drop_outputs`)",
-        "With `drop_outputs=True` a recomputed segment may also free an output once the forward ops that read it "
-        "have run, and rebuild it with the rest of the segment before the backward pass reads it; the model is "
-        "larger (a second column per such candidate). Both columns save self-contained nodes (the default).",
-        dropped_table(study), dropped_prose(study), export_sentence(study["export"])])
-
-
 # the live re-solve
 
 def walls_said(rows: Sequence[Row]) -> str:
@@ -558,17 +522,12 @@ def resolve_sentence(rows: Sequence[Row], name: str) -> str:
             + (f"; no plan at {listing(failed)}" if failed else "") + ".")
 
 
-def resolve_section(rows: Sequence[Row], drag: Sequence[Row]) -> str:
+def resolve_sentences(rows: Sequence[Row], drag: Sequence[Row]) -> str:
     sweep = [r for r in rows if r.get("sweep") == "resolve"]
-    parts = ["## Live re-solve", "A budget change on a built model only sets the budget's parameter: what the "
-             "explorer's slider costs when no earlier plan answers it (`reuse=False`; with reuse, a plan of a larger "
-             "budget that fits is returned without solving). Wall seconds of each call, the schedule and its "
-             "simulation included."]
-    if sweep:
-        parts.append(resolve_sentence(sweep, f"{model_name(sweep[0]['model'])}, the suite's sweep"))
-    parts.append(resolve_sentence(drag, "the explorer's default GPT, dragged from "
-                                  f"{budget(drag[0]['fraction'])} to {budget(drag[-1]['fraction'])} in 5% steps"))
-    return "\n\n".join(parts)
+    said = [resolve_sentence(sweep, f"{model_name(sweep[0]['model'])}, the suite's sweep")] if sweep else []
+    said.append(resolve_sentence(drag, "the explorer's default GPT, dragged from "
+                                 f"{budget(drag[0]['fraction'])} to {budget(drag[-1]['fraction'])} in 5% steps"))
+    return "\n\n".join(said)
 
 
 # the region bound
@@ -619,17 +578,11 @@ def half_outcome(e: dict[str, Any]) -> tuple[str, str]:
     return f"{listing(fit)} fit{'s' if len(fit) == 1 else ''}", proof
 
 
-def unet_intro(entries: Sequence[dict[str, Any]]) -> str:
+def unet_values(entries: Sequence[dict[str, Any]]) -> dict[str, str]:
     e = entries[0]
-    commands = listing([f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()])
-    return ("No checkpoint plan peaks below `regions.region_peak_bound(g)`: the backward tensors live when a backward "
-            "op runs, plus its inputs (why: [../BONSAI.md](../BONSAI.md#where-checkpoint-regions-stop-the-backward-"
-            f"passs-own-tensors)). The small zoo U-Nets are {commands}; on the first ({e['nodes']} nodes, no-remat "
-            f"peak {format_bytes(e['plain_peak'])}, of which {format_bytes(e['fixed'])} fixed) the bound is set at "
-            f"`{e['region_node']}`, with {format_bytes(e['backward_bytes'])} of backward tensors. \"bonsai reaches\": "
-            "`bonsai.lowest_budget(g)`; with `drop_outputs`: its model's min-peak MILP with dropped outputs "
-            "(`smallest_budget(g, drop_outputs=True)`); \"half\": halfway between the per-op bound and the no-remat "
-            "peak; shares of the no-remat peak.")
+    return {"unet_commands": listing([f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()]),
+            "unet_nodes": str(e["nodes"]), "unet_peak": format_bytes(e["plain_peak"]), "unet_fixed": format_bytes(e["fixed"]),
+            "unet_region_node": e["region_node"], "unet_backward": format_bytes(e["backward_bytes"])}
 
 
 def larger_unet_sentence(e: dict[str, Any]) -> str:
@@ -693,14 +646,11 @@ def others_prose(entries: Sequence[dict[str, Any]]) -> str:
     return said + (f", less on {listing(less)}" if less else "") + "."
 
 
-def region_section(s: dict[str, Any]) -> str:
-    return "\n\n".join([
-        "## Where checkpoint regions stop: the region bound", unet_intro(s["unets"]), unet_table(s["unets"]),
-        unet_prose(s["unets"]) + " " + larger_unet_sentence(s["larger_unet"]) + " "
-        + explorer_bound_sentence(s["explorer_bound"]) + " " + headroom_sentence(s["headroom"]),
-        "On small models of other authors (`g = trace_model(MODEL, **size).graph`; `region_peak_bound(g)`, "
-        "`bonsai.lowest_budget(g)`; shares of the no-remat peak):", others_table(s["others"]),
-        others_prose(s["others"])])
+def region_values(s: dict[str, Any]) -> dict[str, str]:
+    return {**unet_values(s["unets"]), "unet_table": unet_table(s["unets"]),
+            "region_prose": " ".join([unet_prose(s["unets"]), larger_unet_sentence(s["larger_unet"]),
+                                      explorer_bound_sentence(s["explorer_bound"]), headroom_sentence(s["headroom"])]),
+            "others_table": others_table(s["others"]), "others_prose": others_prose(s["others"])}
 
 
 # moccasin at 40%
@@ -747,10 +697,14 @@ def first_sentence(text: str) -> str:
 def page(results: dict[str, Any], header: str, results_link: str) -> str:
     """The whole page from one run's results (the suite's rows, :func:`studies`' and the run's meta)."""
     meta, rows, s = results["meta"], results["rows"], results["studies"]
-    return "\n\n".join([header, intro(meta, results_link), graphs_paragraph(s["graphs"]),
-                        self_contained_section(s), dropped_section(s), resolve_section(rows, s["drag"]),
-                        region_section(s), moccasin_section(s, meta["time_limit"]),
-                        suite_section(rows, meta["time_limit"])]) + "\n"
+    return common.render(
+        "bonsai", header=header, command=meta["command"], dates=common.run_dates(meta),
+        minutes=f"{meta['seconds'] / 60:.0f}", machine=meta["machine"], load_end=meta["load_end"], torch=meta["torch"],
+        results_link=results_link, time_limit=f"{meta['time_limit']:g}", graphs=graphs_paragraph(s["graphs"]),
+        self_contained_table=self_contained_table(s), self_contained_prose=self_contained_prose(s),
+        dropped_table=dropped_table(s), dropped_prose=dropped_prose(s), export_sentence=export_sentence(s["export"]),
+        resolve_sentences=resolve_sentences(rows, s["drag"]), **region_values(s),
+        moccasin=moccasin_section(s, meta["time_limit"]), **suite_values(rows, meta["time_limit"]))
 
 
 def read_results(path: Path) -> dict[str, Any]:

@@ -22,7 +22,8 @@ from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIAN
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
 SOURCES = ["bonsai_core/bench/heuristics_page.py", "bonsai_core/bench/heuristics.py",
-           "bonsai_core/bench/dtr_variants.py", "bonsai_core/bench/inplace.py", "tests/real_models.py"]
+           "bonsai_core/bench/dtr_variants.py", "bonsai_core/bench/inplace.py", "tests/real_models.py",
+           common.template_source("heuristics")]
 REGNET_SIZES = ({"batch": 32, "image": 224}, {"batch": 64, "image": 128})
 RESERVED_MODEL = ("hf:llama", {"layers": 4, "width": 512, "seq": 512, "batch": 4, "vocab": 8192})
 RESERVED_FRACS = (0.5, 0.7)
@@ -139,26 +140,16 @@ def display(model: str) -> str:
 
 # -- Coop against DTR in one pool ------------------------------------------------------------------
 
-def coop_vs_dtr_intro(results: dict[str, Any]) -> str:
-    """What the study measures and on which graphs (the counts from the results)."""
+def coop_vs_dtr_values(results: dict[str, Any]) -> dict[str, Any]:
+    """What the Coop-against-DTR section says: the graphs, the tables, the fragmentation, the 2-layer GPT."""
     es = entries(results)
     small = dict(es).get(GPT2_SMALL_LABEL)
-    names = [f"`{m}`" for m in dict.fromkeys(e["model"] for _, e in es)]
-    gpt2 = f", and GPT-2 small (the zoo GPT at `zoo.GPT2_SMALL`, {small['nodes']:,} nodes)" if small else ""
-    factors = listing([f"{f:.1f}x" for f in FACTORS])
-    return ("## Coop against DTR in one pool\n\nWhat it measures is Coop's comparison as the paper makes it: every "
-            "method in one pre-reserved pool that also holds the parameters, gradients, batch and Adam state (the full "
-            f"arena), the **smallest pool** each trains in (bisection on the budget, {STEPS} steps; a run counts when "
-            "it returns a schedule and that schedule, replayed in the pool, fits), and the **overhead at equal pools** "
-            f"({factors} coop's smallest pool). Pools are whole arenas, the Adam state included, in MiB. Variants: "
-            "`coop` with its defaults; DTR in the same pool with h_DTR (`dtr-pool`: `dtr --option allocator=true "
-            "--option full_arena=true`), with union-find e\\* (`dtr_eq-pool`, what OneFlow's DTR baseline computes) "
-            "and with the DTE score (`dte-pool`, the paper's other baseline); and DTR counting live bytes (`dtr`), "
-            f"whose schedule is placed in the pool best fit. Networks: {listing(names)} (the `hf:` ones built from "
-            f"configs), each at its default size and a larger batch or sequence{gpt2}: {len(es)} graphs, each traced "
-            "once. The run writes [`docs/heuristics/table.md`](../heuristics/table.md) (the full table, both "
-            "fragmentations), `results.json`, the figure [`coop_vs_dtr.html`](../heuristics/coop_vs_dtr.html) "
-            "(plotly) and its PNG below, and [`example.md`](../heuristics/example.md) (the worked example).")
+    return {"steps": STEPS, "factors": listing([f"{f:.1f}x" for f in FACTORS]),
+            "networks": listing([f"`{m}`" for m in dict.fromkeys(e["model"] for _, e in es)]),
+            "gpt2": f", and GPT-2 small (the zoo GPT at `zoo.GPT2_SMALL`, {small['nodes']:,} nodes)" if small else "",
+            "graphs": len(es), "smallest_pool_table": smallest_pool_table(results),
+            "equal_pools_table": equal_pools_table(results["headline"], len(results["models"])),
+            "fragmentation": fragmentation_paragraph(results), "gpt_sentence": gpt_sentence(results["example"])}
 
 
 def smallest_pool_table(results: dict[str, Any]) -> str:
@@ -252,17 +243,6 @@ def gpt_sentence(ex: dict[str, Any]) -> str:
             "takes this pool apart.")
 
 
-def coop_vs_dtr(results: dict[str, Any]) -> str:
-    graphs = len(results["models"])
-    return "\n\n".join([
-        coop_vs_dtr_intro(results).rstrip(), "Smallest pool (MiB), from `docs/heuristics/table.md`:",
-        smallest_pool_table(results),
-        "At equal pools (the generated table has every model and variant, with both fragmentations):",
-        equal_pools_table(results["headline"], graphs), fragmentation_paragraph(results),
-        f"![smallest pool relative to coop's, and overhead at {listing([f'{f:.1f}x' for f in FACTORS])} coop's "
-        "smallest pool](../heuristics/coop_vs_dtr.png)", gpt_sentence(results["example"])])
-
-
 # -- DTR's heuristics ------------------------------------------------------------------------------
 
 FREE_MODE = ("dtr", "dtr_eq", "local", "lru", "size")  # the heuristics, each with deallocation `free`
@@ -334,24 +314,16 @@ def banish_sentence(part: dict[str, Any]) -> str:
     return said + "."
 
 
-def dtr_variants_section(part: dict[str, Any]) -> str:
-    from bonsai_core.bench.dtr_variants import table
+def dtr_variants_values(small: dict[str, Any], larger: dict[str, Any]) -> dict[str, Any]:
+    """The two tables of ``bonsai bench dtr-variants`` and what they say (the 4-layer GPT: where DTR thrashes)."""
+    from bonsai_core.bench.dtr_variants import table as overheads
 
-    return (f"### DTR's heuristics and deallocation modes\n\n`bonsai bench dtr-variants` (the 2-layer GPT, "
-            f"{part['nodes']} nodes; live-byte budget, overhead):\n\n{table(part)}\n\n{dtr_variants_prose(part)}")
-
-
-def tight_budgets_section(part: dict[str, Any]) -> str:
-    """The 4-layer GPT at the budgets where DTR thrashes."""
-    from bonsai_core.bench.dtr_variants import table
-
-    o, fracs = part["overheads"], part["fracs"]
-    options = " ".join(f"--{k} {v}" for k, v in part["options"].items())
-    dtr = ", ".join(f"{pct_or_fails(o['dtr'][i])} at {f:.0%}" for i, f in enumerate(fracs))
-    return (f"## DTR at tight budgets on a larger graph\n\nThe 4-layer zoo GPT (`gpt {options}`, {part['nodes']} "
-            f"nodes), live-byte budget, the second table of `bonsai bench dtr-variants`:\n\n{table(part)}\n\n"
-            f"`dtr` with its defaults (h_DTR, exact e\\*, deallocation `free`) gives {dtr} of the no-remat peak. "
-            f"Of all seven variants, {ranking_sentence(part, list(o))}.")
+    o, fracs = larger["overheads"], larger["fracs"]
+    return {"small_nodes": small["nodes"], "small_table": overheads(small), "small_prose": dtr_variants_prose(small),
+            "larger_options": " ".join(f"--{k} {v}" for k, v in larger["options"].items()),
+            "larger_nodes": larger["nodes"], "larger_table": overheads(larger),
+            "larger_dtr": ", ".join(f"{pct_or_fails(o['dtr'][i])} at {f:.0%}" for i, f in enumerate(fracs)),
+            "larger_ranking": ranking_sentence(larger, list(o))}
 
 
 # -- does Coop's result reproduce? -----------------------------------------------------------------
@@ -470,14 +442,9 @@ def fragmentation_bullet(results: dict[str, Any]) -> str:
             "failed request, is a different quantity; the runs still report it as `free_at_failure`.)")
 
 
-SEARCH_LATENCY = ("* **Search latency** is not measured: both searches here are one Python pass over the pool's "
-                  "blocks, and the machine is shared, so their wall times say little; what differs is the number "
-                  "of requests that need one (below).")
-
-
-def reproduce_section(results: dict[str, Any]) -> str:
-    return "\n".join(["### Does Coop's result reproduce?", "", verdict(results), "", memory_bullet(results),
-                      overhead_bullet(results), fragmentation_bullet(results), SEARCH_LATENCY])
+def reproduce_values(results: dict[str, Any]) -> dict[str, str]:
+    return {"verdict": verdict(results), "memory_bullet": memory_bullet(results),
+            "overhead_bullet": overhead_bullet(results), "fragmentation_bullet": fragmentation_bullet(results)}
 
 
 # -- the worked example ----------------------------------------------------------------------------
@@ -575,21 +542,14 @@ def largest_graph_sentence(results: dict[str, Any]) -> str:
     return said + ")"
 
 
-def example_section(results: dict[str, Any]) -> str:
+def example_values(results: dict[str, Any]) -> dict[str, str]:
     ex = results["example"]
     runs, top = ex["runs"], ex["most_recomputed"]
-    return "\n\n".join([
-        f"### A worked example: the 2-layer GPT at {ex['frac']:.0%}",
-        "[`docs/heuristics/example.md`](../heuristics/example.md), generated from the two runs' event logs "
-        f"(`schedule.extra[\"evictions\"]`): a pool of {mib(ex['budget'])} MiB ({ex['frac']:.0%} of the no-remat peak) "
-        f"+ {mib(ex['adam_bytes'])} MiB of Adam state.",
-        "\n".join(run_bullet(k, r) for k, r in runs.items()),
-        f"{divergence_sentence(ex)} {window_sentence(ex)} The tensors coop recomputes most (by recomputations x "
-        f"cost) are {recomputed_said(top['coop'])}; dtr-pool's are {recomputed_said(top['dtr-pool'])}.",
-        sweep_sentence(ex),
-        "What would change the picture: the reference's one-sided neighbourhood (ancestors only), its eager-eviction "
-        f"classes, and its address groups, none measured here; {largest_graph_sentence(results)}; and a GPU run "
-        "checking the caching-allocator replay against `torch.cuda.memory_reserved`."])
+    return {"example_frac": f"{ex['frac']:.0%}", "example_pool": mib(ex["budget"]), "example_adam": mib(ex["adam_bytes"]),
+            "run_bullets": "\n".join(run_bullet(k, r) for k, r in runs.items()), "divergence": divergence_sentence(ex),
+            "window": window_sentence(ex), "coop_top": recomputed_said(top["coop"]),
+            "pool_top": recomputed_said(top["dtr-pool"]), "sweep_sentence": sweep_sentence(ex),
+            "largest_graph": largest_graph_sentence(results)}
 
 
 # -- recomputable in-place -------------------------------------------------------------------------
@@ -675,18 +635,12 @@ def mixed(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> bool
     return any(all(pair_split(rows, pair, smallest_of)[k] for k in ("lower", "higher")) for pair in pairs.values())
 
 
-def updates_section(rows: list[dict[str, Any]]) -> str:
-    models = listing([f"`{display(m)}`" for m in by_model(rows)])
-    why = (" Where the moved blocks land decides, and between steps no activation is live, so they land in one free "
-           "range either way." if mixed(rows, UPDATE_PAIRS) else "")
-    return (f"## Recomputable in-place (optimizer updates)\n\nThe optimizer's updates between steps, as `bonsai bench "
-            f"inplace --study updates` measures them ({models} at their zoo default sizes): smallest budget "
-            "(bisection, share of the no-remat peak; a run counts when its schedule fits its own pool on replay) and, "
-            "at 80%, overhead / fragmentation in its own pool (`pool_replay`). \"in place\": the parameters and Adam's "
-            "state written where they are; \"copy\": `inplace_updates=false`, copy-on-write.\n\n"
-            f"{inplace_table(rows, UPDATE_PAIRS)}\n\n{pair_sentence(rows, UPDATE_PAIRS, 'in place')}{why} The "
-            f"bisection is not monotone for heuristics (a budget they meet, not a proven minimum): "
-            f"{largest_gap(rows, UPDATE_PAIRS)}.")
+def updates_values(rows: list[dict[str, Any]]) -> dict[str, str]:
+    return {"update_models": listing([f"`{display(m)}`" for m in by_model(rows)]),
+            "updates_table": inplace_table(rows, UPDATE_PAIRS), "updates_pairs": pair_sentence(rows, UPDATE_PAIRS, "in place"),
+            "updates_why": (" Where the moved blocks land decides, and between steps no activation is live, so they land "
+                            "in one free range either way." if mixed(rows, UPDATE_PAIRS) else ""),
+            "updates_gap": largest_gap(rows, UPDATE_PAIRS)}
 
 
 def evictions_table(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> str:
@@ -713,19 +667,11 @@ def ops_in_place(rows: list[dict[str, Any]]) -> dict[str, int]:
     return {display(r["model"]).split(" --")[0]: r["inplace_ops"] for r in rows}
 
 
-def writes_section(rows: list[dict[str, Any]]) -> str:
-    return ("## Recomputable in-place during the step\n\nThe ops eager runs in place during the step, as `bonsai "
-            "bench inplace --study writes` measures them, on the models whose forward runs some: a torchvision-style "
-            "ResNet-18 (`tests.real_models:resnet18_bn`, `ReLU(inplace=True)`) and transformers' ResNet (`hf:resnet`, "
-            f"residual `hidden_state += residual`), two sizes each (ops run in place: "
-            f"{listing([f'{name} {n}' for name, n in ops_in_place(rows).items()])}). Smallest "
-            "budget (bisection, share of the no-remat peak; a run counts when its schedule fits its own pool on "
-            "replay) and, at 80%, overhead / fragmentation in its own pool (`pool_replay`). \"in place\": "
-            "`inplace_writes=true` (the default), the op's output takes its input's block; \"copy\": "
-            "`inplace_writes=false`, a block of its own while the input still holds its own.\n\n"
-            f"{inplace_table(rows, WRITE_PAIRS)}\n\n{pair_sentence(rows, WRITE_PAIRS, 'writing in place')}\n\n"
-            f"Requests that found no room / tensors evicted, at 80%:\n\n{evictions_table(rows, WRITE_PAIRS)}\n\n"
-            f"{evictions_sentence(rows, WRITE_PAIRS)}")
+def writes_values(rows: list[dict[str, Any]]) -> dict[str, str]:
+    return {"writes_ops": listing([f"{name} {n}" for name, n in ops_in_place(rows).items()]),
+            "writes_table": inplace_table(rows, WRITE_PAIRS),
+            "writes_pairs": pair_sentence(rows, WRITE_PAIRS, "writing in place"),
+            "evictions_table": evictions_table(rows, WRITE_PAIRS), "evictions_sentence": evictions_sentence(rows, WRITE_PAIRS)}
 
 
 def span(values: Iterable[float | None]) -> float:
@@ -734,7 +680,7 @@ def span(values: Iterable[float | None]) -> float:
     return 100 * (max(xs) - min(xs)) if xs else 0.0
 
 
-def regnet_section(rows: list[dict[str, Any]]) -> str:
+def regnet_values(rows: list[dict[str, Any]]) -> dict[str, str]:
     """RegNet-Y: the table, how far the smallest budgets and the overheads move between the variants, and
     coop's fragmentation."""
     models = by_model(rows)
@@ -745,16 +691,13 @@ def regnet_section(rows: list[dict[str, Any]]) -> str:
                     f"{vs[coop[1]]['at80']['own_fragmentation']:.1%} copying on write on {m}"
                     for m, vs in models.items() if vs[coop[0]]["at80"]["ok"] and vs[coop[1]]["at80"]["ok"]])
     far = max(budgets.values()) > 5 * max(costs.values())
-    return ("A third model from a public library, transformers' RegNet-Y (`RegNetConfig(num_labels=10)`, its default "
-            f"RegNet-Y shape; BatchNorm, ReLU, residual `hidden_state += residual`; "
-            f"{listing([str(n) for n in set(ops_in_place(rows).values())])} ops run in place), "
-            "its config written to a temporary folder with `save_pretrained` and measured the same way (`hf:DIR:"
-            f"batch=32,image=224`, `hf:DIR:batch=64,image=128`):\n\n{inplace_table(rows, WRITE_PAIRS)}\n\n"
-            f"Between the four variants the smallest budgets span "
-            f"{listing([f'{v:.1f} points on {m}' for m, v in budgets.items()])}, the overheads at 80% "
-            f"{listing([f'{v:.1f} points on {m}' for m, v in costs.items()])}"
-            + (": the smallest budgets move far more than the overheads, so on this graph the smallest-budget column "
-               "says little either way" if far else "") + f". At 80% coop's fragmentation in its own pool is {frag}.")
+    prose = (f"Between the four variants the smallest budgets span "
+             f"{listing([f'{v:.1f} points on {m}' for m, v in budgets.items()])}, the overheads at 80% "
+             f"{listing([f'{v:.1f} points on {m}' for m, v in costs.items()])}"
+             + (": the smallest budgets move far more than the overheads, so on this graph the smallest-budget column "
+                "says little either way" if far else "") + f". At 80% coop's fragmentation in its own pool is {frag}.")
+    return {"regnet_ops": listing([str(n) for n in set(ops_in_place(rows).values())]),
+            "regnet_table": inplace_table(rows, WRITE_PAIRS), "regnet_prose": prose}
 
 
 # -- budgeting reserved bytes ----------------------------------------------------------------------
@@ -813,33 +756,23 @@ def reserved_prose(study: dict[str, Any]) -> str:
             + (f", the largest MIP gap {max(gaps):.2%}" if gaps else "") + ".")
 
 
-def reserved_section(study: dict[str, Any]) -> str:
-    options = " ".join(f"--{k} {v}" for k, v in study["options"].items())
-    return (f"## Budgeting reserved bytes\n\n`{study['model']} {options}`: {study['nodes']:,} nodes, no-remat peak "
-            f"{common.mib(study['no_remat_peak'])}. bonsai under a budget on the bytes the allocator model reserves "
-            "(`solvers.solve_reserved`, what `bonsai solve G --budget P --reserved [--expandable-segments]` runs), "
-            "for PyTorch's caching allocator and for expandable segments:\n\n"
-            f"{reserved_table(study)}\n\n{reserved_prose(study)}")
+def reserved_values(study: dict[str, Any]) -> dict[str, str]:
+    return {"reserved_model": study["model"], "reserved_options": " ".join(f"--{k} {v}" for k, v in study["options"].items()),
+            "reserved_nodes": f"{study['nodes']:,}", "reserved_peak": common.mib(study["no_remat_peak"]),
+            "reserved_table": reserved_table(study), "reserved_prose": reserved_prose(study)}
 
 
 # -- the page --------------------------------------------------------------------------------------
 
-def intro(results: dict[str, Any], command: str) -> str:
-    meta = results["meta"]
-    return (f"# Heuristics and the allocator model: measurements\n\n`{command}` on {meta['date']}, {meta['machine']}, "
-            f"torch {meta['torch']}; {meta['seconds']:.0f} s in all. The command ran every study below and wrote this "
-            "page from their results; the schedules are deterministic, so only the run time depends on the machine. "
-            "The methods and the allocator model: [../HEURISTICS.md](../HEURISTICS.md).")
-
-
 def page(results: dict[str, Any], command: str, header: str) -> str:
     """The whole page from one run's results (the study's, its worked example and :func:`studies`')."""
-    s = results["studies"]
-    return "\n\n".join([header, intro(results, command), coop_vs_dtr(results),
-                        dtr_variants_section(s["dtr_variants"]["small"]), reproduce_section(results),
-                        example_section(results), updates_section(s["updates"]), writes_section(s["writes"]),
-                        regnet_section(s["regnet"]), tight_budgets_section(s["dtr_variants"]["larger"]),
-                        reserved_section(s["reserved"])]) + "\n"
+    meta, s = results["meta"], results["studies"]
+    return common.render(
+        "heuristics", header=header, command=command, date=meta["date"], machine=meta["machine"], torch=meta["torch"],
+        seconds=f"{meta['seconds']:.0f}", **coop_vs_dtr_values(results),
+        **dtr_variants_values(s["dtr_variants"]["small"], s["dtr_variants"]["larger"]), **reproduce_values(results),
+        **example_values(results), **updates_values(s["updates"]), **writes_values(s["writes"]),
+        **regnet_values(s["regnet"]), **reserved_values(s["reserved"]))
 
 
 def write_page(results: dict[str, Any], path: str) -> None:

@@ -14,7 +14,8 @@ from bonsai_core.bench.common import capitalized, listing, pct, table
 from bonsai_core.errors import BonsaiError
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
-SOURCES = ["bonsai_core/bench/solvers_opt_page.py", "bonsai_core/bench/solvers_opt.py"]
+SOURCES = ["bonsai_core/bench/solvers_opt_page.py", "bonsai_core/bench/solvers_opt.py",
+           common.template_source("checkmate_moccasin")]
 CHECKMATE = {"checkmate-highs": "HiGHS", "checkmate-scip": "SCIP"}  # the main table's checkmate rows: backend
 WARM = {"checkmate-highs-warm": "HiGHS", "checkmate-scip-warm": "SCIP"}
 BACKEND_OF = {**CHECKMATE, **WARM}
@@ -485,19 +486,17 @@ def limits_sentence(rows: Sequence[Row]) -> str:
 
 
 def warm_section(rows: Sequence[Row]) -> str:
-    if not rows:
-        return ""
     r = rows[0]
-    title = f"### Checkmate's warm start on {r['graph']} at {share(r['budget_share'])}"
-    prose = (without_start(rows) + with_start(rows) + improvement(rows) + candidates(rows) + limits_sentence(rows))
     return "\n\n".join([
-        title, warm_graph(rows) + " Each row is one call of `solve(graph, budget, \"checkmate\", backend=..., "
+        f"### Checkmate's warm start on {r['graph']} at {share(r['budget_share'])}",
+        warm_graph(rows) + " Each row is one call of `solve(graph, budget, \"checkmate\", backend=..., "
         "warm_start=..., time_limit=...)` in its own process, what `bonsai solve G --method checkmate --budget P "
         "[--backend scip] [--time-limit S] [--option warm_start=false]` runs once the graph is loaded. \"start\" is "
         "the schedule the warm start handed the backend, its first incumbent: when it was ready from the start of "
         "the call (`warm_start_seconds`), the method it came from and that method's status, and its overhead; "
         "\"call\" is the call's wall time, the simulator's check included (Python start-up and graph loading not).",
-        warm_table(rows), prose.strip()])
+        warm_table(rows),
+        (without_start(rows) + with_start(rows) + improvement(rows) + candidates(rows) + limits_sentence(rows)).strip()])
 
 
 # -- the page ---------------------------------------------------------------------------------------
@@ -509,44 +508,8 @@ def load_said(run: dict[str, Any], rows: Sequence[Row]) -> str:
     return f"load average at the end {run['load_end']:.1f}{during}"
 
 
-def intro(run: dict[str, Any], rows: Sequence[Row], rows_link: str) -> str:
-    v, run_file = run["versions"], run_link(rows_link)
-    return (f"# `checkmate` and `moccasin`: measurements\n\nMachine: {run['machine']}; {load_said(run, rows)}. "
-            f"torch {run['torch']}; HiGHS (highspy) {v['highspy']}, SCIP (PySCIPOpt) {v['pyscipopt']}, CP-SAT "
-            f"(OR-Tools) {v['ortools']}, CVXPY {v['cvxpy']}. Date: {common.run_dates(run)} ({run['seconds'] / 60:.0f} "
-            "minutes). The methods: [../SOLVERS_CHECKMATE_MOCCASIN.md](../SOLVERS_CHECKMATE_MOCCASIN.md).\n\n"
-            f"Command (from the repository root):\n\n```\n{run['command']}\n```\n\n"
-            "It ran the three studies below and wrote this page from their results alone: one row per graph, method "
-            f"and budget in [{rows_link}]({rows_link}), the command, dates and machine beside it "
-            f"([{run_file}]({run_file})). Model sizes and proven optima depend only on the code and "
-            "the solvers' versions; what a run reaches within its time limit (status, gap, the schedule it returns) "
-            "and the seconds also depend on the machine and its load, so they are indicative.")
-
-
 def run_link(rows_link: str) -> str:
     return rows_link.rsplit(".", 1)[0] + ".run.json"
-
-
-def main_intro(main: Sequence[Row], limit: float) -> str:
-    graphs = listing(graphs_of(main))
-    budgets = listing([share(s) for s in shares_of(main)])
-    return (f"## The op-level solvers on zoo graphs\n\nThe suite traces each zoo graph ({graphs}; gpt-l1 and gpt-l2 "
-            f"are `gpt` with `layers=1` and `layers=2`) at its default size, and for each method solves at {budgets} "
-            f"of the no-remat peak with a {seconds(limit)} s time limit, each (graph, method) in its own process, the "
-            "budgets in turn (so checkmate re-solves its cached model). `checkmate-highs` and `checkmate-scip` are "
-            "Checkmate's MILP alone, with no warm start (`--option warm_start=false`, the CVXPY model); the warm "
-            "start, checkmate's default, is the last study. Every schedule in the tables went through the simulator: "
-            "its peak fits the budget and its overhead is the simulated one.")
-
-
-DEFINITIONS = (
-    "\"overhead\" is the simulated extra compute (compute cost / one computation of every node − 1); \"gap\" is "
-    "relative to the recomputation cost (100%: the backend proved no bound above 0); \"no solution in limit\" is the "
-    "`SolverError` a user gets; \"infeasible\" is the method's proof that no schedule fits (a `BudgetError`; for "
-    "moccasin, none with at most its number of computations per node). \"build s\" is building the model; \"solve "
-    "s\" includes CVXPY's canonicalisation on the first solve of a graph. Checkmate's MILP is large: a binary per "
-    "(stage, node) pair for each of R and S and one per (stage, node, consumer) for FREE, O(n(n + edges)), where "
-    "moccasin's has a few integer variables per copy of a node, O(copies × n), and reservoirs per edge.")
 
 
 def copies_intro(copies: Sequence[Row], main: Sequence[Row]) -> str:
@@ -565,13 +528,13 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, rows_link: str) 
     warm = [r for r in rows if r.get("study") == "warm-start"]
     if not main:
         raise BonsaiError("The run has no rows of the main study to write a page from: run the suite with --page.")
-    limit = run["time_limit"]
-    parts = [header, intro(run, rows, rows_link), main_intro(main, limit), graph_table(rows), DEFINITIONS,
-             runs_table(in_cell_order(main))]
-    if copies:
-        parts += [copies_intro(copies, main), runs_table(copies)]
+    limit, v = run["time_limit"], run["versions"]
     bullets = [moccasin_bullet(main, copies, limit), checkmate_bullet(main), smallest_budget_bullet(main, limit)]
-    parts += ["What the numbers say:", "\n".join(bullets)]
-    if warm:
-        parts.append(warm_section(warm))
-    return "\n\n".join(parts) + "\n"
+    return common.render(
+        "checkmate_moccasin", header=header, machine=run["machine"], load=load_said(run, rows), torch=run["torch"],
+        highspy=v["highspy"], pyscipopt=v["pyscipopt"], ortools=v["ortools"], cvxpy=v["cvxpy"],
+        dates=common.run_dates(run), minutes=f"{run['seconds'] / 60:.0f}", command=run["command"], rows_link=rows_link,
+        run_file=run_link(rows_link), graphs=listing(graphs_of(main)), budgets=listing([share(s) for s in shares_of(main)]),
+        limit=seconds(limit), graph_table=graph_table(rows), runs_table=runs_table(in_cell_order(main)),
+        copies=f"\n\n{copies_intro(copies, main)}\n\n{runs_table(copies)}" if copies else "",
+        bullets="\n".join(bullets), warm=f"\n\n{warm_section(warm)}" if warm else "")

@@ -103,7 +103,7 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
     ``torchtitan:`` model). ``kernels``: see :func:`trace_step`."""
     from bonsai_core.fsdp import Sharding, computing_in
 
-    sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision, model=name)
+    sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision, model=name, ranks="--fsdp ")
     mixed_precision = sharding.mixed_precision
     label = name if not options else name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
     label += f" autocast {autocast}" if autocast else ""
