@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import multiprocessing
 import os
 import shutil
 import subprocess
@@ -88,35 +87,42 @@ def reset_peak() -> None:
     _hook().allocation_hook_reset_peak()
 
 
-def _call(fn: Callable[..., T], args: tuple, queue: Any) -> None:
+def _child() -> None:
+    """The hooked process: read (fn, args) pickled on stdin, write ("ok", result) or ("error", text) pickled
+    on stdout."""
+    import pickle
+    import sys
+
+    fn, args = pickle.load(sys.stdin.buffer)
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # what fn prints must not mix with the result
     try:
-        queue.put(("ok", fn(*args)))
-    except BaseException as e:  # noqa: BLE001 (the parent re-raises it)
-        queue.put(("error", f"{type(e).__name__}: {e}"))
+        result = ("ok", fn(*args))
+    except BaseException as e:  # noqa: BLE001 (the parent raises it)
+        result = ("error", f"{type(e).__name__}: {e}")
+    pickle.dump(result, out)
+    out.flush()
 
 
 def run_hooked(fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
     """``fn(*args)`` in a fresh Python process with the hook preloaded (``fn`` importable by name, its
-    arguments and result picklable); an exception there is raised here as a BonsaiError."""
-    library = hook_library()
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    previous = os.environ.get("LD_PRELOAD")
-    os.environ["LD_PRELOAD"] = str(library) + (" " + previous if previous else "")
+    arguments and result picklable); an exception there is raised here as a BonsaiError. The process is
+    started afresh (not forked, nor re-importing the caller's script), so it holds only what ``fn`` makes."""
+    import pickle
+    import sys
+
+    env = {**os.environ, "LD_PRELOAD": " ".join(filter(None, (str(hook_library()), os.environ.get("LD_PRELOAD"))))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH"))))
     try:
-        process = context.Process(target=_call, args=(fn, args, queue))
-        process.start()
-    finally:
-        if previous is None:
-            os.environ.pop("LD_PRELOAD", None)
-        else:
-            os.environ["LD_PRELOAD"] = previous
+        done = subprocess.run([sys.executable, "-c", "from bonsai_core.allocations import _child; _child()"],
+                              input=pickle.dumps((fn, args)), capture_output=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise BonsaiError(f"The measured step did not end within {timeout:.0f} s.") from None
     try:
-        status, value = queue.get(timeout=timeout)
-    finally:
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
+        status, value = pickle.loads(done.stdout)
+    except Exception:  # noqa: BLE001 (it died before answering)
+        raise BonsaiError(f"The measured step's process ended with status {done.returncode} without a result: "
+                          f"{done.stderr.decode(errors='replace').strip()[-600:]}") from None
     if status == "error":
         raise BonsaiError(f"The measured step failed in its process: {value}")
     return value

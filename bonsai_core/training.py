@@ -67,6 +67,8 @@ FIT_TRIES = 5  # solves to bring what the checkpoints run within the budget
 LIBRARY_ADVICE = ("Plan it with another budget= or method='chen', or train it with the replay back-end "
                   "(bonsai.plan's schedule, exported by bonsai_core.export).")
 
+# how the run compiles the model, as the report says it (bonsai_core/trace/compiled.py)
+COMPILED = {"model": "torch.compile(model)", "blocks": "each block compiled, fullgraph=True"}
 # what each device's kernels keep, as the report says it (bonsai_core/trace/patches.py)
 DEVICE_KERNELS = {"cpu": "dropout's float noise, SDPA with dropout on its math path",
                   "cuda": "dropout's bool mask, fused attention"}
@@ -97,6 +99,7 @@ class Report:
     offloaded_bytes: int = 0  # their bytes
     host_peak: int = 0  # the most host bytes their copies hold at once (predicted)
     not_offloaded: int = 0  # tensors the plan offloads that the run cannot (kept on the device, and predicted so)
+    compiled: str | None = None  # the torch.compile mode the peaks are of ("model", "blocks"); None: eager
 
     @property
     def status(self) -> str:
@@ -115,6 +118,8 @@ class Report:
             f"recompute overhead {self.overhead:+.1%}; planned with {self.device.upper()} kernels "
             f"({DEVICE_KERNELS[self.device]})",
         ]
+        if self.compiled:
+            lines.append(f"  peaks of the step under torch.compile ({COMPILED[self.compiled]}), traced through inductor")
         if self.regions:
             shown = ", ".join(self.regions[:8]) + (f", ... ({len(self.regions)} in all)" if len(self.regions) > 8 else "")
             lines.append(f"  checkpointed: {shown}")
@@ -182,7 +187,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
          method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none", fsdp: int = 1,
          reshard_after_forward: bool | str = True, mixed_precision: str | None = None, cache: bool = True,
          cache_dir: str | os.PathLike | None = None, best_effort: bool = False, device: str | torch.device | None = None,
-         **options: Any) -> Plan:
+         compile: bool | str = False, **options: Any) -> Plan:
     """A checkpoint-region plan for one training step of ``model`` within ``budget``; nothing applied.
 
     Args:
@@ -213,9 +218,18 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
             float dropout noise and runs SDPA with dropout on its math path, keeping the attention
             probabilities; CUDA keeps a bool mask and runs fused attention). By default the device of the
             model's parameters (a model on ``meta`` is planned for CUDA); the report says which.
+        compile: ``True`` (or ``"model"``) when the script runs ``torch.compile(model)`` after this call,
+            ``"blocks"`` when it compiles each block of the block stack (torchtitan's way): the peaks, the
+            budget's share and the plan's check are then of the compiled step, traced through inductor's
+            own programs (:mod:`bonsai_core.trace.compiled`): the partitioner's saved tensors and inductor's
+            buffers under the plan's checkpoints. The plan is still applied before compiling.
         options: the method's options (as ``bonsai solve --option``), e.g. ``time_limit=30``.
     """
     _check_arguments(method, fsdp, options)
+    compiled = _compile_mode(compile, fsdp)
+    if compiled and options.get("offload"):
+        raise BonsaiError("offload=True with compile: saved-tensor hooks that copy to host memory are not traced through "
+                          "torch.compile here, so such a plan's compiled peak is unknown; plan it without offload.")
     root, inputs, prefix = _step_inputs(model, example_inputs, loss_fn)
     if any(is_checkpointed(m) or is_offloading(m) for m in model.modules()):
         raise ModelError("The model is already checkpointed by bonsai: plan it as it is without checkpoints "
@@ -226,7 +240,8 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     wanted, budget_source = _budget(budget, on)
     settings = {"method": method, "budget": str(budget), "budget_bytes": wanted.bytes, "autocast": autocast,
                 "optimizer": optimizer, "fsdp": [fsdp, reshard_after_forward, mixed_precision], "options": {k: repr(v) for k, v in sorted(options.items())}, "best_effort": best_effort,
-                "device": on.type, "kernels": kernels, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None}
+                "device": on.type, "kernels": kernels, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None,
+                "compile": compiled}
     folder = _cache_folder(cache_dir) if cache else None
     key = _fingerprint(model, inputs, loss_fn, settings)
     hit = _read_cached(folder, key) if folder else None
@@ -237,8 +252,11 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     start = time.perf_counter()
     step = _FakeStep.of(root, inputs, loss_fn, type(model).__name__)
     graph = step.graph(autocast, optimizer, fsdp, reshard_after_forward, mixed_precision, kernels)
-    seconds["trace"] = time.perf_counter() - start
     reference = no_remat_peak(graph)
+    if compiled:
+        step.compiled = compiled
+        reference = step.compiled_peak({})
+    seconds["trace"] = time.perf_counter() - start
     limit = wanted.resolve(reference)
     if wanted.fraction is not None:
         budget_source = f"{wanted} of the no-remat peak {format_bytes(reference)}"
@@ -250,12 +268,30 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
                     overhead=sim.overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
                     unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds, device=kernels,
                     offloaded=layout.offloaded, offloaded_bytes=layout.offloaded_bytes, host_peak=layout.host_peak,
-                    not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded)
+                    not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded, compiled=compiled)
     made = Plan({_relative(p, prefix): s for p, s in save.items()}, report, schedule, graph,
                 {_root_relative(p, prefix): ops for p, ops in layout.offload.items()})
     if folder:
         _write_cached(folder, key, made)
     return made
+
+
+def _compile_mode(compile: bool | str, fsdp: int) -> str | None:
+    """``plan``'s ``compile`` as a compile mode of the trace, or None (eager)."""
+    from bonsai_core.arguments import COMPILE_MODES
+    from bonsai_core.trace.compiled import check_compile
+
+    if compile is False or compile is None:
+        return None
+    mode = "model" if compile is True else compile
+    if mode not in COMPILE_MODES:
+        raise BonsaiError(f"compile={compile!r}: give True (torch.compile(model) after this call) or one of "
+                          f"{', '.join(map(repr, COMPILE_MODES))}.")
+    try:
+        check_compile(mode, fsdp)
+    except ModelError as e:
+        raise BonsaiError(str(e).replace("--compile ", "compile=").replace("--fsdp ", "fsdp=")) from None
+    return mode
 
 
 def _check_arguments(method: str, fsdp: int, options: dict[str, Any]) -> None:
@@ -465,6 +501,8 @@ class _FakeStep:
     autocast: str | None = None  # as traced (graph), for the layout's runs of the step
     mixed_precision: str | None = None  # FSDP2's param_dtype, as traced (graph): every run computes in it
     kernels: str = "cuda"  # as traced (graph): on the CPU an offload's copy ends when made
+    compiled: str | None = None  # the compile mode whose step a layout's peak is of (None: eager)
+    finish: Any = None  # the traced graph's sharding and optimizer, applied to a compiled trace too
 
     @classmethod
     def of(cls, model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, name: str) -> "_FakeStep":
@@ -499,9 +537,27 @@ class _FakeStep:
         with self.running():
             traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast,
                                 kernels=kernels)
-        graph = (shard_by_units(traced.graph, self.model, fsdp, reshard_after_forward, mixed_precision)
-                 if fsdp > 1 else traced.graph)
-        return with_optimizer(graph, optimizer)
+        def finish(graph: Graph) -> Graph:
+            graph = shard_by_units(graph, self.model, fsdp, reshard_after_forward, mixed_precision) if fsdp > 1 else graph
+            return with_optimizer(graph, optimizer)
+
+        self.finish = finish
+        return finish(traced.graph)
+
+    def compiled_peak(self, save: Save) -> int:
+        """The no-remat peak of the step compiled as ``self.compiled`` says with ``save``'s checkpoints
+        applied (:func:`bonsai_core.trace.compiled.trace_compiled_step`): what the plan holds under
+        torch.compile."""
+        from bonsai_core.trace.compiled import trace_compiled_step
+
+        with self.running():
+            try:
+                apply_saves(self.model, save, self.name)
+                graph = trace_compiled_step(self.model, self.inputs, self.loss_fn, self.compiled, name=self.name,
+                                            autocast=self.autocast)
+            finally:
+                remove_checkpoints(self.model)
+        return no_remat_peak(self.finish(graph))
 
     def layout(self, graph: Graph, schedule: Schedule) -> tuple[Save, _Layout]:
         """The plan laid onto the model's submodules (:func:`bonsai_core.export.checkpoint.faithful_layout`)."""
@@ -541,7 +597,8 @@ class _FakeStep:
                              f"recomputed faithfully; `{path}`: {why}. torch.utils.checkpoint requires a recomputation "
                              "to run the ops its forward ran: keep a submodule's forward free of state that it changes "
                              "and reads back (a cache it appends to).")
-        return lay.save, _Layout(lay.realised_peak, left_out, lay.unrealised_bytes, lay.offload, len(lay.offloaded),
+        realised = self.compiled_peak(lay.save) if self.compiled else lay.realised_peak
+        return lay.save, _Layout(realised, left_out, lay.unrealised_bytes, lay.offload, len(lay.offloaded),
                                  lay.offloaded_bytes, lay.host_peak)
 
 
