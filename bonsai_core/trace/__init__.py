@@ -99,19 +99,14 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
     ``package.module:factory``) under FakeTensorMode and trace its step;
     with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`), with
     ``mixed_precision`` ("bf16") under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
-    either left None: the model's own setting (:func:`bonsai_core.fsdp.fsdp_defaults`: torchtitan's for a
+    either left None: the model's own setting (:meth:`bonsai_core.fsdp.Sharding.of`: torchtitan's for a
     ``torchtitan:`` model). ``kernels``: see :func:`trace_step`. ``compile`` ("model" | "blocks"): the step
     as ``torch.compile`` runs it (:mod:`bonsai_core.trace.compiled`; the Traced then has no FX module), with
-    ``ac`` applied before compiling (:data:`bonsai_core.trace.compiled.CHECKPOINTING`)."""
-    from bonsai_core.fsdp import check_mixed_precision, computing_in, fsdp_defaults, shard_by_units
+    ``ac`` applied before compiling (:data:`bonsai_core.arguments.CHECKPOINTING`)."""
+    from bonsai_core.fsdp import Sharding, computing_in
 
-    if mixed_precision not in (None, "none") and fsdp < 2:
-        raise ModelError("--mixed-precision is FSDP2's policy: give --fsdp N (N >= 2) with it.")
-    if fsdp > 1:
-        reshard_after_forward, mixed_precision = fsdp_defaults(name, reshard_after_forward, mixed_precision)
-    else:
-        mixed_precision = None
-    check_mixed_precision(mixed_precision)
+    sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision, model=name)
+    mixed_precision = sharding.mixed_precision
     label = name if not options else name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
     label += f" autocast {autocast}" if autocast else ""
     label += f" fsdp mixed precision {mixed_precision}" if mixed_precision else ""
@@ -138,8 +133,7 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
                     graph = trace_compiled_step(model, inputs, loss_fn, compile, name=label, profile=profile,
                                                 autocast=autocast, checkpointing=ac)
                     traced = Traced(graph, None, [], time.perf_counter() - start)
-            if fsdp > 1:
-                traced.graph = shard_by_units(traced.graph, model, fsdp, reshard_after_forward, mixed_precision)
+            traced.graph = sharding.shard(traced.graph, model)
         return traced
 
     return with_batch_sizes_on_demand(trace, name, seed, options)
