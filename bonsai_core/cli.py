@@ -109,7 +109,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from bonsai_core.trace import trace_model
 
     traced = trace_model(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
-                         compile=compile_mode(args), ac=args.ac, **fsdp_options(args), **model_options(args))
+                         compile=compile_mode(args), ac=args.ac, float8=args.float8, **fsdp_options(args),
+                         **model_options(args))
     g = with_optimizer(traced.graph, args.optimizer)
     try:
         save_graph(g, args.output)
@@ -468,6 +469,9 @@ def _add_model_parsers(sub: Any) -> None:
                    help="with --compile: activation checkpointing applied before compiling: torchtitan's own apply_ac "
                         "(torchtitan: models; selective is op-level, with 0.2.2's save list or December 2024's), or "
                         "budget:F, torch's activation_memory_budget for the partitioner (0..1)")
+    p.add_argument("--float8", action="store_true",
+                   help="with --compile, torchtitan: models: torchtitan's Float8 linears (torchao's tensorwise float8 "
+                        "training, no float8 all-gather), applied before checkpointing and compiling")
     p.add_argument("-o", "--output", required=True, metavar="GRAPH.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_trace)

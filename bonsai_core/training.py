@@ -64,6 +64,7 @@ REGION_METHODS = ("bonsai", "chen")  # the methods whose plans are checkpoint re
 AUTO_MARGIN = 0.10  # share of a device's memory "auto" leaves to the caching allocator's rounding and waste
 CACHE_VERSION = 3  # 2: plans name the device whose kernels they were made with (CPU models: the CPU's); 3: offloads
 FIT_TRIES = 5  # solves to bring what the checkpoints run within the budget
+COMPILED_TRIES = 7  # plans traced compiled in the search for the plan budget that fits under compile
 # what to do when a checkpointed step cannot run, in the library's own terms (the CLI names its flags)
 LIBRARY_ADVICE = ("Plan it with another budget= or method='chen', or train it with the replay back-end "
                   "(bonsai.plan's schedule, exported by bonsai_core.export).")
@@ -89,7 +90,8 @@ class Report:
     plan_peak: int  # the plan's own simulated peak (the checkpoints may run it less tightly)
     no_remat_peak: int
     fixed_memory: int  # parameters, gradients, buffers, batch and optimizer state
-    overhead: float  # the plan's recomputed compute over one step's, predicted by the cost model
+    overhead: float  # the plan's recomputed compute over one step's, predicted by the cost model (under compile: the
+    # compiled step's with the checkpoints over the compiled step's without)
     not_checkpointed: dict[str, str] = field(default_factory=dict)  # submodule -> why it was left out
     unrealised_bytes: int = 0  # bytes the plan frees that no submodule can free with torch.utils.checkpoint
     graph_hash: str = ""
@@ -257,17 +259,19 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     reference = no_remat_peak(graph)
     if compiled:
         step.compiled = compiled
-        reference = step.compiled_peak({})
+        uncompiled_plan = step.compiled_graph({})
+        reference = no_remat_peak(uncompiled_plan)
     seconds["trace"] = time.perf_counter() - start
     limit = wanted.resolve(reference)
     if wanted.fraction is not None:
         budget_source = f"{wanted} of the no-remat peak {format_bytes(reference)}"
     schedule, save, layout = _fitted(step, graph, limit, method, options, seconds, best_effort)
     sim = simulate(graph, schedule)
+    overhead = layout.compiled_cost / uncompiled_plan.total_cost - 1 if compiled else sim.overhead
     report = Report(method=method, budget=limit, budget_source=budget_source,
                     regions=[_relative(p, prefix) for p in save], predicted_peak=layout.realised_peak,
                     plan_peak=sim.peak, no_remat_peak=reference, fixed_memory=graph.fixed_mem,
-                    overhead=sim.overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
+                    overhead=overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
                     unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds, device=kernels,
                     offloaded=layout.offloaded, offloaded_bytes=layout.offloaded_bytes, host_peak=layout.host_peak,
                     not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded, compiled=compiled)
@@ -331,7 +335,7 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
     best, refused = None, None
     for variant in variants:
         try:
-            found = _fitted_with(step, graph, limit, method, variant, seconds)
+            found = (_fitted_compiled if step.compiled else _fitted_with)(step, graph, limit, method, variant, seconds)
         except BudgetError as e:
             refused = refused or e  # the options the caller gave say it best
             if variant is variants[-1] and best is None:
@@ -381,6 +385,50 @@ def _fitted_with(step: "_FakeStep", graph: Graph, limit: int, method: str, optio
         # an ILP within its gap may not move for less than the excess
         plan_budget = max(floor, plan_budget - (layout.realised_peak - limit) * 2**attempt)
     return best
+
+
+def _fitted_compiled(step: "_FakeStep", graph: Graph, limit: int, method: str, options: dict[str, Any],
+                     seconds: dict[str, float]) -> tuple[Schedule, Save, "_Layout"]:
+    """:func:`_fitted_with` for a compiled step. The plan is solved on the eager graph, and compiling moves
+    its peak either way (the partitioner saves other tensors, inductor fuses some away), so the plan budget
+    that fits ``limit`` under compile is searched: a bisection between what any step needs and the eager
+    step's no-remat peak for the largest plan budget whose compiled peak is within ``limit``
+    (:data:`COMPILED_TRIES` compiled traces). The fitting layout with the least compiled compute is
+    returned, else the one with the smallest compiled peak. BudgetError when no solve finds a plan."""
+    from bonsai_core.solvers import solve
+
+    low, high = max(graph.peak_lower_bound, graph.optimizer_peak, graph.fixed_mem), no_remat_peak(graph)
+    plan_budget = min(max(limit, low), high)
+    found: list[tuple[Schedule, Save, _Layout]] = []
+    for _ in range(COMPILED_TRIES):
+        start = time.perf_counter()
+        try:
+            schedule = solve(graph, plan_budget, method, **options)
+        except BudgetError:
+            schedule = None
+        finally:
+            seconds["solve"] = seconds.get("solve", 0.0) + time.perf_counter() - start
+        if schedule is None:
+            low = plan_budget  # no plan this low: only higher budgets are left
+        else:
+            start = time.perf_counter()
+            save, layout = step.layout(graph, schedule)
+            seconds["layout"] = seconds.get("layout", 0.0) + time.perf_counter() - start
+            found.append((schedule, save, layout))
+            if layout.realised_peak <= limit:
+                low = plan_budget
+            else:
+                high = plan_budget
+        if high - low <= max(1, limit // 1000):
+            break
+        plan_budget = (low + high) // 2
+    if not found:
+        raise BudgetError(f"budget={format_bytes(limit)} ({limit} bytes): {method} finds no plan for {step.name} within "
+                          f"any budget down to {format_bytes(low)}; give a larger budget.")
+    fitting = [f for f in found if f[2].realised_peak <= limit]
+    if fitting:
+        return min(fitting, key=lambda f: (f[2].compiled_cost, f[2].realised_peak))
+    return min(found, key=lambda f: f[2].realised_peak)
 
 
 # -- the step: inputs, device, autocast, budget --------------------------------------------------
@@ -484,6 +532,7 @@ class _Layout:
     offloaded: int = 0  # tensors
     offloaded_bytes: int = 0
     host_peak: int = 0
+    compiled_cost: float | None = None  # under compile: the compiled step's compute with the layout's checkpoints
 
 
 @dataclass
@@ -539,10 +588,10 @@ class _FakeStep:
         self.finish = finish
         return finish(traced.graph)
 
-    def compiled_peak(self, save: Save) -> int:
-        """The no-remat peak of the step compiled as ``self.compiled`` says with ``save``'s checkpoints
-        applied (:func:`bonsai_core.trace.compiled.trace_compiled_step`): what the plan holds under
-        torch.compile."""
+    def compiled_graph(self, save: Save) -> Graph:
+        """The step compiled as ``self.compiled`` says with ``save``'s checkpoints applied
+        (:func:`bonsai_core.trace.compiled.trace_compiled_step`), sharded and with the optimizer as traced:
+        its plain schedule is what the plan holds and computes under torch.compile."""
         from bonsai_core.trace.compiled import trace_compiled_step
 
         with self.running():
@@ -552,7 +601,7 @@ class _FakeStep:
                                             autocast=self.autocast)
             finally:
                 remove_checkpoints(self.model)
-        return no_remat_peak(self.finish(graph))
+        return self.finish(graph)
 
     def layout(self, graph: Graph, schedule: Schedule) -> tuple[Save, _Layout]:
         """The plan laid onto the model's submodules (:func:`bonsai_core.export.checkpoint.faithful_layout`)."""
@@ -592,9 +641,12 @@ class _FakeStep:
                              f"recomputed faithfully; `{path}`: {why}. torch.utils.checkpoint requires a recomputation "
                              "to run the ops its forward ran: keep a submodule's forward free of state that it changes "
                              "and reads back (a cache it appends to).")
-        realised = self.compiled_peak(lay.save) if self.compiled else lay.realised_peak
-        return lay.save, _Layout(realised, left_out, lay.unrealised_bytes, lay.offload, len(lay.offloaded),
-                                 lay.offloaded_bytes, lay.host_peak)
+        if not self.compiled:
+            return lay.save, _Layout(lay.realised_peak, left_out, lay.unrealised_bytes, lay.offload,
+                                     len(lay.offloaded), lay.offloaded_bytes, lay.host_peak)
+        under_compile = self.compiled_graph(lay.save)
+        return lay.save, _Layout(no_remat_peak(under_compile), left_out, lay.unrealised_bytes, lay.offload,
+                                 len(lay.offloaded), lay.offloaded_bytes, lay.host_peak, under_compile.total_cost)
 
 
 def _fake_copy(module: nn.Module, mode: Any) -> nn.Module:

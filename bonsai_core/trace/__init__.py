@@ -94,7 +94,8 @@ class _Step(nn.Module):
 
 def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autocast: str | None = None,
                 fsdp: int = 1, reshard_after_forward: bool | str | None = None, mixed_precision: str | None = None,
-                kernels: str = "cuda", compile: str | None = None, ac: str | None = None, **options: Any) -> Traced:
+                kernels: str = "cuda", compile: str | None = None, ac: str | None = None, float8: bool = False,
+                **options: Any) -> Traced:
     """Build a model spec (:func:`bonsai_core.models.build`: a zoo name, ``hf:...`` or
     ``package.module:factory``) under FakeTensorMode and trace its step;
     with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`), with
@@ -102,7 +103,8 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
     either left None: the model's own setting (:meth:`bonsai_core.fsdp.Sharding.of`: torchtitan's for a
     ``torchtitan:`` model). ``kernels``: see :func:`trace_step`. ``compile`` ("model" | "blocks"): the step
     as ``torch.compile`` runs it (:mod:`bonsai_core.trace.compiled`; the Traced then has no FX module), with
-    ``ac`` applied before compiling (:data:`bonsai_core.arguments.CHECKPOINTING`)."""
+    ``ac`` applied before compiling (:data:`bonsai_core.arguments.CHECKPOINTING`) and, with ``float8``,
+    torchtitan's Float8 linears (:func:`bonsai_core.trace.compiled.float8_linears`)."""
     from bonsai_core.fsdp import Sharding, computing_in
 
     sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision, model=name)
@@ -119,6 +121,9 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
     elif ac is not None:
         raise ModelError(f"--ac {ac} is applied before torch.compile: give --compile with it (an eager step's "
                          "checkpointing is a method: bonsai solve --method torchtitan-selective).")
+    if float8 and (compile is None or not name.startswith("torchtitan:")):
+        raise ModelError("--float8 is torchtitan's Float8 linears, which torchtitan runs compiled: give it with a "
+                         "torchtitan: model and --compile.")
 
     def trace() -> Traced:
         with built_for_tracing(name, seed, **options) as (model, inputs, loss_fn):
@@ -131,7 +136,7 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
 
                     start = time.perf_counter()
                     graph = trace_compiled_step(model, inputs, loss_fn, compile, name=label, profile=profile,
-                                                autocast=autocast, checkpointing=ac)
+                                                autocast=autocast, checkpointing=ac, float8=float8)
                     traced = Traced(graph, None, [], time.perf_counter() - start)
             traced.graph = sharding.shard(traced.graph, model)
         return traced

@@ -93,6 +93,23 @@ def checkpointed(model: nn.Module, checkpointing: str | None) -> Iterator[None]:
                 layers.register_module(name, block)
 
 
+def float8_linears(model: nn.Module) -> None:
+    """Convert ``model``'s linears to Float8 training in place, as torchtitan's ``Float8LinearConverter``
+    does by default (torchao's tensorwise float8 linears, no float8 all-gather; its filter keeps a linear
+    whose dimensions are not multiples of 16, and the output projection, in high precision). torchtitan's
+    converter itself refuses to run without an SM89 GPU, so its three steps are taken here."""
+    from functools import partial
+
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise ModelError("--float8 needs torchao (pip install torchao==0.18.0, requirements-torchtitan.txt).") from None
+    from torchtitan.components.quantization.utils import module_filter_fn
+
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=False),
+                               module_filter_fn=partial(module_filter_fn, filter_fqns=["output"]))
+
+
 def block_container(model: nn.Module) -> tuple[nn.Module, list[str]]:
     """The module holding the model's repeated blocks (the largest ModuleList, Sequential or ModuleDict
     of children with parameters) and those children's names in it."""
@@ -131,13 +148,15 @@ def compiled(model: nn.Module, mode: str) -> Iterator[nn.Module]:
 
 def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
                         compile: str = "model", name: str = "model", profile: str = DEFAULT_PROFILE,
-                        autocast: str | None = None, checkpointing: str | None = None) -> Graph:
+                        autocast: str | None = None, checkpointing: str | None = None, float8: bool = False) -> Graph:
     """One training step of ``model`` (fake tensors, built under the ambient ``FakeTensorMode``) compiled
     as ``compile`` says, recorded as it runs into a Graph (module doc). Gradients persist from step to
     step, as ``zero_grad(set_to_none=False)`` keeps them: a first step compiles and allocates them, the
     second is recorded. The graph's fixed memory is the parameters, the gradients the first step made,
     the buffers, the batch and what the step reads that existed before it (constants). ``checkpointing``:
-    see :func:`checkpointed`."""
+    see :func:`checkpointed`; ``float8``: the linears first converted (:func:`float8_linears`)."""
+    if float8:
+        float8_linears(model)
     from bonsai_core.trace import autocast_context
 
     if profile not in PROFILES:
@@ -170,7 +189,7 @@ def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss
         nodes = recorder.finish()
     tensors = [[n, t.untyped_storage().nbytes(), kind] for n, t, kind in _distinct(fixed)]
     tensors += [[f"constant.{i}", b, "constant"] for i, b in enumerate(recorder.constants.values())]
-    label = f"{name} compiled ({compile}" + (f", {checkpointing})" if checkpointing else ")")
+    label = f"{name}{' float8' if float8 else ''} compiled ({compile}" + (f", {checkpointing})" if checkpointing else ")")
     return Graph.from_nodes(label, sum(t[1] for t in tensors), nodes, fixed_tensors=tensors,
                             modules=calls)
 
