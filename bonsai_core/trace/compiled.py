@@ -125,21 +125,26 @@ def block_container(model: nn.Module) -> tuple[nn.Module, list[str]]:
 @contextlib.contextmanager
 def compiled(model: nn.Module, mode: str) -> Iterator[nn.Module]:
     """``model`` compiled as ``mode`` says (:data:`COMPILE_MODES`), yielded as what the step calls; the
-    model is put back as it was, and dynamo's caches emptied, on the way out."""
+    model is put back as it was, and dynamo's caches emptied, on the way out. An ``hf:`` model's step
+    tells transformers that each row holds one sequence in a way dynamo can trace
+    (:func:`bonsai_core.models.hf.compiled_with_one_sequence_per_row`), as without compile."""
+    from bonsai_core.models.hf import compiled_with_one_sequence_per_row
+
     check_compile(mode)
     torch._dynamo.reset()
     container, names = block_container(model)
     originals = {n: container.get_submodule(n) for n in names}
     try:
-        if mode == "model":
-            yield torch.compile(model)
-        else:
-            if not names:
-                raise ModelError(f"compile={mode!r} compiles each block of the model's block stack, but the model has "
-                                 "no ModuleList, Sequential or ModuleDict of blocks; compile the whole model instead.")
-            for n, block in originals.items():
-                container.register_module(n, torch.compile(block, fullgraph=True))
-            yield model
+        with compiled_with_one_sequence_per_row(model):
+            if mode == "model":
+                yield torch.compile(model)
+            else:
+                if not names:
+                    raise ModelError(f"compile={mode!r} compiles each block of the model's block stack, but the model "
+                                     "has no ModuleList, Sequential or ModuleDict of blocks; compile the whole model.")
+                for n, block in originals.items():
+                    container.register_module(n, torch.compile(block, fullgraph=True))
+                yield model
     finally:
         for n, block in originals.items():
             container.register_module(n, block)
