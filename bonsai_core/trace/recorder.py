@@ -87,7 +87,7 @@ class StepRecorder(TorchDispatchMode):
         self.op_nodes: list[int] = []  # the nodes that are an op or kernel (not a further output of one)
         self.version: dict[int, int] = {}  # storage -> the node whose value it holds
         self.sizes: dict[int, int] = {}  # storages the step made -> bytes
-        self.pending: dict[int, torch.Tensor] = {}  # allocated, not yet written (held until written)
+        self.pending: set[int] = set()  # storages allocated and not yet written
         self.constants: dict[int, int] = {}  # storages from before the step, not fixed, that it reads
         self.released: list[tuple[int, int]] = []  # (node whose value a dying storage held, nodes made before)
         self._finalizers: list[weakref.finalize] = []
@@ -111,7 +111,7 @@ class StepRecorder(TorchDispatchMode):
         if func in _ALLOCATIONS:
             for t in _tensors(out):
                 self._made(t)
-                self.pending[_key(t)] = t
+                self.pending.add(_key(t))
             return out
         written, write_only = _written_arguments(func, args, kwargs)
         write_only_keys = {_key(t) for t in write_only}
@@ -148,7 +148,7 @@ class StepRecorder(TorchDispatchMode):
         self._finalizers.append(weakref.finalize(st, self._release, key))
 
     def _release(self, key: int) -> None:
-        self.pending.pop(key, None)
+        self.pending.discard(key)
         v = self.version.pop(key, None)
         self.sizes.pop(key, None)
         if v is not None:
@@ -158,7 +158,7 @@ class StepRecorder(TorchDispatchMode):
         """The node whose value ``t``'s storage holds; None for a fixed or earlier storage."""
         key = _key(t)
         if key in self.pending:  # read before any write: its value is the allocation's own
-            self.pending.pop(key)
+            self.pending.discard(key)
             self.version[key] = self._node("aten.empty_strided.default", "empty_strided", [], self.sizes[key],
                                            self.profile.launch)
             self.op_nodes.append(self.version[key])
@@ -179,7 +179,7 @@ class StepRecorder(TorchDispatchMode):
             key = _key(t)
             if key in self.fixed or key not in self.sizes or any(key == k for k, _ in targets):
                 continue  # a write into fixed memory (a gradient, a statistic) makes no bytes
-            self.pending.pop(key, None)
+            self.pending.discard(key)
             targets.append((key, self.version.get(key)))
         if name is None:
             short = op.split(".")[1] if op.startswith("aten.") else op
