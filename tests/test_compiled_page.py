@@ -62,3 +62,14 @@ def test_report_only_writes_the_page_from_results_json(tmp_path):
 def test_report_only_without_results_is_refused_before_measuring(tmp_path, capsys):
     assert main(["bench", "compiled", "--out", str(tmp_path), "--page", str(tmp_path / "p.md"), "--report-only"]) == 2
     assert "results.json is missing" in capsys.readouterr().out
+
+
+def test_a_plan_the_call_refuses_is_a_result_with_the_smallest_peak_it_names():
+    r = results()
+    r["cpu"].append({"model": "hf:llama", "options": {}, "variant": "bonsai", "seconds": 1.0,
+                     "error": "budget=18.95 MiB (19873375 bytes) cannot be met by checkpointing WithLabels's "
+                              "submodules: the smallest peak the checkpoints realise is 21.49 MiB (22535752 bytes)."})
+    page = compiled.page(r, "<!-- header -->")
+    assert "no plan (the smallest peak its checkpoints reach under compile is 21.49 MiB)" in page
+    assert "on `hf:llama` the call raised BudgetError" in page
+    assert "Equal to the byte in 2 of 3 rows" in page
