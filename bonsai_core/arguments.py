@@ -10,6 +10,13 @@ from typing import Callable
 from bonsai_core.budget import Budget, parse_budget
 from bonsai_core.errors import BonsaiError, BudgetError
 
+# what torch.compile wraps: the whole model (``torch.compile(model)``), or each block of its block stack
+# with ``fullgraph=True`` (torchtitan's ``apply_compile``, after activation checkpointing)
+COMPILE_MODES = ("model", "blocks")
+# activation checkpointing applied before compiling, as the run applies it: torchtitan's own ``apply_ac``
+# (``full``; ``selective``, op-level, with the save list of its 0.2.2 release or of December 2024), or
+# torch's memory budget for the partitioner's knapsack (``budget:F``, ``activation_memory_budget = F``)
+CHECKPOINTING = ("torchtitan-full", "torchtitan-selective", "torchtitan-selective-2024-12", "budget:F")
 SOLVE_TIME_LIMIT = 60.0  # seconds, `bonsai solve`'s default (the bench's too): an exact method never hangs unseen
 
 

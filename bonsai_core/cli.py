@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from bonsai_core.arguments import (RESHARD_CHOICES, SOLVE_TIME_LIMIT, allocator_policy, budget_arg, overhead_arg, positive, positive_int,
+from bonsai_core.arguments import (CHECKPOINTING, COMPILE_MODES, RESHARD_CHOICES, SOLVE_TIME_LIMIT, allocator_policy, budget_arg, overhead_arg, positive, positive_int,
                                    reserved_policy, reshard_arg, solve_time_limit, time_limit_arg)
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.optimizer import OPTIMIZERS
@@ -54,6 +54,13 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --fsdp: FSDP2's MixedPrecisionPolicy(param_dtype=this, reduce_dtype=fp32) on the fp32 "
                         "model: fp32 sharded parameters, gradients and optimizer state, blocks all-gathered and "
                         "computed in this dtype; default: none, bf16 for torchtitan: models (torchtitan's)")
+
+
+def compile_mode(args: argparse.Namespace) -> str | None:
+    """--compile's mode; given bare, each block for torchtitan: models (as torchtitan compiles), else the model."""
+    if args.compile != "default":
+        return args.compile
+    return "blocks" if args.model.startswith("torchtitan:") else "model"
 
 
 def fsdp_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -102,7 +109,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from bonsai_core.trace import trace_model
 
     traced = trace_model(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
-                         **fsdp_options(args), **model_options(args))
+                         compile=compile_mode(args), ac=args.ac, float8=args.float8, **fsdp_options(args),
+                         **model_options(args))
     g = with_optimizer(traced.graph, args.optimizer)
     try:
         save_graph(g, args.output)
@@ -452,6 +460,18 @@ def _add_model_parsers(sub: Any) -> None:
                    help="the optimizer step after the backward pass (foreach, as on CUDA): its state is fixed memory "
                         "and its step's temporaries can set the peak (default none)")
     add_fsdp_arguments(p)
+    p.add_argument("--compile", nargs="?", const="default", default=None, choices=(*COMPILE_MODES, "default"),
+                   metavar="|".join(COMPILE_MODES),
+                   help="the step as torch.compile (inductor) runs it: the partitioner's saved tensors, inductor's fused "
+                        "kernels and buffers; model: torch.compile(model), blocks: each block with fullgraph=True "
+                        "(torchtitan's apply_compile); bare: blocks for torchtitan: models, else model")
+    p.add_argument("--ac", default=None, metavar="|".join(CHECKPOINTING),
+                   help="with --compile: activation checkpointing applied before compiling: torchtitan's own apply_ac "
+                        "(torchtitan: models; selective is op-level, with 0.2.2's save list or December 2024's), or "
+                        "budget:F, torch's activation_memory_budget for the partitioner (0..1)")
+    p.add_argument("--float8", action="store_true",
+                   help="with --compile, torchtitan: models: torchtitan's Float8 linears (torchao's tensorwise float8 "
+                        "training, no float8 all-gather), applied before checkpointing and compiling")
     p.add_argument("-o", "--output", required=True, metavar="GRAPH.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_trace)

@@ -204,3 +204,56 @@ def predicted_op_outputs(graph: Any, op: str) -> list[int]:
             parts = [int(u) for u in graph.users(v) if graph.ops[u] == "getitem"]
             out.append(int(graph.mem[v]) + sum(int(graph.mem[u]) for u in parts))
     return out
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """A real compiled training step, measured at the CPU allocator (:mod:`bonsai_core.allocations`):
+    ``transient`` the most bytes it held above what was allocated when it began (``base``: parameters,
+    gradients, buffers, the batch, whatever the process holds), and the loss."""
+
+    transient: int
+    base: int
+    loss: float
+
+
+def compiled_step(spec: str, options: dict[str, Any], compile: str, save: dict | None = None,
+                  checkpointing: str | None = None, seed: int = 0, autocast: str | None = None) -> CompiledStep:
+    """Build ``spec`` (:func:`bonsai_core.models.build`, real tensors), apply ``save``'s checkpoints (a
+    plan's, :func:`bonsai_core.export_runtime.checkpointing.apply_saves`) or ``checkpointing``
+    (:func:`bonsai_core.trace.compiled.checkpointed`), compile it as ``compile`` says with inductor for
+    real, run one step (it compiles, and allocates the gradients), then measure the next. Runs in a
+    process with the allocation hook (:func:`bonsai_core.allocations.run_hooked`)."""
+    import gc
+
+    from bonsai_core import allocations, models
+    from bonsai_core.export_runtime.checkpointing import apply_saves
+    from bonsai_core.trace import autocast_context
+    from bonsai_core.trace.compiled import checkpointed, compiled
+
+    model, inputs, loss_fn = models.build(spec, seed=seed, **options)
+    if save:
+        apply_saves(model, save, spec)
+    device_type = inputs[0].device.type if inputs else "cpu"
+    with checkpointed(model, checkpointing), compiled(model, compile) as runnable:
+        def step() -> float:
+            with autocast_context(autocast, device_type):
+                loss = loss_fn(runnable(*inputs))
+            loss.backward()
+            return float(loss.detach())
+
+        step()
+        gc.collect()
+        base = allocations.live_bytes()
+        allocations.reset_peak()
+        loss = step()
+        transient = allocations.peak_bytes() - base
+    return CompiledStep(transient, base, loss)
+
+
+def measure_compiled(spec: str, options: dict[str, Any], compile: str, save: dict | None = None,
+                     checkpointing: str | None = None, seed: int = 0, autocast: str | None = None) -> CompiledStep:
+    """:func:`compiled_step` in a fresh process with the allocation hook preloaded."""
+    from bonsai_core.allocations import run_hooked
+
+    return run_hooked(compiled_step, spec, options, compile, save, checkpointing, seed, autocast)

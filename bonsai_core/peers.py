@@ -2,18 +2,18 @@
 
 * ``torch-budget``: PyTorch's own min-cut rematerialization partitioner
   (``torch._functorch.partitioners.min_cut_rematerialization_partition``) with
-  ``torch._functorch.config.activation_memory_budget`` set, run through ``torch.compile`` with a
-  custom AOTAutograd backend that executes the partitioned FX graphs eagerly (no inductor). With
-  batch norm in training (``hf:resnet``) torch 2.13's partitioner fails at every budget below 1: its
-  backward reads a running statistic the step has updated in place ("modified by an inplace
-  operation"); the bench reports that error as the peer's result.
+  ``torch._functorch.config.activation_memory_budget`` set, as a run uses it: ``torch.compile(model)``
+  with inductor, compiled and run for real on the CPU, its peak counted at the CPU allocator
+  (:func:`bonsai_core.measure.measure_compiled`: inductor's buffers included), its overhead the compiled
+  step's compute under the budget over the compiled step's without one, both from the compiled trace
+  (:mod:`bonsai_core.trace.compiled`: inductor's fused kernels, each priced once).
 * ``per-block``: ``torch.utils.checkpoint`` (non-reentrant) around every block of the model's
   largest stack of blocks, the ``checkpoint_sequential`` habit.
 
 Nothing here trusts a model of what the peer does: each runs a real training step on CPU, its peak
-is measured by the live-bytes tracker and its compute by :class:`OpCost`, which prices every aten
-op executed with the same roofline (device profile) that costs our graphs. The overhead of a peer
-is its measured cost over the plain eager step's measured cost, minus one.
+measured (``per-block``: by the live-bytes tracker; its compute by :class:`OpCost`, which prices every
+aten op executed with the same roofline that costs our graphs; its overhead is its cost over the plain
+eager step's, minus one).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bonsai_core import models
 from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES, op_cost
 from bonsai_core.measure import LiveBytes, allocate_fixed
-from bonsai_core.models.hf import compiled_with_one_sequence_per_row
 from bonsai_core.tensors import tensors_in
 
 PEERS = ("torch-budget", "per-block")
@@ -65,6 +64,7 @@ class PeerRun:
     peak: int
     compute_cost: float
     loss: float
+    overhead: float | None = None  # over the peer's own reference step (a compiled peer's: the compiled step's)
 
 
 class _Step(nn.Module):
@@ -91,47 +91,17 @@ def measure_eager(model_name: str, options: dict[str, int], profile: str = DEFAU
 
 def measure_torch_budget(model_name: str, options: dict[str, int], fraction: float,
                          profile: str = DEFAULT_PROFILE) -> PeerRun:
-    """One step of the model compiled with PyTorch's min-cut partitioner at ``fraction``.
+    """One step of ``torch.compile(model)`` (inductor) with ``activation_memory_budget = fraction``, run
+    for real and measured at the CPU allocator; its compute and its overhead over the compiled step
+    without a budget from the compiled traces of both."""
+    from bonsai_core.measure import measure_compiled
+    from bonsai_core.trace import trace_model
 
-    torch.compile refuses to run under a Python dispatch mode, so the trackers are entered inside
-    the compiled forward and backward graphs (where every allocation of the step happens), and
-    stay one tracker across both, so saved activations are counted from forward into backward."""
-    import torch._functorch.config as functorch_config
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    live, cost = LiveBytes(), OpCost(profile)
-    measuring = {"on": False}
-
-    def compiler(gm: torch.fx.GraphModule, _example: Any) -> Callable:
-        # Boxed code takes the argument list and clears it, so inputs (saved activations) die at
-        # their last use inside the graph, as in a real compiled run.
-        gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
-        gm.recompile()
-
-        def run(args: list) -> Any:
-            if not measuring["on"]:
-                return gm(args)
-            with live, cost:
-                return gm(args)
-        run._boxed_call = True
-        return run
-
-    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
-                           partition_fn=min_cut_rematerialization_partition)
-    model, inputs, loss_fn = models.build(model_name, **options)
-    torch._dynamo.reset()
-    with functorch_config.patch(activation_memory_budget=fraction), compiled_with_one_sequence_per_row(model):
-        compiled = torch.compile(_Step(model, loss_fn), backend=backend, fullgraph=True)
-        compiled(*inputs).backward()  # compile (not measured)
-        fixed = allocate_fixed(model, inputs, loss_fn)
-        measuring["on"] = True
-        loss = compiled(*inputs)
-        loss.backward()
-        measuring["on"] = False
-    torch._dynamo.reset()
-    return PeerRun("torch-budget", f"activation_memory_budget={fraction:g}", fixed + live.peak, cost.total,
-                   float(loss.detach()))
+    graph = trace_model(model_name, profile=profile, compile="model", ac=f"budget:{fraction:g}", **options).graph
+    plain = trace_model(model_name, profile=profile, compile="model", **options).graph
+    measured = measure_compiled(model_name, options, "model", checkpointing=f"budget:{fraction:g}")
+    return PeerRun("torch-budget", f"activation_memory_budget={fraction:g}", graph.fixed_mem + measured.transient,
+                   graph.total_cost, measured.loss, graph.total_cost / plain.total_cost - 1)
 
 
 def block_modules(model: nn.Module) -> list[nn.Module]:
@@ -173,4 +143,4 @@ def peer_runs(peer: str, model_name: str, options: dict[str, int], profile: str 
 def best_within(runs: list[PeerRun], budget: int) -> PeerRun | None:
     """The cheapest measured setting whose peak fits the budget, or None."""
     fitting = [r for r in runs if r.peak <= budget]
-    return min(fitting, key=lambda r: (r.compute_cost, r.peak)) if fitting else None
+    return min(fitting, key=lambda r: (r.overhead if r.overhead is not None else r.compute_cost, r.peak)) if fitting else None

@@ -64,10 +64,13 @@ REGION_METHODS = ("bonsai", "chen")  # the methods whose plans are checkpoint re
 AUTO_MARGIN = 0.10  # share of a device's memory "auto" leaves to the caching allocator's rounding and waste
 CACHE_VERSION = 3  # 2: plans name the device whose kernels they were made with (CPU models: the CPU's); 3: offloads
 FIT_TRIES = 5  # solves to bring what the checkpoints run within the budget
+COMPILED_TRIES = 7  # plans traced compiled in the search for the plan budget that fits under compile
 # what to do when a checkpointed step cannot run, in the library's own terms (the CLI names its flags)
 LIBRARY_ADVICE = ("Plan it with another budget= or method='chen', or train it with the replay back-end "
                   "(bonsai.plan's schedule, exported by bonsai_core.export).")
 
+# how the run compiles the model, as the report says it (bonsai_core/trace/compiled.py)
+COMPILED = {"model": "torch.compile(model)", "blocks": "each block compiled, fullgraph=True"}
 # what each device's kernels keep, as the report says it (bonsai_core/trace/patches.py)
 DEVICE_KERNELS = {"cpu": "dropout's float noise, SDPA with dropout on its math path",
                   "cuda": "dropout's bool mask, fused attention"}
@@ -87,7 +90,8 @@ class Report:
     plan_peak: int  # the plan's own simulated peak (the checkpoints may run it less tightly)
     no_remat_peak: int
     fixed_memory: int  # parameters, gradients, buffers, batch and optimizer state
-    overhead: float  # the plan's recomputed compute over one step's, predicted by the cost model
+    overhead: float  # the plan's recomputed compute over one step's, predicted by the cost model (under compile: the
+    # compiled step's with the checkpoints over the compiled step's without)
     not_checkpointed: dict[str, str] = field(default_factory=dict)  # submodule -> why it was left out
     unrealised_bytes: int = 0  # bytes the plan frees that no submodule can free with torch.utils.checkpoint
     graph_hash: str = ""
@@ -98,6 +102,7 @@ class Report:
     offloaded_bytes: int = 0  # their bytes
     host_peak: int = 0  # the most host bytes their copies hold at once (predicted)
     not_offloaded: int = 0  # tensors the plan offloads that the run cannot (kept on the device, and predicted so)
+    compiled: str | None = None  # the torch.compile mode the peaks are of ("model", "blocks"); None: eager
 
     @property
     def status(self) -> str:
@@ -116,6 +121,8 @@ class Report:
             f"recompute overhead {self.overhead:+.1%}; planned with {self.device.upper()} kernels "
             f"({DEVICE_KERNELS[self.device]})",
         ]
+        if self.compiled:
+            lines.append(f"  peaks of the step under torch.compile ({COMPILED[self.compiled]}), traced through inductor")
         if self.regions:
             shown = ", ".join(self.regions[:8]) + (f", ... ({len(self.regions)} in all)" if len(self.regions) > 8 else "")
             lines.append(f"  checkpointed: {shown}")
@@ -183,7 +190,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
          method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none", fsdp: int = 1,
          reshard_after_forward: bool | str = True, mixed_precision: str | None = None, cache: bool = True,
          cache_dir: str | os.PathLike | None = None, best_effort: bool = False, device: str | torch.device | None = None,
-         **options: Any) -> Plan:
+         compile: bool | str = False, **options: Any) -> Plan:
     """A checkpoint-region plan for one training step of ``model`` within ``budget``; nothing applied.
 
     Args:
@@ -214,10 +221,19 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
             float dropout noise and runs SDPA with dropout on its math path, keeping the attention
             probabilities; CUDA keeps a bool mask and runs fused attention). By default the device of the
             model's parameters (a model on ``meta`` is planned for CUDA); the report says which.
+        compile: ``True`` (or ``"model"``) when the script runs ``torch.compile(model)`` after this call,
+            ``"blocks"`` when it compiles each block of the block stack (torchtitan's way): the peaks, the
+            budget's share and the plan's check are then of the compiled step, traced through inductor's
+            own programs (:mod:`bonsai_core.trace.compiled`): the partitioner's saved tensors and inductor's
+            buffers under the plan's checkpoints. The plan is still applied before compiling.
         options: the method's options (as ``bonsai solve --option``), e.g. ``time_limit=30``.
     """
     _check_arguments(method, options)
     sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision)
+    compiled = _compile_mode(compile, sharding.world)
+    if compiled and options.get("offload"):
+        raise BonsaiError("offload=True with compile: saved-tensor hooks that copy to host memory are not traced through "
+                          "torch.compile here, so such a plan's compiled peak is unknown; plan it without offload.")
     root, inputs, prefix = _step_inputs(model, example_inputs, loss_fn)
     if any(is_checkpointed(m) or is_offloading(m) for m in model.modules()):
         raise ModelError("The model is already checkpointed by bonsai: plan it as it is without checkpoints "
@@ -228,7 +244,8 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     wanted, budget_source = _budget(budget, on)
     settings = {"method": method, "budget": str(budget), "budget_bytes": wanted.bytes, "autocast": autocast,
                 "optimizer": optimizer, "fsdp": [fsdp, reshard_after_forward, mixed_precision], "options": {k: repr(v) for k, v in sorted(options.items())}, "best_effort": best_effort,
-                "device": on.type, "kernels": kernels, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None}
+                "device": on.type, "kernels": kernels, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None,
+                "compile": compiled}
     folder = _cache_folder(cache_dir) if cache else None
     key = _fingerprint(model, inputs, loss_fn, settings)
     hit = _read_cached(folder, key) if folder else None
@@ -239,25 +256,48 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     start = time.perf_counter()
     step = _FakeStep.of(root, inputs, loss_fn, type(model).__name__)
     graph = step.graph(autocast, optimizer, sharding, kernels)
-    seconds["trace"] = time.perf_counter() - start
     reference = no_remat_peak(graph)
+    if compiled:
+        step.compiled = compiled
+        uncompiled_plan = step.compiled_graph({})
+        reference = no_remat_peak(uncompiled_plan)
+    seconds["trace"] = time.perf_counter() - start
     limit = wanted.resolve(reference)
     if wanted.fraction is not None:
         budget_source = f"{wanted} of the no-remat peak {format_bytes(reference)}"
     schedule, save, layout = _fitted(step, graph, limit, method, options, seconds, best_effort)
     sim = simulate(graph, schedule)
+    overhead = layout.compiled_cost / uncompiled_plan.total_cost - 1 if compiled else sim.overhead
     report = Report(method=method, budget=limit, budget_source=budget_source,
                     regions=[_relative(p, prefix) for p in save], predicted_peak=layout.realised_peak,
                     plan_peak=sim.peak, no_remat_peak=reference, fixed_memory=graph.fixed_mem,
-                    overhead=sim.overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
+                    overhead=overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
                     unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds, device=kernels,
                     offloaded=layout.offloaded, offloaded_bytes=layout.offloaded_bytes, host_peak=layout.host_peak,
-                    not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded)
+                    not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded, compiled=compiled)
     made = Plan({_relative(p, prefix): s for p, s in save.items()}, report, schedule, graph,
                 {_root_relative(p, prefix): ops for p, ops in layout.offload.items()})
     if folder:
         _write_cached(folder, key, made)
     return made
+
+
+def _compile_mode(compile: bool | str, fsdp: int) -> str | None:
+    """``plan``'s ``compile`` as a compile mode of the trace, or None (eager)."""
+    from bonsai_core.arguments import COMPILE_MODES
+    from bonsai_core.trace.compiled import check_compile
+
+    if compile is False or compile is None:
+        return None
+    mode = "model" if compile is True else compile
+    if mode not in COMPILE_MODES:
+        raise BonsaiError(f"compile={compile!r}: give True (torch.compile(model) after this call) or one of "
+                          f"{', '.join(map(repr, COMPILE_MODES))}.")
+    try:
+        check_compile(mode, fsdp)
+    except ModelError as e:
+        raise BonsaiError(str(e).replace("--compile ", "compile=").replace("--fsdp ", "fsdp=")) from None
+    return mode
 
 
 def _check_arguments(method: str, options: dict[str, Any]) -> None:
@@ -295,7 +335,7 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
     best, refused = None, None
     for variant in variants:
         try:
-            found = _fitted_with(step, graph, limit, method, variant, seconds)
+            found = (_fitted_compiled if step.compiled else _fitted_with)(step, graph, limit, method, variant, seconds)
         except BudgetError as e:
             refused = refused or e  # the options the caller gave say it best
             if variant is variants[-1] and best is None:
@@ -345,6 +385,50 @@ def _fitted_with(step: "_FakeStep", graph: Graph, limit: int, method: str, optio
         # an ILP within its gap may not move for less than the excess
         plan_budget = max(floor, plan_budget - (layout.realised_peak - limit) * 2**attempt)
     return best
+
+
+def _fitted_compiled(step: "_FakeStep", graph: Graph, limit: int, method: str, options: dict[str, Any],
+                     seconds: dict[str, float]) -> tuple[Schedule, Save, "_Layout"]:
+    """:func:`_fitted_with` for a compiled step. The plan is solved on the eager graph, and compiling moves
+    its peak either way (the partitioner saves other tensors, inductor fuses some away), so the plan budget
+    that fits ``limit`` under compile is searched: a bisection between what any step needs and the eager
+    step's no-remat peak for the largest plan budget whose compiled peak is within ``limit``
+    (:data:`COMPILED_TRIES` compiled traces). The fitting layout with the least compiled compute is
+    returned, else the one with the smallest compiled peak. BudgetError when no solve finds a plan."""
+    from bonsai_core.solvers import solve
+
+    low, high = max(graph.peak_lower_bound, graph.optimizer_peak, graph.fixed_mem), no_remat_peak(graph)
+    plan_budget = min(max(limit, low), high)
+    found: list[tuple[Schedule, Save, _Layout]] = []
+    for _ in range(COMPILED_TRIES):
+        start = time.perf_counter()
+        try:
+            schedule = solve(graph, plan_budget, method, **options)
+        except BudgetError:
+            schedule = None
+        finally:
+            seconds["solve"] = seconds.get("solve", 0.0) + time.perf_counter() - start
+        if schedule is None:
+            low = plan_budget  # no plan this low: only higher budgets are left
+        else:
+            start = time.perf_counter()
+            save, layout = step.layout(graph, schedule)
+            seconds["layout"] = seconds.get("layout", 0.0) + time.perf_counter() - start
+            found.append((schedule, save, layout))
+            if layout.realised_peak <= limit:
+                low = plan_budget
+            else:
+                high = plan_budget
+        if high - low <= max(1, limit // 1000):
+            break
+        plan_budget = (low + high) // 2
+    if not found:
+        raise BudgetError(f"budget={format_bytes(limit)} ({limit} bytes): {method} finds no plan for {step.name} within "
+                          f"any budget down to {format_bytes(low)}; give a larger budget.")
+    fitting = [f for f in found if f[2].realised_peak <= limit]
+    if fitting:
+        return min(fitting, key=lambda f: (f[2].compiled_cost, f[2].realised_peak))
+    return min(found, key=lambda f: f[2].realised_peak)
 
 
 # -- the step: inputs, device, autocast, budget --------------------------------------------------
@@ -448,6 +532,7 @@ class _Layout:
     offloaded: int = 0  # tensors
     offloaded_bytes: int = 0
     host_peak: int = 0
+    compiled_cost: float | None = None  # under compile: the compiled step's compute with the layout's checkpoints
 
 
 @dataclass
@@ -465,6 +550,8 @@ class _FakeStep:
     autocast: str | None = None  # as traced (graph), for the layout's runs of the step
     mixed_precision: str | None = None  # FSDP2's param_dtype, as traced (graph): every run computes in it
     kernels: str = "cuda"  # as traced (graph): on the CPU an offload's copy ends when made
+    compiled: str | None = None  # the compile mode whose step a layout's peak is of (None: eager)
+    finish: Any = None  # the traced graph's sharding and optimizer, applied to a compiled trace too
 
     @classmethod
     def of(cls, model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, name: str) -> "_FakeStep":
@@ -495,8 +582,26 @@ class _FakeStep:
         with self.running():
             traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast,
                                 kernels=kernels)
-        graph = sharding.shard(traced.graph, self.model)
-        return with_optimizer(graph, optimizer)
+        def finish(graph: Graph) -> Graph:
+            return with_optimizer(sharding.shard(graph, self.model), optimizer)
+
+        self.finish = finish
+        return finish(traced.graph)
+
+    def compiled_graph(self, save: Save) -> Graph:
+        """The step compiled as ``self.compiled`` says with ``save``'s checkpoints applied
+        (:func:`bonsai_core.trace.compiled.trace_compiled_step`), sharded and with the optimizer as traced:
+        its plain schedule is what the plan holds and computes under torch.compile."""
+        from bonsai_core.trace.compiled import trace_compiled_step
+
+        with self.running():
+            try:
+                apply_saves(self.model, save, self.name)
+                graph = trace_compiled_step(self.model, self.inputs, self.loss_fn, self.compiled, name=self.name,
+                                            autocast=self.autocast)
+            finally:
+                remove_checkpoints(self.model)
+        return self.finish(graph)
 
     def layout(self, graph: Graph, schedule: Schedule) -> tuple[Save, _Layout]:
         """The plan laid onto the model's submodules (:func:`bonsai_core.export.checkpoint.faithful_layout`)."""
@@ -536,8 +641,12 @@ class _FakeStep:
                              f"recomputed faithfully; `{path}`: {why}. torch.utils.checkpoint requires a recomputation "
                              "to run the ops its forward ran: keep a submodule's forward free of state that it changes "
                              "and reads back (a cache it appends to).")
-        return lay.save, _Layout(lay.realised_peak, left_out, lay.unrealised_bytes, lay.offload, len(lay.offloaded),
-                                 lay.offloaded_bytes, lay.host_peak)
+        if not self.compiled:
+            return lay.save, _Layout(lay.realised_peak, left_out, lay.unrealised_bytes, lay.offload,
+                                     len(lay.offloaded), lay.offloaded_bytes, lay.host_peak)
+        under_compile = self.compiled_graph(lay.save)
+        return lay.save, _Layout(no_remat_peak(under_compile), left_out, lay.unrealised_bytes, lay.offload,
+                                 len(lay.offloaded), lay.offloaded_bytes, lay.host_peak, under_compile.total_cost)
 
 
 def _fake_copy(module: nn.Module, mode: Any) -> nn.Module:

@@ -17,35 +17,17 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
-
-from bonsai_core.allocator import bounded_replay
-from bonsai_core.fsdp import working_profile
+from bonsai_core.fsdp import peak_parts
 from bonsai_core.graph import Graph, load_graph
 from bonsai_core.regions import CheckpointPlan, hold_saved
-from bonsai_core.schedule import Schedule, load_schedule, simulate
+from bonsai_core.schedule import Schedule, load_schedule
 
 GiB = 2**30
 
 
-def breakdown(graph: Graph, schedule: Schedule, policy: str) -> dict[str, float]:
-    """GiB of each part at the live peak, the reserved peak and the allocator's extra."""
-    sim = simulate(graph, schedule)
-    at = int(np.argmax(sim.timeline))
-    resident = sim.residency.live_at(at)
-    parts = {f"fixed: {k}": 0.0 for _, _, k in graph.fixed_tensors}
-    for _, nbytes, kind in graph.fixed_tensors:
-        parts[f"fixed: {kind}"] += nbytes / GiB
-    forward = graph.is_forward[resident]
-    parts["saved forward tensors"] = int(graph.mem[resident[forward]].sum()) / GiB
-    parts["backward tensors (transients)"] = int(graph.mem[resident[~forward]].sum()) / GiB
-    parts["FSDP buffers"] = int(working_profile(graph, schedule.ops)[at]) / GiB
-    parts["live peak"] = sim.peak / GiB
-    reserved = bounded_replay(graph, schedule, policy).reserved_peak
-    parts[f"reserved peak ({policy})"] = reserved / GiB
-    parts["allocator's extra"] = (reserved - sim.peak) / GiB
-    parts["peak op"] = f"{at}: {graph.names[schedule.ops[at][1]]}"
-    return parts
+def breakdown(graph: Graph, schedule: Schedule, policy: str) -> dict[str, float | str]:
+    """GiB of each part at the live peak, the reserved peak and the allocator's extra (:func:`peak_parts`)."""
+    return {k: v / GiB if isinstance(v, int) else v for k, v in peak_parts(graph, schedule, policy).items()}
 
 
 def saved_held_to_rebuild(graph: Graph, schedule: Schedule) -> Schedule:

@@ -35,6 +35,8 @@ SUITES: dict[str, tuple[str, str]] = {
     "one-call": ("one_call", "bonsai.checkpoint on library models: predicted vs measured peak, call times"),
     "fsdp": ("fsdp", "FSDP2 per rank: the simulator's peak against gloo processes on CPU"),
     "predicted-vs-measured": ("predicted_vs_measured", "no-remat peak: the simulator against a real eager CPU step"),
+    "compiled": ("compiled", "compiled steps: the compiled trace against real compiled CPU steps, bonsai against torch's "
+                             "memory budget under compile, torchtitan's 8B rows eager and compiled"),
 }
 
 __all__ = ["BENCH_NODE_LIMITS", "COLUMN_TYPES", "COLUMNS", "DEFAULT_SUITE", "FULL_BUDGETS", "FULL_MODELS",

@@ -415,7 +415,8 @@ def _peer_rows(peer: str, spec: ModelSpec, nodes: int, reference: int, budgets: 
             lowest = min(runs, key=lambda r: r.peak)
             row["note"] = f"no setting fits; lowest measured peak {lowest.peak} ({lowest.setting})"
         else:
-            row.update(feasible=True, peak=best.peak, overhead=round(best.compute_cost / plain_cost - 1, 6),
+            overhead = best.overhead if best.overhead is not None else best.compute_cost / plain_cost - 1
+            row.update(feasible=True, peak=best.peak, overhead=round(overhead, 6),
                        solve_seconds=seconds, status="measured", note=best.setting)
         rows.append(row)
         progress(f"  {fraction:.0%} {peer:10s} feasible={row['feasible']} overhead={row['overhead']} {row['note']}")

@@ -118,8 +118,12 @@ def buffer_writes_undone(context, module, written):
 
 
 def stateful_contexts(make_contexts, saves, module, written):
-    """``make_contexts(saves)``, with the buffers the forward writes put back after the recomputation."""
+    """``make_contexts(saves)``, with the buffers the forward writes put back after the recomputation.
+    Under torch.compile the step is functional (a buffer's write is applied once, after the graph), so
+    the contexts are the plain ones there."""
     forward, recompute = make_contexts(saves)
+    if torch.compiler.is_compiling():
+        return forward, recompute
     return buffer_writes_noted(forward, module, written), buffer_writes_undone(recompute, module, written)
 
 

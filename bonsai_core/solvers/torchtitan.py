@@ -65,6 +65,23 @@ SAVE_LISTS: dict[str, frozenset[str]] = {
 }
 
 
+def torchtitan_save_list(release: Release = "0.2.2") -> set:
+    """A release's save list as the op overloads torchtitan's ``apply_ac`` takes (``op_sac_save_list``),
+    those this torch has."""
+    import torch
+
+    if release not in SAVE_LISTS:
+        raise SolverError(f"Unknown torchtitan release {release!r}; choose one of: {', '.join(SAVE_LISTS)}.")
+    ops = set()
+    for name in SAVE_LISTS[release]:
+        namespace, _, rest = name.partition(".")
+        packet, _, overload = rest.partition(".")
+        op = getattr(getattr(getattr(torch.ops, namespace, None), packet, None), overload or "default", None)
+        if op is not None:
+            ops.add(op)
+    return ops
+
+
 def full_plan(graph: Graph) -> CheckpointPlan:
     """Every block of the block stack a recomputed segment (``mode = "full"``)."""
     _require_blocks(graph)

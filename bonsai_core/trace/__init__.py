@@ -72,7 +72,7 @@ class Traced:
     """
 
     graph: Graph
-    module: fx.GraphModule
+    module: fx.GraphModule | None  # None for a compiled step (no one joint FX graph)
     fx_names: list[str]  # FX node name of each graph node
     seconds: float
     buffer_writes: list[tuple[str, str]] = field(default_factory=list)
@@ -94,13 +94,17 @@ class _Step(nn.Module):
 
 def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autocast: str | None = None,
                 fsdp: int = 1, reshard_after_forward: bool | str | None = None, mixed_precision: str | None = None,
-                kernels: str = "cuda", **options: Any) -> Traced:
+                kernels: str = "cuda", compile: str | None = None, ac: str | None = None, float8: bool = False,
+                **options: Any) -> Traced:
     """Build a model spec (:func:`bonsai_core.models.build`: a zoo name, ``hf:...`` or
     ``package.module:factory``) under FakeTensorMode and trace its step;
     with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`), with
     ``mixed_precision`` ("bf16") under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
     either left None: the model's own setting (:meth:`bonsai_core.fsdp.Sharding.of`: torchtitan's for a
-    ``torchtitan:`` model). ``kernels``: see :func:`trace_step`."""
+    ``torchtitan:`` model). ``kernels``: see :func:`trace_step`. ``compile`` ("model" | "blocks"): the step
+    as ``torch.compile`` runs it (:mod:`bonsai_core.trace.compiled`; the Traced then has no FX module), with
+    ``ac`` applied before compiling (:data:`bonsai_core.arguments.CHECKPOINTING`) and, with ``float8``,
+    torchtitan's Float8 linears (:func:`bonsai_core.trace.compiled.float8_linears`)."""
     from bonsai_core.fsdp import Sharding, computing_in
 
     sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision, model=name, ranks="--fsdp ")
@@ -109,11 +113,31 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
     label += f" autocast {autocast}" if autocast else ""
     label += f" fsdp mixed precision {mixed_precision}" if mixed_precision else ""
 
+    if compile is not None:
+        from bonsai_core.trace.compiled import check_checkpointing, check_compile
+
+        check_compile(compile, fsdp)
+        check_checkpointing(ac, name)
+    elif ac is not None:
+        raise ModelError(f"--ac {ac} is applied before torch.compile: give --compile with it (an eager step's "
+                         "checkpointing is a method: bonsai solve --method torchtitan-selective).")
+    if float8 and (compile is None or not name.startswith("torchtitan:")):
+        raise ModelError("--float8 is torchtitan's Float8 linears, which torchtitan runs compiled: give it with a "
+                         "torchtitan: model and --compile.")
+
     def trace() -> Traced:
         with built_for_tracing(name, seed, **options) as (model, inputs, loss_fn):
             with computing_in(model, mixed_precision):
-                traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast,
-                                    kernels=kernels)
+                if compile is None:
+                    traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast,
+                                        kernels=kernels)
+                else:
+                    from bonsai_core.trace.compiled import trace_compiled_step
+
+                    start = time.perf_counter()
+                    graph = trace_compiled_step(model, inputs, loss_fn, compile, name=label, profile=profile,
+                                                autocast=autocast, checkpointing=ac, float8=float8)
+                    traced = Traced(graph, None, [], time.perf_counter() - start)
             traced.graph = sharding.shard(traced.graph, model)
         return traced
 

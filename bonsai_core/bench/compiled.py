@@ -1,0 +1,299 @@
+"""Compiled steps predicted against real ones: ``bonsai bench compiled --page docs/results/compiled.md``.
+
+Three studies, each from one run (``--parts`` picks some; ``--report-only`` writes the page from
+results.json again):
+
+* ``cpu``: models of four libraries compiled for real with inductor on this CPU and measured at the
+  allocator (:func:`bonsai_core.measure.measure_compiled`) against the compiled trace's prediction
+  (:mod:`bonsai_core.trace.compiled`): with no checkpointing, with the checkpointing its users apply
+  (torchtitan's own selective AC; torch's memory budget elsewhere), and with the one call's bonsai plan
+  (``compile=``), whose budget is checked as measured.
+* ``peers``: bonsai against torch's own memory budget (the partitioner's knapsack, ``budget:F``) at the
+  same measured memory under compile, overheads from the compiled graphs' compute.
+* ``titan``: torchtitan's Llama 3.1 8B recipe (batch 2, seq 8192, selective AC of December 2024, FSDP
+  over 8 and 128 ranks, bf16, AdamW, reserved bytes under expandable segments) eager and compiled, against
+  the memory its published table gives, and where the compiled step's peak differs from the eager one's;
+  with ``--float8`` also its Float8 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from bonsai_core.bench import common
+
+PARTS = ("cpu", "peers", "titan")
+TITAN = "torchtitan:llama3:debugmodel"
+CPU_MODELS = [("gpt", {}), ("hf:llama", {}), ("hf:gpt2", {}), ("resnet", {}), ("hf:resnet", {}),
+              (TITAN, {"layers": 2, "seq": 512, "batch": 2})]
+PLAN_SHARE = "80%"
+PEER_MODELS = [("gpt", {}), ("hf:llama", {})]
+PEER_BUDGETS = (0.8, 0.5, 0.2, 0.0)
+# torchtitan's table (benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3): 8B, batch 2, seq 8192,
+# selective AC, FSDP; GiB per GPU by (ranks, compiled, float8)
+PUBLISHED = {(8, False, False): 82.4, (8, True, False): 77.0, (8, True, True): 76.8,
+             (128, False, False): 67.0, (128, True, False): 62.0, (128, True, True): 61.8}
+TITAN_8B = {"batch": 2, "seq": 8192}
+SOURCES = ["bonsai_core/bench/compiled.py", common.template_source("compiled")]
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    common.add_page_arguments(ap, "docs/bench/compiled", "docs/results/compiled.md")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="the studies to run (default all)")
+    ap.add_argument("--float8", action="store_true", help="titan: also the Float8 rows (a compile of ~10 min each)")
+
+
+# -- measuring ------------------------------------------------------------------------------------
+
+def _mode(spec: str) -> str:
+    return "blocks" if spec.startswith("torchtitan:") else "model"
+
+
+def _compiled_graph(spec: str, options: dict[str, Any], checkpointing: str | None = None) -> Any:
+    from bonsai_core.trace import trace_model
+
+    return trace_model(spec, compile=_mode(spec), ac=checkpointing, **options).graph
+
+
+def cpu_row(spec: str, options: dict[str, Any], variant: str) -> dict[str, Any]:
+    """One model under one variant (``none``, a checkpointing, ``bonsai``): predicted and measured."""
+    import bonsai_core as bonsai
+    from bonsai_core import models
+    from bonsai_core.errors import BonsaiError
+    from bonsai_core.measure import measure_compiled
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.trace import trace_model
+
+    row: dict[str, Any] = {"model": spec, "options": options, "variant": variant}
+    start = time.perf_counter()
+    if variant == "bonsai":
+        model, inputs, loss_fn = models.build(spec, **options)
+        try:
+            made = bonsai.plan(model, inputs, loss_fn, budget=PLAN_SHARE, compile=_mode(spec), cache=False,
+                               device="cpu")
+        except BonsaiError as e:  # a budget the plans cannot meet under compile is a result
+            return {**row, "error": str(e), "seconds": time.perf_counter() - start}
+        measured = measure_compiled(spec, options, _mode(spec), save=made.save)
+        row.update(predicted=made.report.predicted_peak - made.report.fixed_memory, budget=made.report.budget,
+                   fixed=made.report.fixed_memory, regions=len(made.report.regions), overhead=made.report.overhead)
+    else:
+        checkpointing = None if variant == "none" else variant
+        graph = _compiled_graph(spec, options, checkpointing)
+        measured = measure_compiled(spec, options, _mode(spec), checkpointing=checkpointing)
+        row.update(predicted=no_remat_peak(graph) - graph.fixed_mem, fixed=graph.fixed_mem, nodes=graph.n)
+        if variant == "none":
+            eager = trace_model(spec, kernels="cpu", **options).graph
+            row["eager_predicted"] = no_remat_peak(eager) - eager.fixed_mem
+    row.update(measured=measured.transient, seconds=time.perf_counter() - start)
+    return row
+
+
+def peer_rows(spec: str, options: dict[str, Any]) -> list[dict[str, Any]]:
+    """torch's memory budget at PEER_BUDGETS and bonsai's plan at the peak each measured, under compile."""
+    import bonsai_core as bonsai
+    from bonsai_core import models
+    from bonsai_core.errors import BonsaiError
+    from bonsai_core.measure import measure_compiled
+    from bonsai_core.schedule import no_remat_peak
+
+    plain = _compiled_graph(spec, options)
+    rows = []
+    for share in PEER_BUDGETS:
+        graph = _compiled_graph(spec, options, f"budget:{share}")
+        measured = measure_compiled(spec, options, _mode(spec), checkpointing=f"budget:{share}")
+        peak = measured.transient + graph.fixed_mem
+        row: dict[str, Any] = {"model": spec, "budget": share, "torch_peak": peak,
+                               "torch_predicted": no_remat_peak(graph),
+                               "torch_overhead": graph.total_cost / plain.total_cost - 1}
+        model, inputs, loss_fn = models.build(spec, **options)
+        try:
+            made = bonsai.plan(model, inputs, loss_fn, budget=peak, compile=_mode(spec), cache=False, device="cpu")
+        except BonsaiError as e:
+            row["bonsai_error"] = str(e).split(";")[0]
+        else:
+            row.update(bonsai_predicted=made.report.predicted_peak, bonsai_overhead=made.report.overhead,
+                       bonsai_peak=measure_compiled(spec, options, _mode(spec), save=made.save).transient
+                       + made.report.fixed_memory)
+        rows.append(row)
+    return rows
+
+
+def titan_rows(float8: bool) -> list[dict[str, Any]]:
+    """The 8B recipe eager (the torchtitan-selective method, release 2024-12) and compiled (torchtitan's own
+    apply_ac of December 2024's save list), at 8 and 128 ranks: peaks and where they come from."""
+    from bonsai_core.fsdp import peak_parts
+    from bonsai_core.optimizer import with_optimizer
+    from bonsai_core.solvers import solve
+    from bonsai_core.trace import trace_model
+
+    rows = []
+    for world in (8, 128):
+        sharding = {"fsdp": world, "reshard_after_forward": "all-but-last"}
+        for compiled, f8 in ((False, False), (True, False), *(((True, True),) if float8 else ())):
+            start = time.perf_counter()
+            if compiled:
+                graph = trace_model("torchtitan:llama3:8B", compile="blocks", ac="torchtitan-selective-2024-12",
+                                    float8=f8, **sharding, **TITAN_8B).graph
+                graph = with_optimizer(graph, "adamw")
+                schedule = solve(graph, 2**60, "none")
+            else:
+                graph = with_optimizer(trace_model("torchtitan:llama3:8B", **sharding, **TITAN_8B).graph, "adamw")
+                schedule = solve(graph, 2**60, "torchtitan-selective", release="2024-12")
+            parts = peak_parts(graph, schedule)
+            rows.append({"world": world, "compiled": compiled, "float8": f8, "nodes": graph.n,
+                         "published_gib": PUBLISHED[world, compiled, f8], "parts": parts,
+                         "seconds": time.perf_counter() - start})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def measure(parts: list[str], float8: bool) -> dict[str, Any]:
+    import torch
+
+    start = time.perf_counter()
+    results: dict[str, Any] = {"meta": {"command": common.command(), "date": common.utc_now(),
+                                        "machine": common.machine(), "torch": torch.__version__, "parts": parts}}
+    if "cpu" in parts:
+        results["cpu"] = []
+        for spec, options in CPU_MODELS:
+            checkpointing = "torchtitan-selective" if spec.startswith("torchtitan:") else "budget:0.5"
+            for variant in ("none", checkpointing, "bonsai"):
+                results["cpu"].append(cpu_row(spec, options, variant))
+                print(results["cpu"][-1], flush=True)
+    if "peers" in parts:
+        results["peers"] = [row for spec, options in PEER_MODELS for row in peer_rows(spec, options)]
+    if "titan" in parts:
+        results["titan"] = titan_rows(float8)
+    results["meta"]["seconds"] = time.perf_counter() - start
+    return results
+
+
+# -- the page -------------------------------------------------------------------------------------
+
+GIB = 2**30
+EXTRA = "allocator's extra"  # peak_parts' names
+RESERVED = "reserved peak (expandable)"
+
+
+def _label(row: dict[str, Any]) -> str:
+    options = "".join(f" {k}={v}" for k, v in row["options"].items())
+    return f"`{row['model']}`{options}"
+
+
+def cpu_table(rows: list[dict[str, Any]]) -> str:
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append([_label(r), f"bonsai at {PLAN_SHARE}: {r['error'].split(':')[0]}: no plan (the smallest peak "
+                         f"its checkpoints reach under compile is {_smallest(r['error'])})", "", "", "", ""])
+            continue
+        ratio = r["predicted"] / r["measured"]
+        plan = (f"bonsai at {PLAN_SHARE}: {r['regions']} regions, budget {common.mib(r['budget'])}, "
+                f"measured peak {common.mib(r['measured'] + r['fixed'])}" if r["variant"] == "bonsai" else r["variant"])
+        body.append([_label(r), plan, common.mib(r["predicted"]), common.mib(r["measured"]), f"{ratio:.4f}",
+                     common.mib(r["eager_predicted"]) if "eager_predicted" in r else ""])
+    return common.table(["model", "checkpointing", "predicted", "measured", "predicted / measured",
+                         "eager step, predicted"], body, "llrrrr")
+
+
+def _smallest(error: str) -> str:
+    """The smallest peak a BudgetError names, as it names it."""
+    import re
+
+    found = re.search(r"realise is ([0-9.]+ [KMG]iB)", error)
+    return found.group(1) if found else "not named"
+
+
+def cpu_said(rows: list[dict[str, Any]]) -> dict[str, str]:
+    refused = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
+    exact = [r for r in rows if r["predicted"] == r["measured"]]
+    worst = max(rows, key=lambda r: abs(r["predicted"] / r["measured"] - 1))
+    plans = [r for r in rows if r["variant"] == "bonsai"]
+    kept = [r for r in plans if r["measured"] + r["fixed"] <= r["budget"]]
+    refusals = (f"; on {common.listing([_label(r) for r in refused])} the call raised BudgetError, naming the smallest "
+                "peak its checkpoints reach under compile" if refused else "")
+    lower = [r for r in rows if "eager_predicted" in r and r["predicted"] < r["eager_predicted"]]
+    return {"exact": f"{len(exact)} of {len(rows)}",
+            "worst": f"{_label(worst)} ({worst['variant']}): {worst['predicted'] / worst['measured']:.4f}",
+            "plans_kept": f"{len(kept)} of {len(plans)}{refusals}",
+            "compile_lower": common.listing([_label(r) for r in lower]) if lower else "none of them"}
+
+
+def peer_table(rows: list[dict[str, Any]]) -> str:
+    body = []
+    for r in rows:
+        bonsai = ([r["bonsai_error"], "", ""] if "bonsai_error" in r else
+                  [common.mib(r["bonsai_peak"]), common.pct(r["bonsai_overhead"]),
+                   "yes" if r["bonsai_peak"] <= r["torch_peak"] else "no"])
+        body.append([f"`{r['model']}`", f"{r['budget']:g}", common.mib(r["torch_peak"]),
+                     common.pct(r["torch_overhead"]), *bonsai])
+    return common.table(["model", "activation_memory_budget", "torch: measured peak", "torch: overhead",
+                         "bonsai: measured peak", "bonsai: overhead", "bonsai within torch's peak"], body, "lrrrrrl")
+
+
+def peer_said(rows: list[dict[str, Any]]) -> str:
+    pairs = [r for r in rows if "bonsai_error" not in r]
+    cheaper = [r for r in pairs if r["bonsai_overhead"] < r["torch_overhead"] - 1e-9]
+    return (f"bonsai's plan costs less than torch's partitioner at the same measured memory in {len(cheaper)} of "
+            f"{len(pairs)} cells where both ran" + (f"; {len(rows) - len(pairs)} memory levels bonsai could not meet"
+                                                    if len(rows) > len(pairs) else ""))
+
+
+def titan_table(rows: list[dict[str, Any]]) -> str:
+    body = []
+    for r in rows:
+        p = r["parts"]
+        reserved = p[RESERVED]
+        body.append([r["world"], "compiled" + (", Float8" if r["float8"] else "") if r["compiled"] else "eager",
+                     f"{p['live peak'] / GIB:.2f}", f"{reserved / GIB:.2f}", f"{r['published_gib']:.1f}",
+                     common.pct(reserved / GIB / r["published_gib"] - 1),
+                     f"{p['saved forward tensors'] / GIB:.2f}", f"{p['backward tensors (transients)'] / GIB:.2f}",
+                     f"{p['FSDP buffers'] / GIB:.2f}", f"{p[EXTRA] / GIB:.2f}"])
+    return common.table(["ranks", "step", "live peak (GiB)", "reserved (GiB)", "published (GiB)", "difference",
+                         "saved forward", "backward transients", "FSDP buffers", "allocator's extra"], body,
+                        "llrrrrrrrr")
+
+
+def titan_said(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for world in sorted({r["world"] for r in rows}):
+        eager = next(r for r in rows if r["world"] == world and not r["compiled"])
+        compiled = next(r for r in rows if r["world"] == world and r["compiled"] and not r["float8"])
+        e, c = eager["parts"], compiled["parts"]
+        out.append(f"* {world} ranks: compiling lowers the reserved peak by "
+                   f"{(e[RESERVED] - c[RESERVED]) / GIB:.2f} GiB "
+                   f"(published: {eager['published_gib'] - compiled['published_gib']:.1f} GiB); the saved forward "
+                   f"tensors at the peak fall by {(e['saved forward tensors'] - c['saved forward tensors']) / GIB:.2f} "
+                   f"GiB, the backward transients by "
+                   f"{(e['backward tensors (transients)'] - c['backward tensors (transients)']) / GIB:.2f} GiB, the "
+                   f"allocator's extra by {(e[EXTRA] - c[EXTRA]) / GIB:.2f} GiB; the "
+                   f"peak is at `{c['peak op'].split(': ')[1]}` compiled, `{e['peak op'].split(': ')[1]}` eager.")
+    return "\n".join(out)
+
+
+def page(results: dict[str, Any], header: str) -> str:
+    meta = results["meta"]
+    values: dict[str, Any] = {"header": header, "command": meta["command"], "date": meta["date"],
+                              "machine": meta["machine"], "torch": meta["torch"], "minutes": f"{meta['seconds'] / 60:.0f}",
+                              "share": PLAN_SHARE}
+    cpu = results.get("cpu", [])
+    values["cpu_table"] = cpu_table(cpu) if cpu else "(not run)"
+    values.update(cpu_said(cpu) if cpu else {"exact": "-", "worst": "-", "plans_kept": "-", "compile_lower": "-"})
+    values["peer_table"] = peer_table(results["peers"]) if results.get("peers") else "(not run)"
+    values["peer_said"] = peer_said(results["peers"]) if results.get("peers") else "not run"
+    values["titan_table"] = titan_table(results["titan"]) if results.get("titan") else "(not run)"
+    values["titan_said"] = titan_said(results["titan"]) if results.get("titan") else ""
+    return common.render("compiled", **values)
+
+
+def write_page(results: dict[str, Any], path: str) -> None:
+    Path(path).write_text(page(results, common.page_header(results["meta"]["command"], SOURCES)))
+
+
+def main(args: argparse.Namespace) -> int:
+    refusal = common.page_refusal(args, "docs/bench/compiled", "docs/results/compiled.md")
+    return common.run_page_suite("compiled", args, refusal, lambda: measure(args.parts, args.float8), write_page)

@@ -1,0 +1,258 @@
+"""Trace the training step as ``torch.compile`` runs it: inductor's buffers, the partitioner's saved set.
+
+A compiled step holds other tensors than the eager one: AOTAutograd's partitioner chooses what the
+forward pass saves for the backward (its min-cut, its ban rules, the checkpointing policies of the
+regions it is given), and inductor fuses chains of ops into kernels that allocate only their outputs,
+reuses dead buffers and frees each at its last use. None of that is in the eager joint graph.
+
+:func:`trace_compiled_step` compiles the model as the user's run does (:data:`COMPILE_MODES`) with
+inductor's real pipeline and runs one step on fake tensors with inductor's generated programs
+(:mod:`bonsai_core.trace.inductor`: every allocation, reuse and free as compiled, no kernel run), recorded
+storage by storage (:mod:`bonsai_core.trace.recorder`) into a Graph whose plain schedule is that step.
+Everything comes from torch's own code; nothing of the partitioner or inductor is modelled here.
+
+Inductor's choices depend on its device: the CPU's C++ back-end fuses what it fuses, a GPU's Triton
+back-end what it does. The trace compiles for the device of the model's fake tensors (the CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from bonsai_core.arguments import CHECKPOINTING, COMPILE_MODES
+from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES
+from bonsai_core.errors import ModelError
+from bonsai_core.graph import Graph
+from bonsai_core.trace.inductor import inductor_without_kernels, kernel_calls
+from bonsai_core.trace.recorder import StepRecorder
+
+
+
+def check_compile(mode: str, fsdp: int = 1) -> None:
+    """Refuse a compile mode this trace cannot run, saying what to give instead."""
+    if mode not in COMPILE_MODES:
+        raise ModelError(f"Unknown compile mode {mode!r}; choose one of: {', '.join(COMPILE_MODES)}.")
+    if fsdp > 1 and mode != "blocks":
+        raise ModelError(f"--compile {mode} with --fsdp {fsdp}: an FSDP rank's step is traced compiled block by block, as "
+                         "torchtitan compiles it before sharding; give --compile blocks.")
+
+
+def check_checkpointing(checkpointing: str | None, model_name: str = "") -> float | None:
+    """Refuse a checkpointing this trace cannot apply; the memory budget of ``budget:F`` (else None)."""
+    if checkpointing is None:
+        return None
+    if checkpointing.startswith("budget:"):
+        try:
+            budget = float(checkpointing.removeprefix("budget:"))
+        except ValueError:
+            budget = -1.0
+        if not 0.0 <= budget <= 1.0:
+            raise ModelError(f"--ac {checkpointing}: give budget:F with F from 0 (recompute all it can) to 1 "
+                             "(the partitioner's default, fastest) as torch's activation_memory_budget.")
+        return budget
+    if checkpointing not in CHECKPOINTING:
+        raise ModelError(f"Unknown activation checkpointing {checkpointing!r}; choose one of: {', '.join(CHECKPOINTING)}.")
+    if model_name and not model_name.startswith("torchtitan:"):
+        raise ModelError(f"--ac {checkpointing} is torchtitan's own apply_ac, for torchtitan: models; for {model_name!r} "
+                         "give budget:F (torch's memory budget) or plan it with bonsai.checkpoint.")
+    return None
+
+
+@contextlib.contextmanager
+def checkpointed(model: nn.Module, checkpointing: str | None) -> Iterator[None]:
+    """Within: ``model`` under ``checkpointing`` (:data:`CHECKPOINTING`), applied as the run applies it,
+    before compiling; torchtitan's checkpoint wrappers are taken off again on the way out."""
+    from torch._functorch import config as functorch_config
+
+    budget = check_checkpointing(checkpointing)
+    if checkpointing is None:
+        yield
+    elif budget is not None:
+        with functorch_config.patch(activation_memory_budget=budget):
+            yield
+    else:
+        from torchtitan.config.job_config import ActivationCheckpoint
+        from torchtitan.distributed.activation_checkpoint import apply_ac
+
+        from bonsai_core.solvers.torchtitan import torchtitan_save_list
+
+        layers = model.get_submodule("layers")
+        originals = dict(layers.named_children())
+        mode, _, release = checkpointing.removeprefix("torchtitan-").partition("-")
+        apply_ac(model, ActivationCheckpoint(mode=mode, selective_ac_option="op"), model_compile_enabled=True,
+                 op_sac_save_list=torchtitan_save_list(release or "0.2.2"))
+        try:
+            yield
+        finally:
+            for name, block in originals.items():
+                layers.register_module(name, block)
+
+
+def float8_linears(model: nn.Module) -> None:
+    """Convert ``model``'s linears to Float8 training in place, as torchtitan's ``Float8LinearConverter``
+    does by default (torchao's tensorwise float8 linears, no float8 all-gather; its filter keeps a linear
+    whose dimensions are not multiples of 16, and the output projection, in high precision). torchtitan's
+    converter itself refuses to run without an SM89 GPU, so its three steps are taken here."""
+    from functools import partial
+
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise ModelError("--float8 needs torchao (pip install torchao==0.18.0, requirements-torchtitan.txt).") from None
+    from torchtitan.components.quantization.utils import module_filter_fn
+
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=False),
+                               module_filter_fn=partial(module_filter_fn, filter_fqns=["output"]))
+
+
+def block_container(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """The module holding the model's repeated blocks (the largest ModuleList, Sequential or ModuleDict
+    of children with parameters) and those children's names in it."""
+    best: tuple[nn.Module, list[str]] = (model, [])
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            names = [n for n, m in module.named_children() if any(True for _ in m.parameters())]
+            if len(names) > len(best[1]):
+                best = (module, names)
+    return best
+
+
+@contextlib.contextmanager
+def compiled(model: nn.Module, mode: str) -> Iterator[nn.Module]:
+    """``model`` compiled as ``mode`` says (:data:`COMPILE_MODES`), yielded as what the step calls; the
+    model is put back as it was, and dynamo's caches emptied, on the way out. An ``hf:`` model's step
+    tells transformers that each row holds one sequence in a way dynamo can trace
+    (:func:`bonsai_core.models.hf.compiled_with_one_sequence_per_row`), as without compile."""
+    from bonsai_core.models.hf import compiled_with_one_sequence_per_row
+
+    check_compile(mode)
+    torch._dynamo.reset()
+    container, names = block_container(model)
+    originals = {n: container.get_submodule(n) for n in names}
+    try:
+        with compiled_with_one_sequence_per_row(model):
+            if mode == "model":
+                yield torch.compile(model)
+            else:
+                if not names:
+                    raise ModelError(f"compile={mode!r} compiles each block of the model's block stack, but the model "
+                                     "has no ModuleList, Sequential or ModuleDict of blocks; compile the whole model.")
+                for n, block in originals.items():
+                    container.register_module(n, torch.compile(block, fullgraph=True))
+                yield model
+    finally:
+        for n, block in originals.items():
+            container.register_module(n, block)
+        torch._dynamo.reset()  # what was compiled here runs no kernel: never let a later real call reuse it
+
+
+def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
+                        compile: str = "model", name: str = "model", profile: str = DEFAULT_PROFILE,
+                        autocast: str | None = None, checkpointing: str | None = None, float8: bool = False) -> Graph:
+    """One training step of ``model`` (fake tensors, built under the ambient ``FakeTensorMode``) compiled
+    as ``compile`` says, recorded as it runs into a Graph (module doc). Gradients persist from step to
+    step, as ``zero_grad(set_to_none=False)`` keeps them: a first step compiles and allocates them, the
+    second is recorded. The graph's fixed memory is the parameters, the gradients the first step made,
+    the buffers, the batch and what the step reads that existed before it (constants). ``checkpointing``:
+    see :func:`checkpointed`; ``float8``: the linears first converted (:func:`float8_linears`)."""
+    if float8:
+        float8_linears(model)
+    from bonsai_core.trace import autocast_context
+
+    if profile not in PROFILES:
+        raise ModelError(f"Unknown cost model {profile!r}; choose one of: {', '.join(PROFILES)}.")
+    device_type = inputs[0].device.type if inputs else "cpu"
+
+    def step(runnable: nn.Module, recorder: StepRecorder | None = None) -> None:
+        with autocast_context(autocast, device_type):
+            loss = loss_fn(runnable(*inputs))
+        if recorder is not None:
+            recorder.phase = "backward"
+        loss.backward()
+
+    with inductor_without_kernels(), torch.enable_grad(), checkpointed(model, checkpointing), \
+            compiled(model, compile) as runnable:
+        try:
+            step(runnable)  # compiles, and allocates the gradients
+        except ModelError:
+            raise
+        except Exception as e:  # dynamo and inductor raise many types; the user needs what failed
+            raise ModelError(f"torch.compile could not compile {name!r} ({type(e).__name__}: "
+                             f"{(str(e).strip().splitlines() or [''])[0]}). Trace it without compile, or fix what "
+                             "torch.compile reports.") from None
+        fixed = _fixed_tensors(model, inputs, loss_fn)
+        recorder = StepRecorder(PROFILES[profile], {t.untyped_storage()._cdata for _, t, _ in fixed})
+        calls: list[list[Any]] = []
+        with kernel_calls(recorder.kernel), _module_calls(model, compile, recorder, calls), recorder:
+            step(runnable, recorder)
+        gc.collect()
+        nodes = recorder.finish()
+    tensors = [[n, t.untyped_storage().nbytes(), kind] for n, t, kind in _distinct(fixed)]
+    tensors += [[f"constant.{i}", b, "constant"] for i, b in enumerate(recorder.constants.values())]
+    label = f"{name}{' float8' if float8 else ''} compiled ({compile}" + (f", {checkpointing})" if checkpointing else ")")
+    return Graph.from_nodes(label, sum(t[1] for t in tensors), nodes, fixed_tensors=tensors,
+                            modules=calls)
+
+
+@contextlib.contextmanager
+def _module_calls(model: nn.Module, mode: str, recorder: StepRecorder, calls: list[list[Any]]) -> Iterator[None]:
+    """Within: each forward call of a module that runs eagerly, or of a compiled block, is appended to
+    ``calls`` as [path, first node, last node] (``Graph.modules``). A module inside a compiled region
+    gets no hook: dynamo would compile the hook into its graph, and the step would not be the user's."""
+    if mode == "model":
+        yield
+        return
+    container, names = block_container(model)
+    inside = {id(m) for n in names for m in container.get_submodule(n).modules()}
+    blocks = {id(container.get_submodule(n)) for n in names}
+    hooked = [(path, m) for path, m in model.named_modules() if path and (id(m) not in inside or id(m) in blocks)]
+    opened: list[tuple[str, int]] = []
+
+    def pre(path: str) -> Callable[..., None]:
+        return lambda *_: opened.append((path, len(recorder.nodes)))
+
+    def post(path: str) -> Callable[..., None]:
+        def close(*_: Any) -> None:
+            at = next(i for i in range(len(opened) - 1, -1, -1) if opened[i][0] == path)
+            _, first = opened.pop(at)
+            if len(recorder.nodes) > first and recorder.phase == "forward":
+                calls.append([path, first, len(recorder.nodes) - 1])
+        return close
+
+    handles = []
+    for path, m in hooked:
+        handles += [m.register_forward_pre_hook(pre(path)), m.register_forward_hook(post(path))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _fixed_tensors(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any) -> list[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, kind) of what lives through the step: parameters, their gradients, buffers, the
+    batch and the loss function's buffers."""
+    out = [(n, p, "param") for n, p in model.named_parameters()]
+    out += [(n + ".grad", p.grad, "grad") for n, p in model.named_parameters() if p.grad is not None]
+    out += [(n, b, "buffer") for n, b in model.named_buffers()]
+    if isinstance(loss_fn, nn.Module):
+        out += [("loss_fn." + n, b, "buffer") for n, b in loss_fn.named_buffers()]
+    out += [(f"input.{i}", x, "input") for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+    return out
+
+
+def _distinct(fixed: list[tuple[str, torch.Tensor, str]]) -> list[tuple[str, torch.Tensor, str]]:
+    """Each storage once (tied parameters, views of one buffer)."""
+    seen: set[int] = set()
+    out = []
+    for n, t, kind in fixed:
+        key = t.untyped_storage()._cdata
+        if key not in seen:
+            seen.add(key)
+            out.append((n, t, kind))
+    return out

@@ -1,0 +1,189 @@
+"""The compiled step (bonsai_core/trace/compiled.py): traced through inductor's own programs on fake
+tensors, and measured for real at the CPU allocator (bonsai_core/allocations.py)."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bonsai_core.errors import BonsaiError, ModelError
+from bonsai_core.schedule import no_remat_peak
+from bonsai_core.trace import built_for_tracing, trace_model
+from bonsai_core.trace.compiled import compiled, trace_compiled_step
+from bonsai_core.trace.inductor import inductor_without_kernels
+
+
+def allocations_of_known_sizes() -> tuple[int, int]:
+    """In a hooked process: 4 MB and 1 MB allocated, the 4 MB freed, 1 MB more: (live, peak) over the start."""
+    from bonsai_core import allocations
+
+    base = allocations.live_bytes()
+    allocations.reset_peak()
+    x = torch.empty(1000, 1000)
+    y = torch.empty(250_000)
+    del x
+    z = torch.empty(500, 500)
+    live, peak = allocations.live_bytes() - base, allocations.peak_bytes() - base
+    del y, z
+    return live, peak
+
+
+def test_the_allocation_hook_counts_what_the_cpu_allocator_hands_out() -> None:
+    from bonsai_core.allocations import hooked, run_hooked
+
+    assert not hooked()
+    assert run_hooked(allocations_of_known_sizes) == (2_000_000, 5_000_000)
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor, nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+    return model, torch.randn(32, 64), nn.CrossEntropyLoss()
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The bytes of the storages made inside it while alive, and their peak: counted apart from the
+    recorder, on the same kind of fake run."""
+
+    def __init__(self, fixed: set[int]) -> None:
+        super().__init__()
+        self.fixed, self.sizes, self.live, self.peak = fixed, {}, 0, 0
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = st._cdata
+                if key not in self.sizes and key not in self.fixed:
+                    self.sizes[key] = st.nbytes()
+                    self.live += st.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(st, self._release, key)
+        return out
+
+    def _release(self, key: int) -> None:
+        self.live -= self.sizes.pop(key, 0)
+
+
+def test_a_compiled_step_is_recorded_as_inductor_runs_it() -> None:
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, x, loss = _mlp()
+        y = torch.randint(0, 10, (32,))
+        graph = trace_compiled_step(model, (x,), lambda out: loss(out, y), name="mlp")
+        # the same compiled step counted apart: every storage it makes, from its making to its death
+        with inductor_without_kernels(), compiled(model, "model") as runnable:
+            loss(runnable(x), y).backward()
+            fixed = {t.untyped_storage()._cdata for t in (*model.parameters(), *(p.grad for p in model.parameters()), x, y)}
+            live = _LiveBytes(fixed)
+            with live:
+                loss(runnable(x), y).backward()
+    fused = [op for op in graph.ops if op.startswith("inductor.cpp_fused")]
+    assert fused, "inductor's fused kernels are nodes"
+    assert any("gelu" in op for op in fused)
+    assert "aten.gelu.default" not in graph.ops  # fused away: no buffer of its own
+    assert graph.name == "mlp compiled (model)"
+    assert no_remat_peak(graph) - graph.fixed_mem == live.peak
+
+
+def test_a_compiled_transformer_runs_fused_kernels_over_the_same_fixed_memory() -> None:
+    eager = trace_model("gpt", layers=1, kernels="cpu").graph
+    compiled_graph = trace_model("gpt", layers=1, compile="model").graph
+    assert compiled_graph.n < eager.n
+    assert not {"aten.gelu.default", "aten.native_layer_norm.default"} & set(compiled_graph.ops)  # fused away
+    assert compiled_graph.fixed_mem == eager.fixed_mem
+    assert "compiled (model)" in compiled_graph.name
+
+
+@pytest.fixture(scope="module")
+def titan_peaks() -> dict[str, int]:
+    pytest.importorskip("torchtitan")
+    options = {"layers": 2, "seq": 128, "batch": 2}
+    return {ac: no_remat_peak(trace_model("torchtitan:llama3:debugmodel", compile="blocks", ac=ac, **options).graph)
+            for ac in (None, "torchtitan-selective", "torchtitan-full", "budget:0.3")}
+
+
+def test_torchtitans_own_checkpointing_under_compile_holds_less(titan_peaks: dict[str, int]) -> None:
+    assert titan_peaks["torchtitan-full"] < titan_peaks["torchtitan-selective"] < titan_peaks[None]
+    assert titan_peaks["budget:0.3"] < titan_peaks[None]
+
+
+def test_the_blocks_are_the_graphs_modules_under_compile() -> None:
+    pytest.importorskip("torchtitan")
+    graph = trace_model("torchtitan:llama3:debugmodel", compile="blocks", layers=2, seq=128, fsdp=2).graph
+    paths = {path for path, _, _ in graph.modules}
+    assert {"layers.0", "layers.1", "tok_embeddings", "norm", "output"} <= paths
+    assert graph.fsdp is not None and graph.fsdp["world"] == 2
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--ac", "torchtitan-full"], "give --compile with it"),
+    (["--compile", "--ac", "torchtitan-full"], "for torchtitan: models"),
+    (["--compile", "--ac", "budget:2"], "budget:F with F from 0"),
+    (["--compile", "model", "--fsdp", "2"], "give --compile blocks"),
+])
+def test_compile_options_that_cannot_run_are_refused(args: list[str], says: str, tmp_path, capsys) -> None:
+    from bonsai_core.cli import main
+
+    assert main(["trace", "gpt", "--layers", "1", *args, "-o", str(tmp_path / "g.json")]) == 1
+    assert says in capsys.readouterr().err
+
+
+def test_the_one_call_refuses_a_compile_it_cannot_trace() -> None:
+    import bonsai_core as bonsai
+
+    model, x, loss = _mlp()
+    y = torch.randint(0, 10, (32,))
+    with pytest.raises(BonsaiError, match="compile='graph'"):
+        bonsai.plan(model, (x,), lambda out: loss(out, y), budget="80%", compile="graph", cache=False)
+    with pytest.raises(ModelError):
+        trace_model("gpt", layers=1, compile="blocks", ac="torchtitan-full")
+
+
+# -- predicted against measured: real compiles (tens of seconds each on a CPU) ---------------------
+
+def _predicted_transient(spec: str, options: dict, mode: str, checkpointing: str | None = None) -> int:
+    with built_for_tracing(spec, 0, **options) as (model, inputs, loss_fn):
+        graph = trace_compiled_step(model, inputs, loss_fn, mode, name=spec, checkpointing=checkpointing)
+    return no_remat_peak(graph) - graph.fixed_mem
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec, options, mode, checkpointing", [
+    ("gpt", {"layers": 1}, "model", None),
+    ("hf:llama", {"layers": 1}, "model", None),
+    ("hf:gpt2", {"layers": 1}, "model", None),
+    ("torchtitan:llama3:debugmodel", {"layers": 2, "seq": 256}, "blocks", "torchtitan-selective"),
+    ("torchtitan:llama3:debugmodel", {"layers": 2, "seq": 256}, "blocks", "budget:0.5"),
+])
+def test_a_compiled_cpu_step_is_predicted_as_measured(spec: str, options: dict, mode: str,
+                                                      checkpointing: str | None) -> None:
+    from bonsai_core.measure import measure_compiled
+
+    if spec.startswith("torchtitan:"):
+        pytest.importorskip("torchtitan")
+    predicted = _predicted_transient(spec, options, mode, checkpointing)
+    measured = measure_compiled(spec, options, mode, checkpointing=checkpointing)
+    assert predicted == measured.transient
+
+
+@pytest.mark.slow
+def test_the_one_calls_plan_under_compile_keeps_its_budget_as_measured() -> None:
+    import bonsai_core as bonsai
+    from bonsai_core import models
+    from bonsai_core.measure import measure_compiled
+
+    model, inputs, loss_fn = models.build("gpt", layers=2)
+    made = bonsai.plan(model, inputs, loss_fn, budget="70%", compile=True, cache=False, device="cpu")
+    measured = measure_compiled("gpt", {"layers": 2}, "model", save=made.save)
+    assert made.report.compiled == "model" and made.save
+    assert measured.transient + made.report.fixed_memory == made.report.predicted_peak <= made.report.budget
