@@ -142,8 +142,8 @@ class Graph:
                           (dep_lists, "deps"), (held_lists, "held")):
             if len(arr) != n:
                 raise GraphError(f"The graph has {n} names but {len(arr)} {what}: every node needs each field.")
-        # optional: per node, the deps that are no data read, only the model's Python code holding a tensor
-        # (trace's _held_by_python); they count as deps everywhere but in drawing the data flow (without_held)
+        # optional: per node, the deps that are no data read, only eager holding a tensor (the model's
+        # Python code, autograd's engine: trace's _held_by_eager); they count as deps everywhere but in drawing the data flow (without_held)
         self.held = tuple(held_lists)
         self._without_held: Graph | None = None  # computed once, on first use
         self._validate()

@@ -57,6 +57,7 @@ from bonsai_core.export_runtime.checkpointing import (apply_offloads, apply_save
                                                       remove_checkpoints)
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak, simulate
+from bonsai_core.tensors import fake_copy, fake_of
 from bonsai_core.units import format_bytes
 
 REGION_METHODS = ("bonsai", "chen")  # the methods whose plans are checkpoint regions
@@ -472,9 +473,9 @@ class _FakeStep:
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
-            return cls(mode, _fake_copy(model, mode),
-                       tuple(_fake_of(x, mode) for x in inputs),
-                       _fake_copy(loss_fn, mode) if isinstance(loss_fn, nn.Module) else loss_fn, name)
+            return cls(mode, fake_copy(model, mode),
+                       tuple(fake_of(x, mode) for x in inputs),
+                       fake_copy(loss_fn, mode) if isinstance(loss_fn, nn.Module) else loss_fn, name)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -543,27 +544,6 @@ class _FakeStep:
                              "and reads back (a cache it appends to).")
         return lay.save, _Layout(lay.realised_peak, left_out, lay.unrealised_bytes, lay.offload, len(lay.offloaded),
                                  lay.offloaded_bytes, lay.host_peak)
-
-
-def _fake_copy(module: nn.Module, mode: Any) -> nn.Module:
-    """A deep copy of ``module`` whose parameters and buffers are ``mode``'s fake tensors (ties kept)."""
-    import copy
-
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(_fake_of(p.detach(), mode), requires_grad=p.requires_grad)
-    for b in module.buffers():
-        memo[id(b)] = _fake_of(b, mode)
-    return copy.deepcopy(module, memo)
-
-
-def _fake_of(t: torch.Tensor, mode: Any) -> torch.Tensor:
-    """``mode``'s fake of ``t``; of a ``meta`` tensor (a model built on the meta device, as torchtitan
-    builds it before sharding), a fake CPU tensor of its shape, so that the step traces as on CPU."""
-    if not t.is_meta:
-        return mode.from_tensor(t)
-    with mode:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
 # -- the plan cache --------------------------------------------------------------------------------

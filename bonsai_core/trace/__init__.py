@@ -223,23 +223,30 @@ def _trace_step_once(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn
 def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[str], model: nn.Module,
                              inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
                              autocast: str | None, kernels: str = "cuda") -> Graph:
-    """``graph`` with what one more forward + loss on fake tensors shows (:mod:`bonsai_core.modules`):
-    the ``modules`` field ([path, first, last] forward node ids of each submodule called once) and each
-    node's ``inplace_of`` (the activation eager overwrites with it), and deps for what the model's code
-    holds longer than its last read (:func:`_held_by_python`). Optional structure: a model whose forward
-    cannot run again that way simply gets none."""
+    """``graph`` with what one more step on fake tensors shows (:mod:`bonsai_core.modules`): the
+    ``modules`` field ([path, first, last] forward node ids of each submodule called once) and each
+    node's ``inplace_of`` (the activation eager overwrites with it), from its forward + loss; and deps
+    for what eager holds longer than its last read (:func:`_held_by_eager`), from its forward, loss and
+    backward pass. Optional structure: a model whose forward cannot run again that way simply gets none;
+    one whose backward cannot, no backward holds."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     from bonsai_core.modules import held_until, inplace_pairs, module_spans, record_step
 
-    forward = np.flatnonzero(graph.is_forward)
+    forward, backward = np.flatnonzero(graph.is_forward), np.flatnonzero(~graph.is_forward)
     fake = all(isinstance(x, FakeTensor) for x in inputs)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if not fake else contextlib.nullcontext()
     cast = autocast_context(autocast, inputs[0].device.type if inputs else "cpu")
-    try:
-        with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), cast, \
-                _grouped_mm_as_its_kernels(), device_kernels(kernels), _quiet_meta_failures():
-            step = record_step(model, inputs, loss_fn)
-    except Exception:  # noqa: BLE001 (any failure only means no module structure)
+    step = None
+    for with_backward in (True, False):  # the backward pass's lifetimes where eager's backward runs on fakes
+        try:
+            with mode, cast, _grouped_mm_as_its_kernels(), device_kernels(kernels), _quiet_meta_failures():
+                step = record_step(_on_fakes(model, mode, inputs) if with_backward else model, inputs, loss_fn,
+                                   with_backward)
+            break
+        except Exception:  # noqa: BLE001 (any failure only means no module structure)
+            continue
+    if step is None:
         return graph
     forward_ops = [graph.ops[v] for v in forward]
     data = graph.to_dict()
@@ -249,8 +256,10 @@ def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[st
     fx_nodes = {node.name: node for node in gm.graph.nodes}
     ids = {name: v for v, name in enumerate(fx_names)}
     pairs = [(int(forward[a]), int(forward[b])) for a, b in inplace_pairs(step, forward_ops)]
-    held = [(int(forward[a]), int(forward[b])) for a, b in held_until(step, forward_ops)]
-    for v, extra in _held_by_python(graph, held, {u for _, u in pairs}).items():
+    order = np.concatenate([forward, backward])
+    held = [(_output_node(graph, fx_nodes, fx_names, int(order[a]), k), int(order[b]))
+            for a, b, k in held_until(step, forward_ops, [graph.ops[v] for v in backward])]
+    for v, extra in _held_by_eager(graph, held, {u for _, u in pairs}).items():
         data["nodes"][v]["deps"] = sorted(set(data["nodes"][v]["deps"]) | extra)
         data["nodes"][v]["held"] = sorted(extra)
     graph = Graph.from_dict(data)
@@ -260,19 +269,47 @@ def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[st
     return Graph.from_dict(data)
 
 
-def _held_by_python(graph: Graph, held: list[tuple[int, int]], written: set[int]) -> dict[int, set[int]]:
-    """Extra deps, by graph node, for the forward tensors eager keeps beyond the functional graph's last
-    read (``held``: (u, w), u's storage dropped only after node w ran, as the forward run of
+def _output_node(graph: Graph, fx_nodes: dict[str, fx.Node], fx_names: list[str], v: int, k: int) -> int:
+    """The node holding the ``k``-th output of the op at node ``v``: a separated output of it (a getitem
+    node with bytes of its own, ``Graph.output_of``), else ``v``."""
+    for x in graph.users(v).tolist():
+        if graph.output_of[x] == v and fx_nodes[fx_names[x]].args[1] == k:
+            return x
+    return v
+
+
+def _on_fakes(model: nn.Module, mode: Any, inputs: tuple[torch.Tensor, ...]) -> nn.Module:
+    """``model`` when its parameters are fake tensors, else a fake copy of it in ``mode`` (or in the fake
+    mode of its ``inputs``): a recorded backward pass writes gradients into the model it runs."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from bonsai_core.tensors import fake_copy
+
+    if all(isinstance(p, FakeTensor) for p in model.parameters()):
+        return model
+    return fake_copy(model, mode if not isinstance(mode, contextlib.nullcontext) else detect_fake_mode(inputs))
+
+
+def _held_by_eager(graph: Graph, held: list[tuple[int, int]], written: set[int]) -> dict[int, set[int]]:
+    """Extra deps, by graph node, for the tensors eager keeps beyond the functional graph's last read
+    (``held``: (u, w), u's storage dropped only after node w ran, as the run of
     :func:`bonsai_core.modules.record_step` saw it): the node at or before w that is no view (nor a
     separated output, ``Graph.output_of``) reads u.
-    Python holds them: a submodule call's arguments until the call returns, a caller's local
-    (``inputs_embeds`` through a whole transformers model), the model's output (logits, a key/value
-    cache) until the loss function returns. Invisible where autograd saves those tensors anyway, they
-    set the peak of a forward that saves little, such as a frozen backbone's. A tensor another op
-    writes in place (``written``) is left alone: the writer's output holds its bytes."""
+    In the forward pass Python holds them: a submodule call's arguments until the call returns, a
+    caller's local (``inputs_embeds`` through a whole transformers model), the model's output (logits, a
+    key/value cache) until the loss function returns. Invisible where autograd saves those tensors
+    anyway, they set the peak of a forward that saves little, such as a frozen backbone's. In the
+    backward pass autograd's engine holds them: a backward node's saved tensors and incoming gradient
+    until it has computed all its input gradients (a matmul's saved input past the weight gradient that
+    last reads it, into the input gradient's matmul), a derivative formula's temporaries until its C++
+    expression ends (``div``'s ``-grad * ((self / other) / other)``), the loss and its seed gradient
+    through ``loss.backward()``. A parameter gradient (an output) is left alone: its bytes are in
+    ``fixed_mem``; so is a tensor another op writes in place (``written``): the writer's output holds its
+    bytes."""
     extra: dict[int, set[int]] = {}
     for u, w in held:
-        if u in written or not graph.is_forward[u]:
+        if u in written or graph.is_output[u]:
             continue
         # no view, and no separated output of a multi-output op: a dep more would make it an op of its own
         v = next((x for x in range(w, u, -1) if graph.alias_of[x] < 0 and graph.output_of[x] < 0), -1)
