@@ -70,15 +70,18 @@ class RecordedStep:
     call_counts: Counter
     inplace: list[tuple[int, int]] = ()  # (in-place op, the op whose whole output it overwrote)
     view_writes: list[tuple[int, int]] = ()  # (in-place op, the op whose output it wrote through a view)
-    # (op, ops run before Python dropped the storage it last wrote, which of the op's outputs it was): the
-    # forward's own lifetimes, as the model's code holds them (len(ops): held until the loss function
-    # returned); with the backward pass recorded, op indices run on into ``backward_ops`` and count
-    # autograd's releases too
-    released: list[tuple[int, int, int]] = ()
+    # (the ops that made and then wrote the storage in place, in order; ops run before Python dropped it;
+    # which output of the first op it was): the forward's own lifetimes, as the model's code holds them
+    # (len(ops): held until the loss function returned); with the backward pass recorded, op indices run
+    # on into ``backward_ops`` and count autograd's releases too
+    released: list[tuple[tuple[int, ...], int, int]] = ()
     backward_ops: list[str] = ()  # the aten ops of ``loss.backward()``, as eager's autograd engine runs them
-    # per entry of ``calls``: the recorded ops whose (first) outputs the call took as tensor arguments,
-    # positional or keyword (what ``torch.utils.checkpoint`` keeps for a recomputation of the call)
-    arguments: list[tuple[int, ...]] = ()
+    # per entry of ``calls``, per storage the call took as a tensor argument (positional or keyword: what
+    # ``torch.utils.checkpoint`` keeps for a recomputation of the call), the ops that made and wrote it
+    # (the first output of the first)
+    arguments: list[tuple[tuple[int, ...], ...]] = ()
+    # the first op (index into ops + backward_ops) of each autograd node the backward pass ran, in order
+    node_starts: list[int] = ()
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -98,7 +101,9 @@ class _OpRecorder(TorchDispatchMode):
         self.made_by: dict[int, int] = {}  # storage address -> the recorded op whose output it last was (-1: other)
         self.written_by: dict[int, int] = {}  # the same, where an ignored op's alias of it does not count
         self.output: dict[int, int] = {}  # storage address -> which output of its op it is
-        self.released: list[tuple[int, int, int]] = []
+        self.live: set[int] = set()  # storage addresses whose release is watched
+        self.writers: dict[int, list[int]] = {}  # storage address -> the recorded ops that made, then wrote it
+        self.released: list[tuple[tuple[int, ...], int, int]] = []
         self.tracking = True
         self.forward = True  # in-place writes are the forward's (the backward's accumulate gradients)
         self.finalizers: list[weakref.finalize] = []
@@ -114,9 +119,16 @@ class _OpRecorder(TorchDispatchMode):
         for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and not t._is_view():
                 key = _storage(t)
-                if key not in self.made_by and at >= 0:
+                if key not in self.live:  # every storage, so that a new one at a dead one's address is seen
+                    self.live.add(key)
                     self.finalizers.append(weakref.finalize(t.untyped_storage(), self._release, key))
-                self.made_by[key], self.output[key] = at, k
+                # an ignored op's alias (autograd's detach) or an in-place view (transpose_) writes no data
+                writes = at >= 0 and torch.Tag.inplace_view not in func.tags
+                if writes or key not in self.made_by:
+                    self.made_by[key] = at if writes else -1
+                if writes:
+                    self.output.setdefault(key, k)
+                    self.writers.setdefault(key, []).append(at)
                 if at >= 0 or key not in self.written_by:  # not autograd's detach of a saved output
                     self.written_by[key] = at
         return out
@@ -128,15 +140,19 @@ class _OpRecorder(TorchDispatchMode):
         elif written is None and _writes_first_argument(func, args) and self.written_by.get(_storage(args[0]), -1) >= 0:
             self.view_writes.append((at, self.written_by[_storage(args[0])]))  # ATen's CPU RNN cells' gates
 
-    def made_first(self, tensors: list[torch.Tensor]) -> tuple[int, ...]:
-        """The recorded ops whose first outputs the storages of ``tensors`` last were."""
+    def made_first(self, tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
+        """Per storage of ``tensors`` that a recorded op's first output made, the recorded ops that made
+        and then wrote it, in order."""
         keys = {_storage(t) for t in tensors}
-        return tuple(sorted({self.made_by[k] for k in keys if self.made_by.get(k, -1) >= 0 and self.output.get(k) == 0}))
+        return tuple(sorted(tuple(self.writers[k]) for k in keys if k in self.writers and self.output.get(k) == 0))
 
     def _release(self, key: int) -> None:
-        at, k = self.made_by.pop(key, -1), self.output.pop(key, 0)
-        if self.tracking and at >= 0:
-            self.released.append((at, len(self.ops), k))
+        self.live.discard(key)
+        self.written_by.pop(key, None)
+        self.made_by.pop(key, None)
+        writers, k = self.writers.pop(key, ()), self.output.pop(key, 0)
+        if self.tracking and writers:
+            self.released.append((tuple(writers), len(self.ops), k))
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -173,7 +189,10 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
     ``loss.backward()``: its ops and when autograd's engine drops each storage (``RecordedStep.backward_ops``)."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+    from bonsai_core.ctc import register_ctc_shapes
     from bonsai_core.packed import PackedSequences
+
+    register_ctc_shapes()
 
     names = {id(m): name for name, m in model.named_modules()}
     recorder = _OpRecorder()
@@ -192,7 +211,7 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
             counts[path] += 1
             arguments.append(recorder.made_first(tensors_in((args, kwargs))))
 
-    arguments: list[tuple[int, ...]] = []
+    arguments: list[tuple[tuple[int, ...], ...]] = []
     hooks = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, with_kwargs=True)]
     grads = {p: p.grad for p in model.parameters()}
     n_forward = None
@@ -207,6 +226,7 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
             for h in hooks:
                 h.remove()
             if backward:
+                starts = _node_starts(loss, recorder)
                 loss.backward()
             del loss
     finally:
@@ -218,22 +238,49 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
             p.grad = grad
     ops = recorder.ops
     return RecordedStep(ops[:n_forward], calls, counts, recorder.inplace, recorder.view_writes, recorder.released,
-                        ops[n_forward:], arguments)
+                        ops[n_forward:], arguments, starts if backward else [])
 
 
-def held_until(step: RecordedStep, forward_ops: list[str], backward_ops: list[str] = ()) -> list[tuple[int, int, int]]:
-    """(v, w, k) positions in the traced ops (``forward_ops``, then ``backward_ops`` when the step's backward
-    pass was recorded): eager dropped the k-th output of the traced op at v only after the one at w (the
-    last placed op before the release), for the recorded releases the alignment places. The two passes
-    are aligned apart: a backward matmul is never placed on a forward one."""
+def _node_starts(loss: torch.Tensor, recorder: _OpRecorder) -> list[int]:
+    """A list that ``loss.backward()`` fills with the first op of each autograd node it runs (a pre-hook on
+    every node of the graph; a pre-hook changes nothing the node holds, where a post-hook would keep its
+    inputs for the hook)."""
+    starts: list[int] = []
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        fn.register_prehook(lambda _grads: starts.append(len(recorder.ops)))
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return starts
+
+
+def held_until(step: RecordedStep, forward_ops: list[str],
+               backward_ops: list[str] = ()) -> list[tuple[int, int, int, frozenset[int] | None]]:
+    """(v, w, k, node) positions in the traced ops (``forward_ops``, then ``backward_ops`` when the step's
+    backward pass was recorded): eager dropped the k-th output of the traced op at v only after the one at
+    w (the last placed op before the release), for the recorded releases the alignment places. The two
+    passes are aligned apart: a backward matmul is never placed on a forward one. ``node``: for a release
+    while the backward pass ran, the traced positions of the autograd node that ran then (the graph's
+    readers of v among them tell a saved tensor, an incoming gradient or a formula's temporary, which the
+    node holds, from an op the alignment misplaced); None for the forward's and for what outlives
+    ``loss.backward()``."""
     later = align(list(step.backward_ops), list(backward_ops))
     at = np.concatenate([align(step.ops, forward_ops), np.where(later >= 0, later + len(forward_ops), -1)])
     placed = np.maximum.accumulate(np.where(at >= 0, np.arange(len(at)), -1)) if len(at) else at
+    starts = list(step.node_starts) + [len(at)]
     out = []
-    for i, p, k in step.released:
+    for writers, p, k in step.released:
+        i = writers[-1]  # the op whose output holds the bytes last (the traced graph's in-place chains end there)
         j = int(placed[p - 1]) if p > 0 else -1
         if at[i] >= 0 and j >= 0 and at[j] > at[i]:
-            out.append((int(at[i]), int(at[j]), k))
+            node = None
+            if len(step.ops) < p < len(at):
+                n = int(np.searchsorted(starts, p - 1, side="right")) - 1
+                node = frozenset(int(x) for x in at[starts[max(n, 0)]:starts[n + 1]] if x >= 0) if n >= 0 else frozenset()
+            out.append((int(at[i]), int(at[j]), k, node))
     return out
 
 

@@ -148,7 +148,7 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Coll
     read_later[list(useful_saved(graph, plan).saved)] = True
     names = offload_names(graph, plan, step, runtime_of)
     by_call = dict(zip(step.calls, step.arguments))
-    arguments = {i: sorted({int(node_at[r]) for r in by_call.get(call, ()) if node_at[r] >= 0}) for i, call in enumerate(calls)}
+    arguments = {i: sorted(_last_placed(node_at, by_call.get(call, ()))) for i, call in enumerate(calls)}
     candidates = _Candidates(graph, node_at, read_later, calls, chosen, rebuilt, names, synchronous, arguments)
     units, _ = candidates.improve(candidates.outermost(list(chosen)))
     parts, realised = candidates.realise(units)
@@ -159,6 +159,11 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Coll
     return CheckpointLayout(out, int(graph.mem[dropped].sum()), unrealised.tolist(), int(graph.mem[unrealised].sum()),
                             2**62 if sim is None else sim.peak, {name: v for name, v in names.items() if v in offloaded},
                             int(graph.mem[sorted(offloaded)].sum()) if offloaded else 0, 0 if sim is None else sim.host_peak)
+
+
+def _last_placed(node_at: np.ndarray, storages: Collection[tuple[int, ...]]) -> set[int]:
+    """Per storage (the run-time ops that made and wrote it), the graph node of the last, where it is placed."""
+    return {int(node_at[ops[-1]]) for ops in storages if node_at[ops[-1]] >= 0}
 
 
 def offload_names(graph: Graph, plan: CheckpointPlan, step: RecordedStep, runtime_of: np.ndarray) -> dict[tuple[str, str, int], int]:
@@ -735,10 +740,11 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
 
     Raises ExportError for a schedule that is not a checkpoint-region plan (use the replay back-end),
     ScheduleError when the schedule was made for another graph."""
-    from bonsai_core.packed import with_batch_sizes_on_demand
+    from bonsai_core.packed import spec_batch_sizes, with_batch_sizes_on_demand
 
     return with_batch_sizes_on_demand(lambda: _export_checkpoint(model, options, schedule, out_dir, profile=profile,
-                                                                 seed=seed, autocast=autocast), model, seed, options)
+                                                                 seed=seed, autocast=autocast),
+                                      spec_batch_sizes(model, seed, options))
 
 
 def _export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, out_dir: str | Path, *,

@@ -42,7 +42,8 @@ import torch.nn as nn
 from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES
 from bonsai_core.errors import ModelError, ValueReadError
 from bonsai_core.graph import Graph
-from bonsai_core.packed import PackedLengthsUnknown, batch_sizes_of, known_batch_sizes, with_batch_sizes_on_demand
+from bonsai_core.packed import (PackedLengthsUnknown, batch_sizes_of, known_batch_sizes, spec_batch_sizes,
+                                with_batch_sizes_on_demand)
 from bonsai_core.trace.patches import (KERNELS, _as_in_eager, _grouped_mm_as_its_kernels, _initialisation_skipped,
                                        device_kernels, libraries_compiling, _quiet_meta_failures)
 from bonsai_core.trace.to_graph import IDENTITY_OPS, _placeholder_tensors, _to_graph
@@ -52,6 +53,9 @@ from bonsai_core.user_code import DATA_DEPENDENT_ERRORS, user_code
 _CAPTURED_CONSTANT_SIGNS = ("fake buffer", "_tensor_constant", "convert all Tensors to FakeTensors")
 # torch.nn.functional's check that a training-mode batch norm has batch statistics to compute
 _ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
+# an op whose output's shape depends on its input's values (nonzero, masked_select, unique), which the
+# user's code called; PyTorch's own value-reading ops whose shapes do not are traced (bonsai_core.ctc)
+_SHAPE_FROM_VALUES = ("DynamicOutputShapeException",)
 _FIRST_RNN_TRACE = "len(gradients_to_parameters)="
 
 
@@ -123,7 +127,7 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
                 traced.graph = shard_by_units(traced.graph, model, fsdp, reshard_after_forward, mixed_precision)
         return traced
 
-    return with_batch_sizes_on_demand(trace, name, seed, options)
+    return with_batch_sizes_on_demand(trace, spec_batch_sizes(name, seed, options))
 
 
 # -- building a model to trace -------------------------------------------------------------------
@@ -257,8 +261,9 @@ def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[st
     ids = {name: v for v, name in enumerate(fx_names)}
     pairs = [(int(forward[a]), int(forward[b])) for a, b in inplace_pairs(step, forward_ops)]
     order = np.concatenate([forward, backward])
-    held = [(_output_node(graph, fx_nodes, fx_names, int(order[a]), k), int(order[b]))
-            for a, b, k in held_until(step, forward_ops, [graph.ops[v] for v in backward])]
+    held = [(_output_node(graph, fx_nodes, fx_names, int(order[a]), k), int(order[b]),
+             None if node is None else {int(order[x]) for x in node})
+            for a, b, k, node in held_until(step, forward_ops, [graph.ops[v] for v in backward])]
     for v, extra in _held_by_eager(graph, held, {u for _, u in pairs}).items():
         data["nodes"][v]["deps"] = sorted(set(data["nodes"][v]["deps"]) | extra)
         data["nodes"][v]["held"] = sorted(extra)
@@ -291,11 +296,14 @@ def _on_fakes(model: nn.Module, mode: Any, inputs: tuple[torch.Tensor, ...]) -> 
     return fake_copy(model, mode if not isinstance(mode, contextlib.nullcontext) else detect_fake_mode(inputs))
 
 
-def _held_by_eager(graph: Graph, held: list[tuple[int, int]], written: set[int]) -> dict[int, set[int]]:
+def _held_by_eager(graph: Graph, held: list[tuple[int, int, set[int] | None]], written: set[int]) -> dict[int, set[int]]:
     """Extra deps, by graph node, for the tensors eager keeps beyond the functional graph's last read
-    (``held``: (u, w), u's storage dropped only after node w ran, as the run of
+    (``held``: (u, w, node), u's storage dropped only after node w ran, as the run of
     :func:`bonsai_core.modules.record_step` saw it): the node at or before w that is no view (nor a
-    separated output, ``Graph.output_of``) reads u.
+    separated output, ``Graph.output_of``) reads u. A release in the backward pass counts where one of
+    u's readers is an op of the autograd node that released it (``node``, graph nodes): the node held it;
+    the alignment of eager's ops with the graph's misplaces some where the traced ops are not eager's
+    (a recurrent cell written functionally)
     In the forward pass Python holds them: a submodule call's arguments until the call returns, a
     caller's local (``inputs_embeds`` through a whole transformers model), the model's output (logits, a
     key/value cache) until the loss function returns. Invisible where autograd saves those tensors
@@ -308,8 +316,8 @@ def _held_by_eager(graph: Graph, held: list[tuple[int, int]], written: set[int])
     ``fixed_mem``; so is a tensor another op writes in place (``written``): the writer's output holds its
     bytes."""
     extra: dict[int, set[int]] = {}
-    for u, w in held:
-        if u in written or graph.is_output[u]:
+    for u, w, node in held:
+        if u in written or graph.is_output[u] or (node is not None and not node.intersection(graph.users(u).tolist())):
             continue
         # no view, and no separated output of a multi-output op: a dep more would make it an op of its own
         v = next((x for x in range(w, u, -1) if graph.alias_of[x] < 0 and graph.output_of[x] < 0), -1)
@@ -385,6 +393,13 @@ def _model_error(e: Exception, step: _Step, name: str, failed_ops: Sequence[str]
         return ModelError("The loss function (or model) captures tensors, such as targets, as constants. "
                           "Make loss_fn an nn.Module that holds them as buffers, like "
                           "bonsai_core.models.zoo.CrossEntropyLoss.")
+    if type(e).__name__ in _SHAPE_FROM_VALUES:
+        return ValueReadError(f"Tracing {name!r} failed: {user_code(e, step)} runs {str(e).splitlines()[0]}, whose "
+                              "output's shape depends on its input's values (how many elements are nonzero, "
+                              "selected or unique), which tracing, on shapes only, does not know. Give that "
+                              "output a fixed shape: a mask multiplied in or `torch.where` instead of boolean "
+                              "indexing or `masked_select`, `torch.nonzero_static(x, size=N)`, "
+                              "`F.one_hot(x, num_classes=N)`, `repeat_interleave(..., output_size=N)`.")
     if type(e).__name__ in DATA_DEPENDENT_ERRORS:
         return ValueReadError(f"Tracing {name!r} failed: {user_code(e, step)} reads a tensor's value "
                           f"({str(e).splitlines()[0]}): `.item()`, `int()`/`bool()` of a tensor, or an `if` on "
