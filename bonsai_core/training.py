@@ -237,32 +237,38 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     if hit is not None:
         return hit
 
-    def made_here() -> Plan:
-        seconds: dict[str, float] = {}
-        start = time.perf_counter()
-        step = _FakeStep.of(root, inputs, loss_fn, type(model).__name__)
-        graph = step.graph(autocast, optimizer, sharding, kernels)
-        seconds["trace"] = time.perf_counter() - start
-        reference = no_remat_peak(graph)
-        limit = wanted.resolve(reference)
-        source = f"{wanted} of the no-remat peak {format_bytes(reference)}" if wanted.fraction is not None else budget_source
-        schedule, save, layout = _fitted(step, graph, limit, method, options, seconds, best_effort)
-        sim = simulate(graph, schedule)
-        report = Report(method=method, budget=limit, budget_source=source,
-                        regions=[_relative(p, prefix) for p in save], predicted_peak=layout.realised_peak,
-                        plan_peak=sim.peak, no_remat_peak=reference, fixed_memory=graph.fixed_mem,
-                        overhead=sim.overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
-                        unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds, device=kernels,
-                        offloaded=layout.offloaded, offloaded_bytes=layout.offloaded_bytes, host_peak=layout.host_peak,
-                        not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded)
-        return Plan({_relative(p, prefix): s for p, s in save.items()}, report, schedule, graph,
-                    {_root_relative(p, prefix): ops for p, ops in layout.offload.items()})
-
     # a model that packs sequences is planned for the batch sizes of example_inputs' lengths
-    made = with_batch_sizes_on_demand(made_here, lambda: batch_sizes_left_alone(root, inputs, loss_fn))
+    made = with_batch_sizes_on_demand(
+        lambda: _made(_FakeStep.of(root, inputs, loss_fn, type(model).__name__), (autocast, optimizer, sharding, kernels),
+                      wanted, budget_source, method, options, best_effort, prefix),
+        lambda: batch_sizes_left_alone(root, inputs, loss_fn))
     if folder:
         _write_cached(folder, key, made)
     return made
+
+
+def _made(step: "_FakeStep", traced: tuple[str | None, str, Sharding, str], wanted: Budget, budget_source: str,
+          method: str, options: dict[str, Any], best_effort: bool, prefix: str) -> Plan:
+    """:func:`plan`'s plan for ``step``: traced (``traced``: autocast, optimizer, sharding, kernels), solved
+    within ``wanted`` and laid out (:func:`_fitted`); the paths named as in the user's model (``prefix``)."""
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    graph = step.graph(*traced)
+    seconds["trace"] = time.perf_counter() - start
+    reference = no_remat_peak(graph)
+    limit = wanted.resolve(reference)
+    source = f"{wanted} of the no-remat peak {format_bytes(reference)}" if wanted.fraction is not None else budget_source
+    schedule, save, layout = _fitted(step, graph, limit, method, options, seconds, best_effort)
+    sim = simulate(graph, schedule)
+    report = Report(method=method, budget=limit, budget_source=source,
+                    regions=[_relative(p, prefix) for p in save], predicted_peak=layout.realised_peak,
+                    plan_peak=sim.peak, no_remat_peak=reference, fixed_memory=graph.fixed_mem,
+                    overhead=sim.overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
+                    unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds, device=traced[3],
+                    offloaded=layout.offloaded, offloaded_bytes=layout.offloaded_bytes, host_peak=layout.host_peak,
+                    not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded)
+    return Plan({_relative(p, prefix): s for p, s in save.items()}, report, schedule, graph,
+                {_root_relative(p, prefix): ops for p, ops in layout.offload.items()})
 
 
 def _check_arguments(method: str, options: dict[str, Any]) -> None:
