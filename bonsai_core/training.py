@@ -182,7 +182,7 @@ def checkpoint(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], t
 
 
 def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor], budget: str | int = "auto",
-         method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none", fsdp: int = 1,
+         method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none", grads: str = "zeroed", fsdp: int = 1,
          reshard_after_forward: bool | str = True, mixed_precision: str | None = None, cache: bool = True,
          cache_dir: str | os.PathLike | None = None, best_effort: bool = False, device: str | torch.device | None = None,
          **options: Any) -> Plan:
@@ -201,6 +201,9 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
         autocast: ``"bf16"`` / ``"fp16"`` when training runs under ``torch.autocast``; by default the
             autocast state of the call's own context.
         optimizer: ``"sgd"``, ``"adam"``, ``"adamw"`` to count the optimizer's state and step in the budget.
+        grads: how the training loop leaves the gradients between steps: ``"zeroed"`` (``zero_grad(
+            set_to_none=False)``: allocated through the step) or ``"none"`` (``optimizer.zero_grad()``'s
+            default: each step makes them in its backward pass; an FSDP rank's sharded ones too).
         fsdp: the number of ranks when ``fully_shard`` (FSDP2) will shard each block of the model and the
             model itself (after this call): the budget is then one rank's, with its share of parameters,
             gradients and optimizer state and the unsharded blocks over the step (:mod:`bonsai_core.fsdp`);
@@ -229,7 +232,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     autocast = autocast if autocast is not None else _ambient_autocast(on)
     wanted, budget_source = _budget(budget, on)
     settings = {"method": method, "budget": str(budget), "budget_bytes": wanted.bytes, "autocast": autocast,
-                "optimizer": optimizer, "fsdp": [fsdp, reshard_after_forward, mixed_precision], "options": {k: repr(v) for k, v in sorted(options.items())}, "best_effort": best_effort,
+                "optimizer": optimizer, "grads": grads, "fsdp": [fsdp, reshard_after_forward, mixed_precision], "options": {k: repr(v) for k, v in sorted(options.items())}, "best_effort": best_effort,
                 "device": on.type, "kernels": kernels, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None}
     folder = _cache_folder(cache_dir) if cache else None
     key = _fingerprint(model, inputs, loss_fn, settings)
@@ -239,7 +242,8 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
 
     # a model that packs sequences is planned for the batch sizes of example_inputs' lengths
     made = with_batch_sizes_on_demand(
-        lambda: _made(_FakeStep.of(root, inputs, loss_fn, type(model).__name__), (autocast, optimizer, sharding, kernels),
+        lambda: _made(_FakeStep.of(root, inputs, loss_fn, type(model).__name__),
+                      (autocast, optimizer, sharding, kernels, grads),
                       wanted, budget_source, method, options, best_effort, prefix),
         lambda: batch_sizes_left_alone(root, inputs, loss_fn))
     if folder:
@@ -247,9 +251,9 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     return made
 
 
-def _made(step: "_FakeStep", traced: tuple[str | None, str, Sharding, str], wanted: Budget, budget_source: str,
+def _made(step: "_FakeStep", traced: tuple[str | None, str, Sharding, str, str], wanted: Budget, budget_source: str,
           method: str, options: dict[str, Any], best_effort: bool, prefix: str) -> Plan:
-    """:func:`plan`'s plan for ``step``: traced (``traced``: autocast, optimizer, sharding, kernels), solved
+    """:func:`plan`'s plan for ``step``: traced (``traced``: autocast, optimizer, sharding, kernels, grads), solved
     within ``wanted`` and laid out (:func:`_fitted`); the paths named as in the user's model (``prefix``)."""
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -495,10 +499,12 @@ class _FakeStep:
         with self.mode, skip_tensor_asserts(), computing_in(self.model, self.mixed_precision):
             yield
 
-    def graph(self, autocast: str | None, optimizer: str, sharding: Sharding, kernels: str = "cuda") -> Graph:
+    def graph(self, autocast: str | None, optimizer: str, sharding: Sharding, kernels: str = "cuda",
+              grads: str = "zeroed") -> Graph:
         """The traced step (as one of ``sharding``'s ranks holds it, under its mixed precision), with the
-        optimizer's state and step, recording ``kernels``' device's dropout and attention."""
-        from bonsai_core.optimizer import check_name, with_optimizer
+        optimizer's state and step and the gradients left ``grads`` between steps, recording ``kernels``'
+        device's dropout and attention."""
+        from bonsai_core.optimizer import check_name, with_grads, with_optimizer
         from bonsai_core.trace import trace_step
 
         check_name(optimizer)
@@ -507,7 +513,7 @@ class _FakeStep:
             traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast,
                                 kernels=kernels)
         graph = sharding.shard(traced.graph, self.model)
-        return with_optimizer(graph, optimizer)
+        return with_grads(with_optimizer(graph, optimizer), grads)
 
     def layout(self, graph: Graph, schedule: Schedule) -> tuple[Save, _Layout]:
         """The plan laid onto the model's submodules (:func:`bonsai_core.export.checkpoint.faithful_layout`)."""
