@@ -297,69 +297,117 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
     :func:`bonsai_core.export.checkpoint.layout`); while what the checkpoints run peaks over ``limit``
     (a freed tensor no submodule can free with its readers), solve again with the plan's budget lowered
     by the excess, doubled at each try (at most :data:`FIT_TRIES` solves, never below what any step
-    needs); then, for ``bonsai`` without a ``regions`` option, the same with ``regions="modules"`` (only
-    module calls recomputed: what the checkpoints can realise). The first layout within ``limit`` is
-    returned; when none is, BudgetError names the smallest realised peak found, unless ``best_effort``
-    (then the layout with that peak is returned, over the budget). With ``offload``, the same without it
-    last: a plan whose offloads the checkpoints cannot make may be beaten by one that recomputes instead."""
+    needs), and last lay out the plan at the smallest budget the method meets (:func:`_fitted_with`);
+    then, for ``bonsai`` without a ``regions`` option, the same with ``regions="modules"`` (only module
+    calls recomputed: what the checkpoints can realise). The first layout within ``limit`` is returned;
+    when none is, BudgetError names the smallest budget this search meets (:func:`_smallest_met`), unless
+    ``best_effort`` (then the layout with the smallest realised peak is returned, over the budget). With
+    ``offload``, the same without it last: a plan whose offloads the checkpoints cannot make may be beaten
+    by one that recomputes instead."""
     variants = [options]
     if method == "bonsai" and "regions" not in options:
         variants.append({**options, "regions": "modules"})
     if options.get("offload"):  # offloads the checkpoints hold on the device: the plan without them may fit
         variants += [{k: v for k, v in variant.items() if k != "offload"} for variant in list(variants)]
-    best, refused = None, None
+    best, refused, tried = None, None, []
     for variant in variants:
         try:
-            found = _fitted_with(step, graph, limit, method, variant, seconds)
+            found, guaranteed = _fitted_with(step, graph, limit, method, variant, seconds)
         except BudgetError as e:
             refused = refused or e  # the options the caller gave say it best
             if variant is variants[-1] and best is None:
                 raise refused from None
             continue
+        tried.append((variant, found[2].realised_peak, guaranteed))
         if best is None or found[2].realised_peak < best[2].realised_peak:
             best = found
         if best[2].realised_peak <= limit:
             return best
-    if not best_effort:
-        smallest = best[2].realised_peak
-        if smallest >= 2**62:  # the layout's sequence model could not express any choice of submodules
-            raise BudgetError(f"budget={format_bytes(limit)} ({limit} bytes): no layout of {step.name}'s submodules "
-                              "under torch.utils.checkpoint can be predicted for this plan; give a larger budget.")
-        raise BudgetError(
-            f"budget={format_bytes(limit)} ({limit} bytes) cannot be met by checkpointing {step.name}'s submodules: "
-            f"the smallest peak the checkpoints realise is {format_bytes(smallest)} ({smallest} bytes). Give budget="
-            f"{smallest} or more, or pass best_effort=True to take that plan over the budget.")
-    return best
+    if best_effort:
+        return best
+    smallest = _smallest_met(step, graph, method, tried, seconds)
+    if smallest is None:  # the layout's sequence model could not express any choice of submodules
+        raise BudgetError(f"budget={format_bytes(limit)} ({limit} bytes): no layout of {step.name}'s submodules "
+                          "under torch.utils.checkpoint can be predicted for this plan; give a larger budget.")
+    raise BudgetError(
+        f"budget={format_bytes(limit)} ({limit} bytes) cannot be met by checkpointing {step.name}'s submodules: "
+        f"the smallest budget it can guarantee is {format_bytes(smallest)} ({smallest} bytes). Give budget="
+        f"{smallest} or more, or pass best_effort=True to take the plan of the smallest peak over the budget.",
+        smallest=smallest)
+
+
+def _smallest_met(step: "_FakeStep", graph: Graph, method: str, tried: list[tuple[dict[str, Any], int, int | None]],
+                  seconds: dict[str, float]) -> int | None:
+    """The smallest budget :func:`_fitted` meets, of the searches ``tried`` (options, the smallest realised
+    peak found, the realised peak of the plan at the method's smallest budget): that smallest peak where a
+    search within it meets it (a layout found while lowering need not be found again from there), else
+    the smallest plan's, which every search ends with (None: nothing the layout can express)."""
+    variant, found, _ = min(tried, key=lambda t: t[1])
+    if found >= 2**62:
+        return None
+    again, _ = _fitted_with(step, graph, found, method, variant, seconds)
+    if again[2].realised_peak <= found:
+        return found
+    return min((g for _, _, g in tried if g is not None and g < 2**62), default=None)
 
 
 def _fitted_with(step: "_FakeStep", graph: Graph, limit: int, method: str, options: dict[str, Any],
-                 seconds: dict[str, float]) -> tuple[Schedule, Save, "_Layout"]:
-    """The lowering loop of :func:`_fitted` for one set of options: the first layout within ``limit``,
-    else the one with the smallest realised peak. BudgetError when the first solve finds no plan."""
+                 seconds: dict[str, float]) -> tuple[tuple[Schedule, Save, "_Layout"], int | None]:
+    """The lowering loop of :func:`_fitted` for one set of options, and last, where nothing is within
+    ``limit``, the plan at the method's smallest budget (``BudgetError.smallest``): (the first layout within
+    ``limit``, else the one with the smallest realised peak; that last plan's realised peak, or None where
+    it was not needed or not found). Solving is deterministic, so a search within that peak meets it.
+    BudgetError when the method finds no plan at all."""
     from bonsai_core.solvers import solve
 
-    floor = max(graph.peak_lower_bound, graph.optimizer_peak, graph.fixed_mem)
-    plan_budget, best = limit, None
-    for attempt in range(FIT_TRIES):
+    def laid_out(budget: int) -> tuple[Schedule, Save, _Layout]:
         start = time.perf_counter()
         try:
-            schedule = solve(graph, plan_budget, method, **options)
-        except BudgetError:
-            if best is not None:
-                break
-            raise
+            schedule = solve(graph, budget, method, **options)
         finally:
             seconds["solve"] = seconds.get("solve", 0.0) + time.perf_counter() - start
         start = time.perf_counter()
         save, layout = step.layout(graph, schedule)
         seconds["layout"] = seconds.get("layout", 0.0) + time.perf_counter() - start
-        if best is None or layout.realised_peak < best[2].realised_peak:
-            best = (schedule, save, layout)
-        if layout.realised_peak <= limit or plan_budget <= floor:
+        return schedule, save, layout
+
+    floor = max(graph.peak_lower_bound, graph.optimizer_peak, graph.fixed_mem)
+    plan_budget, best, refused = limit, None, None
+    for attempt in range(FIT_TRIES):
+        try:
+            found = laid_out(plan_budget)
+        except BudgetError as e:
+            refused = e
+            break
+        if best is None or found[2].realised_peak < best[2].realised_peak:
+            best = found
+        if found[2].realised_peak <= limit or plan_budget <= floor:
             break
         # an ILP within its gap may not move for less than the excess
-        plan_budget = max(floor, plan_budget - (layout.realised_peak - limit) * 2**attempt)
-    return best
+        plan_budget = max(floor, plan_budget - (found[2].realised_peak - limit) * 2**attempt)
+    if best is not None and best[2].realised_peak <= limit:
+        return best, None
+    smallest = refused.smallest if refused is not None else _method_smallest(graph, method, options, floor)
+    try:
+        last = laid_out(smallest) if smallest is not None else None
+    except BudgetError:
+        last = None
+    if last is not None and (best is None or last[2].realised_peak < best[2].realised_peak):
+        best = last
+    if best is None:
+        raise refused if refused is not None else BudgetError(f"{method} found no plan of {step.name}.")
+    return best, None if last is None else last[2].realised_peak
+
+
+def _method_smallest(graph: Graph, method: str, options: dict[str, Any], floor: int) -> int | None:
+    """The smallest budget ``method`` meets (``BudgetError.smallest`` of a solve at ``floor``), or None."""
+    from bonsai_core.solvers import solve
+
+    try:
+        solve(graph, floor, method, **options)
+    except BudgetError as e:
+        return e.smallest
+    return floor
 
 
 # -- the step: inputs, device, autocast, budget --------------------------------------------------
