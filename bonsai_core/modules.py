@@ -116,14 +116,19 @@ class _OpRecorder(TorchDispatchMode):
             self.ops.append(str(func))
             if self.forward:
                 self._note_write(func, args, at)
+        read = None
         for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and not t._is_view():
                 key = _storage(t)
                 if key not in self.live:  # every storage, so that a new one at a dead one's address is seen
                     self.live.add(key)
                     self.finalizers.append(weakref.finalize(t.untyped_storage(), self._release, key))
-                # an ignored op's alias (autograd's detach) or an in-place view (transpose_) writes no data
+                # an ignored op's alias (autograd's detach), an in-place view (transpose_) or an alias of an
+                # input a kernel makes without a view's autograd record (a C++ kernel's select) writes no data
                 writes = at >= 0 and torch.Tag.inplace_view not in func.tags
+                if writes:
+                    read = read if read is not None else {_storage(x) for x in tensors_in((args, kwargs))}
+                    writes = key not in read or _writes_first_argument(func, args)
                 if writes or key not in self.made_by:
                     self.made_by[key] = at if writes else -1
                 if writes:
@@ -266,7 +271,8 @@ def held_until(step: RecordedStep, forward_ops: list[str],
     while the backward pass ran, the traced positions of the autograd node that ran then (the graph's
     readers of v among them tell a saved tensor, an incoming gradient or a formula's temporary, which the
     node holds, from an op the alignment misplaced); None for the forward's and for what outlives
-    ``loss.backward()``."""
+    ``loss.backward()``. (The release's node is that of the last placed op before it: eager's engine may
+    copy a gradient into the strides it expects after a node's ops, the first time a kernel runs.)"""
     later = align(list(step.backward_ops), list(backward_ops))
     at = np.concatenate([align(step.ops, forward_ops), np.where(later >= 0, later + len(forward_ops), -1)])
     placed = np.maximum.accumulate(np.where(at >= 0, np.arange(len(at)), -1)) if len(at) else at
@@ -277,8 +283,8 @@ def held_until(step: RecordedStep, forward_ops: list[str],
         j = int(placed[p - 1]) if p > 0 else -1
         if at[i] >= 0 and j >= 0 and at[j] > at[i]:
             node = None
-            if len(step.ops) < p < len(at):
-                n = int(np.searchsorted(starts, p - 1, side="right")) - 1
+            if len(step.ops) < p < len(at):  # the node of the last placed op: a node's copy of a gradient into
+                n = int(np.searchsorted(starts, j, side="right")) - 1  # its expected strides may come after
                 node = frozenset(int(x) for x in at[starts[max(n, 0)]:starts[n + 1]] if x >= 0) if n >= 0 else frozenset()
             out.append((int(at[i]), int(at[j]), k, node))
     return out

@@ -315,9 +315,20 @@ def _held_by_eager(graph: Graph, held: list[tuple[int, int, set[int] | None]], w
             continue
         # no view, and no separated output of a multi-output op: a dep more would make it an op of its own
         v = next((x for x in range(w, u, -1) if graph.alias_of[x] < 0 and graph.output_of[x] < 0), -1)
-        if v > u and int(graph.users(u).max(initial=-1)) < v:  # else the graph holds it that long already
+        if v > u and _last_use(graph, u) < v:  # else the graph holds it that long already
             extra.setdefault(v, set()).add(u)
     return extra
+
+
+def _last_use(graph: Graph, u: int) -> int:
+    """The last node reading ``u`` or a view of it (a resident view keeps its base resident)."""
+    last, stack = -1, [u]
+    while stack:
+        for x in graph.users(stack.pop()).tolist():
+            last = max(last, x)
+            if graph.alias_of[x] >= 0:
+                stack.append(x)
+    return last
 
 
 def _runs_in_place(graph: Graph, node: fx.Node, ids: dict[str, int], v: int, u: int) -> bool:
