@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from bonsai_core.arguments import (CHECKPOINTING, COMPILE_MODES, RESHARD_CHOICES, SOLVE_TIME_LIMIT, allocator_policy, budget_arg, overhead_arg, positive, positive_int,
                                    reserved_policy, reshard_arg, solve_time_limit, time_limit_arg)
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
-from bonsai_core.optimizer import OPTIMIZERS
+from bonsai_core.optimizer import GRADS, OPTIMIZERS
 from bonsai_core.units import format_bytes
 
 # Size options any zoo model may take (each model accepts its own subset; see `bonsai zoo`).
@@ -104,14 +104,14 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     from bonsai_core.graph import save_graph
-    from bonsai_core.optimizer import with_optimizer
+    from bonsai_core.optimizer import with_grads, with_optimizer
     from bonsai_core.schedule import no_remat_peak
     from bonsai_core.trace import trace_model
 
     traced = trace_model(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
                          compile=compile_mode(args), ac=args.ac, float8=args.float8, **fsdp_options(args),
                          **model_options(args))
-    g = with_optimizer(traced.graph, args.optimizer)
+    g = with_grads(with_optimizer(traced.graph, args.optimizer), args.grads)
     try:
         save_graph(g, args.output)
     except OSError as e:
@@ -459,6 +459,10 @@ def _add_model_parsers(sub: Any) -> None:
     p.add_argument("--optimizer", default="none", choices=OPTIMIZERS,
                    help="the optimizer step after the backward pass (foreach, as on CUDA): its state is fixed memory "
                         "and its step's temporaries can set the peak (default none)")
+    p.add_argument("--grads", default="zeroed", choices=GRADS,
+                   help="the gradients between steps: zeroed (zero_grad(set_to_none=False): their buffers are fixed "
+                        "memory; default) or none (optimizer.zero_grad()'s default: each step makes them in its "
+                        "backward pass and holds them to the optimizer step)")
     add_fsdp_arguments(p)
     p.add_argument("--compile", nargs="?", const="default", default=None, choices=(*COMPILE_MODES, "default"),
                    metavar="|".join(COMPILE_MODES),

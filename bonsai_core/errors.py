@@ -18,7 +18,12 @@ class ScheduleError(BonsaiError):
 
 
 class BudgetError(BonsaiError):
-    """A budget could not be parsed, or no schedule of the method fits under it."""
+    """A budget could not be parsed, or no schedule of the method fits under it. ``smallest``: the
+    smallest budget the method meets, where it knows one (solving again at it returns a schedule)."""
+
+    def __init__(self, message: str = "", smallest: int | None = None) -> None:
+        super().__init__(message)
+        self.smallest = smallest
 
 
 class ModelError(BonsaiError):

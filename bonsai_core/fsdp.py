@@ -300,7 +300,8 @@ def working_profile(graph: Graph, ops: Sequence[tuple[str, int]]) -> np.ndarray:
 # What holds FSDP's bytes, by the prefix of a buffer's key (``_Walk``'s names).
 WORKING_PARTS = {"all-gathered blocks": ("unsharded", "all_gather_output", "all_gather_input"),
                  "gradients held": ("grad",),
-                 "collective buffers": ("reduce_scatter_input", "reduce_scatter_output")}
+                 "collective buffers": ("reduce_scatter_input", "reduce_scatter_output"),
+                 "sharded gradients": ("sharded_grad",)}
 
 
 def working_parts(graph: Graph, ops: Sequence[tuple[str, int]]) -> dict[str, np.ndarray]:
@@ -394,7 +395,8 @@ class _Walk:
         """``foreach_reduce``: the previous reduce-scatter input freed, this one's (the gradients in
         reduce_dtype) allocated on the compute stream and the gradients copied in and freed, the sharded
         output allocated on the reduce-scatter stream (accumulated into the sharded gradients, then
-        freed); the input is held until the next reduce-scatter."""
+        freed; where the gradients are set to None between steps, kept: its views are the sharded
+        gradients); the input is held until the next reduce-scatter."""
         grads = self.grads.pop(unit, [])
         if not grads:
             return
@@ -405,8 +407,10 @@ class _Walk:
         self.emit(self.scatter_input, nbytes)
         for v in grads:
             self.emit(f"grad:{v}", 0)
-        self.emit(f"reduce_scatter_output:{unit}", math.ceil(nbytes / self.world), REDUCE_SCATTER_STREAM)
-        self.emit(f"reduce_scatter_output:{unit}", 0, REDUCE_SCATTER_STREAM)
+        output = "sharded_grad" if self.graph.grads_set_to_none else "reduce_scatter_output"
+        self.emit(f"{output}:{unit}", math.ceil(nbytes / self.world), REDUCE_SCATTER_STREAM)
+        if not self.graph.grads_set_to_none:
+            self.emit(f"{output}:{unit}", 0, REDUCE_SCATTER_STREAM)
 
     def op(self, kind: str, v: int) -> None:
         graph = self.graph

@@ -71,6 +71,10 @@ class Graph:
         fsdp: None, or ``{"world", "reshard_after_forward", "root_bytes", "units"[, "param_dtype",
             "reduce_dtype"]}``: the step as one FSDP
             rank holds it (:mod:`bonsai_core.fsdp`); ``units`` are [path, first, last, parameter bytes].
+        grads_set_to_none: the bytes of the parameter gradients when they are set to None between steps
+            (``optimizer.zero_grad()``'s default): not in ``fixed_mem``, made in the backward pass and held
+            to the optimizer step (:func:`bonsai_core.optimizer.with_grads_set_to_none`); 0: kept
+            allocated and zeroed between steps, in ``fixed_mem``.
         names, ops, phases, shapes: per-node strings.
         cost: float64[n], seconds to compute each node (0 only for views).
         mem: int64[n], bytes of each node's output(s) (0 for views).
@@ -104,6 +108,7 @@ class Graph:
         fsdp: dict[str, Any] | None = None,
         inplace_of: Iterable[int | None] | None = None,
         held: Sequence[Sequence[int]] | None = None,
+        grads_set_to_none: int = 0,
     ) -> None:
         n = len(names)
         if n == 0:
@@ -127,6 +132,8 @@ class Graph:
         # optional: the FSDP rank this graph is (bonsai_core.fsdp): sharded state and the root's parameters
         # are in fixed_mem; the blocks' unsharded bytes are the simulator's (fsdp.working_profile)
         self.fsdp = None if fsdp is None else dict(fsdp)
+        # optional: the gradients' bytes when they are set to None between steps (out of fixed_mem)
+        self.grads_set_to_none = int(grads_set_to_none)
         try:
             self.cost = np.asarray(list(cost), dtype=np.float64)
             self.mem = np.asarray(list(mem), dtype=np.int64)
@@ -142,8 +149,8 @@ class Graph:
                           (dep_lists, "deps"), (held_lists, "held")):
             if len(arr) != n:
                 raise GraphError(f"The graph has {n} names but {len(arr)} {what}: every node needs each field.")
-        # optional: per node, the deps that are no data read, only the model's Python code holding a tensor
-        # (trace's _held_by_python); they count as deps everywhere but in drawing the data flow (without_held)
+        # optional: per node, the deps that are no data read, only eager holding a tensor (the model's
+        # Python code, autograd's engine: trace's _held_by_eager); they count as deps everywhere but in drawing the data flow (without_held)
         self.held = tuple(held_lists)
         self._without_held: Graph | None = None  # computed once, on first use
         self._validate()
@@ -169,7 +176,8 @@ class Graph:
     @classmethod
     def from_nodes(cls, name: str, fixed_mem: int, nodes: Sequence[dict[str, Any]],
                    fixed_tensors: Sequence[Sequence[Any]] = (), modules: Sequence[Sequence[Any]] = (),
-                   optimizer: dict[str, Any] | None = None, fsdp: dict[str, Any] | None = None) -> "Graph":
+                   optimizer: dict[str, Any] | None = None, fsdp: dict[str, Any] | None = None,
+                   grads_set_to_none: int = 0) -> "Graph":
         """Build a graph from node dicts (``name, op, phase, cost, mem, deps`` and optional
         ``alias_of``, ``inplace_of``, ``shape``, ``held``), listed in execution order; ids are their positions."""
         return cls(
@@ -177,6 +185,7 @@ class Graph:
             modules=modules,
             optimizer=optimizer,
             fsdp=fsdp,
+            grads_set_to_none=grads_set_to_none,
             name=name,
             fixed_mem=fixed_mem,
             names=[nd.get("name", f"n{i}") for i, nd in enumerate(nodes)],
@@ -307,8 +316,9 @@ class Graph:
     @property
     def optimizer_peak(self) -> int:
         """Memory during the optimizer step after the backward pass (0 without an optimizer): the fixed
-        memory (its state included) plus what the step allocates. No schedule changes it."""
-        return 0 if self.optimizer is None else self.fixed_mem + self.optimizer["step_bytes"]
+        memory (its state included) plus what the step allocates, and the gradients where they are set to
+        None between steps. No schedule changes it."""
+        return 0 if self.optimizer is None else self.fixed_mem + self.optimizer["step_bytes"] + self.grads_set_to_none
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -399,6 +409,8 @@ class Graph:
             out["optimizer"] = dict(self.optimizer)
         if self.fsdp is not None:
             out["fsdp"] = dict(self.fsdp)
+        if self.grads_set_to_none:
+            out["grads"] = {"set_to_none": True, "bytes": self.grads_set_to_none}
         return out
 
     @classmethod
@@ -441,8 +453,9 @@ class Graph:
         fsdp = data.get("fsdp")
         if fsdp is not None:
             fsdp = _fsdp_field(fsdp, len(parsed))
+        grads = data.get("grads")
         return cls.from_nodes(data.get("name", "graph"), int(data["fixed_mem"]), parsed, fixed_tensors, modules,
-                              optimizer, fsdp)
+                              optimizer, fsdp, int(grads["bytes"]) if grads and grads["set_to_none"] else 0)
 
 
 def _csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bonsai_core.tensors import tensors_in
+
 # Run-time ops and the names the traced (functionalized) graph gives them, one name for both on both
 # sides: ``view`` where eager runs ``_unsafe_view``, batch norm's functional forms.
 _SAME_OP = {"aten._unsafe_view.default": "aten.view.default",
@@ -68,9 +70,18 @@ class RecordedStep:
     call_counts: Counter
     inplace: list[tuple[int, int]] = ()  # (in-place op, the op whose whole output it overwrote)
     view_writes: list[tuple[int, int]] = ()  # (in-place op, the op whose output it wrote through a view)
-    # (op, ops run before Python dropped the storage it last wrote): the forward's own lifetimes, as the
-    # model's code holds them (len(ops): held until the loss function returned)
-    released: list[tuple[int, int]] = ()
+    # (the ops that made and then wrote the storage in place, in order; ops run before Python dropped it;
+    # which output of the first op it was): the forward's own lifetimes, as the model's code holds them
+    # (len(ops): held until the loss function returned); with the backward pass recorded, op indices run
+    # on into ``backward_ops`` and count autograd's releases too
+    released: list[tuple[tuple[int, ...], int, int]] = ()
+    backward_ops: list[str] = ()  # the aten ops of ``loss.backward()``, as eager's autograd engine runs them
+    # per entry of ``calls``, per storage the call took as a tensor argument (positional or keyword: what
+    # ``torch.utils.checkpoint`` keeps for a recomputation of the call), the ops that made and wrote it
+    # (the first output of the first)
+    arguments: list[tuple[tuple[int, ...], ...]] = ()
+    # the first op (index into ops + backward_ops) of each autograd node the backward pass ran, in order
+    node_starts: list[int] = ()
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -89,8 +100,12 @@ class _OpRecorder(TorchDispatchMode):
         self.view_writes: list[tuple[int, int]] = []
         self.made_by: dict[int, int] = {}  # storage address -> the recorded op whose output it last was (-1: other)
         self.written_by: dict[int, int] = {}  # the same, where an ignored op's alias of it does not count
-        self.released: list[tuple[int, int]] = []
+        self.output: dict[int, int] = {}  # storage address -> which output of its op it is
+        self.live: set[int] = set()  # storage addresses whose release is watched
+        self.writers: dict[int, list[int]] = {}  # storage address -> the recorded ops that made, then wrote it
+        self.released: list[tuple[tuple[int, ...], int, int]] = []
         self.tracking = True
+        self.forward = True  # in-place writes are the forward's (the backward's accumulate gradients)
         self.finalizers: list[weakref.finalize] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
@@ -99,25 +114,50 @@ class _OpRecorder(TorchDispatchMode):
         if func not in self.ignored:
             at = len(self.ops)
             self.ops.append(str(func))
-            written = _written_in_place(func, args)
-            if written is not None and self.made_by.get(_storage(written), -1) >= 0:
-                self.inplace.append((at, self.made_by[_storage(written)]))
-            elif written is None and _writes_first_argument(func, args) and self.written_by.get(_storage(args[0]), -1) >= 0:
-                self.view_writes.append((at, self.written_by[_storage(args[0])]))  # ATen's CPU RNN cells' gates
-        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if self.forward:
+                self._note_write(func, args, at)
+        read = None
+        for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and not t._is_view():
                 key = _storage(t)
-                if key not in self.made_by and at >= 0:
+                if key not in self.live:  # every storage, so that a new one at a dead one's address is seen
+                    self.live.add(key)
                     self.finalizers.append(weakref.finalize(t.untyped_storage(), self._release, key))
-                self.made_by[key] = at
+                # an ignored op's alias (autograd's detach), an in-place view (transpose_) or an alias of an
+                # input a kernel makes without a view's autograd record (a C++ kernel's select) writes no data
+                writes = at >= 0 and torch.Tag.inplace_view not in func.tags
+                if writes:
+                    read = read if read is not None else {_storage(x) for x in tensors_in((args, kwargs))}
+                    writes = key not in read or _writes_first_argument(func, args)
+                if writes or key not in self.made_by:
+                    self.made_by[key] = at if writes else -1
+                if writes:
+                    self.output.setdefault(key, k)
+                    self.writers.setdefault(key, []).append(at)
                 if at >= 0 or key not in self.written_by:  # not autograd's detach of a saved output
                     self.written_by[key] = at
         return out
 
+    def _note_write(self, func: Any, args: tuple, at: int) -> None:
+        written = _written_in_place(func, args)
+        if written is not None and self.made_by.get(_storage(written), -1) >= 0:
+            self.inplace.append((at, self.made_by[_storage(written)]))
+        elif written is None and _writes_first_argument(func, args) and self.written_by.get(_storage(args[0]), -1) >= 0:
+            self.view_writes.append((at, self.written_by[_storage(args[0])]))  # ATen's CPU RNN cells' gates
+
+    def made_first(self, tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
+        """Per storage of ``tensors`` that a recorded op's first output made, the recorded ops that made
+        and then wrote it, in order."""
+        keys = {_storage(t) for t in tensors}
+        return tuple(sorted(tuple(self.writers[k]) for k in keys if k in self.writers and self.output.get(k) == 0))
+
     def _release(self, key: int) -> None:
-        at = self.made_by.pop(key, -1)
-        if self.tracking and at >= 0:
-            self.released.append((at, len(self.ops)))
+        self.live.discard(key)
+        self.written_by.pop(key, None)
+        self.made_by.pop(key, None)
+        writers, k = self.writers.pop(key, ()), self.output.pop(key, 0)
+        if self.tracking and writers:
+            self.released.append((tuple(writers), len(self.ops), k))
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -146,12 +186,18 @@ def _written_in_place(func: Any, args: tuple) -> torch.Tensor | None:
     return t
 
 
-def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor]) -> RecordedStep:
+def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
+                backward: bool = False) -> RecordedStep:
     """Run ``loss_fn(model(*inputs))`` once (with grad, as in training) and record it. Cheap on fake tensors.
-    Packed sequences there take the batch sizes :func:`bonsai_core.packed.known_batch_sizes` holds."""
+    Packed sequences there take the batch sizes :func:`bonsai_core.packed.known_batch_sizes` holds.
+    With ``backward`` (``model`` on fake tensors: its gradients are put back as they were), also
+    ``loss.backward()``: its ops and when autograd's engine drops each storage (``RecordedStep.backward_ops``)."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+    from bonsai_core.ctc import register_ctc_shapes
     from bonsai_core.packed import PackedSequences
+
+    register_ctc_shapes()
 
     names = {id(m): name for name, m in model.named_modules()}
     recorder = _OpRecorder()
@@ -163,38 +209,84 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
         if id(module) in names:
             open_calls.append((names[id(module)], len(recorder.ops)))
 
-    def post(module: nn.Module, _args: Any, _out: Any) -> None:
+    def post(module: nn.Module, args: Any, kwargs: Any, _out: Any) -> None:
         if id(module) in names and open_calls:
             path, start = open_calls.pop()
             calls.append((path, start, len(recorder.ops)))
             counts[path] += 1
+            arguments.append(recorder.made_first(tensors_in((args, kwargs))))
 
-    hooks = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+    arguments: list[tuple[tuple[int, ...], ...]] = []
+    hooks = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, with_kwargs=True)]
+    grads = {p: p.grad for p in model.parameters()}
+    n_forward = None
     try:
         with torch.enable_grad(), PackedSequences(), recorder:
             out = model(*inputs)
             loss = loss_fn(out)
             del out  # the model's output (logits, a key/value cache) lives until the loss function returns
-            recorder.tracking = False  # what dies with the loss is the backward pass's
+            n_forward = len(recorder.ops)
+            recorder.tracking = backward  # what dies with the loss is the backward pass's
+            recorder.forward = False
+            for h in hooks:
+                h.remove()
+            if backward:
+                starts = _node_starts(loss, recorder)
+                loss.backward()
             del loss
     finally:
         for h in hooks:
             h.remove()
         for f in recorder.finalizers:  # storages a module keeps (a cache) would keep the recorder alive
             f.detach()
-    return RecordedStep(recorder.ops, calls, counts, recorder.inplace, recorder.view_writes, recorder.released)
+        for p, grad in grads.items():
+            p.grad = grad
+    ops = recorder.ops
+    return RecordedStep(ops[:n_forward], calls, counts, recorder.inplace, recorder.view_writes, recorder.released,
+                        ops[n_forward:], arguments, starts if backward else [])
 
 
-def held_until(step: RecordedStep, forward_ops: list[str]) -> list[tuple[int, int]]:
-    """(v, w) forward positions: eager dropped the output of the traced op at v only after the one at w
-    (the last placed op before the release), for the recorded releases the alignment places."""
-    at = align(step.ops, forward_ops)
+def _node_starts(loss: torch.Tensor, recorder: _OpRecorder) -> list[int]:
+    """A list that ``loss.backward()`` fills with the first op of each autograd node it runs (a pre-hook on
+    every node of the graph; a pre-hook changes nothing the node holds, where a post-hook would keep its
+    inputs for the hook)."""
+    starts: list[int] = []
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        fn.register_prehook(lambda _grads: starts.append(len(recorder.ops)))
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return starts
+
+
+def held_until(step: RecordedStep, forward_ops: list[str],
+               backward_ops: list[str] = ()) -> list[tuple[int, int, int, frozenset[int] | None]]:
+    """(v, w, k, node) positions in the traced ops (``forward_ops``, then ``backward_ops`` when the step's
+    backward pass was recorded): eager dropped the k-th output of the traced op at v only after the one at
+    w (the last placed op before the release), for the recorded releases the alignment places. The two
+    passes are aligned apart: a backward matmul is never placed on a forward one. ``node``: for a release
+    while the backward pass ran, the traced positions of the autograd node that ran then (the graph's
+    readers of v among them tell a saved tensor, an incoming gradient or a formula's temporary, which the
+    node holds, from an op the alignment misplaced); None for the forward's and for what outlives
+    ``loss.backward()``. (The release's node is that of the last placed op before it: eager's engine may
+    copy a gradient into the strides it expects after a node's ops, the first time a kernel runs.)"""
+    later = align(list(step.backward_ops), list(backward_ops))
+    at = np.concatenate([align(step.ops, forward_ops), np.where(later >= 0, later + len(forward_ops), -1)])
     placed = np.maximum.accumulate(np.where(at >= 0, np.arange(len(at)), -1)) if len(at) else at
+    starts = list(step.node_starts) + [len(at)]
     out = []
-    for i, p in step.released:
+    for writers, p, k in step.released:
+        i = writers[-1]  # the op whose output holds the bytes last (the traced graph's in-place chains end there)
         j = int(placed[p - 1]) if p > 0 else -1
         if at[i] >= 0 and j >= 0 and at[j] > at[i]:
-            out.append((int(at[i]), int(at[j])))
+            node = None
+            if len(step.ops) < p < len(at):  # the node of the last placed op: a node's copy of a gradient into
+                n = int(np.searchsorted(starts, j, side="right")) - 1  # its expected strides may come after
+                node = frozenset(int(x) for x in at[starts[max(n, 0)]:starts[n + 1]] if x >= 0) if n >= 0 else frozenset()
+            out.append((int(at[i]), int(at[j]), k, node))
     return out
 
 

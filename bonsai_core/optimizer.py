@@ -16,6 +16,10 @@ dtype) group), as measured on that implementation by ``tests/test_optimizer.py``
   updates in place (``step_bytes`` 0).
 * ``none``: no optimizer in the step.
 
+Between steps the gradients are zeroed in place (``zero_grad(set_to_none=False)``: their buffers are fixed
+memory, the graph as traced) or set to None (``optimizer.zero_grad()``'s default): then each step makes
+them in its backward pass and holds them to the optimizer step (:func:`with_grads_set_to_none`).
+
 Parameters of several dtypes form several groups stepped one after another; this model takes them as
 one group (an upper bound). ``make(params, name)`` builds the optimizer these rules describe.
 """
@@ -66,6 +70,49 @@ def with_optimizer(graph: Graph, name: str) -> Graph:
     return Graph.rebuilt(data)
 
 
+GRADS = ("zeroed", "none")  # between steps: zero_grad(set_to_none=False) / optimizer.zero_grad()'s default
+
+
+def with_grads(graph: Graph, grads: str) -> Graph:
+    """``graph`` as a training loop that leaves its gradients ``grads`` between steps runs it: ``"zeroed"``
+    (``zero_grad(set_to_none=False)``: the gradient buffers live through the step, ``fixed_mem``; the
+    graph as traced) or ``"none"`` (set to None, ``optimizer.zero_grad()``'s default, as Hugging Face's
+    Trainer and torchtitan call it): :func:`with_grads_set_to_none`."""
+    if grads not in GRADS:
+        raise BonsaiError(f"Unknown grads {grads!r}: give how the gradients are left between steps, "
+                          f"{' or '.join(map(repr, GRADS))} (set to None, optimizer.zero_grad()'s default).")
+    return graph if grads == "zeroed" else with_grads_set_to_none(graph)
+
+
+def with_grads_set_to_none(graph: Graph) -> Graph:
+    """``graph`` with its gradients set to None between steps (simulator rule 10): their buffers (fixed tensors of kind
+    ``grad``) leave ``fixed_mem`` (``Graph.grads_set_to_none`` keeps their bytes: the optimizer step holds
+    them), and each gradient is made in the backward pass and held from there to the end of the step.
+    Eager's ``AccumulateGrad`` keeps the gradient it is handed as ``.grad`` (a copy where its layout is not
+    the parameter's, the original then freed): the step's last node (no view nor separated output) holds
+    every gradient node, which the graph frees at once otherwise (rule 2). On an FSDP rank the sharded
+    gradient is the reduce-scatter's output, which FSDP2 then keeps instead of accumulating it into a
+    gradient buffer (rule 7, :mod:`bonsai_core.fsdp`)."""
+    if graph.grads_set_to_none:
+        return graph
+    grads = [t for t in graph.fixed_tensors if t[2] == "grad"]
+    if not grads:
+        raise BonsaiError(f"{graph.name!r} does not list its gradient buffers ('fixed_tensors' of kind 'grad'): "
+                          "trace the model with `bonsai trace --grads none`.")
+    data = graph.to_dict()
+    data["fixed_tensors"] = [list(t) for t in graph.fixed_tensors if t[2] != "grad"]
+    data["fixed_mem"] = graph.fixed_mem - sum(t[1] for t in grads)
+    data["grads"] = {"set_to_none": True, "bytes": sum(t[1] for t in grads)}
+    if graph.fsdp is None:
+        gradients = [v for v in range(graph.n) if graph.is_output[v] and not graph.is_forward[v]]
+        last = next(v for v in range(graph.n - 1, -1, -1) if graph.alias_of[v] < 0 and graph.output_of[v] < 0)
+        held = [v for v in gradients if v != last]
+        node = data["nodes"][last]
+        node["deps"] = sorted(set(node["deps"]) | set(held))
+        node["held"] = sorted(set(node.get("held", ())) | set(held))
+    return Graph.rebuilt(data)
+
+
 def make(params: Iterable[torch.nn.Parameter], name: str, lr: float = 1e-3) -> torch.optim.Optimizer | None:
     """The optimizer ``name`` stands for, as a CUDA run builds it by default (``foreach``)."""
     import torch
@@ -81,14 +128,18 @@ def make(params: Iterable[torch.nn.Parameter], name: str, lr: float = 1e-3) -> t
 
 def init_state(optimizer: torch.optim.Optimizer) -> int:
     """Allocate ``optimizer``'s state now, as its first ``step()`` would (zeros, the values that step
-    starts from), so that it is fixed memory before a measured step; returns its bytes. The first
-    step then behaves exactly as without this (Adam's moments and SGD's momentum start at zero)."""
+    starts from), so that it is fixed memory before a measured step; returns the bytes of its state
+    (allocated now or by an earlier step: a later step's fixed memory holds it too). The first step then
+    behaves exactly as without this (Adam's moments and SGD's momentum start at zero)."""
     import torch
 
     nbytes = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if not p.requires_grad or optimizer.state[p]:
+            if not p.requires_grad:
+                continue
+            if optimizer.state[p]:
+                nbytes += sum(t.nbytes for k, t in optimizer.state[p].items() if k != "step" and isinstance(t, torch.Tensor))
                 continue
             if isinstance(optimizer, torch.optim.SGD):
                 state = {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}

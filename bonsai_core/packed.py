@@ -16,7 +16,7 @@ sizes each ``pack_padded_sequence`` call made, in call order. Within :func:`know
   ``int(batch_sizes[0])`` works on fake tensors, and ATen's packed kernels read its data;
 * ``_pad_packed_sequence`` becomes the padded output filled with ``index_put`` (the kernel itself
   writes lengths through a data pointer, which a fake tensor has not);
-* ``_VF.lstm``/``_VF.gru`` over packed data get the real batch sizes back where ATen's own kernels
+* ``_VF.lstm``/``_VF.gru``/``_VF.rnn_tanh``/``_VF.rnn_relu`` over packed data get the real batch sizes back where ATen's own kernels
   run (recording the step's ops: the per-step cells eager runs), or run as
   :mod:`bonsai_core.recurrent_steps` where the step is traced.
 
@@ -46,7 +46,7 @@ class PackedLengthsUnknown(ModelError):
             "The model packs sequences (pack_padded_sequence), whose batch sizes come from the lengths' values, "
             "and tracing runs on shapes only. Trace it with bonsai_core.trace.trace_model or `bonsai trace` "
             "(which read the lengths from one real forward pass of the model), or pass real model and inputs "
-            "to trace_step.")
+            "to trace_step or bonsai.checkpoint.")
 
 
 @contextlib.contextmanager
@@ -200,7 +200,7 @@ def _lengths(sizes: Sequence[int]) -> torch.Tensor:
 class PackedSequences(TorchFunctionMode):
     """Within: packing and padding on fake tensors use the batch sizes :func:`known_batch_sizes` holds
     (see the module doc). ``run_packed(func, args, sizes)``, given while tracing, runs a recurrent layer
-    over packed data (``_VF.lstm`` or ``_VF.gru``, data form) with its batch sizes as ints, or returns
+    over packed data (``_VF.lstm``, ``_VF.gru``, ``_VF.rnn_tanh`` or ``_VF.rnn_relu``, data form) with its batch sizes as ints, or returns
     None to run ATen's own with the real batch sizes (as without it). Real tensors are left alone."""
 
     def __init__(self, run_packed: Callable[[Any, tuple, list[int]], Any] | None = None) -> None:
@@ -223,7 +223,7 @@ class PackedSequences(TorchFunctionMode):
             sizes = batch_size_list(args[1])
             if sizes is not None:
                 return pad(args[0], sizes, *args[2:5])
-        if func in (torch._VF.lstm, torch._VF.gru) and len(args) > 2 and isinstance(args[1], torch.Tensor) \
+        if func in _RECURRENT and len(args) > 2 and isinstance(args[1], torch.Tensor) \
                 and isinstance(args[2], (list, tuple, torch.Tensor)) and _is_fake(args[0]) and not kwargs:
             packed = _packed_form(func, args)
             sizes = batch_size_list(args[1]) if packed else None
@@ -235,8 +235,11 @@ class PackedSequences(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_RECURRENT = (torch._VF.lstm, torch._VF.gru, torch._VF.rnn_tanh, torch._VF.rnn_relu)
+
+
 def _packed_form(func: Any, args: tuple) -> bool:
-    """Whether a ``_VF.lstm``/``_VF.gru`` call is its data (packed) form: ``(data, batch_sizes, hx, ...)``."""
+    """Whether a recurrent ``_VF`` call is its data (packed) form: ``(data, batch_sizes, hx, ...)``."""
     if func is torch._VF.lstm:
         return isinstance(args[2], (list, tuple))
     return isinstance(args[2], torch.Tensor)
@@ -247,15 +250,35 @@ def sizes_from_lengths(lengths: Sequence[int]) -> list[int]:
     return [sum(1 for n in lengths if n > t) for t in range(max(lengths))]
 
 
-def with_batch_sizes_on_demand(run: Callable[[], Any], name: str, seed: int, options: dict[str, Any]) -> Any:
+def with_batch_sizes_on_demand(run: Callable[[], Any], read_sizes: Callable[[], Sequence[Sequence[int]]]) -> Any:
     """``run()``; where it meets a packed sequence with no batch sizes known, ``run()`` again within
-    :func:`known_batch_sizes` of the model spec's own (:func:`recorded_batch_sizes`). A model that does
-    not pack is never run on real tensors."""
+    :func:`known_batch_sizes` of ``read_sizes()`` (which runs the model on real tensors: a model that
+    does not pack is never run so)."""
     try:
         return run()
     except PackedLengthsUnknown:
         if getattr(_state, "sizes", None):
             raise
-        sizes = recorded_batch_sizes(name, seed, **options)
+        sizes = read_sizes()
     with known_batch_sizes(sizes):
         return run()
+
+
+def spec_batch_sizes(name: str, seed: int, options: dict[str, Any]) -> Callable[[], tuple[tuple[int, ...], ...]]:
+    """The batch sizes reader of a model spec (:func:`recorded_batch_sizes`), for :func:`with_batch_sizes_on_demand`."""
+    return lambda: recorded_batch_sizes(name, seed, **options)
+
+
+def batch_sizes_left_alone(model: torch.nn.Module, inputs: Sequence[torch.Tensor],
+                           loss_fn: Callable[[Any], torch.Tensor]) -> list[tuple[int, ...]]:
+    """:func:`batch_sizes_of` the user's own model, which it leaves as it was: its buffers (a batch norm's
+    statistics) and the random number generators (dropout's draws) are put back afterwards."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({t.device.index or 0 for t in (*model.parameters(), *inputs) if t.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            return batch_sizes_of(model, inputs, loss_fn)
+    finally:
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)

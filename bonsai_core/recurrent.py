@@ -25,11 +25,12 @@ kernel's shape function on the ``Meta`` key (:func:`register_workspace_shape`; o
 tensors see it). Only where eager runs that kernel: float32 CPU tensors, oneDNN enabled, no
 projections (``proj_size``).
 
-``nn.GRU`` on the CPU, and ``nn.LSTM``/``nn.GRU`` over packed sequences, run no fused kernel: ATen runs
-them as per-step cells, recorded as ATen writes them (:mod:`bonsai_core.recurrent_steps`; packed
-sequences' batch sizes: :mod:`bonsai_core.packed`). Everything else keeps torch's decomposition:
-``nn.RNN``, an unpacked LSTM in other dtypes, projections, and CUDA (``_cudnn_rnn``, whose reserve
-space cuDNN sizes per algorithm: not measured here).
+``nn.GRU`` and ``nn.RNN`` on the CPU, ``nn.LSTM`` with projections or in float64/float16, and all of them
+over packed sequences, run no fused kernel: ATen runs them as per-step cells, recorded as ATen writes
+them (:mod:`bonsai_core.recurrent_steps`; packed sequences' batch sizes: :mod:`bonsai_core.packed`).
+Everything else keeps torch's decomposition: a bfloat16 LSTM (the oneDNN kernel again, its workspace
+not modelled), recurrent layers under autocast, and CUDA (``_cudnn_rnn``, whose reserve space cuDNN
+sizes per algorithm: not measured here).
 """
 
 from __future__ import annotations
@@ -119,13 +120,19 @@ def register_workspace_shape() -> None:
         _state["done"] = True
 
 
-def runs_fused_kernel(input: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
+def runs_onednn(input: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
     """Whether eager runs ``torch._VF.lstm`` on these tensors as ``mkldnn_rnn_layer`` (RNN.cpp's
-    ``use_mkldnn`` for float32, and no projections)."""
+    ``use_mkldnn``: CPU tensors of float32 or bfloat16, and no projections)."""
     tensors = [input, *hx, *params]
     return (torch._C._get_mkldnn_enabled() and all(t.device.type == "cpu" for t in tensors)
-            and all(t.dtype == torch.float32 for t in tensors) and input.numel() > 0
+            and all(t.dtype in (torch.float32, torch.bfloat16) for t in tensors) and input.numel() > 0
             and len(hx) == 2 and hx[0].size(2) == hx[1].size(2))
+
+
+def runs_fused_kernel(input: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
+    """Whether eager runs ``torch._VF.lstm`` on these tensors as the ``mkldnn_rnn_layer`` whose workspace
+    is modelled: :func:`runs_onednn`, in float32."""
+    return runs_onednn(input, hx, params) and all(t.dtype == torch.float32 for t in [input, *hx, *params])
 
 
 def cpu_lstm(input: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[torch.Tensor], has_biases: bool,
@@ -164,25 +171,33 @@ def runs_step_by_step(tensors: Sequence[torch.Tensor]) -> bool:
     return all(t.device.type == "cpu" for t in tensors) and not torch.is_autocast_enabled("cpu")
 
 
+# torch._VF's recurrent functions, by the name recurrent_steps gives their cells
+RECURRENT = {torch._VF.lstm: "lstm", torch._VF.gru: "gru", torch._VF.rnn_tanh: "rnn_tanh",
+             torch._VF.rnn_relu: "rnn_relu"}
+
+
 def _run_packed(func: Any, args: tuple, sizes: list[int]) -> Any:
-    """``_VF.lstm``/``_VF.gru`` over packed data as :mod:`bonsai_core.recurrent_steps` writes ATen's CPU
-    layers, or None where eager runs something else (another device, LSTM projections)."""
+    """A recurrent layer over packed data as :mod:`bonsai_core.recurrent_steps` writes ATen's CPU layers,
+    or None where eager runs something else (another device, autocast)."""
     data, _, hx, params, *rest = args
     hx_list = list(hx) if isinstance(hx, (list, tuple)) else [hx]
     if not runs_step_by_step([data, *hx_list, *params]):
         return None
-    if func is torch._VF.lstm:
-        if hx_list[0].size(2) != hx_list[1].size(2):  # proj_size
-            return None
-        return recurrent_steps.cpu_packed_lstm(data, sizes, hx, params, *rest)
-    return recurrent_steps.cpu_packed_gru(data, sizes, hx, params, *rest)
+    return recurrent_steps.cpu_packed_layers(RECURRENT[func], data, sizes, hx, params, *rest)
+
+
+def _input_form(func: Any, args: tuple) -> bool:
+    """Whether a recurrent ``torch._VF`` call is its input form, ``(input, hx, params, has_biases,
+    num_layers, dropout, train, bidirectional, batch_first)`` (hx a list for an LSTM, params a list)."""
+    return len(args) == 9 and isinstance(args[1 if func is torch._VF.lstm else 2], (list, tuple))
 
 
 class FusedRecurrent(PackedSequences):
     """Within: ``torch._VF.lstm`` (``nn.LSTM``'s call, input form) runs as :func:`cpu_lstm` where eager
-    runs the fused CPU kernel (:func:`runs_fused_kernel`); ``torch._VF.gru`` on the CPU, and both over
-    packed sequences (:class:`bonsai_core.packed.PackedSequences`, their batch sizes known), as ATen's
-    per-step CPU cells (:mod:`bonsai_core.recurrent_steps`); everything else as usual. For tracing."""
+    runs the fused CPU kernel (:func:`runs_fused_kernel`); ``nn.GRU``, ``nn.RNN`` and any other LSTM on
+    the CPU, and all of them over packed sequences (:class:`bonsai_core.packed.PackedSequences`, their
+    batch sizes known), as ATen's per-step CPU cells (:mod:`bonsai_core.recurrent_steps`); everything
+    else as usual. For tracing."""
 
     def __init__(self) -> None:
         super().__init__(run_packed=_run_packed)
@@ -190,13 +205,13 @@ class FusedRecurrent(PackedSequences):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         kwargs = kwargs or {}
-        if func is torch._VF.lstm and not kwargs and len(args) == 9 and isinstance(args[1], (list, tuple)):
+        if func in RECURRENT and not kwargs and _input_form(func, args):
             input, hx, params = args[:3]
-            if runs_fused_kernel(input, hx, params):
-                return cpu_lstm(*args)
-        if func is torch._VF.gru and not kwargs and len(args) == 9 and isinstance(args[2], (list, tuple)):
-            input, hx, params = args[:3]
-            if runs_step_by_step([input, hx, *params]):
-                return recurrent_steps.cpu_gru(*args)
+            hx_list = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+            if func is torch._VF.lstm and runs_onednn(input, hx, params):
+                if runs_fused_kernel(input, hx, params):
+                    return cpu_lstm(*args)
+            elif runs_step_by_step([input, *hx_list, *params]):
+                return recurrent_steps.cpu_layers(RECURRENT[func], *args)
         return super().__torch_function__(func, types, args, kwargs)
 

@@ -1,11 +1,12 @@
 """Recurrent layers that eager runs step by step on the CPU, written as eager runs them.
 
-ATen runs ``nn.GRU`` (any dtype), and ``nn.LSTM`` over packed sequences, without a fused kernel on the
-CPU (``aten/src/ATen/native/RNN.cpp``: ``_rnn_impl`` over ``FullLayer`` / ``PackedLayer`` and their
-bidirectional forms, ``GRUCell``, ``LSTMCell``): per layer and direction the input is projected once for
-all steps (``linear_ih``, the CPU's ``pre_compute_input``), then each step is a handful of ops on
-``linear_hh`` of the hidden state; the steps' outputs are stacked (full) or concatenated (packed), and
-``at::dropout`` draws CPU dropout's float noise between the layers.
+ATen runs ``nn.GRU`` and ``nn.RNN`` (any dtype), ``nn.LSTM`` with projections (``proj_size``), and
+``nn.LSTM`` over packed sequences, without a fused kernel on the CPU
+(``aten/src/ATen/native/RNN.cpp``: ``_rnn_impl`` over ``FullLayer`` / ``PackedLayer`` and their
+bidirectional forms, ``GRUCell``, ``LSTMCell``, ``SimpleCell``): per layer and direction the input is
+projected once for all steps (``linear_ih``, the CPU's ``pre_compute_input``), then each step is a
+handful of ops on ``linear_hh`` of the hidden state; the steps' outputs are stacked (full) or
+concatenated (packed), and ``at::dropout`` draws CPU dropout's float noise between the layers.
 
 torch's Python decomposition, which AOTAutograd traces otherwise, differs in what it keeps: it draws
 no dropout between layers, projects a packed layer's input step by step, and its GRU cell keeps the
@@ -23,22 +24,44 @@ import torch
 import torch.nn.functional as F
 
 Hidden = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-Cell = Callable[[torch.Tensor, Hidden, torch.Tensor, torch.Tensor | None], Hidden]
+# one layer and direction's weights as ATen's CellParams hold them: w_ih, w_hh, b_ih, b_hh (None without
+# biases) and w_hr (an LSTM's projection, None without)
+Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+Cell = Callable[[torch.Tensor, Hidden, Weights], Hidden]
 
 
-def lstm_cell(x_w: torch.Tensor, hidden: Hidden, w_hh: torch.Tensor, b_hh: torch.Tensor | None) -> Hidden:
+def weights(params: Sequence[torch.Tensor], k: int, has_biases: bool, projections: bool) -> Weights:
+    """The k-th layer and direction's weights in a recurrent module's flat parameter list (``_flat_weights``:
+    w_ih, w_hh, then b_ih, b_hh with biases, then w_hr with projections)."""
+    stride = (4 if has_biases else 2) + projections
+    w = list(params[k * stride:(k + 1) * stride])
+    biases = (w[2], w[3]) if has_biases else (None, None)
+    return w[0], w[1], *biases, w[-1] if projections else None
+
+
+def lstm_cell(x_w: torch.Tensor, hidden: Hidden, w: Weights) -> Hidden:
     """ATen's ``LSTMCell`` on a step's projected input ``x_w``. Eager adds ``x_w`` into the hidden
     projection and applies the gates' activations in place (one gates tensor, kept for the backward
-    pass); the four activations here hold the same bytes."""
+    pass); the four activations here hold the same bytes. With projections the new hidden state is
+    ``matmul_hr``'s ``h @ w_hr.t()``."""
     h, c = hidden
-    gates = F.linear(h, w_hh, b_hh) + x_w
+    gates = F.linear(h, w[1], w[3]) + x_w
     i, f, g, o = gates.unsafe_chunk(4, 1)
     i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
     c = f * c + i * g
-    return o * c.tanh(), c
+    h = o * c.tanh()
+    return (h if w[4] is None else torch.matmul(h, w[4].t())), c
 
 
-def gru_cell(x_w: torch.Tensor, h: torch.Tensor, w_hh: torch.Tensor, b_hh: torch.Tensor | None) -> torch.Tensor:
+def simple_cell(nonlinearity: Callable[[torch.Tensor], torch.Tensor]) -> Cell:
+    """ATen's ``SimpleCell`` (``nn.RNN``): ``nonlinearity(linear_hh(h).add_(x_w))``, the sum written
+    into the hidden projection (the ``+`` here frees it at once: no step keeps it)."""
+    def cell(x_w: torch.Tensor, h: Hidden, w: Weights) -> torch.Tensor:
+        return nonlinearity(F.linear(h, w[1], w[3]) + x_w)
+    return cell
+
+
+def gru_cell(x_w: torch.Tensor, h: torch.Tensor, w: Weights) -> torch.Tensor:
     """ATen's ``GRUCell`` on a step's projected input ``x_w``. Eager keeps, per step: its hidden projection
     (3 x hidden wide), into whose first two thirds it writes the reset and update gates in place (the
     third holds ``n * r`` after an in-place ``mul_``, kept but never read); autograd's copy of that third
@@ -46,7 +69,7 @@ def gru_cell(x_w: torch.Tensor, h: torch.Tensor, w_hh: torch.Tensor, b_hh: torch
     the new hidden state. Here the gates are one sigmoid over all three thirds (the third unused), so the
     step keeps the same bytes, and gives the same values."""
     input_new = x_w.unsafe_chunk(3, 1)[2]
-    hidden_gates = F.linear(h, w_hh, b_hh)
+    hidden_gates = F.linear(h, w[1], w[3])
     reset, update, _ = (hidden_gates + x_w).sigmoid().unsafe_chunk(3, 1)
     new_hidden = hidden_gates.unsafe_chunk(3, 1)[2].clone()
     new = (input_new + new_hidden * reset).tanh()
@@ -69,14 +92,14 @@ def _concat(hiddens: Sequence[Hidden]) -> Hidden:
     return torch.cat(list(hiddens), 0)
 
 
-def full_layer(cell: Cell, x: torch.Tensor, hidden: Hidden, w: Sequence[torch.Tensor | None],
+def full_layer(cell: Cell, x: torch.Tensor, hidden: Hidden, w: Weights,
                reverse: bool = False) -> tuple[torch.Tensor, Hidden]:
     """``FullLayer`` on the CPU (``reverse``: the backward direction of ``FullBidirectionalLayer``):
-    ``x`` steps x batch x features, ``w`` (w_ih, w_hh, b_ih, b_hh)."""
+    ``x`` steps x batch x features."""
     steps = F.linear(x, w[0], w[2]).unbind(0)
     outputs = []
     for step in (reversed(steps) if reverse else steps):
-        hidden = cell(step, hidden, w[1], w[3])
+        hidden = cell(step, hidden, w)
         outputs.append(_output(hidden))
     if reverse:
         outputs.reverse()
@@ -84,7 +107,7 @@ def full_layer(cell: Cell, x: torch.Tensor, hidden: Hidden, w: Sequence[torch.Te
 
 
 def packed_layer(cell: Cell, data: torch.Tensor, sizes: Sequence[int], hidden: Hidden,
-                 w: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, Hidden]:
+                 w: Weights) -> tuple[torch.Tensor, Hidden]:
     """``PackedLayer`` on the CPU: the sequences that end leave their final hidden state behind."""
     x_w = F.linear(data, w[0], w[2])
     outputs, finished = [], []
@@ -94,7 +117,7 @@ def packed_layer(cell: Cell, data: torch.Tensor, sizes: Sequence[int], hidden: H
             finished.append(_slice(hidden, size, last))
             hidden = _slice(hidden, 0, size)
         last = size
-        hidden = cell(x_w.narrow(0, offset, size), hidden, w[1], w[3])
+        hidden = cell(x_w.narrow(0, offset, size), hidden, w)
         offset += size
         outputs.append(_output(hidden))
     finished.append(hidden)
@@ -102,7 +125,7 @@ def packed_layer(cell: Cell, data: torch.Tensor, sizes: Sequence[int], hidden: H
 
 
 def reversed_packed_layer(cell: Cell, data: torch.Tensor, sizes: Sequence[int], hidden: Hidden,
-                          w: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, Hidden]:
+                          w: Weights) -> tuple[torch.Tensor, Hidden]:
     """``ReversedPackedLayer`` on the CPU: from the last step back, sequences join as they start."""
     x_w = F.linear(data, w[0], w[2])
     initial = hidden
@@ -114,7 +137,7 @@ def reversed_packed_layer(cell: Cell, data: torch.Tensor, sizes: Sequence[int], 
             hidden = _concat([hidden, _slice(initial, last, size)])
         offset -= size
         last = size
-        hidden = cell(x_w.narrow(0, offset, size), hidden, w[1], w[3])
+        hidden = cell(x_w.narrow(0, offset, size), hidden, w)
         outputs.append(_output(hidden))
     outputs.reverse()
     return torch.cat(outputs, 0), hidden
@@ -128,21 +151,20 @@ def cpu_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     return x * noise
 
 
-def run_layers(layer: Callable[[torch.Tensor, Hidden, Sequence, bool], tuple[torch.Tensor, Hidden]],
+def run_layers(layer: Callable[[torch.Tensor, Hidden, Weights, bool], tuple[torch.Tensor, Hidden]],
                x: torch.Tensor, hiddens: Sequence[Hidden], params: Sequence[torch.Tensor], has_biases: bool,
-               num_layers: int, dropout: float, train: bool, bidirectional: bool) -> tuple[torch.Tensor, list[Hidden]]:
+               num_layers: int, dropout: float, train: bool, bidirectional: bool,
+               projections: bool = False) -> tuple[torch.Tensor, list[Hidden]]:
     """``_rnn_impl``: ``layer(x, hidden, weights, reverse)`` per layer and direction, the directions'
     outputs concatenated on the last dimension, dropout between layers. (output, final hidden per layer
     and direction)."""
-    stride = 4 if has_biases else 2
     directions = 2 if bidirectional else 1
     finals = []
     for index in range(num_layers):
         outputs = []
         for direction in range(directions):
             k = index * directions + direction
-            w = list(params[k * stride:(k + 1) * stride]) + ([] if has_biases else [None, None])
-            out, final = layer(x, hiddens[k], w, direction > 0)
+            out, final = layer(x, hiddens[k], weights(params, k, has_biases, projections), direction > 0)
             outputs.append(out)
             finals.append(final)
         x = outputs[0] if directions == 1 else torch.cat(outputs, -1)
@@ -151,16 +173,39 @@ def run_layers(layer: Callable[[torch.Tensor, Hidden, Sequence, bool], tuple[tor
     return x, finals
 
 
-def cpu_gru(input: torch.Tensor, hx: torch.Tensor, params: Sequence[torch.Tensor], has_biases: bool, num_layers: int,
-            dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch._VF.gru`` (input form) as ATen runs it on the CPU."""
+CELLS: dict[str, Cell] = {"lstm": lstm_cell, "gru": gru_cell, "rnn_tanh": simple_cell(torch.tanh),
+                          "rnn_relu": simple_cell(torch.relu)}  # by the name of its torch._VF function
+
+
+def _hiddens(kind: str, hx: torch.Tensor | Sequence[torch.Tensor]) -> tuple[list[Hidden], bool]:
+    """(per layer and direction the initial hidden state, whether an LSTM projects its hidden state:
+    its ``h`` narrower than its ``c``)."""
+    if kind == "lstm":
+        return list(zip(hx[0].unbind(0), hx[1].unbind(0))), hx[0].size(2) != hx[1].size(2)
+    return list(hx.unbind(0)), False
+
+
+def _finals(kind: str, finals: list[Hidden]) -> tuple[torch.Tensor, ...]:
+    if kind == "lstm":
+        return torch.stack([h for h, _ in finals], 0), torch.stack([c for _, c in finals], 0)
+    return (torch.stack(finals, 0),)
+
+
+def cpu_layers(kind: str, input: torch.Tensor, hx: torch.Tensor | Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+               has_biases: bool, num_layers: int, dropout: float, train: bool, bidirectional: bool,
+               batch_first: bool) -> tuple[torch.Tensor, ...]:
+    """``torch._VF.<kind>`` (``lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``; input form) as ATen runs it on
+    the CPU step by step: (output, h_n) or, for an LSTM, (output, h_n, c_n)."""
     x = input.transpose(0, 1) if batch_first else input
+    cell = CELLS[kind]
 
     def layer(x, hidden, w, reverse):  # noqa: ANN001, ANN202
-        return full_layer(gru_cell, x, hidden, w, reverse)
+        return full_layer(cell, x, hidden, w, reverse)
 
-    out, finals = run_layers(layer, x, hx.unbind(0), params, has_biases, num_layers, dropout, train, bidirectional)
-    return (out.transpose(0, 1) if batch_first else out), torch.stack(finals, 0)
+    hiddens, projections = _hiddens(kind, hx)
+    out, finals = run_layers(layer, x, hiddens, params, has_biases, num_layers, dropout, train, bidirectional,
+                             projections)
+    return (out.transpose(0, 1) if batch_first else out), *_finals(kind, finals)
 
 
 def _packed_layer(cell: Cell, sizes: Sequence[int]) -> Callable:
@@ -169,20 +214,11 @@ def _packed_layer(cell: Cell, sizes: Sequence[int]) -> Callable:
     return layer
 
 
-def cpu_packed_gru(data: torch.Tensor, sizes: Sequence[int], hx: torch.Tensor, params: Sequence[torch.Tensor],
-                   has_biases: bool, num_layers: int, dropout: float, train: bool,
-                   bidirectional: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch._VF.gru`` over packed ``data`` (batch sizes ``sizes``) as ATen runs it on the CPU."""
-    out, finals = run_layers(_packed_layer(gru_cell, sizes), data, hx.unbind(0), params, has_biases, num_layers,
-                             dropout, train, bidirectional)
-    return out, torch.stack(finals, 0)
-
-
-def cpu_packed_lstm(data: torch.Tensor, sizes: Sequence[int], hx: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-                    has_biases: bool, num_layers: int, dropout: float, train: bool,
-                    bidirectional: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``torch._VF.lstm`` over packed ``data`` (batch sizes ``sizes``) as ATen runs it on the CPU."""
-    hiddens = list(zip(hx[0].unbind(0), hx[1].unbind(0)))
-    out, finals = run_layers(_packed_layer(lstm_cell, sizes), data, hiddens, params, has_biases, num_layers,
-                             dropout, train, bidirectional)
-    return out, torch.stack([h for h, _ in finals], 0), torch.stack([c for _, c in finals], 0)
+def cpu_packed_layers(kind: str, data: torch.Tensor, sizes: Sequence[int], hx: torch.Tensor | Sequence[torch.Tensor],
+                      params: Sequence[torch.Tensor], has_biases: bool, num_layers: int, dropout: float, train: bool,
+                      bidirectional: bool) -> tuple[torch.Tensor, ...]:
+    """``torch._VF.<kind>`` over packed ``data`` (batch sizes ``sizes``) as ATen runs it on the CPU."""
+    hiddens, projections = _hiddens(kind, hx)
+    out, finals = run_layers(_packed_layer(CELLS[kind], sizes), data, hiddens, params, has_biases, num_layers,
+                             dropout, train, bidirectional, projections)
+    return out, *_finals(kind, finals)

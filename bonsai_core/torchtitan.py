@@ -16,7 +16,7 @@ from bonsai_core.training import Plan, plan
 
 def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: str = "bonsai", *,
              fsdp: int = 1, optimizer: str = "adamw", reshard_after_forward: bool | str | None = None,
-             mixed_precision: str | None = None, **options: Any) -> Plan:
+             mixed_precision: str | None = None, grads: str = "zeroed", **options: Any) -> Plan:
     """A checkpoint plan (:func:`bonsai_core.plan`) for one training step of torchtitan's Llama 3
     ``model`` on a local batch of ``batch x seq`` tokens with torchtitan's loss, as one of ``fsdp``
     ranks holds it (``optimizer``'s state sharded too), sharded as torchtitan 0.2.2's ``apply_fsdp`` shards
@@ -24,7 +24,9 @@ def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: 
     ``fully_shard`` on each block and the model alone) under FSDP2's mixed precision as torchtitan sets it
     (``training.mixed_precision_param``, bfloat16 by default; ``mixed_precision="none"`` for an fp32 run),
     torchtitan's setting as :meth:`bonsai_core.fsdp.Sharding.of` gives it for a ``torchtitan:`` model. ``model`` is the ``Transformer`` torchtitan
-    built, on any device (``meta`` too: only shapes are read), before ``parallelize_llama``.
+    built, on any device (``meta`` too: only shapes are read), before ``parallelize_llama``. torchtitan's
+    trainer calls ``optimizers.zero_grad()``, which sets the gradients to None between steps: pass
+    ``grads="none"`` to plan for that (:func:`bonsai_core.optimizer.with_grads`).
 
     ``plan.apply(model)`` then does what torchtitan's ``apply_ac`` does, one save policy per block
     (``model.layers.<i>``, and whichever smaller submodules the plan picks), in place: the module
@@ -36,4 +38,4 @@ def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: 
     sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision, model="torchtitan:")
     return plan(model, (tokens,), TitanLoss(tokens.clone()), budget, method, fsdp=fsdp, optimizer=optimizer,
                 reshard_after_forward=sharding.reshard_after_forward, mixed_precision=sharding.mixed_precision,
-                **options)
+                grads=grads, **options)

@@ -57,7 +57,9 @@ from bonsai_core.export_runtime.checkpointing import (apply_offloads, apply_save
                                                       remove_checkpoints)
 from bonsai_core.fsdp import Sharding
 from bonsai_core.graph import Graph
+from bonsai_core.packed import batch_sizes_left_alone, with_batch_sizes_on_demand
 from bonsai_core.schedule import Schedule, no_remat_peak, simulate
+from bonsai_core.tensors import fake_copy, fake_of
 from bonsai_core.units import format_bytes
 
 REGION_METHODS = ("bonsai", "chen")  # the methods whose plans are checkpoint regions
@@ -187,7 +189,7 @@ def checkpoint(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], t
 
 
 def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor], budget: str | int = "auto",
-         method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none", fsdp: int = 1,
+         method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none", grads: str = "zeroed", fsdp: int = 1,
          reshard_after_forward: bool | str = True, mixed_precision: str | None = None, cache: bool = True,
          cache_dir: str | os.PathLike | None = None, best_effort: bool = False, device: str | torch.device | None = None,
          compile: bool | str = False, **options: Any) -> Plan:
@@ -206,6 +208,9 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
         autocast: ``"bf16"`` / ``"fp16"`` when training runs under ``torch.autocast``; by default the
             autocast state of the call's own context.
         optimizer: ``"sgd"``, ``"adam"``, ``"adamw"`` to count the optimizer's state and step in the budget.
+        grads: how the training loop leaves the gradients between steps: ``"zeroed"`` (``zero_grad(
+            set_to_none=False)``: allocated through the step) or ``"none"`` (``optimizer.zero_grad()``'s
+            default: each step makes them in its backward pass; an FSDP rank's sharded ones too).
         fsdp: the number of ranks when ``fully_shard`` (FSDP2) will shard each block of the model and the
             model itself (after this call): the budget is then one rank's, with its share of parameters,
             gradients and optimizer state and the unsharded blocks over the step (:mod:`bonsai_core.fsdp`);
@@ -243,7 +248,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     autocast = autocast if autocast is not None else _ambient_autocast(on)
     wanted, budget_source = _budget(budget, on)
     settings = {"method": method, "budget": str(budget), "budget_bytes": wanted.bytes, "autocast": autocast,
-                "optimizer": optimizer, "fsdp": [fsdp, reshard_after_forward, mixed_precision], "options": {k: repr(v) for k, v in sorted(options.items())}, "best_effort": best_effort,
+                "optimizer": optimizer, "grads": grads, "fsdp": [fsdp, reshard_after_forward, mixed_precision], "options": {k: repr(v) for k, v in sorted(options.items())}, "best_effort": best_effort,
                 "device": on.type, "kernels": kernels, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None,
                 "compile": compiled}
     folder = _cache_folder(cache_dir) if cache else None
@@ -252,31 +257,12 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     if hit is not None:
         return hit
 
-    seconds: dict[str, float] = {}
-    start = time.perf_counter()
-    step = _FakeStep.of(root, inputs, loss_fn, type(model).__name__)
-    graph = step.graph(autocast, optimizer, sharding, kernels)
-    reference = no_remat_peak(graph)
-    if compiled:
-        step.compiled = compiled
-        uncompiled_plan = step.compiled_graph({})
-        reference = no_remat_peak(uncompiled_plan)
-    seconds["trace"] = time.perf_counter() - start
-    limit = wanted.resolve(reference)
-    if wanted.fraction is not None:
-        budget_source = f"{wanted} of the no-remat peak {format_bytes(reference)}"
-    schedule, save, layout = _fitted(step, graph, limit, method, options, seconds, best_effort)
-    sim = simulate(graph, schedule)
-    overhead = layout.compiled_cost / uncompiled_plan.total_cost - 1 if compiled else sim.overhead
-    report = Report(method=method, budget=limit, budget_source=budget_source,
-                    regions=[_relative(p, prefix) for p in save], predicted_peak=layout.realised_peak,
-                    plan_peak=sim.peak, no_remat_peak=reference, fixed_memory=graph.fixed_mem,
-                    overhead=overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
-                    unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds, device=kernels,
-                    offloaded=layout.offloaded, offloaded_bytes=layout.offloaded_bytes, host_peak=layout.host_peak,
-                    not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded, compiled=compiled)
-    made = Plan({_relative(p, prefix): s for p, s in save.items()}, report, schedule, graph,
-                {_root_relative(p, prefix): ops for p, ops in layout.offload.items()})
+    # a model that packs sequences is planned for the batch sizes of example_inputs' lengths
+    made = with_batch_sizes_on_demand(
+        lambda: _made(_FakeStep.of(root, inputs, loss_fn, type(model).__name__, compiled),
+                      (autocast, optimizer, sharding, kernels, grads),
+                      wanted, budget_source, method, options, best_effort, prefix),
+        lambda: batch_sizes_left_alone(root, inputs, loss_fn))
     if folder:
         _write_cached(folder, key, made)
     return made
@@ -298,6 +284,34 @@ def _compile_mode(compile: bool | str, fsdp: int) -> str | None:
     except ModelError as e:
         raise BonsaiError(str(e).replace("--compile ", "compile=").replace("--fsdp ", "fsdp=")) from None
     return mode
+
+
+def _made(step: "_FakeStep", traced: tuple[str | None, str, Sharding, str, str], wanted: Budget, budget_source: str,
+          method: str, options: dict[str, Any], best_effort: bool, prefix: str) -> Plan:
+    """:func:`plan`'s plan for ``step``: traced (``traced``: autocast, optimizer, sharding, kernels, grads), solved
+    within ``wanted`` and laid out (:func:`_fitted`); the paths named as in the user's model (``prefix``)."""
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    graph = step.graph(*traced)
+    reference = no_remat_peak(graph)
+    if step.compiled:  # the budget's reference is the compiled step without a plan
+        uncompiled_plan = step.compiled_graph({})
+        reference = no_remat_peak(uncompiled_plan)
+    seconds["trace"] = time.perf_counter() - start
+    limit = wanted.resolve(reference)
+    source = f"{wanted} of the no-remat peak {format_bytes(reference)}" if wanted.fraction is not None else budget_source
+    schedule, save, layout = _fitted(step, graph, limit, method, options, seconds, best_effort)
+    sim = simulate(graph, schedule)
+    overhead = layout.compiled_cost / uncompiled_plan.total_cost - 1 if step.compiled else sim.overhead
+    report = Report(method=method, budget=limit, budget_source=source,
+                    regions=[_relative(p, prefix) for p in save], predicted_peak=layout.realised_peak,
+                    plan_peak=sim.peak, no_remat_peak=reference, fixed_memory=graph.fixed_mem,
+                    overhead=overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
+                    unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds, device=traced[3],
+                    offloaded=layout.offloaded, offloaded_bytes=layout.offloaded_bytes, host_peak=layout.host_peak,
+                    not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded, compiled=step.compiled)
+    return Plan({_relative(p, prefix): s for p, s in save.items()}, report, schedule, graph,
+                {_root_relative(p, prefix): ops for p, ops in layout.offload.items()})
 
 
 def _check_arguments(method: str, options: dict[str, Any]) -> None:
@@ -322,79 +336,137 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
     :func:`bonsai_core.export.checkpoint.layout`); while what the checkpoints run peaks over ``limit``
     (a freed tensor no submodule can free with its readers), solve again with the plan's budget lowered
     by the excess, doubled at each try (at most :data:`FIT_TRIES` solves, never below what any step
-    needs); then, for ``bonsai`` without a ``regions`` option, the same with ``regions="modules"`` (only
-    module calls recomputed: what the checkpoints can realise). The first layout within ``limit`` is
-    returned; when none is, BudgetError names the smallest realised peak found, unless ``best_effort``
-    (then the layout with that peak is returned, over the budget). With ``offload``, the same without it
-    last: a plan whose offloads the checkpoints cannot make may be beaten by one that recomputes instead."""
+    needs), and last lay out the plan at the smallest budget the method meets (:func:`_fitted_with`);
+    then, for ``bonsai`` without a ``regions`` option, the same with ``regions="modules"`` (only module
+    calls recomputed: what the checkpoints can realise). The first layout within ``limit`` is returned;
+    when none is, BudgetError names the smallest budget this search meets (:func:`_smallest_met`), unless
+    ``best_effort`` (then the layout with the smallest realised peak is returned, over the budget). With
+    ``offload``, the same without it last: a plan whose offloads the checkpoints cannot make may be beaten
+    by one that recomputes instead."""
     variants = [options]
     if method == "bonsai" and "regions" not in options:
         variants.append({**options, "regions": "modules"})
     if options.get("offload"):  # offloads the checkpoints hold on the device: the plan without them may fit
         variants += [{k: v for k, v in variant.items() if k != "offload"} for variant in list(variants)]
-    best, refused = None, None
+    best, refused, tried = None, None, []
     for variant in variants:
         try:
-            found = (_fitted_compiled if step.compiled else _fitted_with)(step, graph, limit, method, variant, seconds)
+            fit = _fitted_compiled if step.compiled else _fitted_with
+            found, guaranteed = fit(step, graph, limit, method, variant, seconds)
         except BudgetError as e:
             refused = refused or e  # the options the caller gave say it best
             if variant is variants[-1] and best is None:
                 raise refused from None
             continue
+        tried.append((variant, found[2].realised_peak, guaranteed))
         if best is None or found[2].realised_peak < best[2].realised_peak:
             best = found
         if best[2].realised_peak <= limit:
             return best
-    if not best_effort:
-        smallest = best[2].realised_peak
-        if smallest >= 2**62:  # the layout's sequence model could not express any choice of submodules
-            raise BudgetError(f"budget={format_bytes(limit)} ({limit} bytes): no layout of {step.name}'s submodules "
-                              "under torch.utils.checkpoint can be predicted for this plan; give a larger budget.")
+    if best_effort:
+        return best
+    smallest = _smallest_met(step, graph, method, tried, seconds)
+    if smallest is None and step.compiled and best[2].realised_peak < 2**62:
         raise BudgetError(
-            f"budget={format_bytes(limit)} ({limit} bytes) cannot be met by checkpointing {step.name}'s submodules: "
-            f"the smallest peak the checkpoints realise is {format_bytes(smallest)} ({smallest} bytes). Give budget="
-            f"{smallest} or more, or pass best_effort=True to take that plan over the budget.")
-    return best
+            f"budget={format_bytes(limit)} ({limit} bytes) cannot be met by checkpointing {step.name}'s submodules "
+            f"under torch.compile: the smallest compiled peak its plans realise is {format_bytes(best[2].realised_peak)} "
+            f"({best[2].realised_peak} bytes). Give a larger budget, or pass best_effort=True to take that plan over "
+            "the budget.")
+    if smallest is None:  # the layout's sequence model could not express any choice of submodules
+        raise BudgetError(f"budget={format_bytes(limit)} ({limit} bytes): no layout of {step.name}'s submodules "
+                          "under torch.utils.checkpoint can be predicted for this plan; give a larger budget.")
+    raise BudgetError(
+        f"budget={format_bytes(limit)} ({limit} bytes) cannot be met by checkpointing {step.name}'s submodules: "
+        f"the smallest budget it can guarantee is {format_bytes(smallest)} ({smallest} bytes). Give budget="
+        f"{smallest} or more, or pass best_effort=True to take the plan of the smallest peak over the budget.",
+        smallest=smallest)
+
+
+def _smallest_met(step: "_FakeStep", graph: Graph, method: str, tried: list[tuple[dict[str, Any], int, int | None]],
+                  seconds: dict[str, float]) -> int | None:
+    """The smallest budget :func:`_fitted` meets, of the searches ``tried`` (options, the smallest realised
+    peak found, the realised peak of the plan at the method's smallest budget): that smallest peak where a
+    search within it meets it (a layout found while lowering need not be found again from there), else
+    the smallest plan's, which every search ends with (None: nothing the layout can express)."""
+    variant, found, _ = min(tried, key=lambda t: t[1])
+    if found >= 2**62:
+        return None
+    if step.compiled:  # its search bisects from the budget asked: no plan budget is sure to be found again
+        return None
+    again, _ = _fitted_with(step, graph, found, method, variant, seconds)
+    if again[2].realised_peak <= found:
+        return found
+    return min((g for _, _, g in tried if g is not None and g < 2**62), default=None)
 
 
 def _fitted_with(step: "_FakeStep", graph: Graph, limit: int, method: str, options: dict[str, Any],
-                 seconds: dict[str, float]) -> tuple[Schedule, Save, "_Layout"]:
-    """The lowering loop of :func:`_fitted` for one set of options: the first layout within ``limit``,
-    else the one with the smallest realised peak. BudgetError when the first solve finds no plan."""
+                 seconds: dict[str, float]) -> tuple[tuple[Schedule, Save, "_Layout"], int | None]:
+    """The lowering loop of :func:`_fitted` for one set of options, and last, where nothing is within
+    ``limit``, the plan at the method's smallest budget (``BudgetError.smallest``): (the first layout within
+    ``limit``, else the one with the smallest realised peak; that last plan's realised peak, or None where
+    it was not needed or not found). Solving is deterministic, so a search within that peak meets it.
+    BudgetError when the method finds no plan at all."""
     from bonsai_core.solvers import solve
 
-    floor = max(graph.peak_lower_bound, graph.optimizer_peak, graph.fixed_mem)
-    plan_budget, best = limit, None
-    for attempt in range(FIT_TRIES):
+    def laid_out(budget: int) -> tuple[Schedule, Save, _Layout]:
         start = time.perf_counter()
         try:
-            schedule = solve(graph, plan_budget, method, **options)
-        except BudgetError:
-            if best is not None:
-                break
-            raise
+            schedule = solve(graph, budget, method, **options)
         finally:
             seconds["solve"] = seconds.get("solve", 0.0) + time.perf_counter() - start
         start = time.perf_counter()
         save, layout = step.layout(graph, schedule)
         seconds["layout"] = seconds.get("layout", 0.0) + time.perf_counter() - start
-        if best is None or layout.realised_peak < best[2].realised_peak:
-            best = (schedule, save, layout)
-        if layout.realised_peak <= limit or plan_budget <= floor:
+        return schedule, save, layout
+
+    floor = max(graph.peak_lower_bound, graph.optimizer_peak, graph.fixed_mem)
+    plan_budget, best, refused = limit, None, None
+    for attempt in range(FIT_TRIES):
+        try:
+            found = laid_out(plan_budget)
+        except BudgetError as e:
+            refused = e
+            break
+        if best is None or found[2].realised_peak < best[2].realised_peak:
+            best = found
+        if found[2].realised_peak <= limit or plan_budget <= floor:
             break
         # an ILP within its gap may not move for less than the excess
-        plan_budget = max(floor, plan_budget - (layout.realised_peak - limit) * 2**attempt)
-    return best
+        plan_budget = max(floor, plan_budget - (found[2].realised_peak - limit) * 2**attempt)
+    if best is not None and best[2].realised_peak <= limit:
+        return best, None
+    smallest = refused.smallest if refused is not None else _method_smallest(graph, method, options, floor)
+    try:
+        last = laid_out(smallest) if smallest is not None else None
+    except BudgetError:
+        last = None
+    if last is not None and (best is None or last[2].realised_peak < best[2].realised_peak):
+        best = last
+    if best is None:
+        raise refused if refused is not None else BudgetError(f"{method} found no plan of {step.name}.")
+    return best, None if last is None else last[2].realised_peak
+
+
+def _method_smallest(graph: Graph, method: str, options: dict[str, Any], floor: int) -> int | None:
+    """The smallest budget ``method`` meets (``BudgetError.smallest`` of a solve at ``floor``), or None."""
+    from bonsai_core.solvers import solve
+
+    try:
+        solve(graph, floor, method, **options)
+    except BudgetError as e:
+        return e.smallest
+    return floor
 
 
 def _fitted_compiled(step: "_FakeStep", graph: Graph, limit: int, method: str, options: dict[str, Any],
-                     seconds: dict[str, float]) -> tuple[Schedule, Save, "_Layout"]:
+                     seconds: dict[str, float]) -> tuple[tuple[Schedule, Save, "_Layout"], None]:
     """:func:`_fitted_with` for a compiled step. The plan is solved on the eager graph, and compiling moves
     its peak either way (the partitioner saves other tensors, inductor fuses some away), so the plan budget
     that fits ``limit`` under compile is searched: a bisection between what any step needs and the eager
     step's no-remat peak for the largest plan budget whose compiled peak is within ``limit``
     (:data:`COMPILED_TRIES` compiled traces). The fitting layout with the least compiled compute is
-    returned, else the one with the smallest compiled peak. BudgetError when no solve finds a plan."""
+    returned, else the one with the smallest compiled peak (and None: no plan budget is sure to be met,
+    as :func:`_fitted_with` gives). BudgetError when no solve finds a plan."""
     from bonsai_core.solvers import solve
 
     low, high = max(graph.peak_lower_bound, graph.optimizer_peak, graph.fixed_mem), no_remat_peak(graph)
@@ -427,8 +499,8 @@ def _fitted_compiled(step: "_FakeStep", graph: Graph, limit: int, method: str, o
                           f"any budget down to {format_bytes(low)}; give a larger budget.")
     fitting = [f for f in found if f[2].realised_peak <= limit]
     if fitting:
-        return min(fitting, key=lambda f: (f[2].compiled_cost, f[2].realised_peak))
-    return min(found, key=lambda f: f[2].realised_peak)
+        return min(fitting, key=lambda f: (f[2].compiled_cost, f[2].realised_peak)), None
+    return min(found, key=lambda f: f[2].realised_peak), None
 
 
 # -- the step: inputs, device, autocast, budget --------------------------------------------------
@@ -554,14 +626,16 @@ class _FakeStep:
     finish: Any = None  # the traced graph's sharding and optimizer, applied to a compiled trace too
 
     @classmethod
-    def of(cls, model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, name: str) -> "_FakeStep":
+    def of(cls, model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, name: str,
+           compiled: str | None = None) -> "_FakeStep":
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
-            return cls(mode, _fake_copy(model, mode),
-                       tuple(_fake_of(x, mode) for x in inputs),
-                       _fake_copy(loss_fn, mode) if isinstance(loss_fn, nn.Module) else loss_fn, name)
+            return cls(mode, fake_copy(model, mode),
+                       tuple(fake_of(x, mode) for x in inputs),
+                       fake_copy(loss_fn, mode) if isinstance(loss_fn, nn.Module) else loss_fn, name,
+                       compiled=compiled)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -571,10 +645,12 @@ class _FakeStep:
         with self.mode, skip_tensor_asserts(), computing_in(self.model, self.mixed_precision):
             yield
 
-    def graph(self, autocast: str | None, optimizer: str, sharding: Sharding, kernels: str = "cuda") -> Graph:
+    def graph(self, autocast: str | None, optimizer: str, sharding: Sharding, kernels: str = "cuda",
+              grads: str = "zeroed") -> Graph:
         """The traced step (as one of ``sharding``'s ranks holds it, under its mixed precision), with the
-        optimizer's state and step, recording ``kernels``' device's dropout and attention."""
-        from bonsai_core.optimizer import check_name, with_optimizer
+        optimizer's state and step and the gradients left ``grads`` between steps, recording ``kernels``'
+        device's dropout and attention."""
+        from bonsai_core.optimizer import check_name, with_grads, with_optimizer
         from bonsai_core.trace import trace_step
 
         check_name(optimizer)
@@ -582,8 +658,9 @@ class _FakeStep:
         with self.running():
             traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast,
                                 kernels=kernels)
+
         def finish(graph: Graph) -> Graph:
-            return with_optimizer(sharding.shard(graph, self.model), optimizer)
+            return with_grads(with_optimizer(sharding.shard(graph, self.model), optimizer), grads)
 
         self.finish = finish
         return finish(traced.graph)
@@ -647,27 +724,6 @@ class _FakeStep:
         under_compile = self.compiled_graph(lay.save)
         return lay.save, _Layout(no_remat_peak(under_compile), left_out, lay.unrealised_bytes, lay.offload,
                                  len(lay.offloaded), lay.offloaded_bytes, lay.host_peak, under_compile.total_cost)
-
-
-def _fake_copy(module: nn.Module, mode: Any) -> nn.Module:
-    """A deep copy of ``module`` whose parameters and buffers are ``mode``'s fake tensors (ties kept)."""
-    import copy
-
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(_fake_of(p.detach(), mode), requires_grad=p.requires_grad)
-    for b in module.buffers():
-        memo[id(b)] = _fake_of(b, mode)
-    return copy.deepcopy(module, memo)
-
-
-def _fake_of(t: torch.Tensor, mode: Any) -> torch.Tensor:
-    """``mode``'s fake of ``t``; of a ``meta`` tensor (a model built on the meta device, as torchtitan
-    builds it before sharding), a fake CPU tensor of its shape, so that the step traces as on CPU."""
-    if not t.is_meta:
-        return mode.from_tensor(t)
-    with mode:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
 # -- the plan cache --------------------------------------------------------------------------------

@@ -67,6 +67,27 @@ def test_the_profile_holds_the_running_block_and_its_neighbours(traced):
     assert sim.peak == int(sim.timeline.max()) and sim.peak > sharded.fixed_mem + profile.max() - 1
 
 
+def test_gradients_set_to_none_are_the_reduce_scatter_outputs_fsdp_keeps():
+    """With the gradients set to None between steps a rank holds no sharded gradient buffer: each unit's
+    reduce-scatter output is kept from its post-backward on (the sharded gradients), as many bytes as the
+    buffers; the unsharded gradients are held by FSDP as before (no held deps)."""
+    from bonsai_core.fsdp import buffer_events, working_parts
+    from bonsai_core.optimizer import with_grads
+
+    sharded = trace_model("gpt", fsdp=2, **GPT).graph
+    none = with_grads(sharded, "none")
+    grads = sum(b for _, b, k in sharded.fixed_tensors if k == "grad")
+    assert none.fixed_mem == sharded.fixed_mem - grads and none.grads_set_to_none == grads
+    assert none.n == sharded.n and not any(none.held[v] != sharded.held[v] for v in range(none.n))  # FSDP holds them
+    ops = none_schedule(none).ops
+    kept, before = working_parts(none, ops)["sharded gradients"], working_parts(sharded, ops)
+    assert kept[0] == 0 and np.all(np.diff(kept) >= 0) and kept[-1] > 0 and not before["sharded gradients"].any()
+    made = sum(b.nbytes for step in buffer_events(none, ops) for b in step if b.key.startswith("sharded_grad"))
+    assert made == sum(b.nbytes for step in buffer_events(none, ops) for b in step if b.key.startswith("sharded_grad")
+                       and b.nbytes > 0)  # never freed
+    assert abs(made / grads - 1) < 0.02, (made, grads)  # the buffers' bytes, a unit's share rounded up, not a tensor's
+
+
 def test_reshard_after_forward_false_keeps_the_blocks_until_their_backward():
     keep = trace_model("gpt", fsdp=2, reshard_after_forward=False, **GPT).graph
     again = trace_model("gpt", fsdp=2, **GPT).graph
@@ -124,18 +145,21 @@ def test_cli_trace_fsdp(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("grads", ["zeroed", "none"])
 @pytest.mark.parametrize("model", ["gpt", "gpt-wide", "hf:llama"])
-def test_per_rank_peak_matches_gloo_processes(model):
-    """fully_shard on 2 gloo processes: the largest rank's measured peak within 5% of the prediction."""
+def test_per_rank_peak_matches_gloo_processes(model, grads):
+    """fully_shard on 2 gloo processes: the largest rank's measured peak within 5% of the prediction, the
+    gradients zeroed between steps or set to None (``optimizer.zero_grad()``'s default)."""
     if model.startswith("hf:"):
         pytest.importorskip("transformers")
     from bonsai_core.bench import fsdp as fsdp_check
+    from bonsai_core.optimizer import with_grads
 
     options = fsdp_check.SIZES[model]
     name = model.removesuffix("-wide")
     _, graph, paths = fsdp_check.fsdp_graph(name, options, 2)
-    measured = max(r["peak"] for r in fsdp_check.measure(name, options, 2, paths, None))
-    predicted = no_remat_peak(graph)
+    measured = max(r["peak"] for r in fsdp_check.measure(name, options, 2, paths, None, grads=grads))
+    predicted = no_remat_peak(with_grads(graph, grads))
     assert abs(measured / predicted - 1) <= 0.05, (measured, predicted)
     assert np.isfinite(predicted)
 

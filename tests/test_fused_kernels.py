@@ -126,44 +126,59 @@ def test_the_checkpoint_back_end_predicts_recurrent_models(factory, tmp_path):
 GRU_LM = "tests.recurrent_models:make_gru_lm"
 
 
-@pytest.mark.parametrize("bidirectional,batch_first", [(False, True), (True, False)])
-def test_the_recorded_gru_is_eagers(bidirectional, batch_first):
-    """cpu_gru runs nn.GRU as ATen's CPU cells do: same outputs, the same random dropout between layers."""
-    from bonsai_core.recurrent_steps import cpu_gru
+# (torch._VF name, module, its keywords): every cell ATen runs step by step on the CPU
+STEPPED = {"gru": ("gru", nn.GRU, {}), "rnn-tanh": ("rnn_tanh", nn.RNN, {}),
+           "rnn-relu": ("rnn_relu", nn.RNN, {"nonlinearity": "relu"}), "lstm-proj": ("lstm", nn.LSTM, {"proj_size": 8})}
 
-    gru = nn.GRU(8, 16, num_layers=3, dropout=0.3, bidirectional=bidirectional, batch_first=batch_first)
+
+def _initial(kind, module, batch):
+    """The module's zero initial state for ``batch`` sequences, as its forward makes it."""
+    h0 = torch.zeros(module.num_layers * (2 if module.bidirectional else 1), batch, module.proj_size or module.hidden_size)
+    if kind != "lstm":
+        return h0
+    return h0, torch.zeros(h0.shape[0], batch, module.hidden_size)
+
+
+@pytest.mark.parametrize("name", list(STEPPED))
+@pytest.mark.parametrize("bidirectional,batch_first", [(False, True), (True, False)])
+def test_the_recorded_cells_are_eagers(name, bidirectional, batch_first):
+    """cpu_layers runs nn.GRU, nn.RNN and a projecting nn.LSTM as ATen's CPU cells do: same outputs, the
+    same random dropout between layers."""
+    from bonsai_core.recurrent_steps import cpu_layers
+
+    kind, cls, options = STEPPED[name]
+    rnn = cls(8, 16, num_layers=3, dropout=0.3, bidirectional=bidirectional, batch_first=batch_first, **options)
     x = torch.randn(4, 5, 8)
     torch.manual_seed(1)
-    expected = gru(x)
+    expected = rnn(x)
     torch.manual_seed(1)
-    h0 = torch.zeros(3 * (2 if bidirectional else 1), 4 if batch_first else 5, 16)
-    got = cpu_gru(x, h0, gru._flat_weights, True, 3, 0.3, True, bidirectional, batch_first)
-    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=1e-6)
-    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=1e-6)
+    got = cpu_layers(kind, x, _initial(kind, rnn, 4 if batch_first else 5), rnn._flat_weights, True, 3, 0.3, True,
+                     bidirectional, batch_first)
+    hidden = list(expected[1]) if kind == "lstm" else [expected[1]]
+    for a, b in zip(got, [expected[0], *hidden]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("cell,bidirectional", [("lstm", False), ("lstm", True), ("gru", True)])
-def test_the_recorded_packed_layer_is_eagers(cell, bidirectional):
+@pytest.mark.parametrize("name,bidirectional", [("lstm", False), ("lstm", True), ("gru", True), ("rnn-tanh", True),
+                                                ("lstm-proj", True)])
+def test_the_recorded_packed_layer_is_eagers(name, bidirectional):
     """The packed forms (PackedLayer, ReversedPackedLayer) against eager on the same packed batch."""
     from torch.nn.utils.rnn import pack_padded_sequence
 
-    from bonsai_core.recurrent_steps import cpu_packed_gru, cpu_packed_lstm
+    from bonsai_core.recurrent_steps import cpu_packed_layers
 
-    rnn = {"lstm": nn.LSTM, "gru": nn.GRU}[cell](6, 8, num_layers=2, dropout=0.2, bidirectional=bidirectional)
+    kind, cls, options = STEPPED.get(name, ("lstm", nn.LSTM, {}))
+    rnn = cls(6, 8, num_layers=2, dropout=0.2, bidirectional=bidirectional, **{k: min(v, 4) if k == "proj_size" else v
+                                                                                  for k, v in options.items()})
     packed = pack_padded_sequence(torch.randn(5, 4, 6), torch.tensor([5, 4, 2, 1]))
     torch.manual_seed(2)
     expected = rnn(packed)
     torch.manual_seed(2)
-    h0 = torch.zeros(2 * (2 if bidirectional else 1), 4, 8)
     sizes = packed.batch_sizes.tolist()
-    if cell == "lstm":
-        got = cpu_packed_lstm(packed.data, sizes, (h0, h0), rnn._flat_weights, True, 2, 0.2, True, bidirectional)
-        hidden = [got[1], got[2]], list(expected[1])
-    else:
-        got = cpu_packed_gru(packed.data, sizes, h0, rnn._flat_weights, True, 2, 0.2, True, bidirectional)
-        hidden = [got[1]], [expected[1]]
-    torch.testing.assert_close(got[0], expected[0].data, rtol=0, atol=1e-6)
-    for a, b in zip(*hidden):
+    got = cpu_packed_layers(kind, packed.data, sizes, _initial(kind, rnn, 4), rnn._flat_weights, True, 2, 0.2, True,
+                            bidirectional)
+    hidden = list(expected[1]) if kind == "lstm" else [expected[1]]
+    for a, b in zip(got, [expected[0].data, *hidden]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
@@ -280,3 +295,80 @@ def test_the_cli_trains_a_packed_lstm_through_the_checkpoint_back_end(tmp_path, 
     code = main(["verify", model, str(out)])
     printed = capsys.readouterr().out
     assert code == 0, printed
+
+
+# -- every configuration torch.nn offers (issue 55) --------------------------------------------------
+
+RECURRENT = "tests.recurrent_models:make_recurrent_lm"
+CONFIGURATIONS = {
+    "lstm": {}, "lstm-no-dropout": dict(dropout=0.0), "lstm-bidirectional": dict(bidirectional=True),
+    "lstm-proj": dict(proj_size=16), "lstm-proj-bidirectional": dict(proj_size=16, bidirectional=True),
+    "lstm-seq-first": dict(batch_first=False), "lstm-packed": dict(packed=True),
+    "lstm-packed-bidirectional": dict(packed=True, bidirectional=True), "lstm-states": dict(states=True),
+    "lstm-proj-packed": dict(proj_size=16, packed=True), "lstm-proj-states": dict(proj_size=16, states=True),
+    "gru": dict(cell="gru"), "gru-bidirectional": dict(cell="gru", bidirectional=True),
+    "gru-packed": dict(cell="gru", packed=True), "gru-states": dict(cell="gru", states=True),
+    "gru-seq-first": dict(cell="gru", batch_first=False), "rnn-tanh": dict(cell="rnn"),
+    "rnn-relu": dict(cell="rnn", nonlinearity="relu"), "rnn-bidirectional": dict(cell="rnn", bidirectional=True),
+    "rnn-packed": dict(cell="rnn", packed=True), "rnn-states": dict(cell="rnn", states=True),
+}
+QUICK = ("rnn-bidirectional", "lstm-packed")  # the new cells with bidirectional holds; the one call reading lengths
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in CONFIGURATIONS])
+def test_every_recurrent_configuration_is_predicted_within_one_percent(name):
+    """The one call's trace (fake tensors; a packed model's batch sizes read from one real forward) of a
+    recurrent LM in each configuration, against its measured step without a plan."""
+    import copy
+
+    import bonsai_core as bonsai
+    from tests.recurrent_models import make_recurrent_lm
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = make_recurrent_lm(**CONFIGURATIONS[name])
+    predicted = bonsai.plan(model, inputs, loss_fn, budget="100%", cache=False).report.no_remat_peak
+    measured = measure_step(copy.deepcopy(model), inputs, loss_fn).peak
+    assert abs(measured / predicted - 1) <= 0.01, (measured, predicted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_the_one_call_checkpoints_every_recurrent_configuration(name):
+    """At 70%, 80% and 90%: the same loss and gradients bit for bit, the measured step within 1% of the
+    prediction and within the budget (or the budget BudgetError names, met)."""
+    import copy
+
+    import bonsai_core as bonsai
+    from tests.recurrent_models import make_recurrent_lm
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = make_recurrent_lm(**CONFIGURATIONS[name])
+    for budget in ("70%", "80%", "90%"):
+        planned, reference = copy.deepcopy(model), copy.deepcopy(model)
+        try:
+            report = bonsai.checkpoint(planned, inputs, loss_fn, budget=budget, cache=False)
+        except bonsai.BudgetError as e:
+            report = bonsai.checkpoint(planned, inputs, loss_fn, budget=e.smallest, cache=False)
+        torch.manual_seed(3)
+        expected = loss_fn(reference(*inputs))
+        expected.backward()
+        torch.manual_seed(3)
+        loss = loss_fn(planned(*inputs))
+        loss.backward()
+        assert loss.item() == expected.item()
+        for p, q in zip(planned.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        for x in inputs:
+            x.grad = None
+        peaks = [measure_step(planned, inputs, loss_fn).peak for _ in range(2)]
+        assert max(peaks) <= report.budget and abs(peaks[-1] / report.predicted_peak - 1) <= 0.01, \
+            (name, budget, peaks, str(report))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lstm-proj", "gru-bidirectional", "rnn-bidirectional", "lstm-packed-bidirectional",
+                                  "lstm-states"])
+def test_the_checkpoint_back_end_predicts_recurrent_configurations(name, tmp_path):
+    """``bonsai export --backend checkpoint`` of bonsai's plan at 80%, verified: within 1% of its own prediction."""
+    v = _checkpoint_export(RECURRENT, CONFIGURATIONS[name], tmp_path)
+    assert v.loss_diff == 0 and abs(v.realised_peak_error) <= 0.01, v.to_dict()

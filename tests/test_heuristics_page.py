@@ -98,8 +98,27 @@ def page_results() -> dict:
     results["example"] = example()
     results["studies"] = {"dtr_variants": {"small": overheads_table((0.8, 0.6)), "larger": overheads_table((0.5, 0.4))},
                           "updates": inplace_rows(hp.UPDATE_PAIRS), "writes": inplace_rows(hp.WRITE_PAIRS, "b"),
-                          "regnet": inplace_rows(hp.WRITE_PAIRS), "reserved": reserved()}
+                          "regnet": inplace_rows(hp.WRITE_PAIRS), "reserved": reserved(), "claims": claims()}
     return results
+
+
+def claims() -> list[dict]:
+    def run(overhead: float, own: float, caching: float) -> dict:
+        return {"ok": True, "overhead": overhead, "own_fragmentation": own, "caching_fragmentation": caching}
+
+    failed = {"ok": False, "error": "Dynamic rematerialization"}
+    return [{"model": "gpt --layers 2", "frac": 0.6, "coop": run(0.75, 0.001, 0.40), "dtr-pool": run(1.38, 0.001, 0.47)},
+            {"model": "gpt --layers 2", "frac": 0.8, "coop": run(0.08, 0.009, 0.38), "dtr-pool": run(0.17, 0.017, 0.29)},
+            {"model": "hf:gpt2", "frac": 0.6, "coop": run(0.89, 0.007, 0.29), "dtr-pool": failed}]
+
+
+def test_coops_two_claims_are_counted_cell_by_cell():
+    section = hp.claims_section(claims())
+    assert "| gpt --layers 2 | 80% | +8.0%, 0.90% / 38.0% | +17.0%, 1.70% / 29.0% |" in section
+    assert "| hf:gpt2 | 60% | +89.0%, 0.70% / 29.0% | does not train |" in section
+    assert "coop's overhead is lower on 3 of 3;" in section
+    assert "fragmentation in its own pool is lower on 2 of 3 (not on gpt --layers 2 at 60%)" in section
+    assert "caching allocator is lower on 2 of 3 (not on gpt --layers 2 at 80%)" in section
 
 
 def test_pools_within_one_bisection_step_are_the_same():
@@ -153,7 +172,7 @@ def test_the_whole_page_from_one_run(tmp_path):
     page = hp.page(results, "bonsai bench heuristics --page P", "<!-- header -->")
     headings = [line for line in page.splitlines() if line.startswith("#")]
     assert headings == ["# Heuristics and the allocator model: measurements", "## Coop against DTR in one pool",
-                        "### DTR's heuristics and deallocation modes", "### Does Coop's result reproduce?",
+                        "### Coop's two claims together", "### DTR's heuristics and deallocation modes", "### Does Coop's result reproduce?",
                         "### A worked example: the 2-layer GPT at 60%", "## Recomputable in-place (optimizer updates)",
                         "## Recomputable in-place during the step", "## DTR at tight budgets on a larger graph",
                         "## Budgeting reserved bytes"]  # docs/HEURISTICS.md links to the last four

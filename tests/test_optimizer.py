@@ -12,7 +12,7 @@ from bonsai_core import models
 from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.graph import Graph
 from bonsai_core.measure import LiveBytes, measure_step
-from bonsai_core.optimizer import OPTIMIZERS, init_state, make, with_optimizer
+from bonsai_core.optimizer import OPTIMIZERS, init_state, make, with_grads, with_optimizer
 from bonsai_core.schedule import none_schedule, simulate
 from bonsai_core.trace import trace_model
 
@@ -160,3 +160,40 @@ def test_a_budget_below_the_fixed_memory_is_refused_clearly_with_or_without_an_o
     for budget in (50, -3):
         with pytest.raises(BudgetError, match="largest single operator of 'tiny'"):
             solve(g, budget, "bonsai")
+
+
+# -- gradients set to None between steps (optimizer.zero_grad()'s default) ------------------------------
+
+@pytest.mark.parametrize("name, options", [("gpt", dict(layers=2)), ("hf:llama", dict(layers=2, batch=2, seq=64))])
+@pytest.mark.parametrize("optimizer", ["none", "adamw"])
+def test_gradients_set_to_none_are_predicted_as_the_steady_step_measures(name, options, optimizer):
+    """A steady step whose gradients were set to None: its backward pass makes them (eager keeps each as
+    ``.grad`` from its AccumulateGrad) and holds them through the optimizer step; predicted to the byte,
+    lower than with zeroed buffers by up to the gradients' bytes."""
+    zeroed = with_optimizer(trace_model(name, **options).graph, optimizer)
+    g = with_grads(zeroed, "none")
+    grads = sum(t[1] for t in zeroed.fixed_tensors if t[2] == "grad")
+    assert g.grads_set_to_none == grads and g.fixed_mem == zeroed.fixed_mem - grads
+    assert not any(t[2] == "grad" for t in g.fixed_tensors)
+    assert Graph.from_dict(json.loads(json.dumps(g.to_dict()))).hash == g.hash  # the field round-trips
+    model, inputs, loss_fn = models.build(name, **options)
+    opt = make(model.parameters(), optimizer)
+    for _ in range(2):  # the first step, then a steady one
+        measured = measure_step(model, inputs, loss_fn, optimizer=opt, allocate_grads=False)
+        (opt.zero_grad() if opt else model.zero_grad(set_to_none=True))
+        assert all(p.grad is None for p in model.parameters())
+    predicted = simulate(g, none_schedule(g)).peak
+    assert measured.fixed == g.fixed_mem and abs(measured.peak - predicted) <= 8, (measured.peak, predicted)
+    assert predicted < simulate(zeroed, none_schedule(zeroed)).peak  # no gradient lives through the forward
+    with pytest.raises(BonsaiError, match="Unknown grads"):
+        with_grads(zeroed, "zero")
+
+
+def test_cli_trace_with_gradients_set_to_none(tmp_path):
+    from bonsai_core.cli import main
+
+    out = tmp_path / "g.json"
+    assert main(["trace", "gpt", "--layers", "1", "--optimizer", "adamw", "--grads", "none", "-o", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["grads"]["set_to_none"] and data["grads"]["bytes"] > 0
+    assert not any(t[2] == "grad" for t in data["fixed_tensors"])

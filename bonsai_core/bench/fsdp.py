@@ -6,12 +6,15 @@ gradients are allocated as in steady state) against the simulator's peak of the 
 
     bonsai bench fsdp --model gpt --world 2 4 [--budget 70%] [--out docs/bench/fsdp.md]
     bonsai bench fsdp --model hf:llama --world 2 4 [--mixed-precision bf16] [--reshard-after-forward all-but-last]
+    bonsai bench fsdp --model gpt --world 2 --grads none
 
 ``--mixed-precision bf16`` shards with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
 reduce_dtype=torch.float32)`` (torchtitan's); ``--reshard-after-forward all-but-last`` keeps the last block
 unsharded after its forward (torchtitan's ``apply_fsdp`` of December 2024), ``torchtitan`` shards as
 torchtitan 0.2.2's ``apply_fsdp`` does (:func:`bonsai_core.fsdp.fsdp_units`). gloo runs both on CPU: bf16
-all-gathers and fp32 reduce-scatters.
+all-gathers and fp32 reduce-scatters. ``--grads none`` sets the gradients to None between the steps
+(``zero_grad(set_to_none=True)``, ``optimizer.zero_grad()``'s default): the measured step makes its sharded
+gradients, predicted by the graph :func:`bonsai_core.optimizer.with_grads_set_to_none` makes.
 """
 
 from __future__ import annotations
@@ -78,10 +81,11 @@ def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
     return list(resized.values()), list(left.values())
 
 
-def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn) -> dict:
+def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn, grads: str = "zeroed") -> dict:
     """One rank's fixed bytes and peak live bytes over a steady-state step of ``net`` (already sharded by
-    ``fully_shard``): a first step (FSDP's lazy initialisation, ``.grad`` allocated, sharded), then one
-    measured with :class:`bonsai_core.measure.LiveBytes` plus FSDP's storages it does not see
+    ``fully_shard``): a first step (FSDP's lazy initialisation, ``.grad`` allocated, sharded; with
+    ``grads`` ``"none"`` then set to None, as ``optimizer.zero_grad()`` leaves them), then one measured
+    with :class:`bonsai_core.measure.LiveBytes` plus FSDP's storages it does not see
     (:func:`_storages_outside`). Also the measured step's loss."""
     import torch
 
@@ -103,6 +107,8 @@ def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn) -> dict:
             return out
 
     loss_fn(net(*inputs)).backward()
+    if grads == "none":
+        net.zero_grad(set_to_none=True)
     local = [t.to_local() if hasattr(t, "to_local") else t
              for t in (*net.parameters(), *(p.grad for p in net.parameters() if p.grad is not None), *net.buffers())]
     loss_buffers = list(loss_fn.buffers()) if isinstance(loss_fn, torch.nn.Module) else []
@@ -117,7 +123,8 @@ def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn) -> dict:
 
 
 def _worker(rank: int, world: int, model: str, options: dict, units: list, budget: str | None,
-            store: str, results: str, reshard: bool | str = True, mixed_precision: str | None = None) -> None:
+            store: str, results: str, reshard: bool | str = True, mixed_precision: str | None = None,
+            grads: str = "zeroed") -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -133,26 +140,26 @@ def _worker(rank: int, world: int, model: str, options: dict, units: list, budge
         net, inputs, loss_fn = models.build(model, seed=0, **options)
         if budget:
             bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=world, reshard_after_forward=reshard,
-                              mixed_precision=mixed_precision, cache=False)
+                              mixed_precision=mixed_precision, grads=grads, cache=False)
         policy = MixedPrecisionPolicy(param_dtype=MIXED_PRECISION[mixed_precision], reduce_dtype=torch.float32) \
             if mixed_precision else MixedPrecisionPolicy()
         for paths, flag in units:  # a unit of several modules is one fully_shard call, as torchtitan's [norm, output]
             modules = [net.get_submodule(p) for p in paths]
             fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=flag, mp_policy=policy)
         fully_shard(net, mp_policy=policy)
-        Path(results, f"rank{rank}.json").write_text(json.dumps(steady_step_peak(net, inputs, loss_fn)))
+        Path(results, f"rank{rank}.json").write_text(json.dumps(steady_step_peak(net, inputs, loss_fn, grads)))
     finally:
         dist.destroy_process_group()
 
 
 def measure(model: str, options: dict, world: int, units: list, budget: str | None, reshard: bool | str = True,
-            mixed_precision: str | None = None) -> list[dict]:
+            mixed_precision: str | None = None, grads: str = "zeroed") -> list[dict]:
     """Each rank's fixed bytes and peak over one steady-state step, from ``world`` spawned processes."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_worker, args=(world, model, options, units, budget, f"{tmp}/store", tmp, reshard,
-                                                mixed_precision),
+                                                mixed_precision, grads),
                                  nprocs=world, join=False, start_method="spawn")
         while not ctx.join(timeout=5):
             pass
@@ -160,19 +167,20 @@ def measure(model: str, options: dict, world: int, units: list, budget: str | No
 
 
 def predicted(graph, model: str, options: dict, budget: str | None, reshard: bool | str = True,
-              mixed_precision: str | None = None) -> int:
+              mixed_precision: str | None = None, grads: str = "zeroed") -> int:
     """The simulator's peak of ``graph`` (one rank): no recomputation, or what ``bonsai.checkpoint(...,
     fsdp=N)`` predicts for its plan at ``budget`` (a share of the rank's no-remat peak)."""
+    from bonsai_core.optimizer import with_grads
     from bonsai_core.schedule import no_remat_peak
 
     if not budget:
-        return no_remat_peak(graph)
+        return no_remat_peak(with_grads(graph, grads))
     import bonsai_core as bonsai
     from bonsai_core import models
 
     net, inputs, loss_fn = models.build(model, seed=0, **options)
     return bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=graph.fsdp["world"], reshard_after_forward=reshard,
-                             mixed_precision=mixed_precision, cache=False).predicted_peak
+                             mixed_precision=mixed_precision, grads=grads, cache=False).predicted_peak
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,6 +194,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reshard-after-forward", choices=RESHARD_CHOICES, default="true",
                         help="fully_shard's reshard_after_forward per block; all-but-last: torchtitan's apply_fsdp of "
                              "Dec 2024; torchtitan: 0.2.2's (its own units around the blocks)")
+    parser.add_argument("--grads", choices=("zeroed", "none"), default="zeroed",
+                        help="the gradients between steps: zeroed (kept allocated) or none (set to None, "
+                             "optimizer.zero_grad()'s default)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -199,14 +210,15 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     reshard = {"true": True, "false": False}.get(args.reshard_after_forward, args.reshard_after_forward)
     mp = args.mixed_precision
-    setting = ", ".join(x for x in (f"mp {mp}" if mp else "", "" if reshard is True else f"reshard {reshard}") if x)
+    setting = ", ".join(x for x in (f"mp {mp}" if mp else "", "" if reshard is True else f"reshard {reshard}",
+                                    "grads none" if args.grads == "none" else "") if x)
     label += f" ({setting})" if setting else ""
     for world in args.world:
         start = time.perf_counter()
         _, graph, units = fsdp_graph(args.model, options, world, reshard, mp)
         for budget in (None, args.budget) if args.budget else (None,):
-            expected = predicted(graph, args.model, options, budget, reshard, mp)
-            ranks = measure(args.model, options, world, units, budget, reshard, mp)
+            expected = predicted(graph, args.model, options, budget, reshard, mp, args.grads)
+            ranks = measure(args.model, options, world, units, budget, reshard, mp, args.grads)
             peak = max(r["peak"] for r in ranks)
             rows.append(f"| {label} | {world} | {budget or 'none'} | {format_bytes(graph.fixed_mem)} "
                         f"| {format_bytes(expected)} | {format_bytes(peak)} | {peak / expected - 1:+.2%} "

@@ -42,13 +42,36 @@ def studies(time_limit: float) -> dict[str, Any]:
         "updates": lambda: list(inplace.measure([(m, {}) for m in inplace.MODELS], inplace.VARIANTS, time_limit)),
         "writes": lambda: list(inplace.measure(inplace.WRITES_MODELS, inplace.WRITES, time_limit)),
         "regnet": lambda: regnet_writes(time_limit),
-        "reserved": lambda: reserved_budgets(time_limit)}
+        "reserved": lambda: reserved_budgets(time_limit),
+        "claims": lambda: claims(time_limit)}
     out = {}
     for name, measure in steps.items():
         start = time.perf_counter()
         out[name] = measure()
         print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
     return out
+
+
+CLAIM_MODELS = (("gpt", {"layers": 2}), ("hf:gpt2", {}))
+CLAIM_FRACS = (0.6, 0.7, 0.8)
+
+
+def claims(time_limit: float) -> list[dict[str, Any]]:
+    """Coop's two claims at once, as ``bonsai solve --budget P%`` meets them: per model of
+    :data:`CLAIM_MODELS` and share of its no-remat peak, coop and dtr-pool (DTR evicting in the same full
+    arena), each with its overhead and its fragmentation in its own pool and under the caching allocator."""
+    from bonsai_core.bench.heuristics import run
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.trace import trace_model
+
+    rows = []
+    for name, options in CLAIM_MODELS:
+        graph = trace_model(name, **options).graph
+        for frac in CLAIM_FRACS:
+            budget = int(frac * no_remat_peak(graph))
+            rows.append({"model": display(heuristics.label_of(name, options)), "frac": frac,
+                         **{label: run(graph, budget, label, time_limit, measure=True) for label in ("coop", "dtr-pool")}})
+    return rows
 
 
 def regnet_writes(time_limit: float) -> list[dict[str, Any]]:
@@ -764,12 +787,44 @@ def reserved_values(study: dict[str, Any]) -> dict[str, str]:
 
 # -- the page --------------------------------------------------------------------------------------
 
+def claim_cell(r: dict[str, Any]) -> str:
+    if not r["ok"]:
+        return "does not train"
+    return f"{r['overhead']:+.1%}, {r['own_fragmentation']:.2%} / {r['caching_fragmentation']:.1%}"
+
+
+def claims_verdict(rows: list[dict[str, Any]], key: str) -> tuple[list[str], list[str]]:
+    """(cells where coop's ``key`` is below dtr-pool's or dtr-pool does not train, the others)."""
+    ahead, not_ahead = [], []
+    for row in rows:
+        coop, dtr = row["coop"], row["dtr-pool"]
+        where = f"{row['model']} at {row['frac']:.0%}"
+        won = coop["ok"] and (not dtr["ok"] or coop[key] < dtr[key])
+        (ahead if won else not_ahead).append(where)
+    return ahead, not_ahead
+
+
+def claims_values(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """Coop's two claims together (less recomputation and less fragmentation than DTR in the same pool)
+    at 60%, 70% and 80% of the no-remat peak: the table and where each claim holds."""
+    said = []
+    for key, what in (("overhead", "overhead"), ("own_fragmentation", "fragmentation in its own pool"),
+                      ("caching_fragmentation", "fragmentation replayed in PyTorch's caching allocator")):
+        ahead, not_ahead = claims_verdict(rows, key)
+        said.append(f"coop's {what} is lower on {len(ahead)} of {len(rows)}"
+                    + (f" (not on {listing(not_ahead)})" if not_ahead else ""))
+    return {"claims_table": common.table(["model", "budget", "coop", "dtr-pool"],
+                                         [[r["model"], f"{r['frac']:.0%}", claim_cell(r["coop"]), claim_cell(r["dtr-pool"])]
+                                          for r in rows]),
+            "claims_said": "; ".join(said)}
+
+
 def page(results: dict[str, Any], command: str, header: str) -> str:
     """The whole page from one run's results (the study's, its worked example and :func:`studies`')."""
     meta, s = results["meta"], results["studies"]
     return common.render(
         "heuristics", header=header, command=command, date=meta["date"], machine=meta["machine"], torch=meta["torch"],
-        seconds=f"{meta['seconds']:.0f}", **coop_vs_dtr_values(results),
+        seconds=f"{meta['seconds']:.0f}", **coop_vs_dtr_values(results), **claims_values(s["claims"]),
         **dtr_variants_values(s["dtr_variants"]["small"], s["dtr_variants"]["larger"]), **reproduce_values(results),
         **example_values(results), **updates_values(s["updates"]), **writes_values(s["writes"]),
         **regnet_values(s["regnet"]), **reserved_values(s["reserved"]))

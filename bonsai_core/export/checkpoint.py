@@ -144,16 +144,23 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Coll
     read_later = read_by_backward.copy()
     read_later[list(useful_saved(graph, plan).saved)] = True
     names = offload_names(graph, plan, step, runtime_of)
-    candidates = _Candidates(graph, node_at, read_later, calls, chosen, rebuilt, names, synchronous)
+    by_call = dict(zip(step.calls, step.arguments))
+    arguments = {i: sorted(_last_placed(node_at, by_call.get(call, ()))) for i, call in enumerate(calls)}
+    candidates = _Candidates(graph, node_at, read_later, calls, chosen, rebuilt, names, synchronous, arguments)
     units, _ = candidates.improve(candidates.outermost(list(chosen)))
     parts, realised = candidates.realise(units)
     saved = kept_for_backward(graph, read_later, realised)
     out = [_unit(graph, step, node_at, saved, calls[i], nodes, drops, chains) for i, (nodes, drops) in zip(units, parts)]
     unrealised = np.flatnonzero(dropped & ~realised)
-    sim, offloaded = candidates.simulated(parts)
+    sim, offloaded = candidates.simulated(parts, units)
     return CheckpointLayout(out, int(graph.mem[dropped].sum()), unrealised.tolist(), int(graph.mem[unrealised].sum()),
                             2**62 if sim is None else sim.peak, {name: v for name, v in names.items() if v in offloaded},
                             int(graph.mem[sorted(offloaded)].sum()) if offloaded else 0, 0 if sim is None else sim.host_peak)
+
+
+def _last_placed(node_at: np.ndarray, storages: Collection[tuple[int, ...]]) -> set[int]:
+    """Per storage (the run-time ops that made and wrote it), the graph node of the last, where it is placed."""
+    return {int(node_at[ops[-1]]) for ops in storages if node_at[ops[-1]] >= 0}
 
 
 def offload_names(graph: Graph, plan: CheckpointPlan, step: RecordedStep, runtime_of: np.ndarray) -> dict[tuple[str, str, int], int]:
@@ -227,6 +234,7 @@ class _Candidates:
     rebuilt: dict[int, list[int]] = None  # call index -> nodes its recomputation rebuilds though kept (in-place chains)
     offloads: dict[tuple[str, str, int], int] = dataclasses.field(default_factory=dict)  # offload_names
     synchronous: bool = True  # an offload's copy ends before the next compute (the CPU's)
+    arguments: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # call index -> its tensor arguments' nodes
 
     def inside(self, j: int, i: int) -> bool:
         """Whether call ``j`` runs within call ``i``."""
@@ -240,21 +248,24 @@ class _Candidates:
                                                   for j in ids)), key=lambda i: calls[i][1])
 
     def realise(self, units: list[int]) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
-        """Per unit (its graph nodes, its dropped nodes), and every dropped node realised."""
+        """Per unit (its graph nodes, its dropped nodes), and every dropped node realised. A unit's nodes
+        no run-time op is placed on (:func:`unplaced_inside`) are dropped too: its policy cannot name them
+        to save them."""
         graph, calls, chosen = self.graph, self.calls, self.chosen
         rebuilt = self.rebuilt or {}
-        groups = [np.array(sorted({d for j in chosen if self.inside(j, i) for d in chosen[j]}.union(rebuilt.get(i, ()))),
-                           dtype=np.int64) for i in units]
+        placed = set(self.node_at[self.node_at >= 0].tolist())
+        unplaced = {i: unplaced_inside(graph, self.node_at[calls[i][1]:calls[i][2]], placed) for i in units}
+        groups = [np.array(sorted({d for j in chosen if self.inside(j, i) for d in chosen[j]}.union(
+            rebuilt.get(i, ()), unplaced[i])), dtype=np.int64) for i in units]
         realised = np.zeros(graph.n, dtype=bool)
         for drops in groups:
             realised[drops] = True
         realised &= ~kept_for_backward(graph, self.read_by_backward, realised)  # the base of a kept view stays
         out = []
-        placed = set(self.node_at[self.node_at >= 0].tolist())
         separated = np.flatnonzero(graph.output_of >= 0)
         for i, drops in zip(units, groups):
             nodes = self.node_at[calls[i][1]:calls[i][2]]
-            nodes = nodes[nodes >= 0]
+            nodes = np.union1d(nodes[nodes >= 0], unplaced[i])
             nodes = np.union1d(nodes, separated[np.isin(graph.output_of[separated], nodes)])  # run with their op
             out.append((with_unplaced_views(graph, nodes, placed), drops[realised[drops]]))
         return out, realised
@@ -270,14 +281,14 @@ class _Candidates:
         return {v for v in self.offloads.values() if v not in inside
                 and not any(graph.is_forward[u] and u in inside for u in graph.users(v).tolist())}
 
-    def simulated(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[Any, set[int]]:
-        """The simulation of what the checkpointed ``parts`` (:meth:`realise`) really run
-        (:func:`realised_sequence`), with the offloads they leave (:meth:`offloaded`; each reloaded right
+    def simulated(self, parts: list[tuple[np.ndarray, np.ndarray]], units: list[int]) -> tuple[Any, set[int]]:
+        """The simulation of what the checkpointed ``parts`` (:meth:`realise` of ``units``) really run
+        (:func:`realised_ops`), with the offloads they leave (:meth:`offloaded`; each reloaded right
         before its first backward reader, as the unpack hook does), and those offloads; (None, no
         offloads) when the sequence model cannot express it."""
         offloaded = self.offloaded(parts) if self.offloads else set()
         try:
-            ops = realised_ops(self.graph, parts, self.read_by_backward)
+            ops = realised_ops(self.graph, parts, self.read_by_backward, [self.arguments.get(i, ()) for i in units])
             if offloaded:
                 ops = with_offloads(self.graph, ops, offloaded, float("inf"), self.synchronous)
             return simulate(self.graph, ops), offloaded
@@ -286,7 +297,7 @@ class _Candidates:
 
     def peak(self, units: list[int]) -> int:
         """The simulated peak of what checkpointing ``units`` really runs (:meth:`simulated`)."""
-        sim, _ = self.simulated(self.realise(units)[0])
+        sim, _ = self.simulated(self.realise(units)[0], units)
         return 2**62 if sim is None else sim.peak  # a layout the sequence model cannot express: never prefer it
 
     def improve(self, units: list[int]) -> tuple[list[int], int]:
@@ -309,6 +320,20 @@ class _Candidates:
                 if improved:
                     break
         return units, best
+
+
+def unplaced_inside(graph: Graph, at: np.ndarray, placed: set[int]) -> list[int]:
+    """The forward nodes between a unit's first and last placed node (``at``: the graph nodes of its
+    run-time ops, -1 where none) that no run-time op is placed on and that are no view nor separated
+    output: ops the call does not run as traced. A transformers key/value cache's ``cat`` is one: a
+    checkpointed call gets no cache (:func:`hidden_caches`), so its attention reads its keys and values
+    as computed, and the trace's copy of them into the cache is never made."""
+    at = at[at >= 0]
+    if not len(at):
+        return []
+    return [v for v in range(int(at.min()) + 1, int(at.max()))
+            if v not in placed and graph.is_forward[v] and not graph.is_view[v] and graph.output_of[v] < 0
+            and graph.ops[v] != "getitem"]
 
 
 def with_unplaced_views(graph: Graph, nodes: np.ndarray, placed: set[int]) -> np.ndarray:
@@ -438,21 +463,24 @@ def realised_sequence(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], 
     return seq
 
 
-def realised_ops(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_by_backward: np.ndarray) -> list[tuple[str, int]]:
+def realised_ops(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_by_backward: np.ndarray,
+                 arguments: list[Collection[int]] = ()) -> list[tuple[str, int]]:
     """The simulator's ops of what the checkpoints really run: :func:`realised_sequence`, each copy freed
-    after its last reader, except each unit's inputs (forward nodes outside it that its nodes read, and
-    their bases): ``torch.utils.checkpoint`` keeps the arguments of a checkpointed call for its
-    recomputation until the last backward node that saved a tensor inside the call has run (its saved
-    tensors' unpack hooks hold the call's frame), so they are freed right after the last backward node
-    that reads a node of the unit or one of its inputs, if not later anyway."""
+    after its last reader, except each unit's inputs (forward nodes outside it that its nodes read, the
+    unit call's tensor ``arguments`` its ops may not read, and their bases): ``torch.utils.checkpoint``
+    keeps the arguments of a checkpointed call for its recomputation until the last backward node that
+    saved a tensor inside the call has run (its saved tensors' unpack hooks hold the call's frame), so
+    they are freed right after the last backward node that reads a node of the unit or one of its
+    inputs, if not later anyway."""
     ops = schedule_ops(graph, realised_sequence(graph, units, read_by_backward))
     hold: dict[int, int] = {}  # unit input -> the backward node it is held until
     backward = np.flatnonzero(~graph.is_forward)
-    for nodes, _ in units:
+    for k, (nodes, _) in enumerate(units):
         inside = set(nodes.tolist())
-        inputs = {int(d) for v in inside for d in graph.deps(v).tolist() if d not in inside and graph.is_forward[d]}
-        inputs = graph.with_view_bases(inputs)  # a view holds its base
+        inputs = graph.with_view_bases({int(d) for v in inside for d in graph.deps(v).tolist()
+                                        if d not in inside and graph.is_forward[d]})
         readers = [int(b) for b in backward if inside.union(inputs) & set(graph.deps(b).tolist())]
+        inputs |= graph.with_view_bases({int(u) for u in (arguments[k] if k < len(arguments) else ()) if int(u) not in inside})
         if readers:
             for u in inputs:
                 hold[u] = max(hold.get(u, -1), readers[-1])
@@ -461,13 +489,14 @@ def realised_ops(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_
 
 def _held(ops: list[tuple[str, int]], hold: dict[int, int]) -> list[tuple[str, int]]:
     """``ops`` with the first free of each node of ``hold`` put off until right after its backward node
-    is computed (or right before the node is computed again, whichever comes first); views before
-    their bases, as the simulator wants."""
+    is computed (or right before the node is computed again, whichever comes first), where that free
+    comes before it; views before their bases, as the simulator wants."""
     out: list[tuple[str, int]] = []
     deferred: set[int] = set()
     done: set[int] = set()
+    computed: set[int] = set()
     for kind, v in ops:
-        if kind == FREE and v in hold and v not in done:
+        if kind == FREE and v in hold and v not in done and hold[v] not in computed:
             deferred.add(v)
             done.add(v)
             continue
@@ -476,6 +505,7 @@ def _held(ops: list[tuple[str, int]], hold: dict[int, int]) -> list[tuple[str, i
             deferred.discard(v)
         out.append((kind, v))
         if kind == COMPUTE:
+            computed.add(v)
             ending = sorted((u for u in deferred if hold[u] == v), reverse=True)  # views come after bases
             for u in ending:
                 out.append((FREE, u))
@@ -695,10 +725,11 @@ def export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, o
 
     Raises ExportError for a schedule that is not a checkpoint-region plan (use the replay back-end),
     ScheduleError when the schedule was made for another graph."""
-    from bonsai_core.packed import with_batch_sizes_on_demand
+    from bonsai_core.packed import spec_batch_sizes, with_batch_sizes_on_demand
 
     return with_batch_sizes_on_demand(lambda: _export_checkpoint(model, options, schedule, out_dir, profile=profile,
-                                                                 seed=seed, autocast=autocast), model, seed, options)
+                                                                 seed=seed, autocast=autocast),
+                                      spec_batch_sizes(model, seed, options))
 
 
 def _export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, out_dir: str | Path, *,

@@ -59,12 +59,12 @@ def without_caches(forward, cache_type):
     """``forward`` called with every ``cache_type`` argument replaced by None, as transformers' own
     gradient checkpointing does: a cache passed into a checkpointed submodule would be appended to
     again by its recomputation, which then runs other ops than its forward did."""
+    return functools.partial(_call_without_caches, forward, cache_type)
 
-    def call(*args, **kwargs):
-        return forward(*(None if isinstance(a, cache_type) else a for a in args),
-                       **{k: None if isinstance(v, cache_type) else v for k, v in kwargs.items()})
 
-    return call
+def _call_without_caches(forward, cache_type, *args, **kwargs):
+    return forward(*(None if isinstance(a, cache_type) else a for a in args),
+                   **{k: None if isinstance(v, cache_type) else v for k, v in kwargs.items()})
 
 
 def policy(saves):
@@ -130,15 +130,18 @@ def stateful_contexts(make_contexts, saves, module, written):
 def checkpointed(forward, saves, make_contexts=contexts, module=None):
     """``forward`` run under non-reentrant checkpointing with the save policy ``saves`` (a
     ``functools.partial`` of torch's own ``checkpoint``, which torch.compile knows), never handed a
-    key/value cache (see ``without_caches``). ``make_contexts(saves)`` makes each call's contexts.
-    When ``module`` (the submodule ``forward`` belongs to) has buffers, the recomputation leaves them
-    as the forward left them."""
+    key/value cache (see ``without_caches``): the cache is taken out of the call's arguments before
+    ``checkpoint`` keeps them for the recomputation, else it would hold every key and value later layers
+    append to it until this submodule's backward pass. ``make_contexts(saves)`` makes each call's
+    contexts. When ``module`` (the submodule ``forward`` belongs to) has buffers, the recomputation leaves
+    them as the forward left them."""
     cache = kv_cache_type()
     context_fn = functools.partial(make_contexts, saves)
     if module is not None and next(module.buffers(), None) is not None:
         context_fn = functools.partial(stateful_contexts, make_contexts, saves, module, set())
-    wrapped = functools.partial(checkpoint, forward if cache is None else without_caches(forward, cache),
-                                use_reentrant=False, context_fn=context_fn)
+    wrapped = functools.partial(checkpoint, forward, use_reentrant=False, context_fn=context_fn)
+    if cache is not None:
+        wrapped = without_caches(wrapped, cache)
     wrapped.original_forward = forward  # what remove_checkpoints puts back
     return wrapped
 

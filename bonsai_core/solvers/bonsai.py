@@ -546,7 +546,7 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
     return BudgetError(
         f"bonsai ({where}) found no checkpoint plan of {graph.name!r} within {format_bytes(budget)}: the smallest "
         f"budget it can guarantee is {format_bytes(smallest)} ({smallest} bytes){note}. Raise the budget to at "
-        f"least that, {widen}.")
+        f"least that, {widen}.", smallest=smallest)
 
 
 def smallest_budget(graph: Graph, granularity: int | None = None, backend: str = DEFAULT_BACKEND,

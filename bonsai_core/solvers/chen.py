@@ -155,7 +155,7 @@ def solve_chen(graph: Graph, budget: int | None, *, time_limit: float | None = N
     if best is None:
         raise BudgetError(f"Chen checkpointing cannot fit {graph.name!r} in {format_bytes(budget)}: the lowest peak "
                           f"of its {len(plans)} plans is {format_bytes(lowest)} ({lowest} bytes). Raise the budget "
-                          "to at least that, or use an optimal method (bonsai, checkmate).")
+                          "to at least that, or use an optimal method (bonsai, checkmate).", smallest=lowest)
     _, label, schedule = best
     schedule.stats = {"status": "time_limit" if timed_out else "heuristic", "plan": label, "plans_tried": tried,
                       "segments": len(schedule.extra["segments"])}

@@ -42,7 +42,8 @@ import torch.nn as nn
 from bonsai_core.costmodel import DEFAULT_PROFILE, PROFILES
 from bonsai_core.errors import ModelError, ValueReadError
 from bonsai_core.graph import Graph
-from bonsai_core.packed import PackedLengthsUnknown, batch_sizes_of, known_batch_sizes, with_batch_sizes_on_demand
+from bonsai_core.packed import (PackedLengthsUnknown, batch_sizes_of, known_batch_sizes, spec_batch_sizes,
+                                with_batch_sizes_on_demand)
 from bonsai_core.trace.patches import (KERNELS, _as_in_eager, _grouped_mm_as_its_kernels, _initialisation_skipped,
                                        device_kernels, libraries_compiling, _quiet_meta_failures)
 from bonsai_core.trace.to_graph import IDENTITY_OPS, _placeholder_tensors, _to_graph
@@ -52,6 +53,9 @@ from bonsai_core.user_code import DATA_DEPENDENT_ERRORS, user_code
 _CAPTURED_CONSTANT_SIGNS = ("fake buffer", "_tensor_constant", "convert all Tensors to FakeTensors")
 # torch.nn.functional's check that a training-mode batch norm has batch statistics to compute
 _ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
+# an op whose output's shape depends on its input's values (nonzero, masked_select, unique), which the
+# user's code called; PyTorch's own value-reading ops whose shapes do not are traced (bonsai_core.ctc)
+_SHAPE_FROM_VALUES = ("DynamicOutputShapeException",)
 _FIRST_RNN_TRACE = "len(gradients_to_parameters)="
 
 
@@ -141,7 +145,7 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
             traced.graph = sharding.shard(traced.graph, model)
         return traced
 
-    return with_batch_sizes_on_demand(trace, name, seed, options)
+    return with_batch_sizes_on_demand(trace, spec_batch_sizes(name, seed, options))
 
 
 # -- building a model to trace -------------------------------------------------------------------
@@ -241,23 +245,30 @@ def _trace_step_once(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn
 def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[str], model: nn.Module,
                              inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
                              autocast: str | None, kernels: str = "cuda") -> Graph:
-    """``graph`` with what one more forward + loss on fake tensors shows (:mod:`bonsai_core.modules`):
-    the ``modules`` field ([path, first, last] forward node ids of each submodule called once) and each
-    node's ``inplace_of`` (the activation eager overwrites with it), and deps for what the model's code
-    holds longer than its last read (:func:`_held_by_python`). Optional structure: a model whose forward
-    cannot run again that way simply gets none."""
+    """``graph`` with what one more step on fake tensors shows (:mod:`bonsai_core.modules`): the
+    ``modules`` field ([path, first, last] forward node ids of each submodule called once) and each
+    node's ``inplace_of`` (the activation eager overwrites with it), from its forward + loss; and deps
+    for what eager holds longer than its last read (:func:`_held_by_eager`), from its forward, loss and
+    backward pass. Optional structure: a model whose forward cannot run again that way simply gets none;
+    one whose backward cannot, no backward holds."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     from bonsai_core.modules import held_until, inplace_pairs, module_spans, record_step
 
-    forward = np.flatnonzero(graph.is_forward)
+    forward, backward = np.flatnonzero(graph.is_forward), np.flatnonzero(~graph.is_forward)
     fake = all(isinstance(x, FakeTensor) for x in inputs)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if not fake else contextlib.nullcontext()
     cast = autocast_context(autocast, inputs[0].device.type if inputs else "cpu")
-    try:
-        with contextlib.nullcontext() if fake else FakeTensorMode(allow_non_fake_inputs=True), cast, \
-                _grouped_mm_as_its_kernels(), device_kernels(kernels), _quiet_meta_failures():
-            step = record_step(model, inputs, loss_fn)
-    except Exception:  # noqa: BLE001 (any failure only means no module structure)
+    step = None
+    for with_backward in (True, False):  # the backward pass's lifetimes where eager's backward runs on fakes
+        try:
+            with mode, cast, _grouped_mm_as_its_kernels(), device_kernels(kernels), _quiet_meta_failures():
+                step = record_step(_on_fakes(model, mode, inputs) if with_backward else model, inputs, loss_fn,
+                                   with_backward)
+            break
+        except Exception:  # noqa: BLE001 (any failure only means no module structure)
+            continue
+    if step is None:
         return graph
     forward_ops = [graph.ops[v] for v in forward]
     data = graph.to_dict()
@@ -267,8 +278,11 @@ def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[st
     fx_nodes = {node.name: node for node in gm.graph.nodes}
     ids = {name: v for v, name in enumerate(fx_names)}
     pairs = [(int(forward[a]), int(forward[b])) for a, b in inplace_pairs(step, forward_ops)]
-    held = [(int(forward[a]), int(forward[b])) for a, b in held_until(step, forward_ops)]
-    for v, extra in _held_by_python(graph, held, {u for _, u in pairs}).items():
+    order = np.concatenate([forward, backward])
+    held = [(_output_node(graph, fx_nodes, fx_names, int(order[a]), k), int(order[b]),
+             None if node is None else {int(order[x]) for x in node})
+            for a, b, k, node in held_until(step, forward_ops, [graph.ops[v] for v in backward])]
+    for v, extra in _held_by_eager(graph, held, {u for _, u in pairs}).items():
         data["nodes"][v]["deps"] = sorted(set(data["nodes"][v]["deps"]) | extra)
         data["nodes"][v]["held"] = sorted(extra)
     graph = Graph.rebuilt(data)
@@ -278,25 +292,67 @@ def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[st
     return Graph.rebuilt(data)
 
 
-def _held_by_python(graph: Graph, held: list[tuple[int, int]], written: set[int]) -> dict[int, set[int]]:
-    """Extra deps, by graph node, for the forward tensors eager keeps beyond the functional graph's last
-    read (``held``: (u, w), u's storage dropped only after node w ran, as the forward run of
+def _output_node(graph: Graph, fx_nodes: dict[str, fx.Node], fx_names: list[str], v: int, k: int) -> int:
+    """The node holding the ``k``-th output of the op at node ``v``: a separated output of it (a getitem
+    node with bytes of its own, ``Graph.output_of``), else ``v``."""
+    for x in graph.users(v).tolist():
+        if graph.output_of[x] == v and fx_nodes[fx_names[x]].args[1] == k:
+            return x
+    return v
+
+
+def _on_fakes(model: nn.Module, mode: Any, inputs: tuple[torch.Tensor, ...]) -> nn.Module:
+    """``model`` when its parameters are fake tensors, else a fake copy of it in ``mode`` (or in the fake
+    mode of its ``inputs``): a recorded backward pass writes gradients into the model it runs."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from bonsai_core.tensors import fake_copy
+
+    if all(isinstance(p, FakeTensor) for p in model.parameters()):
+        return model
+    return fake_copy(model, mode if not isinstance(mode, contextlib.nullcontext) else detect_fake_mode(inputs))
+
+
+def _held_by_eager(graph: Graph, held: list[tuple[int, int, set[int] | None]], written: set[int]) -> dict[int, set[int]]:
+    """Extra deps, by graph node, for the tensors eager keeps beyond the functional graph's last read
+    (``held``: (u, w, node), u's storage dropped only after node w ran, as the run of
     :func:`bonsai_core.modules.record_step` saw it): the node at or before w that is no view (nor a
-    separated output, ``Graph.output_of``) reads u.
-    Python holds them: a submodule call's arguments until the call returns, a caller's local
-    (``inputs_embeds`` through a whole transformers model), the model's output (logits, a key/value
-    cache) until the loss function returns. Invisible where autograd saves those tensors anyway, they
-    set the peak of a forward that saves little, such as a frozen backbone's. A tensor another op
-    writes in place (``written``) is left alone: the writer's output holds its bytes."""
+    separated output, ``Graph.output_of``) reads u. A release in the backward pass counts where one of
+    u's readers is an op of the autograd node that released it (``node``, graph nodes): the node held it;
+    the alignment of eager's ops with the graph's misplaces some where the traced ops are not eager's
+    (a recurrent cell written functionally)
+    In the forward pass Python holds them: a submodule call's arguments until the call returns, a
+    caller's local (``inputs_embeds`` through a whole transformers model), the model's output (logits, a
+    key/value cache) until the loss function returns. Invisible where autograd saves those tensors
+    anyway, they set the peak of a forward that saves little, such as a frozen backbone's. In the
+    backward pass autograd's engine holds them: a backward node's saved tensors and incoming gradient
+    until it has computed all its input gradients (a matmul's saved input past the weight gradient that
+    last reads it, into the input gradient's matmul), a derivative formula's temporaries until its C++
+    expression ends (``div``'s ``-grad * ((self / other) / other)``), the loss and its seed gradient
+    through ``loss.backward()``. A parameter gradient (an output) is left alone: its bytes are in
+    ``fixed_mem``; so is a tensor another op writes in place (``written``): the writer's output holds its
+    bytes."""
     extra: dict[int, set[int]] = {}
-    for u, w in held:
-        if u in written or not graph.is_forward[u]:
+    for u, w, node in held:
+        if u in written or graph.is_output[u] or (node is not None and not node.intersection(graph.users(u).tolist())):
             continue
         # no view, and no separated output of a multi-output op: a dep more would make it an op of its own
         v = next((x for x in range(w, u, -1) if graph.alias_of[x] < 0 and graph.output_of[x] < 0), -1)
-        if v > u and int(graph.users(u).max(initial=-1)) < v:  # else the graph holds it that long already
+        if v > u and _last_use(graph, u) < v:  # else the graph holds it that long already
             extra.setdefault(v, set()).add(u)
     return extra
+
+
+def _last_use(graph: Graph, u: int) -> int:
+    """The last node reading ``u`` or a view of it (a resident view keeps its base resident)."""
+    last, stack = -1, [u]
+    while stack:
+        for x in graph.users(stack.pop()).tolist():
+            last = max(last, x)
+            if graph.alias_of[x] >= 0:
+                stack.append(x)
+    return last
 
 
 def _runs_in_place(graph: Graph, node: fx.Node, ids: dict[str, int], v: int, u: int) -> bool:
@@ -366,6 +422,13 @@ def _model_error(e: Exception, step: _Step, name: str, failed_ops: Sequence[str]
         return ModelError("The loss function (or model) captures tensors, such as targets, as constants. "
                           "Make loss_fn an nn.Module that holds them as buffers, like "
                           "bonsai_core.models.zoo.CrossEntropyLoss.")
+    if type(e).__name__ in _SHAPE_FROM_VALUES:
+        return ValueReadError(f"Tracing {name!r} failed: {user_code(e, step)} runs {str(e).splitlines()[0]}, whose "
+                              "output's shape depends on its input's values (how many elements are nonzero, "
+                              "selected or unique), which tracing, on shapes only, does not know. Give that "
+                              "output a fixed shape: a mask multiplied in or `torch.where` instead of boolean "
+                              "indexing or `masked_select`, `torch.nonzero_static(x, size=N)`, "
+                              "`F.one_hot(x, num_classes=N)`, `repeat_interleave(..., output_size=N)`.")
     if type(e).__name__ in DATA_DEPENDENT_ERRORS:
         return ValueReadError(f"Tracing {name!r} failed: {user_code(e, step)} reads a tensor's value "
                           f"({str(e).splitlines()[0]}): `.item()`, `int()`/`bool()` of a tensor, or an `if` on "

@@ -103,7 +103,11 @@ def _as_in_eager(kernels: str = "cuda") -> Iterator[None]:
     as their kernels shape them, dropout and SDPA with dropout as ``kernels``' device runs them
     (:func:`device_kernels`), and ``nn.LSTM`` as the fused kernel eager runs, not torch's per-step
     decomposition (:mod:`bonsai_core.recurrent`), and ``silu_backward``/``mish_backward`` as their
-    kernels, not their composite implementations (:func:`_backward_kernels_kept`)."""
+    kernels, not their composite implementations (:func:`_backward_kernels_kept`); and CTC loss traced by its
+    shapes (:mod:`bonsai_core.ctc`)."""
+    from bonsai_core.ctc import register_ctc_shapes
+
+    register_ctc_shapes()
     with skip_tensor_asserts(), _EagerDropoutOff(), _grouped_mm_as_its_kernels(), device_kernels(kernels), \
             FusedRecurrent(), _backward_kernels_kept():
         yield
