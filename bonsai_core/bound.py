@@ -232,8 +232,9 @@ def lagrangian(lp: _Lp, y: np.ndarray) -> float:
     """min over the box of cost @ x - y @ (matrix @ x - side): a lower bound on the LP's optimum for any
     ``y`` whose entries are >= 0 on rows with a finite lower side and <= 0 on rows with a finite upper
     side (clipped to that here; a row with neither side gets 0)."""
-    y = np.where(np.isfinite(lp.lower), np.maximum(y, 0.0), 0.0) + np.where(np.isfinite(lp.upper), np.minimum(y, 0.0), 0.0)
-    side = np.where(y > 0, np.where(np.isfinite(lp.lower), lp.lower, 0.0), np.where(np.isfinite(lp.upper), lp.upper, 0.0))
+    has_lower, has_upper = np.isfinite(lp.lower), np.isfinite(lp.upper)
+    y = np.where(has_lower, np.maximum(y, 0.0), 0.0) + np.where(has_upper, np.minimum(y, 0.0), 0.0)
+    side = np.where(y > 0, np.where(has_lower, lp.lower, 0.0), np.where(has_upper, lp.upper, 0.0))
     reduced = lp.cost - lp.matrix.T @ y
     box = np.minimum(reduced * lp.low, reduced * lp.high)
     box = np.where(reduced == 0, 0.0, box)
