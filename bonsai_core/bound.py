@@ -200,10 +200,10 @@ class _Lp:
     high: np.ndarray
 
 
-def _solve_lp(lp: _Lp) -> float:
+def _solve_lp(lp: _Lp) -> tuple[float, np.ndarray | None]:
     """The LP's optimum as a proven lower bound: the Lagrangian value of HiGHS' dual solution, which
     weak duality makes a lower bound for any dual values (signs clipped to the rows' sides); ``math.inf``
-    when the LP is infeasible."""
+    when the LP is infeasible. With the primal solution (None when there is none)."""
     import highspy
 
     from bonsai_core.solvers.milp import _swallow_highs_banner
@@ -221,11 +221,11 @@ def _solve_lp(lp: _Lp) -> float:
     h.run()
     status = h.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:
-        return math.inf
+        return math.inf, None
     if status != highspy.HighsModelStatus.kOptimal:
-        return 0.0  # no proof: the trivial bound
-    y = np.asarray(h.getSolution().row_dual, dtype=np.float64)
-    return max(0.0, lagrangian(lp, y))
+        return 0.0, None  # no proof: the trivial bound
+    solution = h.getSolution()
+    return max(0.0, lagrangian(lp, np.asarray(solution.row_dual, dtype=np.float64))), np.asarray(solution.col_value)
 
 
 def lagrangian(lp: _Lp, y: np.ndarray) -> float:
@@ -241,27 +241,41 @@ def lagrangian(lp: _Lp, y: np.ndarray) -> float:
     return float(y @ side + box.sum())
 
 
-def interval_bound(graph: Graph, budget: int, tensors: Tensors, iv: _Intervals) -> float:
+def interval_bound(graph: Graph, budget: int, tensors: Tensors, iv: _Intervals, rows_per_round: int = 64,
+                   rounds: int = 12) -> float:
     """The least recomputation along the spine, each piece of a needed tensor's interval missing at
     some point (to cover the bytes over the budget there) costing one computation of it. ``math.inf``:
-    some point cannot fit at all."""
-    excess = iv.base + iv.need - budget
-    rows = np.flatnonzero(excess > 0)
-    if len(rows) == 0:
+    some point cannot fit at all. The points' rows are added in rounds (the most excess first, then
+    the ones the last solution leaves short): the LP over any subset of them is a lower bound too, and
+    the last one's value is returned."""
+    excess = (iv.base + iv.need - budget) / GIB
+    over = np.flatnonzero(excess > 0)
+    if len(over) == 0:
         return 0.0
-    row_of = np.full(len(iv.points), -1, dtype=np.int64)
-    row_of[rows] = np.arange(len(rows))
     r, c, v = [], [], []
     for k in range(len(iv.node)):
-        js = rows[(rows >= iv.lo[k]) & (rows <= iv.hi[k])]
-        r.append(row_of[js]), c.append(np.full(len(js), k)), v.append(np.full(len(js), graph.mem[iv.node[k]] / GIB))
-    matrix = sp.csr_matrix((np.concatenate(v), (np.concatenate(r), np.concatenate(c))), shape=(len(rows), len(iv.node)))
-    cover = np.asarray(matrix.sum(axis=1)).ravel()
-    if np.any(cover < excess[rows] / GIB - 1e-9):
+        js = over[(over >= iv.lo[k]) & (over <= iv.hi[k])]
+        r.append(js), c.append(np.full(len(js), k)), v.append(np.full(len(js), graph.mem[iv.node[k]] / GIB))
+    cover = sp.csr_matrix((np.concatenate(v), (np.concatenate(r), np.concatenate(c))),
+                          shape=(len(iv.points), len(iv.node)))
+    if np.any(np.asarray(cover[over].sum(axis=1)).ravel() < excess[over] - 1e-9):
         return math.inf
-    n_items = len(iv.node)
-    return _solve_lp(_Lp(graph.cost[iv.node], matrix, excess[rows] / GIB, np.full(len(rows), np.inf),
-                         np.zeros(n_items), np.ones(n_items)))
+    chosen = over[np.argsort(-excess[over], kind="stable")[:rows_per_round]]
+    items = len(iv.node)
+    value = 0.0
+    for _ in range(rounds):
+        lp = _Lp(graph.cost[iv.node], cover[chosen], excess[chosen], np.full(len(chosen), np.inf),
+                 np.zeros(items), np.ones(items))
+        value, x = _solve_lp(lp)
+        if x is None:
+            break
+        short = over[cover[over] @ x < excess[over] - 1e-6]
+        short = short[~np.isin(short, chosen)]
+        if len(short) == 0:
+            break
+        worst = short[np.argsort(-(excess[short] - cover[short] @ x), kind="stable")[:rows_per_round]]
+        chosen = np.union1d(chosen, worst)
+    return value
 
 
 def closure_at(graph: Graph, budget: int, b: int, tensors: Tensors, offload: bool = False) -> float:
@@ -336,7 +350,7 @@ def closure_at(graph: Graph, budget: int, b: int, tensors: Tensors, offload: boo
             add(hcols, g.mem[nodes] / GIB, -np.inf, host_bytes / GIB)
     matrix = sp.csr_matrix((np.concatenate(entries_v), (np.concatenate(entries_r), np.concatenate(entries_c))),
                            shape=(len(lower), width))
-    return _solve_lp(_Lp(cost, matrix, np.asarray(lower), np.asarray(upper), low, high))
+    return _solve_lp(_Lp(cost, matrix, np.asarray(lower), np.asarray(upper), low, high))[0]
 
 
 def lower_bound(graph: Graph, budget: int, *, offload: bool = False, points: int = DEFAULT_POINTS,

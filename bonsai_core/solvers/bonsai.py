@@ -76,6 +76,7 @@ _LADDER = (1, 2, 4, 8)  # the auto granularity's rungs, in multiples of the defa
 DEFAULT_GAP = 0.01  # the issue's target ("optimal, gap <= 1%"); HiGHS closes the last 0.2% slowly on GPTs
 Regions = Literal["any", "modules"]  # which candidate segments may be recomputed
 Space = Literal["auto", "ops", "regions"]  # which plans bonsai searches
+REGIONS_SHARE = 0.5  # with an op-level plan found, the segment ILP runs only if this share of the time limit is left
 
 
 @dataclass
@@ -297,8 +298,9 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
 def _search(graph: Graph, budget: int | None, space: Space, time_limit: float | None, backend: str, gap: float,
             offload: bool, regions: Any) -> Schedule:
     """The spaces ``space`` names, within one time limit: the lower bound, the op-level plan, then (unless
-    that plan is within ``gap`` of the bound) ``regions(seconds left)``, the checkpoint plan; the cheaper
-    plan (a tie: the checkpoint plan), with the bound in its stats."""
+    that plan is within ``gap`` of the bound, or less than REGIONS_SHARE of the time limit is left: a
+    large step's segment ILP takes its time to build) ``regions(seconds left)``, the checkpoint plan; the
+    cheaper plan (a tie: the checkpoint plan), with the bound in its stats."""
     clock = Deadline(time_limit)
     bound = _bound(graph, budget, offload) if budget is not None else None
     ops = _ops(graph, budget, clock, backend, gap, bound) if space != "regions" else None
@@ -307,6 +309,8 @@ def _search(graph: Graph, budget: int | None, space: Space, time_limit: float | 
     if space == "ops":
         raise _no_ops_plan(graph, budget, bound)
     left = clock.remaining()
+    if ops is not None and left is not None and time_limit is not None and left < REGIONS_SHARE * time_limit:
+        return _with_bound(ops.schedule, bound, ["ops"], ops.sim.compute_cost)  # too little time to build the ILP
     try:
         if left is not None and left <= 0:
             raise BudgetError(f"bonsai found no plan of {graph.name!r} within {format_bytes(budget)} before the time "

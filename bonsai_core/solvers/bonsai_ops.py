@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 import scipy.sparse as sp
@@ -38,14 +39,16 @@ from bonsai_core.errors import SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import COMPUTE, Schedule, SimResult, hold_separated_outputs, schedule_ops, simulate
 from bonsai_core.solvers.deadline import Deadline
-from bonsai_core.solvers.sparse_milp import SparseMilp, solve_sparse_milp
+from bonsai_core.solvers.sparse_milp import SparseMilp, SparseOutcome, solve_sparse_milp
 
 MAX_ROUNDS = 16  # MILP solves per plan: points added or the budget tightened between them
 NEW_POINTS = 4  # over-budget stretches of a simulated plan that become points, per round
 ROUND_SHARE = 0.25  # of the time left, what one round's MILP may take (at least ROUND_SECONDS)
 ROUND_SECONDS = 2.0
-MILP_SHARE = 0.1  # a MILP slower than this share of the time limit: the rounds after it repair its plan
-REPAIR_AFTER_SECONDS = 10.0  # ... or slower than this without a time limit
+EXTRA_ROUNDS = 3  # rounds after a plan that fits is found, while the lazy run itself does not fit yet
+IMPROVE_SHARE = 0.5  # of the time left, for solving a fitting plan's MILP once more from its solution
+MILP_SHARE = 0.25  # a MILP slower than this share of the time left: the rounds after it repair its plan
+REPAIR_AFTER_SECONDS = 30.0  # ... or slower than this without a time limit
 
 
 def read_between(tensors: Tensors, s: int, lo: int, hi: int) -> bool:
@@ -141,8 +144,11 @@ def absent_at(tensors: Tensors, model: PointModel, values: np.ndarray) -> dict[i
     return out
 
 
-def lazy_sequence(tensors: Tensors, absent: dict[int, np.ndarray]) -> list[int]:
-    """The plan's compute sequence (module docstring). O((n + edges) · depth of the rebuilds)."""
+def lazy_sequence(tensors: Tensors, absent: dict[int, np.ndarray], budget: int | None = None) -> list[int]:
+    """The plan's compute sequence (module docstring). With ``budget``, the run also keeps count of the
+    bytes it holds (the storages available and read later, the rebuilt ones kept, and what every schedule
+    holds at the next op) and, where that passes the budget, lets go of kept rebuilt tensors, the one read
+    last first (rebuilt again when read). O((n + edges) · depth of the rebuilds)."""
     g = tensors.graph
     n = g.n
     views: list[list[int]] = [[] for _ in range(n)]
@@ -153,6 +159,7 @@ def lazy_sequence(tensors: Tensors, absent: dict[int, np.ndarray]) -> list[int]:
     computed = np.zeros(n, dtype=bool)
     seq: list[int] = []
     rebuilt: set[int] = set()
+    held = _Held(tensors)
 
     def rebuild(v: int) -> None:  # v and its missing inputs, inputs first (an explicit stack: deep chains)
         stack = [(v, False)]
@@ -164,54 +171,111 @@ def lazy_sequence(tensors: Tensors, absent: dict[int, np.ndarray]) -> list[int]:
                 seq.append(u)
                 available[u] = True
                 rebuilt.add(u)
+                held.add(u)
                 continue
             stack.append((u, True))
             stack.extend((d, False) for d in g.deps(u).tolist() if not available[d])
 
-    def read_later(s: int, x: int) -> bool:
-        r = tensors.readers[s]
-        i = bisect.bisect_right(r, x)
-        return i < len(r)
-
-    def still_needed(x: int) -> set[int]:
-        """The rebuilt tensors a later op or a later rebuild reads: those with a later reader, and the
-        inputs of missing tensors that are (transitively) needed later."""
-        wanted: dict[int, bool] = {}
-
-        def pending(u: int) -> bool:  # computed, missing now, and read later or by a pending user
-            stack, order = [u], []
-            while stack:
-                w = stack.pop()
-                if w in wanted:
-                    continue
-                wanted[w] = False
-                order.append(w)
-                if computed[w] and not available[w]:
-                    stack.extend(users[w])
-            for w in sorted(order, reverse=True):  # users come later in the listed order
-                later = read_later(int(tensors.storage[w]), x) or any(wanted.get(y, False) for y in users[w])
-                wanted[w] = bool(computed[w] and not available[w] and later)
-            return wanted[u]
-
-        return {t for t in rebuilt if read_later(int(tensors.storage[t]), x) or any(pending(w) for w in users[t])}
+    def let_go(nodes: Iterable[int]) -> None:
+        for t in nodes:
+            available[t] = False
+            available[views[t]] = False
+            held.drop(t)
 
     for x in range(n):
         if x in absent:
-            for s in absent[x].tolist():
-                available[s] = False
-                available[views[s]] = False
+            let_go(absent[x].tolist())
             rebuilt = {t for t in rebuilt if available[t]}
         for d in g.deps(x).tolist():
             if not available[d]:
                 rebuild(d)
         seq.append(x)
         available[x] = computed[x] = True
+        if _read_later(tensors, int(tensors.storage[x]), x):
+            held.add(x)
+        for s in tensors.reads[x]:
+            if s not in rebuilt and not _read_later(tensors, s, x):
+                held.drop(s)
         if rebuilt:
-            keep = still_needed(x)
-            for t in rebuilt - keep:
-                available[t] = False
+            keep = _still_needed(tensors, rebuilt, users, computed, available, x)
+            let_go(rebuilt - keep)
             rebuilt = keep
+            if budget is not None and x + 1 < n:
+                excess = held.bytes + int(tensors.held[x + 1]) - budget
+                if excess > 0:
+                    gone = _farthest(tensors, rebuilt, x, excess)
+                    let_go(gone)
+                    rebuilt -= set(gone)
     return seq
+
+
+class _Held:
+    """The bytes of the storages a lazy run holds (its count: an estimate, the simulator judges)."""
+
+    def __init__(self, tensors: Tensors) -> None:
+        self.tensors, self.nodes, self.bytes = tensors, set(), 0
+
+    def add(self, v: int) -> None:
+        mem = int(self.tensors.graph.mem[v])
+        if mem > 0 and v not in self.nodes and not self.tensors.graph.is_view[v]:
+            self.nodes.add(v)
+            self.bytes += mem
+
+    def drop(self, v: int) -> None:
+        if v in self.nodes:
+            self.nodes.discard(v)
+            self.bytes -= int(self.tensors.graph.mem[v])
+
+
+def _read_later(tensors: Tensors, s: int, x: int) -> bool:
+    r = tensors.readers[s]
+    return bisect.bisect_right(r, x) < len(r)
+
+
+def _next_read(tensors: Tensors, s: int, x: int) -> int:
+    r = tensors.readers[s]
+    i = bisect.bisect_right(r, x)
+    return r[i] if i < len(r) else -1
+
+
+def _farthest(tensors: Tensors, rebuilt: set[int], x: int, excess: int) -> list[int]:
+    """Rebuilt tensors to let go of after position x, read last first (those only a later rebuild reads
+    before any), until their bytes cover ``excess``; none the next position reads."""
+    g = tensors.graph
+    wanted = set(tensors.reads[x + 1])
+    order = sorted((t for t in rebuilt if g.mem[t] > 0 and not g.is_view[t] and t not in wanted),
+                   key=lambda t: -(_next_read(tensors, t, x) % (g.n + 1)))
+    gone, freed = [], 0
+    for t in order:
+        if freed >= excess:
+            break
+        gone.append(t)
+        freed += int(g.mem[t])
+    return gone
+
+
+def _still_needed(tensors: Tensors, rebuilt: set[int], users: list[list[int]], computed: np.ndarray,
+                  available: np.ndarray, x: int) -> set[int]:
+    """The rebuilt tensors a later op or a later rebuild reads: those with a later reader, and the inputs
+    of missing tensors that are (transitively) needed later."""
+    wanted: dict[int, bool] = {}
+
+    def pending(u: int) -> bool:  # computed, missing now, and read later or by a pending user
+        stack, order = [u], []
+        while stack:
+            w = stack.pop()
+            if w in wanted:
+                continue
+            wanted[w] = False
+            order.append(w)
+            if computed[w] and not available[w]:
+                stack.extend(users[w])
+        for w in sorted(order, reverse=True):  # users come later in the listed order
+            later = _read_later(tensors, int(tensors.storage[w]), x) or any(wanted.get(y, False) for y in users[w])
+            wanted[w] = bool(computed[w] and not available[w] and later)
+        return wanted[u]
+
+    return {t for t in rebuilt if _read_later(tensors, int(tensors.storage[t]), x) or any(pending(w) for w in users[t])}
 
 
 @dataclass
@@ -268,62 +332,129 @@ def plan_ops(graph: Graph, budget: int, clock: Deadline, backend: str = "highs",
              points: tuple[int, ...] = (), tensors: Tensors | None = None) -> OpsOutcome:
     """The cheapest op-level plan within ``budget`` this search finds before ``clock`` runs out (the
     module docstring), starting from ``points`` (positions; the simulated peaks of the first plans add
-    more). Once a round's MILP takes more than MILP_SHARE of the time (a large step), the rounds after it
-    keep its solution and repair the plan instead: at each position where it peaks over the budget, the
-    resident tensors that op does not read are left out there, cheapest per byte first, until the excess
-    is covered."""
-    tensors = tensors or Tensors(graph)
-    points = tuple(sorted(set(int(p) for p in points))) or (int(np.argmax(tensors.held + _plain_need(tensors))),)
-    target = {p: budget for p in points}  # each point's budget in the model: lowered where the plan peaks over
-    absent: dict[int, np.ndarray] | None = None  # the last MILP's solution, then repaired
-    best: tuple[Schedule, SimResult] | None = None
-    rounds, seconds, size, note = 0, 0.0, (0, 0), "no round ran"
-    repairing = False
-    while rounds < MAX_ROUNDS and not clock.passed():
-        rounds += 1
-        if not repairing:
-            model = point_model(tensors, {p: target.get(p, budget) for p in points}, points)
-            size = (len(model.milp.cost), model.milp.matrix.shape[0])
-            start, left = time.perf_counter(), clock.remaining()
-            try:  # a round's MILP gets a share of what is left: its plan is judged and refined by the next rounds
-                found = solve_sparse_milp(model.milp, backend, gap=gap,
-                                          time_limit=None if left is None else max(ROUND_SECONDS, ROUND_SHARE * left))
-            except SolverError:
-                found = None
-            spent = time.perf_counter() - start
-            seconds += spent
-            if found is None or found.values is None:
-                if absent is None:
-                    note = "the MILP found no plan" + (" in time" if found is None else f" at {len(points)} point(s)")
-                    break
-                repairing = True  # keep the last plan and repair it
-            else:
-                absent = absent_at(tensors, model, found.values)
-                repairing = spent > MILP_SHARE * (clock.time_limit or REPAIR_AFTER_SECONDS / MILP_SHARE)
-        ops = hold_separated_outputs(graph, schedule_ops(graph, lazy_sequence(tensors, absent)))
-        sim = simulate(graph, ops)
-        if sim.peak <= budget:
-            if best is None or sim.compute_cost < best[1].compute_cost:
-                best = (Schedule(graph=graph.name, method="bonsai", ops=ops, graph_hash=graph.hash,
-                                 extra={"points": sorted(int(p) for p in absent)}), sim)
-            note = "fits"
-            break
-        over = _peak_positions(graph, ops, sim.timeline, budget, NEW_POINTS)
-        if repairing:
+    more). Each round runs the plan lazily and, where that peaks over the budget, counting its bytes too
+    (:func:`_runs`); a plan that fits is kept, and the rounds go on (at most EXTRA_ROUNDS more once one
+    fits) until the lazy run fits. Once a round's MILP takes more than MILP_SHARE of the time left (a large
+    step, a short limit), the rounds after it keep its solution and repair the plan instead: at each
+    position where it peaks over the budget, the resident tensors that op does not read are left out there,
+    cheapest per byte first, until the excess is covered. A plan that fits from a MILP stopped short of
+    ``gap`` is solved once more from its solution with half the time left."""
+    search = _Search(graph, budget, clock, backend, gap, tensors or Tensors(graph), points)
+    search.run()
+    best = search.best
+    return OpsOutcome(best[0] if best else None, best[1] if best else None, search.rounds,
+                      tuple(sorted(search.absent)) if search.absent else search.points, search.size[0],
+                      search.size[1], search.seconds, search.note)
+
+
+class _Search:
+    """The rounds of :func:`plan_ops` and what they carry from one to the next."""
+
+    def __init__(self, graph: Graph, budget: int, clock: Deadline, backend: str, gap: float, tensors: Tensors,
+                 points: tuple[int, ...]) -> None:
+        self.graph, self.budget, self.clock, self.backend, self.gap = graph, budget, clock, backend, gap
+        self.tensors = tensors
+        self.points = tuple(sorted(set(int(p) for p in points))) or (
+            int(np.argmax(tensors.held + _plain_need(tensors))),)
+        self.target = {p: budget for p in self.points}  # each point's budget in the model, lowered where it peaks
+        self.absent: dict[int, np.ndarray] | None = None  # the last MILP's solution, then repaired
+        self.best: tuple[Schedule, SimResult] | None = None
+        self.rounds, self.seconds, self.size, self.note = 0, 0.0, (0, 0), "no round ran"
+        self.repairing = self.improving = self.repaired = False
+        self.model: PointModel | None = None
+        self.found: SparseOutcome | None = None
+        self.extra = EXTRA_ROUNDS
+
+    def run(self) -> None:
+        while self.rounds < MAX_ROUNDS and not self.clock.passed():
+            self.rounds += 1
+            if not self.repairing and not self.solve():
+                return
+            (ops, sim), counted = _runs(self.tensors, self.absent, self.budget)
+            for schedule in (ops, sim), counted:
+                if schedule is not None and schedule[1].peak <= self.budget:
+                    self.keep(*schedule)
+            if sim.peak <= self.budget:
+                self.note = "fits"
+                if self.improving or self.repaired or (self.found.outcome.gap or 0.0) <= self.gap:
+                    return
+                self.improving, self.repairing = True, False  # its MILP stopped short of the gap: once more
+                continue
+            if self.improving or (self.best is not None and self.extra <= 0):
+                return
+            if self.best is not None:
+                self.extra -= 1
+            self.refine(ops, sim)
+
+    def solve(self) -> bool:
+        """The round's MILP (or the last one again, from its solution); False: nothing more to run."""
+        start = self.found.values if self.improving else None
+        if not self.improving:
+            self.model = point_model(self.tensors, {p: self.target.get(p, self.budget) for p in self.points},
+                                     self.points)
+            self.size = (len(self.model.milp.cost), self.model.milp.matrix.shape[0])
+        share = IMPROVE_SHARE if self.improving else ROUND_SHARE
+        found, spent = _milp_round(self.model, self.backend, self.gap, self.clock, start, share)
+        self.seconds += spent
+        if found is None or found.values is None:
+            if self.absent is None:
+                self.note = "the MILP found no plan" + (
+                    " in time" if found is None else f" at {len(self.points)} point(s)")
+                return False
+            if self.improving:
+                return False
+            self.repairing = True  # keep the last plan and repair it
+            return True
+        self.found, self.repaired = found, False
+        self.absent = absent_at(self.tensors, self.model, found.values)
+        left = self.clock.remaining()  # another MILP like this one would not leave enough time: repair
+        self.repairing = spent > (REPAIR_AFTER_SECONDS if left is None else MILP_SHARE * left)
+        return True
+
+    def keep(self, ops: list[tuple[str, int]], sim: SimResult) -> None:
+        if self.best is None or sim.compute_cost < self.best[1].compute_cost:
+            self.best = (Schedule(graph=self.graph.name, method="bonsai", ops=ops, graph_hash=self.graph.hash,
+                                  extra={"points": sorted(int(p) for p in self.absent)}), sim)
+
+    def refine(self, ops: list[tuple[str, int]], sim: SimResult) -> None:
+        """Points added and tightened where the lazy run peaks over, or the plan repaired there."""
+        over = _peak_positions(self.graph, ops, sim.timeline, self.budget, NEW_POINTS)
+        if self.repairing:
             for excess, position, at in over:
-                absent[position] = _left_out(tensors, sim, position, at, excess, absent.get(position))
-            note = "repaired"
-            continue
-        new = [p for _, p, _ in over if p not in points]
-        if new:
-            points = tuple(sorted(set(points) | set(new)))
-            note = "points added"
-        else:  # the peak is inside a window the MILP sees only at its point: that point's budget goes down
-            for excess, p, _ in over:
-                target[p] = target.get(p, budget) - excess
-            note = "budget tightened"
-    return OpsOutcome(best[0] if best else None, best[1] if best else None, rounds,
-                      tuple(sorted(absent)) if absent else points, size[0], size[1], seconds, note)
+                self.absent[position] = _left_out(self.tensors, sim, position, at, excess, self.absent.get(position))
+            self.repaired, self.note = True, "repaired"
+            return
+        for excess, p, _ in over:  # a peak inside a window the MILP sees only at its point: its budget goes down
+            if p in self.points:
+                self.target[p] = self.target.get(p, self.budget) - excess
+        self.points = tuple(sorted(set(self.points) | {p for _, p, _ in over}))
+        self.note = "points added or tightened"
+
+
+def _runs(tensors: Tensors, absent: dict[int, np.ndarray], budget: int
+          ) -> tuple[tuple[list[tuple[str, int]], SimResult], tuple[list[tuple[str, int]], SimResult] | None]:
+    """The plan's lazy run and its simulation; where that peaks over the budget, also the run that counts
+    its bytes against the budget (:func:`lazy_sequence`), else None."""
+    g = tensors.graph
+    ops = hold_separated_outputs(g, schedule_ops(g, lazy_sequence(tensors, absent)))
+    sim = simulate(g, ops)
+    if sim.peak <= budget:
+        return (ops, sim), None
+    counted = hold_separated_outputs(g, schedule_ops(g, lazy_sequence(tensors, absent, budget)))
+    return (ops, sim), (counted, simulate(g, counted))
+
+
+def _milp_round(model: PointModel, backend: str, gap: float, clock: Deadline, start: np.ndarray | None,
+                share: float) -> tuple[SparseOutcome | None, float]:
+    """One round's MILP with ``share`` of the time left (at least ROUND_SECONDS), from ``start``; (None:
+    no solution in time, seconds spent)."""
+    begin, left = time.perf_counter(), clock.remaining()
+    try:
+        found = solve_sparse_milp(model.milp, backend, start, gap=gap,
+                                  time_limit=None if left is None else max(ROUND_SECONDS, share * left))
+    except SolverError:
+        found = None
+    return found, time.perf_counter() - begin
 
 
 def _left_out(tensors: Tensors, sim: SimResult, position: int, at: int, excess: int,
