@@ -882,7 +882,7 @@ def real_cell(m: dict[str, Any], space: bool = False) -> str:
     if m is NOT_RUN:
         return "-"
     if m.get("error") or m.get("overhead") is None:
-        return f"no plan ({m.get('error') or '?'})"
+        return "no plan"
     return pct2(m["overhead"]) + (f" ({m['space']})" if space and m.get("space") else "")
 
 
