@@ -17,11 +17,11 @@ or recomputed in the window up to the next point (``z``), at the least recomputa
 The plan runs as a compute sequence (:func:`lazy_sequence`): the listed order, where at each point the
 tensors the MILP leaves out become unavailable (their copies freed after their last read before it),
 and a missing input is rebuilt, with its missing inputs, right before the op that reads it; a rebuilt
-tensor stays while a later op or a later rebuild reads it. The simulator judges the result: where it
-peaks over the budget at a position that is not a point yet, that position becomes one; where it
-peaks at a point (memory between points the MILP does not see), that point's budget in the MILP is
-lowered by the excess, and the model solved again, until the plan fits or the time runs out. On a
-large step, once a MILP is slow, the rounds after it repair its plan greedily instead (:func:`plan_ops`).
+tensor stays while a later op or a later rebuild reads it. The simulator judges the result: the
+positions where it peaks over the budget become points, a point where it peaks gets a lower budget in
+the MILP (memory inside a window the MILP does not see), and the model is solved again, until the plan
+fits or the time runs out (:func:`plan_ops`: also a run that counts its bytes, and a greedy repair once
+the MILP is slow).
 """
 
 from __future__ import annotations
