@@ -172,6 +172,10 @@ def cmd_solve(args: argparse.Namespace) -> int:
               + _time_split(stats) + f"; wrote {args.output}")
         if "warm_start" in stats:
             print(f"warm start: {stats['warm_start']}")
+        if stats.get("bound") is not None:
+            print(f"lower bound: no schedule within the budget computes less than {stats['bound']:.6g} s "
+                  f"({stats['bound'] / g.total_cost - 1:+.2%}); this plan is {stats['bound_gap']:.2%} above it"
+                  + (f" ({stats['space']} plan; searched: {', '.join(stats['spaces'])})" if "spaces" in stats else ""))
     return 0
 
 

@@ -343,6 +343,8 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
     ``best_effort`` (then the layout with the smallest realised peak is returned, over the budget). With
     ``offload``, the same without it last: a plan whose offloads the checkpoints cannot make may be beaten
     by one that recomputes instead."""
+    if method == "bonsai" and "space" not in options:  # the checkpoints apply checkpoint regions only
+        options = {**options, "space": "regions"}
     variants = [options]
     if method == "bonsai" and "regions" not in options:
         variants.append({**options, "regions": "modules"})

@@ -1,12 +1,14 @@
-"""The Solve page on a graph where bonsai's checkpoint regions reach almost nothing (a small U-Net):
-it says how low bonsai reaches, what moccasin does at the budget, and switches to it in one click."""
+"""The Solve page on a graph where bonsai's checkpoint regions reach almost nothing (a small U-Net,
+bonsai asked for checkpoint regions only: its default's op-level plan meets these budgets): it says how
+low bonsai reaches, what moccasin does at the budget, and switches to it in one click."""
 
 from __future__ import annotations
 
 from streamlit.testing.v1 import AppTest
 
 APP = "explorer/app.py"
-UNET = {"model": "unet", "size": "batch:1,image:4,layers:1,width:16", "method": "bonsai", "budget": "96"}
+UNET = {"model": "unet", "size": "batch:1,image:4,layers:1,width:16", "method": "bonsai", "budget": "96",
+        "o.space": "regions"}
 
 
 def test_bonsai_missing_a_budget_moccasin_meets_offers_moccasin_in_one_click():

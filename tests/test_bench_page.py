@@ -104,6 +104,16 @@ def test_a_chen_plan_cheaper_than_bonsai_is_named_and_the_sentences_follow_the_n
     assert "cheapest feasible method in 2 of the 6 cells" in text
 
 
+def test_the_lower_bound_per_model_and_budget_with_the_cheapest_and_its_distance():
+    rows = [r | {"bound": 0.015 if r["budget_fraction"] == 0.9 else None} for r in results()]
+    said = next(b for b in bp.page(rows, reach(), META, "<!-- header -->", "../bench").split("\n")
+                if b.startswith("* **The lower bound**"))
+    assert "90% +1.5% (bonsai +2.0%, 0.49% above)" in said
+    assert "90% +1.5% (torch's budget -4.0%" not in said and "+1.5% (moccasin +4.5%, 2.96% above)" in said
+    assert "40%" not in said  # no bound recorded there
+    assert not any(b.startswith("* **The lower bound**") for b in bullets())  # rows of a run without bounds
+
+
 def test_report_only_writes_the_page_from_the_runs_files_with_its_header(tmp_path):
     _frame(results()).to_csv(tmp_path / "results.csv", index=False)
     _frame(reach(), REACH_TYPES).to_csv(tmp_path / "reach.csv", index=False)

@@ -179,7 +179,7 @@ def test_pruning_is_exact_in_the_model_when_rebuilds_keep_inputs_alive(graph):
         model_best = min((c for _, c, q in plans if q <= budget), default=None)
         if true_best is None:
             continue
-        schedule = solve(graph, budget, "bonsai", granularity=m, save_ops=False)
+        schedule = solve(graph, budget, "bonsai", space="regions", granularity=m, save_ops=False)
         st = schedule.stats
         assert st["peak"] <= budget and st["compute_cost"] >= true_best - 1e-9
         if model_best is not None:  # the ILP's own optimum, whichever plan was returned
@@ -231,14 +231,14 @@ def test_saving_ops_inside_recomputed_segments_is_optimal_in_its_model(graph):
     for budget in sorted({p for p, _, _ in plans}):
         true_best = min(c for p, c, _ in plans if p <= budget)
         model_best = min((c for _, c, q in plans if q <= budget), default=None)
-        st = solve(graph, budget, "bonsai", granularity=m, save_self_contained=False, save_ops=True, reuse=False).stats
+        st = solve(graph, budget, "bonsai", space="regions", granularity=m, save_self_contained=False, save_ops=True, reuse=False).stats
         assert st["peak"] <= budget and st["compute_cost"] >= true_best - 1e-9
         if model_best is not None and st["plan_source"] == "ilp":
             assert graph.total_cost * (1 + st["objective"]) == pytest.approx(model_best), budget
         if all(q == p for p, _, q in plans if p <= budget):
             assert st["compute_cost"] == pytest.approx(true_best), budget
         try:
-            whole = solve(graph, budget, "bonsai", granularity=m, save_self_contained=False, save_ops=False,
+            whole = solve(graph, budget, "bonsai", space="regions", granularity=m, save_self_contained=False, save_ops=False,
                           reuse=False).stats["compute_cost"]
         except BudgetError:
             whole = np.inf
@@ -262,8 +262,8 @@ SKIP_OVER_MATMUL = {"format": "bonsai-graph", "version": 1, "name": "skip_over_m
 def test_a_recomputed_segment_saves_its_costly_op_and_drops_the_cheap_ones_around_it():
     g = Graph.from_dict(SKIP_OVER_MATMUL)
     budget = 12  # the no-remat peak is 13: f0 must go before g3 runs
-    whole = solve(g, budget, "bonsai", save_ops=False, reuse=False).stats
-    st = solve(g, budget, "bonsai", save_ops=True, reuse=False)
+    whole = solve(g, budget, "bonsai", space="regions", save_ops=False, reuse=False).stats
+    st = solve(g, budget, "bonsai", space="regions", save_ops=True, reuse=False)
     plan = CheckpointPlan.from_extra(st.extra)
     assert st.stats["peak"] <= budget and 1 in plan.saved
     assert st.stats["compute_cost"] == pytest.approx(g.total_cost + 1)  # f0 rebuilt, f1 not
@@ -318,7 +318,7 @@ def test_saving_self_contained_is_optimal_in_its_model(graph):
         model_best = min((c for _, c, q in plans if q <= budget), default=None)
         if true_best is None:
             continue
-        st = solve(graph, budget, "bonsai", granularity=m, save_ops=False).stats
+        st = solve(graph, budget, "bonsai", space="regions", granularity=m, save_ops=False).stats
         assert st["peak"] <= budget and st["compute_cost"] >= true_best - 1e-9
         if model_best is not None:
             ilp = st["objective"] if st["plan_source"] == "ilp" else st["ilp_overhead"]
@@ -332,11 +332,11 @@ def test_a_segment_saves_the_mask_instead_of_rebuilding_it():
     tril (cost 29); ``ones``, which only tril reads, is then neither saved nor rebuilt (saved, SAC's
     storage would hold it to the rebuild for nothing). Rebuilding the mask too costs 30."""
     g = masked_net(1, 5)
-    s = solve(g, 36, "bonsai", granularity=5, save_ops=False)
+    s = solve(g, 36, "bonsai", space="regions", granularity=5, save_ops=False)
     assert s.stats["compute_cost"] == pytest.approx(29) and s.stats["self_contained_saved"] == 1
     plan = CheckpointPlan.from_extra(s.extra)
     assert [g.names[v] for v in sorted(plan.saved)] == ["tril"]
-    assert solve(g, 36, "bonsai", granularity=5, save_self_contained=False, save_ops=False).stats["compute_cost"] == pytest.approx(30)
+    assert solve(g, 36, "bonsai", space="regions", granularity=5, save_self_contained=False, save_ops=False).stats["compute_cost"] == pytest.approx(30)
 
 
 def test_the_data_starts_at_the_first_op_that_reads_it_not_at_a_mask_made_from_its_shape():
@@ -418,13 +418,13 @@ def test_dropping_outputs_is_optimal_in_its_model_and_never_worse(graph):
         model_best = min((c for _, c, q in plans if q <= budget), default=None)
         if true_best is None:
             continue
-        st = solve(graph, budget, "bonsai", granularity=m, drop_outputs=True, save_ops=False).stats
+        st = solve(graph, budget, "bonsai", space="regions", granularity=m, drop_outputs=True, save_ops=False).stats
         assert st["peak"] <= budget and st["compute_cost"] >= true_best - 1e-9
         if model_best is not None:
             ilp = st["objective"] if st["plan_source"] == "ilp" else st["ilp_overhead"]
             assert graph.total_cost * (1 + ilp) == pytest.approx(model_best), budget
         try:
-            kept = solve(graph, budget, "bonsai", granularity=m, save_ops=False).stats["compute_cost"]
+            kept = solve(graph, budget, "bonsai", space="regions", granularity=m, save_ops=False).stats["compute_cost"]
         except BudgetError:
             kept = np.inf
         assert st["compute_cost"] <= kept + 1e-9, budget
@@ -446,7 +446,7 @@ def test_dropping_an_output_frees_it_after_its_last_forward_reader():
     assert built.coef.saved[c] == 0  # with its output kept, f0 saves nothing
     plan = CheckpointPlan.of([[0], [1], [2]], [0], [0])  # f0 alone, its output dropped
     assert simulate(g, plan_schedule(g, plan, "bonsai")).peak == modelled_peak_dropping_outputs(built, plan) == 10
-    assert solve(g, 10, "bonsai", granularity=3, drop_outputs=True, save_ops=False).stats["peak"] <= 10
+    assert solve(g, 10, "bonsai", space="regions", granularity=3, drop_outputs=True, save_ops=False).stats["peak"] <= 10
 
 
 def test_a_segment_may_drop_only_outputs_that_kept_segments_read():
@@ -473,7 +473,7 @@ def test_mul8_meets_budget_4_at_the_optimum():
     """The issue's smallest case: recomputing b1, b2 (with a, their segment's boundary) fits 4 bytes
     at cost 9; the old `saved > ext` rule pruned it and claimed 5 bytes were needed."""
     g = Graph.from_dict(MUL8)
-    s = solve(g, 4, "bonsai", save_ops=False)
+    s = solve(g, 4, "bonsai", space="regions", save_ops=False)
     assert s.stats["peak"] <= 4 and s.stats["compute_cost"] == pytest.approx(9)
     plan = CheckpointPlan.from_extra(s.extra)
     rebuilt = {v for i in plan.recomputed for v in plan.segments[i]}
@@ -489,7 +489,7 @@ def test_bonsai_matches_brute_force_over_all_checkpoint_plans(graph):
     m = int(graph.is_forward.sum())
     for budget in peaks:
         best = min(c for p, c in plans if p <= budget)
-        schedule = solve(graph, budget, "bonsai", granularity=m, save_ops=False)
+        schedule = solve(graph, budget, "bonsai", space="regions", granularity=m, save_ops=False)
         assert schedule.stats["peak"] <= budget
         assert schedule.stats["compute_cost"] == pytest.approx(best, rel=1e-6), budget
         assert schedule.stats["tightened_by"] == 0
@@ -514,10 +514,10 @@ def test_every_granularity_meets_every_budget_its_candidates_meet_and_finer_neve
         best = min((c for p, c, plan in plans if p <= budget and expressible(plan)), default=None)
         if best is None:
             continue
-        s = solve(g, budget, "bonsai", granularity=granularity, save_ops=False)  # a BudgetError here fails the test
+        s = solve(g, budget, "bonsai", space="regions", granularity=granularity, save_ops=False)  # a BudgetError here fails the test
         assert s.stats["peak"] <= budget and s.stats["granularity"] == granularity
         assert s.stats["compute_cost"] == pytest.approx(best), budget
-        coarse = solve(g, budget, "bonsai", granularity=6, save_ops=False)
+        coarse = solve(g, budget, "bonsai", space="regions", granularity=6, save_ops=False)
         assert coarse.stats["compute_cost"] <= s.stats["compute_cost"] + 1e-9
 
 
@@ -526,7 +526,7 @@ def test_every_granularity_meets_every_budget_its_candidates_meet_and_finer_neve
 def test_auto_granularity_meets_every_budget_a_checkpoint_plan_meets_on_small_graphs(graph):
     plans = brute_force(graph)
     for budget in sorted({p for p, _ in plans}):
-        s = solve(graph, budget, "bonsai", save_ops=False)  # a BudgetError here fails the test
+        s = solve(graph, budget, "bonsai", space="regions", save_ops=False)  # a BudgetError here fails the test
         assert s.stats["peak"] <= budget and s.stats["granularity_mode"] == "auto"
         assert s.stats["compute_cost"] <= min(c for p, c in plans if p <= budget) * 1.0 + 1e-9 or \
             s.stats["model_slack"] > 0
@@ -539,11 +539,11 @@ def test_simulated_peak_respects_the_budget_on_zoo_graphs(traced_zoo, name):
     for frac in (0.9, 0.7, 0.55):
         budget = max(int(plain * frac), g.peak_lower_bound)  # below that, solve() refuses before bonsai runs
         try:
-            s = solve(g, budget, "bonsai")
+            s = solve(g, budget, "bonsai", space="regions")
         except BudgetError as e:
             smallest = int(re.search(r"\((\d+) bytes\)", str(e)).group(1))
             assert smallest > budget
-            s = solve(g, smallest, "bonsai")  # the budget it names is one it meets
+            s = solve(g, smallest, "bonsai", space="regions")  # the budget it names is one it meets
             budget = smallest
         assert s.stats["peak"] <= budget and s.stats["tightened_by"] == 0
         assert s.stats["model_peak"] >= s.stats["peak"]
@@ -587,15 +587,15 @@ def test_rebudget_reuses_the_built_problem_and_matches_a_fresh_solve(gpt):
     plain = no_remat_peak(gpt)
     budgets = [int(plain * f) for f in (0.9, 0.75, 0.9)]
     B._cache.clear()
-    first = solve(gpt, budgets[0], "bonsai", granularity=30)
+    first = solve(gpt, budgets[0], "bonsai", space="regions", granularity=30)
     built = B.build(gpt, 30)
-    second = solve(gpt, budgets[1], "bonsai", granularity=30)
-    third = solve(gpt, budgets[2], "bonsai", granularity=30)
+    second = solve(gpt, budgets[1], "bonsai", space="regions", granularity=30)
+    third = solve(gpt, budgets[2], "bonsai", space="regions", granularity=30)
     assert B.build(gpt, 30) is built
     assert not first.stats["cached"] and second.stats["cached"] and third.stats["cached"]
     assert third.stats["compute_cost"] == pytest.approx(first.stats["compute_cost"])
     B._cache.clear()
-    fresh = solve(gpt, budgets[1], "bonsai", granularity=30)
+    fresh = solve(gpt, budgets[1], "bonsai", space="regions", granularity=30)
     assert fresh.stats["compute_cost"] == pytest.approx(second.stats["compute_cost"])
     assert second.stats["peak"] <= budgets[1] < first.stats["peak"]
 
@@ -604,57 +604,57 @@ def test_a_plan_is_reused_exactly_over_the_budgets_it_fits_below_the_one_it_was_
     plain = no_remat_peak(gpt)
     B._cache.clear()
     high = int(plain * 0.86)
-    first = solve(gpt, high, "bonsai", gap=0.0)
+    first = solve(gpt, high, "bonsai", space="regions", gap=0.0)
     low = max(first.stats["model_peak"], first.stats["peak"])
     assert low < high and "reused_from" not in first.stats
     for budget in (low, (low + high) // 2, high):
-        again = solve(gpt, budget, "bonsai", gap=0.0)
+        again = solve(gpt, budget, "bonsai", space="regions", gap=0.0)
         assert again.stats["reused_from"] == high and again.stats["solve_seconds"] == 0.0
         assert again.extra == first.extra and again.budget == budget and again.stats["peak"] <= budget
-        fresh = solve(gpt, budget, "bonsai", gap=0.0, reuse=False)  # what solving would have found
+        fresh = solve(gpt, budget, "bonsai", space="regions", gap=0.0, reuse=False)  # what solving would have found
         assert "reused_from" not in fresh.stats
         assert again.stats["compute_cost"] == pytest.approx(fresh.stats["compute_cost"])
-    below = solve(gpt, low - 1, "bonsai", gap=0.0)  # the plan does not fit: solved
+    below = solve(gpt, low - 1, "bonsai", space="regions", gap=0.0)  # the plan does not fit: solved
     assert "reused_from" not in below.stats and below.stats["peak"] < low
     assert first.budget == high  # the remembered plan is a copy: reuses did not change the first answer
-    other_gap = solve(gpt, (low + high) // 2, "bonsai", gap=0.01)  # other options, other plans
+    other_gap = solve(gpt, (low + high) // 2, "bonsai", space="regions", gap=0.01)  # other options, other plans
     assert "reused_from" not in other_gap.stats
 
 
 def test_infeasible_budget_names_the_smallest_budget_bonsai_meets(gpt):
     lower = gpt.peak_lower_bound
     with pytest.raises(BudgetError, match="smallest budget") as info:
-        solve(gpt, lower, "bonsai", granularity=10)
+        solve(gpt, lower, "bonsai", space="regions", granularity=10)
     smallest = int(re.search(r"\((\d+) bytes\)", str(info.value)).group(1))
     assert smallest > lower
-    assert solve(gpt, smallest, "bonsai", granularity=10).stats["peak"] <= smallest
+    assert solve(gpt, smallest, "bonsai", space="regions", granularity=10).stats["peak"] <= smallest
     with pytest.raises(BudgetError):
-        solve(gpt, smallest - 4096, "bonsai", granularity=10)
+        solve(gpt, smallest - 4096, "bonsai", space="regions", granularity=10)
 
 
 @pytest.mark.parametrize("backend", ["highs", "scip"])
 def test_both_backends_agree_and_report_their_stats(gpt, backend):
     budget = int(no_remat_peak(gpt) * 0.75)
-    s = solve(gpt, budget, "bonsai", backend=backend, time_limit=60, gap=1e-4)  # proven, so both agree
+    s = solve(gpt, budget, "bonsai", space="regions", backend=backend, time_limit=60, gap=1e-4)  # proven, so both agree
     st = s.stats
     for key in ("status", "gap", "variables", "constraints", "build_seconds", "solve_seconds", "segments",
                 "candidates", "ilp_candidates"):
         assert key in st
     assert st["status"] == "optimal" and st["backend"] == backend
     assert st["variables"] >= st["ilp_candidates"]
-    other = solve(gpt, budget, "bonsai", backend="scip" if backend == "highs" else "highs", time_limit=60, gap=1e-4)
+    other = solve(gpt, budget, "bonsai", space="regions", backend="scip" if backend == "highs" else "highs", time_limit=60, gap=1e-4)
     assert st["compute_cost"] == pytest.approx(other.stats["compute_cost"], rel=1e-4)
 
 
 def test_schedule_carries_the_plan_for_the_explorer_and_exporter(gpt):
-    s = solve(gpt, int(no_remat_peak(gpt) * 0.7), "bonsai")
+    s = solve(gpt, int(no_remat_peak(gpt) * 0.7), "bonsai", space="regions")
     plan = CheckpointPlan.from_extra(s.extra)
     assert plan.recomputed and s.stats["recomputes"] > 0
     assert simulate(gpt, plan_schedule(gpt, plan, "bonsai")).peak == s.stats["peak"]
 
 
 def test_no_budget_means_nothing_recomputed(gpt):
-    s = solve(gpt, None, "bonsai")
+    s = solve(gpt, None, "bonsai", space="regions")
     assert s.stats["overhead"] == pytest.approx(0.0) and not s.extra["recomputed"]
 
 
@@ -679,7 +679,7 @@ def test_gpt2_small_solves_to_optimality():
     g = trace_model("gpt", **GPT2_SMALL).graph
     # Default options (HiGHS, gap 1%): within 1% of the model's optimum; times are in docs/results/bonsai.md.
     for frac in (0.9, 0.7):
-        s = solve(g, int(no_remat_peak(g) * frac), "bonsai", time_limit=300)
+        s = solve(g, int(no_remat_peak(g) * frac), "bonsai", time_limit=300, space="regions")
         assert s.stats["status"] == "optimal" or (s.stats["gap"] is not None and s.stats["gap"] <= 0.01)
 
 
@@ -691,7 +691,7 @@ def test_bonsai_meets_every_budget_chen_meets_at_no_more_overhead(gpt):
                  for _, plan in candidate_plans(gpt, "auto"))
     for budget in sorted({int(plain * 0.7), max(int(plain * 0.5), lowest), lowest}):
         chen = solve(gpt, budget, "chen")
-        s = solve(gpt, budget, "bonsai")  # a BudgetError here fails the test
+        s = solve(gpt, budget, "bonsai", space="regions")  # a BudgetError here fails the test
         assert s.stats["peak"] <= budget
         assert s.stats["overhead"] <= chen.stats["overhead"] + 1e-9, budget
 
@@ -699,8 +699,8 @@ def test_bonsai_meets_every_budget_chen_meets_at_no_more_overhead(gpt):
 def test_time_limit_bounds_the_whole_call_and_says_when_nothing_was_found(gpt):
     B._cache.clear()
     with pytest.raises(BudgetError, match="time limit"):
-        solve(gpt, int(no_remat_peak(gpt) * 0.6), "bonsai", time_limit=1e-9)
-    s = solve(gpt, int(no_remat_peak(gpt) * 0.6), "bonsai", time_limit=60)
+        solve(gpt, int(no_remat_peak(gpt) * 0.6), "bonsai", time_limit=1e-9, space="regions")
+    s = solve(gpt, int(no_remat_peak(gpt) * 0.6), "bonsai", time_limit=60, space="regions")
     assert s.stats["status"] in ("optimal", "feasible")
 
 
@@ -708,10 +708,10 @@ def test_stats_say_which_granularity_auto_chose_and_a_set_one_is_kept(gpt):
     from bonsai_core.segment import default_granularity
 
     budget = int(no_remat_peak(gpt) * 0.7)
-    auto = solve(gpt, budget, "bonsai")
+    auto = solve(gpt, budget, "bonsai", space="regions")
     assert auto.stats["granularity_mode"] == "auto" and auto.stats["granularity"] in B.auto_ladder(gpt)
     assert auto.stats["granularities_tried"][0] == default_granularity(gpt)
-    fixed = solve(gpt, budget, "bonsai", granularity=7)
+    fixed = solve(gpt, budget, "bonsai", space="regions", granularity=7)
     assert fixed.stats["granularity"] == 7 and fixed.stats["granularity_mode"] == "set"
 
 
@@ -720,7 +720,7 @@ def test_bad_gap_is_refused_with_a_clear_message(bad):
     from bonsai_core.errors import SolverError
 
     with pytest.raises(SolverError, match="relative MIP gap"):
-        solve(chain(3), None, "bonsai", gap=bad)
+        solve(chain(3), None, "bonsai", space="regions", gap=bad)
 
 
 @pytest.mark.parametrize("graph", sweep([random_net(0), random_net(3), random_net(1, 5, views=True), random_net(2, 5, views=True),
@@ -756,7 +756,7 @@ def test_the_region_bound_is_met_on_a_graph_whose_peak_is_a_backward_tensor():
     assert g.names[bound.node] == "g2" and bound.peak == 100 + 40 + 30 and bound.backward_bytes == 70
     assert no_remat_peak(g) == bound.peak + 4  # f0 is live at g2 in the plain schedule
     assert min(p for p, _ in brute_force(g)) == bound.peak
-    assert solve(g, bound.peak, "bonsai", reuse=False).stats["peak"] == bound.peak
+    assert solve(g, bound.peak, "bonsai", space="regions", reuse=False).stats["peak"] == bound.peak
 
 
 def test_a_small_unet_reaches_only_the_region_bound_and_moccasin_goes_below_it():
@@ -772,10 +772,10 @@ def test_a_small_unet_reaches_only_the_region_bound_and_moccasin_goes_below_it()
     peak = no_remat_peak(g)
     assert g.peak_lower_bound < bound.peak < peak and bound.peak > 0.98 * peak
     assert g.names[bound.node] == "convolution_backward_4"
-    s = solve(g, bound.peak, "bonsai", drop_outputs=True, reuse=False)
+    s = solve(g, bound.peak, "bonsai", space="regions", drop_outputs=True, reuse=False)
     assert s.stats["peak"] == bound.peak
     with pytest.raises(BudgetError, match="No checkpoint plan fits below") as info:
-        solve(g, bound.peak - 1, "bonsai", drop_outputs=True, reuse=False)
+        solve(g, bound.peak - 1, "bonsai", space="regions", drop_outputs=True, reuse=False)
     assert "moccasin" in str(info.value)
     half = (g.peak_lower_bound + peak) // 2
     m = solve(g, half, "moccasin", time_limit=60)
@@ -791,7 +791,7 @@ def test_solve_seconds_is_the_wall_time_of_the_whole_call_and_says_where_it_went
 
     B._cache.clear()
     start = time.perf_counter()
-    s = solve(gpt, int(no_remat_peak(gpt) * 0.6), "bonsai", reuse=False)
+    s = solve(gpt, int(no_remat_peak(gpt) * 0.6), "bonsai", reuse=False, space="regions")
     wall = time.perf_counter() - start
     st = s.stats
     assert {"profile", "build", "solve", "validate"} <= set(st["time_split"])

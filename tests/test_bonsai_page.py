@@ -99,7 +99,41 @@ def studies() -> dict:
         "headroom": [bound("width 8, seq 4", 900, 920, 910), bound("width 32, seq 16", 900, 920, 936)],
         "others": [bound(name, 800, 860, 870) for name, _ in bp.OTHER_AUTHORS[:-1]] + [bound("gpt", 800, 820, 900)],
         "moccasin": solved(0.2367, 0.4, wall=120.0, status="feasible"),
+        "checkmate": [checkmate_row(0.9, 0.0159, 0.0159), checkmate_row(0.7, 0.1021, 0.1010),
+                      checkmate_row(0.5, None, None)],
+        "real_steps": [real_step(bonsai=0.0609, dtr=0.1412, chen=0.1771)],
         "seconds": {"graphs": 1.0}}
+
+
+def checkmate_row(fraction: float, bonsai: float | None, checkmate: float | None) -> dict:
+    """One budget of the checkmate study: bonsai in 1 s, checkmate in 120 s warm-started from bonsai."""
+    def method(overhead, **fields):
+        if overhead is None:
+            return {"error": "no schedule", "wall_seconds": 2.0}
+        return {"overhead": overhead, "wall_seconds": 1.0, **fields}
+
+    return {"label": "the 1-layer GPT", "nodes": 153, "fraction": fraction, "bound": 0.0155 if bonsai else None,
+            "bonsai": method(bonsai, space="ops", status="feasible", gap=0.01),
+            "checkmate": method(checkmate, status="feasible", gap=0.5, warm_start="bonsai, cost 1.1 s") | (
+                {"wall_seconds": 120.0} if checkmate else {})}
+
+
+def real_step(bonsai: float, dtr: float | None, chen: float) -> dict:
+    """The 8B step at 82.4 GiB as :func:`bonsai_core.bench.bonsai_page.real_step` records it."""
+    def method(name: str, overhead: float | None, options: dict | None = None, **fields) -> dict:
+        if overhead is None:
+            return {"method": name, "options": options or {}, "error": "no schedule", "wall_seconds": 5.0}
+        return {"method": name, "options": options or {}, "overhead": overhead, "wall_seconds": 30.0, **fields}
+
+    return {"label": "Llama-3-8B", "config": "assets/configs/llama-3-8b.json", "options": {"batch": 2, "seq": 8192},
+            "fsdp": 8, "nodes": 7456, "plain_peak": 175 * 2**30, "trace_seconds": 20.0,
+            "budgets": [{"budget": "82.4GiB", "bytes": int(82.4 * 2**30),
+                         "bound": {"overhead": 0.0572, "seconds": 2.0, "how": "closure"},
+                         "bound_offload": {"overhead": 0.0194, "seconds": 1.0, "how": "closure"},
+                         "methods": [method("dtr", dtr), method("chen", chen),
+                                     method("bonsai", bonsai, space="ops", bound_gap=0.0035),
+                                     method("bonsai", bonsai, {"offload": True}, space="ops", bound_gap=0.0035),
+                                     method("bonsai", 0.1695, {"space": "regions"}, space="regions")]}]}
 
 
 def results() -> dict:
@@ -122,6 +156,8 @@ def test_the_whole_page_from_one_run():
                         "## Segments that drop their outputs (option `drop_outputs`)", "## Live re-solve",
                         "## Where checkpoint regions stop: the region bound",
                         "## Against moccasin at 40% on the 4-layer GPT",
+                        "## Against checkmate on the 1- and 2-layer GPTs",
+                        "## Every method on the Llama-3 steps, with the lower bound",
                         "## Against chen and dtr, the smallest budgets, the granularity"]
     assert text.startswith("<!-- header -->\n\n# `bonsai`") and "None" not in text and "nan" not in text
     assert ("`bonsai bench bonsai -o R.json --page P` on 2026-01-01, 00:00–00:12 UTC (12 minutes in all), "
@@ -232,6 +268,24 @@ def test_the_suite_tables_say_where_bonsai_is_cheapest():
             "+12.60% |") in said
     assert "| the 4-layer GPT | 36.50% (optimal) | 38.60% | 24.30% |" in said
     assert "3 of 3 granularities found a plan, the same overhead (+21.62%) at every granularity" in said
+
+
+def test_against_checkmate_counts_the_budgets_within_one_percent_and_ten_times_faster():
+    text = section(page(), "Against checkmate on the 1- and 2-layer GPTs")
+    assert "| the 1-layer GPT | 70% | +1.55% | +10.21% (ops) | 1.0 | +10.10% (feasible, gap 50%; start: bonsai) |" in text
+    assert "Where both found a plan (2 of 3), bonsai is within 1% of checkmate's compute cost at 2 and at least 10 " \
+           "times faster at 2." in text
+
+
+def test_the_llama_steps_say_where_bonsai_is_below_dtr_and_chen_and_how_far_from_the_bound():
+    text = section(page(), "Every method on the Llama-3 steps, with the lower bound")
+    assert "| Llama-3-8B | 82.4GiB (47.1%) | +5.72% (2.0 s) | +1.94% (1.0 s) | +14.12% | +17.71% | +6.09% (ops) |" in text
+    assert ("Llama-3-8B at 82.4GiB (47.1%): bonsai +6.09% in 30 s, below dtr (+14.12%) and chen (+17.71%), "
+            "0.35% from the bound.") in text
+    r = results()
+    r["studies"]["real_steps"] = [real_step(bonsai=0.15, dtr=0.1412, chen=None)]
+    turned = section(page(r), "Every method on the Llama-3 steps, with the lower bound")
+    assert "not below dtr (+14.12%)" in turned and "| no plan |" in turned
 
 
 def test_report_only_writes_the_page_from_the_saved_results(tmp_path):

@@ -125,9 +125,10 @@ def test_the_warm_started_result_fits_and_is_no_worse_than_its_start():
 
 def _backend_ends_with(monkeypatch, incumbent_above_start, bound):
     """Make HiGHS end at once with no incumbent (None) or one ``incumbent_above_start`` above the start's
-    objective, proving ``bound``."""
+    objective, proving ``bound`` (with no incumbent for a MILP without a start: bonsai's op-level plans,
+    asked for a start, fall back on checkpoint regions)."""
     def fake(milp, start, time_limit, gap):
-        if incumbent_above_start is None:
+        if incumbent_above_start is None or start is None:
             return "Time limit reached", None, None, bound
         return "Time limit reached", start, float(milp.cost @ start) + incumbent_above_start, bound
     monkeypatch.setattr(sparse_milp, "_solve_on_highs", fake)

@@ -278,14 +278,20 @@ def test_errors_in_user_input_name_the_cause_without_a_traceback(gpt_graph, tmp_
 
 def test_a_budget_bonsai_misses_names_the_method_that_meets_it(tmp_path, capsys):
     """A small U-Net: bonsai's checkpoint regions reach 99.3% of the no-remat peak at best; halfway
-    between the per-op bound and the peak, moccasin meets the budget by recomputing a backward op."""
+    between the per-op bound and the peak, moccasin meets the budget by recomputing a backward op, and
+    so does bonsai's default (its op-level plan), which prints the lower bound."""
     graph = tmp_path / "unet.json"
     assert main(["trace", "unet", "--batch", "1", "--image", "4", "--layers", "1", "--width", "16", "-o", str(graph)]) == 0
     g = load_graph(graph)
     half = (g.peak_lower_bound + simulate(g, none_schedule(g)).peak) // 2
     capsys.readouterr()
-    assert main(["solve", str(graph), "--budget", str(half), "-o", str(tmp_path / "s.json")]) == 1
+    regions = ["--option", "space=regions"]
+    assert main(["solve", str(graph), "--budget", str(half), *regions, "-o", str(tmp_path / "s.json")]) == 1
     err = capsys.readouterr().err
     assert "smallest budget it can guarantee" in err and "moccasin meets this budget" in err, err
     assert "--method moccasin" in err and "Traceback" not in err
     assert main(["solve", str(graph), "--budget", str(half), "--method", "moccasin", "-o", str(tmp_path / "s.json")]) == 0
+    capsys.readouterr()
+    assert main(["solve", str(graph), "--budget", str(half), "-o", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert "lower bound: no schedule within the budget computes less than" in out and "(ops plan" in out

@@ -108,7 +108,7 @@ FACTORIES: dict[str, ScheduleFactory] = {
 # every real method that does recomputation; the op-level MILP takes minutes over all cases, so slow
 FACTORIES.update({m: solver_factory(m) for m in METHODS if m != "none"})
 FACTORIES["checkmate"] = solver_factory("checkmate", time_limit=60.0)
-FACTORIES["bonsai-drop-outputs"] = solver_factory("bonsai", drop_outputs=True)  # plans beyond checkpoint regions
+FACTORIES["bonsai-drop-outputs"] = solver_factory("bonsai", drop_outputs=True, space="regions")  # beyond torch.utils.checkpoint
 SLOW_FACTORIES = {"checkmate"}
 # Checkmate's op-level MILP at these sizes: HiGHS found no incumbent within 60 s for unet at shares 0.7
 # and 0.5 (59 model nodes, 9,086 variables) nor for gpt at 0.5 (125 nodes, 41,124 variables; SCIP needed

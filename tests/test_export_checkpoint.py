@@ -64,11 +64,14 @@ _schedules: dict = {}
 
 
 def solved(model: str, options: dict, method: str, share: float, **solve_options):
-    """(graph, schedule), traced and solved once per session (tracing and the ILP dominate test time)."""
+    """(graph, schedule), traced and solved once per session (tracing and the ILP dominate test time);
+    bonsai's plans in checkpoint regions."""
     key = (model, tuple(sorted(options.items())))
     if key not in _graphs:
         _graphs[key] = trace_model(model, **options).graph
     graph = _graphs[key]
+    if method == "bonsai":  # the checkpoint back-end applies checkpoint regions
+        solve_options.setdefault("space", "regions")
     run = (key, method, share, tuple(sorted(solve_options.items())))
     if run not in _schedules:
         lb = graph.peak_lower_bound

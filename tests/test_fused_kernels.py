@@ -98,7 +98,7 @@ def _checkpoint_export(spec, options, tmp_path, fraction=0.8):
     from bonsai_core.solvers import solve
 
     graph = trace_model(spec, **options).graph
-    schedule = solve(graph, int(fraction * no_remat_peak(graph)), method="bonsai")
+    schedule = solve(graph, int(fraction * no_remat_peak(graph)), method="bonsai", space="regions")
     export_checkpoint(spec, options, schedule, tmp_path / "ck")
     return verify_checkpoint(spec, options, tmp_path / "ck", repeats=1)
 
@@ -289,7 +289,8 @@ def test_the_cli_trains_a_packed_lstm_through_the_checkpoint_back_end(tmp_path, 
     model = "tests.test_fused_kernels:make_packed_lm"
     graph, schedule, out = tmp_path / "g.json", tmp_path / "s.json", tmp_path / "out"
     assert main(["trace", model, "-o", str(graph)]) == 0
-    assert main(["solve", str(graph), "--budget", "90%", "--method", "bonsai", "-o", str(schedule)]) == 0
+    assert main(["solve", str(graph), "--budget", "90%", "--method", "bonsai", "--option", "space=regions",
+                 "-o", str(schedule)]) == 0
     assert main(["export", model, str(schedule), "--backend", "checkpoint", "-o", str(out)]) == 0
     capsys.readouterr()
     code = main(["verify", model, str(out)])

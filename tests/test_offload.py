@@ -178,8 +178,8 @@ def test_bonsai_offloads_where_a_hidden_copy_beats_a_recomputation():
 
     g = chain(8, mem=2**24, cost=1e-3)  # 16 MiB per op: each copy (0.33 ms) hides behind one op (1 ms)
     budget = g.fixed_mem + int(0.75 * (no_remat_peak(g) - g.fixed_mem))
-    recompute = solve(g, budget, method="bonsai")
-    both = solve(g, budget, method="bonsai", offload=True)
+    recompute = solve(g, budget, method="bonsai", space="regions")
+    both = solve(g, budget, method="bonsai", offload=True, space="regions")
     sim = simulate(g, both)
     plan = CheckpointPlan.from_extra(both.extra)
     assert plan.offloaded and sim.offloaded_bytes == len(plan.offloaded) * 2**24
@@ -199,8 +199,8 @@ def test_the_offload_model_starts_from_the_plan_without_offload_and_is_never_cos
 
     g = trace_model("gpt").graph
     budget = int(0.6 * bonsai_solver._plain(g).memory.max())
-    recompute = simulate(g, solve(g, budget, method="bonsai", reuse=False))
-    both = solve(g, budget, method="bonsai", offload=True, reuse=False)
+    recompute = simulate(g, solve(g, budget, method="bonsai", reuse=False, space="regions"))
+    both = solve(g, budget, method="bonsai", offload=True, reuse=False, space="regions")
     assert both.stats["offloaded"] > 0 and simulate(g, both).compute_cost < recompute.compute_cost
     assert both.stats["offload_start"] == "highs improved on it"
 
@@ -208,7 +208,7 @@ def test_the_offload_model_starts_from_the_plan_without_offload_and_is_never_cos
         raise SolverError("no incumbent")
 
     monkeypatch.setattr(bonsai_solver, "_solve_from", no_plan)
-    fallen = solve(g, budget, method="bonsai", offload=True, reuse=False)
+    fallen = solve(g, budget, method="bonsai", offload=True, reuse=False, space="regions")
     assert fallen.stats["offloaded"] == 0 and fallen.stats["status"] == "feasible" and fallen.stats["gap"] is None
     assert "the plan without offload" in fallen.stats["offload_start"]
     assert simulate(g, fallen).compute_cost == pytest.approx(recompute.compute_cost)

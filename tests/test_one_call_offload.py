@@ -113,7 +113,7 @@ def test_checkpoint_export_of_an_offload_plan_verifies(tmp_path):
 
     options = dict(batch=4, seq=32, width=64, layers=3, heads=2, vocab=128)
     graph = trace_model("gpt", **options).graph
-    schedule = solve(graph, int(0.9 * no_remat_peak(graph)), method="bonsai", offload=True)
+    schedule = solve(graph, int(0.9 * no_remat_peak(graph)), method="bonsai", offload=True, space="regions")
     assert schedule.extra.get("offloaded")
     out = export_checkpoint("gpt", options, schedule, tmp_path / "ck")
     exported = load_checkpointed(out)

@@ -439,6 +439,33 @@ def solver_bullet(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) ->
 
 # -- the page --------------------------------------------------------------------------------------
 
+def bound_bullet(models: dict[str, dict[float, Cell]]) -> str:
+    """Per model and budget the lower bound (results.csv's ``bound``), the cheapest method found there
+    (of the methods: a peer's overhead is measured on an eager step, which the bound does not speak of)
+    and how far above the bound it is."""
+    said = []
+    for label, by_budget in models.items():
+        parts = []
+        for fraction, cell in by_budget.items():
+            bound = next((r.get("bound") for r in cell.values() if r.get("bound") is not None), None)
+            if bound is None:
+                continue
+            costs = {m: o for m, o in feasible(cell).items() if cell[m]["status"] != "measured"}  # peers
+            if not costs:
+                parts.append(f"{budget(fraction)} {pct(bound)} (nothing found)")
+                continue
+            method, overhead = min(costs.items(), key=lambda mo: mo[1])
+            parts.append(f"{budget(fraction)} {pct(bound)} ({priced(method, overhead)}, "
+                         f"{(1 + overhead) / (1 + bound) - 1:.2%} above)")
+        if parts:
+            said.append(f"{model_name(label)} " + ", ".join(parts))
+    if not said:
+        return ""
+    return ("* **The lower bound** (`bonsai_core.bound.lower_bound`: no schedule within the budget computes less, "
+            "whatever its order; as an overhead), with the cheapest method's schedule (peers aside: measured on "
+            "an eager step) and how far above the bound its compute cost is: " + "; ".join(said) + ".")
+
+
 def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header: str, bench: str) -> str:
     """The whole page from one run: its rows (results.csv), reach (reach.csv) and run.json (``meta``);
     ``bench``: the output folder as a link from the page."""
@@ -449,7 +476,7 @@ def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header
     reach_of = {r["model"]: r for r in reach}
     bullets = [headline_bullet(first, models[first], reach_of.get(first), meta["time_limit"]),
                reach_bullet(reach, meta["time_limit"]) if reach else "",
-               cells_bullet(models, first), not_best_bullet(models), solver_bullet(models, meta)]
+               cells_bullet(models, first), not_best_bullet(models), bound_bullet(models), solver_bullet(models, meta)]
     return render("benchmarks", header=header, machine=meta["machine"], torch=meta["torch"], dates=run_dates(meta),
                   minutes=f"{meta['seconds'] / 60:.0f}", command=meta["command"], models=len(models),
                   cells=sum(len(b) for b in models.values()), bench=bench, bullets="\n".join(b for b in bullets if b))

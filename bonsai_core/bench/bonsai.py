@@ -84,7 +84,7 @@ def run(graph, budget: int | None, method: str = "bonsai", **options: Any) -> di
                                    "candidates", "ilp_candidates", "segments", "recomputed_segments", "peak",
                                    "overhead", "cached", "granularity", "granularities_tried", "plan_source",
                                    "model_slack", "tightened_by", "time_split", "saved_nodes", "outputs_dropped",
-                                   "self_contained_saved")} | \
+                                   "self_contained_saved", "space", "spaces", "bound", "bound_gap", "warm_start")} | \
         {"wall_seconds": time.perf_counter() - start, "tool_rss_bytes": max_rss()}
 
 

@@ -52,6 +52,18 @@ OTHER_AUTHORS = [("hf:gpt2", TINY_LM), ("hf:llama", TINY_LM), ("hf:bert", TINY_L
 HEADROOM_SIZES = [(w, s) for w in (8, 16, 32) for s in (4, 8, 16)]  # the 1-layer zoo GPT, heads 2, batch 1
 HEADROOM_OPTIONS = {"layers": 1, "heads": 2, "batch": 1, "vocab": 64}
 # the options --page fixes (the page reports the suite's defaults); --time-limit may change
+# The real steps of issue 56: Hugging Face Llama-3 configs, bf16 autocast, AdamW, one FSDP rank. Per step:
+# the config, the trace's size options, the FSDP world, the budgets; every method solved at each budget
+# with the lower bound (docs/BONSAI.md). Traced once each (the 70B step: about 1.5 minutes, 4 GB).
+REAL_STEPS = {"Llama-3-8B": ("assets/configs/llama-3-8b.json", {"batch": 2, "seq": 8192}, 8, ("82.4GiB",)),
+              "Llama-3-70B": ("assets/configs/llama-3-70b.json", {"batch": 1, "seq": 8192}, 64, ("50%", "30%"))}
+REAL_METHODS = (("dtr", {}), ("chen", {}), ("bonsai", {}), ("bonsai", {"offload": True}),
+                ("bonsai", {"space": "regions"}))
+REAL_METHODS_70B = REAL_METHODS[:3]  # the 70B step's solves take minutes each: bonsai's variants left out
+# Bonsai's default against checkmate's op-level MILP (HiGHS, warm-started, the run's time limit) on the
+# zoo GPT of 1 and 2 layers at its default size, with the lower bound.
+CHECKMATE_GPTS = {"the 1-layer GPT": {"layers": 1}, "the 2-layer GPT": {"layers": 2}}
+CHECKMATE_AT = (0.9, 0.7, 0.5)
 PAGE_FIXED = ("models", "budgets", "variants", "backends", "compare", "granularity_model",
               "granularities", "resolve_model", "skip_granularity", "skip_resolve", "skip_smallest")
 
@@ -188,6 +200,58 @@ def region_entry(label: str, g, time_limit: float,
     return e
 
 
+def real_step(label: str, time_limit: float) -> dict[str, Any]:
+    """One of REAL_STEPS traced, and at each of its budgets the lower bound (without and with host copies)
+    and every method of REAL_METHODS: overhead, wall seconds, and for bonsai the space its plan came from."""
+    from bonsai_core.bound import lower_bound
+    from bonsai_core.budget import parse_budget
+    from bonsai_core.optimizer import with_optimizer
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.trace import trace_model
+
+    config, options, world, budgets = REAL_STEPS[label]
+    start = time.perf_counter()
+    g = with_optimizer(trace_model(f"hf:{common.ROOT / config}", autocast="bf16", fsdp=world, **options).graph, "adamw")
+    entry: dict[str, Any] = {"label": label, "config": config, "options": options, "fsdp": world, "nodes": g.n,
+                             "plain_peak": no_remat_peak(g), "trace_seconds": time.perf_counter() - start, "budgets": []}
+    for text in budgets:
+        budget = parse_budget(text).resolve(entry["plain_peak"])
+        row: dict[str, Any] = {"budget": text, "bytes": budget, "methods": []}
+        for offload in (False, True):
+            bound = lower_bound(g, budget, offload=offload)
+            row["bound_offload" if offload else "bound"] = {
+                "overhead": bound.cost / g.total_cost - 1 if bound.cost < float("inf") else None,
+                "seconds": bound.seconds, "how": bound.how}
+        for method, opts in (REAL_METHODS_70B if "70B" in label else REAL_METHODS):
+            r = suite.run(g, budget, method, time_limit=time_limit, **opts)
+            row["methods"].append({"method": method, "options": opts, **{k: r.get(k) for k in (
+                "overhead", "wall_seconds", "space", "spaces", "bound_gap", "status", "error", "peak")}})
+        entry["budgets"].append(row)
+    return entry
+
+
+def checkmate_study(time_limit: float) -> list[dict[str, Any]]:
+    """Per CHECKMATE_GPTS graph and CHECKMATE_AT budget: the lower bound, bonsai's default and checkmate."""
+    from bonsai_core.bound import lower_bound
+    from bonsai_core.schedule import no_remat_peak
+
+    rows = []
+    for label, options in CHECKMATE_GPTS.items():
+        g = trace("gpt", options)
+        for fraction in CHECKMATE_AT:
+            budget = int(fraction * no_remat_peak(g))
+            bound = lower_bound(g, budget)
+            row = {"label": label, "nodes": g.n, "fraction": fraction,
+                   "bound": bound.cost / g.total_cost - 1 if bound.cost < float("inf") else None}
+            for method in ("bonsai", "checkmate"):
+                r = suite.run(g, budget, method, time_limit=time_limit)
+                row[method] = {k: r.get(k) for k in ("overhead", "wall_seconds", "space", "status", "gap", "error")}
+                if method == "checkmate" and "error" not in r:
+                    row[method]["warm_start"] = r.get("warm_start")
+            rows.append(row)
+    return rows
+
+
 def headroom_study(time_limit: float) -> list[dict[str, Any]]:
     """The 1-layer zoo GPT at HEADROOM_SIZES: no-remat peak, per-op bound and bonsai's reach."""
     return [bound_entry(f"width {w}, seq {s}", trace("gpt", {**HEADROOM_OPTIONS, "width": w, "seq": s}), time_limit)
@@ -207,7 +271,9 @@ def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lamb
         "explorer_bound": lambda: bound_entry("explorer", graphs["explorer"], time_limit),
         "headroom": lambda: headroom_study(time_limit),
         "others": lambda: [bound_entry(name, trace(name, o), time_limit) for name, o in OTHER_AUTHORS],
-        "moccasin": lambda: moccasin_study(graphs["gpt4"], time_limit)}
+        "moccasin": lambda: moccasin_study(graphs["gpt4"], time_limit),
+        "checkmate": lambda: checkmate_study(time_limit),
+        "real_steps": lambda: [real_step(label, time_limit) for label in REAL_STEPS]}
     out: dict[str, Any] = {"seconds": {}}
     for name, measure in steps.items():
         start = time.perf_counter()
@@ -687,6 +753,105 @@ def moccasin_section(s: dict[str, Any], time_limit: float) -> str:
             "plan and more (an op recomputed twice, a region rebuilt in part).")
 
 
+def checkmate_section(s: dict[str, Any], time_limit: float) -> str:
+    """Bonsai's default against checkmate on the small GPTs, with the bound."""
+    rows = s.get("checkmate") or []
+    if not rows:  # a run before this study
+        return ""
+    intro = ("## Against checkmate on the 1- and 2-layer GPTs\n\n"
+             f"The zoo GPT at its default size with 1 and 2 layers (`bonsai trace gpt --layers 1`, `--layers 2`); "
+             f"at each budget bonsai's default (`solve(g, budget, \"bonsai\", time_limit={time_limit:g})`: op-level "
+             "plans, then checkpoint regions) and checkmate's MILP on HiGHS, warm-started as it is by default from "
+             "the cheapest schedule of none, chen, dtr, moccasin and bonsai (the start's method named), with the "
+             "same time limit; the lower bound as above. \"bonsai / checkmate\": bonsai's compute cost over "
+             "checkmate's, less 1 (negative: bonsai cheaper); \"faster\": checkmate's wall time over bonsai's.")
+    lines, close, fast, both = [], 0, 0, 0
+    for r in rows:
+        b, c = r["bonsai"], r["checkmate"]
+        ratio = speed = "-"
+        if b.get("overhead") is not None and c.get("overhead") is not None:
+            both += 1
+            relative = (1 + b["overhead"]) / (1 + c["overhead"]) - 1
+            times = c["wall_seconds"] / b["wall_seconds"]
+            close += relative <= 0.01
+            fast += times >= 10
+            ratio, speed = f"{relative:+.2%}", f"{times:.0f}×"
+        check = real_cell(c) if c.get("overhead") is None else (
+            f"{pct2(c['overhead'])} ({c['status']}" + (f", gap {c['gap']:.0%}" if c.get("gap") else "")
+            + (f"; start: {c['warm_start'].split(',')[0]}" if c.get("warm_start") else "") + ")")
+        lines.append([r["label"], budget(r["fraction"]), "none fits" if r["bound"] is None else pct2(r["bound"]),
+                      real_cell(b, True), f"{b['wall_seconds']:.1f}", check, f"{c['wall_seconds']:.1f}", ratio, speed])
+    grid = table(["graph", "budget", "bound", "bonsai", "bonsai wall s", "checkmate", "checkmate wall s",
+                  "bonsai / checkmate", "faster"], lines, "llrlrlrrr")
+    return ("\n\n" + intro + "\n\n" + grid + f"\n\nWhere both found a plan ({both} of {len(rows)}), bonsai is within 1% of "
+            f"checkmate's compute cost at {close} and at least 10 times faster at {fast}.")
+
+
+def real_steps_section(s: dict[str, Any], time_limit: float) -> str:
+    """Every method on the Llama-3 steps, with the lower bound and bonsai's distance from it."""
+    steps = s.get("real_steps") or []
+    if not steps:  # a run before this study
+        return ""
+    intro = ("## Every method on the Llama-3 steps, with the lower bound\n\n"
+             "The Hugging Face Llama-3 configs of `assets/configs` as one FSDP rank trains them, each traced once ("
+             + "; ".join(f"`bonsai trace hf:{e['config']} {flags(e['options'])} --autocast bf16 --optimizer adamw "
+                         f"--fsdp {e['fsdp']}`: {e['nodes']:,} nodes, no-remat peak {format_bytes(e['plain_peak'])}"
+                         for e in steps)
+             + f"). At each budget every method solves (`solve(g, budget, method, time_limit={time_limit:g})`) and "
+             "the lower bound is computed (`bonsai_core.bound.lower_bound`: no schedule within the budget computes "
+             "less, whatever its order; \"host copies\": none that offloads to the host either; "
+             "[../BONSAI.md](../BONSAI.md#a-lower-bound-on-the-op-level-optimum)). Overheads are the simulated "
+             "extra compute; a bonsai cell names the space its plan came from (`ops`: an op-level plan, `regions`: "
+             "a checkpoint plan; \"-\": not run, the 70B step's solves take minutes); \"from the bound\": bonsai's "
+             "(default) compute cost / the bound − 1.")
+    lines, said = [], []
+    for e in steps:
+        for row in e["budgets"]:
+            cells = {(m["method"], tuple(sorted(m["options"].items()))): m for m in row["methods"]}
+            dtr, chen, plain = cells[("dtr", ())], cells[("chen", ())], cells[("bonsai", ())]
+            offload = cells.get(("bonsai", (("offload", True),)), NOT_RUN)
+            regions = cells.get(("bonsai", (("space", "regions"),)), NOT_RUN)
+            share = f"{row['budget']} ({row['bytes'] / e['plain_peak']:.1%})"
+            lines.append([e["label"], share, bound_cell(row["bound"]), bound_cell(row["bound_offload"]),
+                          real_cell(dtr), real_cell(chen), real_cell(plain, True), real_cell(offload, True),
+                          real_cell(regions), gap_cell(plain), f"{plain['wall_seconds']:.1f}"])
+            said.append(real_said(e["label"], share, plain, dtr, chen))
+    grid = table(["step", "budget", "bound", "bound, host copies", "dtr", "chen", "bonsai", "bonsai, offload allowed",
+                  "bonsai, checkpoint regions", "bonsai from the bound", "bonsai wall s"], lines, "llrrrrrrrrr")
+    return "\n\n" + intro + "\n\n" + grid + "\n\n" + " ".join(said)
+
+
+NOT_RUN = {"error": "not run on this step"}
+
+
+def gap_cell(m: dict[str, Any]) -> str:
+    return "-" if m.get("bound_gap") is None else f"{m['bound_gap']:.2%}"
+
+
+def bound_cell(b: dict[str, Any]) -> str:
+    return "none fits" if b["overhead"] is None else f"{pct2(b['overhead'])} ({b['seconds']:.1f} s)"
+
+
+def real_cell(m: dict[str, Any], space: bool = False) -> str:
+    if m is NOT_RUN:
+        return "-"
+    if m.get("error") or m.get("overhead") is None:
+        return "no plan"
+    return pct2(m["overhead"]) + (f" ({m['space']})" if space and m.get("space") else "")
+
+
+def real_said(label: str, share: str, plain: dict[str, Any], dtr: dict[str, Any], chen: dict[str, Any]) -> str:
+    if plain.get("overhead") is None:
+        return f"{label} at {share}: bonsai found no plan."
+    others = [(name, m["overhead"]) for name, m in (("dtr", dtr), ("chen", chen)) if m.get("overhead") is not None]
+    below = [f"{name} ({pct2(o)})" for name, o in others if plain["overhead"] < o]
+    above = [f"{name} ({pct2(o)})" for name, o in others if plain["overhead"] >= o]
+    return (f"{label} at {share}: bonsai {pct2(plain['overhead'])} in {plain['wall_seconds']:.0f} s, "
+            + (f"below {' and '.join(below)}" if below else "")
+            + ("; " if below and above else "") + (f"not below {' and '.join(above)}" if above else "")
+            + (f", {plain['bound_gap']:.2%} from the bound." if plain.get("bound_gap") is not None else "."))
+
+
 def first_sentence(text: str) -> str:
     """An error's first sentence, without its advice."""
     return text.split(". ")[0].rstrip(".")
@@ -704,7 +869,8 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         self_contained_table=self_contained_table(s), self_contained_prose=self_contained_prose(s),
         dropped_table=dropped_table(s), dropped_prose=dropped_prose(s), export_sentence=export_sentence(s["export"]),
         resolve_sentences=resolve_sentences(rows, s["drag"]), **region_values(s),
-        moccasin=moccasin_section(s, meta["time_limit"]), **suite_values(rows, meta["time_limit"]))
+        moccasin=moccasin_section(s, meta["time_limit"]),
+        checkmate=checkmate_section(s, meta["time_limit"]), real_steps=real_steps_section(s, meta["time_limit"]), **suite_values(rows, meta["time_limit"]))
 
 
 def read_results(path: Path) -> dict[str, Any]:

@@ -34,7 +34,7 @@ COLUMN_TYPES = {"model": "string", "nodes": "Int64", "method": "string", "budget
                 "budget_fraction": "Float64", "feasible": "boolean", "peak": "Int64", "overhead": "Float64",
                 "solve_seconds": "Float64", "build_seconds": "Float64", "variables": "Int64", "constraints": "Int64",
                 "status": "string", "gap": "Float64", "reserved_peak": "Int64", "fragmentation": "Float64",
-                "note": "string"}
+                "note": "string", "bound": "Float64"}
 COLUMNS = list(COLUMN_TYPES)
 OPTIMISERS = ("checkmate", "bonsai", "moccasin")
 # reach.csv: per model, the smallest budget each method reaches (bytes) and how it was found.
@@ -128,6 +128,7 @@ class BenchConfig:
 def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run every (model, budget, method) and peer, and each method's smallest reachable budget per
     model; write results.csv, reach.csv, results.md and the plots."""
+    from bonsai_core.bound import lower_bound
     from bonsai_core.schedule import no_remat_peak
     from bonsai_core.solvers import solve
     from bonsai_core.trace import trace_model
@@ -145,8 +146,10 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
         budgets = spec.budgets_with(config.budgets)
         for fraction in budgets:
             budget = int(fraction * reference)
+            bound = lower_bound(g, budget)  # no schedule within the budget computes less (as an overhead)
             for method in config.methods:
                 row = _row(spec.label, g.n, method, budget, fraction)
+                row["bound"] = bound.cost / g.total_cost - 1 if math.isfinite(bound.cost) else None
                 limit = config.max_nodes.get(method)
                 if limit is not None and g.n > limit:
                     row["note"] = f"not run: {g.n} nodes > {limit} (bench size limit for {method})"

@@ -739,7 +739,8 @@ def _export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, 
             f"The checkpoint back-end applies checkpoint-region plans (methods bonsai and chen); this "
             f"{schedule.method!r} schedule is a general recompute sequence (a tensor may be recomputed several "
             "times, or freed before its last use), which torch.utils.checkpoint cannot express. Export it with "
-            "--backend replay, or solve with --method bonsai or chen.")
+            "--backend replay, or solve with --method chen, or bonsai with --option space=regions (its default "
+            "may answer with an op-level plan).")
     traced = trace_for_schedule(model, options, schedule, profile=profile, seed=seed, autocast=autocast)
     graph = traced.graph
     sim = simulate(graph, schedule)

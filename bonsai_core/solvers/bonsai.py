@@ -53,6 +53,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from bonsai_core.bound import LowerBound, Tensors, lower_bound
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import (CheckpointPlan, block_plans, checkpoint_sequence, forward_positions, plan_schedule,
@@ -62,6 +63,7 @@ from bonsai_core.segment import default_granularity, op_count, segment
 from bonsai_core.solvers.bonsai_coef import (PlainProfile, density_levels, plain_profile, saved_positions,
                                              self_contained)
 from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
+from bonsai_core.solvers.bonsai_ops import OpsOutcome, plan_ops
 from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, problem_size, solve_milp
 from bonsai_core.solvers.sparse_milp import from_cvxpy, satisfies, solve_sparse_milp
@@ -73,6 +75,8 @@ _MAX_TIGHTEN = 4
 _LADDER = (1, 2, 4, 8)  # the auto granularity's rungs, in multiples of the default
 DEFAULT_GAP = 0.01  # the issue's target ("optimal, gap <= 1%"); HiGHS closes the last 0.2% slowly on GPTs
 Regions = Literal["any", "modules"]  # which candidate segments may be recomputed
+Space = Literal["auto", "ops", "regions"]  # which plans bonsai searches
+REGIONS_SHARE = 0.5  # with an op-level plan found, the segment ILP runs only if this share of the time limit is left
 
 
 @dataclass
@@ -222,10 +226,18 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
                  granularity: int | None = None, backend: str = DEFAULT_BACKEND,
                  gap: float = DEFAULT_GAP, regions: Regions = "any", drop_outputs: bool = False,
                  save_self_contained: bool = True, save_ops: bool = False, reuse: bool = True,
-                 offload: bool = False) -> Schedule:
-    """Bonsai's segment ILP: the cheapest checkpoint plan whose modelled peak fits ``budget``.
+                 offload: bool = False, space: Space = "auto") -> Schedule:
+    """Bonsai: the cheapest plan it finds within ``budget``, of its op-level plans (a MILP over a few
+    memory points, run lazily: :mod:`bonsai_core.solvers.bonsai_ops`) and of its segment ILP's
+    checkpoint plans; every result carries the lower bound no schedule within the budget goes below
+    (:mod:`bonsai_core.bound`) and its distance from it.
 
     Options:
+        space: which plans to search: "auto" (op-level plans, then checkpoint regions unless the
+            op-level plan's compute cost is already within ``gap`` of the lower bound; the cheaper is the answer),
+            "ops" (op-level plans only) or "regions" (checkpoint regions only: plans the ``checkpoint``
+            export back-end and ``bonsai.checkpoint`` apply as torch.utils.checkpoint regions; implied by
+            regions "modules"). ``stats["space"]`` says which plan won, ``stats["spaces"]`` which were searched.
         time_limit: seconds for the whole call (None: no limit).
         granularity: the largest number of non-view ops in a short candidate segment; None: "auto",
             the smallest of a ladder of granularities whose model meets the budget.
@@ -266,12 +278,62 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
     if drop_outputs and regions == "modules":
         raise SolverError("drop_outputs needs regions 'any': with regions 'modules' the plan is applied to the "
                           "module calls as torch.utils.checkpoint regions, which keep their outputs.")
+    if space not in ("auto", "ops", "regions"):
+        raise SolverError(f"space {space!r}: use 'auto' (op-level plans and checkpoint regions), 'ops' or 'regions'.")
+    if regions == "modules" and space == "ops":
+        raise SolverError("space 'ops' plans single ops, not module calls: use regions 'any', or space 'regions'.")
     if not graph.is_forward.any():  # nothing to checkpoint
         schedule = plan_schedule(graph, CheckpointPlan.of([]), "bonsai")
         schedule.stats = {"status": "optimal", "gap": 0.0, "variables": 0, "constraints": 0,
                           "build_seconds": 0.0, "solve_seconds": 0.0, "candidates": 0, "segments": 0,
-                          "granularity": 0, "plan_source": "ilp"}
+                          "granularity": 0, "plan_source": "ilp", "space": "regions", "spaces": ["regions"]}
         return schedule
+    if regions == "modules" or budget is None:
+        space = "regions"  # module calls are checkpoint regions; with no budget nothing is recomputed
+    return _search(graph, budget, space, time_limit, backend, gap, offload,
+                   lambda left: _regions(graph, budget, left, granularity, backend, gap, regions, drop_outputs,
+                                         save_self_contained, save_ops, reuse, offload))
+
+
+def _search(graph: Graph, budget: int | None, space: Space, time_limit: float | None, backend: str, gap: float,
+            offload: bool, regions: Any) -> Schedule:
+    """The spaces ``space`` names, within one time limit: the lower bound, the op-level plan, then (unless
+    that plan is within ``gap`` of the bound, or less than REGIONS_SHARE of the time limit is left: a
+    large step's segment ILP takes its time to build) ``regions(seconds left)``, the checkpoint plan; the
+    cheaper plan (a tie: the checkpoint plan), with the bound in its stats."""
+    clock = Deadline(time_limit)
+    bound = _bound(graph, budget, offload) if budget is not None else None
+    ops = _ops(graph, budget, clock, backend, gap, bound) if space != "regions" else None
+    if ops is not None and (space == "ops" or _within(ops.sim.compute_cost, bound, gap)):
+        return _with_bound(ops.schedule, bound, ["ops"], ops.sim.compute_cost)
+    if space == "ops":
+        raise _no_ops_plan(graph, budget, bound)
+    left = clock.remaining()
+    if ops is not None and left is not None and time_limit is not None and left < REGIONS_SHARE * time_limit:
+        return _with_bound(ops.schedule, bound, ["ops"], ops.sim.compute_cost)  # too little time to build the ILP
+    try:
+        if left is not None and left <= 0:
+            raise BudgetError(f"bonsai found no plan of {graph.name!r} within {format_bytes(budget)} before the time "
+                              f"limit of {time_limit:g} s. Raise --time-limit or the budget.")
+        schedule = regions(left)
+    except BudgetError:
+        if ops is None:
+            raise
+        return _with_bound(ops.schedule, bound, ["ops", "regions"], ops.sim.compute_cost)
+    searched = ["regions"] if space == "regions" else ["ops", "regions"]
+    sim = simulate(graph, schedule)
+    if ops is not None and ops.sim.compute_cost < sim.compute_cost:
+        ops.schedule.stats["regions_overhead"] = sim.overhead
+        return _with_bound(ops.schedule, bound, searched, ops.sim.compute_cost)
+    if ops is not None:
+        schedule.stats = {**schedule.stats, "ops_overhead": ops.sim.overhead}
+    return _with_bound(schedule, bound, searched, sim.compute_cost)
+
+
+def _regions(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None, backend: str,
+             gap: float, regions: Regions, drop_outputs: bool, save_self_contained: bool, save_ops: bool,
+             reuse: bool, offload: bool) -> Schedule:
+    """The segment ILP's checkpoint plan (with the plans solved earlier reused where they fit)."""
     plans_key = (graph.hash, ("plans", granularity, regions, drop_outputs, save_self_contained, save_ops, backend, gap)
                  + (("offload",) if offload else ()))
     # looked up before waiting for the graph's lock (another session may be solving for minutes), and again
@@ -320,6 +382,64 @@ def _copy(schedule: Schedule, **stats: Any) -> Schedule:
     """A copy whose stats and fields the caller may change (``solve`` sets them on what it returns)."""
     return dataclasses.replace(schedule, ops=list(schedule.ops), stats={**schedule.stats, **stats},
                                extra=dict(schedule.extra))
+
+
+def _bound(graph: Graph, budget: int, offload: bool) -> LowerBound:
+    """The lower bound at ``budget`` (:func:`bonsai_core.bound.lower_bound`; with host copies when
+    ``offload``), cached per graph and budget."""
+    return _cached((graph.hash, ("bound", int(budget), offload)),
+                   lambda: lower_bound(graph, int(budget), offload=offload, tensors=_tensors(graph)))
+
+
+def _tensors(graph: Graph) -> Tensors:
+    return _cached((graph.hash, "tensors"), lambda: Tensors(graph))
+
+
+def _within(cost: float, bound: LowerBound | None, gap: float) -> bool:
+    """Whether a plan of compute ``cost`` is within ``gap`` of the lower bound, relative to its compute cost
+    (the step's time): no schedule within the budget is more than that share faster."""
+    return bound is not None and np.isfinite(bound.cost) and _proven_gap(cost, bound) <= gap
+
+
+def _proven_gap(cost: float, bound: LowerBound) -> float:
+    """(cost - bound) / cost: how much faster a schedule within the budget could be, at most."""
+    return max(0.0, cost - bound.cost) / cost if cost > 0 else 0.0
+
+
+def _ops(graph: Graph, budget: int, clock: Deadline, backend: str, gap: float,
+         bound: LowerBound | None) -> OpsOutcome | None:
+    """The op-level plan within ``budget`` (None: none found before the clock ran out), its stats set."""
+    if bound is not None and not np.isfinite(bound.cost):
+        return None
+    start = time.perf_counter()
+    found = plan_ops(graph, budget, clock, backend, gap, points=(bound.node,) if bound and bound.node >= 0 else (),
+                     tensors=_tensors(graph))
+    if found.schedule is None:
+        return None
+    proven = None if bound is None else _proven_gap(found.sim.compute_cost, bound)
+    found.schedule.stats = {
+        "status": "optimal" if proven is not None and proven <= 1e-4 else "feasible", "gap": proven,
+        "plan_source": "ops", "space": "ops", "points": len(found.points), "rounds": found.rounds,
+        "variables": found.variables, "constraints": found.constraints, "milp_seconds": found.milp_seconds,
+        "solve_seconds": time.perf_counter() - start, "backend": backend}
+    return found
+
+
+def _with_bound(schedule: Schedule, bound: LowerBound | None, searched: list[str], cost: float) -> Schedule:
+    """``schedule`` (of compute ``cost``) with the lower bound and its distance from it in its stats, and
+    the spaces searched."""
+    stats = {**schedule.stats, "spaces": searched}
+    stats.setdefault("space", "regions")
+    if bound is not None:
+        stats.update(bound.stats(cost))
+    schedule.stats = stats
+    return schedule
+
+
+def _no_ops_plan(graph: Graph, budget: int, bound: LowerBound | None) -> BudgetError:
+    why = f" ({bound.how})" if bound is not None and not np.isfinite(bound.cost) else ""
+    return BudgetError(f"bonsai found no op-level plan of {graph.name!r} within {format_bytes(budget)}{why}. Raise "
+                       "the budget or the time limit, or search checkpoint regions too (space 'auto').")
 
 
 def _solve(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None,

@@ -36,12 +36,10 @@ from bonsai_core.solvers.stages import stage_sequence
 from bonsai_core.units import format_bytes
 
 # Methods asked for a start, in turn: the plain schedule (optimal when it fits), the heuristics (a
-# fraction of a second), Moccasin's CP model (the stage model with at most two computations per node:
-# its optimum is at most the cost of any schedule that rebuilds each node once, such as bonsai's),
-# then bonsai's segment ILP.
+# fraction of a second), Moccasin's CP model (the stage model with at most two computations per node),
+# then bonsai (whose op-level plans may compute a node more than twice, so even a proven moccasin
+# optimum does not make it redundant).
 START_METHODS = ("none", "chen", "dtr", "moccasin", "bonsai")
-# Beaten by a proven moccasin optimum: schedules that compute each node at most twice.
-AT_MOST_TWICE = ("bonsai",)
 # Share of the search's seconds moccasin may use (the others are fast; they get what is left).
 MOCCASIN_SHARE = 2 / 3
 # Slack when checking a start against the model's rows (memory units are near 1).
@@ -226,8 +224,7 @@ def find_start(graph: Graph, budget: int | None, small: Graph, kept: np.ndarray,
                budget_units: float, seconds: float) -> StartSearch:
     """The cheapest schedule among :data:`START_METHODS`' that is a feasible point of the MILP,
     within about ``seconds`` for all of them; a note per method (its cost, or why it is no start).
-    Stops at a schedule with no recomputation (optimal), and skips :data:`AT_MOST_TWICE` after a
-    proven moccasin optimum, which they cannot beat."""
+    Stops at a schedule with no recomputation (optimal)."""
     from bonsai_core.solvers import solve
 
     clock = time.perf_counter()
@@ -238,9 +235,6 @@ def find_start(graph: Graph, budget: int | None, small: Graph, kept: np.ndarray,
             left = min(left, seconds * MOCCASIN_SHARE)
         if left <= 0:
             search.notes[method] = "skipped: no time left"
-            continue
-        if method in AT_MOST_TWICE and search.notes.get("moccasin", "").startswith("optimal"):
-            search.notes[method] = "skipped: moccasin's proven optimum is no costlier"
             continue
         try:
             schedule = solve(graph, budget, method, time_limit=left)

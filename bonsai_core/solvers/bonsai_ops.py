@@ -1,0 +1,485 @@
+"""Bonsai's op-level plans (``space="ops"``): which tensors are resident at a few memory points of the
+listed order, solved as a small MILP, and run lazily (docs/BONSAI.md, "Op-level plans").
+
+A checkpoint plan rebuilds whole regions once; the cheapest schedules of a real step do more: drop a
+residual stream at the backward pass's first peak and rebuild it once the loss's tensors are gone,
+keep the matmuls' outputs and rebuild the cheap ops between them one block at a time. Here the step
+runs in its listed order, and at a few **points** of that order (first computations where the memory
+is tightest) a MILP decides, per tensor computed before the point, whether it is resident there (``p``)
+or recomputed in the window up to the next point (``z``), at the least recomputation cost:
+
+* the memory at each point (the fixed memory, FSDP's unsharded block, the op's output, the resident
+  tensors) stays within the budget;
+* a tensor read in a window is resident at its start or recomputed in it; one resident at a point was
+  resident at the previous one or recomputed since; recomputing a tensor needs its inputs resident at
+  the window's start or recomputed in it too (the same rules as the lower bound, :mod:`bonsai_core.bound`).
+
+The plan runs as a compute sequence (:func:`lazy_sequence`): the listed order, where at each point the
+tensors the MILP leaves out become unavailable (their copies freed after their last read before it),
+and a missing input is rebuilt, with its missing inputs, right before the op that reads it; a rebuilt
+tensor stays while a later op or a later rebuild reads it. The simulator judges the result: the
+positions where it peaks over the budget become points, a point where it peaks gets a lower budget in
+the MILP (memory inside a window the MILP does not see), and the model is solved again, until the plan
+fits or the time runs out (:func:`plan_ops`: also a run that counts its bytes, and a greedy repair once
+the MILP is slow).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import scipy.sparse as sp
+
+from bonsai_core.bound import GIB, Tensors
+from bonsai_core.errors import SolverError
+from bonsai_core.graph import Graph
+from bonsai_core.schedule import COMPUTE, Schedule, SimResult, hold_separated_outputs, schedule_ops, simulate
+from bonsai_core.solvers.deadline import Deadline
+from bonsai_core.solvers.sparse_milp import SparseMilp, SparseOutcome, solve_sparse_milp
+
+MAX_ROUNDS = 16  # MILP solves per plan: points added or the budget tightened between them
+NEW_POINTS = 4  # over-budget stretches of a simulated plan that become points, per round
+ROUND_SHARE = 0.25  # of the time left, what one round's MILP may take (at least ROUND_SECONDS)
+ROUND_SECONDS = 2.0
+EXTRA_ROUNDS = 3  # rounds after a plan that fits is found, while the lazy run itself does not fit yet
+IMPROVE_SHARE = 0.5  # of the time left, for solving a fitting plan's MILP once more from its solution
+MILP_SHARE = 0.25  # a MILP slower than this share of the time left: the rounds after it repair its plan
+REPAIR_AFTER_SECONDS = 30.0  # ... or slower than this without a time limit
+
+
+def read_between(tensors: Tensors, s: int, lo: int, hi: int) -> bool:
+    """Whether a position in (lo, hi] reads storage s."""
+    r = tensors.readers[s]
+    i = bisect.bisect_right(r, lo)
+    return i < len(r) and r[i] <= hi
+
+
+@dataclass(frozen=True)
+class PointModel:
+    """The MILP at a set of points (sorted positions): ``milp`` and where each point's columns start
+    (``p`` then ``z`` over the storages listed before the point)."""
+
+    points: tuple[int, ...]
+    milp: SparseMilp
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+
+
+def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[int, ...]) -> PointModel:
+    """The MILP of the module docstring at ``points``, memory rows in GiB against ``budget`` (bytes, or
+    bytes per point)."""
+    g = tensors.graph
+    n = g.n
+    rows_r, rows_c, rows_v, lower, upper = [], [], [], [], []
+    cost_parts, starts, counts, forced = [], [], [], []
+    column = 0
+
+    def add(r: np.ndarray, c: np.ndarray, v: np.ndarray) -> None:
+        rows_r.append(r), rows_c.append(c), rows_v.append(v)
+
+    for k, t in enumerate(points):
+        vs = tensors.storages[tensors.storages < t]
+        m = len(vs)
+        starts.append(column), counts.append(m)
+        cost_parts += [np.zeros(m), g.cost[vs]]
+        column += 2 * m
+    col_of = lambda k, v, kind: starts[k] + kind * counts[k] + np.searchsorted(  # noqa: E731
+        tensors.storages[tensors.storages < points[k]], v)
+    nrow = 0
+    for k, t in enumerate(points):
+        vs = tensors.storages[tensors.storages < t]
+        m = len(vs)
+        p0, z0 = starts[k], starts[k] + m
+        held = vs[g.mem[vs] > 0]
+        add(np.full(len(held), nrow), p0 + np.searchsorted(vs, held), g.mem[held] / GIB)
+        limit = budget[t] if isinstance(budget, dict) else budget
+        lower.append(-np.inf), upper.append((limit - tensors.base(t)) / GIB)
+        nrow += 1
+        forced += (p0 + np.searchsorted(vs, tensors.reads[t])).tolist()
+        pairs = [(i, u) for i, v in enumerate(vs.tolist()) for u in tensors.reads[v]]  # z_v <= p_u + z_u
+        if pairs:
+            i, u = (np.array(x, dtype=np.int64) for x in zip(*pairs))
+            j = np.searchsorted(vs, u)
+            r = nrow + np.arange(len(i))
+            add(np.repeat(r, 3), np.stack([z0 + i, p0 + j, z0 + j], 1).ravel(),
+                np.tile([1.0, -1.0, -1.0], len(i)))
+            lower += [-np.inf] * len(i)
+            upper += [0.0] * len(i)
+            nrow += len(i)
+        nxt = points[k + 1] if k + 1 < len(points) else n - 1
+        if k + 1 < len(points):  # p_{v,k+1} <= p_{v,k} + z_{v,k}
+            r = nrow + np.arange(m)
+            add(np.repeat(r, 3), np.stack([col_of(k + 1, vs, 0), p0 + np.arange(m), z0 + np.arange(m)], 1).ravel(),
+                np.tile([1.0, -1.0, -1.0], m))
+            lower += [-np.inf] * m
+            upper += [0.0] * m
+            nrow += m
+        needed = np.array([read_between(tensors, int(v), t, nxt) for v in vs.tolist()], dtype=bool)
+        idx = np.flatnonzero(needed)
+        r = nrow + np.arange(len(idx))
+        add(np.repeat(r, 2), np.stack([p0 + idx, z0 + idx], 1).ravel(), np.ones(2 * len(idx)))
+        lower += [1.0] * len(idx)
+        upper += [np.inf] * len(idx)
+        nrow += len(idx)
+    matrix = sp.csr_matrix((np.concatenate(rows_v), (np.concatenate(rows_r), np.concatenate(rows_c))),
+                           shape=(nrow, column))
+    low, high = np.zeros(column), np.ones(column)
+    low[forced] = 1.0
+    milp = SparseMilp(np.concatenate(cost_parts), matrix, np.asarray(lower), np.asarray(upper), low, high,
+                      np.ones(column, dtype=bool))
+    return PointModel(tuple(points), milp, tuple(starts), tuple(counts))
+
+
+def absent_at(tensors: Tensors, model: PointModel, values: np.ndarray) -> dict[int, np.ndarray]:
+    """Per point, the storages the MILP's solution leaves out there."""
+    out = {}
+    for k, t in enumerate(model.points):
+        vs = tensors.storages[tensors.storages < t]
+        present = values[model.starts[k]:model.starts[k] + model.counts[k]] > 0.5
+        out[t] = vs[~present]
+    return out
+
+
+def lazy_sequence(tensors: Tensors, absent: dict[int, np.ndarray], budget: int | None = None) -> list[int]:
+    """The plan's compute sequence (module docstring). With ``budget``, the run also keeps count of the
+    bytes it holds (the storages available and read later, the rebuilt ones kept, and what every schedule
+    holds at the next op) and, where that passes the budget, lets go of kept rebuilt tensors, the one read
+    last first (rebuilt again when read). O((n + edges) · depth of the rebuilds)."""
+    g = tensors.graph
+    n = g.n
+    views: list[list[int]] = [[] for _ in range(n)]
+    for v in np.flatnonzero(g.is_view).tolist():
+        views[int(tensors.storage[v])].append(v)
+    users = [g.users(v).tolist() for v in range(n)]
+    available = np.zeros(n, dtype=bool)
+    computed = np.zeros(n, dtype=bool)
+    seq: list[int] = []
+    rebuilt: set[int] = set()
+    held = _Held(tensors)
+
+    def rebuild(v: int) -> None:  # v and its missing inputs, inputs first (an explicit stack: deep chains)
+        stack = [(v, False)]
+        while stack:
+            u, ready = stack.pop()
+            if available[u]:
+                continue
+            if ready:
+                seq.append(u)
+                available[u] = True
+                rebuilt.add(u)
+                held.add(u)
+                continue
+            stack.append((u, True))
+            stack.extend((d, False) for d in g.deps(u).tolist() if not available[d])
+
+    def let_go(nodes: Iterable[int]) -> None:
+        for t in nodes:
+            available[t] = False
+            available[views[t]] = False
+            held.drop(t)
+
+    for x in range(n):
+        if x in absent:
+            let_go(absent[x].tolist())
+            rebuilt = {t for t in rebuilt if available[t]}
+        for d in g.deps(x).tolist():
+            if not available[d]:
+                rebuild(d)
+        seq.append(x)
+        available[x] = computed[x] = True
+        if _read_later(tensors, int(tensors.storage[x]), x):
+            held.add(x)
+        for s in tensors.reads[x]:
+            if s not in rebuilt and not _read_later(tensors, s, x):
+                held.drop(s)
+        if rebuilt:
+            keep = _still_needed(tensors, rebuilt, users, computed, available, x)
+            let_go(rebuilt - keep)
+            rebuilt = keep
+            if budget is not None and x + 1 < n:
+                excess = held.bytes + int(tensors.held[x + 1]) - budget
+                if excess > 0:
+                    gone = _farthest(tensors, rebuilt, x, excess)
+                    let_go(gone)
+                    rebuilt -= set(gone)
+    return seq
+
+
+class _Held:
+    """The bytes of the storages a lazy run holds (its count: an estimate, the simulator judges)."""
+
+    def __init__(self, tensors: Tensors) -> None:
+        self.tensors, self.nodes, self.bytes = tensors, set(), 0
+
+    def add(self, v: int) -> None:
+        mem = int(self.tensors.graph.mem[v])
+        if mem > 0 and v not in self.nodes and not self.tensors.graph.is_view[v]:
+            self.nodes.add(v)
+            self.bytes += mem
+
+    def drop(self, v: int) -> None:
+        if v in self.nodes:
+            self.nodes.discard(v)
+            self.bytes -= int(self.tensors.graph.mem[v])
+
+
+def _read_later(tensors: Tensors, s: int, x: int) -> bool:
+    r = tensors.readers[s]
+    return bisect.bisect_right(r, x) < len(r)
+
+
+def _next_read(tensors: Tensors, s: int, x: int) -> int:
+    r = tensors.readers[s]
+    i = bisect.bisect_right(r, x)
+    return r[i] if i < len(r) else -1
+
+
+def _farthest(tensors: Tensors, rebuilt: set[int], x: int, excess: int) -> list[int]:
+    """Rebuilt tensors to let go of after position x, read last first (those only a later rebuild reads
+    before any), until their bytes cover ``excess``; none the next position reads."""
+    g = tensors.graph
+    wanted = set(tensors.reads[x + 1])
+    order = sorted((t for t in rebuilt if g.mem[t] > 0 and not g.is_view[t] and t not in wanted),
+                   key=lambda t: -(_next_read(tensors, t, x) % (g.n + 1)))
+    gone, freed = [], 0
+    for t in order:
+        if freed >= excess:
+            break
+        gone.append(t)
+        freed += int(g.mem[t])
+    return gone
+
+
+def _still_needed(tensors: Tensors, rebuilt: set[int], users: list[list[int]], computed: np.ndarray,
+                  available: np.ndarray, x: int) -> set[int]:
+    """The rebuilt tensors a later op or a later rebuild reads: those with a later reader, and the inputs
+    of missing tensors that are (transitively) needed later."""
+    wanted: dict[int, bool] = {}
+
+    def pending(u: int) -> bool:  # computed, missing now, and read later or by a pending user
+        stack, order = [u], []
+        while stack:
+            w = stack.pop()
+            if w in wanted:
+                continue
+            wanted[w] = False
+            order.append(w)
+            if computed[w] and not available[w]:
+                stack.extend(users[w])
+        for w in sorted(order, reverse=True):  # users come later in the listed order
+            later = _read_later(tensors, int(tensors.storage[w]), x) or any(wanted.get(y, False) for y in users[w])
+            wanted[w] = bool(computed[w] and not available[w] and later)
+        return wanted[u]
+
+    return {t for t in rebuilt if _read_later(tensors, int(tensors.storage[t]), x) or any(pending(w) for w in users[t])}
+
+
+@dataclass
+class OpsOutcome:
+    """What the op-level search ended with: its best plan within the budget (None: none found), the
+    rounds (MILP solves), the points, the last model's size and its MILP's outcome."""
+
+    schedule: Schedule | None
+    sim: SimResult | None
+    rounds: int
+    points: tuple[int, ...]
+    variables: int
+    constraints: int
+    milp_seconds: float
+    note: str
+
+
+def _peak_positions(graph: Graph, ops: list[tuple[str, int]], timeline: np.ndarray, budget: int,
+                    count: int) -> list[tuple[int, int, int]]:
+    """(excess, position, op) of the highest op of each stretch of ops over ``budget``, the position the
+    listed position of the next first computation (the op whose inputs a rebuild was for), the ``count``
+    highest."""
+    first_at = np.full(len(ops) + 1, graph.n - 1, dtype=np.int64)
+    seen = np.zeros(graph.n, dtype=bool)
+    nxt = graph.n - 1
+    firsts = []
+    for i, (kind, v) in enumerate(ops):
+        if kind == COMPUTE and not seen[v]:
+            seen[v] = True
+            firsts.append((i, v))
+    j = len(firsts) - 1
+    for i in range(len(ops) - 1, -1, -1):
+        while j >= 0 and firsts[j][0] >= i:
+            nxt = firsts[j][1]
+            j -= 1
+        first_at[i] = nxt if ops[i][0] == COMPUTE else first_at[i + 1] if i + 1 < len(ops) else nxt
+    over = timeline > budget
+    found = []
+    i = 0
+    while i < len(ops):
+        if not over[i]:
+            i += 1
+            continue
+        j = i
+        while j < len(ops) and over[j]:
+            j += 1
+        top = i + int(np.argmax(timeline[i:j]))
+        found.append((int(timeline[top] - budget), int(first_at[top]), top))
+        i = j
+    return sorted(found, reverse=True)[:count]
+
+
+def plan_ops(graph: Graph, budget: int, clock: Deadline, backend: str = "highs", gap: float = 0.01,
+             points: tuple[int, ...] = (), tensors: Tensors | None = None) -> OpsOutcome:
+    """The cheapest op-level plan within ``budget`` this search finds before ``clock`` runs out (the
+    module docstring), starting from ``points`` (positions; the simulated peaks of the first plans add
+    more). Each round runs the plan lazily and, where that peaks over the budget, counting its bytes too
+    (:func:`_runs`); a plan that fits is kept, and the rounds go on (at most EXTRA_ROUNDS more once one
+    fits) until the lazy run fits. Once a round's MILP takes more than MILP_SHARE of the time left (a large
+    step, a short limit), the rounds after it keep its solution and repair the plan instead: at each
+    position where it peaks over the budget, the resident tensors that op does not read are left out there,
+    cheapest per byte first, until the excess is covered. A plan that fits from a MILP stopped short of
+    ``gap`` is solved once more from its solution with half the time left."""
+    search = _Search(graph, budget, clock, backend, gap, tensors or Tensors(graph), points)
+    search.run()
+    best = search.best
+    return OpsOutcome(best[0] if best else None, best[1] if best else None, search.rounds,
+                      tuple(sorted(search.absent)) if search.absent else search.points, search.size[0],
+                      search.size[1], search.seconds, search.note)
+
+
+class _Search:
+    """The rounds of :func:`plan_ops` and what they carry from one to the next."""
+
+    def __init__(self, graph: Graph, budget: int, clock: Deadline, backend: str, gap: float, tensors: Tensors,
+                 points: tuple[int, ...]) -> None:
+        self.graph, self.budget, self.clock, self.backend, self.gap = graph, budget, clock, backend, gap
+        self.tensors = tensors
+        self.points = tuple(sorted(set(int(p) for p in points))) or (
+            int(np.argmax(tensors.held + _plain_need(tensors))),)
+        self.target = {p: budget for p in self.points}  # each point's budget in the model, lowered where it peaks
+        self.absent: dict[int, np.ndarray] | None = None  # the last MILP's solution, then repaired
+        self.best: tuple[Schedule, SimResult] | None = None
+        self.rounds, self.seconds, self.size, self.note = 0, 0.0, (0, 0), "no round ran"
+        self.repairing = self.improving = self.repaired = False
+        self.model: PointModel | None = None
+        self.found: SparseOutcome | None = None
+        self.extra = EXTRA_ROUNDS
+
+    def run(self) -> None:
+        while self.rounds < MAX_ROUNDS and not self.clock.passed():
+            self.rounds += 1
+            if not self.repairing and not self.solve():
+                return
+            (ops, sim), counted = _runs(self.tensors, self.absent, self.budget)
+            for schedule in (ops, sim), counted:
+                if schedule is not None and schedule[1].peak <= self.budget:
+                    self.keep(*schedule)
+            if sim.peak <= self.budget:
+                self.note = "fits"
+                if self.improving or self.repaired or (self.found.outcome.gap or 0.0) <= self.gap:
+                    return
+                self.improving, self.repairing = True, False  # its MILP stopped short of the gap: once more
+                continue
+            if self.improving or (self.best is not None and self.extra <= 0):
+                return
+            if self.best is not None:
+                self.extra -= 1
+            self.refine(ops, sim)
+
+    def solve(self) -> bool:
+        """The round's MILP (or the last one again, from its solution); False: nothing more to run."""
+        start = self.found.values if self.improving else None
+        if not self.improving:
+            self.model = point_model(self.tensors, {p: self.target.get(p, self.budget) for p in self.points},
+                                     self.points)
+            self.size = (len(self.model.milp.cost), self.model.milp.matrix.shape[0])
+        share = IMPROVE_SHARE if self.improving else ROUND_SHARE
+        found, spent = _milp_round(self.model, self.backend, self.gap, self.clock, start, share)
+        self.seconds += spent
+        if found is None or found.values is None:
+            if self.absent is None:
+                self.note = "the MILP found no plan" + (
+                    " in time" if found is None else f" at {len(self.points)} point(s)")
+                return False
+            if self.improving:
+                return False
+            self.repairing = True  # keep the last plan and repair it
+            return True
+        self.found, self.repaired = found, False
+        self.absent = absent_at(self.tensors, self.model, found.values)
+        left = self.clock.remaining()  # another MILP like this one would not leave enough time: repair
+        self.repairing = spent > (REPAIR_AFTER_SECONDS if left is None else MILP_SHARE * left)
+        return True
+
+    def keep(self, ops: list[tuple[str, int]], sim: SimResult) -> None:
+        if self.best is None or sim.compute_cost < self.best[1].compute_cost:
+            self.best = (Schedule(graph=self.graph.name, method="bonsai", ops=ops, graph_hash=self.graph.hash,
+                                  extra={"points": sorted(int(p) for p in self.absent)}), sim)
+
+    def refine(self, ops: list[tuple[str, int]], sim: SimResult) -> None:
+        """Points added and tightened where the lazy run peaks over, or the plan repaired there."""
+        over = _peak_positions(self.graph, ops, sim.timeline, self.budget, NEW_POINTS)
+        if self.repairing:
+            for excess, position, at in over:
+                self.absent[position] = _left_out(self.tensors, sim, position, at, excess, self.absent.get(position))
+            self.repaired, self.note = True, "repaired"
+            return
+        for excess, p, _ in over:  # a peak inside a window the MILP sees only at its point: its budget goes down
+            if p in self.points:
+                self.target[p] = self.target.get(p, self.budget) - excess
+        self.points = tuple(sorted(set(self.points) | {p for _, p, _ in over}))
+        self.note = "points added or tightened"
+
+
+def _runs(tensors: Tensors, absent: dict[int, np.ndarray], budget: int
+          ) -> tuple[tuple[list[tuple[str, int]], SimResult], tuple[list[tuple[str, int]], SimResult] | None]:
+    """The plan's lazy run and its simulation; where that peaks over the budget, also the run that counts
+    its bytes against the budget (:func:`lazy_sequence`), else None."""
+    g = tensors.graph
+    ops = hold_separated_outputs(g, schedule_ops(g, lazy_sequence(tensors, absent)))
+    sim = simulate(g, ops)
+    if sim.peak <= budget:
+        return (ops, sim), None
+    counted = hold_separated_outputs(g, schedule_ops(g, lazy_sequence(tensors, absent, budget)))
+    return (ops, sim), (counted, simulate(g, counted))
+
+
+def _milp_round(model: PointModel, backend: str, gap: float, clock: Deadline, start: np.ndarray | None,
+                share: float) -> tuple[SparseOutcome | None, float]:
+    """One round's MILP with ``share`` of the time left (at least ROUND_SECONDS), from ``start``; (None:
+    no solution in time, seconds spent)."""
+    begin, left = time.perf_counter(), clock.remaining()
+    try:
+        found = solve_sparse_milp(model.milp, backend, start, gap=gap,
+                                  time_limit=None if left is None else max(ROUND_SECONDS, share * left))
+    except SolverError:
+        found = None
+    return found, time.perf_counter() - begin
+
+
+def _left_out(tensors: Tensors, sim: SimResult, position: int, at: int, excess: int,
+              already: np.ndarray | None) -> np.ndarray:
+    """``already`` and more storages to leave out at ``position``: of those resident at op ``at`` (where the
+    plan peaks ``excess`` bytes over), computed before ``position`` and not read by it, the cheapest per
+    byte, until their bytes cover the excess."""
+    g = tensors.graph
+    live = np.unique(tensors.storage[sim.residency.live_at(at)])
+    live = live[(live < position) & (g.mem[live] > 0) & ~np.isin(live, tensors.reads[position])]
+    if already is not None:
+        live = live[~np.isin(live, already)]
+    order = live[np.argsort(g.cost[live] / g.mem[live], kind="stable")]
+    taken = order[:int(np.searchsorted(np.cumsum(g.mem[order]), excess)) + 1]
+    return taken if already is None else np.union1d(already, taken)
+
+
+def _plain_need(tensors: Tensors) -> np.ndarray:
+    """Bytes of the storages computed before each position and read at or after it, in listed order: the
+    plain schedule's memory there less what :attr:`Tensors.held` counts."""
+    g = tensors.graph
+    delta = np.zeros(g.n + 1)
+    for s in tensors.storages.tolist():
+        readers = tensors.readers[s]
+        if readers and g.mem[s] > 0 and readers[-1] > s:
+            delta[s + 1] += g.mem[s]
+            delta[readers[-1] + 1] -= g.mem[s]
+    return np.cumsum(delta)[:g.n]
