@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from bonsai_core.arguments import (RESHARD_CHOICES, SOLVE_TIME_LIMIT, allocator_policy, budget_arg, overhead_arg, positive, positive_int,
+from bonsai_core.arguments import (RESHARD_CHOICES, SCHEDULES, SOLVE_TIME_LIMIT, allocator_policy, budget_arg, overhead_arg, positive, positive_int,
                                    reserved_policy, reshard_arg, solve_time_limit, time_limit_arg)
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.optimizer import OPTIMIZERS
@@ -41,7 +41,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
-    """--fsdp N and --reshard-after-forward, shared by trace and fit."""
+    """--fsdp N, --reshard-after-forward and the rest of a parallel layout (--tp, --cp, --pp, ...), shared by
+    trace and fit."""
     p.add_argument("--fsdp", type=positive_int, default=1, metavar="N",
                    help="plan one of N ranks of FSDP2 (fully_shard on each block and on the model): sharded parameters, "
                         "gradients and optimizer state, and the unsharded blocks over the step (default 1: no sharding)")
@@ -56,9 +57,32 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
                         "computed in this dtype; default: none, bf16 for torchtitan: models (torchtitan's)")
 
 
+    p.add_argument("--dp-replicate", type=positive_int, default=1, metavar="N",
+                   help="HSDP: N replicas of the FSDP group (torchtitan's data_parallel_replicate_degree; default 1)")
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                   help="tensor parallel degree: the rank traced with DTensor TP as the model's library applies it "
+                        "(torchtitan's parallelize_llama, transformers' tp_plan), on a fake process group (default 1)")
+    p.add_argument("--cp", type=positive_int, default=1, metavar="N",
+                   help="context parallel degree (torchtitan: models): the sequence sharded, ring attention (default 1)")
+    p.add_argument("--pp", type=positive_int, default=1, metavar="N",
+                   help="pipeline parallel degree (torchtitan: models): the stage(s) of --rank (default 1)")
+    p.add_argument("--pp-schedule", choices=tuple(SCHEDULES), default="1f1b",
+                   help="with --pp: torch.distributed.pipelining's Schedule1F1B or ScheduleInterleaved1F1B")
+    p.add_argument("--microbatches", type=positive_int, default=None, metavar="M",
+                   help="with --pp: microbatches per step (default: one sequence each, torchtitan's default)")
+    p.add_argument("--rank", type=int, default=0, metavar="R", help="with --pp: the pipeline rank traced (default 0)")
+    p.add_argument("--async-tp", action="store_true",
+                   help="torchtitan's AsyncTP: refused, it is an Inductor pass under torch.compile (docs/REAL_RUNS.md)")
+
+
 def fsdp_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The sharding options of trace and fit: FSDP2's, and the parallel layout where it is more than FSDP."""
+    from bonsai_core.parallel import layout_of
+
+    layout = layout_of(args.fsdp, args.tp, args.cp, args.pp, args.dp_replicate, args.pp_schedule, args.microbatches,
+                       args.rank, args.async_tp)
     return {"fsdp": args.fsdp, "reshard_after_forward": args.reshard_after_forward,
-            "mixed_precision": args.mixed_precision}
+            "mixed_precision": args.mixed_precision, **({"parallel": layout} if layout.is_parallel else {})}
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:

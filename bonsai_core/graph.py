@@ -71,6 +71,8 @@ class Graph:
         fsdp: None, or ``{"world", "reshard_after_forward", "root_bytes", "units"[, "param_dtype",
             "reduce_dtype"]}``: the step as one FSDP
             rank holds it (:mod:`bonsai_core.fsdp`); ``units`` are [path, first, last, parameter bytes].
+        parallel: None, or ``{"layout": {degrees, ...}[, "pipeline": {...}]}``: the rank of a tensor, context
+            or pipeline parallel run this graph is (:mod:`bonsai_core.parallel`, :mod:`bonsai_core.pipeline`).
         names, ops, phases, shapes: per-node strings.
         cost: float64[n], seconds to compute each node (0 only for views).
         mem: int64[n], bytes of each node's output(s) (0 for views).
@@ -102,6 +104,7 @@ class Graph:
         modules: Sequence[Sequence[Any]] = (),
         optimizer: dict[str, Any] | None = None,
         fsdp: dict[str, Any] | None = None,
+        parallel: dict[str, Any] | None = None,
         inplace_of: Iterable[int | None] | None = None,
         held: Sequence[Sequence[int]] | None = None,
     ) -> None:
@@ -127,6 +130,9 @@ class Graph:
         # optional: the FSDP rank this graph is (bonsai_core.fsdp): sharded state and the root's parameters
         # are in fixed_mem; the blocks' unsharded bytes are the simulator's (fsdp.working_profile)
         self.fsdp = None if fsdp is None else dict(fsdp)
+        # optional: the layout of the parallel run whose rank this graph is (bonsai_core.parallel); with
+        # "pipeline", the stages and microbatches the simulator's pipeline rule replays (bonsai_core.pipeline)
+        self.parallel = None if parallel is None else dict(parallel)
         try:
             self.cost = np.asarray(list(cost), dtype=np.float64)
             self.mem = np.asarray(list(mem), dtype=np.int64)
@@ -169,7 +175,8 @@ class Graph:
     @classmethod
     def from_nodes(cls, name: str, fixed_mem: int, nodes: Sequence[dict[str, Any]],
                    fixed_tensors: Sequence[Sequence[Any]] = (), modules: Sequence[Sequence[Any]] = (),
-                   optimizer: dict[str, Any] | None = None, fsdp: dict[str, Any] | None = None) -> "Graph":
+                   optimizer: dict[str, Any] | None = None, fsdp: dict[str, Any] | None = None,
+                   parallel: dict[str, Any] | None = None) -> "Graph":
         """Build a graph from node dicts (``name, op, phase, cost, mem, deps`` and optional
         ``alias_of``, ``inplace_of``, ``shape``, ``held``), listed in execution order; ids are their positions."""
         return cls(
@@ -177,6 +184,7 @@ class Graph:
             modules=modules,
             optimizer=optimizer,
             fsdp=fsdp,
+            parallel=parallel,
             name=name,
             fixed_mem=fixed_mem,
             names=[nd.get("name", f"n{i}") for i, nd in enumerate(nodes)],
@@ -382,6 +390,8 @@ class Graph:
             out["optimizer"] = dict(self.optimizer)
         if self.fsdp is not None:
             out["fsdp"] = dict(self.fsdp)
+        if self.parallel is not None:
+            out["parallel"] = dict(self.parallel)
         return out
 
     @classmethod
@@ -455,8 +465,11 @@ class Graph:
         fsdp = data.get("fsdp")
         if fsdp is not None:
             fsdp = _fsdp_field(fsdp, len(parsed))
+        parallel = data.get("parallel")
+        if parallel is not None:
+            parallel = _parallel_field(parallel, len(parsed))
         return cls.from_nodes(_str_field(data.get("name", "graph"), "'name'"), fixed_mem, parsed, fixed_tensors,
-                              modules, optimizer, fsdp)
+                              modules, optimizer, fsdp, parallel)
 
 
 def _csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -527,6 +540,27 @@ def _fsdp_field(fsdp: Any, n: int) -> dict[str, Any]:
             if fsdp[field] not in dtypes:
                 raise GraphError(f"'fsdp' {field} is {fsdp[field]!r}; it must be one of {', '.join(dtypes)}.")
             out[field] = fsdp[field]
+    return out
+
+
+LAYOUT_DEGREES = ("fsdp", "dp_replicate", "tp", "cp", "pp")  # bonsai_core.parallel.Layout's degrees
+
+
+def _parallel_field(parallel: Any, n: int) -> dict[str, Any]:
+    """The optional ``parallel`` object (bonsai_core.parallel, bonsai_core.pipeline), checked."""
+    shape = ("'parallel' (optional) must be an object with 'layout' (the degrees fsdp, dp_replicate, tp, cp, pp, "
+             "each a whole number >= 1) and, for a pipeline rank, 'pipeline'.")
+    if not isinstance(parallel, dict) or not isinstance(parallel.get("layout"), dict):
+        raise GraphError(shape)
+    layout = dict(parallel["layout"])
+    for name in LAYOUT_DEGREES:
+        if _int_field(layout.get(name, 1), f"'parallel' layout {name}") < 1:
+            raise GraphError(shape)
+    out: dict[str, Any] = {"layout": layout}
+    if parallel.get("pipeline") is not None:
+        from bonsai_core.pipeline import check_field
+
+        out["pipeline"] = check_field(parallel["pipeline"], n)
     return out
 
 

@@ -180,9 +180,10 @@ def checkpoint(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], t
 
 def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor], budget: str | int = "auto",
          method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none", fsdp: int = 1,
-         reshard_after_forward: bool | str = True, mixed_precision: str | None = None, cache: bool = True,
-         cache_dir: str | os.PathLike | None = None, best_effort: bool = False, device: str | torch.device | None = None,
-         **options: Any) -> Plan:
+         reshard_after_forward: bool | str = True, mixed_precision: str | None = None, tp: int = 1, cp: int = 1,
+         pp: int = 1, dp_replicate: int = 1, pp_schedule: str = "1f1b", microbatches: int | None = None, rank: int = 0,
+         async_tp: bool = False, cache: bool = True, cache_dir: str | os.PathLike | None = None, best_effort: bool = False,
+         device: str | torch.device | None = None, **options: Any) -> Plan:
     """A checkpoint-region plan for one training step of ``model`` within ``budget``; nothing applied.
 
     Args:
@@ -205,6 +206,13 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
             torchtitan applies it: :func:`bonsai_core.fsdp.fsdp_units`);
             ``mixed_precision="bf16"``: ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32))`` on an fp32 model.
+        tp, cp, pp, dp_replicate, pp_schedule, microbatches, rank, async_tp: the rest of the layout, as
+            torchtitan's ``ParallelDims`` takes it (:class:`bonsai_core.parallel.Layout`; ``fsdp`` is its
+            ``dp_shard``): the plan is then one rank's, traced with tensor and context parallel as the model's
+            library applies them (torchtitan's ``parallelize_llama``, transformers' ``tp_plan``) on the fake
+            process group (or, inside a run, the run's own), FSDP over ``fsdp x cp`` ranks; ``pp`` > 1: the
+            pipeline stage of rank ``rank`` (:mod:`bonsai_core.pipeline`). Apply the plan before the model is
+            parallelized.
         cache: read and write the plan cache (see the module doc); ``cache_dir`` overrides its folder.
         best_effort: when no layout of checkpointed submodules realises a plan within the budget, return
             the one with the smallest predicted peak (over the budget; the report says by how much)
@@ -215,7 +223,10 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
             model's parameters (a model on ``meta`` is planned for CUDA); the report says which.
         options: the method's options (as ``bonsai solve --option``), e.g. ``time_limit=30``.
     """
+    from bonsai_core.parallel import layout_of
+
     _check_arguments(method, fsdp, options)
+    parallel = layout_of(fsdp, tp, cp, pp, dp_replicate, pp_schedule, microbatches, rank, async_tp)
     root, inputs, prefix = _step_inputs(model, example_inputs, loss_fn)
     if any(is_checkpointed(m) or is_offloading(m) for m in model.modules()):
         raise ModelError("The model is already checkpointed by bonsai: plan it as it is without checkpoints "
@@ -226,7 +237,8 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     wanted, budget_source = _budget(budget, on)
     settings = {"method": method, "budget": str(budget), "budget_bytes": wanted.bytes, "autocast": autocast,
                 "optimizer": optimizer, "fsdp": [fsdp, reshard_after_forward, mixed_precision], "options": {k: repr(v) for k, v in sorted(options.items())}, "best_effort": best_effort,
-                "device": on.type, "kernels": kernels, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None}
+                "device": on.type, "kernels": kernels, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None,
+                "layout": parallel.to_dict()}
     folder = _cache_folder(cache_dir) if cache else None
     key = _fingerprint(model, inputs, loss_fn, settings)
     hit = _read_cached(folder, key) if folder else None
@@ -235,14 +247,15 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    step = _FakeStep.of(root, inputs, loss_fn, type(model).__name__)
-    graph = step.graph(autocast, optimizer, fsdp, reshard_after_forward, mixed_precision, kernels)
-    seconds["trace"] = time.perf_counter() - start
-    reference = no_remat_peak(graph)
-    limit = wanted.resolve(reference)
-    if wanted.fraction is not None:
-        budget_source = f"{wanted} of the no-remat peak {format_bytes(reference)}"
-    schedule, save, layout = _fitted(step, graph, limit, method, options, seconds, best_effort)
+    with _world(parallel):  # a parallel rank's meshes, for its trace and the layout's runs of its step
+        step = _FakeStep.of(root, inputs, loss_fn, type(model).__name__, parallel)
+        graph = step.graph(autocast, optimizer, parallel.shard_world, reshard_after_forward, mixed_precision, kernels)
+        seconds["trace"] = time.perf_counter() - start
+        reference = no_remat_peak(graph)
+        limit = wanted.resolve(reference)
+        if wanted.fraction is not None:
+            budget_source = f"{wanted} of the no-remat peak {format_bytes(reference)}"
+        schedule, save, layout = _fitted(step, graph, limit, method, options, seconds, best_effort)
     sim = simulate(graph, schedule)
     report = Report(method=method, budget=limit, budget_source=budget_source,
                     regions=[_relative(p, prefix) for p in save], predicted_peak=layout.realised_peak,
@@ -256,6 +269,13 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     if folder:
         _write_cached(folder, key, made)
     return made
+
+
+def _world(layout: Any) -> contextlib.AbstractContextManager:
+    """The process group a parallel rank is traced in (:func:`bonsai_core.parallel.world`); none for FSDP alone."""
+    from bonsai_core.parallel import world
+
+    return world(layout) if layout.is_parallel else contextlib.nullcontext()
 
 
 def _check_arguments(method: str, fsdp: int, options: dict[str, Any]) -> None:
@@ -462,26 +482,42 @@ class _FakeStep:
     inputs: tuple[torch.Tensor, ...]
     loss_fn: Any
     name: str
+    parallel: Any = None  # the layout (bonsai_core.parallel.Layout) of the parallel run whose rank is traced
     autocast: str | None = None  # as traced (graph), for the layout's runs of the step
     mixed_precision: str | None = None  # FSDP2's param_dtype, as traced (graph): every run computes in it
     kernels: str = "cuda"  # as traced (graph): on the CPU an offload's copy ends when made
 
     @classmethod
-    def of(cls, model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, name: str) -> "_FakeStep":
+    def of(cls, model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, name: str,
+           parallel: Any = None) -> "_FakeStep":
+        """The fake copy of the step; of one rank of a ``parallel`` layout, parallelized as its library does it
+        (:func:`bonsai_core.parallel.parallelize`, the batch a context-parallel rank's share)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from bonsai_core.parallel import check_supported, cp_inputs, meshes, parallelize, with_batch
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
-            return cls(mode, _fake_copy(model, mode),
-                       tuple(_fake_of(x, mode) for x in inputs),
-                       _fake_copy(loss_fn, mode) if isinstance(loss_fn, nn.Module) else loss_fn, name)
+            step = cls(mode, _fake_copy(model, mode), tuple(_fake_of(x, mode) for x in inputs),
+                       _fake_copy(loss_fn, mode) if isinstance(loss_fn, nn.Module) else loss_fn, name, parallel)
+            if parallel is not None and parallel.is_parallel:
+                check_supported(step.model, parallel)
+                step.parallel = layout = with_batch(parallel, *step.inputs[0].shape[:2])
+                dims = meshes(step.model, layout)
+                parallelize(step.model, layout, dims)
+                if layout.cp > 1:
+                    step.inputs = cp_inputs(step.model, step.inputs, step.loss_fn, dims)
+            return step
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
         from bonsai_core.fsdp import computing_in
+        from bonsai_core.parallel import step_context
         from bonsai_core.trace.patches import skip_tensor_asserts
 
-        with self.mode, skip_tensor_asserts(), computing_in(self.model, self.mixed_precision):
+        parallel = step_context(self.model, self.parallel) if self.parallel is not None and self.parallel.is_parallel \
+            else contextlib.nullcontext()
+        with self.mode, skip_tensor_asserts(), computing_in(self.model, self.mixed_precision), parallel:
             yield
 
     def graph(self, autocast: str | None, optimizer: str, fsdp: int = 1, reshard_after_forward: bool | str = True,
@@ -501,6 +537,10 @@ class _FakeStep:
                                 kernels=kernels)
         graph = (shard_by_units(traced.graph, self.model, fsdp, reshard_after_forward, mixed_precision)
                  if fsdp > 1 else traced.graph)
+        if self.parallel is not None and self.parallel.is_parallel:
+            from bonsai_core.parallel import with_layout
+
+            graph = with_layout(graph, self.parallel)
         return with_optimizer(graph, optimizer)
 
     def layout(self, graph: Graph, schedule: Schedule) -> tuple[Save, _Layout]:

@@ -34,6 +34,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "export": ("export", "exported steps against their predictions: the zoo, every solver, real models, both back-ends"),
     "one-call": ("one_call", "bonsai.checkpoint on library models: predicted vs measured peak, call times"),
     "fsdp": ("fsdp", "FSDP2 per rank: the simulator's peak against gloo processes on CPU"),
+    "parallel": ("parallel", "tensor, pipeline and tensor x FSDP ranks: the simulator's peak against gloo processes"),
     "predicted-vs-measured": ("predicted_vs_measured", "no-remat peak: the simulator against a real eager CPU step"),
 }
 

@@ -94,15 +94,24 @@ class _Step(nn.Module):
 
 def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autocast: str | None = None,
                 fsdp: int = 1, reshard_after_forward: bool | str | None = None, mixed_precision: str | None = None,
-                kernels: str = "cuda", **options: Any) -> Traced:
+                kernels: str = "cuda", parallel: Any = None, **options: Any) -> Traced:
     """Build a model spec (:func:`bonsai_core.models.build`: a zoo name, ``hf:...`` or
     ``package.module:factory``) under FakeTensorMode and trace its step;
     with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`), with
     ``mixed_precision`` ("bf16") under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
     either left None: the model's own setting (:func:`bonsai_core.fsdp.fsdp_defaults`: torchtitan's for a
-    ``torchtitan:`` model). ``kernels``: see :func:`trace_step`."""
+    ``torchtitan:`` model). ``parallel`` (a :class:`bonsai_core.parallel.Layout` with tensor, context or
+    pipeline parallel, or HSDP): the step of one rank of that layout (:func:`bonsai_core.parallel.trace_rank`;
+    its ``fsdp`` then replaces ``fsdp``). ``kernels``: see :func:`trace_step`."""
     from bonsai_core.fsdp import check_mixed_precision, computing_in, fsdp_defaults, shard_by_units
 
+    if parallel is not None and parallel.is_parallel:
+        from bonsai_core.parallel import trace_rank
+
+        return trace_rank(name, parallel, profile=profile, seed=seed, autocast=autocast,
+                          reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision,
+                          kernels=kernels, **options)
+    fsdp = parallel.fsdp if parallel is not None else fsdp
     if mixed_precision not in (None, "none") and fsdp < 2:
         raise ModelError("--mixed-precision is FSDP2's policy: give --fsdp N (N >= 2) with it.")
     if fsdp > 1:
@@ -319,12 +328,17 @@ class _NoGradient(Exception):
 
 
 def _export_joint(step: _Step, inputs: tuple[torch.Tensor, ...], name: str, kernels: str = "cuda") -> tuple[fx.GraphModule, Any]:
-    """``aot_export_module`` of the joint step, with torch's failures turned into advice."""
+    """``aot_export_module`` of the joint step (with DTensor parameters, or as a pipeline stage, the export
+    with descriptors: :mod:`bonsai_core.trace.descriptors`), with torch's failures turned into advice."""
     from torch._functorch.aot_autograd import aot_export_module
+
+    from bonsai_core.trace.descriptors import export_joint, needs_descriptors
 
     with _quiet_meta_failures() as failures:
         try:
             with _as_in_eager(kernels):
+                if needs_descriptors(step, inputs):
+                    return export_joint(step, inputs)
                 try:
                     return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
                 except AssertionError as e:

@@ -1,0 +1,159 @@
+"""One rank of a tensor, context and FSDP/HSDP parallel layout (``bonsai_core.parallel``), traced in one process
+on the fake process group: the layout's checks, the rank's local shards and collectives, the CLI and the one
+call; and (slow) each rank against gloo processes parallelized as the model's library does it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+from bonsai_core.errors import BonsaiError, ModelError  # noqa: E402
+from bonsai_core.graph import Graph  # noqa: E402
+from bonsai_core.parallel import ASYNC_TP_REFUSED, layout_of, with_batch  # noqa: E402
+from bonsai_core.schedule import no_remat_peak  # noqa: E402
+from bonsai_core.trace import trace_model  # noqa: E402
+
+TITAN = "torchtitan:llama3:debugmodel"
+SMALL = dict(batch=2, seq=64, layers=2)  # debugmodel: dim 256, 16 heads, vocab 2048
+
+
+@pytest.fixture(scope="module")
+def titan_tp():
+    return trace_model(TITAN, parallel=layout_of(tp=2), **SMALL).graph
+
+
+@pytest.fixture(scope="module")
+def titan():
+    return trace_model(TITAN, **SMALL).graph
+
+
+def test_a_layout_is_checked_as_torchtitan_checks_it():
+    layout = layout_of(fsdp=8, tp=8, pp=8, pp_schedule="interleaved-1f1b")
+    assert layout.world == 512 and layout.shard_world == 8 and layout.is_parallel
+    assert not layout_of(fsdp=8).is_parallel and layout_of(fsdp=4, cp=2).shard_world == 8  # FSDP shards dp_shard x cp
+    for kwargs, match in [(dict(tp=0), "whole number"), (dict(async_tp=True), "Inductor pass"),
+                          (dict(pp=2, pp_schedule="gpipe"), "1f1b"), (dict(pp=2, rank=2), "0 to 1"),
+                          (dict(dp_replicate=2), "DDP"), (dict(pp=2, microbatches=0), "whole number")]:
+        with pytest.raises(BonsaiError, match=match):
+            layout_of(**kwargs)
+    with pytest.raises(BonsaiError, match="divisible by the TP degree and context parallel by 2 x CP"):
+        with_batch(layout_of(tp=2, cp=2), 1, 100)
+    with pytest.raises(BonsaiError, match="at least as many microbatches as stages"):
+        with_batch(layout_of(pp=4), 2, 64)
+    assert with_batch(layout_of(pp=2), 8, 64).microbatches == 8  # one sequence each, torchtitan's default
+    assert "torch.compile" in ASYNC_TP_REFUSED
+
+
+def test_a_tensor_parallel_rank_holds_its_shards_and_runs_the_collectives(titan, titan_tp):
+    whole = sum(b for _, b, kind in titan.fixed_tensors if kind == "param")
+    local = sum(b for _, b, kind in titan_tp.fixed_tensors if kind == "param")
+    norms = 5 * 256 * 4  # 2 x 2 block norms and the final norm: replicated (sequence parallel)
+    assert local == (whole - norms) // 2 + norms
+    ops = [titan_tp.ops[v] for v in range(titan_tp.n)]
+    for collective in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"):  # SP, and loss parallel
+        assert any(collective in op for op in ops), collective
+    assert not any("wait_tensor" in op for op in ops)  # a wait is its collective's output (an identity)
+    # the embedding's gradient is replicated where its weight is sharded by vocabulary, as DTensor computes it
+    grads = dict((name, b) for name, b, kind in titan_tp.fixed_tensors if kind == "grad")
+    assert max(grads.values()) == 2048 * 256 * 4
+    assert titan_tp.parallel == {"layout": {"fsdp": 1, "dp_replicate": 1, "tp": 2, "cp": 1, "pp": 1}}
+    again = Graph.from_dict(json.loads(json.dumps(titan_tp.to_dict())))
+    assert again.parallel == titan_tp.parallel and again.hash == titan_tp.hash
+    assert no_remat_peak(titan_tp) < no_remat_peak(titan)
+
+
+def test_tensor_parallel_under_fsdp_shards_the_local_shards_and_hsdp_shards_within_a_replica(titan_tp):
+    both = trace_model(TITAN, parallel=layout_of(tp=2, fsdp=2), mixed_precision="none", **SMALL).graph
+    hsdp = trace_model(TITAN, parallel=layout_of(tp=2, fsdp=2, dp_replicate=2), mixed_precision="none", **SMALL).graph
+    assert both.fsdp["world"] == 2 and [u[0] for u in both.fsdp["units"]] == ["tok_embeddings", "layers.0", "layers.1",
+                                                                             "norm,output"]
+    local = sum(b for _, b, kind in titan_tp.fixed_tensors if kind == "param")
+    assert sum(u[3] for u in both.fsdp["units"]) + both.fsdp["root_bytes"] == local  # FSDP gathers the TP shards
+    assert hsdp.fixed_mem == both.fixed_mem and hsdp.parallel["layout"]["dp_replicate"] == 2
+
+
+def test_hf_models_take_transformers_tp_plan_and_refuse_what_it_does_not_parallelize():
+    pytest.importorskip("transformers")
+    graph = trace_model("hf:llama", parallel=layout_of(tp=2), **SMALL).graph
+    assert any("all_reduce" in graph.ops[v] for v in range(graph.n))  # rowwise o_proj and down_proj
+    with pytest.raises(ModelError, match="torchtitan: models"):
+        trace_model("hf:llama", parallel=layout_of(cp=2), **SMALL)
+    with pytest.raises(ModelError, match="no tensor, context or pipeline parallel plan"):
+        trace_model("gpt", parallel=layout_of(tp=2))
+
+
+def test_a_context_parallel_rank_holds_its_share_of_the_sequence_and_the_ring_s_exchange():
+    graph = trace_model(TITAN, parallel=layout_of(cp=2), mixed_precision="none", **SMALL).graph
+    ops = [graph.ops[v] for v in range(graph.n)]
+    assert "aten._scaled_dot_product_flash_attention.default" in ops  # the GPU kernel ring attention runs
+    gathered = [v for v in range(graph.n) if "all_gather_into_tensor" in graph.ops[v]]
+    # each block all-gathers its keys and values (torch's default rotate method), in its forward and again in its
+    # backward: 2 ranks x (k, v) x batch 2 x 16 heads x 32 positions x 16 wide x 4 B
+    assert len(gathered) == 4 and all(graph.mem[v] == 2 * 2 * 2 * 16 * 32 * 16 * 4 for v in gathered)
+    logits = [v for v in range(graph.n) if graph.ops[v] == "aten._log_softmax.default"]
+    assert graph.mem[logits[0]] == 2 * 32 * 2048 * 4  # 32 of the 64 positions
+
+
+def test_a_512_gpu_mesh_traces_here():
+    layout = layout_of(fsdp=8, tp=8, cp=8)
+    graph = trace_model("torchtitan:llama3:8B", parallel=layout, batch=1, seq=1024, layers=1).graph
+    assert layout.world == 512 and graph.fsdp["world"] == 64 and graph.parallel["layout"]["cp"] == 8
+    # the embedding's gradient is whole on every rank (DTensor's), its reduce-scatter input the rank's shard
+    assert int(graph.mem.max()) == 128256 * 4096 * 2
+
+
+def test_cli_traces_a_layout_and_refuses_async_tp(tmp_path, capsys):
+    from bonsai_core.cli import main
+
+    out = tmp_path / "g.json"
+    assert main(["trace", TITAN, "--batch", "2", "--seq", "64", "--layers", "2", "--tp", "2", "--fsdp", "2",
+                 "-o", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["parallel"]["layout"]["tp"] == 2 and data["fsdp"]["world"] == 2
+    capsys.readouterr()
+    assert main(["trace", TITAN, "--tp", "2", "--async-tp", "-o", str(out)]) == 1
+    assert "Inductor pass" in capsys.readouterr().err
+
+
+def test_the_one_call_plans_a_tensor_parallel_rank():
+    import torch
+    from torchtitan.models.llama3 import Transformer
+
+    from bonsai_core.models import torchtitan as tt
+    from bonsai_core.torchtitan import plan_for
+
+    with torch.device("meta"):
+        model = Transformer(tt.model_args("llama3:debugmodel", layers=2, seq=64))
+    made = plan_for(model, 2, 64, "90%", tp=2, optimizer="none", cache=False)
+    assert made.graph.parallel["layout"]["tp"] == 2 and made.report.predicted_peak <= made.report.budget
+    assert any(path.startswith("layers.") for path in made.save)
+
+
+# -- against gloo processes parallelized as the model's library does it -----------------------------------
+
+GLOO = [("torchtitan:llama3:debugmodel", "tp2", "70%"), ("torchtitan:llama3:debugmodel", "fsdp2.tp2", "80%"),
+        ("hf:llama", "tp2", "70%"), ("hf:llama", "fsdp2.tp2", "70%")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, layout, budget", GLOO)
+def test_every_rank_is_predicted_within_2_percent_with_and_without_a_plan(model, layout, budget):
+    """Each rank's steady-step peak against its prediction: the rank's graph without recomputation, and the one
+    call's plan for the layout applied before the model is parallelized (the same loss)."""
+    if model.startswith("hf:"):
+        pytest.importorskip("transformers")
+    from bonsai_core.bench import parallel as bench
+
+    spec, options = bench.parse_layout(layout), bench.SIZES[model]
+    plain = bench.measure(model, options, spec)
+    expected = bench.predicted(model, options, spec, None)
+    planned = bench.measure(model, options, spec, budget)
+    for rank in plain:
+        assert abs(rank["peak"] / expected - 1) <= 0.02, (rank["peak"], expected)
+    for rank, without in zip(planned, plain):
+        assert abs(rank["peak"] / rank["predicted"] - 1) <= 0.02, (rank["peak"], rank["predicted"])
+        assert rank["peak"] < without["peak"]
+        assert rank["loss"] == pytest.approx(without["loss"], rel=1e-5)
