@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from bonsai_core.budget import smallest_meeting
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak
@@ -136,12 +137,7 @@ def search_sizes(evaluate: Callable[[int], dict[str, bool]], methods: list[str],
         hi = min((s for s, r in seen.items() if not r.get(m) and s > lo), default=None)
         if hi is None:
             continue
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if ask(mid).get(m):
-                lo = mid
-            else:
-                hi = mid
+        smallest_meeting(lambda size: not ask(size).get(m), lo, hi)  # the first size it does not fit
 
 
 def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_overhead: float = 0.1,

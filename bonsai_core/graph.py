@@ -20,6 +20,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -280,14 +281,15 @@ class Graph:
     def with_view_bases(self, nodes: set[int]) -> set[int]:
         """``nodes`` and the bases of every view among them, transitively: what must be resident
         while they are (a resident view keeps its base resident)."""
-        live = set(nodes)
-        stack = list(live)
-        while stack:
-            a = int(self.alias_of[stack.pop()])
-            if a >= 0 and a not in live:
-                live.add(a)
-                stack.append(a)
-        return live
+        return {u for v in nodes for u in self.view_chain(v)}
+
+    def view_chain(self, v: int) -> list[int]:
+        """``v``, the node it views, the node that one views, ... up to the node whose bytes they all share
+        (:meth:`storage_of`): what a resident ``v`` keeps resident. O(length of the chain)."""
+        chain = [int(v)]
+        while self.alias_of[chain[-1]] >= 0:
+            chain.append(int(self.alias_of[chain[-1]]))
+        return chain
 
     def without_held(self) -> "Graph":
         """This graph with only its data deps: what the model's code holds (``held``) dropped. Its data flow,
@@ -306,10 +308,10 @@ class Graph:
         """The node whose bytes ``v`` shares: ``v`` itself, or the base at the end of its chain of
         views (a view of a view ...). With ``stop_before`` (bool[n]), the walk ends at the last node
         before a base marked there. O(length of the chain)."""
-        v = int(v)
-        while self.alias_of[v] >= 0 and (stop_before is None or not stop_before[self.alias_of[v]]):
-            v = int(self.alias_of[v])
-        return v
+        chain = self.view_chain(v)
+        if stop_before is None:
+            return chain[-1]
+        return next((u for u, base in zip(chain, chain[1:]) if stop_before[base]), chain[-1])
 
     @property
     def optimizer_peak(self) -> int:
@@ -335,6 +337,22 @@ class Graph:
     def deps(self, v: int) -> np.ndarray:
         """Sorted ids of the nodes whose outputs node ``v`` reads."""
         return self.dep_idx[self.dep_ptr[v]:self.dep_ptr[v + 1]]
+
+    @cached_property
+    def read_by_backward(self) -> np.ndarray:
+        """bool[n]: the nodes some backward node reads (what the step keeps, or rebuilds, for the backward pass)."""
+        reader = np.repeat(np.arange(self.n), np.diff(self.dep_ptr))  # the reader of each edge
+        read = np.zeros(self.n, dtype=bool)
+        read[self.dep_idx[~self.is_forward[reader]]] = True
+        read.setflags(write=False)
+        return read
+
+    @cached_property
+    def dep_lists(self) -> tuple[tuple[int, ...], ...]:
+        """Every node's ``deps`` as a tuple of ints: what a Python loop over the nodes indexes (a numpy slice
+        per node costs it more than the loop's own work)."""
+        idx, ptr = tuple(self.dep_idx.tolist()), self.dep_ptr.tolist()
+        return tuple(idx[ptr[v]:ptr[v + 1]] for v in range(self.n))
 
     def users(self, v: int) -> np.ndarray:
         """Sorted ids of the nodes that read node ``v``'s output."""

@@ -334,40 +334,35 @@ def trace_rank(name: str, layout: Layout, seed: int = 0, reshard_after_forward: 
     """One rank of ``layout`` training model spec ``name``: built on fake tensors, parallelized as its
     library does it, its step traced (:func:`bonsai_core.trace.trace_step`; ``trace_options``: ``profile``,
     ``autocast``, ``kernels`` and the model's size options), then sharded by FSDP over ``dp_shard x cp``
-    ranks (:func:`bonsai_core.fsdp.shard_by_units`; FSDP2's settings default as for ``--fsdp``: torchtitan's
-    for a ``torchtitan:`` model), the graph's ``parallel`` field naming the layout."""
-    from bonsai_core.fsdp import fsdp_defaults
+    ranks (:class:`bonsai_core.fsdp.Sharding`: its settings default as for ``--fsdp``, torchtitan's for a
+    ``torchtitan:`` model), the graph's ``parallel`` field naming the layout."""
+    from bonsai_core.fsdp import Sharding
     from bonsai_core.trace import built_for_tracing
 
-    sharded = layout.shard_world > 1
-    reshard, precision = fsdp_defaults(name, reshard_after_forward, mixed_precision) if sharded else (True, None)
-    if not sharded and mixed_precision not in (None, "none"):
-        raise ModelError("--mixed-precision is FSDP2's policy: give --fsdp N (or --cp N, which FSDP shards over too).")
+    sharding = Sharding.of(layout.shard_world, reshard_after_forward, mixed_precision, model=name)
     step = {k: trace_options.pop(k) for k in ("profile", "autocast", "kernels") if k in trace_options}
     with world(layout):
         with built_for_tracing(name, seed, **trace_options) as (model, inputs, loss_fn):
             check_supported(model, layout)
             layout = with_batch(layout, *inputs[0].shape[:2])
             label = f"{name}({', '.join(f'{k}={v}' for k, v in sorted(trace_options.items()))}) {layout.describe()}"
-            return _traced_rank(model, inputs, loss_fn, layout, label, reshard, precision, step)
+            return _traced_rank(model, inputs, loss_fn, layout, label, sharding, step)
 
 
 def _traced_rank(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, layout: Layout, label: str,
-                 reshard: bool | str, precision: str | None, step: dict[str, Any]) -> Any:
-    from bonsai_core.fsdp import computing_in, shard_by_units
+                 sharding: Any, step: dict[str, Any]) -> Any:
+    from bonsai_core.fsdp import computing_in
     from bonsai_core.trace import trace_step
 
     dims = meshes(model, layout)
     parallelize(model, layout, dims)
     if layout.cp > 1:
         inputs = cp_inputs(model, inputs, loss_fn, dims)
+    precision = sharding.mixed_precision
     with step_context(model, layout), computing_in(model, precision):
         traced = trace_step(model, inputs, loss_fn, name=label + (f" fsdp mixed precision {precision}" if precision else ""),
                             **step)
-    graph = traced.graph
-    if layout.shard_world > 1:
-        graph = shard_by_units(graph, model, layout.shard_world, reshard, precision)
-    traced.graph = with_layout(graph, layout)
+    traced.graph = with_layout(sharding.shard(traced.graph, model), layout)
     return traced
 
 

@@ -114,3 +114,21 @@ def test_broken_files_get_a_clear_error(tmp_path, content, words):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(GraphError, match="No such graph file"):
         load_graph(tmp_path / "nope.json")
+
+
+def test_a_view_chain_ends_at_the_storage_and_the_backward_reads_are_known_once():
+    """A view of a view keeps both bases (``view_chain``, what ``storage_of`` and ``with_view_bases`` read);
+    ``read_by_backward`` marks what backward nodes read."""
+    import numpy as np
+
+    g = Graph.from_nodes("views", 0, [
+        dict(name="a", op="x", cost=1, mem=8, deps=[]),
+        dict(name="va", op="view", cost=0, mem=0, deps=[0], alias_of=0),
+        dict(name="vva", op="view", cost=0, mem=0, deps=[1], alias_of=1),
+        dict(name="b", op="x", cost=1, mem=4, deps=[2]),
+        dict(name="gb", op="x", phase="backward", cost=1, mem=4, deps=[1, 3]),
+    ])
+    assert g.view_chain(2) == [2, 1, 0] and g.view_chain(3) == [3]
+    assert g.storage_of(2) == 0 and g.storage_of(2, stop_before=np.array([True, False, False, False, False])) == 1
+    assert g.with_view_bases({2, 3}) == {0, 1, 2, 3}
+    assert g.read_by_backward.tolist() == [False, True, False, True, False]

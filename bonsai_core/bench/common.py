@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from bonsai_core.budget import smallest_meeting
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -25,22 +27,14 @@ def bisect_budget(meets: Callable[[int], bool], lo: int, hi: int, steps: int, tr
     A heuristic's success is not monotone in the budget, so this is the threshold the bisection lands
     on, not a proven minimum. ``meets`` may raise TimeoutError to stop early: the answer is then the
     smallest budget met so far (None before ``hi`` was met)."""
-    found = None
     try:
         if try_lo and meets(lo):
             return lo
         if not meets(hi):
             return None
-        found = hi
-        for _ in range(steps):
-            mid = (lo + hi) // 2
-            if mid == lo:
-                break
-            lo, hi = (lo, mid) if meets(mid) else (mid, hi)
-            found = hi
     except TimeoutError:
-        pass
-    return found
+        return None
+    return smallest_meeting(meets, lo, hi, steps, stop=TimeoutError)
 
 
 def command() -> str:

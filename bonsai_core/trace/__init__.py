@@ -99,11 +99,11 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
     ``package.module:factory``) under FakeTensorMode and trace its step;
     with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`), with
     ``mixed_precision`` ("bf16") under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
-    either left None: the model's own setting (:func:`bonsai_core.fsdp.fsdp_defaults`: torchtitan's for a
+    either left None: the model's own setting (:meth:`bonsai_core.fsdp.Sharding.of`: torchtitan's for a
     ``torchtitan:`` model). ``parallel`` (a :class:`bonsai_core.parallel.Layout` with tensor, context or
     pipeline parallel, or HSDP): the step of one rank of that layout (:func:`bonsai_core.parallel.trace_rank`;
     its ``fsdp`` then replaces ``fsdp``). ``kernels``: see :func:`trace_step`."""
-    from bonsai_core.fsdp import check_mixed_precision, computing_in, fsdp_defaults, shard_by_units
+    from bonsai_core.fsdp import Sharding, computing_in
 
     if parallel is not None and parallel.is_parallel:
         from bonsai_core.parallel import trace_rank
@@ -112,13 +112,8 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
                           reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision,
                           kernels=kernels, **options)
     fsdp = parallel.fsdp if parallel is not None else fsdp
-    if mixed_precision not in (None, "none") and fsdp < 2:
-        raise ModelError("--mixed-precision is FSDP2's policy: give --fsdp N (N >= 2) with it.")
-    if fsdp > 1:
-        reshard_after_forward, mixed_precision = fsdp_defaults(name, reshard_after_forward, mixed_precision)
-    else:
-        mixed_precision = None
-    check_mixed_precision(mixed_precision)
+    sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision, model=name)
+    mixed_precision = sharding.mixed_precision
     label = name if not options else name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
     label += f" autocast {autocast}" if autocast else ""
     label += f" fsdp mixed precision {mixed_precision}" if mixed_precision else ""
@@ -128,8 +123,7 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
             with computing_in(model, mixed_precision):
                 traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast,
                                     kernels=kernels)
-            if fsdp > 1:
-                traced.graph = shard_by_units(traced.graph, model, fsdp, reshard_after_forward, mixed_precision)
+            traced.graph = sharding.shard(traced.graph, model)
         return traced
 
     return with_batch_sizes_on_demand(trace, name, seed, options)
