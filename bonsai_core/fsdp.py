@@ -358,6 +358,7 @@ class _Walk:
         self.reduce_ratio = DTYPE_BYTES[fsdp.get("reduce_dtype") or "fp32"] / DTYPE_BYTES[fsdp.get("param_dtype") or "fp32"] \
             if fsdp.get("param_dtype") else 1.0
         self.cast = bool(fsdp.get("param_dtype"))  # all-gather inputs are cast copies of the shards
+        self.tensor_parallel = (graph.parallel or {}).get("layout", {}).get("tp", 1) > 1
         self.out: list[Buffer] = []
         self.gathered: set[int] = set()  # units whose parameters are unsharded
         self.gather_output: str | None = None  # the flat all-gather output FSDP holds
@@ -418,10 +419,11 @@ class _Walk:
             return
         if self.scatter_input is not None:
             self.emit(self.scatter_input, 0)
-        # at most the unit's parameters: a tensor-parallel gradient replicated where its parameter is sharded
-        # is redistributed to the parameter's shard first (FSDPParam._get_grad_inner_tensor)
-        own = self.size[unit] if unit >= 0 else int(self.graph.fsdp["root_bytes"])
-        nbytes = int(min(sum(self.bytes[f"grad:{v}"] for v in grads), own or math.inf) * self.reduce_ratio)
+        held = sum(self.bytes[f"grad:{v}"] for v in grads)
+        if self.tensor_parallel:  # a gradient replicated where its parameter is sharded is redistributed to the
+            # parameter's shard first (FSDPParam._get_grad_inner_tensor): at most the unit's parameters
+            held = min(held, (self.size[unit] if unit >= 0 else int(self.graph.fsdp["root_bytes"])) or held)
+        nbytes = int(held * self.reduce_ratio)
         self.scatter_input = f"reduce_scatter_input:{unit}"
         self.emit(self.scatter_input, nbytes)
         for v in grads:
