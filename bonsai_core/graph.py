@@ -34,7 +34,7 @@ PHASES = ("forward", "backward", "input", "param")
 # Fields every node of a graph file has; "op", "alias_of", "inplace_of", "shape" (and fields later
 # versions add, such as "module") are optional.
 REQUIRED_FIELDS = ("id", "name", "phase", "cost", "mem", "deps")
-FIXED_KINDS = ("param", "buffer", "grad", "input", "constant", "optimizer", "fsdp")  # of the optional 'fixed_tensors' entries
+FIXED_KINDS = ("param", "buffer", "grad", "input", "constant", "optimizer", "fsdp", "pipeline")  # of the optional 'fixed_tensors' entries
 
 # Refused before any heavy work: a graph beyond these is not a training step this tool can help with
 # interactively (the op-level solvers have tighter limits of their own).

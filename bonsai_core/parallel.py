@@ -312,19 +312,24 @@ def _sdpa_as_cuda_flash() -> Iterator[None]:
 
 
 def cp_inputs(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, dims: Any) -> tuple[torch.Tensor, ...]:
-    """A context-parallel rank's share of the batch, as torchtitan's ``prepare_context_parallel_input`` makes
-    it (head-tail load balanced): the tokens and the loss's labels sharded along the sequence, and the
-    positions the model then reads (its RoPE table by position) held as a buffer ``model`` passes on."""
+    """A context-parallel rank's share of the batch (:func:`cp_positions`), the loss's labels sharded in place."""
+    tokens, loss_fn.labels = cp_positions(model, inputs[0], loss_fn.labels, dims)
+    return (tokens,)
+
+
+def cp_positions(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, dims: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A context-parallel rank's tokens and labels, as torchtitan's ``prepare_context_parallel_input`` shards
+    them along the sequence (head-tail load balanced), and the positions the model then reads (its RoPE
+    table by position; every pipeline stage gets them) held as a buffer ``model`` passes on."""
     from torchtitan.distributed.context_parallel import prepare_context_parallel_input
 
-    tokens, labels, extra = prepare_context_parallel_input(inputs[0], loss_fn.labels, {}, dims.get_mesh("cp"),
-                                                           inputs[0].device, "headtail")
-    loss_fn.labels = labels
+    tokens, labels, extra = prepare_context_parallel_input(tokens, labels, {}, dims.get_mesh("cp"), tokens.device,
+                                                           "headtail")
     model.register_buffer("cp_positions", extra["positions"], persistent=False)
     forward = type(model).forward
     # read through the attribute at each call, so that the export lifts the buffer as an input
-    model.forward = lambda tokens: forward(model, tokens, positions=model.cp_positions)
-    return (tokens,)
+    model.forward = lambda x: forward(model, x, positions=model.cp_positions)
+    return tokens, labels
 
 
 # -- one rank traced ---------------------------------------------------------------------------------
@@ -355,6 +360,10 @@ def _traced_rank(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: An
     from bonsai_core.trace import trace_step
 
     dims = meshes(model, layout)
+    if layout.pp > 1:
+        from bonsai_core.pipeline import trace_stages
+
+        return trace_stages(model, inputs, loss_fn, layout, dims, sharding, label, step)
     parallelize(model, layout, dims)
     if layout.cp > 1:
         inputs = cp_inputs(model, inputs, loss_fn, dims)

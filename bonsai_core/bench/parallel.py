@@ -118,6 +118,78 @@ def sharded(net: Any, layout: Any, dims: Any) -> None:
     fully_shard(net, mesh=mesh)
 
 
+def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims: Any, made: Any = None) -> dict:
+    """One pipeline rank's fixed bytes and peak over a steady-state step, as torchtitan runs it: its stages split
+    off by ``pipeline_module_split`` (each with ``made``, a plan for the rank, applied where it has the paths,
+    then tensor parallel and FSDP as :func:`sharded`), torch's schedule (``scale_grads=False``) stepping the local
+    batch in ``layout.microbatches`` microbatches: a first step (receive buffers, gradients allocated), then one
+    measured under :class:`bonsai_core.measure.LiveBytes` plus FSDP's resized storages."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed.pipeline_parallel import pipeline_module_split
+
+    from bonsai_core.bench.fsdp import _storages_outside
+    from bonsai_core.measure import LiveBytes
+    from bonsai_core.parallel import parallelize, step_context
+    from bonsai_core.pipeline import TORCH_SCHEDULE, stage_modules
+    from bonsai_core.tensors import storage_bytes
+
+    names = stage_modules(layout, net.model_args.n_layers)
+    stages, parts = pipeline_module_split(net, dims.get_mesh("pp"), TORCH_SCHEDULE[layout.pp_schedule],
+                                          torch.device("cpu"), names)
+    for part in parts:
+        if made is not None:
+            made.apply(part)
+        parallelize(part, layout, dims)
+        sharded(part, layout, dims)
+    schedule_class = get_schedule_class(TORCH_SCHEDULE[layout.pp_schedule])
+    labels = loss_fn.labels
+    schedule = schedule_class(stages if len(stages) > 1 else stages[0], n_microbatches=layout.microbatches,
+                              loss_fn=lambda pred, target: cross_entropy_loss(pred, target) / target.numel(),
+                              scale_grads=False)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+
+    def step() -> None:
+        losses: list = []
+        args = (inputs[0],) if first else ()
+        schedule.step(*args, target=labels if last else None, losses=losses if last else None, return_outputs=False)
+
+    class Live(LiveBytes):
+        """LiveBytes plus FSDP's storages it does not see (resized all-gather outputs, held collective inputs)."""
+
+        def __init__(self, storages: list, left: list) -> None:
+            super().__init__()
+            self.storages, self.left = storages, left
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            extra = sum(st.nbytes() for st in self.storages) + sum(st().nbytes() for st in self.left if st() is not None)
+            self.peak = max(self.peak, self.live + extra)
+            return out
+
+    with step_context(net, layout):
+        step()
+        tensors = []
+        for part in parts:
+            for t in (*part.parameters(), *(p.grad for p in part.parameters() if p.grad is not None), *part.buffers()):
+                tensors.append(t.to_local() if hasattr(t, "to_local") else t)
+        for stage in stages:  # the receive buffers, one per microbatch, kept across steps
+            for infos in (*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()):
+                tensors += [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
+        resized, left = [], []
+        for part in parts:
+            if isinstance(part, FSDPModule):
+                r, held = _storages_outside(part)
+                resized, left = resized + r, left + held
+        fixed = storage_bytes([*tensors, *inputs, labels])
+        tracker = Live(resized, left)
+        with tracker:
+            step()
+    return {"fixed": fixed, "peak": fixed + tracker.peak, "loss": 0.0}
+
+
 def _worker(rank: int, world: int, model: str, options: dict, layout: dict, budget: str | None, store: str,
             results: str) -> None:
     import torch
@@ -125,27 +197,30 @@ def _worker(rank: int, world: int, model: str, options: dict, layout: dict, budg
 
     from bonsai_core import models
     from bonsai_core.bench.fsdp import steady_step_peak
-    from bonsai_core.parallel import Layout, cp_inputs, meshes, parallelize, step_context
+    from bonsai_core.parallel import Layout, cp_inputs, meshes, parallelize, step_context, with_batch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     try:
-        spec = Layout(**layout)
         net, inputs, loss_fn = models.build(model, seed=0, **options)
+        spec = with_batch(Layout(**layout), *inputs[0].shape[:2])
         out: dict[str, Any] = {}
         if budget:
             made = one_call_plan(net, inputs, loss_fn, spec, budget)
             made.apply(net)
             out["predicted"] = made.report.predicted_peak
         dims = meshes(net, spec)
-        parallelize(net, spec, dims)
-        sharded(net, spec, dims)
-        if spec.cp > 1:
-            inputs = cp_inputs(net, inputs, loss_fn, dims)
-        with step_context(net, spec):
-            out.update(steady_step_peak(net, inputs, loss_fn))
-        out["at_peak"] = str(out.get("at_peak"))
+        if spec.pp > 1:
+            out.update(pipeline_step_peak(net, inputs, loss_fn, spec, dims, made if budget else None))
+        else:
+            parallelize(net, spec, dims)
+            sharded(net, spec, dims)
+            if spec.cp > 1:
+                inputs = cp_inputs(net, inputs, loss_fn, dims)
+            with step_context(net, spec):
+                out.update(steady_step_peak(net, inputs, loss_fn))
+        out.pop("at_peak", None)
         Path(results, f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
