@@ -150,19 +150,20 @@ _WORLD = threading.Lock()  # one fake default process group at a time in this pr
 
 
 @contextlib.contextmanager
-def world(layout: Layout) -> Iterator[int]:
-    """The process group the rank's meshes live in, yielding this process's global rank: where none is
-    set up (the command line, the explorer), a fake one of ``layout.world`` ranks in which this process is
-    the first rank of pipeline rank ``layout.rank`` (torchtitan's mesh puts ``pp`` outermost), torn down
-    after; inside a run (a training script's one call, the gloo checks), the run's own group, which must be
-    ``layout.world`` ranks: no collective runs on fake tensors, its meshes only name the ranks."""
+def world(layout: Layout) -> Iterator[Layout]:
+    """The process group the rank's meshes live in, yielding ``layout`` with this process's pipeline rank:
+    where none is set up (the command line, the explorer), a fake one of ``layout.world`` ranks in which this
+    process is the first rank of pipeline rank ``layout.rank`` (torchtitan's mesh puts ``pp`` outermost), torn
+    down after; inside a run (a training script's one call, the gloo checks), the run's own group, which must
+    be ``layout.world`` ranks, and this process's rank in it: no collective runs on fake tensors, its meshes
+    only name the ranks."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         if dist.get_world_size() != layout.world:
             raise BonsaiError(f"The layout {layout.describe()} has {layout.world} ranks, but this process runs in a "
                               f"process group of {dist.get_world_size()}: give the run's own degrees.")
-        yield dist.get_rank()
+        yield in_this_run(layout)
         return
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -170,10 +171,20 @@ def world(layout: Layout) -> Iterator[int]:
         rank = layout.rank * (layout.world // layout.pp)
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
         try:
-            yield rank
+            yield layout
         finally:
             dist.destroy_process_group()
             _forget_meshes()
+
+
+def in_this_run(layout: Layout) -> Layout:
+    """``layout`` with the pipeline rank of this process, inside a run (a process group set up); as it is
+    elsewhere."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != layout.world:
+        return layout
+    return dataclasses.replace(layout, rank=dist.get_rank() // (layout.world // layout.pp))
 
 
 def _forget_meshes() -> None:
@@ -206,7 +217,8 @@ def torchtitan_dims(layout: Layout) -> Any:
 def family(model: nn.Module) -> str:
     """``"torchtitan"`` (its Llama 3 ``Transformer``) or ``"hf"`` (a transformers model, or bonsai's wrapper
     of one): the library whose tensor-parallel plan the rank is traced with."""
-    if any(cls.__module__.startswith("torchtitan.") for cls in type(model).__mro__):  # FSDP2 subclasses it
+    if getattr(model, "bonsai_family", None) == "torchtitan" \
+            or any(cls.__module__.startswith("torchtitan.") for cls in type(model).__mro__):  # FSDP2 subclasses it
         return "torchtitan"
     if _transformers_model(model) is not None:
         return "hf"
@@ -346,7 +358,7 @@ def trace_rank(name: str, layout: Layout, seed: int = 0, reshard_after_forward: 
 
     sharding = Sharding.of(layout.shard_world, reshard_after_forward, mixed_precision, model=name)
     step = {k: trace_options.pop(k) for k in ("profile", "autocast", "kernels") if k in trace_options}
-    with world(layout):
+    with world(layout) as layout:
         with built_for_tracing(name, seed, **trace_options) as (model, inputs, loss_fn):
             check_supported(model, layout)
             layout = with_batch(layout, *inputs[0].shape[:2])
@@ -361,9 +373,10 @@ def _traced_rank(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: An
 
     dims = meshes(model, layout)
     if layout.pp > 1:
-        from bonsai_core.pipeline import trace_stages
+        from bonsai_core.pipeline import split_rank, trace_rank_stages
 
-        return trace_stages(model, inputs, loss_fn, layout, dims, sharding, label, step)
+        rank = split_rank(model, inputs, loss_fn, layout, dims, sharding.mixed_precision)
+        return trace_rank_stages(rank, layout, sharding, label, step)
     parallelize(model, layout, dims)
     if layout.cp > 1:
         inputs = cp_inputs(model, inputs, loss_fn, dims)

@@ -39,6 +39,7 @@ solves again under a tighter budget where it pushes a plan over.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Sequence
 
@@ -116,18 +117,31 @@ class Parts(nn.ModuleList):
         raise AttributeError(f"no stage of this rank has {target!r}")
 
 
-def trace_stages(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, layout: Any, dims: Any,
-                 sharding: Any, label: str, step: dict[str, Any]) -> Any:
-    """The rank graph of pipeline rank ``layout.rank`` of torchtitan's ``model`` (fake tensors): its stages
-    split off as torchtitan splits them, each parallelized (tensor, context parallel) and traced for one
-    microbatch, one after the other; sharded by ``sharding`` as FSDP under pipeline parallel; with the
-    receive buffers and the ``parallel.pipeline`` field (module doc). Returns the :class:`Traced` of the last
-    stage with the rank's graph."""
+@dataclass
+class RankStages:
+    """A pipeline rank's stages, split off as torchtitan splits the model and parallelized (fake tensors), each
+    with one microbatch's input (the tokens, or the received activation, which needs its gradient) and loss
+    (torchtitan's on the last stage, else :class:`SentOutput`)."""
+
+    indices: list[int]
+    parts: list[nn.Module]
+    inputs: list[torch.Tensor]
+    losses: list[nn.Module]
+    first: list[bool]
+    last: list[bool]
+    micro: int
+    sent: list[torch.Tensor]  # the activation each stage sends on (what the next stage receives), by shape and dtype
+
+
+def split_rank(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, layout: Any, dims: Any,
+               precision: str | None) -> RankStages:
+    """The stages of pipeline rank ``layout.rank`` of torchtitan's ``model`` (fake tensors, of the ambient fake
+    mode): ``pipeline_module_split`` as ``pipeline_llm`` calls it, each part parallelized (tensor, context
+    parallel), a microbatch of ``inputs`` and of the loss's labels each (the activation a stage receives in
+    the dtype the stage before computes in: ``precision``, FSDP's param dtype)."""
     from torchtitan.distributed.pipeline_parallel import pipeline_module_split
 
-    from bonsai_core.fsdp import computing_in
-    from bonsai_core.parallel import cp_positions, parallelize, step_context
-    from bonsai_core.trace import trace_step
+    from bonsai_core.parallel import cp_positions, parallelize
     from bonsai_core.trace.descriptors import SentOutput
     from bonsai_core.training import _fake_copy
 
@@ -138,33 +152,98 @@ def trace_stages(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: An
     parts = [_fake_copy(part, mode) for part in parts]  # the split deep-copies into a fake mode of its own
     micro = inputs[0].shape[0] // layout.microbatches
     tokens, labels = inputs[0][:micro], loss_fn.labels[:micro]
-    precision = sharding.mixed_precision
-    graphs, sent = [], []
+    xs, losses, sent = [], [], []
     for stage, part in zip(stages, parts):
         parallelize(part, layout, dims)
         stage_tokens, stage_labels = tokens, labels
         if layout.cp > 1:
             stage_tokens, stage_labels = cp_positions(part, tokens, labels, dims)
-        if stage.is_first:
-            x = stage_tokens
-        else:
-            width = model.model_args.dim
-            dtype = torch.bfloat16 if precision == "bf16" else torch.float16 if precision == "fp16" else \
-                next(part.parameters()).dtype
-            x = torch.empty(micro, stage_tokens.shape[1] // layout.tp, width, dtype=dtype, requires_grad=True)
-        if stage.is_last:
-            loss = type(loss_fn)(stage_labels)
-        else:
-            loss = SentOutput()
-        with step_context(part, layout), computing_in(part, precision):
-            traced = trace_step(part, (x,), loss, name=f"{label} stage {stage.stage_index}", **step)
+        # the hidden state between stages: the sequence sharded by sequence parallel, in the computing dtype
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, next(part.parameters()).dtype)
+        hidden = torch.empty(micro, stage_tokens.shape[1] // layout.tp, model.model_args.dim, dtype=dtype)
+        xs.append(stage_tokens if stage.is_first else hidden.clone().requires_grad_(True))
+        sent.append(hidden)
+        losses.append(type(loss_fn)(stage_labels) if stage.is_last else SentOutput())
+    return RankStages([s.stage_index for s in stages], parts, xs, losses, [s.is_first for s in stages],
+                      [s.is_last for s in stages], micro, sent)
+
+
+def trace_rank_stages(rank: RankStages, layout: Any, sharding: Any, label: str, step: dict[str, Any]) -> Any:
+    """The rank's graph: each stage traced for one microbatch, one after the other, sharded by ``sharding``
+    as FSDP under pipeline parallel, with the receive buffers and the ``parallel.pipeline`` field (module doc).
+    Returns the :class:`Traced` of the last stage with the rank's graph."""
+    from bonsai_core.fsdp import computing_in
+    from bonsai_core.parallel import step_context
+    from bonsai_core.trace import trace_step
+
+    graphs = []
+    for index, part, x, loss in zip(rank.indices, rank.parts, rank.inputs, rank.losses):
+        with step_context(part, layout), computing_in(part, sharding.mixed_precision):
+            traced = trace_step(part, (x,), loss, name=f"{label} stage {index}", **step)
         graphs.append(_output_held(traced.graph))
-        sent.append(not stage.is_last)
-    graph = concatenate(graphs, [s.stage_index for s in stages], label)
-    graph = sharding.shard(graph, Parts(parts)) if sharding.world > 1 else graph
-    traced.graph = with_pipeline(graph, layout, [s.stage_index for s in stages],
-                                 [not s.is_first for s in stages], sent, micro)
+    graph = concatenate(graphs, rank.indices, label)
+    graph = sharding.shard(graph, Parts(rank.parts)) if sharding.world > 1 else graph
+    traced.graph = with_pipeline(graph, layout, rank.indices, [not f for f in rank.first],
+                                 [not last for last in rank.last], rank.micro)
     return traced
+
+
+class _Received(torch.autograd.Function):
+    """A stage's output handed to the next stage: no value here, and its gradient the one received back."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+        ctx.gradient = gradient
+        return output.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.gradient, None
+
+
+class RankModel(nn.Module):
+    """A pipeline rank's stages as one module, for the one call to lay a plan onto their submodules (it runs
+    every stage's forward on its own input; :class:`RankLoss` adds up their losses): its submodules are the
+    stages' under the whole model's paths (``tok_embeddings``, ``layers.12``, ``norm``, ``output``)."""
+
+    bonsai_family = "torchtitan"
+
+    def __init__(self, rank: RankStages) -> None:
+        super().__init__()
+        self.parts = list(rank.parts)  # called, not registered: their submodules are, under their own paths
+        for part in rank.parts:
+            for name, child in part.named_children():
+                if child is None:
+                    continue
+                if isinstance(child, nn.ModuleDict):
+                    merged = self._modules.get(name) or nn.ModuleDict()
+                    merged.update(child)
+                    self._modules[name] = merged
+                else:
+                    self._modules[name] = child
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(part(x) for part, x in zip(self.parts, inputs))
+
+
+class RankLoss(nn.Module):
+    """The losses of a rank's stages added up: the last stage's own, and for each stage that sends its output
+    on, a zero whose gradient is the one received (:class:`_Received`, a buffer of the output's shape)."""
+
+    def __init__(self, rank: RankStages) -> None:
+        super().__init__()
+        self.losses = nn.ModuleList([loss for loss, last in zip(rank.losses, rank.last) if last])
+        self.last = list(rank.last)
+        for k, (sent, last) in enumerate(zip(rank.sent, rank.last)):
+            if not last:
+                self.register_buffer(f"received_{k}", torch.empty_like(sent))
+
+    def forward(self, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        total, losses = None, iter(self.losses)
+        for k, (out, last) in enumerate(zip(outputs, self.last)):
+            term = next(losses)(out) if last else _Received.apply(out, getattr(self, f"received_{k}"))
+            total = term if total is None else total + term
+        return total
 
 
 def _output_held(graph: Any) -> Any:

@@ -98,6 +98,7 @@ class Report:
     offloaded_bytes: int = 0  # their bytes
     host_peak: int = 0  # the most host bytes their copies hold at once (predicted)
     not_offloaded: int = 0  # tensors the plan offloads that the run cannot (kept on the device, and predicted so)
+    pipeline_stages: list[int] = field(default_factory=list)  # a pipeline rank's stages (Plan.apply: each part's paths)
 
     @property
     def status(self) -> str:
@@ -152,13 +153,18 @@ class Plan:
         """Checkpoint ``model``'s submodules as planned and install the offloads' saved-tensor hooks (in
         place); return ``model``. ``bonsai.remove_checkpoints(model)`` undoes both."""
         made_for = f"a model traced as graph {self.report.graph_hash}"
+        save, offload = self.save, self.offload
+        if self.report.pipeline_stages:  # a pipeline rank's plan: each of its model parts takes its own paths
+            names = dict(model.named_modules())
+            save = {p: ops for p, ops in save.items() if p in names}
+            offload = {p: ops for p, ops in offload.items() if p in names}
         try:
-            apply_saves(model, self.save, made_for)
+            apply_saves(model, save, made_for)
         except ValueError as e:
             raise ModelError(str(e)) from None
         try:
-            if self.offload:
-                apply_offloads(model, self.offload, made_for)
+            if offload:
+                apply_offloads(model, offload, made_for)
         except ValueError as e:
             remove_checkpoints(model)
             raise ModelError(str(e)) from None
@@ -224,10 +230,10 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
             model's parameters (a model on ``meta`` is planned for CUDA); the report says which.
         options: the method's options (as ``bonsai solve --option``), e.g. ``time_limit=30``.
     """
-    from bonsai_core.parallel import layout_of
+    from bonsai_core.parallel import in_this_run, layout_of
 
     _check_arguments(method, options)
-    parallel = layout_of(fsdp, tp, cp, pp, dp_replicate, pp_schedule, microbatches, rank, async_tp)
+    parallel = in_this_run(layout_of(fsdp, tp, cp, pp, dp_replicate, pp_schedule, microbatches, rank, async_tp))
     sharding = Sharding.of(parallel.shard_world, reshard_after_forward, mixed_precision)
     root, inputs, prefix = _step_inputs(model, example_inputs, loss_fn)
     if any(is_checkpointed(m) or is_offloading(m) for m in model.modules()):
@@ -249,8 +255,8 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    with _world(parallel):  # a parallel rank's meshes, for its trace and the layout's runs of its step
-        step = _FakeStep.of(root, inputs, loss_fn, type(model).__name__, parallel)
+    with _world(parallel) as parallel:  # a parallel rank's meshes, for its trace and the layout's runs of its step
+        step = _FakeStep.of(root, inputs, loss_fn, type(model).__name__, parallel, sharding.mixed_precision)
         graph = step.graph(autocast, optimizer, sharding, kernels)
         seconds["trace"] = time.perf_counter() - start
         reference = no_remat_peak(graph)
@@ -265,7 +271,8 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
                     overhead=sim.overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
                     unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds, device=kernels,
                     offloaded=layout.offloaded, offloaded_bytes=layout.offloaded_bytes, host_peak=layout.host_peak,
-                    not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded)
+                    not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded,
+                    pipeline_stages=[s for s, _, _ in graph.parallel["pipeline"]["stages"]] if parallel.pp > 1 else [])
     made = Plan({_relative(p, prefix): s for p, s in save.items()}, report, schedule, graph,
                 {_root_relative(p, prefix): ops for p, ops in layout.offload.items()})
     if folder:
@@ -277,7 +284,7 @@ def _world(layout: Any) -> contextlib.AbstractContextManager:
     """The process group a parallel rank is traced in (:func:`bonsai_core.parallel.world`); none for FSDP alone."""
     from bonsai_core.parallel import world
 
-    return world(layout) if layout.is_parallel else contextlib.nullcontext()
+    return world(layout) if layout.is_parallel else contextlib.nullcontext(layout)
 
 
 def _check_arguments(method: str, options: dict[str, Any]) -> None:
@@ -486,12 +493,15 @@ class _FakeStep:
     autocast: str | None = None  # as traced (graph), for the layout's runs of the step
     mixed_precision: str | None = None  # FSDP2's param_dtype, as traced (graph): every run computes in it
     kernels: str = "cuda"  # as traced (graph): on the CPU an offload's copy ends when made
+    rank: Any = None  # a pipeline rank's stages (bonsai_core.pipeline.RankStages), traced one by one
 
     @classmethod
     def of(cls, model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, name: str,
-           parallel: Any = None) -> "_FakeStep":
+           parallel: Any = None, precision: str | None = None) -> "_FakeStep":
         """The fake copy of the step; of one rank of a ``parallel`` layout, parallelized as its library does it
-        (:func:`bonsai_core.parallel.parallelize`, the batch a context-parallel rank's share)."""
+        (:func:`bonsai_core.parallel.parallelize`, the batch a context-parallel rank's share); of a pipeline
+        rank, its stages (:func:`bonsai_core.pipeline.split_rank`: their received activations in FSDP's
+        param dtype ``precision``) as one model and loss (:class:`bonsai_core.pipeline.RankModel`)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from bonsai_core.parallel import check_supported, cp_inputs, meshes, parallelize, with_batch
@@ -504,6 +514,13 @@ class _FakeStep:
                 check_supported(step.model, parallel)
                 step.parallel = layout = with_batch(parallel, *step.inputs[0].shape[:2])
                 dims = meshes(step.model, layout)
+                if layout.pp > 1:
+                    from bonsai_core.pipeline import RankLoss, RankModel, split_rank
+
+                    step.rank = split_rank(step.model, step.inputs, step.loss_fn, layout, dims, precision)
+                    step.model, step.inputs = RankModel(step.rank), tuple(step.rank.inputs)
+                    step.loss_fn = RankLoss(step.rank)
+                    return step
                 parallelize(step.model, layout, dims)
                 if layout.cp > 1:
                     step.inputs = cp_inputs(step.model, step.inputs, step.loss_fn, dims)
@@ -528,6 +545,13 @@ class _FakeStep:
 
         check_name(optimizer)
         self.autocast, self.mixed_precision, self.kernels = autocast, sharding.mixed_precision, kernels
+        if self.rank is not None:
+            from bonsai_core.pipeline import trace_rank_stages
+
+            with self.mode, _skip_asserts():
+                graph = trace_rank_stages(self.rank, self.parallel, sharding, self.name,
+                                          {"autocast": autocast, "kernels": kernels}).graph
+            return with_optimizer(graph, optimizer)
         with self.running():
             traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast,
                                 kernels=kernels)
@@ -578,6 +602,12 @@ class _FakeStep:
                              "and reads back (a cache it appends to).")
         return lay.save, _Layout(lay.realised_peak, left_out, lay.unrealised_bytes, lay.offload, len(lay.offloaded),
                                  lay.offloaded_bytes, lay.host_peak)
+
+
+def _skip_asserts() -> contextlib.AbstractContextManager:
+    from bonsai_core.trace.patches import skip_tensor_asserts
+
+    return skip_tensor_asserts()
 
 
 def _fake_copy(module: nn.Module, mode: Any) -> nn.Module:

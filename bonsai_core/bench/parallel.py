@@ -208,7 +208,8 @@ def _worker(rank: int, world: int, model: str, options: dict, layout: dict, budg
         out: dict[str, Any] = {}
         if budget:
             made = one_call_plan(net, inputs, loss_fn, spec, budget)
-            made.apply(net)
+            if spec.pp == 1:  # a pipeline rank's plan goes on each of its stages' model parts
+                made.apply(net)
             out["predicted"] = made.report.predicted_peak
         dims = meshes(net, spec)
         if spec.pp > 1:
