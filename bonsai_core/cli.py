@@ -288,6 +288,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_fit(args: argparse.Namespace) -> int:
     from bonsai_core import fit
 
+    if args.gpus:
+        return _fit_layouts(args)
     methods = args.methods or ["none", "bonsai", "chen", "dtr"]
     for m in methods:
         try:
@@ -299,7 +301,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     reserved = reserved_policy(args)
     limit = args.gpu.resolve(0)
     time_limit = solve_time_limit(args.time_limit)
-    result = fit.fit(args.model, limit, methods, vary=args.vary, max_overhead=args.max_overhead,
+    max_overhead = 0.10 if args.max_overhead is None else args.max_overhead
+    result = fit.fit(args.model, limit, methods, vary=args.vary, max_overhead=max_overhead,
                      options=model_options(args), optimizer=args.optimizer, reserved=reserved,
                      solver_options={"time_limit": time_limit}, start=args.start,
                      progress=(lambda line: print(line, flush=True)) if not args.json else None,
@@ -538,15 +541,61 @@ def _add_bench_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_bench, parser=p)
 
 
+def _fit_layouts(args: argparse.Namespace) -> int:
+    """``bonsai fit MODEL --gpus N``: every layout of N GPUs and local batch (:func:`bonsai_core.fit.fit_layouts`)."""
+    import time
+
+    from bonsai_core import fit
+    from bonsai_core.models import torchtitan as titan
+
+    methods = args.methods or fit.LAYOUT_METHODS
+    for m in methods:
+        try:
+            fit.method_variant(m)
+        except SolverError as e:
+            args.parser.error(f"argument --methods: {e}")
+    if args.gpu.fraction is not None:
+        args.parser.error("argument --gpu: give the GPU's memory in bytes or with a unit (80GiB), not a share")
+    start = time.perf_counter()
+    options = model_options(args)
+    seq = options.pop("seq", None) or titan.DEFAULTS["seq"]
+    result = fit.fit_layouts(args.model, args.gpus, args.gpu.resolve(0), methods, seq=seq, options=options,
+                             optimizer=args.optimizer, reserved=reserved_policy(args),
+                             max_overhead=float("inf") if args.max_overhead is None else args.max_overhead,
+                             solver_options={"time_limit": solve_time_limit(args.time_limit)},
+                             progress=(lambda line: print(line, flush=True)) if not args.json else None,
+                             trace_kwargs={"seed": args.seed, "autocast": args.autocast,
+                                           "reshard_after_forward": args.reshard_after_forward,
+                                           "mixed_precision": args.mixed_precision})
+    table = fit.layouts_markdown(result)
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fit-layouts.md").write_text(table + "\n")
+        (out / "fit-layouts.json").write_text(json.dumps([f.row() for f in result.fits], indent=1) + "\n")
+    if args.json:
+        print(json.dumps({"fits": [f.row() for f in result.fits], "trace_seconds": result.trace_seconds,
+                          "traces": result.traces, "seconds": time.perf_counter() - start}))
+        return 0
+    print(table)
+    print(f"{result.traces} rank structures traced in {result.trace_seconds:.1f} s; {len(result.fits)} layout and batch "
+          f"attempts in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def _add_fit_parser(sub: Any) -> None:
     """``fit``: the largest size each method trains within a GPU's memory."""
     p = sub.add_parser("fit", help="the largest micro-batch (or sequence) each method trains within a GPU's memory")
     add_model_arguments(p)
     p.add_argument("--gpu", required=True, type=budget_arg, metavar="BYTES", help="the GPU's memory, e.g. 80GiB")
+    p.add_argument("--gpus", type=positive_int, default=None, metavar="N",
+                   help="torchtitan: models: search the layouts of N GPUs (TP, PP with both schedules, CP, FSDP, HSDP) "
+                        "and each one's local batch: the least recompute that fits and the tokens per GPU per step "
+                        "(methods default: none torchtitan-selective torchtitan-full)")
     p.add_argument("--vary", choices=("batch", "seq"), default="batch", help="the size searched (default batch)")
     p.add_argument("--start", type=positive_int, default=1, metavar="N", help="the first size tried (default 1)")
-    p.add_argument("--max-overhead", type=overhead_arg, default=0.10, metavar="PCT",
-                   help="the largest recompute overhead accepted (default 10%%)")
+    p.add_argument("--max-overhead", type=overhead_arg, default=None, metavar="PCT",
+                   help="the largest recompute overhead accepted (default 10%%; with --gpus none)")
     p.add_argument("--methods", nargs="+", metavar="METHOD",
                    help="default: none bonsai chen dtr; a variant as METHOD:NAME=VALUE,... (bonsai:offload=true)")
     p.add_argument("--optimizer", default="none", choices=OPTIMIZERS, help="the optimizer step (see trace)")

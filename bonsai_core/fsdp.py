@@ -205,6 +205,13 @@ def shard_by_units(graph: Graph, model: nn.Module, world: int, reshard_after_for
     units around them) of ``model`` (the traced module) and on the whole model."""
     units = fsdp_units(graph, reshard_after_forward)
     sizes, root = unit_bytes(model, [paths for paths, _ in units], mixed_precision)
+    return shard_by_sizes(graph, units, sizes, root, world, reshard_after_forward, mixed_precision)
+
+
+def shard_by_sizes(graph: Graph, units: list[tuple[tuple[str, ...], bool]], sizes: Sequence[int], root: int, world: int,
+                   reshard_after_forward: bool | str = True, mixed_precision: str | None = None) -> Graph:
+    """:func:`with_fsdp` of ``graph`` with the ``units`` of :func:`fsdp_units` of unsharded ``sizes`` and the
+    root's ``root`` bytes (:func:`unit_bytes` of the traced module), each spanning its modules' calls."""
     spans = {path: (first, last) for path, first, last in reversed(graph.modules)}  # a module's first call
     model_last = max((last for _, _, last in graph.modules), default=graph.n - 1)
     return with_fsdp(graph, world, [(",".join(paths), min(spans[p][0] for p in paths), max(spans[p][1] for p in paths), b)

@@ -85,13 +85,15 @@ class Layout:
             out.update(pp_schedule=self.pp_schedule, microbatches=self.microbatches, rank=self.rank)
         return out
 
-    def describe(self) -> str:
-        """``FSDP 8 x TP 8 x PP 8 (1F1B, 32 microbatches), pipeline rank 3`` (the degrees above 1)."""
+    def describe(self, rank: bool = True) -> str:
+        """``FSDP 8 x TP 8 x PP 8 (1F1B, 32 microbatches), pipeline rank 3`` (the degrees above 1; the
+        microbatches where known, the rank unless ``rank`` is False)."""
         parts = [f"{name} {n}" for name, n in (("HSDP replicas", self.dp_replicate), ("FSDP", self.fsdp),
                                                 ("CP", self.cp), ("TP", self.tp), ("PP", self.pp)) if n > 1]
         text = " x ".join(parts) or "one GPU"
         if self.pp > 1:
-            text += f" ({SCHEDULES[self.pp_schedule]}, {self.microbatches} microbatches), pipeline rank {self.rank}"
+            micro = f", {self.microbatches} microbatches" if self.microbatches else ""
+            text += f" ({SCHEDULES[self.pp_schedule]}{micro})" + (f", pipeline rank {self.rank}" if rank else "")
         return text
 
 

@@ -157,3 +157,133 @@ def test_every_rank_is_predicted_within_2_percent_with_and_without_a_plan(model,
         assert abs(rank["peak"] / rank["predicted"] - 1) <= 0.02, (rank["peak"], rank["predicted"])
         assert rank["peak"] < without["peak"]
         assert rank["loss"] == pytest.approx(without["loss"], rel=1e-5)
+
+
+# -- pipeline parallel (bonsai_core.pipeline, the simulator's rule 10) ---------------------------------------
+
+from bonsai_core.pipeline import FORWARD, actions, working  # noqa: E402
+from bonsai_core.schedule import none_schedule, simulate  # noqa: E402
+
+PIPE = dict(batch=4, seq=64, layers=4)  # 4 microbatches of one sequence
+
+
+def _in_flight(acts, local: int) -> int:
+    held = top = 0
+    for phase, k, _ in acts:
+        if k == local:
+            held += 1 if phase == FORWARD else -1
+            top = max(top, held)
+    return top
+
+
+def test_1f1b_holds_min_m_p_minus_r_microbatches_and_interleaved_runs_torch_s_order():
+    for pp, m in ((4, 4), (4, 8), (8, 32)):
+        for rank in range(pp):
+            acts = actions(with_batch(layout_of(pp=pp, rank=rank), m, 64))
+            assert _in_flight(acts, 0) == min(m, pp - rank)
+            assert sorted(j for phase, _, j in acts if phase == FORWARD) == list(range(m))
+    # torch 2.13's ScheduleInterleaved1F1B, rank 0 of 4 with 8 microbatches: (v - 1) x 4 + 2 x 3 = 10 warm-up
+    # forwards, then a forward and a backward in turn
+    acts = actions(with_batch(layout_of(pp=4, pp_schedule="interleaved-1f1b"), 8, 64))
+    assert [phase for phase, _, _ in acts[:13]] == [FORWARD] * 11 + ["B", FORWARD]
+    assert {(k, sum(1 for p, kk, _ in acts if kk == k and p == FORWARD)) for k in (0, 1)} == {(0, 8), (1, 8)}
+
+
+@pytest.fixture(scope="module")
+def pipe_ranks():
+    return [trace_model(TITAN, parallel=layout_of(pp=2, rank=r), **PIPE).graph for r in (0, 1)]
+
+
+def test_a_pipeline_rank_is_its_stage_with_receive_buffers_and_the_microbatches_in_flight(pipe_ranks):
+    first, last = pipe_ranks
+    for graph, rank in ((first, 0), (last, 1)):
+        pipeline = graph.parallel["pipeline"]
+        assert pipeline["stages"] == [[rank, 0, graph.n - 1]] and pipeline["microbatches"] == 4
+        again = Graph.from_dict(json.loads(json.dumps(graph.to_dict())))
+        assert again.parallel == graph.parallel
+    hidden = 64 * 256 * 4  # one sequence's fp32 hidden state
+    received = {g: {name: b for name, b, kind in g.fixed_tensors if kind == "pipeline"} for g in pipe_ranks}
+    assert list(received[first].values()) == [4 * hidden]  # the gradients of its 4 microbatches' outputs
+    assert list(received[last].values()) == [3 * hidden]  # the activations of the 3 other microbatches
+    # rule 10: stage 0 holds 2 microbatches in flight in 1F1B (min(4, 2 - 0)): a backward runs with one other
+    ops = none_schedule(first).ops
+    sim = simulate(first, ops)
+    extra = working(first, ops, sim.residency)
+    backward = [i for i, (kind, v) in enumerate(ops) if kind == "compute" and not first.is_forward[v]]
+    own_at_end = int(sim.residency.bytes_held(first.mem)[backward[0] - 1])  # what a microbatch leaves for its backward
+    assert own_at_end > 0 and all(extra[i] == own_at_end for i in backward)
+
+
+def test_cli_traces_a_pipeline_rank(tmp_path):
+    from bonsai_core.cli import main
+
+    out = tmp_path / "g.json"
+    assert main(["trace", TITAN, "--batch", "4", "--seq", "64", "--layers", "4", "--pp", "2", "--rank", "1",
+                 "--pp-schedule", "interleaved-1f1b", "-o", str(out)]) == 0
+    pipeline = json.loads(out.read_text())["parallel"]["pipeline"]
+    assert [s[0] for s in pipeline["stages"]] == [1, 3] and pipeline["schedule"] == "interleaved-1f1b"
+
+
+def test_the_one_call_plans_a_pipeline_rank_and_each_model_part_takes_its_paths():
+    import torch
+    from torchtitan.models.llama3 import Transformer
+
+    from bonsai_core.models import torchtitan as tt
+    from bonsai_core.torchtitan import plan_for
+
+    with torch.device("meta"):
+        model = Transformer(tt.model_args("llama3:debugmodel", layers=4, seq=64))
+    made = plan_for(model, 4, 64, "90%", pp=2, rank=1, optimizer="none", cache=False)
+    assert made.report.pipeline_stages == [1] and made.report.predicted_peak <= made.report.budget
+    assert made.save and all(p.startswith(("layers.2", "layers.3", "norm", "output")) for p in made.save)
+    with torch.device("meta"):
+        first_stage = Transformer(tt.model_args("llama3:debugmodel", layers=4, seq=64))
+    del first_stage.layers["2"], first_stage.layers["3"]
+    made.apply(first_stage)  # none of the plan's paths: nothing checkpointed, no error
+    assert not any("checkpoint" in type(m).__name__.lower() for m in first_stage.modules())
+
+
+def test_a_deep_model_s_rank_is_three_blocks_repeated_node_for_node():
+    from bonsai_core.fit import deepen
+
+    for layout in (None, layout_of(tp=2)):
+        extra = dict(parallel=layout) if layout else {}
+        three = trace_model(TITAN, batch=1, seq=64, layers=3, **extra).graph
+        six = trace_model(TITAN, batch=1, seq=64, layers=6, **extra).graph
+        block = (sum(b for _, b, k in six.fixed_tensors if k == "param")
+                 - sum(b for _, b, k in three.fixed_tensors if k == "param")) // 3
+        deep = deepen(three, 6, block)
+        assert deep.n == six.n and deep.fixed_mem == six.fixed_mem
+        assert [deep.ops[v] for v in range(deep.n)] == [six.ops[v] for v in range(six.n)]
+        assert all(list(deep.deps(v)) == list(six.deps(v)) for v in range(six.n))
+        assert no_remat_peak(deep) == no_remat_peak(six)
+
+
+def test_fit_s_layouts_are_what_torchtitan_accepts():
+    from bonsai_core.fit import candidate_layouts
+
+    layouts = candidate_layouts(256, 80, 64, 8, 8192)  # Llama 3.1 70B
+    assert {l.tp for l in layouts} == {1, 2, 4, 8} and {l.pp for l in layouts} == {1, 2, 4, 8}
+    assert all(l.world == 256 and l.cp == 1 for l in layouts)  # context parallel for long sequences only
+    assert any(l.dp_replicate == 4 and l.fsdp == 8 and l.tp == 8 for l in layouts)  # HSDP within a node
+    assert {l.cp for l in candidate_layouts(8, 32, 32, 8, 262144)} == {1, 2, 4, 8}
+
+
+@pytest.mark.slow
+def test_fit_over_layouts_shares_traces_and_matches_whole_traces():
+    import dataclasses
+
+    from bonsai_core.fit import RankGraphs, fit_layouts
+    from bonsai_core.fsdp import Sharding
+    from bonsai_core.optimizer import with_optimizer
+
+    graphs = RankGraphs(TITAN, 64, {"layers": 6}, Sharding.of(2, None, None, model=TITAN), {})
+    for layout in (layout_of(fsdp=4, tp=2), layout_of(fsdp=2, tp=2, pp=2, pp_schedule="interleaved-1f1b")):
+        for rank, graph in graphs.ranks(layout, 4, "adamw"):
+            spec = dataclasses.replace(layout, rank=rank)
+            whole = with_optimizer(trace_model(TITAN, parallel=spec, batch=4, seq=64, layers=6).graph, "adamw")
+            assert (graph.n, no_remat_peak(graph), graph.fixed_mem) == (whole.n, no_remat_peak(whole), whole.fixed_mem)
+    result = fit_layouts(TITAN, 8, 40 * 2**20, seq=64, options={"layers": 6})
+    best = result.best()
+    assert best and all(f.fits and f.peak <= 40 * 2**20 for f in best)
+    assert best[0].tokens_per_gpu == max(f.tokens_per_gpu for f in best)
