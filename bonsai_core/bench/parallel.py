@@ -262,6 +262,8 @@ def main(args: argparse.Namespace) -> int:
 
     from bonsai_core.units import format_bytes
 
+    from bonsai_core.parallel import with_batch
+
     options = SIZES[args.model]
     rows = []
     for layout in args.layout:
@@ -270,7 +272,7 @@ def main(args: argparse.Namespace) -> int:
             ranks = measure(args.model, options, layout, budget)
             per_pp = layout.world // layout.pp
             for pp_rank in range(layout.pp):
-                spec = dataclasses.replace(layout, rank=pp_rank)
+                spec = with_batch(dataclasses.replace(layout, rank=pp_rank), options["batch"], options["seq"])
                 expected = predicted(args.model, options, spec, budget)
                 peak = max(r["peak"] for r in ranks[pp_rank * per_pp:(pp_rank + 1) * per_pp])
                 rows.append(f"| {args.model} | {spec.describe()} | {budget or 'none'} | {format_bytes(expected)} "
