@@ -440,15 +440,16 @@ class RankGraphs:
     def ranks(self, layout: Any, batch: int, optimizer: str) -> list[tuple[int, Graph]]:
         """(pipeline rank, its graph) of each rank of ``layout`` at local ``batch`` the peak is the largest of:
         the one rank, or the first, second and last pipeline ranks (the middle ones hold no more than the
-        second)."""
+        second); ``layout.microbatches`` of a pipeline layout (default: one sequence each, torchtitan's)."""
         import dataclasses
 
         from bonsai_core.optimizer import with_optimizer
 
         out = []
         ranks = [0] if layout.pp == 1 else sorted({0, 1, layout.pp - 1})
+        microbatches = (layout.microbatches or batch) if layout.pp > 1 else None  # default: one sequence each
         for rank in ranks:
-            spec = dataclasses.replace(layout, rank=rank, microbatches=batch if layout.pp > 1 else None)
+            spec = dataclasses.replace(layout, rank=rank, microbatches=microbatches)
             out.append((rank, with_optimizer(self.graph(spec, batch), optimizer)))
         return out
 
@@ -466,7 +467,7 @@ class RankGraphs:
             indices = rank_stages(layout)
             kinds = [(i == 0, i == len(names) - 1) for i in indices]
             counts = [sum(n.startswith("layers.") for n in names[i]) for i in indices]
-        micro = batch if layout.pp == 1 else 1
+        micro = batch if layout.pp == 1 else batch // layout.microbatches
         keys = [(layout.tp, layout.cp, first, last, micro, precision, min(count, 3))
                 for (first, last), count in zip(kinds, counts)]
         missing = [k for k in keys if k not in self.stages]
@@ -475,11 +476,13 @@ class RankGraphs:
             self.stages.update(_trace_stage_kinds(self.model, layout, batch, self.seq, self.options, precision,
                                                   self.trace_kwargs, missing))
             self.seconds += time.perf_counter() - start
-        graphs, sizes, root = [], {}, 0
+        graphs, sizes, total = [], {}, 0
         for key, count in zip(keys, counts):
             three, part_sizes, part_root = self.stages[key]
             sizes.update(part_sizes)
-            root += part_root
+            # the stage's parameters: its modules other than blocks, ``count`` blocks, and the rest
+            total += part_root + count * part_sizes.get("layers.*", 0) + sum(
+                b for p, b in part_sizes.items() if not p.startswith("layers."))
             graph = three if count <= 3 else deepen(three, count, part_sizes.get("layers.*", 0))
             if graph is None:
                 raise BonsaiError(f"{self.model}'s blocks are not alike: its layers cannot be traced as three repeated; "
@@ -493,6 +496,7 @@ class RankGraphs:
         if sharding.world > 1:
             units = fsdp_units(raw, sharding.reshard_after_forward)
             unit_sizes = [sum(sizes.get(p, sizes.get("layers.*", 0)) for p in paths) for paths, _ in units]
+            root = total - sum(unit_sizes)  # the root unit owns what no unit does (all-but-last: embedding, head)
             graph = shard_by_sizes(raw, units, unit_sizes, root, sharding.world, sharding.reshard_after_forward,
                                    precision)
         if layout.pp == 1:
@@ -500,7 +504,7 @@ class RankGraphs:
         from bonsai_core.pipeline import with_pipeline
 
         total = layout.pp * len(indices)
-        return with_pipeline(graph, layout, indices, [i > 0 for i in indices], [i < total - 1 for i in indices], 1)
+        return with_pipeline(graph, layout, indices, [i > 0 for i in indices], [i < total - 1 for i in indices], micro)
 
     def _n_layers(self) -> int:
         from bonsai_core.models import torchtitan as titan
@@ -521,8 +525,8 @@ def _trace_stage_kinds(model: str, layout: Any, batch: int, seq: int, options: d
     from bonsai_core.trace import built_for_tracing, trace_step
 
     step = {k: v for k, v in trace_kwargs.items() if k in ("profile", "autocast", "kernels")}
-    spec = dataclasses.replace(layout, microbatches=batch if layout.pp > 1 else None)
     out: dict[tuple, tuple] = {}
+    spec = layout
     with world(spec) as spec:
         with built_for_tracing(model, trace_kwargs.get("seed", 0), **dict(options, seq=seq, batch=batch)) \
                 as (net, inputs, loss_fn):
@@ -540,7 +544,8 @@ def _trace_stage_kinds(model: str, layout: Any, batch: int, seq: int, options: d
                 stages = [(part, (x,), loss, first, last) for part, x, loss, first, last
                           in zip(rank.parts, rank.inputs, rank.losses, rank.first, rank.last)]
             for part, x, loss, first, last in stages:
-                key = (spec.tp, spec.cp, first, last, batch if spec.pp == 1 else 1, precision, min(len(part.layers), 3))
+                micro = batch if spec.pp == 1 else batch // spec.microbatches
+                key = (spec.tp, spec.cp, first, last, micro, precision, min(len(part.layers), 3))
                 if key not in keys or key in out:
                     continue
                 _keep_layers(part, 3)

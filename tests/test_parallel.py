@@ -277,12 +277,16 @@ def test_fit_over_layouts_shares_traces_and_matches_whole_traces():
     from bonsai_core.fsdp import Sharding
     from bonsai_core.optimizer import with_optimizer
 
-    graphs = RankGraphs(TITAN, 64, {"layers": 6}, Sharding.of(2, None, None, model=TITAN), {})
-    for layout in (layout_of(fsdp=4, tp=2), layout_of(fsdp=2, tp=2, pp=2, pp_schedule="interleaved-1f1b")):
-        for rank, graph in graphs.ranks(layout, 4, "adamw"):
-            spec = dataclasses.replace(layout, rank=rank)
-            whole = with_optimizer(trace_model(TITAN, parallel=spec, batch=4, seq=64, layers=6).graph, "adamw")
-            assert (graph.n, no_remat_peak(graph), graph.fixed_mem) == (whole.n, no_remat_peak(whole), whole.fixed_mem)
+    for reshard in ("torchtitan", "all-but-last"):  # all-but-last: the root holds the embedding and the head
+        graphs = RankGraphs(TITAN, 64, {"layers": 6}, Sharding.of(2, reshard, None, model=TITAN), {})
+        for layout in (layout_of(fsdp=4, tp=2), layout_of(fsdp=2, tp=2, pp=2, pp_schedule="interleaved-1f1b")):
+            for rank, graph in graphs.ranks(layout, 4, "adamw"):
+                spec = dataclasses.replace(layout, rank=rank)
+                whole = with_optimizer(trace_model(TITAN, parallel=spec, batch=4, seq=64, layers=6,
+                                                   reshard_after_forward=reshard if layout.pp == 1 else None).graph,
+                                       "adamw")
+                assert (graph.n, no_remat_peak(graph), graph.fixed_mem) == \
+                    (whole.n, no_remat_peak(whole), whole.fixed_mem)
     result = fit_layouts(TITAN, 8, 40 * 2**20, seq=64, options={"layers": 6})
     best = result.best()
     assert best and all(f.fits and f.peak <= 40 * 2**20 for f in best)

@@ -45,38 +45,30 @@ ROWS = [
 ]
 
 
-def pipeline_ranks(pp: int) -> list[int]:
-    """The pipeline ranks traced: the first (the embedding, the most microbatches in flight), the second (the
-    most in flight of the middle stages, which have the same layers' shapes), the last (norm, output, loss)."""
-    return sorted({0, min(1, pp - 1), pp - 1})
-
-
-def predict_rank(flavour: str, degrees: dict, batch: int, seq: int, rank: int) -> dict[str, Any]:
-    """One rank of a row: traced, planned with torchtitan's full checkpointing, its live peak, breakdown and
-    (without pipeline parallel) the reserved peak with expandable segments."""
-    from bonsai_core.optimizer import with_optimizer
+def predict_rank(graphs: Any, degrees: dict, batch: int) -> list[dict[str, Any]]:
+    """A row's ranks: traced three blocks a stage and repeated (``fit.RankGraphs``, node for node the whole
+    trace), planned with torchtitan's full checkpointing, each one's live peak, breakdown and (without pipeline
+    parallel) the reserved peak with expandable segments."""
     from bonsai_core.parallel import layout_of
     from bonsai_core.schedule import simulate
     from bonsai_core.solvers import solve
-    from bonsai_core.trace import trace_model
 
-    layout = layout_of(**degrees, rank=rank)
+    layout = layout_of(**degrees)
     start = time.perf_counter()
-    # the published run is torchtitan's of 2024-12-26, whose apply_fsdp kept the last block unsharded after forward
-    reshard = "all-but-last" if layout.pp == 1 else None
-    traced = trace_model(f"torchtitan:llama3:{flavour}", parallel=layout, batch=batch, seq=seq,
-                         reshard_after_forward=reshard, **({} if layout.is_parallel else {"fsdp": layout.fsdp}))
-    graph = with_optimizer(traced.graph, "adamw")
+    ranks = graphs.ranks(layout, batch, "adamw")
     seconds = time.perf_counter() - start
-    schedule = solve(graph, None, "torchtitan-full")
-    sim = simulate(graph, schedule)
-    row: dict[str, Any] = {"rank": rank, "nodes": graph.n, "trace_seconds": round(seconds, 1),
-                           "live_peak": sim.peak, "breakdown": breakdown(graph, schedule.ops, sim)}
-    if layout.pp == 1:
-        from bonsai_core.allocator import bounded_replay
+    out = []
+    for rank, graph in ranks:
+        schedule = solve(graph, None, "torchtitan-full")
+        sim = simulate(graph, schedule)
+        row: dict[str, Any] = {"rank": rank, "nodes": graph.n, "trace_seconds": round(seconds, 1),
+                               "live_peak": sim.peak, "breakdown": breakdown(graph, schedule.ops, sim)}
+        if layout.pp == 1:
+            from bonsai_core.allocator import bounded_replay
 
-        row["reserved_peak"] = bounded_replay(graph, schedule, "expandable").reserved_peak
-    return row
+            row["reserved_peak"] = bounded_replay(graph, schedule, "expandable").reserved_peak
+        out.append(row)
+    return out
 
 
 def breakdown(graph: Any, ops: list, sim: Any) -> dict[str, int]:
@@ -104,12 +96,19 @@ def breakdown(graph: Any, ops: list, sim: Any) -> dict[str, int]:
 
 
 def measure(rows: list[str]) -> dict[str, Any]:
-    out = []
+    from bonsai_core.fit import RankGraphs
+    from bonsai_core.fsdp import Sharding
+
+    out, shared = [], {}
     for table, label, flavour, degrees, batch, seq, published, extra in ROWS:
         if table not in rows:
             continue
-        pp = degrees.get("pp", 1)
-        ranks = [predict_rank(flavour, degrees, batch, seq, r) for r in pipeline_ranks(pp)]
+        model = f"torchtitan:llama3:{flavour}"
+        # the published run is torchtitan's of 2024-12-26, whose apply_fsdp kept the last block unsharded after
+        # forward (under pipeline parallel nothing is resharded: torchtitan's units, as RankGraphs shards them)
+        if (model, seq) not in shared:
+            shared[(model, seq)] = RankGraphs(model, seq, {}, Sharding.of(2, "all-but-last", None, model=model), {})
+        ranks = predict_rank(shared[(model, seq)], degrees, batch)
         out.append({"table": table, "row": label, "flavour": flavour, "degrees": degrees, "batch": batch, "seq": seq,
                     "published_gib": published, "published_with": extra, "ranks": ranks})
         print(label, [(r["rank"], round(r["live_peak"] / GIB, 2), round(r.get("reserved_peak", 0) / GIB, 2))
