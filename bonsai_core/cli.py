@@ -123,7 +123,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from bonsai_core.graph import save_graph
     from bonsai_core.optimizer import with_optimizer
     from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.trace import trace_model
+    from bonsai_core.rank import trace as trace_model
 
     traced = trace_model(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
                          **fsdp_options(args), **model_options(args))

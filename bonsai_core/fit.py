@@ -151,7 +151,7 @@ def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_
     allocator model's reserved bytes; ``solver_options`` go to every method (``time_limit`` ...), a variant's
     own options (:func:`method_variant`) on top."""
     from bonsai_core.optimizer import with_optimizer
-    from bonsai_core.trace import trace_model
+    from bonsai_core.rank import trace as trace_model
 
     if vary not in ("batch", "seq"):
         raise BonsaiError(f"--vary {vary!r}: fit searches the micro-batch ('batch') or the sequence length ('seq').")
@@ -265,51 +265,59 @@ def write_report(result: FitResult, out_dir: str) -> list[str]:
 
 # -- a deep model's step from a trace of three blocks ------------------------------------------------------
 
-def deepen(graph: Graph, layers: int, block_bytes: int) -> Graph | None:
-    """``graph``, the step of a model whose block stack has three identical blocks, as the same step with
-    ``layers`` blocks: the middle block's forward and backward repeated in the chain (the copies read the
-    block before's output and the block after's gradient, as the middle block does), their parameters and
-    gradients (``block_bytes`` each, in the traced dtype) added to the fixed tensors. The graph a trace of the
-    deep model gives, node for node, where the blocks are alike (a transformer's); None where they are not
-    (the three blocks' forward ops differ, or their backward does not run block after block)."""
+def _middle_block(graph: Graph) -> dict[str, Any] | None:
+    """Where a three-block step's blocks are: their forward spans, the backward ranges of the last two (a
+    block's backward runs from the first backward op reading its forward tensors to the last one), and which
+    gradient node the last block hands the middle one corresponds to the one the middle hands the first; None
+    where the blocks' forward ops differ or their backward does not run block after block."""
     import numpy as np
 
     from bonsai_core.graph import block_stack
 
     blocks = block_stack(graph)
-    if len(blocks) != 3 or layers < 3:
+    if len(blocks) != 3:
         return None
     spans = [(a, b) for _, a, b in blocks]
     ops = [[graph.ops[v] for v in range(a, b + 1)] for a, b in spans]
     if not ops[0] == ops[1] == ops[2]:
         return None
-    # a block's backward runs from the first backward op reading its forward tensors to the last one (the
-    # block after it reads its output too, before)
-    backward = np.flatnonzero(~graph.is_forward)
+    backward = np.flatnonzero(~graph.is_forward).tolist()
     readers = []
     for a, b in spans:
-        mine = [v for v in backward.tolist() if any(a <= d <= b for d in graph.deps(v).tolist())]
+        mine = [v for v in backward if any(a <= d <= b for d in graph.deps(v).tolist())]
         if not mine:
             return None
         readers.append((mine[0], mine[-1]))
     s2, s1, s0 = readers[2][0], readers[2][1] + 1, readers[1][1] + 1
     if not (s2 < s1 < s0 <= graph.n) or graph.is_forward[s2:].any():
         return None
-    f0, f1, f2 = [range(a, b + 1) for a, b in spans]
     b2, b1 = range(s2, s1), range(s1, s0)
     into1 = sorted({d for v in b1 for d in graph.deps(v).tolist() if d in b2})  # the gradient block 2 hands block 1
     into0 = sorted({d for v in range(s0, graph.n) for d in graph.deps(v).tolist() if d in b1})  # block 1 -> block 0
     if len(into1) != len(into0):
         return None
-    handed = dict(zip(into1, into0))
+    return {"blocks": blocks, "spans": spans, "f": [range(a, b + 1) for a, b in spans], "b2": b2, "b1": b1,
+            "s1": s1, "handed": dict(zip(into1, into0))}
+
+
+def deepen(graph: Graph, layers: int, block_bytes: int) -> Graph | None:
+    """``graph``, the step of a model whose block stack has three identical blocks, as the same step with
+    ``layers`` blocks: the middle block's forward and backward repeated in the chain (the copies read the
+    block before's output and the block after's gradient, as the middle block does), their parameters and
+    gradients (``block_bytes`` each, in the traced dtype) added to the fixed tensors. The graph a trace of the
+    deep model gives, node for node, where the blocks are alike (a transformer's); None where they are not
+    (:func:`_middle_block`). Apply it before sharding (FSDP's units name node spans)."""
+    found = _middle_block(graph) if layers >= 3 and graph.fsdp is None else None
+    if found is None:
+        return None
+    blocks, spans, (f0, f1, f2), b2, b1, s1, handed = (found[k] for k in ("blocks", "spans", "f", "b2", "b1", "s1",
+                                                                           "handed"))
     copies = layers - 3
     step = spans[1][0] - spans[0][0]  # a forward node of block 0 -> the same node of block 1
     order = [(v, 0) for v in range(spans[1][1] + 1)]
-    for j in range(1, copies + 1):
-        order += [(v, j) for v in f1]
+    order += [(v, j) for j in range(1, copies + 1) for v in f1]
     order += [(v, 0) for v in range(spans[1][1] + 1, s1)]
-    for j in range(copies, 0, -1):
-        order += [(v, j) for v in b1]
+    order += [(v, j) for j in range(copies, 0, -1) for v in b1]
     order += [(v, 0) for v in range(s1, graph.n)]
     new_id = {key: i for i, key in enumerate(order)}
 
@@ -323,7 +331,7 @@ def deepen(graph: Graph, layers: int, block_bytes: int) -> Graph | None:
             if d in b2:
                 return new_id[(handed[d], j + 1)] if j < copies else new_id[(d, 0)]
             return new_id[(d, 0)]
-        if copies and d in f1 and (v in f2 or v in b2 or v >= spans[2][0] and v < s1):
+        if copies and d in f1 and spans[2][0] <= v < s1:
             return new_id[(d, copies)]  # block 2 and after read the last copy's output
         if copies and d in b2 and v in b1:
             return new_id[(handed[d], 1)]  # block 1 takes the gradient the first copy hands it
@@ -332,8 +340,7 @@ def deepen(graph: Graph, layers: int, block_bytes: int) -> Graph | None:
     data = graph.to_dict()
     nodes = []
     for i, (v, j) in enumerate(order):
-        nd = dict(data["nodes"][v])
-        nd["id"] = i
+        nd = dict(data["nodes"][v], id=i)
         if j:
             nd["name"] = f"{nd['name']}@{j}"
         nd["deps"] = sorted(mapped(v, j, d) for d in nd["deps"])
@@ -343,30 +350,33 @@ def deepen(graph: Graph, layers: int, block_bytes: int) -> Graph | None:
         if nd.get("held"):
             nd["held"] = sorted(mapped(v, j, d) for d in nd["held"])
         nodes.append(nd)
-    parent = blocks[0][0].rpartition(".")[0]
-    first_index = int(blocks[0][0].rpartition(".")[2])
-
-    def renamed(path: str, block: int) -> str:
-        own = f"{parent}.{first_index + block}"
-        return f"{parent}.{first_index + (block if block < 2 else layers - 1)}" + path[len(own):]
-
-    modules = []
-    for path, a, b in graph.modules:
-        which = next((k for k, (p, _, _) in enumerate(blocks) if path == p or path.startswith(p + ".")), None)
-        if which is None:
-            modules.append([path, new_id[(a, 0)], new_id[(b, 0)]])
-            continue
-        modules.append([renamed(path, which), new_id[(a, 0)], new_id[(b, 0)]])
-        if which == 1:
-            for j in range(1, copies + 1):
-                modules.append([f"{parent}.{first_index + 1 + j}" + path[len(blocks[1][0]):],
-                                new_id[(a, j)], new_id[(b, j)]])
-    extra = [[f"{parent}.{first_index + 1 + j} (a copy of {blocks[1][0]})", block_bytes, kind]
+    parent, _, middle = blocks[1][0].rpartition(".")
+    extra = [[f"{parent}.{int(middle) + j} (a copy of {blocks[1][0]})", block_bytes, kind]
              for kind in ("param", "grad") for j in range(1, copies + 1)]
-    data.update(nodes=nodes, modules=sorted(modules, key=lambda m: (m[1], -m[2])),
+    data.update(nodes=nodes, modules=_deepened_modules(graph, blocks, layers, new_id),
                 fixed_tensors=data.get("fixed_tensors", []) + extra,
                 fixed_mem=graph.fixed_mem + sum(t[1] for t in extra))
     return Graph.from_dict(data)
+
+
+def _deepened_modules(graph: Graph, blocks: list, layers: int, new_id: dict) -> list[list[Any]]:
+    """The ``modules`` of :func:`deepen`'s graph: the traced calls at their new ids, the last block renamed
+    the model's last, the middle block's calls repeated for each copy under the next blocks' paths."""
+    parent = blocks[0][0].rpartition(".")[0]
+    first_index = int(blocks[0][0].rpartition(".")[2])
+    copies = layers - 3
+    out = []
+    for path, a, b in graph.modules:
+        which = next((k for k, (p, _, _) in enumerate(blocks) if path == p or path.startswith(p + ".")), None)
+        if which is None:
+            out.append([path, new_id[(a, 0)], new_id[(b, 0)]])
+            continue
+        index = first_index + (which if which < 2 else layers - 1)
+        out.append([f"{parent}.{index}" + path[len(blocks[which][0]):], new_id[(a, 0)], new_id[(b, 0)]])
+        if which == 1:
+            out += [[f"{parent}.{first_index + 1 + j}" + path[len(blocks[1][0]):], new_id[(a, j)], new_id[(b, j)]]
+                    for j in range(1, copies + 1)]
+    return sorted(out, key=lambda m: (m[1], -m[2]))
 
 
 # -- what fits on N GPUs: the layouts ------------------------------------------------------------------------
@@ -456,7 +466,7 @@ class RankGraphs:
     def graph(self, layout: Any, batch: int) -> Graph:
         from bonsai_core.fsdp import Sharding, fsdp_units, shard_by_sizes
         from bonsai_core.parallel import with_layout
-        from bonsai_core.pipeline import _output_held, concatenate, rank_stages, stage_modules
+        from bonsai_core.pipeline import concatenate, output_held, rank_stages, stage_modules
 
         precision = self.sharding.mixed_precision if layout.shard_world > 1 else None
         n_layers = self._n_layers()
@@ -487,7 +497,7 @@ class RankGraphs:
             if graph is None:
                 raise BonsaiError(f"{self.model}'s blocks are not alike: its layers cannot be traced as three repeated; "
                                   "trace it whole (bonsai trace --tp/--pp ...).")
-            graphs.append(_output_held(graph) if layout.pp > 1 else graph)
+            graphs.append(output_held(graph) if layout.pp > 1 else graph)
         raw = concatenate(graphs, indices, f"{self.model}(batch={batch}, seq={self.seq}) {layout.describe()}")
         # under pipeline parallel torchtitan's units (apply_fsdp's), none resharded (pipeline.with_pipeline)
         sharding = Sharding(layout.shard_world, self.sharding.reshard_after_forward if layout.pp == 1 else "torchtitan",

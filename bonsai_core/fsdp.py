@@ -128,7 +128,7 @@ def unit_bytes(model: nn.Module, units: Sequence[Sequence[str]], mixed_precision
     the rest of the model (the root unit), each parameter counted once (tied ones in the first unit that
     has them), in ``mixed_precision``'s dtype when given (the all-gathered bytes), else the parameters' own.
     A tensor-parallel DTensor parameter counts its rank's local shard (what FSDP shards and gathers)."""
-    from bonsai_core.trace.descriptors import local_tensor
+    from bonsai_core.tensors import local_tensor
 
     seen: set[int] = set()
     itemsize = DTYPE_BYTES[mixed_precision] if mixed_precision else None

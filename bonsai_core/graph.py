@@ -131,9 +131,7 @@ class Graph:
         # optional: the FSDP rank this graph is (bonsai_core.fsdp): sharded state and the root's parameters
         # are in fixed_mem; the blocks' unsharded bytes are the simulator's (fsdp.working_profile)
         self.fsdp = None if fsdp is None else dict(fsdp)
-        # optional: the layout of the parallel run whose rank this graph is (bonsai_core.parallel); with
-        # "pipeline", the stages and microbatches the simulator's pipeline rule replays (bonsai_core.pipeline)
-        self.parallel = None if parallel is None else dict(parallel)
+        self.parallel = None if parallel is None else dict(parallel)  # optional: the rank's layout (and pipeline)
         try:
             self.cost = np.asarray(list(cost), dtype=np.float64)
             self.mem = np.asarray(list(mem), dtype=np.int64)
@@ -576,10 +574,30 @@ def _parallel_field(parallel: Any, n: int) -> dict[str, Any]:
             raise GraphError(shape)
     out: dict[str, Any] = {"layout": layout}
     if parallel.get("pipeline") is not None:
-        from bonsai_core.pipeline import check_field
-
-        out["pipeline"] = check_field(parallel["pipeline"], n)
+        out["pipeline"] = _pipeline_field(parallel["pipeline"], n)
     return out
+
+
+def _pipeline_field(pipeline: Any, n: int) -> dict[str, Any]:
+    """The ``parallel.pipeline`` object (bonsai_core.pipeline.with_pipeline), checked."""
+    shape = ("'parallel' pipeline must be an object with 'schedule', 'degree', 'rank', 'microbatches', "
+             "'stages' ([stage, first, last] node spans in order) and 'actions' ([F or B, local stage, microbatch]).")
+    if not isinstance(pipeline, dict) or not {"schedule", "degree", "rank", "microbatches", "stages", "actions"} <= set(pipeline):
+        raise GraphError(shape)
+    stages = pipeline["stages"]
+    if not isinstance(stages, list) or not stages or not all(isinstance(s, list) and len(s) == 3 for s in stages):
+        raise GraphError(shape)
+    spans = [(_int_field(s[1], "'parallel' pipeline stage first"), _int_field(s[2], "'parallel' pipeline stage last"))
+             for s in stages]
+    if spans[0][0] != 0 or spans[-1][1] != n - 1 or any(a > b for a, b in spans) \
+            or any(spans[k][1] + 1 != spans[k + 1][0] for k in range(len(spans) - 1)):
+        raise GraphError(f"'parallel' pipeline stages {spans} do not cover the graph's {n} nodes in order: {shape}")
+    actions = pipeline["actions"]
+    if not isinstance(actions, list) or not all(isinstance(a, list) and len(a) == 3 and a[0] in ("F", "B")
+                                                and 0 <= _int_field(a[1], "'parallel' pipeline action stage") < len(stages)
+                                                for a in actions):
+        raise GraphError(shape)
+    return dict(pipeline)
 
 
 MAX_INT = 2**62  # bytes and ids beyond this are corrupt, not real (and overflow int64)

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from bonsai_core.errors import BonsaiError, GraphError
+from bonsai_core.errors import BonsaiError
 
 FORWARD, BACKWARD = "F", "B"
 # torchtitan 0.2.2's JobConfig: pipeline_parallel_first_stage_less_layers, ..._last_stage_less_layers
@@ -143,13 +143,13 @@ def split_rank(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any,
 
     from bonsai_core.parallel import cp_positions, parallelize
     from bonsai_core.trace.descriptors import SentOutput
-    from bonsai_core.training import _fake_copy
+    from bonsai_core.tensors import fake_copy
 
     names = stage_modules(layout, model.model_args.n_layers)
     mode = torch._guards.detect_fake_mode(inputs)
     stages, parts = pipeline_module_split(model, dims.get_mesh("pp"), TORCH_SCHEDULE[layout.pp_schedule],
                                           inputs[0].device, names)
-    parts = [_fake_copy(part, mode) for part in parts]  # the split deep-copies into a fake mode of its own
+    parts = [fake_copy(part, mode) for part in parts]  # the split deep-copies into a fake mode of its own
     micro = inputs[0].shape[0] // layout.microbatches
     tokens, labels = inputs[0][:micro], loss_fn.labels[:micro]
     xs, losses, sent = [], [], []
@@ -180,7 +180,7 @@ def trace_rank_stages(rank: RankStages, layout: Any, sharding: Any, label: str, 
     for index, part, x, loss in zip(rank.indices, rank.parts, rank.inputs, rank.losses):
         with step_context(part, layout), computing_in(part, sharding.mixed_precision):
             traced = trace_step(part, (x,), loss, name=f"{label} stage {index}", **step)
-        graphs.append(_output_held(traced.graph))
+        graphs.append(output_held(traced.graph))
     graph = concatenate(graphs, rank.indices, label)
     graph = sharding.shard(graph, Parts(rank.parts)) if sharding.world > 1 else graph
     traced.graph = with_pipeline(graph, layout, rank.indices, [not f for f in rank.first],
@@ -246,7 +246,7 @@ class RankLoss(nn.Module):
         return total
 
 
-def _output_held(graph: Any) -> Any:
+def output_held(graph: Any) -> Any:
     """A stage's graph whose output (the last forward node of its model part: what it sends on, or the logits
     the last stage's loss reads) stays resident to the end of its backward: the stage's ``fwd_cache`` holds it
     from its forward, and ``backward_one_chunk`` until it returns."""
@@ -333,26 +333,6 @@ def _spans(graph: Any, count: int) -> list[tuple[int, int]]:
     starts = [0] + [v for v in range(1, graph.n) if prefixes[v] != prefixes[v - 1]]
     ends = starts[1:] + [graph.n]
     return [(a, b - 1) for a, b in zip(starts, ends)]
-
-
-def check_field(pipeline: Any, n: int) -> dict[str, Any]:
-    """The graph's ``parallel.pipeline`` object, checked (:func:`bonsai_core.graph.Graph.from_dict`)."""
-    shape = ("'parallel' pipeline must be an object with 'schedule', 'degree', 'rank', 'microbatches', "
-             "'stages' ([stage, first, last] node spans in order) and 'actions' ([F or B, local stage, microbatch]).")
-    if not isinstance(pipeline, dict) or not {"schedule", "degree", "rank", "microbatches", "stages", "actions"} <= set(pipeline):
-        raise GraphError(shape)
-    stages = pipeline["stages"]
-    if not isinstance(stages, list) or not stages or not all(isinstance(s, list) and len(s) == 3 for s in stages):
-        raise GraphError(shape)
-    spans = [(int(s[1]), int(s[2])) for s in stages]
-    if spans[0][0] != 0 or spans[-1][1] != n - 1 or any(a > b for a, b in spans) \
-            or any(spans[k][1] + 1 != spans[k + 1][0] for k in range(len(spans) - 1)):
-        raise GraphError(f"'parallel' pipeline stages {spans} do not cover the graph's {n} nodes in order: {shape}")
-    acts = pipeline["actions"]
-    if not isinstance(acts, list) or not all(isinstance(a, list) and len(a) == 3 and a[0] in (FORWARD, BACKWARD)
-                                             and 0 <= int(a[1]) < len(stages) for a in acts):
-        raise GraphError(shape)
-    return dict(pipeline)
 
 
 # -- rule 10: the microbatches a rank holds in flight --------------------------------------------------------

@@ -58,6 +58,7 @@ from bonsai_core.export_runtime.checkpointing import (apply_offloads, apply_save
 from bonsai_core.fsdp import Sharding
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak, simulate
+from bonsai_core.tensors import fake_copy, fake_of
 from bonsai_core.units import format_bytes
 
 REGION_METHODS = ("bonsai", "chen")  # the methods whose plans are checkpoint regions
@@ -213,13 +214,9 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
             torchtitan applies it: :func:`bonsai_core.fsdp.fsdp_units`);
             ``mixed_precision="bf16"``: ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32))`` on an fp32 model.
-        tp, cp, pp, dp_replicate, pp_schedule, microbatches, rank, async_tp: the rest of the layout, as
-            torchtitan's ``ParallelDims`` takes it (:class:`bonsai_core.parallel.Layout`; ``fsdp`` is its
-            ``dp_shard``): the plan is then one rank's, traced with tensor and context parallel as the model's
-            library applies them (torchtitan's ``parallelize_llama``, transformers' ``tp_plan``) on the fake
-            process group (or, inside a run, the run's own), FSDP over ``fsdp x cp`` ranks; ``pp`` > 1: the
-            pipeline stage of rank ``rank`` (:mod:`bonsai_core.pipeline`). Apply the plan before the model is
-            parallelized.
+        tp, cp, pp, dp_replicate, pp_schedule, microbatches, rank, async_tp: the rest of the layout, as torchtitan's
+            ``ParallelDims`` takes it (``fsdp`` its ``dp_shard``): the plan is one rank's (:mod:`bonsai_core.parallel`,
+            :mod:`bonsai_core.pipeline`); apply it before the model is parallelized.
         cache: read and write the plan cache (see the module doc); ``cache_dir`` overrides its folder.
         best_effort: when no layout of checkpointed submodules realises a plan within the budget, return
             the one with the smallest predicted peak (over the budget; the report says by how much)
@@ -229,6 +226,8 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
             probabilities; CUDA keeps a bool mask and runs fused attention). By default the device of the
             model's parameters (a model on ``meta`` is planned for CUDA); the report says which.
         options: the method's options (as ``bonsai solve --option``), e.g. ``time_limit=30``.
+
+    Long: the one call's steps in order (check, cache, trace, solve and lay out, report), each a call.
     """
     from bonsai_core.parallel import in_this_run, layout_of
 
@@ -508,8 +507,8 @@ class _FakeStep:
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
-            step = cls(mode, _fake_copy(model, mode), tuple(_fake_of(x, mode) for x in inputs),
-                       _fake_copy(loss_fn, mode) if isinstance(loss_fn, nn.Module) else loss_fn, name, parallel)
+            step = cls(mode, fake_copy(model, mode), tuple(fake_of(x, mode) for x in inputs),
+                       fake_copy(loss_fn, mode) if isinstance(loss_fn, nn.Module) else loss_fn, name, parallel)
             if parallel is not None and parallel.is_parallel:
                 check_supported(step.model, parallel)
                 step.parallel = layout = with_batch(parallel, *step.inputs[0].shape[:2])
@@ -608,27 +607,6 @@ def _skip_asserts() -> contextlib.AbstractContextManager:
     from bonsai_core.trace.patches import skip_tensor_asserts
 
     return skip_tensor_asserts()
-
-
-def _fake_copy(module: nn.Module, mode: Any) -> nn.Module:
-    """A deep copy of ``module`` whose parameters and buffers are ``mode``'s fake tensors (ties kept)."""
-    import copy
-
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(_fake_of(p.detach(), mode), requires_grad=p.requires_grad)
-    for b in module.buffers():
-        memo[id(b)] = _fake_of(b, mode)
-    return copy.deepcopy(module, memo)
-
-
-def _fake_of(t: torch.Tensor, mode: Any) -> torch.Tensor:
-    """``mode``'s fake of ``t``; of a ``meta`` tensor (a model built on the meta device, as torchtitan
-    builds it before sharding), a fake CPU tensor of its shape, so that the step traces as on CPU."""
-    if not t.is_meta:
-        return mode.from_tensor(t)
-    with mode:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
 # -- the plan cache --------------------------------------------------------------------------------

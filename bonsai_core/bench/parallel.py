@@ -52,9 +52,9 @@ def parse_layout(text: str) -> Any:
 
 def rank_graph(model: str, options: dict, layout: Any) -> Any:
     """The graph of ``layout``'s rank (its pipeline rank), traced on the fake process group, in fp32."""
-    from bonsai_core.trace import trace_model
+    from bonsai_core.rank import trace
 
-    return trace_model(model, parallel=layout, mixed_precision="none" if layout.shard_world > 1 else None,
+    return trace(model, parallel=layout, mixed_precision="none" if layout.shard_world > 1 else None,
                        **options).graph
 
 
@@ -151,8 +151,10 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
                               scale_grads=False)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
 
+    losses: list = []
+
     def step() -> None:
-        losses: list = []
+        losses.clear()
         args = (inputs[0],) if first else ()
         schedule.step(*args, target=labels if last else None, losses=losses if last else None, return_outputs=False)
 
@@ -187,7 +189,8 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
         tracker = Live(resized, left)
         with tracker:
             step()
-    return {"fixed": fixed, "peak": fixed + tracker.peak, "loss": 0.0}
+    # the loss is the last stage's (the microbatches' losses added up); no other stage has one
+    return {"fixed": fixed, "peak": fixed + tracker.peak, "loss": float(sum(losses)) if last else None}
 
 
 def _worker(rank: int, world: int, model: str, options: dict, layout: dict, budget: str | None, store: str,

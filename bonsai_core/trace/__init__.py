@@ -94,24 +94,16 @@ class _Step(nn.Module):
 
 def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autocast: str | None = None,
                 fsdp: int = 1, reshard_after_forward: bool | str | None = None, mixed_precision: str | None = None,
-                kernels: str = "cuda", parallel: Any = None, **options: Any) -> Traced:
+                kernels: str = "cuda", **options: Any) -> Traced:
     """Build a model spec (:func:`bonsai_core.models.build`: a zoo name, ``hf:...`` or
     ``package.module:factory``) under FakeTensorMode and trace its step;
     with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`), with
     ``mixed_precision`` ("bf16") under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
     either left None: the model's own setting (:meth:`bonsai_core.fsdp.Sharding.of`: torchtitan's for a
-    ``torchtitan:`` model). ``parallel`` (a :class:`bonsai_core.parallel.Layout` with tensor, context or
-    pipeline parallel, or HSDP): the step of one rank of that layout (:func:`bonsai_core.parallel.trace_rank`;
-    its ``fsdp`` then replaces ``fsdp``). ``kernels``: see :func:`trace_step`."""
+    ``torchtitan:`` model); one rank of a tensor, context or pipeline parallel layout:
+    :func:`bonsai_core.rank.trace`. ``kernels``: see :func:`trace_step`."""
     from bonsai_core.fsdp import Sharding, computing_in
 
-    if parallel is not None and parallel.is_parallel:
-        from bonsai_core.parallel import trace_rank
-
-        return trace_rank(name, parallel, profile=profile, seed=seed, autocast=autocast,
-                          reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision,
-                          kernels=kernels, **options)
-    fsdp = parallel.fsdp if parallel is not None else fsdp
     sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision, model=name)
     mixed_precision = sharding.mixed_precision
     label = name if not options else name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"

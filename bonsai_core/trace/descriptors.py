@@ -115,10 +115,3 @@ def signature_of(gm: fx.GraphModule) -> Signature:
                     if isinstance(mutated, BufferAOTInput):
                         sig.buffers_to_mutate[out.name] = mutated.target
     return sig
-
-
-def local_tensor(t: Any) -> Any:
-    """A DTensor's local tensor (what its placeholder holds); any other value as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t

@@ -60,7 +60,7 @@ _GETITEM_COST = 1e-9
 def _placeholder_tensors(step: nn.Module, inputs: tuple[torch.Tensor, ...], signature: Any) -> dict[str, torch.Tensor]:
     """The tensor each placeholder was traced from (parameter, buffer or batch tensor): their storages
     say which placeholders share memory (AOTAutograd's fake copies of real tensors do not keep that)."""
-    from bonsai_core.trace.descriptors import local_tensor
+    from bonsai_core.tensors import local_tensor
 
     named = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
     tensors = {ph: local_tensor(named[n]) for ph, n in {**signature.inputs_to_parameters, **signature.inputs_to_buffers}.items()
