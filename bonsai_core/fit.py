@@ -356,7 +356,7 @@ def deepen(graph: Graph, layers: int, block_bytes: int) -> Graph | None:
     data.update(nodes=nodes, modules=_deepened_modules(graph, blocks, layers, new_id),
                 fixed_tensors=data.get("fixed_tensors", []) + extra,
                 fixed_mem=graph.fixed_mem + sum(t[1] for t in extra))
-    return Graph.from_dict(data)
+    return Graph.rebuilt(data)
 
 
 def _deepened_modules(graph: Graph, blocks: list, layers: int, new_id: dict) -> list[list[Any]]:

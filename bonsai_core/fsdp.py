@@ -283,7 +283,7 @@ def with_fsdp(graph: Graph, world: int, blocks: Sequence[tuple[str, int, int, in
                     "units": [[path, int(first), int(last), int(nbytes)] for path, first, last, nbytes in blocks]}
     if mixed_precision:
         data["fsdp"].update(param_dtype=mixed_precision, reduce_dtype=REDUCE_DTYPE)
-    return Graph.from_dict(data)
+    return Graph.rebuilt(data)
 
 
 class Buffer(NamedTuple):

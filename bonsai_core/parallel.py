@@ -352,4 +352,4 @@ def with_layout(graph: Any, layout: Layout, **fields: Any) -> Any:
 
     data = graph.to_dict()
     data["parallel"] = {"layout": layout.to_dict(), **fields}
-    return Graph.from_dict(data)
+    return Graph.rebuilt(data)

@@ -258,7 +258,7 @@ def output_held(graph: Any) -> Any:
     if out not in last["deps"]:
         last["deps"] = sorted({*last["deps"], out})
         last["held"] = sorted({*last.get("held", []), out})
-    return Graph.from_dict(data)
+    return Graph.rebuilt(data)
 
 
 def concatenate(graphs: Sequence[Any], stages: Sequence[int], name: str) -> Any:
@@ -269,7 +269,7 @@ def concatenate(graphs: Sequence[Any], stages: Sequence[int], name: str) -> Any:
     if len(graphs) == 1:
         data = graphs[0].to_dict()
         data["name"] = name
-        return Graph.from_dict(data)
+        return Graph.rebuilt(data)
     nodes, fixed, modules, offset = [], [], [], 0
     for stage, graph in zip(stages, graphs):
         data = graph.to_dict()
@@ -287,7 +287,7 @@ def concatenate(graphs: Sequence[Any], stages: Sequence[int], name: str) -> Any:
         fixed += [[f"s{stage}.{t[0]}", t[1], t[2]] for t in data.get("fixed_tensors", [])]
         modules += [[path, first + offset, last + offset] for path, first, last in data.get("modules", [])]
         offset += graph.n
-    return Graph.from_dict({"format": "bonsai-graph", "version": 1, "name": name, "nodes": nodes,
+    return Graph.rebuilt({"format": "bonsai-graph", "version": 1, "name": name, "nodes": nodes,
                             "fixed_mem": sum(g.fixed_mem for g in graphs), "fixed_tensors": fixed,
                             "modules": modules})
 
@@ -322,7 +322,7 @@ def with_pipeline(graph: Any, layout: Any, stages: Sequence[int], receives: Sequ
     pipeline = {"schedule": layout.pp_schedule, "degree": layout.pp, "rank": layout.rank, "microbatches": m,
                 "microbatch_size": micro, "stages": [[s, first, last] for s, (first, last) in zip(stages, spans)],
                 "actions": [list(a) for a in actions(layout)]}
-    return with_layout(Graph.from_dict(data), layout, pipeline=pipeline)
+    return with_layout(Graph.rebuilt(data), layout, pipeline=pipeline)
 
 
 def _spans(graph: Any, count: int) -> list[tuple[int, int]]:

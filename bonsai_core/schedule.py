@@ -89,38 +89,22 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, data: Any) -> "Schedule":
-        check_header(data, ScheduleError, FORMAT, VERSION, fields="'format', 'version', 'graph' and 'ops'",
-                     other="a graph file? pass it as the graph instead")
-        raw_ops = data.get("ops")
-        if not isinstance(raw_ops, list):
-            raise ScheduleError("'ops' must be a list of [kind, node id] pairs, kind one of "
-                                + ", ".join(f'"{k}"' for k in KINDS) + ".")
-        ops = []
-        for i, op in enumerate(raw_ops):
-            if (not isinstance(op, list) or len(op) != 2 or op[0] not in KINDS
-                    or isinstance(op[1], bool) or not isinstance(op[1], int)):
-                raise ScheduleError(f"Op {i} is {op!r}; each op is [kind, node id], kind one of "
-                                    + ", ".join(f'"{k}"' for k in KINDS) + ".")
-            ops.append((op[0], op[1]))
-        budget, host_budget = data.get("budget"), data.get("host_budget")
-        for name, value in (("budget", budget), ("host_budget", host_budget)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or not 0 <= value <= 2**62):
-                raise ScheduleError(f"'{name}' is {value!r}; it must be a byte count or null.")
-        device = data.get("device")
-        if device is not None:
-            from bonsai_core.costmodel import PROFILES
+        """Parse a bonsai-schedule document (already JSON-decoded): each field against the format's JSON
+        Schema (:mod:`bonsai_core.schema`), then ``device`` against the cost model's profiles; the ops'
+        rules are the simulator's."""
+        from bonsai_core.costmodel import PROFILES
+        from bonsai_core.schema import check
 
-            if device not in PROFILES:
-                raise ScheduleError(f"'device' is {device!r}; use one of {', '.join(PROFILES)} or leave it out.")
-        stats, extra = data.get("stats", {}), data.get("extra", {})
-        if not isinstance(stats, dict) or not isinstance(extra, dict):
-            raise ScheduleError("'stats' and 'extra' must be JSON objects.")
-        gh = data.get("graph_hash")
-        return cls(graph=str(data.get("graph", "")), method=str(data.get("method", "")), ops=ops,
-                   budget=None if budget is None else int(budget), graph_hash=None if gh is None else str(gh),
-                   stats=stats, extra=extra, device=device,
-                   host_budget=None if host_budget is None else int(host_budget))
+        check_header(data, ScheduleError, FORMAT, VERSION, fields="'format', 'version' and 'ops'",
+                     other="a graph file? pass it as the graph instead")
+        check(data, "schedule", ScheduleError)
+        device = data.get("device")
+        if device is not None and device not in PROFILES:
+            raise ScheduleError(f"'device' is {device!r}; use one of {', '.join(PROFILES)} or leave it out.")
+        budget, host_budget, gh = data.get("budget"), data.get("host_budget"), data.get("graph_hash")
+        return cls(graph=data.get("graph", ""), method=data.get("method", ""), ops=[(kind, v) for kind, v in data["ops"]],
+                   budget=None if budget is None else int(budget), graph_hash=gh, stats=data.get("stats", {}),
+                   extra=data.get("extra", {}), device=device, host_budget=None if host_budget is None else int(host_budget))
 
 
 @dataclass(frozen=True)

@@ -248,11 +248,11 @@ def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[st
     for v, extra in _held_by_python(graph, held, {u for _, u in pairs}).items():
         data["nodes"][v]["deps"] = sorted(set(data["nodes"][v]["deps"]) | extra)
         data["nodes"][v]["held"] = sorted(extra)
-    graph = Graph.from_dict(data)
+    graph = Graph.rebuilt(data)
     for v, u in pairs:
         if _runs_in_place(graph, fx_nodes[fx_names[v]], ids, v, u):
             data["nodes"][v]["inplace_of"] = u
-    return Graph.from_dict(data)
+    return Graph.rebuilt(data)
 
 
 def _held_by_python(graph: Graph, held: list[tuple[int, int]], written: set[int]) -> dict[int, set[int]]:
