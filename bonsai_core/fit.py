@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from bonsai_core.budget import smallest_meeting
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
@@ -267,9 +267,11 @@ def write_report(result: FitResult, out_dir: str) -> list[str]:
 
 def _middle_block(graph: Graph) -> dict[str, Any] | None:
     """Where a three-block step's blocks are: their forward spans, the backward ranges of the last two (a
-    block's backward runs from the first backward op reading its forward tensors to the last one), and which
-    gradient node the last block hands the middle one corresponds to the one the middle hands the first; None
-    where the blocks' forward ops differ or their backward does not run block after block."""
+    block's backward runs from the first backward op reading its forward tensors to the last one), which
+    node of the first block the middle one reads corresponds to the one of the middle block the last reads
+    (the first block of a pipeline stage reads the received activation, and may differ), and which gradient
+    node the last block hands the middle one to the one the middle hands the first; None where the middle
+    and last blocks' forward ops differ or the backward does not run block after block."""
     import numpy as np
 
     from bonsai_core.graph import block_stack
@@ -279,7 +281,7 @@ def _middle_block(graph: Graph) -> dict[str, Any] | None:
         return None
     spans = [(a, b) for _, a, b in blocks]
     ops = [[graph.ops[v] for v in range(a, b + 1)] for a, b in spans]
-    if not ops[0] == ops[1] == ops[2]:
+    if ops[1] != ops[2]:
         return None
     backward = np.flatnonzero(~graph.is_forward).tolist()
     readers = []
@@ -291,13 +293,18 @@ def _middle_block(graph: Graph) -> dict[str, Any] | None:
     s2, s1, s0 = readers[2][0], readers[2][1] + 1, readers[1][1] + 1
     if not (s2 < s1 < s0 <= graph.n) or graph.is_forward[s2:].any():
         return None
+    f0, f1, f2 = [range(a, b + 1) for a, b in spans]
     b2, b1 = range(s2, s1), range(s1, s0)
-    into1 = sorted({d for v in b1 for d in graph.deps(v).tolist() if d in b2})  # the gradient block 2 hands block 1
-    into0 = sorted({d for v in range(s0, graph.n) for d in graph.deps(v).tolist() if d in b1})  # block 1 -> block 0
-    if len(into1) != len(into0):
+
+    def read(by: Sequence[int], of: range) -> list[int]:
+        return sorted({d for v in by for d in graph.deps(v).tolist() if d in of})
+
+    fed0, fed1 = read([*f1, *b1], f0), read([*f2, *b2], f1)  # what the next block reads of the block before
+    into1, into0 = read(b1, b2), read(range(s0, graph.n), b1)  # the gradient each block hands the one before
+    if len(fed0) != len(fed1) or len(into1) != len(into0):
         return None
-    return {"blocks": blocks, "spans": spans, "f": [range(a, b + 1) for a, b in spans], "b2": b2, "b1": b1,
-            "s1": s1, "handed": dict(zip(into1, into0))}
+    return {"blocks": blocks, "spans": spans, "f": [f0, f1, f2], "b2": b2, "b1": b1, "s1": s1,
+            "fed": dict(zip(fed0, fed1)), "handed": dict(zip(into1, into0))}
 
 
 def deepen(graph: Graph, layers: int, block_bytes: int) -> Graph | None:
@@ -310,10 +317,9 @@ def deepen(graph: Graph, layers: int, block_bytes: int) -> Graph | None:
     found = _middle_block(graph) if layers >= 3 and graph.fsdp is None else None
     if found is None:
         return None
-    blocks, spans, (f0, f1, f2), b2, b1, s1, handed = (found[k] for k in ("blocks", "spans", "f", "b2", "b1", "s1",
-                                                                           "handed"))
+    blocks, spans, (f0, f1, f2), b2, b1, s1, fed, handed = (found[k] for k in ("blocks", "spans", "f", "b2", "b1",
+                                                                                "s1", "fed", "handed"))
     copies = layers - 3
-    step = spans[1][0] - spans[0][0]  # a forward node of block 0 -> the same node of block 1
     order = [(v, 0) for v in range(spans[1][1] + 1)]
     order += [(v, j) for j in range(1, copies + 1) for v in f1]
     order += [(v, 0) for v in range(spans[1][1] + 1, s1)]
@@ -324,8 +330,8 @@ def deepen(graph: Graph, layers: int, block_bytes: int) -> Graph | None:
     def mapped(v: int, j: int, d: int) -> int:
         """The new id of dep ``d`` of node ``v`` of copy ``j`` (0: the traced node itself)."""
         if j:  # a copy of the middle block: its chain neighbours are copies too
-            if d in f0:
-                return new_id[(d + step, j - 1)]
+            if d in f0:  # what the block before hands on
+                return new_id[(fed[d], j - 1)]
             if d in f1 or d in b1:
                 return new_id[(d, j)]
             if d in b2:
