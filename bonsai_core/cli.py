@@ -7,6 +7,7 @@ one-paragraph message on stderr and no traceback; 2 on bad arguments (argparse's
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -687,7 +688,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry_point() -> None:
-    sys.exit(main())
+    code = main()
+    # the objects left by a pipeline rank's trace (torch.distributed's on the torn-down fake process group)
+    # can corrupt the heap when the interpreter's last collection frees them: the process ends without it
+    gc.freeze()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

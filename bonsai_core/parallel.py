@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import threading
 import unittest.mock
 from dataclasses import dataclass
@@ -167,14 +168,19 @@ def world(layout: Layout) -> Iterator[Layout]:
                               f"process group of {dist.get_world_size()}: give the run's own degrees.")
         yield in_this_run(layout)
         return
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers the "fake" backend)
 
     with _WORLD:
         rank = layout.rank * (layout.world // layout.pp)
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
+        # a C++ store: fake_pg's FakeStore, a Python subclass, left behind with the torn-down group corrupts
+        # the heap at the interpreter's exit
+        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=layout.world)
         try:
             yield layout
         finally:
+            # what holds the fake groups (meshes, pipeline stages in reference cycles) goes first: a group
+            # freed after its process group is destroyed corrupts the heap at exit
+            gc.collect()
             dist.destroy_process_group()
             _forget_meshes()
 

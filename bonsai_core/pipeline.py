@@ -174,18 +174,21 @@ def trace_rank_stages(rank: RankStages, layout: Any, sharding: Any, label: str, 
     Returns the :class:`Traced` of the last stage with the rank's graph."""
     from bonsai_core.fsdp import computing_in
     from bonsai_core.parallel import step_context
-    from bonsai_core.trace import trace_step
+    from bonsai_core.trace import Traced, trace_step
 
-    graphs = []
+    graphs, seconds = [], 0.0
     for index, part, x, loss in zip(rank.indices, rank.parts, rank.inputs, rank.losses):
         with step_context(part, layout), computing_in(part, sharding.mixed_precision):
             traced = trace_step(part, (x,), loss, name=f"{label} stage {index}", **step)
         graphs.append(output_held(traced.graph))
+        seconds += traced.seconds
     graph = concatenate(graphs, rank.indices, label)
     graph = sharding.shard(graph, Parts(rank.parts)) if sharding.world > 1 else graph
-    traced.graph = with_pipeline(graph, layout, rank.indices, [not f for f in rank.first],
-                                 [not last for last in rank.last], rank.micro)
-    return traced
+    graph = with_pipeline(graph, layout, rank.indices, [not f for f in rank.first], [not last for last in rank.last],
+                          rank.micro)
+    # no one program replays a rank's stages (and a stage's export kept to exit corrupts the heap as the
+    # fake process group's objects are torn down)
+    return Traced(graph, None, [], seconds)
 
 
 class _Received(torch.autograd.Function):
