@@ -597,7 +597,7 @@ class LayoutsResult:
     seq: int
     fits: list[LayoutFit]
     trace_seconds: float
-    traces: int
+    traces: int  # stage kinds traced (three blocks each)
 
     def best(self) -> list[LayoutFit]:
         """Each layout's largest local batch that fits (the least recompute there), most tokens per GPU first."""
@@ -650,7 +650,7 @@ def fit_layouts(model: str, gpus: int, limit: int, methods: list[str] | None = N
             if not found.fits:
                 break
             batch *= 2
-    return LayoutsResult(model, gpus, limit, seq, fits, graphs.seconds, len(graphs.cache))
+    return LayoutsResult(model, gpus, limit, seq, fits, graphs.seconds, len(graphs.stages))
 
 
 def _fit_layout(graphs: RankGraphs, layout: Any, batch: int, seq: int, methods: list[str], variants: dict,
