@@ -104,6 +104,8 @@ def true_or_false(text: str) -> bool:
 # (bonsai_core.fsdp.fsdp_units): "all-but-last" as in December 2024, "torchtitan" as release 0.2.2 does
 ALL_BUT_LAST, TORCHTITAN = "all-but-last", "torchtitan"
 RESHARD_CHOICES = ("true", "false", ALL_BUT_LAST, TORCHTITAN)
+# --pp-schedule: torch.distributed.pipelining's schedule classes, by the names the command line takes
+SCHEDULES = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
 
 
 def reshard_arg(text: str) -> bool | str:

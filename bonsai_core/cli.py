@@ -7,13 +7,14 @@ one-paragraph message on stderr and no traceback; 2 on bad arguments (argparse's
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from bonsai_core.arguments import (CHECKPOINTING, COMPILE_MODES, RESHARD_CHOICES, SOLVE_TIME_LIMIT, allocator_policy, budget_arg, overhead_arg, positive, positive_int,
+from bonsai_core.arguments import (CHECKPOINTING, COMPILE_MODES, RESHARD_CHOICES, SCHEDULES, SOLVE_TIME_LIMIT, allocator_policy, budget_arg, overhead_arg, positive, positive_int,
                                    reserved_policy, reshard_arg, solve_time_limit, time_limit_arg)
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.optimizer import GRADS, OPTIMIZERS
@@ -41,7 +42,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
-    """--fsdp N and --reshard-after-forward, shared by trace and fit."""
+    """--fsdp N, --reshard-after-forward and the rest of a parallel layout (--tp, --cp, --pp, ...), shared by
+    trace and fit."""
     p.add_argument("--fsdp", type=positive_int, default=1, metavar="N",
                    help="plan one of N ranks of FSDP2 (fully_shard on each block and on the model): sharded parameters, "
                         "gradients and optimizer state, and the unsharded blocks over the step (default 1: no sharding)")
@@ -54,6 +56,22 @@ def add_fsdp_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --fsdp: FSDP2's MixedPrecisionPolicy(param_dtype=this, reduce_dtype=fp32) on the fp32 "
                         "model: fp32 sharded parameters, gradients and optimizer state, blocks all-gathered and "
                         "computed in this dtype; default: none, bf16 for torchtitan: models (torchtitan's)")
+    p.add_argument("--dp-replicate", type=positive_int, default=1, metavar="N",
+                   help="HSDP: N replicas of the FSDP group (torchtitan's data_parallel_replicate_degree; default 1)")
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                   help="tensor parallel degree: the rank traced with DTensor TP as the model's library applies it "
+                        "(torchtitan's parallelize_llama, transformers' tp_plan), on a fake process group (default 1)")
+    p.add_argument("--cp", type=positive_int, default=1, metavar="N",
+                   help="context parallel degree (torchtitan: models): the sequence sharded, ring attention (default 1)")
+    p.add_argument("--pp", type=positive_int, default=1, metavar="N",
+                   help="pipeline parallel degree (torchtitan: models): the stage(s) of --rank (default 1)")
+    p.add_argument("--pp-schedule", choices=tuple(SCHEDULES), default="1f1b",
+                   help="with --pp: torch.distributed.pipelining's Schedule1F1B or ScheduleInterleaved1F1B")
+    p.add_argument("--microbatches", type=positive_int, default=None, metavar="M",
+                   help="with --pp: microbatches per step (default: one sequence each, torchtitan's default)")
+    p.add_argument("--rank", type=int, default=0, metavar="R", help="with --pp: the pipeline rank traced (default 0)")
+    p.add_argument("--async-tp", action="store_true",
+                   help="torchtitan's AsyncTP: refused, it is an Inductor pass under torch.compile (docs/REAL_RUNS.md)")
 
 
 def compile_mode(args: argparse.Namespace) -> str | None:
@@ -64,8 +82,13 @@ def compile_mode(args: argparse.Namespace) -> str | None:
 
 
 def fsdp_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The sharding options of trace and fit: FSDP2's, and the parallel layout where it is more than FSDP."""
+    from bonsai_core.parallel import layout_of
+
+    layout = layout_of(args.fsdp, args.tp, args.cp, args.pp, args.dp_replicate, args.pp_schedule, args.microbatches,
+                       args.rank, args.async_tp)
     return {"fsdp": args.fsdp, "reshard_after_forward": args.reshard_after_forward,
-            "mixed_precision": args.mixed_precision}
+            "mixed_precision": args.mixed_precision, **({"parallel": layout} if layout.is_parallel else {})}
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -106,7 +129,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from bonsai_core.graph import save_graph
     from bonsai_core.optimizer import with_grads, with_optimizer
     from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.trace import trace_model
+    from bonsai_core.rank import trace as trace_model
 
     traced = trace_model(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
                          compile=compile_mode(args), ac=args.ac, float8=args.float8, **fsdp_options(args),
@@ -276,6 +299,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_fit(args: argparse.Namespace) -> int:
     from bonsai_core import fit
 
+    if args.gpus:
+        return _fit_layouts(args)
     methods = args.methods or ["none", "bonsai", "chen", "dtr"]
     for m in methods:
         try:
@@ -287,7 +312,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     reserved = reserved_policy(args)
     limit = args.gpu.resolve(0)
     time_limit = solve_time_limit(args.time_limit)
-    result = fit.fit(args.model, limit, methods, vary=args.vary, max_overhead=args.max_overhead,
+    max_overhead = 0.10 if args.max_overhead is None else args.max_overhead
+    result = fit.fit(args.model, limit, methods, vary=args.vary, max_overhead=max_overhead,
                      options=model_options(args), optimizer=args.optimizer, reserved=reserved,
                      solver_options={"time_limit": time_limit}, start=args.start,
                      progress=(lambda line: print(line, flush=True)) if not args.json else None,
@@ -542,15 +568,61 @@ def _add_bench_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_bench, parser=p)
 
 
+def _fit_layouts(args: argparse.Namespace) -> int:
+    """``bonsai fit MODEL --gpus N``: every layout of N GPUs and local batch (:func:`bonsai_core.fit.fit_layouts`)."""
+    import time
+
+    from bonsai_core import fit
+    from bonsai_core.models import torchtitan as titan
+
+    methods = args.methods or fit.LAYOUT_METHODS
+    for m in methods:
+        try:
+            fit.method_variant(m)
+        except SolverError as e:
+            args.parser.error(f"argument --methods: {e}")
+    if args.gpu.fraction is not None:
+        args.parser.error("argument --gpu: give the GPU's memory in bytes or with a unit (80GiB), not a share")
+    start = time.perf_counter()
+    options = model_options(args)
+    seq = options.pop("seq", None) or titan.DEFAULTS["seq"]
+    result = fit.fit_layouts(args.model, args.gpus, args.gpu.resolve(0), methods, seq=seq, options=options,
+                             optimizer=args.optimizer, reserved=reserved_policy(args),
+                             max_overhead=float("inf") if args.max_overhead is None else args.max_overhead,
+                             solver_options={"time_limit": solve_time_limit(args.time_limit)},
+                             progress=(lambda line: print(line, flush=True)) if not args.json else None,
+                             trace_kwargs={"seed": args.seed, "autocast": args.autocast,
+                                           "reshard_after_forward": args.reshard_after_forward,
+                                           "mixed_precision": args.mixed_precision})
+    table = fit.layouts_markdown(result)
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fit-layouts.md").write_text(table + "\n")
+        (out / "fit-layouts.json").write_text(json.dumps([f.row() for f in result.fits], indent=1) + "\n")
+    if args.json:
+        print(json.dumps({"fits": [f.row() for f in result.fits], "trace_seconds": result.trace_seconds,
+                          "traces": result.traces, "seconds": time.perf_counter() - start}))
+        return 0
+    print(table)
+    print(f"{result.traces} rank structures traced in {result.trace_seconds:.1f} s; {len(result.fits)} layout and batch "
+          f"attempts in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def _add_fit_parser(sub: Any) -> None:
     """``fit``: the largest size each method trains within a GPU's memory."""
     p = sub.add_parser("fit", help="the largest micro-batch (or sequence) each method trains within a GPU's memory")
     add_model_arguments(p)
     p.add_argument("--gpu", required=True, type=budget_arg, metavar="BYTES", help="the GPU's memory, e.g. 80GiB")
+    p.add_argument("--gpus", type=positive_int, default=None, metavar="N",
+                   help="torchtitan: models: search the layouts of N GPUs (TP, PP with both schedules, CP, FSDP, HSDP) "
+                        "and each one's local batch: the least recompute that fits and the tokens per GPU per step "
+                        "(methods default: none torchtitan-selective torchtitan-full)")
     p.add_argument("--vary", choices=("batch", "seq"), default="batch", help="the size searched (default batch)")
     p.add_argument("--start", type=positive_int, default=1, metavar="N", help="the first size tried (default 1)")
-    p.add_argument("--max-overhead", type=overhead_arg, default=0.10, metavar="PCT",
-                   help="the largest recompute overhead accepted (default 10%%)")
+    p.add_argument("--max-overhead", type=overhead_arg, default=None, metavar="PCT",
+                   help="the largest recompute overhead accepted (default 10%%; with --gpus none)")
     p.add_argument("--methods", nargs="+", metavar="METHOD",
                    help="default: none bonsai chen dtr; a variant as METHOD:NAME=VALUE,... (bonsai:offload=true)")
     p.add_argument("--optimizer", default="none", choices=OPTIMIZERS, help="the optimizer step (see trace)")
@@ -642,7 +714,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry_point() -> None:
-    sys.exit(main())
+    code = main()
+    # the objects left by a pipeline rank's trace (torch.distributed's on the torn-down fake process group)
+    # can corrupt the heap when the interpreter's last collection frees them: the process ends without it
+    gc.freeze()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from bonsai_core.budget import smallest_meeting
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
@@ -151,7 +151,7 @@ def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_
     allocator model's reserved bytes; ``solver_options`` go to every method (``time_limit`` ...), a variant's
     own options (:func:`method_variant`) on top."""
     from bonsai_core.optimizer import with_optimizer
-    from bonsai_core.trace import trace_model
+    from bonsai_core.rank import trace as trace_model
 
     if vary not in ("batch", "seq"):
         raise BonsaiError(f"--vary {vary!r}: fit searches the micro-batch ('batch') or the sequence length ('seq').")
@@ -261,3 +261,443 @@ def write_report(result: FitResult, out_dir: str) -> list[str]:
             (out / name).write_text(json.dumps(best.schedule.to_dict(), separators=(",", ":")) + "\n")
             written.append(name)
     return written
+
+
+# -- a deep model's step from a trace of three blocks ------------------------------------------------------
+
+def _middle_block(graph: Graph) -> dict[str, Any] | None:
+    """Where a three-block step's blocks are: their forward spans, the backward ranges of the last two (a
+    block's backward runs from the first backward op reading its forward tensors to the last one), which
+    node of the first block the middle one reads corresponds to the one of the middle block the last reads
+    (the first block of a pipeline stage reads the received activation, and may differ), and which gradient
+    node the last block hands the middle one to the one the middle hands the first; None where the middle
+    and last blocks' forward ops differ or the backward does not run block after block."""
+    import numpy as np
+
+    from bonsai_core.graph import block_stack
+
+    blocks = block_stack(graph)
+    if len(blocks) != 3:
+        return None
+    spans = [(a, b) for _, a, b in blocks]
+    ops = [[graph.ops[v] for v in range(a, b + 1)] for a, b in spans]
+    if ops[1] != ops[2]:
+        return None
+    backward = np.flatnonzero(~graph.is_forward).tolist()
+    readers = []
+    for a, b in spans:
+        mine = [v for v in backward if any(a <= d <= b for d in graph.deps(v).tolist())]
+        if not mine:
+            return None
+        readers.append((mine[0], mine[-1]))
+    s2, s1, s0 = readers[2][0], readers[2][1] + 1, readers[1][1] + 1
+    if not (s2 < s1 < s0 <= graph.n) or graph.is_forward[s2:].any():
+        return None
+    f0, f1, f2 = [range(a, b + 1) for a, b in spans]
+    b2, b1 = range(s2, s1), range(s1, s0)
+
+    def read(by: Sequence[int], of: range) -> list[int]:
+        return sorted({d for v in by for d in graph.deps(v).tolist() if d in of})
+
+    fed0, fed1 = read([*f1, *b1], f0), read([*f2, *b2], f1)  # what the next block reads of the block before
+    into1, into0 = read(b1, b2), read(range(s0, graph.n), b1)  # the gradient each block hands the one before
+    if len(fed0) != len(fed1) or len(into1) != len(into0):
+        return None
+    return {"blocks": blocks, "spans": spans, "f": [f0, f1, f2], "b2": b2, "b1": b1, "s1": s1,
+            "fed": dict(zip(fed0, fed1)), "handed": dict(zip(into1, into0))}
+
+
+def deepen(graph: Graph, layers: int, block_bytes: int) -> Graph | None:
+    """``graph``, the step of a model whose block stack has three identical blocks, as the same step with
+    ``layers`` blocks: the middle block's forward and backward repeated in the chain (the copies read the
+    block before's output and the block after's gradient, as the middle block does), their parameters and
+    gradients (``block_bytes`` each, in the traced dtype) added to the fixed tensors. The graph a trace of the
+    deep model gives, node for node, where the blocks are alike (a transformer's); None where they are not
+    (:func:`_middle_block`). Apply it before sharding (FSDP's units name node spans)."""
+    found = _middle_block(graph) if layers >= 3 and graph.fsdp is None else None
+    if found is None:
+        return None
+    blocks, spans, (f0, f1, f2), b2, b1, s1, fed, handed = (found[k] for k in ("blocks", "spans", "f", "b2", "b1",
+                                                                                "s1", "fed", "handed"))
+    copies = layers - 3
+    order = [(v, 0) for v in range(spans[1][1] + 1)]
+    order += [(v, j) for j in range(1, copies + 1) for v in f1]
+    order += [(v, 0) for v in range(spans[1][1] + 1, s1)]
+    order += [(v, j) for j in range(copies, 0, -1) for v in b1]
+    order += [(v, 0) for v in range(s1, graph.n)]
+    new_id = {key: i for i, key in enumerate(order)}
+
+    def mapped(v: int, j: int, d: int) -> int:
+        """The new id of dep ``d`` of node ``v`` of copy ``j`` (0: the traced node itself)."""
+        if j:  # a copy of the middle block: its chain neighbours are copies too
+            if d in f0:  # what the block before hands on
+                return new_id[(fed[d], j - 1)]
+            if d in f1 or d in b1:
+                return new_id[(d, j)]
+            if d in b2:
+                return new_id[(handed[d], j + 1)] if j < copies else new_id[(d, 0)]
+            return new_id[(d, 0)]
+        if copies and d in f1 and spans[2][0] <= v < s1:
+            return new_id[(d, copies)]  # block 2 and after read the last copy's output
+        if copies and d in b2 and v in b1:
+            return new_id[(handed[d], 1)]  # block 1 takes the gradient the first copy hands it
+        return new_id[(d, 0)]
+
+    data = graph.to_dict()
+    nodes = []
+    for i, (v, j) in enumerate(order):
+        nd = dict(data["nodes"][v], id=i)
+        if j:
+            nd["name"] = f"{nd['name']}@{j}"
+        nd["deps"] = sorted(mapped(v, j, d) for d in nd["deps"])
+        for key in ("alias_of", "inplace_of"):
+            if nd.get(key) is not None:
+                nd[key] = mapped(v, j, nd[key])
+        if nd.get("held"):
+            nd["held"] = sorted(mapped(v, j, d) for d in nd["held"])
+        nodes.append(nd)
+    parent, _, middle = blocks[1][0].rpartition(".")
+    extra = [[f"{parent}.{int(middle) + j} (a copy of {blocks[1][0]})", block_bytes, kind]
+             for kind in ("param", "grad") for j in range(1, copies + 1)]
+    data.update(nodes=nodes, modules=_deepened_modules(graph, blocks, layers, new_id),
+                fixed_tensors=data.get("fixed_tensors", []) + extra,
+                fixed_mem=graph.fixed_mem + sum(t[1] for t in extra))
+    return Graph.rebuilt(data)
+
+
+def _deepened_modules(graph: Graph, blocks: list, layers: int, new_id: dict) -> list[list[Any]]:
+    """The ``modules`` of :func:`deepen`'s graph: the traced calls at their new ids, the last block renamed
+    the model's last, the middle block's calls repeated for each copy under the next blocks' paths."""
+    parent = blocks[0][0].rpartition(".")[0]
+    first_index = int(blocks[0][0].rpartition(".")[2])
+    copies = layers - 3
+    out = []
+    for path, a, b in graph.modules:
+        which = next((k for k, (p, _, _) in enumerate(blocks) if path == p or path.startswith(p + ".")), None)
+        if which is None:
+            out.append([path, new_id[(a, 0)], new_id[(b, 0)]])
+            continue
+        index = first_index + (which if which < 2 else layers - 1)
+        out.append([f"{parent}.{index}" + path[len(blocks[which][0]):], new_id[(a, 0)], new_id[(b, 0)]])
+        if which == 1:
+            out += [[f"{parent}.{first_index + 1 + j}" + path[len(blocks[1][0]):], new_id[(a, j)], new_id[(b, j)]]
+                    for j in range(1, copies + 1)]
+    return sorted(out, key=lambda m: (m[1], -m[2]))
+
+
+# -- what fits on N GPUs: the layouts ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayoutFit:
+    """One layout at one local batch: the least recompute that fits (its method), the largest peak over the
+    pipeline ranks traced, and the tokens each GPU trains per step."""
+
+    layout: Any  # bonsai_core.parallel.Layout
+    batch: int  # sequences per data-parallel rank and step (a pipeline rank's microbatches, one sequence each)
+    fits: bool
+    method: str = ""
+    peak: int | None = None
+    reserved_peak: int | None = None
+    overhead: float | None = None
+    tokens_per_gpu: int = 0
+    reason: str = ""
+    ranks: tuple = ()  # (pipeline rank, its peak) per rank traced
+
+    def row(self) -> dict[str, Any]:
+        from bonsai_core.units import format_bytes
+
+        return {"layout": self.layout.describe(rank=False), "local batch": self.batch, "fits": self.fits,
+                "method": self.method, "peak": format_bytes(self.peak) if self.peak else "",
+                "reserved": format_bytes(self.reserved_peak) if self.reserved_peak else "",
+                "overhead": f"{self.overhead:+.2%}" if self.overhead is not None else "",
+                "tokens per GPU per step": self.tokens_per_gpu, "why not": self.reason}
+
+
+def candidate_layouts(gpus: int, n_layers: int, n_heads: int, n_kv_heads: int, seq: int) -> list[Any]:
+    """The layouts of ``gpus`` GPUs searched, as torchtitan accepts them: tensor parallel within a node (a
+    divisor of the key/value heads, at most 8), pipeline parallel of 1, 2, 4 or 8 stages with both schedules
+    (at least 3 layers a stage), context parallel for sequences of 32k and more (2, 4, 8; the sequence
+    divisible by ``2 cp tp``), the rest data parallel: FSDP over all of it, and HSDP with FSDP within a node of
+    8 where more than 8 remain."""
+    from bonsai_core.parallel import layout_of
+
+    out = []
+    for pp in (1, 2, 4, 8):
+        for tp in (t for t in (1, 2, 4, 8) if n_heads % t == 0 and n_kv_heads % t == 0):
+            for cp in (1, 2, 4, 8) if seq >= 32768 else (1,):
+                if gpus % (pp * tp * cp) or seq % (tp * (2 * cp if cp > 1 else 1)):
+                    continue
+                data = gpus // (pp * tp * cp)
+                shards = [(1, data)] + ([(data // 8, 8)] if data > 8 and data % 8 == 0 else [])
+                for replicate, shard in shards:
+                    for schedule in ("1f1b", "interleaved-1f1b") if pp > 1 else ("1f1b",):
+                        stages = pp * (2 if schedule == "interleaved-1f1b" else 1)
+                        if pp > 1 and (n_layers + 2) // stages < 3:
+                            continue
+                        out.append(layout_of(fsdp=shard, dp_replicate=replicate, tp=tp, cp=cp, pp=pp,
+                                             pp_schedule=schedule))
+    return out
+
+
+class RankGraphs:
+    """The traced graphs of the ranks of a model's layouts, shared: a rank's step depends on its tensor,
+    context and pipeline degrees (and stage) and its batch, not on how many ranks FSDP shards it over, so
+    each is traced once, unsharded and computing in the mixed precision, and sharded for every FSDP and HSDP
+    degree (:func:`bonsai_core.fsdp.shard_by_sizes`); a pipeline stage's step depends on whether it is the
+    first or the last and on its layers, so three blocks of each kind of stage are traced once and repeated
+    for every stage and layout (:func:`deepen`)."""
+
+    def __init__(self, model: str, seq: int, options: dict[str, Any], sharding: Any, trace_kwargs: dict[str, Any]):
+        self.model, self.seq, self.options, self.sharding = model, seq, options, sharding
+        self.trace_kwargs = trace_kwargs
+        self.stages: dict[tuple, tuple] = {}  # (tp, cp, first, last, batch, precision, blocks) -> (graph, sizes, root)
+        self.seconds = 0.0
+
+    def ranks(self, layout: Any, batch: int, optimizer: str) -> list[tuple[int, Graph]]:
+        """(pipeline rank, its graph) of each rank of ``layout`` at local ``batch`` the peak is the largest of:
+        the one rank, or the first, second and last pipeline ranks (the middle ones hold no more than the
+        second); ``layout.microbatches`` of a pipeline layout (default: one sequence each, torchtitan's)."""
+        import dataclasses
+
+        from bonsai_core.optimizer import with_optimizer
+
+        out = []
+        ranks = [0] if layout.pp == 1 else sorted({0, 1, layout.pp - 1})
+        microbatches = (layout.microbatches or batch) if layout.pp > 1 else None  # default: one sequence each
+        for rank in ranks:
+            spec = dataclasses.replace(layout, rank=rank, microbatches=microbatches)
+            out.append((rank, with_optimizer(self.graph(spec, batch), optimizer)))
+        return out
+
+    def graph(self, layout: Any, batch: int) -> Graph:
+        from bonsai_core.fsdp import Sharding, fsdp_units, shard_by_sizes
+        from bonsai_core.parallel import with_layout
+        from bonsai_core.pipeline import concatenate, output_held, rank_stages, stage_modules
+
+        precision = self.sharding.mixed_precision if layout.shard_world > 1 else None
+        n_layers = self._n_layers()
+        if layout.pp == 1:
+            kinds, counts, indices = [(True, True)], [n_layers], [0]
+        else:
+            names = stage_modules(layout, n_layers)
+            indices = rank_stages(layout)
+            kinds = [(i == 0, i == len(names) - 1) for i in indices]
+            counts = [sum(n.startswith("layers.") for n in names[i]) for i in indices]
+        micro = batch if layout.pp == 1 else batch // layout.microbatches
+        keys = [(layout.tp, layout.cp, first, last, micro, precision, min(count, 3))
+                for (first, last), count in zip(kinds, counts)]
+        missing = [k for k in keys if k not in self.stages]
+        if missing:
+            start = time.perf_counter()
+            self.stages.update(_trace_stage_kinds(self.model, layout, batch, self.seq, self.options, precision,
+                                                  self.trace_kwargs, missing))
+            self.seconds += time.perf_counter() - start
+        graphs, sizes, total = [], {}, 0
+        for key, count in zip(keys, counts):
+            three, part_sizes, part_root = self.stages[key]
+            sizes.update(part_sizes)
+            # the stage's parameters: its modules other than blocks, ``count`` blocks, and the rest
+            total += part_root + count * part_sizes.get("layers.*", 0) + sum(
+                b for p, b in part_sizes.items() if not p.startswith("layers."))
+            graph = three if count <= 3 else deepen(three, count, part_sizes.get("layers.*", 0))
+            if graph is None:
+                raise BonsaiError(f"{self.model}'s blocks are not alike: its layers cannot be traced as three repeated; "
+                                  "trace it whole (bonsai trace --tp/--pp ...).")
+            graphs.append(output_held(graph) if layout.pp > 1 else graph)
+        raw = concatenate(graphs, indices, f"{self.model}(batch={batch}, seq={self.seq}) {layout.describe()}")
+        # under pipeline parallel torchtitan's units (apply_fsdp's), none resharded (pipeline.with_pipeline)
+        sharding = Sharding(layout.shard_world, self.sharding.reshard_after_forward if layout.pp == 1 else "torchtitan",
+                            precision)
+        graph = raw
+        if sharding.world > 1:
+            units = fsdp_units(raw, sharding.reshard_after_forward)
+            unit_sizes = [sum(sizes.get(p, sizes.get("layers.*", 0)) for p in paths) for paths, _ in units]
+            root = total - sum(unit_sizes)  # the root unit owns what no unit does (all-but-last: embedding, head)
+            graph = shard_by_sizes(raw, units, unit_sizes, root, sharding.world, sharding.reshard_after_forward,
+                                   precision)
+        if layout.pp == 1:
+            return with_layout(graph, layout)
+        from bonsai_core.pipeline import with_pipeline
+
+        total = layout.pp * len(indices)
+        return with_pipeline(graph, layout, indices, [i > 0 for i in indices], [i < total - 1 for i in indices], micro)
+
+    def _n_layers(self) -> int:
+        from bonsai_core.models import torchtitan as titan
+
+        sizes = {k: self.options.get(k) for k in ("layers", "width", "heads", "vocab")}
+        return titan.model_args(self.model[len(titan.PREFIX):], seq=self.seq, **sizes).n_layers
+
+
+def _trace_stage_kinds(model: str, layout: Any, batch: int, seq: int, options: dict[str, Any], precision: str | None,
+                       trace_kwargs: dict[str, Any], keys: list[tuple]) -> dict[tuple, tuple]:
+    """For each stage kind in ``keys`` ((tp, cp, first, last, batch, precision, blocks)) of ``layout``'s rank: its
+    first blocks (three at most) of such a stage traced, computing in ``precision``, not sharded, with each FSDP unit's unsharded bytes by
+    module path (``"layers.*"``: a block's, in the traced dtype) and the root's."""
+    import dataclasses
+
+    from bonsai_core.fsdp import computing_in, unit_bytes
+    from bonsai_core.parallel import check_supported, cp_inputs, meshes, parallelize, step_context, with_batch, world
+    from bonsai_core.trace import built_for_tracing, trace_step
+
+    step = {k: v for k, v in trace_kwargs.items() if k in ("profile", "autocast", "kernels")}
+    out: dict[tuple, tuple] = {}
+    spec = layout
+    with world(spec) as spec:
+        with built_for_tracing(model, trace_kwargs.get("seed", 0), **dict(options, seq=seq, batch=batch)) \
+                as (net, inputs, loss_fn):
+            check_supported(net, spec)
+            spec = with_batch(spec, *inputs[0].shape[:2])
+            dims = meshes(net, spec)
+            if spec.pp == 1:
+                _keep_layers(net, 3)
+                parallelize(net, spec, dims)
+                stages = [(net, cp_inputs(net, inputs, loss_fn, dims) if spec.cp > 1 else inputs, loss_fn, True, True)]
+            else:
+                from bonsai_core.pipeline import split_rank
+
+                rank = split_rank(net, inputs, loss_fn, spec, dims, precision)
+                stages = [(part, (x,), loss, first, last) for part, x, loss, first, last
+                          in zip(rank.parts, rank.inputs, rank.losses, rank.first, rank.last)]
+            for part, x, loss, first, last in stages:
+                micro = batch if spec.pp == 1 else batch // spec.microbatches
+                key = (spec.tp, spec.cp, first, last, micro, precision, min(len(part.layers), 3))
+                if key not in keys or key in out:
+                    continue
+                _keep_layers(part, 3)
+                with step_context(part, spec), computing_in(part, precision):
+                    traced = trace_step(part, x, loss, name=f"{model} {spec.describe()}", **step)
+                paths = [name for name, child in part.named_children() if child is not None and name != "layers"] \
+                    + [f"layers.{k}" for k in part.layers]
+                per, root = unit_bytes(part, [[p] for p in paths], precision)
+                sizes = dict(zip(paths, per))
+                if len(part.layers):
+                    sizes["layers.*"] = unit_bytes(part.layers[next(iter(part.layers))], [], precision)[1]
+                out[key] = (traced.graph, sizes, root)
+    return out
+
+
+def _keep_layers(model: Any, count: int) -> None:
+    """``model``'s block stack cut to its first ``count`` blocks (torchtitan's ``layers`` ModuleDict)."""
+    for key in list(model.layers)[count:]:
+        del model.layers[key]
+
+
+LAYOUT_METHODS = ["none", "torchtitan-selective", "torchtitan-full"]  # `bonsai fit --gpus`'s default: fixed plans
+LARGEST_BATCH = 256
+
+
+@dataclass
+class LayoutsResult:
+    """Every layout and local batch tried, and the seconds the traces took."""
+
+    model: str
+    gpus: int
+    limit: int
+    seq: int
+    fits: list[LayoutFit]
+    trace_seconds: float
+    traces: int  # stage kinds traced (three blocks each)
+
+    def best(self) -> list[LayoutFit]:
+        """Each layout's largest local batch that fits (the least recompute there), most tokens per GPU first."""
+        out: dict[str, LayoutFit] = {}
+        for f in self.fits:
+            key = f.layout.describe(rank=False)
+            if f.fits and (key not in out or f.batch > out[key].batch):
+                out[key] = f
+        return sorted(out.values(), key=lambda f: (-f.tokens_per_gpu, f.overhead or 0.0))
+
+
+def fit_layouts(model: str, gpus: int, limit: int, methods: list[str] | None = None, *, seq: int,
+                options: dict[str, Any] | None = None, optimizer: str = "adamw", reserved: str | None = None,
+                max_overhead: float = 1.0, solver_options: dict[str, Any] | None = None,
+                progress: Callable[[str], None] | None = None, trace_kwargs: dict[str, Any] | None = None,
+                largest_batch: int = LARGEST_BATCH) -> LayoutsResult:
+    """What fits of torchtitan ``model`` on ``gpus`` GPUs of ``limit`` bytes each: for every layout of
+    :func:`candidate_layouts` and local batch (doubled from the smallest the layout takes while any method fits,
+    up to ``largest_batch``), the method with the least recompute whose plan fits every pipeline rank
+    traced (each rank planned within ``limit`` on its own), and the tokens each GPU trains per step (local
+    batch x seq / (TP x CP x PP)). Ranks are traced once per tensor, context and pipeline structure and batch,
+    three blocks each (:class:`RankGraphs`). ``reserved`` bounds the allocator model's reserved bytes: not
+    modelled for a pipeline rank, whose layouts are then reported as not judged."""
+    from bonsai_core.fsdp import Sharding
+    from bonsai_core.models import torchtitan as titan
+
+    if not model.startswith(titan.PREFIX):
+        raise BonsaiError("--gpus searches the layouts torchtitan runs (TP, PP, CP, FSDP, HSDP): give a torchtitan: "
+                          "model, or leave --gpus out to fit one rank of --fsdp N.")
+    options = dict(options or {})
+    options.pop("batch", None)
+    sizes = {k: options.get(k) for k in ("layers", "width", "heads", "vocab")}
+    args = titan.model_args(model[len(titan.PREFIX):], seq=seq, **sizes)
+    methods = methods or LAYOUT_METHODS
+    variants = {m: method_variant(m) for m in methods}
+    sharding = Sharding.of(2, (trace_kwargs or {}).get("reshard_after_forward"),
+                           (trace_kwargs or {}).get("mixed_precision"), model=model)
+    graphs = RankGraphs(model, seq, options, sharding, trace_kwargs or {})
+    fits: list[LayoutFit] = []
+    for layout in candidate_layouts(gpus, args.n_layers, args.n_heads, args.n_kv_heads or args.n_heads, seq):
+        batch = layout.pp if layout.pp > 1 else 1  # 1F1B runs at least one microbatch per stage
+        while batch <= largest_batch:
+            found = _fit_layout(graphs, layout, batch, seq, methods, variants, limit, reserved, max_overhead,
+                                solver_options or {}, optimizer)
+            fits.append(found)
+            if progress:
+                progress(f"{layout.describe(rank=False)}, local batch {batch}: " + (
+                    f"{found.method} fits, peak {found.peak / 2**30:.2f} GiB, overhead {found.overhead:+.1%}"
+                    if found.fits else f"does not fit ({found.reason})"))
+            if not found.fits:
+                break
+            batch *= 2
+    return LayoutsResult(model, gpus, limit, seq, fits, graphs.seconds, len(graphs.stages))
+
+
+def _fit_layout(graphs: RankGraphs, layout: Any, batch: int, seq: int, methods: list[str], variants: dict,
+                limit: int, reserved: str | None, max_overhead: float, solver_options: dict, optimizer: str) -> LayoutFit:
+    tokens = batch * seq // (layout.tp * layout.cp * layout.pp)
+    if reserved and layout.pp > 1:
+        return LayoutFit(layout, batch, False, tokens_per_gpu=tokens,
+                         reason="not judged: a pipeline rank's reserved bytes are not modelled")
+    try:
+        ranks = graphs.ranks(layout, batch, optimizer)
+    except BonsaiError as e:
+        return LayoutFit(layout, batch, False, tokens_per_gpu=tokens, reason=str(e).split(". ")[0])
+    best: LayoutFit | None = None
+    reasons = []
+    for m in methods:
+        method, own = variants[m]
+        tries = [(rank, attempt(g, batch, method, limit, max_overhead, reserved,
+                                {} if method == "none" else {**solver_options, **own})) for rank, g in ranks]
+        failed = [(r, a) for r, a in tries if not a.fits]
+        if failed:
+            reasons.append(f"{m}: rank {failed[0][0]} {failed[0][1].reason}")
+            continue
+        overhead = max(a.overhead for _, a in tries)
+        peak = max(a.peak for _, a in tries)
+        reserved_peak = max((a.reserved_peak or 0 for _, a in tries), default=0) or None
+        if best is None or overhead < best.overhead:
+            best = LayoutFit(layout, batch, True, m, peak, reserved_peak, overhead, tokens,
+                             ranks=tuple((r, a.peak) for r, a in tries))
+    return best or LayoutFit(layout, batch, False, tokens_per_gpu=tokens, reason="; ".join(reasons))
+
+
+def layouts_markdown(result: LayoutsResult) -> str:
+    """The table of what fits: each layout's largest local batch and its plan, most tokens per GPU first; then
+    the layouts where nothing fits at the smallest batch."""
+    import pandas as pd
+
+    from bonsai_core.units import format_bytes
+
+    rows = [f.row() for f in result.best()]
+    fitted = {f.layout.describe(rank=False) for f in result.best()}
+    never = {f.layout.describe(rank=False): f for f in result.fits if f.layout.describe(rank=False) not in fitted}
+    out = [f"What fits of {result.model} (seq {result.seq}) on {result.gpus} GPUs of {format_bytes(result.limit)}: "
+           f"{len(fitted)} of {len(fitted) + len(never)} layouts.", ""]
+    if rows:
+        out.append(pd.DataFrame(rows).drop(columns=["fits", "why not"]).to_markdown(index=False))
+    if never:
+        out += ["", "Layouts where nothing fits at the smallest local batch:", "",
+                pd.DataFrame([{"layout": k, "local batch": f.batch, "why not": f.reason} for k, f in never.items()])
+                .to_markdown(index=False)]
+    return "\n".join(out)

@@ -127,7 +127,10 @@ class Sharding:
 def unit_bytes(model: nn.Module, units: Sequence[Sequence[str]], mixed_precision: str | None = None) -> tuple[list[int], int]:
     """The unsharded parameter bytes of each unit (its modules' paths in ``model.named_modules()``) and of
     the rest of the model (the root unit), each parameter counted once (tied ones in the first unit that
-    has them), in ``mixed_precision``'s dtype when given (the all-gathered bytes), else the parameters' own."""
+    has them), in ``mixed_precision``'s dtype when given (the all-gathered bytes), else the parameters' own.
+    A tensor-parallel DTensor parameter counts its rank's local shard (what FSDP shards and gathers)."""
+    from bonsai_core.tensors import local_tensor
+
     seen: set[int] = set()
     itemsize = DTYPE_BYTES[mixed_precision] if mixed_precision else None
 
@@ -136,7 +139,7 @@ def unit_bytes(model: nn.Module, units: Sequence[Sequence[str]], mixed_precision
         for p in module.parameters():
             if id(p) not in seen and p.requires_grad:
                 seen.add(id(p))
-                total += p.numel() * (itemsize or p.element_size())
+                total += local_tensor(p).numel() * (itemsize or p.element_size())
         return total
 
     per_unit = [sum(own(model.get_submodule(path)) for path in paths) for paths in units]
@@ -166,7 +169,11 @@ def computing_in(model: nn.Module, mixed_precision: str | None) -> Iterator[None
         raise BonsaiError(f"--mixed-precision {mixed_precision} keeps fp32 parameters sharded and computes in "
                           f"{mixed_precision}, but the model's parameters are {', '.join(wrong)}: build it in fp32 "
                           "(leave --dtype out).")
-    originals = [p.data for p in params]
+    from torch.distributed.tensor import DTensor
+
+    distributed = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    originals = [p.data for p in plain]
 
     def cast(value: Any) -> Any:
         return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
@@ -174,14 +181,21 @@ def computing_in(model: nn.Module, mixed_precision: str | None) -> Iterator[None
     def cast_inputs(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
+    def swap_all() -> None:  # a DTensor's .data assignment keeps its local tensor: swap whole parameters
+        for p, q in zip(distributed, swapped):
+            torch.utils.swap_tensors(p, q)
+
+    swapped = [nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad) for p in distributed]
     hook = model.register_forward_pre_hook(cast_inputs, with_kwargs=True)
     try:
-        for p in params:
+        for p in plain:
             p.data = p.data.to(dtype)
+        swap_all()
         yield
     finally:
         hook.remove()
-        for p, data in zip(params, originals):
+        swap_all()  # back
+        for p, data in zip(plain, originals):
             p.data = data
 
 
@@ -192,6 +206,13 @@ def shard_by_units(graph: Graph, model: nn.Module, world: int, reshard_after_for
     units around them) of ``model`` (the traced module) and on the whole model."""
     units = fsdp_units(graph, reshard_after_forward)
     sizes, root = unit_bytes(model, [paths for paths, _ in units], mixed_precision)
+    return shard_by_sizes(graph, units, sizes, root, world, reshard_after_forward, mixed_precision)
+
+
+def shard_by_sizes(graph: Graph, units: list[tuple[tuple[str, ...], bool]], sizes: Sequence[int], root: int, world: int,
+                   reshard_after_forward: bool | str = True, mixed_precision: str | None = None) -> Graph:
+    """:func:`with_fsdp` of ``graph`` with the ``units`` of :func:`fsdp_units` of unsharded ``sizes`` and the
+    root's ``root`` bytes (:func:`unit_bytes` of the traced module), each spanning its modules' calls."""
     spans = {path: (first, last) for path, first, last in reversed(graph.modules)}  # a module's first call
     model_last = max((last for _, _, last in graph.modules), default=graph.n - 1)
     return with_fsdp(graph, world, [(",".join(paths), min(spans[p][0] for p in paths), max(spans[p][1] for p in paths), b)
@@ -245,9 +266,14 @@ def with_fsdp(graph: Graph, world: int, blocks: Sequence[tuple[str, int, int, in
         raise BonsaiError(f"reshard_after_forward has {len(reshard_after_forward)} flags for {len(blocks)} blocks.")
     # a rank holds its parameters and gradients in fp32: the trace computed them in param_dtype
     widen = DTYPE_BYTES[REDUCE_DTYPE] / DTYPE_BYTES[mixed_precision] if mixed_precision else 1
+    # FSDP shards a gradient as its parameter (a tensor-parallel gradient replicated where its parameter is
+    # sharded is reduce-scattered into the parameter's shard)
+    params = {name: nbytes for name, nbytes, kind in graph.fixed_tensors if kind == "param"}
+    own = [(name, min(nbytes, params.get(name.removesuffix(".grad"), nbytes)) if kind == "grad" else nbytes, kind)
+           for name, nbytes, kind in graph.fixed_tensors]
     sharded = [(name, math.ceil(nbytes * (widen if kind in CAST_KINDS else 1) / world)
                 if kind in SHARDED_KINDS else nbytes, kind)
-               for name, nbytes, kind in graph.fixed_tensors]
+               for name, nbytes, kind in own]
     fixed = [*sharded, ("fsdp.root_unsharded", root, "fsdp")]
     data: dict[str, Any] = graph.to_dict()
     data["fixed_tensors"] = [list(t) for t in fixed]
@@ -341,6 +367,7 @@ class _Walk:
         self.reduce_ratio = DTYPE_BYTES[fsdp.get("reduce_dtype") or "fp32"] / DTYPE_BYTES[fsdp.get("param_dtype") or "fp32"] \
             if fsdp.get("param_dtype") else 1.0
         self.cast = bool(fsdp.get("param_dtype"))  # all-gather inputs are cast copies of the shards
+        self.tensor_parallel = (graph.parallel or {}).get("layout", {}).get("tp", 1) > 1
         self.out: list[Buffer] = []
         self.gathered: set[int] = set()  # units whose parameters are unsharded
         self.gather_output: str | None = None  # the flat all-gather output FSDP holds
@@ -402,7 +429,11 @@ class _Walk:
             return
         if self.scatter_input is not None:
             self.emit(self.scatter_input, 0)
-        nbytes = int(sum(self.bytes[f"grad:{v}"] for v in grads) * self.reduce_ratio)
+        held = sum(self.bytes[f"grad:{v}"] for v in grads)
+        if self.tensor_parallel:  # a gradient replicated where its parameter is sharded is redistributed to the
+            # parameter's shard first (FSDPParam._get_grad_inner_tensor): at most the unit's parameters
+            held = min(held, (self.size[unit] if unit >= 0 else int(self.graph.fsdp["root_bytes"])) or held)
+        nbytes = int(held * self.reduce_ratio)
         self.scatter_input = f"reduce_scatter_input:{unit}"
         self.emit(self.scatter_input, nbytes)
         for v in grads:

@@ -75,6 +75,8 @@ class Graph:
             (``optimizer.zero_grad()``'s default): not in ``fixed_mem``, made in the backward pass and held
             to the optimizer step (:func:`bonsai_core.optimizer.with_grads_set_to_none`); 0: kept
             allocated and zeroed between steps, in ``fixed_mem``.
+        parallel: None, or ``{"layout": {degrees, ...}[, "pipeline": {...}]}``: the rank of a tensor, context
+            or pipeline parallel run this graph is (:mod:`bonsai_core.parallel`, :mod:`bonsai_core.pipeline`).
         names, ops, phases, shapes: per-node strings.
         cost: float64[n], seconds to compute each node (0 only for views).
         mem: int64[n], bytes of each node's output(s) (0 for views).
@@ -106,6 +108,7 @@ class Graph:
         modules: Sequence[Sequence[Any]] = (),
         optimizer: dict[str, Any] | None = None,
         fsdp: dict[str, Any] | None = None,
+        parallel: dict[str, Any] | None = None,
         inplace_of: Iterable[int | None] | None = None,
         held: Sequence[Sequence[int]] | None = None,
         grads_set_to_none: int = 0,
@@ -134,6 +137,7 @@ class Graph:
         self.fsdp = None if fsdp is None else dict(fsdp)
         # optional: the gradients' bytes when they are set to None between steps (out of fixed_mem)
         self.grads_set_to_none = int(grads_set_to_none)
+        self.parallel = None if parallel is None else dict(parallel)  # optional: the rank's layout (and pipeline)
         try:
             self.cost = np.asarray(list(cost), dtype=np.float64)
             self.mem = np.asarray(list(mem), dtype=np.int64)
@@ -177,7 +181,7 @@ class Graph:
     def from_nodes(cls, name: str, fixed_mem: int, nodes: Sequence[dict[str, Any]],
                    fixed_tensors: Sequence[Sequence[Any]] = (), modules: Sequence[Sequence[Any]] = (),
                    optimizer: dict[str, Any] | None = None, fsdp: dict[str, Any] | None = None,
-                   grads_set_to_none: int = 0) -> "Graph":
+                   parallel: dict[str, Any] | None = None, grads_set_to_none: int = 0) -> "Graph":
         """Build a graph from node dicts (``name, op, phase, cost, mem, deps`` and optional
         ``alias_of``, ``inplace_of``, ``shape``, ``held``), listed in execution order; ids are their positions."""
         return cls(
@@ -186,6 +190,7 @@ class Graph:
             optimizer=optimizer,
             fsdp=fsdp,
             grads_set_to_none=grads_set_to_none,
+            parallel=parallel,
             name=name,
             fixed_mem=fixed_mem,
             names=[nd.get("name", f"n{i}") for i, nd in enumerate(nodes)],
@@ -411,6 +416,8 @@ class Graph:
             out["fsdp"] = dict(self.fsdp)
         if self.grads_set_to_none:
             out["grads"] = {"set_to_none": True, "bytes": self.grads_set_to_none}
+        if self.parallel is not None:
+            out["parallel"] = dict(self.parallel)
         return out
 
     @classmethod
@@ -454,8 +461,11 @@ class Graph:
         if fsdp is not None:
             fsdp = _fsdp_field(fsdp, len(parsed))
         grads = data.get("grads")
+        parallel = data.get("parallel")
+        if parallel is not None:
+            parallel = _parallel_field(parallel, len(parsed))
         return cls.from_nodes(data.get("name", "graph"), int(data["fixed_mem"]), parsed, fixed_tensors, modules,
-                              optimizer, fsdp, int(grads["bytes"]) if grads and grads["set_to_none"] else 0)
+                              optimizer, fsdp, parallel, int(grads["bytes"]) if grads and grads["set_to_none"] else 0)
 
 
 def _csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -492,6 +502,23 @@ def block_stack(graph: Graph) -> list[tuple[str, int, int]]:
         if index.isdigit():
             children.setdefault(parent, []).append((path, first, last))
     return max(children.values(), key=len, default=[])
+
+
+def _parallel_field(parallel: dict[str, Any], n: int) -> dict[str, Any]:
+    """The optional ``parallel`` object (bonsai_core.parallel, bonsai_core.pipeline): a pipeline rank's stages
+    covering the graph's nodes in order, its actions naming its stages."""
+    out = {"layout": dict(parallel["layout"])}
+    pipeline = parallel.get("pipeline")
+    if pipeline is not None:
+        spans = [(int(first), int(last)) for _, first, last in pipeline["stages"]]
+        if spans[0][0] != 0 or spans[-1][1] != n - 1 or any(a > b for a, b in spans) \
+                or any(spans[k][1] + 1 != spans[k + 1][0] for k in range(len(spans) - 1)):
+            raise GraphError(f"'parallel' pipeline stages {spans} do not cover the graph's {n} nodes in order; trace "
+                             "the pipeline rank again.")
+        if any(int(stage) >= len(spans) for _, stage, _ in pipeline["actions"]):
+            raise GraphError(f"A 'parallel' pipeline action names a stage beyond the rank's {len(spans)}.")
+        out["pipeline"] = dict(pipeline)
+    return out
 
 
 def _fsdp_field(fsdp: dict[str, Any], n: int) -> dict[str, Any]:

@@ -49,6 +49,10 @@ class LiveBytes(TorchDispatchMode):
             self.host_peak = max(self.host_peak, self.host_live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        if any(issubclass(t, _distributed_wrappers()) for t in types):
+            # a DTensor's (tensor parallel) or a pending collective's op: handed on to the subclass, whose
+            # own dispatch runs the local ops through this mode, so their storages are counted
+            return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
@@ -69,6 +73,17 @@ class LiveBytes(TorchDispatchMode):
             self.host_live -= self._sizes.pop(key, 0)
         else:
             self.live -= self._sizes.pop(key, 0)
+
+
+def _distributed_wrappers() -> tuple[type, ...]:
+    """torch.distributed's wrapper tensors, which hold no storage of their own: DTensor and the
+    functional collectives' AsyncCollectiveTensor."""
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    return DTensor, AsyncCollectiveTensor
 
 
 @dataclass(frozen=True)

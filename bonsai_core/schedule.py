@@ -559,18 +559,28 @@ def _every_node_computed(graph: Graph, computed: list[int]) -> np.ndarray:
     return times
 
 
-def _fsdp_working_memory(graph: Graph, ops: Sequence[tuple[str, int]]) -> np.ndarray | None:
-    """Rule 7: on an FSDP rank, the unsharded blocks, held gradients and collective buffers after each op."""
-    if graph.fsdp is None:
+def _fsdp_working_memory(graph: Graph, ops: Sequence[tuple[str, int]], residency: Residency) -> np.ndarray | None:
+    """Rule 7: on an FSDP rank, the unsharded blocks, held gradients and collective buffers after each op
+    (under pipeline parallel, rule 11's)."""
+    if graph.fsdp is None or (graph.parallel or {}).get("pipeline"):
         return None
     from bonsai_core.fsdp import working_profile
 
     return working_profile(graph, ops)
 
 
-# What a step holds beyond the graph's tensors and fixed_mem, each a function of the graph and the ops
-# giving the bytes held after each op (or None where the graph has none of it), added to the timeline.
-BEYOND_THE_GRAPH = (_fsdp_working_memory,)
+def _microbatches_in_flight(graph: Graph, ops: Sequence[tuple[str, int]], residency: Residency) -> np.ndarray | None:
+    """Rule 11: on a pipeline rank, the other microbatches in flight (and FSDP's gradients under it)."""
+    if not (graph.parallel or {}).get("pipeline"):
+        return None
+    from bonsai_core.pipeline import working
+
+    return working(graph, ops, residency)
+
+
+# What a step holds beyond the graph's tensors and fixed_mem, each a function of the graph, the ops and the
+# live set giving the bytes held after each op (or None where the graph has none of it), added to the timeline.
+BEYOND_THE_GRAPH = (_fsdp_working_memory, _microbatches_in_flight)
 
 
 def _memory(graph: Graph, ops: Sequence[tuple[str, int]], residency: Residency) -> np.ndarray:
@@ -578,7 +588,7 @@ def _memory(graph: Graph, ops: Sequence[tuple[str, int]], residency: Residency) 
     holds."""
     timeline = graph.fixed_mem + residency.bytes_held(graph.mem)
     for working in BEYOND_THE_GRAPH:
-        extra = working(graph, ops)
+        extra = working(graph, ops, residency)
         if extra is not None:
             timeline = timeline + extra
     return timeline

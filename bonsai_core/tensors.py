@@ -1,5 +1,5 @@
-"""Small helpers over the tensors inside nested args/outputs (shared by tracing and measuring), and fake
-copies of a model (planning and recording a step on shapes only)."""
+"""Small helpers over the tensors inside nested args/outputs (shared by tracing and measuring), a DTensor's
+local tensor, and fake copies of a model (planning and recording a step on shapes only)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,13 @@ def storage_bytes(tree: Any) -> int:
         st = t.untyped_storage()
         seen[st._cdata] = st.nbytes()
     return sum(seen.values())
+
+
+def local_tensor(t: Any) -> Any:
+    """A DTensor's local tensor (a rank's shard, what the traced graph holds); any other value as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def fake_copy(module: nn.Module, mode: Any) -> nn.Module:

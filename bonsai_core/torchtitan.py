@@ -16,7 +16,8 @@ from bonsai_core.training import Plan, plan
 
 def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: str = "bonsai", *,
              fsdp: int = 1, optimizer: str = "adamw", reshard_after_forward: bool | str | None = None,
-             mixed_precision: str | None = None, grads: str = "zeroed", **options: Any) -> Plan:
+             mixed_precision: str | None = None, grads: str = "zeroed", tp: int = 1, cp: int = 1, pp: int = 1,
+             dp_replicate: int = 1, **options: Any) -> Plan:
     """A checkpoint plan (:func:`bonsai_core.plan`) for one training step of torchtitan's Llama 3
     ``model`` on a local batch of ``batch x seq`` tokens with torchtitan's loss, as one of ``fsdp``
     ranks holds it (``optimizer``'s state sharded too), sharded as torchtitan 0.2.2's ``apply_fsdp`` shards
@@ -32,10 +33,16 @@ def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: 
     (``model.layers.<i>``, and whichever smaller submodules the plan picks), in place: the module
     paths stay torchtitan's, so its ``apply_fsdp`` (``fully_shard``), which must come after, finds
     them. Run torchtitan with ``activation_checkpoint.mode = "none"`` so that it does not wrap the
-    blocks again (docs/REAL_RUNS.md shows the ``parallelize_fn`` that does both)."""
+    blocks again (docs/REAL_RUNS.md shows the ``parallelize_fn`` that does both).
+
+    ``tp``, ``cp``, ``pp`` and ``dp_replicate`` (and ``options``' ``pp_schedule``, ``microbatches``, ``rank``)
+    complete the layout, as torchtitan's ``ParallelDims`` (``fsdp`` is its ``dp_shard``): the plan is then
+    one rank's, tensor and context parallel applied as ``parallelize_llama`` applies them and FSDP over
+    ``fsdp x cp`` ranks (:mod:`bonsai_core.parallel`); with ``pp``, ``model`` is the rank's model part(s) as
+    torchtitan's pipeline split makes them (:mod:`bonsai_core.pipeline`)."""
     device = next(model.parameters()).device
     tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
-    sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision, model="torchtitan:")
+    sharding = Sharding.of(fsdp * cp, reshard_after_forward, mixed_precision, model="torchtitan:")  # FSDP: dp_shard x cp
     return plan(model, (tokens,), TitanLoss(tokens.clone()), budget, method, fsdp=fsdp, optimizer=optimizer,
                 reshard_after_forward=sharding.reshard_after_forward, mixed_precision=sharding.mixed_precision,
-                grads=grads, **options)
+                 grads=grads, tp=tp, cp=cp, pp=pp, dp_replicate=dp_replicate, **options)

@@ -105,6 +105,7 @@ class Report:
     host_peak: int = 0  # the most host bytes their copies hold at once (predicted)
     not_offloaded: int = 0  # tensors the plan offloads that the run cannot (kept on the device, and predicted so)
     compiled: str | None = None  # the torch.compile mode the peaks are of ("model", "blocks"); None: eager
+    pipeline_stages: list[int] = field(default_factory=list)  # a pipeline rank's stages (Plan.apply: each part's paths)
 
     @property
     def status(self) -> str:
@@ -161,13 +162,18 @@ class Plan:
         """Checkpoint ``model``'s submodules as planned and install the offloads' saved-tensor hooks (in
         place); return ``model``. ``bonsai.remove_checkpoints(model)`` undoes both."""
         made_for = f"a model traced as graph {self.report.graph_hash}"
+        save, offload = self.save, self.offload
+        if self.report.pipeline_stages:  # a pipeline rank's plan: each of its model parts takes its own paths
+            names = dict(model.named_modules())
+            save = {p: ops for p, ops in save.items() if p in names}
+            offload = {p: ops for p, ops in offload.items() if p in names}
         try:
-            apply_saves(model, self.save, made_for)
+            apply_saves(model, save, made_for)
         except ValueError as e:
             raise ModelError(str(e)) from None
         try:
-            if self.offload:
-                apply_offloads(model, self.offload, made_for)
+            if offload:
+                apply_offloads(model, offload, made_for)
         except ValueError as e:
             remove_checkpoints(model)
             raise ModelError(str(e)) from None
@@ -190,9 +196,10 @@ def checkpoint(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], t
 
 def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor], budget: str | int = "auto",
          method: str = "bonsai", *, autocast: str | None = None, optimizer: str = "none", grads: str = "zeroed", fsdp: int = 1,
-         reshard_after_forward: bool | str = True, mixed_precision: str | None = None, cache: bool = True,
-         cache_dir: str | os.PathLike | None = None, best_effort: bool = False, device: str | torch.device | None = None,
-         compile: bool | str = False, **options: Any) -> Plan:
+         reshard_after_forward: bool | str = True, mixed_precision: str | None = None, tp: int = 1, cp: int = 1,
+         pp: int = 1, dp_replicate: int = 1, pp_schedule: str = "1f1b", microbatches: int | None = None, rank: int = 0,
+         async_tp: bool = False, cache: bool = True, cache_dir: str | os.PathLike | None = None, best_effort: bool = False,
+         device: str | torch.device | None = None, compile: bool | str = False, **options: Any) -> Plan:
     """A checkpoint-region plan for one training step of ``model`` within ``budget``; nothing applied.
 
     Args:
@@ -218,6 +225,9 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
             torchtitan applies it: :func:`bonsai_core.fsdp.fsdp_units`);
             ``mixed_precision="bf16"``: ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
             reduce_dtype=torch.float32))`` on an fp32 model.
+        tp, cp, pp, dp_replicate, pp_schedule, microbatches, rank, async_tp: the rest of the layout, as torchtitan's
+            ``ParallelDims`` takes it (``fsdp`` its ``dp_shard``): the plan is one rank's (:mod:`bonsai_core.parallel`,
+            :mod:`bonsai_core.pipeline`); apply it before the model is parallelized.
         cache: read and write the plan cache (see the module doc); ``cache_dir`` overrides its folder.
         best_effort: when no layout of checkpointed submodules realises a plan within the budget, return
             the one with the smallest predicted peak (over the budget; the report says by how much)
@@ -232,10 +242,15 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
             own programs (:mod:`bonsai_core.trace.compiled`): the partitioner's saved tensors and inductor's
             buffers under the plan's checkpoints. The plan is still applied before compiling.
         options: the method's options (as ``bonsai solve --option``), e.g. ``time_limit=30``.
+
+    Long: the one call's steps in order (check, cache, trace, solve and lay out, report), each a call.
     """
+    from bonsai_core.parallel import in_this_run, layout_of
+
     _check_arguments(method, options)
-    sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision)
-    compiled = _compile_mode(compile, sharding.world)
+    parallel = in_this_run(layout_of(fsdp, tp, cp, pp, dp_replicate, pp_schedule, microbatches, rank, async_tp))
+    sharding = Sharding.of(parallel.shard_world, reshard_after_forward, mixed_precision)
+    compiled = _compile_mode(compile, sharding.world, parallel)
     if compiled and options.get("offload"):
         raise BonsaiError("offload=True with compile: saved-tensor hooks that copy to host memory are not traced through "
                           "torch.compile here, so such a plan's compiled peak is unknown; plan it without offload.")
@@ -250,26 +265,29 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     settings = {"method": method, "budget": str(budget), "budget_bytes": wanted.bytes, "autocast": autocast,
                 "optimizer": optimizer, "grads": grads, "fsdp": [fsdp, reshard_after_forward, mixed_precision], "options": {k: repr(v) for k, v in sorted(options.items())}, "best_effort": best_effort,
                 "device": on.type, "kernels": kernels, "keywords": list(example_inputs) if isinstance(example_inputs, dict) else None,
-                "compile": compiled}
+                "compile": compiled, "layout": parallel.to_dict()}
     folder = _cache_folder(cache_dir) if cache else None
     key = _fingerprint(model, inputs, loss_fn, settings)
     hit = _read_cached(folder, key) if folder else None
     if hit is not None:
         return hit
 
-    # a model that packs sequences is planned for the batch sizes of example_inputs' lengths
-    made = with_batch_sizes_on_demand(
-        lambda: _made(_FakeStep.of(root, inputs, loss_fn, type(model).__name__, compiled),
-                      (autocast, optimizer, sharding, kernels, grads),
-                      wanted, budget_source, method, options, best_effort, prefix),
-        lambda: batch_sizes_left_alone(root, inputs, loss_fn))
+    with _world(parallel) as parallel:  # a parallel rank's meshes, for its trace and the layout's runs of its step
+        # a model that packs sequences is planned for the batch sizes of example_inputs' lengths
+        made = with_batch_sizes_on_demand(
+            lambda: _made(_FakeStep.of(root, inputs, loss_fn, type(model).__name__, parallel, sharding.mixed_precision,
+                                       compiled),
+                          (autocast, optimizer, sharding, kernels, grads),
+                          wanted, budget_source, method, options, best_effort, prefix),
+            lambda: batch_sizes_left_alone(root, inputs, loss_fn))
     if folder:
         _write_cached(folder, key, made)
     return made
 
 
-def _compile_mode(compile: bool | str, fsdp: int) -> str | None:
-    """``plan``'s ``compile`` as a compile mode of the trace, or None (eager)."""
+def _compile_mode(compile: bool | str, fsdp: int, parallel: Any) -> str | None:
+    """``plan``'s ``compile`` as a compile mode of the trace, or None (eager); refused for a tensor, context
+    or pipeline parallel rank (``parallel``), whose compiled step is not traced."""
     from bonsai_core.arguments import COMPILE_MODES
     from bonsai_core.trace.compiled import check_compile
 
@@ -279,6 +297,10 @@ def _compile_mode(compile: bool | str, fsdp: int) -> str | None:
     if mode not in COMPILE_MODES:
         raise BonsaiError(f"compile={compile!r}: give True (torch.compile(model) after this call) or one of "
                           f"{', '.join(map(repr, COMPILE_MODES))}.")
+    if parallel.is_parallel:
+        raise BonsaiError(f"compile={compile!r} with {parallel.describe()}: a compiled tensor, context or pipeline "
+                          "parallel rank is not traced yet (only an FSDP one is); plan that rank eager (compile=False), "
+                          "or the compiled step with fsdp=N alone.")
     try:
         check_compile(mode, fsdp)
     except ModelError as e:
@@ -309,9 +331,17 @@ def _made(step: "_FakeStep", traced: tuple[str | None, str, Sharding, str, str],
                     overhead=overhead, not_checkpointed={_relative(p, prefix): w for p, w in layout.not_checkpointed.items()},
                     unrealised_bytes=layout.unrealised_bytes, graph_hash=graph.hash, seconds=seconds, device=traced[3],
                     offloaded=layout.offloaded, offloaded_bytes=layout.offloaded_bytes, host_peak=layout.host_peak,
-                    not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded, compiled=step.compiled)
+                    not_offloaded=len(schedule.extra.get("offloaded", ())) - layout.offloaded, compiled=step.compiled,
+                    pipeline_stages=[s for s, _, _ in graph.parallel["pipeline"]["stages"]] if step.rank is not None else [])
     return Plan({_relative(p, prefix): s for p, s in save.items()}, report, schedule, graph,
                 {_root_relative(p, prefix): ops for p, ops in layout.offload.items()})
+
+
+def _world(layout: Any) -> contextlib.AbstractContextManager:
+    """The process group a parallel rank is traced in (:func:`bonsai_core.parallel.world`); none for FSDP alone."""
+    from bonsai_core.parallel import world
+
+    return world(layout) if layout.is_parallel else contextlib.nullcontext(layout)
 
 
 def _check_arguments(method: str, options: dict[str, Any]) -> None:
@@ -621,30 +651,56 @@ class _FakeStep:
     inputs: tuple[torch.Tensor, ...]
     loss_fn: Any
     name: str
+    parallel: Any = None  # the layout (bonsai_core.parallel.Layout) of the parallel run whose rank is traced
     autocast: str | None = None  # as traced (graph), for the layout's runs of the step
     mixed_precision: str | None = None  # FSDP2's param_dtype, as traced (graph): every run computes in it
     kernels: str = "cuda"  # as traced (graph): on the CPU an offload's copy ends when made
     compiled: str | None = None  # the compile mode whose step a layout's peak is of (None: eager)
     finish: Any = None  # the traced graph's sharding and optimizer, applied to a compiled trace too
+    rank: Any = None  # a pipeline rank's stages (bonsai_core.pipeline.RankStages), traced one by one
 
     @classmethod
     def of(cls, model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, name: str,
-           compiled: str | None = None) -> "_FakeStep":
+           parallel: Any = None, precision: str | None = None, compiled: str | None = None) -> "_FakeStep":
+        """The fake copy of the step (``compiled``: the compile mode its peaks are of); of one rank of a
+        ``parallel`` layout, parallelized as its library does it (:func:`bonsai_core.parallel.parallelize`,
+        the batch a context-parallel rank's share); of a pipeline rank, its stages
+        (:func:`bonsai_core.pipeline.split_rank`: their received activations in FSDP's param dtype
+        ``precision``) as one model and loss (:class:`bonsai_core.pipeline.RankModel`)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from bonsai_core.parallel import check_supported, cp_inputs, meshes, parallelize, with_batch
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
-            return cls(mode, fake_copy(model, mode),
-                       tuple(fake_of(x, mode) for x in inputs),
-                       fake_copy(loss_fn, mode) if isinstance(loss_fn, nn.Module) else loss_fn, name,
+            step = cls(mode, fake_copy(model, mode), tuple(fake_of(x, mode) for x in inputs),
+                       fake_copy(loss_fn, mode) if isinstance(loss_fn, nn.Module) else loss_fn, name, parallel,
                        compiled=compiled)
+            if parallel is not None and parallel.is_parallel:
+                check_supported(step.model, parallel)
+                step.parallel = layout = with_batch(parallel, *step.inputs[0].shape[:2])
+                dims = meshes(step.model, layout)
+                if layout.pp > 1:
+                    from bonsai_core.pipeline import RankLoss, RankModel, split_rank
+
+                    step.rank = split_rank(step.model, step.inputs, step.loss_fn, layout, dims, precision)
+                    step.model, step.inputs = RankModel(step.rank), tuple(step.rank.inputs)
+                    step.loss_fn = RankLoss(step.rank)
+                    return step
+                parallelize(step.model, layout, dims)
+                if layout.cp > 1:
+                    step.inputs = cp_inputs(step.model, step.inputs, step.loss_fn, dims)
+            return step
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
         from bonsai_core.fsdp import computing_in
+        from bonsai_core.parallel import step_context
         from bonsai_core.trace.patches import skip_tensor_asserts
 
-        with self.mode, skip_tensor_asserts(), computing_in(self.model, self.mixed_precision):
+        parallel = step_context(self.model, self.parallel) if self.parallel is not None and self.parallel.is_parallel \
+            else contextlib.nullcontext()
+        with self.mode, skip_tensor_asserts(), computing_in(self.model, self.mixed_precision), parallel:
             yield
 
     def graph(self, autocast: str | None, optimizer: str, sharding: Sharding, kernels: str = "cuda",
@@ -657,12 +713,24 @@ class _FakeStep:
 
         check_name(optimizer)
         self.autocast, self.mixed_precision, self.kernels = autocast, sharding.mixed_precision, kernels
+        if self.rank is not None:
+            from bonsai_core.pipeline import trace_rank_stages
+
+            with self.mode, _skip_asserts():
+                graph = trace_rank_stages(self.rank, self.parallel, sharding, self.name,
+                                          {"autocast": autocast, "kernels": kernels}).graph
+            return with_grads(with_optimizer(graph, optimizer), grads)
         with self.running():
             traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast,
                                 kernels=kernels)
 
         def finish(graph: Graph) -> Graph:
-            return with_grads(with_optimizer(sharding.shard(graph, self.model), optimizer), grads)
+            graph = sharding.shard(graph, self.model)
+            if self.parallel is not None and self.parallel.is_parallel:
+                from bonsai_core.parallel import with_layout
+
+                graph = with_layout(graph, self.parallel)
+            return with_grads(with_optimizer(graph, optimizer), grads)
 
         self.finish = finish
         return finish(traced.graph)
@@ -726,6 +794,12 @@ class _FakeStep:
         under_compile = self.compiled_graph(lay.save)
         return lay.save, _Layout(no_remat_peak(under_compile), left_out, lay.unrealised_bytes, lay.offload,
                                  len(lay.offloaded), lay.offloaded_bytes, lay.host_peak, under_compile.total_cost)
+
+
+def _skip_asserts() -> contextlib.AbstractContextManager:
+    from bonsai_core.trace.patches import skip_tensor_asserts
+
+    return skip_tensor_asserts()
 
 
 # -- the plan cache --------------------------------------------------------------------------------

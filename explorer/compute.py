@@ -113,7 +113,7 @@ def default_model(path: str) -> Model:
 
 
 # Options of how the step runs rather than of the model's size: trace_model takes them, the model does not
-RUN_OPTIONS = ("fsdp",)
+RUN_OPTIONS = ("fsdp", "tp", "cp", "pp", "pp_schedule", "rank")
 
 
 @st.cache_resource(show_spinner=False, max_entries=32)
@@ -131,10 +131,16 @@ def zoo_parameters(name: str, options: Options) -> int:
 @st.cache_resource(show_spinner=False, max_entries=32)
 def trace_model(name: str, options: Options) -> Model:
     """Trace a zoo model's training step (raises ModelError on bad options); with ``fsdp`` among the
-    options, as one of that many FSDP ranks holds it, sharded as the model's own setting shards it."""
-    from bonsai_core import trace
+    options, as one of that many FSDP ranks holds it, sharded as the model's own setting shards it; with
+    ``tp``, ``cp``, ``pp`` (``pp_schedule``, ``rank``), one rank of that layout (:mod:`bonsai_core.parallel`)."""
+    from bonsai_core.parallel import layout_of
+    from bonsai_core.rank import trace
 
-    traced = trace.trace_model(name, **dict(options))
+    kwargs = dict(options)
+    degrees = {k: kwargs.pop(k) for k in ("tp", "cp", "pp", "pp_schedule", "rank") if k in kwargs}
+    if degrees:  # one rank of a parallel layout (the torchtitan tab)
+        kwargs["parallel"] = layout_of(fsdp=kwargs.pop("fsdp", 1), **degrees)
+    traced = trace(name, **kwargs)
     label = traced.graph.name
     return Model(traced.graph, "zoo", label, zoo=name, options=dict(options),
                  parameters=zoo_parameters(name, options))

@@ -1,7 +1,8 @@
 """One FSDP rank's memory over the step, by what holds it: the sharded state, the root unit and the
 inputs, the blocks all-gathered, the gradients held until their reduce-scatter, the collective
 buffers, the saved activations, the step's other tensors (transients) and, when the allocator model
-replayed the schedule, the allocator's extra (reserved minus live).
+replayed the schedule, the allocator's extra (reserved minus live). On a pipeline rank, the other
+microbatches in flight (``bonsai_core.pipeline.working``) instead of FSDP's blocks and buffers.
 
 Every part comes from what computes it already: the fixed tensors' kinds (``Graph.fixed_tensors``,
 sharded by ``bonsai_core.fsdp.with_fsdp``), FSDP's working memory (``bonsai_core.fsdp.working_parts``,
@@ -18,6 +19,7 @@ import pandas as pd
 
 from bonsai_core.fsdp import SHARDED_KINDS, working_parts
 from bonsai_core.graph import Graph
+from bonsai_core.pipeline import working as pipeline_working
 from bonsai_core.schedule import SimResult
 from explorer.plots import RECOMPUTE
 
@@ -26,6 +28,7 @@ ROOT = "root unit unsharded, inputs"
 ACTIVATIONS = "saved activations"
 TRANSIENTS = "transients (gradients in flight, temporaries)"
 ALLOCATOR = "allocator's extra (reserved − live)"
+IN_FLIGHT = "other microbatches in flight, FSDP's gradients (pipeline)"
 
 
 def breakdown(graph: Graph, ops: Sequence[tuple[str, int]], sim: SimResult,
@@ -35,8 +38,11 @@ def breakdown(graph: Graph, ops: Sequence[tuple[str, int]], sim: SimResult,
     n = len(ops)
     sharded = sum(b for _, b, kind in graph.fixed_tensors if kind in SHARDED_KINDS)
     parts = {SHARDED: np.full(n, sharded, dtype=np.int64), ROOT: np.full(n, graph.fixed_mem - sharded, dtype=np.int64)}
-    working = working_parts(graph, ops)
-    parts.update(working)
+    in_flight = pipeline_working(graph, ops, sim.residency)
+    if in_flight is None:
+        parts.update(working_parts(graph, ops))
+    else:  # a pipeline rank: rule 10's microbatches in flight (and FSDP's gradients under it) instead of rule 7's
+        parts[IN_FLIGHT] = in_flight
     parts[ACTIVATIONS] = sim.residency.bytes_held(graph.mem, among=graph.is_forward)
     parts[TRANSIENTS] = sim.residency.bytes_held(graph.mem, among=~graph.is_forward)
     if reserved is not None and live is not None:

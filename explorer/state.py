@@ -293,7 +293,9 @@ def restore_model(name: str, size: str) -> dict:
     """Trace the zoo model a link names (the default's graph is already loaded); sets no widget."""
     if not SAFE_MODEL.match(name):
         raise ModelError("not a built-in model name")
-    options = tuple(sorted((k, int(v)) for k, v in (item.split(":", 1) for item in size.split(",") if item)))
+    # sizes and degrees are whole numbers; a pipeline schedule is a name
+    options = tuple(sorted((k, int(v) if v.isdigit() else v) for k, v in (item.split(":", 1) for item in size.split(",")
+                                                                           if item)))
     if name != "gpt" or options:
         with st.spinner(f"Tracing {name} for the link's view…", show_time=True):
             try:

@@ -18,13 +18,22 @@ m = state.model()
 st.caption("For each method, the largest size of the model whose training step fits the GPU's memory with "
            "a recompute overhead under the limit: the model is traced at each size tried, and every method "
            "solves it. The same search as `bonsai fit`.")
-if m.graph.fsdp is not None:  # a real run's memory: one rank's, by part, at the sidebar's schedule's peak
+if m.graph.fsdp is not None or m.graph.parallel is not None:  # one rank's memory, by part, at its peak
     from explorer import rank
 
     out = state.outcome()
     if out.ok:
-        world = m.graph.fsdp["world"]
-        st.subheader(f"One rank's memory of {world} (FSDP) at its peak")
+        layout = (m.graph.parallel or {}).get("layout")
+        what = (" x ".join(f"{k.upper().replace('_', ' ')} {v}" for k, v in layout.items()
+                           if k in ("dp_replicate", "fsdp", "cp", "tp", "pp") and v > 1)
+                if layout else f"{m.graph.fsdp['world']} (FSDP)")
+        st.subheader(f"One rank's memory of {what} at its peak")
+        pipeline = (m.graph.parallel or {}).get("pipeline")
+        if pipeline:
+            st.caption(f"Pipeline rank {pipeline['rank']} of {pipeline['degree']} ({pipeline['schedule']}, "
+                       f"{pipeline['microbatches']} microbatches of {pipeline['microbatch_size']}): stage(s) "
+                       + ", ".join(str(s) for s, _, _ in pipeline["stages"])
+                       + ". Each stage's rank is traced with its own rank on the Model page.")
         table = pd.DataFrame(rank.at_peak(state.rank_breakdown(out), out.sim.peak_op))
         st.table(table, hide_index=True)
         st.caption(f"**{out.method}** at {state.settings().percent:.0f}% of the no-remat peak, step {out.sim.peak_op}: "

@@ -99,14 +99,27 @@ def torchtitan_models() -> None:
                                index=flavours.index("debugmodel") if "debugmodel" in flavours else 0)
         titan_defaults = titan[flavour]
         titan_chosen = size_inputs(f"titan_{flavour}", titan_defaults)
-        ranks = int(st.number_input(
+        cols = st.columns(5)
+        ranks = int(cols[0].number_input(
             "FSDP ranks", min_value=1, value=1, step=1, key="titan_fsdp",
             help="Plan one GPU of a run sharded over this many: as torchtitan 0.2.2's apply_fsdp shards the model "
                  "(embedding, each block, and norm with output as FSDP2 units) under its bf16 mixed precision; "
                  "each rank holds its share of fp32 parameters and gradients. 1: one GPU, no sharding."))
+        layout = {name: int(col.number_input(name.upper(), min_value=1, value=1, step=1, key=f"titan_{name}",
+                                             help=why))
+                  for col, (name, why) in zip(cols[1:4], (
+                      ("tp", "tensor parallel degree: torchtitan's apply_tp (DTensor), on a fake process group"),
+                      ("cp", "context parallel degree: the sequence sharded, ring attention"),
+                      ("pp", "pipeline parallel degree: one pipeline rank's stage(s), its microbatches in flight")))}
+        if layout["pp"] > 1:
+            layout["pp_schedule"] = cols[4].selectbox("schedule", ("1f1b", "interleaved-1f1b"), key="titan_schedule")
+            layout["rank"] = int(cols[4].number_input("pipeline rank", min_value=0, max_value=layout["pp"] - 1,
+                                                      value=0, step=1, key="titan_rank"))
         left, right = st.columns([1, 4])
         if left.button("Trace", type="primary", key="titan_trace"):
-            titan_options = tuple(sorted(changed(titan_chosen, titan_defaults) + ((("fsdp", ranks),) if ranks > 1 else ())))
+            parallel = tuple((k, v) for k, v in layout.items() if v not in (1, 0) or k == "rank" and layout["pp"] > 1)
+            titan_options = tuple(sorted(changed(titan_chosen, titan_defaults) + ((("fsdp", ranks),) if ranks > 1 else ())
+                                         + parallel))
             trace_with_progress(f"torchtitan:llama3:{flavour}",
                                 lambda: compute.trace_model(compute.TITAN_FAMILY + flavour, titan_options),
                                 "Change the size options and trace again.")

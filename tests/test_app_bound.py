@@ -127,3 +127,24 @@ def test_torchtitan_llama_is_traced_per_fsdp_rank_as_torchtitan_shards_it():
     assert not at.exception, at.exception
     assert any("one of 4 FSDP ranks" in i.value and "plan_for(" in i.value for i in at.info)
     assert not [b for b in at.button if b.key == "export_build"]
+
+
+def test_torchtitan_llama_is_traced_per_pipeline_rank_with_its_layout():
+    """TP, CP, PP degrees on the torchtitan tab: one pipeline rank of the layout, its breakdown (with the
+    microbatches in flight) on the Fit page, and a link that traces it again so."""
+    at = titan_tab(64)
+    at.number_input(key="titan_debugmodel_layers").set_value(4).run()
+    at.number_input(key="titan_debugmodel_batch").set_value(2).run()
+    at.number_input(key="titan_pp").set_value(2).run()
+    at.number_input(key="titan_tp").set_value(2).run()
+    at.number_input(key="titan_rank").set_value(1).run()
+    at.button(key="titan_trace").click().run()
+    assert not at.exception, at.exception
+    model = at.session_state["model"]
+    assert model.graph.parallel["layout"]["tp"] == 2 and model.graph.parallel["pipeline"]["rank"] == 1
+    assert at.query_params["size"] == "batch:2,layers:4,pp:2,pp_schedule:1f1b,rank:1,seq:64,tp:2"
+    at.sidebar.slider(key="budget_pct").set_value(100).run()
+    goto(at, "fit")
+    assert not at.exception, at.exception
+    assert any("TP 2 x PP 2" in h.value for h in at.subheader)
+    assert any("Pipeline rank 1 of 2" in c.value for c in at.caption)

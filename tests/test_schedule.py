@@ -60,12 +60,12 @@ def test_each_broken_rule_is_named(ops, words):
 
 def test_bytes_held_beyond_the_graph_are_one_more_entry_of_the_simulator(monkeypatch):
     """A rule that holds bytes beyond the graph's tensors (as rule 7's FSDP buffers do) is a function of the
-    graph and the ops added to BEYOND_THE_GRAPH: the timeline and the peak count it."""
+    graph, the ops and the live set added to BEYOND_THE_GRAPH: the timeline and the peak count it."""
     g = chain(2, mem=10)
     ops = none_schedule(g).ops
     plain = simulate(g, ops)
 
-    def one_byte_per_op_index(graph, ops):
+    def one_byte_per_op_index(graph, ops, residency):
         return np.arange(len(ops), dtype=np.int64)
 
     monkeypatch.setattr(schedule, "BEYOND_THE_GRAPH", schedule.BEYOND_THE_GRAPH + (one_byte_per_op_index,))

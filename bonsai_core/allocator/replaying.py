@@ -12,7 +12,7 @@ import numpy as np
 from bonsai_core.allocator.blocks import DEFAULT_STREAM
 from bonsai_core.allocator.fixed import Optimizer, Updates, full_arena
 from bonsai_core.allocator.policies import Allocator, Policy
-from bonsai_core.errors import BudgetError
+from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import FREE, Residency, Schedule, simulate
 from bonsai_core.units import format_bytes
@@ -251,6 +251,10 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     block of its own (copy-on-write) instead of its input's. Raises BudgetError at the first request that cannot
     be served within it, and ScheduleError for an invalid schedule. O(len(ops) * blocks).
     """
+    if (graph.parallel or {}).get("pipeline"):
+        raise BonsaiError(f"{graph.name!r} is a pipeline rank: the allocator model replays one microbatch's step, "
+                          "not the rank's microbatches in flight (rule 11), so its reserved bytes are not modelled; "
+                          "plan its live bytes (leave out --reserved / --allocator).")
     sim = simulate(graph, schedule)
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
     fixed = graph.fixed_mem

@@ -67,6 +67,8 @@ def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
     import torch
     from torch.distributed.fsdp import FSDPModule
 
+    if not isinstance(net, FSDPModule):  # tensor or pipeline parallel alone: nothing held outside
+        return [], []
     resized = {}
     for m in net.modules():
         group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None

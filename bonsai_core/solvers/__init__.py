@@ -231,7 +231,9 @@ def solve(graph: Graph, budget: int | None, method: str = DEFAULT_METHOD, **opti
     start = time.perf_counter()
     schedule = solver(graph, budget, **options)
     sim = simulate(graph, schedule)
-    if graph.fsdp is not None and budget is not None and not sim.feasible(budget):
+    if (graph.parallel or {}).get("pipeline") and budget is not None and not sim.feasible(budget):
+        schedule, sim = _within_pipeline(graph, budget, solver, schedule, sim, options)
+    elif graph.fsdp is not None and budget is not None and not sim.feasible(budget):
         schedule, sim = _within_fsdp_profile(graph, budget, solver, schedule, sim, options)
     wall = time.perf_counter() - start
     schedule.graph, schedule.graph_hash, schedule.budget = graph.name, graph.hash, budget
@@ -268,6 +270,37 @@ def _within_fsdp_profile(graph: Graph, budget: int, solver: Callable[..., Schedu
             best = (candidate, result)
         if result.feasible(budget):
             break
+    return best
+
+
+PIPELINE_TRIES = 8  # solves bisecting the budget a pipeline rank's one microbatch is planned under
+
+
+def _within_pipeline(graph: Graph, budget: int, solver: Callable[..., Schedule], schedule: Schedule,
+                     sim: Any, options: dict[str, Any]) -> tuple[Schedule, Any]:
+    """On a pipeline rank (rule 11) a plan's peak holds the other microbatches in flight, each what the plan
+    leaves resident at the end of its forward: the method plans one microbatch. Bisect the budget it plans
+    under, between the graph's lower bound and ``budget``, for the largest whose rank peak meets ``budget``
+    (at most :data:`PIPELINE_TRIES` solves); the best schedule found is returned (the caller judges it)."""
+    best, low, high = (schedule, sim), graph.peak_lower_bound, budget
+    for _ in range(PIPELINE_TRIES):
+        if high - low <= max(1, budget // 1000):
+            break
+        middle = (low + high) // 2
+        try:
+            candidate = solver(graph, middle, **options)
+        except BonsaiError:
+            low = middle
+            continue
+        result = simulate(graph, candidate)
+        if result.feasible(budget):
+            low = middle
+            if not best[1].feasible(budget) or result.compute_cost < best[1].compute_cost:
+                best = (candidate, result)
+        else:
+            high = middle
+            if not best[1].feasible(budget) and result.peak < best[1].peak:
+                best = (candidate, result)
     return best
 
 

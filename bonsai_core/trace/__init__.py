@@ -105,9 +105,10 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
     with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`), with
     ``mixed_precision`` ("bf16") under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
     either left None: the model's own setting (:meth:`bonsai_core.fsdp.Sharding.of`: torchtitan's for a
-    ``torchtitan:`` model). ``kernels``: see :func:`trace_step`. ``compile`` ("model" | "blocks"): the step
-    as ``torch.compile`` runs it (:mod:`bonsai_core.trace.compiled`; the Traced then has no FX module), with
-    ``ac`` applied before compiling (:data:`bonsai_core.arguments.CHECKPOINTING`) and, with ``float8``,
+    ``torchtitan:`` model); one rank of a tensor, context or pipeline parallel layout:
+    :func:`bonsai_core.rank.trace`. ``kernels``: see :func:`trace_step`. ``compile`` ("model" | "blocks"): the
+    step as ``torch.compile`` runs it (:mod:`bonsai_core.trace.compiled`; the Traced then has no FX module),
+    with ``ac`` applied before compiling (:data:`bonsai_core.arguments.CHECKPOINTING`) and, with ``float8``,
     torchtitan's Float8 linears (:func:`bonsai_core.trace.compiled.float8_linears`)."""
     from bonsai_core.fsdp import Sharding, computing_in
 
@@ -393,12 +394,17 @@ class _NoGradient(Exception):
 
 
 def _export_joint(step: _Step, inputs: tuple[torch.Tensor, ...], name: str, kernels: str = "cuda") -> tuple[fx.GraphModule, Any]:
-    """``aot_export_module`` of the joint step, with torch's failures turned into advice."""
+    """``aot_export_module`` of the joint step (with DTensor parameters, or as a pipeline stage, the export
+    with descriptors: :mod:`bonsai_core.trace.descriptors`), with torch's failures turned into advice."""
     from torch._functorch.aot_autograd import aot_export_module
+
+    from bonsai_core.trace.descriptors import export_joint, needs_descriptors
 
     with _quiet_meta_failures() as failures:
         try:
             with _as_in_eager(kernels):
+                if needs_descriptors(step, inputs):
+                    return export_joint(step, inputs)
                 try:
                     return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)
                 except AssertionError as e:

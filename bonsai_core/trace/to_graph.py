@@ -45,7 +45,10 @@ from bonsai_core.graph import Graph
 from bonsai_core.tensors import storage_bytes, tensors_in
 
 _UNMARKED_VIEWS = {"aten._unsafe_view.default"}  # views whose schema does not say so
-IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"}
+# identities; a collective's wait returns the tensor it waited for (its functional schema and fake kernel
+# say a new one, eager's kernel gives back its argument)
+IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default",
+                "_c10d_functional.wait_tensor.default"}
 
 _NOT_A_NODE = -1  # a placeholder, or a view of one: part of fixed_mem, not a node
 _WHOLE_OUTPUT = -1  # every output of an op (a single-output op whose value is a buffer's new value)
@@ -57,8 +60,11 @@ _GETITEM_COST = 1e-9
 def _placeholder_tensors(step: nn.Module, inputs: tuple[torch.Tensor, ...], signature: Any) -> dict[str, torch.Tensor]:
     """The tensor each placeholder was traced from (parameter, buffer or batch tensor): their storages
     say which placeholders share memory (AOTAutograd's fake copies of real tensors do not keep that)."""
+    from bonsai_core.tensors import local_tensor
+
     named = {**dict(step.named_parameters(remove_duplicate=False)), **dict(step.named_buffers(remove_duplicate=False))}
-    tensors = {ph: named[n] for ph, n in {**signature.inputs_to_parameters, **signature.inputs_to_buffers}.items() if n in named}
+    tensors = {ph: local_tensor(named[n]) for ph, n in {**signature.inputs_to_parameters, **signature.inputs_to_buffers}.items()
+               if n in named}
     tensors.update((ph, t) for ph, t in zip(signature.user_inputs, inputs) if isinstance(t, torch.Tensor))
     return tensors
 
@@ -112,7 +118,43 @@ def _to_graph(gm: fx.GraphModule, signature: Any, name: str, profile: DeviceProf
             split[node] = _separate_outputs(node) if node in forward else set()
             add(node, op, deps, None, _output_bytes(node, written.get(node, set()) | split[node]), _cost(node, profile))
     _hold_tied_gradients(nodes, ids, fx_nodes, signature, originals)
+    from bonsai_core.trace.descriptors import Signature
+
+    if isinstance(signature, Signature):
+        _hold_handler_arguments(nodes, ids, fx_nodes, forward)
     return _prune(name, fixed_tensors, nodes, fx_names, outputs)
+
+
+def _hold_handler_arguments(nodes: list[dict[str, Any]], ids: dict[fx.Node, int], fx_nodes: list[fx.Node],
+                            forward: set[fx.Node]) -> None:
+    """A DTensor step's backward pass runs some autograd nodes as several local ops (loss parallel's
+    ``nll_loss_backward`` handler: a scatter, ``exp`` of the saved log-probabilities, an add and a
+    product), where autograd holds the node's saved tensors and incoming gradient, and the handler its
+    arguments, until the node's backward returns: its last local op reads them (as held deps). The local
+    ops of one autograd node are the backward FX nodes of one ``seq_nr`` in a row."""
+    group: list[fx.Node] = []
+
+    def close() -> None:
+        members = [ids[n] for n in group if ids.get(n, _NOT_A_NODE) != _NOT_A_NODE
+                   and nodes[ids[n]]["phase"] == "backward"]  # an identity folds into its (maybe forward) input
+        if len(set(members)) < 2:
+            return
+        inside = set(members)
+        last = max((v for v in inside if nodes[v]["alias_of"] is None), default=-1)
+        outside = {d for v in inside for d in nodes[v]["deps"] if d not in inside and d < last}
+        extra = outside - set(nodes[last]["deps"])
+        if extra:
+            nodes[last]["deps"] = sorted(set(nodes[last]["deps"]) | extra)
+            nodes[last]["held"] = sorted(set(nodes[last].get("held", ())) | extra)
+
+    for node in fx_nodes:
+        if node.op != "call_function" or node in forward:
+            continue
+        if group and node.meta.get("seq_nr") != group[0].meta.get("seq_nr"):
+            close()
+            group = []
+        group.append(node)
+    close()
 
 
 
@@ -223,21 +265,36 @@ def _fixed_tensors(gm: fx.GraphModule, signature: Any, originals: dict[str, torc
     grad_params = set(signature.backward_signature.gradients_to_parameters.values())
     seen: set[tuple[int, bool]] = set()
     model, grads, batch = [], [], []
+    # a gradient's own elements where they outnumber its parameter's: a tensor-parallel gradient DTensor
+    # may be replicated where its parameter is sharded (an embedding sharded by vocabulary)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    grad_elements: dict[str, int] = {}
+    for out, param in signature.backward_signature.gradients_to_parameters.items():
+        value = by_name[out].meta.get("val") if out in by_name else None
+        if isinstance(value, torch.Tensor):
+            grad_elements[param] = max(grad_elements.get(param, 0), value.numel())
 
-    def add(to: list, name: str, value: Any, kind: str) -> None:
+    def add(to: list, name: str, value: Any, kind: str, elements: int = 0) -> None:
         traced_from = originals.get(name.removesuffix(".grad"), value)
         storage = traced_from.untyped_storage()._cdata if isinstance(traced_from, torch.Tensor) else id(value)
         key = (storage, kind == "grad")  # a gradient is counted by its parameter's storage, but is another
         if key not in seen:
             seen.add(key)
-            to.append((name, storage_bytes(value), kind))
+            nbytes = storage_bytes(value)
+            if elements > value.numel():
+                nbytes = elements * value.element_size()
+            to.append((name, nbytes, kind))
 
+    seed = set(getattr(signature, "tangents", ()))  # the loss's seed gradient (the descriptors' export), not held
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             value, kind = node.meta.get("val"), kind_of.get(node.name, "input")
+            if node.name in seed or not isinstance(value, torch.Tensor):  # a DTensor's mesh is no tensor
+                continue
             add(batch if kind == "input" else model, node.name, value, kind)
-            if signature.inputs_to_parameters.get(node.name) in grad_params:
-                add(grads, f"{node.name}.grad", value, "grad")
+            param = signature.inputs_to_parameters.get(node.name)
+            if param in grad_params:
+                add(grads, f"{node.name}.grad", value, "grad", grad_elements.get(param, 0))
         elif node.op == "get_attr":
             add(model, node.name, getattr(gm, node.target, None), "constant")
     return model + grads + batch

@@ -1,0 +1,293 @@
+"""Every rank of a parallel run, predicted against measured: tensor, pipeline and tensor x FSDP layouts
+(:mod:`bonsai_core.parallel`, :mod:`bonsai_core.pipeline`) on gloo processes on CPU, each rank's peak live
+bytes over a steady-state step (after a first step) against the simulator's peak of that rank's graph,
+traced in one process on the fake process group; without recomputation and with a bonsai plan made by
+the one call for the layout (``bonsai_core.checkpoint(..., tp=, pp=, ...)``) applied before the model is
+parallelized.
+
+    bonsai bench parallel --model torchtitan:llama3:debugmodel --layout tp2 fsdp2.tp2 pp2 [--budget 70%] [--out FILE]
+
+A layout is its degrees joined by dots (``fsdp2.tp2``, ``pp2.interleaved``; ``mb4``: 4 microbatches). The
+run is parallelized as the model's library does it (torchtitan's ``apply_tp``, ``apply_fsdp`` and pipeline
+split and schedules; transformers' ``tp_plan`` and ``fully_shard`` on each block), in fp32: gloo has no bf16
+reduce-scatter for DTensor's collectives. Context parallel cannot run here: torch's ring attention is
+implemented for the GPU's attention kernels only (``_context_parallel/_attention.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+# small sizes each model runs in a few seconds per step on gloo
+SIZES = {"torchtitan:llama3:debugmodel": dict(batch=4, seq=64, layers=4),
+         "hf:llama": dict(batch=4, seq=64, layers=4, width=256, heads=4, vocab=2048)}
+SCHEDULE_WORDS = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b"}
+
+
+def parse_layout(text: str) -> Any:
+    """``fsdp2.tp2``, ``pp2.interleaved.mb4``, ... as a :class:`bonsai_core.parallel.Layout` (rank 0)."""
+    from bonsai_core.parallel import layout_of
+
+    degrees: dict[str, Any] = {}
+    for word in text.split("."):
+        if word in SCHEDULE_WORDS:
+            degrees["pp_schedule"] = SCHEDULE_WORDS[word]
+            continue
+        name = word.rstrip("0123456789")
+        key = {"mb": "microbatches", "hsdp": "dp_replicate"}.get(name, name)
+        if key not in ("fsdp", "tp", "cp", "pp", "dp_replicate", "microbatches") or name == word:
+            raise argparse.ArgumentTypeError(f"{text!r}: a layout is degrees joined by dots, like fsdp2.tp2 or "
+                                             "pp2.interleaved.mb4")
+        degrees[key] = int(word[len(name):])
+    return layout_of(**degrees)
+
+
+def rank_graph(model: str, options: dict, layout: Any) -> Any:
+    """The graph of ``layout``'s rank (its pipeline rank), traced on the fake process group, in fp32."""
+    from bonsai_core.rank import trace
+
+    return trace(model, parallel=layout, mixed_precision="none" if layout.shard_world > 1 else None,
+                       **options).graph
+
+
+def predicted(model: str, options: dict, layout: Any, budget: str | None) -> int:
+    """One rank's predicted peak: no recomputation, or what the one call predicts for its plan at ``budget``."""
+    from bonsai_core.schedule import no_remat_peak
+
+    if not budget:
+        return no_remat_peak(rank_graph(model, options, layout))
+    from bonsai_core import models
+
+    net, inputs, loss_fn = models.build(model, seed=0, **options)
+    return one_call_plan(net, inputs, loss_fn, layout, budget).report.predicted_peak
+
+
+def one_call_plan(net: Any, inputs: tuple, loss_fn: Any, layout: Any, budget: str) -> Any:
+    """The one call's plan for ``layout``, fp32 (FSDP without mixed precision): ``plan_for`` for torchtitan's
+    model (sharded as its ``apply_fsdp``), ``bonsai_core.plan`` for any other (``fully_shard`` on each block)."""
+    import bonsai_core as bonsai
+    from bonsai_core.parallel import family
+
+    if family(net) == "torchtitan":
+        from bonsai_core.torchtitan import plan_for
+
+        batch, seq = inputs[0].shape[:2]
+        return plan_for(net, batch, seq, budget, optimizer="none", mixed_precision=None, cache=False, **keywords(layout))
+    return bonsai.plan(net, inputs, loss_fn, budget, cache=False, **keywords(layout))
+
+
+def keywords(layout: Any) -> dict[str, Any]:
+    """The one call's keywords for ``layout``."""
+    return dict(fsdp=layout.fsdp, tp=layout.tp, cp=layout.cp, pp=layout.pp, dp_replicate=layout.dp_replicate,
+                pp_schedule=layout.pp_schedule, microbatches=layout.microbatches, rank=layout.rank)
+
+
+def sharded(net: Any, layout: Any, dims: Any) -> None:
+    """FSDP over the layout's ``dp_shard x cp`` ranks as the model's library applies it, fp32 (gloo):
+    torchtitan's ``apply_fsdp`` (its gradient divide factor 1 reduced as a plain sum: gloo has no
+    PREMUL_SUM), or ``fully_shard`` on each block and the model."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from bonsai_core.parallel import family
+
+    if layout.shard_world == 1:
+        return
+    if family(net) == "torchtitan":
+        from torchtitan.models.llama3.infra.parallelize import apply_fsdp
+
+        mesh = dims.get_mesh(["dp_replicate", "fsdp"] if layout.dp_replicate > 1 else "fsdp")
+        apply_fsdp(net, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=layout.pp > 1)
+        for module in net.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+        return
+    mesh = dims["dp"]
+    blocks = [m for name, m in net.named_modules() if name.rpartition(".")[2].isdigit()
+              and name.rpartition(".")[0].endswith("layers")]
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+
+
+def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims: Any, made: Any = None) -> dict:
+    """One pipeline rank's fixed bytes and peak over a steady-state step, as torchtitan runs it: its stages split
+    off by ``pipeline_module_split`` (each with ``made``, a plan for the rank, applied where it has the paths,
+    then tensor parallel and FSDP as :func:`sharded`), torch's schedule (``scale_grads=False``) stepping the local
+    batch in ``layout.microbatches`` microbatches: a first step (receive buffers, gradients allocated), then one
+    measured under :class:`bonsai_core.measure.LiveBytes` plus FSDP's resized storages."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed.pipeline_parallel import pipeline_module_split
+
+    from bonsai_core.bench.fsdp import _storages_outside
+    from bonsai_core.measure import LiveBytes
+    from bonsai_core.parallel import parallelize, step_context
+    from bonsai_core.pipeline import TORCH_SCHEDULE, stage_modules
+    from bonsai_core.tensors import storage_bytes
+
+    names = stage_modules(layout, net.model_args.n_layers)
+    stages, parts = pipeline_module_split(net, dims.get_mesh("pp"), TORCH_SCHEDULE[layout.pp_schedule],
+                                          torch.device("cpu"), names)
+    for part in parts:
+        if made is not None:
+            made.apply(part)
+        parallelize(part, layout, dims)
+        sharded(part, layout, dims)
+    schedule_class = get_schedule_class(TORCH_SCHEDULE[layout.pp_schedule])
+    labels = loss_fn.labels
+    schedule = schedule_class(stages if len(stages) > 1 else stages[0], n_microbatches=layout.microbatches,
+                              loss_fn=lambda pred, target: cross_entropy_loss(pred, target) / target.numel(),
+                              scale_grads=False)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+
+    losses: list = []
+
+    def step() -> None:
+        losses.clear()
+        args = (inputs[0],) if first else ()
+        schedule.step(*args, target=labels if last else None, losses=losses if last else None, return_outputs=False)
+
+    class Live(LiveBytes):
+        """LiveBytes plus FSDP's storages it does not see (resized all-gather outputs, held collective inputs)."""
+
+        def __init__(self, storages: list, left: list) -> None:
+            super().__init__()
+            self.storages, self.left = storages, left
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            extra = sum(st.nbytes() for st in self.storages) + sum(st().nbytes() for st in self.left if st() is not None)
+            self.peak = max(self.peak, self.live + extra)
+            return out
+
+    with step_context(net, layout):
+        step()
+        tensors = []
+        for part in parts:
+            for t in (*part.parameters(), *(p.grad for p in part.parameters() if p.grad is not None), *part.buffers()):
+                tensors.append(t.to_local() if hasattr(t, "to_local") else t)
+        for stage in stages:  # the receive buffers, one per microbatch, kept across steps
+            for infos in (*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()):
+                tensors += [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
+        resized, left = [], []
+        for part in parts:
+            if isinstance(part, FSDPModule):
+                r, held = _storages_outside(part)
+                resized, left = resized + r, left + held
+        fixed = storage_bytes([*tensors, *inputs, labels])
+        tracker = Live(resized, left)
+        with tracker:
+            step()
+    # the loss is the last stage's (the microbatches' losses added up); no other stage has one
+    return {"fixed": fixed, "peak": fixed + tracker.peak, "loss": float(sum(losses)) if last else None}
+
+
+def _worker(rank: int, world: int, model: str, options: dict, layout: dict, budget: str | None, store: str,
+            results: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from bonsai_core import models
+    from bonsai_core.bench.fsdp import steady_step_peak
+    from bonsai_core.parallel import Layout, cp_inputs, meshes, parallelize, step_context, with_batch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    try:
+        net, inputs, loss_fn = models.build(model, seed=0, **options)
+        spec = with_batch(Layout(**layout), *inputs[0].shape[:2])
+        out: dict[str, Any] = {}
+        if budget:
+            made = one_call_plan(net, inputs, loss_fn, spec, budget)
+            if spec.pp == 1:  # a pipeline rank's plan goes on each of its stages' model parts
+                made.apply(net)
+            out["predicted"] = made.report.predicted_peak
+        dims = meshes(net, spec)
+        if spec.pp > 1:
+            out.update(pipeline_step_peak(net, inputs, loss_fn, spec, dims, made if budget else None))
+        else:
+            parallelize(net, spec, dims)
+            sharded(net, spec, dims)
+            if spec.cp > 1:
+                inputs = cp_inputs(net, inputs, loss_fn, dims)
+            with step_context(net, spec):
+                out.update(steady_step_peak(net, inputs, loss_fn))
+        out.pop("at_peak", None)
+        Path(results, f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(model: str, options: dict, layout: Any, budget: str | None = None, timeout: float = 600) -> list[dict]:
+    """Each rank's fixed bytes and peak over one steady-state step, from ``layout.world`` spawned gloo processes."""
+    import dataclasses
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_worker, args=(layout.world, model, options, dataclasses.asdict(layout), budget,
+                                                f"{tmp}/store", tmp),
+                                 nprocs=layout.world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    proc.kill()
+                raise TimeoutError(f"the {layout.describe()} workers did not finish within {timeout:.0f} s")
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(layout.world)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The suite's options."""
+    parser.add_argument("--model", default="torchtitan:llama3:debugmodel", choices=sorted(SIZES))
+    parser.add_argument("--layout", type=parse_layout, nargs="+", default=[parse_layout("tp2")])
+    parser.add_argument("--budget", default=None, help="also measure with bonsai's plan at this budget (e.g. 70%%)")
+    parser.add_argument("--out", type=Path, default=None, help="append the table to this Markdown file")
+
+
+def main(args: argparse.Namespace) -> int:
+    """One row per layout, pipeline rank and plan: printed and (with ``--out``) appended to a Markdown file."""
+    import dataclasses
+
+    import torch
+
+    from bonsai_core.units import format_bytes
+
+    from bonsai_core.parallel import with_batch
+
+    options = SIZES[args.model]
+    rows = []
+    for layout in args.layout:
+        start = time.perf_counter()
+        for budget in (None, args.budget) if args.budget else (None,):
+            ranks = measure(args.model, options, layout, budget)
+            per_pp = layout.world // layout.pp
+            for pp_rank in range(layout.pp):
+                spec = with_batch(dataclasses.replace(layout, rank=pp_rank), options["batch"], options["seq"])
+                expected = predicted(args.model, options, spec, budget)
+                peak = max(r["peak"] for r in ranks[pp_rank * per_pp:(pp_rank + 1) * per_pp])
+                rows.append(f"| {args.model} | {spec.describe()} | {budget or 'none'} | {format_bytes(expected)} "
+                            f"| {format_bytes(peak)} | {peak / expected - 1:+.2%} | {time.perf_counter() - start:.0f} s |")
+                print(rows[-1], flush=True)
+    if args.out:
+        header = ("" if args.out.exists() else
+                  f"`bonsai bench parallel` on {datetime.date.today()}, {platform.machine()} CPU, torch "
+                  f"{torch.__version__}, gloo, fp32: each pipeline rank's peak live bytes (largest over its ranks) "
+                  "against the simulator.\n\n"
+                  "| model | layout, rank | plan | predicted | measured | error | time |\n"
+                  "| --- | --- | --- | --- | --- | --- | --- |\n")
+        with args.out.open("a") as f:
+            f.write(header + "\n".join(rows) + "\n")
+    return 0

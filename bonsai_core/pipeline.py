@@ -1,0 +1,472 @@
+"""Pipeline parallel: a rank's stages, one microbatch each, and how the rank holds its microbatches in flight.
+
+**The stages.** torchtitan 0.2.2 splits the model as its ``pipeline_llm`` does: ``generate_llm_fqn_per_model_part``
+(the embedding and the final norm and output weighing one layer each: ``pipeline_parallel_first_stage_less_layers``
+and ``..._last_...`` 1) over ``pp`` stages for 1F1B, ``2 pp`` for interleaved 1F1B (its default without
+``pipeline_parallel_layers_per_stage``), and ``pipeline_module_split`` gives rank ``r`` stages ``r, r + pp, ...``
+(its "loop" style), each a copy of the model with the other layers deleted. Each stage is traced for one
+microbatch (``local batch / microbatches`` sequences), the first from the tokens, the others from the
+received activation (an input that needs its gradient), the last with the loss; a stage that is not last
+returns its output, whose gradient comes from the next stage (:class:`bonsai_core.trace.descriptors.SentOutput`).
+The rank's graph is its stages' graphs one after the other; the graph's ``parallel.pipeline`` field names
+their node spans and the rank's compute actions in the order the schedule runs them:
+
+* ``1f1b``: ``Schedule1F1B._step_microbatches`` of torch 2.13: ``min(m, pp - r)`` forwards, then a backward
+  and a forward in turn, then the backwards left;
+* ``interleaved-1f1b``: ``ScheduleInterleaved1F1B._calculate_single_rank_operations`` of torch 2.13, called
+  here (its warm-up ``_get_warmup_ops``: ``(v - 1) x microbatches per round + 2 (pp - 1 - r)`` forwards).
+
+**What the rank holds** (torch 2.13's ``torch.distributed.pipelining``, simulator rule 11):
+
+* per microbatch in flight (its forward done, its backward not): what its stage's forward left for the
+  backward (``fwd_cache``: the saved activations, the stage's input and output, kept to the end of its
+  backward by ``stage_backward``), the bytes the schedule leaves resident at the end of the stage's forward;
+* the receive buffers, one per microbatch, allocated when the stages are set up and kept (``_RecvInfo``):
+  the activation received (every stage but the first) and its gradient (every stage but the last): fixed;
+* FSDP under pipeline parallel as torchtitan sets it (``apply_fsdp(pp_enabled=True)``: no resharding after
+  forward) and the stage runs it (``backward_maybe_with_nosync``: no resharding after backward, no gradient
+  sync until ``perform_reduce_grad``): every unit's parameters unsharded through the step (fixed); its
+  gradients accumulated unsharded in ``reduce_dtype`` (``FSDPParam.to_accumulated_grad_if_needed``), allocated
+  by each unit's first backward in the step and kept to the stage's last, then reduce-scattered; in each
+  backward the running unit's gradients until its post-backward.
+
+So at each op of a stage's forward (backward) the rank holds, beyond the op's own microbatch, the in-flight
+bytes of every other microbatch of the action the op runs in, the largest over the stage's forward
+(backward) actions: :func:`working` is that envelope, what the simulator adds to the one microbatch's
+timeline. The peak is the rank's; every method is judged with it, and :func:`bonsai_core.solvers.solve`
+solves again under a tighter budget where it pushes a plan over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from bonsai_core.errors import BonsaiError
+
+FORWARD, BACKWARD = "F", "B"
+# torchtitan 0.2.2's JobConfig: pipeline_parallel_first_stage_less_layers, ..._last_stage_less_layers
+INPUT_WEIGHT = OUTPUT_WEIGHT = 1
+STAGES_PER_RANK = {"1f1b": 1, "interleaved-1f1b": 2}  # torchtitan's default without layers_per_stage
+TORCH_SCHEDULE = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}  # get_schedule_class's names
+
+
+# -- the stages and the schedule --------------------------------------------------------------------------
+
+def stage_modules(layout: Any, n_layers: int) -> list[list[str]]:
+    """Each stage's module names, as torchtitan's ``generate_llm_fqn_per_model_part`` gives them."""
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+
+    stages = layout.pp * STAGES_PER_RANK[layout.pp_schedule]
+    try:
+        return generate_llm_fqn_per_model_part(stages, n_layers, INPUT_WEIGHT, OUTPUT_WEIGHT)
+    except ValueError as e:
+        raise BonsaiError(f"{layout.describe()}: torchtitan cannot split {n_layers} layers into {stages} stages ({e})."
+                          ) from None
+
+
+def rank_stages(layout: Any) -> list[int]:
+    """The stage indices rank ``layout.rank`` runs, in order (torchtitan's "loop" style)."""
+    return [layout.rank + k * layout.pp for k in range(STAGES_PER_RANK[layout.pp_schedule])]
+
+
+def actions(layout: Any) -> list[tuple[str, int, int]]:
+    """The rank's compute actions in the order its schedule runs them: (``"F"`` or ``"B"``, the local stage
+    (0 for 1F1B), the microbatch). From torch 2.13's schedules (module doc)."""
+    m, p, r = layout.microbatches, layout.pp, layout.rank
+    if layout.pp_schedule == "1f1b":  # Schedule1F1B._step_microbatches
+        warmup = min(m, p - r)
+        out = [(FORWARD, 0, j) for j in range(warmup)]
+        forward, backward = warmup, 0
+        while True:
+            out.append((BACKWARD, 0, backward))
+            backward += 1
+            if forward == m:
+                break
+            out.append((FORWARD, 0, forward))
+            forward += 1
+        return out + [(BACKWARD, 0, j) for j in range(backward, m)]
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    local = STAGES_PER_RANK[layout.pp_schedule]
+    rounds = max(1, m // p)
+    state = SimpleNamespace(n_local_stages=local, microbatches_per_round=m // rounds, pp_group_size=p,
+                            _n_microbatches=m)
+    order = ScheduleInterleaved1F1B._calculate_single_rank_operations(state, r)
+    return [(FORWARD if a.computation_type == _ComputationType.FORWARD else BACKWARD, a.stage_index // p,
+             a.microbatch_index) for a in order if a is not None]
+
+
+# -- a rank's stages traced -------------------------------------------------------------------------------
+
+class Parts(nn.ModuleList):
+    """A rank's model parts as one module whose ``get_submodule`` finds a path in the part that has it (their
+    paths are the whole model's: ``layers.12``), so FSDP's units are counted across them."""
+
+    def get_submodule(self, target: str) -> nn.Module:
+        for part in self:
+            try:
+                return part.get_submodule(target)
+            except AttributeError:
+                continue
+        raise AttributeError(f"no stage of this rank has {target!r}")
+
+
+@dataclass
+class RankStages:
+    """A pipeline rank's stages, split off as torchtitan splits the model and parallelized (fake tensors), each
+    with one microbatch's input (the tokens, or the received activation, which needs its gradient) and loss
+    (torchtitan's on the last stage, else :class:`SentOutput`)."""
+
+    indices: list[int]
+    parts: list[nn.Module]
+    inputs: list[torch.Tensor]
+    losses: list[nn.Module]
+    first: list[bool]
+    last: list[bool]
+    micro: int
+    sent: list[torch.Tensor]  # the activation each stage sends on (what the next stage receives), by shape and dtype
+
+
+def split_rank(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any, layout: Any, dims: Any,
+               precision: str | None) -> RankStages:
+    """The stages of pipeline rank ``layout.rank`` of torchtitan's ``model`` (fake tensors, of the ambient fake
+    mode): ``pipeline_module_split`` as ``pipeline_llm`` calls it, each part parallelized (tensor, context
+    parallel), a microbatch of ``inputs`` and of the loss's labels each (the activation a stage receives in
+    the dtype the stage before computes in: ``precision``, FSDP's param dtype)."""
+    from torchtitan.distributed.pipeline_parallel import pipeline_module_split
+
+    from bonsai_core.parallel import cp_positions, parallelize
+    from bonsai_core.trace.descriptors import SentOutput
+    from bonsai_core.tensors import fake_copy
+
+    names = stage_modules(layout, model.model_args.n_layers)
+    mode = torch._guards.detect_fake_mode(inputs)
+    stages, parts = pipeline_module_split(model, dims.get_mesh("pp"), TORCH_SCHEDULE[layout.pp_schedule],
+                                          inputs[0].device, names)
+    parts = [fake_copy(part, mode) for part in parts]  # the split deep-copies into a fake mode of its own
+    micro = inputs[0].shape[0] // layout.microbatches
+    tokens, labels = inputs[0][:micro], loss_fn.labels[:micro]
+    xs, losses, sent = [], [], []
+    for stage, part in zip(stages, parts):
+        parallelize(part, layout, dims)
+        stage_tokens, stage_labels = tokens, labels
+        if layout.cp > 1:
+            stage_tokens, stage_labels = cp_positions(part, tokens, labels, dims)
+        # the hidden state between stages: the sequence sharded by sequence parallel, in the computing dtype
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, next(part.parameters()).dtype)
+        hidden = torch.empty(micro, stage_tokens.shape[1] // layout.tp, model.model_args.dim, dtype=dtype)
+        xs.append(stage_tokens if stage.is_first else hidden.clone().requires_grad_(True))
+        sent.append(hidden)
+        losses.append(type(loss_fn)(stage_labels) if stage.is_last else SentOutput())
+    return RankStages([s.stage_index for s in stages], parts, xs, losses, [s.is_first for s in stages],
+                      [s.is_last for s in stages], micro, sent)
+
+
+def trace_rank_stages(rank: RankStages, layout: Any, sharding: Any, label: str, step: dict[str, Any]) -> Any:
+    """The rank's graph: each stage traced for one microbatch, one after the other, sharded by ``sharding``
+    as FSDP under pipeline parallel, with the receive buffers and the ``parallel.pipeline`` field (module doc).
+    Returns the :class:`Traced` of the last stage with the rank's graph."""
+    from bonsai_core.fsdp import computing_in
+    from bonsai_core.parallel import step_context
+    from bonsai_core.trace import Traced, trace_step
+
+    graphs, seconds = [], 0.0
+    for index, part, x, loss in zip(rank.indices, rank.parts, rank.inputs, rank.losses):
+        with step_context(part, layout), computing_in(part, sharding.mixed_precision):
+            traced = trace_step(part, (x,), loss, name=f"{label} stage {index}", **step)
+        graphs.append(output_held(traced.graph))
+        seconds += traced.seconds
+    graph = concatenate(graphs, rank.indices, label)
+    graph = sharding.shard(graph, Parts(rank.parts)) if sharding.world > 1 else graph
+    graph = with_pipeline(graph, layout, rank.indices, [not f for f in rank.first], [not last for last in rank.last],
+                          rank.micro)
+    # no one program replays a rank's stages (and a stage's export kept to exit corrupts the heap as the
+    # fake process group's objects are torn down)
+    return Traced(graph, None, [], seconds)
+
+
+class _Received(torch.autograd.Function):
+    """A stage's output handed to the next stage: no value here, and its gradient the one received back."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+        ctx.gradient = gradient
+        return output.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.gradient, None
+
+
+class RankModel(nn.Module):
+    """A pipeline rank's stages as one module, for the one call to lay a plan onto their submodules (it runs
+    every stage's forward on its own input; :class:`RankLoss` adds up their losses): its submodules are the
+    stages' under the whole model's paths (``tok_embeddings``, ``layers.12``, ``norm``, ``output``)."""
+
+    bonsai_family = "torchtitan"
+
+    def __init__(self, rank: RankStages) -> None:
+        super().__init__()
+        self.parts = list(rank.parts)  # called, not registered: their submodules are, under their own paths
+        for part in rank.parts:
+            for name, child in part.named_children():
+                if child is None:
+                    continue
+                if isinstance(child, nn.ModuleDict):
+                    merged = self._modules.get(name) or nn.ModuleDict()
+                    merged.update(child)
+                    self._modules[name] = merged
+                else:
+                    self._modules[name] = child
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(part(x) for part, x in zip(self.parts, inputs))
+
+
+class RankLoss(nn.Module):
+    """The losses of a rank's stages added up: the last stage's own, and for each stage that sends its output
+    on, a zero whose gradient is the one received (:class:`_Received`, a buffer of the output's shape)."""
+
+    def __init__(self, rank: RankStages) -> None:
+        super().__init__()
+        self.losses = nn.ModuleList([loss for loss, last in zip(rank.losses, rank.last) if last])
+        self.last = list(rank.last)
+        for k, (sent, last) in enumerate(zip(rank.sent, rank.last)):
+            if not last:
+                self.register_buffer(f"received_{k}", torch.empty_like(sent))
+
+    def forward(self, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        total, losses = None, iter(self.losses)
+        for k, (out, last) in enumerate(zip(outputs, self.last)):
+            term = next(losses)(out) if last else _Received.apply(out, getattr(self, f"received_{k}"))
+            total = term if total is None else total + term
+        return total
+
+
+def output_held(graph: Any) -> Any:
+    """A stage's graph whose output (the last forward node of its model part: what it sends on, or the logits
+    the last stage's loss reads) stays resident to the end of its backward: the stage's ``fwd_cache`` holds it
+    from its forward, and ``backward_one_chunk`` until it returns."""
+    from bonsai_core.graph import Graph
+
+    data = graph.to_dict()
+    out = max((last for _, _, last in graph.modules), default=max(v for v in range(graph.n) if graph.is_forward[v]))
+    last = data["nodes"][-1]
+    if out not in last["deps"]:
+        last["deps"] = sorted({*last["deps"], out})
+        last["held"] = sorted({*last.get("held", []), out})
+    return Graph.rebuilt(data)
+
+
+def concatenate(graphs: Sequence[Any], stages: Sequence[int], name: str) -> Any:
+    """One graph of ``graphs`` (the rank's stages) one after the other: node ids shifted, names prefixed by
+    the stage where there are several, fixed tensors and module calls of each."""
+    from bonsai_core.graph import Graph
+
+    if len(graphs) == 1:
+        data = graphs[0].to_dict()
+        data["name"] = name
+        return Graph.rebuilt(data)
+    nodes, fixed, modules, offset = [], [], [], 0
+    for stage, graph in zip(stages, graphs):
+        data = graph.to_dict()
+        for nd in data["nodes"]:
+            nd = dict(nd)
+            nd["id"] = nd["id"] + offset
+            nd["name"] = f"s{stage}.{nd['name']}"
+            nd["deps"] = [d + offset for d in nd["deps"]]
+            for key in ("alias_of", "inplace_of"):
+                if nd.get(key) is not None:
+                    nd[key] = nd[key] + offset
+            if nd.get("held"):
+                nd["held"] = [d + offset for d in nd["held"]]
+            nodes.append(nd)
+        fixed += [[f"s{stage}.{t[0]}", t[1], t[2]] for t in data.get("fixed_tensors", [])]
+        modules += [[path, first + offset, last + offset] for path, first, last in data.get("modules", [])]
+        offset += graph.n
+    return Graph.rebuilt({"format": "bonsai-graph", "version": 1, "name": name, "nodes": nodes,
+                            "fixed_mem": sum(g.fixed_mem for g in graphs), "fixed_tensors": fixed,
+                            "modules": modules})
+
+
+def with_pipeline(graph: Any, layout: Any, stages: Sequence[int], receives: Sequence[bool], sends: Sequence[bool],
+                  micro: int) -> Any:
+    """``graph`` (the rank's stages, concatenated) with the ``parallel`` field naming the layout and the
+    pipeline: the stages' node spans, the rank's actions; fixed memory gains the receive buffers of the other
+    microbatches (one of each microbatch's is the graph's input, or its output's gradient) and, under FSDP,
+    every unit's parameters unsharded through the step."""
+    from bonsai_core.graph import Graph
+    from bonsai_core.parallel import with_layout
+
+    data = graph.to_dict()
+    spans = _spans(graph, len(stages))
+    m = layout.microbatches
+    extra: list[list[Any]] = []
+    for k, (stage, (first, last)) in enumerate(zip(stages, spans)):
+        inputs = [t for t in data["fixed_tensors"] if t[2] == "input" and (len(stages) == 1 or t[0].startswith(f"s{stage}."))]
+        if receives[k]:  # the received activation: the stage's floating input
+            received = max((t[1] for t in inputs), default=0)
+            extra.append([f"s{stage}.received activations (other microbatches)", received * (m - 1), "pipeline"])
+        if sends[k]:  # the gradient of its output received back: the output's bytes, for each microbatch
+            out_node = max(v for v in range(first, last + 1) if graph.is_forward[v])
+            extra.append([f"s{stage}.received gradients", int(graph.mem[graph.storage_of(out_node)]) * m, "pipeline"])
+    if graph.fsdp is not None:
+        units = sum(u[3] for u in graph.fsdp["units"])
+        extra.append(["fsdp.units_unsharded (pipeline: not resharded in the step)", units, "fsdp"])
+        data["fsdp"]["reshard_after_forward"] = False
+    data["fixed_tensors"] = data.get("fixed_tensors", []) + extra
+    data["fixed_mem"] = graph.fixed_mem + sum(t[1] for t in extra)
+    pipeline = {"schedule": layout.pp_schedule, "degree": layout.pp, "rank": layout.rank, "microbatches": m,
+                "microbatch_size": micro, "stages": [[s, first, last] for s, (first, last) in zip(stages, spans)],
+                "actions": [list(a) for a in actions(layout)]}
+    return with_layout(Graph.rebuilt(data), layout, pipeline=pipeline)
+
+
+def _spans(graph: Any, count: int) -> list[tuple[int, int]]:
+    """The node spans of the ``count`` stages concatenated in ``graph`` (by their names' ``s<stage>.`` prefix)."""
+    if count == 1:
+        return [(0, graph.n - 1)]
+    prefixes = [name.split(".", 1)[0] for name in graph.names]
+    starts = [0] + [v for v in range(1, graph.n) if prefixes[v] != prefixes[v - 1]]
+    ends = starts[1:] + [graph.n]
+    return [(a, b - 1) for a, b in zip(starts, ends)]
+
+
+# -- rule 11: the microbatches a rank holds in flight --------------------------------------------------------
+
+def working(graph: Any, ops: Sequence[tuple[str, int]], residency: Any) -> np.ndarray | None:
+    """Rule 11: at each op of the one microbatch's schedule, the bytes the rank holds beyond that microbatch's
+    tensors and ``fixed_mem``: the other microbatches in flight in the action it runs in (their stages'
+    resident bytes at the end of their forward), the largest over the actions of its stage and phase, and
+    under FSDP the gradients accumulated and held (module doc). None for a graph that is no pipeline rank."""
+    pipeline = (graph.parallel or {}).get("pipeline")
+    if pipeline is None or not ops:
+        return None
+    spans = [(int(a), int(b)) for _, a, b in pipeline["stages"]]
+    stage_of = np.zeros(graph.n, dtype=np.int64)
+    for k, (a, b) in enumerate(spans):
+        stage_of[a:b + 1] = k
+    segment = _segments(graph, ops, stage_of)
+    own = np.stack([residency.bytes_held(graph.mem, stage_of == k) for k in range(len(spans))])
+    held = np.zeros(len(spans), dtype=np.int64)  # each stage's bytes at the end of its forward
+    for k in range(len(spans)):
+        forward_ops = np.flatnonzero(segment == 2 * k)
+        held[k] = own[k, forward_ops[-1]] if len(forward_ops) else 0
+    grads = _Accumulated(graph, ops, stage_of, segment, len(spans)) if graph.fsdp is not None else None
+    lowest = np.iinfo(np.int64).min
+    extra = np.full(len(ops), lowest, dtype=np.int64)
+    others_copies = own.sum(axis=0) - own[np.clip(segment // 2, 0, len(spans) - 1), np.arange(len(ops))]
+    for (phase, k, others, first, accumulated) in _action_states(pipeline, len(spans)):
+        ids = np.flatnonzero(segment == 2 * k + (phase == BACKWARD))
+        if not len(ids):
+            continue
+        value = int(np.dot(others, held)) + (grads.held(k, phase, first, accumulated, ids) if grads else 0)
+        # the one microbatch's copies of other stages' nodes are no tensors of this action
+        extra[ids] = np.maximum(extra[ids], value - others_copies[ids])
+    extra[extra == lowest] = 0
+    if grads is not None:
+        extra[-1] = max(int(extra[-1]), grads.reduce_at_end() - int(own[:, -1].sum()))
+    return extra
+
+
+def _segments(graph: Any, ops: Sequence[tuple[str, int]], stage_of: np.ndarray) -> np.ndarray:
+    """int64[len(ops)]: each op's stage and phase, ``2 stage + 1`` in the backward: a compute's node's stage,
+    backward from the stage's first backward compute on (a forward node recomputed there runs in the
+    backward); any other op that of the compute before it (the first compute's before it)."""
+    out = np.zeros(len(ops), dtype=np.int64)
+    backward: set[int] = set()
+    current = -1
+    for i, (kind, v) in enumerate(ops):
+        if kind == "compute":
+            k = int(stage_of[v])
+            if not graph.is_forward[v]:
+                backward.add(k)
+            current = 2 * k + (k in backward)
+        out[i] = current
+    first = next((i for i, s in enumerate(out) if s >= 0), len(out))
+    out[:first] = out[first] if first < len(out) else 0
+    return out
+
+
+def _action_states(pipeline: dict[str, Any], stages: int) -> list[tuple[str, int, np.ndarray, bool, np.ndarray]]:
+    """For each action of the rank: its phase and stage, the other microbatches in flight per stage, whether it
+    is its stage's first backward in the step, and which stages have run their first backward before it (their
+    accumulated gradients exist) and not yet their last (not yet reduce-scattered)."""
+    in_flight = np.zeros(stages, dtype=np.int64)
+    backwards = np.zeros(stages, dtype=np.int64)
+    total = np.zeros(stages, dtype=np.int64)
+    for phase, k, _ in pipeline["actions"]:
+        total[int(k)] += phase == BACKWARD
+    out = []
+    for phase, k, _ in pipeline["actions"]:
+        k = int(k)
+        others = in_flight.copy()
+        if phase == BACKWARD:
+            others[k] -= 1  # this microbatch's own bytes are the one microbatch's timeline
+        accumulated = (backwards > 0) & (backwards < total)
+        out.append((phase, k, others, phase == BACKWARD and backwards[k] == 0, accumulated))
+        if phase == FORWARD:
+            in_flight[k] += 1
+        else:
+            in_flight[k] -= 1
+            backwards[k] += 1
+    return out
+
+
+class _Accumulated:
+    """FSDP's gradients under pipeline parallel (module doc): each unit's accumulated unsharded gradients in
+    reduce_dtype, from its first backward in the step to its stage's last; in a backward the running unit's
+    gradients (the graph frees them at once) until its post-backward."""
+
+    def __init__(self, graph: Any, ops: Sequence[tuple[str, int]], stage_of: np.ndarray, segment: np.ndarray,
+                 stages: int) -> None:
+        from bonsai_core.fsdp import DTYPE_BYTES, _backward_unit, _forward_owner
+
+        fsdp = graph.fsdp
+        ratio = DTYPE_BYTES[fsdp.get("reduce_dtype") or "fp32"] / DTYPE_BYTES[fsdp.get("param_dtype") or "fp32"] \
+            if fsdp.get("param_dtype") else 1.0
+        self.unit_grads = [int(u[3] * ratio) for u in fsdp["units"]]  # accumulated, in reduce_dtype
+        self.stage_total = np.zeros(stages, dtype=np.int64)
+        for u, unit in enumerate(fsdp["units"]):
+            self.stage_total[int(stage_of[int(unit[1])])] += self.unit_grads[u]
+        reads = _backward_unit(graph, _forward_owner(graph, fsdp["units"]))
+        # with a param_dtype other than reduce_dtype each backward's gradients stay the unit's .grad until its
+        # post-backward adds them to the accumulated ones; else autograd adds them into .grad (the accumulated)
+        cast = ratio != 1.0
+        n = len(ops)
+        self.running = np.zeros(n, dtype=np.int64)  # the running unit's gradients held (param dtype)
+        self.done = np.zeros(n, dtype=np.int64)  # accumulated bytes of the units whose backward ended (this segment)
+        current, held, finished, where = -1, 0, set(), None
+        for i, (kind, v) in enumerate(ops):
+            if segment[i] != where:  # a stage's forward or backward begins
+                current, held, finished, where = -1, 0, set(), segment[i]
+            if kind == "compute" and not graph.is_forward[v]:
+                u = int(reads[v])
+                if u >= 0 and u != current:
+                    if current >= 0:  # its post-backward: its gradients accumulated, then freed
+                        finished.add(current)
+                    current, held = u, 0
+                if graph.is_output[v] and cast:
+                    held += int(graph.mem[graph.storage_of(v)])
+            self.running[i], self.done[i] = held, sum(self.unit_grads[u] for u in finished)
+
+    def held(self, k: int, phase: str, first: bool, accumulated: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """The gradient bytes at the ops ``ids`` of an action of stage ``k``: the accumulated gradients of the
+        stages ``accumulated`` marks, and in a backward the running unit's, with this stage's accumulated
+        ones growing unit by unit in its first backward."""
+        other = int(np.dot(accumulated, self.stage_total)) - (int(self.stage_total[k]) if accumulated[k] else 0)
+        if phase == FORWARD:
+            return np.full(len(ids), other + (int(self.stage_total[k]) if accumulated[k] else 0), dtype=np.int64)
+        mine = self.done[ids] if first else int(self.stage_total[k])
+        return other + mine + self.running[ids]
+
+    def reduce_at_end(self) -> int:
+        """After the last backward (``perform_reduce_grad``): the accumulated gradients and the largest unit's
+        reduce-scatter input."""
+        return int(self.stage_total.sum()) + max(self.unit_grads, default=0)
