@@ -90,6 +90,37 @@ def test_one_fsdp_ranks_memory_by_part_on_memory_and_what_fits(fsdp_gpt):
     assert rank.SHARDED in set(table["part"]) and "all-gathered blocks" in set(table["part"])
 
 
+def drawn_tops(spec: dict) -> np.ndarray:
+    """The top of the stacked chart at each of its points (MiB) as Vega-Lite draws the area layer of
+    ``rank.chart``: stacked by Vega-Lite (its default for an area with a colour field), every row of
+    one x value lands on the rows before it; not stacked, a band reaches its ``y`` field."""
+    layer = spec["layer"][0]
+    y = layer["encoding"]["y"]
+    rows = spec["datasets"]["parts"]
+    if y.get("stack", "zero") in (None, False):
+        return rows[y["field"]].to_numpy()
+    return rows.groupby("x")[y["field"]].sum().to_numpy()
+
+
+@pytest.mark.parametrize("x_mode", ["time", "ops"])
+def test_one_ranks_chart_is_as_high_as_the_simulators_timeline_on_both_axes(fsdp_gpt, x_mode):
+    """On the compute-time axis the ops that take no time share an x: stacked by Vega-Lite, the chart
+    stood several times above the rank's memory (800,000 MiB for about 105 GiB on torchtitan's 8B step)."""
+    from bonsai_core import solvers
+    from explorer import plots
+
+    ref = compute.no_remat(fsdp_gpt).peak
+    schedule = solvers.solve(fsdp_gpt, int(0.85 * ref), "bonsai")
+    sim = simulate(fsdp_gpt, schedule)
+    parts = rank.breakdown(fsdp_gpt, schedule.ops, sim)
+    x = plots.curve("bonsai", sim.timeline, compute.op_costs(fsdp_gpt, schedule), sim.peak, sim.peak_op, "#000",
+                    x_mode).x
+    assert len(np.unique(x)) < len(x) or x_mode == "ops"  # frees share the time of the op before them
+    spec = rank.chart(parts, x, "x")
+    assert drawn_tops(spec).max() == pytest.approx(sim.timeline.max() / 2**20)
+    assert drawn_tops(spec).min() >= 0
+
+
 def state_outcome(at):
     g = at.session_state["model"].graph
     s = at.session_state["settings"]
