@@ -339,6 +339,32 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
     return outcome
 
 
+def out_of_time(out: Outcome) -> str | None:
+    """Why a plan may be worse than the method's best at its budget because its solve ran out of time, in
+    words (None when it did not): status ``time_limit`` (the search ended with its fallback plan, the
+    model's build perhaps eating the time) or a MIP stopped above the gap asked for."""
+    if not out.ok:
+        return None
+    stats = out.schedule.stats
+    status, gap = stats.get("status"), stats.get("gap")
+    declared = {o.name: o.default for o in (solvers.method_options(out.method) or ())} if out.method in methods() else {}
+    asked = dict(out.options).get("gap", declared.get("gap", 1e-4))  # 1e-4: what "optimal" means everywhere
+    limit = dict(out.options).get("time_limit")
+    spent = ", ".join(f"{part} {seconds:.1f} s" for part, seconds in (stats.get("time_split") or {}).items()
+                      if seconds >= 0.05)
+    within = f" of its {limit:g} s limit" if limit else ""
+    if status == "time_limit":
+        plan = stats.get("fallback_plan")
+        return (f"The solve ran out of time ({spent or 'the whole limit'}{within}) before its search found a plan, so "
+                + (f"this is its fallback, {plan}" if plan else "this is the best it had") + ": the plan may be much "
+                "worse than the method's best at this budget. Raise the time limit, or take a smaller granularity.")
+    if status == "feasible" and isinstance(gap, (int, float)) and gap > asked + 1e-9:
+        return (f"The solve stopped at its time limit{f' ({limit:g} s)' if limit else ''} with a gap of {100 * gap:.1f}% "
+                f"to its bound (asked: {100 * asked:g}%): a plan up to that much cheaper may exist at this budget. "
+                "Raise the time limit for a better one.")
+    return None
+
+
 def op_costs(graph: Graph, schedule: Schedule) -> np.ndarray:
     """float64[len(ops)]: the compute time each op adds (0 for frees). O(len(ops))."""
     ids = np.fromiter((v for _, v in schedule.ops), dtype=np.int64, count=len(schedule.ops))

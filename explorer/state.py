@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import streamlit as st
 from streamlit.delta_generator import DeltaGenerator
 
@@ -103,16 +104,18 @@ def sidebar() -> DeltaGenerator:
                                   "allocator model reserves for them (rounding and cached free blocks included), "
                                   "which a GPU must hold: the method is asked for lower live budgets until its "
                                   "plan's reserved peak fits (`bonsai solve --reserved`).")
-        n_fwd = int(g.is_forward.sum())
-        top = max(2, n_fwd)
-        if "granularity" not in ss or not 1 <= ss["granularity"] <= top:  # a new model may be smaller
-            ss["granularity"] = max(1, min(top, round(2 * math.sqrt(max(n_fwd, 1)))))
-        if st.toggle("Set granularity", key="granularity_on",
-                     help="Largest segment, in forward ops (segment methods). Off: the method's default."):
-            chosen["granularity"] = st.slider("Granularity (max non-view ops per segment)", 1, top, key="granularity",
-                                              help="Segments hold at most this many ops that are not views; "
-                                                   "the views ride with their base uncounted (they cost nothing "
-                                                   "to rebuild), so a segment's op count in the Solve table is larger.")
+        if st.toggle("Set granularity", key="granularity_on", on_change=start_at_plans_granularity,
+                     help="Largest segment, in forward ops (segment methods). Off: the method's default "
+                          "(bonsai's \"auto\"). Switched on, it starts at the granularity the current plan used."):
+            positions = granularity_positions(g, ss.get("granularity_extra"))
+            if ss.get("granularity") not in positions:  # a new model: its own positions
+                ss["granularity"] = default_granularity(g)
+            chosen["granularity"] = st.select_slider(
+                "Granularity (max non-view ops per segment)", positions, key="granularity",
+                help="Segments hold at most this many ops that are not views; the views ride with their base "
+                     "uncounted (they cost nothing to rebuild), so a segment's op count in the Solve table is "
+                     "larger. The positions: a log scale from 1 to every forward op, and the granularities bonsai's "
+                     "\"auto\" tries (d, 2d, 4d, 8d; d = 2·√ops).")
         backend = st.selectbox("MILP backend", BACKENDS, key="backend")
         if backend != "default":
             chosen["backend"] = backend
@@ -137,6 +140,41 @@ def sidebar() -> DeltaGenerator:
     budget, percent, slider = current_budget()
     ss["settings"] = Settings(budget, percent, slider, method, options, ignored, None if bound == "live" else bound)
     return budget_slot
+
+
+def default_granularity(g) -> int:
+    """The paper's default granularity of ``g`` (bonsai's first "auto" rung: 2·√(non-view forward ops))."""
+    from bonsai_core.segment import default_granularity as paper_default
+
+    return paper_default(g)
+
+
+def granularity_positions(g, also: int | None = None) -> list[int]:
+    """The granularities the sidebar offers on ``g``: about 1.5 apart from 1 to its non-view forward ops
+    (1, 2, 3, 4, 6, 8, 12, 16, 24, ...), bonsai's "auto" ladder (d, 2d, 4d, 8d), and ``also`` (a link's
+    value, the current plan's)."""
+    from bonsai_core.segment import op_count
+    from bonsai_core.solvers.bonsai import auto_ladder
+
+    top = max(2, op_count(g))
+    scale = {v * k for k in (1, 1.5) for v in (2 ** np.arange(int(math.log2(top)) + 1)).tolist()}
+    wanted = {int(v) for v in scale if v <= top} | {top} | set(auto_ladder(g))
+    if also is not None and 1 <= int(also) <= top:
+        wanted.add(int(also))
+    return sorted(wanted)
+
+
+def start_at_plans_granularity() -> None:
+    """The granularity toggle switched on: the slider starts at the granularity the current plan used
+    (bonsai's "auto" choice), so that switching it on does not change the plan."""
+    ss = st.session_state
+    if not ss.get("granularity_on") or "settings" not in ss:
+        return
+    s = ss["settings"]
+    out = compute.solve(model().graph, s.budget, s.method, s.options, s.reserved)  # the plan on screen: cached
+    used = out.schedule.stats.get("granularity") if out.ok else None
+    if isinstance(used, int) and used >= 1:
+        ss["granularity"] = ss["granularity_extra"] = used  # kept among the positions: they stay the same
 
 
 def current_budget() -> tuple[int, float, bool]:
@@ -265,7 +303,8 @@ def restore_view() -> None:
         "method": lambda v: {"method": _one_of("method", v, methods)},
         "budget": lambda v: {"budget_pct": min(ahead.SLIDER.stop - 1, max(ahead.SLIDER.start, int(v)))},
         "exact": lambda v: {"budget_text": v},
-        "granularity": lambda v: {"granularity": max(1, int(v)), "granularity_on": True},
+        "granularity": lambda v: {"granularity": max(1, int(v)), "granularity_extra": max(1, int(v)),
+                                  "granularity_on": True},
         "backend": lambda v: {"backend": _one_of("backend", v, BACKENDS)},
         "time_limit": lambda v: {"time_limit": max(0.0, min(3600.0, float(v)))},
         "bound": lambda v: {"budget_bound": _one_of("bound", v, BOUNDS)},

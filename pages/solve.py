@@ -38,6 +38,9 @@ def schedule() -> None:
                 delta_color="inverse")
     c[2].metric("compute overhead", f"{100 * out.sim.overhead:.2f}%", help="Recomputed time / one plain step.")
     c[3].metric("recomputed ops", out.sim.recomputes)
+    late = compute.out_of_time(out)
+    if late:
+        st.warning(late, icon=":material/timer_off:")
     chosen = stats.get("granularity")  # what a segment method used ("auto" picks it: the solver says which)
     c = st.columns(5 if chosen is not None else 4)
     c[0].metric("variables", stats.get("variables", "—"))

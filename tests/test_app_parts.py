@@ -241,3 +241,19 @@ def test_segment_colours_follow_the_module_not_the_index():
     split = plots.segment_colours([[0, 1], [2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], paths)
     assert three[2] == split[3]  # the segment in "c" keeps its colour when the one before it splits
     assert all(a != b for a, b in zip(split, split[1:]))  # neighbours differ
+
+
+def test_a_plan_whose_solve_stopped_above_its_gap_says_so():
+    from explorer import compute
+
+    g = chain(4)
+    schedule = none_schedule(g)
+
+    def outcome(status, gap, options=(("time_limit", 20.0),)):
+        schedule.stats = {"status": status, "gap": gap}
+        return compute.Outcome("bonsai", 100, options, schedule, simulate(g, schedule))
+
+    assert compute.out_of_time(outcome("optimal", 0.0)) is None
+    assert compute.out_of_time(outcome("feasible", 0.009)) is None  # within bonsai's own 1% gap
+    assert "gap of 3.0% to its bound (asked: 1%)" in compute.out_of_time(outcome("feasible", 0.03))
+    assert compute.out_of_time(outcome("feasible", 0.03, (("gap", 0.05),))) is None  # the user asked for 5%
