@@ -8,19 +8,23 @@ infeasible value is as fast as over a feasible one.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
+import os
+import re
 import time
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import streamlit as st
 
 from bonsai_core import solvers
-from bonsai_core.errors import BonsaiError
+from bonsai_core.errors import BonsaiError, ModelError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, RegionBound, region_peak_bound
 from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate
@@ -47,6 +51,21 @@ class Model:
     options: dict[str, int] = field(default_factory=dict)
     parameters: int | None = None  # parameter count, when known
     note: str = ""  # e.g. the loss used for a .pt2 upload
+    link: str | None = None  # what a link names the model by, when not ``zoo`` (an uploaded config: hf-config:KEY)
+
+    @property
+    def link_name(self) -> str | None:
+        """The model's name in a link (``?model=``): a zoo, ``hf:`` or torchtitan name, ``hf-config:KEY`` for
+        an uploaded Hugging Face config; None for an upload that cannot be rebuilt (graph JSON, .pt2)."""
+        return self.link if self.link is not None else self.zoo
+
+    @property
+    def spec_in_commands(self) -> str | None:
+        """The model as the user's own ``bonsai`` commands name it: an uploaded config by its file name
+        (``hf:llama.json``), anything else as ``zoo``."""
+        if self.link is not None and self.link.startswith(CONFIG_LINK) and self.zoo:
+            return hf_prefix() + Path(self.zoo.removeprefix(hf_prefix())).name
+        return self.zoo
 
 
 ALLOCATORS = {"caching": "PyTorch's caching allocator", "expandable": "expandable segments"}
@@ -155,8 +174,8 @@ def titan_flavours() -> dict[str, dict[str, int]]:
 
 
 def size_options(zoo: str | None) -> tuple[str, ...]:
-    """The size options a model the app can trace again takes (a zoo name, ``hf:ARCH`` or a torchtitan
-    flavour); none for an upload or a ``hf:PATH/config.json``."""
+    """The size options a model the app can trace again takes (a zoo name, ``hf:ARCH``, a torchtitan
+    flavour or a ``hf:PATH`` config file, an uploaded config among them); none for an uploaded graph."""
     from bonsai_core.models import hf, torchtitan
     from bonsai_core.models.zoo import ZOO
 
@@ -165,30 +184,77 @@ def size_options(zoo: str | None) -> tuple[str, ...]:
     if zoo.startswith(TITAN_FAMILY):
         return torchtitan.SIZE_OPTIONS
     entry = ZOO.get(zoo) or hf.ARCHS.get(zoo.removeprefix(hf.PREFIX))
+    if entry is None and zoo.startswith(hf.PREFIX):  # a config file (an uploaded one is kept as one)
+        path = Path(zoo.removeprefix(hf.PREFIX))
+        return tuple(hf.read_config(hf.load_config_file(path), source=path.name).options)
     return tuple(entry.options) if entry is not None else ()
+
+
+CONFIG_LINK = "hf-config:"  # a link's name for an uploaded Hugging Face config: hf-config:KEY
+CONFIG_KEY = re.compile(r"^[0-9a-f]{16}$")
+
+
+def hf_prefix() -> str:
+    from bonsai_core.models import hf
+
+    return hf.PREFIX
+
+
+def explorer_cache() -> Path:
+    """Where the explorer keeps what outlives a server (uploaded configs, solved budget sweeps):
+    ``$BONSAI_EXPLORER_CACHE``, else ``$XDG_CACHE_HOME/bonsai/explorer``, else ``~/.cache/bonsai/explorer``."""
+    if os.environ.get("BONSAI_EXPLORER_CACHE"):
+        return Path(os.environ["BONSAI_EXPLORER_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bonsai" / "explorer"
+
+
+def store_config(data: bytes, filename: str) -> str:
+    """Keep an uploaded config.json (data, never run) on the server under its content's hash, so that
+    a link, What fits and the exporter find it as ``hf:PATH`` like any config file; returns the key."""
+    key = hashlib.sha256(data).hexdigest()[:16]
+    folder = explorer_cache() / "configs" / key
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(filename).name).strip(".-") or "config.json"
+    if not name.endswith(".json"):
+        name += ".json"
+    if not any(folder.glob("*.json")):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    return key
+
+
+def stored_config(key: str) -> Path:
+    """The config a link's ``hf-config:KEY`` names; ModelError when this server does not hold it."""
+    found = sorted((explorer_cache() / "configs" / key).glob("*.json")) if CONFIG_KEY.match(key) else []
+    if not found:
+        raise ModelError(f"this server holds no uploaded config {key!r}: upload the config.json on the Model page "
+                         "(Hugging Face tab) and trace it again")
+    return found[0]
 
 
 @st.cache_resource(show_spinner=False, max_entries=16)
 def trace_hf_config(data: bytes, filename: str, options: Options) -> Model:
-    """Trace the model an uploaded Hugging Face config.json describes (parsed as JSON: no code runs).
+    """Trace the model an uploaded Hugging Face config.json describes (parsed as JSON: no code runs),
+    kept on the server (:func:`store_config`) and traced as ``hf:PATH`` like any config file.
 
     Raises ModelError for a bad config or options."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from bonsai_core.models import hf
-    from bonsai_core.trace import trace_step
 
-    described = hf.read_config(hf.parse_config(data, filename), source=filename)
-    label = f"{filename} ({described.model_class.__name__}" + "".join(f", {k}={v}" for k, v in options) + ")"
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        torch.manual_seed(0)
-        model, inputs, loss_fn = described.build(**dict(options))
-        parameters = int(sum(p.numel() for p in model.parameters()))
-        traced = trace_step(model, inputs, loss_fn, name=label)
-    return Model(traced.graph, "hf-config", label, parameters=parameters,
-                 note=f"{described.model_class.__name__} from the uploaded {filename}, its {described.task} loss. "
-                      f"To export it, save the file and run `bonsai export hf:PATH/{filename}` with these options.")
+    hf.read_config(hf.parse_config(data, filename), source=filename)  # refused here, before it is stored
+    return trace_stored_config(store_config(data, filename), options)
+
+
+@st.cache_resource(show_spinner=False, max_entries=16)
+def trace_stored_config(key: str, options: Options) -> Model:
+    """The model of a stored config (:func:`stored_config`) traced at ``options``: ``bonsai trace hf:PATH``."""
+    from bonsai_core.models import hf
+
+    path = stored_config(key)
+    described = hf.read_config(hf.load_config_file(path), source=path.name)
+    traced = trace_model(hf.PREFIX + str(path), options)
+    label = f"{path.name} ({described.model_class.__name__}" + "".join(f", {k}={v}" for k, v in options) + ")"
+    return replace(traced, source="hf-config", label=label, link=CONFIG_LINK + key,
+                   note=f"{described.model_class.__name__} from the uploaded {path.name}, its {described.task} loss: "
+                        f"the same step as `bonsai trace hf:{path.name}` with these sizes.")
 
 
 @st.cache_resource(show_spinner=False, max_entries=16)

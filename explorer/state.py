@@ -255,8 +255,8 @@ def option_widget(method: str, spec: compute.OptionSpec, key: str | None = None,
 # ?model=NAME&size=k:v,...&method=M&budget=PCT&exact=TEXT&granularity=K&backend=B&time_limit=S&bound=POLICY&o.NAME=V
 # (the page is the URL's path). Only what differs from the defaults is written.
 
-# a zoo, hf or torchtitan name; never a module path to import
-SAFE_MODEL = re.compile(r"^(hf:|torchtitan:llama3:)?[A-Za-z0-9_-]+$")
+# a zoo, hf or torchtitan name, or an uploaded config's key; never a module path to import nor a file's path
+SAFE_MODEL = re.compile(r"^(hf:|torchtitan:llama3:|hf-config:)?[A-Za-z0-9_-]+$")
 
 
 def view_params(method: str) -> dict[str, str]:
@@ -264,8 +264,8 @@ def view_params(method: str) -> dict[str, str]:
     ss = st.session_state
     m = model()
     params: dict[str, str] = {}
-    if m.zoo is not None and (m.zoo != "gpt" or m.options):
-        params["model"] = m.zoo
+    if m.link_name is not None and (m.link_name != "gpt" or m.options):
+        params["model"] = m.link_name
         if m.options:
             params["size"] = ",".join(f"{k}:{v}" for k, v in sorted(m.options.items()))
     params["method"] = method
@@ -336,7 +336,8 @@ def restore_model(name: str, size: str) -> dict:
     if name != "gpt" or options:
         with st.spinner(f"Tracing {name} for the link's view…", show_time=True):
             try:
-                set_model(compute.trace_model(name, options))
+                set_model(compute.trace_stored_config(name.removeprefix(compute.CONFIG_LINK), options)
+                          if name.startswith(compute.CONFIG_LINK) else compute.trace_model(name, options))
             except BonsaiError:
                 raise
             except Exception as e:  # torch refusing these sizes

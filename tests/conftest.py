@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -13,6 +14,9 @@ from tests.graphs import chain
 # off for the whole run (it would compete with every other test for the two cores, and the app tests
 # measure what a session solves). The tests of that thread and the ten-session test turn it on.
 os.environ.setdefault("BONSAI_SOLVE_AHEAD", "0")
+# What the explorer keeps on disk (uploaded configs, solved budget sweeps) goes to a folder of this run's own:
+# a sweep solved by an earlier run (or by the explorer on this machine) would answer what a test solves.
+os.environ.setdefault("BONSAI_EXPLORER_CACHE", tempfile.mkdtemp(prefix="bonsai-explorer-tests-"))
 
 
 @pytest.fixture
