@@ -8,11 +8,8 @@ infeasible value is as fast as over a feasible one.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import math
-import os
-import re
 import time
 import typing
 from dataclasses import dataclass, field, replace
@@ -24,10 +21,11 @@ import numpy as np
 import streamlit as st
 
 from bonsai_core import solvers
-from bonsai_core.errors import BonsaiError, ModelError
+from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, RegionBound, region_peak_bound
 from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate
+from explorer import disk
 
 GRAPH_HASH = {Graph: lambda g: g.hash}
 
@@ -99,6 +97,8 @@ class Outcome:
     error: str | None = None
     wall_seconds: float = 0.0
     reserved: str | None = None  # solved for the reserved bytes of this allocator policy (ALLOCATORS)
+    kept: bool = False  # read from the disk (explorer.disk): solved before, by this code
+    stand_in_for: float | None = None  # shown for this budget (% of the no-remat peak) while it is solved
 
     @property
     def ok(self) -> bool:
@@ -191,7 +191,6 @@ def size_options(zoo: str | None) -> tuple[str, ...]:
 
 
 CONFIG_LINK = "hf-config:"  # a link's name for an uploaded Hugging Face config: hf-config:KEY
-CONFIG_KEY = re.compile(r"^[0-9a-f]{16}$")
 
 
 def hf_prefix() -> str:
@@ -200,55 +199,25 @@ def hf_prefix() -> str:
     return hf.PREFIX
 
 
-def explorer_cache() -> Path:
-    """Where the explorer keeps what outlives a server (uploaded configs, solved budget sweeps):
-    ``$BONSAI_EXPLORER_CACHE``, else ``$XDG_CACHE_HOME/bonsai/explorer``, else ``~/.cache/bonsai/explorer``."""
-    if os.environ.get("BONSAI_EXPLORER_CACHE"):
-        return Path(os.environ["BONSAI_EXPLORER_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bonsai" / "explorer"
-
-
-def store_config(data: bytes, filename: str) -> str:
-    """Keep an uploaded config.json (data, never run) on the server under its content's hash, so that
-    a link, What fits and the exporter find it as ``hf:PATH`` like any config file; returns the key."""
-    key = hashlib.sha256(data).hexdigest()[:16]
-    folder = explorer_cache() / "configs" / key
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(filename).name).strip(".-") or "config.json"
-    if not name.endswith(".json"):
-        name += ".json"
-    if not any(folder.glob("*.json")):
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_bytes(data)
-    return key
-
-
-def stored_config(key: str) -> Path:
-    """The config a link's ``hf-config:KEY`` names; ModelError when this server does not hold it."""
-    found = sorted((explorer_cache() / "configs" / key).glob("*.json")) if CONFIG_KEY.match(key) else []
-    if not found:
-        raise ModelError(f"this server holds no uploaded config {key!r}: upload the config.json on the Model page "
-                         "(Hugging Face tab) and trace it again")
-    return found[0]
-
-
 @st.cache_resource(show_spinner=False, max_entries=16)
 def trace_hf_config(data: bytes, filename: str, options: Options) -> Model:
     """Trace the model an uploaded Hugging Face config.json describes (parsed as JSON: no code runs),
-    kept on the server (:func:`store_config`) and traced as ``hf:PATH`` like any config file.
+    kept on the server (:func:`explorer.disk.store_config`) and traced as ``hf:PATH`` like any config file.
 
     Raises ModelError for a bad config or options."""
     from bonsai_core.models import hf
 
     hf.read_config(hf.parse_config(data, filename), source=filename)  # refused here, before it is stored
-    return trace_stored_config(store_config(data, filename), options)
+    return trace_stored_config(disk.store_config(data, filename), options)
 
 
 @st.cache_resource(show_spinner=False, max_entries=16)
 def trace_stored_config(key: str, options: Options) -> Model:
-    """The model of a stored config (:func:`stored_config`) traced at ``options``: ``bonsai trace hf:PATH``."""
+    """The model of a stored config (:func:`explorer.disk.stored_config`) traced at ``options``: ``bonsai
+    trace hf:PATH``."""
     from bonsai_core.models import hf
 
-    path = stored_config(key)
+    path = disk.stored_config(key)
     described = hf.read_config(hf.load_config_file(path), source=path.name)
     traced = trace_model(hf.PREFIX + str(path), options)
     label = f"{path.name} ({described.model_class.__name__}" + "".join(f", {k}={v}" for k, v in options) + ")"
@@ -369,6 +338,11 @@ def solve(graph: Graph, budget: int | None, method: str, options: Options = (), 
     return solved(graph, budget, method, tuple(options), reserved, _cap)
 
 
+def kept(graph: Graph, budget: int | None, method: str, options: Options, reserved: str | None = None) -> bool:
+    """Whether :func:`solve` would read this solve from the disk (:mod:`explorer.disk`) rather than solve it."""
+    return disk.has_plan(graph.hash, method, tuple(options), reserved, budget)
+
+
 @st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=512)
 def solved(graph: Graph, budget: int | None, method: str, options: Options, reserved: str | None,
            _cap: float | None) -> Outcome:
@@ -380,6 +354,16 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
     drawn beside. ``_cap`` (not part of the cache key) runs the method with its time limit lowered to ``_cap``
     seconds: a call that ends sooner is the uncapped call's outcome (the limit was never reached) and is
     cached as such; one that reaches it raises :class:`Unfinished` and nothing is cached."""
+    kept = disk.load_plan(graph.hash, method, options, reserved, budget)
+    if kept is not None:  # solved before, by this code (a server before this one, or its sweep): simulated again
+        schedule, error, seconds = kept
+        if schedule is None:
+            return Outcome(method, budget, options, error=error, wall_seconds=seconds, reserved=reserved, kept=True)
+        try:
+            return Outcome(method, budget, options, schedule, simulate(graph, schedule), wall_seconds=seconds,
+                           reserved=reserved, kept=True)
+        except BonsaiError:  # not this graph's after all: solved again below
+            pass
     start = time.perf_counter()
     run = dict(options)
     if _cap is not None:
@@ -393,15 +377,21 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
     except BonsaiError as e:
         outcome = Outcome(method, budget, options, error=str(e), wall_seconds=time.perf_counter() - start,
                           reserved=reserved)
+        keep = True
     except Exception as e:  # a solver bug or a backend failure: say so in the page, never a traceback
+        keep = False
         outcome = Outcome(method, budget, options, wall_seconds=time.perf_counter() - start, reserved=reserved,
                           error=f"Method {method!r} failed unexpectedly ({type(e).__name__}: {e}). Try another "
                                 "method or backend, and report this with the model and budget.")
     else:
         outcome = Outcome(method, budget, options, schedule, sim, wall_seconds=time.perf_counter() - start,
                           reserved=reserved)
+        keep = True
     if _cap is not None and outcome.wall_seconds >= _cap:
         raise Unfinished(f"{method} at {budget} B did not finish within {_cap:g} s")
+    if keep and keepable(method, outcome, run.get("time_limit")):
+        disk.save_plan(graph.hash, method, options, reserved, budget, outcome.schedule, outcome.error,
+                       outcome.wall_seconds)
     return outcome
 
 
@@ -429,6 +419,15 @@ def out_of_time(out: Outcome) -> str | None:
                 f"to its bound (asked: {100 * asked:g}%): a plan up to that much cheaper may exist at this budget. "
                 "Raise the time limit for a better one.")
     return None
+
+
+def keepable(method: str, outcome: Outcome, time_limit: float | None) -> bool:
+    """Whether a solve is kept on disk: a method of bonsai_core (whose sources the store is keyed by) that
+    did not run out of time (a quieter machine may do better), with a schedule or the method's own
+    word on the budget; never a crash."""
+    module = solvers.METHODS.get(method, ("",))[0]
+    ran_out = bool(time_limit) and outcome.wall_seconds >= 0.95 * float(time_limit)
+    return module.startswith("bonsai_core.") and not ran_out and out_of_time(outcome) is None
 
 
 def op_costs(graph: Graph, schedule: Schedule) -> np.ndarray:

@@ -138,10 +138,20 @@ def _dataset(parts: list[pd.DataFrame]) -> pd.DataFrame:
     return frame.astype({"x": "float32", "mib": "float32", "schedule": "category"})
 
 
+def _event_marks(events: Sequence[tuple[float, str, str]], top: int, curves: Sequence[Curve]) -> pd.DataFrame:
+    """The recompute marks' rows: each at the top of the chart, its label blank where it would overlap
+    a label placed before it (``placed_labels``, on a chart about 1100 px wide)."""
+    xs = [float(ex) for ex, _, _ in events]
+    right = max([float(c.x[-1]) for c in curves if len(c.x)] + xs + [1e-9])
+    shown = set(placed_labels(xs, [label for _, label, _ in events], (0.0, right)))
+    return pd.DataFrame([{"x": ex, "mib": 1.1 * top / MIB, "mark": label if i in shown else "", "text": words}
+                         for i, (ex, label, words) in enumerate(events)], columns=["x", "mib", "mark", "text"])
+
+
 def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int | None = None,
                  x_mode: str = "time", height: int = 440, cursor: float | None = None,
                  x_domain: tuple[float, float] | None = None,
-                 events: Sequence[tuple[float, str]] = (), budget_label: str = "budget") -> dict:
+                 events: Sequence[tuple[float, str, str]] = (), budget_label: str = "budget") -> dict:
     """Memory over time of each curve (its colour, dash and a few markers of its method's symbol), the
     budget line and each curve's peak, as a Vega-Lite spec for ``st.vega_lite_chart``.
 
@@ -153,8 +163,9 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     ``cursor`` (an x value) adds a vertical rule, in a dataset of its own; ``x_domain`` spans the x axis
     over at least that range (unseen points in a dataset: a domain in the spec would change the spec, and
     so remount the chart, whenever it moves) and fixes the y axis's width, so that a chart drawn under it
-    with the same range (the tensor lifetimes) lines up. ``events``: (x, words) of each recompute event,
-    marked by a thin rule and its number (↻1, ↻2, ...) at the top, the words on hover. A reserved line
+    with the same range (the tensor lifetimes) lines up. ``events``: (x, label, words) of each recompute mark
+    (an event, or a block's run of them), marked by a thin rule and its label (↻1, ↻2–4, ...) at the top, the
+    words on hover; labels that would overlap their left neighbour are left out (the rule stays). A reserved line
     (allocator model) is labelled at its peak: a dotted line never stands without a name.
     ``budget_label`` names the budget line ("reserved-bytes bound" for a plan that bounds the
     allocator's reserved bytes: ``compute.Bound.label``)."""
@@ -197,9 +208,7 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
         "datasets": {"lines": _dataset(lines), "reserved": _dataset(reserved), "marks": _dataset(marks),
                      "peaks": pd.DataFrame(peaks, columns=["x", "mib", "schedule", "text"]), "levels": pd.DataFrame(levels),
                      "reserved_peaks": pd.DataFrame(reserved_peaks, columns=["x", "mib", "schedule", "text"]),
-                     "events": pd.DataFrame([{"x": float(ex), "mib": 1.1 * top / MIB, "mark": f"↻{i + 1}", "text": words}
-                                             for i, (ex, words) in enumerate(events)],
-                                            columns=["x", "mib", "mark", "text"])},
+                     "events": _event_marks(events, top, curves)},
         "layer": [
             {"data": {"name": "reserved"}, "encoding": {"x": x, "y": y, "color": colour},
              "mark": {"type": "line", "interpolate": "step-after", "strokeWidth": 1, "strokeDash": [2, 2]}},

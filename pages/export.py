@@ -57,7 +57,7 @@ def export() -> None:
     s = state.settings()
     m = state.model()
     g = m.graph
-    out = state.outcome()
+    out = state.outcome(stand_in=False)  # the plan of this budget itself, never the sweep's nearest
     if not out.ok:
         state.show_error(out.error, "Nothing to export yet: raise the budget or pick another method in the sidebar.")
         return

@@ -21,7 +21,7 @@ st.caption("For each method, the largest size of the model whose training step f
 if m.graph.fsdp is not None:  # a real run's memory: one rank's, by part, at the sidebar's schedule's peak
     from explorer import rank
 
-    out = state.outcome()
+    out = state.outcome(stand_in=False)
     if out.ok:
         world = m.graph.fsdp["world"]
         st.subheader(f"One rank's memory of {world} (FSDP) at its peak")

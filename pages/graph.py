@@ -27,6 +27,7 @@ def segmented_graph() -> None:
     """The graph coloured by the segments of the schedule at the sidebar's budget."""
     g = state.model().graph
     out = state.outcome()
+    state.stand_in_note(out)
     plan = out.plan  # the checkpoint regions of a segment method (None: single ops, or no schedule)
     segments = plan.segments if plan else None
     recomputed_segments = sorted(plan.recomputed) if plan else []

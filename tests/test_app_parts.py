@@ -257,3 +257,34 @@ def test_a_plan_whose_solve_stopped_above_its_gap_says_so():
     assert compute.out_of_time(outcome("feasible", 0.009)) is None  # within bonsai's own 1% gap
     assert "gap of 3.0% to its bound (asked: 1%)" in compute.out_of_time(outcome("feasible", 0.03))
     assert compute.out_of_time(outcome("feasible", 0.03, (("gap", 0.05),))) is None  # the user asked for 5%
+
+
+def test_a_rebuild_repeated_in_every_block_is_one_pattern_and_a_block_one_mark():
+    from bonsai_core.graph import block_stack
+    from explorer import events, timeline
+    from tests.graphs import stacked_blocks
+
+    g = stacked_blocks(8)
+    mlps = [(first, last) for path, first, last in g.modules if path.endswith(".mlp")]
+    forward = [v for v in range(g.n) if g.is_forward[v]]
+    segments, recomputed, at = [], [], 0
+    for first, last in mlps:  # every block's MLP a recomputed region, the stretches between them kept
+        segments.append([v for v in forward if at <= v < first])
+        segments.append([v for v in forward if first <= v <= last])
+        recomputed.append(len(segments) - 1)
+        at = last + 1
+    segments.append([v for v in forward if v >= at])
+    sim = simulate(g, plan_schedule(g, CheckpointPlan.of([s for s in segments if s],
+                                                         [r - sum(1 for s in segments[:r] if not s) for r in recomputed]),
+                                    "bonsai"))
+    modules = timeline.node_modules(g)
+    assert len(sim.events) == 8
+    found = events.patterns(g, sim.events, modules)
+    assert len(found) == 1 and found[0].what == "blocks.*.mlp" and found[0].when == "before blocks.*.mlp's backward"
+    assert found[0].blocks == tuple(range(8)) and found[0].events == tuple(range(8))
+    row = events.pattern_rows(g, sim.events, found)[0]
+    assert row["blocks"] == "blocks.0–7 (8)" and row["rebuilds"] == 8
+    assert len(events.block_marks(g, sim.events, modules)) == 8  # one block's rebuilds each
+    stack = [b for b, _, _ in block_stack(g)]
+    assert events.block_ranges([0, 1, 2, 3, 5, 7], stack) == "blocks.0–3, 5, 7"
+    assert set(modules.kind) >= {"blocks.*.mlp", "blocks.*.attn", "emb"} and "blocks.3" not in set(modules.kind)
