@@ -288,3 +288,27 @@ def test_a_rebuild_repeated_in_every_block_is_one_pattern_and_a_block_one_mark()
     stack = [b for b, _, _ in block_stack(g)]
     assert events.block_ranges([0, 1, 2, 3, 5, 7], stack) == "blocks.0–3, 5, 7"
     assert set(modules.kind) >= {"blocks.*.mlp", "blocks.*.attn", "emb"} and "blocks.3" not in set(modules.kind)
+
+
+def test_labels_are_kept_by_priority_where_they_overlap_nothing_kept_before():
+    labels = [plots.Label(0.0, 0.0, "low", 1.0), plots.Label(0.1, 0.0, "high", 5.0), plots.Label(5.0, 0.0, "apart", 0.5),
+              plots.Label(9.99, 0.0, "cut at the edge", 9.0)]
+    kept = plots.fit_labels(labels, (-1.0, 10.0))
+    assert [lb.text for lb in kept] == ["high", "apart"]  # "low" overlaps "high"; the last would leave the plot
+    assert not plots.fit_labels([plots.Label(5.0, 0.0, "on a marker", 1.0)], (-1.0, 10.0),
+                                markers=(np.array([5.0]), np.array([0.0]), np.array([20.0])))
+
+
+def test_the_default_gpts_op_level_views_carry_ten_labels_of_blocks_parts_and_op_kinds():
+    from explorer import timeline
+
+    g = load_graph(ROOT / "assets" / "gpt-default.json")
+    modules = timeline.node_modules(g)
+    pos = plots.layered_layout(g)
+    every = [lb.text for lb in plots.fit_labels(plots.op_labels(g, np.arange(g.n), pos, modules.path, modules.group),
+                                                plots.padded(pos[:, 0]))]
+    assert len(every) >= 10 and {"blocks.0", "blocks.1", "attn", "fc", "addmm"} <= set(every)
+    groups = plots.node_groups(g, None)
+    collapsed = plots.fit_labels(plots.collapsed_labels(g, groups, pos, modules.path, modules.group),
+                                 plots.padded(pos[:, 0]))
+    assert len(collapsed) >= 10 and {"blocks.0", "blocks.1"} <= {lb.text for lb in collapsed}
