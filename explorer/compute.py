@@ -176,18 +176,28 @@ def titan_flavours() -> dict[str, dict[str, int]]:
 def size_options(zoo: str | None) -> tuple[str, ...]:
     """The size options a model the app can trace again takes (a zoo name, ``hf:ARCH``, a torchtitan
     flavour or a ``hf:PATH`` config file, an uploaded config among them); none for an uploaded graph."""
+    from bonsai_core.models import torchtitan
+
+    if zoo is not None and zoo.startswith(TITAN_FAMILY):
+        return torchtitan.SIZE_OPTIONS
+    return tuple(size_defaults(zoo))
+
+
+def size_defaults(zoo: str | None) -> dict[str, int]:
+    """The size options of a model the app can trace again at their defaults (for a torchtitan flavour,
+    its batch and sequence length); {} for an uploaded graph."""
     from bonsai_core.models import hf, torchtitan
     from bonsai_core.models.zoo import ZOO
 
     if zoo is None:
-        return ()
+        return {}
     if zoo.startswith(TITAN_FAMILY):
-        return torchtitan.SIZE_OPTIONS
+        return dict(torchtitan.DEFAULTS)
     entry = ZOO.get(zoo) or hf.ARCHS.get(zoo.removeprefix(hf.PREFIX))
     if entry is None and zoo.startswith(hf.PREFIX):  # a config file (an uploaded one is kept as one)
         path = Path(zoo.removeprefix(hf.PREFIX))
-        return tuple(hf.read_config(hf.load_config_file(path), source=path.name).options)
-    return tuple(entry.options) if entry is not None else ()
+        return dict(hf.read_config(hf.load_config_file(path), source=path.name).options)
+    return dict(entry.options) if entry is not None else {}
 
 
 CONFIG_LINK = "hf-config:"  # a link's name for an uploaded Hugging Face config: hf-config:KEY

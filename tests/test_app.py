@@ -472,3 +472,17 @@ def test_two_sessions_solve_at_the_same_time_and_one_solve_is_shared(monkeypatch
     assert all(outs[i].ok for i in range(4)), [o.error for o in outs.values()]
     assert sorted(SLOW_CALLS) == budgets[:3]  # the repeated key was computed once (st.cache_resource's per-key lock)
     assert wall < 2.5, f"{wall:.2f} s: solves ran one after another (three would take 3 s)"
+
+
+def test_what_fits_starts_at_the_models_own_size_and_shows_each_answer():
+    at = goto(app(timeout=240), "fit")
+    at.multiselect(key="fit_methods").set_value(["none", "chen"]).run()
+    at.button(key="fit_run").click().run()
+    assert not at.exception and not at.error
+    g, result = at.session_state["fit_result"]
+    current = state.compute.size_defaults("gpt")["batch"]
+    assert result.reused == [current] and current not in result.traces  # the session's step, not traced again
+    assert result.attempts[0].size == current  # the search starts there
+    asked = [(a.size, a.method) for a in result.attempts]
+    assert len(asked) == len(set(asked))
+    assert any(f"(the model's own, batch {current}, taken from the session)" in c.value for c in at.caption)
