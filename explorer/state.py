@@ -151,16 +151,18 @@ def default_granularity(g) -> int:
 
 
 def granularity_positions(g, also: int | None = None) -> list[int]:
-    """The granularities the sidebar offers on ``g``: about 1.5 apart from 1 to its non-view forward ops
-    (1, 2, 3, 4, 6, 8, 12, 16, 24, ...), bonsai's "auto" ladder (d, 2d, 4d, 8d), and ``also`` (a link's
-    value, the current plan's)."""
+    """The granularities the sidebar offers on ``g``: about 1.5 apart from 1 (1, 2, 3, 4, 6, 8, 12, 16, 24,
+    ...) up to the top of bonsai's "auto" ladder (d, 2d, 4d, 8d, all offered; d = 2·√ops: past 8d a model
+    grows past what auto ever builds, millions of candidates on an 8B step), and ``also`` (a link's value,
+    the current plan's)."""
     from bonsai_core.segment import op_count
     from bonsai_core.solvers.bonsai import auto_ladder
 
-    top = max(2, op_count(g))
+    ladder = auto_ladder(g)
+    top = max(2, ladder[-1])
     scale = {v * k for k in (1, 1.5) for v in (2 ** np.arange(int(math.log2(top)) + 1)).tolist()}
-    wanted = {int(v) for v in scale if v <= top} | {top} | set(auto_ladder(g))
-    if also is not None and 1 <= int(also) <= top:
+    wanted = {int(v) for v in scale if v <= top} | {top} | set(ladder)
+    if also is not None and 1 <= int(also) <= max(2, op_count(g)):
         wanted.add(int(also))
     return sorted(wanted)
 
