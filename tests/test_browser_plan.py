@@ -104,3 +104,41 @@ def test_the_slider_is_swept_and_then_every_position_answers_from_it(browser):
             pg.screenshot(path=str(SHOTS / "memory-swept.png"))
         finally:
             context.close()
+
+
+@pytest.fixture(scope="module")
+def titan_8b(tmp_path_factory):
+    """Torchtitan's 8B step, one of 8 FSDP ranks (browser.TITAN_8B: 5,970 ops; 20-45 s and 0.7 GB to trace)
+    saved as JSON: (path, graph)."""
+    pytest.importorskip("torchtitan")
+    from bonsai_core.graph import save_graph
+    from bonsai_core.trace import trace_model
+
+    name, options = harness.TITAN_8B
+    graph = trace_model(name, **options).graph
+    path = tmp_path_factory.mktemp("titan") / "llama3-8b.json"
+    save_graph(graph, path)
+    return path, graph
+
+
+@pytest.mark.slow  # traces the 8B step, solves it at 70% and sweeps it (minutes)
+def test_the_8b_step_reads_as_patterns_and_answers_drags_while_it_is_swept(browser, titan_8b):
+    from bonsai_core.schedule import no_remat_peak
+
+    path, graph = titan_8b
+    with harness.serve(solve_ahead=True) as url:
+        context, pg = harness.open_page(browser, width=1440, height=1800)
+        try:
+            found = harness.big_step(pg, url, path, graph.n, no_remat_peak(graph), drags=3, sweep_timeout=240)
+            print(f"8B step: uploaded in {found['upload_s']:.1f} s, first plan on the Memory page "
+                  f"{found['first_plan_s']:.1f} s; {found['rebuilds']} rebuilds in {found['patterns']} patterns, "
+                  f"{found['legend']} legend entries; a drag to {found['during']['pct']}% during the sweep "
+                  f"{found['during']['seconds']:.2f} s ({'the nearest solved plan' if found['during']['stand_in'] else 'its own'}, "
+                  f"{found['during']['sweep']}); then {found['sweep']['said']}; after: "
+                  + ", ".join(f"{p}% {s:.2f} s{' (nearest)' if near else ''}" for p, s, near in found["after"]))
+            assert found["rebuilds"] > 3 * found["patterns"]  # one row per pattern, not per rebuild
+            assert found["legend"] <= 12  # one colour per part of a block (9), not one per block (36)
+            no_exception(pg)
+            pg.screenshot(path=str(SHOTS / "memory-8b.png"), full_page=True)
+        finally:
+            context.close()
