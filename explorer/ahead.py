@@ -55,16 +55,18 @@ def budget_at(pct: float, reference: int) -> int:
 
 
 def order(positions: list[int], start: int) -> list[int]:
-    """``positions`` coarse to fine around ``start``: those on a grid of stride 16 through ``start``, then
-    8, 4, 2, 1, each level nearest to ``start`` first (above before below at a tie: larger budgets are
-    usually cheaper)."""
-    seen, out = {start}, []
+    """``positions`` (ascending) coarse to fine around ``start``: every 16th position counted from
+    ``start``'s place, then every 8th, 4th, 2nd, 1st, each level nearest to ``start`` first (above before
+    below at a tie: larger budgets are usually cheaper); ``start`` itself left out."""
+    at = positions.index(start) if start in positions else min(range(len(positions)),
+                                                               key=lambda i: abs(positions[i] - start))
+    seen, out = {at}, []
     for stride in STRIDES:
-        level = [p for p in positions if (p - start) % stride == 0 and p not in seen]
-        level.sort(key=lambda p: (abs(p - start), p < start))
+        level = [i for i in range(len(positions)) if (i - at) % stride == 0 and i not in seen]
+        level.sort(key=lambda i: (abs(i - at), i < at))
         out += level
         seen.update(level)
-    return out
+    return [positions[i] for i in out if positions[i] != start]
 
 
 @dataclass
@@ -117,7 +119,8 @@ class Sweep:
         below = [q for q in ok if q < p] if self.axis == BUDGET else []
         if below:
             return max(below)
-        return min(ok, key=lambda q: (abs(q - p), q), default=None)
+        place = {q: i for i, q in enumerate(self.positions)}  # granularities: near on their log scale
+        return min(ok, key=lambda q: (abs(place[q] - place[p]), q), default=None)
 
 
 def key_of(graph: Graph, method: str, options: compute.Options, reserved: str | None, axis: str,
@@ -150,7 +153,8 @@ def start(graph: Graph, out: compute.Outcome, reference: int, pct: int,
                     _sweeps[other].todo.clear()
             sweep = Sweep(graph, out.method, options, out.reserved, reference, axis, positions,
                           order(positions, first), at)
-            sweep.solved[first] = out.ok
+            if first in positions:
+                sweep.solved[first] = out.ok
             _sweeps[key] = sweep
             while len(_sweeps) > SWEEPS_KEPT:
                 del _sweeps[next(iter(_sweeps))]
