@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -16,7 +17,16 @@ from tests.graphs import chain
 os.environ.setdefault("BONSAI_SOLVE_AHEAD", "0")
 # What the explorer keeps on disk (uploaded configs, solved budget sweeps) goes to a folder of this run's own:
 # a sweep solved by an earlier run (or by the explorer on this machine) would answer what a test solves.
-os.environ.setdefault("BONSAI_EXPLORER_CACHE", tempfile.mkdtemp(prefix="bonsai-explorer-tests-"))
+if "BONSAI_EXPLORER_CACHE" not in os.environ:  # set by the run's first process; its workers inherit it
+    os.environ["BONSAI_EXPLORER_CACHE"] = tempfile.mkdtemp(prefix="bonsai-explorer-tests-")
+    _KEPT_BY_THIS_RUN = os.environ["BONSAI_EXPLORER_CACHE"]
+
+
+def pytest_unconfigure(config):
+    """The run's own folder goes with the process that made it (never a worker's, nor a folder given)."""
+    folder = globals().get("_KEPT_BY_THIS_RUN")
+    if folder and not hasattr(config, "workerinput"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
