@@ -8,7 +8,8 @@ granularities the sidebar offers are then solved at the session's budget the sam
 
 Order: coarse to fine around the session's position (every 16th position, then every 8th, 4th, 2nd,
 each level nearest first), so that the nearest solved position is never far; a position a session asks
-for before its turn goes next. Below a budget the method cannot meet nothing more is solved: nothing
+for before its turn goes next. Below a budget the method cannot meet (a solve that ended within its
+time limit: one that ran out of it says nothing of lower budgets) nothing more is solved: nothing
 lower fits (each lower position's answer says so, quoting the method), and bonsai's reach is computed
 once for the note the Solve page adds. Each solve runs with the session's own options and time limit,
 so that a sweep's plan is the one the session would get.
@@ -251,9 +252,11 @@ def _work() -> None:
 def _solve(sweep: Sweep, p: int) -> None:
     """Solve position ``p`` of ``sweep``; below a budget the method cannot meet, nothing lower is solved."""
     out = sweep.solve(p)
+    limit = dict(sweep.settings(p)[1]).get("time_limit")
+    ran_out = bool(limit) and out.wall_seconds >= 0.95 * float(limit)  # says nothing of lower budgets
     with _lock:
         sweep.solved[p] = out.ok
-        if sweep.axis == BUDGET and not out.ok:
+        if sweep.axis == BUDGET and not out.ok and not ran_out:
             lower = [q for q in sweep.positions if q < p and q not in sweep.solved]
             for q in lower:
                 budget, options = sweep.settings(q)

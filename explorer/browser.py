@@ -537,13 +537,17 @@ def big_step(page: Any, url: str, path: Path, ops: int, reference: int, drags: i
     uploaded = time.perf_counter() - start
     start = time.perf_counter()
     page.locator('[data-testid="stSidebarNav"] a[href$="/memory"]').click()
-    page.wait_for_function(f"() => document.querySelectorAll('{CHART_CANVAS}').length >= 2", timeout=600_000)
-    page.wait_for_selector("text=recompute events", timeout=600_000)
-    wait_idle(page)
+    page.wait_for_selector('[data-testid="stMain"] h1')
+    # its first solve, however long it takes: a plan (its charts) or the method's error
+    page.wait_for_function(f"() => document.querySelectorAll('{CHART_CANVAS}').length >= 2 || "
+                           "document.querySelector('[data-testid=\"stAlert\"]')", timeout=900_000, polling=500)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=900_000)
     first_plan = time.perf_counter() - start
     text = page.evaluate("() => document.body.innerText")
     rebuilds = re.search(r"(\d+) recompute events of \w+ in (\d+) patterns", text)
     out: dict[str, Any] = {"upload_s": uploaded, "first_plan_s": first_plan,
+                           "first_plan_error": page.locator('[data-testid="stAlert"]').first.inner_text()[:300]
+                           if page.locator(f"{CHART_CANVAS}").count() < 2 else None,
                            "rebuilds": int(rebuilds.group(1)) if rebuilds else None,
                            "patterns": int(rebuilds.group(2)) if rebuilds else None,
                            "legend": legend_entries(page, "made by"), "sweep_at_first_plan": sweep_said(page)}

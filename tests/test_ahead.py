@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import streamlit as st
 
@@ -95,6 +97,29 @@ def test_a_sweep_solves_every_position_down_to_the_first_unmet_and_derives_the_r
     below = ahead.answer(GRAPH, "fake", (), None, 6)  # below the first unmet: answered without a solve
     assert not below.ok and "found no plan at" in below.error and "no schedule under" in below.error
     assert recorded == []
+
+
+def test_a_solve_that_ran_out_of_time_says_nothing_of_the_budgets_below(fake_method, monkeypatch):
+    asked: list[int] = []
+
+    def fake(budget, time_limit=None, **options):  # 54% runs into its time limit; nothing is unmet
+        asked.append(pct_of(budget))
+        if pct_of(budget) == 54:
+            raise BudgetError("no plan found before the time limit")
+
+    fake_method(fake)
+    real_solve = compute.solve
+
+    def timed(graph, budget, method, options=(), reserved=None, _cap=None):  # 54%'s solve took its whole limit
+        out = real_solve(graph, budget, method, options, reserved, _cap)
+        return dataclasses.replace(out, wall_seconds=20.0) if pct_of(budget) == 54 else out
+
+    monkeypatch.setattr(compute, "solve", timed)
+    options = (("time_limit", 20.0),)
+    ahead.start(GRAPH, session_solve(70, options=options), REFERENCE, 70)
+    wait_for_the_thread()
+    sweep, _ = ahead.find(GRAPH, "fake", options, None, 70)
+    assert not sweep.derived and set(asked) >= set(range(5, 54))  # every budget below was solved
 
 
 def test_an_unsolved_position_is_shown_the_nearest_solved_plan_below_and_goes_next(recorded):
