@@ -115,8 +115,8 @@ def sidebar() -> tuple[DeltaGenerator, DeltaGenerator]:
                 "Granularity (max non-view ops per segment)", positions, key="granularity",
                 help="Segments hold at most this many ops that are not views; the views ride with their base "
                      "uncounted (they cost nothing to rebuild), so a segment's op count in the Solve table is "
-                     "larger. The positions: a log scale from 1 to every forward op, and the granularities bonsai's "
-                     "\"auto\" tries (d, 2d, 4d, 8d; d = 2·√ops).")
+                     "larger. The positions: a log scale from 1 up to the largest granularity bonsai's \"auto\" "
+                     "tries, with all it tries among them (d, 2d, 4d, 8d; d = 2·√ops).")
         backend = st.selectbox("MILP backend", BACKENDS, key="backend")
         if backend != "default":
             chosen["backend"] = backend
