@@ -529,9 +529,10 @@ def legend_entries(page: Any, title: str) -> int:
 def big_step(page: Any, url: str, path: Path, ops: int, reference: int, drags: int,
              sweep_timeout: float = 3600.0) -> dict[str, Any]:
     """Torchtitan's 8B step uploaded as JSON at TITAN_8B_BUDGET% on a server that sweeps: seconds until the
-    Memory page has drawn its first plan; the plan as the page reads (its rebuilds and patterns, the
-    lifetimes' legend entries, one rank's chart's top); a drag while the sweep runs (answered by its own
-    plan or the nearest solved one); the sweep until done (or ``sweep_timeout``); ``drags`` drags after it."""
+    Memory page has drawn its first solve (a plan, or the method's error); a drag while the sweep runs
+    (answered by its own plan or the nearest solved one); the sweep until done (or ``sweep_timeout``);
+    ``drags`` drags after it; then at READ_AT the plan as the page reads it (its rebuilds and patterns, the
+    lifetimes' legend entries)."""
     start = time.perf_counter()
     upload_graph(page, url, path, ops, TITAN_8B_BUDGET)
     uploaded = time.perf_counter() - start
@@ -543,14 +544,10 @@ def big_step(page: Any, url: str, path: Path, ops: int, reference: int, drags: i
                            "document.querySelector('[data-testid=\"stAlert\"]')", timeout=900_000, polling=500)
     page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=900_000)
     first_plan = time.perf_counter() - start
-    text = page.evaluate("() => document.body.innerText")
-    rebuilds = re.search(r"(\d+) recompute events of \w+ in (\d+) patterns", text)
     out: dict[str, Any] = {"upload_s": uploaded, "first_plan_s": first_plan,
                            "first_plan_error": page.locator('[data-testid="stAlert"]').first.inner_text()[:300]
                            if page.locator(f"{CHART_CANVAS}").count() < 2 else None,
-                           "rebuilds": int(rebuilds.group(1)) if rebuilds else None,
-                           "patterns": int(rebuilds.group(2)) if rebuilds else None,
-                           "legend": legend_entries(page, "made by"), "sweep_at_first_plan": sweep_said(page)}
+                           "sweep_at_first_plan": sweep_said(page)}
     during, pct, _ = timed_drag(page, 0.45, reference)
     out["during"] = {"pct": pct, "seconds": during, "stand_in": page.locator(STAND_IN).count() > 0,
                      "sweep": sweep_said(page)}
@@ -568,4 +565,13 @@ def big_step(page: Any, url: str, path: Path, ops: int, reference: int, drags: i
         after.append([pct, seconds, page.locator(STAND_IN).count() > 0])
         wait_idle(page)
     out["after"] = after
+    _, out["read_at"], _ = timed_drag(page, READ_AT, reference)  # a mid budget, solved by the sweep: the plan read
+    wait_idle(page)
+    page.wait_for_function("() => document.body.innerText.includes('recompute events')")
+    rebuilds = re.search(r"(\d+) recompute events of \w+ in (\d+) patterns", page.evaluate("() => document.body.innerText"))
+    out["rebuilds"], out["patterns"] = (int(rebuilds.group(1)), int(rebuilds.group(2))) if rebuilds else (None, None)
+    out["legend"] = legend_entries(page, "made by")
     return out
+
+
+READ_AT = 0.58  # of the slider's track: about 60%, where the 8B step's plan rebuilds in every block

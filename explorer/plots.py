@@ -104,12 +104,49 @@ def curve(label: str, timeline: np.ndarray, op_costs: np.ndarray, peak: int, pea
 
 
 def _steps(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The points where a step line (``line_shape="hv"``) changes, and its last: the same drawing from
-    half the points or fewer (every budget change sends and redraws them in each browser)."""
+    """The points where a step line (``line_shape="hv"``) changes, and its last, at most the
+    :func:`envelope` of a chart's columns: the same drawing from half the points or fewer (every budget
+    change sends and redraws them in each browser; 7,700 change points on torchtitan's 8B step)."""
     y = np.asarray(y)
     keep = np.ones(len(y), dtype=bool)
     keep[1:-1] = y[1:-1] != y[:-2]
-    return np.asarray(x)[keep], y[keep]
+    x, y = np.asarray(x)[keep], y[keep]
+    kept = envelope(x, y)
+    return x[kept], y[kept]
+
+
+COLUMNS = 1200  # a chart's width in pixels, about: more points than 4 per column draw nothing more
+
+
+def envelope(x: np.ndarray, y: np.ndarray, columns: int = COLUMNS) -> np.ndarray:
+    """The indices of the points that draw a step line at ``columns`` columns of x as all of them do: in
+    each column its first point, its lowest, its highest and its last (so every peak and trough stays,
+    exactly); all of them when there are no more than four per column."""
+    n = len(y)
+    if n <= 4 * columns:
+        return np.arange(n)
+    x = np.asarray(x, dtype=float)
+    span = max(float(x[-1] - x[0]), 1e-12)
+    column = np.minimum(((x - x[0]) / span * columns).astype(np.int64), columns - 1)
+    starts = np.flatnonzero(np.r_[True, column[1:] != column[:-1]])
+    ends = np.r_[starts[1:], n] - 1
+    lows = np.minimum.reduceat(np.asarray(y), starts)
+    highs = np.maximum.reduceat(np.asarray(y), starts)
+    keep = np.zeros(n, dtype=bool)
+    keep[starts] = keep[ends] = True
+    seg = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))
+    keep |= (np.asarray(y) == lows[seg]) & _first_in(seg, np.asarray(y) == lows[seg])
+    keep |= (np.asarray(y) == highs[seg]) & _first_in(seg, np.asarray(y) == highs[seg])
+    return np.flatnonzero(keep)
+
+
+def _first_in(seg: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``mask`` left True only at its first True within each run of equal ``seg``."""
+    hit = np.flatnonzero(mask)
+    first = np.zeros(len(mask), dtype=bool)
+    if len(hit):
+        first[hit[np.r_[True, seg[hit][1:] != seg[hit][:-1]]]] = True
+    return first
 
 
 # METHOD_SYMBOLS / OTHER_SYMBOLS (Plotly's names) as Vega's built-in shapes, each still its own

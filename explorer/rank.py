@@ -19,7 +19,7 @@ import pandas as pd
 from bonsai_core.fsdp import SHARDED_KINDS, working_parts
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import SimResult
-from explorer.plots import RECOMPUTE
+from explorer.plots import RECOMPUTE, envelope
 
 SHARDED = "sharded state (1/N of parameters, gradients, optimizer)"
 ROOT = "root unit unsharded, inputs"
@@ -52,7 +52,8 @@ def at_peak(parts: dict[str, np.ndarray], step: int) -> list[dict]:
 
 
 def frame(parts: dict[str, np.ndarray], x: np.ndarray) -> pd.DataFrame:
-    """Long rows (x, part, its MiB, lo, hi in MiB, i) at the points where some part changes: each part's band
+    """Long rows (x, part, its MiB, lo, hi in MiB, i) at the points where some part changes (at most the
+    :func:`~explorer.plots.envelope` of the stack's top on a chart's columns): each part's band
     stacked here, from ``lo`` to ``hi``, in the order of ``parts``; ``i`` orders a part's points along
     its band. Stacked here, not by Vega-Lite: on the compute-time axis the ops that take no time (frees,
     views) share their x with the op before them, and Vega-Lite stacks every row of one x on top of each
@@ -64,8 +65,10 @@ def frame(parts: dict[str, np.ndarray], x: np.ndarray) -> pd.DataFrame:
     keep[1:] = (stack[:, 1:] != stack[:, :-1]).any(axis=0)
     keep[-1] = True
     idx = np.flatnonzero(keep)
+    x = np.asarray(x, dtype=float)
+    idx = idx[envelope(x[idx], stack[:, idx].sum(axis=0))]  # the stack's top kept exactly at every column
     tops = np.cumsum(stack[:, idx], axis=0) / 2**20
-    return pd.DataFrame({"x": np.tile(np.asarray(x, dtype=float)[idx], len(parts)),
+    return pd.DataFrame({"x": np.tile(x[idx], len(parts)),
                          "part": np.repeat(list(parts), len(idx)),
                          "mib": (stack[:, idx] / 2**20).ravel(),
                          "lo": (tops - stack[:, idx] / 2**20).ravel(), "hi": tops.ravel(),

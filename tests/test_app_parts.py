@@ -312,3 +312,17 @@ def test_the_default_gpts_op_level_views_carry_ten_labels_of_blocks_parts_and_op
     collapsed = plots.fit_labels(plots.collapsed_labels(g, groups, pos, modules.path, modules.group),
                                  plots.padded(pos[:, 0]))
     assert len(collapsed) >= 10 and {"blocks.0", "blocks.1"} <= {lb.text for lb in collapsed}
+
+
+def test_a_long_step_line_keeps_every_column_s_lowest_and_highest_point():
+    rng = np.random.default_rng(0)
+    y = np.cumsum(rng.integers(-5, 6, 20_000)).astype(float)
+    x = np.arange(len(y), dtype=float)
+    kept = plots.envelope(x, y, columns=500)
+    assert len(kept) <= 4 * 500 and kept[0] == 0 and kept[-1] == len(y) - 1
+    assert y[kept].max() == y.max() and y[kept].min() == y.min()  # the peak and the trough, exactly
+    column = (x / x[-1] * 500).astype(int).clip(max=499)
+    for c in (0, 137, 499):
+        inside = column == c
+        assert y[kept][column[kept] == c].max() == y[inside].max()
+    assert list(plots.envelope(x[:100], y[:100], columns=500)) == list(range(100))  # short: every point

@@ -178,6 +178,7 @@ def test_without_chromium_or_playwright_the_suite_says_so_and_measures_nothing(t
 def titan(done=True, after=(0.4, 0.6, 1.4)):
     return {"ops": 5970, "trace_s": 30.0,
             "browser": {"upload_s": 12.0, "first_plan_s": 25.0, "rebuilds": 66, "patterns": 7, "legend": 9,
+                        "read_at": 60, "first_plan_error": None,
                         "during": {"pct": 45, "seconds": 1.2, "stand_in": True, "sweep": "Swept 7 of 96 budgets in 30 s"},
                         "sweep": {"said": f"Swept {96 if done else 40} of 96 budgets in 290 s"
                                           + (" (done: each answers at once)" if done else ""),
@@ -195,10 +196,14 @@ def test_the_8b_section_judges_the_sweep_the_drags_after_it_and_what_fits():
     assert ("| drags after the sweep | 90% 0.40 s, 75% 0.60 s, 95% 1.40 s: median 0.60 s, the slowest 1.40 s, over "
             "the 1 s target by 0.40 s |") in text
     assert "| a drag to 45% while the sweep runs (Swept 7 of 96 budgets in 30 s) | 1.20 s, the nearest solved plan" in text
-    assert "66 rebuilds in 7 patterns" in text and "legend 9 entries" in text
+    assert "| the plan at 60% as the page reads it (after the sweep) | 66 rebuilds in 7 patterns" in text
+    assert "legend 9 entries" in text and "its plan and charts" in text
     assert "95.00 s, over the 60 s target by 35.00 s; 2 answers, the last after 13.00 s; traced batch 4 30.00 s" in text
     r["titan"] = titan(done=False)
+    r["titan"]["browser"]["first_plan_error"] = ("error\n\nbonsai: bonsai found no checkpoint plan before the time "
+                                                 "limit.\n\nRaise the budget.")
     text = explorer_page.titan_section(r)
+    assert 'no plan, the page said "bonsai: bonsai found no checkpoint plan before the time limit."' in text
     assert "40 of 96 positions in 290 s when the run stopped waiting (260 s), not done |" in text
     del r["titan"]
     assert "Not measured in this run" in explorer_page.titan_section(r)

@@ -563,6 +563,11 @@ def lifetimes_section(results: dict[str, Any]) -> str:
             + "\n".join(lines) + f"\n\nTracing, in-process, for the rows above: {traces}.")
 
 
+def first_words(alert: str) -> str:
+    """An alert's message as the page shows it, without its icon's name ("error")."""
+    return next((line for line in alert.splitlines() if line.strip() and line.strip() != "error"), alert)
+
+
 def titan_section(results: dict[str, Any]) -> str:
     from bonsai_core.units import format_bytes
 
@@ -578,8 +583,9 @@ def titan_section(results: dict[str, Any]) -> str:
     lines = ["| what | measured |", "| --- | --- |",
              f"| trace (in-process) | {secs(t['trace_s'])} ({t['ops']:,} ops) |",
              f"| upload as JSON at {browser.TITAN_8B_BUDGET}% until the Model page shows it | {secs(b['upload_s'])} |",
-             f"| open the Memory page until its charts and the first plan (bonsai at {browser.TITAN_8B_BUDGET}%, "
-             f"solved) are drawn | {secs(b['first_plan_s'])} |",
+             f"| open the Memory page until bonsai's first solve at {browser.TITAN_8B_BUDGET}% is drawn | "
+             f"{secs(b['first_plan_s'])}" + (f": no plan, the page said \"{first_words(b['first_plan_error'])}\""
+                                              if b.get("first_plan_error") else ", its plan and charts") + " |",
              f"| a drag to {b['during']['pct']}% while the sweep runs ({b['during']['sweep'] or 'not started'}) | "
              f"{secs(b['during']['seconds'])}, " + ("the nearest solved plan shown, marked" if b["during"]["stand_in"]
                                                     else "its own plan") + " |"]
@@ -594,8 +600,10 @@ def titan_section(results: dict[str, Any]) -> str:
                                                             for p, s_, near in b["after"])
                      + f": median {secs(statistics.median(after))}, the slowest {secs(max(after))}, "
                      f"{against(max(after), SLIDER_TARGET)} |")
-    lines.append(f"| the plan at {browser.TITAN_8B_BUDGET}% as the page reads it | {b['rebuilds']} rebuilds in "
-                 f"{b['patterns']} patterns (the events table's rows); the lifetimes' legend {b['legend']} entries |")
+    lines.append(f"| the plan at {b['read_at']}% as the page reads it (after the sweep) | "
+                 + (f"{b['rebuilds']} rebuilds in {b['patterns']} patterns (the events table's rows)"
+                    if b.get("patterns") else "its rebuilds did not read as patterns")
+                 + f"; the lifetimes' legend {b['legend']} entries |")
     last = max((a[3] for a in f["answers"]), default=0.0)
     lines.append(f"| What fits, the page's defaults (GPU {format_bytes(f['limit'])}: twice the step's lower bound) | "
                  f"{secs(f['seconds'])}, {against(f['seconds'], FIT_TARGET)}; {len(f['answers'])} answers, the last "
