@@ -61,6 +61,17 @@ def fraction_arg(text: str) -> float:
     return value.fraction
 
 
+def bench_budget_arg(text: str) -> Budget:
+    """A bench budget where a suite also takes bytes: a share of the no-remat peak as every suite writes it
+    (``70`` or ``70%``, :func:`fraction_arg`), or bytes with a unit (``82.4GiB``)."""
+    if text.strip().rstrip("%").replace(".", "", 1).isdigit():
+        return Budget(fraction=fraction_arg(text))
+    value = budget_arg(text)
+    if value.bytes is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: a bench budget is a percentage (70 or 70%) or bytes with a unit")
+    return value
+
+
 def overhead_arg(text: str) -> float:
     """A largest recompute overhead: a percentage (``10%`` or ``10``) as a fraction (0.1), 0 or more.
     Not :func:`fraction_arg`: an overhead is no budget, and 0% (no recomputation) is a limit."""

@@ -8,9 +8,11 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 from bonsai_core.errors import BudgetError
 from bonsai_core.units import UNITS
@@ -59,3 +61,19 @@ def parse_budget(text: str) -> Budget:
         raise BudgetError(f"The budget {text!r} is less than one byte: {ACCEPTED}.")
     return Budget(bytes=int(value))
 
+
+def smallest_meeting(meets: Callable[[int], bool], lo: int, hi: int, steps: int | None = None,
+                     stop: type[Exception] | tuple[type[Exception], ...] = ()) -> int:
+    """The smallest value in ``(lo, hi]`` that ``meets`` accepts, by bisection between ``lo`` (taken as
+    refused) and ``hi`` (taken as met): at most ``steps`` calls (None: until the two are adjacent). A
+    heuristic's success need not be monotone in its budget, so this is the value the bisection lands on, not
+    a proven minimum. ``meets`` raising ``stop`` (a time limit) ends it with the smallest value met so far."""
+    try:
+        for _ in range(steps) if steps is not None else itertools.count():
+            mid = (lo + hi) // 2
+            if mid == lo:
+                break
+            lo, hi = (lo, mid) if meets(mid) else (mid, hi)
+    except stop:
+        pass
+    return hi

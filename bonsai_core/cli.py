@@ -225,10 +225,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     stats = {"graph": g.name, "method": schedule.method, "budget": schedule.budget, **sim.stats(),
              "feasible": sim.feasible(schedule.budget), "ops": len(schedule.ops)}
     if args.allocator:
-        from bonsai_core.allocator import replay
+        from bonsai_core.allocator import replay_as_solved
         from bonsai_core.solvers.pool import pool_replay
 
-        alloc = (pool_replay(g, schedule) if args.arena else replay(g, schedule, policy=allocator_policy(args))).stats()
+        # a plan solved for reserved bytes is replayed as its budget bounded it (the allocator it was solved within)
+        policy = allocator_policy(args) if args.expandable_segments else None
+        alloc = (pool_replay(g, schedule) if args.arena else replay_as_solved(g, schedule, policy)).stats()
         # the allocator's live bytes include the optimizer state: its own name, not the simulator's peak
         alloc["allocator_live_peak"] = alloc.pop("peak")
         stats.update(alloc)

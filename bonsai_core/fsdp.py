@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
@@ -87,6 +88,39 @@ def fsdp_defaults(model: str, reshard_after_forward: bool | str | None,
     reshard = own["reshard_after_forward"] if reshard_after_forward is None else reshard_after_forward
     precision = own["mixed_precision"] if mixed_precision is None else mixed_precision
     return reshard, None if precision == "none" else precision
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How FSDP2 shards a training step: over ``world`` ranks (1: not sharded), ``fully_shard``'s
+    ``reshard_after_forward`` (one flag for every unit, or ``"all-but-last"`` / ``"torchtitan"``:
+    :func:`fsdp_units`) and ``MixedPrecisionPolicy``'s param dtype (None: the parameters' own). The one
+    place its defaults and rules are (:meth:`of`); :meth:`shard` applies it to a traced graph."""
+
+    world: int = 1
+    reshard_after_forward: bool | str = True
+    mixed_precision: str | None = None
+
+    @classmethod
+    def of(cls, world: int = 1, reshard_after_forward: bool | str | None = None, mixed_precision: str | None = None,
+           model: str = "") -> "Sharding":
+        """The setting asked for, the model spec's own where left out (None; :func:`fsdp_defaults`:
+        torchtitan's for a ``torchtitan:`` model). Mixed precision is FSDP2's policy: asked for on an
+        unsharded step (``world`` 1) it is refused, and a model's default one applies to a sharded step only."""
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise BonsaiError(f"{world!r} ranks: FSDP shards a step over 1 or more ranks (--fsdp N, fsdp=N).")
+        if mixed_precision not in (None, "none") and world < 2:
+            raise BonsaiError(f"Mixed precision {mixed_precision!r} is FSDP2's policy: shard the step over N >= 2 "
+                              "ranks with it (--fsdp N, fsdp=N), or leave it out.")
+        reshard, precision = fsdp_defaults(model, reshard_after_forward, mixed_precision)
+        return cls(world, reshard, check_mixed_precision(precision) if world > 1 else None)
+
+    def shard(self, graph: Graph, model: nn.Module) -> Graph:
+        """``graph`` (traced from ``model`` computing in the mixed precision: :func:`computing_in`) as one
+        of the ranks holds it (:func:`shard_by_units`); unchanged on one rank."""
+        if self.world == 1:
+            return graph
+        return shard_by_units(graph, model, self.world, self.reshard_after_forward, self.mixed_precision)
 
 
 def unit_bytes(model: nn.Module, units: Sequence[Sequence[str]], mixed_precision: str | None = None) -> tuple[list[int], int]:
@@ -194,17 +228,13 @@ def with_fsdp(graph: Graph, world: int, blocks: Sequence[tuple[str, int, int, in
     the root's backward begins; ``mixed_precision``: FSDP2's param_dtype (reduce_dtype fp32), the graph
     then traced computing in it (:func:`computing_in`): its parameters and gradients are held sharded in fp32.
     Apply it before :func:`bonsai_core.optimizer.with_optimizer`, whose state is then sharded too."""
-    if world < 1:
-        raise BonsaiError(f"--fsdp {world}: the number of ranks must be at least 1.")
+    Sharding.of(world, True, mixed_precision)  # its rules: ranks, and mixed precision only on a sharded step
     if graph.fsdp is not None:
         raise BonsaiError(f"{graph.name!r} is already sharded over {graph.fsdp['world']} ranks; trace it again.")
     if graph.optimizer is not None:
         raise BonsaiError(f"{graph.name!r} already has its optimizer's state: shard the graph first, then add the "
                           "optimizer (bonsai trace --fsdp N --optimizer NAME does).")
-    check_mixed_precision(mixed_precision)
     if world == 1:
-        if mixed_precision:
-            raise BonsaiError("--mixed-precision is FSDP2's policy: give --fsdp N (N >= 2) with it.")
         return graph
     if not blocks:
         raise BonsaiError(f"{graph.name!r} records no repeated blocks (its 'modules' field has no "
@@ -227,7 +257,7 @@ def with_fsdp(graph: Graph, world: int, blocks: Sequence[tuple[str, int, int, in
                     "units": [[path, int(first), int(last), int(nbytes)] for path, first, last, nbytes in blocks]}
     if mixed_precision:
         data["fsdp"].update(param_dtype=mixed_precision, reduce_dtype=REDUCE_DTYPE)
-    return Graph.from_dict(data)
+    return Graph.rebuilt(data)
 
 
 class Buffer(NamedTuple):

@@ -20,24 +20,24 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from bonsai_core.errors import GraphError
+from bonsai_core.schema import schema
 
 FORMAT = "bonsai-graph"
 VERSION = 1
-PHASES = ("forward", "backward", "input", "param")
-# Fields every node of a graph file has; "op", "alias_of", "inplace_of", "shape" (and fields later
-# versions add, such as "module") are optional.
-REQUIRED_FIELDS = ("id", "name", "phase", "cost", "mem", "deps")
-FIXED_KINDS = ("param", "buffer", "grad", "input", "constant", "optimizer", "fsdp")  # of the optional 'fixed_tensors' entries
+_FORMAT = schema("graph")  # the file format's fields (schemas/graph.schema.json): what a graph built here obeys too
+PHASES = tuple(_FORMAT["$defs"]["node"]["properties"]["phase"]["enum"])
+FIXED_KINDS = tuple(_FORMAT["properties"]["fixed_tensors"]["items"]["prefixItems"][2]["enum"])
 
 # Refused before any heavy work: a graph beyond these is not a training step this tool can help with
 # interactively (the op-level solvers have tighter limits of their own).
-MAX_NODES = 200_000
+MAX_NODES = _FORMAT["properties"]["nodes"]["maxItems"]
 MAX_EDGES = 2_000_000
 MAX_FILE_BYTES = 256 * 2**20
 
@@ -272,14 +272,15 @@ class Graph:
     def with_view_bases(self, nodes: set[int]) -> set[int]:
         """``nodes`` and the bases of every view among them, transitively: what must be resident
         while they are (a resident view keeps its base resident)."""
-        live = set(nodes)
-        stack = list(live)
-        while stack:
-            a = int(self.alias_of[stack.pop()])
-            if a >= 0 and a not in live:
-                live.add(a)
-                stack.append(a)
-        return live
+        return {u for v in nodes for u in self.view_chain(v)}
+
+    def view_chain(self, v: int) -> list[int]:
+        """``v``, the node it views, the node that one views, ... up to the node whose bytes they all share
+        (:meth:`storage_of`): what a resident ``v`` keeps resident. O(length of the chain)."""
+        chain = [int(v)]
+        while self.alias_of[chain[-1]] >= 0:
+            chain.append(int(self.alias_of[chain[-1]]))
+        return chain
 
     def without_held(self) -> "Graph":
         """This graph with only its data deps: what the model's code holds (``held``) dropped. Its data flow,
@@ -291,17 +292,17 @@ class Graph:
             for nd in data["nodes"]:
                 held = set(nd.pop("held", ()))
                 nd["deps"] = [d for d in nd["deps"] if d not in held]
-            self._without_held = Graph.from_dict(data)
+            self._without_held = Graph.rebuilt(data)
         return self._without_held
 
     def storage_of(self, v: int, stop_before: np.ndarray | None = None) -> int:
         """The node whose bytes ``v`` shares: ``v`` itself, or the base at the end of its chain of
         views (a view of a view ...). With ``stop_before`` (bool[n]), the walk ends at the last node
         before a base marked there. O(length of the chain)."""
-        v = int(v)
-        while self.alias_of[v] >= 0 and (stop_before is None or not stop_before[self.alias_of[v]]):
-            v = int(self.alias_of[v])
-        return v
+        chain = self.view_chain(v)
+        if stop_before is None:
+            return chain[-1]
+        return next((u for u, base in zip(chain, chain[1:]) if stop_before[base]), chain[-1])
 
     @property
     def optimizer_peak(self) -> int:
@@ -327,6 +328,22 @@ class Graph:
     def deps(self, v: int) -> np.ndarray:
         """Sorted ids of the nodes whose outputs node ``v`` reads."""
         return self.dep_idx[self.dep_ptr[v]:self.dep_ptr[v + 1]]
+
+    @cached_property
+    def read_by_backward(self) -> np.ndarray:
+        """bool[n]: the nodes some backward node reads (what the step keeps, or rebuilds, for the backward pass)."""
+        reader = np.repeat(np.arange(self.n), np.diff(self.dep_ptr))  # the reader of each edge
+        read = np.zeros(self.n, dtype=bool)
+        read[self.dep_idx[~self.is_forward[reader]]] = True
+        read.setflags(write=False)
+        return read
+
+    @cached_property
+    def dep_lists(self) -> tuple[tuple[int, ...], ...]:
+        """Every node's ``deps`` as a tuple of ints: what a Python loop over the nodes indexes (a numpy slice
+        per node costs it more than the loop's own work)."""
+        idx, ptr = tuple(self.dep_idx.tolist()), self.dep_ptr.tolist()
+        return tuple(idx[ptr[v]:ptr[v + 1]] for v in range(self.n))
 
     def users(self, v: int) -> np.ndarray:
         """Sorted ids of the nodes that read node ``v``'s output."""
@@ -386,77 +403,46 @@ class Graph:
 
     @classmethod
     def from_dict(cls, data: Any) -> "Graph":
-        """Parse a bonsai-graph document (already JSON-decoded), naming the field of any defect."""
+        """Parse a bonsai-graph document (already JSON-decoded), naming the field of any defect: each field's
+        type and range against the format's JSON Schema (:mod:`bonsai_core.schema`), then what it cannot
+        say (ids in listed order, references to earlier nodes: here and in the constructor)."""
+        from bonsai_core.schema import check
+
         check_header(data, GraphError, FORMAT, VERSION, fields="'format', 'version', 'name', 'fixed_mem' and 'nodes'",
                      other="a schedule file? pass it as the schedule instead",
                      too_new=" Re-trace the model with this version of bonsai.")
-        nodes = data.get("nodes")
-        if not isinstance(nodes, list) or not nodes:
-            raise GraphError("'nodes' must be a non-empty list of node objects.")
-        if len(nodes) > MAX_NODES:
-            raise GraphError(f"The graph has {len(nodes)} nodes; this tool handles at most {MAX_NODES}.")
-        if "fixed_mem" not in data:
-            raise GraphError("The graph has no 'fixed_mem': the bytes live for the whole step (parameters, "
-                             "gradients, the batch); write 0 if there are none.")
-        fixed_mem = _int_field(data["fixed_mem"], "'fixed_mem'")
+        check(data, "graph", GraphError)
+        return cls.rebuilt(data)
+
+    @classmethod
+    def rebuilt(cls, data: dict[str, Any]) -> "Graph":
+        """The graph of a document whose fields are of their types (one :meth:`from_dict` checked, or
+        :meth:`to_dict` of a graph, edited): the references between nodes are checked, not the fields."""
+        nodes = data["nodes"]
         parsed = []
         for i, nd in enumerate(nodes):
-            where = f"Node at position {i}"
-            if not isinstance(nd, dict):
-                raise GraphError(f"{where} is a {type(nd).__name__}, not an object with {', '.join(REQUIRED_FIELDS)}.")
-            missing = [k for k in REQUIRED_FIELDS if k not in nd]
-            if missing:
-                raise GraphError(f"{where} ({nd.get('name', 'unnamed')!r}) has no {', '.join(map(repr, missing))}: every "
-                                 f"node needs {', '.join(REQUIRED_FIELDS)} (a source node has \"deps\": []).")
-            if nd.get("id") != i or isinstance(nd.get("id"), bool):
-                raise GraphError(f"{where} has id {nd.get('id')!r}; ids must be 0, 1, 2, ... in listed order "
+            if nd["id"] != i:
+                raise GraphError(f"Node at position {i} has id {nd['id']!r}; ids must be 0, 1, 2, ... in listed order "
                                  "(no duplicates, no gaps).")
-            where = f"Node {i}"
-            deps = nd["deps"]
-            if not isinstance(deps, list):
-                raise GraphError(f"{where}: 'deps' must be a list of node ids, not {type(deps).__name__}.")
-            alias, inplace, held = nd.get("alias_of"), nd.get("inplace_of"), nd.get("held", [])
-            if not isinstance(held, list):
-                raise GraphError(f"{where}: 'held' (optional) must be a list of node ids, not {type(held).__name__}.")
-            parsed.append({
-                "name": _str_field(nd["name"], f"{where} 'name'"),
-                "op": _str_field(nd.get("op", ""), f"{where} 'op'"),
-                "phase": _str_field(nd["phase"], f"{where} 'phase'"),
-                "cost": _float_field(nd["cost"], f"{where} 'cost'"),
-                "mem": _int_field(nd["mem"], f"{where} 'mem'"),
-                "deps": [_int_field(d, f"{where} 'deps'") for d in deps],
-                "alias_of": None if alias is None else _int_field(alias, f"{where} 'alias_of'"),
-                "inplace_of": None if inplace is None else _int_field(inplace, f"{where} 'inplace_of'"),
-                "shape": str(nd.get("shape", "")),
-                "held": [_int_field(d, f"{where} 'held'") for d in held],
-            })
-            if len(set(parsed[-1]["deps"])) != len(deps):
-                raise GraphError(f"{where} lists the same dependency twice in 'deps'.")
-            if alias is not None and not 0 <= parsed[-1]["alias_of"] < i:
-                raise GraphError(f"{where} has alias_of {alias}, which is not an earlier node.")
-            if inplace is not None and not 0 <= parsed[-1]["inplace_of"] < i:
-                raise GraphError(f"{where} has inplace_of {inplace}, which is not an earlier node.")
-        fixed_tensors = data.get("fixed_tensors", [])
-        if not isinstance(fixed_tensors, list) or not all(isinstance(t, list) and len(t) == 3 for t in fixed_tensors):
-            raise GraphError("'fixed_tensors' (optional) must be a list of [name, bytes, kind] triples.")
-        fixed_tensors = [(_str_field(t[0], "'fixed_tensors' name"), _int_field(t[1], "'fixed_tensors' bytes"),
-                          _str_field(t[2], "'fixed_tensors' kind")) for t in fixed_tensors]
-        modules = data.get("modules", [])
-        if not isinstance(modules, list) or not all(isinstance(t, list) and len(t) == 3 for t in modules):
-            raise GraphError("'modules' (optional) must be a list of [path, first, last] triples.")
-        modules = [(_str_field(t[0], "'modules' path"), _int_field(t[1], "'modules' first"),
-                    _int_field(t[2], "'modules' last")) for t in modules]
+            alias, inplace = nd.get("alias_of"), nd.get("inplace_of")
+            for name, ref in (("alias_of", alias), ("inplace_of", inplace)):
+                if ref is not None and not ref < i:
+                    raise GraphError(f"Node {i} has {name} {ref}, which is not an earlier node.")
+            parsed.append({"name": nd["name"], "op": nd.get("op", ""), "phase": nd["phase"], "cost": float(nd["cost"]),
+                           "mem": int(nd["mem"]), "deps": [int(d) for d in nd["deps"]],
+                           "alias_of": None if alias is None else int(alias),
+                           "inplace_of": None if inplace is None else int(inplace), "shape": str(nd.get("shape", "")),
+                           "held": [int(d) for d in nd.get("held", [])]})
+        fixed_tensors = [(t[0], int(t[1]), t[2]) for t in data.get("fixed_tensors", [])]
+        modules = [(t[0], int(t[1]), int(t[2])) for t in data.get("modules", [])]
         optimizer = data.get("optimizer")
         if optimizer is not None:
-            if not isinstance(optimizer, dict) or not {"name", "step_bytes"} <= set(optimizer):
-                raise GraphError("'optimizer' (optional) must be an object with 'name' and 'step_bytes'.")
-            optimizer = {"name": _str_field(optimizer["name"], "'optimizer' name"),
-                         "step_bytes": _int_field(optimizer["step_bytes"], "'optimizer' step_bytes")}
+            optimizer = {"name": optimizer["name"], "step_bytes": int(optimizer["step_bytes"])}
         fsdp = data.get("fsdp")
         if fsdp is not None:
             fsdp = _fsdp_field(fsdp, len(parsed))
-        return cls.from_nodes(_str_field(data.get("name", "graph"), "'name'"), fixed_mem, parsed, fixed_tensors,
-                              modules, optimizer, fsdp)
+        return cls.from_nodes(data.get("name", "graph"), int(data["fixed_mem"]), parsed, fixed_tensors, modules,
+                              optimizer, fsdp)
 
 
 def _csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -495,62 +481,23 @@ def block_stack(graph: Graph) -> list[tuple[str, int, int]]:
     return max(children.values(), key=len, default=[])
 
 
-def _fsdp_field(fsdp: Any, n: int) -> dict[str, Any]:
-    """The optional ``fsdp`` object (bonsai_core.fsdp.with_fsdp), checked."""
-    shape = ("'fsdp' (optional) must be an object with 'world' (ranks), 'reshard_after_forward', 'root_bytes' "
-             "and 'units' ([path, first, last, parameter bytes] per block).")
-    if not isinstance(fsdp, dict) or not {"world", "reshard_after_forward", "root_bytes", "units"} <= set(fsdp):
-        raise GraphError(shape)
-    units = fsdp["units"]
-    if not isinstance(units, list) or not all(isinstance(u, list) and len(u) == 4 for u in units):
-        raise GraphError(shape)
-    parsed = [[_str_field(u[0], "'fsdp' unit path"), _int_field(u[1], "'fsdp' unit first"),
-               _int_field(u[2], "'fsdp' unit last"), _int_field(u[3], "'fsdp' unit bytes")] for u in units]
-    if any(not 0 <= u[1] <= u[2] < n or u[3] < 0 for u in parsed):
-        raise GraphError(f"An 'fsdp' unit is not [path, first <= last node ids, bytes >= 0]: {shape}")
-    model_last = _int_field(fsdp.get("model_last", n - 1), "'fsdp' model_last")
-    if not 0 <= model_last < n:
-        raise GraphError(f"'fsdp' model_last {model_last} is not a node id: {shape}")
+def _fsdp_field(fsdp: dict[str, Any], n: int) -> dict[str, Any]:
+    """The optional ``fsdp`` object (bonsai_core.fsdp.with_fsdp), its units and last node within the graph."""
+    units = [[u[0], int(u[1]), int(u[2]), int(u[3])] for u in fsdp["units"]]
+    bad = next((u for u in units if not u[1] <= u[2] < n), None)
+    if bad is not None:
+        raise GraphError(f"'fsdp' unit {bad} does not span forward node ids first <= last < {n}; trace the model again.")
+    model_last = int(fsdp.get("model_last", n - 1))
+    if not model_last < n:
+        raise GraphError(f"'fsdp' model_last {model_last} is not a node id (the graph has {n} nodes).")
     reshard = fsdp["reshard_after_forward"]
-    if isinstance(reshard, list):
-        if len(reshard) != len(parsed) or not all(isinstance(f, bool) for f in reshard):
-            raise GraphError(f"'fsdp' reshard_after_forward is a bool or one bool per unit: {shape}")
-        reshard = list(reshard)
-    else:
-        reshard = bool(reshard)
-    out = {"world": _int_field(fsdp["world"], "'fsdp' world"), "reshard_after_forward": reshard,
-           "root_bytes": _int_field(fsdp["root_bytes"], "'fsdp' root_bytes"), "model_last": model_last,
-           "units": parsed}
-    dtypes = ("fp32", "bf16", "fp16")  # bonsai_core.fsdp.DTYPE_BYTES
-    for field in ("param_dtype", "reduce_dtype"):
-        if fsdp.get(field) is not None:
-            if fsdp[field] not in dtypes:
-                raise GraphError(f"'fsdp' {field} is {fsdp[field]!r}; it must be one of {', '.join(dtypes)}.")
-            out[field] = fsdp[field]
+    if isinstance(reshard, list) and len(reshard) != len(units):
+        raise GraphError(f"'fsdp' reshard_after_forward has {len(reshard)} flags for {len(units)} units: give one "
+                         "bool, or one per unit.")
+    out = {"world": int(fsdp["world"]), "reshard_after_forward": list(reshard) if isinstance(reshard, list) else reshard,
+           "root_bytes": int(fsdp["root_bytes"]), "model_last": model_last, "units": units}
+    out.update({k: fsdp[k] for k in ("param_dtype", "reduce_dtype") if fsdp.get(k) is not None})
     return out
-
-
-MAX_INT = 2**62  # bytes and ids beyond this are corrupt, not real (and overflow int64)
-
-
-def _int_field(x: Any, what: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x != int(x):
-        raise GraphError(f"{what} is {x!r}; it must be a whole number.")
-    if abs(x) > MAX_INT:
-        raise GraphError(f"{what} is {x!r}, beyond any real size or id (at most 2**62).")
-    return int(x)
-
-
-def _float_field(x: Any, what: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        raise GraphError(f"{what} is {x!r}; it must be a finite number.")
-    return float(x)
-
-
-def _str_field(x: Any, what: str) -> str:
-    if not isinstance(x, str):
-        raise GraphError(f"{what} is {x!r}; it must be a string.")
-    return x
 
 
 def parse_json_bytes(raw: bytes, what: str) -> Any:

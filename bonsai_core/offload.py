@@ -27,10 +27,7 @@ def offloadable(graph: Graph) -> np.ndarray:
     has_view = np.zeros(graph.n, dtype=bool)
     has_view[graph.alias_of[graph.is_view]] = True
     has_view[graph.output_of[graph.output_of >= 0]] = True
-    read_backward = np.zeros(graph.n, dtype=bool)
-    for b in np.flatnonzero(~graph.is_forward).tolist():
-        read_backward[graph.deps(b)] = True
-    return graph.is_forward & ~graph.is_view & ~has_view & ~graph.is_output & (graph.mem > 0) & read_backward
+    return graph.is_forward & ~graph.is_view & ~has_view & ~graph.is_output & (graph.mem > 0) & graph.read_by_backward
 
 
 def with_offloads(graph: Graph, ops: Sequence[tuple[str, int]], nodes: Iterable[int], link_bytes_per_s: float,

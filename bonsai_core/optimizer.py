@@ -63,7 +63,7 @@ def with_optimizer(graph: Graph, name: str) -> Graph:
     data["fixed_tensors"] = [*data["fixed_tensors"], *map(list, state)]
     data["fixed_mem"] = graph.fixed_mem + sum(t[1] for t in state)
     data["optimizer"] = {"name": name, "step_bytes": STEP_TEMPORARIES[name] * sum(b for _, b in grads)}
-    return Graph.from_dict(data)
+    return Graph.rebuilt(data)
 
 
 def make(params: Iterable[torch.nn.Parameter], name: str, lr: float = 1e-3) -> torch.optim.Optimizer | None:

@@ -11,8 +11,8 @@ AOTAutograd traces something else: torch's Python decomposition of ``aten.lstm``
 (``torch/_decomp/decompositions.py``: ``lstm_impl``) unrolls the layer into per-step matmuls,
 sigmoids and tanhs whenever the input requires a gradient (an embedding's output does), and applies
 no dropout between layers (its ``num_layers < i - 1`` is never true). The graph then holds tensors
-eager never makes and misses the workspace eager keeps: a 2-layer LSTM language model's step was
-predicted 33% under its measured peak (issue 44).
+eager never makes and misses the workspace eager keeps: traced that way, a 2-layer LSTM language
+model's step is predicted 33% under its measured peak (docs/results/fused_kernels.md).
 
 So, while tracing, :class:`FusedRecurrent` runs ``torch._VF.lstm`` as the C++ ``mkldnn_rnn`` does it
 (:func:`cpu_lstm`): the graph holds one ``mkldnn_rnn_layer`` per layer and direction, the backward

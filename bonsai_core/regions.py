@@ -210,9 +210,8 @@ def hold_saved(graph: Graph, plan: CheckpointPlan, ops: list[tuple[str, int]]) -
     hold: dict[int, int] = {}
     for v in plan.saved:
         at = rebuild.get(int(seg[v]))
-        while at is not None and v >= 0:
-            hold[v] = max(hold.get(v, -1), at)
-            v = int(graph.alias_of[v])
+        for u in graph.view_chain(v) if at is not None else ():  # a view holds its base
+            hold[u] = max(hold.get(u, -1), at)
     out: list[tuple[str, int]] = []
     later: dict[int, list[int]] = {}
     for i, (kind, v) in enumerate(ops):

@@ -24,6 +24,11 @@ The simulator is the single judge of every method. Its rules (DESIGN.md):
 What rule 3 counts at each op, the live set, comes back as :class:`Residency`: the interval over which
 each copy of a node holds its device bytes (from its compute or reload to its free, cut short by an
 in-place write of rule 8, carried on by an offload copy of rule 9).
+
+:func:`simulate` is a loop over the ops calling one named function per rule: the device side
+(:class:`_Device`: rules 1, 2, 5 and 8, which record the copies) and the host side (:class:`_HostCopies`:
+rule 9's state); after the loop, rule 4 (:func:`_every_node_computed`), the bytes (:func:`_memory`,
+:func:`_peak`: rules 3 and 7, as sums over the copies recorded) and the cost (:func:`_compute_cost`).
 """
 
 from __future__ import annotations
@@ -84,38 +89,22 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, data: Any) -> "Schedule":
-        check_header(data, ScheduleError, FORMAT, VERSION, fields="'format', 'version', 'graph' and 'ops'",
-                     other="a graph file? pass it as the graph instead")
-        raw_ops = data.get("ops")
-        if not isinstance(raw_ops, list):
-            raise ScheduleError("'ops' must be a list of [kind, node id] pairs, kind one of "
-                                + ", ".join(f'"{k}"' for k in KINDS) + ".")
-        ops = []
-        for i, op in enumerate(raw_ops):
-            if (not isinstance(op, list) or len(op) != 2 or op[0] not in KINDS
-                    or isinstance(op[1], bool) or not isinstance(op[1], int)):
-                raise ScheduleError(f"Op {i} is {op!r}; each op is [kind, node id], kind one of "
-                                    + ", ".join(f'"{k}"' for k in KINDS) + ".")
-            ops.append((op[0], op[1]))
-        budget, host_budget = data.get("budget"), data.get("host_budget")
-        for name, value in (("budget", budget), ("host_budget", host_budget)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or not 0 <= value <= 2**62):
-                raise ScheduleError(f"'{name}' is {value!r}; it must be a byte count or null.")
-        device = data.get("device")
-        if device is not None:
-            from bonsai_core.costmodel import PROFILES
+        """Parse a bonsai-schedule document (already JSON-decoded): each field against the format's JSON
+        Schema (:mod:`bonsai_core.schema`), then ``device`` against the cost model's profiles; the ops'
+        rules are the simulator's."""
+        from bonsai_core.costmodel import PROFILES
+        from bonsai_core.schema import check
 
-            if device not in PROFILES:
-                raise ScheduleError(f"'device' is {device!r}; use one of {', '.join(PROFILES)} or leave it out.")
-        stats, extra = data.get("stats", {}), data.get("extra", {})
-        if not isinstance(stats, dict) or not isinstance(extra, dict):
-            raise ScheduleError("'stats' and 'extra' must be JSON objects.")
-        gh = data.get("graph_hash")
-        return cls(graph=str(data.get("graph", "")), method=str(data.get("method", "")), ops=ops,
-                   budget=None if budget is None else int(budget), graph_hash=None if gh is None else str(gh),
-                   stats=stats, extra=extra, device=device,
-                   host_budget=None if host_budget is None else int(host_budget))
+        check_header(data, ScheduleError, FORMAT, VERSION, fields="'format', 'version' and 'ops'",
+                     other="a graph file? pass it as the graph instead")
+        check(data, "schedule", ScheduleError)
+        device = data.get("device")
+        if device is not None and device not in PROFILES:
+            raise ScheduleError(f"'device' is {device!r}; use one of {', '.join(PROFILES)} or leave it out.")
+        budget, host_budget, gh = data.get("budget"), data.get("host_budget"), data.get("graph_hash")
+        return cls(graph=data.get("graph", ""), method=data.get("method", ""), ops=[(kind, v) for kind, v in data["ops"]],
+                   budget=None if budget is None else int(budget), graph_hash=gh, stats=data.get("stats", {}),
+                   extra=data.get("extra", {}), device=device, host_budget=None if host_budget is None else int(host_budget))
 
 
 @dataclass(frozen=True)
@@ -151,13 +140,15 @@ class Residency:
     an input written in place (rule 8) ends at the compute that takes its bytes, and a free an offload
     copy still reads (rule 9) ends when that copy's bytes are released. Views and other nodes without
     bytes are in it too, from compute to free. ``recomputed``: the copy comes from a second or later
-    compute of its node (a reload's copy is not). So ``fixed_mem`` + the bytes of ``live_at(i)`` (+
-    FSDP's working memory) is ``timeline[i]``."""
+    compute of its node (a reload's copy is not). ``taken``: its bytes go to the output of the compute at
+    ``end``, written in place (rule 8). So ``fixed_mem`` + the bytes of ``live_at(i)`` (+ FSDP's working
+    memory) is ``timeline[i]``."""
 
     node: np.ndarray  # int64
     start: np.ndarray  # int64, the position of the compute or reload op
     end: np.ndarray  # int64, the first op after which the bytes no longer count
     recomputed: np.ndarray  # bool
+    taken: np.ndarray  # bool
     n_ops: int
 
     def live_at(self, i: int) -> np.ndarray:
@@ -320,159 +311,294 @@ def timing_of(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> C
 
 
 def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> SimResult:
-    """Replay a schedule on a graph under the rules above; raise ScheduleError at the first broken
-    rule, naming the op and the node. O(len(ops) + edges).
-    Long: one pass over the ops with each rule's check inline; every method's schedule goes through this
-    loop, which per-op function calls would slow down."""
+    """Replay a schedule on a graph under the rules above. One loop over the ops checks each op by the
+    rules that govern its kind and records the copies it makes and ends (:class:`_Device`, rule 9's
+    host side :class:`_HostCopies`); the bytes (rules 3, 7 and 9) and the cost (rule 6) are then sums
+    over that record. Raises ScheduleError naming the op and the node: at the first op a rule forbids,
+    else at the first bound a total breaks (coverage, pinned host bytes). O(len(ops) + edges).
+
+    A new rule is one more function: a check of an op called in the loop for the kinds it governs,
+    with its state on the object of the rules it shares state with; bytes a step holds beyond the
+    graph's tensors (rule 7's kind) are one more entry of :data:`BEYOND_THE_GRAPH`."""
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
-    _, host_limit = host_link(schedule)
+    _made_for(graph, schedule)
+    nodes = _node_ids(graph, ops)
+    timing = timing_of(graph, schedule)
+    host = _HostCopies(graph, timing, host_link(schedule)[1])
+    device = _Device(graph, ops, timing, host.on_host)
+    for i, (kind, v) in enumerate(ops):
+        if kind == COMPUTE:
+            device.inputs_resident(i, v)  # rule 1
+            device.from_its_op(i, v)  # rule 5
+            device.compute(i, v)  # rules 1 and 8
+        elif kind == FREE:
+            device.free(i, v)  # rules 2, 5, 8 and 9
+        elif kind == OFFLOAD:
+            host.offload(i, v, device.resident)  # rule 9
+        elif kind == RELOAD:
+            host.reload(i, v, device.resident)  # rule 9
+            device.reload(i, v)
+        elif kind == WAIT:
+            host.wait(i, v)  # rule 9
+        else:
+            raise ScheduleError(f"Op {i} has kind {kind!r}; use one of {', '.join(KINDS)}.")
+    times_computed = _every_node_computed(graph, device.computed)  # rule 4
+    residency = device.residency(nodes)
+    timeline = _memory(graph, ops, residency)  # rules 3 and 7
+    peak, peak_op = _peak(graph, timeline)  # rule 3
+    host_timeline, host_peak = host.timeline(len(ops))  # rule 9
+    compute_cost = _compute_cost(graph, times_computed, timing.stall)  # rule 6
+    base = graph.total_cost
+    return SimResult(peak=peak, peak_op=peak_op, compute_cost=compute_cost,
+                     overhead=(compute_cost / base - 1.0) if base > 0 else 0.0,
+                     computes=int(times_computed.sum()), recomputes=int(times_computed.sum()) - graph.n,
+                     timeline=timeline, residency=residency, times_computed=times_computed,
+                     events=recompute_events(graph, ops), offloaded_bytes=host.offloaded, host_peak=host_peak,
+                     stall=timing.stall, host_timeline=host_timeline)
+
+
+def _made_for(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> None:
+    """A schedule that names its graph's hash is judged on that graph only."""
     if isinstance(schedule, Schedule) and schedule.graph_hash and schedule.graph_hash != graph.hash:
         raise ScheduleError(
             f"This schedule was made for graph {schedule.graph!r} (hash {schedule.graph_hash}), not for "
             f"{graph.name!r} (hash {graph.hash}): solve again for this graph.")
-    n = graph.n
-    deps = [graph.deps(v).tolist() for v in range(n)]
-    alias = graph.alias_of.tolist()
-    mem = graph.mem.tolist()
-    cost = graph.cost.tolist()
-    resident = [False] * n
-    computed = [0] * n
-    live_views = [0] * n  # resident views of each node
-    output_of = graph.output_of.tolist()
-    inplace_of = graph.inplace_of.tolist()
-    outputs = _separated_outputs(graph)
-    stale = [False] * n  # a separated output freed since its op last ran: no bytes to take it from
-    live = graph.fixed_mem
-    peak, peak_op = live, -1
-    computed_costs: list[float] = []
-    timeline = np.empty(len(ops), dtype=np.int64)
-    written = inplace_writes(graph, ops)  # rule 8: compute position -> the free that releases nothing
-    handed_over = set(written.values())
-    timing = timing_of(graph, schedule)
-    on_host = [False] * n  # rule 9: a host copy, from its offload to its reload
-    host = host_peak = offloaded = 0
-    host_timeline = None if timing is NO_COPIES else np.zeros(len(ops), dtype=np.int64)
-    ever_offloaded: set[int] = set()
-    starts: list[int] = []  # Residency: the position of each copy's compute or reload
-    ends = [len(ops)] * len(ops)  # by a copy's start: the op after which its bytes no longer count
-    copy_of = [0] * n  # each node's current copy, by its start
-    pending: dict[int, int] = {}  # rule 9: position of a free an offload copy still reads -> its copy's start
-    again: list[int] = []  # the copies (by index) of a second or later compute
-    for i, (kind, v) in enumerate(ops):
-        if not (isinstance(v, (int, np.integer)) and 0 <= v < n):
-            raise ScheduleError(f"Op {i} ({kind} {v!r}) names no node of graph {graph.name!r} "
-                                f"(ids are 0..{n - 1}): is this schedule for another graph?")
-        for pos in timing.device_released.get(i, ()):  # rule 9: frees an offload copy was still reading
-            live -= mem[ops[pos][1]]
-            ends[pending.pop(pos)] = i
-        for pos in timing.host_released.get(i, ()):
-            host -= mem[ops[pos][1]]
-        if kind == COMPUTE:
-            if on_host[v] and not resident[v]:
-                raise ScheduleError(f"Op {i} computes node {v} ({graph.names[v]!r}), which is offloaded to host "
-                                    "memory: reload it instead.")
-            if resident[v]:
-                raise ScheduleError(f"Op {i} computes node {v} ({graph.names[v]!r}), which is already resident.")
-            for d in deps[v]:
-                if not resident[d]:
-                    raise ScheduleError(f"Op {i} computes node {v} ({graph.names[v]!r}) but its input "
-                                        f"{d} ({graph.names[d]!r}) is not resident"
-                                        + (": it is offloaded, reload it first." if on_host[d] else "."))
-            if stale[v]:
-                op = output_of[v]
-                raise ScheduleError(f"Op {i} computes node {v} ({graph.names[v]!r}), an output of node {op} "
-                                    f"({graph.names[op]!r}), again after freeing it, but {op} has not run since: "
-                                    "that output's bytes come only from its op's kernel. Keep it resident, or "
-                                    "recompute its op first.")
-            for out in outputs.get(v, ()):
-                stale[out] = False
-            resident[v] = True
-            computed[v] += 1
-            if alias[v] >= 0:
-                live_views[alias[v]] += 1
-            if i in written:
-                live -= mem[inplace_of[v]]
-                ends[copy_of[inplace_of[v]]] = i
-            live += mem[v]
-            copy_of[v] = i
-            if computed[v] > 1:
-                again.append(len(starts))
-            starts.append(i)
-            computed_costs.append(cost[v])
-            if live > peak:
-                peak, peak_op = live, i
-        elif kind == FREE:
-            if not resident[v]:
-                raise ScheduleError(f"Op {i} frees node {v} ({graph.names[v]!r}), which is not resident.")
-            if live_views[v]:
-                raise ScheduleError(f"Op {i} frees node {v} ({graph.names[v]!r}) while {live_views[v]} view(s) "
-                                    "of it are resident: free the views first.")
-            if i in handed_over and i in timing.deferred:
-                raise ScheduleError(f"Op {i} frees node {v} ({graph.names[v]!r}) for an in-place write (rule 8) "
+
+
+def _node_ids(graph: Graph, ops: Sequence[tuple[str, int]]) -> np.ndarray:
+    """int64[len(ops)]: the node each op names; every op names a node of the graph."""
+    ids = np.array([v for _, v in ops])
+    if len(ops) and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= graph.n):
+        i, (kind, v) = next((i, op) for i, op in enumerate(ops)
+                            if not (isinstance(op[1], (int, np.integer)) and 0 <= op[1] < graph.n))
+        raise ScheduleError(f"Op {i} ({kind} {v!r}) names no node of graph {graph.name!r} "
+                            f"(ids are 0..{graph.n - 1}): is this schedule for another graph?")
+    return ids.astype(np.int64, copy=False)
+
+
+class _Device:
+    """Rules 1, 2, 5 and 8 as the loop keeps them: which nodes are resident on the device, and the copies
+    :class:`Residency` records, each from its compute or reload (``starts``) to the op before which its
+    bytes stop counting (``ends``, by the copy's start)."""
+
+    def __init__(self, graph: Graph, ops: Sequence[tuple[str, int]], timing: CopyTiming, on_host: list[bool]):
+        n = graph.n
+        self.graph, self.on_host = graph, on_host
+        self.deps, self.alias, self.output_of = graph.dep_lists, graph.alias_of.tolist(), graph.output_of.tolist()
+        self.inplace_of, self.outputs = graph.inplace_of.tolist(), _separated_outputs(graph)
+        self.resident = [False] * n
+        self.computed = [0] * n
+        self.live_views = [0] * n  # resident views of each node
+        self.stale = [False] * n  # rule 5: a separated output freed since its op last ran
+        self.copy_of = [0] * n  # each node's current copy, by its start
+        self.starts: list[int] = []
+        self.again: list[int] = []  # the copies (by index) of a second or later compute
+        self.taken: list[int] = []  # rule 8: the copies (by start) whose bytes an in-place write took
+        self.ends = [len(ops)] * len(ops)
+        self.written = inplace_writes(graph, ops)  # rule 8: compute position -> the free that releases nothing
+        self.handed_over = set(self.written.values())
+        self.deferred, self.device_released = timing.deferred, timing.device_released  # rule 9
+        self.kept_past_free = self.handed_over | self.deferred
+        self.pending: dict[int, int] = {}  # rule 9: position of a free an offload copy still reads -> its copy
+
+    def _name(self, v: int) -> str:
+        return f"node {v} ({self.graph.names[v]!r})"
+
+    def inputs_resident(self, i: int, v: int) -> None:
+        """Rule 1: v is not resident (nor only on the host), and every dep of v is (a view's base is one)."""
+        resident = self.resident
+        if resident[v] or self.on_host[v]:
+            raise ScheduleError(f"Op {i} computes {self._name(v)}, which is " + (
+                "already resident." if resident[v] else "offloaded to host memory: reload it instead."))
+        for d in self.deps[v]:
+            if not resident[d]:
+                raise ScheduleError(f"Op {i} computes {self._name(v)} but its input {d} ({self.graph.names[d]!r}) is not resident"
+                                    + (": it is offloaded, reload it first." if self.on_host[d] else "."))
+
+    def from_its_op(self, i: int, v: int) -> None:
+        """Rule 5: a separated output freed since its op last ran is not computed again; computing an op
+        makes its separated outputs computable."""
+        if self.stale[v]:
+            op = self.output_of[v]
+            raise ScheduleError(f"Op {i} computes {self._name(v)}, an output of {self._name(op)}, again after "
+                                f"freeing it, but {op} has not run since: that output's bytes come only from its "
+                                "op's kernel. Keep it resident, or recompute its op first.")
+        for out in self.outputs.get(v, ()):
+            self.stale[out] = False
+
+    def compute(self, i: int, v: int) -> None:
+        """Rule 1: v becomes resident, a new copy (a view keeps its base resident)."""
+        self.resident[v] = True
+        self.computed[v] += 1
+        if self.computed[v] > 1:
+            self.again.append(len(self.starts))
+        if self.alias[v] >= 0:
+            self.live_views[self.alias[v]] += 1
+        if i in self.written:
+            self.write_in_place(i, v)
+        self.copy_of[v] = i
+        self.starts.append(i)
+
+    def write_in_place(self, i: int, v: int) -> None:
+        """Rule 8: v takes its input's bytes, whose copy ends here (the free after it releases nothing)."""
+        self.ends[self.copy_of[self.inplace_of[v]]] = i
+        self.taken.append(self.copy_of[self.inplace_of[v]])
+
+    def reload(self, i: int, v: int) -> None:
+        """Rule 9: v's bytes are back on the device, a new copy (no compute)."""
+        self.resident[v] = True
+        self.copy_of[v] = i
+        self.starts.append(i)
+
+    def free(self, i: int, v: int) -> None:
+        """Rule 2: v is resident and no view of it is; its copy ends here, unless an in-place write took its
+        bytes (rule 8) or an offload copy still reads them (rule 9). Rule 5: a separated output freed
+        without a host copy is stale until its op runs again."""
+        if not self.resident[v]:
+            raise ScheduleError(f"Op {i} frees {self._name(v)}, which is not resident.")
+        if self.live_views[v]:
+            raise ScheduleError(f"Op {i} frees {self._name(v)} while {self.live_views[v]} view(s) "
+                                "of it are resident: free the views first.")
+        self.resident[v] = False
+        if self.alias[v] >= 0:
+            self.live_views[self.alias[v]] -= 1
+        if self.output_of[v] >= 0:
+            self.stale[v] = not self.on_host[v]
+        if i not in self.kept_past_free:
+            self.ends[self.copy_of[v]] = i
+        elif i in self.deferred:
+            if i in self.handed_over:
+                raise ScheduleError(f"Op {i} frees {self._name(v)} for an in-place write (rule 8) "
                                     "while its offload copy still reads it: wait for the copy first.")
-            resident[v] = False
-            stale[v] = output_of[v] >= 0 and not on_host[v]
-            if alias[v] >= 0:
-                live_views[alias[v]] -= 1
-            if i in timing.deferred:
-                pending[i] = copy_of[v]
-            elif i not in handed_over:
-                live -= mem[v]
-                ends[copy_of[v]] = i
-        elif kind == OFFLOAD:
-            what = f"Op {i} offloads node {v} ({graph.names[v]!r})"
-            if not resident[v] or on_host[v]:
-                raise ScheduleError(f"{what}, which is " + ("already offloaded." if on_host[v] else "not resident."))
-            if alias[v] >= 0:
-                raise ScheduleError(f"{what}, a view: offload the node whose storage it shares "
-                                    f"({alias[v]}, {graph.names[alias[v]]!r}).")
-            on_host[v] = True
-            ever_offloaded.add(v)
-            host += mem[v]
-            offloaded += mem[v]
-            host_peak = max(host_peak, host)
-            if host_limit is not None and host > host_limit:
-                raise ScheduleError(f"{what}: the pinned host buffers would hold {host} bytes, over the "
-                                    f"host budget of {host_limit} bytes. Offload less, or raise the host budget.")
-        elif kind == RELOAD:
-            if not on_host[v] or resident[v]:
-                raise ScheduleError(f"Op {i} reloads node {v} ({graph.names[v]!r}), which is "
-                                    + ("still resident: free it first." if on_host[v] else "not offloaded."))
-            resident[v], on_host[v] = True, False
-            live += mem[v]  # the bytes come back when the reload starts
-            copy_of[v] = i
-            starts.append(i)
-            if live > peak:
-                peak, peak_op = live, i
-        elif kind == WAIT:
-            if v not in ever_offloaded:
-                raise ScheduleError(f"Op {i} waits for node {v} ({graph.names[v]!r}), which was never offloaded.")
-        else:
-            raise ScheduleError(f"Op {i} has kind {kind!r}; use one of {', '.join(KINDS)}.")
-        timeline[i] = live
-        if host_timeline is not None:
-            host_timeline[i] = host
-    never = [v for v in range(n) if not computed[v]]
-    if never:
-        v = never[0]
+            self.pending[i] = self.copy_of[v]
+
+    def residency(self, nodes: np.ndarray) -> Residency:
+        """The copies recorded, a deferred free's copy ending where rule 9's clock releases its bytes."""
+        for at, positions in self.device_released.items():
+            for pos in positions:
+                self.ends[self.pending.pop(pos)] = at
+        start = np.asarray(self.starts, dtype=np.int64)
+        recomputed = np.zeros(len(start), dtype=bool)
+        recomputed[self.again] = True
+        taken = np.zeros(len(self.ends), dtype=bool)  # by position
+        taken[self.taken] = True
+        return Residency(node=nodes[start], start=start, end=np.asarray(self.ends, dtype=np.int64)[start],
+                         recomputed=recomputed, taken=taken[start], n_ops=len(nodes))
+
+
+class _HostCopies:
+    """Rule 9's state: which nodes have a host copy, the pinned buffers held (each from its offload until
+    its reload's copy ends, :func:`copy_timing`'s clock) and their bytes within the host budget."""
+
+    def __init__(self, graph: Graph, timing: CopyTiming, limit: int | None):
+        self.graph, self.mem, self.limit = graph, graph.mem.tolist(), limit
+        self.on_host = [False] * graph.n  # from its offload to its reload
+        self.offload_at: dict[int, int] = {}  # node -> position of its latest offload
+        self.buffers: list[tuple[int, int, int]] = []  # (offload position, reload position or -1, node)
+        self.releases = sorted(timing.host_released.items())  # (position, reloads whose buffers go just before it)
+        self.released = 0  # how many of them the pinned bytes have given back
+        self.reloaded: dict[int, int] = {}  # reload position -> its node
+        self.pinned = 0  # bytes of the buffers held, as of the latest offload
+        self.offloaded = 0  # bytes of every offload op
+
+    def offload(self, i: int, v: int, resident: list[bool]) -> None:
+        """v is resident, not a view, and has no host copy yet; its buffer keeps the pinned bytes within the
+        host budget."""
+        what = f"Op {i} offloads node {v} ({self.graph.names[v]!r})"
+        if not resident[v] or self.on_host[v]:
+            raise ScheduleError(f"{what}, which is " + ("already offloaded." if self.on_host[v] else "not resident."))
+        a = int(self.graph.alias_of[v])
+        if a >= 0:
+            raise ScheduleError(f"{what}, a view: offload the node whose storage it shares ({a}, {self.graph.names[a]!r}).")
+        while self.released < len(self.releases) and self.releases[self.released][0] <= i:
+            self.pinned -= sum(self.mem[self.reloaded[r]] for r in self.releases[self.released][1])
+            self.released += 1
+        self.on_host[v] = True
+        self.offload_at[v] = i
+        self.pinned += self.mem[v]
+        self.offloaded += self.mem[v]
+        if self.limit is not None and self.pinned > self.limit:
+            raise ScheduleError(f"{what}: the pinned host buffers would hold {self.pinned} bytes, over the host "
+                                f"budget of {self.limit} bytes. Offload less, or raise the host budget.")
+
+    def reload(self, i: int, v: int, resident: list[bool]) -> None:
+        """v has a host copy and was freed since; its bytes come back."""
+        if not self.on_host[v] or resident[v]:
+            raise ScheduleError(f"Op {i} reloads node {v} ({self.graph.names[v]!r}), which is "
+                                + ("still resident: free it first." if self.on_host[v] else "not offloaded."))
+        self.on_host[v] = False
+        self.reloaded[i] = v
+        self.buffers.append((self.offload_at[v], i, v))
+
+    def wait(self, i: int, v: int) -> None:
+        """v was offloaded (compute waits for its copy: :func:`copy_timing`)."""
+        if v not in self.offload_at:
+            raise ScheduleError(f"Op {i} waits for node {v} ({self.graph.names[v]!r}), which was never offloaded.")
+
+    def timeline(self, n_ops: int) -> tuple[np.ndarray | None, int]:
+        """The pinned host bytes after each op (None: nothing offloaded) and their most."""
+        if not self.offload_at:
+            return None, 0
+        buffers = self.buffers + [(at, -1, v) for v, at in self.offload_at.items() if self.on_host[v]]
+        released = {r: at for at, reloads in self.releases for r in reloads}
+        start = np.array([b[0] for b in buffers], dtype=np.int64)
+        end = np.array([released.get(b[1], n_ops) for b in buffers], dtype=np.int64)
+        timeline = held_bytes(start, end, np.array([self.mem[b[2]] for b in buffers], dtype=np.int64), n_ops)
+        return timeline, int(timeline.max())
+
+
+def _every_node_computed(graph: Graph, computed: list[int]) -> np.ndarray:
+    """Rule 4: every node is computed at least once. Returns int64[n], the times each node is."""
+    times = np.asarray(computed, dtype=np.int64)
+    never = np.flatnonzero(times == 0)
+    if len(never):
+        v = int(never[0])
         raise ScheduleError(f"The schedule never computes node {v} ({graph.names[v]!r})"
                             + (f" and {len(never) - 1} other node(s)" if len(never) > 1 else "")
                             + ": every node must be computed at least once.")
-    timeline, peak, peak_op = _beyond_the_graph(graph, ops, timeline, peak, peak_op)
-    stall = timing.stall
-    base, total = graph.total_cost, math.fsum(computed_costs) + stall
-    events = recompute_events(graph, ops)
-    start = np.asarray(starts, dtype=np.int64)
-    recomputed = np.zeros(len(starts), dtype=bool)
-    recomputed[again] = True
-    residency = Residency(node=np.asarray([ops[i][1] for i in starts], dtype=np.int64), start=start,
-                          end=np.asarray(ends, dtype=np.int64)[start], recomputed=recomputed, n_ops=len(ops))
-    return SimResult(peak=int(peak), peak_op=peak_op, compute_cost=total,
-                     overhead=(total / base - 1.0) if base > 0 else 0.0,
-                     computes=len([1 for k, _ in ops if k == COMPUTE]), recomputes=int(sum(computed) - n),
-                     timeline=timeline, residency=residency, times_computed=np.asarray(computed, dtype=np.int64),
-                     events=events, offloaded_bytes=offloaded, host_peak=host_peak,
-                     stall=stall, host_timeline=host_timeline)
+    return times
+
+
+def _fsdp_working_memory(graph: Graph, ops: Sequence[tuple[str, int]]) -> np.ndarray | None:
+    """Rule 7: on an FSDP rank, the unsharded blocks, held gradients and collective buffers after each op."""
+    if graph.fsdp is None:
+        return None
+    from bonsai_core.fsdp import working_profile
+
+    return working_profile(graph, ops)
+
+
+# What a step holds beyond the graph's tensors and fixed_mem, each a function of the graph and the ops
+# giving the bytes held after each op (or None where the graph has none of it), added to the timeline.
+BEYOND_THE_GRAPH = (_fsdp_working_memory,)
+
+
+def _memory(graph: Graph, ops: Sequence[tuple[str, int]], residency: Residency) -> np.ndarray:
+    """Rule 3: the bytes after each op, ``fixed_mem`` + the live set's, + what :data:`BEYOND_THE_GRAPH`
+    holds."""
+    timeline = graph.fixed_mem + residency.bytes_held(graph.mem)
+    for working in BEYOND_THE_GRAPH:
+        extra = working(graph, ops)
+        if extra is not None:
+            timeline = timeline + extra
+    return timeline
+
+
+def _peak(graph: Graph, timeline: np.ndarray) -> tuple[int, int]:
+    """Rule 3: the peak and the first op at it (-1: nothing above ``fixed_mem``), the optimizer step after
+    the last op included (``Graph.optimizer_peak``, then the last op)."""
+    peak, peak_op = graph.fixed_mem, -1
+    if len(timeline) and timeline.max() > peak:
+        peak_op = int(timeline.argmax())
+        peak = int(timeline[peak_op])
+    if graph.optimizer_peak > peak:
+        peak, peak_op = graph.optimizer_peak, len(timeline) - 1
+    return peak, peak_op
+
+
+def _compute_cost(graph: Graph, times_computed: np.ndarray, stall: float) -> float:
+    """Rule 6: the seconds of every compute, + the stalls rule 9's copies cause."""
+    return math.fsum(np.repeat(graph.cost, times_computed).tolist()) + stall
 
 
 def recompute_events(graph: Graph, ops: Sequence[tuple[str, int]]) -> tuple[RecomputeEvent, ...]:
@@ -513,21 +639,6 @@ def recomputes(ops: Sequence[tuple[str, int]], events: Sequence[RecomputeEvent])
     for e in events:
         flags[e.start:e.end + 1] = True
     return flags & np.fromiter((kind == COMPUTE for kind, _ in ops), dtype=bool, count=len(ops))
-
-
-def _beyond_the_graph(graph: Graph, ops: Sequence[tuple[str, int]], timeline: np.ndarray, peak: int,
-                      peak_op: int) -> tuple[np.ndarray, int, int]:
-    """The timeline and peak with what the step holds beyond the graph's tensors: on an FSDP rank the
-    unsharded blocks and held gradients, and the optimizer step after the backward pass."""
-    if graph.fsdp is not None:
-        from bonsai_core.fsdp import working_profile
-
-        timeline = timeline + working_profile(graph, ops)
-        peak_op = int(np.argmax(timeline)) if len(timeline) else -1
-        peak = max(int(timeline.max(initial=graph.fixed_mem)), graph.fixed_mem)
-    if graph.optimizer_peak > peak:  # the optimizer step after the backward pass sets the peak
-        peak, peak_op = graph.optimizer_peak, len(ops) - 1
-    return timeline, peak, peak_op
 
 
 def _separated_outputs(graph: Graph) -> dict[int, list[int]]:

@@ -9,20 +9,21 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from bonsai_core.fsdp import Sharding
 from bonsai_core.models.torchtitan import TitanLoss
 from bonsai_core.training import Plan, plan
 
 
 def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: str = "bonsai", *,
-             fsdp: int = 1, optimizer: str = "adamw", reshard_after_forward: bool | str = "torchtitan",
-             mixed_precision: str | None = "bf16", **options: Any) -> Plan:
+             fsdp: int = 1, optimizer: str = "adamw", reshard_after_forward: bool | str | None = None,
+             mixed_precision: str | None = None, **options: Any) -> Plan:
     """A checkpoint plan (:func:`bonsai_core.plan`) for one training step of torchtitan's Llama 3
     ``model`` on a local batch of ``batch x seq`` tokens with torchtitan's loss, as one of ``fsdp``
     ranks holds it (``optimizer``'s state sharded too), sharded as torchtitan 0.2.2's ``apply_fsdp`` shards
-    it (``reshard_after_forward="torchtitan"``, :func:`bonsai_core.fsdp.fsdp_units`; ``True`` for
+    it (by default, None: ``"torchtitan"``, :func:`bonsai_core.fsdp.fsdp_units`; ``True`` for
     ``fully_shard`` on each block and the model alone) under FSDP2's mixed precision as torchtitan sets it
-    (``training.mixed_precision_param``, bfloat16 by default: ``mixed_precision="bf16"``; None for an fp32
-    run; ignored without ``fsdp``). ``model`` is the ``Transformer`` torchtitan
+    (``training.mixed_precision_param``, bfloat16 by default; ``mixed_precision="none"`` for an fp32 run),
+    torchtitan's setting as :meth:`bonsai_core.fsdp.Sharding.of` gives it for a ``torchtitan:`` model. ``model`` is the ``Transformer`` torchtitan
     built, on any device (``meta`` too: only shapes are read), before ``parallelize_llama``.
 
     ``plan.apply(model)`` then does what torchtitan's ``apply_ac`` does, one save policy per block
@@ -32,6 +33,7 @@ def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: 
     blocks again (docs/REAL_RUNS.md shows the ``parallelize_fn`` that does both)."""
     device = next(model.parameters()).device
     tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision, model="torchtitan:")
     return plan(model, (tokens,), TitanLoss(tokens.clone()), budget, method, fsdp=fsdp, optimizer=optimizer,
-                reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision if fsdp > 1 else None,
+                reshard_after_forward=sharding.reshard_after_forward, mixed_precision=sharding.mixed_precision,
                 **options)

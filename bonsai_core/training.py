@@ -55,6 +55,7 @@ from bonsai_core.budget import Budget, parse_budget
 from bonsai_core.errors import BonsaiError, BudgetError, ModelError, SolverError
 from bonsai_core.export_runtime.checkpointing import (apply_offloads, apply_saves, is_checkpointed, is_offloading,
                                                       remove_checkpoints)
+from bonsai_core.fsdp import Sharding
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak, simulate
 from bonsai_core.units import format_bytes
@@ -215,7 +216,8 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
             model's parameters (a model on ``meta`` is planned for CUDA); the report says which.
         options: the method's options (as ``bonsai solve --option``), e.g. ``time_limit=30``.
     """
-    _check_arguments(method, fsdp, options)
+    _check_arguments(method, options)
+    sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision)
     root, inputs, prefix = _step_inputs(model, example_inputs, loss_fn)
     if any(is_checkpointed(m) or is_offloading(m) for m in model.modules()):
         raise ModelError("The model is already checkpointed by bonsai: plan it as it is without checkpoints "
@@ -236,7 +238,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     step = _FakeStep.of(root, inputs, loss_fn, type(model).__name__)
-    graph = step.graph(autocast, optimizer, fsdp, reshard_after_forward, mixed_precision, kernels)
+    graph = step.graph(autocast, optimizer, sharding, kernels)
     seconds["trace"] = time.perf_counter() - start
     reference = no_remat_peak(graph)
     limit = wanted.resolve(reference)
@@ -258,7 +260,7 @@ def plan(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.T
     return made
 
 
-def _check_arguments(method: str, fsdp: int, options: dict[str, Any]) -> None:
+def _check_arguments(method: str, options: dict[str, Any]) -> None:
     """Refuse what :func:`plan` cannot do, naming its own arguments (not the CLI's flags)."""
     from bonsai_core.solvers import check_options, method_options
 
@@ -266,8 +268,6 @@ def _check_arguments(method: str, fsdp: int, options: dict[str, Any]) -> None:
         raise BonsaiError(f"method={method!r}: bonsai.plan applies checkpoint-region plans, made by method="
                           f"{' or '.join(map(repr, REGION_METHODS))}; {method!r} makes a general recompute sequence, "
                           "which torch.utils.checkpoint cannot run. Give method='bonsai' or method='chen'.")
-    if isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1:
-        raise BonsaiError(f"fsdp={fsdp!r}: give the number of ranks fully_shard will shard the model over (1 or more).")
     try:
         check_options(method, options)
     except SolverError:  # its message ends with the CLI's `bonsai methods`
@@ -484,23 +484,18 @@ class _FakeStep:
         with self.mode, skip_tensor_asserts(), computing_in(self.model, self.mixed_precision):
             yield
 
-    def graph(self, autocast: str | None, optimizer: str, fsdp: int = 1, reshard_after_forward: bool | str = True,
-              mixed_precision: str | None = None, kernels: str = "cuda") -> Graph:
-        """The traced step (as one of ``fsdp`` ranks holds it, under FSDP2's ``mixed_precision`` policy),
-        with the optimizer's state and step, recording ``kernels``' device's dropout and attention."""
-        from bonsai_core.fsdp import check_mixed_precision, shard_by_units
+    def graph(self, autocast: str | None, optimizer: str, sharding: Sharding, kernels: str = "cuda") -> Graph:
+        """The traced step (as one of ``sharding``'s ranks holds it, under its mixed precision), with the
+        optimizer's state and step, recording ``kernels``' device's dropout and attention."""
         from bonsai_core.optimizer import check_name, with_optimizer
         from bonsai_core.trace import trace_step
 
         check_name(optimizer)
-        if check_mixed_precision(mixed_precision) and fsdp < 2:
-            raise ModelError("mixed_precision is FSDP2's policy: give fsdp=N (N >= 2) with it.")
-        self.autocast, self.mixed_precision, self.kernels = autocast, mixed_precision, kernels
+        self.autocast, self.mixed_precision, self.kernels = autocast, sharding.mixed_precision, kernels
         with self.running():
             traced = trace_step(self.model, self.inputs, self.loss_fn, name=self.name, autocast=autocast,
                                 kernels=kernels)
-        graph = (shard_by_units(traced.graph, self.model, fsdp, reshard_after_forward, mixed_precision)
-                 if fsdp > 1 else traced.graph)
+        graph = sharding.shard(traced.graph, self.model)
         return with_optimizer(graph, optimizer)
 
     def layout(self, graph: Graph, schedule: Schedule) -> tuple[Save, _Layout]:

@@ -481,14 +481,12 @@ def replay(graph: Graph, outcome: Outcome) -> Any:
     failed solve, or the error message. A plan solved for reserved bytes is replayed as it was bounded
     (its allocator, the fixed tensors outside the pool: ``solvers.solve_reserved``); any other in the
     full arena of PyTorch's caching allocator (``bonsai_core.allocator``'s module docstring)."""
-    from bonsai_core.allocator import replay as replay_schedule
+    from bonsai_core.allocator import replay_as_solved
 
     if outcome.schedule is None:
         return None
     try:
-        if outcome.reserved is not None:
-            return replay_schedule(graph, outcome.schedule, policy=outcome.reserved, full=False)
-        return replay_schedule(graph, outcome.schedule)
+        return replay_as_solved(graph, outcome.schedule)
     except BonsaiError as e:
         return str(e)
 

@@ -368,9 +368,7 @@ def module_boxes(graph: Graph, depth: int, tree: ModuleTree | None = None, owner
     keep = np.ones(len(names), dtype=bool)
     for k, members in enumerate(runs):
         if call[k] < 0 and all(graph.is_view[v] or graph.output_of[v] >= 0 for v in members):
-            base = members[0]
-            while graph.is_view[base] and of[base] == k:
-                base = int(graph.alias_of[base])
+            base = next(u for u in graph.view_chain(members[0]) if not graph.is_view[u] or of[u] != k)
             if of[base] != k and of[base] >= 0:
                 of[members] = of[base]
                 keep[k] = False

@@ -1,11 +1,11 @@
-"""Fused kernels, predicted against measured (issue 44): writes docs/results/fused_kernels.md.
+"""Fused kernels, predicted against measured: writes docs/results/fused_kernels.md.
 
 1. Per kernel: for each fused op a model's traced step holds (the recurrent kernel, fused norms, fused
    attention, dropout's fused kernel) the bytes the graph gives each call (its outputs, what the
    autograd formula may save) against the bytes the eager CPU step's call makes
    (``bonsai_core.measure.OpOutputs``).
 2. Recurrent language models (tests/recurrent_models.py), whole steps: the no-remat peak as traced
-   through torch's decomposition of ``nn.LSTM`` and as traced now (the fused kernel,
+   through torch's decomposition of ``nn.LSTM`` and as `bonsai trace` records it (the fused kernel,
    ``bonsai_core.recurrent``) against the measured eager step; then bonsai at 80% of the no-remat
    peak exported with the checkpoint back-end: its own prediction (``realised_peak``) against the
    measured step (``verify_checkpoint``).
@@ -142,7 +142,7 @@ TEMPLATE = """{header}
 # Fused kernels: predicted against measured
 
 Written by `PYTHONPATH=. python scripts/fused_kernels.py` on {date} ({machine}; the project's shared
-development machine, no GPU: every number is CPU live bytes, exact, from `bonsai_core.measure`). Issue 44; how the
+development machine, no GPU: every number is CPU live bytes, exact, from `bonsai_core.measure`). How the
 trace records each kernel: [EXPORT.md](../EXPORT.md#recurrent-layers), `bonsai_core/recurrent.py`.
 
 ## Per kernel
@@ -163,7 +163,7 @@ gap is in [predicted_vs_measured.md](predicted_vs_measured.md).
 Command: `{command}`, {date}.
 An embedding, a 2-layer `nn.LSTM`/`nn.GRU` (width 64, dropout 0.1 between layers), a linear head;
 batch 8, 32 tokens, vocabulary 256 (`tests/recurrent_models.py`). No-remat peak as traced through
-torch's decomposition of the layer (before issue 44) and as traced now, each against the measured
+torch's decomposition of the layer and as `bonsai trace` records it (the fused kernel), each against the measured
 eager step; then bonsai at 80% of the no-remat peak, `export --backend checkpoint`: the plan's peak,
 the back-end's own prediction (`realised_peak`) and the measured peak of the exported step.
 

@@ -1,4 +1,4 @@
-"""Issue 41's mechanisms through the one call: per model (built in tests/test_one_call_models.py), the
+"""Mechanisms through the one call (in-place writes, frozen weights, budgets to the byte): per model (built in tests/test_one_call_models.py), the
 report's predicted peak against one real CPU step (live bytes), and whether loss, gradients and
 buffers equal the model's without the plan.
 
@@ -109,7 +109,7 @@ def main(argv: list[str]) -> None:
     rows = [row(*case) for case in CASES]
     text = "\n".join([
         page_header(COMMAND, ["scripts/one_call_mechanisms.py", "tests/test_one_call_models.py"]),
-        "# Issue 41's mechanisms through the one call",
+        "# Mechanisms through the one call",
         "",
         f"`{COMMAND}` on {datetime.date.today()}, {platform.machine()} CPU, torch {torch.__version__}: "
         "`bonsai.checkpoint(..., budget=B)` (on BudgetError, `best_effort=True`), then one real step measured "

@@ -19,7 +19,7 @@ import argparse
 
 import numpy as np
 
-from bonsai_core.allocator import replay
+from bonsai_core.allocator import bounded_replay
 from bonsai_core.fsdp import working_profile
 from bonsai_core.graph import Graph, load_graph
 from bonsai_core.regions import CheckpointPlan, hold_saved
@@ -41,7 +41,7 @@ def breakdown(graph: Graph, schedule: Schedule, policy: str) -> dict[str, float]
     parts["backward tensors (transients)"] = int(graph.mem[resident[~forward]].sum()) / GiB
     parts["FSDP buffers"] = int(working_profile(graph, schedule.ops)[at]) / GiB
     parts["live peak"] = sim.peak / GiB
-    reserved = replay(graph, schedule, policy=policy, full=False).reserved_peak
+    reserved = bounded_replay(graph, schedule, policy).reserved_peak
     parts[f"reserved peak ({policy})"] = reserved / GiB
     parts["allocator's extra"] = (reserved - sim.peak) / GiB
     parts["peak op"] = f"{at}: {graph.names[schedule.ops[at][1]]}"

@@ -38,7 +38,7 @@ def _lm(cell: str, batch: int, seq: int, vocab: int, width: int, layers: int, dr
 
 def make_lstm_lm(batch: int = 8, seq: int = 32, vocab: int = 256, width: int = 64, layers: int = 2,
                  dropout: float = 0.1):
-    """A 2-layer LSTM language model, dropout 0.1 between its layers (issue 44's case)."""
+    """A 2-layer LSTM language model, dropout 0.1 between its layers."""
     return _lm("lstm", batch, seq, vocab, width, layers, dropout)
 
 

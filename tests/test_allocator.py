@@ -482,7 +482,7 @@ def test_replay_places_fsdp_buffers_on_their_streams_and_the_optimizer_step():
                                        mixed_precision="bf16").graph, "adamw")
     ops = none_schedule(graph).ops
     alloc = Allocator()
-    run_step(alloc, graph, ops, None)
+    run_step(alloc, graph, ops, simulate(graph, ops).residency, None)
     assert {"small@all_gather_copy_in", "small@reduce_scatter"} <= set(alloc.pools)
     assert alloc.allocated == 0 and not alloc.by_owner
     for policy in ("caching", "expandable"):

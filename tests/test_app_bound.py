@@ -1,5 +1,5 @@
-"""Issue 42 in AppTest, the rest: a plan solved for the allocator's reserved bytes shows its bound on
-the memory charts (item 4), and torchtitan's Llama 3 is chosen on the Model page."""
+"""In AppTest: a plan solved for the allocator's reserved bytes shows its bound on
+the memory charts, and torchtitan's Llama 3 is chosen on the Model page."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 42 in AppTest: the recompute events (listed on Graph and Memory, moving a shared step cursor,
+"""In AppTest: the recompute events (listed on Graph and Memory, moving a shared step cursor,
 marked on the memory curve, lighting the graph's boxes), labels on every graph view, one FSDP rank's
 memory by part, Compare opening on a pair that fits, the tour advancing once its step is done."""
 

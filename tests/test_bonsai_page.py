@@ -11,6 +11,7 @@ import pytest
 
 from bonsai_core.bench import bonsai as suite, bonsai_page as bp
 from bonsai_core.cli import main
+from tests.pages import compact
 
 GPT4 = suite.GPT4
 META = {"command": "bonsai bench bonsai -o R.json --page P", "machine": "2 CPUs", "started": "2026-01-01 00:00 UTC",
@@ -106,7 +107,7 @@ def results() -> dict:
 
 
 def page(r: dict | None = None) -> str:
-    return bp.page(r or results(), "<!-- header -->", "../bench/bonsai.json")
+    return compact(bp.page(r or results(), "<!-- header -->", "../bench/bonsai.json"))
 
 
 def section(text: str, heading: str) -> str:
@@ -237,7 +238,7 @@ def test_report_only_writes_the_page_from_the_saved_results(tmp_path):
     saved, out = tmp_path / "bonsai.json", tmp_path / "bonsai.md"
     saved.write_text(json.dumps(results()))
     assert main(["bench", "bonsai", "-o", str(saved), "--page", str(out), "--report-only"]) == 0
-    text = out.read_text()
+    text = compact(out.read_text())
     assert text.startswith("<!-- written by: `bonsai bench bonsai -o R.json --page P` at commit ")
     assert "sources bonsai_core/bench/bonsai_page.py,bonsai_core/bench/bonsai.py hash " in text.split("\n")[0]
     assert "kept in [bonsai.json](bonsai.json)" in text and "The largest gain: 3.50 points" in text

@@ -1,4 +1,4 @@
-"""Issue 42 in Chromium (served and driven as in tests/test_browser.py), the rest: a plan solved for the
+"""In Chromium (served and driven as in tests/test_browser.py): a plan solved for the
 allocator's reserved bytes, opened from a link, labels its budget line as that bound and draws the
 reserved bytes under it; the Model page's torchtitan tab opens on debugmodel and says tracing is slow.
 Screenshots go to ``screenshots/`` (ignored)."""

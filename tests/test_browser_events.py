@@ -1,4 +1,4 @@
-"""Issue 42 in Chromium (served and driven as in tests/test_browser.py): the recompute events listed
+"""In Chromium (served and driven as in tests/test_browser.py): the recompute events listed
 and clickable on the Graph and Memory pages, the memory curve's event marks, the boxes of the current
 event lit, labels on every view of the graph; screenshots in both themes (``screenshots/``, ignored;
 copies in docs/screenshots). Slow: GPT-2 small from a link."""

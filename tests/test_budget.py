@@ -26,3 +26,19 @@ def test_nonsense_is_refused_with_the_accepted_forms(text):
 
 def test_format_bytes():
     assert format_bytes(512) == "512 B" and format_bytes(3 * 2**20) == "3.00 MiB"
+
+
+def test_the_one_bisection_lands_on_the_threshold_within_its_steps_and_stops_on_a_time_limit():
+    from bonsai_core.budget import smallest_meeting
+
+    assert smallest_meeting(lambda b: b >= 300, 0, 1024) == 300  # until adjacent
+    assert smallest_meeting(lambda b: b >= 300, 0, 1024, steps=3) == 384  # 512, 256 (no), 384
+    asked = []
+
+    def meets(b: int) -> bool:
+        asked.append(b)
+        if len(asked) == 3:
+            raise TimeoutError
+        return b >= 300
+
+    assert smallest_meeting(meets, 0, 1024, stop=TimeoutError) == 512 and asked == [512, 256, 384]

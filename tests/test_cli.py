@@ -36,6 +36,18 @@ def test_trace_solve_simulate_agree(gpt_graph, tmp_path, capsys):
     assert sim.peak == solved["peak"]
 
 
+def test_a_plan_solved_for_reserved_bytes_simulates_to_the_reserved_peak_it_was_solved_to(gpt_graph, tmp_path, capsys):
+    """One meaning of a plan's reserved peak: `bonsai simulate --allocator` replays a plan solved with
+    --reserved as its budget bounded it, so both commands name the same bytes."""
+    out = tmp_path / "s.json"
+    assert main(["solve", str(gpt_graph), "--budget", "100%", "--method", "chen", "--reserved", "-o", str(out),
+                 "--json"]) == 0
+    solved = json.loads(capsys.readouterr().out)
+    assert main(["simulate", str(gpt_graph), str(out), "--allocator", "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert simulated["reserved_peak"] == solved["reserved_peak"] and simulated["allocator"] == "caching"
+
+
 def test_zoo_lists_models_and_options(capsys):
     assert main(["zoo", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)

@@ -14,6 +14,7 @@ import pytest
 from bonsai_core.bench import explorer_page
 from bonsai_core.cli import main
 from explorer import browser
+from tests.pages import compact
 
 META = {"command": "bonsai bench explorer --page P", "date": "2026-01-01 00:00 UTC", "machine": "2 CPUs",
         "torch": "2.13.0", "streamlit": "1.67.0", "quick": False, "seconds": 480.0,
@@ -60,15 +61,19 @@ def results():
         "sessions": [sessions(True, [1.0, 1.5, 1.8, 2.1], 0.2), sessions(False, [2.0, 2.4, 2.6, 2.2], 0.6)]}
 
 
+def page(r) -> str:
+    return compact(explorer_page.page(r, "<!-- header -->"))
+
+
 def test_slider_and_first_paint_are_judged_against_their_targets():
     r = results()
-    text = explorer_page.slider_section(r)
+    text = page(r)
     assert ("**Slider released → memory plot updated: median 0.28 s** over 4 drags (0.20 0.30 0.25 0.90 s), "
             "within the 1 s target.") in text
     assert "**First paint: median 1.25 s** over 3 new sessions (1.10 1.40 1.25 s), within the 3 s target." in text
     r["browser"]["slider_s"] = [1.3, 1.1, 1.2]
     r["browser"]["first_paint_s"] = [3.5]
-    text = explorer_page.slider_section(r)
+    text = page(r)
     assert "median 1.20 s** over 3 drags (1.30 1.10 1.20 s), over the 1 s target by 0.20 s." in text
     assert "median 3.50 s** over 1 new sessions (3.50 s), over the 3 s target by 0.50 s." in text
 
@@ -92,15 +97,15 @@ def test_solving_ahead_that_saved_nothing_and_a_chart_mounted_anew_are_said_so()
 
 
 def test_the_sessions_table_has_a_row_per_mode():
-    text = explorer_page.sessions_section(results())
-    assert text.startswith("## Many sessions dragging at once\n\nA fresh server, one headless Chromium with 2 contexts")
+    text = page(results())
+    assert "## Many sessions dragging at once\n\nA fresh server, one headless Chromium with 2 contexts" in text
     assert "2 rounds in which all drag" in text and "4 different budgets between 66% and 70%" in text
     assert ("| on | 1.65 s / 1.80 s / 2.10 s | 0.82 s / 0.90 s / 1.05 s | 0.050 s | 0.20 s | 3.0 s | "
             "0.90 → 1.60 |") in text
 
 
 def test_the_module_graph_section_judges_the_llama_s_median():
-    text = explorer_page.module_graph_section(results())
+    text = page(results())
     assert ("| the same, 32-layer Llama (7,216 ops) uploaded as JSON at 90%, folded to depth 3 (39 boxes) | "
             "**median 0.50 s** (0.50 0.70 0.40 s); the first visit 14.00 s (the plan solved) |") in text
     assert "to 4 (199 boxes) 1.40 s, to 5 (455 boxes) 2.10 s, to 4 (199 boxes) 1.20 s, to 3 (39 boxes) 0.45 s" in text
@@ -108,7 +113,7 @@ def test_the_module_graph_section_judges_the_llama_s_median():
     assert "depth 3 (39 boxes): 0.40 ms / 10.0 ms / 8.0 ms" in text
     r = results()
     r["browser"]["llama"]["again_s"] = [2.5, 2.2, 3.0]
-    assert "draws in a median of 2.50 s: over the 2 s target by 0.50 s" in explorer_page.module_graph_section(r)
+    assert "draws in a median of 2.50 s: over the 2 s target by 0.50 s" in page(r)
 
 
 def test_a_quick_run_without_the_large_graphs_leaves_their_rows_out():
@@ -120,18 +125,18 @@ def test_a_quick_run_without_the_large_graphs_leaves_their_rows_out():
     del r["browser"]["llama"], r["browser"]["large_link"]
     text = explorer_page.page(r, "<!-- header -->")
     assert "(`--quick`: small counts, no large graphs; a smoke test, not the record)" in text
-    assert "Llama" not in text and "layers:60" not in text and "60-layer" not in text
+    assert "32-layer Llama" not in text and "The Llama is" not in text and "layers:60" not in text and "60-layer" not in text
 
 
 def test_the_intro_names_the_machine_its_load_and_yardstick():
-    text = explorer_page.intro(results())
+    text = page(results())
     assert "on 2026-01-01 00:00 UTC, 2 CPUs; torch 2.13.0, Streamlit 1.67.0" in text
     assert "8.0 min in all, the 1-minute load average between 0.40 and 1.60 during the run" in text
     assert "yardstick" in text and "0.104 s" in text
 
 
 def test_the_lifetimes_section_names_grouped_tensors_and_the_links():
-    text = explorer_page.lifetimes_section(results())
+    text = page(results())
     assert ("| 60-layer GPT (7,469 ops, 14,938 schedule steps), chen at 50% | bars 1.5 ms (150 bars, tensors under "
             "4.00 KiB grouped per module), chart rows and spec 7.0 ms, step line 0.04 ms, reasons of 12 of 20 regions "
             "2.20 s") in text
@@ -145,7 +150,8 @@ def test_report_only_writes_the_page_from_the_run_s_results(tmp_path):
     assert main(["bench", "explorer", "--out", str(tmp_path), "--page", str(page), "--report-only"]) == 0
     text = page.read_text()
     assert text.startswith("<!-- written by: `bonsai bench explorer --page P` at commit ")
-    assert "sources bonsai_core/bench/explorer_page.py,explorer/browser.py hash " in text.split("\n")[0]
+    assert ("sources bonsai_core/bench/explorer_page.py,explorer/browser.py,bonsai_core/bench/templates/explorer.md "
+            "hash ") in text.split("\n")[0]
     assert "## Tensor lifetimes and the step scrubber" in text and "nan" not in text
 
 
@@ -188,10 +194,15 @@ def titan(done=True, after=(0.4, 0.6, 1.4)):
                     "traces": {"4": 30.0, "1": 31.0}, "table": "| method | largest batch |", "limit": 80 * 2**30}}
 
 
+def titan_said(r) -> str:
+    """The 8B section's words and table, its cells' padding taken out."""
+    return " ".join(explorer_page.titan_values(r)["titan_measured"].split())
+
+
 def test_the_8b_section_judges_the_sweep_the_drags_after_it_and_what_fits():
     r = results()
     r["titan"] = titan()
-    text = explorer_page.titan_section(r)
+    text = titan_said(r)
     assert "| the slider swept in the background | 96 of 96 positions in 290 s, over the 60 s target by 230.00 s |" in text
     assert ("| drags after the sweep | 90% 0.40 s, 75% 0.60 s, 95% 1.40 s: median 0.60 s, the slowest 1.40 s, over "
             "the 1 s target by 0.40 s |") in text
@@ -202,8 +213,10 @@ def test_the_8b_section_judges_the_sweep_the_drags_after_it_and_what_fits():
     r["titan"] = titan(done=False)
     r["titan"]["browser"]["first_plan_error"] = ("error\n\nbonsai: bonsai found no checkpoint plan before the time "
                                                  "limit.\n\nRaise the budget.")
-    text = explorer_page.titan_section(r)
+    text = titan_said(r)
     assert 'no plan, the page said "bonsai: bonsai found no checkpoint plan before the time limit."' in text
     assert "40 of 96 positions in 290 s when the run stopped waiting (260 s), not done |" in text
     del r["titan"]
-    assert "Not measured in this run" in explorer_page.titan_section(r)
+    assert "Not measured in this run" in titan_said(r)
+    page = explorer_page.page(results(), "<!-- header -->")
+    assert "## The 8B step" in page and "`bonsai trace torchtitan:llama3:8B --batch 2 --seq 8192 --fsdp 8`" in page

@@ -11,6 +11,7 @@ import pytest
 
 from bonsai_core.bench import export
 from bonsai_core.cli import main
+from tests.pages import compact
 
 META = {"command": "bonsai bench export --page P", "date": "2026-01-01 00:00 UTC", "machine": "2 CPUs",
         "torch": "2.13.0", "time_limit": 30.0, "quick": False, "seconds": 600.0,
@@ -110,7 +111,7 @@ def test_the_zoo_findings_name_a_missed_prediction_and_a_gradient_mode_that_diff
 
 
 def test_the_page_says_what_the_run_measured_in_every_study():
-    text = export.page(results(), "<!-- header -->")
+    text = compact(export.page(results(), "<!-- header -->"))
     assert text.startswith("<!-- header -->\n\n# Export: measurements\n\n`bonsai bench export --page P`")
     assert "600 s in all (zoo 100 s, methods 50 s, verified 30 s, attention 20 s, backends 400 s)" in text
     assert "No schedule within the budget: gpt (dtr)." in text
@@ -154,7 +155,7 @@ def test_report_only_writes_the_page_from_the_run_s_results(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(results()))
     page = tmp_path / "export.md"
     assert main(["bench", "export", "--out", str(tmp_path), "--page", str(page), "--report-only"]) == 0
-    text = page.read_text()
+    text = compact(page.read_text())
     assert text.startswith("<!-- written by: `bonsai bench export --page P` at commit ")
     assert ("| `gpt` | fp32 | any | lb + 50% | 1,000 | 1,008 (+8 B) | 1,050 | 1,060 (+6.0%) | 2,000 | 0 of 1,000 "
             "| OK / OK |") in text
@@ -192,6 +193,6 @@ def test_a_solver_refusal_is_a_row_of_the_page_not_the_end_of_the_run(monkeypatc
     assert [r.get("error") for r in rows] == [None, "solve: SolverError: regions 'modules': the graph records no "
                                                     "module calls"]
     assert rows[0]["no_plan"] is True
-    text = export.backend_table(rows) + export.backend_findings(rows)
+    text = compact(export.backend_table(rows) + "\n" + export.backend_findings(rows))
     assert "| `real_models:vit_assert` | fp32 | modules | solve: SolverError |" in text
     assert "Refused or failed: real_models:vit_assert modules: solve: SolverError: regions 'modules'" in text

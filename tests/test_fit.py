@@ -126,7 +126,7 @@ def test_a_variant_is_searched_and_reported_under_its_own_name(tmp_path, capsys)
 
 @pytest.mark.slow  # two searches of the 2-layer zoo GPT, about 40 s
 def test_offload_allowed_fits_a_larger_batch_at_the_same_overhead_limit():
-    """Issue 40: `bonsai fit` with offload allowed finds a larger micro-batch than without (the zoo GPT
+    """`bonsai fit` with offload allowed finds a larger micro-batch than without (the zoo GPT
     within 24 MiB at 5% overhead: 32 without offload, 36 with, measured 2026-12-05)."""
     result = fit("gpt", 24 * 2**20, ["bonsai", "bonsai:offload=true"], max_overhead=0.05,
                  options=dict(layers=2, seq=32), optimizer="adamw", solver_options={"time_limit": 20})

@@ -1,4 +1,4 @@
-"""Fused kernels are predicted by what they save (issue 44): the recurrent kernel the CPU runs, its
+"""Fused kernels are predicted by what they save: the recurrent kernel the CPU runs, its
 oneDNN workspace, what autograd formulas save, and the checkpoint back-end's prediction for a region
 holding such a kernel."""
 
@@ -72,7 +72,7 @@ def test_an_lstm_is_traced_as_its_kernel_and_predicted_to_the_byte():
 @pytest.mark.slow
 def test_torchs_decomposition_of_an_lstm_is_measured_below_eager():
     """torch's decomposition (per-step cell ops, no dropout between layers), measured against the same
-    eager step: it predicted the issue's sizes a third below what eager holds."""
+    eager step: it predicts the recurrent LM's sizes (tests/recurrent_models.py) a third below what eager holds."""
     model, inputs, loss_fn = models.build(LSTM_LM)
     measured = measure_step(model, inputs, loss_fn).peak
     with mock.patch("bonsai_core.recurrent.runs_fused_kernel", lambda *a: False):
@@ -103,7 +103,7 @@ def _checkpoint_export(spec, options, tmp_path, fraction=0.8):
 
 
 def test_the_checkpoint_back_end_predicts_a_recomputed_lstm(tmp_path):
-    """Issue 44's case, smaller: bonsai at 80%, the checkpoint back-end. Its own prediction counts the
+    """The 2-layer LSTM LM, smaller: bonsai at 80%, the checkpoint back-end. Its own prediction counts the
     layer the recomputation runs again, the kernel's saved outputs (SAC keeps them: the kernel's autograd
     formula saves them) and the module's input, which the checkpoint holds until its backward is done."""
     v = _checkpoint_export(LSTM_LM, SMALL, tmp_path)
@@ -114,7 +114,7 @@ def test_the_checkpoint_back_end_predicts_a_recomputed_lstm(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("factory", ["make_lstm_lm", "make_bilstm_lm", "make_gru_lm", "make_packed_lstm_lm"])
 def test_the_checkpoint_back_end_predicts_recurrent_models(factory, tmp_path):
-    """The issue's sizes (batch 8, 32 tokens, width 64): LSTM, bidirectional LSTM, GRU (eager's CPU GRU
+    """The recurrent LMs at their default sizes (batch 8, 32 tokens, width 64): LSTM, bidirectional LSTM, GRU (eager's CPU GRU
     is per-step cell ops, as traced)."""
     v = _checkpoint_export(f"tests.recurrent_models:{factory}", {}, tmp_path)
     assert -0.05 <= v.realised_peak_error <= 0.01, v.to_dict()
@@ -174,9 +174,9 @@ def _no_remat_against_eager(spec, options):
 
 def test_a_gru_is_predicted_by_what_its_cells_keep():
     """The GRU's cells keep their hidden projection whole (eager writes the gates into it in place) and
-    a copy of what each in-place mul_ overwrites; torch's decomposition predicted the issue's GRU LM 2.5%
-    over its measured step; now 8 bytes under it at the issue's size (docs/results/fused_kernels.md), and
-    within 0.5% at this small one, where the cells' transient tensors weigh more."""
+    a copy of what each in-place mul_ overwrites: 8 bytes under the measured step at the GRU LM's default
+    size (torch's decomposition: 2.5% over; docs/results/fused_kernels.md), and within 0.5% at this small
+    one, where the cells' transient tensors weigh more."""
     predicted, measured = _no_remat_against_eager(GRU_LM, SMALL)
     assert abs(predicted / measured - 1) < 0.005, (predicted, measured)
     with mock.patch("bonsai_core.recurrent.runs_step_by_step", lambda *a: False):

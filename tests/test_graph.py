@@ -36,8 +36,8 @@ def _doc(**node_overrides):
 @pytest.mark.parametrize("override, words", [
     ({"deps": [1]}, "not an earlier node"),
     ({"deps": [5]}, "not an earlier node"),
-    ({"deps": [-1]}, "not an earlier node"),
-    ({"deps": [0, 0]}, "same dependency twice"),
+    ({"deps": [-1]}, "'deps' holds -1; it must be a node id"),
+    ({"deps": [0, 0]}, "'deps' lists the same id twice"),
     ({"mem": -3}, "mem"),
     ({"mem": "big"}, "'mem'"),
     ({"cost": float("nan")}, "'cost'"),
@@ -102,7 +102,7 @@ def test_a_graph_without_fixed_mem_is_refused():
     (b"[1, 2]", "one JSON object"),
     (json.dumps({"format": "bonsai-schedule"}).encode(), "not a bonsai-graph"),
     (json.dumps({"format": "bonsai-graph", "version": 9}).encode(), "version"),
-    (json.dumps({"format": "bonsai-graph", "version": 1, "nodes": []}).encode(), "non-empty"),
+    (json.dumps({"format": "bonsai-graph", "version": 1, "fixed_mem": 0, "nodes": []}).encode(), "non-empty"),
 ])
 def test_broken_files_get_a_clear_error(tmp_path, content, words):
     path = tmp_path / "g.json"
@@ -114,3 +114,38 @@ def test_broken_files_get_a_clear_error(tmp_path, content, words):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(GraphError, match="No such graph file"):
         load_graph(tmp_path / "nope.json")
+
+
+def test_a_view_chain_ends_at_the_storage_and_the_backward_reads_are_known_once():
+    """A view of a view keeps both bases (``view_chain``, what ``storage_of`` and ``with_view_bases`` read);
+    ``read_by_backward`` marks what backward nodes read."""
+    import numpy as np
+
+    g = Graph.from_nodes("views", 0, [
+        dict(name="a", op="x", cost=1, mem=8, deps=[]),
+        dict(name="va", op="view", cost=0, mem=0, deps=[0], alias_of=0),
+        dict(name="vva", op="view", cost=0, mem=0, deps=[1], alias_of=1),
+        dict(name="b", op="x", cost=1, mem=4, deps=[2]),
+        dict(name="gb", op="x", phase="backward", cost=1, mem=4, deps=[1, 3]),
+    ])
+    assert g.view_chain(2) == [2, 1, 0] and g.view_chain(3) == [3]
+    assert g.storage_of(2) == 0 and g.storage_of(2, stop_before=np.array([True, False, False, False, False])) == 1
+    assert g.with_view_bases({2, 3}) == {0, 1, 2, 3}
+    assert g.read_by_backward.tolist() == [False, True, False, True, False]
+
+
+def test_the_formats_schemas_are_the_ones_docs_design_shows_and_name_what_the_code_reads():
+    """docs/DESIGN.md shows each file format's JSON Schema as shipped; the kinds of ops and the FSDP dtypes
+    the schemas allow are the simulator's and fsdp.py's."""
+    from pathlib import Path
+
+    from bonsai_core.fsdp import DTYPE_BYTES
+    from bonsai_core.schedule import KINDS
+    from bonsai_core.schema import SCHEMAS, schema
+
+    design = (Path(__file__).resolve().parent.parent / "docs" / "DESIGN.md").read_text()
+    for fmt in ("graph", "schedule"):
+        text = (SCHEMAS / f"{fmt}.schema.json").read_text()
+        assert f"<summary>bonsai_core/schemas/{fmt}.schema.json</summary>\n\n```json\n{text}```" in design
+    assert tuple(schema("schedule")["properties"]["ops"]["items"]["prefixItems"][0]["enum"]) == KINDS
+    assert schema("graph")["properties"]["fsdp"]["properties"]["param_dtype"]["enum"] == list(DTYPE_BYTES)

@@ -33,14 +33,11 @@ def module_files() -> dict[str, Path]:
 
 
 def imported_names(module: str, path: Path, known: set[str]) -> set[str]:
-    """The known modules that ``module`` imports, at any depth of its source (not under ``if
-    TYPE_CHECKING:``, which never runs)."""
+    """The known modules that ``module`` imports, at any depth of its source, under ``if TYPE_CHECKING:``
+    too: that import never runs, but two modules naming each other's types know each other all the same."""
     is_package = path.name == "__init__.py"
     names = set()
     tree = ast.parse(path.read_text(), str(path))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and _type_checking_only(node):
-            node.body = []  # the walk below does not see its imports
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
@@ -57,12 +54,6 @@ def imported_names(module: str, path: Path, known: set[str]) -> set[str]:
         targets.add(name)
         targets.update(p for p in _parents(name) if p in known and not _inside(module, p))
     return targets
-
-
-def _type_checking_only(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def import_graph() -> nx.DiGraph:

@@ -215,8 +215,7 @@ def test_the_offload_model_starts_from_the_plan_without_offload_and_is_never_cos
 
 
 def test_the_one_call_takes_offload():
-    """It used to refuse offload=True (BonsaiError "do not apply offloads"); tests/test_one_call_offload.py
-    runs what it does."""
+    """The one call plans with offload=True (tests/test_one_call_offload.py runs what it does)."""
     import torch
 
     from bonsai_core import plan

@@ -10,6 +10,7 @@ import pytest
 
 from bonsai_core.bench import offload
 from bonsai_core.cli import main
+from tests.pages import compact
 
 META = {"command": "bonsai bench offload --page P", "date": "2026-01-01 00:00 UTC", "machine": "2 CPUs",
         "torch": "2.13.0", "time_limit": 120.0, "seconds": 20.0}
@@ -65,11 +66,11 @@ def test_a_method_that_meets_no_budget_or_never_offloads_is_said_so():
 
 
 def test_the_export_section_says_how_far_the_measurement_is_from_the_prediction():
-    text = offload.page(results(), "<!-- header -->")
+    text = compact(offload.page(results(), "<!-- header -->"))
     assert "measured device peak is 19,641,352 B against 19,641,344 B predicted (+8 B)" in text
     assert "the simulator's `host_peak` to the byte" in text and "equal eager’s exactly" in text
     off = results({**results()["export"], "measured_host_peak": 1000, "loss_diff": 1e-7})
-    text = offload.page(off, "<!-- header -->")
+    text = compact(offload.page(off, "<!-- header -->"))
     assert "peak at 1,000 B, against the simulator's `host_peak` of 1,572,864 B" in text
     assert "differ from eager’s" in text
     assert text.startswith("<!-- header -->\n\n# Keep, recompute or offload") and "nan" not in text
@@ -79,7 +80,7 @@ def test_report_only_writes_the_page_from_the_run_s_results(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(results()))
     page = tmp_path / "offload.md"
     assert main(["bench", "offload", "--out", str(tmp_path), "--page", str(page), "--report-only"]) == 0
-    text = page.read_text()
+    text = compact(page.read_text())
     assert text.startswith("<!-- written by: `bonsai bench offload --page P` at commit ")
     assert "| 50% | dtr | True | +150.0% | 50.0% |" in text
 

@@ -1,4 +1,4 @@
-"""The one call on the mechanisms models people bring (issue 41): in-place writes under selective
+"""The one call on the mechanisms models people bring: in-place writes under selective
 checkpointing, frozen weights, the budget to the byte. Each model is built here, small; each plan is
 applied to the user's module and one real CPU step is compared with the model without the plan (same
 loss, gradients and buffers) and with the report's predicted peak (live bytes)."""

@@ -1,7 +1,9 @@
+import numpy as np
 import pytest
 
 from bonsai_core.errors import ScheduleError
 from bonsai_core.graph import Graph
+from bonsai_core import schedule
 from bonsai_core.schedule import (Schedule, hold_separated_outputs, load_schedule, no_remat_peak, none_schedule,
                                   schedule_ops, save_schedule, simulate)
 
@@ -54,6 +56,22 @@ def test_compute_cost_counts_recomputation():
 def test_each_broken_rule_is_named(ops, words):
     with pytest.raises(ScheduleError, match=words):
         simulate(chain(2), ops)
+
+
+def test_bytes_held_beyond_the_graph_are_one_more_entry_of_the_simulator(monkeypatch):
+    """A rule that holds bytes beyond the graph's tensors (as rule 7's FSDP buffers do) is a function of the
+    graph and the ops added to BEYOND_THE_GRAPH: the timeline and the peak count it."""
+    g = chain(2, mem=10)
+    ops = none_schedule(g).ops
+    plain = simulate(g, ops)
+
+    def one_byte_per_op_index(graph, ops):
+        return np.arange(len(ops), dtype=np.int64)
+
+    monkeypatch.setattr(schedule, "BEYOND_THE_GRAPH", schedule.BEYOND_THE_GRAPH + (one_byte_per_op_index,))
+    held = simulate(g, ops)
+    assert held.timeline.tolist() == (plain.timeline + np.arange(len(ops))).tolist()
+    assert held.peak == int(held.timeline.max()) and held.peak_op == int(held.timeline.argmax())
 
 
 def _view_graph() -> Graph:

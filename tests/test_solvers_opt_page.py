@@ -10,6 +10,7 @@ import pytest
 
 from bonsai_core.bench import solvers_opt, solvers_opt_page as sp
 from bonsai_core.cli import main
+from tests.pages import compact
 
 GRAPHS = {"gpt-l1": (153, 72, 13722), "gpt-l2": (277, 125, 35000), "resnet": (86, 79, 16476), "unet": (87, 81, 17215)}
 RUN = {"command": "bonsai bench solvers-opt --page P", "started": "2026-01-01 00:00 UTC",
@@ -96,7 +97,7 @@ def warm_rows() -> list[dict]:
 
 
 def write(rows: list[dict]) -> str:
-    return sp.page(rows, RUN, "<!-- header -->", "checkmate_moccasin.jsonl")
+    return compact(sp.page(rows, RUN, "<!-- header -->", "checkmate_moccasin.jsonl"))
 
 
 def bullets(rows: list[dict]) -> list[str]:
@@ -237,7 +238,7 @@ def saved_run(tmp_path, run: dict = RUN) -> tuple:
 def test_report_only_writes_the_page_from_the_runs_files_with_its_header(tmp_path):
     _, page = saved_run(tmp_path)
     assert main(["bench", "solvers-opt", "--page", str(page), "--report-only"]) == 0
-    text = page.read_text()
+    text = compact(page.read_text())
     assert text.startswith("<!-- written by: `bonsai bench solvers-opt --page P` at commit ")
     assert "sources bonsai_core/bench/solvers_opt_page.py,bonsai_core/bench/solvers_opt.py hash" in text.split("\n")[0]
     assert "[page.jsonl](page.jsonl)" in text and "### Checkmate's warm start on gpt-l1 at 60%" in text
@@ -255,7 +256,7 @@ def test_report_only_refuses_the_files_of_an_unfinished_run(tmp_path, capsys):
     (["--report-only"], "name it with --page PAGE"),
     (["--page", "{tmp}/missing/p.md"], "does not exist"),
     (["--page", "{tmp}/p.md", "--graphs", "resnet"], "leave out --graphs, --methods and --budgets"),
-    (["--page", "{tmp}/p.md", "--budgets", "0.5"], "leave out --graphs, --methods and --budgets")])
+    (["--page", "{tmp}/p.md", "--budgets", "50"], "leave out --graphs, --methods and --budgets")])
 def test_bad_page_options_are_refused_before_measuring(tmp_path, capsys, monkeypatch, argv, said):
     monkeypatch.setattr(solvers_opt, "run_child", lambda *a: pytest.fail("measured"))
     argv = [a.format(tmp=tmp_path) for a in argv]

@@ -174,7 +174,7 @@ def _run_ways(rank: int, out_dir: str, store: str, results: str, mixed_precision
         _, inputs, loss_fn = models.build(TITAN, seed=100 + rank, **GLOO)  # each rank its own batch
         made = {way: plan_for(models.build(TITAN, seed=0, **GLOO)[0], GLOO["batch"], GLOO["seq"], BUDGET,
                               fsdp=WORLD, optimizer="none", reshard_after_forward=reshard,
-                              mixed_precision=mixed_precision, cache=False)
+                              mixed_precision=mixed_precision or "none", cache=False)
                 for way, reshard in (("bonsai", "torchtitan"), ("bonsai-blocks", True))
                 if way == "bonsai" or not mixed_precision}  # fully_shard's own sharding: in fp32 only
         out = {"predicted": {way: m.report.predicted_peak for way, m in made.items()},

@@ -91,12 +91,12 @@ from bonsai_core.allocator.fixed import (OPTIMIZER_STATES, FixedTensor, Optimize
                                          full_arena, gradient_outputs, optimizer_bytes, pin_fixed, state_beyond_fixed)
 from bonsai_core.allocator.policies import (PAGE, POLICIES, VIRTUAL, Allocator, ArenaAllocator, CachingAllocator,
                                             ExpandableAllocator, Policy)
-from bonsai_core.allocator.replaying import (FSDP_OWNERS, AllocResult, Placed, fragmentation_at_peak, layout_at, replay,
-                                          run_step)
+from bonsai_core.allocator.replaying import (FSDP_OWNERS, AllocResult, Placed, bounded_replay, fragmentation_at_peak,
+                                             layout_at, replay, replay_as_solved, run_step, solved_within)
 
 __all__ = ["DEFAULT_STREAM", "FSDP_OWNERS", "LARGE_BUFFER", "MIN_BLOCK", "MIN_LARGE_ALLOC", "OPTIMIZER_STATES", "PAGE",
            "POLICIES", "ROUND_LARGE", "SMALL_BUFFER", "SMALL_SIZE", "VIRTUAL", "AllocResult", "Allocator",
            "ArenaAllocator", "Block", "CachingAllocator", "ExpandableAllocator", "FixedTensor", "Optimizer", "Placed",
-           "Policy", "Side", "Updates", "fixed_tensors", "fragmentation_at_peak", "full_arena", "gradient_outputs",
-           "layout_at", "optimizer_bytes", "pin_fixed", "replay", "round_size", "run_step", "segment_size",
-           "state_beyond_fixed"]
+           "Policy", "Side", "Updates", "bounded_replay", "fixed_tensors", "fragmentation_at_peak", "full_arena", "gradient_outputs",
+           "layout_at", "optimizer_bytes", "pin_fixed", "replay", "replay_as_solved", "round_size", "run_step",
+           "segment_size", "solved_within", "state_beyond_fixed"]

@@ -14,7 +14,7 @@ from bonsai_core.allocator.fixed import Optimizer, Updates, full_arena
 from bonsai_core.allocator.policies import Allocator, Policy
 from bonsai_core.errors import BudgetError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import COMPUTE, FREE, NO_COPIES, RELOAD, CopyTiming, Schedule, inplace_writes, simulate, timing_of
+from bonsai_core.schedule import FREE, Residency, Schedule, simulate
 from bonsai_core.units import format_bytes
 
 @dataclass(frozen=True)
@@ -58,26 +58,25 @@ def fragmentation_at_peak(live: np.ndarray, reserved: np.ndarray) -> float:
 
 
 
-def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], capacity: int | None,
+def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], residency: Residency, capacity: int | None,
              trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0, upto: int | None = None,
-             side_of: Callable[[int], str] | None = None, inplace: bool = True,
-             timing: CopyTiming = NO_COPIES) -> None:
+             side_of: Callable[[int], str] | None = None, inplace: bool = True) -> None:
     """Apply a schedule's ops to ``alloc`` (footprint and largest free block after each op into
     ``trace``); then the step is over and its tensors are freed. With ``upto``, stop right after op
     ``upto`` instead, leaving the pool as it is at that moment. ``side_of(v)``: the end of the
     best-fit block node v's output goes to ("left" for all when None), as an eviction run placed it.
-    ``inplace``: an op written in place (simulator rule 8) takes its input's block; False: copy-on-write,
-    a block of its own (a pool run with ``inplace_writes=False``). ``timing``: rule 9's clock
-    (:func:`schedule.timing_of`): a free that an offload copy still reads gives its block back when the
-    copy ends, and a reload takes a block as a compute does.
+    The blocks follow the simulator's live set (``residency``, ``SimResult.residency``): a copy takes a
+    block at its compute or reload and gives it back where its bytes stop counting (its free; for a free an
+    offload copy still reads, rule 9, just before the op where the copy has ended). ``inplace``: an op
+    written in place (rule 8) takes its input's block; False: copy-on-write, a block of its own while the
+    input keeps its block to its free (a pool run with ``inplace_writes=False``).
     On an FSDP rank, FSDP2's own buffers (:func:`bonsai_core.fsdp.buffer_events`) are allocated and freed
     before each op on their streams, and a gradient FSDP holds keeps its block past the graph's free;
     with an optimizer, its step's temporaries (:data:`bonsai_core.optimizer.STEP_TEMPORARIES`: AdamW's
     ``_foreach_sqrt``, one tensor per parameter) are allocated after the last op, then freed."""
     mem = graph.mem.tolist()
     holds = ((graph.mem > 0) & ~graph.is_view).tolist()
-    written = inplace_writes(graph, ops) if inplace else {}  # rule 8: the output takes its input's block
-    handed_over = set(written.values())
+    starts, ends = _blocks_taken_and_given(ops, residency, holds, inplace)
     fsdp = _FsdpBuffers(alloc, graph, ops, capacity, outside)
 
     def malloc(owner: int, nbytes: int, what: str, i: int, side: str = "left", stream: str = DEFAULT_STREAM) -> None:
@@ -90,16 +89,15 @@ def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], capacit
     fsdp.malloc = malloc
     for i, (kind, v) in enumerate(ops):
         fsdp.before(i)
-        for pos in timing.device_released.get(i, ()):  # rule 9: the copy that read it ended
-            if holds[ops[pos][1]]:
-                alloc.free(ops[pos][1])
-        if i in written:
-            alloc.hand_over(int(graph.inplace_of[v]), v)
-        elif (kind == COMPUTE or kind == RELOAD) and holds[v]:
-            side = "left" if side_of is None else side_of(v)
-            malloc(v, mem[v], f"computing node {v}, {graph.names[v]!r}", i, side)
-        elif kind == FREE and holds[v] and i not in handed_over and i not in timing.deferred and not fsdp.keeps(v):
-            alloc.free(v)
+        for u in ends.get(i, ()):
+            if kind != FREE or not fsdp.keeps(u):  # a gradient FSDP holds keeps its block past the graph's free
+                alloc.free(u)
+        if i in starts:
+            if starts[i] >= 0:
+                alloc.hand_over(starts[i], v)
+            else:
+                side = "left" if side_of is None else side_of(v)
+                malloc(v, mem[v], f"computing node {v}, {graph.names[v]!r}", i, side)
         if trace is not None:
             trace[0][i] = alloc.footprint + outside
             trace[1][i] = alloc.largest_free
@@ -111,6 +109,26 @@ def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], capacit
         trace[0][-1] = max(trace[0][-1], alloc.footprint + outside)
     for v in [o for o in alloc.by_owner if o < graph.n or o >= FSDP_OWNERS]:  # the step is over: its tensors go
         alloc.free(v)
+
+
+def _blocks_taken_and_given(ops: list[tuple[str, int]], residency: Residency, holds: list[bool],
+                            inplace: bool) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """The block events of a schedule's live set: {op position: the node whose block the op's output takes
+    in place, or -1 for a new block}, and {op position: the nodes whose blocks go before its output's}.
+    Copy-on-write (``inplace`` False): an output written in place gets a new block, and its input's goes at
+    the input's own free, the first op after the write that frees it."""
+    copies = [(node, start, end, taken) for node, start, end, taken in zip(
+        residency.node.tolist(), residency.start.tolist(), residency.end.tolist(), residency.taken.tolist()) if holds[node]]
+    starts = {start: -1 for _, start, _, _ in copies}
+    ends: dict[int, list[int]] = {}
+    for node, _, end, taken in copies:
+        if taken and inplace:
+            starts[end] = node
+        elif taken:
+            ends.setdefault(next(j for j in range(end + 1, len(ops)) if ops[j] == (FREE, node)), []).append(node)
+        elif end < len(ops):
+            ends.setdefault(end, []).append(node)
+    return starts, ends
 
 
 FSDP_OWNERS = 2**50  # owner ids of FSDP2's buffers in the allocator (nodes are below graph.n, fixed tensors just above)
@@ -193,16 +211,15 @@ def layout_at(graph: Graph, schedule: Schedule | list[tuple[str, int]], op: int,
     """The full arena's address space right after op ``op`` of the (steady-state) step: every
     block, in address order, with what holds it. The placement is this model's replay (best fit,
     lowest address), not a pool method's own. O(len(ops) * blocks)."""
-    simulate(graph, schedule)
+    residency = simulate(graph, schedule).residency
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
-    timing = timing_of(graph, schedule)
     if not 0 <= op < len(ops):
         raise ValueError(f"op {op} is outside the schedule's {len(ops)} ops")
     if policy == "arena" and capacity is None:
         raise BudgetError("The arena allocator is one pre-reserved pool: give it a capacity (a budget).")
     alloc, _ = full_arena(graph, capacity, policy, optimizer,
-                          warmup=None if policy == "arena" else (lambda a: run_step(a, graph, ops, capacity, timing=timing)))
-    run_step(alloc, graph, ops, capacity, upto=op, timing=timing)
+                          warmup=None if policy == "arena" else (lambda a: run_step(a, graph, ops, residency, capacity)))
+    run_step(alloc, graph, ops, residency, capacity, upto=op)
     held = alloc.pinned
     out = []
     for b in alloc.blocks():
@@ -236,7 +253,6 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     """
     sim = simulate(graph, schedule)
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
-    timing = timing_of(graph, schedule)
     fixed = graph.fixed_mem
     if capacity is not None and capacity < fixed:
         raise BudgetError(f"A pool of {format_bytes(capacity)} cannot even hold {graph.name!r}'s fixed memory "
@@ -244,7 +260,7 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     if policy == "arena" and capacity is None:
         raise BudgetError("The arena allocator is one pre-reserved pool: give it a capacity (a budget).")
     def step(alloc: Allocator, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0) -> None:
-        run_step(alloc, graph, ops, capacity, trace, outside, side_of=side_of, inplace=inplace_writes, timing=timing)
+        run_step(alloc, graph, ops, sim.residency, capacity, trace, outside, side_of=side_of, inplace=inplace_writes)
 
     reserved = np.empty(len(ops), dtype=np.int64)
     largest = np.empty(len(ops), dtype=np.int64)
@@ -264,3 +280,25 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
                        segments=sum(h is not None for h in alloc.heads), full=full)
 
 
+def bounded_replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], policy: Policy = "caching") -> AllocResult:
+    """The replay whose reserved peak a reserved budget bounds (``--reserved``:
+    :func:`bonsai_core.solvers.solve_reserved`, ``bonsai fit``): ``policy``'s allocator with the fixed tensors as
+    one block outside the pool."""
+    return replay(graph, schedule, policy=policy, full=False)
+
+
+def solved_within(schedule: Schedule | list[tuple[str, int]]) -> Policy | None:
+    """The allocator whose reserved bytes a plan was solved within (:func:`bonsai_core.solvers.solve_reserved`
+    records its live budget), None for a plan solved for live bytes."""
+    stats = schedule.stats if isinstance(schedule, Schedule) else {}
+    return stats.get("allocator") if "live_budget" in stats else None
+
+
+def replay_as_solved(graph: Graph, schedule: Schedule | list[tuple[str, int]], policy: Policy | None = None) -> AllocResult:
+    """A schedule's allocator replay, one meaning wherever it is shown: a plan solved for reserved bytes as
+    its budget bounded it (:func:`bounded_replay`, by ``policy`` or the allocator it was solved within), any
+    other schedule in the full arena of ``policy`` (default the caching allocator)."""
+    within = solved_within(schedule)
+    if within is not None:
+        return bounded_replay(graph, schedule, policy or within)
+    return replay(graph, schedule, policy=policy or "caching")

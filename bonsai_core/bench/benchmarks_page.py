@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Sequence
 
-from bonsai_core.bench.common import listing, median, pct
+from bonsai_core.bench.common import capitalized, listing, median, pct, run_dates
 from bonsai_core.errors import BonsaiError
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
@@ -70,10 +70,6 @@ def pair_said(a: float, b: float) -> str:
     """``+4.94% vs +5.03%``, with a digit more while the two would read the same."""
     digits = digits_apart(a, b)
     return f"{a:+.{digits}%} vs {b:+.{digits}%}"
-
-
-def capitalized(text: str) -> str:
-    return text[:1].upper() + text[1:]
 
 
 # -- the cells -------------------------------------------------------------------------------------
@@ -442,15 +438,6 @@ def solver_bullet(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) ->
 
 
 # -- the page --------------------------------------------------------------------------------------
-
-def run_dates(meta: dict[str, Any]) -> str:
-    """``2026-12-05, 19:05–19:15 UTC``; both dates in full when the run crossed midnight."""
-    start_day, start_time, _ = meta["started"].split()
-    end_day, end_time, _ = meta["ended"].split()
-    if start_day == end_day:
-        return f"{start_day}, {start_time}–{end_time} UTC"
-    return f"{meta['started']} to {meta['ended']}"
-
 
 def intro(models: dict[str, dict[float, Cell]], meta: dict[str, Any], bench: str) -> str:
     cells = sum(len(b) for b in models.values())

@@ -4,17 +4,17 @@ time after a budget change.
 
     bonsai bench bonsai -o bench-bonsai.json     # everything (many minutes)
     bonsai bench bonsai --models gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8 \
-        --fractions 0.45 0.4 --skip-granularity --skip-resolve --skip-smallest
+        --budgets 45 40 --skip-granularity --skip-resolve --skip-smallest
     bonsai bench bonsai --models graph.json ...   # a traced graph file (no re-tracing)
-    bonsai bench bonsai --models g8b.json --fractions 0.5 0.3 --budgets 82.4GiB \
+    bonsai bench bonsai --models g8b.json --budgets 50 30 82.4GiB \
         --variants default save_ops=false regions=modules --compare chen dtr \
         --skip-granularity --skip-resolve --skip-smallest   # a real step (docs/results/real_runs.md)
     bonsai bench bonsai -o docs/bench/bonsai.json --page docs/results/bonsai.md   # and the page's studies
     bonsai bench bonsai -o docs/bench/bonsai.json --page docs/results/bonsai.md --report-only
 
 ``--variants``: bonsai's option sets, each ``default`` or ``name=value,...`` (``bonsai methods
-bonsai`` lists the options); ``--budgets``: budgets in bytes (``82.4GiB``) next to the shares of
-``--fractions``. The tables give the wall time of each call and where it went (``time_split``), and
+bonsai`` lists the options); ``--budgets``: shares of the no-remat peak (``70``), as every suite takes
+them, or bytes with a unit (``82.4GiB``). The tables give the wall time of each call and where it went (``time_split``), and
 the tool's own peak memory (the process's maximum resident set) after each row.
 
 Every schedule goes through ``bonsai_core.solvers.solve`` (so the simulator validates it); budgets are
@@ -48,6 +48,8 @@ from bonsai_core.solvers import solve
 GPT4 = "gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8"
 DEFAULT_MODELS = [GPT4, "resnet", "unet", "gpt2-small"]
 
+
+DEFAULT_BUDGETS = ("70", "50", "45", "40")  # shares of the no-remat peak, in percent
 
 def load(spec: str):
     """``name[:k=v,...]``, ``gpt2-small`` or a graph JSON file -> (label, Graph)."""
@@ -110,8 +112,11 @@ def load_average() -> str:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The suite's options."""
     ap.add_argument("--models", nargs="*", default=DEFAULT_MODELS)
-    ap.add_argument("--fractions", nargs="*", type=float, default=[0.7, 0.5, 0.45, 0.4])
-    ap.add_argument("--budgets", nargs="*", default=[], help="budgets in bytes, e.g. 82.4GiB (after the fractions)")
+    from bonsai_core.arguments import bench_budget_arg
+
+    ap.add_argument("--budgets", nargs="+", type=bench_budget_arg, default=[bench_budget_arg(p) for p in DEFAULT_BUDGETS],
+                    metavar="PCT", help="shares of the no-remat peak (70 or 70%%), or bytes with a unit (82.4GiB) "
+                                        f"(default {' '.join(DEFAULT_BUDGETS)})")
     ap.add_argument("--variants", nargs="*", default=["default"],
                     help="bonsai option sets: 'default' or name=value,... (e.g. save_ops=false regions=modules)")
     ap.add_argument("--backends", nargs="*", default=["highs"])
@@ -151,8 +156,6 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 def solve_table(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, tuple[str, Any]]]:
     """Bonsai (and the methods compared) on every model, backend and budget; the rows and the graphs."""
     rows: list[dict[str, Any]] = []
-    from bonsai_core.budget import parse_budget
-
     print("| model | nodes | budget | method | granularity | ILP cand. | vars | wall s (split) | status | gap | source "
           "| peak/plain | overhead | tool RSS |")
     print("|" + "---|" * 14)
@@ -162,7 +165,7 @@ def solve_table(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
         plain = no_remat_peak(g)
         for backend in args.backends:
             B._cache.clear()  # the first row pays the build (and the import of CVXPY, once per process)
-            budgets = [int(plain * f) for f in args.fractions] + [parse_budget(b).resolve(plain) for b in args.budgets]
+            budgets = [b.resolve(plain) for b in args.budgets]
             for budget in budgets:
                 frac = budget / plain
                 methods = [("bonsai", v) for v in args.variants] + [(m, "") for m in args.compare]

@@ -16,13 +16,12 @@ import os
 import tempfile
 import time
 from collections import Counter
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from bonsai_core.bench import bonsai as suite
 from bonsai_core.bench import common
-from bonsai_core.bench.common import listing, median
+from bonsai_core.bench.common import capitalized, listing, median, table
 from bonsai_core.errors import BonsaiError
 from bonsai_core.units import format_bytes
 
@@ -53,7 +52,7 @@ OTHER_AUTHORS = [("hf:gpt2", TINY_LM), ("hf:llama", TINY_LM), ("hf:bert", TINY_L
 HEADROOM_SIZES = [(w, s) for w in (8, 16, 32) for s in (4, 8, 16)]  # the 1-layer zoo GPT, heads 2, batch 1
 HEADROOM_OPTIONS = {"layers": 1, "heads": 2, "batch": 1, "vocab": 64}
 # the options --page fixes (the page reports the suite's defaults); --time-limit may change
-PAGE_FIXED = ("models", "fractions", "budgets", "variants", "backends", "compare", "granularity_model",
+PAGE_FIXED = ("models", "budgets", "variants", "backends", "compare", "granularity_model",
               "granularities", "resolve_model", "skip_granularity", "skip_resolve", "skip_smallest")
 
 Row = dict[str, Any]
@@ -302,19 +301,10 @@ def seconds_said(r: Row) -> str:
     return f"{r['wall_seconds']:.2f} s"
 
 
-def time_span(meta: dict[str, Any]) -> str:
-    """``2026-12-05, 19:05–19:15 UTC``; both dates in full when the run crossed midnight."""
-    start_day, start_time, _ = meta["started"].split()
-    end_day, end_time, _ = meta["ended"].split()
-    if start_day == end_day:
-        return f"{start_day}, {start_time}–{end_time} UTC"
-    return f"{meta['started']} to {meta['ended']}"
-
-
 # -- the page's sections ---------------------------------------------------------------------------
 
 def intro(meta: dict[str, Any], results_link: str) -> str:
-    return (f"# `bonsai` (segment ILP): measurements\n\n`{meta['command']}` on {time_span(meta)} "
+    return (f"# `bonsai` (segment ILP): measurements\n\n`{meta['command']}` on {common.run_dates(meta)} "
             f"({meta['seconds'] / 60:.0f} minutes in all), {meta['machine']}, load average at the end "
             f"{meta['load_end']}; torch {meta['torch']}. The command ran every study below and wrote this page from "
             f"their results, kept in [{results_link}]({results_link}). Budgets are shares of the no-remat peak; "
@@ -356,14 +346,10 @@ def bonsai_cell(r: Row) -> str:
 
 def solve_table(cells: dict[tuple[str, float], dict[str, Row]], methods: Sequence[str]) -> str:
     others = [m for m in methods if m != "bonsai"]
-    lines = ["| model | nodes | budget | bonsai: overhead (wall, vars, status) | " + " | ".join(others) + " |",
-             "|---|---|---|---|" + "---|" * len(others)]
-    for (model, f), cell in cells.items():
-        b = cell["bonsai"]
-        lines.append(f"| {model_name(model)} | {b['nodes']} | {budget(f)} | {bonsai_cell(b)} | "
-                     + " | ".join(pct2(c["overhead"]) if ok(c) else "no schedule" for c in (cell[m] for m in others))
-                     + " |")
-    return "\n".join(lines)
+    return table(["model", "nodes", "budget", "bonsai: overhead (wall, vars, status)", *others],
+                 [[model_name(model), cell["bonsai"]["nodes"], budget(f), bonsai_cell(cell["bonsai"]),
+                   *(pct2(c["overhead"]) if ok(c) else "no schedule" for c in (cell[m] for m in others))]
+                  for (model, f), cell in cells.items()])
 
 
 def solve_sentence(cells: dict[tuple[str, float], dict[str, Row]]) -> str:
@@ -399,24 +385,16 @@ def beaten_cell(model: str, fraction: float, costs: dict[str, float]) -> str:
 
 
 def smallest_table(rows: Sequence[Row]) -> str:
-    lines = ["| model | bonsai's model (min-peak MILP status) | chen | per-op bound |", "|---|---|---|---|"]
-    for r in rows:
-        plain = r["plain_peak"]
-        lines.append(f"| {model_name(r['model'])} | {share(r['bonsai'], plain)} ({r['bonsai_status']}) | "
-                     f"{share(r['chen'], plain)} | {share(r['lower_bound'], plain)} |")
-    return "\n".join(lines)
+    return table(["model", "bonsai's model (min-peak MILP status)", "chen", "per-op bound"],
+                 [[model_name(r["model"]), f"{share(r['bonsai'], r['plain_peak'])} ({r['bonsai_status']})",
+                   share(r["chen"], r["plain_peak"]), share(r["lower_bound"], r["plain_peak"])] for r in rows])
 
 
 def granularity_table(rows: Sequence[Row]) -> str:
-    lines = ["| granularity | candidates | ILP candidates | vars | wall s | status | overhead |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if ok(r):
-            lines.append(f"| {r['granularity']} | {r['candidates']} | {r['ilp_candidates']} | {r['variables']} | "
-                         f"{r['wall_seconds']:.2f} | {r['status']} | {pct2(r['overhead'])} |")
-        else:
-            lines.append(f"| {r['granularity_asked']} | {r['error']} | | | | | |")
-    return "\n".join(lines)
+    return table(["granularity", "candidates", "ILP candidates", "vars", "wall s", "status", "overhead"],
+                 [[r["granularity"], r["candidates"], r["ilp_candidates"], r["variables"], f"{r['wall_seconds']:.2f}",
+                   r["status"], pct2(r["overhead"])] if ok(r) else [r["granularity_asked"], r["error"], *[""] * 5]
+                  for r in rows])
 
 
 def granularity_sentence(rows: Sequence[Row]) -> str:
@@ -460,17 +438,16 @@ def option_rows(study: dict[str, Any], key: str, variant: str) -> list[Row]:
 
 
 def self_contained_table(study: dict[str, Any]) -> str:
-    lines = ["| graph | budget | rebuilt (`save_self_contained=False`) | saved (default) | wall s (default) | "
-             "self-contained nodes saved |", "|---|---|---|---|---|---|"]
+    rows = []
     for key in study["options"]:
         for rebuilt, saved in zip(option_rows(study, key, "rebuilt"), option_rows(study, key, "saved")):
             better = ok(saved) and ok(rebuilt) and saved["overhead"] < rebuilt["overhead"] - TIE
             cell = f"**{pct2(saved['overhead'])}**" if better else pct2(saved["overhead"]) if ok(saved) else "no plan"
-            lines.append(f"| {GRAPHS[key][0]} | {budget(saved['fraction'])} | "
-                         f"{pct2(rebuilt['overhead']) if ok(rebuilt) else 'no plan'} | {cell} | "
-                         f"{seconds_said(saved) if ok(saved) else '-'} | "
-                         f"{saved['self_contained_saved'] if ok(saved) else '-'} |")
-    return "\n".join(lines)
+            rows.append([GRAPHS[key][0], budget(saved["fraction"]), pct2(rebuilt["overhead"]) if ok(rebuilt) else
+                         "no plan", cell, seconds_said(saved) if ok(saved) else "-",
+                         saved["self_contained_saved"] if ok(saved) else "-"])
+    return table(["graph", "budget", "rebuilt (`save_self_contained=False`)", "saved (default)", "wall s (default)",
+                  "self-contained nodes saved"], rows)
 
 
 def pairs(study: dict[str, Any], key: str, a: str, b: str) -> list[tuple[float, float | None, float | None]]:
@@ -517,14 +494,11 @@ def dropped_cell(r: Row) -> str:
 
 
 def dropped_table(study: dict[str, Any]) -> str:
-    lines = ["| graph | budget | outputs kept (default): overhead (s, vars) | outputs may drop (`drop_outputs=True`) |",
-             "|---|---|---|---|"]
-    for key in study["options"]:
-        for kept, dropped in zip(option_rows(study, key, "saved"), option_rows(study, key, "dropped")):
-            kept_cell = f"{pct2(kept['overhead'])} ({kept['wall_seconds']:.1f} s, {kept['variables']} vars)" \
-                if ok(kept) else "no plan"
-            lines.append(f"| {GRAPHS[key][0]} | {budget(kept['fraction'])} | {kept_cell} | {dropped_cell(dropped)} |")
-    return "\n".join(lines)
+    return table(["graph", "budget", "outputs kept (default): overhead (s, vars)", "outputs may drop (`drop_outputs=True`)"],
+                 [[GRAPHS[key][0], budget(kept["fraction"]), f"{pct2(kept['overhead'])} ({kept['wall_seconds']:.1f} s, "
+                   f"{kept['variables']} vars)" if ok(kept) else "no plan", dropped_cell(dropped)]
+                  for key in study["options"]
+                  for kept, dropped in zip(option_rows(study, key, "saved"), option_rows(study, key, "dropped"))])
 
 
 def dropped_prose(study: dict[str, Any]) -> str:
@@ -605,16 +579,14 @@ def at(o: Row) -> str:
 
 
 def unet_table(entries: Sequence[dict[str, Any]]) -> str:
-    lines = ["| graph | nodes | per-op bound | region bound (at) | bonsai reaches | with `drop_outputs` "
-             "| at half: bonsai | moccasin | checkmate | at the region bound: bonsai (`drop_outputs`) / moccasin |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for e in entries:
-        p = e["plain_peak"]
-        lines.append(f"| {e['label']} | {e['nodes']} | {share(e['lower_bound'], p)} | {share(e['region_bound'], p)} "
-                     f"(`{e['region_node']}`) | {share(e['reach'], p)} | {share(e['reach_dropped'], p)} | "
-                     f"{at(e['at_half']['bonsai'])} | {at(e['at_half']['moccasin'])} | {at(e['at_half']['checkmate'])} "
-                     f"| {at(e['at_bound']['bonsai'])} / {at(e['at_bound']['moccasin'])} |")
-    return "\n".join(lines)
+    return table(["graph", "nodes", "per-op bound", "region bound (at)", "bonsai reaches", "with `drop_outputs`",
+                  "at half: bonsai", "moccasin", "checkmate",
+                  "at the region bound: bonsai (`drop_outputs`) / moccasin"],
+                 [[e["label"], e["nodes"], share(e["lower_bound"], e["plain_peak"]),
+                   f"{share(e['region_bound'], e['plain_peak'])} (`{e['region_node']}`)",
+                   share(e["reach"], e["plain_peak"]), share(e["reach_dropped"], e["plain_peak"]),
+                   *(at(e["at_half"][m]) for m in ("bonsai", "moccasin", "checkmate")),
+                   f"{at(e['at_bound']['bonsai'])} / {at(e['at_bound']['moccasin'])}"] for e in entries])
 
 
 def reaches_bound(e: dict[str, Any], key: str) -> bool:
@@ -696,14 +668,14 @@ def headroom_sentence(entries: Sequence[dict[str, Any]]) -> str:
 
 
 def others_table(entries: Sequence[dict[str, Any]]) -> str:
-    lines = ["| model (`trace_model` size) | per-op bound | region bound (at) | bonsai reaches |", "|---|---|---|---|"]
+    rows = []
     for (name, options), e in zip(OTHER_AUTHORS, entries):
         p = e["plain_peak"]
         size = ", ".join(f"{k} {v}" for k, v in options.items())
         model = f"`{name}`" if name.startswith("hf:") else f"zoo `{name}`"
-        lines.append(f"| {model} ({size}) | {share(e['lower_bound'], p)} | {share(e['region_bound'], p)} "
-                     f"(`{e['region_node']}`) | {share(e['reach'], p)} |")
-    return "\n".join(lines)
+        rows.append([f"{model} ({size})", share(e["lower_bound"], p),
+                     f"{share(e['region_bound'], p)} (`{e['region_node']}`)", share(e["reach"], p)])
+    return table(["model (`trace_model` size)", "per-op bound", "region bound (at)", "bonsai reaches"], rows)
 
 
 def bound_share(e: dict[str, Any]) -> float | None:
@@ -770,10 +742,6 @@ def first_sentence(text: str) -> str:
     return text.split(". ")[0].rstrip(".")
 
 
-def capitalized(text: str) -> str:
-    return text[:1].upper() + text[1:]
-
-
 # -- the page --------------------------------------------------------------------------------------
 
 def page(results: dict[str, Any], header: str, results_link: str) -> str:
@@ -838,7 +806,7 @@ def run_page(args: argparse.Namespace) -> dict[str, Any]:
 
     started = time.perf_counter()
     results: dict[str, Any] = {"meta": {"command": common.command(), "machine": common.machine(),
-                                        "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                                        "started": common.utc_now(),
                                         "torch": torch.__version__, "time_limit": args.time_limit}}
 
     def keep() -> None:
@@ -847,7 +815,7 @@ def run_page(args: argparse.Namespace) -> dict[str, Any]:
     results["rows"] = suite.measure(args)
     keep()
     results["studies"] = studies(args.time_limit, progress=lambda done: (results.update(studies=done), keep()))
-    results["meta"].update(ended=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    results["meta"].update(ended=common.utc_now(),
                            seconds=round(time.perf_counter() - started, 1), load_end=suite.load_average())
     keep()
     return results

@@ -1,7 +1,8 @@
-"""What several bench suites share: the budget bisection, the command line and machine a report quotes,
-the first line of a docs/results page a suite writes (:func:`page_header`) and the small helpers the
-pages' sentences are made with (:func:`pct`, :func:`listing`, :func:`median`), and the command of a suite
-that writes its page from a results.json (:func:`page_refusal`, :func:`run_page_suite`)."""
+"""What several bench suites share: the budget bisection, the command line, machine and dates a report
+quotes, the first line of a docs/results page a suite writes (:func:`page_header`), a page's template
+(``templates/NAME.md``, :func:`render`) and tables (:func:`table`), the small helpers the pages' sentences
+are made with (:func:`pct`, :func:`mib`, :func:`listing`, ...), and the command of a suite that writes its
+page from its results (:func:`page_refusal`, :func:`run_page_suite`)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ import os
 import platform
 import re
 import statistics
+import string
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from bonsai_core.budget import smallest_meeting
+
 ROOT = Path(__file__).resolve().parents[2]
+TEMPLATES = Path(__file__).resolve().parent / "templates"  # one markdown template per page
 
 
 def bisect_budget(meets: Callable[[int], bool], lo: int, hi: int, steps: int, try_lo: bool = False) -> int | None:
@@ -25,22 +31,14 @@ def bisect_budget(meets: Callable[[int], bool], lo: int, hi: int, steps: int, tr
     A heuristic's success is not monotone in the budget, so this is the threshold the bisection lands
     on, not a proven minimum. ``meets`` may raise TimeoutError to stop early: the answer is then the
     smallest budget met so far (None before ``hi`` was met)."""
-    found = None
     try:
         if try_lo and meets(lo):
             return lo
         if not meets(hi):
             return None
-        found = hi
-        for _ in range(steps):
-            mid = (lo + hi) // 2
-            if mid == lo:
-                break
-            lo, hi = (lo, mid) if meets(mid) else (mid, hi)
-            found = hi
     except TimeoutError:
-        pass
-    return found
+        return None
+    return smallest_meeting(meets, lo, hi, steps, stop=TimeoutError)
 
 
 def command() -> str:
@@ -56,9 +54,56 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
+def utc_now() -> str:
+    """This minute as a report dates a run: ``2026-12-05 19:05 UTC``."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def run_dates(meta: dict[str, Any]) -> str:
+    """A run's ``started`` and ``ended`` (:func:`utc_now`) as a page says them: ``2026-12-05, 19:05–19:15
+    UTC``; both dates in full when the run crossed midnight."""
+    start_day, start_time, _ = meta["started"].split()
+    end_day, end_time, _ = meta["ended"].split()
+    if start_day == end_day:
+        return f"{start_day}, {start_time}–{end_time} UTC"
+    return f"{meta['started']} to {meta['ended']}"
+
+
 def pct(x: float) -> str:
     """A relative change as a page writes it: ``+1.6%``."""
     return f"{x:+.1%}"
+
+
+def mib(nbytes: float, digits: int = 2, unit: str = " MiB") -> str:
+    """Bytes in MiB as a page writes them: ``12.34 MiB`` (a table whose header says MiB: ``unit=""``)."""
+    return f"{nbytes / 2**20:.{digits}f}{unit}"
+
+
+def capitalized(text: str) -> str:
+    """``text`` with its first letter upper case (a sentence that starts with a method's name)."""
+    return text[:1].upper() + text[1:]
+
+
+def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> str:
+    """A markdown table: ``columns``, then ``rows`` (one value per column, each written as its text; no
+    number is read and rewritten); ``align``: a letter per column, ``l``, ``r`` or ``c`` (default left)."""
+    import pandas as pd
+
+    frame = pd.DataFrame([[str(v) for v in row] for row in rows], columns=list(columns))
+    names = {"l": "left", "r": "right", "c": "center"}
+    colalign = [names[a] for a in align.ljust(len(columns), "l")]
+    return frame.to_markdown(index=False, colalign=colalign, disable_numparse=True)
+
+
+def render(template: str, **values: Any) -> str:
+    """The page template ``templates/TEMPLATE.md`` with ``values`` in its ``$name`` placeholders
+    (``string.Template``): the fixed prose there, what was measured here."""
+    return string.Template((TEMPLATES / f"{template}.md").read_text()).substitute(values)
+
+
+def template_source(template: str) -> str:
+    """A template's path from the repository root, as a page's sources name it."""
+    return str((TEMPLATES / f"{template}.md").relative_to(ROOT))
 
 
 def listing(items: Sequence[str]) -> str:

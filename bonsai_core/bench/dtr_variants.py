@@ -58,11 +58,11 @@ def measure() -> dict[str, Any]:
 
 def table(part: dict[str, Any]) -> str:
     """One row per budget, one cell per heuristic and deallocation mode ("does not fit": no schedule)."""
-    lines = ["| budget | " + " | ".join(HEURISTICS) + " |", "| --- |" + " --- |" * len(HEURISTICS)]
-    for i, frac in enumerate(part["fracs"]):
-        cells = ["does not fit" if o[i] is None else f"{o[i]:+.1%}" for o in part["overheads"].values()]
-        lines.append(f"| {frac:.0%} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    from bonsai_core.bench.common import table as markdown
+
+    return markdown(["budget", *HEURISTICS], [[f"{frac:.0%}", *("does not fit" if o[i] is None else f"{o[i]:+.1%}"
+                                                                for o in part["overheads"].values())]
+                                              for i, frac in enumerate(part["fracs"])])
 
 
 def main(args: argparse.Namespace) -> int:

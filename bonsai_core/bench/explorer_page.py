@@ -21,14 +21,13 @@ import re
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
 from bonsai_core.bench import common
 
-SOURCES = ["bonsai_core/bench/explorer_page.py", "explorer/browser.py"]
+SOURCES = ["bonsai_core/bench/explorer_page.py", "explorer/browser.py", common.template_source("explorer")]
 DEFAULT_OUT = "docs/bench/explorer"
 RECORD_PAGE = "docs/results/explorer.md"
 
@@ -324,7 +323,7 @@ def measure(quick: bool) -> dict[str, Any]:
     counts = QUICK if quick else FULL
     parts: dict[str, Any] = {}
     results: dict[str, Any] = {
-        "meta": {"command": common.command(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "meta": {"command": common.command(), "date": common.utc_now(),
                  "machine": common.machine(), "torch": torch.__version__, "streamlit": importlib.metadata.version("streamlit"),
                  "quick": quick, "counts": counts, "parts": parts}}
     results["yardstick_s"] = timed_part(parts, "yardstick", browser.yardstick_seconds)
@@ -397,43 +396,26 @@ def load_said(results: dict[str, Any]) -> str:
     return f"the 1-minute load average between {min(loads):.2f} and {max(loads):.2f} during the run"
 
 
-def intro(results: dict[str, Any]) -> str:
-    browser = harness()
-    meta = results["meta"]
-    quick = " (`--quick`: small counts, no large graphs; a smoke test, not the record)" if meta.get("quick") else ""
-    return (f"# The explorer: measurements\n\n`{meta['command']}` on {meta['date']}{quick}, {meta['machine']}; "
-            f"torch {meta['torch']}, Streamlit {meta['streamlit']}, headless Chromium ({browser.CHROMIUM}); "
-            f"{meta['seconds'] / 60:.1f} min in all, {load_said(results)}. The machine's yardstick (the best of "
-            f"five runs of a fixed Python loop on one core, so that runs on different machines can be compared): "
-            f"{results['yardstick_s']:.3f} s. The command ran everything below and wrote this page from its "
-            "results; the browser tests (`tests/test_browser*.py`) drive the explorer with the same code "
-            "(`explorer/browser.py`) and check what the explorer draws; the targets named below are judged "
-            "here only, as a loaded machine fails any wall-clock bound. The explorer: [../EXPLORER.md](../EXPLORER.md).")
-
-
-def slider_section(results: dict[str, Any]) -> str:
-    b = results["browser"]
+def intro_values(results: dict[str, Any]) -> dict[str, Any]:
+    meta, b = results["meta"], results["browser"]
     slider, paint = b["slider_s"], b["first_paint_s"]
-    slider_median, paint_median = statistics.median(slider), statistics.median(paint)
-    return ("## Slider latency and first paint\n\n"
-            "One session on a server that solves only what a session asks for (`BONSAI_SOLVE_AHEAD=0`, as in "
-            "the browser tests), the default model (`bonsai` at the slider's budget). A drag is timed from just "
-            "before the mouse release until the memory plot's budget label shows exactly the budget the slider "
-            "settled on; each new budget is a bonsai re-solve unless a plan already solved fits it. First paint: "
-            "a new session on the running server, from navigation to the model summary's metrics on screen.\n\n"
-            f"* **Slider released → memory plot updated: median {secs(slider_median)}** over {len(slider)} drags "
-            f"({spread(slider)}), {against(slider_median, SLIDER_TARGET)}.\n"
-            f"* **First paint: median {secs(paint_median)}** over {len(paint)} new sessions ({spread(paint)}), "
-            f"{against(paint_median, FIRST_PAINT_TARGET)}.")
+    return {"command": meta["command"], "date": meta["date"], "machine": meta["machine"], "torch": meta["torch"],
+            "quick": " (`--quick`: small counts, no large graphs; a smoke test, not the record)" if meta.get("quick") else "",
+            "streamlit": meta["streamlit"], "chromium": harness().CHROMIUM, "minutes": f"{meta['seconds'] / 60:.1f}",
+            "load": load_said(results), "yardstick": f"{results['yardstick_s']:.3f}",
+            "slider_median": secs(statistics.median(slider)), "drags": len(slider), "slider_spread": spread(slider),
+            "slider_against": against(statistics.median(slider), SLIDER_TARGET),
+            "paint_median": secs(statistics.median(paint)), "paints": len(paint), "paint_spread": spread(paint),
+            "paint_against": against(statistics.median(paint), FIRST_PAINT_TARGET)}
 
 
-def sessions_row(s: dict[str, Any]) -> str:
+def sessions_row(s: dict[str, Any]) -> list[str]:
     drawn, answered = s["drawn"], s["answered"]
     n = len(drawn)
-    return (f"| {'on' if s['solve_ahead'] else 'off'} | {secs(statistics.median(drawn))} / {secs(p90(drawn))} / "
-            f"{secs(max(drawn))} | {secs(statistics.median(answered))} / {secs(p90(answered))} / "
-            f"{secs(max(answered))} | {s['server_cpu'] / n:.3f} s | {s['browser_cpu'] / n:.2f} s | "
-            f"{s['waited']:.1f} s | {s['load_before'][0]:.2f} → {s['load_after'][0]:.2f} |")
+    return ["on" if s["solve_ahead"] else "off", f"{secs(statistics.median(drawn))} / {secs(p90(drawn))} / "
+            f"{secs(max(drawn))}", f"{secs(statistics.median(answered))} / {secs(p90(answered))} / "
+            f"{secs(max(answered))}", f"{s['server_cpu'] / n:.3f} s", f"{s['browser_cpu'] / n:.2f} s",
+            f"{s['waited']:.1f} s", f"{s['load_before'][0]:.2f} → {s['load_after'][0]:.2f}"]
 
 
 def sessions_findings(results: dict[str, Any]) -> list[str]:
@@ -461,30 +443,17 @@ def sessions_findings(results: dict[str, Any]) -> list[str]:
     return said
 
 
-def sessions_section(results: dict[str, Any]) -> str:
+def sessions_values(results: dict[str, Any]) -> dict[str, Any]:
     browser = harness()
-    first = results["sessions"][0]
     sessions, rounds = results["meta"]["counts"]["sessions"], results["meta"]["counts"]["rounds"]
-    table = ["| solving ahead | plot updated: median / p90 / max | server's rerun arrived: median / p90 / max | "
-             "server CPU per drag | tabs' CPU per drag | server idle after | load average |",
-             "| --- | --- | --- | --- | --- | --- | --- |"] + [sessions_row(s) for s in results["sessions"]]
-    return ("## Many sessions dragging at once\n\n"
-            f"A fresh server, one headless Chromium with {sessions} contexts ({sessions} Streamlit sessions) on the "
-            "Memory page of the default model; once all have drawn it and the server is idle (\"server idle "
-            f"after\": seconds waited after the pages had loaded), {rounds_said(rounds)} in which all drag their "
-            f"budget slider at the same moment, each to its own budget ({len(first['drawn'])} different budgets "
-            f"between {browser.session_budget(0, 0)}% and {browser.session_budget(sessions - 1, rounds - 1)}%), timed "
-            "from each release until (a) that session's plot shows exactly its new budget and (b) the server's rerun "
-            "for it has arrived (Streamlit's \"script finished\" message on the session's websocket). It runs "
-            "twice, on a fresh server each time: as the server runs by default (solving ahead: the drags find "
-            "their plans solved) and with `BONSAI_SOLVE_AHEAD=0` (each drag a fresh solve, unless another "
-            "session's plan fits). The tabs draw on the same cores as the server, at `nice 19` (in a classroom "
-            "each browser draws on its own machine); \"tabs' CPU\": all of this Chromium's processes over the "
-            "drags. The load average is the 1-minute one before and after the run of each mode. The browser "
-            "test `tests/test_browser.py::test_ten_sessions_dragging_at_once_all_see_their_plot_update` "
-            f"(marked slow) asserts that solving ahead cuts the server's CPU per drag; the target (median at "
-            f"most {SESSIONS_TARGET:g} s) is judged here, not asserted: a loaded machine fails any wall-clock "
-            "bound.\n\n" + "\n".join(table) + "\n\n" + "\n".join(f"* {s}" for s in sessions_findings(results)))
+    return {"sessions": sessions, "rounds": rounds_said(rounds), "budgets": len(results["sessions"][0]["drawn"]),
+            "lowest": browser.session_budget(0, 0), "highest": browser.session_budget(sessions - 1, rounds - 1),
+            "sessions_target": f"{SESSIONS_TARGET:g}",
+            "sessions_table": common.table(["solving ahead", "plot updated: median / p90 / max",
+                                            "server's rerun arrived: median / p90 / max", "server CPU per drag",
+                                            "tabs' CPU per drag", "server idle after", "load average"],
+                                           map(sessions_row, results["sessions"])),
+            "sessions_findings": "\n".join(f"* {s}" for s in sessions_findings(results))}
 
 
 def depth_cells(row: dict[str, Any]) -> str:
@@ -492,36 +461,32 @@ def depth_cells(row: dict[str, Any]) -> str:
                      f"{ms(d['stats_chart_s'])}" for d in row["depths"])
 
 
-def module_graph_section(results: dict[str, Any]) -> str:
+def module_graph_values(results: dict[str, Any]) -> dict[str, str]:
     browser = harness()
     rows = results["module_graph"]
     b = results["browser"]
     g = b["graph"]
-    lines = ["| what | measured |", "| --- | --- |"]
-    lines += [f"| module structure (tree, owners, backward anchors, default depth), once per graph: "
-              f"{r['graph']} ({r['ops']:,} ops) | {secs(r['structure_s'])} |" for r in rows]
-    lines += [f"| boxes / layout / stats and chart spec per fold depth: {r['graph']} | {depth_cells(r)} |"
-              for r in rows]
-    lines.append(f"| click on \"Graph\" until the module chart is painted and the server idle, default GPT | first "
-                 f"visit of a session {secs(g['first_s'])}; again from the Model page: median "
-                 f"{secs(statistics.median(g['again_s']))} ({spread(g['again_s'])}) |")
+    lines = [[f"module structure (tree, owners, backward anchors, default depth), once per graph: {r['graph']} "
+               f"({r['ops']:,} ops)", secs(r["structure_s"])] for r in rows]
+    lines += [[f"boxes / layout / stats and chart spec per fold depth: {r['graph']}", depth_cells(r)] for r in rows]
+    lines.append(["click on \"Graph\" until the module chart is painted and the server idle, default GPT",
+                  f"first visit of a session {secs(g['first_s'])}; again from the Model page: median "
+                  f"{secs(statistics.median(g['again_s']))} ({spread(g['again_s'])})"])
     said = ""
     if "llama" in b:
         llama, row = b["llama"], next(r for r in rows if r["key"] == "llama")
         boxes = {d["depth"]: d["boxes"] for d in row["depths"]}
         median = statistics.median(llama["again_s"])
-        lines.append(f"| the same, {row['graph']} ({row['ops']:,} ops) uploaded as JSON at "
-                     f"{browser.LLAMA_32_BUDGET}%, folded to depth {row['default_depth']} "
-                     f"({boxes[row['default_depth']]} boxes) | **median {secs(median)}** "
-                     f"({spread(llama['again_s'])}); the first visit {secs(llama['first_s'])} (the plan solved) |")
-        lines.append("| one step of the fold depth until the new chart is painted, same graph | "
-                     + ", ".join(f"to {d} ({boxes.get(d, '?')} boxes) {secs(t)}" for d, t in llama["folds"]) + " |")
+        lines.append([f"the same, {row['graph']} ({row['ops']:,} ops) uploaded as JSON at {browser.LLAMA_32_BUDGET}%, "
+                      f"folded to depth {row['default_depth']} ({boxes[row['default_depth']]} boxes)",
+                      f"**median {secs(median)}** ({spread(llama['again_s'])}); the first visit "
+                      f"{secs(llama['first_s'])} (the plan solved)"])
+        lines.append(["one step of the fold depth until the new chart is painted, same graph",
+                      ", ".join(f"to {d} ({boxes.get(d, '?')} boxes) {secs(t)}" for d, t in llama["folds"])])
         said = (f"\n\nThe {row['graph']}'s module view, folded to its default depth, draws in a median of "
                 f"{secs(median)}: {against(median, MODULE_VIEW_TARGET)} (`tests/test_browser_graph.py -m slow` "
                 "draws and folds it in both themes).")
-    return ("## Module graph\n\nIn-process: `explorer.module_graph` and `module_chart` called as the Graph page "
-            "calls them. In Chromium: light theme, a session's clicks on the sidebar; a fold-depth step is one "
-            "arrow key on the slider (one rerun)." + llama_said(results) + "\n\n" + "\n".join(lines) + said)
+    return {"llama": llama_said(results), "module_table": common.table(["what", "measured"], lines), "module_said": said}
 
 
 def llama_said(results: dict[str, Any]) -> str:
@@ -532,35 +497,30 @@ def llama_said(results: dict[str, Any]) -> str:
     return f" The Llama is `bonsai trace {name} " + " ".join(f"--{k} {v}" for k, v in options.items()) + "`."
 
 
-def lifetimes_section(results: dict[str, Any]) -> str:
+def lifetimes_values(results: dict[str, Any]) -> dict[str, str]:
     from bonsai_core.units import format_bytes
 
     browser = harness()
     b = results["browser"]
-    lines = ["| what | measured |", "| --- | --- |"]
+    lines = []
     for r in results["lifetimes"]:
         grouped = f", tensors under {format_bytes(r['threshold'])} grouped per module" if r["threshold"] else ""
-        lines.append(f"| {r['graph']} ({r['ops']:,} ops, {r['steps']:,} schedule steps), {r['method']} at "
-                     f"{SHARE:.0%} | bars {ms(r['bars_s'])} ({r['bars']:,} bars{grouped}), chart rows and spec "
-                     f"{ms(r['chart_s'])}, step line {ms(r['step_line_s'])}, reasons of {r['explained']} of "
-                     f"{r['regions']} regions {secs(r['reasons_s'])} (the solve: {secs(r['solve_s'])}) |")
+        lines.append([f"{r['graph']} ({r['ops']:,} ops, {r['steps']:,} schedule steps), {r['method']} at {SHARE:.0%}",
+                      f"bars {ms(r['bars_s'])} ({r['bars']:,} bars{grouped}), chart rows and spec {ms(r['chart_s'])}, "
+                      f"step line {ms(r['step_line_s'])}, reasons of {r['explained']} of {r['regions']} regions "
+                      f"{secs(r['reasons_s'])} (the solve: {secs(r['solve_s'])})"])
     first, again = b["memory_first"], b["memory_again"]
-    lines.append(f"| Memory page of the default model in a new session until both charts are drawn and the "
-                 f"server idle | the server's first {secs(first['charts_s'])}, the next {secs(again['charts_s'])} |")
-    lines.append(f"| {SCRUB_PRESSES} arrow-key steps of the scrubber until the step line changed | "
-                 f"{spread([first['scrub_s'], again['scrub_s']])} (in those two sessions) |")
-    gpt2 = b["gpt2_link"]
-    lines.append(f"| `{browser.GPT2_LINK}` in a new session: trace, solve, both charts | "
-                 f"{secs(gpt2['charts_s'])}; one scrubber step (Home key) {secs(gpt2['scrub_s'])} |")
-    if "large_link" in b:
-        large = b["large_link"]
-        lines.append(f"| `{browser.LARGE_LINK}` in a new session: trace, solve, both charts | "
-                     f"{secs(large['charts_s'])}; one scrubber step (Home key) {secs(large['scrub_s'])} |")
-    traces = "; ".join(f"{t['graph']} ({t['ops']:,} ops) {secs(t['trace_s'])}" for t in results["traces"])
-    return ("## Tensor lifetimes and the step scrubber\n\nIn-process: `explorer.timeline` called as the Memory "
-            f"page calls it (the \"Why this plan\" panel explains {REGIONS_AT_ONCE} regions per click; bonsai's "
-            f"time limit {TIME_LIMIT:g} s). In Chromium: the server that served the single sessions above.\n\n"
-            + "\n".join(lines) + f"\n\nTracing, in-process, for the rows above: {traces}.")
+    lines.append(["Memory page of the default model in a new session until both charts are drawn and the server idle",
+                  f"the server's first {secs(first['charts_s'])}, the next {secs(again['charts_s'])}"])
+    lines.append([f"{SCRUB_PRESSES} arrow-key steps of the scrubber until the step line changed",
+                  f"{spread([first['scrub_s'], again['scrub_s']])} (in those two sessions)"])
+    for key, link in (("gpt2_link", browser.GPT2_LINK), ("large_link", browser.LARGE_LINK)):
+        if key in b:
+            lines.append([f"`{link}` in a new session: trace, solve, both charts",
+                          f"{secs(b[key]['charts_s'])}; one scrubber step (Home key) {secs(b[key]['scrub_s'])}"])
+    return {"regions_at_once": str(REGIONS_AT_ONCE), "time_limit": f"{TIME_LIMIT:g}",
+            "lifetimes_table": common.table(["what", "measured"], lines),
+            "traces": "; ".join(f"{t['graph']} ({t['ops']:,} ops) {secs(t['trace_s'])}" for t in results["traces"])}
 
 
 def first_words(alert: str) -> str:
@@ -568,57 +528,56 @@ def first_words(alert: str) -> str:
     return next((line for line in alert.splitlines() if line.strip() and line.strip() != "error"), alert)
 
 
-def titan_section(results: dict[str, Any]) -> str:
+def titan_values(results: dict[str, Any]) -> dict[str, str]:
     from bonsai_core.units import format_bytes
 
     browser = harness()
+    name, options = browser.TITAN_8B
+    values = {"titan_command": f"bonsai trace {name} " + " ".join(f"--{k} {v}" for k, v in options.items()),
+              "titan_budget": str(browser.TITAN_8B_BUDGET), "slider_target": f"{SLIDER_TARGET:g}",
+              "sweep_target": f"{SWEEP_TARGET:g}", "fit_target": f"{FIT_TARGET:g}"}
     if "titan" not in results:
-        return ("## The 8B step\n\nNot measured in this run (`--quick`, or torchtitan is not installed: "
-                "`requirements-torchtitan.txt`).")
+        return {**values, "titan_measured": "Not measured in this run (`--quick`, or torchtitan is not installed: "
+                                            "`requirements-torchtitan.txt`)."}
     t = results["titan"]
     b, f = t["browser"], t["fit"]
-    name, options = browser.TITAN_8B
-    command = f"bonsai trace {name} " + " ".join(f"--{k} {v}" for k, v in options.items())
+    first = (f"no plan, the page said \"{first_words(b['first_plan_error'])}\"" if b.get("first_plan_error")
+             else "its plan and charts")
+    lines = [["trace (in-process)", f"{secs(t['trace_s'])} ({t['ops']:,} ops)"],
+             [f"upload as JSON at {browser.TITAN_8B_BUDGET}% until the Model page shows it", secs(b["upload_s"])],
+             [f"open the Memory page until bonsai's first solve at {browser.TITAN_8B_BUDGET}% is drawn",
+              f"{secs(b['first_plan_s'])}: {first}"],
+             [f"a drag to {b['during']['pct']}% while the sweep runs ({b['during']['sweep'] or 'not started'})",
+              f"{secs(b['during']['seconds'])}, " + ("the nearest solved plan shown, marked" if b["during"]["stand_in"]
+                                                     else "its own plan")]]
     swept = re.search(r"Swept (\d+) of (\d+) budgets in (\d+) s", b["sweep"]["said"])
-    lines = ["| what | measured |", "| --- | --- |",
-             f"| trace (in-process) | {secs(t['trace_s'])} ({t['ops']:,} ops) |",
-             f"| upload as JSON at {browser.TITAN_8B_BUDGET}% until the Model page shows it | {secs(b['upload_s'])} |",
-             f"| open the Memory page until bonsai's first solve at {browser.TITAN_8B_BUDGET}% is drawn | "
-             f"{secs(b['first_plan_s'])}" + (f": no plan, the page said \"{first_words(b['first_plan_error'])}\""
-                                              if b.get("first_plan_error") else ", its plan and charts") + " |",
-             f"| a drag to {b['during']['pct']}% while the sweep runs ({b['during']['sweep'] or 'not started'}) | "
-             f"{secs(b['during']['seconds'])}, " + ("the nearest solved plan shown, marked" if b["during"]["stand_in"]
-                                                    else "its own plan") + " |"]
     if swept:
         done, total, seconds = int(swept.group(1)), int(swept.group(2)), int(swept.group(3))
-        lines.append(f"| the slider swept in the background | {done} of {total} positions in {seconds} s"
-                     + ("" if b["sweep"]["done"] else f" when the run stopped waiting ({b['sweep']['waited_s']:.0f} s)")
-                     + f", {against(seconds, SWEEP_TARGET) if b['sweep']['done'] else 'not done'} |")
-    after = [s_ for _, s_, _ in b["after"]]
+        lines.append(["the slider swept in the background", f"{done} of {total} positions in {seconds} s"
+                      + ("" if b["sweep"]["done"] else f" when the run stopped waiting ({b['sweep']['waited_s']:.0f} s)")
+                      + f", {against(seconds, SWEEP_TARGET) if b['sweep']['done'] else 'not done'}"])
+    after = [seconds for _, seconds, _ in b["after"]]
     if after:
-        lines.append(f"| drags after the sweep | " + ", ".join(f"{p}% {secs(s_)}" + (" (nearest)" if near else "")
-                                                            for p, s_, near in b["after"])
-                     + f": median {secs(statistics.median(after))}, the slowest {secs(max(after))}, "
-                     f"{against(max(after), SLIDER_TARGET)} |")
-    lines.append(f"| the plan at {b['read_at']}% as the page reads it (after the sweep) | "
-                 + (f"{b['rebuilds']} rebuilds in {b['patterns']} patterns (the events table's rows)"
-                    if b.get("patterns") else "its rebuilds did not read as patterns")
-                 + f"; the lifetimes' legend {b['legend']} entries |")
+        lines.append(["drags after the sweep", ", ".join(f"{p}% {secs(s_)}" + (" (nearest)" if near else "")
+                                                         for p, s_, near in b["after"])
+                      + f": median {secs(statistics.median(after))}, the slowest {secs(max(after))}, "
+                      f"{against(max(after), SLIDER_TARGET)}"])
+    lines.append([f"the plan at {b['read_at']}% as the page reads it (after the sweep)",
+                  (f"{b['rebuilds']} rebuilds in {b['patterns']} patterns (the events table's rows)"
+                   if b.get("patterns") else "its rebuilds did not read as patterns")
+                  + f"; the lifetimes' legend {b['legend']} entries"])
     last = max((a[3] for a in f["answers"]), default=0.0)
-    lines.append(f"| What fits, the page's defaults (GPU {format_bytes(f['limit'])}: twice the step's lower bound) | "
-                 f"{secs(f['seconds'])}, {against(f['seconds'], FIT_TARGET)}; {len(f['answers'])} answers, the last "
-                 f"after {secs(last)}; traced " + (", ".join(f"batch {k} {secs(v)}" for k, v in f["traces"].items())
-                                                    or "nothing") + " |")
-    return ("## The 8B step\n\nTorchtitan's Llama 3 8B as an engineer tunes it by hand: `" + command + "`, uploaded as "
-            "JSON to a fresh server that sweeps (the default), in one Chromium session: the targets are every slider "
-            f"position answered in at most {SLIDER_TARGET:g} s after a sweep of at most {SWEEP_TARGET:g} s, and What "
-            f"fits in at most {FIT_TARGET:g} s. The sweep's own words, from the sidebar, end the run's wait for it.\n\n"
-            + "\n".join(lines) + "\n\nWhat fits' table:\n\n" + f["table"])
+    lines.append([f"What fits, the page's defaults (GPU {format_bytes(f['limit'])}: twice the step's lower bound)",
+                  f"{secs(f['seconds'])}, {against(f['seconds'], FIT_TARGET)}; {len(f['answers'])} answers, the last "
+                  f"after {secs(last)}; traced " + (", ".join(f"batch {k} {secs(v)}" for k, v in f["traces"].items())
+                                                     or "nothing")])
+    return {**values, "titan_measured": common.table(["what", "measured"], lines) + "\n\nWhat fits' table:\n\n"
+            + f["table"]}
 
 
 def page(results: dict[str, Any], header: str) -> str:
-    return "\n\n".join([header, intro(results), slider_section(results), sessions_section(results),
-                        module_graph_section(results), lifetimes_section(results), titan_section(results)]) + "\n"
+    return common.render("explorer", header=header, **intro_values(results), **sessions_values(results),
+                         **module_graph_values(results), **lifetimes_values(results), **titan_values(results))
 
 
 def write_page(results: dict[str, Any], path: str) -> None:

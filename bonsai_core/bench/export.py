@@ -17,14 +17,13 @@ import argparse
 import json
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from bonsai_core.bench import common
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
-SOURCES = ["bonsai_core/bench/export.py", "tests/export_models.py", "tests/real_models.py"]
+SOURCES = ["bonsai_core/bench/export.py", "tests/export_models.py", "tests/real_models.py", common.template_source("export")]
 DEFAULT_OUT = "docs/bench/export"
 RECORD_PAGE = "docs/results/export.md"
 
@@ -320,7 +319,7 @@ def measure(time_limit: float, quick: bool = False) -> dict[str, Any]:
         "attention": lambda: attention_rows(chosen(ATTENTION_MODELS, quick)),
         "backends": lambda: backend_rows(backend_cases(quick), time_limit)}
     results: dict[str, Any] = {
-        "meta": {"command": common.command(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "meta": {"command": common.command(), "date": common.utc_now(),
                  "machine": common.machine(), "torch": torch.__version__, "time_limit": time_limit,
                  "quick": quick, "study_seconds": {}}}
     start = time.perf_counter()
@@ -336,7 +335,8 @@ def measure(time_limit: float, quick: bool = False) -> dict[str, Any]:
 # -- words and numbers ----------------------------------------------------------------------------
 
 def mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.2f}"
+    """MiB without the unit: the tables' headers name it."""
+    return common.mib(nbytes, unit="")
 
 
 def signed_bytes(n: int) -> str:
@@ -427,12 +427,6 @@ def count_of(n: int, total: int) -> str:
     return "no row" if n == 0 else f"{n} of {total} rows"
 
 
-def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def diff_cell(x: float) -> str:
     return "0" if x == 0 else f"{x:.2g}"
 
@@ -455,7 +449,7 @@ def zoo_table(rows: Sequence[dict[str, Any]]) -> str:
                 signed_bytes(v["measured_peak"] - v["predicted_peak"]),
                 signed_bytes(r["direct"]["measured_peak"] - v["predicted_peak"]), mib(v["original_peak"]),
                 diff_cell(max(v["loss_diff"], r["direct"]["loss_diff"])), diff_cell(grad)]
-    return table(["model", "schedule", "recomputes", "predicted MiB", "measured MiB", "measured − predicted",
+    return common.table(["model", "schedule", "recomputes", "predicted MiB", "measured MiB", "measured − predicted",
                   "measured − predicted, grads direct", "original model MiB", "loss diff", "max grad diff"],
                  map(cells, rows))
 
@@ -514,18 +508,9 @@ def below_original_sentence(rows: Sequence[dict[str, Any]]) -> str:
             + common.listing([zoo_label(r) for r in not_below]) + ".")
 
 
-def zoo_section(rows: Sequence[dict[str, Any]]) -> str:
+def zoo_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     nodes = common.listing([f"{m} {n}" for m, n in dict((r["model"], r["nodes"]) for r in rows).items()])
-    return ("## Zoo models at their default sizes (replay back-end)\n\n"
-            "Each zoo model at its default size (`trace_model(name)`; graph nodes: " + nodes + ") under three "
-            "schedules: `none`; `checkpoint-every-other` at level 1 (tests/test_export.py: the forward nodes split "
-            "into three contiguous segments, every other one recomputed, `CheckpointPlan` + `plan_schedule`); "
-            "`recompute-before-use` at level 2 (a general schedule: every droppable forward node freed after the "
-            "forward pass and recomputed, with its dropped inputs, right before each backward node that reads it). "
-            "Each is exported (`export_traced`) and verified twice (`verify_export`: gradients through autograd, "
-            "and written directly, `grads=\"direct\"`). \"original model\": the eager step's measured peak; the "
-            "differences cover both modes and the step started from `.grad` None.\n\n"
-            + zoo_table(rows) + "\n\n" + zoo_findings(rows))
+    return {"zoo_nodes": nodes, "zoo_table": zoo_table(rows), "zoo_findings": zoo_findings(rows)}
 
 
 # -- every solver ---------------------------------------------------------------------------------
@@ -534,7 +519,7 @@ def method_label(row: dict[str, Any]) -> str:
     return f"{row['method']} on {row['model']}"
 
 
-def methods_section(rows: Sequence[dict[str, Any]], time_limit: float) -> str:
+def methods_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     solved = [r for r in rows if "replay" in r]
 
     def cells(r: dict[str, Any]) -> list[Any]:
@@ -561,14 +546,9 @@ def methods_section(rows: Sequence[dict[str, Any]], time_limit: float) -> str:
         sentences.append("No schedule within the budget: " + common.listing(
             [f"{model} ({common.listing(methods)})" for model, methods in unmet.items()]) + ".")
     sizes = "; ".join(f"{m} {options_said(o)}" for m, o in dict((r["model"], r["options"]) for r in rows).items())
-    return ("## Every solver's schedule (replay back-end)\n\n"
-            f"The zoo at tests/test_export.py's small sizes ({sizes}); each method solves the budget lb + "
-            f"{METHOD_SHARE:.0%} (`solve(graph, budget, method=..., time_limit={time_limit:g})`), and its schedule is "
-            "exported and verified as above. Bytes. The replay back-end runs any schedule the simulator accepts: "
-            "a tensor recomputed several times, frees before last use. Checkmate (an op-level MILP the tests give a "
-            "minute per case) is left out to keep the run short.\n\n"
-            + table(["model", "method", "budget", "recomputes", "predicted", "measured", "measured − predicted",
-                     "loss diff", "max grad diff"], map(cells, rows)) + "\n\n" + " ".join(sentences))
+    return {"method_sizes": sizes, "method_share": f"{METHOD_SHARE:.0%}", "methods_findings": " ".join(sentences),
+            "methods_table": common.table(["model", "method", "budget", "recomputes", "predicted", "measured",
+                                           "measured − predicted", "loss diff", "max grad diff"], map(cells, rows))}
 
 
 # -- verify's full report -------------------------------------------------------------------------
@@ -581,7 +561,7 @@ def milliseconds(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}"
 
 
-def verified_section(rows: Sequence[dict[str, Any]]) -> str:
+def verified_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     def cells(r: dict[str, Any]) -> list[Any]:
         v = r["replay"]
         return [short(r["model"]), precision(r["options"], r["autocast"]), r["schedule"], r["recomputes"],
@@ -600,17 +580,10 @@ def verified_section(rows: Sequence[dict[str, Any]]) -> str:
         exact_sentence([differences(verified_label(r), r["replay"]) for r in rows], "Against eager"),
         verdict_sentence([(verified_label(r), r["replay"]["problems"]) for r in rows], "these exports")]
     models = common.listing(sorted({f"`{r['model']}` ({options_said(r['options'])})" for r in rows}))
-    return ("## Real models, verify's full report (replay back-end)\n\n"
-            f"Models: {models}. `tests/export_models.py` builds its models from `torch.nn` and `transformers` "
-            "configs, no weights. Each traced (under its autocast), exported with `none` and "
-            "`recompute-before-use` at level 2 and verified with "
-            f"`verify_export(..., repeats={TIMING_REPEATS})`. Bytes; \"grads None\" is the exported step's peak "
-            f"from `.grad` None. Times are medians of {TIMING_REPEATS} steps, original / exported, on a shared 2-core "
-            "machine: noise (the first steps of a process pay for its start-up), they show that verify measures "
-            "time, not the export's overhead; \"predicted\" overhead is the simulator's.\n\n"
-            + table(["model", "precision", "schedule", "recomputes", "predicted", "measured", "measured − predicted",
-                     "grads None", "loss diff", "max grad diff", "ms per step", "overhead measured / predicted"],
-                    map(cells, rows)) + "\n\n" + " ".join(sentences))
+    return {"verified_models": models, "repeats": str(TIMING_REPEATS), "verified_findings": " ".join(sentences),
+            "verified_table": common.table(["model", "precision", "schedule", "recomputes", "predicted", "measured",
+                                            "measured − predicted", "grads None", "loss diff", "max grad diff",
+                                            "ms per step", "overhead measured / predicted"], map(cells, rows))}
 
 
 # -- SDPA and bf16 --------------------------------------------------------------------------------
@@ -619,7 +592,7 @@ def attention_peaks(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str, str]
     return {(r["model"], r["dtype"], r["attention"]): r["no_remat_peak"] for r in rows}
 
 
-def attention_section(rows: Sequence[dict[str, Any]]) -> str:
+def attention_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     peaks = attention_peaks(rows)
     models = list(dict.fromkeys(r["model"] for r in rows))
 
@@ -637,15 +610,9 @@ def attention_section(rows: Sequence[dict[str, Any]]) -> str:
                  f"{change('bf16', 'eager', 'bf16', 'sdpa')} with bf16 parameters. bf16 against fp32: "
                  f"{change('fp32', 'eager', 'bf16', 'eager')} on eager attention, "
                  f"{change('fp32', 'sdpa', 'bf16', 'sdpa')} on SDPA.")
-    return ("## SDPA and bf16 on `hf:` models (traces only)\n\n"
-            f"No-remat peaks (MiB) at the models' default sizes (batch 8, width 128, 2 layers, 4 heads, vocab 512) "
-            f"and seq {ATTENTION_SEQ}: `trace_model(model, seq={ATTENTION_SEQ}, attention=..., dtype=...)`, as "
-            f"`bonsai trace MODEL --seq {ATTENTION_SEQ} [--attention eager] [--dtype bf16]`. In parentheses: SDPA "
-            "against eager.\n\n"
-            + table(["model", "eager fp32", "SDPA fp32", "eager bf16", "SDPA bf16"], map(cells, models)) + "\n\n"
-            + sentences + " Eager attention keeps each layer's seq × seq scores (and GPT-2's dropout mask) for the "
-            "backward pass, where SDPA keeps its output and log-sum-exp; Llama's eager attention takes its softmax "
-            "in float32 whatever the parameters' type.")
+    return {"seq": str(ATTENTION_SEQ), "attention_findings": sentences,
+            "attention_table": common.table(["model", "eager fp32", "SDPA fp32", "eager bf16", "SDPA bf16"],
+                                            map(cells, models))}
 
 
 # -- both back-ends -------------------------------------------------------------------------------
@@ -715,7 +682,7 @@ def backend_table(rows: Sequence[dict[str, Any]]) -> str:
                            *[""] * 7]
         return head + [f"lb + {r['share']:.0%}", f"{r['predicted']:,}", replay_cell(r), *checkpoint_cells(r),
                        verdict_cell(r)]
-    return table(["model", "precision", "regions", "budget", "predicted", "replay measured", "realised (checkpoint)",
+    return common.table(["model", "precision", "regions", "budget", "predicted", "replay measured", "realised (checkpoint)",
                   "checkpoint measured (vs plan)", "original model", "dropped bytes left saved", "verify"],
                  map(cells, rows))
 
@@ -862,43 +829,27 @@ def backend_findings(rows: Sequence[dict[str, Any]]) -> str:
                                                                                 "checkpoint_error") if k in r]
     if errors:
         sentences.append("Refused or failed: " + "; ".join(errors) + ".")
-    return "What the rows say.\n\n" + "\n".join(f"* {s}" for s in sentences if s)
+    return "\n".join(f"* {s}" for s in sentences if s)
 
 
-def backend_section(rows: Sequence[dict[str, Any]], time_limit: float) -> str:
+def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     models = "; ".join(f"`{m}` {options_said(o)}" for m, o in
                        dict((backend_label({**r, "regions": None}), r["options"]) for r in rows).items())
-    return ("## Both back-ends side by side\n\n"
-            "Each model with bonsai at the first of lb + " + "/".join(f"{s * 100:g}" for s in BACKEND_SHARES) +
-            f"% that it meets (time limit {time_limit:g} s), free-form plans (`regions=any`) and module plans "
-            "(`regions=modules`: only module calls recomputed), each plan exported with both back-ends: replay "
-            "(`export_traced`, `verify_export`) and checkpoint (`export_checkpoint`, `verify_checkpoint`: "
-            "`torch.utils.checkpoint` with selective-checkpoint policies on the user's own submodules). Bytes. "
-            "\"realised\": the checkpoint back-end's simulation of what its checkpoints really run "
-            "(`INFO[\"realised_peak\"]`); `verify` judges the checkpoint back-end's peak against it when it is more "
-            f"than {REALISED:.0%} off the plan. \"dropped bytes left saved\": of the bytes the plan drops, those no "
-            "checkpointed submodule holds with their readers (`INFO[\"unrealised_dropped_bytes\"]`). \"verify\": "
-            "the verdicts of the replay / checkpoint back-end. The models' options: " + models + ".\n\n"
-            + backend_table(rows) + "\n\n" + backend_findings(rows))
+    return {"backend_shares": "/".join(f"{s * 100:g}" for s in BACKEND_SHARES), "realised": f"{REALISED:.0%}",
+            "backend_models": models, "backend_table": backend_table(rows), "backend_findings": backend_findings(rows)}
 
 
 # -- the page -------------------------------------------------------------------------------------
 
 def page(results: dict[str, Any], header: str) -> str:
     meta = results["meta"]
-    per_study = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in meta["study_seconds"].items())
-    quick = " (`--quick`: one model per study, a smoke test, not the record)" if meta.get("quick") else ""
-    intro = (f"# Export: measurements\n\n`{meta['command']}` on {meta['date']}{quick}, {meta['machine']}, torch "
-             f"{meta['torch']}; {meta['seconds']:.0f} s in all ({per_study}). The command ran everything below and "
-             "wrote this page from its results. Predicted peaks are the simulator's; measured peaks are the CPU "
-             "live-bytes tracker's (`bonsai verify`); both, and the loss and gradient differences, are exact. "
-             "How the two back-ends work: [../EXPORT.md](../EXPORT.md). \"lb + 50%\" is the budget halfway "
-             "from the graph's per-op peak lower bound to its no-remat peak. Everything here ran on the CPU; the "
-             "commands for a GPU: [../EXPORT.md](../EXPORT.md#limits-of-the-replay-back-end).")
-    sections = [header, intro, zoo_section(results["zoo"]), methods_section(results["methods"], meta["time_limit"]),
-                verified_section(results["verified"]), attention_section(results["attention"]),
-                backend_section(results["backends"], meta["time_limit"])]
-    return "\n\n".join(sections) + "\n"
+    return common.render(
+        "export", header=header, command=meta["command"], date=meta["date"], machine=meta["machine"],
+        quick=" (`--quick`: one model per study, a smoke test, not the record)" if meta.get("quick") else "",
+        torch=meta["torch"], seconds=f"{meta['seconds']:.0f}", time_limit=f"{meta['time_limit']:g}",
+        per_study=", ".join(f"{name} {seconds:.0f} s" for name, seconds in meta["study_seconds"].items()),
+        **zoo_values(results["zoo"]), **methods_values(results["methods"]), **verified_values(results["verified"]),
+        **attention_values(results["attention"]), **backend_values(results["backends"]))
 
 
 def write_page(results: dict[str, Any], path: str) -> None:

@@ -47,7 +47,6 @@ import statistics
 import subprocess
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
@@ -175,7 +174,8 @@ def bench_model(name: str, options: dict[str, int], time_limit: float) -> dict[s
 
 
 def mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.1f}"
+    """MiB with one decimal, without the unit: the tables' headers name it."""
+    return common.mib(nbytes, 1, "")
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -244,32 +244,12 @@ def table(results: dict[str, Any]) -> str:
              "Smallest pool each variant trains in (MiB: the whole pool, the Adam state included; bisection, "
              f"{STEPS} steps) and its ratio to coop's. `dtr` counts live bytes only; its pool is the smallest at "
              "which its schedule, placed best fit, also fits:", "",
-             "| model | nodes | no-remat peak + Adam | " + " | ".join(labels)
-             + " | dtr-pool / coop | best DTR in the pool / coop |",
-             "| --- | --- | --- |" + " --- |" * len(labels) + " --- | --- |"]
-    for e in results["models"].values():
-        pools = [ratio(e, k) for k in labels if k not in ("coop", "dtr")]
-        pools = [r for r in pools if r is not None]
-        r = ratio(e, "dtr-pool")
-        name = label_of(e["model"], e["options"])
-        lines.append(f"| {name} | {e['nodes']} | {mib(e['no_remat_peak'] + e['adam_bytes'])} | "
-                     + " | ".join(pool_cell(e, k) for k in labels)
-                     + f" | {f'{r:.2f}' if r else '-'} | {f'{min(pools):.2f}' if pools else '-'} |")
+             pools_table(results, labels)]
     lines += ["", "At equal pools (multiples of coop's smallest pool): overhead of each variant ('fails': it does "
               "not train in that pool), and fragmentation (allocator.fragmentation_at_peak: 1 - live / reserved at the "
               "reserved peak) of coop's and dtr-pool's schedules in their own pool (`bonsai simulate --allocator "
               "--arena`) and under PyTorch's caching allocator (`bonsai simulate --allocator`):", "",
-              "| model | pool (MiB) | " + " | ".join(f"overhead {k}" for k in labels)
-              + " | frag. own pool coop / dtr-pool | frag. caching coop / dtr-pool |",
-              "| --- | --- |" + " --- |" * len(labels) + " --- | --- |"]
-    for e in results["models"].values():
-        for f, p in e["equal_pools"].items():
-            c, d = p["coop"], p["dtr-pool"]
-            name = label_of(e["model"], e["options"])
-            lines.append(f"| {name} | {float(f):.1f}x = {mib(p['budget'] + e['adam_bytes'])} | "
-                         + " | ".join(overhead_cell(p[k]) for k in labels)
-                         + f" | {frag_cell(c, 'own_fragmentation')} / {frag_cell(d, 'own_fragmentation')}"
-                         + f" | {frag_cell(c, 'caching_fragmentation')} / {frag_cell(d, 'caching_fragmentation')} |")
+              equal_pools_table(results, labels)]
     h = results["headline"]
     lines += ["", f"Headline: over {h['models']} model sizes, coop's smallest pool is below the best DTR variant's in "
               f"the pool on {h['coop_smaller']} and above it on {h['coop_larger']} (by more than one bisection step)"
@@ -283,6 +263,33 @@ def table(results: dict[str, Any]) -> str:
                          f"{x['median_dtr_pool']:+.1%}); dtr-pool fails on {x['dtr_pool_fails']}, coop on "
                          f"{x['coop_fails']}.")
     return "\n".join(lines) + "\n"
+
+
+def pools_table(results: dict[str, Any], labels: list[str]) -> str:
+    """Every graph's smallest pool per variant and the ratios of DTR's in the pool to coop's."""
+    rows = []
+    for e in results["models"].values():
+        pools = [r for r in (ratio(e, k) for k in labels if k not in ("coop", "dtr")) if r is not None]
+        r = ratio(e, "dtr-pool")
+        rows.append([label_of(e["model"], e["options"]), e["nodes"], mib(e["no_remat_peak"] + e["adam_bytes"]),
+                     *(pool_cell(e, k) for k in labels), f"{r:.2f}" if r else "-", f"{min(pools):.2f}" if pools else "-"])
+    return common.table(["model", "nodes", "no-remat peak + Adam", *labels, "dtr-pool / coop",
+                         "best DTR in the pool / coop"], rows)
+
+
+def equal_pools_table(results: dict[str, Any], labels: list[str]) -> str:
+    """Every graph at each multiple of coop's smallest pool: each variant's overhead, and the fragmentation of
+    coop's and dtr-pool's schedules in their own pool and in PyTorch's caching allocator."""
+    rows = []
+    for e in results["models"].values():
+        for f, p in e["equal_pools"].items():
+            c, d = p["coop"], p["dtr-pool"]
+            rows.append([label_of(e["model"], e["options"]), f"{float(f):.1f}x = {mib(p['budget'] + e['adam_bytes'])}",
+                         *(overhead_cell(p[k]) for k in labels),
+                         f"{frag_cell(c, 'own_fragmentation')} / {frag_cell(d, 'own_fragmentation')}",
+                         f"{frag_cell(c, 'caching_fragmentation')} / {frag_cell(d, 'caching_fragmentation')}"])
+    return common.table(["model", "pool (MiB)", *(f"overhead {k}" for k in labels), "frag. own pool coop / dtr-pool",
+                         "frag. caching coop / dtr-pool"], rows)
 
 
 def figure(results: dict[str, Any]):
@@ -456,22 +463,17 @@ def example_markdown(ex: dict[str, Any]) -> str:
                      f"({r['recompute_seconds'] * 1e3:.3f} ms of compute)")
     if ex["first_divergence"] is not None:
         first = ex["first_divergence"]
-        lines += ["", f"Requests 1-{first} are the same in both. From request {first + 1} on:", "",
-                  "| request | method | op | node needing room | evicted (bytes) |", "| --- | --- | --- | --- | --- |"]
-        for r in ex["requests"]:
-            evicted = ", ".join(f"{name} ({mib(nbytes)} MiB)" for name, nbytes in r["evicted"])
-            lines.append(f"| {r['request']} | {r['method']} | {r['op']} | {r['node']} ({mib(r['bytes'])} MiB) | "
-                         f"{evicted} |")
-    lines += ["", "The nodes each recomputes most (recomputations x cost):", "",
-              "| method | node | op | recomputations | cost each (us) | bytes (MiB) |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for k, nodes in ex["most_recomputed"].items():
-        lines += [f"| {k} | {n['node']} | {n['op']} | {n['recomputations']} | {n['cost'] * 1e6:.1f} | "
-                  f"{mib(n['bytes'])} |" for n in nodes]
-    fracs = ex["sweep_fracs"]
+        lines += ["", f"Requests 1-{first} are the same in both. From request {first + 1} on:", "", common.table(
+            ["request", "method", "op", "node needing room", "evicted (bytes)"],
+            [[r["request"], r["method"], r["op"], f"{r['node']} ({mib(r['bytes'])} MiB)",
+              ", ".join(f"{name} ({mib(nbytes)} MiB)" for name, nbytes in r["evicted"])] for r in ex["requests"]])]
+    lines += ["", "The nodes each recomputes most (recomputations x cost):", "", common.table(
+        ["method", "node", "op", "recomputations", "cost each (us)", "bytes (MiB)"],
+        [[k, n["node"], n["op"], n["recomputations"], f"{n['cost'] * 1e6:.1f}", mib(n["bytes"])]
+         for k, nodes in ex["most_recomputed"].items() for n in nodes])]
     lines += ["", "Overhead around that pool (share of the no-remat peak; 'fails': does not train in it):", "",
-              "| variant | " + " | ".join(f"{f:.0%}" for f in fracs) + " |", "| --- |" + " --- |" * len(fracs)]
-    lines += [f"| {k} | " + " | ".join(map(percent_cell, cells)) + " |" for k, cells in ex["sweep"].items()]
+              common.table(["variant", *(f"{f:.0%}" for f in ex["sweep_fracs"])],
+                           [[k, *map(percent_cell, cells)] for k, cells in ex["sweep"].items()])]
     return "\n".join(lines) + "\n"
 
 
@@ -531,7 +533,7 @@ def main(args: argparse.Namespace, studies: Callable[[float], dict[str, Any]] | 
 
     start = time.perf_counter()
     results: dict[str, Any] = {"meta": {"command": common.command(),
-                                        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                                        "date": common.utc_now(),
                                         "machine": common.machine(), "torch": torch.__version__, "seconds": 0.0},
                                "variants": {k: [m, o] for k, (m, o) in VARIANTS.items()},
                                "factors": list(FACTORS), "models": {}}

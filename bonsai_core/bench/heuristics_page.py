@@ -15,7 +15,8 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from bonsai_core.bench import heuristics
-from bonsai_core.bench.common import listing, median, pct
+from bonsai_core.bench import common
+from bonsai_core.bench.common import listing, median, pct, table
 from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, mib, pool_cell,
                                           pool_order, ratio)
 
@@ -72,7 +73,7 @@ def lowest_reserved(message: str) -> int | None:
 def reserved_budgets(time_limit: float) -> dict[str, Any]:
     """bonsai on RESERVED_MODEL at RESERVED_FRACS of its no-remat peak: the live-budget schedule replayed
     through both allocator models, and ``solve_reserved`` with each (``bonsai solve --reserved``)."""
-    from bonsai_core.allocator import replay
+    from bonsai_core.allocator import bounded_replay
     from bonsai_core.errors import BudgetError
     from bonsai_core.schedule import no_remat_peak
     from bonsai_core.solvers import solve, solve_reserved
@@ -88,7 +89,7 @@ def reserved_budgets(time_limit: float) -> dict[str, Any]:
             "frac": frac, "budget": budget,
             "plain": {"overhead": plain.stats["overhead"], "live_peak": plain.stats["peak"],
                       "status": plain.stats["status"], "gap": plain.stats.get("gap"),
-                      "reserved": {p: replay(g, plain, policy=p, full=False).reserved_peak for p in POLICIES}},
+                      "reserved": {p: bounded_replay(g, plain, p).reserved_peak for p in POLICIES}},
             "reserved": {}}
         for policy in POLICIES:
             try:
@@ -162,28 +163,27 @@ def coop_vs_dtr_intro(results: dict[str, Any]) -> str:
 
 def smallest_pool_table(results: dict[str, Any]) -> str:
     """Every graph's smallest pool per variant (MiB) and the ratios to coop's."""
-    lines = ["| model | nodes | no-remat peak + Adam | " + " | ".join(("coop", *POOL_VARIANTS))
-             + " | dtr (live bytes, placed best fit) | best DTR in the pool / coop | dtr / coop |",
-             "| --- |" + " --- |" * 9]
+    rows = []
     for label, e in entries(results):
         best, live = best_pool_ratio(e), ratio(e, "dtr")
-        cells = [pool_cell(e, k) for k in ("coop", *POOL_VARIANTS, "dtr")]
-        lines.append(f"| {label} | {e['nodes']} | {mib(e['no_remat_peak'] + e['adam_bytes'])} | " + " | ".join(cells)
-                     + f" | {f'{best:.2f}' if best else '-'} | {f'{live:.2f}' if live else '-'} |")
-    return "\n".join(lines)
+        rows.append([label, e["nodes"], mib(e["no_remat_peak"] + e["adam_bytes"]),
+                     *(pool_cell(e, k) for k in ("coop", *POOL_VARIANTS, "dtr")), f"{best:.2f}" if best else "-",
+                     f"{live:.2f}" if live else "-"])
+    return table(["model", "nodes", "no-remat peak + Adam", "coop", *POOL_VARIANTS, "dtr (live bytes, placed best fit)",
+                  "best DTR in the pool / coop", "dtr / coop"], rows)
 
 
 def equal_pools_table(headline: dict[str, Any], graphs: int) -> str:
     """Per factor of coop's smallest pool: where coop and dtr-pool both train, who is cheaper, the medians."""
-    lines = ["| pool | both coop and dtr-pool train | coop's overhead lower / higher | median overhead coop / dtr-pool "
-             "| dtr-pool does not train / coop does not |", "| --- | --- | --- | --- | --- |"]
+    rows = []
     for f in FACTORS:
         x = headline[str(f)]
-        medians = (f"{pct(x['median_coop'])} / {pct(x['median_dtr_pool'])}" if x["both_run"] else "-")
-        name = f"{f:.1f}x coop's smallest" if f == FACTORS[0] else f"{f:.1f}x"
-        lines.append(f"| {name} | {x['both_run']} of {graphs} | {x['coop_lower']} / {x['coop_higher']} | {medians} | "
-                     f"{x['dtr_pool_fails']} / {x['coop_fails']} |")
-    return "\n".join(lines)
+        rows.append([f"{f:.1f}x coop's smallest" if f == FACTORS[0] else f"{f:.1f}x", f"{x['both_run']} of {graphs}",
+                     f"{x['coop_lower']} / {x['coop_higher']}",
+                     f"{pct(x['median_coop'])} / {pct(x['median_dtr_pool'])}" if x["both_run"] else "-",
+                     f"{x['dtr_pool_fails']} / {x['coop_fails']}"])
+    return table(["pool", "both coop and dtr-pool train", "coop's overhead lower / higher",
+                  "median overhead coop / dtr-pool", "dtr-pool does not train / coop does not"], rows)
 
 
 def both_trained(results: dict[str, Any], factor: float) -> list[tuple[str, dict, dict]]:
@@ -598,7 +598,7 @@ def example_section(results: dict[str, Any]) -> str:
 UPDATE_PAIRS = {"coop": ("coop in place", "coop copy"), "dtr-pool": ("dtr-pool in place", "dtr-pool copy")}
 WRITE_PAIRS = {"coop": ("coop writes in place", "coop copy-on-write"),
                "dtr-pool": ("dtr-pool writes in place", "dtr-pool copy-on-write")}
-INPLACE_COLUMNS = "| model | coop in place | coop copy | dtr-pool in place | dtr-pool copy |\n|---|---|---|---|---|"
+INPLACE_COLUMNS = ["model", "coop in place", "coop copy", "dtr-pool in place", "dtr-pool copy"]
 
 
 def by_model(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -619,8 +619,8 @@ def inplace_cell(row: dict[str, Any]) -> str:
 
 def inplace_table(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> str:
     order = [v for pair in pairs.values() for v in pair]
-    return INPLACE_COLUMNS + "".join(f"\n| {display(model)} | " + " | ".join(inplace_cell(vs[v]) for v in order) + " |"
-                                     for model, vs in by_model(rows).items())
+    return table(INPLACE_COLUMNS, [[display(model), *(inplace_cell(vs[v]) for v in order)]
+                                   for model, vs in by_model(rows).items()])
 
 
 def pair_split(rows: list[dict[str, Any]], pair: tuple[str, str],
@@ -693,8 +693,8 @@ def evictions_table(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]
     """At 80%: requests that found no room / tensors evicted, per model and variant."""
     order = [v for pair in pairs.values() for v in pair]
     cell = lambda run: f"{run['requests']} / {run['evictions']}" if run["ok"] else "fails"  # noqa: E731
-    return INPLACE_COLUMNS + "".join(f"\n| {display(model)} | " + " | ".join(cell(vs[v]["at80"]) for v in order) + " |"
-                                     for model, vs in by_model(rows).items())
+    return table(INPLACE_COLUMNS, [[display(model), *(cell(vs[v]["at80"]) for v in order)]
+                                   for model, vs in by_model(rows).items()])
 
 
 def evictions_sentence(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> str:
@@ -759,23 +759,19 @@ def regnet_section(rows: list[dict[str, Any]]) -> str:
 
 # -- budgeting reserved bytes ----------------------------------------------------------------------
 
-def mib2(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.2f} MiB"
-
-
 def reserved_table(study: dict[str, Any]) -> str:
-    lines = ["| budget (share of the no-remat peak) | allocator | live budget met | live peak | reserved peak | "
-             "overhead |", "| --- | --- | --- | --- | --- | --- |"]
+    rows = []
     for b in study["budgets"]:
         for policy, r in b["reserved"].items():
-            budget = f"{mib2(b['budget'])} ({b['frac']:.0%})"
+            budget = f"{common.mib(b['budget'])} ({b['frac']:.0%})"
             if r["ok"]:
-                lines.append(f"| {budget} | {policy} | {mib2(r['live_budget'])} | {mib2(r['live_peak'])} | "
-                             f"{mib2(r['reserved_peak'])} | {r['overhead']:+.2%} |")
+                rows.append([budget, policy, common.mib(r["live_budget"]), common.mib(r["live_peak"]), common.mib(r["reserved_peak"]),
+                             f"{r['overhead']:+.2%}"])
             else:
-                lowest = f"lowest reached {mib2(r['lowest_reserved'])}: " if r["lowest_reserved"] else ""
-                lines.append(f"| {budget} | {policy} | — | — | {lowest}refused | — |")
-    return "\n".join(lines)
+                lowest = f"lowest reached {common.mib(r['lowest_reserved'])}: " if r["lowest_reserved"] else ""
+                rows.append([budget, policy, "—", "—", f"{lowest}refused", "—"])
+    return table(["budget (share of the no-remat peak)", "allocator", "live budget met", "live peak", "reserved peak",
+                  "overhead"], rows)
 
 
 def plain_replayed(b: dict[str, Any]) -> str:
@@ -783,9 +779,9 @@ def plain_replayed(b: dict[str, Any]) -> str:
     p, over = b["plain"], {k: v > b["budget"] for k, v in b["plain"]["reserved"].items()}
     fits = ("both over the budget" if all(over.values()) else "both within it" if not any(over.values())
             else f"the {listing([k for k, o in over.items() if o])} over the budget")
-    return (f"at {b['frac']:.0%} (live peak {mib2(p['live_peak'])}, overhead {p['overhead']:+.2%}) the caching "
-            f"allocator reserves {mib2(p['reserved']['caching'])}, expandable segments "
-            f"{mib2(p['reserved']['expandable'])}, {fits}")
+    return (f"at {b['frac']:.0%} (live peak {common.mib(p['live_peak'])}, overhead {p['overhead']:+.2%}) the caching "
+            f"allocator reserves {common.mib(p['reserved']['caching'])}, expandable segments "
+            f"{common.mib(p['reserved']['expandable'])}, {fits}")
 
 
 ALLOCATOR_NAMES = {"caching": "the caching allocator", "expandable": "expandable segments"}
@@ -812,7 +808,7 @@ def reserved_prose(study: dict[str, Any]) -> str:
     gaps = [r["gap"] for r in solves if r.get("gap") is not None]
     return (f"For comparison, the plain live-budget schedules (`bonsai solve G --budget P`) replayed the same way: "
             f"{'; '.join(map(plain_replayed, budgets))}. Budgeting reserved bytes gives, against them, "
-            f"{'; '.join(map(reserved_cost, budgets))}. Expandable segments reserve at most {mib2(max(slack))} above "
+            f"{'; '.join(map(reserved_cost, budgets))}. Expandable segments reserve at most {common.mib(max(slack))} above "
             f"the live peak in these runs. The bonsai solves ended {listing(sorted({r['status'] for r in solves}))}"
             + (f", the largest MIP gap {max(gaps):.2%}" if gaps else "") + ".")
 
@@ -820,7 +816,7 @@ def reserved_prose(study: dict[str, Any]) -> str:
 def reserved_section(study: dict[str, Any]) -> str:
     options = " ".join(f"--{k} {v}" for k, v in study["options"].items())
     return (f"## Budgeting reserved bytes\n\n`{study['model']} {options}`: {study['nodes']:,} nodes, no-remat peak "
-            f"{mib2(study['no_remat_peak'])}. bonsai under a budget on the bytes the allocator model reserves "
+            f"{common.mib(study['no_remat_peak'])}. bonsai under a budget on the bytes the allocator model reserves "
             "(`solvers.solve_reserved`, what `bonsai solve G --budget P --reserved [--expandable-segments]` runs), "
             "for PyTorch's caching allocator and for expandable segments:\n\n"
             f"{reserved_table(study)}\n\n{reserved_prose(study)}")

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import time
-from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -218,7 +217,7 @@ def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     rows = run_bench(config, out, progress=lambda line: print(line, flush=True))
     meta.update(seconds=round(time.perf_counter() - start, 1),
-                ended=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+                ended=common.utc_now())
     (out / RUN_META).write_text(json.dumps(meta, indent=1))
     print(f"wrote {len(rows)} rows to {args.output}/results.csv, results.md and plots")
     if args.page:
@@ -253,7 +252,7 @@ def run_meta(config: BenchConfig) -> dict[str, Any]:
     """What a page says about the run before it starts: command, date, machine, torch, time limit."""
     import torch
 
-    return {"command": common.command(), "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    return {"command": common.command(), "started": common.utc_now(),
             "machine": common.machine(), "torch": torch.__version__, "time_limit": config.time_limit,
             "node_limits": config.max_nodes}
 
@@ -452,7 +451,7 @@ def reach_table(reach: list[dict[str, Any]]) -> list[str]:
         cells = {m: _share(r, m) for m in methods}
         if "bonsai" in cells and r.get("bonsai_status") not in (None, "optimal"):
             cells["bonsai"] += f" ({r.get('bonsai_status')}, not proven)"
-        table.append({"model": f"{r['model']} ({r['nodes']} nodes)", "no-remat peak": _mib(r["no_remat_peak"]),
+        table.append({"model": f"{r['model']} ({r['nodes']} nodes)", "no-remat peak": common.mib(r["no_remat_peak"]),
                       "per-op bound": _share(r, "lower_bound"), **cells})
     return ["### Smallest reachable budget", "",
             "Share of the no-remat peak. per-op bound: the largest single operator with its inputs and the "
@@ -464,10 +463,6 @@ def reach_table(reach: list[dict[str, Any]]) -> list[str]:
             "budget: a budget they meet, not a proven minimum). checkmate and moccasin are not computed "
             "(one more MILP per model, minutes on the larger graphs). `-`: not found within the time limit.",
             "", _markdown(table), ""]
-
-
-def _mib(value: int) -> str:
-    return f"{value / 2**20:.2f} MiB"
 
 
 def markdown_report(rows: list[dict[str, Any]], reach: list[dict[str, Any]] = ()) -> str:
@@ -549,11 +544,9 @@ def solver_cost_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _markdown(table: list[dict[str, str]]) -> str:
-    """A list of rows of text as a markdown table: the first column left-aligned, the rest right."""
-    import pandas as pd
-
-    frame = pd.DataFrame(table)
-    return frame.to_markdown(index=False, colalign=("left",) + ("right",) * (frame.shape[1] - 1))
+    """Rows of text by column name as a markdown table: the first column left-aligned, the rest right."""
+    columns = list(table[0])
+    return common.table(columns, [[row[c] for c in columns] for row in table], "l" + "r" * (len(columns) - 1))
 
 
 def _solver_cell(r: dict[str, Any] | None) -> str:

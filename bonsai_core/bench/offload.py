@@ -16,7 +16,6 @@ import argparse
 import json
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,7 +25,7 @@ MODEL = "gpt"  # the zoo GPT at its default size (the explorer's model)
 SHARES = (0.8, 0.6, 0.5, 0.45, 0.4)
 METHODS = ("bonsai", "dtr", "coop")
 EXPORT_SHARE = 0.6
-SOURCES = ["bonsai_core/bench/offload.py"]
+SOURCES = ["bonsai_core/bench/offload.py", common.template_source("offload")]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -93,7 +92,7 @@ def measure(time_limit: float) -> dict[str, Any]:
     start = time.perf_counter()
     graph = trace_model(MODEL).graph
     results: dict[str, Any] = {
-        "meta": {"command": common.command(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "meta": {"command": common.command(), "date": common.utc_now(),
                  "machine": common.machine(), "torch": torch.__version__, "time_limit": time_limit},
         "graph": {"name": MODEL, "nodes": graph.n, "no_remat_peak": no_remat_peak(graph)},
         "rows": method_rows(graph, time_limit)}
@@ -104,23 +103,13 @@ def measure(time_limit: float) -> dict[str, Any]:
 
 # -- the page -------------------------------------------------------------------------------------
 
-def mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.2f} MiB"
-
-
-def row_cells(r: dict[str, Any], peak: int) -> str:
-    if "error" in r:
-        return f"{r['error']} | | | "
-    return f"{common.pct(r['overhead'])} | {r['peak'] / peak:.1%} | {mib(r['offloaded_bytes'])} | {r['stall'] * 1e3:.3f} ms"
-
-
 def table(results: dict[str, Any]) -> str:
     peak = results["graph"]["no_remat_peak"]
-    lines = ["| budget | method | offload | overhead | peak | offloaded | stall | wall |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['share']:.0%} | {r['method']} | {r['offload']} | {row_cells(r, peak)} | {r['seconds']:.1f} s |"
-              for r in results["rows"]]
-    return "\n".join(lines)
+    rows = [[f"{r['share']:.0%}", r["method"], r["offload"]]
+            + ([r["error"], "", "", ""] if "error" in r else
+               [common.pct(r["overhead"]), f"{r['peak'] / peak:.1%}", common.mib(r["offloaded_bytes"]),
+                f"{r['stall'] * 1e3:.3f} ms"]) + [f"{r['seconds']:.1f} s"] for r in results["rows"]]
+    return common.table(["budget", "method", "offload", "overhead", "peak", "offloaded", "stall", "wall"], rows)
 
 
 def pairs(results: dict[str, Any], method: str) -> list[tuple[float, dict[str, Any], dict[str, Any]]]:
@@ -181,55 +170,28 @@ def method_sentence(results: dict[str, Any], method: str) -> str:
     return f"**{method}** with offload: " + common.listing(parts) + "."
 
 
-def findings(results: dict[str, Any]) -> str:
-    sentences = [method_sentence(results, m) for m in METHODS]
-    return ("What the run shows, per method (a point is one percent of the step's compute):\n\n"
-            + "\n".join(f"* {s}" for s in sentences) + "\n\n"
-            "bonsai's model times each copy on the plan's compute clock: the reload ends when the first "
-            "backward op that needs the tensor starts, so its copies are meant to be hidden (the simulator "
-            "prices any wait left). dtr and coop evict to host synchronously when they would otherwise discard (a dynamic run "
-            "does not know when a tensor is read again, so nothing is prefetched); neither paper offloads "
-            "([../HEURISTICS.md](../HEURISTICS.md)). Where a method meets no budget at all, the backward "
-            "pass's own tensors, which nothing offloads, set the floor (`regions.region_peak_bound`).")
-
-
-def export_section(results: dict[str, Any]) -> str:
-    e = results["export"]
-    peak_said = ("to the byte" if e["measured_peak"] == e["predicted_peak"] else
-                 f"{e['measured_peak'] - e['predicted_peak']:+,} B")
-    host_said = ("the simulator's `host_peak` to the byte" if e["measured_host_peak"] == e["host_peak"] else
-                 f"against the simulator's `host_peak` of {e['host_peak']:,} B")
+def export_values(e: dict[str, Any]) -> dict[str, Any]:
+    """What the page says of the exported plan's run."""
     exact = e["loss_diff"] == 0 and e["max_grad_diff"] == 0
-    return (f"## An offloading plan exported and run (CPU)\n\n"
-            f"The same code path as\n\n```\nbonsai trace {MODEL} -o gpt.json\n"
-            f"bonsai solve gpt.json --budget {EXPORT_SHARE:.0%} --option offload=true -o gs.json\n"
-            f"bonsai export {MODEL} gs.json -o gexp          # the replay back-end: offload / reload / wait lines\n"
-            f"bonsai verify {MODEL} gexp\n```\n\n"
-            f"The plan offloads {e['offloaded_tensors']} tensors ({mib(e['offloaded_bytes'])}) at "
-            f"{common.pct(e['overhead'])} overhead, {e['stall'] * 1e3:.3f} ms of stall. The exported step's loss and "
-            f"gradients {'equal eager’s exactly' if exact else 'differ from eager’s'} (loss difference "
-            f"{e['loss_diff']:.3g}, largest gradient difference {e['max_grad_diff']:.3g}); its measured device peak is "
-            f"{e['measured_peak']:,} B against {e['predicted_peak']:,} B predicted ({peak_said}), and the host "
-            f"copies, counted apart by the live-bytes tracker, peak at {e['measured_host_peak']:,} B, {host_said}. "
-            "On the CPU a copy ends when it is issued, so this checks the bytes, not the copies' overlap with "
-            "compute, which needs a GPU run.")
+    return {"offloaded_tensors": e["offloaded_tensors"], "offloaded_bytes": common.mib(e["offloaded_bytes"]),
+            "overhead": common.pct(e["overhead"]), "stall": f"{e['stall'] * 1e3:.3f}",
+            "equal": "equal eager’s exactly" if exact else "differ from eager’s", "loss_diff": f"{e['loss_diff']:.3g}",
+            "max_grad_diff": f"{e['max_grad_diff']:.3g}", "measured_peak": f"{e['measured_peak']:,}",
+            "predicted_peak": f"{e['predicted_peak']:,}", "measured_host_peak": f"{e['measured_host_peak']:,}",
+            "peak_said": "to the byte" if e["measured_peak"] == e["predicted_peak"] else
+            f"{e['measured_peak'] - e['predicted_peak']:+,} B",
+            "host_said": "the simulator's `host_peak` to the byte" if e["measured_host_peak"] == e["host_peak"] else
+            f"against the simulator's `host_peak` of {e['host_peak']:,} B"}
 
 
 def page(results: dict[str, Any], header: str) -> str:
     meta, g = results["meta"], results["graph"]
-    intro = (f"# Keep, recompute or offload: measurements\n\n`{meta['command']}` on {meta['date']}, "
-             f"{meta['machine']}, torch {meta['torch']}; {meta['seconds']:.0f} s in all. The command ran everything "
-             "below and wrote this page from its results. Every number is the simulator's (rule 9 for the copies: "
-             "one copy stream per direction at the H100 profile's PCIe Gen5 x16, 0.8 × 64 GB/s, overlapped with "
-             "compute; stalls priced in the overhead) for schedules it validated, except the exported run's, which "
-             "are measured. The rules: [../DESIGN.md](../DESIGN.md#the-simulator-the-judge-of-every-method); "
-             "bonsai's model: [../BONSAI.md](../BONSAI.md#keep-recompute-or-offload-option-offload); the offload "
-             "plans of Llama-3 8B steps (hours of solving): [real_runs.md](real_runs.md).")
-    methods = (f"## Zoo GPT (`trace_model(\"{g['name']}\")`), every method with and without offload\n\n"
-               f"{g['nodes']} nodes, no-remat peak {mib(g['no_remat_peak'])}; budgets are shares of it, bonsai's time "
-               f"limit {meta['time_limit']:g} s. `stall`: seconds compute waited for copies (in the overhead); "
-               "an error name: the method found no schedule within the budget.\n\n" + table(results))
-    return "\n\n".join([header, intro, methods, findings(results), export_section(results)]) + "\n"
+    return common.render(
+        "offload", header=header, command=meta["command"], date=meta["date"], machine=meta["machine"],
+        torch=meta["torch"], seconds=f"{meta['seconds']:.0f}", model=g["name"], nodes=g["nodes"],
+        no_remat_peak=common.mib(g["no_remat_peak"]), time_limit=f"{meta['time_limit']:g}", table=table(results),
+        findings="\n".join(f"* {method_sentence(results, m)}" for m in METHODS),
+        export_budget=f"{EXPORT_SHARE:.0%}", **export_values(results["export"]))
 
 
 def write_page(results: dict[str, Any], path: str) -> None:

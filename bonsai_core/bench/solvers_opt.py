@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +108,13 @@ def model_size(graph, method: str, budget: int, options: dict) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The suite's options (``--one``: the child process's own, one graph and one method)."""
+    from bonsai_core.arguments import fraction_arg
+
     p.add_argument("--graphs", nargs="+", choices=list(GRAPHS), help=f"default: {' '.join(GRAPHS)}")
     p.add_argument("--methods", nargs="+", choices=list(METHODS), help=f"default: {' '.join(DEFAULT_METHODS)}")
-    p.add_argument("--budgets", nargs="+", type=float,
-                   help="shares of the no-remat peak (default: " + " ".join(map(str, DEFAULT_BUDGETS)) + ")")
+    p.add_argument("--budgets", nargs="+", type=fraction_arg, metavar="PCT",
+                   help="shares of the no-remat peak, 70 or 70%% (default: "
+                        + " ".join(f"{b * 100:g}" for b in DEFAULT_BUDGETS) + ")")
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("-o", "--output", help="the rows, one JSON line each (default bench-opt.jsonl; with --page, "
                                           "the page's path with .jsonl)")
@@ -198,7 +200,7 @@ def run_child(graph_file: str, label: str, method: str, budgets: list[float], ti
     not report before its hard limit."""
     hard = len(budgets) * (time_limit * 1.5 + 60)  # each budget: the limit, building, a backend's overrun
     cmd = [sys.executable, "-m", "bonsai_core.cli", "bench", "solvers-opt", "--one", graph_file, label, method,
-           "--time-limit", str(time_limit), "--budgets", *map(str, budgets)]
+           "--time-limit", str(time_limit), "--budgets", *(f"{b * 100:g}" for b in budgets)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=hard)
         stdout = done.stdout
@@ -227,10 +229,6 @@ def versions() -> dict[str, str]:
     return out
 
 
-def utc_now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-
-
 def main(args: argparse.Namespace) -> int:
     """Each (graph, method) in a child process under a hard limit; the rows as JSON lines, then a table
     (with ``--page``, the page's studies and the page)."""
@@ -250,7 +248,7 @@ def main(args: argparse.Namespace) -> int:
     from bonsai_core.graph import save_graph
     from bonsai_core.trace import trace_model
 
-    run = {"command": common.command(), "started": utc_now(), "machine": common.machine(), "torch": torch.__version__,
+    run = {"command": common.command(), "started": common.utc_now(), "machine": common.machine(), "torch": torch.__version__,
            "versions": versions(), "time_limit": args.time_limit}
     run_file(output).write_text(json.dumps(run, indent=1))
     output.write_text("")
@@ -270,7 +268,7 @@ def main(args: argparse.Namespace) -> int:
                     f.write(json.dumps(row) + "\n")
                 print(json.dumps({k: row.get(k) for k in ("study", "graph", "method", "budget_share", "status",
                                                           "overhead", "gap", "wall_seconds")}), flush=True)
-    run.update(ended=utc_now(), seconds=round(time.perf_counter() - start, 1), load_end=round(os.getloadavg()[0], 1))
+    run.update(ended=common.utc_now(), seconds=round(time.perf_counter() - start, 1), load_end=round(os.getloadavg()[0], 1))
     run_file(output).write_text(json.dumps(run, indent=1))
     print(table(rows))
     if args.page:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from bonsai_core.bench.common import listing, pct
+from bonsai_core.bench import common
+from bonsai_core.bench.common import capitalized, listing, pct, table
 from bonsai_core.errors import BonsaiError
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
@@ -104,18 +105,15 @@ def start_status(row: Row) -> str:
 
 # -- the tables -------------------------------------------------------------------------------------
 
-def table(rows: Sequence[Row]) -> str:
+def runs_table(rows: Sequence[Row]) -> str:
     """One line per row: graph, budget, method, what it ended with, overhead, gap, model size and times."""
-    lines = ["| graph | nodes | budget | method | status | overhead | gap | variables | constraints | build s | "
-             "solve s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        def f(key: str, fmt: str) -> str:
-            v = r.get(key)
-            return "" if v is None else fmt.format(v)
-        lines.append(f"| {r['graph']} | {f('nodes', '{}')} | {share(r['budget_share'])} | {r['method']} | "
-                     f"{outcome(r)} | {f('overhead', '{:.2%}')} | {f('gap', '{:.2%}')} | {f('variables', '{}')} | "
-                     f"{f('constraints', '{}')} | {f('build_seconds', '{:.2f}')} | {f('solve_seconds', '{:.1f}')} |")
-    return "\n".join(lines)
+    def f(r: Row, key: str, fmt: str) -> str:
+        return "" if r.get(key) is None else fmt.format(r[key])
+    return table(["graph", "nodes", "budget", "method", "status", "overhead", "gap", "variables", "constraints",
+                  "build s", "solve s"],
+                 [[r["graph"], f(r, "nodes", "{}"), share(r["budget_share"]), r["method"], outcome(r),
+                   f(r, "overhead", "{:.2%}"), f(r, "gap", "{:.2%}"), f(r, "variables", "{}"), f(r, "constraints", "{}"),
+                   f(r, "build_seconds", "{:.2f}"), f(r, "solve_seconds", "{:.1f}")] for r in rows])
 
 
 def in_cell_order(rows: Sequence[Row]) -> list[Row]:
@@ -128,12 +126,9 @@ def in_cell_order(rows: Sequence[Row]) -> list[Row]:
 def graph_table(rows: Sequence[Row]) -> str:
     """Each graph once: nodes, those the models see (views contracted), edges, no-remat peak, the
     single-op lower bound."""
-    lines = ["| graph | nodes | non-view nodes (model) | edges | no-remat peak | single-op lower bound |",
-             "|---|---|---|---|---|---|"]
-    for r in first_per_graph(rows):
-        lines.append(f"| {r['graph']} | {r['nodes']} | {r['model_nodes']} | {r['edges']} | {r['no_remat_peak']:,} B | "
-                     f"{r['peak_lower_bound']:,} B |")
-    return "\n".join(lines)
+    return table(["graph", "nodes", "non-view nodes (model)", "edges", "no-remat peak", "single-op lower bound"],
+                 [[r["graph"], r["nodes"], r["model_nodes"], r["edges"], f"{r['no_remat_peak']:,} B",
+                   f"{r['peak_lower_bound']:,} B"] for r in first_per_graph(rows)])
 
 
 def first_per_graph(rows: Sequence[Row]) -> list[Row]:
@@ -217,10 +212,6 @@ def gaps_said(rows: Sequence[Row]) -> str:
         return "not reported"
     lo, hi = min(gaps), max(gaps)
     return f"{lo:.0%}" if f"{lo:.0%}" == f"{hi:.0%}" else f"{lo:.0%}–{hi:.0%}"
-
-
-def capitalized(text: str) -> str:
-    return text[:1].upper() + text[1:]
 
 
 def copies_sentence(copies: Sequence[Row], main: Sequence[Row], limit: float) -> str:
@@ -388,15 +379,11 @@ def start_cell(row: Row) -> str:
 
 
 def warm_table(rows: Sequence[Row]) -> str:
-    lines = ["| backend | warm start | time limit | start (ready at, from, its overhead) | overhead | gap | status | "
-             "call |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        backend, on = warm_label(r)
-        overhead = pct_cell(r.get("overhead"))
-        gap = "" if r.get("gap") is None else f"{r['gap']:.2%}"
-        lines.append(f"| {backend} | {on} | {seconds(r['time_limit'])} s | {start_cell(r)} | {overhead} | {gap} | "
-                     f"{outcome(r)} | {seconds(r['wall_seconds']) + ' s' if 'wall_seconds' in r else ''} |")
-    return "\n".join(lines)
+    return table(["backend", "warm start", "time limit", "start (ready at, from, its overhead)", "overhead", "gap",
+                  "status", "call"],
+                 [[*warm_label(r), f"{seconds(r['time_limit'])} s", start_cell(r), pct_cell(r.get("overhead")),
+                   "" if r.get("gap") is None else f"{r['gap']:.2%}", outcome(r),
+                   seconds(r["wall_seconds"]) + " s" if "wall_seconds" in r else ""] for r in rows])
 
 
 def pct_cell(x: float | None) -> str:
@@ -515,15 +502,6 @@ def warm_section(rows: Sequence[Row]) -> str:
 
 # -- the page ---------------------------------------------------------------------------------------
 
-def run_dates(run: dict[str, Any]) -> str:
-    """``2026-12-05, 19:05–19:45 UTC``; both dates in full when the run crossed midnight."""
-    start_day, start_time, _ = run["started"].split()
-    end_day, end_time, _ = run["ended"].split()
-    if start_day == end_day:
-        return f"{start_day}, {start_time}–{end_time} UTC"
-    return f"{run['started']} to {run['ended']}"
-
-
 def load_said(run: dict[str, Any], rows: Sequence[Row]) -> str:
     """The load average at the end, and its range as the child processes ended (rows record it)."""
     loads = [r["load"] for r in rows if r.get("load") is not None]
@@ -535,7 +513,7 @@ def intro(run: dict[str, Any], rows: Sequence[Row], rows_link: str) -> str:
     v, run_file = run["versions"], run_link(rows_link)
     return (f"# `checkmate` and `moccasin`: measurements\n\nMachine: {run['machine']}; {load_said(run, rows)}. "
             f"torch {run['torch']}; HiGHS (highspy) {v['highspy']}, SCIP (PySCIPOpt) {v['pyscipopt']}, CP-SAT "
-            f"(OR-Tools) {v['ortools']}, CVXPY {v['cvxpy']}. Date: {run_dates(run)} ({run['seconds'] / 60:.0f} "
+            f"(OR-Tools) {v['ortools']}, CVXPY {v['cvxpy']}. Date: {common.run_dates(run)} ({run['seconds'] / 60:.0f} "
             "minutes). The methods: [../SOLVERS_CHECKMATE_MOCCASIN.md](../SOLVERS_CHECKMATE_MOCCASIN.md).\n\n"
             f"Command (from the repository root):\n\n```\n{run['command']}\n```\n\n"
             "It ran the three studies below and wrote this page from their results alone: one row per graph, method "
@@ -589,9 +567,9 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, rows_link: str) 
         raise BonsaiError("The run has no rows of the main study to write a page from: run the suite with --page.")
     limit = run["time_limit"]
     parts = [header, intro(run, rows, rows_link), main_intro(main, limit), graph_table(rows), DEFINITIONS,
-             table(in_cell_order(main))]
+             runs_table(in_cell_order(main))]
     if copies:
-        parts += [copies_intro(copies, main), table(copies)]
+        parts += [copies_intro(copies, main), runs_table(copies)]
     bullets = [moccasin_bullet(main, copies, limit), checkmate_bullet(main), smallest_budget_bullet(main, limit)]
     parts += ["What the numbers say:", "\n".join(bullets)]
     if warm:

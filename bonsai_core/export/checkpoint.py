@@ -56,7 +56,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pprint
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection
@@ -70,7 +69,7 @@ from bonsai_core.attention import records_attention_dropout
 from bonsai_core.derivatives import saves_own_output
 from bonsai_core.errors import ScheduleError
 from bonsai_core.export_runtime import checkpointing
-from bonsai_core.export_runtime.checkpointing import SAME_OP, apply_saves, kv_cache_type, without_caches
+from bonsai_core.export_runtime.checkpointing import OpCalls, apply_saves, kv_cache_type, without_caches
 from bonsai_core.export.folder import ExportError, schedule_info, trace_for_schedule, write_folder
 from bonsai_core.export.readme import checkpoint_readme
 from bonsai_core.graph import Graph
@@ -135,9 +134,7 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Coll
     is replaced by the chosen calls nested in it, or removed. O(units * (n + edges)) per pass."""
     node_at, runtime_of = _align_forward(graph, step)
     dropped = dropped_nodes(graph, plan)
-    read_by_backward = np.zeros(graph.n, dtype=bool)
-    for b in np.flatnonzero(~graph.is_forward):
-        read_by_backward[graph.deps(b)] = True
+    read_by_backward = graph.read_by_backward
     chains = inplace_chains(step)
     calls, chosen = _candidate_calls(graph, step, dropped, runtime_of, exclude, chains)
     rebuilt = {i: _chain_nodes(graph, node_at, runtime_of, read_by_backward, chains, a, b)
@@ -175,8 +172,9 @@ def offload_names(graph: Graph, plan: CheckpointPlan, step: RecordedStep, runtim
         if not holding:
             continue
         path, a = max(holding, key=lambda c: c[1])  # the innermost: the latest start (calls nest)
-        op = SAME_OP.get(step.ops[r], step.ops[r])
-        names[(path, op, sum(SAME_OP.get(o, o) == op for o in step.ops[a:r]))] = v
+        calls = OpCalls()
+        op, k = [calls(o) for o in step.ops[a:r + 1]][-1]
+        names[(path, op, k)] = v
     return names
 
 
@@ -337,11 +335,9 @@ def _unit(graph: Graph, step: RecordedStep, node_at: np.ndarray, saved: np.ndarr
             and (read_inside(graph, node_at[r], inside) or saves_own_output(graph.ops[node_at[r]]))}
     kept = saved_in_place(kept, chains, a, b)
     saves: dict[str, list[int]] = {}
-    seen: Counter = Counter()
+    calls = OpCalls()
     for r in range(a, b):
-        op = SAME_OP.get(step.ops[r], step.ops[r])
-        k = seen[op]
-        seen[op] += 1
+        op, k = calls(step.ops[r])
         if r in kept:
             saves.setdefault(op, []).append(k)
     return Unit(path, saves, b - a, int(graph.mem[drops].sum()) if len(drops) else 0)
@@ -455,10 +451,7 @@ def realised_ops(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_
     for nodes, _ in units:
         inside = set(nodes.tolist())
         inputs = {int(d) for v in inside for d in graph.deps(v).tolist() if d not in inside and graph.is_forward[d]}
-        for u in sorted(inputs):
-            while graph.alias_of[u] >= 0:  # a view holds its base
-                u = int(graph.alias_of[u])
-                inputs.add(u)
+        inputs = graph.with_view_bases(inputs)  # a view holds its base
         readers = [int(b) for b in backward if inside.union(inputs) & set(graph.deps(b).tolist())]
         if readers:
             for u in inputs:
@@ -543,18 +536,17 @@ def recomputation_mismatch(forward: list[list[Any]], recompute: list[list[Any]])
     (the saved output, or a licence to run it again). The pairing is sound when every pair has the same
     output shapes and the pairs keep the forward's order; the recomputation may stop early, and may skip
     ops (a constant the forward built and cached) as long as no later call of the same op shifts."""
-    calls: dict[str, list[int]] = {}
+    calls: dict[str, list[int]] = {}  # op name -> the positions of its calls in the forward
+    forward_calls, recompute_calls = OpCalls(), OpCalls()
     for i, (op, _) in enumerate(forward):
-        calls.setdefault(op, []).append(i)
-    seen: Counter = Counter()
+        calls.setdefault(forward_calls(op)[0], []).append(i)
     last = -1
     for j, (op, shapes) in enumerate(recompute):
-        k = seen[op]
-        seen[op] += 1
-        if k >= len(calls.get(op, ())):
+        name, k = recompute_calls(op)
+        if k >= len(calls.get(name, ())):
             return (f"its recomputation runs {op} (its op {j + 1}) more often than its forward did "
-                    f"({len(calls.get(op, ()))} time(s)): the forward changes state that the recomputation reads")
-        i = calls[op][k]
+                    f"({len(calls.get(name, ()))} time(s)): the forward changes state that the recomputation reads")
+        i = calls[name][k]
         if shapes is not None and forward[i][1] is not None and shapes != forward[i][1]:
             return (f"call {k + 1} of {op} makes shapes {list(shapes)} in its recomputation, "
                     f"{list(forward[i][1])} in its forward: the forward changes state that the recomputation reads")
@@ -752,7 +744,8 @@ def _export_checkpoint(model: str, options: dict[str, Any], schedule: Schedule, 
             f"can be recomputed faithfully; `{path}`: {why}. torch.utils.checkpoint requires a recomputation to "
             "run the ops its forward ran: keep a submodule's forward free of state that it changes and reads back "
             "(a cache it appends to), or export with --backend replay, which runs the traced step.")
-    return write_folder(out_dir, source, graph, schedule, sim, lambda folder: checkpoint_readme(info, lay, folder))
+    return write_folder(out_dir, source, graph, schedule, sim, lambda folder: checkpoint_readme(
+        info, [(u.path, u.ops, sum(map(len, u.saves.values())), u.dropped_bytes) for u in lay.units], folder))
 
 
 _TEMPLATE = '''\

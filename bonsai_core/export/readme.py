@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Sequence
 
 from bonsai_core.schedule import Schedule
-
-if TYPE_CHECKING:
-    from bonsai_core.export.checkpoint import CheckpointLayout
 
 
 def verify_options(info: dict[str, Any]) -> str:
@@ -82,17 +79,19 @@ through it. On CPU (`bonsai verify ... --device cpu`) the measured peak matches 
 """
 
 
-def checkpoint_readme(info: dict[str, Any], lay: CheckpointLayout, folder: Path) -> str:
-    """The checkpoint back-end's README: which submodules it checkpoints, and what stays saved."""
+def checkpoint_readme(info: dict[str, Any], units: Sequence[tuple[str, int, int, int]], folder: Path) -> str:
+    """The checkpoint back-end's README: which submodules it checkpoints (``units``: path, aten ops per
+    forward, ops saved, dropped bytes recomputed), and what stays saved."""
     from bonsai_core.units import format_bytes
 
     model = info["model"]
     opts = verify_options(info)
-    units = "\n".join(f"| `{u.path}` | {u.ops} | {sum(map(len, u.saves.values()))} | {format_bytes(u.dropped_bytes)} |"
-                      for u in lay.units) or "| (none: the plan recomputes nothing) | | | |"
+    rows = "\n".join(f"| `{path}` | {ops} | {saved} | {format_bytes(dropped)} |" for path, ops, saved, dropped in units)
+    rows = rows or "| (none: the plan recomputes nothing) | | | |"
     unrealised = ""
-    if lay.unrealised:
-        unrealised = (f"\n{len(lay.unrealised)} dropped tensor(s) of the plan ({format_bytes(lay.unrealised_bytes)}) "
+    if info.get("unrealised_dropped_nodes"):
+        unrealised = (f"\n{info['unrealised_dropped_nodes']} dropped tensor(s) of the plan "
+                      f"({format_bytes(info['unrealised_dropped_bytes'])}) "
                       "are not held by any submodule short of the whole model together with their readers (or are "
                       "computed by the loss), so they stay saved: the real peak can exceed the prediction by up to "
                       "that much.\n")
@@ -128,7 +127,7 @@ loss.backward(); optimizer.step(); optimizer.zero_grad()
 
 | submodule | aten ops per forward | ops saved | dropped bytes recomputed |
 | --- | --- | --- | --- |
-{units}
+{rows}
 {unrealised}
 Each submodule runs under `torch.utils.checkpoint.checkpoint(use_reentrant=False)` with a selective
 policy (`SAVE` in `checkpointed.py`): the tensors the schedule keeps are saved, the rest is recomputed

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 import operator
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -64,7 +64,7 @@ def export_traced(traced: Traced, signature: StepSignature, schedule: Schedule, 
                             f"({graph.name!r}): solve again for this graph.")
     sim = simulate(graph, schedule)  # raises ScheduleError on any broken rule
     info = {**schedule_info(graph, schedule, sim, "replay"), **(spec or {})}
-    program = generate_program(traced, signature, schedule, info)
+    program = generate_program(traced, signature, schedule, info, sim.times_computed)
     return write_folder(out_dir, RUNTIME.read_text() + "\n\n" + program, graph, schedule, sim,
                         lambda folder: replay_readme(info, schedule, folder), constants=constants_of(traced))
 
@@ -134,8 +134,10 @@ def signature_of(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], loss_
         buffers += [("loss_fn", n, tuple(b.shape), str(b.dtype)) for n, b in loss_fn.named_buffers(remove_duplicate=False)]
     return StepSignature(params, buffers, [(tuple(x.shape), str(x.dtype)) for x in inputs])
 
-def generate_program(traced: Traced, signature: StepSignature, schedule: Schedule, info: dict[str, Any]) -> str:
-    """Python source of the scheduled step: ``forward_part``, ``backward_part``, ``PROGRAM`` and ``load``.
+def generate_program(traced: Traced, signature: StepSignature, schedule: Schedule, info: dict[str, Any],
+                     times_computed: np.ndarray) -> str:
+    """Python source of the scheduled step: ``forward_part``, ``backward_part``, ``PROGRAM`` and ``load``;
+    ``times_computed``: the simulator's count of each node's computes (``SimResult.times_computed``).
 
     The joint graph's outputs are, in AOTAutograd's order: the new values of mutated buffers
     (``traced.buffer_writes``), the loss, then one gradient per trainable parameter (none for
@@ -145,8 +147,8 @@ def generate_program(traced: Traced, signature: StepSignature, schedule: Schedul
     outputs = _step_outputs(traced, signature, writer)
     ops = schedule.ops
     split, carried = _split_at_loss(ops, outputs.loss_node)
-    body = _Body(ops, nodes, traced.graph.names, writer, outputs, _replayed(ops, nodes), *_multi_outputs(ops, nodes, writer),
-                 _in_place(traced, ops, nodes, writer), [traced.graph.deps(v).tolist() for v in range(traced.graph.n)])
+    body = _Body(ops, nodes, traced.graph.names, writer, outputs, _replayed(times_computed, nodes), *_multi_outputs(ops, nodes, writer),
+                 _in_place(traced, ops, nodes, writer), traced.graph.dep_lists)
     unpack = "(" + "".join(f"a{i}, " for i in range(len(placeholders) + len(constants))) + ") = args"
     carried_vars = "".join(f"{name}, " for name in carried)
     fwd = [unpack, "rng = {}", *outputs.first_lines, *body.lines(range(split), False),
@@ -249,11 +251,10 @@ def _split_at_loss(ops: list[tuple[str, int]], loss_node: int) -> tuple[int, lis
     return split, [f"{prefix}{v}" for prefix, v in sorted(alive, key=lambda a: (a[1], a[0] == "h"))]
 
 
-def _replayed(ops: list[tuple[str, int]], nodes: list[fx.Node]) -> set[int]:
+def _replayed(times_computed: np.ndarray, nodes: list[fx.Node]) -> set[int]:
     """Random ops that are computed again: they draw the same numbers, the generator state before the
     first compute kept and restored around each recomputation (what torch.utils.checkpoint does)."""
-    computes = Counter(v for kind, v in ops if kind == COMPUTE)
-    return {v for v, count in computes.items() if count > 1 and _is_random(nodes[v])}
+    return {v for v in np.flatnonzero(times_computed > 1).tolist() if _is_random(nodes[v])}
 
 
 def _in_place(traced: Traced, ops: list[tuple[str, int]], nodes: list[fx.Node], writer: _Writer) -> set[int]:
@@ -314,7 +315,7 @@ class _Body:
     split_ops: set[int]
     unread: dict[int, list[int]]
     in_place: set[int]  # schedule positions of computes written with the in-place overload (rule 8)
-    deps: list[list[int]]  # each graph node's inputs
+    deps: tuple[tuple[int, ...], ...]  # each graph node's inputs (Graph.dep_lists)
     computed: set[int] = field(default_factory=set)
     reloading: set[int] = field(default_factory=set)  # reloaded nodes no compute has waited for yet
 

@@ -26,11 +26,27 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-# One name for the fused attention kernel whichever device runs it (op names in a plan use it too).
-SAME_OP = {f"aten.{kernel}.default": "scaled_dot_product_attention"
-           for kernel in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-                          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                          "_scaled_dot_product_fused_attention_overrideable")}
+# The fused attention kernels F.scaled_dot_product_attention may run, whichever device runs it (the CPU's
+# flash kernel stands for a GPU's in a trace), and the one name a plan gives them all.
+FUSED_ATTENTION = tuple(f"aten.{kernel}.default" for kernel in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable"))
+SAME_OP = dict.fromkeys(FUSED_ATTENTION, "scaled_dot_product_attention")
+
+
+class OpCalls:
+    """SAC's count of the ops inside one forward of a submodule: called with each op in turn, says its
+    name (SAME_OP's for a fused attention kernel) and k, its calls of that name before it."""
+
+    def __init__(self):
+        self.seen = Counter()
+
+    def __call__(self, op):
+        name = SAME_OP.get(str(op), str(op))
+        k = self.seen[name]
+        self.seen[name] += 1
+        return name, k
 
 
 def kv_cache_type():
@@ -53,12 +69,10 @@ def without_caches(forward, cache_type):
 
 def policy(saves):
     """A SAC policy for one forward of a checkpointed submodule (called once per op, in order)."""
-    seen = {False: Counter(), True: Counter()}  # older torch also asks during the recomputation
+    calls = {False: OpCalls(), True: OpCalls()}  # older torch also asks during the recomputation
 
     def decide(ctx, op, *args, **kwargs):
-        name = SAME_OP.get(str(op), str(op))
-        k = seen[ctx.is_recompute][name]
-        seen[ctx.is_recompute][name] += 1
+        name, k = calls[ctx.is_recompute](op)
         return CheckpointPolicy.MUST_SAVE if k in saves.get(name, ()) else CheckpointPolicy.PREFER_RECOMPUTE
 
     return decide
@@ -306,7 +320,7 @@ class OffloadCounter(TorchDispatchMode):
         self.offload = offload
         self.offloader = offloader
         self.path = path
-        self.seen = Counter()
+        self.calls = OpCalls()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils.checkpoint import SAC_IGNORED_OPS
@@ -314,9 +328,7 @@ class OffloadCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.offloader.busy or func in SAC_IGNORED_OPS:
             return out
-        name = SAME_OP.get(str(func), str(func))
-        k = self.seen[name]
-        self.seen[name] += 1
+        name, k = self.calls(func)
         if k in self.offload.get(name, ()) and isinstance(out, torch.Tensor):
             self.offloader.note(out, (self.path, name, k))
         return out

@@ -284,7 +284,7 @@ def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, p
     ``reserved_solves``; ``wall_seconds`` is the whole call's. A ``time_limit`` option bounds the whole call:
     each solve gets half of what the earlier ones left. Raises BudgetError naming the smallest reserved peak
     reached when no live budget works."""
-    from bonsai_core.allocator import replay
+    from bonsai_core.allocator import bounded_replay
 
     clock = Deadline(options.get("time_limit"))
     live_budget, best, solves = budget, None, 0
@@ -298,7 +298,7 @@ def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, p
         except BudgetError:
             break
         solves += 1
-        reserved = replay(graph, schedule, policy=policy, full=False).reserved_peak
+        reserved = bounded_replay(graph, schedule, policy).reserved_peak
         if best is None or reserved < best[0]:
             best = (reserved, live_budget)
         if reserved <= budget:

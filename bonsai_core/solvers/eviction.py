@@ -65,6 +65,7 @@ from typing import Callable, Literal
 import numpy as np
 
 from bonsai_core.allocator import Allocator, Optimizer, full_arena, round_size
+from bonsai_core.budget import smallest_meeting
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import COMPUTE, FREE, OFFLOAD, RELOAD, WAIT, Schedule, hold_separated_outputs
@@ -105,7 +106,7 @@ class Runtime:
         self.deadline = deadline
         n = graph.n
         self.n = n
-        self.deps = [graph.deps(v).tolist() for v in range(n)]
+        self.deps = graph.dep_lists
         self.users = [graph.users(v).tolist() for v in range(n)]
         self.neighbours = [sorted(set(self.deps[v]) | set(self.users[v])) for v in range(n)]
         self.mem = graph.mem.tolist()
@@ -529,7 +530,6 @@ def with_budget_hint(graph: Graph, budget: int, run_once: Callable[[int], Schedu
                           "limit or the budget.") from None
     except BudgetError as first:
         lo, hi = budget, 2 * no_remat_peak(graph)
-        works_at: int | None = None
 
         def works(b: int) -> bool:
             try:
@@ -540,17 +540,9 @@ def with_budget_hint(graph: Graph, budget: int, run_once: Callable[[int], Schedu
 
         try:
             if hi <= lo or not works(hi):
-                raise
-            works_at = hi
-            for _ in range(steps):
-                mid = (lo + hi) // 2
-                if works(mid):
-                    hi = works_at = mid
-                else:
-                    lo = mid
+                raise first from None
         except TimeLimitReached:
-            pass
-        if works_at is None:
-            raise first
+            raise first from None
+        works_at = smallest_meeting(works, lo, hi, steps, stop=TimeLimitReached)
         raise BudgetError(f"{first} It does run under {format_bytes(works_at)} ({works_at} bytes; found by "
                           "bisection, not a proven minimum).") from None

@@ -46,6 +46,7 @@ from typing import Literal
 
 
 from bonsai_core.errors import BudgetError, SolverError
+from bonsai_core.export_runtime.checkpointing import FUSED_ATTENTION
 from bonsai_core.graph import Graph, block_stack
 from bonsai_core.regions import CheckpointPlan, block_plans, plan_schedule
 from bonsai_core.schedule import Schedule, simulate
@@ -53,17 +54,14 @@ from bonsai_core.units import format_bytes
 
 Release = Literal["0.2.2", "2024-12"]
 MM = "aten.mm.default"
-_SDPA = ("aten._scaled_dot_product_flash_attention.default",
-         "aten._scaled_dot_product_flash_attention_for_cpu.default",  # traced in place of the GPU's flash kernel
-         "aten._scaled_dot_product_efficient_attention.default")
+# each list as torchtitan wrote it, with the CPU's flash kernel (traced in place of the GPU's) beside its flash kernel
 SAVE_LISTS: dict[str, frozenset[str]] = {
-    "0.2.2": frozenset({MM, *_SDPA, "aten._scaled_dot_product_cudnn_attention.default",
-                        "aten._scaled_dot_product_attention_math.default",
-                        "aten._scaled_dot_product_fused_attention_overrideable.default",
+    "0.2.2": frozenset({MM, *FUSED_ATTENTION, "aten._scaled_dot_product_attention_math.default",
                         "_c10d_functional.reduce_scatter_tensor.default", "aten.max.default",
                         "flex_attention", "torch_attn._varlen_attn.default"}),
-    "2024-12": frozenset({MM, *_SDPA, "_c10d_functional.reduce_scatter_tensor.default", "aten.abs.default",
-                          "aten.max.default"}),
+    "2024-12": frozenset({MM, *FUSED_ATTENTION[:3],  # the flash kernels (CPU and GPU), the memory-efficient one
+                          "_c10d_functional.reduce_scatter_tensor.default",
+                          "aten.abs.default", "aten.max.default"}),
 }
 
 

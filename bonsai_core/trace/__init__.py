@@ -99,17 +99,12 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
     ``package.module:factory``) under FakeTensorMode and trace its step;
     with ``fsdp`` > 1, the step as one of that many FSDP ranks holds it (:mod:`bonsai_core.fsdp`), with
     ``mixed_precision`` ("bf16") under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
-    either left None: the model's own setting (:func:`bonsai_core.fsdp.fsdp_defaults`: torchtitan's for a
+    either left None: the model's own setting (:meth:`bonsai_core.fsdp.Sharding.of`: torchtitan's for a
     ``torchtitan:`` model). ``kernels``: see :func:`trace_step`."""
-    from bonsai_core.fsdp import check_mixed_precision, computing_in, fsdp_defaults, shard_by_units
+    from bonsai_core.fsdp import Sharding, computing_in
 
-    if mixed_precision not in (None, "none") and fsdp < 2:
-        raise ModelError("--mixed-precision is FSDP2's policy: give --fsdp N (N >= 2) with it.")
-    if fsdp > 1:
-        reshard_after_forward, mixed_precision = fsdp_defaults(name, reshard_after_forward, mixed_precision)
-    else:
-        mixed_precision = None
-    check_mixed_precision(mixed_precision)
+    sharding = Sharding.of(fsdp, reshard_after_forward, mixed_precision, model=name)
+    mixed_precision = sharding.mixed_precision
     label = name if not options else name + "(" + ", ".join(f"{k}={v}" for k, v in sorted(options.items())) + ")"
     label += f" autocast {autocast}" if autocast else ""
     label += f" fsdp mixed precision {mixed_precision}" if mixed_precision else ""
@@ -119,8 +114,7 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
             with computing_in(model, mixed_precision):
                 traced = trace_step(model, inputs, loss_fn, name=label, profile=profile, autocast=autocast,
                                     kernels=kernels)
-            if fsdp > 1:
-                traced.graph = shard_by_units(traced.graph, model, fsdp, reshard_after_forward, mixed_precision)
+            traced.graph = sharding.shard(traced.graph, model)
         return traced
 
     return with_batch_sizes_on_demand(trace, name, seed, options)
@@ -253,11 +247,11 @@ def _with_recorded_structure(graph: Graph, gm: fx.GraphModule, fx_names: list[st
     for v, extra in _held_by_python(graph, held, {u for _, u in pairs}).items():
         data["nodes"][v]["deps"] = sorted(set(data["nodes"][v]["deps"]) | extra)
         data["nodes"][v]["held"] = sorted(extra)
-    graph = Graph.from_dict(data)
+    graph = Graph.rebuilt(data)
     for v, u in pairs:
         if _runs_in_place(graph, fx_nodes[fx_names[v]], ids, v, u):
             data["nodes"][v]["inplace_of"] = u
-    return Graph.from_dict(data)
+    return Graph.rebuilt(data)
 
 
 def _held_by_python(graph: Graph, held: list[tuple[int, int]], written: set[int]) -> dict[int, set[int]]:

@@ -113,7 +113,7 @@ def _as_in_eager(kernels: str = "cuda") -> Iterator[None]:
 # kernel is a composite implementation is decomposed when its inputs require grad. Two aten ops have a
 # composite implementation and kernels of their own, ``silu_backward`` and ``mish_backward``: eager's
 # backward pass runs the kernel (one output), where the trace recorded the composite's sigmoid, its
-# products and their temporaries (hf:mixtral's no-remat peak was predicted 6% above its measurement).
+# products and their temporaries (traced so, hf:mixtral's no-remat peak is predicted 6% above its measurement).
 # While tracing (this thread), they stay one op each.
 _BACKWARD_KERNELS = (torch.ops.aten.silu_backward.default, torch.ops.aten.mish_backward.default)
 
