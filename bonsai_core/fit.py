@@ -5,20 +5,21 @@ For a model and a size option (``batch`` or ``seq``), :func:`fit` traces the ste
 it with every method under the GPU's bytes, and searches the sizes: doubling from the start until no
 method fits, then bisecting each method's boundary. A method *fits* a size when it returns a schedule
 within the limit whose overhead is at most ``max_overhead`` (``none``: the no-remat peak fits).
-Larger sizes are taken never to fit where a smaller one does not (activations grow with the size).
-Each size is traced once, whatever the number of methods; the cost of a search is
+Larger sizes are taken never to fit where a smaller one does not (activations grow with the size), so
+a method is not solved at a size its answers so far decide. Each size is traced once, whatever the
+number of methods (a size the caller traced already is not traced again); the cost of a search is
 O(log(largest size)) traces and solves per method. A method may be a variant, ``METHOD:NAME=VALUE,...``
 (``bonsai:offload=true``): the method with those options, searched and reported as a method of its own.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from bonsai_core.budget import smallest_meeting
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak
@@ -58,6 +59,7 @@ class FitResult:
     attempts: list[Attempt]
     traces: dict[int, float]  # size -> seconds to trace it
     no_remat_peaks: dict[int, int]
+    reused: list[int] = field(default_factory=list)  # sizes whose step was given (``fit(traced=...)``), not traced
 
     def best(self, method: str) -> Attempt | None:
         """``method``'s attempt at its largest fitting size (None: it fits no size tried)."""
@@ -114,42 +116,59 @@ def attempt(graph: Graph, size: int, method: str, limit: int, max_overhead: floa
                    f"overhead {stats['overhead']:+.1%} above {max_overhead:.0%}" if over else "", schedule)
 
 
-def search_sizes(evaluate: Callable[[int], dict[str, bool]], methods: list[str], start: int = 1,
-                 largest: int = MAX_SIZE) -> None:
-    """Call ``evaluate(size)`` (method -> fits) on the sizes that decide each method's largest fitting
-    size: ``start`` doubled until no method fits (or ``largest``), then a bisection per method
-    between its last fitting and first failing size. Sizes already evaluated are not asked again."""
+def search_sizes(evaluate: Callable[[int, list[str]], dict[str, bool]], methods: list[str], start: int = 1,
+                 largest: int = MAX_SIZE, upcoming: Callable[[list[int]], None] | None = None) -> None:
+    """Call ``evaluate(size, asked)`` (method -> fits, for the methods ``asked``) on the sizes that decide
+    each method's largest fitting size: from ``start`` each method doubles its size while it fits (up to
+    ``largest``), then bisects between its last fitting and first failing size. A method is asked only what
+    its answers so far leave open: it fits below a size it fits, and not above one it does not. The search
+    goes in rounds, each method's next size in each; ``upcoming`` hears a round's sizes before they are
+    asked (the caller may trace them ahead)."""
     seen: dict[int, dict[str, bool]] = {}
 
-    def ask(size: int) -> dict[str, bool]:
-        if size not in seen:
-            seen[size] = evaluate(size)
-        return seen[size]
+    def implied(m: str, size: int) -> bool | None:
+        if any(r.get(m) is True and s >= size for s, r in seen.items()):
+            return True
+        if any(r.get(m) is False and s <= size for s, r in seen.items()):
+            return False
+        return None
 
-    size = start
-    while True:
-        if not any(ask(size).values()) or size >= largest:
-            break
-        size = min(2 * size, largest)
-    for m in methods:
-        fit = [s for s, r in seen.items() if r.get(m)]
-        lo = max(fit, default=0)
-        hi = min((s for s, r in seen.items() if not r.get(m) and s > lo), default=None)
+    def next_size(m: str) -> int | None:
+        """The size ``m`` is asked next; None once its largest fitting size is known."""
+        lo = max((s for s, r in seen.items() if r.get(m) is True), default=0)
+        hi = min((s for s, r in seen.items() if r.get(m) is False and s > lo), default=None)
         if hi is None:
-            continue
-        smallest_meeting(lambda size: not ask(size).get(m), lo, hi)  # the first size it does not fit
+            return None if lo >= largest else min(2 * lo, largest) if lo else start
+        return (lo + hi) // 2 if hi - lo > 1 else None
+
+    while True:
+        wanted: dict[int, list[str]] = {}
+        for m in methods:
+            size = next_size(m)
+            if size is not None:
+                wanted.setdefault(size, []).append(m)
+        if not wanted:
+            return
+        if upcoming:
+            upcoming(sorted(wanted))
+        for size in sorted(wanted):
+            todo = [m for m in wanted[size] if implied(m, size) is None]
+            if todo:
+                seen.setdefault(size, {}).update(evaluate(size, todo))
 
 
 def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_overhead: float = 0.1,
         options: dict[str, Any] | None = None, optimizer: str = "none", reserved: str | None = None,
         solver_options: dict[str, Any] | None = None, start: int = 1, largest: int = MAX_SIZE,
-        progress: Callable[[str], None] | None = None, trace_kwargs: dict[str, Any] | None = None) -> FitResult:
+        progress: Callable[[str], None] | None = None, trace_kwargs: dict[str, Any] | None = None,
+        traced: dict[int, Graph] | None = None, answered: Callable[[Attempt], None] | None = None) -> FitResult:
     """Search the sizes of ``model`` (a zoo name, ``hf:...`` or a factory) at which each of ``methods``
     fits ``limit`` bytes with overhead at most ``max_overhead``. ``vary`` is the model option searched
     (``batch`` or ``seq``); ``options`` fix the others; ``optimizer`` adds its state and step
     (``bonsai_core.optimizer``); ``reserved`` ("caching" or "expandable") makes ``limit`` bound the
     allocator model's reserved bytes; ``solver_options`` go to every method (``time_limit`` ...), a variant's
-    own options (:func:`method_variant`) on top."""
+    own options (:func:`method_variant`) on top. ``traced``: the step at some sizes, traced already (without
+    an optimizer), used instead of tracing them again; ``answered`` is called with each attempt as it ends."""
     from bonsai_core.optimizer import with_optimizer
     from bonsai_core.rank import trace as trace_model
 
@@ -161,26 +180,69 @@ def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_
     traces: dict[int, float] = {}
     peaks: dict[int, int] = {}
 
-    def evaluate(size: int) -> dict[str, bool]:
-        begin = time.perf_counter()
-        graph = with_optimizer(trace_model(model, **(trace_kwargs or {}), **options, **{vary: size}).graph, optimizer)
-        traces[size] = time.perf_counter() - begin
-        peaks[size] = no_remat_peak(graph)
+    graphs: dict[int, Graph] = {}
+    ahead = _Tracer(lambda size: trace_model(model, **(trace_kwargs or {}), **options, **{vary: size}).graph)
+
+    def graph_at(size: int) -> Graph:
+        if size not in graphs:
+            base = (traced or {}).get(size)
+            if base is None:
+                base, traces[size] = ahead.get(size)
+            graphs[size] = with_optimizer(base, optimizer)
+            peaks[size] = no_remat_peak(graphs[size])
+        return graphs[size]
+
+    def trace_ahead(sizes: list[int]) -> None:
+        for size in sizes:
+            if size not in graphs and size not in (traced or {}):
+                ahead.start(size)
+
+    def evaluate(size: int, asked: list[str]) -> dict[str, bool]:
+        graph = graph_at(size)
         result = {}
-        for m in methods:
+        for m in asked:
             method, own = variants[m]
             a = attempt(graph, size, method, limit, max_overhead, reserved,
                         {} if method == "none" else {**(solver_options or {}), **own})
             a = replace(a, method=m)  # a variant is reported under its own name
             attempts.append(a)
             result[m] = a.fits
+            if answered:
+                answered(a)
             if progress:
                 progress(f"{vary} {size}: {m} " + (f"fits, overhead {a.overhead:+.2%}" if a.fits else
                                                   f"does not fit ({a.reason})"))
         return result
 
-    search_sizes(evaluate, methods, start, largest)
-    return FitResult(model, vary, limit, max_overhead, attempts, traces, peaks)
+    try:
+        search_sizes(evaluate, methods, start, largest, trace_ahead)
+    finally:
+        ahead.pool.shutdown(wait=False, cancel_futures=True)  # a size traced ahead that no method needed in the end
+    return FitResult(model, vary, limit, max_overhead, attempts, traces, peaks, sorted(set(graphs) - set(traces)))
+
+
+class _Tracer:
+    """The search's traces, one at a time on a thread of their own: a round's sizes are traced while the
+    methods solve the sizes before them (the solvers' backends run without the GIL)."""
+
+    def __init__(self, trace: Callable[[int], Graph]) -> None:
+        self.trace = trace
+        self.jobs: dict[int, concurrent.futures.Future] = {}
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="bonsai-fit-trace")
+
+    def start(self, size: int) -> None:
+        if size not in self.jobs:
+            self.jobs[size] = self.pool.submit(self._timed, size)
+
+    def get(self, size: int) -> tuple[Graph, float]:
+        """The step at ``size`` and the seconds its trace took (raises what the trace raised)."""
+        self.start(size)
+        return self.jobs[size].result()
+
+    def _timed(self, size: int) -> tuple[Graph, float]:
+        begin = time.perf_counter()
+        graph = self.trace(size)
+        return graph, time.perf_counter() - begin
 
 
 def table(result: FitResult) -> list[dict[str, Any]]:

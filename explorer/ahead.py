@@ -1,38 +1,48 @@
-"""Solving the budget slider's other positions in the background, outward from a session's.
+"""The slider's positions solved in the background: a sweep per graph, method and options.
 
-After a session solves its model at one slider position, one background thread (shared by every
-session of the server) solves the positions around it, outward, with the same method and options through
-:func:`explorer.compute.solve`, whose cache every session reads: a drag then finds its plan solved.
-On a small machine serving a classroom this is what keeps a drag fast while ten sessions drag at once
-(docs/results/explorer.md has the measurements); bonsai's reuse of a plan across budgets makes most positions
-free. Jobs stay small: each background solve runs with its time limit capped at
-:data:`SLOW_SOLVE_SECONDS` (one that reaches the cap is thrown away, see ``compute.solve``'s ``_cap``),
-so a session's own solve never waits longer than that for the graph's problem; the side below stops
-at the first budget the method cannot meet (a lower one will not fit either) or the first capped
-solve, the side above goes on past a capped solve (larger budgets are usually easier), and a job
-stops after :data:`JOB_SECONDS`. ``BONSAI_SOLVE_AHEAD=0`` turns it off.
+After a session's solve at a slider position, one background thread (shared by every session of the
+server) solves every other position of the budget slider for the same graph, method and options
+through :func:`explorer.compute.solve`, whose cache every session reads and which keeps each plan on
+disk (:mod:`explorer.disk`: a model opened again finds its sweep solved). With the granularity set, the
+granularities the sidebar offers are then solved at the session's budget the same way.
+
+Order: coarse to fine around the session's position (every 16th position, then every 8th, 4th, 2nd,
+each level nearest first), so that the nearest solved position is never far; a position a session asks
+for before its turn goes next. Below a budget the method cannot meet (a solve that ended within its
+time limit: one that ran out of it says nothing of lower budgets) nothing more is solved: nothing
+lower fits (each lower position's answer says so, quoting the method), and bonsai's reach is computed
+once for the note the Solve page adds. Each solve runs with the session's own options and time limit,
+so that a sweep's plan is the one the session would get.
+
+While a sweep runs, a session that asks for a position not solved yet is answered at once with the
+nearest solved plan that fits its budget (a lower position's; else the nearest above), marked as such
+(``Outcome.stand_in_for``); the sidebar shows how far the sweep is (:func:`progress`) and the page
+updates when the position is solved. ``BONSAI_SOLVE_AHEAD=0`` turns sweeps off: every position is then
+solved when a session asks for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import threading
 import time
-from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from bonsai_core.graph import Graph
+from bonsai_core.units import format_bytes
 from explorer import compute
 
 SLIDER = range(5, 101)  # the sidebar's budget slider, % of the no-remat peak
-SLOW_SOLVE_SECONDS = 3.0
-JOB_SECONDS = 30.0
-PENDING_KEPT = 8  # jobs waiting; the oldest is dropped past this (its sessions moved on)
+STRIDES = (16, 8, 4, 2, 1)  # the sweep's levels, coarse to fine
+SWEEPS_KEPT = 16  # sweeps remembered (finished or not); the oldest is forgotten past this
+
+BUDGET, GRANULARITY = "budget", "granularity"  # the axis a sweep moves along
 
 _lock = threading.Lock()
-_pending: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (graph, method, options, reference, pct, reserved)
-_started: set[tuple] = set()  # keys whose job ran or runs: each (graph, method, options) once
+_sweeps: dict[tuple, "Sweep"] = {}  # key -> sweep, oldest first
 _worker: threading.Thread | None = None  # the thread while it runs
 
 
@@ -45,67 +55,220 @@ def budget_at(pct: float, reference: int) -> int:
     return int(math.floor(pct / 100 * reference))
 
 
-def solver_seconds(out: compute.Outcome) -> float:
-    """The solver's own time (without building its problem): about what a neighbour's solve takes."""
-    return float(out.schedule.stats.get("solve_seconds", out.wall_seconds)) if out.ok else out.wall_seconds
+def order(positions: list[int], start: int) -> list[int]:
+    """``positions`` (ascending) coarse to fine around ``start``: every 16th position counted from
+    ``start``'s place, then every 8th, 4th, 2nd, 1st, each level nearest to ``start`` first (above before
+    below at a tie: larger budgets are usually cheaper); ``start`` itself left out."""
+    at = positions.index(start) if start in positions else min(range(len(positions)),
+                                                               key=lambda i: abs(positions[i] - start))
+    seen, out = {at}, []
+    for stride in STRIDES:
+        level = [i for i in range(len(positions)) if (i - at) % stride == 0 and i not in seen]
+        level.sort(key=lambda i: (abs(i - at), i < at))
+        out += level
+        seen.update(level)
+    return [positions[i] for i in out if positions[i] != start]
 
 
-def solve_ahead(graph: Graph, out: compute.Outcome, reference: int, pct: int) -> None:
-    """Queue the slider positions around ``pct`` for ``graph`` solved with the method and options of
-    ``out``, a session's solve at ``pct`` (once per graph, method and options; the newest request runs
-    first). After a solve slower than the cap nothing is queued: its neighbours would reach the cap too."""
-    global _worker
-    method, options, reserved = out.method, out.options, out.reserved
-    if method == "none" or solver_seconds(out) > SLOW_SOLVE_SECONDS or not enabled():
+@dataclass
+class Sweep:
+    """One sweep: a graph, a method and its options, the positions along one axis (slider % of the
+    budget, or granularities at one budget) and what is known of each."""
+
+    graph: Graph
+    method: str
+    options: compute.Options  # the session's, without the granularity on the granularity axis
+    reserved: str | None
+    reference: int  # the no-remat peak: the slider's 100%
+    axis: str  # BUDGET or GRANULARITY
+    positions: list[int]  # every position of the axis, ascending
+    todo: list[int]  # positions still to solve, in order
+    at: int | None = None  # the budget slider position a granularity sweep solves at
+    solved: dict[int, bool] = field(default_factory=dict)  # position -> solved with a schedule (False: an error)
+    derived: dict[int, compute.Outcome] = field(default_factory=dict)  # positions below one the method cannot meet
+    started: float = field(default_factory=time.perf_counter)
+    ended: float | None = None
+    solving: int | None = None  # the position being solved now
+
+    @property
+    def key(self) -> tuple:
+        return key_of(self.graph, self.method, self.options, self.reserved, self.axis, self.at)
+
+    def settings(self, p: int) -> tuple[int, compute.Options]:
+        """(budget in bytes, options) at position ``p``."""
+        if self.axis == BUDGET:
+            return budget_at(p, self.reference), self.options
+        return budget_at(self.at, self.reference), tuple(sorted((*self.options, ("granularity", p))))
+
+    def solve(self, p: int) -> compute.Outcome:
+        budget, options = self.settings(p)
+        return compute.solve(self.graph, budget, self.method, options, self.reserved)
+
+    @property
+    def known(self) -> int:
+        """Positions answered so far (solved, or below one the method cannot meet)."""
+        return len(self.solved) + len(self.derived)
+
+    @property
+    def seconds(self) -> float:
+        return (self.ended or time.perf_counter()) - self.started
+
+    def nearest(self, p: int) -> int | None:
+        """The solved position with a schedule nearest to ``p`` whose plan fits ``p``'s budget (the nearest
+        below, on the budget axis); else the nearest with a schedule at all."""
+        ok = [q for q, fine in self.solved.items() if fine]
+        below = [q for q in ok if q < p] if self.axis == BUDGET else []
+        if below:
+            return max(below)
+        place = {q: i for i, q in enumerate(self.positions)}  # granularities: near on their log scale
+        return min(ok, key=lambda q: (abs(place[q] - place[p]), q), default=None)
+
+
+def key_of(graph: Graph, method: str, options: compute.Options, reserved: str | None, axis: str,
+           at: int | None = None) -> tuple:
+    return (graph.hash, method, tuple(options), reserved, axis, at)
+
+
+def without_granularity(options: compute.Options) -> compute.Options:
+    return tuple((k, v) for k, v in options if k != "granularity")
+
+
+def start(graph: Graph, out: compute.Outcome, reference: int, pct: int,
+          granularities: list[int] | None = None) -> None:
+    """After a session's solve ``out`` at slider position ``pct``: sweep the budget slider for its graph,
+    method and options (once), and with ``granularities`` (the sidebar's, when the session set one) those
+    granularities at ``pct``."""
+    if out.method == "none" or not enabled():
         return
-    key = (graph.hash, method, options, reserved)
+    granularity = dict(out.options).get("granularity")
+    jobs = [(BUDGET, out.options, list(SLIDER), pct, None)]
+    if granularities and granularity is not None:
+        jobs.append((GRANULARITY, without_granularity(out.options), sorted(granularities), granularity, pct))
     with _lock:
-        if key in _started or key in _pending:
-            return
-        _pending[key] = (graph, method, options, reference, pct, reserved)
-        while len(_pending) > PENDING_KEPT:
-            _pending.popitem(last=False)
-        if _worker is None:
-            _worker = threading.Thread(target=_work, name="bonsai-solve-ahead", daemon=True)
-            _worker.start()
+        for axis, options, positions, first, at in jobs:
+            key = key_of(graph, out.method, options, out.reserved, axis, at)
+            if key in _sweeps:
+                continue
+            if axis == GRANULARITY:  # the granularities at one budget: only at the session's latest
+                for other in [k for k, sw in _sweeps.items() if sw.axis == GRANULARITY and k[:4] == key[:4]]:
+                    _sweeps[other].todo.clear()
+            sweep = Sweep(graph, out.method, options, out.reserved, reference, axis, positions,
+                          order(positions, first), at)
+            if first in positions:
+                sweep.solved[first] = out.ok
+            _sweeps[key] = sweep
+            while len(_sweeps) > SWEEPS_KEPT:
+                del _sweeps[next(iter(_sweeps))]
+        _wake()
+
+
+def _wake() -> None:
+    """Start the worker thread if it is not running (callers hold ``_lock``)."""
+    global _worker
+    if _worker is None and any(s.todo for s in _sweeps.values()):
+        _worker = threading.Thread(target=_work, name="bonsai-sweep", daemon=True)
+        _worker.start()
+
+
+def find(graph: Graph, method: str, options: compute.Options, reserved: str | None,
+         pct: int) -> tuple[Sweep | None, int | None]:
+    """(the sweep the sidebar's settings are on, the position in it) for a session at slider position
+    ``pct``: the granularity sweep at ``pct`` when the options set a granularity and it exists, else the
+    budget sweep; (None, None) when there is none."""
+    granularity = dict(options).get("granularity")
+    with _lock:
+        if granularity is not None:
+            sweep = _sweeps.get(key_of(graph, method, without_granularity(options), reserved, GRANULARITY, pct))
+            if sweep is not None and granularity in sweep.positions:
+                return sweep, granularity
+        sweep = _sweeps.get(key_of(graph, method, options, reserved, BUDGET))
+        return (sweep, pct) if sweep is not None else (None, None)
+
+
+def answer(graph: Graph, method: str, options: compute.Options, reserved: str | None,
+           pct: int) -> compute.Outcome | None:
+    """What a session at slider position ``pct`` is shown without a solve of its own: a position below one
+    the method cannot meet, or while the sweep has not reached this position, the nearest solved plan
+    (marked ``stand_in_for``; the position then goes next). None: solve it (solved already, kept on disk,
+    or no sweep runs)."""
+    sweep, p = find(graph, method, options, reserved, pct)
+    if sweep is None:
+        return None
+    with _lock:
+        if p in sweep.derived:
+            return sweep.derived[p]
+        if p in sweep.solved or p not in sweep.positions or not sweep.todo:
+            return None
+        budget, settings = sweep.settings(p)
+        if compute.kept(graph, budget, method, settings, reserved):
+            return None  # on disk: read at once
+        near = sweep.nearest(p)
+        if p != sweep.solving and p in sweep.todo:  # this position next
+            sweep.todo.remove(p)
+            sweep.todo.insert(0, p)
+    if near is None:
+        return None
+    return dataclasses.replace(sweep.solve(near), stand_in_for=float(p))
+
+
+def progress(graph: Graph, method: str, options: compute.Options, reserved: str | None,
+             pct: int) -> Sweep | None:
+    """The sweep a session at ``pct`` with these settings is on (:func:`find`), None when there is none."""
+    return find(graph, method, options, reserved, pct)[0]
+
+
+def _next() -> tuple[Sweep, int] | None:
+    """The newest budget sweep with positions left (then granularity sweeps), and its next position
+    (taken off its list); None when none is left, and then the worker is marked gone under the same lock
+    (a sweep started from then on starts a new thread)."""
+    global _worker
+    with _lock:
+        for sweep in sorted(reversed(list(_sweeps.values())), key=lambda sw: sw.axis != BUDGET):
+            while sweep.todo:
+                p = sweep.todo.pop(0)
+                if p not in sweep.solved and p not in sweep.derived:
+                    sweep.solving = p
+                    return sweep, p
+            if sweep.ended is None:
+                sweep.ended = time.perf_counter()
+        _worker = None
+    return None
 
 
 def _work() -> None:
-    global _worker
     while True:
-        with _lock:
-            if not _pending:
-                _worker = None  # under the lock: a job queued from now on starts a new thread
-                return
-            key, job = _pending.popitem(last=True)
-            _started.add(key)
+        found = _next()
+        if found is None:
+            return
+        sweep, p = found
         try:
-            _run(*job)
-        except Exception:  # a bug here must not end the thread for the jobs behind it
-            logging.getLogger(__name__).exception("solving ahead stopped")
-
-
-def _run(graph: Graph, method: str, options: compute.Options, reference: int, pct: int,
-         reserved: str | None = None) -> None:
-    """Solve the positions outward from ``pct``, below and above in turn, the side that has taken less
-    solver time first: cheap positions (usually the larger budgets) are not held up behind costly ones."""
-    start = time.perf_counter()
-    sides = {-1: iter(range(pct - 1, SLIDER.start - 1, -1)), 1: iter(range(pct + 1, SLIDER.stop))}
-    spent = dict.fromkeys(sides, 0.0)
-    while sides and time.perf_counter() - start < JOB_SECONDS:
-        side = min(sides, key=lambda d: (spent[d], d))  # a tie: below first
-        p = next(sides[side], None)
-        if p is None:
-            del sides[side]
-            continue
-        began = time.perf_counter()
-        try:  # capped: a user's solve waiting for the graph's problem waits no longer than the cap
-            out = compute.solve(graph, budget_at(p, reference), method, options, reserved, _cap=SLOW_SOLVE_SECONDS)
-        except compute.Unfinished:
-            if side < 0:
-                del sides[side]  # smaller budgets are harder: solved on demand only
-            continue  # above, one hard budget (e.g. the first that fits at all) need not hold up easier ones
+            _solve(sweep, p)
+        except Exception:  # a bug here must not end the thread for the sweeps behind it
+            logging.getLogger(__name__).exception("sweeping stopped at %s", p)
         finally:
-            spent[side] += time.perf_counter() - began
-        if side < 0 and not out.ok:
-            del sides[side]  # below a budget the method cannot meet, nothing fits either
+            sweep.solving = None
+
+
+def _solve(sweep: Sweep, p: int) -> None:
+    """Solve position ``p`` of ``sweep``; below a budget the method cannot meet, nothing lower is solved."""
+    out = sweep.solve(p)
+    limit = dict(sweep.settings(p)[1]).get("time_limit")
+    ran_out = bool(limit) and out.wall_seconds >= 0.95 * float(limit)  # says nothing of lower budgets
+    with _lock:
+        sweep.solved[p] = out.ok
+        if sweep.axis == BUDGET and not out.ok and not ran_out:
+            lower = [q for q in sweep.positions if q < p and q not in sweep.solved]
+            for q in lower:
+                budget, options = sweep.settings(q)
+                sweep.derived[q] = compute.Outcome(
+                    sweep.method, budget, options, reserved=sweep.reserved,
+                    error=f"Not solved: {sweep.method} found no plan at {p}% of the no-remat peak "
+                          f"({format_bytes(budget_at(p, sweep.reference))}), a larger budget, so none is expected "
+                          f"at {q}%. What it said at {p}%: {out.error}")
+            sweep.todo = [q for q in sweep.todo if q not in lower]
+    if out.ok:
+        if sweep.graph.fsdp is not None:  # the Memory page's per-rank chart replays the schedule
+            compute.replay(sweep.graph, out)
+    elif sweep.method == "bonsai" and sweep.axis == BUDGET:  # the Solve page's note under bonsai's error
+        compute.bonsai_reach(sweep.graph)
+        compute.region_bound(sweep.graph)

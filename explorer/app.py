@@ -33,7 +33,8 @@ PAGES = [
 
 st.logo(str(ROOT / "assets" / "logo.svg"), icon_image=str(ROOT / "assets" / "icon.svg"), size="large")
 page = st.navigation(PAGES)
-budget_slot = state.sidebar()
+budget_slot, sweep_slot = state.sidebar()
 tour.show(page.url_path)  # a first visit's three steps, above the page; each advances once done
 page.run()
 state.budget_fragment(budget_slot)  # the budget slider, and what the page hands to state.follow_budget
+state.sweep_watch(sweep_slot)  # how far the background sweep is

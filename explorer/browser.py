@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -96,15 +97,17 @@ def free_port() -> int:
 def serve(solve_ahead: bool = False) -> Iterator[str]:
     """``streamlit run explorer/app.py`` (the README's command), headless on a free port, its URL; stopped
     on exit. Without ``solve_ahead`` the server solves only what a session asks for
-    (``BONSAI_SOLVE_AHEAD=0``, as in the whole test run), so a drag measures a fresh solve."""
+    (``BONSAI_SOLVE_AHEAD=0``, as in the whole test run), so a drag measures a fresh solve. Each server
+    keeps its plans in a folder of its own (``BONSAI_EXPLORER_CACHE``), so none is read from an earlier one."""
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")  # not a pipe: a full pipe would stall the server
+    kept = tempfile.TemporaryDirectory(prefix="bonsai-explorer-served-")
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "explorer/app.py", "--server.headless", "true",
          "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
          "--server.fileWatcherType", "none"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
-        env=os.environ | {"BONSAI_SOLVE_AHEAD": "1" if solve_ahead else "0"})
+        env=os.environ | {"BONSAI_SOLVE_AHEAD": "1" if solve_ahead else "0", "BONSAI_EXPLORER_CACHE": kept.name})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_listening(proc, port, log)
@@ -118,6 +121,7 @@ def serve(solve_ahead: bool = False) -> Iterator[str]:
             proc.kill()
             proc.wait()
         log.close()
+        kept.cleanup()
 
 
 def wait_listening(proc: subprocess.Popen, port: int, log: Any, timeout: float = 60.0) -> None:
@@ -496,3 +500,78 @@ def measure_sessions(solve_ahead: bool, reference: int, sessions: int = 10, roun
     latencies = result.pop("latencies")
     return {**result, "drawn": [d for d, _ in latencies], "answered": [a for _, a in latencies],
             "load_before": list(load_before), "load_after": list(load_after)}
+
+
+# -- torchtitan's 8B step, the model people train (issue 57) ---------------------------------------
+
+# ``bonsai trace torchtitan:llama3:8B --batch 2 --seq 8192 --fsdp 8``: one of 8 FSDP ranks, 5,970 ops
+TITAN_8B = ("torchtitan:llama3:8B", {"batch": 2, "seq": 8192, "fsdp": 8})
+TITAN_8B_BUDGET = 70  # % of its no-remat peak: the budget it is uploaded at
+SWEPT = """() => [...document.querySelectorAll('[data-testid="stSidebar"] [data-testid="stProgress"]')]
+  .map(e => e.innerText).join(' ')"""
+STAND_IN = "text=Not solved yet"
+
+
+def sweep_said(page: Any) -> str:
+    """The sidebar's line on the background sweep ('' before it starts)."""
+    return page.evaluate(SWEPT)
+
+
+def legend_entries(page: Any, title: str) -> int:
+    """How many entries the Vega-Lite legend titled ``title`` lists (its aria-label says so)."""
+    words = page.evaluate("""(title) => { const e = [...document.querySelectorAll('[data-testid="stVegaLiteChart"] [aria-label]')]
+      .find(e => e.getAttribute('aria-label').includes(`legend titled '${title}'`));
+      return e ? e.getAttribute('aria-label') : ''; }""", title)
+    found = re.search(r"with (\d+) values", words)
+    return int(found.group(1)) if found else 0
+
+
+def big_step(page: Any, url: str, path: Path, ops: int, reference: int, drags: int,
+             sweep_timeout: float = 3600.0) -> dict[str, Any]:
+    """Torchtitan's 8B step uploaded as JSON at TITAN_8B_BUDGET% on a server that sweeps: seconds until the
+    Memory page has drawn its first solve (a plan, or the method's error); a drag while the sweep runs
+    (answered by its own plan or the nearest solved one); the sweep until done (or ``sweep_timeout``);
+    ``drags`` drags after it; then at READ_AT the plan as the page reads it (its rebuilds and patterns, the
+    lifetimes' legend entries)."""
+    start = time.perf_counter()
+    upload_graph(page, url, path, ops, TITAN_8B_BUDGET)
+    uploaded = time.perf_counter() - start
+    start = time.perf_counter()
+    page.locator('[data-testid="stSidebarNav"] a[href$="/memory"]').click()
+    page.wait_for_selector('[data-testid="stMain"] h1')
+    # its first solve, however long it takes: a plan (its charts) or the method's error
+    page.wait_for_function(f"() => document.querySelectorAll('{CHART_CANVAS}').length >= 2 || "
+                           "document.querySelector('[data-testid=\"stAlert\"]')", timeout=900_000, polling=500)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=900_000)
+    first_plan = time.perf_counter() - start
+    out: dict[str, Any] = {"upload_s": uploaded, "first_plan_s": first_plan,
+                           "first_plan_error": page.locator('[data-testid="stAlert"]').first.inner_text()[:300]
+                           if page.locator(f"{CHART_CANVAS}").count() < 2 else None,
+                           "sweep_at_first_plan": sweep_said(page)}
+    during, pct, _ = timed_drag(page, 0.45, reference)
+    out["during"] = {"pct": pct, "seconds": during, "stand_in": page.locator(STAND_IN).count() > 0,
+                     "sweep": sweep_said(page)}
+    wait_idle(page)
+    begun = time.perf_counter()
+    try:
+        page.wait_for_function(f"() => ({SWEPT})().includes('done')", timeout=sweep_timeout * 1000, polling=2000)
+    except Exception:  # not done in time: how far it got is said below
+        pass
+    said = sweep_said(page)
+    out["sweep"] = {"said": said, "done": "done" in said, "waited_s": time.perf_counter() - begun}
+    after = []
+    for fraction in (DRAG_FRACTIONS * drags)[:drags]:
+        seconds, pct, _ = timed_drag(page, fraction, reference)
+        after.append([pct, seconds, page.locator(STAND_IN).count() > 0])
+        wait_idle(page)
+    out["after"] = after
+    _, out["read_at"], _ = timed_drag(page, READ_AT, reference)  # a mid budget, solved by the sweep: the plan read
+    wait_idle(page)
+    page.wait_for_function("() => document.body.innerText.includes('recompute events')")
+    rebuilds = re.search(r"(\d+) recompute events of \w+ in (\d+) patterns", page.evaluate("() => document.body.innerText"))
+    out["rebuilds"], out["patterns"] = (int(rebuilds.group(1)), int(rebuilds.group(2))) if rebuilds else (None, None)
+    out["legend"] = legend_entries(page, "made by")
+    return out
+
+
+READ_AT = 0.58  # of the slider's track: about 60%, where the 8B step's plan rebuilds in every block

@@ -12,8 +12,9 @@ import inspect
 import math
 import time
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -24,6 +25,7 @@ from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, RegionBound, region_peak_bound
 from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate
+from explorer import disk
 
 GRAPH_HASH = {Graph: lambda g: g.hash}
 
@@ -47,6 +49,21 @@ class Model:
     options: dict[str, int] = field(default_factory=dict)
     parameters: int | None = None  # parameter count, when known
     note: str = ""  # e.g. the loss used for a .pt2 upload
+    link: str | None = None  # what a link names the model by, when not ``zoo`` (an uploaded config: hf-config:KEY)
+
+    @property
+    def link_name(self) -> str | None:
+        """The model's name in a link (``?model=``): a zoo, ``hf:`` or torchtitan name, ``hf-config:KEY`` for
+        an uploaded Hugging Face config; None for an upload that cannot be rebuilt (graph JSON, .pt2)."""
+        return self.link if self.link is not None else self.zoo
+
+    @property
+    def spec_in_commands(self) -> str | None:
+        """The model as the user's own ``bonsai`` commands name it: an uploaded config by its file name
+        (``hf:llama.json``), anything else as ``zoo``."""
+        if self.link is not None and self.link.startswith(CONFIG_LINK) and self.zoo:
+            return hf_prefix() + Path(self.zoo.removeprefix(hf_prefix())).name
+        return self.zoo
 
 
 ALLOCATORS = {"caching": "PyTorch's caching allocator", "expandable": "expandable segments"}
@@ -80,6 +97,8 @@ class Outcome:
     error: str | None = None
     wall_seconds: float = 0.0
     reserved: str | None = None  # solved for the reserved bytes of this allocator policy (ALLOCATORS)
+    kept: bool = False  # read from the disk (explorer.disk): solved before, by this code
+    stand_in_for: float | None = None  # shown for this budget (% of the no-remat peak) while it is solved
 
     @property
     def ok(self) -> bool:
@@ -161,40 +180,66 @@ def titan_flavours() -> dict[str, dict[str, int]]:
 
 
 def size_options(zoo: str | None) -> tuple[str, ...]:
-    """The size options a model the app can trace again takes (a zoo name, ``hf:ARCH`` or a torchtitan
-    flavour); none for an upload or a ``hf:PATH/config.json``."""
+    """The size options a model the app can trace again takes (a zoo name, ``hf:ARCH``, a torchtitan
+    flavour or a ``hf:PATH`` config file, an uploaded config among them); none for an uploaded graph."""
+    from bonsai_core.models import torchtitan
+
+    if zoo is not None and zoo.startswith(TITAN_FAMILY):
+        return torchtitan.SIZE_OPTIONS
+    return tuple(size_defaults(zoo))
+
+
+def size_defaults(zoo: str | None) -> dict[str, int]:
+    """The size options of a model the app can trace again at their defaults (for a torchtitan flavour,
+    its batch and sequence length); {} for an uploaded graph."""
     from bonsai_core.models import hf, torchtitan
     from bonsai_core.models.zoo import ZOO
 
     if zoo is None:
-        return ()
+        return {}
     if zoo.startswith(TITAN_FAMILY):
-        return torchtitan.SIZE_OPTIONS
+        return dict(torchtitan.DEFAULTS)
     entry = ZOO.get(zoo) or hf.ARCHS.get(zoo.removeprefix(hf.PREFIX))
-    return tuple(entry.options) if entry is not None else ()
+    if entry is None and zoo.startswith(hf.PREFIX):  # a config file (an uploaded one is kept as one)
+        path = Path(zoo.removeprefix(hf.PREFIX))
+        return dict(hf.read_config(hf.load_config_file(path), source=path.name).options)
+    return dict(entry.options) if entry is not None else {}
+
+
+CONFIG_LINK = "hf-config:"  # a link's name for an uploaded Hugging Face config: hf-config:KEY
+
+
+def hf_prefix() -> str:
+    from bonsai_core.models import hf
+
+    return hf.PREFIX
 
 
 @st.cache_resource(show_spinner=False, max_entries=16)
 def trace_hf_config(data: bytes, filename: str, options: Options) -> Model:
-    """Trace the model an uploaded Hugging Face config.json describes (parsed as JSON: no code runs).
+    """Trace the model an uploaded Hugging Face config.json describes (parsed as JSON: no code runs),
+    kept on the server (:func:`explorer.disk.store_config`) and traced as ``hf:PATH`` like any config file.
 
     Raises ModelError for a bad config or options."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from bonsai_core.models import hf
-    from bonsai_core.trace import trace_step
 
-    described = hf.read_config(hf.parse_config(data, filename), source=filename)
-    label = f"{filename} ({described.model_class.__name__}" + "".join(f", {k}={v}" for k, v in options) + ")"
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        torch.manual_seed(0)
-        model, inputs, loss_fn = described.build(**dict(options))
-        parameters = int(sum(p.numel() for p in model.parameters()))
-        traced = trace_step(model, inputs, loss_fn, name=label)
-    return Model(traced.graph, "hf-config", label, parameters=parameters,
-                 note=f"{described.model_class.__name__} from the uploaded {filename}, its {described.task} loss. "
-                      f"To export it, save the file and run `bonsai export hf:PATH/{filename}` with these options.")
+    hf.read_config(hf.parse_config(data, filename), source=filename)  # refused here, before it is stored
+    return trace_stored_config(disk.store_config(data, filename), options)
+
+
+@st.cache_resource(show_spinner=False, max_entries=16)
+def trace_stored_config(key: str, options: Options) -> Model:
+    """The model of a stored config (:func:`explorer.disk.stored_config`) traced at ``options``: ``bonsai
+    trace hf:PATH``."""
+    from bonsai_core.models import hf
+
+    path = disk.stored_config(key)
+    described = hf.read_config(hf.load_config_file(path), source=path.name)
+    traced = trace_model(hf.PREFIX + str(path), options)
+    label = f"{path.name} ({described.model_class.__name__}" + "".join(f", {k}={v}" for k, v in options) + ")"
+    return replace(traced, source="hf-config", label=label, link=CONFIG_LINK + key,
+                   note=f"{described.model_class.__name__} from the uploaded {path.name}, its {described.task} loss: "
+                        f"the same step as `bonsai trace hf:{path.name}` with these sizes.")
 
 
 @st.cache_resource(show_spinner=False, max_entries=16)
@@ -309,6 +354,11 @@ def solve(graph: Graph, budget: int | None, method: str, options: Options = (), 
     return solved(graph, budget, method, tuple(options), reserved, _cap)
 
 
+def kept(graph: Graph, budget: int | None, method: str, options: Options, reserved: str | None = None) -> bool:
+    """Whether :func:`solve` would read this solve from the disk (:mod:`explorer.disk`) rather than solve it."""
+    return disk.has_plan(graph.hash, method, tuple(options), reserved, budget)
+
+
 @st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=512)
 def solved(graph: Graph, budget: int | None, method: str, options: Options, reserved: str | None,
            _cap: float | None) -> Outcome:
@@ -320,6 +370,16 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
     drawn beside. ``_cap`` (not part of the cache key) runs the method with its time limit lowered to ``_cap``
     seconds: a call that ends sooner is the uncapped call's outcome (the limit was never reached) and is
     cached as such; one that reaches it raises :class:`Unfinished` and nothing is cached."""
+    kept = disk.load_plan(graph.hash, method, options, reserved, budget)
+    if kept is not None:  # solved before, by this code (a server before this one, or its sweep): simulated again
+        schedule, error, seconds = kept
+        if schedule is None:
+            return Outcome(method, budget, options, error=error, wall_seconds=seconds, reserved=reserved, kept=True)
+        try:
+            return Outcome(method, budget, options, schedule, simulate(graph, schedule), wall_seconds=seconds,
+                           reserved=reserved, kept=True)
+        except BonsaiError:  # not this graph's after all: solved again below
+            pass
     start = time.perf_counter()
     run = dict(options)
     if _cap is not None:
@@ -333,16 +393,57 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
     except BonsaiError as e:
         outcome = Outcome(method, budget, options, error=str(e), wall_seconds=time.perf_counter() - start,
                           reserved=reserved)
+        keep = True
     except Exception as e:  # a solver bug or a backend failure: say so in the page, never a traceback
+        keep = False
         outcome = Outcome(method, budget, options, wall_seconds=time.perf_counter() - start, reserved=reserved,
                           error=f"Method {method!r} failed unexpectedly ({type(e).__name__}: {e}). Try another "
                                 "method or backend, and report this with the model and budget.")
     else:
         outcome = Outcome(method, budget, options, schedule, sim, wall_seconds=time.perf_counter() - start,
                           reserved=reserved)
+        keep = True
     if _cap is not None and outcome.wall_seconds >= _cap:
         raise Unfinished(f"{method} at {budget} B did not finish within {_cap:g} s")
+    if keep and keepable(method, outcome, run.get("time_limit")):
+        disk.save_plan(graph.hash, method, options, reserved, budget, outcome.schedule, outcome.error,
+                       outcome.wall_seconds)
     return outcome
+
+
+def out_of_time(out: Outcome) -> str | None:
+    """Why a plan may be worse than the method's best at its budget because its solve ran out of time, in
+    words (None when it did not): status ``time_limit`` (the search ended with its fallback plan, the
+    model's build perhaps eating the time) or a MIP stopped above the gap asked for."""
+    if not out.ok:
+        return None
+    stats = out.schedule.stats
+    status, gap = stats.get("status"), stats.get("gap")
+    declared = {o.name: o.default for o in (solvers.method_options(out.method) or ())} if out.method in methods() else {}
+    asked = dict(out.options).get("gap", declared.get("gap", 1e-4))  # 1e-4: what "optimal" means everywhere
+    limit = dict(out.options).get("time_limit")
+    spent = ", ".join(f"{part} {seconds:.1f} s" for part, seconds in (stats.get("time_split") or {}).items()
+                      if seconds >= 0.05)
+    within = f" of its {limit:g} s limit" if limit else ""
+    if status == "time_limit":
+        plan = stats.get("fallback_plan")
+        return (f"The solve ran out of time ({spent or 'the whole limit'}{within}) before its search found a plan, so "
+                + (f"this is its fallback, {plan}" if plan else "this is the best it had") + ": the plan may be much "
+                "worse than the method's best at this budget. Raise the time limit, or take a smaller granularity.")
+    if status == "feasible" and isinstance(gap, (int, float)) and gap > asked + 1e-9:
+        return (f"The solve stopped at its time limit{f' ({limit:g} s)' if limit else ''} with a gap of {100 * gap:.1f}% "
+                f"to its bound (asked: {100 * asked:g}%): a plan up to that much cheaper may exist at this budget. "
+                "Raise the time limit for a better one.")
+    return None
+
+
+def keepable(method: str, outcome: Outcome, time_limit: float | None) -> bool:
+    """Whether a solve is kept on disk: a method of bonsai_core (whose sources the store is keyed by) that
+    did not run out of time (a quieter machine may do better), with a schedule or the method's own
+    word on the budget; never a crash."""
+    module = solvers.METHODS.get(method, ("",))[0]
+    ran_out = bool(time_limit) and outcome.wall_seconds >= 0.95 * float(time_limit)
+    return module.startswith("bonsai_core.") and not ran_out and out_of_time(outcome) is None
 
 
 def op_costs(graph: Graph, schedule: Schedule) -> np.ndarray:

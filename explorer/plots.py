@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from bonsai_core.graph import Graph
+from bonsai_core.graph import Graph, block_stack
 from bonsai_core.units import format_bytes
 
 MIB = 2**20
@@ -104,12 +104,49 @@ def curve(label: str, timeline: np.ndarray, op_costs: np.ndarray, peak: int, pea
 
 
 def _steps(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The points where a step line (``line_shape="hv"``) changes, and its last: the same drawing from
-    half the points or fewer (every budget change sends and redraws them in each browser)."""
+    """The points where a step line (``line_shape="hv"``) changes, and its last, at most the
+    :func:`envelope` of a chart's columns: the same drawing from half the points or fewer (every budget
+    change sends and redraws them in each browser; 7,700 change points on torchtitan's 8B step)."""
     y = np.asarray(y)
     keep = np.ones(len(y), dtype=bool)
     keep[1:-1] = y[1:-1] != y[:-2]
-    return np.asarray(x)[keep], y[keep]
+    x, y = np.asarray(x)[keep], y[keep]
+    kept = envelope(x, y)
+    return x[kept], y[kept]
+
+
+COLUMNS = 1200  # a chart's width in pixels, about: more points than 4 per column draw nothing more
+
+
+def envelope(x: np.ndarray, y: np.ndarray, columns: int = COLUMNS) -> np.ndarray:
+    """The indices of the points that draw a step line at ``columns`` columns of x as all of them do: in
+    each column its first point, its lowest, its highest and its last (so every peak and trough stays,
+    exactly); all of them when there are no more than four per column."""
+    n = len(y)
+    if n <= 4 * columns:
+        return np.arange(n)
+    x = np.asarray(x, dtype=float)
+    span = max(float(x[-1] - x[0]), 1e-12)
+    column = np.minimum(((x - x[0]) / span * columns).astype(np.int64), columns - 1)
+    starts = np.flatnonzero(np.r_[True, column[1:] != column[:-1]])
+    ends = np.r_[starts[1:], n] - 1
+    lows = np.minimum.reduceat(np.asarray(y), starts)
+    highs = np.maximum.reduceat(np.asarray(y), starts)
+    keep = np.zeros(n, dtype=bool)
+    keep[starts] = keep[ends] = True
+    seg = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))
+    keep |= (np.asarray(y) == lows[seg]) & _first_in(seg, np.asarray(y) == lows[seg])
+    keep |= (np.asarray(y) == highs[seg]) & _first_in(seg, np.asarray(y) == highs[seg])
+    return np.flatnonzero(keep)
+
+
+def _first_in(seg: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``mask`` left True only at its first True within each run of equal ``seg``."""
+    hit = np.flatnonzero(mask)
+    first = np.zeros(len(mask), dtype=bool)
+    if len(hit):
+        first[hit[np.r_[True, seg[hit][1:] != seg[hit][:-1]]]] = True
+    return first
 
 
 # METHOD_SYMBOLS / OTHER_SYMBOLS (Plotly's names) as Vega's built-in shapes, each still its own
@@ -138,10 +175,20 @@ def _dataset(parts: list[pd.DataFrame]) -> pd.DataFrame:
     return frame.astype({"x": "float32", "mib": "float32", "schedule": "category"})
 
 
+def _event_marks(events: Sequence[tuple[float, str, str]], top: int, curves: Sequence[Curve]) -> pd.DataFrame:
+    """The recompute marks' rows: each at the top of the chart, its label blank where it would overlap
+    a label placed before it (``placed_labels``, on a chart about 1100 px wide)."""
+    xs = [float(ex) for ex, _, _ in events]
+    right = max([float(c.x[-1]) for c in curves if len(c.x)] + xs + [1e-9])
+    shown = set(placed_labels(xs, [label for _, label, _ in events], (0.0, right)))
+    return pd.DataFrame([{"x": ex, "mib": 1.1 * top / MIB, "mark": label if i in shown else "", "text": words}
+                         for i, (ex, label, words) in enumerate(events)], columns=["x", "mib", "mark", "text"])
+
+
 def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int | None = None,
                  x_mode: str = "time", height: int = 440, cursor: float | None = None,
                  x_domain: tuple[float, float] | None = None,
-                 events: Sequence[tuple[float, str]] = (), budget_label: str = "budget") -> dict:
+                 events: Sequence[tuple[float, str, str]] = (), budget_label: str = "budget") -> dict:
     """Memory over time of each curve (its colour, dash and a few markers of its method's symbol), the
     budget line and each curve's peak, as a Vega-Lite spec for ``st.vega_lite_chart``.
 
@@ -153,8 +200,9 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     ``cursor`` (an x value) adds a vertical rule, in a dataset of its own; ``x_domain`` spans the x axis
     over at least that range (unseen points in a dataset: a domain in the spec would change the spec, and
     so remount the chart, whenever it moves) and fixes the y axis's width, so that a chart drawn under it
-    with the same range (the tensor lifetimes) lines up. ``events``: (x, words) of each recompute event,
-    marked by a thin rule and its number (↻1, ↻2, ...) at the top, the words on hover. A reserved line
+    with the same range (the tensor lifetimes) lines up. ``events``: (x, label, words) of each recompute mark
+    (an event, or a block's run of them), marked by a thin rule and its label (↻1, ↻2–4, ...) at the top, the
+    words on hover; labels that would overlap their left neighbour are left out (the rule stays). A reserved line
     (allocator model) is labelled at its peak: a dotted line never stands without a name.
     ``budget_label`` names the budget line ("reserved-bytes bound" for a plan that bounds the
     allocator's reserved bytes: ``compute.Bound.label``)."""
@@ -197,9 +245,7 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
         "datasets": {"lines": _dataset(lines), "reserved": _dataset(reserved), "marks": _dataset(marks),
                      "peaks": pd.DataFrame(peaks, columns=["x", "mib", "schedule", "text"]), "levels": pd.DataFrame(levels),
                      "reserved_peaks": pd.DataFrame(reserved_peaks, columns=["x", "mib", "schedule", "text"]),
-                     "events": pd.DataFrame([{"x": float(ex), "mib": 1.1 * top / MIB, "mark": f"↻{i + 1}", "text": words}
-                                             for i, (ex, words) in enumerate(events)],
-                                            columns=["x", "mib", "mark", "text"])},
+                     "events": _event_marks(events, top, curves)},
         "layer": [
             {"data": {"name": "reserved"}, "encoding": {"x": x, "y": y, "color": colour},
              "mark": {"type": "line", "interpolate": "step-after", "strokeWidth": 1, "strokeDash": [2, 2]}},
@@ -399,17 +445,30 @@ def node_groups(graph: Graph, segments: Sequence[Sequence[int]] | None, recomput
     return Groups(of, tuple(names), np.array(rec, dtype=bool), np.array(fwd, dtype=bool))
 
 
+def group_centres(groups: Groups, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's marker: its members' mean position."""
+    k = len(groups.names)
+    safe = np.maximum(np.bincount(groups.of, minlength=k), 1)
+    return (np.bincount(groups.of, weights=pos[:, 0], minlength=k) / safe,
+            np.bincount(groups.of, weights=pos[:, 1], minlength=k) / safe)
+
+
+def collapsed_sizes(graph: Graph, groups: Groups) -> np.ndarray:
+    """Each group's marker size in px: its area grows with the group's bytes."""
+    mem = np.bincount(groups.of, weights=graph.mem.astype(float), minlength=len(groups.names))
+    return 10 + 30 * np.sqrt(mem / max(mem.max(), 1))
+
+
 def collapsed_figure(graph: Graph, groups: Groups, pos: np.ndarray, recomputed_nodes: np.ndarray,
                      height: int = 560) -> go.Figure:
     """One marker per group at its members' mean position (area ~ its bytes), edges between groups
     that exchange tensors. O(n + edges)."""
     k = len(groups.names)
     count = np.bincount(groups.of, minlength=k)
-    safe = np.maximum(count, 1)
-    cx = np.bincount(groups.of, weights=pos[:, 0], minlength=k) / safe
-    cy = np.bincount(groups.of, weights=pos[:, 1], minlength=k) / safe
+    cx, cy = group_centres(groups, pos)
     mem = np.bincount(groups.of, weights=graph.mem.astype(float), minlength=k)
     cost = np.bincount(groups.of, weights=graph.cost, minlength=k)
+    size = collapsed_sizes(graph, groups)
     rec_ops = np.bincount(groups.of, weights=recomputed_nodes.astype(float), minlength=k)
     src = np.repeat(np.arange(graph.n), np.diff(graph.dep_ptr))
     a, b = groups.of[graph.dep_idx], groups.of[src]
@@ -422,7 +481,6 @@ def collapsed_figure(graph: Graph, groups: Groups, pos: np.ndarray, recomputed_n
     fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=dict(color="rgba(120,120,120,0.3)", width=1),
                              hoverinfo="skip", showlegend=False))
     styles = [segment_style(i) if f else (BACKWARD, "diamond") for i, f in enumerate(groups.forward)]
-    size = 10 + 30 * np.sqrt(mem / max(mem.max(), 1))
     hover = [f"<b>{groups.names[i]}</b><br>{count[i]} ops · {format_bytes(mem[i])} · {cost[i] * 1e3:.3f} ms"
              + (f"<br><b>recomputed</b> ({int(rec_ops[i])} ops rebuilt)" if groups.recomputed[i] or rec_ops[i] else "")
              for i in range(k)]
@@ -454,33 +512,170 @@ def placed_labels(x: Sequence[float], texts: Sequence[str], x_range: tuple[float
     return kept
 
 
-def add_labels(fig: go.Figure, x: Sequence[float], y: Sequence[float], texts: Sequence[str],
-               x_range: tuple[float, float], above: bool = True, width_px: float = 1100.0) -> go.Figure:
-    """Horizontal 12 px labels at (x, y), above (or below) the point, those that would overlap one
-    already placed left out (hover still names every node)."""
-    keep = placed_labels(x, texts, x_range, width_px)
+# -- labels of the op-level views: blocks, their parts, the largest ops' kinds ---------------------
+
+LABEL_ROW = 0.13  # data units between rows of labels: about 22 px on a 560 px figure over LABEL_Y
+LABEL_Y = (-1.5, 1.5)  # the op-level views' y range: the layout's bands (-1 to 1) and rows of labels around them
+LABEL_WIDTH_PX = 900.0  # the narrowest plot the views are drawn in (a 1280 px window with the sidebar open)
+LABEL_HEIGHT_PX = 500.0  # their plot area (560 px less the margins)
+
+
+@dataclass(frozen=True)
+class Label:
+    """A text to draw centred at (x, y); the higher the priority, the earlier it claims its place."""
+
+    x: float
+    y: float
+    text: str
+    priority: float
+
+
+def fit_labels(labels: Sequence[Label], x_range: tuple[float, float], y_range: tuple[float, float] = LABEL_Y,
+               width_px: float = LABEL_WIDTH_PX, height_px: float = LABEL_HEIGHT_PX,
+               markers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> list[Label]:
+    """The labels kept, highest priority first: each one whose box (its 12 px text, centred on its point, on a
+    plot ``width_px`` by ``height_px``) stays inside the plot and overlaps no box kept before it, nor a
+    marker of ``markers`` (x, y, size in px). O(k² + k · markers)."""
+    sx = width_px / max(x_range[1] - x_range[0], 1e-9)
+    sy = height_px / max(y_range[1] - y_range[0], 1e-9)
+    if markers is not None:
+        mx, my, ms = ((np.asarray(markers[0], dtype=float) - x_range[0]) * sx,
+                      (np.asarray(markers[1], dtype=float) - y_range[0]) * sy, np.asarray(markers[2], dtype=float) / 2)
+    kept, boxes = [], []
+    for label in sorted(labels, key=lambda lb: -lb.priority):
+        half_w, half_h = (len(label.text) * CHAR_PX + 8) / 2, (LABEL_PX + 6) / 2
+        cx, cy = (label.x - x_range[0]) * sx, (label.y - y_range[0]) * sy
+        box = (cx - half_w, cy - half_h, cx + half_w, cy + half_h)
+        if box[0] < 0 or box[2] > width_px or box[1] < 0 or box[3] > height_px:
+            continue
+        if any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in boxes):
+            continue
+        if markers is not None and np.any((mx - ms < box[2]) & (box[0] < mx + ms) & (my - ms < box[3]) & (box[1] < my + ms)):
+            continue
+        kept.append(label)
+        boxes.append(box)
+    return kept
+
+
+def _part(graph: Graph, v: int, path: str, group: str, stacked: set[str]) -> str:
+    """A node's part of its block of the stack (``stacked``): the call one level below the block (``attn``,
+    ``ln1``), or the op it runs between those calls (``gelu``, ``add``); "" for a node outside the stack's
+    blocks (its block row names it), a view or a multi-output op's part."""
+    from explorer.module_graph import op_name
+
+    if group not in stacked or graph.alias_of[v] >= 0 or graph.output_of[v] >= 0:
+        return ""
+    if path == group or not path.startswith(group + "."):
+        return op_name(graph.ops[v])
+    return path[len(group) + 1:].split(".")[0]
+
+
+def _runs(keys: Sequence[str]) -> list[tuple[int, int, str]]:
+    """(start, end, key) of each run of equal consecutive keys ("" left out)."""
+    runs, start = [], 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or keys[i] != keys[start]:
+            if keys[start]:
+                runs.append((start, i, keys[start]))
+            start = i
+    return runs
+
+
+def op_labels(graph: Graph, nodes: np.ndarray, pos: np.ndarray, paths: Sequence[str], groups: Sequence[str],
+              largest: int = 40) -> list[Label]:
+    """What the op-level views label, without a hover: above the forward band each block (a run of
+    forward ops of one group: ``blocks.0``, ``head``) and under it each of its parts (``ln1``, ``attn``,
+    ``gelu``); the kind of the ``largest`` ops (by bytes), under each (a backward op's under the backward band).
+    ``paths``/``groups``: each node's
+    module and block (``explorer.timeline.node_modules``)."""
+    from explorer.module_graph import op_name
+
+    nodes = np.asarray(nodes)
+    stacked = {b for b, _, _ in block_stack(graph)}
+    fwd = np.flatnonzero(graph.is_forward[nodes] & (graph.alias_of[nodes] < 0) & (graph.output_of[nodes] < 0))
+    top = float(pos[fwd, 1].max()) if len(fwd) else 0.0
+    labels = []
+    for row, key, base in ((2, lambda v: groups[v], 1000.0),
+                           (1, lambda v: _part(graph, v, paths[v], groups[v], stacked), 100.0)):
+        keys = [key(int(nodes[i])) for i in fwd]
+        for a, b, text in _runs(keys):
+            members = fwd[a:b]
+            labels.append(Label(float(pos[members, 0].mean()), top + row * LABEL_ROW, text, base + b - a))
+    mem = graph.mem[nodes].astype(float)
+    biggest = np.argsort(-mem, kind="stable")[:largest]
+    scale = max(float(mem.max()), 1.0) if len(mem) else 1.0
+    backward = ~graph.is_forward[nodes]
+    bottom = float(pos[backward, 1].min()) if backward.any() else 0.0
+    for i in biggest.tolist():
+        if mem[i] > 0:  # a forward op's kind under it; a backward op's under the backward band, clear of its diamonds
+            y = bottom - 0.7 * LABEL_ROW if backward[i] else float(pos[i, 1]) - 0.6 * LABEL_ROW
+            labels.append(Label(float(pos[i, 0]), y, op_name(graph.ops[int(nodes[i])]), mem[i] / scale))
+    return labels
+
+
+def collapsed_labels(graph: Graph, groups: Groups, pos: np.ndarray, paths: Sequence[str],
+                     blocks: Sequence[str]) -> list[Label]:
+    """The collapsed view's labels: each block above the forward markers, each segment (or forward block
+    of ops) by the parts of the model it spans (``attn + ln2``), each backward marker by its largest op's kind."""
+    from explorer.module_graph import op_name
+
+    cx, cy = group_centres(groups, pos)
+    stacked = {b for b, _, _ in block_stack(graph)}
+    top = float(cy[groups.forward].max()) if groups.forward.any() else 0.0
+    labels = [Label(float(np.mean([cx[k] for k in ks])), top + 3 * LABEL_ROW, text, 1000.0 + len(ks))
+              for text, ks in _block_runs(graph, groups, blocks)]
+    # clear of its marker: half its size and a label's half height, in y units
+    clear = (collapsed_sizes(graph, groups) / 2 + LABEL_PX) * (LABEL_Y[1] - LABEL_Y[0]) / LABEL_HEIGHT_PX
+    for k in range(len(groups.names)):
+        members = np.flatnonzero(groups.of == k)
+        if not len(members):
+            continue
+        if groups.forward[k]:
+            parts = list(dict.fromkeys(p for v in members.tolist() if graph.alias_of[v] < 0 and graph.output_of[v] < 0
+                                       for p in [_part(graph, v, paths[v], blocks[v], stacked) or blocks[v]]
+                                       if p not in ("", "forward", "backward")))
+            text = " + ".join(parts[:2]) + (f" +{len(parts) - 2}" if len(parts) > 2 else "")
+            labels.append(Label(float(cx[k]), float(cy[k]) + clear[k], text, 100.0 + len(members)))
+        else:
+            v = int(members[np.argmax(graph.mem[members])])
+            labels.append(Label(float(cx[k]), float(cy[k]) - clear[k], op_name(graph.ops[v]),
+                                float(graph.mem[members].sum()) / max(float(graph.mem.sum()), 1.0)))
+    return labels
+
+
+def _block_runs(graph: Graph, groups: Groups, blocks: Sequence[str]) -> list[tuple[str, list[int]]]:
+    """(block, its forward groups) for each run of forward groups whose first op is in the same block."""
+    runs: list[tuple[str, list[int]]] = []
+    for k in np.flatnonzero(groups.forward).tolist():
+        members = np.flatnonzero(groups.of == k)
+        if not len(members):
+            continue
+        block = blocks[int(members[0])]
+        if runs and runs[-1][0] == block:
+            runs[-1][1].append(k)
+        elif block:
+            runs.append((block, [k]))
+    return runs
+
+
+def draw_labels(fig: go.Figure, labels: Sequence[Label], x_range: tuple[float, float],
+                markers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> go.Figure:
+    """The labels that fit (:func:`fit_labels`, clear of ``markers``) as one text trace, "labels", 12 px,
+    horizontal; the figure's axes fixed to the ranges they were fitted in."""
+    keep = fit_labels(labels, x_range, markers=markers)
+    fig.update_xaxes(range=list(x_range))
+    fig.update_yaxes(range=list(LABEL_Y))
     if keep:
-        fig.add_trace(go.Scatter(x=[x[i] for i in keep], y=[y[i] for i in keep], mode="text",
-                                 text=[texts[i] for i in keep], textposition="top center" if above else "bottom center",
+        fig.add_trace(go.Scatter(x=[lb.x for lb in keep], y=[lb.y for lb in keep], mode="text",
+                                 text=[lb.text for lb in keep], textposition="middle center",
                                  textfont=dict(size=LABEL_PX), hoverinfo="skip", showlegend=False, name="labels"))
     return fig
 
 
-def module_label_points(graph: Graph, nodes: np.ndarray, pos: np.ndarray, names: Sequence[str]) -> tuple[list, list, list]:
-    """One label per run of consecutive forward nodes with the same name (``names[v]``, a node's module):
-    at the run's mean x, above its highest node."""
-    xs, ys, texts = [], [], []
-    fwd = [i for i, v in enumerate(np.asarray(nodes).tolist()) if graph.is_forward[v] and names[v]]
-    run: list[int] = []
-    for i in [*fwd, None]:
-        if run and (i is None or names[int(nodes[i])] != names[int(nodes[run[0]])]):
-            xs.append(float(np.mean(pos[run, 0])))
-            ys.append(float(np.max(pos[run, 1])))
-            texts.append(names[int(nodes[run[0]])])
-            run = []
-        if i is not None:
-            run.append(i)
-    return xs, ys, texts
+def padded(values: np.ndarray, share: float = 0.03) -> tuple[float, float]:
+    lo, hi = float(np.min(values)), float(np.max(values))
+    pad = max((hi - lo) * share, 0.5)
+    return lo - pad, hi + pad
 
 
 # -- comparisons -----------------------------------------------------------------------------------

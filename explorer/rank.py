@@ -21,7 +21,7 @@ from bonsai_core.fsdp import SHARDED_KINDS, working_parts
 from bonsai_core.graph import Graph
 from bonsai_core.pipeline import working as pipeline_working
 from bonsai_core.schedule import SimResult
-from explorer.plots import RECOMPUTE
+from explorer.plots import RECOMPUTE, envelope
 
 SHARDED = "sharded state (1/N of parameters, gradients, optimizer)"
 ROOT = "root unit unsharded, inputs"
@@ -58,18 +58,27 @@ def at_peak(parts: dict[str, np.ndarray], step: int) -> list[dict]:
 
 
 def frame(parts: dict[str, np.ndarray], x: np.ndarray) -> pd.DataFrame:
-    """Long rows (x, part, MiB) at the points where some part changes, for a stacked area chart."""
+    """Long rows (x, part, its MiB, lo, hi in MiB, i) at the points where some part changes (at most the
+    :func:`~explorer.plots.envelope` of the stack's top on a chart's columns): each part's band
+    stacked here, from ``lo`` to ``hi``, in the order of ``parts``; ``i`` orders a part's points along
+    its band. Stacked here, not by Vega-Lite: on the compute-time axis the ops that take no time (frees,
+    views) share their x with the op before them, and Vega-Lite stacks every row of one x on top of each
+    other, a part's own points included, which multiplied the chart's height."""
     if not len(x):
-        return pd.DataFrame(columns=["x", "part", "mib", "order"])
+        return pd.DataFrame(columns=["x", "part", "mib", "lo", "hi", "i"])
     stack = np.vstack(list(parts.values()))
     keep = np.ones(stack.shape[1], dtype=bool)
     keep[1:] = (stack[:, 1:] != stack[:, :-1]).any(axis=0)
     keep[-1] = True
     idx = np.flatnonzero(keep)
-    return pd.DataFrame({"x": np.tile(np.asarray(x, dtype=float)[idx], len(parts)),
+    x = np.asarray(x, dtype=float)
+    idx = idx[envelope(x[idx], stack[:, idx].sum(axis=0))]  # the stack's top kept exactly at every column
+    tops = np.cumsum(stack[:, idx], axis=0) / 2**20
+    return pd.DataFrame({"x": np.tile(x[idx], len(parts)),
                          "part": np.repeat(list(parts), len(idx)),
                          "mib": (stack[:, idx] / 2**20).ravel(),
-                         "order": np.repeat(np.arange(len(parts)), len(idx))})
+                         "lo": (tops - stack[:, idx] / 2**20).ravel(), "hi": tops.ravel(),
+                         "i": np.tile(np.arange(len(idx)), len(parts))})
 
 
 COLOURS = ("#0072B2", "#56B4E9", "#E69F00", "#F0E442", "#CC79A7", "#009E73", "#999999", "#6b4c9a")
@@ -88,11 +97,12 @@ def chart(parts: dict[str, np.ndarray], x: np.ndarray, x_title: str, budget: int
             {"data": {"name": "parts"},
              "mark": {"type": "area", "interpolate": "step-after", "opacity": 0.9},
              "encoding": {"x": {"field": "x", "type": "quantitative", "title": x_title},
-                          "y": {"field": "mib", "type": "quantitative", "stack": "zero", "title": "memory per rank (MiB)"},
+                          "y": {"field": "hi", "type": "quantitative", "stack": None, "title": "memory per rank (MiB)"},
+                          "y2": {"field": "lo"},
                           "color": {"field": "part", "type": "nominal", "title": None, "sort": names,
                                     "scale": {"domain": names, "range": list(COLOURS[:len(names)])},
                                     "legend": {"orient": "bottom", "columns": 2, "labelLimit": 400, "labelFontSize": 12}},
-                          "order": {"field": "order"},
+                          "order": {"field": "i", "type": "quantitative"},  # along the band: a vertical step at a shared x
                           "tooltip": [{"field": "part"}, {"field": "mib", "format": ".2f", "title": "MiB"}]}},
             {"data": {"name": "budget"}, "mark": {"type": "rule", "color": RECOMPUTE, "strokeDash": [6, 4], "strokeWidth": 2},
              "encoding": {"y": {"field": "mib", "type": "quantitative"}}},

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import streamlit as st
 from streamlit.delta_generator import DeltaGenerator
 
@@ -65,10 +66,10 @@ def default_method() -> str:
     return next((m for m in PREFERRED_METHODS if m in methods), methods[0])
 
 
-def sidebar() -> DeltaGenerator:
+def sidebar() -> tuple[DeltaGenerator, DeltaGenerator]:
     """Draw the schedule settings in the sidebar; the URL's query parameters set them on a session's
     first run and mirror them after every run (a shareable link). Returns the budget slider's place,
-    left for :func:`budget_fragment`."""
+    left for :func:`budget_fragment`, and the place under it for :func:`sweep_watch`."""
     restore_view()
     g = model().graph
     reference = compute.no_remat(g).peak
@@ -87,6 +88,7 @@ def sidebar() -> DeltaGenerator:
                           help="\n".join(f"- **{m}**: {compute.describe(m)}" for m in methods))
     sb.caption(compute.describe(method))
     budget_slot = sb.container()
+    sweep_slot = sb.container()
     exact = sb.text_input("Exact budget (optional)", key="budget_text", placeholder="e.g. 24MiB, 25000000 or 62.5%",
                           help="Overrides the slider: bytes, bytes with a unit (MiB, GB, ...) or a % of the no-remat peak.")
     if exact.strip():
@@ -103,16 +105,18 @@ def sidebar() -> DeltaGenerator:
                                   "allocator model reserves for them (rounding and cached free blocks included), "
                                   "which a GPU must hold: the method is asked for lower live budgets until its "
                                   "plan's reserved peak fits (`bonsai solve --reserved`).")
-        n_fwd = int(g.is_forward.sum())
-        top = max(2, n_fwd)
-        if "granularity" not in ss or not 1 <= ss["granularity"] <= top:  # a new model may be smaller
-            ss["granularity"] = max(1, min(top, round(2 * math.sqrt(max(n_fwd, 1)))))
-        if st.toggle("Set granularity", key="granularity_on",
-                     help="Largest segment, in forward ops (segment methods). Off: the method's default."):
-            chosen["granularity"] = st.slider("Granularity (max non-view ops per segment)", 1, top, key="granularity",
-                                              help="Segments hold at most this many ops that are not views; "
-                                                   "the views ride with their base uncounted (they cost nothing "
-                                                   "to rebuild), so a segment's op count in the Solve table is larger.")
+        if st.toggle("Set granularity", key="granularity_on", on_change=start_at_plans_granularity,
+                     help="Largest segment, in forward ops (segment methods). Off: the method's default "
+                          "(bonsai's \"auto\"). Switched on, it starts at the granularity the current plan used."):
+            positions = granularity_positions(g, ss.get("granularity_extra"))
+            if ss.get("granularity") not in positions:  # a new model: its own positions
+                ss["granularity"] = default_granularity(g)
+            chosen["granularity"] = st.select_slider(
+                "Granularity (max non-view ops per segment)", positions, key="granularity",
+                help="Segments hold at most this many ops that are not views; the views ride with their base "
+                     "uncounted (they cost nothing to rebuild), so a segment's op count in the Solve table is "
+                     "larger. The positions: a log scale from 1 up to the largest granularity bonsai's \"auto\" "
+                     "tries, with all it tries among them (d, 2d, 4d, 8d; d = 2·√ops).")
         backend = st.selectbox("MILP backend", BACKENDS, key="backend")
         if backend != "default":
             chosen["backend"] = backend
@@ -136,7 +140,44 @@ def sidebar() -> DeltaGenerator:
         sb.caption(f"{method} does not name {', '.join(unnamed)}: passed, but it may ignore it.")
     budget, percent, slider = current_budget()
     ss["settings"] = Settings(budget, percent, slider, method, options, ignored, None if bound == "live" else bound)
-    return budget_slot
+    return budget_slot, sweep_slot
+
+
+def default_granularity(g) -> int:
+    """The paper's default granularity of ``g`` (bonsai's first "auto" rung: 2·√(non-view forward ops))."""
+    from bonsai_core.segment import default_granularity as paper_default
+
+    return paper_default(g)
+
+
+def granularity_positions(g, also: int | None = None) -> list[int]:
+    """The granularities the sidebar offers on ``g``: about 1.5 apart from 1 (1, 2, 3, 4, 6, 8, 12, 16, 24,
+    ...) up to the top of bonsai's "auto" ladder (d, 2d, 4d, 8d, all offered; d = 2·√ops: past 8d a model
+    grows past what auto ever builds, millions of candidates on an 8B step), and ``also`` (a link's value,
+    the current plan's)."""
+    from bonsai_core.segment import op_count
+    from bonsai_core.solvers.bonsai import auto_ladder
+
+    ladder = auto_ladder(g)
+    top = max(2, ladder[-1])
+    scale = {v * k for k in (1, 1.5) for v in (2 ** np.arange(int(math.log2(top)) + 1)).tolist()}
+    wanted = {int(v) for v in scale if v <= top} | {top} | set(ladder)
+    if also is not None and 1 <= int(also) <= max(2, op_count(g)):
+        wanted.add(int(also))
+    return sorted(wanted)
+
+
+def start_at_plans_granularity() -> None:
+    """The granularity toggle switched on: the slider starts at the granularity the current plan used
+    (bonsai's "auto" choice), so that switching it on does not change the plan."""
+    ss = st.session_state
+    if not ss.get("granularity_on") or "settings" not in ss:
+        return
+    s = ss["settings"]
+    out = compute.solve(model().graph, s.budget, s.method, s.options, s.reserved)  # the plan on screen: cached
+    used = out.schedule.stats.get("granularity") if out.ok else None
+    if isinstance(used, int) and used >= 1:
+        ss["granularity"] = ss["granularity_extra"] = used  # kept among the positions: they stay the same
 
 
 def current_budget() -> tuple[int, float, bool]:
@@ -195,6 +236,40 @@ def budget_controls(slot: DeltaGenerator) -> None:
         st.query_params.from_dict(params)
 
 
+WATCH_SECONDS = 1.0  # how often a session looks at a running sweep
+
+
+def sweep_watch(slot: DeltaGenerator) -> None:
+    """Under the budget slider: how far the background sweep of the sidebar's settings is, looked at every
+    WATCH_SECONDS while it runs (a fragment of its own); once it has solved the position the page showed
+    a stand-in for, or it ends, the page is drawn again."""
+    s = st.session_state.get("settings")
+    if s is None or not s.slider or not ahead.enabled():
+        return
+    g = model().graph
+    first = ahead.progress(g, s.method, s.options, s.reserved, int(s.percent))
+
+    def watch() -> None:
+        ss = st.session_state
+        now = ss["settings"]  # a drag since may have moved it
+        sweep, p = ahead.find(g, now.method, now.options, now.reserved, int(now.percent))
+        if sweep is None:
+            return
+        done = p in sweep.solved or p in sweep.derived
+        if (ss.get("stand_in") and done) or (first is not None and first.ended is None and sweep.ended is not None):
+            ss["stand_in"] = False
+            st.rerun()  # the whole page: its plan is solved now (or the sweep ended: stop looking)
+        what = "granularities" if sweep.axis == ahead.GRANULARITY else "budgets"
+        total = len(sweep.positions)
+        line = (f"Swept {sweep.known} of {total} {what} in {sweep.seconds:.0f} s"
+                + ("" if sweep.ended is None else " (done: each answers at once)")
+                + ("" if done or sweep.ended is not None else
+                   "; this one is next, shown meanwhile: the nearest solved plan"))
+        slot.progress(sweep.known / total, text=line)
+
+    st.fragment(watch, run_every=WATCH_SECONDS if first is not None and first.ended is None else None)()
+
+
 def option_widget(method: str, spec: compute.OptionSpec, key: str | None = None, label: str | None = None,
                   where=st) -> object:
     """The widget of one method-specific option, at the method's default until set, drawn in ``where``
@@ -217,8 +292,8 @@ def option_widget(method: str, spec: compute.OptionSpec, key: str | None = None,
 # ?model=NAME&size=k:v,...&method=M&budget=PCT&exact=TEXT&granularity=K&backend=B&time_limit=S&bound=POLICY&o.NAME=V
 # (the page is the URL's path). Only what differs from the defaults is written.
 
-# a zoo, hf or torchtitan name; never a module path to import
-SAFE_MODEL = re.compile(r"^(hf:|torchtitan:llama3:)?[A-Za-z0-9_-]+$")
+# a zoo, hf or torchtitan name, or an uploaded config's key; never a module path to import nor a file's path
+SAFE_MODEL = re.compile(r"^(hf:|torchtitan:llama3:|hf-config:)?[A-Za-z0-9_-]+$")
 
 
 def view_params(method: str) -> dict[str, str]:
@@ -226,8 +301,8 @@ def view_params(method: str) -> dict[str, str]:
     ss = st.session_state
     m = model()
     params: dict[str, str] = {}
-    if m.zoo is not None and (m.zoo != "gpt" or m.options):
-        params["model"] = m.zoo
+    if m.link_name is not None and (m.link_name != "gpt" or m.options):
+        params["model"] = m.link_name
         if m.options:
             params["size"] = ",".join(f"{k}:{v}" for k, v in sorted(m.options.items()))
     params["method"] = method
@@ -265,7 +340,8 @@ def restore_view() -> None:
         "method": lambda v: {"method": _one_of("method", v, methods)},
         "budget": lambda v: {"budget_pct": min(ahead.SLIDER.stop - 1, max(ahead.SLIDER.start, int(v)))},
         "exact": lambda v: {"budget_text": v},
-        "granularity": lambda v: {"granularity": max(1, int(v)), "granularity_on": True},
+        "granularity": lambda v: {"granularity": max(1, int(v)), "granularity_extra": max(1, int(v)),
+                                  "granularity_on": True},
         "backend": lambda v: {"backend": _one_of("backend", v, BACKENDS)},
         "time_limit": lambda v: {"time_limit": max(0.0, min(3600.0, float(v)))},
         "bound": lambda v: {"budget_bound": _one_of("bound", v, BOUNDS)},
@@ -299,7 +375,8 @@ def restore_model(name: str, size: str) -> dict:
     if name != "gpt" or options:
         with st.spinner(f"Tracing {name} for the link's view…", show_time=True):
             try:
-                set_model(compute.trace_model(name, options))
+                set_model(compute.trace_stored_config(name.removeprefix(compute.CONFIG_LINK), options)
+                          if name.startswith(compute.CONFIG_LINK) else compute.trace_model(name, options))
             except BonsaiError:
                 raise
             except Exception as e:  # torch refusing these sizes
@@ -320,22 +397,47 @@ def options_for(method: str) -> compute.Options:
     return tuple((k, v) for k, v in s.options if accepted is None or k in accepted)
 
 
-def outcome(method: str | None = None) -> compute.Outcome:
+def outcome(method: str | None = None, stand_in: bool = True) -> compute.Outcome:
     """The current model solved with the sidebar's budget and options (``method`` overrides the
-    method, and then only the options that method takes are passed)."""
+    method, and then only the options that method takes are passed). At a slider position the
+    background sweep has not solved yet, the nearest plan it has (``Outcome.stand_in_for``; not with
+    ``stand_in=False``, which solves it)."""
     s = settings()
     method = method or s.method
     options = options_for(method)
+    g = model().graph
+    swept = method == s.method and s.slider  # the slider's positions are swept in the background
+    if swept and stand_in:
+        known = ahead.answer(g, method, options, s.reserved, int(s.percent))
+        if known is not None:
+            if known.stand_in_for is not None:
+                st.session_state["stand_in"] = True  # sweep_watch draws the page again once it is solved
+            return known
     limit = dict(options).get("time_limit")
     # shown only when the solve is not cached (after st.spinner's half-second delay)
     bounded = f"reserved bytes ({compute.ALLOCATORS[s.reserved]}) under" if s.reserved else "under"
     with st.spinner(f"Solving: **{method}**, {bounded} {format_bytes(s.budget)} ({s.percent:.1f}% of the no-remat "
                     "peak), " + (f"time limit {limit:g} s" if limit else "no time limit") + "…", show_time=True):
-        out = compute.solve(model().graph, s.budget, method, options, s.reserved)
-    if method == s.method and s.slider:  # solve the slider's other positions while the user looks
-        g = model().graph
-        ahead.solve_ahead(g, out, compute.no_remat(g).peak, int(s.percent))
+        out = compute.solve(g, s.budget, method, options, s.reserved)
+    if swept:  # solve the slider's other positions (and the granularities, when set) while the user looks
+        ss = st.session_state
+        offered = granularity_positions(g, ss.get("granularity_extra")) if ss.get("granularity_on") else None
+        ahead.start(g, out, compute.no_remat(g).peak, int(s.percent), offered)
     return out
+
+
+def stand_in_note(out: compute.Outcome) -> None:
+    """Say that the plan shown is the sweep's nearest, not this position's own (yet)."""
+    if out.stand_in_for is None:
+        return
+    s = settings()
+    own = (f"{100 * out.budget / compute.no_remat(model().graph).peak:.0f}% of the no-remat peak"
+           if dict(out.options).get("granularity") == dict(s.options).get("granularity")
+           else f"granularity {dict(out.options).get('granularity')}")
+    fits = out.ok and out.sim.peak <= s.budget
+    st.info(f"Not solved yet: shown meanwhile is the plan the background sweep solved at {own} (the nearest "
+            + ("solved; it fits this budget" if fits else "solved; it does not fit this budget") + "). This position "
+            "is solved next, and the page updates when it is.", icon=":material/hourglass_top:")
 
 
 def theme() -> str | None:
@@ -376,8 +478,10 @@ def node_modules(g):
 
 
 def events_table(out: compute.Outcome, key: str) -> int | None:
-    """The schedule's recompute events (the simulator's, in order) as a table; a click on a row moves
-    the step cursor to the end of that rebuild. Returns the event under the cursor (its index) or None."""
+    """The schedule's recompute events (the simulator's, in order) as a table: one row per pattern when
+    rebuilds repeat in the blocks of the model (``events.patterns``; *every rebuild* lists them one by
+    one); a click on a row moves the step cursor to the end of that rebuild (a pattern's first). Returns
+    the event under the cursor (its index) or None."""
     from explorer import events
 
     g = model().graph
@@ -387,17 +491,28 @@ def events_table(out: compute.Outcome, key: str) -> int | None:
                    "backward pass reads it.")
         return None
     modules = node_modules(g)
+    grouped = events.patterns(g, found, modules)
+    repeats = len(grouped) < len(found)
+    every = not repeats or st.toggle("every rebuild", key=f"{key}_every",
+                                     help="One row per rebuild, in the order they run, instead of one per pattern.")
+    table = key if every else f"{key}_patterns"
 
     def picked() -> None:
-        rows = st.session_state[key].selection.rows
+        rows = st.session_state[table].selection.rows
         if rows:
-            set_step(out, found[rows[0]].end)
+            set_step(out, found[rows[0] if every else grouped[rows[0]].events[0]].end)
 
-    st.markdown(f"**{len(found)} recompute events** of {out.method}, in the order they run "
-                "(↻ marks them on the memory curve); click one to move the step cursor there.")
-    st.dataframe(events.event_rows(g, found, modules), hide_index=True, width="stretch", key=key,
-                 on_select=picked, selection_mode="single-row",
-                 height=min(36 * len(found) + 40, 260))
+    if every:
+        st.markdown(f"**{len(found)} recompute events** of {out.method}, in the order they run "
+                    "(↻ marks them on the memory curve); click one to move the step cursor there.")
+        rows = events.event_rows(g, found, modules)
+    else:
+        st.markdown(f"**{len(found)} recompute events** of {out.method} in **{len(grouped)} patterns**: a rebuild "
+                    "repeated in several blocks of the model is one row, with the blocks it runs in (`layers.*` "
+                    "stands for each of them). Click one to move the step cursor to its first rebuild.")
+        rows = events.pattern_rows(g, found, grouped)
+    st.dataframe(rows, hide_index=True, width="stretch", key=table, on_select=picked, selection_mode="single-row",
+                 height=min(36 * len(rows) + 40, 260))
     now = events.current(found, step(out))
     if now is not None:
         st.markdown(f"**↻{now + 1}** " + events.event_line(g, found[now], modules))

@@ -25,13 +25,29 @@ MAX_BARS = 1500  # above this many tensor lifetimes, small tensors are grouped p
 
 @dataclass(frozen=True)
 class Modules:
-    """Per node: the innermost module call that ran it (``path``) and the coarser group it is coloured
-    by (``group``: its block in the model's block stack, else the top-level module). Backward nodes take
+    """Per node: the innermost module call that ran it (``path``), the coarser group it belongs to
+    (``group``: its block in the model's block stack, else the top-level module) and the kind it is
+    coloured by on the lifetimes (``kind``: in a block of the stack its part named for every block,
+    ``layers.*.attention``, so that 32 blocks take one colour per part, not 32). Backward nodes take
     the module of the forward nodes they read (the activations a backward op consumes are its module's),
     else that of the backward nodes they read (the gradient they carry on), else "backward"."""
 
     path: tuple[str, ...]
     group: tuple[str, ...]
+    kind: tuple[str, ...] = ()  # the lifetimes' colour: in a block of the stack, its part, named for every block
+
+    def kind_of(self, v: int) -> str:
+        return self.kind[v] if self.kind else self.group[v]
+
+
+def block_pattern(path: str, block: str) -> str:
+    """``path`` (a module inside the stack's block ``block``) named for every block of the stack, one
+    level below it: ``layers.5.attention.wq`` in ``layers.5`` -> ``layers.*.attention``; the block's own
+    ops -> ``layers.*``."""
+    head, _, _ = block.rpartition(".")
+    star = f"{head}.*" if head else "*"
+    inside = path[len(block) + 1:].split(".")[0] if path.startswith(block + ".") else ""
+    return f"{star}.{inside}" if inside else star
 
 
 def node_modules(graph: Graph) -> Modules:
@@ -63,7 +79,9 @@ def node_modules(graph: Graph) -> Modules:
             path[v], group[v] = path[d], group[d]
         else:
             path[v] = group[v] = "backward"
-    return Modules(tuple(path), tuple(group))
+    stacked = {b for b, _, _ in blocks}
+    kind = [block_pattern(path[v], group[v]) if group[v] in stacked else group[v] for v in range(n)]
+    return Modules(tuple(path), tuple(group), tuple(kind))
 
 
 # -- lifetimes ------------------------------------------------------------------------------------
@@ -100,7 +118,7 @@ class Bars:
     label: tuple[str, ...]  # the tensor's name, or "N tensors under X"
     op: tuple[str, ...]
     module: tuple[str, ...]  # innermost module path
-    group: tuple[str, ...]  # colour group
+    group: tuple[str, ...]  # colour group: the module's kind (Modules.kind)
     count: np.ndarray  # int64 tensors in the bar
     threshold: int  # tensors under this many bytes were grouped (0: none)
 
@@ -128,7 +146,7 @@ def bars(graph: Graph, residency: Residency, modules: Modules | None = None, max
     label = [graph.names[v] for v in node[idx].tolist()]
     op = [graph.ops[v] for v in node[idx].tolist()]
     module = [modules.path[v] for v in node[idx].tolist()]
-    group = [modules.group[v] for v in node[idx].tolist()]
+    group = [modules.kind_of(v) for v in node[idx].tolist()]
     small = np.flatnonzero(~alone)
     if len(small):
         # tensors of one module freed about together (within a 200th of the schedule): a group's bar
@@ -149,7 +167,7 @@ def bars(graph: Graph, residency: Residency, modules: Modules | None = None, max
             label.append(f"{len(m)} tensors under {format_bytes(threshold)}")
             op.append("forward ops" if forward else "backward ops")
             module.append(path)
-            group.append(modules.group[int(node[m[0]])])
+            group.append(modules.kind_of(int(node[m[0]])))
         start.append(np.asarray(g_start)), end.append(np.asarray(g_end)), size.append(np.asarray(g_size))
         rec.append(np.asarray(g_rec, dtype=bool)), count.append(np.asarray(g_count))
     start_a, end_a, size_a = (np.concatenate(a).astype(np.int64) for a in (start, end, size))

@@ -191,7 +191,7 @@ def side_by_side() -> None:
 
     # the tensor lifetimes, one chart per side, same x and y scales
     modules = timeline.node_modules(g)
-    groups = sorted(set(modules.group))
+    groups = list(dict.fromkeys(modules.kind))
     lifetimes = [timeline.bars(g, o.sim.residency, modules) for o in outs]
     y_top = max((g.fixed_mem + float(np.max(b.offset + b.bytes, initial=0))) / timeline.MIB for b in lifetimes)
     for i, (name, o, b) in enumerate(zip(names, outs, lifetimes)):

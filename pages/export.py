@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 import streamlit as st
@@ -20,11 +21,12 @@ def cli_commands(m: compute.Model, s: state.Settings) -> str:
     solve_flags = " ".join([f"--{k.replace('_', '-')} {v}" for k, v in s.options]
                            + (["--reserved"] if s.reserved else []) + (["--expandable-segments"]
                                                                        if s.reserved == "expandable" else []))
-    lines = [f"bonsai trace {m.zoo} {flags}".rstrip() + " -o graph.json",
+    spec = shlex.quote(m.spec_in_commands)
+    lines = [f"bonsai trace {spec} {flags}".rstrip() + " -o graph.json",
              f"bonsai solve graph.json --budget {s.budget} --method {s.method} {solve_flags}".rstrip()
              + " -o schedule.json",
-             f"bonsai export {shlex.quote(m.zoo)} {flags}".rstrip() + " schedule.json -o checkpointed/",
-             f"bonsai verify {shlex.quote(m.zoo)} {flags}".rstrip() + " checkpointed/ --device cuda   # on the GPU machine"]
+             f"bonsai export {spec} {flags}".rstrip() + " schedule.json -o checkpointed/",
+             f"bonsai verify {spec} {flags}".rstrip() + " checkpointed/ --device cuda   # on the GPU machine"]
     return "\n".join(lines)
 
 
@@ -55,12 +57,12 @@ def export() -> None:
     s = state.settings()
     m = state.model()
     g = m.graph
-    out = state.outcome()
+    out = state.outcome(stand_in=False)  # the plan of this budget itself, never the sweep's nearest
     if not out.ok:
         state.show_error(out.error, "Nothing to export yet: raise the budget or pick another method in the sidebar.")
         return
 
-    stem = f"{g.name.split('(')[0]}-{s.method}-{s.budget}"
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{(m.spec_in_commands or g.name).split('(')[0]}-{s.method}-{s.budget}")
     st.subheader("Schedule")
     st.markdown(f"The **{s.method}** schedule of **{g.name}** under **{format_bytes(s.budget)}**: {len(out.schedule.ops)} "
                 f"ops, peak {format_bytes(out.sim.peak)}, overhead {100 * out.sim.overhead:.2f}% (bonsai-schedule JSON, "
@@ -103,7 +105,8 @@ def export() -> None:
             flags = " ".join(f"--{k} {v}" for k, v in sorted(m.options.items()))
             st.markdown("**Run it on a GPU machine** (same torch version). Check it against the original model — "
                         "loss, gradients, predicted vs measured peak (`torch.cuda.max_memory_allocated`):")
-            st.code(f"unzip {stem}.zip\nbonsai verify {m.zoo} {flags} {stem}/ --device cuda".replace("  ", " "),
+            st.code(f"unzip {stem}.zip\nbonsai verify {shlex.quote(m.spec_in_commands)} {flags} {stem}/ --device cuda"
+                    .replace("  ", " "),
                     language="bash")
             st.markdown("Or train with it in plain PyTorch (no bonsai needed; the zip's README.md has the details):")
             st.code(f'import sys; sys.path.insert(0, "{stem}")\nimport checkpointed\n\n'

@@ -3,6 +3,8 @@ at an acceptable recompute overhead (``bonsai fit``)."""
 
 from __future__ import annotations
 
+import time
+
 import pandas as pd
 import streamlit as st
 
@@ -21,7 +23,7 @@ st.caption("For each method, the largest size of the model whose training step f
 if m.graph.fsdp is not None or m.graph.parallel is not None:  # one rank's memory, by part, at its peak
     from explorer import rank
 
-    out = state.outcome()
+    out = state.outcome(stand_in=False)
     if out.ok:
         layout = (m.graph.parallel or {}).get("layout")
         what = (" x ".join(f"{k.upper().replace('_', ' ')} {v}" for k, v in layout.items()
@@ -72,17 +74,32 @@ if st.button("Find what fits", type="primary", key="fit_run", disabled=not metho
         limit = parse_budget(gpu_text)
         if limit.fraction is not None:
             raise BonsaiError("Give the GPU's memory in bytes or with a unit (80GiB), not as a share.")
-        progress = st.progress(0.0, text="Tracing the first size…")
-        lines: list[str] = []
+        # the search starts at the model's own size, whose step the session has (traced without an optimizer:
+        # the search adds the one chosen here), and asks each method only what its answers so far leave open
+        current = {**compute.size_defaults(m.zoo), **m.options}.get(vary, 1)
+        traced = {current: m.graph} if m.graph.optimizer is None else {}
+        progress = st.progress(0.0, text=f"Solving {vary} {current}, the model's own…" if traced else
+                               f"Tracing {vary} {current}…")
+        live = st.empty()
+        rows: list[dict] = []
+        began = time.perf_counter()
 
-        def report(line: str) -> None:
-            lines.append(line)
-            progress.progress(min(0.95, len(lines) / (12 * len(methods))), text=line)
+        def answered(a: fit.Attempt) -> None:
+            rows.append({vary: a.size, "method": a.method, "fits": "yes" if a.fits else "no",
+                         "overhead": f"{a.overhead:+.2%}" if a.overhead is not None else "",
+                         "why not": a.reason, "solve (s)": round(a.seconds, 1),
+                         "after (s)": round(time.perf_counter() - began, 1)})
+            progress.progress(min(0.95, len(rows) / (4 * len(methods))),
+                              text=f"{len(rows)} answers in {time.perf_counter() - began:.0f} s; last: {vary} {a.size}, "
+                                   f"{a.method} {'fits' if a.fits else 'does not fit'}")
+            live.dataframe(rows, hide_index=True, width="stretch")
 
         result = fit.fit(m.zoo, limit.resolve(0), methods, vary=vary, max_overhead=max_overhead, options=fixed,
                          optimizer=optimizer, reserved=(bound or "caching") if reserved else None,
-                         solver_options={"time_limit": 10.0}, progress=report)
-        progress.progress(1.0, text=f"Done: {len(result.traces)} sizes traced, {len(result.attempts)} solves.")
+                         solver_options={"time_limit": 10.0}, start=current, traced=traced, answered=answered)
+        live.empty()
+        progress.progress(1.0, text=f"Done in {time.perf_counter() - began:.0f} s: {len(result.traces)} sizes traced"
+                          + (f" ({vary} {current} reused)" if result.reused else "") + f", {len(result.attempts)} solves.")
         st.session_state["fit_result"] = (m.graph.hash, result)
     except BonsaiError as e:
         state.show_error(str(e), "Change the settings and search again.")
@@ -94,5 +111,8 @@ if saved and saved[0] == m.graph.hash:
     st.dataframe(pd.DataFrame(fit.table(result)), hide_index=True, width="stretch")
     st.plotly_chart(plots.fit_figure([a.row() for a in result.attempts], result.vary, result.max_overhead),
                     width="stretch", key="fit_chart")
-    st.caption(f"Traced {len(result.traces)} sizes in {sum(result.traces.values()):.1f} s; "
-               f"{len(result.attempts)} solves in {sum(a.seconds for a in result.attempts):.1f} s.")
+    st.caption(f"Traced {len(result.traces)} sizes in {sum(result.traces.values()):.1f} s"
+               + (f" (the model's own, {result.vary} {', '.join(map(str, result.reused))}, taken from the session)"
+                  if result.reused else "")
+               + f"; {len(result.attempts)} solves in {sum(a.seconds for a in result.attempts):.1f} s. A method is not "
+               "solved at a size its answers decide: it fits below a size it fits and not above one it does not.")

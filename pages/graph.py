@@ -27,6 +27,7 @@ def segmented_graph() -> None:
     """The graph coloured by the segments of the schedule at the sidebar's budget."""
     g = state.model().graph
     out = state.outcome()
+    state.stand_in_note(out)
     plan = out.plan  # the checkpoint regions of a segment method (None: single ops, or no schedule)
     segments = plan.segments if plan else None
     recomputed_segments = sorted(plan.recomputed) if plan else []
@@ -118,14 +119,16 @@ def module_ops(g, boxes, k: int, stats, segments, recomputed_segments, recompute
     groups = plots.node_groups(g, segments, recomputed_segments)
     local = plots.layered_layout(g, nodes)
     fig = plots.graph_figure(g, nodes, local, groups.of[nodes], groups.names, recomputed[nodes])
-    labelled(fig, g, nodes, local, [module_graph.op_name(op) for op in g.ops])  # each op by its name
+    labelled(fig, g, nodes, local, largest=len(nodes))  # an opened module: any of its ops may be named
     st.plotly_chart(fig, width="stretch", key="module_ops_plot")
 
 
-def labelled(fig, g, nodes, pos, names) -> None:
-    """Horizontal labels over the forward ops (one per run of the same name), as many as fit."""
-    xs, ys, texts = plots.module_label_points(g, nodes, pos, names)
-    plots.add_labels(fig, xs, ys, texts, (float(pos[:, 0].min()), float(pos[:, 0].max())))
+def labelled(fig, g, nodes, pos, largest: int = 40) -> None:
+    """Horizontal 12 px labels, as many as fit without overlapping: the blocks, their parts, the kinds of
+    the ``largest`` ops (``plots.op_labels``)."""
+    modules = state.node_modules(g)
+    plots.draw_labels(fig, plots.op_labels(g, nodes, pos, modules.path, modules.group, largest),
+                      plots.padded(pos[:, 0]))
 
 
 def op_view(g, view: str, segments, recomputed_segments, recomputed, colouring: str) -> None:
@@ -152,14 +155,16 @@ def op_view(g, view: str, segments, recomputed_segments, recomputed, colouring: 
         local = plots.layered_layout(g, nodes)
         fig = plots.graph_figure(g, nodes, local, groups.of[nodes], groups.names, recomputed[nodes],
                                  context=~np.isin(nodes, members))
-        labelled(fig, g, nodes, local, state.node_modules(g).path)
+        labelled(fig, g, nodes, local)
         st.caption(f"**{drill}**: {len(members)} ops, {len(nodes) - len(members)} neighbours (faded).")
     elif view == "collapsed":
         fig = plots.collapsed_figure(g, groups, pos, recomputed)
-        labelled(fig, g, np.arange(g.n), pos, state.node_modules(g).group)  # each block over its segments
+        modules = state.node_modules(g)
+        plots.draw_labels(fig, plots.collapsed_labels(g, groups, pos, modules.path, modules.group),
+                          plots.padded(pos[:, 0]), (*plots.group_centres(groups, pos), plots.collapsed_sizes(g, groups)))
     else:
         fig = plots.graph_figure(g, np.arange(g.n), pos, groups.of, groups.names, recomputed)
-        labelled(fig, g, np.arange(g.n), pos, state.node_modules(g).group)
+        labelled(fig, g, np.arange(g.n), pos)
     st.plotly_chart(fig, width="stretch", key="graph_plot")
 
 

@@ -134,7 +134,7 @@ def lifetimes(outcome: compute.Outcome, chosen: plots.Curve, step: int, x_domain
     modules, b = bars_of(outcome)
     frame = timeline.bar_frame(b, chosen.x, step, g.fixed_mem)
     x_title = "elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)"
-    groups = sorted(set(modules.group))  # of the graph, not the schedule: the spec stays the same across budgets
+    groups = list(dict.fromkeys(modules.kind))  # of the graph, in its order, not the schedule's: the spec stays the same
     st.vega_lite_chart(spec=timeline.timeline_chart(frame, groups, chosen.x[step], x_domain, x_title),
                        width="stretch", key="memory_timeline")
     alive = timeline.alive_at(b, step)
@@ -238,6 +238,7 @@ def memory_over_time() -> None:
         rows.append(row)
 
     chosen = state.outcome(s.method)
+    state.stand_in_note(chosen)
     chart_slot = st.container()
     step = scrubber(chosen) if chosen.ok else None
     if chosen.ok:
@@ -246,8 +247,10 @@ def memory_over_time() -> None:
     x_domain = (0.0, max(float(c.x[-1]) for c in curves if len(c.x))) if curves else None
     on_chosen = step is not None and bool(curves) and curves[0].label == s.method
     cursor = float(curves[0].x[step]) if on_chosen else None
-    marks = [(float(curves[0].x[e.start]), events.event_line(g, e, state.node_modules(g)).replace("`", ""))
-             for e in chosen.sim.events] if on_chosen else []
+    # one mark per block's run of rebuilds (a 32-layer model: 33 marks, not 113), numbered as the events
+    marks = [(float(curves[0].x[chosen.sim.events[first].start]), f"↻{first + 1}" + (f"–{last + 1}" if last > first else ""),
+              words.replace("`", ""))
+             for first, last, words in events.block_marks(g, chosen.sim.events, state.node_modules(g))] if on_chosen else []
     with chart_slot:
         for method, error in errors:
             state.show_error(f"{method}: {error}", "Raise the budget in the sidebar or pick another method."

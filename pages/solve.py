@@ -18,9 +18,11 @@ def schedule() -> None:
     out = state.outcome()
     opts = ", ".join(f"{k}={v}" for k, v in s.options) or "method defaults"
     st.caption(f"**{s.method}** on **{g.name}** under **{format_bytes(s.budget)}** ({s.percent:.1f}% of the no-remat "
-               f"peak), options: {opts}. Every change in the sidebar re-solves; results are cached"
-               + (f", and the slider's other positions are solved in the background ({ahead.SLOW_SOLVE_SECONDS:g} s at "
-                  "most each), so a drag may find its plan solved already." if ahead.enabled() else "."))
+               f"peak), options: {opts}. Every change in the sidebar re-solves; results are cached and kept on disk"
+               + (", and every position of the slider (and, with the granularity set, every granularity offered) is "
+                  "solved in the background, its progress under the slider: once swept, each answers at once."
+                  if ahead.enabled() else "."))
+    state.stand_in_note(out)
 
     if not out.ok:
         state.show_error(out.error,
@@ -38,6 +40,9 @@ def schedule() -> None:
                 delta_color="inverse")
     c[2].metric("compute overhead", f"{100 * out.sim.overhead:.2f}%", help="Recomputed time / one plain step.")
     c[3].metric("recomputed ops", out.sim.recomputes)
+    late = compute.out_of_time(out)
+    if late:
+        st.warning(late, icon=":material/timer_off:")
     chosen = stats.get("granularity")  # what a segment method used ("auto" picks it: the solver says which)
     c = st.columns(5 if chosen is not None else 4)
     c[0].metric("variables", stats.get("variables", "—"))

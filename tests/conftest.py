@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -13,6 +15,18 @@ from tests.graphs import chain
 # off for the whole run (it would compete with every other test for the two cores, and the app tests
 # measure what a session solves). The tests of that thread and the ten-session test turn it on.
 os.environ.setdefault("BONSAI_SOLVE_AHEAD", "0")
+# What the explorer keeps on disk (uploaded configs, solved budget sweeps) goes to a folder of this run's own:
+# a sweep solved by an earlier run (or by the explorer on this machine) would answer what a test solves.
+if "BONSAI_EXPLORER_CACHE" not in os.environ:  # set by the run's first process; its workers inherit it
+    os.environ["BONSAI_EXPLORER_CACHE"] = tempfile.mkdtemp(prefix="bonsai-explorer-tests-")
+    _KEPT_BY_THIS_RUN = os.environ["BONSAI_EXPLORER_CACHE"]
+
+
+def pytest_unconfigure(config):
+    """The run's own folder goes with the process that made it (never a worker's, nor a folder given)."""
+    folder = globals().get("_KEPT_BY_THIS_RUN")
+    if folder and not hasattr(config, "workerinput"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
-"""Solving the budget slider's other positions in the background (explorer/ahead.py)."""
+"""The slider's positions swept in the background (explorer/ahead.py) and the plans kept on disk
+(explorer/disk.py)."""
 
 from __future__ import annotations
 
-import time
+import dataclasses
 
 import pytest
 import streamlit as st
@@ -10,7 +11,7 @@ import streamlit as st
 from bonsai_core import solvers
 from bonsai_core.errors import BudgetError
 from bonsai_core.schedule import no_remat_peak, none_schedule, simulate
-from explorer import ahead, compute
+from explorer import ahead, compute, disk
 from tests.graphs import chain
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
@@ -27,8 +28,8 @@ def pct_of(budget: int) -> int:
 @pytest.fixture
 def fake_method(monkeypatch):
     """``install(fake)``: ``solvers.solve`` replaced by ``fake(budget, **options)``, which returns a
-    schedule of GRAPH or raises; Streamlit's cache cleared before and after (the fake's schedules must
-    not reach other tests)."""
+    schedule of GRAPH or raises; Streamlit's cache and the sweeps cleared before and after (the fake's
+    schedules must not reach other tests)."""
     def install(fake):
         def fake_solve(g, budget, method, **options):
             fake(budget, **options)
@@ -36,122 +37,187 @@ def fake_method(monkeypatch):
 
         monkeypatch.setattr(solvers, "solve", fake_solve)
 
+    monkeypatch.setenv("BONSAI_SOLVE_AHEAD", "1")  # off for the rest of the test run (tests/conftest.py)
     st.cache_resource.clear()
+    ahead._sweeps.clear()
     yield install
+    wait_for_the_thread()
+    ahead._sweeps.clear()
     st.cache_resource.clear()
 
 
 @pytest.fixture
 def recorded(fake_method):
-    """A fake method that records each budget and meets only budgets >= 40% of the no-remat peak
-    (below: BudgetError, as a real method at a budget it cannot meet)."""
+    """A fake method that records each budget (as a slider %) and meets only budgets >= 40% of the
+    no-remat peak (below: BudgetError, as a real method at a budget it cannot meet)."""
     asked: list[int] = []
 
     def fake(budget, **options):
-        asked.append(budget)
+        asked.append(pct_of(budget))
         if budget < 0.4 * REFERENCE:
             raise BudgetError(f"no schedule under {budget} B")
 
     fake_method(fake)
-    return GRAPH, REFERENCE, asked
+    return asked
 
 
-def solved(graph, method: str, seconds: float) -> compute.Outcome:
-    """A session's outcome whose solver took ``seconds`` (option x=1)."""
-    schedule = none_schedule(graph)
-    schedule.stats["solve_seconds"] = seconds
-    return compute.Outcome(method, None, (("x", 1),), schedule, simulate(graph, schedule), wall_seconds=seconds)
+def session_solve(pct: int, method: str = "fake", options=()) -> compute.Outcome:
+    """What a session's own solve at slider position ``pct`` returns."""
+    return compute.solve(GRAPH, ahead.budget_at(pct, REFERENCE), method, tuple(options))
 
 
 def wait_for_the_thread() -> None:
     worker = ahead._worker  # None once it has ended
     if worker is not None:
         worker.join(timeout=60)
-    assert ahead._worker is None  # it ends with its last job
+    assert ahead._worker is None  # it ends with its last sweep
 
 
-def test_a_job_solves_every_position_down_to_the_first_unmet_budget(recorded):
-    graph, reference, asked = recorded
-    ahead._run(graph, "fake", (), reference, 70)
-    pcts = sorted(p for p in ahead.SLIDER if ahead.budget_at(p, reference) in asked)
-    lowest_met = min(p for p in ahead.SLIDER if ahead.budget_at(p, reference) >= 0.4 * reference)
-    assert pcts == [p for p in ahead.SLIDER if p >= lowest_met - 1 and p != 70]  # one unmet, then it stops
-    asked.clear()
+def test_positions_go_coarse_to_fine_around_the_sessions_nearest_first():
+    got = ahead.order(list(ahead.SLIDER), 70)
+    assert sorted(got) == [p for p in ahead.SLIDER if p != 70]  # each once, the session's own left out
+    assert got[:5] == [86, 54, 38, 22, 6]  # every 16th position: nearest first, above first at a tie
+    assert got[5:11] == [78, 62, 94, 46, 30, 14]  # then every 8th between them
+    assert got[-30:] == sorted((p for p in ahead.SLIDER if p % 2), key=lambda p: (abs(p - 70), p < 70))[-30:]
+
+
+def test_a_sweep_solves_every_position_down_to_the_first_unmet_and_derives_the_rest(recorded):
+    first = session_solve(70)
+    ahead.start(GRAPH, first, REFERENCE, 70)
+    wait_for_the_thread()
+    lowest_met = min(p for p in ahead.SLIDER if ahead.budget_at(p, REFERENCE) >= 0.4 * REFERENCE)
+    assert {p for p in ahead.SLIDER if p >= lowest_met} <= set(recorded)  # every position the method meets
+    assert lowest_met - 1 in recorded and min(recorded) >= lowest_met - 16  # the coarse levels tried a few below
+    sweep, _ = ahead.find(GRAPH, "fake", (), None, 70)
+    assert sweep.known == len(ahead.SLIDER) and sweep.ended is not None
+    recorded.clear()
     for p in (lowest_met, 85, 100):  # what a session's drag asks for now comes from the cache
-        assert compute.solve(graph, ahead.budget_at(p, reference), "fake", ()).ok
-    assert asked == []
+        assert session_solve(p).ok
+    assert recorded == []
+    below = ahead.answer(GRAPH, "fake", (), None, 6)  # below the first unmet: answered without a solve
+    assert not below.ok and "found no plan at" in below.error and "no schedule under" in below.error
+    assert recorded == []
 
 
-def test_the_side_that_took_less_solver_time_goes_next(fake_method):
+def test_a_solve_that_ran_out_of_time_says_nothing_of_the_budgets_below(fake_method, monkeypatch):
     asked: list[int] = []
 
-    def fake(budget, **options):  # below 70%: 0.2 s each, unmet below 60%
+    def fake(budget, time_limit=None, **options):  # 54% runs into its time limit; nothing is unmet
         asked.append(pct_of(budget))
-        if budget < 0.7 * REFERENCE:
-            time.sleep(0.2)
-        if budget < 0.6 * REFERENCE:
-            raise BudgetError(f"no schedule under {budget} B")
+        if pct_of(budget) == 54:
+            raise BudgetError("no plan found before the time limit")
 
     fake_method(fake)
-    ahead._run(GRAPH, "fake", (), REFERENCE, 70)
-    # a tie goes below; then every cheap position above before the second costly one below
-    assert asked == [69, *range(71, 101), *range(68, 58, -1)]
+    real_solve = compute.solve
 
+    def timed(graph, budget, method, options=(), reserved=None, _cap=None):  # 54%'s solve took its whole limit
+        out = real_solve(graph, budget, method, options, reserved, _cap)
+        return dataclasses.replace(out, wall_seconds=20.0) if pct_of(budget) == 54 else out
 
-def test_a_capped_solve_stops_the_side_below_not_the_side_above_and_is_not_kept(fake_method, monkeypatch):
-    limits: dict[int, float] = {}
-
-    def fake(budget, time_limit=None, **options):  # below 70% and at 75%: past the cap
-        limits[pct_of(budget)] = time_limit
-        if budget < 0.7 * REFERENCE or pct_of(budget) == 75:
-            time.sleep(0.3)
-
-    fake_method(fake)
-    monkeypatch.setattr(ahead, "SLOW_SOLVE_SECONDS", 0.2)
+    monkeypatch.setattr(compute, "solve", timed)
     options = (("time_limit", 20.0),)
-    ahead._run(GRAPH, "fake", options, REFERENCE, 70)
-    assert sorted(limits) == [69, *range(71, 101)]  # one capped below, then that side stopped; above went on
-    assert set(limits.values()) == {0.2}  # the user's 20 s lowered to the cap
-    limits.clear()
-    for p in (69, 71, 75, 76):
-        compute.solve(GRAPH, ahead.budget_at(p, REFERENCE), "fake", options)
-    assert limits == {69: 20.0, 75: 20.0}  # the capped solves were not kept; the finished ones were, as the user's
+    ahead.start(GRAPH, session_solve(70, options=options), REFERENCE, 70)
+    wait_for_the_thread()
+    sweep, _ = ahead.find(GRAPH, "fake", options, None, 70)
+    assert not sweep.derived and set(asked) >= set(range(5, 54))  # every budget below was solved
 
 
-def test_the_background_thread_runs_each_job_once_and_only_when_enabled(recorded, monkeypatch):
-    graph, reference, asked = recorded
+def test_an_unsolved_position_is_shown_the_nearest_solved_plan_below_and_goes_next(recorded):
+    with ahead._lock:  # a sweep that has solved 70% and 54%, the rest to do (no thread started)
+        sweep = ahead.Sweep(GRAPH, "fake", (), None, REFERENCE, ahead.BUDGET, list(ahead.SLIDER),
+                            ahead.order(list(ahead.SLIDER), 70))
+        ahead._sweeps[sweep.key] = sweep
+    for p in (70, 54):
+        sweep.solved[p] = session_solve(p).ok
+        sweep.todo.remove(p) if p in sweep.todo else None
+    shown = ahead.answer(GRAPH, "fake", (), None, 66)
+    assert shown.stand_in_for == 66 and shown.budget == ahead.budget_at(54, REFERENCE)  # it fits 66%'s budget
+    assert sweep.todo[0] == 66  # solved next
+    assert ahead.answer(GRAPH, "fake", (), None, 70) is None  # a solved position: the session's solve reads it
+    above = ahead.answer(GRAPH, "fake", (), None, 40)  # nothing solved below: the nearest above, marked too
+    assert above.stand_in_for == 40 and above.budget == ahead.budget_at(54, REFERENCE)
+
+
+def test_the_granularities_offered_are_swept_at_the_sessions_budget_after_its_budgets(recorded, monkeypatch):
+    seen: list[tuple[int, int]] = []
+
+    def fake_solve(g, budget, method, granularity=None, **options):
+        seen.append((pct_of(budget), granularity))
+        return none_schedule(g)
+
+    monkeypatch.setattr(solvers, "solve", fake_solve)
+    first = session_solve(80, options=(("granularity", 8),))
+    ahead.start(GRAPH, first, REFERENCE, 80, granularities=[1, 2, 4, 8, 16])
+    wait_for_the_thread()
+    budgets = [i for i, (_, k) in enumerate(seen) if k == 8]
+    others = [i for i, (p, k) in enumerate(seen) if k != 8]
+    assert {k for _, k in seen} == {1, 2, 4, 8, 16}
+    assert all(seen[i][0] == 80 for i in others) and max(budgets) < min(others)  # budgets first, then the rest at 80%
+    sweep, p = ahead.find(GRAPH, "fake", (("granularity", 2),), None, 80)
+    assert sweep.axis == ahead.GRANULARITY and p == 2 and sweep.known == 5
+
+
+def test_sweeps_run_once_per_graph_method_and_options_and_only_when_enabled(recorded, monkeypatch):
     monkeypatch.setenv("BONSAI_SOLVE_AHEAD", "0")
-    ahead.solve_ahead(graph, solved(graph, "fake", 0.1), reference, 70)
-    assert ahead._worker is None and asked == []
+    ahead.start(GRAPH, session_solve(70), REFERENCE, 70)
+    assert ahead._worker is None and recorded == [70] and not ahead._sweeps
     monkeypatch.setenv("BONSAI_SOLVE_AHEAD", "1")
-    ahead.solve_ahead(graph, solved(graph, "fake", ahead.SLOW_SOLVE_SECONDS + 1), reference, 70)
-    key = (graph.hash, "fake", (("x", 1),), None)  # no reserved bound
-    assert key not in ahead._pending and key not in ahead._started  # after a slow solve: nothing queued
-    ahead.solve_ahead(graph, solved(graph, "fake", 0.1), reference, 70)
+    ahead.start(GRAPH, session_solve(70), REFERENCE, 70)
     wait_for_the_thread()
-    assert len(asked) > 30
-    done = len(asked)
-    ahead.solve_ahead(graph, solved(graph, "fake", 0.1), reference, 50)  # the same job: not queued again
-    assert ahead._worker is None and len(asked) == done
-    ahead.solve_ahead(graph, solved(graph, "none", 0.1), reference, 70)  # no remat does not depend on the budget
-    assert (graph.hash, "none", (("x", 1),)) not in ahead._started
-    ahead.solve_ahead(graph, solved(graph, "other", 0.1), reference, 70)  # a new job: a new thread
-    wait_for_the_thread()
-    assert len(asked) == 2 * done
+    done = len(recorded)
+    assert done > 50
+    ahead.start(GRAPH, session_solve(50), REFERENCE, 50)  # the same sweep: not started again
+    assert ahead._worker is None and len(recorded) == done
+    ahead.start(GRAPH, compute.solve(GRAPH, None, "none"), REFERENCE, 70)  # no remat does not depend on the budget
+    assert len(ahead._sweeps) == 1
 
 
-def test_a_session_asks_for_its_neighbours_only_when_the_slider_sets_the_budget(monkeypatch):
+def test_a_solve_is_kept_on_disk_and_read_back_simulated_by_a_new_server(monkeypatch, tmp_path):
+    monkeypatch.setenv("BONSAI_EXPLORER_CACHE", str(tmp_path))
+    st.cache_resource.clear()
+    budget = ahead.budget_at(80, REFERENCE)
+    first = compute.solve(GRAPH, budget, "chen", ())
+    unmet = compute.solve(GRAPH, ahead.budget_at(5, REFERENCE), "chen", ())
+    assert first.ok and not first.kept and not unmet.ok
+    st.cache_resource.clear()  # a new server: only the disk is left
+
+    def no_solve(*args, **kwargs):
+        raise AssertionError("solved again")
+
+    monkeypatch.setattr(solvers, "solve", no_solve)
+    again = compute.solve(GRAPH, budget, "chen", ())
+    assert again.kept and again.schedule.ops == first.schedule.ops and again.sim.peak == first.sim.peak
+    assert compute.solve(GRAPH, ahead.budget_at(5, REFERENCE), "chen", ()).error == unmet.error
+    assert compute.kept(GRAPH, budget, "chen", ()) and not compute.kept(GRAPH, budget + 1, "chen", ())
+    st.cache_resource.clear()
+
+
+def test_only_bonsai_cores_methods_within_their_time_are_kept(monkeypatch, tmp_path, fake_method):
+    monkeypatch.setenv("BONSAI_EXPLORER_CACHE", str(tmp_path))
+    fake_method(lambda budget, **options: None)
+    compute.solve(GRAPH, ahead.budget_at(80, REFERENCE), "fake", ())  # a method of the tests: not kept
+    assert not any(tmp_path.rglob("*.json.gz"))
+    schedule = none_schedule(GRAPH)
+    out = compute.Outcome("chen", 1, (), schedule, simulate(GRAPH, schedule), wall_seconds=19.5)
+    assert compute.keepable("chen", out, None) and not compute.keepable("chen", out, 20.0)  # it ran into its limit
+    assert disk.code_digest() == disk.code_digest() and len(disk.code_digest()) == 16
+
+
+def test_a_session_starts_the_sweep_of_its_settings_only_when_the_slider_sets_the_budget(monkeypatch):
     from streamlit.testing.v1 import AppTest
 
     asked = []
-    monkeypatch.setattr(ahead, "solve_ahead", lambda g, out, reference, pct: asked.append((out.method, pct)))
+    monkeypatch.setattr(ahead, "start", lambda g, out, reference, pct, granularities=None:
+                        asked.append((out.method, pct, granularities)))
     monkeypatch.setenv("BONSAI_SOLVE_AHEAD", "1")  # (the recording stands in for the thread)
     at = AppTest.from_file(str(ROOT / "explorer" / "app.py"), default_timeout=120)
     at.switch_page(str(ROOT / "pages" / "solve.py"))
     at.run()
     assert any("solved in the background" in c.value for c in at.caption)  # the Solve page says so
     at.sidebar.slider(key="budget_pct").set_value(80).run()
-    assert not at.exception and asked[-1] == ("bonsai", 80)
+    assert not at.exception and asked[-1] == ("bonsai", 80, None)
+    at.sidebar.toggle(key="granularity_on").set_value(True).run()
+    assert asked[-1][2] and 1 in asked[-1][2]  # with the granularity set: the granularities offered too
     asked.clear()
     at.sidebar.text_input(key="budget_text").input("75%").run()
     assert not at.exception and asked == []

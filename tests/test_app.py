@@ -229,10 +229,34 @@ def test_setting_granularity_passes_it_and_changes_the_schedule(fake_method):
     default_vars = metric(at, "variables")
     assert metric(at, "granularity") == "8"  # what the method chose, from its stats
     at.sidebar.toggle(key="granularity_on").set_value(True).run()
-    at.sidebar.slider(key="granularity").set_value(16).run()
+    # switched on, it starts where the plan was: the same plan (it started at 2·√ops, 20 here, a new plan)
+    assert at.sidebar.select_slider(key="granularity").value == 8 and metric(at, "variables") == default_vars
+    assert {"1", "2", "4", "8", "16", "32"} <= set(at.sidebar.select_slider(key="granularity").options)
+    at.sidebar.select_slider(key="granularity").set_value(16).run()
     assert not at.exception
     assert metric(at, "variables") != default_vars
     assert metric(at, "granularity") == "16"
+
+
+def solve_fake_late(graph: Graph, budget: int | None, *, time_limit: float | None = None,
+                    granularity: int = 8) -> Schedule:
+    """``solve_fake``'s plan as a segment method returns it when its time ran out during the build."""
+    schedule = solve_fake(graph, budget, time_limit=time_limit, granularity=granularity)
+    schedule.stats.update(status="time_limit", gap=None, fallback_plan="chen's sqrt plan",
+                          time_split={"build": 24.0, "fallback": 0.5})
+    return schedule
+
+
+def test_the_solve_page_says_when_a_plan_is_worse_because_its_solve_ran_out_of_time(fake_method, monkeypatch):
+    monkeypatch.setitem(solvers.METHODS, "fake_late", ("tests.test_app", "solve_fake_late", "runs out of time"))
+    at = app()
+    at.sidebar.selectbox(key="method").set_value("fake").run()
+    at.sidebar.slider(key="budget_pct").set_value(95).run()
+    goto(at, "solve")
+    assert not at.warning  # a plan found within its time limit
+    at.sidebar.selectbox(key="method").set_value("fake_late").run()
+    words = " ".join(w.value for w in at.warning)
+    assert "ran out of time (build 24.0 s, fallback 0.5 s of its 20 s limit)" in words and "chen's sqrt plan" in words
 
 
 def test_memory_page_overlays_ticked_methods_with_no_remat(fake_method):
@@ -295,7 +319,7 @@ def test_the_view_is_mirrored_in_the_url_and_a_link_restores_it(fake_method):
     at.sidebar.selectbox(key="method").set_value("fake").run()
     at.sidebar.slider(key="budget_pct").set_value(80).run()
     at.sidebar.toggle(key="granularity_on").set_value(True).run()
-    at.sidebar.slider(key="granularity").set_value(12).run()
+    at.sidebar.select_slider(key="granularity").set_value(12).run()
     assert at.query_params == {"method": "fake", "budget": "80", "granularity": "12"}
     link = dict(at.query_params)
 
@@ -305,7 +329,7 @@ def test_the_view_is_mirrored_in_the_url_and_a_link_restores_it(fake_method):
     assert not fresh.exception and not fresh.sidebar.warning
     assert fresh.sidebar.selectbox(key="method").value == "fake"
     assert fresh.sidebar.slider(key="budget_pct").value == 80
-    assert fresh.sidebar.slider(key="granularity").value == 12
+    assert fresh.sidebar.select_slider(key="granularity").value == 12
     goto(fresh, "solve")
     assert metric(fresh, "granularity") == "12"
     assert fresh.query_params == link  # the link survives a page change
@@ -448,3 +472,17 @@ def test_two_sessions_solve_at_the_same_time_and_one_solve_is_shared(monkeypatch
     assert all(outs[i].ok for i in range(4)), [o.error for o in outs.values()]
     assert sorted(SLOW_CALLS) == budgets[:3]  # the repeated key was computed once (st.cache_resource's per-key lock)
     assert wall < 2.5, f"{wall:.2f} s: solves ran one after another (three would take 3 s)"
+
+
+def test_what_fits_starts_at_the_models_own_size_and_shows_each_answer():
+    at = goto(app(timeout=240), "fit")
+    at.multiselect(key="fit_methods").set_value(["none", "chen"]).run()
+    at.button(key="fit_run").click().run()
+    assert not at.exception and not at.error
+    g, result = at.session_state["fit_result"]
+    current = state.compute.size_defaults("gpt")["batch"]
+    assert result.reused == [current] and current not in result.traces  # the session's step, not traced again
+    assert result.attempts[0].size == current  # the search starts there
+    asked = [(a.size, a.method) for a in result.attempts]
+    assert len(asked) == len(set(asked))
+    assert any(f"(the model's own, batch {current}, taken from the session)" in c.value for c in at.caption)

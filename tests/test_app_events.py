@@ -31,8 +31,10 @@ def test_memory_page_lists_the_simulators_recompute_events_and_marks_them_on_the
     assert list(table.value["step"]) == [e.start for e in sim.events]
     assert table.value["when"].str.startswith("before ").all()
     marks = memory_chart(at)[1]["events"]
-    assert list(marks["mark"]) == [f"↻{i + 1}" for i in range(len(sim.events))]
-    assert all(t.startswith("At backward step") for t in marks["text"])
+    # one mark per block's run of rebuilds, numbered as the events: ln_f, then blocks.1's three, blocks.0's two
+    assert list(marks["mark"]) == ["↻1", "↻2–4", "↻5–6"] and len(sim.events) == 6
+    assert list(marks["x"]) == sorted(marks["x"])
+    assert marks["text"][0].startswith("At backward step") and marks["text"][1].startswith("3 rebuilds in blocks.1")
 
 
 def test_an_event_moves_the_shared_cursor_and_lights_its_boxes_on_the_graph():
@@ -88,6 +90,37 @@ def test_one_fsdp_ranks_memory_by_part_on_memory_and_what_fits(fsdp_gpt):
     assert any(s.value.startswith("One rank's memory of 4") for s in at.subheader)
     table = at.table[0].value
     assert rank.SHARDED in set(table["part"]) and "all-gathered blocks" in set(table["part"])
+
+
+def drawn_tops(spec: dict) -> np.ndarray:
+    """The top of the stacked chart at each of its points (MiB) as Vega-Lite draws the area layer of
+    ``rank.chart``: stacked by Vega-Lite (its default for an area with a colour field), every row of
+    one x value lands on the rows before it; not stacked, a band reaches its ``y`` field."""
+    layer = spec["layer"][0]
+    y = layer["encoding"]["y"]
+    rows = spec["datasets"]["parts"]
+    if y.get("stack", "zero") in (None, False):
+        return rows[y["field"]].to_numpy()
+    return rows.groupby("x")[y["field"]].sum().to_numpy()
+
+
+@pytest.mark.parametrize("x_mode", ["time", "ops"])
+def test_one_ranks_chart_is_as_high_as_the_simulators_timeline_on_both_axes(fsdp_gpt, x_mode):
+    """On the compute-time axis the ops that take no time share an x: stacked by Vega-Lite, the chart
+    stood several times above the rank's memory (800,000 MiB for about 105 GiB on torchtitan's 8B step)."""
+    from bonsai_core import solvers
+    from explorer import plots
+
+    ref = compute.no_remat(fsdp_gpt).peak
+    schedule = solvers.solve(fsdp_gpt, int(0.85 * ref), "bonsai")
+    sim = simulate(fsdp_gpt, schedule)
+    parts = rank.breakdown(fsdp_gpt, schedule.ops, sim)
+    x = plots.curve("bonsai", sim.timeline, compute.op_costs(fsdp_gpt, schedule), sim.peak, sim.peak_op, "#000",
+                    x_mode).x
+    assert len(np.unique(x)) < len(x) or x_mode == "ops"  # frees share the time of the op before them
+    spec = rank.chart(parts, x, "x")
+    assert drawn_tops(spec).max() == pytest.approx(sim.timeline.max() / 2**20)
+    assert drawn_tops(spec).min() >= 0
 
 
 def state_outcome(at):

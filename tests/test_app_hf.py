@@ -57,8 +57,22 @@ def test_an_uploaded_config_json_is_traced_with_its_size_options(tmp_path):
     at.button(key="hf_config_trace").click().run()
     assert not at.exception and not at.error
     model = at.session_state["model"]
-    assert model.source == "hf-config" and model.zoo is None
+    assert model.source == "hf-config" and model.zoo.startswith("hf:") and model.link.startswith("hf-config:")
     assert "GPT2LMHeadModel" in model.label and "batch=2" in model.label and model.parameters > 0
+    # a model like any other: its link traces it again in a new session, What fits searches its sizes,
+    # Export builds it (before: the link dropped it, What fits refused it, Export offered JSON only)
+    assert at.query_params["model"] == model.link and at.query_params["size"] == "batch:2,seq:8"
+    fresh = AppTest.from_file("../explorer/app.py", default_timeout=120)
+    fresh.query_params.update(dict(at.query_params))
+    fresh.run()
+    assert not fresh.exception and not fresh.sidebar.warning
+    assert fresh.session_state["model"].graph.hash == model.graph.hash
+    at.switch_page("../pages/fit.py").run()
+    assert not at.exception and not at.info and at.selectbox(key="fit_vary").options == ["batch", "seq"]
+    at.sidebar.slider(key="budget_pct").set_value(90).run()
+    at.switch_page("../pages/export.py").run()
+    assert not at.exception and any(b.key == "export_build" for b in at.button)
+    assert "bonsai trace hf:config.json --batch 2 --seq 8" in at.code[-1].value
 
 
 @pytest.mark.parametrize("content, message", [

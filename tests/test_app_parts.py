@@ -241,3 +241,88 @@ def test_segment_colours_follow_the_module_not_the_index():
     split = plots.segment_colours([[0, 1], [2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], paths)
     assert three[2] == split[3]  # the segment in "c" keeps its colour when the one before it splits
     assert all(a != b for a, b in zip(split, split[1:]))  # neighbours differ
+
+
+def test_a_plan_whose_solve_stopped_above_its_gap_says_so():
+    from explorer import compute
+
+    g = chain(4)
+    schedule = none_schedule(g)
+
+    def outcome(status, gap, options=(("time_limit", 20.0),)):
+        schedule.stats = {"status": status, "gap": gap}
+        return compute.Outcome("bonsai", 100, options, schedule, simulate(g, schedule))
+
+    assert compute.out_of_time(outcome("optimal", 0.0)) is None
+    assert compute.out_of_time(outcome("feasible", 0.009)) is None  # within bonsai's own 1% gap
+    assert "gap of 3.0% to its bound (asked: 1%)" in compute.out_of_time(outcome("feasible", 0.03))
+    assert compute.out_of_time(outcome("feasible", 0.03, (("gap", 0.05),))) is None  # the user asked for 5%
+
+
+def test_a_rebuild_repeated_in_every_block_is_one_pattern_and_a_block_one_mark():
+    from bonsai_core.graph import block_stack
+    from explorer import events, timeline
+    from tests.graphs import stacked_blocks
+
+    g = stacked_blocks(8)
+    mlps = [(first, last) for path, first, last in g.modules if path.endswith(".mlp")]
+    forward = [v for v in range(g.n) if g.is_forward[v]]
+    segments, recomputed, at = [], [], 0
+    for first, last in mlps:  # every block's MLP a recomputed region, the stretches between them kept
+        segments.append([v for v in forward if at <= v < first])
+        segments.append([v for v in forward if first <= v <= last])
+        recomputed.append(len(segments) - 1)
+        at = last + 1
+    segments.append([v for v in forward if v >= at])
+    sim = simulate(g, plan_schedule(g, CheckpointPlan.of([s for s in segments if s],
+                                                         [r - sum(1 for s in segments[:r] if not s) for r in recomputed]),
+                                    "bonsai"))
+    modules = timeline.node_modules(g)
+    assert len(sim.events) == 8
+    found = events.patterns(g, sim.events, modules)
+    assert len(found) == 1 and found[0].what == "blocks.*.mlp" and found[0].when == "before blocks.*.mlp's backward"
+    assert found[0].blocks == tuple(range(8)) and found[0].events == tuple(range(8))
+    row = events.pattern_rows(g, sim.events, found)[0]
+    assert row["blocks"] == "blocks.0–7 (8)" and row["rebuilds"] == 8
+    assert len(events.block_marks(g, sim.events, modules)) == 8  # one block's rebuilds each
+    stack = [b for b, _, _ in block_stack(g)]
+    assert events.block_ranges([0, 1, 2, 3, 5, 7], stack) == "blocks.0–3, 5, 7"
+    assert set(modules.kind) >= {"blocks.*.mlp", "blocks.*.attn", "emb"} and "blocks.3" not in set(modules.kind)
+
+
+def test_labels_are_kept_by_priority_where_they_overlap_nothing_kept_before():
+    labels = [plots.Label(0.0, 0.0, "low", 1.0), plots.Label(0.1, 0.0, "high", 5.0), plots.Label(5.0, 0.0, "apart", 0.5),
+              plots.Label(9.99, 0.0, "cut at the edge", 9.0)]
+    kept = plots.fit_labels(labels, (-1.0, 10.0))
+    assert [lb.text for lb in kept] == ["high", "apart"]  # "low" overlaps "high"; the last would leave the plot
+    assert not plots.fit_labels([plots.Label(5.0, 0.0, "on a marker", 1.0)], (-1.0, 10.0),
+                                markers=(np.array([5.0]), np.array([0.0]), np.array([20.0])))
+
+
+def test_the_default_gpts_op_level_views_carry_ten_labels_of_blocks_parts_and_op_kinds():
+    from explorer import timeline
+
+    g = load_graph(ROOT / "assets" / "gpt-default.json")
+    modules = timeline.node_modules(g)
+    pos = plots.layered_layout(g)
+    every = [lb.text for lb in plots.fit_labels(plots.op_labels(g, np.arange(g.n), pos, modules.path, modules.group),
+                                                plots.padded(pos[:, 0]))]
+    assert len(every) >= 10 and {"blocks.0", "blocks.1", "attn", "fc", "addmm"} <= set(every)
+    groups = plots.node_groups(g, None)
+    collapsed = plots.fit_labels(plots.collapsed_labels(g, groups, pos, modules.path, modules.group),
+                                 plots.padded(pos[:, 0]))
+    assert len(collapsed) >= 10 and {"blocks.0", "blocks.1"} <= {lb.text for lb in collapsed}
+
+
+def test_a_long_step_line_keeps_every_column_s_lowest_and_highest_point():
+    rng = np.random.default_rng(0)
+    y = np.cumsum(rng.integers(-5, 6, 20_000)).astype(float)
+    x = np.arange(len(y), dtype=float)
+    kept = plots.envelope(x, y, columns=500)
+    assert len(kept) <= 4 * 500 and kept[0] == 0 and kept[-1] == len(y) - 1
+    assert y[kept].max() == y.max() and y[kept].min() == y.min()  # the peak and the trough, exactly
+    column = (x / x[-1] * 500).astype(int).clip(max=499)
+    for c in (0, 137, 499):
+        inside = column == c
+        assert y[kept][column[kept] == c].max() == y[inside].max()
+    assert list(plots.envelope(x[:100], y[:100], columns=500)) == list(range(100))  # short: every point

@@ -71,9 +71,26 @@ def test_events_are_listed_clickable_and_light_the_graph(browser, server, scheme
         context.close()
 
 
-def test_every_view_of_the_graph_is_labelled(browser, server):
-    context, pg = open_at(browser, f"{server}/graph?budget=50")
+# each text of the op-level graph's labels: its words, font size and box on the page
+PLOT_LABELS = """() => [...document.querySelectorAll('[data-testid="stPlotlyChart"] .textpoint text')].map(t => {
+  const r = t.getBoundingClientRect();
+  return [t.textContent, parseFloat(t.style.fontSize), r.left, r.top, r.right, r.bottom]; })"""
+
+
+def overlapping(texts) -> list[tuple[str, str]]:
+    """The pairs of labels whose boxes on the page overlap."""
+    return [(a[0], b[0]) for i, a in enumerate(texts) for b in texts[i + 1:]
+            if a[2] < b[4] and b[2] < a[4] and a[3] < b[5] and b[3] < a[5]]
+
+
+@pytest.mark.parametrize("width", [1280, 1600])
+def test_every_view_of_the_graph_carries_ten_readable_labels_none_overlapping(browser, server, width):
+    context = browser.new_context(viewport={"width": width, "height": 1400})
+    pg = context.new_page()
+    pg.set_default_timeout(180_000)
     try:
+        pg.goto(f"{server}/graph?budget=50")
+        wait_idle(pg)
         for view in ("collapsed", "every op"):
             pg.locator('[data-testid="stButtonGroup"] button').filter(has_text=view).first.click()
             wait_idle(pg)
@@ -81,11 +98,13 @@ def test_every_view_of_the_graph_is_labelled(browser, server):
                 pg.wait_for_selector('[data-testid="stPlotlyChart"] .legendtext >> text=forward op')
             pg.wait_for_selector('[data-testid="stPlotlyChart"] .textpoint')
             pg.locator('[data-testid="stPlotlyChart"]').first.scroll_into_view_if_needed()
-            texts = pg.evaluate("() => [...document.querySelectorAll('[data-testid=\"stPlotlyChart\"] .textpoint text')]"
-                                ".map(t => [t.textContent, parseFloat(t.style.fontSize)])")
-            assert {"blocks.0", "blocks.1"} <= {t for t, _ in texts} and all(size >= 12 for _, size in texts)
+            texts = pg.evaluate(PLOT_LABELS)
+            print(f"{view} at {width} px: {len(texts)} labels: " + ", ".join(t[0] for t in texts))
+            assert len(texts) >= 10 and {"blocks.0", "blocks.1"} <= {t[0] for t in texts}
+            assert all(size >= 12 for _, size, *_ in texts)
+            assert not overlapping(texts)
             no_exception(pg)
-            pg.screenshot(path=str(SHOTS / f"graph-{view.replace(' ', '-')}-labelled.png"))
+            pg.screenshot(path=str(SHOTS / f"graph-{view.replace(' ', '-')}-labelled-{width}.png"))
     finally:
         context.close()
 

@@ -125,7 +125,7 @@ def test_a_quick_run_without_the_large_graphs_leaves_their_rows_out():
     del r["browser"]["llama"], r["browser"]["large_link"]
     text = explorer_page.page(r, "<!-- header -->")
     assert "(`--quick`: small counts, no large graphs; a smoke test, not the record)" in text
-    assert "Llama" not in text and "layers:60" not in text and "60-layer" not in text
+    assert "32-layer Llama" not in text and "The Llama is" not in text and "layers:60" not in text and "60-layer" not in text
 
 
 def test_the_intro_names_the_machine_its_load_and_yardstick():
@@ -179,3 +179,44 @@ def test_without_chromium_or_playwright_the_suite_says_so_and_measures_nothing(t
     assert main(["bench", "explorer", "--out", str(tmp_path)]) == 2
     assert "Playwright for Python is not installed" in capsys.readouterr().out
     assert not (tmp_path / "results.json").exists()
+
+
+def titan(done=True, after=(0.4, 0.6, 1.4)):
+    return {"ops": 5970, "trace_s": 30.0,
+            "browser": {"upload_s": 12.0, "first_plan_s": 25.0, "rebuilds": 66, "patterns": 7, "legend": 9,
+                        "read_at": 60, "first_plan_error": None,
+                        "during": {"pct": 45, "seconds": 1.2, "stand_in": True, "sweep": "Swept 7 of 96 budgets in 30 s"},
+                        "sweep": {"said": f"Swept {96 if done else 40} of 96 budgets in 290 s"
+                                          + (" (done: each answers at once)" if done else ""),
+                                  "done": done, "waited_s": 260.0},
+                        "after": [[90, after[0], False], [75, after[1], False], [95, after[2], False]]},
+            "fit": {"seconds": 95.0, "answers": [[2, "none", False, 1.0], [2, "bonsai", True, 13.0]],
+                    "traces": {"4": 30.0, "1": 31.0}, "table": "| method | largest batch |", "limit": 80 * 2**30}}
+
+
+def titan_said(r) -> str:
+    """The 8B section's words and table, its cells' padding taken out."""
+    return " ".join(explorer_page.titan_values(r)["titan_measured"].split())
+
+
+def test_the_8b_section_judges_the_sweep_the_drags_after_it_and_what_fits():
+    r = results()
+    r["titan"] = titan()
+    text = titan_said(r)
+    assert "| the slider swept in the background | 96 of 96 positions in 290 s, over the 60 s target by 230.00 s |" in text
+    assert ("| drags after the sweep | 90% 0.40 s, 75% 0.60 s, 95% 1.40 s: median 0.60 s, the slowest 1.40 s, over "
+            "the 1 s target by 0.40 s |") in text
+    assert "| a drag to 45% while the sweep runs (Swept 7 of 96 budgets in 30 s) | 1.20 s, the nearest solved plan" in text
+    assert "| the plan at 60% as the page reads it (after the sweep) | 66 rebuilds in 7 patterns" in text
+    assert "legend 9 entries" in text and "its plan and charts" in text
+    assert "95.00 s, over the 60 s target by 35.00 s; 2 answers, the last after 13.00 s; traced batch 4 30.00 s" in text
+    r["titan"] = titan(done=False)
+    r["titan"]["browser"]["first_plan_error"] = ("error\n\nbonsai: bonsai found no checkpoint plan before the time "
+                                                 "limit.\n\nRaise the budget.")
+    text = titan_said(r)
+    assert 'no plan, the page said "bonsai: bonsai found no checkpoint plan before the time limit."' in text
+    assert "40 of 96 positions in 290 s when the run stopped waiting (260 s), not done |" in text
+    del r["titan"]
+    assert "Not measured in this run" in titan_said(r)
+    page = explorer_page.page(results(), "<!-- header -->")
+    assert "## The 8B step" in page and "`bonsai trace torchtitan:llama3:8B --batch 2 --seq 8192 --fsdp 8`" in page

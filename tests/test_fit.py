@@ -13,20 +13,19 @@ from bonsai_core.fit import fit, search_sizes, table, write_report
 def test_the_search_finds_each_methods_largest_size(limits):
     asked = []
 
-    def evaluate(size):
-        asked.append(size)
-        return {m: size <= top for m, top in limits.items()}
+    def evaluate(size, methods):
+        asked.extend((size, m) for m in methods)
+        return {m: size <= limits[m] for m in methods}
 
-    seen = {}
-    search_sizes(lambda s: seen.setdefault(s, evaluate(s)), list(limits), largest=128)
-    assert len(asked) == len(set(asked))  # no size evaluated twice
+    search_sizes(evaluate, list(limits), largest=128)
+    assert len(asked) == len(set(asked))  # no method asked twice at a size
     for m, top in limits.items():
-        fits = [s for s in seen if seen[s][m]]
+        mine = [s for s, k in asked if k == m]
+        for i, s in enumerate(mine):  # never asked what its answers so far said: below a fit, above a failure
+            assert not any(s <= t <= top or top < t <= s for t in mine[:i])
         if top == 0:
-            assert not fits
             continue
-        assert max(fits) == min(top, 128)
-        assert top >= 128 or top + 1 in seen  # the boundary was probed
+        assert min(top, 128) in mine and (top >= 128 or top + 1 in mine)  # the boundary was probed
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -35,6 +36,8 @@ FULL = {"first_paints": 3, "drags": 7, "sessions": 10, "rounds": 3, "revisits": 
 QUICK = {"first_paints": 2, "drags": 3, "sessions": 3, "rounds": 1, "revisits": 1}
 # the targets the page judges medians by (seconds); judged here only: the browser tests share a loaded machine
 SLIDER_TARGET, FIRST_PAINT_TARGET, SESSIONS_TARGET, MODULE_VIEW_TARGET = 1.0, 3.0, 2.0, 2.0
+SWEEP_TARGET, FIT_TARGET = 60.0, 60.0  # the 8B step: its slider swept, What fits answered (issue 57)
+SWEEP_PATIENCE = 3600.0  # seconds the run waits for the 8B step's sweep before it says how far it got
 SCRUB_PRESSES = 10  # arrow-key steps of the scrubber, as tests/test_browser_timeline.py presses them
 SHARE = 0.5  # the lifetimes' budget, of the no-remat peak
 REGIONS_AT_ONCE = 12  # regions the "Why this plan" panel explains per click (pages/memory.py's WHY_AT_ONCE)
@@ -262,6 +265,43 @@ def sessions_study(solve_ahead: bool, counts: dict[str, int]) -> dict[str, Any]:
     return {"solve_ahead": solve_ahead, **result}
 
 
+def titan_study(path: Path, graph: Any, drags: int) -> dict[str, Any]:
+    """Torchtitan's 8B step on a fresh server that sweeps (browser.big_step)."""
+    from playwright.sync_api import sync_playwright
+
+    from bonsai_core.schedule import no_remat_peak
+
+    browser = harness()
+    with browser.serve(solve_ahead=True) as url, sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=browser.CHROMIUM, args=browser.BROWSER_ARGS)
+        try:
+            context, page = browser.open_page(chromium, width=1440, height=1800)
+            found = browser.big_step(page, url, path, graph.n, no_remat_peak(graph), drags, SWEEP_PATIENCE)
+            no_exception(page, "the 8B step")
+            context.close()
+            return found
+        finally:
+            chromium.close()
+
+
+def titan_fit(graph: Any) -> dict[str, Any]:
+    """What fits on the 8B step as the page runs it by default: the GPU at twice the step's lower bound,
+    batch searched from the step's own (its graph taken, not traced again), none/bonsai/chen/dtr, overhead
+    at most 10%, AdamW, 10 s per solve; each answer's moment kept."""
+    from bonsai_core import fit
+
+    browser = harness()
+    name, options = browser.TITAN_8B
+    begun = time.perf_counter()
+    answers: list[list[Any]] = []
+    result = fit.fit(name, 2 * graph.peak_lower_bound, ["none", "bonsai", "chen", "dtr"], vary="batch",
+                     max_overhead=0.1, options={k: v for k, v in options.items() if k != "batch"}, optimizer="adamw",
+                     solver_options={"time_limit": 10.0}, start=options["batch"], traced={options["batch"]: graph},
+                     answered=lambda a: answers.append([a.size, a.method, a.fits, time.perf_counter() - begun]))
+    return {"seconds": time.perf_counter() - begun, "answers": answers, "traces": result.traces,
+            "table": fit.markdown_table(result), "limit": result.limit}
+
+
 # -- the run ----------------------------------------------------------------------------------------
 
 def timed_part(parts: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
@@ -304,6 +344,16 @@ def measure(quick: bool) -> dict[str, Any]:
                                         lambda: one_session_studies(counts, llama, large=not quick))
     results["sessions"] = [timed_part(parts, f"sessions, solving ahead {'on' if ahead else 'off'}",
                                       lambda: sessions_study(ahead, counts)) for ahead in (True, False)]
+    if not quick and importlib.util.find_spec("torchtitan") is not None:
+        name, options = browser.TITAN_8B
+        titan = timed_part(parts, "tracing the 8B step", lambda: traced(name, options, "torchtitan's 8B step"))
+        results["titan"] = {"ops": titan["graph"].n, "trace_s": titan["trace_s"]}
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "llama3-8b.json"
+            save_graph(titan["graph"], path)
+            results["titan"]["browser"] = timed_part(parts, "the 8B step in the browser",
+                                                     lambda: titan_study(path, titan["graph"], counts["drags"]))
+        results["titan"]["fit"] = timed_part(parts, "What fits on the 8B step", lambda: titan_fit(titan["graph"]))
     results["meta"]["seconds"] = time.perf_counter() - start
     return results
 
@@ -473,9 +523,61 @@ def lifetimes_values(results: dict[str, Any]) -> dict[str, str]:
             "traces": "; ".join(f"{t['graph']} ({t['ops']:,} ops) {secs(t['trace_s'])}" for t in results["traces"])}
 
 
+def first_words(alert: str) -> str:
+    """An alert's message as the page shows it, without its icon's name ("error")."""
+    return next((line for line in alert.splitlines() if line.strip() and line.strip() != "error"), alert)
+
+
+def titan_values(results: dict[str, Any]) -> dict[str, str]:
+    from bonsai_core.units import format_bytes
+
+    browser = harness()
+    name, options = browser.TITAN_8B
+    values = {"titan_command": f"bonsai trace {name} " + " ".join(f"--{k} {v}" for k, v in options.items()),
+              "titan_budget": str(browser.TITAN_8B_BUDGET), "slider_target": f"{SLIDER_TARGET:g}",
+              "sweep_target": f"{SWEEP_TARGET:g}", "fit_target": f"{FIT_TARGET:g}"}
+    if "titan" not in results:
+        return {**values, "titan_measured": "Not measured in this run (`--quick`, or torchtitan is not installed: "
+                                            "`requirements-torchtitan.txt`)."}
+    t = results["titan"]
+    b, f = t["browser"], t["fit"]
+    first = (f"no plan, the page said \"{first_words(b['first_plan_error'])}\"" if b.get("first_plan_error")
+             else "its plan and charts")
+    lines = [["trace (in-process)", f"{secs(t['trace_s'])} ({t['ops']:,} ops)"],
+             [f"upload as JSON at {browser.TITAN_8B_BUDGET}% until the Model page shows it", secs(b["upload_s"])],
+             [f"open the Memory page until bonsai's first solve at {browser.TITAN_8B_BUDGET}% is drawn",
+              f"{secs(b['first_plan_s'])}: {first}"],
+             [f"a drag to {b['during']['pct']}% while the sweep runs ({b['during']['sweep'] or 'not started'})",
+              f"{secs(b['during']['seconds'])}, " + ("the nearest solved plan shown, marked" if b["during"]["stand_in"]
+                                                     else "its own plan")]]
+    swept = re.search(r"Swept (\d+) of (\d+) budgets in (\d+) s", b["sweep"]["said"])
+    if swept:
+        done, total, seconds = int(swept.group(1)), int(swept.group(2)), int(swept.group(3))
+        lines.append(["the slider swept in the background", f"{done} of {total} positions in {seconds} s"
+                      + ("" if b["sweep"]["done"] else f" when the run stopped waiting ({b['sweep']['waited_s']:.0f} s)")
+                      + f", {against(seconds, SWEEP_TARGET) if b['sweep']['done'] else 'not done'}"])
+    after = [seconds for _, seconds, _ in b["after"]]
+    if after:
+        lines.append(["drags after the sweep", ", ".join(f"{p}% {secs(s_)}" + (" (nearest)" if near else "")
+                                                         for p, s_, near in b["after"])
+                      + f": median {secs(statistics.median(after))}, the slowest {secs(max(after))}, "
+                      f"{against(max(after), SLIDER_TARGET)}"])
+    lines.append([f"the plan at {b['read_at']}% as the page reads it (after the sweep)",
+                  (f"{b['rebuilds']} rebuilds in {b['patterns']} patterns (the events table's rows)"
+                   if b.get("patterns") else "its rebuilds did not read as patterns")
+                  + f"; the lifetimes' legend {b['legend']} entries"])
+    last = max((a[3] for a in f["answers"]), default=0.0)
+    lines.append([f"What fits, the page's defaults (GPU {format_bytes(f['limit'])}: twice the step's lower bound)",
+                  f"{secs(f['seconds'])}, {against(f['seconds'], FIT_TARGET)}; {len(f['answers'])} answers, the last "
+                  f"after {secs(last)}; traced " + (", ".join(f"batch {k} {secs(v)}" for k, v in f["traces"].items())
+                                                     or "nothing")])
+    return {**values, "titan_measured": common.table(["what", "measured"], lines) + "\n\nWhat fits' table:\n\n"
+            + f["table"]}
+
+
 def page(results: dict[str, Any], header: str) -> str:
     return common.render("explorer", header=header, **intro_values(results), **sessions_values(results),
-                         **module_graph_values(results), **lifetimes_values(results))
+                         **module_graph_values(results), **lifetimes_values(results), **titan_values(results))
 
 
 def write_page(results: dict[str, Any], path: str) -> None:

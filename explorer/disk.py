@@ -1,0 +1,114 @@
+"""What the explorer keeps on disk, so that it outlives a server: uploaded Hugging Face configs (data,
+never run) and every plan solved (a schedule or the method's error), keyed by the graph's hash.
+
+The folder is ``$BONSAI_EXPLORER_CACHE``, else ``$XDG_CACHE_HOME/bonsai/explorer``, else
+``~/.cache/bonsai/explorer``. A plan is kept under the graph's content hash, the method, its options,
+the bound (live or reserved) and the budget, and under a digest of bonsai_core's sources: any change to
+the solvers or the simulator starts a new store, so a kept plan is always what this code would solve.
+Kept plans are simulated again when they are read (every schedule shown is validated); nothing here
+imports Streamlit.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from bonsai_core.errors import BonsaiError, ModelError
+from bonsai_core.schedule import Schedule
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = re.compile(r"^[0-9a-f]{16}$")
+
+
+def folder() -> Path:
+    if os.environ.get("BONSAI_EXPLORER_CACHE"):
+        return Path(os.environ["BONSAI_EXPLORER_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bonsai" / "explorer"
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole: another server reading it sees the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{path.name}.{os.getpid()}")
+    part.write_bytes(data)
+    os.replace(part, path)
+
+
+# -- uploaded configs --------------------------------------------------------------------------------
+
+def store_config(data: bytes, filename: str) -> str:
+    """Keep an uploaded config.json under its content's hash, in a folder of its own with its file name
+    (so a model traced from it is ``hf:PATH`` like any config file); returns the key (16 hex digits)."""
+    key = hashlib.sha256(data).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(filename).name).strip(".-") or "config.json"
+    if not name.endswith(".json"):
+        name += ".json"
+    if not any((folder() / "configs" / key).glob("*.json")):
+        _write(folder() / "configs" / key / name, data)
+    return key
+
+
+def stored_config(key: str) -> Path:
+    """The file of the config ``key`` names; ModelError when this server holds none."""
+    found = sorted((folder() / "configs" / key).glob("*.json")) if KEY.match(key) else []
+    if not found:
+        raise ModelError(f"this server holds no uploaded config {key!r}: upload the config.json on the Model page "
+                         "(Hugging Face tab) and trace it again")
+    return found[0]
+
+
+# -- solved plans ------------------------------------------------------------------------------------
+
+@functools.cache
+def code_digest() -> str:
+    """A digest of bonsai_core's sources: what every plan and its simulation depend on."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "bonsai_core").rglob("*.py")):
+        digest.update(path.relative_to(ROOT).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _plan_path(graph_hash: str, method: str, options: tuple, reserved: str | None, budget: int | None) -> Path:
+    settings = json.dumps([method, [[k, repr(v)] for k, v in options], reserved], sort_keys=True)
+    digest = hashlib.sha256(settings.encode()).hexdigest()[:16]
+    return folder() / "plans" / code_digest() / graph_hash / digest / f"{budget}.json.gz"
+
+
+def save_plan(graph_hash: str, method: str, options: tuple, reserved: str | None, budget: int | None,
+              schedule: Schedule | None, error: str | None, seconds: float) -> None:
+    """Keep one solve: its schedule, or the error the method gave (a budget it cannot meet), and its time."""
+    record: dict[str, Any] = {"seconds": seconds}
+    if schedule is not None:
+        record["schedule"] = schedule.to_dict()
+    else:
+        record["error"] = error
+    try:
+        _write(_plan_path(graph_hash, method, options, reserved, budget),
+               gzip.compress(json.dumps(record, separators=(",", ":")).encode(), 5))
+    except OSError:  # a full or read-only disk: the plan is still cached in memory
+        pass
+
+
+def has_plan(graph_hash: str, method: str, options: tuple, reserved: str | None, budget: int | None) -> bool:
+    return _plan_path(graph_hash, method, options, reserved, budget).exists()
+
+
+def load_plan(graph_hash: str, method: str, options: tuple, reserved: str | None,
+              budget: int | None) -> tuple[Schedule | None, str | None, float] | None:
+    """(schedule or None, error or None, seconds) of a kept solve, None when none is kept (or it cannot be read)."""
+    path = _plan_path(graph_hash, method, options, reserved, budget)
+    try:
+        record = json.loads(gzip.decompress(path.read_bytes()))
+        if "schedule" in record:
+            return Schedule.from_dict(record["schedule"]), None, float(record.get("seconds", 0.0))
+        return None, str(record["error"]), float(record.get("seconds", 0.0))
+    except (OSError, ValueError, EOFError, KeyError, BonsaiError):  # absent, or not a file this wrote
+        return None
