@@ -541,29 +541,3 @@ def _backward_unit(graph: Graph, owner: np.ndarray) -> np.ndarray:
         forward = [int(owner[d]) for d in graph.deps(b).tolist() if graph.is_forward[d]]
         reads[b] = max(forward, default=-1)
     return reads
-
-
-def peak_parts(graph: Graph, schedule: Any, policy: str = "expandable") -> dict[str, Any]:
-    """Where a schedule's peak on a rank comes from, in bytes: at the op of the live peak the fixed bytes by
-    kind of fixed tensor (``fixed: KIND``), the forward tensors resident (saved activations, the loss's
-    forward outputs), the backward tensors resident (transients), FSDP2's buffers (rule 7); then the live
-    peak, the allocator model's reserved peak under ``policy`` and its extra, and the peak op's name."""
-    from bonsai_core.allocator import bounded_replay
-    from bonsai_core.schedule import simulate
-
-    sim = simulate(graph, schedule)
-    at = int(np.argmax(sim.timeline))
-    resident = sim.residency.live_at(at)
-    parts: dict[str, Any] = {f"fixed: {k}": 0 for _, _, k in graph.fixed_tensors}
-    for _, nbytes, kind in graph.fixed_tensors:
-        parts[f"fixed: {kind}"] += nbytes
-    forward = graph.is_forward[resident]
-    parts["saved forward tensors"] = int(graph.mem[resident[forward]].sum())
-    parts["backward tensors (transients)"] = int(graph.mem[resident[~forward]].sum())
-    parts["FSDP buffers"] = int(working_profile(graph, schedule.ops)[at])
-    parts["live peak"] = sim.peak
-    reserved = bounded_replay(graph, schedule, policy).reserved_peak
-    parts[f"reserved peak ({policy})"] = reserved
-    parts["allocator's extra"] = reserved - sim.peak
-    parts["peak op"] = f"{at}: {graph.names[schedule.ops[at][1]]}"
-    return parts

@@ -159,6 +159,11 @@ class Graph:
         self._without_held: Graph | None = None  # computed once, on first use
         self._validate()
         self._validate_held(dep_lists)
+        self._derive()
+
+    def _derive(self) -> None:
+        """What follows from the fields: consumers, outputs, phases, views, totals, the hash; all read-only."""
+        n = len(self.names)
         self.user_ptr, self.user_idx = _transposed(self.dep_ptr, self.dep_idx)  # consumers, as CSR
         self.is_output = np.diff(self.user_ptr) == 0
         self._validate_inplace()

@@ -573,7 +573,7 @@ def _microbatches_in_flight(graph: Graph, ops: Sequence[tuple[str, int]], reside
     """Rule 11: on a pipeline rank, the other microbatches in flight (and FSDP's gradients under it)."""
     if not (graph.parallel or {}).get("pipeline"):
         return None
-    from bonsai_core.pipeline import working
+    from bonsai_core.in_flight import working
 
     return working(graph, ops, residency)
 

@@ -2,7 +2,7 @@
 inputs, the blocks all-gathered, the gradients held until their reduce-scatter, the collective
 buffers, the saved activations, the step's other tensors (transients) and, when the allocator model
 replayed the schedule, the allocator's extra (reserved minus live). On a pipeline rank, the other
-microbatches in flight (``bonsai_core.pipeline.working``) instead of FSDP's blocks and buffers.
+microbatches in flight (``bonsai_core.in_flight.working``) instead of FSDP's blocks and buffers.
 
 Every part comes from what computes it already: the fixed tensors' kinds (``Graph.fixed_tensors``,
 sharded by ``bonsai_core.fsdp.with_fsdp``), FSDP's working memory (``bonsai_core.fsdp.working_parts``,
@@ -19,7 +19,7 @@ import pandas as pd
 
 from bonsai_core.fsdp import SHARDED_KINDS, working_parts
 from bonsai_core.graph import Graph
-from bonsai_core.pipeline import working as pipeline_working
+from bonsai_core.in_flight import working as pipeline_working
 from bonsai_core.schedule import SimResult
 from explorer.plots import RECOMPUTE, envelope
 

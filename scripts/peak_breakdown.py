@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from bonsai_core.fsdp import peak_parts
+from bonsai_core.bench.compiled import peak_parts
 from bonsai_core.graph import Graph, load_graph
 from bonsai_core.regions import CheckpointPlan, hold_saved
 from bonsai_core.schedule import Schedule, load_schedule

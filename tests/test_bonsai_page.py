@@ -325,4 +325,5 @@ def test_drop_outputs_takes_bonsai_down_to_the_region_bound_on_the_small_unet():
 
     g = trace_model("unet", **bp.UNETS["1-level U-Net"]).graph
     dropped, status = B.smallest_budget(g, drop_outputs=True)
-    assert status == "optimal" and dropped == region_peak_bound(g).peak < B.smallest_budget(g)[0]
+    loss = int(g.mem[g.names.index("nll_loss2d_forward")])  # held to the step's end; the bound leaves it out
+    assert status == "optimal" and dropped == region_peak_bound(g).peak + loss < B.smallest_budget(g)[0]

@@ -23,7 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bonsai_core.bench import common
+from bonsai_core.graph import Graph
 
 PARTS = ("cpu", "peers", "titan")
 TITAN = "torchtitan:llama3:debugmodel"
@@ -124,7 +127,6 @@ def peer_rows(spec: str, options: dict[str, Any]) -> list[dict[str, Any]]:
 def titan_rows(float8: bool) -> list[dict[str, Any]]:
     """The 8B recipe eager (the torchtitan-selective method, release 2024-12) and compiled (torchtitan's own
     apply_ac of December 2024's save list), at 8 and 128 ranks: peaks and where they come from."""
-    from bonsai_core.fsdp import peak_parts
     from bonsai_core.optimizer import with_optimizer
     from bonsai_core.solvers import solve
     from bonsai_core.trace import trace_model
@@ -297,3 +299,30 @@ def write_page(results: dict[str, Any], path: str) -> None:
 def main(args: argparse.Namespace) -> int:
     refusal = common.page_refusal(args, "docs/bench/compiled", "docs/results/compiled.md")
     return common.run_page_suite("compiled", args, refusal, lambda: measure(args.parts, args.float8), write_page)
+
+
+def peak_parts(graph: Graph, schedule: Any, policy: str = "expandable") -> dict[str, Any]:
+    """Where a schedule's peak on a rank comes from, in bytes: at the op of the live peak the fixed bytes by
+    kind of fixed tensor (``fixed: KIND``), the forward tensors resident (saved activations, the loss's
+    forward outputs), the backward tensors resident (transients), FSDP2's buffers (rule 7); then the live
+    peak, the allocator model's reserved peak under ``policy`` and its extra, and the peak op's name."""
+    from bonsai_core.allocator import bounded_replay
+    from bonsai_core.fsdp import working_profile
+    from bonsai_core.schedule import simulate
+
+    sim = simulate(graph, schedule)
+    at = int(np.argmax(sim.timeline))
+    resident = sim.residency.live_at(at)
+    parts: dict[str, Any] = {f"fixed: {k}": 0 for _, _, k in graph.fixed_tensors}
+    for _, nbytes, kind in graph.fixed_tensors:
+        parts[f"fixed: {kind}"] += nbytes
+    forward = graph.is_forward[resident]
+    parts["saved forward tensors"] = int(graph.mem[resident[forward]].sum())
+    parts["backward tensors (transients)"] = int(graph.mem[resident[~forward]].sum())
+    parts["FSDP buffers"] = int(working_profile(graph, schedule.ops)[at])
+    parts["live peak"] = sim.peak
+    reserved = bounded_replay(graph, schedule, policy).reserved_peak
+    parts[f"reserved peak ({policy})"] = reserved
+    parts["allocator's extra"] = reserved - sim.peak
+    parts["peak op"] = f"{at}: {graph.names[schedule.ops[at][1]]}"
+    return parts

@@ -75,7 +75,7 @@ def breakdown(graph: Any, ops: list, sim: Any) -> dict[str, int]:
     """What holds the rank's bytes at its live peak: the fixed tensors by kind, FSDP's working memory by part,
     the other microbatches in flight (with FSDP's gradients under pipeline parallel), the graph's tensors."""
     from bonsai_core.fsdp import working_parts
-    from bonsai_core.pipeline import working
+    from bonsai_core.in_flight import working
 
     i = sim.peak_op
     parts: dict[str, int] = {}

@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from bonsai_core.errors import ModelError
 from bonsai_core.export.folder import ExportError, load_export
-from bonsai_core.trace import AUTOCAST, autocast_context
+from bonsai_core.trace.patches import AUTOCAST, autocast_context
 
 PEAK_TOLERANCE = 0.10  # |measured / predicted - 1| beyond this is a mismatch, above or below
 # Under autocast a fused kernel (CPU flash attention) may block its sums differently from eager's call

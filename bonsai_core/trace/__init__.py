@@ -45,7 +45,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.packed import (PackedLengthsUnknown, batch_sizes_of, known_batch_sizes, spec_batch_sizes,
                                 with_batch_sizes_on_demand)
 from bonsai_core.trace.patches import (KERNELS, _as_in_eager, _grouped_mm_as_its_kernels, _initialisation_skipped,
-                                       device_kernels, libraries_compiling, _quiet_meta_failures)
+                                       autocast_context, device_kernels, libraries_compiling, _quiet_meta_failures)
 from bonsai_core.trace.to_graph import IDENTITY_OPS, _placeholder_tensors, _to_graph
 from bonsai_core.user_code import DATA_DEPENDENT_ERRORS, user_code
 
@@ -373,18 +373,6 @@ def _runs_in_place(graph: Graph, node: fx.Node, ids: dict[str, int], v: int, u: 
 
     return (in_place_overload(target) is not None and graph.alias_of[v] < 0
             and graph.alias_of[u] < 0 and graph.mem[u] == graph.mem[v] > 0 and int(graph.users(u)[-1]) == v)
-
-
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast_context(autocast: str | None, device_type: str = "cpu") -> Any:
-    """``torch.autocast`` for the device the step is traced on (fake tensors of the inputs' device)."""
-    if autocast is None:
-        return contextlib.nullcontext()
-    if autocast not in AUTOCAST:
-        raise ModelError(f"Unknown autocast {autocast!r}; choose one of: {', '.join(AUTOCAST)}.")
-    return torch.autocast(device_type=device_type, dtype=AUTOCAST[autocast])
 
 
 # -- tracing -------------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss
     see :func:`checkpointed`; ``float8``: the linears first converted (:func:`float8_linears`)."""
     if float8:
         float8_linears(model)
-    from bonsai_core.trace import autocast_context
+    from bonsai_core.trace.patches import autocast_context
 
     if profile not in PROFILES:
         raise ModelError(f"Unknown cost model {profile!r}; choose one of: {', '.join(PROFILES)}.")

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from bonsai_core.attention import FusedAttentionWithDropout
+from bonsai_core.errors import ModelError
 from bonsai_core.recurrent import FusedRecurrent
 from bonsai_core.thread_patches import in_this_thread
 
@@ -317,3 +318,14 @@ def skip_tensor_asserts() -> Iterator[None]:
     with mock.patch.object(torch, "_assert", traced_assert):
         yield
 
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_context(autocast: str | None, device_type: str = "cpu") -> Any:
+    """``torch.autocast`` for the device the step is traced on (fake tensors of the inputs' device)."""
+    if autocast is None:
+        return contextlib.nullcontext()
+    if autocast not in AUTOCAST:
+        raise ModelError(f"Unknown autocast {autocast!r}; choose one of: {', '.join(AUTOCAST)}.")
+    return torch.autocast(device_type=device_type, dtype=AUTOCAST[autocast])

@@ -1,0 +1,143 @@
+"""Simulator rule 11 (docs/DESIGN.md): the microbatches a pipeline rank holds in flight, and FSDP's gradients
+under pipeline parallel, at each op of the one microbatch's schedule. What the rank holds and why:
+:mod:`bonsai_core.pipeline`, which traces the rank and writes the graph's ``parallel.pipeline`` field read here."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+FORWARD, BACKWARD = "F", "B"  # an action's phase in ``parallel.pipeline.actions``
+
+
+def working(graph: Any, ops: Sequence[tuple[str, int]], residency: Any) -> np.ndarray | None:
+    """Rule 11: at each op of the one microbatch's schedule, the bytes the rank holds beyond that microbatch's
+    tensors and ``fixed_mem``: the other microbatches in flight in the action it runs in (their stages'
+    resident bytes at the end of their forward), the largest over the actions of its stage and phase, and
+    under FSDP the gradients accumulated and held (module doc). None for a graph that is no pipeline rank."""
+    pipeline = (graph.parallel or {}).get("pipeline")
+    if pipeline is None or not ops:
+        return None
+    spans = [(int(a), int(b)) for _, a, b in pipeline["stages"]]
+    stage_of = np.zeros(graph.n, dtype=np.int64)
+    for k, (a, b) in enumerate(spans):
+        stage_of[a:b + 1] = k
+    segment = _segments(graph, ops, stage_of)
+    own = np.stack([residency.bytes_held(graph.mem, stage_of == k) for k in range(len(spans))])
+    held = np.zeros(len(spans), dtype=np.int64)  # each stage's bytes at the end of its forward
+    for k in range(len(spans)):
+        forward_ops = np.flatnonzero(segment == 2 * k)
+        held[k] = own[k, forward_ops[-1]] if len(forward_ops) else 0
+    grads = _Accumulated(graph, ops, stage_of, segment, len(spans)) if graph.fsdp is not None else None
+    lowest = np.iinfo(np.int64).min
+    extra = np.full(len(ops), lowest, dtype=np.int64)
+    others_copies = own.sum(axis=0) - own[np.clip(segment // 2, 0, len(spans) - 1), np.arange(len(ops))]
+    for (phase, k, others, first, accumulated) in _action_states(pipeline, len(spans)):
+        ids = np.flatnonzero(segment == 2 * k + (phase == BACKWARD))
+        if not len(ids):
+            continue
+        value = int(np.dot(others, held)) + (grads.held(k, phase, first, accumulated, ids) if grads else 0)
+        # the one microbatch's copies of other stages' nodes are no tensors of this action
+        extra[ids] = np.maximum(extra[ids], value - others_copies[ids])
+    extra[extra == lowest] = 0
+    if grads is not None:
+        extra[-1] = max(int(extra[-1]), grads.reduce_at_end() - int(own[:, -1].sum()))
+    return extra
+
+
+def _segments(graph: Any, ops: Sequence[tuple[str, int]], stage_of: np.ndarray) -> np.ndarray:
+    """int64[len(ops)]: each op's stage and phase, ``2 stage + 1`` in the backward: a compute's node's stage,
+    backward from the stage's first backward compute on (a forward node recomputed there runs in the
+    backward); any other op that of the compute before it (the first compute's before it)."""
+    out = np.zeros(len(ops), dtype=np.int64)
+    backward: set[int] = set()
+    current = -1
+    for i, (kind, v) in enumerate(ops):
+        if kind == "compute":
+            k = int(stage_of[v])
+            if not graph.is_forward[v]:
+                backward.add(k)
+            current = 2 * k + (k in backward)
+        out[i] = current
+    first = next((i for i, s in enumerate(out) if s >= 0), len(out))
+    out[:first] = out[first] if first < len(out) else 0
+    return out
+
+
+def _action_states(pipeline: dict[str, Any], stages: int) -> list[tuple[str, int, np.ndarray, bool, np.ndarray]]:
+    """For each action of the rank: its phase and stage, the other microbatches in flight per stage, whether it
+    is its stage's first backward in the step, and which stages have run their first backward before it (their
+    accumulated gradients exist) and not yet their last (not yet reduce-scattered)."""
+    in_flight = np.zeros(stages, dtype=np.int64)
+    backwards = np.zeros(stages, dtype=np.int64)
+    total = np.zeros(stages, dtype=np.int64)
+    for phase, k, _ in pipeline["actions"]:
+        total[int(k)] += phase == BACKWARD
+    out = []
+    for phase, k, _ in pipeline["actions"]:
+        k = int(k)
+        others = in_flight.copy()
+        if phase == BACKWARD:
+            others[k] -= 1  # this microbatch's own bytes are the one microbatch's timeline
+        accumulated = (backwards > 0) & (backwards < total)
+        out.append((phase, k, others, phase == BACKWARD and backwards[k] == 0, accumulated))
+        if phase == FORWARD:
+            in_flight[k] += 1
+        else:
+            in_flight[k] -= 1
+            backwards[k] += 1
+    return out
+
+
+class _Accumulated:
+    """FSDP's gradients under pipeline parallel (module doc): each unit's accumulated unsharded gradients in
+    reduce_dtype, from its first backward in the step to its stage's last; in a backward the running unit's
+    gradients (the graph frees them at once) until its post-backward."""
+
+    def __init__(self, graph: Any, ops: Sequence[tuple[str, int]], stage_of: np.ndarray, segment: np.ndarray,
+                 stages: int) -> None:
+        from bonsai_core.fsdp import DTYPE_BYTES, _backward_unit, _forward_owner
+
+        fsdp = graph.fsdp
+        ratio = DTYPE_BYTES[fsdp.get("reduce_dtype") or "fp32"] / DTYPE_BYTES[fsdp.get("param_dtype") or "fp32"] \
+            if fsdp.get("param_dtype") else 1.0
+        self.unit_grads = [int(u[3] * ratio) for u in fsdp["units"]]  # accumulated, in reduce_dtype
+        self.stage_total = np.zeros(stages, dtype=np.int64)
+        for u, unit in enumerate(fsdp["units"]):
+            self.stage_total[int(stage_of[int(unit[1])])] += self.unit_grads[u]
+        reads = _backward_unit(graph, _forward_owner(graph, fsdp["units"]))
+        # with a param_dtype other than reduce_dtype each backward's gradients stay the unit's .grad until its
+        # post-backward adds them to the accumulated ones; else autograd adds them into .grad (the accumulated)
+        cast = ratio != 1.0
+        n = len(ops)
+        self.running = np.zeros(n, dtype=np.int64)  # the running unit's gradients held (param dtype)
+        self.done = np.zeros(n, dtype=np.int64)  # accumulated bytes of the units whose backward ended (this segment)
+        current, held, finished, where = -1, 0, set(), None
+        for i, (kind, v) in enumerate(ops):
+            if segment[i] != where:  # a stage's forward or backward begins
+                current, held, finished, where = -1, 0, set(), segment[i]
+            if kind == "compute" and not graph.is_forward[v]:
+                u = int(reads[v])
+                if u >= 0 and u != current:
+                    if current >= 0:  # its post-backward: its gradients accumulated, then freed
+                        finished.add(current)
+                    current, held = u, 0
+                if graph.is_output[v] and cast:
+                    held += int(graph.mem[graph.storage_of(v)])
+            self.running[i], self.done[i] = held, sum(self.unit_grads[u] for u in finished)
+
+    def held(self, k: int, phase: str, first: bool, accumulated: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """The gradient bytes at the ops ``ids`` of an action of stage ``k``: the accumulated gradients of the
+        stages ``accumulated`` marks, and in a backward the running unit's, with this stage's accumulated
+        ones growing unit by unit in its first backward."""
+        other = int(np.dot(accumulated, self.stage_total)) - (int(self.stage_total[k]) if accumulated[k] else 0)
+        if phase == FORWARD:
+            return np.full(len(ids), other + (int(self.stage_total[k]) if accumulated[k] else 0), dtype=np.int64)
+        mine = self.done[ids] if first else int(self.stage_total[k])
+        return other + mine + self.running[ids]
+
+    def reduce_at_end(self) -> int:
+        """After the last backward (``perform_reduce_grad``): the accumulated gradients and the largest unit's
+        reduce-scatter input."""
+        return int(self.stage_total.sum()) + max(self.unit_grads, default=0)
