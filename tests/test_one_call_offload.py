@@ -26,10 +26,12 @@ def _measured_within_the_prediction(report: bonsai.Report, model: nn.Module, inp
 
 
 def test_zoo_gpt_offloads_and_trains_the_same_within_the_predicted_peak(tmp_path):
+    """At 95% the zoo GPT fits by offloading alone (nothing recomputed): the offloads are the plan's
+    cheapest way under the budget, and no checkpoint holds them on the device."""
     model, inputs, loss_fn = models.build("gpt", **GPT)
     reference = _step(model, lambda m: m(*inputs), loss_fn)
 
-    report = bonsai.checkpoint(model, inputs, loss_fn, budget="90%", cache_dir=tmp_path, offload=True)
+    report = bonsai.checkpoint(model, inputs, loss_fn, budget="95%", cache_dir=tmp_path, offload=True)
 
     assert report.offloaded > 0 and report.offloaded_bytes > 0 and report.host_peak > 0
     assert "offloaded to host memory" in str(report)
@@ -39,7 +41,7 @@ def test_zoo_gpt_offloads_and_trains_the_same_within_the_predicted_peak(tmp_path
 
     bonsai.remove_checkpoints(model)
     assert not any(is_offloading(m) for m in model.modules()) and "forward" not in model.__dict__
-    cached = bonsai.plan(model, inputs, loss_fn, budget="90%", cache_dir=tmp_path, offload=True)
+    cached = bonsai.plan(model, inputs, loss_fn, budget="95%", cache_dir=tmp_path, offload=True)
     assert cached.report.cached and cached.offload and cached.report.offloaded_bytes == report.offloaded_bytes
 
 

@@ -320,9 +320,9 @@ def _held_by_eager(graph: Graph, held: list[tuple[int, int, set[int] | None]], w
     (``held``: (u, w, node), u's storage dropped only after node w ran, as the run of
     :func:`bonsai_core.modules.record_step` saw it): the node at or before w that is no view (nor a
     separated output, ``Graph.output_of``) reads u. A release in the backward pass counts where one of
-    u's readers is an op of the autograd node that released it (``node``, graph nodes): the node held it;
-    the alignment of eager's ops with the graph's misplaces some where the traced ops are not eager's
-    (a recurrent cell written functionally)
+    u's readers, or a view's (a linear saves its flattened input), is an op of the autograd node that
+    released it (``node``, graph nodes): the node held it; the alignment of eager's ops with the graph's
+    misplaces some where the traced ops are not eager's (a recurrent cell written functionally)
     In the forward pass Python holds them: a submodule call's arguments until the call returns, a
     caller's local (``inputs_embeds`` through a whole transformers model), the model's output (logits, a
     key/value cache) until the loss function returns. Invisible where autograd saves those tensors
@@ -336,24 +336,26 @@ def _held_by_eager(graph: Graph, held: list[tuple[int, int, set[int] | None]], w
     bytes."""
     extra: dict[int, set[int]] = {}
     for u, w, node in held:
-        if u in written or graph.is_output[u] or (node is not None and not node.intersection(graph.users(u).tolist())):
+        readers = _readers(graph, u)
+        if u in written or graph.is_output[u] or (node is not None and not node.intersection(readers)):
             continue
         # no view, and no separated output of a multi-output op: a dep more would make it an op of its own
         v = next((x for x in range(w, u, -1) if graph.alias_of[x] < 0 and graph.output_of[x] < 0), -1)
-        if v > u and _last_use(graph, u) < v:  # else the graph holds it that long already
+        if v > u and max(readers, default=-1) < v:  # else the graph holds it that long already
             extra.setdefault(v, set()).add(u)
     return extra
 
 
-def _last_use(graph: Graph, u: int) -> int:
-    """The last node reading ``u`` or a view of it (a resident view keeps its base resident)."""
-    last, stack = -1, [u]
+def _readers(graph: Graph, u: int) -> set[int]:
+    """The nodes reading ``u`` or a view of it: a resident view keeps its base resident, and an autograd
+    node that saved the view (a linear's flattened input) holds the base's storage."""
+    readers, stack = set(), [u]
     while stack:
         for x in graph.users(stack.pop()).tolist():
-            last = max(last, x)
+            readers.add(x)
             if graph.alias_of[x] >= 0:
                 stack.append(x)
-    return last
+    return readers
 
 
 def _runs_in_place(graph: Graph, node: fx.Node, ids: dict[str, int], v: int, u: int) -> bool:
