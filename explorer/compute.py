@@ -304,6 +304,15 @@ def accepted_options(method: str) -> set[str] | None:
 
 
 GENERIC_OPTIONS = ("time_limit", "granularity", "backend")  # the sidebar draws these for every method
+# bonsai plans checkpoint regions here (its own default also searches op-level plans, which have none):
+# the pages draw, explain and export regions; its space option in the sidebar offers the others
+DEFAULTS: dict[str, dict[str, Any]] = {"bonsai": {"space": "regions"}}
+
+
+def with_defaults(method: str, options: Options) -> Options:
+    """``options`` with the explorer's defaults for ``method`` (:data:`DEFAULTS`) where they leave them
+    out: what is solved, and what a kept plan is keyed by."""
+    return tuple(sorted({**DEFAULTS.get(method, {}), **dict(options)}.items()))
 
 
 @dataclass(frozen=True)
@@ -330,12 +339,13 @@ def method_options(method: str) -> tuple[OptionSpec, ...]:
         declared = solvers.method_options(method) or ()
     except BonsaiError:
         return ()
-    return tuple(_spec(o) for o in declared if o.name not in GENERIC_OPTIONS)
+    return tuple(_spec(o, DEFAULTS.get(method, {})) for o in declared if o.name not in GENERIC_OPTIONS)
 
 
-def _spec(option: solvers.MethodOption) -> OptionSpec:
-    """The sidebar's input for one declared option: a ``Literal`` type gives its choices."""
-    default = None if option.default is inspect.Parameter.empty else option.default
+def _spec(option: solvers.MethodOption, defaults: dict[str, Any]) -> OptionSpec:
+    """The sidebar's input for one declared option, at the explorer's default where it has one: a
+    ``Literal`` type gives its choices."""
+    default = defaults.get(option.name, None if option.default is inspect.Parameter.empty else option.default)
     args = [a for a in typing.get_args(option.type) if a is not type(None)]
     choices = tuple(args) if typing.get_origin(option.type) is Literal else None
     kind = type(default) if default is not None else next(
@@ -356,13 +366,14 @@ def solve(graph: Graph, budget: int | None, method: str, options: Options = (), 
 
 def kept(graph: Graph, budget: int | None, method: str, options: Options, reserved: str | None = None) -> bool:
     """Whether :func:`solve` would read this solve from the disk (:mod:`explorer.disk`) rather than solve it."""
-    return disk.has_plan(graph.hash, method, tuple(options), reserved, budget)
+    return disk.has_plan(graph.hash, method, with_defaults(method, options), reserved, budget)
 
 
 @st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=512)
 def solved(graph: Graph, budget: int | None, method: str, options: Options, reserved: str | None,
            _cap: float | None) -> Outcome:
-    """``solvers.solve`` with the options the user set, its simulation, or its error message.
+    """``solvers.solve`` with the options the user set (and the explorer's :data:`DEFAULTS`), its
+    simulation, or its error message.
 
     ``reserved`` (an allocator policy of :data:`ALLOCATORS`) has ``budget`` bound the bytes that allocator
     reserves instead of the live bytes (``solvers.solve_reserved``, as ``bonsai solve --reserved``);
@@ -370,7 +381,8 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
     drawn beside. ``_cap`` (not part of the cache key) runs the method with its time limit lowered to ``_cap``
     seconds: a call that ends sooner is the uncapped call's outcome (the limit was never reached) and is
     cached as such; one that reaches it raises :class:`Unfinished` and nothing is cached."""
-    kept = disk.load_plan(graph.hash, method, options, reserved, budget)
+    asked = with_defaults(method, options)
+    kept = disk.load_plan(graph.hash, method, asked, reserved, budget)
     if kept is not None:  # solved before, by this code (a server before this one, or its sweep): simulated again
         schedule, error, seconds = kept
         if schedule is None:
@@ -381,7 +393,7 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
         except BonsaiError:  # not this graph's after all: solved again below
             pass
     start = time.perf_counter()
-    run = dict(options)
+    run = dict(asked)
     if _cap is not None:
         run["time_limit"] = min(float(run.get("time_limit") or math.inf), _cap)  # 0 or absent: no limit
     try:
@@ -406,7 +418,7 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
     if _cap is not None and outcome.wall_seconds >= _cap:
         raise Unfinished(f"{method} at {budget} B did not finish within {_cap:g} s")
     if keep and keepable(method, outcome, run.get("time_limit")):
-        disk.save_plan(graph.hash, method, options, reserved, budget, outcome.schedule, outcome.error,
+        disk.save_plan(graph.hash, method, asked, reserved, budget, outcome.schedule, outcome.error,
                        outcome.wall_seconds)
     return outcome
 

@@ -18,7 +18,8 @@ st.title("Export")
 def cli_commands(m: compute.Model, s: state.Settings) -> str:
     """The command lines that make the same schedule and model."""
     flags = " ".join(f"--{k} {v}" for k, v in sorted(m.options.items()))
-    solve_flags = " ".join([f"--{k.replace('_', '-')} {v}" for k, v in s.options]
+    solve_flags = " ".join([f"--{k.replace('_', '-')} {v}" if k in compute.GENERIC_OPTIONS else f"--option {k}={v}"
+                            for k, v in compute.with_defaults(s.method, s.options)]
                            + (["--reserved"] if s.reserved else []) + (["--expandable-segments"]
                                                                        if s.reserved == "expandable" else []))
     spec = shlex.quote(m.spec_in_commands)

@@ -11,7 +11,7 @@ from streamlit.testing.v1 import AppTest
 from bonsai_core import solvers
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.units import format_bytes
-from explorer import module_graph, pair
+from explorer import compute, module_graph, pair
 from tests.test_app import app, goto
 
 
@@ -40,8 +40,10 @@ def test_bonsai_and_chen_side_by_side_at_60_percent_on_the_default_model():
     g = at.session_state["model"].graph
     budget = at.session_state["settings"].budget
     assert budget == int(0.6 * no_remat_peak(g)) or abs(budget - 0.6 * no_remat_peak(g)) < 2
-    # each side is the method's own schedule at that budget, checked by the simulator
-    sims = {m: simulate(g, solvers.solve(g, budget, m, time_limit=20.0)) for m in ("bonsai", "chen")}
+    # each side is the method's own schedule at that budget as the explorer asks for it (bonsai: checkpoint
+    # regions, compute.DEFAULTS), checked by the simulator
+    plans = {m: solvers.solve(g, budget, m, time_limit=20.0, **compute.DEFAULTS.get(m, {})) for m in ("bonsai", "chen")}
+    sims = {m: simulate(g, plans[m]) for m in plans}
     assert all(s.peak <= budget for s in sims.values())
 
     table = side_table(at)
@@ -67,7 +69,7 @@ def test_bonsai_and_chen_side_by_side_at_60_percent_on_the_default_model():
     boxes = module_graph.module_boxes(g, module_graph.default_depth(g, tree), tree)
     again = {}
     for m in ("bonsai", "chen"):
-        computed = simulate(g, solvers.solve(g, budget, m, time_limit=20.0)).times_computed
+        computed = sims[m].times_computed
         again[m] = {boxes.names[boxes.of[v]] for v in range(g.n)
                     if computed[v] > 1 and g.is_forward[v] and not g.is_view[v]}
     for name, fill in fwd.items():
