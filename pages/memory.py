@@ -203,7 +203,7 @@ def compiled_beside(chosen: compute.Outcome, base, budget: int) -> None:
     and each step without a plan, over the share of the step; the two peaks and what compiling frees."""
     m = state.model()
     if not m.compiled:
-        if st.session_state.get("compiled_on"):  # the Model page's switch is on, but not for this model
+        if state.compiled_on():  # the Model page's switch is on, but not for this model
             st.info(compute.compile_refusal(m) or "This model was traced with the Compiled switch off: trace it again "
                     "on the Model page (Hugging Face or torchtitan tab) with the switch on to see its compiled curve.",
                     icon=":material/info:")
@@ -258,6 +258,8 @@ def compiled_caption(chosen: compute.Outcome, planned: compute.Compiled, referen
             + (f"frees {format_bytes(freed)} ({freed:,} B, {freed / chosen.sim.peak:.1%})" if freed >= 0 else
                f"holds {format_bytes(-freed)} ({-freed:,} B) more")
             + f". Without a plan (dashed): eager {format_bytes(eager_none)}, compiled {format_bytes(reference.peak)}. "
+            "The checkpoints can hold a plan less tightly than it is simulated (a region rebuilt whole, its inputs kept "
+            "until then), so a compiled curve can sit above the eager one. "
             "The two steps run different numbers of ops (eager ops, inductor's fused kernels), so each curve is drawn "
             "over the share of its step done. Inductor compiles for the CPU here: a GPU's Triton back-end fuses "
             "what it fuses.")

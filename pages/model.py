@@ -12,8 +12,9 @@ from explorer import compute, state
 
 MAX_CONFIG_BYTES = 256 * 1024  # real config.json files are a few KiB
 # how long the Compiled switch makes a trace take at the tabs' defaults, as measured (docs/EXPLORER.md)
-HF_COMPILE_SECONDS = ("hf:gpt2 at its defaults compiled in 14 s the first time (inductor's cache cold), "
-                      "hf:llama in 7 s, and each plan's checkpoints in 4 to 5 s more")
+HF_COMPILE_SECONDS = ("a trace of hf:llama at its defaults took 16.5 s with the switch on (inductor's cache cold; "
+                      "3 s without) and hf:gpt2 9.5 s, and the Memory page's compiled curve of a bonsai plan took 8 "
+                      "to 11 s more")
 TITAN_COMPILE_SECONDS = "debugmodel at its defaults compiled in 4 s without a plan and 8 s with a plan's checkpoints"
 
 st.title("Model")
@@ -81,20 +82,19 @@ def trace_with_progress(what: str, trace, hint: str, compiled: str | None = None
             state.show_error(message, hint)
 
 
-COMPILED_ON = "compiled_on"  # the switch's state, kept for the session whichever tab shows it
 COMPILED_HELP = ("Also trace the step as torch.compile runs it ({how}), through inductor's own programs on fake "
                  "tensors (its fused kernels, its buffers, the partitioner's saved tensors). Plans stay on the eager "
                  "graph, which the checkpoints apply to; the Memory page draws the compiled step's memory under the "
                  "same plan's checkpoint regions beside the eager curve. Compiling takes time: on this project's "
-                 "shared 2-core machine {seconds}, and again for each new plan the Memory page shows.")
+                 "shared 2-core machine {seconds}; each new plan compiles again (once: it is cached).")
 
 
 def compiled_switch(key: str, mode: str, how: str, seconds: str, refusal: str | None = None) -> str | None:
     """The "Compiled (torch.compile)" toggle of one tab (its state the session's, shared by the tabs): the
     compile mode to trace with, or None when off or refused (``refusal``, said under it)."""
     ss = st.session_state
-    ss[key] = ss.get(COMPILED_ON, False)
-    on = st.toggle("Compiled (torch.compile)", key=key, on_change=lambda: ss.update({COMPILED_ON: ss[key]}),
+    ss[key] = state.compiled_on()
+    on = st.toggle("Compiled (torch.compile)", key=key, on_change=lambda: ss.update({state.COMPILED_ON: ss[key]}),
                    help=COMPILED_HELP.format(how=how, seconds=seconds))
     if on and refusal:
         st.info(refusal, icon=":material/info:")
@@ -257,7 +257,7 @@ with upload_tab:
         "with `torch.export.load` — only when it holds plain tensors and no pickled objects or compiled code — "
         f"and its training step is traced with the loss **{pt2.LOSS_DESCRIPTION}**. "
         f"Limit: {pt2.MAX_PT2_BYTES // 2**20} MiB.")
-    if st.session_state.get(COMPILED_ON):
+    if state.compiled_on():
         st.info("The Compiled switch (Hugging Face and torchtitan tabs) does not apply here: a graph JSON holds no model "
                 "to compile, and a .pt2's step is traced from its exported program, not from a module torch.compile "
                 "runs. An upload is traced eager only.", icon=":material/info:")
