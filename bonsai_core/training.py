@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 
 from bonsai_core.budget import Budget, parse_budget
-from bonsai_core.errors import BonsaiError, BudgetError, ModelError, SolverError
+from bonsai_core.errors import BonsaiError, BudgetError, ModelError, ScheduleError, SolverError
 from bonsai_core.export_runtime.checkpointing import (apply_offloads, apply_saves, is_checkpointed, is_offloading,
                                                       remove_checkpoints)
 from bonsai_core.fsdp import Sharding
@@ -751,7 +751,19 @@ class _FakeStep:
         return self.finish(graph)
 
     def layout(self, graph: Graph, schedule: Schedule) -> tuple[Save, _Layout]:
-        """The plan laid onto the model's submodules (:func:`bonsai_core.export.checkpoint.faithful_layout`)."""
+        """The plan laid onto the model's submodules (:meth:`laid_out`), with its peak: the simulator's of
+        what the checkpoints run, or under compile the compiled step's with them."""
+        lay, left_out = self.laid_out(graph, schedule)
+        if not self.compiled:
+            return lay.save, _Layout(lay.realised_peak, left_out, lay.unrealised_bytes, lay.offload,
+                                     len(lay.offloaded), lay.offloaded_bytes, lay.host_peak)
+        under_compile = self.compiled_graph(lay.save)
+        return lay.save, _Layout(no_remat_peak(under_compile), left_out, lay.unrealised_bytes, lay.offload,
+                                 len(lay.offloaded), lay.offloaded_bytes, lay.host_peak, under_compile.total_cost)
+
+    def laid_out(self, graph: Graph, schedule: Schedule) -> tuple[Any, dict[str, str]]:
+        """The plan's :func:`bonsai_core.export.checkpoint.faithful_layout` on the model's submodules (its
+        ``CheckpointLayout``) and the submodules left out, with why."""
         from bonsai_core.export.checkpoint import faithful_layout, hidden_caches, recomputation_mismatches
         from bonsai_core.export.checkpoint import offload_misses as offload_misses_of
         from bonsai_core.modules import record_step
@@ -788,12 +800,34 @@ class _FakeStep:
                              f"recomputed faithfully; `{path}`: {why}. torch.utils.checkpoint requires a recomputation "
                              "to run the ops its forward ran: keep a submodule's forward free of state that it changes "
                              "and reads back (a cache it appends to).")
-        if not self.compiled:
-            return lay.save, _Layout(lay.realised_peak, left_out, lay.unrealised_bytes, lay.offload,
-                                     len(lay.offloaded), lay.offloaded_bytes, lay.host_peak)
-        under_compile = self.compiled_graph(lay.save)
-        return lay.save, _Layout(no_remat_peak(under_compile), left_out, lay.unrealised_bytes, lay.offload,
-                                 len(lay.offloaded), lay.offloaded_bytes, lay.host_peak, under_compile.total_cost)
+        return lay, left_out
+
+
+def compiled_plan(spec: str, graph: Graph, schedule: Schedule | None, compile: str = "model", *, seed: int = 0,
+                  fsdp: int = 1, **options: Any) -> tuple[Graph, Save]:
+    """The same plan, compiled: the step of model spec ``spec`` (built with ``options`` as
+    :func:`bonsai_core.trace.trace_model` builds it, on one of ``fsdp`` ranks) compiled as ``compile`` says,
+    with ``schedule``'s checkpoint regions laid onto its submodules as :func:`plan` lays them, and those
+    save policies. ``graph`` is the eager step the schedule was solved on; a schedule without checkpoint
+    regions (None, no remat) gives the compiled step without checkpoints. The graph's plain schedule is
+    what the plan holds under torch.compile (its ``no_remat_peak``: :func:`plan`'s predicted peak under
+    ``compile``), to set beside the eager schedule's."""
+    from torch._guards import detect_fake_mode
+
+    from bonsai_core.trace import built_for_tracing
+    from bonsai_core.trace.compiled import check_compile
+
+    check_compile(compile, fsdp)
+    if schedule is not None and schedule.graph_hash not in (None, graph.hash):
+        raise ScheduleError(f"The schedule was solved on graph {schedule.graph_hash}, not on {graph.hash} ({graph.name}): "
+                            "give the eager graph it was solved on.")
+    regions = schedule is not None and "segments" in schedule.extra
+    sharding = Sharding.of(fsdp, model=spec)
+    with built_for_tracing(spec, seed, **options) as (model, inputs, loss_fn):
+        step = _FakeStep(detect_fake_mode(inputs), model, tuple(inputs), loss_fn, spec, compiled=compile)
+        step.mixed_precision, step.finish = sharding.mixed_precision, lambda g: sharding.shard(g, model)
+        save = step.laid_out(graph, schedule)[0].save if regions else {}
+        return step.compiled_graph(save), save
 
 
 def _skip_asserts() -> contextlib.AbstractContextManager:

@@ -50,6 +50,7 @@ class Model:
     parameters: int | None = None  # parameter count, when known
     note: str = ""  # e.g. the loss used for a .pt2 upload
     link: str | None = None  # what a link names the model by, when not ``zoo`` (an uploaded config: hf-config:KEY)
+    compiled: str | None = None  # the torch.compile mode whose curve the Memory page draws beside the plan's
 
     @property
     def link_name(self) -> str | None:
@@ -507,6 +508,72 @@ def replay(graph: Graph, outcome: Outcome) -> Any:
         return replay_as_solved(graph, outcome.schedule)
     except BonsaiError as e:
         return str(e)
+
+
+# -- the same plan, compiled -------------------------------------------------------------------------
+
+COMPILE_MODES = {"model": "torch.compile(model)", "blocks": "each block compiled (fullgraph=True), as torchtitan does"}
+PARALLEL_DEGREES = ("tp", "cp", "pp")  # a rank of these layouts is traced eager only (bonsai_core.rank.trace)
+
+
+def compile_refusal(model: Model) -> str | None:
+    """Why the compiled curve cannot be drawn for ``model``, in words; None when it can."""
+    if model.zoo is None:
+        return (f"This graph came from an upload ({model.label}): there is no model to compile, only its operator "
+                "graph. Trace a model on the Hugging Face or torchtitan tab with the switch on.")
+    parallel = [k for k in PARALLEL_DEGREES if int(model.options.get(k, 1)) > 1]
+    if parallel:
+        return (f"{', '.join(k.upper() for k in parallel)} > 1: a compiled tensor, context or pipeline parallel rank "
+                "is not traced (the library refuses torch.compile there; only FSDP is); this trace is eager only.")
+    return None
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The compiled step of one plan: its memory over its kernels (the plain schedule of inductor's program)."""
+
+    timeline: np.ndarray  # bytes resident after each step of the compiled program
+    peak: int
+    peak_op: int
+    kernels: int  # nodes of the compiled graph (inductor's kernels and buffers)
+    regions: tuple[str, ...]  # the checkpointed submodules the plan was laid onto
+    seconds: float
+
+
+def plan_key(schedule: Schedule | None) -> str:
+    """What the compiled curve of a plan depends on: its checkpoint regions ("" for none: no remat, or a
+    schedule of single ops)."""
+    import json
+
+    if schedule is None or "segments" not in schedule.extra:
+        return ""
+    return json.dumps(schedule.extra, sort_keys=True, default=str)
+
+
+def compiled_step(model: Model, schedule: Schedule | None) -> Compiled | str:
+    """:func:`compiled_of`, keyed by the model's spec and options and the plan's regions."""
+    return compiled_of(model.zoo, tuple(sorted(model.options.items())), model.compiled, model.graph,
+                       plan_key(schedule), schedule)
+
+
+@st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=32)
+def compiled_of(spec: str, options: Options, mode: str, graph: Graph, regions: str,
+                _schedule: Schedule | None) -> Compiled | str:
+    """The step of ``spec`` compiled as ``mode`` says with the plan's checkpoint regions applied
+    (:func:`bonsai_core.training.compiled_plan`; ``regions`` "" : without checkpoints), or why it failed."""
+    from bonsai_core.training import compiled_plan
+
+    start = time.perf_counter()
+    schedule = _schedule if regions else None
+    try:
+        compiled, save = compiled_plan(spec, graph, schedule, mode, **dict(options))
+        sim = simulate(compiled, none_schedule(compiled))
+    except BonsaiError as e:
+        return str(e)
+    except Exception as e:  # torch.compile raises many types; the page says which, never a traceback
+        return f"torch.compile could not trace {spec} ({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]})."
+    return Compiled(np.asarray(sim.timeline), int(sim.peak), int(sim.peak_op), compiled.n, tuple(save),
+                    time.perf_counter() - start)
 
 
 # -- export ------------------------------------------------------------------------------------------

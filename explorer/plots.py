@@ -96,9 +96,12 @@ class Curve:
 
 def curve(label: str, timeline: np.ndarray, op_costs: np.ndarray, peak: int, peak_op: int, colour: str,
           x_mode: str = "time", dash: str = "solid", reserved: np.ndarray | None = None) -> Curve:
-    """A curve over elapsed compute time (``x_mode="time"``: recomputation stretches it) or over op
-    index (``"ops"``). O(len(ops))."""
+    """A curve over elapsed compute time (``x_mode="time"``: recomputation stretches it), over op
+    index (``"ops"``) or over the share of the step's ops done (``"share"``, 0 to 1: steps of different
+    lengths, an eager and a compiled one, side by side). O(len(ops))."""
     x = np.cumsum(op_costs) * 1e3 if x_mode == "time" else np.arange(1, len(timeline) + 1, dtype=float)
+    if x_mode == "share":
+        x /= max(1, len(timeline))
     peak_x = float(x[peak_op]) if 0 <= peak_op < len(x) else 0.0
     return Curve(label, x, np.asarray(timeline), int(peak), peak_x, colour, dash, reserved)
 
@@ -185,6 +188,11 @@ def _event_marks(events: Sequence[tuple[float, str, str]], top: int, curves: Seq
                          for i, (ex, label, words) in enumerate(events)], columns=["x", "mib", "mark", "text"])
 
 
+X_TITLES = {"time": "elapsed compute time (ms)", "ops": "schedule step (op)",
+            "share": "share of the step (its ops eager, its kernels compiled)"}
+X_UNITS = {"time": "ms", "ops": "op", "share": "share"}
+
+
 def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int | None = None,
                  x_mode: str = "time", height: int = 440, cursor: float | None = None,
                  x_domain: tuple[float, float] | None = None,
@@ -226,8 +234,7 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     levels.append({"mib": 1.15 * top / MIB, "kind": "top", "text": ""})
 
     labels = [c.label for c in curves]
-    x = {"field": "x", "type": "quantitative",
-         "title": "elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)"}
+    x = {"field": "x", "type": "quantitative", "title": X_TITLES[x_mode]}
     y = {"field": "mib", "type": "quantitative", "title": "memory (MiB)"}
     if x_domain is not None:
         y["axis"] = {"minExtent": 48, "maxExtent": 48}
@@ -269,7 +276,7 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
                           "opacity": {"condition": {"param": "hover", "empty": False, "value": 1}, "value": 0},
                           "tooltip": [{"field": "schedule", "title": "schedule"},
                                       {"field": "mib", "title": "MiB", "format": ".2f"},
-                                      {"field": "x", "title": "ms" if x_mode == "time" else "op", "format": ".4~f"}]}},
+                                      {"field": "x", "title": X_UNITS[x_mode], "format": ".4~f"}]}},
             {"data": {"name": "peaks"}, "encoding": {"x": x, "y": y, "color": colour, "tooltip": {"field": "text"}},
              "mark": {"type": "point", "shape": "triangle-down", "filled": True, "size": 110, "opacity": 1,
                       "stroke": "white", "strokeWidth": 1}},

@@ -49,6 +49,14 @@ class Settings:
     reserved: str | None = None  # the budget bounds this allocator's reserved bytes (compute.ALLOCATORS), not live
 
 
+COMPILED_ON = "compiled_on"  # the Model page's Compiled switch, kept for the session whichever tab shows it
+
+
+def compiled_on() -> bool:
+    """Whether the Model page's Compiled switch is on (a model traced so has ``Model.compiled``)."""
+    return bool(st.session_state.get(COMPILED_ON))
+
+
 def model() -> compute.Model:
     if "model" not in st.session_state:
         st.session_state["model"] = compute.default_model(str(DEFAULT_GRAPH))

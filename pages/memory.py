@@ -195,6 +195,76 @@ def per_rank(out: compute.Outcome, chosen: plots.Curve | None, budget: int) -> N
                "the simulator's (bonsai_core.fsdp); the allocator's extra is its model's replay.")
 
 
+COMPILED_COLOUR = "#CC79A7"  # the compiled curves: a colour no method's eager curve has here
+
+
+def compiled_beside(chosen: compute.Outcome, base, budget: int) -> None:
+    """The chosen plan eager and compiled (its checkpoint regions laid onto submodules, the step compiled),
+    and each step without a plan, over the share of the step; the two peaks and what compiling frees."""
+    m = state.model()
+    if not m.compiled:
+        if state.compiled_on():  # the Model page's switch is on, but not for this model
+            st.info(compute.compile_refusal(m) or "This model was traced with the Compiled switch off: trace it again "
+                    "on the Model page (Hugging Face or torchtitan tab) with the switch on to see its compiled curve.",
+                    icon=":material/info:")
+        return
+    st.subheader("The same plan, compiled")
+    if chosen.plan is None and chosen.sim.recomputes:
+        st.info(f"{chosen.method}'s schedule recomputes single ops, which torch.utils.checkpoint cannot apply, so it "
+                "has no compiled form: pick bonsai or chen (checkpoint regions) for the compiled curve.",
+                icon=":material/info:")
+        return
+    with st.spinner(f"Compiling the step with this plan's checkpoints ({compute.COMPILE_MODES[m.compiled]}) through "
+                    "inductor…", show_time=True):
+        planned = compute.compiled_step(m, chosen.schedule)
+        reference = compute.compiled_step(m, None)
+    failed = next((r for r in (planned, reference) if isinstance(r, str)), None)
+    if failed:
+        state.show_error(failed, "The eager curves above are unaffected; trace it again with the switch off.")
+        return
+    label = "no remat" if chosen.method == "none" else chosen.method
+    curves = [plots.curve(f"eager: {label}", chosen.sim.timeline, np.zeros(len(chosen.sim.timeline)), chosen.sim.peak,
+                          chosen.sim.peak_op, plots.method_colour(chosen.method), "share"),
+              plots.curve(f"compiled: {label}", planned.timeline, np.zeros(len(planned.timeline)), planned.peak,
+                          planned.peak_op, COMPILED_COLOUR, "share")]
+    if chosen.method != "none":
+        curves += [plots.curve("eager: no remat", base.timeline, np.zeros(len(base.timeline)), base.peak, base.peak_op,
+                               plots.method_colour("none"), "share", dash="dash"),
+                   plots.curve("compiled: no remat", reference.timeline, np.zeros(len(reference.timeline)), reference.peak,
+                               reference.peak_op, COMPILED_COLOUR, "share", dash="dash")]
+    st.vega_lite_chart(spec=plots.memory_chart(curves, budget, None, "share", height=360), width="stretch",
+                       key="memory_compiled_plot")
+    freed = chosen.sim.peak - planned.peak
+    c = st.columns(3)
+    c[0].metric("eager peak", format_bytes(chosen.sim.peak), help=f"{label}'s schedule as simulated on the eager graph.")
+    c[1].metric("compiled peak", format_bytes(planned.peak), help="The same plan's checkpoints under torch.compile.")
+    c[2].metric("compiling frees", f"{format_bytes(freed)} ({freed / chosen.sim.peak:.1%})" if freed >= 0 else
+                f"none: {format_bytes(-freed)} more", help="Eager peak less compiled peak, of the same plan.")
+    st.caption(compiled_caption(chosen, planned, reference, base.peak, label))
+
+
+def compiled_caption(chosen: compute.Outcome, planned: compute.Compiled, reference: compute.Compiled, eager_none: int,
+                     label: str) -> str:
+    """What the compiled chart shows, in words, with both steps' peaks."""
+    freed = chosen.sim.peak - planned.peak
+    regions = ", ".join(f"`{r}`" for r in planned.regions[:6]) + (f" and {len(planned.regions) - 6} more"
+                                                                    if len(planned.regions) > 6 else "")
+    laid = (f"its checkpoint regions laid onto {len(planned.regions)} submodule(s) ({regions}) as `bonsai.plan` lays "
+            "them, " if planned.regions else "no checkpoints, ")
+    return (f"**{label}** eager (the plan simulated on the traced graph, {len(chosen.schedule.ops)} steps) and the same "
+            f"plan compiled ({laid}the step compiled through inductor: {planned.kernels} kernels and buffers, "
+            f"{len(planned.timeline)} steps). Eager peak {format_bytes(chosen.sim.peak)} ({chosen.sim.peak:,} B), "
+            f"compiled peak {format_bytes(planned.peak)} ({planned.peak:,} B): compiling "
+            + (f"frees {format_bytes(freed)} ({freed:,} B, {freed / chosen.sim.peak:.1%})" if freed >= 0 else
+               f"holds {format_bytes(-freed)} ({-freed:,} B) more")
+            + f". Without a plan (dashed): eager {format_bytes(eager_none)}, compiled {format_bytes(reference.peak)}. "
+            "The checkpoints can hold a plan less tightly than it is simulated (a region rebuilt whole, its inputs kept "
+            "until then), so a compiled curve can sit above the eager one. "
+            "The two steps run different numbers of ops (eager ops, inductor's fused kernels), so each curve is drawn "
+            "over the share of its step done. Inductor compiles for the CPU here: a GPU's Triton back-end fuses "
+            "what it fuses.")
+
+
 def memory_over_time() -> None:
     """The plot and the table at the sidebar's budget, and the address space when open."""
     s = state.settings()
@@ -271,6 +341,8 @@ def memory_over_time() -> None:
         lifetimes(chosen, curves[0], step, x_domain)
         why(chosen, s.budget)
     st.table(rows, hide_index=True)  # a static table: a data grid cost each browser 0.1 CPU-s more per drag
+    if chosen.ok:
+        compiled_beside(chosen, base, s.budget)
     if g.fsdp is not None and chosen.ok:
         per_rank(chosen, curves[0] if on_chosen else None, s.budget)
 

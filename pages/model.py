@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import streamlit as st
 
 from bonsai_core.errors import BonsaiError
@@ -9,6 +11,11 @@ from bonsai_core.units import format_bytes
 from explorer import compute, state
 
 MAX_CONFIG_BYTES = 256 * 1024  # real config.json files are a few KiB
+# how long the Compiled switch makes a trace take at the tabs' defaults, as measured (docs/EXPLORER.md)
+HF_COMPILE_SECONDS = ("a trace of hf:llama at its defaults took 16.5 s with the switch on (inductor's cache cold; "
+                      "3 s without) and hf:gpt2 9.5 s, and the Memory page's compiled curve of a bonsai plan took 8 "
+                      "to 11 s more")
+TITAN_COMPILE_SECONDS = "debugmodel at its defaults compiled in 4 s without a plan and 8 s with a plan's checkpoints"
 
 st.title("Model")
 st.caption("Trace a training step (forward + loss + backward) into an operator graph, or load one.")
@@ -20,6 +27,7 @@ reference = compute.no_remat(g).peak
 st.subheader(m.label)
 if m.note:
     st.info(m.note)
+compiled_slot = st.empty()  # the compiled step's summary: filled after the model's (it may compile)
 c = st.columns(5)
 c[0].metric("operators", summary["nodes"], help=f"{summary['forward_nodes']} forward, "
             f"{summary['backward_nodes']} backward, {summary['views']} views, {summary['edges']} edges"
@@ -51,12 +59,19 @@ zoo_tab, hf_tab, titan_tab, upload_tab = st.tabs(["Built-in models", "Hugging Fa
 from bonsai_core.models import hf, pt2, zoo  # noqa: E402  (imports torch: after the summary is on screen)
 
 
-def trace_with_progress(what: str, trace, hint: str) -> None:
-    """Run ``trace()`` (-> compute.Model) inside a status box; on success make it the session's model."""
+def trace_with_progress(what: str, trace, hint: str, compiled: str | None = None) -> None:
+    """Run ``trace()`` (-> compute.Model) inside a status box; on success make it the session's model.
+    ``compiled`` (a compile mode): the step compiled too, without a plan, the Memory page's reference."""
     with st.status(f"Tracing {what}…", expanded=False) as status:
         try:
             status.write("Building the model under FakeTensorMode and capturing the joint graph (AOTAutograd)…")
             traced = trace()
+            if compiled is not None:
+                status.write(f"Compiling the step ({compute.COMPILE_MODES[compiled]}) through inductor…")
+                traced = replace(traced, compiled=compiled)
+                reference = compute.compiled_step(traced, None)
+                if isinstance(reference, str):
+                    raise BonsaiError(reference)
             status.update(label=f"Traced {traced.label}: {traced.graph.n} ops", state="complete")
             state.set_model(traced)
             st.toast(f"Traced {traced.label}: {traced.graph.n} ops in the graph.")
@@ -65,6 +80,40 @@ def trace_with_progress(what: str, trace, hint: str) -> None:
             status.update(label="Tracing failed", state="error")
             message = str(e) if isinstance(e, BonsaiError) else f"Tracing {what} failed ({type(e).__name__}: {e})."
             state.show_error(message, hint)
+
+
+COMPILED_HELP = ("Also trace the step as torch.compile runs it ({how}), through inductor's own programs on fake "
+                 "tensors (its fused kernels, its buffers, the partitioner's saved tensors). Plans stay on the eager "
+                 "graph, which the checkpoints apply to; the Memory page draws the compiled step's memory under the "
+                 "same plan's checkpoint regions beside the eager curve. Compiling takes time: on this project's "
+                 "shared 2-core machine {seconds}; each new plan compiles again (once: it is cached).")
+
+
+def compiled_switch(key: str, mode: str, how: str, seconds: str, refusal: str | None = None) -> str | None:
+    """The "Compiled (torch.compile)" toggle of one tab (its state the session's, shared by the tabs): the
+    compile mode to trace with, or None when off or refused (``refusal``, said under it)."""
+    ss = st.session_state
+    ss[key] = state.compiled_on()
+    on = st.toggle("Compiled (torch.compile)", key=key, on_change=lambda: ss.update({state.COMPILED_ON: ss[key]}),
+                   help=COMPILED_HELP.format(how=how, seconds=seconds))
+    if on and refusal:
+        st.info(refusal, icon=":material/info:")
+        return None
+    return mode if on else None
+
+
+def compiled_summary(m: compute.Model, eager_peak: int) -> None:
+    """The compiled step without a plan against the eager one, for a model traced with the switch on."""
+    reference = compute.compiled_step(m, None)
+    if isinstance(reference, str):
+        state.show_error(reference, "Trace it again with the Compiled switch off, or change its sizes.")
+        return
+    freed = eager_peak - reference.peak
+    st.info(f"Compiled ({compute.COMPILE_MODES[m.compiled]}): without a plan the compiled step peaks at "
+            f"**{format_bytes(reference.peak)}** over {reference.kernels} kernels and buffers, "
+            f"{format_bytes(abs(freed))} ({abs(freed) / eager_peak:.1%}) {'below' if freed >= 0 else 'above'} the eager "
+            "step. Plans are still made on the eager graph; the Memory page draws each plan's compiled curve beside "
+            "its eager one.", icon=":material/bolt:")
 
 
 def size_inputs(prefix: str, defaults: dict[str, int]) -> dict[str, int]:
@@ -115,6 +164,13 @@ def torchtitan_models() -> None:
             layout["pp_schedule"] = cols[4].selectbox("schedule", ("1f1b", "interleaved-1f1b"), key="titan_schedule")
             layout["rank"] = int(cols[4].number_input("pipeline rank", min_value=0, max_value=layout["pp"] - 1,
                                                       value=0, step=1, key="titan_rank"))
+        parallel_on = [k.upper() for k in compute.PARALLEL_DEGREES if layout[k] > 1]
+        compiled = compiled_switch(
+            "titan_compiled", "blocks", "each TransformerBlock compiled with fullgraph=True, as torchtitan's "
+            "apply_compile does", TITAN_COMPILE_SECONDS,
+            refusal=f"{', '.join(parallel_on)} > 1: a compiled tensor, context or pipeline parallel rank is not traced "
+                    "(the library refuses torch.compile there; FSDP ranks alone are), so this trace is eager only, "
+                    "with no compiled curve." if parallel_on else None)
         left, right = st.columns([1, 4])
         if left.button("Trace", type="primary", key="titan_trace"):
             parallel = tuple((k, v) for k, v in layout.items() if v not in (1, 0) or k == "rank" and layout["pp"] > 1)
@@ -122,7 +178,7 @@ def torchtitan_models() -> None:
                                          + parallel))
             trace_with_progress(f"torchtitan:llama3:{flavour}",
                                 lambda: compute.trace_model(compute.TITAN_FAMILY + flavour, titan_options),
-                                "Change the size options and trace again.")
+                                "Change the size options and trace again.", compiled)
         right.caption("Slow to trace, the more so the more layers: on this project's shared 2-core machine "
                       "debugmodel at its defaults (6 layers, batch 1, seq 2048; 1,087 ops) took 7 to 21 s and 8B "
                       "(32 layers; 5,611 ops) 95 s, while both traced in 6 s with 2 layers. Lower `layers` for a "
@@ -160,10 +216,11 @@ with hf_tab:
                         format_func=lambda a: f"hf:{a} — {hf.ARCHS[a].description}")
     hf_defaults = hf.ARCHS[arch].options
     hf_chosen = size_inputs(f"hf_{arch}", hf_defaults)
+    hf_compiled = compiled_switch("hf_compiled", "model", "torch.compile(model)", HF_COMPILE_SECONDS)
     if st.button("Trace", type="primary", key="hf_trace"):
         hf_options = changed(hf_chosen, hf_defaults)
         trace_with_progress(f"hf:{arch}", lambda: compute.trace_model(f"hf:{arch}", hf_options),
-                            "Change the size options and trace again.")
+                            "Change the size options and trace again.", hf_compiled)
 
     st.markdown("**Or your own `config.json`** (as `config.save_pretrained(folder)` writes it; "
                 f"up to {MAX_CONFIG_BYTES // 1024} KiB). It is read as JSON data: no code from it or from the Hub "
@@ -186,7 +243,8 @@ with hf_tab:
             if st.button("Trace this config", type="primary", key="hf_config_trace"):
                 config_options = tuple(sorted(config_chosen.items()))
                 trace_with_progress(config_upload.name, lambda: compute.trace_hf_config(
-                    config_bytes, config_upload.name, config_options), "Change the size options or the config.")
+                    config_bytes, config_upload.name, config_options), "Change the size options or the config.",
+                    hf_compiled)
 
 with titan_tab:
     if titan_tab.open:
@@ -199,6 +257,10 @@ with upload_tab:
         "with `torch.export.load` — only when it holds plain tensors and no pickled objects or compiled code — "
         f"and its training step is traced with the loss **{pt2.LOSS_DESCRIPTION}**. "
         f"Limit: {pt2.MAX_PT2_BYTES // 2**20} MiB.")
+    if state.compiled_on():
+        st.info("The Compiled switch (Hugging Face and torchtitan tabs) does not apply here: a graph JSON holds no model "
+                "to compile, and a .pt2's step is traced from its exported program, not from a module torch.compile "
+                "runs. An upload is traced eager only.", icon=":material/info:")
     upload = st.file_uploader("Graph JSON or .pt2", type=["json", "pt2"], key="upload")
     if upload is not None:
         data = upload.getvalue()
@@ -223,3 +285,6 @@ if parameters is None and m.zoo is not None:
     parameters = compute.zoo_parameters(m.zoo, tuple(sorted(m.options.items())))
 params_slot.metric("parameters", f"{parameters:,}" if parameters is not None else "—",
                    help="Unknown for an uploaded graph JSON (its fixed memory holds them).")
+if m.compiled:
+    with compiled_slot.container(), st.spinner("Compiling the step through inductor…", show_time=True):
+        compiled_summary(m, reference)

@@ -187,3 +187,23 @@ def test_the_one_calls_plan_under_compile_keeps_its_budget_as_measured() -> None
     measured = measure_compiled("gpt", {"layers": 2}, "model", save=made.save)
     assert made.report.compiled == "model" and made.save
     assert measured.transient + made.report.fixed_memory == made.report.predicted_peak <= made.report.budget
+
+
+def test_the_same_plan_compiled_is_the_one_calls_compiled_step() -> None:
+    """training.compiled_plan (the explorer's compiled curve): a plan's checkpoint regions laid onto the model
+    of a spec as bonsai.plan(compile=True) lays them, and the compiled step's peak that call predicts."""
+    import bonsai_core as bonsai
+    from bonsai_core import models
+    from bonsai_core.errors import ScheduleError
+    from bonsai_core.schedule import Schedule
+    from bonsai_core.training import compiled_plan
+
+    model, inputs, loss_fn = models.build("gpt", layers=1)
+    made = bonsai.plan(model, inputs, loss_fn, budget="70%", compile=True, cache=False, device="cpu")
+    graph, save = compiled_plan("gpt", made.graph, made.schedule, "model", layers=1)
+    assert save == made.save and save
+    assert no_remat_peak(graph) == made.report.predicted_peak
+    unplanned, none = compiled_plan("gpt", made.graph, None, "model", layers=1)
+    assert none == {} and no_remat_peak(unplanned) == made.report.no_remat_peak > made.report.predicted_peak
+    with pytest.raises(ScheduleError, match="not on"):
+        compiled_plan("gpt", made.graph, Schedule("other", "none", [], graph_hash="0" * 16), "model", layers=1)
