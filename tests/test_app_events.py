@@ -31,10 +31,10 @@ def test_memory_page_lists_the_simulators_recompute_events_and_marks_them_on_the
     assert list(table.value["step"]) == [e.start for e in sim.events]
     assert table.value["when"].str.startswith("before ").all()
     marks = memory_chart(at)[1]["events"]
-    # one mark per block's run of rebuilds, numbered as the events: ln_f, then blocks.1's two, blocks.0's two
-    assert list(marks["mark"]) == ["↻1", "↻2–3", "↻4–5"] and len(sim.events) == 5
+    # one mark per block's run of rebuilds, numbered as the events: ln_f, then blocks.1's three, blocks.0's two
+    assert list(marks["mark"]) == ["↻1", "↻2–4", "↻5–6"] and len(sim.events) == 6
     assert list(marks["x"]) == sorted(marks["x"])
-    assert marks["text"][0].startswith("At backward step") and marks["text"][1].startswith("2 rebuilds in blocks.1")
+    assert marks["text"][0].startswith("At backward step") and marks["text"][1].startswith("3 rebuilds in blocks.1")
 
 
 def test_an_event_moves_the_shared_cursor_and_lights_its_boxes_on_the_graph():

@@ -48,7 +48,7 @@ def no_exception(pg) -> None:
 def test_events_are_listed_clickable_and_light_the_graph(browser, server, scheme):
     context, pg = open_at(browser, f"{server}/graph?budget=50", scheme)
     try:
-        pg.wait_for_selector("text=5 recompute events")  # bonsai at 50% on the default GPT
+        pg.wait_for_selector("text=6 recompute events")  # bonsai at 50% on the default GPT
         wait_idle(pg)
         assert_labels_legible(pg)
         click_event(pg, 2)
@@ -62,7 +62,7 @@ def test_events_are_listed_clickable_and_light_the_graph(browser, server, scheme
         pg.wait_for_selector("text=↻2 At backward step")
         # the events marked on the memory curve, one mark per block's run of rebuilds (Vega draws the
         # chart's text after the page settles)
-        pg.wait_for_function(f"() => ['↻1', '↻2–3', '↻4–5'].every(m => ({CHART_TEXTS})().includes(m))")
+        pg.wait_for_function(f"() => ['↻1', '↻2–4', '↻5–6'].every(m => ({CHART_TEXTS})().includes(m))")
         marks = pg.evaluate(CHART_TEXTS)
         assert not any("reserved" in t for t in marks)  # reserved bytes are off by default
         click_event(pg, 4)
