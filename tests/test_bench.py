@@ -185,10 +185,12 @@ def test_the_budget_bisection_lands_on_the_threshold_and_keeps_its_best_on_a_tim
 
 @pytest.mark.slow  # two real inductor compiles of a small Llama
 def test_pytorch_s_budget_partitioner_runs_a_hugging_face_causal_lm_through_inductor():
-    # compiled for real and measured at the allocator: the eager step's loss, and a lower peak and more
-    # compute under a small budget than without one
+    # compiled for real and measured at the allocator: the eager step's loss, and more compute under a small
+    # budget than without one. Its peak is not lower on this Llama: the partitioner's budget counts saved
+    # activations, and the recomputation's transients outweigh what it frees (7,353,992 B at 0.1 against
+    # 6,698,632 B at 1.0, measured; docs/results/compiled.md shows the same at 0.5)
     options = {"layers": 1, "seq": 32}
     _, _, loss = peers.measure_eager("hf:llama", options)
     run, plain = peers.measure_torch_budget("hf:llama", options, 0.1), peers.measure_torch_budget("hf:llama", options, 1.0)
-    assert run.loss == pytest.approx(loss, rel=1e-4)
-    assert run.peak < plain.peak and run.overhead > plain.overhead == pytest.approx(0.0)
+    assert run.loss == pytest.approx(loss, rel=1e-4) and run.peak > 0 and plain.peak > 0
+    assert run.overhead > plain.overhead == pytest.approx(0.0)
