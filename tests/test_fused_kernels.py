@@ -313,7 +313,7 @@ CONFIGURATIONS = {
     "rnn-relu": dict(cell="rnn", nonlinearity="relu"), "rnn-bidirectional": dict(cell="rnn", bidirectional=True),
     "rnn-packed": dict(cell="rnn", packed=True), "rnn-states": dict(cell="rnn", states=True),
 }
-QUICK = ("rnn-bidirectional", "lstm-packed")  # the new cells with bidirectional holds; the one call reading lengths
+QUICK = ("rnn-bidirectional", "lstm-packed", "lstm-states")  # bidirectional holds; lengths read; inputs with gradients
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in CONFIGURATIONS])
