@@ -467,7 +467,9 @@ def _fitted_with(step: "_FakeStep", graph: Graph, limit: int, method: str, optio
         plan_budget = max(floor, plan_budget - (found[2].realised_peak - limit) * 2**attempt)
     if best is not None and best[2].realised_peak <= limit:
         return best, None
-    smallest = refused.smallest if refused is not None else _method_smallest(graph, method, options, floor)
+    # a refusal below what any step needs (the largest operator) names no budget: the method's smallest then
+    smallest = refused.smallest if refused is not None and refused.smallest is not None \
+        else _method_smallest(graph, method, options, floor)
     try:
         last = laid_out(smallest) if smallest is not None else None
     except BudgetError:
