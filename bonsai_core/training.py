@@ -408,10 +408,20 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
         raise BudgetError(f"budget={format_bytes(limit)} ({limit} bytes): no layout of {step.name}'s submodules "
                           "under torch.utils.checkpoint can be predicted for this plan; give a larger budget.")
     raise BudgetError(
-        f"budget={format_bytes(limit)} ({limit} bytes) cannot be met by checkpointing {step.name}'s submodules: "
+        f"budget={format_bytes(limit)} ({limit} bytes) cannot be met by checkpointing {step.name}'s submodules"
+        f"{_largest_operator(graph, limit)}: "
         f"the smallest budget it can guarantee is {format_bytes(smallest)} ({smallest} bytes). Give budget="
         f"{smallest} or more, or pass best_effort=True to take the plan of the smallest peak over the budget.",
         smallest=smallest)
+
+
+def _largest_operator(graph: Graph, limit: int) -> str:
+    """Why no step fits in ``limit`` where it is below the largest single operator with its inputs and the
+    fixed memory (a fused kernel no checkpoint splits); else nothing."""
+    if limit >= graph.peak_lower_bound:
+        return ""
+    return (f" (the largest single operator needs {format_bytes(graph.peak_lower_bound)}, {graph.peak_lower_bound} "
+            "bytes, with its inputs and the fixed memory)")
 
 
 def _smallest_met(step: "_FakeStep", graph: Graph, method: str, tried: list[tuple[dict[str, Any], int, int | None]],
@@ -467,7 +477,9 @@ def _fitted_with(step: "_FakeStep", graph: Graph, limit: int, method: str, optio
         plan_budget = max(floor, plan_budget - (found[2].realised_peak - limit) * 2**attempt)
     if best is not None and best[2].realised_peak <= limit:
         return best, None
-    smallest = refused.smallest if refused is not None else _method_smallest(graph, method, options, floor)
+    # a refusal below what any step needs (the largest operator) names no budget: the method's smallest then
+    smallest = refused.smallest if refused is not None and refused.smallest is not None \
+        else _method_smallest(graph, method, options, floor)
     try:
         last = laid_out(smallest) if smallest is not None else None
     except BudgetError:

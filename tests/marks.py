@@ -1,5 +1,5 @@
 """What the tests share to keep the default run short: one case per mechanism by default, the sweep's
-others in the slow stage (``-m slow``)."""
+others in the slow stage (``-m slow``), and the sweeps CI cannot afford marked ``heavy`` (``-m heavy``)."""
 
 from __future__ import annotations
 
@@ -20,3 +20,10 @@ def sweep(cases: Iterable[Any], kept: int = 1) -> list[Any]:
         else:
             out.append(pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=pytest.mark.slow))
     return out
+
+
+def heavy(cases: Iterable[Any], slow: Iterable[Any]) -> list[Any]:
+    """``cases`` for ``pytest.mark.parametrize``: those in ``slow`` marked slow (CI's slow stage), the rest
+    marked heavy: the full sweep, run by hand with ``-m heavy``."""
+    kept = set(slow)
+    return [pytest.param(case, marks=pytest.mark.slow if case in kept else pytest.mark.heavy) for case in cases]

@@ -14,7 +14,7 @@ from bonsai_core.measure import OpOutputs, measure_step, predicted_op_outputs
 from bonsai_core.recurrent import MKLDNN_RNN_LAYER, cpu_lstm, onednn_lstm_workspace_bytes, register_workspace_shape
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.trace import trace_model
-from tests.marks import sweep
+from tests.marks import heavy, sweep
 
 LSTM_LM = "tests.recurrent_models:make_lstm_lm"
 SMALL = dict(batch=2, seq=8, vocab=32, width=16)
@@ -93,12 +93,18 @@ def test_saved_outputs_come_from_derivatives_yaml():
 
 
 def _checkpoint_export(spec, options, tmp_path, fraction=0.8):
+    """bonsai's checkpoint-region plan at ``fraction`` of the no-remat peak (or at the smallest budget it
+    names, where regions cannot reach that low), exported and verified."""
+    from bonsai_core.errors import BudgetError
     from bonsai_core.export.checkpoint import export_checkpoint
     from bonsai_core.export.verify import verify_checkpoint
     from bonsai_core.solvers import solve
 
     graph = trace_model(spec, **options).graph
-    schedule = solve(graph, int(fraction * no_remat_peak(graph)), method="bonsai", space="regions")
+    try:
+        schedule = solve(graph, int(fraction * no_remat_peak(graph)), method="bonsai", space="regions")
+    except BudgetError as e:
+        schedule = solve(graph, e.smallest, method="bonsai", space="regions")
     export_checkpoint(spec, options, schedule, tmp_path / "ck")
     return verify_checkpoint(spec, options, tmp_path / "ck", repeats=1)
 
@@ -313,7 +319,7 @@ CONFIGURATIONS = {
     "rnn-relu": dict(cell="rnn", nonlinearity="relu"), "rnn-bidirectional": dict(cell="rnn", bidirectional=True),
     "rnn-packed": dict(cell="rnn", packed=True), "rnn-states": dict(cell="rnn", states=True),
 }
-QUICK = ("rnn-bidirectional", "lstm-packed")  # the new cells with bidirectional holds; the one call reading lengths
+QUICK = ("rnn-bidirectional", "lstm-packed", "lstm-states")  # bidirectional holds; lengths read; inputs with gradients
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in CONFIGURATIONS])
@@ -332,8 +338,12 @@ def test_every_recurrent_configuration_is_predicted_within_one_percent(name):
     assert abs(measured / predicted - 1) <= 0.01, (measured, predicted)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+# the one call's sweep in CI: one LSTM (its initial states given), one GRU, one packed, one bidirectional
+# model; every configuration's trace is predicted within 1% above, in the default run or the slow stage
+ONE_CALL_SLOW = ("lstm-states", "gru", "lstm-packed", "rnn-bidirectional")
+
+
+@pytest.mark.parametrize("name", heavy(CONFIGURATIONS, ONE_CALL_SLOW))
 def test_the_one_call_checkpoints_every_recurrent_configuration(name):
     """At 70%, 80% and 90%: the same loss and gradients bit for bit, the measured step within 1% of the
     prediction and within the budget (or the budget BudgetError names, met)."""
@@ -370,6 +380,7 @@ def test_the_one_call_checkpoints_every_recurrent_configuration(name):
 @pytest.mark.parametrize("name", ["lstm-proj", "gru-bidirectional", "rnn-bidirectional", "lstm-packed-bidirectional",
                                   "lstm-states"])
 def test_the_checkpoint_back_end_predicts_recurrent_configurations(name, tmp_path):
-    """``bonsai export --backend checkpoint`` of bonsai's plan at 80%, verified: within 1% of its own prediction."""
+    """``bonsai export --backend checkpoint`` of bonsai's plan at 80% (or the smallest budget its checkpoint
+    regions meet), verified: within 1% of its own prediction."""
     v = _checkpoint_export(RECURRENT, CONFIGURATIONS[name], tmp_path)
     assert v.loss_diff == 0 and abs(v.realised_peak_error) <= 0.01, v.to_dict()

@@ -686,7 +686,9 @@ def _min_peak(graph: Graph, built: BuiltModel, backend: str, time_limit: float |
     plan it found (a budget the main problem accepts even at the solvers' tolerances) and that plan's
     simulated peak (what the model leaves out, such as an FSDP rank's unsharded blocks, included);
     (None, status) when it has no plan: infeasible, or none within ``time_limit`` ("time_limit"; without a
-    limit a failure raises)."""
+    limit a failure raises). A proven answer is kept on ``built``: each budget below it asks again."""
+    if built.min_peak_found is not None:
+        return built.min_peak_found
     problem, z = built.min_peak_problem()
     try:
         outcome = solve_milp(problem, backend=backend, time_limit=time_limit)
@@ -698,7 +700,10 @@ def _min_peak(graph: Graph, built: BuiltModel, backend: str, time_limit: float |
         return None, outcome.status
     rec, off = np.round(built.rec.value), np.round(built.off.value) if built.off is not None else None
     simulated = simulate(graph, plan_schedule(graph, useful_saved(graph, built.plan(rec, off)), "bonsai")).peak
-    return max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(rec, off), simulated), outcome.status
+    found = max(int(np.ceil(float(z.value) * built.unit)), built.predicted_peak(rec, off), simulated), outcome.status
+    if outcome.status == "optimal":
+        built.min_peak_found = found
+    return found
 
 
 def lowest_budget(graph: Graph, backend: str = DEFAULT_BACKEND, time_limit: float | None = None) -> int | None:

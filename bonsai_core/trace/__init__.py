@@ -393,7 +393,7 @@ def _export_joint(step: _Step, inputs: tuple[torch.Tensor, ...], name: str, kern
     with _quiet_meta_failures() as failures:
         try:
             with _as_in_eager(kernels):
-                if needs_descriptors(step, inputs):
+                if needs_descriptors(step):
                     return export_joint(step, inputs)
                 try:
                     return aot_export_module(step, inputs, trace_joint=True, output_loss_index=0)

@@ -51,13 +51,13 @@ class SentOutput(nn.Module):
         return output
 
 
-def needs_descriptors(step: nn.Module, inputs: tuple[torch.Tensor, ...]) -> bool:
-    """Whether ``step`` (model and loss) must be exported with descriptors: its parameters are DTensors,
-    an input needs a gradient (a received activation), or its output is sent on (:class:`SentOutput`)."""
+def needs_descriptors(step: nn.Module) -> bool:
+    """Whether ``step`` (model and loss) must be exported with descriptors: its parameters are DTensors, or
+    its output is sent on (:class:`SentOutput`). An input that needs a gradient (a user's initial states, a
+    last stage's received activation) does not: ``aot_export_module`` traces its gradient as eager runs it."""
     from torch.distributed.tensor import DTensor
 
     return (any(isinstance(t, DTensor) for t in (*step.parameters(), *step.buffers()))
-            or any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
             or any(isinstance(m, SentOutput) for m in step.modules()))
 
 
