@@ -146,7 +146,7 @@ def test_the_8b_flavour_at_its_published_size_per_rank():
 # -- a bonsai plan in torchtitan's run, on 2 gloo ranks -------------------------------------------
 
 GLOO = dict(batch=2, seq=128, layers=3)
-BUDGET = "80%"
+BUDGET = "85%"  # fully_shard on each block (fp32) meets no less than 80.03% of its no-remat peak
 
 
 def _run_ways(rank: int, out_dir: str, store: str, results: str, mixed_precision: str | None = None) -> None:
