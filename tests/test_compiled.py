@@ -130,6 +130,7 @@ def test_the_blocks_are_the_graphs_modules_under_compile() -> None:
     (["--compile", "--ac", "torchtitan-full"], "for torchtitan: models"),
     (["--compile", "--ac", "budget:2"], "budget:F with F from 0"),
     (["--compile", "model", "--fsdp", "2"], "give --compile blocks"),
+    (["--compile", "--tp", "2"], "not traced yet"),
 ])
 def test_compile_options_that_cannot_run_are_refused(args: list[str], says: str, tmp_path, capsys) -> None:
     from bonsai_core.cli import main
@@ -145,6 +146,8 @@ def test_the_one_call_refuses_a_compile_it_cannot_trace() -> None:
     y = torch.randint(0, 10, (32,))
     with pytest.raises(BonsaiError, match="compile='graph'"):
         bonsai.plan(model, (x,), lambda out: loss(out, y), budget="80%", compile="graph", cache=False)
+    with pytest.raises(BonsaiError, match="TP 2: a compiled tensor, context or pipeline parallel rank is not traced"):
+        bonsai.plan(model, (x,), lambda out: loss(out, y), budget="80%", compile=True, tp=2, cache=False)
     with pytest.raises(ModelError):
         trace_model("gpt", layers=1, compile="blocks", ac="torchtitan-full")
 
