@@ -296,12 +296,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return args.suite_main(args)
 
 
-def cmd_fit(args: argparse.Namespace) -> int:
+def _check_fit_arguments(args: argparse.Namespace, methods: Sequence[str]) -> None:
+    """Refuse --methods that fit does not know and a --gpu given as a share, before anything is traced."""
     from bonsai_core import fit
 
-    if args.gpus:
-        return _fit_layouts(args)
-    methods = args.methods or ["none", "bonsai", "chen", "dtr"]
     for m in methods:
         try:
             fit.method_variant(m)
@@ -309,6 +307,15 @@ def cmd_fit(args: argparse.Namespace) -> int:
             args.parser.error(f"argument --methods: {e}")
     if args.gpu.fraction is not None:
         args.parser.error("argument --gpu: give the GPU's memory in bytes or with a unit (80GiB), not a share")
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from bonsai_core import fit
+
+    if args.gpus:
+        return _fit_layouts(args)
+    methods = args.methods or ["none", "bonsai", "chen", "dtr"]
+    _check_fit_arguments(args, methods)
     reserved = reserved_policy(args)
     limit = args.gpu.resolve(0)
     time_limit = solve_time_limit(args.time_limit)
@@ -576,13 +583,7 @@ def _fit_layouts(args: argparse.Namespace) -> int:
     from bonsai_core.models import torchtitan as titan
 
     methods = args.methods or fit.LAYOUT_METHODS
-    for m in methods:
-        try:
-            fit.method_variant(m)
-        except SolverError as e:
-            args.parser.error(f"argument --methods: {e}")
-    if args.gpu.fraction is not None:
-        args.parser.error("argument --gpu: give the GPU's memory in bytes or with a unit (80GiB), not a share")
+    _check_fit_arguments(args, methods)
     start = time.perf_counter()
     options = model_options(args)
     seq = options.pop("seq", None) or titan.DEFAULTS["seq"]
