@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bonsai_core.bench import benchmarks_page as bp
+from bonsai_core.bench import methods as bp
 from bonsai_core.bench.methods import COLUMNS, FULL_MODELS, REACH_TYPES, ModelSpec, _frame
 from bonsai_core.cli import main
 
@@ -127,14 +127,14 @@ def test_report_only_writes_the_page_from_the_runs_files_with_its_header(tmp_pat
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--report-only", "--page", "{tmp}/p.md"], "results.csv, reach.csv, run.json missing"),
+    (["--report-only", "--page", "{tmp}/p.md"], "{tmp}/reach.csv and {tmp}/run.json missing"),
     (["--report-only"], "name it with --page PAGE"),
     (["--page", "{tmp}/missing/p.md"], "does not exist"),
     (["--quick", "--page", "{tmp}/p.md"], "leave out --models, --budgets and --quick")])
 def test_bad_page_options_are_refused_before_measuring(tmp_path, capsys, argv, said):
     argv = [a.format(tmp=tmp_path) for a in argv]
     assert main(["bench", "-o", str(tmp_path), *argv]) != 0
-    assert said in capsys.readouterr().err
+    assert said.format(tmp=tmp_path) in capsys.readouterr().err
 
 
 def test_report_only_refuses_the_files_of_an_unfinished_run(tmp_path, capsys):
@@ -146,7 +146,7 @@ def test_report_only_refuses_the_files_of_an_unfinished_run(tmp_path, capsys):
 
 
 def test_the_models_the_page_names_are_the_suites():
-    from bonsai_core.bench.benchmarks_page import MODEL_NAMES
+    from bonsai_core.bench.methods import MODEL_NAMES
 
     labels = {ModelSpec.parse(text).label for text in FULL_MODELS}
     assert set(MODEL_NAMES) <= labels | {ModelSpec.parse("gpt:layers=1,seq=64").label}

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bonsai_core.bench import solvers_opt, solvers_opt_page as sp
+from bonsai_core.bench import solvers_opt, solvers_opt as sp
 from bonsai_core.cli import main
 from tests.pages import compact
 
@@ -240,7 +240,7 @@ def test_report_only_writes_the_page_from_the_runs_files_with_its_header(tmp_pat
     assert main(["bench", "solvers-opt", "--page", str(page), "--report-only"]) == 0
     text = compact(page.read_text())
     assert text.startswith("<!-- written by: `bonsai bench solvers-opt --page P` at commit ")
-    assert "sources bonsai_core/bench/solvers_opt_page.py,bonsai_core/bench/solvers_opt.py,bonsai_core/bench/templates/checkmate_moccasin.md hash" in text.split("\n")[0]
+    assert "sources bonsai_core/bench/solvers_opt.py,bonsai_core/bench/templates/checkmate_moccasin.md hash" in text.split("\n")[0]
     assert "[page.jsonl](page.jsonl)" in text and "### Checkmate's warm start on gpt-l1 at 60%" in text
 
 

@@ -8,8 +8,9 @@ and PNG plots (matplotlib):
 overhead vs budget (Pareto fronts), solve time vs graph size (log-log) for the optimising methods,
 and peak vs budget. Tables go through pandas (CSV, typed re-reading, markdown via tabulate). ``run.json``
 keeps the command, date, machine and duration. ``--page docs/results/benchmarks.md`` also writes that
-page from those files (:mod:`bonsai_core.bench.benchmarks_page`); ``--report-only`` writes it again from
-the files of a finished run, measuring nothing.
+page from those files alone (:func:`page`: every number and ranking on it is computed from them; the fixed
+prose in templates/benchmarks.md only explains mechanisms); ``--report-only`` writes it again from the files
+of a finished run, measuring nothing.
 
 Every schedule row comes from :func:`bonsai_core.solvers.solve`, so it was validated by the simulator;
 peer rows are measured on a real CPU step (:mod:`bonsai_core.peers`).
@@ -21,12 +22,14 @@ import argparse
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 from bonsai_core.bench import common
+from bonsai_core.bench.common import capitalized, listing, median, pct
 from bonsai_core.errors import BonsaiError, ModelError
 
 # Each column of results.csv and its pandas type (nullable: a row that did not run has no peak).
@@ -43,6 +46,9 @@ REACH_TYPES = {"model": "string", "nodes": "Int64", "no_remat_peak": "Int64", "l
                "seconds": "Float64"}
 REACH_METHODS = ("bonsai", "chen", "dtr", "coop")
 RUN_META = "run.json"  # the run's command, dates, machine and time limit: what its page quotes
+RUN_KEYS = ("command", "started", "ended", "seconds", "machine", "torch", "time_limit")  # without "ended": unfinished
+# the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
+SOURCES = ["bonsai_core/bench/methods.py", common.template_source("benchmarks")]
 BISECTION_STEPS = 10  # dtr/coop: budget resolution (no-remat peak - lower bound) / 2**10, about 0.1%
 
 
@@ -175,7 +181,7 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
             rows.extend(_peer_rows(peer, spec, g.n, reference, budgets, config, progress))
         if any(m in REACH_METHODS for m in config.methods):
             reach.append(smallest_budgets(spec.label, g, config))
-            progress("  smallest budgets: " + ", ".join(f"{m} {_share(reach[-1], m)}" for m in
+            progress("  smallest budgets: " + ", ".join(f"{m} {share(reach[-1], m)}" for m in
                                                         ("lower_bound",) + REACH_METHODS if m in reach[-1]))
         _write(rows, reach, out)  # after each model, so a long run leaves results behind
     write_plots(rows, out)
@@ -261,45 +267,17 @@ def run_meta(config: BenchConfig) -> dict[str, Any]:
 
 
 def check_page_args(args: argparse.Namespace) -> None:
-    """Refuse, before any measurement, what would fail only at the end: a page in a missing folder, a page
-    of a bench other than the default one, --report-only without a page or without a finished run."""
-    if args.page is not None:
-        if not Path(args.page).parent.is_dir():
-            raise BonsaiError(f"--page {args.page}: the folder {Path(args.page).parent} does not exist.")
-        if args.models or args.budgets or args.quick:
-            raise BonsaiError("--page reports the default models and budgets: leave out --models, --budgets and "
-                              "--quick.")
-    if args.report_only:
-        if args.page is None:
-            raise BonsaiError("--report-only writes the page again: name it with --page PAGE.")
-        missing = [name for name in ("results.csv", "reach.csv", RUN_META) if not (Path(args.output) / name).is_file()]
-        if missing:
-            raise BonsaiError(f"--report-only: {', '.join(missing)} missing in {args.output}; run the bench with "
-                              "--page, without --report-only, first.")
+    out = Path(args.output)
+    common.check_record_page(args, "the default models and budgets", ("--models", "--budgets", "--quick"),
+                             [out / "results.csv", out / "reach.csv", out / RUN_META], "bench")
 
 
-def read_run_meta(path: Path) -> dict[str, Any]:
-    """run.json of a finished run, refused with the reason when it is not one."""
-    try:
-        meta = json.loads(path.read_text())
-    except ValueError as e:
-        raise BonsaiError(f"{path} is not JSON ({e}); run the bench with --page again.") from None
-    missing = [k for k in ("command", "started", "ended", "seconds", "machine", "torch", "time_limit") if k not in meta]
-    if missing:
-        raise BonsaiError(f"{path} lacks {', '.join(missing)}: its run did not finish; run the bench with --page "
-                          "again.")
-    return meta
-
-
-def write_page(out: Path, page: str) -> None:
+def write_page(out: Path, path: str) -> None:
     """The page from the run in ``out``: its header names the command that measured it."""
-    from bonsai_core.bench import benchmarks_page
-
-    meta = read_run_meta(out / RUN_META)
+    meta = common.read_run(out / RUN_META, RUN_KEYS, "bench")
     rows, reach = load_rows(out / "results.csv"), load_rows(out / "reach.csv", REACH_TYPES)
-    header = common.page_header(meta["command"], benchmarks_page.SOURCES)
-    bench_link = os.path.relpath(out, Path(page).parent)
-    Path(page).write_text(benchmarks_page.page(rows, reach, meta, header, bench_link))
+    header = common.page_header(meta["command"], SOURCES)
+    Path(path).write_text(page(rows, reach, meta, header, os.path.relpath(out, Path(path).parent)))
 
 
 def smallest_budgets(model: str, graph: Any, config: BenchConfig) -> dict[str, Any]:
@@ -438,12 +416,6 @@ def _write(rows: list[dict[str, Any]], reach: list[dict[str, Any]], out: Path) -
     (out / "results.md").write_text(markdown_report(rows, reach))
 
 
-def _share(row: dict[str, Any], key: str) -> str:
-    """``row[key]`` bytes as a share of the model's no-remat peak ("-" when not found)."""
-    value = row.get(key)
-    return "-" if value is None else f"{value / row['no_remat_peak']:.1%}"
-
-
 def reach_table(reach: list[dict[str, Any]]) -> list[str]:
     """The smallest budget each method reaches per model, as shares of its no-remat peak, next to
     the per-op lower bound that no schedule can go below."""
@@ -452,11 +424,11 @@ def reach_table(reach: list[dict[str, Any]]) -> list[str]:
     methods = [m for m in REACH_METHODS if any(r.get(m) is not None or r.get(f"{m}_status") for r in reach)]
     table = []
     for r in reach:
-        cells = {m: _share(r, m) for m in methods}
+        cells = {m: share(r, m) for m in methods}
         if "bonsai" in cells and r.get("bonsai_status") not in (None, "optimal"):
             cells["bonsai"] += f" ({r.get('bonsai_status')}, not proven)"
         table.append({"model": f"{r['model']} ({r['nodes']} nodes)", "no-remat peak": common.mib(r["no_remat_peak"]),
-                      "per-op bound": _share(r, "lower_bound"), **cells})
+                      "per-op bound": share(r, "lower_bound"), **cells})
     return ["### Smallest reachable budget", "",
             "Share of the no-remat peak. per-op bound: the largest single operator with its inputs and the "
             "fixed memory (`Graph.peak_lower_bound`; no schedule goes below it). bonsai: the min-peak MILP of "
@@ -472,24 +444,20 @@ def reach_table(reach: list[dict[str, Any]]) -> list[str]:
 def markdown_report(rows: list[dict[str, Any]], reach: list[dict[str, Any]] = ()) -> str:
     """One table per model (budget x method: overhead, or why it failed), best feasible in bold, the
     smallest budget each method reaches, and the budgets where bonsai is not the best, said plainly."""
-    lines = []
-    models = list(dict.fromkeys(r["model"] for r in rows))
+    lines, not_best = [], []
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    not_best = []
-    for model in models:
-        mrows = [r for r in rows if r["model"] == model]
+    for model, by_budget in cells_by_model(rows).items():
         table = []
-        for fraction in dict.fromkeys(r["budget_fraction"] for r in mrows):
-            cells = {r["method"]: r for r in mrows if r["budget_fraction"] == fraction}
-            feasible = {m: r["overhead"] for m, r in cells.items() if r["feasible"] and m != "none"}
-            best = min(feasible.values()) if feasible else None
-            table.append({"budget": f"{fraction:.0%}", **{m: _cell(cells.get(m), best) for m in methods}})
-            b = cells.get("bonsai")
-            if best is not None and b is not None and (not b["feasible"] or b["overhead"] > best + 1e-9):
-                winner = min(feasible, key=feasible.get)
-                not_best.append(f"- {model} at {fraction:.0%}: best is {winner} ({best:+.2%}); bonsai "
-                                + (f"{b['overhead']:+.2%}" if b["feasible"] else f"not feasible ({b['note'] or b['status']})"))
-        lines += [f"### {model} ({mrows[0]['nodes']} nodes)", "", _markdown(table), ""]
+        for fraction, cell in by_budget.items():
+            costs = feasible(cell)
+            best = min(costs.values()) if costs else None
+            table.append({"budget": f"{fraction:.0%}", **{m: _cell(cell.get(m), best) for m in methods}})
+            b = cell.get("bonsai")
+            if best is not None and b is not None and not bonsai_cheapest(cell):
+                not_best.append(f"- {model} at {fraction:.0%}: best is {min(costs, key=costs.get)} ({best:+.2%}); "
+                                "bonsai " + (f"{b['overhead']:+.2%}" if b["feasible"]
+                                             else f"not feasible ({b['note'] or b['status']})"))
+        lines += [f"### {model} ({nodes(by_budget)} nodes)", "", _markdown(table), ""]
     head = ["Cells: recompute overhead (extra compute / plain step), `-` = no schedule under the budget "
             "(reason in results.csv), **bold** = cheapest feasible method; `none` is feasible only when the "
             "budget is at least the no-remat peak. Peers (`torch-budget`, `per-block`) are measured on a real "
@@ -502,24 +470,12 @@ def markdown_report(rows: list[dict[str, Any]], reach: list[dict[str, Any]] = ()
 def bonsai_summary(rows: list[dict[str, Any]]) -> list[str]:
     """Counts over the cells: where bonsai is the cheapest feasible method, and every cell where chen
     or the per-block peer (plans in bonsai's space) fits and bonsai does not, or costs less than it."""
-    cells: dict[tuple, dict[str, dict[str, Any]]] = {}
-    for r in rows:
-        cells.setdefault((r["model"], r["budget_fraction"]), {})[r["method"]] = r
-    cheapest = contested = 0
-    misses = []
-    for (model, fraction), by_method in cells.items():
-        b = by_method.get("bonsai")
-        feasible = {m: r["overhead"] for m, r in by_method.items() if r["feasible"] and m != "none"}
-        if b is None or not feasible:
-            continue
-        contested += 1
-        cheapest += b["feasible"] and b["overhead"] <= min(feasible.values()) + 1e-9
-        for rival in ("chen", "per-block"):
-            if rival in feasible and (not b["feasible"] or b["overhead"] > feasible[rival] + 1e-9):
-                mine = f"{b['overhead']:+.2%}" if b["feasible"] else "not feasible"
-                misses.append(f"- {model} at {fraction:.0%}: {rival} {feasible[rival]:+.2%}, bonsai {mine}")
-    return [f"- bonsai is the cheapest feasible method in {cheapest} of the {contested} cells where any method "
-            "fits (ties included)",
+    cells = contested(cells_by_model(rows))
+    misses = [f"- {model} at {f:.0%}: {rival} {feasible(c)[rival]:+.2%}, bonsai "
+              + (f"{c['bonsai']['overhead']:+.2%}" if fits(c, "bonsai") else "not feasible")
+              for model, f, c, rival in plan_space_rivals(cells)]
+    return [f"- bonsai is the cheapest feasible method in {sum(bonsai_cheapest(c) for _, _, c in cells)} of the "
+            f"{len(cells)} cells where any method fits (ties included)",
             "- cells where chen or per-block checkpointing fits and bonsai does not, or costs less than bonsai:"
             + (" none" if not misses else "")] + misses
 
@@ -627,3 +583,469 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "solve_time_vs_size.png", dpi=90)
     plt.close(fig)
+
+
+# -- docs/results/benchmarks.md: every number and ranking computed from results.csv, reach.csv and run.json --
+
+TIE = 1e-9  # overheads this close are a tie (as results.md's bold and its counts take them)
+OP_LEVEL = ("moccasin", "checkmate", "dtr", "coop")  # schedules of single ops, outside bonsai's plan space
+SOLVER_OF = {"moccasin": "CP-SAT", "checkmate": "MILP"}
+METHOD_NAMES = {"per-block": "per-block checkpointing", "torch-budget": "PyTorch's budget partitioner"}
+# the suite's models (methods.FULL_MODELS, by their labels) that the prose names; tests/test_bench_page.py checks them
+MODEL_NAMES = {"gpt:batch=8,heads=4,layers=4,seq=256,vocab=1024,width=256": "the 4-layer GPT",
+               "gpt:layers=1,seq=64": "the 1-layer gpt", "gpt": "the default gpt",
+               "gpt:batch=8,heads=12,layers=12,seq=512,vocab=50257,width=768": "GPT-2 small"}
+
+Row = dict[str, Any]
+Cell = dict[str, Row]  # one model at one budget: method -> its row
+
+
+# -- words and numbers -----------------------------------------------------------------------------
+
+def model_name(label: str) -> str:
+    return MODEL_NAMES.get(label, label)
+
+
+def method_name(method: str) -> str:
+    return METHOD_NAMES.get(method, method)
+
+
+def budget(fraction: float) -> str:
+    return f"{fraction * 100:g}%"
+
+
+def budgets_said(fractions: Sequence[float]) -> str:
+    """``90/70/50%``."""
+    return "/".join(f"{f * 100:g}" for f in fractions) + "%"
+
+
+def share(row: Row, key: str) -> str:
+    """``row[key]`` bytes as a share of the model's no-remat peak; ``-`` when not found."""
+    return "-" if row.get(key) is None else f"{row[key] / row['no_remat_peak']:.1%}"
+
+
+def priced(method: str, overhead: float) -> str:
+    return f"{method_name(method)} {pct(overhead)}"
+
+
+def fit_list(priced_methods: Sequence[tuple[str, float]]) -> str:
+    """``dtr (+845.9%) fits``, ``dtr (+39.4%) and coop (+60.3%) fit``."""
+    said = listing([f"{method_name(m)} ({pct(o)})" for m, o in priced_methods])
+    return said + (" fits" if len(priced_methods) == 1 else " fit")
+
+
+def digits_apart(a: float, b: float) -> int:
+    """Decimals (2 to 4) that tell two overheads apart in percent."""
+    return next((d for d in (2, 3, 4) if f"{a:+.{d}%}" != f"{b:+.{d}%}"), 4)
+
+
+def pair_said(a: float, b: float) -> str:
+    """``+4.94% vs +5.03%``, with a digit more while the two would read the same."""
+    digits = digits_apart(a, b)
+    return f"{a:+.{digits}%} vs {b:+.{digits}%}"
+
+
+# -- the cells -------------------------------------------------------------------------------------
+
+def cells_by_model(rows: Iterable[Row]) -> dict[str, dict[float, Cell]]:
+    """model -> budget -> method -> row, in the order of the results (budgets largest first)."""
+    out: dict[str, dict[float, Cell]] = {}
+    for r in rows:
+        out.setdefault(r["model"], {}).setdefault(r["budget_fraction"], {})[r["method"]] = r
+    return out
+
+
+def feasible(cell: Cell) -> dict[str, float]:
+    """The overhead of every method and peer that fits, ``none`` aside (it fits only without a budget)."""
+    return {m: r["overhead"] for m, r in cell.items() if r["feasible"] and m != "none"}
+
+
+def fits(cell: Cell, method: str) -> bool:
+    return method in feasible(cell)
+
+
+def bonsai_cheapest(cell: Cell) -> bool:
+    costs = feasible(cell)
+    return "bonsai" in costs and costs["bonsai"] <= min(costs.values()) + TIE
+
+
+def others(cell: Cell) -> list[tuple[str, float]]:
+    """The methods besides bonsai that fit, cheapest first."""
+    return sorted(((m, o) for m, o in feasible(cell).items() if m != "bonsai"), key=lambda mo: mo[1])
+
+
+def below_bonsai(cell: Cell) -> list[tuple[str, float]]:
+    """The methods cheaper than bonsai where it fits, cheapest first."""
+    mine = feasible(cell).get("bonsai")
+    return [] if mine is None else [(m, o) for m, o in others(cell) if o < mine - TIE]
+
+
+def failure_status(row: Row) -> str | None:
+    """The solver status a failed row's note reports (``UNKNOWN``), None when it names none."""
+    found = re.search(r"\(status (\w+)\)", row.get("note") or "")
+    return found[1] if found else None
+
+
+def not_run(row: Row) -> bool:
+    return (row.get("note") or "").startswith("not run")
+
+
+def nodes(by_budget: dict[float, Cell]) -> int:
+    return next(iter(next(iter(by_budget.values())).values()))["nodes"]
+
+
+# -- the headline model -------------------------------------------------------------------------------
+
+def gap_said(rows: Sequence[Row]) -> str:
+    gaps = [r["gap"] or 0.0 for r in rows]
+    return "each proven optimal" if max(gaps, default=0.0) <= TIE else f"gap ≤ {max(gaps):.1%}"
+
+
+def cheapest_lead(label: str, by_budget: dict[float, Cell]) -> str:
+    """Where bonsai is the cheapest on one model: budgets, its overheads, the solver gap."""
+    cheap = [f for f, c in by_budget.items() if bonsai_cheapest(c)]
+    fitting = [f for f, c in by_budget.items() if fits(c, "bonsai")]
+    head = f"**{capitalized(model_name(label))} ({nodes(by_budget)} nodes): bonsai is the cheapest method "
+    if not cheap:
+        return head + "at no budget**."
+    overheads = " / ".join(pct(by_budget[f]["bonsai"]["overhead"]) for f in cheap)
+    gaps = gap_said([by_budget[f]["bonsai"] for f in cheap])
+    if cheap == fitting and len(cheap) > 2:
+        return (head + f"at every budget from {budget(cheap[0])} down to {budget(cheap[-1])}**: {overheads} at "
+                f"{budgets_said(cheap)} ({gaps}).")
+    return head + f"at {budgets_said(cheap)}**: {overheads} ({gaps})."
+
+
+def others_at(fraction: float, cell: Cell) -> str:
+    """What the other methods cost at one budget where bonsai fits."""
+    rest = others(cell)
+    if not rest:
+        return f"at {budget(fraction)} only bonsai fits"
+    if len(rest) == 1:
+        return f"at {budget(fraction)} only bonsai and {method_name(rest[0][0])} ({pct(rest[0][1])}) fit"
+    return f"at {budget(fraction)} the others cost: " + listing([priced(m, o) for m, o in rest])
+
+
+def below_reach_at(fraction: float, cell: Cell, reach: Row | None) -> str:
+    """Who fits at a budget bonsai does not meet."""
+    where = f"at {budget(fraction)}" + (f", below bonsai's reach ({share(reach, 'bonsai')})," if reach and
+                                        reach.get("bonsai") else "")
+    rest = others(cell)
+    if not rest:
+        return f"{where} no method fits"
+    return f"{where} only " + fit_list(rest)
+
+
+def tight_budgets_sentence(by_budget: dict[float, Cell], reach: Row | None) -> str:
+    """The other methods at the two smallest budgets bonsai meets, and who fits below them."""
+    fitting = [f for f, c in by_budget.items() if fits(c, "bonsai")]
+    below = [f for f, c in by_budget.items() if not fits(c, "bonsai") and (not fitting or f < fitting[-1])]
+    parts = [others_at(f, by_budget[f]) for f in fitting[-2:]] + [below_reach_at(f, by_budget[f], reach)
+                                                                 for f in below]
+    return capitalized("; ".join(parts)) + "." if parts else ""
+
+
+def no_schedule_sentence(method: str, by_budget: dict[float, Cell], time_limit: float) -> str:
+    """``moccasin found no schedule within 10 s at any budget on this graph (CP-SAT status UNKNOWN).``
+    when it ran at every budget and fitted at none; empty otherwise."""
+    rows = [c[method] for c in by_budget.values() if method in c]
+    if not rows or any(r["feasible"] or not_run(r) for r in rows):
+        return ""
+    statuses = sorted({s for s in map(failure_status, rows) if s})
+    said = f" ({SOLVER_OF.get(method, 'solver')} status {'/'.join(statuses)})" if statuses else ""
+    return (f"{capitalized(method_name(method))} found no schedule within {time_limit:g} s at any budget on this "
+            f"graph{said}.")
+
+
+def headline_bullet(label: str, by_budget: dict[float, Cell], reach: Row | None, time_limit: float) -> str:
+    sentences = [cheapest_lead(label, by_budget), tight_budgets_sentence(by_budget, reach)]
+    sentences += [no_schedule_sentence(m, by_budget, time_limit) for m in SOLVER_OF]
+    return "* " + " ".join(s for s in sentences if s)
+
+
+# -- smallest reachable budgets ----------------------------------------------------------------------
+
+def reach_clause(r: Row) -> str:
+    return f"{model_name(r['model'])} {share(r, 'bonsai')} / {share(r, 'chen')} / {share(r, 'lower_bound')}"
+
+
+def unproven_said(reach: Sequence[Row], time_limit: float) -> str:
+    """Where the min-peak MILP was not proven within the time limit."""
+    open_ = [r for r in reach if r.get("bonsai_status") != "optimal"]
+    if not open_:
+        return f"The min-peak MILP is proven within the {time_limit:g} s on every model."
+    found = [f"{model_name(r['model'])} ({share(r, 'bonsai') + ' found' if r.get('bonsai') else 'none found'}, "
+             f"status {r.get('bonsai_status')})" for r in open_]
+    return f"The min-peak MILP is proven within the {time_limit:g} s on every model but " + listing(found) + "."
+
+
+def plan_reach(r: Row) -> int | None:
+    """The smallest budget bonsai meets in a solve: its min-peak MILP's, or chen's (its fallback plans)."""
+    values = [r[k] for k in ("bonsai", "chen") if r.get(k)]
+    return min(values) if values else None
+
+
+def heuristics_below(r: Row) -> list[str]:
+    """dtr and coop where they meet a smaller budget than bonsai's and chen's: ``dtr 30.0%``."""
+    plans = plan_reach(r)
+    said = []
+    for m in ("dtr", "coop"):
+        if r.get(m) and (plans is None or r[m] < plans):
+            bound = ", the per-op bound," if r[m] <= r["lower_bound"] else ""
+            said.append(f"{m} {share(r, m)}{bound}")
+    return said
+
+
+def reach_bullet(reach: Sequence[Row], time_limit: float) -> str:
+    lead = ("* **Smallest reachable budget** (share of the no-remat peak: bonsai's min-peak MILP / chen's lowest "
+            "plan / the per-op bound): " + "; ".join(map(reach_clause, reach)) + ". " + unproven_said(reach, time_limit))
+    below = [(r, heuristics_below(r)) for r in reach]
+    below = [(r, said) for r, said in below if said]
+    if not below:
+        return lead + " Neither dtr nor coop meets a smaller budget than bonsai's and chen's on any model."
+    return lead + (" DTR's and Coop's op-level eviction meet a smaller budget than bonsai's and chen's (bonsai "
+                   "meets chen's too: Chen's plans are its fallback) on "
+                   + listing([f"{model_name(r['model'])} ({listing(said)} against {share_of(r, plan_reach(r))})"
+                              for r, said in below])
+                   + (f"; bonsai's or chen's is the smallest on the other {len(reach) - len(below)}."
+                      if len(below) < len(reach) else "."))
+
+
+def share_of(r: Row, value: int | None) -> str:
+    return "none" if value is None else f"{value / r['no_remat_peak']:.1%}"
+
+
+# -- bonsai against the rest ---------------------------------------------------------------------------
+
+def contested(models: dict[str, dict[float, Cell]]) -> list[tuple[str, float, Cell]]:
+    """Every cell where bonsai ran and some method or peer fits."""
+    return [(m, f, c) for m, by_budget in models.items() for f, c in by_budget.items() if "bonsai" in c and feasible(c)]
+
+
+def plan_space_rivals(cells: Sequence[tuple[str, float, Cell]]) -> list[tuple[str, float, Cell, str]]:
+    """(model, budget, cell, rival) where chen or the per-block peer (plans in bonsai's space) fits and bonsai
+    does not, or costs less."""
+    return [(model, f, c, rival) for model, f, c in cells for rival in ("chen", "per-block")
+            if rival in feasible(c) and (not fits(c, "bonsai") or feasible(c)["bonsai"] > feasible(c)[rival] + TIE)]
+
+
+def runner_up(cell: Cell) -> str:
+    rest = others(cell)
+    if not rest:
+        return "the only method that fits"
+    level = [m for m, o in rest if o <= feasible(cell)["bonsai"] + TIE]
+    return f"level with {listing(level)}" if level else f"next {priced(*rest[0])}"
+
+
+def model_wins(label: str, by_budget: dict[float, Cell]) -> str:
+    """``hf:bert at 90% (+1.4%, next moccasin +1.5%), 70% (...)``; where bonsai is not the cheapest, said so."""
+    wins = [f"{budget(f)} ({pct(c['bonsai']['overhead'])}, {runner_up(c)})"
+            for f, c in by_budget.items() if bonsai_cheapest(c)]
+    return f"{model_name(label)}: " + (", ".join(wins) if wins else "at no budget")
+
+
+def could_not_run(models: dict[str, dict[float, Cell]]) -> str:
+    """``PyTorch's budget partitioner could not run on hf:gpt2 and hf:llama.``: methods or peers that failed on
+    a whole model before any budget (a crash, not a budget they miss)."""
+    failed: dict[str, list[str]] = {}
+    for model, by_budget in models.items():
+        for method in dict.fromkeys(m for c in by_budget.values() for m in c):
+            notes = [c[method].get("note") or "" for c in by_budget.values() if method in c]
+            if all(n.startswith("could not run") for n in notes):
+                failed.setdefault(method, []).append(model_name(model))
+    return " ".join(f"{capitalized(method_name(m))} could not run on {listing(ms)} (results.csv says why)."
+                    for m, ms in failed.items())
+
+
+def cells_bullet(models: dict[str, dict[float, Cell]], first: str) -> str:
+    cells = contested(models)
+    cheapest = sum(bonsai_cheapest(c) for _, _, c in cells)
+    misses = [f"{model_name(m)} at {budget(f)} ({priced(rival, feasible(c)[rival])})"
+              for m, f, c, rival in plan_space_rivals(cells)]
+    plans = ("in no cell does chen or per-block checkpointing (plans in bonsai's space) fit where bonsai does not, "
+             "or cost less" if not misses else "chen or per-block checkpointing (plans in bonsai's space) fits "
+             "where bonsai does not, or costs less, in " + listing(misses))
+    return (f"* **Bonsai is the cheapest feasible method in {cheapest} of the {len(cells)} cells where any method "
+            "fits** (a cell: a model × budget where some method or peer is feasible; cheapest: the lowest overhead "
+            f"in results.csv, peers included, ties included), and {plans}. Where it is the cheapest on the other "
+            "models (its overhead, then the next cheapest method): "
+            + "; ".join(model_wins(m, b) for m, b in models.items() if m != first) + ". " + could_not_run(models)).rstrip()
+
+
+def beaten_cells(models: dict[str, dict[float, Cell]]) -> list[tuple[str, float, Cell]]:
+    return [(m, f, c) for m, f, c in contested(models) if below_bonsai(c)]
+
+
+def beaten_by(winner: str, cells: Sequence[tuple[str, float, Cell]]) -> str:
+    """``moccasin is cheaper by up to 1.7 points on resnet at 90% (+4.94% vs +5.03%), ...``"""
+    mine = [(m, f, c) for m, f, c in cells if below_bonsai(c)[0][0] == winner]
+    gaps = [c["bonsai"]["overhead"] - feasible(c)[winner] for _, _, c in mine]
+    said = []
+    for model, f, c in mine:
+        mine_ = c["bonsai"]["overhead"]
+        also = [f"{method_name(m)}'s {o:+.{digits_apart(o, mine_)}%}" for m, o in below_bonsai(c)[1:]]
+        said.append(f"{model_name(model)} at {budget(f)} ({pair_said(feasible(c)[winner], c['bonsai']['overhead'])}"
+                    + (f"; {listing(also)} also below bonsai" if also else "") + ")")
+    return f"{method_name(winner)} is cheaper by up to {max(gaps) * 100:.2f} points on " + listing(said)
+
+
+def unreached_cells(models: dict[str, dict[float, Cell]]) -> list[str]:
+    """Cells where bonsai ran and does not fit but others do: ``mlp at 50% (checkmate +37.2%, gap 50.0%; dtr ...)``."""
+    said = []
+    for model, f, c in contested(models):
+        if not fits(c, "bonsai"):
+            priced_ = [priced(m, o) + (f", gap {c[m]['gap']:.1%}" if (c[m].get("gap") or 0) > TIE else "")
+                       for m, o in others(c)]
+            said.append(f"{model_name(model)} at {budget(f)} ({'; '.join(priced_)})")
+    return said
+
+
+def peer_below_eager(models: dict[str, dict[float, Cell]]) -> list[str]:
+    """Budget-partitioner cells cheaper than the plain step: a compiled step, not a recompute saving."""
+    return [f"{model_name(m)} at {budget(f)} ({pct(c['torch-budget']['overhead'])})"
+            for m, by_budget in models.items() for f, c in by_budget.items()
+            if fits(c, "torch-budget") and c["torch-budget"]["overhead"] < 0]
+
+
+def not_best_bullet(models: dict[str, dict[float, Cell]]) -> str:
+    beaten = beaten_cells(models)
+    winners = list(dict.fromkeys(below_bonsai(c)[0][0] for _, _, c in beaten))
+    parts = ["* **Where bonsai is not the best**: " + ("; ".join(beaten_by(w, beaten) for w in winners)
+                                                        if beaten else "in no cell where it fits is another method cheaper")
+             + "."]
+    if any(w in OP_LEVEL for w in winners):
+        parts.append("These are op-level schedules: a tensor recomputed twice, or a region only partly rebuilt, is "
+                     "outside bonsai's checkpoint-plan space (and a time-limited search may land elsewhere on "
+                     "another run).")
+    unreached = unreached_cells(models)
+    if unreached:
+        parts.append("Below bonsai's reach, others still fit: " + "; ".join(unreached) + ".")
+    eager = peer_below_eager(models)
+    if eager:
+        parts.append("PyTorch's budget partitioner costs less than the plain step on " + listing(eager)
+                     + ": its compiled step executes fewer priced ops than the eager step it is compared with, "
+                       "not a recompute saving.")
+    return " ".join(parts)
+
+
+# -- solver cost -----------------------------------------------------------------------------------
+
+def ratio_range(values: Sequence[float]) -> str:
+    """``67×–130×``; ``?×`` when there is nothing to compare."""
+    if not values:
+        return "?×"
+    lo, hi = min(values), max(values)
+    return f"{lo:.0f}×" if round(lo) == round(hi) else f"{lo:.0f}×–{hi:.0f}×"
+
+
+def checkmate_proven(models: dict[str, dict[float, Cell]]) -> list[tuple[str, float, Row, Row]]:
+    """(model, budget, checkmate's row, bonsai's) where checkmate proved optimality and bonsai fits."""
+    return [(m, f, c["checkmate"], c["bonsai"]) for m, by_budget in models.items() for f, c in by_budget.items()
+            if "checkmate" in c and c["checkmate"]["feasible"] and c["checkmate"]["status"] == "optimal"
+            and fits(c, "bonsai")]
+
+
+def checkmate_sentence(models: dict[str, dict[float, Cell]], time_limit: float) -> str:
+    proven = checkmate_proven(models)
+    if not proven:
+        return f"checkmate's op-level MILP proved optimality in no cell within {time_limit:g} s"
+    where = "; ".join(f"{model_name(m)} at {budgets_said([f for mm, f, _, _ in proven if mm == m])}"
+                      for m in dict.fromkeys(m for m, *_ in proven))
+    dearer = [f"{model_name(m)} at {budget(f)}: {(b['overhead'] - c['overhead']) * 100:.2g} points higher"
+              for m, f, c, b in proven if b["overhead"] > c["overhead"] + 1e-6]
+    cost = (f"the same cost in {len(proven) - len(dearer)} of the {len(proven)} cells"
+            + (f" ({'; '.join(dearer)})" if dearer else "") + ",")
+    speed = ratio_range([c["solve_seconds"] / b["solve_seconds"] for _, _, c, b in proven])
+    size = ratio_range([c["variables"] / b["variables"] for _, _, c, b in proven if c["variables"] and b["variables"]])
+    return (f"where checkmate's op-level MILP proved optimality within {time_limit:g} s ({where}), bonsai found "
+            f"{cost} {speed} faster with {size} fewer variables")
+
+
+def never_found(models: dict[str, dict[float, Cell]], method: str) -> tuple[list[str], list[str]]:
+    """(models where ``method`` ran and fitted at no budget, models where it was not run)."""
+    none, skipped = [], []
+    for m, by_budget in models.items():
+        rows = [c[method] for c in by_budget.values() if method in c]
+        if rows and all(not_run(r) for r in rows):
+            skipped.append(model_name(m))
+        elif rows and not any(r["feasible"] for r in rows):
+            none.append(model_name(m))
+    return none, skipped
+
+
+def found_sentence(method: str, models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> str:
+    """``moccasin found a schedule in 12 of the 40 cells it ran; none at any budget on ...``"""
+    rows = [c[method] for by_budget in models.values() for c in by_budget.values() if method in c]
+    ran = [r for r in rows if not not_run(r)]
+    if not ran:
+        return ""
+    none, skipped = never_found(models, method)
+    limit = meta.get("node_limits", {}).get(method)
+    return (f"{method} found a schedule within {meta['time_limit']:g} s in {sum(bool(r['feasible']) for r in ran)} "
+            f"of the {len(ran)} cells it ran" + (f"; none at any budget on {listing(none)}" if none else "")
+            + (f" (not run on {len(skipped)} model{'s' * (len(skipped) > 1)} over its {limit}-node limit)"
+               if skipped and limit else ""))
+
+
+def bonsai_times(models: dict[str, dict[float, Cell]]) -> str:
+    timed = [(m, f, c["bonsai"]["solve_seconds"]) for m, by_budget in models.items() for f, c in by_budget.items()
+             if fits(c, "bonsai") and c["bonsai"]["solve_seconds"] is not None]
+    if not timed:
+        return ""
+    model, f, longest = max(timed, key=lambda t: t[2])
+    return (f"bonsai's solves took a median {median(t for _, _, t in timed):.2f} s, the longest {longest:.1f} s "
+            f"({model_name(model)} at {budget(f)})")
+
+
+def solver_bullet(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> str:
+    parts = [checkmate_sentence(models, meta["time_limit"])]
+    parts += [found_sentence(m, models, meta) for m in ("checkmate", "moccasin")]
+    parts.append(bonsai_times(models))
+    said = "; ".join(p for p in parts if p)
+    return "* **Solver cost**: " + said[0].lower() + said[1:] + "."
+
+
+# -- the page --------------------------------------------------------------------------------------
+
+def bound_bullet(models: dict[str, dict[float, Cell]]) -> str:
+    """Per model and budget the lower bound (results.csv's ``bound``), the cheapest method found there
+    (of the methods: a peer's overhead is measured on an eager step, which the bound does not speak of)
+    and how far above the bound it is."""
+    said = []
+    for label, by_budget in models.items():
+        parts = []
+        for fraction, cell in by_budget.items():
+            bound = next((r.get("bound") for r in cell.values() if r.get("bound") is not None), None)
+            if bound is None:
+                continue
+            costs = {m: o for m, o in feasible(cell).items() if cell[m]["status"] != "measured"}  # peers
+            if not costs:
+                parts.append(f"{budget(fraction)} {pct(bound)} (nothing found)")
+                continue
+            method, overhead = min(costs.items(), key=lambda mo: mo[1])
+            parts.append(f"{budget(fraction)} {pct(bound)} ({priced(method, overhead)}, "
+                         f"{(1 + overhead) / (1 + bound) - 1:.2%} above)")
+        if parts:
+            said.append(f"{model_name(label)} " + ", ".join(parts))
+    if not said:
+        return ""
+    return ("* **The lower bound** (`bonsai_core.bound.lower_bound`: no schedule within the budget computes less, "
+            "whatever its order; as an overhead), with the cheapest method's schedule (peers aside: measured on "
+            "an eager step) and how far above the bound its compute cost is: " + "; ".join(said) + ".")
+
+
+def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header: str, bench: str) -> str:
+    """The whole page from one run: its rows (results.csv), reach (reach.csv) and run.json (``meta``);
+    ``bench``: the output folder as a link from the page."""
+    models = cells_by_model(rows)
+    if not models:
+        raise BonsaiError("The run has no results to write a page from: run the bench with --page first.")
+    first = next(iter(models))
+    reach_of = {r["model"]: r for r in reach}
+    bullets = [headline_bullet(first, models[first], reach_of.get(first), meta["time_limit"]),
+               reach_bullet(reach, meta["time_limit"]) if reach else "",
+               cells_bullet(models, first), not_best_bullet(models), bound_bullet(models), solver_bullet(models, meta)]
+    return common.render("benchmarks", header=header, machine=meta["machine"], torch=meta["torch"],
+                         dates=common.run_dates(meta), minutes=f"{meta['seconds'] / 60:.0f}", command=meta["command"],
+                         models=len(models), cells=sum(len(b) for b in models.values()), bench=bench,
+                         bullets="\n".join(b for b in bullets if b))
