@@ -14,6 +14,7 @@ import statistics
 import string
 import subprocess
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -59,6 +60,27 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
+def run_meta(stamp: str = "date", **extra: Any) -> dict[str, Any]:
+    """What a page says of a run, kept as it starts: the command, the start (``stamp``: ``date`` or
+    ``started``, :func:`utc_now`), the machine, torch's version, and ``extra``."""
+    import torch
+
+    return {"command": command(), stamp: utc_now(), "machine": machine(), "torch": torch.__version__, **extra}
+
+
+def run_studies(studies: dict[str, Callable[[], Any]], seconds: dict[str, float] | None = None) -> dict[str, Any]:
+    """Each study's result by its name, run in turn, its seconds printed (and kept in ``seconds``)."""
+    out = {}
+    for name, study in studies.items():
+        start = time.perf_counter()
+        out[name] = study()
+        took = time.perf_counter() - start
+        if seconds is not None:
+            seconds[name] = took
+        print(f"{name}: {took:.0f} s", flush=True)
+    return out
+
+
 def run_dates(meta: dict[str, Any]) -> str:
     """A run's ``started`` and ``ended`` (:func:`utc_now`) as a page says them: ``2026-12-05, 19:05–19:15
     UTC``; both dates in full when the run crossed midnight."""
@@ -93,6 +115,11 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], align: str = ""
     names = {"l": "left", "r": "right", "c": "center"}
     colalign = [names[a] for a in align.ljust(len(columns), "l")]
     return frame.to_markdown(index=False, colalign=colalign, disable_numparse=True)
+
+
+def pipe_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A markdown table as the pages written by hand set them: ``| a | b |`` lines, no padding."""
+    return "\n".join(f"| {' | '.join(map(str, cells))} |" for cells in [columns, ["---"] * len(columns), *rows])
 
 
 def render(template: str, **values: Any) -> str:

@@ -314,18 +314,14 @@ def timed_part(parts: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
 
 
 def measure(quick: bool) -> dict[str, Any]:
-    import torch
-
     browser = harness()
     from bonsai_core.graph import save_graph
 
     start = time.perf_counter()
     counts = QUICK if quick else FULL
     parts: dict[str, Any] = {}
-    results: dict[str, Any] = {
-        "meta": {"command": common.command(), "date": common.utc_now(),
-                 "machine": common.machine(), "torch": torch.__version__, "streamlit": importlib.metadata.version("streamlit"),
-                 "quick": quick, "counts": counts, "parts": parts}}
+    results: dict[str, Any] = {"meta": common.run_meta(streamlit=importlib.metadata.version("streamlit"), quick=quick,
+                                                       counts=counts, parts=parts)}
     results["yardstick_s"] = timed_part(parts, "yardstick", browser.yardstick_seconds)
     graphs = timed_part(parts, "tracing", lambda: graphs_to_measure(quick))
     results["traces"] = [{"graph": g["label"], "ops": g["graph"].n, "trace_s": g["trace_s"]}

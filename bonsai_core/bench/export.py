@@ -310,25 +310,15 @@ def backend_cases(quick: bool) -> list[tuple[str, dict[str, Any], str | None]]:
 
 
 def measure(time_limit: float, quick: bool = False) -> dict[str, Any]:
-    import torch
-
-    studies: dict[str, Callable[[], list[dict[str, Any]]]] = {
+    meta = common.run_meta(time_limit=time_limit, quick=quick, study_seconds={})
+    start = time.perf_counter()
+    results = {"meta": meta, **common.run_studies({
         "zoo": lambda: zoo_rows(chosen(ZOO, quick)),
         "methods": lambda: method_rows(chosen(ZOO, quick), time_limit),
         "verified": lambda: verified_rows(chosen(VERIFIED, quick)),
         "attention": lambda: attention_rows(chosen(ATTENTION_MODELS, quick)),
-        "backends": lambda: backend_rows(backend_cases(quick), time_limit)}
-    results: dict[str, Any] = {
-        "meta": {"command": common.command(), "date": common.utc_now(),
-                 "machine": common.machine(), "torch": torch.__version__, "time_limit": time_limit,
-                 "quick": quick, "study_seconds": {}}}
-    start = time.perf_counter()
-    for name, run in studies.items():
-        study_start = time.perf_counter()
-        results[name] = run()
-        results["meta"]["study_seconds"][name] = time.perf_counter() - study_start
-        print(f"{name}: {results['meta']['study_seconds'][name]:.0f} s", flush=True)
-    results["meta"]["seconds"] = time.perf_counter() - start
+        "backends": lambda: backend_rows(backend_cases(quick), time_limit)}, meta["study_seconds"])}
+    meta["seconds"] = time.perf_counter() - start
     return results
 
 

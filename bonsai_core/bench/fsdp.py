@@ -27,7 +27,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from bonsai_core.arguments import RESHARD_CHOICES
 
@@ -53,7 +53,6 @@ def fsdp_graph(model: str, options: dict, world: int, reshard: bool | str = True
             graph = trace_step(net, inputs, loss_fn, name=model).graph
     net = models.build(model, seed=0, **options)[0]
     return graph, shard_by_units(graph, net, world, reshard, mixed_precision), fsdp_units(graph, reshard)
-
 
 
 def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
@@ -83,6 +82,65 @@ def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
     return list(resized.values()), list(left.values())
 
 
+def live_bytes_with(resized: list, left: list) -> Any:
+    """:class:`bonsai_core.measure.LiveBytes` plus the current size of FSDP's storages it does not see
+    (:func:`_storages_outside`); ``at_peak``: (live bytes, those storages' bytes, the op) at the peak."""
+    from bonsai_core.measure import LiveBytes
+
+    class WithFsdpStorages(LiveBytes):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            outside = sum(st.nbytes() for st in resized) + sum(st().nbytes() for st in left if st() is not None)
+            if self.live + outside > self.peak:
+                self.peak, self.at_peak = self.live + outside, (self.live, outside, str(func))
+            return out
+
+    return WithFsdpStorages()
+
+
+def gloo_rank(rank: int, world: int, folder: str) -> None:
+    """This process as rank ``rank`` of ``world`` gloo processes meeting in ``folder``, one thread each."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+
+
+def spawn_ranks(worker: Callable[..., None], world: int, args: tuple, timeout: float | None = None,
+                what: str = "") -> list[dict]:
+    """``worker(rank, world, folder, *args)`` in ``world`` spawned processes, each writing its result to
+    ``folder/rankN.json``; the results, rank by rank. Past ``timeout`` seconds the workers are killed."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        ctx = mp.start_processes(worker, args=(world, folder, *args), nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + (timeout or float("inf"))
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    proc.kill()
+                raise TimeoutError(f"the {what} workers did not finish within {timeout:.0f} s")
+        return [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def append_table(out: Path | None, intro: str, columns: list[str], rows: list[str]) -> None:
+    """``rows`` (markdown table lines) appended to ``out``; a new file starts with ``intro`` (the run's
+    date, machine and torch prefixed) and the table's head."""
+    import torch
+
+    from bonsai_core.bench.common import pipe_table
+
+    if out is None:
+        return
+    head = "" if out.exists() else (
+        f"{intro.format(date=datetime.date.today(), machine=platform.machine(), torch=torch.__version__)}\n\n"
+        f"{pipe_table(columns, [])}\n")
+    with out.open("a") as f:
+        f.write(head + "\n".join(rows) + "\n")
+
+
 def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn, grads: str = "zeroed") -> dict:
     """One rank's fixed bytes and peak live bytes over a steady-state step of ``net`` (already sharded by
     ``fully_shard``): a first step (FSDP's lazy initialisation, ``.grad`` allocated, sharded; with
@@ -91,22 +149,7 @@ def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn, grads: str = 
     (:func:`_storages_outside`). Also the measured step's loss."""
     import torch
 
-    from bonsai_core.measure import LiveBytes
     from bonsai_core.tensors import storage_bytes
-
-    class WithResized(LiveBytes):
-        """LiveBytes, plus the current size of FSDP's storages it does not see (``_storages_outside``)."""
-
-        def __init__(self, storages: list, left: list) -> None:
-            super().__init__()
-            self.storages, self.left = storages, left
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            resized = sum(st.nbytes() for st in self.storages) + sum(st().nbytes() for st in self.left if st() is not None)
-            if self.live + resized > self.peak:
-                self.peak, self.at_peak = self.live + resized, (self.live, resized, str(func))
-            return out
 
     loss_fn(net(*inputs)).backward()
     if grads == "none":
@@ -114,9 +157,8 @@ def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn, grads: str = 
     local = [t.to_local() if hasattr(t, "to_local") else t
              for t in (*net.parameters(), *(p.grad for p in net.parameters() if p.grad is not None), *net.buffers())]
     loss_buffers = list(loss_fn.buffers()) if isinstance(loss_fn, torch.nn.Module) else []
-    resized, left = _storages_outside(net)
     fixed = storage_bytes([*local, *loss_buffers, *inputs])
-    tracker = WithResized(resized, left)
+    tracker = live_bytes_with(*_storages_outside(net))
     with tracker:
         loss = loss_fn(net(*inputs))
         loss.backward()
@@ -124,9 +166,8 @@ def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn, grads: str = 
             "loss": float(loss)}
 
 
-def _worker(rank: int, world: int, model: str, options: dict, units: list, budget: str | None,
-            store: str, results: str, reshard: bool | str = True, mixed_precision: str | None = None,
-            grads: str = "zeroed") -> None:
+def _worker(rank: int, world: int, folder: str, model: str, options: dict, units: list, budget: str | None,
+            reshard: bool | str = True, mixed_precision: str | None = None, grads: str = "zeroed") -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -135,9 +176,7 @@ def _worker(rank: int, world: int, model: str, options: dict, units: list, budge
     from bonsai_core import models
     from bonsai_core.fsdp import MIXED_PRECISION
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+    gloo_rank(rank, world, folder)
     try:
         net, inputs, loss_fn = models.build(model, seed=0, **options)
         if budget:
@@ -149,7 +188,7 @@ def _worker(rank: int, world: int, model: str, options: dict, units: list, budge
             modules = [net.get_submodule(p) for p in paths]
             fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=flag, mp_policy=policy)
         fully_shard(net, mp_policy=policy)
-        Path(results, f"rank{rank}.json").write_text(json.dumps(steady_step_peak(net, inputs, loss_fn, grads)))
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(steady_step_peak(net, inputs, loss_fn, grads)))
     finally:
         dist.destroy_process_group()
 
@@ -157,15 +196,7 @@ def _worker(rank: int, world: int, model: str, options: dict, units: list, budge
 def measure(model: str, options: dict, world: int, units: list, budget: str | None, reshard: bool | str = True,
             mixed_precision: str | None = None, grads: str = "zeroed") -> list[dict]:
     """Each rank's fixed bytes and peak over one steady-state step, from ``world`` spawned processes."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(world, model, options, units, budget, f"{tmp}/store", tmp, reshard,
-                                                mixed_precision, grads),
-                                 nprocs=world, join=False, start_method="spawn")
-        while not ctx.join(timeout=5):
-            pass
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    return spawn_ranks(_worker, world, (model, options, units, budget, reshard, mixed_precision, grads))
 
 
 def predicted(graph, model: str, options: dict, budget: str | None, reshard: bool | str = True,
@@ -203,8 +234,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """One row per world size (and plan), printed and (with ``--out``) appended to a Markdown file."""
-    import torch
-
     from bonsai_core.units import format_bytes
 
     options = SIZES[args.model]
@@ -226,12 +255,7 @@ def main(args: argparse.Namespace) -> int:
                         f"| {format_bytes(expected)} | {format_bytes(peak)} | {peak / expected - 1:+.2%} "
                         f"| {time.perf_counter() - start:.0f} s |")
             print(rows[-1], flush=True)
-    if args.out:
-        header = ("" if args.out.exists() else
-                  f"`bonsai bench fsdp` on {datetime.date.today()}, {platform.machine()} CPU, torch "
-                  f"{torch.__version__}, gloo: per-rank peak live bytes (largest over ranks) against the simulator.\n\n"
-                  "| model | ranks | plan | fixed per rank | predicted | measured | error | time |\n"
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |\n")
-        with args.out.open("a") as f:
-            f.write(header + "\n".join(rows) + "\n")
+    append_table(args.out, "`bonsai bench fsdp` on {date}, {machine} CPU, torch {torch}, gloo: per-rank peak live "
+                 "bytes (largest over ranks) against the simulator.",
+                 ["model", "ranks", "plan", "fixed per rank", "predicted", "measured", "error", "time"], rows)
     return 0

@@ -221,12 +221,11 @@ def main(args: argparse.Namespace) -> int:
     config = config_from(args)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    meta = run_meta(config)
+    meta = common.run_meta("started", time_limit=config.time_limit, node_limits=config.max_nodes)
     (out / RUN_META).write_text(json.dumps(meta, indent=1))
     start = time.perf_counter()
     rows = run_bench(config, out, progress=lambda line: print(line, flush=True))
-    meta.update(seconds=round(time.perf_counter() - start, 1),
-                ended=common.utc_now())
+    meta.update(seconds=round(time.perf_counter() - start, 1), ended=common.utc_now())
     (out / RUN_META).write_text(json.dumps(meta, indent=1))
     print(f"wrote {len(rows)} rows to {args.output}/results.csv, results.md and plots")
     if args.page:
@@ -255,15 +254,6 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         methods=methods, peers=peers,
         time_limit=args.time_limit or (10.0 if args.quick else SOLVE_TIME_LIMIT), backend=args.backend,
         max_nodes=dict(BENCH_NODE_LIMITS))
-
-
-def run_meta(config: BenchConfig) -> dict[str, Any]:
-    """What a page says about the run before it starts: command, date, machine, torch, time limit."""
-    import torch
-
-    return {"command": common.command(), "started": common.utc_now(),
-            "machine": common.machine(), "torch": torch.__version__, "time_limit": config.time_limit,
-            "node_limits": config.max_nodes}
 
 
 def check_page_args(args: argparse.Namespace) -> None:

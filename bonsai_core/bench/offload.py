@@ -84,16 +84,13 @@ def exported_plan(time_limit: float) -> dict[str, Any]:
 
 
 def measure(time_limit: float) -> dict[str, Any]:
-    import torch
-
     from bonsai_core.schedule import no_remat_peak
     from bonsai_core.trace import trace_model
 
     start = time.perf_counter()
     graph = trace_model(MODEL).graph
     results: dict[str, Any] = {
-        "meta": {"command": common.command(), "date": common.utc_now(),
-                 "machine": common.machine(), "torch": torch.__version__, "time_limit": time_limit},
+        "meta": common.run_meta(time_limit=time_limit),
         "graph": {"name": MODEL, "nodes": graph.n, "no_remat_peak": no_remat_peak(graph)},
         "rows": method_rows(graph, time_limit)}
     results["export"] = exported_plan(time_limit)

@@ -17,12 +17,8 @@ implemented for the GPU's attention kernels only (``_context_parallel/_attention
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -131,8 +127,7 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed.pipeline_parallel import pipeline_module_split
 
-    from bonsai_core.bench.fsdp import _storages_outside
-    from bonsai_core.measure import LiveBytes
+    from bonsai_core.bench.fsdp import _storages_outside, live_bytes_with
     from bonsai_core.parallel import parallelize, step_context
     from bonsai_core.pipeline import TORCH_SCHEDULE, stage_modules
     from bonsai_core.tensors import storage_bytes
@@ -159,19 +154,6 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
         args = (inputs[0],) if first else ()
         schedule.step(*args, target=labels if last else None, losses=losses if last else None, return_outputs=False)
 
-    class Live(LiveBytes):
-        """LiveBytes plus FSDP's storages it does not see (resized all-gather outputs, held collective inputs)."""
-
-        def __init__(self, storages: list, left: list) -> None:
-            super().__init__()
-            self.storages, self.left = storages, left
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            extra = sum(st.nbytes() for st in self.storages) + sum(st().nbytes() for st in self.left if st() is not None)
-            self.peak = max(self.peak, self.live + extra)
-            return out
-
     with step_context(net, layout):
         step()
         tensors = []
@@ -187,25 +169,21 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
                 r, held = _storages_outside(part)
                 resized, left = resized + r, left + held
         fixed = storage_bytes([*tensors, *inputs, labels])
-        tracker = Live(resized, left)
+        tracker = live_bytes_with(resized, left)
         with tracker:
             step()
     # the loss is the last stage's (the microbatches' losses added up); no other stage has one
     return {"fixed": fixed, "peak": fixed + tracker.peak, "loss": float(sum(losses)) if last else None}
 
 
-def _worker(rank: int, world: int, model: str, options: dict, layout: dict, budget: str | None, store: str,
-            results: str) -> None:
-    import torch
+def _worker(rank: int, world: int, folder: str, model: str, options: dict, layout: dict, budget: str | None) -> None:
     import torch.distributed as dist
 
     from bonsai_core import models
-    from bonsai_core.bench.fsdp import steady_step_peak
+    from bonsai_core.bench.fsdp import gloo_rank, steady_step_peak
     from bonsai_core.parallel import Layout, cp_inputs, meshes, parallelize, step_context, with_batch
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+    gloo_rank(rank, world, folder)
     try:
         net, inputs, loss_fn = models.build(model, seed=0, **options)
         spec = with_batch(Layout(**layout), *inputs[0].shape[:2])
@@ -226,7 +204,7 @@ def _worker(rank: int, world: int, model: str, options: dict, layout: dict, budg
             with step_context(net, spec):
                 out.update(steady_step_peak(net, inputs, loss_fn))
         out.pop("at_peak", None)
-        Path(results, f"rank{rank}.json").write_text(json.dumps(out))
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
 
@@ -235,19 +213,10 @@ def measure(model: str, options: dict, layout: Any, budget: str | None = None, t
     """Each rank's fixed bytes and peak over one steady-state step, from ``layout.world`` spawned gloo processes."""
     import dataclasses
 
-    import torch.multiprocessing as mp
+    from bonsai_core.bench.fsdp import spawn_ranks
 
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(layout.world, model, options, dataclasses.asdict(layout), budget,
-                                                f"{tmp}/store", tmp),
-                                 nprocs=layout.world, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    proc.kill()
-                raise TimeoutError(f"the {layout.describe()} workers did not finish within {timeout:.0f} s")
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(layout.world)]
+    return spawn_ranks(_worker, layout.world, (model, options, dataclasses.asdict(layout), budget), timeout,
+                       layout.describe())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -262,11 +231,9 @@ def main(args: argparse.Namespace) -> int:
     """One row per layout, pipeline rank and plan: printed and (with ``--out``) appended to a Markdown file."""
     import dataclasses
 
-    import torch
-
-    from bonsai_core.units import format_bytes
-
+    from bonsai_core.bench.fsdp import append_table
     from bonsai_core.parallel import with_batch
+    from bonsai_core.units import format_bytes
 
     options = SIZES[args.model]
     rows = []
@@ -282,13 +249,7 @@ def main(args: argparse.Namespace) -> int:
                 rows.append(f"| {args.model} | {spec.describe()} | {budget or 'none'} | {format_bytes(expected)} "
                             f"| {format_bytes(peak)} | {peak / expected - 1:+.2%} | {time.perf_counter() - start:.0f} s |")
                 print(rows[-1], flush=True)
-    if args.out:
-        header = ("" if args.out.exists() else
-                  f"`bonsai bench parallel` on {datetime.date.today()}, {platform.machine()} CPU, torch "
-                  f"{torch.__version__}, gloo, fp32: each pipeline rank's peak live bytes (largest over its ranks) "
-                  "against the simulator.\n\n"
-                  "| model | layout, rank | plan | predicted | measured | error | time |\n"
-                  "| --- | --- | --- | --- | --- | --- | --- |\n")
-        with args.out.open("a") as f:
-            f.write(header + "\n".join(rows) + "\n")
+    append_table(args.out, "`bonsai bench parallel` on {date}, {machine} CPU, torch {torch}, gloo, fp32: each "
+                 "pipeline rank's peak live bytes (largest over its ranks) against the simulator.",
+                 ["model", "layout, rank", "plan", "predicted", "measured", "error", "time"], rows)
     return 0

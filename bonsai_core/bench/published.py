@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
-from bonsai_core.bench.common import add_page_arguments, page_header, page_refusal, run_page_suite
+from bonsai_core.bench.common import (add_page_arguments, page_header, page_refusal, pipe_table, render,
+                                      run_page_suite, template_source)
 
 OUT = "docs/bench/published"
+SOURCES = ["bonsai_core/bench/published.py", template_source("published_rows")]
 PAGE = "docs/results/published_rows.md"
 GIB = 2**30
 # (table, label, model flavour, layout degrees, local batch, seq, published GiB, what the published run had on top)
@@ -116,48 +119,38 @@ def measure(rows: list[str]) -> dict[str, Any]:
     return {"rows": out}
 
 
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def summary_row(row: dict[str, Any]) -> list[str]:
+    """The row's largest live and reserved peak over its ranks against the published number."""
+    live = max(r["live_peak"] for r in row["ranks"])
+    reserved = max((r["reserved_peak"] for r in row["ranks"] if "reserved_peak" in r), default=None)
+    shown = reserved if reserved is not None else live
+    return [row["table"], row["row"], ", ".join(str(r["rank"]) for r in row["ranks"]), gib(live),
+            gib(reserved) if reserved is not None else "not modelled (pipeline)",
+            f"{row['published_gib']} GiB ({row['published_with']})", f"{shown / GIB / row['published_gib'] - 1:+.1%}"]
+
+
+def rank_section(row: dict[str, Any]) -> str:
+    """What holds each rank's bytes at its live peak, part by part."""
+    ranks = row["ranks"]
+    parts = [[name, *(gib(r["breakdown"].get(name, 0)) for r in ranks)]
+             for name in dict.fromkeys(k for r in ranks for k in r["breakdown"])]
+    parts += [["**live peak**", *(f"**{gib(r['live_peak'])}**" for r in ranks)],
+              ["trace (nodes, seconds)", *(f"{r['nodes']}, {r['trace_seconds']} s" for r in ranks)]]
+    return (f"### Table {row['table']}: {row['row']}\n\nLocal batch {row['batch']}, sequence {row['seq']}; "
+            + ", ".join(f"{k} {v}" for k, v in row["degrees"].items()) + ".\n\n"
+            + pipe_table(["part", *(f"rank {r['rank']}" for r in ranks)], parts) + "\n")
+
+
 def write_page(results: dict[str, Any], page: str) -> None:
-    lines = [page_header(f"bonsai bench published --page {page}", ["bonsai_core/bench/published.py"]),
-             "# torchtitan's published memory table, predicted per rank (eager)", "",
-             "torchtitan's `benchmarks/llama3_h100_202412_torchtitan.md` (torchtitan 9dec370 of 2024-12-26, H100 96 GB, "
-             "`torch.cuda.max_memory_reserved`, the largest over ranks) against each row's ranks traced here: torchtitan "
-             "0.2.2's Llama 3.1 flavour, its `parallelize_llama` (tensor parallel, loss parallel, context parallel) and "
-             "pipeline split on the fake process group (`bonsai_core.parallel`, `bonsai_core.pipeline`), full activation "
-             "checkpointing (`torchtitan-full`), bf16 FSDP mixed precision (fp32 reduce), AdamW. Without pipeline "
-             "parallel the FSDP units are the published run's (every block resharded after forward but the last, "
-             "`--reshard-after-forward all-but-last`); with it torchtitan's (nothing resharded in the step).", "",
-             "**Every prediction is eager**: the published runs were compiled (`torch.compile` per block) with Float8 "
-             "linears, and the 405B rows and one 70B row with AsyncTP. None of these is modelled here: AsyncTP is "
-             "refused (an Inductor pass under `torch.compile`), Float8 and compile wait for the compiled-step trace; "
-             "the rows will be predicted compiled then. The error column compares an eager prediction with a compiled "
-             "run and is no accuracy claim. The reserved peak (the allocator model, expandable segments) is modelled "
-             "for a rank without pipeline parallel; a pipeline rank's is not (the allocator model replays one "
-             "microbatch): its live peak is given.", "",
-             "| table | row | ranks traced | live peak (max over ranks) | reserved peak | published (run had) | eager vs published |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for row in results["rows"]:
-        live = max(r["live_peak"] for r in row["ranks"])
-        reserved = max((r["reserved_peak"] for r in row["ranks"] if "reserved_peak" in r), default=None)
-        shown = reserved if reserved is not None else live
-        ranks = ", ".join(str(r["rank"]) for r in row["ranks"])
-        lines.append(f"| {row['table']} | {row['row']} | {ranks} | {live / GIB:.2f} GiB | "
-                     + (f"{reserved / GIB:.2f} GiB" if reserved is not None else "not modelled (pipeline)")
-                     + f" | {row['published_gib']} GiB ({row['published_with']}) | {shown / GIB / row['published_gib'] - 1:+.1%} |")
-    lines += ["", "## Per rank: what holds the bytes at the live peak", ""]
-    for row in results["rows"]:
-        lines += [f"### Table {row['table']}: {row['row']}", "",
-                  f"Local batch {row['batch']}, sequence {row['seq']}; "
-                  + ", ".join(f"{k} {v}" for k, v in row["degrees"].items()) + ".", ""]
-        names = list(dict.fromkeys(k for r in row["ranks"] for k in r["breakdown"]))
-        lines.append("| part | " + " | ".join(f"rank {r['rank']}" for r in row["ranks"]) + " |")
-        lines.append("| --- |" + " --- |" * len(row["ranks"]))
-        for name in names:
-            lines.append(f"| {name} | " + " | ".join(f"{r['breakdown'].get(name, 0) / GIB:.2f} GiB" for r in row["ranks"]) + " |")
-        lines.append("| **live peak** | " + " | ".join(f"**{r['live_peak'] / GIB:.2f} GiB**" for r in row["ranks"]) + " |")
-        lines.append("| trace (nodes, seconds) | " + " | ".join(f"{r['nodes']}, {r['trace_seconds']} s" for r in row["ranks"]) + " |")
-        lines.append("")
-    with open(page, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    Path(page).write_text(render(
+        "published_rows", header=page_header(f"bonsai bench published --page {page}", SOURCES),
+        table=pipe_table(["table", "row", "ranks traced", "live peak (max over ranks)", "reserved peak",
+                          "published (run had)", "eager vs published"], map(summary_row, results["rows"])),
+        per_rank="\n".join(map(rank_section, results["rows"]))))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

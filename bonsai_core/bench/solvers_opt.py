@@ -217,13 +217,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {args.page} from {output}")
         return 0
 
-    import torch
-
     from bonsai_core.graph import save_graph
     from bonsai_core.trace import trace_model
 
-    run = {"command": common.command(), "started": common.utc_now(), "machine": common.machine(), "torch": torch.__version__,
-           "versions": versions(), "time_limit": args.time_limit}
+    run = common.run_meta("started", versions=versions(), time_limit=args.time_limit)
     run_file(output).write_text(json.dumps(run, indent=1))
     output.write_text("")
     start = time.perf_counter()
