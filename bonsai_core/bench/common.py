@@ -101,6 +101,13 @@ def mib(nbytes: float, digits: int = 2, unit: str = " MiB") -> str:
     return f"{nbytes / 2**20:.{digits}f}{unit}"
 
 
+def span(values: Iterable[Any], fmt: Callable[[Any], str], between: str = "–", unit: str = "") -> str:
+    """The smallest and largest of ``values`` as ``fmt`` writes them: ``4–9 s``; one when they read the same."""
+    values = list(values)
+    low, high = fmt(min(values)), fmt(max(values))
+    return (low if low == high else f"{low}{between}{high}") + unit
+
+
 def capitalized(text: str) -> str:
     """``text`` with its first letter upper case (a sentence that starts with a method's name)."""
     return text[:1].upper() + text[1:]

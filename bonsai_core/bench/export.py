@@ -17,6 +17,7 @@ import argparse
 import json
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -353,15 +354,8 @@ def options_said(options: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"
 
 
-def byte_range(gaps: Sequence[int]) -> str:
-    """``+8 B``, ``+4 to +8 B``, ``-8 to +8 B``."""
-    low, high = min(gaps), max(gaps)
-    return signed_bytes(low) if low == high else f"{low:+,} to {high:+,} B"
-
-
-def percent_range(xs: Sequence[float]) -> str:
-    low, high = min(xs), max(xs)
-    return common.pct(low) if f"{low:+.1%}" == f"{high:+.1%}" else f"{common.pct(low)} to {common.pct(high)}"
+byte_range = partial(common.span, fmt="{:+,}".format, between=" to ", unit=" B")  # +8 B, -8 to +8 B
+percent_range = partial(common.span, fmt=common.pct, between=" to ")
 
 
 def met_sentence(rows: Sequence[tuple[str, int, int]], what: str) -> str:

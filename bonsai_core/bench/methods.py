@@ -922,10 +922,7 @@ def not_best_bullet(models: dict[str, dict[float, Cell]]) -> str:
 
 def ratio_range(values: Sequence[float]) -> str:
     """``67×–130×``; ``?×`` when there is nothing to compare."""
-    if not values:
-        return "?×"
-    lo, hi = min(values), max(values)
-    return f"{lo:.0f}×" if round(lo) == round(hi) else f"{lo:.0f}×–{hi:.0f}×"
+    return common.span(values, "{:.0f}×".format) if values else "?×"
 
 
 def checkmate_proven(models: dict[str, dict[float, Cell]]) -> list[tuple[str, float, Row, Row]]:

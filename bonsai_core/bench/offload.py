@@ -122,8 +122,7 @@ def shares_said(shares: Sequence[float]) -> str:
 
 def points(gains: Sequence[float]) -> str:
     """Differences of overhead in points (one point: one percent of the step's compute)."""
-    low, high = min(gains) * 100, max(gains) * 100
-    return f"{high:.1f} points" if round(low, 1) == round(high, 1) else f"{low:.1f}–{high:.1f} points"
+    return common.span([g * 100 for g in gains], "{:.1f}".format, unit=" points")
 
 
 def method_sentence(results: dict[str, Any], method: str) -> str:

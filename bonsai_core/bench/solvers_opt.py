@@ -294,15 +294,7 @@ def seconds(x: float) -> str:
 
 
 def seconds_range(xs: Iterable[float]) -> str:
-    """``1.0–6.6 s``, or ``4.5 s`` when they read the same."""
-    xs = list(xs)
-    lo, hi = seconds(min(xs)), seconds(max(xs))
-    return f"{lo} s" if lo == hi else f"{lo}–{hi} s"
-
-
-def count_range(xs: Iterable[int]) -> str:
-    xs = list(xs)
-    return f"{min(xs):,}" if min(xs) == max(xs) else f"{min(xs):,}–{max(xs):,}"
+    return common.span(xs, seconds, unit=" s")  # 1.0–6.6 s
 
 
 def graphs_said(graphs: Sequence[str], every: Sequence[str]) -> str:
@@ -405,7 +397,7 @@ def moccasin_lead(rows: Sequence[Row]) -> str:
     mine = counts.get("moccasin", 0)
     theirs = listing([f"{counts.get(m, 0)} on {backend}" for m, backend in CHECKMATE.items() if m in counts])
     sized = [r["variables"] for r in rows if r["method"] == "moccasin" and r.get("variables") is not None]
-    name = "**moccasin**" + (f" ({count_range(sized)} variables)" if sized else "")
+    name = "**moccasin**" + (f" ({common.span(sized, '{:,}'.format)} variables)" if sized else "")
     lead = f"{name} is the practical exact method here" if mine > max(
         (counts.get(m, 0) for m in CHECKMATE), default=0) else name
     return f"{lead}: it proves {mine} of the {cells} graph × budget cells optimal, checkmate {theirs}."
@@ -445,8 +437,7 @@ def gaps_said(rows: Sequence[Row]) -> str:
     gaps = [r["gap"] for r in rows if r.get("gap") is not None]
     if not gaps:
         return "not reported"
-    lo, hi = min(gaps), max(gaps)
-    return f"{lo:.0%}" if f"{lo:.0%}" == f"{hi:.0%}" else f"{lo:.0%}–{hi:.0%}"
+    return common.span(gaps, "{:.0%}".format)
 
 
 def copies_sentence(copies: Sequence[Row], main: Sequence[Row], limit: float) -> str:
@@ -481,8 +472,8 @@ def checkmate_size(rows: Sequence[Row]) -> str:
     cm = [r for r in rows if r["method"] in CHECKMATE and r.get("variables") is not None]
     if not cm:
         return ""
-    return (f" ({count_range(r['variables'] for r in cm)} variables, "
-            f"{count_range(r['constraints'] for r in cm)} constraints)")
+    return (f" ({common.span((r['variables'] for r in cm), '{:,}'.format)} variables, "
+            f"{common.span((r['constraints'] for r in cm), '{:,}'.format)} constraints)")
 
 
 def checkmate_optimal(rows: Sequence[Row]) -> str:
