@@ -153,11 +153,8 @@ def titan_rows(float8: bool) -> list[dict[str, Any]]:
 
 
 def measure(parts: list[str], float8: bool) -> dict[str, Any]:
-    import torch
-
     start = time.perf_counter()
-    results: dict[str, Any] = {"meta": {"command": common.command(), "date": common.utc_now(),
-                                        "machine": common.machine(), "torch": torch.__version__, "parts": parts}}
+    results: dict[str, Any] = {"meta": common.run_meta(parts=parts)}
     if "cpu" in parts:
         results["cpu"] = []
         for spec, options in CPU_MODELS:
