@@ -529,12 +529,8 @@ def main(args: argparse.Namespace, studies: Callable[[float], dict[str, Any]] | 
     if args.report_only:
         write_outputs(json.loads((out / "results.json").read_text()), out, args.page, write_page)
         return 0
-    import torch
-
     start = time.perf_counter()
-    results: dict[str, Any] = {"meta": {"command": common.command(),
-                                        "date": common.utc_now(),
-                                        "machine": common.machine(), "torch": torch.__version__, "seconds": 0.0},
+    results: dict[str, Any] = {"meta": common.run_meta(seconds=0.0),
                                "variants": {k: [m, o] for k, (m, o) in VARIANTS.items()},
                                "factors": list(FACTORS), "models": {}}
     for name, options in models():

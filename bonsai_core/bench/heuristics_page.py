@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import tempfile
-import time
 from typing import Any, Callable, Iterable, Sequence
 
 from bonsai_core.bench import heuristics
@@ -37,19 +36,13 @@ def studies(time_limit: float) -> dict[str, Any]:
     """Every measurement the page reports besides the Coop-vs-DTR study and its worked example."""
     from bonsai_core.bench import dtr_variants, inplace
 
-    steps: dict[str, Callable[[], Any]] = {
+    return common.run_studies({
         "dtr_variants": dtr_variants.measure,
         "updates": lambda: list(inplace.measure([(m, {}) for m in inplace.MODELS], inplace.VARIANTS, time_limit)),
         "writes": lambda: list(inplace.measure(inplace.WRITES_MODELS, inplace.WRITES, time_limit)),
         "regnet": lambda: regnet_writes(time_limit),
         "reserved": lambda: reserved_budgets(time_limit),
-        "claims": lambda: claims(time_limit)}
-    out = {}
-    for name, measure in steps.items():
-        start = time.perf_counter()
-        out[name] = measure()
-        print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
-    return out
+        "claims": lambda: claims(time_limit)})
 
 
 CLAIM_MODELS = (("gpt", {"layers": 2}), ("hf:gpt2", {}))
