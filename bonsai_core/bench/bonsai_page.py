@@ -261,7 +261,8 @@ def headroom_study(time_limit: float) -> list[dict[str, Any]]:
 def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lambda done: None) -> dict[str, Any]:
     """Every measurement the page reports besides the suite's tables; ``progress(done so far)`` after each."""
     graphs = {key: study_graph(key) for key in GRAPHS}
-    steps: dict[str, Callable[[], Any]] = {
+    seconds: dict[str, float] = {}
+    done = common.run_studies({
         "graphs": lambda: {k: graph_facts(g) for k, g in graphs.items()},
         "options": lambda: {k: options_study(g, BUDGETS[k], time_limit) for k, g in graphs.items()},
         "export": lambda: export_study(graphs["hf_gpt2"], time_limit),
@@ -273,15 +274,9 @@ def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lamb
         "others": lambda: [bound_entry(name, trace(name, o), time_limit) for name, o in OTHER_AUTHORS],
         "moccasin": lambda: moccasin_study(graphs["gpt4"], time_limit),
         "checkmate": lambda: checkmate_study(time_limit),
-        "real_steps": lambda: [real_step(label, time_limit) for label in REAL_STEPS]}
-    out: dict[str, Any] = {"seconds": {}}
-    for name, measure in steps.items():
-        start = time.perf_counter()
-        out[name] = measure()
-        out["seconds"][name] = round(time.perf_counter() - start, 1)
-        print(f"{name}: {out['seconds'][name]:.0f} s", flush=True)
-        progress(out)
-    return out
+        "real_steps": lambda: [real_step(label, time_limit) for label in REAL_STEPS]},
+        seconds, lambda so_far: progress({**so_far, "seconds": seconds}))
+    return {**done, "seconds": seconds}
 
 
 # -- words and numbers -----------------------------------------------------------------------------
@@ -922,12 +917,8 @@ def check_page_args(args: argparse.Namespace) -> None:
 
 def run_page(args: argparse.Namespace) -> dict[str, Any]:
     """The suite's tables and the page's studies, their results kept in ``-o`` as they come."""
-    import torch
-
     started = time.perf_counter()
-    results: dict[str, Any] = {"meta": {"command": common.command(), "machine": common.machine(),
-                                        "started": common.utc_now(),
-                                        "torch": torch.__version__, "time_limit": args.time_limit}}
+    results: dict[str, Any] = {"meta": common.run_meta("started", time_limit=args.time_limit)}
 
     def keep() -> None:
         Path(args.output).write_text(json.dumps(results, indent=1, default=str))

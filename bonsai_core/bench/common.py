@@ -68,9 +68,11 @@ def run_meta(stamp: str = "date", **extra: Any) -> dict[str, Any]:
     return {"command": command(), stamp: utc_now(), "machine": machine(), "torch": torch.__version__, **extra}
 
 
-def run_studies(studies: dict[str, Callable[[], Any]], seconds: dict[str, float] | None = None) -> dict[str, Any]:
-    """Each study's result by its name, run in turn, its seconds printed (and kept in ``seconds``)."""
-    out = {}
+def run_studies(studies: dict[str, Callable[[], Any]], seconds: dict[str, float] | None = None,
+                progress: Callable[[dict[str, Any]], None] = lambda done: None) -> dict[str, Any]:
+    """Each study's result by its name, run in turn, its seconds printed (and kept in ``seconds``);
+    ``progress(the results so far)`` after each."""
+    out: dict[str, Any] = {}
     for name, study in studies.items():
         start = time.perf_counter()
         out[name] = study()
@@ -78,6 +80,7 @@ def run_studies(studies: dict[str, Callable[[], Any]], seconds: dict[str, float]
         if seconds is not None:
             seconds[name] = took
         print(f"{name}: {took:.0f} s", flush=True)
+        progress(out)
     return out
 
 
