@@ -233,6 +233,12 @@ def page_refusal(args: Any, default_out: str | None = None, record_page: str | N
     return None
 
 
+def page_writer(page: Callable[[dict[str, Any], str], str], sources: Sequence[str]) -> Callable[[dict[str, Any], str], None]:
+    """Writes ``page(results, header)`` to a path, the header naming the command that measured ``results``
+    (their ``meta``) and the ``sources`` the page is written by."""
+    return lambda results, path: Path(path).write_text(page(results, page_header(results["meta"]["command"], sources)))
+
+
 def run_page_suite(suite: str, args: Any, refusal: str | None, measure: Callable[[], dict[str, Any]],
                    write_page: Callable[[dict[str, Any], str], None]) -> int:
     """``bonsai bench SUITE`` for a suite that writes a page: refuse (exit 2) with ``refusal``'s words, else

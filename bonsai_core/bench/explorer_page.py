@@ -576,10 +576,6 @@ def page(results: dict[str, Any], header: str) -> str:
                          **module_graph_values(results), **lifetimes_values(results), **titan_values(results))
 
 
-def write_page(results: dict[str, Any], path: str) -> None:
-    Path(path).write_text(page(results, common.page_header(results["meta"]["command"], SOURCES)))
-
-
 # -- the command ----------------------------------------------------------------------------------
 
 def refusal(args: argparse.Namespace) -> str | None:
@@ -596,4 +592,5 @@ def refusal(args: argparse.Namespace) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    return common.run_page_suite("explorer", args, refusal(args), lambda: measure(args.quick), write_page)
+    return common.run_page_suite("explorer", args, refusal(args), lambda: measure(args.quick),
+                                 common.page_writer(page, SOURCES))

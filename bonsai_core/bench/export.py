@@ -836,10 +836,6 @@ def page(results: dict[str, Any], header: str) -> str:
         **attention_values(results["attention"]), **backend_values(results["backends"]))
 
 
-def write_page(results: dict[str, Any], path: str) -> None:
-    Path(path).write_text(page(results, common.page_header(results["meta"]["command"], SOURCES)))
-
-
 def refusal(args: argparse.Namespace) -> str | None:
     """Why these options cannot run, before anything is measured; None when they can."""
     if args.time_limit <= 0:
@@ -849,4 +845,4 @@ def refusal(args: argparse.Namespace) -> str | None:
 
 def main(args: argparse.Namespace) -> int:
     return common.run_page_suite("export", args, refusal(args), lambda: measure(args.time_limit, args.quick),
-                                 write_page)
+                                 common.page_writer(page, SOURCES))

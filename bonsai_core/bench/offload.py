@@ -16,7 +16,6 @@ import argparse
 import json
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 from bonsai_core.bench import common
@@ -190,10 +189,6 @@ def page(results: dict[str, Any], header: str) -> str:
         export_budget=f"{EXPORT_SHARE:.0%}", **export_values(results["export"]))
 
 
-def write_page(results: dict[str, Any], path: str) -> None:
-    Path(path).write_text(page(results, common.page_header(results["meta"]["command"], SOURCES)))
-
-
 def main(args: argparse.Namespace) -> int:
     return common.run_page_suite("offload", args, common.page_refusal(args), lambda: measure(args.time_limit),
-                                 write_page)
+                                 common.page_writer(page, SOURCES))
