@@ -18,8 +18,7 @@ import json
 import tempfile
 import time
 from functools import partial
-from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from bonsai_core.bench import common
 
