@@ -10,6 +10,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from bonsai_core.errors import BonsaiError
+from bonsai_core.graph import load_graph
+from bonsai_core.schedule import no_remat_peak
+
 # label -> (heuristic, deallocation)
 HEURISTICS: dict[str, tuple[str, str]] = {
     "dtr": ("dtr", "free"), "dtr_eq": ("dtr_eq", "free"), "local": ("local", "free"), "lru": ("lru", "free"),
@@ -26,8 +30,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def overheads(graph, fracs: tuple[float, ...]) -> dict[str, list[float | None]]:
     """label -> DTR's overhead with that heuristic and deallocation mode at each share of the graph's
     no-remat peak (None: no schedule fits)."""
-    from bonsai_core.errors import BonsaiError
-    from bonsai_core.schedule import no_remat_peak
     from bonsai_core.solvers import solve
 
     ref = no_remat_peak(graph)
@@ -46,7 +48,6 @@ def overheads(graph, fracs: tuple[float, ...]) -> dict[str, list[float | None]]:
 
 def measure() -> dict[str, Any]:
     """Both graphs: their node counts, budgets and every variant's overheads."""
-    from bonsai_core.graph import load_graph
     from bonsai_core.trace import trace_model
 
     small = load_graph(SMALL["graph"])

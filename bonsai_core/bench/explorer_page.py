@@ -26,6 +26,9 @@ from types import ModuleType
 from typing import Any, Callable, Sequence
 
 from bonsai_core.bench import common
+from bonsai_core.graph import load_graph, save_graph
+from bonsai_core.schedule import no_remat_peak, simulate
+from bonsai_core.units import format_bytes
 
 SOURCES = ["bonsai_core/bench/explorer_page.py", "explorer/browser.py", common.template_source("explorer")]
 DEFAULT_OUT = "docs/bench/explorer"
@@ -77,8 +80,6 @@ def traced(name: str, options: dict[str, Any], label: str) -> dict[str, Any]:
 def graphs_to_measure(quick: bool) -> dict[str, dict[str, Any]]:
     """The default GPT (the explorer's model), hf:gpt2 and, unless ``quick``, the 32-layer Llama and the
     60-layer GPT."""
-    from bonsai_core.graph import load_graph
-
     browser = harness()
     graphs = {"default": {"label": "default GPT", "graph": load_graph(browser.DEFAULT_GRAPH), "trace_s": None},
               "gpt2": traced("hf:gpt2", {}, "`hf:gpt2`")}
@@ -122,7 +123,6 @@ def lifetimes_row(label: str, graph: Any, method: str) -> dict[str, Any]:
     import numpy as np
 
     from bonsai_core.regions import CheckpointPlan
-    from bonsai_core.schedule import no_remat_peak, simulate
     from bonsai_core.solvers import solve
     from explorer import timeline
 
@@ -269,8 +269,6 @@ def titan_study(path: Path, graph: Any, drags: int) -> dict[str, Any]:
     """Torchtitan's 8B step on a fresh server that sweeps (browser.big_step)."""
     from playwright.sync_api import sync_playwright
 
-    from bonsai_core.schedule import no_remat_peak
-
     browser = harness()
     with browser.serve(solve_ahead=True) as url, sync_playwright() as p:
         chromium = p.chromium.launch(executable_path=browser.CHROMIUM, args=browser.BROWSER_ARGS)
@@ -315,8 +313,6 @@ def timed_part(parts: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
 
 def measure(quick: bool) -> dict[str, Any]:
     browser = harness()
-    from bonsai_core.graph import save_graph
-
     start = time.perf_counter()
     counts = QUICK if quick else FULL
     parts: dict[str, Any] = {}
@@ -494,8 +490,6 @@ def llama_said(results: dict[str, Any]) -> str:
 
 
 def lifetimes_values(results: dict[str, Any]) -> dict[str, str]:
-    from bonsai_core.units import format_bytes
-
     browser = harness()
     b = results["browser"]
     lines = []
@@ -525,8 +519,6 @@ def first_words(alert: str) -> str:
 
 
 def titan_values(results: dict[str, Any]) -> dict[str, str]:
-    from bonsai_core.units import format_bytes
-
     browser = harness()
     name, options = browser.TITAN_8B
     values = {"titan_command": f"bonsai trace {name} " + " ".join(f"--{k} {v}" for k, v in options.items()),

@@ -21,6 +21,8 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 from bonsai_core.bench import common
+from bonsai_core.errors import BonsaiError, BudgetError
+from bonsai_core.schedule import no_remat_peak, none_schedule, simulate
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
 SOURCES = ["bonsai_core/bench/export.py", "tests/export_models.py", "tests/real_models.py", common.template_source("export")]
@@ -80,8 +82,6 @@ def export_tests() -> Any:
 
 def headroom_budget(graph: Any, share: float) -> int:
     """The graph's peak lower bound plus ``share`` of the headroom up to its no-remat peak."""
-    from bonsai_core.schedule import no_remat_peak
-
     lb = graph.peak_lower_bound
     return int(lb + share * (no_remat_peak(graph) - lb))
 
@@ -111,20 +111,14 @@ def replay_row(traced: Any, model: str, options: dict[str, Any], autocast: str |
 
 
 def recomputes(graph: Any, schedule: Any) -> int:
-    from bonsai_core.schedule import simulate
-
     return simulate(graph, schedule).recomputes
 
 
 def schedule_peak(graph: Any, schedule: Any) -> int:
-    from bonsai_core.schedule import simulate
-
     return simulate(graph, schedule).peak
 
 
 def zoo_schedule(graph: Any, factory: str, level: int | None) -> Any:
-    from bonsai_core.schedule import none_schedule
-
     return none_schedule(graph) if level is None else export_tests().FACTORIES[factory](graph, level)
 
 
@@ -152,7 +146,6 @@ def zoo_rows(models: Sequence[str]) -> list[dict[str, Any]]:
 def method_rows(models: Sequence[str], time_limit: float) -> list[dict[str, Any]]:
     """Every method of METHODS at lb + METHOD_SHARE on the zoo at tests/test_export.py's small sizes,
     exported and verified; a budget the method does not meet is recorded as its error."""
-    from bonsai_core.errors import BonsaiError
     from bonsai_core.solvers import solve
     from bonsai_core.trace import trace_model
 
@@ -198,7 +191,6 @@ def verified_rows(cases: Sequence[tuple[str, dict[str, Any] | None, str | None]]
 def attention_rows(models: Sequence[str]) -> list[dict[str, Any]]:
     """No-remat peaks of ``models`` at their default sizes and seq ATTENTION_SEQ, eager attention and
     SDPA, fp32 and bf16 parameters (traces only)."""
-    from bonsai_core.schedule import no_remat_peak
     from bonsai_core.trace import trace_model
 
     rows = []
@@ -215,7 +207,6 @@ def attention_rows(models: Sequence[str]) -> list[dict[str, Any]]:
 def first_plan(graph: Any, regions: str, time_limit: float) -> tuple[float, Any] | None:
     """bonsai's plan at the first share of BACKEND_SHARES it meets, with that share; None if at none. Another
     refusal (a graph without module calls, for ``regions="modules"``) is raised."""
-    from bonsai_core.errors import BudgetError
     from bonsai_core.solvers import solve
 
     for share in BACKEND_SHARES:
@@ -274,7 +265,6 @@ def both_backends(traced: Any, model: str, options: dict[str, Any], autocast: st
 def backend_rows(cases: Sequence[tuple[str, dict[str, Any], str | None]], time_limit: float) -> list[dict[str, Any]]:
     """Each case with bonsai's free-form and module plans (REGIONS) through both back-ends. A refusal of the
     trace or the solver is recorded as the row's error; the other rows still run."""
-    from bonsai_core.errors import BonsaiError
     from bonsai_core.trace import trace_model
 
     rows = []

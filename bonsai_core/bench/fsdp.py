@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from bonsai_core.arguments import RESHARD_CHOICES
+from bonsai_core.schedule import no_remat_peak
+from bonsai_core.units import format_bytes
 
 if TYPE_CHECKING:  # imported where used: building the command line does not load torch
     import torch
@@ -204,7 +206,6 @@ def predicted(graph, model: str, options: dict, budget: str | None, reshard: boo
     """The simulator's peak of ``graph`` (one rank): no recomputation, or what ``bonsai.checkpoint(...,
     fsdp=N)`` predicts for its plan at ``budget`` (a share of the rank's no-remat peak)."""
     from bonsai_core.optimizer import with_grads
-    from bonsai_core.schedule import no_remat_peak
 
     if not budget:
         return no_remat_peak(with_grads(graph, grads))
@@ -234,8 +235,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """One row per world size (and plan), printed and (with ``--out``) appended to a Markdown file."""
-    from bonsai_core.units import format_bytes
-
     options = SIZES[args.model]
     label, args.model = args.model, args.model.removesuffix("-wide")
     rows = []

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Sequence
 from bonsai_core.bench import common
 from bonsai_core.bench.common import capitalized, listing, median, pct
 from bonsai_core.errors import BonsaiError, ModelError
+from bonsai_core.schedule import no_remat_peak, simulate
 
 # Each column of results.csv and its pandas type (nullable: a row that did not run has no peak).
 COLUMN_TYPES = {"model": "string", "nodes": "Int64", "method": "string", "budget_bytes": "Int64",
@@ -135,7 +136,6 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
     """Run every (model, budget, method) and peer, and each method's smallest reachable budget per
     model; write results.csv, reach.csv, results.md and the plots."""
     from bonsai_core.bound import lower_bound
-    from bonsai_core.schedule import no_remat_peak
     from bonsai_core.solvers import solve
     from bonsai_core.trace import trace_model
 
@@ -283,8 +283,6 @@ def smallest_budgets(model: str, graph: Any, config: BenchConfig) -> dict[str, A
       peak meets (a heuristic's success is not monotone in the budget: a budget it meets, not a
       proven minimum); the whole bisection within one time limit.
     """
-    from bonsai_core.schedule import no_remat_peak
-
     start = time.perf_counter()
     row: dict[str, Any] = {"model": model, "nodes": graph.n, "no_remat_peak": no_remat_peak(graph),
                            "lower_bound": graph.peak_lower_bound}
@@ -308,7 +306,6 @@ def smallest_budgets(model: str, graph: Any, config: BenchConfig) -> dict[str, A
 def chen_lowest_peak(graph: Any) -> int:
     """The lowest simulated peak over the checkpoint plans chen tries under a budget."""
     from bonsai_core.regions import plan_schedule
-    from bonsai_core.schedule import simulate
     from bonsai_core.solvers.chen import candidate_plans
 
     return min(simulate(graph, plan_schedule(graph, plan, "chen")).peak for _, plan in candidate_plans(graph, "auto"))

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from bonsai_core.bench import common
+from bonsai_core.errors import BudgetError
+from bonsai_core.units import format_bytes
 
 
 def llama(batch: int = 4, seq: int = 256):
@@ -152,9 +154,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """One row per model, printed and (with ``--out``) written with its header and note."""
     import torch
-
-    from bonsai_core.errors import BudgetError
-    from bonsai_core.units import format_bytes
 
     rows = ["| model | checkpointed | no remat: predicted | measured | with the plan: predicted | measured | error "
             "| overhead | same loss, grads, buffers | first call | cached call |",

@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bonsai_core.schedule import no_remat_peak
+from bonsai_core.units import format_bytes
+
 # small sizes each model runs in a few seconds per step on gloo
 SIZES = {"torchtitan:llama3:debugmodel": dict(batch=4, seq=64, layers=4),
          "hf:llama": dict(batch=4, seq=64, layers=4, width=256, heads=4, vocab=2048)}
@@ -56,8 +59,6 @@ def rank_graph(model: str, options: dict, layout: Any) -> Any:
 
 def predicted(model: str, options: dict, layout: Any, budget: str | None) -> int:
     """One rank's predicted peak: no recomputation, or what the one call predicts for its plan at ``budget``."""
-    from bonsai_core.schedule import no_remat_peak
-
     if not budget:
         return no_remat_peak(rank_graph(model, options, layout))
     from bonsai_core import models
@@ -233,7 +234,6 @@ def main(args: argparse.Namespace) -> int:
 
     from bonsai_core.bench.fsdp import append_table
     from bonsai_core.parallel import with_batch
-    from bonsai_core.units import format_bytes
 
     options = SIZES[args.model]
     rows = []

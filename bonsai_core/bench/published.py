@@ -18,6 +18,7 @@ from typing import Any
 
 from bonsai_core.bench.common import (add_page_arguments, page_header, page_refusal, pipe_table, render,
                                       run_page_suite, template_source)
+from bonsai_core.schedule import simulate
 
 OUT = "docs/bench/published"
 SOURCES = ["bonsai_core/bench/published.py", template_source("published_rows")]
@@ -53,7 +54,6 @@ def predict_rank(graphs: Any, degrees: dict, batch: int) -> list[dict[str, Any]]
     trace), planned with torchtitan's full checkpointing, each one's live peak, breakdown and (without pipeline
     parallel) the reserved peak with expandable segments."""
     from bonsai_core.parallel import layout_of
-    from bonsai_core.schedule import simulate
     from bonsai_core.solvers import solve
 
     layout = layout_of(**degrees)

@@ -35,6 +35,8 @@ from typing import Any, Iterable, Sequence
 from bonsai_core.bench import common
 from bonsai_core.bench.common import capitalized, listing, pct, table
 from bonsai_core.errors import BonsaiError
+from bonsai_core.graph import load_graph, save_graph
+from bonsai_core.schedule import no_remat_peak
 
 GRAPHS = {"gpt-l1": ("gpt", {"layers": 1}), "gpt-l2": ("gpt", {"layers": 2}),
           "resnet": ("resnet", {}), "unet": ("unet", {})}
@@ -65,9 +67,6 @@ def run_one(graph_file: str, label: str, method: str, fractions: list[float], ti
     """Solve one graph with one method at each budget; print one JSON line per budget."""
     import warnings
 
-    from bonsai_core.errors import BonsaiError
-    from bonsai_core.graph import load_graph
-    from bonsai_core.schedule import no_remat_peak
     from bonsai_core.solvers import solve
     from bonsai_core.solvers.views import contract_views
 
@@ -217,7 +216,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {args.page} from {output}")
         return 0
 
-    from bonsai_core.graph import save_graph
     from bonsai_core.trace import trace_model
 
     run = common.run_meta("started", versions=versions(), time_limit=args.time_limit)
