@@ -118,7 +118,8 @@ def run(graph: Graph, budget: int, label: str, time_limit: float, measure: bool 
                            "requests": len(s.extra.get("evictions", [])), "seconds": time.perf_counter() - start}
     if measure:
         row.update(own_fragmentation=fragmentation(graph, s, "arena", budget),
-                   caching_fragmentation=fragmentation(graph, s, "caching"), reserved_peak=own.reserved_peak)
+                   caching_fragmentation=fragmentation(graph, s, "caching"), reserved_peak=own.reserved_peak,
+                   live_peak=own.peak, free_at_failure=s.stats.get("free_at_failure", 0.0))
     return row
 
 
