@@ -71,10 +71,11 @@ class RecordedStep:
     inplace: list[tuple[int, int]] = ()  # (in-place op, the op whose whole output it overwrote)
     view_writes: list[tuple[int, int]] = ()  # (in-place op, the op whose output it wrote through a view)
     # (the ops that made and then wrote the storage in place, in order; ops run before Python dropped it;
-    # which output of the first op it was): the forward's own lifetimes, as the model's code holds them
-    # (len(ops): held until the loss function returned); with the backward pass recorded, op indices run
-    # on into ``backward_ops`` and count autograd's releases too
-    released: list[tuple[tuple[int, ...], int, int]] = ()
+    # which output of the first op it was; the forward op whose autograd node, running then, had saved
+    # it, or -1): the forward's own lifetimes, as the model's code holds them (len(ops): held until the
+    # loss function returned); with the backward pass recorded, op indices run on into ``backward_ops``
+    # and count autograd's releases too
+    released: list[tuple[tuple[int, ...], int, int, int]] = ()
     backward_ops: list[str] = ()  # the aten ops of ``loss.backward()``, as eager's autograd engine runs them
     # per entry of ``calls``, per storage the call took as a tensor argument (positional or keyword: what
     # ``torch.utils.checkpoint`` keeps for a recomputation of the call), the ops that made and wrote it
@@ -88,7 +89,8 @@ class _OpRecorder(TorchDispatchMode):
     """Records each op's name and, for an in-place op (``relu_``, ``add_``) whose first argument is the
     whole output of an earlier recorded op, that pair: an activation written in place. Writes into
     parameters, buffers, the batch or views are not activations' and are left out. While ``tracking``,
-    also when each storage an op made is dropped (``released``: a weakref finalizer on the storage)."""
+    also when each storage an op made is dropped (``released``: a weakref finalizer on the storage), and
+    whether the autograd node then running had saved it (``saved``, ``saver``: set as the node starts)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -103,7 +105,11 @@ class _OpRecorder(TorchDispatchMode):
         self.output: dict[int, int] = {}  # storage address -> which output of its op it is
         self.live: set[int] = set()  # storage addresses whose release is watched
         self.writers: dict[int, list[int]] = {}  # storage address -> the recorded ops that made, then wrote it
-        self.released: list[tuple[tuple[int, ...], int, int]] = []
+        self.released: list[tuple[tuple[int, ...], int, int, int]] = []
+        # per forward op, autograd's sequence number as it ran: that of the node it made, if it made one
+        self.sequence: list[int] = []
+        self.saved: frozenset[int] = frozenset()  # storage addresses the running autograd node saved
+        self.saver = -1  # the forward op that made the running autograd node (-1: none recorded)
         self.tracking = True
         self.forward = True  # in-place writes are the forward's (the backward's accumulate gradients)
         self.finalizers: list[weakref.finalize] = []
@@ -115,6 +121,7 @@ class _OpRecorder(TorchDispatchMode):
             at = len(self.ops)
             self.ops.append(str(func))
             if self.forward:
+                self.sequence.append(torch.autograd._get_sequence_nr() - 1)  # made before the op runs below it
                 self._note_write(func, args, at)
         read = None
         for k, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
@@ -157,7 +164,7 @@ class _OpRecorder(TorchDispatchMode):
         self.made_by.pop(key, None)
         writers, k = self.writers.pop(key, ()), self.output.pop(key, 0)
         if self.tracking and writers:
-            self.released.append((tuple(writers), len(self.ops), k))
+            self.released.append((tuple(writers), len(self.ops), k, self.saver if key in self.saved else -1))
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -249,17 +256,42 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
 def _node_starts(loss: torch.Tensor, recorder: _OpRecorder) -> list[int]:
     """A list that ``loss.backward()`` fills with the first op of each autograd node it runs (a pre-hook on
     every node of the graph; a pre-hook changes nothing the node holds, where a post-hook would keep its
-    inputs for the hook)."""
+    inputs for the hook). The pre-hook also tells ``recorder`` the storages the node saved
+    (:func:`_saved_storages`) and the forward op that made it (the first whose autograd sequence number
+    is the node's), both found before the backward pass: the hook holds no reference to the node."""
     starts: list[int] = []
+    made_by: dict[int, int] = {}
+    for op, number in enumerate(recorder.sequence):  # an op that makes no node repeats the last number
+        made_by.setdefault(number, op)
+
+    def starting(saved: frozenset[int], saver: int) -> None:
+        starts.append(len(recorder.ops))
+        recorder.saved, recorder.saver = saved, saver
+
     seen, todo = set(), [loss.grad_fn]
     while todo:
         fn = todo.pop()
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        fn.register_prehook(lambda _grads: starts.append(len(recorder.ops)))
+        fn.register_prehook(lambda _grads, saved=_saved_storages(fn), saver=made_by.get(fn._sequence_nr(), -1):
+                            starting(saved, saver))
         todo.extend(next_fn for next_fn, _ in fn.next_functions)
     return starts
+
+
+def _saved_storages(fn: Any) -> frozenset[int]:
+    """The storages autograd node ``fn`` saved for its backward: a built-in node's ``_saved_<name>``
+    tensors, a custom Function's ``saved_tensors``. It holds them until it has run, whatever its formula
+    reads of them (``gather``'s input only for its shape)."""
+    values = []
+    for name in dir(fn):
+        if name.startswith("_saved_") or name == "saved_tensors":
+            try:
+                values.append(getattr(fn, name))
+            except RuntimeError:  # freed already, or not saved in this configuration
+                continue
+    return frozenset(_storage(t) for t in tensors_in(values))
 
 
 def held_until(step: RecordedStep, forward_ops: list[str],
@@ -270,15 +302,17 @@ def held_until(step: RecordedStep, forward_ops: list[str],
     passes are aligned apart: a backward matmul is never placed on a forward one. ``node``: for a release
     while the backward pass ran, the traced positions of the autograd node that ran then (the graph's
     readers of v among them tell a saved tensor, an incoming gradient or a formula's temporary, which the
-    node holds, from an op the alignment misplaced); None for the forward's and for what outlives
-    ``loss.backward()``. (The release's node is that of the last placed op before it: eager's engine may
-    copy a gradient into the strides it expects after a node's ops, the first time a kernel runs.)"""
+    node holds, from an op the alignment misplaced), and, where the node had saved the tensor, the forward
+    op that made the node (it held what that op read, whatever its traced formula reads of it: ``gather``'s
+    input, only for its shape); None for the forward's and for what outlives ``loss.backward()``. (The
+    release's node is that of the last placed op before it: eager's engine may copy a gradient into the
+    strides it expects after a node's ops, the first time a kernel runs.)"""
     later = align(list(step.backward_ops), list(backward_ops))
     at = np.concatenate([align(step.ops, forward_ops), np.where(later >= 0, later + len(forward_ops), -1)])
     placed = np.maximum.accumulate(np.where(at >= 0, np.arange(len(at)), -1)) if len(at) else at
     starts = list(step.node_starts) + [len(at)]
     out = []
-    for writers, p, k in step.released:
+    for writers, p, k, saver in step.released:
         i = writers[-1]  # the op whose output holds the bytes last (the traced graph's in-place chains end there)
         j = int(placed[p - 1]) if p > 0 else -1
         if at[i] >= 0 and j >= 0 and at[j] > at[i]:
@@ -286,6 +320,8 @@ def held_until(step: RecordedStep, forward_ops: list[str],
             if len(step.ops) < p < len(at):  # the node of the last placed op: a node's copy of a gradient into
                 n = int(np.searchsorted(starts, j, side="right")) - 1  # its expected strides may come after
                 node = frozenset(int(x) for x in at[starts[max(n, 0)]:starts[n + 1]] if x >= 0) if n >= 0 else frozenset()
+                if saver >= 0 and at[saver] >= 0:  # the node saved it: the forward op that made the node read it
+                    node |= {int(at[saver])}
             out.append((int(at[i]), int(at[j]), k, node))
     return out
 

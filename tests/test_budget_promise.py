@@ -109,14 +109,8 @@ def _kept(model: nn.Module, inputs: tuple, loss_fn, budget: str | int) -> tuple[
     return report.budget, [measure_step(model, inputs, loss_fn).peak for _ in range(2)]
 
 
-# DeBERTa-v2's step is under-predicted before any plan (4,700,232 B predicted, 5,224,480 B measured, -10%):
-# its relative attention's step is not traced as eager runs it, so a budget on it is not kept (a known bug)
-KNOWN_UNDER_PREDICTED = {"deberta-v2": "DeBERTa-v2's plain step is predicted 10% low (relative attention)"}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_UNDER_PREDICTED[n]))
-                                  if n in KNOWN_UNDER_PREDICTED else n for n in MODELS])
+@pytest.mark.parametrize("name", MODELS)
 def test_a_budget_is_met_or_refused_with_one_that_is(name):
     if name.startswith(("deberta", "tiny-llama", "lora", "frozen", "gpt2")):
         pytest.importorskip("transformers")

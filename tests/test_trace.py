@@ -254,3 +254,27 @@ def test_what_the_code_holds_never_makes_a_separated_output_an_op_of_its_own():
     assert holders and all(graph.ops[v] != "getitem" for v in holders)
     separated = [v for v in range(graph.n) if graph.ops[v] == "getitem" and graph.mem[v] > 0 and not graph.is_view[v]]
     assert separated and all(graph.output_of[v] >= 0 for v in separated)
+
+
+class _GatheredScores(torch.nn.Module):
+    """Scores gathered at positions from a buffer (DeBERTa-v2's relative attention, an RL policy's taken
+    actions): autograd's ``GatherBackward0`` saves the whole scores tensor, which its traced formula
+    (``new_zeros`` of its shape, ``scatter_add``) reads only for its shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 512)
+        self.register_buffer("positions", torch.arange(32).remainder(7).unsqueeze(1))
+
+    def forward(self, x):
+        scores = self.lin(x).relu() * 2
+        return torch.gather(scores, 1, self.positions.expand(32, 8))
+
+
+def test_a_tensor_saved_only_for_its_shape_is_held_until_its_backward_runs():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _GatheredScores(), (torch.randn(32, 16),), lambda out: out.square().mean()
+    g = trace_step(model, inputs, loss_fn, kernels="cpu").graph
+    scores = g.ops.index("aten.mul.Tensor")
+    assert int(g.mem[scores]) == 32 * 512 * 4 and scores in g.held[g.ops.index("aten.scatter_add.default")]
+    assert simulate(g, none_schedule(g)).peak == measure_step(model, inputs, loss_fn).peak

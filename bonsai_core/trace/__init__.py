@@ -321,8 +321,10 @@ def _held_by_eager(graph: Graph, held: list[tuple[int, int, set[int] | None]], w
     :func:`bonsai_core.modules.record_step` saw it): the node at or before w that is no view (nor a
     separated output, ``Graph.output_of``) reads u. A release in the backward pass counts where one of
     u's readers, or a view's (a linear saves its flattened input), is an op of the autograd node that
-    released it (``node``, graph nodes): the node held it; the alignment of eager's ops with the graph's
-    misplaces some where the traced ops are not eager's (a recurrent cell written functionally)
+    released it or, where that node saved u, the forward op that made the node (``node``, graph nodes):
+    the node held it (``gather``'s input, which its traced formula reads only for its shape); the
+    alignment of eager's ops with the graph's misplaces some where the traced ops are not eager's (a
+    recurrent cell written functionally).
     In the forward pass Python holds them: a submodule call's arguments until the call returns, a
     caller's local (``inputs_embeds`` through a whole transformers model), the model's output (logits, a
     key/value cache) until the loss function returns. Invisible where autograd saves those tensors
