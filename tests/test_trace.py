@@ -1,5 +1,9 @@
+from typing import Callable
+
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from bonsai_core import models
 from bonsai_core.errors import ModelError
@@ -277,4 +281,34 @@ def test_a_tensor_saved_only_for_its_shape_is_held_until_its_backward_runs():
     g = trace_step(model, inputs, loss_fn, kernels="cpu").graph
     scores = g.ops.index("aten.mul.Tensor")
     assert int(g.mem[scores]) == 32 * 512 * 4 and scores in g.held[g.ops.index("aten.scatter_add.default")]
+    assert simulate(g, none_schedule(g)).peak == measure_step(model, inputs, loss_fn).peak
+
+
+class _TargetLoss(nn.Module):
+    """``loss(out, target)`` against a target held as a buffer."""
+
+    def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], target: torch.Tensor) -> None:
+        super().__init__()
+        self.loss = loss
+        self.register_buffer("target", target)
+
+    def forward(self, out: torch.Tensor) -> torch.Tensor:
+        return self.loss(out, self.target)
+
+
+@pytest.mark.parametrize("loss", [
+    lambda target: zoo.MSELoss(target),
+    lambda target: _TargetLoss(lambda o, t: F.mse_loss(o, t, reduction="sum"), target),
+    lambda target: _TargetLoss(F.smooth_l1_loss, target),
+    lambda target: _TargetLoss(lambda o, t: F.binary_cross_entropy(o.sigmoid(), t.sigmoid()), target),
+    lambda target: _TargetLoss(lambda o, t: F.soft_margin_loss(o, t.sign()), target),
+], ids=["mse", "mse-sum", "smooth-l1", "bce", "soft-margin"])
+def test_a_reduced_loss_that_keeps_its_unreduced_buffer_is_predicted_to_the_byte(loss):
+    """These kernels compute the unreduced loss into their output and resize it to 0-d, which keeps the
+    storage: the loss holds input-sized bytes through the backward pass (32 KiB here, not 4 B)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 256))
+    inputs, loss_fn = (torch.randn(32, 16),), loss(torch.randn(32, 256))
+    g = trace_step(model, inputs, loss_fn, kernels="cpu").graph
+    assert int(g.mem[next(v for v, op in enumerate(g.ops) if "loss" in op or "binary" in op)]) == 32 * 256 * 4
     assert simulate(g, none_schedule(g)).peak == measure_step(model, inputs, loss_fn).peak

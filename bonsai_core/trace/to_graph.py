@@ -13,6 +13,8 @@ How FX nodes become graph nodes:
   base, ``mem`` 0, ``cost`` 0.
 * every other op is a compute node whose ``mem`` is its outputs' storage bytes and whose ``cost``
   comes from a roofline of FLOPs (``torch.utils.flop_counter``) and bytes moved on a device profile.
+  The storage is the one the kernel leaves, where it differs from the fake tensor's: a reduced loss
+  of :data:`UNREDUCED_STORAGE_LOSSES` keeps the whole unreduced buffer (:func:`_unreduced_loss_bytes`).
 * nodes that no output needs are dropped.
 * what eager holds beyond the functional graph: a tied parameter's earlier gradients until its last
   one (the last gradient node reads them).
@@ -32,6 +34,7 @@ which must copy them back into the module's buffers.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -49,6 +52,16 @@ _UNMARKED_VIEWS = {"aten._unsafe_view.default"}  # views whose schema does not s
 # say a new one, eager's kernel gives back its argument)
 IDENTITY_OPS = {"aten.detach.default", "aten.alias.default", "aten.lift_fresh.default",
                 "_c10d_functional.wait_tensor.default"}
+
+# Losses whose ATen kernel computes the unreduced loss into its output tensor and then resizes that
+# tensor to the 0-d mean or sum, which keeps its storage: the loss (alive through the backward pass)
+# holds input-sized bytes, where the fake tensor is 4. ``mse_loss`` and ``smooth_l1_loss`` through their
+# structured meta function (``build_borrowing_binary_op`` then ``resize_({})``, run for every device),
+# ``soft_margin_loss`` through its one kernel for every device (``resize_({})``), ``binary_cross_entropy``
+# through its CPU and its CUDA kernel alike (``empty_like(input)`` then ``resize_as_``). Measured on
+# the CPU (tests/test_trace.py); the CUDA paths are read from ATen's source.
+UNREDUCED_STORAGE_LOSSES = {"aten.mse_loss.default", "aten.smooth_l1_loss.default",
+                            "aten.soft_margin_loss.default", "aten.binary_cross_entropy.default"}
 
 _NOT_A_NODE = -1  # a placeholder, or a view of one: part of fixed_mem, not a node
 _WHOLE_OUTPUT = -1  # every output of an op (a single-output op whose value is a buffer's new value)
@@ -247,9 +260,18 @@ def _output_bytes(node: fx.Node, excluded: set[int]) -> int:
     val = node.meta.get("val")
     if _WHOLE_OUTPUT in excluded:
         return 0
+    if str(node.target) in UNREDUCED_STORAGE_LOSSES:
+        return max(storage_bytes(val), _unreduced_loss_bytes(node))
     if excluded and isinstance(val, (tuple, list)):
         val = [v for i, v in enumerate(val) if i not in excluded]
     return storage_bytes(val)
+
+
+def _unreduced_loss_bytes(node: fx.Node) -> int:
+    """Bytes of the unreduced loss a :data:`UNREDUCED_STORAGE_LOSSES` kernel computes: one element of the
+    output's dtype for each element of its input and target broadcast together."""
+    input, target = (a.meta["val"] for a in node.args[:2])
+    return math.prod(torch.broadcast_shapes(input.shape, target.shape)) * node.meta["val"].element_size()
 
 
 def _fixed_tensors(gm: fx.GraphModule, signature: Any, originals: dict[str, torch.Tensor]) -> list[tuple[str, int, str]]:
