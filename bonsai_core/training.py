@@ -64,7 +64,9 @@ from bonsai_core.units import format_bytes
 
 REGION_METHODS = ("bonsai", "chen")  # the methods whose plans are checkpoint regions
 AUTO_MARGIN = 0.10  # share of a device's memory "auto" leaves to the caching allocator's rounding and waste
-CACHE_VERSION = 3  # 2: plans name the device whose kernels they were made with (CPU models: the CPU's); 3: offloads
+# 2: plans name the device whose kernels they were made with (CPU models: the CPU's); 3: offloads;
+# 4: a reduced loss keeps its unreduced buffer, offload=True takes the cheapest plan within the budget
+CACHE_VERSION = 4
 FIT_TRIES = 5  # solves to bring what the checkpoints run within the budget
 COMPILED_TRIES = 7  # plans traced compiled in the search for the plan budget that fits under compile
 # what to do when a checkpointed step cannot run, in the library's own terms (the CLI names its flags)
@@ -371,8 +373,9 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
     calls recomputed: what the checkpoints can realise). The first layout within ``limit`` is returned;
     when none is, BudgetError names the smallest budget this search meets (:func:`_smallest_met`), unless
     ``best_effort`` (then the layout with the smallest realised peak is returned, over the budget). With
-    ``offload``, the same without it last: a plan whose offloads the checkpoints cannot make may be beaten
-    by one that recomputes instead."""
+    ``offload``, the same without it last, and of the layouts within ``limit`` the one of least compute
+    (:func:`_least_compute`): a plan whose offloads the checkpoints cannot make may be beaten by one that
+    recomputes instead."""
     if method == "bonsai" and "space" not in options:  # the checkpoints apply checkpoint regions only
         options = {**options, "space": "regions"}
     variants = [options]
@@ -380,7 +383,7 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
         variants.append({**options, "regions": "modules"})
     if options.get("offload"):  # offloads the checkpoints hold on the device: the plan without them may fit
         variants += [{k: v for k, v in variant.items() if k != "offload"} for variant in list(variants)]
-    best, refused, tried = None, None, []
+    best, refused, tried, fitting = None, None, [], []
     for variant in variants:
         try:
             fit = _fitted_compiled if step.compiled else _fitted_with
@@ -393,8 +396,12 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
         tried.append((variant, found[2].realised_peak, guaranteed))
         if best is None or found[2].realised_peak < best[2].realised_peak:
             best = found
-        if best[2].realised_peak <= limit:
-            return best
+        if found[2].realised_peak <= limit:
+            if not options.get("offload"):
+                return found
+            fitting.append(found)
+    if fitting:
+        return _least_compute(graph, fitting)
     if best_effort:
         return best
     smallest = _smallest_met(step, graph, method, tried, seconds)
@@ -413,6 +420,13 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
         f"the smallest budget it can guarantee is {format_bytes(smallest)} ({smallest} bytes). Give budget="
         f"{smallest} or more, or pass best_effort=True to take the plan of the smallest peak over the budget.",
         smallest=smallest)
+
+
+def _least_compute(graph: Graph, layouts: list[tuple[Schedule, Save, "_Layout"]]) -> tuple[Schedule, Save, "_Layout"]:
+    """Of laid-out plans, the one whose schedule computes least on ``graph`` (the overhead the report
+    states; offload plans are eager, so no compiled cost), the smaller realised peak among equals, and
+    the earlier one among equal both."""
+    return min(layouts, key=lambda f: (simulate(graph, f[0]).compute_cost, f[2].realised_peak))
 
 
 def _largest_operator(graph: Graph, limit: int) -> str:

@@ -124,3 +124,15 @@ def test_checkpoint_export_of_an_offload_plan_verifies(tmp_path):
     v = verify_checkpoint("gpt", options, out, repeats=1)
     assert v.loss_diff == 0 and v.max_grad_diff == 0, v.to_dict()
     assert abs(v.measured_peak / v.realised_peak - 1) <= PEAK_TOLERANCE, v.to_dict()
+
+
+def test_offload_takes_the_cheapest_plan_within_the_budget():
+    """At 90% the zoo GPT's offload plan fits but keeps its offloads on the device (the checkpoints hold
+    them) and recomputes more than the plan without offload, which fits too: offload=True takes the
+    cheaper one (+1.76% against +2.64%), never costing more than offload=False where that plan fits."""
+    model, inputs, loss_fn = models.build("gpt", **GPT)
+    without = bonsai.plan(model, inputs, loss_fn, budget="90%", cache=False).report
+    offload = bonsai.plan(model, inputs, loss_fn, budget="90%", cache=False, offload=True).report
+
+    assert without.predicted_peak <= without.budget and offload.predicted_peak <= offload.budget
+    assert offload.overhead <= without.overhead
