@@ -369,17 +369,18 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
     (a freed tensor no submodule can free with its readers), solve again with the plan's budget lowered
     by the excess, doubled at each try (at most :data:`FIT_TRIES` solves, never below what any step
     needs), and last lay out the plan at the smallest budget the method meets (:func:`_fitted_with`);
-    then, for ``bonsai`` without a ``regions`` option, the same with ``regions="modules"`` (only module
-    calls recomputed: what the checkpoints can realise). The first layout within ``limit`` is returned;
-    when none is, BudgetError names the smallest budget this search meets (:func:`_smallest_met`), unless
-    ``best_effort`` (then the layout with the smallest realised peak is returned, over the budget). With
+    then, for ``bonsai`` without a ``regions`` option on a graph that records module calls, the same with
+    ``regions="modules"`` (only module calls recomputed: what the checkpoints can realise). The first
+    layout within ``limit`` is returned; when none is, BudgetError names the smallest budget this search
+    meets (:func:`_smallest_met`), unless ``best_effort`` (then the layout with the smallest realised
+    peak is returned, over the budget). With
     ``offload``, the same without it last, and of the layouts within ``limit`` the one of least compute
     (:func:`_least_compute`): a plan whose offloads the checkpoints cannot make may be beaten by one that
     recomputes instead."""
     if method == "bonsai" and "space" not in options:  # the checkpoints apply checkpoint regions only
         options = {**options, "space": "regions"}
     variants = [options]
-    if method == "bonsai" and "regions" not in options:
+    if method == "bonsai" and "regions" not in options and graph.modules:  # module regions need recorded module calls
         variants.append({**options, "regions": "modules"})
     if options.get("offload"):  # offloads the checkpoints hold on the device: the plan without them may fit
         variants += [{k: v for k, v in variant.items() if k != "offload"} for variant in list(variants)]
