@@ -1,6 +1,6 @@
 """Measure bonsai.checkpoint(..., offload=True) on CPU against the same call without offload: the
 configurations of tests/test_one_call_offload.py. Prints, per model and budget, the report's predicted
-peak, offloaded tensors and bytes, host peak, and the measured device and host peaks (LiveBytes).
+peak, compute overhead, offloaded tensors and bytes, host peak, and the measured device and host peaks (LiveBytes).
 
     PYTHONPATH=. python scripts/one_call_offload.py
 """
@@ -45,14 +45,14 @@ def main() -> None:
     model, batch = llama()
     runs.append(("tiny Llama 2 layers, batch 2x64", model, batch, lambda out: out.loss, Keywords(model, batch),
                  tuple(batch.values()), "90%"))
-    print("| model | budget | offload | predicted peak | measured peak | error | offloaded | host peak predicted / measured |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | budget | offload | overhead | predicted peak | measured peak | error | offloaded | host peak predicted / measured |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, net, example, loss, measured_net, measured_inputs, budget in runs:
         for offload in (False, True):
             bonsai.remove_checkpoints(net)
             report = bonsai.checkpoint(net, example, loss, budget=budget, cache_dir=tempfile.mkdtemp(), offload=offload)
             m = measure_step(measured_net, measured_inputs, loss)
-            print(f"| {name} | {budget} ({report.budget:,} B) | {offload} | {report.predicted_peak:,} B | {m.peak:,} B | "
+            print(f"| {name} | {budget} ({report.budget:,} B) | {offload} | {report.overhead:+.2%} | {report.predicted_peak:,} B | {m.peak:,} B | "
                   f"{m.peak / report.predicted_peak - 1:+.4%} | {report.offloaded} tensors, {report.offloaded_bytes:,} B"
                   f" ({report.not_offloaded} kept) | {report.host_peak:,} / {m.host_peak:,} B |")
 
