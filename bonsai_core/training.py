@@ -373,10 +373,9 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
     ``regions="modules"`` (only module calls recomputed: what the checkpoints can realise). The first
     layout within ``limit`` is returned; when none is, BudgetError names the smallest budget this search
     meets (:func:`_smallest_met`), unless ``best_effort`` (then the layout with the smallest realised
-    peak is returned, over the budget). With
-    ``offload``, the same without it last, and of the layouts within ``limit`` the one of least compute
-    (:func:`_least_compute`): a plan whose offloads the checkpoints cannot make may be beaten by one that
-    recomputes instead."""
+    peak is returned, over the budget). With ``offload``, the same without it last, and of the layouts
+    within ``limit`` the one of least compute (:func:`_least_compute`): a plan whose offloads the
+    checkpoints cannot make may be beaten by one that recomputes instead."""
     if method == "bonsai" and "space" not in options:  # the checkpoints apply checkpoint regions only
         options = {**options, "space": "regions"}
     variants = [options]
