@@ -57,9 +57,9 @@ def kv_cache_type():
 
 
 def without_caches(forward, cache_type):
-    """``forward`` called with every ``cache_type`` argument (None: no type) replaced by None, as transformers' own
-    gradient checkpointing does: a cache passed into a checkpointed submodule would be appended to
-    again by its recomputation, which then runs other ops than its forward did."""
+    """``forward`` called with every ``cache_type`` argument (None: no type) replaced by None, as
+    transformers' own gradient checkpointing does: a cache passed into a checkpointed submodule would be
+    appended to again by its recomputation, which then runs other ops than its forward did."""
     return functools.partial(_call_without_caches, forward, cache_type)
 
 
@@ -91,7 +91,7 @@ def saves_as_text(saves):
     reads that ``context_fn`` as a constant; a string stays one, whereas an int in a dict or list that
     differs between the blocks sharing one compiled function becomes a dynamic value on recompilation
     (automatic dynamic shapes), and the checkpoint then cannot be traced ("Not a Python constant")."""
-    return json.dumps(saves, sort_keys=True)
+    return json.dumps({op: [int(k) for k in calls] for op, calls in saves.items()}, sort_keys=True)
 
 
 def contexts_of_text(make_contexts, text):
