@@ -210,3 +210,61 @@ def test_the_same_plan_compiled_is_the_one_calls_compiled_step() -> None:
     assert none == {} and no_remat_peak(unplanned) == made.report.no_remat_peak > made.report.predicted_peak
     with pytest.raises(ScheduleError, match="not on"):
         compiled_plan("gpt", made.graph, Schedule("other", "none", [], graph_hash="0" * 16), "model", layers=1)
+
+
+# -- the one call's checkpoints under torch.compile of each block ------------------------------------
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).sin()
+
+
+@pytest.mark.parametrize("transformers_loaded", [True, False])
+def test_blocks_with_plans_that_differ_in_a_number_compile_each_with_its_own(transformers_loaded: bool,
+                                                                            monkeypatch) -> None:
+    """Blocks share one compiled function, and a plan that differs from the last one in a number (the
+    first block keeps addmm's call 0, the second its call 1) recompiles it: dynamo's automatic dynamic
+    shapes would make that number symbolic, and the checkpoint's policy no constant. Each block compiles
+    with its own policy (two graphs, gradients as eager), and a block compiled alone has a frame for
+    dynamo to trace whether transformers (whose caches the call takes out) is loaded or not."""
+    from torch._dynamo.utils import counters
+
+    from bonsai_core.export_runtime import checkpointing
+
+    if transformers_loaded:
+        pytest.importorskip("transformers.cache_utils")
+    else:
+        monkeypatch.setattr(checkpointing, "kv_cache_type", lambda: None)
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Block(), _Block()), torch.randn(4, 16)
+    model(x).sum().backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    checkpointing.apply_saves(model, {"0": {"aten.addmm.default": [0]}, "1": {"aten.addmm.default": [1]}})
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for name, block in list(model.named_children()):
+            model.register_module(name, torch.compile(block, fullgraph=True, backend="aot_eager"))
+        model(x).sum().backward()
+        assert counters["stats"]["unique_graphs"] == 2
+    finally:
+        torch._dynamo.reset()
+    assert all(torch.allclose(p.grad, g) for p, g in zip(model.parameters(), eager))
+
+
+def test_more_distinct_block_plans_than_dynamos_recompile_limit_are_refused_in_words(monkeypatch) -> None:
+    """Each distinct block plan is one compilation of the blocks' shared function: past dynamo's recompile
+    limit fullgraph=True fails, and the trace says why and what to raise."""
+    from bonsai_core.export_runtime import checkpointing
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    with FakeTensorMode():
+        model, x = nn.Sequential(*(_Block() for _ in range(3))), torch.randn(4, 16)
+        checkpointing.apply_saves(model, {str(i): {"aten.addmm.default": [i]} for i in range(3)})
+        with pytest.raises(ModelError, match=r"recompile_limit \(2\) times.*raise that limit"):
+            trace_compiled_step(model, (x,), lambda out: out.sum(), "blocks")

@@ -14,6 +14,8 @@ results.json again):
   over 8 and 128 ranks, bf16, AdamW, reserved bytes under expandable segments) eager and compiled, against
   the memory its published table gives, and where the compiled step's peak differs from the eager one's;
   with ``--float8`` also its Float8 rows.
+* ``titan-peers``: on that 8B step compiled (8 ranks), torchtitan's selective AC and torch's memory budget
+  against bonsai's plan (``plan_for(..., compile="blocks")``) at each one's predicted peak.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 from bonsai_core.bench import common
 from bonsai_core.graph import Graph
 
-PARTS = ("cpu", "peers", "titan")
+PARTS = ("cpu", "peers", "titan", "titan-peers")
 TITAN = "torchtitan:llama3:debugmodel"
 CPU_MODELS = [("gpt", {}), ("hf:llama", {}), ("hf:gpt2", {}), ("resnet", {}), ("hf:resnet", {}),
               (TITAN, {"layers": 2, "seq": 512, "batch": 2})]
@@ -40,6 +42,7 @@ PEER_BUDGETS = (0.8, 0.5, 0.2, 0.0)
 PUBLISHED = {(8, False, False): 82.4, (8, True, False): 77.0, (8, True, True): 76.8,
              (128, False, False): 67.0, (128, True, False): 62.0, (128, True, True): 61.8}
 TITAN_8B = {"batch": 2, "seq": 8192}
+TITAN_PEERS = ("torchtitan-selective-2024-12", "budget:0.5", "budget:0.2")  # the 8B step's checkpointings
 SOURCES = ["bonsai_core/bench/compiled.py", common.template_source("compiled")]
 
 
@@ -152,6 +155,49 @@ def titan_rows(float8: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def titan_peer_rows(world: int = 8) -> list[dict[str, Any]]:
+    """The 8B recipe compiled on one of ``world`` ranks (AdamW): each of TITAN_PEERS' checkpointings traced
+    compiled, then bonsai's plan for the torchtitan model built on the meta device (``plan_for``, compiled
+    blocks) with that checkpointing's predicted peak as its budget; overheads over the compiled step
+    without checkpointing, both from the compiled graphs' compute."""
+    import torch
+    from torchtitan.models.llama3 import Transformer
+
+    from bonsai_core.errors import BonsaiError
+    from bonsai_core.models.torchtitan import model_args
+    from bonsai_core.optimizer import with_optimizer
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.torchtitan import plan_for
+    from bonsai_core.trace import trace_model
+
+    sharding = {"fsdp": world, "reshard_after_forward": "all-but-last"}
+
+    def compiled_step(checkpointing: str | None) -> Graph:
+        return with_optimizer(trace_model("torchtitan:llama3:8B", compile="blocks", ac=checkpointing, **sharding,
+                                          **TITAN_8B).graph, "adamw")
+
+    plain = compiled_step(None)
+    rows = []
+    for checkpointing in TITAN_PEERS:
+        start = time.perf_counter()
+        graph = compiled_step(checkpointing)
+        row: dict[str, Any] = {"world": world, "checkpointing": checkpointing, "peak": no_remat_peak(graph),
+                               "overhead": graph.total_cost / plain.total_cost - 1, "plain_peak": no_remat_peak(plain)}
+        with torch.device("meta"):
+            model = Transformer(model_args("llama3:8B", seq=TITAN_8B["seq"])).train()
+        try:
+            made = plan_for(model, TITAN_8B["batch"], TITAN_8B["seq"], row["peak"], compile="blocks", cache=False,
+                            **sharding)
+        except BonsaiError as e:  # a peak the plans cannot meet under compile is a result
+            row["bonsai_error"] = str(e).split(";")[0]
+        else:
+            row.update(bonsai_peak=made.report.predicted_peak, bonsai_overhead=made.report.overhead,
+                       bonsai_regions=len(made.report.regions))
+        rows.append({**row, "seconds": time.perf_counter() - start})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def measure(parts: list[str], float8: bool) -> dict[str, Any]:
     start = time.perf_counter()
     results: dict[str, Any] = {"meta": common.run_meta(parts=parts)}
@@ -166,6 +212,8 @@ def measure(parts: list[str], float8: bool) -> dict[str, Any]:
         results["peers"] = [row for spec, options in PEER_MODELS for row in peer_rows(spec, options)]
     if "titan" in parts:
         results["titan"] = titan_rows(float8)
+    if "titan-peers" in parts:
+        results["titan_peers"] = titan_peer_rows()
     results["meta"]["seconds"] = time.perf_counter() - start
     return results
 
@@ -225,7 +273,7 @@ def cpu_said(rows: list[dict[str, Any]]) -> dict[str, str]:
 def peer_table(rows: list[dict[str, Any]]) -> str:
     body = []
     for r in rows:
-        bonsai = ([r["bonsai_error"], "", ""] if "bonsai_error" in r else
+        bonsai = ([_failure(r["bonsai_error"]), "", ""] if "bonsai_error" in r else
                   [common.mib(r["bonsai_peak"]), common.pct(r["bonsai_overhead"]),
                    "yes" if r["bonsai_peak"] <= r["torch_peak"] else "no"])
         body.append([f"`{r['model']}`", f"{r['budget']:g}", common.mib(r["torch_peak"]),
@@ -274,6 +322,33 @@ def titan_said(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def titan_peer_table(rows: list[dict[str, Any]]) -> str:
+    body = []
+    for r in rows:
+        bonsai = ([_failure(r["bonsai_error"]), "", ""] if "bonsai_error" in r else
+                  [f"{r['bonsai_peak'] / GIB:.2f}", common.pct(r["bonsai_overhead"]),
+                   "yes" if r["bonsai_peak"] <= r["peak"] else "no"])
+        body.append([f"`{r['checkpointing']}`", f"{r['peak'] / GIB:.2f}", common.pct(r["overhead"]), *bonsai])
+    return common.table(["checkpointing", "its peak (GiB)", "its overhead", "bonsai: peak (GiB)", "bonsai: overhead",
+                         "bonsai within its peak"], body, "lrrrrl")
+
+
+def _failure(error: str) -> str:
+    """The plan call's error in a table cell: dynamo's recompile limit by its cause, else its first words."""
+    if "FailOnRecompileLimitHit" in error:
+        return ("no plan: a plan searched held more distinct block plans than dynamo's recompile_limit (8) compiles "
+                "under fullgraph=True (FailOnRecompileLimitHit)")
+    return "no plan: " + error.split(". ")[0]
+
+
+def titan_peer_said(rows: list[dict[str, Any]]) -> str:
+    pairs = [r for r in rows if "bonsai_error" not in r]
+    cheaper = [r for r in pairs if r["bonsai_overhead"] < r["overhead"] - 1e-9]
+    return (f"bonsai's plan costs less at the same predicted peak in {len(cheaper)} of {len(pairs)} cells where both "
+            f"ran" + (f"; at {len(rows) - len(pairs)} peaks the plan call failed" if len(pairs) < len(rows) else "")
+            + f"; the step without checkpointing peaks at {rows[0]['plain_peak'] / GIB:.2f} GiB")
+
+
 def page(results: dict[str, Any], header: str) -> str:
     meta = results["meta"]
     values: dict[str, Any] = {"header": header, "command": meta["command"], "date": meta["date"],
@@ -286,6 +361,12 @@ def page(results: dict[str, Any], header: str) -> str:
     values["peer_said"] = peer_said(results["peers"]) if results.get("peers") else "not run"
     values["titan_table"] = titan_table(results["titan"]) if results.get("titan") else "(not run)"
     values["titan_said"] = titan_said(results["titan"]) if results.get("titan") else ""
+    peers = results.get("titan_peers")
+    values["titan_peer_table"] = titan_peer_table(peers) if peers else "(not run)"
+    values["titan_peer_said"] = titan_peer_said(peers) if peers else "not run"
+    run = results.get("titan_peers_run")  # where a separate run of this part was merged into the results
+    values["titan_peer_run"] = (f"`{run['command']}` on {run['date']}, {run['seconds'] / 60:.0f} min, its results "
+                                "added to this page's" if run else "The command above")
     return common.render("compiled", **values)
 
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import pprint
 from dataclasses import dataclass
 from pathlib import Path
@@ -627,18 +628,18 @@ def _checked_step(save: dict[str, dict[str, list[int]]], model: str, net: nn.Mod
     from bonsai_core.export_runtime.checkpointing import contexts, remove_checkpoints
     from bonsai_core.packed import PackedSequences
 
-    paths = {id(saves): path for path, saves in save.items()}
     runs: list[tuple[str, list[list[Any]], list[list[Any]]]] = []
 
-    def logged_contexts(saves: dict[str, list[int]]) -> tuple[Any, Any]:
+    def logged_contexts(path: str, saves: dict[str, list[int]]) -> tuple[Any, Any]:
         forward, recompute = contexts(saves)
-        run = (paths[id(saves)], [], [])
+        run = (path, [], [])
         runs.append(run)
         return _logged(forward, run[1]), _logged(recompute, run[2])
 
     error = None
-    apply_saves(net, save, model, logged_contexts)
     try:
+        for path, saves in save.items():  # each its own contexts, which know its path
+            apply_saves(net, {path: saves}, model, functools.partial(logged_contexts, path))
         with torch.enable_grad(), PackedSequences():
             with autocast_context(autocast):
                 loss = loss_fn(net(*inputs))

@@ -18,6 +18,7 @@ back after the recomputation, so they change once per step, as without checkpoin
 
 import contextlib
 import functools
+import json
 import sys
 import weakref
 from collections import Counter
@@ -56,13 +57,15 @@ def kv_cache_type():
 
 
 def without_caches(forward, cache_type):
-    """``forward`` called with every ``cache_type`` argument replaced by None, as transformers' own
-    gradient checkpointing does: a cache passed into a checkpointed submodule would be appended to
-    again by its recomputation, which then runs other ops than its forward did."""
+    """``forward`` called with every ``cache_type`` argument (None: no type) replaced by None, as
+    transformers' own gradient checkpointing does: a cache passed into a checkpointed submodule would be
+    appended to again by its recomputation, which then runs other ops than its forward did."""
     return functools.partial(_call_without_caches, forward, cache_type)
 
 
 def _call_without_caches(forward, cache_type, *args, **kwargs):
+    if cache_type is None:
+        return forward(*args, **kwargs)
     return forward(*(None if isinstance(a, cache_type) else a for a in args),
                    **{k: None if isinstance(v, cache_type) else v for k, v in kwargs.items()})
 
@@ -81,6 +84,19 @@ def policy(saves):
 def contexts(saves):
     """The (forward, recomputation) contexts of one checkpointed call, with a fresh policy."""
     return create_selective_checkpoint_contexts(policy(saves))
+
+
+def saves_as_text(saves):
+    """``saves`` (op name -> [k, ...]) as the one string a checkpoint's ``context_fn`` carries. torch.compile
+    reads that ``context_fn`` as a constant; a string stays one, whereas an int in a dict or list that
+    differs between the blocks sharing one compiled function becomes a dynamic value on recompilation
+    (automatic dynamic shapes), and the checkpoint then cannot be traced ("Not a Python constant")."""
+    return json.dumps({op: [int(k) for k in calls] for op, calls in saves.items()}, sort_keys=True)
+
+
+def contexts_of_text(make_contexts, text):
+    """``make_contexts`` of the saves that :func:`saves_as_text` wrote as ``text``."""
+    return make_contexts(json.loads(text))
 
 
 @contextlib.contextmanager
@@ -117,11 +133,11 @@ def buffer_writes_undone(context, module, written):
                 buffers[name].copy_(value)
 
 
-def stateful_contexts(make_contexts, saves, module, written):
-    """``make_contexts(saves)``, with the buffers the forward writes put back after the recomputation.
-    Under torch.compile the step is functional (a buffer's write is applied once, after the graph), so
-    the contexts are the plain ones there."""
-    forward, recompute = make_contexts(saves)
+def stateful_contexts(make_contexts, text, module, written):
+    """``make_contexts`` of the saves written as ``text``, with the buffers the forward writes put back
+    after the recomputation. Under torch.compile the step is functional (a buffer's write is applied
+    once, after the graph), so the contexts are the plain ones there."""
+    forward, recompute = contexts_of_text(make_contexts, text)
     if torch.compiler.is_compiling():
         return forward, recompute
     return buffer_writes_noted(forward, module, written), buffer_writes_undone(recompute, module, written)
@@ -134,14 +150,15 @@ def checkpointed(forward, saves, make_contexts=contexts, module=None):
     ``checkpoint`` keeps them for the recomputation, else it would hold every key and value later layers
     append to it until this submodule's backward pass. ``make_contexts(saves)`` makes each call's
     contexts. When ``module`` (the submodule ``forward`` belongs to) has buffers, the recomputation leaves
-    them as the forward left them."""
-    cache = kv_cache_type()
-    context_fn = functools.partial(make_contexts, saves)
+    them as the forward left them. The call goes through a Python function (``_call_without_caches``)
+    even without transformers, so that ``torch.compile(module)`` has a frame to trace: torch's
+    ``checkpoint`` itself is a frame dynamo skips."""
+    text = saves_as_text(saves)
+    context_fn = functools.partial(contexts_of_text, make_contexts, text)
     if module is not None and next(module.buffers(), None) is not None:
-        context_fn = functools.partial(stateful_contexts, make_contexts, saves, module, set())
+        context_fn = functools.partial(stateful_contexts, make_contexts, text, module, set())
     wrapped = functools.partial(checkpoint, forward, use_reentrant=False, context_fn=context_fn)
-    if cache is not None:
-        wrapped = without_caches(wrapped, cache)
+    wrapped = without_caches(wrapped, kv_cache_type())
     wrapped.original_forward = forward  # what remove_checkpoints puts back
     return wrapped
 

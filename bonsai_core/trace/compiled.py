@@ -181,6 +181,13 @@ def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss
             step(runnable)  # compiles, and allocates the gradients
         except ModelError:
             raise
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            limit = torch._dynamo.config.recompile_limit
+            raise ModelError(f"torch.compile could not compile {name!r}: dynamo compiled one function more than "
+                             f"torch._dynamo.config.recompile_limit ({limit}) times, which fullgraph=True refuses "
+                             "(FailOnRecompileLimitHit). Compiled blocks share one function, compiled once per "
+                             "distinct checkpoint plan of a block: raise that limit to the number of blocks (in this "
+                             "process and in the run), or compile the whole model.") from None
         except Exception as e:  # dynamo and inductor raise many types; the user needs what failed
             raise ModelError(f"torch.compile could not compile {name!r} ({type(e).__name__}: "
                              f"{(str(e).strip().splitlines() or [''])[0]}). Trace it without compile, or fix what "
