@@ -187,7 +187,7 @@ def _predicted_transient(spec: str, options: dict, mode: str, checkpointing: str
     ("gpt", {"layers": 1}, "model", None),
     ("hf:llama", {"layers": 1}, "model", None),
     ("hf:gpt2", {"layers": 1}, "model", None),
-    ("hf:resnet", {"batch": 4, "image": 16, "width": 8, "layers": 1}, "model", None),  # convolutions, BatchNorm
+    ("hf:resnet", {}, "model", None),  # convolutions (oneDNN's scratch), BatchNorm, max-pooling
     ("resnet", {"batch": 4, "width": 8, "layers": 1}, "model", "budget:0.5"),
     ("torchtitan:llama3:debugmodel", {"layers": 2, "seq": 256}, "blocks", "torchtitan-selective"),
     ("torchtitan:llama3:debugmodel", {"layers": 2, "seq": 256}, "blocks", "budget:0.5"),
@@ -204,14 +204,14 @@ def test_a_compiled_cpu_step_is_predicted_as_measured(spec: str, options: dict, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec, options", [("gpt", {"layers": 2}), ("resnet", {"batch": 4, "width": 8, "layers": 1})])
-def test_the_one_calls_plan_under_compile_keeps_its_budget_as_measured(spec: str, options: dict) -> None:
+@pytest.mark.parametrize("spec, options, budget", [("gpt", {"layers": 2}, "70%"), ("resnet", {}, "80%")])
+def test_the_one_calls_plan_under_compile_keeps_its_budget_as_measured(spec: str, options: dict, budget: str) -> None:
     import bonsai_core as bonsai
     from bonsai_core import models
     from bonsai_core.measure import measure_compiled
 
     model, inputs, loss_fn = models.build(spec, **options)
-    made = bonsai.plan(model, inputs, loss_fn, budget="70%", compile=True, cache=False, device="cpu")
+    made = bonsai.plan(model, inputs, loss_fn, budget=budget, compile=True, cache=False, device="cpu")
     measured = measure_compiled(spec, options, "model", save=made.save)
     assert made.report.compiled == "model" and made.save
     assert measured.transient + made.report.fixed_memory == made.report.predicted_peak <= made.report.budget
