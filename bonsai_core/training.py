@@ -64,9 +64,8 @@ from bonsai_core.units import format_bytes
 
 REGION_METHODS = ("bonsai", "chen")  # the methods whose plans are checkpoint regions
 AUTO_MARGIN = 0.10  # share of a device's memory "auto" leaves to the caching allocator's rounding and waste
-# 2: plans name the device whose kernels they were made with (CPU models: the CPU's); 3: offloads;
-# 4: a reduced loss keeps its unreduced buffer, offload=True takes the cheapest plan within the budget
-CACHE_VERSION = 4
+# bumped whenever what a cached plan means changes (its key does not hash the library's code)
+CACHE_VERSION = 5
 FIT_TRIES = 5  # solves to bring what the checkpoints run within the budget
 COMPILED_TRIES = 7  # plans traced compiled in the search for the plan budget that fits under compile
 # what to do when a checkpointed step cannot run, in the library's own terms (the CLI names its flags)

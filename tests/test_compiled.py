@@ -40,6 +40,28 @@ def test_the_allocation_hook_counts_what_the_cpu_allocator_hands_out() -> None:
     assert run_hooked(allocations_of_known_sizes) == (2_000_000, 5_000_000)
 
 
+def test_a_cpu_convolutions_scratch_is_what_its_kernel_allocates(tmp_path, monkeypatch) -> None:
+    """Without oneDNN a CPU convolution allocates the im2col columns of the whole batch (batch x C_in x kh x
+    kw x H_out x W_out floats), frees them before it returns, and returns only its output: the probe
+    measures those bytes, and the compiled trace holds them in a node only that call reads."""
+    from bonsai_core.trace.scratch import scratch_bytes, signature
+
+    monkeypatch.setenv("BONSAI_CACHE_DIR", str(tmp_path))
+    x = torch.randn(4, 3, 16, 16).to(memory_format=torch.channels_last)
+    w = torch.randn(8, 3, 5, 5).to(memory_format=torch.channels_last)
+    call = signature("aten.convolution.default", (x, w, None, [1, 1], [2, 2], [1, 1], False, [0, 0], 1), {})
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert scratch_bytes([call]) == [4 * (3 * 5 * 5) * (16 * 16) * 4]
+
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.backends.mkldnn.flags(enabled=False):
+        model = nn.Sequential(nn.Conv2d(3, 8, 5, padding=2), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(2048, 10))
+        graph = trace_compiled_step(model, (torch.randn(4, 3, 16, 16),), lambda out: out.square().mean(), "model")
+    scratch = [v for v in range(graph.n) if graph.ops[v] == "scratch"]
+    assert [graph.names[u] for v in scratch for u in graph.users(v)] == ["convolution_1", "convolution_backward_1"]
+    assert int(graph.mem[scratch[0]]) == 4 * (3 * 5 * 5) * (16 * 16) * 4
+
+
 def _mlp() -> tuple[nn.Module, torch.Tensor, nn.Module]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
@@ -165,6 +187,8 @@ def _predicted_transient(spec: str, options: dict, mode: str, checkpointing: str
     ("gpt", {"layers": 1}, "model", None),
     ("hf:llama", {"layers": 1}, "model", None),
     ("hf:gpt2", {"layers": 1}, "model", None),
+    ("hf:resnet", {}, "model", None),  # convolutions (oneDNN's scratch), BatchNorm, max-pooling
+    ("resnet", {"batch": 4, "width": 8, "layers": 1}, "model", "budget:0.5"),
     ("torchtitan:llama3:debugmodel", {"layers": 2, "seq": 256}, "blocks", "torchtitan-selective"),
     ("torchtitan:llama3:debugmodel", {"layers": 2, "seq": 256}, "blocks", "budget:0.5"),
 ])
@@ -180,14 +204,15 @@ def test_a_compiled_cpu_step_is_predicted_as_measured(spec: str, options: dict, 
 
 
 @pytest.mark.slow
-def test_the_one_calls_plan_under_compile_keeps_its_budget_as_measured() -> None:
+@pytest.mark.parametrize("spec, options, budget", [("gpt", {"layers": 2}, "70%"), ("resnet", {}, "80%")])
+def test_the_one_calls_plan_under_compile_keeps_its_budget_as_measured(spec: str, options: dict, budget: str) -> None:
     import bonsai_core as bonsai
     from bonsai_core import models
     from bonsai_core.measure import measure_compiled
 
-    model, inputs, loss_fn = models.build("gpt", layers=2)
-    made = bonsai.plan(model, inputs, loss_fn, budget="70%", compile=True, cache=False, device="cpu")
-    measured = measure_compiled("gpt", {"layers": 2}, "model", save=made.save)
+    model, inputs, loss_fn = models.build(spec, **options)
+    made = bonsai.plan(model, inputs, loss_fn, budget=budget, compile=True, cache=False, device="cpu")
+    measured = measure_compiled(spec, options, "model", save=made.save)
     assert made.report.compiled == "model" and made.save
     assert measured.transient + made.report.fixed_memory == made.report.predicted_peak <= made.report.budget
 

@@ -30,6 +30,7 @@ from bonsai_core.errors import ModelError
 from bonsai_core.graph import Graph
 from bonsai_core.trace.inductor import inductor_without_kernels, kernel_calls
 from bonsai_core.trace.recorder import StepRecorder
+from bonsai_core.trace.scratch import fill_scratch
 
 
 
@@ -199,6 +200,7 @@ def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss
             step(runnable, recorder)
         gc.collect()
         nodes = recorder.finish()
+    fill_scratch(nodes, recorder.scratch)
     tensors = [[n, t.untyped_storage().nbytes(), kind] for n, t, kind in _distinct(fixed)]
     tensors += [[f"constant.{i}", b, "constant"] for i, b in enumerate(recorder.constants.values())]
     label = f"{name}{' float8' if float8 else ''} compiled ({compile}" + (f", {checkpointing})" if checkpointing else ")")

@@ -22,6 +22,10 @@ storage):
 * a node reads the node whose value each storage it reads holds (its current version); storages that
   live through the step (parameters, gradients, buffers, the batch: ``fixed``) are no nodes, and storages
   that existed before the step without being fixed ones are counted as constants;
+* a kernel that allocates memory of its own while it runs (a CPU convolution's scratch:
+  :mod:`bonsai_core.trace.scratch`) gets a node of those bytes before it that only it reads, so they
+  are live while it runs and freed after; ``scratch`` lists those nodes with the call's signature, and
+  :func:`~bonsai_core.trace.scratch.fill_scratch` gives them the bytes measured for that call;
 * a storage that dies after its value's last reader is held by the op before its death (a ``held`` dep,
   as the eager trace writes what Python holds), so the plain schedule frees it when the run did; one
   alive at the end is held by the last op.
@@ -38,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from bonsai_core.costmodel import DeviceProfile, op_cost
 from bonsai_core.trace.inductor import KernelCall
+from bonsai_core.trace.scratch import SCRATCH_OPS, Signature, signature
 
 _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                 torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
@@ -92,6 +97,7 @@ class StepRecorder(TorchDispatchMode):
         self.released: list[tuple[int, int]] = []  # (node whose value a dying storage held, nodes made before)
         self._finalizers: list[weakref.finalize] = []
         self._counts: dict[str, int] = {}
+        self.scratch: list[tuple[int, Signature]] = []  # (scratch node, its call's signature)
 
     supports_higher_order_operators = True  # a compiled program may call one (checkpointing's RNG state)
 
@@ -124,8 +130,9 @@ class StepRecorder(TorchDispatchMode):
             return out  # a view, or an op on metadata: no data made or written
         for t in made:
             self._made(t)
-        self._add(str(func), reads, [*made, *written],
-                  lambda: op_cost(self.profile, func, args, kwargs, out))
+        op = str(func)
+        self._add(op, reads, [*made, *written], lambda: op_cost(self.profile, func, args, kwargs, out),
+                  scratch=signature(op, args, kwargs) if op in SCRATCH_OPS else None)
         return out
 
     def kernel(self, call: KernelCall) -> None:
@@ -172,7 +179,7 @@ class StepRecorder(TorchDispatchMode):
         return len(self.nodes) - 1
 
     def _add(self, op: str, reads: list[torch.Tensor], outputs: list[torch.Tensor], cost: Any,
-             name: str | None = None) -> None:
+             name: str | None = None, scratch: Signature | None = None) -> None:
         deps = [v for v in map(self._value_of, reads) if v is not None]
         targets: list[tuple[int, int | None]] = []  # (storage, node whose value it overwrites)
         for t in outputs:
@@ -190,6 +197,10 @@ class StepRecorder(TorchDispatchMode):
         allocated = {key: self._node("aten.empty_strided.default", f"{name}_buffer{i}", [], self.sizes[key],
                                      self.profile.launch) for i, (key, old) in enumerate(targets[1:], 1) if old is None}
         self.op_nodes += allocated.values()
+        if scratch is not None:  # bytes filled in once measured (fill_scratch)
+            deps.append(self._node("scratch", f"{name}_scratch", [], 0, _SEPARATE_COST))
+            self.op_nodes.append(deps[-1])
+            self.scratch.append((deps[-1], scratch))
         first_key, first_old = targets[0] if targets else (None, None)
         node = self._node(op, name, deps + [v for v in (first_old,) if v is not None] + list(allocated.values()),
                           self.sizes[first_key] if targets else 0, max(float(cost()), self.profile.launch),
