@@ -198,9 +198,13 @@ def titan_peer_rows(world: int = 8) -> list[dict[str, Any]]:
     return rows
 
 
-def measure(parts: list[str], float8: bool) -> dict[str, Any]:
+def measure(parts: list[str], float8: bool, out: str) -> dict[str, Any]:
+    """The studies ``parts`` names, run now; the others' results kept from ``out``/results.json, each
+    part with the run that measured it (``runs``)."""
     start = time.perf_counter()
-    results: dict[str, Any] = {"meta": common.run_meta(parts=parts)}
+    meta = common.run_meta(parts=parts)
+    kept = _earlier_results(Path(out) / "results.json") if set(parts) != set(PARTS) else {}
+    results: dict[str, Any] = {**kept, "meta": meta}
     if "cpu" in parts:
         results["cpu"] = []
         for spec, options in CPU_MODELS:
@@ -214,8 +218,29 @@ def measure(parts: list[str], float8: bool) -> dict[str, Any]:
         results["titan"] = titan_rows(float8)
     if "titan-peers" in parts:
         results["titan_peers"] = titan_peer_rows()
-    results["meta"]["seconds"] = time.perf_counter() - start
+    meta["seconds"] = time.perf_counter() - start
+    run = {k: meta[k] for k in ("command", "date", "seconds")}
+    results["runs"] = {**kept.get("runs", {}), **{part: run for part in parts}}
     return results
+
+
+def _earlier_results(path: Path) -> dict[str, Any]:
+    """results.json of earlier runs, each part with its run (:func:`_with_runs`)."""
+    import json
+
+    return _with_runs(json.loads(path.read_text())) if path.is_file() else {}
+
+
+def _with_runs(results: dict[str, Any]) -> dict[str, Any]:
+    """``results`` with ``runs``, each part's run; a file written before parts named their runs has the
+    run its ``meta`` describes for its parts, and ``titan_peers_run`` for the 8B peers."""
+    if "runs" in results:
+        return results
+    meta, earlier = results["meta"], dict(results)
+    runs = {part: {k: meta[k] for k in ("command", "date", "seconds")} for part in meta.get("parts", PARTS)}
+    if "titan_peers_run" in earlier:
+        runs["titan-peers"] = earlier.pop("titan_peers_run")
+    return {**earlier, "runs": runs}
 
 
 # -- the page -------------------------------------------------------------------------------------
@@ -364,10 +389,17 @@ def page(results: dict[str, Any], header: str) -> str:
     peers = results.get("titan_peers")
     values["titan_peer_table"] = titan_peer_table(peers) if peers else "(not run)"
     values["titan_peer_said"] = titan_peer_said(peers) if peers else "not run"
-    run = results.get("titan_peers_run")  # where a separate run of this part was merged into the results
-    values["titan_peer_run"] = (f"`{run['command']}` on {run['date']}, {run['seconds'] / 60:.0f} min, its results "
-                                "added to this page's" if run else "The command above")
+    for part in PARTS:
+        values[f"run_{part.replace('-', '_')}"] = _run_said(results, part)
     return common.render("compiled", **values)
+
+
+def _run_said(results: dict[str, Any], part: str) -> str:
+    """Which run measured ``part``, where it is not the run the page's first lines name."""
+    run = _with_runs(results)["runs"].get(part)
+    if run is None or run["command"] == results["meta"]["command"] and run["date"] == results["meta"]["date"]:
+        return ""
+    return f"Measured by `{run['command']}` on {run['date']} ({run['seconds'] / 60:.0f} min), its results kept in this page's. "
 
 
 def write_page(results: dict[str, Any], path: str) -> None:
@@ -376,7 +408,7 @@ def write_page(results: dict[str, Any], path: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     refusal = common.page_refusal(args, "docs/bench/compiled", "docs/results/compiled.md")
-    return common.run_page_suite("compiled", args, refusal, lambda: measure(args.parts, args.float8), write_page)
+    return common.run_page_suite("compiled", args, refusal, lambda: measure(args.parts, args.float8, args.out), write_page)
 
 
 def peak_parts(graph: Graph, schedule: Any, policy: str = "expandable") -> dict[str, Any]:
