@@ -584,11 +584,15 @@ def resolve_sentence(rows: Sequence[Row], name: str) -> str:
     """One build, then the budget changes: the first call, the others, their median."""
     first, rest = rows[0], rows[1:]
     cached = [r["wall_seconds"] for r in rest if ok(r) and r.get("cached")]
-    first_said = (f"{budget(first['fraction'])} {seconds_said(first)} (the build, granularity {first['granularity']})"
+    later = [r["wall_seconds"] for r in rest if ok(r)]
+    built = f"the build, granularity {first['granularity']}" if first.get("granularity") else "an op-level plan"
+    first_said = (f"{budget(first['fraction'])} {seconds_said(first)} ({built})"
                   if ok(first) else f"{budget(first['fraction'])} no plan")
     failed = [budget(r["fraction"]) for r in rows if not ok(r)]
-    median_said = f"median {median(cached):.2f} s per solve" if cached else "no solve on the built model"
-    return (f"On {name}: {first_said}, then {walls_said(rest)}: {median_said} once built"
+    median_said = (f"median {median(cached):.2f} s per solve once built" if cached else
+                   f"median {median(later):.2f} s per later call, none answered by a built segment model" if later
+                   else "no plan after the first")
+    return (f"On {name}: {first_said}, then {walls_said(rest)}: {median_said}"
             + (f"; no plan at {listing(failed)}" if failed else "") + ".")
 
 
