@@ -37,8 +37,11 @@ GRAPHS: dict[str, tuple[str, str | None, dict[str, int]]] = {
     "hf_gpt2": ("`hf:gpt2` at 4 layers", "hf:gpt2", GPT2_OPTIONS)}
 BUDGETS = {"gpt4": (0.9, 0.7, 0.5, 0.45, 0.4, 0.37), "explorer": (0.7, 0.6, 0.5, 0.45),
            "hf_gpt2": (0.7, 0.6, 0.5, 0.45)}
-# bonsai's option sets the page compares: self-contained nodes saved (the default), rebuilt, outputs dropped
-VARIANTS = {"saved": {}, "rebuilt": {"save_self_contained": False}, "dropped": {"drop_outputs": True}}
+# bonsai's segment options the page compares: self-contained nodes saved (the default), rebuilt, outputs
+# dropped; in the segment space (space "regions"), the only one these options shape
+SEGMENTS = {"space": "regions"}
+VARIANTS = {"saved": SEGMENTS, "rebuilt": {**SEGMENTS, "save_self_contained": False},
+            "dropped": {**SEGMENTS, "drop_outputs": True}}
 EXPORT_AT = 0.6  # the hf:gpt2 plan with dropped outputs exported (replay back-end) and verified on CPU
 DRAG = tuple(round(0.95 - 0.05 * i, 2) for i in range(11))  # the explorer's slider, 95% down to 45%
 MOCCASIN_AT = 0.4
@@ -130,7 +133,8 @@ def export_study(g, time_limit: float) -> dict[str, Any]:
 
     start = time.perf_counter()
     try:
-        schedule = solve(g, int(EXPORT_AT * no_remat_peak(g)), "bonsai", time_limit=time_limit, drop_outputs=True)
+        schedule = solve(g, int(EXPORT_AT * no_remat_peak(g)), "bonsai", time_limit=time_limit, drop_outputs=True,
+                         **SEGMENTS)
         with tempfile.TemporaryDirectory() as folder:
             out = export_model(GRAPHS["hf_gpt2"][1], GPT2_OPTIONS, schedule, Path(folder) / "export")
             verified = verify_export(GRAPHS["hf_gpt2"][1], GPT2_OPTIONS, out)
@@ -575,11 +579,15 @@ def resolve_sentence(rows: Sequence[Row], name: str) -> str:
     """One build, then the budget changes: the first call, the others, their median."""
     first, rest = rows[0], rows[1:]
     cached = [r["wall_seconds"] for r in rest if ok(r) and r.get("cached")]
-    first_said = (f"{budget(first['fraction'])} {seconds_said(first)} (the build, granularity {first['granularity']})"
+    later = [r["wall_seconds"] for r in rest if ok(r)]
+    built = f"the build, granularity {first['granularity']}" if first.get("granularity") else "an op-level plan"
+    first_said = (f"{budget(first['fraction'])} {seconds_said(first)} ({built})"
                   if ok(first) else f"{budget(first['fraction'])} no plan")
     failed = [budget(r["fraction"]) for r in rows if not ok(r)]
-    median_said = f"median {median(cached):.2f} s per solve" if cached else "no solve on the built model"
-    return (f"On {name}: {first_said}, then {walls_said(rest)}: {median_said} once built"
+    median_said = (f"median {median(cached):.2f} s per solve once built" if cached else
+                   f"median {median(later):.2f} s per later call, none answered by a built segment model" if later
+                   else "no plan after the first")
+    return (f"On {name}: {first_said}, then {walls_said(rest)}: {median_said}"
             + (f"; no plan at {listing(failed)}" if failed else "") + ".")
 
 
