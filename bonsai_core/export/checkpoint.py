@@ -434,8 +434,9 @@ def kept_for_backward(graph: Graph, read_by_backward: np.ndarray, realised: np.n
 def realised_sequence(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_by_backward: np.ndarray) -> list[int]:
     """The compute sequence the checkpoints really run, as the simulator's input: the forward pass
     once; before the first backward node that reads a dropped node of a unit or a saved one its own ops
-    read, the unit's recomputation: its nodes in order up to the last saved-or-dropped one, except the
-    saved ones (SAC hands those back from its cache). Dropped nodes outside every unit stay saved."""
+    read, the unit's recomputation: its nodes in order up to the last saved-or-dropped one the backward
+    pass reads, except the saved ones (SAC hands those back from its cache). Dropped nodes outside every
+    unit stay saved."""
     return _realised(graph, units, read_by_backward)[0]
 
 
@@ -455,7 +456,9 @@ def _realised(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]],
         # the checkpoint's hooks packed only what the unit's own ops saved: a kept output that only later
         # ops read (the block's residual sum) is theirs, and reading it does not start the recomputation
         packed = [v for v in saved.tolist() if read_inside(graph, v, inside) or saves_own_output(graph.ops[v])]
-        watch = set(drops.tolist()).union(packed)
+        # a dropped node the backward pass does not read (an op eager does not run as traced) is packed by
+        # no hook: the recomputation stops before it
+        watch = {d for d in drops.tolist() if read_by_backward[d]}.union(packed)
         order = sorted(set(nodes.tolist()))
         last = max((v for v in order if v in watch), default=-1)
         skip = set(saved.tolist())
