@@ -76,7 +76,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.offload import with_offloads
 from bonsai_core.regions import CheckpointPlan, dropped_nodes, useful_saved
-from bonsai_core.schedule import COMPUTE, FREE, Schedule, schedule_ops, simulate
+from bonsai_core.schedule import COMPUTE, FREE, Schedule, hold_separated_outputs, sequence_ops, simulate
 from bonsai_core.trace import autocast_context, built_for_tracing
 
 CHECKPOINT_RUNTIME = Path(checkpointing.__file__)
@@ -498,7 +498,7 @@ def held_at_stop(graph: Graph, rebuild: list[int], last: int) -> set[int]:
 
 
 def _held_to_stop(ops: list[tuple[str, int]], runs: list[tuple[int, int, set[int]]]) -> list[tuple[str, int]]:
-    """``ops`` (:func:`schedule_ops` of a sequence) with each free of a run's held nodes (``runs``: first and
+    """``ops`` (:func:`sequence_ops` of a sequence) with each free of a run's held nodes (``runs``: first and
     last sequence positions, the nodes held) that comes within the run put off until right after its
     last compute, in their order (views before bases)."""
     computes = [i for i, (kind, _) in enumerate(ops) if kind == COMPUTE]  # the p-th compute: sequence position p
@@ -528,7 +528,7 @@ def realised_ops(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_
     they are freed right after the last backward node that reads a node of the unit or one of its
     inputs, if not later anyway."""
     seq, runs = _realised(graph, units, read_by_backward)
-    ops = _held_to_stop(schedule_ops(graph, seq), runs)
+    ops = hold_separated_outputs(graph, _held_to_stop(sequence_ops(graph, seq), runs))
     hold: dict[int, int] = {}  # unit input -> the backward node it is held until
     backward = np.flatnonzero(~graph.is_forward)
     for k, (nodes, _) in enumerate(units):
