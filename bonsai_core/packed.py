@@ -169,23 +169,82 @@ def _positions(sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(steps), torch.cat(rows)
 
 
+def _index(sizes: Sequence[int], batch_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index of the packed rows into a padded tensor (sequences x steps with ``batch_first``)."""
+    steps, rows = _positions(sizes)
+    return (rows, steps) if batch_first else (steps, rows)
+
+
+def _runs(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """(value, count) of each run of equal values in ``sizes``, in order."""
+    runs: list[tuple[int, int]] = []
+    for s in sizes:
+        if runs and runs[-1][0] == s:
+            runs[-1] = (s, runs[-1][1] + 1)
+        else:
+            runs.append((s, 1))
+    return runs
+
+
+def _sizes_tensor(sizes: Sequence[int]) -> torch.Tensor:
+    """The batch sizes as an int64 CPU tensor made by ``full`` ops (a graph constant would not trace)."""
+    return torch.cat([torch.full((count,), s, dtype=torch.int64, device="cpu") for s, count in _runs(sizes)])
+
+
+def _index_of(batch_sizes: torch.Tensor, rows: int, batch_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_index` read from a batch sizes tensor (``rows`` packed rows in all), as
+    ``_pack_padded_sequence_backward`` reads the batch sizes it saved."""
+    steps = torch.arange(len(batch_sizes)).repeat_interleave(batch_sizes, output_size=rows)
+    within = torch.arange(rows) - (batch_sizes.cumsum(0) - batch_sizes).repeat_interleave(batch_sizes, output_size=rows)
+    return (within, steps) if batch_first else (steps, within)
+
+
+class _Pack(torch.autograd.Function):
+    """``_pack_padded_sequence``'s data as ATen's kernel keeps it for the backward pass: its batch sizes
+    tensor (one int64 per step), which ``_pack_padded_sequence_backward`` reads, and no index of the
+    rows: the backward pass builds that again from the batch sizes (an ``aten.index`` would save its
+    index tensors, 16 bytes per packed row, to the embedding's gradient)."""
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, sizes: tuple[int, ...], batch_first: bool) -> torch.Tensor:  # noqa: ANN001
+        ctx.batch_first, ctx.shape, ctx.rows = batch_first, input.shape, sum(sizes)
+        ctx.save_for_backward(_sizes_tensor(sizes))
+        return input[_index(sizes, batch_first)]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
+        batch_sizes, = ctx.saved_tensors
+        index = _index_of(batch_sizes, ctx.rows, ctx.batch_first)
+        return torch.index_put(grad.new_zeros(ctx.shape), index, grad), None, None
+
+
+class _Pad(torch.autograd.Function):
+    """``_pad_packed_sequence``'s padded output (steps x sequences) as ATen's keeps it: nothing saved for
+    the backward pass (its copies into slices of the output save no index), the index built again there."""
+
+    @staticmethod
+    def forward(ctx, data: torch.Tensor, sizes: tuple[int, ...], padding_value: float,  # noqa: ANN001
+                length: int) -> torch.Tensor:
+        ctx.sizes = sizes
+        out = data.new_full((length, sizes[0], *data.shape[1:]), padding_value)
+        return torch.index_put(out, _index(sizes, False), data)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # noqa: ANN001
+        return grad[_index(ctx.sizes, False)], None, None, None
+
+
 def pack(input: torch.Tensor, sizes: Sequence[int], batch_first: bool) -> torch.Tensor:
     """``_pack_padded_sequence``'s data: the rows of ``input`` (steps x sequences, or sequences x steps
-    with ``batch_first``) of the running sequences, step by step."""
-    steps, rows = _positions(sizes)
-    return input[rows, steps] if batch_first else input[steps, rows]
+    with ``batch_first``) of the running sequences, step by step (:class:`_Pack`)."""
+    return _Pack.apply(input, tuple(sizes), batch_first)
 
 
 def pad(data: torch.Tensor, sizes: Sequence[int], batch_first: bool, padding_value: float,
         total_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``_pad_packed_sequence``: (the padded output, steps x sequences and then transposed with
-    ``batch_first`` as the kernel does, its lengths)."""
-    from torch.utils._mode_utils import no_dispatch
-
-    steps, rows = _positions(sizes)
-    length = max(total_length, len(sizes))
-    out = data.new_full((length, sizes[0], *data.shape[1:]), padding_value)
-    out = torch.index_put(out, (steps, rows), data)
+    ``batch_first`` as the kernel does, its lengths) (:class:`_Pad`)."""
+    out = _Pad.apply(data, tuple(sizes), padding_value, max(total_length, len(sizes)))
     return (out.transpose(0, 1) if batch_first else out), _lengths(sizes)
 
 

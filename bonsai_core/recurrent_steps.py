@@ -108,16 +108,19 @@ def full_layer(cell: Cell, x: torch.Tensor, hidden: Hidden, w: Weights,
 
 def packed_layer(cell: Cell, data: torch.Tensor, sizes: Sequence[int], hidden: Hidden,
                  w: Weights) -> tuple[torch.Tensor, Hidden]:
-    """``PackedLayer`` on the CPU: the sequences that end leave their final hidden state behind."""
+    """``PackedLayer`` on the CPU: the sequences that end leave their final hidden state behind. The
+    step's input is narrowed before the hidden state is sliced, as ATen does: the backward pass runs
+    the slices' gradients first (autograd runs the later-made node first)."""
     x_w = F.linear(data, w[0], w[2])
     outputs, finished = [], []
     offset, last = 0, sizes[0]
     for size in sizes:
+        step = x_w.narrow(0, offset, size)
         if size < last:
             finished.append(_slice(hidden, size, last))
             hidden = _slice(hidden, 0, size)
         last = size
-        hidden = cell(x_w.narrow(0, offset, size), hidden, w)
+        hidden = cell(step, hidden, w)
         offset += size
         outputs.append(_output(hidden))
     finished.append(hidden)

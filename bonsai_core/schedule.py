@@ -698,6 +698,12 @@ def schedule_ops(graph: Graph, sequence: Iterable[int]) -> list[tuple[str, int]]
     Raises ScheduleError if the sequence reads a node before computing it, or recomputes a node
     whose previous copy is still needed (by a reader or by a live view).
     """
+    return hold_separated_outputs(graph, sequence_ops(graph, sequence))
+
+
+def sequence_ops(graph: Graph, sequence: Iterable[int]) -> list[tuple[str, int]]:
+    """:func:`schedule_ops` before :func:`hold_separated_outputs`: one compute op per entry of ``sequence``,
+    in its order, each followed by the frees its reads end."""
     seq = [int(v) for v in sequence]
     latest = [-1] * graph.n  # position of each node's current copy
     release = list(range(len(seq)))  # position after which each copy is freed
@@ -730,7 +736,7 @@ def schedule_ops(graph: Graph, sequence: Iterable[int]) -> list[tuple[str, int]]
         ops.append((COMPUTE, v))
         for q in sorted(frees_at.get(p, ()), reverse=True):  # later copies (views) first
             ops.append((FREE, seq[q]))
-    return hold_separated_outputs(graph, ops)
+    return ops
 
 
 def none_schedule(graph: Graph) -> Schedule:

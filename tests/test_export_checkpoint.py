@@ -364,3 +364,32 @@ def test_module_region_plans_that_save_ops_inside_modules_are_applied_as_sac_pol
     # the matmuls' outputs reach the model's code as their _unsafe_view (3-D linear, bmm): saved there
     assert any("aten._unsafe_view.default" in saves for saves in exported.SAVE.values())
     assert exported.INFO["realised_peak"] == exported.INFO["predicted_peak"]
+
+
+def test_a_recomputation_that_stops_early_holds_what_a_later_forward_op_reads():
+    """torch.utils.checkpoint stops a unit's recomputation where its last saved tensor is packed: the
+    frames running it still hold a tensor that a later op of the unit reads (ATen's recurrent layer its
+    input projection, read by its last steps and the stack of its outputs), so the simulation holds it to
+    the stop. Here t = mm(x) is read only by the add after the sigmoid, whose output the backward pass reads."""
+    import numpy as np
+
+    from bonsai_core.export.checkpoint import held_at_stop, realised_ops
+    from bonsai_core.graph import Graph
+    from bonsai_core.schedule import COMPUTE, FREE
+
+    def node(name, op, phase, mem, deps):
+        return dict(name=name, op=op, phase=phase, cost=1.0, mem=mem, deps=deps)
+
+    graph = Graph.from_nodes("stops-early", 0, [
+        node("x", "aten.mm.default", "forward", 10, []), node("t", "aten.mm.default", "forward", 100, [0]),
+        node("y", "aten.sigmoid.default", "forward", 10, [0]), node("out", "aten.add.Tensor", "forward", 10, [1, 2]),
+        node("loss", "aten.sum.default", "forward", 1, [3]), node("grad_out", "aten.ones_like.default", "backward", 10, [4]),
+        node("grad_y", "aten.sigmoid_backward.default", "backward", 10, [2, 5]),
+        node("grad_x", "aten.mm.default", "backward", 10, [6])])
+    unit = (np.array([1, 2, 3]), np.array([2]))  # the unit drops y, and rebuilds t and y
+    assert held_at_stop(graph, [1, 2], 2) == {1, 2}  # y is the backward's anyway
+    ops = realised_ops(graph, [unit], graph.read_by_backward)
+    rebuilt_t = [i for i, op in enumerate(ops) if op == (COMPUTE, 1)][1]
+    rebuilt_y = ops.index((COMPUTE, 2), rebuilt_t)
+    assert rebuilt_y < ops.index((FREE, 1), rebuilt_t)
+    assert simulate(graph, ops).timeline[rebuilt_y] >= 10 + 100 + 10  # x (the unit's input), t and y

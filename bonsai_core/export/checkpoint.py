@@ -77,7 +77,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.modules import RecordedStep, align, record_step
 from bonsai_core.offload import with_offloads
 from bonsai_core.regions import CheckpointPlan, dropped_nodes, useful_saved
-from bonsai_core.schedule import COMPUTE, FREE, Schedule, schedule_ops, simulate
+from bonsai_core.schedule import COMPUTE, FREE, Schedule, hold_separated_outputs, sequence_ops, simulate
 from bonsai_core.trace import autocast_context, built_for_tracing
 
 CHECKPOINT_RUNTIME = Path(checkpointing.__file__)
@@ -138,12 +138,12 @@ def layout(graph: Graph, plan: CheckpointPlan, step: RecordedStep, exclude: Coll
     read_by_backward = graph.read_by_backward
     chains = inplace_chains(step)
     calls, chosen = _candidate_calls(graph, step, dropped, runtime_of, exclude, chains)
-    rebuilt = {i: _chain_nodes(graph, node_at, runtime_of, read_by_backward, chains, a, b)
-               for i, (_, a, b) in enumerate(calls)}
     # what the checkpoints keep: what the backward pass reads and what the plan saves (a matmul whose
     # output only the recomputation reads: its policy says MUST_SAVE, as the plan does)
     read_later = read_by_backward.copy()
     read_later[list(useful_saved(graph, plan).saved)] = True
+    rebuilt = {i: _chain_nodes(graph, node_at, runtime_of, read_later, chains, a, b)
+               for i, (_, a, b) in enumerate(calls)}
     names = offload_names(graph, plan, step, runtime_of)
     by_call = dict(zip(step.calls, step.arguments))
     arguments = {i: sorted(_last_placed(node_at, by_call.get(call, ()))) for i, call in enumerate(calls)}
@@ -392,14 +392,16 @@ def saved_in_place(kept: set[int], chains: list[list[int]], a: int, b: int) -> s
     return kept.difference(r for chain in chains for r in chain if a <= r < b)
 
 
-def _chain_nodes(graph: Graph, node_at: np.ndarray, runtime_of: np.ndarray, read_by_backward: np.ndarray,
+def _chain_nodes(graph: Graph, node_at: np.ndarray, runtime_of: np.ndarray, read_later: np.ndarray,
                  chains: list[list[int]], a: int, b: int) -> list[int]:
-    """The graph nodes of the in-place chains' ops in ``[a, b)`` that the backward pass reads and no
-    forward op after ``[a, b)`` reads: a unit there frees them after its forward and rebuilds them
+    """The graph nodes of the in-place chains' ops in ``[a, b)`` that the checkpoints would keep
+    (``read_later``: read by the backward pass, or saved by the plan for its recomputation, such as the
+    hidden projection ATen's CPU recurrent cell adds the step's input into in place) and no forward op
+    after ``[a, b)`` reads: a unit there frees them after its forward and rebuilds them
     (:func:`saved_in_place`) even where the plan keeps them. (A chain's output that a later op reads
     stays held by that reader, as the plan keeps it.)"""
     nodes = [int(node_at[r]) for chain in chains for r in chain if a <= r < b and node_at[r] >= 0]
-    return [v for v in nodes if read_by_backward[v]
+    return [v for v in nodes if read_later[v]
             and all(a <= runtime_of[u] < b and not graph.is_view[u] for u in graph.users(v).tolist() if graph.is_forward[u])]
 
 
@@ -433,9 +435,16 @@ def kept_for_backward(graph: Graph, read_by_backward: np.ndarray, realised: np.n
 def realised_sequence(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_by_backward: np.ndarray) -> list[int]:
     """The compute sequence the checkpoints really run, as the simulator's input: the forward pass
     once; before the first backward node that reads a dropped node of a unit or a saved one its own ops
-    read, the unit's
-    recomputation: its nodes in order up to the last saved-or-dropped one, except the saved ones (SAC
-    hands those back from its cache). Dropped nodes outside every unit stay saved."""
+    read, the unit's recomputation: its nodes in order up to the last saved-or-dropped one the backward
+    pass reads, except the saved ones (SAC hands those back from its cache). Dropped nodes outside every
+    unit stay saved."""
+    return _realised(graph, units, read_by_backward)[0]
+
+
+def _realised(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]],
+              read_by_backward: np.ndarray) -> tuple[list[int], list[tuple[int, int, set[int]]]]:
+    """(:func:`realised_sequence`, per recomputation run: its first and last positions in the sequence and
+    the nodes it computes that the frames running it still hold when it stops, :func:`held_at_stop`)."""
     seq = np.flatnonzero(graph.is_forward).tolist()
     realised = np.zeros(graph.n, dtype=bool)
     for _, drops in units:
@@ -448,20 +457,66 @@ def realised_sequence(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], 
         # the checkpoint's hooks packed only what the unit's own ops saved: a kept output that only later
         # ops read (the block's residual sum) is theirs, and reading it does not start the recomputation
         packed = [v for v in saved.tolist() if read_inside(graph, v, inside) or saves_own_output(graph.ops[v])]
-        watch = set(drops.tolist()).union(packed)
+        # a dropped node the backward pass does not read (an op eager does not run as traced) is packed by
+        # no hook: the recomputation stops before it
+        watch = {d for d in drops.tolist() if read_by_backward[d]}.union(packed)
         order = sorted(set(nodes.tolist()))
         last = max((v for v in order if v in watch), default=-1)
         skip = set(saved.tolist())
-        triggers.append((watch, [v for v in order if v <= last and v not in skip]))
+        rebuild = [v for v in order if v <= last and v not in skip]
+        triggers.append((watch, rebuild, held_at_stop(graph, rebuild, last)))
     done = [False] * len(units)
+    runs = []
     for b in np.flatnonzero(~graph.is_forward).tolist():
         deps = set(graph.deps(b).tolist())
-        for k, (watch, rebuild) in enumerate(triggers):
+        for k, (watch, rebuild, held) in enumerate(triggers):
             if not done[k] and deps & watch:
                 done[k] = True
+                if rebuild:
+                    runs.append((len(seq), len(seq) + len(rebuild) - 1, held))
                 seq.extend(rebuild)
         seq.append(b)
-    return seq
+    return seq, runs
+
+
+def held_at_stop(graph: Graph, rebuild: list[int], last: int) -> set[int]:
+    """The nodes of a unit's recomputation (``rebuild``, up to node ``last``) that a forward op after
+    ``last`` reads, directly or through a view, and their bases. The recomputation stops early, right
+    where the last saved tensor is packed (``torch.utils.checkpoint``'s early stop raises out of the
+    unit's forward), so its Python and C++ frames hold every such tensor until then, as the forward
+    held them: ATen's CPU recurrent layer its input projection, whose steps' views its ``unbind`` keeps
+    until the outputs are stacked, and each layer's final hidden state until the layer loop ends."""
+    held = set()
+    for v in rebuild:
+        stack = [v]
+        while stack:
+            users = [int(u) for u in graph.users(stack.pop()).tolist() if graph.is_forward[u]]
+            if any(u > last for u in users):
+                held.add(v)
+                break
+            stack.extend(u for u in users if graph.alias_of[u] >= 0)
+    return graph.with_view_bases(held)
+
+
+def _held_to_stop(ops: list[tuple[str, int]], runs: list[tuple[int, int, set[int]]]) -> list[tuple[str, int]]:
+    """``ops`` (:func:`sequence_ops` of a sequence) with each free of a run's held nodes (``runs``: first and
+    last sequence positions, the nodes held) that comes within the run put off until right after its
+    last compute, in their order (views before bases)."""
+    computes = [i for i, (kind, _) in enumerate(ops) if kind == COMPUTE]  # the p-th compute: sequence position p
+    moved: dict[int, list[tuple[str, int]]] = {}  # op index -> the frees to put right after it
+    skipped: set[int] = set()
+    for first, last, held in runs:
+        a, b = computes[first], computes[last]
+        frees = [i for i in range(a + 1, b) if ops[i][0] == FREE and ops[i][1] in held]
+        moved.setdefault(b, []).extend(ops[i] for i in frees)
+        skipped.update(frees)
+    out: list[tuple[str, int]] = []
+    for i, op in enumerate(ops):
+        if i not in skipped:
+            out.append(op)
+        if i in moved:
+            out.extend(moved[i])
+    return out
 
 
 def realised_ops(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_by_backward: np.ndarray,
@@ -473,7 +528,8 @@ def realised_ops(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_
     saved a tensor inside the call has run (its saved tensors' unpack hooks hold the call's frame), so
     they are freed right after the last backward node that reads a node of the unit or one of its
     inputs, if not later anyway."""
-    ops = schedule_ops(graph, realised_sequence(graph, units, read_by_backward))
+    seq, runs = _realised(graph, units, read_by_backward)
+    ops = hold_separated_outputs(graph, _held_to_stop(sequence_ops(graph, seq), runs))
     hold: dict[int, int] = {}  # unit input -> the backward node it is held until
     backward = np.flatnonzero(~graph.is_forward)
     for k, (nodes, _) in enumerate(units):
