@@ -31,7 +31,7 @@ def memory_lines(at: AppTest) -> list[pd.DataFrame]:
 
 def compiled_llama() -> AppTest:
     """The explorer with hf:llama at a tiny size traced with the switch on."""
-    at = explorer_app(timeout=150)  # a transformers model built, traced, then compiled through inductor
+    at = explorer_app(timeout=300)  # a transformers model built, traced, then compiled through inductor (slow under load)
     at.selectbox(key="hf_arch").set_value("llama").run()
     for k, v in TINY_LLAMA.items():
         at.number_input(key=f"hf_llama_{k}").set_value(v)
@@ -87,6 +87,7 @@ def test_torchtitan_is_compiled_block_by_block_and_refused_for_a_parallel_layout
     from tests.test_app_bound import titan_tab
 
     at = titan_tab(256)
+    at.default_timeout = 300  # each block compiled through inductor: minutes under load
     at.toggle(key="titan_compiled").set_value(True).run()
     at.number_input(key="titan_tp").set_value(2).run()
     assert any("TP > 1" in i.value and "eager only" in i.value for i in at.info)
