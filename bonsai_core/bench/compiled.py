@@ -289,8 +289,10 @@ def cpu_said(rows: list[dict[str, Any]]) -> dict[str, str]:
     refusals = (f"; on {common.listing([_label(r) for r in refused])} the call raised BudgetError, naming the smallest "
                 "peak its checkpoints reach under compile" if refused else "")
     lower = [r for r in rows if "eager_predicted" in r and r["predicted"] < r["eager_predicted"]]
+    deviation = worst["predicted"] / worst["measured"]
     return {"exact": f"{len(exact)} of {len(rows)}",
-            "worst": f"{_label(worst)} ({worst['variant']}): {worst['predicted'] / worst['measured']:.4f}",
+            "worst": ("; no row deviates" if len(exact) == len(rows) else
+                      f"; the largest deviation is {_label(worst)} ({worst['variant']}): {deviation:.4f}"),
             "plans_kept": f"{len(kept)} of {len(plans)}{refusals}",
             "compile_lower": common.listing([_label(r) for r in lower]) if lower else "none of them"}
 
@@ -381,7 +383,7 @@ def page(results: dict[str, Any], header: str) -> str:
                               "share": PLAN_SHARE}
     cpu = results.get("cpu", [])
     values["cpu_table"] = cpu_table(cpu) if cpu else "(not run)"
-    values.update(cpu_said(cpu) if cpu else {"exact": "-", "worst": "-", "plans_kept": "-", "compile_lower": "-"})
+    values.update(cpu_said(cpu) if cpu else {"exact": "-", "worst": "", "plans_kept": "-", "compile_lower": "-"})
     values["peer_table"] = peer_table(results["peers"]) if results.get("peers") else "(not run)"
     values["peer_said"] = peer_said(results["peers"]) if results.get("peers") else "not run"
     values["titan_table"] = titan_table(results["titan"]) if results.get("titan") else "(not run)"
