@@ -121,12 +121,6 @@ def test_zoo_gpt_trains_the_same_within_the_predicted_peak(tmp_path, method, sha
 # the plan at share 0.5 (423,816 vs 385,024 B) and +8.96% at 0.7 (468,616 vs 430,080 B) since in-place
 # ops and getitem outputs are placed in their submodules (before: +11.2% and +10.5%). Since the trace
 # holds a tied weight's earlier gradients (2026-12-04) both shares meet the check.
-# hf:gpt2 with dropout at 0.5: the trace records the fused dropout kernel (native_dropout, as on CUDA)
-# while the CPU runs bernoulli_ and mul, so the checkpoints cannot place the attention's dropped softmax
-# among its readers and keep it (realised 414,592 B against 396,160 B planned, 2026-12-05): predicting
-# for the device the model runs on is issue 41's item 4.
-DROPOUT_ON_CPU = pytest.mark.xfail(strict=False, reason="open (issue 41, item 4): the trace's fused dropout is "
-                                                        "not what the CPU runs (realised 414,592 B against 396,160 B)")
 
 
 @pytest.mark.slow
@@ -145,7 +139,7 @@ HF_SOURCE_GPT2 = {"layers": 2, "width": 32, "heads": 2, "seq": 16, "vocab": 64, 
     # passes since a segment saves only data-independent nodes (the mask made by ones_like(ids) was taken
     # for the data's root, so every op before the mask's use counted as self-contained and was saved)
     pytest.param(HF_GPT2, {}, 0.5, marks=pytest.mark.slow),
-    pytest.param("hf:gpt2", HF_SOURCE_GPT2, 0.5, marks=[pytest.mark.slow, DROPOUT_ON_CPU]),  # dropout 0.1
+    pytest.param("hf:gpt2", HF_SOURCE_GPT2, 0.5, marks=pytest.mark.slow),  # dropout 0.1, as the CPU runs it
     pytest.param("hf:gpt2", HF_SOURCE_GPT2, 0.7, marks=pytest.mark.slow),
     # BatchNorm: the run's in-place `num_batches_tracked += 1` and `native_batch_norm` are traced in
     # functional form, and its statistics are getitem nodes; each must still be found in its block
