@@ -282,13 +282,13 @@ def test_blocks_with_plans_that_differ_in_a_number_compile_each_with_its_own(tra
     assert all(torch.allclose(p.grad, g) for p, g in zip(model.parameters(), eager))
 
 
-def test_more_distinct_block_plans_than_dynamos_recompile_limit_are_refused_in_words(monkeypatch) -> None:
+def test_more_distinct_block_plans_than_dynamos_recompile_limit_are_refused_in_words() -> None:
     """Each distinct block plan is one compilation of the blocks' shared function: past dynamo's recompile
     limit fullgraph=True fails, and the trace says why and what to raise."""
     from bonsai_core.export_runtime import checkpointing
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    with FakeTensorMode():
+    # torch's own patch (monkeypatch's undo leaves dynamo's config without the key for later tests)
+    with torch._dynamo.config.patch(recompile_limit=2), FakeTensorMode():
         model, x = nn.Sequential(*(_Block() for _ in range(3))), torch.randn(4, 16)
         checkpointing.apply_saves(model, {str(i): {"aten.addmm.default": [i]} for i in range(3)})
         with pytest.raises(ModelError, match=r"recompile_limit \(2\) times.*raise that limit"):
