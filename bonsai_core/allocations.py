@@ -31,11 +31,16 @@ T = TypeVar("T")
 _SOURCE = Path(__file__).with_name("native") / "allocation_hook.c"
 
 
+def cache_folder() -> Path:
+    """bonsai's cache folder: ``$BONSAI_CACHE_DIR``, else ``$XDG_CACHE_HOME/bonsai``, else ``~/.cache/bonsai``."""
+    return Path(os.environ.get("BONSAI_CACHE_DIR")
+                or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bonsai")
+
+
 def hook_library(cache_dir: str | os.PathLike | None = None) -> Path:
     """The hook as a shared library, built once per source into the bonsai cache folder."""
     source = _SOURCE.read_bytes()
-    base = Path(cache_dir or os.environ.get("BONSAI_CACHE_DIR")
-                or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bonsai")
+    base = Path(cache_dir) if cache_dir else cache_folder()
     library = base / f"allocation_hook-{hashlib.sha256(source).hexdigest()[:12]}.so"
     if library.exists():
         return library

@@ -113,8 +113,9 @@ def scratch_of_calls(signatures: list[Signature], threads: int, mkldnn: bool) ->
 
 
 def _cache_file() -> Path:
-    base = os.environ.get("BONSAI_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bonsai"
-    return Path(base) / "kernel-scratch.json"
+    from bonsai_core.allocations import cache_folder
+
+    return cache_folder() / "kernel-scratch.json"
 
 
 def _read_cache(path: Path) -> dict[str, list[int]]:
