@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from bonsai_core.bench import bonsai as suite
 from bonsai_core.bench import common
-from bonsai_core.bench.common import capitalized, listing, median, table
+from bonsai_core.bench.common import budget, budgets_said, listing, median, pct2, table
 from bonsai_core.errors import BonsaiError
 from bonsai_core.units import format_bytes
 
@@ -285,19 +285,6 @@ def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lamb
 
 # -- words and numbers -----------------------------------------------------------------------------
 
-def pct2(x: float) -> str:
-    return f"{x:+.2%}"
-
-
-def budget(fraction: float) -> str:
-    return f"{fraction * 100:g}%"
-
-
-def budgets_said(fractions: Sequence[float]) -> str:
-    """``90/70/50%``."""
-    return "/".join(f"{f * 100:g}" for f in fractions) + "%"
-
-
 def points(x: float) -> str:
     return f"{100 * x:.2f} points"
 
@@ -367,12 +354,6 @@ def seconds_said(r: Row) -> str:
 
 
 # -- the page's sections ---------------------------------------------------------------------------
-
-def graphs_paragraph(facts: dict[str, dict[str, Any]]) -> str:
-    said = [f"{GRAPHS[k][0]} ({trace_command(k)}, {f['nodes']} nodes, no-remat peak {format_bytes(f['plain_peak'])})"
-            for k, f in facts.items()]
-    return "Graphs (each traced once in the run): " + listing(said) + "."
-
 
 # the suite's tables
 
@@ -462,22 +443,15 @@ def granularity_sentence(rows: Sequence[Row]) -> str:
             f"to {max(variables)} variables and the solve from {min(walls):.2f} to {max(walls):.2f} s.")
 
 
-def suite_values(rows: Sequence[Row], time_limit: float) -> dict[str, str]:
+def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
     cells = solve_cells(rows)
     methods = list(dict.fromkeys(m for c in cells.values() for m in c))
     smallest = [r for r in rows if r.get("sweep") == "smallest"]
     gran = [r for r in rows if r.get("sweep") == "granularity"]
-    values = {"compared": listing([m for m in methods if m != "bonsai"]), "solve_table": solve_table(cells, methods),
-              "solve_sentence": solve_sentence(cells), "smallest": "", "granularity": ""}
-    if smallest:
-        values["smallest"] = ("\n\nSmallest budget reached (share of the no-remat peak): bonsai's model at the top of "
-                              f"its auto ladder (min-peak MILP, {time_limit:g} s), chen's lowest plan and the per-op "
-                              f"lower bound:\n\n{smallest_table(smallest)}")
-    if gran:
-        values["granularity"] = (f"\n\nGranularity on {model_name(gran[0]['model'])} at {budget(gran[0]['fraction'])} "
-                                 f"(each row builds its model):\n\n{granularity_table(gran)}\n\n"
-                                 f"{granularity_sentence(gran)}")
-    return values
+    return {"compared": [m for m in methods if m != "bonsai"], "solve_table": solve_table(cells, methods),
+            "solve_sentence": solve_sentence(cells), "smallest": smallest and smallest_table(smallest),
+            "granularity": gran and {"model": gran[0]["model"], "fraction": gran[0]["fraction"],
+                                     "table": granularity_table(gran), "said": granularity_sentence(gran)}}
 
 
 # self-contained nodes and dropped outputs
@@ -554,18 +528,6 @@ def dropped_prose(study: dict[str, Any]) -> str:
         said.append(f"Where the larger space costs more ({listing(dearer)}), both searches stopped within their 1% gap "
                     "of different models' optima.")
     return " ".join(said)
-
-
-def export_sentence(e: dict[str, Any]) -> str:
-    if "error" in e:
-        return f"The export of the `hf:gpt2` plan at {budget(EXPORT_AT)} failed: {e['error']}."
-    verdict = "within the verifier's tolerances" if not e["problems"] else "with problems: " + "; ".join(e["problems"])
-    return (f"The `hf:gpt2` plan at {budget(e['fraction'])} with `drop_outputs` ({pct2(e['overhead'])}, "
-            f"{e['outputs_dropped']} of {e['recomputed_segments']} recomputed segments dropping outputs), exported "
-            f"with the `replay` back-end and run on CPU (`bonsai export hf:gpt2 {flags(GPT2_OPTIONS)} s.json -o out`, "
-            f"`bonsai verify ...`): predicted peak {format_bytes(e['predicted_peak'])}, measured "
-            f"{format_bytes(e['measured_peak'])} ({e['peak_error']:+.2%}); loss difference {e['loss_diff']:.3g}, "
-            f"largest gradient difference {e['max_grad_diff']:.3g}, {verdict}.")
 
 
 # the live re-solve
@@ -647,46 +609,18 @@ def half_outcome(e: dict[str, Any]) -> tuple[str, str]:
     return f"{listing(fit)} fit{'s' if len(fit) == 1 else ''}", proof
 
 
-def unet_values(entries: Sequence[dict[str, Any]]) -> dict[str, str]:
-    e = entries[0]
-    return {"unet_commands": listing([f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()]),
-            "unet_nodes": str(e["nodes"]), "unet_peak": format_bytes(e["plain_peak"]), "unet_fixed": format_bytes(e["fixed"]),
-            "unet_region_node": e["region_node"], "unet_backward": format_bytes(e["backward_bytes"])}
-
-
-def larger_unet_sentence(e: dict[str, Any]) -> str:
-    p, half = e["plain_peak"], e["at_half"]
-    return (f"On a larger U-Net (`bonsai trace unet {flags(LARGER_UNET)}`, {e['nodes']} nodes) the region bound is "
-            f"{share(e['region_bound'], p)} and bonsai reaches {share(e['reach'], p)} (per-op bound "
-            f"{share(e['lower_bound'], p)}); at half: bonsai {at(half['bonsai'])}, moccasin {at(half['moccasin'])}.")
-
-
-def explorer_bound_sentence(e: dict[str, Any]) -> str:
-    p = e["plain_peak"]
-    below = e["reach"] is not None and e["region_bound"] < e["reach"]
-    return (f"On the explorer's default GPT the region bound ({share(e['region_bound'], p)}) is "
-            + ("below bonsai's reach" if below else "not below bonsai's reach")
-            + f" ({share(e['reach'], p)}; per-op bound {share(e['lower_bound'], p)})"
-            + (": there it is not what stops bonsai." if below else "."))
-
-
 def headroom_share(e: dict[str, Any]) -> float | None:
     """How much of the headroom between the no-remat peak and the per-op bound bonsai's reach covers."""
     room = e["plain_peak"] - e["lower_bound"]
     return None if e["reach"] is None or room <= 0 else (e["plain_peak"] - e["reach"]) / room
 
 
-def headroom_sentence(entries: Sequence[dict[str, Any]]) -> str:
-    shares = [s for s in map(headroom_share, entries) if s is not None]
-    if not shares:
-        return "On the 1-layer zoo GPT bonsai reached no budget below the no-remat peak at any size."
-    none = [e["label"] for e in entries if (headroom_share(e) or 0.0) <= 0]
-    widths = sorted({w for w, _ in HEADROOM_SIZES})
-    seqs = sorted({s for _, s in HEADROOM_SIZES})
-    return (f"On the 1-layer zoo GPT (widths {widths[0]}–{widths[-1]}, seq {seqs[0]}–{seqs[-1]}, heads "
-            f"{HEADROOM_OPTIONS['heads']}, batch {HEADROOM_OPTIONS['batch']}: {len(entries)} sizes) bonsai reaches "
-            f"{min(shares):.0%}–{max(shares):.0%} of the headroom between the no-remat peak and the per-op bound"
-            + (f"; none of it on {listing(none)}." if none else "."))
+def headroom_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What the page says of the headroom bonsai's reach covers on the 1-layer zoo GPT's sizes."""
+    return {"shares": [s for s in map(headroom_share, entries) if s is not None],
+            "none": [e["label"] for e in entries if (headroom_share(e) or 0.0) <= 0],
+            "widths": sorted({w for w, _ in HEADROOM_SIZES}), "seqs": sorted({s for _, s in HEADROOM_SIZES}),
+            "options": HEADROOM_OPTIONS}
 
 
 def others_table(entries: Sequence[dict[str, Any]]) -> str:
@@ -715,13 +649,6 @@ def others_prose(entries: Sequence[dict[str, Any]]) -> str:
     return said + (f", less on {listing(less)}" if less else "") + "."
 
 
-def region_values(s: dict[str, Any]) -> dict[str, str]:
-    return {**unet_values(s["unets"]), "unet_table": unet_table(s["unets"]),
-            "region_prose": " ".join([unet_prose(s["unets"]), larger_unet_sentence(s["larger_unet"]),
-                                      explorer_bound_sentence(s["explorer_bound"]), headroom_sentence(s["headroom"])]),
-            "others_table": others_table(s["others"]), "others_prose": others_prose(s["others"])}
-
-
 # moccasin at 40%
 
 def step_cost_share(a: float, b: float) -> float:
@@ -739,35 +666,21 @@ def against(name: str, r: Row | None, m: float) -> str:
     return f"{name} {pct2(r['overhead'])} ({seconds_said(r)}) is{gap or ' '}{side} it"
 
 
-def moccasin_section(s: dict[str, Any], time_limit: float) -> str:
+def moccasin_against(s: dict[str, Any]) -> list[str]:
+    """Bonsai's default and ``drop_outputs`` against moccasin's plan at MOCCASIN_AT (none when it has none)."""
     m = s["moccasin"]
+    if not ok(m):
+        return []
     rows = {v: next((r for r in option_rows(s, "gpt4", v) if abs(r["fraction"] - MOCCASIN_AT) < 1e-9), None)
             for v in ("saved", "dropped")}
-    head = (f"## Against moccasin at {budget(MOCCASIN_AT)} on the 4-layer GPT\n\n`solve(g, {MOCCASIN_AT:g} * peak, "
-            f"\"moccasin\", time_limit={time_limit:g})` (CP-SAT, the run's time limit): ")
-    if not ok(m):
-        return head + f"no schedule ({first_sentence(m['error'])}, {seconds_said(m)})."
-    mo = m["overhead"]
-    proof = ("proven optimal" if m["status"] == "optimal" else
-             f"status {m['status']}: the best found in the time limit, which a longer search may lower")
-    return (head + f"{pct2(mo)}, {proof}, {seconds_said(m)}. "
-            + capitalized(against("bonsai's default", rows["saved"], mo)) + "; "
-            + against("with `drop_outputs`", rows["dropped"], mo) + ". Moccasin's space holds every checkpoint "
-            "plan and more (an op recomputed twice, a region rebuilt in part).")
+    return [against("bonsai's default", rows["saved"], m["overhead"]),
+            against("with `drop_outputs`", rows["dropped"], m["overhead"])]
 
 
-def checkmate_section(s: dict[str, Any], time_limit: float) -> str:
-    """Bonsai's default against checkmate on the small GPTs, with the bound."""
-    rows = s.get("checkmate") or []
+def checkmate_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Bonsai's default against checkmate on the small GPTs, with the bound: the table and its counts."""
     if not rows:  # a run before this study
-        return ""
-    intro = ("## Against checkmate on the 1- and 2-layer GPTs\n\n"
-             f"The zoo GPT at its default size with 1 and 2 layers (`bonsai trace gpt --layers 1`, `--layers 2`); "
-             f"at each budget bonsai's default (`solve(g, budget, \"bonsai\", time_limit={time_limit:g})`: op-level "
-             "plans, then checkpoint regions) and checkmate's MILP on HiGHS, warm-started as it is by default from "
-             "the cheapest schedule of none, chen, dtr, moccasin and bonsai (the start's method named), with the "
-             "same time limit; the lower bound as above. \"bonsai / checkmate\": bonsai's compute cost over "
-             "checkmate's, less 1 (negative: bonsai cheaper); \"faster\": checkmate's wall time over bonsai's.")
+        return None
     lines, close, fast, both = [], 0, 0, 0
     for r in rows:
         b, c = r["bonsai"], r["checkmate"]
@@ -786,27 +699,13 @@ def checkmate_section(s: dict[str, Any], time_limit: float) -> str:
                       real_cell(b, True), f"{b['wall_seconds']:.1f}", check, f"{c['wall_seconds']:.1f}", ratio, speed])
     grid = table(["graph", "budget", "bound", "bonsai", "bonsai wall s", "checkmate", "checkmate wall s",
                   "bonsai / checkmate", "faster"], lines, "llrlrlrrr")
-    return ("\n\n" + intro + "\n\n" + grid + f"\n\nWhere both found a plan ({both} of {len(rows)}), bonsai is within 1% of "
-            f"checkmate's compute cost at {close} and at least 10 times faster at {fast}.")
+    return {"table": grid, "both": both, "close": close, "fast": fast}
 
 
-def real_steps_section(s: dict[str, Any], time_limit: float) -> str:
+def real_steps_values(steps: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """Every method on the Llama-3 steps, with the lower bound and bonsai's distance from it."""
-    steps = s.get("real_steps") or []
     if not steps:  # a run before this study
-        return ""
-    intro = ("## Every method on the Llama-3 steps, with the lower bound\n\n"
-             "The Hugging Face Llama-3 configs of `assets/configs` as one FSDP rank trains them, each traced once ("
-             + "; ".join(f"`bonsai trace hf:{e['config']} {flags(e['options'])} --autocast bf16 --optimizer adamw "
-                         f"--fsdp {e['fsdp']}`: {e['nodes']:,} nodes, no-remat peak {format_bytes(e['plain_peak'])}"
-                         for e in steps)
-             + f"). At each budget every method solves (`solve(g, budget, method, time_limit={time_limit:g})`) and "
-             "the lower bound is computed (`bonsai_core.bound.lower_bound`: no schedule within the budget computes "
-             "less, whatever its order; \"host copies\": none that offloads to the host either; "
-             "[../BONSAI.md](../BONSAI.md#a-lower-bound-on-the-op-level-optimum)). Overheads are the simulated "
-             "extra compute; a bonsai cell names the space its plan came from (`ops`: an op-level plan, `regions`: "
-             "a checkpoint plan; \"-\": not run, the 70B step's solves take minutes); \"from the bound\": bonsai's "
-             "(default) compute cost / the bound − 1.")
+        return None
     lines, said = [], []
     for e in steps:
         for row in e["budgets"]:
@@ -821,7 +720,7 @@ def real_steps_section(s: dict[str, Any], time_limit: float) -> str:
             said.append(real_said(e["label"], share, plain, dtr, chen))
     grid = table(["step", "budget", "bound", "bound, host copies", "dtr", "chen", "bonsai", "bonsai, offload allowed",
                   "bonsai, checkpoint regions", "bonsai from the bound", "bonsai wall s"], lines, "llrrrrrrrrr")
-    return "\n\n" + intro + "\n\n" + grid + "\n\n" + " ".join(said)
+    return {"table": grid, "said": said}
 
 
 NOT_RUN = {"error": "not run on this step"}
@@ -855,25 +754,24 @@ def real_said(label: str, share: str, plain: dict[str, Any], dtr: dict[str, Any]
             + (f", {plain['bound_gap']:.2%} from the bound." if plain.get("bound_gap") is not None else "."))
 
 
-def first_sentence(text: str) -> str:
-    """An error's first sentence, without its advice."""
-    return text.split(". ")[0].rstrip(".")
-
-
 # -- the page --------------------------------------------------------------------------------------
 
 def page(results: dict[str, Any], header: str, results_link: str) -> str:
     """The whole page from one run's results (the suite's rows, :func:`studies`' and the run's meta)."""
     meta, rows, s = results["meta"], results["rows"], results["studies"]
-    return common.render(
-        "bonsai", header=header, command=meta["command"], dates=common.run_dates(meta),
-        minutes=f"{meta['seconds'] / 60:.0f}", machine=meta["machine"], load_end=meta["load_end"], torch=meta["torch"],
-        results_link=results_link, time_limit=f"{meta['time_limit']:g}", graphs=graphs_paragraph(s["graphs"]),
+    graphs = [f"{GRAPHS[k][0]} ({trace_command(k)}, {f['nodes']} nodes, no-remat peak {format_bytes(f['plain_peak'])})"
+              for k, f in s["graphs"].items()]
+    return common.fill(
+        "bonsai", header=header, meta=meta, dates=common.run_dates(meta), results_link=results_link,
+        time_limit=f"{meta['time_limit']:g}", s=s, graphs=graphs, share=share, at=at, flags=flags,
+        model_name=model_name, gpt2_flags=flags(GPT2_OPTIONS), larger_unet_flags=flags(LARGER_UNET),
         self_contained_table=self_contained_table(s), self_contained_prose=self_contained_prose(s),
-        dropped_table=dropped_table(s), dropped_prose=dropped_prose(s), export_sentence=export_sentence(s["export"]),
-        resolve_sentences=resolve_sentences(rows, s["drag"]), **region_values(s),
-        moccasin=moccasin_section(s, meta["time_limit"]),
-        checkmate=checkmate_section(s, meta["time_limit"]), real_steps=real_steps_section(s, meta["time_limit"]), **suite_values(rows, meta["time_limit"]))
+        dropped_table=dropped_table(s), dropped_prose=dropped_prose(s), resolve_sentences=resolve_sentences(rows, s["drag"]),
+        unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()], unet_table=unet_table(s["unets"]),
+        unet_prose=unet_prose(s["unets"]), headroom=headroom_values(s["headroom"]), others_table=others_table(s["others"]),
+        others_prose=others_prose(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_against=moccasin_against(s),
+        checkmate=checkmate_values(s.get("checkmate") or []), real_steps=real_steps_values(s.get("real_steps") or []),
+        **suite_values(rows))
 
 
 def read_results(path: Path) -> dict[str, Any]:

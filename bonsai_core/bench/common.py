@@ -1,11 +1,12 @@
 """What several bench suites share: the budget bisection, the command line, machine and dates a report
 quotes, the first line of a docs/results page a suite writes (:func:`page_header`), a page's template
-(``templates/NAME.md``, :func:`render`) and tables (:func:`table`), the small helpers the pages' sentences
+(``templates/NAME.md``: :func:`fill` with Jinja2, :func:`render` with ``string.Template``) and tables (:func:`table`), the small helpers the pages' sentences
 are made with (:func:`pct`, :func:`mib`, :func:`listing`, ...), and the command of a suite that writes its
 page from its results (:func:`page_refusal`, :func:`run_page_suite`)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -99,6 +100,21 @@ def pct(x: float) -> str:
     return f"{x:+.1%}"
 
 
+def pct2(x: float) -> str:
+    """A relative change to two decimals: ``+1.62%``."""
+    return f"{x:+.2%}"
+
+
+def budget(fraction: float) -> str:
+    """A budget as a share of the no-remat peak: ``45%``."""
+    return f"{fraction * 100:g}%"
+
+
+def budgets_said(fractions: Iterable[float]) -> str:
+    """Budgets as shares of the no-remat peak: ``90/70/50%``."""
+    return "/".join(f"{f * 100:g}" for f in fractions) + "%"
+
+
 def mib(nbytes: float, digits: int = 2, unit: str = " MiB") -> str:
     """Bytes in MiB as a page writes them: ``12.34 MiB`` (a table whose header says MiB: ``unit=""``)."""
     return f"{nbytes / 2**20:.{digits}f}{unit}"
@@ -136,6 +152,26 @@ def render(template: str, **values: Any) -> str:
     """The page template ``templates/TEMPLATE.md`` with ``values`` in its ``$name`` placeholders
     (``string.Template``): the fixed prose there, what was measured here."""
     return string.Template((TEMPLATES / f"{template}.md").read_text()).substitute(values)
+
+
+def fill(template: str, **values: Any) -> str:
+    """The page template ``templates/TEMPLATE.md`` as a Jinja2 template filled with ``values``: the prose,
+    its conditional sentences and loops there, what was measured here (the helpers of this module are its
+    filters: ``{{ x|pct }}``, ``{{ names|listing }}``)."""
+    return _jinja().get_template(f"{template}.md").render(values)
+
+
+@functools.cache
+def _jinja() -> Any:
+    import jinja2
+
+    from bonsai_core.units import format_bytes
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    env.filters.update(pct=pct, pct2=pct2, budget=budget, budgets=budgets_said, mib=mib, listing=listing,
+                       capitalized=capitalized, bytes=format_bytes, fmt=format)
+    return env
 
 
 def template_source(template: str) -> str:
