@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from bonsai_core.bench import common
-from bonsai_core.bench.common import capitalized, listing, median, pct
+from bonsai_core.bench.common import budget, budgets_said, capitalized, listing, median, pct
 from bonsai_core.errors import BonsaiError, ModelError
 from bonsai_core.schedule import no_remat_peak, simulate
 
@@ -597,15 +597,6 @@ def method_name(method: str) -> str:
     return METHOD_NAMES.get(method, method)
 
 
-def budget(fraction: float) -> str:
-    return f"{fraction * 100:g}%"
-
-
-def budgets_said(fractions: Sequence[float]) -> str:
-    """``90/70/50%``."""
-    return "/".join(f"{f * 100:g}" for f in fractions) + "%"
-
-
 def share(row: Row, key: str) -> str:
     """``row[key]`` bytes as a share of the model's no-remat peak; ``-`` when not found."""
     return "-" if row.get(key) is None else f"{row[key] / row['no_remat_peak']:.1%}"
@@ -756,14 +747,10 @@ def reach_clause(r: Row) -> str:
     return f"{model_name(r['model'])} {share(r, 'bonsai')} / {share(r, 'chen')} / {share(r, 'lower_bound')}"
 
 
-def unproven_said(reach: Sequence[Row], time_limit: float) -> str:
+def unproven_said(reach: Sequence[Row]) -> list[str]:
     """Where the min-peak MILP was not proven within the time limit."""
-    open_ = [r for r in reach if r.get("bonsai_status") != "optimal"]
-    if not open_:
-        return f"The min-peak MILP is proven within the {time_limit:g} s on every model."
-    found = [f"{model_name(r['model'])} ({share(r, 'bonsai') + ' found' if r.get('bonsai') else 'none found'}, "
-             f"status {r.get('bonsai_status')})" for r in open_]
-    return f"The min-peak MILP is proven within the {time_limit:g} s on every model but " + listing(found) + "."
+    return [f"{model_name(r['model'])} ({share(r, 'bonsai') + ' found' if r.get('bonsai') else 'none found'}, "
+            f"status {r.get('bonsai_status')})" for r in reach if r.get("bonsai_status") != "optimal"]
 
 
 def plan_reach(r: Row) -> int | None:
@@ -783,19 +770,11 @@ def heuristics_below(r: Row) -> list[str]:
     return said
 
 
-def reach_bullet(reach: Sequence[Row], time_limit: float) -> str:
-    lead = ("* **Smallest reachable budget** (share of the no-remat peak: bonsai's min-peak MILP / chen's lowest "
-            "plan / the per-op bound): " + "; ".join(map(reach_clause, reach)) + ". " + unproven_said(reach, time_limit))
-    below = [(r, heuristics_below(r)) for r in reach]
-    below = [(r, said) for r, said in below if said]
-    if not below:
-        return lead + " Neither dtr nor coop meets a smaller budget than bonsai's and chen's on any model."
-    return lead + (" DTR's and Coop's op-level eviction meet a smaller budget than bonsai's and chen's (bonsai "
-                   "meets chen's too: Chen's plans are its fallback) on "
-                   + listing([f"{model_name(r['model'])} ({listing(said)} against {share_of(r, plan_reach(r))})"
-                              for r, said in below])
-                   + (f"; bonsai's or chen's is the smallest on the other {len(reach) - len(below)}."
-                      if len(below) < len(reach) else "."))
+def reach_values(reach: Sequence[Row]) -> dict[str, list[str]]:
+    below = [(r, said) for r in reach for said in [heuristics_below(r)] if said]
+    return {"clauses": list(map(reach_clause, reach)), "unproven": unproven_said(reach),
+            "below": [f"{model_name(r['model'])} ({listing(said)} against {share_of(r, plan_reach(r))})"
+                      for r, said in below]}
 
 
 def share_of(r: Row, value: int | None) -> str:
@@ -831,32 +810,24 @@ def model_wins(label: str, by_budget: dict[float, Cell]) -> str:
     return f"{model_name(label)}: " + (", ".join(wins) if wins else "at no budget")
 
 
-def could_not_run(models: dict[str, dict[float, Cell]]) -> str:
-    """``PyTorch's budget partitioner could not run on hf:gpt2 and hf:llama.``: methods or peers that failed on
-    a whole model before any budget (a crash, not a budget they miss)."""
+def could_not_run(models: dict[str, dict[float, Cell]]) -> dict[str, list[str]]:
+    """Methods or peers that failed on a whole model before any budget (a crash, not a budget they miss), by
+    their names: the models."""
     failed: dict[str, list[str]] = {}
     for model, by_budget in models.items():
         for method in dict.fromkeys(m for c in by_budget.values() for m in c):
             notes = [c[method].get("note") or "" for c in by_budget.values() if method in c]
             if all(n.startswith("could not run") for n in notes):
-                failed.setdefault(method, []).append(model_name(model))
-    return " ".join(f"{capitalized(method_name(m))} could not run on {listing(ms)} (results.csv says why)."
-                    for m, ms in failed.items())
+                failed.setdefault(method_name(method), []).append(model_name(model))
+    return failed
 
 
-def cells_bullet(models: dict[str, dict[float, Cell]], first: str) -> str:
+def cells_values(models: dict[str, dict[float, Cell]], first: str) -> dict[str, Any]:
     cells = contested(models)
-    cheapest = sum(bonsai_cheapest(c) for _, _, c in cells)
-    misses = [f"{model_name(m)} at {budget(f)} ({priced(rival, feasible(c)[rival])})"
-              for m, f, c, rival in plan_space_rivals(cells)]
-    plans = ("in no cell does chen or per-block checkpointing (plans in bonsai's space) fit where bonsai does not, "
-             "or cost less" if not misses else "chen or per-block checkpointing (plans in bonsai's space) fits "
-             "where bonsai does not, or costs less, in " + listing(misses))
-    return (f"* **Bonsai is the cheapest feasible method in {cheapest} of the {len(cells)} cells where any method "
-            "fits** (a cell: a model × budget where some method or peer is feasible; cheapest: the lowest overhead "
-            f"in results.csv, peers included, ties included), and {plans}. Where it is the cheapest on the other "
-            "models (its overhead, then the next cheapest method): "
-            + "; ".join(model_wins(m, b) for m, b in models.items() if m != first) + ". " + could_not_run(models)).rstrip()
+    return {"cheapest": sum(bonsai_cheapest(c) for _, _, c in cells), "count": len(cells),
+            "misses": [f"{model_name(m)} at {budget(f)} ({priced(rival, feasible(c)[rival])})"
+                       for m, f, c, rival in plan_space_rivals(cells)],
+            "wins": [model_wins(m, b) for m, b in models.items() if m != first], "could_not_run": could_not_run(models)}
 
 
 def beaten_cells(models: dict[str, dict[float, Cell]]) -> list[tuple[str, float, Cell]]:
@@ -894,25 +865,11 @@ def peer_below_eager(models: dict[str, dict[float, Cell]]) -> list[str]:
             if fits(c, "torch-budget") and c["torch-budget"]["overhead"] < 0]
 
 
-def not_best_bullet(models: dict[str, dict[float, Cell]]) -> str:
+def not_best_values(models: dict[str, dict[float, Cell]]) -> dict[str, Any]:
     beaten = beaten_cells(models)
     winners = list(dict.fromkeys(below_bonsai(c)[0][0] for _, _, c in beaten))
-    parts = ["* **Where bonsai is not the best**: " + ("; ".join(beaten_by(w, beaten) for w in winners)
-                                                        if beaten else "in no cell where it fits is another method cheaper")
-             + "."]
-    if any(w in OP_LEVEL for w in winners):
-        parts.append("These are op-level schedules: a tensor recomputed twice, or a region only partly rebuilt, is "
-                     "outside bonsai's checkpoint-plan space (and a time-limited search may land elsewhere on "
-                     "another run).")
-    unreached = unreached_cells(models)
-    if unreached:
-        parts.append("Below bonsai's reach, others still fit: " + "; ".join(unreached) + ".")
-    eager = peer_below_eager(models)
-    if eager:
-        parts.append("PyTorch's budget partitioner costs less than the plain step on " + listing(eager)
-                     + ": its compiled step executes fewer priced ops than the eager step it is compared with, "
-                       "not a recompute saving.")
-    return " ".join(parts)
+    return {"beaten": [beaten_by(w, beaten) for w in winners], "op_level": any(w in OP_LEVEL for w in winners),
+            "unreached": unreached_cells(models), "eager": peer_below_eager(models)}
 
 
 # -- solver cost -----------------------------------------------------------------------------------
@@ -981,17 +938,17 @@ def bonsai_times(models: dict[str, dict[float, Cell]]) -> str:
             f"({model_name(model)} at {budget(f)})")
 
 
-def solver_bullet(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> str:
+def solver_said(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> str:
     parts = [checkmate_sentence(models, meta["time_limit"])]
     parts += [found_sentence(m, models, meta) for m in ("checkmate", "moccasin")]
     parts.append(bonsai_times(models))
     said = "; ".join(p for p in parts if p)
-    return "* **Solver cost**: " + said[0].lower() + said[1:] + "."
+    return said[0].lower() + said[1:]
 
 
 # -- the page --------------------------------------------------------------------------------------
 
-def bound_bullet(models: dict[str, dict[float, Cell]]) -> str:
+def bound_said(models: dict[str, dict[float, Cell]]) -> list[str]:
     """Per model and budget the lower bound (results.csv's ``bound``), the cheapest method found there
     (of the methods: a peer's overhead is measured on an eager step, which the bound does not speak of)
     and how far above the bound it is."""
@@ -1011,11 +968,7 @@ def bound_bullet(models: dict[str, dict[float, Cell]]) -> str:
                          f"{(1 + overhead) / (1 + bound) - 1:.2%} above)")
         if parts:
             said.append(f"{model_name(label)} " + ", ".join(parts))
-    if not said:
-        return ""
-    return ("* **The lower bound** (`bonsai_core.bound.lower_bound`: no schedule within the budget computes less, "
-            "whatever its order; as an overhead), with the cheapest method's schedule (peers aside: measured on "
-            "an eager step) and how far above the bound its compute cost is: " + "; ".join(said) + ".")
+    return said
 
 
 def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header: str, bench: str) -> str:
@@ -1026,10 +979,10 @@ def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header
         raise BonsaiError("The run has no results to write a page from: run the bench with --page first.")
     first = next(iter(models))
     reach_of = {r["model"]: r for r in reach}
-    bullets = [headline_bullet(first, models[first], reach_of.get(first), meta["time_limit"]),
-               reach_bullet(reach, meta["time_limit"]) if reach else "",
-               cells_bullet(models, first), not_best_bullet(models), bound_bullet(models), solver_bullet(models, meta)]
-    return common.render("benchmarks", header=header, machine=meta["machine"], torch=meta["torch"],
-                         dates=common.run_dates(meta), minutes=f"{meta['seconds'] / 60:.0f}", command=meta["command"],
-                         models=len(models), cells=sum(len(b) for b in models.values()), bench=bench,
-                         bullets="\n".join(b for b in bullets if b))
+    return common.fill(
+        "benchmarks", header=header, machine=meta["machine"], torch=meta["torch"], dates=common.run_dates(meta),
+        minutes=f"{meta['seconds'] / 60:.0f}", command=meta["command"], models=len(models),
+        cell_count=sum(len(b) for b in models.values()), bench=bench, time_limit=f"{meta['time_limit']:g}",
+        headline=headline_bullet(first, models[first], reach_of.get(first), meta["time_limit"]),
+        reach=reach and reach_values(reach), cells=cells_values(models, first), not_best=not_best_values(models),
+        bound=bound_said(models), solver=solver_said(models, meta))
