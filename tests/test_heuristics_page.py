@@ -153,7 +153,8 @@ def test_the_answer_counts_the_graphs_each_way():
     assert hp.verdict(results) == (
         "**Partly: against DTR that ignores addresses, coop's pool is smaller on 2 of 3 graphs, by up to 2.00x (the "
         "paper: up to 2x); against DTR in the same pool it is smaller on 1, the same on 1 and larger on 1.**")
-    bullet = hp.memory_bullet(results)
+    page = hp.page(page_results(), "bonsai bench heuristics --page P", "<!-- header -->")
+    bullet = next(line for line in page.splitlines() if line.startswith("* **Memory"))
     assert "larger pool than coop on 1 graph (1.20x: gpt), the same (within one bisection step) on 1 (mlp)" in bullet
     assert "smaller one on 1 (0.90x: vgg)" in bullet
     results["models"]["vgg"]["smallest_budget"]["dtr_eq-pool"] = 12 * MIB

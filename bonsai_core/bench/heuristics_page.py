@@ -168,7 +168,8 @@ def coop_vs_dtr_values(results: dict[str, Any]) -> dict[str, Any]:
             "gpt2": f", and GPT-2 small (the zoo GPT at `zoo.GPT2_SMALL`, {small['nodes']:,} nodes)" if small else "",
             "graphs": len(es), "smallest_pool_table": smallest_pool_table(results),
             "equal_pools_table": equal_pools_table(results["headline"], len(results["models"])),
-            "fragmentation": fragmentation_paragraph(results), "gpt_sentence": gpt_sentence(results["example"])}
+            "fragmentation": fragmentation_said(results), "frag": fragmentation_verdict(results),
+            "gpt": gpt_values(results["example"])}
 
 
 def smallest_pool_table(results: dict[str, Any]) -> str:
@@ -219,9 +220,9 @@ def fragmentation_counts(results: dict[str, Any], key: str) -> list[tuple[float,
     return out
 
 
-def fragmentation_verdict(results: dict[str, Any]) -> tuple[int, int, int, str]:
-    """(runs where coop's own-pool fragmentation is lower than dtr-pool's, those where its caching-allocator
-    one is, runs where both train, what that says)."""
+def fragmentation_verdict(results: dict[str, Any]) -> dict[str, Any]:
+    """Runs where coop's own-pool fragmentation is lower than dtr-pool's (``own``), those where its
+    caching-allocator one is (``caching``), runs where both train (``runs``), what that says (``said``)."""
     own, caching = (fragmentation_counts(results, k) for k in ("own_fragmentation", "caching_fragmentation"))
     runs = sum(m for _, _, m, _, _ in own)
     n_own, n_caching = sum(n for _, n, *_ in own), sum(n for _, n, *_ in caching)
@@ -232,34 +233,23 @@ def fragmentation_verdict(results: dict[str, Any]) -> tuple[int, int, int, str]:
         said = "lower in both allocators"
     else:
         said = "not lower on most runs, even in its own pool"
-    return n_own, n_caching, runs, said
+    return {"own": n_own, "caching": n_caching, "runs": runs, "said": said}
 
 
-def fragmentation_paragraph(results: dict[str, Any]) -> str:
-    """Where coop fragments less than dtr-pool, in their own pool and in PyTorch's caching allocator."""
-    own, caching = (fragmentation_counts(results, k) for k in ("own_fragmentation", "caching_fragmentation"))
-
-    def said(rows):
-        return "; ".join(f"{n} of {m} graphs at {f:.1f}x (median {a:.1%} against {b:.1%})" for f, n, m, a, b in rows)
-
-    n_own, n_caching, runs, verdict_said = fragmentation_verdict(results)
-    return (f"Fragmentation (the allocator model's; where both train): coop's is lower than dtr-pool's in their "
-            f"own pool (`pool_replay`) on {said(own)}; replayed in PyTorch's caching allocator, on {said(caching)}. "
-            f"Over these {runs} runs (coop lower on {n_own} in its own pool, on {n_caching} in PyTorch's), coop's "
-            f"fragmentation is {verdict_said}.")
+def fragmentation_said(results: dict[str, Any]) -> dict[str, list[str]]:
+    """Per factor, where coop fragments less than dtr-pool, in their own pool and in PyTorch's caching allocator."""
+    return {name: [f"{n} of {m} graphs at {f:.1f}x (median {a:.1%} against {b:.1%})"
+                   for f, n, m, a, b in fragmentation_counts(results, key)]
+            for name, key in (("own", "own_fragmentation"), ("caching", "caching_fragmentation"))}
 
 
-def gpt_sentence(ex: dict[str, Any]) -> str:
+def gpt_values(ex: dict[str, Any]) -> dict[str, Any]:
     """Coop and dtr-pool on the 2-layer GPT at the example's pool and the looser ones of the sweep."""
     fracs, sweep = ex["sweep_fracs"], ex["sweep"]
     at = {f: (sweep["coop"][i], sweep["dtr-pool"][i]) for i, f in enumerate(fracs)}
-    looser = "; ".join(f"at {f:.0%} {pct_or_fails(at[f][0])} and {pct_or_fails(at[f][1])}" for f in fracs
-                       if f > ex["frac"] + 0.05 + 1e-9)
-    coop, pool = at[ex["frac"]]
-    return (f"The 2-layer GPT at {ex['frac']:.0%} of its no-remat peak, where the comparison started: coop "
-            f"{pct_or_fails(coop)}, dtr-pool {pct_or_fails(pool)} (`bonsai solve` with `--method coop`, and "
-            f"`--method dtr --option allocator=true --option full_arena=true`); {looser}. The worked example below "
-            "takes this pool apart.")
+    return {"frac": ex["frac"], "coop": pct_or_fails(at[ex["frac"]][0]), "pool": pct_or_fails(at[ex["frac"]][1]),
+            "looser": [f"at {f:.0%} {pct_or_fails(at[f][0])} and {pct_or_fails(at[f][1])}" for f in fracs
+                       if f > ex["frac"] + 0.05 + 1e-9]}
 
 
 # -- DTR's heuristics ------------------------------------------------------------------------------
@@ -394,20 +384,6 @@ def verdict(results: dict[str, Any]) -> str:
             f"smaller on {smaller}, the same on {len(pool['same'])} and larger on {larger}.**")
 
 
-def memory_bullet(results: dict[str, Any]) -> str:
-    graphs, live, pool = len(results["models"]), live_comparison(results), pool_comparison(results)
-    bounds = sorted(live, key=lambda x: x[1])
-    by = f", by {times(bounds[0][1])} ({bounds[0][0]}) to {times(bounds[-1][1])} ({bounds[-1][0]})" if bounds else ""
-    return (f"* **Memory (\"up to 2x memory saving\").** Against DTR counting live bytes, whose schedule is then "
-            f"placed best fit in the pool, coop trains in a smaller pool on {len(live)} of {graphs} graphs{by}. "
-            "Against DTR *in the same pool*, the baseline the paper's scripts run (OneFlow's DTR and DTE evict inside "
-            f"the same allocator), the best of {listing(POOL_VARIANTS)} needs a larger pool than coop on "
-            f"{len(pool['coop smaller'])} graph{'' if len(pool['coop smaller']) == 1 else 's'}"
-            f"{ratios_said(pool['coop smaller'])}, the same (within one bisection "
-            f"step) on {len(pool['same'])} ({listing([label for label, _ in pool['same']])}), and a smaller one on "
-            f"{len(pool['coop larger'])}{ratios_said(pool['coop larger'])}. {not_monotone(results)}")
-
-
 def not_monotone(results: dict[str, Any]) -> str:
     """An instance of a variant training in a pool and not in a larger one, when the results hold one."""
     for label, e in entries(results):
@@ -452,28 +428,14 @@ def overhead_bullet(results: dict[str, Any]) -> str:
             + " ".join(overhead_at(results, f) for f in FACTORS))
 
 
-def fragmentation_bullet(results: dict[str, Any]) -> str:
-    n_own, n_caching, runs, said = fragmentation_verdict(results)
-    return (f"* **Fragmentation: {said.split(':')[0]}.** With the one definition (1 - live / reserved at the reserved "
-            f"peak), coop's schedules leave less of the pool unusable at the high-water mark than dtr-pool's on "
-            f"{n_own} of {runs} runs in the pool each ran in, and on {n_caching} of {runs} replayed in PyTorch's "
-            "caching allocator (by pool above). (The paper's fragmentation rate, the free share of the pool at a "
-            "failed request, is a different quantity; the runs still report it as `free_at_failure`.)")
-
-
-def reproduce_values(results: dict[str, Any]) -> dict[str, str]:
-    return {"verdict": verdict(results), "memory_bullet": memory_bullet(results),
-            "overhead_bullet": overhead_bullet(results), "fragmentation_bullet": fragmentation_bullet(results)}
+def reproduce_values(results: dict[str, Any]) -> dict[str, Any]:
+    return {"verdict": verdict(results), "overhead_bullet": overhead_bullet(results),
+            "live": sorted(live_comparison(results), key=lambda x: x[1]), "pool": pool_comparison(results),
+            "pool_variants": POOL_VARIANTS, "not_monotone": not_monotone(results), "times": times,
+            "ratios_said": ratios_said}
 
 
 # -- the worked example ----------------------------------------------------------------------------
-
-def run_bullet(method: str, r: dict[str, Any]) -> str:
-    return (f"* {method}: {pct(r['overhead'])}; {r['requests']} requests found no room, {r['rebuilding']} of them "
-            f"while rebuilding an evicted tensor; they evicted {r['evictions']} tensors, a median "
-            f"{r['freed_median']:.2f}x the request's bytes; {r['recomputations']} recomputations of "
-            f"{r['recomputed_nodes']} nodes.")
-
 
 def evicted_said(request: dict[str, Any]) -> str:
     total = sum(nbytes for _, nbytes in request["evicted"])
@@ -499,21 +461,6 @@ def divergence_sentence(ex: dict[str, Any]) -> str:
 
 def more_or_fewer(a: int, b: int) -> str:
     return "more" if a > b else "fewer" if a < b else "as many"
-
-
-def window_sentence(ex: dict[str, Any]) -> str:
-    """Coop's requests and evictions against dtr-pool's, and why a window leaves the pool full."""
-    coop, pool = ex["runs"]["coop"], ex["runs"]["dtr-pool"]
-    said = (f"Coop evicts {more_or_fewer(coop['evictions'], pool['evictions'])} tensors ({coop['evictions']} against "
-            f"{pool['evictions']}) in {more_or_fewer(coop['requests'], pool['requests'])} requests ({coop['requests']} "
-            f"against {pool['requests']})")
-    if coop["requests"] > pool["requests"]:
-        said += (f": a window frees what the request needs and no more (it was built to; a median "
-                 f"{coop['freed_median']:.2f}x), so the pool stays full and the next allocation asks again, and "
-                 f"{coop['rebuilding']} of its {coop['requests']} requests come while rebuilding an evicted tensor, "
-                 "whose own allocation evicts more")
-    return said + (". The windows' cost is `cost / staleness`, and in the backward pass the stalest tensors are the "
-                   "forward activations it has yet to read, so they look cheapest.")
 
 
 def recomputed_said(nodes: list[dict[str, Any]], count: int = 3) -> str:
@@ -561,12 +508,12 @@ def largest_graph_sentence(results: dict[str, Any]) -> str:
     return said + ")"
 
 
-def example_values(results: dict[str, Any]) -> dict[str, str]:
+def example_values(results: dict[str, Any]) -> dict[str, Any]:
     ex = results["example"]
-    runs, top = ex["runs"], ex["most_recomputed"]
-    return {"example_frac": f"{ex['frac']:.0%}", "example_pool": mib(ex["budget"]), "example_adam": mib(ex["adam_bytes"]),
-            "run_bullets": "\n".join(run_bullet(k, r) for k, r in runs.items()), "divergence": divergence_sentence(ex),
-            "window": window_sentence(ex), "coop_top": recomputed_said(top["coop"]),
+    top = ex["most_recomputed"]
+    return {"example": ex, "more_or_fewer": more_or_fewer, "example_frac": f"{ex['frac']:.0%}",
+            "example_pool": mib(ex["budget"]), "example_adam": mib(ex["adam_bytes"]),
+            "divergence": divergence_sentence(ex), "coop_top": recomputed_said(top["coop"]),
             "pool_top": recomputed_said(top["dtr-pool"]), "sweep_sentence": sweep_sentence(ex),
             "largest_graph": largest_graph_sentence(results)}
 
@@ -670,15 +617,14 @@ def evictions_table(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]
                                    for model, vs in by_model(rows).items()])
 
 
-def evictions_sentence(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> str:
-    """Per method, the tensors evicted at 80% writing in place and copying on write, over the models where
-    both train."""
-    said = []
+def evictions_counts(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> list[tuple[str, int, int, int]]:
+    """Per method: (method, tensors evicted at 80% writing in place, copying on write, models where both train)."""
+    out = []
     for method, (a, b) in pairs.items():
         both = [vs for vs in by_model(rows).values() if vs[a]["at80"]["ok"] and vs[b]["at80"]["ok"]]
-        said.append(f"{method}'s runs evict {sum(vs[a]['at80']['evictions'] for vs in both)} tensors writing in place "
-                    f"against {sum(vs[b]['at80']['evictions'] for vs in both)} copying on write ({len(both)} models)")
-    return "At 80%, summed over the models where both train, " + "; ".join(said) + "."
+        out.append((method, sum(vs[a]["at80"]["evictions"] for vs in both),
+                    sum(vs[b]["at80"]["evictions"] for vs in both), len(both)))
+    return out
 
 
 def ops_in_place(rows: list[dict[str, Any]]) -> dict[str, int]:
@@ -690,7 +636,7 @@ def writes_values(rows: list[dict[str, Any]]) -> dict[str, str]:
     return {"writes_ops": listing([f"{name} {n}" for name, n in ops_in_place(rows).items()]),
             "writes_table": inplace_table(rows, WRITE_PAIRS),
             "writes_pairs": pair_sentence(rows, WRITE_PAIRS, "writing in place"),
-            "evictions_table": evictions_table(rows, WRITE_PAIRS), "evictions_sentence": evictions_sentence(rows, WRITE_PAIRS)}
+            "evictions_table": evictions_table(rows, WRITE_PAIRS), "evictions": evictions_counts(rows, WRITE_PAIRS)}
 
 
 def span(values: Iterable[float | None]) -> float:
@@ -759,7 +705,7 @@ def reserved_cost(b: dict[str, Any]) -> str:
     return f"at {b['frac']:.0%} " + listing(said)
 
 
-def reserved_prose(study: dict[str, Any]) -> str:
+def reserved_said(study: dict[str, Any]) -> dict[str, Any]:
     """The plain live-budget schedules replayed, what budgeting reserved bytes costs, how close expandable
     segments stay to the live peak, and how the solves ended."""
     budgets = study["budgets"]
@@ -767,18 +713,14 @@ def reserved_prose(study: dict[str, Any]) -> str:
              if r["ok"] and k == "expandable"] + [b["plain"]["reserved"]["expandable"] - b["plain"]["live_peak"]
                                                   for b in budgets]
     solves = [b["plain"] for b in budgets] + [r for b in budgets for r in b["reserved"].values() if r["ok"]]
-    gaps = [r["gap"] for r in solves if r.get("gap") is not None]
-    return (f"For comparison, the plain live-budget schedules (`bonsai solve G --budget P`) replayed the same way: "
-            f"{'; '.join(map(plain_replayed, budgets))}. Budgeting reserved bytes gives, against them, "
-            f"{'; '.join(map(reserved_cost, budgets))}. Expandable segments reserve at most {common.mib(max(slack))} above "
-            f"the live peak in these runs. The bonsai solves ended {listing(sorted({r['status'] for r in solves}))}"
-            + (f", the largest MIP gap {max(gaps):.2%}" if gaps else "") + ".")
+    return {"plain": list(map(plain_replayed, budgets)), "cost": list(map(reserved_cost, budgets)), "slack": max(slack),
+            "statuses": sorted({r["status"] for r in solves}), "gaps": [r["gap"] for r in solves if r.get("gap") is not None]}
 
 
 def reserved_values(study: dict[str, Any]) -> dict[str, str]:
     return {"reserved_model": study["model"], "reserved_options": " ".join(f"--{k} {v}" for k, v in study["options"].items()),
             "reserved_nodes": f"{study['nodes']:,}", "reserved_peak": common.mib(study["no_remat_peak"]),
-            "reserved_table": reserved_table(study), "reserved_prose": reserved_prose(study)}
+            "reserved_table": reserved_table(study), "reserved": reserved_said(study)}
 
 
 # -- the page --------------------------------------------------------------------------------------
@@ -857,7 +799,7 @@ def claims_values(rows: list[dict[str, Any]]) -> dict[str, str]:
 def page(results: dict[str, Any], command: str, header: str) -> str:
     """The whole page from one run's results (the study's, its worked example and :func:`studies`')."""
     meta, s = results["meta"], results["studies"]
-    return common.render(
+    return common.fill(
         "heuristics", header=header, command=command, date=meta["date"], machine=meta["machine"], torch=meta["torch"],
         seconds=f"{meta['seconds']:.0f}", **coop_vs_dtr_values(results), **claims_values(s["claims"]),
         **dtr_variants_values(s["dtr_variants"]["small"], s["dtr_variants"]["larger"]), **reproduce_values(results),
