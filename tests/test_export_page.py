@@ -89,8 +89,13 @@ def test_exact_sentence_lists_the_rows_whose_loss_or_gradients_differ():
         "gradients 2.2e-08) and c (loss 0, gradients 0.5, 0.012 of the tensor's largest magnitude).")
 
 
+def page_with(**studies: list) -> str:
+    """The page of :func:`results` with ``studies`` in place of its own."""
+    return compact(export.page({**results(), **studies}, "<!-- header -->"))
+
+
 def test_the_zoo_findings_compare_each_step_with_its_prediction_and_the_original():
-    text = export.zoo_findings(results()["zoo"])
+    text = page_with()
     assert "meets its prediction in every row: measured − predicted is +4 to +8 B." in text
     assert "tiny tensors the graph does not hold" in text
     assert "Both gradient modes measure the same peak in every row." in text
@@ -103,7 +108,7 @@ def test_the_zoo_findings_compare_each_step_with_its_prediction_and_the_original
 def test_the_zoo_findings_name_a_missed_prediction_and_a_gradient_mode_that_differs():
     zoo = results()["zoo"]
     zoo[1] = zoo_row("mlp", "recompute-before-use", 2, 50, 600, 900, 1008, direct=904)
-    text = export.zoo_findings(zoo)
+    text = page_with(zoo=zoo)
     assert ("it misses in mlp recompute-before-use L2 (+300 B, +50.00%) and mlp recompute-before-use L2 (grads direct) "
             "(+304 B, +50.67%)") in text
     assert "tiny tensors" not in text
@@ -126,7 +131,7 @@ def test_the_page_says_what_the_run_measured_in_every_study():
 
 
 def test_the_back_ends_findings_are_computed_from_the_rows():
-    text = export.backend_findings(results()["backends"])
+    text = page_with()
     assert "The replay back-end meets its prediction in every row: measured − predicted is +8 B." in text
     assert "With `regions=modules` the checkpoints run the plan (realised within 1% of it) in its one row." in text
     assert "With `regions=any` the checkpoints run the plan (realised within 1% of it) in 1 of 4 rows." in text
@@ -145,7 +150,7 @@ def test_the_back_ends_findings_are_computed_from_the_rows():
 def test_a_checkpoint_peak_far_above_its_simulation_is_said_with_the_eager_autograd_effects():
     rows = [backend_row("tests.export_models:hf_gpt2", "any", 1000, 1000, 1150,
                         problems=["the measured peak is +15.0% off the prediction"])]
-    text = export.backend_findings(rows)
+    text = page_with(backends=rows)
     assert "It is above by more in export_models:hf_gpt2 (any +15.0%). Eager autograd holds some tensors" in text
     assert ("`bonsai verify` reports a problem with either back-end in 1 of 2 verdicts: export_models:hf_gpt2 any "
             "(checkpoint): the measured peak is +15.0% off the prediction.") in text
@@ -193,6 +198,6 @@ def test_a_solver_refusal_is_a_row_of_the_page_not_the_end_of_the_run(monkeypatc
     assert [r.get("error") for r in rows] == [None, "solve: SolverError: regions 'modules': the graph records no "
                                                     "module calls"]
     assert rows[0]["no_plan"] is True
-    text = compact(export.backend_table(rows) + "\n" + export.backend_findings(rows))
+    text = page_with(backends=rows)
     assert "| `real_models:vit_assert` | fp32 | modules | solve: SolverError |" in text
     assert "Refused or failed: real_models:vit_assert modules: solve: SolverError: regions 'modules'" in text

@@ -427,24 +427,18 @@ def zoo_table(rows: Sequence[dict[str, Any]]) -> str:
                  map(cells, rows))
 
 
-def zoo_findings(rows: Sequence[dict[str, Any]]) -> str:
+def zoo_findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     both = [(f"{zoo_label(r)}{'' if mode == 'autograd' else ' (grads direct)'}", r[mode]["measured_peak"],
              r[mode]["predicted_peak"]) for r in rows for mode in ("autograd", "direct")]
-    sentences = [met_sentence(both, "The exported step, with gradients through autograd and written directly,")]
-    if all(0 < m - p <= NEAR for _, m, p in both):
-        sentences.append("The few bytes more are tiny tensors the graph does not hold (the autograd engine's loss "
-                         "seed and the runtime's check of it).")
-    same = [r for r in rows if r["direct"]["measured_peak"] == r["autograd"]["measured_peak"]]
-    if len(same) == len(rows):
-        sentences.append("Both gradient modes measure the same peak in every row.")
-    else:
-        sentences.append("The gradient modes measure different peaks in " + common.listing(
-            [f"{zoo_label(r)} ({r['autograd']['measured_peak']:,} vs {r['direct']['measured_peak']:,} B)"
-             for r in rows if r not in same]) + ".")
-    sentences.append(exact_sentence([differences(zoo_label(r), r["autograd"], r["direct"]) for r in rows],
-                                    "Both modes"))
-    sentences += [original_sentence(rows), below_original_sentence(rows)]
-    return " ".join(s for s in sentences if s)
+    recomputing = [r for r in rows if r["recomputes"]]
+    return {"met": met_sentence(both, "The exported step, with gradients through autograd and written directly,"),
+            "tiny": all(0 < m - p <= NEAR for _, m, p in both),
+            "modes_differ": [f"{zoo_label(r)} ({r['autograd']['measured_peak']:,} vs {r['direct']['measured_peak']:,} B)"
+                             for r in rows if r["direct"]["measured_peak"] != r["autograd"]["measured_peak"]],
+            "exact": exact_sentence([differences(zoo_label(r), r["autograd"], r["direct"]) for r in rows], "Both modes"),
+            "original": original_sentence(rows), "recomputing": recomputing,
+            "not_below": [zoo_label(r) for r in recomputing
+                          if r["autograd"]["measured_peak"] >= r["autograd"]["original_peak"]]}
 
 
 def original_sentence(rows: Sequence[dict[str, Any]]) -> str:
@@ -470,20 +464,9 @@ def original_sentence(rows: Sequence[dict[str, Any]]) -> str:
     return f"The original eager step {common.listing(said)}." if said else ""
 
 
-def below_original_sentence(rows: Sequence[dict[str, Any]]) -> str:
-    recomputing = [r for r in rows if r["recomputes"]]
-    not_below = [r for r in recomputing if r["autograd"]["measured_peak"] >= r["autograd"]["original_peak"]]
-    if not recomputing:
-        return ""
-    if not not_below:
-        return "Every schedule that recomputes measures below the original model."
-    return ("A schedule that recomputes measures at or above the original model on "
-            + common.listing([zoo_label(r) for r in not_below]) + ".")
-
-
 def zoo_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     nodes = common.listing([f"{m} {n}" for m, n in dict((r["model"], r["nodes"]) for r in rows).items()])
-    return {"zoo_nodes": nodes, "zoo_table": zoo_table(rows), "zoo_findings": zoo_findings(rows)}
+    return {"zoo_nodes": nodes, "zoo_table": zoo_table(rows), "zoo": zoo_findings(rows)}
 
 
 # -- every solver ---------------------------------------------------------------------------------
@@ -689,135 +672,93 @@ def rows_said(rows: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], 
     return common.listing([f"{label} ({('; ' if value else ', ').join(said)})" for label, said in plans.items()])
 
 
-def follows_plan_sentences(rows: Sequence[dict[str, Any]]) -> list[str]:
+def follows_plan(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Where the checkpoints run the plan (realised within REALISED of it), and how their measured peaks compare."""
     rows = checkpointed(rows)
     follow = [r for r in rows if abs(realised_gap(r["checkpoint"])) <= REALISED]
     depart = [r for r in rows if abs(realised_gap(r["checkpoint"])) > REALISED]
-    out = []
-    for regions in REGIONS:
-        of = [r for r in rows if r["regions"] == regions]
-        if of:
-            n = sum(r in follow for r in of)
-            out.append(f"With `regions={regions}` the checkpoints run the plan (realised within {REALISED:.0%} of it) "
-                       f"in {count_of(n, len(of))}.")
     judged = [r for r in follow if not r["checkpoint"]["unjudged"]]
-    if judged:
-        out.append("Where they do and the peak is judged, the checkpoint back-end measures "
-                   f"{percent_range([checkpoint_error(r['checkpoint']) for r in judged])} against the plan.")
-    if depart:
-        gaps = [realised_gap(r["checkpoint"]) for r in depart]
-        out.append(f"In the other {len(depart)} rows the realised peak departs from the plan by {percent_range(gaps)}: "
-                   + rows_said(depart, lambda r: common.pct(realised_gap(r["checkpoint"]))) + ". A submodule "
-                   "checkpoint rebuilds the whole submodule at its first saved-tensor use and holds its inputs until "
-                   "then, and a dropped tensor that no submodule holds together with its readers stays saved; "
-                   "`realised_peak` simulates that, and the export's README states it.")
-    return out
+    return {"follow": [(regions, sum(r in follow for r in of), len(of)) for regions in REGIONS
+                       for of in [[r for r in rows if r["regions"] == regions]] if of],
+            "judged_follow": judged and percent_range([checkpoint_error(r["checkpoint"]) for r in judged]),
+            "depart": depart, "depart_range": depart and percent_range([realised_gap(r["checkpoint"]) for r in depart]),
+            "depart_said": rows_said(depart, lambda r: common.pct(realised_gap(r["checkpoint"])))}
 
 
-def against_realised_sentences(rows: Sequence[dict[str, Any]]) -> list[str]:
+def against_realised_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The checkpoint back-end's measured peak against its own simulation: within, above (recomputing or not),
+    below."""
     judged = [r for r in checkpointed(rows) if not r["checkpoint"]["unjudged"]]
     above = [r for r in judged if against_realised(r["checkpoint"]) > REALISED]
     below = [r for r in judged if against_realised(r["checkpoint"]) < -REALISED]
 
     def gap(r: dict[str, Any]) -> str:
         return common.pct(against_realised(r["checkpoint"]))
-    out = []
-    if judged:
-        within = len(judged) - len(above) - len(below)
-        out.append(f"Against its own simulation (`realised_peak`) the checkpoint back-end's measured peak is within "
-                   f"{REALISED:.0%} in {count_of(within, len(judged))} where it is judged.")
-    recomputing = [r for r in above if r["recomputes"]]
-    untouched = [r for r in above if not r["recomputes"]]
-    if recomputing:
-        out.append(f"It is above by more in {rows_said(recomputing, gap)}. Eager autograd holds some tensors past "
-                   "the last use at which the simulator frees them (a backward node keeps its saved tensors until "
-                   "the whole node has run; a tied weight's first partial gradient waits in the engine's input "
-                   "buffer for the last one); these rows are not traced to their causes one by one.")
-    if untouched:
-        def both(r: dict[str, Any]) -> str:
-            ck = r["checkpoint"]
-            return f"checkpointed {gap(r)}, original {common.pct(ck['original_peak'] / ck['plan_realised_peak'] - 1)}"
-        out.append("It is above by more where the plan recomputes nothing, and so is the original step: "
-                   + rows_said(untouched, both) + "; a matter of the trace, not of the back-end.")
-    if below:
-        out.append(f"It is below by more in {rows_said(below, gap)}.")
-    return out
+
+    def both(r: dict[str, Any]) -> str:
+        ck = r["checkpoint"]
+        return f"checkpointed {gap(r)}, original {common.pct(ck['original_peak'] / ck['plan_realised_peak'] - 1)}"
+    recomputing, untouched = [r for r in above if r["recomputes"]], [r for r in above if not r["recomputes"]]
+    return {"judged": len(judged), "within": len(judged) - len(above) - len(below),
+            "recomputing": recomputing and rows_said(recomputing, gap),
+            "untouched": untouched and rows_said(untouched, both), "below": below and rows_said(below, gap)}
 
 
-def unjudged_sentence(rows: Sequence[dict[str, Any]]) -> str:
-    unjudged = [r for r in checkpointed(rows) if r["checkpoint"]["unjudged"]]
-    if not unjudged:
-        return ""
+def unjudged_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     reasons: dict[str, list[dict[str, Any]]] = {}
-    for r in unjudged:
-        reasons.setdefault(r["checkpoint"]["unjudged"], []).append(r)
-    said = "; ".join(f"{reason}: {rows_said(of)}" for reason, of in reasons.items())
-    why = {SDPA_DROPOUT: "On the CPU, SDPA with dropout in the user's own module runs its math path, which keeps "
-                         "every layer's seq × seq probabilities where the plan counts the fused kernel's outputs (the "
-                         "replay back-end runs the fused kernel's equivalent, so its peaks are judged).",
-           AUTOCAST: "Under autocast the checkpointed submodules run casts whose lifetimes the back-end's "
-                     "simulation does not follow."}
-    count = "1 row" if len(unjudged) == 1 else f"{len(unjudged)} rows"
-    return (f"`verify` prints the checkpoint back-end's peak without judging it in {count} ({said}). "
-            + " ".join(why[reason] for reason in reasons if reason in why))
+    for r in checkpointed(rows):
+        if r["checkpoint"]["unjudged"]:
+            reasons.setdefault(r["checkpoint"]["unjudged"], []).append(r)
+    return {"unjudged": [f"{reason}: {rows_said(of)}" for reason, of in reasons.items()],
+            "unjudged_count": sum(map(len, reasons.values())), "reasons": list(reasons)}
 
 
-def left_saved_sentence(rows: Sequence[dict[str, Any]]) -> str:
+def left_saved(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     rows = checkpointed(rows)
 
     def share_left(r: dict[str, Any]) -> float:
         return r["checkpoint"]["unrealised_dropped_bytes"] / r["checkpoint"]["dropped_bytes"]
     nothing = [r for r in rows if r["checkpoint"]["dropped_bytes"] and share_left(r) == 1]
     some = [r for r in rows if r["checkpoint"]["dropped_bytes"] and 0 < share_left(r) < 1]
-    out = []
-    if nothing:
-        out.append("Every byte the plan drops stays saved (no submodule holds a dropped tensor with its readers, so "
-                   f"nothing is checkpointed) in {rows_said(nothing)}.")
-    if some:
-        out.append(f"Part of them stays saved in {len(some)} rows, {min(map(share_left, some)):.0%} to "
-                   f"{max(map(share_left, some)):.0%} of the dropped bytes: "
-                   + rows_said(some, lambda r: f"{share_left(r):.0%}") + ".")
-    return " ".join(out)
+    return {"nothing_left": nothing and rows_said(nothing), "some_left": some and rows_said(some, lambda r: f"{share_left(r):.0%}"),
+            "some_left_count": len(some),
+            "some_left_range": some and f"{min(map(share_left, some)):.0%} to {max(map(share_left, some)):.0%}"}
 
 
-def backend_findings(rows: Sequence[dict[str, Any]]) -> str:
+def backend_findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     replayed = [r for r in planned(rows) if "replay" in r]
-    sentences = []
-    if replayed:
-        sentences.append(met_sentence([(backend_label(r), r["replay"]["measured_peak"], r["replay"]["predicted_peak"])
-                                       for r in replayed], "The replay back-end"))
-    sentences += exact_sentences(rows)
-    sentences += follows_plan_sentences(rows) + against_realised_sentences(rows)
-    sentences += [unjudged_sentence(rows), left_saved_sentence(rows)]
+    sentences = [met_sentence([(backend_label(r), r["replay"]["measured_peak"], r["replay"]["predicted_peak"])
+                               for r in replayed], "The replay back-end")] if replayed else []
+    closing = []
     no_plan = [r for r in rows if r.get("no_plan")]
     if no_plan:
-        sentences.append("bonsai finds no plan at lb + " + "/".join(f"{s * 100:g}" for s in BACKEND_SHARES)
-                         + f"% for {rows_said(no_plan)}.")
+        closing.append("bonsai finds no plan at lb + " + "/".join(f"{s * 100:g}" for s in BACKEND_SHARES)
+                       + f"% for {rows_said(no_plan)}.")
     verdicts = [(f"{backend_label(r)} ({side})", r[side]["problems"]) for r in planned(rows)
                 for side in ("replay", "checkpoint") if side in r]
     if verdicts:
-        sentences.append(verdict_sentence(verdicts, "either back-end", "verdicts"))
+        closing.append(verdict_sentence(verdicts, "either back-end", "verdicts"))
     errors = [f"{backend_label(r)}: {r[k].rstrip('.')}" for r in rows for k in ("error", "replay_error",
                                                                                 "checkpoint_error") if k in r]
     if errors:
-        sentences.append("Refused or failed: " + "; ".join(errors) + ".")
-    return "\n".join(f"* {s}" for s in sentences if s)
+        closing.append("Refused or failed: " + "; ".join(errors) + ".")
+    return {"sentences": sentences + exact_sentences(rows), **follows_plan(rows), **against_realised_said(rows),
+            **unjudged_said(rows), **left_saved(rows), "closing": closing}
 
 
 def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     models = "; ".join(f"`{m}` {options_said(o)}" for m, o in
                        dict((backend_label({**r, "regions": None}), r["options"]) for r in rows).items())
     return {"backend_shares": "/".join(f"{s * 100:g}" for s in BACKEND_SHARES), "realised": f"{REALISED:.0%}",
-            "backend_models": models, "backend_table": backend_table(rows), "backend_findings": backend_findings(rows)}
+            "backend_models": models, "backend_table": backend_table(rows), "backends": backend_findings(rows)}
 
 
 # -- the page -------------------------------------------------------------------------------------
 
 def page(results: dict[str, Any], header: str) -> str:
     meta = results["meta"]
-    return common.render(
-        "export", header=header, command=meta["command"], date=meta["date"], machine=meta["machine"],
+    return common.fill(
+        "export", header=header, near=NEAR, count_of=count_of, command=meta["command"], date=meta["date"], machine=meta["machine"],
         quick=" (`--quick`: one model per study, a smoke test, not the record)" if meta.get("quick") else "",
         torch=meta["torch"], seconds=f"{meta['seconds']:.0f}", time_limit=f"{meta['time_limit']:g}",
         per_study=", ".join(f"{name} {seconds:.0f} s" for name, seconds in meta["study_seconds"].items()),
