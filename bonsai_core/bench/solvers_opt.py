@@ -614,16 +614,6 @@ def pct_cell(x: float | None) -> str:
     return "" if x is None else f"{x:+.2%}"
 
 
-def warm_graph(rows: Sequence[Row]) -> str:
-    """The study's graph and budget, and the size of the MILP the warm-started runs drive."""
-    r = next(r for r in rows if "nodes" in r)
-    sized = [x for x in rows if x["method"] in WARM and x.get("variables") is not None]
-    milp = (f" The MILP the warm start drives has {sized[0]['variables']:,} variables and "
-            f"{sized[0]['constraints']:,} constraints." if sized else "")
-    return (f"The graph: {r['nodes']} nodes ({r['model_nodes']} in the model, views excepted), {r['edges']} edges, "
-            f"no-remat peak {r['no_remat_peak']:,} B; {share(r['budget_share'])} is {r['budget']:,} B.{milp}")
-
-
 def without_start(rows: Sequence[Row]) -> str:
     off = [r for r in rows if r["method"] in CHECKMATE]
     if not off:
@@ -708,20 +698,6 @@ def limits_sentence(rows: Sequence[Row]) -> str:
     return said
 
 
-def warm_section(rows: Sequence[Row]) -> str:
-    r = rows[0]
-    return "\n\n".join([
-        f"### Checkmate's warm start on {r['graph']} at {share(r['budget_share'])}",
-        warm_graph(rows) + " Each row is one call of `solve(graph, budget, \"checkmate\", backend=..., "
-        "warm_start=..., time_limit=...)` in its own process, what `bonsai solve G --method checkmate --budget P "
-        "[--backend scip] [--time-limit S] [--option warm_start=false]` runs once the graph is loaded. \"start\" is "
-        "the schedule the warm start handed the backend, its first incumbent: when it was ready from the start of "
-        "the call (`warm_start_seconds`), the method it came from and that method's status, and its overhead; "
-        "\"call\" is the call's wall time, the simulator's check included (Python start-up and graph loading not).",
-        warm_table(rows),
-        (without_start(rows) + with_start(rows) + improvement(rows) + candidates(rows) + limits_sentence(rows)).strip()])
-
-
 # -- the page ---------------------------------------------------------------------------------------
 
 def load_said(run: dict[str, Any], rows: Sequence[Row]) -> str:
@@ -735,14 +711,6 @@ def run_link(rows_link: str) -> str:
     return rows_link.rsplit(".", 1)[0] + ".run.json"
 
 
-def copies_intro(copies: Sequence[Row], main: Sequence[Row]) -> str:
-    budget = copies[0]["budget_share"]
-    infeasible = [r["graph"] for r in main if r["method"] == "moccasin" and r["budget_share"] == budget
-                  and outcome(r) == "infeasible"]
-    where = f", where 2 copies were proven infeasible for {listing(infeasible)}" if infeasible else ""
-    return f"Moccasin with 3 copies per node (`copies=3`) at {share(budget)}{where}:"
-
-
 def page(rows: Sequence[Row], run: dict[str, Any], header: str, rows_link: str) -> str:
     """The whole page from one run: its rows and its run file; ``rows_link``: the rows' file as a link
     from the page."""
@@ -753,11 +721,16 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, rows_link: str) 
         raise BonsaiError("The run has no rows of the main study to write a page from: run the suite with --page.")
     limit, v = run["time_limit"], run["versions"]
     bullets = [moccasin_bullet(main, copies, limit), checkmate_bullet(main), smallest_budget_bullet(main, limit)]
-    return common.render(
+    return common.fill(
         "checkmate_moccasin", header=header, machine=run["machine"], load=load_said(run, rows), torch=run["torch"],
         highspy=v["highspy"], pyscipopt=v["pyscipopt"], ortools=v["ortools"], cvxpy=v["cvxpy"],
         dates=common.run_dates(run), minutes=f"{run['seconds'] / 60:.0f}", command=run["command"], rows_link=rows_link,
         run_file=run_link(rows_link), graphs=listing(graphs_of(main)), budgets=listing([share(s) for s in shares_of(main)]),
         limit=seconds(limit), graph_table=graph_table(rows), runs_table=runs_table(in_cell_order(main)),
-        copies=f"\n\n{copies_intro(copies, main)}\n\n{runs_table(copies)}" if copies else "",
-        bullets="\n".join(bullets), warm=f"\n\n{warm_section(warm)}" if warm else "")
+        copies=copies, copies_table=copies and runs_table(copies), bullets=bullets, warm=warm,
+        copies_infeasible=[r["graph"] for r in main if r["method"] == "moccasin" and copies
+                           and r["budget_share"] == copies[0]["budget_share"] and outcome(r) == "infeasible"],
+        warm_graph=next((r for r in warm if "nodes" in r), None), warm_table=warm and warm_table(warm),
+        warm_sized=next((r for r in warm if r["method"] in WARM and r.get("variables") is not None), None),
+        warm_said=(without_start(warm) + with_start(warm) + improvement(warm) + candidates(warm)
+                   + limits_sentence(warm)).strip())
