@@ -403,11 +403,11 @@ def _write(rows: list[dict[str, Any]], reach: list[dict[str, Any]], out: Path) -
     (out / "results.md").write_text(markdown_report(rows, reach))
 
 
-def reach_table(reach: list[dict[str, Any]]) -> list[str]:
+def reach_table(reach: list[dict[str, Any]]) -> str:
     """The smallest budget each method reaches per model, as shares of its no-remat peak, next to
     the per-op lower bound that no schedule can go below."""
     if not reach:
-        return []
+        return ""
     methods = [m for m in REACH_METHODS if any(r.get(m) is not None or r.get(f"{m}_status") for r in reach)]
     table = []
     for r in reach:
@@ -416,23 +416,15 @@ def reach_table(reach: list[dict[str, Any]]) -> list[str]:
             cells["bonsai"] += f" ({r.get('bonsai_status')}, not proven)"
         table.append({"model": f"{r['model']} ({r['nodes']} nodes)", "no-remat peak": common.mib(r["no_remat_peak"]),
                       "per-op bound": share(r, "lower_bound"), **cells})
-    return ["### Smallest reachable budget", "",
-            "Share of the no-remat peak. per-op bound: the largest single operator with its inputs and the "
-            "fixed memory (`Graph.peak_lower_bound`; no schedule goes below it). bonsai: the min-peak MILP of "
-            "its segment model at the top of its auto granularity ladder (not proven optimal where a status "
-            "is shown); in a solve bonsai also meets every budget chen meets, since Chen's plans are its "
-            "fallback plans. chen: the lowest simulated peak of the plans it tries. dtr, coop: the smallest budget a "
-            "bisection between the bound and the no-remat peak met (heuristics are not monotone in the "
-            "budget: a budget they meet, not a proven minimum). checkmate and moccasin are not computed "
-            "(one more MILP per model, minutes on the larger graphs). `-`: not found within the time limit.",
-            "", _markdown(table), ""]
+    return _markdown(table)
 
 
-def markdown_report(rows: list[dict[str, Any]], reach: list[dict[str, Any]] = ()) -> str:
-    """One table per model (budget x method: overhead, or why it failed), best feasible in bold, the
-    smallest budget each method reaches, and the budgets where bonsai is not the best, said plainly."""
-    lines, not_best = [], []
+def markdown_report(rows: list[dict[str, Any]], reach: Sequence[dict[str, Any]] = ()) -> str:
+    """results.md: one table per model (budget x method: overhead, or why it failed), best feasible in bold,
+    the smallest budget each method reaches, the budgets where bonsai is not the best, said plainly, the cells
+    where a plan of its space beats it, and the solver cost."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
+    models, not_best = [], []
     for model, by_budget in cells_by_model(rows).items():
         table = []
         for fraction, cell in by_budget.items():
@@ -441,39 +433,26 @@ def markdown_report(rows: list[dict[str, Any]], reach: list[dict[str, Any]] = ()
             table.append({"budget": f"{fraction:.0%}", **{m: _cell(cell.get(m), best) for m in methods}})
             b = cell.get("bonsai")
             if best is not None and b is not None and not bonsai_cheapest(cell):
-                not_best.append(f"- {model} at {fraction:.0%}: best is {min(costs, key=costs.get)} ({best:+.2%}); "
+                not_best.append(f"{model} at {fraction:.0%}: best is {min(costs, key=costs.get)} ({best:+.2%}); "
                                 "bonsai " + (f"{b['overhead']:+.2%}" if b["feasible"]
                                              else f"not feasible ({b['note'] or b['status']})"))
-        lines += [f"### {model} ({nodes(by_budget)} nodes)", "", _markdown(table), ""]
-    head = ["Cells: recompute overhead (extra compute / plain step), `-` = no schedule under the budget "
-            "(reason in results.csv), **bold** = cheapest feasible method; `none` is feasible only when the "
-            "budget is at least the no-remat peak. Peers (`torch-budget`, `per-block`) are measured on a real "
-            "CPU step.", ""]
-    tail = ["### Where bonsai is not the best", ""] + (not_best or ["- nowhere in this run"]) + [""]
-    tail += ["### Bonsai against the checkpoint plans its space holds", ""] + bonsai_summary(rows) + [""]
-    return "\n".join(head + lines + reach_table(list(reach)) + tail + solver_cost_table(rows))
-
-
-def bonsai_summary(rows: list[dict[str, Any]]) -> list[str]:
-    """Counts over the cells: where bonsai is the cheapest feasible method, and every cell where chen
-    or the per-block peer (plans in bonsai's space) fits and bonsai does not, or costs less than it."""
+        models.append((model, nodes(by_budget), _markdown(table)))
     cells = contested(cells_by_model(rows))
-    misses = [f"- {model} at {f:.0%}: {rival} {feasible(c)[rival]:+.2%}, bonsai "
+    misses = [f"{model} at {f:.0%}: {rival} {feasible(c)[rival]:+.2%}, bonsai "
               + (f"{c['bonsai']['overhead']:+.2%}" if fits(c, "bonsai") else "not feasible")
               for model, f, c, rival in plan_space_rivals(cells)]
-    return [f"- bonsai is the cheapest feasible method in {sum(bonsai_cheapest(c) for _, _, c in cells)} of the "
-            f"{len(cells)} cells where any method fits (ties included)",
-            "- cells where chen or per-block checkpointing fits and bonsai does not, or costs less than bonsai:"
-            + (" none" if not misses else "")] + misses
+    return common.fill("bench_results", models=models, reach_table=reach_table(list(reach)), not_best=not_best,
+                       cheapest=sum(bonsai_cheapest(c) for _, _, c in cells), contested=len(cells), misses=misses,
+                       solver_table=solver_cost_table(rows))
 
 
-def solver_cost_table(rows: list[dict[str, Any]]) -> list[str]:
+def solver_cost_table(rows: list[dict[str, Any]]) -> str:
     """The optimising methods side by side where checkmate ran: solve time, model size, overhead,
     gap, and bonsai's speed-up and extra cost against checkmate."""
     cells = {(r["model"], r["budget_fraction"], r["method"]): r for r in rows}
     keys = [(r["model"], r["budget_fraction"]) for r in rows if r["method"] == "checkmate" and r.get("status")]
     if not keys:
-        return []
+        return ""
     table = []
     for model, fraction in keys:
         c, b, m = (cells.get((model, fraction, k)) for k in OPTIMISERS)
@@ -484,10 +463,7 @@ def solver_cost_table(rows: list[dict[str, Any]]) -> list[str]:
                 extra = f"{b['overhead'] - c['overhead']:+.2%}"
         table.append({"model": model, "budget": f"{fraction:.0%}", "checkmate": _solver_cell(c),
                       "bonsai": _solver_cell(b), "moccasin": _solver_cell(m), "speed-up": speed, "extra cost": extra})
-    return ["### Solver cost: checkmate vs bonsai vs moccasin", "",
-            "Seconds to solve (status, overhead, gap; variables); speed-up = checkmate seconds / bonsai "
-            "seconds; extra cost = bonsai overhead - checkmate overhead where checkmate proved optimality.", "",
-            _markdown(table), ""]
+    return _markdown(table)
 
 
 def _markdown(table: list[dict[str, str]]) -> str:
