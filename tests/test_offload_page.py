@@ -43,15 +43,21 @@ def results(export=None):
             "export": export}
 
 
+def method_sentence(results: dict, method: str) -> str:
+    """``method``'s bullet of the page written from ``results``."""
+    page = offload.page(results, "<!-- header -->")
+    return next(line for line in page.splitlines() if line.startswith(f"* **{method}**")).removeprefix("* ")
+
+
 def test_each_method_s_sentence_says_what_offload_did_to_it():
     r = results()
-    assert offload.method_sentence(r, "bonsai") == (
+    assert method_sentence(r, "bonsai") == (
         "**bonsai** with offload: the overhead falls at 80% and 50% (by 0.8–3.2 points) and its copies never "
         "stall compute.")
-    assert offload.method_sentence(r, "dtr") == (
+    assert method_sentence(r, "dtr") == (
         "**dtr** with offload: the overhead is the same at 80%, it meets 50% only with offload and its copies "
         "stall compute by up to 0.200 ms.")
-    assert offload.method_sentence(r, "coop") == (
+    assert method_sentence(r, "coop") == (
         "**coop** with offload: the overhead rises at 80% (by 13.0 points), it meets 50% only without offload "
         "and its copies stall compute by up to 0.300 ms.")
 
@@ -59,9 +65,9 @@ def test_each_method_s_sentence_says_what_offload_did_to_it():
 def test_a_method_that_meets_no_budget_or_never_offloads_is_said_so():
     r = results()
     r["rows"] = [x for x in r["rows"] if x["method"] != "coop"] + [row(0.5, "coop", o) for o in (False, True)]
-    assert offload.method_sentence(r, "coop") == "**coop** meets none of the budgets, with or without offload."
+    assert method_sentence(r, "coop") == "**coop** meets none of the budgets, with or without offload."
     r["rows"] = [row(0.8, "dtr", False, 0.1), row(0.8, "dtr", True, 0.1)]
-    assert offload.method_sentence(r, "dtr") == (
+    assert method_sentence(r, "dtr") == (
         "**dtr** with offload: the overhead is the same at 80% and none of its plans offloads.")
 
 

@@ -21,13 +21,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 from bonsai_core.bench import bonsai as suite
 from bonsai_core.bench import common
-from bonsai_core.bench.common import budget, budgets_said, listing, median, pct2, table
+from bonsai_core.bench.common import TIE, budget, budgets_said, compare, listing, median, pct2, table
 from bonsai_core.errors import BonsaiError
 from bonsai_core.units import format_bytes
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
 SOURCES = ["bonsai_core/bench/bonsai_page.py", "bonsai_core/bench/bonsai.py", common.template_source("bonsai")]
-TIE = 1e-9  # overheads this close are the same plan's
 EXPLORER_GRAPH = "assets/gpt-default.json"
 GPT2_OPTIONS = {"layers": 4, "width": 256, "seq": 256}
 # key -> (how the page names the graph, zoo model or None for the explorer's file, trace options)
@@ -311,23 +310,6 @@ def op_kinds(names: Iterable[str]) -> str:
     """``ones ×4, tril ×4, arange``: node names grouped by op (their ``_N`` suffix dropped)."""
     counts = Counter(name.rstrip("0123456789").rstrip("_") or name for name in names)
     return ", ".join(f"`{op}` ×{n}" if n > 1 else f"`{op}`" for op, n in counts.items())
-
-
-def compare(pairs: Sequence[tuple[float, float | None, float | None]]) -> dict[str, list[tuple[float, float]]]:
-    """(budget, a, b) -> budgets where a is lower than b (with b - a), higher (a - b), equal, only a fits,
-    only b fits, neither."""
-    out: dict[str, list[tuple[float, float]]] = {k: [] for k in ("lower", "higher", "equal", "only a", "only b",
-                                                                  "neither")}
-    for f, a, b in pairs:
-        if a is None or b is None:
-            out["neither" if a is None and b is None else "only a" if b is None else "only b"].append((f, 0.0))
-        elif a < b - TIE:
-            out["lower"].append((f, b - a))
-        elif a > b + TIE:
-            out["higher"].append((f, a - b))
-        else:
-            out["equal"].append((f, 0.0))
-    return out
 
 
 def comparison_said(pairs: Sequence[tuple[float, float | None, float | None]], other: str) -> str:

@@ -170,7 +170,7 @@ def _jinja() -> Any:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)
     env.filters.update(pct=pct, pct2=pct2, budget=budget, budgets=budgets_said, mib=mib, listing=listing,
-                       capitalized=capitalized, bytes=format_bytes, fmt=format)
+                       capitalized=capitalized, said=said, bytes=format_bytes, fmt=format)
     return env
 
 
@@ -185,6 +185,31 @@ def listing(items: Sequence[str]) -> str:
     if not items:
         return "none"
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def said(items: Iterable[str]) -> str:
+    """The non-empty ``items`` as :func:`listing` says them (a sentence of optional parts)."""
+    return listing([item for item in items if item])
+
+
+TIE = 1e-9  # overheads this close are the same plan's
+
+
+def compare(pairs: Iterable[tuple[Any, float | None, float | None]]) -> dict[str, list[tuple[Any, float]]]:
+    """(key, a, b) -> the keys where a is lower than b (with b - a), higher (a - b), equal, only a is there (b is
+    None), only b, neither; a page's sentence of where one option costs less than another."""
+    out: dict[str, list[tuple[Any, float]]] = {k: [] for k in ("lower", "higher", "equal", "only a", "only b",
+                                                               "neither")}
+    for key, a, b in pairs:
+        if a is None or b is None:
+            out["neither" if a is None and b is None else "only a" if b is None else "only b"].append((key, 0.0))
+        elif a < b - TIE:
+            out["lower"].append((key, b - a))
+        elif a > b + TIE:
+            out["higher"].append((key, a - b))
+        else:
+            out["equal"].append((key, 0.0))
+    return out
 
 
 def median(xs: Iterable[float]) -> float | None:

@@ -113,54 +113,21 @@ def pairs(results: dict[str, Any], method: str) -> list[tuple[float, dict[str, A
     return [(s, by[s, False], by[s, True]) for s in dict.fromkeys(r["share"] for r in rows)]
 
 
-def shares_said(shares: Sequence[float]) -> str:
-    return common.listing([f"{s:.0%}" for s in shares])
+def shares_said(compared: Sequence[tuple[float, float]]) -> str:
+    return common.listing([f"{s:.0%}" for s, _ in compared])
 
 
-def points(gains: Sequence[float]) -> str:
+def points(compared: Sequence[tuple[float, float]]) -> str:
     """Differences of overhead in points (one point: one percent of the step's compute)."""
-    return common.span([g * 100 for g in gains], "{:.1f}".format, unit=" points")
+    return common.span([g * 100 for _, g in compared], "{:.1f}".format, unit=" points")
 
 
-def method_sentence(results: dict[str, Any], method: str) -> str:
-    """What offload does to ``method``: where it lowers, raises or keeps the overhead, which budgets only
-    one of the two meets, and whether its copies ever stall compute."""
-    cheaper, costlier, same, only_with, only_without = [], [], [], [], []
-    for share, off, on in pairs(results, method):
-        if "error" in off and "error" in on:
-            continue
-        if "error" in off:
-            only_with.append(share)
-        elif "error" in on:
-            only_without.append(share)
-        elif on["overhead"] < off["overhead"] - 1e-9:
-            cheaper.append((share, off["overhead"] - on["overhead"]))
-        elif on["overhead"] > off["overhead"] + 1e-9:
-            costlier.append((share, on["overhead"] - off["overhead"]))
-        else:
-            same.append(share)
-    if not (cheaper or costlier or same or only_with or only_without):
-        return f"**{method}** meets none of the budgets, with or without offload."
-    parts = []
-    if cheaper:
-        parts.append(f"the overhead falls at {shares_said([s for s, _ in cheaper])} (by {points([g for _, g in cheaper])})")
-    if costlier:
-        parts.append(f"the overhead rises at {shares_said([s for s, _ in costlier])} "
-                     f"(by {points([g for _, g in costlier])})")
-    if same:
-        parts.append(f"the overhead is the same at {shares_said(same)}")
-    if only_with:
-        parts.append(f"it meets {shares_said(only_with)} only with offload")
-    if only_without:
-        parts.append(f"it meets {shares_said(only_without)} only without offload")
-    stalls = [on["stall"] for _, _, on in pairs(results, method) if "error" not in on and on["offloaded_bytes"]]
-    if not stalls:
-        parts.append("none of its plans offloads")
-    elif max(stalls) == 0:
-        parts.append("its copies never stall compute")
-    else:
-        parts.append(f"its copies stall compute by up to {max(stalls) * 1e3:.3f} ms")
-    return f"**{method}** with offload: " + common.listing(parts) + "."
+def method_values(results: dict[str, Any], method: str) -> dict[str, Any]:
+    """``method``'s overheads with offload against without, budget by budget (:func:`common.compare`), and
+    the stalls of its plans that offload."""
+    ps = pairs(results, method)
+    return {"name": method, "c": common.compare((s, on.get("overhead"), off.get("overhead")) for s, off, on in ps),
+            "stalls": [on["stall"] for _, _, on in ps if "error" not in on and on["offloaded_bytes"]]}
 
 
 def export_values(e: dict[str, Any]) -> dict[str, Any]:
@@ -179,11 +146,11 @@ def export_values(e: dict[str, Any]) -> dict[str, Any]:
 
 def page(results: dict[str, Any], header: str) -> str:
     meta, g = results["meta"], results["graph"]
-    return common.render(
+    return common.fill(
         "offload", header=header, command=meta["command"], date=meta["date"], machine=meta["machine"],
         torch=meta["torch"], seconds=f"{meta['seconds']:.0f}", model=g["name"], nodes=g["nodes"],
         no_remat_peak=common.mib(g["no_remat_peak"]), time_limit=f"{meta['time_limit']:g}", table=table(results),
-        findings="\n".join(f"* {method_sentence(results, m)}" for m in METHODS),
+        methods=[method_values(results, m) for m in METHODS], shares_said=shares_said, points=points,
         export_budget=f"{EXPORT_SHARE:.0%}", **export_values(results["export"]))
 
 
