@@ -768,32 +768,25 @@ def fullest_moments(row: dict[str, Any]) -> str:
             f"of {pool:,} B, coop's high-water mark reaching {below(coop)} and dtr-pool's {below(dtr)}")
 
 
-def claims_values(rows: list[dict[str, Any]]) -> dict[str, str]:
+CLAIMS = {"overhead": "overhead", "own_fragmentation": "fragmentation in its own pool",
+          "free_at_failure": "free share at the requests that found no room (the paper's rate)",
+          "caching_fragmentation": "fragmentation replayed in PyTorch's caching allocator"}
+
+
+def claims_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Coop's two claims together (less recomputation and less fragmentation than DTR in the same pool)
     at 60%, 70% and 80% of the no-remat peak: the table, where each claim holds, and the fullest moments of
     the cells where coop's own pool is not the less fragmented."""
     rows = with_whole_pool(rows)
-    said = []
-    for key, what in (("overhead", "overhead"), ("own_fragmentation", "fragmentation in its own pool"),
-                      ("free_at_failure", "free share at the requests that found no room (the paper's rate)"),
-                      ("caching_fragmentation", "fragmentation replayed in PyTorch's caching allocator")):
-        ahead, not_ahead = claims_verdict(rows, key)
-        said.append(f"coop's {what} is lower on {len(ahead)} of {len(rows)}"
-                    + (f" (not on {listing(not_ahead)})" if not_ahead else ""))
-    failed = [f"{r['model']} at {r['frac']:.0%}" for r in rows if not r["dtr-pool"]["ok"]]
-    if failed:
-        said.append(f"where dtr-pool does not train ({listing(failed)}) the cell counts as coop's")
-    ahead, not_ahead = claims_verdict(rows, "whole_pool")
     behind_in_own_pool = [r for r in rows if r["coop"]["ok"] and r["dtr-pool"]["ok"]
                           and r["coop"]["own_fragmentation"] >= r["dtr-pool"]["own_fragmentation"]]
-    why = (f"Counted against the whole pool instead of each run's high-water mark, coop's fragmentation is lower on "
-           f"{len(ahead)} of {len(rows)}" + (f" (not on {listing(not_ahead)})" if not_ahead else ""))
-    if behind_in_own_pool:
-        why += "; " + "; ".join(fullest_moments(r) for r in behind_in_own_pool)
     return {"claims_table": common.table(["model", "budget", "coop", "dtr-pool"],
                                          [[r["model"], f"{r['frac']:.0%}", claim_cell(r["coop"]), claim_cell(r["dtr-pool"])]
                                           for r in rows]),
-            "claims_said": "; ".join(said), "claims_why": why}
+            "claims": {"rows": rows, "verdicts": [(what, *claims_verdict(rows, key)) for key, what in CLAIMS.items()],
+                       "failed": [f"{r['model']} at {r['frac']:.0%}" for r in rows if not r["dtr-pool"]["ok"]],
+                       "whole_pool": claims_verdict(rows, "whole_pool"),
+                       "fullest": list(map(fullest_moments, behind_in_own_pool))}}
 
 
 def page(results: dict[str, Any], command: str, header: str) -> str:
