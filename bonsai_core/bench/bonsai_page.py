@@ -312,25 +312,6 @@ def op_kinds(names: Iterable[str]) -> str:
     return ", ".join(f"`{op}` ×{n}" if n > 1 else f"`{op}`" for op, n in counts.items())
 
 
-def comparison_said(pairs: Sequence[tuple[float, float | None, float | None]], other: str) -> str:
-    """``cheaper at 50/45% (by 1.52–2.30 points) and the same at 90/70%``: a against ``other`` (b)."""
-    c = compare(pairs)
-    said = []
-    for key, words in (("lower", "cheaper"), ("higher", "dearer")):
-        if c[key]:
-            fractions, differences = [f for f, _ in c[key]], [d for _, d in c[key]]
-            said.append(f"{words} at {budgets_said(fractions)} (by {points_range(differences)})")
-    if c["equal"]:
-        said.append(f"the same at {budgets_said([f for f, _ in c['equal']])}")
-    if c["only a"]:
-        said.append(f"the only one to find a plan at {budgets_said([f for f, _ in c['only a']])}")
-    if c["only b"]:
-        said.append(f"without a plan at {budgets_said([f for f, _ in c['only b']])}, where {other} has one")
-    if c["neither"]:
-        said.append(f"without a plan at {budgets_said([f for f, _ in c['neither']])}, as is {other}")
-    return listing(said)
-
-
 def seconds_said(r: Row) -> str:
     return f"{r['wall_seconds']:.2f} s"
 
@@ -367,28 +348,20 @@ def solve_table(cells: dict[tuple[str, float], dict[str, Row]], methods: Sequenc
                   for (model, f), cell in cells.items()])
 
 
-def solve_sentence(cells: dict[tuple[str, float], dict[str, Row]]) -> str:
+def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, Any]:
     """Where bonsai is the cheapest of the methods compared, where another is, and the longest solve."""
     fitting = {k: {m: r["overhead"] for m, r in c.items() if ok(r)} for k, c in cells.items()}
     contested = {k: c for k, c in fitting.items() if c}
     cheapest = [k for k, c in contested.items() if "bonsai" in c and c["bonsai"] <= min(c.values()) + TIE]
-    beaten = [beaten_cell(m, f, c) for (m, f), c in contested.items() if (m, f) not in cheapest]
     unfit: dict[str, list[float]] = {}
     for (m, f), c in fitting.items():
         if not c:
             unfit.setdefault(m, []).append(f)
-    nowhere = [f"{model_name(m)} at {budgets_said(fs)}" for m, fs in unfit.items()]
     timed = [(r["wall_seconds"], m, f) for (m, f), c in cells.items() for r in [c["bonsai"]] if ok(r)]
-    said = (f"Bonsai is the cheapest of the methods compared in {len(cheapest)} of the {len(contested)} cells where "
-            "one fits")
-    said += "; another is cheaper on " + "; ".join(beaten) if beaten else ""
-    said += f". No method fits {listing(nowhere)}." if nowhere else "."
-    if timed:
-        longest = max(timed)
-        said += (f" Bonsai's solves took a median {median(t for t, _, _ in timed):.2f} s, the longest "
-                 f"{longest[0]:.1f} s ({model_name(longest[1])} at {budget(longest[2])}; the first row of each model "
-                 "builds its model).")
-    return said
+    return {"cheapest": len(cheapest), "contested": len(contested),
+            "beaten": [beaten_cell(m, f, c) for (m, f), c in contested.items() if (m, f) not in cheapest],
+            "nowhere": [f"{model_name(m)} at {budgets_said(fs)}" for m, fs in unfit.items()],
+            "median": median(t for t, _, _ in timed), "longest": max(timed, default=None)}
 
 
 def beaten_cell(model: str, fraction: float, costs: dict[str, float]) -> str:
@@ -431,7 +404,7 @@ def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
     smallest = [r for r in rows if r.get("sweep") == "smallest"]
     gran = [r for r in rows if r.get("sweep") == "granularity"]
     return {"compared": [m for m in methods if m != "bonsai"], "solve_table": solve_table(cells, methods),
-            "solve_sentence": solve_sentence(cells), "smallest": smallest and smallest_table(smallest),
+            "solved": solve_values(cells), "smallest": smallest and smallest_table(smallest),
             "granularity": gran and {"model": gran[0]["model"], "fraction": gran[0]["fraction"],
                                      "table": granularity_table(gran), "said": granularity_sentence(gran)}}
 
@@ -465,19 +438,12 @@ def self_contained_nodes(facts: dict[str, Any]) -> str:
     return f"{op_kinds(n for n, _ in nodes)} ({format_bytes(sum(b for _, b in nodes))})" if nodes else "none"
 
 
-def self_contained_prose(study: dict[str, Any]) -> str:
-    said = []
-    for key in study["options"]:
-        name, facts = GRAPHS[key][0], study["graphs"][key]
-        c = compare(pairs(study, key, "saved", "rebuilt"))
-        sentence = (f"On {name} (self-contained forward nodes: {self_contained_nodes(facts)}) saving them is "
-                    + comparison_said(pairs(study, key, "saved", "rebuilt"), "rebuilding"))
-        if not (c["lower"] or c["higher"] or c["only a"] or c["only b"]):
-            saved = [r["self_contained_saved"] for r in option_rows(study, key, "saved") if ok(r)]
-            sentence += ("; its plans save no self-contained node at any budget" if not any(saved) else
-                         f"; its plans save up to {max(saved)} of them, at no gain")
-        said.append(sentence + ".")
-    return " ".join(said)
+def self_contained_values(study: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per graph: saving self-contained nodes against rebuilding them, and how many the plans save."""
+    return [{"name": GRAPHS[key][0], "nodes": self_contained_nodes(study["graphs"][key]),
+             "c": compare(pairs(study, key, "saved", "rebuilt")),
+             "saved": [r["self_contained_saved"] for r in option_rows(study, key, "saved") if ok(r)]}
+            for key in study["options"]]
 
 
 def dropped_cell(r: Row) -> str:
@@ -495,21 +461,12 @@ def dropped_table(study: dict[str, Any]) -> str:
                   for kept, dropped in zip(option_rows(study, key, "saved"), option_rows(study, key, "dropped"))])
 
 
-def dropped_prose(study: dict[str, Any]) -> str:
-    said = [f"On {GRAPHS[key][0]} dropping outputs is "
-            + comparison_said(pairs(study, key, "dropped", "saved"), "keeping them") + "."
-            for key in study["options"]]
-    gains = [(b - a, GRAPHS[key][0], f) for key in study["options"]
-             for f, a, b in pairs(study, key, "dropped", "saved") if a is not None and b is not None and a < b - TIE]
-    if gains:
-        gain, name, f = max(gains)
-        said.append(f"The largest gain: {points(gain)} on {name} at {budget(f)}.")
-    dearer = [f"{GRAPHS[key][0]} at {budget(f)}" for key in study["options"]
-              for f, a, b in pairs(study, key, "dropped", "saved") if a is not None and b is not None and a > b + TIE]
-    if dearer:
-        said.append(f"Where the larger space costs more ({listing(dearer)}), both searches stopped within their 1% gap "
-                    "of different models' optima.")
-    return " ".join(said)
+def dropped_values(study: dict[str, Any]) -> dict[str, Any]:
+    """Per graph: dropping outputs against keeping them; the largest gain, and where dropping costs more."""
+    dropped = [{"name": GRAPHS[key][0], "c": compare(pairs(study, key, "dropped", "saved"))} for key in study["options"]]
+    return {"dropped": dropped,
+            "dropped_gain": max(((d, o["name"], f) for o in dropped for f, d in o["c"]["lower"]), default=None),
+            "dropped_dearer": [f"{o['name']} at {budget(f)}" for o in dropped for f, _ in o["c"]["higher"]]}
 
 
 # the live re-solve
@@ -747,8 +704,8 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         "bonsai", header=header, meta=meta, dates=common.run_dates(meta), results_link=results_link,
         time_limit=f"{meta['time_limit']:g}", s=s, graphs=graphs, share=share, at=at, flags=flags,
         model_name=model_name, gpt2_flags=flags(GPT2_OPTIONS), larger_unet_flags=flags(LARGER_UNET),
-        self_contained_table=self_contained_table(s), self_contained_prose=self_contained_prose(s),
-        dropped_table=dropped_table(s), dropped_prose=dropped_prose(s), resolve_sentences=resolve_sentences(rows, s["drag"]),
+        points=points, points_range=points_range, self_contained_table=self_contained_table(s),
+        self_contained=self_contained_values(s), dropped_table=dropped_table(s), **dropped_values(s), resolve_sentences=resolve_sentences(rows, s["drag"]),
         unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()], unet_table=unet_table(s["unets"]),
         unet_prose=unet_prose(s["unets"]), headroom=headroom_values(s["headroom"]), others_table=others_table(s["others"]),
         others_prose=others_prose(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_against=moccasin_against(s),
