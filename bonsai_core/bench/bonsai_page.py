@@ -385,19 +385,6 @@ def granularity_table(rows: Sequence[Row]) -> str:
                   for r in rows])
 
 
-def granularity_sentence(rows: Sequence[Row]) -> str:
-    solved = [r for r in rows if ok(r)]
-    if not solved:
-        return "No granularity found a plan."
-    costs = [r["overhead"] for r in solved]
-    same = max(costs) - min(costs) <= TIE
-    cost = (f"the same overhead ({pct2(costs[0])}) at every granularity" if same else
-            f"overheads from {pct2(min(costs))} to {pct2(max(costs))}")
-    variables, walls = [r["variables"] for r in solved], [r["wall_seconds"] for r in solved]
-    return (f"{len(solved)} of {len(rows)} granularities found a plan, {cost}; the model grows from {min(variables)} "
-            f"to {max(variables)} variables and the solve from {min(walls):.2f} to {max(walls):.2f} s.")
-
-
 def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
     cells = solve_cells(rows)
     methods = list(dict.fromkeys(m for c in cells.values() for m in c))
@@ -406,7 +393,7 @@ def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
     return {"compared": [m for m in methods if m != "bonsai"], "solve_table": solve_table(cells, methods),
             "solved": solve_values(cells), "smallest": smallest and smallest_table(smallest),
             "granularity": gran and {"model": gran[0]["model"], "fraction": gran[0]["fraction"],
-                                     "table": granularity_table(gran), "said": granularity_sentence(gran)}}
+                                     "table": granularity_table(gran), "rows": gran}}
 
 
 # self-contained nodes and dropped outputs
@@ -471,33 +458,19 @@ def dropped_values(study: dict[str, Any]) -> dict[str, Any]:
 
 # the live re-solve
 
-def walls_said(rows: Sequence[Row]) -> str:
-    """``80% 0.12 s, 70% 0.10 s, 60% no plan``."""
-    return ", ".join(f"{budget(r['fraction'])} {seconds_said(r) if ok(r) else 'no plan'}" for r in rows)
+def resolve_values(rows: Sequence[Row], name: str) -> tuple[str, dict[str, Any]]:
+    """One build, then the budget changes: the first call, the others, the later calls' times."""
+    rest = rows[1:]
+    return name, {"first": rows[0], "rest": rest, "cached": [r["wall_seconds"] for r in rest if ok(r) and r.get("cached")],
+                  "later": [r["wall_seconds"] for r in rest if ok(r)], "failed": [r["fraction"] for r in rows if not ok(r)]}
 
 
-def resolve_sentence(rows: Sequence[Row], name: str) -> str:
-    """One build, then the budget changes: the first call, the others, their median."""
-    first, rest = rows[0], rows[1:]
-    cached = [r["wall_seconds"] for r in rest if ok(r) and r.get("cached")]
-    later = [r["wall_seconds"] for r in rest if ok(r)]
-    built = f"the build, granularity {first['granularity']}" if first.get("granularity") else "an op-level plan"
-    first_said = (f"{budget(first['fraction'])} {seconds_said(first)} ({built})"
-                  if ok(first) else f"{budget(first['fraction'])} no plan")
-    failed = [budget(r["fraction"]) for r in rows if not ok(r)]
-    median_said = (f"median {median(cached):.2f} s per solve once built" if cached else
-                   f"median {median(later):.2f} s per later call, none answered by a built segment model" if later
-                   else "no plan after the first")
-    return (f"On {name}: {first_said}, then {walls_said(rest)}: {median_said}"
-            + (f"; no plan at {listing(failed)}" if failed else "") + ".")
-
-
-def resolve_sentences(rows: Sequence[Row], drag: Sequence[Row]) -> str:
+def resolves(rows: Sequence[Row], drag: Sequence[Row]) -> list[tuple[str, dict[str, Any]]]:
+    """The suite's re-solve sweep (when it ran) and the explorer's slider dragged."""
     sweep = [r for r in rows if r.get("sweep") == "resolve"]
-    said = [resolve_sentence(sweep, f"{model_name(sweep[0]['model'])}, the suite's sweep")] if sweep else []
-    said.append(resolve_sentence(drag, "the explorer's default GPT, dragged from "
-                                 f"{budget(drag[0]['fraction'])} to {budget(drag[-1]['fraction'])} in 5% steps"))
-    return "\n\n".join(said)
+    return ([resolve_values(sweep, f"{model_name(sweep[0]['model'])}, the suite's sweep")] if sweep else []) + [
+        resolve_values(drag, f"the explorer's default GPT, dragged from {budget(drag[0]['fraction'])} to "
+                             f"{budget(drag[-1]['fraction'])} in 5% steps")]
 
 
 # the region bound
@@ -579,13 +552,12 @@ def bound_share(e: dict[str, Any]) -> float | None:
     return None if e["reach"] is None or gap <= 0 else (e["region_bound"] - e["lower_bound"]) / gap
 
 
-def others_prose(entries: Sequence[dict[str, Any]]) -> str:
+def region_share(entries: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
+    """The graphs where the region bound explains more than half of bonsai's distance from the per-op bound,
+    and those where it explains less."""
     shares = [(bound_share(e), e["label"]) for e in entries]
-    most = [f"`{label}` ({s:.0%})" for s, label in shares if s is not None and s > 0.5]
-    less = [f"`{label}` ({s:.0%})" for s, label in shares if s is not None and s <= 0.5]
-    said = "The region bound covers more than half of what lies between the per-op bound and bonsai's reach on "
-    said += listing(most) if most else "none of them"
-    return said + (f", less on {listing(less)}" if less else "") + "."
+    return {"most": [f"`{label}` ({s:.0%})" for s, label in shares if s is not None and s > 0.5],
+            "less": [f"`{label}` ({s:.0%})" for s, label in shares if s is not None and s <= 0.5]}
 
 
 # moccasin at 40%
@@ -705,10 +677,10 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         time_limit=f"{meta['time_limit']:g}", s=s, graphs=graphs, share=share, at=at, flags=flags,
         model_name=model_name, gpt2_flags=flags(GPT2_OPTIONS), larger_unet_flags=flags(LARGER_UNET),
         points=points, points_range=points_range, self_contained_table=self_contained_table(s),
-        self_contained=self_contained_values(s), dropped_table=dropped_table(s), **dropped_values(s), resolve_sentences=resolve_sentences(rows, s["drag"]),
+        self_contained=self_contained_values(s), dropped_table=dropped_table(s), **dropped_values(s), resolves=resolves(rows, s["drag"]), tie=TIE,
         unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()], unet_table=unet_table(s["unets"]),
         unet_prose=unet_prose(s["unets"]), headroom=headroom_values(s["headroom"]), others_table=others_table(s["others"]),
-        others_prose=others_prose(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_against=moccasin_against(s),
+        region_share=region_share(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_against=moccasin_against(s),
         checkmate=checkmate_values(s.get("checkmate") or []), real_steps=real_steps_values(s.get("real_steps") or []),
         **suite_values(rows))
 

@@ -170,7 +170,8 @@ def _jinja() -> Any:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)
     env.filters.update(pct=pct, pct2=pct2, budget=budget, budgets=budgets_said, mib=mib, listing=listing,
-                       capitalized=capitalized, said=said, bytes=format_bytes, fmt=format)
+                       capitalized=capitalized, said=said, bytes=format_bytes, fmt=format,
+                       median=median)
     return env
 
 
