@@ -126,7 +126,9 @@ def method_values(results: dict[str, Any], method: str) -> dict[str, Any]:
     """``method``'s overheads with offload against without, budget by budget (:func:`common.compare`), and
     the stalls of its plans that offload."""
     ps = pairs(results, method)
-    return {"name": method, "c": common.compare((s, on.get("overhead"), off.get("overhead")) for s, off, on in ps),
+    def overhead(r: dict[str, Any]) -> float | None:
+        return None if "error" in r else r["overhead"]
+    return {"name": method, "c": common.compare((s, overhead(on), overhead(off)) for s, off, on in ps),
             "stalls": [on["stall"] for _, _, on in ps if "error" not in on and on["offloaded_bytes"]]}
 
 
