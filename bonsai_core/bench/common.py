@@ -100,6 +100,11 @@ def pct(x: float) -> str:
     return f"{x:+.1%}"
 
 
+def pct_or_fails(x: float | None) -> str:
+    """An overhead, or ``fails`` where the run found no schedule."""
+    return "fails" if x is None else pct(x)
+
+
 def pct2(x: float) -> str:
     """A relative change to two decimals: ``+1.62%``."""
     return f"{x:+.2%}"
@@ -171,7 +176,7 @@ def _jinja() -> Any:
                              keep_trailing_newline=True, autoescape=False)
     env.filters.update(pct=pct, pct2=pct2, budget=budget, budgets=budgets_said, mib=mib, listing=listing,
                        capitalized=capitalized, said=said, bytes=format_bytes, fmt=format,
-                       median=median)
+                       median=median, pct_or_fails=pct_or_fails)
     return env
 
 

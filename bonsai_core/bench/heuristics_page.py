@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from bonsai_core.bench import heuristics
 from bonsai_core.bench import common
-from bonsai_core.bench.common import listing, median, pct, table
+from bonsai_core.bench.common import listing, median, pct, pct_or_fails, table
 from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, mib, pool_cell,
                                           pool_order, ratio)
 
@@ -126,10 +126,6 @@ def reserved_budgets(time_limit: float) -> dict[str, Any]:
 
 
 # -- words and numbers -----------------------------------------------------------------------------
-
-def pct_or_fails(x: float | None) -> str:
-    return "fails" if x is None else pct(x)
-
 
 def split_by_sign(pairs: Iterable[tuple[str, float, float]], tolerance: float = 1e-9) -> dict[str, list[str]]:
     """The names of ``(name, a, b)`` where a is lower than b, higher, or equal (within ``tolerance``)."""
@@ -467,28 +463,17 @@ def recomputed_said(nodes: list[dict[str, Any]], count: int = 3) -> str:
     return listing([f"`{n['node']}` ({n['recomputations']} times, {mib(n['bytes'])} MiB)" for n in nodes[:count]])
 
 
-def sweep_sentence(ex: dict[str, Any]) -> str:
+def sweep_values(ex: dict[str, Any]) -> dict[str, Any]:
     """The window's cost term against plain compute cost around the example's pool, and how much single
     budgets swing."""
     fracs, sw = ex["sweep_fracs"], ex["sweep"]
-    i = fracs.index(ex["frac"])
     plain, default = sw["coop window_cost=recompute"], sw["coop"]
-    series = lambda k: "/".join(map(pct_or_fails, sw[k]))  # noqa: E731
-    at_pool = ("does not train in this pool" if plain[i] is None else f"is {pct(plain[i])} here")
-    cheaper = sum(p is not None and d is not None and p < d for p, d in zip(plain, default))
     near = [j for j, f in enumerate(fracs) if abs(f - ex["frac"]) <= 0.05 + 1e-9]
-    swing = lambda k: [sw[k][j] for j in near if sw[k][j] is not None]  # noqa: E731
-    ranges = ", ".join(f"{k}'s from {pct(min(swing(k)))} to {pct(max(swing(k)))}" for k in ("coop", "dtr-pool")
-                       if swing(k))
-    plain_fails = [f"{f:.0%}" for f, x in zip(fracs, plain) if x is None]
-    return (f"With `window_cost=\"recompute\"` (plain compute cost, no staleness) coop {at_pool}. At "
-            f"{'/'.join(f'{f:.0%}' for f in fracs)} of the no-remat peak the default gives {series('coop')} and "
-            f"the plain cost {series('coop window_cost=recompute')} (dtr-pool {series('dtr-pool')}; DTR counting live "
-            f"bytes {series('dtr (live bytes, no pool)')}): the plain cost is the cheaper of the two at {cheaper} of "
-            f"{len(fracs)} budgets" + (f" and finds no schedule at {listing(plain_fails)}" if plain_fails else "")
-            + f". On a graph of {ex['nodes']} ops one request's choice changes every later one, so single budgets "
-            f"swing: between {fracs[near[0]]:.0%} and {fracs[near[-1]]:.0%} the overheads range, {ranges}. The "
-            "table's medians over many graphs are the comparison to read.")
+    swing = {k: [sw[k][j] for j in near if sw[k][j] is not None] for k in ("coop", "dtr-pool")}
+    return {"fracs": fracs, "sw": sw, "plain": plain, "i": fracs.index(ex["frac"]), "near": near,
+            "cheaper": sum(p is not None and d is not None and p < d for p, d in zip(plain, default)),
+            "plain_fails": [f"{f:.0%}" for f, x in zip(fracs, plain) if x is None],
+            "ranges": [f"{k}'s from {pct(min(v))} to {pct(max(v))}" for k, v in swing.items() if v]}
 
 
 def largest_graph_sentence(results: dict[str, Any]) -> str:
@@ -514,7 +499,7 @@ def example_values(results: dict[str, Any]) -> dict[str, Any]:
     return {"example": ex, "more_or_fewer": more_or_fewer, "example_frac": f"{ex['frac']:.0%}",
             "example_pool": mib(ex["budget"]), "example_adam": mib(ex["adam_bytes"]),
             "divergence": divergence_sentence(ex), "coop_top": recomputed_said(top["coop"]),
-            "pool_top": recomputed_said(top["dtr-pool"]), "sweep_sentence": sweep_sentence(ex),
+            "pool_top": recomputed_said(top["dtr-pool"]), "sweep": sweep_values(ex),
             "largest_graph": largest_graph_sentence(results)}
 
 
@@ -645,24 +630,21 @@ def span(values: Iterable[float | None]) -> float:
     return 100 * (max(xs) - min(xs)) if xs else 0.0
 
 
-def regnet_values(rows: list[dict[str, Any]]) -> dict[str, str]:
+def regnet_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """RegNet-Y: the table, how far the smallest budgets and the overheads move between the variants, and
     coop's fragmentation."""
     models = by_model(rows)
     budgets = {m: span(smallest_of(r) for r in vs.values()) for m, vs in models.items()}
     costs = {m: span(overhead_at_80(r) for r in vs.values()) for m, vs in models.items()}
     coop = WRITE_PAIRS["coop"]
-    frag = listing([f"{vs[coop[0]]['at80']['own_fragmentation']:.1%} writing in place and "
-                    f"{vs[coop[1]]['at80']['own_fragmentation']:.1%} copying on write on {m}"
-                    for m, vs in models.items() if vs[coop[0]]["at80"]["ok"] and vs[coop[1]]["at80"]["ok"]])
-    far = max(budgets.values()) > 5 * max(costs.values())
-    prose = (f"Between the four variants the smallest budgets span "
-             f"{listing([f'{v:.1f} points on {m}' for m, v in budgets.items()])}, the overheads at 80% "
-             f"{listing([f'{v:.1f} points on {m}' for m, v in costs.items()])}"
-             + (": the smallest budgets move far more than the overheads, so on this graph the smallest-budget column "
-                "says little either way" if far else "") + f". At 80% coop's fragmentation in its own pool is {frag}.")
     return {"regnet_ops": listing([str(n) for n in set(ops_in_place(rows).values())]),
-            "regnet_table": inplace_table(rows, WRITE_PAIRS), "regnet_prose": prose}
+            "regnet_table": inplace_table(rows, WRITE_PAIRS),
+            "regnet": {"budgets": [f"{v:.1f} points on {m}" for m, v in budgets.items()],
+                       "costs": [f"{v:.1f} points on {m}" for m, v in costs.items()],
+                       "far": max(budgets.values()) > 5 * max(costs.values()),
+                       "frag": [f"{vs[coop[0]]['at80']['own_fragmentation']:.1%} writing in place and "
+                                f"{vs[coop[1]]['at80']['own_fragmentation']:.1%} copying on write on {m}"
+                                for m, vs in models.items() if vs[coop[0]]["at80"]["ok"] and vs[coop[1]]["at80"]["ok"]]}}
 
 
 # -- budgeting reserved bytes ----------------------------------------------------------------------
