@@ -2,7 +2,7 @@
 
 ``bonsai bench SUITE [options]`` runs one suite, ``bonsai bench --list`` names them, and ``bonsai
 bench [options]`` (no suite) runs ``methods``, the default: every method and peer on the same models
-and budgets (:mod:`bonsai_core.bench.methods`, whose names this package re-exports). Each suite is a
+and budgets (:mod:`bonsai_core.bench.methods`, whose main names this package re-exports). Each suite is a
 module with ``add_arguments(parser)`` and ``main(args) -> int``; it imports what it measures with
 inside its functions, so building the command line stays cheap.
 """
@@ -13,10 +13,8 @@ import argparse
 from importlib import import_module
 from types import ModuleType
 
-from bonsai_core.bench.methods import (BENCH_NODE_LIMITS, COLUMN_TYPES, COLUMNS, FULL_BUDGETS, FULL_MODELS,
-                                       QUICK_BUDGETS, QUICK_MODELS, REACH_METHODS, REACH_TYPES, BenchConfig,
-                                       ModelSpec, bisect_budget, chen_lowest_peak, load_rows, markdown_report,
-                                       reach_table, run_bench, smallest_budgets, write_plots)
+from bonsai_core.bench.methods import (COLUMNS, REACH_TYPES, BenchConfig, ModelSpec, load_rows, markdown_report,
+                                       smallest_budgets)
 
 DEFAULT_SUITE = "methods"
 # suite name -> (module under bonsai_core.bench, what it measures); the order `bonsai bench --list` prints
@@ -42,10 +40,8 @@ SUITES: dict[str, tuple[str, str]] = {
                              "memory budget under compile, torchtitan's 8B rows eager and compiled"),
 }
 
-__all__ = ["BENCH_NODE_LIMITS", "COLUMN_TYPES", "COLUMNS", "DEFAULT_SUITE", "FULL_BUDGETS", "FULL_MODELS",
-           "QUICK_BUDGETS", "QUICK_MODELS", "REACH_METHODS", "REACH_TYPES", "SUITES", "BenchConfig", "ModelSpec",
-           "add_suite_parsers", "bisect_budget", "chen_lowest_peak", "load_rows", "markdown_report", "reach_table",
-           "run_bench", "smallest_budgets", "suite", "suite_list", "write_plots"]
+__all__ = ["COLUMNS", "DEFAULT_SUITE", "REACH_TYPES", "SUITES", "BenchConfig", "ModelSpec", "add_suite_parsers",
+           "load_rows", "markdown_report", "smallest_budgets", "suite", "suite_list"]
 
 
 def suite(name: str) -> ModuleType:
