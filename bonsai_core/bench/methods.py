@@ -655,21 +655,6 @@ def gap_said(rows: Sequence[Row]) -> str:
     return "each proven optimal" if max(gaps, default=0.0) <= TIE else f"gap ≤ {max(gaps):.1%}"
 
 
-def cheapest_lead(label: str, by_budget: dict[float, Cell]) -> str:
-    """Where bonsai is the cheapest on one model: budgets, its overheads, the solver gap."""
-    cheap = [f for f, c in by_budget.items() if bonsai_cheapest(c)]
-    fitting = [f for f, c in by_budget.items() if fits(c, "bonsai")]
-    head = f"**{capitalized(model_name(label))} ({nodes(by_budget)} nodes): bonsai is the cheapest method "
-    if not cheap:
-        return head + "at no budget**."
-    overheads = " / ".join(pct(by_budget[f]["bonsai"]["overhead"]) for f in cheap)
-    gaps = gap_said([by_budget[f]["bonsai"] for f in cheap])
-    if cheap == fitting and len(cheap) > 2:
-        return (head + f"at every budget from {budget(cheap[0])} down to {budget(cheap[-1])}**: {overheads} at "
-                f"{budgets_said(cheap)} ({gaps}).")
-    return head + f"at {budgets_said(cheap)}**: {overheads} ({gaps})."
-
-
 def others_at(fraction: float, cell: Cell) -> str:
     """What the other methods cost at one budget where bonsai fits."""
     rest = others(cell)
@@ -699,22 +684,24 @@ def tight_budgets_sentence(by_budget: dict[float, Cell], reach: Row | None) -> s
     return capitalized("; ".join(parts)) + "." if parts else ""
 
 
-def no_schedule_sentence(method: str, by_budget: dict[float, Cell], time_limit: float) -> str:
-    """``moccasin found no schedule within 10 s at any budget on this graph (CP-SAT status UNKNOWN).``
-    when it ran at every budget and fitted at none; empty otherwise."""
+def never_scheduled(method: str, by_budget: dict[float, Cell]) -> list[str] | None:
+    """The solver statuses of ``method``'s rows when it ran at every budget and fitted at none; None otherwise."""
     rows = [c[method] for c in by_budget.values() if method in c]
     if not rows or any(r["feasible"] or not_run(r) for r in rows):
-        return ""
-    statuses = sorted({s for s in map(failure_status, rows) if s})
-    said = f" ({SOLVER_OF.get(method, 'solver')} status {'/'.join(statuses)})" if statuses else ""
-    return (f"{capitalized(method_name(method))} found no schedule within {time_limit:g} s at any budget on this "
-            f"graph{said}.")
+        return None
+    return sorted({s for s in map(failure_status, rows) if s})
 
 
-def headline_bullet(label: str, by_budget: dict[float, Cell], reach: Row | None, time_limit: float) -> str:
-    sentences = [cheapest_lead(label, by_budget), tight_budgets_sentence(by_budget, reach)]
-    sentences += [no_schedule_sentence(m, by_budget, time_limit) for m in SOLVER_OF]
-    return "* " + " ".join(s for s in sentences if s)
+def headline_values(label: str, by_budget: dict[float, Cell], reach: Row | None) -> dict[str, Any]:
+    """The first model: where bonsai is the cheapest (its overheads, the solver gap), the other methods at the
+    tightest budgets, and the solvers that found no schedule at any budget."""
+    cheap = [f for f, c in by_budget.items() if bonsai_cheapest(c)]
+    return {"model": model_name(label), "nodes": nodes(by_budget), "cheap": cheap,
+            "fitting": [f for f, c in by_budget.items() if fits(c, "bonsai")],
+            "overheads": [pct(by_budget[f]["bonsai"]["overhead"]) for f in cheap],
+            "gaps": gap_said([by_budget[f]["bonsai"] for f in cheap]), "tight": tight_budgets_sentence(by_budget, reach),
+            "no_schedule": [(method_name(m), SOLVER_OF.get(m, "solver"), statuses) for m in SOLVER_OF
+                            for statuses in [never_scheduled(m, by_budget)] if statuses is not None]}
 
 
 # -- smallest reachable budgets ----------------------------------------------------------------------
@@ -959,6 +946,6 @@ def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header
         "benchmarks", header=header, machine=meta["machine"], torch=meta["torch"], dates=common.run_dates(meta),
         minutes=f"{meta['seconds'] / 60:.0f}", command=meta["command"], models=len(models),
         cell_count=sum(len(b) for b in models.values()), bench=bench, time_limit=f"{meta['time_limit']:g}",
-        headline=headline_bullet(first, models[first], reach_of.get(first), meta["time_limit"]),
+        headline=headline_values(first, models[first], reach_of.get(first)),
         reach=reach and reach_values(reach), cells=cells_values(models, first), not_best=not_best_values(models),
         bound=bound_said(models), solver=solver_said(models, meta))
