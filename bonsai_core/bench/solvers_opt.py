@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from bonsai_core.bench import common
-from bonsai_core.bench.common import capitalized, listing, pct, table
+from bonsai_core.bench.common import listing, pct, table
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph, save_graph
 from bonsai_core.schedule import no_remat_peak
@@ -388,47 +388,27 @@ def optimal_counts(rows: Sequence[Row]) -> dict[str, int]:
     return {m: sum(r["method"] == m and r["status"] == "optimal" for r in rows) for m in methods}
 
 
-def moccasin_lead(rows: Sequence[Row]) -> str:
-    """How many cells each method proves optimal; moccasin called the practical exact method when it
-    proves the most."""
-    counts, cells = optimal_counts(rows), len(by_cell(rows))
-    mine = counts.get("moccasin", 0)
-    theirs = listing([f"{counts.get(m, 0)} on {backend}" for m, backend in CHECKMATE.items() if m in counts])
-    sized = [r["variables"] for r in rows if r["method"] == "moccasin" and r.get("variables") is not None]
-    name = "**moccasin**" + (f" ({common.span(sized, '{:,}'.format)} variables)" if sized else "")
-    lead = f"{name} is the practical exact method here" if mine > max(
-        (counts.get(m, 0) for m in CHECKMATE), default=0) else name
-    return f"{lead}: it proves {mine} of the {cells} graph × budget cells optimal, checkmate {theirs}."
-
-
-def moccasin_optimal(rows: Sequence[Row]) -> str:
-    """Where and how fast moccasin is optimal, budget by budget."""
-    moc = [r for r in rows if r["method"] == "moccasin"]
+def moccasin_values(rows: Sequence[Row]) -> dict[str, Any]:
+    """How many cells each method proves optimal (moccasin the practical exact method when it proves the
+    most), where and how fast moccasin is optimal, and its other outcomes: a schedule at the limit, a proof
+    of infeasibility, nothing."""
+    counts, moc = optimal_counts(rows), [r for r in rows if r["method"] == "moccasin"]
     optimal = [r for r in moc if r["status"] == "optimal"]
-    if not optimal:
-        return ""
-    every = graphs_of(moc)
-    at = [f"at {share(s)} on {graphs_said([r['graph'] for r in optimal if r['budget_share'] == s], every)}"
-          for s in shares_of(moc) if any(r["budget_share"] == s for r in optimal)]
-    return f" It is optimal in {seconds_range(r['solve_seconds'] for r in optimal)} {listing(at)}."
-
-
-def moccasin_rest(rows: Sequence[Row], limit: float) -> str:
-    """Moccasin's other outcomes: a schedule at the limit, a proof of infeasibility, nothing."""
-    moc = [r for r in rows if r["method"] == "moccasin"]
+    sized = [r["variables"] for r in moc if r.get("variables") is not None]
     feasible = [r for r in moc if r["status"] == "feasible"]
     infeasible = [r for r in moc if outcome(r) == "infeasible"]
     nothing = [r for r in moc if not has_schedule(r) and outcome(r) != "infeasible"]
-    said = []
-    if feasible:
-        said.append(f"at the {seconds(limit)} s limit it returns a schedule without proving it on "
-                    f"{cells_said(feasible)} (gap {gaps_said(feasible)})")
-    if infeasible:
-        said.append(f"with 2 copies per node it proves {cells_said(infeasible)} infeasible, each in "
-                    f"{seconds(max(r['wall_seconds'] for r in infeasible))} s or less")
-    if nothing:
-        said.append(f"it finds no schedule within the limit on {cells_said(nothing)}")
-    return "".join(f" {capitalized(s)}." for s in said)
+    return {"sized": sized and common.span(sized, "{:,}".format), "mine": counts.get("moccasin", 0),
+            "practical": counts.get("moccasin", 0) > max((counts.get(m, 0) for m in CHECKMATE), default=0),
+            "cells": len(by_cell(rows)),
+            "theirs": [f"{counts.get(m, 0)} on {backend}" for m, backend in CHECKMATE.items() if m in counts],
+            "optimal_seconds": optimal and seconds_range(r["solve_seconds"] for r in optimal),
+            "optimal_at": [f"at {share(s)} on {graphs_said([r['graph'] for r in optimal if r['budget_share'] == s], graphs_of(moc))}"
+                           for s in shares_of(moc) if any(r["budget_share"] == s for r in optimal)],
+            "feasible": feasible and cells_said(feasible), "feasible_gap": gaps_said(feasible),
+            "infeasible": infeasible and cells_said(infeasible),
+            "infeasible_seconds": infeasible and seconds(max(r["wall_seconds"] for r in infeasible)),
+            "nothing": nothing and cells_said(nothing)}
 
 
 def gaps_said(rows: Sequence[Row]) -> str:
@@ -438,32 +418,16 @@ def gaps_said(rows: Sequence[Row]) -> str:
     return common.span(gaps, "{:.0%}".format)
 
 
-def copies_sentence(copies: Sequence[Row], main: Sequence[Row], limit: float) -> str:
+def copies_values(copies: Sequence[Row], main: Sequence[Row]) -> dict[str, list[str]] | None:
     """What 3 copies per node give, graph by graph, and where they make a schedule fit that 2 could not."""
     if not copies:
-        return ""
-    budget = copies[0]["budget_share"]
-    two = {r["graph"]: r for r in main if r["method"] == "moccasin" and r["budget_share"] == budget}
+        return None
+    two = {r["graph"]: r for r in main if r["method"] == "moccasin" and r["budget_share"] == copies[0]["budget_share"]}
     found = [r for r in copies if has_schedule(r)]
-    said = []
-    if found:
-        said.append("find a schedule for " + listing([f"{r['graph']} ({pct(r['overhead'])}, {r['status']})"
-                                                      for r in found]))
-    infeasible = [r["graph"] for r in copies if outcome(r) == "infeasible"]
-    if infeasible:
-        said.append(f"prove {listing(infeasible)} infeasible")
-    nothing = [r["graph"] for r in copies if not has_schedule(r) and outcome(r) != "infeasible"]
-    if nothing:
-        said.append(f"find nothing within {seconds(limit)} s on {listing(nothing)}")
-    rescued = [r["graph"] for r in found if r["graph"] in two and outcome(two[r["graph"]]) == "infeasible"]
-    rescue = (f": 3 copies make a schedule fit where 2 were proven infeasible on {listing(rescued)}" if rescued
-              else "")
-    return f" At {share(budget)}, 3 copies per node {listing(said)}{rescue}."
-
-
-def moccasin_bullet(main: Sequence[Row], copies: Sequence[Row], limit: float) -> str:
-    return ("* " + moccasin_lead(main) + moccasin_optimal(main) + moccasin_rest(main, limit)
-            + copies_sentence(copies, main, limit))
+    return {"found": [f"{r['graph']} ({pct(r['overhead'])}, {r['status']})" for r in found],
+            "infeasible": [r["graph"] for r in copies if outcome(r) == "infeasible"],
+            "nothing": [r["graph"] for r in copies if not has_schedule(r) and outcome(r) != "infeasible"],
+            "rescued": [r["graph"] for r in found if r["graph"] in two and outcome(two[r["graph"]]) == "infeasible"]}
 
 
 def checkmate_size(rows: Sequence[Row]) -> str:
@@ -720,14 +684,15 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, rows_link: str) 
     if not main:
         raise BonsaiError("The run has no rows of the main study to write a page from: run the suite with --page.")
     limit, v = run["time_limit"], run["versions"]
-    bullets = [moccasin_bullet(main, copies, limit), checkmate_bullet(main), smallest_budget_bullet(main, limit)]
     return common.fill(
         "checkmate_moccasin", header=header, machine=run["machine"], load=load_said(run, rows), torch=run["torch"],
         highspy=v["highspy"], pyscipopt=v["pyscipopt"], ortools=v["ortools"], cvxpy=v["cvxpy"],
         dates=common.run_dates(run), minutes=f"{run['seconds'] / 60:.0f}", command=run["command"], rows_link=rows_link,
         run_file=run_link(rows_link), graphs=listing(graphs_of(main)), budgets=listing([share(s) for s in shares_of(main)]),
         limit=seconds(limit), graph_table=graph_table(rows), runs_table=runs_table(in_cell_order(main)),
-        copies=copies, copies_table=copies and runs_table(copies), bullets=bullets, warm=warm,
+        copies=copies, copies_table=copies and runs_table(copies), warm=warm, moccasin=moccasin_values(main),
+        copies_said=copies_values(copies, main), checkmate_bullet=checkmate_bullet(main),
+        smallest_bullet=smallest_budget_bullet(main, limit),
         copies_infeasible=[r["graph"] for r in main if r["method"] == "moccasin" and copies
                            and r["budget_share"] == copies[0]["budget_share"] and outcome(r) == "infeasible"],
         warm_graph=next((r for r in warm if "nodes" in r), None), warm_table=warm and warm_table(warm),
