@@ -430,88 +430,52 @@ def copies_values(copies: Sequence[Row], main: Sequence[Row]) -> dict[str, list[
             "rescued": [r["graph"] for r in found if r["graph"] in two and outcome(two[r["graph"]]) == "infeasible"]}
 
 
-def checkmate_size(rows: Sequence[Row]) -> str:
+def checkmate_values(rows: Sequence[Row]) -> dict[str, Any]:
+    """Checkmate's model size; where it is optimal, by which backends, and whether moccasin's optimum there
+    costs the same; its unproven schedules against moccasin's (the widest difference as the example) and the
+    runs it returns none in; each backend's count of schedules, the backend with more first."""
     cm = [r for r in rows if r["method"] in CHECKMATE and r.get("variables") is not None]
-    if not cm:
-        return ""
-    return (f" ({common.span((r['variables'] for r in cm), '{:,}'.format)} variables, "
-            f"{common.span((r['constraints'] for r in cm), '{:,}'.format)} constraints)")
-
-
-def checkmate_optimal(rows: Sequence[Row]) -> str:
-    """Where checkmate is optimal, by which backends, and whether moccasin's optimum there costs the same."""
     cells = by_cell(rows)
     optimal = {key: [CHECKMATE[m] for m, r in c.items() if m in CHECKMATE and r["status"] == "optimal"]
                for key, c in cells.items()}
     optimal = {key: backends for key, backends in optimal.items() if backends}
-    if not optimal:
-        return " is solved to optimality in no cell."
-    said = " is solved to optimality only on " + listing([f"{g} at {share(s)} ({listing(b)})"
-                                                          for (g, s), b in optimal.items()]) + "."
-    pairs = [(key, r, cells[key]["moccasin"]) for key in optimal for m, r in cells[key].items()
-             if m in CHECKMATE and r["status"] == "optimal"
-             and cells[key].get("moccasin", {}).get("status") == "optimal"]
-    differ = [(key, r, moc) for key, r, moc in pairs if abs(r["overhead"] - moc["overhead"]) > TIE]
-    if pairs and not differ:
-        overheads = sorted({f"{moc['overhead']:+.2%}" for _, _, moc in pairs})
-        said += (f" Where a backend and moccasin are both optimal their overheads match ({listing(overheads)}), as "
-                 "they should where 2 computations per node suffice: with enough copies moccasin's model is "
-                 "checkmate's.")
-    elif differ:
-        said += (" Where a backend and moccasin are both optimal the overheads differ on " + listing([
-            f"{g} at {share(s)} ({CHECKMATE[r['method']]} {r['overhead']:+.2%} against {moc['overhead']:+.2%})"
-            for (g, s), r, moc in differ]) + ".")
-    return said
-
-
-def against_moccasin(rows: Sequence[Row], after_optimal: bool) -> str:
-    """Checkmate's schedules that are not proven: costlier or cheaper than moccasin's in the same cell,
-    the widest difference as the example; and the runs it returns none in."""
-    cells = by_cell(rows)
+    both = [(key, r, cells[key]["moccasin"]) for key in optimal for m, r in cells[key].items()
+            if m in CHECKMATE and r["status"] == "optimal" and cells[key].get("moccasin", {}).get("status") == "optimal"]
+    differ = [(key, r, moc) for key, r, moc in both if abs(r["overhead"] - moc["overhead"]) > TIE]
     unproven = [(r, cells[(r["graph"], r["budget_share"])].get("moccasin")) for r in rows
                 if r["method"] in CHECKMATE and r["status"] == "feasible"]
+    counts = {backend: sum(r["method"] == m and has_schedule(r) for r in rows) for m, backend in CHECKMATE.items()}
+    return {"variables": cm and common.span((r["variables"] for r in cm), "{:,}".format),
+            "constraints": cm and common.span((r["constraints"] for r in cm), "{:,}".format),
+            "optimal": [f"{g} at {share(s)} ({listing(b)})" for (g, s), b in optimal.items()],
+            "both_optimal": both, "overheads": sorted({f"{moc['overhead']:+.2%}" for _, _, moc in both}),
+            "differ": [f"{g} at {share(s)} ({CHECKMATE[r['method']]} {r['overhead']:+.2%} against {moc['overhead']:+.2%})"
+                       for (g, s), r, moc in differ],
+            "unproven": len(unproven), "parts": against_moccasin(unproven),
+            "none": sum(r["method"] in CHECKMATE and not has_schedule(r) for r in rows),
+            "counts": sorted(counts.items(), key=lambda kv: -kv[1]),
+            "runs": {backend: sum(r["method"] == m for r in rows) for m, backend in CHECKMATE.items()}}
+
+
+def against_moccasin(unproven: Sequence[tuple[Row, Row | None]]) -> list[str]:
+    """Checkmate's unproven schedules (with moccasin's row of the same cell): costlier or cheaper than
+    moccasin's, the widest difference as the example, or as cheap."""
     costlier = [(r, m) for r, m in unproven if has_schedule(m) and r["overhead"] > m["overhead"] + TIE]
     cheaper = [(r, m) for r, m in unproven if not has_schedule(m) or r["overhead"] < m["overhead"] - TIE]
     level = [(r, m) for r, m in unproven if (r, m) not in costlier and (r, m) not in cheaper]
-    none = [r for r in rows if r["method"] in CHECKMATE and not has_schedule(r)]
-    said = []
-    if unproven:
-        parts = []
-        if costlier:
-            r, m = max(costlier, key=lambda rm: rm[0]["overhead"] - rm[1]["overhead"])
-            parts.append(f"costlier than moccasin's in {len(costlier)}, the widest difference on {cell_name(r)}: "
-                         f"{CHECKMATE[r['method']]} {pct(r['overhead'])} against {pct(m['overhead'])}")
-        if cheaper:
-            parts.append(f"cheaper than moccasin's, or where moccasin has none, in {len(cheaper)}: "
-                         + listing([f"{cell_name(r)}, {CHECKMATE[r['method']]} {pct(r['overhead'])}"
-                                    + (f" against {pct(m['overhead'])}" if has_schedule(m) else "")
-                                    for r, m in cheaper]))
-        if level:
-            parts.append(f"as cheap as moccasin's in {len(level)}: " + listing(
-                [f"{cell_name(r)}, {CHECKMATE[r['method']]} {pct(r['overhead'])}" for r, _ in level]))
-        said.append(f"an unproven schedule at the limit in {len(unproven)} runs"
-                    + (f" ({'; '.join(parts)})" if parts else ""))
-    if none:
-        said.append(f"no schedule in {len(none)}")
-    if not said:
-        return ""
-    return f" {'Elsewhere it' if after_optimal else 'It'} ends with {' and with '.join(said)}."
-
-
-def backend_counts(rows: Sequence[Row]) -> str:
-    """``SCIP returns a schedule in 9 of its 12 runs, HiGHS in 4``, the backend with more first."""
-    counts = {backend: sum(r["method"] == m and has_schedule(r) for r in rows) for m, backend in CHECKMATE.items()}
-    runs = {backend: sum(r["method"] == m for r in rows) for m, backend in CHECKMATE.items()}
-    (first, a), (second, b) = sorted(counts.items(), key=lambda kv: -kv[1])
-    if a == b:
-        return f" HiGHS and SCIP each return a schedule in {a} of their {runs[first]} runs."
-    return f" {first} returns a schedule in {a} of its {runs[first]} runs, {second} in {b}."
-
-
-def checkmate_bullet(main: Sequence[Row]) -> str:
-    any_optimal = any(r["method"] in CHECKMATE and r["status"] == "optimal" for r in main)
-    return ("* **checkmate**" + checkmate_size(main) + checkmate_optimal(main) + against_moccasin(main, any_optimal)
-            + backend_counts(main))
+    parts = []
+    if costlier:
+        r, m = max(costlier, key=lambda rm: rm[0]["overhead"] - rm[1]["overhead"])
+        parts.append(f"costlier than moccasin's in {len(costlier)}, the widest difference on {cell_name(r)}: "
+                     f"{CHECKMATE[r['method']]} {pct(r['overhead'])} against {pct(m['overhead'])}")
+    if cheaper:
+        parts.append(f"cheaper than moccasin's, or where moccasin has none, in {len(cheaper)}: "
+                     + listing([f"{cell_name(r)}, {CHECKMATE[r['method']]} {pct(r['overhead'])}"
+                                + (f" against {pct(m['overhead'])}" if has_schedule(m) else "") for r, m in cheaper]))
+    if level:
+        parts.append(f"as cheap as moccasin's in {len(level)}: " + listing(
+            [f"{cell_name(r)}, {CHECKMATE[r['method']]} {pct(r['overhead'])}" for r, _ in level]))
+    return parts
 
 
 def smallest_budget_bullet(main: Sequence[Row], limit: float) -> str:
@@ -691,7 +655,7 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, rows_link: str) 
         run_file=run_link(rows_link), graphs=listing(graphs_of(main)), budgets=listing([share(s) for s in shares_of(main)]),
         limit=seconds(limit), graph_table=graph_table(rows), runs_table=runs_table(in_cell_order(main)),
         copies=copies, copies_table=copies and runs_table(copies), warm=warm, moccasin=moccasin_values(main),
-        copies_said=copies_values(copies, main), checkmate_bullet=checkmate_bullet(main),
+        copies_said=copies_values(copies, main), checkmate=checkmate_values(main),
         smallest_bullet=smallest_budget_bullet(main, limit),
         copies_infeasible=[r["graph"] for r in main if r["method"] == "moccasin" and copies
                            and r["budget_share"] == copies[0]["budget_share"] and outcome(r) == "infeasible"],
