@@ -478,29 +478,18 @@ def against_moccasin(unproven: Sequence[tuple[Row, Row | None]]) -> list[str]:
     return parts
 
 
-def smallest_budget_bullet(main: Sequence[Row], limit: float) -> str:
-    """What checkmate returns at the smallest budget, against moccasin; the segment ILP's reason to exist
-    when no backend proves an optimum there."""
+def smallest_values(main: Sequence[Row]) -> dict[str, Any]:
+    """What checkmate returns at the smallest budget, against moccasin, and the gaps: the segment ILP's reason
+    to exist when no backend proves an optimum there."""
     smallest = min(shares_of(main))
     cells = by_cell([r for r in main if r["budget_share"] == smallest])
     found = [(r, c.get("moccasin")) for c in cells.values() for m, r in c.items() if m in CHECKMATE and has_schedule(r)]
-    at = share(smallest)
-    gurobi = ("the open-source backends are far from what Checkmate's Gurobi runs needed, which is the segment "
-              "ILP's reason to exist")
-    if not found:
-        return f"* At {at} checkmate returns no schedule on any graph within {seconds(limit)} s: {gurobi}."
-    graphs = graphs_of([r for r, _ in found])
-    only = "only " if len(graphs) < len(cells) else ""
-    said = f"* At {at} checkmate returns a schedule {only}for " + listing([
-        f"{g} (" + listing([f"{CHECKMATE[r['method']]}: {pct(r['overhead'])}" for r, _ in found if r["graph"] == g])
-        + f", {against_moccasins(m)})" for g, m in {r["graph"]: m for r, m in found}.items()])
-    no_optimum = not any(r["status"] == "optimal" for r, _ in found)
-    gaps = [r["gap"] for r, _ in found if r.get("gap") is not None]
-    if gaps and min(gaps) >= NO_BOUND:
-        said += ", with no bound proven"
-    elif gaps:
-        said += f", the gap {gaps_said([r for r, _ in found])}" + (", none proven optimal" if no_optimum else "")
-    return said + (f": {gurobi}." if no_optimum else ".")
+    return {"share": smallest, "only": len(graphs_of([r for r, _ in found])) < len(cells),
+            "found": [f"{g} (" + listing([f"{CHECKMATE[r['method']]}: {pct(r['overhead'])}" for r, _ in found
+                                          if r["graph"] == g]) + f", {against_moccasins(m)})"
+                      for g, m in {r["graph"]: m for r, m in found}.items()],
+            "no_optimum": not any(r["status"] == "optimal" for r, _ in found),
+            "gaps": [r["gap"] for r, _ in found if r.get("gap") is not None], "gap_range": gaps_said([r for r, _ in found])}
 
 
 def against_moccasins(row: Row | None) -> str:
@@ -542,87 +531,53 @@ def pct_cell(x: float | None) -> str:
     return "" if x is None else f"{x:+.2%}"
 
 
-def without_start(rows: Sequence[Row]) -> str:
-    off = [r for r in rows if r["method"] in CHECKMATE]
-    if not off:
-        return ""
-    if not any(has_schedule(r) for r in off):
-        return (f"Without the warm start, no schedule within {listing(sorted({seconds(r['time_limit']) for r in off}))}"
-                f" s on {'either backend' if len(off) > 1 else BACKEND_OF[off[0]['method']]}. ")
-    return "Without the warm start, " + listing([
-        f"{BACKEND_OF[r['method']]} ends {outcome(r)}" + (f" at {pct(r['overhead'])}" if has_schedule(r) else "")
-        for r in off]) + f" within {seconds(off[0]['time_limit'])} s. "
-
-
-def with_start(rows: Sequence[Row]) -> str:
-    """Whether every warm-started run returns a schedule, how soon its start was ready, and from what."""
-    on = [r for r in rows if r["method"] in WARM]
-    if not on:
-        return ""
-    started = [r for r in on if start_method(r) is not None]
-    returned = [r for r in on if has_schedule(r)]
-    said = ("With it, every run returns a schedule within the budget" if len(returned) == len(on) else
-            f"With it, {len(returned)} of the {len(on)} runs return a schedule within the budget")
-    if started:
-        methods = listing(sorted({start_method(r) for r in started}))
-        said += (f", the start ready {seconds_range(r['warm_start_seconds'] for r in started)} into the call "
-                 f"(from {methods})")
-    missing = [r for r in on if start_method(r) is None]
-    if missing:
-        said += "; no start was found in the runs at " + listing([f"{seconds(r['time_limit'])} s on "
-                                                                   f"{BACKEND_OF[r['method']]}" for r in missing])
-    return said + ". "
-
-
-def improvement(rows: Sequence[Row]) -> str:
-    """Whether a backend improved on its start, and what the bound it proved says."""
+def warm_values(rows: Sequence[Row]) -> dict[str, Any]:
+    """The warm-start study said: each backend without its start; whether every warm-started run returns a
+    schedule, how soon its start was ready and from what; whether a backend improved on its start and the
+    bound it proved; what the start search found; how far the calls overran their limits and what a shorter
+    limit costs against the full one."""
+    off, on = [r for r in rows if r["method"] in CHECKMATE], [r for r in rows if r["method"] in WARM]
+    started_on = [r for r in on if start_method(r) is not None]
     started = [r for r in rows if start_method(r) is not None and has_schedule(r)]
-    if not started:
-        return ""
-    better = [r for r in started if r["compute_cost"] < r["warm_start_cost"] * (1 - TIE)]
-    longest = max(r["time_limit"] for r in started)
-    bounded = [r for r in started if r["time_limit"] == longest and r.get("gap") is not None]
-    bound = (f"which after the full {seconds(longest)} s limit puts the recomputation cost at no less than "
-             + listing([f"{1 - r['gap']:.0%} ({BACKEND_OF[r['method']]}'s bound)" for r in bounded])
-             + " of the returned schedule's") if bounded else ""
-    if not better:
-        return ("Neither backend found a cheaper schedule than its start in any run: the MILP's value here is the "
-                f"proven bound{', ' + bound if bound else ''}, not a better schedule. ")
-    return ("The backend improved on its start in " + listing([
-        f"the {BACKEND_OF[r['method']]} run at {seconds(r['time_limit'])} s ({pct(start_overhead(r))} to "
-        f"{pct(r['overhead'])})" for r in better]) + (f"; the bound it proved: {bound}" if bound else "") + ". ")
-
-
-def candidates(rows: Sequence[Row]) -> str:
-    """What the start search found of each method, in the first warm-started run at the full limit."""
-    full = [r for r in rows if r["method"] in WARM and r.get("warm_start_tried")]
-    if not full:
-        return ""
-    r = max(full, key=lambda x: x["time_limit"])
-    notes = "; ".join(f"`{m}`: {note}" for m, note in r["warm_start_tried"].items())
-    return f"What the start search found (the {BACKEND_OF[r['method']]} run at {seconds(r['time_limit'])} s): {notes}. "
-
-
-def limits_sentence(rows: Sequence[Row]) -> str:
-    """How far the calls overran their limits, and what a shorter limit costs against the full one."""
+    longest = max((r["time_limit"] for r in started), default=None)
+    tried = [r for r in on if r.get("warm_start_tried")]
     timed = [r for r in rows if "wall_seconds" in r]
-    if not timed:
-        return ""
-    over = max(r["wall_seconds"] - r["time_limit"] for r in timed)
-    said = (f"The calls overran their limit by at most {over:.1f} s." if over > 0 else
-            "Every call ended within its limit.")
+    return {
+        "off": off, "off_found": any(has_schedule(r) for r in off),
+        "off_limits": sorted({seconds(r["time_limit"]) for r in off}),
+        "off_backends": "either backend" if len(off) > 1 else off and BACKEND_OF[off[0]["method"]],
+        "off_said": [f"{BACKEND_OF[r['method']]} ends {outcome(r)}" + (f" at {pct(r['overhead'])}" if has_schedule(r) else "")
+                     for r in off], "off_limit": off and seconds(off[0]["time_limit"]),
+        "on": len(on), "returned": sum(map(has_schedule, on)),
+        "ready": started_on and seconds_range(r["warm_start_seconds"] for r in started_on),
+        "from": sorted({start_method(r) for r in started_on}),
+        "missing": [f"{seconds(r['time_limit'])} s on {BACKEND_OF[r['method']]}" for r in on if start_method(r) is None],
+        "started": started, "longest": longest and seconds(longest),
+        "bounds": [f"{1 - r['gap']:.0%} ({BACKEND_OF[r['method']]}'s bound)" for r in started
+                   if r["time_limit"] == longest and r.get("gap") is not None],
+        "better": [f"the {BACKEND_OF[r['method']]} run at {seconds(r['time_limit'])} s ({pct(start_overhead(r))} to "
+                   f"{pct(r['overhead'])})" for r in started if r["compute_cost"] < r["warm_start_cost"] * (1 - TIE)],
+        "tried": tried and next((BACKEND_OF[r["method"]], seconds(r["time_limit"]),
+                                 "; ".join(f"`{m}`: {note}" for m, note in r["warm_start_tried"].items()))
+                                for r in [max(tried, key=lambda x: x["time_limit"])]),
+        "overran": max((r["wall_seconds"] - r["time_limit"] for r in timed), default=None),
+        "shorter": shorter_limits(rows) if timed else []}
+
+
+def shorter_limits(rows: Sequence[Row]) -> list[str]:
+    """What a shorter limit costs against the full one, per run: ``15 s limit, HiGHS returns in ...``."""
     longest = max(r["time_limit"] for r in rows)
     full = {r["method"]: r for r in rows if r["time_limit"] == longest and has_schedule(r)}
-    shorter = [r for r in rows if r["time_limit"] < longest and r["method"] in full]
-    for r in shorter:
+    said = []
+    for r in (r for r in rows if r["time_limit"] < longest and r["method"] in full):
         if not has_schedule(r):
-            said += f" With a {seconds(r['time_limit'])} s limit, {BACKEND_OF[r['method']]} ends {outcome(r)}."
+            said.append(f"{seconds(r['time_limit'])} s limit, {BACKEND_OF[r['method']]} ends {outcome(r)}")
             continue
         points = 100 * (r["overhead"] - full[r["method"]]["overhead"])
         worse = (f"{abs(points):.1f} points of overhead {'worse' if points > 0 else 'better'} than"
                  if abs(points) >= 0.05 else "as cheap as")
-        said += (f" With a {seconds(r['time_limit'])} s limit, {BACKEND_OF[r['method']]} returns in "
-                 f"{seconds(r['wall_seconds'])} s with a schedule {worse} at {seconds(longest)} s.")
+        said.append(f"{seconds(r['time_limit'])} s limit, {BACKEND_OF[r['method']]} returns in "
+                    f"{seconds(r['wall_seconds'])} s with a schedule {worse} at {seconds(longest)} s")
     return said
 
 
@@ -656,10 +611,9 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, rows_link: str) 
         limit=seconds(limit), graph_table=graph_table(rows), runs_table=runs_table(in_cell_order(main)),
         copies=copies, copies_table=copies and runs_table(copies), warm=warm, moccasin=moccasin_values(main),
         copies_said=copies_values(copies, main), checkmate=checkmate_values(main),
-        smallest_bullet=smallest_budget_bullet(main, limit),
+        smallest=smallest_values(main), no_bound=NO_BOUND,
         copies_infeasible=[r["graph"] for r in main if r["method"] == "moccasin" and copies
                            and r["budget_share"] == copies[0]["budget_share"] and outcome(r) == "infeasible"],
         warm_graph=next((r for r in warm if "nodes" in r), None), warm_table=warm and warm_table(warm),
         warm_sized=next((r for r in warm if r["method"] in WARM and r.get("variables") is not None), None),
-        warm_said=(without_start(warm) + with_start(warm) + improvement(warm) + candidates(warm)
-                   + limits_sentence(warm)).strip())
+        warm_said=warm_values(warm))
