@@ -433,26 +433,20 @@ def reproduce_values(results: dict[str, Any]) -> dict[str, Any]:
 
 # -- the worked example ----------------------------------------------------------------------------
 
+def divergence_values(ex: dict[str, Any]) -> dict[str, Any] | None:
+    """The first request at which the two runs differ and each run's row there; None when they never do."""
+    first = ex["first_divergence"]
+    if first is None:
+        return None
+    coop, pool = (next(r for r in ex["requests"] if r["request"] == first + 1 and r["method"] == k)
+                  for k in ("coop", "dtr-pool"))
+    return {"first": first, "coop": coop, "pool": pool, "coop_evicted": evicted_said(coop), "pool_evicted": evicted_said(pool)}
+
+
 def evicted_said(request: dict[str, Any]) -> str:
     total = sum(nbytes for _, nbytes in request["evicted"])
     tensors = listing([f"`{name}` ({mib(nbytes)} MiB)" for name, nbytes in request["evicted"]])
     return f"{tensors}, {mib(total)} MiB in all"
-
-
-def divergence_sentence(ex: dict[str, Any]) -> str:
-    """The first request at which the two runs differ, and what each evicted there."""
-    first = ex["first_divergence"]
-    if first is None:
-        return "The two runs make the same requests and evict the same tensors."
-    coop, pool = (next(r for r in ex["requests"] if r["request"] == first + 1 and r["method"] == k)
-                  for k in ("coop", "dtr-pool"))
-    same = "The first request is" if first == 1 else f"The first {first} requests are"
-    if coop["node"] == pool["node"]:
-        at = f"At request {first + 1} (op {coop['op']}, `{coop['node']}` needs {mib(coop['bytes'])} MiB)"
-    else:
-        at = (f"At request {first + 1} coop needs room for `{coop['node']}` (op {coop['op']}), dtr-pool for "
-              f"`{pool['node']}` (op {pool['op']});")
-    return f"{same} the same in both. {at} coop evicts {evicted_said(coop)}; dtr-pool evicts {evicted_said(pool)}."
 
 
 def more_or_fewer(a: int, b: int) -> str:
@@ -476,21 +470,11 @@ def sweep_values(ex: dict[str, Any]) -> dict[str, Any]:
             "ranges": [f"{k}'s from {pct(min(v))} to {pct(max(v))}" for k, v in swing.items() if v]}
 
 
-def largest_graph_sentence(results: dict[str, Any]) -> str:
-    """The largest graph's smallest pools and the overheads at coop's smallest pool."""
+def largest_graph(results: dict[str, Any]) -> dict[str, Any]:
+    """The largest graph: its smallest pools against coop's and the overheads at coop's smallest pool."""
     label, e = max(entries(results), key=lambda x: x[1]["nodes"])
-    said = f"larger graphs ({label}, {e['nodes']:,} nodes, is the largest here"
-    best = best_pool_ratio(e)
-    if best is not None:
-        size = {"coop smaller": "a larger pool than", "same": "the same pool as", "coop larger": "a smaller pool than"}
-        said += f": there the best DTR in the pool needs {size[pool_order(e)]} coop, {times(best)}"
-    at = e["equal_pools"].get(str(FACTORS[0]))
-    if at and at["dtr-pool"]["ok"]:
-        said += (f", and at coop's smallest pool dtr-pool's overhead is {pct(at['dtr-pool']['overhead'])} against "
-                 f"coop's {pct(at['coop']['overhead'])}")
-    elif at:
-        said += f", and in coop's smallest pool dtr-pool does not train while coop pays {pct(at['coop']['overhead'])}"
-    return said + ")"
+    return {"label": label, "e": e, "best": best_pool_ratio(e), "order": pool_order(e),
+            "at": e["equal_pools"].get(str(FACTORS[0]))}
 
 
 def example_values(results: dict[str, Any]) -> dict[str, Any]:
@@ -498,9 +482,9 @@ def example_values(results: dict[str, Any]) -> dict[str, Any]:
     top = ex["most_recomputed"]
     return {"example": ex, "more_or_fewer": more_or_fewer, "example_frac": f"{ex['frac']:.0%}",
             "example_pool": mib(ex["budget"]), "example_adam": mib(ex["adam_bytes"]),
-            "divergence": divergence_sentence(ex), "coop_top": recomputed_said(top["coop"]),
+            "divergence": divergence_values(ex), "coop_top": recomputed_said(top["coop"]),
             "pool_top": recomputed_said(top["dtr-pool"]), "sweep": sweep_values(ex),
-            "largest_graph": largest_graph_sentence(results)}
+            "largest": largest_graph(results)}
 
 
 # -- recomputable in-place -------------------------------------------------------------------------
