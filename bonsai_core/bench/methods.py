@@ -849,22 +849,6 @@ def checkmate_proven(models: dict[str, dict[float, Cell]]) -> list[tuple[str, fl
             and fits(c, "bonsai")]
 
 
-def checkmate_sentence(models: dict[str, dict[float, Cell]], time_limit: float) -> str:
-    proven = checkmate_proven(models)
-    if not proven:
-        return f"checkmate's op-level MILP proved optimality in no cell within {time_limit:g} s"
-    where = "; ".join(f"{model_name(m)} at {budgets_said([f for mm, f, _, _ in proven if mm == m])}"
-                      for m in dict.fromkeys(m for m, *_ in proven))
-    dearer = [f"{model_name(m)} at {budget(f)}: {(b['overhead'] - c['overhead']) * 100:.2g} points higher"
-              for m, f, c, b in proven if b["overhead"] > c["overhead"] + 1e-6]
-    cost = (f"the same cost in {len(proven) - len(dearer)} of the {len(proven)} cells"
-            + (f" ({'; '.join(dearer)})" if dearer else "") + ",")
-    speed = ratio_range([c["solve_seconds"] / b["solve_seconds"] for _, _, c, b in proven])
-    size = ratio_range([c["variables"] / b["variables"] for _, _, c, b in proven if c["variables"] and b["variables"]])
-    return (f"where checkmate's op-level MILP proved optimality within {time_limit:g} s ({where}), bonsai found "
-            f"{cost} {speed} faster with {size} fewer variables")
-
-
 def never_found(models: dict[str, dict[float, Cell]], method: str) -> tuple[list[str], list[str]]:
     """(models where ``method`` ran and fitted at no budget, models where it was not run)."""
     none, skipped = [], []
@@ -877,36 +861,31 @@ def never_found(models: dict[str, dict[float, Cell]], method: str) -> tuple[list
     return none, skipped
 
 
-def found_sentence(method: str, models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> str:
-    """``moccasin found a schedule in 12 of the 40 cells it ran; none at any budget on ...``"""
-    rows = [c[method] for by_budget in models.values() for c in by_budget.values() if method in c]
-    ran = [r for r in rows if not not_run(r)]
+def found_values(method: str, models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> tuple | None:
+    """(method, cells where it found a schedule, cells it ran, models where it found none, models it was not run
+    on, its node limit); None when it ran nowhere."""
+    ran = [c[method] for by_budget in models.values() for c in by_budget.values() if method in c and not not_run(c[method])]
     if not ran:
-        return ""
-    none, skipped = never_found(models, method)
-    limit = meta.get("node_limits", {}).get(method)
-    return (f"{method} found a schedule within {meta['time_limit']:g} s in {sum(bool(r['feasible']) for r in ran)} "
-            f"of the {len(ran)} cells it ran" + (f"; none at any budget on {listing(none)}" if none else "")
-            + (f" (not run on {len(skipped)} model{'s' * (len(skipped) > 1)} over its {limit}-node limit)"
-               if skipped and limit else ""))
+        return None
+    return (method, sum(bool(r["feasible"]) for r in ran), len(ran), *never_found(models, method),
+            meta.get("node_limits", {}).get(method))
 
 
-def bonsai_times(models: dict[str, dict[float, Cell]]) -> str:
+def solver_values(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> dict[str, Any]:
+    """Where checkmate proved optimality, bonsai's cost, speed and size against it; what checkmate and moccasin
+    found; bonsai's solve times."""
+    proven = checkmate_proven(models)
     timed = [(m, f, c["bonsai"]["solve_seconds"]) for m, by_budget in models.items() for f, c in by_budget.items()
              if fits(c, "bonsai") and c["bonsai"]["solve_seconds"] is not None]
-    if not timed:
-        return ""
-    model, f, longest = max(timed, key=lambda t: t[2])
-    return (f"bonsai's solves took a median {median(t for _, _, t in timed):.2f} s, the longest {longest:.1f} s "
-            f"({model_name(model)} at {budget(f)})")
-
-
-def solver_said(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> str:
-    parts = [checkmate_sentence(models, meta["time_limit"])]
-    parts += [found_sentence(m, models, meta) for m in ("checkmate", "moccasin")]
-    parts.append(bonsai_times(models))
-    said = "; ".join(p for p in parts if p)
-    return said[0].lower() + said[1:]
+    return {"proven": proven,
+            "where": [f"{model_name(m)} at {budgets_said([f for mm, f, _, _ in proven if mm == m])}"
+                      for m in dict.fromkeys(m for m, *_ in proven)],
+            "dearer": [f"{model_name(m)} at {budget(f)}: {(b['overhead'] - c['overhead']) * 100:.2g} points higher"
+                       for m, f, c, b in proven if b["overhead"] > c["overhead"] + 1e-6],
+            "speed": ratio_range([c["solve_seconds"] / b["solve_seconds"] for _, _, c, b in proven]),
+            "size": ratio_range([c["variables"] / b["variables"] for _, _, c, b in proven if c["variables"] and b["variables"]]),
+            "found": [v for v in (found_values(m, models, meta) for m in ("checkmate", "moccasin")) if v],
+            "median": median(t for _, _, t in timed), "longest": max(timed, key=lambda t: t[2], default=None)}
 
 
 # -- the page --------------------------------------------------------------------------------------
@@ -948,4 +927,4 @@ def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header
         cell_count=sum(len(b) for b in models.values()), bench=bench, time_limit=f"{meta['time_limit']:g}",
         headline=headline_values(first, models[first], reach_of.get(first)),
         reach=reach and reach_values(reach), cells=cells_values(models, first), not_best=not_best_values(models),
-        bound=bound_said(models), solver=solver_said(models, meta))
+        bound=bound_said(models), solver=solver_values(models, meta), model_name=model_name)
