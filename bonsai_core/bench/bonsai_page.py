@@ -450,7 +450,8 @@ def dropped_table(study: dict[str, Any]) -> str:
 
 def dropped_values(study: dict[str, Any]) -> dict[str, Any]:
     """Per graph: dropping outputs against keeping them; the largest gain, and where dropping costs more."""
-    dropped = [{"name": GRAPHS[key][0], "c": compare(pairs(study, key, "dropped", "saved"))} for key in study["options"]]
+    dropped = [{"name": GRAPHS[key][0], "c": compare(pairs(study, key, "dropped", "saved"))}
+               for key in study["options"]]
     return {"dropped": dropped,
             "dropped_gain": max(((d, o["name"], f) for o in dropped for f, d in o["c"]["lower"]), default=None),
             "dropped_dearer": [f"{o['name']} at {budget(f)}" for o in dropped for f, _ in o["c"]["higher"]]}
@@ -461,8 +462,10 @@ def dropped_values(study: dict[str, Any]) -> dict[str, Any]:
 def resolve_values(rows: Sequence[Row], name: str) -> tuple[str, dict[str, Any]]:
     """One build, then the budget changes: the first call, the others, the later calls' times."""
     rest = rows[1:]
-    return name, {"first": rows[0], "rest": rest, "cached": [r["wall_seconds"] for r in rest if ok(r) and r.get("cached")],
-                  "later": [r["wall_seconds"] for r in rest if ok(r)], "failed": [r["fraction"] for r in rows if not ok(r)]}
+    return name, {"first": rows[0], "rest": rest,
+                  "cached": [r["wall_seconds"] for r in rest if ok(r) and r.get("cached")],
+                  "later": [r["wall_seconds"] for r in rest if ok(r)],
+                  "failed": [r["fraction"] for r in rows if not ok(r)]}
 
 
 def resolves(rows: Sequence[Row], drag: Sequence[Row]) -> list[tuple[str, dict[str, Any]]]:
@@ -677,9 +680,11 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         time_limit=f"{meta['time_limit']:g}", s=s, graphs=graphs, share=share, at=at, flags=flags,
         model_name=model_name, gpt2_flags=flags(GPT2_OPTIONS), larger_unet_flags=flags(LARGER_UNET),
         points=points, points_range=points_range, self_contained_table=self_contained_table(s),
-        self_contained=self_contained_values(s), dropped_table=dropped_table(s), **dropped_values(s), resolves=resolves(rows, s["drag"]), tie=TIE,
+        self_contained=self_contained_values(s), dropped_table=dropped_table(s), **dropped_values(s),
+        resolves=resolves(rows, s["drag"]), tie=TIE,
         unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()], unet_table=unet_table(s["unets"]),
-        unet_prose=unet_prose(s["unets"]), headroom=headroom_values(s["headroom"]), others_table=others_table(s["others"]),
+        unet_prose=unet_prose(s["unets"]), headroom=headroom_values(s["headroom"]),
+        others_table=others_table(s["others"]),
         region_share=region_share(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_against=moccasin_against(s),
         checkmate=checkmate_values(s.get("checkmate") or []), real_steps=real_steps_values(s.get("real_steps") or []),
         **suite_values(rows))

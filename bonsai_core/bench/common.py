@@ -1,6 +1,7 @@
 """What several bench suites share: the budget bisection, the command line, machine and dates a report
 quotes, the first line of a docs/results page a suite writes (:func:`page_header`), a page's template
-(``templates/NAME.md``: :func:`fill` with Jinja2, :func:`render` with ``string.Template``) and tables (:func:`table`), the small helpers the pages' sentences
+(``templates/NAME.md``: :func:`fill` with Jinja2, :func:`render` with ``string.Template``) and tables
+(:func:`table`), the small helpers the pages' sentences
 are made with (:func:`pct`, :func:`mib`, :func:`listing`, ...), and the command of a suite that writes its
 page from its results (:func:`page_refusal`, :func:`run_page_suite`)."""
 

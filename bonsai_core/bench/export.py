@@ -433,9 +433,11 @@ def zoo_findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     recomputing = [r for r in rows if r["recomputes"]]
     return {"met": met_sentence(both, "The exported step, with gradients through autograd and written directly,"),
             "tiny": all(0 < m - p <= NEAR for _, m, p in both),
-            "modes_differ": [f"{zoo_label(r)} ({r['autograd']['measured_peak']:,} vs {r['direct']['measured_peak']:,} B)"
+            "modes_differ": [f"{zoo_label(r)} ({r['autograd']['measured_peak']:,} vs "
+                             f"{r['direct']['measured_peak']:,} B)"
                              for r in rows if r["direct"]["measured_peak"] != r["autograd"]["measured_peak"]],
-            "exact": exact_sentence([differences(zoo_label(r), r["autograd"], r["direct"]) for r in rows], "Both modes"),
+            "exact": exact_sentence([differences(zoo_label(r), r["autograd"], r["direct"]) for r in rows],
+                                    "Both modes"),
             "original": original_sentence(rows), "recomputing": recomputing,
             "not_below": [zoo_label(r) for r in recomputing
                           if r["autograd"]["measured_peak"] >= r["autograd"]["original_peak"]]}
@@ -720,7 +722,8 @@ def left_saved(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return r["checkpoint"]["unrealised_dropped_bytes"] / r["checkpoint"]["dropped_bytes"]
     nothing = [r for r in rows if r["checkpoint"]["dropped_bytes"] and share_left(r) == 1]
     some = [r for r in rows if r["checkpoint"]["dropped_bytes"] and 0 < share_left(r) < 1]
-    return {"nothing_left": nothing and rows_said(nothing), "some_left": some and rows_said(some, lambda r: f"{share_left(r):.0%}"),
+    return {"nothing_left": nothing and rows_said(nothing),
+            "some_left": some and rows_said(some, lambda r: f"{share_left(r):.0%}"),
             "some_left_count": len(some),
             "some_left_range": some and f"{min(map(share_left, some)):.0%} to {max(map(share_left, some)):.0%}"}
 
@@ -758,7 +761,8 @@ def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
 def page(results: dict[str, Any], header: str) -> str:
     meta = results["meta"]
     return common.fill(
-        "export", header=header, near=NEAR, count_of=count_of, command=meta["command"], date=meta["date"], machine=meta["machine"],
+        "export", header=header, near=NEAR, count_of=count_of, command=meta["command"], date=meta["date"],
+        machine=meta["machine"],
         quick=" (`--quick`: one model per study, a smoke test, not the record)" if meta.get("quick") else "",
         torch=meta["torch"], seconds=f"{meta['seconds']:.0f}", time_limit=f"{meta['time_limit']:g}",
         per_study=", ".join(f"{name} {seconds:.0f} s" for name, seconds in meta["study_seconds"].items()),

@@ -440,7 +440,8 @@ def divergence_values(ex: dict[str, Any]) -> dict[str, Any] | None:
         return None
     coop, pool = (next(r for r in ex["requests"] if r["request"] == first + 1 and r["method"] == k)
                   for k in ("coop", "dtr-pool"))
-    return {"first": first, "coop": coop, "pool": pool, "coop_evicted": evicted_said(coop), "pool_evicted": evicted_said(pool)}
+    return {"first": first, "coop": coop, "pool": pool, "coop_evicted": evicted_said(coop),
+            "pool_evicted": evicted_said(pool)}
 
 
 def evicted_said(request: dict[str, Any]) -> str:
@@ -628,7 +629,8 @@ def regnet_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
                        "far": max(budgets.values()) > 5 * max(costs.values()),
                        "frag": [f"{vs[coop[0]]['at80']['own_fragmentation']:.1%} writing in place and "
                                 f"{vs[coop[1]]['at80']['own_fragmentation']:.1%} copying on write on {m}"
-                                for m, vs in models.items() if vs[coop[0]]["at80"]["ok"] and vs[coop[1]]["at80"]["ok"]]}}
+                                for m, vs in models.items()
+                                if vs[coop[0]]["at80"]["ok"] and vs[coop[1]]["at80"]["ok"]]}}
 
 
 # -- budgeting reserved bytes ----------------------------------------------------------------------
@@ -680,7 +682,8 @@ def reserved_said(study: dict[str, Any]) -> dict[str, Any]:
                                                   for b in budgets]
     solves = [b["plain"] for b in budgets] + [r for b in budgets for r in b["reserved"].values() if r["ok"]]
     return {"plain": list(map(plain_replayed, budgets)), "cost": list(map(reserved_cost, budgets)), "slack": max(slack),
-            "statuses": sorted({r["status"] for r in solves}), "gaps": [r["gap"] for r in solves if r.get("gap") is not None]}
+            "statuses": sorted({r["status"] for r in solves}),
+            "gaps": [r["gap"] for r in solves if r.get("gap") is not None]}
 
 
 def reserved_values(study: dict[str, Any]) -> dict[str, str]:

@@ -699,7 +699,8 @@ def headline_values(label: str, by_budget: dict[float, Cell], reach: Row | None)
     return {"model": model_name(label), "nodes": nodes(by_budget), "cheap": cheap,
             "fitting": [f for f, c in by_budget.items() if fits(c, "bonsai")],
             "overheads": [pct(by_budget[f]["bonsai"]["overhead"]) for f in cheap],
-            "gaps": gap_said([by_budget[f]["bonsai"] for f in cheap]), "tight": tight_budgets_sentence(by_budget, reach),
+            "gaps": gap_said([by_budget[f]["bonsai"] for f in cheap]),
+            "tight": tight_budgets_sentence(by_budget, reach),
             "no_schedule": [(method_name(m), SOLVER_OF.get(m, "solver"), statuses) for m in SOLVER_OF
                             for statuses in [never_scheduled(m, by_budget)] if statuses is not None]}
 
@@ -864,7 +865,8 @@ def never_found(models: dict[str, dict[float, Cell]], method: str) -> tuple[list
 def found_values(method: str, models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> tuple | None:
     """(method, cells where it found a schedule, cells it ran, models where it found none, models it was not run
     on, its node limit); None when it ran nowhere."""
-    ran = [c[method] for by_budget in models.values() for c in by_budget.values() if method in c and not not_run(c[method])]
+    ran = [c[method] for by_budget in models.values() for c in by_budget.values()
+           if method in c and not not_run(c[method])]
     if not ran:
         return None
     return (method, sum(bool(r["feasible"]) for r in ran), len(ran), *never_found(models, method),
@@ -883,7 +885,8 @@ def solver_values(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) ->
             "dearer": [f"{model_name(m)} at {budget(f)}: {(b['overhead'] - c['overhead']) * 100:.2g} points higher"
                        for m, f, c, b in proven if b["overhead"] > c["overhead"] + 1e-6],
             "speed": ratio_range([c["solve_seconds"] / b["solve_seconds"] for _, _, c, b in proven]),
-            "size": ratio_range([c["variables"] / b["variables"] for _, _, c, b in proven if c["variables"] and b["variables"]]),
+            "size": ratio_range([c["variables"] / b["variables"] for _, _, c, b in proven
+                                 if c["variables"] and b["variables"]]),
             "found": [v for v in (found_values(m, models, meta) for m in ("checkmate", "moccasin")) if v],
             "median": median(t for _, _, t in timed), "longest": max(timed, key=lambda t: t[2], default=None)}
 

@@ -403,7 +403,8 @@ def moccasin_values(rows: Sequence[Row]) -> dict[str, Any]:
             "cells": len(by_cell(rows)),
             "theirs": [f"{counts.get(m, 0)} on {backend}" for m, backend in CHECKMATE.items() if m in counts],
             "optimal_seconds": optimal and seconds_range(r["solve_seconds"] for r in optimal),
-            "optimal_at": [f"at {share(s)} on {graphs_said([r['graph'] for r in optimal if r['budget_share'] == s], graphs_of(moc))}"
+            "optimal_at": [f"at {share(s)} on "
+                           f"{graphs_said([r['graph'] for r in optimal if r['budget_share'] == s], graphs_of(moc))}"
                            for s in shares_of(moc) if any(r["budget_share"] == s for r in optimal)],
             "feasible": feasible and cells_said(feasible), "feasible_gap": gaps_said(feasible),
             "infeasible": infeasible and cells_said(infeasible),
@@ -440,7 +441,8 @@ def checkmate_values(rows: Sequence[Row]) -> dict[str, Any]:
                for key, c in cells.items()}
     optimal = {key: backends for key, backends in optimal.items() if backends}
     both = [(key, r, cells[key]["moccasin"]) for key in optimal for m, r in cells[key].items()
-            if m in CHECKMATE and r["status"] == "optimal" and cells[key].get("moccasin", {}).get("status") == "optimal"]
+            if m in CHECKMATE and r["status"] == "optimal"
+            and cells[key].get("moccasin", {}).get("status") == "optimal"]
     differ = [(key, r, moc) for key, r, moc in both if abs(r["overhead"] - moc["overhead"]) > TIE]
     unproven = [(r, cells[(r["graph"], r["budget_share"])].get("moccasin")) for r in rows
                 if r["method"] in CHECKMATE and r["status"] == "feasible"]
@@ -449,7 +451,8 @@ def checkmate_values(rows: Sequence[Row]) -> dict[str, Any]:
             "constraints": cm and common.span((r["constraints"] for r in cm), "{:,}".format),
             "optimal": [f"{g} at {share(s)} ({listing(b)})" for (g, s), b in optimal.items()],
             "both_optimal": both, "overheads": sorted({f"{moc['overhead']:+.2%}" for _, _, moc in both}),
-            "differ": [f"{g} at {share(s)} ({CHECKMATE[r['method']]} {r['overhead']:+.2%} against {moc['overhead']:+.2%})"
+            "differ": [f"{g} at {share(s)} ({CHECKMATE[r['method']]} {r['overhead']:+.2%} against "
+                       f"{moc['overhead']:+.2%})"
                        for (g, s), r, moc in differ],
             "unproven": len(unproven), "parts": against_moccasin(unproven),
             "none": sum(r["method"] in CHECKMATE and not has_schedule(r) for r in rows),
@@ -489,7 +492,8 @@ def smallest_values(main: Sequence[Row]) -> dict[str, Any]:
                                           if r["graph"] == g]) + f", {against_moccasins(m)})"
                       for g, m in {r["graph"]: m for r, m in found}.items()],
             "no_optimum": not any(r["status"] == "optimal" for r, _ in found),
-            "gaps": [r["gap"] for r, _ in found if r.get("gap") is not None], "gap_range": gaps_said([r for r, _ in found])}
+            "gaps": [r["gap"] for r, _ in found if r.get("gap") is not None],
+            "gap_range": gaps_said([r for r, _ in found])}
 
 
 def against_moccasins(row: Row | None) -> str:
@@ -546,12 +550,14 @@ def warm_values(rows: Sequence[Row]) -> dict[str, Any]:
         "off": off, "off_found": any(has_schedule(r) for r in off),
         "off_limits": sorted({seconds(r["time_limit"]) for r in off}),
         "off_backends": "either backend" if len(off) > 1 else off and BACKEND_OF[off[0]["method"]],
-        "off_said": [f"{BACKEND_OF[r['method']]} ends {outcome(r)}" + (f" at {pct(r['overhead'])}" if has_schedule(r) else "")
+        "off_said": [f"{BACKEND_OF[r['method']]} ends {outcome(r)}"
+                     + (f" at {pct(r['overhead'])}" if has_schedule(r) else "")
                      for r in off], "off_limit": off and seconds(off[0]["time_limit"]),
         "on": len(on), "returned": sum(map(has_schedule, on)),
         "ready": started_on and seconds_range(r["warm_start_seconds"] for r in started_on),
         "from": sorted({start_method(r) for r in started_on}),
-        "missing": [f"{seconds(r['time_limit'])} s on {BACKEND_OF[r['method']]}" for r in on if start_method(r) is None],
+        "missing": [f"{seconds(r['time_limit'])} s on {BACKEND_OF[r['method']]}" for r in on
+                    if start_method(r) is None],
         "started": started, "longest": longest and seconds(longest),
         "bounds": [f"{1 - r['gap']:.0%} ({BACKEND_OF[r['method']]}'s bound)" for r in started
                    if r["time_limit"] == longest and r.get("gap") is not None],
