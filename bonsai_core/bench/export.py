@@ -438,32 +438,19 @@ def zoo_findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                              for r in rows if r["direct"]["measured_peak"] != r["autograd"]["measured_peak"]],
             "exact": exact_sentence([differences(zoo_label(r), r["autograd"], r["direct"]) for r in rows],
                                     "Both modes"),
-            "original": original_sentence(rows), "recomputing": recomputing,
+            "original": original_values(rows), "recomputing": recomputing,
             "not_below": [zoo_label(r) for r in recomputing
                           if r["autograd"]["measured_peak"] >= r["autograd"]["original_peak"]]}
 
 
-def original_sentence(rows: Sequence[dict[str, Any]]) -> str:
-    """The original eager step against the plain (``none``) schedule's prediction."""
+def original_values(rows: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
+    """The original eager step against the plain (``none``) schedule's prediction: the models where it measures
+    within NEAR bytes of it, less, more."""
     plain = [(r["model"], r["autograd"]["original_peak"], r["autograd"]["predicted_peak"])
              for r in rows if r["level"] is None]
-    below = [(m, o, p) for m, o, p in plain if o < p - NEAR]
-    above = [(m, o, p) for m, o, p in plain if o > p + NEAR]
-    near = [(m, o, p) for m, o, p in plain if abs(o - p) <= NEAR]
-
-    def pairs(rs: Sequence[tuple[str, int, int]]) -> str:
-        return common.listing([f"{m} ({two_sizes(o, p)})" for m, o, p in rs])
-    said = []
-    if near:
-        said.append(f"measures the plain schedule's prediction within {NEAR} bytes on "
-                    f"{common.listing([m for m, _, _ in near])}")
-    if below:
-        said.append(f"measures less than the plain schedule predicts on {pairs(below)} (eager autograd saves some "
-                    "tensors other than the joint graph's, so \"below the original\" is judged against the original's "
-                    "measured peak)")
-    if above:
-        said.append(f"measures more than the plain schedule predicts on {pairs(above)}")
-    return f"The original eager step {common.listing(said)}." if said else ""
+    return {"near": [m for m, o, p in plain if abs(o - p) <= NEAR],
+            "below": [f"{m} ({two_sizes(o, p)})" for m, o, p in plain if o < p - NEAR],
+            "above": [f"{m} ({two_sizes(o, p)})" for m, o, p in plain if o > p + NEAR]}
 
 
 def zoo_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
@@ -564,11 +551,7 @@ def attention_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     def change(dtype_a: str, att_a: str, dtype_b: str, att_b: str) -> str:
         return common.listing([f"{common.pct(peaks[m, dtype_b, att_b] / peaks[m, dtype_a, att_a] - 1)} on `{m}`"
                                for m in models])
-    sentences = (f"SDPA against eager attention: {change('fp32', 'eager', 'fp32', 'sdpa')} in fp32, "
-                 f"{change('bf16', 'eager', 'bf16', 'sdpa')} with bf16 parameters. bf16 against fp32: "
-                 f"{change('fp32', 'eager', 'bf16', 'eager')} on eager attention, "
-                 f"{change('fp32', 'sdpa', 'bf16', 'sdpa')} on SDPA.")
-    return {"seq": str(ATTENTION_SEQ), "attention_findings": sentences,
+    return {"seq": str(ATTENTION_SEQ), "attention": change,
             "attention_table": common.table(["model", "eager fp32", "SDPA fp32", "eager bf16", "SDPA bf16"],
                                             map(cells, models))}
 
