@@ -170,14 +170,22 @@ def test_overheads_at_equal_pools_name_where_coop_is_dearer():
                         "lower on 1 and higher on 1 (vgg: +30.0% against +10.0%), medians +20.0% against +20.0%.")
 
 
+def dtr_variants_prose(small: dict) -> str:
+    """The page's paragraph on the 2-layer GPT's DTR variants, from ``small`` (dtr-variants' result)."""
+    results = page_results()
+    results["studies"]["dtr_variants"]["small"] = small
+    page = hp.page(results, "bonsai bench heuristics --page P", "<!-- header -->")
+    return next(line for line in page.splitlines() if line.startswith("Exact components"))
+
+
 def test_the_dtr_variants_prose_ranks_from_the_table():
-    plain = hp.dtr_variants_prose(overheads_table((0.8, 0.6), lru=[0.2, 3.0], size=[0.1, 0.05],
+    plain = dtr_variants_prose(overheads_table((0.8, 0.6), lru=[0.2, 3.0], size=[0.1, 0.05],
                                                   dtr_evict=[0.3, 0.3], dtr_banish=[0.01, None]))
     assert "at 80% `dtr`, `dtr_eq`, `local` and `size` give the lowest overhead (+10.0%), `lru` the highest" in plain
     assert "at 60% `size` gives the lowest overhead (+5.0%)" in plain
     assert "`lru` ignores cost" in plain and "its overhead is 3.0x `free`'s at 80% and 3.0x `free`'s at 60%" in plain
     assert "the lowest overhead of all at 80% (+1.0%)" in plain and "at 60% it finds no schedule" in plain
-    other = hp.dtr_variants_prose(overheads_table((0.8,), lru=[0.05], dtr_eq=[0.2], dtr_evict=[0.05]))
+    other = dtr_variants_prose(overheads_table((0.8,), lru=[0.05], dtr_eq=[0.2], dtr_evict=[0.05]))
     assert "`lru` ignores cost" not in other and "flattens" not in other and "it is nowhere the cheapest" in other
     assert "different overheads: +10.0% at 80% against +20.0% at 80%" in other
 

@@ -283,40 +283,19 @@ def always(part: dict[str, Any], test: Callable[[int], bool]) -> bool:
     return all(test(i) for i in range(len(part["fracs"])))
 
 
-def dtr_variants_prose(part: dict[str, Any]) -> str:
+def dtr_variants_said(part: dict[str, Any]) -> dict[str, Any]:
     """What the 2-layer GPT's table says about the heuristics, eager eviction and banishing."""
     o, fracs = part["overheads"], part["fracs"]
-    at = lambda k: ", ".join(f"{pct_or_fails(o[k][i])} at {f:.0%}" for i, f in enumerate(fracs))  # noqa: E731
-    same = always(part, lambda i: o["dtr"][i] == o["dtr_eq"][i])
-    said = ["Exact components (`dtr`) and union-find classes (`dtr_eq`) give "
-            + ("the same overhead at every budget here." if same else f"different overheads: {at('dtr')} against "
-               f"{at('dtr_eq')}."),
-            f"Of the five heuristics with deallocation `free`, {ranking_sentence(part, FREE_MODE)}."]
-    if always(part, lambda i: "lru" in extremes(o, FREE_MODE, i)[1]):
-        said.append("`lru` ignores cost: it evicts what is expensive to rebuild as readily as what is cheap.")
     evict, free = o["dtr + evict"], o["dtr"]
-    if always(part, lambda i: None not in (evict[i], free[i]) and evict[i] > free[i] > 0):
-        ratios = listing([f"{evict[i] / free[i]:.1f}x `free`'s at {f:.0%}" for i, f in enumerate(fracs)])
-        said.append("Eager eviction (`evict`) makes every e\\* grow over everything the program has freed, which "
-                    f"flattens the scores: its overhead is {ratios}.")
-    else:
-        said.append(f"Eager eviction (`evict`) gives {at('dtr + evict')}, `free` {at('dtr')}.")
-    said.append(banish_sentence(part))
-    return " ".join(said)
-
-
-def banish_sentence(part: dict[str, Any]) -> str:
-    """Where banishing is the cheapest of all the variants, and where it finds no schedule."""
-    o, fracs = part["overheads"], part["fracs"]
-    lowest = [f"{f:.0%} ({pct(o['dtr + banish'][i])})" for i, f in enumerate(fracs)
-              if "dtr + banish" in extremes(o, list(o), i)[0]]
-    fails = [f"{f:.0%}" for i, f in enumerate(fracs) if o["dtr + banish"][i] is None]
-    said = "Banishing (`banish`) never rebuilds a freed tensor"
-    said += f"; it gives the lowest overhead of all at {listing(lowest)}" if lowest else "; it is nowhere the cheapest"
-    if fails:
-        said += (", but it locks a forward activation once its input is freed, and each one's input is freed right "
-                 f"after it is read: at {listing(fails)} it finds no schedule, nothing being left to evict")
-    return said + "."
+    return {"at": {k: ", ".join(f"{pct_or_fails(o[k][i])} at {f:.0%}" for i, f in enumerate(fracs))
+                   for k in ("dtr", "dtr_eq", "dtr + evict")},
+            "same": always(part, lambda i: o["dtr"][i] == o["dtr_eq"][i]), "ranking": ranking_sentence(part, FREE_MODE),
+            "lru": always(part, lambda i: "lru" in extremes(o, FREE_MODE, i)[1]),
+            "ratios": always(part, lambda i: None not in (evict[i], free[i]) and evict[i] > free[i] > 0)
+            and [f"{evict[i] / free[i]:.1f}x `free`'s at {f:.0%}" for i, f in enumerate(fracs)],
+            "banish_lowest": [f"{f:.0%} ({pct(o['dtr + banish'][i])})" for i, f in enumerate(fracs)
+                              if "dtr + banish" in extremes(o, list(o), i)[0]],
+            "banish_fails": [f"{f:.0%}" for i, f in enumerate(fracs) if o["dtr + banish"][i] is None]}
 
 
 def dtr_variants_values(small: dict[str, Any], larger: dict[str, Any]) -> dict[str, Any]:
@@ -324,7 +303,7 @@ def dtr_variants_values(small: dict[str, Any], larger: dict[str, Any]) -> dict[s
     from bonsai_core.bench.dtr_variants import table as overheads
 
     o, fracs = larger["overheads"], larger["fracs"]
-    return {"small_nodes": small["nodes"], "small_table": overheads(small), "small_prose": dtr_variants_prose(small),
+    return {"small_nodes": small["nodes"], "small_table": overheads(small), "small_said": dtr_variants_said(small),
             "larger_options": " ".join(f"--{k} {v}" for k, v in larger["options"].items()),
             "larger_nodes": larger["nodes"], "larger_table": overheads(larger),
             "larger_dtr": ", ".join(f"{pct_or_fails(o['dtr'][i])} at {f:.0%}" for i, f in enumerate(fracs)),
