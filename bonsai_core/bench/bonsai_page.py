@@ -565,30 +565,10 @@ def region_share(entries: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
 
 # moccasin at 40%
 
-def step_cost_share(a: float, b: float) -> float:
-    """How much costlier a step at overhead a is than one at overhead b, relative to b's."""
-    return (1 + a) / (1 + b) - 1
-
-
-def against(name: str, r: Row | None, m: float) -> str:
-    if r is None or not ok(r):
-        return f"{name} finds no plan"
-    d = r["overhead"] - m
-    side = "above" if d > TIE else "below" if d < -TIE else "level with"
-    cost = abs(step_cost_share(r["overhead"], m))
-    gap = "" if side == "level with" else f" {points(abs(d))} ({cost:.2%} of the step's cost) "
-    return f"{name} {pct2(r['overhead'])} ({seconds_said(r)}) is{gap or ' '}{side} it"
-
-
-def moccasin_against(s: dict[str, Any]) -> list[str]:
-    """Bonsai's default and ``drop_outputs`` against moccasin's plan at MOCCASIN_AT (none when it has none)."""
-    m = s["moccasin"]
-    if not ok(m):
-        return []
-    rows = {v: next((r for r in option_rows(s, "gpt4", v) if abs(r["fraction"] - MOCCASIN_AT) < 1e-9), None)
+def moccasin_rows(s: dict[str, Any]) -> dict[str, Row | None]:
+    """Bonsai's default and ``drop_outputs`` plans of the 4-layer GPT at MOCCASIN_AT (None where not run)."""
+    return {v: next((r for r in option_rows(s, "gpt4", v) if abs(r["fraction"] - MOCCASIN_AT) < 1e-9), None)
             for v in ("saved", "dropped")}
-    return [against("bonsai's default", rows["saved"], m["overhead"]),
-            against("with `drop_outputs`", rows["dropped"], m["overhead"])]
 
 
 def checkmate_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -656,16 +636,15 @@ def real_cell(m: dict[str, Any], space: bool = False) -> str:
     return pct2(m["overhead"]) + (f" ({m['space']})" if space and m.get("space") else "")
 
 
-def real_said(label: str, share: str, plain: dict[str, Any], dtr: dict[str, Any], chen: dict[str, Any]) -> str:
-    if plain.get("overhead") is None:
-        return f"{label} at {share}: bonsai found no plan."
+def real_said(label: str, share: str, plain: dict[str, Any], dtr: dict[str, Any], chen: dict[str, Any]) -> tuple:
+    """(label, budget, bonsai's plan, the methods it is below, those it is not below): what the page says of
+    one budget of a real step."""
+    plain = {"overhead": plain.get("overhead"), "wall_seconds": plain.get("wall_seconds"),
+             "bound_gap": plain.get("bound_gap")}
     others = [(name, m["overhead"]) for name, m in (("dtr", dtr), ("chen", chen)) if m.get("overhead") is not None]
-    below = [f"{name} ({pct2(o)})" for name, o in others if plain["overhead"] < o]
-    above = [f"{name} ({pct2(o)})" for name, o in others if plain["overhead"] >= o]
-    return (f"{label} at {share}: bonsai {pct2(plain['overhead'])} in {plain['wall_seconds']:.0f} s, "
-            + (f"below {' and '.join(below)}" if below else "")
-            + ("; " if below and above else "") + (f"not below {' and '.join(above)}" if above else "")
-            + (f", {plain['bound_gap']:.2%} from the bound." if plain.get("bound_gap") is not None else "."))
+    below = [f"{name} ({pct2(o)})" for name, o in others if plain["overhead"] is not None and plain["overhead"] < o]
+    return label, share, plain, below, [f"{name} ({pct2(o)})" for name, o in others
+                                        if plain["overhead"] is not None and plain["overhead"] >= o]
 
 
 # -- the page --------------------------------------------------------------------------------------
@@ -685,7 +664,7 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()], unet_table=unet_table(s["unets"]),
         unet_prose=unet_prose(s["unets"]), headroom=headroom_values(s["headroom"]),
         others_table=others_table(s["others"]),
-        region_share=region_share(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_against=moccasin_against(s),
+        region_share=region_share(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_rows=moccasin_rows(s),
         checkmate=checkmate_values(s.get("checkmate") or []), real_steps=real_steps_values(s.get("real_steps") or []),
         **suite_values(rows))
 
