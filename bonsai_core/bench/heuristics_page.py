@@ -127,14 +127,6 @@ def reserved_budgets(time_limit: float) -> dict[str, Any]:
 
 # -- words and numbers -----------------------------------------------------------------------------
 
-def split_by_sign(pairs: Iterable[tuple[str, float, float]], tolerance: float = 1e-9) -> dict[str, list[str]]:
-    """The names of ``(name, a, b)`` where a is lower than b, higher, or equal (within ``tolerance``)."""
-    out: dict[str, list[str]] = {"lower": [], "higher": [], "equal": []}
-    for name, a, b in pairs:
-        out["lower" if a < b - tolerance else "higher" if a > b + tolerance else "equal"].append(name)
-    return out
-
-
 def best_pool_ratio(e: dict[str, Any]) -> float | None:
     """The smallest pool of the best DTR-in-the-pool variant, over coop's (None when either trains in none)."""
     rs = [r for r in (ratio(e, k) for k in POOL_VARIANTS) if r is not None]
@@ -210,7 +202,7 @@ def fragmentation_counts(results: dict[str, Any], key: str) -> list[tuple[float,
     for f in FACTORS:
         both = both_trained(results, f)
         if both:
-            lower = split_by_sign((g, c[key], d[key]) for g, c, d in both)["lower"]
+            lower = common.compare((g, c[key], d[key]) for g, c, d in both)["lower"]
             out.append((f, len(lower), len(both), median(c[key] for _, c, _ in both),
                         median(d[key] for _, _, d in both)))
     return out
@@ -502,8 +494,8 @@ def pair_split(rows: list[dict[str, Any]], pair: tuple[str, str],
                value: Callable[[dict], float | None]) -> dict[str, list[str]]:
     """The models where ``value`` of the in-place variant is lower than the copy's, higher, or equal
     (models where either has none left out)."""
-    values = [(display(m), value(vs[pair[0]]), value(vs[pair[1]])) for m, vs in by_model(rows).items()]
-    return split_by_sign((m, a, b) for m, a, b in values if a is not None and b is not None)
+    compared = common.compare((display(m), value(vs[pair[0]]), value(vs[pair[1]])) for m, vs in by_model(rows).items())
+    return {k: [m for m, _ in compared[k]] for k in ("lower", "higher", "equal")}
 
 
 def smallest_of(row: dict[str, Any]) -> float | None:
