@@ -39,6 +39,7 @@ import statistics
 import time
 from typing import Any
 
+from bonsai_core.bench.common import pipe_table
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph
 from bonsai_core.schedule import no_remat_peak
@@ -156,9 +157,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 def solve_table(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, tuple[str, Any]]]:
     """Bonsai (and the methods compared) on every model, backend and budget; the rows and the graphs."""
     rows: list[dict[str, Any]] = []
-    print("| model | nodes | budget | method | granularity | ILP cand. | vars | wall s (split) | status | gap | source "
-          "| peak/plain | overhead | tool RSS |")
-    print("|" + "---|" * 14)
+    print(pipe_table(["model", "nodes", "budget", "method", "granularity", "ILP cand.", "vars", "wall s (split)",
+                      "status", "gap", "source", "peak/plain", "overhead", "tool RSS"], []))
     graphs = {}
     for spec in args.models:
         label, g = graphs[spec] = load(spec)
@@ -197,8 +197,7 @@ def smallest_budgets(args: argparse.Namespace, graphs: dict[str, tuple[str, Any]
 
     print("\nSmallest budget reached (share of the no-remat peak): bonsai's model at the top of its auto "
           "ladder (min-peak MILP), chen's lowest plan, and the per-op lower bound:\n")
-    print("| model | bonsai model (status) | chen | per-op lower bound |")
-    print("|---|---|---|---|")
+    print(pipe_table(["model", "bonsai model (status)", "chen", "per-op lower bound"], []))
     rows = []
     for spec in args.models:
         label, g = graphs[spec]
@@ -217,8 +216,8 @@ def granularity_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     label, g = load(args.granularity_model)
     plain = no_remat_peak(g)
     print(f"\nGranularity on {label} ({g.n} nodes), budget 45% of the no-remat peak, HiGHS:\n")
-    print("| granularity | candidates | ILP cand. | vars | cons | wall s | status | gap | peak/plain | overhead |")
-    print("|" + "---|" * 10)
+    print(pipe_table(["granularity", "candidates", "ILP cand.", "vars", "cons", "wall s", "status", "gap", "peak/plain",
+                      "overhead"], []))
     rows = []
     for gran in args.granularities:
         B._cache.clear()
@@ -239,8 +238,7 @@ def resolve_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     label, g = load(args.resolve_model)
     plain = no_remat_peak(g)
     print(f"\nLive re-solve on {label} ({g.n} nodes): one build, then budget changes:\n")
-    print("| backend | budget | cached | wall s (solve + schedule + simulate) | status | overhead |")
-    print("|" + "---|" * 6)
+    print(pipe_table(["backend", "budget", "cached", "wall s (solve + schedule + simulate)", "status", "overhead"], []))
     rows = []
     for backend in args.backends:
         B._cache.clear()
