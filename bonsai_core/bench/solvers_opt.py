@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from bonsai_core.bench import common
-from bonsai_core.bench.common import listing, pct, table
+from bonsai_core.bench.common import budget, listing, pct, table
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph, save_graph
 from bonsai_core.schedule import no_remat_peak
@@ -280,11 +280,7 @@ def has_schedule(row: Row | None) -> bool:
 
 
 def cell_name(row: Row) -> str:
-    return f"{row['graph']} at {share(row['budget_share'])}"
-
-
-def share(fraction: float) -> str:
-    return f"{fraction * 100:g}%"
+    return f"{row['graph']} at {budget(row['budget_share'])}"
 
 
 def seconds(x: float) -> str:
@@ -306,7 +302,7 @@ def cells_said(rows: Sequence[Row]) -> str:
     """``gpt-l2 at 70% and 50%, unet at 70%``: the rows' cells, grouped by graph."""
     by_graph: dict[str, list[str]] = {}
     for r in rows:
-        by_graph.setdefault(r["graph"], []).append(share(r["budget_share"]))
+        by_graph.setdefault(r["graph"], []).append(budget(r["budget_share"]))
     return listing([f"{g} at {listing(shares)}" for g, shares in by_graph.items()])
 
 
@@ -336,7 +332,7 @@ def runs_table(rows: Sequence[Row]) -> str:
         return "" if r.get(key) is None else fmt.format(r[key])
     return table(["graph", "nodes", "budget", "method", "status", "overhead", "gap", "variables", "constraints",
                   "build s", "solve s"],
-                 [[r["graph"], f(r, "nodes", "{}"), share(r["budget_share"]), r["method"], outcome(r),
+                 [[r["graph"], f(r, "nodes", "{}"), budget(r["budget_share"]), r["method"], outcome(r),
                    f(r, "overhead", "{:.2%}"), f(r, "gap", "{:.2%}"), f(r, "variables", "{}"), f(r, "constraints", "{}"),
                    f(r, "build_seconds", "{:.2f}"), f(r, "solve_seconds", "{:.1f}")] for r in rows])
 
@@ -403,7 +399,7 @@ def moccasin_values(rows: Sequence[Row]) -> dict[str, Any]:
             "cells": len(by_cell(rows)),
             "theirs": [f"{counts.get(m, 0)} on {backend}" for m, backend in CHECKMATE.items() if m in counts],
             "optimal_seconds": optimal and seconds_range(r["solve_seconds"] for r in optimal),
-            "optimal_at": [f"at {share(s)} on "
+            "optimal_at": [f"at {budget(s)} on "
                            f"{graphs_said([r['graph'] for r in optimal if r['budget_share'] == s], graphs_of(moc))}"
                            for s in shares_of(moc) if any(r["budget_share"] == s for r in optimal)],
             "feasible": feasible and cells_said(feasible), "feasible_gap": gaps_said(feasible),
@@ -449,9 +445,9 @@ def checkmate_values(rows: Sequence[Row]) -> dict[str, Any]:
     counts = {backend: sum(r["method"] == m and has_schedule(r) for r in rows) for m, backend in CHECKMATE.items()}
     return {"variables": cm and common.span((r["variables"] for r in cm), "{:,}".format),
             "constraints": cm and common.span((r["constraints"] for r in cm), "{:,}".format),
-            "optimal": [f"{g} at {share(s)} ({listing(b)})" for (g, s), b in optimal.items()],
+            "optimal": [f"{g} at {budget(s)} ({listing(b)})" for (g, s), b in optimal.items()],
             "both_optimal": both, "overheads": sorted({f"{moc['overhead']:+.2%}" for _, _, moc in both}),
-            "differ": [f"{g} at {share(s)} ({CHECKMATE[r['method']]} {r['overhead']:+.2%} against "
+            "differ": [f"{g} at {budget(s)} ({CHECKMATE[r['method']]} {r['overhead']:+.2%} against "
                        f"{moc['overhead']:+.2%})"
                        for (g, s), r, moc in differ],
             "unproven": len(unproven), "parts": against_moccasin(unproven),
@@ -613,7 +609,7 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, rows_link: str) 
         "checkmate_moccasin", header=header, machine=run["machine"], load=load_said(run, rows), torch=run["torch"],
         highspy=v["highspy"], pyscipopt=v["pyscipopt"], ortools=v["ortools"], cvxpy=v["cvxpy"],
         dates=common.run_dates(run), minutes=f"{run['seconds'] / 60:.0f}", command=run["command"], rows_link=rows_link,
-        run_file=run_link(rows_link), graphs=listing(graphs_of(main)), budgets=listing([share(s) for s in shares_of(main)]),
+        run_file=run_link(rows_link), graphs=listing(graphs_of(main)), budgets=listing([budget(s) for s in shares_of(main)]),
         limit=seconds(limit), graph_table=graph_table(rows), runs_table=runs_table(in_cell_order(main)),
         copies=copies, copies_table=copies and runs_table(copies), warm=warm, moccasin=moccasin_values(main),
         copies_said=copies_values(copies, main), checkmate=checkmate_values(main),
