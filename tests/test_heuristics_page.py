@@ -102,16 +102,24 @@ def page_results() -> dict:
     return results
 
 
-def claims() -> list[dict]:
-    def run(overhead: float, own: float, caching: float, at_failure: float, live: int, reserved: int) -> dict:
+def fullest(op: int, ops: int, top_op: int, top_name: str, free: int, first: tuple[int, str, int]) -> dict:
+    return {"op": op, "ops": ops, "top_op": top_op, "top_name": top_name, "free": free,
+            "first_request": {"op": first[0], "name": first[1], "bytes": first[2]}}
+
+
+def claims(coop_free_70: int = 5) -> list[dict]:
+    def run(overhead: float, own: float, caching: float, at_failure: float, live: int, reserved: int,
+            moment: dict | None = None) -> dict:
         return {"ok": True, "overhead": overhead, "own_fragmentation": own, "caching_fragmentation": caching,
-                "free_at_failure": at_failure, "live_peak": live, "reserved_peak": reserved}
+                "free_at_failure": at_failure, "live_peak": live, "reserved_peak": reserved, "fullest": moment}
 
     failed = {"ok": False, "error": "Dynamic rematerialization"}
+    first = (122, "_softmax_1", 20)
     return [{"model": "gpt --layers 2", "frac": 0.6, "pool": 1000,
              "coop": run(0.75, 0.001, 0.40, 0.03, 999, 1000), "dtr-pool": run(1.38, 0.001, 0.47, 0.09, 999, 1000)},
-            {"model": "gpt --layers 2", "frac": 0.7, "pool": 1000,
-             "coop": run(0.18, 0.005, 0.33, 0.04, 995, 1000), "dtr-pool": run(0.21, 0.002, 0.32, 0.06, 996, 998)},
+            {"model": "gpt --layers 2", "frac": 0.7, "pool": 1000, "same_until": 122,
+             "coop": run(0.18, 0.005, 0.33, 0.04, 995, 1000, fullest(121, 640, 10, "addmm", coop_free_70, first)),
+             "dtr-pool": run(0.21, 0.002, 0.32, 0.06, 996, 998, fullest(531, 673, 526, "mm_16", 4, first))},
             {"model": "gpt --layers 2", "frac": 0.8, "pool": 1000,
              "coop": run(0.08, 0.009, 0.38, 0.07, 991, 1000), "dtr-pool": run(0.17, 0.017, 0.29, 0.08, 975, 992)},
             {"model": "hf:gpt2", "frac": 0.6, "pool": 1000, "coop": run(0.89, 0.007, 0.29, 0.03, 993, 1000),
@@ -139,10 +147,29 @@ def test_where_coops_own_pool_is_not_ahead_the_fullest_moments_are_named():
     # against the whole pool: 1 - 995/1000 for coop against 1 - 996/1000 at 70%; a tie at 60%
     assert why.startswith("Counted against the whole pool instead of each run's high-water mark, coop's fragmentation "
                           "is lower on 2 of 4 (not on gpt --layers 2 at 60% and gpt --layers 2 at 70%)")
-    assert "at gpt --layers 2 at 60% both hold 999 B at their fullest in a pool of 1,000 B, the same bytes: a tie" in why
+    assert ("at gpt --layers 2 at 60% both hold 999 B at their fullest in a pool of 1,000 B, the same bytes (1 B of the "
+            "pool not live): a tie") in why
     assert ("at gpt --layers 2 at 70% coop holds 995 B at its fullest and dtr-pool 996 B, in a pool of 1,000 B, coop's "
-            "high-water mark reaching the top and dtr-pool's 2 B below the top") in why
+            "high-water mark reaching the top at op 10 of 640 (`addmm`) and dtr-pool's 2 B below the top at op 526 of "
+            "673 (`mm_16`); coop's fullest moment is the one right before its first request that found no room "
+            "(`_softmax_1`, 20 B, before op 122), when 5 B of the pool are not live, less than the request: no placement "
+            "could have served it, and up to that request both runs are the same schedule; dtr-pool is fuller later, at "
+            "op 531 of 673, after its evictions, with 4 B not live") in why
     assert "at 80%" not in why
+
+
+def test_a_fullest_moment_with_room_for_the_request_is_not_said_to_be_unavoidable():
+    # 25 B not live could have held the 20 B request: then placement is to blame, and the page does not excuse it
+    row = hp.with_whole_pool(claims(coop_free_70=25))[1]
+    assert hp.fullest_moments(row).endswith("dtr-pool's 2 B below the top at op 526 of 673 (`mm_16`)")
+
+
+def test_runs_that_differ_before_the_first_request_are_not_the_same():
+    moment = fullest(121, 640, 10, "addmm", 5, (122, "_softmax_1", 20))
+    assert hp.same_until({**moment, "prefix": [["compute", 0]]}, {**moment, "prefix": [["compute", 0]]}) == 122
+    assert hp.same_until({**moment, "prefix": [["compute", 0]]}, {**moment, "prefix": [["compute", 1]]}) is None
+    other = {**moment, "first_request": {"op": 122, "name": "mul", "bytes": 20}, "prefix": [["compute", 0]]}
+    assert hp.same_until({**moment, "prefix": [["compute", 0]]}, other) is None
 
 
 def test_pools_within_one_bisection_step_are_the_same():

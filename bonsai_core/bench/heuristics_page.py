@@ -18,6 +18,7 @@ from bonsai_core.bench import common
 from bonsai_core.bench.common import listing, median, pct, pct_or_fails, table
 from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, mib, pool_cell,
                                           pool_order, ratio)
+from bonsai_core.graph import Graph
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
 SOURCES = ["bonsai_core/bench/heuristics_page.py", "bonsai_core/bench/heuristics.py",
@@ -64,10 +65,52 @@ def claims(time_limit: float) -> list[dict[str, Any]]:
         graph = trace_model(name, **options).graph
         for frac in CLAIM_FRACS:
             budget = int(frac * no_remat_peak(graph))
-            rows.append({"model": display(heuristics.label_of(name, options)), "frac": frac,
-                         "pool": (budget + adam_bytes(graph)) // MIN_BLOCK * MIN_BLOCK,
-                         **{label: run(graph, budget, label, time_limit, measure=True) for label in ("coop", "dtr-pool")}})
+            pool = (budget + adam_bytes(graph)) // MIN_BLOCK * MIN_BLOCK
+            row = {"model": display(heuristics.label_of(name, options)), "frac": frac, "pool": pool}
+            for label in ("coop", "dtr-pool"):
+                row[label] = run(graph, budget, label, time_limit, measure=True)
+                if row[label]["ok"]:
+                    row[label]["fullest"] = fullest_moment(graph, budget, label, time_limit, pool)
+            if row["coop"]["ok"] and row["dtr-pool"]["ok"]:
+                row["same_until"] = same_until(row["coop"]["fullest"], row["dtr-pool"]["fullest"])
+            for label in ("coop", "dtr-pool"):
+                row[label].get("fullest", {}).pop("prefix", None)  # compared above; not worth storing
+            rows.append(row)
     return rows
+
+
+def fullest_moment(graph: Graph, budget: int, label: str, time_limit: float, pool: int) -> dict[str, Any]:
+    """Where a run's fragmentation in its own pool is taken: its fullest moment on the reserved plateau
+    (op index, of how many ops), the op that first reached its high-water mark, the pool's bytes not live
+    then, and its first request that found no room (the op before which it came, the node, its bytes).
+    ``prefix`` is the schedule up to that request (for :func:`same_until`)."""
+    import numpy as np
+
+    from bonsai_core.solvers import solve
+    from bonsai_core.solvers.pool import pool_replay
+
+    method, options = VARIANTS[label]
+    s = solve(graph, budget, method, time_limit=time_limit, budget_hint=False, **options)
+    r = pool_replay(graph, s, capacity=budget)
+    top = int(np.argmax(r.reserved))
+    i = top + int(np.argmax(np.where(r.reserved[top:] == r.reserved[top], r.live[top:], -1)))
+    log = s.extra.get("evictions", [])
+    first = None
+    if log:
+        before, v = log[0][0], log[0][1]
+        first = {"op": before, "name": graph.names[v], "bytes": int(graph.mem[v])}
+    return {"op": i, "ops": len(s.ops), "top_op": top, "top_name": graph.names[s.ops[top][1]],
+            "free": pool - int(r.live[i]), "first_request": first,
+            "prefix": [list(o) for o in s.ops[:first["op"]]] if first else None}
+
+
+def same_until(coop: dict[str, Any], dtr: dict[str, Any]) -> int | None:
+    """The op before which both runs' first requests that found no room came, when the two runs are
+    the same schedule up to it and the request is the same node; else None."""
+    a, b = coop["first_request"], dtr["first_request"]
+    if a is None or b is None or a != b or coop["prefix"] != dtr["prefix"]:
+        return None
+    return a["op"]
 
 
 def regnet_writes(time_limit: float) -> list[dict[str, Any]]:
@@ -699,13 +742,34 @@ def fullest_moments(row: dict[str, Any]) -> str:
     where = f"{row['model']} at {row['frac']:.0%}"
     if coop["live_peak"] == dtr["live_peak"] and coop["reserved_peak"] == dtr["reserved_peak"]:
         return (f"at {where} both hold {coop['live_peak']:,} B at their fullest in a pool of {pool:,} B, the same "
-                "bytes: a tie")
+                f"bytes ({pool - coop['live_peak']:,} B of the pool not live): a tie")
     def below(r: dict[str, Any]) -> str:
         gap = pool - r["reserved_peak"]
         return f"{gap:,} B below the top" if gap else "the top"
 
+    def reached(r: dict[str, Any]) -> str:
+        f = r["fullest"]
+        return f"at op {f['top_op']} of {f['ops']} (`{f['top_name']}`)"
+
     return (f"at {where} coop holds {coop['live_peak']:,} B at its fullest and dtr-pool {dtr['live_peak']:,} B, in a pool "
-            f"of {pool:,} B, coop's high-water mark reaching {below(coop)} and dtr-pool's {below(dtr)}")
+            f"of {pool:,} B, coop's high-water mark reaching {below(coop)} {reached(coop)} and dtr-pool's {below(dtr)} "
+            f"{reached(dtr)}{before_first_request(row)}")
+
+
+def before_first_request(row: dict[str, Any]) -> str:
+    """Why coop's fullest moment cannot be fuller, where it is the moment right before its first request that
+    found no room and that request is larger than every byte of the pool not live then (no placement could
+    serve it), the two runs being the same schedule up to it; else nothing."""
+    coop, dtr = row["coop"]["fullest"], row["dtr-pool"]["fullest"]
+    first = coop["first_request"]
+    if (first is None or row.get("same_until") != first["op"] or coop["op"] != first["op"] - 1
+            or coop["free"] >= first["bytes"]):
+        return ""
+    return (f"; coop's fullest moment is the one right before its first request that found no room (`{first['name']}`, "
+            f"{first['bytes']:,} B, before op {first['op']}), when {coop['free']:,} B of the pool are not live, less "
+            "than the request: no placement could have served it, and up to that request both runs are the same "
+            f"schedule; dtr-pool is fuller later, at op {dtr['op']} of {dtr['ops']}, after its evictions, with "
+            f"{dtr['free']:,} B not live")
 
 
 CLAIMS = {"overhead": "overhead", "own_fragmentation": "fragmentation in its own pool",
