@@ -27,6 +27,7 @@ the MILP is slow).
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -69,9 +70,10 @@ class PointModel:
     counts: tuple[int, ...]
 
 
-def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[int, ...]) -> PointModel:
+def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[int, ...],
+                anchors: dict[int, np.ndarray] | None = None) -> PointModel:
     """The MILP of the module docstring at ``points``, memory rows in GiB against ``budget`` (bytes, or
-    bytes per point)."""
+    bytes per point); ``anchors``: per point, storages (computed before it) that must be resident there."""
     g = tensors.graph
     n = g.n
     rows_r, rows_c, rows_v, lower, upper = [], [], [], [], []
@@ -100,6 +102,8 @@ def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[in
         lower.append(-np.inf), upper.append((limit - tensors.base(t)) / GIB)
         nrow += 1
         forced += (p0 + np.searchsorted(vs, tensors.reads[t])).tolist()
+        if anchors and t in anchors:
+            forced += (p0 + np.searchsorted(vs, anchors[t])).tolist()
         pairs = [(i, u) for i, v in enumerate(vs.tolist()) for u in tensors.reads[v]]  # z_v <= p_u + z_u
         if pairs:
             i, u = (np.array(x, dtype=np.int64) for x in zip(*pairs))
@@ -357,6 +361,7 @@ class _Search:
         self.points = tuple(sorted(set(int(p) for p in points))) or (
             int(np.argmax(tensors.held + _plain_need(tensors))),)
         self.target = {p: budget for p in self.points}  # each point's budget in the model, lowered where it peaks
+        self.anchors: dict[int, np.ndarray] = {}  # per point, rebuilt tensors made resident there (chains cut)
         self.absent: dict[int, np.ndarray] | None = None  # the last MILP's solution, then repaired
         self.best: tuple[Schedule, SimResult] | None = None
         self.rounds, self.seconds, self.size, self.note = 0, 0.0, (0, 0), "no round ran"
@@ -391,7 +396,7 @@ class _Search:
         start = self.found.values if self.improving else None
         if not self.improving:
             self.model = point_model(self.tensors, {p: self.target.get(p, self.budget) for p in self.points},
-                                     self.points)
+                                     self.points, self.anchors)
             self.size = (len(self.model.milp.cost), self.model.milp.matrix.shape[0])
         share = IMPROVE_SHARE if self.improving else ROUND_SHARE
         found, spent = _milp_round(self.model, self.backend, self.gap, self.clock, start, share)
@@ -424,11 +429,31 @@ class _Search:
                 self.absent[position] = _left_out(self.tensors, sim, position, at, excess, self.absent.get(position))
             self.repaired, self.note = True, "repaired"
             return
-        for excess, p, _ in over:  # a peak inside a window the MILP sees only at its point: its budget goes down
-            if p in self.points:
+        seen: set[int] = set()  # windows with cut chains refined this round (at their highest peak only)
+        added, cut = set(), False
+        for excess, p, at in over:  # highest first
+            window = self._window_of(p)
+            if window in seen:
+                continue
+            anchors = None if window is None else _anchors(self.tensors, sim, at, window, excess,
+                                                           self.anchors.get(window))
+            if anchors is not None:  # rebuilt chains explain the excess: cut them
+                self.anchors[window], cut = anchors, True
+                seen.add(window)
+            elif window in self.anchors:  # a new point inside would let the MILP drop the anchors there again
+                self.target[window] = self.target.get(window, self.budget) - excess
+                seen.add(window)
+            elif p in self.points:  # a peak inside a window the MILP sees only at its point: its budget goes down
                 self.target[p] = self.target.get(p, self.budget) - excess
-        self.points = tuple(sorted(set(self.points) | {p for _, p, _ in over}))
-        self.note = "points added or tightened"
+            else:
+                added.add(p)
+        self.points = tuple(sorted(set(self.points) | added))
+        self.note = "rebuild chains cut" if cut else "points added or tightened"
+
+    def _window_of(self, position: int) -> int | None:
+        """The point whose window holds ``position`` (the last point at or before it; None: none)."""
+        i = bisect.bisect_right(self.points, position)
+        return self.points[i - 1] if i else None
 
 
 def _runs(tensors: Tensors, absent: dict[int, np.ndarray], budget: int
@@ -470,6 +495,30 @@ def _left_out(tensors: Tensors, sim: SimResult, position: int, at: int, excess: 
     order = live[np.argsort(g.cost[live] / g.mem[live], kind="stable")]
     taken = order[:int(np.searchsorted(np.cumsum(g.mem[order]), excess)) + 1]
     return taken if already is None else np.union1d(already, taken)
+
+
+def _anchors(tensors: Tensors, sim: SimResult, at: int, point: int, excess: int,
+             already: np.ndarray | None) -> np.ndarray | None:
+    """Where the lazy run peaks ``excess`` bytes over at op ``at`` because of rebuilt tensors: ``already``
+    and about √k of the k rebuilt storages held there that were computed before ``point``, evenly spaced
+    in the listed order, to be resident at ``point``. A missing tensor is rebuilt with its missing inputs
+    and each stays until its last read, so a chain of k missing tensors (a residual stream dropped block
+    after block) is held whole at once; resident anchors every √k links leave about √k of them held at a
+    time, for about √k resident ones (Chen's √n on the chain), at no more recomputation: of the chain's
+    R bytes, about R·(1 - 2/√k) are saved. None when that does not cover the excess (the peak has
+    another cause)."""
+    g = tensors.graph
+    r = sim.residency
+    copies = (r.start <= at) & (at < r.end) & r.recomputed
+    rebuilt = np.unique(tensors.storage[r.node[copies]])
+    rebuilt = rebuilt[(rebuilt < point) & (g.mem[rebuilt] > 0)]
+    if already is not None:
+        rebuilt = rebuilt[~np.isin(rebuilt, already)]
+    k = math.isqrt(len(rebuilt))
+    if k == 0 or float(g.mem[rebuilt].sum()) * (1 - 2 / math.sqrt(len(rebuilt))) < excess:
+        return None
+    picked = rebuilt[np.unique(np.linspace(0, len(rebuilt) - 1, k + 2)[1:-1].round().astype(np.int64))]
+    return picked if already is None else np.union1d(already, picked)
 
 
 def _plain_need(tensors: Tensors) -> np.ndarray:
