@@ -17,7 +17,8 @@ from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.schedule import hold_separated_outputs, no_remat_peak, schedule_ops, simulate
 from bonsai_core.solvers import solve
 from bonsai_core.solvers.bonsai_ops import _anchors, lazy_sequence, plan_ops, point_model
-from bonsai_core.solvers.deadline import Deadline
+from bonsai_core.solvers.bonsai import build
+from bonsai_core.solvers.deadline import Deadline, OutOfTime
 from bonsai_core.graph import load_graph
 from tests.graphs import residual_stream
 from tests.strategies import graphs
@@ -86,6 +87,14 @@ def test_the_search_cuts_rebuild_chains_to_fit():
     found = plan_ops(g, budget, Deadline(30))
     assert found.schedule is not None and found.sim.peak <= budget
     assert found.sim.compute_cost >= lower_bound(g, budget).cost * (1 - 1e-9)
+
+
+def test_the_segment_ilp_build_stops_at_the_time_limit(gpt):
+    # a large step's build takes minutes: past the call's clock it stops, and nothing half-built is cached
+    passed = Deadline(1e-9)
+    with pytest.raises(OutOfTime):
+        build(gpt, 3, clock=passed)
+    assert build(gpt, 3).seg.granularity == 3
 
 
 def test_the_model_counts_each_points_memory_and_forces_its_inputs(gpt):
