@@ -21,7 +21,9 @@ tensor stays while a later op or a later rebuild reads it. The simulator judges 
 positions where it peaks over the budget become points, a point where it peaks gets a lower budget in
 the MILP (memory inside a window the MILP does not see), and the model is solved again, until the plan
 fits or the time runs out (:func:`plan_ops`: also a run that counts its bytes, and a greedy repair once
-the MILP is slow).
+the MILP is slow). Where such a peak is a chain of rebuilt tensors held whole (a residual stream left
+out block after block), about √k of its links must be resident at the window's point instead
+(:func:`_anchors`).
 """
 
 from __future__ import annotations
@@ -338,7 +340,9 @@ def plan_ops(graph: Graph, budget: int, clock: Deadline, backend: str = "highs",
     module docstring), starting from ``points`` (positions; the simulated peaks of the first plans add
     more). Each round runs the plan lazily and, where that peaks over the budget, counting its bytes too
     (:func:`_runs`); a plan that fits is kept, and the rounds go on (at most EXTRA_ROUNDS more once one
-    fits) until the lazy run fits. Once a round's MILP takes more than MILP_SHARE of the time left (a large
+    fits) until the lazy run fits. Where a peak is mostly a rebuilt chain, its window's point gets
+    anchors instead (:func:`_anchors`), and that window's later peaks lower its budget rather than add
+    points inside it. Once a round's MILP takes more than MILP_SHARE of the time left (a large
     step, a short limit), the rounds after it keep its solution and repair the plan instead: at each
     position where it peaks over the budget, the resident tensors that op does not read are left out there,
     cheapest per byte first, until the excess is covered. A plan that fits from a MILP stopped short of
