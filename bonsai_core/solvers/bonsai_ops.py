@@ -373,6 +373,8 @@ class _Search:
         self.model: PointModel | None = None
         self.found: SparseOutcome | None = None
         self.extra = EXTRA_ROUNDS
+        self.added: dict[int, tuple[int, int]] = {}  # points the last refine added inside a window: (window, excess)
+        self.tighten_only = False  # set once added points made the MILP stop short of the gap
 
     def run(self) -> None:
         while self.rounds < MAX_ROUNDS and not self.clock.passed():
@@ -400,11 +402,16 @@ class _Search:
         start = self.found.values if self.improving else None
         if not self.improving:
             self.model = point_model(self.tensors, {p: self.target.get(p, self.budget) for p in self.points},
-                                     self.points, self.anchors)
+                                     self.points, self._anchored())
             self.size = (len(self.model.milp.cost), self.model.milp.matrix.shape[0])
         share = IMPROVE_SHARE if self.improving else ROUND_SHARE
         found, spent = _milp_round(self.model, self.backend, self.gap, self.clock, start, share)
         self.seconds += spent
+        if self.added and not self.improving and (found is None or found.values is None
+                                                   or (found.outcome.gap or 0.0) > self.gap):
+            self._take_back_points()  # the larger model does not solve in its share: the windows' budgets instead
+            return self.solve()
+        self.added = {}
         if found is None or found.values is None:
             if self.absent is None:
                 self.note = "the MILP found no plan" + (
@@ -444,15 +451,39 @@ class _Search:
             if anchors is not None:  # rebuilt chains explain the excess: cut them
                 self.anchors[window], cut = anchors, True
                 seen.add(window)
-            elif window in self.anchors:  # a new point inside would let the MILP drop the anchors there again
-                self.target[window] = self.target.get(window, self.budget) - excess
-                seen.add(window)
             elif p in self.points:  # a peak inside a window the MILP sees only at its point: its budget goes down
                 self.target[p] = self.target.get(p, self.budget) - excess
+            elif window is not None and self.tighten_only:
+                self.target[window] = self.target.get(window, self.budget) - excess
+                seen.add(window)
             else:
                 added.add(p)
+                if window is not None:
+                    self.added[p] = (window, excess)
         self.points = tuple(sorted(set(self.points) | added))
         self.note = "rebuild chains cut" if cut else "points added or tightened"
+
+    def _take_back_points(self) -> None:
+        """Drop the points the last refine added inside windows, lower each of those windows' budget by its
+        highest such peak's excess instead, and from now on tighten rather than add points inside windows."""
+        lower: dict[int, int] = {}
+        for window, excess in self.added.values():
+            lower[window] = max(lower.get(window, 0), excess)
+        for window, excess in lower.items():
+            self.target[window] = self.target.get(window, self.budget) - excess
+        self.points = tuple(p for p in self.points if p not in self.added)
+        self.added, self.tighten_only = {}, True
+
+    def _anchored(self) -> dict[int, np.ndarray]:
+        """Per point, the anchors that must be resident there: those set at it or at an earlier point and
+        read at or after it (a later point that could leave them out would rebuild the chain whole)."""
+        out = {}
+        for t in self.points:
+            held = [a[(a < t) & np.array([_read_later(self.tensors, int(v), t - 1) for v in a.tolist()], dtype=bool)]
+                    for p, a in self.anchors.items() if p <= t and len(a)]
+            if held:
+                out[t] = np.unique(np.concatenate(held))
+        return out
 
     def _window_of(self, position: int) -> int | None:
         """The point whose window holds ``position`` (the last point at or before it; None: none)."""
