@@ -341,8 +341,9 @@ def plan_ops(graph: Graph, budget: int, clock: Deadline, backend: str = "highs",
     more). Each round runs the plan lazily and, where that peaks over the budget, counting its bytes too
     (:func:`_runs`); a plan that fits is kept, and the rounds go on (at most EXTRA_ROUNDS more once one
     fits) until the lazy run fits. Where a peak is mostly a rebuilt chain, its window's point gets
-    anchors instead (:func:`_anchors`), and that window's later peaks lower its budget rather than add
-    points inside it. Once a round's MILP takes more than MILP_SHARE of the time left (a large
+    anchors instead (:func:`_anchors`), resident there and at later points until read. When the points
+    a round added inside windows make its MILP stop short of the gap, they are taken back and those
+    windows' budgets lowered instead (and so from then on). Once a round's MILP takes more than MILP_SHARE of the time left (a large
     step, a short limit), the rounds after it keep its solution and repair the plan instead: at each
     position where it peaks over the budget, the resident tensors that op does not read are left out there,
     cheapest per byte first, until the excess is covered. A plan that fits from a MILP stopped short of
