@@ -100,3 +100,27 @@ def stacked_blocks(blocks: int, width: int = 1024, shared: bool = False) -> Grap
             partial.setdefault(d, []).append(len(nodes) - 1)
     modules.sort(key=lambda m: (m[1], -m[2]))
     return Graph.from_nodes(f"blocks{blocks}", 0, nodes, modules=modules)
+
+
+def residual_stream(blocks: int, mem: int = 2**28) -> Graph:
+    """A residual stream: x_i = x_{i-1} + m_i, where m_i = mm(x_{i-1}) costs ten times the add; the
+    backward op of block i reads x_{i-1}, m_i and the gradient before it. Dropping the cheap x's and
+    keeping the m's is the cheapest choice at the first backward op, but x_{i-1} rebuilt for block i's
+    backward op needs every dropped x before it: a chain rebuilt whole and held until each link's
+    backward op. ``mem`` bytes per tensor (GiB-scale rows keep the MILP's memory rows above its
+    tolerances)."""
+    nodes = [dict(name="x0", op="aten.embedding.default", phase="forward", cost=1.0, mem=mem, deps=[])]
+    xs, ms = [0], []
+    for i in range(1, blocks + 1):
+        nodes.append(dict(name=f"m{i}", op="aten.mm.default", phase="forward", cost=10.0, mem=mem, deps=[xs[-1]]))
+        ms.append(len(nodes) - 1)
+        nodes.append(dict(name=f"x{i}", op="aten.add.Tensor", phase="forward", cost=1.0, mem=mem,
+                          deps=[xs[-1], ms[-1]]))
+        xs.append(len(nodes) - 1)
+    nodes.append(dict(name="loss", op="aten.sum.default", phase="forward", cost=1.0, mem=2**20, deps=[xs[-1]]))
+    grad = len(nodes) - 1
+    for i in range(blocks, 0, -1):
+        nodes.append(dict(name=f"g{i}", op="aten.mm.default", phase="backward", cost=10.0, mem=mem,
+                          deps=sorted([grad, xs[i - 1], ms[i - 1]])))
+        grad = len(nodes) - 1
+    return Graph.from_nodes(f"residual-stream{blocks}", 0, nodes)

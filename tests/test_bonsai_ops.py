@@ -4,6 +4,7 @@ never costlier than the checkpoint plan alone, and what they report."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +16,11 @@ from bonsai_core.bound import Tensors, lower_bound
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.schedule import hold_separated_outputs, no_remat_peak, schedule_ops, simulate
 from bonsai_core.solvers import solve
-from bonsai_core.solvers.bonsai_ops import lazy_sequence, plan_ops, point_model
-from bonsai_core.solvers.deadline import Deadline
+from bonsai_core.solvers.bonsai_ops import _anchors, lazy_sequence, plan_ops, point_model
+from bonsai_core.solvers.bonsai import build
+from bonsai_core.solvers.deadline import Deadline, OutOfTime
 from bonsai_core.graph import load_graph
+from tests.graphs import residual_stream
 from tests.strategies import graphs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +55,46 @@ def test_an_op_level_plan_fits_and_is_never_below_the_bound(g, share):
         return
     assert found.sim.peak <= budget
     assert found.sim.compute_cost >= lower_bound(g, budget).cost * (1 - 1e-9)
+
+
+def test_anchors_cut_a_rebuilt_chain_at_no_more_recomputation():
+    # x1..x15 left out at the first backward op: x15, read first, is rebuilt from x0 through every link,
+    # and each link stays until its own backward op, so the chain is held whole
+    g = residual_stream(16)
+    tensors = Tensors(g)
+    point = int(np.flatnonzero(~g.is_forward)[0])
+    xs = [v for v in range(g.n) if g.names[v].startswith("x")]
+    dropped = np.array(xs[1:-1])
+
+    def run(absent: np.ndarray):
+        return simulate(g, hold_separated_outputs(g, schedule_ops(g, lazy_sequence(tensors, {point: absent}))))
+
+    whole = run(dropped)
+    chain = 15 * 2**28
+    anchors = _anchors(tensors, whole, whole.peak_op, point, 1, None)
+    assert len(anchors) == math.isqrt(15) and set(anchors.tolist()) <= set(dropped.tolist())
+    cut = run(np.setdiff1d(dropped, anchors))
+    assert whole.peak - cut.peak >= chain * (1 - 2 / math.sqrt(15))  # the saving the anchors are chosen for
+    assert cut.compute_cost <= whole.compute_cost  # each link still rebuilt at most once
+    assert _anchors(tensors, whole, whole.peak_op, point, chain, None) is None  # more than cutting saves: not the cause
+
+
+def test_the_search_cuts_rebuild_chains_to_fit():
+    # at half the no-remat peak the cheapest set at the first backward op drops the residual stream;
+    # its lazy run holds the rebuilt chain whole, which no point or tightened budget cures in time
+    g = residual_stream(16)
+    budget = int(0.5 * no_remat_peak(g))
+    found = plan_ops(g, budget, Deadline(30))
+    assert found.schedule is not None and found.sim.peak <= budget
+    assert found.sim.compute_cost >= lower_bound(g, budget).cost * (1 - 1e-9)
+
+
+def test_the_segment_ilp_build_stops_at_the_time_limit(gpt):
+    # a large step's build takes minutes: past the call's clock it stops, and nothing half-built is cached
+    passed = Deadline(1e-9)
+    with pytest.raises(OutOfTime):
+        build(gpt, 3, clock=passed)
+    assert build(gpt, 3).seg.granularity == 3
 
 
 def test_the_model_counts_each_points_memory_and_forces_its_inputs(gpt):

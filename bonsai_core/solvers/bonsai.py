@@ -64,7 +64,7 @@ from bonsai_core.solvers.bonsai_coef import (PlainProfile, density_levels, plain
                                              self_contained)
 from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
 from bonsai_core.solvers.bonsai_ops import OpsOutcome, plan_ops
-from bonsai_core.solvers.deadline import Deadline
+from bonsai_core.solvers.deadline import Deadline, OutOfTime
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, problem_size, solve_milp
 from bonsai_core.solvers.sparse_milp import from_cvxpy, satisfies, solve_sparse_milp
 from bonsai_core.units import format_bytes
@@ -100,6 +100,8 @@ class FallbackPlans:
         """The cheapest plan within ``budget`` whose compute cost is below ``below``, as (peak, cost,
         label, plan)."""
         if self.costs is None:
+            if clock is not None and clock.passed():
+                return None  # every plan's cost takes a pass over it: past the time limit, none is known
             self.costs = [float(graph.cost[checkpoint_sequence(graph, plan)].sum()) for _, plan, _ in self.plans]
         costs = self.costs
         for i in sorted(range(len(self.plans)), key=costs.__getitem__):
@@ -193,7 +195,7 @@ def auto_ladder(graph: Graph) -> list[int]:
 
 def build(graph: Graph, granularity: int | None = None, regions: Regions = "any",
           drop_outputs: bool = False, save_self_contained: bool = True, save_ops: bool = False,
-          offload: bool = False) -> BuiltModel:
+          offload: bool = False, clock: Deadline | None = None) -> BuiltModel:
     """The segment ILP of ``graph`` at ``granularity`` (None: the paper's default, round(2·√ops)),
     with Chen's segments and the module calls as extra candidates; built once per (graph hash,
     granularity, regions) and cached (the last few), so a budget change only sets the Parameter.
@@ -202,7 +204,7 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
     recomputed with their outputs dropped (:class:`~bonsai_core.regions.CheckpointPlan`); ``save_self_contained``:
     a recomputed candidate saves its self-contained nodes; ``save_ops``: it may also save the ops of a
     density level (:func:`~bonsai_core.solvers.bonsai_coef.density_levels`) inside it; ``offload``: saved
-    tensors may go to host memory."""
+    tensors may go to host memory. Past ``clock`` the build stops (:class:`OutOfTime`) and nothing is cached."""
     if regions == "modules":
         granularity = 1
     gran = default_granularity(graph) if granularity is None else granularity
@@ -217,7 +219,8 @@ def build(graph: Graph, granularity: int | None = None, regions: Regions = "any"
             calls = module_spans(graph)
             allowed = np.array([(a, b) in calls for a, b in zip(full.starts.tolist(), full.ends.tolist())], dtype=bool)
         levels = density_levels(graph) if save_ops else None
-        return build_model(graph, full, _plain(graph), allowed, drop_outputs, save_self_contained, levels, offload)
+        return build_model(graph, full, _plain(graph), allowed, drop_outputs, save_self_contained, levels, offload,
+                           clock)
 
     return _cached(key, make)
 
@@ -461,13 +464,19 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         cached = (graph.hash, ("model", min(gran, max(1, op_count(graph))), regions, drop_outputs,
                                save_self_contained, save_ops) + (("offload",) if offload else ())) in _cache
         before = dict(times.parts)
-        with times("build"):
-            built = build(graph, gran, regions, drop_outputs, save_self_contained, save_ops, offload)
+        try:
+            with times("build"):
+                built = build(graph, gran, regions, drop_outputs, save_self_contained, save_ops, offload, clock)
+        except OutOfTime:
+            break  # no time left to build this rung: what the rungs before found, or a fallback plan
         tried.append(built.seg.granularity)
         start = None
         if offload:  # the plan without offload is the offload model's MIP start, and its answer if it finds none
-            with times("build"):
-                plain_built = build(graph, gran, regions, drop_outputs, save_self_contained, save_ops)
+            try:
+                with times("build"):
+                    plain_built = build(graph, gran, regions, drop_outputs, save_self_contained, save_ops, clock=clock)
+            except OutOfTime:
+                break
             start = _solve_model(graph, plain_built, target, backend, clock, gap, times)
             if start is not None and not np.array_equal(plain_built.candidates, built.candidates):
                 raise AssertionError("the models with and without offload have different candidates")

@@ -33,6 +33,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import simulate
 from bonsai_core.segment import Segmentation
+from bonsai_core.solvers.deadline import Deadline, check
 
 SAVE_STEPS = 4  # steps of a segment's savings curve the ILP sees (more: tighter model, more non-zeros)
 
@@ -213,7 +214,8 @@ def density_levels(graph: Graph, shares: tuple[float, ...] = (0.5, 0.8, 0.95)) -
 
 
 def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outputs: bool = False,
-                 save_self_contained: bool = False, pinned: np.ndarray | None = None) -> Coefficients:
+                 save_self_contained: bool = False, pinned: np.ndarray | None = None,
+                 clock: Deadline | None = None) -> Coefficients:
     """Per-candidate recomputation cost, savings, kept inputs and rebuild peak; with ``drop_outputs``,
     of the candidate recomputed with its outputs dropped too (:class:`~bonsai_core.regions.CheckpointPlan`):
     only what a forward view outside it aliases is kept, an output's forward copy is freed after its
@@ -226,7 +228,8 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outp
     rebuilt copy lives do not depend on the start; so one sweep from j down to the smallest start
     yields every candidate ending at j. O(sum over ends of the longest candidate * degree). ``pinned`` (bool over forward positions, :func:`density_levels`): nodes a
     recomputed candidate saves whatever its start (selective checkpointing's "must save"); they do not
-    depend on the start, so they keep the shared sweeps.
+    depend on the start, so they keep the shared sweeps. Past ``clock``: :class:`OutOfTime` (a large
+    step's sweeps take minutes).
     """
     constant = self_contained(graph)
     saving = saves_self_contained(seg, constant) if save_self_contained else np.zeros(seg.count, dtype=bool)
@@ -236,6 +239,7 @@ def coefficients(graph: Graph, seg: Segmentation, plain: PlainProfile, drop_outp
     facts = _forward_facts(graph, seg, plain, drop_outputs, kept)
     out = _Tables.empty(seg.count)
     for group in _sweep_groups(seg):
+        check(clock, "building the segment ILP's coefficients")
         _sweep(seg, group, facts, out)
     return out.coefficients(saving)
 

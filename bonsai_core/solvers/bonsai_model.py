@@ -55,6 +55,7 @@ from bonsai_core.segment import Segmentation
 from bonsai_core.solvers.bonsai_coef import (Coefficients, PlainProfile, coefficients, dominated, lowers_memory,
                                              memory_steps, saved_positions, self_contained)
 from bonsai_core.solvers.bonsai_offload import OffloadColumns, offload_columns
+from bonsai_core.solvers.deadline import Deadline
 
 # The model counts memory in units of a thousandth of the plain peak: raw byte counts near 1e10 (or near
 # 1e1 on toy graphs) would strain the solvers' tolerances, and 1e-7 of a unit is under a byte up to 10 GB.
@@ -202,21 +203,23 @@ def _columns(coef: Coefficients, seg: Segmentation, m: int, allowed: np.ndarray 
 
 def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: np.ndarray | None = None,
                 drop_outputs: bool = False, save_self_contained: bool = False,
-                levels: list[np.ndarray] | None = None, offload: bool = False) -> BuiltModel:
+                levels: list[np.ndarray] | None = None, offload: bool = False, clock: Deadline | None = None) -> BuiltModel:
     """The segment ILP of one segmentation (see the module docstring). ``allowed`` (bool over the
     segmentation's candidates): only those may be recomputed (None: all). ``drop_outputs``: each
     candidate whose outputs are read by later forward ops may also be recomputed with its outputs
     dropped, as long as the atoms holding those readers are kept. ``save_self_contained``: a recomputed
     candidate saves its self-contained nodes (``bonsai_coef.saves_self_contained``) instead of rebuilding them.
     ``levels`` (:func:`bonsai_coef.density_levels`): each candidate may also be recomputed saving the ops
-    of one level inside it. ``offload``: saved tensors may be offloaded to host memory (``bonsai_offload.py``)."""
+    of one level inside it. ``offload``: saved tensors may be offloaded to host memory (``bonsai_offload.py``).
+    Past ``clock``: :class:`~bonsai_core.solvers.deadline.OutOfTime`."""
     import cvxpy as cp
 
     start = time.perf_counter()
     m = len(seg.forward)
     constant = self_contained(graph)
     pinned = [np.zeros(m, dtype=bool), *(levels or [])]
-    kinds, coefs, columns = _column_kinds(graph, seg, plain, m, allowed, drop_outputs, save_self_contained, pinned)
+    kinds, coefs, columns = _column_kinds(graph, seg, plain, m, allowed, drop_outputs, save_self_contained, pinned,
+                                          clock)
     coef = coefs[False, 0]
     candidates = np.concatenate([columns[k] for k in kinds])
     drops = np.concatenate([np.full(len(columns[k]), k[0]) for k in kinds]).astype(bool)
@@ -280,14 +283,14 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
 
 
 def _column_kinds(graph: Graph, seg: Segmentation, plain: PlainProfile, m: int, allowed: np.ndarray | None,
-                  drop_outputs: bool, save_self_contained: bool, pinned: list[np.ndarray]):
+                  drop_outputs: bool, save_self_contained: bool, pinned: list[np.ndarray], clock: Deadline | None = None):
     """The kinds of columns, (drops its candidate's outputs, density level saved inside it), with each
     kind's coefficients and the candidates it gets a column for."""
     kinds = [(drop, level) for drop in [False, True][:1 + drop_outputs] for level in range(len(pinned))]
     coefs, columns = {}, {}
     for drop, level in kinds:
         coef_k = coefficients(graph, seg, plain, drop_outputs=drop, save_self_contained=save_self_contained,
-                              pinned=pinned[level] if level else None)
+                              pinned=pinned[level] if level else None, clock=clock)
         ok = np.ones(seg.count, dtype=bool) if allowed is None else allowed.copy()
         if drop:
             ok &= np.diff(coef_k.reader_ptr) > 0  # else the same as keeping its outputs

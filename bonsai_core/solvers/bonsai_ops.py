@@ -21,12 +21,15 @@ tensor stays while a later op or a later rebuild reads it. The simulator judges 
 positions where it peaks over the budget become points, a point where it peaks gets a lower budget in
 the MILP (memory inside a window the MILP does not see), and the model is solved again, until the plan
 fits or the time runs out (:func:`plan_ops`: also a run that counts its bytes, and a greedy repair once
-the MILP is slow).
+the MILP is slow). Where such a peak is a chain of rebuilt tensors held whole (a residual stream left
+out block after block), about √k of its links must be resident at the window's point instead
+(:func:`_anchors`).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -69,9 +72,10 @@ class PointModel:
     counts: tuple[int, ...]
 
 
-def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[int, ...]) -> PointModel:
+def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[int, ...],
+                anchors: dict[int, np.ndarray] | None = None) -> PointModel:
     """The MILP of the module docstring at ``points``, memory rows in GiB against ``budget`` (bytes, or
-    bytes per point)."""
+    bytes per point); ``anchors``: per point, storages (computed before it) that must be resident there."""
     g = tensors.graph
     n = g.n
     rows_r, rows_c, rows_v, lower, upper = [], [], [], [], []
@@ -100,6 +104,8 @@ def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[in
         lower.append(-np.inf), upper.append((limit - tensors.base(t)) / GIB)
         nrow += 1
         forced += (p0 + np.searchsorted(vs, tensors.reads[t])).tolist()
+        if anchors and t in anchors:
+            forced += (p0 + np.searchsorted(vs, anchors[t])).tolist()
         pairs = [(i, u) for i, v in enumerate(vs.tolist()) for u in tensors.reads[v]]  # z_v <= p_u + z_u
         if pairs:
             i, u = (np.array(x, dtype=np.int64) for x in zip(*pairs))
@@ -334,7 +340,10 @@ def plan_ops(graph: Graph, budget: int, clock: Deadline, backend: str = "highs",
     module docstring), starting from ``points`` (positions; the simulated peaks of the first plans add
     more). Each round runs the plan lazily and, where that peaks over the budget, counting its bytes too
     (:func:`_runs`); a plan that fits is kept, and the rounds go on (at most EXTRA_ROUNDS more once one
-    fits) until the lazy run fits. Once a round's MILP takes more than MILP_SHARE of the time left (a large
+    fits) until the lazy run fits. Where a peak is mostly a rebuilt chain, its window's point gets
+    anchors instead (:func:`_anchors`), resident there and at later points until read. When the points
+    a round added inside windows make its MILP stop short of the gap, they are taken back and those
+    windows' budgets lowered instead (and so from then on). Once a round's MILP takes more than MILP_SHARE of the time left (a large
     step, a short limit), the rounds after it keep its solution and repair the plan instead: at each
     position where it peaks over the budget, the resident tensors that op does not read are left out there,
     cheapest per byte first, until the excess is covered. A plan that fits from a MILP stopped short of
@@ -357,6 +366,7 @@ class _Search:
         self.points = tuple(sorted(set(int(p) for p in points))) or (
             int(np.argmax(tensors.held + _plain_need(tensors))),)
         self.target = {p: budget for p in self.points}  # each point's budget in the model, lowered where it peaks
+        self.anchors: dict[int, np.ndarray] = {}  # per point, rebuilt tensors made resident there (chains cut)
         self.absent: dict[int, np.ndarray] | None = None  # the last MILP's solution, then repaired
         self.best: tuple[Schedule, SimResult] | None = None
         self.rounds, self.seconds, self.size, self.note = 0, 0.0, (0, 0), "no round ran"
@@ -364,6 +374,8 @@ class _Search:
         self.model: PointModel | None = None
         self.found: SparseOutcome | None = None
         self.extra = EXTRA_ROUNDS
+        self.added: dict[int, tuple[int, int]] = {}  # points the last refine added inside a window: (window, excess)
+        self.tighten_only = False  # set once added points made the MILP stop short of the gap
 
     def run(self) -> None:
         while self.rounds < MAX_ROUNDS and not self.clock.passed():
@@ -391,11 +403,16 @@ class _Search:
         start = self.found.values if self.improving else None
         if not self.improving:
             self.model = point_model(self.tensors, {p: self.target.get(p, self.budget) for p in self.points},
-                                     self.points)
+                                     self.points, self._anchored())
             self.size = (len(self.model.milp.cost), self.model.milp.matrix.shape[0])
         share = IMPROVE_SHARE if self.improving else ROUND_SHARE
         found, spent = _milp_round(self.model, self.backend, self.gap, self.clock, start, share)
         self.seconds += spent
+        if self.added and not self.improving and (found is None or found.values is None
+                                                   or (found.outcome.gap or 0.0) > self.gap):
+            self._take_back_points()  # the larger model does not solve in its share: the windows' budgets instead
+            return self.solve()
+        self.added = {}
         if found is None or found.values is None:
             if self.absent is None:
                 self.note = "the MILP found no plan" + (
@@ -424,11 +441,55 @@ class _Search:
                 self.absent[position] = _left_out(self.tensors, sim, position, at, excess, self.absent.get(position))
             self.repaired, self.note = True, "repaired"
             return
-        for excess, p, _ in over:  # a peak inside a window the MILP sees only at its point: its budget goes down
-            if p in self.points:
+        seen: set[int] = set()  # windows with cut chains refined this round (at their highest peak only)
+        added, cut = set(), False
+        for excess, p, at in over:  # highest first
+            window = self._window_of(p)
+            if window in seen:
+                continue
+            anchors = None if window is None else _anchors(self.tensors, sim, at, window, excess,
+                                                           self.anchors.get(window))
+            if anchors is not None:  # rebuilt chains explain the excess: cut them
+                self.anchors[window], cut = anchors, True
+                seen.add(window)
+            elif p in self.points:  # a peak inside a window the MILP sees only at its point: its budget goes down
                 self.target[p] = self.target.get(p, self.budget) - excess
-        self.points = tuple(sorted(set(self.points) | {p for _, p, _ in over}))
-        self.note = "points added or tightened"
+            elif window is not None and self.tighten_only:
+                self.target[window] = self.target.get(window, self.budget) - excess
+                seen.add(window)
+            else:
+                added.add(p)
+                if window is not None:
+                    self.added[p] = (window, excess)
+        self.points = tuple(sorted(set(self.points) | added))
+        self.note = "rebuild chains cut" if cut else "points added or tightened"
+
+    def _take_back_points(self) -> None:
+        """Drop the points the last refine added inside windows, lower each of those windows' budget by its
+        highest such peak's excess instead, and from now on tighten rather than add points inside windows."""
+        lower: dict[int, int] = {}
+        for window, excess in self.added.values():
+            lower[window] = max(lower.get(window, 0), excess)
+        for window, excess in lower.items():
+            self.target[window] = self.target.get(window, self.budget) - excess
+        self.points = tuple(p for p in self.points if p not in self.added)
+        self.added, self.tighten_only = {}, True
+
+    def _anchored(self) -> dict[int, np.ndarray]:
+        """Per point, the anchors that must be resident there: those set at it or at an earlier point and
+        read at or after it (a later point that could leave them out would rebuild the chain whole)."""
+        out = {}
+        for t in self.points:
+            held = [a[(a < t) & np.array([_read_later(self.tensors, int(v), t - 1) for v in a.tolist()], dtype=bool)]
+                    for p, a in self.anchors.items() if p <= t and len(a)]
+            if held:
+                out[t] = np.unique(np.concatenate(held))
+        return out
+
+    def _window_of(self, position: int) -> int | None:
+        """The point whose window holds ``position`` (the last point at or before it; None: none)."""
+        i = bisect.bisect_right(self.points, position)
+        return self.points[i - 1] if i else None
 
 
 def _runs(tensors: Tensors, absent: dict[int, np.ndarray], budget: int
@@ -470,6 +531,30 @@ def _left_out(tensors: Tensors, sim: SimResult, position: int, at: int, excess: 
     order = live[np.argsort(g.cost[live] / g.mem[live], kind="stable")]
     taken = order[:int(np.searchsorted(np.cumsum(g.mem[order]), excess)) + 1]
     return taken if already is None else np.union1d(already, taken)
+
+
+def _anchors(tensors: Tensors, sim: SimResult, at: int, point: int, excess: int,
+             already: np.ndarray | None) -> np.ndarray | None:
+    """Where the lazy run peaks ``excess`` bytes over at op ``at`` because of rebuilt tensors: ``already``
+    and about √k of the k rebuilt storages held there that were computed before ``point``, evenly spaced
+    in the listed order, to be resident at ``point``. A missing tensor is rebuilt with its missing inputs
+    and each stays until its last read, so a chain of k missing tensors (a residual stream dropped block
+    after block) is held whole at once; resident anchors every √k links leave about √k of them held at a
+    time, for about √k resident ones (Chen's √n on the chain), at no more recomputation: of the chain's
+    R bytes, about R·(1 - 2/√k) are saved. None when that does not cover the excess (the peak has
+    another cause)."""
+    g = tensors.graph
+    r = sim.residency
+    copies = (r.start <= at) & (at < r.end) & r.recomputed
+    rebuilt = np.unique(tensors.storage[r.node[copies]])
+    rebuilt = rebuilt[(rebuilt < point) & (g.mem[rebuilt] > 0)]
+    if already is not None:
+        rebuilt = rebuilt[~np.isin(rebuilt, already)]
+    k = math.isqrt(len(rebuilt))
+    if k == 0 or float(g.mem[rebuilt].sum()) * (1 - 2 / math.sqrt(len(rebuilt))) < excess:
+        return None
+    picked = rebuilt[np.unique(np.linspace(0, len(rebuilt) - 1, k + 2)[1:-1].round().astype(np.int64))]
+    return picked if already is None else np.union1d(already, picked)
 
 
 def _plain_need(tensors: Tensors) -> np.ndarray:

@@ -38,3 +38,13 @@ class Deadline:
                 f"{spent_on} took {time.perf_counter() - self.start:.1f} s. Raise --time-limit, or use "
                 "method 'bonsai' on a graph this large.")
         return left
+
+
+class OutOfTime(SolverError):
+    """A step that cannot return part of its work (building a model) stopped at the deadline."""
+
+
+def check(clock: Deadline | None, what: str) -> None:
+    """Raise :class:`OutOfTime` when ``clock`` has passed (None: no limit)."""
+    if clock is not None and clock.passed():
+        raise OutOfTime(f"{what} stopped at the time limit of {clock.time_limit:g} s.")
