@@ -328,8 +328,10 @@ def test_the_allocator_replays_a_pipeline_rank_s_whole_schedule_at_the_simulator
     for graph in ranks:
         ops = none_schedule(graph).ops
         replayed = bounded_replay(graph, ops, "expandable")
-        m = graph.parallel["pipeline"]["microbatches"]
-        assert len(replayed.live) == m * len(ops) and replayed.peak == simulate(graph, ops).peak
+        sim = simulate(graph, ops)
+        assert replayed.peak == sim.peak
+        if graph.fsdp is None:  # op for op, the most over the actions that run it
+            assert list(replayed.live) == list(sim.timeline)
         assert replayed.reserved_peak >= replayed.peak
 
 

@@ -42,6 +42,16 @@ def rank_length(graph: Any, ops: list[tuple[str, int]]) -> int:
     return len(ops) * int(graph.parallel["pipeline"]["microbatches"])
 
 
+def per_op(values: np.ndarray, graph: Any, ops: list[tuple[str, int]]) -> np.ndarray:
+    """``values`` over the rank's whole step (:func:`rank_length` entries, action after action) as one entry per op
+    of the one microbatch's schedule: the most over the actions that replay the op, as rule 11's timeline is."""
+    order = np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids in action_ops(graph, ops)] or
+                           [np.zeros(0, dtype=np.int64)])
+    out = np.full(len(ops), np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(out, order, np.asarray(values, dtype=np.int64))
+    return out
+
+
 def op_segments(graph: Any, ops: list[tuple[str, int]]) -> np.ndarray:
     """int64[len(ops)]: each op's stage (local) and phase, ``2 stage + 1`` in the backward (rule 11's)."""
     from bonsai_core.in_flight import _segments

@@ -11,7 +11,7 @@ import numpy as np
 
 from bonsai_core.allocator.blocks import DEFAULT_STREAM
 from bonsai_core.allocator.fixed import Optimizer, Updates, full_arena
-from bonsai_core.allocator.pipelined import rank_length, run_pipeline_step
+from bonsai_core.allocator.pipelined import per_op, rank_length, run_pipeline_step
 from bonsai_core.allocator.policies import Allocator, Policy
 from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.graph import Graph
@@ -262,8 +262,9 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     be served within it, and ScheduleError for an invalid schedule. O(len(ops) * blocks).
 
     A pipeline rank (``parallel.pipeline``) replays its whole step, every microbatch's actions in its schedule's
-    order (:mod:`bonsai_core.allocator.pipelined`): its arrays have an entry per op of each action, and ``live``
-    is the bytes its blocks hold (rule 11's, so its peak is the simulator's).
+    order (:mod:`bonsai_core.allocator.pipelined`); its arrays give, per op of the one microbatch's schedule, the
+    most over the actions that run it, as rule 11's timeline does, and ``live`` is the bytes its blocks hold
+    (so it is the simulator's timeline, and its peak the simulator's).
     """
     sim = simulate(graph, schedule)
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
@@ -296,10 +297,13 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
         alloc = Allocator(None if capacity is None else capacity - fixed, policy)
         step(alloc, (reserved, largest), outside=fixed)
         live = held if pipeline else sim.timeline
+    fragmentation = fragmentation_at_peak(live, reserved)  # a pipeline rank's over its whole step, in order
+    if pipeline:  # per op of the one microbatch's schedule, the most over its actions (rule 11's timeline)
+        live, reserved, largest = (per_op(a, graph, ops) for a in (live, reserved, largest))
     base = live[0] if len(live) else fixed
     return AllocResult(live=live, reserved=reserved, largest_free=largest, peak=int(live.max()) if len(live) else base,
                        reserved_peak=int(reserved.max()) if len(reserved) else int(base),
-                       fragmentation=fragmentation_at_peak(live, reserved), policy=policy,
+                       fragmentation=fragmentation, policy=policy,
                        segments=sum(h is not None for h in alloc.heads), full=full)
 
 
