@@ -566,6 +566,8 @@ class RankGraphs:
                 raise BonsaiError(f"{self.model}'s blocks are not alike: its layers cannot be traced as three repeated; "
                                   "trace it whole (bonsai trace --tp/--pp ...).")
             graphs.append(output_held(graph) if layout.pp > 1 else graph)
+        if layout.pp > 1:  # a rank's stages of one kind share a trace: each takes its own blocks' paths
+            graphs = [named_blocks(g, [n for n in names[i] if n.startswith("layers.")]) for g, i in zip(graphs, indices)]
         raw = concatenate(graphs, indices, f"{self.model}(batch={batch}, seq={self.seq}) {layout.describe()}")
         # under pipeline parallel torchtitan's units (apply_fsdp's), none resharded (pipeline.with_pipeline)
         sharding = Sharding(layout.shard_world, self.sharding.reshard_after_forward if layout.pp == 1 else "torchtitan",
@@ -589,6 +591,28 @@ class RankGraphs:
 
         sizes = {k: self.options.get(k) for k in ("layers", "width", "heads", "vocab")}
         return titan.model_args(self.model[len(titan.PREFIX):], seq=self.seq, **sizes).n_layers
+
+
+def named_blocks(graph: Graph, blocks: list[str]) -> Graph:
+    """``graph`` (a stage's step) with its block stack's module paths renamed, in forward order, to ``blocks``
+    (the stage's own, as torchtitan's split names them: ``layers.12``), so that the FSDP units of a rank's
+    stages, found by path, are each stage's own even where two stages share one trace."""
+    data = graph.to_dict()
+    traced = list(dict.fromkeys(path.split(".")[1] for path, _, _ in data.get("modules", [])
+                                if path.startswith("layers.")))
+    if len(traced) != len(blocks):
+        raise BonsaiError(f"{graph.name!r} has {len(traced)} blocks where its stage has {len(blocks)}.")
+    new = dict(zip(traced, (b.split(".")[1] for b in blocks)))
+
+    def renamed(path: str) -> str:
+        head, _, rest = path.partition(".")
+        if head != "layers":
+            return path
+        index, dot, tail = rest.partition(".")
+        return f"layers.{new[index]}{dot}{tail}"
+
+    data["modules"] = [[renamed(path), first, last] for path, first, last in data.get("modules", [])]
+    return Graph.rebuilt(data)
 
 
 def _trace_stage_kinds(model: str, layout: Any, batch: int, seq: int, options: dict[str, Any], precision: str | None,
@@ -681,8 +705,8 @@ def fit_layouts(model: str, gpus: int, limit: int, methods: list[str] | None = N
     up to ``largest_batch``), the method with the least recompute whose plan fits every pipeline rank
     traced (each rank planned within ``limit`` on its own), and the tokens each GPU trains per step (local
     batch x seq / (TP x CP x PP)). Ranks are traced once per tensor, context and pipeline structure and batch,
-    three blocks each (:class:`RankGraphs`). ``reserved`` bounds the allocator model's reserved bytes: not
-    modelled for a pipeline rank, whose layouts are then reported as not judged."""
+    three blocks each (:class:`RankGraphs`). ``reserved`` bounds the allocator model's reserved bytes (a
+    pipeline rank's replayed over its whole schedule: :mod:`bonsai_core.allocator.pipelined`)."""
     from bonsai_core.fsdp import Sharding
     from bonsai_core.models import torchtitan as titan
 
@@ -718,9 +742,6 @@ def fit_layouts(model: str, gpus: int, limit: int, methods: list[str] | None = N
 def _fit_layout(graphs: RankGraphs, layout: Any, batch: int, seq: int, methods: list[str], variants: dict,
                 limit: int, reserved: str | None, max_overhead: float, solver_options: dict, optimizer: str) -> LayoutFit:
     tokens = batch * seq // (layout.tp * layout.cp * layout.pp)
-    if reserved and layout.pp > 1:
-        return LayoutFit(layout, batch, False, tokens_per_gpu=tokens,
-                         reason="not judged: a pipeline rank's reserved bytes are not modelled")
     try:
         ranks = graphs.ranks(layout, batch, optimizer)
     except BonsaiError as e:

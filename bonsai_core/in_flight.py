@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 FORWARD, BACKWARD = "F", "B"  # an action's phase in ``parallel.pipeline.actions``
+FREE_OP = "free"  # bonsai_core.schedule.FREE
 
 
 def working(graph: Any, ops: Sequence[tuple[str, int]], residency: Any) -> np.ndarray | None:
@@ -93,7 +94,8 @@ def _action_states(pipeline: dict[str, Any], stages: int) -> list[tuple[str, int
 class _Accumulated:
     """FSDP's gradients under pipeline parallel (module doc): each unit's accumulated unsharded gradients in
     reduce_dtype, from its first backward in the step to its stage's last; in a backward the running unit's
-    gradients (the graph frees them at once) until its post-backward."""
+    gradients until its post-backward (counted from the graph's free of their storage: the graph frees a gradient
+    at once, and until then its bytes are the graph's)."""
 
     def __init__(self, graph: Any, ops: Sequence[tuple[str, int]], stage_of: np.ndarray, segment: np.ndarray,
                  stages: int) -> None:
@@ -113,18 +115,21 @@ class _Accumulated:
         n = len(ops)
         self.running = np.zeros(n, dtype=np.int64)  # the running unit's gradients held (param dtype)
         self.done = np.zeros(n, dtype=np.int64)  # accumulated bytes of the units whose backward ended (this segment)
-        current, held, finished, where = -1, 0, set(), None
+        current, held, finished, where, waiting = -1, 0, set(), None, set()
         for i, (kind, v) in enumerate(ops):
             if segment[i] != where:  # a stage's forward or backward begins
-                current, held, finished, where = -1, 0, set(), segment[i]
+                current, held, finished, where, waiting = -1, 0, set(), segment[i], set()
             if kind == "compute" and not graph.is_forward[v]:
                 u = int(reads[v])
                 if u >= 0 and u != current:
                     if current >= 0:  # its post-backward: its gradients accumulated, then freed
                         finished.add(current)
-                    current, held = u, 0
+                    current, held, waiting = u, 0, set()
                 if graph.is_output[v] and cast:
-                    held += int(graph.mem[graph.storage_of(v)])
+                    waiting.add(graph.storage_of(v))
+            elif kind == FREE_OP and v in waiting:  # the graph's free: the unit holds the gradient's bytes from here
+                waiting.discard(v)
+                held += int(graph.mem[v])
             self.running[i], self.done[i] = held, sum(self.unit_grads[u] for u in finished)
 
     def held(self, k: int, phase: str, first: bool, accumulated: np.ndarray, ids: np.ndarray) -> np.ndarray:

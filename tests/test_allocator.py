@@ -488,3 +488,29 @@ def test_replay_places_fsdp_buffers_on_their_streams_and_the_optimizer_step():
     for policy in ("caching", "expandable"):
         result = replay(graph, none_schedule(graph), policy=policy, full=False)
         assert result.reserved_peak >= max(simulate(graph, none_schedule(graph)).peak, graph.optimizer_peak)
+
+
+def test_a_pipeline_rank_replays_every_microbatch_in_its_schedule_s_order():
+    """1F1B rank 0 of 2 with 2 microbatches of a chain f0 f1 b1 b0, every tensor 12 MiB (one 12-MiB segment
+    each under the caching allocator): F0 F1 hold 4 tensors, B0's b1 a fifth, then its frees make room for
+    its b0 and for B1. So 5 segments, 60 MiB, where one microbatch's step reserves 3; with expandable
+    segments (20-MiB pages) 3 pages against 2."""
+    from bonsai_core.parallel import layout_of, with_batch, with_layout
+    from bonsai_core.pipeline import actions
+
+    graph = chain(2, mem=12 * MiB)
+    layout = with_batch(layout_of(pp=2, rank=0), 2, 64)
+    pipeline = {"schedule": "1f1b", "degree": 2, "rank": 0, "microbatches": 2, "microbatch_size": 1,
+                "stages": [[0, 0, graph.n - 1]], "actions": [list(a) for a in actions(layout)]}
+    rank = with_layout(graph, layout, pipeline=pipeline)
+    ops = none_schedule(rank).ops
+    assert pipeline["actions"] == [["F", 0, 0], ["F", 0, 1], ["B", 0, 0], ["B", 0, 1]]
+    caching = replay(rank, ops, full=False)
+    # live after each op of F0 F1 (f0 f1 each), B0 B1 (b1, free f1, b0, free b0, b1, f0 each): 12 24 | 36 48 |
+    # 60 48 60 48 36 24 | 36 24 36 24 12 0; per op of the schedule the most over its actions, rule 11's timeline
+    assert list(caching.live // MiB) == [36, 48, 60, 48, 60, 48, 36, 24]
+    assert np.array_equal(caching.live, simulate(rank, ops).timeline)
+    assert caching.reserved_peak == 60 * MiB and caching.peak == 60 * MiB
+    assert replay(graph, ops, full=False).reserved_peak == 36 * MiB
+    assert replay(rank, ops, full=False, policy="expandable").reserved_peak == 60 * MiB
+    assert replay(graph, ops, full=False, policy="expandable").reserved_peak == 40 * MiB

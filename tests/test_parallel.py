@@ -316,3 +316,54 @@ def test_fit_over_layouts_shares_traces_and_matches_whole_traces():
     best = result.best()
     assert best and all(f.fits and f.peak <= 40 * 2**20 for f in best)
     assert best[0].tokens_per_gpu == max(f.tokens_per_gpu for f in best)
+
+
+def test_the_allocator_replays_a_pipeline_rank_s_whole_schedule_at_the_simulator_s_live_peak(pipe_ranks):
+    """The allocator model runs every microbatch's actions in the schedule's order (bonsai_core.allocator.
+    pipelined); the bytes its blocks hold peak where rule 11's envelope does, FSDP's gradients included."""
+    from bonsai_core.allocator import bounded_replay
+
+    ranks = list(pipe_ranks) + [trace_model(TITAN, parallel=layout_of(pp=2, rank=r, **extra), **PIPE).graph
+                                for extra in (dict(pp_schedule="interleaved-1f1b"), dict(fsdp=2)) for r in (0, 1)]
+    for graph in ranks:
+        ops = none_schedule(graph).ops
+        replayed = bounded_replay(graph, ops, "expandable")
+        sim = simulate(graph, ops)
+        assert replayed.peak == sim.peak
+        if graph.fsdp is None:  # op for op, the most over the actions that run it
+            assert list(replayed.live) == list(sim.timeline)
+        assert replayed.reserved_peak >= replayed.peak
+
+
+def test_fit_judges_pipeline_layouts_by_their_reserved_bytes():
+    """Under --reserved a pipeline layout is judged as any other: each rank's plan within the limit of the bytes
+    the allocator reserves over its whole schedule."""
+    from bonsai_core.allocator import bounded_replay
+    from bonsai_core.fit import RankGraphs, _fit_layout, method_variant
+    from bonsai_core.fsdp import Sharding
+
+    graphs = RankGraphs(TITAN, 64, {"layers": 6}, Sharding.of(2, None, None, model=TITAN), {})
+    layout = layout_of(pp=2)
+    ranks = graphs.ranks(layout, 2, "adamw")
+    reserved = max(bounded_replay(g, none_schedule(g).ops, "expandable").reserved_peak for _, g in ranks)
+    judged = [_fit_layout(graphs, layout, 2, 64, ["none"], {"none": method_variant("none")}, limit, "expandable",
+                          1.0, {}, "adamw") for limit in (reserved, reserved - 2**20)]
+    assert judged[0].fits and judged[0].reserved_peak == reserved
+    assert not judged[1].fits and "none" in judged[1].reason
+
+
+def test_a_rank_s_stages_sharing_one_trace_keep_their_own_fsdp_units():
+    """Interleaved 1F1B on 4 ranks: rank 1 runs stages 1 and 5 of 8, both middle stages, which fit traces once;
+    each keeps its own blocks' paths, so FSDP's units (and rule 11's gradients per stage) are the whole trace's."""
+    import dataclasses
+
+    from bonsai_core.fit import RankGraphs
+    from bonsai_core.fsdp import Sharding
+
+    layout = layout_of(fsdp=2, pp=4, pp_schedule="interleaved-1f1b")
+    graphs = RankGraphs(TITAN, 64, {"layers": 14}, Sharding.of(2, None, None, model=TITAN), {})
+    graph = dict(graphs.ranks(layout, 4, "adamw"))[1]
+    whole = trace_model(TITAN, parallel=dataclasses.replace(layout, rank=1), batch=4, seq=64, layers=14).graph
+    assert [u[:3] for u in graph.fsdp["units"]] == [u[:3] for u in whole.fsdp["units"]]
+    stages = graph.parallel["pipeline"]["stages"]
+    assert {k for k, (_, a, b) in enumerate(stages) for u in graph.fsdp["units"] if a <= u[1] <= b} == {0, 1}

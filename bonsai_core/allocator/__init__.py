@@ -79,8 +79,10 @@ counters, norms), and library workspaces (cuBLAS, the flash kernel's backward ac
 
 The parts: :mod:`~bonsai_core.allocator.blocks` (blocks and rounding),
 :mod:`~bonsai_core.allocator.policies` (the allocator state and the three policies),
-:mod:`~bonsai_core.allocator.fixed` (fixed-memory placement, the full arena) and
-:mod:`~bonsai_core.allocator.replaying` (a schedule replayed, its address picture). Coop's cheap-tensor
+:mod:`~bonsai_core.allocator.fixed` (fixed-memory placement, the full arena),
+:mod:`~bonsai_core.allocator.replaying` (a schedule replayed, its address picture) and
+:mod:`~bonsai_core.allocator.pipelined` (a pipeline rank's whole step: every microbatch's actions in its
+schedule's order). Coop's cheap-tensor
 partitioning is the method's (:mod:`bonsai_core.solvers.coop`), and the replay of a pool method's own
 pool is :func:`bonsai_core.solvers.pool.pool_replay`.
 """

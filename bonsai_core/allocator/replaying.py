@@ -11,6 +11,7 @@ import numpy as np
 
 from bonsai_core.allocator.blocks import DEFAULT_STREAM
 from bonsai_core.allocator.fixed import Optimizer, Updates, full_arena
+from bonsai_core.allocator.pipelined import per_op, rank_length, run_pipeline_step
 from bonsai_core.allocator.policies import Allocator, Policy
 from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.graph import Graph
@@ -81,10 +82,7 @@ def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], residen
 
     def malloc(owner: int, nbytes: int, what: str, i: int, side: str = "left", stream: str = DEFAULT_STREAM) -> None:
         if alloc.malloc(owner, nbytes, side, stream) is None and (side == "left" or alloc.malloc(owner, nbytes, stream=stream) is None):
-            raise BudgetError(
-                f"The allocator runs out of its {format_bytes(capacity)} pool at op {i} ({what}, {format_bytes(nbytes)}): "
-                f"{format_bytes(alloc.footprint + outside)} is in use and its largest free block is "
-                f"{format_bytes(alloc.largest_free)}. Replay without a capacity to see the reserved peak this schedule needs.")
+            raise out_of_pool(alloc, capacity, outside, i, what, nbytes)
 
     fsdp.malloc = malloc
     for i, (kind, v) in enumerate(ops):
@@ -109,6 +107,14 @@ def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], residen
         trace[0][-1] = max(trace[0][-1], alloc.footprint + outside)
     for v in [o for o in alloc.by_owner if o < graph.n or o >= FSDP_OWNERS]:  # the step is over: its tensors go
         alloc.free(v)
+
+
+def out_of_pool(alloc: Allocator, capacity: int | None, outside: int, i: int, what: str, nbytes: int) -> BudgetError:
+    """The error of a request at op ``i`` that the pool of ``capacity`` cannot serve."""
+    return BudgetError(
+        f"The allocator runs out of its {format_bytes(capacity)} pool at op {i} ({what}, {format_bytes(nbytes)}): "
+        f"{format_bytes(alloc.footprint + outside)} is in use and its largest free block is "
+        f"{format_bytes(alloc.largest_free)}. Replay without a capacity to see the reserved peak this schedule needs.")
 
 
 def _blocks_taken_and_given(ops: list[tuple[str, int]], residency: Residency, holds: list[bool],
@@ -211,6 +217,10 @@ def layout_at(graph: Graph, schedule: Schedule | list[tuple[str, int]], op: int,
     """The full arena's address space right after op ``op`` of the (steady-state) step: every
     block, in address order, with what holds it. The placement is this model's replay (best fit,
     lowest address), not a pool method's own. O(len(ops) * blocks)."""
+    if (graph.parallel or {}).get("pipeline"):
+        raise BonsaiError(f"{graph.name!r} is a pipeline rank: its step replays every microbatch's ops, so one op "
+                          "of its schedule is no one moment of it; the address picture is drawn for a rank without "
+                          "pipeline parallel.")
     residency = simulate(graph, schedule).residency
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
     if not 0 <= op < len(ops):
@@ -250,11 +260,12 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     cheap-tensor partitioning; :func:`run_step`); ``inplace_writes=False`` gives an op written in place a
     block of its own (copy-on-write) instead of its input's. Raises BudgetError at the first request that cannot
     be served within it, and ScheduleError for an invalid schedule. O(len(ops) * blocks).
+
+    A pipeline rank (``parallel.pipeline``) replays its whole step, every microbatch's actions in its schedule's
+    order (:mod:`bonsai_core.allocator.pipelined`); its arrays give, per op of the one microbatch's schedule, the
+    most over the actions that run it, as rule 11's timeline does, and ``live`` is the bytes its blocks hold
+    (so it is the simulator's timeline, and its peak the simulator's).
     """
-    if (graph.parallel or {}).get("pipeline"):
-        raise BonsaiError(f"{graph.name!r} is a pipeline rank: the allocator model replays one microbatch's step, "
-                          "not the rank's microbatches in flight (rule 11), so its reserved bytes are not modelled; "
-                          "plan its live bytes (leave out --reserved / --allocator).")
     sim = simulate(graph, schedule)
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
     fixed = graph.fixed_mem
@@ -263,24 +274,36 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
                           f"({format_bytes(fixed)}); raise it.")
     if policy == "arena" and capacity is None:
         raise BudgetError("The arena allocator is one pre-reserved pool: give it a capacity (a budget).")
-    def step(alloc: Allocator, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0) -> None:
-        run_step(alloc, graph, ops, sim.residency, capacity, trace, outside, side_of=side_of, inplace=inplace_writes)
+    pipeline = bool((graph.parallel or {}).get("pipeline"))
+    length = rank_length(graph, ops) if pipeline else len(ops)
+    reserved = np.empty(length, dtype=np.int64)
+    largest = np.empty(length, dtype=np.int64)
+    held = np.zeros(length, dtype=np.int64)  # a pipeline rank's live bytes (beyond the fixed ones when full)
 
-    reserved = np.empty(len(ops), dtype=np.int64)
-    largest = np.empty(len(ops), dtype=np.int64)
+    def step(alloc: Allocator, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0) -> None:
+        if pipeline:  # the rank's whole schedule, every microbatch (bonsai_core.allocator.pipelined)
+            run_pipeline_step(alloc, graph, ops, sim.residency, capacity, trace, outside, side_of=side_of,
+                              inplace=inplace_writes, live=held if trace is not None else None)
+        else:
+            run_step(alloc, graph, ops, sim.residency, capacity, trace, outside, side_of=side_of, inplace=inplace_writes)
+
     live = sim.timeline
     if full:
         alloc, extra = full_arena(graph, capacity, policy, optimizer, warmup=None if policy == "arena" else step,
                                   updates=updates)
-        live = sim.timeline + extra
         step(alloc, (reserved, largest))
+        live = (held + fixed if pipeline else sim.timeline) + extra
     else:
         alloc = Allocator(None if capacity is None else capacity - fixed, policy)
         step(alloc, (reserved, largest), outside=fixed)
+        live = held if pipeline else sim.timeline
+    fragmentation = fragmentation_at_peak(live, reserved)  # a pipeline rank's over its whole step, in order
+    if pipeline:  # per op of the one microbatch's schedule, the most over its actions (rule 11's timeline)
+        live, reserved, largest = (per_op(a, graph, ops) for a in (live, reserved, largest))
     base = live[0] if len(live) else fixed
     return AllocResult(live=live, reserved=reserved, largest_free=largest, peak=int(live.max()) if len(live) else base,
                        reserved_peak=int(reserved.max()) if len(reserved) else int(base),
-                       fragmentation=fragmentation_at_peak(live, reserved), policy=policy,
+                       fragmentation=fragmentation, policy=policy,
                        segments=sum(h is not None for h in alloc.heads), full=full)
 
 

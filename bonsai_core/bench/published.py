@@ -2,8 +2,8 @@
 5 and 6) predicted per rank, eager: each row's rank traced on the fake process group as
 :mod:`bonsai_core.parallel` and :mod:`bonsai_core.pipeline` trace it, torchtitan's full activation
 checkpointing (the ``torchtitan-full`` plan), bf16 FSDP mixed precision, AdamW; the live peak with its
-breakdown, and the allocator's reserved peak (expandable segments, what torchtitan sets and reports) where it
-is modelled. The published runs were compiled, with Float8 linears (and some with AsyncTP): none of that is
+breakdown, and the allocator's reserved peak (expandable segments, what torchtitan sets and reports; a pipeline
+rank's replayed over its whole schedule, every microbatch: :mod:`bonsai_core.allocator.pipelined`). The published runs were compiled, with Float8 linears (and some with AsyncTP): none of that is
 modelled here, so each row is marked eager; the compiled prediction waits for the compiled-step trace.
 
     bonsai bench published [--rows 2 4 5 6] [--page docs/results/published_rows.md] [--out DIR] [--report-only]
@@ -51,8 +51,9 @@ ROWS = [
 
 def predict_rank(graphs: Any, degrees: dict, batch: int) -> list[dict[str, Any]]:
     """A row's ranks: traced three blocks a stage and repeated (``fit.RankGraphs``, node for node the whole
-    trace), planned with torchtitan's full checkpointing, each one's live peak, breakdown and (without pipeline
-    parallel) the reserved peak with expandable segments."""
+    trace), planned with torchtitan's full checkpointing, each one's live peak, breakdown and the reserved peak
+    with expandable segments (a pipeline rank's over its whole schedule)."""
+    from bonsai_core.allocator import bounded_replay
     from bonsai_core.parallel import layout_of
     from bonsai_core.solvers import solve
 
@@ -65,11 +66,8 @@ def predict_rank(graphs: Any, degrees: dict, batch: int) -> list[dict[str, Any]]
         schedule = solve(graph, None, "torchtitan-full")
         sim = simulate(graph, schedule)
         row: dict[str, Any] = {"rank": rank, "nodes": graph.n, "trace_seconds": round(seconds, 1),
-                               "live_peak": sim.peak, "breakdown": breakdown(graph, schedule.ops, sim)}
-        if layout.pp == 1:
-            from bonsai_core.allocator import bounded_replay
-
-            row["reserved_peak"] = bounded_replay(graph, schedule, "expandable").reserved_peak
+                               "live_peak": sim.peak, "breakdown": breakdown(graph, schedule.ops, sim),
+                               "reserved_peak": bounded_replay(graph, schedule, "expandable").reserved_peak}
         out.append(row)
     return out
 
@@ -124,13 +122,11 @@ def gib(nbytes: float) -> str:
 
 
 def summary_row(row: dict[str, Any]) -> list[str]:
-    """The row's largest live and reserved peak over its ranks against the published number."""
+    """The row's largest live and reserved peak over its ranks against the published number (a reserved peak)."""
     live = max(r["live_peak"] for r in row["ranks"])
-    reserved = max((r["reserved_peak"] for r in row["ranks"] if "reserved_peak" in r), default=None)
-    shown = reserved if reserved is not None else live
-    return [row["table"], row["row"], ", ".join(str(r["rank"]) for r in row["ranks"]), gib(live),
-            gib(reserved) if reserved is not None else "not modelled (pipeline)",
-            f"{row['published_gib']} GiB ({row['published_with']})", f"{shown / GIB / row['published_gib'] - 1:+.1%}"]
+    reserved = max(r["reserved_peak"] for r in row["ranks"])
+    return [row["table"], row["row"], ", ".join(str(r["rank"]) for r in row["ranks"]), gib(live), gib(reserved),
+            f"{row['published_gib']} GiB ({row['published_with']})", f"{reserved / GIB / row['published_gib'] - 1:+.1%}"]
 
 
 def rank_section(row: dict[str, Any]) -> str:
@@ -139,6 +135,7 @@ def rank_section(row: dict[str, Any]) -> str:
     parts = [[name, *(gib(r["breakdown"].get(name, 0)) for r in ranks)]
              for name in dict.fromkeys(k for r in ranks for k in r["breakdown"])]
     parts += [["**live peak**", *(f"**{gib(r['live_peak'])}**" for r in ranks)],
+              ["reserved peak (expandable segments)", *(gib(r["reserved_peak"]) for r in ranks)],
               ["trace (nodes, seconds)", *(f"{r['nodes']}, {r['trace_seconds']} s" for r in ranks)]]
     return (f"### Table {row['table']}: {row['row']}\n\nLocal batch {row['batch']}, sequence {row['seq']}; "
             + ", ".join(f"{k} {v}" for k, v in row["degrees"].items()) + ".\n\n"
