@@ -320,7 +320,7 @@ def test_blocks_share_plans_up_to_dynamos_recompile_limit() -> None:
     assert shared_block_plans(units, blocks, 4, modules) is units
 
 
-def test_blocks_whose_submodules_differ_keep_their_plans_or_are_refused_in_words() -> None:
+def test_block_plans_that_cannot_be_shared_past_the_recompile_limit_are_refused_in_words() -> None:
     from bonsai_core.export.checkpoint import Unit
     from bonsai_core.trace.compiled import shared_block_plans
 
