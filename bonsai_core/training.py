@@ -65,7 +65,7 @@ from bonsai_core.units import format_bytes
 REGION_METHODS = ("bonsai", "chen")  # the methods whose plans are checkpoint regions
 AUTO_MARGIN = 0.10  # share of a device's memory "auto" leaves to the caching allocator's rounding and waste
 # bumped whenever what a cached plan means changes (its key does not hash the library's code)
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 FIT_TRIES = 5  # solves to bring what the checkpoints run within the budget
 COMPILED_TRIES = 7  # plans traced compiled in the search for the plan budget that fits under compile
 # what to do when a checkpointed step cannot run, in the library's own terms (the CLI names its flags)
@@ -519,16 +519,18 @@ def _fitted_compiled(step: "_FakeStep", graph: Graph, limit: int, method: str, o
                      seconds: dict[str, float]) -> tuple[tuple[Schedule, Save, "_Layout"], None]:
     """:func:`_fitted_with` for a compiled step. The plan is solved on the eager graph, and compiling moves
     its peak either way (the partitioner saves other tensors, inductor fuses some away), so the plan budget
-    that fits ``limit`` under compile is searched: a bisection between what any step needs and the eager
-    step's no-remat peak for the largest plan budget whose compiled peak is within ``limit``
-    (:data:`COMPILED_TRIES` compiled traces). The fitting layout with the least compiled compute is
-    returned, else the one with the smallest compiled peak (and None: no plan budget is sure to be met,
-    as :func:`_fitted_with` gives). BudgetError when no solve finds a plan."""
+    whose compiled peak comes closest under ``limit`` is searched (:func:`_next_plan_budget`: the compiled
+    peak grows with the plan budget, about one for one) between what any step needs and the eager step's
+    no-remat peak, in at most :data:`COMPILED_TRIES` compiled traces. The fitting layout with the least
+    compiled compute is returned, else the one with the smallest compiled peak (and None: no plan budget is
+    sure to be met, as :func:`_fitted_with` gives). BudgetError when no solve finds a plan."""
     from bonsai_core.solvers import solve
 
     low, high = max(graph.peak_lower_bound, graph.optimizer_peak, graph.fixed_mem), no_remat_peak(graph)
     plan_budget = min(max(limit, low), high)
+    close = max(1, limit // 1000)  # a compiled peak this close under the limit ends the search
     found: list[tuple[Schedule, Save, _Layout]] = []
+    tried: list[tuple[int, int]] = []  # (plan budget, compiled peak)
     for _ in range(COMPILED_TRIES):
         start = time.perf_counter()
         try:
@@ -544,13 +546,16 @@ def _fitted_compiled(step: "_FakeStep", graph: Graph, limit: int, method: str, o
             save, layout = step.layout(graph, schedule)
             seconds["layout"] = seconds.get("layout", 0.0) + time.perf_counter() - start
             found.append((schedule, save, layout))
+            tried.append((plan_budget, layout.realised_peak))
             if layout.realised_peak <= limit:
                 low = plan_budget
+                if limit - layout.realised_peak <= close:
+                    break
             else:
                 high = plan_budget
-        if high - low <= max(1, limit // 1000):
+        if high - low <= close:
             break
-        plan_budget = (low + high) // 2
+        plan_budget = _next_plan_budget(tried, limit, low, high)
     if not found:
         raise BudgetError(f"budget={format_bytes(limit)} ({limit} bytes): {method} finds no plan for {step.name} within "
                           f"any budget down to {format_bytes(low)}; give a larger budget.")
@@ -558,6 +563,26 @@ def _fitted_compiled(step: "_FakeStep", graph: Graph, limit: int, method: str, o
     if fitting:
         return min(fitting, key=lambda f: (f[2].compiled_cost, f[2].realised_peak)), None
     return min(found, key=lambda f: f[2].realised_peak), None
+
+
+def _next_plan_budget(tried: list[tuple[int, int]], limit: int, low: int, high: int) -> int:
+    """The next plan budget to try in the open bracket (``low``, ``high``) for a compiled peak at ``limit``,
+    from the (plan budget, compiled peak) pairs ``tried``: the secant through the closest fitting and the
+    closest exceeding pair, kept an eighth of the bracket away from its ends so that a side that stalls
+    still shrinks it; with pairs on one side only, the closest one shifted by its distance from ``limit``
+    (compiling moves a plan's peak by about what it moves the step's); with none, the bisection."""
+    under = [t for t in tried if t[1] <= limit and low <= t[0] <= high]
+    over = [t for t in tried if t[1] > limit and low <= t[0] <= high]
+    if under and over:
+        (b0, p0), (b1, p1) = max(under, key=lambda t: t[1]), min(over, key=lambda t: t[1])
+        guess = b0 + (b1 - b0) * (limit - p0) / (p1 - p0) if p1 != p0 else (b0 + b1) / 2
+    elif under or over:
+        budget, peak = min(under or over, key=lambda t: abs(t[1] - limit))
+        guess = budget + (limit - peak)
+    else:
+        guess = (low + high) / 2
+    margin = (high - low) / 8 if under and over else 1
+    return int(min(max(guess, low + margin), high - margin))
 
 
 # -- the step: inputs, device, autocast, budget --------------------------------------------------
@@ -825,7 +850,30 @@ class _FakeStep:
                              f"recomputed faithfully; `{path}`: {why}. torch.utils.checkpoint requires a recomputation "
                              "to run the ops its forward ran: keep a submodule's forward free of state that it changes "
                              "and reads back (a cache it appends to).")
+        if self.compiled == "blocks":
+            lay = self.shared_across_blocks(lay, mismatches)
         return lay, left_out
+
+    def shared_across_blocks(self, lay: Any, mismatches: Callable[[Save], dict[str, str]]) -> Any:
+        """``lay`` with at most dynamo's ``recompile_limit`` distinct block plans
+        (:func:`bonsai_core.trace.compiled.shared_block_plans`): more, and the blocks' ``fullgraph=True``
+        compile fails. ModelError when a block does not recompute another's plan as it ran."""
+        import dataclasses
+
+        from bonsai_core.trace.compiled import block_paths, shared_block_plans
+
+        modules = {path for path, _ in self.model.named_modules()}
+        units = shared_block_plans(lay.units, block_paths(self.model), torch._dynamo.config.recompile_limit, modules)
+        if units == lay.units:
+            return lay
+        shared = dataclasses.replace(lay, units=units)
+        found = mismatches(shared.save)
+        if found:
+            path, why = next(iter(found.items()))
+            raise ModelError(f"{self.name}'s blocks cannot share checkpoint plans, which torch.compile's recompile "
+                             f"limit ({torch._dynamo.config.recompile_limit}) needs: `{path}`: {why}. Raise "
+                             "torch._dynamo.config.recompile_limit to the number of blocks, or compile the whole model.")
+        return shared
 
 
 def compiled_plan(spec: str, graph: Graph, schedule: Schedule | None, compile: str = "model", *, seed: int = 0,

@@ -293,3 +293,69 @@ def test_more_distinct_block_plans_than_dynamos_recompile_limit_are_refused_in_w
         checkpointing.apply_saves(model, {str(i): {"aten.addmm.default": [i]} for i in range(3)})
         with pytest.raises(ModelError, match=r"recompile_limit \(2\) times.*raise that limit"):
             trace_compiled_step(model, (x,), lambda out: out.sum(), "blocks")
+
+
+def _distinct_block_plans(units: list, blocks: list[str]) -> int:
+    return len({tuple(sorted((u.path[len(b):], str(u.saves)) for u in units if u.path == b or u.path.startswith(b + ".")))
+                for b in blocks})
+
+
+def test_blocks_share_plans_up_to_dynamos_recompile_limit() -> None:
+    """Four block plans under a limit of two: the cheapest merge first (a plan into the one freeing 3 bytes
+    more, for one block), then the blocks without a plan take the plan freeing the least of those freeing
+    more; a unit outside the blocks stays, and no block frees less than it did."""
+    from bonsai_core.export.checkpoint import Unit
+    from bonsai_core.trace.compiled import shared_block_plans
+
+    blocks = [f"layers.{i}" for i in range(6)]
+    modules = {"", "layers", "out", *blocks, *(f"{b}.attn" for b in blocks)}
+    units = [Unit("out", {"aten.mm.default": [0]}, 3, 5),
+             Unit("layers.0", {"aten.mm.default": [0]}, 10, 100), Unit("layers.3", {"aten.mm.default": [1]}, 10, 103),
+             Unit("layers.1.attn", {}, 4, 50), Unit("layers.4.attn", {}, 4, 50)]
+    shared = shared_block_plans(units, blocks, 2, modules)
+    assert _distinct_block_plans(units, blocks) == 4 and _distinct_block_plans(shared, blocks) == 2
+    assert {u.path: u.saves for u in shared} == {
+        "out": {"aten.mm.default": [0]}, "layers.0": {"aten.mm.default": [1]}, "layers.3": {"aten.mm.default": [1]},
+        **{f"layers.{i}.attn": {} for i in (1, 2, 4, 5)}}
+    assert shared_block_plans(units, blocks, 4, modules) is units
+
+
+def test_block_plans_that_cannot_be_shared_past_the_recompile_limit_are_refused_in_words() -> None:
+    from bonsai_core.export.checkpoint import Unit
+    from bonsai_core.trace.compiled import shared_block_plans
+
+    units = [Unit("0.attn", {}, 4, 50), Unit("1.mlp", {}, 4, 50)]
+    with pytest.raises(ModelError, match=r"2 distinct ways.*recompile_limit \(1\)"):
+        shared_block_plans(units, ["0", "1"], 1, {"0", "1", "0.attn", "1.mlp"})
+
+
+def test_plans_shared_across_blocks_compile_under_dynamos_recompile_limit() -> None:
+    """Three blocks with three plans fail a limit of two (above); shared, they compile. The input requires
+    grad, as a transformer's embedding output does: a block whose input differs from the others' (not
+    requiring grad, another shape) is one more compilation, whatever its plan."""
+    from bonsai_core.export.checkpoint import Unit
+    from bonsai_core.export_runtime import checkpointing
+    from bonsai_core.trace.compiled import shared_block_plans
+
+    with torch._dynamo.config.patch(recompile_limit=2), FakeTensorMode():
+        model, x = nn.Sequential(*(_Block() for _ in range(3))), torch.randn(4, 16, requires_grad=True)
+        units = [Unit(str(i), {"aten.addmm.default": calls}, 6, 64 * (3 - len(calls)))
+                 for i, calls in enumerate(([0], [1], [0, 1]))]
+        shared = shared_block_plans(units, ["0", "1", "2"], 2, {p for p, _ in model.named_modules()})
+        checkpointing.apply_saves(model, {u.path: u.saves for u in shared})
+        graph = trace_compiled_step(model, (x,), lambda out: out.sum(), "blocks")
+    assert _distinct_block_plans(units, ["0", "1", "2"]) == 3 and _distinct_block_plans(shared, ["0", "1", "2"]) == 2
+    assert graph.n > 0
+
+
+@pytest.mark.parametrize("tried, low, high, expected", [
+    ([(100, 90)], 100, 1000, 110),  # fits 10 under: shifted up by 10
+    ([(100, 130)], 0, 100, 70),  # 30 over: down by 30
+    ([(100, 90), (120, 110)], 100, 120, 110),  # the secant through both sides
+    ([(100, 99), (200, 199)], 100, 200, 112),  # the secant at 101, kept an eighth of the bracket in
+    ([], 0, 100, 50),  # nothing traced yet: the bisection
+])
+def test_the_compiled_search_steps_by_the_secant_of_what_it_traced(tried, low, high, expected) -> None:
+    from bonsai_core.training import _next_plan_budget
+
+    assert _next_plan_budget(tried, 100, low, high) == expected

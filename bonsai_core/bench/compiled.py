@@ -21,6 +21,7 @@ results.json again):
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -363,16 +364,19 @@ def titan_peer_table(rows: list[dict[str, Any]]) -> str:
 def _failure(error: str) -> str:
     """The plan call's error in a table cell: dynamo's recompile limit by its cause, else its first words."""
     if "FailOnRecompileLimitHit" in error:
-        return ("no plan: a plan searched held more distinct block plans than dynamo's recompile_limit (8) compiles "
-                "under fullgraph=True (FailOnRecompileLimitHit)")
+        limit = re.search(r"recompile_limit \((\d+)\)", error)
+        return ("no plan: a plan searched held more distinct block plans than dynamo's recompile_limit"
+                f"{f' ({limit[1]})' if limit else ''} compiles under fullgraph=True (FailOnRecompileLimitHit)")
     return "no plan: " + error.split(". ")[0]
 
 
 def titan_peer_said(rows: list[dict[str, Any]]) -> str:
     pairs = [r for r in rows if "bonsai_error" not in r]
     cheaper = [r for r in pairs if r["bonsai_overhead"] < r["overhead"] - 1e-9]
+    under = [(r["peak"] - r["bonsai_peak"]) / GIB for r in pairs if r["bonsai_peak"] <= r["peak"]]
     return (f"bonsai's plan costs less at the same predicted peak in {len(cheaper)} of {len(pairs)} cells where both "
-            f"ran" + (f"; at {len(rows) - len(pairs)} peaks the plan call failed" if len(pairs) < len(rows) else "")
+            f"ran" + (f" (its compiled peak {min(under):.2f} to {max(under):.2f} GiB under the other's)" if under else "")
+            + (f"; at {len(rows) - len(pairs)} peaks the plan call failed" if len(pairs) < len(rows) else "")
             + f"; the step without checkpointing peaks at {rows[0]['plain_peak'] / GIB:.2f} GiB")
 
 

@@ -18,6 +18,7 @@ back-end what it does. The trace compiles for the device of the model's fake ten
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from typing import Any, Callable, Iterator
 
@@ -265,3 +266,58 @@ def _distinct(fixed: list[tuple[str, torch.Tensor, str]]) -> list[tuple[str, tor
             seen.add(key)
             out.append((n, t, kind))
     return out
+
+
+def block_paths(model: nn.Module) -> list[str]:
+    """The paths in ``model`` of the blocks that ``compile="blocks"`` compiles one by one (:func:`block_container`)."""
+    container, names = block_container(model)
+    at = next(path for path, m in model.named_modules() if m is container)
+    return [f"{at}.{n}" if at else n for n in names]
+
+
+def shared_block_plans(units: list[Any], blocks: list[str], limit: int, modules: set[str]) -> list[Any]:
+    """``units`` (checkpointed submodules: frozen dataclasses with ``path``, ``saves``, ``dropped_bytes``, as
+    :class:`bonsai_core.export.checkpoint.Unit`) with at most ``limit`` distinct block plans. Compiled blocks
+    share one function, compiled once per distinct plan of a block (its units relative to the block; none
+    is a plan too), and dynamo refuses past its ``recompile_limit`` under ``fullgraph=True``. While there
+    are more, the blocks of one plan take the plan that frees at least as many bytes and whose submodules
+    each of those blocks has (``modules``: the model's paths), the merge adding the fewest freed bytes over
+    its blocks (a proxy for the recomputation it adds; never more held, as the eager plan counts it).
+    Units outside the blocks are kept."""
+    def block_of(path: str) -> str | None:
+        return next((b for b in blocks if path == b or path.startswith(b + ".")), None)
+
+    mine: dict[str, list[Any]] = {b: [] for b in blocks}
+    outside, merged = [], False
+    for unit in units:
+        block = block_of(unit.path)
+        (outside if block is None else mine[block]).append(unit)
+
+    def plan(block: str) -> tuple:
+        return tuple(sorted((u.path[len(block):], tuple((op, tuple(k)) for op, k in sorted(u.saves.items())))
+                            for u in mine[block]))
+
+    def fits(units_of: str, members: list[str]) -> bool:
+        return all(f"{b}{u.path[len(units_of):]}" in modules for b in members for u in mine[units_of])
+
+    while True:
+        groups: dict[tuple, list[str]] = {}
+        for block in blocks:
+            groups.setdefault(plan(block), []).append(block)
+        if len(groups) <= limit:
+            break
+        merged = True
+        freed = {p: sum(u.dropped_bytes for u in mine[members[0]]) for p, members in groups.items()}
+        merges = [(len(members) * (freed[target] - freed[p]), freed[target], p, target)
+                  for p, members in groups.items() for target, into in groups.items()
+                  if target != p and freed[target] >= freed[p] and fits(into[0], members)]
+        if not merges:
+            raise ModelError(f"The plan checkpoints the model's blocks in {len(groups)} distinct ways, more than "
+                             f"torch._dynamo.config.recompile_limit ({limit}) compilations of the blocks' shared "
+                             "function allow, and no block's plan applies to the others' submodules; raise that limit "
+                             "to the number of blocks (in this process and in the run), or compile the whole model.")
+        _, _, p, target = min(merges, key=lambda m: m[:2])
+        source = groups[target][0]
+        for block in groups[p]:
+            mine[block] = [dataclasses.replace(u, path=f"{block}{u.path[len(source):]}") for u in mine[source]]
+    return outside + [u for b in blocks for u in mine[b]] if merged else units
