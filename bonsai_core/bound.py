@@ -30,7 +30,7 @@ import scipy.sparse as sp
 
 from bonsai_core.graph import Graph
 
-GIB = float(2**30)  # memory rows count GiB: coefficients near 1
+GIB = float(2**30)  # bytes per GiB (bonsai_ops counts its rows in GiB)
 DEFAULT_POINTS = 6  # first computations whose closure LP is solved: the tightest by the spine's count
 
 
@@ -102,6 +102,12 @@ def unsharded_at(graph: Graph) -> np.ndarray:
     sizes = np.array([int(u[3]) for u in graph.fsdp["units"]], dtype=np.int64)
     out[unit >= 0] = sizes[unit[unit >= 0]]
     return out
+
+
+def memory_unit(graph: Graph) -> float:
+    """Bytes per unit in the LPs' memory rows: the largest storage's, so that every coefficient lies
+    in (0, 1] whatever the graph's scale (HiGHS drops coefficients below ``small_matrix_value``)."""
+    return float(max(int(graph.mem[graph.alias_of < 0].max(initial=0)), 1))
 
 
 def _reach(graph: Graph, start: int, forward: bool) -> np.ndarray:
@@ -202,8 +208,10 @@ class _Lp:
 
 def _solve_lp(lp: _Lp) -> tuple[float, np.ndarray | None]:
     """The LP's optimum as a proven lower bound: the Lagrangian value of HiGHS' dual solution, which
-    weak duality makes a lower bound for any dual values (signs clipped to the rows' sides); ``math.inf``
-    when the LP is infeasible. With the primal solution (None when there is none)."""
+    weak duality makes a lower bound for any dual values (signs clipped to the rows' sides). The callers'
+    LPs are feasible by construction (they prove "no schedule fits" themselves, in exact bytes), so an
+    infeasible verdict is the solver's numerics on its own reduced model, no proof: it gives the trivial
+    bound 0, as does any status short of optimal. With the primal solution (None when there is none)."""
     import highspy
 
     from bonsai_core.solvers.milp import _swallow_highs_banner
@@ -211,6 +219,7 @@ def _solve_lp(lp: _Lp) -> tuple[float, np.ndarray | None]:
     _swallow_highs_banner()
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
+    h.setOptionValue("small_matrix_value", 1e-12)  # its least: keep a byte-sized tensor's coefficient
     csc = lp.matrix.tocsc()
     csc.sort_indices()
     inf = h.getInfinity()
@@ -219,10 +228,7 @@ def _solve_lp(lp: _Lp) -> tuple[float, np.ndarray | None]:
                 clip(lp.high), clip(lp.lower), clip(lp.upper), csc.indptr[:-1].astype(np.int32),
                 csc.indices.astype(np.int32), csc.data.astype(np.float64), np.zeros(csc.shape[1], dtype=np.int32))
     h.run()
-    status = h.getModelStatus()
-    if status == highspy.HighsModelStatus.kInfeasible:
-        return math.inf, None
-    if status != highspy.HighsModelStatus.kOptimal:
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return 0.0, None  # no proof: the trivial bound
     solution = h.getSolution()
     return max(0.0, lagrangian(lp, np.asarray(solution.row_dual, dtype=np.float64))), np.asarray(solution.col_value)
@@ -248,18 +254,23 @@ def interval_bound(graph: Graph, budget: int, tensors: Tensors, iv: _Intervals, 
     some point cannot fit at all. The points' rows are added in rounds (the most excess first, then
     the ones the last solution leaves short): the LP over any subset of them is a lower bound too, and
     the last one's value is returned."""
-    excess = (iv.base + iv.need - budget) / GIB
-    over = np.flatnonzero(excess > 0)
+    short_bytes = iv.base + iv.need - budget
+    over = np.flatnonzero(short_bytes > 0)
     if len(over) == 0:
         return 0.0
+    unit = memory_unit(graph)
+    excess = short_bytes / unit
     r, c, v = [], [], []
     for k in range(len(iv.node)):
         js = over[(over >= iv.lo[k]) & (over <= iv.hi[k])]
-        r.append(js), c.append(np.full(len(js), k)), v.append(np.full(len(js), graph.mem[iv.node[k]] / GIB))
-    cover = sp.csr_matrix((np.concatenate(v), (np.concatenate(r), np.concatenate(c))),
-                          shape=(len(iv.points), len(iv.node)))
-    if np.any(np.asarray(cover[over].sum(axis=1)).ravel() < excess[over] - 1e-9):
+        r.append(js), c.append(np.full(len(js), k)), v.append(np.full(len(js), float(graph.mem[iv.node[k]])))
+    cover_bytes = sp.csr_matrix((np.concatenate(v), (np.concatenate(r), np.concatenate(c))),
+                                shape=(len(iv.points), len(iv.node)))
+    # every piece missing still leaves a point over: no schedule fits (bytes below 2**53 sum exactly)
+    if np.any(np.asarray(cover_bytes[over].sum(axis=1)).ravel() < short_bytes[over]):
         return math.inf
+    # otherwise x = 1 covers every row: the LP is feasible
+    cover = cover_bytes / unit
     chosen = over[np.argsort(-excess[over], kind="stable")[:rows_per_round]]
     items = len(iv.node)
     value = 0.0
@@ -286,7 +297,8 @@ def closure_at(graph: Graph, budget: int, b: int, tensors: Tensors, offload: boo
     ``r_v <= a_u`` for each input u of v; ``r + h <= a``; the resident bytes ``a - r - h`` fit the budget
     with what b itself holds; with ``offload``, the host link's bytes each way within its bandwidth times
     the step's time before and after b (the stalls ``s`` priced in the cost) and within the host memory.
-    ``math.inf``: b cannot run within the budget."""
+    ``math.inf``: b cannot run within the budget. Otherwise the LP is feasible (a = r = 1 everywhere:
+    every storage recomputed leaves no free bytes resident)."""
     g = graph
     ancestors = _reach(g, b, forward=False)
     later = _reach(g, b, forward=True)
@@ -323,10 +335,11 @@ def closure_at(graph: Graph, budget: int, b: int, tensors: Tensors, offload: boo
             add(np.array([k + i, i]), np.array([1.0, -1.0]), -np.inf, 0.0)
         for u in tensors.reads[v]:
             add(np.array([k + i, col[u]]), np.array([1.0, -1.0]), -np.inf, 0.0)
-    mem = g.mem[free] / GIB
+    unit = memory_unit(g)
+    mem = g.mem[free] / unit
     cols = [col[free], k + col[free]] + ([2 * k + col[free]] if offload else [])
     vals = [mem, -mem] + ([-mem] if offload else [])
-    add(np.concatenate(cols), np.concatenate(vals), -np.inf, (budget - base) / GIB)
+    add(np.concatenate(cols), np.concatenate(vals), -np.inf, (budget - base) / unit)
     low, high = np.zeros(width), np.ones(width)
     low[col[nodes[needed[nodes]]]] = 1.0
     cost = np.concatenate([np.zeros(k), g.cost[nodes]] + ([np.zeros(k), [1.0]] if offload else []))
@@ -335,7 +348,7 @@ def closure_at(graph: Graph, budget: int, b: int, tensors: Tensors, offload: boo
 
         link, host_bytes = host_link([])
         high[-1] = np.inf
-        seconds_per = GIB / link  # seconds to copy one GiB one way
+        seconds_per = unit / link  # seconds to copy one unit of bytes one way
         before = float(g.cost[ancestors].sum())
         after = float(g.cost[later].sum()) + float(g.cost[b])
         hcols = 2 * k + col[nodes]
@@ -344,10 +357,10 @@ def closure_at(graph: Graph, budget: int, b: int, tensors: Tensors, offload: boo
         # sum h * mem * seconds_per <= C - before (resp. C - after), C = total + sum r cost + s
         for spent in (before, after):
             add(np.concatenate([hcols, rcols, [width - 1]]),
-                np.concatenate([g.mem[nodes] / GIB * seconds_per, -g.cost[nodes], [-1.0]]),
+                np.concatenate([g.mem[nodes] / unit * seconds_per, -g.cost[nodes], [-1.0]]),
                 -np.inf, g.total_cost - spent)
         if host_bytes is not None:
-            add(hcols, g.mem[nodes] / GIB, -np.inf, host_bytes / GIB)
+            add(hcols, g.mem[nodes] / unit, -np.inf, host_bytes / unit)
     matrix = sp.csr_matrix((np.concatenate(entries_v), (np.concatenate(entries_r), np.concatenate(entries_c))),
                            shape=(len(lower), width))
     return _solve_lp(_Lp(cost, matrix, np.asarray(lower), np.asarray(upper), low, high))[0]

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from bonsai_core.bound import Tensors, closure_at, lagrangian, lower_bound, spine, unsharded_at, _Lp
@@ -71,8 +71,24 @@ def budgets_of(graph: Graph, count: int = 5) -> list[int]:
     return sorted({low + (high - low) * k // (count - 1) for k in range(count)})
 
 
+def byte_sized_views() -> Graph:
+    """Tensors of 1-3 bytes (a coefficient of 1/GiB, which HiGHS drops) and two views: at budget 4 the
+    only schedules recompute n0 and n1 for n6 after n5, cost 7/128."""
+    c = 1 / 128
+    return Graph.from_nodes("byte-sized views", 0, [
+        dict(name="n0", phase="forward", cost=c, mem=1, deps=[]),
+        dict(name="n1", phase="backward", cost=c, mem=2, deps=[]),
+        dict(name="n2", phase="backward", cost=c, mem=1, deps=[0, 1]),
+        dict(name="n3", phase="backward", cost=c, mem=3, deps=[]),
+        dict(name="n4", phase="backward", cost=c, mem=1, deps=[]),
+        dict(name="n5", phase="backward", cost=0.0, mem=0, deps=[2, 3], alias_of=2),
+        dict(name="n6", phase="backward", cost=0.0, mem=0, deps=[0, 1, 5], alias_of=0),
+    ])
+
+
 @SETTINGS
 @given(graphs(max_nodes=8))
+@example(byte_sized_views())
 def test_the_bound_is_never_above_the_op_level_optimum(g):
     for budget in budgets_of(g):
         best = op_level_optimum(g, budget)
@@ -126,6 +142,12 @@ def test_no_schedule_fits_below_the_per_op_bound():
     g = chain(4, mem=10)
     assert math.isinf(lower_bound(g, g.peak_lower_bound - 1).cost)
     assert lower_bound(g, no_remat_peak(g)).recompute == 0.0
+
+
+def test_a_solver_infeasible_verdict_is_no_proof_and_byte_sized_tensors_keep_the_bound_tight():
+    g = byte_sized_views()
+    assert op_level_optimum(g, 4) == pytest.approx(7 / 128)
+    assert lower_bound(g, 4).cost == pytest.approx(7 / 128)  # n0 and n1 recomputed: both bounds see it
 
 
 def test_the_spine_is_a_dependency_path():

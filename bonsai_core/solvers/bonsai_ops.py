@@ -23,12 +23,13 @@ the MILP (memory inside a window the MILP does not see), and the model is solved
 fits or the time runs out (:func:`plan_ops`: also a run that counts its bytes, and a greedy repair once
 the MILP is slow). Where such a peak is a chain of rebuilt tensors held whole (a residual stream left
 out block after block), about √k of its links must be resident at the window's point instead
-(:func:`_anchors`).
+(:func:`_anchors`); the next round runs that and the plain refinement both, and the simulator judges.
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -341,7 +342,8 @@ def plan_ops(graph: Graph, budget: int, clock: Deadline, backend: str = "highs",
     more). Each round runs the plan lazily and, where that peaks over the budget, counting its bytes too
     (:func:`_runs`); a plan that fits is kept, and the rounds go on (at most EXTRA_ROUNDS more once one
     fits) until the lazy run fits. Where a peak is mostly a rebuilt chain, its window's point gets
-    anchors instead (:func:`_anchors`), resident there and at later points until read. When the points
+    anchors instead (:func:`_anchors`), resident there and at later points until read; the round after
+    solves the plain refinement too and keeps what fits of both (:meth:`_Search._judged`). When the points
     a round added inside windows make its MILP stop short of the gap, they are taken back and those
     windows' budgets lowered instead (and so from then on). Once a round's MILP takes more than MILP_SHARE of the time left (a large
     step, a short limit), the rounds after it keep its solution and repair the plan instead: at each
@@ -376,16 +378,52 @@ class _Search:
         self.extra = EXTRA_ROUNDS
         self.added: dict[int, tuple[int, int]] = {}  # points the last refine added inside a window: (window, excess)
         self.tighten_only = False  # set once added points made the MILP stop short of the gap
+        self.plain: dict | None = None  # where the last refine cut chains: the state its plain refinement gives
+
+    STATE = ("points", "target", "anchors", "added", "tighten_only", "absent", "found", "model", "size",
+             "repairing", "repaired", "note")  # what a refinement and its round change
+
+    def _state(self) -> dict:
+        return {k: copy.copy(getattr(self, k)) for k in self.STATE}
+
+    def _restore(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+    def _attempt(self) -> tuple[list[tuple[str, int]], SimResult, float] | None:
+        """The round's plan run lazily (solved first unless repairing), its fitting runs kept: (ops, sim,
+        the cheapest fitting run's compute cost, inf if none); None: nothing more to run."""
+        if not self.repairing and not self.solve():
+            return None
+        (ops, sim), counted = _runs(self.tensors, self.absent, self.budget)
+        fitting = [s for s in ((ops, sim), counted) if s is not None and s[1].peak <= self.budget]
+        for schedule in fitting:
+            self.keep(*schedule)
+        return ops, sim, min((s[1].compute_cost for s in fitting), default=math.inf)
+
+    def _judged(self) -> tuple[list[tuple[str, int]], SimResult, float] | None:
+        """The round's attempt; where the last refine cut chains, its plain refinement's attempt too (its
+        fitting runs kept: the simulator judges both). The search goes on from the plain one where the
+        anchored round gives nothing or fits at a higher cost; else from the anchored one, which still has
+        rounds to go when it does not fit yet (a plain plan that fits is kept meanwhile)."""
+        anchored = self._attempt()
+        if self.plain is None:
+            return anchored
+        kept, plain_state, self.plain = self._state(), self.plain, None
+        self._restore(plain_state)
+        plain = self._attempt()
+        if plain is not None and (anchored is None or math.isfinite(anchored[2]) and plain[2] < anchored[2]):
+            return plain
+        self._restore(kept)
+        return anchored
 
     def run(self) -> None:
         while self.rounds < MAX_ROUNDS and not self.clock.passed():
             self.rounds += 1
-            if not self.repairing and not self.solve():
+            attempt = self._judged()
+            if attempt is None:
                 return
-            (ops, sim), counted = _runs(self.tensors, self.absent, self.budget)
-            for schedule in (ops, sim), counted:
-                if schedule is not None and schedule[1].peak <= self.budget:
-                    self.keep(*schedule)
+            ops, sim, _ = attempt
             if sim.peak <= self.budget:
                 self.note = "fits"
                 if self.improving or self.repaired or (self.found.outcome.gap or 0.0) <= self.gap:
@@ -434,23 +472,35 @@ class _Search:
                                   extra={"points": sorted(int(p) for p in self.absent)}), sim)
 
     def refine(self, ops: list[tuple[str, int]], sim: SimResult) -> None:
-        """Points added and tightened where the lazy run peaks over, or the plan repaired there."""
+        """Points added and tightened where the lazy run peaks over, or the plan repaired there. Where
+        rebuilt chains get anchors, the refinement without them is kept too (:attr:`plain`): the next
+        round solves both and the simulator judges."""
+        before = self._state()
+        if self._refine(ops, sim, anchors=True):
+            after = self._state()
+            self._restore(before)
+            self._refine(ops, sim, anchors=False)
+            self.plain = self._state()
+            self._restore(after)
+
+    def _refine(self, ops: list[tuple[str, int]], sim: SimResult, anchors: bool) -> bool:
+        """:meth:`refine` with or without anchors; True: chains were cut."""
         over = _peak_positions(self.graph, ops, sim.timeline, self.budget, NEW_POINTS)
         if self.repairing:
             for excess, position, at in over:
                 self.absent[position] = _left_out(self.tensors, sim, position, at, excess, self.absent.get(position))
             self.repaired, self.note = True, "repaired"
-            return
+            return False
         seen: set[int] = set()  # windows with cut chains refined this round (at their highest peak only)
         added, cut = set(), False
         for excess, p, at in over:  # highest first
             window = self._window_of(p)
             if window in seen:
                 continue
-            anchors = None if window is None else _anchors(self.tensors, sim, at, window, excess,
-                                                           self.anchors.get(window))
-            if anchors is not None:  # rebuilt chains explain the excess: cut them
-                self.anchors[window], cut = anchors, True
+            cut_at = None if window is None or not anchors else _anchors(self.tensors, sim, at, window, excess,
+                                                                         self.anchors.get(window))
+            if cut_at is not None:  # rebuilt chains explain the excess: cut them
+                self.anchors[window], cut = cut_at, True
                 seen.add(window)
             elif p in self.points:  # a peak inside a window the MILP sees only at its point: its budget goes down
                 self.target[p] = self.target.get(p, self.budget) - excess
@@ -463,6 +513,7 @@ class _Search:
                     self.added[p] = (window, excess)
         self.points = tuple(sorted(set(self.points) | added))
         self.note = "rebuild chains cut" if cut else "points added or tightened"
+        return cut
 
     def _take_back_points(self) -> None:
         """Drop the points the last refine added inside windows, lower each of those windows' budget by its
