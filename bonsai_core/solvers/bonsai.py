@@ -625,6 +625,7 @@ def _rounded(built: BuiltModel, backend: str, time_limit: float | None, gap: flo
         left = None if time_limit is None else time_limit - (time.perf_counter() - start)
         full = solve_sparse_milp(canonical.milp, backend, values, time_limit=left, gap=gap)
         values, proven = full.values, relative_gap(full.outcome.objective, max(full.bound, bound))  # both bound it
+        built.relaxation.plans = [values, *built.relaxation.plans[1:]]  # the next solve's neighbourhood: this plan
         status, shown = ("optimal", 0.0) if proven <= 1e-4 else ("feasible", proven)
         outcome = dataclasses.replace(full.outcome, status=status, gap=shown,
                                       solve_seconds=time.perf_counter() - start)

@@ -7,8 +7,10 @@ first (1) re-solves the LP relaxation, kept per built model: a budget moves only
 upper bounds, so HiGHS re-solves it from the last basis in a few dual simplex iterations; then (2)
 fixes every integer column the LP left whole to its value and solves the small MILP left over (RENS,
 relaxation enforced neighbourhood search). The LP's objective is a lower bound of the MILP's optimum,
-so the plan found is within ``(incumbent - LP bound) / incumbent`` of it: the answer when that proven gap
-is within the gap asked for, else the full MILP's start (its branch and bound then only has to improve on it).
+so the plan found is within ``(incumbent - LP bound) / incumbent`` of it. When that proven gap is over the
+gap asked for, (3) the MILP restricted to the columns the LP or the last few plans found (the neighbouring
+budgets' in a sweep) set is solved from the rounding's plan; still over, the plan is the full MILP's start
+(its branch and bound then only has to improve on it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from bonsai_core.solvers.milp import MilpOutcome
 from bonsai_core.solvers.sparse_milp import SparseMilp, _highs_model, relative_gap, solve_sparse_milp
 
 WHOLE = 1e-6  # an LP value this close to an integer counts as whole
+PLANS_KEPT = 4  # plans of earlier solves whose columns widen the next rounding's neighbourhood
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Relaxation:
     matrix_data: np.ndarray  # the constraint matrix's values it was built from (a changed matrix: build anew)
     row_lower: np.ndarray
     row_upper: np.ndarray
+    plans: list = dataclasses.field(default_factory=list)  # the last few plans found (values), newest first
 
 
 def relaxation_of(milp: SparseMilp) -> Relaxation:
@@ -70,6 +74,24 @@ def solve_relaxation(relaxation: Relaxation, milp: SparseMilp,
     return np.asarray(h.getSolution().col_value, dtype=np.float64), float(h.getInfo().objective_function_value)
 
 
+def _among_neighbours(milp: SparseMilp, relaxation: Relaxation, x: np.ndarray, rounded: Any,
+                      time_limit: float | None, gap: float) -> Any:
+    """A plan at least as cheap as ``rounded`` from the MILP restricted to the integer columns that the LP
+    (``x``) or one of the last plans (at nearby budgets, in a sweep) sets: a neighbourhood a few times the
+    rounding's, from the rounding's plan. ``rounded`` when it finds none better in ``time_limit``."""
+    used = np.abs(x) > WHOLE
+    for plan in relaxation.plans:
+        used |= np.abs(plan) > WHOLE
+    upper = milp.col_upper.copy()
+    upper[milp.integer & ~used & (milp.col_lower == 0)] = 0.0
+    try:
+        found = solve_sparse_milp(dataclasses.replace(milp, col_upper=upper), "highs", rounded.values,
+                                  time_limit=time_limit, gap=gap)
+    except SolverError:
+        return rounded
+    return found if found.outcome.objective <= rounded.outcome.objective else rounded
+
+
 def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float | None,
                      gap: float) -> tuple[MilpOutcome, np.ndarray, float] | None:
     """(outcome, values, the LP bound) of the rounding's plan of ``milp`` (module docstring), its gap the one
@@ -94,6 +116,11 @@ def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float
     if found.values is None or found.outcome.objective is None:
         return None
     proven = relative_gap(found.outcome.objective, bound)
+    left = None if time_limit is None else time_limit - (time.perf_counter() - start)
+    if proven > gap and relaxation.plans and (left is None or left > 0):
+        found = _among_neighbours(milp, relaxation, x, found, left, gap)
+        proven = relative_gap(found.outcome.objective, bound)
+    relaxation.plans = [found.values, *relaxation.plans][:PLANS_KEPT]
     status, shown = ("optimal", 0.0) if proven <= 1e-4 else ("feasible", proven)
     outcome = MilpOutcome(status, found.outcome.objective, shown, time.perf_counter() - start,
                           len(milp.cost), milp.matrix.shape[0])
