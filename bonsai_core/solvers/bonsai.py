@@ -66,7 +66,7 @@ from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
 from bonsai_core.solvers.bonsai_ops import OpsOutcome, plan_ops
 from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, problem_size, solve_milp
-from bonsai_core.solvers.sparse_milp import from_cvxpy, relative_gap, satisfies, solve_sparse_milp
+from bonsai_core.solvers.sparse_milp import from_cvxpy, satisfies, solve_sparse_milp
 from bonsai_core.solvers.relaxation import relaxation_of, round_relaxation, same_structure
 from bonsai_core.units import format_bytes
 
@@ -573,8 +573,8 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
         try:
             with times("solve"):
                 if start is None:
-                    outcome = _rounded(built, backend, left, gap) or solve_milp(built.problem, backend=backend,
-                                                                                 time_limit=left, gap=gap)
+                    outcome = _rounded(built, backend, left, gap) or solve_milp(
+                        built.problem, backend=backend, time_limit=clock.remaining(), gap=gap)
                 else:
                     outcome, note = _solve_from(built, start.rec, backend, left, gap)
         except SolverError:
@@ -606,33 +606,34 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
 
 
 def _rounded(built: BuiltModel, backend: str, time_limit: float | None, gap: float) -> MilpOutcome | None:
-    """The model's plan from its LP relaxation's rounding when that proves it within ``gap``, else the MILP
-    solved on HiGHS from that plan (:mod:`bonsai_core.solvers.relaxation`; the relaxation is kept on ``built``
-    and re-solved from its last basis at each budget), its variables' values set as CVXPY's own solve sets
-    them; None: the rounding found no plan, solve the MILP from scratch. HiGHS only, and not with offload
-    columns (their solve starts from the plan without offload)."""
+    """The model's plan from its LP relaxation's rounding when that proves it within ``gap``
+    (:mod:`bonsai_core.solvers.relaxation`; the relaxation is kept on ``built`` and re-solved from its last
+    basis at each budget), its variables' values set as CVXPY's own solve sets them; None: solve the MILP.
+    HiGHS only, and not with offload columns (their solve starts from the plan without offload)."""
     if backend != "highs" or built.off is not None:
         return None
     canonical = from_cvxpy(built.problem)
     if built.relaxation is None or not same_structure(built.relaxation, canonical.milp):
         built.relaxation = relaxation_of(canonical.milp)
-    start = time.perf_counter()
-    found = round_relaxation(canonical.milp, built.relaxation, time_limit, gap)
+    offset = _objective_offset(built.problem)
+    found = round_relaxation(canonical.milp, built.relaxation, time_limit, gap, offset)
     if found is None:
         return None
-    outcome, values, bound = found
-    if outcome.gap is not None and outcome.gap > gap:  # not proven close enough: branch and bound from it
-        left = None if time_limit is None else time_limit - (time.perf_counter() - start)
-        full = solve_sparse_milp(canonical.milp, backend, values, time_limit=left, gap=gap)
-        values, proven = full.values, relative_gap(full.outcome.objective, max(full.bound, bound))  # both bound it
-        built.relaxation.plans = [values, *built.relaxation.plans[1:]]  # the next solve's neighbourhood: this plan
-        status, shown = ("optimal", 0.0) if proven <= 1e-4 else ("feasible", proven)
-        outcome = dataclasses.replace(full.outcome, status=status, gap=shown,
-                                      solve_seconds=time.perf_counter() - start)
+    outcome, values, _ = found
+    if outcome.gap is not None and outcome.gap > gap:  # not proven close enough: the MILP decides
+        return None
     values = np.where(canonical.milp.integer, np.round(values), values)
     for variable in built.problem.variables():
         variable.save_value(canonical.value_of(values, variable))
-    return outcome
+    # the objective as CVXPY's solve reports it: with the constant its canonical form leaves out
+    return dataclasses.replace(outcome, objective=float(built.problem.objective.value))
+
+
+def _objective_offset(problem: Any) -> float:
+    """The constant of ``problem``'s (linear) objective: its value with every variable at 0."""
+    for variable in problem.variables():
+        variable.save_value(np.zeros(variable.shape))
+    return float(problem.objective.value)
 
 
 def _solve_from(built: BuiltModel, start: np.ndarray, backend: str, time_limit: float | None,

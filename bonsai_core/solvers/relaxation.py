@@ -9,8 +9,8 @@ fixes every integer column the LP left whole to its value and solves the small M
 relaxation enforced neighbourhood search). The LP's objective is a lower bound of the MILP's optimum,
 so the plan found is within ``(incumbent - LP bound) / incumbent`` of it. When that proven gap is over the
 gap asked for, (3) the MILP restricted to the columns the LP or the last few plans found (the neighbouring
-budgets' in a sweep) set is solved from the rounding's plan; still over, the plan is the full MILP's start
-(its branch and bound then only has to improve on it).
+budgets' in a sweep) set is solved; still over, the caller solves the full MILP. Every plan a backend
+answers is checked against the MILP's rows and bounds, its cost recomputed from its values.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 
 from bonsai_core.errors import SolverError
 from bonsai_core.solvers.milp import MilpOutcome
-from bonsai_core.solvers.sparse_milp import SparseMilp, _highs_model, relative_gap, solve_sparse_milp
+from bonsai_core.solvers.sparse_milp import SparseMilp, _highs_model, relative_gap, satisfies, solve_sparse_milp
 
 WHOLE = 1e-6  # an LP value this close to an integer counts as whole
 PLANS_KEPT = 4  # plans of earlier solves whose columns widen the next rounding's neighbourhood
@@ -74,34 +74,45 @@ def solve_relaxation(relaxation: Relaxation, milp: SparseMilp,
     return np.asarray(h.getSolution().col_value, dtype=np.float64), float(h.getInfo().objective_function_value)
 
 
-def _among_neighbours(milp: SparseMilp, relaxation: Relaxation, x: np.ndarray, rounded: Any,
-                      time_limit: float | None, gap: float) -> Any:
+def _checked(milp: SparseMilp, found: Any) -> tuple[np.ndarray, float] | None:
+    """(values, objective) of a backend's answer when the values meet every row and bound of ``milp``, its
+    objective recomputed from them (HiGHS handed a start has been seen to answer a point that is not a
+    solution); None otherwise."""
+    if found.values is None or not satisfies(milp, found.values):
+        return None
+    values = np.where(milp.integer, np.round(found.values), found.values)
+    return values, float(milp.cost @ values)
+
+
+def _among_neighbours(milp: SparseMilp, relaxation: Relaxation, x: np.ndarray, rounded: tuple[np.ndarray, float],
+                      time_limit: float | None, gap: float) -> tuple[np.ndarray, float]:
     """A plan at least as cheap as ``rounded`` from the MILP restricted to the integer columns that the LP
     (``x``) or one of the last plans (at nearby budgets, in a sweep) sets: a neighbourhood a few times the
-    rounding's, from the rounding's plan. ``rounded`` when it finds none better in ``time_limit``."""
+    rounding's. ``rounded`` when it finds none better in ``time_limit``."""
     used = np.abs(x) > WHOLE
     for plan in relaxation.plans:
         used |= np.abs(plan) > WHOLE
     upper = milp.col_upper.copy()
     upper[milp.integer & ~used & (milp.col_lower == 0)] = 0.0
     try:
-        found = solve_sparse_milp(dataclasses.replace(milp, col_upper=upper), "highs", rounded.values,
-                                  time_limit=time_limit, gap=gap)
+        found = _checked(milp, solve_sparse_milp(dataclasses.replace(milp, col_upper=upper), "highs",
+                                                 time_limit=time_limit, gap=gap))
     except SolverError:
         return rounded
-    return found if found.outcome.objective <= rounded.outcome.objective else rounded
+    return found if found is not None and found[1] < rounded[1] else rounded
 
 
 def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float | None,
-                     gap: float) -> tuple[MilpOutcome, np.ndarray, float] | None:
+                     gap: float, offset: float = 0.0) -> tuple[MilpOutcome, np.ndarray, float] | None:
     """(outcome, values, the LP bound) of the rounding's plan of ``milp`` (module docstring), its gap the one
-    the LP bound proves (within ``gap`` or not: a plan further off is the full MILP's start); None when it
-    finds no plan within ``time_limit``."""
+    the LP bound proves (within ``gap`` or not); None when it finds no plan within ``time_limit``.
+    ``offset``: the objective's constant, which the sparse form leaves out; gaps and objectives here count it."""
     start = time.perf_counter()
     solved = solve_relaxation(relaxation, milp, time_limit)
     if solved is None:
         return None
     x, bound = solved
+    bound += offset
     whole = milp.integer & (np.abs(x - np.round(x)) <= WHOLE)
     lower, upper = milp.col_lower.copy(), milp.col_upper.copy()
     lower[whole] = upper[whole] = np.round(x[whole])
@@ -109,19 +120,19 @@ def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float
     if left is not None and left <= 0:
         return None
     try:
-        found = solve_sparse_milp(dataclasses.replace(milp, col_lower=lower, col_upper=upper), "highs",
-                                  time_limit=left, gap=gap)
+        found = _checked(milp, solve_sparse_milp(dataclasses.replace(milp, col_lower=lower, col_upper=upper), "highs",
+                                                 time_limit=left, gap=gap))
     except SolverError:  # no incumbent in the time left
         return None
-    if found.values is None or found.outcome.objective is None:
+    if found is None:
         return None
-    proven = relative_gap(found.outcome.objective, bound)
+    proven = relative_gap(found[1] + offset, bound)
     left = None if time_limit is None else time_limit - (time.perf_counter() - start)
     if proven > gap and relaxation.plans and (left is None or left > 0):
         found = _among_neighbours(milp, relaxation, x, found, left, gap)
-        proven = relative_gap(found.outcome.objective, bound)
-    relaxation.plans = [found.values, *relaxation.plans][:PLANS_KEPT]
+        proven = relative_gap(found[1] + offset, bound)
+    relaxation.plans = [found[0], *relaxation.plans][:PLANS_KEPT]
     status, shown = ("optimal", 0.0) if proven <= 1e-4 else ("feasible", proven)
-    outcome = MilpOutcome(status, found.outcome.objective, shown, time.perf_counter() - start,
+    outcome = MilpOutcome(status, found[1] + offset, shown, time.perf_counter() - start,
                           len(milp.cost), milp.matrix.shape[0])
-    return outcome, found.values, bound
+    return outcome, found[0], bound
