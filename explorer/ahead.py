@@ -10,9 +10,12 @@ Order: coarse to fine around the session's position (every 16th position, then e
 each level nearest first), so that the nearest solved position is never far; a position a session asks
 for before its turn goes next. Below a budget the method cannot meet (a solve that ended within its
 time limit: one that ran out of it says nothing of lower budgets) nothing more is solved: nothing
-lower fits (each lower position's answer says so, quoting the method), and bonsai's reach is computed
-once for the note the Solve page adds. Each solve runs with the session's own options and time limit,
-so that a sweep's plan is the one the session would get.
+lower fits (each lower position's answer says so, quoting the method). What the pages draw beside a
+plan (an FSDP rank's allocator replay, bonsai's reach for the Solve page's note) is put off until every
+position is answered (``Sweep.later``): on torchtitan's 8B step the reach alone builds the largest rung's
+model for minutes. Each solve runs with the session's own options and time limit, so that a sweep's plan
+is the one the session would get (bonsai's ILP keeps its LP relaxation between budgets:
+:mod:`bonsai_core.solvers.relaxation`).
 
 While a sweep runs, a session that asks for a position not solved yet is answered at once with the
 nearest solved plan that fits its budget (a lower position's; else the nearest above), marked as such
@@ -30,6 +33,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from bonsai_core.graph import Graph
 from bonsai_core.units import format_bytes
@@ -89,6 +93,8 @@ class Sweep:
     started: float = field(default_factory=time.perf_counter)
     ended: float | None = None
     solving: int | None = None  # the position being solved now
+    later: list = field(default_factory=list)  # work for the pages once every position is answered (callables)
+    reach_due: bool = False  # bonsai's reach is among ``later``
 
     @property
     def key(self) -> tuple:
@@ -217,13 +223,15 @@ def progress(graph: Graph, method: str, options: compute.Options, reserved: str 
     return find(graph, method, options, reserved, pct)[0]
 
 
-def _next() -> tuple[Sweep, int] | None:
+def _next() -> tuple[Sweep, int | Callable[[], None]] | None:
     """The newest budget sweep with positions left (then granularity sweeps), and its next position
-    (taken off its list); None when none is left, and then the worker is marked gone under the same lock
+    (taken off its list); once no sweep has positions left, the pages' work a sweep put off
+    (``Sweep.later``); None when none is left, and then the worker is marked gone under the same lock
     (a sweep started from then on starts a new thread)."""
     global _worker
     with _lock:
-        for sweep in sorted(reversed(list(_sweeps.values())), key=lambda sw: sw.axis != BUDGET):
+        sweeps = sorted(reversed(list(_sweeps.values())), key=lambda sw: sw.axis != BUDGET)
+        for sweep in sweeps:
             while sweep.todo:
                 p = sweep.todo.pop(0)
                 if p not in sweep.solved and p not in sweep.derived:
@@ -231,6 +239,9 @@ def _next() -> tuple[Sweep, int] | None:
                     return sweep, p
             if sweep.ended is None:
                 sweep.ended = time.perf_counter()
+        for sweep in sweeps:
+            if sweep.later:
+                return sweep, sweep.later.pop(0)
         _worker = None
     return None
 
@@ -242,6 +253,9 @@ def _work() -> None:
             return
         sweep, p = found
         try:
+            if callable(p):
+                p()
+                continue
             _solve(sweep, p)
         except Exception:  # a bug here must not end the thread for the sweeps behind it
             logging.getLogger(__name__).exception("sweeping stopped at %s", p)
@@ -266,9 +280,10 @@ def _solve(sweep: Sweep, p: int) -> None:
                           f"({format_bytes(budget_at(p, sweep.reference))}), a larger budget, so none is expected "
                           f"at {q}%. What it said at {p}%: {out.error}")
             sweep.todo = [q for q in sweep.todo if q not in lower]
-    if out.ok:
-        if sweep.graph.fsdp is not None:  # the Memory page's per-rank chart replays the schedule
-            compute.replay(sweep.graph, out)
-    elif sweep.method == "bonsai" and sweep.axis == BUDGET:  # the Solve page's note under bonsai's error
-        compute.bonsai_reach(sweep.graph)
-        compute.region_bound(sweep.graph)
+    # put off until every position is answered: a position's plan first, then what the pages draw beside it
+    with _lock:
+        if out.ok and sweep.graph.fsdp is not None:  # the Memory page's per-rank chart replays the schedule
+            sweep.later.append(lambda: compute.replay(sweep.graph, out))
+        elif not out.ok and sweep.method == "bonsai" and sweep.axis == BUDGET and not sweep.reach_due:
+            sweep.reach_due = True  # the Solve page's note under bonsai's error, once per sweep
+            sweep.later.append(lambda: (compute.bonsai_reach(sweep.graph), compute.region_bound(sweep.graph)))

@@ -493,7 +493,8 @@ def boxes_at(graph: Graph, depth: int):
 
 # -- the allocator model ---------------------------------------------------------------------------
 
-@st.cache_resource(show_spinner=False, max_entries=64,
+# room for a sweep's every slider position (96) and a few more: a drag after the sweep finds its replay here
+@st.cache_resource(show_spinner=False, max_entries=128,
                    hash_funcs={**GRAPH_HASH, Outcome: lambda o: (o.method, o.budget, o.options, o.reserved)})
 def replay(graph: Graph, outcome: Outcome) -> Any:
     """The allocator model's replay of a solved schedule (live, reserved, fragmentation), None for a

@@ -224,3 +224,19 @@ def test_a_session_starts_the_sweep_of_its_settings_only_when_the_slider_sets_th
     monkeypatch.setenv("BONSAI_SOLVE_AHEAD", "0")
     at.run()
     assert not any("solved in the background" in c.value for c in at.caption)
+
+
+def test_bonsais_reach_is_computed_only_once_every_position_is_answered(recorded, monkeypatch):
+    """The Solve page's note under bonsai's error (its reach, minutes on a large step) waits until the sweep
+    has answered every position: a session dragging meanwhile finds its plan sooner."""
+    answered_when_asked = []
+
+    def reach(graph):
+        sweep, _ = ahead.find(GRAPH, "bonsai", (), None, 70)
+        answered_when_asked.append(sweep.known)
+
+    monkeypatch.setattr(compute, "bonsai_reach", reach)
+    monkeypatch.setattr(compute, "region_bound", lambda graph: None)
+    ahead.start(GRAPH, session_solve(70, method="bonsai"), REFERENCE, 70)
+    wait_for_the_thread()
+    assert answered_when_asked == [len(ahead.SLIDER)]

@@ -67,6 +67,7 @@ from bonsai_core.solvers.bonsai_ops import OpsOutcome, plan_ops
 from bonsai_core.solvers.deadline import Deadline, OutOfTime
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, problem_size, solve_milp
 from bonsai_core.solvers.sparse_milp import from_cvxpy, satisfies, solve_sparse_milp
+from bonsai_core.solvers.relaxation import relaxation_of, round_relaxation, same_structure
 from bonsai_core.units import format_bytes
 
 _CACHE_SIZE = 32  # entries: per graph its plain profile, its fallback plans, one model per rung tried, its solved plans
@@ -581,7 +582,8 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
         try:
             with times("solve"):
                 if start is None:
-                    outcome = solve_milp(built.problem, backend=backend, time_limit=left, gap=gap)
+                    outcome = _rounded(built, backend, left, gap) or solve_milp(
+                        built.problem, backend=backend, time_limit=clock.remaining(), gap=gap)
                 else:
                     outcome, note = _solve_from(built, start.rec, backend, left, gap)
         except SolverError:
@@ -610,6 +612,37 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
         best = _Found(start.schedule, outcome, start.rec, start.tightened, off,
                       "the plan without offload: the offload model found none that fits and costs less", start.cost)
     return best
+
+
+def _rounded(built: BuiltModel, backend: str, time_limit: float | None, gap: float) -> MilpOutcome | None:
+    """The model's plan from its LP relaxation's rounding when that proves it within ``gap``
+    (:mod:`bonsai_core.solvers.relaxation`; the relaxation is kept on ``built`` and re-solved from its last
+    basis at each budget), its variables' values set as CVXPY's own solve sets them; None: solve the MILP.
+    HiGHS only, and not with offload columns (their solve starts from the plan without offload)."""
+    if backend != "highs" or built.off is not None:
+        return None
+    canonical = from_cvxpy(built.problem)
+    if built.relaxation is None or not same_structure(built.relaxation, canonical.milp):
+        built.relaxation = relaxation_of(canonical.milp)
+    offset = _objective_offset(built.problem)
+    found = round_relaxation(canonical.milp, built.relaxation, time_limit, gap, offset)
+    if found is None:
+        return None
+    outcome, values, _ = found
+    if outcome.gap is not None and outcome.gap > gap:  # not proven close enough: the MILP decides
+        return None
+    values = np.where(canonical.milp.integer, np.round(values), values)
+    for variable in built.problem.variables():
+        variable.save_value(canonical.value_of(values, variable))
+    # the objective as CVXPY's solve reports it: with the constant its canonical form leaves out
+    return dataclasses.replace(outcome, objective=float(built.problem.objective.value))
+
+
+def _objective_offset(problem: Any) -> float:
+    """The constant of ``problem``'s (linear) objective: its value with every variable at 0."""
+    for variable in problem.variables():
+        variable.save_value(np.zeros(variable.shape))
+    return float(problem.objective.value)
 
 
 def _solve_from(built: BuiltModel, start: np.ndarray, backend: str, time_limit: float | None,

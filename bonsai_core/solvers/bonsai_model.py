@@ -87,6 +87,7 @@ class BuiltModel:
     unit: float  # bytes per unit of the model's memory rows
     build_seconds: float
     _min_peak: Any = None
+    relaxation: Any = None  # the LP relaxation kept between budgets (bonsai_core.solvers.relaxation), once solved
     min_peak_found: tuple[int, str] | None = None  # the min-peak MILP's proven answer (bonsai._min_peak), once solved
     off: Any = None  # cp.Variable over offload.nodes (offload=True), else None
     offload: OffloadColumns | None = None

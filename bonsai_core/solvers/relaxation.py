@@ -1,0 +1,138 @@
+"""A MILP's plan proven within the gap from its LP relaxation, without branch and bound.
+
+Bonsai's segment ILP is nearly integral: on torchtitan's Llama 3 8B step its LP relaxation leaves a
+handful of fractional columns out of ~15,000 and its bound is within a fraction of a percent of the
+optimum, while HiGHS spends seconds in its root heuristics before it has an incumbent. So a solve
+first (1) re-solves the LP relaxation, kept per built model: a budget moves only the memory rows'
+upper bounds, so HiGHS re-solves it from the last basis in a few dual simplex iterations; then (2)
+fixes every integer column the LP left whole to its value and solves the small MILP left over (RENS,
+relaxation enforced neighbourhood search). The LP's objective is a lower bound of the MILP's optimum,
+so the plan found is within ``(incumbent - LP bound) / incumbent`` of it. When that proven gap is over the
+gap asked for, (3) the MILP restricted to the columns the LP or the last few plans found (the neighbouring
+budgets' in a sweep) set is solved; still over, the caller solves the full MILP. Every plan a backend
+answers is checked against the MILP's rows and bounds, its cost recomputed from its values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bonsai_core.errors import SolverError
+from bonsai_core.solvers.milp import MilpOutcome
+from bonsai_core.solvers.sparse_milp import SparseMilp, _highs_model, relative_gap, satisfies, solve_sparse_milp
+
+WHOLE = 1e-6  # an LP value this close to an integer counts as whole
+PLANS_KEPT = 4  # plans of earlier solves whose columns widen the next rounding's neighbourhood
+
+
+@dataclass
+class Relaxation:
+    """The LP relaxation of one MILP on HiGHS, kept between solves whose models differ only in row bounds."""
+
+    highs: Any
+    matrix_data: np.ndarray  # the constraint matrix's values it was built from (a changed matrix: build anew)
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    plans: list = dataclasses.field(default_factory=list)  # the last few plans found (values), newest first
+
+
+def relaxation_of(milp: SparseMilp) -> Relaxation:
+    lp = dataclasses.replace(milp, integer=np.zeros_like(milp.integer))
+    return Relaxation(_highs_model(lp), milp.matrix.data.copy(), milp.row_lower.copy(), milp.row_upper.copy())
+
+
+def same_structure(relaxation: Relaxation, milp: SparseMilp) -> bool:
+    """Whether ``milp`` differs from the relaxation's model in its row bounds at most."""
+    data = milp.matrix.data
+    return data.shape == relaxation.matrix_data.shape and np.array_equal(data, relaxation.matrix_data) \
+        and len(milp.row_upper) == len(relaxation.row_upper)
+
+
+def solve_relaxation(relaxation: Relaxation, milp: SparseMilp,
+                     time_limit: float | None) -> tuple[np.ndarray, float] | None:
+    """(values, objective) of ``milp``'s LP relaxation, from the relaxation's last basis; None when it is
+    infeasible or not solved within ``time_limit``."""
+    import highspy
+
+    h = relaxation.highs
+    moved = np.flatnonzero((milp.row_upper != relaxation.row_upper) | (milp.row_lower != relaxation.row_lower))
+    if moved.size:
+        inf = h.getInfinity()
+        h.changeRowsBounds(int(moved.size), moved.astype(np.int32),
+                           np.clip(milp.row_lower[moved], -inf, inf), np.clip(milp.row_upper[moved], -inf, inf))
+        relaxation.row_lower, relaxation.row_upper = milp.row_lower.copy(), milp.row_upper.copy()
+    h.setOptionValue("time_limit", max(float(time_limit), 0.0) if time_limit is not None else math.inf)
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    return np.asarray(h.getSolution().col_value, dtype=np.float64), float(h.getInfo().objective_function_value)
+
+
+def _checked(milp: SparseMilp, found: Any) -> tuple[np.ndarray, float] | None:
+    """(values, objective) of a backend's answer when the values meet every row and bound of ``milp``, its
+    objective recomputed from them (HiGHS handed a start has been seen to answer a point that is not a
+    solution); None otherwise."""
+    if found.values is None or not satisfies(milp, found.values):
+        return None
+    values = np.where(milp.integer, np.round(found.values), found.values)
+    return values, float(milp.cost @ values)
+
+
+def _among_neighbours(milp: SparseMilp, relaxation: Relaxation, x: np.ndarray, rounded: tuple[np.ndarray, float],
+                      time_limit: float | None, gap: float) -> tuple[np.ndarray, float]:
+    """A plan at least as cheap as ``rounded`` from the MILP restricted to the integer columns that the LP
+    (``x``) or one of the last plans (at nearby budgets, in a sweep) sets: a neighbourhood a few times the
+    rounding's. ``rounded`` when it finds none better in ``time_limit``."""
+    used = np.abs(x) > WHOLE
+    for plan in relaxation.plans:
+        used |= np.abs(plan) > WHOLE
+    upper = milp.col_upper.copy()
+    upper[milp.integer & ~used & (milp.col_lower == 0)] = 0.0
+    try:
+        found = _checked(milp, solve_sparse_milp(dataclasses.replace(milp, col_upper=upper), "highs",
+                                                 time_limit=time_limit, gap=gap))
+    except SolverError:
+        return rounded
+    return found if found is not None and found[1] < rounded[1] else rounded
+
+
+def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float | None,
+                     gap: float, offset: float = 0.0) -> tuple[MilpOutcome, np.ndarray, float] | None:
+    """(outcome, values, the LP bound) of the rounding's plan of ``milp`` (module docstring), its gap the one
+    the LP bound proves (within ``gap`` or not); None when it finds no plan within ``time_limit``.
+    ``offset``: the objective's constant, which the sparse form leaves out; gaps and objectives here count it."""
+    start = time.perf_counter()
+    solved = solve_relaxation(relaxation, milp, time_limit)
+    if solved is None:
+        return None
+    x, bound = solved
+    bound += offset
+    whole = milp.integer & (np.abs(x - np.round(x)) <= WHOLE)
+    lower, upper = milp.col_lower.copy(), milp.col_upper.copy()
+    lower[whole] = upper[whole] = np.round(x[whole])
+    left = None if time_limit is None else time_limit - (time.perf_counter() - start)
+    if left is not None and left <= 0:
+        return None
+    try:
+        found = _checked(milp, solve_sparse_milp(dataclasses.replace(milp, col_lower=lower, col_upper=upper), "highs",
+                                                 time_limit=left, gap=gap))
+    except SolverError:  # no incumbent in the time left
+        return None
+    if found is None:
+        return None
+    proven = relative_gap(found[1] + offset, bound)
+    left = None if time_limit is None else time_limit - (time.perf_counter() - start)
+    if proven > gap and relaxation.plans and (left is None or left > 0):
+        found = _among_neighbours(milp, relaxation, x, found, left, gap)
+        proven = relative_gap(found[1] + offset, bound)
+    relaxation.plans = [found[0], *relaxation.plans][:PLANS_KEPT]
+    status, shown = ("optimal", 0.0) if proven <= 1e-4 else ("feasible", proven)
+    outcome = MilpOutcome(status, found[1] + offset, shown, time.perf_counter() - start,
+                          len(milp.cost), milp.matrix.shape[0])
+    return outcome, found[0], bound

@@ -1,0 +1,57 @@
+"""Bonsai's ILP answered from its LP relaxation's rounding (bonsai_core/solvers/relaxation.py): the plan's
+gap is the one the LP bound proves, measured here against the proven optimum."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bonsai_core.graph import load_graph
+from bonsai_core.schedule import no_remat_peak
+from bonsai_core.solvers import bonsai
+from bonsai_core.solvers.milp import solve_milp
+from bonsai_core.solvers.relaxation import relaxation_of, round_relaxation
+from bonsai_core.solvers.sparse_milp import from_cvxpy, relative_gap, satisfies
+
+GPT = Path(__file__).resolve().parent.parent / "assets" / "gpt-default.json"
+
+
+@pytest.mark.parametrize("share", [0.7, 0.8, 0.9])
+def test_the_rounded_plan_is_feasible_and_its_proven_gap_holds_against_the_optimum(share):
+    """(Below 70% of its peak the default GPT's rounding finds no plan: fixing the LP's whole columns leaves
+    no feasible completion, and the solve runs the MILP; None is then the answer.)"""
+    graph = load_graph(GPT)
+    built = bonsai.build(graph)
+    built.budget.value = int(share * no_remat_peak(graph)) / built.unit
+    milp = from_cvxpy(built.problem).milp
+    found = round_relaxation(milp, relaxation_of(milp), time_limit=None, gap=0.01)
+    assert found is not None
+    outcome, values, bound = found
+    assert satisfies(milp, values)
+    optimum = solve_milp(built.problem, gap=1e-6).objective
+    assert bound <= optimum + 1e-9  # the LP's objective bounds the MILP's optimum from below
+    assert outcome.objective >= optimum - 1e-9
+    assert relative_gap(outcome.objective, optimum) <= (outcome.gap or 0.0) + 1e-9
+
+
+def test_the_relaxation_moves_with_the_budget_from_its_last_basis():
+    """One relaxation re-solved at a lower budget gives what a fresh one gives there."""
+    graph = load_graph(GPT)
+    built = bonsai.build(graph)
+    reference = no_remat_peak(graph)
+    built.budget.value = int(0.9 * reference) / built.unit
+    kept = relaxation_of(from_cvxpy(built.problem).milp)
+    round_relaxation(from_cvxpy(built.problem).milp, kept, None, 0.01)
+    built.budget.value = int(0.7 * reference) / built.unit
+    milp = from_cvxpy(built.problem).milp
+    moved, fresh = round_relaxation(milp, kept, None, 0.01), round_relaxation(milp, relaxation_of(milp), None, 0.01)
+    assert moved[2] == pytest.approx(fresh[2], rel=1e-7)
+
+
+def test_a_bonsai_solve_says_its_gap_and_stays_within_the_gap_asked():
+    graph = load_graph(GPT)
+    schedule = bonsai.solve_bonsai(graph, int(0.55 * no_remat_peak(graph)), space="regions", reuse=False)
+    assert schedule.stats["gap"] is not None and schedule.stats["gap"] <= bonsai.DEFAULT_GAP
+    assert np.isfinite(schedule.stats["objective"])
