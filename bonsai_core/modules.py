@@ -69,7 +69,11 @@ class RecordedStep:
     calls: list[tuple[str, int, int]]  # (module path, first op, one past the last op), model modules only
     call_counts: Counter
     inplace: list[tuple[int, int]] = ()  # (in-place op, the op whose whole output it overwrote)
-    view_writes: list[tuple[int, int]] = ()  # (in-place op, the op whose output it wrote through a view)
+    # (in-place op, the op whose output it wrote through a view), and (an op whose output aliases that
+    # output without being a view of it, such as unsafe_chunk's, the same op) for each such alias made
+    # before a write through a view: ATen's CPU GRU cell writes its gates into unsafe_chunk's parts of
+    # linear_hh's output, which is then no longer what the linear made
+    view_writes: list[tuple[int, int]] = ()
     # (the ops that made and then wrote the storage in place, in order; ops run before Python dropped it;
     # which output of the first op it was; the forward op whose autograd node, running then, had saved
     # it, or -1): the forward's own lifetimes, as the model's code holds them (len(ops): held until the
@@ -101,7 +105,7 @@ class _OpRecorder(TorchDispatchMode):
         self.inplace: list[tuple[int, int]] = []
         self.view_writes: list[tuple[int, int]] = []
         self.made_by: dict[int, int] = {}  # storage address -> the recorded op whose output it last was (-1: other)
-        self.written_by: dict[int, int] = {}  # the same, where an ignored op's alias of it does not count
+        self.aliases: dict[int, list[int]] = {}  # storage address -> recorded ops whose outputs alias it, not views
         self.output: dict[int, int] = {}  # storage address -> which output of its op it is
         self.live: set[int] = set()  # storage addresses whose release is watched
         self.writers: dict[int, list[int]] = {}  # storage address -> the recorded ops that made, then wrote it
@@ -141,16 +145,18 @@ class _OpRecorder(TorchDispatchMode):
                 if writes:
                     self.output.setdefault(key, k)
                     self.writers.setdefault(key, []).append(at)
-                if at >= 0 or key not in self.written_by:  # not autograd's detach of a saved output
-                    self.written_by[key] = at
+                elif at >= 0 and self.made_by[key] >= 0 and self.aliases.get(key, [None])[-1] != at:
+                    self.aliases.setdefault(key, []).append(at)  # unsafe_chunk's parts: not views, same bytes
         return out
 
     def _note_write(self, func: Any, args: tuple, at: int) -> None:
-        written = _written_in_place(func, args)
-        if written is not None and self.made_by.get(_storage(written), -1) >= 0:
-            self.inplace.append((at, self.made_by[_storage(written)]))
-        elif written is None and _writes_first_argument(func, args) and self.written_by.get(_storage(args[0]), -1) >= 0:
-            self.view_writes.append((at, self.written_by[_storage(args[0])]))  # ATen's CPU RNN cells' gates
+        if not _writes_first_argument(func, args) or self.made_by.get(_storage(args[0]), -1) < 0:
+            return
+        key = _storage(args[0])
+        made = self.made_by[key]  # the op that made (or last wrote whole) the bytes, not an alias of them
+        self.view_writes.extend((a, made) for a in self.aliases.pop(key, ()))
+        # whole, or through a view or an alias (ATen's CPU RNN cells' gates)
+        (self.inplace if _written_in_place(func, args) is not None else self.view_writes).append((at, made))
 
     def made_first(self, tensors: list[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
         """Per storage of ``tensors`` that a recorded op's first output made, the recorded ops that made
@@ -160,7 +166,7 @@ class _OpRecorder(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         self.live.discard(key)
-        self.written_by.pop(key, None)
+        self.aliases.pop(key, None)
         self.made_by.pop(key, None)
         writers, k = self.writers.pop(key, ()), self.output.pop(key, 0)
         if self.tracking and writers:
