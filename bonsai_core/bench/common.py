@@ -1,6 +1,6 @@
 """What several bench suites share: the budget bisection, the command line, machine and dates a report
 quotes, the first line of a docs/results page a suite writes (:func:`page_header`), a page's template
-(``templates/NAME.md``: :func:`fill` with Jinja2, :func:`render` with ``string.Template``) and tables
+(``templates/NAME.md``, filled by :func:`fill` with Jinja2) and tables
 (:func:`table`), the small helpers the pages' sentences
 are made with (:func:`pct`, :func:`mib`, :func:`listing`, ...), and the command of a suite that writes its
 page from its results (:func:`page_refusal`, :func:`run_page_suite`)."""
@@ -13,7 +13,6 @@ import os
 import platform
 import re
 import statistics
-import string
 import subprocess
 import sys
 import time
@@ -152,12 +151,6 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], align: str = ""
 def pipe_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A markdown table as the pages written by hand set them: ``| a | b |`` lines, no padding."""
     return "\n".join(f"| {' | '.join(map(str, cells))} |" for cells in [columns, ["---"] * len(columns), *rows])
-
-
-def render(template: str, **values: Any) -> str:
-    """The page template ``templates/TEMPLATE.md`` with ``values`` in its ``$name`` placeholders
-    (``string.Template``): the fixed prose there, what was measured here."""
-    return string.Template((TEMPLATES / f"{template}.md").read_text()).substitute(values)
 
 
 def fill(template: str, **values: Any) -> str:

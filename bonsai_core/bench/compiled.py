@@ -280,22 +280,19 @@ def _smallest(error: str) -> str:
     return found.group(1) if found else "not named"
 
 
-def cpu_said(rows: list[dict[str, Any]]) -> dict[str, str]:
+def cpu_facts(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the CPU rows found: rows equal to the byte, the largest deviation, the plans within their budgets,
+    the models whose call refused, those whose compiled step peaks below the eager prediction."""
     refused = [r for r in rows if "error" in r]
     rows = [r for r in rows if "error" not in r]
-    exact = [r for r in rows if r["predicted"] == r["measured"]]
     worst = max(rows, key=lambda r: abs(r["predicted"] / r["measured"] - 1))
     plans = [r for r in rows if r["variant"] == "bonsai"]
-    kept = [r for r in plans if r["measured"] + r["fixed"] <= r["budget"]]
-    refusals = (f"; on {common.listing([_label(r) for r in refused])} the call raised BudgetError, naming the smallest "
-                "peak its checkpoints reach under compile" if refused else "")
-    lower = [r for r in rows if "eager_predicted" in r and r["predicted"] < r["eager_predicted"]]
-    deviation = worst["predicted"] / worst["measured"]
-    return {"exact": f"{len(exact)} of {len(rows)}",
-            "worst": ("; no row deviates" if len(exact) == len(rows) else
-                      f"; the largest deviation is {_label(worst)} ({worst['variant']}): {deviation:.4f}"),
-            "plans_kept": f"{len(kept)} of {len(plans)}{refusals}",
-            "compile_lower": common.listing([_label(r) for r in lower]) if lower else "none of them"}
+    return {"rows": len(rows), "exact": sum(r["predicted"] == r["measured"] for r in rows),
+            "worst": _label(worst), "worst_variant": worst["variant"],
+            "deviation": worst["predicted"] / worst["measured"], "plans": len(plans),
+            "plans_kept": sum(r["measured"] + r["fixed"] <= r["budget"] for r in plans),
+            "refused": [_label(r) for r in refused],
+            "compile_lower": [_label(r) for r in rows if "eager_predicted" in r and r["predicted"] < r["eager_predicted"]]}
 
 
 def peer_table(rows: list[dict[str, Any]]) -> str:
@@ -310,12 +307,11 @@ def peer_table(rows: list[dict[str, Any]]) -> str:
                          "bonsai: measured peak", "bonsai: overhead", "bonsai within torch's peak"], body, "lrrrrrl")
 
 
-def peer_said(rows: list[dict[str, Any]]) -> str:
+def peer_facts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Cells where both ran, those where bonsai's plan costs less, memory levels bonsai could not meet."""
     pairs = [r for r in rows if "bonsai_error" not in r]
-    cheaper = [r for r in pairs if r["bonsai_overhead"] < r["torch_overhead"] - 1e-9]
-    return (f"bonsai's plan costs less than torch's partitioner at the same measured memory in {len(cheaper)} of "
-            f"{len(pairs)} cells where both ran" + (f"; {len(rows) - len(pairs)} memory levels bonsai could not meet"
-                                                    if len(rows) > len(pairs) else ""))
+    return {"pairs": len(pairs), "cheaper": sum(r["bonsai_overhead"] < r["torch_overhead"] - 1e-9 for r in pairs),
+            "unmet": len(rows) - len(pairs)}
 
 
 def titan_table(rows: list[dict[str, Any]]) -> str:
@@ -333,21 +329,20 @@ def titan_table(rows: list[dict[str, Any]]) -> str:
                         "llrrrrrrrr")
 
 
-def titan_said(rows: list[dict[str, Any]]) -> str:
+def titan_worlds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per world size, what compiling changes: the reserved peak (and the published one), the parts at the
+    live peak, in GiB, and the peak op eager and compiled."""
     out = []
     for world in sorted({r["world"] for r in rows}):
         eager = next(r for r in rows if r["world"] == world and not r["compiled"])
         compiled = next(r for r in rows if r["world"] == world and r["compiled"] and not r["float8"])
         e, c = eager["parts"], compiled["parts"]
-        out.append(f"* {world} ranks: compiling lowers the reserved peak by "
-                   f"{(e[RESERVED] - c[RESERVED]) / GIB:.2f} GiB "
-                   f"(published: {eager['published_gib'] - compiled['published_gib']:.1f} GiB); the saved forward "
-                   f"tensors at the peak fall by {(e['saved forward tensors'] - c['saved forward tensors']) / GIB:.2f} "
-                   f"GiB, the backward transients by "
-                   f"{(e['backward tensors (transients)'] - c['backward tensors (transients)']) / GIB:.2f} GiB, the "
-                   f"allocator's extra by {(e[EXTRA] - c[EXTRA]) / GIB:.2f} GiB; the "
-                   f"peak is at `{c['peak op'].split(': ')[1]}` compiled, `{e['peak op'].split(': ')[1]}` eager.")
-    return "\n".join(out)
+        out.append({"world": world, "published": eager["published_gib"] - compiled["published_gib"],
+                    **{name: (e[part] - c[part]) / GIB for name, part in
+                       [("reserved", RESERVED), ("saved", "saved forward tensors"),
+                        ("transients", "backward tensors (transients)"), ("extra", EXTRA)]},
+                    "peak_op": c["peak op"].split(": ")[1], "eager_peak_op": e["peak op"].split(": ")[1]})
+    return out
 
 
 def titan_peer_table(rows: list[dict[str, Any]]) -> str:
@@ -370,42 +365,33 @@ def _failure(error: str) -> str:
     return "no plan: " + error.split(". ")[0]
 
 
-def titan_peer_said(rows: list[dict[str, Any]]) -> str:
+def titan_peer_facts(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Cells where both ran, those where bonsai's plan costs less, how far under the other's peak its peak
+    is (GiB), peaks where the plan call failed, the step's peak without checkpointing (GiB)."""
     pairs = [r for r in rows if "bonsai_error" not in r]
-    cheaper = [r for r in pairs if r["bonsai_overhead"] < r["overhead"] - 1e-9]
-    under = [(r["peak"] - r["bonsai_peak"]) / GIB for r in pairs if r["bonsai_peak"] <= r["peak"]]
-    return (f"bonsai's plan costs less at the same predicted peak in {len(cheaper)} of {len(pairs)} cells where both "
-            f"ran" + (f" (its compiled peak {min(under):.2f} to {max(under):.2f} GiB under the other's)" if under else "")
-            + (f"; at {len(rows) - len(pairs)} peaks the plan call failed" if len(pairs) < len(rows) else "")
-            + f"; the step without checkpointing peaks at {rows[0]['plain_peak'] / GIB:.2f} GiB")
+    return {"pairs": len(pairs), "cheaper": sum(r["bonsai_overhead"] < r["overhead"] - 1e-9 for r in pairs),
+            "under": [(r["peak"] - r["bonsai_peak"]) / GIB for r in pairs if r["bonsai_peak"] <= r["peak"]],
+            "failed": len(rows) - len(pairs), "plain_peak": rows[0]["plain_peak"] / GIB}
 
 
 def page(results: dict[str, Any], header: str) -> str:
-    meta = results["meta"]
-    values: dict[str, Any] = {"header": header, "command": meta["command"], "date": meta["date"],
-                              "machine": meta["machine"], "torch": meta["torch"], "minutes": f"{meta['seconds'] / 60:.0f}",
-                              "share": PLAN_SHARE}
-    cpu = results.get("cpu", [])
-    values["cpu_table"] = cpu_table(cpu) if cpu else "(not run)"
-    values.update(cpu_said(cpu) if cpu else {"exact": "-", "worst": "", "plans_kept": "-", "compile_lower": "-"})
-    values["peer_table"] = peer_table(results["peers"]) if results.get("peers") else "(not run)"
-    values["peer_said"] = peer_said(results["peers"]) if results.get("peers") else "not run"
-    values["titan_table"] = titan_table(results["titan"]) if results.get("titan") else "(not run)"
-    values["titan_said"] = titan_said(results["titan"]) if results.get("titan") else ""
-    peers = results.get("titan_peers")
-    values["titan_peer_table"] = titan_peer_table(peers) if peers else "(not run)"
-    values["titan_peer_said"] = titan_peer_said(peers) if peers else "not run"
-    for part in PARTS:
-        values[f"run_{part.replace('-', '_')}"] = _run_said(results, part)
-    return common.render("compiled", **values)
+    meta, cpu, peers, titan, titan_peers = (results.get(k) for k in ("meta", "cpu", "peers", "titan", "titan_peers"))
+    return common.fill(
+        "compiled", header=header, meta=meta, minutes=meta["seconds"] / 60, share=PLAN_SHARE,
+        runs={part.replace("-", "_"): _other_run(results, part) for part in PARTS},
+        cpu_table=cpu and cpu_table(cpu), cpu=cpu and cpu_facts(cpu),
+        peer_table=peers and peer_table(peers), peers=peers and peer_facts(peers),
+        titan_table=titan and titan_table(titan), titan=titan and titan_worlds(titan),
+        titan_peer_table=titan_peers and titan_peer_table(titan_peers),
+        titan_peers=titan_peers and titan_peer_facts(titan_peers))
 
 
-def _run_said(results: dict[str, Any], part: str) -> str:
-    """Which run measured ``part``, where it is not the run the page's first lines name."""
+def _other_run(results: dict[str, Any], part: str) -> dict[str, Any] | None:
+    """The run that measured ``part`` where it is not the run the page's first lines name."""
     run = _with_runs(results)["runs"].get(part)
     if run is None or run["command"] == results["meta"]["command"] and run["date"] == results["meta"]["date"]:
-        return ""
-    return f"Measured by `{run['command']}` on {run['date']} ({run['seconds'] / 60:.0f} min), its results kept in this page's. "
+        return None
+    return run
 
 
 def write_page(results: dict[str, Any], path: str) -> None:

@@ -360,10 +360,6 @@ def ms(x: float) -> str:
     return f"{x * 1e3:.2f} ms" if x < 1e-3 else f"{x * 1e3:.1f} ms"
 
 
-def rounds_said(rounds: int) -> str:
-    return "one round" if rounds == 1 else f"{rounds} rounds"
-
-
 def spread(xs: Sequence[float]) -> str:
     """Every value of a short series, in the run's order: ``0.21 0.25 0.19 s``."""
     return " ".join(f"{x:.2f}" for x in xs) + " s"
@@ -381,24 +377,10 @@ def against(value: float, target: float) -> str:
     return f"over the {target:g} s target by {value - target:.2f} s"
 
 
-def load_said(results: dict[str, Any]) -> str:
-    """The 1-minute load average at the starts and ends of the run's parts and the sessions' drags."""
-    loads = [x for part in results["meta"]["parts"].values() for x in (part["load_start"], part["load_end"])]
-    loads += [s[key][0] for s in results["sessions"] for key in ("load_before", "load_after")]
-    return f"the 1-minute load average between {min(loads):.2f} and {max(loads):.2f} during the run"
-
-
-def intro_values(results: dict[str, Any]) -> dict[str, Any]:
-    meta, b = results["meta"], results["browser"]
-    slider, paint = b["slider_s"], b["first_paint_s"]
-    return {"command": meta["command"], "date": meta["date"], "machine": meta["machine"], "torch": meta["torch"],
-            "quick": " (`--quick`: small counts, no large graphs; a smoke test, not the record)" if meta.get("quick") else "",
-            "streamlit": meta["streamlit"], "chromium": harness().CHROMIUM, "minutes": f"{meta['seconds'] / 60:.1f}",
-            "load": load_said(results), "yardstick": f"{results['yardstick_s']:.3f}",
-            "slider_median": secs(statistics.median(slider)), "drags": len(slider), "slider_spread": spread(slider),
-            "slider_against": against(statistics.median(slider), SLIDER_TARGET),
-            "paint_median": secs(statistics.median(paint)), "paints": len(paint), "paint_spread": spread(paint),
-            "paint_against": against(statistics.median(paint), FIRST_PAINT_TARGET)}
+def loads(results: dict[str, Any]) -> list[float]:
+    """The 1-minute load averages at the starts and ends of the run's parts and the sessions' drags."""
+    said = [x for part in results["meta"]["parts"].values() for x in (part["load_start"], part["load_end"])]
+    return said + [s[key][0] for s in results["sessions"] for key in ("load_before", "load_after")]
 
 
 def sessions_row(s: dict[str, Any]) -> list[str]:
@@ -410,42 +392,24 @@ def sessions_row(s: dict[str, Any]) -> list[str]:
             f"{s['waited']:.1f} s", f"{s['load_before'][0]:.2f} → {s['load_after'][0]:.2f}"]
 
 
-def sessions_findings(results: dict[str, Any]) -> list[str]:
-    """The target judged per mode, solving ahead's effect on the server's CPU, the charts updated in place."""
-    by_mode = {s["solve_ahead"]: s for s in results["sessions"]}
-    said = []
-    for ahead, s in by_mode.items():
-        median = statistics.median(s["drawn"])
-        said.append(f"Solving ahead {'on' if ahead else 'off'}: plot updated in a median of {secs(median)}, "
-                    f"{against(median, SESSIONS_TARGET)}.")
-    on, off = by_mode[True], by_mode[False]
-    cpu_on, cpu_off = on["server_cpu"] / len(on["drawn"]), off["server_cpu"] / len(off["drawn"])
-    if cpu_on < cpu_off:
-        said.append(f"Solving ahead cut the server's CPU per drag from {cpu_off:.3f} to {cpu_on:.3f} s "
-                    f"({common.pct(cpu_on / cpu_off - 1)}).")
-    else:
-        said.append(f"Solving ahead did not cut the server's CPU per drag: {cpu_on:.3f} s with it, "
-                    f"{cpu_off:.3f} s without.")
-    tabs = sum(s["browser_cpu"] for s in results["sessions"])
-    server = sum(s["server_cpu"] for s in results["sessions"])
-    said.append(f"Over both runs the tabs' Chromium processes used {tabs / server:.1f} times the server's CPU.")
-    in_place = all(all(s["in_place"]) for s in results["sessions"])
-    said.append("Every session's memory chart was updated in place (the same chart element after all its drags)."
-                if in_place else "Some session's memory chart was mounted anew instead of updated in place.")
-    return said
-
-
-def sessions_values(results: dict[str, Any]) -> dict[str, Any]:
+def sessions_facts(results: dict[str, Any]) -> dict[str, Any]:
+    """The sessions study: its counts and budgets, its table, each mode's median, the server's CPU per drag
+    with and without solving ahead, the tabs' CPU against the server's, whether every chart updated in place."""
     browser = harness()
-    sessions, rounds = results["meta"]["counts"]["sessions"], results["meta"]["counts"]["rounds"]
-    return {"sessions": sessions, "rounds": rounds_said(rounds), "budgets": len(results["sessions"][0]["drawn"]),
-            "lowest": browser.session_budget(0, 0), "highest": browser.session_budget(sessions - 1, rounds - 1),
-            "sessions_target": f"{SESSIONS_TARGET:g}",
-            "sessions_table": common.table(["solving ahead", "plot updated: median / p90 / max",
-                                            "server's rerun arrived: median / p90 / max", "server CPU per drag",
-                                            "tabs' CPU per drag", "server idle after", "load average"],
-                                           map(sessions_row, results["sessions"])),
-            "sessions_findings": "\n".join(f"* {s}" for s in sessions_findings(results))}
+    count, rounds = results["meta"]["counts"]["sessions"], results["meta"]["counts"]["rounds"]
+    by_mode = {s["solve_ahead"]: s for s in results["sessions"]}
+    cpu = {ahead: s["server_cpu"] / len(s["drawn"]) for ahead, s in by_mode.items()}
+    return {"count": count, "rounds": rounds, "budgets": len(results["sessions"][0]["drawn"]),
+            "lowest": browser.session_budget(0, 0), "highest": browser.session_budget(count - 1, rounds - 1),
+            "table": common.table(["solving ahead", "plot updated: median / p90 / max",
+                                   "server's rerun arrived: median / p90 / max", "server CPU per drag",
+                                   "tabs' CPU per drag", "server idle after", "load average"],
+                                  map(sessions_row, results["sessions"])),
+            "modes": [{"ahead": ahead, "median": statistics.median(s["drawn"])} for ahead, s in by_mode.items()],
+            "cpu_on": cpu[True], "cpu_off": cpu[False],
+            "tabs_per_server": sum(s["browser_cpu"] for s in results["sessions"])
+            / sum(s["server_cpu"] for s in results["sessions"]),
+            "in_place": all(all(s["in_place"]) for s in results["sessions"])}
 
 
 def depth_cells(row: dict[str, Any]) -> str:
@@ -453,7 +417,8 @@ def depth_cells(row: dict[str, Any]) -> str:
                      f"{ms(d['stats_chart_s'])}" for d in row["depths"])
 
 
-def module_graph_values(results: dict[str, Any]) -> dict[str, str]:
+def module_graph_facts(results: dict[str, Any]) -> dict[str, Any]:
+    """The module graph study's table, the Llama traced for it and its view's median draw (None where not run)."""
     browser = harness()
     rows = results["module_graph"]
     b = results["browser"]
@@ -464,7 +429,7 @@ def module_graph_values(results: dict[str, Any]) -> dict[str, str]:
     lines.append(["click on \"Graph\" until the module chart is painted and the server idle, default GPT",
                   f"first visit of a session {secs(g['first_s'])}; again from the Model page: median "
                   f"{secs(statistics.median(g['again_s']))} ({spread(g['again_s'])})"])
-    said = ""
+    view = None
     if "llama" in b:
         llama, row = b["llama"], next(r for r in rows if r["key"] == "llama")
         boxes = {d["depth"]: d["boxes"] for d in row["depths"]}
@@ -475,21 +440,14 @@ def module_graph_values(results: dict[str, Any]) -> dict[str, str]:
                       f"{secs(llama['first_s'])} (the plan solved)"])
         lines.append(["one step of the fold depth until the new chart is painted, same graph",
                       ", ".join(f"to {d} ({boxes.get(d, '?')} boxes) {secs(t)}" for d, t in llama["folds"])])
-        said = (f"\n\nThe {row['graph']}'s module view, folded to its default depth, draws in a median of "
-                f"{secs(median)}: {against(median, MODULE_VIEW_TARGET)} (`tests/test_browser_graph.py -m slow` "
-                "draws and folds it in both themes).")
-    return {"llama": llama_said(results), "module_table": common.table(["what", "measured"], lines), "module_said": said}
+        view = {"graph": row["graph"], "median": median}
+    traced = any(r["key"] == "llama" for r in rows)
+    return {"table": common.table(["what", "measured"], lines), "llama_view": view,
+            "llama_trace": browser.LLAMA_32 if traced else None}
 
 
-def llama_said(results: dict[str, Any]) -> str:
-    browser = harness()
-    if not any(r["key"] == "llama" for r in results["module_graph"]):
-        return ""
-    name, options = browser.LLAMA_32
-    return f" The Llama is `bonsai trace {name} " + " ".join(f"--{k} {v}" for k, v in options.items()) + "`."
-
-
-def lifetimes_values(results: dict[str, Any]) -> dict[str, str]:
+def lifetimes_table(results: dict[str, Any]) -> str:
+    """What the lifetimes and the scrubber measured, a line each."""
     browser = harness()
     b = results["browser"]
     lines = []
@@ -508,9 +466,7 @@ def lifetimes_values(results: dict[str, Any]) -> dict[str, str]:
         if key in b:
             lines.append([f"`{link}` in a new session: trace, solve, both charts",
                           f"{secs(b[key]['charts_s'])}; one scrubber step (Home key) {secs(b[key]['scrub_s'])}"])
-    return {"regions_at_once": str(REGIONS_AT_ONCE), "time_limit": f"{TIME_LIMIT:g}",
-            "lifetimes_table": common.table(["what", "measured"], lines),
-            "traces": "; ".join(f"{t['graph']} ({t['ops']:,} ops) {secs(t['trace_s'])}" for t in results["traces"])}
+    return common.table(["what", "measured"], lines)
 
 
 def first_words(alert: str) -> str:
@@ -518,15 +474,9 @@ def first_words(alert: str) -> str:
     return next((line for line in alert.splitlines() if line.strip() and line.strip() != "error"), alert)
 
 
-def titan_values(results: dict[str, Any]) -> dict[str, str]:
+def titan_table(results: dict[str, Any]) -> str:
+    """What the 8B step's session measured, a line each."""
     browser = harness()
-    name, options = browser.TITAN_8B
-    values = {"titan_command": f"bonsai trace {name} " + " ".join(f"--{k} {v}" for k, v in options.items()),
-              "titan_budget": str(browser.TITAN_8B_BUDGET), "slider_target": f"{SLIDER_TARGET:g}",
-              "sweep_target": f"{SWEEP_TARGET:g}", "fit_target": f"{FIT_TARGET:g}"}
-    if "titan" not in results:
-        return {**values, "titan_measured": "Not measured in this run (`--quick`, or torchtitan is not installed: "
-                                            "`requirements-torchtitan.txt`)."}
     t = results["titan"]
     b, f = t["browser"], t["fit"]
     first = (f"no plan, the page said \"{first_words(b['first_plan_error'])}\"" if b.get("first_plan_error")
@@ -559,13 +509,23 @@ def titan_values(results: dict[str, Any]) -> dict[str, str]:
                   f"{secs(f['seconds'])}, {against(f['seconds'], FIT_TARGET)}; {len(f['answers'])} answers, the last "
                   f"after {secs(last)}; traced " + (", ".join(f"batch {k} {secs(v)}" for k, v in f["traces"].items())
                                                      or "nothing")])
-    return {**values, "titan_measured": common.table(["what", "measured"], lines) + "\n\nWhat fits' table:\n\n"
-            + f["table"]}
+    return common.table(["what", "measured"], lines)
 
 
 def page(results: dict[str, Any], header: str) -> str:
-    return common.render("explorer", header=header, **intro_values(results), **sessions_values(results),
-                         **module_graph_values(results), **lifetimes_values(results), **titan_values(results))
+    browser = harness()
+    titan = results.get("titan")
+    return common.fill(
+        "explorer", header=header, meta=results["meta"], chromium=browser.CHROMIUM, loads=loads(results),
+        yardstick=results["yardstick_s"], slider=results["browser"]["slider_s"],
+        paint=results["browser"]["first_paint_s"], sessions=sessions_facts(results),
+        module_graph=module_graph_facts(results), regions_at_once=REGIONS_AT_ONCE, time_limit=TIME_LIMIT,
+        lifetimes_table=lifetimes_table(results), traces=results["traces"], titan_8b=browser.TITAN_8B,
+        titan_budget=browser.TITAN_8B_BUDGET, titan_table=titan and titan_table(results),
+        fit_table=titan and titan["fit"]["table"], targets={
+            "slider": SLIDER_TARGET, "first_paint": FIRST_PAINT_TARGET, "sessions": SESSIONS_TARGET,
+            "module_view": MODULE_VIEW_TARGET, "sweep": SWEEP_TARGET, "fit": FIT_TARGET},
+        secs=secs, spread=spread, against=against)
 
 
 # -- the command ----------------------------------------------------------------------------------

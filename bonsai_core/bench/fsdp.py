@@ -4,9 +4,12 @@ gradients are allocated as in steady state) against the simulator's peak of the 
 :func:`bonsai_core.fsdp.with_fsdp`, without recomputation and with a bonsai plan applied by
 ``bonsai_core.checkpoint`` before sharding.
 
-    bonsai bench fsdp --model gpt --world 2 4 [--budget 70%] [--out docs/bench/fsdp.md]
-    bonsai bench fsdp --model hf:llama --world 2 4 [--mixed-precision bf16] [--reshard-after-forward all-but-last]
-    bonsai bench fsdp --model gpt --world 2 --grads none
+    bonsai bench fsdp --page docs/bench/fsdp.md          # the page's models (RECORD), 2 and 4 ranks
+    bonsai bench fsdp --model hf:llama --world 2 4 [--mixed-precision bf16] [--reshard-after-forward all-but-last] --out DIR
+    bonsai bench fsdp --model gpt --world 2 --grads none --out DIR
+
+The numbers go to ``--out``/results.json, the page is written from them (again with ``--report-only``); a run
+of other models or options than the page's writes elsewhere.
 
 ``--mixed-precision bf16`` shards with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
 reduce_dtype=torch.float32)`` (torchtitan's); ``--reshard-after-forward all-but-last`` keeps the last block
@@ -20,9 +23,7 @@ gradients, predicted by the graph :func:`bonsai_core.optimizer.with_grads_set_to
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import tempfile
 import time
 from datetime import timedelta
@@ -31,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from bonsai_core.arguments import RESHARD_CHOICES
 from bonsai_core.schedule import no_remat_peak
-from bonsai_core.units import format_bytes
 
 if TYPE_CHECKING:  # imported where used: building the command line does not load torch
     import torch
@@ -41,6 +41,10 @@ SIZES = {"gpt": dict(batch=8, seq=128, width=256, layers=4, heads=4, vocab=2048)
          "gpt-wide": dict(batch=1, seq=32, width=512, layers=4, heads=4, vocab=256),
          "hf:llama": dict(batch=4, seq=128, width=256, layers=4, heads=4, vocab=2048),
          "hf:llama-wide": dict(batch=1, seq=32, width=512, layers=4, heads=4, vocab=256)}
+RECORD = {"gpt": "70%", "gpt-wide": None, "hf:llama": "70%", "hf:llama-wide": None}  # the page's models and plans
+OUT = "docs/bench/fsdp"
+PAGE = "docs/bench/fsdp.md"
+SOURCES = ["bonsai_core/bench/fsdp.py", "bonsai_core/bench/templates/fsdp.md"]
 
 
 def fsdp_graph(model: str, options: dict, world: int, reshard: bool | str = True, mixed_precision: str | None = None):
@@ -127,22 +131,6 @@ def spawn_ranks(worker: Callable[..., None], world: int, args: tuple, timeout: f
         return [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def append_table(out: Path | None, intro: str, columns: list[str], rows: list[str]) -> None:
-    """``rows`` (markdown table lines) appended to ``out``; a new file starts with ``intro`` (the run's
-    date, machine and torch prefixed) and the table's head."""
-    import torch
-
-    from bonsai_core.bench.common import pipe_table
-
-    if out is None:
-        return
-    head = "" if out.exists() else (
-        f"{intro.format(date=datetime.date.today(), machine=platform.machine(), torch=torch.__version__)}\n\n"
-        f"{pipe_table(columns, [])}\n")
-    with out.open("a") as f:
-        f.write(head + "\n".join(rows) + "\n")
-
-
 def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn, grads: str = "zeroed") -> dict:
     """One rank's fixed bytes and peak live bytes over a steady-state step of ``net`` (already sharded by
     ``fully_shard``): a first step (FSDP's lazy initialisation, ``.grad`` allocated, sharded; with
@@ -219,10 +207,13 @@ def predicted(graph, model: str, options: dict, budget: str | None, reshard: boo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The suite's options."""
-    parser.add_argument("--model", default="gpt", choices=sorted(SIZES))
+    from bonsai_core.bench.common import add_page_arguments
+
+    parser.add_argument("--model", nargs="+", choices=sorted(SIZES),
+                        help="the models to measure (default the page's: %s)" % ", ".join(RECORD))
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--budget", default=None, help="also measure with bonsai's plan at this budget (e.g. 70%%)")
-    parser.add_argument("--out", type=Path, default=None, help="append the table to this Markdown file")
+    parser.add_argument("--budget", default=None, help="also measure with bonsai's plan at this budget (e.g. 70%%; "
+                                                       "the page's models: 70%% for gpt and hf:llama)")
     parser.add_argument("--mixed-precision", choices=("bf16",), default=None,
                         help="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's")
     parser.add_argument("--reshard-after-forward", choices=RESHARD_CHOICES, default="true",
@@ -231,30 +222,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grads", choices=("zeroed", "none"), default="zeroed",
                         help="the gradients between steps: zeroed (kept allocated) or none (set to None, "
                              "optimizer.zero_grad()'s default)")
+    add_page_arguments(parser, OUT, PAGE)
 
 
-def main(args: argparse.Namespace) -> int:
-    """One row per world size (and plan), printed and (with ``--out``) appended to a Markdown file."""
-    options = SIZES[args.model]
-    label, args.model = args.model, args.model.removesuffix("-wide")
-    rows = []
+def studies(args: argparse.Namespace) -> dict[str, str | None]:
+    """Each model to measure with the budget of its plan (None: no plan), the page's unless ``--model``."""
+    return RECORD if args.model is None else {model: args.budget for model in args.model}
+
+
+def is_record(args: argparse.Namespace) -> bool:
+    """Whether these options measure what the page shows."""
+    return (args.model is None and args.world == [2, 4] and args.mixed_precision is None
+            and args.reshard_after_forward == "true" and args.grads == "zeroed")
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why these options cannot run, before anything is measured; None when they can."""
+    from bonsai_core.bench import common
+
+    if args.report_only and not is_record(args):
+        return "--report-only writes the page of the stored run: the other options choose what to measure"
+    if not is_record(args) and (common.same_path(args.out, OUT) or args.page and common.same_path(args.page, PAGE)):
+        return f"a run of other models or options writes neither {OUT}/results.json nor {PAGE}: give another --out and --page"
+    return common.page_refusal(args, OUT, PAGE)
+
+
+def measure_rows(args: argparse.Namespace) -> dict[str, Any]:
+    """One row per model, world size and plan, printed as measured."""
+    from bonsai_core.bench import common
+
     reshard = {"true": True, "false": False}.get(args.reshard_after_forward, args.reshard_after_forward)
     mp = args.mixed_precision
     setting = ", ".join(x for x in (f"mp {mp}" if mp else "", "" if reshard is True else f"reshard {reshard}",
                                     "grads none" if args.grads == "none" else "") if x)
-    label += f" ({setting})" if setting else ""
-    for world in args.world:
-        start = time.perf_counter()
-        _, graph, units = fsdp_graph(args.model, options, world, reshard, mp)
-        for budget in (None, args.budget) if args.budget else (None,):
-            expected = predicted(graph, args.model, options, budget, reshard, mp, args.grads)
-            ranks = measure(args.model, options, world, units, budget, reshard, mp, args.grads)
-            peak = max(r["peak"] for r in ranks)
-            rows.append(f"| {label} | {world} | {budget or 'none'} | {format_bytes(graph.fixed_mem)} "
-                        f"| {format_bytes(expected)} | {format_bytes(peak)} | {peak / expected - 1:+.2%} "
-                        f"| {time.perf_counter() - start:.0f} s |")
-            print(rows[-1], flush=True)
-    append_table(args.out, "`bonsai bench fsdp` on {date}, {machine} CPU, torch {torch}, gloo: per-rank peak live "
-                 "bytes (largest over ranks) against the simulator.",
-                 ["model", "ranks", "plan", "fixed per rank", "predicted", "measured", "error", "time"], rows)
-    return 0
+    rows = []
+    for label, budget in studies(args).items():
+        model, options = label.removesuffix("-wide"), SIZES[label]
+        for world in args.world:
+            start = time.perf_counter()
+            _, graph, units = fsdp_graph(model, options, world, reshard, mp)
+            for plan in (None, budget) if budget else (None,):
+                expected = predicted(graph, model, options, plan, reshard, mp, args.grads)
+                ranks = measure(model, options, world, units, plan, reshard, mp, args.grads)
+                rows.append({"model": label + (f" ({setting})" if setting else ""), "ranks": world, "plan": plan,
+                             "fixed": graph.fixed_mem, "predicted": expected, "measured": max(r["peak"] for r in ranks),
+                             "seconds": time.perf_counter() - start})
+                print(rows[-1], flush=True)
+    return {"meta": common.run_meta(), "rows": rows}
+
+
+def page(results: dict[str, Any], header: str) -> str:
+    from bonsai_core.bench import common
+
+    return common.fill("fsdp", header=header, meta=results["meta"], rows=results["rows"])
+
+
+def main(args: argparse.Namespace) -> int:
+    from bonsai_core.bench import common
+
+    return common.run_page_suite("fsdp", args, refusal(args), lambda: measure_rows(args),
+                                 common.page_writer(page, SOURCES))

@@ -2,15 +2,15 @@
 the peak measured on one real training step (CPU, live bytes), whether loss, gradients and buffers
 equal the model's without the plan (one seed), and how long the first and the cached call take.
 
-    bonsai bench one-call [--budget 70%] [--out docs/bench/one_call.md]
+    bonsai bench one-call [--budget 70%] [--page docs/bench/one_call.md] [--out DIR] [--report-only]
+
+The numbers go to ``--out``/results.json; the page is written from them (again with ``--report-only``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +18,6 @@ from typing import Any
 
 from bonsai_core.bench import common
 from bonsai_core.errors import BudgetError
-from bonsai_core.units import format_bytes
 
 
 def llama(batch: int = 4, seq: int = 256):
@@ -145,41 +144,34 @@ def one(make, budget: str, cache: Path) -> dict:
             "same": same, "first": first, "cached": cached}
 
 
+OUT = "docs/bench/one_call"
+PAGE = "docs/bench/one_call.md"
+SOURCES = ["bonsai_core/bench/one_call.py", common.template_source("one_call")]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The suite's options."""
     parser.add_argument("--budget", default="70%")
-    parser.add_argument("--out", type=Path, default=None, help="also write the table to this Markdown file")
+    common.add_page_arguments(parser, OUT, PAGE)
 
 
-def main(args: argparse.Namespace) -> int:
-    """One row per model, printed and (with ``--out``) written with its header and note."""
-    import torch
-
-    rows = ["| model | checkpointed | no remat: predicted | measured | with the plan: predicted | measured | error "
-            "| overhead | same loss, grads, buffers | first call | cached call |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+def measure(budget: str) -> dict[str, Any]:
+    """One row per model, printed as measured; a budget the call refuses is the row's words."""
+    rows = []
     with tempfile.TemporaryDirectory() as cache:
         for name, make in MODELS.items():
             try:
-                r = one(make, args.budget, Path(cache))
+                rows.append({"model": name, **one(make, budget, Path(cache))})
             except BudgetError as e:  # the call refuses a budget its checkpoints cannot meet: a row, not the end
-                rows.append(f"| {name} | refused: {e} |" + " |" * 9)
-                print(rows[-1], flush=True)
-                continue
-            rows.append(f"| {name} | {r['regions']} | {format_bytes(r['no_remat'])} "
-                        f"| {format_bytes(r['measured_no_remat'])} | {format_bytes(r['predicted'])} "
-                        f"| {format_bytes(r['measured'])} | {r['error']:+.2%} | {r['overhead']:+.1%} "
-                        f"| {'yes' if r['same'] else 'NO'} | {r['first']:.1f} s | {r['cached']:.2f} s |")
+                rows.append({"model": name, "refused": str(e)})
             print(rows[-1], flush=True)
-    header = (f"`bonsai bench one-call --budget {args.budget}` on {datetime.date.today()}, "
-              f"{platform.machine()} CPU, torch {torch.__version__}: `bonsai.checkpoint(model, inputs, loss_fn, "
-              f"budget={args.budget!r})`, then one real step measured (live bytes, fixed memory included), and one step "
-              "of the model without the plan.\n\n")
-    note = ("\nEach model is on the CPU, so `bonsai.checkpoint` plans it with the CPU's kernels (`device`, the "
-            "device of its parameters): dropout's float noise (`empty_like`, `bernoulli_`, `div_`, `mul`) and SDPA "
-            "with dropout on its math path, which keeps the attention probabilities, as eager CPU runs them "
-            "(docs/ONE_CALL.md).\n")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(header + "\n".join(rows) + "\n" + note)
-    return 0
+    return {"meta": common.run_meta(budget=budget), "rows": rows}
+
+
+def page(results: dict[str, Any], header: str) -> str:
+    return common.fill("one_call", header=header, meta=results["meta"], rows=results["rows"])
+
+
+def main(args: argparse.Namespace) -> int:
+    return common.run_page_suite("one-call", args, common.page_refusal(args, OUT, PAGE), lambda: measure(args.budget),
+                                 common.page_writer(page, SOURCES))

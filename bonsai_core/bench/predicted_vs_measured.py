@@ -1,8 +1,9 @@
 """Predicted (simulator, no-remat schedule) vs measured (real eager CPU step) peak memory of every zoo
 model at its default size, of the real models in tests/real_models.py (BatchNorm CNNs, a ViT with
 ``torch._assert``, Hugging Face GPT-2 and BERT from configs) and of the ``hf:`` architectures at their
-default sizes: ``bonsai bench predicted-vs-measured`` (``--zoo``, ``--real`` or ``--hf`` for one part;
-``-o PAGE`` writes the markdown page, docs/results/predicted_vs_measured.md, instead of printing rows).
+default sizes: ``bonsai bench predicted-vs-measured --page docs/results/predicted_vs_measured.md`` (the
+numbers in ``--out``/results.json, ``--report-only`` writes the page from them again; ``--zoo``, ``--real``
+or ``--hf`` measure one part, a smoke test, not the record page).
 
 Each model is traced twice: with the CPU's kernels, the ones the measured eager step runs (dropout's
 float noise, SDPA on its math path), and with CUDA's (``native_dropout``'s bool mask, fused attention),
@@ -12,62 +13,34 @@ on the CPU."""
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
-from pathlib import Path
+from typing import Any
 
 from bonsai_core.bench import common
 
 # name -> options; the transformers twice: with the configs' dropout 0.1 and without
 REAL = [("tests.real_models:resnet18_bn", {}), ("tests.real_models:mobilenet_v3_small", {}),
         *((f"tests.real_models:{m}", {"dropout": p}) for m in ("vit_assert", "gpt2", "bert_mlm") for p in (0.1, 0.0))]
-COMMAND = "bonsai bench predicted-vs-measured -o docs/results/predicted_vs_measured.md"
-COLUMNS = ("| model | ops | predicted peak | measured peak (CPU live bytes) | predicted / measured | traced with CUDA's "
-           "kernels: predicted / measured |\n|---|---:|---:|---:|---:|---:|")
-PAGE = """{header}
-# Predicted vs measured memory (no rematerialization)
-
-`{command}` on {date}, {machine}. The simulator's peak for the no-remat schedule against a real eager
-training step on CPU, measured by `bonsai_core.measure.LiveBytes` (a `TorchDispatchMode` that follows
-tensor storages and their release; gradient buffers allocated up front, as in steady-state training,
-except for parameters the loss does not use). Zoo models at their default sizes, then models as users
-bring them (`tests/real_models.py`: BatchNorm CNNs in train mode, a ViT with `torch._assert`, SDPA and
-dropout, Hugging Face `GPT2LMHeadModel` / `BertForMaskedLM` from small configs, each with dropout 0.1
-and 0.0), then the `hf:` architectures at their default sizes.
-
-Each model is traced with the CPU's kernels, those the measured step runs (dropout keeps a 4-byte
-float noise per element; SDPA takes its math path and keeps the attention probabilities), as
-`bonsai.checkpoint` plans a CPU model. The last column traces it with CUDA's kernels instead
-(`native_dropout`'s 1-byte mask, fused attention), the default of `bonsai trace` for a GPU run: its
-gap is the kernels' alone, not the simulator's. With the CPU's kernels the largest deviation here is
-{worst}. A CNN's prediction a little above its measurement is the multi-output rule for backward ops
-(docs/DESIGN.md): `convolution_backward` returns the input gradient with the weight gradient, and the
-node keeps both until the input gradient is consumed, where eager PyTorch moves the weight gradient
-into `.grad` at once. `tests/test_trace.py`, `tests/test_real_models.py` and `tests/test_hf.py` hold the
-simulator to these numbers. Not measured on a GPU.
-
-{columns}
-{rows}
-"""
+PARTS = ("zoo", "real", "hf")
+OUT = "docs/bench/predicted_vs_measured"
+PAGE = "docs/results/predicted_vs_measured.md"
+SOURCES = ["bonsai_core/bench/predicted_vs_measured.py", "tests/real_models.py",
+           common.template_source("predicted_vs_measured")]
 
 
-def measure_row(name: str, options: dict) -> tuple[str, float]:
-    """The markdown row of one model, and its predicted / measured ratio with the CPU's kernels."""
+def measure_row(name: str, options: dict) -> dict[str, Any]:
+    """One model's ops and no-remat peaks: predicted with the CPU's kernels and with CUDA's, and measured."""
     from bonsai_core import models
     from bonsai_core.measure import measure_step
     from bonsai_core.schedule import no_remat_peak
     from bonsai_core.trace import trace_model
-    from bonsai_core.units import format_bytes
 
     traced = trace_model(name, kernels="cpu", **options)
     g = traced.graph
-    predicted = no_remat_peak(g)
-    for_cuda = no_remat_peak(trace_model(name, **options).graph)
     model, inputs, loss_fn = models.build(name, **options)
-    measured = measure_step(model, inputs, loss_fn, frozen=traced.frozen_params).peak
-    label = name.removeprefix("tests.real_models:") + "".join(f" {k}={v}" for k, v in options.items())
-    return (f"| {label} | {g.n} ({int(g.is_forward.sum())} forward) | {format_bytes(predicted)} | "
-            f"{format_bytes(measured)} | {predicted / measured:.4f} | {for_cuda / measured:.4f} |"), predicted / measured
+    return {"model": name.removeprefix("tests.real_models:") + "".join(f" {k}={v}" for k, v in options.items()),
+            "ops": g.n, "forward": int(g.is_forward.sum()), "predicted": no_remat_peak(g),
+            "predicted_cuda_kernels": no_remat_peak(trace_model(name, **options).graph),
+            "measured": measure_step(model, inputs, loss_fn, frozen=traced.frozen_params).peak}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zoo", action="store_true", help="the zoo models at their default sizes")
     parser.add_argument("--real", action="store_true", help="the real models in tests/real_models.py")
     parser.add_argument("--hf", action="store_true", help="the hf: architectures at their default sizes")
-    parser.add_argument("-o", "--out", help="write the markdown page here (all three parts) instead of printing rows")
+    common.add_page_arguments(parser, OUT, PAGE)
 
 
 def models_of(parts: list[str]) -> list[tuple[str, dict]]:
@@ -87,24 +60,32 @@ def models_of(parts: list[str]) -> list[tuple[str, dict]]:
             *((f"hf:{arch}", {}) for arch in ARCHS if "hf" in parts)]
 
 
-def main(args: argparse.Namespace) -> int:
-    """One markdown row per model, printed as measured; with ``--out``, the page written."""
+def measure(parts: list[str]) -> dict[str, Any]:
+    """Every model's row, printed as measured."""
     common.import_test_models()
-    parts = [part for part in ("zoo", "real", "hf") if getattr(args, part)] or ["zoo", "real", "hf"]
-    if args.out is None:
-        print(COLUMNS, flush=True)
-    rows, ratios = [], []
+    rows = []
     for name, options in models_of(parts):
-        line, ratio = measure_row(name, options)
-        print(line, flush=True)
-        rows.append(line)
-        ratios.append(ratio)
-    if args.out is not None:
-        import torch
+        rows.append(measure_row(name, options))
+        print(rows[-1], flush=True)
+    return {"meta": common.run_meta(parts=parts), "rows": rows}
 
-        worst = max(ratios, key=lambda r: abs(r - 1))
-        Path(args.out).write_text(PAGE.format(
-            header=common.page_header(COMMAND, ["bonsai_core/bench/predicted_vs_measured.py", "tests/real_models.py"]),
-            command=COMMAND, date=datetime.date.today(), machine=f"{platform.machine()} CPU, torch {torch.__version__}",
-            worst=f"{worst - 1:+.2%} (predicted / measured {worst:.4f})", columns=COLUMNS, rows="\n".join(rows)))
-    return 0
+
+def page(results: dict[str, Any], header: str) -> str:
+    ratios = [r["predicted"] / r["measured"] for r in results["rows"]]
+    return common.fill("predicted_vs_measured", header=header, meta=results["meta"], rows=results["rows"],
+                       worst=max(ratios, key=lambda r: abs(r - 1)))
+
+
+def refusal(args: argparse.Namespace, parts: list[str]) -> str | None:
+    """Why these options cannot run, before anything is measured; None when they can."""
+    if args.report_only and len(parts) < len(PARTS):
+        return "--report-only writes the page of the stored run: --zoo, --real and --hf choose what to measure"
+    if len(parts) < len(PARTS) and (common.same_path(args.out, OUT) or args.page and common.same_path(args.page, PAGE)):
+        return f"a run of some parts writes neither {OUT}/results.json nor {PAGE}: give another --out and --page"
+    return common.page_refusal(args, OUT, PAGE)
+
+
+def main(args: argparse.Namespace) -> int:
+    parts = [part for part in PARTS if getattr(args, part)] or list(PARTS)
+    return common.run_page_suite("predicted-vs-measured", args, refusal(args, parts), lambda: measure(parts),
+                                 common.page_writer(page, SOURCES))

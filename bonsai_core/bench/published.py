@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bonsai_core.bench.common import (add_page_arguments, page_header, page_refusal, pipe_table, render,
+from bonsai_core.bench.common import (add_page_arguments, fill, page_header, page_refusal, pipe_table,
                                       run_page_suite, template_source)
 from bonsai_core.schedule import simulate
 
@@ -129,7 +129,7 @@ def summary_row(row: dict[str, Any]) -> list[str]:
             f"{row['published_gib']} GiB ({row['published_with']})", f"{reserved / GIB / row['published_gib'] - 1:+.1%}"]
 
 
-def rank_section(row: dict[str, Any]) -> str:
+def rank_parts(row: dict[str, Any]) -> str:
     """What holds each rank's bytes at its live peak, part by part."""
     ranks = row["ranks"]
     parts = [[name, *(gib(r["breakdown"].get(name, 0)) for r in ranks)]
@@ -137,17 +137,15 @@ def rank_section(row: dict[str, Any]) -> str:
     parts += [["**live peak**", *(f"**{gib(r['live_peak'])}**" for r in ranks)],
               ["reserved peak (expandable segments)", *(gib(r["reserved_peak"]) for r in ranks)],
               ["trace (nodes, seconds)", *(f"{r['nodes']}, {r['trace_seconds']} s" for r in ranks)]]
-    return (f"### Table {row['table']}: {row['row']}\n\nLocal batch {row['batch']}, sequence {row['seq']}; "
-            + ", ".join(f"{k} {v}" for k, v in row["degrees"].items()) + ".\n\n"
-            + pipe_table(["part", *(f"rank {r['rank']}" for r in ranks)], parts) + "\n")
+    return pipe_table(["part", *(f"rank {r['rank']}" for r in ranks)], parts)
 
 
 def write_page(results: dict[str, Any], page: str) -> None:
-    Path(page).write_text(render(
+    Path(page).write_text(fill(
         "published_rows", header=page_header(f"bonsai bench published --page {page}", SOURCES),
         table=pipe_table(["table", "row", "ranks traced", "live peak (max over ranks)", "reserved peak",
                           "published (run had)", "eager vs published"], map(summary_row, results["rows"])),
-        per_rank="\n".join(map(rank_section, results["rows"]))))
+        rows=[dict(row, parts=rank_parts(row)) for row in results["rows"]]))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
