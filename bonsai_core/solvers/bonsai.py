@@ -53,7 +53,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from bonsai_core.bound import LowerBound, Tensors, lower_bound
+from bonsai_core.bound import BoundParts, LowerBound, Tensors, lower_bound
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import (CheckpointPlan, block_plans, checkpoint_sequence, forward_positions, plan_schedule,
@@ -390,9 +390,11 @@ def _copy(schedule: Schedule, **stats: Any) -> Schedule:
 
 def _bound(graph: Graph, budget: int, offload: bool) -> LowerBound:
     """The lower bound at ``budget`` (:func:`bonsai_core.bound.lower_bound`; with host copies when
-    ``offload``), cached per graph and budget."""
+    ``offload``), cached per graph and budget; what it builds whatever the budget, once per graph."""
+    parts = lambda: _cached((graph.hash, ("bound parts", offload)),  # noqa: E731
+                            lambda: BoundParts(graph, _tensors(graph), offload))
     return _cached((graph.hash, ("bound", int(budget), offload)),
-                   lambda: lower_bound(graph, int(budget), offload=offload, tensors=_tensors(graph)))
+                   lambda: lower_bound(graph, int(budget), offload=offload, parts=parts()))
 
 
 def _tensors(graph: Graph) -> Tensors:
