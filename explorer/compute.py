@@ -24,7 +24,7 @@ from bonsai_core import solvers
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, RegionBound, region_peak_bound
-from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate
+from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate, simulated
 from explorer import disk
 
 GRAPH_HASH = {Graph: lambda g: g.hash}
@@ -402,7 +402,7 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
             schedule = solvers.solve_reserved(graph, budget, method, policy=reserved, **run)
         else:
             schedule = solvers.solve(graph, budget, method, **run)
-        sim = simulate(graph, schedule)
+        sim = simulated(graph, schedule)  # solvers.solve's
     except BonsaiError as e:
         outcome = Outcome(method, budget, options, error=str(e), wall_seconds=time.perf_counter() - start,
                           reserved=reserved)

@@ -58,7 +58,7 @@ from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import (CheckpointPlan, block_plans, checkpoint_sequence, forward_positions, plan_schedule,
                                  region_peak_bound, useful_saved)
-from bonsai_core.schedule import Schedule, simulate
+from bonsai_core.schedule import Schedule, simulate, simulated
 from bonsai_core.segment import default_granularity, op_count, segment
 from bonsai_core.solvers.bonsai_coef import (PlainProfile, density_levels, plain_profile, saved_positions,
                                              self_contained)
@@ -325,7 +325,7 @@ def _search(graph: Graph, budget: int | None, space: Space, time_limit: float | 
             raise
         return _with_bound(ops.schedule, bound, ["ops", "regions"], ops.sim.compute_cost)
     searched = ["regions"] if space == "regions" else ["ops", "regions"]
-    sim = simulate(graph, schedule)
+    sim = simulated(graph, schedule)
     if ops is not None and ops.sim.compute_cost < sim.compute_cost:
         ops.schedule.stats["regions_overhead"] = sim.overhead
         return _with_bound(ops.schedule, bound, searched, ops.sim.compute_cost)
@@ -495,14 +495,14 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         return _fallen_back(graph, fallback, tried, clock, built, regions, times)
     schedule, outcome = found.schedule, found.outcome
     with times("validate"):
-        sim = simulate(graph, schedule)
+        sim = simulated(graph, schedule)
     model_peak, ilp_peak = built.predicted_peak(found.rec, found.off), sim.peak
     source = "ilp"
     with times("fallback"):
         fallback = fallbacks.best(graph, target, below=sim.compute_cost * (1 - 1e-9), clock=clock)
         if fallback is not None:
             schedule, source = plan_schedule(graph, fallback[3], "bonsai"), "fallback"
-            sim = simulate(graph, schedule)
+            sim = simulated(graph, schedule)
     schedule.stats = {
         **outcome.stats(), **times.stats(), "milp_seconds": outcome.solve_seconds, "build_seconds": built.build_seconds,
         "cached": cached, "backend": backend, "granularity": built.seg.granularity,
@@ -599,7 +599,7 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
             rec = np.round(built.rec.value)
             off = np.round(built.off.value) if built.off is not None else None
             schedule = plan_schedule(graph, useful_saved(graph, built.plan(rec, off)), "bonsai")
-            sim = simulate(graph, schedule)
+            sim = simulated(graph, schedule)
             peak = sim.peak
         if peak <= target:
             outcome = MilpOutcome(outcome.status, outcome.objective, outcome.gap, seconds, outcome.variables,
