@@ -67,7 +67,7 @@ from bonsai_core.solvers.bonsai_ops import OpsOutcome, plan_ops
 from bonsai_core.solvers.deadline import Deadline, OutOfTime
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, problem_size, solve_milp
 from bonsai_core.solvers.sparse_milp import from_cvxpy, satisfies, solve_sparse_milp
-from bonsai_core.solvers.relaxation import relaxation_of, round_relaxation, same_structure
+from bonsai_core.solvers.relaxation import relaxation_of, round_relaxation, same_structure, solve_from
 from bonsai_core.units import format_bytes
 
 _CACHE_SIZE = 32  # entries: per graph its plain profile, its fallback plans, one model per rung tried, its solved plans
@@ -617,9 +617,10 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
 
 
 def _rounded(built: BuiltModel, backend: str, time_limit: float | None, gap: float) -> MilpOutcome | None:
-    """The model's plan from its LP relaxation's rounding when that proves it within ``gap``
-    (:mod:`bonsai_core.solvers.relaxation`; the relaxation is kept on ``built`` and re-solved from its last
-    basis at each budget), its variables' values set as CVXPY's own solve sets them; None: solve the MILP.
+    """The model's plan from its LP relaxation's rounding when that proves it within ``gap``, else from the
+    full MILP solved with that plan as its start (:mod:`bonsai_core.solvers.relaxation`; the relaxation is
+    kept on ``built`` and re-solved from its last basis at each budget), its variables' values set as CVXPY's
+    own solve sets them; None: solve the MILP from scratch.
     HiGHS only, and not with offload columns (their solve starts from the plan without offload)."""
     if backend != "highs" or built.off is not None:
         return None
@@ -627,12 +628,17 @@ def _rounded(built: BuiltModel, backend: str, time_limit: float | None, gap: flo
     if built.relaxation is None or not same_structure(built.relaxation, canonical.milp):
         built.relaxation = relaxation_of(canonical.milp)
     offset = _objective_offset(built.problem)
+    clock = Deadline(time_limit)
     found = round_relaxation(canonical.milp, built.relaxation, time_limit, gap, offset)
     if found is None:
         return None
-    outcome, values, _ = found
-    if outcome.gap is not None and outcome.gap > gap:  # not proven close enough: the MILP decides
-        return None
+    outcome, values, lp_bound = found
+    if outcome.gap is not None and outcome.gap > gap:  # not proven close enough: the MILP decides, from this plan
+        whole = solve_from(canonical.milp, built.relaxation, values, lp_bound, clock.remaining(), gap, offset)
+        if whole is None:
+            return None
+        rounding_seconds, (outcome, values) = outcome.solve_seconds, whole
+        outcome = dataclasses.replace(outcome, solve_seconds=outcome.solve_seconds + rounding_seconds)
     values = np.where(canonical.milp.integer, np.round(values), values)
     for variable in built.problem.variables():
         variable.save_value(canonical.value_of(values, variable))
