@@ -500,15 +500,23 @@ def replay(graph: Graph, outcome: Outcome) -> Any:
     """The allocator model's replay of a solved schedule (live, reserved, fragmentation), None for a
     failed solve, or the error message. A plan solved for reserved bytes is replayed as it was bounded
     (its allocator, the fixed tensors outside the pool: ``solvers.solve_reserved``); any other in the
-    full arena of PyTorch's caching allocator (``bonsai_core.allocator``'s module docstring)."""
+    full arena of PyTorch's caching allocator (``bonsai_core.allocator``'s module docstring). Kept on disk
+    beside the plan (:func:`explorer.disk.save_replay`): a new server reads it instead of replaying."""
     from bonsai_core.allocator import replay_as_solved
 
     if outcome.schedule is None:
         return None
+    settings = (graph.hash, outcome.method, with_defaults(outcome.method, outcome.options), outcome.reserved,
+                outcome.budget)
+    kept = disk.load_replay(*settings, outcome.schedule)
+    if kept is not None:
+        return kept
     try:
-        return replay_as_solved(graph, outcome.schedule)
+        result = replay_as_solved(graph, outcome.schedule)
     except BonsaiError as e:
         return str(e)
+    disk.save_replay(*settings, outcome.schedule, result)
+    return result
 
 
 # -- the same plan, compiled -------------------------------------------------------------------------
