@@ -750,11 +750,14 @@ def _fit_layout(graphs: RankGraphs, layout: Any, batch: int, seq: int, methods: 
     reasons = []
     for m in methods:
         method, own = variants[m]
-        tries = [(rank, attempt(g, batch, method, limit, max_overhead, reserved,
-                                {} if method == "none" else {**solver_options, **own})) for rank, g in ranks]
-        failed = [(r, a) for r, a in tries if not a.fits]
-        if failed:
-            reasons.append(f"{m}: rank {failed[0][0]} {failed[0][1].reason}")
+        tries = []
+        for rank, g in ranks:  # the method fits the layout only if it fits every rank: stop at the first that fails
+            tries.append((rank, attempt(g, batch, method, limit, max_overhead, reserved,
+                                        {} if method == "none" else {**solver_options, **own})))
+            if not tries[-1][1].fits:
+                break
+        if not tries[-1][1].fits:
+            reasons.append(f"{m}: rank {tries[-1][0]} {tries[-1][1].reason}")
             continue
         overhead = max(a.overhead for _, a in tries)
         peak = max(a.peak for _, a in tries)
