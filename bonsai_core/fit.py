@@ -765,6 +765,8 @@ def _fit_layout(graphs: RankGraphs, layout: Any, batch: int, seq: int, methods: 
         if best is None or overhead < best.overhead:
             best = LayoutFit(layout, batch, True, m, peak, reserved_peak, overhead, tokens,
                              ranks=tuple((r, a.peak) for r, a in tries))
+            if overhead <= 0:  # no recompute: no later method can have less
+                break
     return best or LayoutFit(layout, batch, False, tokens_per_gpu=tokens, reason="; ".join(reasons))
 
 

@@ -209,7 +209,7 @@ def periodic_regions(actions: list, longest_period: int = 64) -> list[tuple[int,
     from bonsai_core.in_flight import BACKWARD
 
     last = {int(k): n for n, (phase, k, _) in enumerate(actions) if phase == BACKWARD}
-    sig = [(phase, int(k), n == last[int(k)] and phase == BACKWARD) for n, (phase, k, _) in enumerate(actions)]
+    sig = [(phase, int(k), phase == BACKWARD and n == last.get(int(k))) for n, (phase, k, _) in enumerate(actions)]
     mb = [int(j) for _, _, j in actions]
     out, a, n = [], 0, len(actions)
 
