@@ -750,10 +750,12 @@ def _fit_layout(graphs: RankGraphs, layout: Any, batch: int, seq: int, methods: 
     reasons = []
     for m in methods:
         method, own = variants[m]
+        options = {} if method == "none" else {**solver_options, **own}
+        if reserved and best is not None and _no_less_recompute(ranks[0][1], method, options, limit, best.overhead):
+            continue  # its replays could not make it the layout's choice
         tries = []
         for rank, g in ranks:  # the method fits the layout only if it fits every rank: stop at the first that fails
-            tries.append((rank, attempt(g, batch, method, limit, max_overhead, reserved,
-                                        {} if method == "none" else {**solver_options, **own})))
+            tries.append((rank, attempt(g, batch, method, limit, max_overhead, reserved, options)))
             if not tries[-1][1].fits:
                 break
         if not tries[-1][1].fits:
@@ -768,6 +770,20 @@ def _fit_layout(graphs: RankGraphs, layout: Any, batch: int, seq: int, methods: 
             if overhead <= 0:  # no recompute: no later method can have less
                 break
     return best or LayoutFit(layout, batch, False, tokens_per_gpu=tokens, reason="; ".join(reasons))
+
+
+def _no_less_recompute(graph: Graph, method: str, options: dict, limit: int, overhead: float) -> bool:
+    """Whether fixed-plan ``method`` recomputes at least ``overhead`` on ``graph``: its plan is the same at every
+    budget, so its recompute is known from one live solve, before the allocator replays of ``--reserved``; a
+    layout's recompute is the most over its ranks, so no less on one rank is no less for the layout."""
+    from bonsai_core.solvers import FIXED_PLAN_METHODS, solve
+
+    if method not in FIXED_PLAN_METHODS:
+        return False
+    try:
+        return solve(graph, limit, method, **options).stats["overhead"] >= overhead
+    except BonsaiError:  # over the limit on live bytes: attempt says so
+        return False
 
 
 def layouts_markdown(result: LayoutsResult) -> str:
