@@ -750,11 +750,16 @@ def _fit_layout(graphs: RankGraphs, layout: Any, batch: int, seq: int, methods: 
     reasons = []
     for m in methods:
         method, own = variants[m]
-        tries = [(rank, attempt(g, batch, method, limit, max_overhead, reserved,
-                                {} if method == "none" else {**solver_options, **own})) for rank, g in ranks]
-        failed = [(r, a) for r, a in tries if not a.fits]
-        if failed:
-            reasons.append(f"{m}: rank {failed[0][0]} {failed[0][1].reason}")
+        options = {} if method == "none" else {**solver_options, **own}
+        if reserved and best is not None and _no_less_recompute(ranks[0][1], method, options, limit, best.overhead):
+            continue  # its replays could not make it the layout's choice
+        tries = []
+        for rank, g in ranks:  # the method fits the layout only if it fits every rank: stop at the first that fails
+            tries.append((rank, attempt(g, batch, method, limit, max_overhead, reserved, options)))
+            if not tries[-1][1].fits:
+                break
+        if not tries[-1][1].fits:
+            reasons.append(f"{m}: rank {tries[-1][0]} {tries[-1][1].reason}")
             continue
         overhead = max(a.overhead for _, a in tries)
         peak = max(a.peak for _, a in tries)
@@ -762,7 +767,23 @@ def _fit_layout(graphs: RankGraphs, layout: Any, batch: int, seq: int, methods: 
         if best is None or overhead < best.overhead:
             best = LayoutFit(layout, batch, True, m, peak, reserved_peak, overhead, tokens,
                              ranks=tuple((r, a.peak) for r, a in tries))
+            if overhead <= 0:  # no recompute: no later method can have less
+                break
     return best or LayoutFit(layout, batch, False, tokens_per_gpu=tokens, reason="; ".join(reasons))
+
+
+def _no_less_recompute(graph: Graph, method: str, options: dict, limit: int, overhead: float) -> bool:
+    """Whether fixed-plan ``method`` recomputes at least ``overhead`` on ``graph``: its plan is the same at every
+    budget, so its recompute is known from one live solve, before the allocator replays of ``--reserved``; a
+    layout's recompute is the most over its ranks, so no less on one rank is no less for the layout."""
+    from bonsai_core.solvers import FIXED_PLAN_METHODS, solve
+
+    if method not in FIXED_PLAN_METHODS:
+        return False
+    try:
+        return solve(graph, limit, method, **options).stats["overhead"] >= overhead
+    except BonsaiError:  # over the limit on live bytes: attempt says so
+        return False
 
 
 def layouts_markdown(result: LayoutsResult) -> str:

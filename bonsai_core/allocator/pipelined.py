@@ -19,6 +19,17 @@ kept to its stage's last backward, after which ``perform_reduce_grad`` reduce-sc
 allocated on the compute stream, the accumulated gradients freed, the sharded output allocated on the
 reduce-scatter stream and freed). The simulator's rule 11 counts the same bytes, so the replay's live peak is
 the simulator's (:func:`bonsai_core.schedule.simulate`), less where its end-of-step bound is the larger.
+
+The steady phase is not replayed microbatch by microbatch once it repeats (:func:`periodic_regions`,
+:func:`_skip_repeats`): the replay is deterministic, and it sees a microbatch only through its owner ids, so a
+run of actions that is an earlier run with every microbatch index shifted by ``d`` (same phases, stages,
+and no stage's last backward), started from the earlier run's state with the same shift, does what the
+earlier run did, shifted: the same blocks at the same addresses, the same bytes after every op. Where the
+state at a window's end (the allocator's segments and blocks, the held bytes and FSDP's gradients, each
+microbatch's owners named relative to the window's first microbatch) equals the state at an earlier
+window's end, every later window of the run repeats the windows between, so their trace is copied and the
+state shifted to the run's end instead of replayed; the cool-down phase is replayed. Exact, not a bound:
+``tests/test_parallel.py`` checks the whole trace against the full replay.
 """
 
 from __future__ import annotations
@@ -188,13 +199,99 @@ class _Gradients:
         self.held.drop(owner)
 
 
+def periodic_regions(actions: list, longest_period: int = 64) -> list[tuple[int, int, int, int]]:
+    """The runs of ``actions`` (each ``(phase, stage, microbatch)``) that repeat: ``(start, period, shift,
+    windows)``, ``windows`` >= 3 windows of ``period`` actions each, window w being the first with every
+    microbatch index plus ``w * shift``, the same phases and stages, and none a stage's last backward (its
+    reduce-scatter makes it differ). Found left to right, at each start the period covering the most actions
+    (the shorter on a tie); ``longest_period`` only bounds the search (interleaved 1F1B's steady phase repeats
+    every 2 x stages per rank x pipeline degree actions: 32 at degree 8)."""
+    from bonsai_core.in_flight import BACKWARD
+
+    last = {int(k): n for n, (phase, k, _) in enumerate(actions) if phase == BACKWARD}
+    sig = [(phase, int(k), phase == BACKWARD and n == last.get(int(k))) for n, (phase, k, _) in enumerate(actions)]
+    mb = [int(j) for _, _, j in actions]
+    out, a, n = [], 0, len(actions)
+
+    def windows(a: int, p: int) -> int:
+        if a + p >= n:
+            return 0
+        d, i = mb[a + p] - mb[a], 0
+        while a + i < n and not sig[a + i][2] and sig[a + i] == sig[a + i % p] \
+                and mb[a + i] == mb[a + i % p] + (i // p) * d:
+            i += 1
+        return i // p
+
+    while a < n:
+        best = max(((windows(a, p) * p, -p) for p in range(1, min(longest_period, (n - a) // 3) + 1)), default=(0, 0))
+        p = -best[1]
+        if p and best[0] >= 3 * p:
+            out.append((a, p, mb[a + p] - mb[a], best[0] // p))
+            a += best[0]
+        else:
+            a += 1
+    return out
+
+
+def _microbatch_of(owner: int, n: int) -> tuple[int, int] | None:
+    """(microbatch, node) of a microbatch's owner id; None for an owner of the step (fixed tensors, FSDP's)."""
+    if owner < n:
+        return 0, owner
+    if MICROBATCH_OWNERS <= owner < GRADIENT_OWNERS:
+        return owner // MICROBATCH_OWNERS, owner % MICROBATCH_OWNERS
+    return None
+
+
+def _relative(owner: int, n: int, first: int) -> Any:
+    """An owner named relative to microbatch ``first``: the same for the shifted copy of a shifted run."""
+    of = _microbatch_of(owner, n)
+    return owner if of is None or owner < 0 else (of[0] - first, of[1], "microbatch")
+
+
+def _state(alloc: Allocator, held: _Held, grads: "_Gradients | None", n: int, first: int) -> tuple:
+    """Everything the rest of the replay reads, each microbatch's owners relative to microbatch ``first``: the
+    segments' blocks (address, size, mapped, owner), the free blocks of each pool, the counters, the exact bytes
+    held and FSDP's gradient state."""
+    chains = []
+    for head in alloc.heads:
+        chain, b = [], head
+        while b is not None:
+            chain.append((b.addr, b.size, b.mapped, _relative(b.owner, n, first)))
+            b = b.next
+        chains.append(tuple(chain) if head is not None else None)
+    free = tuple(sorted((pool, b.addr, b.size) for pool, blocks in alloc.free_blocks.items() for b in blocks))
+    counters = (alloc.reserved, alloc.allocated, alloc.high_water, alloc._next_addr, tuple(alloc.pools),
+                tuple(sorted(getattr(alloc, "expandable", {}).items())))
+    kept = tuple(sorted((repr(_relative(o, n, first)), b) for o, b in held.bytes.items()))
+    fsdp = None if grads is None else (tuple(sorted(grads.accumulated)), grads.current, grads.scatter_input,
+                                       tuple(_relative(o, n, first) for o in grads.running),
+                                       tuple(sorted(repr(_relative(o, n, first)) for o in grads.dropped)))
+    return tuple(chains), free, counters, kept, held.total, fsdp
+
+
+def _shift(alloc: Allocator, held: _Held, grads: "_Gradients | None", n: int, by: int) -> None:
+    """Rename every microbatch's owners to microbatch index + ``by``: the state the skipped windows end in."""
+    def moved(owner: int) -> int:
+        of = _microbatch_of(owner, n)
+        return owner if of is None else (of[0] + by) * MICROBATCH_OWNERS + of[1]
+
+    alloc.by_owner = {moved(o): b for o, b in alloc.by_owner.items()}
+    for o, b in alloc.by_owner.items():
+        b.owner = o
+    held.bytes = {moved(o): b for o, b in held.bytes.items()}
+    if grads is not None:
+        grads.running = [moved(o) for o in grads.running]
+        grads.dropped = {moved(o) for o in grads.dropped}
+
+
 def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], residency: Any,
                       capacity: int | None, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0,
                       side_of: Callable[[int], str] | None = None, inplace: bool = True,
-                      live: np.ndarray | None = None) -> None:
+                      live: np.ndarray | None = None, shortcut: bool = True) -> int:
     """A pipeline rank's whole step applied to ``alloc`` (module doc): :func:`run_step`'s contract, over
     :func:`rank_length` ops (each action's ops in turn; ``trace`` and ``live``, the exact bytes held, after each),
-    then the optimizer step; at the end the step's blocks are freed."""
+    then the optimizer step; at the end the step's blocks are freed. With ``shortcut``, the windows of the steady
+    phase that repeat an earlier window's state are not replayed (module doc). Returns the actions skipped."""
     from bonsai_core.allocator.replaying import _blocks_taken_and_given, _optimizer_step, out_of_pool
     from bonsai_core.in_flight import BACKWARD
     from bonsai_core.schedule import FREE
@@ -213,8 +310,32 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
     acts = action_ops(graph, ops)
     pipeline = graph.parallel["pipeline"]
     last_backward = {int(k): n for n, (phase, k, _) in enumerate(pipeline["actions"]) if phase == BACKWARD}
-    position = 0
-    for n, ((phase, k, _), (j, ids)) in enumerate(zip(pipeline["actions"], acts)):
+    regions = {a: (p, d, w) for a, p, d, w in (periodic_regions(pipeline["actions"]) if shortcut else [])}
+    seen: dict[tuple, tuple[int, int]] = {}  # a window-end state -> (its window, its position)
+    region: tuple[int, int, int, int] | None = None  # (start, period, shift, windows) being watched
+    position = n = skipped = 0
+    while n < len(acts):
+        if n in regions:
+            region, seen = (n, *regions[n]), {}
+        if region is not None and (n - region[0]) % region[1] == 0:
+            start, period, shift, count = region
+            w = (n - start) // period
+            key = _state(alloc, held, grads, graph.n, int(acts[n][0]))
+            if w < count and key in seen:
+                earlier, at = seen[key]
+                cycles = (count - w) // (w - earlier)
+                block = position - at  # the ops of the repeating windows
+                for c in range(cycles):
+                    for a in ((trace or ()) + ((live,) if live is not None else ())):
+                        a[position + c * block:position + (c + 1) * block] = a[at:position]
+                _shift(alloc, held, grads, graph.n, cycles * (w - earlier) * shift)
+                jump = cycles * (w - earlier) * period
+                n, position, skipped, region = n + jump, position + cycles * block, skipped + jump, None
+                continue
+            seen[key] = (w, position)
+            if w >= count:
+                region = None
+        (phase, k, _), (j, ids) = pipeline["actions"][n], acts[n]
         base = j * MICROBATCH_OWNERS
         backward = phase == BACKWARD
         if grads is not None:
@@ -246,6 +367,7 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
             grads.end_action(int(k), position - 1)
             if last_backward[int(k)] == n:
                 grads.reduce(int(k), position - 1)
+        n += 1
     # the optimizer step's temporaries, allocated together, then freed: counted at the last op
     before = set(alloc.by_owner)
     _optimizer_step(alloc, graph, malloc, position - 1)
@@ -258,3 +380,4 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
         held.drop(owner)
     for owner in [o for o in alloc.by_owner if o < graph.n or o >= MICROBATCH_OWNERS]:  # the step is over
         alloc.free(owner)
+    return skipped

@@ -67,6 +67,7 @@ class Allocator:
         self.pinned_bytes = 0  # bytes of fixed tensors placed in the pool (the full arena), else 0
         self.pinned: dict[int, Any] = {}  # owner -> the fixed tensor it is (fixed.FixedTensor), placed by pin_fixed
         self._next_addr = 0
+        self._largest: int | None = None  # largest_free, until a malloc or free changes the free blocks
 
     # -- what a policy decides -----------------------------------------------------------------
 
@@ -145,6 +146,7 @@ class Allocator:
         evicts, or it is out of memory)."""
         if owner in self.by_owner:
             raise ValueError(f"node {owner} already holds a block")
+        self._largest = None
         size = round_size(nbytes)
         block = self.find_block(size, side, stream)
         if block is None:
@@ -196,6 +198,7 @@ class Allocator:
     def free(self, owner: int) -> None:
         """Return ``owner``'s block to its pool, merged with free neighbours of its segment."""
         block = self.by_owner.pop(owner)
+        self._largest = None
         self.allocated -= block.size
         block.owner = -1
         self._merge_free(block, self.free_blocks[self.pools[block.segment]])
@@ -216,7 +219,11 @@ class Allocator:
 
     @property
     def largest_free(self) -> int:
-        return max((b.size for s in self.free_blocks.values() for b in s), default=0)
+        """The largest free block; kept from the last call until a malloc or free (the only changes of the free
+        blocks: growing, mapping and releasing happen inside malloc), as a replay asks after every op."""
+        if self._largest is None:
+            self._largest = max((b.size for s in self.free_blocks.values() for b in s), default=0)
+        return self._largest
 
 
 class CachingAllocator(Allocator):
