@@ -87,6 +87,9 @@ class RecordedStep:
     arguments: list[tuple[tuple[int, ...], ...]] = ()
     # the first op (index into ops + backward_ops) of each autograd node the backward pass ran, in order
     node_starts: list[int] = ()
+    # per forward op, the recorded op that made the bytes of its first tensor output (itself for fresh
+    # bytes, the base's maker for a view or alias; -1: bytes no recorded op made, a parameter's, the batch's)
+    bytes_made_by: list[int] = ()
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -117,6 +120,7 @@ class _OpRecorder(TorchDispatchMode):
         self.tracking = True
         self.forward = True  # in-place writes are the forward's (the backward's accumulate gradients)
         self.finalizers: list[weakref.finalize] = []
+        self.bytes_made_by: list[int] = []  # per recorded op: RecordedStep.bytes_made_by
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         out = func(*args, **(kwargs or {}))
@@ -147,6 +151,9 @@ class _OpRecorder(TorchDispatchMode):
                     self.writers.setdefault(key, []).append(at)
                 elif at >= 0 and self.made_by[key] >= 0 and self.aliases.get(key, [None])[-1] != at:
                     self.aliases.setdefault(key, []).append(at)  # unsafe_chunk's parts: not views, same bytes
+        if at >= 0:
+            first = next((t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)), None)
+            self.bytes_made_by.append(self.writers.get(_storage(first), [-1])[0] if first is not None else -1)
         return out
 
     def _note_write(self, func: Any, args: tuple, at: int) -> None:
@@ -256,7 +263,7 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
             p.grad = grad
     ops = recorder.ops
     return RecordedStep(ops[:n_forward], calls, counts, recorder.inplace, recorder.view_writes, recorder.released,
-                        ops[n_forward:], arguments, starts if backward else [])
+                        ops[n_forward:], arguments, starts if backward else [], recorder.bytes_made_by[:n_forward])
 
 
 def _node_starts(loss: torch.Tensor, recorder: _OpRecorder) -> list[int]:

@@ -59,7 +59,7 @@ import functools
 import pprint
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterable
 
 import numpy as np
 import torch
@@ -359,7 +359,7 @@ def _unit(graph: Graph, step: RecordedStep, node_at: np.ndarray, saved: np.ndarr
     inside = set(nodes[graph.output_of[nodes] < 0].tolist())  # the ops (a separated output is its op's)
     kept = {r for r in range(a, b) if node_at[r] >= 0 and saved[node_at[r]]
             and (read_inside(graph, node_at[r], inside) or saves_own_output(graph.ops[node_at[r]]))}
-    kept = saved_in_place(kept, chains, a, b)
+    kept = saved_in_place(kept, chains, a, b) - on_unplaced_bytes(step, node_at, range(a, b))
     saves: dict[str, list[int]] = {}
     calls = OpCalls()
     for r in range(a, b):
@@ -367,6 +367,17 @@ def _unit(graph: Graph, step: RecordedStep, node_at: np.ndarray, saved: np.ndarr
         if r in kept:
             saves.setdefault(op, []).append(k)
     return Unit(path, saves, b - a, int(graph.mem[drops].sum()) if len(drops) else 0)
+
+
+def on_unplaced_bytes(step: RecordedStep, node_at: np.ndarray, ops: Iterable[int]) -> set[int]:
+    """The run-time ``ops`` whose output is a view or alias of bytes another run-time op made that no
+    graph node is placed on: saving such an output holds bytes the simulator never counts. A
+    transformers attention run without its key/value cache (:func:`hidden_caches`) is one: its key, no
+    longer ``cat``'s contiguous output, is copied (``clone``) for the ``bmm`` of SDPA's math path, and
+    the ``_unsafe_view`` placed on the traced ``view`` of the key is a view of that copy. Left unsaved,
+    the recomputation makes it again from what is saved."""
+    made_by = step.bytes_made_by
+    return {r for r in ops if r < len(made_by) and 0 <= made_by[r] != r and node_at[made_by[r]] < 0}
 
 
 def inplace_chains(step: RecordedStep) -> list[list[int]]:
