@@ -40,6 +40,7 @@ import numpy as np
 
 from bonsai_core.allocator.blocks import DEFAULT_STREAM
 from bonsai_core.allocator.policies import Allocator
+from bonsai_core.allocator.step import blocks_taken_and_given, optimizer_step, out_of_pool
 from bonsai_core.errors import ScheduleError
 
 MICROBATCH_OWNERS = 2**36  # microbatch j's copy of node v is owner v + j * MICROBATCH_OWNERS (j = 0: v)
@@ -291,14 +292,16 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
     """A pipeline rank's whole step applied to ``alloc`` (module doc): :func:`run_step`'s contract, over
     :func:`rank_length` ops (each action's ops in turn; ``trace`` and ``live``, the exact bytes held, after each),
     then the optimizer step; at the end the step's blocks are freed. With ``shortcut``, the windows of the steady
-    phase that repeat an earlier window's state are not replayed (module doc). Returns the actions skipped."""
-    from bonsai_core.allocator.replaying import _blocks_taken_and_given, _optimizer_step, out_of_pool
+    phase that repeat an earlier window's state are not replayed (module doc). Returns the actions skipped.
+
+    Long: one loop over the rank's actions whose state (the allocator, FSDP's gradients, the window the
+    shortcut watches, the position in the traces) every part of it reads and writes."""
     from bonsai_core.in_flight import BACKWARD
     from bonsai_core.schedule import FREE
 
     mem = graph.mem.tolist()
     holds = ((graph.mem > 0) & ~graph.is_view).tolist()
-    starts, ends = _blocks_taken_and_given(ops, residency, holds, inplace)
+    starts, ends = blocks_taken_and_given(ops, residency, holds, inplace)
     held = _Held()
 
     def malloc(owner: int, nbytes: int, what: str, i: int, side: str = "left", stream: str = DEFAULT_STREAM) -> None:
@@ -370,7 +373,7 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
         n += 1
     # the optimizer step's temporaries, allocated together, then freed: counted at the last op
     before = set(alloc.by_owner)
-    _optimizer_step(alloc, graph, malloc, position - 1)
+    optimizer_step(alloc, graph, malloc, position - 1)
     if position:
         if trace is not None:
             trace[0][position - 1] = max(trace[0][position - 1], alloc.footprint + outside)

@@ -13,6 +13,7 @@ from bonsai_core.allocator.blocks import DEFAULT_STREAM
 from bonsai_core.allocator.fixed import Optimizer, Updates, full_arena
 from bonsai_core.allocator.pipelined import per_op, rank_length, run_pipeline_step
 from bonsai_core.allocator.policies import Allocator, Policy
+from bonsai_core.allocator.step import FSDP_OWNERS, blocks_taken_and_given, optimizer_step, out_of_pool
 from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import FREE, Residency, Schedule, simulate
@@ -77,7 +78,7 @@ def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], residen
     ``_foreach_sqrt``, one tensor per parameter) are allocated after the last op, then freed."""
     mem = graph.mem.tolist()
     holds = ((graph.mem > 0) & ~graph.is_view).tolist()
-    starts, ends = _blocks_taken_and_given(ops, residency, holds, inplace)
+    starts, ends = blocks_taken_and_given(ops, residency, holds, inplace)
     fsdp = _FsdpBuffers(alloc, graph, ops, capacity, outside)
 
     def malloc(owner: int, nbytes: int, what: str, i: int, side: str = "left", stream: str = DEFAULT_STREAM) -> None:
@@ -102,42 +103,11 @@ def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], residen
         if i == upto:
             return
     fsdp.before(len(ops))  # the post-backward of the units still holding gradients
-    _optimizer_step(alloc, graph, malloc, len(ops) - 1)
+    optimizer_step(alloc, graph, malloc, len(ops) - 1)
     if trace is not None and ops:
         trace[0][-1] = max(trace[0][-1], alloc.footprint + outside)
     for v in [o for o in alloc.by_owner if o < graph.n or o >= FSDP_OWNERS]:  # the step is over: its tensors go
         alloc.free(v)
-
-
-def out_of_pool(alloc: Allocator, capacity: int | None, outside: int, i: int, what: str, nbytes: int) -> BudgetError:
-    """The error of a request at op ``i`` that the pool of ``capacity`` cannot serve."""
-    return BudgetError(
-        f"The allocator runs out of its {format_bytes(capacity)} pool at op {i} ({what}, {format_bytes(nbytes)}): "
-        f"{format_bytes(alloc.footprint + outside)} is in use and its largest free block is "
-        f"{format_bytes(alloc.largest_free)}. Replay without a capacity to see the reserved peak this schedule needs.")
-
-
-def _blocks_taken_and_given(ops: list[tuple[str, int]], residency: Residency, holds: list[bool],
-                            inplace: bool) -> tuple[dict[int, int], dict[int, list[int]]]:
-    """The block events of a schedule's live set: {op position: the node whose block the op's output takes
-    in place, or -1 for a new block}, and {op position: the nodes whose blocks go before its output's}.
-    Copy-on-write (``inplace`` False): an output written in place gets a new block, and its input's goes at
-    the input's own free, the first op after the write that frees it."""
-    copies = [(node, start, end, taken) for node, start, end, taken in zip(
-        residency.node.tolist(), residency.start.tolist(), residency.end.tolist(), residency.taken.tolist()) if holds[node]]
-    starts = {start: -1 for _, start, _, _ in copies}
-    ends: dict[int, list[int]] = {}
-    for node, _, end, taken in copies:
-        if taken and inplace:
-            starts[end] = node
-        elif taken:
-            ends.setdefault(next(j for j in range(end + 1, len(ops)) if ops[j] == (FREE, node)), []).append(node)
-        elif end < len(ops):
-            ends.setdefault(end, []).append(node)
-    return starts, ends
-
-
-FSDP_OWNERS = 2**50  # owner ids of FSDP2's buffers in the allocator (nodes are below graph.n, fixed tensors just above)
 
 
 class _FsdpBuffers:
@@ -180,23 +150,6 @@ class _FsdpBuffers:
                 self.malloc(owner, b.nbytes, f"FSDP's {b.key.partition(':')[0]}", i, stream=b.stream)
             else:
                 self.alloc.free(self.owners.pop(b.key))
-
-
-def _optimizer_step(alloc: Allocator, graph: Graph, malloc: Callable[..., None], i: int) -> None:
-    """The optimizer step's temporaries after the last op: per trainable parameter (its gradient
-    buffer's bytes), as many tensors as :data:`bonsai_core.optimizer.STEP_TEMPORARIES` says, allocated
-    together (one foreach kernel), then freed."""
-    from bonsai_core.optimizer import STEP_TEMPORARIES
-
-    if graph.optimizer is None:
-        return
-    per_param = STEP_TEMPORARIES[graph.optimizer["name"]]
-    sizes = [t[1] for t in graph.fixed_tensors if t[2] == "grad" and t[1] > 0] * per_param
-    owners = [FSDP_OWNERS - 1 - k for k in range(len(sizes))]
-    for owner, nbytes in zip(owners, sizes):
-        malloc(owner, nbytes, "the optimizer step's temporaries", i)
-    for owner in owners:
-        alloc.free(owner)
 
 
 @dataclass(frozen=True)
