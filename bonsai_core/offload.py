@@ -82,3 +82,50 @@ def with_offloads(graph: Graph, ops: Sequence[tuple[str, int]], nodes: Iterable[
         out.append(op)
         out += after.get(i, [])
     return out
+
+
+def with_reloads(graph: Graph, ops: Sequence[tuple[str, int]], link_bytes_per_s: float) -> Ops:
+    """``ops``, whose ``reload v`` ops sit right before the op that reads the copy they bring back, with
+    ``offload v`` right after v's first compute (the host copy those reloads read) and each reload issued
+    earlier: a prefetch, so the copy is hidden by compute when the link allows. The reloads share one copy
+    stream, so they are timed from the last back: each copy ends when its reader starts or when the next
+    reload's copy starts, whichever is earlier, and is issued at the op running when it must start (the
+    computes' costs counted back), but not before the free of v's previous copy. A node is reloaded at
+    most once (rule 9 keeps the host copy until its reload). O(len(ops))."""
+    ops = list(ops)
+    reloaded = [v for kind, v in ops if kind == RELOAD]
+    if len(set(reloaded)) != len(reloaded):
+        raise ValueError("a node is reloaded more than once; its host copy serves one reload")
+    wanted = set(reloaded)
+    clock = np.cumsum([graph.cost[v] if kind == COMPUTE else 0.0 for kind, v in ops])  # end of each op
+    first: dict[int, int] = {}
+    last_free: dict[int, int] = {}
+    reloads: list[tuple[int, int, int]] = []  # (position, node, the earliest position it may be issued at)
+    for i, (kind, v) in enumerate(ops):
+        if v not in wanted:
+            continue
+        if kind == COMPUTE:
+            first.setdefault(v, i)
+        elif kind == FREE:
+            last_free[v] = i
+        elif kind == RELOAD:
+            if v not in first or v not in last_free:
+                raise ValueError(f"node {v} is reloaded before its first copy was computed and freed")
+            reloads.append((i, v, last_free[v] + 1))
+    moved: dict[int, Ops] = {}  # position -> reloads issued right before it
+    stream_free = np.inf  # the start of the next reload's copy (the stream is busy from then)
+    for i, v, earliest in reversed(reloads):
+        end = min(clock[i - 1] if i else 0.0, stream_free)
+        start = end - graph.mem[v] / link_bytes_per_s
+        issue = min(max(int(np.searchsorted(clock, start, side="right")), earliest), i)  # the op running then
+        stream_free = max(start, clock[issue - 1] if issue else 0.0)  # a later issue starts the copy later
+        moved.setdefault(issue, []).insert(0, (RELOAD, v))
+    offload_after = {i: v for v, i in first.items()}
+    out: Ops = []
+    for i, op in enumerate(ops):
+        out += moved.get(i, [])
+        if op[0] != RELOAD:
+            out.append(op)
+        if i in offload_after:
+            out.append((OFFLOAD, offload_after[i]))
+    return out

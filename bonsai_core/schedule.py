@@ -38,7 +38,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import AbstractSet, Any, Iterable, Sequence
 
 import json
 
@@ -687,7 +687,8 @@ def hold_separated_outputs(graph: Graph, ops: Sequence[tuple[str, int]]) -> list
     return [op for op in kept if op is not None]
 
 
-def schedule_ops(graph: Graph, sequence: Iterable[int]) -> list[tuple[str, int]]:
+def schedule_ops(graph: Graph, sequence: Iterable[int], reloads: AbstractSet[int] = frozenset()
+                 ) -> list[tuple[str, int]]:
     """Turn a compute sequence (node ids, repeats meaning recomputation) into compute/free ops that
     free every copy of a node right after its last use, the least memory that sequence allows.
 
@@ -695,21 +696,25 @@ def schedule_ops(graph: Graph, sequence: Iterable[int]) -> list[tuple[str, int]]
     it is computed if nobody reads it (an output's buffer is part of ``fixed_mem``). A resident view
     keeps its base's copy alive, and views are freed before their bases. O(len(sequence) + edges).
 
+    ``reloads``: positions of the sequence that bring a node back from its host copy (rule 9) instead
+    of computing it: a ``reload`` op there, which reads no input.
+
     Raises ScheduleError if the sequence reads a node before computing it, or recomputes a node
     whose previous copy is still needed (by a reader or by a live view).
     """
-    return hold_separated_outputs(graph, sequence_ops(graph, sequence))
+    return hold_separated_outputs(graph, sequence_ops(graph, sequence, reloads))
 
 
-def sequence_ops(graph: Graph, sequence: Iterable[int]) -> list[tuple[str, int]]:
-    """:func:`schedule_ops` before :func:`hold_separated_outputs`: one compute op per entry of ``sequence``,
-    in its order, each followed by the frees its reads end."""
+def sequence_ops(graph: Graph, sequence: Iterable[int], reloads: AbstractSet[int] = frozenset()
+                 ) -> list[tuple[str, int]]:
+    """:func:`schedule_ops` before :func:`hold_separated_outputs`: one compute op per entry of ``sequence``
+    (a reload at the positions ``reloads``), in its order, each followed by the frees its reads end."""
     seq = [int(v) for v in sequence]
     latest = [-1] * graph.n  # position of each node's current copy
     release = list(range(len(seq)))  # position after which each copy is freed
     base_copy = [-1] * len(seq)  # for a view's copy: its base's copy
     for p, v in enumerate(seq):
-        for d in graph.deps(v).tolist():
+        for d in ([] if p in reloads else graph.deps(v).tolist()):
             if latest[d] < 0:
                 raise ScheduleError(f"The sequence computes node {v} ({graph.names[v]!r}) at step {p} before "
                                     f"its input {d} ({graph.names[d]!r}).")
@@ -733,7 +738,7 @@ def sequence_ops(graph: Graph, sequence: Iterable[int]) -> list[tuple[str, int]]
         frees_at.setdefault(release[p], []).append(p)
     ops: list[tuple[str, int]] = []
     for p, v in enumerate(seq):
-        ops.append((COMPUTE, v))
+        ops.append((RELOAD if p in reloads else COMPUTE, v))
         for q in sorted(frees_at.get(p, ()), reverse=True):  # later copies (views) first
             ops.append((FREE, seq[q]))
     return ops

@@ -307,7 +307,7 @@ def _search(graph: Graph, budget: int | None, space: Space, time_limit: float | 
     cheaper plan (a tie: the checkpoint plan), with the bound in its stats."""
     clock = Deadline(time_limit)
     bound = _bound(graph, budget, offload) if budget is not None else None
-    ops = _ops(graph, budget, clock, backend, gap, bound) if space != "regions" else None
+    ops = _ops(graph, budget, clock, backend, gap, bound, offload) if space != "regions" else None
     if ops is not None and (space == "ops" or _within(ops.sim.compute_cost, bound, gap)):
         return _with_bound(ops.schedule, bound, ["ops"], ops.sim.compute_cost)
     if space == "ops":
@@ -411,13 +411,14 @@ def _proven_gap(cost: float, bound: LowerBound) -> float:
 
 
 def _ops(graph: Graph, budget: int, clock: Deadline, backend: str, gap: float,
-         bound: LowerBound | None) -> OpsOutcome | None:
-    """The op-level plan within ``budget`` (None: none found before the clock ran out), its stats set."""
+         bound: LowerBound | None, offload: bool = False) -> OpsOutcome | None:
+    """The op-level plan within ``budget`` (None: none found before the clock ran out), its stats set;
+    ``offload``: with host copies."""
     if bound is not None and not np.isfinite(bound.cost):
         return None
     start = time.perf_counter()
     found = plan_ops(graph, budget, clock, backend, gap, points=(bound.node,) if bound and bound.node >= 0 else (),
-                     tensors=_tensors(graph))
+                     tensors=_tensors(graph), offload=offload)
     if found.schedule is None:
         return None
     proven = None if bound is None else _proven_gap(found.sim.compute_cost, bound)
@@ -425,7 +426,8 @@ def _ops(graph: Graph, budget: int, clock: Deadline, backend: str, gap: float,
         "status": "optimal" if proven is not None and proven <= 1e-4 else "feasible", "gap": proven,
         "plan_source": "ops", "space": "ops", "points": len(found.points), "rounds": found.rounds,
         "variables": found.variables, "constraints": found.constraints, "milp_seconds": found.milp_seconds,
-        "solve_seconds": time.perf_counter() - start, "backend": backend}
+        "solve_seconds": time.perf_counter() - start, "backend": backend,
+        **({"offloaded": len(found.schedule.extra["offloaded"])} if offload else {})}
     return found
 
 

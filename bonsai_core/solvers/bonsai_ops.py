@@ -41,7 +41,9 @@ import scipy.sparse as sp
 from bonsai_core.bound import GIB, Tensors
 from bonsai_core.errors import SolverError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import COMPUTE, Schedule, SimResult, hold_separated_outputs, schedule_ops, simulate
+from bonsai_core.offload import offloadable, with_reloads
+from bonsai_core.schedule import (COMPUTE, Schedule, SimResult, hold_separated_outputs, host_link, schedule_ops,
+                                  simulate)
 from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.solvers.sparse_milp import SparseMilp, SparseOutcome, solve_sparse_milp
 
@@ -63,20 +65,41 @@ def read_between(tensors: Tensors, s: int, lo: int, hi: int) -> bool:
 
 
 @dataclass(frozen=True)
+class HostLink:
+    """Rule 9 as the op-level MILP sees it: the link's bytes per second each way, the pinned host bytes
+    allowed (None: no limit) and the storages that may go to host memory (sorted; ``offload.offloadable``)."""
+
+    bytes_per_s: float
+    host_bytes: int | None
+    candidates: np.ndarray
+
+
+@dataclass(frozen=True)
 class PointModel:
     """The MILP at a set of points (sorted positions): ``milp`` and where each point's columns start
-    (``p`` then ``z`` over the storages listed before the point)."""
+    (``p`` then ``z`` over the storages listed before the point); with host copies, where each point's
+    ``h`` columns start (over ``host.candidates`` listed before it) and the ``o`` columns (one per
+    candidate listed before the last point)."""
 
     points: tuple[int, ...]
     milp: SparseMilp
     starts: tuple[int, ...]
     counts: tuple[int, ...]
+    host_starts: tuple[int, ...] = ()
+    host_counts: tuple[int, ...] = ()
+    offload_start: int = -1
+
+
+LINK_CUTS = 32  # per point, the start positions of the copy-out rows (evenly spaced on the plain clock)
+OFFLOAD_PRICE = 0.01  # an offload's price in the objective, a share of its round trip: a tie-break
 
 
 def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[int, ...],
-                anchors: dict[int, np.ndarray] | None = None) -> PointModel:
+                anchors: dict[int, np.ndarray] | None = None, host: HostLink | None = None) -> PointModel:
     """The MILP of the module docstring at ``points``, memory rows in GiB against ``budget`` (bytes, or
-    bytes per point); ``anchors``: per point, storages (computed before it) that must be resident there."""
+    bytes per point); ``anchors``: per point, storages (computed before it) that must be resident there;
+    ``host``: a candidate may also be copied to host memory after its compute (``o``) and brought back
+    once, in one window (``h``, no compute) (:func:`_host_rows`)."""
     g = tensors.graph
     n = g.n
     rows_r, rows_c, rows_v, lower, upper = [], [], [], [], []
@@ -92,8 +115,27 @@ def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[in
         starts.append(column), counts.append(m)
         cost_parts += [np.zeros(m), g.cost[vs]]
         column += 2 * m
+    host_starts, host_counts, offload_start = [], [], -1
+    if host is not None:
+        for t in points:
+            host_starts.append(column), host_counts.append(int(np.searchsorted(host.candidates, t)))
+            cost_parts.append(np.zeros(host_counts[-1]))
+            column += host_counts[-1]
+        offload_start = column
+        offloads = host.candidates[:host_counts[-1]] if points else host.candidates[:0]
+        cost_parts.append(OFFLOAD_PRICE * 2 * g.mem[offloads] / host.bytes_per_s)
+        column += len(offloads)
     col_of = lambda k, v, kind: starts[k] + kind * counts[k] + np.searchsorted(  # noqa: E731
         tensors.storages[tensors.storages < points[k]], v)
+
+    def host_cols(k: int, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the indices into v of candidates, their h columns at point k)."""
+        if host is None:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        j = np.searchsorted(host.candidates, v)
+        ok = (j < host_counts[k]) & (host.candidates[np.minimum(j, len(host.candidates) - 1)] == v)
+        return np.flatnonzero(ok), host_starts[k] + j[ok]
+
     nrow = 0
     for k, t in enumerate(points):
         vs = tensors.storages[tensors.storages < t]
@@ -107,21 +149,25 @@ def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[in
         forced += (p0 + np.searchsorted(vs, tensors.reads[t])).tolist()
         if anchors and t in anchors:
             forced += (p0 + np.searchsorted(vs, anchors[t])).tolist()
-        pairs = [(i, u) for i, v in enumerate(vs.tolist()) for u in tensors.reads[v]]  # z_v <= p_u + z_u
+        pairs = [(i, u) for i, v in enumerate(vs.tolist()) for u in tensors.reads[v]]  # z_v <= p_u + z_u (+ h_u)
         if pairs:
             i, u = (np.array(x, dtype=np.int64) for x in zip(*pairs))
             j = np.searchsorted(vs, u)
             r = nrow + np.arange(len(i))
             add(np.repeat(r, 3), np.stack([z0 + i, p0 + j, z0 + j], 1).ravel(),
                 np.tile([1.0, -1.0, -1.0], len(i)))
+            at, hc = host_cols(k, u)
+            add(r[at], hc, -np.ones(len(at)))
             lower += [-np.inf] * len(i)
             upper += [0.0] * len(i)
             nrow += len(i)
         nxt = points[k + 1] if k + 1 < len(points) else n - 1
-        if k + 1 < len(points):  # p_{v,k+1} <= p_{v,k} + z_{v,k}
+        if k + 1 < len(points):  # p_{v,k+1} <= p_{v,k} + z_{v,k} (+ h_{v,k})
             r = nrow + np.arange(m)
             add(np.repeat(r, 3), np.stack([col_of(k + 1, vs, 0), p0 + np.arange(m), z0 + np.arange(m)], 1).ravel(),
                 np.tile([1.0, -1.0, -1.0], m))
+            at, hc = host_cols(k, vs)
+            add(r[at], hc, -np.ones(len(at)))
             lower += [-np.inf] * m
             upper += [0.0] * m
             nrow += m
@@ -129,16 +175,65 @@ def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[in
         idx = np.flatnonzero(needed)
         r = nrow + np.arange(len(idx))
         add(np.repeat(r, 2), np.stack([p0 + idx, z0 + idx], 1).ravel(), np.ones(2 * len(idx)))
+        at, hc = host_cols(k, vs[idx])
+        add(r[at], hc, np.ones(len(at)))
         lower += [1.0] * len(idx)
         upper += [np.inf] * len(idx)
         nrow += len(idx)
+    if host is not None and points:
+        nrow = _host_rows(tensors, host, points, host_starts, host_counts, offload_start, nrow, add, lower, upper)
     matrix = sp.csr_matrix((np.concatenate(rows_v), (np.concatenate(rows_r), np.concatenate(rows_c))),
                            shape=(nrow, column))
     low, high = np.zeros(column), np.ones(column)
     low[forced] = 1.0
     milp = SparseMilp(np.concatenate(cost_parts), matrix, np.asarray(lower), np.asarray(upper), low, high,
                       np.ones(column, dtype=bool))
-    return PointModel(tuple(points), milp, tuple(starts), tuple(counts))
+    return PointModel(tuple(points), milp, tuple(starts), tuple(counts), tuple(host_starts), tuple(host_counts),
+                      offload_start)
+
+
+def _host_rows(tensors: Tensors, host: HostLink, points: tuple[int, ...], host_starts: list[int],
+               host_counts: list[int], offload_start: int, nrow: int, add, lower: list, upper: list) -> int:
+    """The rows of the host copies (rule 9, on the plain schedule's compute clock, which a plan's
+    recomputation only lengthens): a candidate is brought back at most once, and only if offloaded
+    (``sum_k h[v,k] <= o[v]``); per point, the copies out of candidates computed from a cut on, each issued
+    right after its compute on one stream, end by the point (their bytes at most the link's bandwidth times
+    the compute between the cut and the point); the copies back in the windows from a point on fit in the
+    time left after it; the offloaded bytes fit the host memory. Returns the next row."""
+    g = tensors.graph
+    cands = host.candidates[:host_counts[-1]]
+    gib = g.mem[cands] / GIB
+    per_gib = GIB / host.bytes_per_s  # seconds to copy a GiB one way
+    clock = np.concatenate([[0.0], np.cumsum(g.cost)])  # clock[x]: the plain compute before position x
+    o = offload_start + np.arange(len(cands))
+    for k in range(len(points)):  # sum_k h[v,k] - o[v] <= 0
+        c = host_counts[k]
+        add(nrow + np.arange(c), host_starts[k] + np.arange(c), np.ones(c))
+    add(nrow + np.arange(len(cands)), o, -np.ones(len(cands)))
+    lower += [-np.inf] * len(cands)
+    upper += [0.0] * len(cands)
+    nrow += len(cands)
+    for k, t in enumerate(points):
+        c = host_counts[k]
+        if c == 0:
+            continue
+        cuts = np.unique(np.searchsorted(clock[cands[:c]], np.linspace(0.0, clock[cands[c - 1]], LINK_CUTS)))
+        for first in cuts.tolist():  # copies out of candidates cands[first:c] end by point k
+            span = slice(first, c)
+            add(np.full(c - first, nrow), o[span], gib[span])
+            lower.append(-np.inf), upper.append((clock[t] - clock[cands[first] + 1]) / per_gib)
+            nrow += 1
+        later = [(host_starts[j], host_counts[j]) for j in range(k, len(points))]
+        cols = np.concatenate([s + np.arange(m) for s, m in later])
+        vals = np.concatenate([gib[:m] for _, m in later])
+        add(np.full(len(cols), nrow), cols, vals)
+        lower.append(-np.inf), upper.append((clock[-1] - clock[t + 1]) / per_gib)
+        nrow += 1
+    if host.host_bytes is not None:
+        add(np.full(len(cands), nrow), o, gib)
+        lower.append(-np.inf), upper.append(host.host_bytes / GIB)
+        nrow += 1
+    return nrow
 
 
 def absent_at(tensors: Tensors, model: PointModel, values: np.ndarray) -> dict[int, np.ndarray]:
@@ -151,12 +246,40 @@ def absent_at(tensors: Tensors, model: PointModel, values: np.ndarray) -> dict[i
     return out
 
 
+def host_link_of(graph: Graph) -> HostLink:
+    """The default device profile's host link and memory (rule 9) and the graph's offloadable storages."""
+    link, host_bytes = host_link([])
+    return HostLink(link, host_bytes, np.flatnonzero(offloadable(graph)))
+
+
+def reloaded_at(model: PointModel, values: np.ndarray, host: HostLink | None) -> np.ndarray:
+    """The candidates the MILP's solution brings back from host memory in some window (sorted)."""
+    if host is None or not model.points:
+        return np.zeros(0, dtype=np.int64)
+    back = np.zeros(model.host_counts[-1], dtype=bool)
+    for start, count in zip(model.host_starts, model.host_counts):
+        back[:count] |= values[start:start + count] > 0.5
+    return host.candidates[:model.host_counts[-1]][back]
+
+
 def lazy_sequence(tensors: Tensors, absent: dict[int, np.ndarray], budget: int | None = None) -> list[int]:
-    """The plan's compute sequence (module docstring). With ``budget``, the run also keeps count of the
-    bytes it holds (the storages available and read later, the rebuilt ones kept, and what every schedule
-    holds at the next op) and, where that passes the budget, lets go of kept rebuilt tensors, the one read
-    last first (rebuilt again when read). O((n + edges) · depth of the rebuilds)."""
+    """The plan's compute sequence (module docstring): :func:`lazy_run` without host copies."""
+    return lazy_run(tensors, absent, budget)[0]
+
+
+def lazy_run(tensors: Tensors, absent: dict[int, np.ndarray], budget: int | None = None,
+             offloaded: Iterable[int] = ()) -> tuple[list[int], set[int]]:
+    """The plan's sequence (module docstring) and the positions in it that are reloads. With ``budget``,
+    the run also keeps count of the bytes it holds (the storages available and read later, the rebuilt
+    ones kept, and what every schedule holds at the next op) and, where that passes the budget, lets go
+    of kept rebuilt tensors, the one read last first (rebuilt again when read). ``offloaded``: storages
+    copied to host memory after their first compute; once such a storage is left out, its first later
+    need brings it back from the host instead of rebuilding it (its inputs unread), once.
+    O((n + edges) · depth of the rebuilds)."""
     g = tensors.graph
+    offloaded = set(int(v) for v in offloaded)
+    on_host: set[int] = set()
+    reloads: set[int] = set()
     n = g.n
     views: list[list[int]] = [[] for _ in range(n)]
     for v in np.flatnonzero(g.is_view).tolist():
@@ -174,7 +297,10 @@ def lazy_sequence(tensors: Tensors, absent: dict[int, np.ndarray], budget: int |
             u, ready = stack.pop()
             if available[u]:
                 continue
-            if ready:
+            if ready or u in on_host:
+                if u in on_host:
+                    on_host.discard(u)
+                    reloads.add(len(seq))
                 seq.append(u)
                 available[u] = True
                 rebuilt.add(u)
@@ -185,6 +311,9 @@ def lazy_sequence(tensors: Tensors, absent: dict[int, np.ndarray], budget: int |
 
     def let_go(nodes: Iterable[int]) -> None:
         for t in nodes:
+            if t in offloaded and available[t]:
+                offloaded.discard(t)  # its host copy serves one reload
+                on_host.add(t)
             available[t] = False
             available[views[t]] = False
             held.drop(t)
@@ -213,7 +342,7 @@ def lazy_sequence(tensors: Tensors, absent: dict[int, np.ndarray], budget: int |
                     gone = _farthest(tensors, rebuilt, x, excess)
                     let_go(gone)
                     rebuilt -= set(gone)
-    return seq
+    return seq, reloads
 
 
 class _Held:
@@ -336,7 +465,7 @@ def _peak_positions(graph: Graph, ops: list[tuple[str, int]], timeline: np.ndarr
 
 
 def plan_ops(graph: Graph, budget: int, clock: Deadline, backend: str = "highs", gap: float = 0.01,
-             points: tuple[int, ...] = (), tensors: Tensors | None = None) -> OpsOutcome:
+             points: tuple[int, ...] = (), tensors: Tensors | None = None, offload: bool = False) -> OpsOutcome:
     """The cheapest op-level plan within ``budget`` this search finds before ``clock`` runs out (the
     module docstring), starting from ``points`` (positions; the simulated peaks of the first plans add
     more). Each round runs the plan lazily and, where that peaks over the budget, counting its bytes too
@@ -349,8 +478,11 @@ def plan_ops(graph: Graph, budget: int, clock: Deadline, backend: str = "highs",
     step, a short limit), the rounds after it keep its solution and repair the plan instead: at each
     position where it peaks over the budget, the resident tensors that op does not read are left out there,
     cheapest per byte first, until the excess is covered. A plan that fits from a MILP stopped short of
-    ``gap`` is solved once more from its solution with half the time left."""
-    search = _Search(graph, budget, clock, backend, gap, tensors or Tensors(graph), points)
+    ``gap`` is solved once more from its solution with half the time left. ``offload``: a saved tensor
+    may also be copied to host memory after its compute and brought back once instead of rebuilt (the
+    MILP's ``o`` and ``h``, :func:`point_model`; the default device profile's host link and memory)."""
+    search = _Search(graph, budget, clock, backend, gap, tensors or Tensors(graph), points,
+                     host_link_of(graph) if offload else None)
     search.run()
     best = search.best
     return OpsOutcome(best[0] if best else None, best[1] if best else None, search.rounds,
@@ -362,9 +494,10 @@ class _Search:
     """The rounds of :func:`plan_ops` and what they carry from one to the next."""
 
     def __init__(self, graph: Graph, budget: int, clock: Deadline, backend: str, gap: float, tensors: Tensors,
-                 points: tuple[int, ...]) -> None:
+                 points: tuple[int, ...], host: HostLink | None = None) -> None:
         self.graph, self.budget, self.clock, self.backend, self.gap = graph, budget, clock, backend, gap
-        self.tensors = tensors
+        self.tensors, self.host = tensors, host
+        self.offloaded = np.zeros(0, dtype=np.int64)  # the last MILP's storages brought back from the host
         self.points = tuple(sorted(set(int(p) for p in points))) or (
             int(np.argmax(tensors.held + _plain_need(tensors))),)
         self.target = {p: budget for p in self.points}  # each point's budget in the model, lowered where it peaks
@@ -380,7 +513,7 @@ class _Search:
         self.tighten_only = False  # set once added points made the MILP stop short of the gap
         self.plain: dict | None = None  # where the last refine cut chains: the state its plain refinement gives
 
-    STATE = ("points", "target", "anchors", "added", "tighten_only", "absent", "found", "model", "size",
+    STATE = ("points", "target", "anchors", "added", "tighten_only", "absent", "offloaded", "found", "model", "size",
              "repairing", "repaired", "note")  # what a refinement and its round change
 
     def _state(self) -> dict:
@@ -395,7 +528,7 @@ class _Search:
         the cheapest fitting run's compute cost, inf if none); None: nothing more to run."""
         if not self.repairing and not self.solve():
             return None
-        (ops, sim), counted = _runs(self.tensors, self.absent, self.budget)
+        (ops, sim), counted = _runs(self.tensors, self.absent, self.budget, self.offloaded, self.host)
         fitting = [s for s in ((ops, sim), counted) if s is not None and s[1].peak <= self.budget]
         for schedule in fitting:
             self.keep(*schedule)
@@ -441,7 +574,7 @@ class _Search:
         start = self.found.values if self.improving else None
         if not self.improving:
             self.model = point_model(self.tensors, {p: self.target.get(p, self.budget) for p in self.points},
-                                     self.points, self._anchored())
+                                     self.points, self._anchored(), self.host)
             self.size = (len(self.model.milp.cost), self.model.milp.matrix.shape[0])
         share = IMPROVE_SHARE if self.improving else ROUND_SHARE
         found, spent = _milp_round(self.model, self.backend, self.gap, self.clock, start, share)
@@ -462,6 +595,7 @@ class _Search:
             return True
         self.found, self.repaired = found, False
         self.absent = absent_at(self.tensors, self.model, found.values)
+        self.offloaded = reloaded_at(self.model, found.values, self.host)
         left = self.clock.remaining()  # another MILP like this one would not leave enough time: repair
         self.repairing = spent > (REPAIR_AFTER_SECONDS if left is None else MILP_SHARE * left)
         return True
@@ -469,7 +603,9 @@ class _Search:
     def keep(self, ops: list[tuple[str, int]], sim: SimResult) -> None:
         if self.best is None or sim.compute_cost < self.best[1].compute_cost:
             self.best = (Schedule(graph=self.graph.name, method="bonsai", ops=ops, graph_hash=self.graph.hash,
-                                  extra={"points": sorted(int(p) for p in self.absent)}), sim)
+                                  extra={"points": sorted(int(p) for p in self.absent),
+                                         **({"offloaded": sorted({v for kind, v in ops if kind == "reload"})}
+                                            if self.host is not None else {})}), sim)
 
     def refine(self, ops: list[tuple[str, int]], sim: SimResult) -> None:
         """Points added and tightened where the lazy run peaks over, or the plan repaired there. Where
@@ -543,17 +679,24 @@ class _Search:
         return self.points[i - 1] if i else None
 
 
-def _runs(tensors: Tensors, absent: dict[int, np.ndarray], budget: int
+def _runs(tensors: Tensors, absent: dict[int, np.ndarray], budget: int, offloaded: np.ndarray | None = None,
+          host: HostLink | None = None
           ) -> tuple[tuple[list[tuple[str, int]], SimResult], tuple[list[tuple[str, int]], SimResult] | None]:
     """The plan's lazy run and its simulation; where that peaks over the budget, also the run that counts
-    its bytes against the budget (:func:`lazy_sequence`), else None."""
+    its bytes against the budget (:func:`lazy_run`), else None. ``offloaded``: the storages it brings back
+    from host memory (copied out after their compute, each reload prefetched: ``offload.with_reloads``)."""
+    def run(limit: int | None) -> tuple[list[tuple[str, int]], SimResult]:
+        seq, reloads = lazy_run(tensors, absent, limit, () if offloaded is None else offloaded.tolist())
+        ops = hold_separated_outputs(g, schedule_ops(g, seq, reloads))
+        if reloads:
+            ops = with_reloads(g, ops, host.bytes_per_s)
+        return ops, simulate(g, ops)
+
     g = tensors.graph
-    ops = hold_separated_outputs(g, schedule_ops(g, lazy_sequence(tensors, absent)))
-    sim = simulate(g, ops)
+    ops, sim = run(None)
     if sim.peak <= budget:
         return (ops, sim), None
-    counted = hold_separated_outputs(g, schedule_ops(g, lazy_sequence(tensors, absent, budget)))
-    return (ops, sim), (counted, simulate(g, counted))
+    return (ops, sim), run(budget)
 
 
 def _milp_round(model: PointModel, backend: str, gap: float, clock: Deadline, start: np.ndarray | None,
