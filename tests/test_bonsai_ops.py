@@ -17,7 +17,8 @@ from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.schedule import hold_separated_outputs, no_remat_peak, schedule_ops, simulate
 from bonsai_core.solvers import solve
 from bonsai_core.solvers import bonsai_ops
-from bonsai_core.solvers.bonsai_ops import _anchors, lazy_sequence, plan_ops, point_model
+from bonsai_core.offload import offloadable, with_reloads
+from bonsai_core.solvers.bonsai_ops import _anchors, host_link_of, lazy_run, lazy_sequence, plan_ops, point_model
 from bonsai_core.solvers.bonsai import build
 from bonsai_core.solvers.deadline import Deadline, OutOfTime
 from bonsai_core.graph import load_graph
@@ -57,6 +58,46 @@ def test_an_op_level_plan_fits_and_is_never_below_the_bound(g, share):
         return
     assert found.sim.peak <= budget
     assert found.sim.compute_cost >= lower_bound(g, budget).cost * (1 - 1e-9)
+
+
+@SETTINGS
+@given(graphs(max_nodes=14), st.randoms(use_true_random=False))
+def test_any_absent_and_offloaded_sets_run_as_a_valid_schedule(g, rnd):
+    # an offloaded storage left out at a point comes back from the host once, then is rebuilt if needed again
+    tensors = Tensors(g)
+    points = sorted(rnd.sample(range(g.n), min(g.n, rnd.randint(1, 3))))
+    absent = {t: np.array([v for v in tensors.storages.tolist() if v < t and rnd.random() < 0.5], dtype=np.int64)
+              for t in points}
+    offloaded = [v for v in np.flatnonzero(offloadable(g)).tolist() if rnd.random() < 0.5]
+    sequence, reloads = lazy_run(tensors, absent, None, offloaded)
+    ops = with_reloads(g, schedule_ops(g, sequence, reloads), host_link_of(g).bytes_per_s)
+    sim = simulate(g, ops)  # the simulator refuses a reload without its offload, or a second one
+    assert (sim.times_computed >= 1).all()
+    assert {v for kind, v in ops if kind == "reload"} <= set(offloaded)
+
+
+@SETTINGS
+@given(graphs(max_nodes=12), st.floats(0.0, 1.0))
+def test_an_op_level_plan_with_host_copies_fits_and_is_never_below_the_offload_bound(g, share):
+    budget = int(g.peak_lower_bound + share * (no_remat_peak(g) - g.peak_lower_bound))
+    found = plan_ops(g, budget, Deadline(20), offload=True)
+    if found.schedule is None:
+        return
+    assert found.sim.peak <= budget
+    assert found.sim.compute_cost >= lower_bound(g, budget, offload=True).cost * (1 - 1e-9)
+
+
+def test_host_copies_replace_recomputation_on_the_gpt(gpt):
+    """At 50% on the 2-layer GPT: with offload the op-level plan brings saved tensors back from the host
+    instead of rebuilding them, hidden by compute, and costs less than without."""
+    budget = int(0.5 * no_remat_peak(gpt))
+    without = solve(gpt, budget, "bonsai", space="ops", reuse=False)
+    with_host = solve(gpt, budget, "bonsai", space="ops", offload=True, reuse=False)
+    sim = simulate(gpt, with_host)
+    assert with_host.stats["offloaded"] == len(with_host.extra["offloaded"]) > 0
+    assert sim.peak <= budget and sim.offloaded_bytes > 0 and sim.stall == 0
+    assert sim.compute_cost < simulate(gpt, without).compute_cost
+    assert with_host.stats["bound"] <= sim.compute_cost
 
 
 def test_anchors_cut_a_rebuilt_chain_at_no_more_recomputation():

@@ -222,3 +222,32 @@ def test_the_one_call_takes_offload():
 
     made = plan(torch.nn.Linear(4, 4), torch.randn(2, 4), lambda out: out.sum(), "100%", cache=False, offload=True)
     assert made.report.predicted_peak <= made.report.budget
+
+
+def test_reloads_are_prefetched_back_to_back_on_their_copy_stream():
+    """``with_reloads``: f0 and f1 both brought back for b1 (as a rebuild would be): their copies (1.5 s each)
+    are queued on one stream to end when b1 starts, so compute never waits; each offload follows its compute."""
+    from bonsai_core.offload import with_reloads
+
+    g = chain(4, mem=M)  # f0-f3 (0-3), b3 (4), b2 (5), b1 (6), b0 (7): every op 1 s
+    ops = [("compute", 0), ("compute", 1), ("compute", 2), ("free", 0), ("compute", 3), ("free", 1),
+           ("compute", 4), ("free", 3), ("compute", 5), ("free", 2), ("free", 4),
+           ("reload", 1), ("compute", 6), ("free", 5), ("reload", 0), ("compute", 7)]
+    placed = with_reloads(g, ops, LINK)
+    assert placed[:3] == [("compute", 0), ("offload", 0), ("compute", 1)] and placed[3] == ("offload", 1)
+    # b0 starts at 7 s: f0's copy runs 5.5-7 s (issued at b2's start, 5 s); so f1's, for b1 at 6 s, must end
+    # by 5.5 s on the same stream: it runs 4-5.5 s, issued at b3's start, ahead of f0's
+    timing = copy_timing(g, placed, LINK)
+    sim = simulate(g, Schedule(graph=g.name, method="hand", ops=placed, graph_hash=g.hash, device="cpu"))
+    assert placed.index(("reload", 1)) == placed.index(("compute", 4)) - 1
+    assert placed.index(("reload", 0)) == placed.index(("compute", 5)) - 1
+    assert timing.stall == 0 and sim.stall == 0 and sim.compute_cost == pytest.approx(8.0)
+
+
+def test_a_node_reloaded_twice_is_refused():
+    from bonsai_core.offload import with_reloads
+
+    g = chain(3, mem=M)
+    ops = [("compute", 0), ("free", 0), ("reload", 0), ("free", 0), ("reload", 0)]
+    with pytest.raises(ValueError, match="more than once"):
+        with_reloads(g, ops, LINK)

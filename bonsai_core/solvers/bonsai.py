@@ -266,8 +266,10 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
             fits this one (it is then within the same gap of this budget's optimum); False: always solve.
         offload: keep, recompute or offload each saved tensor: a kept one may be copied to host memory
             after its last forward reader and reloaded before its first backward reader, its copies
-            hidden by compute in the model (simulator rule 9; docs/BONSAI.md). Solved from the plan
-            without offload as a MIP start, so never costlier than that plan (``stats["offload_start"]``).
+            hidden by compute in the model (simulator rule 9; docs/BONSAI.md). The op-level plan may
+            copy a saved tensor out after its compute and bring it back once where it would rebuild it;
+            the checkpoint plan's model is solved from the plan without offload as a MIP start, so
+            never costlier than that plan (``stats["offload_start"]``).
 
     Raises BudgetError (naming the smallest budget bonsai can meet) when none fits or none was found in
     time, SolverError when the backend fails."""

@@ -130,7 +130,7 @@ def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[in
 
     def host_cols(k: int, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the indices into v of candidates, their h columns at point k)."""
-        if host is None:
+        if host is None or len(host.candidates) == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         j = np.searchsorted(host.candidates, v)
         ok = (j < host_counts[k]) & (host.candidates[np.minimum(j, len(host.candidates) - 1)] == v)
@@ -180,7 +180,7 @@ def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[in
         lower += [1.0] * len(idx)
         upper += [np.inf] * len(idx)
         nrow += len(idx)
-    if host is not None and points:
+    if host is not None and points and len(host.candidates):
         nrow = _host_rows(tensors, host, points, host_starts, host_counts, offload_start, nrow, add, lower, upper)
     matrix = sp.csr_matrix((np.concatenate(rows_v), (np.concatenate(rows_r), np.concatenate(rows_c))),
                            shape=(nrow, column))
