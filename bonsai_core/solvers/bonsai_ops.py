@@ -24,6 +24,8 @@ fits or the time runs out (:func:`plan_ops`: also a run that counts its bytes, a
 the MILP is slow). Where such a peak is a chain of rebuilt tensors held whole (a residual stream left
 out block after block), about √k of its links must be resident at the window's point instead
 (:func:`_anchors`); the next round runs that and the plain refinement both, and the simulator judges.
+With host copies (``offload``) a saved tensor may instead be copied to host memory after its compute and
+brought back once where the run would rebuild it (:func:`point_model`'s ``o`` and ``h``, :func:`lazy_run`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import scipy.sparse as sp
@@ -193,7 +195,8 @@ def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[in
 
 
 def _host_rows(tensors: Tensors, host: HostLink, points: tuple[int, ...], host_starts: list[int],
-               host_counts: list[int], offload_start: int, nrow: int, add, lower: list, upper: list) -> int:
+               host_counts: list[int], offload_start: int, nrow: int, add: Callable[..., None],
+               lower: list[float], upper: list[float]) -> int:
     """The rows of the host copies (rule 9, on the plain schedule's compute clock, which a plan's
     recomputation only lengthens): a candidate is brought back at most once, and only if offloaded
     (``sum_k h[v,k] <= o[v]``); per point, the copies out of candidates computed from a cut on, each issued
@@ -685,6 +688,8 @@ def _runs(tensors: Tensors, absent: dict[int, np.ndarray], budget: int, offloade
     """The plan's lazy run and its simulation; where that peaks over the budget, also the run that counts
     its bytes against the budget (:func:`lazy_run`), else None. ``offloaded``: the storages it brings back
     from host memory (copied out after their compute, each reload prefetched: ``offload.with_reloads``)."""
+    g = tensors.graph
+
     def run(limit: int | None) -> tuple[list[tuple[str, int]], SimResult]:
         seq, reloads = lazy_run(tensors, absent, limit, () if offloaded is None else offloaded.tolist())
         ops = hold_separated_outputs(g, schedule_ops(g, seq, reloads))
@@ -692,7 +697,6 @@ def _runs(tensors: Tensors, absent: dict[int, np.ndarray], budget: int, offloade
             ops = with_reloads(g, ops, host.bytes_per_s)
         return ops, simulate(g, ops)
 
-    g = tensors.graph
     ops, sim = run(None)
     if sim.peak <= budget:
         return (ops, sim), None
