@@ -193,6 +193,21 @@ def test_coop_evicts_one_contiguous_window_instead():
     assert sum(g.cost[evicted]) == 11.0
 
 
+def test_the_free_share_after_eviction_counts_what_scattered_evictions_leave_unused():
+    # OneFlow's memory fragmentation rate: the pool's free share once the search has made room. A full
+    # pool of four slots, a request of two: DTR's two scattered frees fit nothing and a third follows (3 of
+    # 4 slots free, one the request will not use), coop's window frees exactly two adjacent slots
+    g = _leaves_then_reader([1.0, 10.0, 1.0, 10.0], request=8192)
+    after = {}
+    for name, policy in (("dtr", dtr_policy("local")), ("coop", coop_policy("recompute"))):
+        rt = Runtime(g, budget=4 * 4096, allocator=Allocator(4 * 4096, "arena"))
+        _run_until_x(g, rt, policy)
+        rt.make_room(g.n - 2, policy)
+        assert rt.free_at_failure == [0.0]
+        after[name] = rt.free_after_eviction
+    assert after == {"dtr": [0.75], "coop": [0.5]}
+
+
 def test_dte_scores_the_free_range_an_eviction_leaves():
     # f0..f3 fill a 5-slot pool; f1 and f3 are then freed: f0 (cost 1.2, staleness 21) borders one free
     # slot, f2 (cost 1, staleness 10) one free slot below and two above; x needs three slots

@@ -108,10 +108,10 @@ def fullest(op: int, ops: int, top_op: int, top_name: str, free: int, first: tup
 
 
 def claims(coop_free_70: int = 5) -> list[dict]:
-    def run(overhead: float, own: float, caching: float, at_failure: float, live: int, reserved: int,
+    def run(overhead: float, own: float, caching: float, after_eviction: float, live: int, reserved: int,
             moment: dict | None = None) -> dict:
         return {"ok": True, "overhead": overhead, "own_fragmentation": own, "caching_fragmentation": caching,
-                "free_at_failure": at_failure, "live_peak": live, "reserved_peak": reserved, "fullest": moment}
+                "free_after_eviction": after_eviction, "live_peak": live, "reserved_peak": reserved, "fullest": moment}
 
     failed = {"ok": False, "error": "Dynamic rematerialization"}
     first = (122, "_softmax_1", 20)
@@ -136,7 +136,7 @@ def test_coops_two_claims_are_counted_cell_by_cell():
     assert "coop's overhead is lower on 4 of 4;" in section
     assert ("fragmentation in its own pool is lower on 2 of 4 (not on gpt --layers 2 at 60% and gpt --layers 2 at 70%)"
             in section)
-    assert "the requests that found no room (the paper's rate) is lower on 4 of 4;" in section
+    assert "free share of the pool once each eviction search has made room (the paper's rate) is lower on 4 of 4;" in section
     assert section.endswith("caching allocator is lower on 2 of 4 (not on gpt --layers 2 at 70% and gpt --layers 2 at "
                             "80%); where dtr-pool does not train (hf:gpt2 at 60%) the cell counts as coop's")
 

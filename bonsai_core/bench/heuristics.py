@@ -119,7 +119,8 @@ def run(graph: Graph, budget: int, label: str, time_limit: float, measure: bool 
     if measure:
         row.update(own_fragmentation=fragmentation(graph, s, "arena", budget),
                    caching_fragmentation=fragmentation(graph, s, "caching"), reserved_peak=own.reserved_peak,
-                   live_peak=own.peak, free_at_failure=s.stats.get("free_at_failure", 0.0))
+                   live_peak=own.peak, free_at_failure=s.stats.get("free_at_failure", 0.0),
+                   free_after_eviction=s.stats.get("free_after_eviction", 0.0))
     return row
 
 

@@ -54,7 +54,7 @@ def claims(time_limit: float) -> list[dict[str, Any]]:
     """Coop's two claims at once, as ``bonsai solve --budget P%`` meets them: per model of
     :data:`CLAIM_MODELS` and share of its no-remat peak, coop and dtr-pool (DTR evicting in the same full
     arena), each with its overhead, its fragmentation in its own pool and under the caching allocator, the paper's
-    rate (``free_at_failure``) and its fullest moment's live bytes; ``pool``: the arena's bytes (Adam state included)."""
+    rate (``free_after_eviction``, as OneFlow records it) and its fullest moment's live bytes; ``pool``: the arena's bytes (Adam state included)."""
     from bonsai_core.allocator import MIN_BLOCK
     from bonsai_core.bench.heuristics import adam_bytes, run
     from bonsai_core.schedule import no_remat_peak
@@ -712,7 +712,7 @@ def claim_cell(r: dict[str, Any]) -> str:
     if not r["ok"]:
         return "does not train"
     return (f"{r['overhead']:+.1%}, {r['own_fragmentation']:.2%} / {r['caching_fragmentation']:.1%}, "
-            f"{r['free_at_failure']:.1%}")
+            f"{r['free_after_eviction']:.1%}")
 
 
 def claims_verdict(rows: list[dict[str, Any]], key: str) -> tuple[list[str], list[str]]:
@@ -773,7 +773,7 @@ def before_first_request(row: dict[str, Any]) -> str:
 
 
 CLAIMS = {"overhead": "overhead", "own_fragmentation": "fragmentation in its own pool",
-          "free_at_failure": "free share at the requests that found no room (the paper's rate)",
+          "free_after_eviction": "free share of the pool once each eviction search has made room (the paper's rate)",
           "caching_fragmentation": "fragmentation replayed in PyTorch's caching allocator"}
 
 

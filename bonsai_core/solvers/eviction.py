@@ -143,6 +143,7 @@ class Runtime:
         self.evictions = 0
         self.evicted_version = 0  # bumps whenever the set of evicted tensors changes
         self.free_at_failure: list[float] = []
+        self.free_after_eviction: list[float] = []
         self.search_seconds: list[float] = []  # wall time of each eviction search (policy call)
         # the run's event log: per request that found no room, [ops emitted before it, the node whose
         # output needed room, the tensors evicted for it (views included), in eviction order]
@@ -319,13 +320,17 @@ class Runtime:
 
     # -- execution -----------------------------------------------------------------------------
 
+    def free_share(self) -> float:
+        """The pool's free share (an empty pool has nothing free)."""
+        reserved = self.alloc.reserved
+        return 1.0 - self.alloc.allocated / reserved if reserved else 0.0
+
     def make_room(self, v: int, policy: Policy) -> None:
-        if self.alloc is not None and not self.fits(v):
-            # the pool's free share when a request finds no block (an empty pool has nothing free):
-            # what OneFlow logs at each failed request; the project's fragmentation is
+        failed = self.alloc is not None and not self.fits(v)
+        if failed:
+            # the pool's free share when a request finds no block; the project's fragmentation is
             # allocator.fragmentation_at_peak alone
-            reserved = self.alloc.reserved
-            self.free_at_failure.append(1.0 - self.alloc.allocated / reserved if reserved else 0.0)
+            self.free_at_failure.append(self.free_share())
         if not self.fits(v):
             self._evicting = []
             self.log.append([len(self.ops), v, self._evicting])
@@ -344,6 +349,11 @@ class Runtime:
                     f"{format_bytes(self.g.fixed_mem)} fixed"
                     + (", and no contiguous free range large enough" if self.alloc is not None else "")
                     + "). Raise the budget.")
+        if failed:
+            # and once the eviction search has made room, before the request takes its block: what OneFlow
+            # records as its memory fragmentation rate (ONEFLOW_REMAT_RECORD_MEM_FRAG_RATE, after
+            # EvictAndFindPieceOnce / EvictAndFindPieceLoop), the rate Coop's paper reports
+            self.free_after_eviction.append(self.free_share())
 
     def written_in_place(self, v: int) -> int:
         """The input whose block v's output takes (simulator rule 8), or -1: v is an op eager runs in place
@@ -480,6 +490,7 @@ def finish(rt: Runtime, graph: Graph, method: str, extra_stats: dict) -> Schedul
         stats["pool_high_water"] = rt.alloc.high_water + (0 if rt.alloc.pinned_bytes else graph.fixed_mem)
         stats["alloc_failures"] = len(rt.free_at_failure)
         stats["free_at_failure"] = float(np.mean(rt.free_at_failure)) if rt.free_at_failure else 0.0
+        stats["free_after_eviction"] = float(np.mean(rt.free_after_eviction)) if rt.free_after_eviction else 0.0
         # fragmentation is the allocator model's alone: solvers.pool.pool_replay(graph, schedule) replays
         # this run's pool block for block (bonsai simulate --allocator --arena)
     # A separated output released while its op stays resident and rebuilt from it later (an evicted
