@@ -301,9 +301,11 @@ def page_writer(page: Callable[[dict[str, Any], str], str], sources: Sequence[st
 
 
 def run_page_suite(suite: str, args: Any, refusal: str | None, measure: Callable[[], dict[str, Any]],
-                   write_page: Callable[[dict[str, Any], str], None]) -> int:
+                   write_page: Callable[[dict[str, Any], str], None],
+                   beside: Callable[[dict[str, Any], Path], None] | None = None) -> int:
     """``bonsai bench SUITE`` for a suite that writes a page: refuse (exit 2) with ``refusal``'s words, else
-    measure into ``--out``/results.json (or, with ``--report-only``, read it) and write ``--page``."""
+    measure into ``--out``/results.json (or, with ``--report-only``, read it), write what the suite keeps
+    ``beside`` it in ``--out`` (tables, figures) and ``--page``."""
     import json
 
     if refusal:
@@ -316,6 +318,8 @@ def run_page_suite(suite: str, args: Any, refusal: str | None, measure: Callable
         results = measure()
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))
+    if beside is not None:
+        beside(results, out)
     if args.page:
         write_page(results, args.page)
     print(f"wrote {out / 'results.json'}" + (f" and {args.page}" if args.page else ""))

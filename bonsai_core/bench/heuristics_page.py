@@ -804,21 +804,13 @@ def page(results: dict[str, Any], command: str, header: str) -> str:
         **regnet_values(s["regnet"]), **reserved_values(s["reserved"]))
 
 
-def write_page(results: dict[str, Any], path: str) -> None:
-    """The page at ``path`` from the suite's ``results``, its header naming the command that measured them."""
-    from pathlib import Path
-
-    from bonsai_core.bench.common import page_header
-
-    command = results["meta"]["command"]
-    Path(path).write_text(page(results, command, page_header(command, SOURCES)))
-
-
 # `bonsai bench heuristics`: the suite (bonsai_core.bench.heuristics) with this page's studies and writer
 SUITE_DOC = heuristics.__doc__
 add_arguments = heuristics.add_arguments
+write_page = common.page_writer(lambda results, header: page(results, results["meta"]["command"], header), SOURCES)
 
 
 def main(args: Any) -> int:
-    """``bonsai bench heuristics``: :func:`bonsai_core.bench.heuristics.main` with ``--page`` written here."""
-    return heuristics.main(args, studies=studies, write_page=write_page)
+    """``bonsai bench heuristics``: the suite's study, with ``--page`` this page's studies and the page."""
+    return common.run_page_suite("heuristics", args, heuristics.refusal(args),
+                                 lambda: heuristics.measure(args, studies), write_page, heuristics.write_beside)
