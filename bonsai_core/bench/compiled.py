@@ -226,22 +226,10 @@ def measure(parts: list[str], float8: bool, out: str) -> dict[str, Any]:
 
 
 def _earlier_results(path: Path) -> dict[str, Any]:
-    """results.json of earlier runs, each part with its run (:func:`_with_runs`)."""
+    """results.json of earlier runs (each part with the run that measured it, ``runs``), or nothing."""
     import json
 
-    return _with_runs(json.loads(path.read_text())) if path.is_file() else {}
-
-
-def _with_runs(results: dict[str, Any]) -> dict[str, Any]:
-    """``results`` with ``runs``, each part's run; a file written before parts named their runs has the
-    run its ``meta`` describes for its parts, and ``titan_peers_run`` for the 8B peers."""
-    if "runs" in results:
-        return results
-    meta, earlier = results["meta"], dict(results)
-    runs = {part: {k: meta[k] for k in ("command", "date", "seconds")} for part in meta.get("parts", PARTS)}
-    if "titan_peers_run" in earlier:
-        runs["titan-peers"] = earlier.pop("titan_peers_run")
-    return {**earlier, "runs": runs}
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 # -- the page -------------------------------------------------------------------------------------
@@ -388,7 +376,7 @@ def page(results: dict[str, Any], header: str) -> str:
 
 def _other_run(results: dict[str, Any], part: str) -> dict[str, Any] | None:
     """The run that measured ``part`` where it is not the run the page's first lines name."""
-    run = _with_runs(results)["runs"].get(part)
+    run = results.get("runs", {}).get(part)
     if run is None or run["command"] == results["meta"]["command"] and run["date"] == results["meta"]["date"]:
         return None
     return run
