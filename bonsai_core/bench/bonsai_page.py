@@ -19,10 +19,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
+
 from bonsai_core.bench import bonsai as suite
 from bonsai_core.bench import common
 from bonsai_core.bench.common import TIE, budget, budgets_said, compare, listing, median, pct2, table
+from bonsai_core.bound import lower_bound
+from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError
+from bonsai_core.graph import load_graph
+from bonsai_core.optimizer import with_optimizer
+from bonsai_core.regions import region_peak_bound
+from bonsai_core.schedule import no_remat_peak
+from bonsai_core.solvers import bonsai as B, solve
+from bonsai_core.solvers.bonsai_coef import self_contained
 from bonsai_core.units import format_bytes
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
@@ -81,8 +91,6 @@ def trace(model: str, options: dict[str, int]):
 
 
 def study_graph(key: str):
-    from bonsai_core.graph import load_graph
-
     _, model, options = GRAPHS[key]
     return load_graph(common.ROOT / EXPLORER_GRAPH) if model is None else trace(model, options)
 
@@ -100,11 +108,6 @@ def flags(options: dict[str, int]) -> str:
 
 def graph_facts(g) -> dict[str, Any]:
     """Size, no-remat peak and the self-contained forward nodes (name, bytes) of one graph."""
-    import numpy as np
-
-    from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers.bonsai_coef import self_contained
-
     forward = np.flatnonzero(g.is_forward)
     return {"nodes": g.n, "plain_peak": no_remat_peak(g),
             "self_contained": [[g.names[v], int(g.mem[v])] for v in forward[self_contained(g)].tolist()]}
@@ -112,9 +115,6 @@ def graph_facts(g) -> dict[str, Any]:
 
 def options_study(g, fractions: Sequence[float], time_limit: float) -> dict[str, list[Row]]:
     """Bonsai at every budget with each option set of VARIANTS; each set's first budget builds its model."""
-    from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers import bonsai as B
-
     plain = no_remat_peak(g)
     out = {}
     for variant, options in VARIANTS.items():
@@ -127,8 +127,6 @@ def options_study(g, fractions: Sequence[float], time_limit: float) -> dict[str,
 def export_study(g, time_limit: float) -> dict[str, Any]:
     """The ``hf:gpt2`` plan with dropped outputs at EXPORT_AT, exported with ``replay`` and run on CPU."""
     from bonsai_core.export import export_model, verify_export
-    from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers import solve
 
     start = time.perf_counter()
     try:
@@ -150,17 +148,12 @@ def export_study(g, time_limit: float) -> dict[str, Any]:
 
 def drag_study(g, time_limit: float) -> list[Row]:
     """The explorer's budget slider dragged over DRAG: one build, then one solve per budget."""
-    from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers import bonsai as B
-
     plain = no_remat_peak(g)
     B._cache.clear()
     return [suite.run(g, int(plain * f), time_limit=time_limit) | {"fraction": f} for f in DRAG]
 
 
 def moccasin_study(g, time_limit: float) -> Row:
-    from bonsai_core.schedule import no_remat_peak
-
     return suite.run(g, int(MOCCASIN_AT * no_remat_peak(g)), "moccasin", time_limit=time_limit) | {
         "fraction": MOCCASIN_AT}
 
@@ -176,10 +169,6 @@ def outcome(g, budget: int, method: str, time_limit: float, **options: Any) -> R
 
 def bound_entry(label: str, g, time_limit: float) -> dict[str, Any]:
     """The per-op bound, the region bound (where it is) and the smallest budget bonsai meets."""
-    from bonsai_core.regions import region_peak_bound
-    from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers import bonsai as B
-
     bound = region_peak_bound(g)
     return {"label": label, "nodes": g.n, "plain_peak": no_remat_peak(g), "fixed": g.fixed_mem,
             "lower_bound": g.peak_lower_bound, "region_bound": bound.peak,
@@ -191,8 +180,6 @@ def region_entry(label: str, g, time_limit: float,
                  at_half: Sequence[str] = ("moccasin", "checkmate")) -> dict[str, Any]:
     """:func:`bound_entry`, bonsai's reach with dropped outputs, and the methods halfway between the per-op
     bound and the no-remat peak and at the region bound."""
-    from bonsai_core.solvers import bonsai as B
-
     e = bound_entry(label, g, time_limit)
     dropped, _ = B.smallest_budget(g, time_limit=time_limit, drop_outputs=True)
     e["reach_dropped"] = min((b for b in (dropped, e["reach"]) if b is not None), default=None)
@@ -206,10 +193,6 @@ def region_entry(label: str, g, time_limit: float,
 def real_step(label: str, time_limit: float) -> dict[str, Any]:
     """One of REAL_STEPS traced, and at each of its budgets the lower bound (without and with host copies)
     and every method of REAL_METHODS: overhead, wall seconds, and for bonsai the space its plan came from."""
-    from bonsai_core.bound import lower_bound
-    from bonsai_core.budget import parse_budget
-    from bonsai_core.optimizer import with_optimizer
-    from bonsai_core.schedule import no_remat_peak
     from bonsai_core.trace import trace_model
 
     config, options, world, budgets = REAL_STEPS[label]
@@ -235,9 +218,6 @@ def real_step(label: str, time_limit: float) -> dict[str, Any]:
 
 def checkmate_study(time_limit: float) -> list[dict[str, Any]]:
     """Per CHECKMATE_GPTS graph and CHECKMATE_AT budget: the lower bound, bonsai's default and checkmate."""
-    from bonsai_core.bound import lower_bound
-    from bonsai_core.schedule import no_remat_peak
-
     rows = []
     for label, options in CHECKMATE_GPTS.items():
         g = trace("gpt", options)

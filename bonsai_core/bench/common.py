@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import platform
 import re
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from bonsai_core.budget import smallest_meeting
+from bonsai_core.errors import BonsaiError
+from bonsai_core.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = Path(__file__).resolve().parent / "templates"  # one markdown template per page
@@ -164,8 +167,6 @@ def fill(template: str, **values: Any) -> str:
 def _jinja() -> Any:
     import jinja2
 
-    from bonsai_core.units import format_bytes
-
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)
     env.filters.update(pct=pct, pct2=pct2, budget=budget, budgets=budgets_said, mib=mib, listing=listing,
@@ -306,8 +307,6 @@ def run_page_suite(suite: str, args: Any, refusal: str | None, measure: Callable
     """``bonsai bench SUITE`` for a suite that writes a page: refuse (exit 2) with ``refusal``'s words, else
     measure into ``--out``/results.json (or, with ``--report-only``, read it), write what the suite keeps
     ``beside`` it in ``--out`` (tables, figures) and ``--page``."""
-    import json
-
     if refusal:
         print(f"bonsai bench {suite}: {refusal}.")
         return 2
@@ -332,8 +331,6 @@ def check_record_page(args: Any, whole: str, subset: Sequence[str], files: Seque
     """Refuse, before any measurement, what would fail only at the end: a page in a missing folder, a page
     of less than ``whole`` (the options ``subset`` narrow it), ``--report-only`` without a page or without
     the ``files`` of a finished run."""
-    from bonsai_core.errors import BonsaiError
-
     if args.page is not None:
         if not Path(args.page).parent.is_dir():
             raise BonsaiError(f"--page {args.page}: the folder {Path(args.page).parent} does not exist.")
@@ -351,10 +348,6 @@ def check_record_page(args: Any, whole: str, subset: Sequence[str], files: Seque
 def read_run(path: Path, keys: Sequence[str], suite: str) -> dict[str, Any]:
     """The run file of a finished run (its command, dates, machine: ``keys``), refused with the reason when
     it is not one."""
-    import json
-
-    from bonsai_core.errors import BonsaiError
-
     try:
         run = json.loads(path.read_text())
     except ValueError as e:

@@ -13,6 +13,7 @@ from typing import Any
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph
 from bonsai_core.schedule import no_remat_peak
+from bonsai_core.solvers import solve
 
 # label -> (heuristic, deallocation)
 HEURISTICS: dict[str, tuple[str, str]] = {
@@ -30,8 +31,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def overheads(graph, fracs: tuple[float, ...]) -> dict[str, list[float | None]]:
     """label -> DTR's overhead with that heuristic and deallocation mode at each share of the graph's
     no-remat peak (None: no schedule fits)."""
-    from bonsai_core.solvers import solve
-
     ref = no_remat_peak(graph)
     out: dict[str, list[float | None]] = {}
     for label, (heuristic, deallocation) in HEURISTICS.items():

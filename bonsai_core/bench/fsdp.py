@@ -26,11 +26,13 @@ import argparse
 import json
 import tempfile
 import time
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from bonsai_core.arguments import RESHARD_CHOICES
+from bonsai_core.optimizer import with_grads
 from bonsai_core.schedule import no_remat_peak
 
 if TYPE_CHECKING:  # imported where used: building the command line does not load torch
@@ -67,8 +69,6 @@ def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
     views: grown before a unit runs, shrunk to 0 bytes when resharded), and the collective buffers left
     from the previous step (the last reduce-scatter's input, the last forward all-gather's output; weak
     references, gone when FSDP frees them). The measurement polls both at every op."""
-    import weakref
-
     import torch
     from torch.distributed.fsdp import FSDPModule
 
@@ -193,8 +193,6 @@ def predicted(graph, model: str, options: dict, budget: str | None, reshard: boo
               mixed_precision: str | None = None, grads: str = "zeroed") -> int:
     """The simulator's peak of ``graph`` (one rank): no recomputation, or what ``bonsai.checkpoint(...,
     fsdp=N)`` predicts for its plan at ``budget`` (a share of the rank's no-remat peak)."""
-    from bonsai_core.optimizer import with_grads
-
     if not budget:
         return no_remat_peak(with_grads(graph, grads))
     import bonsai_core as bonsai

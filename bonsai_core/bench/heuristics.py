@@ -51,12 +51,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bonsai_core.allocator import fixed_tensors, optimizer_bytes, replay
-from bonsai_core.solvers.pool import pool_replay
 from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak, simulate
 from bonsai_core.solvers import solve
+from bonsai_core.solvers.pool import pool_replay
 
 # GPT-2 small's shape, ``models.zoo.GPT2_SMALL`` (bonsai_core.zoo imports torch: read only when a run needs it)
 GPT2_SMALL = "GPT2_SMALL"

@@ -13,12 +13,19 @@ import re
 import tempfile
 from typing import Any, Callable, Iterable, Sequence
 
-from bonsai_core.bench import heuristics
+import numpy as np
+
+from bonsai_core.allocator import MIN_BLOCK, bounded_replay
 from bonsai_core.bench import common
+from bonsai_core.bench import heuristics
 from bonsai_core.bench.common import listing, median, pct, pct_or_fails, table
 from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, mib, pool_cell,
                                           pool_order, ratio)
+from bonsai_core.errors import BudgetError
 from bonsai_core.graph import Graph
+from bonsai_core.schedule import no_remat_peak
+from bonsai_core.solvers import solve, solve_reserved
+from bonsai_core.solvers.pool import pool_replay
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
 SOURCES = ["bonsai_core/bench/heuristics_page.py", "bonsai_core/bench/heuristics.py",
@@ -55,9 +62,7 @@ def claims(time_limit: float) -> list[dict[str, Any]]:
     :data:`CLAIM_MODELS` and share of its no-remat peak, coop and dtr-pool (DTR evicting in the same full
     arena), each with its overhead, its fragmentation in its own pool and under the caching allocator, the paper's
     rate (``free_at_failure``) and its fullest moment's live bytes; ``pool``: the arena's bytes (Adam state included)."""
-    from bonsai_core.allocator import MIN_BLOCK
     from bonsai_core.bench.heuristics import adam_bytes, run
-    from bonsai_core.schedule import no_remat_peak
     from bonsai_core.trace import trace_model
 
     rows = []
@@ -84,11 +89,6 @@ def fullest_moment(graph: Graph, budget: int, label: str, time_limit: float, poo
     (op index, of how many ops), the op that first reached its high-water mark, the pool's bytes not live
     then, and its first request that found no room (the op before which it came, the node, its bytes).
     ``prefix`` is the schedule up to that request (for :func:`same_until`)."""
-    import numpy as np
-
-    from bonsai_core.solvers import solve
-    from bonsai_core.solvers.pool import pool_replay
-
     method, options = VARIANTS[label]
     s = solve(graph, budget, method, time_limit=time_limit, budget_hint=False, **options)
     r = pool_replay(graph, s, capacity=budget)
@@ -136,10 +136,6 @@ def lowest_reserved(message: str) -> int | None:
 def reserved_budgets(time_limit: float) -> dict[str, Any]:
     """bonsai on RESERVED_MODEL at RESERVED_FRACS of its no-remat peak: the live-budget schedule replayed
     through both allocator models, and ``solve_reserved`` with each (``bonsai solve --reserved``)."""
-    from bonsai_core.allocator import bounded_replay
-    from bonsai_core.errors import BudgetError
-    from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers import solve, solve_reserved
     from bonsai_core.trace import trace_model
 
     g = trace_model(RESERVED_MODEL[0], **RESERVED_MODEL[1]).graph

@@ -28,10 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from bonsai_core.allocator import replay
+from bonsai_core.arguments import SOLVE_TIME_LIMIT, fraction_arg, positive_seconds
 from bonsai_core.bench import common
 from bonsai_core.bench.common import budget, budgets_said, capitalized, listing, median, pct
+from bonsai_core.bound import lower_bound
 from bonsai_core.errors import BonsaiError, ModelError
+from bonsai_core.regions import plan_schedule
 from bonsai_core.schedule import no_remat_peak, simulate
+from bonsai_core.solvers import METHODS, accepted_options, available_methods, solve
 
 # Each column of results.csv and its pandas type (nullable: a row that did not run has no peak).
 COLUMN_TYPES = {"model": "string", "nodes": "Int64", "method": "string", "budget_bytes": "Int64",
@@ -135,8 +140,6 @@ class BenchConfig:
 def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Run every (model, budget, method) and peer, and each method's smallest reachable budget per
     model; write results.csv, reach.csv, results.md and the plots."""
-    from bonsai_core.bound import lower_bound
-    from bonsai_core.solvers import solve
     from bonsai_core.trace import trace_model
 
     out = Path(out_dir)
@@ -191,8 +194,6 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
 def add_arguments(p: argparse.ArgumentParser, output_required: bool = True) -> None:
     """The options of the methods suite (``bonsai bench`` without a suite takes them too, its output
     then checked by :func:`main`, since ``bonsai bench --list`` needs none)."""
-    from bonsai_core.arguments import fraction_arg, positive_seconds
-
     p.add_argument("--models", nargs="+", metavar="MODEL",
                    help="zoo or hf: models, e.g. gpt or gpt:layers=2,width=256; MODEL@PCT,PCT adds budgets for that model")
     p.add_argument("--budgets", nargs="+", type=fraction_arg, metavar="PCT", help="shares of the no-remat peak")
@@ -236,9 +237,7 @@ def main(args: argparse.Namespace) -> int:
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
     """The bench the options ask for, every method and peer named checked."""
-    from bonsai_core.arguments import SOLVE_TIME_LIMIT
     from bonsai_core.peers import PEERS
-    from bonsai_core.solvers import METHODS, available_methods
 
     methods = args.methods or available_methods(any_graph=True)  # the zoo's MLPs have no block stack
     peers = args.peers if args.peers is not None else list(PEERS)
@@ -305,7 +304,6 @@ def smallest_budgets(model: str, graph: Any, config: BenchConfig) -> dict[str, A
 
 def chen_lowest_peak(graph: Any) -> int:
     """The lowest simulated peak over the checkpoint plans chen tries under a budget."""
-    from bonsai_core.regions import plan_schedule
     from bonsai_core.solvers.chen import candidate_plans
 
     return min(simulate(graph, plan_schedule(graph, plan, "chen")).peak for _, plan in candidate_plans(graph, "auto"))
@@ -315,8 +313,6 @@ def bisect_budget(graph: Any, method: str, reference: int, time_limit: float) ->
     """The smallest budget between the per-op lower bound and ``reference`` at which ``method``
     (dtr or coop, without its own budget hint) found a schedule in a bisection of at most
     BISECTION_STEPS runs after the two ends; None if it met neither end within ``time_limit``."""
-    from bonsai_core.solvers import solve
-
     deadline = time.perf_counter() + time_limit
 
     def meets(budget: int) -> bool:
@@ -335,8 +331,6 @@ def bisect_budget(graph: Any, method: str, reference: int, time_limit: float) ->
 def _options(method: str, config: BenchConfig) -> dict[str, Any]:
     """The bench's time limit and MILP backend, for the methods that take them; every solve from scratch
     (bonsai would otherwise answer a budget with the plan of a larger one that fits it, in no time)."""
-    from bonsai_core.solvers import accepted_options
-
     accepted = accepted_options(method)
     return {k: v for k, v in (("time_limit", config.time_limit), ("backend", config.backend), ("reuse", False))
             if accepted is None or k in accepted}
@@ -350,8 +344,6 @@ def _row(model: str, nodes: int, method: str, budget: int, fraction: float) -> d
 
 
 def _schedule_fields(graph: Any, schedule: Any) -> dict[str, Any]:
-    from bonsai_core.allocator import replay
-
     st = schedule.stats
     alloc = replay(graph, schedule)
     return {"feasible": True, "peak": st["peak"], "overhead": round(st["overhead"], 6),

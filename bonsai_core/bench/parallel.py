@@ -17,11 +17,13 @@ implemented for the GPU's attention kernels only (``_context_parallel/_attention
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+from bonsai_core.parallel import Layout, cp_inputs, family, layout_of, meshes, parallelize, step_context, with_batch
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.units import format_bytes
 
@@ -33,8 +35,6 @@ SCHEDULE_WORDS = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b"}
 
 def parse_layout(text: str) -> Any:
     """``fsdp2.tp2``, ``pp2.interleaved.mb4``, ... as a :class:`bonsai_core.parallel.Layout` (rank 0)."""
-    from bonsai_core.parallel import layout_of
-
     degrees: dict[str, Any] = {}
     for word in text.split("."):
         if word in SCHEDULE_WORDS:
@@ -71,7 +71,6 @@ def one_call_plan(net: Any, inputs: tuple, loss_fn: Any, layout: Any, budget: st
     """The one call's plan for ``layout``, fp32 (FSDP without mixed precision): ``plan_for`` for torchtitan's
     model (sharded as its ``apply_fsdp``), ``bonsai_core.plan`` for any other (``fully_shard`` on each block)."""
     import bonsai_core as bonsai
-    from bonsai_core.parallel import family
 
     if family(net) == "torchtitan":
         from bonsai_core.torchtitan import plan_for
@@ -94,8 +93,6 @@ def sharded(net: Any, layout: Any, dims: Any) -> None:
     PREMUL_SUM), or ``fully_shard`` on each block and the model."""
     import torch
     from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    from bonsai_core.parallel import family
 
     if layout.shard_world == 1:
         return
@@ -129,7 +126,6 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
     from torchtitan.distributed.pipeline_parallel import pipeline_module_split
 
     from bonsai_core.bench.fsdp import _storages_outside, live_bytes_with
-    from bonsai_core.parallel import parallelize, step_context
     from bonsai_core.pipeline import TORCH_SCHEDULE, stage_modules
     from bonsai_core.tensors import storage_bytes
 
@@ -182,7 +178,6 @@ def _worker(rank: int, world: int, folder: str, model: str, options: dict, layou
 
     from bonsai_core import models
     from bonsai_core.bench.fsdp import gloo_rank, steady_step_peak
-    from bonsai_core.parallel import Layout, cp_inputs, meshes, parallelize, step_context, with_batch
 
     gloo_rank(rank, world, folder)
     try:
@@ -212,8 +207,6 @@ def _worker(rank: int, world: int, folder: str, model: str, options: dict, layou
 
 def measure(model: str, options: dict, layout: Any, budget: str | None = None, timeout: float = 600) -> list[dict]:
     """Each rank's fixed bytes and peak over one steady-state step, from ``layout.world`` spawned gloo processes."""
-    import dataclasses
-
     from bonsai_core.bench.fsdp import spawn_ranks
 
     return spawn_ranks(_worker, layout.world, (model, options, dataclasses.asdict(layout), budget), timeout,
@@ -230,10 +223,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """One row per layout, pipeline rank and plan: printed and (with ``--out``) appended to a Markdown file."""
-    import dataclasses
-
     from bonsai_core.bench.fsdp import append_table
-    from bonsai_core.parallel import with_batch
 
     options = SIZES[args.model]
     rows = []

@@ -16,6 +16,7 @@ import argparse
 from typing import Any
 
 from bonsai_core.bench import common
+from bonsai_core.schedule import no_remat_peak
 
 # name -> options; the transformers twice: with the configs' dropout 0.1 and without
 REAL = [("tests.real_models:resnet18_bn", {}), ("tests.real_models:mobilenet_v3_small", {}),
@@ -31,7 +32,6 @@ def measure_row(name: str, options: dict) -> dict[str, Any]:
     """One model's ops and no-remat peaks: predicted with the CPU's kernels and with CUDA's, and measured."""
     from bonsai_core import models
     from bonsai_core.measure import measure_step
-    from bonsai_core.schedule import no_remat_peak
     from bonsai_core.trace import trace_model
 
     traced = trace_model(name, kernels="cpu", **options)

@@ -29,14 +29,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from bonsai_core.arguments import fraction_arg
 from bonsai_core.bench import common
 from bonsai_core.bench.common import budget, listing, pct, table
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph, save_graph
 from bonsai_core.schedule import no_remat_peak
+from bonsai_core.solvers import solve
 
 GRAPHS = {"gpt-l1": ("gpt", {"layers": 1}), "gpt-l2": ("gpt", {"layers": 2}),
           "resnet": ("resnet", {}), "unet": ("unet", {})}
@@ -65,9 +69,6 @@ RUN_KEYS = ("command", "started", "ended", "seconds", "machine", "load_end", "to
 
 def run_one(graph_file: str, label: str, method: str, fractions: list[float], time_limit: float) -> None:
     """Solve one graph with one method at each budget; print one JSON line per budget."""
-    import warnings
-
-    from bonsai_core.solvers import solve
     from bonsai_core.solvers.views import contract_views
 
     warnings.filterwarnings("ignore")
@@ -111,8 +112,6 @@ def model_size(graph, method: str, budget: int, options: dict) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The suite's options (``--one``: the child process's own, one graph and one method)."""
-    from bonsai_core.arguments import fraction_arg
-
     p.add_argument("--graphs", nargs="+", choices=list(GRAPHS), help=f"default: {' '.join(GRAPHS)}")
     p.add_argument("--methods", nargs="+", choices=list(METHODS), help=f"default: {' '.join(DEFAULT_METHODS)}")
     p.add_argument("--budgets", nargs="+", type=fraction_arg, metavar="PCT",
@@ -192,8 +191,6 @@ def run_child(graph_file: str, label: str, method: str, budgets: list[float], ti
 
 def versions() -> dict[str, str]:
     """The solver packages' versions, as the page quotes them."""
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for package in ("highspy", "pyscipopt", "ortools", "cvxpy", "torch"):
         try:
