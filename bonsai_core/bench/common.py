@@ -256,10 +256,11 @@ def page_header(command: str, sources: Sequence[str]) -> str:
 
 # -- a suite that writes a docs/results page from its results.json (offload, export, explorer) ------------
 
-def add_page_arguments(ap: Any, default_out: str, record_page: str, quick: str | None = None) -> None:
+def add_page_arguments(ap: Any, default_out: str | None, record_page: str, quick: str | None = None) -> None:
     """``--out``, ``--page`` and ``--report-only`` (what :func:`page_refusal` and :func:`run_page_suite`
     read), and ``--quick`` with ``quick`` saying what it measures, where the suite has one."""
-    ap.add_argument("--out", default=default_out, help="folder of results.json (default %(default)s)")
+    if default_out is not None:  # else the suite names its own (a required folder)
+        ap.add_argument("--out", default=default_out, help="folder of results.json (default %(default)s)")
     ap.add_argument("--page", metavar="PAGE", help=f"also write the results page there ({record_page})")
     ap.add_argument("--report-only", action="store_true",
                     help="measure nothing: write the page from OUT/results.json (needs --page)")
