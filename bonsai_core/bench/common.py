@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from bonsai_core.budget import smallest_meeting
-from bonsai_core.errors import BonsaiError
 from bonsai_core.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -254,7 +253,7 @@ def page_header(command: str, sources: Sequence[str]) -> str:
     return f"<!-- written by: `{command}` at commit {commit}; sources {','.join(sources)} hash {source_hash(sources)} -->"
 
 
-# -- a suite that writes a docs/results page from its results.json (offload, export, explorer) ------------
+# -- a suite that writes a docs/results page from its results.json (every suite with a page but bonsai) ------
 
 def add_page_arguments(ap: Any, default_out: str | None, record_page: str, quick: str | None = None) -> None:
     """``--out``, ``--page`` and ``--report-only`` (what :func:`page_refusal` and :func:`run_page_suite`
@@ -324,37 +323,3 @@ def run_page_suite(suite: str, args: Any, refusal: str | None, measure: Callable
         write_page(results, args.page)
     print(f"wrote {out / 'results.json'}" + (f" and {args.page}" if args.page else ""))
     return 0
-
-
-# -- a suite that writes its page from rows and a run file beside them (methods, solvers-opt) ---------------
-
-def check_record_page(args: Any, whole: str, subset: Sequence[str], files: Sequence[Path], suite: str) -> None:
-    """Refuse, before any measurement, what would fail only at the end: a page in a missing folder, a page
-    of less than ``whole`` (the options ``subset`` narrow it), ``--report-only`` without a page or without
-    the ``files`` of a finished run."""
-    if args.page is not None:
-        if not Path(args.page).parent.is_dir():
-            raise BonsaiError(f"--page {args.page}: the folder {Path(args.page).parent} does not exist.")
-        if any(getattr(args, option[2:].replace("-", "_")) for option in subset):
-            raise BonsaiError(f"--page reports {whole}: leave out {listing(list(subset))}.")
-    if args.report_only:
-        if args.page is None:
-            raise BonsaiError("--report-only writes the page again: name it with --page PAGE.")
-        missing = [str(p) for p in files if not p.is_file()]
-        if missing:
-            raise BonsaiError(f"--report-only: {listing(missing)} missing; run the {suite} with --page, without "
-                              "--report-only, first.")
-
-
-def read_run(path: Path, keys: Sequence[str], suite: str) -> dict[str, Any]:
-    """The run file of a finished run (its command, dates, machine: ``keys``), refused with the reason when
-    it is not one."""
-    try:
-        run = json.loads(path.read_text())
-    except ValueError as e:
-        raise BonsaiError(f"{path} is not JSON ({e}); run the {suite} with --page again.") from None
-    missing = [k for k in keys if k not in run]
-    if missing:
-        raise BonsaiError(f"{path} lacks {', '.join(missing)}: its run did not finish; run the {suite} with --page "
-                          "again.")
-    return run
