@@ -649,54 +649,36 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         **suite_values(rows))
 
 
-def read_results(path: Path) -> dict[str, Any]:
-    """The results of a finished ``--page`` run, refused with the reason when ``path`` holds none."""
+def stored_refusal(path: Path) -> str | None:
+    """Why ``path`` holds no finished ``--page`` run to write the page from; None when it does."""
     try:
         results = json.loads(path.read_text())
     except ValueError as e:
-        raise BonsaiError(f"{path} is not JSON ({e}); run `bonsai bench bonsai --page` again.") from None
+        return f"{path} is not JSON ({e}); run `bonsai bench bonsai --page` again"
     if not isinstance(results, dict) or "studies" not in results:
-        raise BonsaiError(f"{path} holds no page studies (a run without --page); run with --page, without "
-                          "--report-only.")
+        return f"{path} holds no page studies (a run without --page); run with --page, without --report-only"
     if "ended" not in results["meta"]:
-        raise BonsaiError(f"{path} is from a run that did not finish; run with --page again.")
-    return results
+        return f"{path} is from a run that did not finish; run with --page again"
+    return None
 
 
-def write_page(results: dict[str, Any], page_path: str, results_path: str) -> None:
-    """The page at ``page_path``, its header naming the command that measured ``results``."""
-    header = common.page_header(results["meta"]["command"], SOURCES)
-    link = os.path.relpath(results_path, Path(page_path).parent)
-    Path(page_path).write_text(page(results, header, link))
-
-
-def check_page_args(args: argparse.Namespace) -> None:
-    """Refuse, before any measurement, what would fail only at the end: --report-only without a page or
-    without the results of a finished run, a page without -o or in a missing folder, a page of other
-    models, budgets or studies than the suite's defaults."""
-    if args.report_only:
-        if args.page is None:
-            raise BonsaiError("--report-only writes the page again: name it with --page PAGE.")
-        if args.output is None or not Path(args.output).is_file():
-            raise BonsaiError(f"--report-only reads the results of a --page run from -o FILE"
-                              f"{f' ({args.output} does not exist)' if args.output else ''}; run with --page first.")
-        read_results(Path(args.output))
-        return
-    if args.page is None:
-        return
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why the page's options cannot run, before any measurement: without -o, a page of other models, budgets
+    or studies than the suite's defaults, results that are no finished ``--page`` run, what
+    :func:`common.page_refusal` refuses."""
     if args.output is None:
-        raise BonsaiError("--page keeps the run's results in -o FILE.json (what --report-only reads again): name it.")
-    for path, what in ((args.page, "--page"), (args.output, "-o")):
-        if not Path(path).resolve().parent.is_dir():
-            raise BonsaiError(f"{what} {path}: the folder {Path(path).parent} does not exist.")
+        return "--page and --report-only keep the run's results in -o FILE.json: name it"
     changed = [f"--{name.replace('_', '-')}" for name in PAGE_FIXED
                if getattr(args, name) != args.parser.get_default(name)]
-    if changed:
-        raise BonsaiError("--page reports the suite's default models, budgets and studies: leave out "
-                          f"{', '.join(changed)}.")
+    if args.page and changed and not args.report_only:
+        return f"--page reports the suite's default models, budgets and studies: leave out {', '.join(changed)}"
+    if not Path(args.output).resolve().parent.is_dir():
+        return f"-o {args.output}: the folder {Path(args.output).parent} does not exist"
+    why = common.page_refusal(args, results=Path(args.output))
+    return why or (stored_refusal(Path(args.output)) if args.report_only else None)
 
 
-def run_page(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     """The suite's tables and the page's studies, their results kept in ``-o`` as they come."""
     started = time.perf_counter()
     results: dict[str, Any] = {"meta": common.run_meta("started", time_limit=args.time_limit)}
@@ -709,7 +691,6 @@ def run_page(args: argparse.Namespace) -> dict[str, Any]:
     results["studies"] = studies(args.time_limit, progress=lambda done: (results.update(studies=done), keep()))
     results["meta"].update(ended=common.utc_now(),
                            seconds=round(time.perf_counter() - started, 1), load_end=suite.load_average())
-    keep()
     return results
 
 
@@ -718,22 +699,20 @@ SUITE_DOC = suite.__doc__
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The suite's options, and the page's."""
+    """The suite's options (its ``-o`` file keeps the page's results), and the page's."""
     suite.add_arguments(ap)
-    ap.add_argument("--page", metavar="PAGE", help="also run the studies docs/results/bonsai.md reports and write "
-                    "that page here, the results kept in -o FILE.json; the suite's default models and budgets only")
-    ap.add_argument("--report-only", action="store_true",
-                    help="measure nothing: write PAGE again from the results in -o FILE.json")
+    common.add_page_arguments(ap, None, "docs/results/bonsai.md")
 
 
 def main(args: argparse.Namespace) -> int:
     """``bonsai bench bonsai``: the suite (:func:`bonsai_core.bench.bonsai.main`); with ``--page`` also the
     page's studies and the page; with ``--report-only`` only the page, from ``-o``."""
-    check_page_args(args)
-    if args.page is None:
+    if args.page is None and not args.report_only:
         return suite.main(args)
-    results = read_results(Path(args.output)) if args.report_only else run_page(args)
-    write_page(results, args.page, args.output)
-    measured = "" if args.report_only else f" and {args.output} in {results['meta']['seconds']:.0f} s"
-    print(f"wrote {args.page}{measured}")
-    return 0
+
+    def write_page(results: dict[str, Any], path: str) -> None:
+        header = common.page_header(results["meta"]["command"], SOURCES)
+        Path(path).write_text(page(results, header, os.path.relpath(args.output, Path(path).parent)))
+
+    kept = Path(args.output) if args.output else None  # refused without it
+    return common.run_page_suite("bonsai", args, refusal(args), lambda: measure(args), write_page, results=kept)

@@ -253,7 +253,7 @@ def page_header(command: str, sources: Sequence[str]) -> str:
     return f"<!-- written by: `{command}` at commit {commit}; sources {','.join(sources)} hash {source_hash(sources)} -->"
 
 
-# -- a suite that writes a docs/results page from its results.json (every suite with a page but bonsai) ------
+# -- a suite that writes a docs/results page from its results.json (every suite with a page) ------------------
 
 def add_page_arguments(ap: Any, default_out: str | None, record_page: str, quick: str | None = None) -> None:
     """``--out``, ``--page`` and ``--report-only`` (what :func:`page_refusal` and :func:`run_page_suite`
@@ -262,7 +262,7 @@ def add_page_arguments(ap: Any, default_out: str | None, record_page: str, quick
         ap.add_argument("--out", default=default_out, help="folder of results.json (default %(default)s)")
     ap.add_argument("--page", metavar="PAGE", help=f"also write the results page there ({record_page})")
     ap.add_argument("--report-only", action="store_true",
-                    help="measure nothing: write the page from OUT/results.json (needs --page)")
+                    help="measure nothing: write the page from the run's stored results (needs --page)")
     if quick:
         ap.add_argument("--quick", action="store_true",
                         help=f"{quick}, a smoke test (needs another --out than the default, and another page than "
@@ -274,12 +274,18 @@ def same_path(a: str, b: str) -> bool:
     return Path(a).resolve() in ((ROOT / b).resolve(), Path(b).resolve())
 
 
-def page_refusal(args: Any, default_out: str | None = None, record_page: str | None = None) -> str | None:
+def results_file(args: Any, results: Path | None = None) -> Path:
+    """Where a page suite keeps its run: ``--out``/results.json, or the file ``results`` a suite names."""
+    return results if results is not None else Path(args.out) / "results.json"
+
+
+def page_refusal(args: Any, default_out: str | None = None, record_page: str | None = None,
+                 results: Path | None = None) -> str | None:
     """Why ``--out``/``--page``/``--report-only`` (and ``--quick``, where the suite has it) cannot run,
     before anything is measured; None when they can. A quick run may not overwrite ``default_out`` (the
-    full run's results) or ``record_page`` (the page in docs/results)."""
+    full run's results) or ``record_page`` (the page in docs/results). ``results``: :func:`results_file`'s."""
     quick = getattr(args, "quick", False)
-    results = Path(args.out) / "results.json"
+    results = results_file(args, results)
     if args.report_only and not args.page:
         return "--report-only writes the page only: name it with --page PAGE"
     if args.report_only and quick:
@@ -303,23 +309,23 @@ def page_writer(page: Callable[[dict[str, Any], str], str], sources: Sequence[st
 
 def run_page_suite(suite: str, args: Any, refusal: str | None, measure: Callable[[], dict[str, Any]],
                    write_page: Callable[[dict[str, Any], str], None],
-                   beside: Callable[[dict[str, Any], Path], None] | None = None) -> int:
+                   beside: Callable[[dict[str, Any], Path], None] | None = None, results: Path | None = None) -> int:
     """``bonsai bench SUITE`` for a suite that writes a page: refuse (exit 2) with ``refusal``'s words, else
-    measure into ``--out``/results.json (or, with ``--report-only``, read it), write what the suite keeps
-    ``beside`` it in ``--out`` (tables, figures) and ``--page``."""
+    measure into ``--out``/results.json (or the file ``results`` the suite names; with ``--report-only``,
+    read it), write what the suite keeps ``beside`` it (tables, figures) and ``--page``."""
     if refusal:
         print(f"bonsai bench {suite}: {refusal}.")
         return 2
-    out = Path(args.out)
+    path = results_file(args, results)
     if args.report_only:
-        results = json.loads((out / "results.json").read_text())
+        run = json.loads(path.read_text())
     else:
-        results = measure()
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
+        run = measure()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run, indent=1, default=str))
     if beside is not None:
-        beside(results, out)
+        beside(run, path.parent)
     if args.page:
-        write_page(results, args.page)
-    print(f"wrote {out / 'results.json'}" + (f" and {args.page}" if args.page else ""))
+        write_page(run, args.page)
+    print(f"wrote {path}" + (f" and {args.page}" if args.page else ""))
     return 0
