@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph
 from bonsai_core.schedule import no_remat_peak
@@ -58,9 +59,7 @@ def measure() -> dict[str, Any]:
 
 def table(part: dict[str, Any]) -> str:
     """One row per budget, one cell per heuristic and deallocation mode ("does not fit": no schedule)."""
-    from bonsai_core.bench.common import table as markdown
-
-    return markdown(["budget", *HEURISTICS], [[f"{frac:.0%}", *("does not fit" if o[i] is None else f"{o[i]:+.1%}"
+    return common.table(["budget", *HEURISTICS], [[f"{frac:.0%}", *("does not fit" if o[i] is None else f"{o[i]:+.1%}"
                                                                 for o in part["overheads"].values())]
                                               for i, frac in enumerate(part["fracs"])])
 

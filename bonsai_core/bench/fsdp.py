@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from bonsai_core.arguments import RESHARD_CHOICES
+from bonsai_core.bench import common
 from bonsai_core.optimizer import with_grads
 from bonsai_core.schedule import no_remat_peak
 
@@ -205,8 +206,6 @@ def predicted(graph, model: str, options: dict, budget: str | None, reshard: boo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The suite's options."""
-    from bonsai_core.bench.common import add_page_arguments
-
     parser.add_argument("--model", nargs="+", choices=sorted(SIZES),
                         help="the models to measure (default the page's: %s)" % ", ".join(RECORD))
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
@@ -220,7 +219,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grads", choices=("zeroed", "none"), default="zeroed",
                         help="the gradients between steps: zeroed (kept allocated) or none (set to None, "
                              "optimizer.zero_grad()'s default)")
-    add_page_arguments(parser, OUT, PAGE)
+    common.add_page_arguments(parser, OUT, PAGE)
 
 
 def studies(args: argparse.Namespace) -> dict[str, str | None]:
@@ -236,8 +235,6 @@ def is_record(args: argparse.Namespace) -> bool:
 
 def refusal(args: argparse.Namespace) -> str | None:
     """Why these options cannot run, before anything is measured; None when they can."""
-    from bonsai_core.bench import common
-
     if args.report_only and not is_record(args):
         return "--report-only writes the page of the stored run: the other options choose what to measure"
     if not is_record(args) and (common.same_path(args.out, OUT) or args.page and common.same_path(args.page, PAGE)):
@@ -247,8 +244,6 @@ def refusal(args: argparse.Namespace) -> str | None:
 
 def measure_rows(args: argparse.Namespace) -> dict[str, Any]:
     """One row per model, world size and plan, printed as measured."""
-    from bonsai_core.bench import common
-
     reshard = {"true": True, "false": False}.get(args.reshard_after_forward, args.reshard_after_forward)
     mp = args.mixed_precision
     setting = ", ".join(x for x in (f"mp {mp}" if mp else "", "" if reshard is True else f"reshard {reshard}",
@@ -270,13 +265,9 @@ def measure_rows(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def page(results: dict[str, Any], header: str) -> str:
-    from bonsai_core.bench import common
-
     return common.fill("fsdp", header=header, meta=results["meta"], rows=results["rows"])
 
 
 def main(args: argparse.Namespace) -> int:
-    from bonsai_core.bench import common
-
     return common.run_page_suite("fsdp", args, refusal(args), lambda: measure_rows(args),
                                  common.page_writer(page, SOURCES))

@@ -16,8 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from bonsai_core.allocator import MIN_BLOCK, bounded_replay
-from bonsai_core.bench import common
-from bonsai_core.bench import heuristics
+from bonsai_core.bench import common, dtr_variants, heuristics, inplace
 from bonsai_core.bench.common import listing, median, pct, pct_or_fails, table
 from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, mib, pool_cell,
                                           pool_order, ratio)
@@ -42,8 +41,6 @@ MODEL_NAMES = {"tests.real_models:resnet18_bn": "ResNet-18"}
 
 def studies(time_limit: float) -> dict[str, Any]:
     """Every measurement the page reports besides the Coop-vs-DTR study and its worked example."""
-    from bonsai_core.bench import dtr_variants, inplace
-
     return common.run_studies({
         "dtr_variants": dtr_variants.measure,
         "updates": lambda: list(inplace.measure([(m, {}) for m in inplace.MODELS], inplace.VARIANTS, time_limit)),
@@ -117,8 +114,6 @@ def regnet_writes(time_limit: float) -> list[dict[str, Any]]:
     """The in-place writes study on transformers' RegNet-Y (``RegNetConfig(num_labels=10)``), from a
     config written to a temporary folder with ``save_pretrained``, at REGNET_SIZES."""
     from transformers import RegNetConfig
-
-    from bonsai_core.bench import inplace
 
     with tempfile.TemporaryDirectory() as folder:
         RegNetConfig(num_labels=10).save_pretrained(folder)
@@ -331,12 +326,10 @@ def dtr_variants_said(part: dict[str, Any]) -> dict[str, Any]:
 
 def dtr_variants_values(small: dict[str, Any], larger: dict[str, Any]) -> dict[str, Any]:
     """The two tables of ``bonsai bench dtr-variants`` and what they say (the 4-layer GPT: where DTR thrashes)."""
-    from bonsai_core.bench.dtr_variants import table as overheads
-
     o, fracs = larger["overheads"], larger["fracs"]
-    return {"small_nodes": small["nodes"], "small_table": overheads(small), "small_said": dtr_variants_said(small),
+    return {"small_nodes": small["nodes"], "small_table": dtr_variants.table(small), "small_said": dtr_variants_said(small),
             "larger_options": " ".join(f"--{k} {v}" for k, v in larger["options"].items()),
-            "larger_nodes": larger["nodes"], "larger_table": overheads(larger),
+            "larger_nodes": larger["nodes"], "larger_table": dtr_variants.table(larger),
             "larger_dtr": ", ".join(f"{pct_or_fails(o['dtr'][i])} at {f:.0%}" for i, f in enumerate(fracs)),
             "larger_ranking": ranking_sentence(larger, list(o))}
 
