@@ -307,7 +307,7 @@ def test_report_only_writes_the_page_from_the_saved_results(tmp_path):
     (["--page", "{tmp}/p.md"], "keep the run's results in -o FILE.json"),
     (["--page", "{tmp}/missing/p.md", "-o", "{tmp}/r.json"], "the folder"),
     (["--page", "{tmp}/p.md", "-o", "{tmp}/r.json", "--models", "resnet", "--skip-resolve"],
-     "leave out --models, --skip-resolve")])
+     "leave out --models and --skip-resolve")])
 def test_bad_page_options_are_refused_before_measuring(tmp_path, capsys, argv, said):
     (tmp_path / "rows.json").write_text(json.dumps(suite_rows()))
     unfinished = results()

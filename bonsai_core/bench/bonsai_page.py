@@ -668,13 +668,10 @@ def refusal(args: argparse.Namespace) -> str | None:
     :func:`common.page_refusal` refuses."""
     if args.output is None:
         return "--page and --report-only keep the run's results in -o FILE.json: name it"
-    changed = [f"--{name.replace('_', '-')}" for name in PAGE_FIXED
-               if getattr(args, name) != args.parser.get_default(name)]
-    if args.page and changed and not args.report_only:
-        return f"--page reports the suite's default models, budgets and studies: leave out {', '.join(changed)}"
     if not Path(args.output).resolve().parent.is_dir():
         return f"-o {args.output}: the folder {Path(args.output).parent} does not exist"
-    why = common.page_refusal(args, results=Path(args.output))
+    why = common.page_refusal(args, results=Path(args.output), narrowed=common.changed(args, PAGE_FIXED),
+                              whole="the suite's default models, budgets and studies")
     return why or (stored_refusal(Path(args.output)) if args.report_only else None)
 
 

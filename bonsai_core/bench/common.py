@@ -279,23 +279,34 @@ def results_file(args: Any, results: Path | None = None) -> Path:
     return results if results is not None else Path(args.out) / "results.json"
 
 
+def changed(args: Any, names: Sequence[str]) -> list[str]:
+    """The options among ``names`` (argument names) given other values than their defaults, as flags."""
+    return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) != args.parser.get_default(name)]
+
+
 def page_refusal(args: Any, default_out: str | None = None, record_page: str | None = None,
-                 results: Path | None = None) -> str | None:
-    """Why ``--out``/``--page``/``--report-only`` (and ``--quick``, where the suite has it) cannot run,
-    before anything is measured; None when they can. A quick run may not overwrite ``default_out`` (the
-    full run's results) or ``record_page`` (the page in docs/results). ``results``: :func:`results_file`'s."""
-    quick = getattr(args, "quick", False)
+                 results: Path | None = None, narrowed: Sequence[str] = (), whole: str | None = None) -> str | None:
+    """Why ``--out``/``--page``/``--report-only`` cannot run, before anything is measured; None when they can.
+    ``narrowed``: the options given that measure less than the page reports (:func:`changed`; ``--quick``,
+    where the suite has it, counts); such a run cannot be ``--report-only``, nor overwrite ``default_out``'s
+    results or ``record_page``; where the page reports only ``whole`` (the full run), it writes no page.
+    ``results``: :func:`results_file`'s."""
+    narrowed = list(dict.fromkeys([*narrowed, *(["--quick"] if getattr(args, "quick", False) else [])]))
     results = results_file(args, results)
     if args.report_only and not args.page:
         return "--report-only writes the page only: name it with --page PAGE"
-    if args.report_only and quick:
-        return "--quick chooses what to measure and --report-only measures nothing: give one of them"
+    if args.report_only and narrowed:
+        return f"--report-only writes the page of the stored run and measures nothing: leave out {listing(narrowed)}"
     if args.report_only and not results.is_file():
         return f"{results} is missing: run without --report-only first"
-    if quick and default_out and same_path(args.out, default_out):
-        return f"--quick would overwrite the full run's {default_out}/results.json: give another --out"
-    if quick and args.page and record_page and same_path(args.page, record_page):
-        return f"--quick writes a smoke-test page, not the record {record_page}: give another --page"
+    if narrowed and args.page and whole:
+        return f"--page reports {whole}: leave out {listing(narrowed)}"
+    if narrowed and default_out and same_path(args.out, default_out):
+        return (f"a run with {listing(narrowed)} measures less than the full run and would overwrite the full run's "
+                f"{default_out}/results.json: give another --out")
+    if narrowed and args.page and record_page and same_path(args.page, record_page):
+        return (f"a run with {listing(narrowed)} measures less than the full run: its page is not the record "
+                f"{record_page}, give another --page")
     if args.page and not Path(args.page).parent.is_dir():
         return f"--page {args.page}: the folder {Path(args.page).parent} does not exist"
     return None

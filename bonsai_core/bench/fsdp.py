@@ -227,19 +227,11 @@ def studies(args: argparse.Namespace) -> dict[str, str | None]:
     return RECORD if args.model is None else {model: args.budget for model in args.model}
 
 
-def is_record(args: argparse.Namespace) -> bool:
-    """Whether these options measure what the page shows."""
-    return (args.model is None and args.world == [2, 4] and args.mixed_precision is None
-            and args.reshard_after_forward == "true" and args.grads == "zeroed")
-
-
 def refusal(args: argparse.Namespace) -> str | None:
-    """Why these options cannot run, before anything is measured; None when they can."""
-    if args.report_only and not is_record(args):
-        return "--report-only writes the page of the stored run: the other options choose what to measure"
-    if not is_record(args) and (common.same_path(args.out, OUT) or args.page and common.same_path(args.page, PAGE)):
-        return f"a run of other models or options writes neither {OUT}/results.json nor {PAGE}: give another --out and --page"
-    return common.page_refusal(args, OUT, PAGE)
+    """Why these options cannot run, before anything is measured (other models or options than the page's
+    write neither its results nor the page); None when they can."""
+    narrowed = common.changed(args, ("model", "world", "mixed_precision", "reshard_after_forward", "grads"))
+    return common.page_refusal(args, OUT, PAGE, narrowed=narrowed)
 
 
 def measure_rows(args: argparse.Namespace) -> dict[str, Any]:

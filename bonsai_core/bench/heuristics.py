@@ -456,11 +456,10 @@ def refusal(args: argparse.Namespace) -> str | None:
     """Why the options cannot run, before any measurement: a page from a subset of the models, a page
     again from results without the page's studies, or what :func:`common.page_refusal` refuses."""
     saved = Path(args.out) / "results.json"
-    if args.page and set(args.models) != {n for n, _ in MODEL_SIZES}:
-        return "--page reports every model: leave out --models"
-    if args.report_only and args.page and saved.is_file() and "studies" not in json.loads(saved.read_text()):
+    why = common.page_refusal(args, narrowed=common.changed(args, ("models",)), whole="every model")
+    if not why and args.report_only and "studies" not in json.loads(saved.read_text()):
         return f"{saved} holds no page studies; run with --page, without --report-only"
-    return common.page_refusal(args)
+    return why
 
 
 def write_beside(results: dict[str, Any], out: Path) -> None:

@@ -207,12 +207,10 @@ def add_arguments(p: argparse.ArgumentParser, output_required: bool = True) -> N
 
 
 def refusal(args: argparse.Namespace) -> str | None:
-    """Why the options cannot run, before anything is measured: a page of other models or budgets than the
-    suite's, or what :func:`common.page_refusal` refuses."""
-    subset = [option for option in ("--models", "--budgets", "--quick") if getattr(args, option[2:])]
-    if args.page and subset:
-        return f"--page reports the default models and budgets: leave out {listing(subset)}"
-    return common.page_refusal(args)
+    """Why the options cannot run, before anything is measured (the page reports the default models and budgets
+    only); None when they can."""
+    return common.page_refusal(args, record_page=RECORD_PAGE, narrowed=common.changed(args, ("models", "budgets")),
+                               whole="the default models and budgets")
 
 
 def measure(config: BenchConfig, out: Path) -> dict[str, Any]:

@@ -125,12 +125,10 @@ def refusal(args: argparse.Namespace) -> str | None:
     """Why the options cannot run, before anything is measured: a page of less than every graph, method and
     budget, a run without the page's studies into the page's results, or what :func:`common.page_refusal`
     refuses."""
-    subset = [option for option in ("--graphs", "--methods", "--budgets") if getattr(args, option[2:])]
-    if args.page and subset:
-        return f"--page reports every graph, method and budget: leave out {listing(subset)}"
     if not (args.page or args.report_only) and common.same_path(args.out, OUT):
         return f"a run without --page measures less than {OUT}/results.json holds: give another --out"
-    return common.page_refusal(args, OUT, PAGE)
+    return common.page_refusal(args, OUT, PAGE, narrowed=common.changed(args, ("graphs", "methods", "budgets")),
+                               whole="every graph, method and budget")
 
 
 def planned_runs(args: argparse.Namespace) -> list[tuple[str, str, str, list[float], float]]:
