@@ -155,7 +155,7 @@ def test_bench_suites_take_their_own_options_and_no_suite_is_the_methods_suite()
     named = vars(parser.parse_args(["bench", "methods", "--quick", "--models", "mlp", "gpt", "-o", "d"]))
     assert plain["suite"] is None and named["suite"] == "methods"
     assert all(plain[k] == named[k] for k in ("quick", "models", "budgets", "methods", "peers", "time_limit",
-                                              "backend", "output"))
+                                              "backend", "out"))
 
 
 def test_bench_without_an_output_folder_is_an_argument_error(capsys):

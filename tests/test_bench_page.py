@@ -1,6 +1,6 @@
 """docs/results/benchmarks.md's writer (``bonsai bench --page``): its sentences say what made-up results
 say (the bench itself takes a quarter of an hour), ``--report-only`` writes the page from a finished run's
-files, and bad options are refused before anything is measured."""
+results.json, and bad options are refused before anything is measured."""
 
 from __future__ import annotations
 
@@ -114,35 +114,29 @@ def test_the_lower_bound_per_model_and_budget_with_the_cheapest_and_its_distance
     assert not any(b.startswith("* **The lower bound**") for b in bullets())  # rows of a run without bounds
 
 
-def test_report_only_writes_the_page_from_the_runs_files_with_its_header(tmp_path):
-    _frame(results()).to_csv(tmp_path / "results.csv", index=False)
-    _frame(reach(), REACH_TYPES).to_csv(tmp_path / "reach.csv", index=False)
-    (tmp_path / "run.json").write_text(json.dumps(META))
+def test_report_only_writes_the_page_and_the_tables_from_results_json_with_its_header(tmp_path):
+    rows = [r | {"peak": 900 if r["feasible"] else None} for r in results()]  # the plots draw the peaks
+    (tmp_path / "results.json").write_text(json.dumps({"meta": META, "rows": rows, "reach": reach()}))
     page = tmp_path / "benchmarks.md"
     assert main(["bench", "-o", str(tmp_path), "--page", str(page), "--report-only"]) == 0
     text = page.read_text()
     assert text.startswith("<!-- written by: `bonsai bench --page P -o D` at commit ")
     assert "Date: 2026-01-01, 00:00–00:15 UTC (15 minutes)" in text and "![overhead vs budget](./overhead_vs_budget.png)" in text
     assert "cheapest feasible method in 3 of the 6 cells" in text
+    assert "### mlp" in (tmp_path / "results.md").read_text() and (tmp_path / "reach.csv").is_file()
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--report-only", "--page", "{tmp}/p.md"], "{tmp}/reach.csv and {tmp}/run.json missing"),
+    (["--report-only", "--page", "{tmp}/p.md"], "{tmp}/results.json is missing"),
     (["--report-only"], "name it with --page PAGE"),
     (["--page", "{tmp}/missing/p.md"], "does not exist"),
-    (["--quick", "--page", "{tmp}/p.md"], "leave out --models, --budgets and --quick")])
+    (["--quick", "--page", "{tmp}/p.md"], "leave out --quick"),
+    (["--models", "mlp", "--budgets", "50", "--page", "{tmp}/p.md"], "leave out --models and --budgets")])
 def test_bad_page_options_are_refused_before_measuring(tmp_path, capsys, argv, said):
     argv = [a.format(tmp=tmp_path) for a in argv]
-    assert main(["bench", "-o", str(tmp_path), *argv]) != 0
-    assert said.format(tmp=tmp_path) in capsys.readouterr().err
-
-
-def test_report_only_refuses_the_files_of_an_unfinished_run(tmp_path, capsys):
-    _frame(results()).to_csv(tmp_path / "results.csv", index=False)
-    _frame(reach(), REACH_TYPES).to_csv(tmp_path / "reach.csv", index=False)
-    (tmp_path / "run.json").write_text(json.dumps({k: v for k, v in META.items() if k not in ("ended", "seconds")}))
-    assert main(["bench", "-o", str(tmp_path), "--page", str(tmp_path / "p.md"), "--report-only"]) != 0
-    assert "lacks ended, seconds: its run did not finish" in capsys.readouterr().err
+    assert main(["bench", "-o", str(tmp_path), *argv]) == 2
+    assert said.format(tmp=tmp_path) in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # nothing measured, nothing written
 
 
 def test_the_models_the_page_names_are_the_suites():

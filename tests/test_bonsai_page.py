@@ -299,22 +299,23 @@ def test_report_only_writes_the_page_from_the_saved_results(tmp_path):
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--report-only"], "name it with --page PAGE"),
-    (["--report-only", "--page", "{tmp}/p.md", "-o", "{tmp}/none.json"], "none.json does not exist"),
+    (["--report-only"], "keep the run's results in -o FILE.json"),
+    (["--report-only", "-o", "{tmp}/rows.json"], "name it with --page PAGE"),
+    (["--report-only", "--page", "{tmp}/p.md", "-o", "{tmp}/none.json"], "none.json is missing"),
     (["--report-only", "--page", "{tmp}/p.md", "-o", "{tmp}/rows.json"], "holds no page studies"),
     (["--report-only", "--page", "{tmp}/p.md", "-o", "{tmp}/unfinished.json"], "did not finish"),
-    (["--page", "{tmp}/p.md"], "--page keeps the run's results in -o FILE.json"),
+    (["--page", "{tmp}/p.md"], "keep the run's results in -o FILE.json"),
     (["--page", "{tmp}/missing/p.md", "-o", "{tmp}/r.json"], "the folder"),
     (["--page", "{tmp}/p.md", "-o", "{tmp}/r.json", "--models", "resnet", "--skip-resolve"],
-     "leave out --models, --skip-resolve")])
+     "leave out --models and --skip-resolve")])
 def test_bad_page_options_are_refused_before_measuring(tmp_path, capsys, argv, said):
     (tmp_path / "rows.json").write_text(json.dumps(suite_rows()))
     unfinished = results()
     del unfinished["meta"]["ended"]
     (tmp_path / "unfinished.json").write_text(json.dumps(unfinished))
     before = sorted(p.name for p in tmp_path.iterdir())
-    assert main(["bench", "bonsai", *[a.format(tmp=tmp_path) for a in argv]]) == 1
-    assert said in capsys.readouterr().err
+    assert main(["bench", "bonsai", *[a.format(tmp=tmp_path) for a in argv]]) == 2
+    assert said in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing measured, nothing written
 
 

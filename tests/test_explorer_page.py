@@ -164,7 +164,7 @@ def test_report_only_writes_the_page_from_the_run_s_results(tmp_path):
 @pytest.mark.parametrize("argv, said", [
     (["--out", "{tmp}", "--report-only"], "name it with --page PAGE"),
     (["--out", "{tmp}", "--report-only", "--page", "{tmp}/p.md"], "results.json is missing"),
-    (["--out", "{tmp}", "--report-only", "--quick", "--page", "{tmp}/p.md"], "give one of them"),
+    (["--out", "{tmp}", "--report-only", "--quick", "--page", "{tmp}/p.md"], "measures nothing: leave out --quick"),
     (["--quick", "--page", "{tmp}/p.md"], "would overwrite the full run's docs/bench/explorer/results.json"),
     (["--out", "{tmp}", "--quick", "--page", "docs/results/explorer.md"], "not the record"),
     (["--out", "{tmp}", "--page", "{tmp}/missing/p.md"], "does not exist")])

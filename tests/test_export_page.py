@@ -170,7 +170,7 @@ def test_report_only_writes_the_page_from_the_run_s_results(tmp_path):
 @pytest.mark.parametrize("argv, said", [
     (["--report-only"], "name it with --page PAGE"),
     (["--report-only", "--page", "{tmp}/p.md"], "results.json is missing"),
-    (["--report-only", "--quick", "--page", "{tmp}/p.md"], "--report-only measures nothing"),
+    (["--report-only", "--quick", "--page", "{tmp}/p.md"], "measures nothing: leave out --quick"),
     (["--page", "{tmp}/missing/p.md"], "does not exist"),
     (["--time-limit", "0"], "a positive number of seconds"),
     (["--quick", "--out", "docs/bench/export"], "would overwrite the full run's"),

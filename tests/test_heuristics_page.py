@@ -248,14 +248,16 @@ def test_the_whole_page_from_one_run(tmp_path):
 
 def test_bad_paths_are_refused_before_anything_is_measured(tmp_path, capsys):
     out = str(tmp_path / "out")
-    assert main(["bench", "heuristics", "--out", out, "--page", str(tmp_path / "missing" / "p.md")]) == 1
-    assert "the folder" in capsys.readouterr().err
-    assert main(["bench", "heuristics", "--out", out, "--models", "mlp", "--page", str(tmp_path / "p.md")]) == 1
-    assert "--page reports every model" in capsys.readouterr().err
-    assert main(["bench", "heuristics", "--out", out, "--report-only"]) == 1
-    assert "results.json does not exist" in capsys.readouterr().err
+    assert main(["bench", "heuristics", "--out", out, "--page", str(tmp_path / "missing" / "p.md")]) == 2
+    assert "the folder" in capsys.readouterr().out
+    assert main(["bench", "heuristics", "--out", out, "--models", "mlp", "--page", str(tmp_path / "p.md")]) == 2
+    assert "--page reports every model" in capsys.readouterr().out
+    assert main(["bench", "heuristics", "--out", out, "--report-only"]) == 2
+    assert "name it with --page PAGE" in capsys.readouterr().out
+    assert main(["bench", "heuristics", "--out", out, "--report-only", "--page", str(tmp_path / "p.md")]) == 2
+    assert "results.json is missing" in capsys.readouterr().out
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "results.json").write_text(json.dumps(study_results()))
-    assert main(["bench", "heuristics", "--out", out, "--report-only", "--page", str(tmp_path / "p.md")]) == 1
-    assert "holds no page studies" in capsys.readouterr().err
+    assert main(["bench", "heuristics", "--out", out, "--report-only", "--page", str(tmp_path / "p.md")]) == 2
+    assert "holds no page studies" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "results.json"]  # nothing written

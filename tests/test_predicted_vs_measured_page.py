@@ -37,7 +37,7 @@ def test_report_only_writes_the_page_from_results_json(tmp_path):
 
 def test_a_run_of_some_parts_may_not_overwrite_the_record_and_report_only_measures_nothing(tmp_path, capsys):
     assert main(["bench", "predicted-vs-measured", "--zoo"]) == 2
-    assert "a run of some parts writes neither" in capsys.readouterr().out
+    assert "a run with --zoo measures less than the full run and would overwrite" in capsys.readouterr().out
     assert main(["bench", "predicted-vs-measured", "--hf", "--report-only", "--out", str(tmp_path),
                  "--page", str(tmp_path / "p.md")]) == 2
     assert "--report-only writes the page of the stored run" in capsys.readouterr().out

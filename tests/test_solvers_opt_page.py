@@ -1,6 +1,6 @@
 """docs/results/checkmate_moccasin.md's writer (``bonsai bench solvers-opt --page``): its sentences say what
 made-up rows say (the suite itself takes about 40 minutes), ``--report-only`` writes the page from a
-finished run's files, and bad options are refused before anything is measured."""
+finished run's results.json, and bad options are refused before anything is measured."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def warm_rows() -> list[dict]:
 
 
 def write(rows: list[dict]) -> str:
-    return compact(sp.page(rows, RUN, "<!-- header -->", "checkmate_moccasin.jsonl"))
+    return compact(sp.page(rows, RUN, "<!-- header -->", "../bench/solvers_opt/results.json"))
 
 
 def bullets(rows: list[dict]) -> list[str]:
@@ -209,7 +209,7 @@ def test_the_page_quotes_the_run_and_the_graphs():
     assert "at 3 copies per node (`copies=3`) at 50%, where 2 copies were proven infeasible for gpt-l1, resnet and " \
            "unet:" in text.replace("Moccasin with", "at")
     assert "| unet | 87 | 50% | moccasin-c3 | no solution in limit |" in text
-    assert "[checkmate_moccasin.run.json](checkmate_moccasin.run.json)" in text
+    assert "in [../bench/solvers_opt/results.json](../bench/solvers_opt/results.json)." in text
 
 
 def test_the_main_table_lists_each_cells_methods_together():
@@ -228,40 +228,34 @@ def test_a_killed_child_is_a_row_of_its_own():
     assert bullets(rows)[0].endswith("each in 60 s or less. It finds no schedule within the limit on unet at 50%.")
 
 
-def saved_run(tmp_path, run: dict = RUN) -> tuple:
-    rows = tmp_path / "page.jsonl"
-    rows.write_text("".join(json.dumps(r) + "\n" for r in main_rows() + copies_rows() + warm_rows()))
-    (tmp_path / "page.run.json").write_text(json.dumps(run))
-    return rows, tmp_path / "page.md"
+def saved_run(tmp_path) -> tuple:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"meta": RUN, "rows": main_rows() + copies_rows() + warm_rows()}))
+    return out, tmp_path / "page.md"
 
 
-def test_report_only_writes_the_page_from_the_runs_files_with_its_header(tmp_path):
-    _, page = saved_run(tmp_path)
-    assert main(["bench", "solvers-opt", "--page", str(page), "--report-only"]) == 0
+def test_report_only_writes_the_page_from_results_json_with_its_header(tmp_path):
+    out, page = saved_run(tmp_path)
+    assert main(["bench", "solvers-opt", "--out", str(out), "--page", str(page), "--report-only"]) == 0
     text = compact(page.read_text())
     assert text.startswith("<!-- written by: `bonsai bench solvers-opt --page P` at commit ")
     assert "sources bonsai_core/bench/solvers_opt.py,bonsai_core/bench/templates/checkmate_moccasin.md hash" in text.split("\n")[0]
-    assert "[page.jsonl](page.jsonl)" in text and "### Checkmate's warm start on gpt-l1 at 60%" in text
-
-
-def test_report_only_refuses_the_files_of_an_unfinished_run(tmp_path, capsys):
-    _, page = saved_run(tmp_path, {k: v for k, v in RUN.items() if k not in ("ended", "seconds", "load_end")})
-    assert main(["bench", "solvers-opt", "--page", str(page), "--report-only"]) != 0
-    assert "lacks ended, seconds, load_end: its run did not finish" in capsys.readouterr().err
+    assert "[run/results.json](run/results.json)" in text and "### Checkmate's warm start on gpt-l1 at 60%" in text
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--report-only", "--page", "{tmp}/p.md"], "{tmp}/p.jsonl and {tmp}/p.run.json missing"),
-    (["--report-only", "--page", "{tmp}/p.md", "-o", "{tmp}/rows.jsonl"], "{tmp}/rows.jsonl and {tmp}/rows.run.json"),
+    (["--report-only", "--page", "{tmp}/p.md", "--out", "{tmp}/none"], "{tmp}/none/results.json is missing"),
     (["--report-only"], "name it with --page PAGE"),
     (["--page", "{tmp}/missing/p.md"], "does not exist"),
-    (["--page", "{tmp}/p.md", "--graphs", "resnet"], "leave out --graphs, --methods and --budgets"),
-    (["--page", "{tmp}/p.md", "--budgets", "50"], "leave out --graphs, --methods and --budgets")])
+    (["--page", "{tmp}/p.md", "--graphs", "resnet"], "leave out --graphs"),
+    (["--page", "{tmp}/p.md", "--budgets", "50", "--methods", "moccasin"], "leave out --methods and --budgets"),
+    (["--graphs", "resnet"], "a run without --page measures less than docs/bench/solvers_opt/results.json holds")])
 def test_bad_page_options_are_refused_before_measuring(tmp_path, capsys, monkeypatch, argv, said):
     monkeypatch.setattr(solvers_opt, "run_child", lambda *a: pytest.fail("measured"))
     argv = [a.format(tmp=tmp_path) for a in argv]
-    assert main(["bench", "solvers-opt", *argv]) != 0
-    assert said.format(tmp=tmp_path) in capsys.readouterr().err
+    assert main(["bench", "solvers-opt", *argv]) == 2
+    assert said.format(tmp=tmp_path) in capsys.readouterr().out
 
 
 def test_the_page_runs_every_study_and_the_options_grid_otherwise():

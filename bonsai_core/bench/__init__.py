@@ -3,8 +3,8 @@
 ``bonsai bench SUITE [options]`` runs one suite, ``bonsai bench --list`` names them, and ``bonsai
 bench [options]`` (no suite) runs ``methods``, the default: every method and peer on the same models
 and budgets (:mod:`bonsai_core.bench.methods`, whose main names this package re-exports). Each suite is a
-module with ``add_arguments(parser)`` and ``main(args) -> int``; it imports what it measures with
-inside its functions, so building the command line stays cheap.
+module with ``add_arguments(parser)`` and ``main(args) -> int``; it imports the heavy modules it measures
+with (tracing, measuring, exporting) inside its functions, so building the command line stays cheap.
 """
 
 from __future__ import annotations

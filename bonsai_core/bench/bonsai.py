@@ -39,11 +39,12 @@ import statistics
 import time
 from typing import Any
 
+from bonsai_core.arguments import bench_budget_arg
 from bonsai_core.bench.common import pipe_table
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph
 from bonsai_core.schedule import no_remat_peak
-from bonsai_core.solvers import bonsai as B
+from bonsai_core.solvers import bonsai as B, parse_option
 from bonsai_core.solvers import solve
 
 GPT4 = "gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8"
@@ -96,8 +97,6 @@ def max_rss() -> int:
 
 def variant_options(text: str) -> dict[str, Any]:
     """``default`` or ``name=value,...``: bonsai's options, parsed as ``--option`` parses them."""
-    from bonsai_core.solvers import parse_option
-
     return {} if text == "default" else dict(parse_option("bonsai", part) for part in text.split(","))
 
 
@@ -113,8 +112,6 @@ def load_average() -> str:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The suite's options."""
     ap.add_argument("--models", nargs="*", default=DEFAULT_MODELS)
-    from bonsai_core.arguments import bench_budget_arg
-
     ap.add_argument("--budgets", nargs="+", type=bench_budget_arg, default=[bench_budget_arg(p) for p in DEFAULT_BUDGETS],
                     metavar="PCT", help="shares of the no-remat peak (70 or 70%%), or bytes with a unit (82.4GiB) "
                                         f"(default {' '.join(DEFAULT_BUDGETS)})")

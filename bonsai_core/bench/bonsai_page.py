@@ -19,10 +19,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
+
 from bonsai_core.bench import bonsai as suite
 from bonsai_core.bench import common
 from bonsai_core.bench.common import TIE, budget, budgets_said, compare, listing, median, pct2, table
+from bonsai_core.bound import lower_bound
+from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError
+from bonsai_core.graph import load_graph
+from bonsai_core.optimizer import with_optimizer
+from bonsai_core.regions import region_peak_bound
+from bonsai_core.schedule import no_remat_peak
+from bonsai_core.solvers import bonsai as B, solve
+from bonsai_core.solvers.bonsai_coef import self_contained
 from bonsai_core.units import format_bytes
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
@@ -81,8 +91,6 @@ def trace(model: str, options: dict[str, int]):
 
 
 def study_graph(key: str):
-    from bonsai_core.graph import load_graph
-
     _, model, options = GRAPHS[key]
     return load_graph(common.ROOT / EXPLORER_GRAPH) if model is None else trace(model, options)
 
@@ -100,11 +108,6 @@ def flags(options: dict[str, int]) -> str:
 
 def graph_facts(g) -> dict[str, Any]:
     """Size, no-remat peak and the self-contained forward nodes (name, bytes) of one graph."""
-    import numpy as np
-
-    from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers.bonsai_coef import self_contained
-
     forward = np.flatnonzero(g.is_forward)
     return {"nodes": g.n, "plain_peak": no_remat_peak(g),
             "self_contained": [[g.names[v], int(g.mem[v])] for v in forward[self_contained(g)].tolist()]}
@@ -112,9 +115,6 @@ def graph_facts(g) -> dict[str, Any]:
 
 def options_study(g, fractions: Sequence[float], time_limit: float) -> dict[str, list[Row]]:
     """Bonsai at every budget with each option set of VARIANTS; each set's first budget builds its model."""
-    from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers import bonsai as B
-
     plain = no_remat_peak(g)
     out = {}
     for variant, options in VARIANTS.items():
@@ -127,8 +127,6 @@ def options_study(g, fractions: Sequence[float], time_limit: float) -> dict[str,
 def export_study(g, time_limit: float) -> dict[str, Any]:
     """The ``hf:gpt2`` plan with dropped outputs at EXPORT_AT, exported with ``replay`` and run on CPU."""
     from bonsai_core.export import export_model, verify_export
-    from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers import solve
 
     start = time.perf_counter()
     try:
@@ -150,17 +148,12 @@ def export_study(g, time_limit: float) -> dict[str, Any]:
 
 def drag_study(g, time_limit: float) -> list[Row]:
     """The explorer's budget slider dragged over DRAG: one build, then one solve per budget."""
-    from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers import bonsai as B
-
     plain = no_remat_peak(g)
     B._cache.clear()
     return [suite.run(g, int(plain * f), time_limit=time_limit) | {"fraction": f} for f in DRAG]
 
 
 def moccasin_study(g, time_limit: float) -> Row:
-    from bonsai_core.schedule import no_remat_peak
-
     return suite.run(g, int(MOCCASIN_AT * no_remat_peak(g)), "moccasin", time_limit=time_limit) | {
         "fraction": MOCCASIN_AT}
 
@@ -176,10 +169,6 @@ def outcome(g, budget: int, method: str, time_limit: float, **options: Any) -> R
 
 def bound_entry(label: str, g, time_limit: float) -> dict[str, Any]:
     """The per-op bound, the region bound (where it is) and the smallest budget bonsai meets."""
-    from bonsai_core.regions import region_peak_bound
-    from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers import bonsai as B
-
     bound = region_peak_bound(g)
     return {"label": label, "nodes": g.n, "plain_peak": no_remat_peak(g), "fixed": g.fixed_mem,
             "lower_bound": g.peak_lower_bound, "region_bound": bound.peak,
@@ -191,8 +180,6 @@ def region_entry(label: str, g, time_limit: float,
                  at_half: Sequence[str] = ("moccasin", "checkmate")) -> dict[str, Any]:
     """:func:`bound_entry`, bonsai's reach with dropped outputs, and the methods halfway between the per-op
     bound and the no-remat peak and at the region bound."""
-    from bonsai_core.solvers import bonsai as B
-
     e = bound_entry(label, g, time_limit)
     dropped, _ = B.smallest_budget(g, time_limit=time_limit, drop_outputs=True)
     e["reach_dropped"] = min((b for b in (dropped, e["reach"]) if b is not None), default=None)
@@ -206,10 +193,6 @@ def region_entry(label: str, g, time_limit: float,
 def real_step(label: str, time_limit: float) -> dict[str, Any]:
     """One of REAL_STEPS traced, and at each of its budgets the lower bound (without and with host copies)
     and every method of REAL_METHODS: overhead, wall seconds, and for bonsai the space its plan came from."""
-    from bonsai_core.bound import lower_bound
-    from bonsai_core.budget import parse_budget
-    from bonsai_core.optimizer import with_optimizer
-    from bonsai_core.schedule import no_remat_peak
     from bonsai_core.trace import trace_model
 
     config, options, world, budgets = REAL_STEPS[label]
@@ -235,9 +218,6 @@ def real_step(label: str, time_limit: float) -> dict[str, Any]:
 
 def checkmate_study(time_limit: float) -> list[dict[str, Any]]:
     """Per CHECKMATE_GPTS graph and CHECKMATE_AT budget: the lower bound, bonsai's default and checkmate."""
-    from bonsai_core.bound import lower_bound
-    from bonsai_core.schedule import no_remat_peak
-
     rows = []
     for label, options in CHECKMATE_GPTS.items():
         g = trace("gpt", options)
@@ -669,54 +649,33 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         **suite_values(rows))
 
 
-def read_results(path: Path) -> dict[str, Any]:
-    """The results of a finished ``--page`` run, refused with the reason when ``path`` holds none."""
+def stored_refusal(path: Path) -> str | None:
+    """Why ``path`` holds no finished ``--page`` run to write the page from; None when it does."""
     try:
         results = json.loads(path.read_text())
     except ValueError as e:
-        raise BonsaiError(f"{path} is not JSON ({e}); run `bonsai bench bonsai --page` again.") from None
+        return f"{path} is not JSON ({e}); run `bonsai bench bonsai --page` again"
     if not isinstance(results, dict) or "studies" not in results:
-        raise BonsaiError(f"{path} holds no page studies (a run without --page); run with --page, without "
-                          "--report-only.")
+        return f"{path} holds no page studies (a run without --page); run with --page, without --report-only"
     if "ended" not in results["meta"]:
-        raise BonsaiError(f"{path} is from a run that did not finish; run with --page again.")
-    return results
+        return f"{path} is from a run that did not finish; run with --page again"
+    return None
 
 
-def write_page(results: dict[str, Any], page_path: str, results_path: str) -> None:
-    """The page at ``page_path``, its header naming the command that measured ``results``."""
-    header = common.page_header(results["meta"]["command"], SOURCES)
-    link = os.path.relpath(results_path, Path(page_path).parent)
-    Path(page_path).write_text(page(results, header, link))
-
-
-def check_page_args(args: argparse.Namespace) -> None:
-    """Refuse, before any measurement, what would fail only at the end: --report-only without a page or
-    without the results of a finished run, a page without -o or in a missing folder, a page of other
-    models, budgets or studies than the suite's defaults."""
-    if args.report_only:
-        if args.page is None:
-            raise BonsaiError("--report-only writes the page again: name it with --page PAGE.")
-        if args.output is None or not Path(args.output).is_file():
-            raise BonsaiError(f"--report-only reads the results of a --page run from -o FILE"
-                              f"{f' ({args.output} does not exist)' if args.output else ''}; run with --page first.")
-        read_results(Path(args.output))
-        return
-    if args.page is None:
-        return
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why the page's options cannot run, before any measurement: without -o, a page of other models, budgets
+    or studies than the suite's defaults, results that are no finished ``--page`` run, what
+    :func:`common.page_refusal` refuses."""
     if args.output is None:
-        raise BonsaiError("--page keeps the run's results in -o FILE.json (what --report-only reads again): name it.")
-    for path, what in ((args.page, "--page"), (args.output, "-o")):
-        if not Path(path).resolve().parent.is_dir():
-            raise BonsaiError(f"{what} {path}: the folder {Path(path).parent} does not exist.")
-    changed = [f"--{name.replace('_', '-')}" for name in PAGE_FIXED
-               if getattr(args, name) != args.parser.get_default(name)]
-    if changed:
-        raise BonsaiError("--page reports the suite's default models, budgets and studies: leave out "
-                          f"{', '.join(changed)}.")
+        return "--page and --report-only keep the run's results in -o FILE.json: name it"
+    if not Path(args.output).resolve().parent.is_dir():
+        return f"-o {args.output}: the folder {Path(args.output).parent} does not exist"
+    why = common.page_refusal(args, results=Path(args.output), narrowed=common.changed(args, PAGE_FIXED),
+                              whole="the suite's default models, budgets and studies")
+    return why or (stored_refusal(Path(args.output)) if args.report_only else None)
 
 
-def run_page(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     """The suite's tables and the page's studies, their results kept in ``-o`` as they come."""
     started = time.perf_counter()
     results: dict[str, Any] = {"meta": common.run_meta("started", time_limit=args.time_limit)}
@@ -729,7 +688,6 @@ def run_page(args: argparse.Namespace) -> dict[str, Any]:
     results["studies"] = studies(args.time_limit, progress=lambda done: (results.update(studies=done), keep()))
     results["meta"].update(ended=common.utc_now(),
                            seconds=round(time.perf_counter() - started, 1), load_end=suite.load_average())
-    keep()
     return results
 
 
@@ -738,22 +696,20 @@ SUITE_DOC = suite.__doc__
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The suite's options, and the page's."""
+    """The suite's options (its ``-o`` file keeps the page's results), and the page's."""
     suite.add_arguments(ap)
-    ap.add_argument("--page", metavar="PAGE", help="also run the studies docs/results/bonsai.md reports and write "
-                    "that page here, the results kept in -o FILE.json; the suite's default models and budgets only")
-    ap.add_argument("--report-only", action="store_true",
-                    help="measure nothing: write PAGE again from the results in -o FILE.json")
+    common.add_page_arguments(ap, None, "docs/results/bonsai.md")
 
 
 def main(args: argparse.Namespace) -> int:
     """``bonsai bench bonsai``: the suite (:func:`bonsai_core.bench.bonsai.main`); with ``--page`` also the
     page's studies and the page; with ``--report-only`` only the page, from ``-o``."""
-    check_page_args(args)
-    if args.page is None:
+    if args.page is None and not args.report_only:
         return suite.main(args)
-    results = read_results(Path(args.output)) if args.report_only else run_page(args)
-    write_page(results, args.page, args.output)
-    measured = "" if args.report_only else f" and {args.output} in {results['meta']['seconds']:.0f} s"
-    print(f"wrote {args.page}{measured}")
-    return 0
+
+    def write_page(results: dict[str, Any], path: str) -> None:
+        header = common.page_header(results["meta"]["command"], SOURCES)
+        Path(path).write_text(page(results, header, os.path.relpath(args.output, Path(path).parent)))
+
+    kept = Path(args.output) if args.output else None  # refused without it
+    return common.run_page_suite("bonsai", args, refusal(args), lambda: measure(args), write_page, results=kept)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import platform
 import re
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from bonsai_core.budget import smallest_meeting
+from bonsai_core.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = Path(__file__).resolve().parent / "templates"  # one markdown template per page
@@ -164,8 +166,6 @@ def fill(template: str, **values: Any) -> str:
 def _jinja() -> Any:
     import jinja2
 
-    from bonsai_core.units import format_bytes
-
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)
     env.filters.update(pct=pct, pct2=pct2, budget=budget, budgets=budgets_said, mib=mib, listing=listing,
@@ -253,15 +253,16 @@ def page_header(command: str, sources: Sequence[str]) -> str:
     return f"<!-- written by: `{command}` at commit {commit}; sources {','.join(sources)} hash {source_hash(sources)} -->"
 
 
-# -- a suite that writes a docs/results page from its results.json (offload, export, explorer) ------------
+# -- a suite that writes a docs/results page from its results.json (every suite with a page) ------------------
 
-def add_page_arguments(ap: Any, default_out: str, record_page: str, quick: str | None = None) -> None:
+def add_page_arguments(ap: Any, default_out: str | None, record_page: str, quick: str | None = None) -> None:
     """``--out``, ``--page`` and ``--report-only`` (what :func:`page_refusal` and :func:`run_page_suite`
     read), and ``--quick`` with ``quick`` saying what it measures, where the suite has one."""
-    ap.add_argument("--out", default=default_out, help="folder of results.json (default %(default)s)")
+    if default_out is not None:  # else the suite names its own (a required folder)
+        ap.add_argument("--out", default=default_out, help="folder of results.json (default %(default)s)")
     ap.add_argument("--page", metavar="PAGE", help=f"also write the results page there ({record_page})")
     ap.add_argument("--report-only", action="store_true",
-                    help="measure nothing: write the page from OUT/results.json (needs --page)")
+                    help="measure nothing: write the page from the run's stored results (needs --page)")
     if quick:
         ap.add_argument("--quick", action="store_true",
                         help=f"{quick}, a smoke test (needs another --out than the default, and another page than "
@@ -273,22 +274,39 @@ def same_path(a: str, b: str) -> bool:
     return Path(a).resolve() in ((ROOT / b).resolve(), Path(b).resolve())
 
 
-def page_refusal(args: Any, default_out: str | None = None, record_page: str | None = None) -> str | None:
-    """Why ``--out``/``--page``/``--report-only`` (and ``--quick``, where the suite has it) cannot run,
-    before anything is measured; None when they can. A quick run may not overwrite ``default_out`` (the
-    full run's results) or ``record_page`` (the page in docs/results)."""
-    quick = getattr(args, "quick", False)
-    results = Path(args.out) / "results.json"
+def results_file(args: Any, results: Path | None = None) -> Path:
+    """Where a page suite keeps its run: ``--out``/results.json, or the file ``results`` a suite names."""
+    return results if results is not None else Path(args.out) / "results.json"
+
+
+def changed(args: Any, names: Sequence[str]) -> list[str]:
+    """The options among ``names`` (argument names) given other values than their defaults, as flags."""
+    return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) != args.parser.get_default(name)]
+
+
+def page_refusal(args: Any, default_out: str | None = None, record_page: str | None = None,
+                 results: Path | None = None, narrowed: Sequence[str] = (), whole: str | None = None) -> str | None:
+    """Why ``--out``/``--page``/``--report-only`` cannot run, before anything is measured; None when they can.
+    ``narrowed``: the options given that measure less than the page reports (:func:`changed`; ``--quick``,
+    where the suite has it, counts); such a run cannot be ``--report-only``, nor overwrite ``default_out``'s
+    results or ``record_page``; where the page reports only ``whole`` (the full run), it writes no page.
+    ``results``: :func:`results_file`'s."""
+    narrowed = list(dict.fromkeys([*narrowed, *(["--quick"] if getattr(args, "quick", False) else [])]))
+    results = results_file(args, results)
     if args.report_only and not args.page:
         return "--report-only writes the page only: name it with --page PAGE"
-    if args.report_only and quick:
-        return "--quick chooses what to measure and --report-only measures nothing: give one of them"
+    if args.report_only and narrowed:
+        return f"--report-only writes the page of the stored run and measures nothing: leave out {listing(narrowed)}"
     if args.report_only and not results.is_file():
         return f"{results} is missing: run without --report-only first"
-    if quick and default_out and same_path(args.out, default_out):
-        return f"--quick would overwrite the full run's {default_out}/results.json: give another --out"
-    if quick and args.page and record_page and same_path(args.page, record_page):
-        return f"--quick writes a smoke-test page, not the record {record_page}: give another --page"
+    if narrowed and args.page and whole:
+        return f"--page reports {whole}: leave out {listing(narrowed)}"
+    if narrowed and default_out and same_path(args.out, default_out):
+        return (f"a run with {listing(narrowed)} measures less than the full run and would overwrite the full run's "
+                f"{default_out}/results.json: give another --out")
+    if narrowed and args.page and record_page and same_path(args.page, record_page):
+        return (f"a run with {listing(narrowed)} measures less than the full run: its page is not the record "
+                f"{record_page}, give another --page")
     if args.page and not Path(args.page).parent.is_dir():
         return f"--page {args.page}: the folder {Path(args.page).parent} does not exist"
     return None
@@ -301,62 +319,24 @@ def page_writer(page: Callable[[dict[str, Any], str], str], sources: Sequence[st
 
 
 def run_page_suite(suite: str, args: Any, refusal: str | None, measure: Callable[[], dict[str, Any]],
-                   write_page: Callable[[dict[str, Any], str], None]) -> int:
+                   write_page: Callable[[dict[str, Any], str], None],
+                   beside: Callable[[dict[str, Any], Path], None] | None = None, results: Path | None = None) -> int:
     """``bonsai bench SUITE`` for a suite that writes a page: refuse (exit 2) with ``refusal``'s words, else
-    measure into ``--out``/results.json (or, with ``--report-only``, read it) and write ``--page``."""
-    import json
-
+    measure into ``--out``/results.json (or the file ``results`` the suite names; with ``--report-only``,
+    read it), write what the suite keeps ``beside`` it (tables, figures) and ``--page``."""
     if refusal:
         print(f"bonsai bench {suite}: {refusal}.")
         return 2
-    out = Path(args.out)
+    path = results_file(args, results)
     if args.report_only:
-        results = json.loads((out / "results.json").read_text())
-    else:
-        results = measure()
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    if args.page:
-        write_page(results, args.page)
-    print(f"wrote {out / 'results.json'}" + (f" and {args.page}" if args.page else ""))
-    return 0
-
-
-# -- a suite that writes its page from rows and a run file beside them (methods, solvers-opt) ---------------
-
-def check_record_page(args: Any, whole: str, subset: Sequence[str], files: Sequence[Path], suite: str) -> None:
-    """Refuse, before any measurement, what would fail only at the end: a page in a missing folder, a page
-    of less than ``whole`` (the options ``subset`` narrow it), ``--report-only`` without a page or without
-    the ``files`` of a finished run."""
-    from bonsai_core.errors import BonsaiError
-
-    if args.page is not None:
-        if not Path(args.page).parent.is_dir():
-            raise BonsaiError(f"--page {args.page}: the folder {Path(args.page).parent} does not exist.")
-        if any(getattr(args, option[2:].replace("-", "_")) for option in subset):
-            raise BonsaiError(f"--page reports {whole}: leave out {listing(list(subset))}.")
-    if args.report_only:
-        if args.page is None:
-            raise BonsaiError("--report-only writes the page again: name it with --page PAGE.")
-        missing = [str(p) for p in files if not p.is_file()]
-        if missing:
-            raise BonsaiError(f"--report-only: {listing(missing)} missing; run the {suite} with --page, without "
-                              "--report-only, first.")
-
-
-def read_run(path: Path, keys: Sequence[str], suite: str) -> dict[str, Any]:
-    """The run file of a finished run (its command, dates, machine: ``keys``), refused with the reason when
-    it is not one."""
-    import json
-
-    from bonsai_core.errors import BonsaiError
-
-    try:
         run = json.loads(path.read_text())
-    except ValueError as e:
-        raise BonsaiError(f"{path} is not JSON ({e}); run the {suite} with --page again.") from None
-    missing = [k for k in keys if k not in run]
-    if missing:
-        raise BonsaiError(f"{path} lacks {', '.join(missing)}: its run did not finish; run the {suite} with --page "
-                          "again.")
-    return run
+    else:
+        run = measure()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run, indent=1, default=str))
+    if beside is not None:
+        beside(run, path.parent)
+    if args.page:
+        write_page(run, args.page)
+    print(f"wrote {path}" + (f" and {args.page}" if args.page else ""))
+    return 0

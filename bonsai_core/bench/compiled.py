@@ -21,6 +21,7 @@ results.json again):
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import time
 from pathlib import Path
@@ -28,8 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from bonsai_core.allocator import bounded_replay
 from bonsai_core.bench import common
+from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
+from bonsai_core.optimizer import with_optimizer
+from bonsai_core.schedule import no_remat_peak, simulate
+from bonsai_core.solvers import solve
 
 PARTS = ("cpu", "peers", "titan", "titan-peers")
 TITAN = "torchtitan:llama3:debugmodel"
@@ -69,9 +75,7 @@ def cpu_row(spec: str, options: dict[str, Any], variant: str) -> dict[str, Any]:
     """One model under one variant (``none``, a checkpointing, ``bonsai``): predicted and measured."""
     import bonsai_core as bonsai
     from bonsai_core import models
-    from bonsai_core.errors import BonsaiError
     from bonsai_core.measure import measure_compiled
-    from bonsai_core.schedule import no_remat_peak
     from bonsai_core.trace import trace_model
 
     row: dict[str, Any] = {"model": spec, "options": options, "variant": variant}
@@ -102,9 +106,7 @@ def peer_rows(spec: str, options: dict[str, Any]) -> list[dict[str, Any]]:
     """torch's memory budget at PEER_BUDGETS and bonsai's plan at the peak each measured, under compile."""
     import bonsai_core as bonsai
     from bonsai_core import models
-    from bonsai_core.errors import BonsaiError
     from bonsai_core.measure import measure_compiled
-    from bonsai_core.schedule import no_remat_peak
 
     plain = _compiled_graph(spec, options)
     rows = []
@@ -131,8 +133,6 @@ def peer_rows(spec: str, options: dict[str, Any]) -> list[dict[str, Any]]:
 def titan_rows(float8: bool) -> list[dict[str, Any]]:
     """The 8B recipe eager (the torchtitan-selective method, release 2024-12) and compiled (torchtitan's own
     apply_ac of December 2024's save list), at 8 and 128 ranks: peaks and where they come from."""
-    from bonsai_core.optimizer import with_optimizer
-    from bonsai_core.solvers import solve
     from bonsai_core.trace import trace_model
 
     rows = []
@@ -164,10 +164,7 @@ def titan_peer_rows(world: int = 8) -> list[dict[str, Any]]:
     import torch
     from torchtitan.models.llama3 import Transformer
 
-    from bonsai_core.errors import BonsaiError
     from bonsai_core.models.torchtitan import model_args
-    from bonsai_core.optimizer import with_optimizer
-    from bonsai_core.schedule import no_remat_peak
     from bonsai_core.torchtitan import plan_for
     from bonsai_core.trace import trace_model
 
@@ -226,22 +223,8 @@ def measure(parts: list[str], float8: bool, out: str) -> dict[str, Any]:
 
 
 def _earlier_results(path: Path) -> dict[str, Any]:
-    """results.json of earlier runs, each part with its run (:func:`_with_runs`)."""
-    import json
-
-    return _with_runs(json.loads(path.read_text())) if path.is_file() else {}
-
-
-def _with_runs(results: dict[str, Any]) -> dict[str, Any]:
-    """``results`` with ``runs``, each part's run; a file written before parts named their runs has the
-    run its ``meta`` describes for its parts, and ``titan_peers_run`` for the 8B peers."""
-    if "runs" in results:
-        return results
-    meta, earlier = results["meta"], dict(results)
-    runs = {part: {k: meta[k] for k in ("command", "date", "seconds")} for part in meta.get("parts", PARTS)}
-    if "titan_peers_run" in earlier:
-        runs["titan-peers"] = earlier.pop("titan_peers_run")
-    return {**earlier, "runs": runs}
+    """results.json of earlier runs (each part with the run that measured it, ``runs``), or nothing."""
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 # -- the page -------------------------------------------------------------------------------------
@@ -388,7 +371,7 @@ def page(results: dict[str, Any], header: str) -> str:
 
 def _other_run(results: dict[str, Any], part: str) -> dict[str, Any] | None:
     """The run that measured ``part`` where it is not the run the page's first lines name."""
-    run = _with_runs(results)["runs"].get(part)
+    run = results.get("runs", {}).get(part)
     if run is None or run["command"] == results["meta"]["command"] and run["date"] == results["meta"]["date"]:
         return None
     return run
@@ -408,9 +391,7 @@ def peak_parts(graph: Graph, schedule: Any, policy: str = "expandable") -> dict[
     kind of fixed tensor (``fixed: KIND``), the forward tensors resident (saved activations, the loss's
     forward outputs), the backward tensors resident (transients), FSDP2's buffers (rule 7); then the live
     peak, the allocator model's reserved peak under ``policy`` and its extra, and the peak op's name."""
-    from bonsai_core.allocator import bounded_replay
     from bonsai_core.fsdp import working_profile
-    from bonsai_core.schedule import simulate
 
     sim = simulate(graph, schedule)
     at = int(np.argmax(sim.timeline))

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph
 from bonsai_core.schedule import no_remat_peak
+from bonsai_core.solvers import solve
 
 # label -> (heuristic, deallocation)
 HEURISTICS: dict[str, tuple[str, str]] = {
@@ -30,8 +32,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def overheads(graph, fracs: tuple[float, ...]) -> dict[str, list[float | None]]:
     """label -> DTR's overhead with that heuristic and deallocation mode at each share of the graph's
     no-remat peak (None: no schedule fits)."""
-    from bonsai_core.solvers import solve
-
     ref = no_remat_peak(graph)
     out: dict[str, list[float | None]] = {}
     for label, (heuristic, deallocation) in HEURISTICS.items():
@@ -59,9 +59,7 @@ def measure() -> dict[str, Any]:
 
 def table(part: dict[str, Any]) -> str:
     """One row per budget, one cell per heuristic and deallocation mode ("does not fit": no schedule)."""
-    from bonsai_core.bench.common import table as markdown
-
-    return markdown(["budget", *HEURISTICS], [[f"{frac:.0%}", *("does not fit" if o[i] is None else f"{o[i]:+.1%}"
+    return common.table(["budget", *HEURISTICS], [[f"{frac:.0%}", *("does not fit" if o[i] is None else f"{o[i]:+.1%}"
                                                                 for o in part["overheads"].values())]
                                               for i, frac in enumerate(part["fracs"])])
 

@@ -25,9 +25,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from bonsai_core.bench import common
 from bonsai_core.graph import load_graph, save_graph
+from bonsai_core.regions import CheckpointPlan
 from bonsai_core.schedule import no_remat_peak, simulate
+from bonsai_core.solvers import solve
 from bonsai_core.units import format_bytes
 
 SOURCES = ["bonsai_core/bench/explorer_page.py", "explorer/browser.py", common.template_source("explorer")]
@@ -120,10 +124,6 @@ def lifetimes_row(label: str, graph: Any, method: str) -> dict[str, Any]:
     """The Memory page's lifetimes of ``method``'s plan at SHARE: the bars, the chart's rows and spec,
     the step line at the plan's peak and the reasons of the first REGIONS_AT_ONCE recomputed regions,
     each timed as pages/memory.py calls them."""
-    import numpy as np
-
-    from bonsai_core.regions import CheckpointPlan
-    from bonsai_core.solvers import solve
     from explorer import timeline
 
     budget = int(SHARE * no_remat_peak(graph))

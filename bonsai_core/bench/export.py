@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.schedule import no_remat_peak, none_schedule, simulate
+from bonsai_core.solvers import solve
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
 SOURCES = ["bonsai_core/bench/export.py", "tests/export_models.py", "tests/real_models.py", common.template_source("export")]
@@ -146,7 +147,6 @@ def zoo_rows(models: Sequence[str]) -> list[dict[str, Any]]:
 def method_rows(models: Sequence[str], time_limit: float) -> list[dict[str, Any]]:
     """Every method of METHODS at lb + METHOD_SHARE on the zoo at tests/test_export.py's small sizes,
     exported and verified; a budget the method does not meet is recorded as its error."""
-    from bonsai_core.solvers import solve
     from bonsai_core.trace import trace_model
 
     small = export_tests().SMALL
@@ -207,8 +207,6 @@ def attention_rows(models: Sequence[str]) -> list[dict[str, Any]]:
 def first_plan(graph: Any, regions: str, time_limit: float) -> tuple[float, Any] | None:
     """bonsai's plan at the first share of BACKEND_SHARES it meets, with that share; None if at none. Another
     refusal (a graph without module calls, for ``regions="modules"``) is raised."""
-    from bonsai_core.solvers import solve
-
     for share in BACKEND_SHARES:
         try:
             return share, solve(graph, headroom_budget(graph, share), method="bonsai", regions=regions,

@@ -26,11 +26,14 @@ import argparse
 import json
 import tempfile
 import time
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from bonsai_core.arguments import RESHARD_CHOICES
+from bonsai_core.bench import common
+from bonsai_core.optimizer import with_grads
 from bonsai_core.schedule import no_remat_peak
 
 if TYPE_CHECKING:  # imported where used: building the command line does not load torch
@@ -67,8 +70,6 @@ def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
     views: grown before a unit runs, shrunk to 0 bytes when resharded), and the collective buffers left
     from the previous step (the last reduce-scatter's input, the last forward all-gather's output; weak
     references, gone when FSDP frees them). The measurement polls both at every op."""
-    import weakref
-
     import torch
     from torch.distributed.fsdp import FSDPModule
 
@@ -193,8 +194,6 @@ def predicted(graph, model: str, options: dict, budget: str | None, reshard: boo
               mixed_precision: str | None = None, grads: str = "zeroed") -> int:
     """The simulator's peak of ``graph`` (one rank): no recomputation, or what ``bonsai.checkpoint(...,
     fsdp=N)`` predicts for its plan at ``budget`` (a share of the rank's no-remat peak)."""
-    from bonsai_core.optimizer import with_grads
-
     if not budget:
         return no_remat_peak(with_grads(graph, grads))
     import bonsai_core as bonsai
@@ -207,8 +206,6 @@ def predicted(graph, model: str, options: dict, budget: str | None, reshard: boo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The suite's options."""
-    from bonsai_core.bench.common import add_page_arguments
-
     parser.add_argument("--model", nargs="+", choices=sorted(SIZES),
                         help="the models to measure (default the page's: %s)" % ", ".join(RECORD))
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
@@ -222,7 +219,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grads", choices=("zeroed", "none"), default="zeroed",
                         help="the gradients between steps: zeroed (kept allocated) or none (set to None, "
                              "optimizer.zero_grad()'s default)")
-    add_page_arguments(parser, OUT, PAGE)
+    common.add_page_arguments(parser, OUT, PAGE)
 
 
 def studies(args: argparse.Namespace) -> dict[str, str | None]:
@@ -230,27 +227,15 @@ def studies(args: argparse.Namespace) -> dict[str, str | None]:
     return RECORD if args.model is None else {model: args.budget for model in args.model}
 
 
-def is_record(args: argparse.Namespace) -> bool:
-    """Whether these options measure what the page shows."""
-    return (args.model is None and args.world == [2, 4] and args.mixed_precision is None
-            and args.reshard_after_forward == "true" and args.grads == "zeroed")
-
-
 def refusal(args: argparse.Namespace) -> str | None:
-    """Why these options cannot run, before anything is measured; None when they can."""
-    from bonsai_core.bench import common
-
-    if args.report_only and not is_record(args):
-        return "--report-only writes the page of the stored run: the other options choose what to measure"
-    if not is_record(args) and (common.same_path(args.out, OUT) or args.page and common.same_path(args.page, PAGE)):
-        return f"a run of other models or options writes neither {OUT}/results.json nor {PAGE}: give another --out and --page"
-    return common.page_refusal(args, OUT, PAGE)
+    """Why these options cannot run, before anything is measured (other models or options than the page's
+    write neither its results nor the page); None when they can."""
+    narrowed = common.changed(args, ("model", "world", "mixed_precision", "reshard_after_forward", "grads"))
+    return common.page_refusal(args, OUT, PAGE, narrowed=narrowed)
 
 
 def measure_rows(args: argparse.Namespace) -> dict[str, Any]:
     """One row per model, world size and plan, printed as measured."""
-    from bonsai_core.bench import common
-
     reshard = {"true": True, "false": False}.get(args.reshard_after_forward, args.reshard_after_forward)
     mp = args.mixed_precision
     setting = ", ".join(x for x in (f"mp {mp}" if mp else "", "" if reshard is True else f"reshard {reshard}",
@@ -272,13 +257,9 @@ def measure_rows(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def page(results: dict[str, Any], header: str) -> str:
-    from bonsai_core.bench import common
-
     return common.fill("fsdp", header=header, meta=results["meta"], rows=results["rows"])
 
 
 def main(args: argparse.Namespace) -> int:
-    from bonsai_core.bench import common
-
     return common.run_page_suite("fsdp", args, refusal(args), lambda: measure_rows(args),
                                  common.page_writer(page, SOURCES))

@@ -28,7 +28,7 @@ fit (``pool_replay``): it trains in a pool when that placement fits.
 
     bonsai bench heuristics --out docs/heuristics --example   # about a minute here
     bonsai bench heuristics --page docs/results/heuristics.md  # and the page's other studies: a few minutes
-    bonsai bench heuristics --out docs/heuristics --report-only [--page PAGE]
+    bonsai bench heuristics --page docs/results/heuristics.md --report-only  # the page again from results.json
 
 writes ``results.json``, ``table.md``, ``coop_vs_dtr.html`` (plotly) and ``coop_vs_dtr.png`` (the
 same figure; kaleido if installed, else headless Chromium) there. ``--example`` adds ``example.md``:
@@ -51,12 +51,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bonsai_core.allocator import fixed_tensors, optimizer_bytes, replay
-from bonsai_core.solvers.pool import pool_replay
 from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak, simulate
 from bonsai_core.solvers import solve
+from bonsai_core.solvers.pool import pool_replay
 
 # GPT-2 small's shape, ``models.zoo.GPT2_SMALL`` (bonsai_core.zoo imports torch: read only when a run needs it)
 GPT2_SMALL = "GPT2_SMALL"
@@ -93,6 +93,7 @@ POOL_VARIANTS = ("dtr-pool", "dtr_eq-pool", "dte-pool")  # DTR evicting inside t
 FACTORS = (1.0, 1.2, 1.5)  # equal pools: multiples of coop's smallest pool
 FAIL_BAR = 20  # the figure draws "does not train in this pool" as a hatched bar this far below zero
 STEPS = 10
+DEFAULT_OUT, RECORD_PAGE = "docs/heuristics", "docs/results/heuristics.md"
 
 
 def adam_bytes(graph: Graph) -> int:
@@ -426,10 +427,6 @@ def example(time_limit: float, frac: float = EXAMPLE_FRAC) -> dict[str, Any]:
             "sweep_fracs": list(SWEEP_FRACS), "sweep": sweep(g, time_limit)}
 
 
-def percent_cell(overhead: float | None) -> str:
-    return "fails" if overhead is None else f"{overhead:+.1%}"
-
-
 def example_markdown(ex: dict[str, Any]) -> str:
     """example.md: the worked example's runs, their first differing requests, what each recomputes most
     and the sweep around the pool."""
@@ -444,78 +441,52 @@ def example_markdown(ex: dict[str, Any]) -> str:
             [[k, n["node"], n["op"], n["recomputations"], f"{n['cost'] * 1e6:.1f}", mib(n["bytes"])]
              for k, nodes in ex["most_recomputed"].items() for n in nodes]),
         sweep_table=common.table(["variant", *(f"{f:.0%}" for f in ex["sweep_fracs"])],
-                                 [[k, *map(percent_cell, cells)] for k, cells in ex["sweep"].items()]))
+                                 [[k, *map(common.pct_or_fails, cells)] for k, cells in ex["sweep"].items()]))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The suite's options."""
-    ap.add_argument("--out", default="docs/heuristics")
+    common.add_page_arguments(ap, DEFAULT_OUT, RECORD_PAGE)
     names = list(dict.fromkeys(n for n, _ in MODEL_SIZES))
     ap.add_argument("--models", nargs="+", default=names, help=f"from {', '.join(names)}")
     ap.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
-    ap.add_argument("--report-only", action="store_true",
-                    help="rewrite table.md, the figure (example.md and PAGE when asked) from results.json")
     ap.add_argument("--example", action="store_true", help="also write example.md (the worked example)")
-    ap.add_argument("--page", metavar="PAGE",
-                    help="also run the other studies docs/results/heuristics.md reports (dtr-variants, inplace, a "
-                         "budget on reserved bytes; implies --example) and write that page here; every model")
 
 
-def check_paths(args: argparse.Namespace) -> None:
-    """Refuse, before any measurement, what would fail only at the end: a page in a missing folder, a page
-    from a subset of the models, --report-only without results.json or, for a page, without the page's studies."""
-    if args.page is not None:
-        if not Path(args.page).parent.is_dir():
-            raise BonsaiError(f"--page {args.page}: the folder {Path(args.page).parent} does not exist.")
-        if set(args.models) != {n for n, _ in MODEL_SIZES}:
-            raise BonsaiError("--page reports every model: leave out --models.")
-    if args.report_only:
-        saved = Path(args.out) / "results.json"
-        if not saved.is_file():
-            raise BonsaiError(f"--report-only: {saved} does not exist; run the suite without it first.")
-        if args.page is not None and "studies" not in json.loads(saved.read_text()):
-            raise BonsaiError(f"--report-only --page: {saved} holds no page studies; run with --page, without "
-                              "--report-only.")
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why the options cannot run, before any measurement: a page from a subset of the models, a page
+    again from results without the page's studies, or what :func:`common.page_refusal` refuses."""
+    saved = Path(args.out) / "results.json"
+    why = common.page_refusal(args, narrowed=common.changed(args, ("models",)), whole="every model")
+    if not why and args.report_only and "studies" not in json.loads(saved.read_text()):
+        return f"{saved} holds no page studies; run with --page, without --report-only"
+    return why
 
 
-def write_outputs(results: dict[str, Any], out: Path, page: str | None,
-                  write_page: Callable[[dict[str, Any], str], None] | None = None) -> None:
-    """results.json, table.md and the figure; example.md when the results hold the example; the page
-    (``write_page(results, page)``) when asked."""
+def write_beside(results: dict[str, Any], out: Path) -> None:
+    """table.md and the figure; example.md when the results hold the example."""
     report(results, out)
     if "example" in results:
         (out / "example.md").write_text(example_markdown(results["example"]))
-    if page is not None and write_page is not None:
-        write_page(results, page)
 
 
-def main(args: argparse.Namespace, studies: Callable[[float], dict[str, Any]] | None = None,
-         write_page: Callable[[dict[str, Any], str], None] | None = None) -> int:
-    """Every chosen model, then the report (and the worked example, and with ``--page`` the page's other
-    ``studies`` and the page, :func:`bonsai_core.bench.heuristics_page.main`) in ``--out``."""
-    check_paths(args)
+def measure(args: argparse.Namespace, studies: Callable[[float], dict[str, Any]]) -> dict[str, Any]:
+    """Every chosen model (results.json in ``--out`` after each), the worked example with ``--example`` or
+    ``--page``, and with ``--page`` the page's other ``studies``."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.report_only:
-        write_outputs(json.loads((out / "results.json").read_text()), out, args.page, write_page)
-        return 0
     start = time.perf_counter()
     results: dict[str, Any] = {"meta": common.run_meta(seconds=0.0),
                                "variants": {k: [m, o] for k, (m, o) in VARIANTS.items()},
                                "factors": list(FACTORS), "models": {}}
     for name, options in models():
         if name in args.models:
-            key = label_of(name, options)
-            results["models"][key] = bench_model(name, options, args.time_limit)
+            results["models"][label_of(name, options)] = bench_model(name, options, args.time_limit)
             results["meta"]["seconds"] = time.perf_counter() - start
             (out / "results.json").write_text(json.dumps(results, indent=1))
     if args.example or args.page:
         results["example"] = example(args.time_limit)
-    if args.page and studies is not None:
+    if args.page:
         results["studies"] = studies(args.time_limit)
     results["meta"]["seconds"] = time.perf_counter() - start
-    write_outputs(results, out, args.page, write_page)
-    print(f"wrote {out}/results.json, table.md, coop_vs_dtr.html, coop_vs_dtr.png"
-          + (", example.md" if "example" in results else "") + (f" and {args.page}" if args.page else "")
-          + f" in {results['meta']['seconds']:.0f} s")
-    return 0
+    return results

@@ -13,12 +13,18 @@ import re
 import tempfile
 from typing import Any, Callable, Iterable, Sequence
 
-from bonsai_core.bench import heuristics
-from bonsai_core.bench import common
+import numpy as np
+
+from bonsai_core.allocator import MIN_BLOCK, bounded_replay
+from bonsai_core.bench import common, dtr_variants, heuristics, inplace
 from bonsai_core.bench.common import listing, median, pct, pct_or_fails, table
 from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, mib, pool_cell,
                                           pool_order, ratio)
+from bonsai_core.errors import BudgetError
 from bonsai_core.graph import Graph
+from bonsai_core.schedule import no_remat_peak
+from bonsai_core.solvers import solve, solve_reserved
+from bonsai_core.solvers.pool import pool_replay
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
 SOURCES = ["bonsai_core/bench/heuristics_page.py", "bonsai_core/bench/heuristics.py",
@@ -35,8 +41,6 @@ MODEL_NAMES = {"tests.real_models:resnet18_bn": "ResNet-18"}
 
 def studies(time_limit: float) -> dict[str, Any]:
     """Every measurement the page reports besides the Coop-vs-DTR study and its worked example."""
-    from bonsai_core.bench import dtr_variants, inplace
-
     return common.run_studies({
         "dtr_variants": dtr_variants.measure,
         "updates": lambda: list(inplace.measure([(m, {}) for m in inplace.MODELS], inplace.VARIANTS, time_limit)),
@@ -55,9 +59,7 @@ def claims(time_limit: float) -> list[dict[str, Any]]:
     :data:`CLAIM_MODELS` and share of its no-remat peak, coop and dtr-pool (DTR evicting in the same full
     arena), each with its overhead, its fragmentation in its own pool and under the caching allocator, the paper's
     rate (``free_after_eviction``, as OneFlow records it) and its fullest moment's live bytes; ``pool``: the arena's bytes (Adam state included)."""
-    from bonsai_core.allocator import MIN_BLOCK
     from bonsai_core.bench.heuristics import adam_bytes, run
-    from bonsai_core.schedule import no_remat_peak
     from bonsai_core.trace import trace_model
 
     rows = []
@@ -84,11 +86,6 @@ def fullest_moment(graph: Graph, budget: int, label: str, time_limit: float, poo
     (op index, of how many ops), the op that first reached its high-water mark, the pool's bytes not live
     then, and its first request that found no room (the op before which it came, the node, its bytes).
     ``prefix`` is the schedule up to that request (for :func:`same_until`)."""
-    import numpy as np
-
-    from bonsai_core.solvers import solve
-    from bonsai_core.solvers.pool import pool_replay
-
     method, options = VARIANTS[label]
     s = solve(graph, budget, method, time_limit=time_limit, budget_hint=False, **options)
     r = pool_replay(graph, s, capacity=budget)
@@ -118,8 +115,6 @@ def regnet_writes(time_limit: float) -> list[dict[str, Any]]:
     config written to a temporary folder with ``save_pretrained``, at REGNET_SIZES."""
     from transformers import RegNetConfig
 
-    from bonsai_core.bench import inplace
-
     with tempfile.TemporaryDirectory() as folder:
         RegNetConfig(num_labels=10).save_pretrained(folder)
         models = [(f"hf:{folder}", dict(size)) for size in REGNET_SIZES]
@@ -136,10 +131,6 @@ def lowest_reserved(message: str) -> int | None:
 def reserved_budgets(time_limit: float) -> dict[str, Any]:
     """bonsai on RESERVED_MODEL at RESERVED_FRACS of its no-remat peak: the live-budget schedule replayed
     through both allocator models, and ``solve_reserved`` with each (``bonsai solve --reserved``)."""
-    from bonsai_core.allocator import bounded_replay
-    from bonsai_core.errors import BudgetError
-    from bonsai_core.schedule import no_remat_peak
-    from bonsai_core.solvers import solve, solve_reserved
     from bonsai_core.trace import trace_model
 
     g = trace_model(RESERVED_MODEL[0], **RESERVED_MODEL[1]).graph
@@ -335,12 +326,10 @@ def dtr_variants_said(part: dict[str, Any]) -> dict[str, Any]:
 
 def dtr_variants_values(small: dict[str, Any], larger: dict[str, Any]) -> dict[str, Any]:
     """The two tables of ``bonsai bench dtr-variants`` and what they say (the 4-layer GPT: where DTR thrashes)."""
-    from bonsai_core.bench.dtr_variants import table as overheads
-
     o, fracs = larger["overheads"], larger["fracs"]
-    return {"small_nodes": small["nodes"], "small_table": overheads(small), "small_said": dtr_variants_said(small),
+    return {"small_nodes": small["nodes"], "small_table": dtr_variants.table(small), "small_said": dtr_variants_said(small),
             "larger_options": " ".join(f"--{k} {v}" for k, v in larger["options"].items()),
-            "larger_nodes": larger["nodes"], "larger_table": overheads(larger),
+            "larger_nodes": larger["nodes"], "larger_table": dtr_variants.table(larger),
             "larger_dtr": ", ".join(f"{pct_or_fails(o['dtr'][i])} at {f:.0%}" for i, f in enumerate(fracs)),
             "larger_ranking": ranking_sentence(larger, list(o))}
 
@@ -804,21 +793,13 @@ def page(results: dict[str, Any], command: str, header: str) -> str:
         **regnet_values(s["regnet"]), **reserved_values(s["reserved"]))
 
 
-def write_page(results: dict[str, Any], path: str) -> None:
-    """The page at ``path`` from the suite's ``results``, its header naming the command that measured them."""
-    from pathlib import Path
-
-    from bonsai_core.bench.common import page_header
-
-    command = results["meta"]["command"]
-    Path(path).write_text(page(results, command, page_header(command, SOURCES)))
-
-
 # `bonsai bench heuristics`: the suite (bonsai_core.bench.heuristics) with this page's studies and writer
 SUITE_DOC = heuristics.__doc__
 add_arguments = heuristics.add_arguments
+write_page = common.page_writer(lambda results, header: page(results, results["meta"]["command"], header), SOURCES)
 
 
 def main(args: Any) -> int:
-    """``bonsai bench heuristics``: :func:`bonsai_core.bench.heuristics.main` with ``--page`` written here."""
-    return heuristics.main(args, studies=studies, write_page=write_page)
+    """``bonsai bench heuristics``: the suite's study, with ``--page`` this page's studies and the page."""
+    return common.run_page_suite("heuristics", args, heuristics.refusal(args),
+                                 lambda: heuristics.measure(args, studies), write_page, heuristics.write_beside)

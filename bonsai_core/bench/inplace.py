@@ -24,6 +24,7 @@ import argparse
 import os
 from typing import Iterator
 
+from bonsai_core.bench import common
 from bonsai_core.bench import heuristics as bench  # the shared runner and bisection
 from bonsai_core.schedule import no_remat_peak
 
@@ -59,9 +60,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """One markdown table per study: a row per model and variant."""
-    from bonsai_core.bench.common import import_test_models
-
-    import_test_models()
+    common.import_test_models()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     if args.study in ("updates", "both"):
         print("### The optimizer's updates between steps\n")

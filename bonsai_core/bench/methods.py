@@ -1,16 +1,16 @@
 """``bonsai bench [methods]``: every method and every peer on the same models and budgets, in one run
 (the default suite).
 
-Writes ``results.csv`` (one row per model x budget x method), ``reach.csv`` (one row per model: the
-smallest budget each method reaches, next to the per-op lower bound), ``results.md`` (a table per
-model, the reach table, and the honest list of budgets where bonsai is not the best feasible method)
-and PNG plots (matplotlib):
-overhead vs budget (Pareto fronts), solve time vs graph size (log-log) for the optimising methods,
-and peak vs budget. Tables go through pandas (CSV, typed re-reading, markdown via tabulate). ``run.json``
-keeps the command, date, machine and duration. ``--page docs/results/benchmarks.md`` also writes that
-page from those files alone (:func:`page`: every number and ranking on it is computed from them; the fixed
-prose in templates/benchmarks.md only explains mechanisms); ``--report-only`` writes it again from the files
-of a finished run, measuring nothing.
+Keeps the run in ``results.json`` (the rows, the smallest budgets, the run's command, dates, machine and
+duration) and writes from it ``results.csv`` (one row per model x budget x method), ``reach.csv`` (one row
+per model: the smallest budget each method reaches, next to the per-op lower bound), ``results.md`` (a
+table per model, the reach table, and the honest list of budgets where bonsai is not the best feasible
+method) and PNG plots (matplotlib): overhead vs budget (Pareto fronts), solve time vs graph size (log-log)
+for the optimising methods, and peak vs budget. Tables go through pandas (CSV, typed re-reading, markdown
+via tabulate). ``--page docs/results/benchmarks.md`` also writes that page from results.json alone
+(:func:`page`: every number and ranking on it is computed from it; the fixed prose in templates/benchmarks.md
+only explains mechanisms); ``--report-only`` writes it and the files again from a finished run's
+results.json, measuring nothing (:func:`bonsai_core.bench.common.run_page_suite`).
 
 Every schedule row comes from :func:`bonsai_core.solvers.solve`, so it was validated by the simulator;
 peer rows are measured on a real CPU step (:mod:`bonsai_core.peers`).
@@ -19,7 +19,6 @@ peer rows are measured on a real CPU step (:mod:`bonsai_core.peers`).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -28,10 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from bonsai_core.allocator import replay
+from bonsai_core.arguments import SOLVE_TIME_LIMIT, fraction_arg, positive_seconds
 from bonsai_core.bench import common
 from bonsai_core.bench.common import budget, budgets_said, capitalized, listing, median, pct
+from bonsai_core.bound import lower_bound
 from bonsai_core.errors import BonsaiError, ModelError
+from bonsai_core.regions import plan_schedule
 from bonsai_core.schedule import no_remat_peak, simulate
+from bonsai_core.solvers import METHODS, accepted_options, available_methods, solve
 
 # Each column of results.csv and its pandas type (nullable: a row that did not run has no peak).
 COLUMN_TYPES = {"model": "string", "nodes": "Int64", "method": "string", "budget_bytes": "Int64",
@@ -46,8 +50,7 @@ REACH_TYPES = {"model": "string", "nodes": "Int64", "no_remat_peak": "Int64", "l
                "bonsai": "Int64", "bonsai_status": "string", "chen": "Int64", "dtr": "Int64", "coop": "Int64",
                "seconds": "Float64"}
 REACH_METHODS = ("bonsai", "chen", "dtr", "coop")
-RUN_META = "run.json"  # the run's command, dates, machine and time limit: what its page quotes
-RUN_KEYS = ("command", "started", "ended", "seconds", "machine", "torch", "time_limit")  # without "ended": unfinished
+RECORD_PAGE = "docs/results/benchmarks.md"
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
 SOURCES = ["bonsai_core/bench/methods.py", common.template_source("benchmarks")]
 BISECTION_STEPS = 10  # dtr/coop: budget resolution (no-remat peak - lower bound) / 2**10, about 0.1%
@@ -132,11 +135,11 @@ class BenchConfig:
     max_nodes: dict[str, int] = field(default_factory=dict)  # method -> largest graph it is run on
 
 
-def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+def run_bench(config: BenchConfig, out_dir: str | Path,
+              progress: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Run every (model, budget, method) and peer, and each method's smallest reachable budget per
-    model; write results.csv, reach.csv, results.md and the plots."""
-    from bonsai_core.bound import lower_bound
-    from bonsai_core.solvers import solve
+    model: their rows; results.csv, reach.csv and results.md written after each model, so a long run
+    leaves results behind."""
     from bonsai_core.trace import trace_model
 
     out = Path(out_dir)
@@ -183,16 +186,13 @@ def run_bench(config: BenchConfig, out_dir: str | Path, progress: Callable[[str]
             reach.append(smallest_budgets(spec.label, g, config))
             progress("  smallest budgets: " + ", ".join(f"{m} {share(reach[-1], m)}" for m in
                                                         ("lower_bound",) + REACH_METHODS if m in reach[-1]))
-        _write(rows, reach, out)  # after each model, so a long run leaves results behind
-    write_plots(rows, out)
-    return rows
+        _write(rows, reach, out)
+    return rows, reach
 
 
 def add_arguments(p: argparse.ArgumentParser, output_required: bool = True) -> None:
     """The options of the methods suite (``bonsai bench`` without a suite takes them too, its output
     then checked by :func:`main`, since ``bonsai bench --list`` needs none)."""
-    from bonsai_core.arguments import fraction_arg, positive_seconds
-
     p.add_argument("--models", nargs="+", metavar="MODEL",
                    help="zoo or hf: models, e.g. gpt or gpt:layers=2,width=256; MODEL@PCT,PCT adds budgets for that model")
     p.add_argument("--budgets", nargs="+", type=fraction_arg, metavar="PCT", help="shares of the no-remat peak")
@@ -201,44 +201,54 @@ def add_arguments(p: argparse.ArgumentParser, output_required: bool = True) -> N
     p.add_argument("--quick", action="store_true", help="two small models, two budgets (a minute or two)")
     p.add_argument("--time-limit", type=positive_seconds, default=None, metavar="S", help="per solve (default 60, quick 10)")
     p.add_argument("--backend", choices=("highs", "scip"), default="highs", help="MILP backend")
-    p.add_argument("-o", "--output", required=output_required, metavar="DIR")
-    p.add_argument("--page", metavar="PAGE", help="also write the page of this run (docs/results/benchmarks.md) "
-                   "from its results; the default models and budgets only")
-    p.add_argument("--report-only", action="store_true",
-                   help="measure nothing: write PAGE again from the results.csv, reach.csv and run.json in DIR")
+    p.add_argument("-o", "--output", "--out", dest="out", required=output_required, metavar="DIR",
+                   help="folder of results.json and the tables and plots written from it")
+    common.add_page_arguments(p, None, RECORD_PAGE)
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why the options cannot run, before anything is measured (the page reports the default models and budgets
+    only); None when they can."""
+    return common.page_refusal(args, record_page=RECORD_PAGE, narrowed=common.changed(args, ("models", "budgets")),
+                               whole="the default models and budgets")
+
+
+def measure(config: BenchConfig, out: Path) -> dict[str, Any]:
+    """The bench's rows and smallest budgets (as results.csv and reach.csv hold them) and the run's command,
+    dates and machine."""
+    meta = common.run_meta("started", time_limit=config.time_limit, node_limits=config.max_nodes)
+    start = time.perf_counter()
+    run_bench(config, out, progress=lambda line: print(line, flush=True))
+    meta.update(seconds=round(time.perf_counter() - start, 1), ended=common.utc_now())
+    return {"meta": meta, "rows": load_rows(out / "results.csv"), "reach": load_rows(out / "reach.csv", REACH_TYPES)}
+
+
+def write_beside(results: dict[str, Any], out: Path) -> None:
+    """results.csv, reach.csv, results.md and the plots, from the run's results."""
+    _write(results["rows"], results["reach"], out)
+    write_plots(results["rows"], out)
 
 
 def main(args: argparse.Namespace) -> int:
-    """``bonsai bench [methods]``: check the methods and peers named, run the bench, say where it wrote
-    (and write the page); with ``--report-only``, only the page from a finished run."""
-    if args.output is None:
+    """``bonsai bench [methods]``: the bench into ``-o`` (results.json, the tables and plots) and the page;
+    with ``--report-only``, only the page from a finished run."""
+    if args.out is None:
         args.parser.error("the following arguments are required: -o/--output")
-    check_page_args(args)
-    if args.report_only:
-        write_page(Path(args.output), args.page)
-        print(f"wrote {args.page} from {args.output}")
-        return 0
-    config = config_from(args)
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = common.run_meta("started", time_limit=config.time_limit, node_limits=config.max_nodes)
-    (out / RUN_META).write_text(json.dumps(meta, indent=1))
-    start = time.perf_counter()
-    rows = run_bench(config, out, progress=lambda line: print(line, flush=True))
-    meta.update(seconds=round(time.perf_counter() - start, 1), ended=common.utc_now())
-    (out / RUN_META).write_text(json.dumps(meta, indent=1))
-    print(f"wrote {len(rows)} rows to {args.output}/results.csv, results.md and plots")
-    if args.page:
-        write_page(out, args.page)
-        print(f"wrote {args.page}")
-    return 0
+    config = None if args.report_only else config_from(args)
+    out = Path(args.out)
+
+    def write_page(results: dict[str, Any], path: str) -> None:
+        header = common.page_header(results["meta"]["command"], SOURCES)
+        bench = os.path.relpath(out, Path(path).parent)
+        Path(path).write_text(page(results["rows"], results["reach"], results["meta"], header, bench))
+
+    return common.run_page_suite("methods", args, refusal(args), lambda: measure(config, out), write_page,
+                                 write_beside)
 
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
     """The bench the options ask for, every method and peer named checked."""
-    from bonsai_core.arguments import SOLVE_TIME_LIMIT
     from bonsai_core.peers import PEERS
-    from bonsai_core.solvers import METHODS, available_methods
 
     methods = args.methods or available_methods(any_graph=True)  # the zoo's MLPs have no block stack
     peers = args.peers if args.peers is not None else list(PEERS)
@@ -254,20 +264,6 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         methods=methods, peers=peers,
         time_limit=args.time_limit or (10.0 if args.quick else SOLVE_TIME_LIMIT), backend=args.backend,
         max_nodes=dict(BENCH_NODE_LIMITS))
-
-
-def check_page_args(args: argparse.Namespace) -> None:
-    out = Path(args.output)
-    common.check_record_page(args, "the default models and budgets", ("--models", "--budgets", "--quick"),
-                             [out / "results.csv", out / "reach.csv", out / RUN_META], "bench")
-
-
-def write_page(out: Path, path: str) -> None:
-    """The page from the run in ``out``: its header names the command that measured it."""
-    meta = common.read_run(out / RUN_META, RUN_KEYS, "bench")
-    rows, reach = load_rows(out / "results.csv"), load_rows(out / "reach.csv", REACH_TYPES)
-    header = common.page_header(meta["command"], SOURCES)
-    Path(path).write_text(page(rows, reach, meta, header, os.path.relpath(out, Path(path).parent)))
 
 
 def smallest_budgets(model: str, graph: Any, config: BenchConfig) -> dict[str, Any]:
@@ -305,7 +301,6 @@ def smallest_budgets(model: str, graph: Any, config: BenchConfig) -> dict[str, A
 
 def chen_lowest_peak(graph: Any) -> int:
     """The lowest simulated peak over the checkpoint plans chen tries under a budget."""
-    from bonsai_core.regions import plan_schedule
     from bonsai_core.solvers.chen import candidate_plans
 
     return min(simulate(graph, plan_schedule(graph, plan, "chen")).peak for _, plan in candidate_plans(graph, "auto"))
@@ -315,8 +310,6 @@ def bisect_budget(graph: Any, method: str, reference: int, time_limit: float) ->
     """The smallest budget between the per-op lower bound and ``reference`` at which ``method``
     (dtr or coop, without its own budget hint) found a schedule in a bisection of at most
     BISECTION_STEPS runs after the two ends; None if it met neither end within ``time_limit``."""
-    from bonsai_core.solvers import solve
-
     deadline = time.perf_counter() + time_limit
 
     def meets(budget: int) -> bool:
@@ -335,8 +328,6 @@ def bisect_budget(graph: Any, method: str, reference: int, time_limit: float) ->
 def _options(method: str, config: BenchConfig) -> dict[str, Any]:
     """The bench's time limit and MILP backend, for the methods that take them; every solve from scratch
     (bonsai would otherwise answer a budget with the plan of a larger one that fits it, in no time)."""
-    from bonsai_core.solvers import accepted_options
-
     accepted = accepted_options(method)
     return {k: v for k, v in (("time_limit", config.time_limit), ("backend", config.backend), ("reuse", False))
             if accepted is None or k in accepted}
@@ -350,8 +341,6 @@ def _row(model: str, nodes: int, method: str, budget: int, fraction: float) -> d
 
 
 def _schedule_fields(graph: Any, schedule: Any) -> dict[str, Any]:
-    from bonsai_core.allocator import replay
-
     st = schedule.stats
     alloc = replay(graph, schedule)
     return {"feasible": True, "peak": st["peak"], "overhead": round(st["overhead"], 6),
@@ -548,7 +537,7 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
     plt.close(fig)
 
 
-# -- docs/results/benchmarks.md: every number and ranking computed from results.csv, reach.csv and run.json --
+# -- docs/results/benchmarks.md: every number and ranking computed from results.json ----------------------
 
 TIE = 1e-9  # overheads this close are a tie (as results.md's bold and its counts take them)
 OP_LEVEL = ("moccasin", "checkmate", "dtr", "coop")  # schedules of single ops, outside bonsai's plan space
@@ -917,7 +906,7 @@ def bound_said(models: dict[str, dict[float, Cell]]) -> list[str]:
 
 
 def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header: str, bench: str) -> str:
-    """The whole page from one run: its rows (results.csv), reach (reach.csv) and run.json (``meta``);
+    """The whole page from one run: its rows (results.csv's), reach (reach.csv's) and ``meta`` (results.json's);
     ``bench``: the output folder as a link from the page."""
     models = cells_by_model(rows)
     if not models:

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError
 from bonsai_core.schedule import no_remat_peak, simulate
+from bonsai_core.solvers import solve
 
 MODEL = "gpt"  # the zoo GPT at its default size (the explorer's model)
 SHARES = (0.8, 0.6, 0.5, 0.45, 0.4)
@@ -39,8 +40,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def method_rows(graph: Any, time_limit: float) -> list[dict[str, Any]]:
     """Every method of METHODS with and without offload at every share of SHARES, through
     ``solvers.solve`` (so the simulator validated each schedule); a refusal is recorded as its error."""
-    from bonsai_core.solvers import solve
-
     peak = no_remat_peak(graph)
     rows = []
     for share in SHARES:
@@ -65,7 +64,6 @@ def exported_plan(time_limit: float) -> dict[str, Any]:
     """bonsai's offloading plan at EXPORT_SHARE, exported with the replay back-end and verified on the CPU
     (``bonsai solve --option offload=true``, ``bonsai export``, ``bonsai verify``)."""
     from bonsai_core.export import export_model, verify_export
-    from bonsai_core.solvers import solve
     from bonsai_core.trace import trace_model
 
     graph = trace_model(MODEL).graph

@@ -17,11 +17,14 @@ implemented for the GPU's attention kernels only (``_context_parallel/_attention
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+from bonsai_core.bench import fsdp
+from bonsai_core.parallel import Layout, cp_inputs, family, layout_of, meshes, parallelize, step_context, with_batch
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.units import format_bytes
 
@@ -33,8 +36,6 @@ SCHEDULE_WORDS = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b"}
 
 def parse_layout(text: str) -> Any:
     """``fsdp2.tp2``, ``pp2.interleaved.mb4``, ... as a :class:`bonsai_core.parallel.Layout` (rank 0)."""
-    from bonsai_core.parallel import layout_of
-
     degrees: dict[str, Any] = {}
     for word in text.split("."):
         if word in SCHEDULE_WORDS:
@@ -54,7 +55,7 @@ def rank_graph(model: str, options: dict, layout: Any) -> Any:
     from bonsai_core.rank import trace
 
     return trace(model, parallel=layout, mixed_precision="none" if layout.shard_world > 1 else None,
-                       **options).graph
+                 **options).graph
 
 
 def predicted(model: str, options: dict, layout: Any, budget: str | None) -> int:
@@ -71,7 +72,6 @@ def one_call_plan(net: Any, inputs: tuple, loss_fn: Any, layout: Any, budget: st
     """The one call's plan for ``layout``, fp32 (FSDP without mixed precision): ``plan_for`` for torchtitan's
     model (sharded as its ``apply_fsdp``), ``bonsai_core.plan`` for any other (``fully_shard`` on each block)."""
     import bonsai_core as bonsai
-    from bonsai_core.parallel import family
 
     if family(net) == "torchtitan":
         from bonsai_core.torchtitan import plan_for
@@ -94,8 +94,6 @@ def sharded(net: Any, layout: Any, dims: Any) -> None:
     PREMUL_SUM), or ``fully_shard`` on each block and the model."""
     import torch
     from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    from bonsai_core.parallel import family
 
     if layout.shard_world == 1:
         return
@@ -128,8 +126,6 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed.pipeline_parallel import pipeline_module_split
 
-    from bonsai_core.bench.fsdp import _storages_outside, live_bytes_with
-    from bonsai_core.parallel import parallelize, step_context
     from bonsai_core.pipeline import TORCH_SCHEDULE, stage_modules
     from bonsai_core.tensors import storage_bytes
 
@@ -167,10 +163,10 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
         resized, left = [], []
         for part in parts:
             if isinstance(part, FSDPModule):
-                r, held = _storages_outside(part)
+                r, held = fsdp._storages_outside(part)
                 resized, left = resized + r, left + held
         fixed = storage_bytes([*tensors, *inputs, labels])
-        tracker = live_bytes_with(resized, left)
+        tracker = fsdp.live_bytes_with(resized, left)
         with tracker:
             step()
     # the loss is the last stage's (the microbatches' losses added up); no other stage has one
@@ -181,10 +177,8 @@ def _worker(rank: int, world: int, folder: str, model: str, options: dict, layou
     import torch.distributed as dist
 
     from bonsai_core import models
-    from bonsai_core.bench.fsdp import gloo_rank, steady_step_peak
-    from bonsai_core.parallel import Layout, cp_inputs, meshes, parallelize, step_context, with_batch
 
-    gloo_rank(rank, world, folder)
+    fsdp.gloo_rank(rank, world, folder)
     try:
         net, inputs, loss_fn = models.build(model, seed=0, **options)
         spec = with_batch(Layout(**layout), *inputs[0].shape[:2])
@@ -203,7 +197,7 @@ def _worker(rank: int, world: int, folder: str, model: str, options: dict, layou
             if spec.cp > 1:
                 inputs = cp_inputs(net, inputs, loss_fn, dims)
             with step_context(net, spec):
-                out.update(steady_step_peak(net, inputs, loss_fn))
+                out.update(fsdp.steady_step_peak(net, inputs, loss_fn))
         out.pop("at_peak", None)
         Path(folder, f"rank{rank}.json").write_text(json.dumps(out))
     finally:
@@ -212,12 +206,8 @@ def _worker(rank: int, world: int, folder: str, model: str, options: dict, layou
 
 def measure(model: str, options: dict, layout: Any, budget: str | None = None, timeout: float = 600) -> list[dict]:
     """Each rank's fixed bytes and peak over one steady-state step, from ``layout.world`` spawned gloo processes."""
-    import dataclasses
-
-    from bonsai_core.bench.fsdp import spawn_ranks
-
-    return spawn_ranks(_worker, layout.world, (model, options, dataclasses.asdict(layout), budget), timeout,
-                       layout.describe())
+    return fsdp.spawn_ranks(_worker, layout.world, (model, options, dataclasses.asdict(layout), budget), timeout,
+                            layout.describe())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -230,11 +220,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """One row per layout, pipeline rank and plan: printed and (with ``--out``) appended to a Markdown file."""
-    import dataclasses
-
-    from bonsai_core.bench.fsdp import append_table
-    from bonsai_core.parallel import with_batch
-
     options = SIZES[args.model]
     rows = []
     for layout in args.layout:
@@ -249,7 +234,7 @@ def main(args: argparse.Namespace) -> int:
                 rows.append(f"| {args.model} | {spec.describe()} | {budget or 'none'} | {format_bytes(expected)} "
                             f"| {format_bytes(peak)} | {peak / expected - 1:+.2%} | {time.perf_counter() - start:.0f} s |")
                 print(rows[-1], flush=True)
-    append_table(args.out, "`bonsai bench parallel` on {date}, {machine} CPU, torch {torch}, gloo, fp32: each "
+    fsdp.append_table(args.out, "`bonsai bench parallel` on {date}, {machine} CPU, torch {torch}, gloo, fp32: each "
                  "pipeline rank's peak live bytes (largest over its ranks) against the simulator.",
                  ["model", "layout, rank", "plan", "predicted", "measured", "error", "time"], rows)
     return 0

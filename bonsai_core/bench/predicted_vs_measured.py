@@ -16,6 +16,7 @@ import argparse
 from typing import Any
 
 from bonsai_core.bench import common
+from bonsai_core.schedule import no_remat_peak
 
 # name -> options; the transformers twice: with the configs' dropout 0.1 and without
 REAL = [("tests.real_models:resnet18_bn", {}), ("tests.real_models:mobilenet_v3_small", {}),
@@ -31,7 +32,6 @@ def measure_row(name: str, options: dict) -> dict[str, Any]:
     """One model's ops and no-remat peaks: predicted with the CPU's kernels and with CUDA's, and measured."""
     from bonsai_core import models
     from bonsai_core.measure import measure_step
-    from bonsai_core.schedule import no_remat_peak
     from bonsai_core.trace import trace_model
 
     traced = trace_model(name, kernels="cpu", **options)
@@ -77,12 +77,10 @@ def page(results: dict[str, Any], header: str) -> str:
 
 
 def refusal(args: argparse.Namespace, parts: list[str]) -> str | None:
-    """Why these options cannot run, before anything is measured; None when they can."""
-    if args.report_only and len(parts) < len(PARTS):
-        return "--report-only writes the page of the stored run: --zoo, --real and --hf choose what to measure"
-    if len(parts) < len(PARTS) and (common.same_path(args.out, OUT) or args.page and common.same_path(args.page, PAGE)):
-        return f"a run of some parts writes neither {OUT}/results.json nor {PAGE}: give another --out and --page"
-    return common.page_refusal(args, OUT, PAGE)
+    """Why these options cannot run, before anything is measured (some parts write neither the page's results
+    nor the page); None when they can."""
+    narrowed = [f"--{part}" for part in parts] if len(parts) < len(PARTS) else []
+    return common.page_refusal(args, OUT, PAGE, narrowed=narrowed)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -16,9 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bonsai_core.allocator import bounded_replay
 from bonsai_core.bench.common import (add_page_arguments, fill, page_header, page_refusal, pipe_table,
                                       run_page_suite, template_source)
+from bonsai_core.parallel import layout_of
 from bonsai_core.schedule import simulate
+from bonsai_core.solvers import solve
 
 OUT = "docs/bench/published"
 SOURCES = ["bonsai_core/bench/published.py", template_source("published_rows")]
@@ -53,10 +56,6 @@ def predict_rank(graphs: Any, degrees: dict, batch: int) -> list[dict[str, Any]]
     """A row's ranks: traced three blocks a stage and repeated (``fit.RankGraphs``, node for node the whole
     trace), planned with torchtitan's full checkpointing, each one's live peak, breakdown and the reserved peak
     with expandable segments (a pipeline rank's over its whole schedule)."""
-    from bonsai_core.allocator import bounded_replay
-    from bonsai_core.parallel import layout_of
-    from bonsai_core.solvers import solve
-
     layout = layout_of(**degrees)
     start = time.perf_counter()
     ranks = graphs.ranks(layout, batch, "adamw")

@@ -8,16 +8,16 @@ the explorer's slider re-solves (checkmate's model is built once and re-solved w
 ``checkmate-highs`` and ``checkmate-scip`` are the MILP alone (``warm_start=false``); the ``-warm``
 labels are checkmate as a user gets it, started from the cheapest schedule another method finds.
 
-    bonsai bench solvers-opt --time-limit 60 -o bench-opt.jsonl
+    bonsai bench solvers-opt --time-limit 60 --out /tmp/opt   # the main table only
     bonsai bench solvers-opt --page docs/results/checkmate_moccasin.md  # the page's three studies: about 40 min
     bonsai bench solvers-opt --page docs/results/checkmate_moccasin.md --report-only
 
 ``--page`` runs every graph, method and budget of the main table, moccasin with 3 copies at 50%, and
 checkmate's warm start on and off on the 1-layer GPT at 60% (at the time limit, half of it and a sixth);
-the rows go to ``-o`` (by default the page's path with ``.jsonl``), the run's command, dates and machine
-next to them (``.run.json``), and :func:`page` writes the page from those two files alone: every number,
-ranking and comparison on it is computed from them; the fixed prose in templates/checkmate_moccasin.md
-only explains what the columns and statuses mean (``--report-only``: again, measuring nothing).
+the rows and the run's command, dates and machine go to ``--out``/results.json (docs/bench/solvers_opt), and
+:func:`page` writes the page from them alone: every number, ranking and comparison on it is computed from
+them; the fixed prose in templates/checkmate_moccasin.md only explains what the columns and statuses mean
+(``--report-only``: again, measuring nothing).
 """
 
 from __future__ import annotations
@@ -29,14 +29,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from bonsai_core.arguments import fraction_arg
 from bonsai_core.bench import common
 from bonsai_core.bench.common import budget, listing, pct, table
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph, save_graph
 from bonsai_core.schedule import no_remat_peak
+from bonsai_core.solvers import solve
 
 GRAPHS = {"gpt-l1": ("gpt", {"layers": 1}), "gpt-l2": ("gpt", {"layers": 2}),
           "resnet": ("resnet", {}), "unet": ("unet", {})}
@@ -59,15 +63,11 @@ STAT_KEYS = ("status", "gap", "variables", "constraints", "build_seconds", "solv
              "warm_start_tried")
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
 SOURCES = ["bonsai_core/bench/solvers_opt.py", common.template_source("checkmate_moccasin")]
-# What the page reads of the run file: a run without "ended" did not finish.
-RUN_KEYS = ("command", "started", "ended", "seconds", "machine", "load_end", "torch", "versions", "time_limit")
+OUT, PAGE = "docs/bench/solvers_opt", "docs/results/checkmate_moccasin.md"
 
 
 def run_one(graph_file: str, label: str, method: str, fractions: list[float], time_limit: float) -> None:
     """Solve one graph with one method at each budget; print one JSON line per budget."""
-    import warnings
-
-    from bonsai_core.solvers import solve
     from bonsai_core.solvers.views import contract_views
 
     warnings.filterwarnings("ignore")
@@ -111,50 +111,24 @@ def model_size(graph, method: str, budget: int, options: dict) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The suite's options (``--one``: the child process's own, one graph and one method)."""
-    from bonsai_core.arguments import fraction_arg
-
     p.add_argument("--graphs", nargs="+", choices=list(GRAPHS), help=f"default: {' '.join(GRAPHS)}")
     p.add_argument("--methods", nargs="+", choices=list(METHODS), help=f"default: {' '.join(DEFAULT_METHODS)}")
     p.add_argument("--budgets", nargs="+", type=fraction_arg, metavar="PCT",
                    help="shares of the no-remat peak, 70 or 70%% (default: "
                         + " ".join(f"{b * 100:g}" for b in DEFAULT_BUDGETS) + ")")
     p.add_argument("--time-limit", type=float, default=60.0)
-    p.add_argument("-o", "--output", help="the rows, one JSON line each (default bench-opt.jsonl; with --page, "
-                                          "the page's path with .jsonl)")
-    p.add_argument("--page", metavar="PAGE", help="run the page's three studies (every graph, method and budget; "
-                                                  "moccasin-c3 at 50%%; the warm start) and write the page here")
-    p.add_argument("--report-only", action="store_true",
-                   help="measure nothing: write PAGE again from the rows (-o) and the run file beside them")
+    common.add_page_arguments(p, OUT, PAGE)
     p.add_argument("--one", nargs=3, metavar=("GRAPH_FILE", "LABEL", "METHOD"), help=argparse.SUPPRESS)
 
 
-def output_path(args: argparse.Namespace) -> Path:
-    if args.output is not None:
-        return Path(args.output)
-    return Path(args.page).with_suffix(".jsonl") if args.page else Path("bench-opt.jsonl")
-
-
-def run_file(output: Path) -> Path:
-    """Where the run's command, dates and machine are kept: beside its rows."""
-    return output.with_suffix(".run.json")
-
-
-def check_page_args(args: argparse.Namespace) -> None:
-    output = output_path(args)
-    common.check_record_page(args, "every graph, method and budget", ("--graphs", "--methods", "--budgets"),
-                             [output, run_file(output)], "suite")
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def write_page(output: Path, path: str) -> None:
-    """The page from the rows in ``output`` and the run file beside them; its header names the command
-    that measured them."""
-    run = common.read_run(run_file(output), RUN_KEYS, "suite")
-    header = common.page_header(run["command"], SOURCES)
-    Path(path).write_text(page(read_rows(output), run, header, os.path.relpath(output, Path(path).parent)))
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why the options cannot run, before anything is measured: a page of less than every graph, method and
+    budget, a run without the page's studies into the page's results, or what :func:`common.page_refusal`
+    refuses."""
+    if not (args.page or args.report_only) and common.same_path(args.out, OUT):
+        return f"a run without --page measures less than {OUT}/results.json holds: give another --out"
+    return common.page_refusal(args, OUT, PAGE, narrowed=common.changed(args, ("graphs", "methods", "budgets")),
+                               whole="every graph, method and budget")
 
 
 def planned_runs(args: argparse.Namespace) -> list[tuple[str, str, str, list[float], float]]:
@@ -192,8 +166,6 @@ def run_child(graph_file: str, label: str, method: str, budgets: list[float], ti
 
 def versions() -> dict[str, str]:
     """The solver packages' versions, as the page quotes them."""
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for package in ("highspy", "pyscipopt", "ortools", "cvxpy", "torch"):
         try:
@@ -203,26 +175,16 @@ def versions() -> dict[str, str]:
     return out
 
 
-def main(args: argparse.Namespace) -> int:
-    """Each (graph, method) in a child process under a hard limit; the rows as JSON lines, then a table
-    (with ``--page``, the page's studies and the page)."""
-    if args.one:
-        run_one(*args.one, args.budgets or DEFAULT_BUDGETS, args.time_limit)
-        return 0
-    check_page_args(args)
-    output = output_path(args)
-    if args.report_only:
-        write_page(output, args.page)
-        print(f"wrote {args.page} from {output}")
-        return 0
-
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Each (graph, method) in a child process under a hard limit: the rows and the run's command, dates and
+    machine, in ``--out``/results.json after each child (a long run leaves results behind), then a table."""
     from bonsai_core.trace import trace_model
 
-    run = common.run_meta("started", versions=versions(), time_limit=args.time_limit)
-    run_file(output).write_text(json.dumps(run, indent=1))
-    output.write_text("")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"meta": common.run_meta("started", versions=versions(), time_limit=args.time_limit),
+                               "rows": []}
     start = time.perf_counter()
-    rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         graph_files: dict[str, str] = {}
         for study, label, method, budgets, limit in planned_runs(args):
@@ -232,18 +194,29 @@ def main(args: argparse.Namespace) -> int:
                 save_graph(trace_model(model, **options).graph, graph_files[label])
             for row in run_child(graph_files[label], label, method, budgets, limit):
                 row.update(study=study, load=round(os.getloadavg()[0], 1))  # the machine's load as the child ended
-                rows.append(row)
-                with output.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+                results["rows"].append(row)
                 print(json.dumps({k: row.get(k) for k in ("study", "graph", "method", "budget_share", "status",
                                                           "overhead", "gap", "wall_seconds")}), flush=True)
-    run.update(ended=common.utc_now(), seconds=round(time.perf_counter() - start, 1), load_end=round(os.getloadavg()[0], 1))
-    run_file(output).write_text(json.dumps(run, indent=1))
-    print(runs_table(rows))
-    if args.page:
-        write_page(output, args.page)
-        print(f"wrote {args.page} and {output} in {run['seconds'] / 60:.0f} min")
-    return 0
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    results["meta"].update(ended=common.utc_now(), seconds=round(time.perf_counter() - start, 1),
+                           load_end=round(os.getloadavg()[0], 1))
+    print(runs_table(results["rows"]))
+    return results
+
+
+def main(args: argparse.Namespace) -> int:
+    """``bonsai bench solvers-opt``: :func:`measure` into ``--out`` and, with ``--page``, the page's studies and
+    the page (``--one``: a child process's one graph and method)."""
+    if args.one:
+        run_one(*args.one, args.budgets or DEFAULT_BUDGETS, args.time_limit)
+        return 0
+
+    def write_page(results: dict[str, Any], path: str) -> None:
+        header = common.page_header(results["meta"]["command"], SOURCES)
+        link = os.path.relpath(Path(args.out) / "results.json", Path(path).parent)
+        Path(path).write_text(page(results["rows"], results["meta"], header, link))
+
+    return common.run_page_suite("solvers-opt", args, refusal(args), lambda: measure(args), write_page)
 
 
 # -- docs/results/checkmate_moccasin.md: every number and comparison computed from the rows and the run file --
@@ -592,12 +565,8 @@ def load_said(run: dict[str, Any], rows: Sequence[Row]) -> str:
     return f"load average at the end {run['load_end']:.1f}{during}"
 
 
-def run_link(rows_link: str) -> str:
-    return rows_link.rsplit(".", 1)[0] + ".run.json"
-
-
-def page(rows: Sequence[Row], run: dict[str, Any], header: str, rows_link: str) -> str:
-    """The whole page from one run: its rows and its run file; ``rows_link``: the rows' file as a link
+def page(rows: Sequence[Row], run: dict[str, Any], header: str, results_link: str) -> str:
+    """The whole page from one run: its rows and its ``meta`` (``run``); ``results_link``: their file as a link
     from the page."""
     main = [r for r in rows if r.get("study") == "main"]
     copies = [r for r in rows if r.get("study") == "copies"]
@@ -608,8 +577,8 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, rows_link: str) 
     return common.fill(
         "checkmate_moccasin", header=header, machine=run["machine"], load=load_said(run, rows), torch=run["torch"],
         highspy=v["highspy"], pyscipopt=v["pyscipopt"], ortools=v["ortools"], cvxpy=v["cvxpy"],
-        dates=common.run_dates(run), minutes=f"{run['seconds'] / 60:.0f}", command=run["command"], rows_link=rows_link,
-        run_file=run_link(rows_link), graphs=listing(graphs_of(main)), budgets=listing([budget(s) for s in shares_of(main)]),
+        dates=common.run_dates(run), minutes=f"{run['seconds'] / 60:.0f}", command=run["command"],
+        results_link=results_link, graphs=listing(graphs_of(main)), budgets=listing([budget(s) for s in shares_of(main)]),
         limit=seconds(limit), graph_table=graph_table(rows), runs_table=runs_table(in_cell_order(main)),
         copies=copies, copies_table=copies and runs_table(copies), warm=warm, moccasin=moccasin_values(main),
         copies_said=copies_values(copies, main), checkmate=checkmate_values(main),
