@@ -12,6 +12,13 @@ which is how fp32 matmuls are counted here); other ops run at ``flops_per_s`` an
 bound by their bytes. A kernel that fuses a chain of ops (inductor's) is priced once, for the bytes it
 reads and writes (:mod:`bonsai_core.trace.recorder`).
 
+A trace records attention as the CPU's flash kernel (``_scaled_dot_product_flash_attention_for_cpu`` and
+its backward), which stands for the GPU's flash kernel (:mod:`bonsai_core.attention`); torch's FLOP
+counter counts the GPU kernels only, so :func:`count_cpu_flash_attention` registers the same formulas for
+the CPU's. That prices attention at its FLOPs here, and AOTAutograd's partitioner, whose memory-budget
+knapsack weighs what to recompute by the FLOPs that counter gives, then sees attention's cost as it does
+on the GPU (the CPU kernel counted nothing: attention looked free to recompute).
+
 A profile also has the link to host memory that offloaded tensors cross (simulator rule 9):
 ``host_link_bytes_per_s`` per direction (datasheet peak times the same 0.8) and ``host_bytes``, the
 host memory one device may pin (the server's memory over its devices; None: no limit).
@@ -76,15 +83,43 @@ PROFILES: dict[str, DeviceProfile] = {p.name: p for p in [
 DEFAULT_PROFILE = "h100"
 
 
+def count_cpu_flash_attention() -> None:
+    """Register in ``torch.utils.flop_counter`` the FLOPs of the CPU's flash attention kernel and its
+    backward as those of the GPU's flash kernel, whose arguments they begin with (module doc); nothing
+    where torch counts them already."""
+    import torch
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    for cpu, gpu in ((aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention),
+                     (aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                      aten._scaled_dot_product_flash_attention_backward)):
+        flop_registry.setdefault(cpu, flop_registry[gpu])
+
+
+def _inner_op(func: Any, args: Any) -> tuple[Any, Any]:
+    """The op a random-state wrapper runs and its arguments (a checkpointed region under compile runs a
+    random op as ``run_and_save_rng_state(op, *args)`` in the forward, ``run_with_rng_state(state, op,
+    *args)`` in the recomputation); else ``func`` and ``args``."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    if func is run_and_save_rng_state:
+        return args[0], args[1:]
+    if func is run_with_rng_state:
+        return args[1], args[2:]
+    return func, args
+
+
 def op_cost(profile: DeviceProfile, func: Any, args: Any, kwargs: Any, out: Any) -> float:
     """Roofline cost of one aten op call on real or fake tensors: FLOPs from
     ``torch.utils.flop_counter``'s registry (matmuls, convolutions, attention; at the matrix units' rate
     for their first floating input's dtype), else about one op per output element; bytes moved are the
-    distinct input and output storages."""
+    distinct input and output storages. A random-state wrapper costs what the op it runs costs."""
     from torch.utils.flop_counter import flop_registry
 
     from bonsai_core.tensors import storage_bytes, tensors_in
 
+    func, args = _inner_op(func, args)
     counter = flop_registry.get(getattr(func, "overloadpacket", None))
     nbytes = storage_bytes((args, kwargs)) + storage_bytes(out)
     if counter is None:
@@ -92,3 +127,6 @@ def op_cost(profile: DeviceProfile, func: Any, args: Any, kwargs: Any, out: Any)
     floats = [t for t in tensors_in(args) if t.is_floating_point()]
     return profile.cost(float(counter(*args, **kwargs, out_val=out)), nbytes,
                         str(floats[0].dtype).removeprefix("torch.") if floats else None)
+
+
+count_cpu_flash_attention()  # before any trace prices attention or compiles (module doc)

@@ -795,7 +795,7 @@ class _FakeStep:
             try:
                 apply_saves(self.model, save, self.name)
                 graph = trace_compiled_step(self.model, self.inputs, self.loss_fn, self.compiled, name=self.name,
-                                            autocast=self.autocast)
+                                            autocast=self.autocast, kernels=self.kernels)
             finally:
                 remove_checkpoints(self.model)
         return self.finish(graph)
@@ -877,14 +877,15 @@ class _FakeStep:
 
 
 def compiled_plan(spec: str, graph: Graph, schedule: Schedule | None, compile: str = "model", *, seed: int = 0,
-                  fsdp: int = 1, **options: Any) -> tuple[Graph, Save]:
+                  fsdp: int = 1, kernels: str = "cuda", **options: Any) -> tuple[Graph, Save]:
     """The same plan, compiled: the step of model spec ``spec`` (built with ``options`` as
     :func:`bonsai_core.trace.trace_model` builds it, on one of ``fsdp`` ranks) compiled as ``compile`` says,
     with ``schedule``'s checkpoint regions laid onto its submodules as :func:`plan` lays them, and those
     save policies. ``graph`` is the eager step the schedule was solved on; a schedule without checkpoint
     regions (None, no remat) gives the compiled step without checkpoints. The graph's plain schedule is
     what the plan holds under torch.compile (its ``no_remat_peak``: :func:`plan`'s predicted peak under
-    ``compile``), to set beside the eager schedule's."""
+    ``compile``), to set beside the eager schedule's; ``kernels``: the device the plan is for, as ``plan``'s
+    ``device`` (the partitioner's choices: :func:`bonsai_core.trace.compiled.partitioner_for`)."""
     from torch._guards import detect_fake_mode
 
     from bonsai_core.trace import built_for_tracing
@@ -899,6 +900,7 @@ def compiled_plan(spec: str, graph: Graph, schedule: Schedule | None, compile: s
     with built_for_tracing(spec, seed, **options) as (model, inputs, loss_fn):
         step = _FakeStep(detect_fake_mode(inputs), model, tuple(inputs), loss_fn, spec, compiled=compile)
         step.mixed_precision, step.finish = sharding.mixed_precision, lambda g: sharding.shard(g, model)
+        step.kernels = kernels
         save = step.laid_out(graph, schedule)[0].save if regions else {}
         return step.compiled_graph(save), save
 

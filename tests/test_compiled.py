@@ -8,6 +8,7 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -178,7 +179,8 @@ def test_the_one_call_refuses_a_compile_it_cannot_trace() -> None:
 
 def _predicted_transient(spec: str, options: dict, mode: str, checkpointing: str | None = None) -> int:
     with built_for_tracing(spec, 0, **options) as (model, inputs, loss_fn):
-        graph = trace_compiled_step(model, inputs, loss_fn, mode, name=spec, checkpointing=checkpointing)
+        graph = trace_compiled_step(model, inputs, loss_fn, mode, name=spec, checkpointing=checkpointing,
+                                    kernels="cpu")
     return no_remat_peak(graph) - graph.fixed_mem
 
 
@@ -228,10 +230,10 @@ def test_the_same_plan_compiled_is_the_one_calls_compiled_step() -> None:
 
     model, inputs, loss_fn = models.build("gpt", layers=1)
     made = bonsai.plan(model, inputs, loss_fn, budget="70%", compile=True, cache=False, device="cpu")
-    graph, save = compiled_plan("gpt", made.graph, made.schedule, "model", layers=1)
+    graph, save = compiled_plan("gpt", made.graph, made.schedule, "model", layers=1, kernels="cpu")
     assert save == made.save and save
     assert no_remat_peak(graph) == made.report.predicted_peak
-    unplanned, none = compiled_plan("gpt", made.graph, None, "model", layers=1)
+    unplanned, none = compiled_plan("gpt", made.graph, None, "model", layers=1, kernels="cpu")
     assert none == {} and no_remat_peak(unplanned) == made.report.no_remat_peak > made.report.predicted_peak
     with pytest.raises(ScheduleError, match="not on"):
         compiled_plan("gpt", made.graph, Schedule("other", "none", [], graph_hash="0" * 16), "model", layers=1)
@@ -359,3 +361,40 @@ def test_the_compiled_search_steps_by_the_secant_of_what_it_traced(tried, low, h
     from bonsai_core.training import _next_plan_budget
 
     assert _next_plan_budget(tried, 100, low, high) == expected
+
+
+# -- the partitioner's choices as on the device the plan is for -----------------------------------
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 256, 64))
+
+
+def _attention_runs(kernels: str) -> list[str]:
+    """The phases of the CPU flash kernel's forward runs in the attention step compiled under torch's memory
+    budget 0.5, its partitioner choosing as on ``kernels``' device."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        graph = trace_compiled_step(_Attention(), (torch.randn(2, 256, 64),), lambda y: y.square().mean(),
+                                    checkpointing="budget:0.5", kernels=kernels)
+    return ["forward" if graph.is_forward[i] else "backward" for i, op in enumerate(graph.ops)
+            if op == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
+
+
+def test_the_partitioner_recomputes_attention_as_its_device_would() -> None:
+    """On the CPU the partitioner takes its flash kernel as free to recompute (it is not in its list of
+    compute-intensive ops); on a GPU the flash kernel it stands for is, so the plan for a GPU saves it."""
+    from torch._functorch import partitioners
+
+    from bonsai_core.trace.compiled import partitioner_for
+
+    assert _attention_runs("cpu") == ["forward", "backward"]
+    assert _attention_runs("cuda") == ["forward"]
+    cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    with partitioner_for("cuda"):
+        assert cpu_flash in partitioners.get_default_op_list().compute_intensive_ops
+    assert cpu_flash not in partitioners.get_default_op_list().compute_intensive_ops  # put back

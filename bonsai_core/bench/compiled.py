@@ -66,9 +66,10 @@ def _mode(spec: str) -> str:
 
 
 def _compiled_graph(spec: str, options: dict[str, Any], checkpointing: str | None = None) -> Any:
+    """The step compiled on this CPU, as measured here: the CPU's partitioner choices (``kernels="cpu"``)."""
     from bonsai_core.trace import trace_model
 
-    return trace_model(spec, compile=_mode(spec), ac=checkpointing, **options).graph
+    return trace_model(spec, compile=_mode(spec), ac=checkpointing, kernels="cpu", **options).graph
 
 
 def cpu_row(spec: str, options: dict[str, Any], variant: str) -> dict[str, Any]:

@@ -141,7 +141,8 @@ def trace_model(name: str, profile: str = DEFAULT_PROFILE, seed: int = 0, autoca
 
                     start = time.perf_counter()
                     graph = trace_compiled_step(model, inputs, loss_fn, compile, name=label, profile=profile,
-                                                autocast=autocast, checkpointing=ac, float8=float8)
+                                                autocast=autocast, checkpointing=ac, float8=float8,
+                                                kernels=kernels)
                     traced = Traced(graph, None, [], time.perf_counter() - start)
             traced.graph = sharding.shard(traced.graph, model)
         return traced

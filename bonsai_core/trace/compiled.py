@@ -12,7 +12,9 @@ storage by storage (:mod:`bonsai_core.trace.recorder`) into a Graph whose plain 
 Everything comes from torch's own code; nothing of the partitioner or inductor is modelled here.
 
 Inductor's choices depend on its device: the CPU's C++ back-end fuses what it fuses, a GPU's Triton
-back-end what it does. The trace compiles for the device of the model's fake tensors (the CPU).
+back-end what it does. The trace compiles for the device of the model's fake tensors (the CPU). The
+partitioner's choices depend on which attention kernel the step runs: traced for a GPU (``kernels="cuda"``)
+it treats the CPU's flash kernel as the GPU's flash kernel it stands for (:func:`partitioner_for`).
 """
 
 from __future__ import annotations
@@ -153,15 +155,43 @@ def compiled(model: nn.Module, mode: str) -> Iterator[nn.Module]:
         torch._dynamo.reset()  # what was compiled here runs no kernel: never let a later real call reuse it
 
 
+@contextlib.contextmanager
+def partitioner_for(kernels: str) -> Iterator[None]:
+    """Within: AOTAutograd's partitioner choosing as it does on ``kernels``' device ("cpu" or "cuda"). Its
+    compute-intensive ops are never recomputed by its min-cut, and its memory-budget knapsack weighs
+    recomputing them by their FLOPs; the list names the GPU's attention kernels, not the CPU's flash
+    kernel a trace records in their place (:mod:`bonsai_core.attention`), which it would take as free to
+    recompute. For ``"cuda"`` that kernel joins the list; for ``"cpu"`` the partitioner is left as is."""
+    from torch._functorch import partitioners
+
+    if kernels == "cpu":
+        yield
+        return
+    original = partitioners.get_default_op_list
+
+    def op_list() -> Any:
+        ops = original()
+        ops.compute_intensive_ops.add(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+        return ops
+
+    partitioners.get_default_op_list = op_list
+    try:
+        yield
+    finally:
+        partitioners.get_default_op_list = original
+
+
 def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
                         compile: str = "model", name: str = "model", profile: str = DEFAULT_PROFILE,
-                        autocast: str | None = None, checkpointing: str | None = None, float8: bool = False) -> Graph:
+                        autocast: str | None = None, checkpointing: str | None = None, float8: bool = False,
+                        kernels: str = "cuda") -> Graph:
     """One training step of ``model`` (fake tensors, built under the ambient ``FakeTensorMode``) compiled
     as ``compile`` says, recorded as it runs into a Graph (module doc). Gradients persist from step to
     step, as ``zero_grad(set_to_none=False)`` keeps them: a first step compiles and allocates them, the
     second is recorded. The graph's fixed memory is the parameters, the gradients the first step made,
     the buffers, the batch and what the step reads that existed before it (constants). ``checkpointing``:
-    see :func:`checkpointed`; ``float8``: the linears first converted (:func:`float8_linears`)."""
+    see :func:`checkpointed`; ``float8``: the linears first converted (:func:`float8_linears`); ``kernels``:
+    the device whose partitioner's choices to trace (:func:`partitioner_for`)."""
     if float8:
         float8_linears(model)
     from bonsai_core.trace.patches import autocast_context
@@ -177,8 +207,8 @@ def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss
             recorder.phase = "backward"
         loss.backward()
 
-    with inductor_without_kernels(), torch.enable_grad(), checkpointed(model, checkpointing), \
-            compiled(model, compile) as runnable:
+    with inductor_without_kernels(), partitioner_for(kernels), torch.enable_grad(), \
+            checkpointed(model, checkpointing), compiled(model, compile) as runnable:
         try:
             step(runnable)  # compiles, and allocates the gradients
         except ModelError:
