@@ -23,7 +23,7 @@ import numpy as np
 
 from bonsai_core.bench import bonsai as suite
 from bonsai_core.bench import common
-from bonsai_core.bench.common import TIE, budget, budgets_said, compare, listing, median, pct2, table
+from bonsai_core.bench.common import TIE, budget, compare, median, pct2, table
 from bonsai_core.bound import lower_bound
 from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError
@@ -339,17 +339,11 @@ def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, An
             unfit.setdefault(m, []).append(f)
     timed = [(r["wall_seconds"], m, f) for (m, f), c in cells.items() for r in [c["bonsai"]] if ok(r)]
     return {"cheapest": len(cheapest), "contested": len(contested),
-            "beaten": [beaten_cell(m, f, c) for (m, f), c in contested.items() if (m, f) not in cheapest],
-            "nowhere": [f"{model_name(m)} at {budgets_said(fs)}" for m, fs in unfit.items()],
+            "beaten": [(m, f, [(x, o) for x, o in c.items() if x != "bonsai" and (c.get("bonsai") is None
+                                                                                 or o < c["bonsai"] - TIE)], c.get("bonsai"))
+                       for (m, f), c in contested.items() if (m, f) not in cheapest],
+            "nowhere": unfit,
             "median": median(t for t, _, _ in timed), "longest": max(timed, default=None)}
-
-
-def beaten_cell(model: str, fraction: float, costs: dict[str, float]) -> str:
-    """``resnet at 50% (dtr +30.00% against +31.00%)``: the methods cheaper than bonsai in one cell."""
-    mine = costs.get("bonsai")
-    cheaper = [f"{m} {pct2(o)}" for m, o in costs.items() if m != "bonsai" and (mine is None or o < mine - TIE)]
-    return (f"{model_name(model)} at {budget(fraction)} ({listing(cheaper)} "
-            + (f"against {pct2(mine)})" if mine is not None else "where bonsai finds none)"))
 
 
 def smallest_table(rows: Sequence[Row]) -> str:
@@ -478,30 +472,16 @@ def reaches_bound(e: dict[str, Any], key: str) -> bool:
     return e[key] is not None and e[key] <= e["region_bound"]
 
 
-def unet_prose(entries: Sequence[dict[str, Any]]) -> str:
-    exact = [f"the {e['label']}" for e in entries if reaches_bound(e, "reach_dropped")]
-    plain = [f"the {e['label']}" for e in entries if reaches_bound(e, "reach")]
-    if exact:
-        lead = (f"Bonsai with `drop_outputs` reaches the region bound exactly on {listing(exact)}"
-                + (f", without it on {listing(plain)}" if plain else " (without it, on neither)"))
-    else:
-        lead = "Bonsai reaches the region bound on neither, even with `drop_outputs`"
-    graphs: dict[tuple[str, str], list[str]] = {}  # the same outcome said once for the graphs that share it
+def unet_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The graphs where bonsai reaches the region bound with ``drop_outputs`` and without; halfway between the
+    per-op bound and the no-remat peak, (who fits, who proved it, the graphs with that outcome)."""
+    halves: dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]] = {}
     for e in entries:
-        graphs.setdefault(half_outcome(e), []).append(f"the {e['label']}")
-    halves = [f"{verb} {listing(names)}{proof}" for (verb, proof), names in graphs.items()]
-    return lead + ". Halfway between the per-op bound and the no-remat peak, " + "; ".join(halves) + "."
-
-
-def half_outcome(e: dict[str, Any]) -> tuple[str, str]:
-    """Who fits one graph at half and who proved it: (``moccasin and checkmate fit``, `` (each proven optimal)``)."""
-    fit = [m for m, o in e["at_half"].items() if o["ok"]]
-    if not fit:
-        return "no method fits", ""
-    proven = [m for m in fit if e["at_half"][m]["status"] == "optimal"]
-    proof = ("" if not proven else " (proven optimal)" if proven == fit == fit[:1] else " (each proven optimal)"
-             if proven == fit else f" ({listing(proven)} proven optimal)")
-    return f"{listing(fit)} fit{'s' if len(fit) == 1 else ''}", proof
+        fit = tuple(m for m, o in e["at_half"].items() if o["ok"])
+        halves.setdefault((fit, tuple(m for m in fit if e["at_half"][m]["status"] == "optimal")), []).append(e["label"])
+    return {"exact": [e["label"] for e in entries if reaches_bound(e, "reach_dropped")],
+            "plain": [e["label"] for e in entries if reaches_bound(e, "reach")],
+            "halves": [(fit, proven, labels) for (fit, proven), labels in halves.items()]}
 
 
 def headroom_share(e: dict[str, Any]) -> float | None:
@@ -535,12 +515,12 @@ def bound_share(e: dict[str, Any]) -> float | None:
     return None if e["reach"] is None or gap <= 0 else (e["region_bound"] - e["lower_bound"]) / gap
 
 
-def region_share(entries: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
+def region_share(entries: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, str]]]:
     """The graphs where the region bound explains more than half of bonsai's distance from the per-op bound,
-    and those where it explains less."""
+    and those where it explains less: (that share, the graph)."""
     shares = [(bound_share(e), e["label"]) for e in entries]
-    return {"most": [f"`{label}` ({s:.0%})" for s, label in shares if s is not None and s > 0.5],
-            "less": [f"`{label}` ({s:.0%})" for s, label in shares if s is not None and s <= 0.5]}
+    return {"most": [(s, label) for s, label in shares if s is not None and s > 0.5],
+            "less": [(s, label) for s, label in shares if s is not None and s <= 0.5]}
 
 
 # moccasin at 40%
@@ -642,7 +622,7 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         self_contained=self_contained_values(s), dropped_table=dropped_table(s), **dropped_values(s),
         resolves=resolves(rows, s["drag"]), tie=TIE,
         unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()], unet_table=unet_table(s["unets"]),
-        unet_prose=unet_prose(s["unets"]), headroom=headroom_values(s["headroom"]),
+        unet=unet_values(s["unets"]), headroom=headroom_values(s["headroom"]),
         others_table=others_table(s["others"]),
         region_share=region_share(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_rows=moccasin_rows(s),
         checkmate=checkmate_values(s.get("checkmate") or []), real_steps=real_steps_values(s.get("real_steps") or []),
