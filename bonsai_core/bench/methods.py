@@ -420,18 +420,14 @@ def markdown_report(rows: list[dict[str, Any]], reach: Sequence[dict[str, Any]] 
             costs = feasible(cell)
             best = min(costs.values()) if costs else None
             table.append({"budget": f"{fraction:.0%}", **{m: _cell(cell.get(m), best) for m in methods}})
-            b = cell.get("bonsai")
-            if best is not None and b is not None and not bonsai_cheapest(cell):
-                not_best.append(f"{model} at {fraction:.0%}: best is {min(costs, key=costs.get)} ({best:+.2%}); "
-                                "bonsai " + (f"{b['overhead']:+.2%}" if b["feasible"]
-                                             else f"not feasible ({b['note'] or b['status']})"))
+            if best is not None and "bonsai" in cell and not bonsai_cheapest(cell):
+                not_best.append((model, fraction, min(costs, key=costs.get), best, cell["bonsai"]))
         models.append((model, nodes(by_budget), _markdown(table)))
     cells = contested(cells_by_model(rows))
-    misses = [f"{model} at {f:.0%}: {rival} {feasible(c)[rival]:+.2%}, bonsai "
-              + (f"{c['bonsai']['overhead']:+.2%}" if fits(c, "bonsai") else "not feasible")
-              for model, f, c, rival in plan_space_rivals(cells)]
     return common.fill("bench_results", models=models, reach_table=reach_table(list(reach)), not_best=not_best,
-                       cheapest=sum(bonsai_cheapest(c) for _, _, c in cells), contested=len(cells), misses=misses,
+                       cheapest=sum(bonsai_cheapest(c) for _, _, c in cells), contested=len(cells),
+                       misses=[(model, f, rival, feasible(c)[rival], feasible(c).get("bonsai"))
+                               for model, f, c, rival in plan_space_rivals(cells)],
                        solver_table=solver_cost_table(rows))
 
 
