@@ -150,6 +150,12 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], align: str = ""
     return frame.to_markdown(index=False, colalign=colalign, disable_numparse=True)
 
 
+def table_of_lines(text: str, *columns: str) -> str:
+    """A template's block as a :func:`table`: a row a line (blank lines left out), its cells split at `` | ``
+    (``{% filter table("what", "measured") %}``)."""
+    return table(columns, [line.split(" | ") for line in text.split("\n") if line.strip()])
+
+
 def pipe_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A markdown table as the pages written by hand set them: ``| a | b |`` lines, no padding."""
     return "\n".join(f"| {' | '.join(map(str, cells))} |" for cells in [columns, ["---"] * len(columns), *rows])
@@ -170,7 +176,8 @@ def _jinja() -> Any:
                              keep_trailing_newline=True, autoescape=False)
     env.filters.update(pct=pct, pct2=pct2, budget=budget, budgets=budgets_said, mib=mib, listing=listing,
                        capitalized=capitalized, said=said, bytes=format_bytes, fmt=format,
-                       median=median, pct_or_fails=pct_or_fails, sep=sep)
+                       median=median, pct_or_fails=pct_or_fails, sep=sep,
+                       table=table_of_lines)
     return env
 
 

@@ -32,7 +32,6 @@ from bonsai_core.graph import load_graph, save_graph
 from bonsai_core.regions import CheckpointPlan
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
-from bonsai_core.units import format_bytes
 
 SOURCES = ["bonsai_core/bench/explorer_page.py", "explorer/browser.py", common.template_source("explorer")]
 DEFAULT_OUT = "docs/bench/explorer"
@@ -446,70 +445,15 @@ def module_graph_facts(results: dict[str, Any]) -> dict[str, Any]:
             "llama_trace": browser.LLAMA_32 if traced else None}
 
 
-def lifetimes_table(results: dict[str, Any]) -> str:
-    """What the lifetimes and the scrubber measured, a line each."""
-    browser = harness()
-    b = results["browser"]
-    lines = []
-    for r in results["lifetimes"]:
-        grouped = f", tensors under {format_bytes(r['threshold'])} grouped per module" if r["threshold"] else ""
-        lines.append([f"{r['graph']} ({r['ops']:,} ops, {r['steps']:,} schedule steps), {r['method']} at {SHARE:.0%}",
-                      f"bars {ms(r['bars_s'])} ({r['bars']:,} bars{grouped}), chart rows and spec {ms(r['chart_s'])}, "
-                      f"step line {ms(r['step_line_s'])}, reasons of {r['explained']} of {r['regions']} regions "
-                      f"{secs(r['reasons_s'])} (the solve: {secs(r['solve_s'])})"])
-    first, again = b["memory_first"], b["memory_again"]
-    lines.append(["Memory page of the default model in a new session until both charts are drawn and the server idle",
-                  f"the server's first {secs(first['charts_s'])}, the next {secs(again['charts_s'])}"])
-    lines.append([f"{SCRUB_PRESSES} arrow-key steps of the scrubber until the step line changed",
-                  f"{spread([first['scrub_s'], again['scrub_s']])} (in those two sessions)"])
-    for key, link in (("gpt2_link", browser.GPT2_LINK), ("large_link", browser.LARGE_LINK)):
-        if key in b:
-            lines.append([f"`{link}` in a new session: trace, solve, both charts",
-                          f"{secs(b[key]['charts_s'])}; one scrubber step (Home key) {secs(b[key]['scrub_s'])}"])
-    return common.table(["what", "measured"], lines)
-
-
 def first_words(alert: str) -> str:
     """An alert's message as the page shows it, without its icon's name ("error")."""
     return next((line for line in alert.splitlines() if line.strip() and line.strip() != "error"), alert)
 
 
-def titan_table(results: dict[str, Any]) -> str:
-    """What the 8B step's session measured, a line each."""
-    browser = harness()
-    t = results["titan"]
-    b, f = t["browser"], t["fit"]
-    first = (f"no plan, the page said \"{first_words(b['first_plan_error'])}\"" if b.get("first_plan_error")
-             else "its plan and charts")
-    lines = [["trace (in-process)", f"{secs(t['trace_s'])} ({t['ops']:,} ops)"],
-             [f"upload as JSON at {browser.TITAN_8B_BUDGET}% until the Model page shows it", secs(b["upload_s"])],
-             [f"open the Memory page until bonsai's first solve at {browser.TITAN_8B_BUDGET}% is drawn",
-              f"{secs(b['first_plan_s'])}: {first}"],
-             [f"a drag to {b['during']['pct']}% while the sweep runs ({b['during']['sweep'] or 'not started'})",
-              f"{secs(b['during']['seconds'])}, " + ("the nearest solved plan shown, marked" if b["during"]["stand_in"]
-                                                     else "its own plan")]]
-    swept = re.search(r"Swept (\d+) of (\d+) budgets in (\d+) s", b["sweep"]["said"])
-    if swept:
-        done, total, seconds = int(swept.group(1)), int(swept.group(2)), int(swept.group(3))
-        lines.append(["the slider swept in the background", f"{done} of {total} positions in {seconds} s"
-                      + ("" if b["sweep"]["done"] else f" when the run stopped waiting ({b['sweep']['waited_s']:.0f} s)")
-                      + f", {against(seconds, SWEEP_TARGET) if b['sweep']['done'] else 'not done'}"])
-    after = [seconds for _, seconds, _ in b["after"]]
-    if after:
-        lines.append(["drags after the sweep", ", ".join(f"{p}% {secs(s_)}" + (" (nearest)" if near else "")
-                                                         for p, s_, near in b["after"])
-                      + f": median {secs(statistics.median(after))}, the slowest {secs(max(after))}, "
-                      f"{against(max(after), SLIDER_TARGET)}"])
-    lines.append([f"the plan at {b['read_at']}% as the page reads it (after the sweep)",
-                  (f"{b['rebuilds']} rebuilds in {b['patterns']} patterns (the events table's rows)"
-                   if b.get("patterns") else "its rebuilds did not read as patterns")
-                  + f"; the lifetimes' legend {b['legend']} entries"])
-    last = max((a[3] for a in f["answers"]), default=0.0)
-    lines.append([f"What fits, the page's defaults (GPU {format_bytes(f['limit'])}: twice the step's lower bound)",
-                  f"{secs(f['seconds'])}, {against(f['seconds'], FIT_TARGET)}; {len(f['answers'])} answers, the last "
-                  f"after {secs(last)}; traced " + (", ".join(f"batch {k} {secs(v)}" for k, v in f["traces"].items())
-                                                     or "nothing")])
-    return common.table(["what", "measured"], lines)
+def swept(titan: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(positions swept, of how many, in how many seconds) as the 8B step's page said them; None before it did."""
+    found = re.search(r"Swept (\d+) of (\d+) budgets in (\d+) s", titan["browser"]["sweep"]["said"])
+    return tuple(map(int, found.groups())) if found else None
 
 
 def page(results: dict[str, Any], header: str) -> str:
@@ -520,9 +464,10 @@ def page(results: dict[str, Any], header: str) -> str:
         yardstick=results["yardstick_s"], slider=results["browser"]["slider_s"],
         paint=results["browser"]["first_paint_s"], sessions=sessions_facts(results),
         module_graph=module_graph_facts(results), regions_at_once=REGIONS_AT_ONCE, time_limit=TIME_LIMIT,
-        lifetimes_table=lifetimes_table(results), traces=results["traces"], titan_8b=browser.TITAN_8B,
-        titan_budget=browser.TITAN_8B_BUDGET, titan_table=titan and titan_table(results),
-        fit_table=titan and titan["fit"]["table"], targets={
+        run=results, browser=browser, share=SHARE, scrub_presses=SCRUB_PRESSES, ms=ms, first_words=first_words,
+        swept=titan and swept(titan), traces=results["traces"], titan_8b=browser.TITAN_8B,
+        titan_budget=browser.TITAN_8B_BUDGET, titan=titan,
+        targets={
             "slider": SLIDER_TARGET, "first_paint": FIRST_PAINT_TARGET, "sessions": SESSIONS_TARGET,
             "module_view": MODULE_VIEW_TARGET, "sweep": SWEEP_TARGET, "fit": FIT_TARGET},
         secs=secs, spread=spread, against=against)
