@@ -313,21 +313,6 @@ def model_name(label: str) -> str:
     return GRAPHS["gpt4"][0] if label == suite.GPT4 else f"`{label}`"
 
 
-def bonsai_cell(r: Row) -> str:
-    if not ok(r):
-        return "no plan"
-    gap = f", gap {r['gap']:.2%}" if r.get("gap") else ""
-    return f"{pct2(r['overhead'])} ({seconds_said(r)}, {r['variables']} vars, {r['status']}{gap})"
-
-
-def solve_table(cells: dict[tuple[str, float], dict[str, Row]], methods: Sequence[str]) -> str:
-    others = [m for m in methods if m != "bonsai"]
-    return table(["model", "nodes", "budget", "bonsai: overhead (wall, vars, status)", *others],
-                 [[model_name(model), cell["bonsai"]["nodes"], budget(f), bonsai_cell(cell["bonsai"]),
-                   *(pct2(c["overhead"]) if ok(c) else "no schedule" for c in (cell[m] for m in others))]
-                  for (model, f), cell in cells.items()])
-
-
 def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, Any]:
     """Where bonsai is the cheapest of the methods compared, where another is, and the longest solve."""
     fitting = {k: {m: r["overhead"] for m, r in c.items() if ok(r)} for k, c in cells.items()}
@@ -346,28 +331,14 @@ def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, An
             "median": median(t for t, _, _ in timed), "longest": max(timed, default=None)}
 
 
-def smallest_table(rows: Sequence[Row]) -> str:
-    return table(["model", "bonsai's model (min-peak MILP status)", "chen", "per-op bound"],
-                 [[model_name(r["model"]), f"{share(r['bonsai'], r['plain_peak'])} ({r['bonsai_status']})",
-                   share(r["chen"], r["plain_peak"]), share(r["lower_bound"], r["plain_peak"])] for r in rows])
-
-
-def granularity_table(rows: Sequence[Row]) -> str:
-    return table(["granularity", "candidates", "ILP candidates", "vars", "wall s", "status", "overhead"],
-                 [[r["granularity"], r["candidates"], r["ilp_candidates"], r["variables"], f"{r['wall_seconds']:.2f}",
-                   r["status"], pct2(r["overhead"])] if ok(r) else [r["granularity_asked"], r["error"], *[""] * 5]
-                  for r in rows])
-
-
 def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
     cells = solve_cells(rows)
     methods = list(dict.fromkeys(m for c in cells.values() for m in c))
     smallest = [r for r in rows if r.get("sweep") == "smallest"]
     gran = [r for r in rows if r.get("sweep") == "granularity"]
-    return {"compared": [m for m in methods if m != "bonsai"], "solve_table": solve_table(cells, methods),
-            "solved": solve_values(cells), "smallest": smallest and smallest_table(smallest),
-            "granularity": gran and {"model": gran[0]["model"], "fraction": gran[0]["fraction"],
-                                     "table": granularity_table(gran), "rows": gran}}
+    return {"compared": [m for m in methods if m != "bonsai"], "cells": cells,
+            "solved": solve_values(cells), "smallest": smallest,
+            "granularity": gran and {"model": gran[0]["model"], "fraction": gran[0]["fraction"], "rows": gran}}
 
 
 # self-contained nodes and dropped outputs
@@ -376,17 +347,10 @@ def option_rows(study: dict[str, Any], key: str, variant: str) -> list[Row]:
     return study["options"][key][variant]
 
 
-def self_contained_table(study: dict[str, Any]) -> str:
-    rows = []
-    for key in study["options"]:
-        for rebuilt, saved in zip(option_rows(study, key, "rebuilt"), option_rows(study, key, "saved")):
-            better = ok(saved) and ok(rebuilt) and saved["overhead"] < rebuilt["overhead"] - TIE
-            cell = f"**{pct2(saved['overhead'])}**" if better else pct2(saved["overhead"]) if ok(saved) else "no plan"
-            rows.append([GRAPHS[key][0], budget(saved["fraction"]), pct2(rebuilt["overhead"]) if ok(rebuilt) else
-                         "no plan", cell, seconds_said(saved) if ok(saved) else "-",
-                         saved["self_contained_saved"] if ok(saved) else "-"])
-    return table(["graph", "budget", "rebuilt (`save_self_contained=False`)", "saved (default)", "wall s (default)",
-                  "self-contained nodes saved"], rows)
+def option_pairs(study: dict[str, Any], a: str, b: str) -> list[tuple[str, Row, Row]]:
+    """(graph, its row with option ``a``, with ``b``) per graph and budget of the options study."""
+    return [(GRAPHS[key][0], ra, rb) for key in study["options"]
+            for ra, rb in zip(option_rows(study, key, a), option_rows(study, key, b))]
 
 
 def pairs(study: dict[str, Any], key: str, a: str, b: str) -> list[tuple[float, float | None, float | None]]:
@@ -405,21 +369,6 @@ def self_contained_values(study: dict[str, Any]) -> list[dict[str, Any]]:
              "c": compare(pairs(study, key, "saved", "rebuilt")),
              "saved": [r["self_contained_saved"] for r in option_rows(study, key, "saved") if ok(r)]}
             for key in study["options"]]
-
-
-def dropped_cell(r: Row) -> str:
-    if not ok(r):
-        return "no plan"
-    return (f"{pct2(r['overhead'])} ({r['wall_seconds']:.1f} s, {r['variables']} vars), "
-            f"{r['outputs_dropped']} of {r['recomputed_segments']} recomputed segments drop outputs")
-
-
-def dropped_table(study: dict[str, Any]) -> str:
-    return table(["graph", "budget", "outputs kept (default): overhead (s, vars)", "outputs may drop (`drop_outputs=True`)"],
-                 [[GRAPHS[key][0], budget(kept["fraction"]), f"{pct2(kept['overhead'])} ({kept['wall_seconds']:.1f} s, "
-                   f"{kept['variables']} vars)" if ok(kept) else "no plan", dropped_cell(dropped)]
-                  for key in study["options"]
-                  for kept, dropped in zip(option_rows(study, key, "saved"), option_rows(study, key, "dropped"))])
 
 
 def dropped_values(study: dict[str, Any]) -> dict[str, Any]:
@@ -457,17 +406,6 @@ def at(o: Row) -> str:
     return f"{pct2(o['overhead'])} ({o['status']})" if o["ok"] else "no plan"
 
 
-def unet_table(entries: Sequence[dict[str, Any]]) -> str:
-    return table(["graph", "nodes", "per-op bound", "region bound (at)", "bonsai reaches", "with `drop_outputs`",
-                  "at half: bonsai", "moccasin", "checkmate",
-                  "at the region bound: bonsai (`drop_outputs`) / moccasin"],
-                 [[e["label"], e["nodes"], share(e["lower_bound"], e["plain_peak"]),
-                   f"{share(e['region_bound'], e['plain_peak'])} (`{e['region_node']}`)",
-                   share(e["reach"], e["plain_peak"]), share(e["reach_dropped"], e["plain_peak"]),
-                   *(at(e["at_half"][m]) for m in ("bonsai", "moccasin", "checkmate")),
-                   f"{at(e['at_bound']['bonsai'])} / {at(e['at_bound']['moccasin'])}"] for e in entries])
-
-
 def reaches_bound(e: dict[str, Any], key: str) -> bool:
     return e[key] is not None and e[key] <= e["region_bound"]
 
@@ -496,17 +434,6 @@ def headroom_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "none": [e["label"] for e in entries if (headroom_share(e) or 0.0) <= 0],
             "widths": sorted({w for w, _ in HEADROOM_SIZES}), "seqs": sorted({s for _, s in HEADROOM_SIZES}),
             "options": HEADROOM_OPTIONS}
-
-
-def others_table(entries: Sequence[dict[str, Any]]) -> str:
-    rows = []
-    for (name, options), e in zip(OTHER_AUTHORS, entries):
-        p = e["plain_peak"]
-        size = ", ".join(f"{k} {v}" for k, v in options.items())
-        model = f"`{name}`" if name.startswith("hf:") else f"zoo `{name}`"
-        rows.append([f"{model} ({size})", share(e["lower_bound"], p),
-                     f"{share(e['region_bound'], p)} (`{e['region_node']}`)", share(e["reach"], p)])
-    return table(["model (`trace_model` size)", "per-op bound", "region bound (at)", "bonsai reaches"], rows)
 
 
 def bound_share(e: dict[str, Any]) -> float | None:
@@ -618,12 +545,12 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         "bonsai", header=header, meta=meta, dates=common.run_dates(meta), results_link=results_link,
         time_limit=f"{meta['time_limit']:g}", s=s, graphs=graphs, share=share, at=at, flags=flags,
         model_name=model_name, gpt2_flags=flags(GPT2_OPTIONS), larger_unet_flags=flags(LARGER_UNET),
-        points=points, points_range=points_range, self_contained_table=self_contained_table(s),
-        self_contained=self_contained_values(s), dropped_table=dropped_table(s), **dropped_values(s),
-        resolves=resolves(rows, s["drag"]), tie=TIE,
-        unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()], unet_table=unet_table(s["unets"]),
+        points=points, points_range=points_range, option_pairs=lambda a, b: option_pairs(s, a, b), tie=TIE,
+        self_contained=self_contained_values(s), **dropped_values(s),
+        resolves=resolves(rows, s["drag"]),
+        unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()],
         unet=unet_values(s["unets"]), headroom=headroom_values(s["headroom"]),
-        others_table=others_table(s["others"]),
+        others=list(zip(OTHER_AUTHORS, s["others"])),
         region_share=region_share(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_rows=moccasin_rows(s),
         checkmate=checkmate_values(s.get("checkmate") or []), real_steps=real_steps_values(s.get("real_steps") or []),
         **suite_values(rows))
