@@ -150,10 +150,10 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], align: str = ""
     return frame.to_markdown(index=False, colalign=colalign, disable_numparse=True)
 
 
-def table_of_lines(text: str, *columns: str) -> str:
+def table_of_lines(text: str, *columns: str, align: str = "") -> str:
     """A template's block as a :func:`table`: a row a line (blank lines left out), its cells split at `` | ``
     (``{% filter table("what", "measured") %}``)."""
-    return table(columns, [line.split(" | ") for line in text.split("\n") if line.strip()])
+    return table(columns, [line.split(" | ") for line in text.split("\n") if line.strip()], align)
 
 
 def pipe_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

@@ -392,78 +392,30 @@ def _write(rows: list[dict[str, Any]], reach: list[dict[str, Any]], out: Path) -
     (out / "results.md").write_text(markdown_report(rows, reach))
 
 
-def reach_table(reach: list[dict[str, Any]]) -> str:
-    """The smallest budget each method reaches per model, as shares of its no-remat peak, next to
-    the per-op lower bound that no schedule can go below."""
-    if not reach:
-        return ""
-    methods = [m for m in REACH_METHODS if any(r.get(m) is not None or r.get(f"{m}_status") for r in reach)]
-    table = []
-    for r in reach:
-        cells = {m: share(r, m) for m in methods}
-        if "bonsai" in cells and r.get("bonsai_status") not in (None, "optimal"):
-            cells["bonsai"] += f" ({r.get('bonsai_status')}, not proven)"
-        table.append({"model": f"{r['model']} ({r['nodes']} nodes)", "no-remat peak": common.mib(r["no_remat_peak"]),
-                      "per-op bound": share(r, "lower_bound"), **cells})
-    return _markdown(table)
-
-
 def markdown_report(rows: list[dict[str, Any]], reach: Sequence[dict[str, Any]] = ()) -> str:
     """results.md: one table per model (budget x method: overhead, or why it failed), best feasible in bold,
     the smallest budget each method reaches, the budgets where bonsai is not the best, said plainly, the cells
     where a plan of its space beats it, and the solver cost."""
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    models, not_best = [], []
-    for model, by_budget in cells_by_model(rows).items():
-        table = []
-        for fraction, cell in by_budget.items():
-            costs = feasible(cell)
-            best = min(costs.values()) if costs else None
-            table.append({"budget": f"{fraction:.0%}", **{m: _cell(cell.get(m), best) for m in methods}})
-            if best is not None and "bonsai" in cell and not bonsai_cheapest(cell):
-                not_best.append((model, fraction, min(costs, key=costs.get), best, cell["bonsai"]))
-        models.append((model, nodes(by_budget), _markdown(table)))
-    cells = contested(cells_by_model(rows))
-    return common.fill("bench_results", models=models, reach_table=reach_table(list(reach)), not_best=not_best,
+    models = cells_by_model(rows)
+    best = {(m, f): min(feasible(c).values(), default=None) for m, by_budget in models.items() for f, c in by_budget.items()}
+    cells = contested(models)
+    return common.fill("bench_results", models=models, nodes=nodes, best=best, methods=list(dict.fromkeys(r["method"] for r in rows)),
+                       reach=reach, share=share, tie=TIE,
+                       reach_methods=[m for m in REACH_METHODS if any(r.get(m) is not None or r.get(f"{m}_status") for r in reach)],
+                       not_best=[(m, f, min(feasible(c), key=feasible(c).get), best[m, f], c["bonsai"])
+                                 for m, by_budget in models.items() for f, c in by_budget.items()
+                                 if best[m, f] is not None and "bonsai" in c and not bonsai_cheapest(c)],
                        cheapest=sum(bonsai_cheapest(c) for _, _, c in cells), contested=len(cells),
                        misses=[(model, f, rival, feasible(c)[rival], feasible(c).get("bonsai"))
                                for model, f, c, rival in plan_space_rivals(cells)],
-                       solver_table=solver_cost_table(rows))
+                       solver_rows=solver_cost_rows(rows))
 
 
-def solver_cost_table(rows: list[dict[str, Any]]) -> str:
-    """The optimising methods side by side where checkmate ran: solve time, model size, overhead,
-    gap, and bonsai's speed-up and extra cost against checkmate."""
+def solver_cost_rows(rows: list[dict[str, Any]]) -> list[tuple]:
+    """Where checkmate ran: (model, budget, checkmate's row, bonsai's, moccasin's), None where one did not run."""
     cells = {(r["model"], r["budget_fraction"], r["method"]): r for r in rows}
-    keys = [(r["model"], r["budget_fraction"]) for r in rows if r["method"] == "checkmate" and r.get("status")]
-    if not keys:
-        return ""
-    table = []
-    for model, fraction in keys:
-        c, b, m = (cells.get((model, fraction, k)) for k in OPTIMISERS)
-        speed = extra = ""
-        if c and b and c.get("solve_seconds") and b.get("solve_seconds") and b["feasible"]:
-            speed = f"{c['solve_seconds'] / b['solve_seconds']:.0f}x"
-            if c["feasible"] and c["status"] == "optimal":
-                extra = f"{b['overhead'] - c['overhead']:+.2%}"
-        table.append({"model": model, "budget": f"{fraction:.0%}", "checkmate": _solver_cell(c),
-                      "bonsai": _solver_cell(b), "moccasin": _solver_cell(m), "speed-up": speed, "extra cost": extra})
-    return _markdown(table)
-
-
-def _markdown(table: list[dict[str, str]]) -> str:
-    """Rows of text by column name as a markdown table: the first column left-aligned, the rest right."""
-    columns = list(table[0])
-    return common.table(columns, [[row[c] for c in columns] for row in table], "l" + "r" * (len(columns) - 1))
-
-
-def _solver_cell(r: dict[str, Any] | None) -> str:
-    if r is None or r.get("solve_seconds") in (None, ""):
-        return ""
-    if not r["feasible"]:
-        return f"{r['solve_seconds']:.2f} s, {r['status'] or 'no schedule'}"
-    gap = f", gap {r['gap']:.1%}" if r.get("gap") not in (None, "") and r["gap"] > 0 else ""
-    return f"{r['solve_seconds']:.2f} s, {r['status']}, {r['overhead']:+.1%}{gap}; {r['variables']} vars"
+    return [(model, f, *(cells.get((model, f, k)) for k in OPTIMISERS))
+            for model, f in ((r["model"], r["budget_fraction"]) for r in rows if r["method"] == "checkmate" and r.get("status"))]
 
 
 def load_rows(csv_path: str | Path, types: dict[str, str] = COLUMN_TYPES) -> list[dict[str, Any]]:
@@ -473,15 +425,6 @@ def load_rows(csv_path: str | Path, types: dict[str, str] = COLUMN_TYPES) -> lis
 
     frame = pd.read_csv(csv_path, dtype=types, keep_default_na=False, na_values=[""])
     return frame.astype(object).where(frame.notna(), None).to_dict("records")
-
-
-def _cell(r: dict[str, Any] | None, best: float | None) -> str:
-    if r is None:
-        return ""
-    if not r["feasible"]:
-        return "-"
-    text = f"{r['overhead']:+.1%}"
-    return f"**{text}**" if best is not None and r["method"] != "none" and abs(r["overhead"] - best) < 1e-9 else text
 
 
 def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
