@@ -317,14 +317,6 @@ def in_cell_order(rows: Sequence[Row]) -> list[Row]:
     return sorted(rows, key=lambda r: (graphs.index(r["graph"]), -r["budget_share"], methods.index(r["method"])))
 
 
-def graph_table(rows: Sequence[Row]) -> str:
-    """Each graph once: nodes, those the models see (views contracted), edges, no-remat peak, the
-    single-op lower bound."""
-    return table(["graph", "nodes", "non-view nodes (model)", "edges", "no-remat peak", "single-op lower bound"],
-                 [[r["graph"], r["nodes"], r["model_nodes"], r["edges"], f"{r['no_remat_peak']:,} B",
-                   f"{r['peak_lower_bound']:,} B"] for r in first_per_graph(rows)])
-
-
 def first_per_graph(rows: Sequence[Row]) -> list[Row]:
     """The first row of each graph that describes it (killed rows do not)."""
     first: dict[str, Row] = {}
@@ -454,34 +446,6 @@ def smallest_values(main: Sequence[Row]) -> dict[str, Any]:
 
 # -- the warm start ---------------------------------------------------------------------------------
 
-def warm_label(row: Row) -> tuple[str, str]:
-    """(backend, warm start on/off) of a warm-start study's row."""
-    return BACKEND_OF[row["method"]], "on" if row["method"] in WARM else "off"
-
-
-def start_cell(row: Row) -> str:
-    """When the start was ready, the method it came from and its overhead; ``off`` or ``none found``."""
-    if row["method"] not in WARM:
-        return "off"
-    method = start_method(row)
-    if method is None:
-        return "none found"
-    status = f" ({start_status(row)})" if start_status(row) else ""
-    return f"{row['warm_start_seconds']:.1f} s: {method}{status}, {start_overhead(row):+.2%}"
-
-
-def warm_table(rows: Sequence[Row]) -> str:
-    return table(["backend", "warm start", "time limit", "start (ready at, from, its overhead)", "overhead", "gap",
-                  "status", "call"],
-                 [[*warm_label(r), f"{seconds(r['time_limit'])} s", start_cell(r), pct_cell(r.get("overhead")),
-                   "" if r.get("gap") is None else f"{r['gap']:.2%}", outcome(r),
-                   seconds(r["wall_seconds"]) + " s" if "wall_seconds" in r else ""] for r in rows])
-
-
-def pct_cell(x: float | None) -> str:
-    return "" if x is None else f"{x:+.2%}"
-
-
 def warm_values(rows: Sequence[Row]) -> dict[str, Any]:
     """The warm-start study said: each backend without its start; whether every warm-started run returns a
     schedule, how soon its start was ready and from what; whether a backend improved on its start and the
@@ -547,13 +511,13 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, results_link: st
         highspy=v["highspy"], pyscipopt=v["pyscipopt"], ortools=v["ortools"], cvxpy=v["cvxpy"],
         dates=common.run_dates(run), minutes=f"{run['seconds'] / 60:.0f}", command=run["command"],
         results_link=results_link, graphs=listing(graphs_of(main)), budgets=listing([budget(s) for s in shares_of(main)]),
-        limit=seconds(limit), graph_table=graph_table(rows), runs_table=runs_table(in_cell_order(main)),
+        limit=seconds(limit), first_per_graph=first_per_graph(rows), runs_table=runs_table(in_cell_order(main)),
         copies=copies, copies_table=copies and runs_table(copies), warm=warm, moccasin=moccasin_values(main),
         copies_said=copies_values(copies, main), checkmate=checkmate_values(main),
         smallest=smallest_values(main), no_bound=NO_BOUND,
         copies_infeasible=[r["graph"] for r in main if r["method"] == "moccasin" and copies
                            and r["budget_share"] == copies[0]["budget_share"] and outcome(r) == "infeasible"],
-        warm_graph=next((r for r in warm if "nodes" in r), None), warm_table=warm and warm_table(warm),
+        warm_graph=next((r for r in warm if "nodes" in r), None), warm_start=lambda r: (start_method(r), start_status(r), start_overhead(r)), warm_methods=WARM,
         warm_sized=next((r for r in warm if r["method"] in WARM and r.get("variables") is not None), None),
         warm_said=warm_values(warm), backend=BACKEND_OF, outcome=outcome, has_schedule=has_schedule,
         seconds=seconds)
