@@ -189,7 +189,6 @@ def coop_vs_dtr_values(results: dict[str, Any]) -> dict[str, Any]:
             "networks": listing([f"`{m}`" for m in dict.fromkeys(e["model"] for _, e in es)]),
             "gpt2": f", and GPT-2 small (the zoo GPT at `zoo.GPT2_SMALL`, {small['nodes']:,} nodes)" if small else "",
             "graphs": len(es), "smallest_pool_table": smallest_pool_table(results),
-            "equal_pools_table": equal_pools_table(results["headline"], len(results["models"])),
             "fragmentation": {name: fragmentation_counts(results, key) for name, key in
                               (("own", "own_fragmentation"), ("caching", "caching_fragmentation"))},
             "frag": fragmentation_verdict(results)}
@@ -205,19 +204,6 @@ def smallest_pool_table(results: dict[str, Any]) -> str:
                      f"{live:.2f}" if live else "-"])
     return table(["model", "nodes", "no-remat peak + Adam", "coop", *POOL_VARIANTS, "dtr (live bytes, placed best fit)",
                   "best DTR in the pool / coop", "dtr / coop"], rows)
-
-
-def equal_pools_table(headline: dict[str, Any], graphs: int) -> str:
-    """Per factor of coop's smallest pool: where coop and dtr-pool both train, who is cheaper, the medians."""
-    rows = []
-    for f in FACTORS:
-        x = headline[str(f)]
-        rows.append([f"{f:.1f}x coop's smallest" if f == FACTORS[0] else f"{f:.1f}x", f"{x['both_run']} of {graphs}",
-                     f"{x['coop_lower']} / {x['coop_higher']}",
-                     f"{pct(x['median_coop'])} / {pct(x['median_dtr_pool'])}" if x["both_run"] else "-",
-                     f"{x['dtr_pool_fails']} / {x['coop_fails']}"])
-    return table(["pool", "both coop and dtr-pool train", "coop's overhead lower / higher",
-                  "median overhead coop / dtr-pool", "dtr-pool does not train / coop does not"], rows)
 
 
 def both_trained(results: dict[str, Any], factor: float) -> list[tuple[str, dict, dict]]:
@@ -417,7 +403,6 @@ def example_values(results: dict[str, Any]) -> dict[str, Any]:
 UPDATE_PAIRS = {"coop": ("coop in place", "coop copy"), "dtr-pool": ("dtr-pool in place", "dtr-pool copy")}
 WRITE_PAIRS = {"coop": ("coop writes in place", "coop copy-on-write"),
                "dtr-pool": ("dtr-pool writes in place", "dtr-pool copy-on-write")}
-INPLACE_COLUMNS = ["model", "coop in place", "coop copy", "dtr-pool in place", "dtr-pool copy"]
 
 
 def by_model(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -426,20 +411,6 @@ def by_model(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]
     for row in rows:
         out.setdefault(row["model"], {})[row["variant"]] = row
     return out
-
-
-def inplace_cell(row: dict[str, Any]) -> str:
-    """Smallest budget; overhead / fragmentation in its own pool at 80%."""
-    smallest = f"{row['smallest']:.1%}" if row["smallest"] else "none"
-    run = row["at80"]
-    at80 = f"{run['overhead']:+.2%} / {run['own_fragmentation']:.1%}" if run["ok"] else "fails at 80%"
-    return f"{smallest}; {at80}"
-
-
-def inplace_table(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> str:
-    order = [v for pair in pairs.values() for v in pair]
-    return table(INPLACE_COLUMNS, [[display(model), *(inplace_cell(vs[v]) for v in order)]
-                                   for model, vs in by_model(rows).items()])
 
 
 def pair_split(rows: list[dict[str, Any]], pair: tuple[str, str],
@@ -481,17 +452,9 @@ def mixed(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> bool
 
 
 def updates_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"update_models": [display(m) for m in by_model(rows)], "updates_table": inplace_table(rows, UPDATE_PAIRS),
+    return {"update_models": [display(m) for m in by_model(rows)], "updates": by_model(rows),
             "updates_pairs": pair_values(rows, UPDATE_PAIRS), "updates_mixed": mixed(rows, UPDATE_PAIRS),
             "updates_gap": largest_gap(rows, UPDATE_PAIRS)}
-
-
-def evictions_table(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> str:
-    """At 80%: requests that found no room / tensors evicted, per model and variant."""
-    order = [v for pair in pairs.values() for v in pair]
-    cell = lambda run: f"{run['requests']} / {run['evictions']}" if run["ok"] else "fails"  # noqa: E731
-    return table(INPLACE_COLUMNS, [[display(model), *(cell(vs[v]["at80"]) for v in order)]
-                                   for model, vs in by_model(rows).items()])
 
 
 def evictions_counts(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> list[tuple[str, int, int, int]]:
@@ -510,9 +473,9 @@ def ops_in_place(rows: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def writes_values(rows: list[dict[str, Any]]) -> dict[str, str]:
-    return {"writes_ops": ops_in_place(rows), "writes_table": inplace_table(rows, WRITE_PAIRS),
+    return {"writes_ops": ops_in_place(rows), "writes": by_model(rows),
             "writes_pairs": pair_values(rows, WRITE_PAIRS),
-            "evictions_table": evictions_table(rows, WRITE_PAIRS), "evictions": evictions_counts(rows, WRITE_PAIRS)}
+            "evictions": evictions_counts(rows, WRITE_PAIRS)}
 
 
 def span(values: Iterable[float | None]) -> float:
@@ -528,28 +491,13 @@ def regnet_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
     budgets = {m: span(smallest_of(r) for r in vs.values()) for m, vs in models.items()}
     costs = {m: span(overhead_at_80(r) for r in vs.values()) for m, vs in models.items()}
     coop = WRITE_PAIRS["coop"]
-    return {"regnet_ops": set(ops_in_place(rows).values()), "regnet_table": inplace_table(rows, WRITE_PAIRS),
+    return {"regnet_ops": set(ops_in_place(rows).values()), "regnet_rows": by_model(rows),
             "regnet": {"budgets": budgets, "costs": costs, "far": max(budgets.values()) > 5 * max(costs.values()),
                        "frag": [(m, vs[coop[0]]["at80"]["own_fragmentation"], vs[coop[1]]["at80"]["own_fragmentation"])
                                 for m, vs in models.items() if vs[coop[0]]["at80"]["ok"] and vs[coop[1]]["at80"]["ok"]]}}
 
 
 # -- budgeting reserved bytes ----------------------------------------------------------------------
-
-def reserved_table(study: dict[str, Any]) -> str:
-    rows = []
-    for b in study["budgets"]:
-        for policy, r in b["reserved"].items():
-            budget = f"{common.mib(b['budget'])} ({b['frac']:.0%})"
-            if r["ok"]:
-                rows.append([budget, policy, common.mib(r["live_budget"]), common.mib(r["live_peak"]), common.mib(r["reserved_peak"]),
-                             f"{r['overhead']:+.2%}"])
-            else:
-                lowest = f"lowest reached {common.mib(r['lowest_reserved'])}: " if r["lowest_reserved"] else ""
-                rows.append([budget, policy, "—", "—", f"{lowest}refused", "—"])
-    return table(["budget (share of the no-remat peak)", "allocator", "live budget met", "live peak", "reserved peak",
-                  "overhead"], rows)
-
 
 def over_budget(b: dict[str, Any]) -> list[str]:
     """The allocator models whose replay of the live-budget schedule at one budget reserves more than it."""
@@ -585,17 +533,10 @@ def reserved_said(study: dict[str, Any]) -> dict[str, Any]:
 def reserved_values(study: dict[str, Any]) -> dict[str, str]:
     return {"reserved_model": study["model"], "reserved_options": " ".join(f"--{k} {v}" for k, v in study["options"].items()),
             "reserved_nodes": f"{study['nodes']:,}", "reserved_peak": common.mib(study["no_remat_peak"]),
-            "reserved_table": reserved_table(study), "reserved": reserved_said(study)}
+            "reserved": reserved_said(study)}
 
 
 # -- the page --------------------------------------------------------------------------------------
-
-def claim_cell(r: dict[str, Any]) -> str:
-    if not r["ok"]:
-        return "does not train"
-    return (f"{r['overhead']:+.1%}, {r['own_fragmentation']:.2%} / {r['caching_fragmentation']:.1%}, "
-            f"{r['free_after_eviction']:.1%}")
-
 
 def claims_verdict(rows: list[dict[str, Any]], key: str) -> tuple[list[str], list[str]]:
     """(cells where coop's ``key`` is below dtr-pool's or dtr-pool does not train, the others)."""
@@ -639,10 +580,7 @@ def claims_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
     rows = with_whole_pool(rows)
     behind_in_own_pool = [r for r in rows if r["coop"]["ok"] and r["dtr-pool"]["ok"]
                           and r["coop"]["own_fragmentation"] >= r["dtr-pool"]["own_fragmentation"]]
-    return {"claims_table": common.table(["model", "budget", "coop", "dtr-pool"],
-                                         [[r["model"], f"{r['frac']:.0%}", claim_cell(r["coop"]), claim_cell(r["dtr-pool"])]
-                                          for r in rows]),
-            "claims": {"rows": rows, "verdicts": [(what, *claims_verdict(rows, key)) for key, what in CLAIMS.items()],
+    return {"claims": {"rows": rows, "verdicts": [(what, *claims_verdict(rows, key)) for key, what in CLAIMS.items()],
                        "failed": [f"{r['model']} at {r['frac']:.0%}" for r in rows if not r["dtr-pool"]["ok"]],
                        "whole_pool": claims_verdict(rows, "whole_pool"),
                        "fullest": [(r, explained_by_first_request(r)) for r in behind_in_own_pool]}}
@@ -656,7 +594,8 @@ def page(results: dict[str, Any], command: str, header: str) -> str:
         seconds=f"{meta['seconds']:.0f}", **coop_vs_dtr_values(results), **claims_values(s["claims"]),
         **dtr_variants_values(s["dtr_variants"]["small"], s["dtr_variants"]["larger"]), **reproduce_values(results),
         **example_values(results), **updates_values(s["updates"]), **writes_values(s["writes"]),
-        **regnet_values(s["regnet"]), **reserved_values(s["reserved"]))
+        **regnet_values(s["regnet"]), **reserved_values(s["reserved"]), display=display, update_pairs=UPDATE_PAIRS,
+        write_pairs=WRITE_PAIRS)
 
 
 # `bonsai bench heuristics`: the suite (bonsai_core.bench.heuristics) with this page's studies and writer
