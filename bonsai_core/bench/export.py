@@ -373,10 +373,6 @@ def differing(rows: Sequence[tuple[str, float, float, float]]) -> list[tuple[str
     return [(label, loss, grad, scaled) for label, loss, grad, scaled in rows if loss or grad]
 
 
-def diff_cell(x: float) -> str:
-    return "0" if x == 0 else f"{x:.2g}"
-
-
 # -- the zoo --------------------------------------------------------------------------------------
 
 def schedule_label(row: dict[str, Any]) -> str:
@@ -385,19 +381,6 @@ def schedule_label(row: dict[str, Any]) -> str:
 
 def zoo_label(row: dict[str, Any]) -> str:
     return f"{row['model']} {schedule_label(row)}"
-
-
-def zoo_table(rows: Sequence[dict[str, Any]]) -> str:
-    def cells(r: dict[str, Any]) -> list[Any]:
-        v = r["autograd"]
-        grad = max(v["max_grad_diff"], v["max_grad_diff_grads_none"], r["direct"]["max_grad_diff"])
-        return [r["model"], schedule_label(r), r["recomputes"], mib(v["predicted_peak"]), mib(v["measured_peak"]),
-                signed_bytes(v["measured_peak"] - v["predicted_peak"]),
-                signed_bytes(r["direct"]["measured_peak"] - v["predicted_peak"]), mib(v["original_peak"]),
-                diff_cell(max(v["loss_diff"], r["direct"]["loss_diff"])), diff_cell(grad)]
-    return common.table(["model", "schedule", "recomputes", "predicted MiB", "measured MiB", "measured − predicted",
-                  "measured − predicted, grads direct", "original model MiB", "loss diff", "max grad diff"],
-                 map(cells, rows))
 
 
 def zoo_findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -427,7 +410,7 @@ def original_values(rows: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
 
 def zoo_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     nodes = common.listing([f"{m} {n}" for m, n in dict((r["model"], r["nodes"]) for r in rows).items()])
-    return {"zoo_nodes": nodes, "zoo_table": zoo_table(rows), "zoo": zoo_findings(rows)}
+    return {"zoo_nodes": nodes, "zoo_rows": rows, "zoo": zoo_findings(rows)}
 
 
 # -- every solver ---------------------------------------------------------------------------------
@@ -436,17 +419,8 @@ def method_label(row: dict[str, Any]) -> str:
     return f"{row['method']} on {row['model']}"
 
 
-def methods_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
+def methods_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     solved = [r for r in rows if "replay" in r]
-
-    def cells(r: dict[str, Any]) -> list[Any]:
-        if "replay" not in r:
-            unmet = f"no schedule ({r['error'].split(':')[0]})"
-            return [r["model"], r["method"], f"{r['budget']:,}", unmet, "", "", "", "", ""]
-        v = r["replay"]
-        return [r["model"], r["method"], f"{r['budget']:,}", r["recomputes"], f"{v['predicted_peak']:,}",
-                f"{v['measured_peak']:,}", signed_bytes(v["measured_peak"] - v["predicted_peak"]),
-                diff_cell(v["loss_diff"]), diff_cell(max(v["max_grad_diff"], v["max_grad_diff_grads_none"]))]
     unmet: dict[str, list[str]] = {}
     for r in rows:
         if "replay" not in r:
@@ -454,8 +428,7 @@ def methods_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     sizes = "; ".join(f"{m} {options_said(o)}" for m, o in dict((r["model"], r["options"]) for r in rows).items())
     return {"method_sizes": sizes, "method_share": f"{METHOD_SHARE:.0%}", "methods_found": {
                 "replays": checks([(method_label(r), r["replay"]) for r in solved]), "unmet": unmet},
-            "methods_table": common.table(["model", "method", "budget", "recomputes", "predicted", "measured",
-                                           "measured − predicted", "loss diff", "max grad diff"], map(cells, rows))}
+            "method_rows": rows}
 
 
 # -- verify's full report -------------------------------------------------------------------------
@@ -464,27 +437,12 @@ def verified_label(row: dict[str, Any]) -> str:
     return f"{short(row['model'])} {precision(row['options'], row['autocast'])} {row['schedule']}"
 
 
-def milliseconds(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f}"
-
-
-def verified_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
-    def cells(r: dict[str, Any]) -> list[Any]:
-        v = r["replay"]
-        return [short(r["model"]), precision(r["options"], r["autocast"]), r["schedule"], r["recomputes"],
-                f"{v['predicted_peak']:,}", f"{v['measured_peak']:,}",
-                signed_bytes(v["measured_peak"] - v["predicted_peak"]),
-                f"{v['measured_peak_grads_none']:,}", diff_cell(v["loss_diff"]),
-                diff_cell(max(v["max_grad_diff"], v["max_grad_diff_grads_none"])),
-                f"{milliseconds(v['seconds_original'])} / {milliseconds(v['seconds_exported'])}",
-                f"{common.pct(v['measured_overhead'])} / {common.pct(v['predicted_overhead'])}"]
+def verified_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     none_peaks = [(r["replay"]["measured_peak_grads_none"] / r["replay"]["measured_peak"] - 1) for r in rows]
     models = common.listing(sorted({f"`{r['model']}` ({options_said(r['options'])})" for r in rows}))
     return {"verified_models": models, "repeats": str(TIMING_REPEATS), "verified_replays": checks([(verified_label(r), r["replay"]) for r in rows]),
             "grads_none": percent_range(none_peaks),
-            "verified_table": common.table(["model", "precision", "schedule", "recomputes", "predicted", "measured",
-                                            "measured − predicted", "grads None", "loss diff", "max grad diff",
-                                            "ms per step", "overhead measured / predicted"], map(cells, rows))}
+            "verified_rows": rows}
 
 
 # -- SDPA and bf16 --------------------------------------------------------------------------------
@@ -493,23 +451,9 @@ def attention_peaks(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str, str]
     return {(r["model"], r["dtype"], r["attention"]): r["no_remat_peak"] for r in rows}
 
 
-def attention_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
-    peaks = attention_peaks(rows)
-    models = list(dict.fromkeys(r["model"] for r in rows))
-
-    def cells(model: str) -> list[Any]:
-        out = [f"`{model}`"]
-        for dtype in ("fp32", "bf16"):
-            eager, sdpa = peaks[model, dtype, "eager"], peaks[model, dtype, "sdpa"]
-            out += [mib(eager), f"{mib(sdpa)} ({common.pct(sdpa / eager - 1)})"]
-        return out
-
-    def change(dtype_a: str, att_a: str, dtype_b: str, att_b: str) -> str:
-        return common.listing([f"{common.pct(peaks[m, dtype_b, att_b] / peaks[m, dtype_a, att_a] - 1)} on `{m}`"
-                               for m in models])
-    return {"seq": str(ATTENTION_SEQ), "attention": change,
-            "attention_table": common.table(["model", "eager fp32", "SDPA fp32", "eager bf16", "SDPA bf16"],
-                                            map(cells, models))}
+def attention_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {"seq": str(ATTENTION_SEQ), "peaks": attention_peaks(rows),
+            "attention_models": list(dict.fromkeys(r["model"] for r in rows))}
 
 
 # -- both back-ends -------------------------------------------------------------------------------
@@ -682,7 +626,7 @@ def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
 def page(results: dict[str, Any], header: str) -> str:
     meta = results["meta"]
     return common.fill(
-        "export", header=header, near=NEAR, met_split=met_split, differing=differing, byte_range=byte_range,
+        "export", header=header, near=NEAR, short=short, precision=precision, met_split=met_split, differing=differing, byte_range=byte_range,
         command=meta["command"], date=meta["date"],
         machine=meta["machine"],
         quick=" (`--quick`: one model per study, a smoke test, not the record)" if meta.get("quick") else "",
