@@ -23,7 +23,7 @@ import numpy as np
 
 from bonsai_core.bench import bonsai as suite
 from bonsai_core.bench import common
-from bonsai_core.bench.common import TIE, budget, compare, median, pct2, table
+from bonsai_core.bench.common import TIE, budget, compare, median, pct2
 from bonsai_core.bound import lower_bound
 from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError
@@ -459,60 +459,34 @@ def moccasin_rows(s: dict[str, Any]) -> dict[str, Row | None]:
 
 
 def checkmate_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """Bonsai's default against checkmate on the small GPTs, with the bound: the table and its counts."""
+    """Bonsai's default against checkmate on the small GPTs, with the bound: the rows, where both found a plan,
+    where bonsai is within 1% of checkmate's compute cost and where at least 10 times faster."""
     if not rows:  # a run before this study
         return None
-    lines, close, fast, both = [], 0, 0, 0
-    for r in rows:
-        b, c = r["bonsai"], r["checkmate"]
-        ratio = speed = "-"
-        if b.get("overhead") is not None and c.get("overhead") is not None:
-            both += 1
-            relative = (1 + b["overhead"]) / (1 + c["overhead"]) - 1
-            times = c["wall_seconds"] / b["wall_seconds"]
-            close += relative <= 0.01
-            fast += times >= 10
-            ratio, speed = f"{relative:+.2%}", f"{times:.0f}×"
-        check = real_cell(c) if c.get("overhead") is None else (
-            f"{pct2(c['overhead'])} ({c['status']}" + (f", gap {c['gap']:.0%}" if c.get("gap") else "")
-            + (f"; start: {c['warm_start'].split(',')[0]}" if c.get("warm_start") else "") + ")")
-        lines.append([r["label"], budget(r["fraction"]), "none fits" if r["bound"] is None else pct2(r["bound"]),
-                      real_cell(b, True), f"{b['wall_seconds']:.1f}", check, f"{c['wall_seconds']:.1f}", ratio, speed])
-    grid = table(["graph", "budget", "bound", "bonsai", "bonsai wall s", "checkmate", "checkmate wall s",
-                  "bonsai / checkmate", "faster"], lines, "llrlrlrrr")
-    return {"table": grid, "both": both, "close": close, "fast": fast}
+    both = [(r["bonsai"], r["checkmate"]) for r in rows
+            if r["bonsai"].get("overhead") is not None and r["checkmate"].get("overhead") is not None]
+    return {"rows": rows, "both": len(both), "close": sum((1 + b["overhead"]) / (1 + c["overhead"]) - 1 <= 0.01
+                                                          for b, c in both),
+            "fast": sum(c["wall_seconds"] / b["wall_seconds"] >= 10 for b, c in both)}
 
 
 def real_steps_values(steps: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """Every method on the Llama-3 steps, with the lower bound and bonsai's distance from it."""
+    """Every method on the Llama-3 steps at each budget, with the lower bound, and what the page says of each."""
     if not steps:  # a run before this study
         return None
-    lines, said = [], []
+    rows = []
     for e in steps:
         for row in e["budgets"]:
             cells = {(m["method"], tuple(sorted(m["options"].items()))): m for m in row["methods"]}
-            dtr, chen, plain = cells[("dtr", ())], cells[("chen", ())], cells[("bonsai", ())]
-            offload = cells.get(("bonsai", (("offload", True),)), NOT_RUN)
-            regions = cells.get(("bonsai", (("space", "regions"),)), NOT_RUN)
-            share = f"{row['budget']} ({row['bytes'] / e['plain_peak']:.1%})"
-            lines.append([e["label"], share, bound_cell(row["bound"]), bound_cell(row["bound_offload"]),
-                          real_cell(dtr), real_cell(chen), real_cell(plain, True), real_cell(offload, True),
-                          real_cell(regions), gap_cell(plain), f"{plain['wall_seconds']:.1f}"])
-            said.append(real_said(e["label"], share, plain, dtr, chen))
-    grid = table(["step", "budget", "bound", "bound, host copies", "dtr", "chen", "bonsai", "bonsai, offload allowed",
-                  "bonsai, checkpoint regions", "bonsai from the bound", "bonsai wall s"], lines, "llrrrrrrrrr")
-    return {"table": grid, "said": said}
+            rows.append({"label": e["label"], "share": f"{row['budget']} ({row['bytes'] / e['plain_peak']:.1%})",
+                         "bound": row["bound"], "bound_offload": row["bound_offload"], "dtr": cells[("dtr", ())],
+                         "chen": cells[("chen", ())], "plain": cells[("bonsai", ())],
+                         "offload": cells.get(("bonsai", (("offload", True),)), NOT_RUN),
+                         "regions": cells.get(("bonsai", (("space", "regions"),)), NOT_RUN)})
+    return {"rows": rows, "said": [real_said(r["label"], r["share"], r["plain"], r["dtr"], r["chen"]) for r in rows]}
 
 
 NOT_RUN = {"error": "not run on this step"}
-
-
-def gap_cell(m: dict[str, Any]) -> str:
-    return "-" if m.get("bound_gap") is None else f"{m['bound_gap']:.2%}"
-
-
-def bound_cell(b: dict[str, Any]) -> str:
-    return "none fits" if b["overhead"] is None else f"{pct2(b['overhead'])} ({b['seconds']:.1f} s)"
 
 
 def real_cell(m: dict[str, Any], space: bool = False) -> str:
@@ -552,7 +526,7 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         unet=unet_values(s["unets"]), headroom=headroom_values(s["headroom"]),
         others=list(zip(OTHER_AUTHORS, s["others"])),
         region_share=region_share(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_rows=moccasin_rows(s),
-        checkmate=checkmate_values(s.get("checkmate") or []), real_steps=real_steps_values(s.get("real_steps") or []),
+        checkmate=checkmate_values(s.get("checkmate") or []), real_steps=real_steps_values(s.get("real_steps") or []), real=real_cell,
         **suite_values(rows))
 
 
