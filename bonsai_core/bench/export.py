@@ -318,10 +318,6 @@ def mib(nbytes: float) -> str:
     return common.mib(nbytes, unit="")
 
 
-def signed_bytes(n: int) -> str:
-    return f"{n:+,} B"
-
-
 def short(model: str) -> str:
     """A model spec as the tables name it: ``export_models:hf_gpt2`` for ``tests.export_models:hf_gpt2``."""
     return model.removeprefix("tests.")
@@ -481,53 +477,6 @@ def against_realised(ck: dict[str, Any]) -> float:
     return ck["measured_peak"] / ck["plan_realised_peak"] - 1
 
 
-def error_cell(error: str) -> str:
-    """``solve: SolverError`` of ``solve: SolverError: its message``."""
-    return ":".join(error.split(":")[:2])
-
-
-def replay_cell(row: dict[str, Any]) -> str:
-    if "replay" not in row:
-        return error_cell(row["replay_error"])
-    v = row["replay"]
-    return f"{v['measured_peak']:,} ({signed_bytes(v['measured_peak'] - v['predicted_peak'])})"
-
-
-def checkpoint_cells(row: dict[str, Any]) -> list[str]:
-    """realised, measured (against the plan), original, dropped bytes left saved."""
-    if "checkpoint" not in row:
-        return ["", error_cell(row["checkpoint_error"]), "", ""]
-    ck = row["checkpoint"]
-    judged = f"not judged: {ck['unjudged']}" if ck["unjudged"] else common.pct(checkpoint_error(ck))
-    return [f"{ck['plan_realised_peak']:,}", f"{ck['measured_peak']:,} ({judged})", f"{ck['original_peak']:,}",
-            f"{ck['unrealised_dropped_bytes']:,} of {ck['dropped_bytes']:,}"]
-
-
-def verdict_cell(row: dict[str, Any]) -> str:
-    def said(side: str) -> str:
-        if side not in row:
-            return "error"
-        return "OK" if not row[side]["problems"] else "; ".join(row[side]["problems"])
-    return f"{said('replay')} / {said('checkpoint')}"
-
-
-def backend_table(rows: Sequence[dict[str, Any]]) -> str:
-    def cells(r: dict[str, Any]) -> list[Any]:
-        head = [f"`{short(r['model'])}`" + (f" ({r['options']['attention']} attention)"
-                                            if r["options"].get("attention") else ""),
-                precision(r["options"], r["autocast"]), r["regions"] or ""]
-        if "error" in r:
-            return head + [error_cell(r["error"]), *[""] * 7]
-        if r.get("no_plan"):
-            return head + ["no plan at lb + " + "/".join(f"{s:.0%}".rstrip("%") for s in BACKEND_SHARES) + "%",
-                           *[""] * 7]
-        return head + [f"lb + {r['share']:.0%}", f"{r['predicted']:,}", replay_cell(r), *checkpoint_cells(r),
-                       verdict_cell(r)]
-    return common.table(["model", "precision", "regions", "budget", "predicted", "replay measured", "realised (checkpoint)",
-                  "checkpoint measured (vs plan)", "original model", "dropped bytes left saved", "verify"],
-                 map(cells, rows))
-
-
 def planned(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if "share" in r]
 
@@ -618,7 +567,7 @@ def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     models = "; ".join(f"`{m}` {options_said(o)}" for m, o in
                        dict((backend_label({**r, "regions": None}), r["options"]) for r in rows).items())
     return {"backend_shares": "/".join(f"{s * 100:g}" for s in BACKEND_SHARES), "realised": f"{REALISED:.0%}",
-            "backend_models": models, "backend_table": backend_table(rows), "backends": backend_findings(rows)}
+            "backend_models": models, "backend_rows": rows, "backends": backend_findings(rows)}
 
 
 # -- the page -------------------------------------------------------------------------------------
