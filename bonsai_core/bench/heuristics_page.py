@@ -18,8 +18,8 @@ import numpy as np
 from bonsai_core.allocator import MIN_BLOCK, bounded_replay
 from bonsai_core.bench import common, dtr_variants, heuristics, inplace
 from bonsai_core.bench.common import listing, median, pct, table
-from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, mib, pool_cell,
-                                          pool_order, ratio)
+from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, best_pool_ratio,
+                                          mib, pool_cell, pool_order, ratio)
 from bonsai_core.errors import BudgetError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import no_remat_peak
@@ -160,12 +160,6 @@ def reserved_budgets(time_limit: float) -> dict[str, Any]:
 
 
 # -- words and numbers -----------------------------------------------------------------------------
-
-def best_pool_ratio(e: dict[str, Any]) -> float | None:
-    """The smallest pool of the best DTR-in-the-pool variant, over coop's (None when either trains in none)."""
-    rs = [r for r in (ratio(e, k) for k in POOL_VARIANTS) if r is not None]
-    return min(rs) if rs else None
-
 
 def entries(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(label, entry) of every graph of the study, in its order (the results are keyed by label)."""
