@@ -382,15 +382,6 @@ def loads(results: dict[str, Any]) -> list[float]:
     return said + [s[key][0] for s in results["sessions"] for key in ("load_before", "load_after")]
 
 
-def sessions_row(s: dict[str, Any]) -> list[str]:
-    drawn, answered = s["drawn"], s["answered"]
-    n = len(drawn)
-    return ["on" if s["solve_ahead"] else "off", f"{secs(statistics.median(drawn))} / {secs(p90(drawn))} / "
-            f"{secs(max(drawn))}", f"{secs(statistics.median(answered))} / {secs(p90(answered))} / "
-            f"{secs(max(answered))}", f"{s['server_cpu'] / n:.3f} s", f"{s['browser_cpu'] / n:.2f} s",
-            f"{s['waited']:.1f} s", f"{s['load_before'][0]:.2f} → {s['load_after'][0]:.2f}"]
-
-
 def sessions_facts(results: dict[str, Any]) -> dict[str, Any]:
     """The sessions study: its counts and budgets, its table, each mode's median, the server's CPU per drag
     with and without solving ahead, the tabs' CPU against the server's, whether every chart updated in place."""
@@ -400,10 +391,6 @@ def sessions_facts(results: dict[str, Any]) -> dict[str, Any]:
     cpu = {ahead: s["server_cpu"] / len(s["drawn"]) for ahead, s in by_mode.items()}
     return {"count": count, "rounds": rounds, "budgets": len(results["sessions"][0]["drawn"]),
             "lowest": browser.session_budget(0, 0), "highest": browser.session_budget(count - 1, rounds - 1),
-            "table": common.table(["solving ahead", "plot updated: median / p90 / max",
-                                   "server's rerun arrived: median / p90 / max", "server CPU per drag",
-                                   "tabs' CPU per drag", "server idle after", "load average"],
-                                  map(sessions_row, results["sessions"])),
             "modes": [{"ahead": ahead, "median": statistics.median(s["drawn"])} for ahead, s in by_mode.items()],
             "cpu_on": cpu[True], "cpu_off": cpu[False],
             "tabs_per_server": sum(s["browser_cpu"] for s in results["sessions"])
@@ -411,38 +398,18 @@ def sessions_facts(results: dict[str, Any]) -> dict[str, Any]:
             "in_place": all(all(s["in_place"]) for s in results["sessions"])}
 
 
-def depth_cells(row: dict[str, Any]) -> str:
-    return "; ".join(f"depth {d['depth']} ({d['boxes']} boxes): {ms(d['boxes_s'])} / {ms(d['layout_s'])} / "
-                     f"{ms(d['stats_chart_s'])}" for d in row["depths"])
-
-
 def module_graph_facts(results: dict[str, Any]) -> dict[str, Any]:
-    """The module graph study's table, the Llama traced for it and its view's median draw (None where not run)."""
+    """The module graph study's rows, the Llama traced for it (its row, boxes per fold depth) and its view's
+    median draw (None where not run)."""
     browser = harness()
-    rows = results["module_graph"]
-    b = results["browser"]
-    g = b["graph"]
-    lines = [[f"module structure (tree, owners, backward anchors, default depth), once per graph: {r['graph']} "
-               f"({r['ops']:,} ops)", secs(r["structure_s"])] for r in rows]
-    lines += [[f"boxes / layout / stats and chart spec per fold depth: {r['graph']}", depth_cells(r)] for r in rows]
-    lines.append(["click on \"Graph\" until the module chart is painted and the server idle, default GPT",
-                  f"first visit of a session {secs(g['first_s'])}; again from the Model page: median "
-                  f"{secs(statistics.median(g['again_s']))} ({spread(g['again_s'])})"])
-    view = None
+    rows, b = results["module_graph"], results["browser"]
+    view = llama = None
     if "llama" in b:
-        llama, row = b["llama"], next(r for r in rows if r["key"] == "llama")
-        boxes = {d["depth"]: d["boxes"] for d in row["depths"]}
-        median = statistics.median(llama["again_s"])
-        lines.append([f"the same, {row['graph']} ({row['ops']:,} ops) uploaded as JSON at {browser.LLAMA_32_BUDGET}%, "
-                      f"folded to depth {row['default_depth']} ({boxes[row['default_depth']]} boxes)",
-                      f"**median {secs(median)}** ({spread(llama['again_s'])}); the first visit "
-                      f"{secs(llama['first_s'])} (the plan solved)"])
-        lines.append(["one step of the fold depth until the new chart is painted, same graph",
-                      ", ".join(f"to {d} ({boxes.get(d, '?')} boxes) {secs(t)}" for d, t in llama["folds"])])
-        view = {"graph": row["graph"], "median": median}
-    traced = any(r["key"] == "llama" for r in rows)
-    return {"table": common.table(["what", "measured"], lines), "llama_view": view,
-            "llama_trace": browser.LLAMA_32 if traced else None}
+        row = next(r for r in rows if r["key"] == "llama")
+        llama = {"row": row, "boxes": {d["depth"]: d["boxes"] for d in row["depths"]}}
+        view = {"graph": row["graph"], "median": statistics.median(b["llama"]["again_s"])}
+    return {"rows": rows, "llama": llama, "llama_view": view,
+            "llama_trace": browser.LLAMA_32 if any(r["key"] == "llama" for r in rows) else None}
 
 
 def first_words(alert: str) -> str:
@@ -470,7 +437,7 @@ def page(results: dict[str, Any], header: str) -> str:
         targets={
             "slider": SLIDER_TARGET, "first_paint": FIRST_PAINT_TARGET, "sessions": SESSIONS_TARGET,
             "module_view": MODULE_VIEW_TARGET, "sweep": SWEEP_TARGET, "fit": FIT_TARGET},
-        secs=secs, spread=spread, against=against)
+        secs=secs, spread=spread, against=against, p90=p90)
 
 
 # -- the command ----------------------------------------------------------------------------------
