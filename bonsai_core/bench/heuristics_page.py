@@ -17,9 +17,9 @@ import numpy as np
 
 from bonsai_core.allocator import MIN_BLOCK, bounded_replay
 from bonsai_core.bench import common, dtr_variants, heuristics, inplace
-from bonsai_core.bench.common import listing, median, pct, table
+from bonsai_core.bench.common import listing, median, pct
 from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, best_pool_ratio,
-                                          mib, pool_cell, pool_order, ratio)
+                                          pool_cell, pool_order, ratio)
 from bonsai_core.errors import BudgetError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import no_remat_peak
@@ -182,22 +182,10 @@ def coop_vs_dtr_values(results: dict[str, Any]) -> dict[str, Any]:
     return {"steps": STEPS, "factors": listing([f"{f:.1f}x" for f in FACTORS]),
             "networks": listing([f"`{m}`" for m in dict.fromkeys(e["model"] for _, e in es)]),
             "gpt2": f", and GPT-2 small (the zoo GPT at `zoo.GPT2_SMALL`, {small['nodes']:,} nodes)" if small else "",
-            "graphs": len(es), "smallest_pool_table": smallest_pool_table(results),
+            "graphs": len(es), "entries": es, "pool_columns": ["coop", *POOL_VARIANTS, "dtr"],
             "fragmentation": {name: fragmentation_counts(results, key) for name, key in
                               (("own", "own_fragmentation"), ("caching", "caching_fragmentation"))},
             "frag": fragmentation_verdict(results)}
-
-
-def smallest_pool_table(results: dict[str, Any]) -> str:
-    """Every graph's smallest pool per variant (MiB) and the ratios to coop's."""
-    rows = []
-    for label, e in entries(results):
-        best, live = best_pool_ratio(e), ratio(e, "dtr")
-        rows.append([label, e["nodes"], mib(e["no_remat_peak"] + e["adam_bytes"]),
-                     *(pool_cell(e, k) for k in ("coop", *POOL_VARIANTS, "dtr")), f"{best:.2f}" if best else "-",
-                     f"{live:.2f}" if live else "-"])
-    return table(["model", "nodes", "no-remat peak + Adam", "coop", *POOL_VARIANTS, "dtr (live bytes, placed best fit)",
-                  "best DTR in the pool / coop", "dtr / coop"], rows)
 
 
 def both_trained(results: dict[str, Any], factor: float) -> list[tuple[str, dict, dict]]:
@@ -588,7 +576,8 @@ def page(results: dict[str, Any], command: str, header: str) -> str:
         seconds=f"{meta['seconds']:.0f}", **coop_vs_dtr_values(results), **claims_values(s["claims"]),
         **dtr_variants_values(s["dtr_variants"]["small"], s["dtr_variants"]["larger"]), **reproduce_values(results),
         **example_values(results), **updates_values(s["updates"]), **writes_values(s["writes"]),
-        **regnet_values(s["regnet"]), **reserved_values(s["reserved"]), display=display, update_pairs=UPDATE_PAIRS,
+        **regnet_values(s["regnet"]), **reserved_values(s["reserved"]), display=display, update_pairs=UPDATE_PAIRS, pool_cell=pool_cell, ratio=ratio,
+        best_pool_ratio=best_pool_ratio,
         write_pairs=WRITE_PAIRS)
 
 
