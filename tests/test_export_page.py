@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bonsai_core.bench import export
+from bonsai_core.bench import common, export
 from bonsai_core.cli import main
 from tests.pages import compact
 
@@ -71,20 +71,28 @@ def results():
             "backends": backends}
 
 
+def said(macro: str, *args) -> str:
+    """One of the sentences of templates/export_said.md, said of ``args`` with the values export.page gives it."""
+    module = common._jinja().get_template("export_said.md").make_module(
+        {"near": export.NEAR, "met_split": export.met_split, "differing": export.differing,
+         "byte_range": export.byte_range})
+    return str(getattr(module, macro)(*args))
+
+
 def test_met_sentence_names_the_rows_that_miss_their_prediction():
     rows = [("a", 1008, 1000), ("b", 1004, 1000), ("c", 1200, 1000)]
-    assert export.met_sentence(rows[:2], "The step") == (
+    assert said("met", rows[:2], "The step") == (
         "The step meets its prediction in every row: measured − predicted is +4 to +8 B.")
-    assert export.met_sentence(rows, "The step") == (
+    assert said("met", rows, "The step") == (
         "The step meets its prediction within 64 bytes in 2 of 3 rows (+4 to +8 B); it misses in c (+200 B, +20.00%).")
-    assert export.met_sentence(rows[2:], "The step") == (
+    assert said("met", rows[2:], "The step") == (
         "The step misses its prediction by more than 64 bytes in every row: c (+200 B, +20.00%).")
 
 
 def test_exact_sentence_lists_the_rows_whose_loss_or_gradients_differ():
-    assert export.exact_sentence([("a", 0.0, 0.0, 0.0), ("b", 0.0, 0.0, 0.0)], "X") == (
+    assert said("exact", [("a", 0.0, 0.0, 0.0), ("b", 0.0, 0.0, 0.0)], "X") == (
         "X: loss and gradients bitwise equal to the original's in every row.")
-    assert export.exact_sentence([("a", 0.0, 0.0, 0.0), ("b", 0.0, 2.24e-8, 0.0), ("c", 0.0, 0.5, 0.012)], "X") == (
+    assert said("exact", [("a", 0.0, 0.0, 0.0), ("b", 0.0, 2.24e-8, 0.0), ("c", 0.0, 0.5, 0.012)], "X") == (
         "X: loss and gradients bitwise equal to the original's in 1 of 3 rows; they differ in b (loss 0, "
         "gradients 2.2e-08) and c (loss 0, gradients 0.5, 0.012 of the tensor's largest magnitude).")
 

@@ -93,6 +93,10 @@ def reserved() -> dict:
                          "reserved": {"caching": ok, "expandable": {"ok": False, "lowest_reserved": 570 * MIB}}}]}
 
 
+def render(results: dict) -> str:
+    return hp.page(results, "bonsai bench heuristics --page P", "<!-- header -->")
+
+
 def page_results() -> dict:
     results = study_results()
     results["example"] = example()
@@ -127,11 +131,10 @@ def claims(coop_free_70: int = 5) -> list[dict]:
 
 
 def test_coops_two_claims_are_counted_cell_by_cell():
-    values = hp.claims_values(claims())
-    rows = [" ".join(row.replace("|", " ").split()) for row in values["claims_table"].splitlines()]
+    page = render(page_results())
+    rows = [" ".join(row.replace("|", " ").split()) for row in page.splitlines()]
     assert "gpt --layers 2 80% +8.0%, 0.90% / 38.0%, 7.0% +17.0%, 1.70% / 29.0%, 8.0%" in rows
     assert "hf:gpt2 60% +89.0%, 0.70% / 29.0%, 3.0% does not train" in rows
-    page = hp.page(page_results(), "bonsai bench heuristics --page P", "<!-- header -->")
     section = next(line for line in page.splitlines() if line.startswith("coop's overhead is lower")).removesuffix(".")
     assert "coop's overhead is lower on 4 of 4;" in section
     assert ("fragmentation in its own pool is lower on 2 of 4 (not on gpt --layers 2 at 60% and gpt --layers 2 at 70%)"
@@ -160,8 +163,10 @@ def test_where_coops_own_pool_is_not_ahead_the_fullest_moments_are_named():
 
 def test_a_fullest_moment_with_room_for_the_request_is_not_said_to_be_unavoidable():
     # 25 B not live could have held the 20 B request: then placement is to blame, and the page does not excuse it
-    row = hp.with_whole_pool(claims(coop_free_70=25))[1]
-    assert hp.fullest_moments(row).endswith("dtr-pool's 2 B below the top at op 526 of 673 (`mm_16`)")
+    results = page_results()
+    results["studies"]["claims"] = claims(coop_free_70=25)
+    page = render(results)
+    assert "dtr-pool's 2 B below the top at op 526 of 673 (`mm_16`). Replayed in PyTorch's caching allocator" in page
 
 
 def test_runs_that_differ_before_the_first_request_are_not_the_same():
@@ -178,23 +183,21 @@ def test_pools_within_one_bisection_step_are_the_same():
 
 
 def test_the_answer_counts_the_graphs_each_way():
-    results = study_results()
-    assert hp.verdict(results) == (
-        "**Partly: against DTR that ignores addresses, coop's pool is smaller on 2 of 3 graphs, by up to 2.00x (the "
-        "paper: up to 2x); against DTR in the same pool it is smaller on 1, the same on 1 and larger on 1.**")
-    page = hp.page(page_results(), "bonsai bench heuristics --page P", "<!-- header -->")
+    results = page_results()
+    page = render(results)
+    assert ("**Partly: against DTR that ignores addresses, coop's pool is smaller on 2 of 3 graphs, by up to 2.00x (the "
+            "paper: up to 2x); against DTR in the same pool it is smaller on 1, the same on 1 and larger on 1.**\n") in page
     bullet = next(line for line in page.splitlines() if line.startswith("* **Memory"))
     assert "larger pool than coop on 1 graph (1.20x: gpt), the same (within one bisection step) on 1 (mlp)" in bullet
     assert "smaller one on 1 (0.90x: vgg)" in bullet
     results["models"]["vgg"]["smallest_budget"]["dtr_eq-pool"] = 12 * MIB
     results["models"]["vgg"]["smallest_budget"]["dtr"] = 20 * MIB
-    assert hp.verdict(results).startswith("**Yes: against DTR that ignores addresses, coop's pool is smaller on 3 of 3")
+    assert "**Yes: against DTR that ignores addresses, coop's pool is smaller on 3 of 3" in render(results)
 
 
 def test_overheads_at_equal_pools_name_where_coop_is_dearer():
-    sentence = hp.overhead_at(study_results(), 1.0)
-    assert sentence == ("At 1.0x, dtr-pool does not train on 1 of 3 graphs; where both train (2), coop's overhead is "
-                        "lower on 1 and higher on 1 (vgg: +30.0% against +10.0%), medians +20.0% against +20.0%.")
+    assert (" At 1.0x, dtr-pool does not train on 1 of 3 graphs; where both train (2), coop's overhead is "
+                        "lower on 1 and higher on 1 (vgg: +30.0% against +10.0%), medians +20.0% against +20.0%. At 1.2x") in render(page_results())
 
 
 def dtr_variants_prose(small: dict) -> str:
@@ -218,13 +221,13 @@ def test_the_dtr_variants_prose_ranks_from_the_table():
 
 
 def test_the_in_place_sentences_follow_the_rows():
-    rows = inplace_rows(hp.WRITE_PAIRS, copy_fails_on="b")
-    said = hp.pair_sentence(rows, hp.WRITE_PAIRS, "writing in place")
-    assert said.startswith("For coop, writing in place meets the smaller budget on a, the copy on b; at 80% its "
-                           "overhead is lower on a, higher on none and the same on none; only in place trains at 80% "
-                           "on b.")
-    assert hp.largest_gap(rows, hp.WRITE_PAIRS).startswith("the largest gap between a model's in-place and copy "
-                                                           "budgets here is 10.0 points")
+    results = page_results()
+    results["studies"]["writes"] = inplace_rows(hp.WRITE_PAIRS, copy_fails_on="b")
+    page = render(results)
+    assert ("\nFor coop, writing in place meets the smaller budget on a, the copy on b; at 80% its overhead is lower on "
+            "a, higher on none and the same on none; only in place trains at 80% on b.") in page
+    results["studies"]["updates"] = inplace_rows(hp.UPDATE_PAIRS, copy_fails_on="b")
+    assert ("the largest gap between a model's in-place and copy budgets here is 10.0 points" in render(results))
 
 
 def test_the_whole_page_from_one_run(tmp_path):

@@ -23,7 +23,7 @@ import numpy as np
 
 from bonsai_core.bench import bonsai as suite
 from bonsai_core.bench import common
-from bonsai_core.bench.common import TIE, budget, budgets_said, compare, listing, median, pct2, table
+from bonsai_core.bench.common import TIE, budget, compare, median, pct2
 from bonsai_core.bound import lower_bound
 from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError
@@ -313,21 +313,6 @@ def model_name(label: str) -> str:
     return GRAPHS["gpt4"][0] if label == suite.GPT4 else f"`{label}`"
 
 
-def bonsai_cell(r: Row) -> str:
-    if not ok(r):
-        return "no plan"
-    gap = f", gap {r['gap']:.2%}" if r.get("gap") else ""
-    return f"{pct2(r['overhead'])} ({seconds_said(r)}, {r['variables']} vars, {r['status']}{gap})"
-
-
-def solve_table(cells: dict[tuple[str, float], dict[str, Row]], methods: Sequence[str]) -> str:
-    others = [m for m in methods if m != "bonsai"]
-    return table(["model", "nodes", "budget", "bonsai: overhead (wall, vars, status)", *others],
-                 [[model_name(model), cell["bonsai"]["nodes"], budget(f), bonsai_cell(cell["bonsai"]),
-                   *(pct2(c["overhead"]) if ok(c) else "no schedule" for c in (cell[m] for m in others))]
-                  for (model, f), cell in cells.items()])
-
-
 def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, Any]:
     """Where bonsai is the cheapest of the methods compared, where another is, and the longest solve."""
     fitting = {k: {m: r["overhead"] for m, r in c.items() if ok(r)} for k, c in cells.items()}
@@ -339,30 +324,11 @@ def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, An
             unfit.setdefault(m, []).append(f)
     timed = [(r["wall_seconds"], m, f) for (m, f), c in cells.items() for r in [c["bonsai"]] if ok(r)]
     return {"cheapest": len(cheapest), "contested": len(contested),
-            "beaten": [beaten_cell(m, f, c) for (m, f), c in contested.items() if (m, f) not in cheapest],
-            "nowhere": [f"{model_name(m)} at {budgets_said(fs)}" for m, fs in unfit.items()],
+            "beaten": [(m, f, [(x, o) for x, o in c.items() if x != "bonsai" and (c.get("bonsai") is None
+                                                                                 or o < c["bonsai"] - TIE)], c.get("bonsai"))
+                       for (m, f), c in contested.items() if (m, f) not in cheapest],
+            "nowhere": unfit,
             "median": median(t for t, _, _ in timed), "longest": max(timed, default=None)}
-
-
-def beaten_cell(model: str, fraction: float, costs: dict[str, float]) -> str:
-    """``resnet at 50% (dtr +30.00% against +31.00%)``: the methods cheaper than bonsai in one cell."""
-    mine = costs.get("bonsai")
-    cheaper = [f"{m} {pct2(o)}" for m, o in costs.items() if m != "bonsai" and (mine is None or o < mine - TIE)]
-    return (f"{model_name(model)} at {budget(fraction)} ({listing(cheaper)} "
-            + (f"against {pct2(mine)})" if mine is not None else "where bonsai finds none)"))
-
-
-def smallest_table(rows: Sequence[Row]) -> str:
-    return table(["model", "bonsai's model (min-peak MILP status)", "chen", "per-op bound"],
-                 [[model_name(r["model"]), f"{share(r['bonsai'], r['plain_peak'])} ({r['bonsai_status']})",
-                   share(r["chen"], r["plain_peak"]), share(r["lower_bound"], r["plain_peak"])] for r in rows])
-
-
-def granularity_table(rows: Sequence[Row]) -> str:
-    return table(["granularity", "candidates", "ILP candidates", "vars", "wall s", "status", "overhead"],
-                 [[r["granularity"], r["candidates"], r["ilp_candidates"], r["variables"], f"{r['wall_seconds']:.2f}",
-                   r["status"], pct2(r["overhead"])] if ok(r) else [r["granularity_asked"], r["error"], *[""] * 5]
-                  for r in rows])
 
 
 def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
@@ -370,10 +336,9 @@ def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
     methods = list(dict.fromkeys(m for c in cells.values() for m in c))
     smallest = [r for r in rows if r.get("sweep") == "smallest"]
     gran = [r for r in rows if r.get("sweep") == "granularity"]
-    return {"compared": [m for m in methods if m != "bonsai"], "solve_table": solve_table(cells, methods),
-            "solved": solve_values(cells), "smallest": smallest and smallest_table(smallest),
-            "granularity": gran and {"model": gran[0]["model"], "fraction": gran[0]["fraction"],
-                                     "table": granularity_table(gran), "rows": gran}}
+    return {"compared": [m for m in methods if m != "bonsai"], "cells": cells,
+            "solved": solve_values(cells), "smallest": smallest,
+            "granularity": gran and {"model": gran[0]["model"], "fraction": gran[0]["fraction"], "rows": gran}}
 
 
 # self-contained nodes and dropped outputs
@@ -382,17 +347,10 @@ def option_rows(study: dict[str, Any], key: str, variant: str) -> list[Row]:
     return study["options"][key][variant]
 
 
-def self_contained_table(study: dict[str, Any]) -> str:
-    rows = []
-    for key in study["options"]:
-        for rebuilt, saved in zip(option_rows(study, key, "rebuilt"), option_rows(study, key, "saved")):
-            better = ok(saved) and ok(rebuilt) and saved["overhead"] < rebuilt["overhead"] - TIE
-            cell = f"**{pct2(saved['overhead'])}**" if better else pct2(saved["overhead"]) if ok(saved) else "no plan"
-            rows.append([GRAPHS[key][0], budget(saved["fraction"]), pct2(rebuilt["overhead"]) if ok(rebuilt) else
-                         "no plan", cell, seconds_said(saved) if ok(saved) else "-",
-                         saved["self_contained_saved"] if ok(saved) else "-"])
-    return table(["graph", "budget", "rebuilt (`save_self_contained=False`)", "saved (default)", "wall s (default)",
-                  "self-contained nodes saved"], rows)
+def option_pairs(study: dict[str, Any], a: str, b: str) -> list[tuple[str, Row, Row]]:
+    """(graph, its row with option ``a``, with ``b``) per graph and budget of the options study."""
+    return [(GRAPHS[key][0], ra, rb) for key in study["options"]
+            for ra, rb in zip(option_rows(study, key, a), option_rows(study, key, b))]
 
 
 def pairs(study: dict[str, Any], key: str, a: str, b: str) -> list[tuple[float, float | None, float | None]]:
@@ -411,21 +369,6 @@ def self_contained_values(study: dict[str, Any]) -> list[dict[str, Any]]:
              "c": compare(pairs(study, key, "saved", "rebuilt")),
              "saved": [r["self_contained_saved"] for r in option_rows(study, key, "saved") if ok(r)]}
             for key in study["options"]]
-
-
-def dropped_cell(r: Row) -> str:
-    if not ok(r):
-        return "no plan"
-    return (f"{pct2(r['overhead'])} ({r['wall_seconds']:.1f} s, {r['variables']} vars), "
-            f"{r['outputs_dropped']} of {r['recomputed_segments']} recomputed segments drop outputs")
-
-
-def dropped_table(study: dict[str, Any]) -> str:
-    return table(["graph", "budget", "outputs kept (default): overhead (s, vars)", "outputs may drop (`drop_outputs=True`)"],
-                 [[GRAPHS[key][0], budget(kept["fraction"]), f"{pct2(kept['overhead'])} ({kept['wall_seconds']:.1f} s, "
-                   f"{kept['variables']} vars)" if ok(kept) else "no plan", dropped_cell(dropped)]
-                  for key in study["options"]
-                  for kept, dropped in zip(option_rows(study, key, "saved"), option_rows(study, key, "dropped"))])
 
 
 def dropped_values(study: dict[str, Any]) -> dict[str, Any]:
@@ -463,45 +406,20 @@ def at(o: Row) -> str:
     return f"{pct2(o['overhead'])} ({o['status']})" if o["ok"] else "no plan"
 
 
-def unet_table(entries: Sequence[dict[str, Any]]) -> str:
-    return table(["graph", "nodes", "per-op bound", "region bound (at)", "bonsai reaches", "with `drop_outputs`",
-                  "at half: bonsai", "moccasin", "checkmate",
-                  "at the region bound: bonsai (`drop_outputs`) / moccasin"],
-                 [[e["label"], e["nodes"], share(e["lower_bound"], e["plain_peak"]),
-                   f"{share(e['region_bound'], e['plain_peak'])} (`{e['region_node']}`)",
-                   share(e["reach"], e["plain_peak"]), share(e["reach_dropped"], e["plain_peak"]),
-                   *(at(e["at_half"][m]) for m in ("bonsai", "moccasin", "checkmate")),
-                   f"{at(e['at_bound']['bonsai'])} / {at(e['at_bound']['moccasin'])}"] for e in entries])
-
-
 def reaches_bound(e: dict[str, Any], key: str) -> bool:
     return e[key] is not None and e[key] <= e["region_bound"]
 
 
-def unet_prose(entries: Sequence[dict[str, Any]]) -> str:
-    exact = [f"the {e['label']}" for e in entries if reaches_bound(e, "reach_dropped")]
-    plain = [f"the {e['label']}" for e in entries if reaches_bound(e, "reach")]
-    if exact:
-        lead = (f"Bonsai with `drop_outputs` reaches the region bound exactly on {listing(exact)}"
-                + (f", without it on {listing(plain)}" if plain else " (without it, on neither)"))
-    else:
-        lead = "Bonsai reaches the region bound on neither, even with `drop_outputs`"
-    graphs: dict[tuple[str, str], list[str]] = {}  # the same outcome said once for the graphs that share it
+def unet_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The graphs where bonsai reaches the region bound with ``drop_outputs`` and without; halfway between the
+    per-op bound and the no-remat peak, (who fits, who proved it, the graphs with that outcome)."""
+    halves: dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]] = {}
     for e in entries:
-        graphs.setdefault(half_outcome(e), []).append(f"the {e['label']}")
-    halves = [f"{verb} {listing(names)}{proof}" for (verb, proof), names in graphs.items()]
-    return lead + ". Halfway between the per-op bound and the no-remat peak, " + "; ".join(halves) + "."
-
-
-def half_outcome(e: dict[str, Any]) -> tuple[str, str]:
-    """Who fits one graph at half and who proved it: (``moccasin and checkmate fit``, `` (each proven optimal)``)."""
-    fit = [m for m, o in e["at_half"].items() if o["ok"]]
-    if not fit:
-        return "no method fits", ""
-    proven = [m for m in fit if e["at_half"][m]["status"] == "optimal"]
-    proof = ("" if not proven else " (proven optimal)" if proven == fit == fit[:1] else " (each proven optimal)"
-             if proven == fit else f" ({listing(proven)} proven optimal)")
-    return f"{listing(fit)} fit{'s' if len(fit) == 1 else ''}", proof
+        fit = tuple(m for m, o in e["at_half"].items() if o["ok"])
+        halves.setdefault((fit, tuple(m for m in fit if e["at_half"][m]["status"] == "optimal")), []).append(e["label"])
+    return {"exact": [e["label"] for e in entries if reaches_bound(e, "reach_dropped")],
+            "plain": [e["label"] for e in entries if reaches_bound(e, "reach")],
+            "halves": [(fit, proven, labels) for (fit, proven), labels in halves.items()]}
 
 
 def headroom_share(e: dict[str, Any]) -> float | None:
@@ -518,29 +436,18 @@ def headroom_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "options": HEADROOM_OPTIONS}
 
 
-def others_table(entries: Sequence[dict[str, Any]]) -> str:
-    rows = []
-    for (name, options), e in zip(OTHER_AUTHORS, entries):
-        p = e["plain_peak"]
-        size = ", ".join(f"{k} {v}" for k, v in options.items())
-        model = f"`{name}`" if name.startswith("hf:") else f"zoo `{name}`"
-        rows.append([f"{model} ({size})", share(e["lower_bound"], p),
-                     f"{share(e['region_bound'], p)} (`{e['region_node']}`)", share(e["reach"], p)])
-    return table(["model (`trace_model` size)", "per-op bound", "region bound (at)", "bonsai reaches"], rows)
-
-
 def bound_share(e: dict[str, Any]) -> float | None:
     """The part of the gap between the per-op bound and bonsai's reach that the region bound explains."""
     gap = (e["reach"] or 0) - e["lower_bound"]
     return None if e["reach"] is None or gap <= 0 else (e["region_bound"] - e["lower_bound"]) / gap
 
 
-def region_share(entries: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
+def region_share(entries: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, str]]]:
     """The graphs where the region bound explains more than half of bonsai's distance from the per-op bound,
-    and those where it explains less."""
+    and those where it explains less: (that share, the graph)."""
     shares = [(bound_share(e), e["label"]) for e in entries]
-    return {"most": [f"`{label}` ({s:.0%})" for s, label in shares if s is not None and s > 0.5],
-            "less": [f"`{label}` ({s:.0%})" for s, label in shares if s is not None and s <= 0.5]}
+    return {"most": [(s, label) for s, label in shares if s is not None and s > 0.5],
+            "less": [(s, label) for s, label in shares if s is not None and s <= 0.5]}
 
 
 # moccasin at 40%
@@ -552,60 +459,34 @@ def moccasin_rows(s: dict[str, Any]) -> dict[str, Row | None]:
 
 
 def checkmate_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """Bonsai's default against checkmate on the small GPTs, with the bound: the table and its counts."""
+    """Bonsai's default against checkmate on the small GPTs, with the bound: the rows, where both found a plan,
+    where bonsai is within 1% of checkmate's compute cost and where at least 10 times faster."""
     if not rows:  # a run before this study
         return None
-    lines, close, fast, both = [], 0, 0, 0
-    for r in rows:
-        b, c = r["bonsai"], r["checkmate"]
-        ratio = speed = "-"
-        if b.get("overhead") is not None and c.get("overhead") is not None:
-            both += 1
-            relative = (1 + b["overhead"]) / (1 + c["overhead"]) - 1
-            times = c["wall_seconds"] / b["wall_seconds"]
-            close += relative <= 0.01
-            fast += times >= 10
-            ratio, speed = f"{relative:+.2%}", f"{times:.0f}×"
-        check = real_cell(c) if c.get("overhead") is None else (
-            f"{pct2(c['overhead'])} ({c['status']}" + (f", gap {c['gap']:.0%}" if c.get("gap") else "")
-            + (f"; start: {c['warm_start'].split(',')[0]}" if c.get("warm_start") else "") + ")")
-        lines.append([r["label"], budget(r["fraction"]), "none fits" if r["bound"] is None else pct2(r["bound"]),
-                      real_cell(b, True), f"{b['wall_seconds']:.1f}", check, f"{c['wall_seconds']:.1f}", ratio, speed])
-    grid = table(["graph", "budget", "bound", "bonsai", "bonsai wall s", "checkmate", "checkmate wall s",
-                  "bonsai / checkmate", "faster"], lines, "llrlrlrrr")
-    return {"table": grid, "both": both, "close": close, "fast": fast}
+    both = [(r["bonsai"], r["checkmate"]) for r in rows
+            if r["bonsai"].get("overhead") is not None and r["checkmate"].get("overhead") is not None]
+    return {"rows": rows, "both": len(both), "close": sum((1 + b["overhead"]) / (1 + c["overhead"]) - 1 <= 0.01
+                                                          for b, c in both),
+            "fast": sum(c["wall_seconds"] / b["wall_seconds"] >= 10 for b, c in both)}
 
 
 def real_steps_values(steps: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """Every method on the Llama-3 steps, with the lower bound and bonsai's distance from it."""
+    """Every method on the Llama-3 steps at each budget, with the lower bound, and what the page says of each."""
     if not steps:  # a run before this study
         return None
-    lines, said = [], []
+    rows = []
     for e in steps:
         for row in e["budgets"]:
             cells = {(m["method"], tuple(sorted(m["options"].items()))): m for m in row["methods"]}
-            dtr, chen, plain = cells[("dtr", ())], cells[("chen", ())], cells[("bonsai", ())]
-            offload = cells.get(("bonsai", (("offload", True),)), NOT_RUN)
-            regions = cells.get(("bonsai", (("space", "regions"),)), NOT_RUN)
-            share = f"{row['budget']} ({row['bytes'] / e['plain_peak']:.1%})"
-            lines.append([e["label"], share, bound_cell(row["bound"]), bound_cell(row["bound_offload"]),
-                          real_cell(dtr), real_cell(chen), real_cell(plain, True), real_cell(offload, True),
-                          real_cell(regions), gap_cell(plain), f"{plain['wall_seconds']:.1f}"])
-            said.append(real_said(e["label"], share, plain, dtr, chen))
-    grid = table(["step", "budget", "bound", "bound, host copies", "dtr", "chen", "bonsai", "bonsai, offload allowed",
-                  "bonsai, checkpoint regions", "bonsai from the bound", "bonsai wall s"], lines, "llrrrrrrrrr")
-    return {"table": grid, "said": said}
+            rows.append({"label": e["label"], "share": f"{row['budget']} ({row['bytes'] / e['plain_peak']:.1%})",
+                         "bound": row["bound"], "bound_offload": row["bound_offload"], "dtr": cells[("dtr", ())],
+                         "chen": cells[("chen", ())], "plain": cells[("bonsai", ())],
+                         "offload": cells.get(("bonsai", (("offload", True),)), NOT_RUN),
+                         "regions": cells.get(("bonsai", (("space", "regions"),)), NOT_RUN)})
+    return {"rows": rows, "said": [real_said(r["label"], r["share"], r["plain"], r["dtr"], r["chen"]) for r in rows]}
 
 
 NOT_RUN = {"error": "not run on this step"}
-
-
-def gap_cell(m: dict[str, Any]) -> str:
-    return "-" if m.get("bound_gap") is None else f"{m['bound_gap']:.2%}"
-
-
-def bound_cell(b: dict[str, Any]) -> str:
-    return "none fits" if b["overhead"] is None else f"{pct2(b['overhead'])} ({b['seconds']:.1f} s)"
 
 
 def real_cell(m: dict[str, Any], space: bool = False) -> str:
@@ -638,14 +519,14 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         "bonsai", header=header, meta=meta, dates=common.run_dates(meta), results_link=results_link,
         time_limit=f"{meta['time_limit']:g}", s=s, graphs=graphs, share=share, at=at, flags=flags,
         model_name=model_name, gpt2_flags=flags(GPT2_OPTIONS), larger_unet_flags=flags(LARGER_UNET),
-        points=points, points_range=points_range, self_contained_table=self_contained_table(s),
-        self_contained=self_contained_values(s), dropped_table=dropped_table(s), **dropped_values(s),
-        resolves=resolves(rows, s["drag"]), tie=TIE,
-        unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()], unet_table=unet_table(s["unets"]),
-        unet_prose=unet_prose(s["unets"]), headroom=headroom_values(s["headroom"]),
-        others_table=others_table(s["others"]),
+        points=points, points_range=points_range, option_pairs=lambda a, b: option_pairs(s, a, b), tie=TIE,
+        self_contained=self_contained_values(s), **dropped_values(s),
+        resolves=resolves(rows, s["drag"]),
+        unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()],
+        unet=unet_values(s["unets"]), headroom=headroom_values(s["headroom"]),
+        others=list(zip(OTHER_AUTHORS, s["others"])),
         region_share=region_share(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_rows=moccasin_rows(s),
-        checkmate=checkmate_values(s.get("checkmate") or []), real_steps=real_steps_values(s.get("real_steps") or []),
+        checkmate=checkmate_values(s.get("checkmate") or []), real_steps=real_steps_values(s.get("real_steps") or []), real=real_cell,
         **suite_values(rows))
 
 

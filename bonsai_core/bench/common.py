@@ -97,9 +97,9 @@ def run_dates(meta: dict[str, Any]) -> str:
     return f"{meta['started']} to {meta['ended']}"
 
 
-def pct(x: float) -> str:
-    """A relative change as a page writes it: ``+1.6%``."""
-    return f"{x:+.1%}"
+def pct(x: float, digits: int = 1) -> str:
+    """A relative change as a page writes it: ``+1.6%`` (``digits`` decimals)."""
+    return f"{x:+.{digits}%}"
 
 
 def pct_or_fails(x: float | None) -> str:
@@ -150,6 +150,12 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], align: str = ""
     return frame.to_markdown(index=False, colalign=colalign, disable_numparse=True)
 
 
+def table_of_lines(text: str, *columns: str, align: str = "") -> str:
+    """A template's block as a :func:`table`: a row a line (blank lines left out), its cells split at `` | ``
+    (``{% filter table("what", "measured") %}``)."""
+    return table(columns, [line.split(" | ") for line in text.split("\n") if line.strip()], align)
+
+
 def pipe_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A markdown table as the pages written by hand set them: ``| a | b |`` lines, no padding."""
     return "\n".join(f"| {' | '.join(map(str, cells))} |" for cells in [columns, ["---"] * len(columns), *rows])
@@ -170,7 +176,8 @@ def _jinja() -> Any:
                              keep_trailing_newline=True, autoescape=False)
     env.filters.update(pct=pct, pct2=pct2, budget=budget, budgets=budgets_said, mib=mib, listing=listing,
                        capitalized=capitalized, said=said, bytes=format_bytes, fmt=format,
-                       median=median, pct_or_fails=pct_or_fails)
+                       median=median, pct_or_fails=pct_or_fails, sep=sep,
+                       table=table_of_lines)
     return env
 
 
@@ -185,6 +192,11 @@ def listing(items: Sequence[str]) -> str:
     if not items:
         return "none"
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def sep(loop: Any) -> str:
+    """What follows an item of a Jinja2 loop as :func:`listing` joins them: ``{{ loop|sep }}``."""
+    return ", " if loop.revindex > 2 else " and " if loop.revindex == 2 else ""
 
 
 def said(items: Iterable[str]) -> str:

@@ -240,22 +240,6 @@ def _label(row: dict[str, Any]) -> str:
     return f"`{row['model']}`{options}"
 
 
-def cpu_table(rows: list[dict[str, Any]]) -> str:
-    body = []
-    for r in rows:
-        if "error" in r:
-            body.append([_label(r), f"bonsai at {PLAN_SHARE}: {r['error'].split(':')[0]}: no plan (the smallest peak "
-                         f"its checkpoints reach under compile is {_smallest(r['error'])})", "", "", "", ""])
-            continue
-        ratio = r["predicted"] / r["measured"]
-        plan = (f"bonsai at {PLAN_SHARE}: {r['regions']} regions, budget {common.mib(r['budget'])}, "
-                f"measured peak {common.mib(r['measured'] + r['fixed'])}" if r["variant"] == "bonsai" else r["variant"])
-        body.append([_label(r), plan, common.mib(r["predicted"]), common.mib(r["measured"]), f"{ratio:.4f}",
-                     common.mib(r["eager_predicted"]) if "eager_predicted" in r else ""])
-    return common.table(["model", "checkpointing", "predicted", "measured", "predicted / measured",
-                         "eager step, predicted"], body, "llrrrr")
-
-
 def _smallest(error: str) -> str:
     """The smallest peak a BudgetError names, as it names it."""
     import re
@@ -279,38 +263,11 @@ def cpu_facts(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "compile_lower": [_label(r) for r in rows if "eager_predicted" in r and r["predicted"] < r["eager_predicted"]]}
 
 
-def peer_table(rows: list[dict[str, Any]]) -> str:
-    body = []
-    for r in rows:
-        bonsai = ([_failure(r["bonsai_error"]), "", ""] if "bonsai_error" in r else
-                  [common.mib(r["bonsai_peak"]), common.pct(r["bonsai_overhead"]),
-                   "yes" if r["bonsai_peak"] <= r["torch_peak"] else "no"])
-        body.append([f"`{r['model']}`", f"{r['budget']:g}", common.mib(r["torch_peak"]),
-                     common.pct(r["torch_overhead"]), *bonsai])
-    return common.table(["model", "activation_memory_budget", "torch: measured peak", "torch: overhead",
-                         "bonsai: measured peak", "bonsai: overhead", "bonsai within torch's peak"], body, "lrrrrrl")
-
-
 def peer_facts(rows: list[dict[str, Any]]) -> dict[str, int]:
     """Cells where both ran, those where bonsai's plan costs less, memory levels bonsai could not meet."""
     pairs = [r for r in rows if "bonsai_error" not in r]
     return {"pairs": len(pairs), "cheaper": sum(r["bonsai_overhead"] < r["torch_overhead"] - 1e-9 for r in pairs),
             "unmet": len(rows) - len(pairs)}
-
-
-def titan_table(rows: list[dict[str, Any]]) -> str:
-    body = []
-    for r in rows:
-        p = r["parts"]
-        reserved = p[RESERVED]
-        body.append([r["world"], "compiled" + (", Float8" if r["float8"] else "") if r["compiled"] else "eager",
-                     f"{p['live peak'] / GIB:.2f}", f"{reserved / GIB:.2f}", f"{r['published_gib']:.1f}",
-                     common.pct(reserved / GIB / r["published_gib"] - 1),
-                     f"{p['saved forward tensors'] / GIB:.2f}", f"{p['backward tensors (transients)'] / GIB:.2f}",
-                     f"{p['FSDP buffers'] / GIB:.2f}", f"{p[EXTRA] / GIB:.2f}"])
-    return common.table(["ranks", "step", "live peak (GiB)", "reserved (GiB)", "published (GiB)", "difference",
-                         "saved forward", "backward transients", "FSDP buffers", "allocator's extra"], body,
-                        "llrrrrrrrr")
 
 
 def titan_worlds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -327,17 +284,6 @@ def titan_worlds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         ("transients", "backward tensors (transients)"), ("extra", EXTRA)]},
                     "peak_op": c["peak op"].split(": ")[1], "eager_peak_op": e["peak op"].split(": ")[1]})
     return out
-
-
-def titan_peer_table(rows: list[dict[str, Any]]) -> str:
-    body = []
-    for r in rows:
-        bonsai = ([_failure(r["bonsai_error"]), "", ""] if "bonsai_error" in r else
-                  [f"{r['bonsai_peak'] / GIB:.2f}", common.pct(r["bonsai_overhead"]),
-                   "yes" if r["bonsai_peak"] <= r["peak"] else "no"])
-        body.append([f"`{r['checkpointing']}`", f"{r['peak'] / GIB:.2f}", common.pct(r["overhead"]), *bonsai])
-    return common.table(["checkpointing", "its peak (GiB)", "its overhead", "bonsai: peak (GiB)", "bonsai: overhead",
-                         "bonsai within its peak"], body, "lrrrrl")
 
 
 def _failure(error: str) -> str:
@@ -363,11 +309,9 @@ def page(results: dict[str, Any], header: str) -> str:
     return common.fill(
         "compiled", header=header, meta=meta, minutes=meta["seconds"] / 60, share=PLAN_SHARE,
         runs={part.replace("-", "_"): _other_run(results, part) for part in PARTS},
-        cpu_table=cpu and cpu_table(cpu), cpu=cpu and cpu_facts(cpu),
-        peer_table=peers and peer_table(peers), peers=peers and peer_facts(peers),
-        titan_table=titan and titan_table(titan), titan=titan and titan_worlds(titan),
-        titan_peer_table=titan_peers and titan_peer_table(titan_peers),
-        titan_peers=titan_peers and titan_peer_facts(titan_peers))
+        cpu_rows=cpu, peer_rows=peers, titan_rows=titan, titan_peer_rows=titan_peers, cpu=cpu and cpu_facts(cpu), peers=peers and peer_facts(peers),
+        titan=titan and titan_worlds(titan), titan_peers=titan_peers and titan_peer_facts(titan_peers),
+        label=_label, smallest=_smallest, failure=_failure, gib=GIB)
 
 
 def _other_run(results: dict[str, Any], part: str) -> dict[str, Any] | None:

@@ -32,7 +32,6 @@ from bonsai_core.graph import load_graph, save_graph
 from bonsai_core.regions import CheckpointPlan
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
-from bonsai_core.units import format_bytes
 
 SOURCES = ["bonsai_core/bench/explorer_page.py", "explorer/browser.py", common.template_source("explorer")]
 DEFAULT_OUT = "docs/bench/explorer"
@@ -383,15 +382,6 @@ def loads(results: dict[str, Any]) -> list[float]:
     return said + [s[key][0] for s in results["sessions"] for key in ("load_before", "load_after")]
 
 
-def sessions_row(s: dict[str, Any]) -> list[str]:
-    drawn, answered = s["drawn"], s["answered"]
-    n = len(drawn)
-    return ["on" if s["solve_ahead"] else "off", f"{secs(statistics.median(drawn))} / {secs(p90(drawn))} / "
-            f"{secs(max(drawn))}", f"{secs(statistics.median(answered))} / {secs(p90(answered))} / "
-            f"{secs(max(answered))}", f"{s['server_cpu'] / n:.3f} s", f"{s['browser_cpu'] / n:.2f} s",
-            f"{s['waited']:.1f} s", f"{s['load_before'][0]:.2f} → {s['load_after'][0]:.2f}"]
-
-
 def sessions_facts(results: dict[str, Any]) -> dict[str, Any]:
     """The sessions study: its counts and budgets, its table, each mode's median, the server's CPU per drag
     with and without solving ahead, the tabs' CPU against the server's, whether every chart updated in place."""
@@ -401,10 +391,6 @@ def sessions_facts(results: dict[str, Any]) -> dict[str, Any]:
     cpu = {ahead: s["server_cpu"] / len(s["drawn"]) for ahead, s in by_mode.items()}
     return {"count": count, "rounds": rounds, "budgets": len(results["sessions"][0]["drawn"]),
             "lowest": browser.session_budget(0, 0), "highest": browser.session_budget(count - 1, rounds - 1),
-            "table": common.table(["solving ahead", "plot updated: median / p90 / max",
-                                   "server's rerun arrived: median / p90 / max", "server CPU per drag",
-                                   "tabs' CPU per drag", "server idle after", "load average"],
-                                  map(sessions_row, results["sessions"])),
             "modes": [{"ahead": ahead, "median": statistics.median(s["drawn"])} for ahead, s in by_mode.items()],
             "cpu_on": cpu[True], "cpu_off": cpu[False],
             "tabs_per_server": sum(s["browser_cpu"] for s in results["sessions"])
@@ -412,61 +398,18 @@ def sessions_facts(results: dict[str, Any]) -> dict[str, Any]:
             "in_place": all(all(s["in_place"]) for s in results["sessions"])}
 
 
-def depth_cells(row: dict[str, Any]) -> str:
-    return "; ".join(f"depth {d['depth']} ({d['boxes']} boxes): {ms(d['boxes_s'])} / {ms(d['layout_s'])} / "
-                     f"{ms(d['stats_chart_s'])}" for d in row["depths"])
-
-
 def module_graph_facts(results: dict[str, Any]) -> dict[str, Any]:
-    """The module graph study's table, the Llama traced for it and its view's median draw (None where not run)."""
+    """The module graph study's rows, the Llama traced for it (its row, boxes per fold depth) and its view's
+    median draw (None where not run)."""
     browser = harness()
-    rows = results["module_graph"]
-    b = results["browser"]
-    g = b["graph"]
-    lines = [[f"module structure (tree, owners, backward anchors, default depth), once per graph: {r['graph']} "
-               f"({r['ops']:,} ops)", secs(r["structure_s"])] for r in rows]
-    lines += [[f"boxes / layout / stats and chart spec per fold depth: {r['graph']}", depth_cells(r)] for r in rows]
-    lines.append(["click on \"Graph\" until the module chart is painted and the server idle, default GPT",
-                  f"first visit of a session {secs(g['first_s'])}; again from the Model page: median "
-                  f"{secs(statistics.median(g['again_s']))} ({spread(g['again_s'])})"])
-    view = None
+    rows, b = results["module_graph"], results["browser"]
+    view = llama = None
     if "llama" in b:
-        llama, row = b["llama"], next(r for r in rows if r["key"] == "llama")
-        boxes = {d["depth"]: d["boxes"] for d in row["depths"]}
-        median = statistics.median(llama["again_s"])
-        lines.append([f"the same, {row['graph']} ({row['ops']:,} ops) uploaded as JSON at {browser.LLAMA_32_BUDGET}%, "
-                      f"folded to depth {row['default_depth']} ({boxes[row['default_depth']]} boxes)",
-                      f"**median {secs(median)}** ({spread(llama['again_s'])}); the first visit "
-                      f"{secs(llama['first_s'])} (the plan solved)"])
-        lines.append(["one step of the fold depth until the new chart is painted, same graph",
-                      ", ".join(f"to {d} ({boxes.get(d, '?')} boxes) {secs(t)}" for d, t in llama["folds"])])
-        view = {"graph": row["graph"], "median": median}
-    traced = any(r["key"] == "llama" for r in rows)
-    return {"table": common.table(["what", "measured"], lines), "llama_view": view,
-            "llama_trace": browser.LLAMA_32 if traced else None}
-
-
-def lifetimes_table(results: dict[str, Any]) -> str:
-    """What the lifetimes and the scrubber measured, a line each."""
-    browser = harness()
-    b = results["browser"]
-    lines = []
-    for r in results["lifetimes"]:
-        grouped = f", tensors under {format_bytes(r['threshold'])} grouped per module" if r["threshold"] else ""
-        lines.append([f"{r['graph']} ({r['ops']:,} ops, {r['steps']:,} schedule steps), {r['method']} at {SHARE:.0%}",
-                      f"bars {ms(r['bars_s'])} ({r['bars']:,} bars{grouped}), chart rows and spec {ms(r['chart_s'])}, "
-                      f"step line {ms(r['step_line_s'])}, reasons of {r['explained']} of {r['regions']} regions "
-                      f"{secs(r['reasons_s'])} (the solve: {secs(r['solve_s'])})"])
-    first, again = b["memory_first"], b["memory_again"]
-    lines.append(["Memory page of the default model in a new session until both charts are drawn and the server idle",
-                  f"the server's first {secs(first['charts_s'])}, the next {secs(again['charts_s'])}"])
-    lines.append([f"{SCRUB_PRESSES} arrow-key steps of the scrubber until the step line changed",
-                  f"{spread([first['scrub_s'], again['scrub_s']])} (in those two sessions)"])
-    for key, link in (("gpt2_link", browser.GPT2_LINK), ("large_link", browser.LARGE_LINK)):
-        if key in b:
-            lines.append([f"`{link}` in a new session: trace, solve, both charts",
-                          f"{secs(b[key]['charts_s'])}; one scrubber step (Home key) {secs(b[key]['scrub_s'])}"])
-    return common.table(["what", "measured"], lines)
+        row = next(r for r in rows if r["key"] == "llama")
+        llama = {"row": row, "boxes": {d["depth"]: d["boxes"] for d in row["depths"]}}
+        view = {"graph": row["graph"], "median": statistics.median(b["llama"]["again_s"])}
+    return {"rows": rows, "llama": llama, "llama_view": view,
+            "llama_trace": browser.LLAMA_32 if any(r["key"] == "llama" for r in rows) else None}
 
 
 def first_words(alert: str) -> str:
@@ -474,42 +417,10 @@ def first_words(alert: str) -> str:
     return next((line for line in alert.splitlines() if line.strip() and line.strip() != "error"), alert)
 
 
-def titan_table(results: dict[str, Any]) -> str:
-    """What the 8B step's session measured, a line each."""
-    browser = harness()
-    t = results["titan"]
-    b, f = t["browser"], t["fit"]
-    first = (f"no plan, the page said \"{first_words(b['first_plan_error'])}\"" if b.get("first_plan_error")
-             else "its plan and charts")
-    lines = [["trace (in-process)", f"{secs(t['trace_s'])} ({t['ops']:,} ops)"],
-             [f"upload as JSON at {browser.TITAN_8B_BUDGET}% until the Model page shows it", secs(b["upload_s"])],
-             [f"open the Memory page until bonsai's first solve at {browser.TITAN_8B_BUDGET}% is drawn",
-              f"{secs(b['first_plan_s'])}: {first}"],
-             [f"a drag to {b['during']['pct']}% while the sweep runs ({b['during']['sweep'] or 'not started'})",
-              f"{secs(b['during']['seconds'])}, " + ("the nearest solved plan shown, marked" if b["during"]["stand_in"]
-                                                     else "its own plan")]]
-    swept = re.search(r"Swept (\d+) of (\d+) budgets in (\d+) s", b["sweep"]["said"])
-    if swept:
-        done, total, seconds = int(swept.group(1)), int(swept.group(2)), int(swept.group(3))
-        lines.append(["the slider swept in the background", f"{done} of {total} positions in {seconds} s"
-                      + ("" if b["sweep"]["done"] else f" when the run stopped waiting ({b['sweep']['waited_s']:.0f} s)")
-                      + f", {against(seconds, SWEEP_TARGET) if b['sweep']['done'] else 'not done'}"])
-    after = [seconds for _, seconds, _ in b["after"]]
-    if after:
-        lines.append(["drags after the sweep", ", ".join(f"{p}% {secs(s_)}" + (" (nearest)" if near else "")
-                                                         for p, s_, near in b["after"])
-                      + f": median {secs(statistics.median(after))}, the slowest {secs(max(after))}, "
-                      f"{against(max(after), SLIDER_TARGET)}"])
-    lines.append([f"the plan at {b['read_at']}% as the page reads it (after the sweep)",
-                  (f"{b['rebuilds']} rebuilds in {b['patterns']} patterns (the events table's rows)"
-                   if b.get("patterns") else "its rebuilds did not read as patterns")
-                  + f"; the lifetimes' legend {b['legend']} entries"])
-    last = max((a[3] for a in f["answers"]), default=0.0)
-    lines.append([f"What fits, the page's defaults (GPU {format_bytes(f['limit'])}: twice the step's lower bound)",
-                  f"{secs(f['seconds'])}, {against(f['seconds'], FIT_TARGET)}; {len(f['answers'])} answers, the last "
-                  f"after {secs(last)}; traced " + (", ".join(f"batch {k} {secs(v)}" for k, v in f["traces"].items())
-                                                     or "nothing")])
-    return common.table(["what", "measured"], lines)
+def swept(titan: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(positions swept, of how many, in how many seconds) as the 8B step's page said them; None before it did."""
+    found = re.search(r"Swept (\d+) of (\d+) budgets in (\d+) s", titan["browser"]["sweep"]["said"])
+    return tuple(map(int, found.groups())) if found else None
 
 
 def page(results: dict[str, Any], header: str) -> str:
@@ -520,12 +431,13 @@ def page(results: dict[str, Any], header: str) -> str:
         yardstick=results["yardstick_s"], slider=results["browser"]["slider_s"],
         paint=results["browser"]["first_paint_s"], sessions=sessions_facts(results),
         module_graph=module_graph_facts(results), regions_at_once=REGIONS_AT_ONCE, time_limit=TIME_LIMIT,
-        lifetimes_table=lifetimes_table(results), traces=results["traces"], titan_8b=browser.TITAN_8B,
-        titan_budget=browser.TITAN_8B_BUDGET, titan_table=titan and titan_table(results),
-        fit_table=titan and titan["fit"]["table"], targets={
+        run=results, browser=browser, share=SHARE, scrub_presses=SCRUB_PRESSES, ms=ms, first_words=first_words,
+        swept=titan and swept(titan), traces=results["traces"], titan_8b=browser.TITAN_8B,
+        titan_budget=browser.TITAN_8B_BUDGET, titan=titan,
+        targets={
             "slider": SLIDER_TARGET, "first_paint": FIRST_PAINT_TARGET, "sessions": SESSIONS_TARGET,
             "module_view": MODULE_VIEW_TARGET, "sweep": SWEEP_TARGET, "fit": FIT_TARGET},
-        secs=secs, spread=spread, against=against)
+        secs=secs, spread=spread, against=against, p90=p90)
 
 
 # -- the command ----------------------------------------------------------------------------------

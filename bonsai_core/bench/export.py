@@ -26,7 +26,8 @@ from bonsai_core.schedule import no_remat_peak, none_schedule, simulate
 from bonsai_core.solvers import solve
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
-SOURCES = ["bonsai_core/bench/export.py", "tests/export_models.py", "tests/real_models.py", common.template_source("export")]
+SOURCES = ["bonsai_core/bench/export.py", "tests/export_models.py", "tests/real_models.py", common.template_source("export"),
+           common.template_source("export_said")]
 DEFAULT_OUT = "docs/bench/export"
 RECORD_PAGE = "docs/results/export.md"
 
@@ -317,10 +318,6 @@ def mib(nbytes: float) -> str:
     return common.mib(nbytes, unit="")
 
 
-def signed_bytes(n: int) -> str:
-    return f"{n:+,} B"
-
-
 def short(model: str) -> str:
     """A model spec as the tables name it: ``export_models:hf_gpt2`` for ``tests.export_models:hf_gpt2``."""
     return model.removeprefix("tests.")
@@ -345,18 +342,10 @@ byte_range = partial(common.span, fmt="{:+,}".format, between=" to ", unit=" B")
 percent_range = partial(common.span, fmt=common.pct, between=" to ")
 
 
-def met_sentence(rows: Sequence[tuple[str, int, int]], what: str) -> str:
-    """Whether each measurement of ``rows`` ((label, measured, predicted)) meets its prediction within NEAR
-    bytes; the rows that miss, named with their error."""
-    met = [m - p for _, m, p in rows if abs(m - p) <= NEAR]
-    missed = [(label, m, p) for label, m, p in rows if abs(m - p) > NEAR]
-    if not missed:
-        return f"{what} meets its prediction in every row: measured − predicted is {byte_range(met)}."
-    said = common.listing([f"{label} ({signed_bytes(m - p)}, {m / p - 1:+.2%})" for label, m, p in missed])
-    if not met:
-        return f"{what} misses its prediction by more than {NEAR} bytes in every row: {said}."
-    return (f"{what} meets its prediction within {NEAR} bytes in {len(met)} of {len(rows)} rows "
-            f"({byte_range(met)}); it misses in {said}.")
+def met_split(rows: Sequence[tuple[str, int, int]]) -> tuple[list[int], list[tuple[str, int, int]]]:
+    """Of ``rows`` ((label, measured, predicted)): the errors of those within NEAR bytes of their prediction,
+    and the rows that miss it."""
+    return [m - p for _, m, p in rows if abs(m - p) <= NEAR], [(label, m, p) for label, m, p in rows if abs(m - p) > NEAR]
 
 
 def differences(label: str, *reports: dict[str, Any]) -> tuple[str, float, float, float]:
@@ -367,39 +356,17 @@ def differences(label: str, *reports: dict[str, Any]) -> tuple[str, float, float
             max(v.get("max_grad_scaled_diff", 0.0) for v in reports))
 
 
-def exact_sentence(rows: Sequence[tuple[str, float, float, float]], what: str) -> str:
-    """Whether loss and gradients are bitwise equal to eager's in every row of ``rows`` (:func:`differences`);
-    the rows where not, with their differences."""
-    differ = [(label, loss, grad, scaled) for label, loss, grad, scaled in rows if loss or grad]
-    if not differ:
-        return f"{what}: loss and gradients bitwise equal to the original's in every row."
-    said = common.listing([f"{label} (loss {loss:.2g}, gradients {grad:.2g}"
-                           + (f", {scaled:.2g} of the tensor's largest magnitude)" if scaled else ")")
-                           for label, loss, grad, scaled in differ])
-    if len(differ) == len(rows):
-        return f"{what}: loss or gradients differ from the original's in every row: {said}."
-    return (f"{what}: loss and gradients bitwise equal to the original's in {len(rows) - len(differ)} of "
-            f"{len(rows)} rows; they differ in {said}.")
+def checks(reports: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, list[Any]]:
+    """verify's ``reports`` (label, report) as the page's sentences read them: (label, measured, predicted)
+    peaks where a report predicts one (the checkpoint back-end's is judged against its plan instead),
+    :func:`differences`, (label, problems)."""
+    return {"peaks": [(label, v["measured_peak"], v["predicted_peak"]) for label, v in reports if "predicted_peak" in v],
+            "diffs": [differences(label, v) for label, v in reports], "problems": [(label, v["problems"]) for label, v in reports]}
 
 
-def verdict_sentence(rows: Sequence[tuple[str, Sequence[str]]], what: str, unit: str = "rows") -> str:
-    """``bonsai verify``'s verdict over ``rows`` ((label, problems)), counted in ``unit``."""
-    failed = [(label, problems) for label, problems in rows if problems]
-    if not failed:
-        return f"`bonsai verify` finds no problem with {what} ({len(rows)} {unit if len(rows) > 1 else unit[:-1]})."
-    said = "; ".join(f"{label}: {'; '.join(problems)}" for label, problems in failed)
-    return f"`bonsai verify` reports a problem with {what} in {len(failed)} of {len(rows)} {unit}: {said}."
-
-
-def count_of(n: int, total: int) -> str:
-    """``every row``, ``no row``, ``3 of 5 rows``."""
-    if n == total:
-        return "every row" if total > 1 else "its one row"
-    return "no row" if n == 0 else f"{n} of {total} rows"
-
-
-def diff_cell(x: float) -> str:
-    return "0" if x == 0 else f"{x:.2g}"
+def differing(rows: Sequence[tuple[str, float, float, float]]) -> list[tuple[str, float, float, float]]:
+    """The rows of :func:`differences` whose loss or gradients are not bitwise equal to eager's."""
+    return [(label, loss, grad, scaled) for label, loss, grad, scaled in rows if loss or grad]
 
 
 # -- the zoo --------------------------------------------------------------------------------------
@@ -412,30 +379,16 @@ def zoo_label(row: dict[str, Any]) -> str:
     return f"{row['model']} {schedule_label(row)}"
 
 
-def zoo_table(rows: Sequence[dict[str, Any]]) -> str:
-    def cells(r: dict[str, Any]) -> list[Any]:
-        v = r["autograd"]
-        grad = max(v["max_grad_diff"], v["max_grad_diff_grads_none"], r["direct"]["max_grad_diff"])
-        return [r["model"], schedule_label(r), r["recomputes"], mib(v["predicted_peak"]), mib(v["measured_peak"]),
-                signed_bytes(v["measured_peak"] - v["predicted_peak"]),
-                signed_bytes(r["direct"]["measured_peak"] - v["predicted_peak"]), mib(v["original_peak"]),
-                diff_cell(max(v["loss_diff"], r["direct"]["loss_diff"])), diff_cell(grad)]
-    return common.table(["model", "schedule", "recomputes", "predicted MiB", "measured MiB", "measured − predicted",
-                  "measured − predicted, grads direct", "original model MiB", "loss diff", "max grad diff"],
-                 map(cells, rows))
-
-
 def zoo_findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     both = [(f"{zoo_label(r)}{'' if mode == 'autograd' else ' (grads direct)'}", r[mode]["measured_peak"],
              r[mode]["predicted_peak"]) for r in rows for mode in ("autograd", "direct")]
     recomputing = [r for r in rows if r["recomputes"]]
-    return {"met": met_sentence(both, "The exported step, with gradients through autograd and written directly,"),
+    return {"both": both,
             "tiny": all(0 < m - p <= NEAR for _, m, p in both),
             "modes_differ": [f"{zoo_label(r)} ({r['autograd']['measured_peak']:,} vs "
                              f"{r['direct']['measured_peak']:,} B)"
                              for r in rows if r["direct"]["measured_peak"] != r["autograd"]["measured_peak"]],
-            "exact": exact_sentence([differences(zoo_label(r), r["autograd"], r["direct"]) for r in rows],
-                                    "Both modes"),
+            "exact": [differences(zoo_label(r), r["autograd"], r["direct"]) for r in rows],
             "original": original_values(rows), "recomputing": recomputing,
             "not_below": [zoo_label(r) for r in recomputing
                           if r["autograd"]["measured_peak"] >= r["autograd"]["original_peak"]]}
@@ -453,7 +406,7 @@ def original_values(rows: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
 
 def zoo_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     nodes = common.listing([f"{m} {n}" for m, n in dict((r["model"], r["nodes"]) for r in rows).items()])
-    return {"zoo_nodes": nodes, "zoo_table": zoo_table(rows), "zoo": zoo_findings(rows)}
+    return {"zoo_nodes": nodes, "zoo_rows": rows, "zoo": zoo_findings(rows)}
 
 
 # -- every solver ---------------------------------------------------------------------------------
@@ -462,36 +415,16 @@ def method_label(row: dict[str, Any]) -> str:
     return f"{row['method']} on {row['model']}"
 
 
-def methods_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
+def methods_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     solved = [r for r in rows if "replay" in r]
-
-    def cells(r: dict[str, Any]) -> list[Any]:
-        if "replay" not in r:
-            unmet = f"no schedule ({r['error'].split(':')[0]})"
-            return [r["model"], r["method"], f"{r['budget']:,}", unmet, "", "", "", "", ""]
-        v = r["replay"]
-        return [r["model"], r["method"], f"{r['budget']:,}", r["recomputes"], f"{v['predicted_peak']:,}",
-                f"{v['measured_peak']:,}", signed_bytes(v["measured_peak"] - v["predicted_peak"]),
-                diff_cell(v["loss_diff"]), diff_cell(max(v["max_grad_diff"], v["max_grad_diff_grads_none"]))]
-    sentences = []
-    if solved:
-        sentences += [met_sentence([(method_label(r), r["replay"]["measured_peak"], r["replay"]["predicted_peak"])
-                                    for r in solved], "The exported step"),
-                      exact_sentence([differences(method_label(r), r["replay"]) for r in solved],
-                                     "Every solved schedule"),
-                      verdict_sentence([(method_label(r), r["replay"]["problems"]) for r in solved],
-                                       "these exports")]
     unmet: dict[str, list[str]] = {}
     for r in rows:
         if "replay" not in r:
             unmet.setdefault(r["model"], []).append(r["method"])
-    if unmet:
-        sentences.append("No schedule within the budget: " + common.listing(
-            [f"{model} ({common.listing(methods)})" for model, methods in unmet.items()]) + ".")
     sizes = "; ".join(f"{m} {options_said(o)}" for m, o in dict((r["model"], r["options"]) for r in rows).items())
-    return {"method_sizes": sizes, "method_share": f"{METHOD_SHARE:.0%}", "methods_findings": " ".join(sentences),
-            "methods_table": common.table(["model", "method", "budget", "recomputes", "predicted", "measured",
-                                           "measured − predicted", "loss diff", "max grad diff"], map(cells, rows))}
+    return {"method_sizes": sizes, "method_share": f"{METHOD_SHARE:.0%}", "methods_found": {
+                "replays": checks([(method_label(r), r["replay"]) for r in solved]), "unmet": unmet},
+            "method_rows": rows}
 
 
 # -- verify's full report -------------------------------------------------------------------------
@@ -500,33 +433,12 @@ def verified_label(row: dict[str, Any]) -> str:
     return f"{short(row['model'])} {precision(row['options'], row['autocast'])} {row['schedule']}"
 
 
-def milliseconds(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f}"
-
-
-def verified_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
-    def cells(r: dict[str, Any]) -> list[Any]:
-        v = r["replay"]
-        return [short(r["model"]), precision(r["options"], r["autocast"]), r["schedule"], r["recomputes"],
-                f"{v['predicted_peak']:,}", f"{v['measured_peak']:,}",
-                signed_bytes(v["measured_peak"] - v["predicted_peak"]),
-                f"{v['measured_peak_grads_none']:,}", diff_cell(v["loss_diff"]),
-                diff_cell(max(v["max_grad_diff"], v["max_grad_diff_grads_none"])),
-                f"{milliseconds(v['seconds_original'])} / {milliseconds(v['seconds_exported'])}",
-                f"{common.pct(v['measured_overhead'])} / {common.pct(v['predicted_overhead'])}"]
+def verified_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     none_peaks = [(r["replay"]["measured_peak_grads_none"] / r["replay"]["measured_peak"] - 1) for r in rows]
-    sentences = [
-        met_sentence([(verified_label(r), r["replay"]["measured_peak"], r["replay"]["predicted_peak"]) for r in rows],
-                     "The exported step"),
-        f"Started from `.grad` None (gradients allocated as the backward pass makes them), it peaks "
-        f"{percent_range(none_peaks)} against the step with `.grad` allocated.",
-        exact_sentence([differences(verified_label(r), r["replay"]) for r in rows], "Against eager"),
-        verdict_sentence([(verified_label(r), r["replay"]["problems"]) for r in rows], "these exports")]
     models = common.listing(sorted({f"`{r['model']}` ({options_said(r['options'])})" for r in rows}))
-    return {"verified_models": models, "repeats": str(TIMING_REPEATS), "verified_findings": " ".join(sentences),
-            "verified_table": common.table(["model", "precision", "schedule", "recomputes", "predicted", "measured",
-                                            "measured − predicted", "grads None", "loss diff", "max grad diff",
-                                            "ms per step", "overhead measured / predicted"], map(cells, rows))}
+    return {"verified_models": models, "repeats": str(TIMING_REPEATS), "verified_replays": checks([(verified_label(r), r["replay"]) for r in rows]),
+            "grads_none": percent_range(none_peaks),
+            "verified_rows": rows}
 
 
 # -- SDPA and bf16 --------------------------------------------------------------------------------
@@ -535,23 +447,9 @@ def attention_peaks(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str, str]
     return {(r["model"], r["dtype"], r["attention"]): r["no_remat_peak"] for r in rows}
 
 
-def attention_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
-    peaks = attention_peaks(rows)
-    models = list(dict.fromkeys(r["model"] for r in rows))
-
-    def cells(model: str) -> list[Any]:
-        out = [f"`{model}`"]
-        for dtype in ("fp32", "bf16"):
-            eager, sdpa = peaks[model, dtype, "eager"], peaks[model, dtype, "sdpa"]
-            out += [mib(eager), f"{mib(sdpa)} ({common.pct(sdpa / eager - 1)})"]
-        return out
-
-    def change(dtype_a: str, att_a: str, dtype_b: str, att_b: str) -> str:
-        return common.listing([f"{common.pct(peaks[m, dtype_b, att_b] / peaks[m, dtype_a, att_a] - 1)} on `{m}`"
-                               for m in models])
-    return {"seq": str(ATTENTION_SEQ), "attention": change,
-            "attention_table": common.table(["model", "eager fp32", "SDPA fp32", "eager bf16", "SDPA bf16"],
-                                            map(cells, models))}
+def attention_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {"seq": str(ATTENTION_SEQ), "peaks": attention_peaks(rows),
+            "attention_models": list(dict.fromkeys(r["model"] for r in rows))}
 
 
 # -- both back-ends -------------------------------------------------------------------------------
@@ -579,68 +477,12 @@ def against_realised(ck: dict[str, Any]) -> float:
     return ck["measured_peak"] / ck["plan_realised_peak"] - 1
 
 
-def error_cell(error: str) -> str:
-    """``solve: SolverError`` of ``solve: SolverError: its message``."""
-    return ":".join(error.split(":")[:2])
-
-
-def replay_cell(row: dict[str, Any]) -> str:
-    if "replay" not in row:
-        return error_cell(row["replay_error"])
-    v = row["replay"]
-    return f"{v['measured_peak']:,} ({signed_bytes(v['measured_peak'] - v['predicted_peak'])})"
-
-
-def checkpoint_cells(row: dict[str, Any]) -> list[str]:
-    """realised, measured (against the plan), original, dropped bytes left saved."""
-    if "checkpoint" not in row:
-        return ["", error_cell(row["checkpoint_error"]), "", ""]
-    ck = row["checkpoint"]
-    judged = f"not judged: {ck['unjudged']}" if ck["unjudged"] else common.pct(checkpoint_error(ck))
-    return [f"{ck['plan_realised_peak']:,}", f"{ck['measured_peak']:,} ({judged})", f"{ck['original_peak']:,}",
-            f"{ck['unrealised_dropped_bytes']:,} of {ck['dropped_bytes']:,}"]
-
-
-def verdict_cell(row: dict[str, Any]) -> str:
-    def said(side: str) -> str:
-        if side not in row:
-            return "error"
-        return "OK" if not row[side]["problems"] else "; ".join(row[side]["problems"])
-    return f"{said('replay')} / {said('checkpoint')}"
-
-
-def backend_table(rows: Sequence[dict[str, Any]]) -> str:
-    def cells(r: dict[str, Any]) -> list[Any]:
-        head = [f"`{short(r['model'])}`" + (f" ({r['options']['attention']} attention)"
-                                            if r["options"].get("attention") else ""),
-                precision(r["options"], r["autocast"]), r["regions"] or ""]
-        if "error" in r:
-            return head + [error_cell(r["error"]), *[""] * 7]
-        if r.get("no_plan"):
-            return head + ["no plan at lb + " + "/".join(f"{s:.0%}".rstrip("%") for s in BACKEND_SHARES) + "%",
-                           *[""] * 7]
-        return head + [f"lb + {r['share']:.0%}", f"{r['predicted']:,}", replay_cell(r), *checkpoint_cells(r),
-                       verdict_cell(r)]
-    return common.table(["model", "precision", "regions", "budget", "predicted", "replay measured", "realised (checkpoint)",
-                  "checkpoint measured (vs plan)", "original model", "dropped bytes left saved", "verify"],
-                 map(cells, rows))
-
-
 def planned(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if "share" in r]
 
 
 def checkpointed(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in planned(rows) if "checkpoint" in r]
-
-
-def exact_sentences(rows: Sequence[dict[str, Any]]) -> list[str]:
-    out = []
-    for side, what in (("replay", "The replay back-end"), ("checkpoint", "The checkpoint back-end")):
-        done = [r for r in planned(rows) if side in r]
-        if done:
-            out.append(exact_sentence([differences(backend_label(r), r[side]) for r in done], what))
-    return out
 
 
 def case_label(row: dict[str, Any]) -> str:
@@ -710,31 +552,22 @@ def left_saved(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def backend_findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    replayed = [r for r in planned(rows) if "replay" in r]
-    sentences = [met_sentence([(backend_label(r), r["replay"]["measured_peak"], r["replay"]["predicted_peak"])
-                               for r in replayed], "The replay back-end")] if replayed else []
-    closing = []
     no_plan = [r for r in rows if r.get("no_plan")]
-    if no_plan:
-        closing.append("bonsai finds no plan at lb + " + "/".join(f"{s * 100:g}" for s in BACKEND_SHARES)
-                       + f"% for {rows_said(no_plan)}.")
-    verdicts = [(f"{backend_label(r)} ({side})", r[side]["problems"]) for r in planned(rows)
-                for side in ("replay", "checkpoint") if side in r]
-    if verdicts:
-        closing.append(verdict_sentence(verdicts, "either back-end", "verdicts"))
-    errors = [f"{backend_label(r)}: {r[k].rstrip('.')}" for r in rows for k in ("error", "replay_error",
-                                                                                "checkpoint_error") if k in r]
-    if errors:
-        closing.append("Refused or failed: " + "; ".join(errors) + ".")
-    return {"sentences": sentences + exact_sentences(rows), **follows_plan(rows), **against_realised_said(rows),
-            **unjudged_said(rows), **left_saved(rows), "closing": closing}
+    return {"replays": {side: checks([(backend_label(r), r[side]) for r in planned(rows) if side in r])
+                        for side in ("replay", "checkpoint")},
+            **follows_plan(rows), **against_realised_said(rows), **unjudged_said(rows), **left_saved(rows),
+            "no_plan": no_plan and rows_said(no_plan),
+            "verdicts": [(f"{backend_label(r)} ({side})", r[side]["problems"]) for r in planned(rows)
+                         for side in ("replay", "checkpoint") if side in r],
+            "errors": [f"{backend_label(r)}: {r[k].rstrip('.')}" for r in rows for k in ("error", "replay_error",
+                                                                                        "checkpoint_error") if k in r]}
 
 
 def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     models = "; ".join(f"`{m}` {options_said(o)}" for m, o in
                        dict((backend_label({**r, "regions": None}), r["options"]) for r in rows).items())
     return {"backend_shares": "/".join(f"{s * 100:g}" for s in BACKEND_SHARES), "realised": f"{REALISED:.0%}",
-            "backend_models": models, "backend_table": backend_table(rows), "backends": backend_findings(rows)}
+            "backend_models": models, "backend_rows": rows, "backends": backend_findings(rows)}
 
 
 # -- the page -------------------------------------------------------------------------------------
@@ -742,7 +575,8 @@ def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
 def page(results: dict[str, Any], header: str) -> str:
     meta = results["meta"]
     return common.fill(
-        "export", header=header, near=NEAR, count_of=count_of, command=meta["command"], date=meta["date"],
+        "export", header=header, near=NEAR, short=short, precision=precision, met_split=met_split, differing=differing, byte_range=byte_range,
+        command=meta["command"], date=meta["date"],
         machine=meta["machine"],
         quick=" (`--quick`: one model per study, a smoke test, not the record)" if meta.get("quick") else "",
         torch=meta["torch"], seconds=f"{meta['seconds']:.0f}", time_limit=f"{meta['time_limit']:g}",

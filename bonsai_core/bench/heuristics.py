@@ -193,12 +193,10 @@ def ratio(e: dict[str, Any], label: str) -> float | None:
     return (b + e["adam_bytes"]) / (c + e["adam_bytes"]) if b and c else None
 
 
-def overhead_cell(r: dict[str, Any]) -> str:
-    return f"{r['overhead']:+.1%}" if r["ok"] else "fails"
-
-
-def frag_cell(r: dict[str, Any], key: str) -> str:
-    return f"{r[key]:.1%}" if r["ok"] else "-"
+def best_pool_ratio(e: dict[str, Any]) -> float | None:
+    """The smallest pool of the best DTR-in-the-pool variant, over coop's (None when either trains in none)."""
+    rs = [r for r in (ratio(e, k) for k in POOL_VARIANTS) if r is not None]
+    return min(rs) if rs else None
 
 
 def pool_order(e: dict[str, Any]) -> str | None:
@@ -242,37 +240,10 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
 
 def table(results: dict[str, Any]) -> str:
     """table.md: every graph's smallest pools, the equal pools and the headline."""
-    labels = list(VARIANTS)
     return common.fill("heuristics_table", meta=results["meta"], steps=STEPS, headline=results["headline"],
-                       factors=FACTORS, pools_table=pools_table(results, labels),
-                       equal_pools_table=equal_pools_table(results, labels))
-
-
-def pools_table(results: dict[str, Any], labels: list[str]) -> str:
-    """Every graph's smallest pool per variant and the ratios of DTR's in the pool to coop's."""
-    rows = []
-    for e in results["models"].values():
-        pools = [r for r in (ratio(e, k) for k in labels if k not in ("coop", "dtr")) if r is not None]
-        r = ratio(e, "dtr-pool")
-        rows.append([label_of(e["model"], e["options"]), e["nodes"], mib(e["no_remat_peak"] + e["adam_bytes"]),
-                     *(pool_cell(e, k) for k in labels), f"{r:.2f}" if r else "-", f"{min(pools):.2f}" if pools else "-"])
-    return common.table(["model", "nodes", "no-remat peak + Adam", *labels, "dtr-pool / coop",
-                         "best DTR in the pool / coop"], rows)
-
-
-def equal_pools_table(results: dict[str, Any], labels: list[str]) -> str:
-    """Every graph at each multiple of coop's smallest pool: each variant's overhead, and the fragmentation of
-    coop's and dtr-pool's schedules in their own pool and in PyTorch's caching allocator."""
-    rows = []
-    for e in results["models"].values():
-        for f, p in e["equal_pools"].items():
-            c, d = p["coop"], p["dtr-pool"]
-            rows.append([label_of(e["model"], e["options"]), f"{float(f):.1f}x = {mib(p['budget'] + e['adam_bytes'])}",
-                         *(overhead_cell(p[k]) for k in labels),
-                         f"{frag_cell(c, 'own_fragmentation')} / {frag_cell(d, 'own_fragmentation')}",
-                         f"{frag_cell(c, 'caching_fragmentation')} / {frag_cell(d, 'caching_fragmentation')}"])
-    return common.table(["model", "pool (MiB)", *(f"overhead {k}" for k in labels), "frag. own pool coop / dtr-pool",
-                         "frag. caching coop / dtr-pool"], rows)
+                       factors=FACTORS, models=results["models"].values(), labels=list(VARIANTS), label_of=label_of,
+                       pool_cell=pool_cell, ratio=ratio, best_pool_ratio=best_pool_ratio,
+                       overhead_columns=[f"overhead {k}" for k in VARIANTS])
 
 
 def figure(results: dict[str, Any]):
@@ -430,18 +401,7 @@ def example(time_limit: float, frac: float = EXAMPLE_FRAC) -> dict[str, Any]:
 def example_markdown(ex: dict[str, Any]) -> str:
     """example.md: the worked example's runs, their first differing requests, what each recomputes most
     and the sweep around the pool."""
-    return common.fill(
-        "heuristics_example", ex=ex,
-        requests_table=common.table(
-            ["request", "method", "op", "node needing room", "evicted (bytes)"],
-            [[r["request"], r["method"], r["op"], f"{r['node']} ({mib(r['bytes'])} MiB)",
-              ", ".join(f"{name} ({mib(nbytes)} MiB)" for name, nbytes in r["evicted"])] for r in ex["requests"]]),
-        recomputed_table=common.table(
-            ["method", "node", "op", "recomputations", "cost each (us)", "bytes (MiB)"],
-            [[k, n["node"], n["op"], n["recomputations"], f"{n['cost'] * 1e6:.1f}", mib(n["bytes"])]
-             for k, nodes in ex["most_recomputed"].items() for n in nodes]),
-        sweep_table=common.table(["variant", *(f"{f:.0%}" for f in ex["sweep_fracs"])],
-                                 [[k, *map(common.pct_or_fails, cells)] for k, cells in ex["sweep"].items()]))
+    return common.fill("heuristics_example", ex=ex)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -17,9 +17,9 @@ import numpy as np
 
 from bonsai_core.allocator import MIN_BLOCK, bounded_replay
 from bonsai_core.bench import common, dtr_variants, heuristics, inplace
-from bonsai_core.bench.common import listing, median, pct, pct_or_fails, table
-from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, mib, pool_cell,
-                                          pool_order, ratio)
+from bonsai_core.bench.common import listing, median, pct
+from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, best_pool_ratio,
+                                          pool_cell, pool_order, ratio)
 from bonsai_core.errors import BudgetError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import no_remat_peak
@@ -161,12 +161,6 @@ def reserved_budgets(time_limit: float) -> dict[str, Any]:
 
 # -- words and numbers -----------------------------------------------------------------------------
 
-def best_pool_ratio(e: dict[str, Any]) -> float | None:
-    """The smallest pool of the best DTR-in-the-pool variant, over coop's (None when either trains in none)."""
-    rs = [r for r in (ratio(e, k) for k in POOL_VARIANTS) if r is not None]
-    return min(rs) if rs else None
-
-
 def entries(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(label, entry) of every graph of the study, in its order (the results are keyed by label)."""
     return list(results["models"].items())
@@ -188,35 +182,10 @@ def coop_vs_dtr_values(results: dict[str, Any]) -> dict[str, Any]:
     return {"steps": STEPS, "factors": listing([f"{f:.1f}x" for f in FACTORS]),
             "networks": listing([f"`{m}`" for m in dict.fromkeys(e["model"] for _, e in es)]),
             "gpt2": f", and GPT-2 small (the zoo GPT at `zoo.GPT2_SMALL`, {small['nodes']:,} nodes)" if small else "",
-            "graphs": len(es), "smallest_pool_table": smallest_pool_table(results),
-            "equal_pools_table": equal_pools_table(results["headline"], len(results["models"])),
-            "fragmentation": fragmentation_said(results), "frag": fragmentation_verdict(results),
-            "gpt": gpt_values(results["example"])}
-
-
-def smallest_pool_table(results: dict[str, Any]) -> str:
-    """Every graph's smallest pool per variant (MiB) and the ratios to coop's."""
-    rows = []
-    for label, e in entries(results):
-        best, live = best_pool_ratio(e), ratio(e, "dtr")
-        rows.append([label, e["nodes"], mib(e["no_remat_peak"] + e["adam_bytes"]),
-                     *(pool_cell(e, k) for k in ("coop", *POOL_VARIANTS, "dtr")), f"{best:.2f}" if best else "-",
-                     f"{live:.2f}" if live else "-"])
-    return table(["model", "nodes", "no-remat peak + Adam", "coop", *POOL_VARIANTS, "dtr (live bytes, placed best fit)",
-                  "best DTR in the pool / coop", "dtr / coop"], rows)
-
-
-def equal_pools_table(headline: dict[str, Any], graphs: int) -> str:
-    """Per factor of coop's smallest pool: where coop and dtr-pool both train, who is cheaper, the medians."""
-    rows = []
-    for f in FACTORS:
-        x = headline[str(f)]
-        rows.append([f"{f:.1f}x coop's smallest" if f == FACTORS[0] else f"{f:.1f}x", f"{x['both_run']} of {graphs}",
-                     f"{x['coop_lower']} / {x['coop_higher']}",
-                     f"{pct(x['median_coop'])} / {pct(x['median_dtr_pool'])}" if x["both_run"] else "-",
-                     f"{x['dtr_pool_fails']} / {x['coop_fails']}"])
-    return table(["pool", "both coop and dtr-pool train", "coop's overhead lower / higher",
-                  "median overhead coop / dtr-pool", "dtr-pool does not train / coop does not"], rows)
+            "graphs": len(es), "entries": es, "pool_columns": ["coop", *POOL_VARIANTS, "dtr"],
+            "fragmentation": {name: fragmentation_counts(results, key) for name, key in
+                              (("own", "own_fragmentation"), ("caching", "caching_fragmentation"))},
+            "frag": fragmentation_verdict(results)}
 
 
 def both_trained(results: dict[str, Any], factor: float) -> list[tuple[str, dict, dict]]:
@@ -258,22 +227,6 @@ def fragmentation_verdict(results: dict[str, Any]) -> dict[str, Any]:
     return {"own": n_own, "caching": n_caching, "runs": runs, "said": said}
 
 
-def fragmentation_said(results: dict[str, Any]) -> dict[str, list[str]]:
-    """Per factor, where coop fragments less than dtr-pool, in their own pool and in PyTorch's caching allocator."""
-    return {name: [f"{n} of {m} graphs at {f:.1f}x (median {a:.1%} against {b:.1%})"
-                   for f, n, m, a, b in fragmentation_counts(results, key)]
-            for name, key in (("own", "own_fragmentation"), ("caching", "caching_fragmentation"))}
-
-
-def gpt_values(ex: dict[str, Any]) -> dict[str, Any]:
-    """Coop and dtr-pool on the 2-layer GPT at the example's pool and the looser ones of the sweep."""
-    fracs, sweep = ex["sweep_fracs"], ex["sweep"]
-    at = {f: (sweep["coop"][i], sweep["dtr-pool"][i]) for i, f in enumerate(fracs)}
-    return {"frac": ex["frac"], "coop": pct_or_fails(at[ex["frac"]][0]), "pool": pct_or_fails(at[ex["frac"]][1]),
-            "looser": [f"at {f:.0%} {pct_or_fails(at[f][0])} and {pct_or_fails(at[f][1])}" for f in fracs
-                       if f > ex["frac"] + 0.05 + 1e-9]}
-
-
 # -- DTR's heuristics ------------------------------------------------------------------------------
 
 FREE_MODE = ("dtr", "dtr_eq", "local", "lru", "size")  # the heuristics, each with deallocation `free`
@@ -289,20 +242,12 @@ def extremes(overheads: dict[str, list[float | None]], labels: Sequence[str], i:
             [k for k, v in values.items() if abs(v - high) < 1e-9])
 
 
-def named(labels: Sequence[str]) -> str:
-    return listing([f"`{k}`" for k in labels]) + (" give" if len(labels) > 1 else " gives")
-
-
-def ranking_sentence(part: dict[str, Any], labels: Sequence[str]) -> str:
-    """At each budget, which of ``labels`` has the lowest overhead and which the highest."""
-    o, said = part["overheads"], []
-    for i, frac in enumerate(part["fracs"]):
-        low, high = extremes(o, labels, i)
-        if low:
-            highest = listing([f"`{k}`" for k in high])
-            said.append(f"at {frac:.0%} {named(low)} the lowest overhead ({pct(o[low[0]][i])}), {highest} the highest "
-                        f"({pct(o[high[0]][i])})")
-    return "; ".join(said)
+def ranking(part: dict[str, Any], labels: Sequence[str]) -> list[tuple[float, list[str], list[str], float, float]]:
+    """At each budget where some fit: (budget, which of ``labels`` have the lowest overhead, the highest, those
+    two overheads)."""
+    o = part["overheads"]
+    return [(f, low, high, o[low[0]][i], o[high[0]][i]) for i, f in enumerate(part["fracs"])
+            for low, high in [extremes(o, labels, i)] if low]
 
 
 def always(part: dict[str, Any], test: Callable[[int], bool]) -> bool:
@@ -312,26 +257,21 @@ def always(part: dict[str, Any], test: Callable[[int], bool]) -> bool:
 def dtr_variants_said(part: dict[str, Any]) -> dict[str, Any]:
     """What the 2-layer GPT's table says about the heuristics, eager eviction and banishing."""
     o, fracs = part["overheads"], part["fracs"]
-    evict, free = o["dtr + evict"], o["dtr"]
-    return {"at": {k: ", ".join(f"{pct_or_fails(o[k][i])} at {f:.0%}" for i, f in enumerate(fracs))
-                   for k in ("dtr", "dtr_eq", "dtr + evict")},
-            "same": always(part, lambda i: o["dtr"][i] == o["dtr_eq"][i]), "ranking": ranking_sentence(part, FREE_MODE),
-            "lru": always(part, lambda i: "lru" in extremes(o, FREE_MODE, i)[1]),
+    evict, free, banish = o["dtr + evict"], o["dtr"], o["dtr + banish"]
+    return {"o": o, "fracs": fracs, "same": always(part, lambda i: o["dtr"][i] == o["dtr_eq"][i]),
+            "ranking": ranking(part, FREE_MODE), "lru": always(part, lambda i: "lru" in extremes(o, FREE_MODE, i)[1]),
             "ratios": always(part, lambda i: None not in (evict[i], free[i]) and evict[i] > free[i] > 0)
-            and [f"{evict[i] / free[i]:.1f}x `free`'s at {f:.0%}" for i, f in enumerate(fracs)],
-            "banish_lowest": [f"{f:.0%} ({pct(o['dtr + banish'][i])})" for i, f in enumerate(fracs)
-                              if "dtr + banish" in extremes(o, list(o), i)[0]],
-            "banish_fails": [f"{f:.0%}" for i, f in enumerate(fracs) if o["dtr + banish"][i] is None]}
+            and [evict[i] / free[i] for i in range(len(fracs))],
+            "banish_lowest": [i for i in range(len(fracs)) if "dtr + banish" in extremes(o, list(o), i)[0]],
+            "banish_fails": [f for f, x in zip(fracs, banish) if x is None]}
 
 
 def dtr_variants_values(small: dict[str, Any], larger: dict[str, Any]) -> dict[str, Any]:
     """The two tables of ``bonsai bench dtr-variants`` and what they say (the 4-layer GPT: where DTR thrashes)."""
-    o, fracs = larger["overheads"], larger["fracs"]
     return {"small_nodes": small["nodes"], "small_table": dtr_variants.table(small), "small_said": dtr_variants_said(small),
             "larger_options": " ".join(f"--{k} {v}" for k, v in larger["options"].items()),
-            "larger_nodes": larger["nodes"], "larger_table": dtr_variants.table(larger),
-            "larger_dtr": ", ".join(f"{pct_or_fails(o['dtr'][i])} at {f:.0%}" for i, f in enumerate(fracs)),
-            "larger_ranking": ranking_sentence(larger, list(o))}
+            "larger_nodes": larger["nodes"], "larger_table": dtr_variants.table(larger), "larger": larger,
+            "larger_ranking": ranking(larger, list(larger["overheads"]))}
 
 
 # -- does Coop's result reproduce? -----------------------------------------------------------------
@@ -360,31 +300,18 @@ def times(r: float) -> str:
     return f"{r:.3f}x" if f"{r:.2f}" == "1.00" else f"{r:.2f}x"
 
 
-def ratios_said(items: list[tuple[str, float]]) -> str:
-    """``lo to hi: a, b and c``, the graphs in the order of their ratios."""
-    items = sorted(items, key=lambda x: x[1])
-    if not items:
-        return ""
-    bounds = times(items[0][1]) if len(items) == 1 else f"{times(items[0][1])} to {times(items[-1][1])}"
-    return f" ({bounds}: {listing([label for label, _ in items])})"
-
-
 def verdict(results: dict[str, Any]) -> str:
-    """The bold answer: coop's smallest pool against DTR counting live bytes and against DTR in the pool."""
+    """The bold answer's word: does coop's smaller pool, against DTR counting live bytes and against DTR in
+    the pool, reproduce?"""
     graphs, live, pool = len(results["models"]), live_comparison(results), pool_comparison(results)
-    live_all = len(live) == graphs
     smaller, larger = len(pool["coop smaller"]), len(pool["coop larger"])
-    word = ("Yes" if live_all and not larger
+    return ("Yes" if len(live) == graphs and not larger
             else "No" if len(live) <= graphs / 2 and smaller <= larger else "Partly")
-    top = max((r for _, r in live), default=None)
-    against_live = (f"coop's pool is smaller on {len(live)} of {graphs} graphs"
-                    + (f", by up to {times(top)} (the paper: up to 2x)" if top else ""))
-    return (f"**{word}: against DTR that ignores addresses, {against_live}; against DTR in the same pool it is "
-            f"smaller on {smaller}, the same on {len(pool['same'])} and larger on {larger}.**")
 
 
-def not_monotone(results: dict[str, Any]) -> str:
-    """An instance of a variant training in a pool and not in a larger one, when the results hold one."""
+def not_monotone(results: dict[str, Any]) -> tuple[str, str, int, int] | None:
+    """An instance of a variant training in a pool and not in a larger one, when the results hold one:
+    (variant, graph, the pool, the larger pool)."""
     for label, e in entries(results):
         for k in VARIANTS:
             runs = [(e["equal_pools"][str(f)]["budget"], e["equal_pools"][str(f)][k]) for f in FACTORS
@@ -392,46 +319,26 @@ def not_monotone(results: dict[str, Any]) -> str:
             for i, (small, a) in enumerate(runs):
                 failed = [b for b, r in runs[i + 1:] if a["ok"] and not r["ok"]]
                 if failed:
-                    adam = e["adam_bytes"]
-                    return (f"A heuristic's success is not monotone in the pool ({k} trains {label} in "
-                            f"{mib(small + adam)} MiB but not in {mib(failed[0] + adam)} MiB), so these are "
-                            "thresholds the bisection landed on.")
-    return "A heuristic's success need not be monotone in the pool, so these are thresholds the bisection landed on."
+                    return k, label, small + e["adam_bytes"], failed[0] + e["adam_bytes"]
+    return None
 
 
-def overhead_at(results: dict[str, Any], factor: float) -> str:
-    """At ``factor`` x coop's smallest pool: who does not train, who is cheaper where both do (the graphs
-    where coop is dearer named when few), the medians and the graphs where neither recomputes."""
-    x, graphs, both = results["headline"][str(factor)], len(results["models"]), both_trained(results, factor)
-    dearer = [f"{g}: {pct(c['overhead'])} against {pct(d['overhead'])}" for g, c, d in both
-              if c["overhead"] > d["overhead"] + 1e-9]
-    zero = sum(c["overhead"] == 0 == d["overhead"] for _, c, d in both)
-    trains = (f"dtr-pool does not train on {x['dtr_pool_fails']} of {graphs} graphs" if x["dtr_pool_fails"]
-              else f"dtr-pool trains on all {graphs} graphs")
-    said = f"At {factor:.1f}x, {trains}" + (f" and coop does not on {x['coop_fails']}" if x["coop_fails"] else "")
-    if x["both_run"]:
-        higher = f"{x['coop_higher'] or 'none'}" + (f" ({'; '.join(dearer)})" if 0 < len(dearer) <= 3 else "")
-        said += (f"; where both train ({x['both_run']}), coop's overhead is lower on {x['coop_lower'] or 'none'} and "
-                 f"higher on {higher}, medians {pct(x['median_coop'])} against {pct(x['median_dtr_pool'])}"
-                 + (f", and on {zero} neither recomputes anything" if zero else ""))
-    return said + "."
-
-
-def overhead_bullet(results: dict[str, Any]) -> str:
-    """Where coop's overhead is lower more often than dtr-pool's, then each pool's counts."""
+def equal_pools(results: dict[str, Any]) -> dict[str, Any]:
+    """At each factor of coop's smallest pool, the headline counts and medians, the graphs where coop is dearer
+    (its overhead and dtr-pool's) and those where neither recomputes; the factors where coop's is lower more often."""
     h = results["headline"]
-    lower = [f"{f:.1f}x" for f in FACTORS if h[str(f)]["coop_lower"] > h[str(f)]["coop_higher"]]
-    lead = (f"coop's is lower on more graphs than dtr-pool's at {listing(lower)} coop's smallest pool" if lower
-            else "coop's is nowhere lower on more graphs than dtr-pool's")
-    return (f"* **Compute overhead at equal pools: {lead}.** "
-            + " ".join(overhead_at(results, f) for f in FACTORS))
+    pools = [{**h[str(f)], "factor": f, "dearer": [(g, c["overhead"], d["overhead"]) for g, c, d in both
+                                                   if c["overhead"] > d["overhead"] + 1e-9],
+              "zero": sum(c["overhead"] == 0 == d["overhead"] for _, c, d in both)}
+             for f in FACTORS for both in [both_trained(results, f)]]
+    return {"pools": pools, "lower": [f for f in FACTORS if h[str(f)]["coop_lower"] > h[str(f)]["coop_higher"]]}
 
 
 def reproduce_values(results: dict[str, Any]) -> dict[str, Any]:
-    return {"verdict": verdict(results), "overhead_bullet": overhead_bullet(results),
-            "live": sorted(live_comparison(results), key=lambda x: x[1]), "pool": pool_comparison(results),
-            "pool_variants": POOL_VARIANTS, "not_monotone": not_monotone(results), "times": times,
-            "ratios_said": ratios_said}
+    return {"verdict": verdict(results), "equal": equal_pools(results),
+            "live": sorted(live_comparison(results), key=lambda x: x[1]),
+            "pool": {k: sorted(v, key=lambda x: x[1]) for k, v in pool_comparison(results).items()},
+            "pool_variants": POOL_VARIANTS, "not_monotone": not_monotone(results), "times": times}
 
 
 # -- the worked example ----------------------------------------------------------------------------
@@ -443,22 +350,7 @@ def divergence_values(ex: dict[str, Any]) -> dict[str, Any] | None:
         return None
     coop, pool = (next(r for r in ex["requests"] if r["request"] == first + 1 and r["method"] == k)
                   for k in ("coop", "dtr-pool"))
-    return {"first": first, "coop": coop, "pool": pool, "coop_evicted": evicted_said(coop),
-            "pool_evicted": evicted_said(pool)}
-
-
-def evicted_said(request: dict[str, Any]) -> str:
-    total = sum(nbytes for _, nbytes in request["evicted"])
-    tensors = listing([f"`{name}` ({mib(nbytes)} MiB)" for name, nbytes in request["evicted"]])
-    return f"{tensors}, {mib(total)} MiB in all"
-
-
-def more_or_fewer(a: int, b: int) -> str:
-    return "more" if a > b else "fewer" if a < b else "as many"
-
-
-def recomputed_said(nodes: list[dict[str, Any]], count: int = 3) -> str:
-    return listing([f"`{n['node']}` ({n['recomputations']} times, {mib(n['bytes'])} MiB)" for n in nodes[:count]])
+    return {"first": first, "coop": coop, "pool": pool}
 
 
 def sweep_values(ex: dict[str, Any]) -> dict[str, Any]:
@@ -483,11 +375,7 @@ def largest_graph(results: dict[str, Any]) -> dict[str, Any]:
 
 def example_values(results: dict[str, Any]) -> dict[str, Any]:
     ex = results["example"]
-    top = ex["most_recomputed"]
-    return {"example": ex, "more_or_fewer": more_or_fewer, "example_frac": f"{ex['frac']:.0%}",
-            "example_pool": mib(ex["budget"]), "example_adam": mib(ex["adam_bytes"]),
-            "divergence": divergence_values(ex), "coop_top": recomputed_said(top["coop"]),
-            "pool_top": recomputed_said(top["dtr-pool"]), "sweep": sweep_values(ex),
+    return {"example": ex, "divergence": divergence_values(ex), "sweep": sweep_values(ex),
             "largest": largest_graph(results)}
 
 
@@ -497,7 +385,6 @@ def example_values(results: dict[str, Any]) -> dict[str, Any]:
 UPDATE_PAIRS = {"coop": ("coop in place", "coop copy"), "dtr-pool": ("dtr-pool in place", "dtr-pool copy")}
 WRITE_PAIRS = {"coop": ("coop writes in place", "coop copy-on-write"),
                "dtr-pool": ("dtr-pool writes in place", "dtr-pool copy-on-write")}
-INPLACE_COLUMNS = ["model", "coop in place", "coop copy", "dtr-pool in place", "dtr-pool copy"]
 
 
 def by_model(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -506,20 +393,6 @@ def by_model(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]
     for row in rows:
         out.setdefault(row["model"], {})[row["variant"]] = row
     return out
-
-
-def inplace_cell(row: dict[str, Any]) -> str:
-    """Smallest budget; overhead / fragmentation in its own pool at 80%."""
-    smallest = f"{row['smallest']:.1%}" if row["smallest"] else "none"
-    run = row["at80"]
-    at80 = f"{run['overhead']:+.2%} / {run['own_fragmentation']:.1%}" if run["ok"] else "fails at 80%"
-    return f"{smallest}; {at80}"
-
-
-def inplace_table(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> str:
-    order = [v for pair in pairs.values() for v in pair]
-    return table(INPLACE_COLUMNS, [[display(model), *(inplace_cell(vs[v]) for v in order)]
-                                   for model, vs in by_model(rows).items()])
 
 
 def pair_split(rows: list[dict[str, Any]], pair: tuple[str, str],
@@ -538,35 +411,21 @@ def overhead_at_80(row: dict[str, Any]) -> float | None:
     return row["at80"]["overhead"] if row["at80"]["ok"] else None
 
 
-def pair_sentence(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]], what: str) -> str:
-    """Per method, the models where in place meets the smaller budget, where copying does, where they tie;
-    and the same of the overheads at 80%."""
-    said = []
-    for method, pair in pairs.items():
-        budgets, costs = pair_split(rows, pair, smallest_of), pair_split(rows, pair, overhead_at_80)
-        same = f", the same on {listing(budgets['equal'])}" if budgets["equal"] else ""
-        said.append(f"For {method}, {what} meets the smaller budget on {listing(budgets['lower'])}, the copy on "
-                    f"{listing(budgets['higher'])}{same}; at 80% its overhead is lower on {listing(costs['lower'])}, "
-                    f"higher on {listing(costs['higher'])} and the same on {listing(costs['equal'])}"
-                    f"{one_trains(rows, pair)}.")
-    return " ".join(said)
+def pair_values(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> list[tuple]:
+    """Per method: the models where in place meets the smaller budget, where copying does, where they tie
+    (:func:`pair_split`); the same of the overheads at 80%; and (in place or the copy, the models where only it
+    trains at 80%)."""
+    return [(method, pair_split(rows, pair, smallest_of), pair_split(rows, pair, overhead_at_80),
+             [(who, models) for who, k, other in (("in place", *pair), ("the copy", *pair[::-1]))
+              for models in [[display(m) for m, vs in by_model(rows).items()
+                              if vs[k]["at80"]["ok"] and not vs[other]["at80"]["ok"]]] if models])
+            for method, pair in pairs.items()]
 
 
-def one_trains(rows: list[dict[str, Any]], pair: tuple[str, str]) -> str:
-    """The models where only one of the pair trains at 80%, as a clause."""
-    only = {k: [display(m) for m, vs in by_model(rows).items()
-                if vs[k]["at80"]["ok"] and not vs[other]["at80"]["ok"]] for k, other in (pair, pair[::-1])}
-    said = [f"only {'in place' if k == pair[0] else 'the copy'} trains at 80% on {listing(models)}"
-            for k, models in only.items() if models]
-    return "; " + "; ".join(said) if said else ""
-
-
-def largest_gap(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> str:
-    gaps = [(abs(vs[a]["smallest"] - vs[b]["smallest"]), display(m), method) for m, vs in by_model(rows).items()
-            for method, (a, b) in pairs.items() if vs[a]["smallest"] and vs[b]["smallest"]]
-    gap, model, method = max(gaps)
-    return (f"the largest gap between a model's in-place and copy budgets here is {100 * gap:.1f} points ({method} "
-            f"on {model})")
+def largest_gap(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> tuple[float, str, str]:
+    """(the largest gap between a model's in-place and copy budgets, the model, the method)."""
+    return max((abs(vs[a]["smallest"] - vs[b]["smallest"]), display(m), method) for m, vs in by_model(rows).items()
+               for method, (a, b) in pairs.items() if vs[a]["smallest"] and vs[b]["smallest"])
 
 
 def mixed(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> bool:
@@ -574,20 +433,10 @@ def mixed(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> bool
     return any(all(pair_split(rows, pair, smallest_of)[k] for k in ("lower", "higher")) for pair in pairs.values())
 
 
-def updates_values(rows: list[dict[str, Any]]) -> dict[str, str]:
-    return {"update_models": listing([f"`{display(m)}`" for m in by_model(rows)]),
-            "updates_table": inplace_table(rows, UPDATE_PAIRS), "updates_pairs": pair_sentence(rows, UPDATE_PAIRS, "in place"),
-            "updates_why": (" Where the moved blocks land decides, and between steps no activation is live, so they land "
-                            "in one free range either way." if mixed(rows, UPDATE_PAIRS) else ""),
+def updates_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"update_models": [display(m) for m in by_model(rows)], "updates": by_model(rows),
+            "updates_pairs": pair_values(rows, UPDATE_PAIRS), "updates_mixed": mixed(rows, UPDATE_PAIRS),
             "updates_gap": largest_gap(rows, UPDATE_PAIRS)}
-
-
-def evictions_table(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> str:
-    """At 80%: requests that found no room / tensors evicted, per model and variant."""
-    order = [v for pair in pairs.values() for v in pair]
-    cell = lambda run: f"{run['requests']} / {run['evictions']}" if run["ok"] else "fails"  # noqa: E731
-    return table(INPLACE_COLUMNS, [[display(model), *(cell(vs[v]["at80"]) for v in order)]
-                                   for model, vs in by_model(rows).items()])
 
 
 def evictions_counts(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> list[tuple[str, int, int, int]]:
@@ -606,10 +455,9 @@ def ops_in_place(rows: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def writes_values(rows: list[dict[str, Any]]) -> dict[str, str]:
-    return {"writes_ops": listing([f"{name} {n}" for name, n in ops_in_place(rows).items()]),
-            "writes_table": inplace_table(rows, WRITE_PAIRS),
-            "writes_pairs": pair_sentence(rows, WRITE_PAIRS, "writing in place"),
-            "evictions_table": evictions_table(rows, WRITE_PAIRS), "evictions": evictions_counts(rows, WRITE_PAIRS)}
+    return {"writes_ops": ops_in_place(rows), "writes": by_model(rows),
+            "writes_pairs": pair_values(rows, WRITE_PAIRS),
+            "evictions": evictions_counts(rows, WRITE_PAIRS)}
 
 
 def span(values: Iterable[float | None]) -> float:
@@ -625,42 +473,17 @@ def regnet_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
     budgets = {m: span(smallest_of(r) for r in vs.values()) for m, vs in models.items()}
     costs = {m: span(overhead_at_80(r) for r in vs.values()) for m, vs in models.items()}
     coop = WRITE_PAIRS["coop"]
-    return {"regnet_ops": listing([str(n) for n in set(ops_in_place(rows).values())]),
-            "regnet_table": inplace_table(rows, WRITE_PAIRS),
-            "regnet": {"budgets": [f"{v:.1f} points on {m}" for m, v in budgets.items()],
-                       "costs": [f"{v:.1f} points on {m}" for m, v in costs.items()],
-                       "far": max(budgets.values()) > 5 * max(costs.values()),
-                       "frag": [f"{vs[coop[0]]['at80']['own_fragmentation']:.1%} writing in place and "
-                                f"{vs[coop[1]]['at80']['own_fragmentation']:.1%} copying on write on {m}"
-                                for m, vs in models.items()
-                                if vs[coop[0]]["at80"]["ok"] and vs[coop[1]]["at80"]["ok"]]}}
+    return {"regnet_ops": set(ops_in_place(rows).values()), "regnet_rows": by_model(rows),
+            "regnet": {"budgets": budgets, "costs": costs, "far": max(budgets.values()) > 5 * max(costs.values()),
+                       "frag": [(m, vs[coop[0]]["at80"]["own_fragmentation"], vs[coop[1]]["at80"]["own_fragmentation"])
+                                for m, vs in models.items() if vs[coop[0]]["at80"]["ok"] and vs[coop[1]]["at80"]["ok"]]}}
 
 
 # -- budgeting reserved bytes ----------------------------------------------------------------------
 
-def reserved_table(study: dict[str, Any]) -> str:
-    rows = []
-    for b in study["budgets"]:
-        for policy, r in b["reserved"].items():
-            budget = f"{common.mib(b['budget'])} ({b['frac']:.0%})"
-            if r["ok"]:
-                rows.append([budget, policy, common.mib(r["live_budget"]), common.mib(r["live_peak"]), common.mib(r["reserved_peak"]),
-                             f"{r['overhead']:+.2%}"])
-            else:
-                lowest = f"lowest reached {common.mib(r['lowest_reserved'])}: " if r["lowest_reserved"] else ""
-                rows.append([budget, policy, "—", "—", f"{lowest}refused", "—"])
-    return table(["budget (share of the no-remat peak)", "allocator", "live budget met", "live peak", "reserved peak",
-                  "overhead"], rows)
-
-
-def plain_replayed(b: dict[str, Any]) -> str:
-    """The live-budget schedule at one budget, replayed through both allocator models."""
-    p, over = b["plain"], {k: v > b["budget"] for k, v in b["plain"]["reserved"].items()}
-    fits = ("both over the budget" if all(over.values()) else "both within it" if not any(over.values())
-            else f"the {listing([k for k, o in over.items() if o])} over the budget")
-    return (f"at {b['frac']:.0%} (live peak {common.mib(p['live_peak'])}, overhead {p['overhead']:+.2%}) the caching "
-            f"allocator reserves {common.mib(p['reserved']['caching'])}, expandable segments "
-            f"{common.mib(p['reserved']['expandable'])}, {fits}")
+def over_budget(b: dict[str, Any]) -> list[str]:
+    """The allocator models whose replay of the live-budget schedule at one budget reserves more than it."""
+    return [k for k, v in b["plain"]["reserved"].items() if v > b["budget"]]
 
 
 ALLOCATOR_NAMES = {"caching": "the caching allocator", "expandable": "expandable segments"}
@@ -684,7 +507,7 @@ def reserved_said(study: dict[str, Any]) -> dict[str, Any]:
              if r["ok"] and k == "expandable"] + [b["plain"]["reserved"]["expandable"] - b["plain"]["live_peak"]
                                                   for b in budgets]
     solves = [b["plain"] for b in budgets] + [r for b in budgets for r in b["reserved"].values() if r["ok"]]
-    return {"plain": list(map(plain_replayed, budgets)), "cost": list(map(reserved_cost, budgets)), "slack": max(slack),
+    return {"budgets": [(b, over_budget(b)) for b in budgets], "cost": list(map(reserved_cost, budgets)), "slack": max(slack),
             "statuses": sorted({r["status"] for r in solves}),
             "gaps": [r["gap"] for r in solves if r.get("gap") is not None]}
 
@@ -692,17 +515,10 @@ def reserved_said(study: dict[str, Any]) -> dict[str, Any]:
 def reserved_values(study: dict[str, Any]) -> dict[str, str]:
     return {"reserved_model": study["model"], "reserved_options": " ".join(f"--{k} {v}" for k, v in study["options"].items()),
             "reserved_nodes": f"{study['nodes']:,}", "reserved_peak": common.mib(study["no_remat_peak"]),
-            "reserved_table": reserved_table(study), "reserved": reserved_said(study)}
+            "reserved": reserved_said(study)}
 
 
 # -- the page --------------------------------------------------------------------------------------
-
-def claim_cell(r: dict[str, Any]) -> str:
-    if not r["ok"]:
-        return "does not train"
-    return (f"{r['overhead']:+.1%}, {r['own_fragmentation']:.2%} / {r['caching_fragmentation']:.1%}, "
-            f"{r['free_after_eviction']:.1%}")
-
 
 def claims_verdict(rows: list[dict[str, Any]], key: str) -> tuple[list[str], list[str]]:
     """(cells where coop's ``key`` is below dtr-pool's or dtr-pool does not train, the others)."""
@@ -724,41 +540,14 @@ def with_whole_pool(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**row, "coop": run(row["coop"], row["pool"]), "dtr-pool": run(row["dtr-pool"], row["pool"])} for row in rows]
 
 
-def fullest_moments(row: dict[str, Any]) -> str:
-    """Both runs' fullest moments in one cell's pool: live bytes, and how far each high-water mark stops
-    below the pool's top."""
-    coop, dtr, pool = row["coop"], row["dtr-pool"], row["pool"]
-    where = f"{row['model']} at {row['frac']:.0%}"
-    if coop["live_peak"] == dtr["live_peak"] and coop["reserved_peak"] == dtr["reserved_peak"]:
-        return (f"at {where} both hold {coop['live_peak']:,} B at their fullest in a pool of {pool:,} B, the same "
-                f"bytes ({pool - coop['live_peak']:,} B of the pool not live): a tie")
-    def below(r: dict[str, Any]) -> str:
-        gap = pool - r["reserved_peak"]
-        return f"{gap:,} B below the top" if gap else "the top"
-
-    def reached(r: dict[str, Any]) -> str:
-        f = r["fullest"]
-        return f"at op {f['top_op']} of {f['ops']} (`{f['top_name']}`)"
-
-    return (f"at {where} coop holds {coop['live_peak']:,} B at its fullest and dtr-pool {dtr['live_peak']:,} B, in a pool "
-            f"of {pool:,} B, coop's high-water mark reaching {below(coop)} {reached(coop)} and dtr-pool's {below(dtr)} "
-            f"{reached(dtr)}{before_first_request(row)}")
-
-
-def before_first_request(row: dict[str, Any]) -> str:
-    """Why coop's fullest moment cannot be fuller, where it is the moment right before its first request that
-    found no room and that request is larger than every byte of the pool not live then (no placement could
-    serve it), the two runs being the same schedule up to it; else nothing."""
-    coop, dtr = row["coop"]["fullest"], row["dtr-pool"]["fullest"]
-    first = coop["first_request"]
-    if (first is None or row.get("same_until") != first["op"] or coop["op"] != first["op"] - 1
-            or coop["free"] >= first["bytes"]):
-        return ""
-    return (f"; coop's fullest moment is the one right before its first request that found no room (`{first['name']}`, "
-            f"{first['bytes']:,} B, before op {first['op']}), when {coop['free']:,} B of the pool are not live, less "
-            "than the request: no placement could have served it, and up to that request both runs are the same "
-            f"schedule; dtr-pool is fuller later, at op {dtr['op']} of {dtr['ops']}, after its evictions, with "
-            f"{dtr['free']:,} B not live")
+def explained_by_first_request(row: dict[str, Any]) -> bool:
+    """Whether coop's fullest moment is the one right before its first request that found no room and that request
+    is larger than every byte of the pool not live then (no placement could serve it), the two runs being the same
+    schedule up to it."""
+    coop = row["coop"].get("fullest") or {}  # none kept where both runs tie
+    first = coop.get("first_request")
+    return not (first is None or row.get("same_until") != first["op"] or coop["op"] != first["op"] - 1
+                or coop["free"] >= first["bytes"])
 
 
 CLAIMS = {"overhead": "overhead", "own_fragmentation": "fragmentation in its own pool",
@@ -773,13 +562,10 @@ def claims_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
     rows = with_whole_pool(rows)
     behind_in_own_pool = [r for r in rows if r["coop"]["ok"] and r["dtr-pool"]["ok"]
                           and r["coop"]["own_fragmentation"] >= r["dtr-pool"]["own_fragmentation"]]
-    return {"claims_table": common.table(["model", "budget", "coop", "dtr-pool"],
-                                         [[r["model"], f"{r['frac']:.0%}", claim_cell(r["coop"]), claim_cell(r["dtr-pool"])]
-                                          for r in rows]),
-            "claims": {"rows": rows, "verdicts": [(what, *claims_verdict(rows, key)) for key, what in CLAIMS.items()],
+    return {"claims": {"rows": rows, "verdicts": [(what, *claims_verdict(rows, key)) for key, what in CLAIMS.items()],
                        "failed": [f"{r['model']} at {r['frac']:.0%}" for r in rows if not r["dtr-pool"]["ok"]],
                        "whole_pool": claims_verdict(rows, "whole_pool"),
-                       "fullest": list(map(fullest_moments, behind_in_own_pool))}}
+                       "fullest": [(r, explained_by_first_request(r)) for r in behind_in_own_pool]}}
 
 
 def page(results: dict[str, Any], command: str, header: str) -> str:
@@ -790,7 +576,9 @@ def page(results: dict[str, Any], command: str, header: str) -> str:
         seconds=f"{meta['seconds']:.0f}", **coop_vs_dtr_values(results), **claims_values(s["claims"]),
         **dtr_variants_values(s["dtr_variants"]["small"], s["dtr_variants"]["larger"]), **reproduce_values(results),
         **example_values(results), **updates_values(s["updates"]), **writes_values(s["writes"]),
-        **regnet_values(s["regnet"]), **reserved_values(s["reserved"]))
+        **regnet_values(s["regnet"]), **reserved_values(s["reserved"]), display=display, update_pairs=UPDATE_PAIRS, pool_cell=pool_cell, ratio=ratio,
+        best_pool_ratio=best_pool_ratio,
+        write_pairs=WRITE_PAIRS)
 
 
 # `bonsai bench heuristics`: the suite (bonsai_core.bench.heuristics) with this page's studies and writer

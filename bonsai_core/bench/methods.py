@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 from bonsai_core.allocator import replay
 from bonsai_core.arguments import SOLVE_TIME_LIMIT, fraction_arg, positive_seconds
 from bonsai_core.bench import common
-from bonsai_core.bench.common import budget, budgets_said, capitalized, listing, median, pct
+from bonsai_core.bench.common import median, pct
 from bonsai_core.bound import lower_bound
 from bonsai_core.errors import BonsaiError, ModelError
 from bonsai_core.regions import plan_schedule
@@ -392,82 +392,30 @@ def _write(rows: list[dict[str, Any]], reach: list[dict[str, Any]], out: Path) -
     (out / "results.md").write_text(markdown_report(rows, reach))
 
 
-def reach_table(reach: list[dict[str, Any]]) -> str:
-    """The smallest budget each method reaches per model, as shares of its no-remat peak, next to
-    the per-op lower bound that no schedule can go below."""
-    if not reach:
-        return ""
-    methods = [m for m in REACH_METHODS if any(r.get(m) is not None or r.get(f"{m}_status") for r in reach)]
-    table = []
-    for r in reach:
-        cells = {m: share(r, m) for m in methods}
-        if "bonsai" in cells and r.get("bonsai_status") not in (None, "optimal"):
-            cells["bonsai"] += f" ({r.get('bonsai_status')}, not proven)"
-        table.append({"model": f"{r['model']} ({r['nodes']} nodes)", "no-remat peak": common.mib(r["no_remat_peak"]),
-                      "per-op bound": share(r, "lower_bound"), **cells})
-    return _markdown(table)
-
-
 def markdown_report(rows: list[dict[str, Any]], reach: Sequence[dict[str, Any]] = ()) -> str:
     """results.md: one table per model (budget x method: overhead, or why it failed), best feasible in bold,
     the smallest budget each method reaches, the budgets where bonsai is not the best, said plainly, the cells
     where a plan of its space beats it, and the solver cost."""
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    models, not_best = [], []
-    for model, by_budget in cells_by_model(rows).items():
-        table = []
-        for fraction, cell in by_budget.items():
-            costs = feasible(cell)
-            best = min(costs.values()) if costs else None
-            table.append({"budget": f"{fraction:.0%}", **{m: _cell(cell.get(m), best) for m in methods}})
-            b = cell.get("bonsai")
-            if best is not None and b is not None and not bonsai_cheapest(cell):
-                not_best.append(f"{model} at {fraction:.0%}: best is {min(costs, key=costs.get)} ({best:+.2%}); "
-                                "bonsai " + (f"{b['overhead']:+.2%}" if b["feasible"]
-                                             else f"not feasible ({b['note'] or b['status']})"))
-        models.append((model, nodes(by_budget), _markdown(table)))
-    cells = contested(cells_by_model(rows))
-    misses = [f"{model} at {f:.0%}: {rival} {feasible(c)[rival]:+.2%}, bonsai "
-              + (f"{c['bonsai']['overhead']:+.2%}" if fits(c, "bonsai") else "not feasible")
-              for model, f, c, rival in plan_space_rivals(cells)]
-    return common.fill("bench_results", models=models, reach_table=reach_table(list(reach)), not_best=not_best,
-                       cheapest=sum(bonsai_cheapest(c) for _, _, c in cells), contested=len(cells), misses=misses,
-                       solver_table=solver_cost_table(rows))
+    models = cells_by_model(rows)
+    best = {(m, f): min(feasible(c).values(), default=None) for m, by_budget in models.items() for f, c in by_budget.items()}
+    cells = contested(models)
+    return common.fill("bench_results", models=models, nodes=nodes, best=best, methods=list(dict.fromkeys(r["method"] for r in rows)),
+                       reach=reach, share=share, tie=TIE,
+                       reach_methods=[m for m in REACH_METHODS if any(r.get(m) is not None or r.get(f"{m}_status") for r in reach)],
+                       not_best=[(m, f, min(feasible(c), key=feasible(c).get), best[m, f], c["bonsai"])
+                                 for m, by_budget in models.items() for f, c in by_budget.items()
+                                 if best[m, f] is not None and "bonsai" in c and not bonsai_cheapest(c)],
+                       cheapest=sum(bonsai_cheapest(c) for _, _, c in cells), contested=len(cells),
+                       misses=[(model, f, rival, feasible(c)[rival], feasible(c).get("bonsai"))
+                               for model, f, c, rival in plan_space_rivals(cells)],
+                       solver_rows=solver_cost_rows(rows))
 
 
-def solver_cost_table(rows: list[dict[str, Any]]) -> str:
-    """The optimising methods side by side where checkmate ran: solve time, model size, overhead,
-    gap, and bonsai's speed-up and extra cost against checkmate."""
+def solver_cost_rows(rows: list[dict[str, Any]]) -> list[tuple]:
+    """Where checkmate ran: (model, budget, checkmate's row, bonsai's, moccasin's), None where one did not run."""
     cells = {(r["model"], r["budget_fraction"], r["method"]): r for r in rows}
-    keys = [(r["model"], r["budget_fraction"]) for r in rows if r["method"] == "checkmate" and r.get("status")]
-    if not keys:
-        return ""
-    table = []
-    for model, fraction in keys:
-        c, b, m = (cells.get((model, fraction, k)) for k in OPTIMISERS)
-        speed = extra = ""
-        if c and b and c.get("solve_seconds") and b.get("solve_seconds") and b["feasible"]:
-            speed = f"{c['solve_seconds'] / b['solve_seconds']:.0f}x"
-            if c["feasible"] and c["status"] == "optimal":
-                extra = f"{b['overhead'] - c['overhead']:+.2%}"
-        table.append({"model": model, "budget": f"{fraction:.0%}", "checkmate": _solver_cell(c),
-                      "bonsai": _solver_cell(b), "moccasin": _solver_cell(m), "speed-up": speed, "extra cost": extra})
-    return _markdown(table)
-
-
-def _markdown(table: list[dict[str, str]]) -> str:
-    """Rows of text by column name as a markdown table: the first column left-aligned, the rest right."""
-    columns = list(table[0])
-    return common.table(columns, [[row[c] for c in columns] for row in table], "l" + "r" * (len(columns) - 1))
-
-
-def _solver_cell(r: dict[str, Any] | None) -> str:
-    if r is None or r.get("solve_seconds") in (None, ""):
-        return ""
-    if not r["feasible"]:
-        return f"{r['solve_seconds']:.2f} s, {r['status'] or 'no schedule'}"
-    gap = f", gap {r['gap']:.1%}" if r.get("gap") not in (None, "") and r["gap"] > 0 else ""
-    return f"{r['solve_seconds']:.2f} s, {r['status']}, {r['overhead']:+.1%}{gap}; {r['variables']} vars"
+    return [(model, f, *(cells.get((model, f, k)) for k in OPTIMISERS))
+            for model, f in ((r["model"], r["budget_fraction"]) for r in rows if r["method"] == "checkmate" and r.get("status"))]
 
 
 def load_rows(csv_path: str | Path, types: dict[str, str] = COLUMN_TYPES) -> list[dict[str, Any]]:
@@ -477,15 +425,6 @@ def load_rows(csv_path: str | Path, types: dict[str, str] = COLUMN_TYPES) -> lis
 
     frame = pd.read_csv(csv_path, dtype=types, keep_default_na=False, na_values=[""])
     return frame.astype(object).where(frame.notna(), None).to_dict("records")
-
-
-def _cell(r: dict[str, Any] | None, best: float | None) -> str:
-    if r is None:
-        return ""
-    if not r["feasible"]:
-        return "-"
-    text = f"{r['overhead']:+.1%}"
-    return f"**{text}**" if best is not None and r["method"] != "none" and abs(r["overhead"] - best) < 1e-9 else text
 
 
 def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
@@ -567,25 +506,9 @@ def share(row: Row, key: str) -> str:
     return "-" if row.get(key) is None else f"{row[key] / row['no_remat_peak']:.1%}"
 
 
-def priced(method: str, overhead: float) -> str:
-    return f"{method_name(method)} {pct(overhead)}"
-
-
-def fit_list(priced_methods: Sequence[tuple[str, float]]) -> str:
-    """``dtr (+845.9%) fits``, ``dtr (+39.4%) and coop (+60.3%) fit``."""
-    said = listing([f"{method_name(m)} ({pct(o)})" for m, o in priced_methods])
-    return said + (" fits" if len(priced_methods) == 1 else " fit")
-
-
 def digits_apart(a: float, b: float) -> int:
     """Decimals (2 to 4) that tell two overheads apart in percent."""
     return next((d for d in (2, 3, 4) if f"{a:+.{d}%}" != f"{b:+.{d}%}"), 4)
-
-
-def pair_said(a: float, b: float) -> str:
-    """``+4.94% vs +5.03%``, with a digit more while the two would read the same."""
-    digits = digits_apart(a, b)
-    return f"{a:+.{digits}%} vs {b:+.{digits}%}"
 
 
 # -- the cells -------------------------------------------------------------------------------------
@@ -644,35 +567,6 @@ def gap_said(rows: Sequence[Row]) -> str:
     return "each proven optimal" if max(gaps, default=0.0) <= TIE else f"gap ≤ {max(gaps):.1%}"
 
 
-def others_at(fraction: float, cell: Cell) -> str:
-    """What the other methods cost at one budget where bonsai fits."""
-    rest = others(cell)
-    if not rest:
-        return f"at {budget(fraction)} only bonsai fits"
-    if len(rest) == 1:
-        return f"at {budget(fraction)} only bonsai and {method_name(rest[0][0])} ({pct(rest[0][1])}) fit"
-    return f"at {budget(fraction)} the others cost: " + listing([priced(m, o) for m, o in rest])
-
-
-def below_reach_at(fraction: float, cell: Cell, reach: Row | None) -> str:
-    """Who fits at a budget bonsai does not meet."""
-    where = f"at {budget(fraction)}" + (f", below bonsai's reach ({share(reach, 'bonsai')})," if reach and
-                                        reach.get("bonsai") else "")
-    rest = others(cell)
-    if not rest:
-        return f"{where} no method fits"
-    return f"{where} only " + fit_list(rest)
-
-
-def tight_budgets_sentence(by_budget: dict[float, Cell], reach: Row | None) -> str:
-    """The other methods at the two smallest budgets bonsai meets, and who fits below them."""
-    fitting = [f for f, c in by_budget.items() if fits(c, "bonsai")]
-    below = [f for f, c in by_budget.items() if not fits(c, "bonsai") and (not fitting or f < fitting[-1])]
-    parts = [others_at(f, by_budget[f]) for f in fitting[-2:]] + [below_reach_at(f, by_budget[f], reach)
-                                                                 for f in below]
-    return capitalized("; ".join(parts)) + "." if parts else ""
-
-
 def never_scheduled(method: str, by_budget: dict[float, Cell]) -> list[str] | None:
     """The solver statuses of ``method``'s rows when it ran at every budget and fitted at none; None otherwise."""
     rows = [c[method] for c in by_budget.values() if method in c]
@@ -683,28 +577,20 @@ def never_scheduled(method: str, by_budget: dict[float, Cell]) -> list[str] | No
 
 def headline_values(label: str, by_budget: dict[float, Cell], reach: Row | None) -> dict[str, Any]:
     """The first model: where bonsai is the cheapest (its overheads, the solver gap), the other methods at the
-    tightest budgets, and the solvers that found no schedule at any budget."""
+    two smallest budgets bonsai meets and at those below them, and the solvers that found no schedule."""
     cheap = [f for f, c in by_budget.items() if bonsai_cheapest(c)]
-    return {"model": model_name(label), "nodes": nodes(by_budget), "cheap": cheap,
-            "fitting": [f for f, c in by_budget.items() if fits(c, "bonsai")],
+    fitting = [f for f, c in by_budget.items() if fits(c, "bonsai")]
+    below = [f for f, c in by_budget.items() if not fits(c, "bonsai") and (not fitting or f < fitting[-1])]
+    return {"model": model_name(label), "nodes": nodes(by_budget), "cheap": cheap, "fitting": fitting,
             "overheads": [pct(by_budget[f]["bonsai"]["overhead"]) for f in cheap],
             "gaps": gap_said([by_budget[f]["bonsai"] for f in cheap]),
-            "tight": tight_budgets_sentence(by_budget, reach),
+            "tight": [(f, f in fitting, others(by_budget[f])) for f in fitting[-2:] + below],
+            "reach": share(reach, "bonsai") if reach and reach.get("bonsai") else None,
             "no_schedule": [(method_name(m), SOLVER_OF.get(m, "solver"), statuses) for m in SOLVER_OF
                             for statuses in [never_scheduled(m, by_budget)] if statuses is not None]}
 
 
 # -- smallest reachable budgets ----------------------------------------------------------------------
-
-def reach_clause(r: Row) -> str:
-    return f"{model_name(r['model'])} {share(r, 'bonsai')} / {share(r, 'chen')} / {share(r, 'lower_bound')}"
-
-
-def unproven_said(reach: Sequence[Row]) -> list[str]:
-    """Where the min-peak MILP was not proven within the time limit."""
-    return [f"{model_name(r['model'])} ({share(r, 'bonsai') + ' found' if r.get('bonsai') else 'none found'}, "
-            f"status {r.get('bonsai_status')})" for r in reach if r.get("bonsai_status") != "optimal"]
-
 
 def plan_reach(r: Row) -> int | None:
     """The smallest budget bonsai meets in a solve: its min-peak MILP's, or chen's (its fallback plans)."""
@@ -712,26 +598,17 @@ def plan_reach(r: Row) -> int | None:
     return min(values) if values else None
 
 
-def heuristics_below(r: Row) -> list[str]:
-    """dtr and coop where they meet a smaller budget than bonsai's and chen's: ``dtr 30.0%``."""
+def heuristics_below(r: Row) -> list[tuple[str, bool]]:
+    """(dtr or coop, whether it is the per-op bound) where they meet a smaller budget than bonsai's and chen's."""
     plans = plan_reach(r)
-    said = []
-    for m in ("dtr", "coop"):
-        if r.get(m) and (plans is None or r[m] < plans):
-            bound = ", the per-op bound," if r[m] <= r["lower_bound"] else ""
-            said.append(f"{m} {share(r, m)}{bound}")
-    return said
+    return [(m, r[m] <= r["lower_bound"]) for m in ("dtr", "coop") if r.get(m) and (plans is None or r[m] < plans)]
 
 
-def reach_values(reach: Sequence[Row]) -> dict[str, list[str]]:
-    below = [(r, said) for r in reach for said in [heuristics_below(r)] if said]
-    return {"clauses": list(map(reach_clause, reach)), "unproven": unproven_said(reach),
-            "below": [f"{model_name(r['model'])} ({listing(said)} against {share_of(r, plan_reach(r))})"
-                      for r, said in below]}
-
-
-def share_of(r: Row, value: int | None) -> str:
-    return "none" if value is None else f"{value / r['no_remat_peak']:.1%}"
+def reach_values(reach: Sequence[Row]) -> dict[str, Any]:
+    plans = {r["model"]: plan_reach(r) for r in reach}
+    return {"rows": reach, "unproven": [r for r in reach if r.get("bonsai_status") != "optimal"],
+            "below": [(r, said, "none" if plans[r["model"]] is None else f"{plans[r['model']] / r['no_remat_peak']:.1%}")
+                      for r in reach for said in [heuristics_below(r)] if said]}
 
 
 # -- bonsai against the rest ---------------------------------------------------------------------------
@@ -748,21 +625,6 @@ def plan_space_rivals(cells: Sequence[tuple[str, float, Cell]]) -> list[tuple[st
             if rival in feasible(c) and (not fits(c, "bonsai") or feasible(c)["bonsai"] > feasible(c)[rival] + TIE)]
 
 
-def runner_up(cell: Cell) -> str:
-    rest = others(cell)
-    if not rest:
-        return "the only method that fits"
-    level = [m for m, o in rest if o <= feasible(cell)["bonsai"] + TIE]
-    return f"level with {listing(level)}" if level else f"next {priced(*rest[0])}"
-
-
-def model_wins(label: str, by_budget: dict[float, Cell]) -> str:
-    """``hf:bert at 90% (+1.4%, next moccasin +1.5%), 70% (...)``; where bonsai is not the cheapest, said so."""
-    wins = [f"{budget(f)} ({pct(c['bonsai']['overhead'])}, {runner_up(c)})"
-            for f, c in by_budget.items() if bonsai_cheapest(c)]
-    return f"{model_name(label)}: " + (", ".join(wins) if wins else "at no budget")
-
-
 def could_not_run(models: dict[str, dict[float, Cell]]) -> dict[str, list[str]]:
     """Methods or peers that failed on a whole model before any budget (a crash, not a budget they miss), by
     their names: the models."""
@@ -776,54 +638,37 @@ def could_not_run(models: dict[str, dict[float, Cell]]) -> dict[str, list[str]]:
 
 
 def cells_values(models: dict[str, dict[float, Cell]], first: str) -> dict[str, Any]:
+    """How often bonsai is the cheapest; where a plan of its space beats it; per other model, where it is the
+    cheapest: (budget, its overhead, the others that fit, those level with it)."""
     cells = contested(models)
+    wins = {m: [(f, c["bonsai"]["overhead"], others(c), [o for o, x in others(c) if x <= c["bonsai"]["overhead"] + TIE])
+                for f, c in by_budget.items() if bonsai_cheapest(c)] for m, by_budget in models.items() if m != first}
     return {"cheapest": sum(bonsai_cheapest(c) for _, _, c in cells), "count": len(cells),
-            "misses": [f"{model_name(m)} at {budget(f)} ({priced(rival, feasible(c)[rival])})"
-                       for m, f, c, rival in plan_space_rivals(cells)],
-            "wins": [model_wins(m, b) for m, b in models.items() if m != first], "could_not_run": could_not_run(models)}
+            "misses": [(m, f, rival, feasible(c)[rival]) for m, f, c, rival in plan_space_rivals(cells)],
+            "wins": wins, "could_not_run": could_not_run(models)}
 
 
-def beaten_cells(models: dict[str, dict[float, Cell]]) -> list[tuple[str, float, Cell]]:
-    return [(m, f, c) for m, f, c in contested(models) if below_bonsai(c)]
-
-
-def beaten_by(winner: str, cells: Sequence[tuple[str, float, Cell]]) -> str:
-    """``moccasin is cheaper by up to 1.7 points on resnet at 90% (+4.94% vs +5.03%), ...``"""
+def beaten_by(winner: str, cells: Sequence[tuple[str, float, Cell]]) -> dict[str, Any]:
+    """Where ``winner`` is the cheapest below bonsai: (model, budget, its overhead and bonsai's, the digits that
+    tell them apart, the others also below bonsai) and by how many points at most."""
     mine = [(m, f, c) for m, f, c in cells if below_bonsai(c)[0][0] == winner]
-    gaps = [c["bonsai"]["overhead"] - feasible(c)[winner] for _, _, c in mine]
-    said = []
-    for model, f, c in mine:
-        mine_ = c["bonsai"]["overhead"]
-        also = [f"{method_name(m)}'s {o:+.{digits_apart(o, mine_)}%}" for m, o in below_bonsai(c)[1:]]
-        said.append(f"{model_name(model)} at {budget(f)} ({pair_said(feasible(c)[winner], c['bonsai']['overhead'])}"
-                    + (f"; {listing(also)} also below bonsai" if also else "") + ")")
-    return f"{method_name(winner)} is cheaper by up to {max(gaps) * 100:.2f} points on " + listing(said)
-
-
-def unreached_cells(models: dict[str, dict[float, Cell]]) -> list[str]:
-    """Cells where bonsai ran and does not fit but others do: ``mlp at 50% (checkmate +37.2%, gap 50.0%; dtr ...)``."""
-    said = []
-    for model, f, c in contested(models):
-        if not fits(c, "bonsai"):
-            priced_ = [priced(m, o) + (f", gap {c[m]['gap']:.1%}" if (c[m].get("gap") or 0) > TIE else "")
-                       for m, o in others(c)]
-            said.append(f"{model_name(model)} at {budget(f)} ({'; '.join(priced_)})")
-    return said
-
-
-def peer_below_eager(models: dict[str, dict[float, Cell]]) -> list[str]:
-    """Budget-partitioner cells cheaper than the plain step: a compiled step, not a recompute saving."""
-    return [f"{model_name(m)} at {budget(f)} ({pct(c['torch-budget']['overhead'])})"
-            for m, by_budget in models.items() for f, c in by_budget.items()
-            if fits(c, "torch-budget") and c["torch-budget"]["overhead"] < 0]
+    return {"winner": winner, "points": max(c["bonsai"]["overhead"] - feasible(c)[winner] for _, _, c in mine) * 100,
+            "cells": [(m, f, feasible(c)[winner], c["bonsai"]["overhead"],
+                       digits_apart(feasible(c)[winner], c["bonsai"]["overhead"]),
+                       [(o, x, digits_apart(x, c["bonsai"]["overhead"])) for o, x in below_bonsai(c)[1:]])
+                      for m, f, c in mine]}
 
 
 def not_best_values(models: dict[str, dict[float, Cell]]) -> dict[str, Any]:
-    beaten = beaten_cells(models)
+    """Who is cheaper than bonsai where it fits, who fits where it does not, and where PyTorch's budget
+    partitioner costs less than the plain step (a compiled step, not a recompute saving)."""
+    beaten = [(m, f, c) for m, f, c in contested(models) if below_bonsai(c)]
     winners = list(dict.fromkeys(below_bonsai(c)[0][0] for _, _, c in beaten))
     return {"beaten": [beaten_by(w, beaten) for w in winners], "op_level": any(w in OP_LEVEL for w in winners),
-            "unreached": unreached_cells(models), "eager": peer_below_eager(models)}
-
+            "unreached": [(m, f, [(o, x, c[o].get("gap") if (c[o].get("gap") or 0) > TIE else None) for o, x in others(c)])
+                          for m, f, c in contested(models) if not fits(c, "bonsai")],
+            "eager": [(m, f, c["torch-budget"]["overhead"]) for m, by_budget in models.items()
+                      for f, c in by_budget.items() if fits(c, "torch-budget") and c["torch-budget"]["overhead"] < 0]}
 
 # -- solver cost -----------------------------------------------------------------------------------
 
@@ -869,10 +714,9 @@ def solver_values(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) ->
     timed = [(m, f, c["bonsai"]["solve_seconds"]) for m, by_budget in models.items() for f, c in by_budget.items()
              if fits(c, "bonsai") and c["bonsai"]["solve_seconds"] is not None]
     return {"proven": proven,
-            "where": [f"{model_name(m)} at {budgets_said([f for mm, f, _, _ in proven if mm == m])}"
-                      for m in dict.fromkeys(m for m, *_ in proven)],
-            "dearer": [f"{model_name(m)} at {budget(f)}: {(b['overhead'] - c['overhead']) * 100:.2g} points higher"
-                       for m, f, c, b in proven if b["overhead"] > c["overhead"] + 1e-6],
+            "where": {m: [f for mm, f, _, _ in proven if mm == m] for m, *_ in proven},
+            "dearer": [(m, f, (b["overhead"] - c["overhead"]) * 100) for m, f, c, b in proven
+                       if b["overhead"] > c["overhead"] + 1e-6],
             "speed": ratio_range([c["solve_seconds"] / b["solve_seconds"] for _, _, c, b in proven]),
             "size": ratio_range([c["variables"] / b["variables"] for _, _, c, b in proven
                                  if c["variables"] and b["variables"]]),
@@ -882,27 +726,21 @@ def solver_values(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) ->
 
 # -- the page --------------------------------------------------------------------------------------
 
-def bound_said(models: dict[str, dict[float, Cell]]) -> list[str]:
-    """Per model and budget the lower bound (results.csv's ``bound``), the cheapest method found there
-    (of the methods: a peer's overhead is measured on an eager step, which the bound does not speak of)
-    and how far above the bound it is."""
-    said = []
+def bound_values(models: dict[str, dict[float, Cell]]) -> list[tuple[str, list[tuple]]]:
+    """Per model, per budget with a lower bound (results.csv's ``bound``): (budget, bound, the cheapest method
+    found there and its overhead, or None, None); of the methods only: a peer's overhead is measured on an eager
+    step, which the bound does not speak of."""
+    out = []
     for label, by_budget in models.items():
         parts = []
         for fraction, cell in by_budget.items():
             bound = next((r.get("bound") for r in cell.values() if r.get("bound") is not None), None)
-            if bound is None:
-                continue
-            costs = {m: o for m, o in feasible(cell).items() if cell[m]["status"] != "measured"}  # peers
-            if not costs:
-                parts.append(f"{budget(fraction)} {pct(bound)} (nothing found)")
-                continue
-            method, overhead = min(costs.items(), key=lambda mo: mo[1])
-            parts.append(f"{budget(fraction)} {pct(bound)} ({priced(method, overhead)}, "
-                         f"{(1 + overhead) / (1 + bound) - 1:.2%} above)")
+            costs = {m: o for m, o in feasible(cell).items() if cell[m]["status"] != "measured"}
+            if bound is not None:
+                parts.append((fraction, bound, *min(costs.items(), key=lambda mo: mo[1], default=(None, None))))
         if parts:
-            said.append(f"{model_name(label)} " + ", ".join(parts))
-    return said
+            out.append((label, parts))
+    return out
 
 
 def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header: str, bench: str) -> str:
@@ -919,4 +757,4 @@ def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header
         cell_count=sum(len(b) for b in models.values()), bench=bench, time_limit=f"{meta['time_limit']:g}",
         headline=headline_values(first, models[first], reach_of.get(first)),
         reach=reach and reach_values(reach), cells=cells_values(models, first), not_best=not_best_values(models),
-        bound=bound_said(models), solver=solver_values(models, meta), model_name=model_name)
+        bound=bound_values(models), solver=solver_values(models, meta), model_name=model_name, method_name=method_name, share=share)

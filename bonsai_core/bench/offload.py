@@ -95,15 +95,6 @@ def measure(time_limit: float) -> dict[str, Any]:
 
 # -- the page -------------------------------------------------------------------------------------
 
-def table(results: dict[str, Any]) -> str:
-    peak = results["graph"]["no_remat_peak"]
-    rows = [[f"{r['share']:.0%}", r["method"], r["offload"]]
-            + ([r["error"], "", "", ""] if "error" in r else
-               [common.pct(r["overhead"]), f"{r['peak'] / peak:.1%}", common.mib(r["offloaded_bytes"]),
-                f"{r['stall'] * 1e3:.3f} ms"]) + [f"{r['seconds']:.1f} s"] for r in results["rows"]]
-    return common.table(["budget", "method", "offload", "overhead", "peak", "offloaded", "stall", "wall"], rows)
-
-
 def pairs(results: dict[str, Any], method: str) -> list[tuple[float, dict[str, Any], dict[str, Any]]]:
     """(share, without offload, with offload) of ``method``, in the order of the run."""
     rows = [r for r in results["rows"] if r["method"] == method]
@@ -130,28 +121,14 @@ def method_values(results: dict[str, Any], method: str) -> dict[str, Any]:
             "stalls": [on["stall"] for _, _, on in ps if "error" not in on and on["offloaded_bytes"]]}
 
 
-def export_values(e: dict[str, Any]) -> dict[str, Any]:
-    """What the page says of the exported plan's run."""
-    exact = e["loss_diff"] == 0 and e["max_grad_diff"] == 0
-    return {"offloaded_tensors": e["offloaded_tensors"], "offloaded_bytes": common.mib(e["offloaded_bytes"]),
-            "overhead": common.pct(e["overhead"]), "stall": f"{e['stall'] * 1e3:.3f}",
-            "equal": "equal eager’s exactly" if exact else "differ from eager’s", "loss_diff": f"{e['loss_diff']:.3g}",
-            "max_grad_diff": f"{e['max_grad_diff']:.3g}", "measured_peak": f"{e['measured_peak']:,}",
-            "predicted_peak": f"{e['predicted_peak']:,}", "measured_host_peak": f"{e['measured_host_peak']:,}",
-            "peak_said": "to the byte" if e["measured_peak"] == e["predicted_peak"] else
-            f"{e['measured_peak'] - e['predicted_peak']:+,} B",
-            "host_said": "the simulator's `host_peak` to the byte" if e["measured_host_peak"] == e["host_peak"] else
-            f"against the simulator's `host_peak` of {e['host_peak']:,} B"}
-
-
 def page(results: dict[str, Any], header: str) -> str:
     meta, g = results["meta"], results["graph"]
     return common.fill(
         "offload", header=header, command=meta["command"], date=meta["date"], machine=meta["machine"],
         torch=meta["torch"], seconds=f"{meta['seconds']:.0f}", model=g["name"], nodes=g["nodes"],
-        no_remat_peak=common.mib(g["no_remat_peak"]), time_limit=f"{meta['time_limit']:g}", table=table(results),
+        no_remat_peak=common.mib(g["no_remat_peak"]), time_limit=f"{meta['time_limit']:g}", rows=results["rows"], peak_bytes=g["no_remat_peak"],
         methods=[method_values(results, m) for m in METHODS], shares_said=shares_said, points=points,
-        export_budget=f"{EXPORT_SHARE:.0%}", **export_values(results["export"]))
+        export_budget=f"{EXPORT_SHARE:.0%}", e=results["export"])
 
 
 def main(args: argparse.Namespace) -> int:

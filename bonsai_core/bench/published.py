@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bonsai_core.allocator import bounded_replay
-from bonsai_core.bench.common import (add_page_arguments, fill, page_header, page_refusal, pipe_table,
-                                      run_page_suite, template_source)
+from bonsai_core.bench.common import add_page_arguments, fill, page_header, page_refusal, run_page_suite, template_source
 from bonsai_core.parallel import layout_of
 from bonsai_core.schedule import simulate
 from bonsai_core.solvers import solve
@@ -120,31 +119,11 @@ def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB"
 
 
-def summary_row(row: dict[str, Any]) -> list[str]:
-    """The row's largest live and reserved peak over its ranks against the published number (a reserved peak)."""
-    live = max(r["live_peak"] for r in row["ranks"])
-    reserved = max(r["reserved_peak"] for r in row["ranks"])
-    return [row["table"], row["row"], ", ".join(str(r["rank"]) for r in row["ranks"]), gib(live), gib(reserved),
-            f"{row['published_gib']} GiB ({row['published_with']})", f"{reserved / GIB / row['published_gib'] - 1:+.1%}"]
-
-
-def rank_parts(row: dict[str, Any]) -> str:
-    """What holds each rank's bytes at its live peak, part by part."""
-    ranks = row["ranks"]
-    parts = [[name, *(gib(r["breakdown"].get(name, 0)) for r in ranks)]
-             for name in dict.fromkeys(k for r in ranks for k in r["breakdown"])]
-    parts += [["**live peak**", *(f"**{gib(r['live_peak'])}**" for r in ranks)],
-              ["reserved peak (expandable segments)", *(gib(r["reserved_peak"]) for r in ranks)],
-              ["trace (nodes, seconds)", *(f"{r['nodes']}, {r['trace_seconds']} s" for r in ranks)]]
-    return pipe_table(["part", *(f"rank {r['rank']}" for r in ranks)], parts)
-
-
 def write_page(results: dict[str, Any], page: str) -> None:
     Path(page).write_text(fill(
-        "published_rows", header=page_header(f"bonsai bench published --page {page}", SOURCES),
-        table=pipe_table(["table", "row", "ranks traced", "live peak (max over ranks)", "reserved peak",
-                          "published (run had)", "eager vs published"], map(summary_row, results["rows"])),
-        rows=[dict(row, parts=rank_parts(row)) for row in results["rows"]]))
+        "published_rows", header=page_header(f"bonsai bench published --page {page}", SOURCES), gib=gib, GIB=GIB,
+        rows=[dict(row, parts=list(dict.fromkeys(k for r in row["ranks"] for k in r["breakdown"])))
+              for row in results["rows"]]))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

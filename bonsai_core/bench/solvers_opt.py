@@ -317,14 +317,6 @@ def in_cell_order(rows: Sequence[Row]) -> list[Row]:
     return sorted(rows, key=lambda r: (graphs.index(r["graph"]), -r["budget_share"], methods.index(r["method"])))
 
 
-def graph_table(rows: Sequence[Row]) -> str:
-    """Each graph once: nodes, those the models see (views contracted), edges, no-remat peak, the
-    single-op lower bound."""
-    return table(["graph", "nodes", "non-view nodes (model)", "edges", "no-remat peak", "single-op lower bound"],
-                 [[r["graph"], r["nodes"], r["model_nodes"], r["edges"], f"{r['no_remat_peak']:,} B",
-                   f"{r['peak_lower_bound']:,} B"] for r in first_per_graph(rows)])
-
-
 def first_per_graph(rows: Sequence[Row]) -> list[Row]:
     """The first row of each graph that describes it (killed rows do not)."""
     first: dict[str, Row] = {}
@@ -423,31 +415,20 @@ def checkmate_values(rows: Sequence[Row]) -> dict[str, Any]:
             "differ": [f"{g} at {budget(s)} ({CHECKMATE[r['method']]} {r['overhead']:+.2%} against "
                        f"{moc['overhead']:+.2%})"
                        for (g, s), r, moc in differ],
-            "unproven": len(unproven), "parts": against_moccasin(unproven),
+            "unproven": len(unproven), "against": against_moccasin(unproven),
             "none": sum(r["method"] in CHECKMATE and not has_schedule(r) for r in rows),
             "counts": sorted(counts.items(), key=lambda kv: -kv[1]),
             "runs": {backend: sum(r["method"] == m for r in rows) for m, backend in CHECKMATE.items()}}
 
 
-def against_moccasin(unproven: Sequence[tuple[Row, Row | None]]) -> list[str]:
-    """Checkmate's unproven schedules (with moccasin's row of the same cell): costlier or cheaper than
-    moccasin's, the widest difference as the example, or as cheap."""
+def against_moccasin(unproven: Sequence[tuple[Row, Row | None]]) -> dict[str, Any]:
+    """Checkmate's unproven schedules (with moccasin's row of the same cell): how many cost more than moccasin's
+    and the widest difference, those cheaper (or where moccasin has none), those as cheap."""
     costlier = [(r, m) for r, m in unproven if has_schedule(m) and r["overhead"] > m["overhead"] + TIE]
     cheaper = [(r, m) for r, m in unproven if not has_schedule(m) or r["overhead"] < m["overhead"] - TIE]
-    level = [(r, m) for r, m in unproven if (r, m) not in costlier and (r, m) not in cheaper]
-    parts = []
-    if costlier:
-        r, m = max(costlier, key=lambda rm: rm[0]["overhead"] - rm[1]["overhead"])
-        parts.append(f"costlier than moccasin's in {len(costlier)}, the widest difference on {cell_name(r)}: "
-                     f"{CHECKMATE[r['method']]} {pct(r['overhead'])} against {pct(m['overhead'])}")
-    if cheaper:
-        parts.append(f"cheaper than moccasin's, or where moccasin has none, in {len(cheaper)}: "
-                     + listing([f"{cell_name(r)}, {CHECKMATE[r['method']]} {pct(r['overhead'])}"
-                                + (f" against {pct(m['overhead'])}" if has_schedule(m) else "") for r, m in cheaper]))
-    if level:
-        parts.append(f"as cheap as moccasin's in {len(level)}: " + listing(
-            [f"{cell_name(r)}, {CHECKMATE[r['method']]} {pct(r['overhead'])}" for r, _ in level]))
-    return parts
+    return {"costlier": len(costlier), "cheaper": cheaper,
+            "widest": max(costlier, key=lambda rm: rm[0]["overhead"] - rm[1]["overhead"], default=None),
+            "level": [r for r, m in unproven if (r, m) not in costlier and (r, m) not in cheaper]}
 
 
 def smallest_values(main: Sequence[Row]) -> dict[str, Any]:
@@ -457,52 +438,13 @@ def smallest_values(main: Sequence[Row]) -> dict[str, Any]:
     cells = by_cell([r for r in main if r["budget_share"] == smallest])
     found = [(r, c.get("moccasin")) for c in cells.values() for m, r in c.items() if m in CHECKMATE and has_schedule(r)]
     return {"share": smallest, "only": len(graphs_of([r for r, _ in found])) < len(cells),
-            "found": [f"{g} (" + listing([f"{CHECKMATE[r['method']]}: {pct(r['overhead'])}" for r, _ in found
-                                          if r["graph"] == g]) + f", {against_moccasins(m)})"
-                      for g, m in {r["graph"]: m for r, m in found}.items()],
+            "found": [(g, [r for r, _ in found if r["graph"] == g], m) for g, m in {r["graph"]: m for r, m in found}.items()],
             "no_optimum": not any(r["status"] == "optimal" for r, _ in found),
             "gaps": [r["gap"] for r, _ in found if r.get("gap") is not None],
             "gap_range": gaps_said([r for r, _ in found])}
 
 
-def against_moccasins(row: Row | None) -> str:
-    """``against moccasin's +19.8%``, or what moccasin ended with in that cell."""
-    if row is None:
-        return "moccasin not run"
-    if has_schedule(row):
-        return f"against moccasin's {pct(row['overhead'])}"
-    return f"where moccasin is {outcome(row)}" if outcome(row) == "infeasible" else f"moccasin: {outcome(row)}"
-
-
 # -- the warm start ---------------------------------------------------------------------------------
-
-def warm_label(row: Row) -> tuple[str, str]:
-    """(backend, warm start on/off) of a warm-start study's row."""
-    return BACKEND_OF[row["method"]], "on" if row["method"] in WARM else "off"
-
-
-def start_cell(row: Row) -> str:
-    """When the start was ready, the method it came from and its overhead; ``off`` or ``none found``."""
-    if row["method"] not in WARM:
-        return "off"
-    method = start_method(row)
-    if method is None:
-        return "none found"
-    status = f" ({start_status(row)})" if start_status(row) else ""
-    return f"{row['warm_start_seconds']:.1f} s: {method}{status}, {start_overhead(row):+.2%}"
-
-
-def warm_table(rows: Sequence[Row]) -> str:
-    return table(["backend", "warm start", "time limit", "start (ready at, from, its overhead)", "overhead", "gap",
-                  "status", "call"],
-                 [[*warm_label(r), f"{seconds(r['time_limit'])} s", start_cell(r), pct_cell(r.get("overhead")),
-                   "" if r.get("gap") is None else f"{r['gap']:.2%}", outcome(r),
-                   seconds(r["wall_seconds"]) + " s" if "wall_seconds" in r else ""] for r in rows])
-
-
-def pct_cell(x: float | None) -> str:
-    return "" if x is None else f"{x:+.2%}"
-
 
 def warm_values(rows: Sequence[Row]) -> dict[str, Any]:
     """The warm-start study said: each backend without its start; whether every warm-started run returns a
@@ -539,21 +481,11 @@ def warm_values(rows: Sequence[Row]) -> dict[str, Any]:
         "shorter": shorter_limits(rows) if timed else []}
 
 
-def shorter_limits(rows: Sequence[Row]) -> list[str]:
-    """What a shorter limit costs against the full one, per run: ``15 s limit, HiGHS returns in ...``."""
+def shorter_limits(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
+    """(a run at a shorter limit, the same backend's run at the full one) where the full one has a schedule."""
     longest = max(r["time_limit"] for r in rows)
     full = {r["method"]: r for r in rows if r["time_limit"] == longest and has_schedule(r)}
-    said = []
-    for r in (r for r in rows if r["time_limit"] < longest and r["method"] in full):
-        if not has_schedule(r):
-            said.append(f"{seconds(r['time_limit'])} s limit, {BACKEND_OF[r['method']]} ends {outcome(r)}")
-            continue
-        points = 100 * (r["overhead"] - full[r["method"]]["overhead"])
-        worse = (f"{abs(points):.1f} points of overhead {'worse' if points > 0 else 'better'} than"
-                 if abs(points) >= 0.05 else "as cheap as")
-        said.append(f"{seconds(r['time_limit'])} s limit, {BACKEND_OF[r['method']]} returns in "
-                    f"{seconds(r['wall_seconds'])} s with a schedule {worse} at {seconds(longest)} s")
-    return said
+    return [(r, full[r["method"]]) for r in rows if r["time_limit"] < longest and r["method"] in full]
 
 
 # -- the page ---------------------------------------------------------------------------------------
@@ -579,12 +511,13 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, results_link: st
         highspy=v["highspy"], pyscipopt=v["pyscipopt"], ortools=v["ortools"], cvxpy=v["cvxpy"],
         dates=common.run_dates(run), minutes=f"{run['seconds'] / 60:.0f}", command=run["command"],
         results_link=results_link, graphs=listing(graphs_of(main)), budgets=listing([budget(s) for s in shares_of(main)]),
-        limit=seconds(limit), graph_table=graph_table(rows), runs_table=runs_table(in_cell_order(main)),
+        limit=seconds(limit), first_per_graph=first_per_graph(rows), runs_table=runs_table(in_cell_order(main)),
         copies=copies, copies_table=copies and runs_table(copies), warm=warm, moccasin=moccasin_values(main),
         copies_said=copies_values(copies, main), checkmate=checkmate_values(main),
         smallest=smallest_values(main), no_bound=NO_BOUND,
         copies_infeasible=[r["graph"] for r in main if r["method"] == "moccasin" and copies
                            and r["budget_share"] == copies[0]["budget_share"] and outcome(r) == "infeasible"],
-        warm_graph=next((r for r in warm if "nodes" in r), None), warm_table=warm and warm_table(warm),
+        warm_graph=next((r for r in warm if "nodes" in r), None), warm_start=lambda r: (start_method(r), start_status(r), start_overhead(r)), warm_methods=WARM,
         warm_sized=next((r for r in warm if r["method"] in WARM and r.get("variables") is not None), None),
-        warm_said=warm_values(warm))
+        warm_said=warm_values(warm), backend=BACKEND_OF, outcome=outcome, has_schedule=has_schedule,
+        seconds=seconds)
