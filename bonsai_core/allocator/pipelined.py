@@ -85,9 +85,10 @@ def action_ops(graph: Any, ops: list[tuple[str, int]]) -> list[tuple[int, list[i
         by_segment.setdefault(s, []).append(i)
     out = [(int(j), by_segment.get(2 * int(k) + (phase == BACKWARD), []))
            for phase, k, j in graph.parallel["pipeline"]["actions"]]
-    replayed = sorted(i for _, ids in out for i in ids)
     m = int(graph.parallel["pipeline"]["microbatches"])
-    if replayed != sorted(list(range(len(ops))) * m):
+    replayed = np.bincount(np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids in out] or
+                                          [np.zeros(0, dtype=np.int64)]), minlength=len(ops))
+    if len(replayed) != len(ops) or (replayed != m).any():
         raise ScheduleError(f"{graph.name!r}: the pipeline's actions do not replay each op of the schedule once per "
                             "microbatch (a stage's forward or backward without an action?)")
     return out
@@ -144,6 +145,13 @@ class _Gradients:
             self.current = u
         if self.cast and self.graph.is_output[v]:
             self.running.append(base + self.graph.storage_of(v))
+
+    def acts_on(self, op: tuple[str, int]) -> bool:
+        """Whether :meth:`compute` does anything for ``op`` in a backward: a backward compute that reads a unit's
+        forward tensors (a post-backward may follow) or makes a gradient FSDP holds."""
+        kind, v = op
+        return kind == "compute" and not self.graph.is_forward[v] and (
+            int(self.reads[v]) >= 0 or (self.cast and bool(self.graph.is_output[v])))
 
     def keeps(self, owner: int) -> bool:
         """Whether the graph's free of ``owner`` leaves its block to FSDP (the running unit's gradient)."""
@@ -314,6 +322,23 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
     pipeline = graph.parallel["pipeline"]
     last_backward = {int(k): n for n, (phase, k, _) in enumerate(pipeline["actions"]) if phase == BACKWARD}
     regions = {a: (p, d, w) for a, p, d, w in (periodic_regions(pipeline["actions"]) if shortcut else [])}
+    by_segment: dict[int, tuple[list[tuple[int, int]], np.ndarray]] = {}
+
+    def action_events(n: int) -> tuple[list[tuple[int, int]], np.ndarray]:
+        """Action ``n``'s ops that change the allocator, the held bytes or FSDP's gradients, as (offset in the
+        action, op), and for each op of the action the index of the last event up to it (0: none yet), the same
+        for every action of its stage and phase."""
+        phase, k, _ = pipeline["actions"][n]
+        key = 2 * int(k) + (phase == BACKWARD)
+        if key not in by_segment:
+            ids = acts[n][1]
+            gradient_events = grads is not None and phase == BACKWARD
+            events = [(offset, i) for offset, i in enumerate(ids)
+                      if i in ends or i in starts or (gradient_events and grads.acts_on(ops[i]))]
+            offsets = np.asarray([offset for offset, _ in events], dtype=np.int64)
+            by_segment[key] = events, np.searchsorted(offsets, np.arange(len(ids)), side="right")
+        return by_segment[key]
+
     seen: dict[tuple, tuple[int, int]] = {}  # a window-end state -> (its window, its position)
     region: tuple[int, int, int, int] | None = None  # (start, period, shift, windows) being watched
     position = n = skipped = 0
@@ -343,7 +368,9 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
         backward = phase == BACKWARD
         if grads is not None:
             grads.begin()
-        for i in ids:
+        events, fill = action_events(n)
+        recorded = [(alloc.footprint, alloc.largest_free, held.total)]  # before the action's first event
+        for offset, i in events:
             kind, v = ops[i]
             for u in ends.get(i, ()):
                 if kind == FREE and grads is not None and backward and grads.keeps(base + u):
@@ -359,13 +386,18 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
                     side = "left" if side_of is None else side_of(v)
                     malloc(base + v, mem[v], f"computing node {v}, {graph.names[v]!r} (microbatch {j})", i, side)
             if grads is not None and backward and kind == "compute" and not graph.is_forward[v]:
-                grads.compute(v, base, position)
+                grads.compute(v, base, position + offset)
+            if trace is not None or live is not None:
+                recorded.append((alloc.footprint, alloc.largest_free if trace is not None else 0, held.total))
+        if trace is not None or live is not None:  # an op that is no event holds what the event before it left
+            values = np.asarray(recorded, dtype=np.int64)[fill]
+            span = slice(position, position + len(ids))
             if trace is not None:
-                trace[0][position] = alloc.footprint + outside
-                trace[1][position] = alloc.largest_free
+                trace[0][span] = values[:, 0] + outside
+                trace[1][span] = values[:, 1]
             if live is not None:
-                live[position] = held.total + outside
-            position += 1
+                live[span] = values[:, 2] + outside
+        position += len(ids)
         if grads is not None and backward:
             grads.end_action(int(k), position - 1)
             if last_backward[int(k)] == n:
