@@ -12,6 +12,7 @@ how the pool grows when nothing fits (:meth:`~Allocator.grow`), what it gives ba
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from typing import Any, ClassVar, Iterator, Literal
 
@@ -71,6 +72,38 @@ class Allocator:
         self.pinned_bytes = 0  # bytes of fixed tensors placed in the pool (the full arena), else 0
         self.pinned: dict[int, Any] = {}  # owner -> the fixed tensor it is (fixed.FixedTensor), placed by pin_fixed
         self._next_addr = 0
+
+    def clone(self) -> "Allocator":
+        """An independent copy: every block copied, linked, owned and pooled as it is."""
+        new = copy.copy(self)
+        copies: dict[int, Block] = {}
+
+        def copied(b: Block) -> Block:
+            if id(b) not in copies:
+                c = copies[id(b)] = Block(b.addr, b.size, b.segment, b.mapped)
+                c.owner = b.owner
+            return copies[id(b)]
+
+        new.heads = []
+        for head in self.heads:
+            b, prev = head, None
+            while b is not None:
+                c = copied(b)
+                c.prev = prev
+                if prev is not None:
+                    prev.next = c
+                prev, b = c, b.next
+            new.heads.append(None if head is None else copies[id(head)])
+        new.pools = list(self.pools)
+        new.free_blocks = defaultdict(FreeBlocks)
+        for pool, blocks in self.free_blocks.items():
+            for b in blocks:
+                new.free_blocks[pool].add(copied(b))
+        new.by_owner = {owner: copied(b) for owner, b in self.by_owner.items()}
+        new.pinned = dict(self.pinned)
+        if isinstance(getattr(self, "expandable", None), dict):
+            new.expandable = dict(self.expandable)
+        return new
 
     # -- what a policy decides -----------------------------------------------------------------
 
