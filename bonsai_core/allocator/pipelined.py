@@ -30,6 +30,11 @@ microbatch's owners named relative to the window's first microbatch) equals the 
 window's end, every later window of the run repeats the windows between, so their trace is copied and the
 state shifted to the run's end instead of replayed; the cool-down phase is replayed. Exact, not a bound:
 ``tests/test_parallel.py`` checks the whole trace against the full replay.
+
+The first rank's placement never repeats (its in-flight microbatches' blocks keep moving in the pool), but a run
+with more microbatches begins with a shorter run's actions: without a capacity nothing is refused, so those
+actions replay block for block, and a replay starts from the state a shorter run of the same stages and plan kept
+where the two runs part (:class:`_Prefix`; a layout's batch search doubles the microbatches).
 """
 
 from __future__ import annotations
@@ -370,11 +375,12 @@ _PREFIXES = _Prefixes()
 
 
 def _structure_key(graph: Any, ops: list[tuple[str, int]], residency: Any, policy: str, inplace: bool) -> str:
-    """What a pipeline replay depends on besides its microbatches: the graph less its fixed tensors, name and
-    microbatch count, the plan, its live set, the allocator policy."""
+    """What a pipeline replay depends on besides its microbatches: the graph less its fixed tensors, name, op costs
+    (timed again by each trace) and microbatch count, the plan, its live set, the allocator policy."""
     data = graph.to_dict()
     for field in ("name", "fixed_tensors", "fixed_mem"):
         data.pop(field, None)
+    data["nodes"] = [{k: v for k, v in node.items() if k != "cost"} for node in data["nodes"]]
     parallel = json.loads(json.dumps(data.get("parallel") or {}))
     parallel.get("layout", {}).pop("microbatches", None)
     for field in ("microbatches", "actions"):
