@@ -513,6 +513,9 @@ class RankGraphs:
         self.model, self.seq, self.options, self.sharding = model, seq, options, sharding
         self.trace_kwargs = trace_kwargs
         self.stages: dict[tuple, tuple] = {}  # (tp, cp, first, last, batch, precision, blocks) -> (graph, sizes, root)
+        # a pipeline rank's stages, whole and sharded, by its layout less the microbatches and its microbatch size:
+        # a local batch that changes only the microbatch count changes only what with_pipeline adds
+        self.sharded: dict[tuple, Any] = {}
         self.seconds = 0.0
 
     def ranks(self, layout: Any, batch: int, optimizer: str) -> list[tuple[int, Graph]]:
@@ -532,8 +535,26 @@ class RankGraphs:
         return out
 
     def graph(self, layout: Any, batch: int) -> Graph:
-        from bonsai_core.fsdp import Sharding, fsdp_units, shard_by_sizes
+        import dataclasses
+
         from bonsai_core.parallel import with_layout
+        from bonsai_core.pipeline import rank_stages, with_pipeline
+
+        name = f"{self.model}(batch={batch}, seq={self.seq}) {layout.describe()}"
+        if layout.pp == 1:
+            return with_layout(self._sharded(layout, batch, name), layout)
+        indices = rank_stages(layout)
+        micro = batch // layout.microbatches
+        key = (dataclasses.replace(layout, microbatches=None), micro)
+        if key not in self.sharded:
+            self.sharded[key] = self._sharded(layout, batch, name)
+        total = layout.pp * len(indices)
+        return with_pipeline(self.sharded[key], layout, indices, [i > 0 for i in indices], [i < total - 1 for i in indices],
+                             micro, name=name)
+
+    def _sharded(self, layout: Any, batch: int, name: str) -> Graph:
+        """The rank's stages at local ``batch``, concatenated and sharded for its FSDP degree, named ``name``."""
+        from bonsai_core.fsdp import Sharding, fsdp_units, shard_by_sizes
         from bonsai_core.pipeline import concatenate, output_held, rank_stages, stage_modules
 
         precision = self.sharding.mixed_precision if layout.shard_world > 1 else None
@@ -568,7 +589,7 @@ class RankGraphs:
             graphs.append(output_held(graph) if layout.pp > 1 else graph)
         if layout.pp > 1:  # a rank's stages of one kind share a trace: each takes its own blocks' paths
             graphs = [named_blocks(g, [n for n in names[i] if n.startswith("layers.")]) for g, i in zip(graphs, indices)]
-        raw = concatenate(graphs, indices, f"{self.model}(batch={batch}, seq={self.seq}) {layout.describe()}")
+        raw = concatenate(graphs, indices, name)
         # under pipeline parallel torchtitan's units (apply_fsdp's), none resharded (pipeline.with_pipeline)
         sharding = Sharding(layout.shard_world, self.sharding.reshard_after_forward if layout.pp == 1 else "torchtitan",
                             precision)
@@ -579,12 +600,7 @@ class RankGraphs:
             root = total - sum(unit_sizes)  # the root unit owns what no unit does (all-but-last: embedding, head)
             graph = shard_by_sizes(raw, units, unit_sizes, root, sharding.world, sharding.reshard_after_forward,
                                    precision)
-        if layout.pp == 1:
-            return with_layout(graph, layout)
-        from bonsai_core.pipeline import with_pipeline
-
-        total = layout.pp * len(indices)
-        return with_pipeline(graph, layout, indices, [i > 0 for i in indices], [i < total - 1 for i in indices], micro)
+        return graph
 
     def _n_layers(self) -> int:
         from bonsai_core.models import torchtitan as titan

@@ -295,13 +295,12 @@ def concatenate(graphs: Sequence[Any], stages: Sequence[int], name: str) -> Any:
 
 
 def with_pipeline(graph: Any, layout: Any, stages: Sequence[int], receives: Sequence[bool], sends: Sequence[bool],
-                  micro: int) -> Any:
+                  micro: int, name: str | None = None) -> Any:
     """``graph`` (the rank's stages, concatenated) with the ``parallel`` field naming the layout and the
     pipeline: the stages' node spans, the rank's actions; fixed memory gains the receive buffers of the other
     microbatches (one of each microbatch's is the graph's input, or its output's gradient) and, under FSDP,
-    every unit's parameters unsharded through the step."""
+    every unit's parameters unsharded through the step; ``name`` renames it."""
     from bonsai_core.graph import Graph
-    from bonsai_core.parallel import with_layout
 
     data = graph.to_dict()
     spans = _spans(graph, len(stages))
@@ -324,7 +323,10 @@ def with_pipeline(graph: Any, layout: Any, stages: Sequence[int], receives: Sequ
     pipeline = {"schedule": layout.pp_schedule, "degree": layout.pp, "rank": layout.rank, "microbatches": m,
                 "microbatch_size": micro, "stages": [[s, first, last] for s, (first, last) in zip(stages, spans)],
                 "actions": [list(a) for a in actions(layout)]}
-    return with_layout(Graph.rebuilt(data), layout, pipeline=pipeline)
+    data["parallel"] = {"layout": layout.to_dict(), "pipeline": pipeline}  # parallel.with_layout's field
+    if name is not None:
+        data["name"] = name
+    return Graph.rebuilt(data)
 
 
 def _spans(graph: Any, count: int) -> list[tuple[int, int]]:

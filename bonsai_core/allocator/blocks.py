@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from bisect import bisect_left, insort
+from typing import Iterator, Literal
 
 MIN_BLOCK = 512  # kMinBlockSize: every size is rounded up to a multiple of this
 SMALL_SIZE = 2**20  # kSmallSize: largest request of the small pool
@@ -58,3 +59,51 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block(addr={self.addr}, size={self.size}, owner={self.owner}, segment={self.segment})"
+
+
+class FreeBlocks:
+    """A pool's free blocks, grouped by size, the sizes kept in order: a best-fit request looks at the groups of
+    the smallest sizes that fit instead of every free block. A block's size and address change only while it is
+    out of the pool (the allocator takes it out before it splits or merges it)."""
+
+    __slots__ = ("by_size", "sizes")
+
+    def __init__(self) -> None:
+        self.by_size: dict[int, set[Block]] = {}
+        self.sizes: list[int] = []  # the sizes of by_size, ascending
+
+    def add(self, block: Block) -> None:
+        group = self.by_size.get(block.size)
+        if group is None:
+            self.by_size[block.size] = {block}
+            insort(self.sizes, block.size)
+        else:
+            group.add(block)
+
+    def discard(self, block: Block) -> None:
+        group = self.by_size.get(block.size)
+        if group is None or block not in group:
+            return
+        group.discard(block)
+        if not group:
+            del self.by_size[block.size]
+            del self.sizes[bisect_left(self.sizes, block.size)]
+
+    def fitting(self, size: int) -> Iterator[set[Block]]:
+        """The groups of blocks of at least ``size`` bytes, smallest size first."""
+        for s in self.sizes[bisect_left(self.sizes, size):]:
+            yield self.by_size[s]
+
+    @property
+    def largest(self) -> int:
+        return self.sizes[-1] if self.sizes else 0
+
+    def __iter__(self) -> Iterator[Block]:
+        for group in list(self.by_size.values()):
+            yield from list(group)
+
+    def __len__(self) -> int:
+        return sum(len(group) for group in self.by_size.values())
+
+    def __contains__(self, block: object) -> bool:
+        return isinstance(block, Block) and block in self.by_size.get(block.size, ())

@@ -30,10 +30,21 @@ microbatch's owners named relative to the window's first microbatch) equals the 
 window's end, every later window of the run repeats the windows between, so their trace is copied and the
 state shifted to the run's end instead of replayed; the cool-down phase is replayed. Exact, not a bound:
 ``tests/test_parallel.py`` checks the whole trace against the full replay.
+
+The first rank's placement never repeats (its in-flight microbatches' blocks keep moving in the pool), but a run
+with more microbatches begins with a shorter run's actions: without a capacity nothing is refused, so those
+actions replay block for block, and a replay starts from the state a shorter run of the same stages and plan kept
+where the two runs part (:class:`_Prefix`; a layout's batch search doubles the microbatches).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -85,9 +96,10 @@ def action_ops(graph: Any, ops: list[tuple[str, int]]) -> list[tuple[int, list[i
         by_segment.setdefault(s, []).append(i)
     out = [(int(j), by_segment.get(2 * int(k) + (phase == BACKWARD), []))
            for phase, k, j in graph.parallel["pipeline"]["actions"]]
-    replayed = sorted(i for _, ids in out for i in ids)
     m = int(graph.parallel["pipeline"]["microbatches"])
-    if replayed != sorted(list(range(len(ops))) * m):
+    replayed = np.bincount(np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids in out] or
+                                          [np.zeros(0, dtype=np.int64)]), minlength=len(ops))
+    if len(replayed) != len(ops) or (replayed != m).any():
         raise ScheduleError(f"{graph.name!r}: the pipeline's actions do not replay each op of the schedule once per "
                             "microbatch (a stage's forward or backward without an action?)")
     return out
@@ -134,6 +146,13 @@ class _Gradients:
     def begin(self) -> None:
         self.current = -1
 
+    def state(self) -> tuple:
+        """What changes over the step (a prefix keeps it, :class:`_Prefix`)."""
+        return self.accumulated, self.running, self.dropped, self.current, self.scatter_input
+
+    def restore(self, state: tuple) -> None:
+        self.accumulated, self.running, self.dropped, self.current, self.scatter_input = state
+
     def compute(self, v: int, base: int, i: int) -> None:
         """A backward compute of node ``v`` (of the microbatch whose owners start at ``base``): a unit boundary
         is a post-backward; a gradient (an output) is held by the running unit, in its storage's block."""
@@ -144,6 +163,13 @@ class _Gradients:
             self.current = u
         if self.cast and self.graph.is_output[v]:
             self.running.append(base + self.graph.storage_of(v))
+
+    def acts_on(self, op: tuple[str, int]) -> bool:
+        """Whether :meth:`compute` does anything for ``op`` in a backward: a backward compute that reads a unit's
+        forward tensors (a post-backward may follow) or makes a gradient FSDP holds."""
+        kind, v = op
+        return kind == "compute" and not self.graph.is_forward[v] and (
+            int(self.reads[v]) >= 0 or (self.cast and bool(self.graph.is_output[v])))
 
     def keeps(self, owner: int) -> bool:
         """Whether the graph's free of ``owner`` leaves its block to FSDP (the running unit's gradient)."""
@@ -285,14 +311,116 @@ def _shift(alloc: Allocator, held: _Held, grads: "_Gradients | None", n: int, by
         grads.dropped = {moved(o) for o in grads.dropped}
 
 
+@dataclass
+class _Prefix:
+    """A pipeline replay's state at the start of action ``len(actions)``, with the traces up to there: a later replay
+    of the same structure (:func:`_structure_key`) whose actions begin with ``actions`` starts from it. Without a
+    capacity the pool never refuses a request, and the replay reads a microbatch's count only through its actions
+    and the bytes outside the pool (the traces are kept without them), so the later replay's first ops are these,
+    block for block."""
+
+    actions: list
+    position: int
+    skipped: int
+    alloc: Allocator
+    held: tuple[dict, int]
+    grads: tuple | None
+    traces: tuple[np.ndarray, np.ndarray, np.ndarray]  # reserved (less outside), largest free, live (less outside)
+
+    @classmethod
+    def taken(cls, actions: list, position: int, skipped: int, alloc: Allocator, held: "_Held",
+              grads: "_Gradients | None", traces: tuple, outside: int) -> "_Prefix":
+        kept = (traces[0][:position] - outside, traces[1][:position].copy(), traces[2][:position] - outside)
+        return cls([tuple(a) for a in actions], position, skipped, alloc.clone(), (dict(held.bytes), held.total),
+                   None if grads is None else copy.deepcopy(grads.state()), kept)
+
+    def continues(self, actions: list, last_backward: dict[int, int]) -> bool:
+        """Whether ``actions`` begin with this prefix's and none of those is a stage's last backward there."""
+        n = len(self.actions)
+        return (len(actions) > n and all(tuple(a) == b for a, b in zip(actions[:n], self.actions))
+                and all(at >= n for at in last_backward.values()))
+
+    def restore(self, alloc: Allocator, held: "_Held", grads: "_Gradients | None", trace: tuple, live: np.ndarray,
+                outside: int) -> tuple[int, int, int]:
+        """The state and traces put back; returns (action, position, actions skipped) to go on from."""
+        alloc.__dict__.update(self.alloc.clone().__dict__)
+        held.bytes, held.total = dict(self.held[0]), self.held[1]
+        if grads is not None:
+            grads.restore(copy.deepcopy(self.grads))
+        p = self.position
+        trace[0][:p], trace[1][:p], live[:p] = self.traces[0] + outside, self.traces[1], self.traces[2] + outside
+        return len(self.actions), p, self.skipped
+
+
+class _Prefixes:
+    """The latest prefix of each structure, the few most recent structures (a layout's batch search replays a rank
+    and a plan at doubling microbatch counts, one layout after another)."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size, self.entries = size, OrderedDict()
+
+    def get(self, key: str) -> _Prefix | None:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+        return self.entries.get(key)
+
+    def put(self, key: str, prefix: _Prefix) -> None:
+        self.entries[key] = prefix
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
+_PREFIXES = _Prefixes()
+
+
+def _structure_key(graph: Any, ops: list[tuple[str, int]], residency: Any, policy: str, inplace: bool) -> str:
+    """What a pipeline replay depends on besides its microbatches: the graph less its fixed tensors, name, op costs
+    (timed again by each trace) and microbatch count, the plan, its live set, the allocator policy."""
+    data = graph.to_dict()
+    for field in ("name", "fixed_tensors", "fixed_mem"):
+        data.pop(field, None)
+    data["nodes"] = [{k: v for k, v in node.items() if k != "cost"} for node in data["nodes"]]
+    parallel = json.loads(json.dumps(data.get("parallel") or {}))
+    parallel.get("layout", {}).pop("microbatches", None)
+    for field in ("microbatches", "actions"):
+        parallel.get("pipeline", {}).pop(field, None)
+    data["parallel"] = parallel
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode())
+    digest.update(json.dumps([list(op) for op in ops]).encode())
+    for a in (residency.node, residency.start, residency.end, residency.taken):
+        digest.update(np.ascontiguousarray(a).tobytes())
+    digest.update(f"{policy} {inplace}".encode())
+    return digest.hexdigest()
+
+
+def _snapshot_point(graph: Any, last_backward: dict[int, int]) -> int:
+    """The action where this run and the run of twice its microbatches part (the next local batch a layout's search
+    asks for), and before any stage's last backward: where a prefix is kept."""
+    from bonsai_core.parallel import layout_of
+    from bonsai_core.pipeline import actions
+
+    pipeline = graph.parallel["pipeline"]
+    m = int(pipeline["microbatches"])
+    layout = dataclasses.replace(layout_of(**graph.parallel["layout"]), microbatches=2 * m)
+    these, longer = [tuple(a) for a in pipeline["actions"]], actions(layout)
+    n = 0
+    while n < min(len(these), len(longer)) and these[n] == tuple(longer[n]):
+        n += 1
+    return min([n, *last_backward.values()])
+
+
 def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], residency: Any,
                       capacity: int | None, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0,
                       side_of: Callable[[int], str] | None = None, inplace: bool = True,
-                      live: np.ndarray | None = None, shortcut: bool = True) -> int:
+                      live: np.ndarray | None = None, shortcut: bool = True, reuse: bool = False) -> int:
     """A pipeline rank's whole step applied to ``alloc`` (module doc): :func:`run_step`'s contract, over
     :func:`rank_length` ops (each action's ops in turn; ``trace`` and ``live``, the exact bytes held, after each),
     then the optimizer step; at the end the step's blocks are freed. With ``shortcut``, the windows of the steady
-    phase that repeat an earlier window's state are not replayed (module doc). Returns the actions skipped.
+    phase that repeat an earlier window's state are not replayed (module doc). With ``reuse`` (a fresh pool without a
+    capacity, both traces), a run of the same stages and plan with fewer microbatches whose actions begin as these
+    do is not replayed again: its state where the two runs part (:class:`_Prefix`) is the start. Returns the
+    actions skipped.
 
     Long: one loop over the rank's actions whose state (the allocator, FSDP's gradients, the window the
     shortcut watches, the position in the traces) every part of it reads and writes."""
@@ -314,10 +442,37 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
     pipeline = graph.parallel["pipeline"]
     last_backward = {int(k): n for n, (phase, k, _) in enumerate(pipeline["actions"]) if phase == BACKWARD}
     regions = {a: (p, d, w) for a, p, d, w in (periodic_regions(pipeline["actions"]) if shortcut else [])}
+    by_segment: dict[int, tuple[list[tuple[int, int]], np.ndarray]] = {}
+
+    def action_events(n: int) -> tuple[list[tuple[int, int]], np.ndarray]:
+        """Action ``n``'s ops that change the allocator, the held bytes or FSDP's gradients, as (offset in the
+        action, op), and for each op of the action the index of the last event up to it (0: none yet), the same
+        for every action of its stage and phase."""
+        phase, k, _ = pipeline["actions"][n]
+        key = 2 * int(k) + (phase == BACKWARD)
+        if key not in by_segment:
+            ids = acts[n][1]
+            gradient_events = grads is not None and phase == BACKWARD
+            events = [(offset, i) for offset, i in enumerate(ids)
+                      if i in ends or i in starts or (gradient_events and grads.acts_on(ops[i]))]
+            offsets = np.asarray([offset for offset, _ in events], dtype=np.int64)
+            by_segment[key] = events, np.searchsorted(offsets, np.arange(len(ids)), side="right")
+        return by_segment[key]
+
     seen: dict[tuple, tuple[int, int]] = {}  # a window-end state -> (its window, its position)
     region: tuple[int, int, int, int] | None = None  # (start, period, shift, windows) being watched
     position = n = skipped = 0
+    reuse = reuse and trace is not None and live is not None and side_of is None and not alloc.heads
+    structure = _structure_key(graph, ops, residency, alloc.policy, inplace) if reuse else None
+    resumed = _PREFIXES.get(structure) if structure is not None else None
+    if resumed is not None and resumed.continues(pipeline["actions"], last_backward):
+        n, position, skipped = resumed.restore(alloc, held, grads, trace, live, outside)
+        region = next(((a, p, d, w) for a, (p, d, w) in regions.items() if a < n < a + p * w), None)
+    snapshot_at = _snapshot_point(graph, last_backward) if structure is not None else -1
     while n < len(acts):
+        if n == snapshot_at:
+            _PREFIXES.put(structure, _Prefix.taken(pipeline["actions"][:n], position, skipped, alloc, held, grads,
+                                             (trace[0], trace[1], live), outside))
         if n in regions:
             region, seen = (n, *regions[n]), {}
         if region is not None and (n - region[0]) % region[1] == 0:
@@ -343,7 +498,9 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
         backward = phase == BACKWARD
         if grads is not None:
             grads.begin()
-        for i in ids:
+        events, fill = action_events(n)
+        recorded = [(alloc.footprint, alloc.largest_free, held.total)]  # before the action's first event
+        for offset, i in events:
             kind, v = ops[i]
             for u in ends.get(i, ()):
                 if kind == FREE and grads is not None and backward and grads.keeps(base + u):
@@ -359,13 +516,18 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
                     side = "left" if side_of is None else side_of(v)
                     malloc(base + v, mem[v], f"computing node {v}, {graph.names[v]!r} (microbatch {j})", i, side)
             if grads is not None and backward and kind == "compute" and not graph.is_forward[v]:
-                grads.compute(v, base, position)
+                grads.compute(v, base, position + offset)
+            if trace is not None or live is not None:
+                recorded.append((alloc.footprint, alloc.largest_free if trace is not None else 0, held.total))
+        if trace is not None or live is not None:  # an op that is no event holds what the event before it left
+            values = np.asarray(recorded, dtype=np.int64)[fill]
+            span = slice(position, position + len(ids))
             if trace is not None:
-                trace[0][position] = alloc.footprint + outside
-                trace[1][position] = alloc.largest_free
+                trace[0][span] = values[:, 0] + outside
+                trace[1][span] = values[:, 1]
             if live is not None:
-                live[position] = held.total + outside
-            position += 1
+                live[span] = values[:, 2] + outside
+        position += len(ids)
         if grads is not None and backward:
             grads.end_action(int(k), position - 1)
             if last_backward[int(k)] == n:

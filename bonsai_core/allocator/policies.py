@@ -12,11 +12,12 @@ how the pool grows when nothing fits (:meth:`~Allocator.grow`), what it gives ba
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from typing import Any, ClassVar, Iterator, Literal
 
 from bonsai_core.allocator.blocks import (DEFAULT_STREAM, LARGE_BUFFER, MIN_BLOCK, SMALL_BUFFER, SMALL_SIZE, Block,
-                                          Side, round_size, segment_size, size_class)
+                                          FreeBlocks, Side, round_size, segment_size, size_class)
 
 Policy = Literal["caching", "arena", "expandable"]
 POLICIES = ("caching", "arena", "expandable")
@@ -26,6 +27,10 @@ PAGE = {"small": SMALL_BUFFER, "large": LARGE_BUFFER}
 VIRTUAL = LARGE_BUFFER * 2**22
 
 _CLASSES: dict[str, type["Allocator"]] = {}  # policy name -> its class
+
+
+def _address(block: Block) -> int:
+    return block.addr
 
 
 class Allocator:
@@ -59,7 +64,7 @@ class Allocator:
         self.pools: list[str] = []  # pool of each segment
         # free blocks per pool; a pool is a size class on one stream ("large", "large@reduce_scatter"): the
         # caching allocator keeps blocks per stream and serves a request only from its stream's blocks
-        self.free_blocks: dict[str, set[Block]] = defaultdict(set)
+        self.free_blocks: dict[str, FreeBlocks] = defaultdict(FreeBlocks)
         self.by_owner: dict[int, Block] = {}
         self.reserved = 0
         self.allocated = 0  # bytes of blocks held by owners (rounded sizes, whole unsplit blocks)
@@ -67,7 +72,38 @@ class Allocator:
         self.pinned_bytes = 0  # bytes of fixed tensors placed in the pool (the full arena), else 0
         self.pinned: dict[int, Any] = {}  # owner -> the fixed tensor it is (fixed.FixedTensor), placed by pin_fixed
         self._next_addr = 0
-        self._largest: int | None = None  # largest_free, until a malloc or free changes the free blocks
+
+    def clone(self) -> "Allocator":
+        """An independent copy: every block copied, linked, owned and pooled as it is."""
+        new = copy.copy(self)
+        copies: dict[int, Block] = {}
+
+        def copied(b: Block) -> Block:
+            if id(b) not in copies:
+                c = copies[id(b)] = Block(b.addr, b.size, b.segment, b.mapped)
+                c.owner = b.owner
+            return copies[id(b)]
+
+        new.heads = []
+        for head in self.heads:
+            b, prev = head, None
+            while b is not None:
+                c = copied(b)
+                c.prev = prev
+                if prev is not None:
+                    prev.next = c
+                prev, b = c, b.next
+            new.heads.append(None if head is None else copies[id(head)])
+        new.pools = list(self.pools)
+        new.free_blocks = defaultdict(FreeBlocks)
+        for pool, blocks in self.free_blocks.items():
+            for b in blocks:
+                new.free_blocks[pool].add(copied(b))
+        new.by_owner = {owner: copied(b) for owner, b in self.by_owner.items()}
+        new.pinned = dict(self.pinned)
+        if isinstance(getattr(self, "expandable", None), dict):
+            new.expandable = dict(self.expandable)
+        return new
 
     # -- what a policy decides -----------------------------------------------------------------
 
@@ -80,12 +116,9 @@ class Allocator:
     def find_block(self, size: int, side: Side = "left", stream: str = DEFAULT_STREAM) -> Block | None:
         """Best fit among the cached free blocks of the request's pool (on its stream); on ties, the
         lowest address (``side="left"``) or the highest (``"right"``)."""
-        best: Block | None = None
-        for b in self.free_blocks[self.pool_of(size, stream)]:
-            if b.size >= size and (best is None or b.size < best.size
-                                   or (b.size == best.size and (b.addr < best.addr) == (side == "left"))):
-                best = b
-        return best
+        for group in self.free_blocks[self.pool_of(size, stream)].fitting(size):
+            return (min if side == "left" else max)(group, key=_address)
+        return None
 
     def should_split(self, pool: str, remaining: int) -> bool:
         """Whether a block taken with ``remaining`` bytes to spare is split, the rest staying free."""
@@ -146,7 +179,6 @@ class Allocator:
         evicts, or it is out of memory)."""
         if owner in self.by_owner:
             raise ValueError(f"node {owner} already holds a block")
-        self._largest = None
         size = round_size(nbytes)
         block = self.find_block(size, side, stream)
         if block is None:
@@ -198,12 +230,11 @@ class Allocator:
     def free(self, owner: int) -> None:
         """Return ``owner``'s block to its pool, merged with free neighbours of its segment."""
         block = self.by_owner.pop(owner)
-        self._largest = None
         self.allocated -= block.size
         block.owner = -1
         self._merge_free(block, self.free_blocks[self.pools[block.segment]])
 
-    def _merge_free(self, block: Block, pool: set[Block]) -> Block:
+    def _merge_free(self, block: Block, pool: FreeBlocks) -> Block:
         """Merge free ``block`` with its free mapped neighbours into one block of ``pool``."""
         for nb in (block.prev, block.next):
             if nb is not None and nb.usable:
@@ -219,11 +250,8 @@ class Allocator:
 
     @property
     def largest_free(self) -> int:
-        """The largest free block; kept from the last call until a malloc or free (the only changes of the free
-        blocks: growing, mapping and releasing happen inside malloc), as a replay asks after every op."""
-        if self._largest is None:
-            self._largest = max((b.size for s in self.free_blocks.values() for b in s), default=0)
-        return self._largest
+        """The largest free block (a replay asks after every op: each pool keeps its sizes in order)."""
+        return max((blocks.largest for blocks in self.free_blocks.values()), default=0)
 
 
 class CachingAllocator(Allocator):
@@ -301,10 +329,14 @@ class ExpandableAllocator(Allocator):
         def growable(b: Block) -> int:
             return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
 
-        pool = self.pool_of(size, stream)
-        fits = sorted((b for b in self.free_blocks[pool] if b.size >= size), key=lambda b: (b.size, b.addr))
-        if not fits:
+        groups = self.free_blocks[self.pool_of(size, stream)].fitting(size)
+        smallest = next(groups, None)
+        if smallest is None:
             return None
+        best = min(smallest, key=_address)  # the first in (size, address) order
+        if growable(best) == best.size:
+            return best  # every other block that fits can grow to at least its size: the walk stops at it
+        fits = sorted(smallest, key=_address) + [b for group in groups for b in sorted(group, key=_address)]
         i = 0
         while i + 1 < len(fits) and growable(fits[i + 1]) < growable(fits[i]):
             i += 1

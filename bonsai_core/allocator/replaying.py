@@ -236,7 +236,8 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     def step(alloc: Allocator, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0) -> None:
         if pipeline:  # the rank's whole schedule, every microbatch (bonsai_core.allocator.pipelined)
             run_pipeline_step(alloc, graph, ops, sim.residency, capacity, trace, outside, side_of=side_of,
-                              inplace=inplace_writes, live=held if trace is not None else None)
+                              inplace=inplace_writes, live=held if trace is not None else None,
+                              reuse=capacity is None and not full)
         else:
             run_step(alloc, graph, ops, sim.residency, capacity, trace, outside, side_of=side_of, inplace=inplace_writes)
 
