@@ -21,6 +21,7 @@ cannot lift it above the LP's optimum.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -289,16 +290,43 @@ def interval_bound(graph: Graph, budget: int, tensors: Tensors, iv: _Intervals, 
     return value
 
 
-def closure_at(graph: Graph, budget: int, b: int, tensors: Tensors, offload: bool = False) -> float:
-    """The least recomputation any schedule within ``budget`` makes after b's first computation (the
-    module docstring; docs/BONSAI.md). Per storage v among b's ancestors: ``a`` (resident then, or
+@dataclass(frozen=True)
+class Closure:
+    """:func:`closure_at`'s LP at one node b for every budget: only its budget row's upper side (row
+    ``budget_row``, the bytes left beside ``base``) depends on the budget."""
+
+    base: int  # the bytes b holds whatever the plan: Tensors.base and the tensors it reads
+    lp: _Lp  # with the budget row's upper side at +inf
+    budget_row: int
+    unit: float  # bytes per unit of the budget row (memory_unit)
+
+    def at(self, budget: int) -> _Lp | None:
+        """The LP within ``budget`` (None: b cannot run within it)."""
+        if self.base > budget:
+            return None
+        upper = self.lp.upper.copy()
+        upper[self.budget_row] = (budget - self.base) / self.unit
+        return dataclasses.replace(self.lp, upper=upper)
+
+
+def closure_at(graph: Graph, budget: int, b: int, tensors: Tensors, offload: bool = False,
+               closure: Closure | None = None) -> float:
+    """The least recomputation any schedule within ``budget`` makes after b's first computation
+    (:func:`closure_lp`; ``closure``: that LP built before). ``math.inf``: b cannot run within the budget."""
+    lp = (closure or closure_lp(graph, b, tensors, offload)).at(budget)
+    return math.inf if lp is None else _solve_lp(lp)[0]
+
+
+def closure_lp(graph: Graph, b: int, tensors: Tensors, offload: bool = False) -> Closure:
+    """The LP of the least recomputation any schedule within a budget makes after b's first computation (the
+    module docstring; docs/BONSAI.md), for every budget (:meth:`Closure.at` sets it). Per storage v among b's ancestors: ``a`` (resident then, or
     recomputed later, or with ``offload`` on the host), ``r`` (recomputed later, cost(v) each), and with
     ``offload`` ``h`` (on the host, copied back later). Rows: needed storages have ``a = 1``;
     ``r_v <= a_u`` for each input u of v; ``r + h <= a``; the resident bytes ``a - r - h`` fit the budget
     with what b itself holds; with ``offload``, the host link's bytes each way within its bandwidth times
     the step's time before and after b (the stalls ``s`` priced in the cost) and within the host memory.
-    ``math.inf``: b cannot run within the budget. Otherwise the LP is feasible (a = r = 1 everywhere:
-    every storage recomputed leaves no free bytes resident)."""
+    Within a budget of at least ``base`` the LP is feasible (a = r = 1 everywhere: every storage
+    recomputed leaves no free bytes resident)."""
     g = graph
     ancestors = _reach(g, b, forward=False)
     later = _reach(g, b, forward=True)
@@ -312,8 +340,6 @@ def closure_at(graph: Graph, budget: int, b: int, tensors: Tensors, offload: boo
         needed[tensors.reads[r]] = True
     needed &= ancestors
     base = tensors.base(b) + int(g.mem[np.flatnonzero(forced & ancestors)].sum())
-    if base > budget:
-        return math.inf
     k = len(nodes)
     free = nodes[~forced[nodes]]  # the storages whose bytes the plan may leave out
     # columns: a (k), r (k), then with offload h (k) and the stall s (1)
@@ -339,7 +365,8 @@ def closure_at(graph: Graph, budget: int, b: int, tensors: Tensors, offload: boo
     mem = g.mem[free] / unit
     cols = [col[free], k + col[free]] + ([2 * k + col[free]] if offload else [])
     vals = [mem, -mem] + ([-mem] if offload else [])
-    add(np.concatenate(cols), np.concatenate(vals), -np.inf, (budget - base) / unit)
+    budget_row = len(lower)
+    add(np.concatenate(cols), np.concatenate(vals), -np.inf, np.inf)  # set per budget: Closure.at
     low, high = np.zeros(width), np.ones(width)
     low[col[nodes[needed[nodes]]]] = 1.0
     cost = np.concatenate([np.zeros(k), g.cost[nodes]] + ([np.zeros(k), [1.0]] if offload else []))
@@ -363,31 +390,51 @@ def closure_at(graph: Graph, budget: int, b: int, tensors: Tensors, offload: boo
             add(hcols, g.mem[nodes] / unit, -np.inf, host_bytes / unit)
     matrix = sp.csr_matrix((np.concatenate(entries_v), (np.concatenate(entries_r), np.concatenate(entries_c))),
                            shape=(len(lower), width))
-    return _solve_lp(_Lp(cost, matrix, np.asarray(lower), np.asarray(upper), low, high))[0]
+    return Closure(base, _Lp(cost, matrix, np.asarray(lower), np.asarray(upper), low, high), budget_row, unit)
+
+
+class BoundParts:
+    """What :func:`lower_bound` builds of a graph whatever the budget: the spine, its intervals, the
+    points whose closure LP is solved, and those LPs (built when first needed). Kept per graph, a budget
+    then costs the interval LP and the closure LPs' solves only."""
+
+    def __init__(self, graph: Graph, tensors: Tensors | None = None, offload: bool = False,
+                 points: int = DEFAULT_POINTS) -> None:
+        self.graph, self.offload = graph, offload
+        self.tensors = tensors or Tensors(graph)
+        path = spine(graph)
+        self.intervals = _intervals(graph, self.tensors, path)
+        order = np.argsort(-(self.intervals.base + self.intervals.need), kind="stable")
+        self.candidates = list(dict.fromkeys(int(path[j]) for j in order[:points]))
+        self._closures: dict[int, Closure] = {}
+
+    def closure(self, b: int) -> Closure:
+        if b not in self._closures:
+            self._closures[b] = closure_lp(self.graph, b, self.tensors, self.offload)
+        return self._closures[b]
 
 
 def lower_bound(graph: Graph, budget: int, *, offload: bool = False, points: int = DEFAULT_POINTS,
-                tensors: Tensors | None = None) -> LowerBound:
+                tensors: Tensors | None = None, parts: BoundParts | None = None) -> LowerBound:
     """The largest of the bounds above at ``budget``: the spine's interval bound (without ``offload``)
     and the closure LP at the ``points`` first computations where the spine's needed bytes are the
-    largest. O(points · (n + edges)) to build, small LPs to solve."""
+    largest. O(points · (n + edges)) to build, small LPs to solve. ``parts``: what was built for another
+    budget (:class:`BoundParts` of the same graph, ``offload`` and ``points``)."""
     start = time.perf_counter()
     done = lambda cost, node, how: LowerBound(cost, cost - graph.total_cost, node, how, budget, offload,  # noqa: E731
                                               time.perf_counter() - start)
     if budget < graph.peak_lower_bound:
         return done(math.inf, -1, "no schedule fits: an operator with its inputs needs more")
-    tensors = tensors or Tensors(graph)
-    path = spine(graph)
-    iv = _intervals(graph, tensors, path)
+    parts = parts or BoundParts(graph, tensors, offload, points)
+    if parts.graph.hash != graph.hash or parts.offload != offload:
+        raise ValueError("lower_bound: parts built for another graph or offload setting")
     best, node, how = 0.0, -1, "no recomputation needed"
     if not offload:
-        extra = interval_bound(graph, budget, tensors, iv)
+        extra = interval_bound(graph, budget, parts.tensors, parts.intervals)
         if extra > best:
             best, how = extra, "the spine's intervals"
-    order = np.argsort(-(iv.base + iv.need), kind="stable")
-    candidates = list(dict.fromkeys(int(path[j]) for j in order[:points]))
-    for b in candidates:
-        extra = closure_at(graph, budget, b, tensors, offload)
+    for b in parts.candidates:
+        extra = closure_at(graph, budget, b, parts.tensors, offload, parts.closure(b))
         if extra > best:
             best, node, how = extra, b, f"recomputation after {graph.names[b]!r}'s first computation"
         if math.isinf(best):

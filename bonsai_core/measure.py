@@ -56,7 +56,10 @@ class LiveBytes(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
+        wrappers = _distributed_wrappers()
         for t in tensors_in(out):
+            if isinstance(t, wrappers):  # a pending collective's wrapper (``_wrap_tensor_autograd``'s): its
+                continue  # storage has no bytes; the tensor it wraps was counted where it was made
             st = t.untyped_storage()
             key = st._cdata
             if key in inputs or key in self._sizes or st.device.type == "meta":

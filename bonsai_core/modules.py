@@ -212,8 +212,6 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
     Packed sequences there take the batch sizes :func:`bonsai_core.packed.known_batch_sizes` holds.
     With ``backward`` (``model`` on fake tensors: its gradients are put back as they were), also
     ``loss.backward()``: its ops and when autograd's engine drops each storage (``RecordedStep.backward_ops``)."""
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
     from bonsai_core.ctc import register_ctc_shapes
     from bonsai_core.packed import PackedSequences
 
@@ -237,7 +235,11 @@ def record_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Cal
             arguments.append(recorder.made_first(tensors_in((args, kwargs))))
 
     arguments: list[tuple[tuple[int, ...], ...]] = []
-    hooks = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, with_kwargs=True)]
+    # a call's range is its forward alone, as torch.utils.checkpoint wraps it: the module's own pre-hooks
+    # (tensor parallel's input all-gather, FSDP's) run before it and its own post-hooks after, outside the
+    # checkpoint, so SAC's count of the ops inside does not see theirs
+    hooks = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre),
+                                                   m.register_forward_hook(post, with_kwargs=True, prepend=True))]
     grads = {p: p.grad for p in model.parameters()}
     n_forward = None
     try:

@@ -74,6 +74,8 @@ class Schedule:
     extra: dict[str, Any] = field(default_factory=dict)
     device: str | None = None
     host_budget: int | None = None
+    # what simulated() found, with what it simulated: (graph hash, ops, device, host_budget, SimResult)
+    simulation: tuple | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         d = {"format": FORMAT, "version": VERSION, "graph": self.graph, "graph_hash": self.graph_hash,
@@ -308,6 +310,21 @@ def timing_of(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> C
     if all(kind == COMPUTE or kind == FREE for kind, _ in ops):
         return NO_COPIES
     return copy_timing(graph, ops, host_link(schedule)[0])
+
+
+def simulated(graph: Graph, schedule: Schedule) -> SimResult:
+    """:func:`simulate`, once per schedule: a solve's checks (the method's own, ``solvers.solve``'s, the
+    explorer's) then share one simulation (on the largest steps each takes a good part of a second). The
+    result is kept on the schedule with the graph's hash, the ops (compared by content) and the settings
+    rule 9 reads; a schedule changed since is simulated again."""
+    _made_for(graph, schedule)
+    ops = tuple(schedule.ops)
+    kept = schedule.simulation
+    if kept is not None and kept[:4] == (graph.hash, ops, schedule.device, schedule.host_budget):
+        return kept[4]
+    sim = simulate(graph, schedule)
+    schedule.simulation = (graph.hash, ops, schedule.device, schedule.host_budget, sim)
+    return sim
 
 
 def simulate(graph: Graph, schedule: Schedule | Sequence[tuple[str, int]]) -> SimResult:

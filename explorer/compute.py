@@ -24,7 +24,7 @@ from bonsai_core import solvers
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, RegionBound, region_peak_bound
-from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate
+from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate, simulated
 from explorer import disk
 
 GRAPH_HASH = {Graph: lambda g: g.hash}
@@ -402,7 +402,7 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
             schedule = solvers.solve_reserved(graph, budget, method, policy=reserved, **run)
         else:
             schedule = solvers.solve(graph, budget, method, **run)
-        sim = simulate(graph, schedule)
+        sim = simulated(graph, schedule)  # solvers.solve's
     except BonsaiError as e:
         outcome = Outcome(method, budget, options, error=str(e), wall_seconds=time.perf_counter() - start,
                           reserved=reserved)
@@ -500,15 +500,23 @@ def replay(graph: Graph, outcome: Outcome) -> Any:
     """The allocator model's replay of a solved schedule (live, reserved, fragmentation), None for a
     failed solve, or the error message. A plan solved for reserved bytes is replayed as it was bounded
     (its allocator, the fixed tensors outside the pool: ``solvers.solve_reserved``); any other in the
-    full arena of PyTorch's caching allocator (``bonsai_core.allocator``'s module docstring)."""
+    full arena of PyTorch's caching allocator (``bonsai_core.allocator``'s module docstring). Kept on disk
+    beside the plan (:func:`explorer.disk.save_replay`): a new server reads it instead of replaying."""
     from bonsai_core.allocator import replay_as_solved
 
     if outcome.schedule is None:
         return None
+    settings = (graph.hash, outcome.method, with_defaults(outcome.method, outcome.options), outcome.reserved,
+                outcome.budget)
+    kept = disk.load_replay(*settings, outcome.schedule)
+    if kept is not None:
+        return kept
     try:
-        return replay_as_solved(graph, outcome.schedule)
+        result = replay_as_solved(graph, outcome.schedule)
     except BonsaiError as e:
         return str(e)
+    disk.save_replay(*settings, outcome.schedule, result)
+    return result
 
 
 # -- the same plan, compiled -------------------------------------------------------------------------

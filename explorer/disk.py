@@ -5,21 +5,27 @@ The folder is ``$BONSAI_EXPLORER_CACHE``, else ``$XDG_CACHE_HOME/bonsai/explorer
 ``~/.cache/bonsai/explorer``. A plan is kept under the graph's content hash, the method, its options,
 the bound (live or reserved) and the budget, and under a digest of bonsai_core's sources: any change to
 the solvers or the simulator starts a new store, so a kept plan is always what this code would solve.
-Kept plans are simulated again when they are read (every schedule shown is validated); nothing here
-imports Streamlit.
+Kept plans are simulated again when they are read (every schedule shown is validated). Beside a plan,
+its allocator replay (what the Memory page draws; a second or two on the largest steps) is kept too, with
+a digest of the plan it replays, so that a drag in a new server reads both. Nothing here imports Streamlit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import hashlib
+import io
 import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from bonsai_core.allocator.replaying import AllocResult
 from bonsai_core.errors import BonsaiError, ModelError
 from bonsai_core.schedule import Schedule
 
@@ -111,4 +117,50 @@ def load_plan(graph_hash: str, method: str, options: tuple, reserved: str | None
             return Schedule.from_dict(record["schedule"]), None, float(record.get("seconds", 0.0))
         return None, str(record["error"]), float(record.get("seconds", 0.0))
     except (OSError, ValueError, EOFError, KeyError, BonsaiError):  # absent, or not a file this wrote
+        return None
+
+
+# -- allocator replays, beside their plans -----------------------------------------------------------
+
+REPLAY_ARRAYS = ("live", "reserved", "largest_free")  # AllocResult's per-op arrays; the rest are scalars
+
+
+def plan_digest(schedule: Schedule) -> str:
+    """A digest of the whole plan document (ops, device, stats): a replay kept for another plan is not read."""
+    return hashlib.sha256(json.dumps(schedule.to_dict(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _replay_path(graph_hash: str, method: str, options: tuple, reserved: str | None, budget: int | None) -> Path:
+    plan = _plan_path(graph_hash, method, options, reserved, budget)
+    return plan.with_name(plan.name.removesuffix(".json.gz") + ".replay.npz")
+
+
+def save_replay(graph_hash: str, method: str, options: tuple, reserved: str | None, budget: int | None,
+                schedule: Schedule, result: AllocResult) -> None:
+    """Keep ``result``, the allocator replay of ``schedule``, beside the plan of these settings."""
+    scalars = {f.name: _plain(getattr(result, f.name)) for f in dataclasses.fields(result) if f.name not in REPLAY_ARRAYS}
+    out = io.BytesIO()
+    np.savez_compressed(out, **{name: getattr(result, name) for name in REPLAY_ARRAYS},
+                        about=np.array(json.dumps({"plan": plan_digest(schedule), **scalars})))
+    try:
+        _write(_replay_path(graph_hash, method, options, reserved, budget), out.getvalue())
+    except OSError:  # a full or read-only disk: the replay is still cached in memory
+        pass
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def load_replay(graph_hash: str, method: str, options: tuple, reserved: str | None, budget: int | None,
+                schedule: Schedule) -> AllocResult | None:
+    """The kept allocator replay of ``schedule`` (these settings' plan), None when none is kept for this very
+    plan (or it cannot be read)."""
+    try:
+        with np.load(_replay_path(graph_hash, method, options, reserved, budget), allow_pickle=False) as kept:
+            about = json.loads(str(kept["about"]))
+            if about.pop("plan") != plan_digest(schedule):
+                return None
+            return AllocResult(**{name: np.asarray(kept[name]) for name in REPLAY_ARRAYS}, **about)
+    except (OSError, ValueError, KeyError, TypeError, EOFError):  # absent, or not a file this wrote
         return None

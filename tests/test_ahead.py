@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import streamlit as st
 
@@ -189,6 +190,29 @@ def test_a_solve_is_kept_on_disk_and_read_back_simulated_by_a_new_server(monkeyp
     assert again.kept and again.schedule.ops == first.schedule.ops and again.sim.peak == first.sim.peak
     assert compute.solve(GRAPH, ahead.budget_at(5, REFERENCE), "chen", ()).error == unmet.error
     assert compute.kept(GRAPH, budget, "chen", ()) and not compute.kept(GRAPH, budget + 1, "chen", ())
+    st.cache_resource.clear()
+
+
+def test_a_replay_is_kept_beside_its_plan_and_read_back_for_that_plan_only(monkeypatch, tmp_path):
+    monkeypatch.setenv("BONSAI_EXPLORER_CACHE", str(tmp_path))
+    st.cache_resource.clear()
+    budget = ahead.budget_at(80, REFERENCE)
+    first = compute.solve(GRAPH, budget, "chen", ())
+    replayed = compute.replay(GRAPH, first)
+    st.cache_resource.clear()  # a new server: only the disk is left
+    from bonsai_core import allocator
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("replayed again")
+
+    monkeypatch.setattr(allocator, "replay_as_solved", no_replay)
+    again = compute.solve(GRAPH, budget, "chen", ())
+    read = compute.replay(GRAPH, again)
+    for name in disk.REPLAY_ARRAYS:
+        assert np.array_equal(getattr(read, name), getattr(replayed, name))
+    assert read.stats() == replayed.stats()
+    other = dataclasses.replace(again.schedule, ops=again.schedule.ops[:-1])  # another plan: not this replay
+    assert disk.load_replay(GRAPH.hash, "chen", compute.with_defaults("chen", ()), None, budget, other) is None
     st.cache_resource.clear()
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from bonsai_core.bound import Tensors, closure_at, lagrangian, lower_bound, spine, unsharded_at, _Lp
+from bonsai_core.bound import BoundParts, Tensors, closure_at, lagrangian, lower_bound, spine, unsharded_at, _Lp
 from bonsai_core.errors import BonsaiError
 from bonsai_core.fsdp import working_profile
 from bonsai_core.graph import Graph
@@ -136,6 +136,22 @@ def test_no_method_computes_less_than_the_bound(g, share):
         except BonsaiError:
             continue
         assert found.stats["compute_cost"] >= bound.cost * (1 - 1e-9), (method, bound)
+
+
+@SETTINGS
+@given(graphs(max_nodes=12), st.lists(st.floats(0.0, 1.0), min_size=1, max_size=4), st.booleans())
+def test_the_parts_kept_across_budgets_give_each_budget_its_own_bound(g, shares, offload):
+    parts = BoundParts(g, offload=offload)  # built once, then reused at every budget, in any order
+    for share in shares:
+        budget = int(g.peak_lower_bound + share * (no_remat_peak(g) - g.peak_lower_bound))
+        kept, fresh = lower_bound(g, budget, offload=offload, parts=parts), lower_bound(g, budget, offload=offload)
+        assert (kept.cost, kept.node, kept.how) == (fresh.cost, fresh.node, fresh.how)
+
+
+def test_parts_of_another_setting_are_refused():
+    g = chain(4, mem=10)
+    with pytest.raises(ValueError, match="another graph or offload"):
+        lower_bound(g, no_remat_peak(g), offload=True, parts=BoundParts(g))
 
 
 def test_no_schedule_fits_below_the_per_op_bound():

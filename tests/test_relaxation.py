@@ -12,8 +12,10 @@ from bonsai_core.graph import load_graph
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.solvers import bonsai
 from bonsai_core.solvers.milp import solve_milp
-from bonsai_core.solvers.relaxation import relaxation_of, round_relaxation
-from bonsai_core.solvers.sparse_milp import from_cvxpy, relative_gap, satisfies
+from bonsai_core.solvers import relaxation
+from bonsai_core.solvers.milp import MilpOutcome
+from bonsai_core.solvers.relaxation import relaxation_of, round_relaxation, solve_from
+from bonsai_core.solvers.sparse_milp import SparseOutcome, from_cvxpy, relative_gap, satisfies
 
 GPT = Path(__file__).resolve().parent.parent / "assets" / "gpt-default.json"
 
@@ -55,3 +57,33 @@ def test_a_bonsai_solve_says_its_gap_and_stays_within_the_gap_asked():
     schedule = bonsai.solve_bonsai(graph, int(0.55 * no_remat_peak(graph)), space="regions", reuse=False)
     assert schedule.stats["gap"] is not None and schedule.stats["gap"] <= bonsai.DEFAULT_GAP
     assert np.isfinite(schedule.stats["objective"])
+
+
+def _rounded_at(share: float):
+    graph = load_graph(GPT)
+    built = bonsai.build(graph)
+    built.budget.value = int(share * no_remat_peak(graph)) / built.unit
+    milp = from_cvxpy(built.problem).milp
+    kept = relaxation_of(milp)
+    outcome, values, bound = round_relaxation(milp, kept, None, 1e-9)
+    assert relative_gap(outcome.objective, bound) > 1e-6  # the rounding alone proves no optimum here
+    return built, milp, kept, values, bound
+
+
+def test_the_full_milp_from_the_rounding_reaches_the_optimum():
+    built, milp, kept, values, bound = _rounded_at(0.7)
+    outcome, found = solve_from(milp, kept, values, bound, None, gap=1e-6)
+    assert satisfies(milp, found) and outcome.objective == pytest.approx(float(milp.cost @ found))
+    assert outcome.objective <= float(milp.cost @ values) + 1e-12  # never worse than its start
+    assert outcome.objective == pytest.approx(solve_milp(built.problem, gap=1e-6).objective, rel=1e-5)
+
+
+def test_a_backend_answer_it_cannot_account_for_is_no_proof(monkeypatch):
+    """The backend claims objective 0, optimal, for the start it hands back (as HiGHS given a start did on
+    test_bonsai's viewed2), with a bound that would prove the start optimal: that bound is not trusted,
+    and with time left the answer is refused."""
+    built, milp, kept, values, bound = _rounded_at(0.7)
+    monkeypatch.setattr(relaxation, "solve_sparse_milp", lambda milp, backend, start, **kw: SparseOutcome(
+        MilpOutcome("optimal", 0.0, 0.0, 0.0, len(milp.cost), milp.matrix.shape[0]), start, float(milp.cost @ start),
+        "claimed"))
+    assert solve_from(milp, kept, values, bound, None, gap=1e-6) is None

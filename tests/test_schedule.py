@@ -169,3 +169,19 @@ def test_a_separated_output_is_taken_again_only_from_a_new_run_of_its_op():
     twice, once = schedule_ops(g, [0, 1, 2, 3, 2, 4]), schedule_ops(g, [0, 1, 2, 3, 4])
     assert [op for op in twice if op[0] == "compute"] == [op for op in once if op[0] == "compute"]
     assert simulate(g, twice).peak == simulate(g, once).peak
+
+
+def test_simulated_shares_one_simulation_until_the_schedule_changes():
+    g = chain(4, mem=10, fixed_mem=100)
+    s = none_schedule(g)
+    first = schedule.simulated(g, s)
+    assert schedule.simulated(g, s) is first  # kept on the schedule
+    assert first.peak == simulate(g, s).peak
+    s.ops = [op for op in s.ops if op != ("free", 7)] + [("free", 7)]  # b0 freed last: another schedule
+    again = schedule.simulated(g, s)
+    assert again is not first and again.peak == simulate(g, s).peak
+    s.ops[-1] = ("compute", 0)  # changed in place: the ops are compared by content, not by the list
+    assert schedule.simulated(g, s).recomputes == 1
+    other = chain(5, mem=10, fixed_mem=100)
+    with pytest.raises(ScheduleError):  # another graph's check, not this one's result
+        schedule.simulated(other, none_schedule(g))

@@ -533,8 +533,8 @@ def _held_to_stop(ops: list[tuple[str, int]], runs: list[tuple[int, int, set[int
 def realised_ops(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_by_backward: np.ndarray,
                  arguments: list[Collection[int]] = ()) -> list[tuple[str, int]]:
     """The simulator's ops of what the checkpoints really run: :func:`realised_sequence`, each copy freed
-    after its last reader, except each unit's inputs (forward nodes outside it that its nodes read, the
-    unit call's tensor ``arguments`` its ops may not read, and their bases): ``torch.utils.checkpoint``
+    after its last reader, except each unit's inputs (forward nodes outside it that its nodes read, not
+    only hold; the unit call's tensor ``arguments`` its ops may not read; their bases): ``torch.utils.checkpoint``
     keeps the arguments of a checkpointed call for its recomputation until the last backward node that
     saved a tensor inside the call has run (its saved tensors' unpack hooks hold the call's frame), so
     they are freed right after the last backward node that reads a node of the unit or one of its
@@ -545,8 +545,10 @@ def realised_ops(graph: Graph, units: list[tuple[np.ndarray, np.ndarray]], read_
     backward = np.flatnonzero(~graph.is_forward)
     for k, (nodes, _) in enumerate(units):
         inside = set(nodes.tolist())
+        # a dep the unit's op only holds (the frame of a module call holding its caller's argument, as the
+        # attention call holds the norm's output that its input hook all-gathered) is no input of the unit
         inputs = graph.with_view_bases({int(d) for v in inside for d in graph.deps(v).tolist()
-                                        if d not in inside and graph.is_forward[d]})
+                                        if d not in inside and graph.is_forward[d] and d not in graph.held[v]})
         readers = [int(b) for b in backward if inside.union(inputs) & set(graph.deps(b).tolist())]
         inputs |= graph.with_view_bases({int(u) for u in (arguments[k] if k < len(arguments) else ()) if int(u) not in inside})
         if readers:

@@ -26,7 +26,7 @@ from typing import Any, Callable, NamedTuple
 
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import Schedule, simulate
+from bonsai_core.schedule import Schedule, simulate, simulated
 from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.units import format_bytes
 
@@ -230,7 +230,7 @@ def solve(graph: Graph, budget: int | None, method: str = DEFAULT_METHOD, **opti
                if budget <= 100 else ""))
     start = time.perf_counter()
     schedule = solver(graph, budget, **options)
-    sim = simulate(graph, schedule)
+    sim = simulated(graph, schedule)  # the method's own check's, when it simulated this plan
     if (graph.parallel or {}).get("pipeline") and budget is not None and not sim.feasible(budget):
         schedule, sim = _within_pipeline(graph, budget, solver, schedule, sim, options)
     elif graph.fsdp is not None and budget is not None and not sim.feasible(budget):

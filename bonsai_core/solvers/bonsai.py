@@ -53,12 +53,12 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from bonsai_core.bound import LowerBound, Tensors, lower_bound
+from bonsai_core.bound import BoundParts, LowerBound, Tensors, lower_bound
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import (CheckpointPlan, block_plans, checkpoint_sequence, forward_positions, plan_schedule,
                                  region_peak_bound, useful_saved)
-from bonsai_core.schedule import Schedule, simulate
+from bonsai_core.schedule import Schedule, simulate, simulated
 from bonsai_core.segment import default_granularity, op_count, segment
 from bonsai_core.solvers.bonsai_coef import (PlainProfile, density_levels, plain_profile, saved_positions,
                                              self_contained)
@@ -67,7 +67,7 @@ from bonsai_core.solvers.bonsai_ops import OpsOutcome, plan_ops
 from bonsai_core.solvers.deadline import Deadline, OutOfTime
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, problem_size, solve_milp
 from bonsai_core.solvers.sparse_milp import from_cvxpy, satisfies, solve_sparse_milp
-from bonsai_core.solvers.relaxation import relaxation_of, round_relaxation, same_structure
+from bonsai_core.solvers.relaxation import relaxation_of, round_relaxation, same_structure, solve_from
 from bonsai_core.units import format_bytes
 
 _CACHE_SIZE = 32  # entries: per graph its plain profile, its fallback plans, one model per rung tried, its solved plans
@@ -327,7 +327,7 @@ def _search(graph: Graph, budget: int | None, space: Space, time_limit: float | 
             raise
         return _with_bound(ops.schedule, bound, ["ops", "regions"], ops.sim.compute_cost)
     searched = ["regions"] if space == "regions" else ["ops", "regions"]
-    sim = simulate(graph, schedule)
+    sim = simulated(graph, schedule)
     if ops is not None and ops.sim.compute_cost < sim.compute_cost:
         ops.schedule.stats["regions_overhead"] = sim.overhead
         return _with_bound(ops.schedule, bound, searched, ops.sim.compute_cost)
@@ -392,9 +392,11 @@ def _copy(schedule: Schedule, **stats: Any) -> Schedule:
 
 def _bound(graph: Graph, budget: int, offload: bool) -> LowerBound:
     """The lower bound at ``budget`` (:func:`bonsai_core.bound.lower_bound`; with host copies when
-    ``offload``), cached per graph and budget."""
+    ``offload``), cached per graph and budget; what it builds whatever the budget, once per graph."""
+    parts = lambda: _cached((graph.hash, ("bound parts", offload)),  # noqa: E731
+                            lambda: BoundParts(graph, _tensors(graph), offload))
     return _cached((graph.hash, ("bound", int(budget), offload)),
-                   lambda: lower_bound(graph, int(budget), offload=offload, tensors=_tensors(graph)))
+                   lambda: lower_bound(graph, int(budget), offload=offload, parts=parts()))
 
 
 def _tensors(graph: Graph) -> Tensors:
@@ -497,14 +499,14 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
         return _fallen_back(graph, fallback, tried, clock, built, regions, times)
     schedule, outcome = found.schedule, found.outcome
     with times("validate"):
-        sim = simulate(graph, schedule)
+        sim = simulated(graph, schedule)
     model_peak, ilp_peak = built.predicted_peak(found.rec, found.off), sim.peak
     source = "ilp"
     with times("fallback"):
         fallback = fallbacks.best(graph, target, below=sim.compute_cost * (1 - 1e-9), clock=clock)
         if fallback is not None:
             schedule, source = plan_schedule(graph, fallback[3], "bonsai"), "fallback"
-            sim = simulate(graph, schedule)
+            sim = simulated(graph, schedule)
     schedule.stats = {
         **outcome.stats(), **times.stats(), "milp_seconds": outcome.solve_seconds, "build_seconds": built.build_seconds,
         "cached": cached, "backend": backend, "granularity": built.seg.granularity,
@@ -601,7 +603,7 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
             rec = np.round(built.rec.value)
             off = np.round(built.off.value) if built.off is not None else None
             schedule = plan_schedule(graph, useful_saved(graph, built.plan(rec, off)), "bonsai")
-            sim = simulate(graph, schedule)
+            sim = simulated(graph, schedule)
             peak = sim.peak
         if peak <= target:
             outcome = MilpOutcome(outcome.status, outcome.objective, outcome.gap, seconds, outcome.variables,
@@ -619,9 +621,10 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
 
 
 def _rounded(built: BuiltModel, backend: str, time_limit: float | None, gap: float) -> MilpOutcome | None:
-    """The model's plan from its LP relaxation's rounding when that proves it within ``gap``
-    (:mod:`bonsai_core.solvers.relaxation`; the relaxation is kept on ``built`` and re-solved from its last
-    basis at each budget), its variables' values set as CVXPY's own solve sets them; None: solve the MILP.
+    """The model's plan from its LP relaxation's rounding when that proves it within ``gap``, else from the
+    full MILP solved with that plan as its start (:mod:`bonsai_core.solvers.relaxation`; the relaxation is
+    kept on ``built`` and re-solved from its last basis at each budget), its variables' values set as CVXPY's
+    own solve sets them; None: solve the MILP from scratch.
     HiGHS only, and not with offload columns (their solve starts from the plan without offload)."""
     if backend != "highs" or built.off is not None:
         return None
@@ -629,12 +632,17 @@ def _rounded(built: BuiltModel, backend: str, time_limit: float | None, gap: flo
     if built.relaxation is None or not same_structure(built.relaxation, canonical.milp):
         built.relaxation = relaxation_of(canonical.milp)
     offset = _objective_offset(built.problem)
+    clock = Deadline(time_limit)
     found = round_relaxation(canonical.milp, built.relaxation, time_limit, gap, offset)
     if found is None:
         return None
-    outcome, values, _ = found
-    if outcome.gap is not None and outcome.gap > gap:  # not proven close enough: the MILP decides
-        return None
+    outcome, values, lp_bound = found
+    if outcome.gap is not None and outcome.gap > gap:  # not proven close enough: the MILP decides, from this plan
+        whole = solve_from(canonical.milp, built.relaxation, values, lp_bound, clock.remaining(), gap, offset)
+        if whole is None:
+            return None
+        rounding_seconds, (outcome, values) = outcome.solve_seconds, whole
+        outcome = dataclasses.replace(outcome, solve_seconds=outcome.solve_seconds + rounding_seconds)
     values = np.where(canonical.milp.integer, np.round(values), values)
     for variable in built.problem.variables():
         variable.save_value(canonical.value_of(values, variable))

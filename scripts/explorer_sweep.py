@@ -1,0 +1,80 @@
+"""The explorer's whole-slider sweep of one graph, in-process, timed position by position (issue 57).
+
+    BONSAI_EXPLORER_CACHE=$(mktemp -d) python scripts/explorer_sweep.py GRAPH.json [--profile OUT]
+
+As a session starts it (:mod:`explorer.ahead`): bonsai's solve at 70% with the sidebar's default time limit,
+then every other slider position in the sweep's order, here in this thread rather than the server's
+background one; then the pages' work the sweep puts off (FSDP replays, bonsai's reach), timed apart; then
+each position asked again as a drag asks it, its slowest answers printed. An empty cache folder measures a
+first sweep (a folder already holding the plans measures a reopened model). ``--profile`` writes cProfile's
+statistics of the sweep and prints the 40 costliest calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+from bonsai_core.graph import load_graph
+from bonsai_core.schedule import no_remat_peak
+from explorer import ahead, compute
+from explorer.state import DEFAULT_TIME_LIMIT
+
+FIRST = 70  # % of the no-remat peak: where the session's own solve is
+
+
+def sweep_in_this_thread(sweep: ahead.Sweep) -> tuple[dict[int, float], list[float]]:
+    """Run the sweep's work as the worker thread would: (seconds per position, seconds per put-off job)."""
+    positions: dict[int, float] = {}
+    later: list[float] = []
+    while (found := ahead._next()) is not None:
+        _, p = found
+        start = time.perf_counter()
+        if callable(p):
+            p()
+            later.append(time.perf_counter() - start)
+            continue
+        ahead._solve(sweep, p)
+        positions[p] = time.perf_counter() - start
+        print(f"  {p}%: {positions[p]:.2f} s, ok={sweep.solved.get(p)}, answered {sweep.known}", flush=True)
+    return positions, later
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("graph")
+    ap.add_argument("--profile", default=None, help="write cProfile's statistics of the sweep here")
+    args = ap.parse_args()
+    graph = load_graph(args.graph)
+    reference = no_remat_peak(graph)
+    options = (("time_limit", DEFAULT_TIME_LIMIT),)
+    start = time.perf_counter()
+    first = compute.solve(graph, ahead.budget_at(FIRST, reference), "bonsai", options)
+    print(f"{graph.n} ops; first solve at {FIRST}%: {time.perf_counter() - start:.1f} s", flush=True)
+    ahead._wake = lambda: None  # no background thread: this one does the work
+    ahead.start(graph, first, reference, FIRST)
+    sweep = ahead.find(graph, "bonsai", options, None, FIRST)[0]
+    profile = cProfile.Profile() if args.profile else None
+    if profile:
+        profile.enable()
+    _, later = sweep_in_this_thread(sweep)
+    if profile:
+        profile.disable()
+    print(f"every position answered after {sweep.seconds:.1f} s ({len(sweep.solved)} solved, {len(sweep.derived)} "
+          f"below a failed one); the put-off work {sum(later):.1f} s more", flush=True)
+    asked = []
+    for p in ahead.SLIDER:
+        begun = time.perf_counter()
+        budget = ahead.budget_at(p, reference)
+        ahead.answer(graph, "bonsai", options, None, p) or compute.solve(graph, budget, "bonsai", options)
+        asked.append((time.perf_counter() - begun, p))
+    print("after the sweep, the slowest answers (s, %):", [(round(s, 3), p) for s, p in sorted(asked)[-3:]])
+    if profile:
+        profile.dump_stats(args.profile)
+        pstats.Stats(args.profile).sort_stats("cumulative").print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
