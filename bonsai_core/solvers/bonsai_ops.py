@@ -104,29 +104,13 @@ def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[in
     once, in one window (``h``, no compute) (:func:`_host_rows`)."""
     g = tensors.graph
     n = g.n
-    rows_r, rows_c, rows_v, lower, upper = [], [], [], [], []
-    cost_parts, starts, counts, forced = [], [], [], []
-    column = 0
+    rows_r, rows_c, rows_v, lower, upper, forced = [], [], [], [], [], []
+    starts, counts, host_starts, host_counts, offload_start, cost_parts = _columns(tensors, points, host)
+    column = sum(len(c) for c in cost_parts)
 
     def add(r: np.ndarray, c: np.ndarray, v: np.ndarray) -> None:
         rows_r.append(r), rows_c.append(c), rows_v.append(v)
 
-    for k, t in enumerate(points):
-        vs = tensors.storages[tensors.storages < t]
-        m = len(vs)
-        starts.append(column), counts.append(m)
-        cost_parts += [np.zeros(m), g.cost[vs]]
-        column += 2 * m
-    host_starts, host_counts, offload_start = [], [], -1
-    if host is not None:
-        for t in points:
-            host_starts.append(column), host_counts.append(int(np.searchsorted(host.candidates, t)))
-            cost_parts.append(np.zeros(host_counts[-1]))
-            column += host_counts[-1]
-        offload_start = column
-        offloads = host.candidates[:host_counts[-1]] if points else host.candidates[:0]
-        cost_parts.append(OFFLOAD_PRICE * 2 * g.mem[offloads] / host.bytes_per_s)
-        column += len(offloads)
     col_of = lambda k, v, kind: starts[k] + kind * counts[k] + np.searchsorted(  # noqa: E731
         tensors.storages[tensors.storages < points[k]], v)
 
@@ -192,6 +176,30 @@ def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[in
                       np.ones(column, dtype=bool))
     return PointModel(tuple(points), milp, tuple(starts), tuple(counts), tuple(host_starts), tuple(host_counts),
                       offload_start)
+
+
+def _columns(tensors: Tensors, points: tuple[int, ...], host: HostLink | None
+             ) -> tuple[list[int], list[int], list[int], list[int], int, list[np.ndarray]]:
+    """The point MILP's column layout: per point, the first column and count of its p columns (its z
+    columns follow), then with ``host`` per point the first h column and count, and the o columns' start;
+    and the objective's parts in column order (z priced at compute cost, o at :data:`OFFLOAD_PRICE`)."""
+    g = tensors.graph
+    starts, counts, cost_parts, column = [], [], [], 0
+    for t in points:
+        vs = tensors.storages[tensors.storages < t]
+        starts.append(column), counts.append(len(vs))
+        cost_parts += [np.zeros(len(vs)), g.cost[vs]]
+        column += 2 * len(vs)
+    host_starts, host_counts, offload_start = [], [], -1
+    if host is not None:
+        for t in points:
+            host_starts.append(column), host_counts.append(int(np.searchsorted(host.candidates, t)))
+            cost_parts.append(np.zeros(host_counts[-1]))
+            column += host_counts[-1]
+        offload_start = column
+        offloads = host.candidates[:host_counts[-1]] if points else host.candidates[:0]
+        cost_parts.append(OFFLOAD_PRICE * 2 * g.mem[offloads] / host.bytes_per_s)
+    return starts, counts, host_starts, host_counts, offload_start, cost_parts
 
 
 def _host_rows(tensors: Tensors, host: HostLink, points: tuple[int, ...], host_starts: list[int],
