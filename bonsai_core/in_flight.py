@@ -49,17 +49,30 @@ def working(graph: Any, ops: Sequence[tuple[str, int]], residency: Any) -> np.nd
 
 def _segments(graph: Any, ops: Sequence[tuple[str, int]], stage_of: np.ndarray) -> np.ndarray:
     """int64[len(ops)]: each op's stage and phase, ``2 stage + 1`` in the backward: a compute's node's stage,
-    backward from the stage's first backward compute on (a forward node recomputed there runs in the
-    backward); any other op that of the compute before it (the first compute's before it)."""
+    backward from the stage's first backward compute on, or earlier from the first compute after the stage's
+    forward computed its last node for the first time (a checkpoint rebuilding what the first backward node
+    reads runs in the backward action, before that node); any other op that of the compute before it (the
+    first compute's before it)."""
+    stages = int(stage_of.max()) + 1 if len(stage_of) else 1
+    forward_ends = np.full(stages, -1, dtype=np.int64)  # each stage's last first-time forward compute
+    first_backward = np.full(stages, len(ops), dtype=np.int64)
+    computed = np.zeros(graph.n, dtype=bool)
+    for i, (kind, v) in enumerate(ops):
+        if kind != "compute":
+            continue
+        k = int(stage_of[v])
+        if not graph.is_forward[v]:
+            first_backward[k] = min(first_backward[k], i)
+        elif not computed[v] and i < first_backward[k]:
+            forward_ends[k] = i
+        computed[v] = True
+    starts = np.minimum(first_backward, forward_ends + 1)
     out = np.zeros(len(ops), dtype=np.int64)
-    backward: set[int] = set()
     current = -1
     for i, (kind, v) in enumerate(ops):
         if kind == "compute":
             k = int(stage_of[v])
-            if not graph.is_forward[v]:
-                backward.add(k)
-            current = 2 * k + (k in backward)
+            current = 2 * k + (i >= starts[k])
         out[i] = current
     first = next((i for i, s in enumerate(out) if s >= 0), len(out))
     out[:first] = out[first] if first < len(out) else 0

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bonsai_core.bench import fsdp
+from bonsai_core.errors import BonsaiError
 from bonsai_core.parallel import Layout, cp_inputs, family, layout_of, meshes, parallelize, step_context, with_batch
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.units import format_bytes
@@ -119,7 +120,8 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
     off by ``pipeline_module_split`` (each with ``made``, a plan for the rank, applied where it has the paths,
     then tensor parallel and FSDP as :func:`sharded`), torch's schedule (``scale_grads=False``) stepping the local
     batch in ``layout.microbatches`` microbatches: a first step (receive buffers, gradients allocated), then one
-    measured under :class:`bonsai_core.measure.LiveBytes` plus FSDP's resized storages."""
+    measured under :class:`bonsai_core.measure.LiveBytes` plus FSDP's resized storages; and each parameter's
+    gradient after it (:func:`gradient_norms`)."""
     import torch
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining.schedules import get_schedule_class
@@ -170,10 +172,23 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
         with tracker:
             step()
     # the loss is the last stage's (the microbatches' losses added up); no other stage has one
-    return {"fixed": fixed, "peak": fixed + tracker.peak, "loss": float(sum(losses)) if last else None}
+    return {"fixed": fixed, "peak": fixed + tracker.peak, "loss": float(sum(losses)) if last else None,
+            "grads": gradient_norms(parts)}
 
 
-def _worker(rank: int, world: int, folder: str, model: str, options: dict, layout: dict, budget: str | None) -> None:
+def gradient_norms(parts: list) -> dict[str, float]:
+    """Each parameter's gradient (this rank's shard), as its sum of squares: what two runs compare."""
+    out = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            if p.grad is not None:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                out[name] = float(grad.double().pow(2).sum())
+    return out
+
+
+def _worker(rank: int, world: int, folder: str, model: str, options: dict, layout: dict, budget: str | None,
+            saves: dict | None = None) -> None:
     import torch.distributed as dist
 
     from bonsai_core import models
@@ -183,14 +198,19 @@ def _worker(rank: int, world: int, folder: str, model: str, options: dict, layou
         net, inputs, loss_fn = models.build(model, seed=0, **options)
         spec = with_batch(Layout(**layout), *inputs[0].shape[:2])
         out: dict[str, Any] = {}
+        made = None
         if budget:
             made = one_call_plan(net, inputs, loss_fn, spec, budget)
             if spec.pp == 1:  # a pipeline rank's plan goes on each of its stages' model parts
                 made.apply(net)
             out["predicted"] = made.report.predicted_peak
+        elif saves is not None:  # one block plan on every block of each stage (bonsai_core.stage_plan)
+            from bonsai_core.stage_plan import BlockPlan
+
+            made = BlockPlan(saves)
         dims = meshes(net, spec)
         if spec.pp > 1:
-            out.update(pipeline_step_peak(net, inputs, loss_fn, spec, dims, made if budget else None))
+            out.update(pipeline_step_peak(net, inputs, loss_fn, spec, dims, made))
         else:
             parallelize(net, spec, dims)
             sharded(net, spec, dims)
@@ -204,10 +224,16 @@ def _worker(rank: int, world: int, folder: str, model: str, options: dict, layou
         dist.destroy_process_group()
 
 
-def measure(model: str, options: dict, layout: Any, budget: str | None = None, timeout: float = 600) -> list[dict]:
-    """Each rank's fixed bytes and peak over one steady-state step, from ``layout.world`` spawned gloo processes."""
-    return fsdp.spawn_ranks(_worker, layout.world, (model, options, dataclasses.asdict(layout), budget), timeout,
-                            layout.describe())
+def measure(model: str, options: dict, layout: Any, budget: str | None = None, timeout: float = 600,
+            saves: dict | None = None) -> list[dict]:
+    """Each rank's fixed bytes and peak over one steady-state step, from ``layout.world`` spawned gloo processes;
+    with ``budget`` the one call's plan applied, with ``saves`` (a pipeline layout) that block plan on every block
+    (:class:`bonsai_core.stage_plan.BlockPlan`)."""
+    if saves is not None and (layout.pp == 1 or budget):
+        raise BonsaiError(f"{layout.describe()}: a block plan (saves) is applied to a pipeline layout's stages, "
+                          "without a budget's plan; give a pp layout and no budget.")
+    return fsdp.spawn_ranks(_worker, layout.world, (model, options, dataclasses.asdict(layout), budget, saves),
+                            timeout, layout.describe())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
