@@ -1,15 +1,46 @@
 """Simulator rule 11 (docs/DESIGN.md): the microbatches a pipeline rank holds in flight, and FSDP's gradients
-under pipeline parallel, at each op of the one microbatch's schedule. What the rank holds and why:
+under pipeline parallel, at each op of the one microbatch's schedule, and the order of a rank's actions that
+they follow (:func:`actions`). What the rank holds and why:
 :mod:`bonsai_core.pipeline`, which traces the rank and writes the graph's ``parallel.pipeline`` field read here."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import numpy as np
 
 FORWARD, BACKWARD = "F", "B"  # an action's phase in ``parallel.pipeline.actions``
 FREE_OP = "free"  # bonsai_core.schedule.FREE
+STAGES_PER_RANK = {"1f1b": 1, "interleaved-1f1b": 2}  # torchtitan's default without layers_per_stage
+
+
+def actions(layout: Any) -> list[tuple[str, int, int]]:
+    """The rank's compute actions in the order its schedule runs them: (``"F"`` or ``"B"``, the local stage
+    (0 for 1F1B), the microbatch). From torch 2.13's schedules
+    (:mod:`bonsai_core.pipeline`'s module doc)."""
+    m, p, r = layout.microbatches, layout.pp, layout.rank
+    if layout.pp_schedule == "1f1b":  # Schedule1F1B._step_microbatches
+        warmup = min(m, p - r)
+        out = [(FORWARD, 0, j) for j in range(warmup)]
+        forward, backward = warmup, 0
+        while True:
+            out.append((BACKWARD, 0, backward))
+            backward += 1
+            if forward == m:
+                break
+            out.append((FORWARD, 0, forward))
+            forward += 1
+        return out + [(BACKWARD, 0, j) for j in range(backward, m)]
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    local = STAGES_PER_RANK[layout.pp_schedule]
+    rounds = max(1, m // p)
+    state = SimpleNamespace(n_local_stages=local, microbatches_per_round=m // rounds, pp_group_size=p,
+                            _n_microbatches=m)
+    order = ScheduleInterleaved1F1B._calculate_single_rank_operations(state, r)
+    return [(FORWARD if a.computation_type == _ComputationType.FORWARD else BACKWARD, a.stage_index // p,
+             a.microbatch_index) for a in order if a is not None]
 
 
 def working(graph: Any, ops: Sequence[tuple[str, int]], residency: Any) -> np.ndarray | None:

@@ -40,18 +40,16 @@ and :func:`bonsai_core.solvers.solve` solves again under a tighter budget where 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
 
 from bonsai_core.errors import BonsaiError
-from bonsai_core.in_flight import BACKWARD, FORWARD
+from bonsai_core.in_flight import STAGES_PER_RANK, actions
 
 # torchtitan 0.2.2's JobConfig: pipeline_parallel_first_stage_less_layers, ..._last_stage_less_layers
 INPUT_WEIGHT = OUTPUT_WEIGHT = 1
-STAGES_PER_RANK = {"1f1b": 1, "interleaved-1f1b": 2}  # torchtitan's default without layers_per_stage
 TORCH_SCHEDULE = {"1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}  # get_schedule_class's names
 
 
@@ -72,33 +70,6 @@ def stage_modules(layout: Any, n_layers: int) -> list[list[str]]:
 def rank_stages(layout: Any) -> list[int]:
     """The stage indices rank ``layout.rank`` runs, in order (torchtitan's "loop" style)."""
     return [layout.rank + k * layout.pp for k in range(STAGES_PER_RANK[layout.pp_schedule])]
-
-
-def actions(layout: Any) -> list[tuple[str, int, int]]:
-    """The rank's compute actions in the order its schedule runs them: (``"F"`` or ``"B"``, the local stage
-    (0 for 1F1B), the microbatch). From torch 2.13's schedules (module doc)."""
-    m, p, r = layout.microbatches, layout.pp, layout.rank
-    if layout.pp_schedule == "1f1b":  # Schedule1F1B._step_microbatches
-        warmup = min(m, p - r)
-        out = [(FORWARD, 0, j) for j in range(warmup)]
-        forward, backward = warmup, 0
-        while True:
-            out.append((BACKWARD, 0, backward))
-            backward += 1
-            if forward == m:
-                break
-            out.append((FORWARD, 0, forward))
-            forward += 1
-        return out + [(BACKWARD, 0, j) for j in range(backward, m)]
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
-
-    local = STAGES_PER_RANK[layout.pp_schedule]
-    rounds = max(1, m // p)
-    state = SimpleNamespace(n_local_stages=local, microbatches_per_round=m // rounds, pp_group_size=p,
-                            _n_microbatches=m)
-    order = ScheduleInterleaved1F1B._calculate_single_rank_operations(state, r)
-    return [(FORWARD if a.computation_type == _ComputationType.FORWARD else BACKWARD, a.stage_index // p,
-             a.microbatch_index) for a in order if a is not None]
 
 
 # -- a rank's stages traced -------------------------------------------------------------------------------

@@ -496,7 +496,7 @@ def test_a_pipeline_rank_replays_every_microbatch_in_its_schedule_s_order():
     its b0 and for B1. So 5 segments, 60 MiB, where one microbatch's step reserves 3; with expandable
     segments (20-MiB pages) 3 pages against 2."""
     from bonsai_core.parallel import layout_of, with_batch, with_layout
-    from bonsai_core.pipeline import actions
+    from bonsai_core.in_flight import actions
 
     graph = chain(2, mem=12 * MiB)
     layout = with_batch(layout_of(pp=2, rank=0), 2, 64)

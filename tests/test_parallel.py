@@ -186,7 +186,7 @@ def test_tensor_and_fsdp_under_pipeline_parallel_are_predicted_within_2_percent(
 # -- pipeline parallel (bonsai_core.pipeline, the simulator's rule 11) ---------------------------------------
 
 from bonsai_core.in_flight import FORWARD, working  # noqa: E402
-from bonsai_core.pipeline import actions  # noqa: E402
+from bonsai_core.in_flight import actions  # noqa: E402
 from bonsai_core.schedule import none_schedule, simulate  # noqa: E402
 
 PIPE = dict(batch=4, seq=64, layers=4)  # 4 microbatches of one sequence

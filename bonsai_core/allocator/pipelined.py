@@ -398,7 +398,7 @@ def _snapshot_point(graph: Any, last_backward: dict[int, int]) -> int:
     """The action where this run and the run of twice its microbatches part (the next local batch a layout's search
     asks for), and before any stage's last backward: where a prefix is kept."""
     from bonsai_core.parallel import layout_of
-    from bonsai_core.pipeline import actions
+    from bonsai_core.in_flight import actions
 
     pipeline = graph.parallel["pipeline"]
     m = int(pipeline["microbatches"])
