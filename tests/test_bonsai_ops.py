@@ -36,14 +36,19 @@ def gpt():
     return load_graph(ROOT / "assets" / "gpt-default.json")  # `bonsai trace gpt`: 2 layers
 
 
+def random_absent(tensors, rnd):
+    """One to three random points, each with a random half of the storages computed before it left out."""
+    points = sorted(rnd.sample(range(tensors.graph.n), min(tensors.graph.n, rnd.randint(1, 3))))
+    return {t: np.array([v for v in tensors.storages.tolist() if v < t and rnd.random() < 0.5], dtype=np.int64)
+            for t in points}
+
+
 @SETTINGS
 @given(graphs(max_nodes=14), st.randoms(use_true_random=False))
 def test_any_absent_sets_run_as_a_valid_schedule(g, rnd):
     # whatever the points and whatever is left out there, the lazy run rebuilds what is read
     tensors = Tensors(g)
-    points = sorted(rnd.sample(range(g.n), min(g.n, rnd.randint(1, 3))))
-    absent = {t: np.array([v for v in tensors.storages.tolist() if v < t and rnd.random() < 0.5], dtype=np.int64)
-              for t in points}
+    absent = random_absent(tensors, rnd)
     sequence = lazy_sequence(tensors, absent)
     sim = simulate(g, hold_separated_outputs(g, schedule_ops(g, sequence)))
     assert (sim.times_computed >= 1).all()
@@ -65,9 +70,7 @@ def test_an_op_level_plan_fits_and_is_never_below_the_bound(g, share):
 def test_any_absent_and_offloaded_sets_run_as_a_valid_schedule(g, rnd):
     # an offloaded storage left out at a point comes back from the host once, then is rebuilt if needed again
     tensors = Tensors(g)
-    points = sorted(rnd.sample(range(g.n), min(g.n, rnd.randint(1, 3))))
-    absent = {t: np.array([v for v in tensors.storages.tolist() if v < t and rnd.random() < 0.5], dtype=np.int64)
-              for t in points}
+    absent = random_absent(tensors, rnd)
     offloaded = [v for v in np.flatnonzero(offloadable(g)).tolist() if rnd.random() < 0.5]
     sequence, reloads = lazy_run(tensors, absent, None, offloaded)
     ops = with_reloads(g, schedule_ops(g, sequence, reloads), host_link_of(g).bytes_per_s)
