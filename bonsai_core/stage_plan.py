@@ -23,8 +23,8 @@ import itertools
 from typing import Any
 
 from bonsai_core.errors import BudgetError
-from bonsai_core.export_runtime.checkpointing import SAME_OP
-from bonsai_core.graph import Graph, block_stack
+from bonsai_core.export_runtime.checkpointing import SAME_OP, apply_saves
+from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import Schedule, simulate
 from bonsai_core.solvers.torchtitan import MM, full_plan
@@ -53,9 +53,10 @@ def block_calls(graph: Graph) -> dict[str, int]:
     return counts
 
 
-def block_saves_plan(graph: Graph, saves: BlockSaves) -> CheckpointPlan:
-    """Every block of ``graph``'s block stack recomputed, saving in each the calls ``saves`` names."""
-    plan = full_plan(graph)
+def block_saves_plan(graph: Graph, saves: BlockSaves, full: CheckpointPlan | None = None) -> CheckpointPlan:
+    """Every block of ``graph``'s block stack recomputed, saving in each the calls ``saves`` names; ``full``:
+    the graph's :func:`full_plan`, when the caller has it."""
+    plan = full if full is not None else full_plan(graph)
     saved: list[int] = []
     for i in sorted(plan.recomputed):
         seen: dict[str, int] = {}
@@ -68,9 +69,9 @@ def block_saves_plan(graph: Graph, saves: BlockSaves) -> CheckpointPlan:
     return CheckpointPlan.of(plan.segments, sorted(plan.recomputed), saved=saved)
 
 
-def block_saves_schedule(graph: Graph, saves: BlockSaves) -> Schedule:
+def block_saves_schedule(graph: Graph, saves: BlockSaves, full: CheckpointPlan | None = None) -> Schedule:
     """The schedule of :func:`block_saves_plan` (its saved outputs held to their block's rebuild, as SAC holds them)."""
-    return plan_schedule(graph, block_saves_plan(graph, saves), "block-saves")
+    return plan_schedule(graph, block_saves_plan(graph, saves, full), "block-saves")
 
 
 def candidates(graph: Graph) -> list[BlockSaves]:
@@ -90,13 +91,13 @@ def plan_stage(graph: Graph, budget: int) -> tuple[BlockSaves, Any]:
     """The block saves of least recomputation whose simulated peak on ``graph`` (a pipeline rank) is within
     ``budget`` bytes (of those, the lowest peak: a call no backward reads costs nothing to drop), and that
     plan's simulation. BudgetError when not even saving nothing fits."""
-    best = None
+    best, full = None, full_plan(graph)
     for saves in candidates(graph):
-        sim = simulate(graph, block_saves_schedule(graph, saves))
+        sim = simulate(graph, block_saves_schedule(graph, saves, full))
         if sim.peak <= budget and (best is None or (sim.compute_cost, sim.peak) < (best[1].compute_cost, best[1].peak)):
             best = (saves, sim)
     if best is None:
-        floor = simulate(graph, block_saves_schedule(graph, {})).peak
+        floor = simulate(graph, block_saves_schedule(graph, {}, full)).peak
         raise BudgetError(f"No block plan of {graph.name!r} fits in {format_bytes(budget)}: every block recomputed "
                           f"whole peaks at {format_bytes(floor)} ({floor} bytes).")
     return best
@@ -130,7 +131,5 @@ class BlockPlan:
         self.saves = saves
 
     def apply(self, part: Any) -> Any:
-        from bonsai_core.export_runtime.checkpointing import apply_saves
-
         apply_saves(part, as_save(self.saves, part_blocks(part)), "a transformer block")
         return part
