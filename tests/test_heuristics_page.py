@@ -40,7 +40,7 @@ def study_results() -> dict:
               "vgg": entry("vgg", 10.0, 9.0, 10.0, {"coop": 0.3, "dtr-pool": 0.1})}
     results = {"meta": {"command": "bonsai bench heuristics --page P", "date": "2026-01-01 00:00 UTC",
                         "machine": "2 CPUs", "torch": "2.x", "seconds": 12.0}, "models": models}
-    results["headline"] = heuristics.headline(results)
+    results["headline"] = hp.headline(results)
     return results
 
 
@@ -94,7 +94,7 @@ def reserved() -> dict:
 
 
 def render(results: dict) -> str:
-    return hp.page(results, "bonsai bench heuristics --page P", "<!-- header -->")
+    return hp.page(results, "<!-- header -->")
 
 
 def page_results() -> dict:
@@ -145,7 +145,7 @@ def test_coops_two_claims_are_counted_cell_by_cell():
 
 
 def test_where_coops_own_pool_is_not_ahead_the_fullest_moments_are_named():
-    page = hp.page(page_results(), "bonsai bench heuristics --page P", "<!-- header -->")
+    page = hp.page(page_results(), "<!-- header -->")
     why = page[page.index("Counted against the whole pool"):page.index(". Replayed in PyTorch's caching allocator")]
     # against the whole pool: 1 - 995/1000 for coop against 1 - 996/1000 at 70%; a tie at 60%
     assert why.startswith("Counted against the whole pool instead of each run's high-water mark, coop's fragmentation "
@@ -171,15 +171,15 @@ def test_a_fullest_moment_with_room_for_the_request_is_not_said_to_be_unavoidabl
 
 def test_runs_that_differ_before_the_first_request_are_not_the_same():
     moment = fullest(121, 640, 10, "addmm", 5, (122, "_softmax_1", 20))
-    assert hp.same_until({**moment, "prefix": [["compute", 0]]}, {**moment, "prefix": [["compute", 0]]}) == 122
-    assert hp.same_until({**moment, "prefix": [["compute", 0]]}, {**moment, "prefix": [["compute", 1]]}) is None
+    assert heuristics.same_until({**moment, "prefix": [["compute", 0]]}, {**moment, "prefix": [["compute", 0]]}) == 122
+    assert heuristics.same_until({**moment, "prefix": [["compute", 0]]}, {**moment, "prefix": [["compute", 1]]}) is None
     other = {**moment, "first_request": {"op": 122, "name": "mul", "bytes": 20}, "prefix": [["compute", 0]]}
-    assert hp.same_until({**moment, "prefix": [["compute", 0]]}, other) is None
+    assert heuristics.same_until({**moment, "prefix": [["compute", 0]]}, other) is None
 
 
 def test_pools_within_one_bisection_step_are_the_same():
     models = study_results()["models"]
-    assert [heuristics.pool_order(models[m]) for m in ("gpt", "mlp", "vgg")] == ["coop smaller", "same", "coop larger"]
+    assert [hp.pool_order(models[m]) for m in ("gpt", "mlp", "vgg")] == ["coop smaller", "same", "coop larger"]
 
 
 def test_the_answer_counts_the_graphs_each_way():
@@ -204,7 +204,7 @@ def dtr_variants_prose(small: dict) -> str:
     """The page's paragraph on the 2-layer GPT's DTR variants, from ``small`` (dtr-variants' result)."""
     results = page_results()
     results["studies"]["dtr_variants"]["small"] = small
-    page = hp.page(results, "bonsai bench heuristics --page P", "<!-- header -->")
+    page = hp.page(results, "<!-- header -->")
     return next(line for line in page.splitlines() if line.startswith("Exact components"))
 
 
@@ -232,7 +232,7 @@ def test_the_in_place_sentences_follow_the_rows():
 
 def test_the_whole_page_from_one_run(tmp_path):
     results = page_results()
-    page = hp.page(results, "bonsai bench heuristics --page P", "<!-- header -->")
+    page = hp.page(results, "<!-- header -->")
     headings = [line for line in page.splitlines() if line.startswith("#")]
     assert headings == ["# Heuristics and the allocator model: measurements", "## Coop against DTR in one pool",
                         "### Coop's two claims together", "### DTR's heuristics and deallocation modes", "### Does Coop's result reproduce?",
@@ -245,8 +245,8 @@ def test_the_whole_page_from_one_run(tmp_path):
     assert "the plain cost is the cheaper of the two at 4 of 6 budgets and finds no schedule at 60%" in page
     assert "at 70% +2.0 points of overhead with the caching allocator and no schedule with expandable segments" in page
     assert "12 s in all" in page
-    assert page == hp.page(copy.deepcopy(results), "bonsai bench heuristics --page P", "<!-- header -->")
-    assert "Requests 1-2 are the same in both" in heuristics.example_markdown(results["example"])
+    assert page == hp.page(copy.deepcopy(results), "<!-- header -->")
+    assert "Requests 1-2 are the same in both" in hp.example_markdown(results["example"])
 
 
 def test_bad_paths_are_refused_before_anything_is_measured(tmp_path, capsys):

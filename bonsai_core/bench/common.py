@@ -352,3 +352,16 @@ def run_page_suite(suite: str, args: Any, refusal: str | None, measure: Callable
         write_page(run, args.page)
     print(f"wrote {path}" + (f" and {args.page}" if args.page else ""))
     return 0
+
+
+# -- helpers the suites share ------------------------------------------------------------------------------
+
+def overhead_or_none(graph: Any, budget: int, method: str, **options: Any) -> float | None:
+    """The overhead of ``method``'s schedule under ``budget`` (no budget hint), None where it finds none."""
+    from bonsai_core.errors import BonsaiError
+    from bonsai_core.solvers import solve
+
+    try:
+        return solve(graph, budget, method, budget_hint=False, **options).stats["overhead"]
+    except BonsaiError:
+        return None

@@ -11,10 +11,8 @@ import argparse
 from typing import Any
 
 from bonsai_core.bench import common
-from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph
 from bonsai_core.schedule import no_remat_peak
-from bonsai_core.solvers import solve
 
 # label -> (heuristic, deallocation)
 HEURISTICS: dict[str, tuple[str, str]] = {
@@ -32,18 +30,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def overheads(graph, fracs: tuple[float, ...]) -> dict[str, list[float | None]]:
     """label -> DTR's overhead with that heuristic and deallocation mode at each share of the graph's
     no-remat peak (None: no schedule fits)."""
-    ref = no_remat_peak(graph)
-    out: dict[str, list[float | None]] = {}
-    for label, (heuristic, deallocation) in HEURISTICS.items():
-        out[label] = []
-        for frac in fracs:
-            try:
-                s = solve(graph, int(frac * ref), "dtr", heuristic=heuristic, deallocation=deallocation,
-                          budget_hint=False)
-                out[label].append(s.stats["overhead"])
-            except BonsaiError:
-                out[label].append(None)
-    return out
+    return {label: [common.overhead_or_none(graph, int(frac * no_remat_peak(graph)), "dtr", heuristic=heuristic,
+                                            deallocation=deallocation) for frac in fracs]
+            for label, (heuristic, deallocation) in HEURISTICS.items()}
 
 
 def measure() -> dict[str, Any]:

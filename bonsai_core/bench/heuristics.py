@@ -1,68 +1,43 @@
-"""Coop vs DTR in one pool, as Coop's paper compares them (Zhang et al., NeurIPS 2023).
+"""Coop vs DTR in one pool, as Coop's paper compares them (Zhang et al., NeurIPS 2023), and the other studies
+docs/results/heuristics.md reports: what they measure (:mod:`~bonsai_core.bench.heuristics_page` writes the
+pages). Every variant runs inside one pool that also holds the parameters, gradients and Adam state (OneFlow's
+DTR allocator); a run counts when its schedule, replayed in the pool, fits (``pool_replay``).
 
-The paper runs every method inside one pre-reserved memory pool that also holds the parameters,
-gradients and optimizer state (OneFlow's DTR allocator), and reports the smallest pool each method
-trains in ("up to 2x memory saving") and the compute overhead at equal pools. This script measures
-that for the zoo's and Hugging Face's networks at two sizes each (the zoo default and a larger batch
-or sequence), and GPT-2 small (the zoo GPT at ``models.zoo.GPT2_SMALL``: batch 8, sequence 512, width 768,
-12 layers and heads, vocabulary 50257), every model traced once (``bonsai bench heuristics``):
-
-* **smallest pool** each variant trains in (its schedule, replayed in the pool, fits), by bisection
-  on the budget (10 steps, between the graph's lower bound and 1.5x its no-remat peak; a heuristic's
-  success is not monotone in the budget, so this is the threshold the bisection lands on, not a
-  proven minimum). A pool is the budget plus the Adam state (``allocator.full_arena``): the whole
-  arena, in MiB.
-* **overhead at equal pools**: each variant at 1.0x, 1.2x and 1.5x coop's smallest pool.
-* **fragmentation**: the allocator model's, and only it (:func:`bonsai_core.allocator.fragmentation_at_peak`,
-  1 - live / reserved at the reserved peak), for the same schedule in two allocators: its own pool
-  (:func:`bonsai_core.solvers.pool.pool_replay`: block for block the pool the run used;
-  ``bonsai simulate G S --allocator --arena``) and PyTorch's caching allocator (``replay``;
-  ``bonsai simulate G S --allocator``, the default).
-
-Variants: ``coop`` (its defaults: op-type partitioning, full arena); DTR in the same full-arena pool
-with h_DTR (``dtr-pool``: ``dtr --option allocator=true --option full_arena=true``), with DTR's
-union-find e* (``dtr_eq-pool``, what OneFlow's DTR baseline computes) and with the DTE score
-(``dte-pool``: the free range an eviction leaves instead of the tensor's bytes, the paper's other
-baseline); and DTR counting live bytes only (``dtr``), whose schedule is then placed in the pool best
-fit (``pool_replay``): it trains in a pool when that placement fits.
-
-    bonsai bench heuristics --out docs/heuristics --example   # about a minute here
-    bonsai bench heuristics --page docs/results/heuristics.md  # and the page's other studies: a few minutes
-    bonsai bench heuristics --page docs/results/heuristics.md --report-only  # the page again from results.json
-
-writes ``results.json``, ``table.md``, ``coop_vs_dtr.html`` (plotly) and ``coop_vs_dtr.png`` (the
-same figure; kaleido if installed, else headless Chromium) there. ``--example`` adds ``example.md``:
-coop and dtr-pool on the zoo GPT at 60% of its no-remat peak, request by request, from the runs'
-own event logs (``schedule.extra["evictions"]``). ``--page`` adds the example, runs the other studies
-docs/results/heuristics.md reports (``heuristics_page.studies``), keeps them in
-``results.json`` and writes the page (``heuristics_page.page``; the suite's entry is ``heuristics_page.main``).
+* :func:`bench_model`, per graph (the zoo's and Hugging Face's networks at two sizes each, and GPT-2 small):
+  the **smallest pool** each variant of :data:`VARIANTS` trains in (bisection, :data:`STEPS` steps up to 1.5x
+  the no-remat peak: a threshold, not a proven minimum, a heuristic's success not being monotone in the
+  budget), then each at :data:`FACTORS` x coop's smallest pool: overhead and the allocator model's
+  fragmentation in its own pool and in PyTorch's caching allocator (``replay``);
+* :func:`example`: coop and dtr-pool on the zoo GPT at 60%, request by request, from the runs' event logs;
+* :func:`studies`: DTR's heuristics (:mod:`~bonsai_core.bench.dtr_variants`), recomputable in-place against
+  copy-on-write (:func:`inplace_rows`), a budget on reserved bytes and Coop's two claims together.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import re
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Iterator
 
-from bonsai_core.allocator import fixed_tensors, optimizer_bytes, replay
-from bonsai_core.bench import common
-from bonsai_core.errors import BonsaiError
+import numpy as np
+
+from bonsai_core.allocator import MIN_BLOCK, bounded_replay, fixed_tensors, optimizer_bytes, replay
+from bonsai_core.bench import common, dtr_variants
+from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import Schedule, no_remat_peak, simulate
-from bonsai_core.solvers import solve
+from bonsai_core.solvers import solve, solve_reserved
 from bonsai_core.solvers.pool import pool_replay
 
-# GPT-2 small's shape, ``models.zoo.GPT2_SMALL`` (bonsai_core.zoo imports torch: read only when a run needs it)
-GPT2_SMALL = "GPT2_SMALL"
-GPT2_SMALL_LABEL = "gpt GPT-2 small"
-# (name, options): each network at its zoo default and a larger batch or sequence; hf models are built
-# from configs (no weights); GPT-2 small's shape besides, the largest graph (1,517 nodes)
+
+# (name, options): each network at its zoo default and a larger batch or sequence (hf models built from
+# configs, no weights), and GPT-2 small's shape, the largest graph (read from the zoo when a run needs it)
+GPT2_SMALL, GPT2_SMALL_LABEL = "GPT2_SMALL", "gpt GPT-2 small"
 MODEL_SIZES: list[tuple[str, dict[str, int] | str]] = [
     ("gpt", {}), ("gpt", {"batch": 16, "seq": 512}), ("gpt", GPT2_SMALL),
     ("resnet", {}), ("resnet", {"batch": 64}),
@@ -73,15 +48,10 @@ MODEL_SIZES: list[tuple[str, dict[str, int] | str]] = [
     ("hf:bert", {}), ("hf:bert", {"seq": 512}),
     ("hf:vit", {}), ("hf:vit", {"batch": 64}),
 ]
-
-
-def models() -> list[tuple[str, dict[str, int]]]:
-    """MODEL_SIZES with GPT-2 small's shape filled in."""
-    from bonsai_core.models.zoo import GPT2_SMALL as shape
-
-    return [(name, dict(shape) if options == GPT2_SMALL else options) for name, options in MODEL_SIZES]
 POOL_ARGS = {"allocator": True, "full_arena": True}
-# label -> (method, options); every one but "dtr" runs inside the pool
+# label -> (method, options): coop with its defaults; DTR in the same full-arena pool with h_DTR, with
+# union-find e* (what OneFlow's DTR baseline computes) and with the DTE score (the free range an eviction
+# leaves, the paper's other baseline); and DTR counting live bytes, its schedule placed in the pool best fit
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "coop": ("coop", {}),
     "dtr-pool": ("dtr", POOL_ARGS),
@@ -91,9 +61,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 POOL_VARIANTS = ("dtr-pool", "dtr_eq-pool", "dte-pool")  # DTR evicting inside the same pool as coop
 FACTORS = (1.0, 1.2, 1.5)  # equal pools: multiples of coop's smallest pool
-FAIL_BAR = 20  # the figure draws "does not train in this pool" as a hatched bar this far below zero
 STEPS = 10
 DEFAULT_OUT, RECORD_PAGE = "docs/heuristics", "docs/results/heuristics.md"
+
+
+def models() -> list[tuple[str, dict[str, int]]]:
+    """MODEL_SIZES with GPT-2 small's shape filled in."""
+    from bonsai_core.models.zoo import GPT2_SMALL as shape
+
+    return [(name, dict(shape) if options == GPT2_SMALL else options) for name, options in MODEL_SIZES]
 
 
 def adam_bytes(graph: Graph) -> int:
@@ -103,11 +79,10 @@ def adam_bytes(graph: Graph) -> int:
 def run(graph: Graph, budget: int, label: str, time_limit: float, measure: bool = False,
         variants: dict[str, tuple[str, dict[str, Any]]] = VARIANTS) -> dict[str, Any]:
     """One solve of ``label`` (a key of ``variants``) under ``budget``: ok, overhead, eviction counts;
-    with ``measure`` the fragmentation of its schedule in its own pool and under the caching allocator
-    (the allocator model's one definition). It is ok when the method returns a schedule and that
-    schedule fits the pool when replayed (``pool_replay``): for ``dtr`` (live bytes) placed best fit;
-    for a pool method its own run's placement, which differs only when the run held separated outputs
-    (``outputs_held``)."""
+    with ``measure`` the allocator model's fragmentation of its schedule in its own pool and under the
+    caching allocator. It is ok when the method returns a schedule that fits the pool when replayed
+    (``pool_replay``): for ``dtr`` (live bytes) placed best fit; for a pool method its own run's
+    placement, which differs only when the run held separated outputs (``outputs_held``)."""
     method, options = variants[label]
     start = time.perf_counter()
     try:
@@ -118,19 +93,11 @@ def run(graph: Graph, budget: int, label: str, time_limit: float, measure: bool 
     row: dict[str, Any] = {"ok": True, "overhead": s.stats["overhead"], "evictions": s.stats.get("evictions", 0),
                            "requests": len(s.extra.get("evictions", [])), "seconds": time.perf_counter() - start}
     if measure:
-        row.update(own_fragmentation=fragmentation(graph, s, "arena", budget),
-                   caching_fragmentation=fragmentation(graph, s, "caching"), reserved_peak=own.reserved_peak,
-                   live_peak=own.peak, free_at_failure=s.stats.get("free_at_failure", 0.0),
+        row.update(own_fragmentation=own.fragmentation, caching_fragmentation=replay(graph, s).fragmentation,
+                   reserved_peak=own.reserved_peak, live_peak=own.peak,
+                   free_at_failure=s.stats.get("free_at_failure", 0.0),
                    free_after_eviction=s.stats.get("free_after_eviction", 0.0))
     return row
-
-
-def fragmentation(graph: Graph, schedule: Schedule, allocator: str, capacity: int | None = None) -> float:
-    """The allocator model's fragmentation of ``schedule``: in its own pool (``"arena"``, what
-    ``bonsai simulate --allocator --arena`` prints) or under PyTorch's caching allocator
-    (``"caching"``, what ``bonsai simulate --allocator`` prints)."""
-    result = pool_replay(graph, schedule, capacity) if allocator == "arena" else replay(graph, schedule)
-    return result.fragmentation
 
 
 def smallest_budget(graph: Graph, label: str, time_limit: float, steps: int = STEPS,
@@ -154,152 +121,20 @@ def bench_model(name: str, options: dict[str, int], time_limit: float) -> dict[s
 
     start = time.perf_counter()
     g = trace_model(name, **options).graph
-    traced = time.perf_counter() - start
     ref, adam = no_remat_peak(g), adam_bytes(g)
     entry: dict[str, Any] = {"model": name, "options": options, "nodes": g.n, "no_remat_peak": ref,
-                             "fixed_mem": g.fixed_mem, "adam_bytes": adam, "trace_seconds": traced,
-                             "smallest_budget": {}, "equal_pools": {},
-                             "bisection_step": (int(1.5 * ref) - g.peak_lower_bound) / 2**STEPS}
-    for label in VARIANTS:
-        entry["smallest_budget"][label] = smallest_budget(g, label, time_limit)
+                             "fixed_mem": g.fixed_mem, "adam_bytes": adam, "trace_seconds": time.perf_counter() - start,
+                             "smallest_budget": {label: smallest_budget(g, label, time_limit) for label in VARIANTS},
+                             "equal_pools": {}, "bisection_step": (int(1.5 * ref) - g.peak_lower_bound) / 2**STEPS}
     coop = entry["smallest_budget"]["coop"]
-    if coop is not None:
-        for f in FACTORS:
-            budget = int(f * (coop + adam)) - adam
-            entry["equal_pools"][str(f)] = {"budget": budget,
-                                            **{label: run(g, budget, label, time_limit, measure=True)
-                                               for label in VARIANTS}}
+    for f in FACTORS if coop is not None else ():
+        budget = int(f * (coop + adam)) - adam
+        entry["equal_pools"][str(f)] = {"budget": budget, **{label: run(g, budget, label, time_limit, measure=True)
+                                                             for label in VARIANTS}}
     entry["seconds"] = time.perf_counter() - start
-    pools = ", ".join(f"{k} {mib(b + adam) if b else '-'}" for k, b in entry["smallest_budget"].items())
-    print(f"{label_of(name, options)}: {g.n} nodes, traced in {traced:.1f} s; smallest pools (MiB): {pools}; "
-          f"{entry['seconds']:.0f} s", flush=True)
+    print(f"{label_of(name, options)}: smallest pools (MiB) "
+          + ", ".join(f"{k} {common.mib(b + adam, 1, '') if b else '-'}" for k, b in entry["smallest_budget"].items()) + f"; {entry['seconds']:.0f} s", flush=True)
     return entry
-
-
-def mib(nbytes: float) -> str:
-    """MiB with one decimal, without the unit: the tables' headers name it."""
-    return common.mib(nbytes, 1, "")
-
-
-# -- the report ------------------------------------------------------------------------------------
-
-def pool_cell(e: dict[str, Any], label: str) -> str:
-    b = e["smallest_budget"][label]
-    return mib(b + e["adam_bytes"]) if b else "-"
-
-
-def ratio(e: dict[str, Any], label: str) -> float | None:
-    b, c = e["smallest_budget"][label], e["smallest_budget"]["coop"]
-    return (b + e["adam_bytes"]) / (c + e["adam_bytes"]) if b and c else None
-
-
-def best_pool_ratio(e: dict[str, Any]) -> float | None:
-    """The smallest pool of the best DTR-in-the-pool variant, over coop's (None when either trains in none)."""
-    rs = [r for r in (ratio(e, k) for k in POOL_VARIANTS) if r is not None]
-    return min(rs) if rs else None
-
-
-def pool_order(e: dict[str, Any]) -> str | None:
-    """How coop's smallest pool compares with the best DTR-in-the-pool variant's: "coop smaller", "same"
-    (within one step of the bisection, which cannot tell them apart) or "coop larger"; None when either
-    trains in none."""
-    coop, others = e["smallest_budget"]["coop"], [e["smallest_budget"][k] for k in POOL_VARIANTS]
-    others = [b for b in others if b]
-    if not coop or not others:
-        return None
-    gap = min(others) - coop
-    return "same" if abs(gap) <= e["bisection_step"] else "coop smaller" if gap > 0 else "coop larger"
-
-
-def headline(results: dict[str, Any]) -> dict[str, Any]:
-    """How often and by how much coop's smallest pool is below the best DTR-in-the-pool variant's, and the
-    median overheads at equal pools."""
-    entries = list(results["models"].values())
-    best = []
-    for e in entries:
-        rs = [r for r in (ratio(e, k) for k in POOL_VARIANTS) if r is not None]
-        if rs and e["smallest_budget"]["coop"]:
-            best.append(min(rs))
-    orders = [pool_order(e) for e in entries]
-    out: dict[str, Any] = {"models": len(entries), "coop_smaller": orders.count("coop smaller"),
-                           "coop_larger": orders.count("coop larger"),
-                           "best_dtr_over_coop": [min(best), max(best)] if best else None,
-                           "dtr_pool_over_coop": [r for r in (ratio(e, "dtr-pool") for e in entries) if r]}
-    for f in FACTORS:
-        rows = [e["equal_pools"][str(f)] for e in entries if str(f) in e["equal_pools"]]
-        both = [(p["coop"], p["dtr-pool"]) for p in rows if p["coop"]["ok"] and p["dtr-pool"]["ok"]]
-        out[str(f)] = {"both_run": len(both),
-                       "coop_lower": sum(a["overhead"] < b["overhead"] - 1e-9 for a, b in both),
-                       "coop_higher": sum(a["overhead"] > b["overhead"] + 1e-9 for a, b in both),
-                       "median_coop": statistics.median(a["overhead"] for a, _ in both) if both else None,
-                       "median_dtr_pool": statistics.median(b["overhead"] for _, b in both) if both else None,
-                       "dtr_pool_fails": sum(not p["dtr-pool"]["ok"] for p in rows if p["coop"]["ok"]),
-                       "coop_fails": sum(not p["coop"]["ok"] for p in rows)}
-    return out
-
-
-def table(results: dict[str, Any]) -> str:
-    """table.md: every graph's smallest pools, the equal pools and the headline."""
-    return common.fill("heuristics_table", meta=results["meta"], steps=STEPS, headline=results["headline"],
-                       factors=FACTORS, models=results["models"].values(), labels=list(VARIANTS), label_of=label_of,
-                       pool_cell=pool_cell, ratio=ratio, best_pool_ratio=best_pool_ratio,
-                       overhead_columns=[f"overhead {k}" for k in VARIANTS])
-
-
-def figure(results: dict[str, Any]):
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    entries = list(results["models"].values())
-    xs = [label_of(e["model"], e["options"]).replace(" --", "<br>--") for e in entries]
-    titles = ["smallest pool, relative to coop's (lower is better; missing: none up to 1.5x the no-remat peak)"] + [
-        f"overhead at {f:.1f}x coop's smallest pool (%; hatched bar below zero: does not train in it)" for f in FACTORS]
-    fig = make_subplots(rows=1 + len(FACTORS), cols=1, shared_xaxes=True, vertical_spacing=0.04,
-                        subplot_titles=titles)
-    colours = dict(zip(VARIANTS, ["#1f77b4", "#d62728", "#ff7f0e", "#9467bd", "#7f7f7f"]))
-    for label in VARIANTS:
-        fig.add_trace(go.Bar(x=xs, y=[ratio(e, label) for e in entries], name=label, marker_color=colours[label],
-                             legendgroup=label), row=1, col=1)
-        for i, f in enumerate(FACTORS):
-            ys, hatch = [], []
-            for e in entries:
-                r = e["equal_pools"].get(str(f), {}).get(label)
-                ys.append(None if r is None else 100 * r["overhead"] if r["ok"] else -FAIL_BAR)
-                hatch.append("" if r is None or r["ok"] else "x")
-            fig.add_trace(go.Bar(x=xs, y=ys, name=label, marker=dict(color=colours[label], pattern_shape=hatch),
-                                 legendgroup=label, showlegend=False), row=2 + i, col=1)
-    fig.update_layout(barmode="group", width=1400, height=1300, template="plotly_white",
-                      title=f"Coop vs DTR in one pool ({results['meta']['date']}; {results['meta']['command']})",
-                      legend=dict(orientation="h", y=1.04, x=0))
-    fig.update_yaxes(title_text="pool / coop's", row=1, col=1)
-    return fig
-
-
-def write_png(fig, path: Path) -> str:
-    """The figure as PNG: plotly's kaleido if installed, else headless Chromium on a self-contained copy."""
-    try:
-        fig.write_image(path, width=fig.layout.width, height=fig.layout.height)
-        return "kaleido"
-    except Exception:  # no kaleido (or its browser): the browser the explorer's tests use
-        chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-        if chromium is None:
-            raise SystemExit("no kaleido and no chromium: cannot write the PNG (the HTML is written)")
-        with tempfile.TemporaryDirectory() as tmp:
-            page = Path(tmp) / "figure.html"
-            fig.write_html(page, include_plotlyjs=True, config={"staticPlot": True})
-            subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                            f"--window-size={fig.layout.width},{fig.layout.height}", f"--screenshot={path}",
-                            page.as_uri()], check=True, capture_output=True, timeout=120)
-        return "chromium"
-
-
-def report(results: dict[str, Any], out: Path) -> None:
-    results["headline"] = headline(results)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "table.md").write_text(table(results))
-    fig = figure(results)
-    fig.write_html(out / "coop_vs_dtr.html", include_plotlyjs="cdn")
-    write_png(fig, out / "coop_vs_dtr.png")
 
 
 # -- the worked example ----------------------------------------------------------------------------
@@ -366,17 +201,8 @@ def most_recomputed(graph: Graph, schedule: Schedule, count: int = 6) -> list[di
 
 def sweep(graph: Graph, time_limit: float) -> dict[str, list[float | None]]:
     """variant -> its overhead at each of SWEEP_FRACS (None: does not train in it)."""
-    out: dict[str, list[float | None]] = {}
-    for k, (method, options) in SWEEP.items():
-        out[k] = []
-        for f in SWEEP_FRACS:
-            try:
-                s = solve(graph, int(f * no_remat_peak(graph)), method, time_limit=time_limit, budget_hint=False,
-                          **options)
-                out[k].append(s.stats["overhead"])
-            except BonsaiError:
-                out[k].append(None)
-    return out
+    return {k: [common.overhead_or_none(graph, int(f * no_remat_peak(graph)), method, time_limit=time_limit, **options)
+                for f in SWEEP_FRACS] for k, (method, options) in SWEEP.items()}
 
 
 def example(time_limit: float, frac: float = EXAMPLE_FRAC) -> dict[str, Any]:
@@ -398,41 +224,174 @@ def example(time_limit: float, frac: float = EXAMPLE_FRAC) -> dict[str, Any]:
             "sweep_fracs": list(SWEEP_FRACS), "sweep": sweep(g, time_limit)}
 
 
-def example_markdown(ex: dict[str, Any]) -> str:
-    """example.md: the worked example's runs, their first differing requests, what each recomputes most
-    and the sweep around the pool."""
-    return common.fill("heuristics_example", ex=ex)
+# -- the page's other studies ---------------------------------------------------------------------
+
+REGNET_SIZES = ({"batch": 32, "image": 224}, {"batch": 64, "image": 128})
+RESERVED_MODEL = ("hf:llama", {"layers": 4, "width": 512, "seq": 512, "batch": 4, "vocab": 8192})
+RESERVED_FRACS = (0.5, 0.7)
+POLICIES = ("caching", "expandable")
+UPDATES = {  # the optimizer's updates between steps, in place or copied on write
+    "coop in place": ("coop", {}),
+    "coop copy": ("coop", {"inplace_updates": False}),
+    "dtr-pool in place": ("dtr", {"allocator": True, "full_arena": True}),
+    "dtr-pool copy": ("dtr", {"allocator": True, "full_arena": True, "inplace_updates": False}),
+}
+UPDATES_MODELS = ("gpt", "resnet", "unet", "mlp", "vgg")
+WRITES = {
+    "coop writes in place": ("coop", {}),
+    "coop copy-on-write": ("coop", {"inplace_writes": False}),
+    "dtr-pool writes in place": ("dtr", {"allocator": True, "full_arena": True}),
+    "dtr-pool copy-on-write": ("dtr", {"allocator": True, "full_arena": True, "inplace_writes": False}),
+}
+# the models with in-place writes (the zoo and the other hf: models have none), two sizes each
+WRITES_MODELS: list[tuple[str, dict[str, int]]] = [
+    ("tests.real_models:resnet18_bn", {"batch": 64}), ("tests.real_models:resnet18_bn", {"batch": 128}),
+    ("hf:resnet", {"batch": 64}), ("hf:resnet", {"batch": 128, "image": 64}),
+]
+CLAIM_MODELS = (("gpt", {"layers": 2}), ("hf:gpt2", {}))
+CLAIM_FRACS = (0.6, 0.7, 0.8)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The suite's options."""
-    common.add_page_arguments(ap, DEFAULT_OUT, RECORD_PAGE)
-    names = list(dict.fromkeys(n for n, _ in MODEL_SIZES))
-    ap.add_argument("--models", nargs="+", default=names, help=f"from {', '.join(names)}")
-    ap.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
-    ap.add_argument("--example", action="store_true", help="also write example.md (the worked example)")
+def studies(time_limit: float) -> dict[str, Any]:
+    """Every measurement the page reports besides the Coop-vs-DTR study and its worked example."""
+    return common.run_studies({
+        "dtr_variants": dtr_variants.measure,
+        "updates": lambda: list(inplace_rows([(m, {}) for m in UPDATES_MODELS], UPDATES, time_limit)),
+        "writes": lambda: list(inplace_rows(WRITES_MODELS, WRITES, time_limit)),
+        "regnet": lambda: regnet_writes(time_limit),
+        "reserved": lambda: reserved_budgets(time_limit),
+        "claims": lambda: claims(time_limit)})
 
 
-def refusal(args: argparse.Namespace) -> str | None:
-    """Why the options cannot run, before any measurement: a page from a subset of the models, a page
-    again from results without the page's studies, or what :func:`common.page_refusal` refuses."""
-    saved = Path(args.out) / "results.json"
-    why = common.page_refusal(args, narrowed=common.changed(args, ("models",)), whole="every model")
-    if not why and args.report_only and "studies" not in json.loads(saved.read_text()):
-        return f"{saved} holds no page studies; run with --page, without --report-only"
-    return why
+def inplace_rows(models: list[tuple[str, dict[str, int]]], variants: dict[str, tuple[str, dict]],
+            time_limit: float) -> Iterator[dict]:
+    """One row per model and variant, as measured: the model's label and in-place ops, the smallest budget
+    met (a share of the no-remat peak, None when none up to 1.5x), and the run at 80%
+    (:func:`run`, measured)."""
+    from bonsai_core.trace import trace_model
+
+    for name, options in models:
+        g = trace_model(name, **options).graph
+        ref = no_remat_peak(g)
+        for variant in variants:
+            smallest = smallest_budget(g, variant, time_limit, variants=variants)
+            yield {"model": label_of(name, options), "inplace_ops": int((g.inplace_of >= 0).sum()),
+                   "variant": variant, "smallest": smallest / ref if smallest else None,
+                   "at80": run(g, int(0.8 * ref), variant, time_limit, measure=True, variants=variants)}
 
 
-def write_beside(results: dict[str, Any], out: Path) -> None:
-    """table.md and the figure; example.md when the results hold the example."""
-    report(results, out)
-    if "example" in results:
-        (out / "example.md").write_text(example_markdown(results["example"]))
+def display(model: str) -> str:
+    """A model's label as the page names it (ResNet-18 for tests.real_models:resnet18_bn)."""
+    return model.replace("tests.real_models:resnet18_bn", "ResNet-18")
 
 
-def measure(args: argparse.Namespace, studies: Callable[[float], dict[str, Any]]) -> dict[str, Any]:
+def claims(time_limit: float) -> list[dict[str, Any]]:
+    """Coop's two claims at once, as ``bonsai solve --budget P%`` meets them: per model of
+    :data:`CLAIM_MODELS` and share of its no-remat peak, coop and dtr-pool (DTR evicting in the same full
+    arena), each with its overhead, its fragmentation in its own pool and under the caching allocator, the paper's
+    rate (``free_after_eviction``, as OneFlow records it) and its fullest moment's live bytes; ``pool``: the arena's bytes (Adam state included)."""
+    from bonsai_core.trace import trace_model
+
+    rows = []
+    for name, options in CLAIM_MODELS:
+        graph = trace_model(name, **options).graph
+        for frac in CLAIM_FRACS:
+            budget = int(frac * no_remat_peak(graph))
+            pool = (budget + adam_bytes(graph)) // MIN_BLOCK * MIN_BLOCK
+            row = {"model": display(label_of(name, options)), "frac": frac, "pool": pool}
+            for label in ("coop", "dtr-pool"):
+                row[label] = run(graph, budget, label, time_limit, measure=True)
+                if row[label]["ok"]:
+                    row[label]["fullest"] = fullest_moment(graph, budget, label, time_limit, pool)
+            if row["coop"]["ok"] and row["dtr-pool"]["ok"]:
+                row["same_until"] = same_until(row["coop"]["fullest"], row["dtr-pool"]["fullest"])
+            for label in ("coop", "dtr-pool"):
+                row[label].get("fullest", {}).pop("prefix", None)  # compared above; not worth storing
+            rows.append(row)
+    return rows
+
+
+def fullest_moment(graph: Graph, budget: int, label: str, time_limit: float, pool: int) -> dict[str, Any]:
+    """Where a run's fragmentation in its own pool is taken: its fullest moment on the reserved plateau
+    (op index, of how many ops), the op that first reached its high-water mark, the pool's bytes not live
+    then, and its first request that found no room (the op before which it came, the node, its bytes).
+    ``prefix`` is the schedule up to that request (for :func:`same_until`)."""
+    method, options = VARIANTS[label]
+    s = solve(graph, budget, method, time_limit=time_limit, budget_hint=False, **options)
+    r = pool_replay(graph, s, capacity=budget)
+    top = int(np.argmax(r.reserved))
+    i = top + int(np.argmax(np.where(r.reserved[top:] == r.reserved[top], r.live[top:], -1)))
+    log = s.extra.get("evictions", [])
+    first = None
+    if log:
+        before, v = log[0][0], log[0][1]
+        first = {"op": before, "name": graph.names[v], "bytes": int(graph.mem[v])}
+    return {"op": i, "ops": len(s.ops), "top_op": top, "top_name": graph.names[s.ops[top][1]],
+            "free": pool - int(r.live[i]), "first_request": first,
+            "prefix": [list(o) for o in s.ops[:first["op"]]] if first else None}
+
+
+def same_until(coop: dict[str, Any], dtr: dict[str, Any]) -> int | None:
+    """The op before which both runs' first requests that found no room came, when the two runs are
+    the same schedule up to it and the request is the same node; else None."""
+    a, b = coop["first_request"], dtr["first_request"]
+    if a is None or b is None or a != b or coop["prefix"] != dtr["prefix"]:
+        return None
+    return a["op"]
+
+
+def regnet_writes(time_limit: float) -> list[dict[str, Any]]:
+    """The in-place writes study on transformers' RegNet-Y (``RegNetConfig(num_labels=10)``), from a
+    config written to a temporary folder with ``save_pretrained``, at REGNET_SIZES."""
+    from transformers import RegNetConfig
+
+    with tempfile.TemporaryDirectory() as folder:
+        RegNetConfig(num_labels=10).save_pretrained(folder)
+        models = [(f"hf:{folder}", dict(size)) for size in REGNET_SIZES]
+        rows = list(inplace_rows(models, WRITES, time_limit))
+    return [{**row, "model": row["model"].replace(f"hf:{folder}", "RegNet-Y")} for row in rows]
+
+
+def lowest_reserved(message: str) -> int | None:
+    """The lowest reserved peak a refused ``solve_reserved`` reached, in bytes, from its error."""
+    found = re.search(r"lowest reserved peak was [^(]*\((\d+) bytes\)", message)
+    return int(found[1]) if found else None
+
+
+def reserved_budgets(time_limit: float) -> dict[str, Any]:
+    """bonsai on RESERVED_MODEL at RESERVED_FRACS of its no-remat peak: the live-budget schedule replayed
+    through both allocator models, and ``solve_reserved`` with each (``bonsai solve --reserved``)."""
+    from bonsai_core.trace import trace_model
+
+    g = trace_model(RESERVED_MODEL[0], **RESERVED_MODEL[1]).graph
+    ref = no_remat_peak(g)
+    budgets = []
+    for frac in RESERVED_FRACS:
+        budget = int(frac * ref)
+        plain = solve(g, budget, "bonsai", time_limit=time_limit)
+        entry: dict[str, Any] = {
+            "frac": frac, "budget": budget,
+            "plain": {"overhead": plain.stats["overhead"], "live_peak": plain.stats["peak"],
+                      "status": plain.stats["status"], "gap": plain.stats.get("gap"),
+                      "reserved": {p: bounded_replay(g, plain, p).reserved_peak for p in POLICIES}},
+            "reserved": {}}
+        for policy in POLICIES:
+            try:
+                s = solve_reserved(g, budget, "bonsai", policy=policy, time_limit=time_limit)
+                entry["reserved"][policy] = {"ok": True, "live_budget": s.stats["live_budget"],
+                                             "live_peak": s.stats["peak"], "reserved_peak": s.stats["reserved_peak"],
+                                             "overhead": s.stats["overhead"],
+                                             "status": s.stats["status"], "gap": s.stats.get("gap")}
+            except BudgetError as e:
+                entry["reserved"][policy] = {"ok": False, "lowest_reserved": lowest_reserved(str(e))}
+        budgets.append(entry)
+    return {"model": RESERVED_MODEL[0], "options": RESERVED_MODEL[1], "nodes": g.n, "no_remat_peak": ref,
+            "budgets": budgets}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Every chosen model (results.json in ``--out`` after each), the worked example with ``--example`` or
-    ``--page``, and with ``--page`` the page's other ``studies``."""
+    ``--page``, and with ``--page`` the page's other :func:`studies`."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

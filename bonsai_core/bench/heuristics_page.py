@@ -1,184 +1,179 @@
-"""docs/results/heuristics.md, written from one run of the studies it reports: ``bonsai bench heuristics
---page docs/results/heuristics.md`` runs the Coop-vs-DTR study and its worked example
-(:mod:`bonsai_core.bench.heuristics`), then :func:`studies`: DTR's heuristics and deallocation modes
-(:mod:`~bonsai_core.bench.dtr_variants`), recomputable in-place against copy-on-write
-(:mod:`~bonsai_core.bench.inplace`: the optimizer's updates on the zoo models, the in-place writes of two
-ResNets and of transformers' RegNet-Y) and a budget on reserved bytes (a 4-layer Llama, bonsai, both
-allocator models). :func:`page` writes the page from those results alone: every number it states, and
-every ranking, is computed from them; the fixed prose only explains mechanisms."""
+"""``bonsai bench heuristics``: Coop vs DTR in one pool (smallest pool, overhead at equal pools,
+fragmentation), measured by :mod:`bonsai_core.bench.heuristics`, and the pages written from its results.
+
+    bonsai bench heuristics --out docs/heuristics --example   # about a minute here
+    bonsai bench heuristics --page docs/results/heuristics.md [--report-only]  # and the page's studies: minutes
+
+writes ``results.json``, ``table.md`` and ``coop_vs_dtr.html``/``.png`` to ``--out``; ``--example`` adds
+``example.md`` (the worked example); ``--page`` runs the page's other studies too and writes
+docs/results/heuristics.md. Every number the page states, and every ranking, is computed from the results;
+its fixed prose only explains mechanisms.
+"""
 
 from __future__ import annotations
 
-import re
+import argparse
+import json
+import shutil
+import subprocess
 import tempfile
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-import numpy as np
-
-from bonsai_core.allocator import MIN_BLOCK, bounded_replay
-from bonsai_core.bench import common, dtr_variants, heuristics, inplace
+from bonsai_core.bench import common, dtr_variants, heuristics
 from bonsai_core.bench.common import listing, median, pct
-from bonsai_core.bench.heuristics import (FACTORS, GPT2_SMALL_LABEL, POOL_VARIANTS, STEPS, VARIANTS, best_pool_ratio,
-                                          pool_cell, pool_order, ratio)
-from bonsai_core.errors import BudgetError
-from bonsai_core.graph import Graph
-from bonsai_core.schedule import no_remat_peak
-from bonsai_core.solvers import solve, solve_reserved
-from bonsai_core.solvers.pool import pool_replay
+from bonsai_core.bench.heuristics import (DEFAULT_OUT, FACTORS, GPT2_SMALL_LABEL, MODEL_SIZES, POOL_VARIANTS,
+                                          RECORD_PAGE, STEPS, VARIANTS, display, label_of)
+
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
 SOURCES = ["bonsai_core/bench/heuristics_page.py", "bonsai_core/bench/heuristics.py",
-           "bonsai_core/bench/dtr_variants.py", "bonsai_core/bench/inplace.py", "tests/real_models.py",
+           "bonsai_core/bench/dtr_variants.py", "tests/real_models.py",
            common.template_source("heuristics")]
-REGNET_SIZES = ({"batch": 32, "image": 224}, {"batch": 64, "image": 128})
-RESERVED_MODEL = ("hf:llama", {"layers": 4, "width": 512, "seq": 512, "batch": 4, "vocab": 8192})
-RESERVED_FRACS = (0.5, 0.7)
-POLICIES = ("caching", "expandable")
-MODEL_NAMES = {"tests.real_models:resnet18_bn": "ResNet-18"}
+FAIL_BAR = 20  # the figure draws "does not train in this pool" as a hatched bar this far below zero
 
 
-# -- the studies besides the Coop-vs-DTR one ---------------------------------------------------------
-
-def studies(time_limit: float) -> dict[str, Any]:
-    """Every measurement the page reports besides the Coop-vs-DTR study and its worked example."""
-    return common.run_studies({
-        "dtr_variants": dtr_variants.measure,
-        "updates": lambda: list(inplace.measure([(m, {}) for m in inplace.MODELS], inplace.VARIANTS, time_limit)),
-        "writes": lambda: list(inplace.measure(inplace.WRITES_MODELS, inplace.WRITES, time_limit)),
-        "regnet": lambda: regnet_writes(time_limit),
-        "reserved": lambda: reserved_budgets(time_limit),
-        "claims": lambda: claims(time_limit)})
+# -- the Coop-vs-DTR study's table, figure and example --------------------------------------------
 
 
-CLAIM_MODELS = (("gpt", {"layers": 2}), ("hf:gpt2", {}))
-CLAIM_FRACS = (0.6, 0.7, 0.8)
+def pool_cell(e: dict[str, Any], label: str) -> str:
+    """``label``'s smallest pool in MiB, one decimal, without the unit (the tables' headers name it)."""
+    b = e["smallest_budget"][label]
+    return common.mib(b + e["adam_bytes"], 1, "") if b else "-"
 
 
-def claims(time_limit: float) -> list[dict[str, Any]]:
-    """Coop's two claims at once, as ``bonsai solve --budget P%`` meets them: per model of
-    :data:`CLAIM_MODELS` and share of its no-remat peak, coop and dtr-pool (DTR evicting in the same full
-    arena), each with its overhead, its fragmentation in its own pool and under the caching allocator, the paper's
-    rate (``free_after_eviction``, as OneFlow records it) and its fullest moment's live bytes; ``pool``: the arena's bytes (Adam state included)."""
-    from bonsai_core.bench.heuristics import adam_bytes, run
-    from bonsai_core.trace import trace_model
-
-    rows = []
-    for name, options in CLAIM_MODELS:
-        graph = trace_model(name, **options).graph
-        for frac in CLAIM_FRACS:
-            budget = int(frac * no_remat_peak(graph))
-            pool = (budget + adam_bytes(graph)) // MIN_BLOCK * MIN_BLOCK
-            row = {"model": display(heuristics.label_of(name, options)), "frac": frac, "pool": pool}
-            for label in ("coop", "dtr-pool"):
-                row[label] = run(graph, budget, label, time_limit, measure=True)
-                if row[label]["ok"]:
-                    row[label]["fullest"] = fullest_moment(graph, budget, label, time_limit, pool)
-            if row["coop"]["ok"] and row["dtr-pool"]["ok"]:
-                row["same_until"] = same_until(row["coop"]["fullest"], row["dtr-pool"]["fullest"])
-            for label in ("coop", "dtr-pool"):
-                row[label].get("fullest", {}).pop("prefix", None)  # compared above; not worth storing
-            rows.append(row)
-    return rows
+def ratio(e: dict[str, Any], label: str) -> float | None:
+    b, c = e["smallest_budget"][label], e["smallest_budget"]["coop"]
+    return (b + e["adam_bytes"]) / (c + e["adam_bytes"]) if b and c else None
 
 
-def fullest_moment(graph: Graph, budget: int, label: str, time_limit: float, pool: int) -> dict[str, Any]:
-    """Where a run's fragmentation in its own pool is taken: its fullest moment on the reserved plateau
-    (op index, of how many ops), the op that first reached its high-water mark, the pool's bytes not live
-    then, and its first request that found no room (the op before which it came, the node, its bytes).
-    ``prefix`` is the schedule up to that request (for :func:`same_until`)."""
-    method, options = VARIANTS[label]
-    s = solve(graph, budget, method, time_limit=time_limit, budget_hint=False, **options)
-    r = pool_replay(graph, s, capacity=budget)
-    top = int(np.argmax(r.reserved))
-    i = top + int(np.argmax(np.where(r.reserved[top:] == r.reserved[top], r.live[top:], -1)))
-    log = s.extra.get("evictions", [])
-    first = None
-    if log:
-        before, v = log[0][0], log[0][1]
-        first = {"op": before, "name": graph.names[v], "bytes": int(graph.mem[v])}
-    return {"op": i, "ops": len(s.ops), "top_op": top, "top_name": graph.names[s.ops[top][1]],
-            "free": pool - int(r.live[i]), "first_request": first,
-            "prefix": [list(o) for o in s.ops[:first["op"]]] if first else None}
+def best_pool_ratio(e: dict[str, Any]) -> float | None:
+    """The smallest pool of the best DTR-in-the-pool variant, over coop's (None when either trains in none)."""
+    rs = [r for r in (ratio(e, k) for k in POOL_VARIANTS) if r is not None]
+    return min(rs) if rs else None
 
 
-def same_until(coop: dict[str, Any], dtr: dict[str, Any]) -> int | None:
-    """The op before which both runs' first requests that found no room came, when the two runs are
-    the same schedule up to it and the request is the same node; else None."""
-    a, b = coop["first_request"], dtr["first_request"]
-    if a is None or b is None or a != b or coop["prefix"] != dtr["prefix"]:
+def pool_order(e: dict[str, Any]) -> str | None:
+    """How coop's smallest pool compares with the best DTR-in-the-pool variant's: "coop smaller", "same"
+    (within one step of the bisection, which cannot tell them apart) or "coop larger"; None when either
+    trains in none."""
+    coop, others = e["smallest_budget"]["coop"], [e["smallest_budget"][k] for k in POOL_VARIANTS]
+    others = [b for b in others if b]
+    if not coop or not others:
         return None
-    return a["op"]
+    gap = min(others) - coop
+    return "same" if abs(gap) <= e["bisection_step"] else "coop smaller" if gap > 0 else "coop larger"
 
 
-def regnet_writes(time_limit: float) -> list[dict[str, Any]]:
-    """The in-place writes study on transformers' RegNet-Y (``RegNetConfig(num_labels=10)``), from a
-    config written to a temporary folder with ``save_pretrained``, at REGNET_SIZES."""
-    from transformers import RegNetConfig
-
-    with tempfile.TemporaryDirectory() as folder:
-        RegNetConfig(num_labels=10).save_pretrained(folder)
-        models = [(f"hf:{folder}", dict(size)) for size in REGNET_SIZES]
-        rows = list(inplace.measure(models, inplace.WRITES, time_limit))
-    return [{**row, "model": row["model"].replace(f"hf:{folder}", "RegNet-Y")} for row in rows]
+def both_trained(results: dict[str, Any], factor: float) -> list[tuple[str, dict, dict]]:
+    """(graph, coop's run, dtr-pool's run) at ``factor`` x coop's smallest pool, where both train."""
+    pools = [(label, e["equal_pools"].get(str(factor))) for label, e in results["models"].items()]
+    return [(label, p["coop"], p["dtr-pool"]) for label, p in pools if p and p["coop"]["ok"] and p["dtr-pool"]["ok"]]
 
 
-def lowest_reserved(message: str) -> int | None:
-    """The lowest reserved peak a refused ``solve_reserved`` reached, in bytes, from its error."""
-    found = re.search(r"lowest reserved peak was [^(]*\((\d+) bytes\)", message)
-    return int(found[1]) if found else None
+def headline(results: dict[str, Any]) -> dict[str, Any]:
+    """How often and by how much coop's smallest pool is below the best DTR-in-the-pool variant's, and the
+    overheads at equal pools where coop and dtr-pool both train."""
+    entries = list(results["models"].values())
+    best = [r for r in map(best_pool_ratio, entries) if r is not None]
+    orders = [pool_order(e) for e in entries]
+    out: dict[str, Any] = {"models": len(entries), "coop_smaller": orders.count("coop smaller"),
+                           "coop_larger": orders.count("coop larger"),
+                           "best_dtr_over_coop": [min(best), max(best)] if best else None,
+                           "dtr_pool_over_coop": [r for r in (ratio(e, "dtr-pool") for e in entries) if r]}
+    for f in FACTORS:
+        rows = [e["equal_pools"][str(f)] for e in entries if str(f) in e["equal_pools"]]
+        both = [(a, b) for _, a, b in both_trained(results, f)]
+        compared = common.compare((None, a["overhead"], b["overhead"]) for a, b in both)
+        out[str(f)] = {"both_run": len(both), "coop_lower": len(compared["lower"]),
+                       "coop_higher": len(compared["higher"]),
+                       "median_coop": common.median(a["overhead"] for a, _ in both),
+                       "median_dtr_pool": common.median(b["overhead"] for _, b in both),
+                       "dtr_pool_fails": sum(not p["dtr-pool"]["ok"] for p in rows if p["coop"]["ok"]),
+                       "coop_fails": sum(not p["coop"]["ok"] for p in rows)}
+    return out
 
 
-def reserved_budgets(time_limit: float) -> dict[str, Any]:
-    """bonsai on RESERVED_MODEL at RESERVED_FRACS of its no-remat peak: the live-budget schedule replayed
-    through both allocator models, and ``solve_reserved`` with each (``bonsai solve --reserved``)."""
-    from bonsai_core.trace import trace_model
-
-    g = trace_model(RESERVED_MODEL[0], **RESERVED_MODEL[1]).graph
-    ref = no_remat_peak(g)
-    budgets = []
-    for frac in RESERVED_FRACS:
-        budget = int(frac * ref)
-        plain = solve(g, budget, "bonsai", time_limit=time_limit)
-        entry: dict[str, Any] = {
-            "frac": frac, "budget": budget,
-            "plain": {"overhead": plain.stats["overhead"], "live_peak": plain.stats["peak"],
-                      "status": plain.stats["status"], "gap": plain.stats.get("gap"),
-                      "reserved": {p: bounded_replay(g, plain, p).reserved_peak for p in POLICIES}},
-            "reserved": {}}
-        for policy in POLICIES:
-            try:
-                s = solve_reserved(g, budget, "bonsai", policy=policy, time_limit=time_limit)
-                entry["reserved"][policy] = {"ok": True, "live_budget": s.stats["live_budget"],
-                                             "live_peak": s.stats["peak"], "reserved_peak": s.stats["reserved_peak"],
-                                             "overhead": s.stats["overhead"],
-                                             "status": s.stats["status"], "gap": s.stats.get("gap")}
-            except BudgetError as e:
-                entry["reserved"][policy] = {"ok": False, "lowest_reserved": lowest_reserved(str(e))}
-        budgets.append(entry)
-    return {"model": RESERVED_MODEL[0], "options": RESERVED_MODEL[1], "nodes": g.n, "no_remat_peak": ref,
-            "budgets": budgets}
+def table(results: dict[str, Any]) -> str:
+    """table.md: every graph's smallest pools, the equal pools and the headline."""
+    return common.fill("heuristics_table", meta=results["meta"], steps=STEPS, headline=results["headline"],
+                       factors=FACTORS, models=results["models"].values(), labels=list(VARIANTS), label_of=label_of,
+                       pool_cell=pool_cell, ratio=ratio, best_pool_ratio=best_pool_ratio,
+                       overhead_columns=[f"overhead {k}" for k in VARIANTS])
 
 
-# -- words and numbers -----------------------------------------------------------------------------
+def figure(results: dict[str, Any]):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
 
-def entries(results: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(label, entry) of every graph of the study, in its order (the results are keyed by label)."""
-    return list(results["models"].items())
+    entries = list(results["models"].values())
+    xs = [label_of(e["model"], e["options"]).replace(" --", "<br>--") for e in entries]
+    titles = ["smallest pool, relative to coop's (lower is better; missing: none up to 1.5x the no-remat peak)"] + [
+        f"overhead at {f:.1f}x coop's smallest pool (%; hatched bar below zero: does not train in it)" for f in FACTORS]
+    fig = make_subplots(rows=1 + len(FACTORS), cols=1, shared_xaxes=True, vertical_spacing=0.04,
+                        subplot_titles=titles)
+    colours = dict(zip(VARIANTS, ["#1f77b4", "#d62728", "#ff7f0e", "#9467bd", "#7f7f7f"]))
+    for label in VARIANTS:
+        fig.add_trace(go.Bar(x=xs, y=[ratio(e, label) for e in entries], name=label, marker_color=colours[label],
+                             legendgroup=label), row=1, col=1)
+        for i, f in enumerate(FACTORS):
+            ys, hatch = [], []
+            for e in entries:
+                r = e["equal_pools"].get(str(f), {}).get(label)
+                ys.append(None if r is None else 100 * r["overhead"] if r["ok"] else -FAIL_BAR)
+                hatch.append("" if r is None or r["ok"] else "x")
+            fig.add_trace(go.Bar(x=xs, y=ys, name=label, marker=dict(color=colours[label], pattern_shape=hatch),
+                                 legendgroup=label, showlegend=False), row=2 + i, col=1)
+    fig.update_layout(barmode="group", width=1400, height=1300, template="plotly_white",
+                      title=f"Coop vs DTR in one pool ({results['meta']['date']}; {results['meta']['command']})",
+                      legend=dict(orientation="h", y=1.04, x=0))
+    fig.update_yaxes(title_text="pool / coop's", row=1, col=1)
+    return fig
 
 
-def display(model: str) -> str:
-    """A model's label as the page names it (ResNet-18 for tests.real_models:resnet18_bn)."""
-    for spec, name in MODEL_NAMES.items():
-        model = model.replace(spec, name)
-    return model
+def write_png(fig, path: Path) -> str:
+    """The figure as PNG: plotly's kaleido if installed, else headless Chromium on a self-contained copy."""
+    try:
+        fig.write_image(path, width=fig.layout.width, height=fig.layout.height)
+        return "kaleido"
+    except Exception:  # no kaleido (or its browser): the browser the explorer's tests use
+        chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+        if chromium is None:
+            raise SystemExit("no kaleido and no chromium: cannot write the PNG (the HTML is written)")
+        with tempfile.TemporaryDirectory() as tmp:
+            page = Path(tmp) / "figure.html"
+            fig.write_html(page, include_plotlyjs=True, config={"staticPlot": True})
+            subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                            f"--window-size={fig.layout.width},{fig.layout.height}", f"--screenshot={path}",
+                            page.as_uri()], check=True, capture_output=True, timeout=120)
+        return "chromium"
 
 
-# -- Coop against DTR in one pool ------------------------------------------------------------------
+def example_markdown(ex: dict[str, Any]) -> str:
+    """example.md: the worked example's runs, their first differing requests, what each recomputes most
+    and the sweep around the pool."""
+    return common.fill("heuristics_example", ex=ex)
+
+
+def write_beside(results: dict[str, Any], out: Path) -> None:
+    """The headline into results.json, table.md, the figure; example.md when the results hold the example."""
+    results["headline"] = headline(results)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "table.md").write_text(table(results))
+    fig = figure(results)
+    fig.write_html(out / "coop_vs_dtr.html", include_plotlyjs="cdn")
+    write_png(fig, out / "coop_vs_dtr.png")
+    if "example" in results:
+        (out / "example.md").write_text(example_markdown(results["example"]))
+
+
+# -- the page: Coop against DTR in one pool -----------------------------------------------------------
+
 
 def coop_vs_dtr_values(results: dict[str, Any]) -> dict[str, Any]:
     """What the Coop-against-DTR section says: the graphs, the tables, the fragmentation, the 2-layer GPT."""
-    es = entries(results)
-    small = dict(es).get(GPT2_SMALL_LABEL)
+    es = list(results["models"].items())
+    small = results["models"].get(GPT2_SMALL_LABEL)
     return {"steps": STEPS, "factors": listing([f"{f:.1f}x" for f in FACTORS]),
             "networks": listing([f"`{m}`" for m in dict.fromkeys(e["model"] for _, e in es)]),
             "gpt2": f", and GPT-2 small (the zoo GPT at `zoo.GPT2_SMALL`, {small['nodes']:,} nodes)" if small else "",
@@ -186,16 +181,6 @@ def coop_vs_dtr_values(results: dict[str, Any]) -> dict[str, Any]:
             "fragmentation": {name: fragmentation_counts(results, key) for name, key in
                               (("own", "own_fragmentation"), ("caching", "caching_fragmentation"))},
             "frag": fragmentation_verdict(results)}
-
-
-def both_trained(results: dict[str, Any], factor: float) -> list[tuple[str, dict, dict]]:
-    """(graph, coop's run, dtr-pool's run) at ``factor`` x coop's smallest pool, where both train."""
-    out = []
-    for label, e in entries(results):
-        p = e["equal_pools"].get(str(factor))
-        if p and p["coop"]["ok"] and p["dtr-pool"]["ok"]:
-            out.append((label, p["coop"], p["dtr-pool"]))
-    return out
 
 
 def fragmentation_counts(results: dict[str, Any], key: str) -> list[tuple[float, int, int, float, float]]:
@@ -276,11 +261,12 @@ def dtr_variants_values(small: dict[str, Any], larger: dict[str, Any]) -> dict[s
 
 # -- does Coop's result reproduce? -----------------------------------------------------------------
 
+
 def pool_comparison(results: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
     """Graphs by how the best DTR-in-the-pool variant's smallest pool compares with coop's
     (:func:`heuristics.pool_order`): (graph, best DTR / coop)."""
     out: dict[str, list[tuple[str, float]]] = {"coop smaller": [], "same": [], "coop larger": []}
-    for label, e in entries(results):
+    for label, e in results["models"].items():
         order = pool_order(e)
         if order is not None:
             out[order].append((label, best_pool_ratio(e)))
@@ -290,7 +276,7 @@ def pool_comparison(results: dict[str, Any]) -> dict[str, list[tuple[str, float]
 def live_comparison(results: dict[str, Any]) -> list[tuple[str, float]]:
     """(graph, dtr's smallest pool / coop's) where coop's is smaller than DTR counting live bytes by more
     than one bisection step."""
-    return [(label, ratio(e, "dtr")) for label, e in entries(results) if e["smallest_budget"]["coop"]
+    return [(label, ratio(e, "dtr")) for label, e in results["models"].items() if e["smallest_budget"]["coop"]
             and e["smallest_budget"]["dtr"]
             and e["smallest_budget"]["dtr"] - e["smallest_budget"]["coop"] > e["bisection_step"]]
 
@@ -312,7 +298,7 @@ def verdict(results: dict[str, Any]) -> str:
 def not_monotone(results: dict[str, Any]) -> tuple[str, str, int, int] | None:
     """An instance of a variant training in a pool and not in a larger one, when the results hold one:
     (variant, graph, the pool, the larger pool)."""
-    for label, e in entries(results):
+    for label, e in results["models"].items():
         for k in VARIANTS:
             runs = [(e["equal_pools"][str(f)]["budget"], e["equal_pools"][str(f)][k]) for f in FACTORS
                     if str(f) in e["equal_pools"]]
@@ -343,6 +329,7 @@ def reproduce_values(results: dict[str, Any]) -> dict[str, Any]:
 
 # -- the worked example ----------------------------------------------------------------------------
 
+
 def divergence_values(ex: dict[str, Any]) -> dict[str, Any] | None:
     """The first request at which the two runs differ and each run's row there; None when they never do."""
     first = ex["first_divergence"]
@@ -368,7 +355,7 @@ def sweep_values(ex: dict[str, Any]) -> dict[str, Any]:
 
 def largest_graph(results: dict[str, Any]) -> dict[str, Any]:
     """The largest graph: its smallest pools against coop's and the overheads at coop's smallest pool."""
-    label, e = max(entries(results), key=lambda x: x[1]["nodes"])
+    label, e = max(results["models"].items(), key=lambda x: x[1]["nodes"])
     return {"label": label, "e": e, "best": best_pool_ratio(e), "order": pool_order(e),
             "at": e["equal_pools"].get(str(FACTORS[0]))}
 
@@ -481,6 +468,7 @@ def regnet_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 # -- budgeting reserved bytes ----------------------------------------------------------------------
 
+
 def over_budget(b: dict[str, Any]) -> list[str]:
     """The allocator models whose replay of the live-budget schedule at one budget reserves more than it."""
     return [k for k, v in b["plain"]["reserved"].items() if v > b["budget"]]
@@ -518,7 +506,8 @@ def reserved_values(study: dict[str, Any]) -> dict[str, str]:
             "reserved": reserved_said(study)}
 
 
-# -- the page --------------------------------------------------------------------------------------
+# -- Coop's two claims --------------------------------------------------------------------------------
+
 
 def claims_verdict(rows: list[dict[str, Any]], key: str) -> tuple[list[str], list[str]]:
     """(cells where coop's ``key`` is below dtr-pool's or dtr-pool does not train, the others)."""
@@ -568,26 +557,41 @@ def claims_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
                        "fullest": [(r, explained_by_first_request(r)) for r in behind_in_own_pool]}}
 
 
-def page(results: dict[str, Any], command: str, header: str) -> str:
+# -- the page and the suite ------------------------------------------------------------------------
+
+
+def page(results: dict[str, Any], header: str) -> str:
     """The whole page from one run's results (the study's, its worked example and :func:`studies`')."""
     meta, s = results["meta"], results["studies"]
     return common.fill(
-        "heuristics", header=header, command=command, date=meta["date"], machine=meta["machine"], torch=meta["torch"],
+        "heuristics", header=header, command=meta["command"], date=meta["date"], machine=meta["machine"], torch=meta["torch"],
         seconds=f"{meta['seconds']:.0f}", **coop_vs_dtr_values(results), **claims_values(s["claims"]),
         **dtr_variants_values(s["dtr_variants"]["small"], s["dtr_variants"]["larger"]), **reproduce_values(results),
         **example_values(results), **updates_values(s["updates"]), **writes_values(s["writes"]),
-        **regnet_values(s["regnet"]), **reserved_values(s["reserved"]), display=display, update_pairs=UPDATE_PAIRS, pool_cell=pool_cell, ratio=ratio,
-        best_pool_ratio=best_pool_ratio,
-        write_pairs=WRITE_PAIRS)
+        **regnet_values(s["regnet"]), **reserved_values(s["reserved"]), display=display, update_pairs=UPDATE_PAIRS,
+        write_pairs=WRITE_PAIRS, pool_cell=pool_cell, ratio=ratio, best_pool_ratio=best_pool_ratio)
 
 
-# `bonsai bench heuristics`: the suite (bonsai_core.bench.heuristics) with this page's studies and writer
-SUITE_DOC = heuristics.__doc__
-add_arguments = heuristics.add_arguments
-write_page = common.page_writer(lambda results, header: page(results, results["meta"]["command"], header), SOURCES)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The suite's options."""
+    common.add_page_arguments(ap, DEFAULT_OUT, RECORD_PAGE)
+    names = list(dict.fromkeys(n for n, _ in MODEL_SIZES))
+    ap.add_argument("--models", nargs="+", default=names, help=f"from {', '.join(names)}")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
+    ap.add_argument("--example", action="store_true", help="also write example.md (the worked example)")
 
 
-def main(args: Any) -> int:
-    """``bonsai bench heuristics``: the suite's study, with ``--page`` this page's studies and the page."""
-    return common.run_page_suite("heuristics", args, heuristics.refusal(args),
-                                 lambda: heuristics.measure(args, studies), write_page, heuristics.write_beside)
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why the options cannot run, before any measurement: a page from a subset of the models, a page
+    again from results without the page's studies, or what :func:`common.page_refusal` refuses."""
+    saved = Path(args.out) / "results.json"
+    why = common.page_refusal(args, narrowed=common.changed(args, ("models",)), whole="every model")
+    if not why and args.report_only and "studies" not in json.loads(saved.read_text()):
+        return f"{saved} holds no page studies; run with --page, without --report-only"
+    return why
+
+
+def main(args: argparse.Namespace) -> int:
+    """``bonsai bench heuristics``: the study, with ``--page`` the page's studies and the page."""
+    return common.run_page_suite("heuristics", args, refusal(args), lambda: heuristics.measure(args),
+                                 common.page_writer(page, SOURCES), write_beside)
