@@ -1,25 +1,17 @@
 """FSDP2 per rank, predicted against measured: ``fully_shard`` on each block and on the whole model, N
-gloo processes on CPU, each rank's peak live bytes over one training step (after a first step, so
-gradients are allocated as in steady state) against the simulator's peak of the graph sharded by
-:func:`bonsai_core.fsdp.with_fsdp`, without recomputation and with a bonsai plan applied by
-``bonsai_core.checkpoint`` before sharding.
+gloo processes on CPU, each rank's peak live bytes over one steady-state training step against the
+simulator's peak of the graph :func:`bonsai_core.fsdp.with_fsdp` shards, without recomputation and with a
+bonsai plan applied by ``bonsai_core.checkpoint`` before sharding.
 
     bonsai bench fsdp --page docs/bench/fsdp.md          # the page's models (RECORD), 2 and 4 ranks
     bonsai bench fsdp --model hf:llama --world 2 4 [--mixed-precision bf16] [--reshard-after-forward all-but-last] --out DIR
     bonsai bench fsdp --model gpt --world 2 --grads none --out DIR
 
-The numbers go to ``--out``/results.json, the page is written from them (again with ``--report-only``); a run
-of other models or options than the page's writes elsewhere.
-
-``--mixed-precision bf16`` shards with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-reduce_dtype=torch.float32)`` (torchtitan's); ``--reshard-after-forward all-but-last`` keeps the last block
-unsharded after its forward (torchtitan's ``apply_fsdp`` of December 2024), ``torchtitan`` shards as
-torchtitan 0.2.2's ``apply_fsdp`` does (:func:`bonsai_core.fsdp.fsdp_units`). gloo runs both on CPU: bf16
-all-gathers and fp32 reduce-scatters. ``--grads none`` sets the gradients to None between the steps
-(``zero_grad(set_to_none=True)``, ``optimizer.zero_grad()``'s default): the measured step makes its sharded
-gradients, predicted by the graph :func:`bonsai_core.optimizer.with_grads_set_to_none` makes.
+``--mixed-precision bf16``: torchtitan's ``MixedPrecisionPolicy`` (gloo runs bf16 all-gathers and fp32
+reduce-scatters on CPU); ``--reshard-after-forward``: per block, ``torchtitan`` as 0.2.2's ``apply_fsdp``
+(:func:`bonsai_core.fsdp.fsdp_units`); ``--grads none``: the gradients set to None between the steps,
+predicted by the graph :func:`bonsai_core.optimizer.with_grads_set_to_none` makes.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -222,11 +214,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_page_arguments(parser, OUT, PAGE)
 
 
-def studies(args: argparse.Namespace) -> dict[str, str | None]:
-    """Each model to measure with the budget of its plan (None: no plan), the page's unless ``--model``."""
-    return RECORD if args.model is None else {model: args.budget for model in args.model}
-
-
 def refusal(args: argparse.Namespace) -> str | None:
     """Why these options cannot run, before anything is measured (other models or options than the page's
     write neither its results nor the page); None when they can."""
@@ -241,7 +228,8 @@ def measure_rows(args: argparse.Namespace) -> dict[str, Any]:
     setting = ", ".join(x for x in (f"mp {mp}" if mp else "", "" if reshard is True else f"reshard {reshard}",
                                     "grads none" if args.grads == "none" else "") if x)
     rows = []
-    for label, budget in studies(args).items():
+    studies = RECORD if args.model is None else {model: args.budget for model in args.model}  # model -> its plan
+    for label, budget in studies.items():
         model, options = label.removesuffix("-wide"), SIZES[label]
         for world in args.world:
             start = time.perf_counter()

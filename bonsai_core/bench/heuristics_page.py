@@ -35,7 +35,6 @@ FAIL_BAR = 20  # the figure draws "does not train in this pool" as a hatched bar
 
 # -- the Coop-vs-DTR study's table, figure and example --------------------------------------------
 
-
 def pool_cell(e: dict[str, Any], label: str) -> str:
     """``label``'s smallest pool in MiB, one decimal, without the unit (the tables' headers name it)."""
     b = e["smallest_budget"][label]
@@ -169,7 +168,6 @@ def write_beside(results: dict[str, Any], out: Path) -> None:
 
 # -- the page: Coop against DTR in one pool -----------------------------------------------------------
 
-
 def coop_vs_dtr_values(results: dict[str, Any]) -> dict[str, Any]:
     """What the Coop-against-DTR section says: the graphs, the tables, the fragmentation, the 2-layer GPT."""
     es = list(results["models"].items())
@@ -251,16 +249,7 @@ def dtr_variants_said(part: dict[str, Any]) -> dict[str, Any]:
             "banish_fails": [f for f, x in zip(fracs, banish) if x is None]}
 
 
-def dtr_variants_values(small: dict[str, Any], larger: dict[str, Any]) -> dict[str, Any]:
-    """The two tables of ``bonsai bench dtr-variants`` and what they say (the 4-layer GPT: where DTR thrashes)."""
-    return {"small_nodes": small["nodes"], "small_table": dtr_variants.table(small), "small_said": dtr_variants_said(small),
-            "larger_options": " ".join(f"--{k} {v}" for k, v in larger["options"].items()),
-            "larger_nodes": larger["nodes"], "larger_table": dtr_variants.table(larger), "larger": larger,
-            "larger_ranking": ranking(larger, list(larger["overheads"]))}
-
-
 # -- does Coop's result reproduce? -----------------------------------------------------------------
-
 
 def pool_comparison(results: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
     """Graphs by how the best DTR-in-the-pool variant's smallest pool compares with coop's
@@ -320,15 +309,7 @@ def equal_pools(results: dict[str, Any]) -> dict[str, Any]:
     return {"pools": pools, "lower": [f for f in FACTORS if h[str(f)]["coop_lower"] > h[str(f)]["coop_higher"]]}
 
 
-def reproduce_values(results: dict[str, Any]) -> dict[str, Any]:
-    return {"verdict": verdict(results), "equal": equal_pools(results),
-            "live": sorted(live_comparison(results), key=lambda x: x[1]),
-            "pool": {k: sorted(v, key=lambda x: x[1]) for k, v in pool_comparison(results).items()},
-            "pool_variants": POOL_VARIANTS, "not_monotone": not_monotone(results), "times": times}
-
-
 # -- the worked example ----------------------------------------------------------------------------
-
 
 def divergence_values(ex: dict[str, Any]) -> dict[str, Any] | None:
     """The first request at which the two runs differ and each run's row there; None when they never do."""
@@ -358,12 +339,6 @@ def largest_graph(results: dict[str, Any]) -> dict[str, Any]:
     label, e = max(results["models"].items(), key=lambda x: x[1]["nodes"])
     return {"label": label, "e": e, "best": best_pool_ratio(e), "order": pool_order(e),
             "at": e["equal_pools"].get(str(FACTORS[0]))}
-
-
-def example_values(results: dict[str, Any]) -> dict[str, Any]:
-    ex = results["example"]
-    return {"example": ex, "divergence": divergence_values(ex), "sweep": sweep_values(ex),
-            "largest": largest_graph(results)}
 
 
 # -- recomputable in-place -------------------------------------------------------------------------
@@ -420,12 +395,6 @@ def mixed(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> bool
     return any(all(pair_split(rows, pair, smallest_of)[k] for k in ("lower", "higher")) for pair in pairs.values())
 
 
-def updates_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"update_models": [display(m) for m in by_model(rows)], "updates": by_model(rows),
-            "updates_pairs": pair_values(rows, UPDATE_PAIRS), "updates_mixed": mixed(rows, UPDATE_PAIRS),
-            "updates_gap": largest_gap(rows, UPDATE_PAIRS)}
-
-
 def evictions_counts(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> list[tuple[str, int, int, int]]:
     """Per method: (method, tensors evicted at 80% writing in place, copying on write, models where both train)."""
     out = []
@@ -439,12 +408,6 @@ def evictions_counts(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str
 def ops_in_place(rows: list[dict[str, Any]]) -> dict[str, int]:
     """Model (without its size) -> the ops its graph runs in place."""
     return {display(r["model"]).split(" --")[0]: r["inplace_ops"] for r in rows}
-
-
-def writes_values(rows: list[dict[str, Any]]) -> dict[str, str]:
-    return {"writes_ops": ops_in_place(rows), "writes": by_model(rows),
-            "writes_pairs": pair_values(rows, WRITE_PAIRS),
-            "evictions": evictions_counts(rows, WRITE_PAIRS)}
 
 
 def span(values: Iterable[float | None]) -> float:
@@ -467,7 +430,6 @@ def regnet_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # -- budgeting reserved bytes ----------------------------------------------------------------------
-
 
 def over_budget(b: dict[str, Any]) -> list[str]:
     """The allocator models whose replay of the live-budget schedule at one budget reserves more than it."""
@@ -500,14 +462,7 @@ def reserved_said(study: dict[str, Any]) -> dict[str, Any]:
             "gaps": [r["gap"] for r in solves if r.get("gap") is not None]}
 
 
-def reserved_values(study: dict[str, Any]) -> dict[str, str]:
-    return {"reserved_model": study["model"], "reserved_options": " ".join(f"--{k} {v}" for k, v in study["options"].items()),
-            "reserved_nodes": f"{study['nodes']:,}", "reserved_peak": common.mib(study["no_remat_peak"]),
-            "reserved": reserved_said(study)}
-
-
 # -- Coop's two claims --------------------------------------------------------------------------------
-
 
 def claims_verdict(rows: list[dict[str, Any]], key: str) -> tuple[list[str], list[str]]:
     """(cells where coop's ``key`` is below dtr-pool's or dtr-pool does not train, the others)."""
@@ -559,17 +514,26 @@ def claims_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 # -- the page and the suite ------------------------------------------------------------------------
 
-
 def page(results: dict[str, Any], header: str) -> str:
-    """The whole page from one run's results (the study's, its worked example and :func:`studies`')."""
-    meta, s = results["meta"], results["studies"]
+    """The whole page from one run's results (the study's, its worked example and the page's studies)."""
+    s, ex = results["studies"], results["example"]
+    small, larger, updates = s["dtr_variants"]["small"], s["dtr_variants"]["larger"], s["updates"]
     return common.fill(
-        "heuristics", header=header, command=meta["command"], date=meta["date"], machine=meta["machine"], torch=meta["torch"],
-        seconds=f"{meta['seconds']:.0f}", **coop_vs_dtr_values(results), **claims_values(s["claims"]),
-        **dtr_variants_values(s["dtr_variants"]["small"], s["dtr_variants"]["larger"]), **reproduce_values(results),
-        **example_values(results), **updates_values(s["updates"]), **writes_values(s["writes"]),
-        **regnet_values(s["regnet"]), **reserved_values(s["reserved"]), display=display, update_pairs=UPDATE_PAIRS,
-        write_pairs=WRITE_PAIRS, pool_cell=pool_cell, ratio=ratio, best_pool_ratio=best_pool_ratio)
+        "heuristics", header=header, meta=results["meta"], **coop_vs_dtr_values(results), **claims_values(s["claims"]),
+        small=small, small_table=dtr_variants.table(small), small_said=dtr_variants_said(small), larger=larger,
+        larger_table=dtr_variants.table(larger), larger_ranking=ranking(larger, list(larger["overheads"])),
+        verdict=verdict(results), equal=equal_pools(results), live=sorted(live_comparison(results), key=lambda x: x[1]),
+        pool={k: sorted(v, key=lambda x: x[1]) for k, v in pool_comparison(results).items()},
+        pool_variants=POOL_VARIANTS, not_monotone=not_monotone(results), times=times,
+        example=ex, divergence=divergence_values(ex), sweep=sweep_values(ex), largest=largest_graph(results),
+        update_models=[display(m) for m in by_model(updates)], updates=by_model(updates),
+        updates_pairs=pair_values(updates, UPDATE_PAIRS), updates_mixed=mixed(updates, UPDATE_PAIRS),
+        updates_gap=largest_gap(updates, UPDATE_PAIRS), writes_ops=ops_in_place(s["writes"]),
+        writes=by_model(s["writes"]), writes_pairs=pair_values(s["writes"], WRITE_PAIRS),
+        evictions=evictions_counts(s["writes"], WRITE_PAIRS), **regnet_values(s["regnet"]),
+        study=s["reserved"], reserved=reserved_said(s["reserved"]), label_of=label_of, display=display,
+        update_pairs=UPDATE_PAIRS, write_pairs=WRITE_PAIRS, pool_cell=pool_cell, ratio=ratio,
+        best_pool_ratio=best_pool_ratio)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -95,13 +95,6 @@ def measure(time_limit: float) -> dict[str, Any]:
 
 # -- the page -------------------------------------------------------------------------------------
 
-def pairs(results: dict[str, Any], method: str) -> list[tuple[float, dict[str, Any], dict[str, Any]]]:
-    """(share, without offload, with offload) of ``method``, in the order of the run."""
-    rows = [r for r in results["rows"] if r["method"] == method]
-    by = {(r["share"], r["offload"]): r for r in rows}
-    return [(s, by[s, False], by[s, True]) for s in dict.fromkeys(r["share"] for r in rows)]
-
-
 def shares_said(compared: Sequence[tuple[float, float]]) -> str:
     return common.listing([f"{s:.0%}" for s, _ in compared])
 
@@ -114,21 +107,17 @@ def points(compared: Sequence[tuple[float, float]]) -> str:
 def method_values(results: dict[str, Any], method: str) -> dict[str, Any]:
     """``method``'s overheads with offload against without, budget by budget (:func:`common.compare`), and
     the stalls of its plans that offload."""
-    ps = pairs(results, method)
-    def overhead(r: dict[str, Any]) -> float | None:
-        return None if "error" in r else r["overhead"]
-    return {"name": method, "c": common.compare((s, overhead(on), overhead(off)) for s, off, on in ps),
+    by = {(r["share"], r["offload"]): r for r in results["rows"] if r["method"] == method}
+    ps = [(share, by[share, False], by[share, True]) for share, offload in by if offload]  # in the order of the run
+    overhead = {key: None if "error" in r else r["overhead"] for key, r in by.items()}
+    return {"name": method, "c": common.compare((s, overhead[s, True], overhead[s, False]) for s, _, _ in ps),
             "stalls": [on["stall"] for _, _, on in ps if "error" not in on and on["offloaded_bytes"]]}
 
 
 def page(results: dict[str, Any], header: str) -> str:
-    meta, g = results["meta"], results["graph"]
-    return common.fill(
-        "offload", header=header, command=meta["command"], date=meta["date"], machine=meta["machine"],
-        torch=meta["torch"], seconds=f"{meta['seconds']:.0f}", model=g["name"], nodes=g["nodes"],
-        no_remat_peak=common.mib(g["no_remat_peak"]), time_limit=f"{meta['time_limit']:g}", rows=results["rows"], peak_bytes=g["no_remat_peak"],
-        methods=[method_values(results, m) for m in METHODS], shares_said=shares_said, points=points,
-        export_budget=f"{EXPORT_SHARE:.0%}", e=results["export"])
+    return common.fill("offload", header=header, meta=results["meta"], g=results["graph"], rows=results["rows"],
+                       methods=[method_values(results, m) for m in METHODS], shares_said=shares_said, points=points,
+                       export_share=EXPORT_SHARE, e=results["export"])
 
 
 def main(args: argparse.Namespace) -> int:
