@@ -177,8 +177,7 @@ def coop_vs_dtr_values(results: dict[str, Any]) -> dict[str, Any]:
             "gpt2": f", and GPT-2 small (the zoo GPT at `zoo.GPT2_SMALL`, {small['nodes']:,} nodes)" if small else "",
             "graphs": len(es), "entries": es, "pool_columns": ["coop", *POOL_VARIANTS, "dtr"],
             "fragmentation": {name: fragmentation_counts(results, key) for name, key in
-                              (("own", "own_fragmentation"), ("caching", "caching_fragmentation"))},
-            "frag": fragmentation_verdict(results)}
+                              (("own", "own_fragmentation"), ("caching", "caching_fragmentation"))}}
 
 
 def fragmentation_counts(results: dict[str, Any], key: str) -> list[tuple[float, int, int, float, float]]:
@@ -192,22 +191,6 @@ def fragmentation_counts(results: dict[str, Any], key: str) -> list[tuple[float,
             out.append((f, len(lower), len(both), median(c[key] for _, c, _ in both),
                         median(d[key] for _, _, d in both)))
     return out
-
-
-def fragmentation_verdict(results: dict[str, Any]) -> dict[str, Any]:
-    """Runs where coop's own-pool fragmentation is lower than dtr-pool's (``own``), those where its
-    caching-allocator one is (``caching``), runs where both train (``runs``), what that says (``said``)."""
-    own, caching = (fragmentation_counts(results, k) for k in ("own_fragmentation", "caching_fragmentation"))
-    runs = sum(m for _, _, m, _, _ in own)
-    n_own, n_caching = sum(n for _, n, *_ in own), sum(n for _, n, *_ in caching)
-    if n_own > runs / 2 >= n_caching:
-        said = ("lower in its own pool, not in PyTorch's: the lower fragmentation needs Coop's allocator, not only "
-                "its schedule")
-    elif n_own > runs / 2:
-        said = "lower in both allocators"
-    else:
-        said = "not lower on most runs, even in its own pool"
-    return {"own": n_own, "caching": n_caching, "runs": runs, "said": said}
 
 
 # -- DTR's heuristics ------------------------------------------------------------------------------
