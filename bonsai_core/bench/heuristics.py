@@ -100,12 +100,12 @@ def run(graph: Graph, budget: int, label: str, time_limit: float, measure: bool 
     return row
 
 
-def smallest_budget(graph: Graph, label: str, time_limit: float, steps: int = STEPS,
+def smallest_budget(graph: Graph, label: str, time_limit: float,
                     variants: dict[str, tuple[str, dict[str, Any]]] = VARIANTS) -> int | None:
     """The smallest budget ``label`` trains in, bisected between the graph's lower bound and 1.5x its
     no-remat peak."""
     return common.bisect_budget(lambda budget: run(graph, budget, label, time_limit, variants=variants)["ok"],
-                                graph.peak_lower_bound, int(1.5 * no_remat_peak(graph)), steps)
+                                graph.peak_lower_bound, int(1.5 * no_remat_peak(graph)), STEPS)
 
 
 def label_of(name: str, options: dict[str, int]) -> str:
