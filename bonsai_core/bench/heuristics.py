@@ -132,8 +132,8 @@ def bench_model(name: str, options: dict[str, int], time_limit: float) -> dict[s
         entry["equal_pools"][str(f)] = {"budget": budget, **{label: run(g, budget, label, time_limit, measure=True)
                                                              for label in VARIANTS}}
     entry["seconds"] = time.perf_counter() - start
-    print(f"{label_of(name, options)}: smallest pools (MiB) "
-          + ", ".join(f"{k} {common.mib(b + adam, 1, '') if b else '-'}" for k, b in entry["smallest_budget"].items()) + f"; {entry['seconds']:.0f} s", flush=True)
+    pools = ", ".join(f"{k} {common.mib(b + adam, 1, '') if b else '-'}" for k, b in entry["smallest_budget"].items())
+    print(f"{label_of(name, options)}: smallest pools (MiB) {pools}; {entry['seconds']:.0f} s", flush=True)
     return entry
 
 
@@ -288,8 +288,9 @@ def display(model: str) -> str:
 def claims(time_limit: float) -> list[dict[str, Any]]:
     """Coop's two claims at once, as ``bonsai solve --budget P%`` meets them: per model of
     :data:`CLAIM_MODELS` and share of its no-remat peak, coop and dtr-pool (DTR evicting in the same full
-    arena), each with its overhead, its fragmentation in its own pool and under the caching allocator, the paper's
-    rate (``free_after_eviction``, as OneFlow records it) and its fullest moment's live bytes; ``pool``: the arena's bytes (Adam state included)."""
+    arena), each with its overhead, its fragmentation in its own pool and under the caching allocator, the
+    paper's rate (``free_after_eviction``, as OneFlow records it) and its fullest moment's live bytes;
+    ``pool``: the arena's bytes (Adam state included)."""
     from bonsai_core.trace import trace_model
 
     rows = []
