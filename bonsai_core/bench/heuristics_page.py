@@ -1,5 +1,6 @@
-"""``bonsai bench heuristics``: Coop vs DTR in one pool (smallest pool, overhead at equal pools,
-fragmentation), measured by :mod:`bonsai_core.bench.heuristics`, and the pages written from its results.
+"""Coop vs DTR in one pool, as Coop's paper compares them: the smallest pool each trains in, the overhead
+at equal pools and the fragmentation (``bonsai bench heuristics``; :mod:`bonsai_core.bench.heuristics`
+measures, this module writes the pages from the results).
 
     bonsai bench heuristics --out docs/heuristics --example   # about a minute here
     bonsai bench heuristics --page docs/results/heuristics.md [--report-only]  # and the page's studies: minutes
