@@ -65,13 +65,6 @@ STEPS = 10
 DEFAULT_OUT, RECORD_PAGE = "docs/heuristics", "docs/results/heuristics.md"
 
 
-def models() -> list[tuple[str, dict[str, int]]]:
-    """MODEL_SIZES with GPT-2 small's shape filled in."""
-    from bonsai_core.models.zoo import GPT2_SMALL as shape
-
-    return [(name, dict(shape) if options == GPT2_SMALL else options) for name, options in MODEL_SIZES]
-
-
 def adam_bytes(graph: Graph) -> int:
     return optimizer_bytes(fixed_tensors(graph)) if graph.optimizer is None else 0
 
@@ -174,12 +167,6 @@ def run_summary(graph: Graph, schedule: Schedule) -> dict[str, Any]:
             "recompute_seconds": sum(cost[v] * c for v, c in rec.items())}
 
 
-def first_divergence(logs: dict[str, list]) -> int | None:
-    """The index of the first request at which the two runs' logs differ (node or evictions)."""
-    a, b = (logs[k] for k in EXAMPLE_METHODS)
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x[1] != y[1] or x[2] != y[2]), None)
-
-
 def request_rows(graph: Graph, logs: dict[str, list], first: int, count: int = 4) -> list[dict[str, Any]]:
     """Requests ``first`` to ``first + count`` of each run: op, the node needing room and what was evicted."""
     names, mem = graph.names, graph.mem.tolist()
@@ -216,7 +203,8 @@ def example(time_limit: float, frac: float = EXAMPLE_FRAC) -> dict[str, Any]:
     runs = {k: solve(g, budget, VARIANTS[k][0], time_limit=time_limit, budget_hint=False, **VARIANTS[k][1])
             for k in EXAMPLE_METHODS}
     logs = {k: s.extra["evictions"] for k, s in runs.items()}
-    first = first_divergence(logs)
+    a, b = (logs[k] for k in EXAMPLE_METHODS)  # the first request at which the logs differ (node or evictions)
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x[1] != y[1] or x[2] != y[2]), None)
     return {"model": "gpt", "nodes": g.n, "frac": frac, "budget": budget, "adam_bytes": adam_bytes(g),
             "runs": {k: run_summary(g, s) for k, s in runs.items()}, "first_divergence": first,
             "requests": [] if first is None else request_rows(g, logs, first),
@@ -393,13 +381,16 @@ def reserved_budgets(time_limit: float) -> dict[str, Any]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Every chosen model (results.json in ``--out`` after each), the worked example with ``--example`` or
     ``--page``, and with ``--page`` the page's other :func:`studies`."""
+    from bonsai_core.models.zoo import GPT2_SMALL as shape
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     results: dict[str, Any] = {"meta": common.run_meta(seconds=0.0),
                                "variants": {k: [m, o] for k, (m, o) in VARIANTS.items()},
                                "factors": list(FACTORS), "models": {}}
-    for name, options in models():
+    for name, options in MODEL_SIZES:
+        options = dict(shape) if options == GPT2_SMALL else options
         if name in args.models:
             results["models"][label_of(name, options)] = bench_model(name, options, args.time_limit)
             results["meta"]["seconds"] = time.perf_counter() - start

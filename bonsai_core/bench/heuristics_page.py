@@ -415,11 +415,6 @@ def regnet_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 # -- budgeting reserved bytes ----------------------------------------------------------------------
 
-def over_budget(b: dict[str, Any]) -> list[str]:
-    """The allocator models whose replay of the live-budget schedule at one budget reserves more than it."""
-    return [k for k, v in b["plain"]["reserved"].items() if v > b["budget"]]
-
-
 ALLOCATOR_NAMES = {"caching": "the caching allocator", "expandable": "expandable segments"}
 
 
@@ -441,7 +436,8 @@ def reserved_said(study: dict[str, Any]) -> dict[str, Any]:
              if r["ok"] and k == "expandable"] + [b["plain"]["reserved"]["expandable"] - b["plain"]["live_peak"]
                                                   for b in budgets]
     solves = [b["plain"] for b in budgets] + [r for b in budgets for r in b["reserved"].values() if r["ok"]]
-    return {"budgets": [(b, over_budget(b)) for b in budgets], "cost": list(map(reserved_cost, budgets)), "slack": max(slack),
+    over_budget = [[k for k, v in b["plain"]["reserved"].items() if v > b["budget"]] for b in budgets]  # replayed
+    return {"budgets": list(zip(budgets, over_budget)), "cost": list(map(reserved_cost, budgets)), "slack": max(slack),
             "statuses": sorted({r["status"] for r in solves}),
             "gaps": [r["gap"] for r in solves if r.get("gap") is not None]}
 
