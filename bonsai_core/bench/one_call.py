@@ -36,18 +36,12 @@ def gpt2(batch: int = 4, seq: int = 256, dropout: float = 0.1):
     return _maskless(GPT2LMHeadModel(config), batch, seq, config.vocab_size)
 
 
-def vit(batch: int = 32, image: int = 64):
+def from_tests(make: str, **options: int):
+    """A model of the checkout's tests/robust_models.py, ``make(**options)``."""
     common.import_test_models()
-    from tests.robust_models import make_vit
+    from tests import robust_models
 
-    return make_vit(batch=batch, image=image)
-
-
-def cnn(batch: int = 16):
-    common.import_test_models()
-    from tests.robust_models import make_stochastic_depth_cnn
-
-    return make_stochastic_depth_cnn(batch=batch, width=32, blocks=6, image=32)
+    return getattr(robust_models, make)(**options)
 
 
 def regnet(batch: int = 16, image: int = 112):
@@ -99,8 +93,9 @@ def _maskless(lm: Any, batch: int, seq: int, vocab: int):
 MODELS = {"transformers Llama (6 layers, 256 wide, seq 256, SDPA)": llama,
           "transformers GPT-2 (6 layers, 256 wide, seq 256, SDPA, no dropout)": lambda: gpt2(dropout=0.0),
           "transformers GPT-2 (6 layers, 256 wide, seq 256, SDPA, dropout 0.1)": gpt2,
-          "transformers ViT (trunc_normal_ init, 64 px, batch 32)": vit,
-          "BatchNorm + SiLU CNN, stochastic depth (torch.nn)": cnn,
+          "transformers ViT (trunc_normal_ init, 64 px, batch 32)": lambda: from_tests("make_vit", batch=32, image=64),
+          "BatchNorm + SiLU CNN, stochastic depth (torch.nn)": lambda: from_tests(
+              "make_stochastic_depth_cnn", batch=16, width=32, blocks=6, image=32),
           "transformers RegNet-Y (BatchNorm, 22 residual `+=` in place, 112 px, batch 16)": regnet,
           "transformers EfficientNet-B0 (BatchNorm, SiLU, dropout, drop-connect, 112 px, batch 16)": efficientnet}
 
