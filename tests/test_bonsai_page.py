@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from bonsai_core.bench import bonsai as suite, bonsai_page as bp
+from bonsai_core.bench import bonsai as bp
 from bonsai_core.cli import main
 from tests.pages import compact
 
-GPT4 = suite.GPT4
+GPT4 = bp.GPT4
 META = {"command": "bonsai bench bonsai -o R.json --page P", "machine": "2 CPUs", "started": "2026-01-01 00:00 UTC",
         "ended": "2026-01-01 00:12 UTC", "seconds": 720.0, "load_end": "1.00 1.00 1.00", "torch": "2.x",
         "time_limit": 120.0}
@@ -119,7 +119,7 @@ def checkmate_row(fraction: float, bonsai: float | None, checkmate: float | None
 
 
 def real_step(bonsai: float, dtr: float | None, chen: float) -> dict:
-    """The 8B step at 82.4 GiB as :func:`bonsai_core.bench.bonsai_page.real_step` records it."""
+    """The 8B step at 82.4 GiB as :func:`bonsai_core.bench.bonsai.real_step` records it."""
     def method(name: str, overhead: float | None, options: dict | None = None, **fields) -> dict:
         if overhead is None:
             return {"method": name, "options": options or {}, "error": "no schedule", "wall_seconds": 5.0}
@@ -294,7 +294,7 @@ def test_report_only_writes_the_page_from_the_saved_results(tmp_path):
     assert main(["bench", "bonsai", "-o", str(saved), "--page", str(out), "--report-only"]) == 0
     text = compact(out.read_text())
     assert text.startswith("<!-- written by: `bonsai bench bonsai -o R.json --page P` at commit ")
-    assert "sources bonsai_core/bench/bonsai_page.py,bonsai_core/bench/bonsai.py,bonsai_core/bench/templates/bonsai.md hash " in text.split("\n")[0]
+    assert "sources bonsai_core/bench/bonsai.py,bonsai_core/bench/templates/bonsai.md hash " in text.split("\n")[0]
     assert "kept in [bonsai.json](bonsai.json)" in text and "The largest gain: 3.50 points" in text
 
 

@@ -23,7 +23,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "heuristics": ("heuristics_page", "coop vs DTR in one pool: smallest pool, overhead at equal pools, fragmentation"),
     "inplace": ("inplace", "coop's recomputable in-place (optimizer updates, in-place ops) vs copy-on-write"),
     "dtr-variants": ("dtr_variants", "DTR's heuristics and deallocation modes on the 2-layer zoo GPT"),
-    "bonsai": ("bonsai_page", "the bonsai segment ILP: solve time, size, gap, granularity, live re-solve, region bound"),
+    "bonsai": ("bonsai", "the bonsai segment ILP: solve time, size, gap, granularity, live re-solve, region bound"),
     "solvers-opt": ("solvers_opt", "the op-level solvers (checkmate on HiGHS and SCIP, moccasin on CP-SAT); "
                                    "--page writes docs/results/checkmate_moccasin.md"),
     "offload": ("offload", "keep, recompute or offload: every method with and without offload, an offload plan run"),

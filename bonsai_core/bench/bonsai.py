@@ -1,6 +1,6 @@
 """Measure the bonsai segment ILP: solve time, size, overhead and gap on traced zoo graphs next to
 chen and dtr, the smallest budget each reaches, the effect of the granularity, and the live re-solve
-time after a budget change.
+time after a budget change; with ``--page``, also the studies docs/results/bonsai.md reports, and the page.
 
     bonsai bench bonsai -o bench-bonsai.json     # everything (many minutes)
     bonsai bench bonsai --models gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8 \
@@ -14,19 +14,21 @@ time after a budget change.
 
 ``--variants``: bonsai's option sets, each ``default`` or ``name=value,...`` (``bonsai methods
 bonsai`` lists the options); ``--budgets``: shares of the no-remat peak (``70``), as every suite takes
-them, or bytes with a unit (``82.4GiB``). The tables give the wall time of each call and where it went (``time_split``), and
-the tool's own peak memory (the process's maximum resident set) after each row.
+them, or bytes with a unit (``82.4GiB``). Each solve prints a line as it ends: its wall time and where it
+went (``time_split``), and the tool's own peak memory (the process's maximum resident set); ``-o`` keeps
+the rows as JSON.
 
 Every schedule goes through ``bonsai_core.solvers.solve`` (so the simulator validates it); budgets are
 shares of the no-remat peak. Default options for every method (bonsai: granularity "auto", gap 1%),
-except the time limit. Prints Markdown tables, the load average (the machine may be shared), and
-writes the raw rows as JSON.
+except the time limit.
 
-``--page PAGE`` (the default models and budgets only) also runs the studies docs/results/bonsai.md
-reports (``bonsai_page.studies``: the options ``save_self_contained`` and ``drop_outputs``, the
-explorer's graph dragged from 95% to 45%, the region bound, moccasin at 40%), keeps everything in ``-o``
-and writes the page (``bonsai_page.page``; the suite's entry is ``bonsai_page.main``); ``--report-only``
-writes it again from ``-o``.
+``--page PAGE`` (the default models and budgets only) also runs :func:`studies`: the options
+``save_self_contained`` and ``drop_outputs`` on three GPTs (one plan exported and verified on CPU), the
+explorer's graph dragged from 95% to 45%, the region bound on U-Nets and on small models of other
+authors, moccasin at 40% on the 4-layer GPT, checkmate on small GPTs and the Llama-3 steps; it keeps
+everything in ``-o`` and :func:`page` writes the page from it alone: every number it states, and every
+comparison, is computed from it; the fixed prose only explains mechanisms. ``--report-only`` writes the
+page again from ``-o`` without measuring.
 """
 
 from __future__ import annotations
@@ -35,36 +37,50 @@ import argparse
 import json
 import os
 import resource
-import statistics
+import tempfile
 import time
-from typing import Any
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
 
 from bonsai_core.arguments import bench_budget_arg
-from bonsai_core.bench.common import pipe_table
+from bonsai_core.bench import common
+from bonsai_core.bench.common import TIE, budget, compare, median, pct2
+from bonsai_core.bound import lower_bound
+from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph
+from bonsai_core.optimizer import with_optimizer
+from bonsai_core.regions import region_peak_bound
 from bonsai_core.schedule import no_remat_peak
-from bonsai_core.solvers import bonsai as B, parse_option
-from bonsai_core.solvers import solve
+from bonsai_core.solvers import bonsai as B, parse_option, solve
+from bonsai_core.solvers.bonsai_coef import self_contained
+from bonsai_core.units import format_bytes
 
 GPT4 = "gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8"
 DEFAULT_MODELS = [GPT4, "resnet", "unet", "gpt2-small"]
-
-
 DEFAULT_BUDGETS = ("70", "50", "45", "40")  # shares of the no-remat peak, in percent
+RUN_STATS = ("status", "gap", "variables", "constraints", "build_seconds", "solve_seconds", "candidates",
+             "ilp_candidates", "segments", "recomputed_segments", "peak", "overhead", "cached", "granularity",
+             "granularities_tried", "plan_source", "model_slack", "tightened_by", "time_split", "saved_nodes",
+             "outputs_dropped", "self_contained_saved", "space", "spaces", "bound", "bound_gap", "warm_start")
+# what the line printed after each solve of the suite's tables says (the rows keep every field)
+SHOWN = ("model", "sweep", "fraction", "method", "backend", "granularity", "ilp_candidates", "variables",
+         "wall_seconds", "time_split", "status", "gap", "overhead", "cached", "bonsai", "bonsai_status", "chen",
+         "lower_bound", "tool_rss_bytes", "error")
+
 
 def load(spec: str):
     """``name[:k=v,...]``, ``gpt2-small`` or a graph JSON file -> (label, Graph)."""
-    from bonsai_core.trace import trace_model
     from bonsai_core.models.zoo import GPT2_SMALL
 
     if spec.endswith(".json"):
-        g = load_graph(spec)
-        return os.path.basename(spec), g
+        return os.path.basename(spec), load_graph(spec)
     if spec == "gpt2-small":
-        return spec, trace_model("gpt", **GPT2_SMALL).graph
-    name, options = spec_options(spec)
-    return spec, trace_model(name, **options).graph
+        return spec, trace("gpt", GPT2_SMALL)
+    return spec, trace(*spec_options(spec))
 
 
 def spec_options(spec: str) -> tuple[str, dict[str, int]]:
@@ -74,20 +90,16 @@ def spec_options(spec: str) -> tuple[str, dict[str, int]]:
 
 
 def run(graph, budget: int | None, method: str = "bonsai", **options: Any) -> dict[str, Any]:
+    """One solve: its stats (RUN_STATS), wall seconds and the tool's peak memory, or its error."""
     if method == "bonsai":
         options.setdefault("reuse", False)  # measure every solve, never a plan reused from a larger budget
     start = time.perf_counter()
     try:
-        s = solve(graph, budget, method, **options)
+        stats = solve(graph, budget, method, **options).stats
     except BonsaiError as e:
         return {"error": str(e).split(":")[0], "wall_seconds": time.perf_counter() - start}
-    st = s.stats
-    return {k: st.get(k) for k in ("status", "gap", "variables", "constraints", "build_seconds", "solve_seconds",
-                                   "candidates", "ilp_candidates", "segments", "recomputed_segments", "peak",
-                                   "overhead", "cached", "granularity", "granularities_tried", "plan_source",
-                                   "model_slack", "tightened_by", "time_split", "saved_nodes", "outputs_dropped",
-                                   "self_contained_saved", "space", "spaces", "bound", "bound_gap", "warm_start")} | \
-        {"wall_seconds": time.perf_counter() - start, "tool_rss_bytes": max_rss()}
+    return {k: stats.get(k) for k in RUN_STATS} | {"wall_seconds": time.perf_counter() - start,
+                                                   "tool_rss_bytes": max_rss()}
 
 
 def max_rss() -> int:
@@ -100,17 +112,19 @@ def variant_options(text: str) -> dict[str, Any]:
     return {} if text == "default" else dict(parse_option("bonsai", part) for part in text.split(","))
 
 
-def fmt(x: Any, spec: str = ".3g") -> str:
-    return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
-
-
 def load_average() -> str:
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
 
 
+def shown(row: dict[str, Any]) -> dict[str, Any]:
+    """``row``, its SHOWN fields printed as one JSON line."""
+    print(json.dumps({k: row[k] for k in SHOWN if row.get(k) is not None}, default=str), flush=True)
+    return row
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The suite's options."""
+    """The suite's options (its ``-o`` file keeps the page's results), and the page's."""
     ap.add_argument("--models", nargs="*", default=DEFAULT_MODELS)
     ap.add_argument("--budgets", nargs="+", type=bench_budget_arg, default=[bench_budget_arg(p) for p in DEFAULT_BUDGETS],
                     metavar="PCT", help="shares of the no-remat peak (70 or 70%%), or bytes with a unit (82.4GiB) "
@@ -127,20 +141,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--skip-resolve", action="store_true")
     ap.add_argument("--skip-smallest", action="store_true")
     ap.add_argument("-o", "--output", default=None)
+    common.add_page_arguments(ap, None, "docs/results/bonsai.md")
 
 
-def main(args: argparse.Namespace) -> int:
-    """The suite's tables (:func:`measure`), their rows written to ``--output`` as JSON."""
-    rows = measure(args)
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
-    return 0
-
-
-def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+def tables(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The solve table, then the smallest budgets, the granularity sweep and the live re-solve: their rows."""
-    print(f"load average at start: {load_average()}\n")
     rows, graphs = solve_table(args)
     if not args.skip_smallest:
         rows += smallest_budgets(args, graphs)
@@ -154,37 +159,20 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 def solve_table(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, tuple[str, Any]]]:
     """Bonsai (and the methods compared) on every model, backend and budget; the rows and the graphs."""
     rows: list[dict[str, Any]] = []
-    print(pipe_table(["model", "nodes", "budget", "method", "granularity", "ILP cand.", "vars", "wall s (split)",
-                      "status", "gap", "source", "peak/plain", "overhead", "tool RSS"], []))
     graphs = {}
+    methods = [("bonsai", v) for v in args.variants] + [(m, "") for m in args.compare]
     for spec in args.models:
         label, g = graphs[spec] = load(spec)
         plain = no_remat_peak(g)
         for backend in args.backends:
             B._cache.clear()  # the first row pays the build (and the import of CVXPY, once per process)
-            budgets = [b.resolve(plain) for b in args.budgets]
-            for budget in budgets:
-                frac = budget / plain
-                methods = [("bonsai", v) for v in args.variants] + [(m, "") for m in args.compare]
+            for budget in [b.resolve(plain) for b in args.budgets]:
                 for method, variant in methods:
                     opts = {"backend": backend, **variant_options(variant)} if method == "bonsai" else {}
-                    opts["time_limit"] = args.time_limit
                     name = method if variant in ("", "default") else f"{method} {variant}"
-                    r = run(g, budget, method, **opts)
-                    r |= {"model": label, "nodes": g.n, "fraction": frac, "budget": budget, "method": name,
-                          "backend": backend, "plain_peak": plain, "load": load_average()}
-                    rows.append(r)
-                    if "error" in r:
-                        print(f"| {label} | {g.n} | {frac:.1%} | {name} | {r['error']} ({r['wall_seconds']:.2f} s) |")
-                        continue
-                    split = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("time_split") or {}).items())
-                    print(f"| {label} | {g.n} | {frac:.1%} | {name} | {fmt(r['granularity'])} | "
-                          f"{fmt(r['ilp_candidates'])} | {fmt(r['variables'])} | {r['wall_seconds']:.2f}"
-                          f"{f' ({split})' if split else ''} | "
-                          f"{r['status']} | {fmt(r['gap'], '.2g')} | {fmt(r['plan_source'])} | "
-                          f"{r['peak'] / plain:.3f} | {r['overhead']:+.2%} | {r['tool_rss_bytes'] / 2**30:.2f} GiB |",
-                          flush=True)
-    print(f"\nload average: {load_average()}")
+                    rows.append(shown(run(g, budget, method, time_limit=args.time_limit, **opts) | {
+                        "model": label, "nodes": g.n, "fraction": budget / plain, "budget": budget, "method": name,
+                        "backend": backend, "plain_peak": plain, "load": load_average()}))
     return rows, graphs
 
 
@@ -192,66 +180,585 @@ def smallest_budgets(args: argparse.Namespace, graphs: dict[str, tuple[str, Any]
     """The smallest budget bonsai's model reaches, chen's lowest plan and the per-op bound, per model."""
     from bonsai_core.bench.methods import chen_lowest_peak
 
-    print("\nSmallest budget reached (share of the no-remat peak): bonsai's model at the top of its auto "
-          "ladder (min-peak MILP), chen's lowest plan, and the per-op lower bound:\n")
-    print(pipe_table(["model", "bonsai model (status)", "chen", "per-op lower bound"], []))
     rows = []
-    for spec in args.models:
-        label, g = graphs[spec]
-        plain = no_remat_peak(g)
+    for label, g in (graphs[spec] for spec in args.models):
         smallest, status = B.smallest_budget(g, time_limit=args.time_limit)
-        chen = chen_lowest_peak(g)
-        rows.append({"model": label, "sweep": "smallest", "bonsai": smallest, "bonsai_status": status,
-                     "chen": chen, "lower_bound": g.peak_lower_bound, "plain_peak": plain})
-        print(f"| {label} | {'-' if smallest is None else f'{smallest / plain:.1%}'} ({status}) | {chen / plain:.1%} | "
-              f"{g.peak_lower_bound / plain:.1%} |", flush=True)
+        rows.append(shown({"model": label, "sweep": "smallest", "bonsai": smallest, "bonsai_status": status,
+                           "chen": chen_lowest_peak(g), "lower_bound": g.peak_lower_bound,
+                           "plain_peak": no_remat_peak(g)}))
     return rows
 
 
 def granularity_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Bonsai at 45% of the no-remat peak at each granularity asked."""
+    """Bonsai at 45% of the no-remat peak at each granularity asked, HiGHS."""
     label, g = load(args.granularity_model)
-    plain = no_remat_peak(g)
-    print(f"\nGranularity on {label} ({g.n} nodes), budget 45% of the no-remat peak, HiGHS:\n")
-    print(pipe_table(["granularity", "candidates", "ILP cand.", "vars", "cons", "wall s", "status", "gap", "peak/plain",
-                      "overhead"], []))
     rows = []
     for gran in args.granularities:
         B._cache.clear()
-        r = run(g, int(plain * 0.45), granularity=gran, time_limit=args.time_limit)
-        r |= {"model": label, "sweep": "granularity", "granularity_asked": gran, "fraction": 0.45}
-        rows.append(r)
-        if "error" in r:
-            print(f"| {gran} | {r['error']} |")
-            continue
-        print(f"| {r['granularity']} | {r['candidates']} | {r['ilp_candidates']} | {r['variables']} | "
-              f"{r['constraints']} | {r['wall_seconds']:.2f} | {r['status']} | {fmt(r['gap'], '.2g')} | "
-              f"{r['peak'] / plain:.3f} | {r['overhead']:+.2%} |", flush=True)
+        rows.append(shown(run(g, int(no_remat_peak(g) * 0.45), granularity=gran, time_limit=args.time_limit) | {
+            "model": label, "sweep": "granularity", "granularity_asked": gran, "fraction": 0.45}))
     return rows
 
 
 def resolve_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The live re-solve: one build, then the budget changed as a slider changes it."""
     label, g = load(args.resolve_model)
-    plain = no_remat_peak(g)
-    print(f"\nLive re-solve on {label} ({g.n} nodes): one build, then budget changes:\n")
-    print(pipe_table(["backend", "budget", "cached", "wall s (solve + schedule + simulate)", "status", "overhead"], []))
     rows = []
     for backend in args.backends:
         B._cache.clear()
-        walls = []
-        for frac in (0.9, 0.8, 0.7, 0.75, 0.85, 0.65, 0.6, 0.55, 0.5):
-            r = run(g, int(plain * frac), backend=backend, time_limit=args.time_limit)
-            r |= {"model": label, "sweep": "resolve", "fraction": frac, "backend": backend}
-            rows.append(r)
-            if "error" in r:
-                print(f"| {backend} | {frac:.0%} | {r['error']} |")
-                continue
-            if r["cached"]:
-                walls.append(r["wall_seconds"])
-            print(f"| {backend} | {frac:.0%} | {r['cached']} | {r['wall_seconds']:.2f} | {r['status']} | "
-                  f"{r['overhead']:+.2%} |", flush=True)
-        if walls:
-            print(f"\nmedian re-solve ({backend}, cached rows): {statistics.median(walls):.2f} s; "
-                  f"load average {load_average()}")
+        rows += [shown(run(g, int(no_remat_peak(g) * frac), backend=backend, time_limit=args.time_limit) | {
+                     "model": label, "sweep": "resolve", "fraction": frac, "backend": backend})
+                 for frac in (0.9, 0.8, 0.7, 0.75, 0.85, 0.65, 0.6, 0.55, 0.5)]
     return rows
+
+
+# -- docs/results/bonsai.md: the page's studies ------------------------------------------------------
+
+# the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
+SOURCES = ["bonsai_core/bench/bonsai.py", common.template_source("bonsai")]
+EXPLORER_GRAPH = "assets/gpt-default.json"
+GPT2_OPTIONS = {"layers": 4, "width": 256, "seq": 256}
+# key -> (how the page names the graph, zoo model or None for the explorer's file, trace options)
+GRAPHS: dict[str, tuple[str, str | None, dict[str, int]]] = {
+    "gpt4": ("the 4-layer GPT", "gpt", spec_options(GPT4)[1]),
+    "explorer": ("the explorer's default GPT", None, {}),
+    "hf_gpt2": ("`hf:gpt2` at 4 layers", "hf:gpt2", GPT2_OPTIONS)}
+BUDGETS = {"gpt4": (0.9, 0.7, 0.5, 0.45, 0.4, 0.37), "explorer": (0.7, 0.6, 0.5, 0.45),
+           "hf_gpt2": (0.7, 0.6, 0.5, 0.45)}
+# bonsai's segment options the page compares: self-contained nodes saved (the default), rebuilt, outputs
+# dropped; in the segment space (space "regions"), the only one these options shape
+SEGMENTS = {"space": "regions"}
+VARIANTS = {"saved": SEGMENTS, "rebuilt": {**SEGMENTS, "save_self_contained": False},
+            "dropped": {**SEGMENTS, "drop_outputs": True}}
+EXPORT_AT = 0.6  # the hf:gpt2 plan with dropped outputs exported (replay back-end) and verified on CPU
+DRAG = tuple(round(0.95 - 0.05 * i, 2) for i in range(11))  # the explorer's slider, 95% down to 45%
+MOCCASIN_AT = 0.4
+UNETS = {"1-level U-Net": {"batch": 1, "image": 4, "layers": 1, "width": 16},
+         "2-level U-Net": {"batch": 1, "image": 4, "layers": 2, "width": 16}}
+LARGER_UNET = {"batch": 1, "image": 16, "layers": 1, "width": 4}
+TINY_LM = {"layers": 1, "width": 32, "seq": 8, "batch": 1, "heads": 2, "vocab": 64}
+OTHER_AUTHORS = [("hf:gpt2", TINY_LM), ("hf:llama", TINY_LM), ("hf:bert", TINY_LM),
+                 ("hf:vit", {"layers": 1, "width": 32, "batch": 1, "heads": 2, "image": 16}),
+                 ("hf:resnet", {"layers": 1, "width": 8, "batch": 2, "image": 16}), ("gpt", TINY_LM)]
+HEADROOM_SIZES = [(w, s) for w in (8, 16, 32) for s in (4, 8, 16)]  # the 1-layer zoo GPT, heads 2, batch 1
+HEADROOM_OPTIONS = {"layers": 1, "heads": 2, "batch": 1, "vocab": 64}
+# the options --page fixes (the page reports the suite's defaults); --time-limit may change
+# The real steps of issue 56: Hugging Face Llama-3 configs, bf16 autocast, AdamW, one FSDP rank. Per step:
+# the config, the trace's size options, the FSDP world, the budgets; every method solved at each budget
+# with the lower bound (docs/BONSAI.md). Traced once each (the 70B step: about 1.5 minutes, 4 GB).
+REAL_STEPS = {"Llama-3-8B": ("assets/configs/llama-3-8b.json", {"batch": 2, "seq": 8192}, 8, ("82.4GiB",)),
+              "Llama-3-70B": ("assets/configs/llama-3-70b.json", {"batch": 1, "seq": 8192}, 64, ("50%", "30%"))}
+REAL_METHODS = (("dtr", {}), ("chen", {}), ("bonsai", {}), ("bonsai", {"offload": True}),
+                ("bonsai", {"space": "regions"}))
+REAL_METHODS_70B = REAL_METHODS[:3]  # the 70B step's solves take minutes each: bonsai's variants left out
+# Bonsai's default against checkmate's op-level MILP (HiGHS, warm-started, the run's time limit) on the
+# zoo GPT of 1 and 2 layers at its default size, with the lower bound.
+CHECKMATE_GPTS = {"the 1-layer GPT": {"layers": 1}, "the 2-layer GPT": {"layers": 2}}
+CHECKMATE_AT = (0.9, 0.7, 0.5)
+PAGE_FIXED = ("models", "budgets", "variants", "backends", "compare", "granularity_model",
+              "granularities", "resolve_model", "skip_granularity", "skip_resolve", "skip_smallest")
+
+Row = dict[str, Any]
+
+
+# -- the studies -----------------------------------------------------------------------------------
+
+def trace(model: str, options: dict[str, int]):
+    from bonsai_core.trace import trace_model
+
+    return trace_model(model, **options).graph
+
+
+def study_graph(key: str):
+    _, model, options = GRAPHS[key]
+    return load_graph(common.ROOT / EXPLORER_GRAPH) if model is None else trace(model, options)
+
+
+def trace_command(key: str) -> str:
+    _, model, options = GRAPHS[key]
+    if model is None:
+        return f"`{EXPLORER_GRAPH}`, `bonsai trace gpt`"
+    return f"`bonsai trace {model} {flags(options)}`"
+
+
+def flags(options: dict[str, int]) -> str:
+    return " ".join(f"--{k} {v}" for k, v in options.items())
+
+
+def graph_facts(g) -> dict[str, Any]:
+    """Size, no-remat peak and the self-contained forward nodes (name, bytes) of one graph."""
+    forward = np.flatnonzero(g.is_forward)
+    return {"nodes": g.n, "plain_peak": no_remat_peak(g),
+            "self_contained": [[g.names[v], int(g.mem[v])] for v in forward[self_contained(g)].tolist()]}
+
+
+def options_study(g, fractions: Sequence[float], time_limit: float) -> dict[str, list[Row]]:
+    """Bonsai at every budget with each option set of VARIANTS; each set's first budget builds its model."""
+    plain = no_remat_peak(g)
+    out = {}
+    for variant, options in VARIANTS.items():
+        B._cache.clear()
+        out[variant] = [run(g, int(plain * f), time_limit=time_limit, **options) | {"fraction": f}
+                        for f in fractions]
+    return out
+
+
+def export_study(g, time_limit: float) -> dict[str, Any]:
+    """The ``hf:gpt2`` plan with dropped outputs at EXPORT_AT, exported with ``replay`` and run on CPU."""
+    from bonsai_core.export import export_model, verify_export
+
+    start = time.perf_counter()
+    try:
+        schedule = solve(g, int(EXPORT_AT * no_remat_peak(g)), "bonsai", time_limit=time_limit, drop_outputs=True,
+                         **SEGMENTS)
+        with tempfile.TemporaryDirectory() as folder:
+            out = export_model(GRAPHS["hf_gpt2"][1], GPT2_OPTIONS, schedule, Path(folder) / "export")
+            verified = verify_export(GRAPHS["hf_gpt2"][1], GPT2_OPTIONS, out)
+    except (BonsaiError, RuntimeError) as e:  # the page says so; the other studies still count
+        return {"fraction": EXPORT_AT, "error": str(e).split("\n")[0], "seconds": time.perf_counter() - start}
+    report = verified.to_dict()
+    return {"fraction": EXPORT_AT, "overhead": schedule.stats["overhead"],
+            "recomputed_segments": schedule.stats["recomputed_segments"],
+            "outputs_dropped": schedule.stats["outputs_dropped"], "problems": verified.problems(),
+            **{k: report.get(k) for k in ("predicted_peak", "measured_peak", "peak_error", "loss_diff",
+                                           "max_grad_diff")},
+            "seconds": time.perf_counter() - start}
+
+
+def drag_study(g, time_limit: float) -> list[Row]:
+    """The explorer's budget slider dragged over DRAG: one build, then one solve per budget."""
+    plain = no_remat_peak(g)
+    B._cache.clear()
+    return [run(g, int(plain * f), time_limit=time_limit) | {"fraction": f} for f in DRAG]
+
+
+def moccasin_study(g, time_limit: float) -> Row:
+    return run(g, int(MOCCASIN_AT * no_remat_peak(g)), "moccasin", time_limit=time_limit) | {
+        "fraction": MOCCASIN_AT}
+
+
+def outcome(g, budget: int, method: str, time_limit: float, **options: Any) -> Row:
+    """One solve: its overhead and status, or that it found none (and why, in short)."""
+    r = run(g, budget, method, time_limit=time_limit, **options)
+    if "error" in r:
+        return {"ok": False, "error": r["error"], "seconds": r["wall_seconds"]}
+    return {"ok": True, "overhead": r["overhead"], "status": r["status"], "gap": r["gap"],
+            "seconds": r["wall_seconds"]}
+
+
+def bound_entry(label: str, g, time_limit: float) -> dict[str, Any]:
+    """The per-op bound, the region bound (where it is) and the smallest budget bonsai meets."""
+    bound = region_peak_bound(g)
+    return {"label": label, "nodes": g.n, "plain_peak": no_remat_peak(g), "fixed": g.fixed_mem,
+            "lower_bound": g.peak_lower_bound, "region_bound": bound.peak,
+            "region_node": g.names[bound.node] if bound.node >= 0 else None, "backward_bytes": bound.backward_bytes,
+            "reach": B.lowest_budget(g, time_limit=time_limit)}
+
+
+def region_entry(label: str, g, time_limit: float,
+                 at_half: Sequence[str] = ("moccasin", "checkmate")) -> dict[str, Any]:
+    """:func:`bound_entry`, bonsai's reach with dropped outputs, and the methods halfway between the per-op
+    bound and the no-remat peak and at the region bound."""
+    e = bound_entry(label, g, time_limit)
+    dropped, _ = B.smallest_budget(g, time_limit=time_limit, drop_outputs=True)
+    e["reach_dropped"] = min((b for b in (dropped, e["reach"]) if b is not None), default=None)
+    e["half"] = half = (e["lower_bound"] + e["plain_peak"]) // 2
+    e["at_half"] = {m: outcome(g, half, m, time_limit) for m in ("bonsai", *at_half)}
+    e["at_bound"] = {"bonsai": outcome(g, e["region_bound"], "bonsai", time_limit, drop_outputs=True),
+                     "moccasin": outcome(g, e["region_bound"], "moccasin", time_limit)}
+    return e
+
+
+def real_step(label: str, time_limit: float) -> dict[str, Any]:
+    """One of REAL_STEPS traced, and at each of its budgets the lower bound (without and with host copies)
+    and every method of REAL_METHODS: overhead, wall seconds, and for bonsai the space its plan came from."""
+    from bonsai_core.trace import trace_model
+
+    config, options, world, budgets = REAL_STEPS[label]
+    start = time.perf_counter()
+    g = with_optimizer(trace_model(f"hf:{common.ROOT / config}", autocast="bf16", fsdp=world, **options).graph, "adamw")
+    entry: dict[str, Any] = {"label": label, "config": config, "options": options, "fsdp": world, "nodes": g.n,
+                             "plain_peak": no_remat_peak(g), "trace_seconds": time.perf_counter() - start, "budgets": []}
+    for text in budgets:
+        budget = parse_budget(text).resolve(entry["plain_peak"])
+        row: dict[str, Any] = {"budget": text, "bytes": budget, "methods": []}
+        for offload in (False, True):
+            bound = lower_bound(g, budget, offload=offload)
+            row["bound_offload" if offload else "bound"] = {
+                "overhead": bound.cost / g.total_cost - 1 if bound.cost < float("inf") else None,
+                "seconds": bound.seconds, "how": bound.how}
+        for method, opts in (REAL_METHODS_70B if "70B" in label else REAL_METHODS):
+            r = run(g, budget, method, time_limit=time_limit, **opts)
+            row["methods"].append({"method": method, "options": opts, **{k: r.get(k) for k in (
+                "overhead", "wall_seconds", "space", "spaces", "bound_gap", "status", "error", "peak")}})
+        entry["budgets"].append(row)
+    return entry
+
+
+def checkmate_study(time_limit: float) -> list[dict[str, Any]]:
+    """Per CHECKMATE_GPTS graph and CHECKMATE_AT budget: the lower bound, bonsai's default and checkmate."""
+    rows = []
+    for label, options in CHECKMATE_GPTS.items():
+        g = trace("gpt", options)
+        for fraction in CHECKMATE_AT:
+            budget = int(fraction * no_remat_peak(g))
+            bound = lower_bound(g, budget)
+            row = {"label": label, "nodes": g.n, "fraction": fraction,
+                   "bound": bound.cost / g.total_cost - 1 if bound.cost < float("inf") else None}
+            for method in ("bonsai", "checkmate"):
+                r = run(g, budget, method, time_limit=time_limit)
+                row[method] = {k: r.get(k) for k in ("overhead", "wall_seconds", "space", "status", "gap", "error")}
+                if method == "checkmate" and "error" not in r:
+                    row[method]["warm_start"] = r.get("warm_start")
+            rows.append(row)
+    return rows
+
+
+def headroom_study(time_limit: float) -> list[dict[str, Any]]:
+    """The 1-layer zoo GPT at HEADROOM_SIZES: no-remat peak, per-op bound and bonsai's reach."""
+    return [bound_entry(f"width {w}, seq {s}", trace("gpt", {**HEADROOM_OPTIONS, "width": w, "seq": s}), time_limit)
+            for w, s in HEADROOM_SIZES]
+
+
+def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lambda done: None) -> dict[str, Any]:
+    """Every measurement the page reports besides the suite's tables; ``progress(done so far)`` after each."""
+    graphs = {key: study_graph(key) for key in GRAPHS}
+    seconds: dict[str, float] = {}
+    done = common.run_studies({
+        "graphs": lambda: {k: graph_facts(g) for k, g in graphs.items()},
+        "options": lambda: {k: options_study(g, BUDGETS[k], time_limit) for k, g in graphs.items()},
+        "export": lambda: export_study(graphs["hf_gpt2"], time_limit),
+        "drag": lambda: drag_study(graphs["explorer"], time_limit),
+        "unets": lambda: [region_entry(label, trace("unet", o), time_limit) for label, o in UNETS.items()],
+        "larger_unet": lambda: region_entry("U-Net", trace("unet", LARGER_UNET), time_limit, at_half=("moccasin",)),
+        "explorer_bound": lambda: bound_entry("explorer", graphs["explorer"], time_limit),
+        "headroom": lambda: headroom_study(time_limit),
+        "others": lambda: [bound_entry(name, trace(name, o), time_limit) for name, o in OTHER_AUTHORS],
+        "moccasin": lambda: moccasin_study(graphs["gpt4"], time_limit),
+        "checkmate": lambda: checkmate_study(time_limit),
+        "real_steps": lambda: [real_step(label, time_limit) for label in REAL_STEPS]},
+        seconds, lambda so_far: progress({**so_far, "seconds": seconds}))
+    return {**done, "seconds": seconds}
+
+
+# -- words and numbers -----------------------------------------------------------------------------
+
+def points(x: float) -> str:
+    return f"{100 * x:.2f} points"
+
+
+def points_range(xs: Sequence[float]) -> str:
+    """``0.41 points``, ``0.41–3.10 points``."""
+    lo, hi = min(xs), max(xs)
+    return points(lo) if f"{lo:.4f}" == f"{hi:.4f}" else f"{100 * lo:.2f}–{100 * hi:.2f} points"
+
+
+def share(value: int | None, whole: int) -> str:
+    return "none" if value is None else f"{value / whole:.2%}"
+
+
+def ok(r: Row) -> bool:
+    return "error" not in r
+
+
+def overhead_or_none(r: Row) -> float | None:
+    return r["overhead"] if ok(r) else None
+
+
+def op_kinds(names: Iterable[str]) -> str:
+    """``ones ×4, tril ×4, arange``: node names grouped by op (their ``_N`` suffix dropped)."""
+    counts = Counter(name.rstrip("0123456789").rstrip("_") or name for name in names)
+    return ", ".join(f"`{op}` ×{n}" if n > 1 else f"`{op}`" for op, n in counts.items())
+
+
+# -- the page's sections ---------------------------------------------------------------------------
+
+# the suite's tables
+
+def solve_cells(rows: Sequence[Row]) -> dict[tuple[str, float], dict[str, Row]]:
+    """(model, budget) -> method -> row, for the suite's solve table (rows of no sweep)."""
+    out: dict[tuple[str, float], dict[str, Row]] = {}
+    for r in rows:
+        if "sweep" not in r:
+            out.setdefault((r["model"], r["fraction"]), {})[r["method"]] = r
+    return out
+
+
+def model_name(label: str) -> str:
+    return GRAPHS["gpt4"][0] if label == GPT4 else f"`{label}`"
+
+
+def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, Any]:
+    """Where bonsai is the cheapest of the methods compared, where another is, and the longest solve."""
+    fitting = {k: {m: r["overhead"] for m, r in c.items() if ok(r)} for k, c in cells.items()}
+    contested = {k: c for k, c in fitting.items() if c}
+    cheapest = [k for k, c in contested.items() if "bonsai" in c and c["bonsai"] <= min(c.values()) + TIE]
+    unfit: dict[str, list[float]] = {}
+    for (m, f), c in fitting.items():
+        if not c:
+            unfit.setdefault(m, []).append(f)
+    timed = [(r["wall_seconds"], m, f) for (m, f), c in cells.items() for r in [c["bonsai"]] if ok(r)]
+    return {"cheapest": len(cheapest), "contested": len(contested),
+            "beaten": [(m, f, [(x, o) for x, o in c.items() if x != "bonsai" and (c.get("bonsai") is None
+                                                                                 or o < c["bonsai"] - TIE)], c.get("bonsai"))
+                       for (m, f), c in contested.items() if (m, f) not in cheapest],
+            "nowhere": unfit,
+            "median": median(t for t, _, _ in timed), "longest": max(timed, default=None)}
+
+
+def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
+    cells = solve_cells(rows)
+    methods = list(dict.fromkeys(m for c in cells.values() for m in c))
+    smallest = [r for r in rows if r.get("sweep") == "smallest"]
+    gran = [r for r in rows if r.get("sweep") == "granularity"]
+    return {"compared": [m for m in methods if m != "bonsai"], "cells": cells,
+            "solved": solve_values(cells), "smallest": smallest,
+            "granularity": gran and {"model": gran[0]["model"], "fraction": gran[0]["fraction"], "rows": gran}}
+
+
+# self-contained nodes and dropped outputs
+
+def option_rows(study: dict[str, Any], key: str, variant: str) -> list[Row]:
+    return study["options"][key][variant]
+
+
+def option_pairs(study: dict[str, Any], a: str, b: str) -> list[tuple[str, Row, Row]]:
+    """(graph, its row with option ``a``, with ``b``) per graph and budget of the options study."""
+    return [(GRAPHS[key][0], ra, rb) for key in study["options"]
+            for ra, rb in zip(option_rows(study, key, a), option_rows(study, key, b))]
+
+
+def pairs(study: dict[str, Any], key: str, a: str, b: str) -> list[tuple[float, float | None, float | None]]:
+    return [(ra["fraction"], overhead_or_none(ra), overhead_or_none(rb))
+            for ra, rb in zip(option_rows(study, key, a), option_rows(study, key, b))]
+
+
+def self_contained_nodes(facts: dict[str, Any]) -> str:
+    nodes = facts["self_contained"]
+    return f"{op_kinds(n for n, _ in nodes)} ({format_bytes(sum(b for _, b in nodes))})" if nodes else "none"
+
+
+def self_contained_values(study: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per graph: saving self-contained nodes against rebuilding them, and how many the plans save."""
+    return [{"name": GRAPHS[key][0], "nodes": self_contained_nodes(study["graphs"][key]),
+             "c": compare(pairs(study, key, "saved", "rebuilt")),
+             "saved": [r["self_contained_saved"] for r in option_rows(study, key, "saved") if ok(r)]}
+            for key in study["options"]]
+
+
+def dropped_values(study: dict[str, Any]) -> dict[str, Any]:
+    """Per graph: dropping outputs against keeping them; the largest gain, and where dropping costs more."""
+    dropped = [{"name": GRAPHS[key][0], "c": compare(pairs(study, key, "dropped", "saved"))}
+               for key in study["options"]]
+    return {"dropped": dropped,
+            "dropped_gain": max(((d, o["name"], f) for o in dropped for f, d in o["c"]["lower"]), default=None),
+            "dropped_dearer": [f"{o['name']} at {budget(f)}" for o in dropped for f, _ in o["c"]["higher"]]}
+
+
+# the live re-solve
+
+def resolve_values(rows: Sequence[Row], name: str) -> tuple[str, dict[str, Any]]:
+    """One build, then the budget changes: the first call, the others, the later calls' times."""
+    rest = rows[1:]
+    return name, {"first": rows[0], "rest": rest,
+                  "cached": [r["wall_seconds"] for r in rest if ok(r) and r.get("cached")],
+                  "later": [r["wall_seconds"] for r in rest if ok(r)],
+                  "failed": [r["fraction"] for r in rows if not ok(r)]}
+
+
+def resolves(rows: Sequence[Row], drag: Sequence[Row]) -> list[tuple[str, dict[str, Any]]]:
+    """The suite's re-solve sweep (when it ran) and the explorer's slider dragged."""
+    sweep = [r for r in rows if r.get("sweep") == "resolve"]
+    return ([resolve_values(sweep, f"{model_name(sweep[0]['model'])}, the suite's sweep")] if sweep else []) + [
+        resolve_values(drag, f"the explorer's default GPT, dragged from {budget(drag[0]['fraction'])} to "
+                             f"{budget(drag[-1]['fraction'])} in 5% steps")]
+
+
+# the region bound
+
+def at(o: Row) -> str:
+    """One solve as a cell: ``+2.71% (optimal)``, ``no plan``."""
+    return f"{pct2(o['overhead'])} ({o['status']})" if o["ok"] else "no plan"
+
+
+def reaches_bound(e: dict[str, Any], key: str) -> bool:
+    return e[key] is not None and e[key] <= e["region_bound"]
+
+
+def unet_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The graphs where bonsai reaches the region bound with ``drop_outputs`` and without; halfway between the
+    per-op bound and the no-remat peak, (who fits, who proved it, the graphs with that outcome)."""
+    halves: dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]] = {}
+    for e in entries:
+        fit = tuple(m for m, o in e["at_half"].items() if o["ok"])
+        halves.setdefault((fit, tuple(m for m in fit if e["at_half"][m]["status"] == "optimal")), []).append(e["label"])
+    return {"exact": [e["label"] for e in entries if reaches_bound(e, "reach_dropped")],
+            "plain": [e["label"] for e in entries if reaches_bound(e, "reach")],
+            "halves": [(fit, proven, labels) for (fit, proven), labels in halves.items()]}
+
+
+def headroom_share(e: dict[str, Any]) -> float | None:
+    """How much of the headroom between the no-remat peak and the per-op bound bonsai's reach covers."""
+    room = e["plain_peak"] - e["lower_bound"]
+    return None if e["reach"] is None or room <= 0 else (e["plain_peak"] - e["reach"]) / room
+
+
+def headroom_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What the page says of the headroom bonsai's reach covers on the 1-layer zoo GPT's sizes."""
+    return {"shares": [s for s in map(headroom_share, entries) if s is not None],
+            "none": [e["label"] for e in entries if (headroom_share(e) or 0.0) <= 0],
+            "widths": sorted({w for w, _ in HEADROOM_SIZES}), "seqs": sorted({s for _, s in HEADROOM_SIZES}),
+            "options": HEADROOM_OPTIONS}
+
+
+def bound_share(e: dict[str, Any]) -> float | None:
+    """The part of the gap between the per-op bound and bonsai's reach that the region bound explains."""
+    gap = (e["reach"] or 0) - e["lower_bound"]
+    return None if e["reach"] is None or gap <= 0 else (e["region_bound"] - e["lower_bound"]) / gap
+
+
+def region_share(entries: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, str]]]:
+    """The graphs where the region bound explains more than half of bonsai's distance from the per-op bound,
+    and those where it explains less: (that share, the graph)."""
+    shares = [(bound_share(e), e["label"]) for e in entries]
+    return {"most": [(s, label) for s, label in shares if s is not None and s > 0.5],
+            "less": [(s, label) for s, label in shares if s is not None and s <= 0.5]}
+
+
+# moccasin at 40%
+
+def moccasin_rows(s: dict[str, Any]) -> dict[str, Row | None]:
+    """Bonsai's default and ``drop_outputs`` plans of the 4-layer GPT at MOCCASIN_AT (None where not run)."""
+    return {v: next((r for r in option_rows(s, "gpt4", v) if abs(r["fraction"] - MOCCASIN_AT) < 1e-9), None)
+            for v in ("saved", "dropped")}
+
+
+def checkmate_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Bonsai's default against checkmate on the small GPTs, with the bound: the rows, where both found a plan,
+    where bonsai is within 1% of checkmate's compute cost and where at least 10 times faster."""
+    if not rows:  # a run before this study
+        return None
+    both = [(r["bonsai"], r["checkmate"]) for r in rows
+            if r["bonsai"].get("overhead") is not None and r["checkmate"].get("overhead") is not None]
+    return {"rows": rows, "both": len(both), "close": sum((1 + b["overhead"]) / (1 + c["overhead"]) - 1 <= 0.01
+                                                          for b, c in both),
+            "fast": sum(c["wall_seconds"] / b["wall_seconds"] >= 10 for b, c in both)}
+
+
+def real_steps_values(steps: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Every method on the Llama-3 steps at each budget, with the lower bound, and what the page says of each."""
+    if not steps:  # a run before this study
+        return None
+    rows = []
+    for e in steps:
+        for row in e["budgets"]:
+            cells = {(m["method"], tuple(sorted(m["options"].items()))): m for m in row["methods"]}
+            rows.append({"label": e["label"], "share": f"{row['budget']} ({row['bytes'] / e['plain_peak']:.1%})",
+                         "bound": row["bound"], "bound_offload": row["bound_offload"], "dtr": cells[("dtr", ())],
+                         "chen": cells[("chen", ())], "plain": cells[("bonsai", ())],
+                         "offload": cells.get(("bonsai", (("offload", True),)), NOT_RUN),
+                         "regions": cells.get(("bonsai", (("space", "regions"),)), NOT_RUN)})
+    return {"rows": rows, "said": [real_said(r["label"], r["share"], r["plain"], r["dtr"], r["chen"]) for r in rows]}
+
+
+NOT_RUN = {"error": "not run on this step"}
+
+
+def real_cell(m: dict[str, Any], space: bool = False) -> str:
+    if m is NOT_RUN:
+        return "-"
+    if m.get("error") or m.get("overhead") is None:
+        return "no plan"
+    return pct2(m["overhead"]) + (f" ({m['space']})" if space and m.get("space") else "")
+
+
+def real_said(label: str, share: str, plain: dict[str, Any], dtr: dict[str, Any], chen: dict[str, Any]) -> tuple:
+    """(label, budget, bonsai's plan, the methods it is below, those it is not below): what the page says of
+    one budget of a real step."""
+    plain = {"overhead": plain.get("overhead"), "wall_seconds": plain.get("wall_seconds"),
+             "bound_gap": plain.get("bound_gap")}
+    others = [(name, m["overhead"]) for name, m in (("dtr", dtr), ("chen", chen)) if m.get("overhead") is not None]
+    below = [f"{name} ({pct2(o)})" for name, o in others if plain["overhead"] is not None and plain["overhead"] < o]
+    return label, share, plain, below, [f"{name} ({pct2(o)})" for name, o in others
+                                        if plain["overhead"] is not None and plain["overhead"] >= o]
+
+
+# -- the page --------------------------------------------------------------------------------------
+
+def page(results: dict[str, Any], header: str, results_link: str) -> str:
+    """The whole page from one run's results (the suite's rows, :func:`studies`' and the run's meta)."""
+    meta, rows, s = results["meta"], results["rows"], results["studies"]
+    graphs = [f"{GRAPHS[k][0]} ({trace_command(k)}, {f['nodes']} nodes, no-remat peak {format_bytes(f['plain_peak'])})"
+              for k, f in s["graphs"].items()]
+    return common.fill(
+        "bonsai", header=header, meta=meta, dates=common.run_dates(meta), results_link=results_link,
+        time_limit=f"{meta['time_limit']:g}", s=s, graphs=graphs, share=share, at=at, flags=flags,
+        model_name=model_name, gpt2_flags=flags(GPT2_OPTIONS), larger_unet_flags=flags(LARGER_UNET),
+        points=points, points_range=points_range, option_pairs=lambda a, b: option_pairs(s, a, b), tie=TIE,
+        self_contained=self_contained_values(s), **dropped_values(s),
+        resolves=resolves(rows, s["drag"]),
+        unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()],
+        unet=unet_values(s["unets"]), headroom=headroom_values(s["headroom"]),
+        others=list(zip(OTHER_AUTHORS, s["others"])),
+        region_share=region_share(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_rows=moccasin_rows(s),
+        checkmate=checkmate_values(s.get("checkmate") or []), real_steps=real_steps_values(s.get("real_steps") or []), real=real_cell,
+        **suite_values(rows))
+
+
+def stored_refusal(path: Path) -> str | None:
+    """Why ``path`` holds no finished ``--page`` run to write the page from; None when it does."""
+    try:
+        results = json.loads(path.read_text())
+    except ValueError as e:
+        return f"{path} is not JSON ({e}); run `bonsai bench bonsai --page` again"
+    if not isinstance(results, dict) or "studies" not in results:
+        return f"{path} holds no page studies (a run without --page); run with --page, without --report-only"
+    if "ended" not in results["meta"]:
+        return f"{path} is from a run that did not finish; run with --page again"
+    return None
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why the page's options cannot run, before any measurement: without -o, a page of other models, budgets
+    or studies than the suite's defaults, results that are no finished ``--page`` run, what
+    :func:`common.page_refusal` refuses."""
+    if args.output is None:
+        return "--page and --report-only keep the run's results in -o FILE.json: name it"
+    if not Path(args.output).resolve().parent.is_dir():
+        return f"-o {args.output}: the folder {Path(args.output).parent} does not exist"
+    why = common.page_refusal(args, results=Path(args.output), narrowed=common.changed(args, PAGE_FIXED),
+                              whole="the suite's default models, budgets and studies")
+    return why or (stored_refusal(Path(args.output)) if args.report_only else None)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """The suite's tables and the page's studies, their results kept in ``-o`` as they come."""
+    started = time.perf_counter()
+    results: dict[str, Any] = {"meta": common.run_meta("started", time_limit=args.time_limit)}
+
+    def keep() -> None:
+        Path(args.output).write_text(json.dumps(results, indent=1, default=str))
+
+    results["rows"] = tables(args)
+    keep()
+    results["studies"] = studies(args.time_limit, progress=lambda done: (results.update(studies=done), keep()))
+    results["meta"].update(ended=common.utc_now(),
+                           seconds=round(time.perf_counter() - started, 1), load_end=load_average())
+    return results
+
+
+def main(args: argparse.Namespace) -> int:
+    """``bonsai bench bonsai``: the suite's tables into ``-o``; with ``--page`` also the page's studies and the
+    page; with ``--report-only`` only the page, from ``-o``."""
+    if args.page is None and not args.report_only:
+        rows = tables(args)
+        if args.output:
+            Path(args.output).write_text(json.dumps(rows, indent=1, default=str))
+        return 0
+
+    def write_page(results: dict[str, Any], path: str) -> None:
+        header = common.page_header(results["meta"]["command"], SOURCES)
+        Path(path).write_text(page(results, header, os.path.relpath(args.output, Path(path).parent)))
+
+    kept = Path(args.output) if args.output else None  # refused without it
+    return common.run_page_suite("bonsai", args, refusal(args), lambda: measure(args), write_page, results=kept)

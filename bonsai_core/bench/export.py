@@ -112,14 +112,6 @@ def replay_row(traced: Any, model: str, options: dict[str, Any], autocast: str |
         return replay_verified(model, options, folder, repeats)
 
 
-def recomputes(graph: Any, schedule: Any) -> int:
-    return simulate(graph, schedule).recomputes
-
-
-def schedule_peak(graph: Any, schedule: Any) -> int:
-    return simulate(graph, schedule).peak
-
-
 def zoo_schedule(graph: Any, factory: str, level: int | None) -> Any:
     return none_schedule(graph) if level is None else export_tests().FACTORIES[factory](graph, level)
 
@@ -135,7 +127,7 @@ def zoo_rows(models: Sequence[str]) -> list[dict[str, Any]]:
         for factory, level in ZOO_SCHEDULES:
             schedule = zoo_schedule(traced.graph, factory, level)
             row = {"model": model, "schedule": factory, "level": level, "nodes": traced.graph.n,
-                   "recomputes": recomputes(traced.graph, schedule)}
+                   "recomputes": simulate(traced.graph, schedule).recomputes}
             with tempfile.TemporaryDirectory() as folder:
                 replay_export(traced, model, {}, None, schedule, folder)
                 row["autograd"] = replay_verified(model, {}, folder)
@@ -162,7 +154,7 @@ def method_rows(models: Sequence[str], time_limit: float) -> list[dict[str, Any]
             except BonsaiError as e:
                 row["error"] = failure(e)
             else:
-                row["recomputes"] = recomputes(traced.graph, schedule)
+                row["recomputes"] = simulate(traced.graph, schedule).recomputes
                 row["replay"] = replay_row(traced, model, small[model], None, schedule)
             print(json.dumps({k: row.get(k) for k in ("model", "method", "recomputes", "error")}), flush=True)
             rows.append(row)
@@ -182,7 +174,7 @@ def verified_rows(cases: Sequence[tuple[str, dict[str, Any] | None, str | None]]
         for factory, level in (ZOO_SCHEDULES[0], ZOO_SCHEDULES[2]):
             schedule = zoo_schedule(traced.graph, factory, level)
             row = {"model": model, "options": options, "autocast": autocast, "schedule": factory, "level": level,
-                   "recomputes": recomputes(traced.graph, schedule),
+                   "recomputes": simulate(traced.graph, schedule).recomputes,
                    "replay": replay_row(traced, model, options, autocast, schedule, TIMING_REPEATS)}
             print(json.dumps({k: row[k] for k in ("model", "autocast", "schedule", "recomputes")}), flush=True)
             rows.append(row)
@@ -248,8 +240,8 @@ def both_backends(traced: Any, model: str, options: dict[str, Any], autocast: st
                   schedule: Any) -> dict[str, Any]:
     """One plan through the replay and the checkpoint back-end; a refusal or a crash of either is recorded
     as its error (a crash is a result here: the page lists it)."""
-    out: dict[str, Any] = {"share": share, "predicted": schedule_peak(traced.graph, schedule),
-                           "recomputes": recomputes(traced.graph, schedule)}
+    sim = simulate(traced.graph, schedule)
+    out: dict[str, Any] = {"share": share, "predicted": sim.peak, "recomputes": sim.recomputes}
     try:
         out["replay"] = replay_row(traced, model, options, autocast, schedule)
     except Exception as e:  # noqa: BLE001
@@ -313,11 +305,6 @@ def measure(time_limit: float, quick: bool = False) -> dict[str, Any]:
 
 # -- words and numbers ----------------------------------------------------------------------------
 
-def mib(nbytes: float) -> str:
-    """MiB without the unit: the tables' headers name it."""
-    return common.mib(nbytes, unit="")
-
-
 def short(model: str) -> str:
     """A model spec as the tables name it: ``export_models:hf_gpt2`` for ``tests.export_models:hf_gpt2``."""
     return model.removeprefix("tests.")
@@ -325,7 +312,8 @@ def short(model: str) -> str:
 
 def two_sizes(a: int, b: int) -> str:
     """``10.09 vs 10.16 MiB``; in bytes when MiB would not tell them apart."""
-    return f"{mib(a)} vs {mib(b)} MiB" if mib(a) != mib(b) else f"{a:,} vs {b:,} B"
+    a_mib, b_mib = common.mib(a, unit=""), common.mib(b, unit="")
+    return f"{a_mib} vs {b_mib} MiB" if a_mib != b_mib else f"{a:,} vs {b:,} B"
 
 
 def precision(options: dict[str, Any], autocast: str | None) -> str:
@@ -371,27 +359,24 @@ def differing(rows: Sequence[tuple[str, float, float, float]]) -> list[tuple[str
 
 # -- the zoo --------------------------------------------------------------------------------------
 
-def schedule_label(row: dict[str, Any]) -> str:
-    return row["schedule"] if row["level"] is None else f"{row['schedule']} L{row['level']}"
-
-
 def zoo_label(row: dict[str, Any]) -> str:
-    return f"{row['model']} {schedule_label(row)}"
+    return f"{row['model']} {row['schedule']}" + ("" if row["level"] is None else f" L{row['level']}")
 
 
-def zoo_findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def zoo_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    nodes = common.listing([f"{m} {n}" for m, n in dict((r["model"], r["nodes"]) for r in rows).items()])
     both = [(f"{zoo_label(r)}{'' if mode == 'autograd' else ' (grads direct)'}", r[mode]["measured_peak"],
              r[mode]["predicted_peak"]) for r in rows for mode in ("autograd", "direct")]
     recomputing = [r for r in rows if r["recomputes"]]
-    return {"both": both,
-            "tiny": all(0 < m - p <= NEAR for _, m, p in both),
+    return {"zoo_nodes": nodes, "zoo_rows": rows, "zoo": {
+            "both": both, "tiny": all(0 < m - p <= NEAR for _, m, p in both),
             "modes_differ": [f"{zoo_label(r)} ({r['autograd']['measured_peak']:,} vs "
                              f"{r['direct']['measured_peak']:,} B)"
                              for r in rows if r["direct"]["measured_peak"] != r["autograd"]["measured_peak"]],
             "exact": [differences(zoo_label(r), r["autograd"], r["direct"]) for r in rows],
             "original": original_values(rows), "recomputing": recomputing,
             "not_below": [zoo_label(r) for r in recomputing
-                          if r["autograd"]["measured_peak"] >= r["autograd"]["original_peak"]]}
+                          if r["autograd"]["measured_peak"] >= r["autograd"]["original_peak"]]}}
 
 
 def original_values(rows: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
@@ -404,16 +389,7 @@ def original_values(rows: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
             "above": [f"{m} ({two_sizes(o, p)})" for m, o, p in plain if o > p + NEAR]}
 
 
-def zoo_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
-    nodes = common.listing([f"{m} {n}" for m, n in dict((r["model"], r["nodes"]) for r in rows).items()])
-    return {"zoo_nodes": nodes, "zoo_rows": rows, "zoo": zoo_findings(rows)}
-
-
 # -- every solver ---------------------------------------------------------------------------------
-
-def method_label(row: dict[str, Any]) -> str:
-    return f"{row['method']} on {row['model']}"
-
 
 def methods_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     solved = [r for r in rows if "replay" in r]
@@ -423,32 +399,26 @@ def methods_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             unmet.setdefault(r["model"], []).append(r["method"])
     sizes = "; ".join(f"{m} {options_said(o)}" for m, o in dict((r["model"], r["options"]) for r in rows).items())
     return {"method_sizes": sizes, "method_share": f"{METHOD_SHARE:.0%}", "methods_found": {
-                "replays": checks([(method_label(r), r["replay"]) for r in solved]), "unmet": unmet},
+                "replays": checks([(f"{r['method']} on {r['model']}", r["replay"]) for r in solved]), "unmet": unmet},
             "method_rows": rows}
 
 
 # -- verify's full report -------------------------------------------------------------------------
 
-def verified_label(row: dict[str, Any]) -> str:
-    return f"{short(row['model'])} {precision(row['options'], row['autocast'])} {row['schedule']}"
-
-
 def verified_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     none_peaks = [(r["replay"]["measured_peak_grads_none"] / r["replay"]["measured_peak"] - 1) for r in rows]
     models = common.listing(sorted({f"`{r['model']}` ({options_said(r['options'])})" for r in rows}))
-    return {"verified_models": models, "repeats": str(TIMING_REPEATS), "verified_replays": checks([(verified_label(r), r["replay"]) for r in rows]),
+    labels = [f"{short(r['model'])} {precision(r['options'], r['autocast'])} {r['schedule']}" for r in rows]
+    return {"verified_models": models, "repeats": str(TIMING_REPEATS),
+            "verified_replays": checks([(label, r["replay"]) for label, r in zip(labels, rows)]),
             "grads_none": percent_range(none_peaks),
             "verified_rows": rows}
 
 
 # -- SDPA and bf16 --------------------------------------------------------------------------------
 
-def attention_peaks(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str, str], int]:
-    return {(r["model"], r["dtype"], r["attention"]): r["no_remat_peak"] for r in rows}
-
-
 def attention_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    return {"seq": str(ATTENTION_SEQ), "peaks": attention_peaks(rows),
+    return {"seq": str(ATTENTION_SEQ), "peaks": {(r["model"], r["dtype"], r["attention"]): r["no_remat_peak"] for r in rows},
             "attention_models": list(dict.fromkeys(r["model"] for r in rows))}
 
 
@@ -477,12 +447,9 @@ def against_realised(ck: dict[str, Any]) -> float:
     return ck["measured_peak"] / ck["plan_realised_peak"] - 1
 
 
-def planned(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if "share" in r]
-
-
-def checkpointed(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in planned(rows) if "checkpoint" in r]
+def planned(rows: Sequence[dict[str, Any]], side: str = "share") -> list[dict[str, Any]]:
+    """The rows with a plan (``side``: those with that back-end's report)."""
+    return [r for r in rows if "share" in r and side in r]
 
 
 def case_label(row: dict[str, Any]) -> str:
@@ -499,7 +466,7 @@ def rows_said(rows: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], 
 
 def follows_plan(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Where the checkpoints run the plan (realised within REALISED of it), and how their measured peaks compare."""
-    rows = checkpointed(rows)
+    rows = planned(rows, "checkpoint")
     follow = [r for r in rows if abs(realised_gap(r["checkpoint"])) <= REALISED]
     depart = [r for r in rows if abs(realised_gap(r["checkpoint"])) > REALISED]
     judged = [r for r in follow if not r["checkpoint"]["unjudged"]]
@@ -513,7 +480,7 @@ def follows_plan(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def against_realised_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The checkpoint back-end's measured peak against its own simulation: within, above (recomputing or not),
     below."""
-    judged = [r for r in checkpointed(rows) if not r["checkpoint"]["unjudged"]]
+    judged = [r for r in planned(rows, "checkpoint") if not r["checkpoint"]["unjudged"]]
     above = [r for r in judged if against_realised(r["checkpoint"]) > REALISED]
     below = [r for r in judged if against_realised(r["checkpoint"]) < -REALISED]
 
@@ -531,7 +498,7 @@ def against_realised_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def unjudged_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     reasons: dict[str, list[dict[str, Any]]] = {}
-    for r in checkpointed(rows):
+    for r in planned(rows, "checkpoint"):
         if r["checkpoint"]["unjudged"]:
             reasons.setdefault(r["checkpoint"]["unjudged"], []).append(r)
     return {"unjudged": [f"{reason}: {rows_said(of)}" for reason, of in reasons.items()],
@@ -539,7 +506,7 @@ def unjudged_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def left_saved(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    rows = checkpointed(rows)
+    rows = planned(rows, "checkpoint")
 
     def share_left(r: dict[str, Any]) -> float:
         return r["checkpoint"]["unrealised_dropped_bytes"] / r["checkpoint"]["dropped_bytes"]
@@ -553,7 +520,7 @@ def left_saved(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def backend_findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     no_plan = [r for r in rows if r.get("no_plan")]
-    return {"replays": {side: checks([(backend_label(r), r[side]) for r in planned(rows) if side in r])
+    return {"replays": {side: checks([(backend_label(r), r[side]) for r in planned(rows, side)])
                         for side in ("replay", "checkpoint")},
             **follows_plan(rows), **against_realised_said(rows), **unjudged_said(rows), **left_saved(rows),
             "no_plan": no_plan and rows_said(no_plan),
@@ -565,7 +532,7 @@ def backend_findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     models = "; ".join(f"`{m}` {options_said(o)}" for m, o in
-                       dict((backend_label({**r, "regions": None}), r["options"]) for r in rows).items())
+                       dict((case_label(r), r["options"]) for r in rows).items())
     return {"backend_shares": "/".join(f"{s * 100:g}" for s in BACKEND_SHARES), "realised": f"{REALISED:.0%}",
             "backend_models": models, "backend_rows": rows, "backends": backend_findings(rows)}
 
