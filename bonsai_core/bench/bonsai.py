@@ -62,6 +62,7 @@ from bonsai_core.units import format_bytes
 GPT4 = "gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8"
 DEFAULT_MODELS = [GPT4, "resnet", "unet", "gpt2-small"]
 DEFAULT_BUDGETS = ("70", "50", "45", "40")  # shares of the no-remat peak, in percent
+RESOLVE = (0.9, 0.8, 0.7, 0.75, 0.85, 0.65, 0.6, 0.55, 0.5)  # the live re-solve's budgets, a slider's moves
 RUN_STATS = ("status", "gap", "variables", "constraints", "build_seconds", "solve_seconds", "candidates",
              "ilp_candidates", "segments", "recomputed_segments", "peak", "overhead", "cached", "granularity",
              "granularities_tried", "plan_source", "model_slack", "tightened_by", "time_split", "saved_nodes",
@@ -134,9 +135,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--backends", nargs="*", default=["highs"])
     ap.add_argument("--compare", nargs="*", default=["chen", "dtr"])
     ap.add_argument("--time-limit", type=float, default=120.0)
-    ap.add_argument("--granularity-model", default=GPT4)
     ap.add_argument("--granularities", nargs="*", type=int, default=[5, 10, 19, 38, 76])
-    ap.add_argument("--resolve-model", default=GPT4)
     ap.add_argument("--skip-granularity", action="store_true")
     ap.add_argument("--skip-resolve", action="store_true")
     ap.add_argument("--skip-smallest", action="store_true")
@@ -190,26 +189,17 @@ def smallest_budgets(args: argparse.Namespace, graphs: dict[str, tuple[str, Any]
 
 
 def granularity_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Bonsai at 45% of the no-remat peak at each granularity asked, HiGHS."""
-    label, g = load(args.granularity_model)
-    rows = []
-    for gran in args.granularities:
-        B._cache.clear()
-        rows.append(shown(run(g, int(no_remat_peak(g) * 0.45), granularity=gran, time_limit=args.time_limit) | {
-            "model": label, "sweep": "granularity", "granularity_asked": gran, "fraction": 0.45}))
-    return rows
+    """Bonsai at 45% of the no-remat peak of the 4-layer GPT at each granularity asked, HiGHS."""
+    label, g = load(GPT4)
+    return [shown(budget_sweep(g, [0.45], granularity=gran, time_limit=args.time_limit)[0]
+                  | {"model": label, "sweep": "granularity", "granularity_asked": gran}) for gran in args.granularities]
 
 
 def resolve_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The live re-solve: one build, then the budget changed as a slider changes it."""
-    label, g = load(args.resolve_model)
-    rows = []
-    for backend in args.backends:
-        B._cache.clear()
-        rows += [shown(run(g, int(no_remat_peak(g) * frac), backend=backend, time_limit=args.time_limit) | {
-                     "model": label, "sweep": "resolve", "fraction": frac, "backend": backend})
-                 for frac in (0.9, 0.8, 0.7, 0.75, 0.85, 0.65, 0.6, 0.55, 0.5)]
-    return rows
+    """The live re-solve on the 4-layer GPT: one build, then the budget changed as a slider changes it."""
+    label, g = load(GPT4)
+    return [shown(r | {"model": label, "sweep": "resolve", "backend": backend}) for backend in args.backends
+            for r in budget_sweep(g, RESOLVE, backend=backend, time_limit=args.time_limit)]
 
 
 # -- docs/results/bonsai.md: the page's studies ------------------------------------------------------
@@ -242,8 +232,7 @@ OTHER_AUTHORS = [("hf:gpt2", TINY_LM), ("hf:llama", TINY_LM), ("hf:bert", TINY_L
                  ("hf:resnet", {"layers": 1, "width": 8, "batch": 2, "image": 16}), ("gpt", TINY_LM)]
 HEADROOM_SIZES = [(w, s) for w in (8, 16, 32) for s in (4, 8, 16)]  # the 1-layer zoo GPT, heads 2, batch 1
 HEADROOM_OPTIONS = {"layers": 1, "heads": 2, "batch": 1, "vocab": 64}
-# the options --page fixes (the page reports the suite's defaults); --time-limit may change
-# The real steps of issue 56: Hugging Face Llama-3 configs, bf16 autocast, AdamW, one FSDP rank. Per step:
+# The real steps: Hugging Face Llama-3 configs, bf16 autocast, AdamW, one FSDP rank. Per step:
 # the config, the trace's size options, the FSDP world, the budgets; every method solved at each budget
 # with the lower bound (docs/BONSAI.md). Traced once each (the 70B step: about 1.5 minutes, 4 GB).
 REAL_STEPS = {"Llama-3-8B": ("assets/configs/llama-3-8b.json", {"batch": 2, "seq": 8192}, 8, ("82.4GiB",)),
@@ -255,8 +244,9 @@ REAL_METHODS_70B = REAL_METHODS[:3]  # the 70B step's solves take minutes each: 
 # zoo GPT of 1 and 2 layers at its default size, with the lower bound.
 CHECKMATE_GPTS = {"the 1-layer GPT": {"layers": 1}, "the 2-layer GPT": {"layers": 2}}
 CHECKMATE_AT = (0.9, 0.7, 0.5)
-PAGE_FIXED = ("models", "budgets", "variants", "backends", "compare", "granularity_model",
-              "granularities", "resolve_model", "skip_granularity", "skip_resolve", "skip_smallest")
+# the options --page fixes (the page reports the suite's defaults); --time-limit may change
+PAGE_FIXED = ("models", "budgets", "variants", "backends", "compare", "granularities", "skip_granularity",
+              "skip_resolve", "skip_smallest")
 
 Row = dict[str, Any]
 
@@ -292,15 +282,11 @@ def graph_facts(g) -> dict[str, Any]:
             "self_contained": [[g.names[v], int(g.mem[v])] for v in forward[self_contained(g)].tolist()]}
 
 
-def options_study(g, fractions: Sequence[float], time_limit: float) -> dict[str, list[Row]]:
-    """Bonsai at every budget with each option set of VARIANTS; each set's first budget builds its model."""
-    plain = no_remat_peak(g)
-    out = {}
-    for variant, options in VARIANTS.items():
-        B._cache.clear()
-        out[variant] = [run(g, int(plain * f), time_limit=time_limit, **options) | {"fraction": f}
-                        for f in fractions]
-    return out
+def budget_sweep(g, fractions: Sequence[float], method: str = "bonsai", **options: Any) -> list[Row]:
+    """:func:`run` at each budget (shares of the no-remat peak) in turn, the model cache cleared first: the first
+    budget builds bonsai's model, the others re-solve it as the explorer's slider does."""
+    B._cache.clear()
+    return [run(g, int(no_remat_peak(g) * f), method, **options) | {"fraction": f} for f in fractions]
 
 
 def export_study(g, time_limit: float) -> dict[str, Any]:
@@ -323,18 +309,6 @@ def export_study(g, time_limit: float) -> dict[str, Any]:
             **{k: report.get(k) for k in ("predicted_peak", "measured_peak", "peak_error", "loss_diff",
                                            "max_grad_diff")},
             "seconds": time.perf_counter() - start}
-
-
-def drag_study(g, time_limit: float) -> list[Row]:
-    """The explorer's budget slider dragged over DRAG: one build, then one solve per budget."""
-    plain = no_remat_peak(g)
-    B._cache.clear()
-    return [run(g, int(plain * f), time_limit=time_limit) | {"fraction": f} for f in DRAG]
-
-
-def moccasin_study(g, time_limit: float) -> Row:
-    return run(g, int(MOCCASIN_AT * no_remat_peak(g)), "moccasin", time_limit=time_limit) | {
-        "fraction": MOCCASIN_AT}
 
 
 def outcome(g, budget: int, method: str, time_limit: float, **options: Any) -> Row:
@@ -426,15 +400,16 @@ def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lamb
     seconds: dict[str, float] = {}
     done = common.run_studies({
         "graphs": lambda: {k: graph_facts(g) for k, g in graphs.items()},
-        "options": lambda: {k: options_study(g, BUDGETS[k], time_limit) for k, g in graphs.items()},
+        "options": lambda: {k: {variant: budget_sweep(g, BUDGETS[k], time_limit=time_limit, **options)
+                                for variant, options in VARIANTS.items()} for k, g in graphs.items()},
         "export": lambda: export_study(graphs["hf_gpt2"], time_limit),
-        "drag": lambda: drag_study(graphs["explorer"], time_limit),
+        "drag": lambda: budget_sweep(graphs["explorer"], DRAG, time_limit=time_limit),
         "unets": lambda: [region_entry(label, trace("unet", o), time_limit) for label, o in UNETS.items()],
         "larger_unet": lambda: region_entry("U-Net", trace("unet", LARGER_UNET), time_limit, at_half=("moccasin",)),
         "explorer_bound": lambda: bound_entry("explorer", graphs["explorer"], time_limit),
         "headroom": lambda: headroom_study(time_limit),
         "others": lambda: [bound_entry(name, trace(name, o), time_limit) for name, o in OTHER_AUTHORS],
-        "moccasin": lambda: moccasin_study(graphs["gpt4"], time_limit),
+        "moccasin": lambda: budget_sweep(graphs["gpt4"], [MOCCASIN_AT], "moccasin", time_limit=time_limit)[0],
         "checkmate": lambda: checkmate_study(time_limit),
         "real_steps": lambda: [real_step(label, time_limit) for label in REAL_STEPS]},
         seconds, lambda so_far: progress({**so_far, "seconds": seconds}))
@@ -459,10 +434,6 @@ def share(value: int | None, whole: int) -> str:
 
 def ok(r: Row) -> bool:
     return "error" not in r
-
-
-def overhead_or_none(r: Row) -> float | None:
-    return r["overhead"] if ok(r) else None
 
 
 def op_kinds(names: Iterable[str]) -> str:
@@ -518,19 +489,14 @@ def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
 
 # self-contained nodes and dropped outputs
 
-def option_rows(study: dict[str, Any], key: str, variant: str) -> list[Row]:
-    return study["options"][key][variant]
-
-
 def option_pairs(study: dict[str, Any], a: str, b: str) -> list[tuple[str, Row, Row]]:
     """(graph, its row with option ``a``, with ``b``) per graph and budget of the options study."""
-    return [(GRAPHS[key][0], ra, rb) for key in study["options"]
-            for ra, rb in zip(option_rows(study, key, a), option_rows(study, key, b))]
+    return [(GRAPHS[key][0], ra, rb) for key, rows in study["options"].items() for ra, rb in zip(rows[a], rows[b])]
 
 
-def pairs(study: dict[str, Any], key: str, a: str, b: str) -> list[tuple[float, float | None, float | None]]:
-    return [(ra["fraction"], overhead_or_none(ra), overhead_or_none(rb))
-            for ra, rb in zip(option_rows(study, key, a), option_rows(study, key, b))]
+def compared(rows: dict[str, list[Row]], a: str, b: str) -> dict[str, list[tuple[float, float]]]:
+    """:func:`common.compare` of one graph's overheads with option ``a`` and with ``b``, budget by budget."""
+    return compare((ra["fraction"], ra.get("overhead"), rb.get("overhead")) for ra, rb in zip(rows[a], rows[b]))
 
 
 def self_contained_nodes(facts: dict[str, Any]) -> str:
@@ -538,19 +504,16 @@ def self_contained_nodes(facts: dict[str, Any]) -> str:
     return f"{op_kinds(n for n, _ in nodes)} ({format_bytes(sum(b for _, b in nodes))})" if nodes else "none"
 
 
-def self_contained_values(study: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per graph: saving self-contained nodes against rebuilding them, and how many the plans save."""
-    return [{"name": GRAPHS[key][0], "nodes": self_contained_nodes(study["graphs"][key]),
-             "c": compare(pairs(study, key, "saved", "rebuilt")),
-             "saved": [r["self_contained_saved"] for r in option_rows(study, key, "saved") if ok(r)]}
-            for key in study["options"]]
-
-
-def dropped_values(study: dict[str, Any]) -> dict[str, Any]:
-    """Per graph: dropping outputs against keeping them; the largest gain, and where dropping costs more."""
-    dropped = [{"name": GRAPHS[key][0], "c": compare(pairs(study, key, "dropped", "saved"))}
-               for key in study["options"]]
-    return {"dropped": dropped,
+def options_values(study: dict[str, Any]) -> dict[str, Any]:
+    """Per graph: saving self-contained nodes against rebuilding them (and how many the plans save), dropping
+    outputs against keeping them; dropping's largest gain, and where it costs more."""
+    options = study["options"]
+    dropped = [{"name": GRAPHS[key][0], "c": compared(rows, "dropped", "saved")} for key, rows in options.items()]
+    return {"self_contained": [{"name": GRAPHS[key][0], "nodes": self_contained_nodes(study["graphs"][key]),
+                                "c": compared(rows, "saved", "rebuilt"),
+                                "saved": [r["self_contained_saved"] for r in rows["saved"] if ok(r)]}
+                               for key, rows in options.items()],
+            "dropped": dropped,
             "dropped_gain": max(((d, o["name"], f) for o in dropped for f, d in o["c"]["lower"]), default=None),
             "dropped_dearer": [f"{o['name']} at {budget(f)}" for o in dropped for f, _ in o["c"]["higher"]]}
 
@@ -629,7 +592,7 @@ def region_share(entries: Sequence[dict[str, Any]]) -> dict[str, list[tuple[floa
 
 def moccasin_rows(s: dict[str, Any]) -> dict[str, Row | None]:
     """Bonsai's default and ``drop_outputs`` plans of the 4-layer GPT at MOCCASIN_AT (None where not run)."""
-    return {v: next((r for r in option_rows(s, "gpt4", v) if abs(r["fraction"] - MOCCASIN_AT) < 1e-9), None)
+    return {v: next((r for r in s["options"]["gpt4"][v] if abs(r["fraction"] - MOCCASIN_AT) < 1e-9), None)
             for v in ("saved", "dropped")}
 
 
@@ -695,7 +658,7 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         time_limit=f"{meta['time_limit']:g}", s=s, graphs=graphs, share=share, at=at, flags=flags,
         model_name=model_name, gpt2_flags=flags(GPT2_OPTIONS), larger_unet_flags=flags(LARGER_UNET),
         points=points, points_range=points_range, option_pairs=lambda a, b: option_pairs(s, a, b), tie=TIE,
-        self_contained=self_contained_values(s), **dropped_values(s),
+        **options_values(s),
         resolves=resolves(rows, s["drag"]),
         unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()],
         unet=unet_values(s["unets"]), headroom=headroom_values(s["headroom"]),

@@ -159,10 +159,8 @@ def run_bench(config: BenchConfig, out_dir: str | Path,
             for method in config.methods:
                 row = _row(spec.label, g.n, method, budget, fraction)
                 row["bound"] = bound.cost / g.total_cost - 1 if math.isfinite(bound.cost) else None
-                limit = config.max_nodes.get(method)
-                if limit is not None and g.n > limit:
-                    row["note"] = f"not run: {g.n} nodes > {limit} (bench size limit for {method})"
-                    rows.append(row)
+                if too_large(config, method, g.n):
+                    rows.append({**row, "note": too_large(config, method, g.n)})
                     continue
                 start = time.perf_counter()
                 try:
@@ -175,10 +173,8 @@ def run_bench(config: BenchConfig, out_dir: str | Path,
                 progress(f"  {fraction:.0%} {method:10s} feasible={row['feasible']} overhead={row['overhead']} "
                          f"t={row['solve_seconds']:.2f}s {row['note']}")
         for peer in config.peers:
-            limit = config.max_nodes.get(peer)
-            if limit is not None and g.n > limit:
-                rows.extend({**_row(spec.label, g.n, peer, int(f * reference), f),
-                             "note": f"not run: {g.n} nodes > {limit} (bench size limit for {peer})"}
+            if too_large(config, peer, g.n):
+                rows.extend({**_row(spec.label, g.n, peer, int(f * reference), f), "note": too_large(config, peer, g.n)}
                             for f in budgets)
                 continue
             rows.extend(_peer_rows(peer, spec, g.n, reference, budgets, config, progress))
@@ -188,6 +184,14 @@ def run_bench(config: BenchConfig, out_dir: str | Path,
                                                         ("lower_bound",) + REACH_METHODS if m in reach[-1]))
         _write(rows, reach, out)
     return rows, reach
+
+
+def too_large(config: BenchConfig, method: str, nodes: int) -> str | None:
+    """Why the bench does not run ``method`` on a graph of ``nodes`` (its size limit); None when it does."""
+    limit = config.max_nodes.get(method)
+    if limit is not None and nodes > limit:
+        return f"not run: {nodes} nodes > {limit} (bench size limit for {method})"
+    return None
 
 
 def add_arguments(p: argparse.ArgumentParser, output_required: bool = True) -> None:
@@ -252,12 +256,9 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
 
     methods = args.methods or available_methods(any_graph=True)  # the zoo's MLPs have no block stack
     peers = args.peers if args.peers is not None else list(PEERS)
-    for m in methods:
-        if m not in METHODS:
-            args.parser.error(f"argument --methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
-    for p in peers:
-        if p not in PEERS:
-            args.parser.error(f"argument --peers: unknown peer {p!r} (choose from {', '.join(PEERS)})")
+    for option, kind, names, known in (("methods", "method", methods, METHODS), ("peers", "peer", peers, PEERS)):
+        for name in (n for n in names if n not in known):
+            args.parser.error(f"argument --{option}: unknown {kind} {name!r} (choose from {', '.join(known)})")
     return BenchConfig(
         models=args.models or list(QUICK_MODELS if args.quick else FULL_MODELS),
         budgets=args.budgets or list(QUICK_BUDGETS if args.quick else FULL_BUDGETS),
@@ -334,10 +335,9 @@ def _options(method: str, config: BenchConfig) -> dict[str, Any]:
 
 
 def _row(model: str, nodes: int, method: str, budget: int, fraction: float) -> dict[str, Any]:
-    return {"model": model, "nodes": nodes, "method": method, "budget_bytes": budget, "budget_fraction": fraction,
-            "feasible": False, "peak": None, "overhead": None, "solve_seconds": None, "build_seconds": None,
-            "variables": None, "constraints": None, "status": None, "gap": None, "reserved_peak": None,
-            "fragmentation": None, "note": ""}
+    """A row of results.csv that found no schedule (yet)."""
+    return {**dict.fromkeys(COLUMNS), "model": model, "nodes": nodes, "method": method, "budget_bytes": budget,
+            "budget_fraction": fraction, "feasible": False, "note": ""}
 
 
 def _schedule_fields(graph: Any, schedule: Any) -> dict[str, Any]:

@@ -92,19 +92,17 @@ def run_one(graph_file: str, label: str, method: str, fractions: list[float], ti
 
 def model_size(graph, method: str, budget: int, options: dict) -> dict:
     """Variables and constraints of the model a failed solve built (they are in the stats otherwise)."""
-    if method == "checkmate":
-        from bonsai_core.solvers import checkmate
-        from bonsai_core.solvers.milp import problem_size
-        from bonsai_core.solvers.views import contract_views
+    from bonsai_core.solvers import checkmate
+    from bonsai_core.solvers.milp import problem_size
+    from bonsai_core.solvers.moccasin import build_model
+    from bonsai_core.solvers.views import contract_views
 
+    if method == "checkmate":
         model = checkmate._models.get(contract_views(graph)[0].hash)
         if model is None:
             return {}
         variables, constraints = problem_size(model.problem)
         return {"variables": variables, "constraints": constraints, "build_seconds": model.build_seconds}
-    from bonsai_core.solvers.moccasin import build_model
-    from bonsai_core.solvers.views import contract_views
-
     built = build_model(contract_views(graph)[0], budget, options.get("copies", 2))
     return {"variables": built.variables, "constraints": built.constraints, "build_seconds": built.build_seconds}
 
@@ -177,7 +175,7 @@ def versions() -> dict[str, str]:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Each (graph, method) in a child process under a hard limit: the rows and the run's command, dates and
-    machine, in ``--out``/results.json after each child (a long run leaves results behind), then a table."""
+    machine, in ``--out``/results.json after each child (a long run leaves results behind)."""
     from bonsai_core.trace import trace_model
 
     out = Path(args.out)
@@ -200,7 +198,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             (out / "results.json").write_text(json.dumps(results, indent=1))
     results["meta"].update(ended=common.utc_now(), seconds=round(time.perf_counter() - start, 1),
                            load_end=round(os.getloadavg()[0], 1))
-    print(runs_table(results["rows"]))
     return results
 
 
@@ -250,10 +247,6 @@ def outcome(row: Row) -> str:
 
 def has_schedule(row: Row | None) -> bool:
     return row is not None and row["status"] in ("optimal", "feasible")
-
-
-def cell_name(row: Row) -> str:
-    return f"{row['graph']} at {budget(row['budget_share'])}"
 
 
 def seconds(x: float) -> str:
@@ -344,16 +337,13 @@ def shares_of(rows: Sequence[Row]) -> list[float]:
     return list(dict.fromkeys(r["budget_share"] for r in rows))
 
 
-def optimal_counts(rows: Sequence[Row]) -> dict[str, int]:
-    methods = dict.fromkeys(r["method"] for r in rows)
-    return {m: sum(r["method"] == m and r["status"] == "optimal" for r in rows) for m in methods}
-
-
 def moccasin_values(rows: Sequence[Row]) -> dict[str, Any]:
     """How many cells each method proves optimal (moccasin the practical exact method when it proves the
     most), where and how fast moccasin is optimal, and its other outcomes: a schedule at the limit, a proof
     of infeasibility, nothing."""
-    counts, moc = optimal_counts(rows), [r for r in rows if r["method"] == "moccasin"]
+    moc = [r for r in rows if r["method"] == "moccasin"]
+    counts = {m: sum(r["method"] == m and r["status"] == "optimal" for r in rows)
+              for m in dict.fromkeys(r["method"] for r in rows)}
     optimal = [r for r in moc if r["status"] == "optimal"]
     sized = [r["variables"] for r in moc if r.get("variables") is not None]
     feasible = [r for r in moc if r["status"] == "feasible"]
