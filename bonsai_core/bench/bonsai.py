@@ -165,12 +165,12 @@ def solve_table(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
         plain = no_remat_peak(g)
         for backend in args.backends:
             B._cache.clear()  # the first row pays the build (and the import of CVXPY, once per process)
-            for budget in [b.resolve(plain) for b in args.budgets]:
+            for nbytes in [b.resolve(plain) for b in args.budgets]:
                 for method, variant in methods:
                     opts = {"backend": backend, **variant_options(variant)} if method == "bonsai" else {}
                     name = method if variant in ("", "default") else f"{method} {variant}"
-                    rows.append(shown(run(g, budget, method, time_limit=args.time_limit, **opts) | {
-                        "model": label, "nodes": g.n, "fraction": budget / plain, "budget": budget, "method": name,
+                    rows.append(shown(run(g, nbytes, method, time_limit=args.time_limit, **opts) | {
+                        "model": label, "nodes": g.n, "fraction": nbytes / plain, "budget": nbytes, "method": name,
                         "backend": backend, "plain_peak": plain, "load": load_average()}))
     return rows, graphs
 
@@ -448,11 +448,7 @@ def op_kinds(names: Iterable[str]) -> str:
 
 def solve_cells(rows: Sequence[Row]) -> dict[tuple[str, float], dict[str, Row]]:
     """(model, budget) -> method -> row, for the suite's solve table (rows of no sweep)."""
-    out: dict[tuple[str, float], dict[str, Row]] = {}
-    for r in rows:
-        if "sweep" not in r:
-            out.setdefault((r["model"], r["fraction"]), {})[r["method"]] = r
-    return out
+    return common.cells((r for r in rows if "sweep" not in r), lambda r: (r["model"], r["fraction"]))
 
 
 def model_name(label: str) -> str:
@@ -464,10 +460,7 @@ def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, An
     fitting = {k: {m: r["overhead"] for m, r in c.items() if ok(r)} for k, c in cells.items()}
     contested = {k: c for k, c in fitting.items() if c}
     cheapest = [k for k, c in contested.items() if "bonsai" in c and c["bonsai"] <= min(c.values()) + TIE]
-    unfit: dict[str, list[float]] = {}
-    for (m, f), c in fitting.items():
-        if not c:
-            unfit.setdefault(m, []).append(f)
+    unfit = common.grouped((k for k, c in fitting.items() if not c), lambda k: k[0], lambda k: k[1])
     timed = [(r["wall_seconds"], m, f) for (m, f), c in cells.items() for r in [c["bonsai"]] if ok(r)]
     return {"cheapest": len(cheapest), "contested": len(contested),
             "beaten": [(m, f, [(x, o) for x, o in c.items() if x != "bonsai" and (c.get("bonsai") is None
@@ -551,10 +544,10 @@ def reaches_bound(e: dict[str, Any], key: str) -> bool:
 def unet_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The graphs where bonsai reaches the region bound with ``drop_outputs`` and without; halfway between the
     per-op bound and the no-remat peak, (who fits, who proved it, the graphs with that outcome)."""
-    halves: dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]] = {}
-    for e in entries:
+    def outcome_at_half(e: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         fit = tuple(m for m, o in e["at_half"].items() if o["ok"])
-        halves.setdefault((fit, tuple(m for m in fit if e["at_half"][m]["status"] == "optimal")), []).append(e["label"])
+        return fit, tuple(m for m in fit if e["at_half"][m]["status"] == "optimal")
+    halves = common.grouped(entries, outcome_at_half, lambda e: e["label"])
     return {"exact": [e["label"] for e in entries if reaches_bound(e, "reach_dropped")],
             "plain": [e["label"] for e in entries if reaches_bound(e, "reach")],
             "halves": [(fit, proven, labels) for (fit, proven), labels in halves.items()]}

@@ -365,3 +365,19 @@ def overhead_or_none(graph: Any, budget: int, method: str, **options: Any) -> fl
         return solve(graph, budget, method, budget_hint=False, **options).stats["overhead"]
     except BonsaiError:
         return None
+
+
+# -- a run's rows grouped (the methods, solvers-opt, bonsai and export pages) ---------------------------------
+
+def grouped(items: Iterable[Any], key: Callable[[Any], Any],
+            value: Callable[[Any], Any] = lambda item: item) -> dict[Any, list[Any]]:
+    """``value(item)`` of every item under ``key(item)``, the keys in the order they first come."""
+    out: dict[Any, list[Any]] = {}
+    for item in items:
+        out.setdefault(key(item), []).append(value(item))
+    return out
+
+
+def cells(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> dict[Any, dict[str, dict[str, Any]]]:
+    """``key(row)`` -> method -> row: a results table's cells (a model at a budget), in the order of the rows."""
+    return {k: {r["method"]: r for r in of} for k, of in grouped(rows, key).items()}

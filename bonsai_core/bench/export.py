@@ -393,10 +393,7 @@ def original_values(rows: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
 
 def methods_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     solved = [r for r in rows if "replay" in r]
-    unmet: dict[str, list[str]] = {}
-    for r in rows:
-        if "replay" not in r:
-            unmet.setdefault(r["model"], []).append(r["method"])
+    unmet = common.grouped((r for r in rows if "replay" not in r), lambda r: r["model"], lambda r: r["method"])
     sizes = "; ".join(f"{m} {options_said(o)}" for m, o in dict((r["model"], r["options"]) for r in rows).items())
     return {"method_sizes": sizes, "method_share": f"{METHOD_SHARE:.0%}", "methods_found": {
                 "replays": checks([(f"{r['method']} on {r['model']}", r["replay"]) for r in solved]), "unmet": unmet},
@@ -458,9 +455,7 @@ def case_label(row: dict[str, Any]) -> str:
 
 def rows_said(rows: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], str] | None = None) -> str:
     """Rows named by model, their plans after it: ``unet (any +12.6%, modules +3.7%)``, ``mlp (any)``."""
-    plans: dict[str, list[str]] = {}
-    for r in rows:
-        plans.setdefault(case_label(r), []).append(r["regions"] + (f" {value(r)}" if value else ""))
+    plans = common.grouped(rows, case_label, lambda r: r["regions"] + (f" {value(r)}" if value else ""))
     return common.listing([f"{label} ({('; ' if value else ', ').join(said)})" for label, said in plans.items()])
 
 
@@ -497,10 +492,8 @@ def against_realised_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def unjudged_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    reasons: dict[str, list[dict[str, Any]]] = {}
-    for r in planned(rows, "checkpoint"):
-        if r["checkpoint"]["unjudged"]:
-            reasons.setdefault(r["checkpoint"]["unjudged"], []).append(r)
+    reasons = common.grouped((r for r in planned(rows, "checkpoint") if r["checkpoint"]["unjudged"]),
+                             lambda r: r["checkpoint"]["unjudged"])
     return {"unjudged": [f"{reason}: {rows_said(of)}" for reason, of in reasons.items()],
             "unjudged_count": sum(map(len, reasons.values())), "reasons": list(reasons)}
 

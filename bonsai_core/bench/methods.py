@@ -515,10 +515,8 @@ def digits_apart(a: float, b: float) -> int:
 
 def cells_by_model(rows: Iterable[Row]) -> dict[str, dict[float, Cell]]:
     """model -> budget -> method -> row, in the order of the results (budgets largest first)."""
-    out: dict[str, dict[float, Cell]] = {}
-    for r in rows:
-        out.setdefault(r["model"], {}).setdefault(r["budget_fraction"], {})[r["method"]] = r
-    return out
+    by_model = common.grouped(rows, lambda r: r["model"])
+    return {m: common.cells(of, lambda r: r["budget_fraction"]) for m, of in by_model.items()}
 
 
 def feasible(cell: Cell) -> dict[str, float]:
@@ -628,13 +626,11 @@ def plan_space_rivals(cells: Sequence[tuple[str, float, Cell]]) -> list[tuple[st
 def could_not_run(models: dict[str, dict[float, Cell]]) -> dict[str, list[str]]:
     """Methods or peers that failed on a whole model before any budget (a crash, not a budget they miss), by
     their names: the models."""
-    failed: dict[str, list[str]] = {}
-    for model, by_budget in models.items():
-        for method in dict.fromkeys(m for c in by_budget.values() for m in c):
-            notes = [c[method].get("note") or "" for c in by_budget.values() if method in c]
-            if all(n.startswith("could not run") for n in notes):
-                failed.setdefault(method_name(method), []).append(model_name(model))
-    return failed
+    failed = [(method, model) for model, by_budget in models.items()
+              for method in dict.fromkeys(m for c in by_budget.values() for m in c)
+              if all((c[method].get("note") or "").startswith("could not run")
+                     for c in by_budget.values() if method in c)]
+    return common.grouped(failed, lambda mm: method_name(mm[0]), lambda mm: model_name(mm[1]))
 
 
 def cells_values(models: dict[str, dict[float, Cell]], first: str) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from typing import Any, Iterable, Sequence
 
 from bonsai_core.arguments import fraction_arg
 from bonsai_core.bench import common
-from bonsai_core.bench.common import budget, listing, pct, table
+from bonsai_core.bench.common import budget, listing, pct
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph, save_graph
 from bonsai_core.schedule import no_remat_peak
@@ -266,9 +266,7 @@ def graphs_said(graphs: Sequence[str], every: Sequence[str]) -> str:
 
 def cells_said(rows: Sequence[Row]) -> str:
     """``gpt-l2 at 70% and 50%, unet at 70%``: the rows' cells, grouped by graph."""
-    by_graph: dict[str, list[str]] = {}
-    for r in rows:
-        by_graph.setdefault(r["graph"], []).append(budget(r["budget_share"]))
+    by_graph = common.grouped(rows, lambda r: r["graph"], lambda r: budget(r["budget_share"]))
     return listing([f"{g} at {listing(shares)}" for g, shares in by_graph.items()])
 
 
@@ -292,17 +290,6 @@ def start_status(row: Row) -> str:
 
 # -- the tables -------------------------------------------------------------------------------------
 
-def runs_table(rows: Sequence[Row]) -> str:
-    """One line per row: graph, budget, method, what it ended with, overhead, gap, model size and times."""
-    def f(r: Row, key: str, fmt: str) -> str:
-        return "" if r.get(key) is None else fmt.format(r[key])
-    return table(["graph", "nodes", "budget", "method", "status", "overhead", "gap", "variables", "constraints",
-                  "build s", "solve s"],
-                 [[r["graph"], f(r, "nodes", "{}"), budget(r["budget_share"]), r["method"], outcome(r),
-                   f(r, "overhead", "{:.2%}"), f(r, "gap", "{:.2%}"), f(r, "variables", "{}"), f(r, "constraints", "{}"),
-                   f(r, "build_seconds", "{:.2f}"), f(r, "solve_seconds", "{:.1f}")] for r in rows])
-
-
 def in_cell_order(rows: Sequence[Row]) -> list[Row]:
     """The rows graph by graph, each graph's budgets largest first, the methods in the run's order
     within a budget (the run measures a method's budgets in turn)."""
@@ -312,21 +299,14 @@ def in_cell_order(rows: Sequence[Row]) -> list[Row]:
 
 def first_per_graph(rows: Sequence[Row]) -> list[Row]:
     """The first row of each graph that describes it (killed rows do not)."""
-    first: dict[str, Row] = {}
-    for r in rows:
-        if "nodes" in r:
-            first.setdefault(r["graph"], r)
-    return list(first.values())
+    return [of[0] for of in common.grouped((r for r in rows if "nodes" in r), lambda r: r["graph"]).values()]
 
 
 # -- moccasin, checkmate and the smallest budget: the sentences ---------------------------------------
 
 def by_cell(rows: Sequence[Row]) -> dict[tuple[str, float], dict[str, Row]]:
     """(graph, budget share) -> method -> row."""
-    out: dict[tuple[str, float], dict[str, Row]] = {}
-    for r in rows:
-        out.setdefault((r["graph"], r["budget_share"]), {})[r["method"]] = r
-    return out
+    return common.cells(rows, lambda r: (r["graph"], r["budget_share"]))
 
 
 def graphs_of(rows: Sequence[Row]) -> list[str]:
@@ -501,8 +481,8 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, results_link: st
         highspy=v["highspy"], pyscipopt=v["pyscipopt"], ortools=v["ortools"], cvxpy=v["cvxpy"],
         dates=common.run_dates(run), minutes=f"{run['seconds'] / 60:.0f}", command=run["command"],
         results_link=results_link, graphs=listing(graphs_of(main)), budgets=listing([budget(s) for s in shares_of(main)]),
-        limit=seconds(limit), first_per_graph=first_per_graph(rows), runs_table=runs_table(in_cell_order(main)),
-        copies=copies, copies_table=copies and runs_table(copies), warm=warm, moccasin=moccasin_values(main),
+        limit=seconds(limit), first_per_graph=first_per_graph(rows), in_cell_order=in_cell_order(main),
+        copies=copies, warm=warm, moccasin=moccasin_values(main),
         copies_said=copies_values(copies, main), checkmate=checkmate_values(main),
         smallest=smallest_values(main), no_bound=NO_BOUND,
         copies_infeasible=[r["graph"] for r in main if r["method"] == "moccasin" and copies
