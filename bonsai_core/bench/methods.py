@@ -519,6 +519,16 @@ def cells_by_model(rows: Iterable[Row]) -> dict[str, dict[float, Cell]]:
     return {m: common.cells(of, lambda r: r["budget_fraction"]) for m, of in by_model.items()}
 
 
+def every_cell(models: dict[str, dict[float, Cell]]) -> list[tuple[str, float, Cell]]:
+    """(model, budget, cell) of every cell, in the order of the results."""
+    return [(m, f, c) for m, by_budget in models.items() for f, c in by_budget.items()]
+
+
+def method_rows(by_budget: dict[float, Cell], method: str) -> list[Row]:
+    """``method``'s rows on one model, one per budget where the bench has it."""
+    return [c[method] for c in by_budget.values() if method in c]
+
+
 def feasible(cell: Cell) -> dict[str, float]:
     """The overhead of every method and peer that fits, ``none`` aside (it fits only without a budget)."""
     return {m: r["overhead"] for m, r in cell.items() if r["feasible"] and m != "none"}
@@ -560,14 +570,9 @@ def nodes(by_budget: dict[float, Cell]) -> int:
 
 # -- the headline model -------------------------------------------------------------------------------
 
-def gap_said(rows: Sequence[Row]) -> str:
-    gaps = [r["gap"] or 0.0 for r in rows]
-    return "each proven optimal" if max(gaps, default=0.0) <= TIE else f"gap ≤ {max(gaps):.1%}"
-
-
 def never_scheduled(method: str, by_budget: dict[float, Cell]) -> list[str] | None:
     """The solver statuses of ``method``'s rows when it ran at every budget and fitted at none; None otherwise."""
-    rows = [c[method] for c in by_budget.values() if method in c]
+    rows = method_rows(by_budget, method)
     if not rows or any(r["feasible"] or not_run(r) for r in rows):
         return None
     return sorted({s for s in map(failure_status, rows) if s})
@@ -579,9 +584,10 @@ def headline_values(label: str, by_budget: dict[float, Cell], reach: Row | None)
     cheap = [f for f, c in by_budget.items() if bonsai_cheapest(c)]
     fitting = [f for f, c in by_budget.items() if fits(c, "bonsai")]
     below = [f for f, c in by_budget.items() if not fits(c, "bonsai") and (not fitting or f < fitting[-1])]
+    gaps = [by_budget[f]["bonsai"]["gap"] or 0.0 for f in cheap]
     return {"model": model_name(label), "nodes": nodes(by_budget), "cheap": cheap, "fitting": fitting,
             "overheads": [pct(by_budget[f]["bonsai"]["overhead"]) for f in cheap],
-            "gaps": gap_said([by_budget[f]["bonsai"] for f in cheap]),
+            "gaps": "each proven optimal" if max(gaps, default=0.0) <= TIE else f"gap ≤ {max(gaps):.1%}",
             "tight": [(f, f in fitting, others(by_budget[f])) for f in fitting[-2:] + below],
             "reach": share(reach, "bonsai") if reach and reach.get("bonsai") else None,
             "no_schedule": [(method_name(m), SOLVER_OF.get(m, "solver"), statuses) for m in SOLVER_OF
@@ -596,24 +602,23 @@ def plan_reach(r: Row) -> int | None:
     return min(values) if values else None
 
 
-def heuristics_below(r: Row) -> list[tuple[str, bool]]:
-    """(dtr or coop, whether it is the per-op bound) where they meet a smaller budget than bonsai's and chen's."""
-    plans = plan_reach(r)
-    return [(m, r[m] <= r["lower_bound"]) for m in ("dtr", "coop") if r.get(m) and (plans is None or r[m] < plans)]
-
-
 def reach_values(reach: Sequence[Row]) -> dict[str, Any]:
-    plans = {r["model"]: plan_reach(r) for r in reach}
-    return {"rows": reach, "unproven": [r for r in reach if r.get("bonsai_status") != "optimal"],
-            "below": [(r, said, "none" if plans[r["model"]] is None else f"{plans[r['model']] / r['no_remat_peak']:.1%}")
-                      for r in reach for said in [heuristics_below(r)] if said]}
+    """The models where bonsai's min-peak MILP is not proven, and those where dtr or coop meet a smaller budget
+    than bonsai's and chen's: (row, [(dtr or coop, whether it is the per-op bound)], bonsai's and chen's)."""
+    below = []
+    for r in reach:
+        plans = plan_reach(r)
+        said = [(m, r[m] <= r["lower_bound"]) for m in ("dtr", "coop") if r.get(m) and (plans is None or r[m] < plans)]
+        if said:
+            below.append((r, said, "none" if plans is None else f"{plans / r['no_remat_peak']:.1%}"))
+    return {"rows": reach, "unproven": [r for r in reach if r.get("bonsai_status") != "optimal"], "below": below}
 
 
 # -- bonsai against the rest ---------------------------------------------------------------------------
 
 def contested(models: dict[str, dict[float, Cell]]) -> list[tuple[str, float, Cell]]:
     """Every cell where bonsai ran and some method or peer fits."""
-    return [(m, f, c) for m, by_budget in models.items() for f, c in by_budget.items() if "bonsai" in c and feasible(c)]
+    return [(m, f, c) for m, f, c in every_cell(models) if "bonsai" in c and feasible(c)]
 
 
 def plan_space_rivals(cells: Sequence[tuple[str, float, Cell]]) -> list[tuple[str, float, Cell, str]]:
@@ -628,8 +633,7 @@ def could_not_run(models: dict[str, dict[float, Cell]]) -> dict[str, list[str]]:
     their names: the models."""
     failed = [(method, model) for model, by_budget in models.items()
               for method in dict.fromkeys(m for c in by_budget.values() for m in c)
-              if all((c[method].get("note") or "").startswith("could not run")
-                     for c in by_budget.values() if method in c)]
+              if all((r.get("note") or "").startswith("could not run") for r in method_rows(by_budget, method))]
     return common.grouped(failed, lambda mm: method_name(mm[0]), lambda mm: model_name(mm[1]))
 
 
@@ -663,8 +667,8 @@ def not_best_values(models: dict[str, dict[float, Cell]]) -> dict[str, Any]:
     return {"beaten": [beaten_by(w, beaten) for w in winners], "op_level": any(w in OP_LEVEL for w in winners),
             "unreached": [(m, f, [(o, x, c[o].get("gap") if (c[o].get("gap") or 0) > TIE else None) for o, x in others(c)])
                           for m, f, c in contested(models) if not fits(c, "bonsai")],
-            "eager": [(m, f, c["torch-budget"]["overhead"]) for m, by_budget in models.items()
-                      for f, c in by_budget.items() if fits(c, "torch-budget") and c["torch-budget"]["overhead"] < 0]}
+            "eager": [(m, f, c["torch-budget"]["overhead"]) for m, f, c in every_cell(models)
+                      if fits(c, "torch-budget") and c["torch-budget"]["overhead"] < 0]}
 
 # -- solver cost -----------------------------------------------------------------------------------
 
@@ -673,41 +677,25 @@ def ratio_range(values: Sequence[float]) -> str:
     return common.span(values, "{:.0f}×".format) if values else "?×"
 
 
-def checkmate_proven(models: dict[str, dict[float, Cell]]) -> list[tuple[str, float, Row, Row]]:
-    """(model, budget, checkmate's row, bonsai's) where checkmate proved optimality and bonsai fits."""
-    return [(m, f, c["checkmate"], c["bonsai"]) for m, by_budget in models.items() for f, c in by_budget.items()
-            if "checkmate" in c and c["checkmate"]["feasible"] and c["checkmate"]["status"] == "optimal"
-            and fits(c, "bonsai")]
-
-
-def never_found(models: dict[str, dict[float, Cell]], method: str) -> tuple[list[str], list[str]]:
-    """(models where ``method`` ran and fitted at no budget, models where it was not run)."""
-    none, skipped = [], []
-    for m, by_budget in models.items():
-        rows = [c[method] for c in by_budget.values() if method in c]
-        if rows and all(not_run(r) for r in rows):
-            skipped.append(model_name(m))
-        elif rows and not any(r["feasible"] for r in rows):
-            none.append(model_name(m))
-    return none, skipped
-
-
 def found_values(method: str, models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> tuple | None:
-    """(method, cells where it found a schedule, cells it ran, models where it found none, models it was not run
-    on, its node limit); None when it ran nowhere."""
-    ran = [c[method] for by_budget in models.values() for c in by_budget.values()
-           if method in c and not not_run(c[method])]
+    """(method, cells where it found a schedule, cells it ran, models where it ran and found none, models it was
+    not run on, its node limit); None when it ran nowhere."""
+    rows_of = {model_name(m): method_rows(by_budget, method) for m, by_budget in models.items()}
+    ran = [r for rows in rows_of.values() for r in rows if not not_run(r)]
     if not ran:
         return None
-    return (method, sum(bool(r["feasible"]) for r in ran), len(ran), *never_found(models, method),
-            meta.get("node_limits", {}).get(method))
+    skipped = [m for m, rows in rows_of.items() if rows and all(map(not_run, rows))]
+    return (method, sum(bool(r["feasible"]) for r in ran), len(ran),
+            [m for m, rows in rows_of.items() if rows and m not in skipped and not any(r["feasible"] for r in rows)],
+            skipped, meta.get("node_limits", {}).get(method))
 
 
 def solver_values(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> dict[str, Any]:
     """Where checkmate proved optimality, bonsai's cost, speed and size against it; what checkmate and moccasin
     found; bonsai's solve times."""
-    proven = checkmate_proven(models)
-    timed = [(m, f, c["bonsai"]["solve_seconds"]) for m, by_budget in models.items() for f, c in by_budget.items()
+    proven = [(m, f, c["checkmate"], c["bonsai"]) for m, f, c in every_cell(models) if "checkmate" in c
+              and c["checkmate"]["feasible"] and c["checkmate"]["status"] == "optimal" and fits(c, "bonsai")]
+    timed = [(m, f, c["bonsai"]["solve_seconds"]) for m, f, c in every_cell(models)
              if fits(c, "bonsai") and c["bonsai"]["solve_seconds"] is not None]
     return {"proven": proven,
             "where": {m: [f for mm, f, _, _ in proven if mm == m] for m, *_ in proven},
