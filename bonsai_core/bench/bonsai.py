@@ -2,33 +2,20 @@
 chen and dtr, the smallest budget each reaches, the effect of the granularity, and the live re-solve
 time after a budget change; with ``--page``, also the studies docs/results/bonsai.md reports, and the page.
 
-    bonsai bench bonsai -o bench-bonsai.json     # everything (many minutes)
-    bonsai bench bonsai --models gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8 \
-        --budgets 45 40 --skip-granularity --skip-resolve --skip-smallest
-    bonsai bench bonsai --models graph.json ...   # a traced graph file (no re-tracing)
+    bonsai bench bonsai -o bench-bonsai.json     # the tables (many minutes)
     bonsai bench bonsai --models g8b.json --budgets 50 30 82.4GiB \
         --variants default save_ops=false regions=modules --compare chen dtr \
-        --skip-granularity --skip-resolve --skip-smallest   # a real step (docs/results/real_runs.md)
-    bonsai bench bonsai -o docs/bench/bonsai.json --page docs/results/bonsai.md   # and the page's studies
-    bonsai bench bonsai -o docs/bench/bonsai.json --page docs/results/bonsai.md --report-only
+        --skip-granularity --skip-resolve --skip-smallest   # a traced graph file (docs/results/real_runs.md)
+    bonsai bench bonsai -o docs/bench/bonsai.json --page docs/results/bonsai.md [--report-only]
 
-``--variants``: bonsai's option sets, each ``default`` or ``name=value,...`` (``bonsai methods
-bonsai`` lists the options); ``--budgets``: shares of the no-remat peak (``70``), as every suite takes
-them, or bytes with a unit (``82.4GiB``). Each solve prints a line as it ends: its wall time and where it
-went (``time_split``), and the tool's own peak memory (the process's maximum resident set); ``-o`` keeps
-the rows as JSON.
+``--variants``: bonsai's option sets, each ``default`` or ``name=value,...``; ``--budgets``: shares of the
+no-remat peak (``70``) or bytes with a unit (``82.4GiB``). Every schedule goes through
+``bonsai_core.solvers.solve`` with each method's default options but the time limit; each solve prints a
+line: its wall time and where it went (``time_split``), and the tool's peak memory; ``-o`` keeps the rows.
 
-Every schedule goes through ``bonsai_core.solvers.solve`` (so the simulator validates it); budgets are
-shares of the no-remat peak. Default options for every method (bonsai: granularity "auto", gap 1%),
-except the time limit.
-
-``--page PAGE`` (the default models and budgets only) also runs :func:`studies`: the options
-``save_self_contained`` and ``drop_outputs`` on three GPTs (one plan exported and verified on CPU), the
-explorer's graph dragged from 95% to 45%, the region bound on U-Nets and on small models of other
-authors, moccasin at 40% on the 4-layer GPT, checkmate on small GPTs and the Llama-3 steps; it keeps
-everything in ``-o`` and :func:`page` writes the page from it alone: every number it states, and every
-comparison, is computed from it; the fixed prose only explains mechanisms. ``--report-only`` writes the
-page again from ``-o`` without measuring.
+``--page PAGE`` (the default models and budgets only) also runs :func:`studies`, keeps everything in ``-o``
+and :func:`page` writes the page from it alone (the prose in templates/bonsai.md); ``--report-only`` writes
+the page again from ``-o`` without measuring.
 """
 
 from __future__ import annotations
@@ -40,6 +27,7 @@ import resource
 import tempfile
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -71,6 +59,7 @@ RUN_STATS = ("status", "gap", "variables", "constraints", "build_seconds", "solv
 SHOWN = ("model", "sweep", "fraction", "method", "backend", "granularity", "ilp_candidates", "variables",
          "wall_seconds", "time_split", "status", "gap", "overhead", "cached", "bonsai", "bonsai_status", "chen",
          "lower_bound", "tool_rss_bytes", "error")
+shown = partial(common.progress, keys=SHOWN)
 
 
 def load(spec: str):
@@ -116,12 +105,6 @@ def variant_options(text: str) -> dict[str, Any]:
 def load_average() -> str:
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
-
-
-def shown(row: dict[str, Any]) -> dict[str, Any]:
-    """``row``, its SHOWN fields printed as one JSON line."""
-    print(json.dumps({k: row[k] for k in SHOWN if row.get(k) is not None}, default=str), flush=True)
-    return row
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -381,3 +381,9 @@ def grouped(items: Iterable[Any], key: Callable[[Any], Any],
 def cells(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> dict[Any, dict[str, dict[str, Any]]]:
     """``key(row)`` -> method -> row: a results table's cells (a model at a budget), in the order of the rows."""
     return {k: {r["method"]: r for r in of} for k, of in grouped(rows, key).items()}
+
+
+def progress(row: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """``row``, its ``keys`` printed as one JSON line: a suite's progress as each measurement ends."""
+    print(json.dumps({k: row.get(k) for k in keys}, default=str), flush=True)
+    return row

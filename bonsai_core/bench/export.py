@@ -132,8 +132,7 @@ def zoo_rows(models: Sequence[str]) -> list[dict[str, Any]]:
                 replay_export(traced, model, {}, None, schedule, folder)
                 row["autograd"] = replay_verified(model, {}, folder)
                 row["direct"] = replay_verified(model, {}, folder, grads="direct")
-            print(json.dumps({k: row[k] for k in ("model", "schedule", "recomputes")}), flush=True)
-            rows.append(row)
+            rows.append(common.progress(row, ("model", "schedule", "recomputes")))
     return rows
 
 
@@ -156,8 +155,7 @@ def method_rows(models: Sequence[str], time_limit: float) -> list[dict[str, Any]
             else:
                 row["recomputes"] = simulate(traced.graph, schedule).recomputes
                 row["replay"] = replay_row(traced, model, small[model], None, schedule)
-            print(json.dumps({k: row.get(k) for k in ("model", "method", "recomputes", "error")}), flush=True)
-            rows.append(row)
+            rows.append(common.progress(row, ("model", "method", "recomputes", "error")))
     return rows
 
 
@@ -176,8 +174,7 @@ def verified_rows(cases: Sequence[tuple[str, dict[str, Any] | None, str | None]]
             row = {"model": model, "options": options, "autocast": autocast, "schedule": factory, "level": level,
                    "recomputes": simulate(traced.graph, schedule).recomputes,
                    "replay": replay_row(traced, model, options, autocast, schedule, TIMING_REPEATS)}
-            print(json.dumps({k: row[k] for k in ("model", "autocast", "schedule", "recomputes")}), flush=True)
-            rows.append(row)
+            rows.append(common.progress(row, ("model", "autocast", "schedule", "recomputes")))
     return rows
 
 
@@ -275,9 +272,8 @@ def backend_rows(cases: Sequence[tuple[str, dict[str, Any], str | None]], time_l
             else:
                 row.update({"no_plan": True} if plan is None
                            else both_backends(traced, model, options, autocast, *plan))
-            print(json.dumps({k: row.get(k) for k in ("model", "autocast", "regions", "share", "error", "replay_error",
-                                                       "checkpoint_error")}), flush=True)
-            rows.append(row)
+            rows.append(common.progress(row, ("model", "autocast", "regions", "share", "error", "replay_error",
+                                              "checkpoint_error")))
     return rows
 
 

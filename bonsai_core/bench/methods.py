@@ -1,16 +1,12 @@
 """``bonsai bench [methods]``: every method and every peer on the same models and budgets, in one run
 (the default suite).
 
-Keeps the run in ``results.json`` (the rows, the smallest budgets, the run's command, dates, machine and
-duration) and writes from it ``results.csv`` (one row per model x budget x method), ``reach.csv`` (one row
-per model: the smallest budget each method reaches, next to the per-op lower bound), ``results.md`` (a
-table per model, the reach table, and the honest list of budgets where bonsai is not the best feasible
-method) and PNG plots (matplotlib): overhead vs budget (Pareto fronts), solve time vs graph size (log-log)
-for the optimising methods, and peak vs budget. Tables go through pandas (CSV, typed re-reading, markdown
-via tabulate). ``--page docs/results/benchmarks.md`` also writes that page from results.json alone
-(:func:`page`: every number and ranking on it is computed from it; the fixed prose in templates/benchmarks.md
-only explains mechanisms); ``--report-only`` writes it and the files again from a finished run's
-results.json, measuring nothing (:func:`bonsai_core.bench.common.run_page_suite`).
+Keeps the run in ``results.json`` (the rows, each method's smallest budget per model, the run's command,
+dates, machine and duration) and writes from it ``results.csv`` (a row per model x budget x method),
+``reach.csv``, ``results.md`` (templates/bench_results.md: a table per model, the reach table, where bonsai is
+not the best) and PNG plots (overhead and peak vs budget, solve time vs graph size). ``--page
+docs/results/benchmarks.md`` also writes that page from results.json alone (:func:`page`, the prose in
+templates/benchmarks.md); ``--report-only`` writes it and the files again, measuring nothing.
 
 Every schedule row comes from :func:`bonsai_core.solvers.solve`, so it was validated by the simulator;
 peer rows are measured on a real CPU step (:mod:`bonsai_core.peers`).
@@ -106,7 +102,7 @@ class ModelSpec:
 
 QUICK_MODELS = ("mlp:layers=3,batch=512", "gpt:layers=1,seq=64")
 QUICK_BUDGETS = (0.7, 0.5)
-# The issue-12 GPT (4 layers, 525 nodes) first, with the budgets where methods part ways; then the
+# The 4-layer GPT (525 nodes) first, with the budgets where methods part ways; then the
 # Hugging Face models at their default sizes, the zoo at its default sizes (plus the 1-layer gpt,
 # the one transformer checkmate's op-level MILP is run on) and GPT-2 small last. Larger zoo sizes
 # only added minutes of time-limited MILPs: the full run is meant to fit ~25 minutes on 2 cores.

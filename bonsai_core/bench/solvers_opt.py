@@ -1,23 +1,17 @@
 """Measure the op-level solvers (checkmate on HiGHS and SCIP, moccasin on CP-SAT) on traced zoo graphs.
 
-For each graph and each budget (a share of the no-remat peak), each method solves under a time limit;
-the table reports status, overhead (the simulated schedule's extra compute), gap, model size and
-times. Each (graph, method) runs in its own process with a hard wall-clock limit, so a backend that
-ignores its time limit cannot stall the run; inside it the budgets are solved in turn, which is how
-the explorer's slider re-solves (checkmate's model is built once and re-solved with a new budget).
-``checkmate-highs`` and ``checkmate-scip`` are the MILP alone (``warm_start=false``); the ``-warm``
-labels are checkmate as a user gets it, started from the cheapest schedule another method finds.
+Each (graph, method) runs in its own process under a hard wall-clock limit (a backend that ignores its time
+limit cannot stall the run) and solves the budgets (shares of the no-remat peak) in turn, as the explorer's
+slider re-solves; a row per budget: status, overhead, gap, model size and times. ``checkmate-highs`` and
+``checkmate-scip`` are the MILP alone (``warm_start=false``); the ``-warm`` labels are checkmate as a user gets
+it, started from the cheapest schedule another method finds.
 
     bonsai bench solvers-opt --time-limit 60 --out /tmp/opt   # the main table only
     bonsai bench solvers-opt --page docs/results/checkmate_moccasin.md  # the page's three studies: about 40 min
     bonsai bench solvers-opt --page docs/results/checkmate_moccasin.md --report-only
 
-``--page`` runs every graph, method and budget of the main table, moccasin with 3 copies at 50%, and
-checkmate's warm start on and off on the 1-layer GPT at 60% (at the time limit, half of it and a sixth);
-the rows and the run's command, dates and machine go to ``--out``/results.json (docs/bench/solvers_opt), and
-:func:`page` writes the page from them alone: every number, ranking and comparison on it is computed from
-them; the fixed prose in templates/checkmate_moccasin.md only explains what the columns and statuses mean
-(``--report-only``: again, measuring nothing).
+``--page`` runs the page's studies (:func:`planned_runs`) into ``--out``/results.json and :func:`page` writes
+the page from it alone (the prose in templates/checkmate_moccasin.md).
 """
 
 from __future__ import annotations
@@ -192,9 +186,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 save_graph(trace_model(model, **options).graph, graph_files[label])
             for row in run_child(graph_files[label], label, method, budgets, limit):
                 row.update(study=study, load=round(os.getloadavg()[0], 1))  # the machine's load as the child ended
-                results["rows"].append(row)
-                print(json.dumps({k: row.get(k) for k in ("study", "graph", "method", "budget_share", "status",
-                                                          "overhead", "gap", "wall_seconds")}), flush=True)
+                results["rows"].append(common.progress(row, ("study", "graph", "method", "budget_share", "status",
+                                                             "overhead", "gap", "wall_seconds")))
             (out / "results.json").write_text(json.dumps(results, indent=1))
     results["meta"].update(ended=common.utc_now(), seconds=round(time.perf_counter() - start, 1),
                            load_end=round(os.getloadavg()[0], 1))
