@@ -14,7 +14,6 @@ first studies are tests/test_export.py's factories (imported from the checkout, 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from functools import partial
@@ -62,8 +61,6 @@ BACKEND_MODELS = (
 BACKEND_SHARES = (0.5, 0.7, 0.9)  # bonsai at the first of these (of the headroom above lb) that it meets
 REGIONS = ("any", "modules")
 NEAR = 64  # bytes: a measured peak this close to its prediction meets it (the tracker sees a few tiny tensors more)
-# verify_checkpoint's reasons for not judging a peak, as the page names them
-AUTOCAST, SDPA_DROPOUT = "autocast", "SDPA dropout on the CPU"
 REALISED = 0.01  # the checkpoint back-end runs the plan when its realised peak is this close (verify's rule)
 
 
@@ -188,9 +185,9 @@ def attention_rows(models: Sequence[str]) -> list[dict[str, Any]]:
         for dtype in ("fp32", "bf16"):
             for attention in ("eager", "sdpa"):
                 graph = trace_model(model, seq=ATTENTION_SEQ, attention=attention, dtype=dtype).graph
-                rows.append({"model": model, "dtype": dtype, "attention": attention, "nodes": graph.n,
-                             "no_remat_peak": no_remat_peak(graph)})
-                print(json.dumps(rows[-1]), flush=True)
+                row = {"model": model, "dtype": dtype, "attention": attention, "nodes": graph.n,
+                       "no_remat_peak": no_remat_peak(graph)}
+                rows.append(common.progress(row, list(row)))
     return rows
 
 
@@ -210,7 +207,8 @@ def unjudged_reason(unpredicted: str | None) -> str | None:
     """verify_checkpoint's reason for not judging a peak, in a table cell's words."""
     from bonsai_core.export.verify import CHECKPOINT_AUTOCAST, CPU_ATTENTION_DROPOUT
 
-    return {CHECKPOINT_AUTOCAST: AUTOCAST, CPU_ATTENTION_DROPOUT: SDPA_DROPOUT}.get(unpredicted, unpredicted)
+    words = {CHECKPOINT_AUTOCAST: "autocast", CPU_ATTENTION_DROPOUT: "SDPA dropout on the CPU"}
+    return words.get(unpredicted, unpredicted)
 
 
 def failure(e: BaseException) -> str:
@@ -239,14 +237,11 @@ def both_backends(traced: Any, model: str, options: dict[str, Any], autocast: st
     as its error (a crash is a result here: the page lists it)."""
     sim = simulate(traced.graph, schedule)
     out: dict[str, Any] = {"share": share, "predicted": sim.peak, "recomputes": sim.recomputes}
-    try:
-        out["replay"] = replay_row(traced, model, options, autocast, schedule)
-    except Exception as e:  # noqa: BLE001
-        out["replay_error"] = failure(e)
-    try:
-        out["checkpoint"] = checkpoint_side(model, options, autocast, schedule)
-    except Exception as e:  # noqa: BLE001
-        out["checkpoint_error"] = failure(e)
+    for side, export in (("replay", partial(replay_row, traced)), ("checkpoint", checkpoint_side)):
+        try:
+            out[side] = export(model, options, autocast, schedule)
+        except Exception as e:  # noqa: BLE001
+            out[f"{side}_error"] = failure(e)
     return out
 
 
@@ -529,15 +524,9 @@ def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
 # -- the page -------------------------------------------------------------------------------------
 
 def page(results: dict[str, Any], header: str) -> str:
-    meta = results["meta"]
     return common.fill(
-        "export", header=header, near=NEAR, short=short, precision=precision, met_split=met_split, differing=differing, byte_range=byte_range,
-        command=meta["command"], date=meta["date"],
-        machine=meta["machine"],
-        quick=" (`--quick`: one model per study, a smoke test, not the record)" if meta.get("quick") else "",
-        torch=meta["torch"], seconds=f"{meta['seconds']:.0f}", time_limit=f"{meta['time_limit']:g}",
-        per_study=", ".join(f"{name} {seconds:.0f} s" for name, seconds in meta["study_seconds"].items()),
-        **zoo_values(results["zoo"]), **methods_values(results["methods"]), **verified_values(results["verified"]),
+        "export", header=header, meta=results["meta"], near=NEAR, short=short, precision=precision,
+        met_split=met_split, differing=differing, byte_range=byte_range, **zoo_values(results["zoo"]), **methods_values(results["methods"]), **verified_values(results["verified"]),
         **attention_values(results["attention"]), **backend_values(results["backends"]))
 
 

@@ -732,9 +732,9 @@ def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header
     first = next(iter(models))
     reach_of = {r["model"]: r for r in reach}
     return common.fill(
-        "benchmarks", header=header, machine=meta["machine"], torch=meta["torch"], dates=common.run_dates(meta),
-        minutes=f"{meta['seconds'] / 60:.0f}", command=meta["command"], models=len(models),
-        cell_count=sum(len(b) for b in models.values()), bench=bench, time_limit=f"{meta['time_limit']:g}",
+        "benchmarks", header=header, meta=meta, dates=common.run_dates(meta), models=len(models),
+        cell_count=sum(len(b) for b in models.values()), bench=bench,
         headline=headline_values(first, models[first], reach_of.get(first)),
         reach=reach and reach_values(reach), cells=cells_values(models, first), not_best=not_best_values(models),
-        bound=bound_values(models), solver=solver_values(models, meta), model_name=model_name, method_name=method_name, share=share)
+        bound=bound_values(models), solver=solver_values(models, meta), model_name=model_name,
+        method_name=method_name, share=share)

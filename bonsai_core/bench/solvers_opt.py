@@ -453,13 +453,6 @@ def shorter_limits(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
 
 # -- the page ---------------------------------------------------------------------------------------
 
-def load_said(run: dict[str, Any], rows: Sequence[Row]) -> str:
-    """The load average at the end, and its range as the child processes ended (rows record it)."""
-    loads = [r["load"] for r in rows if r.get("load") is not None]
-    during = f", {min(loads):.1f} to {max(loads):.1f} as the solves ended" if loads else ""
-    return f"load average at the end {run['load_end']:.1f}{during}"
-
-
 def page(rows: Sequence[Row], run: dict[str, Any], header: str, results_link: str) -> str:
     """The whole page from one run: its rows and its ``meta`` (``run``); ``results_link``: their file as a link
     from the page."""
@@ -468,13 +461,10 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, results_link: st
     warm = [r for r in rows if r.get("study") == "warm-start"]
     if not main:
         raise BonsaiError("The run has no rows of the main study to write a page from: run the suite with --page.")
-    limit, v = run["time_limit"], run["versions"]
     return common.fill(
-        "checkmate_moccasin", header=header, machine=run["machine"], load=load_said(run, rows), torch=run["torch"],
-        highspy=v["highspy"], pyscipopt=v["pyscipopt"], ortools=v["ortools"], cvxpy=v["cvxpy"],
-        dates=common.run_dates(run), minutes=f"{run['seconds'] / 60:.0f}", command=run["command"],
-        results_link=results_link, graphs=listing(graphs_of(main)), budgets=listing([budget(s) for s in shares_of(main)]),
-        limit=seconds(limit), first_per_graph=first_per_graph(rows), in_cell_order=in_cell_order(main),
+        "checkmate_moccasin", header=header, run=run, dates=common.run_dates(run), results_link=results_link,
+        loads=[r["load"] for r in rows if r.get("load") is not None], graphs=listing(graphs_of(main)), budgets=listing([budget(s) for s in shares_of(main)]),
+        limit=seconds(run["time_limit"]), first_per_graph=first_per_graph(rows), in_cell_order=in_cell_order(main),
         copies=copies, warm=warm, moccasin=moccasin_values(main),
         copies_said=copies_values(copies, main), checkmate=checkmate_values(main),
         smallest=smallest_values(main), no_bound=NO_BOUND,
