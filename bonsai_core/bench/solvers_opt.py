@@ -423,23 +423,14 @@ def warm_values(rows: Sequence[Row]) -> dict[str, Any]:
     return {
         "off": off, "off_found": any(has_schedule(r) for r in off),
         "off_limits": sorted({seconds(r["time_limit"]) for r in off}),
-        "off_backends": "either backend" if len(off) > 1 else off and BACKEND_OF[off[0]["method"]],
-        "off_said": [f"{BACKEND_OF[r['method']]} ends {outcome(r)}"
-                     + (f" at {pct(r['overhead'])}" if has_schedule(r) else "")
-                     for r in off], "off_limit": off and seconds(off[0]["time_limit"]),
         "on": len(on), "returned": sum(map(has_schedule, on)),
         "ready": started_on and seconds_range(r["warm_start_seconds"] for r in started_on),
         "from": sorted({start_method(r) for r in started_on}),
-        "missing": [f"{seconds(r['time_limit'])} s on {BACKEND_OF[r['method']]}" for r in on
-                    if start_method(r) is None],
+        "missing": [r for r in on if start_method(r) is None],
         "started": started, "longest": longest and seconds(longest),
-        "bounds": [f"{1 - r['gap']:.0%} ({BACKEND_OF[r['method']]}'s bound)" for r in started
-                   if r["time_limit"] == longest and r.get("gap") is not None],
-        "better": [f"the {BACKEND_OF[r['method']]} run at {seconds(r['time_limit'])} s ({pct(start_overhead(r))} to "
-                   f"{pct(r['overhead'])})" for r in started if r["compute_cost"] < r["warm_start_cost"] * (1 - TIE)],
-        "tried": tried and next((BACKEND_OF[r["method"]], seconds(r["time_limit"]),
-                                 "; ".join(f"`{m}`: {note}" for m, note in r["warm_start_tried"].items()))
-                                for r in [max(tried, key=lambda x: x["time_limit"])]),
+        "bounds": [r for r in started if r["time_limit"] == longest and r.get("gap") is not None],
+        "better": [r for r in started if r["compute_cost"] < r["warm_start_cost"] * (1 - TIE)],
+        "tried": max(tried, key=lambda r: r["time_limit"], default=None),
         "overran": max((r["wall_seconds"] - r["time_limit"] for r in timed), default=None),
         "shorter": shorter_limits(rows) if timed else []}
 
