@@ -384,6 +384,7 @@ def cells(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) 
 
 
 def progress(row: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
-    """``row``, its ``keys`` printed as one JSON line: a suite's progress as each measurement ends."""
-    print(json.dumps({k: row.get(k) for k in keys}, default=str), flush=True)
+    """``row``, its ``keys`` that hold a value printed as one JSON line: a suite's progress as each measurement
+    ends."""
+    print(json.dumps({k: row[k] for k in keys if row.get(k) is not None}, default=str), flush=True)
     return row
