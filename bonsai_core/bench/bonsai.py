@@ -597,7 +597,7 @@ def real_steps_values(steps: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
                          "chen": cells[("chen", ())], "plain": cells[("bonsai", ())],
                          "offload": cells.get(("bonsai", (("offload", True),)), NOT_RUN),
                          "regions": cells.get(("bonsai", (("space", "regions"),)), NOT_RUN)})
-    return {"rows": rows, "said": [real_said(r["label"], r["share"], r["plain"], r["dtr"], r["chen"]) for r in rows]}
+    return {"rows": rows, "said": [real_said(r) for r in rows]}
 
 
 NOT_RUN = {"error": "not run on this step"}
@@ -611,15 +611,12 @@ def real_cell(m: dict[str, Any], space: bool = False) -> str:
     return pct2(m["overhead"]) + (f" ({m['space']})" if space and m.get("space") else "")
 
 
-def real_said(label: str, share: str, plain: dict[str, Any], dtr: dict[str, Any], chen: dict[str, Any]) -> tuple:
-    """(label, budget, bonsai's plan, the methods it is below, those it is not below): what the page says of
-    one budget of a real step."""
-    plain = {"overhead": plain.get("overhead"), "wall_seconds": plain.get("wall_seconds"),
-             "bound_gap": plain.get("bound_gap")}
-    others = [(name, m["overhead"]) for name, m in (("dtr", dtr), ("chen", chen)) if m.get("overhead") is not None]
-    below = [f"{name} ({pct2(o)})" for name, o in others if plain["overhead"] is not None and plain["overhead"] < o]
-    return label, share, plain, below, [f"{name} ({pct2(o)})" for name, o in others
-                                        if plain["overhead"] is not None and plain["overhead"] >= o]
+def real_said(r: Row) -> tuple[Row, list[str], list[str]]:
+    """(one budget of a real step, the methods bonsai's plan is below, those it is not below)."""
+    mine = r["plain"].get("overhead")
+    others = [(f"{m} ({pct2(r[m]['overhead'])})", r[m]["overhead"]) for m in ("dtr", "chen")
+              if r[m].get("overhead") is not None and mine is not None]
+    return r, [said for said, o in others if mine < o], [said for said, o in others if mine >= o]
 
 
 # -- the page --------------------------------------------------------------------------------------
