@@ -406,7 +406,8 @@ def verified_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # -- SDPA and bf16 --------------------------------------------------------------------------------
 
 def attention_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    return {"seq": str(ATTENTION_SEQ), "peaks": {(r["model"], r["dtype"], r["attention"]): r["no_remat_peak"] for r in rows},
+    return {"seq": str(ATTENTION_SEQ),
+            "peaks": {(r["model"], r["dtype"], r["attention"]): r["no_remat_peak"] for r in rows},
             "attention_models": list(dict.fromkeys(r["model"] for r in rows))}
 
 
@@ -526,7 +527,8 @@ def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
 def page(results: dict[str, Any], header: str) -> str:
     return common.fill(
         "export", header=header, meta=results["meta"], near=NEAR, short=short, precision=precision,
-        met_split=met_split, differing=differing, byte_range=byte_range, **zoo_values(results["zoo"]), **methods_values(results["methods"]), **verified_values(results["verified"]),
+        met_split=met_split, differing=differing, byte_range=byte_range, **zoo_values(results["zoo"]),
+        **methods_values(results["methods"]), **verified_values(results["verified"]),
         **attention_values(results["attention"]), **backend_values(results["backends"]))
 
 

@@ -454,7 +454,8 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, results_link: st
         raise BonsaiError("The run has no rows of the main study to write a page from: run the suite with --page.")
     return common.fill(
         "checkmate_moccasin", header=header, run=run, dates=common.run_dates(run), results_link=results_link,
-        loads=[r["load"] for r in rows if r.get("load") is not None], graphs=listing(graphs_of(main)), budgets=listing([budget(s) for s in shares_of(main)]),
+        loads=[r["load"] for r in rows if r.get("load") is not None], graphs=listing(graphs_of(main)),
+        budgets=listing([budget(s) for s in shares_of(main)]),
         limit=seconds(run["time_limit"]), first_per_graph=first_per_graph(rows), in_cell_order=in_cell_order(main),
         copies=copies, warm=warm, moccasin=moccasin_values(main),
         copies_said=copies_values(copies, main), checkmate=checkmate_values(main),
