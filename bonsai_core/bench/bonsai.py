@@ -572,11 +572,9 @@ def moccasin_rows(s: dict[str, Any]) -> dict[str, Row | None]:
             for v in ("saved", "dropped")}
 
 
-def checkmate_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+def checkmate_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Bonsai's default against checkmate on the small GPTs, with the bound: the rows, where both found a plan,
     where bonsai is within 1% of checkmate's compute cost and where at least 10 times faster."""
-    if not rows:  # a run before this study
-        return None
     both = [(r["bonsai"], r["checkmate"]) for r in rows
             if r["bonsai"].get("overhead") is not None and r["checkmate"].get("overhead") is not None]
     return {"rows": rows, "both": len(both), "close": sum((1 + b["overhead"]) / (1 + c["overhead"]) - 1 <= 0.01
@@ -584,10 +582,8 @@ def checkmate_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
             "fast": sum(c["wall_seconds"] / b["wall_seconds"] >= 10 for b, c in both)}
 
 
-def real_steps_values(steps: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+def real_steps_values(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Every method on the Llama-3 steps at each budget, with the lower bound, and what the page says of each."""
-    if not steps:  # a run before this study
-        return None
     rows = []
     for e in steps:
         for row in e["budgets"]:
@@ -637,7 +633,7 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         unet=unet_values(s["unets"]), headroom=headroom_values(s["headroom"]),
         others=list(zip(OTHER_AUTHORS, s["others"])),
         region_share=region_share(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_rows=moccasin_rows(s),
-        checkmate=checkmate_values(s.get("checkmate") or []), real_steps=real_steps_values(s.get("real_steps") or []), real=real_cell,
+        checkmate=checkmate_values(s["checkmate"]), real_steps=real_steps_values(s["real_steps"]), real=real_cell,
         **suite_values(rows))
 
 
