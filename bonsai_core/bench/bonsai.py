@@ -326,6 +326,13 @@ def region_entry(label: str, g, time_limit: float,
     return e
 
 
+def bound_said(g, budget: int, offload: bool = False) -> dict[str, Any]:
+    """The lower bound at ``budget`` as an overhead (None: no schedule fits), its seconds and how it was found."""
+    bound = lower_bound(g, budget, offload=offload)
+    return {"overhead": bound.cost / g.total_cost - 1 if bound.cost < float("inf") else None,
+            "seconds": bound.seconds, "how": bound.how}
+
+
 def real_step(label: str, time_limit: float) -> dict[str, Any]:
     """One of REAL_STEPS traced, and at each of its budgets the lower bound (without and with host copies)
     and every method of REAL_METHODS: overhead, wall seconds, and for bonsai the space its plan came from."""
@@ -339,11 +346,7 @@ def real_step(label: str, time_limit: float) -> dict[str, Any]:
     for text in budgets:
         budget = parse_budget(text).resolve(entry["plain_peak"])
         row: dict[str, Any] = {"budget": text, "bytes": budget, "methods": []}
-        for offload in (False, True):
-            bound = lower_bound(g, budget, offload=offload)
-            row["bound_offload" if offload else "bound"] = {
-                "overhead": bound.cost / g.total_cost - 1 if bound.cost < float("inf") else None,
-                "seconds": bound.seconds, "how": bound.how}
+        row["bound"], row["bound_offload"] = (bound_said(g, budget, offload) for offload in (False, True))
         for method, opts in (REAL_METHODS_70B if "70B" in label else REAL_METHODS):
             r = run(g, budget, method, time_limit=time_limit, **opts)
             row["methods"].append({"method": method, "options": opts, **{k: r.get(k) for k in (
@@ -359,9 +362,7 @@ def checkmate_study(time_limit: float) -> list[dict[str, Any]]:
         g = trace("gpt", options)
         for fraction in CHECKMATE_AT:
             budget = int(fraction * no_remat_peak(g))
-            bound = lower_bound(g, budget)
-            row = {"label": label, "nodes": g.n, "fraction": fraction,
-                   "bound": bound.cost / g.total_cost - 1 if bound.cost < float("inf") else None}
+            row = {"label": label, "nodes": g.n, "fraction": fraction, "bound": bound_said(g, budget)["overhead"]}
             for method in ("bonsai", "checkmate"):
                 r = run(g, budget, method, time_limit=time_limit)
                 row[method] = {k: r.get(k) for k in ("overhead", "wall_seconds", "space", "status", "gap", "error")}
