@@ -430,11 +430,6 @@ def op_kinds(names: Iterable[str]) -> str:
 
 # the suite's tables
 
-def solve_cells(rows: Sequence[Row]) -> dict[tuple[str, float], dict[str, Row]]:
-    """(model, budget) -> method -> row, for the suite's solve table (rows of no sweep)."""
-    return common.cells((r for r in rows if "sweep" not in r), lambda r: (r["model"], r["fraction"]))
-
-
 def model_name(label: str) -> str:
     return GRAPHS["gpt4"][0] if label == GPT4 else f"`{label}`"
 
@@ -455,7 +450,9 @@ def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, An
 
 
 def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
-    cells = solve_cells(rows)
+    """The suite's tables: the solve table's cells ((model, budget) -> method -> row), the smallest budgets, the
+    granularity sweep."""
+    cells = common.cells((r for r in rows if "sweep" not in r), lambda r: (r["model"], r["fraction"]))
     methods = list(dict.fromkeys(m for c in cells.values() for m in c))
     smallest = [r for r in rows if r.get("sweep") == "smallest"]
     gran = [r for r in rows if r.get("sweep") == "granularity"]
