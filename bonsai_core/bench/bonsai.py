@@ -88,13 +88,8 @@ def run(graph, budget: int | None, method: str = "bonsai", **options: Any) -> di
         stats = solve(graph, budget, method, **options).stats
     except BonsaiError as e:
         return {"error": str(e).split(":")[0], "wall_seconds": time.perf_counter() - start}
-    return {k: stats.get(k) for k in RUN_STATS} | {"wall_seconds": time.perf_counter() - start,
-                                                   "tool_rss_bytes": max_rss()}
-
-
-def max_rss() -> int:
-    """The process's peak resident memory so far, in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the tool's peak memory so far (Linux: KiB)
+    return {k: stats.get(k) for k in RUN_STATS} | {"wall_seconds": time.perf_counter() - start, "tool_rss_bytes": rss}
 
 
 def variant_options(text: str) -> dict[str, Any]:
@@ -242,11 +237,6 @@ def trace(model: str, options: dict[str, int]):
     return trace_model(model, **options).graph
 
 
-def study_graph(key: str):
-    _, model, options = GRAPHS[key]
-    return load_graph(common.ROOT / EXPLORER_GRAPH) if model is None else trace(model, options)
-
-
 def trace_command(key: str) -> str:
     _, model, options = GRAPHS[key]
     if model is None:
@@ -372,15 +362,10 @@ def checkmate_study(time_limit: float) -> list[dict[str, Any]]:
     return rows
 
 
-def headroom_study(time_limit: float) -> list[dict[str, Any]]:
-    """The 1-layer zoo GPT at HEADROOM_SIZES: no-remat peak, per-op bound and bonsai's reach."""
-    return [bound_entry(f"width {w}, seq {s}", trace("gpt", {**HEADROOM_OPTIONS, "width": w, "seq": s}), time_limit)
-            for w, s in HEADROOM_SIZES]
-
-
 def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lambda done: None) -> dict[str, Any]:
     """Every measurement the page reports besides the suite's tables; ``progress(done so far)`` after each."""
-    graphs = {key: study_graph(key) for key in GRAPHS}
+    graphs = {key: load_graph(common.ROOT / EXPLORER_GRAPH) if model is None else trace(model, options)
+              for key, (_, model, options) in GRAPHS.items()}
     seconds: dict[str, float] = {}
     done = common.run_studies({
         "graphs": lambda: {k: graph_facts(g) for k, g in graphs.items()},
@@ -391,7 +376,9 @@ def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lamb
         "unets": lambda: [region_entry(label, trace("unet", o), time_limit) for label, o in UNETS.items()],
         "larger_unet": lambda: region_entry("U-Net", trace("unet", LARGER_UNET), time_limit, at_half=("moccasin",)),
         "explorer_bound": lambda: bound_entry("explorer", graphs["explorer"], time_limit),
-        "headroom": lambda: headroom_study(time_limit),
+        "headroom": lambda: [bound_entry(f"width {w}, seq {s}",
+                                         trace("gpt", {**HEADROOM_OPTIONS, "width": w, "seq": s}), time_limit)
+                             for w, s in HEADROOM_SIZES],
         "others": lambda: [bound_entry(name, trace(name, o), time_limit) for name, o in OTHER_AUTHORS],
         "moccasin": lambda: budget_sweep(graphs["gpt4"], [MOCCASIN_AT], "moccasin", time_limit=time_limit)[0],
         "checkmate": lambda: checkmate_study(time_limit),
@@ -473,14 +460,12 @@ def compared(rows: dict[str, list[Row]], a: str, b: str) -> dict[str, list[tuple
     return compare((ra["fraction"], ra.get("overhead"), rb.get("overhead")) for ra, rb in zip(rows[a], rows[b]))
 
 
-def self_contained_nodes(facts: dict[str, Any]) -> str:
-    nodes = facts["self_contained"]
-    return f"{op_kinds(n for n, _ in nodes)} ({format_bytes(sum(b for _, b in nodes))})" if nodes else "none"
-
-
 def options_values(study: dict[str, Any]) -> dict[str, Any]:
-    """Per graph: saving self-contained nodes against rebuilding them (and how many the plans save), dropping
-    outputs against keeping them; dropping's largest gain, and where it costs more."""
+    """Per graph: its self-contained nodes, saving them against rebuilding them (and how many the plans save),
+    dropping outputs against keeping them; dropping's largest gain, and where it costs more."""
+    def self_contained_nodes(facts: dict[str, Any]) -> str:
+        nodes = facts["self_contained"]
+        return f"{op_kinds(n for n, _ in nodes)} ({format_bytes(sum(b for _, b in nodes))})" if nodes else "none"
     options = study["options"]
     dropped = [{"name": GRAPHS[key][0], "c": compared(rows, "dropped", "saved")} for key, rows in options.items()]
     return {"self_contained": [{"name": GRAPHS[key][0], "nodes": self_contained_nodes(study["graphs"][key]),
@@ -548,18 +533,14 @@ def headroom_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "options": HEADROOM_OPTIONS}
 
 
-def bound_share(e: dict[str, Any]) -> float | None:
-    """The part of the gap between the per-op bound and bonsai's reach that the region bound explains."""
-    gap = (e["reach"] or 0) - e["lower_bound"]
-    return None if e["reach"] is None or gap <= 0 else (e["region_bound"] - e["lower_bound"]) / gap
-
-
 def region_share(entries: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, str]]]:
-    """The graphs where the region bound explains more than half of bonsai's distance from the per-op bound,
-    and those where it explains less: (that share, the graph)."""
-    shares = [(bound_share(e), e["label"]) for e in entries]
-    return {"most": [(s, label) for s, label in shares if s is not None and s > 0.5],
-            "less": [(s, label) for s, label in shares if s is not None and s <= 0.5]}
+    """The graphs where the region bound explains more than half of bonsai's distance from the per-op bound
+    (the part of that gap between the per-op bound and the region bound), and those where it explains less:
+    (that share, the graph)."""
+    shares = [((e["region_bound"] - e["lower_bound"]) / (e["reach"] - e["lower_bound"]), e["label"])
+              for e in entries if e["reach"] is not None and e["reach"] > e["lower_bound"]]
+    return {"most": [(s, label) for s, label in shares if s > 0.5],
+            "less": [(s, label) for s, label in shares if s <= 0.5]}
 
 
 # moccasin at 40%

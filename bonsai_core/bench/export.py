@@ -203,14 +203,6 @@ def first_plan(graph: Any, regions: str, time_limit: float) -> tuple[float, Any]
     return None
 
 
-def unjudged_reason(unpredicted: str | None) -> str | None:
-    """verify_checkpoint's reason for not judging a peak, in a table cell's words."""
-    from bonsai_core.export.verify import CHECKPOINT_AUTOCAST, CPU_ATTENTION_DROPOUT
-
-    words = {CHECKPOINT_AUTOCAST: "autocast", CPU_ATTENTION_DROPOUT: "SDPA dropout on the CPU"}
-    return words.get(unpredicted, unpredicted)
-
-
 def failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:300]}"
 
@@ -219,13 +211,15 @@ def checkpoint_side(model: str, options: dict[str, Any], autocast: str | None, s
     """The plan through the checkpoint back-end: ``verify_checkpoint``'s report, its verdict, and the export's
     own figures (``INFO``: the schedule's and the realised peak, the dropped bytes left saved)."""
     from bonsai_core.export.checkpoint import export_checkpoint
-    from bonsai_core.export.verify import load_checkpointed, verify_checkpoint
+    from bonsai_core.export.verify import (CHECKPOINT_AUTOCAST, CPU_ATTENTION_DROPOUT, load_checkpointed,
+                                           verify_checkpoint)
 
     with tempfile.TemporaryDirectory() as folder:
         export_checkpoint(model, options, schedule, folder, autocast=autocast)
         info = load_checkpointed(folder).INFO
         v = verify_checkpoint(model, options, folder, repeats=1)
-    return {**v.to_dict(), "problems": v.problems(), "unjudged": unjudged_reason(v.unpredicted),
+    words = {CHECKPOINT_AUTOCAST: "autocast", CPU_ATTENTION_DROPOUT: "SDPA dropout on the CPU"}  # why not judged
+    return {**v.to_dict(), "problems": v.problems(), "unjudged": words.get(v.unpredicted, v.unpredicted),
             "plan_peak": int(info["predicted_peak"]), "plan_realised_peak": int(info["realised_peak"]),
             "dropped_bytes": int(info["dropped_bytes"]),
             "unrealised_dropped_bytes": int(info["unrealised_dropped_bytes"])}
@@ -276,20 +270,17 @@ def chosen(items: Sequence[Any], quick: bool) -> Sequence[Any]:
     return items[:1] if quick else items
 
 
-def backend_cases(quick: bool) -> list[tuple[str, dict[str, Any], str | None]]:
-    zoo = [(name, opts, None) for name, opts in export_tests().SMALL.items()]
-    return zoo[:1] + list(BACKEND_MODELS[-1:]) if quick else zoo + list(BACKEND_MODELS)
-
-
 def measure(time_limit: float, quick: bool = False) -> dict[str, Any]:
     meta = common.run_meta(time_limit=time_limit, quick=quick, study_seconds={})
+    zoo = [(name, opts, None) for name, opts in export_tests().SMALL.items()]  # both back-ends: the zoo first
     start = time.perf_counter()
     results = {"meta": meta, **common.run_studies({
         "zoo": lambda: zoo_rows(chosen(ZOO, quick)),
         "methods": lambda: method_rows(chosen(ZOO, quick), time_limit),
         "verified": lambda: verified_rows(chosen(VERIFIED, quick)),
         "attention": lambda: attention_rows(chosen(ATTENTION_MODELS, quick)),
-        "backends": lambda: backend_rows(backend_cases(quick), time_limit)}, meta["study_seconds"])}
+        "backends": lambda: backend_rows(zoo[:1] + list(BACKEND_MODELS[-1:]) if quick else zoo + list(BACKEND_MODELS),
+                                         time_limit)}, meta["study_seconds"])}
     meta["seconds"] = time.perf_counter() - start
     return results
 

@@ -404,14 +404,9 @@ def markdown_report(rows: list[dict[str, Any]], reach: Sequence[dict[str, Any]] 
                        cheapest=sum(bonsai_cheapest(c) for _, _, c in cells), contested=len(cells),
                        misses=[(model, f, rival, feasible(c)[rival], feasible(c).get("bonsai"))
                                for model, f, c, rival in plan_space_rivals(cells)],
-                       solver_rows=solver_cost_rows(rows))
-
-
-def solver_cost_rows(rows: list[dict[str, Any]]) -> list[tuple]:
-    """Where checkmate ran: (model, budget, checkmate's row, bonsai's, moccasin's), None where one did not run."""
-    cells = {(r["model"], r["budget_fraction"], r["method"]): r for r in rows}
-    return [(model, f, *(cells.get((model, f, k)) for k in OPTIMISERS))
-            for model, f in ((r["model"], r["budget_fraction"]) for r in rows if r["method"] == "checkmate" and r.get("status"))]
+                       # where checkmate ran: (model, budget, checkmate's row, bonsai's, moccasin's or None)
+                       solver_rows=[(m, f, *(c.get(k) for k in OPTIMISERS)) for m, f, c in every_cell(models)
+                                    if c.get("checkmate", {}).get("status")])
 
 
 def load_rows(csv_path: str | Path, types: dict[str, str] = COLUMN_TYPES) -> list[dict[str, Any]]:
@@ -550,12 +545,6 @@ def below_bonsai(cell: Cell) -> list[tuple[str, float]]:
     return [] if mine is None else [(m, o) for m, o in others(cell) if o < mine - TIE]
 
 
-def failure_status(row: Row) -> str | None:
-    """The solver status a failed row's note reports (``UNKNOWN``), None when it names none."""
-    found = re.search(r"\(status (\w+)\)", row.get("note") or "")
-    return found[1] if found else None
-
-
 def not_run(row: Row) -> bool:
     return (row.get("note") or "").startswith("not run")
 
@@ -567,11 +556,12 @@ def nodes(by_budget: dict[float, Cell]) -> int:
 # -- the headline model -------------------------------------------------------------------------------
 
 def never_scheduled(method: str, by_budget: dict[float, Cell]) -> list[str] | None:
-    """The solver statuses of ``method``'s rows when it ran at every budget and fitted at none; None otherwise."""
+    """The solver statuses the notes of ``method``'s rows report (``(status UNKNOWN)``) when it ran at every budget
+    and fitted at none; None otherwise."""
     rows = method_rows(by_budget, method)
     if not rows or any(r["feasible"] or not_run(r) for r in rows):
         return None
-    return sorted({s for s in map(failure_status, rows) if s})
+    return sorted({found[1] for r in rows if (found := re.search(r"\(status (\w+)\)", r.get("note") or ""))})
 
 
 def headline_values(label: str, by_budget: dict[float, Cell], reach: Row | None) -> dict[str, Any]:
@@ -592,18 +582,13 @@ def headline_values(label: str, by_budget: dict[float, Cell], reach: Row | None)
 
 # -- smallest reachable budgets ----------------------------------------------------------------------
 
-def plan_reach(r: Row) -> int | None:
-    """The smallest budget bonsai meets in a solve: its min-peak MILP's, or chen's (its fallback plans)."""
-    values = [r[k] for k in ("bonsai", "chen") if r.get(k)]
-    return min(values) if values else None
-
-
 def reach_values(reach: Sequence[Row]) -> dict[str, Any]:
     """The models where bonsai's min-peak MILP is not proven, and those where dtr or coop meet a smaller budget
-    than bonsai's and chen's: (row, [(dtr or coop, whether it is the per-op bound)], bonsai's and chen's)."""
+    than bonsai's and chen's: (row, [(dtr or coop, whether it is the per-op bound)], bonsai's and chen's). In a
+    solve bonsai meets the smaller of its min-peak MILP's budget and chen's (its fallback plans)."""
     below = []
     for r in reach:
-        plans = plan_reach(r)
+        plans = min((r[k] for k in ("bonsai", "chen") if r.get(k)), default=None)
         said = [(m, r[m] <= r["lower_bound"]) for m in ("dtr", "coop") if r.get(m) and (plans is None or r[m] < plans)]
         if said:
             below.append((r, said, "none" if plans is None else f"{plans / r['no_remat_peak']:.1%}"))
