@@ -17,6 +17,9 @@ COMPILE_MODES = ("model", "blocks")
 # (``full``; ``selective``, op-level, with the save list of its 0.2.2 release or of December 2024), or
 # torch's memory budget for the partitioner's knapsack (``budget:F``, ``activation_memory_budget = F``)
 CHECKPOINTING = ("torchtitan-full", "torchtitan-selective", "torchtitan-selective-2024-12", "budget:F")
+# the devices whose kernels a trace can record: dropout's, attention-with-dropout's, and under compile the
+# partitioner's compute-intensive ops (:mod:`bonsai_core.trace.patches`, :func:`bonsai_core.trace.compiled.partitioner_for`)
+KERNELS = ("cuda", "cpu")
 SOLVE_TIME_LIMIT = 60.0  # seconds, `bonsai solve`'s default (the bench's too): an exact method never hangs unseen
 
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from bonsai_core.arguments import (CHECKPOINTING, COMPILE_MODES, RESHARD_CHOICES, SCHEDULES, SOLVE_TIME_LIMIT, allocator_policy, budget_arg, overhead_arg, positive, positive_int,
+from bonsai_core.arguments import (CHECKPOINTING, COMPILE_MODES, KERNELS, RESHARD_CHOICES, SCHEDULES, SOLVE_TIME_LIMIT, allocator_policy, budget_arg, overhead_arg, positive, positive_int,
                                    reserved_policy, reshard_arg, solve_time_limit, time_limit_arg)
 from bonsai_core.errors import BonsaiError, BudgetError, SolverError
 from bonsai_core.optimizer import GRADS, OPTIMIZERS
@@ -132,8 +132,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from bonsai_core.rank import trace as trace_model
 
     traced = trace_model(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
-                         compile=compile_mode(args), ac=args.ac, float8=args.float8, **fsdp_options(args),
-                         **model_options(args))
+                         compile=compile_mode(args), ac=args.ac, float8=args.float8, kernels=args.kernels,
+                         **fsdp_options(args), **model_options(args))
     g = with_grads(with_optimizer(traced.graph, args.optimizer), args.grads)
     try:
         save_graph(g, args.output)
@@ -513,6 +513,10 @@ def _add_model_parsers(sub: Any) -> None:
     p.add_argument("--float8", action="store_true",
                    help="with --compile, torchtitan: models: torchtitan's Float8 linears (torchao's tensorwise float8 "
                         "training, no float8 all-gather), applied before checkpointing and compiling")
+    p.add_argument("--kernels", default="cuda", choices=KERNELS,
+                   help="the device whose kernels the step runs: its dropout and attention-with-dropout kernels and, "
+                        "with --compile, the partitioner's choices (which attention kernel it never recomputes); "
+                        "default cuda, whatever device traces")
     p.add_argument("-o", "--output", required=True, metavar="GRAPH.json")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_trace)

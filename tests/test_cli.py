@@ -48,6 +48,19 @@ def test_a_plan_solved_for_reserved_bytes_simulates_to_the_reserved_peak_it_was_
     assert simulated["reserved_peak"] == solved["reserved_peak"] and simulated["allocator"] == "caching"
 
 
+def test_trace_records_the_kernels_of_the_device_it_names(tmp_path):
+    """`bonsai trace --kernels`: GPT-2's dropout as CUDA runs it by default (a bool mask), as the CPU runs it
+    (float noise from bernoulli) with ``--kernels cpu``."""
+    def dropout_ops(*kernels: str) -> set[str]:
+        path = tmp_path / f"g{''.join(kernels)}.json"
+        assert main(["trace", "hf:gpt2", "--layers", "1", *kernels, "-o", str(path)]) == 0
+        return {op for op in load_graph(path).ops if "dropout" in op or "bernoulli" in op}
+
+    assert dropout_ops() == {"aten.native_dropout.default", "aten.native_dropout_backward.default"}
+    on_cpu = dropout_ops("--kernels", "cpu")
+    assert "aten.bernoulli.p" in on_cpu and "aten.native_dropout.default" not in on_cpu
+
+
 def test_zoo_lists_models_and_options(capsys):
     assert main(["zoo", "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)

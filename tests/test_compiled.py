@@ -398,3 +398,38 @@ def test_the_partitioner_recomputes_attention_as_its_device_would() -> None:
     with partitioner_for("cuda"):
         assert cpu_flash in partitioners.get_default_op_list().compute_intensive_ops
     assert cpu_flash not in partitioners.get_default_op_list().compute_intensive_ops  # put back
+
+
+def test_an_extern_kernels_out_overload_without_a_meta_kernel_gets_one_while_compiling() -> None:
+    """A Float8 linear's matmul runs in inductor's wrapper as ``_scaled_mm(..., out=buf)``, which has no meta
+    kernel: on fake tensors torch would run the real CPU kernel on zeros (minutes on an 8B block). Within the
+    compiled trace its shape comes from the functional overload's meta kernel, and a wrong ``out`` is refused."""
+    scaled_mm = torch.ops.aten._scaled_mm
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(scaled_mm.out.name(), "Meta")
+    with FakeTensorMode(), inductor_without_kernels():
+        a = torch.randn(64, 32).to(torch.float8_e4m3fn)
+        b = torch.randn(16, 32).to(torch.float8_e4m3fn).t()
+        scale = torch.ones(())
+        out = torch.empty(64, 16, dtype=torch.bfloat16)
+        assert scaled_mm.out(a, b, scale, scale, out_dtype=torch.bfloat16, out=out) is out
+        with pytest.raises(RuntimeError, match=r"out is torch.bfloat16 \(64, 15\), the result torch.bfloat16 \(64, 16\)"):
+            scaled_mm.out(a, b, scale, scale, out_dtype=torch.bfloat16, out=torch.empty(64, 15, dtype=torch.bfloat16))
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(scaled_mm.out.name(), "Meta")  # taken off again
+
+
+@pytest.mark.slow
+def test_float8_linears_under_torchtitans_selective_ac_save_what_the_bf16_step_saves() -> None:
+    """torchtitan's Float8 linears (torchao) traced compiled under its selective AC of December 2024: the
+    policy sees each float8 matmul as the ``aten.mm`` the linear calls, so the forward saves the same
+    bf16 tensors as without Float8, and beyond them at most the two fp32 scales of each linear's operands."""
+    from bonsai_core.bench.compiled import peak_parts
+    from bonsai_core.solvers import solve
+
+    saved = {}
+    for float8 in (False, True):
+        graph = trace_model("torchtitan:llama3:debugmodel", layers=2, seq=256, batch=2, fsdp=2, compile="blocks",
+                            ac="torchtitan-selective-2024-12", float8=float8).graph
+        saved[float8] = peak_parts(graph, solve(graph, 2**60, "none"))["saved forward tensors"]
+        assert any(op.startswith("aten._scaled_mm") for op in graph.ops) == float8
+    linears = 2 * 7  # wq, wk, wv, wo, w1, w2, w3 in each of the 2 blocks
+    assert 0 <= saved[True] - saved[False] <= linears * 2 * 4

@@ -73,3 +73,16 @@ def test_a_plan_the_call_refuses_is_a_result_with_the_smallest_peak_it_names():
     assert "no plan (the smallest peak its checkpoints reach under compile is 21.49 MiB)" in page
     assert "on `hf:llama` the call raised BudgetError" in page
     assert "Equal to the byte in 2 of 3 rows" in page
+
+
+def test_float8_rows_say_what_float8_linears_change_on_the_compiled_step():
+    r = results()
+    r["titan"].append({"world": 8, "compiled": True, "float8": True, "nodes": 7596, "published_gib": 76.8,
+                       "parts": parts(35.5, 15.7, 75.92, 68.5), "seconds": 30.0})
+    page = compiled.page(r, "<!-- header -->")
+    assert "| 8       | compiled, Float8 |" in page and "-1.1%" in page
+    assert "with `--float8` too for the Float8 ones" in page
+    assert ("Float8 linears change the compiled step's reserved peak by +0.72 GiB (published: -0.2 GiB): the saved "
+            "forward tensors at the peak by +0.00 GiB, the backward transients by +0.00 GiB, the allocator's extra "
+            "by +0.72 GiB") in page
+    assert "Float8 linears change" not in compiled.page(results(), "<!-- header -->")

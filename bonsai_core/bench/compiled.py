@@ -56,7 +56,7 @@ SOURCES = ["bonsai_core/bench/compiled.py", common.template_source("compiled")]
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     common.add_page_arguments(ap, "docs/bench/compiled", "docs/results/compiled.md")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="the studies to run (default all)")
-    ap.add_argument("--float8", action="store_true", help="titan: also the Float8 rows (a compile of ~10 min each)")
+    ap.add_argument("--float8", action="store_true", help="titan: also the Float8 rows (torchtitan's Float8 linears; under a minute each)")
 
 
 # -- measuring ------------------------------------------------------------------------------------
@@ -270,19 +270,29 @@ def peer_facts(rows: list[dict[str, Any]]) -> dict[str, int]:
             "unmet": len(rows) - len(pairs)}
 
 
+def _lowered(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """How much lower ``after``'s peak is than ``before``'s (two titan rows), in GiB: the reserved peak, the
+    published one, and the parts at the live peak."""
+    b, a = before["parts"], after["parts"]
+    return {"published": before["published_gib"] - after["published_gib"],
+            **{name: (b[part] - a[part]) / GIB for name, part in
+               [("reserved", RESERVED), ("saved", "saved forward tensors"),
+                ("transients", "backward tensors (transients)"), ("extra", EXTRA)]}}
+
+
 def titan_worlds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per world size, what compiling changes: the reserved peak (and the published one), the parts at the
-    live peak, in GiB, and the peak op eager and compiled."""
+    """Per world size, what compiling changes (:func:`_lowered`) and the peak op eager and compiled; with
+    Float8 rows, what Float8 linears change on the compiled step (``float8``, else None)."""
     out = []
     for world in sorted({r["world"] for r in rows}):
         eager = next(r for r in rows if r["world"] == world and not r["compiled"])
         compiled = next(r for r in rows if r["world"] == world and r["compiled"] and not r["float8"])
-        e, c = eager["parts"], compiled["parts"]
-        out.append({"world": world, "published": eager["published_gib"] - compiled["published_gib"],
-                    **{name: (e[part] - c[part]) / GIB for name, part in
-                       [("reserved", RESERVED), ("saved", "saved forward tensors"),
-                        ("transients", "backward tensors (transients)"), ("extra", EXTRA)]},
-                    "peak_op": c["peak op"].split(": ")[1], "eager_peak_op": e["peak op"].split(": ")[1]})
+        float8 = next((r for r in rows if r["world"] == world and r["float8"]), None)
+        out.append({"world": world, **_lowered(eager, compiled),
+                    "peak_op": compiled["parts"]["peak op"].split(": ")[1],
+                    "eager_peak_op": eager["parts"]["peak op"].split(": ")[1],
+                    "float8": float8 and {**_lowered(compiled, float8),
+                                          "peak_op": float8["parts"]["peak op"].split(": ")[1]}})
     return out
 
 

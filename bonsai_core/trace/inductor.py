@@ -134,16 +134,48 @@ def constants_of(graph: Any) -> dict[str, Any]:
     return {**graph.constants, **getattr(graph, "torchbind_constants", {}), **getattr(graph, "opaque_value_type_classes", {})}
 
 
+# out= overloads a wrapper calls as extern kernels (``extern_kernels._scaled_mm(..., out=buf)``, Float8
+# linears' matmul) that have no meta kernel: on fake tensors torch would run the real CPU kernel on zeros
+_OUT_WITHOUT_META = ("_scaled_mm",)
+
+
+def _meta_out(functional: Any) -> Callable[..., torch.Tensor]:
+    """A meta kernel for ``functional``'s out= overload: the functional's own meta kernel gives the result's
+    shape and dtype, which ``out`` must have (inductor allocates it so); ``out`` is returned as written."""
+    def kernel(*args: Any, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        result = functional(*args, **kwargs)
+        torch._check(out.shape == result.shape and out.dtype == result.dtype,
+                     lambda: f"{functional}: out is {out.dtype} {tuple(out.shape)}, the result "
+                             f"{result.dtype} {tuple(result.shape)}")
+        return out
+    return kernel
+
+
+@contextlib.contextmanager
+def _out_kernels_on_meta() -> Iterator[None]:
+    """Within: the overloads of :data:`_OUT_WITHOUT_META` have a meta kernel (:func:`_meta_out`)."""
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        for name in _OUT_WITHOUT_META:
+            packet = getattr(torch.ops.aten, name)
+            library.impl(f"{name}.out", _meta_out(packet.default), "Meta")
+        yield
+    finally:
+        library._destroy()
+
+
 @contextlib.contextmanager
 def inductor_without_kernels() -> Iterator[None]:
     """Within (this thread): ``torch.compile``'s inductor back-end compiles as it would, but its programs
     run their allocations and frees on whatever tensors they get (fake ones) with no kernel compiled or
-    run; compile caches are off, so every graph goes through this path."""
+    run (an extern kernel's out= overload without a meta kernel gets one, :func:`_out_kernels_on_meta`);
+    compile caches are off, so every graph goes through this path."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.graph import GraphLowering
 
-    with _compiling, in_this_thread(GraphLowering, "_compile_to_module_lines", _loaded_without_kernels), \
+    with _compiling, _out_kernels_on_meta(), \
+            in_this_thread(GraphLowering, "_compile_to_module_lines", _loaded_without_kernels), \
             inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False, autotune_local_cache=False,
                                   compile_threads=1), \
             functorch_config.patch(enable_autograd_cache=False):

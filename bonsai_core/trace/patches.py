@@ -10,15 +10,15 @@ makes, so while tracing such a dropout returns its input and the graph has no no
 Dropout and ``F.scaled_dot_product_attention`` with dropout run other kernels on a GPU than on the CPU,
 and a trace records one device's (``kernels``, :data:`KERNELS`; :func:`device_kernels`):
 
-* ``"cuda"`` (the CLI's, whatever device traced): dropout as ``native_dropout`` (a bool mask, what
-  torch's decomposition writes and CUDA runs) and SDPA with dropout as the memory-efficient attention
-  kernel, which keeps the output, the logsumexp and the generator's seed and offset
+* ``"cuda"`` (``bonsai trace``'s default, whatever device traced): dropout as ``native_dropout`` (a bool
+  mask, what torch's decomposition writes and CUDA runs) and SDPA with dropout as the memory-efficient
+  attention kernel, which keeps the output, the logsumexp and the generator's seed and offset
   (:mod:`bonsai_core.attention`); the exported program runs that kernel on CUDA and its equivalent on
   the CPU.
-* ``"cpu"`` (``bonsai.checkpoint`` on a CPU model): dropout as ATen's CPU kernel runs it
-  (``empty_like``, ``bernoulli_``, ``div_``, ``mul``: a float noise tensor the backward pass reads,
-  :func:`_cpu_dropout`), and SDPA with dropout as its math path (no fused CPU kernel has dropout),
-  which keeps the ``batch x heads x seq x seq`` probabilities and the dropout noise.
+* ``"cpu"`` (``bonsai.checkpoint`` on a CPU model, ``bonsai trace --kernels cpu``): dropout as ATen's
+  CPU kernel runs it (``empty_like``, ``bernoulli_``, ``div_``, ``mul``: a float noise tensor the
+  backward pass reads, :func:`_cpu_dropout`), and SDPA with dropout as its math path (no fused CPU
+  kernel has dropout), which keeps the ``batch x heads x seq x seq`` probabilities and the dropout noise.
 
 A grouped matmul (``aten._grouped_mm``, how transformers' mixture-of-experts layers run their experts)
 in float32 or float16 gets the shapes its kernels give it, where torch's own shape function refuses
@@ -41,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from bonsai_core.arguments import KERNELS
 from bonsai_core.attention import FusedAttentionWithDropout
 from bonsai_core.errors import ModelError
 from bonsai_core.recurrent import FusedRecurrent
@@ -135,9 +136,6 @@ def _backward_kernels_kept() -> Iterator[None]:
 
     with in_this_thread(FunctionalTensorMode, "_can_decompose", can_decompose):
         yield
-
-
-KERNELS = ("cuda", "cpu")  # the devices whose dropout and attention kernels a trace can record
 
 
 def device_kernels(kernels: str) -> contextlib.AbstractContextManager:
