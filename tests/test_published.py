@@ -33,3 +33,11 @@ def test_a_peak_at_a_nodes_second_compute_is_named_its_recompute():
     ops = [("compute", 0), ("compute", 1), ("free", 0), ("compute", 2), ("compute", 0), ("compute", 3)]
     assert peak_at(graph, ops, SimpleNamespace(peak_op=4, peak=30)) == "forward `f` (node f0, its recompute)"
     assert peak_at(graph, ops, SimpleNamespace(peak_op=3, peak=30)) == "backward `b` (node b1, its compute)"
+
+
+def test_after_the_backward_tensors_held_at_a_chains_peak_are_freed_it_holds_one_tensor_less():
+    from bonsai_core.bench.published import after_peak
+
+    graph = chain(3, mem=10)  # peak 40 at b2 (f0, f1, f2, b2), again at b1 while b2 lives; after b2: 30
+    sim = simulate(graph, solve(graph, None, "none"))
+    assert (sim.peak, after_peak(graph, sim)) == (40, 30)

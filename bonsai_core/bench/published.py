@@ -71,7 +71,8 @@ def predict_rank(graphs: Any, degrees: dict, batch: int) -> list[dict[str, Any]]
         row: dict[str, Any] = {"rank": rank, "nodes": graph.n, "trace_seconds": round(seconds, 1),
                                "live_peak": sim.peak, "breakdown": breakdown(graph, schedule.ops, sim),
                                "reserved_peak": bounded_replay(graph, schedule, "expandable").reserved_peak,
-                               "peak_at": peak_at(graph, schedule.ops, sim), "held": held_at_peak(graph, sim)}
+                               "peak_at": peak_at(graph, schedule.ops, sim), "held": held_at_peak(graph, sim),
+                               "after_peak": after_peak(graph, sim)}
         if "pp" not in degrees:
             row["selective_live_peak"] = simulate(graph, solve(graph, None, "torchtitan-selective")).peak
         out.append(row)
@@ -102,6 +103,17 @@ def held_at_peak(graph: Any, sim: Any, largest: int = 4) -> list[dict[str, Any]]
         if graph.ops[v] not in group["ops"]:
             group["ops"].append(graph.ops[v])
     return sorted(groups.values(), key=lambda g: -g["bytes"])[:largest]
+
+
+def after_peak(graph: Any, sim: Any) -> int:
+    """The step's highest live memory once every backward tensor held at its live peak is freed (0 if the step
+    ends first): how far below its peak the rest of the backward stays, the blocks' backward where the peak is
+    the loss's."""
+    res, i = sim.residency, sim.peak_op
+    at_peak = (res.start <= i) & (i < res.end)
+    backward = ~graph.is_forward[res.node] & (graph.mem[res.node] > 0)
+    gone = int(res.end[at_peak & backward].max(initial=i + 1))
+    return int(sim.timeline[gone:].max()) if gone < len(sim.timeline) else 0
 
 
 def breakdown(graph: Any, ops: list, sim: Any) -> dict[str, int]:
