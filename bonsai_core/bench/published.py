@@ -1,7 +1,8 @@
 """torchtitan's published Llama 3.1 memory table (``benchmarks/llama3_h100_202412_torchtitan.md``, tables 2, 4,
 5 and 6) predicted per rank, eager: each row's rank traced on the fake process group as
 :mod:`bonsai_core.parallel` and :mod:`bonsai_core.pipeline` trace it, torchtitan's full activation
-checkpointing (the ``torchtitan-full`` plan), bf16 FSDP mixed precision, AdamW; the live peak with its
+checkpointing (the ``torchtitan-full`` plan), bf16 FSDP mixed precision, AdamW, the gradients set to None between
+steps (torchtitan's ``optimizers.zero_grad()``); the live peak with its
 breakdown, and the allocator's reserved peak (expandable segments, what torchtitan sets and reports; a pipeline
 rank's replayed over its whole schedule, every microbatch: :mod:`bonsai_core.allocator.pipelined`). The published runs were compiled, with Float8 linears (and some with AsyncTP): none of that is
 modelled here, so each row is marked eager; the compiled prediction waits for the compiled-step trace.
@@ -18,6 +19,7 @@ from typing import Any
 
 from bonsai_core.allocator import bounded_replay
 from bonsai_core.bench.common import add_page_arguments, fill, page_header, page_refusal, run_page_suite, template_source
+from bonsai_core.optimizer import with_grads_set_to_none
 from bonsai_core.parallel import layout_of
 from bonsai_core.schedule import simulate
 from bonsai_core.solvers import solve
@@ -53,21 +55,65 @@ ROWS = [
 
 def predict_rank(graphs: Any, degrees: dict, batch: int) -> list[dict[str, Any]]:
     """A row's ranks: traced three blocks a stage and repeated (``fit.RankGraphs``, node for node the whole
-    trace), planned with torchtitan's full checkpointing, each one's live peak, breakdown and the reserved peak
-    with expandable segments (a pipeline rank's over its whole schedule)."""
+    trace), planned with torchtitan's full checkpointing, each one's live peak, breakdown, what it holds at the
+    peak and the reserved peak with expandable segments (a pipeline rank's over its whole schedule); without
+    pipeline parallel also the live peak under torchtitan's selective checkpointing, the other AC mode a run
+    could have had."""
     layout = layout_of(**degrees)
     start = time.perf_counter()
     ranks = graphs.ranks(layout, batch, "adamw")
     seconds = time.perf_counter() - start
     out = []
-    for rank, graph in ranks:
+    for rank, zeroed in ranks:
+        graph = with_grads_set_to_none(zeroed)  # torchtitan's optimizers.zero_grad(): set_to_none, torch's default
         schedule = solve(graph, None, "torchtitan-full")
         sim = simulate(graph, schedule)
         row: dict[str, Any] = {"rank": rank, "nodes": graph.n, "trace_seconds": round(seconds, 1),
                                "live_peak": sim.peak, "breakdown": breakdown(graph, schedule.ops, sim),
-                               "reserved_peak": bounded_replay(graph, schedule, "expandable").reserved_peak}
+                               "reserved_peak": bounded_replay(graph, schedule, "expandable").reserved_peak,
+                               "peak_at": peak_at(graph, schedule.ops, sim), "held": held_at_peak(graph, sim),
+                               "after_peak": after_peak(graph, sim)}
+        if "pp" not in degrees:
+            row["selective_live_peak"] = simulate(graph, solve(graph, None, "torchtitan-selective")).peak
         out.append(row)
     return out
+
+
+def peak_at(graph: Any, ops: list, sim: Any) -> str:
+    """The op the rank's live peak follows: its phase, aten op and node name (the optimizer step if there)."""
+    if graph.optimizer is not None and sim.peak_op == len(ops) - 1 and sim.peak == graph.optimizer_peak:
+        return "the optimizer step"
+    kind, node = ops[sim.peak_op][0], ops[sim.peak_op][1]
+    if kind == "compute" and ("compute", node) in ops[:sim.peak_op]:
+        kind = "recompute"
+    return f"{graph.phases[node]} `{graph.ops[node]}` (node {graph.names[node]}, its {kind})"
+
+
+def held_at_peak(graph: Any, sim: Any, largest: int = 4) -> list[dict[str, Any]]:
+    """The graph's tensors held at the live peak grouped by phase and shape, the ``largest`` groups by bytes (how
+    many, their bytes, the ops that made them): the saved block inputs, the loss's logits shards and the like."""
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for v in sorted(set(sim.residency.live_at(sim.peak_op).tolist())):
+        if graph.mem[v] == 0:
+            continue
+        group = groups.setdefault((graph.phases[v], graph.shapes[v]), {
+            "phase": graph.phases[v], "shape": graph.shapes[v], "count": 0, "bytes": 0, "ops": []})
+        group["count"] += 1
+        group["bytes"] += int(graph.mem[v])
+        if graph.ops[v] not in group["ops"]:
+            group["ops"].append(graph.ops[v])
+    return sorted(groups.values(), key=lambda g: -g["bytes"])[:largest]
+
+
+def after_peak(graph: Any, sim: Any) -> int:
+    """The step's highest live memory once every backward tensor held at its live peak is freed (0 if the step
+    ends first): how far below its peak the rest of the backward stays, the blocks' backward where the peak is
+    the loss's."""
+    res, i = sim.residency, sim.peak_op
+    at_peak = (res.start <= i) & (i < res.end)
+    backward = ~graph.is_forward[res.node] & (graph.mem[res.node] > 0)
+    gone = int(res.end[at_peak & backward].max(initial=i + 1))
+    return int(sim.timeline[gone:].max()) if gone < len(sim.timeline) else 0
 
 
 def breakdown(graph: Any, ops: list, sim: Any) -> dict[str, int]:
@@ -109,7 +155,8 @@ def measure(rows: list[str]) -> dict[str, Any]:
             shared[(model, seq)] = RankGraphs(model, seq, {}, Sharding.of(2, "all-but-last", None, model=model), {})
         ranks = predict_rank(shared[(model, seq)], degrees, batch)
         out.append({"table": table, "row": label, "flavour": flavour, "degrees": degrees, "batch": batch, "seq": seq,
-                    "published_gib": published, "published_with": extra, "ranks": ranks})
+                    "layers": shared[(model, seq)]._n_layers(), "published_gib": published, "published_with": extra,
+                    "ranks": ranks})
         print(label, [(r["rank"], round(r["live_peak"] / GIB, 2), round(r.get("reserved_peak", 0) / GIB, 2))
                       for r in ranks], flush=True)
     return {"rows": out}
