@@ -65,16 +65,18 @@ def working(graph: Any, ops: Sequence[tuple[str, int]], residency: Any) -> np.nd
     lowest = np.iinfo(np.int64).min
     extra = np.full(len(ops), lowest, dtype=np.int64)
     others_copies = own.sum(axis=0) - own[np.clip(segment // 2, 0, len(spans) - 1), np.arange(len(ops))]
-    for (phase, k, others, first, accumulated) in _action_states(pipeline, len(spans)):
+    for (phase, k, others, first, accumulated, last) in _action_states(pipeline, len(spans)):
         ids = np.flatnonzero(segment == 2 * k + (phase == BACKWARD))
         if not len(ids):
             continue
-        value = int(np.dot(others, held)) + (grads.held(k, phase, first, accumulated, ids) if grads else 0)
+        in_flight = int(np.dot(others, held))
+        value = in_flight + (grads.held(k, phase, first, accumulated, ids) if grads else 0)
         # the one microbatch's copies of other stages' nodes are no tensors of this action
         extra[ids] = np.maximum(extra[ids], value - others_copies[ids])
+        if grads is not None and last:  # the stage's perform_reduce_grad, right after its last backward
+            end = int(ids[-1])
+            extra[end] = max(int(extra[end]), in_flight + grads.reducing(k, accumulated) - int(others_copies[end]))
     extra[extra == lowest] = 0
-    if grads is not None:
-        extra[-1] = max(int(extra[-1]), grads.reduce_at_end() - int(own[:, -1].sum()))
     return extra
 
 
@@ -110,10 +112,11 @@ def _segments(graph: Any, ops: Sequence[tuple[str, int]], stage_of: np.ndarray) 
     return out
 
 
-def _action_states(pipeline: dict[str, Any], stages: int) -> list[tuple[str, int, np.ndarray, bool, np.ndarray]]:
+def _action_states(pipeline: dict[str, Any], stages: int) -> list[tuple[str, int, np.ndarray, bool, np.ndarray, bool]]:
     """For each action of the rank: its phase and stage, the other microbatches in flight per stage, whether it
-    is its stage's first backward in the step, and which stages have run their first backward before it (their
-    accumulated gradients exist) and not yet their last (not yet reduce-scattered)."""
+    is its stage's first backward in the step, which stages have run their first backward before it (their
+    accumulated gradients exist) and not yet their last (not yet reduce-scattered), and whether it is its
+    stage's last backward (after which the stage's gradients are reduce-scattered)."""
     in_flight = np.zeros(stages, dtype=np.int64)
     backwards = np.zeros(stages, dtype=np.int64)
     total = np.zeros(stages, dtype=np.int64)
@@ -126,7 +129,8 @@ def _action_states(pipeline: dict[str, Any], stages: int) -> list[tuple[str, int
         if phase == BACKWARD:
             others[k] -= 1  # this microbatch's own bytes are the one microbatch's timeline
         accumulated = (backwards > 0) & (backwards < total)
-        out.append((phase, k, others, phase == BACKWARD and backwards[k] == 0, accumulated))
+        out.append((phase, k, others, phase == BACKWARD and backwards[k] == 0, accumulated,
+                    phase == BACKWARD and backwards[k] == total[k] - 1))
         if phase == FORWARD:
             in_flight[k] += 1
         else:
@@ -150,8 +154,10 @@ class _Accumulated:
             if fsdp.get("param_dtype") else 1.0
         self.unit_grads = [int(u[3] * ratio) for u in fsdp["units"]]  # accumulated, in reduce_dtype
         self.stage_total = np.zeros(stages, dtype=np.int64)
+        self.stage_units: list[list[int]] = [[] for _ in range(stages)]  # in the order perform_reduce_grad runs them
         for u, unit in enumerate(fsdp["units"]):
             self.stage_total[int(stage_of[int(unit[1])])] += self.unit_grads[u]
+            self.stage_units[int(stage_of[int(unit[1])])].append(u)
         reads = _backward_unit(graph, _forward_owner(graph, fsdp["units"]))
         # with a param_dtype other than reduce_dtype each backward's gradients stay the unit's .grad until its
         # post-backward adds them to the accumulated ones; else autograd adds them into .grad (the accumulated)
@@ -186,7 +192,19 @@ class _Accumulated:
         mine = self.done[ids] if first else int(self.stage_total[k])
         return other + mine + self.running[ids]
 
-    def reduce_at_end(self) -> int:
-        """After the last backward (``perform_reduce_grad``): the accumulated gradients and the largest unit's
-        reduce-scatter input."""
-        return int(self.stage_total.sum()) + max(self.unit_grads, default=0)
+    def reducing(self, k: int, accumulated: np.ndarray) -> int:
+        """The gradient bytes while stage ``k``'s ``perform_reduce_grad`` runs, after its last backward (whose
+        running unit's post-backward has run): the other stages' accumulated gradients (``accumulated``), and
+        the stage's own as each unit in turn gets its reduce-scatter input (``foreach_reduce``: the previous
+        unit's input and accumulated gradients freed first), at the most over its units."""
+        other = int(np.dot(accumulated, self.stage_total)) - (int(self.stage_total[k]) if accumulated[k] else 0)
+        return other + int(self.stage_total[k]) + self._reduce_rise(k)
+
+    def _reduce_rise(self, k: int) -> int:
+        """The most stage ``k``'s reduce-scatter inputs add above its accumulated gradients: over its units in
+        order, a unit's input less the gradients of the units reduced before it (already freed)."""
+        freed = rise = 0
+        for u in self.stage_units[k]:
+            rise = max(rise, self.unit_grads[u] - freed)
+            freed += self.unit_grads[u]
+        return rise

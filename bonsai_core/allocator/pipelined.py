@@ -17,8 +17,9 @@ casts them); a unit's first post-backward in the step allocates its accumulated 
 kept to its stage's last backward, after which ``perform_reduce_grad`` reduce-scatters the stage's units as
 ``foreach_reduce`` does (:meth:`bonsai_core.fsdp._Walk.reduce_scatter`: the previous input freed, this one's
 allocated on the compute stream, the accumulated gradients freed, the sharded output allocated on the
-reduce-scatter stream and freed). The simulator's rule 11 counts the same bytes, so the replay's live peak is
-the simulator's (:func:`bonsai_core.schedule.simulate`), less where its end-of-step bound is the larger.
+reduce-scatter stream and freed), the last input freed at the end (the stage's final callback), all counted at the
+action's last op. The simulator's rule 11 counts the same bytes, so the replay's live peak is the simulator's
+(:func:`bonsai_core.schedule.simulate`).
 
 The steady phase is not replayed microbatch by microbatch once it repeats (:func:`periodic_regions`,
 :func:`_skip_repeats`): the replay is deterministic, and it sees a microbatch only through its owner ids, so a
@@ -206,7 +207,8 @@ class _Gradients:
 
     def reduce(self, k: int, i: int) -> None:
         """``perform_reduce_grad`` after stage ``k``'s last backward: each unit's accumulated gradients
-        reduce-scattered (``foreach_reduce``, module doc)."""
+        reduce-scattered (``foreach_reduce``, module doc), then the last reduce-scatter input freed (its
+        ``_root_post_backward_final_callback`` clears the inputs FSDP retains)."""
         for u in self.stage_units.get(k, []):
             if u not in self.accumulated:
                 continue
@@ -220,6 +222,9 @@ class _Gradients:
             self.malloc(output, -(-self.unit_grads[u] // self.world), f"FSDP's reduce-scatter output of unit {u}", i,
                         stream=SCATTER_STREAM)
             self._free(output)
+        if self.scatter_input is not None:
+            self._free(self.scatter_input)
+            self.scatter_input = None
 
     def _free(self, owner: int) -> None:
         self.alloc.free(owner)
@@ -432,10 +437,13 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
     starts, ends = blocks_taken_and_given(ops, residency, holds, inplace)
     held = _Held()
 
+    between = [0, 0]  # the most reserved and held bytes since it was reset: the reduce-scatters between two ops
+
     def malloc(owner: int, nbytes: int, what: str, i: int, side: str = "left", stream: str = DEFAULT_STREAM) -> None:
         if alloc.malloc(owner, nbytes, side, stream) is None and (side == "left" or alloc.malloc(owner, nbytes, stream=stream) is None):
             raise out_of_pool(alloc, capacity, outside, i, what, nbytes)
         held.add(owner, nbytes)
+        between[:] = max(between[0], alloc.footprint), max(between[1], held.total)
 
     grads = _Gradients(graph, malloc, alloc, held) if graph.fsdp is not None else None
     acts = action_ops(graph, ops)
@@ -530,8 +538,13 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
         position += len(ids)
         if grads is not None and backward:
             grads.end_action(int(k), position - 1)
-            if last_backward[int(k)] == n:
+            if last_backward[int(k)] == n:  # counted at the action's last op, as rule 11 counts it
+                between[:] = alloc.footprint, held.total
                 grads.reduce(int(k), position - 1)
+                if trace is not None:
+                    trace[0][position - 1] = max(trace[0][position - 1], between[0] + outside)
+                if live is not None:
+                    live[position - 1] = max(live[position - 1], between[1] + outside)
         n += 1
     # the optimizer step's temporaries, allocated together, then freed: counted at the last op
     before = set(alloc.by_owner)
