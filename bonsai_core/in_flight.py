@@ -196,7 +196,8 @@ def copies(graph: Any, ops: Sequence[tuple[str, int]]) -> tuple[np.ndarray, np.n
     """Rule 11 as a linear function of what each stage holds at the end of its forward, for the segment ILP
     (:mod:`bonsai_core.solvers.bonsai_model`): (int64[len(ops), stages]: at each op, how many copies of each
     stage's held bytes the rank holds for the other microbatches in flight, those of the action of the op's
-    stage and phase with the most microbatches in flight; int64[stages]: the op after which each stage's
+    stage and phase with the most microbatches in flight, less this microbatch's own of the stages before the
+    op's (its timeline holds them already); int64[stages]: the op after which each stage's
     forward ends, where its held bytes are read). A plan that holds X bytes less at a stage's forward end holds
     ``copies * X`` less at each op in flight. None for a graph that is no pipeline rank."""
     pipeline = (graph.parallel or {}).get("pipeline")
@@ -214,7 +215,8 @@ def copies(graph: Any, ops: Sequence[tuple[str, int]]) -> tuple[np.ndarray, np.n
             fullest[key] = others
     out = np.zeros((len(ops), len(spans)), dtype=np.int64)
     for key, others in fullest.items():
-        out[segment == key] = others
+        # an earlier stage's held bytes of this microbatch are already on its own timeline (working's others_copies)
+        out[segment == key] = others - (np.arange(len(spans)) < key // 2)
     ends = np.array([(np.flatnonzero(segment == 2 * k)[-1:] if (segment == 2 * k).any() else np.array([-1]))[0]
                      for k in range(len(spans))], dtype=np.int64)
     return out, ends
