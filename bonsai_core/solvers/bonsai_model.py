@@ -230,6 +230,38 @@ class InFlightTerms:
         return out
 
 
+def _interval_starts(steps: sp.csr_matrix, plain: PlainProfile) -> np.ndarray:
+    """The points opening the memory rows' intervals: where a column steps, and on a pipeline rank where the
+    copies in flight change (constant on each interval); point 0 always, so the whole axis is covered."""
+    points = np.union1d([0], np.flatnonzero(np.diff(steps.indptr)))
+    if plain.in_flight is None:
+        return points
+    return np.union1d(points, 1 + np.flatnonzero((np.diff(plain.in_flight[0], axis=0) != 0).any(axis=1)))
+
+
+def _in_flight_terms(plain: PlainProfile, steps: sp.csr_matrix, points: np.ndarray, starts: np.ndarray,
+                     offloads: OffloadColumns | None, unit: float, rec: Any,
+                     off: Any) -> tuple[InFlightTerms | None, list[Any], Any]:
+    """The microbatches in flight in the model (module doc), the rows defining ``held`` and what they add to each
+    memory row (None, none and 0 for a graph that is no pipeline rank): ``steps`` the memory axis's steps of the
+    rec columns (their candidates start at forward positions ``starts``) then of the offload columns."""
+    import cvxpy as cp
+
+    if plain.in_flight is None:
+        return None, [], 0
+    count = len(starts)
+    positions = np.concatenate([starts, plain.seq_pos[offloads.nodes] if off is not None else np.zeros(0, np.int64)])
+    copies, ends = plain.in_flight
+    held_steps = _held_steps(steps, positions, ends)
+    held = cp.Variable(len(ends), name="held")
+    terms = InFlightTerms(copies[points].astype(np.float64), held_steps[:, :count],
+                          held_steps[:, count:] if off is not None else None, held)
+    change = (held_steps[:, :count] / unit) @ rec
+    if off is not None:
+        change = change + (held_steps[:, count:] / unit) @ off
+    return terms, [held == change], terms.copies @ held
+
+
 def _held_steps(steps: sp.csr_matrix, positions: np.ndarray, ends: np.ndarray) -> sp.csr_matrix:
     """(stages, columns) bytes: each column's ``cumsum D`` at the end of its stage's forward (``ends``, points
     on the memory axis, ascending), its stage the one whose forward holds its forward position ``positions``."""
@@ -283,11 +315,7 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
 
         offloads = offload_columns(graph, seg, plain, host_link([])[0], points=len(memory))
         steps = sp.hstack([steps, offloads.steps]).tocsr()
-    rows = np.flatnonzero(np.diff(steps.indptr))
-    points = np.union1d([0], rows)  # point 0 always opens an interval, so the whole axis is covered
-    if plain.in_flight is not None:  # the copies in flight are constant on each interval
-        copies = plain.in_flight[0]
-        points = np.union1d(points, 1 + np.flatnonzero((np.diff(copies, axis=0) != 0).any(axis=1)))
+    points = _interval_starts(steps, plain)
     events = steps[points][:, :count]
     off_events = steps[points][:, count:] if offloads is not None else None
     interval_peak = np.maximum.reduceat(memory, points)
@@ -323,20 +351,9 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
         *off_rows,
     ]
     constraints += _readers_kept(kinds, coefs, columns, count, atoms, rec, keep)
-    in_flight = None
-    if plain.in_flight is not None:
-        copies, ends = plain.in_flight
-        positions = np.concatenate([seg.starts[candidates],
-                                    plain.seq_pos[offloads.nodes] if off is not None else np.zeros(0, dtype=np.int64)])
-        held_steps = _held_steps(steps, positions, ends)
-        held = cp.Variable(len(ends), name="held")
-        in_flight = InFlightTerms(copies[points].astype(np.float64), held_steps[:, :count],
-                                  held_steps[:, count:] if off is not None else None, held)
-        change_held = (held_steps[:, :count] / unit) @ rec
-        if off is not None:
-            change_held = change_held + (held_steps[:, count:] / unit) @ off
-        constraints.append(held == change_held)
-    rows_in_flight = 0 if in_flight is None else in_flight.copies @ in_flight.held
+    in_flight, held_rows, rows_in_flight = _in_flight_terms(plain, steps, points, seg.starts[candidates], offloads,
+                                                            unit, rec, off)
+    constraints += held_rows
     constraints.append(delta + interval_peak / unit + rows_in_flight <= budget)  # last: min_peak_problem replaces it
     problem = cp.Problem(cp.Minimize(objective), constraints)
     return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, coefs=coefs, plain=plain, candidates=candidates,
