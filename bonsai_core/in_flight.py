@@ -208,3 +208,33 @@ class _Accumulated:
             rise = max(rise, self.unit_grads[u] - freed)
             freed += self.unit_grads[u]
         return rise
+
+
+def copies(graph: Any, ops: Sequence[tuple[str, int]]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Rule 11 as a linear function of what each stage holds at the end of its forward, for the segment ILP
+    (:mod:`bonsai_core.solvers.bonsai_model`): (int64[len(ops), stages]: at each op, how many copies of each
+    stage's held bytes the rank holds for the other microbatches in flight, those of the action of the op's
+    stage and phase with the most microbatches in flight, less this microbatch's own of the stages before the
+    op's (its timeline holds them already); int64[stages]: the op after which each stage's
+    forward ends, where its held bytes are read). A plan that holds X bytes less at a stage's forward end holds
+    ``copies * X`` less at each op in flight. None for a graph that is no pipeline rank."""
+    pipeline = (graph.parallel or {}).get("pipeline")
+    if pipeline is None or not ops:
+        return None
+    spans = [(int(a), int(b)) for _, a, b in pipeline["stages"]]
+    stage_of = np.zeros(graph.n, dtype=np.int64)
+    for k, (a, b) in enumerate(spans):
+        stage_of[a:b + 1] = k
+    segment = _segments(graph, ops, stage_of)
+    fullest: dict[int, np.ndarray] = {}  # per segment (2 stage + phase): the others of its fullest action
+    for phase, k, others, _, _ in _action_states(pipeline, len(spans)):
+        key = 2 * k + (phase == BACKWARD)
+        if key not in fullest or others.sum() > fullest[key].sum():
+            fullest[key] = others
+    out = np.zeros((len(ops), len(spans)), dtype=np.int64)
+    for key, others in fullest.items():
+        # an earlier stage's held bytes of this microbatch are already on its own timeline (working's others_copies)
+        out[segment == key] = others - (np.arange(len(spans)) < key // 2)
+    ends = np.array([(np.flatnonzero(segment == 2 * k)[-1:] if (segment == 2 * k).any() else np.array([-1]))[0]
+                     for k in range(len(spans))], dtype=np.int64)
+    return out, ends

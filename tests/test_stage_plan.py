@@ -54,6 +54,25 @@ def test_the_stage_plan_is_the_least_recomputation_within_the_budget():
         sp.plan_stage(graph, nothing.peak - 1)
 
 
+def test_bonsai_on_a_pipeline_rank_counts_the_microbatches_in_flight_and_recomputes_less_than_the_stage_plan():
+    """Rank 0 of PP 2 (1F1B, 4 microbatches) holds a second microbatch's saved activations: the segment ILP
+    counts that copy of what its plan holds at the stage's forward end (rule 11), so near full checkpointing's
+    peak it finds its own plan, within the budget and recomputing less than the best block plan."""
+    from bonsai_core.in_flight import copies
+    from bonsai_core.solvers import solve
+
+    graph = _debug_rank(0)
+    full = simulate(graph, sp.block_saves_schedule(graph, {}))
+    budget = full.peak + (no_remat_peak(graph) - full.peak) // 10
+    in_flight, ends = copies(graph, sp.block_saves_schedule(graph, {}).ops)
+    assert in_flight.max() == 1 and len(ends) == 1  # one stage, one other microbatch in flight
+    _, stage = sp.plan_stage(graph, budget)
+    schedule = solve(graph, budget, "bonsai", reuse=False)
+    planned = simulate(graph, schedule)
+    assert schedule.stats["plan_source"] == "ilp" and planned.peak <= budget
+    assert planned.compute_cost < stage.compute_cost
+
+
 @pytest.fixture(scope="module")
 def stage_405b():
     from bonsai_core.fit import RankGraphs

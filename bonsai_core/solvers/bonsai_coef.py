@@ -75,6 +75,10 @@ class PlainProfile:
     seq_pos: np.ndarray  # int64[n]: sequence position of each node
     release: np.ndarray  # int64[n]: sequence position after whose compute the node is freed (n: never)
     memory: np.ndarray  # int64[T]: memory at each point of the memory axis
+    # On a pipeline rank (rule 11), the other microbatches in flight as the ILP sees them
+    # (:func:`bonsai_core.in_flight.copies`): int64[T, stages], the copies of each stage's held bytes at each
+    # point, and int64[stages], the point where each stage's forward ends (its held bytes); None elsewhere.
+    in_flight: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def plain_profile(graph: Graph) -> PlainProfile:
@@ -100,7 +104,26 @@ def plain_profile(graph: Graph) -> PlainProfile:
     memory[:m] = at_compute[:m]
     memory[m::2] = backward_mem - graph.mem[order[m:]]  # before b's output exists
     memory[m + 1::2] = backward_mem
-    return PlainProfile(order=order, seq_pos=seq_pos, release=release, memory=memory)
+    return PlainProfile(order=order, seq_pos=seq_pos, release=release, memory=memory,
+                        in_flight=_in_flight_on_axis(graph, schedule.ops, kinds, step, m))
+
+
+def _in_flight_on_axis(graph: Graph, ops: list, kinds: np.ndarray, step: np.ndarray,
+                       m: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`bonsai_core.in_flight.copies` of the plain plan's ``ops`` on the memory axis: a backward node's
+    two points take its compute's copies; a stage's forward ends at the forward step of its last op."""
+    from bonsai_core.in_flight import copies
+
+    found = copies(graph, ops)
+    if found is None:
+        return None
+    per_op, ends = found
+    at_compute = per_op[kinds]
+    axis = np.empty((m + 2 * (len(at_compute) - m), per_op.shape[1]), dtype=np.int64)
+    axis[:m] = at_compute[:m]
+    axis[m::2] = at_compute[m:]
+    axis[m + 1::2] = at_compute[m:]
+    return axis, np.where(ends >= 0, step[np.maximum(ends, 0)], -1)
 
 
 def point_of(q: np.ndarray | int, m: int, rebuild: bool = False) -> np.ndarray | int:

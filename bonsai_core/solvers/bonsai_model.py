@@ -17,6 +17,13 @@ matrix, 2 non-zeros per variable).
 :func:`~bonsai_core.solvers.bonsai_coef.memory_steps`), and ``delta[k] + max(P over interval k) <=
 budget``: one row per interval, which covers every point where a peak can occur.
 
+**Microbatches in flight** (a pipeline rank, simulator rule 11): the rank holds, for each other microbatch in
+flight, what each stage holds at the end of its forward, so a plan that holds X bytes less there holds
+``copies * X`` less wherever ``copies`` of that stage are in flight
+(:func:`bonsai_core.in_flight.copies`). One continuous ``held[j]`` per stage, the change at its forward's end
+(``H @ rec``: each candidate's ``cumsum D`` at the end of its stage's forward), and each memory row adds
+``copies[k] @ held``; the intervals are cut where the copies change, so they are constant on each.
+
 **Outputs dropped** (``drop_outputs``): each candidate whose outputs later forward ops read gets a
 second ``rec`` column with its own coefficients (``coefficients(..., drop_outputs=True)``), and one row
 per atom holding such a reader: ``rec[s] <= keep[a]`` (a recomputed reader's rebuild would have
@@ -92,6 +99,7 @@ class BuiltModel:
     off: Any = None  # cp.Variable over offload.nodes (offload=True), else None
     offload: OffloadColumns | None = None
     off_events: sp.csr_matrix | None = None  # (K, V) bytes: the offload columns' steps at the event points
+    in_flight: InFlightTerms | None = None  # on a pipeline rank: the other microbatches' copies (module doc)
 
     def predicted_peak(self, rec: np.ndarray, off: np.ndarray | None = None) -> int:
         """The model's bound on the peak of the plan whose recomputed ILP candidates are ``rec``
@@ -99,7 +107,10 @@ class BuiltModel:
         change = self.events @ np.asarray(rec, dtype=np.float64)
         if off is not None and self.off_events is not None:
             change = change + self.off_events @ np.asarray(off, dtype=np.float64)
-        return int(np.ceil((self.interval_peak + np.cumsum(change)).max()))
+        rows = self.interval_peak + np.cumsum(change)
+        if self.in_flight is not None:
+            rows = rows + self.in_flight.copies @ self.in_flight.held_bytes(rec, off)
+        return int(np.ceil(rows.max()))
 
     def offloaded_of(self, off: np.ndarray | None) -> list[int]:
         """The node ids an ILP solution offloads."""
@@ -180,6 +191,8 @@ class BuiltModel:
                   self.delta: np.cumsum((self.events @ rec) / self.unit)}
         if self.off is not None:
             values[self.off] = np.zeros(self.off.size)
+        if self.in_flight is not None:
+            values[self.in_flight.held] = self.in_flight.held_bytes(rec, None) / self.unit
         return values
 
     def min_peak_problem(self) -> tuple[Any, Any]:
@@ -189,9 +202,76 @@ class BuiltModel:
 
             z = cp.Variable()
             cons = list(self.problem.constraints[:-1])  # all but the budget row
-            cons.append(self.delta + self.interval_peak / self.unit <= z)
+            cons.append(self.memory_rows() <= z)
             self._min_peak = (cp.Problem(cp.Minimize(z / UNITS_PER_PEAK), cons), z)
         return self._min_peak
+
+    def memory_rows(self) -> Any:
+        """The model's memory at each interval, in units: the plain memory's peak there, the plan's change, and
+        on a pipeline rank the change of the other microbatches' copies."""
+        rows = self.delta + self.interval_peak / self.unit
+        return rows if self.in_flight is None else rows + self.in_flight.copies @ self.in_flight.held
+
+
+@dataclass
+class InFlightTerms:
+    """The microbatches in flight of a pipeline rank in the model (module doc)."""
+
+    copies: np.ndarray  # float64[K, stages]: the copies of each stage's held bytes in flight at each interval
+    rec_steps: sp.csr_matrix  # (stages, C') bytes: each rec column's change of its stage's held bytes
+    off_steps: sp.csr_matrix | None  # (stages, V) bytes: the same of each offload column
+    held: Any  # cp.Variable[stages], in units: the plan's change of each stage's held bytes
+
+    def held_bytes(self, rec: np.ndarray, off: np.ndarray | None) -> np.ndarray:
+        """float64[stages]: the change of each stage's held bytes of the plan ``rec`` (and ``off``)."""
+        out = self.rec_steps @ np.asarray(rec, dtype=np.float64)
+        if off is not None and self.off_steps is not None:
+            out = out + self.off_steps @ np.asarray(off, dtype=np.float64)
+        return out
+
+
+def _interval_starts(steps: sp.csr_matrix, plain: PlainProfile) -> np.ndarray:
+    """The points opening the memory rows' intervals: where a column steps, and on a pipeline rank where the
+    copies in flight change (constant on each interval); point 0 always, so the whole axis is covered."""
+    points = np.union1d([0], np.flatnonzero(np.diff(steps.indptr)))
+    if plain.in_flight is None:
+        return points
+    return np.union1d(points, 1 + np.flatnonzero((np.diff(plain.in_flight[0], axis=0) != 0).any(axis=1)))
+
+
+def _in_flight_terms(plain: PlainProfile, steps: sp.csr_matrix, points: np.ndarray, starts: np.ndarray,
+                     offloads: OffloadColumns | None, unit: float, rec: Any,
+                     off: Any) -> tuple[InFlightTerms | None, list[Any], Any]:
+    """The microbatches in flight in the model (module doc), the rows defining ``held`` and what they add to each
+    memory row (None, none and 0 for a graph that is no pipeline rank): ``steps`` the memory axis's steps of the
+    rec columns (their candidates start at forward positions ``starts``) then of the offload columns."""
+    import cvxpy as cp
+
+    if plain.in_flight is None:
+        return None, [], 0
+    count = len(starts)
+    positions = np.concatenate([starts, plain.seq_pos[offloads.nodes] if off is not None else np.zeros(0, np.int64)])
+    copies, ends = plain.in_flight
+    held_steps = _held_steps(steps, positions, ends)
+    held = cp.Variable(len(ends), name="held")
+    terms = InFlightTerms(copies[points].astype(np.float64), held_steps[:, :count],
+                          held_steps[:, count:] if off is not None else None, held)
+    change = (held_steps[:, :count] / unit) @ rec
+    if off is not None:
+        change = change + (held_steps[:, count:] / unit) @ off
+    return terms, [held == change], terms.copies @ held
+
+
+def _held_steps(steps: sp.csr_matrix, positions: np.ndarray, ends: np.ndarray) -> sp.csr_matrix:
+    """(stages, columns) bytes: each column's ``cumsum D`` at the end of its stage's forward (``ends``, points
+    on the memory axis, ascending), its stage the one whose forward holds its forward position ``positions``."""
+    stage = np.minimum(np.searchsorted(ends, positions, side="left"), len(ends) - 1)
+    running = sp.csc_matrix(steps)
+    rows = []
+    for j, end in enumerate(ends.tolist()):
+        at_end = np.asarray(running[:end + 1].sum(axis=0)).ravel() if end >= 0 else np.zeros(steps.shape[1])
+        rows.append(np.where(stage == j, at_end, 0.0))
+    return sp.csr_matrix(np.vstack(rows)) if rows else sp.csr_matrix((0, steps.shape[1]))
 
 
 def _columns(coef: Coefficients, seg: Segmentation, m: int, allowed: np.ndarray | None) -> np.ndarray:
@@ -235,8 +315,7 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
 
         offloads = offload_columns(graph, seg, plain, host_link([])[0], points=len(memory))
         steps = sp.hstack([steps, offloads.steps]).tocsr()
-    rows = np.flatnonzero(np.diff(steps.indptr))
-    points = np.union1d([0], rows)  # point 0 always opens an interval, so the whole axis is covered
+    points = _interval_starts(steps, plain)
     events = steps[points][:, :count]
     off_events = steps[points][:, count:] if offloads is not None else None
     interval_peak = np.maximum.reduceat(memory, points)
@@ -272,14 +351,17 @@ def build_model(graph: Graph, seg: Segmentation, plain: PlainProfile, allowed: n
         *off_rows,
     ]
     constraints += _readers_kept(kinds, coefs, columns, count, atoms, rec, keep)
-    constraints.append(delta + interval_peak / unit <= budget)  # last: min_peak_problem replaces it
+    in_flight, held_rows, rows_in_flight = _in_flight_terms(plain, steps, points, seg.starts[candidates], offloads,
+                                                            unit, rec, off)
+    constraints += held_rows
+    constraints.append(delta + interval_peak / unit + rows_in_flight <= budget)  # last: min_peak_problem replaces it
     problem = cp.Problem(cp.Minimize(objective), constraints)
     return BuiltModel(graph_hash=graph.hash, seg=seg, coef=coef, coefs=coefs, plain=plain, candidates=candidates,
                       drops_outputs=drops, levels=column_levels, pinned=pinned, saving=coef.saving, constant=constant,
                       events=events, interval_peak=interval_peak, problem=problem, rec=rec, keep=keep,
                       delta=delta, budget=budget, unit=unit, build_seconds=time.perf_counter() - start,
                       off=off, offload=offloads if off is not None else None,
-                      off_events=off_events if off is not None else None)
+                      off_events=off_events if off is not None else None, in_flight=in_flight)
 
 
 
