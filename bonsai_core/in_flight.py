@@ -227,7 +227,7 @@ def copies(graph: Any, ops: Sequence[tuple[str, int]]) -> tuple[np.ndarray, np.n
         stage_of[a:b + 1] = k
     segment = _segments(graph, ops, stage_of)
     fullest: dict[int, np.ndarray] = {}  # per segment (2 stage + phase): the others of its fullest action
-    for phase, k, others, _, _ in _action_states(pipeline, len(spans)):
+    for phase, k, others, _, _, _ in _action_states(pipeline, len(spans)):
         key = 2 * k + (phase == BACKWARD)
         if key not in fullest or others.sum() > fullest[key].sum():
             fullest[key] = others
