@@ -124,9 +124,11 @@ def lifetimes_row(label: str, graph: Any, method: str) -> dict[str, Any]:
     the step line at the plan's peak and the reasons of the first REGIONS_AT_ONCE recomputed regions,
     each timed as pages/memory.py calls them."""
     from explorer import timeline
+    from explorer.compute import DEFAULTS
 
     budget = int(SHARE * no_remat_peak(graph))
-    options = {"time_limit": TIME_LIMIT} if method == "bonsai" else {}
+    # the explorer's own defaults (bonsai: checkpoint regions, whose reasons the page explains)
+    options = {**DEFAULTS.get(method, {}), **({"time_limit": TIME_LIMIT} if method == "bonsai" else {})}
     schedule, solve_s = seconds_of(lambda: solve(graph, budget, method=method, **options))
     sim = simulate(graph, schedule)
     modules = timeline.node_modules(graph)
