@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Sequence
 
@@ -304,14 +305,17 @@ def buffer_events(graph: Graph, ops: Sequence[tuple[str, int]]) -> list[list[Buf
     FSDP2's (``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``): a unit's post-backward
     (reshard, then ``foreach_reduce``) runs before the next unit's pre-backward (copy-out of its
     prefetched all-gather, then the prefetch of the unit before it)."""
-    events: list[list[Buffer]] = [[] for _ in range(len(ops) + 1)]
+    none: list[Buffer] = []  # shared by every op without events (most): never appended to by the caller
+    events: list[list[Buffer]] = [none] * (len(ops) + 1)
     if graph.fsdp is None:
-        return events
+        return [[] for _ in events]
     walk = _Walk(graph)
     for i, (kind, v) in enumerate(ops):
-        walk.out = events[i]
+        walk.out = []
         walk.op(kind, v)
-    walk.out = events[-1]
+        if walk.out:
+            events[i] = walk.out
+    walk.out = events[-1] = []
     walk.finish()
     return events
 
@@ -338,16 +342,20 @@ def working_parts(graph: Graph, ops: Sequence[tuple[str, int]]) -> dict[str, np.
     part_of = {prefix: k for k, name in enumerate(names) for prefix in WORKING_PARTS[name]}
     out = np.zeros((len(names), len(ops)), dtype=np.int64)
     if graph.fsdp is not None and ops:
-        held = np.zeros(len(names), dtype=np.int64)
+        held, total = [0] * len(names), 0  # Python ints: each op's few events cost less than numpy's calls
+        rows: list[list[int]] = []
         for i, step in enumerate(buffer_events(graph, ops)):
-            top = held.copy()
+            top, most = held[:], total
             for b in step:
                 held[part_of[b.key.split(":", 1)[0]]] += b.nbytes
-                if held.sum() > top.sum():
-                    top = held.copy()
-            column = min(i, len(ops) - 1)  # what follows the last op counts at the last op
-            if i < len(ops) or top.sum() > out[:, column].sum():
-                out[:, column] = top
+                total += b.nbytes
+                if total > most:
+                    top, most = held[:], total
+            if i < len(ops):
+                rows.append(top)
+            elif most > sum(rows[-1]):  # what follows the last op counts at the last op
+                rows[-1] = top
+        out = np.ascontiguousarray(np.array(rows, dtype=np.int64).T)
     return dict(zip(names, out))
 
 
@@ -360,8 +368,7 @@ class _Walk:
         self.graph, self.world = graph, int(fsdp["world"])
         self.size = [int(u[3]) for u in fsdp["units"]]
         self.resharded = reshard_flags(fsdp)
-        self.owner = _forward_owner(graph, fsdp["units"])
-        self.reads = _backward_unit(graph, self.owner)
+        self.forward, self.output, self.owner, self.reads = _walk_tables(graph)
         self.model_last = int(fsdp["model_last"])
         # the reduce-scatter input is in reduce_dtype, the gradients it copies in are in param_dtype
         self.reduce_ratio = DTYPE_BYTES[fsdp.get("reduce_dtype") or "fp32"] / DTYPE_BYTES[fsdp.get("param_dtype") or "fp32"] \
@@ -452,18 +459,18 @@ class _Walk:
             self.first, self.gather_output = False, self.all_gather(-1, int(graph.fsdp["root_bytes"]))
         if kind != "compute":
             return
-        forward = bool(graph.is_forward[v])
+        forward = self.forward[v]
         if not forward and not self.in_backward:  # the forward's last all-gather output is freed at its end
             self.in_backward = True
             self.free_gather_output()
             for g in [g for g in self.gathered if self.resharded[g]]:
                 self.reshard(g)
-        u = int(self.owner[v] if forward else self.reads[v])
+        u = self.owner[v] if forward else self.reads[v]
         if not self.in_backward:
             self._forward(u)
         else:
             self._backward(u, v)
-        if graph.is_output[v] and not forward:
+        if self.output[v] and not forward:
             self.pending.append(v)
 
     def _forward(self, u: int) -> None:
@@ -522,6 +529,26 @@ def reshard_flags(fsdp: dict[str, Any]) -> list[bool]:
     """Each unit's ``reshard_after_forward`` (the field is one bool for all, or one per unit)."""
     flag = fsdp["reshard_after_forward"]
     return [bool(f) for f in flag] if isinstance(flag, list) else [bool(flag)] * len(fsdp["units"])
+
+
+_TABLES: dict[str, tuple[list[bool], list[bool], list[int], list[int]]] = {}  # graph hash -> _walk_tables
+_TABLES_KEPT = 8
+_TABLES_LOCK = threading.Lock()  # explorer sessions simulate in threads
+
+
+def _walk_tables(graph: Graph) -> tuple[list[bool], list[bool], list[int], list[int]]:
+    """(is_forward, is_output, :func:`_forward_owner`, :func:`_backward_unit`) of ``graph`` as Python lists,
+    which the walk reads once per op: built once per graph (a sweep simulates hundreds of schedules of one)."""
+    found = _TABLES.get(graph.hash)
+    if found is None:
+        owner = _forward_owner(graph, graph.fsdp["units"])
+        found = (graph.is_forward.tolist(), graph.is_output.tolist(), owner.tolist(),
+                 _backward_unit(graph, owner).tolist())
+        with _TABLES_LOCK:
+            while len(_TABLES) >= _TABLES_KEPT:
+                del _TABLES[next(iter(_TABLES))]
+            _TABLES[graph.hash] = found
+    return found
 
 
 def _forward_owner(graph: Graph, units: Sequence[Sequence[Any]]) -> np.ndarray:

@@ -6,14 +6,19 @@ As a session starts it (:mod:`explorer.ahead`): bonsai's solve at 70% with the s
 then every other slider position in the sweep's order, here in this thread rather than the server's
 background one; then the pages' work the sweep puts off (FSDP replays, bonsai's reach), timed apart; then
 each position asked again as a drag asks it, its slowest answers printed. An empty cache folder measures a
-first sweep (a folder already holding the plans measures a reopened model). ``--profile`` writes cProfile's
-statistics of the sweep and prints the 40 costliest calls.
+first sweep (a folder already holding the plans measures a reopened model); ``--positions-only`` leaves the put-off
+work out. ``--profile`` writes cProfile's
+statistics of the sweep and prints the 40 costliest calls. ``--record`` writes what each position answers (its
+plan's digest, peak and overhead, or its error) as JSON, so that two sweeps' answers can be diffed.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
+import json
+import os
 import pstats
 import time
 
@@ -25,27 +30,49 @@ from explorer.state import DEFAULT_TIME_LIMIT
 FIRST = 70  # % of the no-remat peak: where the session's own solve is
 
 
-def sweep_in_this_thread(sweep: ahead.Sweep) -> tuple[dict[int, float], list[float]]:
-    """Run the sweep's work as the worker thread would: (seconds per position, seconds per put-off job)."""
+def sweep_in_this_thread(sweep: ahead.Sweep, put_off: bool) -> tuple[dict[int, float], list[float]]:
+    """Run the sweep's work as the worker thread would: (seconds per position, seconds per put-off job);
+    ``put_off`` False drops the put-off work."""
     positions: dict[int, float] = {}
     later: list[float] = []
     while (found := ahead._next()) is not None:
+        if not put_off:
+            sweep.later.clear()
         _, p = found
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         if callable(p):
             p()
             later.append(time.perf_counter() - start)
             continue
         ahead._solve(sweep, p)
         positions[p] = time.perf_counter() - start
-        print(f"  {p}%: {positions[p]:.2f} s, ok={sweep.solved.get(p)}, answered {sweep.known}", flush=True)
+        print(f"  {p}%: {positions[p]:.2f} s (cpu {time.process_time() - cpu:.2f} s), ok={sweep.solved.get(p)}, "
+              f"answered {sweep.known}", flush=True)
     return positions, later
+
+
+def answers(graph, options, reference: int) -> dict[int, dict]:
+    """What every slider position answers once the sweep is done: a plan's digest, peak and overhead, or its
+    error."""
+    out = {}
+    for p in ahead.SLIDER:
+        got = ahead.answer(graph, "bonsai", options, None, p) or compute.solve(graph, ahead.budget_at(p, reference),
+                                                                             "bonsai", options)
+        if got.ok:
+            ops = json.dumps([[k, int(v)] for k, v in got.schedule.ops]).encode()
+            out[p] = {"plan": hashlib.sha256(ops).hexdigest()[:16], "peak": int(got.sim.peak),
+                      "overhead": round(float(got.sim.overhead), 9)}
+        else:
+            out[p] = {"error": got.error}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("graph")
     ap.add_argument("--profile", default=None, help="write cProfile's statistics of the sweep here")
+    ap.add_argument("--record", default=None, help="write each position's answer here (JSON)")
+    ap.add_argument("--positions-only", action="store_true", help="leave out the work the sweep puts off")
     args = ap.parse_args()
     graph = load_graph(args.graph)
     reference = no_remat_peak(graph)
@@ -59,11 +86,14 @@ def main() -> None:
     profile = cProfile.Profile() if args.profile else None
     if profile:
         profile.enable()
-    _, later = sweep_in_this_thread(sweep)
+    cpu = time.process_time()
+    _, later = sweep_in_this_thread(sweep, not args.positions_only)
+    cpu = time.process_time() - cpu
     if profile:
         profile.disable()
     print(f"every position answered after {sweep.seconds:.1f} s ({len(sweep.solved)} solved, {len(sweep.derived)} "
-          f"below a failed one); the put-off work {sum(later):.1f} s more", flush=True)
+          f"below a failed one); the put-off work {sum(later):.1f} s more; cpu {cpu:.1f} s in all, load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
     asked = []
     for p in ahead.SLIDER:
         begun = time.perf_counter()
@@ -71,6 +101,9 @@ def main() -> None:
         ahead.answer(graph, "bonsai", options, None, p) or compute.solve(graph, budget, "bonsai", options)
         asked.append((time.perf_counter() - begun, p))
     print("after the sweep, the slowest answers (s, %):", [(round(s, 3), p) for s, p in sorted(asked)[-3:]])
+    if args.record:
+        with open(args.record, "w") as f:
+            json.dump(answers(graph, options, reference), f, indent=1, sort_keys=True)
     if profile:
         profile.dump_stats(args.profile)
         pstats.Stats(args.profile).sort_stats("cumulative").print_stats(40)

@@ -87,3 +87,43 @@ def test_a_backend_answer_it_cannot_account_for_is_no_proof(monkeypatch):
         MilpOutcome("optimal", 0.0, 0.0, 0.0, len(milp.cost), milp.matrix.shape[0]), start, float(milp.cost @ start),
         "claimed"))
     assert solve_from(milp, kept, values, bound, None, gap=1e-6) is None
+
+
+def _relaxed_at(share: float):
+    graph = load_graph(GPT)
+    built = bonsai.build(graph)
+    built.budget.value = int(share * no_remat_peak(graph)) / built.unit
+    milp = from_cvxpy(built.problem).milp
+    kept = relaxation_of(milp)
+    return built, milp, kept, round_relaxation(milp, kept, None, 0.01)
+
+
+def test_an_infeasible_relaxation_is_proven_twice_and_the_milp_agrees():
+    built, milp, kept, found = _relaxed_at(0.05)
+    assert found is None and relaxation.proven_infeasible(kept, milp, None)
+    assert solve_milp(built.problem).status == "infeasible"  # what the from-scratch MILP it saves would say
+
+
+def test_a_feasible_relaxation_is_never_proven_infeasible():
+    _, milp, kept, found = _relaxed_at(0.7)
+    assert found is not None and not relaxation.proven_infeasible(kept, milp, None)
+
+
+def test_one_infeasible_verdict_on_a_feasible_lp_proves_nothing():
+    """HiGHS has called a feasible LP infeasible (issue 56's bound): the second solve overrules it."""
+    import highspy
+
+    _, milp, kept, _ = _relaxed_at(0.7)
+
+    class Wrong:
+        def getModelStatus(self):
+            return highspy.HighsModelStatus.kInfeasible
+
+    kept.highs = Wrong()
+    assert not relaxation.proven_infeasible(kept, milp, None)
+
+
+def test_a_proven_infeasible_relaxation_ends_the_rung_at_once():
+    built, _, _, _ = _relaxed_at(0.05)
+    outcome = bonsai._rounded(built, "highs", None, 0.01)
+    assert outcome is not None and outcome.status == "infeasible"

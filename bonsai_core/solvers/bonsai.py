@@ -67,7 +67,8 @@ from bonsai_core.solvers.bonsai_ops import OpsOutcome, plan_ops
 from bonsai_core.solvers.deadline import Deadline, OutOfTime
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, problem_size, solve_milp
 from bonsai_core.solvers.sparse_milp import from_cvxpy, satisfies, solve_sparse_milp
-from bonsai_core.solvers.relaxation import relaxation_of, round_relaxation, same_structure, solve_from
+from bonsai_core.solvers.relaxation import (proven_infeasible, relaxation_of, round_relaxation, same_structure,
+                                           solve_from)
 from bonsai_core.units import format_bytes
 
 _CACHE_SIZE = 32  # entries: per graph its plain profile, its fallback plans, one model per rung tried, its solved plans
@@ -624,7 +625,8 @@ def _rounded(built: BuiltModel, backend: str, time_limit: float | None, gap: flo
     """The model's plan from its LP relaxation's rounding when that proves it within ``gap``, else from the
     full MILP solved with that plan as its start (:mod:`bonsai_core.solvers.relaxation`; the relaxation is
     kept on ``built`` and re-solved from its last basis at each budget), its variables' values set as CVXPY's
-    own solve sets them; None: solve the MILP from scratch.
+    own solve sets them; status "infeasible" when the LP relaxation has no solution (proven twice:
+    :func:`~bonsai_core.solvers.relaxation.proven_infeasible`); None: solve the MILP from scratch.
     HiGHS only, and not with offload columns (their solve starts from the plan without offload)."""
     if backend != "highs" or built.off is not None:
         return None
@@ -634,6 +636,9 @@ def _rounded(built: BuiltModel, backend: str, time_limit: float | None, gap: flo
     offset = _objective_offset(built.problem)
     clock = Deadline(time_limit)
     found = round_relaxation(canonical.milp, built.relaxation, time_limit, gap, offset)
+    if found is None and proven_infeasible(built.relaxation, canonical.milp, clock.remaining()):
+        return MilpOutcome("infeasible", None, None, time.perf_counter() - clock.start, len(canonical.milp.cost),
+                           canonical.milp.matrix.shape[0])  # the MILP from scratch would only prove it again
     if found is None:
         return None
     outcome, values, lp_bound = found
