@@ -16,7 +16,7 @@ from bonsai_core.allocator.policies import Allocator, Policy
 from bonsai_core.allocator.step import FSDP_OWNERS, blocks_taken_and_given, optimizer_step, out_of_pool
 from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import FREE, Residency, Schedule, simulate
+from bonsai_core.schedule import FREE, Residency, Schedule, simulate, simulated
 from bonsai_core.units import format_bytes
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     most over the actions that run it, as rule 11's timeline does, and ``live`` is the bytes its blocks hold
     (so it is the simulator's timeline, and its peak the simulator's).
     """
-    sim = simulate(graph, schedule)
+    sim = simulated(graph, schedule) if isinstance(schedule, Schedule) else simulate(graph, schedule)
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
     fixed = graph.fixed_mem
     if capacity is not None and capacity < fixed:

@@ -305,7 +305,7 @@ def _within_pipeline(graph: Graph, budget: int, solver: Callable[..., Schedule],
 
 
 def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, policy: str = "caching",
-                   tries: int = 12, **options: Any) -> Schedule:
+                   tries: int = 12, solved: Schedule | BonsaiError | None = None, **options: Any) -> Schedule:
     """Like :func:`solve`, but ``budget`` bounds the bytes the allocator model *reserves* for the step
     (``bonsai_core.allocator.replay`` with ``policy`` "caching", or "expandable" for
     ``expandable_segments:True``), which is what a GPU must hold, rather than its live tensor bytes.
@@ -316,7 +316,8 @@ def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, p
     its stats add ``reserved_peak``, ``live_budget`` (the live budget its method met), ``allocator`` and
     ``reserved_solves``; ``wall_seconds`` is the whole call's. A ``time_limit`` option bounds the whole call:
     each solve gets half of what the earlier ones left. Raises BudgetError naming the smallest reserved peak
-    reached when no live budget works."""
+    reached when no live budget works. ``solved``: what :func:`solve` answered for ``method`` at ``budget`` with
+    these options already (its schedule, or the error it raised), taken as the first solve's answer."""
     from bonsai_core.allocator import bounded_replay
 
     clock = Deadline(options.get("time_limit"))
@@ -327,7 +328,10 @@ def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, p
             break
         try:
             # half of what is left: a first plan that reserves too much must leave time for the next
-            schedule = solve(graph, live_budget, method, **(options if left is None else {**options, "time_limit": left / 2}))
+            if solved is not None:
+                schedule, solved = _answered(solved), None
+            else:
+                schedule = solve(graph, live_budget, method, **(options if left is None else {**options, "time_limit": left / 2}))
         except BudgetError:
             break
         solves += 1
@@ -350,6 +354,13 @@ def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, p
     raise BudgetError(f"Method {method!r} found no schedule of {graph.name!r} whose {policy} allocator reserves at "
                       f"most {format_bytes(budget)}.{reached} Raise the budget, or try another method or "
                       "expandable segments (less rounding waste).")
+
+
+def _answered(solved: Schedule | BonsaiError) -> Schedule:
+    """A solve's answer given as its schedule or the error it raised."""
+    if isinstance(solved, BonsaiError):
+        raise solved
+    return solved
 
 
 def method_meeting(graph: Graph, budget: int, instead_of: str, time_limit: float = 15.0) -> Schedule | None:
