@@ -2,7 +2,9 @@
 
 A :class:`Graph` is immutable. Per-node data lives in numpy arrays (costs, sizes) and the edges in
 CSR form, so a graph of ten thousand operators is cheap to hold, hash and hand to a solver. Every
-property an algorithm needs is computed once, in the constructor.
+property an algorithm needs is computed once: in the constructor, or on first read for the costlier ones
+(the hash, the per-op lower bound); :meth:`Graph.with_fields` makes a graph with other fields and the same
+nodes without deriving them again.
 
 Example::
 
