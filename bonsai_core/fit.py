@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -84,8 +85,9 @@ def method_variant(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def attempt(graph: Graph, size: int, method: str, limit: int, max_overhead: float, reserved: str | None,
-            options: dict[str, Any]) -> Attempt:
-    """``method`` on ``graph`` under ``limit`` bytes (its reserved bytes with allocator ``reserved``)."""
+            options: dict[str, Any], solved: Schedule | BonsaiError | None = None) -> Attempt:
+    """``method`` on ``graph`` under ``limit`` bytes (its reserved bytes with allocator ``reserved``); ``solved``: with
+    ``reserved``, the method's live solve at ``limit`` made already (:func:`bonsai_core.solvers.solve_reserved`)."""
     from bonsai_core.solvers import FIXED_PLAN_METHODS, solve, solve_reserved
     from bonsai_core.units import format_bytes
 
@@ -99,7 +101,7 @@ def attempt(graph: Graph, size: int, method: str, limit: int, max_overhead: floa
     start = time.perf_counter()
     try:
         if reserved:
-            schedule = solve_reserved(graph, limit, method, policy=reserved, **options)
+            schedule = solve_reserved(graph, limit, method, policy=reserved, solved=solved, **options)
         else:
             schedule = solve(graph, limit, method, **options)
     except BudgetError:
@@ -501,6 +503,9 @@ def candidate_layouts(gpus: int, n_layers: int, n_heads: int, n_kv_heads: int, s
     return out
 
 
+DEEPENED_KEPT = 16  # stage steps of many blocks kept for the next layouts (a 70B stage's is some 10 MB)
+
+
 class RankGraphs:
     """The traced graphs of the ranks of a model's layouts, shared: a rank's step depends on its tensor,
     context and pipeline degrees (and stage) and its batch, not on how many ranks FSDP shards it over, so
@@ -516,6 +521,7 @@ class RankGraphs:
         # a pipeline rank's stages, whole and sharded, by its layout less the microbatches and its microbatch size:
         # a local batch that changes only the microbatch count changes only what with_pipeline adds
         self.sharded: dict[tuple, Any] = {}
+        self.deep: OrderedDict[tuple, Graph] = OrderedDict()  # (stage kind, blocks, output held) -> its step
         self.seconds = 0.0
 
     def ranks(self, layout: Any, batch: int, optimizer: str) -> list[tuple[int, Graph]]:
@@ -555,7 +561,7 @@ class RankGraphs:
     def _sharded(self, layout: Any, batch: int, name: str) -> Graph:
         """The rank's stages at local ``batch``, concatenated and sharded for its FSDP degree, named ``name``."""
         from bonsai_core.fsdp import Sharding, fsdp_units, shard_by_sizes
-        from bonsai_core.pipeline import concatenate, output_held, rank_stages, stage_modules
+        from bonsai_core.pipeline import concatenate, rank_stages, stage_modules
 
         precision = self.sharding.mixed_precision if layout.shard_world > 1 else None
         n_layers = self._n_layers()
@@ -582,11 +588,7 @@ class RankGraphs:
             # the stage's parameters: its modules other than blocks, ``count`` blocks, and the rest
             total += part_root + count * part_sizes.get("layers.*", 0) + sum(
                 b for p, b in part_sizes.items() if not p.startswith("layers."))
-            graph = three if count <= 3 else deepen(three, count, part_sizes.get("layers.*", 0))
-            if graph is None:
-                raise BonsaiError(f"{self.model}'s blocks are not alike: its layers cannot be traced as three repeated; "
-                                  "trace it whole (bonsai trace --tp/--pp ...).")
-            graphs.append(output_held(graph) if layout.pp > 1 else graph)
+            graphs.append(self._deepened(key, count, layout.pp > 1))
         if layout.pp > 1:  # a rank's stages of one kind share a trace: each takes its own blocks' paths
             graphs = [named_blocks(g, [n for n in names[i] if n.startswith("layers.")]) for g, i in zip(graphs, indices)]
         raw = concatenate(graphs, indices, name)
@@ -602,6 +604,25 @@ class RankGraphs:
                                    precision)
         return graph
 
+    def _deepened(self, key: tuple, count: int, held: bool) -> Graph:
+        """Stage kind ``key``'s step with ``count`` blocks (:func:`deepen`), its output held to its backward where
+        it is a pipeline stage (:func:`bonsai_core.pipeline.output_held`): the same for every layout that has such a
+        stage, whatever its FSDP and HSDP degrees or schedule, so made once (the few most recent kept)."""
+        from bonsai_core.pipeline import output_held
+
+        if (key, count, held) in self.deep:
+            self.deep.move_to_end((key, count, held))
+            return self.deep[key, count, held]
+        three, part_sizes, _ = self.stages[key]
+        graph = three if count <= 3 else deepen(three, count, part_sizes.get("layers.*", 0))
+        if graph is None:
+            raise BonsaiError(f"{self.model}'s blocks are not alike: its layers cannot be traced as three repeated; "
+                              "trace it whole (bonsai trace --tp/--pp ...).")
+        self.deep[key, count, held] = output_held(graph) if held else graph
+        while len(self.deep) > DEEPENED_KEPT:
+            self.deep.popitem(last=False)
+        return self.deep[key, count, held]
+
     def _n_layers(self) -> int:
         from bonsai_core.models import torchtitan as titan
 
@@ -613,9 +634,7 @@ def named_blocks(graph: Graph, blocks: list[str]) -> Graph:
     """``graph`` (a stage's step) with its block stack's module paths renamed, in forward order, to ``blocks``
     (the stage's own, as torchtitan's split names them: ``layers.12``), so that the FSDP units of a rank's
     stages, found by path, are each stage's own even where two stages share one trace."""
-    data = graph.to_dict()
-    traced = list(dict.fromkeys(path.split(".")[1] for path, _, _ in data.get("modules", [])
-                                if path.startswith("layers.")))
+    traced = list(dict.fromkeys(path.split(".")[1] for path, _, _ in graph.modules if path.startswith("layers.")))
     if len(traced) != len(blocks):
         raise BonsaiError(f"{graph.name!r} has {len(traced)} blocks where its stage has {len(blocks)}.")
     new = dict(zip(traced, (b.split(".")[1] for b in blocks)))
@@ -627,8 +646,7 @@ def named_blocks(graph: Graph, blocks: list[str]) -> Graph:
         index, dot, tail = rest.partition(".")
         return f"layers.{new[index]}{dot}{tail}"
 
-    data["modules"] = [[renamed(path), first, last] for path, first, last in data.get("modules", [])]
-    return Graph.rebuilt(data)
+    return graph.with_fields(modules=[[renamed(path), first, last] for path, first, last in graph.modules])
 
 
 def _trace_stage_kinds(model: str, layout: Any, batch: int, seq: int, options: dict[str, Any], precision: str | None,
@@ -767,11 +785,13 @@ def _fit_layout(graphs: RankGraphs, layout: Any, batch: int, seq: int, methods: 
     for m in methods:
         method, own = variants[m]
         options = {} if method == "none" else {**solver_options, **own}
-        if reserved and best is not None and _no_less_recompute(ranks[0][1], method, options, limit, best.overhead):
-            continue  # its replays could not make it the layout's choice
+        live = _live_solve(ranks[0][1], method, options, limit) if reserved and best is not None else None
+        if live is not None and not isinstance(live, BonsaiError) and live.stats["overhead"] >= best.overhead:
+            continue  # no less recompute: its replays could not make it the layout's choice
         tries = []
         for rank, g in ranks:  # the method fits the layout only if it fits every rank: stop at the first that fails
-            tries.append((rank, attempt(g, batch, method, limit, max_overhead, reserved, options)))
+            tries.append((rank, attempt(g, batch, method, limit, max_overhead, reserved, options,
+                                        solved=live if rank == ranks[0][0] else None)))
             if not tries[-1][1].fits:
                 break
         if not tries[-1][1].fits:
@@ -788,18 +808,19 @@ def _fit_layout(graphs: RankGraphs, layout: Any, batch: int, seq: int, methods: 
     return best or LayoutFit(layout, batch, False, tokens_per_gpu=tokens, reason="; ".join(reasons))
 
 
-def _no_less_recompute(graph: Graph, method: str, options: dict, limit: int, overhead: float) -> bool:
-    """Whether fixed-plan ``method`` recomputes at least ``overhead`` on ``graph``: its plan is the same at every
-    budget, so its recompute is known from one live solve, before the allocator replays of ``--reserved``; a
-    layout's recompute is the most over its ranks, so no less on one rank is no less for the layout."""
+def _live_solve(graph: Graph, method: str, options: dict, limit: int) -> Schedule | BonsaiError | None:
+    """Fixed-plan ``method``'s live solve on ``graph`` within ``limit`` (its schedule, or the error it raised; None
+    for a method that plans for a budget): its plan is the same at every budget, so its recompute is known before
+    the allocator replays of ``--reserved``, and a layout's recompute is the most over its ranks, so no less on one
+    rank is no less for the layout. The reserved solve starts from this answer instead of solving again."""
     from bonsai_core.solvers import FIXED_PLAN_METHODS, solve
 
     if method not in FIXED_PLAN_METHODS:
-        return False
+        return None
     try:
-        return solve(graph, limit, method, **options).stats["overhead"] >= overhead
-    except BonsaiError:  # over the limit on live bytes: attempt says so
-        return False
+        return solve(graph, limit, method, **options)
+    except BonsaiError as e:  # over the limit on live bytes: attempt says so
+        return e
 
 
 def layouts_markdown(result: LayoutsResult) -> str:

@@ -276,16 +276,14 @@ def with_fsdp(graph: Graph, world: int, blocks: Sequence[tuple[str, int, int, in
                 if kind in SHARDED_KINDS else nbytes, kind)
                for name, nbytes, kind in own]
     fixed = [*sharded, ("fsdp.root_unsharded", root, "fsdp")]
-    data: dict[str, Any] = graph.to_dict()
-    data["fixed_tensors"] = [list(t) for t in fixed]
-    data["fixed_mem"] = graph.fixed_mem - sum(t[1] for t in graph.fixed_tensors) + sum(t[1] for t in fixed)
     reshard = bool(reshard_after_forward) if isinstance(reshard_after_forward, bool) else [bool(f) for f in reshard_after_forward]
-    data["fsdp"] = {"world": world, "reshard_after_forward": reshard, "root_bytes": root,
-                    "model_last": graph.n - 1 if model_last is None else int(model_last),
-                    "units": [[path, int(first), int(last), int(nbytes)] for path, first, last, nbytes in blocks]}
+    fsdp = {"world": world, "reshard_after_forward": reshard, "root_bytes": root,
+            "model_last": graph.n - 1 if model_last is None else int(model_last),
+            "units": [[path, int(first), int(last), int(nbytes)] for path, first, last, nbytes in blocks]}
     if mixed_precision:
-        data["fsdp"].update(param_dtype=mixed_precision, reduce_dtype=REDUCE_DTYPE)
-    return Graph.rebuilt(data)
+        fsdp.update(param_dtype=mixed_precision, reduce_dtype=REDUCE_DTYPE)
+    return graph.with_fields(fixed_tensors=[list(t) for t in fixed], fsdp=fsdp,
+                             fixed_mem=graph.fixed_mem - sum(t[1] for t in graph.fixed_tensors) + sum(t[1] for t in fixed))
 
 
 class Buffer(NamedTuple):

@@ -2,7 +2,9 @@
 
 A :class:`Graph` is immutable. Per-node data lives in numpy arrays (costs, sizes) and the edges in
 CSR form, so a graph of ten thousand operators is cheap to hold, hash and hand to a solver. Every
-property an algorithm needs is computed once, in the constructor.
+property an algorithm needs is computed once: in the constructor, or on first read for the costlier ones
+(the hash, the per-op lower bound); :meth:`Graph.with_fields` makes a graph with other fields and the same
+nodes without deriving them again.
 
 Example::
 
@@ -15,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -118,26 +121,11 @@ class Graph:
             raise GraphError("The graph has no nodes: trace a model or load a graph with at least one operator.")
         if n > MAX_NODES:
             raise GraphError(f"The graph has {n} nodes; this tool handles at most {MAX_NODES}. Trace a smaller model.")
-        self.name = str(name)
-        self.fixed_mem = int(fixed_mem)
         self.names = tuple(names)
         self.ops = tuple(ops)
         self.phases = tuple(phases)
         self.shapes = tuple(shapes) if shapes is not None else ("",) * n
-        # optional: the tensors fixed_mem is made of, (name, bytes, kind) in allocation order
-        self.fixed_tensors = tuple((str(t[0]), int(t[1]), str(t[2])) for t in fixed_tensors)
-        # optional: the user's module calls, (path, first, last) forward node ids, inclusive
-        self.modules = tuple((str(t[0]), int(t[1]), int(t[2])) for t in modules)
-        # optional: the optimizer whose step follows the backward pass (bonsai_core.optimizer): its name and
-        # the bytes its step allocates on top of fixed_mem (its state is in fixed_mem, kind "optimizer")
-        self.optimizer = None if optimizer is None else {"name": str(optimizer["name"]),
-                                                         "step_bytes": int(optimizer["step_bytes"])}
-        # optional: the FSDP rank this graph is (bonsai_core.fsdp): sharded state and the root's parameters
-        # are in fixed_mem; the blocks' unsharded bytes are the simulator's (fsdp.working_profile)
-        self.fsdp = None if fsdp is None else dict(fsdp)
-        # optional: the gradients' bytes when they are set to None between steps (out of fixed_mem)
-        self.grads_set_to_none = int(grads_set_to_none)
-        self.parallel = None if parallel is None else dict(parallel)  # optional: the rank's layout (and pipeline)
+        self._set_header(name, fixed_mem, fixed_tensors, modules, optimizer, fsdp, parallel, grads_set_to_none)
         try:
             self.cost = np.asarray(list(cost), dtype=np.float64)
             self.mem = np.asarray(list(mem), dtype=np.int64)
@@ -161,8 +149,30 @@ class Graph:
         self._validate_held(dep_lists)
         self._derive()
 
+    def _set_header(self, name: str, fixed_mem: int, fixed_tensors: Sequence[Sequence[Any]],
+                    modules: Sequence[Sequence[Any]], optimizer: dict[str, Any] | None, fsdp: dict[str, Any] | None,
+                    parallel: dict[str, Any] | None, grads_set_to_none: int) -> None:
+        """The document's fields other than its nodes."""
+        self.name = str(name)
+        self.fixed_mem = int(fixed_mem)
+        # optional: the tensors fixed_mem is made of, (name, bytes, kind) in allocation order
+        self.fixed_tensors = tuple((str(t[0]), int(t[1]), str(t[2])) for t in fixed_tensors)
+        # optional: the user's module calls, (path, first, last) forward node ids, inclusive
+        self.modules = tuple((str(t[0]), int(t[1]), int(t[2])) for t in modules)
+        # optional: the optimizer whose step follows the backward pass (bonsai_core.optimizer): its name and
+        # the bytes its step allocates on top of fixed_mem (its state is in fixed_mem, kind "optimizer")
+        self.optimizer = None if optimizer is None else {"name": str(optimizer["name"]),
+                                                         "step_bytes": int(optimizer["step_bytes"])}
+        # optional: the FSDP rank this graph is (bonsai_core.fsdp): sharded state and the root's parameters
+        # are in fixed_mem; the blocks' unsharded bytes are the simulator's (fsdp.working_profile)
+        self.fsdp = None if fsdp is None else dict(fsdp)
+        # optional: the gradients' bytes when they are set to None between steps (out of fixed_mem)
+        self.grads_set_to_none = int(grads_set_to_none)
+        self.parallel = None if parallel is None else dict(parallel)  # optional: the rank's layout (and pipeline)
+
     def _derive(self) -> None:
-        """What follows from the fields: consumers, outputs, phases, views, totals, the hash; all read-only."""
+        """What follows from the fields: consumers, outputs, phases, views, totals; all read-only (the hash and the
+        per-op lower bound are computed on first read: a graph built on the way to another never needs them)."""
         n = len(self.names)
         self.user_ptr, self.user_idx = _transposed(self.dep_ptr, self.dep_idx)  # consumers, as CSR
         self.is_output = np.diff(self.user_ptr) == 0
@@ -174,8 +184,6 @@ class Graph:
                                    for v in range(n)], dtype=np.int64)
         self.total_cost = math.fsum(self.cost.tolist())
         self.activation_bytes = int(self.mem[self.is_forward].sum())
-        self.peak_lower_bound = self._peak_lower_bound()
-        self.hash = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
         for arr in (self.cost, self.mem, self.alias_of, self.inplace_of, self.dep_ptr, self.dep_idx, self.user_ptr,
                     self.user_idx, self.is_output, self.is_forward, self.is_view, self.output_of):
             arr.setflags(write=False)
@@ -211,23 +219,8 @@ class Graph:
         )
 
     def _validate(self) -> None:
+        self._validate_header()
         n = self.n
-        if self.fixed_mem < 0:
-            raise GraphError(f"fixed_mem is {self.fixed_mem}; it must be a byte count >= 0.")
-        if self.optimizer is not None and self.optimizer["step_bytes"] < 0:
-            raise GraphError(f"'optimizer' step_bytes is {self.optimizer['step_bytes']}; it must be >= 0.")
-        if self.fixed_tensors:
-            bad = [t for t in self.fixed_tensors if t[1] < 0 or t[2] not in FIXED_KINDS]
-            if bad:
-                raise GraphError(f"'fixed_tensors' entry {list(bad[0])} is not [name, bytes >= 0, kind] with kind "
-                                 f"one of {', '.join(FIXED_KINDS)}.")
-            if sum(t[1] for t in self.fixed_tensors) != self.fixed_mem:
-                raise GraphError(f"'fixed_tensors' add up to {sum(t[1] for t in self.fixed_tensors)} bytes, not "
-                                 f"fixed_mem ({self.fixed_mem}); fix one of them or drop 'fixed_tensors'.")
-        for path, first, last in self.modules:
-            if not (0 <= first <= last < n and self.phases[first] == self.phases[last] == "forward"):
-                raise GraphError(f"'modules' entry [{path!r}, {first}, {last}] is not [path, first, last] with "
-                                 "first <= last forward node ids; fix it or drop 'modules' (it is optional).")
         for v in range(n):
             where = f"Node {v} ({self.names[v]!r})"
             if self.phases[v] not in PHASES:
@@ -255,6 +248,26 @@ class Graph:
             elif c <= 0:
                 raise GraphError(f"{where} has cost 0 but is not a view; every computed node costs time > 0.")
 
+    def _validate_header(self) -> None:
+        """The fields other than the nodes, against the nodes."""
+        n = self.n
+        if self.fixed_mem < 0:
+            raise GraphError(f"fixed_mem is {self.fixed_mem}; it must be a byte count >= 0.")
+        if self.optimizer is not None and self.optimizer["step_bytes"] < 0:
+            raise GraphError(f"'optimizer' step_bytes is {self.optimizer['step_bytes']}; it must be >= 0.")
+        if self.fixed_tensors:
+            bad = [t for t in self.fixed_tensors if t[1] < 0 or t[2] not in FIXED_KINDS]
+            if bad:
+                raise GraphError(f"'fixed_tensors' entry {list(bad[0])} is not [name, bytes >= 0, kind] with kind "
+                                 f"one of {', '.join(FIXED_KINDS)}.")
+            if sum(t[1] for t in self.fixed_tensors) != self.fixed_mem:
+                raise GraphError(f"'fixed_tensors' add up to {sum(t[1] for t in self.fixed_tensors)} bytes, not "
+                                 f"fixed_mem ({self.fixed_mem}); fix one of them or drop 'fixed_tensors'.")
+        for path, first, last in self.modules:
+            if not (0 <= first <= last < n and self.phases[first] == self.phases[last] == "forward"):
+                raise GraphError(f"'modules' entry [{path!r}, {first}, {last}] is not [path, first, last] with "
+                                 "first <= last forward node ids; fix it or drop 'modules' (it is optional).")
+
     def _validate_held(self, dep_lists: list[list[int]]) -> None:
         for v, hs in enumerate(self.held):
             if hs and not set(hs) <= set(dep_lists[v]):
@@ -277,16 +290,39 @@ class Graph:
                 raise GraphError(f"{where}, but node {last} reads {u} after it: eager could not have "
                                  "overwritten it. Drop 'inplace_of' (it is optional).")
 
-    def _peak_lower_bound(self) -> int:
+    @cached_property
+    def hash(self) -> str:
+        """The first 16 hex digits of the sha256 of the graph's document (:meth:`to_dict`, keys sorted)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    @cached_property
+    def peak_lower_bound(self) -> int:
         """The memory of the largest single compute step: fixed_mem + a node's output + its inputs
         (and the bases of views among them). No schedule can peak below this (Checkmate's
         ``max_degree_ram``)."""
-        best = 0
-        for v in range(self.n):
-            live = self.with_view_bases({v, *self.deps(v).tolist()})
-            written = int(self.mem[self.inplace_of[v]]) if self.inplace_of[v] >= 0 else 0  # rule 8: v takes its bytes
-            best = max(best, int(self.mem[list(live)].sum()) - written)
-        return max(self.fixed_mem + best, self.optimizer_peak)
+        return max(self.fixed_mem + self._largest_step(), self.optimizer_peak)
+
+    def _largest_step(self) -> int:
+        """The most bytes one op holds: over nodes v, the bytes of the storages of v and its deps (each once; a
+        view's bytes are its base's, views hold none) less what v writes in place (rule 8: it takes those bytes)."""
+        n = self.n
+        if n == 0:
+            return 0
+        storage = np.arange(n, dtype=np.int64)
+        views = self.alias_of >= 0
+        while True:  # follow every chain of views to the node whose bytes it shares
+            up = np.where(views[storage], self.alias_of[storage], storage)
+            if np.array_equal(up, storage):
+                break
+            storage = up
+        readers = np.concatenate([np.arange(n, dtype=np.int64), np.repeat(np.arange(n, dtype=np.int64),
+                                                                            np.diff(self.dep_ptr))])
+        read = np.concatenate([storage, storage[self.dep_idx]])
+        pairs = np.unique(readers * n + read)  # each (node, storage) once
+        held = np.zeros(n, dtype=np.int64)
+        np.add.at(held, pairs // n, self.mem[pairs % n])
+        written = np.where(self.inplace_of >= 0, self.mem[np.maximum(self.inplace_of, 0)], 0)
+        return max(0, int((held - written).max()))
 
     def with_view_bases(self, nodes: set[int]) -> set[int]:
         """``nodes`` and the bases of every view among them, transitively: what must be resident
@@ -411,6 +447,12 @@ class Graph:
                 nd["held"] = list(self.held[v])
             nodes.append(nd)
         out = {"format": FORMAT, "version": VERSION, "name": self.name, "fixed_mem": self.fixed_mem, "nodes": nodes}
+        out.update(self._optional_fields())
+        return out
+
+    def _optional_fields(self) -> dict[str, Any]:
+        """The document's optional fields other than the nodes', those this graph has."""
+        out: dict[str, Any] = {}
         if self.fixed_tensors:
             out["fixed_tensors"] = [list(t) for t in self.fixed_tensors]
         if self.modules:
@@ -424,6 +466,28 @@ class Graph:
         if self.parallel is not None:
             out["parallel"] = dict(self.parallel)
         return out
+
+    def with_fields(self, **fields: Any) -> "Graph":
+        """This graph with fields of its document other than ``nodes`` replaced (``name``, ``fixed_mem``,
+        ``fixed_tensors``, ``modules``, ``optimizer``, ``fsdp``, ``grads``, ``parallel``; None drops an optional
+        one): the graph :meth:`rebuilt` makes of its edited :meth:`to_dict`, without converting and checking the
+        nodes again (the new graph shares this one's node arrays, read-only). The fields are checked as there."""
+        unknown = set(fields) - set(HEADER_FIELDS)
+        if unknown:
+            raise ValueError(f"with_fields replaces {', '.join(HEADER_FIELDS)}, not {', '.join(sorted(unknown))}")
+        data: dict[str, Any] = {"name": self.name, "fixed_mem": self.fixed_mem, **self._optional_fields()}
+        for key, value in fields.items():
+            if value is None:
+                data.pop(key, None)
+            else:
+                data[key] = value
+        new = copy.copy(self)
+        for derived in ("hash", "peak_lower_bound"):  # cached properties that read the fields
+            new.__dict__.pop(derived, None)
+        new._without_held = None
+        new._set_header(**_header_of(data, self.n))
+        new._validate_header()
+        return new
 
     @classmethod
     def from_dict(cls, data: Any) -> "Graph":
@@ -457,20 +521,30 @@ class Graph:
                            "alias_of": None if alias is None else int(alias),
                            "inplace_of": None if inplace is None else int(inplace), "shape": str(nd.get("shape", "")),
                            "held": [int(d) for d in nd.get("held", [])]})
-        fixed_tensors = [(t[0], int(t[1]), t[2]) for t in data.get("fixed_tensors", [])]
-        modules = [(t[0], int(t[1]), int(t[2])) for t in data.get("modules", [])]
-        optimizer = data.get("optimizer")
-        if optimizer is not None:
-            optimizer = {"name": optimizer["name"], "step_bytes": int(optimizer["step_bytes"])}
-        fsdp = data.get("fsdp")
-        if fsdp is not None:
-            fsdp = _fsdp_field(fsdp, len(parsed))
-        grads = data.get("grads")
-        parallel = data.get("parallel")
-        if parallel is not None:
-            parallel = _parallel_field(parallel, len(parsed))
-        return cls.from_nodes(data.get("name", "graph"), int(data["fixed_mem"]), parsed, fixed_tensors, modules,
-                              optimizer, fsdp, parallel, int(grads["bytes"]) if grads and grads["set_to_none"] else 0)
+        return cls.from_nodes(nodes=parsed, **_header_of(data, len(parsed)))
+
+
+HEADER_FIELDS = ("name", "fixed_mem", "fixed_tensors", "modules", "optimizer", "fsdp", "grads", "parallel")
+
+
+def _header_of(data: dict[str, Any], n: int) -> dict[str, Any]:
+    """The fields of a document other than its nodes (of their types), as the constructor takes them, for a graph
+    of ``n`` nodes."""
+    optimizer = data.get("optimizer")
+    if optimizer is not None:
+        optimizer = {"name": optimizer["name"], "step_bytes": int(optimizer["step_bytes"])}
+    fsdp = data.get("fsdp")
+    if fsdp is not None:
+        fsdp = _fsdp_field(fsdp, n)
+    grads = data.get("grads")
+    parallel = data.get("parallel")
+    if parallel is not None:
+        parallel = _parallel_field(parallel, n)
+    return {"name": data.get("name", "graph"), "fixed_mem": int(data["fixed_mem"]),
+            "fixed_tensors": [(t[0], int(t[1]), t[2]) for t in data.get("fixed_tensors", [])],
+            "modules": [(t[0], int(t[1]), int(t[2])) for t in data.get("modules", [])], "optimizer": optimizer,
+            "fsdp": fsdp, "parallel": parallel,
+            "grads_set_to_none": int(grads["bytes"]) if grads and grads["set_to_none"] else 0}
 
 
 def _csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -63,11 +63,9 @@ def with_optimizer(graph: Graph, name: str) -> Graph:
         raise BonsaiError(f"{graph.name!r} does not list its gradient buffers ('fixed_tensors' of kind 'grad'), "
                           "so its optimizer state is unknown: trace the model with `bonsai trace --optimizer`.")
     state = [(f"{param}.{s}", nbytes, "optimizer") for param, nbytes in grads for s in STATES[name]]
-    data = graph.to_dict()
-    data["fixed_tensors"] = [*data["fixed_tensors"], *map(list, state)]
-    data["fixed_mem"] = graph.fixed_mem + sum(t[1] for t in state)
-    data["optimizer"] = {"name": name, "step_bytes": STEP_TEMPORARIES[name] * sum(b for _, b in grads)}
-    return Graph.rebuilt(data)
+    return graph.with_fields(fixed_tensors=[*map(list, graph.fixed_tensors), *map(list, state)],
+                             fixed_mem=graph.fixed_mem + sum(t[1] for t in state),
+                             optimizer={"name": name, "step_bytes": STEP_TEMPORARIES[name] * sum(b for _, b in grads)})
 
 
 GRADS = ("zeroed", "none")  # between steps: zero_grad(set_to_none=False) / optimizer.zero_grad()'s default

@@ -354,8 +354,4 @@ def cp_positions(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, d
 
 def with_layout(graph: Any, layout: Layout, **fields: Any) -> Any:
     """``graph`` with its ``parallel`` field: the layout, and any other ``fields`` (``pipeline``)."""
-    from bonsai_core.graph import Graph
-
-    data = graph.to_dict()
-    data["parallel"] = {"layout": layout.to_dict(), **fields}
-    return Graph.rebuilt(data)
+    return graph.with_fields(parallel={"layout": layout.to_dict(), **fields})

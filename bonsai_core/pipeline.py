@@ -240,9 +240,7 @@ def concatenate(graphs: Sequence[Any], stages: Sequence[int], name: str) -> Any:
     from bonsai_core.graph import Graph
 
     if len(graphs) == 1:
-        data = graphs[0].to_dict()
-        data["name"] = name
-        return Graph.rebuilt(data)
+        return graphs[0].with_fields(name=name)
     nodes, fixed, modules, offset = [], [], [], 0
     for stage, graph in zip(stages, graphs):
         data = graph.to_dict()
@@ -271,14 +269,12 @@ def with_pipeline(graph: Any, layout: Any, stages: Sequence[int], receives: Sequ
     pipeline: the stages' node spans, the rank's actions; fixed memory gains the receive buffers of the other
     microbatches (one of each microbatch's is the graph's input, or its output's gradient) and, under FSDP,
     every unit's parameters unsharded through the step; ``name`` renames it."""
-    from bonsai_core.graph import Graph
-
-    data = graph.to_dict()
     spans = _spans(graph, len(stages))
     m = layout.microbatches
     extra: list[list[Any]] = []
+    fsdp = graph.fsdp
     for k, (stage, (first, last)) in enumerate(zip(stages, spans)):
-        inputs = [t for t in data["fixed_tensors"] if t[2] == "input" and (len(stages) == 1 or t[0].startswith(f"s{stage}."))]
+        inputs = [t for t in graph.fixed_tensors if t[2] == "input" and (len(stages) == 1 or t[0].startswith(f"s{stage}."))]
         if receives[k]:  # the received activation: the stage's floating input
             received = max((t[1] for t in inputs), default=0)
             extra.append([f"s{stage}.received activations (other microbatches)", received * (m - 1), "pipeline"])
@@ -288,16 +284,14 @@ def with_pipeline(graph: Any, layout: Any, stages: Sequence[int], receives: Sequ
     if graph.fsdp is not None:
         units = sum(u[3] for u in graph.fsdp["units"])
         extra.append(["fsdp.units_unsharded (pipeline: not resharded in the step)", units, "fsdp"])
-        data["fsdp"]["reshard_after_forward"] = False
-    data["fixed_tensors"] = data.get("fixed_tensors", []) + extra
-    data["fixed_mem"] = graph.fixed_mem + sum(t[1] for t in extra)
+        fsdp = {**graph.fsdp, "reshard_after_forward": False}
     pipeline = {"schedule": layout.pp_schedule, "degree": layout.pp, "rank": layout.rank, "microbatches": m,
                 "microbatch_size": micro, "stages": [[s, first, last] for s, (first, last) in zip(stages, spans)],
                 "actions": [list(a) for a in actions(layout)]}
-    data["parallel"] = {"layout": layout.to_dict(), "pipeline": pipeline}  # parallel.with_layout's field
-    if name is not None:
-        data["name"] = name
-    return Graph.rebuilt(data)
+    return graph.with_fields(fixed_tensors=[*map(list, graph.fixed_tensors), *extra],
+                             fixed_mem=graph.fixed_mem + sum(t[1] for t in extra), fsdp=fsdp,
+                             parallel={"layout": layout.to_dict(), "pipeline": pipeline},  # parallel.with_layout's
+                             name=graph.name if name is None else name)
 
 
 def _spans(graph: Any, count: int) -> list[tuple[int, int]]:

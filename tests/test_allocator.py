@@ -514,3 +514,24 @@ def test_a_pipeline_rank_replays_every_microbatch_in_its_schedule_s_order():
     assert replay(graph, ops, full=False).reserved_peak == 36 * MiB
     assert replay(rank, ops, full=False, policy="expandable").reserved_peak == 60 * MiB
     assert replay(graph, ops, full=False, policy="expandable").reserved_peak == 40 * MiB
+
+
+def test_solve_reserved_takes_the_live_solve_made_already_as_its_first_answer():
+    """bonsai fit solves a fixed plan live first (to skip a method that cannot recompute less); the reserved solve
+    starts from that answer: the same plan and reserved peak as solving again, and the same refusal."""
+    from bonsai_core.schedule import no_remat_peak
+    from bonsai_core.solvers import solve, solve_reserved
+
+    g = load_graph("assets/gpt-default.json")
+    budget = int(no_remat_peak(g) * 1.2)
+    given_plan = solve_reserved(g, budget, "none", policy="expandable",
+                                solved=solve(g, budget, "none"))
+    again = solve_reserved(g, budget, "none", policy="expandable")
+    assert given_plan.ops == again.ops and given_plan.stats["reserved_peak"] == again.stats["reserved_peak"]
+    other = solve(g, int(no_remat_peak(g) * 0.8), "chen")  # the answer given is the one judged, not solved again
+    assert solve_reserved(g, budget, "none", policy="expandable", solved=other).ops == other.ops != again.ops
+    low = no_remat_peak(g) - 1
+    with pytest.raises(BudgetError) as refused:
+        solve(g, low, "none")
+    with pytest.raises(BudgetError, match="found no schedule"):
+        solve_reserved(g, low, "none", policy="expandable", solved=refused.value)

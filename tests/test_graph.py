@@ -1,11 +1,13 @@
 import json
 
 import pytest
+from hypothesis import given, settings
 
 from bonsai_core.errors import GraphError
 from bonsai_core.graph import Graph, load_graph, save_graph
 
 from tests.graphs import chain
+from tests.strategies import graphs
 
 
 def test_derived_properties_of_a_chain():
@@ -149,3 +151,63 @@ def test_the_formats_schemas_are_the_ones_docs_design_shows_and_name_what_the_co
         assert f"<summary>bonsai_core/schemas/{fmt}.schema.json</summary>\n\n```json\n{text}```" in design
     assert tuple(schema("schedule")["properties"]["ops"]["items"]["prefixItems"][0]["enum"]) == KINDS
     assert schema("graph")["properties"]["fsdp"]["properties"]["param_dtype"]["enum"] == list(DTYPE_BYTES)
+
+
+def _largest_step_by_sets(g: Graph) -> int:
+    """The per-op lower bound by its definition: each node's output and inputs with their views' bases, as a set."""
+    best = 0
+    for v in range(g.n):
+        live = g.with_view_bases({v, *g.deps(v).tolist()})
+        written = int(g.mem[g.inplace_of[v]]) if g.inplace_of[v] >= 0 else 0
+        best = max(best, int(g.mem[list(live)].sum()) - written)
+    return max(g.fixed_mem + best, g.optimizer_peak)
+
+
+@settings(max_examples=150, deadline=None)
+@given(graphs(max_nodes=20))
+def test_peak_lower_bound_is_the_largest_step_by_its_definition(g):
+    assert g.peak_lower_bound == _largest_step_by_sets(g)
+
+
+def test_peak_lower_bound_counts_a_shared_base_once_and_an_inplace_write_once():
+    nodes = [dict(name="a", op="x", phase="forward", cost=1.0, mem=8, deps=[]),
+             dict(name="va", op="aten.view.default", phase="forward", cost=0.0, mem=0, deps=[0], alias_of=0),
+             dict(name="vva", op="aten.view.default", phase="forward", cost=0.0, mem=0, deps=[1], alias_of=1),
+             dict(name="b", op="x", phase="forward", cost=1.0, mem=8, deps=[0, 2], inplace_of=0),
+             dict(name="c", op="x", phase="forward", cost=1.0, mem=3, deps=[3])]
+    g = Graph.from_nodes("views", 5, nodes)
+    # b reads a and a view of a view of a (a's 8 bytes once) and writes a in place: 8 + 8 - 8; c: 8 + 3
+    assert g.peak_lower_bound == 5 + 11 == _largest_step_by_sets(g)
+
+
+def _same_graph(a: Graph, b: Graph) -> None:
+    assert a.to_dict() == b.to_dict() and a.hash == b.hash and a.peak_lower_bound == b.peak_lower_bound
+    for field in ("cost", "mem", "alias_of", "inplace_of", "dep_ptr", "dep_idx", "user_ptr", "user_idx", "is_output",
+                  "is_forward", "is_view", "output_of"):
+        assert (getattr(a, field) == getattr(b, field)).all(), field
+    assert (a.fixed_tensors, a.modules, a.optimizer, a.fsdp, a.parallel, a.grads_set_to_none, a.total_cost,
+            a.activation_bytes) == (b.fixed_tensors, b.modules, b.optimizer, b.fsdp, b.parallel, b.grads_set_to_none,
+                                    b.total_cost, b.activation_bytes)
+
+
+def test_with_fields_is_the_graph_rebuilt_from_the_edited_document():
+    g = chain(4, fixed_mem=7)
+    _ = g.hash, g.peak_lower_bound  # cached on g: the new graph computes its own
+    edits = {"name": "renamed", "fixed_mem": 1007, "fixed_tensors": [["w", 1000, "param"], ["x", 7, "input"]],
+             "modules": [["layers.0", 0, 1]], "optimizer": {"name": "adamw", "step_bytes": 500},
+             "grads": {"set_to_none": True, "bytes": 3}, "parallel": {"layout": {"fsdp": 1, "tp": 2}}}
+    new = g.with_fields(**edits)
+    _same_graph(new, Graph.rebuilt({**g.to_dict(), **edits}))
+    assert new.peak_lower_bound == 1007 + 500 + 3 and g.peak_lower_bound == 7 + 30
+    _same_graph(new.with_fields(optimizer=None, grads=None), Graph.rebuilt({**g.to_dict(), **{
+        k: v for k, v in edits.items() if k not in ("optimizer", "grads")}}))
+
+
+def test_with_fields_checks_the_fields_as_the_document_does():
+    g = chain(3, fixed_mem=7)
+    with pytest.raises(GraphError, match="add up to"):
+        g.with_fields(fixed_tensors=[["w", 3, "param"]])
+    with pytest.raises(GraphError, match="'modules' entry"):
+        g.with_fields(modules=[["m", 0, 5]])
+    with pytest.raises(ValueError, match="not nodes"):
+        g.with_fields(nodes=[])

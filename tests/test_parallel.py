@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from bonsai_core.errors import BonsaiError, ModelError  # noqa: E402
+from bonsai_core.errors import BonsaiError, BudgetError, ModelError  # noqa: E402
 from bonsai_core.graph import Graph  # noqa: E402
 from bonsai_core.parallel import ASYNC_TP_REFUSED, layout_of, with_batch  # noqa: E402
 from bonsai_core.schedule import no_remat_peak  # noqa: E402
@@ -480,7 +480,7 @@ def test_a_replay_at_more_microbatches_starts_where_the_shorter_one_parts_and_gi
                     (extra, r, m)
     assert len(restored) == 3 * 2 * 2  # every run after the first of each rank
     # the comparison can fail: a prefix of the plain step taken up by the checkpointed one
-    monkeypatch.setattr(pipelined, "_structure_key", lambda graph, ops, residency, policy, inplace: "one")
+    monkeypatch.setattr(pipelined, "_structure_key", lambda graph, ops, residency, policy, inplace, largest=True: "one")
     monkeypatch.setattr(pipelined, "_PREFIXES", pipelined._Prefixes())
     small = trace_model(TITAN, parallel=layout_of(pp=2), batch=4, seq=64, layers=4).graph
     _bounded(small, none_schedule(small))
@@ -492,3 +492,29 @@ def test_a_replay_at_more_microbatches_starts_where_the_shorter_one_parts_and_gi
         wrong = None
     monkeypatch.setattr(pipelined, "_PREFIXES", pipelined._Prefixes())
     assert wrong != _bounded(graph, plan)[1]
+
+
+def test_a_pipeline_replay_stops_where_its_reserved_bytes_pass_a_limit_and_a_fixed_plan_is_judged_the_same(pipe_ranks):
+    """A replay without a capacity never gives bytes back, so one that passes a limit peaks past it: the replay may
+    stop there (stop_above), and solve_reserved stops a fixed plan's replay so, refusing what the whole replay
+    refuses and keeping what it keeps, with the same reserved peak. Leaving the largest free block out changes no
+    other number."""
+    from bonsai_core.allocator import bounded_replay
+    from bonsai_core.allocator.pipelined import ReservedPast
+    from bonsai_core.solvers import solve_reserved
+
+    for graph in pipe_ranks:
+        ops = none_schedule(graph).ops
+        whole = bounded_replay(graph, ops, "expandable")
+        lean = bounded_replay(graph, ops, "expandable", largest_free=False)
+        assert (list(lean.reserved), list(lean.live), lean.reserved_peak, lean.peak) == \
+            (list(whole.reserved), list(whole.live), whole.reserved_peak, whole.peak) and not lean.largest_free.any()
+        assert bounded_replay(graph, ops, "expandable", stop_above=whole.reserved_peak).reserved_peak == whole.reserved_peak
+        start = graph.fixed_mem  # passed by the first action's blocks
+        with pytest.raises(ReservedPast) as past:
+            bounded_replay(graph, ops, "expandable", stop_above=start)
+        assert start < past.value.reserved <= whole.reserved_peak
+        kept = solve_reserved(graph, whole.reserved_peak, "none", policy="expandable")
+        assert kept.stats["reserved_peak"] == whole.reserved_peak
+        with pytest.raises(BudgetError, match="reserves at most"):
+            solve_reserved(graph, whole.reserved_peak - 1, "none", policy="expandable")

@@ -53,11 +53,19 @@ import numpy as np
 from bonsai_core.allocator.blocks import DEFAULT_STREAM
 from bonsai_core.allocator.policies import Allocator
 from bonsai_core.allocator.step import blocks_taken_and_given, optimizer_step, out_of_pool
-from bonsai_core.errors import ScheduleError
+from bonsai_core.errors import BudgetError, ScheduleError
 
 MICROBATCH_OWNERS = 2**36  # microbatch j's copy of node v is owner v + j * MICROBATCH_OWNERS (j = 0: v)
 GRADIENT_OWNERS = 2**49  # FSDP's accumulated gradients (+ unit), reduce-scatter buffers (+ 2**20 + unit, ...)
 SCATTER_STREAM = "reduce_scatter"  # bonsai_core.fsdp.REDUCE_SCATTER_STREAM
+
+
+class ReservedPast(BudgetError):
+    """A replay stopped where its reserved bytes passed a limit (:func:`run_pipeline_step`'s ``stop_above``)."""
+
+    def __init__(self, reserved: int, limit: int) -> None:
+        super().__init__(f"The replay's reserved bytes reached {reserved} bytes, past {limit}; it stopped there.")
+        self.reserved = reserved
 
 
 def rank_length(graph: Any, ops: list[tuple[str, int]]) -> int:
@@ -66,10 +74,17 @@ def rank_length(graph: Any, ops: list[tuple[str, int]]) -> int:
     return len(ops) * int(graph.parallel["pipeline"]["microbatches"])
 
 
-def per_op(values: np.ndarray, graph: Any, ops: list[tuple[str, int]]) -> np.ndarray:
+def per_op(values: np.ndarray, graph: Any, ops: list[tuple[str, int]],
+           acts: list[tuple[int, list[int]]] | None = None) -> np.ndarray:
     """``values`` over the rank's whole step (:func:`rank_length` entries, action after action) as one entry per op
-    of the one microbatch's schedule: the most over the actions that replay the op, as rule 11's timeline is."""
-    order = np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids in action_ops(graph, ops)] or
+    of the one microbatch's schedule: the most over the actions that replay the op, as rule 11's timeline is.
+    ``acts``: :func:`action_ops` of the graph and ops, when the caller has them."""
+    acts = action_ops(graph, ops) if acts is None else acts
+    arrays: dict[int, np.ndarray] = {}  # the actions of a stage and phase share one list of positions
+    for _, ids in acts:
+        if id(ids) not in arrays:
+            arrays[id(ids)] = np.asarray(ids, dtype=np.int64)
+    order = np.concatenate([arrays[id(ids)] for _, ids in acts] or
                            [np.zeros(0, dtype=np.int64)])
     out = np.full(len(ops), np.iinfo(np.int64).min, dtype=np.int64)
     np.maximum.at(out, order, np.asarray(values, dtype=np.int64))
@@ -379,9 +394,11 @@ class _Prefixes:
 _PREFIXES = _Prefixes()
 
 
-def _structure_key(graph: Any, ops: list[tuple[str, int]], residency: Any, policy: str, inplace: bool) -> str:
+def _structure_key(graph: Any, ops: list[tuple[str, int]], residency: Any, policy: str, inplace: bool,
+                   largest: bool = True) -> str:
     """What a pipeline replay depends on besides its microbatches: the graph less its fixed tensors, name, op costs
-    (timed again by each trace) and microbatch count, the plan, its live set, the allocator policy."""
+    (timed again by each trace) and microbatch count, the plan, its live set, the allocator policy, and whether
+    its trace holds the largest free block."""
     data = graph.to_dict()
     for field in ("name", "fixed_tensors", "fixed_mem"):
         data.pop(field, None)
@@ -395,7 +412,7 @@ def _structure_key(graph: Any, ops: list[tuple[str, int]], residency: Any, polic
     digest.update(json.dumps([list(op) for op in ops]).encode())
     for a in (residency.node, residency.start, residency.end, residency.taken):
         digest.update(np.ascontiguousarray(a).tobytes())
-    digest.update(f"{policy} {inplace}".encode())
+    digest.update(f"{policy} {inplace}{'' if largest else ' no largest'}".encode())
     return digest.hexdigest()
 
 
@@ -418,14 +435,20 @@ def _snapshot_point(graph: Any, last_backward: dict[int, int]) -> int:
 def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], residency: Any,
                       capacity: int | None, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0,
                       side_of: Callable[[int], str] | None = None, inplace: bool = True,
-                      live: np.ndarray | None = None, shortcut: bool = True, reuse: bool = False) -> int:
+                      live: np.ndarray | None = None, shortcut: bool = True, reuse: bool = False,
+                      largest: bool = True, acts: list[tuple[int, list[int]]] | None = None,
+                      stop_above: int | None = None) -> int:
     """A pipeline rank's whole step applied to ``alloc`` (module doc): :func:`run_step`'s contract, over
     :func:`rank_length` ops (each action's ops in turn; ``trace`` and ``live``, the exact bytes held, after each),
     then the optimizer step; at the end the step's blocks are freed. With ``shortcut``, the windows of the steady
     phase that repeat an earlier window's state are not replayed (module doc). With ``reuse`` (a fresh pool without a
     capacity, both traces), a run of the same stages and plan with fewer microbatches whose actions begin as these
     do is not replayed again: its state where the two runs part (:class:`_Prefix`) is the start. Returns the
-    actions skipped.
+    actions skipped. ``largest=False`` leaves the largest free block out of ``trace`` (zeros; a solve reads the
+    reserved bytes only, and the largest free block is a walk over the pools after every op); ``acts``:
+    :func:`action_ops` of the graph and ops, when the caller has them. ``stop_above``: without a capacity, raise
+    :class:`ReservedPast` after the first action whose reserved bytes (plus ``outside``) pass it (they never shrink
+    without a capacity, so the step's peak is past it too), instead of replaying the rest.
 
     Long: one loop over the rank's actions whose state (the allocator, FSDP's gradients, the window the
     shortcut watches, the position in the traces) every part of it reads and writes."""
@@ -446,7 +469,7 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
         between[:] = max(between[0], alloc.footprint), max(between[1], held.total)
 
     grads = _Gradients(graph, malloc, alloc, held) if graph.fsdp is not None else None
-    acts = action_ops(graph, ops)
+    acts = action_ops(graph, ops) if acts is None else acts
     pipeline = graph.parallel["pipeline"]
     last_backward = {int(k): n for n, (phase, k, _) in enumerate(pipeline["actions"]) if phase == BACKWARD}
     regions = {a: (p, d, w) for a, p, d, w in (periodic_regions(pipeline["actions"]) if shortcut else [])}
@@ -471,7 +494,7 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
     region: tuple[int, int, int, int] | None = None  # (start, period, shift, windows) being watched
     position = n = skipped = 0
     reuse = reuse and trace is not None and live is not None and side_of is None and not alloc.heads
-    structure = _structure_key(graph, ops, residency, alloc.policy, inplace) if reuse else None
+    structure = _structure_key(graph, ops, residency, alloc.policy, inplace, largest) if reuse else None
     resumed = _PREFIXES.get(structure) if structure is not None else None
     if resumed is not None and resumed.continues(pipeline["actions"], last_backward):
         n, position, skipped = resumed.restore(alloc, held, grads, trace, live, outside)
@@ -507,7 +530,7 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
         if grads is not None:
             grads.begin()
         events, fill = action_events(n)
-        recorded = [(alloc.footprint, alloc.largest_free, held.total)]  # before the action's first event
+        recorded = [(alloc.footprint, alloc.largest_free if largest else 0, held.total)]  # before its first event
         for offset, i in events:
             kind, v = ops[i]
             for u in ends.get(i, ()):
@@ -526,7 +549,8 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
             if grads is not None and backward and kind == "compute" and not graph.is_forward[v]:
                 grads.compute(v, base, position + offset)
             if trace is not None or live is not None:
-                recorded.append((alloc.footprint, alloc.largest_free if trace is not None else 0, held.total))
+                recorded.append((alloc.footprint, alloc.largest_free if trace is not None and largest else 0,
+                                 held.total))
         if trace is not None or live is not None:  # an op that is no event holds what the event before it left
             values = np.asarray(recorded, dtype=np.int64)[fill]
             span = slice(position, position + len(ids))
@@ -546,6 +570,8 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
                 if live is not None:
                     live[position - 1] = max(live[position - 1], between[1] + outside)
         n += 1
+        if stop_above is not None and capacity is None and alloc.footprint + outside > stop_above:
+            raise ReservedPast(alloc.footprint + outside, stop_above)
     # the optimizer step's temporaries, allocated together, then freed: counted at the last op
     before = set(alloc.by_owner)
     optimizer_step(alloc, graph, malloc, position - 1)

@@ -11,12 +11,12 @@ import numpy as np
 
 from bonsai_core.allocator.blocks import DEFAULT_STREAM
 from bonsai_core.allocator.fixed import Optimizer, Updates, full_arena
-from bonsai_core.allocator.pipelined import per_op, rank_length, run_pipeline_step
+from bonsai_core.allocator.pipelined import action_ops, per_op, rank_length, run_pipeline_step
 from bonsai_core.allocator.policies import Allocator, Policy
 from bonsai_core.allocator.step import FSDP_OWNERS, blocks_taken_and_given, optimizer_step, out_of_pool
 from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import FREE, Residency, Schedule, simulate
+from bonsai_core.schedule import FREE, Residency, Schedule, simulate, simulated
 from bonsai_core.units import format_bytes
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ def layout_at(graph: Graph, schedule: Schedule | list[tuple[str, int]], op: int,
 def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: int | None = None,
            policy: Policy = "caching", full: bool = True, optimizer: Optimizer = "adam",
            updates: Updates = "inplace", side_of: Callable[[int], str] | None = None,
-           inplace_writes: bool = True) -> AllocResult:
+           inplace_writes: bool = True, largest_free: bool = True, stop_above: int | None = None) -> AllocResult:
     """Replay a schedule (validated by the simulator first) through the allocator model.
 
     ``capacity`` is the pool's size in the budget's terms (``fixed_mem`` included): with the caching
@@ -217,9 +217,12 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     A pipeline rank (``parallel.pipeline``) replays its whole step, every microbatch's actions in its schedule's
     order (:mod:`bonsai_core.allocator.pipelined`); its arrays give, per op of the one microbatch's schedule, the
     most over the actions that run it, as rule 11's timeline does, and ``live`` is the bytes its blocks hold
-    (so it is the simulator's timeline, and its peak the simulator's).
+    (so it is the simulator's timeline, and its peak the simulator's). ``largest_free=False``: a pipeline rank's
+    ``largest_free`` is left out (zeros), for a caller that reads the reserved bytes only. ``stop_above``: a pipeline
+    rank's replay without a capacity and not ``full`` may stop where its reserved bytes pass it, raising
+    :class:`~bonsai_core.allocator.pipelined.ReservedPast` (the reserved bytes there, less than the peak).
     """
-    sim = simulate(graph, schedule)
+    sim = simulated(graph, schedule) if isinstance(schedule, Schedule) else simulate(graph, schedule)
     ops = schedule.ops if isinstance(schedule, Schedule) else schedule
     fixed = graph.fixed_mem
     if capacity is not None and capacity < fixed:
@@ -232,12 +235,14 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
     reserved = np.empty(length, dtype=np.int64)
     largest = np.empty(length, dtype=np.int64)
     held = np.zeros(length, dtype=np.int64)  # a pipeline rank's live bytes (beyond the fixed ones when full)
+    acts = action_ops(graph, ops) if pipeline else None
 
     def step(alloc: Allocator, trace: tuple[np.ndarray, np.ndarray] | None = None, outside: int = 0) -> None:
         if pipeline:  # the rank's whole schedule, every microbatch (bonsai_core.allocator.pipelined)
             run_pipeline_step(alloc, graph, ops, sim.residency, capacity, trace, outside, side_of=side_of,
                               inplace=inplace_writes, live=held if trace is not None else None,
-                              reuse=capacity is None and not full)
+                              reuse=capacity is None and not full, largest=largest_free, acts=acts,
+                              stop_above=None if full else stop_above)
         else:
             run_step(alloc, graph, ops, sim.residency, capacity, trace, outside, side_of=side_of, inplace=inplace_writes)
 
@@ -253,7 +258,7 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
         live = held if pipeline else sim.timeline
     fragmentation = fragmentation_at_peak(live, reserved)  # a pipeline rank's over its whole step, in order
     if pipeline:  # per op of the one microbatch's schedule, the most over its actions (rule 11's timeline)
-        live, reserved, largest = (per_op(a, graph, ops) for a in (live, reserved, largest))
+        live, reserved, largest = (per_op(a, graph, ops, acts) for a in (live, reserved, largest))
     base = live[0] if len(live) else fixed
     return AllocResult(live=live, reserved=reserved, largest_free=largest, peak=int(live.max()) if len(live) else base,
                        reserved_peak=int(reserved.max()) if len(reserved) else int(base),
@@ -261,11 +266,12 @@ def replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], capacity: i
                        segments=sum(h is not None for h in alloc.heads), full=full)
 
 
-def bounded_replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], policy: Policy = "caching") -> AllocResult:
+def bounded_replay(graph: Graph, schedule: Schedule | list[tuple[str, int]], policy: Policy = "caching",
+                   largest_free: bool = True, stop_above: int | None = None) -> AllocResult:
     """The replay whose reserved peak a reserved budget bounds (``--reserved``:
     :func:`bonsai_core.solvers.solve_reserved`, ``bonsai fit``): ``policy``'s allocator with the fixed tensors as
-    one block outside the pool."""
-    return replay(graph, schedule, policy=policy, full=False)
+    one block outside the pool (``largest_free``, ``stop_above``: :func:`replay`'s)."""
+    return replay(graph, schedule, policy=policy, full=False, largest_free=largest_free, stop_above=stop_above)
 
 
 def solved_within(schedule: Schedule | list[tuple[str, int]]) -> Policy | None:

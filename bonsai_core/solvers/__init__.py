@@ -305,7 +305,7 @@ def _within_pipeline(graph: Graph, budget: int, solver: Callable[..., Schedule],
 
 
 def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, policy: str = "caching",
-                   tries: int = 12, **options: Any) -> Schedule:
+                   tries: int = 12, solved: Schedule | BonsaiError | None = None, **options: Any) -> Schedule:
     """Like :func:`solve`, but ``budget`` bounds the bytes the allocator model *reserves* for the step
     (``bonsai_core.allocator.replay`` with ``policy`` "caching", or "expandable" for
     ``expandable_segments:True``), which is what a GPU must hold, rather than its live tensor bytes.
@@ -316,22 +316,38 @@ def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, p
     its stats add ``reserved_peak``, ``live_budget`` (the live budget its method met), ``allocator`` and
     ``reserved_solves``; ``wall_seconds`` is the whole call's. A ``time_limit`` option bounds the whole call:
     each solve gets half of what the earlier ones left. Raises BudgetError naming the smallest reserved peak
-    reached when no live budget works."""
+    reached when no live budget works. ``solved``: what :func:`solve` answered for ``method`` at ``budget`` with
+    these options already (its schedule, or the error it raised), taken as the first solve's answer.
+
+    A fixed plan (:data:`FIXED_PLAN_METHODS`) is the same at every live budget, so once its replay passes ``budget``
+    no other live budget can help: the replay stops there (a pipeline rank's, whose replay is long) and the error
+    names the reserved bytes where it stopped."""
     from bonsai_core.allocator import bounded_replay
+    from bonsai_core.allocator.pipelined import ReservedPast
 
     clock = Deadline(options.get("time_limit"))
-    live_budget, best, solves = budget, None, 0
+    live_budget, best, solves, stopped = budget, None, 0, None
     for _ in range(tries):
         left = clock.remaining()
         if left is not None and left <= 0:
             break
         try:
             # half of what is left: a first plan that reserves too much must leave time for the next
-            schedule = solve(graph, live_budget, method, **(options if left is None else {**options, "time_limit": left / 2}))
+            if solved is not None:
+                schedule, solved = _answered(solved), None
+            else:
+                schedule = solve(graph, live_budget, method, **(options if left is None else {**options, "time_limit": left / 2}))
         except BudgetError:
             break
         solves += 1
-        reserved = bounded_replay(graph, schedule, policy).reserved_peak
+        if method in FIXED_PLAN_METHODS:
+            try:
+                reserved = bounded_replay(graph, schedule, policy, largest_free=False, stop_above=budget).reserved_peak
+            except ReservedPast as past:
+                stopped = past.reserved
+                break
+        else:
+            reserved = bounded_replay(graph, schedule, policy, largest_free=False).reserved_peak
         if best is None or reserved < best[0]:
             best = (reserved, live_budget)
         if reserved <= budget:
@@ -343,13 +359,25 @@ def solve_reserved(graph: Graph, budget: int, method: str = DEFAULT_METHOD, *, p
         # below the plan's own live peak: a plan under a budget also meets every budget down to its peak,
         # and bonsai answers such a budget with that plan again (reused), reserving as much
         live_budget = min(live_budget, schedule.stats["peak"]) - (reserved - budget)
+        if method in FIXED_PLAN_METHODS:  # the same plan again, over the lower live budget
+            break
     reached = "" if best is None else (f" Its lowest reserved peak was {format_bytes(best[0])} ({best[0]} bytes), "
                                        f"at a live budget of {format_bytes(best[1])}.")
+    if stopped is not None:
+        reached = (f" Its fixed plan's replay passed the budget at {format_bytes(stopped)} ({stopped} bytes) reserved "
+                   "and stopped there: no live budget changes a fixed plan.")
     if clock.passed():
         reached += f" The time limit of {clock.time_limit:g} s ran out after {solves} solve(s)."
     raise BudgetError(f"Method {method!r} found no schedule of {graph.name!r} whose {policy} allocator reserves at "
                       f"most {format_bytes(budget)}.{reached} Raise the budget, or try another method or "
                       "expandable segments (less rounding waste).")
+
+
+def _answered(solved: Schedule | BonsaiError) -> Schedule:
+    """A solve's answer given as its schedule or the error it raised."""
+    if isinstance(solved, BonsaiError):
+        raise solved
+    return solved
 
 
 def method_meeting(graph: Graph, budget: int, instead_of: str, time_limit: float = 15.0) -> Schedule | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bonsai_core.errors import BudgetError
 from bonsai_core.graph import Graph
-from bonsai_core.schedule import Schedule, none_schedule, simulate
+from bonsai_core.schedule import Schedule, none_schedule, simulated
 from bonsai_core.units import format_bytes
 
 
@@ -16,7 +16,7 @@ def solve_none(graph: Graph, budget: int | None, *, time_limit: float | None = N
         time_limit: seconds (accepted for a uniform interface; this method takes microseconds)
     """
     schedule = none_schedule(graph)
-    peak = simulate(graph, schedule).peak
+    peak = simulated(graph, schedule).peak  # kept on the schedule: solve's own check reuses it
     if budget is not None and peak > budget:
         raise BudgetError(f"Method 'none' does not rematerialize: {graph.name!r} peaks at {format_bytes(peak)} "
                           f"({peak} bytes) without it, over the budget of {format_bytes(budget)}. Raise the "

@@ -49,7 +49,7 @@ from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.export_runtime.checkpointing import FUSED_ATTENTION
 from bonsai_core.graph import Graph, block_stack
 from bonsai_core.regions import CheckpointPlan, block_plans, plan_schedule
-from bonsai_core.schedule import Schedule, simulate
+from bonsai_core.schedule import Schedule, simulated
 from bonsai_core.units import format_bytes
 
 Release = Literal["0.2.2", "2024-12"]
@@ -127,7 +127,7 @@ def solve_torchtitan_selective(graph: Graph, budget: int | None, *, time_limit: 
 
 def _fixed(graph: Graph, budget: int | None, plan: CheckpointPlan, method: str) -> Schedule:
     schedule = plan_schedule(graph, plan, method)  # holds the saved outputs as SAC's storage does
-    peak = simulate(graph, schedule).peak
+    peak = simulated(graph, schedule).peak  # kept on the schedule: solve's own check reuses it
     if budget is not None and peak > budget:
         raise BudgetError(f"Method {method!r} is a fixed plan, as in torchtitan: on {graph.name!r} it peaks at "
                           f"{format_bytes(peak)} ({peak} bytes), over the budget of {format_bytes(budget)}. Raise "
