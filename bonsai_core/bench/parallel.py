@@ -248,6 +248,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """One row per layout, pipeline rank and plan: printed and (with ``--out``) appended to a Markdown file."""
     options = SIZES[args.model]
+    meta = common.run_meta()
     rows = []
     for layout in args.layout:
         start = time.perf_counter()
@@ -261,16 +262,17 @@ def main(args: argparse.Namespace) -> int:
                 rows.append([args.model, spec.describe(), budget or "none", format_bytes(expected), format_bytes(peak),
                              f"{peak / expected - 1:+.2%}", f"{time.perf_counter() - start:.0f} s"])
                 print(f"| {' | '.join(rows[-1])} |", flush=True)
-    append_table(args.out, rows)
+    append_table(args.out, meta, rows)
     return 0
 
 
-def append_table(out: Path | None, rows: list[list[str]]) -> None:
-    """``rows`` (a table row a list of cells) appended to ``out`` below what ran, where, and the table's head."""
+def append_table(out: Path | None, meta: dict[str, Any], rows: list[list[str]]) -> None:
+    """``rows`` (a table row a list of cells) appended to ``out`` below what ran, where and when it started
+    (``meta``: :func:`bonsai_core.bench.common.run_meta`), and the table's head."""
     if out is None:
         return
-    meta = common.run_meta()
     head = (f"`{meta['command']}` on {meta['date']}, {meta['machine']}, torch {meta['torch']}, gloo, fp32: each "
             "pipeline rank's peak live bytes (largest over its ranks) against the simulator.\n\n")
+    before = "\n" if out.exists() else ""
     with out.open("a") as f:
-        f.write(("\n" if out.exists() else "") + head + common.pipe_table(COLUMNS, rows) + "\n")
+        f.write(before + head + common.pipe_table(COLUMNS, rows) + "\n")
