@@ -4,6 +4,7 @@ call; and (slow) each rank against gloo processes parallelized as the model's li
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -192,6 +193,14 @@ from bonsai_core.schedule import none_schedule, simulate  # noqa: E402
 PIPE = dict(batch=4, seq=64, layers=4)  # 4 microbatches of one sequence
 
 
+@functools.cache
+def pipe_rank(rank: int, batch: int = PIPE["batch"], **layout) -> Graph:
+    """Pipeline rank ``rank`` of the 4-layer debugmodel at ``batch`` (a microbatch a sequence) in a PP 2 layout
+    with ``layout``'s other degrees, traced once for the module's tests (which read it and never change it)."""
+    return trace_model(TITAN, parallel=layout_of(pp=2, rank=rank, **layout), batch=batch, seq=PIPE["seq"],
+                       layers=PIPE["layers"]).graph
+
+
 def _in_flight(acts, local: int) -> int:
     held = top = 0
     for phase, k, _ in acts:
@@ -216,7 +225,7 @@ def test_1f1b_holds_min_m_p_minus_r_microbatches_and_interleaved_runs_torch_s_or
 
 @pytest.fixture(scope="module")
 def pipe_ranks():
-    return [trace_model(TITAN, parallel=layout_of(pp=2, rank=r), **PIPE).graph for r in (0, 1)]
+    return [pipe_rank(r) for r in (0, 1)]
 
 
 def test_a_pipeline_rank_is_its_stage_with_receive_buffers_and_the_microbatches_in_flight(pipe_ranks):
@@ -323,8 +332,8 @@ def test_the_allocator_replays_a_pipeline_rank_s_whole_schedule_at_the_simulator
     pipelined); the bytes its blocks hold peak where rule 11's envelope does, FSDP's gradients included."""
     from bonsai_core.allocator import bounded_replay
 
-    ranks = list(pipe_ranks) + [trace_model(TITAN, parallel=layout_of(pp=2, rank=r, **extra), **PIPE).graph
-                                for extra in (dict(pp_schedule="interleaved-1f1b"), dict(fsdp=2)) for r in (0, 1)]
+    ranks = list(pipe_ranks) + [pipe_rank(r, **extra) for extra in (dict(pp_schedule="interleaved-1f1b"), dict(fsdp=2))
+                                for r in (0, 1)]
     for graph in ranks:
         ops = none_schedule(graph).ops
         replayed = bounded_replay(graph, ops, "expandable")
@@ -427,7 +436,7 @@ def test_the_replay_skips_steady_windows_that_repeat_and_gives_the_full_replay_s
     for extra in (dict(), dict(pp_schedule="interleaved-1f1b"), dict(fsdp=2)):
         for m in (4, 16):
             for r in (0, 1):
-                graph = trace_model(TITAN, parallel=layout_of(pp=2, rank=r, **extra), batch=m, seq=64, layers=4).graph
+                graph = pipe_rank(r, m, **extra)
                 for policy in ("caching", "expandable"):
                     full, none = _whole_step(graph, policy, shortcut=False)
                     short, skipped[tuple(extra), m, r, policy] = _whole_step(graph, policy, shortcut=True)
@@ -436,7 +445,7 @@ def test_the_replay_skips_steady_windows_that_repeat_and_gives_the_full_replay_s
     assert skipped[(), 16, 1, "caching"] == 26 and skipped[("fsdp",), 16, 1, "expandable"] == 26  # 32 actions
     # the comparison can fail: a key that names no state takes the first window (where the pool still grows)
     # for every later one
-    graph = trace_model(TITAN, parallel=layout_of(pp=2, rank=0), batch=16, seq=64, layers=4).graph
+    graph = pipe_rank(0, 16)
     full, _ = _whole_step(graph, "caching", shortcut=False)
     monkeypatch.setattr(pipelined, "_state", lambda alloc, held, grads, n, first: ())
     blind, skipped_blind = _whole_step(graph, "caching", shortcut=True)
@@ -470,7 +479,7 @@ def test_a_replay_at_more_microbatches_starts_where_the_shorter_one_parts_and_gi
     for extra in (dict(), dict(pp_schedule="interleaved-1f1b"), dict(fsdp=2)):
         for r in (0, 1):
             for m in (2, 4, 8):
-                graph = trace_model(TITAN, parallel=layout_of(pp=2, rank=r, **extra), batch=m, seq=64, layers=4).graph
+                graph = pipe_rank(r, m, **extra)
                 plan = solve(graph, 10**12, "torchtitan-full")
                 resumed = _bounded(graph, plan)
                 kept, pipelined._PREFIXES = pipelined._PREFIXES, pipelined._Prefixes()
@@ -482,9 +491,9 @@ def test_a_replay_at_more_microbatches_starts_where_the_shorter_one_parts_and_gi
     # the comparison can fail: a prefix of the plain step taken up by the checkpointed one
     monkeypatch.setattr(pipelined, "_structure_key", lambda graph, ops, residency, policy, inplace, largest=True: "one")
     monkeypatch.setattr(pipelined, "_PREFIXES", pipelined._Prefixes())
-    small = trace_model(TITAN, parallel=layout_of(pp=2), batch=4, seq=64, layers=4).graph
+    small = pipe_rank(0, 4)
     _bounded(small, none_schedule(small))
-    graph = trace_model(TITAN, parallel=layout_of(pp=2), batch=8, seq=64, layers=4).graph
+    graph = pipe_rank(0, 8)
     plan = solve(graph, 10**12, "torchtitan-full")
     try:
         wrong = _bounded(graph, plan)[1]

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bonsai_core.bench import fsdp
+from bonsai_core.bench import common, fsdp
 from bonsai_core.errors import BonsaiError
 from bonsai_core.parallel import Layout, cp_inputs, family, layout_of, meshes, parallelize, step_context, with_batch
 from bonsai_core.schedule import no_remat_peak
@@ -32,6 +32,7 @@ from bonsai_core.units import format_bytes
 # small sizes each model runs in a few seconds per step on gloo
 SIZES = {"torchtitan:llama3:debugmodel": dict(batch=4, seq=64, layers=4),
          "hf:llama": dict(batch=4, seq=64, layers=4, width=256, heads=4, vocab=2048)}
+COLUMNS = ["model", "layout, rank", "plan", "predicted", "measured", "error", "time"]
 SCHEDULE_WORDS = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b"}
 
 
@@ -247,6 +248,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """One row per layout, pipeline rank and plan: printed and (with ``--out``) appended to a Markdown file."""
     options = SIZES[args.model]
+    meta = common.run_meta()
     rows = []
     for layout in args.layout:
         start = time.perf_counter()
@@ -257,10 +259,20 @@ def main(args: argparse.Namespace) -> int:
                 spec = with_batch(dataclasses.replace(layout, rank=pp_rank), options["batch"], options["seq"])
                 expected = predicted(args.model, options, spec, budget)
                 peak = max(r["peak"] for r in ranks[pp_rank * per_pp:(pp_rank + 1) * per_pp])
-                rows.append(f"| {args.model} | {spec.describe()} | {budget or 'none'} | {format_bytes(expected)} "
-                            f"| {format_bytes(peak)} | {peak / expected - 1:+.2%} | {time.perf_counter() - start:.0f} s |")
-                print(rows[-1], flush=True)
-    fsdp.append_table(args.out, "`bonsai bench parallel` on {date}, {machine} CPU, torch {torch}, gloo, fp32: each "
-                 "pipeline rank's peak live bytes (largest over its ranks) against the simulator.",
-                 ["model", "layout, rank", "plan", "predicted", "measured", "error", "time"], rows)
+                rows.append([args.model, spec.describe(), budget or "none", format_bytes(expected), format_bytes(peak),
+                             f"{peak / expected - 1:+.2%}", f"{time.perf_counter() - start:.0f} s"])
+                print(f"| {' | '.join(rows[-1])} |", flush=True)
+    append_table(args.out, meta, rows)
     return 0
+
+
+def append_table(out: Path | None, meta: dict[str, Any], rows: list[list[str]]) -> None:
+    """``rows`` (a table row a list of cells) appended to ``out`` below what ran, where and when it started
+    (``meta``: :func:`bonsai_core.bench.common.run_meta`), and the table's head."""
+    if out is None:
+        return
+    head = (f"`{meta['command']}` on {meta['date']}, {meta['machine']}, torch {meta['torch']}, gloo, fp32: each "
+            "pipeline rank's peak live bytes (largest over its ranks) against the simulator.\n\n")
+    before = "\n" if out.exists() else ""
+    with out.open("a") as f:
+        f.write(before + head + common.pipe_table(COLUMNS, rows) + "\n")
