@@ -71,6 +71,27 @@ def with_optimizer(graph: Graph, name: str) -> Graph:
 
 
 GRADS = ("zeroed", "none")  # between steps: zero_grad(set_to_none=False) / optimizer.zero_grad()'s default
+# torchtitan's trainer calls optimizers.zero_grad() at each step's start (9dec370 of 2024-12 and 0.2.2), which sets
+# them to None (torch's default set_to_none=True): a torchtitan step makes its sharded gradients in its backward
+TORCHTITAN_GRADS = "none"
+
+
+def grads_of(model: str, grads: str | None = None) -> str:
+    """How the gradients are left between steps: ``grads`` where given, else the model spec's own training
+    loop's: torchtitan's for a ``torchtitan:`` model (:data:`TORCHTITAN_GRADS`), any other's ``"zeroed"``
+    (the graph as traced)."""
+    if grads is not None:
+        return grads
+    return TORCHTITAN_GRADS if model.startswith("torchtitan:") else "zeroed"
+
+
+def with_training_loop(graph: Graph, model: str, optimizer: str, grads: str | None = None) -> Graph:
+    """``graph`` (traced from model spec ``model``, sharded and laid out as its rank holds it) in its training
+    loop: ``optimizer``'s state and step (:func:`with_optimizer`), the gradients left between steps as ``grads``
+    says, the model's own loop's where None (:func:`grads_of`: a torchtitan step sets them to None). The one
+    place a graph built from a model spec gets both, in this order: the optimizer's state is read from the
+    gradient buffers that setting them to None takes out of the fixed memory."""
+    return with_grads(with_optimizer(graph, optimizer), grads_of(model, grads))
 
 
 def with_grads(graph: Graph, grads: str) -> Graph:

@@ -300,16 +300,16 @@ def test_fit_over_layouts_shares_traces_and_matches_whole_traces():
 
     from bonsai_core.fit import RankGraphs, fit_layouts
     from bonsai_core.fsdp import Sharding
-    from bonsai_core.optimizer import with_optimizer
+    from bonsai_core.optimizer import with_training_loop
 
     for reshard in ("torchtitan", "all-but-last"):  # all-but-last: the root holds the embedding and the head
         graphs = RankGraphs(TITAN, 64, {"layers": 6}, Sharding.of(2, reshard, None, model=TITAN), {})
         for layout in (layout_of(fsdp=4, tp=2), layout_of(fsdp=2, tp=2, pp=2, pp_schedule="interleaved-1f1b")):
             for rank, graph in graphs.ranks(layout, 4, "adamw"):
                 spec = dataclasses.replace(layout, rank=rank)
-                whole = with_optimizer(trace_model(TITAN, parallel=spec, batch=4, seq=64, layers=6,
-                                                   reshard_after_forward=reshard if layout.pp == 1 else None).graph,
-                                       "adamw")
+                whole = with_training_loop(trace_model(TITAN, parallel=spec, batch=4, seq=64, layers=6,
+                                                       reshard_after_forward=reshard if layout.pp == 1 else None).graph,
+                                           TITAN, "adamw")
                 assert (graph.n, no_remat_peak(graph), graph.fixed_mem) == \
                     (whole.n, no_remat_peak(whole), whole.fixed_mem)
     result = fit_layouts(TITAN, 8, 40 * 2**20, seq=64, options={"layers": 6})
