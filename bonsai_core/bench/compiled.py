@@ -33,7 +33,7 @@ from bonsai_core.allocator import bounded_replay
 from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
-from bonsai_core.optimizer import with_training_loop
+from bonsai_core.optimizer import with_optimizer
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
 
@@ -144,11 +144,10 @@ def titan_rows(float8: bool) -> list[dict[str, Any]]:
             if compiled:
                 graph = trace_model("torchtitan:llama3:8B", compile="blocks", ac="torchtitan-selective-2024-12",
                                     float8=f8, **sharding, **TITAN_8B).graph
-                graph = with_training_loop(graph, "torchtitan:llama3:8B", "adamw")
+                graph = with_optimizer(graph, "adamw")
                 schedule = solve(graph, 2**60, "none")
             else:
-                graph = with_training_loop(trace_model("torchtitan:llama3:8B", **sharding, **TITAN_8B).graph,
-                                           "torchtitan:llama3:8B", "adamw")
+                graph = with_optimizer(trace_model("torchtitan:llama3:8B", **sharding, **TITAN_8B).graph, "adamw")
                 schedule = solve(graph, 2**60, "torchtitan-selective", release="2024-12")
             parts = peak_parts(graph, schedule)
             rows.append({"world": world, "compiled": compiled, "float8": f8, "nodes": graph.n,
@@ -173,8 +172,8 @@ def titan_peer_rows(world: int = 8) -> list[dict[str, Any]]:
     sharding = {"fsdp": world, "reshard_after_forward": "all-but-last"}
 
     def compiled_step(checkpointing: str | None) -> Graph:
-        return with_training_loop(trace_model("torchtitan:llama3:8B", compile="blocks", ac=checkpointing, **sharding,
-                                              **TITAN_8B).graph, "torchtitan:llama3:8B", "adamw")
+        return with_optimizer(trace_model("torchtitan:llama3:8B", compile="blocks", ac=checkpointing, **sharding,
+                                          **TITAN_8B).graph, "adamw")
 
     plain = compiled_step(None)
     rows = []
