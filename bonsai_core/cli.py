@@ -127,14 +127,14 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     from bonsai_core.graph import save_graph
-    from bonsai_core.optimizer import with_grads, with_optimizer
+    from bonsai_core.optimizer import with_training_loop
     from bonsai_core.schedule import no_remat_peak
     from bonsai_core.rank import trace as trace_model
 
     traced = trace_model(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
                          compile=compile_mode(args), ac=args.ac, float8=args.float8, kernels=args.kernels,
                          **fsdp_options(args), **model_options(args))
-    g = with_grads(with_optimizer(traced.graph, args.optimizer), args.grads)
+    g = with_training_loop(traced.graph, args.model, args.optimizer, args.grads, compiled=compile_mode(args) is not None)
     try:
         save_graph(g, args.output)
     except OSError as e:
@@ -496,10 +496,12 @@ def _add_model_parsers(sub: Any) -> None:
     p.add_argument("--optimizer", default="none", choices=OPTIMIZERS,
                    help="the optimizer step after the backward pass (foreach, as on CUDA): its state is fixed memory "
                         "and its step's temporaries can set the peak (default none)")
-    p.add_argument("--grads", default="zeroed", choices=GRADS,
+    p.add_argument("--grads", default=None, choices=GRADS,
                    help="the gradients between steps: zeroed (zero_grad(set_to_none=False): their buffers are fixed "
-                        "memory; default) or none (optimizer.zero_grad()'s default: each step makes them in its "
-                        "backward pass and holds them to the optimizer step)")
+                        "memory) or none (optimizer.zero_grad()'s default: each step makes them in its backward pass "
+                        "and holds them to the optimizer step); default: the model's own training loop's, none for a "
+                        "torchtitan: model's eager step (its trainer calls optimizers.zero_grad()), zeroed for any "
+                        "other and under --compile")
     add_fsdp_arguments(p)
     p.add_argument("--compile", nargs="?", const="default", default=None, choices=(*COMPILE_MODES, "default"),
                    metavar="|".join(COMPILE_MODES),

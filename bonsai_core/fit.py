@@ -166,12 +166,13 @@ def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_
         traced: dict[int, Graph] | None = None, answered: Callable[[Attempt], None] | None = None) -> FitResult:
     """Search the sizes of ``model`` (a zoo name, ``hf:...`` or a factory) at which each of ``methods``
     fits ``limit`` bytes with overhead at most ``max_overhead``. ``vary`` is the model option searched
-    (``batch`` or ``seq``); ``options`` fix the others; ``optimizer`` adds its state and step
-    (``bonsai_core.optimizer``); ``reserved`` ("caching" or "expandable") makes ``limit`` bound the
+    (``batch`` or ``seq``); ``options`` fix the others; ``optimizer`` adds its state and step, in the model's
+    own training loop (:func:`bonsai_core.optimizer.with_training_loop`: torchtitan's sets the gradients to
+    None); ``reserved`` ("caching" or "expandable") makes ``limit`` bound the
     allocator model's reserved bytes; ``solver_options`` go to every method (``time_limit`` ...), a variant's
     own options (:func:`method_variant`) on top. ``traced``: the step at some sizes, traced already (without
     an optimizer), used instead of tracing them again; ``answered`` is called with each attempt as it ends."""
-    from bonsai_core.optimizer import with_optimizer
+    from bonsai_core.optimizer import with_training_loop
     from bonsai_core.rank import trace as trace_model
 
     if vary not in ("batch", "seq"):
@@ -190,7 +191,7 @@ def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_
             base = (traced or {}).get(size)
             if base is None:
                 base, traces[size] = ahead.get(size)
-            graphs[size] = with_optimizer(base, optimizer)
+            graphs[size] = with_training_loop(base, model, optimizer)
             peaks[size] = no_remat_peak(graphs[size])
         return graphs[size]
 
@@ -530,14 +531,14 @@ class RankGraphs:
         second); ``layout.microbatches`` of a pipeline layout (default: one sequence each, torchtitan's)."""
         import dataclasses
 
-        from bonsai_core.optimizer import with_optimizer
+        from bonsai_core.optimizer import with_training_loop
 
         out = []
         ranks = [0] if layout.pp == 1 else sorted({0, 1, layout.pp - 1})
         microbatches = (layout.microbatches or batch) if layout.pp > 1 else None  # default: one sequence each
         for rank in ranks:
             spec = dataclasses.replace(layout, rank=rank, microbatches=microbatches)
-            out.append((rank, with_optimizer(self.graph(spec, batch), optimizer)))
+            out.append((rank, with_training_loop(self.graph(spec, batch), self.model, optimizer)))
         return out
 
     def graph(self, layout: Any, batch: int) -> Graph:

@@ -69,6 +69,30 @@ def with_optimizer(graph: Graph, name: str) -> Graph:
 
 
 GRADS = ("zeroed", "none")  # between steps: zero_grad(set_to_none=False) / optimizer.zero_grad()'s default
+# torchtitan's trainer calls optimizers.zero_grad() at each step's start (9dec370 of 2024-12 and 0.2.2), which sets
+# them to None (torch's default set_to_none=True): a torchtitan step makes its sharded gradients in its backward
+TORCHTITAN_GRADS = "none"
+
+
+def grads_of(model: str, grads: str | None = None, compiled: bool = False) -> str:
+    """How the gradients are left between steps: ``grads`` where given, else the model spec's own training
+    loop's: torchtitan's for a ``torchtitan:`` model's eager step (:data:`TORCHTITAN_GRADS`), any other's
+    ``"zeroed"`` (the graph as traced). A ``compiled`` step keeps them as traced: its trace's gradient outputs
+    are not the sizes FSDP reduce-scatters (the 8B rank's: 0 bytes compiled, 28 GiB with Float8 linears, where
+    the eager trace's are the root's 0.98 GiB), so setting them to None would drop or double them."""
+    if grads is not None:
+        return grads
+    return TORCHTITAN_GRADS if model.startswith("torchtitan:") and not compiled else "zeroed"
+
+
+def with_training_loop(graph: Graph, model: str, optimizer: str, grads: str | None = None,
+                       compiled: bool = False) -> Graph:
+    """``graph`` (traced from model spec ``model``, sharded and laid out as its rank holds it) in its training
+    loop: ``optimizer``'s state and step (:func:`with_optimizer`), the gradients left between steps as ``grads``
+    says, the model's own loop's where None (:func:`grads_of`: a torchtitan step sets them to None). The one
+    place a graph built from a model spec gets both, in this order: the optimizer's state is read from the
+    gradient buffers that setting them to None takes out of the fixed memory."""
+    return with_grads(with_optimizer(graph, optimizer), grads_of(model, grads, compiled))
 
 
 def with_grads(graph: Graph, grads: str) -> Graph:

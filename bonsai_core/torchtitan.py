@@ -10,13 +10,14 @@ import torch
 import torch.nn as nn
 
 from bonsai_core.fsdp import Sharding
-from bonsai_core.models.torchtitan import TitanLoss
+from bonsai_core.models.torchtitan import PREFIX, TitanLoss
+from bonsai_core.optimizer import grads_of
 from bonsai_core.training import Plan, plan
 
 
 def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: str = "bonsai", *,
              fsdp: int = 1, optimizer: str = "adamw", reshard_after_forward: bool | str | None = None,
-             mixed_precision: str | None = None, grads: str = "zeroed", tp: int = 1, cp: int = 1, pp: int = 1,
+             mixed_precision: str | None = None, grads: str | None = None, tp: int = 1, cp: int = 1, pp: int = 1,
              dp_replicate: int = 1, **options: Any) -> Plan:
     """A checkpoint plan (:func:`bonsai_core.plan`) for one training step of torchtitan's Llama 3
     ``model`` on a local batch of ``batch x seq`` tokens with torchtitan's loss, as one of ``fsdp``
@@ -25,9 +26,10 @@ def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: 
     ``fully_shard`` on each block and the model alone) under FSDP2's mixed precision as torchtitan sets it
     (``training.mixed_precision_param``, bfloat16 by default; ``mixed_precision="none"`` for an fp32 run),
     torchtitan's setting as :meth:`bonsai_core.fsdp.Sharding.of` gives it for a ``torchtitan:`` model. ``model`` is the ``Transformer`` torchtitan
-    built, on any device (``meta`` too: only shapes are read), before ``parallelize_llama``. torchtitan's
-    trainer calls ``optimizers.zero_grad()``, which sets the gradients to None between steps: pass
-    ``grads="none"`` to plan for that (:func:`bonsai_core.optimizer.with_grads`).
+    built, on any device (``meta`` too: only shapes are read), before ``parallelize_llama``. The gradients
+    are left between steps as torchtitan's trainer leaves them by default (None: ``optimizers.zero_grad()`` sets
+    them to None, :func:`bonsai_core.optimizer.grads_of`; a compiled step's are kept as traced); ``grads="zeroed"``
+    for a loop that zeroes them in place.
 
     ``plan.apply(model)`` then does what torchtitan's ``apply_ac`` does, one save policy per block
     (``model.layers.<i>``, and whichever smaller submodules the plan picks), in place: the module
@@ -45,4 +47,4 @@ def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: 
     sharding = Sharding.of(fsdp * cp, reshard_after_forward, mixed_precision, model="torchtitan:")  # FSDP: dp_shard x cp
     return plan(model, (tokens,), TitanLoss(tokens.clone()), budget, method, fsdp=fsdp, optimizer=optimizer,
                 reshard_after_forward=sharding.reshard_after_forward, mixed_precision=sharding.mixed_precision,
-                 grads=grads, tp=tp, cp=cp, pp=pp, dp_replicate=dp_replicate, **options)
+                 grads=grads_of(PREFIX, grads, compiled=bool(options.get("compile"))), tp=tp, cp=cp, pp=pp, dp_replicate=dp_replicate, **options)

@@ -152,7 +152,10 @@ def zoo_parameters(name: str, options: Options) -> int:
 def trace_model(name: str, options: Options) -> Model:
     """Trace a zoo model's training step (raises ModelError on bad options); with ``fsdp`` among the
     options, as one of that many FSDP ranks holds it, sharded as the model's own setting shards it; with
-    ``tp``, ``cp``, ``pp`` (``pp_schedule``, ``rank``), one rank of that layout (:mod:`bonsai_core.parallel`)."""
+    ``tp``, ``cp``, ``pp`` (``pp_schedule``, ``rank``), one rank of that layout (:mod:`bonsai_core.parallel`);
+    no optimizer, its gradients left between steps as the model's own loop leaves them (a torchtitan step sets
+    them to None: :func:`bonsai_core.optimizer.with_training_loop`)."""
+    from bonsai_core.optimizer import with_training_loop
     from bonsai_core.parallel import layout_of
     from bonsai_core.rank import trace
 
@@ -161,8 +164,9 @@ def trace_model(name: str, options: Options) -> Model:
     if degrees:  # one rank of a parallel layout (the torchtitan tab)
         kwargs["parallel"] = layout_of(fsdp=kwargs.pop("fsdp", 1), **degrees)
     traced = trace(name, **kwargs)
-    label = traced.graph.name
-    return Model(traced.graph, "zoo", label, zoo=name, options=dict(options),
+    graph = with_training_loop(traced.graph, name, "none")
+    label = graph.name
+    return Model(graph, "zoo", label, zoo=name, options=dict(options),
                  parameters=zoo_parameters(name, options))
 
 

@@ -98,7 +98,8 @@ def test_torchtitan_llama_is_traced_from_the_model_page():
     assert model.zoo == "torchtitan:llama3:debugmodel" and model.options == {"layers": 1, "seq": 64}
     assert "layers.0.attention" in {path for path, _, _ in model.graph.modules}  # torchtitan's module paths
     assert at.query_params["model"] == "torchtitan:llama3:debugmodel"  # a link that traces it again
-    at.sidebar.slider(key="budget_pct").set_value(95).run()  # one block: its logits set the lower bound
+    # one block, its gradients set to None as torchtitan's loop leaves them: its lower bound is its whole peak
+    at.sidebar.slider(key="budget_pct").set_value(100).run()
     goto(at, "graph")
     assert not at.error, [e.value for e in at.error]
     assert any(c.value.startswith("One box per module call") for c in at.caption)

@@ -79,8 +79,9 @@ def one_call_plan(net: Any, inputs: tuple, loss_fn: Any, layout: Any, budget: st
         from bonsai_core.torchtitan import plan_for
 
         batch, seq = inputs[0].shape[:2]
-        return plan_for(net, batch, seq, budget, optimizer="none", mixed_precision="none", cache=False,
-                        **keywords(layout))
+        # grads zeroed: the measured loop keeps the first step's gradients through the measured one
+        return plan_for(net, batch, seq, budget, optimizer="none", mixed_precision="none", grads="zeroed",
+                        cache=False, **keywords(layout))
     return bonsai.plan(net, inputs, loss_fn, budget, cache=False, **keywords(layout))
 
 

@@ -19,7 +19,6 @@ from typing import Any
 
 from bonsai_core.allocator import bounded_replay
 from bonsai_core.bench.common import add_page_arguments, fill, page_header, page_refusal, run_page_suite, template_source
-from bonsai_core.optimizer import with_grads_set_to_none
 from bonsai_core.parallel import layout_of
 from bonsai_core.schedule import simulate
 from bonsai_core.solvers import solve
@@ -64,8 +63,7 @@ def predict_rank(graphs: Any, degrees: dict, batch: int) -> list[dict[str, Any]]
     ranks = graphs.ranks(layout, batch, "adamw")
     seconds = time.perf_counter() - start
     out = []
-    for rank, zeroed in ranks:
-        graph = with_grads_set_to_none(zeroed)  # torchtitan's optimizers.zero_grad(): set_to_none, torch's default
+    for rank, graph in ranks:  # its gradients set to None between steps, as torchtitan's loop leaves them
         schedule = solve(graph, None, "torchtitan-full")
         sim = simulate(graph, schedule)
         row: dict[str, Any] = {"rank": rank, "nodes": graph.n, "trace_seconds": round(seconds, 1),
