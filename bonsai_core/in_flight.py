@@ -43,11 +43,9 @@ def actions(layout: Any) -> list[tuple[str, int, int]]:
              a.microbatch_index) for a in order if a is not None]
 
 
-def working(graph: Any, ops: Sequence[tuple[str, int]], residency: Any) -> np.ndarray | None:
-    """Rule 11: at each op of the one microbatch's schedule, the bytes the rank holds beyond that microbatch's
-    tensors and ``fixed_mem``: the other microbatches in flight in the action it runs in (their stages'
-    resident bytes at the end of their forward), the largest over the actions of its stage and phase, and
-    under FSDP the gradients accumulated and held (module doc). None for a graph that is no pipeline rank."""
+def _staged(graph: Any, ops: Sequence[tuple[str, int]]) -> tuple | None:
+    """A pipeline rank's schedule by stage: (its pipeline field, each stage's node span, each node's stage, each
+    op's segment, 2 stage + phase); None for a graph that is no pipeline rank."""
     pipeline = (graph.parallel or {}).get("pipeline")
     if pipeline is None or not ops:
         return None
@@ -55,7 +53,18 @@ def working(graph: Any, ops: Sequence[tuple[str, int]], residency: Any) -> np.nd
     stage_of = np.zeros(graph.n, dtype=np.int64)
     for k, (a, b) in enumerate(spans):
         stage_of[a:b + 1] = k
-    segment = _segments(graph, ops, stage_of)
+    return pipeline, spans, stage_of, _segments(graph, ops, stage_of)
+
+
+def working(graph: Any, ops: Sequence[tuple[str, int]], residency: Any) -> np.ndarray | None:
+    """Rule 11: at each op of the one microbatch's schedule, the bytes the rank holds beyond that microbatch's
+    tensors and ``fixed_mem``: the other microbatches in flight in the action it runs in (their stages'
+    resident bytes at the end of their forward), the largest over the actions of its stage and phase, and
+    under FSDP the gradients accumulated and held (module doc). None for a graph that is no pipeline rank."""
+    staged = _staged(graph, ops)
+    if staged is None:
+        return None
+    pipeline, spans, stage_of, segment = staged
     own = np.stack([residency.bytes_held(graph.mem, stage_of == k) for k in range(len(spans))])
     held = np.zeros(len(spans), dtype=np.int64)  # each stage's bytes at the end of its forward
     for k in range(len(spans)):
@@ -218,14 +227,10 @@ def copies(graph: Any, ops: Sequence[tuple[str, int]]) -> tuple[np.ndarray, np.n
     op's (its timeline holds them already); int64[stages]: the op after which each stage's
     forward ends, where its held bytes are read). A plan that holds X bytes less at a stage's forward end holds
     ``copies * X`` less at each op in flight. None for a graph that is no pipeline rank."""
-    pipeline = (graph.parallel or {}).get("pipeline")
-    if pipeline is None or not ops:
+    staged = _staged(graph, ops)
+    if staged is None:
         return None
-    spans = [(int(a), int(b)) for _, a, b in pipeline["stages"]]
-    stage_of = np.zeros(graph.n, dtype=np.int64)
-    for k, (a, b) in enumerate(spans):
-        stage_of[a:b + 1] = k
-    segment = _segments(graph, ops, stage_of)
+    pipeline, spans, stage_of, segment = staged
     fullest: dict[int, np.ndarray] = {}  # per segment (2 stage + phase): the others of its fullest action
     for phase, k, others, _, _, _ in _action_states(pipeline, len(spans)):
         key = 2 * k + (phase == BACKWARD)
