@@ -257,7 +257,11 @@ def upload_graph(page: Any, url: str, path: Path, ops: int, budget: int) -> None
     wait_idle(page)
     page.get_by_role("tab", name="Upload a graph or a .pt2").click()
     page.locator('[data-testid="stFileUploader"] input[type="file"]').last.set_input_files(str(path))
-    page.wait_for_function(f"() => document.body.innerText.includes('{ops} ops')")
+    try:
+        page.wait_for_function(f"() => document.body.innerText.includes('{ops} ops')")
+    except Exception as e:  # the page as it stood, for the report
+        raise AssertionError(f"the uploaded graph's '{ops} ops' never showed; the page read:\n"
+                             + page.evaluate("() => document.body.innerText")[-3000:]) from e
     wait_idle(page)
 
 
