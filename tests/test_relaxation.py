@@ -59,12 +59,17 @@ def test_a_bonsai_solve_says_its_gap_and_stays_within_the_gap_asked():
     assert np.isfinite(schedule.stats["objective"])
 
 
-def _rounded_at(share: float):
+def _milp_at(share: float):
+    """The GPT's segment MILP at ``share`` of its no-remat peak: (the cvxpy build, the MILP, its relaxation)."""
     graph = load_graph(GPT)
     built = bonsai.build(graph)
     built.budget.value = int(share * no_remat_peak(graph)) / built.unit
     milp = from_cvxpy(built.problem).milp
-    kept = relaxation_of(milp)
+    return built, milp, relaxation_of(milp)
+
+
+def _rounded_at(share: float):
+    built, milp, kept = _milp_at(share)
     outcome, values, bound = round_relaxation(milp, kept, None, 1e-9)
     assert relative_gap(outcome.objective, bound) > 1e-6  # the rounding alone proves no optimum here
     return built, milp, kept, values, bound
@@ -90,11 +95,7 @@ def test_a_backend_answer_it_cannot_account_for_is_no_proof(monkeypatch):
 
 
 def _relaxed_at(share: float):
-    graph = load_graph(GPT)
-    built = bonsai.build(graph)
-    built.budget.value = int(share * no_remat_peak(graph)) / built.unit
-    milp = from_cvxpy(built.problem).milp
-    kept = relaxation_of(milp)
+    built, milp, kept = _milp_at(share)
     return built, milp, kept, round_relaxation(milp, kept, None, 0.01)
 
 
