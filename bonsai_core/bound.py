@@ -70,7 +70,7 @@ class Tensors:
     def __init__(self, graph: Graph) -> None:
         n = graph.n
         self.graph = graph
-        self.storage = np.array([graph.storage_of(v) for v in range(n)], dtype=np.int64)
+        self.storage = graph.storages
         self.reads = [sorted(set(self.storage[graph.deps(v)].tolist())) for v in range(n)]
         readers: list[list[int]] = [[] for _ in range(n)]
         for r in range(n):

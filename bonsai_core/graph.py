@@ -308,13 +308,7 @@ class Graph:
         n = self.n
         if n == 0:
             return 0
-        storage = np.arange(n, dtype=np.int64)
-        views = self.alias_of >= 0
-        while True:  # follow every chain of views to the node whose bytes it shares
-            up = np.where(views[storage], self.alias_of[storage], storage)
-            if np.array_equal(up, storage):
-                break
-            storage = up
+        storage = self.storages
         readers = np.concatenate([np.arange(n, dtype=np.int64), np.repeat(np.arange(n, dtype=np.int64),
                                                                             np.diff(self.dep_ptr))])
         read = np.concatenate([storage, storage[self.dep_idx]])
@@ -323,6 +317,18 @@ class Graph:
         np.add.at(held, pairs // n, self.mem[pairs % n])
         written = np.where(self.inplace_of >= 0, self.mem[np.maximum(self.inplace_of, 0)], 0)
         return max(0, int((held - written).max()))
+
+    @cached_property
+    def storages(self) -> np.ndarray:
+        """int64[n]: each node's :meth:`storage_of`, every chain of views followed at once."""
+        storage = np.arange(self.n, dtype=np.int64)
+        views = self.alias_of >= 0
+        while True:
+            up = np.where(views[storage], self.alias_of[storage], storage)
+            if np.array_equal(up, storage):
+                storage.setflags(write=False)  # shared by the graphs with_fields makes
+                return storage
+            storage = up
 
     def with_view_bases(self, nodes: set[int]) -> set[int]:
         """``nodes`` and the bases of every view among them, transitively: what must be resident
