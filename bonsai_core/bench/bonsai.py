@@ -68,9 +68,8 @@ def load(spec: str):
 
     if spec.endswith(".json"):
         return os.path.basename(spec), load_graph(spec)
-    if spec == "gpt2-small":
-        return spec, trace("gpt", GPT2_SMALL)
-    return spec, trace(*spec_options(spec))
+    name, options = ("gpt", GPT2_SMALL) if spec == "gpt2-small" else spec_options(spec)
+    return spec, common.graph_of(name, **options)
 
 
 def spec_options(spec: str) -> tuple[str, dict[str, int]]:
@@ -231,12 +230,6 @@ Row = dict[str, Any]
 
 # -- the studies -----------------------------------------------------------------------------------
 
-def trace(model: str, options: dict[str, int]):
-    from bonsai_core.trace import trace_model
-
-    return trace_model(model, **options).graph
-
-
 def trace_command(key: str) -> str:
     _, model, options = GRAPHS[key]
     if model is None:
@@ -349,7 +342,7 @@ def checkmate_study(time_limit: float) -> list[dict[str, Any]]:
     """Per CHECKMATE_GPTS graph and CHECKMATE_AT budget: the lower bound, bonsai's default and checkmate."""
     rows = []
     for label, options in CHECKMATE_GPTS.items():
-        g = trace("gpt", options)
+        g = common.graph_of("gpt", **options)
         for fraction in CHECKMATE_AT:
             budget = int(fraction * no_remat_peak(g))
             row = {"label": label, "nodes": g.n, "fraction": fraction, "bound": bound_said(g, budget)["overhead"]}
@@ -364,7 +357,7 @@ def checkmate_study(time_limit: float) -> list[dict[str, Any]]:
 
 def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lambda done: None) -> dict[str, Any]:
     """Every measurement the page reports besides the suite's tables; ``progress(done so far)`` after each."""
-    graphs = {key: load_graph(common.ROOT / EXPLORER_GRAPH) if model is None else trace(model, options)
+    graphs = {key: load_graph(common.ROOT / EXPLORER_GRAPH) if model is None else common.graph_of(model, **options)
               for key, (_, model, options) in GRAPHS.items()}
     seconds: dict[str, float] = {}
     done = common.run_studies({
@@ -373,13 +366,14 @@ def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lamb
                                 for variant, options in VARIANTS.items()} for k, g in graphs.items()},
         "export": lambda: export_study(graphs["hf_gpt2"], time_limit),
         "drag": lambda: budget_sweep(graphs["explorer"], DRAG, time_limit=time_limit),
-        "unets": lambda: [region_entry(label, trace("unet", o), time_limit) for label, o in UNETS.items()],
-        "larger_unet": lambda: region_entry("U-Net", trace("unet", LARGER_UNET), time_limit, at_half=("moccasin",)),
+        "unets": lambda: [region_entry(label, common.graph_of("unet", **o), time_limit) for label, o in UNETS.items()],
+        "larger_unet": lambda: region_entry("U-Net", common.graph_of("unet", **LARGER_UNET), time_limit,
+                                            at_half=("moccasin",)),
         "explorer_bound": lambda: bound_entry("explorer", graphs["explorer"], time_limit),
         "headroom": lambda: [bound_entry(f"width {w}, seq {s}",
-                                         trace("gpt", {**HEADROOM_OPTIONS, "width": w, "seq": s}), time_limit)
+                                         common.graph_of("gpt", **HEADROOM_OPTIONS, width=w, seq=s), time_limit)
                              for w, s in HEADROOM_SIZES],
-        "others": lambda: [bound_entry(name, trace(name, o), time_limit) for name, o in OTHER_AUTHORS],
+        "others": lambda: [bound_entry(name, common.graph_of(name, **o), time_limit) for name, o in OTHER_AUTHORS],
         "moccasin": lambda: budget_sweep(graphs["gpt4"], [MOCCASIN_AT], "moccasin", time_limit=time_limit)[0],
         "checkmate": lambda: checkmate_study(time_limit),
         "real_steps": lambda: [real_step(label, time_limit) for label in REAL_STEPS]},
@@ -666,10 +660,6 @@ def main(args: argparse.Namespace) -> int:
         if args.output:
             Path(args.output).write_text(json.dumps(rows, indent=1, default=str))
         return 0
-
-    def write_page(results: dict[str, Any], path: str) -> None:
-        header = common.page_header(results["meta"]["command"], SOURCES)
-        Path(path).write_text(page(results, header, os.path.relpath(args.output, Path(path).parent)))
-
     kept = Path(args.output) if args.output else None  # refused without it
-    return common.run_page_suite("bonsai", args, refusal(args), lambda: measure(args), write_page, results=kept)
+    return common.run_page_suite("bonsai", args, refusal(args), lambda: measure(args),
+                                 common.page_writer(page, SOURCES, kept), results=kept)

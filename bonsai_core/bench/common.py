@@ -229,6 +229,14 @@ def median(xs: Iterable[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def graph_of(model: str, **options: Any) -> Any:
+    """The graph ``bonsai trace MODEL`` makes with ``options`` (tracing imported here: building the command line
+    stays cheap)."""
+    from bonsai_core.trace import trace_model
+
+    return trace_model(model, **options).graph
+
+
 def import_test_models() -> None:
     """Put the checkout's root on ``sys.path``, so that the suites measuring the models in ``tests/``
     import them from any working directory (as the scripts they were did)."""
@@ -324,10 +332,15 @@ def page_refusal(args: Any, default_out: str | None = None, record_page: str | N
     return None
 
 
-def page_writer(page: Callable[[dict[str, Any], str], str], sources: Sequence[str]) -> Callable[[dict[str, Any], str], None]:
+def page_writer(page: Callable[..., str], sources: Sequence[str],
+                link: str | Path | None = None) -> Callable[[dict[str, Any], str], None]:
     """Writes ``page(results, header)`` to a path, the header naming the command that measured ``results``
-    (their ``meta``) and the ``sources`` the page is written by."""
-    return lambda results, path: Path(path).write_text(page(results, page_header(results["meta"]["command"], sources)))
+    (their ``meta``) and the ``sources`` the page is written by; with ``link`` (a path from the working
+    directory: the run's results), ``page(results, header, that path from the page's folder)``."""
+    def write(results: dict[str, Any], path: str) -> None:
+        links = () if link is None else (os.path.relpath(link, Path(path).parent),)
+        Path(path).write_text(page(results, page_header(results["meta"]["command"], sources), *links))
+    return write
 
 
 def run_page_suite(suite: str, args: Any, refusal: str | None, measure: Callable[[], dict[str, Any]],
