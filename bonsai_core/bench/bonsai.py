@@ -610,19 +610,6 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         **suite_values(rows))
 
 
-def stored_refusal(path: Path) -> str | None:
-    """Why ``path`` holds no finished ``--page`` run to write the page from; None when it does."""
-    try:
-        results = json.loads(path.read_text())
-    except ValueError as e:
-        return f"{path} is not JSON ({e}); run `bonsai bench bonsai --page` again"
-    if not isinstance(results, dict) or "studies" not in results:
-        return f"{path} holds no page studies (a run without --page); run with --page, without --report-only"
-    if "ended" not in results["meta"]:
-        return f"{path} is from a run that did not finish; run with --page again"
-    return None
-
-
 def refusal(args: argparse.Namespace) -> str | None:
     """Why the page's options cannot run, before any measurement: without -o, a page of other models, budgets
     or studies than the suite's defaults, results that are no finished ``--page`` run, what
@@ -631,9 +618,8 @@ def refusal(args: argparse.Namespace) -> str | None:
         return "--page and --report-only keep the run's results in -o FILE.json: name it"
     if not Path(args.output).resolve().parent.is_dir():
         return f"-o {args.output}: the folder {Path(args.output).parent} does not exist"
-    why = common.page_refusal(args, results=Path(args.output), narrowed=common.changed(args, PAGE_FIXED),
-                              whole="the suite's default models, budgets and studies")
-    return why or (stored_refusal(Path(args.output)) if args.report_only else None)
+    return common.page_refusal(args, results=Path(args.output), narrowed=common.changed(args, PAGE_FIXED),
+                               whole="the suite's default models, budgets and studies", studies=True)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -305,12 +305,14 @@ def changed(args: Any, names: Sequence[str]) -> list[str]:
 
 
 def page_refusal(args: Any, default_out: str | None = None, record_page: str | None = None,
-                 results: Path | None = None, narrowed: Sequence[str] = (), whole: str | None = None) -> str | None:
+                 results: Path | None = None, narrowed: Sequence[str] = (), whole: str | None = None,
+                 studies: bool = False) -> str | None:
     """Why ``--out``/``--page``/``--report-only`` cannot run, before anything is measured; None when they can.
     ``narrowed``: the options given that measure less than the page reports (:func:`changed`; ``--quick``,
     where the suite has it, counts); such a run cannot be ``--report-only``, nor overwrite ``default_out``'s
     results or ``record_page``; where the page reports only ``whole`` (the full run), it writes no page.
-    ``results``: :func:`results_file`'s."""
+    ``results``: :func:`results_file`'s; ``studies``: ``--report-only`` needs a finished run of the page's
+    studies there (:func:`stored_refusal`)."""
     narrowed = list(dict.fromkeys([*narrowed, *(["--quick"] if getattr(args, "quick", False) else [])]))
     results = results_file(args, results)
     if args.report_only and not args.page:
@@ -319,6 +321,8 @@ def page_refusal(args: Any, default_out: str | None = None, record_page: str | N
         return f"--report-only writes the page of the stored run and measures nothing: leave out {listing(narrowed)}"
     if args.report_only and not results.is_file():
         return f"{results} is missing: run without --report-only first"
+    if args.report_only and studies and (why := stored_refusal(results)):
+        return why
     if narrowed and args.page and whole:
         return f"--page reports {whole}: leave out {listing(narrowed)}"
     if narrowed and default_out and same_path(args.out, default_out):
@@ -329,6 +333,19 @@ def page_refusal(args: Any, default_out: str | None = None, record_page: str | N
                 f"{record_page}, give another --page")
     if args.page and not Path(args.page).parent.is_dir():
         return f"--page {args.page}: the folder {Path(args.page).parent} does not exist"
+    return None
+
+
+def stored_refusal(path: Path) -> str | None:
+    """Why ``path`` holds no finished run of a page's studies to write the page from; None when it does."""
+    try:
+        results = json.loads(path.read_text())
+    except ValueError as e:
+        return f"{path} is not JSON ({e}); run with --page again"
+    if not isinstance(results, dict) or "studies" not in results:
+        return f"{path} holds no page studies (a run without --page); run with --page, without --report-only"
+    if "started" in results["meta"] and "ended" not in results["meta"]:
+        return f"{path} is from a run that did not finish; run with --page again"
     return None
 
 
@@ -391,9 +408,11 @@ def grouped(items: Iterable[Any], key: Callable[[Any], Any],
     return out
 
 
-def cells(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> dict[Any, dict[str, dict[str, Any]]]:
-    """``key(row)`` -> method -> row: a results table's cells (a model at a budget), in the order of the rows."""
-    return {k: {r["method"]: r for r in of} for k, of in grouped(rows, key).items()}
+def cells(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any],
+          by: str = "method") -> dict[Any, dict[str, dict[str, Any]]]:
+    """``key(row)`` -> ``row[by]`` (its method) -> row: a results table's cells (a model at a budget), in the order
+    of the rows."""
+    return {k: {r[by]: r for r in of} for k, of in grouped(rows, key).items()}
 
 
 def progress(row: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
