@@ -389,8 +389,7 @@ def points(x: float) -> str:
 
 def points_range(xs: Sequence[float]) -> str:
     """``0.41 points``, ``0.41–3.10 points``."""
-    lo, hi = min(xs), max(xs)
-    return points(lo) if f"{lo:.4f}" == f"{hi:.4f}" else f"{100 * lo:.2f}–{100 * hi:.2f} points"
+    return common.span([100 * x for x in xs], "{:.2f}".format, unit=" points")
 
 
 def share(value: int | None, whole: int) -> str:
