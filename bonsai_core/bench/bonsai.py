@@ -153,16 +153,13 @@ def solve_table(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
 
 
 def smallest_budgets(args: argparse.Namespace, graphs: dict[str, tuple[str, Any]]) -> list[dict[str, Any]]:
-    """The smallest budget bonsai's model reaches, chen's lowest plan and the per-op bound, per model."""
-    from bonsai_core.bench.methods import chen_lowest_peak
+    """The smallest budget bonsai's model reaches, chen's lowest plan and the per-op bound, per model (as the
+    methods suite finds them)."""
+    from bonsai_core.bench import methods
 
-    rows = []
-    for label, g in (graphs[spec] for spec in args.models):
-        smallest, status = B.smallest_budget(g, time_limit=args.time_limit)
-        rows.append(shown({"model": label, "sweep": "smallest", "bonsai": smallest, "bonsai_status": status,
-                           "chen": chen_lowest_peak(g), "lower_bound": g.peak_lower_bound,
-                           "plain_peak": no_remat_peak(g)}))
-    return rows
+    config = methods.BenchConfig([], [], ["bonsai", "chen"], [], time_limit=args.time_limit)
+    return [shown(r | {"sweep": "smallest", "plain_peak": r["no_remat_peak"]})
+            for r in (methods.smallest_budgets(label, g, config) for label, g in (graphs[s] for s in args.models))]
 
 
 def granularity_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
