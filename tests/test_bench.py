@@ -4,7 +4,8 @@ import re
 import pytest
 
 from bonsai_core import peers
-from bonsai_core.bench import COLUMNS, REACH_TYPES, BenchConfig, ModelSpec, load_rows, markdown_report, smallest_budgets
+from bonsai_core.bench.methods import (COLUMNS, REACH_TYPES, BenchConfig, ModelSpec, load_rows, markdown_report,
+                                       smallest_budgets)
 from bonsai_core.cli import main
 from bonsai_core.errors import BudgetError, ModelError
 from bonsai_core.schedule import no_remat_peak

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from bonsai_core import models
-from bonsai_core.bench import ModelSpec
+from bonsai_core.bench.methods import ModelSpec
 from bonsai_core.cli import main
 from bonsai_core.errors import ModelError
 from bonsai_core.models import hf

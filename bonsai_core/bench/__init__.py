@@ -2,7 +2,7 @@
 
 ``bonsai bench SUITE [options]`` runs one suite, ``bonsai bench --list`` names them, and ``bonsai
 bench [options]`` (no suite) runs ``methods``, the default: every method and peer on the same models
-and budgets (:mod:`bonsai_core.bench.methods`, whose main names this package re-exports). Each suite is a
+and budgets (:mod:`bonsai_core.bench.methods`). Each suite is a
 module with ``add_arguments(parser)`` and ``main(args) -> int``; it imports the heavy modules it measures
 with (tracing, measuring, exporting) inside its functions, so building the command line stays cheap.
 """
@@ -12,9 +12,6 @@ from __future__ import annotations
 import argparse
 from importlib import import_module
 from types import ModuleType
-
-from bonsai_core.bench.methods import (COLUMNS, REACH_TYPES, BenchConfig, ModelSpec, load_rows, markdown_report,
-                                       smallest_budgets)
 
 DEFAULT_SUITE = "methods"
 # suite name -> (module under bonsai_core.bench, what it measures); the order `bonsai bench --list` prints
@@ -40,8 +37,7 @@ SUITES: dict[str, tuple[str, str]] = {
                              "memory budget under compile, torchtitan's 8B rows eager and compiled"),
 }
 
-__all__ = ["COLUMNS", "DEFAULT_SUITE", "REACH_TYPES", "SUITES", "BenchConfig", "ModelSpec", "add_suite_parsers",
-           "load_rows", "markdown_report", "smallest_budgets", "suite", "suite_list"]
+__all__ = ["DEFAULT_SUITE", "SUITES", "add_suite_parsers", "suite", "suite_list"]
 
 
 def suite(name: str) -> ModuleType:

@@ -68,9 +68,8 @@ def load(spec: str):
 
     if spec.endswith(".json"):
         return os.path.basename(spec), load_graph(spec)
-    if spec == "gpt2-small":
-        return spec, trace("gpt", GPT2_SMALL)
-    return spec, trace(*spec_options(spec))
+    name, options = ("gpt", GPT2_SMALL) if spec == "gpt2-small" else spec_options(spec)
+    return spec, common.graph_of(name, **options)
 
 
 def spec_options(spec: str) -> tuple[str, dict[str, int]]:
@@ -154,16 +153,13 @@ def solve_table(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
 
 
 def smallest_budgets(args: argparse.Namespace, graphs: dict[str, tuple[str, Any]]) -> list[dict[str, Any]]:
-    """The smallest budget bonsai's model reaches, chen's lowest plan and the per-op bound, per model."""
-    from bonsai_core.bench.methods import chen_lowest_peak
+    """The smallest budget bonsai's model reaches, chen's lowest plan and the per-op bound, per model (as the
+    methods suite finds them)."""
+    from bonsai_core.bench import methods
 
-    rows = []
-    for label, g in (graphs[spec] for spec in args.models):
-        smallest, status = B.smallest_budget(g, time_limit=args.time_limit)
-        rows.append(shown({"model": label, "sweep": "smallest", "bonsai": smallest, "bonsai_status": status,
-                           "chen": chen_lowest_peak(g), "lower_bound": g.peak_lower_bound,
-                           "plain_peak": no_remat_peak(g)}))
-    return rows
+    config = methods.BenchConfig([], [], ["bonsai", "chen"], [], time_limit=args.time_limit)
+    return [shown(r | {"sweep": "smallest", "plain_peak": r["no_remat_peak"]})
+            for r in (methods.smallest_budgets(label, g, config) for label, g in (graphs[s] for s in args.models))]
 
 
 def granularity_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -230,12 +226,6 @@ Row = dict[str, Any]
 
 
 # -- the studies -----------------------------------------------------------------------------------
-
-def trace(model: str, options: dict[str, int]):
-    from bonsai_core.trace import trace_model
-
-    return trace_model(model, **options).graph
-
 
 def trace_command(key: str) -> str:
     _, model, options = GRAPHS[key]
@@ -349,7 +339,7 @@ def checkmate_study(time_limit: float) -> list[dict[str, Any]]:
     """Per CHECKMATE_GPTS graph and CHECKMATE_AT budget: the lower bound, bonsai's default and checkmate."""
     rows = []
     for label, options in CHECKMATE_GPTS.items():
-        g = trace("gpt", options)
+        g = common.graph_of("gpt", **options)
         for fraction in CHECKMATE_AT:
             budget = int(fraction * no_remat_peak(g))
             row = {"label": label, "nodes": g.n, "fraction": fraction, "bound": bound_said(g, budget)["overhead"]}
@@ -364,7 +354,7 @@ def checkmate_study(time_limit: float) -> list[dict[str, Any]]:
 
 def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lambda done: None) -> dict[str, Any]:
     """Every measurement the page reports besides the suite's tables; ``progress(done so far)`` after each."""
-    graphs = {key: load_graph(common.ROOT / EXPLORER_GRAPH) if model is None else trace(model, options)
+    graphs = {key: load_graph(common.ROOT / EXPLORER_GRAPH) if model is None else common.graph_of(model, **options)
               for key, (_, model, options) in GRAPHS.items()}
     seconds: dict[str, float] = {}
     done = common.run_studies({
@@ -373,13 +363,14 @@ def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lamb
                                 for variant, options in VARIANTS.items()} for k, g in graphs.items()},
         "export": lambda: export_study(graphs["hf_gpt2"], time_limit),
         "drag": lambda: budget_sweep(graphs["explorer"], DRAG, time_limit=time_limit),
-        "unets": lambda: [region_entry(label, trace("unet", o), time_limit) for label, o in UNETS.items()],
-        "larger_unet": lambda: region_entry("U-Net", trace("unet", LARGER_UNET), time_limit, at_half=("moccasin",)),
+        "unets": lambda: [region_entry(label, common.graph_of("unet", **o), time_limit) for label, o in UNETS.items()],
+        "larger_unet": lambda: region_entry("U-Net", common.graph_of("unet", **LARGER_UNET), time_limit,
+                                            at_half=("moccasin",)),
         "explorer_bound": lambda: bound_entry("explorer", graphs["explorer"], time_limit),
         "headroom": lambda: [bound_entry(f"width {w}, seq {s}",
-                                         trace("gpt", {**HEADROOM_OPTIONS, "width": w, "seq": s}), time_limit)
+                                         common.graph_of("gpt", **HEADROOM_OPTIONS, width=w, seq=s), time_limit)
                              for w, s in HEADROOM_SIZES],
-        "others": lambda: [bound_entry(name, trace(name, o), time_limit) for name, o in OTHER_AUTHORS],
+        "others": lambda: [bound_entry(name, common.graph_of(name, **o), time_limit) for name, o in OTHER_AUTHORS],
         "moccasin": lambda: budget_sweep(graphs["gpt4"], [MOCCASIN_AT], "moccasin", time_limit=time_limit)[0],
         "checkmate": lambda: checkmate_study(time_limit),
         "real_steps": lambda: [real_step(label, time_limit) for label in REAL_STEPS]},
@@ -395,8 +386,7 @@ def points(x: float) -> str:
 
 def points_range(xs: Sequence[float]) -> str:
     """``0.41 points``, ``0.41–3.10 points``."""
-    lo, hi = min(xs), max(xs)
-    return points(lo) if f"{lo:.4f}" == f"{hi:.4f}" else f"{100 * lo:.2f}–{100 * hi:.2f} points"
+    return common.span([100 * x for x in xs], "{:.2f}".format, unit=" points")
 
 
 def share(value: int | None, whole: int) -> str:
@@ -616,19 +606,6 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         **suite_values(rows))
 
 
-def stored_refusal(path: Path) -> str | None:
-    """Why ``path`` holds no finished ``--page`` run to write the page from; None when it does."""
-    try:
-        results = json.loads(path.read_text())
-    except ValueError as e:
-        return f"{path} is not JSON ({e}); run `bonsai bench bonsai --page` again"
-    if not isinstance(results, dict) or "studies" not in results:
-        return f"{path} holds no page studies (a run without --page); run with --page, without --report-only"
-    if "ended" not in results["meta"]:
-        return f"{path} is from a run that did not finish; run with --page again"
-    return None
-
-
 def refusal(args: argparse.Namespace) -> str | None:
     """Why the page's options cannot run, before any measurement: without -o, a page of other models, budgets
     or studies than the suite's defaults, results that are no finished ``--page`` run, what
@@ -637,9 +614,8 @@ def refusal(args: argparse.Namespace) -> str | None:
         return "--page and --report-only keep the run's results in -o FILE.json: name it"
     if not Path(args.output).resolve().parent.is_dir():
         return f"-o {args.output}: the folder {Path(args.output).parent} does not exist"
-    why = common.page_refusal(args, results=Path(args.output), narrowed=common.changed(args, PAGE_FIXED),
-                              whole="the suite's default models, budgets and studies")
-    return why or (stored_refusal(Path(args.output)) if args.report_only else None)
+    return common.page_refusal(args, results=Path(args.output), narrowed=common.changed(args, PAGE_FIXED),
+                               whole="the suite's default models, budgets and studies", studies=True)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -666,10 +642,6 @@ def main(args: argparse.Namespace) -> int:
         if args.output:
             Path(args.output).write_text(json.dumps(rows, indent=1, default=str))
         return 0
-
-    def write_page(results: dict[str, Any], path: str) -> None:
-        header = common.page_header(results["meta"]["command"], SOURCES)
-        Path(path).write_text(page(results, header, os.path.relpath(args.output, Path(path).parent)))
-
     kept = Path(args.output) if args.output else None  # refused without it
-    return common.run_page_suite("bonsai", args, refusal(args), lambda: measure(args), write_page, results=kept)
+    return common.run_page_suite("bonsai", args, refusal(args), lambda: measure(args),
+                                 common.page_writer(page, SOURCES, kept), results=kept)

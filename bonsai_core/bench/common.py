@@ -229,6 +229,14 @@ def median(xs: Iterable[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def graph_of(model: str, **options: Any) -> Any:
+    """The graph ``bonsai trace MODEL`` makes with ``options`` (tracing imported here: building the command line
+    stays cheap)."""
+    from bonsai_core.trace import trace_model
+
+    return trace_model(model, **options).graph
+
+
 def import_test_models() -> None:
     """Put the checkout's root on ``sys.path``, so that the suites measuring the models in ``tests/``
     import them from any working directory (as the scripts they were did)."""
@@ -297,12 +305,14 @@ def changed(args: Any, names: Sequence[str]) -> list[str]:
 
 
 def page_refusal(args: Any, default_out: str | None = None, record_page: str | None = None,
-                 results: Path | None = None, narrowed: Sequence[str] = (), whole: str | None = None) -> str | None:
+                 results: Path | None = None, narrowed: Sequence[str] = (), whole: str | None = None,
+                 studies: bool = False) -> str | None:
     """Why ``--out``/``--page``/``--report-only`` cannot run, before anything is measured; None when they can.
     ``narrowed``: the options given that measure less than the page reports (:func:`changed`; ``--quick``,
     where the suite has it, counts); such a run cannot be ``--report-only``, nor overwrite ``default_out``'s
     results or ``record_page``; where the page reports only ``whole`` (the full run), it writes no page.
-    ``results``: :func:`results_file`'s."""
+    ``results``: :func:`results_file`'s; ``studies``: ``--report-only`` needs a finished run of the page's
+    studies there (:func:`stored_refusal`)."""
     narrowed = list(dict.fromkeys([*narrowed, *(["--quick"] if getattr(args, "quick", False) else [])]))
     results = results_file(args, results)
     if args.report_only and not args.page:
@@ -311,6 +321,8 @@ def page_refusal(args: Any, default_out: str | None = None, record_page: str | N
         return f"--report-only writes the page of the stored run and measures nothing: leave out {listing(narrowed)}"
     if args.report_only and not results.is_file():
         return f"{results} is missing: run without --report-only first"
+    if args.report_only and studies and (why := stored_refusal(results)):
+        return why
     if narrowed and args.page and whole:
         return f"--page reports {whole}: leave out {listing(narrowed)}"
     if narrowed and default_out and same_path(args.out, default_out):
@@ -324,10 +336,28 @@ def page_refusal(args: Any, default_out: str | None = None, record_page: str | N
     return None
 
 
-def page_writer(page: Callable[[dict[str, Any], str], str], sources: Sequence[str]) -> Callable[[dict[str, Any], str], None]:
+def stored_refusal(path: Path) -> str | None:
+    """Why ``path`` holds no finished run of a page's studies to write the page from; None when it does."""
+    try:
+        results = json.loads(path.read_text())
+    except ValueError as e:
+        return f"{path} is not JSON ({e}); run with --page again"
+    if not isinstance(results, dict) or "studies" not in results:
+        return f"{path} holds no page studies (a run without --page); run with --page, without --report-only"
+    if "started" in results["meta"] and "ended" not in results["meta"]:
+        return f"{path} is from a run that did not finish; run with --page again"
+    return None
+
+
+def page_writer(page: Callable[..., str], sources: Sequence[str],
+                link: str | Path | None = None) -> Callable[[dict[str, Any], str], None]:
     """Writes ``page(results, header)`` to a path, the header naming the command that measured ``results``
-    (their ``meta``) and the ``sources`` the page is written by."""
-    return lambda results, path: Path(path).write_text(page(results, page_header(results["meta"]["command"], sources)))
+    (their ``meta``) and the ``sources`` the page is written by; with ``link`` (a path from the working
+    directory: the run's results), ``page(results, header, that path from the page's folder)``."""
+    def write(results: dict[str, Any], path: str) -> None:
+        links = () if link is None else (os.path.relpath(link, Path(path).parent),)
+        Path(path).write_text(page(results, page_header(results["meta"]["command"], sources), *links))
+    return write
 
 
 def run_page_suite(suite: str, args: Any, refusal: str | None, measure: Callable[[], dict[str, Any]],
@@ -378,9 +408,11 @@ def grouped(items: Iterable[Any], key: Callable[[Any], Any],
     return out
 
 
-def cells(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> dict[Any, dict[str, dict[str, Any]]]:
-    """``key(row)`` -> method -> row: a results table's cells (a model at a budget), in the order of the rows."""
-    return {k: {r["method"]: r for r in of} for k, of in grouped(rows, key).items()}
+def cells(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any],
+          by: str = "method") -> dict[Any, dict[str, dict[str, Any]]]:
+    """``key(row)`` -> ``row[by]`` (its method) -> row: a results table's cells (a model at a budget), in the order
+    of the rows."""
+    return {k: {r[by]: r for r in of} for k, of in grouped(rows, key).items()}
 
 
 def progress(row: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:

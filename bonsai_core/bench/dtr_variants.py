@@ -37,10 +37,8 @@ def overheads(graph, fracs: tuple[float, ...]) -> dict[str, list[float | None]]:
 
 def measure() -> dict[str, Any]:
     """Both graphs: their node counts, budgets and every variant's overheads."""
-    from bonsai_core.trace import trace_model
-
     small = load_graph(SMALL["graph"])
-    larger = trace_model(LARGER["model"], **LARGER["options"]).graph
+    larger = common.graph_of(LARGER["model"], **LARGER["options"])
     return {"small": {"nodes": small.n, "fracs": list(SMALL["fracs"]), "overheads": overheads(small, SMALL["fracs"])},
             "larger": {"nodes": larger.n, "options": LARGER["options"], "fracs": list(LARGER["fracs"]),
                        "overheads": overheads(larger, LARGER["fracs"])}}

@@ -178,13 +178,11 @@ def verified_rows(cases: Sequence[tuple[str, dict[str, Any] | None, str | None]]
 def attention_rows(models: Sequence[str]) -> list[dict[str, Any]]:
     """No-remat peaks of ``models`` at their default sizes and seq ATTENTION_SEQ, eager attention and
     SDPA, fp32 and bf16 parameters (traces only)."""
-    from bonsai_core.trace import trace_model
-
     rows = []
     for model in models:
         for dtype in ("fp32", "bf16"):
             for attention in ("eager", "sdpa"):
-                graph = trace_model(model, seq=ATTENTION_SEQ, attention=attention, dtype=dtype).graph
+                graph = common.graph_of(model, seq=ATTENTION_SEQ, attention=attention, dtype=dtype)
                 row = {"model": model, "dtype": dtype, "attention": attention, "nodes": graph.n,
                        "no_remat_peak": no_remat_peak(graph)}
                 rows.append(common.progress(row, list(row)))

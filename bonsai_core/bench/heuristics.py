@@ -110,10 +110,8 @@ def label_of(name: str, options: dict[str, int]) -> str:
 
 
 def bench_model(name: str, options: dict[str, int], time_limit: float) -> dict[str, Any]:
-    from bonsai_core.trace import trace_model
-
     start = time.perf_counter()
-    g = trace_model(name, **options).graph
+    g = common.graph_of(name, **options)
     ref, adam = no_remat_peak(g), adam_bytes(g)
     entry: dict[str, Any] = {"model": name, "options": options, "nodes": g.n, "no_remat_peak": ref,
                              "fixed_mem": g.fixed_mem, "adam_bytes": adam, "trace_seconds": time.perf_counter() - start,
@@ -196,9 +194,7 @@ def example(time_limit: float, frac: float = EXAMPLE_FRAC) -> dict[str, Any]:
     """Coop and dtr-pool on the zoo GPT at ``frac`` of its no-remat peak, from their event logs: what
     each run's requests did, the requests where they first differ, what each recomputes most, and both
     around that pool."""
-    from bonsai_core.trace import trace_model
-
-    g = trace_model("gpt").graph
+    g = common.graph_of("gpt")
     budget = int(frac * no_remat_peak(g))
     runs = {k: solve(g, budget, VARIANTS[k][0], time_limit=time_limit, budget_hint=False, **VARIANTS[k][1])
             for k in EXAMPLE_METHODS}
@@ -256,10 +252,8 @@ def inplace_rows(models: list[tuple[str, dict[str, int]]], variants: dict[str, t
     """One row per model and variant, as measured: the model's label and in-place ops, the smallest budget
     met (a share of the no-remat peak, None when none up to 1.5x), and the run at 80%
     (:func:`run`, measured)."""
-    from bonsai_core.trace import trace_model
-
     for name, options in models:
-        g = trace_model(name, **options).graph
+        g = common.graph_of(name, **options)
         ref = no_remat_peak(g)
         for variant in variants:
             smallest = smallest_budget(g, variant, time_limit, variants=variants)
@@ -279,11 +273,9 @@ def claims(time_limit: float) -> list[dict[str, Any]]:
     arena), each with its overhead, its fragmentation in its own pool and under the caching allocator, the
     paper's rate (``free_after_eviction``, as OneFlow records it) and its fullest moment's live bytes;
     ``pool``: the arena's bytes (Adam state included)."""
-    from bonsai_core.trace import trace_model
-
     rows = []
     for name, options in CLAIM_MODELS:
-        graph = trace_model(name, **options).graph
+        graph = common.graph_of(name, **options)
         for frac in CLAIM_FRACS:
             budget = int(frac * no_remat_peak(graph))
             pool = (budget + adam_bytes(graph)) // MIN_BLOCK * MIN_BLOCK
@@ -350,9 +342,7 @@ def lowest_reserved(message: str) -> int | None:
 def reserved_budgets(time_limit: float) -> dict[str, Any]:
     """bonsai on RESERVED_MODEL at RESERVED_FRACS of its no-remat peak: the live-budget schedule replayed
     through both allocator models, and ``solve_reserved`` with each (``bonsai solve --reserved``)."""
-    from bonsai_core.trace import trace_model
-
-    g = trace_model(RESERVED_MODEL[0], **RESERVED_MODEL[1]).graph
+    g = common.graph_of(RESERVED_MODEL[0], **RESERVED_MODEL[1])
     ref = no_remat_peak(g)
     budgets = []
     for frac in RESERVED_FRACS:

@@ -131,22 +131,18 @@ def figure(results: dict[str, Any]):
     return fig
 
 
-def write_png(fig, path: Path) -> str:
-    """The figure as PNG: plotly's kaleido if installed, else headless Chromium on a self-contained copy."""
-    try:
-        fig.write_image(path, width=fig.layout.width, height=fig.layout.height)
-        return "kaleido"
-    except Exception:  # no kaleido (or its browser): the browser the explorer's tests use
-        chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-        if chromium is None:
-            raise SystemExit("no kaleido and no chromium: cannot write the PNG (the HTML is written)")
-        with tempfile.TemporaryDirectory() as tmp:
-            page = Path(tmp) / "figure.html"
-            fig.write_html(page, include_plotlyjs=True, config={"staticPlot": True})
-            subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                            f"--window-size={fig.layout.width},{fig.layout.height}", f"--screenshot={path}",
-                            page.as_uri()], check=True, capture_output=True, timeout=120)
-        return "chromium"
+def write_png(fig, path: Path) -> None:
+    """The figure as PNG: a self-contained copy shot in headless Chromium, the browser the explorer's tests use
+    (plotly's own PNG export needs kaleido, which the project does not install)."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if chromium is None:
+        raise SystemExit("no chromium: cannot write the PNG (the HTML is written)")
+    with tempfile.TemporaryDirectory() as tmp:
+        page = Path(tmp) / "figure.html"
+        fig.write_html(page, include_plotlyjs=True, config={"staticPlot": True})
+        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                        f"--window-size={fig.layout.width},{fig.layout.height}", f"--screenshot={path}",
+                        page.as_uri()], check=True, capture_output=True, timeout=120)
 
 
 def example_markdown(ex: dict[str, Any]) -> str:
@@ -335,10 +331,7 @@ WRITE_PAIRS = {"coop": ("coop writes in place", "coop copy-on-write"),
 
 def by_model(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     """model -> variant -> its row, in the rows' order."""
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    for row in rows:
-        out.setdefault(row["model"], {})[row["variant"]] = row
-    return out
+    return common.cells(rows, lambda r: r["model"], by="variant")
 
 
 def pair_split(rows: list[dict[str, Any]], pair: tuple[str, str],
@@ -528,11 +521,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def refusal(args: argparse.Namespace) -> str | None:
     """Why the options cannot run, before any measurement: a page from a subset of the models, a page
     again from results without the page's studies, or what :func:`common.page_refusal` refuses."""
-    saved = Path(args.out) / "results.json"
-    why = common.page_refusal(args, narrowed=common.changed(args, ("models",)), whole="every model")
-    if not why and args.report_only and "studies" not in json.loads(saved.read_text()):
-        return f"{saved} holds no page studies; run with --page, without --report-only"
-    return why
+    return common.page_refusal(args, narrowed=common.changed(args, ("models",)), whole="every model", studies=True)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from bonsai_core.errors import BonsaiError, ModelError
 from bonsai_core.regions import plan_schedule
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import METHODS, accepted_options, available_methods, solve
+from bonsai_core.solvers.deadline import Deadline
 
 # Each column of results.csv and its pandas type (nullable: a row that did not run has no peak).
 COLUMN_TYPES = {"model": "string", "nodes": "Int64", "method": "string", "budget_bytes": "Int64",
@@ -235,14 +235,9 @@ def main(args: argparse.Namespace) -> int:
     if args.out is None:
         args.parser.error("the following arguments are required: -o/--output")
     config = None if args.report_only else config_from(args)
-    out = Path(args.out)
-
-    def write_page(results: dict[str, Any], path: str) -> None:
-        header = common.page_header(results["meta"]["command"], SOURCES)
-        bench = os.path.relpath(out, Path(path).parent)
-        Path(path).write_text(page(results["rows"], results["reach"], results["meta"], header, bench))
-
-    return common.run_page_suite("methods", args, refusal(args), lambda: measure(config, out), write_page,
+    write_page = common.page_writer(lambda run, header, bench: page(run["rows"], run["reach"], run["meta"], header,
+                                                                    bench), SOURCES, args.out)
+    return common.run_page_suite("methods", args, refusal(args), lambda: measure(config, Path(args.out)), write_page,
                                  write_beside)
 
 
@@ -307,17 +302,12 @@ def bisect_budget(graph: Any, method: str, reference: int, time_limit: float) ->
     """The smallest budget between the per-op lower bound and ``reference`` at which ``method``
     (dtr or coop, without its own budget hint) found a schedule in a bisection of at most
     BISECTION_STEPS runs after the two ends; None if it met neither end within ``time_limit``."""
-    deadline = time.perf_counter() + time_limit
+    deadline = Deadline(time_limit)
 
     def meets(budget: int) -> bool:
-        left = deadline - time.perf_counter()
-        if left <= 0:
+        if deadline.passed():
             raise TimeoutError
-        try:
-            solve(graph, budget, method=method, time_limit=left, budget_hint=False)
-            return True
-        except BonsaiError:
-            return False
+        return common.overhead_or_none(graph, budget, method, time_limit=deadline.remaining()) is not None
 
     return common.bisect_budget(meets, graph.peak_lower_bound, reference, BISECTION_STEPS, try_lo=True)
 

@@ -64,9 +64,8 @@ def exported_plan(time_limit: float) -> dict[str, Any]:
     """bonsai's offloading plan at EXPORT_SHARE, exported with the replay back-end and verified on the CPU
     (``bonsai solve --option offload=true``, ``bonsai export``, ``bonsai verify``)."""
     from bonsai_core.export import export_model, verify_export
-    from bonsai_core.trace import trace_model
 
-    graph = trace_model(MODEL).graph
+    graph = common.graph_of(MODEL)
     schedule = solve(graph, int(EXPORT_SHARE * no_remat_peak(graph)), method="bonsai", offload=True,
                      time_limit=time_limit)
     sim = simulate(graph, schedule)
@@ -80,10 +79,8 @@ def exported_plan(time_limit: float) -> dict[str, Any]:
 
 
 def measure(time_limit: float) -> dict[str, Any]:
-    from bonsai_core.trace import trace_model
-
     start = time.perf_counter()
-    graph = trace_model(MODEL).graph
+    graph = common.graph_of(MODEL)
     results: dict[str, Any] = {
         "meta": common.run_meta(time_limit=time_limit),
         "graph": {"name": MODEL, "nodes": graph.n, "no_remat_peak": no_remat_peak(graph)},

@@ -170,8 +170,6 @@ def versions() -> dict[str, str]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Each (graph, method) in a child process under a hard limit: the rows and the run's command, dates and
     machine, in ``--out``/results.json after each child (a long run leaves results behind)."""
-    from bonsai_core.trace import trace_model
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"meta": common.run_meta("started", versions=versions(), time_limit=args.time_limit),
@@ -183,7 +181,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if label not in graph_files:
                 model, options = GRAPHS[label]
                 graph_files[label] = f"{tmp}/{label}.json"
-                save_graph(trace_model(model, **options).graph, graph_files[label])
+                save_graph(common.graph_of(model, **options), graph_files[label])
             for row in run_child(graph_files[label], label, method, budgets, limit):
                 row.update(study=study, load=round(os.getloadavg()[0], 1))  # the machine's load as the child ended
                 results["rows"].append(common.progress(row, ("study", "graph", "method", "budget_share", "status",
@@ -200,12 +198,8 @@ def main(args: argparse.Namespace) -> int:
     if args.one:
         run_one(*args.one, args.budgets or DEFAULT_BUDGETS, args.time_limit)
         return 0
-
-    def write_page(results: dict[str, Any], path: str) -> None:
-        header = common.page_header(results["meta"]["command"], SOURCES)
-        link = os.path.relpath(Path(args.out) / "results.json", Path(path).parent)
-        Path(path).write_text(page(results["rows"], results["meta"], header, link))
-
+    write_page = common.page_writer(lambda run, header, link: page(run["rows"], run["meta"], header, link), SOURCES,
+                                    common.results_file(args))
     return common.run_page_suite("solvers-opt", args, refusal(args), lambda: measure(args), write_page)
 
 
