@@ -266,8 +266,7 @@ def _work() -> None:
 def _solve(sweep: Sweep, p: int) -> None:
     """Solve position ``p`` of ``sweep``; below a budget the method cannot meet, nothing lower is solved."""
     out = sweep.solve(p)
-    limit = dict(sweep.settings(p)[1]).get("time_limit")
-    ran_out = bool(limit) and out.wall_seconds >= 0.95 * float(limit)  # says nothing of lower budgets
+    ran_out = compute.ran_out(out, dict(sweep.settings(p)[1]).get("time_limit"))  # says nothing of lower budgets
     with _lock:
         sweep.solved[p] = out.ok
         if sweep.axis == BUDGET and not out.ok and not ran_out:

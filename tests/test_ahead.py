@@ -113,7 +113,7 @@ def test_a_solve_that_ran_out_of_time_says_nothing_of_the_budgets_below(fake_met
 
     def timed(graph, budget, method, options=(), reserved=None, _cap=None):  # 54%'s solve took its whole limit
         out = real_solve(graph, budget, method, options, reserved, _cap)
-        return dataclasses.replace(out, wall_seconds=20.0) if pct_of(budget) == 54 else out
+        return dataclasses.replace(out, cpu_seconds=20.0) if pct_of(budget) == 54 else out
 
     monkeypatch.setattr(compute, "solve", timed)
     options = (("time_limit", 20.0),)
@@ -222,7 +222,7 @@ def test_only_bonsai_cores_methods_within_their_time_are_kept(monkeypatch, tmp_p
     compute.solve(GRAPH, ahead.budget_at(80, REFERENCE), "fake", ())  # a method of the tests: not kept
     assert not any(tmp_path.rglob("*.json.gz"))
     schedule = none_schedule(GRAPH)
-    out = compute.Outcome("chen", 1, (), schedule, simulate(GRAPH, schedule), wall_seconds=19.5)
+    out = compute.Outcome("chen", 1, (), schedule, simulate(GRAPH, schedule), wall_seconds=30.0, cpu_seconds=19.5)
     assert compute.keepable("chen", out, None) and not compute.keepable("chen", out, 20.0)  # it ran into its limit
     assert disk.code_digest() == disk.code_digest() and len(disk.code_digest()) == 16
 
