@@ -264,3 +264,21 @@ def test_bonsais_reach_is_computed_only_once_every_position_is_answered(recorded
     ahead.start(GRAPH, session_solve(70, method="bonsai"), REFERENCE, 70)
     wait_for_the_thread()
     assert answered_when_asked == [len(ahead.SLIDER)]
+
+
+def test_a_solve_that_waits_for_the_cpu_is_not_out_of_its_time_limit(fake_method):
+    """The explorer's time limit counts the solving thread's CPU seconds: a solve that spends its time waiting
+    (as on a loaded machine) ends within it."""
+    from bonsai_core.solvers.deadline import Deadline
+
+    ended_within = []
+
+    def waits(budget, time_limit=None, **options):
+        clock = Deadline(time_limit)
+        __import__("time").sleep(0.6)  # wall time, no CPU time
+        ended_within.append(not clock.passed())
+
+    fake_method(waits)
+    out = compute.solve(GRAPH, ahead.budget_at(80, REFERENCE), "fake", (("time_limit", 0.5),))
+    assert ended_within == [True] and out.ok
+    assert out.wall_seconds >= 0.6 > out.cpu_seconds and not compute.ran_out(out, 0.5)

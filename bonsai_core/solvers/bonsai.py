@@ -559,7 +559,8 @@ class _Times:
 
 def _self_contained_count(graph: Graph, plan: CheckpointPlan) -> int:
     """How many of ``plan``'s saved nodes are self-contained in their recomputed segment."""
-    pos, constant = forward_positions(graph), self_contained(graph)
+    pos = forward_positions(graph)
+    constant = _cached((graph.hash, "self-contained"), lambda: self_contained(graph))  # each solve's stats read it
     return sum(1 for v in plan.saved if constant[pos[v]])
 
 
