@@ -170,7 +170,7 @@ def solve_from(milp: SparseMilp, relaxation: Relaxation, start: np.ndarray, lp_b
     answer fails the check (:func:`_checked`), or is not proven within ``gap`` though time was left (HiGHS
     handed a start has been seen to stop at once, "optimal" at objective 0, on test_bonsai's viewed2).
     ``offset``: as in :func:`round_relaxation`."""
-    clock, begun = time.perf_counter(), now()
+    clock, begun, given = time.perf_counter(), now(), backend_seconds(time_limit)  # given: the backend's own limit
     try:
         found = solve_sparse_milp(milp, "highs", start, time_limit=time_limit, gap=gap)
     except SolverError:
@@ -183,7 +183,7 @@ def solve_from(milp: SparseMilp, relaxation: Relaxation, start: np.ndarray, lp_b
     claimed = found.outcome.objective is not None and math.isclose(found.outcome.objective, objective,
                                                                    rel_tol=1e-9, abs_tol=1e-12)
     proven = relative_gap(objective + offset, max(lp_bound, found.bound + offset) if claimed else lp_bound)
-    out_of_time = time_limit is not None and now() - begun >= time_limit
+    out_of_time = time_limit is not None and (now() - begun >= time_limit or time.perf_counter() - clock >= given)
     if proven > gap and not out_of_time:
         return None
     relaxation.plans = [values, *relaxation.plans[1:]] if relaxation.plans else [values]
