@@ -8,6 +8,7 @@ infeasible value is as fast as over a feasible one.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import time
@@ -386,7 +387,7 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
     reserves instead of the live bytes (``solvers.solve_reserved``, as ``bonsai solve --reserved``);
     with no budget (no remat) it only says how :func:`replay` replays the schedule, as the plans it is
     drawn beside. ``_cap`` (not part of the cache key) runs the method with its time limit lowered to ``_cap``
-    seconds: a call that ends sooner is the uncapped call's outcome (the limit was never reached) and is
+    wall-clock seconds (how long a page waits; the uncapped limit counts CPU seconds): a call that ends sooner is the uncapped call's outcome (the limit was never reached) and is
     cached as such; one that reaches it raises :class:`Unfinished` and nothing is cached."""
     asked = with_defaults(method, options)
     kept = disk.load_plan(graph.hash, method, asked, reserved, budget)
@@ -404,7 +405,9 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
     if _cap is not None:
         run["time_limit"] = min(float(run.get("time_limit") or math.inf), _cap)  # 0 or absent: no limit
     try:
-        with cpu_seconds():  # the time limit counts this thread's CPU: a loaded machine finds the same plans
+        # the time limit counts this thread's CPU, so that a loaded machine finds the same plans; a capped
+        # solve's cap bounds how long a page waits, in wall seconds
+        with cpu_seconds() if _cap is None else contextlib.nullcontext():
             if reserved is not None and budget is not None:
                 schedule = solvers.solve_reserved(graph, budget, method, policy=reserved, **run)
             else:
@@ -423,7 +426,7 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
         keep = True
     outcome = replace(outcome, wall_seconds=time.perf_counter() - start,
                       cpu_seconds=time.thread_time() - cpu)
-    if _cap is not None and outcome.cpu_seconds >= _cap:
+    if _cap is not None and outcome.wall_seconds >= _cap:
         raise Unfinished(f"{method} at {budget} B did not finish within {_cap:g} s")
     if keep and keepable(method, outcome, run.get("time_limit")):
         disk.save_plan(graph.hash, method, asked, reserved, budget, outcome.schedule, outcome.error,
