@@ -15,7 +15,9 @@ plan (an FSDP rank's allocator replay, bonsai's reach for the Solve page's note)
 position is answered (``Sweep.later``): on torchtitan's 8B step the reach alone builds the largest rung's
 model for minutes. Each solve runs with the session's own options and time limit, so that a sweep's plan
 is the one the session would get (bonsai's ILP keeps its LP relaxation between budgets:
-:mod:`bonsai_core.solvers.relaxation`).
+:mod:`bonsai_core.solvers.relaxation`); the limit counts the solving thread's CPU seconds
+(:func:`bonsai_core.solvers.deadline.cpu_seconds`), so that a sweep sharing the machine with sessions
+finds the plans a quiet machine finds.
 
 While a sweep runs, a session that asks for a position not solved yet is answered at once with the
 nearest solved plan that fits its budget (a lower position's; else the nearest above), marked as such
