@@ -15,7 +15,9 @@ plan (an FSDP rank's allocator replay, bonsai's reach for the Solve page's note)
 position is answered (``Sweep.later``): on torchtitan's 8B step the reach alone builds the largest rung's
 model for minutes. Each solve runs with the session's own options and time limit, so that a sweep's plan
 is the one the session would get (bonsai's ILP keeps its LP relaxation between budgets:
-:mod:`bonsai_core.solvers.relaxation`).
+:mod:`bonsai_core.solvers.relaxation`); the limit counts the solving thread's CPU seconds
+(:func:`bonsai_core.solvers.deadline.cpu_seconds`), so that a sweep sharing the machine with sessions
+finds the plans a quiet machine finds.
 
 While a sweep runs, a session that asks for a position not solved yet is answered at once with the
 nearest solved plan that fits its budget (a lower position's; else the nearest above), marked as such
@@ -266,8 +268,7 @@ def _work() -> None:
 def _solve(sweep: Sweep, p: int) -> None:
     """Solve position ``p`` of ``sweep``; below a budget the method cannot meet, nothing lower is solved."""
     out = sweep.solve(p)
-    limit = dict(sweep.settings(p)[1]).get("time_limit")
-    ran_out = bool(limit) and out.wall_seconds >= 0.95 * float(limit)  # says nothing of lower budgets
+    ran_out = compute.ran_out(out, dict(sweep.settings(p)[1]).get("time_limit"))  # says nothing of lower budgets
     with _lock:
         sweep.solved[p] = out.ok
         if sweep.axis == BUDGET and not out.ok and not ran_out:

@@ -8,6 +8,7 @@ infeasible value is as fast as over a feasible one.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import time
@@ -25,6 +26,7 @@ from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, RegionBound, region_peak_bound
 from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate, simulated
+from bonsai_core.solvers.deadline import cpu_seconds
 from explorer import disk
 
 GRAPH_HASH = {Graph: lambda g: g.hash}
@@ -97,6 +99,7 @@ class Outcome:
     sim: SimResult | None = None
     error: str | None = None
     wall_seconds: float = 0.0
+    cpu_seconds: float = 0.0  # the solving thread's: what its time limit counts (0 when read from the disk)
     reserved: str | None = None  # solved for the reserved bytes of this allocator policy (ALLOCATORS)
     kept: bool = False  # read from the disk (explorer.disk): solved before, by this code
     stand_in_for: float | None = None  # shown for this budget (% of the no-remat peak) while it is solved
@@ -384,7 +387,7 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
     reserves instead of the live bytes (``solvers.solve_reserved``, as ``bonsai solve --reserved``);
     with no budget (no remat) it only says how :func:`replay` replays the schedule, as the plans it is
     drawn beside. ``_cap`` (not part of the cache key) runs the method with its time limit lowered to ``_cap``
-    seconds: a call that ends sooner is the uncapped call's outcome (the limit was never reached) and is
+    wall-clock seconds (how long a page waits; the uncapped limit counts CPU seconds): a call that ends sooner is the uncapped call's outcome (the limit was never reached) and is
     cached as such; one that reaches it raises :class:`Unfinished` and nothing is cached."""
     asked = with_defaults(method, options)
     kept = disk.load_plan(graph.hash, method, asked, reserved, budget)
@@ -397,29 +400,32 @@ def solved(graph: Graph, budget: int | None, method: str, options: Options, rese
                            reserved=reserved, kept=True)
         except BonsaiError:  # not this graph's after all: solved again below
             pass
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     run = dict(asked)
     if _cap is not None:
         run["time_limit"] = min(float(run.get("time_limit") or math.inf), _cap)  # 0 or absent: no limit
     try:
-        if reserved is not None and budget is not None:
-            schedule = solvers.solve_reserved(graph, budget, method, policy=reserved, **run)
-        else:
-            schedule = solvers.solve(graph, budget, method, **run)
+        # the time limit counts this thread's CPU, so that a loaded machine finds the same plans; a capped
+        # solve's cap bounds how long a page waits, in wall seconds
+        with cpu_seconds() if _cap is None else contextlib.nullcontext():
+            if reserved is not None and budget is not None:
+                schedule = solvers.solve_reserved(graph, budget, method, policy=reserved, **run)
+            else:
+                schedule = solvers.solve(graph, budget, method, **run)
         sim = simulated(graph, schedule)  # solvers.solve's
     except BonsaiError as e:
-        outcome = Outcome(method, budget, options, error=str(e), wall_seconds=time.perf_counter() - start,
-                          reserved=reserved)
+        outcome = Outcome(method, budget, options, error=str(e), reserved=reserved)
         keep = True
     except Exception as e:  # a solver bug or a backend failure: say so in the page, never a traceback
         keep = False
-        outcome = Outcome(method, budget, options, wall_seconds=time.perf_counter() - start, reserved=reserved,
+        outcome = Outcome(method, budget, options, reserved=reserved,
                           error=f"Method {method!r} failed unexpectedly ({type(e).__name__}: {e}). Try another "
                                 "method or backend, and report this with the model and budget.")
     else:
-        outcome = Outcome(method, budget, options, schedule, sim, wall_seconds=time.perf_counter() - start,
-                          reserved=reserved)
+        outcome = Outcome(method, budget, options, schedule, sim, reserved=reserved)
         keep = True
+    outcome = replace(outcome, wall_seconds=time.perf_counter() - start,
+                      cpu_seconds=time.thread_time() - cpu)
     if _cap is not None and outcome.wall_seconds >= _cap:
         raise Unfinished(f"{method} at {budget} B did not finish within {_cap:g} s")
     if keep and keepable(method, outcome, run.get("time_limit")):
@@ -459,8 +465,12 @@ def keepable(method: str, outcome: Outcome, time_limit: float | None) -> bool:
     did not run out of time (a quieter machine may do better), with a schedule or the method's own
     word on the budget; never a crash."""
     module = solvers.METHODS.get(method, ("",))[0]
-    ran_out = bool(time_limit) and outcome.wall_seconds >= 0.95 * float(time_limit)
-    return module.startswith("bonsai_core.") and not ran_out and out_of_time(outcome) is None
+    return module.startswith("bonsai_core.") and not ran_out(outcome, time_limit) and out_of_time(outcome) is None
+
+
+def ran_out(outcome: Outcome, time_limit: float | None) -> bool:
+    """Whether a solve used (nearly) all of its time limit, which counts the solving thread's CPU seconds."""
+    return bool(time_limit) and outcome.cpu_seconds >= 0.95 * float(time_limit)
 
 
 def op_costs(graph: Graph, schedule: Schedule) -> np.ndarray:

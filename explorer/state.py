@@ -132,7 +132,9 @@ def sidebar() -> tuple[DeltaGenerator, DeltaGenerator]:
         # hold the page for minutes; at the limit it returns its best schedule (status "feasible").
         ss.setdefault("time_limit", DEFAULT_TIME_LIMIT)
         limit = st.number_input("Time limit (s, 0 = none)", min_value=0.0, max_value=3600.0, step=5.0,
-                                key="time_limit")
+                                key="time_limit",
+                                help="Seconds of the solve's own CPU time, so that a busy machine finds the same "
+                                     "plans (only slower); past it the method returns its best plan so far.")
         if limit > 0:
             chosen["time_limit"] = float(limit)
         for spec in compute.method_options(method):  # chen's variant, dtr's heuristic, moccasin's copies...

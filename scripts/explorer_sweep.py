@@ -77,9 +77,10 @@ def main() -> None:
     graph = load_graph(args.graph)
     reference = no_remat_peak(graph)
     options = (("time_limit", DEFAULT_TIME_LIMIT),)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     first = compute.solve(graph, ahead.budget_at(FIRST, reference), "bonsai", options)
-    print(f"{graph.n} ops; first solve at {FIRST}%: {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"{graph.n} ops; first solve at {FIRST}%: {time.perf_counter() - start:.1f} s (cpu "
+          f"{time.process_time() - cpu:.1f} s), {'a plan' if first.ok else 'no plan: ' + str(first.error)}", flush=True)
     ahead._wake = lambda: None  # no background thread: this one does the work
     ahead.start(graph, first, reference, FIRST)
     sweep = ahead.find(graph, "bonsai", options, None, FIRST)[0]

@@ -113,7 +113,7 @@ def test_a_solve_that_ran_out_of_time_says_nothing_of_the_budgets_below(fake_met
 
     def timed(graph, budget, method, options=(), reserved=None, _cap=None):  # 54%'s solve took its whole limit
         out = real_solve(graph, budget, method, options, reserved, _cap)
-        return dataclasses.replace(out, wall_seconds=20.0) if pct_of(budget) == 54 else out
+        return dataclasses.replace(out, cpu_seconds=20.0) if pct_of(budget) == 54 else out
 
     monkeypatch.setattr(compute, "solve", timed)
     options = (("time_limit", 20.0),)
@@ -222,7 +222,7 @@ def test_only_bonsai_cores_methods_within_their_time_are_kept(monkeypatch, tmp_p
     compute.solve(GRAPH, ahead.budget_at(80, REFERENCE), "fake", ())  # a method of the tests: not kept
     assert not any(tmp_path.rglob("*.json.gz"))
     schedule = none_schedule(GRAPH)
-    out = compute.Outcome("chen", 1, (), schedule, simulate(GRAPH, schedule), wall_seconds=19.5)
+    out = compute.Outcome("chen", 1, (), schedule, simulate(GRAPH, schedule), wall_seconds=30.0, cpu_seconds=19.5)
     assert compute.keepable("chen", out, None) and not compute.keepable("chen", out, 20.0)  # it ran into its limit
     assert disk.code_digest() == disk.code_digest() and len(disk.code_digest()) == 16
 
@@ -264,3 +264,21 @@ def test_bonsais_reach_is_computed_only_once_every_position_is_answered(recorded
     ahead.start(GRAPH, session_solve(70, method="bonsai"), REFERENCE, 70)
     wait_for_the_thread()
     assert answered_when_asked == [len(ahead.SLIDER)]
+
+
+def test_a_solve_that_waits_for_the_cpu_is_not_out_of_its_time_limit(fake_method):
+    """The explorer's time limit counts the solving thread's CPU seconds: a solve that spends its time waiting
+    (as on a loaded machine) ends within it."""
+    from bonsai_core.solvers.deadline import Deadline
+
+    ended_within = []
+
+    def waits(budget, time_limit=None, **options):
+        clock = Deadline(time_limit)
+        __import__("time").sleep(0.6)  # wall time, no CPU time
+        ended_within.append(not clock.passed())
+
+    fake_method(waits)
+    out = compute.solve(GRAPH, ahead.budget_at(80, REFERENCE), "fake", (("time_limit", 0.5),))
+    assert ended_within == [True] and out.ok
+    assert out.wall_seconds >= 0.6 > out.cpu_seconds and not compute.ran_out(out, 0.5)

@@ -64,7 +64,7 @@ from bonsai_core.solvers.bonsai_coef import (PlainProfile, density_levels, plain
                                              self_contained)
 from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
 from bonsai_core.solvers.bonsai_ops import OpsOutcome, plan_ops
-from bonsai_core.solvers.deadline import Deadline, OutOfTime
+from bonsai_core.solvers.deadline import Deadline, OutOfTime, now
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, problem_size, solve_milp
 from bonsai_core.solvers.sparse_milp import from_cvxpy, satisfies, solve_sparse_milp
 from bonsai_core.solvers.relaxation import (proven_infeasible, relaxation_of, round_relaxation, same_structure,
@@ -559,7 +559,8 @@ class _Times:
 
 def _self_contained_count(graph: Graph, plan: CheckpointPlan) -> int:
     """How many of ``plan``'s saved nodes are self-contained in their recomputed segment."""
-    pos, constant = forward_positions(graph), self_contained(graph)
+    pos = forward_positions(graph)
+    constant = _cached((graph.hash, "self-contained"), lambda: self_contained(graph))  # each solve's stats read it
     return sum(1 for v in plan.saved if constant[pos[v]])
 
 
@@ -637,7 +638,7 @@ def _rounded(built: BuiltModel, backend: str, time_limit: float | None, gap: flo
     clock = Deadline(time_limit)
     found = round_relaxation(canonical.milp, built.relaxation, time_limit, gap, offset)
     if found is None and proven_infeasible(built.relaxation, canonical.milp, clock.remaining()):
-        return MilpOutcome("infeasible", None, None, time.perf_counter() - clock.start, len(canonical.milp.cost),
+        return MilpOutcome("infeasible", None, None, now() - clock.start, len(canonical.milp.cost),
                            canonical.milp.matrix.shape[0])  # the MILP from scratch would only prove it again
     if found is None:
         return None

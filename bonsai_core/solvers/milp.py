@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bonsai_core.errors import SolverError
+from bonsai_core.solvers.deadline import backend_seconds
 
 # CVXPY warns "Solution may be inaccurate" when a backend stops at its time limit with an incumbent;
 # solve_milp judges that incumbent itself (its gap, or "no solution") and says so in its status.
@@ -94,9 +95,9 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
             options["scip_params"]["limits/gap"] = float(gap)
     if time_limit is not None:
         if backend == "highs":
-            options["time_limit"] = float(time_limit)
+            options["time_limit"] = float(backend_seconds(time_limit))
         else:
-            options["scip_params"]["limits/time"] = float(time_limit)
+            options["scip_params"]["limits/time"] = float(backend_seconds(time_limit))
     if backend == "highs":
         _swallow_highs_banner()
     variables, constraints = problem_size(problem)

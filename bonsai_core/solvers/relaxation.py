@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from bonsai_core.errors import SolverError
+from bonsai_core.solvers.deadline import backend_seconds, now
 from bonsai_core.solvers.milp import MilpOutcome
 from bonsai_core.solvers.sparse_milp import SparseMilp, _highs_model, relative_gap, satisfies, solve_sparse_milp
 
@@ -70,7 +71,7 @@ def solve_relaxation(relaxation: Relaxation, milp: SparseMilp,
         h.changeRowsBounds(int(moved.size), moved.astype(np.int32),
                            np.clip(milp.row_lower[moved], -inf, inf), np.clip(milp.row_upper[moved], -inf, inf))
         relaxation.row_lower, relaxation.row_upper = milp.row_lower.copy(), milp.row_upper.copy()
-    h.setOptionValue("time_limit", max(float(time_limit), 0.0) if time_limit is not None else math.inf)
+    h.setOptionValue("time_limit", max(float(backend_seconds(time_limit)), 0.0) if time_limit is not None else math.inf)
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return None
@@ -92,7 +93,7 @@ def proven_infeasible(relaxation: Relaxation, milp: SparseMilp, time_limit: floa
     h = _highs_model(dataclasses.replace(milp, integer=np.zeros_like(milp.integer)))
     h.setOptionValue("presolve", "off")
     h.setOptionValue("solver", "ipm")
-    h.setOptionValue("time_limit", max(float(time_limit), 0.0) if time_limit is not None else math.inf)
+    h.setOptionValue("time_limit", max(float(backend_seconds(time_limit)), 0.0) if time_limit is not None else math.inf)
     h.run()
     return h.getModelStatus() == highspy.HighsModelStatus.kInfeasible
 
@@ -130,7 +131,7 @@ def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float
     """(outcome, values, the LP bound) of the rounding's plan of ``milp`` (module docstring), its gap the one
     the LP bound proves (within ``gap`` or not); None when it finds no plan within ``time_limit``.
     ``offset``: the objective's constant, which the sparse form leaves out; gaps and objectives here count it."""
-    start = time.perf_counter()
+    start, begun = time.perf_counter(), now()
     solved = solve_relaxation(relaxation, milp, time_limit)
     if solved is None:
         return None
@@ -139,7 +140,7 @@ def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float
     whole = milp.integer & (np.abs(x - np.round(x)) <= WHOLE)
     lower, upper = milp.col_lower.copy(), milp.col_upper.copy()
     lower[whole] = upper[whole] = np.round(x[whole])
-    left = None if time_limit is None else time_limit - (time.perf_counter() - start)
+    left = None if time_limit is None else time_limit - (now() - begun)
     if left is not None and left <= 0:
         return None
     try:
@@ -150,7 +151,7 @@ def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float
     if found is None:
         return None
     proven = relative_gap(found[1] + offset, bound)
-    left = None if time_limit is None else time_limit - (time.perf_counter() - start)
+    left = None if time_limit is None else time_limit - (now() - begun)
     if proven > gap and relaxation.plans and (left is None or left > 0):
         found = _among_neighbours(milp, relaxation, x, found, left, gap)
         proven = relative_gap(found[1] + offset, bound)
@@ -169,7 +170,7 @@ def solve_from(milp: SparseMilp, relaxation: Relaxation, start: np.ndarray, lp_b
     answer fails the check (:func:`_checked`), or is not proven within ``gap`` though time was left (HiGHS
     handed a start has been seen to stop at once, "optimal" at objective 0, on test_bonsai's viewed2).
     ``offset``: as in :func:`round_relaxation`."""
-    clock = time.perf_counter()
+    clock, begun, given = time.perf_counter(), now(), backend_seconds(time_limit)  # given: the backend's own limit
     try:
         found = solve_sparse_milp(milp, "highs", start, time_limit=time_limit, gap=gap)
     except SolverError:
@@ -182,7 +183,7 @@ def solve_from(milp: SparseMilp, relaxation: Relaxation, start: np.ndarray, lp_b
     claimed = found.outcome.objective is not None and math.isclose(found.outcome.objective, objective,
                                                                    rel_tol=1e-9, abs_tol=1e-12)
     proven = relative_gap(objective + offset, max(lp_bound, found.bound + offset) if claimed else lp_bound)
-    out_of_time = time_limit is not None and time.perf_counter() - clock >= time_limit
+    out_of_time = time_limit is not None and (now() - begun >= time_limit or time.perf_counter() - clock >= given)
     if proven > gap and not out_of_time:
         return None
     relaxation.plans = [values, *relaxation.plans[1:]] if relaxation.plans else [values]

@@ -29,6 +29,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from bonsai_core.errors import SolverError
+from bonsai_core.solvers.deadline import backend_seconds
 from bonsai_core.solvers.milp import MilpOutcome, _limit_words, _swallow_highs_banner, check_backend
 
 # The relative gap at which both backends stop and call the incumbent optimal (as solve_milp does).
@@ -211,7 +212,7 @@ def _solve_on_highs(milp: SparseMilp, start: np.ndarray | None, time_limit: floa
     h = _highs_model(milp)
     h.setOptionValue("mip_rel_gap", float(gap))
     if time_limit is not None:
-        h.setOptionValue("time_limit", max(float(time_limit), 0.0))
+        h.setOptionValue("time_limit", max(float(backend_seconds(time_limit)), 0.0))
     if start is not None:
         h.setSolution(len(start), np.arange(len(start), dtype=np.int32), np.asarray(start, dtype=np.float64))
     h.run()
@@ -243,7 +244,7 @@ def _solve_on_scip(milp: SparseMilp, start: np.ndarray | None, time_limit: float
     columns = [by_name[name] for name in names]
     model.setParam("limits/gap", float(gap))
     if time_limit is not None:
-        model.setParam("limits/time", max(float(time_limit), 0.0))
+        model.setParam("limits/time", max(float(backend_seconds(time_limit)), 0.0))
     if start is not None:
         solution = model.createSol()
         for j in np.flatnonzero(start).tolist():
