@@ -708,7 +708,7 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
     where = f"granularit{'y' if len(tried) == 1 else 'ies'} {', '.join(map(str, tried)) or 'none'}"
     if clock.passed() and smallest is None:
         return BudgetError(f"bonsai found no checkpoint plan of {graph.name!r} within {format_bytes(budget)} "
-                           f"before the time limit ({where}). Raise --time-limit or the budget.")
+                           f"before the time limit ({where}). Raise --time-limit or the budget.", timed_out=True)
     if smallest is None:
         return BudgetError(f"bonsai found no checkpoint plan of {graph.name!r} within {format_bytes(budget)}.")
     note = "" if proven else " (the search for it stopped early; it may be lower)"
