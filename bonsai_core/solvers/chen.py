@@ -14,8 +14,8 @@ pass, so dropping it saves nothing). The schedule is :func:`bonsai_core.regions.
 
 Under a budget, the method tries both variants over a range of segment counts / byte thresholds and
 returns the cheapest plan that fits (least recomputation, then lowest peak): a plan's computes are
-counted before it is simulated, so the plans are simulated cheapest first and the search stops at the
-first that fits (and its ties). If none fits it raises BudgetError naming the smallest peak it reached.
+counted before it is simulated, and one that costs more than a plan found to fit is not simulated. If
+none fits it raises BudgetError naming the smallest peak it reached.
 """
 
 from __future__ import annotations
@@ -146,20 +146,13 @@ def solve_chen(graph: Graph, budget: int | None, *, time_limit: float | None = N
     best: tuple[tuple[float, int], str, Schedule] | None = None
     lowest = None
     timed_out, tried = False, 0
-    built: list[tuple[float, int, str, Schedule]] = []
-    for i, (label, plan) in enumerate(plans):
+    for label, plan in plans:
         if deadline.passed():
             timed_out = True
             break
         schedule = plan_schedule(graph, plan, "chen")
-        built.append((_computed_seconds(graph, schedule), i, label, schedule))
-    # simulated cheapest first: once a plan fits, one whose computes alone cost more cannot be the answer
-    for cost, _, label, schedule in sorted(built, key=lambda b: b[:2]):
-        if best is not None and cost > best[0][0]:
-            break
-        if tried and deadline.passed():
-            timed_out = True
-            break
+        if best is not None and _computed_seconds(graph, schedule) > best[0][0]:
+            continue  # its computes alone cost more than a plan that fits: not simulated
         tried += 1
         sim = simulate(graph, schedule)
         lowest = sim.peak if lowest is None else min(lowest, sim.peak)
