@@ -110,7 +110,8 @@ def attempt(graph: Graph, size: int, method: str, limit: int, max_overhead: floa
         seconds = time.perf_counter() - start
         return Attempt(method, size, False, seconds=seconds,
                        reason="no-remat peak over the limit" if method == "none" else "its fixed plan peaks over the limit"
-                       if method in FIXED_PLAN_METHODS else f"no schedule found before its time limit ({seconds:.0f} s)"
+                       if method in FIXED_PLAN_METHODS else "its time limit ran out before it found a schedule"
+                       + (f" ({options['time_limit']:g} s)" if options.get("time_limit") else "")
                        if e.timed_out else "no schedule within the limit")
     except SolverError as e:
         return Attempt(method, size, False, seconds=time.perf_counter() - start, reason=f"solver: {e}")

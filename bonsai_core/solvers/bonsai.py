@@ -321,7 +321,7 @@ def _search(graph: Graph, budget: int | None, space: Space, time_limit: float | 
     try:
         if left is not None and left <= 0:
             raise BudgetError(f"bonsai found no plan of {graph.name!r} within {format_bytes(budget)} before the time "
-                              f"limit of {time_limit:g} s. Raise --time-limit or the budget.")
+                              f"limit of {time_limit:g} s. Raise --time-limit or the budget.", timed_out=True)
         schedule = regions(left)
     except BudgetError:
         if ops is None:
