@@ -37,4 +37,9 @@ class ValueReadError(ModelError):
 
 
 class SolverError(BonsaiError):
-    """A solver failed, timed out without a solution, or is not installed."""
+    """A solver failed, timed out without a solution, or is not installed. ``timed_out``: its time limit ran out
+    before it found a schedule."""
+
+    def __init__(self, message: str = "", timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out

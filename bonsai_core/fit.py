@@ -106,15 +106,13 @@ def attempt(graph: Graph, size: int, method: str, limit: int, max_overhead: floa
             schedule = solve_reserved(graph, limit, method, policy=reserved, solved=solved, **options)
         else:
             schedule = solve(graph, limit, method, **options)
-    except BudgetError as e:
-        seconds = time.perf_counter() - start
-        return Attempt(method, size, False, seconds=seconds,
-                       reason="no-remat peak over the limit" if method == "none" else "its fixed plan peaks over the limit"
-                       if method in FIXED_PLAN_METHODS else "its time limit ran out before it found a schedule"
-                       + (f" ({options['time_limit']:g} s)" if options.get("time_limit") else "")
-                       if e.timed_out else "no schedule within the limit")
-    except SolverError as e:
-        return Attempt(method, size, False, seconds=time.perf_counter() - start, reason=f"solver: {e}")
+    except (BudgetError, SolverError) as e:
+        out_of_time = "its time limit ran out before it found a schedule" + (
+            f" ({options['time_limit']:g} s)" if options.get("time_limit") else "")
+        return Attempt(method, size, False, seconds=time.perf_counter() - start,
+                       reason=out_of_time if e.timed_out else f"solver: {e}" if isinstance(e, SolverError) else
+                       "no-remat peak over the limit" if method == "none" else "its fixed plan peaks over the limit"
+                       if method in FIXED_PLAN_METHODS else "no schedule within the limit")
     stats = schedule.stats
     seconds = time.perf_counter() - start
     over = stats["overhead"] > max_overhead + 1e-12

@@ -160,7 +160,7 @@ def test_a_torchtitan_fsdp_step_made_of_three_blocks_is_the_whole_trace_node_for
 
 
 def test_a_method_that_ran_out_of_time_is_not_said_to_have_no_schedule_within_the_limit():
-    """bonsai's time limit running out says nothing of the GPU's memory: the reason says which it was."""
+    """A time limit running out says nothing of the GPU's memory: the reason says which it was."""
     from bonsai_core.fit import attempt
     from bonsai_core.graph import load_graph
     from bonsai_core.schedule import no_remat_peak
@@ -169,5 +169,8 @@ def test_a_method_that_ran_out_of_time_is_not_said_to_have_no_schedule_within_th
     for space in ("regions", "auto"):
         out = attempt(graph, 1, "bonsai", int(no_remat_peak(graph) * 0.6), 0.1, None,
                       {"time_limit": 1e-6, "space": space})
+        assert not out.fits and out.reason == "its time limit ran out before it found a schedule (1e-06 s)"
+    for method in ("chen", "dtr", "checkmate"):  # a SolverError or a BudgetError, each says so
+        out = attempt(graph, 1, method, int(no_remat_peak(graph) * 0.6), 0.5, None, {"time_limit": 1e-6})
         assert not out.fits and out.reason == "its time limit ran out before it found a schedule (1e-06 s)"
     assert attempt(graph, 1, "bonsai", int(no_remat_peak(graph) * 0.6), 0.2, None, {}).fits  # given the time, it does

@@ -161,7 +161,7 @@ def solve_chen(graph: Graph, budget: int | None, *, time_limit: float | None = N
             best = (key, label, schedule)
     if best is None and timed_out:
         raise SolverError(f"Chen checkpointing of {graph.name!r} found no plan within {format_bytes(budget)} in its "
-                          f"time limit of {time_limit} s: raise the time limit or the budget.")
+                          f"time limit of {time_limit} s: raise the time limit or the budget.", timed_out=True)
     if best is None:
         raise BudgetError(f"Chen checkpointing cannot fit {graph.name!r} in {format_bytes(budget)}: the lowest peak "
                           f"of its {len(plans)} plans is {format_bytes(lowest)} ({lowest} bytes). Raise the budget "
