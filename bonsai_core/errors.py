@@ -19,11 +19,13 @@ class ScheduleError(BonsaiError):
 
 class BudgetError(BonsaiError):
     """A budget could not be parsed, or no schedule of the method fits under it. ``smallest``: the
-    smallest budget the method meets, where it knows one (solving again at it returns a schedule)."""
+    smallest budget the method meets, where it knows one (solving again at it returns a schedule).
+    ``timed_out``: the method's time limit ran out before it found one, which says nothing of the budget."""
 
-    def __init__(self, message: str = "", smallest: int | None = None) -> None:
+    def __init__(self, message: str = "", smallest: int | None = None, timed_out: bool = False) -> None:
         super().__init__(message)
         self.smallest = smallest
+        self.timed_out = timed_out
 
 
 class ModelError(BonsaiError):
@@ -35,4 +37,9 @@ class ValueReadError(ModelError):
 
 
 class SolverError(BonsaiError):
-    """A solver failed, timed out without a solution, or is not installed."""
+    """A solver failed, timed out without a solution, or is not installed. ``timed_out``: its time limit ran out
+    before it found a schedule."""
+
+    def __init__(self, message: str = "", timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out

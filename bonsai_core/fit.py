@@ -88,7 +88,7 @@ def attempt(graph: Graph, size: int, method: str, limit: int, max_overhead: floa
             options: dict[str, Any], solved: Schedule | BonsaiError | None = None) -> Attempt:
     """``method`` on ``graph`` under ``limit`` bytes (its reserved bytes with allocator ``reserved``); ``solved``: with
     ``reserved``, the method's live solve at ``limit`` made already (:func:`bonsai_core.solvers.solve_reserved`)."""
-    from bonsai_core.solvers import FIXED_PLAN_METHODS, solve, solve_reserved
+    from bonsai_core.solvers import FIXED_PLAN_METHODS, accepted_options, solve, solve_reserved
     from bonsai_core.units import format_bytes
 
     if limit < graph.peak_lower_bound:  # no method can fit: say what does not
@@ -98,18 +98,21 @@ def attempt(graph: Graph, size: int, method: str, limit: int, max_overhead: floa
                 if graph.optimizer_peak == graph.peak_lower_bound else
                 f"its largest op needs {format_bytes(graph.peak_lower_bound)}")
         return Attempt(method, size, False, reason=what)
+    if method != "none" and "budget_hint" in (accepted_options(method) or ()):
+        options = {"budget_hint": False, **options}  # whether it fits is the question, not what budget would do
     start = time.perf_counter()
     try:
         if reserved:
             schedule = solve_reserved(graph, limit, method, policy=reserved, solved=solved, **options)
         else:
             schedule = solve(graph, limit, method, **options)
-    except BudgetError:
+    except (BudgetError, SolverError) as e:
+        out_of_time = "its time limit ran out before it found a schedule" + (
+            f" ({options['time_limit']:g} s)" if options.get("time_limit") else "")
         return Attempt(method, size, False, seconds=time.perf_counter() - start,
-                       reason="no-remat peak over the limit" if method == "none" else "its fixed plan peaks over the limit"
+                       reason=out_of_time if e.timed_out else f"solver: {e}" if isinstance(e, SolverError) else
+                       "no-remat peak over the limit" if method == "none" else "its fixed plan peaks over the limit"
                        if method in FIXED_PLAN_METHODS else "no schedule within the limit")
-    except SolverError as e:
-        return Attempt(method, size, False, seconds=time.perf_counter() - start, reason=f"solver: {e}")
     stats = schedule.stats
     seconds = time.perf_counter() - start
     over = stats["overhead"] > max_overhead + 1e-12
@@ -184,7 +187,12 @@ def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_
     peaks: dict[int, int] = {}
 
     graphs: dict[int, Graph] = {}
-    ahead = _Tracer(lambda size: trace_model(model, **(trace_kwargs or {}), **options, **{vary: size}).graph)
+
+    def traced_at(size: int) -> Graph:
+        kwargs = {**(trace_kwargs or {}), **options, vary: size}
+        return three_block_step(model, kwargs) or trace_model(model, **kwargs).graph
+
+    ahead = _Tracer(traced_at)
 
     def graph_at(size: int) -> Graph:
         if size not in graphs:
@@ -222,6 +230,41 @@ def fit(model: str, limit: int, methods: list[str], *, vary: str = "batch", max_
     finally:
         ahead.pool.shutdown(wait=False, cancel_futures=True)  # a size traced ahead that no method needed in the end
     return FitResult(model, vary, limit, max_overhead, attempts, traces, peaks, sorted(set(graphs) - set(traces)))
+
+
+# what bonsai_core.rank.trace takes that a step made of three traced blocks (RankGraphs) honours
+THREE_BLOCK_OPTIONS = ("batch", "seq", "layers", "width", "heads", "vocab", "fsdp", "reshard_after_forward",
+                       "mixed_precision", "seed", "profile", "autocast", "kernels")
+
+
+def three_block_step(model: str, kwargs: dict[str, Any]) -> Graph | None:
+    """The step ``bonsai_core.rank.trace(model, **kwargs)`` traces, for a torchtitan model sharded by FSDP alone
+    over two or more ranks, made from a trace of its first three blocks (:class:`RankGraphs`: the middle block
+    repeated, then sharded): node for node the whole trace's graph (its ops, costs, sizes, edges, modules, FSDP
+    units and fixed bytes; the repeated blocks' nodes and parameters named after the middle one), for the
+    price of three blocks' trace instead of every block's. None where it does not apply (another model, another
+    layout, an option it does not take) or the blocks are not alike: trace the whole step."""
+    from bonsai_core.fsdp import Sharding
+    from bonsai_core.models import torchtitan as titan
+    from bonsai_core.parallel import layout_of
+
+    world = kwargs.get("fsdp", 1)
+    if not model.startswith(titan.PREFIX) or not isinstance(world, int) or world < 2 \
+            or set(kwargs) - set(THREE_BLOCK_OPTIONS):
+        return None
+    sizes = {k: v for k, v in kwargs.items() if k in ("layers", "width", "heads", "vocab")}
+    batch, seq = kwargs.get("batch", titan.DEFAULTS["batch"]), kwargs.get("seq", titan.DEFAULTS["seq"])
+    sharding = Sharding.of(world, kwargs.get("reshard_after_forward"), kwargs.get("mixed_precision"), model=model)
+    step = {k: kwargs[k] for k in ("seed", "profile", "autocast", "kernels") if k in kwargs}
+    try:
+        graph = RankGraphs(model, seq, sizes, sharding, step).graph(layout_of(fsdp=world), batch)
+    except BonsaiError:
+        return None  # blocks not alike: RankGraphs refuses, the whole trace does not
+    named = {k: v for k, v in kwargs.items() if k in titan.SIZE_OPTIONS}  # the whole trace's name
+    label = model + "(" + ", ".join(f"{k}={v}" for k, v in sorted(named.items())) + ")" if named else model
+    label += f" autocast {kwargs['autocast']}" if kwargs.get("autocast") else ""
+    label += f" fsdp mixed precision {sharding.mixed_precision}" if sharding.mixed_precision else ""
+    return graph.with_fields(name=label, parallel=None)
 
 
 class _Tracer:

@@ -159,18 +159,31 @@ def trace_model(name: str, options: Options) -> Model:
     no optimizer, its gradients left between steps as the model's own loop leaves them (a torchtitan step sets
     them to None: :func:`bonsai_core.optimizer.with_training_loop`)."""
     from bonsai_core.optimizer import with_training_loop
+
+    graph = with_training_loop(traced_step(name, options), name, "none")
+    label = graph.name
+    return Model(graph, "zoo", label, zoo=name, options=dict(options),
+                 parameters=zoo_parameters(name, options))
+
+
+@st.cache_resource(show_spinner=False, max_entries=8)
+def traced_step(name: str, options: Options) -> Graph:
+    """A zoo model's step as traced, before its training loop (:func:`trace_model`'s graph is this one in it):
+    what What fits adds an optimizer to, kept so that it does not trace the session's model again; kept on
+    disk too (:func:`explorer.disk.save_trace`), so that a new server does not trace it again either."""
     from bonsai_core.parallel import layout_of
     from bonsai_core.rank import trace
 
+    kept = disk.load_trace(name, options)
+    if kept is not None:
+        return kept
     kwargs = dict(options)
     degrees = {k: kwargs.pop(k) for k in ("tp", "cp", "pp", "pp_schedule", "rank") if k in kwargs}
     if degrees:  # one rank of a parallel layout (the torchtitan tab)
         kwargs["parallel"] = layout_of(fsdp=kwargs.pop("fsdp", 1), **degrees)
-    traced = trace(name, **kwargs)
-    graph = with_training_loop(traced.graph, name, "none")
-    label = graph.name
-    return Model(graph, "zoo", label, zoo=name, options=dict(options),
-                 parameters=zoo_parameters(name, options))
+    graph = trace(name, **kwargs).graph
+    disk.save_trace(name, options, graph)
+    return graph
 
 
 TITAN_FAMILY = "torchtitan:llama3:"

@@ -7,7 +7,9 @@ the bound (live or reserved) and the budget, and under a digest of bonsai_core's
 the solvers or the simulator starts a new store, so a kept plan is always what this code would solve.
 Kept plans are simulated again when they are read (every schedule shown is validated). Beside a plan,
 its allocator replay (what the Memory page draws; a second or two on the largest steps) is kept too, with
-a digest of the plan it replays, so that a drag in a new server reads both. Nothing here imports Streamlit.
+a digest of the plan it replays, so that a drag in a new server reads both. A model's traced step is kept
+too, under its name, its options, bonsai_core's sources and the libraries' versions, so that a new server
+does not trace it again. Nothing here imports Streamlit.
 """
 
 from __future__ import annotations
@@ -163,4 +165,47 @@ def load_replay(graph_hash: str, method: str, options: tuple, reserved: str | No
                 return None
             return AllocResult(**{name: np.asarray(kept[name]) for name in REPLAY_ARRAYS}, **about)
     except (OSError, ValueError, KeyError, TypeError, EOFError):  # absent, or not a file this wrote
+        return None
+
+
+# -- traced steps -----------------------------------------------------------------------------------
+
+TRACED_WITH = ("torch", "transformers", "torchtitan")  # what a trace depends on besides bonsai_core
+
+
+@functools.cache
+def _libraries() -> list[str]:
+    from importlib import metadata
+
+    found = []
+    for name in TRACED_WITH:
+        try:
+            found.append(f"{name}=={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} absent")
+    return found
+
+
+def _trace_path(name: str, options: tuple) -> Path:
+    settings = json.dumps([name, [[k, repr(v)] for k, v in options], _libraries()])
+    return folder() / "traces" / code_digest() / f"{hashlib.sha256(settings.encode()).hexdigest()[:16]}.json.gz"
+
+
+def save_trace(name: str, options: tuple, graph: Any) -> None:
+    """Keep model ``name``'s step traced at ``options`` (a zoo, ``hf:`` or torchtitan name: an uploaded config's
+    path names its content), under bonsai_core's and the libraries' versions: a new server reads it instead of
+    tracing again (the 8B step: some 20 s of CPU)."""
+    try:
+        _write(_trace_path(name, options), gzip.compress(json.dumps(graph.to_dict(), separators=(",", ":")).encode(), 5))
+    except OSError:  # a full or read-only disk: the trace is still cached in memory
+        pass
+
+
+def load_trace(name: str, options: tuple) -> Any:
+    """The step :func:`save_trace` kept for ``name`` at ``options`` (a Graph), None when none is kept."""
+    from bonsai_core.graph import Graph
+
+    try:
+        return Graph.from_dict(json.loads(gzip.decompress(_trace_path(name, options).read_bytes())))
+    except (OSError, ValueError, EOFError, BonsaiError):  # absent, or not a file this wrote
         return None

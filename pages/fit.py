@@ -74,13 +74,15 @@ if st.button("Find what fits", type="primary", key="fit_run", disabled=not metho
         limit = parse_budget(gpu_text)
         if limit.fraction is not None:
             raise BonsaiError("Give the GPU's memory in bytes or with a unit (80GiB), not as a share.")
-        # the search starts at the model's own size, whose step the session has (traced without an optimizer,
-        # its gradient buffers kept: the search adds the optimizer chosen here, then sets them to None where the
-        # model's loop does), and asks each method only what its answers so far leave open
+        # the search starts at the model's own size, whose step the session has traced (the search adds the
+        # optimizer chosen here to the step as traced, then sets the gradients to None where the model's loop
+        # does: a torchtitan step's, kept by compute.traced_step), and asks each method only what its answers so
+        # far leave open
         current = {**compute.size_defaults(m.zoo), **m.options}.get(vary, 1)
-        traced = {current: m.graph} if m.graph.optimizer is None and not m.graph.grads_set_to_none else {}
-        progress = st.progress(0.0, text=f"Solving {vary} {current}, the model's own…" if traced else
-                               f"Tracing {vary} {current}…")
+        progress = st.progress(0.0, text=f"Solving {vary} {current}, the model's own…")
+        own = (m.graph if m.graph.optimizer is None and not m.graph.grads_set_to_none
+               else compute.traced_step(m.zoo, tuple(sorted(m.options.items()))))
+        traced = {current: own}
         live = st.empty()
         rows: list[dict] = []
         began = time.perf_counter()

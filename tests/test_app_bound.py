@@ -124,6 +124,11 @@ def test_torchtitan_llama_is_traced_per_fsdp_rank_as_torchtitan_shards_it():
     goto(at, "fit")
     assert not at.exception, at.exception
     assert any("One rank's memory of 4" in h.value for h in at.subheader)
+    at.multiselect(key="fit_methods").set_value(["none", "chen"]).run()
+    at.button(key="fit_run").click().run()  # from the session's own step (its gradients set to None), batch 1
+    assert not at.exception and not at.error, (at.exception, at.error)
+    result = at.session_state["fit_result"][1]
+    assert result.reused == [1] and list(at.dataframe[0].value["method"]) == ["none", "chen"]
     goto(at, "export")  # the plan is applied per rank by the one call, not exported as one process's step
     assert not at.exception, at.exception
     assert any("one of 4 FSDP ranks" in i.value and "plan_for(" in i.value for i in at.info)

@@ -69,10 +69,18 @@ def test_an_uploaded_config_json_is_traced_with_its_size_options(tmp_path):
     assert fresh.session_state["model"].graph.hash == model.graph.hash
     at.switch_page("../pages/fit.py").run()
     assert not at.exception and not at.info and at.selectbox(key="fit_vary").options == ["batch", "seq"]
+    at.multiselect(key="fit_methods").set_value(["none", "chen"]).run()
+    at.button(key="fit_run").click().run()  # searched from the session's own step, batch 2
+    assert not at.exception and not at.error, (at.exception, at.error)
+    assert list(at.dataframe[0].value["method"]) == ["none", "chen"]
+    assert at.session_state["fit_result"][1].reused == [2]
     at.sidebar.slider(key="budget_pct").set_value(90).run()
     at.switch_page("../pages/export.py").run()
     assert not at.exception and any(b.key == "export_build" for b in at.button)
     assert "bonsai trace hf:config.json --batch 2 --seq 8" in at.code[-1].value
+    at.button(key="export_build").click().run()
+    assert not at.exception and not at.error, (at.exception, at.error)
+    assert at.session_state["export_zip"][2][:2] == b"PK"  # the zip, offered as for any zoo model
 
 
 @pytest.mark.parametrize("content, message", [

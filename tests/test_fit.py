@@ -135,3 +135,42 @@ def test_offload_allowed_fits_a_larger_batch_at_the_same_overhead_limit():
     plain, offload = result.best("bonsai"), result.best("bonsai:offload=true")
     assert offload.size > plain.size
     assert offload.schedule.stats["offloaded_bytes"] > 0 and offload.peak <= result.limit
+
+
+def test_a_torchtitan_fsdp_step_made_of_three_blocks_is_the_whole_trace_node_for_node():
+    """What fits traces each size of a torchtitan FSDP step as three blocks repeated (fit.three_block_step), not
+    every block: the graph a whole trace gives, field for field, the repeated blocks' names aside; a layout or
+    option it does not honour is traced whole."""
+    from bonsai_core.fit import three_block_step
+    from bonsai_core.rank import trace
+    from bonsai_core.schedule import no_remat_peak
+
+    model, kwargs = "torchtitan:llama3:debugmodel", dict(batch=3, seq=64, layers=6, fsdp=2)
+    whole, made = trace(model, **kwargs).graph, three_block_step(model, kwargs)
+    a, b = whole.to_dict(), made.to_dict()
+    unnamed = lambda nodes: [{k: v for k, v in nd.items() if k != "name"} for nd in nodes]  # noqa: E731
+    assert unnamed(a.pop("nodes")) == unnamed(b.pop("nodes"))
+    kinds = lambda tensors: {kind: sum(t[1] for t in tensors if t[2] == kind) for _, _, kind in tensors}  # noqa: E731
+    assert kinds(a.pop("fixed_tensors")) == kinds(b.pop("fixed_tensors"))  # the copies' parameters: one per block
+    assert a == b  # name, fixed_mem, modules, FSDP units, gradients
+    assert no_remat_peak(made) == no_remat_peak(whole)
+    assert three_block_step(model, dict(kwargs, fsdp=1)) is None  # unsharded: mixed precision differs, traced whole
+    assert three_block_step(model, dict(kwargs, compile="model")) is None
+    assert three_block_step("gpt", dict(kwargs)) is None
+
+
+def test_a_method_that_ran_out_of_time_is_not_said_to_have_no_schedule_within_the_limit():
+    """A time limit running out says nothing of the GPU's memory: the reason says which it was."""
+    from bonsai_core.fit import attempt
+    from bonsai_core.graph import load_graph
+    from bonsai_core.schedule import no_remat_peak
+
+    graph = load_graph("assets/gpt-default.json")
+    for space in ("regions", "auto"):
+        out = attempt(graph, 1, "bonsai", int(no_remat_peak(graph) * 0.6), 0.1, None,
+                      {"time_limit": 1e-6, "space": space})
+        assert not out.fits and out.reason == "its time limit ran out before it found a schedule (1e-06 s)"
+    for method in ("chen", "dtr", "checkmate"):  # a SolverError or a BudgetError, each says so
+        out = attempt(graph, 1, method, int(no_remat_peak(graph) * 0.6), 0.5, None, {"time_limit": 1e-6})
+        assert not out.fits and out.reason == "its time limit ran out before it found a schedule (1e-06 s)"
+    assert attempt(graph, 1, "bonsai", int(no_remat_peak(graph) * 0.6), 0.2, None, {}).fits  # given the time, it does

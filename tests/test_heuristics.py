@@ -64,6 +64,21 @@ def test_chen_picks_the_cheapest_plan_that_fits_the_budget():
     assert s.stats["peak"] <= full * 0.6 and s.stats["overhead"] > 0
 
 
+def test_chen_simulates_only_plans_cheaper_than_one_that_fits_and_returns_what_trying_them_all_returns(gpt):
+    from bonsai_core.regions import plan_schedule
+    from bonsai_core.solvers.chen import candidate_plans, solve_chen
+
+    plans = [(label, plan_schedule(gpt, plan, "chen")) for label, plan in candidate_plans(gpt, "auto")]
+    sims = [(simulate(gpt, schedule), i) for i, (_, schedule) in enumerate(plans)]
+    for share in (0.55, 0.6, 0.7, 0.8, 0.9):
+        budget = int(no_remat_peak(gpt) * share)
+        fitting = [((sim.compute_cost, sim.peak, i), i) for sim, i in sims if sim.feasible(budget)]
+        label, schedule = plans[min(fitting)[1]]
+        found = solve_chen(gpt, budget)
+        assert (found.stats["plan"], found.ops) == (label, schedule.ops)
+        assert found.stats["plans_tried"] < len(plans)  # those that cost more than one that fits: not simulated
+
+
 def test_chen_names_the_smallest_budget_it_can_meet(gpt):
     with pytest.raises(BudgetError, match=r"lowest peak of its \d+ plans is .* \((\d+) bytes\)") as e:
         solve(gpt, int(no_remat_peak(gpt) * 0.45), "chen")

@@ -229,12 +229,13 @@ def solve(graph: Graph, budget: int | None, method: str = DEFAULT_METHOD, **opti
             + (f" (A budget of {budget} means bytes; for a share of the no-remat peak write {budget}%.)"
                if budget <= 100 else ""))
     start = time.perf_counter()
+    clock = Deadline(options.get("time_limit"))  # bounds the whole call, the solves again below included
     schedule = solver(graph, budget, **options)
     sim = simulated(graph, schedule)  # the method's own check's, when it simulated this plan
     if (graph.parallel or {}).get("pipeline") and budget is not None and not sim.feasible(budget):
-        schedule, sim = _within_pipeline(graph, budget, solver, schedule, sim, options)
+        schedule, sim = _within_pipeline(graph, budget, solver, schedule, sim, options, clock)
     elif graph.fsdp is not None and budget is not None and not sim.feasible(budget):
-        schedule, sim = _within_fsdp_profile(graph, budget, solver, schedule, sim, options)
+        schedule, sim = _within_fsdp_profile(graph, budget, solver, schedule, sim, options, clock)
     wall = time.perf_counter() - start
     schedule.graph, schedule.graph_hash, schedule.budget = graph.name, graph.hash, budget
     schedule.stats = {**schedule.stats, **sim.stats()}
@@ -251,18 +252,29 @@ def solve(graph: Graph, budget: int | None, method: str = DEFAULT_METHOD, **opti
 FSDP_TRIES = 3  # solves with a tighter budget when FSDP's unsharded blocks push a plan over
 
 
+def _left_of(options: dict[str, Any], clock: Deadline) -> dict[str, Any] | None:
+    """``options`` for one more solve within what ``clock`` leaves of the call's time limit (None: none left)."""
+    left = clock.remaining()
+    if left is None:
+        return options
+    return {**options, "time_limit": left} if left > 0 else None
+
+
 def _within_fsdp_profile(graph: Graph, budget: int, solver: Callable[..., Schedule], schedule: Schedule,
-                         sim: Any, options: dict[str, Any]) -> tuple[Schedule, Any]:
+                         sim: Any, options: dict[str, Any], clock: Deadline) -> tuple[Schedule, Any]:
     """Methods plan ``fixed_mem`` as constant; on an FSDP rank the unsharded blocks the simulator adds
     (:func:`bonsai_core.fsdp.working_profile`) may push a plan over ``budget`` where they meet its peak.
     Solve again with the budget lowered by the excess (at most :data:`FSDP_TRIES` times); the best
-    schedule found is returned (the caller judges it)."""
+    schedule found is returned (the caller judges it); none past the time limit, which bounds them all."""
     best = (schedule, sim)
     tighter = budget
     for _ in range(FSDP_TRIES):
         tighter -= best[1].peak - budget
+        within = _left_of(options, clock)
+        if within is None:
+            break
         try:
-            candidate = solver(graph, tighter, **options)
+            candidate = solver(graph, tighter, **within)
         except BonsaiError:
             break
         result = simulate(graph, candidate)
@@ -277,18 +289,22 @@ PIPELINE_TRIES = 8  # solves bisecting the budget a pipeline rank's one microbat
 
 
 def _within_pipeline(graph: Graph, budget: int, solver: Callable[..., Schedule], schedule: Schedule,
-                     sim: Any, options: dict[str, Any]) -> tuple[Schedule, Any]:
+                     sim: Any, options: dict[str, Any], clock: Deadline) -> tuple[Schedule, Any]:
     """On a pipeline rank (rule 11) a plan's peak holds the other microbatches in flight, each what the plan
     leaves resident at the end of its forward: the method plans one microbatch. Bisect the budget it plans
     under, between the graph's lower bound and ``budget``, for the largest whose rank peak meets ``budget``
-    (at most :data:`PIPELINE_TRIES` solves); the best schedule found is returned (the caller judges it)."""
+    (at most :data:`PIPELINE_TRIES` solves, none past the time limit); the best schedule found is returned (the
+    caller judges it)."""
     best, low, high = (schedule, sim), graph.peak_lower_bound, budget
     for _ in range(PIPELINE_TRIES):
         if high - low <= max(1, budget // 1000):
             break
         middle = (low + high) // 2
+        within = _left_of(options, clock)
+        if within is None:
+            break
         try:
-            candidate = solver(graph, middle, **options)
+            candidate = solver(graph, middle, **within)
         except BonsaiError:
             low = middle
             continue

@@ -321,7 +321,7 @@ def _search(graph: Graph, budget: int | None, space: Space, time_limit: float | 
     try:
         if left is not None and left <= 0:
             raise BudgetError(f"bonsai found no plan of {graph.name!r} within {format_bytes(budget)} before the time "
-                              f"limit of {time_limit:g} s. Raise --time-limit or the budget.")
+                              f"limit of {time_limit:g} s. Raise --time-limit or the budget.", timed_out=True)
         schedule = regions(left)
     except BudgetError:
         if ops is None:
@@ -709,7 +709,7 @@ def _no_plan(graph: Graph, built: BuiltModel | None, budget: int, backend: str, 
     where = f"granularit{'y' if len(tried) == 1 else 'ies'} {', '.join(map(str, tried)) or 'none'}"
     if clock.passed() and smallest is None:
         return BudgetError(f"bonsai found no checkpoint plan of {graph.name!r} within {format_bytes(budget)} "
-                           f"before the time limit ({where}). Raise --time-limit or the budget.")
+                           f"before the time limit ({where}). Raise --time-limit or the budget.", timed_out=True)
     if smallest is None:
         return BudgetError(f"bonsai found no checkpoint plan of {graph.name!r} within {format_bytes(budget)}.")
     note = "" if proven else " (the search for it stopped early; it may be lower)"

@@ -12,9 +12,10 @@ it is enough to rebuild the segment after it. Two ways to choose the cuts:
 Every segment but the last is recomputed (the last one's backward runs right after the forward
 pass, so dropping it saves nothing). The schedule is :func:`bonsai_core.regions.plan_schedule`'s.
 
-Under a budget, the method tries both variants over a range of segment counts / byte thresholds,
-keeps the plans that fit, and returns the cheapest (least recomputation, then lowest peak); if none
-fits it raises BudgetError naming the smallest peak it reached.
+Under a budget, the method tries both variants over a range of segment counts / byte thresholds and
+returns the cheapest plan that fits (least recomputation, then lowest peak): a plan's computes are
+counted before it is simulated, and one that costs more than a plan found to fit is not simulated. If
+none fits it raises BudgetError naming the smallest peak it reached.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
-from bonsai_core.schedule import Schedule, simulate
+from bonsai_core.schedule import COMPUTE, Schedule, simulate
 from bonsai_core.solvers.deadline import Deadline
 from bonsai_core.units import format_bytes
 
@@ -113,6 +114,13 @@ def candidate_plans(graph: Graph, variant: Variant) -> list[tuple[str, Checkpoin
     return list(out.values())
 
 
+def _computed_seconds(graph: Graph, schedule: Schedule) -> float:
+    """Rule 6's seconds of ``schedule``'s computes, as the simulator sums them, without the stalls of host copies:
+    a lower bound of its ``compute_cost``, equal where it copies nothing (a Chen plan). O(len(ops))."""
+    computed = [v for kind, v in schedule.ops if kind == COMPUTE]
+    return math.fsum(np.repeat(graph.cost, np.bincount(computed, minlength=graph.n)).tolist())
+
+
 def solve_chen(graph: Graph, budget: int | None, *, time_limit: float | None = None,
                variant: Variant = "auto", segments: int | None = None) -> Schedule:
     """√n or memory-balanced checkpointing; see the module docstring.
@@ -142,8 +150,10 @@ def solve_chen(graph: Graph, budget: int | None, *, time_limit: float | None = N
         if deadline.passed():
             timed_out = True
             break
-        tried += 1
         schedule = plan_schedule(graph, plan, "chen")
+        if best is not None and _computed_seconds(graph, schedule) > best[0][0]:
+            continue  # its computes alone cost more than a plan that fits: not simulated
+        tried += 1
         sim = simulate(graph, schedule)
         lowest = sim.peak if lowest is None else min(lowest, sim.peak)
         key = (sim.compute_cost, sim.peak)
@@ -151,7 +161,7 @@ def solve_chen(graph: Graph, budget: int | None, *, time_limit: float | None = N
             best = (key, label, schedule)
     if best is None and timed_out:
         raise SolverError(f"Chen checkpointing of {graph.name!r} found no plan within {format_bytes(budget)} in its "
-                          f"time limit of {time_limit} s: raise the time limit or the budget.")
+                          f"time limit of {time_limit} s: raise the time limit or the budget.", timed_out=True)
     if best is None:
         raise BudgetError(f"Chen checkpointing cannot fit {graph.name!r} in {format_bytes(budget)}: the lowest peak "
                           f"of its {len(plans)} plans is {format_bytes(lowest)} ({lowest} bytes). Raise the budget "

@@ -81,12 +81,15 @@ class Deadline:
             raise SolverError(
                 f"Method {method!r} found no schedule within the time limit of {self.time_limit:g} s: "
                 f"{spent_on} took {now() - self.start:.1f} s. Raise --time-limit, or use "
-                "method 'bonsai' on a graph this large.")
+                "method 'bonsai' on a graph this large.", timed_out=True)
         return left
 
 
 class OutOfTime(SolverError):
     """A step that cannot return part of its work (building a model) stopped at the deadline."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message, timed_out=True)
 
 
 def check(clock: Deadline | None, what: str) -> None:

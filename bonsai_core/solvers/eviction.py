@@ -80,6 +80,9 @@ MAX_WORK = 50  # give up (thrashing) after this many times the graph's node coun
 class TimeLimitReached(SolverError):
     """The run passed its deadline (``time_limit`` of the whole solve call)."""
 
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message, timed_out=True)
+
 
 Policy = Callable[["Runtime", int], bool]
 
@@ -522,7 +525,8 @@ def run_policy(graph: Graph, budget: int | None, run_once: Callable[[int | None]
     try:
         return run_once(budget)
     except TimeLimitReached as e:
-        raise SolverError(f"{e} No schedule was found within it: raise the time limit or the budget.") from None
+        raise SolverError(f"{e} No schedule was found within it: raise the time limit or the budget.",
+                          timed_out=True) from None
 
 
 def with_budget_hint(graph: Graph, budget: int, run_once: Callable[[int], Schedule], steps: int = 8,
@@ -538,7 +542,7 @@ def with_budget_hint(graph: Graph, budget: int, run_once: Callable[[int], Schedu
         return run_once(budget)
     except TimeLimitReached as e:
         raise SolverError(f"{e} No schedule was found within it under {format_bytes(budget)}: raise the time "
-                          "limit or the budget.") from None
+                          "limit or the budget.", timed_out=True) from None
     except BudgetError as first:
         lo, hi = budget, 2 * no_remat_peak(graph)
 
