@@ -109,8 +109,11 @@ def float8_linears(model: nn.Module) -> None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise ModelError("--float8 needs torchao (pip install torchao==0.18.0, requirements-torchtitan.txt).") from None
+    from torchao.float8.float8_linear import Float8Linear
     from torchtitan.components.quantization.utils import module_filter_fn
 
+    if any(isinstance(m, Float8Linear) for m in model.modules()):
+        return  # converted already (a tensor parallel rank converts before applying its Float8 styles)
     convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=False),
                                module_filter_fn=partial(module_filter_fn, filter_fqns=["output"]))
 
