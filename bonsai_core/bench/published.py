@@ -5,7 +5,7 @@ checkpointing (the ``torchtitan-full`` plan), bf16 FSDP mixed precision, AdamW, 
 steps (torchtitan's ``optimizers.zero_grad()``); the live peak with its
 breakdown, and the allocator's reserved peak (expandable segments, what torchtitan sets and reports; a pipeline
 rank's replayed over its whole schedule, every microbatch: :mod:`bonsai_core.allocator.pipelined`). The published runs were compiled, with Float8 linears (and some with AsyncTP).
-A tensor parallel row without pipeline and context parallel is predicted compiled too (:func:`predict_compiled`:
+A row without pipeline and context parallel is predicted compiled too (:func:`predict_compiled`:
 the whole rank traced as torchtitan runs it, Float8 linears and styles, full AC, each block compiled); the other
 rows' compiled ranks are refused by the trace (:func:`bonsai_core.rank.check_compiled_rank`), and say so.
 
@@ -84,33 +84,35 @@ def predict_rank(graphs: Any, degrees: dict, batch: int) -> list[dict[str, Any]]
 
 
 def compiled_refusal(degrees: dict) -> str | None:
-    """Why a row's rank is not predicted compiled here, or None where it is (tensor parallel, no pipeline or
-    context parallel)."""
+    """Why a row's rank is not predicted compiled here, or None where it is (FSDP, with or without tensor
+    parallel; no pipeline or context parallel)."""
     if degrees.get("pp", 1) > 1 or degrees.get("cp", 1) > 1:
         return "a compiled pipeline or context parallel rank is not traced (bonsai_core.rank.check_compiled_rank)"
-    if degrees.get("tp", 1) == 1:
-        return "FSDP alone: the compiled FSDP rank is docs/results/compiled.md's"
     return None
 
 
 def predict_compiled(model: str, degrees: dict, batch: int, seq: int) -> dict[str, Any]:
-    """The row's rank traced whole as the published run compiled it (``bonsai trace MODEL --tp N --fsdp M
+    """The row's rank traced whole as the published run compiled it (``bonsai trace MODEL [--tp N] --fsdp M
     --compile blocks --ac torchtitan-full --float8 --reshard-after-forward all-but-last``): Float8 linears,
-    tensor parallel with torchao's Float8 styles, torchtitan's full checkpointing, each block compiled; AdamW,
-    the gradients as the compiled trace keeps them (:func:`bonsai_core.optimizer.grads_of`); its plain
-    schedule's live peak and the reserved peak under expandable segments."""
+    tensor parallel with torchao's Float8 styles, torchtitan's full checkpointing, each block compiled; AdamW;
+    its plain schedule's live peak and the reserved peak under expandable segments, with the gradients as the
+    compiled trace keeps them (:func:`bonsai_core.optimizer.grads_of`'s rule for a compiled step), and the same
+    with them set to None between steps as torchtitan's loop leaves them (``*_grads_none``); ``grads``: the
+    bytes setting them to None takes out of the fixed memory."""
     from bonsai_core.optimizer import with_training_loop
     from bonsai_core.rank import trace
 
     start = time.perf_counter()
     traced = trace(model, layout_of(**degrees), compile="blocks", ac="torchtitan-full", float8=True,
                    reshard_after_forward="all-but-last", batch=batch, seq=seq)
-    seconds = time.perf_counter() - start
-    graph = with_training_loop(traced.graph, model, "adamw", compiled=True)
-    schedule = solve(graph, None, "none")
-    return {"live_peak": simulate(graph, schedule).peak, "fixed": graph.fixed_mem, "nodes": graph.n,
-            "trace_seconds": round(seconds, 1),
-            "reserved_peak": bounded_replay(graph, schedule, "expandable").reserved_peak}
+    out: dict[str, Any] = {"nodes": traced.graph.n, "trace_seconds": round(time.perf_counter() - start, 1)}
+    for grads, suffix in (("zeroed", ""), ("none", "_grads_none")):
+        graph = with_training_loop(traced.graph, model, "adamw", grads, compiled=True)
+        schedule = solve(graph, None, "none")
+        out.update({f"live_peak{suffix}": simulate(graph, schedule).peak, f"fixed{suffix}": graph.fixed_mem,
+                    f"reserved_peak{suffix}": bounded_replay(graph, schedule, "expandable").reserved_peak})
+    out["grads"] = out["fixed"] - out["fixed_grads_none"]
+    return out
 
 
 def peak_at(graph: Any, ops: list, sim: Any) -> str:
