@@ -253,10 +253,11 @@ def check_supported(model: nn.Module, layout: Layout) -> str:
     return kind
 
 
-def parallelize(model: nn.Module, layout: Layout, dims: Any) -> None:
+def parallelize(model: nn.Module, layout: Layout, dims: Any, float8: bool = False) -> None:
     """Tensor and context parallel applied to ``model`` (fake tensors) in place, as its library applies them:
     torchtitan's ``apply_tp`` / ``apply_cp_to_attention_module`` (loss parallel on, its default), or
-    transformers' ``tp_plan``. ``dims``: :func:`meshes`'s."""
+    transformers' ``tp_plan``. ``dims``: :func:`meshes`'s. ``float8``: the linears are torchao's Float8 ones, and
+    tensor parallel takes torchao's Float8 styles, as torchtitan's ``parallelize_llama`` does for them."""
     if family(model) == "hf":
         if layout.tp > 1:
             from transformers.distributed import DistributedConfig
@@ -270,7 +271,7 @@ def parallelize(model: nn.Module, layout: Layout, dims: Any) -> None:
     from torchtitan.models.llama3.infra.parallelize import apply_tp
 
     if layout.tp > 1:
-        apply_tp(model, dims.get_mesh("tp"), loss_parallel=True, enable_float8_tensorwise_tp=False,
+        apply_tp(model, dims.get_mesh("tp"), loss_parallel=True, enable_float8_tensorwise_tp=float8,
                  cp_enabled=layout.cp > 1)
     if layout.cp > 1:
         apply_cp_to_attention_module([block.attention.inner_attention for block in model.layers.values()],

@@ -300,8 +300,9 @@ def _compile_mode(compile: bool | str, fsdp: int, parallel: Any) -> str | None:
                           f"{', '.join(map(repr, COMPILE_MODES))}.")
     if parallel.is_parallel:
         raise BonsaiError(f"compile={compile!r} with {parallel.describe()}: a compiled tensor, context or pipeline "
-                          "parallel rank is not traced yet (only an FSDP one is); plan that rank eager (compile=False), "
-                          "or the compiled step with fsdp=N alone.")
+                          "parallel rank is not traced by the one call (only an FSDP one is; `bonsai trace --tp N --compile "
+                          "blocks` traces a torchtitan: model's tensor parallel rank compiled); plan that rank eager "
+                          "(compile=False), or the compiled step with fsdp=N alone.")
     try:
         check_compile(mode, fsdp)
     except ModelError as e:

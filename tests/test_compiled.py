@@ -153,7 +153,9 @@ def test_the_blocks_are_the_graphs_modules_under_compile() -> None:
     (["--compile", "--ac", "torchtitan-full"], "for torchtitan: models"),
     (["--compile", "--ac", "budget:2"], "budget:F with F from 0"),
     (["--compile", "model", "--fsdp", "2"], "give --compile blocks"),
-    (["--compile", "--tp", "2"], "not traced yet"),
+    (["--compile", "--cp", "2"], "not traced yet"),
+    (["--compile", "--tp", "2"], "give --compile blocks"),
+    (["--compile", "blocks", "--tp", "2"], "for torchtitan: models"),
 ])
 def test_compile_options_that_cannot_run_are_refused(args: list[str], says: str, tmp_path, capsys) -> None:
     from bonsai_core.cli import main

@@ -41,3 +41,30 @@ def test_after_the_backward_tensors_held_at_a_chains_peak_are_freed_it_holds_one
     graph = chain(3, mem=10)  # peak 40 at b2 (f0, f1, f2, b2), again at b1 while b2 lives; after b2: 30
     sim = simulate(graph, solve(graph, None, "none"))
     assert (sim.peak, after_peak(graph, sim)) == (40, 30)
+
+
+def test_a_row_is_predicted_compiled_where_the_trace_runs_its_rank_compiled():
+    from bonsai_core.bench.published import compiled_refusal
+
+    assert compiled_refusal(dict(fsdp=32, tp=8)) is None
+    assert "pipeline or context parallel" in compiled_refusal(dict(fsdp=8, tp=8, pp=8, microbatches=8))
+    assert "pipeline or context parallel" in compiled_refusal(dict(fsdp=4, cp=2))
+    assert compiled_refusal(dict(fsdp=8)) is None
+
+
+def test_rows_not_asked_for_are_kept_as_stored_in_the_suite_s_order(tmp_path):
+    """``--rows 4`` reruns table 4 only: the other tables' rows come from the stored results, in the page's
+    order, each saying why it has no compiled prediction."""
+    import json
+
+    from bonsai_core.bench.published import ROWS, measure
+
+    stored = [{"table": t, "row": label, "degrees": degrees, "ranks": []}
+              for t, label, _, degrees, *_ in reversed(ROWS)]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"rows": stored}))
+    rows = measure([], path)["rows"]
+    assert [r["row"] for r in rows] == [label for _, label, *_ in ROWS]
+    assert all(bool(r["compiled_refused"]) == (r["degrees"].get("pp", 1) > 1 or r["degrees"].get("cp", 1) > 1)
+               for r in rows)
+    assert measure([], tmp_path / "none.json") == {"rows": []}

@@ -4,21 +4,27 @@
 checkpointing (the ``torchtitan-full`` plan), bf16 FSDP mixed precision, AdamW, the gradients set to None between
 steps (torchtitan's ``optimizers.zero_grad()``); the live peak with its
 breakdown, and the allocator's reserved peak (expandable segments, what torchtitan sets and reports; a pipeline
-rank's replayed over its whole schedule, every microbatch: :mod:`bonsai_core.allocator.pipelined`). The published runs were compiled, with Float8 linears (and some with AsyncTP): none of that is
-modelled here, so each row is marked eager; the compiled prediction waits for the compiled-step trace.
+rank's replayed over its whole schedule, every microbatch: :mod:`bonsai_core.allocator.pipelined`). The published runs were compiled, with Float8 linears (and some with AsyncTP).
+A row without pipeline and context parallel is predicted compiled too (:func:`predict_compiled`:
+the whole rank traced as torchtitan runs it, Float8 linears and styles, full AC, each block compiled); the other
+rows' compiled ranks are refused by the trace (:func:`bonsai_core.rank.check_compiled_rank`), and say so.
 
     bonsai bench published [--rows 2 4 5 6] [--page docs/results/published_rows.md] [--out DIR] [--report-only]
+
+``--rows`` reruns those tables and keeps the stored results of the others (``--out``'s results.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 from bonsai_core.allocator import bounded_replay
-from bonsai_core.bench.common import add_page_arguments, fill, page_header, page_refusal, run_page_suite, template_source
+from bonsai_core.bench.common import (add_page_arguments, fill, page_header, page_refusal, results_file,
+                                      run_page_suite, template_source)
 from bonsai_core.parallel import layout_of
 from bonsai_core.schedule import simulate
 from bonsai_core.solvers import solve
@@ -74,6 +80,38 @@ def predict_rank(graphs: Any, degrees: dict, batch: int) -> list[dict[str, Any]]
         if "pp" not in degrees:
             row["selective_live_peak"] = simulate(graph, solve(graph, None, "torchtitan-selective")).peak
         out.append(row)
+    return out
+
+
+def compiled_refusal(degrees: dict) -> str | None:
+    """Why a row's rank is not predicted compiled here, or None where it is (FSDP, with or without tensor
+    parallel; no pipeline or context parallel)."""
+    if degrees.get("pp", 1) > 1 or degrees.get("cp", 1) > 1:
+        return "a compiled pipeline or context parallel rank is not traced (bonsai_core.rank.check_compiled_rank)"
+    return None
+
+
+def predict_compiled(model: str, degrees: dict, batch: int, seq: int) -> dict[str, Any]:
+    """The row's rank traced whole as the published run compiled it (``bonsai trace MODEL [--tp N] --fsdp M
+    --compile blocks --ac torchtitan-full --float8 --reshard-after-forward all-but-last``): Float8 linears,
+    tensor parallel with torchao's Float8 styles, torchtitan's full checkpointing, each block compiled; AdamW;
+    its plain schedule's live peak and the reserved peak under expandable segments, with the gradients as the
+    compiled trace keeps them (:func:`bonsai_core.optimizer.grads_of`'s rule for a compiled step), and the same
+    with them set to None between steps as torchtitan's loop leaves them (``*_grads_none``); ``grads``: the
+    bytes setting them to None takes out of the fixed memory."""
+    from bonsai_core.optimizer import with_training_loop
+    from bonsai_core.rank import trace
+
+    start = time.perf_counter()
+    traced = trace(model, layout_of(**degrees), compile="blocks", ac="torchtitan-full", float8=True,
+                   reshard_after_forward="all-but-last", batch=batch, seq=seq)
+    out: dict[str, Any] = {"nodes": traced.graph.n, "trace_seconds": round(time.perf_counter() - start, 1)}
+    for grads, suffix in (("zeroed", ""), ("none", "_grads_none")):
+        graph = with_training_loop(traced.graph, model, "adamw", grads, compiled=True)
+        schedule = solve(graph, None, "none")
+        out.update({f"live_peak{suffix}": simulate(graph, schedule).peak, f"fixed{suffix}": graph.fixed_mem,
+                    f"reserved_peak{suffix}": bounded_replay(graph, schedule, "expandable").reserved_peak})
+    out["grads"] = out["fixed"] - out["fixed_grads_none"]
     return out
 
 
@@ -138,13 +176,19 @@ def breakdown(graph: Any, ops: list, sim: Any) -> dict[str, int]:
     return parts
 
 
-def measure(rows: list[str]) -> dict[str, Any]:
+def measure(rows: list[str], stored: Path | None = None) -> dict[str, Any]:
+    """The rows of the tables ``rows``, measured; the other tables' rows as ``stored`` (a results.json) has them."""
     from bonsai_core.fit import RankGraphs
     from bonsai_core.fsdp import Sharding
 
-    out, shared = [], {}
+    kept = {}
+    if stored is not None and stored.exists():
+        kept = {row["row"]: row for row in json.loads(stored.read_text())["rows"] if row["table"] not in rows}
+    out, shared, compiled = [], {}, {}
     for table, label, flavour, degrees, batch, seq, published, extra in ROWS:
         if table not in rows:
+            if label in kept:
+                out.append(dict(kept[label], compiled_refused=compiled_refusal(kept[label]["degrees"])))
             continue
         model = f"torchtitan:llama3:{flavour}"
         # the published run is torchtitan's of 2024-12-26, whose apply_fsdp kept the last block unsharded after
@@ -152,11 +196,17 @@ def measure(rows: list[str]) -> dict[str, Any]:
         if (model, seq) not in shared:
             shared[(model, seq)] = RankGraphs(model, seq, {}, Sharding.of(2, "all-but-last", None, model=model), {})
         ranks = predict_rank(shared[(model, seq)], degrees, batch)
-        out.append({"table": table, "row": label, "flavour": flavour, "degrees": degrees, "batch": batch, "seq": seq,
-                    "layers": shared[(model, seq)]._n_layers(), "published_gib": published, "published_with": extra,
-                    "ranks": ranks})
+        row = {"table": table, "row": label, "flavour": flavour, "degrees": degrees, "batch": batch, "seq": seq,
+               "layers": shared[(model, seq)]._n_layers(), "published_gib": published, "published_with": extra,
+               "ranks": ranks, "compiled_refused": compiled_refusal(degrees)}
+        if row["compiled_refused"] is None:
+            key = (model, json.dumps(degrees, sort_keys=True), batch, seq)  # the AsyncTP row: the same rank
+            if key not in compiled:
+                compiled[key] = predict_compiled(model, degrees, batch, seq)
+            row["compiled"] = compiled[key]
+        out.append(row)
         print(label, [(r["rank"], round(r["live_peak"] / GIB, 2), round(r.get("reserved_peak", 0) / GIB, 2))
-                      for r in ranks], flush=True)
+                      for r in ranks], {k: v for k, v in row.get("compiled", {}).items()}, flush=True)
     return {"rows": out}
 
 
@@ -178,4 +228,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    return run_page_suite("published", args, page_refusal(args, OUT, PAGE), lambda: measure(args.rows), write_page)
+    return run_page_suite("published", args, page_refusal(args, OUT, PAGE),
+                          lambda: measure(args.rows, results_file(args)), write_page)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import operator
 from typing import Any, Callable, Iterator
 
 import torch
@@ -108,8 +109,11 @@ def float8_linears(model: nn.Module) -> None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise ModelError("--float8 needs torchao (pip install torchao==0.18.0, requirements-torchtitan.txt).") from None
+    from torchao.float8.float8_linear import Float8Linear
     from torchtitan.components.quantization.utils import module_filter_fn
 
+    if any(isinstance(m, Float8Linear) for m in model.modules()):
+        return  # converted already (a tensor parallel rank converts before applying its Float8 styles)
     convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=False),
                                module_filter_fn=partial(module_filter_fn, filter_fqns=["output"]))
 
@@ -181,6 +185,73 @@ def partitioner_for(kernels: str) -> Iterator[None]:
         partitioners.get_default_op_list = original
 
 
+@contextlib.contextmanager
+def rng_states_before_opaque_objects() -> Iterator[None]:
+    """Within: AOTAutograd's partitioner passing the RNG states of a checkpointed random op (the CPU's flash
+    attention is one) from forward to backward where its runtime reads them. Its ``functionalize_rng_ops``
+    appends them to the forward's saved outputs just before the symints and to the backward's inputs just
+    before the tangents, behind any opaque objects saved (a tensor-parallel block saves its ``DeviceMesh``),
+    while the runtime takes every saved tensor to come before those objects; it would hand the mesh to
+    ``save_for_backward``. The states are moved in front of the opaque objects in both graphs. (On a GPU the
+    partitioner takes the graph-safe path, whose states are inputs, not saved outputs.)"""
+    from torch._functorch import partitioners
+    from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+
+    original = partitioners.functionalize_rng_ops
+
+    def is_object(node: Any) -> bool:
+        return is_opaque_node(node) or type(getattr(node, "meta", {}).get("val")).__name__ == "FakeScriptObject"
+
+    def reordered(*args: Any, **kwargs: Any) -> Any:
+        fw_module, bw_module = original(*args, **kwargs)
+        output = next(iter(fw_module.graph.find_nodes(op="output")))
+        outs = list(output.args[0])
+        states = [n for n in outs if isinstance(n, torch.fx.Node) and n.target is operator.getitem
+                  and n.args[0].target is torch._prims.rng_prims.run_and_save_rng_state]
+        objects = [i for i, n in enumerate(outs) if is_object(n)]
+        if not states or not objects or any(getattr(n, "meta", {}).get("saved_tensor_with_no_vc_check")
+                                            for n in outs if isinstance(n, torch.fx.Node)):
+            return fw_module, bw_module
+        rest = [n for n in outs if not any(n is s for s in states)]
+        at = next(i for i, n in enumerate(rest) if is_object(n))
+        output.args = (tuple(rest[:at] + states + rest[at:]),)
+        placeholders = list(bw_module.graph.find_nodes(op="placeholder"))
+        first_object = next((n for n in placeholders if is_object(n)), None)
+        if first_object is not None:
+            for node in placeholders:
+                if node.name.startswith("rng_state_output_"):
+                    first_object.prepend(node)
+        fw_module.recompile()
+        bw_module.recompile()
+        return fw_module, bw_module
+
+    partitioners.functionalize_rng_ops = reordered
+    try:
+        yield
+    finally:
+        partitioners.functionalize_rng_ops = original
+
+
+@contextlib.contextmanager
+def dtensor_metadata_unrecorded(recorder: StepRecorder) -> Iterator[None]:
+    """Within: DTensor's sharding propagation not recorded. To learn an op's output shape it runs the op on
+    fake tensors of the global (unsharded) shape in the ambient fake mode, where the recorder would see a
+    tensor parallel rank make the whole logits; they are metadata, no memory of the rank."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def unrecorded(self: Any, op_schema: Any) -> Any:
+        with recorder.unrecorded():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = unrecorded
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
 def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
                         compile: str = "model", name: str = "model", profile: str = DEFAULT_PROFILE,
                         autocast: str | None = None, checkpointing: str | None = None, float8: bool = False,
@@ -207,7 +278,8 @@ def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss
             recorder.phase = "backward"
         loss.backward()
 
-    with inductor_without_kernels(), partitioner_for(kernels), torch.enable_grad(), \
+    with inductor_without_kernels(), partitioner_for(kernels), rng_states_before_opaque_objects(), \
+            torch.enable_grad(), \
             checkpointed(model, checkpointing), compiled(model, compile) as runnable:
         try:
             step(runnable)  # compiles, and allocates the gradients
@@ -225,9 +297,10 @@ def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss
                              f"{(str(e).strip().splitlines() or [''])[0]}). Trace it without compile, or fix what "
                              "torch.compile reports.") from None
         fixed = _fixed_tensors(model, inputs, loss_fn)
-        recorder = StepRecorder(PROFILES[profile], {t.untyped_storage()._cdata for _, t, _ in fixed})
+        recorder = StepRecorder(PROFILES[profile], {t.untyped_storage()._cdata for _, t, _ in _distinct(fixed)})
         calls: list[list[Any]] = []
-        with kernel_calls(recorder.kernel), _module_calls(model, compile, recorder, calls), recorder:
+        with kernel_calls(recorder.kernel), _module_calls(model, compile, recorder, calls), \
+                dtensor_metadata_unrecorded(recorder), recorder:
             step(runnable, recorder)
         gc.collect()
         nodes = recorder.finish()
@@ -286,11 +359,23 @@ def _fixed_tensors(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: 
     return out
 
 
+def plain_tensors(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``t`` as the plain tensors that hold its bytes, named: itself, or a tensor subclass's inner tensors (a
+    DTensor's local shard, a Float8 tensor's data and scale), whose storages the step's ops read and write."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return [(name, t)]
+    inner, _ = t.__tensor_flatten__()
+    return [item for attr in inner if isinstance(getattr(t, attr), torch.Tensor)  # a DTensor's mesh is no tensor
+            for item in plain_tensors(f"{name}.{attr}", getattr(t, attr))]
+
+
 def _distinct(fixed: list[tuple[str, torch.Tensor, str]]) -> list[tuple[str, torch.Tensor, str]]:
-    """Each storage once (tied parameters, views of one buffer)."""
+    """Each storage once (tied parameters, views of one buffer), a tensor subclass's as its plain tensors'."""
     seen: set[int] = set()
     out = []
-    for n, t, kind in fixed:
+    for n, t, kind in [(m, p, kind) for name, tensor, kind in fixed for m, p in plain_tensors(name, tensor)]:
         key = t.untyped_storage()._cdata
         if key not in seen:
             seen.add(key)

@@ -33,12 +33,14 @@ storage):
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from bonsai_core.costmodel import DeviceProfile, op_cost
 from bonsai_core.trace.inductor import KernelCall
@@ -55,7 +57,9 @@ def _key(t: torch.Tensor) -> int:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    """The tensors in ``tree`` that can hold bytes: not those on the meta device (DTensor's sharding
+    propagation runs ops on meta tensors of the global shape to learn their outputs' metadata)."""
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.device.type != "meta"]
 
 
 def _written_arguments(func: Any, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -98,6 +102,16 @@ class StepRecorder(TorchDispatchMode):
         self._finalizers: list[weakref.finalize] = []
         self._counts: dict[str, int] = {}
         self.scratch: list[tuple[int, Signature]] = []  # (scratch node, its call's signature)
+        self.paused = 0  # within unrecorded(): ops that are no part of the step
+
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """Within: the ops run are not recorded (work on tensors that are no part of the step)."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
 
     supports_higher_order_operators = True  # a compiled program may call one (checkpointing's RNG state)
 
@@ -109,6 +123,12 @@ class StepRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        if any(is_traceable_wrapper_subclass(t) for t in _tensors((args, kwargs))):
+            # a DTensor (tensor parallel) or a Float8 tensor: its own dispatch runs the ops on its plain
+            # tensors, which come back here and are recorded; the wrapper holds no bytes of its own
+            return NotImplemented
         if isinstance(func, torch._ops.HigherOrderOperator):  # one op here, whatever it runs inside
             with _pop_mode_temporarily():
                 out = func(*args, **kwargs)
