@@ -11,7 +11,6 @@ import streamlit as st
 from bonsai_core import fit
 from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError
-from bonsai_core.solvers.deadline import cpu_seconds
 from bonsai_core.optimizer import OPTIMIZERS
 from bonsai_core.units import format_bytes
 from explorer import compute, plots, state
@@ -98,7 +97,7 @@ if st.button("Find what fits", type="primary", key="fit_run", disabled=not metho
                                    f"{a.method} {'fits' if a.fits else 'does not fit'}")
             live.dataframe(rows, hide_index=True, width="stretch")
 
-        with cpu_seconds():  # the time limits count CPU seconds: the same answers on a loaded server
+        with compute.cpu_seconds():  # the time limits count CPU seconds: the same answers on a loaded server
             result = fit.fit(m.zoo, limit.resolve(0), methods, vary=vary, max_overhead=max_overhead, options=fixed,
                              optimizer=optimizer, reserved=(bound or "caching") if reserved else None,
                              solver_options={"time_limit": 10.0}, start=current, traced=traced, answered=answered)
