@@ -100,6 +100,18 @@ def test_a_sweep_solves_every_position_down_to_the_first_unmet_and_derives_the_r
     assert recorded == []
 
 
+def test_below_every_budget_met_a_sweep_goes_down_one_by_one_after_the_positions_above(recorded):
+    ahead.start(GRAPH, session_solve(70), REFERENCE, 70)
+    wait_for_the_thread()
+    lowest_met = min(p for p in ahead.SLIDER if ahead.budget_at(p, REFERENCE) >= 0.4 * REFERENCE)
+    swept = recorded[1:]  # after the session's own solve
+    first_below = next(i for i, p in enumerate(swept) if p < 54)  # 54: the coarse level's lowest met
+    assert set(swept[:first_below]) == {p for p in ahead.SLIDER if p >= 54 and p != 70}
+    assert swept[first_below:] == list(range(53, lowest_met - 2, -1))  # down to the first unmet, which ends it
+    sweep, _ = ahead.find(GRAPH, "fake", (), None, 70)
+    assert sweep.known == len(ahead.SLIDER)
+
+
 def test_a_solve_that_ran_out_of_time_says_nothing_of_the_budgets_below(fake_method, monkeypatch):
     asked: list[int] = []
 

@@ -29,9 +29,20 @@ def test_a_deadline_in_cpu_seconds_does_not_count_the_time_the_thread_waits():
 def test_a_backend_is_given_the_wall_seconds_the_cpu_seconds_take_at_the_threads_pace():
     assert backend_seconds(3.0) == 3.0 and backend_seconds(None) is None  # wall-clock deadlines: unchanged
     with cpu_seconds():
-        assert backend_seconds(3.0) == 3.0  # no pace known yet
+        assert backend_seconds(3.0) >= 3.0  # no pace of its own yet: the last block's, at least 1
         _sleep_then_spin(1.0, 0.5)  # at least 3 wall seconds per CPU second (more on a loaded machine)
         assert backend_seconds(3.0) >= 2.5 * 3.0
+
+
+def test_a_blocks_first_backend_call_is_given_the_last_blocks_pace():
+    with cpu_seconds():
+        _sleep_then_spin(1.0, 0.5)  # a loaded machine: at least 3 wall seconds per CPU second
+    with cpu_seconds():  # the next solve: its first backend call comes before it has a pace of its own
+        assert backend_seconds(3.0) >= 2.5 * 3.0
+    with cpu_seconds():
+        _sleep_then_spin(3.0, 0.5)  # slower still: at least 7 wall seconds per CPU second
+    with cpu_seconds():
+        assert backend_seconds(3.0) >= 6.5 * 3.0  # the latest block's pace, not the first one's
 
 
 def test_the_cpu_clock_is_the_threads_own():

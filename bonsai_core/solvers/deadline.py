@@ -5,7 +5,7 @@ calling thread's CPU seconds, so that what a solve finds within its limit does n
 many other processes share the machine (the explorer's solves: on a loaded machine a 20 s wall-clock
 limit ran out before bonsai's first plan of a large step was built). A backend whose own limit is
 wall-clock (HiGHS, SCIP) is then given the wall seconds the CPU seconds left take at the pace the
-thread has had so far (:func:`backend_seconds`).
+thread has had so far, or early in a block the pace the last block had (:func:`backend_seconds`).
 """
 
 from __future__ import annotations
@@ -19,17 +19,27 @@ from bonsai_core.errors import SolverError
 
 # (wall, thread CPU) seconds when :func:`cpu_seconds` was entered; None: deadlines count wall-clock seconds
 _cpu_since: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar("deadline_cpu", default=None)
-_PACE_AFTER = 0.5  # CPU seconds before the thread's own pace is trusted (until then: one wall second per CPU second)
+_PACE_AFTER = 0.5  # CPU seconds before a block's own pace is trusted (until then: the last block's, see below)
+# wall seconds per CPU second over the last :func:`cpu_seconds` block long enough to measure it (1.0: none yet).
+# A block's first backend call comes before it has a pace of its own: on torchtitan's 8B step at 22% of the
+# no-remat peak the LP's rounding takes 0.1 s, then HiGHS, handed 20 wall seconds for 20 CPU seconds on a
+# machine at 3.5 wall seconds per CPU second, stopped without a plan after 7 CPU seconds (alone it needs 12).
+_last_pace = 1.0
 
 
 @contextlib.contextmanager
 def cpu_seconds() -> Iterator[None]:
     """Within this block (in this thread), time limits count the thread's CPU seconds."""
-    token = _cpu_since.set((time.perf_counter(), time.thread_time()))
+    global _last_pace
+    since = (time.perf_counter(), time.thread_time())
+    token = _cpu_since.set(since)
     try:
         yield
     finally:
         _cpu_since.reset(token)
+        pace = _pace(since)
+        if pace is not None:
+            _last_pace = pace
 
 
 def counts_cpu() -> bool:
@@ -43,13 +53,20 @@ def now() -> float:
 
 def backend_seconds(seconds: float | None) -> float | None:
     """``seconds`` of :func:`now`'s clock as a wall-clock limit for a backend: unchanged outside
-    :func:`cpu_seconds`; within it, scaled by the wall seconds each CPU second has taken since (at least 1)."""
+    :func:`cpu_seconds`; within it, scaled by the wall seconds each CPU second has taken since (at least 1),
+    or before the block has spent :data:`_PACE_AFTER` CPU seconds, by the last block's pace."""
     since = _cpu_since.get()
     if seconds is None or since is None:
         return seconds
+    pace = _pace(since)
+    return seconds * max(1.0, _last_pace if pace is None else pace)
+
+
+def _pace(since: tuple[float, float]) -> float | None:
+    """Wall seconds per CPU second of this thread since ``since`` (wall, thread CPU); None before
+    :data:`_PACE_AFTER` CPU seconds."""
     cpu = time.thread_time() - since[1]
-    pace = (time.perf_counter() - since[0]) / cpu if cpu >= _PACE_AFTER else 1.0
-    return seconds * max(1.0, pace)
+    return (time.perf_counter() - since[0]) / cpu if cpu >= _PACE_AFTER else None
 
 
 class Deadline:
