@@ -143,6 +143,25 @@ def envelope(x: np.ndarray, y: np.ndarray, columns: int = COLUMNS) -> np.ndarray
     return np.flatnonzero(keep)
 
 
+def column_tops(x: np.ndarray, y: np.ndarray, columns: int) -> np.ndarray:
+    """The indices of the highest point in each of ``columns`` columns of x (the first such), the first and
+    the last point: a filled step area drawn from them covers, column by column, what it covers drawn from all of them
+    (at that resolution a column is filled up to its highest point whatever lies under it), the peak exact;
+    all of them when there is at most one per column."""
+    n = len(y)
+    if n <= columns:
+        return np.arange(n)
+    x, y = np.asarray(x, dtype=float), np.asarray(y)
+    span = max(float(x[-1] - x[0]), 1e-12)
+    column = np.minimum(((x - x[0]) / span * columns).astype(np.int64), columns - 1)
+    starts = np.flatnonzero(np.r_[True, column[1:] != column[:-1]])
+    seg = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))
+    highs = np.maximum.reduceat(y, starts)
+    keep = (y == highs[seg]) & _first_in(seg, y == highs[seg])
+    keep[0] = keep[-1] = True
+    return np.flatnonzero(keep)
+
+
 def _first_in(seg: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """``mask`` left True only at its first True within each run of equal ``seg``."""
     hit = np.flatnonzero(mask)

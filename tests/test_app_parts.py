@@ -326,3 +326,17 @@ def test_a_long_step_line_keeps_every_column_s_lowest_and_highest_point():
         inside = column == c
         assert y[kept][column[kept] == c].max() == y[inside].max()
     assert list(plots.envelope(x[:100], y[:100], columns=500)) == list(range(100))  # short: every point
+
+
+def test_a_filled_area_keeps_every_column_s_highest_point_and_no_more():
+    rng = np.random.default_rng(1)
+    y = np.cumsum(rng.integers(-5, 6, 20_000)).astype(float)
+    x = np.cumsum(rng.random(20_000))
+    kept = plots.column_tops(x, y, columns=300)
+    assert len(kept) <= 300 + 2 and kept[0] == 0 and kept[-1] == len(y) - 1
+    column = np.minimum(((x - x[0]) / (x[-1] - x[0]) * 300).astype(int), 299)
+    for c in (0, 42, 299):  # each column's highest point is kept, the first of them
+        inside = np.flatnonzero(column == c)
+        assert inside[np.argmax(y[inside])] in kept
+    assert y[kept].max() == y.max()  # the peak, exactly
+    assert list(plots.column_tops(x[:100], y[:100], columns=300)) == list(range(100))  # short: every point
