@@ -561,7 +561,7 @@ def rebuilds(graph: Graph, outcome: Outcome) -> Rebuilds:
 
     found, modules = outcome.sim.events, node_modules(graph)
     grouped = events.patterns(graph, found, modules)
-    return Rebuilds(grouped, events.pattern_rows(graph, found, grouped), events.block_marks(graph, found, modules))
+    return Rebuilds(grouped, events.pattern_rows(graph, found, grouped), events.block_marks(graph, found, modules, grouped))
 
 
 @st.cache_resource(show_spinner=False, max_entries=128, hash_funcs=PLAN_HASH)

@@ -511,7 +511,9 @@ def events_table(out: compute.Outcome, key: str) -> int | None:
     else:
         st.markdown(f"**{len(found)} recompute events** of {out.method} in **{len(grouped)} patterns**: a rebuild "
                     "repeated in several blocks of the model is one row, with the blocks it runs in (`layers.*` "
-                    "stands for each of them). Click one to move the step cursor to its first rebuild.")
+                    "stands for each of them). Click one to move the step cursor to its first rebuild. On the memory curve "
+                    "↻ marks each block's run of rebuilds, numbered by rebuild in the order they run; hover one for "
+                    "its patterns.")
         rows = compute.rebuilds(g, out).pattern_rows
     st.dataframe(rows, hide_index=True, width="stretch", key=table, on_select=picked, selection_mode="single-row",
                  height=min(36 * len(rows) + 40, 260))

@@ -285,6 +285,8 @@ def test_a_rebuild_repeated_in_every_block_is_one_pattern_and_a_block_one_mark()
     row = events.pattern_rows(g, sim.events, found)[0]
     assert row["blocks"] == "blocks.0–7 (8)" and row["rebuilds"] == 8
     assert len(events.block_marks(g, sim.events, modules)) == 8  # one block's rebuilds each
+    # hovered, a mark names its pattern as the table numbers it
+    assert all(words.startswith("pattern 1: ") for _, _, words in events.block_marks(g, sim.events, modules, found))
     stack = [b for b, _, _ in block_stack(g)]
     assert events.block_ranges([0, 1, 2, 3, 5, 7], stack) == "blocks.0–3, 5, 7"
     assert set(modules.kind) >= {"blocks.*.mlp", "blocks.*.attn", "emb"} and "blocks.3" not in set(modules.kind)
