@@ -54,10 +54,10 @@ def results():
                     "memory_first": {"charts_s": 6.0, "scrub_s": 1.7},
                     "memory_again": {"charts_s": 3.3, "scrub_s": 2.1},
                     "graph": {"first_s": 1.8, "again_s": [1.4, 1.5, 1.6]},
-                    "gpt2_link": {"charts_s": 9.5, "scrub_s": 0.2},
+                    "gpt2_link": {"link": "memory?model=hf:gpt2&budget=50", "charts_s": 9.5, "scrub_s": 0.2},
                     "llama": {"first_s": 14.0, "again_s": [0.5, 0.7, 0.4], "folds": [[4, 1.4], [5, 2.1], [4, 1.2],
                                                                                        [3, 0.45]]},
-                    "large_link": {"charts_s": 50.0, "scrub_s": 0.19}},
+                    "large_link": {"link": browser.LARGE_LINK, "charts_s": 50.0, "scrub_s": 0.19}},
         "sessions": [sessions(True, [1.0, 1.5, 1.8, 2.1], 0.2), sessions(False, [2.0, 2.4, 2.6, 2.2], 0.6)]}
 
 
@@ -147,6 +147,8 @@ def test_the_lifetimes_section_names_grouped_tensors_and_the_links():
             "4.00 KiB grouped per module), chart rows and spec 7.0 ms, step line 0.04 ms, reasons of 12 of 20 regions "
             "2.20 s") in text
     assert f"| `{browser.LARGE_LINK}` in a new session: trace, solve, both charts | 50.00 s;" in text
+    # the link the run opened, not the one the harness opens today
+    assert "| `memory?model=hf:gpt2&budget=50` in a new session: trace, solve, both charts | 9.50 s;" in text
     assert "| 10 arrow-key steps of the scrubber until the step line changed | 1.70 2.10 s" in text
 
 

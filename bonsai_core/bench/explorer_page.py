@@ -204,13 +204,14 @@ def first_paints(chromium: Any, url: str, count: int) -> list[float]:
 
 def memory_page(chromium: Any, url: str, link: str, presses: int, key: str) -> dict[str, float]:
     """A new page on the Memory page ``link``: seconds until both its charts are drawn, then ``presses``
-    of ``key`` on the step scrubber until the step line changed."""
+    of ``key`` on the step scrubber until the step line changed; with the link (the page names what was
+    measured, whatever the harness opens today)."""
     browser = harness()
     page, seconds = browser.open_memory(chromium, f"{url}/{link}")
     try:
         no_exception(page, link)
         page.wait_for_timeout(1000)  # the charts' first draw settled, as the test waits before its step
-        return {"charts_s": seconds, "scrub_s": browser.scrub(page, key, presses)}
+        return {"link": link, "charts_s": seconds, "scrub_s": browser.scrub(page, key, presses)}
     finally:
         page.close()
 
