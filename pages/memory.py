@@ -118,7 +118,7 @@ def scrubber(outcome: compute.Outcome) -> int:
     step = c2.slider(f"Step through {outcome.method}'s schedule", 0, last, key="memory_step",
                      on_change=lambda: state.set_step(outcome, ss["memory_step"]),
                      help="The grey line on both charts; starts at the schedule's peak.")
-    st.markdown(timeline.step_line(g, outcome.schedule.ops, step, bars_of(outcome)[0], outcome.sim.events))
+    st.markdown(timeline.step_line(g, outcome.schedule.ops, step, compute.node_modules(g), outcome.sim.events))
     return step
 
 
@@ -163,7 +163,7 @@ def why(outcome: compute.Outcome, budget: int) -> None:
     if len(shown) < min(len(regions), WHY_AT_ONCE) or ss.pop("memory_why_more", False):
         todo = regions[len(shown):len(shown) + WHY_AT_ONCE]
         with st.spinner(f"Simulating the plan without each of {len(todo)} regions…"):
-            shown += timeline.reasons(g, outcome.schedule, budget, bars_of(outcome)[0], regions=todo)
+            shown += timeline.reasons(g, outcome.schedule, budget, compute.node_modules(g), regions=todo)
     with box:
         st.caption("Measured with the simulator, not the solver's model: each region's plan is simulated again "
                    "without it (the bytes it takes off the peak, the compute it costs), and with each of the kept "
