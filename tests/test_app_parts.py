@@ -342,3 +342,13 @@ def test_a_filled_area_keeps_every_column_s_highest_point_and_no_more():
         assert inside[np.argmax(y[inside])] in kept
     assert y[kept].max() == y.max()  # the peak, exactly
     assert list(plots.column_tops(x[:100], y[:100], columns=300)) == list(range(100))  # short: every point
+
+
+def test_the_memory_chart_s_pointer_finds_fewer_points_than_the_line_has_and_the_peak():
+    rng = np.random.default_rng(2)
+    live = np.cumsum(rng.integers(-3, 5, 30_000)).astype(np.int64) * 2**20
+    c = plots.curve("bonsai", live, np.full(len(live), 1e-4), int(live.max()), int(np.argmax(live)), "#000", "ops")
+    data = plots.memory_chart([c], None)["datasets"]
+    assert len(data["hover"]) <= 4 * plots.HOVER_COLUMNS < len(data["lines"])
+    assert data["hover"].mib.max() == data["lines"].mib.max() == np.float32(live.max() / 2**20)
+    assert set(data["hover"].x) <= set(data["lines"].x)
