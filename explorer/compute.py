@@ -546,6 +546,59 @@ def replay(graph: Graph, outcome: Outcome) -> Any:
     return result
 
 
+# -- what the pages draw of a plan, once per plan for every session -----------------------------------
+
+PLAN_HASH = {**GRAPH_HASH, Outcome: lambda o: (o.method, o.budget, o.options, o.reserved)}  # as replay keys it
+
+
+@st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=16)
+def node_modules(graph: Graph):
+    """Each node's module (``explorer.timeline.node_modules``), once per graph."""
+    from explorer import timeline
+
+    return timeline.node_modules(graph)
+
+
+# room for a sweep's every slider position, as replay: a drag back to a position draws what it drew
+@st.cache_resource(show_spinner=False, max_entries=128, hash_funcs=PLAN_HASH)
+def lifetime_bars(graph: Graph, outcome: Outcome):
+    """The tensor lifetimes of a solved schedule as the Memory page's bars (``explorer.timeline.bars``)."""
+    from explorer import timeline
+
+    return timeline.bars(graph, outcome.sim.residency, node_modules(graph))
+
+
+@dataclass(frozen=True)
+class Rebuilds:
+    """A solved schedule's recompute events as the pages show them: grouped into patterns, the table's rows
+    of those, and the memory chart's marks (``explorer.events``)."""
+
+    patterns: list
+    pattern_rows: list[dict]
+    marks: list[tuple[int, int, str]]
+
+
+@st.cache_resource(show_spinner=False, max_entries=128, hash_funcs=PLAN_HASH)
+def rebuilds(graph: Graph, outcome: Outcome) -> Rebuilds:
+    from explorer import events
+
+    found, modules = outcome.sim.events, node_modules(graph)
+    grouped = events.patterns(graph, found, modules)
+    return Rebuilds(grouped, events.pattern_rows(graph, found, grouped), events.block_marks(graph, found, modules, grouped))
+
+
+@st.cache_resource(show_spinner=False, max_entries=128, hash_funcs=PLAN_HASH)
+def rank_parts(graph: Graph, outcome: Outcome) -> dict:
+    """One FSDP rank's memory of a solved schedule by part (``explorer.rank.breakdown``), with the allocator's
+    extra when its model replays the schedule."""
+    from explorer import rank
+
+    alloc = replay(graph, outcome)
+    ok = alloc is not None and not isinstance(alloc, str)
+    return rank.breakdown(graph, outcome.schedule.ops, outcome.sim, alloc.reserved if ok else None,
+                          alloc.live if ok else None)
+
+
 # -- the same plan, compiled -------------------------------------------------------------------------
 
 COMPILE_MODES = {"model": "torch.compile(model)", "blocks": "each block compiled (fullgraph=True), as torchtitan does"}

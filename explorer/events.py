@@ -183,10 +183,13 @@ def pattern_rows(graph: Graph, events: Sequence[RecomputeEvent], found: Sequence
     return rows
 
 
-def block_marks(graph: Graph, events: Sequence[RecomputeEvent], modules: Modules) -> list[tuple[int, int, str]]:
+def block_marks(graph: Graph, events: Sequence[RecomputeEvent], modules: Modules,
+                found: Sequence[Pattern] = ()) -> list[tuple[int, int, str]]:
     """The memory chart's marks: one per run of consecutive rebuilds in the same block (a block's
     rebuilds, back to back in the backward pass), as (first rebuild, last rebuild, words); a rebuild in
-    no block is a mark of its own."""
+    no block is a mark of its own. With the rebuilds' patterns (``found``, :func:`patterns`) the words
+    start with the patterns a mark's rebuilds belong to, numbered as the table's rows."""
+    pattern_of = {i: k for k, p in enumerate(found) for i in p.events}
     stack = [b for b, _, _ in block_stack(graph)]
     marks: list[list[int]] = []
     last: object = object()
@@ -203,5 +206,8 @@ def block_marks(graph: Graph, events: Sequence[RecomputeEvent], modules: Modules
         words = (event_line(graph, events[first], modules) if first == final else
                  f"{final - first + 1} rebuilds in {stack[b]}: "
                  + " ".join(event_line(graph, events[i], modules) for i in range(first, final + 1)))
+        numbers = sorted({pattern_of[i] + 1 for i in range(first, final + 1) if i in pattern_of})
+        if numbers:
+            words = f"pattern{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers))}: {words}"
         out.append((first, final, words))
     return out

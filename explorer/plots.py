@@ -143,6 +143,25 @@ def envelope(x: np.ndarray, y: np.ndarray, columns: int = COLUMNS) -> np.ndarray
     return np.flatnonzero(keep)
 
 
+def column_tops(x: np.ndarray, y: np.ndarray, columns: int) -> np.ndarray:
+    """The indices of the highest point in each of ``columns`` columns of x (the first such), the first and
+    the last point: a filled step area drawn from them covers, column by column, what it covers drawn from all of them
+    (at that resolution a column is filled up to its highest point whatever lies under it), the peak exact;
+    all of them when there is at most one per column."""
+    n = len(y)
+    if n <= columns:
+        return np.arange(n)
+    x, y = np.asarray(x, dtype=float), np.asarray(y)
+    span = max(float(x[-1] - x[0]), 1e-12)
+    column = np.minimum(((x - x[0]) / span * columns).astype(np.int64), columns - 1)
+    starts = np.flatnonzero(np.r_[True, column[1:] != column[:-1]])
+    seg = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))
+    highs = np.maximum.reduceat(y, starts)
+    keep = (y == highs[seg]) & _first_in(seg, y == highs[seg])
+    keep[0] = keep[-1] = True
+    return np.flatnonzero(keep)
+
+
 def _first_in(seg: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """``mask`` left True only at its first True within each run of equal ``seg``."""
     hit = np.flatnonzero(mask)
@@ -188,6 +207,9 @@ def _event_marks(events: Sequence[tuple[float, str, str]], top: int, curves: Seq
                          for i, (ex, label, words) in enumerate(events)], columns=["x", "mib", "mark", "text"])
 
 
+# the points a pointer finds on a memory chart's lines (each column's first, lowest, highest and last): their
+# Voronoi diagram is built anew on each drag
+HOVER_COLUMNS = COLUMNS // 4
 X_TITLES = {"time": "elapsed compute time (ms)", "ops": "schedule step (op)",
             "share": "share of the step (its ops eager, its kernels compiled)"}
 X_UNITS = {"time": "ms", "ops": "op", "share": "share"}
@@ -214,10 +236,11 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     (allocator model) is labelled at its peak: a dotted line never stands without a name.
     ``budget_label`` names the budget line ("reserved-bytes bound" for a plan that bounds the
     allocator's reserved bytes: ``compute.Bound.label``)."""
-    lines, reserved, marks, peaks, reserved_peaks = [], [], [], [], []
+    lines, hovered, reserved, marks, peaks, reserved_peaks = [], [], [], [], [], []
     for c in curves:
         x, live = _steps(c.x, c.live / MIB)
         lines.append(_points(x, live, c.label))
+        hovered.append(lines[-1].iloc[envelope(x, live, HOVER_COLUMNS)])
         # a few markers along each line, the method's symbol: curves differ by more than hue
         marks.append(lines[-1].iloc[np.unique(np.linspace(0, len(x) - 1, min(12, len(x))).round().astype(int))])
         if c.reserved is not None:
@@ -249,7 +272,7 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     spec = {
         "height": height,
         "usermeta": {"embedOptions": {"renderer": "hybrid"}},
-        "datasets": {"lines": _dataset(lines), "reserved": _dataset(reserved), "marks": _dataset(marks),
+        "datasets": {"lines": _dataset(lines), "hover": _dataset(hovered), "reserved": _dataset(reserved), "marks": _dataset(marks),
                      "peaks": pd.DataFrame(peaks, columns=["x", "mib", "schedule", "text"]), "levels": pd.DataFrame(levels),
                      "reserved_peaks": pd.DataFrame(reserved_peaks, columns=["x", "mib", "schedule", "text"]),
                      "events": _event_marks(events, top, curves)},
@@ -269,7 +292,7 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
             {"data": {"name": "marks"}, "encoding": {"x": x, "y": y, "color": colour, "shape": shape},
              "mark": {"type": "point", "filled": True, "size": 60, "opacity": 1}},
             # the point of a line nearest the pointer, with its value
-            {"data": {"name": "lines"}, "mark": {"type": "point", "filled": True, "size": 70},
+            {"data": {"name": "hover"}, "mark": {"type": "point", "filled": True, "size": 70},
              "params": [{"name": "hover", "select": {"type": "point", "on": "pointerover", "nearest": True,
                                                      "clear": "pointerout"}}],
              "encoding": {"x": x, "y": y, "color": colour,

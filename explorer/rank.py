@@ -21,7 +21,7 @@ from bonsai_core.fsdp import SHARDED_KINDS, working_parts
 from bonsai_core.graph import Graph
 from bonsai_core.in_flight import working as pipeline_working
 from bonsai_core.schedule import SimResult
-from explorer.plots import RECOMPUTE, envelope
+from explorer.plots import RECOMPUTE, column_tops
 
 SHARDED = "sharded state (1/N of parameters, gradients, optimizer)"
 ROOT = "root unit unsharded, inputs"
@@ -57,13 +57,19 @@ def at_peak(parts: dict[str, np.ndarray], step: int) -> list[dict]:
     return [{"part": name, "bytes": format_bytes(int(v[step]))} for name, v in parts.items()]
 
 
-def frame(parts: dict[str, np.ndarray], x: np.ndarray) -> pd.DataFrame:
-    """Long rows (x, part, its MiB, lo, hi in MiB, i) at the points where some part changes (at most the
-    :func:`~explorer.plots.envelope` of the stack's top on a chart's columns): each part's band
-    stacked here, from ``lo`` to ``hi``, in the order of ``parts``; ``i`` orders a part's points along
-    its band. Stacked here, not by Vega-Lite: on the compute-time axis the ops that take no time (frees,
-    views) share their x with the op before them, and Vega-Lite stacks every row of one x on top of each
-    other, a part's own points included, which multiplied the chart's height."""
+COLUMNS = 600  # the stacked chart's points: its highest in each of this many columns (about 2 px each)
+
+
+def frame(parts: dict[str, np.ndarray], x: np.ndarray, columns: int = COLUMNS) -> pd.DataFrame:
+    """Long rows (x, part, its MiB, lo, hi in MiB, i) at the points where some part changes, at most the
+    highest of the stack in each of ``columns`` columns (:func:`~explorer.plots.column_tops`: the peak
+    exact; every point of a band is a polygon vertex the browser rebuilds on each drag, which made this
+    chart most of a browser's work per drag on torchtitan's 8B step): each part's band stacked here,
+    from ``lo`` to ``hi``, in the order of ``parts``; ``i`` orders a part's points along its band.
+    Stacked here, not by Vega-Lite: on the compute-time axis the ops that take no time (frees, views)
+    share their x with the op before them, and Vega-Lite stacks every row of one x on top of each other,
+    a part's own points included, which multiplied the chart's height. Compact on the wire: 32-bit
+    floats, the part's name a category."""
     if not len(x):
         return pd.DataFrame(columns=["x", "part", "mib", "lo", "hi", "i"])
     stack = np.vstack(list(parts.values()))
@@ -72,13 +78,15 @@ def frame(parts: dict[str, np.ndarray], x: np.ndarray) -> pd.DataFrame:
     keep[-1] = True
     idx = np.flatnonzero(keep)
     x = np.asarray(x, dtype=float)
-    idx = idx[envelope(x[idx], stack[:, idx].sum(axis=0))]  # the stack's top kept exactly at every column
+    idx = idx[column_tops(x[idx], stack[:, idx].sum(axis=0), columns)]
     tops = np.cumsum(stack[:, idx], axis=0) / 2**20
-    return pd.DataFrame({"x": np.tile(x[idx], len(parts)),
-                         "part": np.repeat(list(parts), len(idx)),
-                         "mib": (stack[:, idx] / 2**20).ravel(),
-                         "lo": (tops - stack[:, idx] / 2**20).ravel(), "hi": tops.ravel(),
-                         "i": np.tile(np.arange(len(idx)), len(parts))})
+    names = list(parts)
+    return pd.DataFrame({"x": np.tile(x[idx], len(parts)).astype(np.float32),
+                         "part": pd.Categorical.from_codes(np.repeat(np.arange(len(names)), len(idx)), names),
+                         "mib": (stack[:, idx] / 2**20).ravel().astype(np.float32),
+                         "lo": (tops - stack[:, idx] / 2**20).ravel().astype(np.float32),
+                         "hi": tops.ravel().astype(np.float32),
+                         "i": np.tile(np.arange(len(idx), dtype=np.int32), len(parts))})
 
 
 COLOURS = ("#0072B2", "#56B4E9", "#E69F00", "#F0E442", "#CC79A7", "#009E73", "#999999", "#6b4c9a")

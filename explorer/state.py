@@ -477,14 +477,8 @@ def set_step(out: compute.Outcome, at: int) -> None:
 
 
 def node_modules(g):
-    """Each node's module (``explorer.timeline.node_modules``), kept for the session's model."""
-    ss = st.session_state
-    kept = ss.get("node_modules")
-    if kept is None or kept[0] is not g:
-        from explorer import timeline
-
-        kept = ss["node_modules"] = (g, timeline.node_modules(g))
-    return kept[1]
+    """Each node's module (``explorer.timeline.node_modules``), once per graph for every session."""
+    return compute.node_modules(g)
 
 
 def events_table(out: compute.Outcome, key: str) -> int | None:
@@ -501,7 +495,7 @@ def events_table(out: compute.Outcome, key: str) -> int | None:
                    "backward pass reads it.")
         return None
     modules = node_modules(g)
-    grouped = events.patterns(g, found, modules)
+    grouped = compute.rebuilds(g, out).patterns
     repeats = len(grouped) < len(found)
     every = not repeats or st.toggle("every rebuild", key=f"{key}_every",
                                      help="One row per rebuild, in the order they run, instead of one per pattern.")
@@ -519,8 +513,10 @@ def events_table(out: compute.Outcome, key: str) -> int | None:
     else:
         st.markdown(f"**{len(found)} recompute events** of {out.method} in **{len(grouped)} patterns**: a rebuild "
                     "repeated in several blocks of the model is one row, with the blocks it runs in (`layers.*` "
-                    "stands for each of them). Click one to move the step cursor to its first rebuild.")
-        rows = events.pattern_rows(g, found, grouped)
+                    "stands for each of them). Click one to move the step cursor to its first rebuild. On the memory curve "
+                    "↻ marks each block's run of rebuilds, numbered by rebuild in the order they run; hover one for "
+                    "its patterns.")
+        rows = compute.rebuilds(g, out).pattern_rows
     st.dataframe(rows, hide_index=True, width="stretch", key=table, on_select=picked, selection_mode="single-row",
                  height=min(36 * len(rows) + 40, 260))
     now = events.current(found, step(out))
@@ -532,9 +528,4 @@ def events_table(out: compute.Outcome, key: str) -> int | None:
 def rank_breakdown(out: compute.Outcome) -> dict:
     """One FSDP rank's memory of a solved schedule by part (``explorer.rank``), with the allocator's
     extra when its model replays the schedule."""
-    from explorer import rank
-
-    g = model().graph
-    alloc = compute.replay(g, out)
-    ok = alloc is not None and not isinstance(alloc, str)
-    return rank.breakdown(g, out.schedule.ops, out.sim, alloc.reserved if ok else None, alloc.live if ok else None)
+    return compute.rank_parts(model().graph, out)

@@ -11,7 +11,7 @@ import streamlit as st
 from bonsai_core.allocator import layout_at
 from bonsai_core.errors import BudgetError
 from bonsai_core.units import format_bytes
-from explorer import compute, events, plots, rank, state, timeline
+from explorer import compute, plots, rank, state, timeline
 
 st.title("Memory over time")
 g = state.model().graph
@@ -90,13 +90,9 @@ def address_space(s: state.Settings) -> None:
 
 
 def bars_of(outcome: compute.Outcome) -> tuple[timeline.Modules, timeline.Bars]:
-    """The chosen schedule's lifetime bars, kept for the session while its schedule is the same."""
-    ss = st.session_state
-    kept = ss.get("memory_bars")
-    if kept is None or kept[0] is not outcome.schedule:
-        modules = timeline.node_modules(g)
-        kept = ss["memory_bars"] = (outcome.schedule, modules, timeline.bars(g, outcome.sim.residency, modules))
-    return kept[1], kept[2]
+    """The chosen schedule's lifetime bars, computed once per plan for every session (a drag back to a budget
+    draws them at once)."""
+    return compute.node_modules(g), compute.lifetime_bars(g, outcome)
 
 
 def scrubber(outcome: compute.Outcome) -> int:
@@ -122,7 +118,7 @@ def scrubber(outcome: compute.Outcome) -> int:
     step = c2.slider(f"Step through {outcome.method}'s schedule", 0, last, key="memory_step",
                      on_change=lambda: state.set_step(outcome, ss["memory_step"]),
                      help="The grey line on both charts; starts at the schedule's peak.")
-    st.markdown(timeline.step_line(g, outcome.schedule.ops, step, bars_of(outcome)[0], outcome.sim.events))
+    st.markdown(timeline.step_line(g, outcome.schedule.ops, step, compute.node_modules(g), outcome.sim.events))
     return step
 
 
@@ -167,7 +163,7 @@ def why(outcome: compute.Outcome, budget: int) -> None:
     if len(shown) < min(len(regions), WHY_AT_ONCE) or ss.pop("memory_why_more", False):
         todo = regions[len(shown):len(shown) + WHY_AT_ONCE]
         with st.spinner(f"Simulating the plan without each of {len(todo)} regions…"):
-            shown += timeline.reasons(g, outcome.schedule, budget, bars_of(outcome)[0], regions=todo)
+            shown += timeline.reasons(g, outcome.schedule, budget, compute.node_modules(g), regions=todo)
     with box:
         st.caption("Measured with the simulator, not the solver's model: each region's plan is simulated again "
                    "without it (the bytes it takes off the peak, the compute it costs), and with each of the kept "
@@ -320,7 +316,7 @@ def memory_over_time() -> None:
     # one mark per block's run of rebuilds (a 32-layer model: 33 marks, not 113), numbered as the events
     marks = [(float(curves[0].x[chosen.sim.events[first].start]), f"↻{first + 1}" + (f"–{last + 1}" if last > first else ""),
               words.replace("`", ""))
-             for first, last, words in events.block_marks(g, chosen.sim.events, state.node_modules(g))] if on_chosen else []
+             for first, last, words in compute.rebuilds(g, chosen).marks] if on_chosen else []
     with chart_slot:
         for method, error in errors:
             state.show_error(f"{method}: {error}", "Raise the budget in the sidebar or pick another method."

@@ -34,7 +34,9 @@ def test_memory_page_lists_the_simulators_recompute_events_and_marks_them_on_the
     # one mark per block's run of rebuilds, numbered as the events: ln_f, then blocks.1's three, blocks.0's two
     assert list(marks["mark"]) == ["↻1", "↻2–4", "↻5–6"] and len(sim.events) == 6
     assert list(marks["x"]) == sorted(marks["x"])
-    assert marks["text"][0].startswith("At backward step") and marks["text"][1].startswith("3 rebuilds in blocks.1")
+    # hovered, each names its rebuilds' patterns as the table numbers them
+    assert marks["text"][0].startswith("pattern 1: At backward step")
+    assert marks["text"][1].startswith("patterns 2, 3, 4: 3 rebuilds in blocks.1")
 
 
 def test_an_event_moves_the_shared_cursor_and_lights_its_boxes_on_the_graph():

@@ -285,6 +285,8 @@ def test_a_rebuild_repeated_in_every_block_is_one_pattern_and_a_block_one_mark()
     row = events.pattern_rows(g, sim.events, found)[0]
     assert row["blocks"] == "blocks.0–7 (8)" and row["rebuilds"] == 8
     assert len(events.block_marks(g, sim.events, modules)) == 8  # one block's rebuilds each
+    # hovered, a mark names its pattern as the table numbers it
+    assert all(words.startswith("pattern 1: ") for _, _, words in events.block_marks(g, sim.events, modules, found))
     stack = [b for b, _, _ in block_stack(g)]
     assert events.block_ranges([0, 1, 2, 3, 5, 7], stack) == "blocks.0–3, 5, 7"
     assert set(modules.kind) >= {"blocks.*.mlp", "blocks.*.attn", "emb"} and "blocks.3" not in set(modules.kind)
@@ -326,3 +328,27 @@ def test_a_long_step_line_keeps_every_column_s_lowest_and_highest_point():
         inside = column == c
         assert y[kept][column[kept] == c].max() == y[inside].max()
     assert list(plots.envelope(x[:100], y[:100], columns=500)) == list(range(100))  # short: every point
+
+
+def test_a_filled_area_keeps_every_column_s_highest_point_and_no_more():
+    rng = np.random.default_rng(1)
+    y = np.cumsum(rng.integers(-5, 6, 20_000)).astype(float)
+    x = np.cumsum(rng.random(20_000))
+    kept = plots.column_tops(x, y, columns=300)
+    assert len(kept) <= 300 + 2 and kept[0] == 0 and kept[-1] == len(y) - 1
+    column = np.minimum(((x - x[0]) / (x[-1] - x[0]) * 300).astype(int), 299)
+    for c in (0, 42, 299):  # each column's highest point is kept, the first of them
+        inside = np.flatnonzero(column == c)
+        assert inside[np.argmax(y[inside])] in kept
+    assert y[kept].max() == y.max()  # the peak, exactly
+    assert list(plots.column_tops(x[:100], y[:100], columns=300)) == list(range(100))  # short: every point
+
+
+def test_the_memory_chart_s_pointer_finds_fewer_points_than_the_line_has_and_the_peak():
+    rng = np.random.default_rng(2)
+    live = np.cumsum(rng.integers(-3, 5, 30_000)).astype(np.int64) * 2**20
+    c = plots.curve("bonsai", live, np.full(len(live), 1e-4), int(live.max()), int(np.argmax(live)), "#000", "ops")
+    data = plots.memory_chart([c], None)["datasets"]
+    assert len(data["hover"]) <= 4 * plots.HOVER_COLUMNS < len(data["lines"])
+    assert data["hover"].mib.max() == data["lines"].mib.max() == np.float32(live.max() / 2**20)
+    assert set(data["hover"].x) <= set(data["lines"].x)

@@ -70,8 +70,7 @@ def test_screenshots_of_the_lifetimes_in_both_themes(browser, server, scheme):
 
 def test_hf_gpt2_from_a_link(browser, server):
     pytest.importorskip("transformers")
-    # 55%: bonsai's checkpoint regions reach 50.6% of hf:gpt2's no-remat peak (GPT2_LINK's 50% is under it)
-    pg = open_memory(browser, f"{server}/{GPT2_LINK.replace('budget=50', 'budget=55')}")
+    pg = open_memory(browser, f"{server}/{GPT2_LINK}")
     assert "hf:gpt2" in pg.locator('[data-testid="stSidebar"]').inner_text()
     assert step_text(pg).startswith("step ")
     pg.screenshot(path=str(SHOTS / "memory-timeline-gpt2.png"), full_page=True)

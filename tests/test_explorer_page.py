@@ -54,10 +54,10 @@ def results():
                     "memory_first": {"charts_s": 6.0, "scrub_s": 1.7},
                     "memory_again": {"charts_s": 3.3, "scrub_s": 2.1},
                     "graph": {"first_s": 1.8, "again_s": [1.4, 1.5, 1.6]},
-                    "gpt2_link": {"charts_s": 9.5, "scrub_s": 0.2},
+                    "gpt2_link": {"link": "memory?model=hf:gpt2&budget=50", "charts_s": 9.5, "scrub_s": 0.2},
                     "llama": {"first_s": 14.0, "again_s": [0.5, 0.7, 0.4], "folds": [[4, 1.4], [5, 2.1], [4, 1.2],
                                                                                        [3, 0.45]]},
-                    "large_link": {"charts_s": 50.0, "scrub_s": 0.19}},
+                    "large_link": {"link": browser.LARGE_LINK, "charts_s": 50.0, "scrub_s": 0.19}},
         "sessions": [sessions(True, [1.0, 1.5, 1.8, 2.1], 0.2), sessions(False, [2.0, 2.4, 2.6, 2.2], 0.6)]}
 
 
@@ -147,6 +147,8 @@ def test_the_lifetimes_section_names_grouped_tensors_and_the_links():
             "4.00 KiB grouped per module), chart rows and spec 7.0 ms, step line 0.04 ms, reasons of 12 of 20 regions "
             "2.20 s") in text
     assert f"| `{browser.LARGE_LINK}` in a new session: trace, solve, both charts | 50.00 s;" in text
+    # the link the run opened, not the one the harness opens today
+    assert "| `memory?model=hf:gpt2&budget=50` in a new session: trace, solve, both charts | 9.50 s;" in text
     assert "| 10 arrow-key steps of the scrubber until the step line changed | 1.70 2.10 s" in text
 
 
@@ -226,3 +228,57 @@ def test_the_8b_section_judges_the_sweep_the_drags_after_it_and_what_fits():
     assert "Not measured in this run" in titan_said(r)
     page = explorer_page.page(results(), "<!-- header -->")
     assert "## The 8B step" in page and "`bonsai trace torchtitan:llama3:8B --batch 2 --seq 8192 --fsdp 8`" in page
+
+
+def titan_alone(minutes=50.0):
+    """The 8B step as measured by ``--parts titan``: its own run."""
+    run = {"command": "bonsai bench explorer --parts titan --page P", "date": "2026-02-02 00:00 UTC",
+           "machine": "2 CPUs", "torch": "2.13.0", "streamlit": "1.67.0", "seconds": 60 * minutes, "alone": True,
+           "parts": {"tracing the 8B step": {"seconds": 30.0, "load_start": 2.5, "load_end": 3.0},
+                     "What fits on the 8B step": {"seconds": 95.0, "load_start": 3.0, "load_end": 7.25}}}
+    return {**titan(), "run": run}
+
+
+def test_the_8b_step_rerun_alone_is_merged_into_the_stored_run(tmp_path, monkeypatch):
+    stored = results()
+    stored["meta"]["parts"]["What fits on the 8B step"] = {"seconds": 80.0, "load_start": 9.0, "load_end": 12.0}
+    stored["titan"] = titan(done=False)
+    (tmp_path / "results.json").write_text(json.dumps(stored))
+    monkeypatch.setattr(explorer_page, "measure_titan", lambda drags: titan_alone())
+    monkeypatch.setattr(explorer_page, "measure_main", lambda quick: pytest.fail("the main part ran"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # torchtitan "installed"
+    merged = explorer_page.measure(False, ["titan"], str(tmp_path))
+    assert merged["titan"]["browser"]["sweep"]["done"] and merged["titan"]["run"]["alone"]
+    assert merged["lifetimes"] == stored["lifetimes"] and merged["sessions"] == stored["sessions"]
+    # the stored run's own 8B parts no longer count in its minutes and loads
+    assert "What fits on the 8B step" not in merged["meta"]["parts"] and merged["meta"]["seconds"] == 400.0
+    assert max(explorer_page.loads(merged)) == 1.6
+    text = titan_said(merged)
+    assert ("Measured by a run of its own: `bonsai bench explorer --parts titan --page P` on 2026-02-02 00:00 UTC, 2 CPUs; "
+            "50.0 min, the 1-minute load average between 2.50 and 7.25.") in text
+    assert "Measured by a run of its own" not in titan_said({**results(), "titan": titan()})
+
+
+def test_the_main_part_rerun_keeps_the_8b_step_as_a_run_of_its_own(tmp_path, monkeypatch):
+    stored = results()
+    stored["meta"]["parts"]["tracing the 8B step"] = {"seconds": 30.0, "load_start": 9.0, "load_end": 12.0}
+    stored["titan"] = titan()
+    (tmp_path / "results.json").write_text(json.dumps(stored))
+    fresh = results()
+    fresh["meta"]["date"] = "2026-03-03 00:00 UTC"
+    monkeypatch.setattr(explorer_page, "measure_main", lambda quick: copy.deepcopy(fresh))
+    merged = explorer_page.measure(False, ["main"], str(tmp_path))
+    assert merged["meta"]["date"] == "2026-03-03 00:00 UTC" and merged["titan"]["browser"] == stored["titan"]["browser"]
+    assert "on 2026-01-01 00:00 UTC, 2 CPUs; 0.5 min, the 1-minute load average between 9.00 and 12.00." in titan_said(merged)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--out", "{tmp}", "--parts", "titan", "--page", "{tmp}/p.md"], "results.json, which is missing: run them first"),
+    (["--out", "{tmp}", "--parts", "titan", "--report-only", "--page", "{tmp}/p.md"], "leave out --parts"),
+    (["--out", "{tmp}", "--parts", "titan", "--quick"], "--quick measures no 8B step")])
+def test_parts_that_cannot_run_are_refused(tmp_path, capsys, argv, said):
+    if "--report-only" in argv:
+        (tmp_path / "results.json").write_text(json.dumps(results()))
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["bench", "explorer", *argv]) == 2
+    assert said in capsys.readouterr().out

@@ -5,6 +5,12 @@ it (explorer/browser.py) and in-process for the parts the pages compute.
     bonsai bench explorer --page docs/results/explorer.md                 # measures, writes results.json and the page
     bonsai bench explorer --page docs/results/explorer.md --report-only   # the page again from results.json
     bonsai bench explorer --quick --out /tmp/e --page /tmp/explorer.md    # small counts, no large graphs: a smoke test
+    bonsai bench explorer --parts titan --page docs/results/explorer.md   # the 8B step again, the rest kept
+
+``--parts`` picks the studies to run: ``main`` (everything on the default GPT, hf:gpt2, the 32-layer Llama and the
+60-layer GPT) and ``titan`` (torchtitan's 8B step: an hour of sweeping on a loaded machine). The parts not run are
+kept from ``--out``'s results.json, and the page names the run that measured the 8B step where it is not the
+page's own.
 
 With ``--page`` the whole page is written from this run: every number and comparison on it is computed
 from ``results.json``. Needs Playwright for Python, Debian's Chromium (/usr/bin/chromium) and
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import importlib.util
 import os
 import re
@@ -49,6 +56,7 @@ SHARE = 0.5  # the lifetimes' budget, of the no-remat peak
 REGIONS_AT_ONCE = 12  # regions the "Why this plan" panel explains per click (pages/memory.py's WHY_AT_ONCE)
 TIME_LIMIT = 20.0  # seconds per bonsai solve: the explorer's default (explorer/state.py)
 LARGE_GPT = ("gpt", {"layers": 60})  # browser.LARGE_LINK's model
+PARTS = ("main", "titan")  # --parts: the studies a run measures, the others kept from its --out
 
 
 def harness() -> ModuleType:
@@ -62,6 +70,9 @@ def harness() -> ModuleType:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     common.add_page_arguments(ap, DEFAULT_OUT, RECORD_PAGE, quick="small counts and no large graphs")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                    help="the studies to run (default all): main (the default GPT and the other small graphs), titan "
+                         "(torchtitan's 8B step); the others are kept from --out's results.json")
 
 
 # -- measuring in-process ---------------------------------------------------------------------------
@@ -193,13 +204,14 @@ def first_paints(chromium: Any, url: str, count: int) -> list[float]:
 
 def memory_page(chromium: Any, url: str, link: str, presses: int, key: str) -> dict[str, float]:
     """A new page on the Memory page ``link``: seconds until both its charts are drawn, then ``presses``
-    of ``key`` on the step scrubber until the step line changed."""
+    of ``key`` on the step scrubber until the step line changed; with the link (the page names what was
+    measured, whatever the harness opens today)."""
     browser = harness()
     page, seconds = browser.open_memory(chromium, f"{url}/{link}")
     try:
         no_exception(page, link)
         page.wait_for_timeout(1000)  # the charts' first draw settled, as the test waits before its step
-        return {"charts_s": seconds, "scrub_s": browser.scrub(page, key, presses)}
+        return {"link": link, "charts_s": seconds, "scrub_s": browser.scrub(page, key, presses)}
     finally:
         page.close()
 
@@ -314,7 +326,62 @@ def timed_part(parts: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
     return out
 
 
-def measure(quick: bool) -> dict[str, Any]:
+def measure(quick: bool, parts: Sequence[str] = PARTS, out: str = DEFAULT_OUT) -> dict[str, Any]:
+    """The studies ``parts`` names (:data:`PARTS`), run now; the others kept from ``out``/results.json."""
+    results = earlier_results(Path(out) / "results.json") if set(parts) != set(PARTS) else {}
+    if "titan" in parts and "meta" in results:  # the kept run's page no longer counts its 8B step's parts
+        results["meta"] = without_titan_parts(results["meta"])
+    if "main" in parts:
+        kept_titan = results.get("titan") and titan_of_its_run(results["titan"], results["meta"])
+        results.update(measure_main(quick))
+        if kept_titan:
+            results["titan"] = kept_titan
+    if "titan" in parts and not quick and importlib.util.find_spec("torchtitan") is not None:
+        results["titan"] = measure_titan(FULL["drags"])
+        run = results["titan"]["run"]
+        run["alone"] = "main" not in parts  # else a part of the run the page's first lines name
+        if not run["alone"]:
+            results["meta"]["seconds"] += run["seconds"]
+    return results
+
+
+def earlier_results(path: Path) -> dict[str, Any]:
+    """results.json of an earlier run, or nothing."""
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def titan_of_its_run(titan: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """The 8B step's results kept beside a new run of the other parts: with the run that measured them (from its
+    ``meta`` where that run measured everything)."""
+    run = titan.get("run") or {**{k: meta[k] for k in ("command", "date", "machine")},
+                                "parts": {n: p for n, p in meta["parts"].items() if n in TITAN_PARTS},
+                                "seconds": sum(p["seconds"] for n, p in meta["parts"].items() if n in TITAN_PARTS)}
+    return {**titan, "run": {**run, "alone": True}}
+
+
+TITAN_PARTS = ("tracing the 8B step", "the 8B step in the browser", "What fits on the 8B step")  # timed_part's names
+
+
+def without_titan_parts(meta: dict[str, Any]) -> dict[str, Any]:
+    """A run's ``meta`` less the 8B step's timed parts (their seconds and load averages), for a page whose 8B
+    step another run measured."""
+    mine = {name: part for name, part in meta["parts"].items() if name in TITAN_PARTS}
+    return {**meta, "parts": {name: part for name, part in meta["parts"].items() if name not in mine},
+            "seconds": meta["seconds"] - sum(part["seconds"] for part in mine.values())}
+
+
+def titan_run(results: dict[str, Any]) -> dict[str, Any] | None:
+    """The run that measured the 8B step where it is not the one the page's first lines name (None when it is)."""
+    run = (results.get("titan") or {}).get("run")
+    if run is None or not run["alone"]:
+        return None
+    loads = [x for part in run["parts"].values() for x in (part["load_start"], part["load_end"])]
+    return {**run, "minutes": run["seconds"] / 60, "load_low": min(loads), "load_high": max(loads)}
+
+
+def measure_main(quick: bool) -> dict[str, Any]:
+    """Everything but the 8B step: the default GPT, hf:gpt2 and, unless ``quick``, the 32-layer Llama and the
+    60-layer GPT, in-process and in Chromium."""
     browser = harness()
     start = time.perf_counter()
     counts = QUICK if quick else FULL
@@ -339,17 +406,27 @@ def measure(quick: bool) -> dict[str, Any]:
                                         lambda: one_session_studies(counts, llama, large=not quick))
     results["sessions"] = [timed_part(parts, f"sessions, solving ahead {'on' if ahead else 'off'}",
                                       lambda: sessions_study(ahead, counts)) for ahead in (True, False)]
-    if not quick and importlib.util.find_spec("torchtitan") is not None:
-        name, options = browser.TITAN_8B
-        titan = timed_part(parts, "tracing the 8B step", lambda: traced(name, options, "torchtitan's 8B step"))
-        results["titan"] = {"ops": titan["graph"].n, "trace_s": titan["trace_s"]}
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / "llama3-8b.json"
-            save_graph(titan["graph"], path)
-            results["titan"]["browser"] = timed_part(parts, "the 8B step in the browser",
-                                                     lambda: titan_study(path, titan["graph"], counts["drags"]))
-        results["titan"]["fit"] = timed_part(parts, "What fits on the 8B step", lambda: titan_fit(titan["graph"]))
     results["meta"]["seconds"] = time.perf_counter() - start
+    return results
+
+
+def measure_titan(drags: int) -> dict[str, Any]:
+    """Torchtitan's 8B step: traced, in Chromium (uploaded, swept, ``drags`` drags after the sweep) and What fits;
+    with the run that measured it (``run``: its command, date, machine, seconds and the parts' load averages)."""
+    browser = harness()
+    start = time.perf_counter()
+    parts: dict[str, Any] = {}
+    run = common.run_meta(streamlit=importlib.metadata.version("streamlit"), parts=parts)
+    name, options = browser.TITAN_8B
+    titan = timed_part(parts, "tracing the 8B step", lambda: traced(name, options, "torchtitan's 8B step"))
+    results: dict[str, Any] = {"ops": titan["graph"].n, "trace_s": titan["trace_s"], "run": run}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "llama3-8b.json"
+        save_graph(titan["graph"], path)
+        results["browser"] = timed_part(parts, "the 8B step in the browser",
+                                        lambda: titan_study(path, titan["graph"], drags))
+    results["fit"] = timed_part(parts, "What fits on the 8B step", lambda: titan_fit(titan["graph"]))
+    run["seconds"] = time.perf_counter() - start
     return results
 
 
@@ -382,7 +459,9 @@ def against(value: float, target: float) -> str:
 
 def loads(results: dict[str, Any]) -> list[float]:
     """The 1-minute load averages at the starts and ends of the run's parts and the sessions' drags."""
-    said = [x for part in results["meta"]["parts"].values() for x in (part["load_start"], part["load_end"])]
+    run = (results.get("titan") or {}).get("run")
+    runs = [results["meta"]] + ([run] if run is not None and not run["alone"] else [])
+    said = [x for run in runs for part in run["parts"].values() for x in (part["load_start"], part["load_end"])]
     return said + [s[key][0] for s in results["sessions"] for key in ("load_before", "load_after")]
 
 
@@ -437,7 +516,7 @@ def page(results: dict[str, Any], header: str) -> str:
         module_graph=module_graph_facts(results), regions_at_once=REGIONS_AT_ONCE, time_limit=TIME_LIMIT,
         run=results, browser=browser, share=SHARE, scrub_presses=SCRUB_PRESSES, ms=ms, first_words=first_words,
         swept=titan and swept(titan), traces=results["traces"], titan_8b=browser.TITAN_8B,
-        titan_budget=browser.TITAN_8B_BUDGET, titan=titan,
+        titan_budget=browser.TITAN_8B_BUDGET, titan=titan, titan_run=titan_run(results),
         targets={
             "slider": SLIDER_TARGET, "first_paint": FIRST_PAINT_TARGET, "sessions": SESSIONS_TARGET,
             "module_view": MODULE_VIEW_TARGET, "sweep": SWEEP_TARGET, "fit": FIT_TARGET},
@@ -449,8 +528,18 @@ def page(results: dict[str, Any], header: str) -> str:
 def refusal(args: argparse.Namespace) -> str | None:
     """Why these options cannot run, before anything is measured; None when they can."""
     why = common.page_refusal(args, DEFAULT_OUT, RECORD_PAGE)
-    if why or args.report_only:
+    if why:
         return why
+    if set(args.parts) != set(PARTS):
+        if args.report_only:
+            return "--report-only measures nothing: leave out --parts"
+        if args.quick and args.parts == ["titan"]:
+            return "--quick measures no 8B step: leave out --quick or --parts titan"
+        if not common.results_file(args).is_file():
+            return (f"--parts {' '.join(args.parts)} keeps the other parts from {common.results_file(args)}, which is "
+                    "missing: run them first (leave out --parts)")
+    if args.report_only:
+        return None
     absent = harness().missing()
     if absent:
         return f"cannot drive the explorer in a browser: {absent}"
@@ -460,5 +549,5 @@ def refusal(args: argparse.Namespace) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    return common.run_page_suite("explorer", args, refusal(args), lambda: measure(args.quick),
+    return common.run_page_suite("explorer", args, refusal(args), lambda: measure(args.quick, args.parts, args.out),
                                  common.page_writer(page, SOURCES))
