@@ -6,20 +6,20 @@ through :func:`explorer.compute.solve`, whose cache every session reads and whic
 disk (:mod:`explorer.disk`: a model opened again finds its sweep solved). With the granularity set, the
 granularities the sidebar offers are then solved at the session's budget the same way.
 
-Order: coarse to fine around the session's position (every 16th position, then every 8th, 4th, 2nd,
-each level nearest first), so that the nearest solved position is never far; a position a session asks
-for before its turn goes next. On the budget axis, positions below every budget met so far wait until
-those above are done and then go down one by one (:func:`_take`): near the lowest budget a method meets
-one solve can cost as much as the rest of the sweep. Below a budget the method cannot meet (a solve that ended within its
-time limit: one that ran out of it says nothing of lower budgets) nothing more is solved: nothing
-lower fits (each lower position's answer says so, quoting the method). What the pages draw beside a
-plan (an FSDP rank's allocator replay, bonsai's reach for the Solve page's note) is put off until every
-position is answered (``Sweep.later``): on torchtitan's 8B step the reach alone builds the largest rung's
-model for minutes. Each solve runs with the session's own options and time limit, so that a sweep's plan
-is the one the session would get (bonsai's ILP keeps its LP relaxation between budgets:
+Order: coarse to fine around the session's position (every 16th position, then every 8th, 4th, 2nd, each
+level nearest first), so that the nearest solved position is never far; a position a session asks for before
+its turn goes next. On the budget axis, positions below every budget met so far wait until those above are
+done and then go down one by one (:func:`_take`): near the lowest budget a method meets one solve can cost
+as much as the rest of the sweep. Below a budget the method cannot meet (a solve that ended within its time
+limit: one that ran out of it says nothing of lower budgets) nothing more is solved: nothing lower fits
+(each lower position's answer says so, quoting the method). What the pages draw beside a plan (its recompute
+patterns and lifetime bars, an FSDP rank's allocator replay, bonsai's reach for the Solve page's note) is
+put off until every position is answered (``Sweep.later``): on torchtitan's 8B step the reach alone builds
+the largest rung's model for minutes. Each solve runs with the session's own options and time limit, so that
+a sweep's plan is the one the session would get (bonsai's ILP keeps its LP relaxation between budgets:
 :mod:`bonsai_core.solvers.relaxation`); the limit counts the solving thread's CPU seconds
-(:func:`bonsai_core.solvers.deadline.cpu_seconds`), so that a sweep sharing the machine with sessions
-finds the plans a quiet machine finds.
+(:func:`bonsai_core.solvers.deadline.cpu_seconds`), so that a sweep sharing the machine with sessions finds
+the plans a quiet machine finds.
 
 While a sweep runs, a session that asks for a position not solved yet is answered at once with the
 nearest solved plan that fits its budget (a lower position's; else the nearest above), marked as such
@@ -304,8 +304,10 @@ def _solve(sweep: Sweep, p: int) -> None:
             sweep.todo = [q for q in sweep.todo if q not in lower]
     # put off until every position is answered: a position's plan first, then what the pages draw beside it
     with _lock:
-        if out.ok and sweep.graph.fsdp is not None:  # the Memory page's per-rank chart replays the schedule
-            sweep.later.append(lambda: compute.replay(sweep.graph, out))
+        if out.ok:  # what the Memory page draws of a plan, so that a drag after the sweep only reads it
+            sweep.later.append(lambda: (compute.rebuilds(sweep.graph, out), compute.lifetime_bars(sweep.graph, out)))
+        if out.ok and sweep.graph.fsdp is not None:  # the per-rank chart: the allocator's replay of the schedule
+            sweep.later.append(lambda: compute.rank_parts(sweep.graph, out))
         elif not out.ok and sweep.method == "bonsai" and sweep.axis == BUDGET and not sweep.reach_due:
             sweep.reach_due = True  # the Solve page's note under bonsai's error, once per sweep
             sweep.later.append(lambda: (compute.bonsai_reach(sweep.graph), compute.region_bound(sweep.graph)))

@@ -602,7 +602,7 @@ def rank_parts(graph: Graph, outcome: Outcome) -> dict:
 # -- the same plan, compiled -------------------------------------------------------------------------
 
 COMPILE_MODES = {"model": "torch.compile(model)", "blocks": "each block compiled (fullgraph=True), as torchtitan does"}
-PARALLEL_DEGREES = ("tp", "cp", "pp")  # a rank of these layouts is traced eager only (bonsai_core.rank.trace)
+PARALLEL_DEGREES = ("tp", "cp", "pp")  # the explorer compiles FSDP ranks only
 
 
 def compile_refusal(model: Model) -> str | None:
@@ -612,8 +612,9 @@ def compile_refusal(model: Model) -> str | None:
                 "graph. Trace a model on the Hugging Face or torchtitan tab with the switch on.")
     parallel = [k for k in PARALLEL_DEGREES if int(model.options.get(k, 1)) > 1]
     if parallel:
-        return (f"{', '.join(k.upper() for k in parallel)} > 1: a compiled tensor, context or pipeline parallel rank "
-                "is not traced (the library refuses torch.compile there; only FSDP is); this trace is eager only.")
+        return (f"{', '.join(k.upper() for k in parallel)} > 1: the explorer draws a compiled curve for FSDP ranks "
+                "only; this trace is eager only (a compiled tensor parallel rank of a torchtitan model is traced by "
+                "`bonsai trace ... --tp N --compile blocks`; context and pipeline parallel ranks are not traced compiled).")
     return None
 
 
