@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,26 @@ def pytest_unconfigure(config):
     folder = globals().get("_KEPT_BY_THIS_RUN")
     if folder and not hasattr(config, "workerinput"):
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# -- the order the two workers take the test files in (pytest-xdist's --dist loadfile --no-loadscope-reorder) --
+
+# Files of a few tests that take long (a served explorer and Chromium each, gloo processes, a model trained
+# several ways): xdist's own queue (the files of most tests first) leaves them for last, where one of them
+# keeps a worker busy after the other has run out of files. They go first, each beside a file of many tests.
+FEW_BUT_LONG = ("test_browser", "test_ddp.py", "test_hf_end_to_end.py", "test_fuzz.py")
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(config, items):
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    files = sorted(by_file, key=lambda f: -len(by_file[f]))  # xdist's order: most tests first
+    long = [f for f in files if Path(f).name.startswith(FEW_BUT_LONG)]
+    rest = [f for f in files if f not in long]
+    order = [f for pair in zip(long, rest) for f in pair] + long[len(rest):] + rest[len(long):]
+    items[:] = [item for f in order for item in by_file[f]]
 
 
 @pytest.fixture

@@ -233,14 +233,22 @@ def make_packed_lm(batch=4, seq=16, vocab=64, width=32, bidirectional=False):
             CrossEntropyLoss(torch.randint(0, vocab, (batch, seq)), flatten=True))
 
 
-@pytest.mark.parametrize("bidirectional", sweep([False, True]))
-def test_a_packed_lstm_traces_and_is_predicted(bidirectional):
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_a_packed_lstm_s_batch_sizes_are_read_from_one_real_forward(bidirectional):
     """The lengths come from the batch: the trace reads the batch sizes from one real forward pass."""
     from bonsai_core.packed import recorded_batch_sizes
 
     spec = "tests.test_fused_kernels:make_packed_lm"
     options = dict(bidirectional=bidirectional)
     assert recorded_batch_sizes(spec, **options) == ((4,) * 2 + (3,) * 11 + (2,) * 2 + (1,),)  # lengths 13, 16, 2, 15
+
+
+# the packed LSTM LM's one-call trace is checked within 1% in the default run (lstm-packed, below)
+@pytest.mark.slow
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_a_packed_lstm_traces_and_is_predicted(bidirectional):
+    spec = "tests.test_fused_kernels:make_packed_lm"
+    options = dict(bidirectional=bidirectional)
     predicted, measured = _no_remat_against_eager(spec, options)
     assert -0.01 <= predicted / measured - 1 <= 0.05, (predicted, measured)
 

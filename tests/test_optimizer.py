@@ -15,6 +15,7 @@ from bonsai_core.measure import LiveBytes, measure_step
 from bonsai_core.optimizer import OPTIMIZERS, init_state, make, with_grads, with_optimizer
 from bonsai_core.schedule import none_schedule, simulate
 from bonsai_core.trace import trace_model
+from tests.marks import sweep
 
 
 def _trainable_bytes(model: nn.Module) -> int:
@@ -164,7 +165,8 @@ def test_a_budget_below_the_fixed_memory_is_refused_clearly_with_or_without_an_o
 
 # -- gradients set to None between steps (optimizer.zero_grad()'s default) ------------------------------
 
-@pytest.mark.parametrize("name, options", [("gpt", dict(layers=2)), ("hf:llama", dict(layers=2, batch=2, seq=64))])
+# the zoo's GPT in the default run, a Hugging Face Llama in the slow stage
+@pytest.mark.parametrize("name, options", sweep([("gpt", dict(layers=2)), ("hf:llama", dict(layers=2, batch=2, seq=64))]))
 @pytest.mark.parametrize("optimizer", ["none", "adamw"])
 def test_gradients_set_to_none_are_predicted_as_the_steady_step_measures(name, options, optimizer):
     """A steady step whose gradients were set to None: its backward pass makes them (eager keeps each as

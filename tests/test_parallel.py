@@ -16,6 +16,7 @@ from bonsai_core.graph import Graph  # noqa: E402
 from bonsai_core.parallel import ASYNC_TP_REFUSED, layout_of, with_batch  # noqa: E402
 from bonsai_core.schedule import no_remat_peak  # noqa: E402
 from bonsai_core.rank import trace as trace_model  # noqa: E402
+from tests.marks import sweep  # noqa: E402
 
 TITAN = "torchtitan:llama3:debugmodel"
 SMALL = dict(batch=2, seq=64, layers=2)  # debugmodel: dim 256, 16 heads, vocab 2048
@@ -279,20 +280,20 @@ def test_the_one_call_plans_a_pipeline_rank_and_each_model_part_takes_its_paths(
     assert not any("checkpoint" in type(m).__name__.lower() for m in first_stage.modules())
 
 
-def test_a_deep_model_s_rank_is_three_blocks_repeated_node_for_node():
+@pytest.mark.parametrize("tp", sweep([2, 1]))  # a TP rank in the default run, one device in the slow stage
+def test_a_deep_model_s_rank_is_three_blocks_repeated_node_for_node(tp):
     from bonsai_core.fit import deepen
 
-    for layout in (None, layout_of(tp=2)):
-        extra = dict(parallel=layout) if layout else {}
-        three = trace_model(TITAN, batch=1, seq=64, layers=3, **extra).graph
-        six = trace_model(TITAN, batch=1, seq=64, layers=6, **extra).graph
-        block = (sum(b for _, b, k in six.fixed_tensors if k == "param")
-                 - sum(b for _, b, k in three.fixed_tensors if k == "param")) // 3
-        deep = deepen(three, 6, block)
-        assert deep.n == six.n and deep.fixed_mem == six.fixed_mem
-        assert [deep.ops[v] for v in range(deep.n)] == [six.ops[v] for v in range(six.n)]
-        assert all(list(deep.deps(v)) == list(six.deps(v)) for v in range(six.n))
-        assert no_remat_peak(deep) == no_remat_peak(six)
+    extra = dict(parallel=layout_of(tp=tp)) if tp > 1 else {}
+    three = trace_model(TITAN, batch=1, seq=64, layers=3, **extra).graph
+    six = trace_model(TITAN, batch=1, seq=64, layers=6, **extra).graph
+    block = (sum(b for _, b, k in six.fixed_tensors if k == "param")
+             - sum(b for _, b, k in three.fixed_tensors if k == "param")) // 3
+    deep = deepen(three, 6, block)
+    assert deep.n == six.n and deep.fixed_mem == six.fixed_mem
+    assert [deep.ops[v] for v in range(deep.n)] == [six.ops[v] for v in range(six.n)]
+    assert all(list(deep.deps(v)) == list(six.deps(v)) for v in range(six.n))
+    assert no_remat_peak(deep) == no_remat_peak(six)
 
 
 def test_fit_s_layouts_are_what_torchtitan_accepts():
@@ -422,31 +423,42 @@ def _whole_step(graph, policy: str, shortcut: bool):
     return (reserved, largest, live), skipped
 
 
-def test_the_replay_skips_steady_windows_that_repeat_and_gives_the_full_replay_s_every_byte(monkeypatch):
+# the pipeline layouts the replay shortcuts are checked on: plain 1F1B in the default run, interleaved 1F1B and FSDP
+# in the slow stage (the whole replay of both is checked in the default run by the test above)
+PIPE_LAYOUTS = sweep([pytest.param({}, id="1f1b"), pytest.param(dict(pp_schedule="interleaved-1f1b"), id="interleaved"),
+                      pytest.param(dict(fsdp=2), id="fsdp")])
+
+
+@pytest.mark.parametrize("extra", PIPE_LAYOUTS)
+def test_the_replay_skips_steady_windows_that_repeat_and_gives_the_full_replay_s_every_byte(extra):
     """Rule 11's steady-phase shortcut (bonsai_core.allocator.pipelined): where a window of the steady phase ends
     in the state an earlier window ended in (microbatches named relative to the window's first), the windows
     between repeat to the end of the run and are copied, not replayed. Op for op the same reserved, largest free
-    and live bytes as the full replay, for both schedules, FSDP, several microbatch counts; the last rank of 1F1B
-    (one microbatch in flight) reaches its fixed point at once. A key that leaves out the addresses would skip
-    too little (here: nothing) skips windows that do not repeat, and the comparison with the full replay catches
-    it."""
+    and live bytes as the full replay, for a schedule and layout, several microbatch counts; 1F1B's last rank
+    (one microbatch in flight) reaches its fixed point at once."""
+    import numpy as np
+
+    skipped = {}
+    for m in (4, 16):
+        for r in (0, 1):
+            graph = pipe_rank(r, m, **extra)
+            for policy in ("caching", "expandable"):
+                full, none = _whole_step(graph, policy, shortcut=False)
+                short, skipped[m, r, policy] = _whole_step(graph, policy, shortcut=True)
+                assert none == 0
+                assert all(np.array_equal(a, b) for a, b in zip(full, short)), (m, r, policy)
+    if "pp_schedule" not in extra:  # 1F1B's last rank: 26 of its 32 actions skipped
+        assert skipped[16, 1, "caching"] == skipped[16, 1, "expandable"] == 26
+
+
+def test_a_replay_shortcut_whose_key_names_no_state_is_caught(monkeypatch):
+    """A key that leaves out the addresses would skip too little (here: nothing) skips windows that do not
+    repeat: it takes the first window (where the pool still grows) for every later one, and the comparison
+    with the full replay catches it."""
     import numpy as np
 
     import bonsai_core.allocator.pipelined as pipelined
 
-    skipped = {}
-    for extra in (dict(), dict(pp_schedule="interleaved-1f1b"), dict(fsdp=2)):
-        for m in (4, 16):
-            for r in (0, 1):
-                graph = pipe_rank(r, m, **extra)
-                for policy in ("caching", "expandable"):
-                    full, none = _whole_step(graph, policy, shortcut=False)
-                    short, skipped[tuple(extra), m, r, policy] = _whole_step(graph, policy, shortcut=True)
-                    assert none == 0
-                    assert all(np.array_equal(a, b) for a, b in zip(full, short)), (extra, m, r, policy)
-    assert skipped[(), 16, 1, "caching"] == 26 and skipped[("fsdp",), 16, 1, "expandable"] == 26  # 32 actions
-    # the comparison can fail: a key that names no state takes the first window (where the pool still grows)
-    # for every later one
     graph = pipe_rank(0, 16)
     full, _ = _whole_step(graph, "caching", shortcut=False)
     monkeypatch.setattr(pipelined, "_state", lambda alloc, held, grads, n, first: ())
@@ -462,13 +474,13 @@ def _bounded(graph, schedule):
     return (r.reserved, r.largest_free, r.live), (r.reserved_peak, r.peak, r.fragmentation, r.segments)
 
 
+@pytest.mark.parametrize("extra", PIPE_LAYOUTS)
 def test_a_replay_at_more_microbatches_starts_where_the_shorter_one_parts_and_gives_a_fresh_replay_s_bytes(
-        monkeypatch):
+        extra, monkeypatch):
     """The pipeline replay without a capacity (bonsai_core.allocator.pipelined._Prefix): a run at twice the
     microbatches begins with the shorter run's actions, so it starts from the shorter run's state where they part
-    instead of replaying them. Op for op the same bytes as a replay from an empty pool, for both schedules and
-    FSDP, every rank, doubling microbatches as fit's batch search does; a prefix kept for another plan (a key that
-    leaves the plan out) gives other bytes, and the comparison catches it."""
+    instead of replaying them. Op for op the same bytes as a replay from an empty pool, for a schedule and layout,
+    every rank, doubling microbatches as fit's batch search does."""
     import numpy as np
 
     import bonsai_core.allocator.pipelined as pipelined
@@ -478,19 +490,24 @@ def test_a_replay_at_more_microbatches_starts_where_the_shorter_one_parts_and_gi
     restore = pipelined._Prefix.restore
     monkeypatch.setattr(pipelined._Prefix, "restore", lambda self, *a: restored.append(1) or restore(self, *a))
     monkeypatch.setattr(pipelined, "_PREFIXES", pipelined._Prefixes())
-    for extra in (dict(), dict(pp_schedule="interleaved-1f1b"), dict(fsdp=2)):
-        for r in (0, 1):
-            for m in (2, 4, 8):
-                graph = pipe_rank(r, m, **extra)
-                plan = solve(graph, 10**12, "torchtitan-full")
-                resumed = _bounded(graph, plan)
-                kept, pipelined._PREFIXES = pipelined._PREFIXES, pipelined._Prefixes()
-                fresh = _bounded(graph, plan)
-                pipelined._PREFIXES = kept
-                assert resumed[1] == fresh[1] and all(np.array_equal(a, b) for a, b in zip(resumed[0], fresh[0])), \
-                    (extra, r, m)
-    assert len(restored) == 3 * 2 * 2  # every run after the first of each rank
-    # the comparison can fail: a prefix of the plain step taken up by the checkpointed one
+    for r in (0, 1):
+        for m in (2, 4, 8):
+            graph = pipe_rank(r, m, **extra)
+            plan = solve(graph, 10**12, "torchtitan-full")
+            resumed = _bounded(graph, plan)
+            kept, pipelined._PREFIXES = pipelined._PREFIXES, pipelined._Prefixes()
+            fresh = _bounded(graph, plan)
+            pipelined._PREFIXES = kept
+            assert resumed[1] == fresh[1] and all(np.array_equal(a, b) for a, b in zip(resumed[0], fresh[0])), (r, m)
+    assert len(restored) == 2 * 2  # every run after the first of each rank
+
+
+def test_a_replay_prefix_kept_for_another_plan_is_caught(monkeypatch):
+    """A prefix kept for another plan (a key that leaves the plan out: the plain step's taken up by the
+    checkpointed one) gives other bytes, and the comparison with a fresh replay catches it."""
+    import bonsai_core.allocator.pipelined as pipelined
+    from bonsai_core.solvers import solve
+
     monkeypatch.setattr(pipelined, "_structure_key", lambda graph, ops, residency, policy, inplace, largest=True: "one")
     monkeypatch.setattr(pipelined, "_PREFIXES", pipelined._Prefixes())
     small = pipe_rank(0, 4)
