@@ -378,6 +378,8 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
     checkpoints cannot make may be beaten by one that recomputes instead."""
     if method == "bonsai" and "space" not in options:  # the checkpoints apply checkpoint regions only
         options = {**options, "space": "regions"}
+    if method == "bonsai" and step.compiled and "save_ops" not in options:
+        return _fitted_both(step, graph, limit, method, options, seconds, best_effort)
     variants = [options]
     if method == "bonsai" and "regions" not in options and graph.modules:  # module regions need recorded module calls
         variants.append({**options, "regions": "modules"})
@@ -420,6 +422,26 @@ def _fitted(step: "_FakeStep", graph: Graph, limit: int, method: str, options: d
         f"the smallest budget it can guarantee is {format_bytes(smallest)} ({smallest} bytes). Give budget="
         f"{smallest} or more, or pass best_effort=True to take the plan of the smallest peak over the budget.",
         smallest=smallest)
+
+
+def _fitted_both(step: "_FakeStep", graph: Graph, limit: int, method: str, options: dict[str, Any],
+                 seconds: dict[str, float], best_effort: bool) -> tuple[Schedule, Save, "_Layout"]:
+    """:func:`_fitted` under compile with ``save_ops`` and without, the fitting layout of least compiled
+    compute kept (else the one of the smaller compiled peak). A compiled block recomputes the pointwise ops
+    between its saved matmul outputs inside fused kernels, nearly free, which only plans saving ops inside a
+    segment exploit (torch's knapsack's plan is one); whole segments still win on some budgets."""
+    found, refused = [], None
+    for save_ops in (True, False):
+        try:
+            found.append(_fitted(step, graph, limit, method, {**options, "save_ops": save_ops}, seconds, best_effort))
+        except BudgetError as e:
+            refused = refused or e
+    if not found:
+        raise refused
+    within = [f for f in found if f[2].realised_peak <= limit]
+    if within:
+        return min(within, key=lambda f: (f[2].compiled_cost, f[2].realised_peak))
+    return min(found, key=lambda f: f[2].realised_peak)
 
 
 def _least_compute(graph: Graph, layouts: list[tuple[Schedule, Save, "_Layout"]]) -> tuple[Schedule, Save, "_Layout"]:

@@ -439,3 +439,32 @@ def test_float8_linears_under_torchtitans_selective_ac_save_what_the_bf16_step_s
         assert any(op.startswith("aten._scaled_mm") for op in graph.ops) == float8
     linears = 2 * 7  # wq, wk, wv, wo, w1, w2, w3 in each of the 2 blocks
     assert 0 <= saved[True] - saved[False] <= linears * 2 * 4
+
+
+@pytest.mark.parametrize("peaks, costs, expected", [
+    ((90, 90), (5.0, 7.0), True),     # both fit: the smaller compiled compute
+    ((90, 90), (7.0, 5.0), False),
+    ((110, 90), (5.0, 7.0), False),   # only one fits: that one, however costly
+    ((120, 110), (5.0, 7.0), False),  # neither fits: the smaller compiled peak
+    (None, (5.0, 7.0), False),        # one search refuses: the other's plan
+])
+def test_under_compile_the_plan_saving_ops_inside_segments_and_the_plan_of_whole_segments_compete(
+        monkeypatch, peaks, costs, expected) -> None:
+    """bonsai under compile searches with save_ops and without it and keeps the fitting compiled plan of least
+    compute: saved matmul outputs with fused recomputation between them win on some budgets, whole segments
+    on others."""
+    from bonsai_core import training
+    from bonsai_core.errors import BudgetError
+
+    def fitted(step, graph, limit, method, options, seconds, best_effort=False):
+        i = 0 if options["save_ops"] else 1
+        if peaks is None and i == 0:
+            raise BudgetError("no plan")
+        peak = 90 if peaks is None else peaks[i]
+        return options["save_ops"], {}, training._Layout(peak, {}, 0, {}, 0, 0, 0, costs[i])
+
+    monkeypatch.setattr(training, "_fitted", fitted)
+    assert training._fitted_both(None, None, 100, "bonsai", {"space": "regions"}, {}, False)[0] is expected
+    monkeypatch.setattr(training, "_fitted", lambda *a, **k: (_ for _ in ()).throw(BudgetError("none")))
+    with pytest.raises(BudgetError):
+        training._fitted_both(None, None, 100, "bonsai", {}, {}, False)
