@@ -235,12 +235,16 @@ class StepRecorder(TorchDispatchMode):
 
     # -- the graph ---------------------------------------------------------------------------------
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self, outputs: Iterable[int] = ()) -> list[dict[str, Any]]:
         """The recorded nodes, with ``held`` deps for storages that died after their last reader (or
-        live on after the step). Call after the step's tensors are gone."""
+        live on after the step), but ``outputs``: storages the step made that live on as its results (the
+        parameters' gradients), left as outputs nobody holds, as the eager trace leaves a gradient (the
+        training loop decides how long it lives: :func:`bonsai_core.optimizer.with_grads`, FSDP's
+        reduce-scatter). Call after the step's other tensors are gone."""
         for f in self._finalizers:
             f.detach()
-        alive = [(v, len(self.nodes)) for v in self.version.values()]
+        results = set(outputs)
+        alive = [(v, len(self.nodes)) for key, v in self.version.items() if key not in results]
         self.version.clear()
         last_read = [-1] * len(self.nodes)
         for v, nd in enumerate(self.nodes):
