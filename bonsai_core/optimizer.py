@@ -68,6 +68,7 @@ def with_optimizer(graph: Graph, name: str) -> Graph:
                              optimizer={"name": name, "step_bytes": STEP_TEMPORARIES[name] * sum(b for _, b in grads)})
 
 
+ACCUMULATE_GRAD = "autograd.AccumulateGrad"  # a recorded step's node where autograd took a parameter's gradient
 GRADS = ("zeroed", "none")  # between steps: zero_grad(set_to_none=False) / optimizer.zero_grad()'s default
 # torchtitan's trainer calls optimizers.zero_grad() at each step's start (9dec370 of 2024-12 and 0.2.2), which sets
 # them to None (torch's default set_to_none=True): a torchtitan step makes its sharded gradients in its backward
@@ -140,13 +141,16 @@ def step_end(graph: Graph) -> int:
 def gradient_nodes(graph: Graph) -> list[int]:
     """The nodes of ``graph`` that make the parameters' gradients: the backward pass's outputs (nothing in the
     step reads a gradient); where they are set to None without FSDP (:func:`with_grads_set_to_none`), also
-    the backward nodes the step's last node holds that nothing else reads."""
-    outputs = [v for v in range(graph.n) if graph.is_output[v] and not graph.is_forward[v]]
-    if not graph.grads_set_to_none or graph.fsdp is not None:
-        return outputs
-    last = step_end(graph)
-    held = [v for v in graph.held[last] if not graph.is_forward[v] and graph.users(v).tolist() == [last]]
-    return sorted({*outputs, *held})
+    the backward nodes the step's last node holds that nothing else reads. A recorded step (a compiled one,
+    :mod:`bonsai_core.trace.recorder`) marks where ``AccumulateGrad`` took each gradient: those nodes alone,
+    its other outputs being kernel outputs nothing reads, freed where they are made."""
+    made = [v for v in range(graph.n) if graph.is_output[v] and not graph.is_forward[v]]
+    if graph.grads_set_to_none and graph.fsdp is None:
+        last = step_end(graph)
+        made = sorted({*made, *(v for v in graph.held[last] if not graph.is_forward[v]
+                                and graph.users(v).tolist() == [last])})
+    taken = [v for v in made if graph.ops[v] == ACCUMULATE_GRAD]
+    return taken or made
 
 
 def make(params: Iterable[torch.nn.Parameter], name: str, lr: float = 1e-3) -> torch.optim.Optimizer | None:

@@ -261,10 +261,12 @@ def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss
     step: a first step compiles and allocates them, and they are the graph's fixed gradient buffers. The
     second step, recorded, runs with every ``.grad`` set to None, as FSDP2 leaves its unsharded parameters'
     (its post-backward takes them) and ``optimizer.zero_grad()`` leaves all: ``AccumulateGrad`` keeps the
-    compiled backward's output (or its copy, where the layout is not the parameter's) as ``.grad``, so each
-    gradient is the node that makes it, an output of the graph that nothing reads, as in the eager trace
-    (:func:`gradient_storages`); accumulating into the kept buffers instead would make every gradient an
-    in-place ``add_`` of no bytes, and FSDP's reduce-scatter and ``with_grads_set_to_none`` would see none.
+    compiled backward's output (or its copy, where the layout is not the parameter's) as ``.grad``. Each
+    gradient is then an output of the graph that nothing reads, as in the eager trace: the node where
+    ``AccumulateGrad`` took it (:func:`gradients_taken`), which the training loop's rules act on (kept
+    buffers: it is freed there, as after the run's ``add_``; set to None: held to the optimizer step; FSDP:
+    held to its unit's reduce-scatter). Recorded accumulating into the kept buffers instead, every gradient
+    would be an in-place ``add_`` of no bytes, and FSDP and ``with_grads_set_to_none`` would see none.
     The graph's fixed memory is the parameters, the gradients the first step made, the buffers, the batch
     and what the step reads that existed before it (constants). ``checkpointing``:
     see :func:`checkpointed`; ``float8``: the linears first converted (:func:`float8_linears`); ``kernels``:
@@ -309,7 +311,7 @@ def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss
         model.zero_grad(set_to_none=True)
         try:
             with kernel_calls(recorder.kernel), _module_calls(model, compile, recorder, calls), \
-                    dtensor_metadata_unrecorded(recorder), recorder:
+                    dtensor_metadata_unrecorded(recorder), gradients_taken(model, recorder), recorder:
                 step(runnable, recorder)
             gc.collect()
             nodes = recorder.finish(outputs=gradient_storages(model))
@@ -352,6 +354,26 @@ def _module_calls(model: nn.Module, mode: str, recorder: StepRecorder, calls: li
     handles = []
     for path, m in hooked:
         handles += [m.register_forward_pre_hook(pre(path)), m.register_forward_hook(post(path))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def gradients_taken(model: nn.Module, recorder: StepRecorder) -> Iterator[None]:
+    """Within: each time ``AccumulateGrad`` takes a parameter's gradient (after the compiled backward that made
+    it returns), the recorder marks it (:meth:`~bonsai_core.trace.recorder.StepRecorder.taken`): until then it
+    lives, whatever the loop then does with it (adds it into a kept buffer and frees it, keeps it, or hands
+    it to FSDP's reduce-scatter)."""
+    def hook(name: str) -> Callable[[torch.Tensor], None]:
+        def took(param: torch.Tensor) -> None:
+            for _, t in plain_tensors(name, param.grad):
+                recorder.taken(t)
+        return took
+
+    handles = [p.register_post_accumulate_grad_hook(hook(n)) for n, p in model.named_parameters() if p.requires_grad]
     try:
         yield
     finally:

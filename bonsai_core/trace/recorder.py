@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from bonsai_core.costmodel import DeviceProfile, op_cost
+from bonsai_core.optimizer import ACCUMULATE_GRAD
 from bonsai_core.trace.inductor import KernelCall
 from bonsai_core.trace.scratch import SCRATCH_OPS, Signature, signature
 
@@ -165,6 +166,20 @@ class StepRecorder(TorchDispatchMode):
             return self.profile.cost(float(sum(t.numel() for t in call.writes)), moved)
         self._add("inductor." + call.name.rstrip("0123456789").rstrip("_"), list(call.reads), list(call.writes), cost,
                   name=call.name)
+
+    def taken(self, t: torch.Tensor) -> None:
+        """Autograd's ``AccumulateGrad`` took gradient ``t`` (made in the step) for its parameter: a node that
+        stands for the taking, in place on the storage (no bytes of its own, no kernel: a kept buffer's
+        ``add_`` is not counted), so the gradient lives until here and is the step's output from here."""
+        key = _key(t)
+        v = self.version.get(key)
+        if v is None or self.paused:
+            return
+        self._counts["accumulate_grad"] = self._counts.get("accumulate_grad", 0) + 1
+        node = self._node(ACCUMULATE_GRAD, f"accumulate_grad_{self._counts['accumulate_grad']}", [v],
+                          self.sizes[key], _SEPARATE_COST, inplace_of=v)
+        self.op_nodes.append(node)
+        self.version[key] = node
 
     # -- nodes -------------------------------------------------------------------------------------
 
