@@ -134,7 +134,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     traced = trace_model(args.model, profile=args.cost_model, seed=args.seed, autocast=args.autocast,
                          compile=compile_mode(args), ac=args.ac, float8=args.float8, kernels=args.kernels,
                          **fsdp_options(args), **model_options(args))
-    g = with_training_loop(traced.graph, args.model, args.optimizer, args.grads, compiled=compile_mode(args) is not None)
+    g = with_training_loop(traced.graph, args.model, args.optimizer, args.grads)
     try:
         save_graph(g, args.output)
     except OSError as e:

@@ -366,7 +366,7 @@ class _Walk:
         self.graph, self.world = graph, int(fsdp["world"])
         self.size = [int(u[3]) for u in fsdp["units"]]
         self.resharded = reshard_flags(fsdp)
-        self.forward, self.output, self.owner, self.reads = _walk_tables(graph)
+        self.forward, self.gradient, self.owner, self.reads = _walk_tables(graph)
         self.model_last = int(fsdp["model_last"])
         # the reduce-scatter input is in reduce_dtype, the gradients it copies in are in param_dtype
         self.reduce_ratio = DTYPE_BYTES[fsdp.get("reduce_dtype") or "fp32"] / DTYPE_BYTES[fsdp.get("param_dtype") or "fp32"] \
@@ -468,7 +468,7 @@ class _Walk:
             self._forward(u)
         else:
             self._backward(u, v)
-        if self.output[v] and not forward:
+        if self.gradient[v] and not forward:
             self.pending.append(v)
 
     def _forward(self, u: int) -> None:
@@ -535,13 +535,17 @@ _TABLES_LOCK = threading.Lock()  # explorer sessions simulate in threads
 
 
 def _walk_tables(graph: Graph) -> tuple[list[bool], list[bool], list[int], list[int]]:
-    """(is_forward, is_output, :func:`_forward_owner`, :func:`_backward_unit`) of ``graph`` as Python lists,
+    """(is_forward, is a gradient (:func:`bonsai_core.optimizer.gradient_nodes`), :func:`_forward_owner`,
+    :func:`_backward_unit`) of ``graph`` as Python lists,
     which the walk reads once per op: built once per graph (a sweep simulates hundreds of schedules of one)."""
     found = _TABLES.get(graph.hash)
     if found is None:
+        from bonsai_core.optimizer import gradient_nodes
+
         owner = _forward_owner(graph, graph.fsdp["units"])
-        found = (graph.is_forward.tolist(), graph.is_output.tolist(), owner.tolist(),
-                 _backward_unit(graph, owner).tolist())
+        gradient = np.zeros(graph.n, dtype=bool)
+        gradient[gradient_nodes(graph)] = True
+        found = (graph.is_forward.tolist(), gradient.tolist(), owner.tolist(), _backward_unit(graph, owner).tolist())
         with _TABLES_LOCK:
             while len(_TABLES) >= _TABLES_KEPT:
                 del _TABLES[next(iter(_TABLES))]

@@ -68,31 +68,29 @@ def with_optimizer(graph: Graph, name: str) -> Graph:
                              optimizer={"name": name, "step_bytes": STEP_TEMPORARIES[name] * sum(b for _, b in grads)})
 
 
+ACCUMULATE_GRAD = "autograd.AccumulateGrad"  # a recorded step's node where autograd took a parameter's gradient
 GRADS = ("zeroed", "none")  # between steps: zero_grad(set_to_none=False) / optimizer.zero_grad()'s default
 # torchtitan's trainer calls optimizers.zero_grad() at each step's start (9dec370 of 2024-12 and 0.2.2), which sets
 # them to None (torch's default set_to_none=True): a torchtitan step makes its sharded gradients in its backward
 TORCHTITAN_GRADS = "none"
 
 
-def grads_of(model: str, grads: str | None = None, compiled: bool = False) -> str:
+def grads_of(model: str, grads: str | None = None) -> str:
     """How the gradients are left between steps: ``grads`` where given, else the model spec's own training
-    loop's: torchtitan's for a ``torchtitan:`` model's eager step (:data:`TORCHTITAN_GRADS`), any other's
-    ``"zeroed"`` (the graph as traced). A ``compiled`` step keeps them as traced: its trace's gradient outputs
-    are not the sizes FSDP reduce-scatters (the 8B rank's: 0 bytes compiled, 28 GiB with Float8 linears, where
-    the eager trace's are the root's 0.98 GiB), so setting them to None would drop or double them."""
+    loop's: torchtitan's for a ``torchtitan:`` model, eager or compiled (:data:`TORCHTITAN_GRADS`), any
+    other's ``"zeroed"`` (the graph as traced)."""
     if grads is not None:
         return grads
-    return TORCHTITAN_GRADS if model.startswith("torchtitan:") and not compiled else "zeroed"
+    return TORCHTITAN_GRADS if model.startswith("torchtitan:") else "zeroed"
 
 
-def with_training_loop(graph: Graph, model: str, optimizer: str, grads: str | None = None,
-                       compiled: bool = False) -> Graph:
+def with_training_loop(graph: Graph, model: str, optimizer: str, grads: str | None = None) -> Graph:
     """``graph`` (traced from model spec ``model``, sharded and laid out as its rank holds it) in its training
     loop: ``optimizer``'s state and step (:func:`with_optimizer`), the gradients left between steps as ``grads``
     says, the model's own loop's where None (:func:`grads_of`: a torchtitan step sets them to None). The one
     place a graph built from a model spec gets both, in this order: the optimizer's state is read from the
     gradient buffers that setting them to None takes out of the fixed memory."""
-    return with_grads(with_optimizer(graph, optimizer), grads_of(model, grads, compiled))
+    return with_grads(with_optimizer(graph, optimizer), grads_of(model, grads))
 
 
 def with_grads(graph: Graph, grads: str) -> Graph:
@@ -126,13 +124,33 @@ def with_grads_set_to_none(graph: Graph) -> Graph:
     data["fixed_mem"] = graph.fixed_mem - sum(t[1] for t in grads)
     data["grads"] = {"set_to_none": True, "bytes": sum(t[1] for t in grads)}
     if graph.fsdp is None:
-        gradients = [v for v in range(graph.n) if graph.is_output[v] and not graph.is_forward[v]]
-        last = next(v for v in range(graph.n - 1, -1, -1) if graph.alias_of[v] < 0 and graph.output_of[v] < 0)
+        gradients = gradient_nodes(graph)
+        last = step_end(graph)
         held = [v for v in gradients if v != last]
         node = data["nodes"][last]
         node["deps"] = sorted(set(node["deps"]) | set(held))
         node["held"] = sorted(set(node.get("held", ())) | set(held))
     return Graph.rebuilt(data)
+
+
+def step_end(graph: Graph) -> int:
+    """The step's last node that is an op of its own (no view, no further output of an op)."""
+    return next(v for v in range(graph.n - 1, -1, -1) if graph.alias_of[v] < 0 and graph.output_of[v] < 0)
+
+
+def gradient_nodes(graph: Graph) -> list[int]:
+    """The nodes of ``graph`` that make the parameters' gradients: the backward pass's outputs (nothing in the
+    step reads a gradient); where they are set to None without FSDP (:func:`with_grads_set_to_none`), also
+    the backward nodes the step's last node holds that nothing else reads. A recorded step (a compiled one,
+    :mod:`bonsai_core.trace.recorder`) marks where ``AccumulateGrad`` took each gradient: those nodes alone,
+    its other outputs being kernel outputs nothing reads, freed where they are made."""
+    made = [v for v in range(graph.n) if graph.is_output[v] and not graph.is_forward[v]]
+    if graph.grads_set_to_none and graph.fsdp is None:
+        last = step_end(graph)
+        made = sorted({*made, *(v for v in graph.held[last] if not graph.is_forward[v]
+                                and graph.users(v).tolist() == [last])})
+    taken = [v for v in made if graph.ops[v] == ACCUMULATE_GRAD]
+    return taken or made
 
 
 def make(params: Iterable[torch.nn.Parameter], name: str, lr: float = 1e-3) -> torch.optim.Optimizer | None:

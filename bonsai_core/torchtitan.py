@@ -28,7 +28,7 @@ def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: 
     torchtitan's setting as :meth:`bonsai_core.fsdp.Sharding.of` gives it for a ``torchtitan:`` model. ``model`` is the ``Transformer`` torchtitan
     built, on any device (``meta`` too: only shapes are read), before ``parallelize_llama``. The gradients
     are left between steps as torchtitan's trainer leaves them by default (None: ``optimizers.zero_grad()`` sets
-    them to None, :func:`bonsai_core.optimizer.grads_of`; a compiled step's are kept as traced); ``grads="zeroed"``
+    them to None, :func:`bonsai_core.optimizer.grads_of`, eager or compiled); ``grads="zeroed"``
     for a loop that zeroes them in place.
 
     ``plan.apply(model)`` then does what torchtitan's ``apply_ac`` does, one save policy per block
@@ -47,4 +47,4 @@ def plan_for(model: nn.Module, batch: int, seq: int, budget: str | int, method: 
     sharding = Sharding.of(fsdp * cp, reshard_after_forward, mixed_precision, model="torchtitan:")  # FSDP: dp_shard x cp
     return plan(model, (tokens,), TitanLoss(tokens.clone()), budget, method, fsdp=fsdp, optimizer=optimizer,
                 reshard_after_forward=sharding.reshard_after_forward, mixed_precision=sharding.mixed_precision,
-                 grads=grads_of(PREFIX, grads, compiled=bool(options.get("compile"))), tp=tp, cp=cp, pp=pp, dp_replicate=dp_replicate, **options)
+                 grads=grads_of(PREFIX, grads), tp=tp, cp=cp, pp=pp, dp_replicate=dp_replicate, **options)

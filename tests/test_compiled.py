@@ -118,6 +118,30 @@ def test_a_compiled_step_is_recorded_as_inductor_runs_it() -> None:
     assert no_remat_peak(graph) - graph.fixed_mem == live.peak
 
 
+def test_a_compiled_step_with_its_gradients_set_to_none_is_predicted_as_it_runs() -> None:
+    """The compiled backward's outputs are the gradients (as an eager trace's are), not in-place adds into
+    kept buffers: set to None, each is made by the step and held to its end, as the run counted apart holds
+    them; zeroed in place, the same graph holds them until AccumulateGrad takes them."""
+    from bonsai_core.optimizer import gradient_nodes, with_grads
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, x, loss = _mlp()
+        y = torch.randint(0, 10, (32,))
+        graph = trace_compiled_step(model, (x,), lambda out: loss(out, y), name="mlp")
+        with inductor_without_kernels(), compiled(model, "model") as runnable:
+            loss(runnable(x), y).backward()
+            model.zero_grad(set_to_none=True)
+            live = _LiveBytes({t.untyped_storage()._cdata for t in (*model.parameters(), x, y)})
+            with live:
+                loss(runnable(x), y).backward()
+            made = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+    grads = sum(t[1] for t in graph.fixed_tensors if t[2] == "grad")
+    assert sum(int(graph.mem[graph.storage_of(v)]) for v in gradient_nodes(graph)) == grads == made
+    none = with_grads(graph, "none")
+    assert no_remat_peak(none) - none.fixed_mem == live.peak
+    assert live.live == made  # the gradients outlive the step
+
+
 def test_a_compiled_transformer_runs_fused_kernels_over_the_same_fixed_memory() -> None:
     eager = trace_model("gpt", layers=1, kernels="cpu").graph
     compiled_graph = trace_model("gpt", layers=1, compile="model").graph

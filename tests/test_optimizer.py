@@ -119,6 +119,19 @@ def test_the_allocator_does_not_add_the_state_twice(gpt_with_adamw):
     assert derived.live.max() == traced.live.max()
 
 
+def test_the_allocator_steps_the_optimizer_over_gradients_set_to_none(gpt_with_adamw):
+    """Set to None, the gradients are no fixed buffers, but AdamW's step still allocates one temporary per
+    gradient: the replayed pool reaches the simulator's optimizer-step peak (the step sets this tiny
+    graph's peak), as it does with the gradients kept."""
+    from bonsai_core.allocator import replay
+
+    _, ga = gpt_with_adamw
+    for graph in (ga, with_grads(ga, "none")):
+        result = replay(graph, none_schedule(graph), full=False)
+        assert simulate(graph, none_schedule(graph)).peak == graph.optimizer_peak
+        assert result.reserved_peak >= graph.optimizer_peak
+
+
 def test_cli_trace_with_an_optimizer(tmp_path, capsys):
     from bonsai_core.cli import main
 

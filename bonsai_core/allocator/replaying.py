@@ -86,10 +86,12 @@ def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], residen
             raise out_of_pool(alloc, capacity, outside, i, what, nbytes)
 
     fsdp.malloc = malloc
+    to_step = to_the_optimizer_step(graph)
     for i, (kind, v) in enumerate(ops):
         fsdp.before(i)
         for u in ends.get(i, ()):
-            if kind != FREE or not fsdp.keeps(u):  # a gradient FSDP holds keeps its block past the graph's free
+            # a gradient FSDP holds keeps its block past the graph's free, and one the optimizer steps from
+            if kind != FREE or not (fsdp.keeps(u) or u in to_step):
                 alloc.free(u)
         if i in starts:
             if starts[i] >= 0:
@@ -108,6 +110,17 @@ def run_step(alloc: Allocator, graph: Graph, ops: list[tuple[str, int]], residen
         trace[0][-1] = max(trace[0][-1], alloc.footprint + outside)
     for v in [o for o in alloc.by_owner if o < graph.n or o >= FSDP_OWNERS]:  # the step is over: its tensors go
         alloc.free(v)
+
+
+def to_the_optimizer_step(graph: Graph) -> set[int]:
+    """The nodes whose blocks live past the step's last op to its optimizer step: the gradients, where they
+    are set to None between steps (no buffer of theirs is fixed; on an FSDP rank the sharded gradients are
+    FSDP's buffers instead, kept to the step's end)."""
+    from bonsai_core.optimizer import gradient_nodes
+
+    if not graph.grads_set_to_none or graph.fsdp is not None:
+        return set()
+    return {graph.storage_of(v) for v in gradient_nodes(graph)}  # a view's block is its base's
 
 
 class _FsdpBuffers:

@@ -95,10 +95,10 @@ def predict_compiled(model: str, degrees: dict, batch: int, seq: int) -> dict[st
     """The row's rank traced whole as the published run compiled it (``bonsai trace MODEL [--tp N] --fsdp M
     --compile blocks --ac torchtitan-full --float8 --reshard-after-forward all-but-last``): Float8 linears,
     tensor parallel with torchao's Float8 styles, torchtitan's full checkpointing, each block compiled; AdamW;
-    its plain schedule's live peak and the reserved peak under expandable segments, with the gradients as the
-    compiled trace keeps them (:func:`bonsai_core.optimizer.grads_of`'s rule for a compiled step), and the same
-    with them set to None between steps as torchtitan's loop leaves them (``*_grads_none``); ``grads``: the
-    bytes setting them to None takes out of the fixed memory."""
+    its plain schedule's live peak and the reserved peak under expandable segments, with the gradients set to
+    None between steps as torchtitan's loop leaves them (:func:`bonsai_core.optimizer.grads_of`, as the eager
+    columns), and the same with them kept, zeroed in place (``*_grads_kept``); ``grads``: the bytes keeping
+    them adds to the fixed memory."""
     from bonsai_core.optimizer import with_training_loop
     from bonsai_core.rank import trace
 
@@ -106,12 +106,12 @@ def predict_compiled(model: str, degrees: dict, batch: int, seq: int) -> dict[st
     traced = trace(model, layout_of(**degrees), compile="blocks", ac="torchtitan-full", float8=True,
                    reshard_after_forward="all-but-last", batch=batch, seq=seq)
     out: dict[str, Any] = {"nodes": traced.graph.n, "trace_seconds": round(time.perf_counter() - start, 1)}
-    for grads, suffix in (("zeroed", ""), ("none", "_grads_none")):
-        graph = with_training_loop(traced.graph, model, "adamw", grads, compiled=True)
+    for grads, suffix in ((None, ""), ("zeroed", "_grads_kept")):
+        graph = with_training_loop(traced.graph, model, "adamw", grads)
         schedule = solve(graph, None, "none")
         out.update({f"live_peak{suffix}": simulate(graph, schedule).peak, f"fixed{suffix}": graph.fixed_mem,
                     f"reserved_peak{suffix}": bounded_replay(graph, schedule, "expandable").reserved_peak})
-    out["grads"] = out["fixed"] - out["fixed_grads_none"]
+    out["grads"] = out["fixed_grads_kept"] - out["fixed"]
     return out
 
 

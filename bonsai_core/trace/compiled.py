@@ -258,9 +258,17 @@ def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss
                         kernels: str = "cuda") -> Graph:
     """One training step of ``model`` (fake tensors, built under the ambient ``FakeTensorMode``) compiled
     as ``compile`` says, recorded as it runs into a Graph (module doc). Gradients persist from step to
-    step, as ``zero_grad(set_to_none=False)`` keeps them: a first step compiles and allocates them, the
-    second is recorded. The graph's fixed memory is the parameters, the gradients the first step made,
-    the buffers, the batch and what the step reads that existed before it (constants). ``checkpointing``:
+    step: a first step compiles and allocates them, and they are the graph's fixed gradient buffers. The
+    second step, recorded, runs with every ``.grad`` set to None, as FSDP2 leaves its unsharded parameters'
+    (its post-backward takes them) and ``optimizer.zero_grad()`` leaves all: ``AccumulateGrad`` keeps the
+    compiled backward's output (or its copy, where the layout is not the parameter's) as ``.grad``. Each
+    gradient is then an output of the graph that nothing reads, as in the eager trace: the node where
+    ``AccumulateGrad`` took it (:func:`gradients_taken`), which the training loop's rules act on (kept
+    buffers: it is freed there, as after the run's ``add_``; set to None: held to the optimizer step; FSDP:
+    held to its unit's reduce-scatter). Recorded accumulating into the kept buffers instead, every gradient
+    would be an in-place ``add_`` of no bytes, and FSDP and ``with_grads_set_to_none`` would see none.
+    The graph's fixed memory is the parameters, the gradients the first step made, the buffers, the batch
+    and what the step reads that existed before it (constants). ``checkpointing``:
     see :func:`checkpointed`; ``float8``: the linears first converted (:func:`float8_linears`); ``kernels``:
     the device whose partitioner's choices to trace (:func:`partitioner_for`)."""
     if float8:
@@ -299,11 +307,17 @@ def trace_compiled_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss
         fixed = _fixed_tensors(model, inputs, loss_fn)
         recorder = StepRecorder(PROFILES[profile], {t.untyped_storage()._cdata for _, t, _ in _distinct(fixed)})
         calls: list[list[Any]] = []
-        with kernel_calls(recorder.kernel), _module_calls(model, compile, recorder, calls), \
-                dtensor_metadata_unrecorded(recorder), recorder:
-            step(runnable, recorder)
-        gc.collect()
-        nodes = recorder.finish()
+        kept = {n: p.grad for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        try:
+            with kernel_calls(recorder.kernel), _module_calls(model, compile, recorder, calls), \
+                    dtensor_metadata_unrecorded(recorder), gradients_taken(model, recorder), recorder:
+                step(runnable, recorder)
+            gc.collect()
+            nodes = recorder.finish(outputs=gradient_storages(model))
+        finally:
+            for n, p in model.named_parameters():
+                p.grad = kept[n]
     fill_scratch(nodes, recorder.scratch)
     tensors = [[n, t.untyped_storage().nbytes(), kind] for n, t, kind in _distinct(fixed)]
     tensors += [[f"constant.{i}", b, "constant"] for i, b in enumerate(recorder.constants.values())]
@@ -345,6 +359,32 @@ def _module_calls(model: nn.Module, mode: str, recorder: StepRecorder, calls: li
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def gradients_taken(model: nn.Module, recorder: StepRecorder) -> Iterator[None]:
+    """Within: each time ``AccumulateGrad`` takes a parameter's gradient (after the compiled backward that made
+    it returns), the recorder marks it (:meth:`~bonsai_core.trace.recorder.StepRecorder.taken`): until then it
+    lives, whatever the loop then does with it (adds it into a kept buffer and frees it, keeps it, or hands
+    it to FSDP's reduce-scatter)."""
+    def hook(name: str) -> Callable[[torch.Tensor], None]:
+        def took(param: torch.Tensor) -> None:
+            for _, t in plain_tensors(name, param.grad):
+                recorder.taken(t)
+        return took
+
+    handles = [p.register_post_accumulate_grad_hook(hook(n)) for n, p in model.named_parameters() if p.requires_grad]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def gradient_storages(model: nn.Module) -> set[int]:
+    """The storages of ``model``'s parameters' gradients (a tensor subclass's plain tensors')."""
+    return {t.untyped_storage()._cdata for n, p in model.named_parameters() if p.grad is not None
+            for _, t in plain_tensors(n, p.grad)}
 
 
 def _fixed_tensors(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any) -> list[tuple[str, torch.Tensor, str]]:

@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from bonsai_core.costmodel import DeviceProfile, op_cost
+from bonsai_core.optimizer import ACCUMULATE_GRAD
 from bonsai_core.trace.inductor import KernelCall
 from bonsai_core.trace.scratch import SCRATCH_OPS, Signature, signature
 
@@ -166,6 +167,20 @@ class StepRecorder(TorchDispatchMode):
         self._add("inductor." + call.name.rstrip("0123456789").rstrip("_"), list(call.reads), list(call.writes), cost,
                   name=call.name)
 
+    def taken(self, t: torch.Tensor) -> None:
+        """Autograd's ``AccumulateGrad`` took gradient ``t`` (made in the step) for its parameter: a node that
+        stands for the taking, in place on the storage (no bytes of its own, no kernel: a kept buffer's
+        ``add_`` is not counted), so the gradient lives until here and is the step's output from here."""
+        key = _key(t)
+        v = self.version.get(key)
+        if v is None or self.paused:
+            return
+        self._counts["accumulate_grad"] = self._counts.get("accumulate_grad", 0) + 1
+        node = self._node(ACCUMULATE_GRAD, f"accumulate_grad_{self._counts['accumulate_grad']}", [v],
+                          self.sizes[key], _SEPARATE_COST, inplace_of=v)
+        self.op_nodes.append(node)
+        self.version[key] = node
+
     # -- nodes -------------------------------------------------------------------------------------
 
     def _made(self, t: torch.Tensor) -> None:
@@ -235,12 +250,16 @@ class StepRecorder(TorchDispatchMode):
 
     # -- the graph ---------------------------------------------------------------------------------
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self, outputs: Iterable[int] = ()) -> list[dict[str, Any]]:
         """The recorded nodes, with ``held`` deps for storages that died after their last reader (or
-        live on after the step). Call after the step's tensors are gone."""
+        live on after the step), but ``outputs``: storages the step made that live on as its results (the
+        parameters' gradients), left as outputs nobody holds, as the eager trace leaves a gradient (the
+        training loop decides how long it lives: :func:`bonsai_core.optimizer.with_grads`, FSDP's
+        reduce-scatter). Call after the step's other tensors are gone."""
         for f in self._finalizers:
             f.detach()
-        alive = [(v, len(self.nodes)) for v in self.version.values()]
+        results = set(outputs)
+        alive = [(v, len(self.nodes)) for key, v in self.version.items() if key not in results]
         self.version.clear()
         last_read = [-1] * len(self.nodes)
         for v, nd in enumerate(self.nodes):
