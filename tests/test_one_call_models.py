@@ -158,11 +158,12 @@ class BiasedLayer(nn.Module):
 
 def test_attention_adding_its_bias_in_place_trains_alike_within_the_prediction():
     torch.manual_seed(0)
-    model = nn.Sequential(*[BiasedLayer() for _ in range(4)])
+    model = nn.Sequential(*[BiasedLayer() for _ in range(2)])
     # the kept view of a rebuilt tensor (``scores += bias`` writes through a view) is one of the plan's
-    # units: the layout realises it (what stays saved is less than one layer's scores: the plan's 60% can
-    # drop a norm's output whose reader is another submodule), and the step is measured against it
-    report = _trained_alike(model, (torch.randn(4, 64, 32),), _squared)
+    # units: the layout realises it (what stays saved is less than one layer's scores: the plan's 70% can
+    # drop a norm's output whose reader is another submodule), and the step is measured against it; two layers
+    # show it as four did, their smallest guaranteed budget is 66% of the step's peak
+    report = _trained_alike(model, (torch.randn(4, 64, 32),), _squared, budget="70%")
     scores = 4 * 4 * 64 * 64 * 4  # batch x heads x seq x seq floats
     assert report.regions and report.unrealised_bytes < scores and report.predicted_peak <= report.budget
 
