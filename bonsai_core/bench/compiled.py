@@ -33,7 +33,7 @@ from bonsai_core.allocator import bounded_replay
 from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import Graph
-from bonsai_core.optimizer import with_optimizer
+from bonsai_core.optimizer import with_training_loop
 from bonsai_core.schedule import no_remat_peak, simulate
 from bonsai_core.solvers import solve
 
@@ -48,6 +48,7 @@ PEER_BUDGETS = (0.8, 0.5, 0.2, 0.0)
 # selective AC, FSDP; GiB per GPU by (ranks, compiled, float8)
 PUBLISHED = {(8, False, False): 82.4, (8, True, False): 77.0, (8, True, True): 76.8,
              (128, False, False): 67.0, (128, True, False): 62.0, (128, True, True): 61.8}
+TITAN_MODEL = "torchtitan:llama3:8B"
 TITAN_8B = {"batch": 2, "seq": 8192}
 TITAN_PEERS = ("torchtitan-selective-2024-12", "budget:0.5", "budget:0.2")  # the 8B step's checkpointings
 SOURCES = ["bonsai_core/bench/compiled.py", common.template_source("compiled")]
@@ -142,12 +143,12 @@ def titan_rows(float8: bool) -> list[dict[str, Any]]:
         for compiled, f8 in ((False, False), (True, False), *(((True, True),) if float8 else ())):
             start = time.perf_counter()
             if compiled:
-                graph = trace_model("torchtitan:llama3:8B", compile="blocks", ac="torchtitan-selective-2024-12",
+                graph = trace_model(TITAN_MODEL, compile="blocks", ac="torchtitan-selective-2024-12",
                                     float8=f8, **sharding, **TITAN_8B).graph
-                graph = with_optimizer(graph, "adamw")
+                graph = with_training_loop(graph, TITAN_MODEL, "adamw")
                 schedule = solve(graph, 2**60, "none")
             else:
-                graph = with_optimizer(trace_model("torchtitan:llama3:8B", **sharding, **TITAN_8B).graph, "adamw")
+                graph = with_training_loop(trace_model(TITAN_MODEL, **sharding, **TITAN_8B).graph, TITAN_MODEL, "adamw")
                 schedule = solve(graph, 2**60, "torchtitan-selective", release="2024-12")
             parts = peak_parts(graph, schedule)
             rows.append({"world": world, "compiled": compiled, "float8": f8, "nodes": graph.n,
@@ -172,8 +173,8 @@ def titan_peer_rows(world: int = 8) -> list[dict[str, Any]]:
     sharding = {"fsdp": world, "reshard_after_forward": "all-but-last"}
 
     def compiled_step(checkpointing: str | None) -> Graph:
-        return with_optimizer(trace_model("torchtitan:llama3:8B", compile="blocks", ac=checkpointing, **sharding,
-                                          **TITAN_8B).graph, "adamw")
+        return with_training_loop(trace_model(TITAN_MODEL, compile="blocks", ac=checkpointing, **sharding,
+                                              **TITAN_8B).graph, TITAN_MODEL, "adamw")
 
     plain = compiled_step(None)
     rows = []
