@@ -468,3 +468,21 @@ def test_under_compile_the_plan_saving_ops_inside_segments_and_the_plan_of_whole
     monkeypatch.setattr(training, "_fitted", lambda *a, **k: (_ for _ in ()).throw(BudgetError("none")))
     with pytest.raises(BudgetError):
         training._fitted_both(None, None, 100, "bonsai", {}, {}, False)
+
+
+def test_under_compile_the_save_policies_leave_pointwise_ops_to_the_kernels_that_read_them() -> None:
+    """A pointwise op's output saved under compile holds bytes to the backward and splits the kernel that
+    would recompute it (the 8B step's RMSNorm rsqrt); its policy keeps the matmuls, attention and casts."""
+    from bonsai_core.export.checkpoint import CheckpointLayout, Unit
+    from bonsai_core.training import _is_pointwise, _pointwise_unsaved
+
+    saves = {"aten.rsqrt.default": [0, 1], "aten.mm.default": [2, 4], "aten.add.Tensor": [0],
+             "aten._to_copy.default": [4], "scaled_dot_product_attention": [0], "aten.view.default": [5]}
+    lay = CheckpointLayout([Unit("layers.0", saves, 40, 10), Unit("layers.1", {"aten.mm.default": [1]}, 40, 10)],
+                           20, [], 0, 100)
+    kept = _pointwise_unsaved(lay)
+    assert kept.save == {"layers.0": {"aten.mm.default": [2, 4], "aten._to_copy.default": [4],
+                                      "scaled_dot_product_attention": [0], "aten.view.default": [5]},
+                         "layers.1": {"aten.mm.default": [1]}}
+    assert _pointwise_unsaved(CheckpointLayout(kept.units, 20, [], 0, 100)).units == kept.units
+    assert not _is_pointwise("aten.mul") and not _is_pointwise("aten.nosuch.default") and _is_pointwise("aten.mul.Tensor")
