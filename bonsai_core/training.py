@@ -865,8 +865,11 @@ class _FakeStep:
             # under a keyword call the step's root is bonsai's wrapper, which the user's model is not
             return missed | {name for name in lay.offloaded if name[0] == "" and isinstance(self.model, _KeywordCall)}
 
-        lay, left_out = faithful_layout(graph, CheckpointPlan.from_extra(schedule.extra), recorded, mismatches,
-                                        offload_misses, synchronous=self.kernels == "cpu")
+        plan = CheckpointPlan.from_extra(schedule.extra)
+        if self.compiled:
+            plan = _pointwise_unsaved(graph, plan)
+        lay, left_out = faithful_layout(graph, plan, recorded, mismatches, offload_misses,
+                                        synchronous=self.kernels == "cpu")
         if left_out and not lay.units and lay.dropped_bytes:
             path, why = next(iter(left_out.items()))
             raise ModelError(f"bonsai cannot checkpoint {self.name}: no submodule that would realise the plan can be "
@@ -875,8 +878,6 @@ class _FakeStep:
                              "and reads back (a cache it appends to).")
         if self.compiled == "blocks":
             lay = self.shared_across_blocks(lay, mismatches)
-        if self.compiled:
-            lay = _pointwise_unsaved(lay)
         return lay, left_out
 
     def shared_across_blocks(self, lay: Any, mismatches: Callable[[Save], dict[str, str]]) -> Any:
@@ -901,17 +902,21 @@ class _FakeStep:
         return shared
 
 
-def _pointwise_unsaved(lay: Any) -> Any:
-    """``lay`` with no pointwise op in its save policies, for a compiled step: inductor recomputes a
-    pointwise op inside the kernel that reads it, at no cost of its own, while saving it holds its output
-    until the backward and splits the backward's kernel that would have recomputed it (the 8B step's
-    RMSNorm ``rsqrt``, cheapest per byte of all, 64 KiB a norm: 3.3 MiB at the peak and unfused norm
-    backwards, from the compiled traces)."""
+def _pointwise_unsaved(graph: Graph, plan: Any) -> Any:
+    """``plan`` (a CheckpointPlan) for a compiled step: the pointwise ops it saves inside recomputed segments
+    (``save_ops``' density levels; not the self-contained nodes) recomputed instead. Inductor recomputes a
+    pointwise op inside the kernel that reads it, at no cost of its own, while saving it holds its output until
+    the backward and splits the backward's kernel that would have recomputed it (the 8B step's RMSNorm
+    ``rsqrt``, cheapest per byte of all, 64 KiB a norm: 3.3 MiB at the peak and unfused norm backwards, from
+    the compiled traces)."""
     import dataclasses
 
-    units = [dataclasses.replace(u, saves={op: k for op, k in u.saves.items() if not _is_pointwise(op)})
-             for u in lay.units]
-    return lay if units == lay.units else dataclasses.replace(lay, units=units)
+    from bonsai_core.regions import forward_positions
+    from bonsai_core.solvers.bonsai_coef import self_contained
+
+    constant, pos = self_contained(graph), forward_positions(graph)
+    saved = frozenset(v for v in plan.saved if constant[pos[v]] or not _is_pointwise(graph.ops[v]))
+    return plan if saved == plan.saved else dataclasses.replace(plan, saved=saved)
 
 
 def _is_pointwise(op: str) -> bool:
