@@ -492,3 +492,36 @@ def test_under_compile_the_plan_saving_ops_inside_segments_and_the_plan_of_whole
     monkeypatch.setattr(training, "_fitted", lambda *a, **k: (_ for _ in ()).throw(BudgetError("none")))
     with pytest.raises(BudgetError):
         training._fitted_both(None, None, 100, "bonsai", {}, {}, False)
+
+
+class _Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(16, 16).tril().sum(0).sqrt()  # built inside: self-contained
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.w(x * rstd) * mask
+
+
+def test_under_compile_the_plan_leaves_the_pointwise_ops_its_levels_save_to_the_kernels_that_read_them() -> None:
+    """A pointwise op's output saved under compile holds bytes to the backward and splits the kernel that
+    would recompute it (the 8B step's RMSNorm rsqrt): of the ops a plan saves inside its segments, the
+    pointwise ones are recomputed; matmuls and self-contained nodes stay saved."""
+    from bonsai_core.regions import CheckpointPlan, forward_positions
+    from bonsai_core.solvers.bonsai_coef import self_contained
+    from bonsai_core.trace import trace_step
+    from bonsai_core.training import _is_pointwise, _pointwise_unsaved
+
+    graph = trace_step(_Norm(), (torch.randn(4, 16, requires_grad=True),), lambda out: out.sum()).graph
+    forward = [v for v in range(graph.n) if graph.is_forward[v]]
+    constant = self_contained(graph)[forward_positions(graph)[forward]]
+    by_op = {graph.ops[v]: v for v in forward}
+    saved = [by_op["aten.rsqrt.default"], by_op["aten.addmm.default"], *[v for v, c in zip(forward, constant) if c]]
+    plan = CheckpointPlan.of([forward], [0], saved=saved)
+    assert any(_is_pointwise(graph.ops[v]) for v, c in zip(forward, constant) if c)  # the mask's ops
+    assert _pointwise_unsaved(graph, plan).saved == frozenset(saved) - {by_op["aten.rsqrt.default"]}
+    unchanged = CheckpointPlan.of([forward], [0], saved=saved[1:])
+    assert _pointwise_unsaved(graph, unchanged) is unchanged
+    assert not _is_pointwise("aten.mul") and not _is_pointwise("aten.nosuch.default") and _is_pointwise("aten.mul.Tensor")
