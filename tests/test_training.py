@@ -224,6 +224,21 @@ def test_under_torch_compile():
         torch.testing.assert_close(g, reference[1][name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_a_plan_made_for_compile_keeps_the_loss_and_gradients_under_inductor():
+    """``compile=True``: the plan laid out for the compiled step (its pointwise saves left to the kernels) and
+    then ``torch.compile`` with inductor give the eager step's loss and gradients."""
+    model, inputs, loss_fn = models.build("gpt", layers=1)
+    reference = _step(model, lambda m: m(*inputs), loss_fn)
+    report = bonsai.checkpoint(model, inputs, loss_fn, budget="70%", compile=True, cache=False)
+    assert report.regions
+    compiled = torch.compile(model)
+    loss, grads = _step(model, lambda m: compiled(*inputs), loss_fn)
+    assert loss == pytest.approx(reference[0], rel=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, reference[1][name], rtol=1e-4, atol=1e-5)
+
+
 def test_a_budget_no_plan_meets_names_the_smallest_that_can():
     model, inputs, loss_fn = models.build("gpt", batch=2, seq=16, width=32, layers=2, heads=2, vocab=64)
     with pytest.raises(BudgetError, match="smallest budget|at least"):
