@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bonsai_core.errors import BonsaiError, ModelError
+from bonsai_core.graph import Graph
 from bonsai_core.schedule import no_remat_peak
 from bonsai_core.trace import built_for_tracing, trace_model
 from bonsai_core.trace.compiled import compiled, trace_compiled_step
@@ -98,18 +99,27 @@ class _LiveBytes(TorchDispatchMode):
         self.live -= self.sizes.pop(key, 0)
 
 
-def test_a_compiled_step_is_recorded_as_inductor_runs_it() -> None:
+def _mlp_traced_and_run(grads_set_to_none: bool) -> tuple[Graph, _LiveBytes, nn.Module]:
+    """The MLP's compiled step traced, and the same step run a second time and counted apart: every storage
+    it makes, from its making to its death (the first run made the gradients; ``grads_set_to_none``: set
+    to None before the second, else kept and counted as fixed)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         model, x, loss = _mlp()
         y = torch.randint(0, 10, (32,))
         graph = trace_compiled_step(model, (x,), lambda out: loss(out, y), name="mlp")
-        # the same compiled step counted apart: every storage it makes, from its making to its death
         with inductor_without_kernels(), compiled(model, "model") as runnable:
             loss(runnable(x), y).backward()
-            fixed = {t.untyped_storage()._cdata for t in (*model.parameters(), *(p.grad for p in model.parameters()), x, y)}
-            live = _LiveBytes(fixed)
+            if grads_set_to_none:
+                model.zero_grad(set_to_none=True)
+            kept = () if grads_set_to_none else tuple(p.grad for p in model.parameters())
+            live = _LiveBytes({t.untyped_storage()._cdata for t in (*model.parameters(), *kept, x, y)})
             with live:
                 loss(runnable(x), y).backward()
+    return graph, live, model
+
+
+def test_a_compiled_step_is_recorded_as_inductor_runs_it() -> None:
+    graph, live, _ = _mlp_traced_and_run(grads_set_to_none=False)
     fused = [op for op in graph.ops if op.startswith("inductor.cpp_fused")]
     assert fused, "inductor's fused kernels are nodes"
     assert any("gelu" in op for op in fused)
@@ -124,17 +134,8 @@ def test_a_compiled_step_with_its_gradients_set_to_none_is_predicted_as_it_runs(
     them; zeroed in place, the same graph holds them until AccumulateGrad takes them."""
     from bonsai_core.optimizer import gradient_nodes, with_grads
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model, x, loss = _mlp()
-        y = torch.randint(0, 10, (32,))
-        graph = trace_compiled_step(model, (x,), lambda out: loss(out, y), name="mlp")
-        with inductor_without_kernels(), compiled(model, "model") as runnable:
-            loss(runnable(x), y).backward()
-            model.zero_grad(set_to_none=True)
-            live = _LiveBytes({t.untyped_storage()._cdata for t in (*model.parameters(), x, y)})
-            with live:
-                loss(runnable(x), y).backward()
-            made = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+    graph, live, model = _mlp_traced_and_run(grads_set_to_none=True)
+    made = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
     grads = sum(t[1] for t in graph.fixed_tensors if t[2] == "grad")
     assert sum(int(graph.mem[graph.storage_of(v)]) for v in gradient_nodes(graph)) == grads == made
     none = with_grads(graph, "none")
