@@ -2,35 +2,25 @@
 on and off), the module graph and the tensor lifetimes, in headless Chromium as the browser tests drive
 it (explorer/browser.py) and in-process for the parts the pages compute.
 
-    bonsai bench explorer --page docs/results/explorer.md                 # measures, writes results.json and the page
-    bonsai bench explorer --page docs/results/explorer.md --report-only   # the page again from results.json
-    bonsai bench explorer --quick --out /tmp/e --page /tmp/explorer.md    # small counts, no large graphs: a smoke test
-    bonsai bench explorer --parts titan --page docs/results/explorer.md   # the 8B step again, the rest kept
-
-``--parts`` picks the studies to run: ``main`` (everything on the default GPT, hf:gpt2, the 32-layer Llama and the
-60-layer GPT) and ``titan`` (torchtitan's 8B step: an hour of sweeping on a loaded machine). The parts not run are
-kept from ``--out``'s results.json, and the page names the run that measured the 8B step where it is not the
-page's own.
-
-With ``--page`` the whole page is written from this run: every number and comparison on it is computed
-from ``results.json``. Needs Playwright for Python, Debian's Chromium (/usr/bin/chromium) and
-transformers (the Hugging Face models it traces); latencies mean something on a quiet machine only.
+``--parts titan`` reruns torchtitan's 8B step alone (an hour on a loaded machine), ``--parts main`` the rest; the
+parts not run are kept from ``--out``'s results.json. Needs Playwright for Python, Debian's Chromium and
+transformers; latencies mean something on a quiet machine only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
-import json
 import importlib.util
+import json
 import os
 import re
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -47,9 +37,9 @@ RECORD_PAGE = "docs/results/explorer.md"
 # how many of each measurement: the full run, and --quick's smoke test
 FULL = {"first_paints": 3, "drags": 7, "sessions": 10, "rounds": 3, "revisits": 3}
 QUICK = {"first_paints": 2, "drags": 3, "sessions": 3, "rounds": 1, "revisits": 1}
-# the targets the page judges medians by (seconds); judged here only: the browser tests share a loaded machine
-SLIDER_TARGET, FIRST_PAINT_TARGET, SESSIONS_TARGET, MODULE_VIEW_TARGET = 1.0, 3.0, 2.0, 2.0
-SWEEP_TARGET, FIT_TARGET = 60.0, 60.0  # the 8B step: its slider swept, What fits answered (issue 57)
+# the targets the page judges medians by (seconds; the 8B step's sweep and What fits: issue 57), judged here
+# only: the browser tests share a loaded machine
+TARGETS = {"slider": 1.0, "first_paint": 3.0, "sessions": 2.0, "module_view": 2.0, "sweep": 60.0, "fit": 60.0}
 SWEEP_PATIENCE = 3600.0  # seconds the run waits for the 8B step's sweep before it says how far it got
 SCRUB_PRESSES = 10  # arrow-key steps of the scrubber, as tests/test_browser_timeline.py presses them
 SHARE = 0.5  # the lifetimes' budget, of the no-remat peak
@@ -57,11 +47,15 @@ REGIONS_AT_ONCE = 12  # regions the "Why this plan" panel explains per click (pa
 TIME_LIMIT = 20.0  # seconds per bonsai solve: the explorer's default (explorer/state.py)
 LARGE_GPT = ("gpt", {"layers": 60})  # browser.LARGE_LINK's model
 PARTS = ("main", "titan")  # --parts: the studies a run measures, the others kept from its --out
+TITAN_PARTS = ("tracing the 8B step", "the 8B step in the browser", "What fits on the 8B step")  # timed_part's
+# the lifetimes' rows (graph, method, share of the no-remat peak): hf:gpt2 at 55% as tests/test_browser_timeline.py
+# opens it (bonsai's checkpoint regions reach 50.6% of its peak), chen on the 60-layer GPT as browser.LARGE_LINK
+LIFETIMES = (("default", "bonsai", SHARE), ("gpt2", "bonsai", 0.55), ("large", "chen", SHARE))
 
 
 def harness() -> ModuleType:
-    """explorer/browser.py, the browser tests' harness, imported from the checkout (the explorer is no
-    package of the library's: imported when measuring, not when the command line is built)."""
+    """explorer/browser.py, the browser tests' harness, imported from the checkout when measuring (the explorer
+    is no package of the library's)."""
     common.import_test_models()
     from explorer import browser
 
@@ -112,9 +106,8 @@ def module_structure_row(key: str, label: str, graph: Any) -> dict[str, Any]:
 
     def structure():
         tree = module_graph.module_tree(graph)
-        owners = module_graph.forward_owners(graph, tree)
-        anchors = module_graph.backward_anchors(graph)
-        return tree, owners, anchors, module_graph.default_depth(graph, tree)
+        return (tree, module_graph.forward_owners(graph, tree), module_graph.backward_anchors(graph),
+                module_graph.default_depth(graph, tree))
 
     (tree, owners, anchors, start_depth), structure_s = seconds_of(structure)
     depths = sorted({start_depth, *(d for d in browser.FOLD_STEPS if d <= tree.max_depth)})
@@ -130,7 +123,7 @@ def module_structure_row(key: str, label: str, graph: Any) -> dict[str, Any]:
             "depths": rows}
 
 
-def lifetimes_row(label: str, graph: Any, method: str, share: float = SHARE) -> dict[str, Any]:
+def lifetimes_row(label: str, graph: Any, method: str, share: float) -> dict[str, Any]:
     """The Memory page's lifetimes of ``method``'s plan at ``share`` of the no-remat peak: the bars, the chart's
     rows and spec, the step line at the plan's peak and the reasons of the first REGIONS_AT_ONCE recomputed regions,
     each timed as pages/memory.py calls them."""
@@ -154,50 +147,39 @@ def lifetimes_row(label: str, graph: Any, method: str, share: float = SHARE) -> 
     todo = regions[:REGIONS_AT_ONCE]
     _, reasons_s = seconds_of(lambda: timeline.reasons(graph, schedule, budget, modules, regions=todo))
     return {"graph": label, "ops": graph.n, "method": method, "share": share, "steps": len(schedule.ops),
-            "solve_s": solve_s,
-            "bars": len(bars.start), "threshold": bars.threshold, "bars_s": bars_s, "chart_s": chart_s,
-            "step_line_s": step_s, "regions": len(regions), "explained": len(todo), "reasons_s": reasons_s}
-
-
-def lifetime_cases(graphs: dict[str, dict[str, Any]]) -> list[tuple[str, str, float]]:
-    """(graph key, method, share of the no-remat peak) of the lifetimes' rows: bonsai on the default GPT and
-    on hf:gpt2 at 55% (as tests/test_browser_timeline.py opens it: bonsai's checkpoint regions reach 50.6% of
-    its peak), chen on the 60-layer GPT (browser.LARGE_LINK's plan)."""
-    cases = [("default", "bonsai", SHARE), ("gpt2", "bonsai", 0.55), ("large", "chen", SHARE)]
-    return [case for case in cases if case[0] in graphs]
+            "solve_s": solve_s, "bars": len(bars.start), "threshold": bars.threshold, "bars_s": bars_s,
+            "chart_s": chart_s, "step_line_s": step_s, "regions": len(regions), "explained": len(todo),
+            "reasons_s": reasons_s}
 
 
 # -- measuring in the browser ---------------------------------------------------------------------
+
+@contextlib.contextmanager
+def served_to_chromium(solve_ahead: bool = False) -> Iterator[tuple[str, Any]]:
+    """A fresh explorer server's URL (browser.serve) and a headless Chromium, both closed after."""
+    from playwright.sync_api import sync_playwright
+
+    browser = harness()
+    with browser.serve(solve_ahead=solve_ahead) as url, sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=browser.CHROMIUM, args=browser.BROWSER_ARGS)
+        try:
+            yield url, chromium
+        finally:
+            chromium.close()
+
 
 def no_exception(page: Any, what: str) -> None:
     if page.locator('[data-testid="stException"]').count():
         raise RuntimeError(f"the explorer showed an exception: {what}")
 
 
-def slider_drags(chromium: Any, url: str, drags: int) -> list[float]:
-    """One session on the Memory page drags the budget slider ``drags`` times (browser.DRAG_FRACTIONS, as
-    the browser test): seconds from each release until the plot shows the budget the slider settled on."""
-    browser = harness()
-    reference = browser.default_reference()
-    context, page = browser.open_page(chromium)
+@contextlib.contextmanager
+def new_session(chromium: Any, what: str, **size: int) -> Iterator[Any]:
+    """A page in a new browser context (a new Streamlit session) for measuring ``what``, closed after."""
+    context, page = harness().open_page(chromium, **size)
     try:
-        browser.open_memory_for_drags(page, url)
-        latencies = []
-        for fraction in (browser.DRAG_FRACTIONS * drags)[:drags]:
-            seconds, _, _ = browser.timed_drag(page, fraction, reference)
-            latencies.append(seconds)
-            browser.wait_idle(page)
-        no_exception(page, "slider drags")
-        return latencies
-    finally:
-        context.close()
-
-
-def first_paints(chromium: Any, url: str, count: int) -> list[float]:
-    browser = harness()
-    context, page = browser.open_page(chromium)
-    try:
-        return [browser.first_paint(page, url) for _ in range(count)]
+        yield page
+        no_exception(page, what)
     finally:
         context.close()
 
@@ -216,60 +198,41 @@ def memory_page(chromium: Any, url: str, link: str, presses: int, key: str) -> d
         page.close()
 
 
-def graph_page(chromium: Any, url: str, revisits: int) -> dict[str, Any]:
-    """The Graph page of the default model in a new session: the first click on "Graph" and ``revisits``
-    more from the Model page, each until the module chart is painted and the server idle."""
-    browser = harness()
-    context, page = browser.open_page(chromium)
-    try:
-        page.goto(url)
-        browser.wait_idle(page)
-        first = browser.graph_drawn(page)
-        again = browser.graph_revisits(page, revisits)
-        no_exception(page, "the Graph page")
-        return {"first_s": first, "again_s": again}
-    finally:
-        context.close()
-
-
-def llama_view(chromium: Any, url: str, path: Path, ops: int, revisits: int) -> dict[str, Any]:
-    """The 32-layer Llama uploaded as JSON at browser.LLAMA_32_BUDGET: its module view the first time (the
-    plan solved), ``revisits`` more times, then each step of browser.FOLD_STEPS."""
-    browser = harness()
-    context, page = browser.open_page(chromium)
-    try:
-        browser.upload_graph(page, url, path, ops, browser.LLAMA_32_BUDGET)
-        first = browser.graph_drawn(page)
-        again = browser.graph_revisits(page, revisits)
-        folds = [[depth, browser.fold_to(page, depth)] for depth in browser.FOLD_STEPS]
-        no_exception(page, "the Llama's module view")
-        return {"first_s": first, "again_s": again, "folds": folds}
-    finally:
-        context.close()
-
-
 def one_session_studies(counts: dict[str, int], llama: tuple[Path, int] | None, large: bool) -> dict[str, Any]:
-    """Everything one session at a time measures, on one server that solves only what a session asks
-    for (as in the browser tests), in the order a first visitor would meet it."""
-    from playwright.sync_api import sync_playwright
-
+    """Everything one session at a time measures, on one server that solves only what a session asks for (as in
+    the browser tests), in the order a first visitor would meet it: first paints; the Memory page and its
+    scrubber; budget slider drags (browser.DRAG_FRACTIONS) timed from each release until the plot shows the
+    budget the slider settled on; the Graph page's first click and revisits from the Model page; the
+    32-layer Llama (``llama``: its graph file and ops) uploaded at browser.LLAMA_32_BUDGET, its module view
+    and each step of browser.FOLD_STEPS; the Memory page of hf:gpt2 and, with ``large``, the 60-layer GPT."""
     browser = harness()
     out: dict[str, Any] = {}
-    with browser.serve() as url, sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=browser.CHROMIUM, args=browser.BROWSER_ARGS)
-        try:
-            out["first_paint_s"] = first_paints(chromium, url, counts["first_paints"])
-            out["memory_first"] = memory_page(chromium, url, "memory", SCRUB_PRESSES, "ArrowLeft")
-            out["memory_again"] = memory_page(chromium, url, "memory", SCRUB_PRESSES, "ArrowLeft")
-            out["slider_s"] = slider_drags(chromium, url, counts["drags"])
-            out["graph"] = graph_page(chromium, url, counts["revisits"])
-            out["gpt2_link"] = memory_page(chromium, url, browser.GPT2_LINK, 1, "Home")
-            if llama:
-                out["llama"] = llama_view(chromium, url, *llama, counts["revisits"])
-            if large:
-                out["large_link"] = memory_page(chromium, url, browser.LARGE_LINK, 1, "Home")
-        finally:
-            chromium.close()
+    with served_to_chromium() as (url, chromium):
+        with new_session(chromium, "first paint") as page:
+            out["first_paint_s"] = [browser.first_paint(page, url) for _ in range(counts["first_paints"])]
+        out["memory_first"] = memory_page(chromium, url, "memory", SCRUB_PRESSES, "ArrowLeft")
+        out["memory_again"] = memory_page(chromium, url, "memory", SCRUB_PRESSES, "ArrowLeft")
+        reference = browser.default_reference()
+        with new_session(chromium, "slider drags") as page:
+            browser.open_memory_for_drags(page, url)
+            out["slider_s"] = []
+            for fraction in (browser.DRAG_FRACTIONS * counts["drags"])[:counts["drags"]]:
+                out["slider_s"].append(browser.timed_drag(page, fraction, reference)[0])
+                browser.wait_idle(page)
+        with new_session(chromium, "the Graph page") as page:
+            page.goto(url)
+            browser.wait_idle(page)
+            out["graph"] = {"first_s": browser.graph_drawn(page),
+                            "again_s": browser.graph_revisits(page, counts["revisits"])}
+        out["gpt2_link"] = memory_page(chromium, url, browser.GPT2_LINK, 1, "Home")
+        if llama:
+            with new_session(chromium, "the Llama's module view") as page:
+                browser.upload_graph(page, url, *llama, browser.LLAMA_32_BUDGET)
+                out["llama"] = {"first_s": browser.graph_drawn(page),
+                                "again_s": browser.graph_revisits(page, counts["revisits"]),
+                                "folds": [[depth, browser.fold_to(page, depth)] for depth in browser.FOLD_STEPS]}
+        if large:
+            out["large_link"] = memory_page(chromium, url, browser.LARGE_LINK, 1, "Home")
     return out
 
 
@@ -282,19 +245,10 @@ def sessions_study(solve_ahead: bool, counts: dict[str, int]) -> dict[str, Any]:
 
 def titan_study(path: Path, graph: Any, drags: int) -> dict[str, Any]:
     """Torchtitan's 8B step on a fresh server that sweeps (browser.big_step)."""
-    from playwright.sync_api import sync_playwright
-
     browser = harness()
-    with browser.serve(solve_ahead=True) as url, sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=browser.CHROMIUM, args=browser.BROWSER_ARGS)
-        try:
-            context, page = browser.open_page(chromium, width=1440, height=1800)
-            found = browser.big_step(page, url, path, graph.n, no_remat_peak(graph), drags, SWEEP_PATIENCE)
-            no_exception(page, "the 8B step")
-            context.close()
-            return found
-        finally:
-            chromium.close()
+    with served_to_chromium(solve_ahead=True) as (url, chromium):
+        with new_session(chromium, "the 8B step", width=1440, height=1800) as page:
+            return browser.big_step(page, url, path, graph.n, no_remat_peak(graph), drags, SWEEP_PATIENCE)
 
 
 def titan_fit(graph: Any) -> dict[str, Any]:
@@ -303,8 +257,7 @@ def titan_fit(graph: Any) -> dict[str, Any]:
     at most 10%, AdamW, 10 s per solve; each answer's moment kept."""
     from bonsai_core import fit
 
-    browser = harness()
-    name, options = browser.TITAN_8B
+    name, options = harness().TITAN_8B
     begun = time.perf_counter()
     answers: list[list[Any]] = []
     result = fit.fit(name, 2 * graph.peak_lower_bound, ["none", "bonsai", "chen", "dtr"], vary="batch",
@@ -328,7 +281,8 @@ def timed_part(parts: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
 
 def measure(quick: bool, parts: Sequence[str] = PARTS, out: str = DEFAULT_OUT) -> dict[str, Any]:
     """The studies ``parts`` names (:data:`PARTS`), run now; the others kept from ``out``/results.json."""
-    results = earlier_results(Path(out) / "results.json") if set(parts) != set(PARTS) else {}
+    stored = Path(out) / "results.json"
+    results = json.loads(stored.read_text()) if set(parts) != set(PARTS) and stored.is_file() else {}
     if "titan" in parts and "meta" in results:  # the kept run's page no longer counts its 8B step's parts
         results["meta"] = without_titan_parts(results["meta"])
     if "main" in parts:
@@ -345,11 +299,6 @@ def measure(quick: bool, parts: Sequence[str] = PARTS, out: str = DEFAULT_OUT) -
     return results
 
 
-def earlier_results(path: Path) -> dict[str, Any]:
-    """results.json of an earlier run, or nothing."""
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def titan_of_its_run(titan: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     """The 8B step's results kept beside a new run of the other parts: with the run that measured them (from its
     ``meta`` where that run measured everything)."""
@@ -359,24 +308,12 @@ def titan_of_its_run(titan: dict[str, Any], meta: dict[str, Any]) -> dict[str, A
     return {**titan, "run": {**run, "alone": True}}
 
 
-TITAN_PARTS = ("tracing the 8B step", "the 8B step in the browser", "What fits on the 8B step")  # timed_part's names
-
-
 def without_titan_parts(meta: dict[str, Any]) -> dict[str, Any]:
     """A run's ``meta`` less the 8B step's timed parts (their seconds and load averages), for a page whose 8B
     step another run measured."""
     mine = {name: part for name, part in meta["parts"].items() if name in TITAN_PARTS}
     return {**meta, "parts": {name: part for name, part in meta["parts"].items() if name not in mine},
             "seconds": meta["seconds"] - sum(part["seconds"] for part in mine.values())}
-
-
-def titan_run(results: dict[str, Any]) -> dict[str, Any] | None:
-    """The run that measured the 8B step where it is not the one the page's first lines name (None when it is)."""
-    run = (results.get("titan") or {}).get("run")
-    if run is None or not run["alone"]:
-        return None
-    loads = [x for part in run["parts"].values() for x in (part["load_start"], part["load_end"])]
-    return {**run, "minutes": run["seconds"] / 60, "load_low": min(loads), "load_high": max(loads)}
 
 
 def measure_main(quick: bool) -> dict[str, Any]:
@@ -396,7 +333,7 @@ def measure_main(quick: bool) -> dict[str, Any]:
     results["module_graph"] = timed_part(parts, "module graph in-process", lambda: [
         module_structure_row(k, graphs[k]["label"], graphs[k]["graph"]) for k in module_keys])
     results["lifetimes"] = timed_part(parts, "lifetimes in-process", lambda: [
-        lifetimes_row(graphs[k]["label"], graphs[k]["graph"], m, share) for k, m, share in lifetime_cases(graphs)])
+        lifetimes_row(graphs[k]["label"], graphs[k]["graph"], m, share) for k, m, share in LIFETIMES if k in graphs])
     with tempfile.TemporaryDirectory() as folder:
         llama = None
         if "llama" in graphs:
@@ -430,32 +367,7 @@ def measure_titan(drags: int) -> dict[str, Any]:
     return results
 
 
-# -- the page: words made of numbers -------------------------------------------------------------
-
-def secs(x: float) -> str:
-    return f"{x:.2f} s"
-
-
-def ms(x: float) -> str:
-    return f"{x * 1e3:.2f} ms" if x < 1e-3 else f"{x * 1e3:.1f} ms"
-
-
-def spread(xs: Sequence[float]) -> str:
-    """Every value of a short series, in the run's order: ``0.21 0.25 0.19 s``."""
-    return " ".join(f"{x:.2f}" for x in xs) + " s"
-
-
-def p90(xs: Sequence[float]) -> float:
-    xs = sorted(xs)
-    return xs[int(0.9 * (len(xs) - 1))]  # as the browser test's report takes it
-
-
-def against(value: float, target: float) -> str:
-    """Whether a median meets its target: ``within the 1 s target`` or ``over the 1 s target by 0.20 s``."""
-    if value <= target:
-        return f"within the {target:g} s target"
-    return f"over the {target:g} s target by {value - target:.2f} s"
-
+# -- the page ---------------------------------------------------------------------------------------
 
 def loads(results: dict[str, Any]) -> list[float]:
     """The 1-minute load averages at the starts and ends of the run's parts and the sessions' drags."""
@@ -465,34 +377,13 @@ def loads(results: dict[str, Any]) -> list[float]:
     return said + [s[key][0] for s in results["sessions"] for key in ("load_before", "load_after")]
 
 
-def sessions_facts(results: dict[str, Any]) -> dict[str, Any]:
-    """The sessions study: its counts and budgets, its table, each mode's median, the server's CPU per drag
-    with and without solving ahead, the tabs' CPU against the server's, whether every chart updated in place."""
-    browser = harness()
-    count, rounds = results["meta"]["counts"]["sessions"], results["meta"]["counts"]["rounds"]
-    by_mode = {s["solve_ahead"]: s for s in results["sessions"]}
-    cpu = {ahead: s["server_cpu"] / len(s["drawn"]) for ahead, s in by_mode.items()}
-    return {"count": count, "rounds": rounds, "budgets": len(results["sessions"][0]["drawn"]),
-            "lowest": browser.session_budget(0, 0), "highest": browser.session_budget(count - 1, rounds - 1),
-            "modes": [{"ahead": ahead, "median": statistics.median(s["drawn"])} for ahead, s in by_mode.items()],
-            "cpu_on": cpu[True], "cpu_off": cpu[False],
-            "tabs_per_server": sum(s["browser_cpu"] for s in results["sessions"])
-            / sum(s["server_cpu"] for s in results["sessions"]),
-            "in_place": all(all(s["in_place"]) for s in results["sessions"])}
-
-
-def module_graph_facts(results: dict[str, Any]) -> dict[str, Any]:
-    """The module graph study's rows, the Llama traced for it (its row, boxes per fold depth) and its view's
-    median draw (None where not run)."""
-    browser = harness()
-    rows, b = results["module_graph"], results["browser"]
-    view = llama = None
-    if "llama" in b:
-        row = next(r for r in rows if r["key"] == "llama")
-        llama = {"row": row, "boxes": {d["depth"]: d["boxes"] for d in row["depths"]}}
-        view = {"graph": row["graph"], "median": statistics.median(b["llama"]["again_s"])}
-    return {"rows": rows, "llama": llama, "llama_view": view,
-            "llama_trace": browser.LLAMA_32 if any(r["key"] == "llama" for r in rows) else None}
+def titan_run(results: dict[str, Any]) -> dict[str, Any] | None:
+    """The run that measured the 8B step where it is not the one the page's first lines name (None when it is)."""
+    run = (results.get("titan") or {}).get("run")
+    if run is None or not run["alone"]:
+        return None
+    loads = [x for part in run["parts"].values() for x in (part["load_start"], part["load_end"])]
+    return {**run, "minutes": run["seconds"] / 60, "load_low": min(loads), "load_high": max(loads)}
 
 
 def first_words(alert: str) -> str:
@@ -507,28 +398,18 @@ def swept(titan: dict[str, Any]) -> tuple[int, int, int] | None:
 
 
 def page(results: dict[str, Any], header: str) -> str:
-    browser = harness()
     titan = results.get("titan")
-    return common.fill(
-        "explorer", header=header, meta=results["meta"], chromium=browser.CHROMIUM, loads=loads(results),
-        yardstick=results["yardstick_s"], slider=results["browser"]["slider_s"],
-        paint=results["browser"]["first_paint_s"], sessions=sessions_facts(results),
-        module_graph=module_graph_facts(results), regions_at_once=REGIONS_AT_ONCE, time_limit=TIME_LIMIT,
-        run=results, browser=browser, share=SHARE, scrub_presses=SCRUB_PRESSES, ms=ms, first_words=first_words,
-        swept=titan and swept(titan), traces=results["traces"], titan_8b=browser.TITAN_8B,
-        titan_budget=browser.TITAN_8B_BUDGET, titan=titan, titan_run=titan_run(results),
-        targets={
-            "slider": SLIDER_TARGET, "first_paint": FIRST_PAINT_TARGET, "sessions": SESSIONS_TARGET,
-            "module_view": MODULE_VIEW_TARGET, "sweep": SWEEP_TARGET, "fit": FIT_TARGET},
-        secs=secs, spread=spread, against=against, p90=p90)
+    return common.fill("explorer", header=header, run=results, meta=results["meta"], browser=harness(),
+                       loads=loads(results), titan=titan, titan_run=titan_run(results), swept=titan and swept(titan),
+                       first_words=first_words, targets=TARGETS, share=SHARE, scrub_presses=SCRUB_PRESSES,
+                       regions_at_once=REGIONS_AT_ONCE, time_limit=TIME_LIMIT)
 
 
 # -- the command ----------------------------------------------------------------------------------
 
 def refusal(args: argparse.Namespace) -> str | None:
     """Why these options cannot run, before anything is measured; None when they can."""
-    why = common.page_refusal(args, DEFAULT_OUT, RECORD_PAGE)
-    if why:
+    if why := common.page_refusal(args, DEFAULT_OUT, RECORD_PAGE):
         return why
     if set(args.parts) != set(PARTS):
         if args.report_only:
@@ -540,8 +421,7 @@ def refusal(args: argparse.Namespace) -> str | None:
                     "missing: run them first (leave out --parts)")
     if args.report_only:
         return None
-    absent = harness().missing()
-    if absent:
+    if absent := harness().missing():
         return f"cannot drive the explorer in a browser: {absent}"
     if importlib.util.find_spec("transformers") is None:
         return "transformers is not installed: the suite traces hf:gpt2 and hf:llama (pip install transformers)"
