@@ -1,9 +1,7 @@
-"""What several bench suites share: the budget bisection, the command line, machine and dates a report
-quotes, the first line of a docs/results page a suite writes (:func:`page_header`), a page's template
-(``templates/NAME.md``, filled by :func:`fill` with Jinja2) and tables
-(:func:`table`), the small helpers the pages' sentences
-are made with (:func:`pct`, :func:`mib`, :func:`listing`, ...), and the command of a suite that writes its
-page from its results (:func:`page_refusal`, :func:`run_page_suite`)."""
+"""What the bench suites share: the budget bisection, what a report says of its run (command, machine, dates),
+a page's first line (:func:`page_header`), its template filled with Jinja2 (:func:`fill`, its tables by
+:func:`table` and its numbers by the filters below), and the command of a suite that writes its page from its
+results (:func:`page_refusal`, :func:`run_page_suite`)."""
 
 from __future__ import annotations
 
@@ -29,12 +27,9 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"  # one markdown templa
 
 
 def bisect_budget(meets: Callable[[int], bool], lo: int, hi: int, steps: int, try_lo: bool = False) -> int | None:
-    """The smallest budget in ``[lo, hi]`` that ``meets`` accepts, by a bisection of at most ``steps``
-    calls after the ends: ``lo`` when ``try_lo`` and it meets it, None when ``hi`` does not meet.
-
-    A heuristic's success is not monotone in the budget, so this is the threshold the bisection lands
-    on, not a proven minimum. ``meets`` may raise TimeoutError to stop early: the answer is then the
-    smallest budget met so far (None before ``hi`` was met)."""
+    """The smallest budget in ``[lo, hi]`` that ``meets`` accepts after at most ``steps`` bisections (``lo`` first
+    when ``try_lo``), None when ``hi`` fails. A heuristic's success is not monotone in the budget: this is where
+    the bisection lands, not a proven minimum. ``meets`` may raise TimeoutError: the smallest met so far."""
     try:
         if try_lo and meets(lo):
             return lo
@@ -43,11 +38,6 @@ def bisect_budget(meets: Callable[[int], bool], lo: int, hi: int, steps: int, tr
     except TimeoutError:
         return None
     return smallest_meeting(meets, lo, hi, steps, stop=TimeoutError)
-
-
-def command() -> str:
-    """The command line this run was started with, as a report quotes it."""
-    return "bonsai " + " ".join(sys.argv[1:])
 
 
 def machine() -> str:
@@ -64,11 +54,12 @@ def utc_now() -> str:
 
 
 def run_meta(stamp: str = "date", **extra: Any) -> dict[str, Any]:
-    """What a page says of a run, kept as it starts: the command, the start (``stamp``: ``date`` or
-    ``started``, :func:`utc_now`), the machine, torch's version, and ``extra``."""
+    """What a page says of a run, kept as it starts: the command line, its start (under ``stamp``), the machine,
+    torch's version, and ``extra``."""
     import torch
 
-    return {"command": command(), stamp: utc_now(), "machine": machine(), "torch": torch.__version__, **extra}
+    return {"command": "bonsai " + " ".join(sys.argv[1:]), stamp: utc_now(), "machine": machine(),
+            "torch": torch.__version__, **extra}
 
 
 def run_studies(studies: dict[str, Callable[[], Any]], seconds: dict[str, float] | None = None,
@@ -88,8 +79,8 @@ def run_studies(studies: dict[str, Callable[[], Any]], seconds: dict[str, float]
 
 
 def run_dates(meta: dict[str, Any]) -> str:
-    """A run's ``started`` and ``ended`` (:func:`utc_now`) as a page says them: ``2026-12-05, 19:05–19:15
-    UTC``; both dates in full when the run crossed midnight."""
+    """A run's ``started`` and ``ended`` as a page says them: ``2026-12-05, 19:05–19:15 UTC`` (both dates in
+    full when it crossed midnight)."""
     start_day, start_time, _ = meta["started"].split()
     end_day, end_time, _ = meta["ended"].split()
     if start_day == end_day:
@@ -97,29 +88,20 @@ def run_dates(meta: dict[str, Any]) -> str:
     return f"{meta['started']} to {meta['ended']}"
 
 
+# -- a page's numbers and tables, as Python and as its template's filters ------------------------------------
+
 def pct(x: float, digits: int = 1) -> str:
     """A relative change as a page writes it: ``+1.6%`` (``digits`` decimals)."""
     return f"{x:+.{digits}%}"
 
 
-def pct_or_fails(x: float | None) -> str:
-    """An overhead, or ``fails`` where the run found no schedule."""
-    return "fails" if x is None else pct(x)
-
-
 def pct2(x: float) -> str:
-    """A relative change to two decimals: ``+1.62%``."""
-    return f"{x:+.2%}"
+    return pct(x, 2)
 
 
 def budget(fraction: float) -> str:
     """A budget as a share of the no-remat peak: ``45%``."""
     return f"{fraction * 100:g}%"
-
-
-def budgets_said(fractions: Iterable[float]) -> str:
-    """Budgets as shares of the no-remat peak: ``90/70/50%``."""
-    return "/".join(f"{f * 100:g}" for f in fractions) + "%"
 
 
 def mib(nbytes: float, digits: int = 2, unit: str = " MiB") -> str:
@@ -134,14 +116,22 @@ def span(values: Iterable[Any], fmt: Callable[[Any], str], between: str = "–",
     return (low if low == high else f"{low}{between}{high}") + unit
 
 
-def capitalized(text: str) -> str:
-    """``text`` with its first letter upper case (a sentence that starts with a method's name)."""
-    return text[:1].upper() + text[1:]
+def listing(items: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``; ``none`` when empty."""
+    items = list(items)
+    if not items:
+        return "none"
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def median(xs: Iterable[float]) -> float | None:
+    xs = list(xs)
+    return statistics.median(xs) if xs else None
 
 
 def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> str:
-    """A markdown table: ``columns``, then ``rows`` (one value per column, each written as its text; no
-    number is read and rewritten); ``align``: a letter per column, ``l``, ``r`` or ``c`` (default left)."""
+    """A markdown table of ``rows`` under ``columns``, each cell as its text (no number read and rewritten);
+    ``align``: a letter per column, ``l``, ``r`` or ``c`` (default left)."""
     import pandas as pd
 
     frame = pd.DataFrame([[str(v) for v in row] for row in rows], columns=list(columns))
@@ -151,7 +141,7 @@ def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], align: str = ""
 
 
 def table_of_lines(text: str, *columns: str, align: str = "") -> str:
-    """A template's block as a :func:`table`: a row a line (blank lines left out), its cells split at `` | ``
+    """A template's block as a :func:`table`, a row a non-blank line, its cells split at `` | ``
     (``{% filter table("what", "measured") %}``)."""
     return table(columns, [line.split(" | ") for line in text.split("\n") if line.strip()], align)
 
@@ -161,10 +151,21 @@ def pipe_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(f"| {' | '.join(map(str, cells))} |" for cells in [columns, ["---"] * len(columns), *rows])
 
 
+FILTERS: dict[str, Callable[..., Any]] = {
+    "pct": pct, "pct2": pct2, "budget": budget, "mib": mib, "listing": listing, "median": median,
+    "bytes": format_bytes, "fmt": format, "table": table_of_lines,
+    "pct_or_fails": lambda x: "fails" if x is None else pct(x),  # an overhead, or no schedule found
+    "budgets": lambda fractions: "/".join(f"{f * 100:g}" for f in fractions) + "%",  # 90/70/50%
+    "capitalized": lambda text: text[:1].upper() + text[1:],  # a sentence that starts with a method's name
+    "said": lambda items: listing([item for item in items if item]),  # a sentence's optional parts
+    # what follows an item of a Jinja2 loop as listing joins them: {{ loop|sep }}
+    "sep": lambda loop: ", " if loop.revindex > 2 else " and " if loop.revindex == 2 else "",
+}
+
+
 def fill(template: str, **values: Any) -> str:
-    """The page template ``templates/TEMPLATE.md`` as a Jinja2 template filled with ``values``: the prose,
-    its conditional sentences and loops there, what was measured here (the helpers of this module are its
-    filters: ``{{ x|pct }}``, ``{{ names|listing }}``)."""
+    """The page template ``templates/TEMPLATE.md`` filled with ``values`` by Jinja2: the prose, its conditions
+    and loops there, what was measured here (:data:`FILTERS` write its numbers: ``{{ x|pct }}``)."""
     return _jinja().get_template(f"{template}.md").render(values)
 
 
@@ -174,10 +175,7 @@ def _jinja() -> Any:
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)
-    env.filters.update(pct=pct, pct2=pct2, budget=budget, budgets=budgets_said, mib=mib, listing=listing,
-                       capitalized=capitalized, said=said, bytes=format_bytes, fmt=format,
-                       median=median, pct_or_fails=pct_or_fails, sep=sep,
-                       table=table_of_lines)
+    env.filters.update(FILTERS)
     return env
 
 
@@ -186,23 +184,7 @@ def template_source(template: str) -> str:
     return str((TEMPLATES / f"{template}.md").relative_to(ROOT))
 
 
-def listing(items: Sequence[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``; ``none`` when empty."""
-    items = list(items)
-    if not items:
-        return "none"
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
-def sep(loop: Any) -> str:
-    """What follows an item of a Jinja2 loop as :func:`listing` joins them: ``{{ loop|sep }}``."""
-    return ", " if loop.revindex > 2 else " and " if loop.revindex == 2 else ""
-
-
-def said(items: Iterable[str]) -> str:
-    """The non-empty ``items`` as :func:`listing` says them (a sentence of optional parts)."""
-    return listing([item for item in items if item])
-
+# -- what the suites measure with -------------------------------------------------------------------------
 
 TIE = 1e-9  # overheads this close are the same plan's
 
@@ -224,11 +206,6 @@ def compare(pairs: Iterable[tuple[Any, float | None, float | None]]) -> dict[str
     return out
 
 
-def median(xs: Iterable[float]) -> float | None:
-    xs = list(xs)
-    return statistics.median(xs) if xs else None
-
-
 def graph_of(model: str, **options: Any) -> Any:
     """The graph ``bonsai trace MODEL`` makes with ``options`` (tracing imported here: building the command line
     stays cheap)."""
@@ -238,23 +215,35 @@ def graph_of(model: str, **options: Any) -> Any:
 
 
 def import_test_models() -> None:
-    """Put the checkout's root on ``sys.path``, so that the suites measuring the models in ``tests/``
-    import them from any working directory (as the scripts they were did)."""
+    """The checkout's root on ``sys.path``: the suites that measure the models of ``tests/`` import them from any
+    working directory."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
 
 
-# The first line of every docs/results page says what wrote it: a suite or script (``written by``, with
-# the hash of its sources: tests/test_docs.py fails when they changed since), or a person recording
-# measurements by hand (``measured by hand``, with the commands run).
+def overhead_or_none(graph: Any, budget: int, method: str, **options: Any) -> float | None:
+    """The overhead of ``method``'s schedule under ``budget`` (no budget hint), None where it finds none."""
+    from bonsai_core.errors import BonsaiError
+    from bonsai_core.solvers import solve
+
+    try:
+        return solve(graph, budget, method, budget_hint=False, **options).stats["overhead"]
+    except BonsaiError:
+        return None
+
+
+# -- a page's first line: what wrote it -----------------------------------------------------------------------
+
+# a suite or script (``written by``, with the hash of its sources: tests/test_docs.py fails when they changed
+# since), or a person recording measurements by hand (``measured by hand``, with the commands run)
 WRITTEN_BY = re.compile(r"<!-- written by: `(?P<command>[^`]+)` at commit (?P<commit>\S+); "
                         r"sources (?P<sources>\S+) hash (?P<hash>[0-9a-f]+) -->")
 MEASURED_BY_HAND = re.compile(r"<!-- measured by hand: .+ -->")
 
 
 def source_hash(sources: Sequence[str]) -> str:
-    """The first 12 hex digits of the SHA-256 of the files ``sources`` (paths from the repository root),
-    names and contents: what a page written from them was written by."""
+    """The first 12 hex digits of the SHA-256 of the files ``sources`` (from the repository root), names and
+    contents."""
     digest = hashlib.sha256()
     for rel in sources:
         digest.update(rel.encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0")
@@ -262,23 +251,23 @@ def source_hash(sources: Sequence[str]) -> str:
 
 
 def page_header(command: str, sources: Sequence[str]) -> str:
-    """The first line of a docs/results page written by ``command`` from the files ``sources`` (the suite
-    or script and what it alone reads, paths from the repository root): the command, the commit checked
-    out (``-dirty`` with changes not committed) and the sources' hash."""
+    """The first line of a page written by ``command`` from the files ``sources`` (the suite or script and what
+    it alone reads): the command, the commit checked out (``-dirty`` with changes) and the sources' hash."""
     try:
         commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
                                 text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
-    return f"<!-- written by: `{command}` at commit {commit}; sources {','.join(sources)} hash {source_hash(sources)} -->"
+    return (f"<!-- written by: `{command}` at commit {commit}; sources {','.join(sources)} "
+            f"hash {source_hash(sources)} -->")
 
 
-# -- a suite that writes a docs/results page from its results.json (every suite with a page) ------------------
+# -- a suite that writes a page from its results.json ---------------------------------------------------------
 
 def add_page_arguments(ap: Any, default_out: str | None, record_page: str, quick: str | None = None) -> None:
-    """``--out``, ``--page`` and ``--report-only`` (what :func:`page_refusal` and :func:`run_page_suite`
-    read), and ``--quick`` with ``quick`` saying what it measures, where the suite has one."""
-    if default_out is not None:  # else the suite names its own (a required folder)
+    """``--out`` (unless the suite names its own), ``--page``, ``--report-only`` and, where the suite has one,
+    ``--quick`` with ``quick`` saying what it measures."""
+    if default_out is not None:
         ap.add_argument("--out", default=default_out, help="folder of results.json (default %(default)s)")
     ap.add_argument("--page", metavar="PAGE", help=f"also write the results page there ({record_page})")
     ap.add_argument("--report-only", action="store_true",
@@ -308,11 +297,9 @@ def page_refusal(args: Any, default_out: str | None = None, record_page: str | N
                  results: Path | None = None, narrowed: Sequence[str] = (), whole: str | None = None,
                  studies: bool = False) -> str | None:
     """Why ``--out``/``--page``/``--report-only`` cannot run, before anything is measured; None when they can.
-    ``narrowed``: the options given that measure less than the page reports (:func:`changed`; ``--quick``,
-    where the suite has it, counts); such a run cannot be ``--report-only``, nor overwrite ``default_out``'s
-    results or ``record_page``; where the page reports only ``whole`` (the full run), it writes no page.
-    ``results``: :func:`results_file`'s; ``studies``: ``--report-only`` needs a finished run of the page's
-    studies there (:func:`stored_refusal`)."""
+    ``narrowed``: the options given that measure less than the page reports (``--quick`` counts), which cannot
+    be ``--report-only`` nor overwrite ``default_out`` or ``record_page``, nor write a page that reports only
+    ``whole``; ``results``: :func:`results_file`'s; ``studies``: ``--report-only`` needs a finished run there."""
     narrowed = list(dict.fromkeys([*narrowed, *(["--quick"] if getattr(args, "quick", False) else [])]))
     results = results_file(args, results)
     if args.report_only and not args.page:
@@ -351,9 +338,9 @@ def stored_refusal(path: Path) -> str | None:
 
 def page_writer(page: Callable[..., str], sources: Sequence[str],
                 link: str | Path | None = None) -> Callable[[dict[str, Any], str], None]:
-    """Writes ``page(results, header)`` to a path, the header naming the command that measured ``results``
-    (their ``meta``) and the ``sources`` the page is written by; with ``link`` (a path from the working
-    directory: the run's results), ``page(results, header, that path from the page's folder)``."""
+    """Writes ``page(results, header)`` to a path, the header naming the command that measured ``results`` and
+    the ``sources``; with ``link`` (the run's results, from the working directory) also that path from the
+    page's folder."""
     def write(results: dict[str, Any], path: str) -> None:
         links = () if link is None else (os.path.relpath(link, Path(path).parent),)
         Path(path).write_text(page(results, page_header(results["meta"]["command"], sources), *links))
@@ -363,9 +350,8 @@ def page_writer(page: Callable[..., str], sources: Sequence[str],
 def run_page_suite(suite: str, args: Any, refusal: str | None, measure: Callable[[], dict[str, Any]],
                    write_page: Callable[[dict[str, Any], str], None],
                    beside: Callable[[dict[str, Any], Path], None] | None = None, results: Path | None = None) -> int:
-    """``bonsai bench SUITE`` for a suite that writes a page: refuse (exit 2) with ``refusal``'s words, else
-    measure into ``--out``/results.json (or the file ``results`` the suite names; with ``--report-only``,
-    read it), write what the suite keeps ``beside`` it (tables, figures) and ``--page``."""
+    """``bonsai bench SUITE``: refuse (exit 2) with ``refusal``'s words, else measure into :func:`results_file`
+    (with ``--report-only``, read it), write what the suite keeps ``beside`` it (tables, figures) and ``--page``."""
     if refusal:
         print(f"bonsai bench {suite}: {refusal}.")
         return 2
@@ -384,19 +370,6 @@ def run_page_suite(suite: str, args: Any, refusal: str | None, measure: Callable
     return 0
 
 
-# -- helpers the suites share ------------------------------------------------------------------------------
-
-def overhead_or_none(graph: Any, budget: int, method: str, **options: Any) -> float | None:
-    """The overhead of ``method``'s schedule under ``budget`` (no budget hint), None where it finds none."""
-    from bonsai_core.errors import BonsaiError
-    from bonsai_core.solvers import solve
-
-    try:
-        return solve(graph, budget, method, budget_hint=False, **options).stats["overhead"]
-    except BonsaiError:
-        return None
-
-
 # -- a run's rows grouped (the methods, solvers-opt, bonsai and export pages) ---------------------------------
 
 def grouped(items: Iterable[Any], key: Callable[[Any], Any],
@@ -410,8 +383,7 @@ def grouped(items: Iterable[Any], key: Callable[[Any], Any],
 
 def cells(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any],
           by: str = "method") -> dict[Any, dict[str, dict[str, Any]]]:
-    """``key(row)`` -> ``row[by]`` (its method) -> row: a results table's cells (a model at a budget), in the order
-    of the rows."""
+    """``key(row)`` -> ``row[by]`` (its method) -> row: a results table's cells, in the order of the rows."""
     return {k: {r[by]: r for r in of} for k, of in grouped(rows, key).items()}
 
 
