@@ -1,11 +1,6 @@
-"""``bonsai bench``: the benchmark suites, one study each, behind one command.
-
-``bonsai bench SUITE [options]`` runs one suite, ``bonsai bench --list`` names them, and ``bonsai
-bench [options]`` (no suite) runs ``methods``, the default: every method and peer on the same models
-and budgets (:mod:`bonsai_core.bench.methods`). Each suite is a
-module with ``add_arguments(parser)`` and ``main(args) -> int``; it imports the heavy modules it measures
-with (tracing, measuring, exporting) inside its functions, so building the command line stays cheap.
-"""
+"""``bonsai bench SUITE [options]``: the benchmark suites, one study each (``--list`` names them; no suite runs
+``methods``). A suite is a module with ``add_arguments(parser)`` and ``main(args) -> int`` that imports what it
+measures with inside its functions, so building the command line stays cheap."""
 
 from __future__ import annotations
 
@@ -52,14 +47,13 @@ def suite_list() -> str:
 
 
 def add_suite_parsers(parser: argparse.ArgumentParser) -> None:
-    """``SUITE`` under ``bonsai bench``: one sub-parser per suite with the suite's own options; none
-    given, the bench parser itself runs the default suite (its options are the default's)."""
+    """``SUITE`` under ``bonsai bench``: one sub-parser per suite with its own options (none given, the bench
+    parser runs the default suite with the default's options)."""
     suites = parser.add_subparsers(dest="suite", metavar="SUITE", required=False,
                                    help="one of: " + ", ".join(SUITES) + f" (default {DEFAULT_SUITE}; --list)")
     for name, (_, about) in SUITES.items():
         module = suite(name)
-        doc = getattr(module, "SUITE_DOC", module.__doc__)  # a page writer names the suite it runs
-        p = suites.add_parser(name, help=about, description=doc.split("\n\n")[0].strip(),
+        p = suites.add_parser(name, help=about, description=module.__doc__.split("\n\n")[0].strip(),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(suite_main=module.main, parser=p)
