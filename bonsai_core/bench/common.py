@@ -96,6 +96,7 @@ def pct(x: float, digits: int = 1) -> str:
 
 
 def pct2(x: float) -> str:
+    """A relative change to two decimals: ``+1.62%``."""
     return pct(x, 2)
 
 
@@ -125,6 +126,7 @@ def listing(items: Sequence[str]) -> str:
 
 
 def median(xs: Iterable[float]) -> float | None:
+    """The median of ``xs``; None when there are none."""
     xs = list(xs)
     return statistics.median(xs) if xs else None
 
