@@ -54,8 +54,7 @@ LIFETIMES = (("default", "bonsai", SHARE), ("gpt2", "bonsai", 0.55), ("large", "
 
 
 def harness() -> ModuleType:
-    """explorer/browser.py, the browser tests' harness, imported from the checkout when measuring (the explorer
-    is no package of the library's)."""
+    """explorer/browser.py, the browser tests' harness, imported from the checkout when measuring."""
     common.import_test_models()
     from explorer import browser
 
@@ -98,9 +97,8 @@ def graphs_to_measure(quick: bool) -> dict[str, dict[str, Any]]:
 
 
 def module_structure_row(key: str, label: str, graph: Any) -> dict[str, Any]:
-    """What the Graph page computes once per graph (the module tree, each forward op's call, each backward
-    op's anchor, the depth to open at), then per fold depth: the boxes, their layout, their stats with
-    the chart's spec; timed as ``explorer.compute.module_structure`` and the page call them."""
+    """The module structure the Graph page computes once per graph, then per fold depth the boxes, their layout,
+    their stats with the chart's spec; timed as ``explorer.compute.module_structure`` and the page call them."""
     browser = harness()
     from explorer import module_chart, module_graph
 
@@ -185,9 +183,8 @@ def new_session(chromium: Any, what: str, **size: int) -> Iterator[Any]:
 
 
 def memory_page(chromium: Any, url: str, link: str, presses: int, key: str) -> dict[str, float]:
-    """A new page on the Memory page ``link``: seconds until both its charts are drawn, then ``presses``
-    of ``key`` on the step scrubber until the step line changed; with the link (the page names what was
-    measured, whatever the harness opens today)."""
+    """The Memory page ``link`` in a new page: seconds until both its charts are drawn, then until ``presses`` of
+    ``key`` on the step scrubber changed the step line; with the link (the page names what was measured)."""
     browser = harness()
     page, seconds = browser.open_memory(chromium, f"{url}/{link}")
     try:
@@ -200,11 +197,7 @@ def memory_page(chromium: Any, url: str, link: str, presses: int, key: str) -> d
 
 def one_session_studies(counts: dict[str, int], llama: tuple[Path, int] | None, large: bool) -> dict[str, Any]:
     """Everything one session at a time measures, on one server that solves only what a session asks for (as in
-    the browser tests), in the order a first visitor would meet it: first paints; the Memory page and its
-    scrubber; budget slider drags (browser.DRAG_FRACTIONS) timed from each release until the plot shows the
-    budget the slider settled on; the Graph page's first click and revisits from the Model page; the
-    32-layer Llama (``llama``: its graph file and ops) uploaded at browser.LLAMA_32_BUDGET, its module view
-    and each step of browser.FOLD_STEPS; the Memory page of hf:gpt2 and, with ``large``, the 60-layer GPT."""
+    the browser tests), in the order a first visitor meets it; ``llama``: the 32-layer Llama's graph file and ops."""
     browser = harness()
     out: dict[str, Any] = {}
     with served_to_chromium() as (url, chromium):
@@ -252,9 +245,8 @@ def titan_study(path: Path, graph: Any, drags: int) -> dict[str, Any]:
 
 
 def titan_fit(graph: Any) -> dict[str, Any]:
-    """What fits on the 8B step as the page runs it by default: the GPU at twice the step's lower bound,
-    batch searched from the step's own (its graph taken, not traced again), none/bonsai/chen/dtr, overhead
-    at most 10%, AdamW, 10 s per solve; each answer's moment kept."""
+    """What fits on the 8B step as the page runs it by default (the GPU at twice the step's lower bound, the
+    batch searched from the step's own, its graph not traced again); each answer's moment kept."""
     from bonsai_core import fit
 
     name, options = harness().TITAN_8B
