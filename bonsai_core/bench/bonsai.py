@@ -1,21 +1,10 @@
-"""Measure the bonsai segment ILP: solve time, size, overhead and gap on traced zoo graphs next to
-chen and dtr, the smallest budget each reaches, the effect of the granularity, and the live re-solve
-time after a budget change; with ``--page``, also the studies docs/results/bonsai.md reports, and the page.
+"""Measure the bonsai segment ILP on traced zoo graphs next to chen and dtr: solve time, size, overhead and
+gap, the smallest budget each reaches, the granularity, the live re-solve after a budget change; rows in
+``-o FILE``. ``--page PAGE`` (the default models and budgets) also runs :func:`studies` and writes
+docs/results/bonsai.md from ``-o`` alone (``--report-only``: from a finished run). A traced graph file:
 
-    bonsai bench bonsai -o bench-bonsai.json     # the tables (many minutes)
-    bonsai bench bonsai --models g8b.json --budgets 50 30 82.4GiB \
-        --variants default save_ops=false regions=modules --compare chen dtr \
-        --skip-granularity --skip-resolve --skip-smallest   # a traced graph file (docs/results/real_runs.md)
-    bonsai bench bonsai -o docs/bench/bonsai.json --page docs/results/bonsai.md [--report-only]
-
-``--variants``: bonsai's option sets, each ``default`` or ``name=value,...``; ``--budgets``: shares of the
-no-remat peak (``70``) or bytes with a unit (``82.4GiB``). Every schedule goes through
-``bonsai_core.solvers.solve`` with each method's default options but the time limit; each solve prints a
-line: its wall time and where it went (``time_split``), and the tool's peak memory; ``-o`` keeps the rows.
-
-``--page PAGE`` (the default models and budgets only) also runs :func:`studies`, keeps everything in ``-o``
-and :func:`page` writes the page from it alone (the prose in templates/bonsai.md); ``--report-only`` writes
-the page again from ``-o`` without measuring.
+    bonsai bench bonsai --models g8b.json --budgets 50 30 82.4GiB --variants default save_ops=false \
+        regions=modules --compare chen dtr --skip-granularity --skip-resolve --skip-smallest
 """
 
 from __future__ import annotations
@@ -380,19 +369,6 @@ def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lamb
 
 # -- words and numbers -----------------------------------------------------------------------------
 
-def points(x: float) -> str:
-    return f"{100 * x:.2f} points"
-
-
-def points_range(xs: Sequence[float]) -> str:
-    """``0.41 points``, ``0.41–3.10 points``."""
-    return common.span([100 * x for x in xs], "{:.2f}".format, unit=" points")
-
-
-def share(value: int | None, whole: int) -> str:
-    return "none" if value is None else f"{value / whole:.2%}"
-
-
 def ok(r: Row) -> bool:
     return "error" not in r
 
@@ -469,29 +445,15 @@ def options_values(study: dict[str, Any]) -> dict[str, Any]:
 
 # the live re-solve
 
-def resolve_values(rows: Sequence[Row], name: str) -> tuple[str, dict[str, Any]]:
-    """One build, then the budget changes: the first call, the others, the later calls' times."""
-    rest = rows[1:]
-    return name, {"first": rows[0], "rest": rest,
-                  "cached": [r["wall_seconds"] for r in rest if ok(r) and r.get("cached")],
-                  "later": [r["wall_seconds"] for r in rest if ok(r)],
-                  "failed": [r["fraction"] for r in rows if not ok(r)]}
-
-
-def resolves(rows: Sequence[Row], drag: Sequence[Row]) -> list[tuple[str, dict[str, Any]]]:
-    """The suite's re-solve sweep (when it ran) and the explorer's slider dragged."""
+def resolves(rows: Sequence[Row], drag: Sequence[Row]) -> list[tuple[str, Sequence[Row]]]:
+    """The suite's re-solve sweep (when it ran) and the explorer's slider dragged: (what the page calls it, rows)."""
     sweep = [r for r in rows if r.get("sweep") == "resolve"]
-    return ([resolve_values(sweep, f"{model_name(sweep[0]['model'])}, the suite's sweep")] if sweep else []) + [
-        resolve_values(drag, f"the explorer's default GPT, dragged from {budget(drag[0]['fraction'])} to "
-                             f"{budget(drag[-1]['fraction'])} in 5% steps")]
+    return ([(f"{model_name(sweep[0]['model'])}, the suite's sweep", sweep)] if sweep else []) + [
+        (f"the explorer's default GPT, dragged from {budget(drag[0]['fraction'])} to {budget(drag[-1]['fraction'])} "
+         "in 5% steps", drag)]
 
 
 # the region bound
-
-def at(o: Row) -> str:
-    """One solve as a cell: ``+2.71% (optimal)``, ``no plan``."""
-    return f"{pct2(o['overhead'])} ({o['status']})" if o["ok"] else "no plan"
-
 
 def reaches_bound(e: dict[str, Any], key: str) -> bool:
     return e[key] is not None and e[key] <= e["region_bound"]
@@ -523,32 +485,12 @@ def headroom_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "options": HEADROOM_OPTIONS}
 
 
-def region_share(entries: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, str]]]:
-    """The graphs where the region bound explains more than half of bonsai's distance from the per-op bound
-    (the part of that gap between the per-op bound and the region bound), and those where it explains less:
-    (that share, the graph)."""
-    shares = [((e["region_bound"] - e["lower_bound"]) / (e["reach"] - e["lower_bound"]), e["label"])
-              for e in entries if e["reach"] is not None and e["reach"] > e["lower_bound"]]
-    return {"most": [(s, label) for s, label in shares if s > 0.5],
-            "less": [(s, label) for s, label in shares if s <= 0.5]}
-
-
 # moccasin at 40%
 
 def moccasin_rows(s: dict[str, Any]) -> dict[str, Row | None]:
     """Bonsai's default and ``drop_outputs`` plans of the 4-layer GPT at MOCCASIN_AT (None where not run)."""
     return {v: next((r for r in s["options"]["gpt4"][v] if abs(r["fraction"] - MOCCASIN_AT) < 1e-9), None)
             for v in ("saved", "dropped")}
-
-
-def checkmate_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Bonsai's default against checkmate on the small GPTs, with the bound: the rows, where both found a plan,
-    where bonsai is within 1% of checkmate's compute cost and where at least 10 times faster."""
-    both = [(r["bonsai"], r["checkmate"]) for r in rows
-            if r["bonsai"].get("overhead") is not None and r["checkmate"].get("overhead") is not None]
-    return {"rows": rows, "both": len(both), "close": sum((1 + b["overhead"]) / (1 + c["overhead"]) - 1 <= 0.01
-                                                          for b, c in both),
-            "fast": sum(c["wall_seconds"] / b["wall_seconds"] >= 10 for b, c in both)}
 
 
 def real_steps_values(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -560,20 +502,9 @@ def real_steps_values(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
             rows.append({"label": e["label"], "share": f"{row['budget']} ({row['bytes'] / e['plain_peak']:.1%})",
                          "bound": row["bound"], "bound_offload": row["bound_offload"], "dtr": cells[("dtr", ())],
                          "chen": cells[("chen", ())], "plain": cells[("bonsai", ())],
-                         "offload": cells.get(("bonsai", (("offload", True),)), NOT_RUN),
-                         "regions": cells.get(("bonsai", (("space", "regions"),)), NOT_RUN)})
+                         "offload": cells.get(("bonsai", (("offload", True),))),
+                         "regions": cells.get(("bonsai", (("space", "regions"),)))})
     return {"rows": rows, "said": [real_said(r) for r in rows]}
-
-
-NOT_RUN = {"error": "not run on this step"}
-
-
-def real_cell(m: dict[str, Any], space: bool = False) -> str:
-    if m is NOT_RUN:
-        return "-"
-    if m.get("error") or m.get("overhead") is None:
-        return "no plan"
-    return pct2(m["overhead"]) + (f" ({m['space']})" if space and m.get("space") else "")
 
 
 def real_said(r: Row) -> tuple[Row, list[str], list[str]]:
@@ -593,16 +524,16 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
               for k, f in s["graphs"].items()]
     return common.fill(
         "bonsai", header=header, meta=meta, dates=common.run_dates(meta), results_link=results_link,
-        time_limit=f"{meta['time_limit']:g}", s=s, graphs=graphs, share=share, at=at, flags=flags,
+        time_limit=f"{meta['time_limit']:g}", s=s, graphs=graphs, flags=flags,
         model_name=model_name, gpt2_flags=flags(GPT2_OPTIONS), larger_unet_flags=flags(LARGER_UNET),
-        points=points, points_range=points_range, option_pairs=lambda a, b: option_pairs(s, a, b), tie=TIE,
+        option_pairs=lambda a, b: option_pairs(s, a, b), tie=TIE,
         **options_values(s),
         resolves=resolves(rows, s["drag"]),
         unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()],
         unet=unet_values(s["unets"]), headroom=headroom_values(s["headroom"]),
         others=list(zip(OTHER_AUTHORS, s["others"])),
-        region_share=region_share(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_rows=moccasin_rows(s),
-        checkmate=checkmate_values(s["checkmate"]), real_steps=real_steps_values(s["real_steps"]), real=real_cell,
+        moccasin_at=MOCCASIN_AT, moccasin_rows=moccasin_rows(s),
+        real_steps=real_steps_values(s["real_steps"]),
         **suite_values(rows))
 
 
