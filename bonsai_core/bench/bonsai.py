@@ -24,7 +24,7 @@ import numpy as np
 
 from bonsai_core.arguments import bench_budget_arg
 from bonsai_core.bench import common
-from bonsai_core.bench.common import TIE, budget, compare, median, pct2
+from bonsai_core.bench.common import TIE, budget, compare, median
 from bonsai_core.bound import lower_bound
 from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError
@@ -216,17 +216,6 @@ Row = dict[str, Any]
 
 # -- the studies -----------------------------------------------------------------------------------
 
-def trace_command(key: str) -> str:
-    _, model, options = GRAPHS[key]
-    if model is None:
-        return f"`{EXPLORER_GRAPH}`, `bonsai trace gpt`"
-    return f"`bonsai trace {model} {flags(options)}`"
-
-
-def flags(options: dict[str, int]) -> str:
-    return " ".join(f"--{k} {v}" for k, v in options.items())
-
-
 def graph_facts(g) -> dict[str, Any]:
     """Size, no-remat peak and the self-contained forward nodes (name, bytes) of one graph."""
     forward = np.flatnonzero(g.is_forward)
@@ -403,15 +392,13 @@ def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, An
 
 
 def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
-    """The suite's tables: the solve table's cells ((model, budget) -> method -> row), the smallest budgets, the
-    granularity sweep."""
-    cells = common.cells((r for r in rows if "sweep" not in r), lambda r: (r["model"], r["fraction"]))
-    methods = list(dict.fromkeys(m for c in cells.values() for m in c))
-    smallest = [r for r in rows if r.get("sweep") == "smallest"]
-    gran = [r for r in rows if r.get("sweep") == "granularity"]
-    return {"compared": [m for m in methods if m != "bonsai"], "cells": cells,
-            "solved": solve_values(cells), "smallest": smallest,
-            "granularity": gran and {"model": gran[0]["model"], "fraction": gran[0]["fraction"], "rows": gran}}
+    """The suite's tables: the solve table's cells ((model, budget) -> method -> row), the methods compared with
+    bonsai, and each sweep's rows."""
+    sweeps = common.grouped(rows, lambda r: r.get("sweep"))
+    cells = common.cells(sweeps.pop(None, []), lambda r: (r["model"], r["fraction"]))
+    methods = dict.fromkeys(m for c in cells.values() for m in c)
+    return {"cells": cells, "compared": [m for m in methods if m != "bonsai"], "solved": solve_values(cells),
+            "sweeps": sweeps}
 
 
 # self-contained nodes and dropped outputs
@@ -443,16 +430,6 @@ def options_values(study: dict[str, Any]) -> dict[str, Any]:
             "dropped_dearer": [f"{o['name']} at {budget(f)}" for o in dropped for f, _ in o["c"]["higher"]]}
 
 
-# the live re-solve
-
-def resolves(rows: Sequence[Row], drag: Sequence[Row]) -> list[tuple[str, Sequence[Row]]]:
-    """The suite's re-solve sweep (when it ran) and the explorer's slider dragged: (what the page calls it, rows)."""
-    sweep = [r for r in rows if r.get("sweep") == "resolve"]
-    return ([(f"{model_name(sweep[0]['model'])}, the suite's sweep", sweep)] if sweep else []) + [
-        (f"the explorer's default GPT, dragged from {budget(drag[0]['fraction'])} to {budget(drag[-1]['fraction'])} "
-         "in 5% steps", drag)]
-
-
 # the region bound
 
 def reaches_bound(e: dict[str, Any], key: str) -> bool:
@@ -471,30 +448,8 @@ def unet_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "halves": [(fit, proven, labels) for (fit, proven), labels in halves.items()]}
 
 
-def headroom_share(e: dict[str, Any]) -> float | None:
-    """How much of the headroom between the no-remat peak and the per-op bound bonsai's reach covers."""
-    room = e["plain_peak"] - e["lower_bound"]
-    return None if e["reach"] is None or room <= 0 else (e["plain_peak"] - e["reach"]) / room
-
-
-def headroom_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """What the page says of the headroom bonsai's reach covers on the 1-layer zoo GPT's sizes."""
-    return {"shares": [s for s in map(headroom_share, entries) if s is not None],
-            "none": [e["label"] for e in entries if (headroom_share(e) or 0.0) <= 0],
-            "widths": sorted({w for w, _ in HEADROOM_SIZES}), "seqs": sorted({s for _, s in HEADROOM_SIZES}),
-            "options": HEADROOM_OPTIONS}
-
-
-# moccasin at 40%
-
-def moccasin_rows(s: dict[str, Any]) -> dict[str, Row | None]:
-    """Bonsai's default and ``drop_outputs`` plans of the 4-layer GPT at MOCCASIN_AT (None where not run)."""
-    return {v: next((r for r in s["options"]["gpt4"][v] if abs(r["fraction"] - MOCCASIN_AT) < 1e-9), None)
-            for v in ("saved", "dropped")}
-
-
-def real_steps_values(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Every method on the Llama-3 steps at each budget, with the lower bound, and what the page says of each."""
+def real_steps_values(steps: Sequence[dict[str, Any]]) -> list[Row]:
+    """Every method on the Llama-3 steps at each budget, with the lower bound: a row per step and budget."""
     rows = []
     for e in steps:
         for row in e["budgets"]:
@@ -504,15 +459,7 @@ def real_steps_values(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
                          "chen": cells[("chen", ())], "plain": cells[("bonsai", ())],
                          "offload": cells.get(("bonsai", (("offload", True),))),
                          "regions": cells.get(("bonsai", (("space", "regions"),)))})
-    return {"rows": rows, "said": [real_said(r) for r in rows]}
-
-
-def real_said(r: Row) -> tuple[Row, list[str], list[str]]:
-    """(one budget of a real step, the methods bonsai's plan is below, those it is not below)."""
-    mine = r["plain"].get("overhead")
-    others = [(f"{m} ({pct2(r[m]['overhead'])})", r[m]["overhead"]) for m in ("dtr", "chen")
-              if r[m].get("overhead") is not None and mine is not None]
-    return r, [said for said, o in others if mine < o], [said for said, o in others if mine >= o]
+    return rows
 
 
 # -- the page --------------------------------------------------------------------------------------
@@ -520,21 +467,13 @@ def real_said(r: Row) -> tuple[Row, list[str], list[str]]:
 def page(results: dict[str, Any], header: str, results_link: str) -> str:
     """The whole page from one run's results (the suite's rows, :func:`studies`' and the run's meta)."""
     meta, rows, s = results["meta"], results["rows"], results["studies"]
-    graphs = [f"{GRAPHS[k][0]} ({trace_command(k)}, {f['nodes']} nodes, no-remat peak {format_bytes(f['plain_peak'])})"
-              for k, f in s["graphs"].items()]
     return common.fill(
         "bonsai", header=header, meta=meta, dates=common.run_dates(meta), results_link=results_link,
-        time_limit=f"{meta['time_limit']:g}", s=s, graphs=graphs, flags=flags,
-        model_name=model_name, gpt2_flags=flags(GPT2_OPTIONS), larger_unet_flags=flags(LARGER_UNET),
-        option_pairs=lambda a, b: option_pairs(s, a, b), tie=TIE,
-        **options_values(s),
-        resolves=resolves(rows, s["drag"]),
-        unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()],
-        unet=unet_values(s["unets"]), headroom=headroom_values(s["headroom"]),
-        others=list(zip(OTHER_AUTHORS, s["others"])),
-        moccasin_at=MOCCASIN_AT, moccasin_rows=moccasin_rows(s),
-        real_steps=real_steps_values(s["real_steps"]),
-        **suite_values(rows))
+        time_limit=f"{meta['time_limit']:g}", s=s, graphs=GRAPHS, explorer_graph=EXPLORER_GRAPH, gpt2=GPT2_OPTIONS,
+        unets=UNETS, larger_unet=LARGER_UNET, sizes=HEADROOM_SIZES, headroom_options=HEADROOM_OPTIONS,
+        model_name=model_name, option_pairs=lambda a, b: option_pairs(s, a, b), tie=TIE, **options_values(s),
+        unet=unet_values(s["unets"]), others=list(zip(OTHER_AUTHORS, s["others"])), moccasin_at=MOCCASIN_AT,
+        real_steps=real_steps_values(s["real_steps"]), **suite_values(rows))
 
 
 def refusal(args: argparse.Namespace) -> str | None:
