@@ -86,16 +86,16 @@ def variant_options(text: str) -> dict[str, Any]:
 
 
 def load_average() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The suite's options (its ``-o`` file keeps the page's results), and the page's."""
     ap.add_argument("--models", nargs="*", default=DEFAULT_MODELS)
-    ap.add_argument("--budgets", nargs="+", type=bench_budget_arg, default=[bench_budget_arg(p) for p in DEFAULT_BUDGETS],
-                    metavar="PCT", help="shares of the no-remat peak (70 or 70%%), or bytes with a unit (82.4GiB) "
-                                        f"(default {' '.join(DEFAULT_BUDGETS)})")
+    ap.add_argument("--budgets", nargs="+", type=bench_budget_arg, metavar="PCT",
+                    default=[bench_budget_arg(p) for p in DEFAULT_BUDGETS],
+                    help=f"shares of the no-remat peak (70 or 70%%), or bytes with a unit (82.4GiB) (default "
+                         f"{' '.join(DEFAULT_BUDGETS)})")
     ap.add_argument("--variants", nargs="*", default=["default"],
                     help="bonsai option sets: 'default' or name=value,... (e.g. save_ops=false regions=modules)")
     ap.add_argument("--backends", nargs="*", default=["highs"])
@@ -167,7 +167,6 @@ def resolve_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # -- docs/results/bonsai.md: the page's studies ------------------------------------------------------
 
-# the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
 SOURCES = ["bonsai_core/bench/bonsai.py", common.template_source("bonsai")]
 EXPLORER_GRAPH = "assets/gpt-default.json"
 GPT2_OPTIONS = {"layers": 4, "width": 256, "seq": 256}
@@ -178,8 +177,7 @@ GRAPHS: dict[str, tuple[str, str | None, dict[str, int]]] = {
     "hf_gpt2": ("`hf:gpt2` at 4 layers", "hf:gpt2", GPT2_OPTIONS)}
 BUDGETS = {"gpt4": (0.9, 0.7, 0.5, 0.45, 0.4, 0.37), "explorer": (0.7, 0.6, 0.5, 0.45),
            "hf_gpt2": (0.7, 0.6, 0.5, 0.45)}
-# bonsai's segment options the page compares: self-contained nodes saved (the default), rebuilt, outputs
-# dropped; in the segment space (space "regions"), the only one these options shape
+# the segment options compared, in the only space they shape: self-contained nodes saved, rebuilt, outputs dropped
 SEGMENTS = {"space": "regions"}
 VARIANTS = {"saved": SEGMENTS, "rebuilt": {**SEGMENTS, "save_self_contained": False},
             "dropped": {**SEGMENTS, "drop_outputs": True}}
@@ -195,16 +193,13 @@ OTHER_AUTHORS = [("hf:gpt2", TINY_LM), ("hf:llama", TINY_LM), ("hf:bert", TINY_L
                  ("hf:resnet", {"layers": 1, "width": 8, "batch": 2, "image": 16}), ("gpt", TINY_LM)]
 HEADROOM_SIZES = [(w, s) for w in (8, 16, 32) for s in (4, 8, 16)]  # the 1-layer zoo GPT, heads 2, batch 1
 HEADROOM_OPTIONS = {"layers": 1, "heads": 2, "batch": 1, "vocab": 64}
-# The real steps: Hugging Face Llama-3 configs, bf16 autocast, AdamW, one FSDP rank. Per step:
-# the config, the trace's size options, the FSDP world, the budgets; every method solved at each budget
-# with the lower bound (docs/BONSAI.md). Traced once each (the 70B step: about 1.5 minutes, 4 GB).
+# Llama-3 steps (bf16 autocast, AdamW, one FSDP rank): config, size options, FSDP world, budgets; the 70B step
+# traces in about 1.5 minutes and 4 GB.
 REAL_STEPS = {"Llama-3-8B": ("assets/configs/llama-3-8b.json", {"batch": 2, "seq": 8192}, 8, ("82.4GiB",)),
               "Llama-3-70B": ("assets/configs/llama-3-70b.json", {"batch": 1, "seq": 8192}, 64, ("50%", "30%"))}
 REAL_METHODS = (("dtr", {}), ("chen", {}), ("bonsai", {}), ("bonsai", {"offload": True}),
                 ("bonsai", {"space": "regions"}))
 REAL_METHODS_70B = REAL_METHODS[:3]  # the 70B step's solves take minutes each: bonsai's variants left out
-# Bonsai's default against checkmate's op-level MILP (HiGHS, warm-started, the run's time limit) on the
-# zoo GPT of 1 and 2 layers at its default size, with the lower bound.
 CHECKMATE_GPTS = {"the 1-layer GPT": {"layers": 1}, "the 2-layer GPT": {"layers": 2}}
 CHECKMATE_AT = (0.9, 0.7, 0.5)
 # the options --page fixes (the page reports the suite's defaults); --time-limit may change
@@ -298,9 +293,11 @@ def real_step(label: str, time_limit: float) -> dict[str, Any]:
 
     config, options, world, budgets = REAL_STEPS[label]
     start = time.perf_counter()
-    g = with_optimizer(trace_model(f"hf:{common.ROOT / config}", autocast="bf16", fsdp=world, **options).graph, "adamw")
+    g = with_optimizer(trace_model(f"hf:{common.ROOT / config}", autocast="bf16", fsdp=world, **options).graph,
+                       "adamw")
     entry: dict[str, Any] = {"label": label, "config": config, "options": options, "fsdp": world, "nodes": g.n,
-                             "plain_peak": no_remat_peak(g), "trace_seconds": time.perf_counter() - start, "budgets": []}
+                             "plain_peak": no_remat_peak(g), "trace_seconds": time.perf_counter() - start,
+                             "budgets": []}
     for text in budgets:
         budget = parse_budget(text).resolve(entry["plain_peak"])
         row: dict[str, Any] = {"budget": text, "bytes": budget, "methods": []}
@@ -383,11 +380,10 @@ def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, An
     cheapest = [k for k, c in contested.items() if "bonsai" in c and c["bonsai"] <= min(c.values()) + TIE]
     unfit = common.grouped((k for k, c in fitting.items() if not c), lambda k: k[0], lambda k: k[1])
     timed = [(r["wall_seconds"], m, f) for (m, f), c in cells.items() for r in [c["bonsai"]] if ok(r)]
-    return {"cheapest": len(cheapest), "contested": len(contested),
-            "beaten": [(m, f, [(x, o) for x, o in c.items() if x != "bonsai" and (c.get("bonsai") is None
-                                                                                 or o < c["bonsai"] - TIE)], c.get("bonsai"))
+    mine = {key: c.get("bonsai", float("inf")) for key, c in contested.items()}  # inf: bonsai found no plan
+    return {"cheapest": len(cheapest), "contested": len(contested), "nowhere": unfit,
+            "beaten": [(m, f, [(x, o) for x, o in c.items() if x != "bonsai" and o < mine[m, f] - TIE], c.get("bonsai"))
                        for (m, f), c in contested.items() if (m, f) not in cheapest],
-            "nowhere": unfit,
             "median": median(t for t, _, _ in timed), "longest": max(timed, default=None)}
 
 
