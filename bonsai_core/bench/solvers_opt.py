@@ -296,21 +296,6 @@ def moccasin_values(rows: Sequence[Row]) -> dict[str, Any]:
             "nothing": nothing and cells_said(nothing)}
 
 
-def copies_values(copies: Sequence[Row], main: Sequence[Row]) -> dict[str, list[str]] | None:
-    """What 3 copies per node give, graph by graph, where 2 were proven infeasible and where 3 make a schedule
-    fit there."""
-    if not copies:
-        return None
-    share = copies[0]["budget_share"]
-    two = {r["graph"]: r for r in main if r["method"] == "moccasin" and r["budget_share"] == share}
-    found = [r for r in copies if has_schedule(r)]
-    return {"found": [f"{r['graph']} ({pct(r['overhead'])}, {r['status']})" for r in found],
-            "infeasible": [r["graph"] for r in copies if outcome(r) == "infeasible"],
-            "nothing": [r["graph"] for r in copies if not has_schedule(r) and outcome(r) != "infeasible"],
-            "two_infeasible": [g for g, r in two.items() if outcome(r) == "infeasible"],
-            "rescued": [r["graph"] for r in found if r["graph"] in two and outcome(two[r["graph"]]) == "infeasible"]}
-
-
 def checkmate_values(rows: Sequence[Row]) -> dict[str, Any]:
     """Checkmate's model size; where it is optimal, by which backends, and whether moccasin's optimum there
     costs the same; its unproven schedules against moccasin's and the runs it returns none in; each backend's
@@ -407,7 +392,7 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, results_link: st
         first_per_graph=[of[0] for of in common.grouped((r for r in rows if "nodes" in r), lambda r: r["graph"])
                          .values()],
         in_cell_order=in_cell_order(main), copies=copies, warm=warm, moccasin=moccasin_values(main),
-        copies_said=copies_values(copies, main), checkmate=checkmate_values(main), smallest=smallest_values(main),
+        main=main, checkmate=checkmate_values(main), smallest=smallest_values(main),
         no_bound=NO_BOUND, warm_graph=next((r for r in warm if "nodes" in r), None), warm_start=warm_start,
         warm_methods=WARM,
         warm_sized=next((r for r in warm if r["method"] in WARM and r.get("variables") is not None), None),
