@@ -355,10 +355,6 @@ def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lamb
 
 # -- words and numbers -----------------------------------------------------------------------------
 
-def ok(r: Row) -> bool:
-    return "error" not in r
-
-
 def op_kinds(names: Iterable[str]) -> str:
     """``ones ×4, tril ×4, arange``: node names grouped by op (their ``_N`` suffix dropped)."""
     counts = Counter(name.rstrip("0123456789").rstrip("_") or name for name in names)
@@ -369,17 +365,13 @@ def op_kinds(names: Iterable[str]) -> str:
 
 # the suite's tables
 
-def model_name(label: str) -> str:
-    return GRAPHS["gpt4"][0] if label == GPT4 else f"`{label}`"
-
-
 def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, Any]:
     """Where bonsai is the cheapest of the methods compared, where another is, and the longest solve."""
-    fitting = {k: {m: r["overhead"] for m, r in c.items() if ok(r)} for k, c in cells.items()}
+    fitting = {k: {m: r["overhead"] for m, r in c.items() if "error" not in r} for k, c in cells.items()}
     contested = {k: c for k, c in fitting.items() if c}
     cheapest = [k for k, c in contested.items() if "bonsai" in c and c["bonsai"] <= min(c.values()) + TIE]
     unfit = common.grouped((k for k, c in fitting.items() if not c), lambda k: k[0], lambda k: k[1])
-    timed = [(r["wall_seconds"], m, f) for (m, f), c in cells.items() for r in [c["bonsai"]] if ok(r)]
+    timed = [(r["wall_seconds"], m, f) for (m, f), c in cells.items() for r in [c["bonsai"]] if "error" not in r]
     mine = {key: c.get("bonsai", float("inf")) for key, c in contested.items()}  # inf: bonsai found no plan
     return {"cheapest": len(cheapest), "contested": len(contested), "nowhere": unfit,
             "beaten": [(m, f, [(x, o) for x, o in c.items() if x != "bonsai" and o < mine[m, f] - TIE], c.get("bonsai"))
@@ -419,7 +411,7 @@ def options_values(study: dict[str, Any]) -> dict[str, Any]:
     dropped = [{"name": GRAPHS[key][0], "c": compared(rows, "dropped", "saved")} for key, rows in options.items()]
     return {"self_contained": [{"name": GRAPHS[key][0], "nodes": self_contained_nodes(study["graphs"][key]),
                                 "c": compared(rows, "saved", "rebuilt"),
-                                "saved": [r["self_contained_saved"] for r in rows["saved"] if ok(r)]}
+                                "saved": [r["self_contained_saved"] for r in rows["saved"] if "error" not in r]}
                                for key, rows in options.items()],
             "dropped": dropped,
             "dropped_gain": max(((d, o["name"], f) for o in dropped for f, d in o["c"]["lower"]), default=None),
@@ -428,19 +420,16 @@ def options_values(study: dict[str, Any]) -> dict[str, Any]:
 
 # the region bound
 
-def reaches_bound(e: dict[str, Any], key: str) -> bool:
-    return e[key] is not None and e[key] <= e["region_bound"]
-
-
 def unet_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The graphs where bonsai reaches the region bound with ``drop_outputs`` and without; halfway between the
     per-op bound and the no-remat peak, (who fits, who proved it, the graphs with that outcome)."""
     def outcome_at_half(e: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         fit = tuple(m for m, o in e["at_half"].items() if o["ok"])
         return fit, tuple(m for m in fit if e["at_half"][m]["status"] == "optimal")
+    def reached(key: str) -> list[str]:
+        return [e["label"] for e in entries if e[key] is not None and e[key] <= e["region_bound"]]
     halves = common.grouped(entries, outcome_at_half, lambda e: e["label"])
-    return {"exact": [e["label"] for e in entries if reaches_bound(e, "reach_dropped")],
-            "plain": [e["label"] for e in entries if reaches_bound(e, "reach")],
+    return {"exact": reached("reach_dropped"), "plain": reached("reach"),
             "halves": [(fit, proven, labels) for (fit, proven), labels in halves.items()]}
 
 
@@ -467,7 +456,7 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         "bonsai", header=header, meta=meta, dates=common.run_dates(meta), results_link=results_link,
         time_limit=f"{meta['time_limit']:g}", s=s, graphs=GRAPHS, explorer_graph=EXPLORER_GRAPH, gpt2=GPT2_OPTIONS,
         unets=UNETS, larger_unet=LARGER_UNET, sizes=HEADROOM_SIZES, headroom_options=HEADROOM_OPTIONS,
-        model_name=model_name, option_pairs=lambda a, b: option_pairs(s, a, b), tie=TIE, **options_values(s),
+        gpt4=GPT4, option_pairs=lambda a, b: option_pairs(s, a, b), tie=TIE, **options_values(s),
         unet=unet_values(s["unets"]), others=list(zip(OTHER_AUTHORS, s["others"])), moccasin_at=MOCCASIN_AT,
         real_steps=real_steps_values(s["real_steps"]), **suite_values(rows))
 
