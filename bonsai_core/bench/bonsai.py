@@ -353,17 +353,13 @@ def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lamb
     return {**done, "seconds": seconds}
 
 
-# -- words and numbers -----------------------------------------------------------------------------
+# -- the page --------------------------------------------------------------------------------------
 
 def op_kinds(names: Iterable[str]) -> str:
     """``ones ×4, tril ×4, arange``: node names grouped by op (their ``_N`` suffix dropped)."""
     counts = Counter(name.rstrip("0123456789").rstrip("_") or name for name in names)
     return ", ".join(f"`{op}` ×{n}" if n > 1 else f"`{op}`" for op, n in counts.items())
 
-
-# -- the page's sections ---------------------------------------------------------------------------
-
-# the suite's tables
 
 def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, Any]:
     """Where bonsai is the cheapest of the methods compared, where another is, and the longest solve."""
@@ -388,8 +384,6 @@ def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
     return {"cells": cells, "compared": [m for m in methods if m != "bonsai"], "solved": solve_values(cells),
             "sweeps": sweeps}
 
-
-# self-contained nodes and dropped outputs
 
 def option_pairs(study: dict[str, Any], a: str, b: str) -> list[tuple[str, Row, Row]]:
     """(graph, its row with option ``a``, with ``b``) per graph and budget of the options study."""
@@ -418,8 +412,6 @@ def options_values(study: dict[str, Any]) -> dict[str, Any]:
             "dropped_dearer": [f"{o['name']} at {budget(f)}" for o in dropped for f, _ in o["c"]["higher"]]}
 
 
-# the region bound
-
 def unet_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The graphs where bonsai reaches the region bound with ``drop_outputs`` and without; halfway between the
     per-op bound and the no-remat peak, (who fits, who proved it, the graphs with that outcome)."""
@@ -447,8 +439,6 @@ def real_steps_values(steps: Sequence[dict[str, Any]]) -> list[Row]:
     return rows
 
 
-# -- the page --------------------------------------------------------------------------------------
-
 def page(results: dict[str, Any], header: str, results_link: str) -> str:
     """The whole page from one run's results (the suite's rows, :func:`studies`' and the run's meta)."""
     meta, rows, s = results["meta"], results["rows"], results["studies"]
@@ -461,10 +451,10 @@ def page(results: dict[str, Any], header: str, results_link: str) -> str:
         real_steps=real_steps_values(s["real_steps"]), **suite_values(rows))
 
 
+# -- the command -----------------------------------------------------------------------------------
+
 def refusal(args: argparse.Namespace) -> str | None:
-    """Why the page's options cannot run, before any measurement: without -o, a page of other models, budgets
-    or studies than the suite's defaults, results that are no finished ``--page`` run, what
-    :func:`common.page_refusal` refuses."""
+    """Why the page's options cannot run, before anything is measured; None when they can."""
     if args.output is None:
         return "--page and --report-only keep the run's results in -o FILE.json: name it"
     if not Path(args.output).resolve().parent.is_dir():
@@ -490,8 +480,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``bonsai bench bonsai``: the suite's tables into ``-o``; with ``--page`` also the page's studies and the
-    page; with ``--report-only`` only the page, from ``-o``."""
+    """The suite's tables into ``-o``; with ``--page`` also the page's studies and the page."""
     if args.page is None and not args.report_only:
         rows = tables(args)
         if args.output:
