@@ -16,11 +16,11 @@ import time
 import warnings
 from importlib.metadata import distributions
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from bonsai_core.arguments import fraction_arg
 from bonsai_core.bench import common
-from bonsai_core.bench.common import budget, listing, pct
+from bonsai_core.bench.common import budget, listing
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph, save_graph
 from bonsai_core.schedule import no_remat_peak
@@ -218,10 +218,6 @@ def seconds(x: float) -> str:
     return f"{x:.1f}" if x < 10 else f"{x:.0f}"
 
 
-def seconds_range(xs: Iterable[float]) -> str:
-    return common.span(xs, seconds, unit=" s")  # 1.0–6.6 s
-
-
 def gaps_said(rows: Sequence[Row]) -> str:
     gaps = [r["gap"] for r in rows if r.get("gap") is not None]
     return common.span(gaps, "{:.0%}".format) if gaps else "not reported"
@@ -257,17 +253,14 @@ def by_cell(rows: Sequence[Row]) -> dict[tuple[str, float], dict[str, Row]]:
     return common.cells(rows, lambda r: (r["graph"], r["budget_share"]))
 
 
-def graphs_of(rows: Sequence[Row]) -> list[str]:
-    return list(dict.fromkeys(r["graph"] for r in rows))
-
-
-def shares_of(rows: Sequence[Row]) -> list[float]:
-    return list(dict.fromkeys(r["budget_share"] for r in rows))
+def distinct(rows: Sequence[Row], key: str) -> list[Any]:
+    """The rows' values of ``key``, each once, in the order they first come."""
+    return list(dict.fromkeys(r[key] for r in rows))
 
 
 def in_cell_order(rows: Sequence[Row]) -> list[Row]:
     """The rows graph by graph, each graph's budgets largest first, the methods in the run's order."""
-    graphs, methods = graphs_of(rows), list(dict.fromkeys(r["method"] for r in rows))
+    graphs, methods = distinct(rows, "graph"), distinct(rows, "method")
     return sorted(rows, key=lambda r: (graphs.index(r["graph"]), -r["budget_share"], methods.index(r["method"])))
 
 
@@ -276,8 +269,9 @@ def moccasin_values(rows: Sequence[Row]) -> dict[str, Any]:
     most), where and how fast moccasin is optimal, and its other outcomes."""
     moc = [r for r in rows if r["method"] == "moccasin"]
     counts = {m: sum(r["method"] == m and r["status"] == "optimal" for r in rows)
-              for m in dict.fromkeys(r["method"] for r in rows)}
+              for m in distinct(rows, "method")}
     optimal = [r for r in moc if r["status"] == "optimal"]
+    optimal_at = common.grouped(optimal, lambda r: r["budget_share"], lambda r: r["graph"])
     sized = [r["variables"] for r in moc if r.get("variables") is not None]
     feasible = [r for r in moc if r["status"] == "feasible"]
     infeasible = [r for r in moc if outcome(r) == "infeasible"]
@@ -286,10 +280,9 @@ def moccasin_values(rows: Sequence[Row]) -> dict[str, Any]:
             "practical": counts.get("moccasin", 0) > max((counts.get(m, 0) for m in CHECKMATE), default=0),
             "cells": len(by_cell(rows)),
             "theirs": [f"{counts.get(m, 0)} on {backend}" for m, backend in CHECKMATE.items() if m in counts],
-            "optimal_seconds": optimal and seconds_range(r["solve_seconds"] for r in optimal),
-            "optimal_at": [f"at {budget(s)} on "
-                           f"{graphs_said([r['graph'] for r in optimal if r['budget_share'] == s], graphs_of(moc))}"
-                           for s in shares_of(moc) if any(r["budget_share"] == s for r in optimal)],
+            "optimal_seconds": optimal and common.span((r["solve_seconds"] for r in optimal), seconds, unit=" s"),
+            "optimal_at": [f"at {budget(s)} on {graphs_said(optimal_at[s], distinct(moc, 'graph'))}"
+                           for s in distinct(moc, "budget_share") if s in optimal_at],
             "feasible": feasible and cells_said(feasible), "feasible_gap": gaps_said(feasible),
             "infeasible": infeasible and cells_said(infeasible),
             "infeasible_seconds": infeasible and seconds(max(r["wall_seconds"] for r in infeasible)),
@@ -336,7 +329,7 @@ def against_moccasin(unproven: Sequence[tuple[Row, Row | None]]) -> dict[str, An
 
 def smallest_values(main: Sequence[Row]) -> dict[str, Any]:
     """What checkmate returns at the smallest budget, against moccasin, and the gaps."""
-    smallest = min(shares_of(main))
+    smallest = min(distinct(main, "budget_share"))
     cells = by_cell([r for r in main if r["budget_share"] == smallest])
     found = [(r, c.get("moccasin")) for c in cells.values() for m, r in c.items()
              if m in CHECKMATE and has_schedule(r)]
@@ -360,7 +353,7 @@ def warm_values(rows: Sequence[Row]) -> dict[str, Any]:
     return {"off": off, "off_found": any(has_schedule(r) for r in off),
             "off_limits": sorted({seconds(r["time_limit"]) for r in off}),
             "on": len(on), "returned": sum(map(has_schedule, on)),
-            "ready": started_on and seconds_range(r["warm_start_seconds"] for r in started_on),
+            "ready": started_on and common.span((r["warm_start_seconds"] for r in started_on), seconds, unit=" s"),
             "from": sorted({warm_start(r)[0] for r in started_on}),
             "missing": [r for r in on if warm_start(r)[0] is None],
             "started": started, "longest": longest and seconds(longest),
@@ -387,8 +380,8 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, results_link: st
         raise BonsaiError("The run has no rows of the main study to write a page from: run the suite with --page.")
     return common.fill(
         "checkmate_moccasin", header=header, run=run, dates=common.run_dates(run), results_link=results_link,
-        loads=[r["load"] for r in rows if r.get("load") is not None], graphs=listing(graphs_of(main)),
-        budgets=listing([budget(s) for s in shares_of(main)]), limit=seconds(run["time_limit"]),
+        loads=[r["load"] for r in rows if r.get("load") is not None], graphs=listing(distinct(main, "graph")),
+        budgets=listing([budget(s) for s in distinct(main, "budget_share")]), limit=seconds(run["time_limit"]),
         first_per_graph=[of[0] for of in common.grouped((r for r in rows if "nodes" in r), lambda r: r["graph"])
                          .values()],
         in_cell_order=in_cell_order(main), copies=copies, warm=warm, moccasin=moccasin_values(main),
