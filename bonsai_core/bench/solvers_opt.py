@@ -161,13 +161,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                "rows": []}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        graph_files: dict[str, str] = {}
         for study, label, method, budgets, limit in planned_runs(args):
-            if label not in graph_files:
-                model, options = GRAPHS[label]
-                graph_files[label] = f"{tmp}/{label}.json"
-                save_graph(common.graph_of(model, **options), graph_files[label])
-            for row in run_child(graph_files[label], label, method, budgets, limit):
+            graph_file = f"{tmp}/{label}.json"
+            if not os.path.exists(graph_file):
+                save_graph(common.graph_of(GRAPHS[label][0], **GRAPHS[label][1]), graph_file)
+            for row in run_child(graph_file, label, method, budgets, limit):
                 row.update(study=study, load=round(os.getloadavg()[0], 1))  # the machine's load as the child ended
                 results["rows"].append(common.progress(row, ("study", "graph", "method", "budget_share", "status",
                                                              "overhead", "gap", "wall_seconds")))
