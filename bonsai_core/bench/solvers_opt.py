@@ -309,20 +309,10 @@ def checkmate_values(rows: Sequence[Row]) -> dict[str, Any]:
             "differ": [f"{g} at {budget(s)} ({CHECKMATE[r['method']]} {r['overhead']:+.2%} against "
                        f"{moc['overhead']:+.2%})"
                        for (g, s), r, moc in both if abs(r["overhead"] - moc["overhead"]) > TIE],
-            "unproven": len(unproven), "against": against_moccasin(unproven),
+            "unproven": unproven,
             "none": sum(r["method"] in CHECKMATE and not has_schedule(r) for r in rows),
             "counts": sorted(counts.items(), key=lambda kv: -kv[1]),
             "runs": {backend: sum(r["method"] == m for r in rows) for m, backend in CHECKMATE.items()}}
-
-
-def against_moccasin(unproven: Sequence[tuple[Row, Row | None]]) -> dict[str, Any]:
-    """Checkmate's unproven schedules (with moccasin's row of the same cell): how many cost more than moccasin's
-    and the widest difference, those cheaper (or where moccasin has none), those as cheap."""
-    costlier = [(r, m) for r, m in unproven if has_schedule(m) and r["overhead"] > m["overhead"] + TIE]
-    cheaper = [(r, m) for r, m in unproven if not has_schedule(m) or r["overhead"] < m["overhead"] - TIE]
-    return {"costlier": len(costlier), "cheaper": cheaper,
-            "widest": max(costlier, key=lambda rm: rm[0]["overhead"] - rm[1]["overhead"], default=None),
-            "level": [r for r, m in unproven if (r, m) not in costlier and (r, m) not in cheaper]}
 
 
 def smallest_values(main: Sequence[Row]) -> dict[str, Any]:
@@ -384,7 +374,7 @@ def page(rows: Sequence[Row], run: dict[str, Any], header: str, results_link: st
                          .values()],
         in_cell_order=in_cell_order(main), copies=copies, warm=warm, moccasin=moccasin_values(main),
         main=main, checkmate=checkmate_values(main), smallest=smallest_values(main),
-        no_bound=NO_BOUND, warm_graph=next((r for r in warm if "nodes" in r), None), warm_start=warm_start,
+        no_bound=NO_BOUND, tie=TIE, warm_graph=next((r for r in warm if "nodes" in r), None), warm_start=warm_start,
         warm_methods=WARM,
         warm_sized=next((r for r in warm if r["method"] in WARM and r.get("variables") is not None), None),
         warm_said=warm_values(warm), backend={**CHECKMATE, **WARM}, outcome=outcome, has_schedule=has_schedule,
