@@ -142,8 +142,7 @@ def solve_table(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
 
 
 def smallest_budgets(args: argparse.Namespace, graphs: dict[str, tuple[str, Any]]) -> list[dict[str, Any]]:
-    """The smallest budget bonsai's model reaches, chen's lowest plan and the per-op bound, per model (as the
-    methods suite finds them)."""
+    """Per model, as the methods suite finds them: bonsai's smallest budget, chen's, the per-op bound."""
     from bonsai_core.bench import methods
 
     config = methods.BenchConfig([], [], ["bonsai", "chen"], [], time_limit=args.time_limit)
@@ -376,8 +375,7 @@ def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, An
 
 
 def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
-    """The suite's tables: the solve table's cells ((model, budget) -> method -> row), the methods compared with
-    bonsai, and each sweep's rows."""
+    """The suite's tables: cells ((model, budget) -> method -> row), the methods compared, each sweep's rows."""
     sweeps = common.grouped(rows, lambda r: r.get("sweep"))
     cells = common.cells(sweeps.pop(None, []), lambda r: (r["model"], r["fraction"]))
     methods = dict.fromkeys(m for c in cells.values() for m in c)

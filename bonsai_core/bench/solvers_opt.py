@@ -263,8 +263,7 @@ def in_cell_order(rows: Sequence[Row]) -> list[Row]:
 
 
 def moccasin_values(rows: Sequence[Row]) -> dict[str, Any]:
-    """How many cells each method proves optimal (moccasin the practical exact method when it proves the
-    most), where and how fast moccasin is optimal, and its other outcomes."""
+    """How many cells each method proves optimal; where and how fast moccasin proves, fails or gives up."""
     moc = [r for r in rows if r["method"] == "moccasin"]
     counts = {m: sum(r["method"] == m and r["status"] == "optimal" for r in rows)
               for m in distinct(rows, "method")}
@@ -288,9 +287,7 @@ def moccasin_values(rows: Sequence[Row]) -> dict[str, Any]:
 
 
 def checkmate_values(rows: Sequence[Row]) -> dict[str, Any]:
-    """Checkmate's model size; where it is optimal, by which backends, and whether moccasin's optimum there
-    costs the same; its unproven schedules against moccasin's and the runs it returns none in; each backend's
-    count of schedules, the backend with more first."""
+    """Checkmate's model size, optimal cells, unproven schedules (with moccasin's) and schedules per backend."""
     cm = [r for r in rows if r["method"] in CHECKMATE and r.get("variables") is not None]
     cells = by_cell(rows)
     optimal = {key: [CHECKMATE[m] for m, r in c.items() if m in CHECKMATE and r["status"] == "optimal"]
@@ -330,9 +327,7 @@ def smallest_values(main: Sequence[Row]) -> dict[str, Any]:
 
 
 def warm_values(rows: Sequence[Row]) -> dict[str, Any]:
-    """The warm-start study: each backend without its start; how many warm-started runs return a schedule, how
-    soon their start was ready and from what; whether a backend improved on its start and the bound it proved;
-    what the start search found; how far the calls overran their limits and what a shorter limit costs."""
+    """The warm-start study: runs with and without a start, the starts, the bounds proved, a shorter limit's cost."""
     off, on = [r for r in rows if r["method"] in CHECKMATE], [r for r in rows if r["method"] in WARM]
     started_on = [r for r in on if warm_start(r)[0] is not None]
     started = [r for r in rows if warm_start(r)[0] is not None and has_schedule(r)]
@@ -360,8 +355,7 @@ def shorter_limits(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
 
 
 def page(rows: Sequence[Row], run: dict[str, Any], header: str, results_link: str) -> str:
-    """The whole page from one run: its rows and its ``meta`` (``run``); ``results_link``: their file as a link
-    from the page."""
+    """The whole page from one run's rows and ``meta`` (``run``), linking their file as ``results_link``."""
     studies = common.grouped(rows, lambda r: r.get("study"))
     main, copies, warm = (studies.get(study, []) for study in ("main", "copies", "warm-start"))
     if not main:
