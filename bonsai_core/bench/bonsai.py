@@ -1,21 +1,10 @@
-"""Measure the bonsai segment ILP: solve time, size, overhead and gap on traced zoo graphs next to
-chen and dtr, the smallest budget each reaches, the effect of the granularity, and the live re-solve
-time after a budget change; with ``--page``, also the studies docs/results/bonsai.md reports, and the page.
+"""Measure the bonsai segment ILP on traced zoo graphs next to chen and dtr: solve time, size, overhead and
+gap, the smallest budget each reaches, the granularity, the live re-solve after a budget change; rows in
+``-o FILE``. ``--page PAGE`` (the default models and budgets) also runs :func:`studies` and writes
+docs/results/bonsai.md from ``-o`` alone (``--report-only``: from a finished run). A traced graph file:
 
-    bonsai bench bonsai -o bench-bonsai.json     # the tables (many minutes)
-    bonsai bench bonsai --models g8b.json --budgets 50 30 82.4GiB \
-        --variants default save_ops=false regions=modules --compare chen dtr \
-        --skip-granularity --skip-resolve --skip-smallest   # a traced graph file (docs/results/real_runs.md)
-    bonsai bench bonsai -o docs/bench/bonsai.json --page docs/results/bonsai.md [--report-only]
-
-``--variants``: bonsai's option sets, each ``default`` or ``name=value,...``; ``--budgets``: shares of the
-no-remat peak (``70``) or bytes with a unit (``82.4GiB``). Every schedule goes through
-``bonsai_core.solvers.solve`` with each method's default options but the time limit; each solve prints a
-line: its wall time and where it went (``time_split``), and the tool's peak memory; ``-o`` keeps the rows.
-
-``--page PAGE`` (the default models and budgets only) also runs :func:`studies`, keeps everything in ``-o``
-and :func:`page` writes the page from it alone (the prose in templates/bonsai.md); ``--report-only`` writes
-the page again from ``-o`` without measuring.
+    bonsai bench bonsai --models g8b.json --budgets 50 30 82.4GiB --variants default save_ops=false \
+        regions=modules --compare chen dtr --skip-granularity --skip-resolve --skip-smallest
 """
 
 from __future__ import annotations
@@ -35,7 +24,7 @@ import numpy as np
 
 from bonsai_core.arguments import bench_budget_arg
 from bonsai_core.bench import common
-from bonsai_core.bench.common import TIE, budget, compare, median, pct2
+from bonsai_core.bench.common import TIE, budget, compare, median
 from bonsai_core.bound import lower_bound
 from bonsai_core.budget import parse_budget
 from bonsai_core.errors import BonsaiError
@@ -97,16 +86,16 @@ def variant_options(text: str) -> dict[str, Any]:
 
 
 def load_average() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The suite's options (its ``-o`` file keeps the page's results), and the page's."""
     ap.add_argument("--models", nargs="*", default=DEFAULT_MODELS)
-    ap.add_argument("--budgets", nargs="+", type=bench_budget_arg, default=[bench_budget_arg(p) for p in DEFAULT_BUDGETS],
-                    metavar="PCT", help="shares of the no-remat peak (70 or 70%%), or bytes with a unit (82.4GiB) "
-                                        f"(default {' '.join(DEFAULT_BUDGETS)})")
+    ap.add_argument("--budgets", nargs="+", type=bench_budget_arg, metavar="PCT",
+                    default=[bench_budget_arg(p) for p in DEFAULT_BUDGETS],
+                    help=f"shares of the no-remat peak (70 or 70%%), or bytes with a unit (82.4GiB) (default "
+                         f"{' '.join(DEFAULT_BUDGETS)})")
     ap.add_argument("--variants", nargs="*", default=["default"],
                     help="bonsai option sets: 'default' or name=value,... (e.g. save_ops=false regions=modules)")
     ap.add_argument("--backends", nargs="*", default=["highs"])
@@ -153,8 +142,7 @@ def solve_table(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[st
 
 
 def smallest_budgets(args: argparse.Namespace, graphs: dict[str, tuple[str, Any]]) -> list[dict[str, Any]]:
-    """The smallest budget bonsai's model reaches, chen's lowest plan and the per-op bound, per model (as the
-    methods suite finds them)."""
+    """Per model, as the methods suite finds them: bonsai's smallest budget, chen's, the per-op bound."""
     from bonsai_core.bench import methods
 
     config = methods.BenchConfig([], [], ["bonsai", "chen"], [], time_limit=args.time_limit)
@@ -178,7 +166,6 @@ def resolve_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # -- docs/results/bonsai.md: the page's studies ------------------------------------------------------
 
-# the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
 SOURCES = ["bonsai_core/bench/bonsai.py", common.template_source("bonsai")]
 EXPLORER_GRAPH = "assets/gpt-default.json"
 GPT2_OPTIONS = {"layers": 4, "width": 256, "seq": 256}
@@ -189,8 +176,7 @@ GRAPHS: dict[str, tuple[str, str | None, dict[str, int]]] = {
     "hf_gpt2": ("`hf:gpt2` at 4 layers", "hf:gpt2", GPT2_OPTIONS)}
 BUDGETS = {"gpt4": (0.9, 0.7, 0.5, 0.45, 0.4, 0.37), "explorer": (0.7, 0.6, 0.5, 0.45),
            "hf_gpt2": (0.7, 0.6, 0.5, 0.45)}
-# bonsai's segment options the page compares: self-contained nodes saved (the default), rebuilt, outputs
-# dropped; in the segment space (space "regions"), the only one these options shape
+# the segment options compared, in the only space they shape: self-contained nodes saved, rebuilt, outputs dropped
 SEGMENTS = {"space": "regions"}
 VARIANTS = {"saved": SEGMENTS, "rebuilt": {**SEGMENTS, "save_self_contained": False},
             "dropped": {**SEGMENTS, "drop_outputs": True}}
@@ -206,16 +192,13 @@ OTHER_AUTHORS = [("hf:gpt2", TINY_LM), ("hf:llama", TINY_LM), ("hf:bert", TINY_L
                  ("hf:resnet", {"layers": 1, "width": 8, "batch": 2, "image": 16}), ("gpt", TINY_LM)]
 HEADROOM_SIZES = [(w, s) for w in (8, 16, 32) for s in (4, 8, 16)]  # the 1-layer zoo GPT, heads 2, batch 1
 HEADROOM_OPTIONS = {"layers": 1, "heads": 2, "batch": 1, "vocab": 64}
-# The real steps: Hugging Face Llama-3 configs, bf16 autocast, AdamW, one FSDP rank. Per step:
-# the config, the trace's size options, the FSDP world, the budgets; every method solved at each budget
-# with the lower bound (docs/BONSAI.md). Traced once each (the 70B step: about 1.5 minutes, 4 GB).
+# Llama-3 steps (bf16 autocast, AdamW, one FSDP rank): config, size options, FSDP world, budgets; the 70B step
+# traces in about 1.5 minutes and 4 GB.
 REAL_STEPS = {"Llama-3-8B": ("assets/configs/llama-3-8b.json", {"batch": 2, "seq": 8192}, 8, ("82.4GiB",)),
               "Llama-3-70B": ("assets/configs/llama-3-70b.json", {"batch": 1, "seq": 8192}, 64, ("50%", "30%"))}
 REAL_METHODS = (("dtr", {}), ("chen", {}), ("bonsai", {}), ("bonsai", {"offload": True}),
                 ("bonsai", {"space": "regions"}))
 REAL_METHODS_70B = REAL_METHODS[:3]  # the 70B step's solves take minutes each: bonsai's variants left out
-# Bonsai's default against checkmate's op-level MILP (HiGHS, warm-started, the run's time limit) on the
-# zoo GPT of 1 and 2 layers at its default size, with the lower bound.
 CHECKMATE_GPTS = {"the 1-layer GPT": {"layers": 1}, "the 2-layer GPT": {"layers": 2}}
 CHECKMATE_AT = (0.9, 0.7, 0.5)
 # the options --page fixes (the page reports the suite's defaults); --time-limit may change
@@ -226,17 +209,6 @@ Row = dict[str, Any]
 
 
 # -- the studies -----------------------------------------------------------------------------------
-
-def trace_command(key: str) -> str:
-    _, model, options = GRAPHS[key]
-    if model is None:
-        return f"`{EXPLORER_GRAPH}`, `bonsai trace gpt`"
-    return f"`bonsai trace {model} {flags(options)}`"
-
-
-def flags(options: dict[str, int]) -> str:
-    return " ".join(f"--{k} {v}" for k, v in options.items())
-
 
 def graph_facts(g) -> dict[str, Any]:
     """Size, no-remat peak and the self-contained forward nodes (name, bytes) of one graph."""
@@ -320,9 +292,11 @@ def real_step(label: str, time_limit: float) -> dict[str, Any]:
 
     config, options, world, budgets = REAL_STEPS[label]
     start = time.perf_counter()
-    g = with_optimizer(trace_model(f"hf:{common.ROOT / config}", autocast="bf16", fsdp=world, **options).graph, "adamw")
+    g = with_optimizer(trace_model(f"hf:{common.ROOT / config}", autocast="bf16", fsdp=world, **options).graph,
+                       "adamw")
     entry: dict[str, Any] = {"label": label, "config": config, "options": options, "fsdp": world, "nodes": g.n,
-                             "plain_peak": no_remat_peak(g), "trace_seconds": time.perf_counter() - start, "budgets": []}
+                             "plain_peak": no_remat_peak(g), "trace_seconds": time.perf_counter() - start,
+                             "budgets": []}
     for text in budgets:
         budget = parse_budget(text).resolve(entry["plain_peak"])
         row: dict[str, Any] = {"budget": text, "bytes": budget, "methods": []}
@@ -378,24 +352,7 @@ def studies(time_limit: float, progress: Callable[[dict[str, Any]], None] = lamb
     return {**done, "seconds": seconds}
 
 
-# -- words and numbers -----------------------------------------------------------------------------
-
-def points(x: float) -> str:
-    return f"{100 * x:.2f} points"
-
-
-def points_range(xs: Sequence[float]) -> str:
-    """``0.41 points``, ``0.41–3.10 points``."""
-    return common.span([100 * x for x in xs], "{:.2f}".format, unit=" points")
-
-
-def share(value: int | None, whole: int) -> str:
-    return "none" if value is None else f"{value / whole:.2%}"
-
-
-def ok(r: Row) -> bool:
-    return "error" not in r
-
+# -- the page --------------------------------------------------------------------------------------
 
 def op_kinds(names: Iterable[str]) -> str:
     """``ones ×4, tril ×4, arange``: node names grouped by op (their ``_N`` suffix dropped)."""
@@ -403,42 +360,28 @@ def op_kinds(names: Iterable[str]) -> str:
     return ", ".join(f"`{op}` ×{n}" if n > 1 else f"`{op}`" for op, n in counts.items())
 
 
-# -- the page's sections ---------------------------------------------------------------------------
-
-# the suite's tables
-
-def model_name(label: str) -> str:
-    return GRAPHS["gpt4"][0] if label == GPT4 else f"`{label}`"
-
-
 def solve_values(cells: dict[tuple[str, float], dict[str, Row]]) -> dict[str, Any]:
     """Where bonsai is the cheapest of the methods compared, where another is, and the longest solve."""
-    fitting = {k: {m: r["overhead"] for m, r in c.items() if ok(r)} for k, c in cells.items()}
+    fitting = {k: {m: r["overhead"] for m, r in c.items() if "error" not in r} for k, c in cells.items()}
     contested = {k: c for k, c in fitting.items() if c}
     cheapest = [k for k, c in contested.items() if "bonsai" in c and c["bonsai"] <= min(c.values()) + TIE]
     unfit = common.grouped((k for k, c in fitting.items() if not c), lambda k: k[0], lambda k: k[1])
-    timed = [(r["wall_seconds"], m, f) for (m, f), c in cells.items() for r in [c["bonsai"]] if ok(r)]
-    return {"cheapest": len(cheapest), "contested": len(contested),
-            "beaten": [(m, f, [(x, o) for x, o in c.items() if x != "bonsai" and (c.get("bonsai") is None
-                                                                                 or o < c["bonsai"] - TIE)], c.get("bonsai"))
+    timed = [(r["wall_seconds"], m, f) for (m, f), c in cells.items() for r in [c["bonsai"]] if "error" not in r]
+    mine = {key: c.get("bonsai", float("inf")) for key, c in contested.items()}  # inf: bonsai found no plan
+    return {"cheapest": len(cheapest), "contested": len(contested), "nowhere": unfit,
+            "beaten": [(m, f, [(x, o) for x, o in c.items() if x != "bonsai" and o < mine[m, f] - TIE], c.get("bonsai"))
                        for (m, f), c in contested.items() if (m, f) not in cheapest],
-            "nowhere": unfit,
             "median": median(t for t, _, _ in timed), "longest": max(timed, default=None)}
 
 
 def suite_values(rows: Sequence[Row]) -> dict[str, Any]:
-    """The suite's tables: the solve table's cells ((model, budget) -> method -> row), the smallest budgets, the
-    granularity sweep."""
-    cells = common.cells((r for r in rows if "sweep" not in r), lambda r: (r["model"], r["fraction"]))
-    methods = list(dict.fromkeys(m for c in cells.values() for m in c))
-    smallest = [r for r in rows if r.get("sweep") == "smallest"]
-    gran = [r for r in rows if r.get("sweep") == "granularity"]
-    return {"compared": [m for m in methods if m != "bonsai"], "cells": cells,
-            "solved": solve_values(cells), "smallest": smallest,
-            "granularity": gran and {"model": gran[0]["model"], "fraction": gran[0]["fraction"], "rows": gran}}
+    """The suite's tables: cells ((model, budget) -> method -> row), the methods compared, each sweep's rows."""
+    sweeps = common.grouped(rows, lambda r: r.get("sweep"))
+    cells = common.cells(sweeps.pop(None, []), lambda r: (r["model"], r["fraction"]))
+    methods = dict.fromkeys(m for c in cells.values() for m in c)
+    return {"cells": cells, "compared": [m for m in methods if m != "bonsai"], "solved": solve_values(cells),
+            "sweeps": sweeps}
 
-
-# self-contained nodes and dropped outputs
 
 def option_pairs(study: dict[str, Any], a: str, b: str) -> list[tuple[str, Row, Row]]:
     """(graph, its row with option ``a``, with ``b``) per graph and budget of the options study."""
@@ -460,41 +403,11 @@ def options_values(study: dict[str, Any]) -> dict[str, Any]:
     dropped = [{"name": GRAPHS[key][0], "c": compared(rows, "dropped", "saved")} for key, rows in options.items()]
     return {"self_contained": [{"name": GRAPHS[key][0], "nodes": self_contained_nodes(study["graphs"][key]),
                                 "c": compared(rows, "saved", "rebuilt"),
-                                "saved": [r["self_contained_saved"] for r in rows["saved"] if ok(r)]}
+                                "saved": [r["self_contained_saved"] for r in rows["saved"] if "error" not in r]}
                                for key, rows in options.items()],
             "dropped": dropped,
             "dropped_gain": max(((d, o["name"], f) for o in dropped for f, d in o["c"]["lower"]), default=None),
             "dropped_dearer": [f"{o['name']} at {budget(f)}" for o in dropped for f, _ in o["c"]["higher"]]}
-
-
-# the live re-solve
-
-def resolve_values(rows: Sequence[Row], name: str) -> tuple[str, dict[str, Any]]:
-    """One build, then the budget changes: the first call, the others, the later calls' times."""
-    rest = rows[1:]
-    return name, {"first": rows[0], "rest": rest,
-                  "cached": [r["wall_seconds"] for r in rest if ok(r) and r.get("cached")],
-                  "later": [r["wall_seconds"] for r in rest if ok(r)],
-                  "failed": [r["fraction"] for r in rows if not ok(r)]}
-
-
-def resolves(rows: Sequence[Row], drag: Sequence[Row]) -> list[tuple[str, dict[str, Any]]]:
-    """The suite's re-solve sweep (when it ran) and the explorer's slider dragged."""
-    sweep = [r for r in rows if r.get("sweep") == "resolve"]
-    return ([resolve_values(sweep, f"{model_name(sweep[0]['model'])}, the suite's sweep")] if sweep else []) + [
-        resolve_values(drag, f"the explorer's default GPT, dragged from {budget(drag[0]['fraction'])} to "
-                             f"{budget(drag[-1]['fraction'])} in 5% steps")]
-
-
-# the region bound
-
-def at(o: Row) -> str:
-    """One solve as a cell: ``+2.71% (optimal)``, ``no plan``."""
-    return f"{pct2(o['overhead'])} ({o['status']})" if o["ok"] else "no plan"
-
-
-def reaches_bound(e: dict[str, Any], key: str) -> bool:
-    return e[key] is not None and e[key] <= e["region_bound"]
 
 
 def unet_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -503,56 +416,15 @@ def unet_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     def outcome_at_half(e: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         fit = tuple(m for m, o in e["at_half"].items() if o["ok"])
         return fit, tuple(m for m in fit if e["at_half"][m]["status"] == "optimal")
+    def reached(key: str) -> list[str]:
+        return [e["label"] for e in entries if e[key] is not None and e[key] <= e["region_bound"]]
     halves = common.grouped(entries, outcome_at_half, lambda e: e["label"])
-    return {"exact": [e["label"] for e in entries if reaches_bound(e, "reach_dropped")],
-            "plain": [e["label"] for e in entries if reaches_bound(e, "reach")],
+    return {"exact": reached("reach_dropped"), "plain": reached("reach"),
             "halves": [(fit, proven, labels) for (fit, proven), labels in halves.items()]}
 
 
-def headroom_share(e: dict[str, Any]) -> float | None:
-    """How much of the headroom between the no-remat peak and the per-op bound bonsai's reach covers."""
-    room = e["plain_peak"] - e["lower_bound"]
-    return None if e["reach"] is None or room <= 0 else (e["plain_peak"] - e["reach"]) / room
-
-
-def headroom_values(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """What the page says of the headroom bonsai's reach covers on the 1-layer zoo GPT's sizes."""
-    return {"shares": [s for s in map(headroom_share, entries) if s is not None],
-            "none": [e["label"] for e in entries if (headroom_share(e) or 0.0) <= 0],
-            "widths": sorted({w for w, _ in HEADROOM_SIZES}), "seqs": sorted({s for _, s in HEADROOM_SIZES}),
-            "options": HEADROOM_OPTIONS}
-
-
-def region_share(entries: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, str]]]:
-    """The graphs where the region bound explains more than half of bonsai's distance from the per-op bound
-    (the part of that gap between the per-op bound and the region bound), and those where it explains less:
-    (that share, the graph)."""
-    shares = [((e["region_bound"] - e["lower_bound"]) / (e["reach"] - e["lower_bound"]), e["label"])
-              for e in entries if e["reach"] is not None and e["reach"] > e["lower_bound"]]
-    return {"most": [(s, label) for s, label in shares if s > 0.5],
-            "less": [(s, label) for s, label in shares if s <= 0.5]}
-
-
-# moccasin at 40%
-
-def moccasin_rows(s: dict[str, Any]) -> dict[str, Row | None]:
-    """Bonsai's default and ``drop_outputs`` plans of the 4-layer GPT at MOCCASIN_AT (None where not run)."""
-    return {v: next((r for r in s["options"]["gpt4"][v] if abs(r["fraction"] - MOCCASIN_AT) < 1e-9), None)
-            for v in ("saved", "dropped")}
-
-
-def checkmate_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Bonsai's default against checkmate on the small GPTs, with the bound: the rows, where both found a plan,
-    where bonsai is within 1% of checkmate's compute cost and where at least 10 times faster."""
-    both = [(r["bonsai"], r["checkmate"]) for r in rows
-            if r["bonsai"].get("overhead") is not None and r["checkmate"].get("overhead") is not None]
-    return {"rows": rows, "both": len(both), "close": sum((1 + b["overhead"]) / (1 + c["overhead"]) - 1 <= 0.01
-                                                          for b, c in both),
-            "fast": sum(c["wall_seconds"] / b["wall_seconds"] >= 10 for b, c in both)}
-
-
-def real_steps_values(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Every method on the Llama-3 steps at each budget, with the lower bound, and what the page says of each."""
+def real_steps_values(steps: Sequence[dict[str, Any]]) -> list[Row]:
+    """Every method on the Llama-3 steps at each budget, with the lower bound: a row per step and budget."""
     rows = []
     for e in steps:
         for row in e["budgets"]:
@@ -560,56 +432,27 @@ def real_steps_values(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
             rows.append({"label": e["label"], "share": f"{row['budget']} ({row['bytes'] / e['plain_peak']:.1%})",
                          "bound": row["bound"], "bound_offload": row["bound_offload"], "dtr": cells[("dtr", ())],
                          "chen": cells[("chen", ())], "plain": cells[("bonsai", ())],
-                         "offload": cells.get(("bonsai", (("offload", True),)), NOT_RUN),
-                         "regions": cells.get(("bonsai", (("space", "regions"),)), NOT_RUN)})
-    return {"rows": rows, "said": [real_said(r) for r in rows]}
+                         "offload": cells.get(("bonsai", (("offload", True),))),
+                         "regions": cells.get(("bonsai", (("space", "regions"),)))})
+    return rows
 
-
-NOT_RUN = {"error": "not run on this step"}
-
-
-def real_cell(m: dict[str, Any], space: bool = False) -> str:
-    if m is NOT_RUN:
-        return "-"
-    if m.get("error") or m.get("overhead") is None:
-        return "no plan"
-    return pct2(m["overhead"]) + (f" ({m['space']})" if space and m.get("space") else "")
-
-
-def real_said(r: Row) -> tuple[Row, list[str], list[str]]:
-    """(one budget of a real step, the methods bonsai's plan is below, those it is not below)."""
-    mine = r["plain"].get("overhead")
-    others = [(f"{m} ({pct2(r[m]['overhead'])})", r[m]["overhead"]) for m in ("dtr", "chen")
-              if r[m].get("overhead") is not None and mine is not None]
-    return r, [said for said, o in others if mine < o], [said for said, o in others if mine >= o]
-
-
-# -- the page --------------------------------------------------------------------------------------
 
 def page(results: dict[str, Any], header: str, results_link: str) -> str:
     """The whole page from one run's results (the suite's rows, :func:`studies`' and the run's meta)."""
     meta, rows, s = results["meta"], results["rows"], results["studies"]
-    graphs = [f"{GRAPHS[k][0]} ({trace_command(k)}, {f['nodes']} nodes, no-remat peak {format_bytes(f['plain_peak'])})"
-              for k, f in s["graphs"].items()]
     return common.fill(
         "bonsai", header=header, meta=meta, dates=common.run_dates(meta), results_link=results_link,
-        time_limit=f"{meta['time_limit']:g}", s=s, graphs=graphs, share=share, at=at, flags=flags,
-        model_name=model_name, gpt2_flags=flags(GPT2_OPTIONS), larger_unet_flags=flags(LARGER_UNET),
-        points=points, points_range=points_range, option_pairs=lambda a, b: option_pairs(s, a, b), tie=TIE,
-        **options_values(s),
-        resolves=resolves(rows, s["drag"]),
-        unet_commands=[f"`bonsai trace unet {flags(o)}`" for o in UNETS.values()],
-        unet=unet_values(s["unets"]), headroom=headroom_values(s["headroom"]),
-        others=list(zip(OTHER_AUTHORS, s["others"])),
-        region_share=region_share(s["others"]), moccasin_at=MOCCASIN_AT, moccasin_rows=moccasin_rows(s),
-        checkmate=checkmate_values(s["checkmate"]), real_steps=real_steps_values(s["real_steps"]), real=real_cell,
-        **suite_values(rows))
+        time_limit=f"{meta['time_limit']:g}", s=s, graphs=GRAPHS, explorer_graph=EXPLORER_GRAPH, gpt2=GPT2_OPTIONS,
+        unets=UNETS, larger_unet=LARGER_UNET, sizes=HEADROOM_SIZES, headroom_options=HEADROOM_OPTIONS,
+        gpt4=GPT4, option_pairs=lambda a, b: option_pairs(s, a, b), tie=TIE, **options_values(s),
+        unet=unet_values(s["unets"]), others=list(zip(OTHER_AUTHORS, s["others"])), moccasin_at=MOCCASIN_AT,
+        real_steps=real_steps_values(s["real_steps"]), **suite_values(rows))
 
+
+# -- the command -----------------------------------------------------------------------------------
 
 def refusal(args: argparse.Namespace) -> str | None:
-    """Why the page's options cannot run, before any measurement: without -o, a page of other models, budgets
-    or studies than the suite's defaults, results that are no finished ``--page`` run, what
-    :func:`common.page_refusal` refuses."""
+    """Why the page's options cannot run, before anything is measured; None when they can."""
     if args.output is None:
         return "--page and --report-only keep the run's results in -o FILE.json: name it"
     if not Path(args.output).resolve().parent.is_dir():
@@ -635,8 +478,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``bonsai bench bonsai``: the suite's tables into ``-o``; with ``--page`` also the page's studies and the
-    page; with ``--report-only`` only the page, from ``-o``."""
+    """The suite's tables into ``-o``; with ``--page`` also the page's studies and the page."""
     if args.page is None and not args.report_only:
         rows = tables(args)
         if args.output:

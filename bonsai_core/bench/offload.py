@@ -1,22 +1,14 @@
 """Keep, recompute or offload (simulator rule 9) on the zoo GPT: each method with and without offload at
-shares of the no-remat peak, then bonsai's offloading plan at one budget exported (replay back-end) and
-run on the CPU against its prediction.
-
-    bonsai bench offload --page docs/results/offload.md        # measures, writes results.json and the page
-    bonsai bench offload --page docs/results/offload.md --report-only   # the page again from results.json
-
-With ``--page`` the whole page is written from this run: every number and comparison on it is computed
-from ``results.json``. The hour-scale offload runs on Llama-3 8B steps are hand records in
-docs/results/real_runs.md.
-"""
+shares of the no-remat peak, then bonsai's offloading plan at one budget exported (replay back-end) and run
+on the CPU against its prediction; ``--out``/results.json and, with ``--page``, docs/results/offload.md."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any
 
 from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError
@@ -40,39 +32,32 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def method_rows(graph: Any, time_limit: float) -> list[dict[str, Any]]:
     """Every method of METHODS with and without offload at every share of SHARES, through
     ``solvers.solve`` (so the simulator validated each schedule); a refusal is recorded as its error."""
-    peak = no_remat_peak(graph)
-    rows = []
-    for share in SHARES:
-        for method in METHODS:
-            for offload in (False, True):
-                options = {"time_limit": time_limit} if method == "bonsai" else {"budget_hint": False}
-                row: dict[str, Any] = {"share": share, "method": method, "offload": offload}
-                start = time.perf_counter()
-                try:
-                    sim = simulate(graph, solve(graph, int(share * peak), method=method, offload=offload, **options))
-                    row.update(overhead=sim.overhead, peak=sim.peak, offloaded_bytes=sim.offloaded_bytes,
-                               stall=sim.stall)
-                except BonsaiError as e:
-                    row["error"] = type(e).__name__
-                row["seconds"] = time.perf_counter() - start
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+    peak, rows = no_remat_peak(graph), []
+    for share, method, offload in itertools.product(SHARES, METHODS, (False, True)):
+        options = {"time_limit": time_limit} if method == "bonsai" else {"budget_hint": False}
+        row: dict[str, Any] = {"share": share, "method": method, "offload": offload}
+        start = time.perf_counter()
+        try:
+            sim = simulate(graph, solve(graph, int(share * peak), method, offload=offload, **options))
+            row.update(overhead=sim.overhead, peak=sim.peak, offloaded_bytes=sim.offloaded_bytes, stall=sim.stall)
+        except BonsaiError as e:
+            row["error"] = type(e).__name__
+        row["seconds"] = time.perf_counter() - start
+        rows.append(common.progress(row, list(row)))
     return rows
 
 
-def exported_plan(time_limit: float) -> dict[str, Any]:
+def exported_plan(graph: Any, time_limit: float) -> dict[str, Any]:
     """bonsai's offloading plan at EXPORT_SHARE, exported with the replay back-end and verified on the CPU
     (``bonsai solve --option offload=true``, ``bonsai export``, ``bonsai verify``)."""
     from bonsai_core.export import export_model, verify_export
 
-    graph = common.graph_of(MODEL)
-    schedule = solve(graph, int(EXPORT_SHARE * no_remat_peak(graph)), method="bonsai", offload=True,
-                     time_limit=time_limit)
+    schedule = solve(graph, int(EXPORT_SHARE * no_remat_peak(graph)), "bonsai", offload=True, time_limit=time_limit)
     sim = simulate(graph, schedule)
     with tempfile.TemporaryDirectory() as folder:
         export_model(MODEL, {}, schedule, folder)
         v = verify_export(MODEL, {}, folder).to_dict()
-    return {"offloaded_tensors": len({v for kind, v in schedule.ops if kind == "offload"}),
+    return {"offloaded_tensors": len({node for kind, node in schedule.ops if kind == "offload"}),
             "offloaded_bytes": sim.offloaded_bytes, "overhead": sim.overhead, "stall": sim.stall,
             "host_peak": sim.host_peak, **{k: v[k] for k in ("loss_diff", "max_grad_diff", "predicted_peak",
                                                                  "measured_peak", "measured_host_peak")}}
@@ -81,25 +66,14 @@ def exported_plan(time_limit: float) -> dict[str, Any]:
 def measure(time_limit: float) -> dict[str, Any]:
     start = time.perf_counter()
     graph = common.graph_of(MODEL)
-    results: dict[str, Any] = {
-        "meta": common.run_meta(time_limit=time_limit),
-        "graph": {"name": MODEL, "nodes": graph.n, "no_remat_peak": no_remat_peak(graph)},
-        "rows": method_rows(graph, time_limit)}
-    results["export"] = exported_plan(time_limit)
+    results = {"meta": common.run_meta(time_limit=time_limit),
+               "graph": {"name": MODEL, "nodes": graph.n, "no_remat_peak": no_remat_peak(graph)},
+               "rows": method_rows(graph, time_limit), "export": exported_plan(graph, time_limit)}
     results["meta"]["seconds"] = time.perf_counter() - start
     return results
 
 
 # -- the page -------------------------------------------------------------------------------------
-
-def shares_said(compared: Sequence[tuple[float, float]]) -> str:
-    return common.listing([f"{s:.0%}" for s, _ in compared])
-
-
-def points(compared: Sequence[tuple[float, float]]) -> str:
-    """Differences of overhead in points (one point: one percent of the step's compute)."""
-    return common.span([g * 100 for _, g in compared], "{:.1f}".format, unit=" points")
-
 
 def method_values(results: dict[str, Any], method: str) -> dict[str, Any]:
     """``method``'s overheads with offload against without, budget by budget (:func:`common.compare`), and
@@ -113,8 +87,8 @@ def method_values(results: dict[str, Any], method: str) -> dict[str, Any]:
 
 def page(results: dict[str, Any], header: str) -> str:
     return common.fill("offload", header=header, meta=results["meta"], g=results["graph"], rows=results["rows"],
-                       methods=[method_values(results, m) for m in METHODS], shares_said=shares_said, points=points,
-                       export_share=EXPORT_SHARE, e=results["export"])
+                       methods=[method_values(results, m) for m in METHODS], export_share=EXPORT_SHARE,
+                       e=results["export"])
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,14 +1,8 @@
-"""Predicted (simulator, no-remat schedule) vs measured (real eager CPU step) peak memory of every zoo
-model at its default size, of the real models in tests/real_models.py (BatchNorm CNNs, a ViT with
-``torch._assert``, Hugging Face GPT-2 and BERT from configs) and of the ``hf:`` architectures at their
-default sizes: ``bonsai bench predicted-vs-measured --page docs/results/predicted_vs_measured.md`` (the
-numbers in ``--out``/results.json, ``--report-only`` writes the page from them again; ``--zoo``, ``--real``
-or ``--hf`` measure one part, a smoke test, not the record page).
-
-Each model is traced twice: with the CPU's kernels, the ones the measured eager step runs (dropout's
-float noise, SDPA on its math path), and with CUDA's (``native_dropout``'s bool mask, fused attention),
-the default of ``bonsai trace``: the second column shows what a plan made for a GPU would mispredict
-on the CPU."""
+"""Predicted (simulator, no-remat schedule) against measured (a real eager CPU step) peak memory of every zoo
+model, of the real models in tests/real_models.py and of the ``hf:`` architectures, at their default sizes:
+``--out``/results.json and, with ``--page``, docs/results/predicted_vs_measured.md. Each model is traced with
+the CPU's kernels, the ones the measured step runs, and with CUDA's (the default of ``bonsai trace``): what a
+plan made for a GPU would mispredict on the CPU."""
 
 from __future__ import annotations
 
@@ -21,7 +15,8 @@ from bonsai_core.schedule import no_remat_peak
 # name -> options; the transformers twice: with the configs' dropout 0.1 and without
 REAL = [("tests.real_models:resnet18_bn", {}), ("tests.real_models:mobilenet_v3_small", {}),
         *((f"tests.real_models:{m}", {"dropout": p}) for m in ("vit_assert", "gpt2", "bert_mlm") for p in (0.1, 0.0))]
-PARTS = ("zoo", "real", "hf")
+PARTS = {"zoo": "the zoo models at their default sizes", "real": "the real models in tests/real_models.py",
+         "hf": "the hf: architectures at their default sizes"}
 OUT = "docs/bench/predicted_vs_measured"
 PAGE = "docs/results/predicted_vs_measured.md"
 SOURCES = ["bonsai_core/bench/predicted_vs_measured.py", "tests/real_models.py",
@@ -44,10 +39,8 @@ def measure_row(name: str, options: dict) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The parts to run (default: all three), and the page to write."""
-    parser.add_argument("--zoo", action="store_true", help="the zoo models at their default sizes")
-    parser.add_argument("--real", action="store_true", help="the real models in tests/real_models.py")
-    parser.add_argument("--hf", action="store_true", help="the hf: architectures at their default sizes")
+    for part, models in PARTS.items():
+        parser.add_argument(f"--{part}", action="store_true", help=models)
     common.add_page_arguments(parser, OUT, PAGE)
 
 
@@ -76,14 +69,8 @@ def page(results: dict[str, Any], header: str) -> str:
                        worst=max(ratios, key=lambda r: abs(r - 1)))
 
 
-def refusal(args: argparse.Namespace, parts: list[str]) -> str | None:
-    """Why these options cannot run, before anything is measured (some parts write neither the page's results
-    nor the page); None when they can."""
-    narrowed = [f"--{part}" for part in parts] if len(parts) < len(PARTS) else []
-    return common.page_refusal(args, OUT, PAGE, narrowed=narrowed)
-
-
 def main(args: argparse.Namespace) -> int:
     parts = [part for part in PARTS if getattr(args, part)] or list(PARTS)
-    return common.run_page_suite("predicted-vs-measured", args, refusal(args, parts), lambda: measure(parts),
-                                 common.page_writer(page, SOURCES))
+    narrowed = [f"--{part}" for part in parts] if len(parts) < len(PARTS) else []
+    return common.run_page_suite("predicted-vs-measured", args, common.page_refusal(args, OUT, PAGE, narrowed=narrowed),
+                                 lambda: measure(parts), common.page_writer(page, SOURCES))

@@ -1,18 +1,8 @@
-"""Measure the op-level solvers (checkmate on HiGHS and SCIP, moccasin on CP-SAT) on traced zoo graphs.
-
-Each (graph, method) runs in its own process under a hard wall-clock limit (a backend that ignores its time
-limit cannot stall the run) and solves the budgets (shares of the no-remat peak) in turn, as the explorer's
-slider re-solves; a row per budget: status, overhead, gap, model size and times. ``checkmate-highs`` and
-``checkmate-scip`` are the MILP alone (``warm_start=false``); the ``-warm`` labels are checkmate as a user gets
-it, started from the cheapest schedule another method finds.
-
-    bonsai bench solvers-opt --time-limit 60 --out /tmp/opt   # the main table only
-    bonsai bench solvers-opt --page docs/results/checkmate_moccasin.md  # the page's three studies: about 40 min
-    bonsai bench solvers-opt --page docs/results/checkmate_moccasin.md --report-only
-
-``--page`` runs the page's studies (:func:`planned_runs`) into ``--out``/results.json and :func:`page` writes
-the page from it alone (the prose in templates/checkmate_moccasin.md).
-"""
+"""Measure the op-level solvers (checkmate on HiGHS and SCIP, moccasin on CP-SAT) on traced zoo graphs: each
+(graph, method) in its own process under a hard wall-clock limit, solving the budgets in turn as the explorer's
+slider re-solves; a row per budget (status, overhead, gap, model size, times) in ``--out``/results.json. With
+``--page``, the page's three studies (:func:`planned_runs`) and docs/results/checkmate_moccasin.md. The ``-warm``
+methods are checkmate as a user gets it, started from the cheapest schedule another method finds."""
 
 from __future__ import annotations
 
@@ -24,13 +14,13 @@ import sys
 import tempfile
 import time
 import warnings
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import distributions
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from bonsai_core.arguments import fraction_arg
 from bonsai_core.bench import common
-from bonsai_core.bench.common import budget, listing, pct
+from bonsai_core.bench.common import budget, listing
 from bonsai_core.errors import BonsaiError
 from bonsai_core.graph import load_graph, save_graph
 from bonsai_core.schedule import no_remat_peak
@@ -114,9 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def refusal(args: argparse.Namespace) -> str | None:
-    """Why the options cannot run, before anything is measured: a page of less than every graph, method and
-    budget, a run without the page's studies into the page's results, or what :func:`common.page_refusal`
-    refuses."""
+    """Why the options cannot run, before anything is measured; None when they can."""
     if not (args.page or args.report_only) and common.same_path(args.out, OUT):
         return f"a run without --page measures less than {OUT}/results.json holds: give another --out"
     return common.page_refusal(args, OUT, PAGE, narrowed=common.changed(args, ("graphs", "methods", "budgets")),
@@ -132,7 +120,8 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, str, str, list[flo
                 for graph in args.graphs or GRAPHS for method in args.methods or DEFAULT_METHODS]
     return ([("main", graph, method, DEFAULT_BUDGETS, limit) for graph in GRAPHS for method in DEFAULT_METHODS]
             + [("copies", graph, COPIES_METHOD, [COPIES_BUDGET], limit) for graph in GRAPHS]
-            + [("warm-start", WARM_GRAPH, method, [WARM_BUDGET], round(limit * share, 1)) for method, share in WARM_RUNS])
+            + [("warm-start", WARM_GRAPH, method, [WARM_BUDGET], round(limit * share, 1))
+               for method, share in WARM_RUNS])
 
 
 def run_child(graph_file: str, label: str, method: str, budgets: list[float], time_limit: float) -> list[dict]:
@@ -152,19 +141,15 @@ def run_child(graph_file: str, label: str, method: str, budgets: list[float], ti
     rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     reported = {r["budget_share"] for r in rows}
     rows += [{"graph": label, "method": method, "budget_share": b, "time_limit": time_limit, "status": "error",
-              "error": f"killed: no answer within the hard limit of {hard:.0f} s"} for b in budgets if b not in reported]
+              "error": f"killed: no answer within the hard limit of {hard:.0f} s"}
+             for b in budgets if b not in reported]
     return rows
 
 
 def versions() -> dict[str, str]:
     """The solver packages' versions, as the page quotes them."""
-    out = {}
-    for package in ("highspy", "pyscipopt", "ortools", "cvxpy", "torch"):
-        try:
-            out[package] = version(package)
-        except PackageNotFoundError:
-            out[package] = "not installed"
-    return out
+    installed = {d.metadata["Name"].lower(): d.version for d in distributions()}
+    return {p: installed.get(p, "not installed") for p in ("highspy", "pyscipopt", "ortools", "cvxpy", "torch")}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -176,13 +161,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                "rows": []}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        graph_files: dict[str, str] = {}
         for study, label, method, budgets, limit in planned_runs(args):
-            if label not in graph_files:
-                model, options = GRAPHS[label]
-                graph_files[label] = f"{tmp}/{label}.json"
-                save_graph(common.graph_of(model, **options), graph_files[label])
-            for row in run_child(graph_files[label], label, method, budgets, limit):
+            graph_file = f"{tmp}/{label}.json"
+            if not os.path.exists(graph_file):
+                save_graph(common.graph_of(GRAPHS[label][0], **GRAPHS[label][1]), graph_file)
+            for row in run_child(graph_file, label, method, budgets, limit):
                 row.update(study=study, load=round(os.getloadavg()[0], 1))  # the machine's load as the child ended
                 results["rows"].append(common.progress(row, ("study", "graph", "method", "budget_share", "status",
                                                              "overhead", "gap", "wall_seconds")))
@@ -193,8 +176,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``bonsai bench solvers-opt``: :func:`measure` into ``--out`` and, with ``--page``, the page's studies and
-    the page (``--one``: a child process's one graph and method)."""
     if args.one:
         run_one(*args.one, args.budgets or DEFAULT_BUDGETS, args.time_limit)
         return 0
@@ -207,7 +188,6 @@ def main(args: argparse.Namespace) -> int:
 
 CHECKMATE = {"checkmate-highs": "HiGHS", "checkmate-scip": "SCIP"}  # the main table's checkmate rows: backend
 WARM = {"checkmate-highs-warm": "HiGHS", "checkmate-scip-warm": "SCIP"}
-BACKEND_OF = {**CHECKMATE, **WARM}
 TIE = 1e-6  # overheads this close are the same cost
 NO_BOUND = 0.9999  # a gap this large: the backend proved no bound above 0
 NUMBER_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
@@ -215,21 +195,17 @@ NUMBER_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
 Row = dict[str, Any]
 
 
-# -- one row ----------------------------------------------------------------------------------------
-
 def outcome(row: Row) -> str:
     """What a row ended with, as the tables say it: optimal, feasible, infeasible (a BudgetError: the
     model proved no schedule fits), no solution in limit (a SolverError), killed, or the error's type."""
+    error = row.get("error", "")
     if row["status"] != "error":
         return row["status"]
-    error = row.get("error", "")
     if error.startswith("BudgetError"):
         return "infeasible"
     if error.startswith("SolverError") and ("no solution" in error or "found no" in error):
         return "no solution in limit"
-    if error.startswith("killed"):
-        return "killed"
-    return error.split(":")[0] or "error"
+    return "killed" if error.startswith("killed") else error.split(":")[0] or "error"
 
 
 def has_schedule(row: Row | None) -> bool:
@@ -240,8 +216,9 @@ def seconds(x: float) -> str:
     return f"{x:.1f}" if x < 10 else f"{x:.0f}"
 
 
-def seconds_range(xs: Iterable[float]) -> str:
-    return common.span(xs, seconds, unit=" s")  # 1.0–6.6 s
+def gaps_said(rows: Sequence[Row]) -> str:
+    gaps = [r["gap"] for r in rows if r.get("gap") is not None]
+    return common.span(gaps, "{:.0%}".format) if gaps else "not reported"
 
 
 def graphs_said(graphs: Sequence[str], every: Sequence[str]) -> str:
@@ -257,61 +234,41 @@ def cells_said(rows: Sequence[Row]) -> str:
     return listing([f"{g} at {listing(shares)}" for g, shares in by_graph.items()])
 
 
-def start_overhead(row: Row) -> float | None:
-    """The warm start's own overhead: its compute cost over the schedule's cost without recomputation."""
-    if row.get("warm_start_cost") is None or row.get("compute_cost") is None:
-        return None
-    return row["warm_start_cost"] / (row["compute_cost"] / (1 + row["overhead"])) - 1
+def warm_start(row: Row) -> tuple[str | None, str, float | None]:
+    """A row's warm start: the method it came from (None without one), ``optimal`` or ``feasible`` where
+    that method's own search said so (else ''), and its overhead (None where the row has no cost)."""
+    if row.get("warm_start_cost") is None:
+        return None, "", None
+    method = row["warm_start"].split(",")[0]
+    note = (row.get("warm_start_tried") or {}).get(method, "")
+    plain_cost = None if row.get("compute_cost") is None else row["compute_cost"] / (1 + row["overhead"])
+    return (method, next((s for s in ("optimal", "feasible") if note.startswith(s)), ""),
+            None if plain_cost is None else row["warm_start_cost"] / plain_cost - 1)
 
-
-def start_method(row: Row) -> str | None:
-    """The method the warm start came from (its note begins with it), None without one."""
-    return row["warm_start"].split(",")[0] if row.get("warm_start_cost") is not None else None
-
-
-def start_status(row: Row) -> str:
-    """``optimal`` or ``feasible`` when the start's own search said so (moccasin and bonsai do), else ''."""
-    note = (row.get("warm_start_tried") or {}).get(start_method(row) or "", "")
-    return next((s for s in ("optimal", "feasible") if note.startswith(s)), "")
-
-
-# -- the tables -------------------------------------------------------------------------------------
-
-def in_cell_order(rows: Sequence[Row]) -> list[Row]:
-    """The rows graph by graph, each graph's budgets largest first, the methods in the run's order
-    within a budget (the run measures a method's budgets in turn)."""
-    graphs, methods = graphs_of(rows), list(dict.fromkeys(r["method"] for r in rows))
-    return sorted(rows, key=lambda r: (graphs.index(r["graph"]), -r["budget_share"], methods.index(r["method"])))
-
-
-def first_per_graph(rows: Sequence[Row]) -> list[Row]:
-    """The first row of each graph that describes it (killed rows do not)."""
-    return [of[0] for of in common.grouped((r for r in rows if "nodes" in r), lambda r: r["graph"]).values()]
-
-
-# -- moccasin, checkmate and the smallest budget: the sentences ---------------------------------------
 
 def by_cell(rows: Sequence[Row]) -> dict[tuple[str, float], dict[str, Row]]:
     """(graph, budget share) -> method -> row."""
     return common.cells(rows, lambda r: (r["graph"], r["budget_share"]))
 
 
-def graphs_of(rows: Sequence[Row]) -> list[str]:
-    return list(dict.fromkeys(r["graph"] for r in rows))
+def distinct(rows: Sequence[Row], key: str) -> list[Any]:
+    """The rows' values of ``key``, each once, in the order they first come."""
+    return list(dict.fromkeys(r[key] for r in rows))
 
 
-def shares_of(rows: Sequence[Row]) -> list[float]:
-    return list(dict.fromkeys(r["budget_share"] for r in rows))
+def in_cell_order(rows: Sequence[Row]) -> list[Row]:
+    """The rows graph by graph, each graph's budgets largest first, the methods in the run's order."""
+    graphs, methods = distinct(rows, "graph"), distinct(rows, "method")
+    return sorted(rows, key=lambda r: (graphs.index(r["graph"]), -r["budget_share"], methods.index(r["method"])))
 
 
 def moccasin_values(rows: Sequence[Row]) -> dict[str, Any]:
-    """How many cells each method proves optimal (moccasin the practical exact method when it proves the
-    most), where and how fast moccasin is optimal, and its other outcomes: a schedule at the limit, a proof
-    of infeasibility, nothing."""
+    """How many cells each method proves optimal; where and how fast moccasin proves, fails or gives up."""
     moc = [r for r in rows if r["method"] == "moccasin"]
     counts = {m: sum(r["method"] == m and r["status"] == "optimal" for r in rows)
-              for m in dict.fromkeys(r["method"] for r in rows)}
+              for m in distinct(rows, "method")}
     optimal = [r for r in moc if r["status"] == "optimal"]
+    optimal_at = common.grouped(optimal, lambda r: r["budget_share"], lambda r: r["graph"])
     sized = [r["variables"] for r in moc if r.get("variables") is not None]
     feasible = [r for r in moc if r["status"] == "feasible"]
     infeasible = [r for r in moc if outcome(r) == "infeasible"]
@@ -320,39 +277,17 @@ def moccasin_values(rows: Sequence[Row]) -> dict[str, Any]:
             "practical": counts.get("moccasin", 0) > max((counts.get(m, 0) for m in CHECKMATE), default=0),
             "cells": len(by_cell(rows)),
             "theirs": [f"{counts.get(m, 0)} on {backend}" for m, backend in CHECKMATE.items() if m in counts],
-            "optimal_seconds": optimal and seconds_range(r["solve_seconds"] for r in optimal),
-            "optimal_at": [f"at {budget(s)} on "
-                           f"{graphs_said([r['graph'] for r in optimal if r['budget_share'] == s], graphs_of(moc))}"
-                           for s in shares_of(moc) if any(r["budget_share"] == s for r in optimal)],
+            "optimal_seconds": optimal and common.span((r["solve_seconds"] for r in optimal), seconds, unit=" s"),
+            "optimal_at": [f"at {budget(s)} on {graphs_said(optimal_at[s], distinct(moc, 'graph'))}"
+                           for s in distinct(moc, "budget_share") if s in optimal_at],
             "feasible": feasible and cells_said(feasible), "feasible_gap": gaps_said(feasible),
             "infeasible": infeasible and cells_said(infeasible),
             "infeasible_seconds": infeasible and seconds(max(r["wall_seconds"] for r in infeasible)),
             "nothing": nothing and cells_said(nothing)}
 
 
-def gaps_said(rows: Sequence[Row]) -> str:
-    gaps = [r["gap"] for r in rows if r.get("gap") is not None]
-    if not gaps:
-        return "not reported"
-    return common.span(gaps, "{:.0%}".format)
-
-
-def copies_values(copies: Sequence[Row], main: Sequence[Row]) -> dict[str, list[str]] | None:
-    """What 3 copies per node give, graph by graph, and where they make a schedule fit that 2 could not."""
-    if not copies:
-        return None
-    two = {r["graph"]: r for r in main if r["method"] == "moccasin" and r["budget_share"] == copies[0]["budget_share"]}
-    found = [r for r in copies if has_schedule(r)]
-    return {"found": [f"{r['graph']} ({pct(r['overhead'])}, {r['status']})" for r in found],
-            "infeasible": [r["graph"] for r in copies if outcome(r) == "infeasible"],
-            "nothing": [r["graph"] for r in copies if not has_schedule(r) and outcome(r) != "infeasible"],
-            "rescued": [r["graph"] for r in found if r["graph"] in two and outcome(two[r["graph"]]) == "infeasible"]}
-
-
 def checkmate_values(rows: Sequence[Row]) -> dict[str, Any]:
-    """Checkmate's model size; where it is optimal, by which backends, and whether moccasin's optimum there
-    costs the same; its unproven schedules against moccasin's (the widest difference as the example) and the
-    runs it returns none in; each backend's count of schedules, the backend with more first."""
+    """Checkmate's model size, optimal cells, unproven schedules (with moccasin's) and schedules per backend."""
     cm = [r for r in rows if r["method"] in CHECKMATE and r.get("variables") is not None]
     cells = by_cell(rows)
     optimal = {key: [CHECKMATE[m] for m, r in c.items() if m in CHECKMATE and r["status"] == "optimal"]
@@ -361,7 +296,6 @@ def checkmate_values(rows: Sequence[Row]) -> dict[str, Any]:
     both = [(key, r, cells[key]["moccasin"]) for key in optimal for m, r in cells[key].items()
             if m in CHECKMATE and r["status"] == "optimal"
             and cells[key].get("moccasin", {}).get("status") == "optimal"]
-    differ = [(key, r, moc) for key, r, moc in both if abs(r["overhead"] - moc["overhead"]) > TIE]
     unproven = [(r, cells[(r["graph"], r["budget_share"])].get("moccasin")) for r in rows
                 if r["method"] in CHECKMATE and r["status"] == "feasible"]
     counts = {backend: sum(r["method"] == m and has_schedule(r) for r in rows) for m, backend in CHECKMATE.items()}
@@ -371,62 +305,46 @@ def checkmate_values(rows: Sequence[Row]) -> dict[str, Any]:
             "both_optimal": both, "overheads": sorted({f"{moc['overhead']:+.2%}" for _, _, moc in both}),
             "differ": [f"{g} at {budget(s)} ({CHECKMATE[r['method']]} {r['overhead']:+.2%} against "
                        f"{moc['overhead']:+.2%})"
-                       for (g, s), r, moc in differ],
-            "unproven": len(unproven), "against": against_moccasin(unproven),
+                       for (g, s), r, moc in both if abs(r["overhead"] - moc["overhead"]) > TIE],
+            "unproven": unproven,
             "none": sum(r["method"] in CHECKMATE and not has_schedule(r) for r in rows),
             "counts": sorted(counts.items(), key=lambda kv: -kv[1]),
             "runs": {backend: sum(r["method"] == m for r in rows) for m, backend in CHECKMATE.items()}}
 
 
-def against_moccasin(unproven: Sequence[tuple[Row, Row | None]]) -> dict[str, Any]:
-    """Checkmate's unproven schedules (with moccasin's row of the same cell): how many cost more than moccasin's
-    and the widest difference, those cheaper (or where moccasin has none), those as cheap."""
-    costlier = [(r, m) for r, m in unproven if has_schedule(m) and r["overhead"] > m["overhead"] + TIE]
-    cheaper = [(r, m) for r, m in unproven if not has_schedule(m) or r["overhead"] < m["overhead"] - TIE]
-    return {"costlier": len(costlier), "cheaper": cheaper,
-            "widest": max(costlier, key=lambda rm: rm[0]["overhead"] - rm[1]["overhead"], default=None),
-            "level": [r for r, m in unproven if (r, m) not in costlier and (r, m) not in cheaper]}
-
-
 def smallest_values(main: Sequence[Row]) -> dict[str, Any]:
-    """What checkmate returns at the smallest budget, against moccasin, and the gaps: the segment ILP's reason
-    to exist when no backend proves an optimum there."""
-    smallest = min(shares_of(main))
+    """What checkmate returns at the smallest budget, against moccasin, and the gaps."""
+    smallest = min(distinct(main, "budget_share"))
     cells = by_cell([r for r in main if r["budget_share"] == smallest])
-    found = [(r, c.get("moccasin")) for c in cells.values() for m, r in c.items() if m in CHECKMATE and has_schedule(r)]
-    return {"share": smallest, "only": len(graphs_of([r for r, _ in found])) < len(cells),
-            "found": [(g, [r for r, _ in found if r["graph"] == g], m) for g, m in {r["graph"]: m for r, m in found}.items()],
+    found = [(r, c.get("moccasin")) for c in cells.values() for m, r in c.items()
+             if m in CHECKMATE and has_schedule(r)]
+    moccasin = {r["graph"]: m for r, m in found}
+    return {"share": smallest, "only": len(moccasin) < len(cells),
+            "found": [(g, [r for r, _ in found if r["graph"] == g], m) for g, m in moccasin.items()],
             "no_optimum": not any(r["status"] == "optimal" for r, _ in found),
             "gaps": [r["gap"] for r, _ in found if r.get("gap") is not None],
             "gap_range": gaps_said([r for r, _ in found])}
 
 
-# -- the warm start ---------------------------------------------------------------------------------
-
 def warm_values(rows: Sequence[Row]) -> dict[str, Any]:
-    """The warm-start study said: each backend without its start; whether every warm-started run returns a
-    schedule, how soon its start was ready and from what; whether a backend improved on its start and the
-    bound it proved; what the start search found; how far the calls overran their limits and what a shorter
-    limit costs against the full one."""
+    """The warm-start study: runs with and without a start, the starts, the bounds proved, a shorter limit's cost."""
     off, on = [r for r in rows if r["method"] in CHECKMATE], [r for r in rows if r["method"] in WARM]
-    started_on = [r for r in on if start_method(r) is not None]
-    started = [r for r in rows if start_method(r) is not None and has_schedule(r)]
+    started_on = [r for r in on if warm_start(r)[0] is not None]
+    started = [r for r in rows if warm_start(r)[0] is not None and has_schedule(r)]
     longest = max((r["time_limit"] for r in started), default=None)
-    tried = [r for r in on if r.get("warm_start_tried")]
     timed = [r for r in rows if "wall_seconds" in r]
-    return {
-        "off": off, "off_found": any(has_schedule(r) for r in off),
-        "off_limits": sorted({seconds(r["time_limit"]) for r in off}),
-        "on": len(on), "returned": sum(map(has_schedule, on)),
-        "ready": started_on and seconds_range(r["warm_start_seconds"] for r in started_on),
-        "from": sorted({start_method(r) for r in started_on}),
-        "missing": [r for r in on if start_method(r) is None],
-        "started": started, "longest": longest and seconds(longest),
-        "bounds": [r for r in started if r["time_limit"] == longest and r.get("gap") is not None],
-        "better": [r for r in started if r["compute_cost"] < r["warm_start_cost"] * (1 - TIE)],
-        "tried": max(tried, key=lambda r: r["time_limit"], default=None),
-        "overran": max((r["wall_seconds"] - r["time_limit"] for r in timed), default=None),
-        "shorter": shorter_limits(rows) if timed else []}
+    return {"off": off, "off_found": any(has_schedule(r) for r in off),
+            "off_limits": sorted({seconds(r["time_limit"]) for r in off}),
+            "on": len(on), "returned": sum(map(has_schedule, on)),
+            "ready": started_on and common.span((r["warm_start_seconds"] for r in started_on), seconds, unit=" s"),
+            "from": sorted({warm_start(r)[0] for r in started_on}),
+            "missing": [r for r in on if warm_start(r)[0] is None],
+            "started": started, "longest": longest and seconds(longest),
+            "bounds": [r for r in started if r["time_limit"] == longest and r.get("gap") is not None],
+            "better": [r for r in started if r["compute_cost"] < r["warm_start_cost"] * (1 - TIE)],
+            "tried": max((r for r in on if r.get("warm_start_tried")), key=lambda r: r["time_limit"], default=None),
+            "overran": max((r["wall_seconds"] - r["time_limit"] for r in timed), default=None),
+            "shorter": shorter_limits(rows) if timed else []}
 
 
 def shorter_limits(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
@@ -436,27 +354,22 @@ def shorter_limits(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
     return [(r, full[r["method"]]) for r in rows if r["time_limit"] < longest and r["method"] in full]
 
 
-# -- the page ---------------------------------------------------------------------------------------
-
 def page(rows: Sequence[Row], run: dict[str, Any], header: str, results_link: str) -> str:
-    """The whole page from one run: its rows and its ``meta`` (``run``); ``results_link``: their file as a link
-    from the page."""
-    main = [r for r in rows if r.get("study") == "main"]
-    copies = [r for r in rows if r.get("study") == "copies"]
-    warm = [r for r in rows if r.get("study") == "warm-start"]
+    """The whole page from one run's rows and ``meta`` (``run``), linking their file as ``results_link``."""
+    studies = common.grouped(rows, lambda r: r.get("study"))
+    main, copies, warm = (studies.get(study, []) for study in ("main", "copies", "warm-start"))
     if not main:
         raise BonsaiError("The run has no rows of the main study to write a page from: run the suite with --page.")
     return common.fill(
         "checkmate_moccasin", header=header, run=run, dates=common.run_dates(run), results_link=results_link,
-        loads=[r["load"] for r in rows if r.get("load") is not None], graphs=listing(graphs_of(main)),
-        budgets=listing([budget(s) for s in shares_of(main)]),
-        limit=seconds(run["time_limit"]), first_per_graph=first_per_graph(rows), in_cell_order=in_cell_order(main),
-        copies=copies, warm=warm, moccasin=moccasin_values(main),
-        copies_said=copies_values(copies, main), checkmate=checkmate_values(main),
-        smallest=smallest_values(main), no_bound=NO_BOUND,
-        copies_infeasible=[r["graph"] for r in main if r["method"] == "moccasin" and copies
-                           and r["budget_share"] == copies[0]["budget_share"] and outcome(r) == "infeasible"],
-        warm_graph=next((r for r in warm if "nodes" in r), None), warm_start=lambda r: (start_method(r), start_status(r), start_overhead(r)), warm_methods=WARM,
+        loads=[r["load"] for r in rows if r.get("load") is not None], graphs=listing(distinct(main, "graph")),
+        budgets=listing([budget(s) for s in distinct(main, "budget_share")]), limit=seconds(run["time_limit"]),
+        first_per_graph=[of[0] for of in common.grouped((r for r in rows if "nodes" in r), lambda r: r["graph"])
+                         .values()],
+        in_cell_order=in_cell_order(main), copies=copies, warm=warm, moccasin=moccasin_values(main),
+        main=main, checkmate=checkmate_values(main), smallest=smallest_values(main),
+        no_bound=NO_BOUND, tie=TIE, warm_graph=next((r for r in warm if "nodes" in r), None), warm_start=warm_start,
+        warm_methods=WARM,
         warm_sized=next((r for r in warm if r["method"] in WARM and r.get("variables") is not None), None),
-        warm_said=warm_values(warm), backend=BACKEND_OF, outcome=outcome, has_schedule=has_schedule,
+        warm_said=warm_values(warm), backend={**CHECKMATE, **WARM}, outcome=outcome, has_schedule=has_schedule,
         seconds=seconds)
