@@ -269,7 +269,8 @@ def dtr_variants() -> dict[str, Any]:
     """DTR's heuristics and deallocation modes on the SMALL and the LARGER graph."""
     small = load_graph(SMALL["graph"])
     larger = common.graph_of(LARGER["model"], **LARGER["options"])
-    return {"small": {"nodes": small.n, "fracs": list(SMALL["fracs"]), "overheads": dtr_overheads(small, SMALL["fracs"])},
+    return {"small": {"nodes": small.n, "fracs": list(SMALL["fracs"]),
+                      "overheads": dtr_overheads(small, SMALL["fracs"])},
             "larger": {"nodes": larger.n, "options": LARGER["options"], "fracs": list(LARGER["fracs"]),
                        "overheads": dtr_overheads(larger, LARGER["fracs"])}}
 
