@@ -23,13 +23,13 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from bonsai_core.allocator import MIN_BLOCK, bounded_replay, fixed_tensors, optimizer_bytes, replay
 from bonsai_core.bench import common
-from bonsai_core.bench.common import listing, median, pct
+from bonsai_core.bench.common import median, pct
 from bonsai_core.errors import BonsaiError, BudgetError
 from bonsai_core.graph import Graph, load_graph
 from bonsai_core.schedule import Schedule, no_remat_peak, simulate
@@ -581,18 +581,6 @@ def live_comparison(results: dict[str, Any]) -> list[tuple[str, float]]:
                    and pools["dtr"] - pools["coop"] > e["bisection_step"]), key=lambda x: x[1])
 
 
-def times(r: float) -> str:
-    """A ratio with two decimals, three where two would read 1.00."""
-    return f"{r:.3f}x" if f"{r:.2f}" == "1.00" else f"{r:.2f}x"
-
-
-def verdict(graphs: int, live: list, pool: dict[str, list]) -> str:
-    """Does coop's smaller pool, against DTR counting live bytes and against DTR in the pool, reproduce?"""
-    smaller, larger = len(pool["coop smaller"]), len(pool["coop larger"])
-    return ("Yes" if len(live) == graphs and not larger
-            else "No" if len(live) <= graphs / 2 and smaller <= larger else "Partly")
-
-
 def not_monotone(results: dict[str, Any]) -> tuple[str, str, int, int] | None:
     """A variant training in a pool and not in a larger one, when the results hold one: (variant, graph, the
     pool, the larger pool)."""
@@ -616,14 +604,6 @@ def equal_pools(results: dict[str, Any]) -> dict[str, Any]:
     return {"pools": pools, "lower": [f for f in FACTORS if h[str(f)]["coop_lower"] > h[str(f)]["coop_higher"]]}
 
 
-def divergence(ex: dict[str, Any]) -> dict[str, Any] | None:
-    """The first request at which the two runs differ and each run's row there; None when they never do."""
-    if (first := ex["first_divergence"]) is None:
-        return None
-    at = {r["method"]: r for r in ex["requests"] if r["request"] == first + 1}
-    return {"first": first, "coop": at["coop"], "pool": at["dtr-pool"]}
-
-
 def sweep_values(ex: dict[str, Any]) -> dict[str, Any]:
     """The window's cost term against plain compute cost around the example's pool, and how much single
     budgets swing."""
@@ -637,101 +617,55 @@ def sweep_values(ex: dict[str, Any]) -> dict[str, Any]:
             "ranges": [f"{k}'s from {pct(min(v))} to {pct(max(v))}" for k, v in swing.items() if v]}
 
 
-def largest_graph(results: dict[str, Any]) -> dict[str, Any]:
-    """The largest graph: its smallest pools against coop's and the overheads at coop's smallest pool."""
-    label, e = max(results["models"].items(), key=lambda x: x[1]["nodes"])
-    return {"label": label, "e": e, "best": best_pool_ratio(e), "order": pool_order(e),
-            "at": e["equal_pools"].get(str(FACTORS[0]))}
-
-
 # -- recomputable in-place -------------------------------------------------------------------------
 
-def by_model(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """model -> variant -> its row, in the rows' order."""
-    return common.cells(rows, lambda r: r["model"], by="variant")
+AT_80 = {"smallest": lambda row: row["smallest"],  # what the in-place sentences compare
+         "overhead": lambda row: row["at80"]["overhead"] if row["at80"]["ok"] else None}
 
 
-def smallest_of(row: dict[str, Any]) -> float | None:
-    return row["smallest"]
-
-
-def overhead_at_80(row: dict[str, Any]) -> float | None:
-    return row["at80"]["overhead"] if row["at80"]["ok"] else None
-
-
-def pair_split(rows: list[dict[str, Any]], pair: tuple[str, str],
-               value: Callable[[dict], float | None]) -> dict[str, list[str]]:
-    """The models where ``value`` of the in-place variant is lower than the copy's, higher, or equal."""
-    compared = common.compare((display(m), value(vs[pair[0]]), value(vs[pair[1]])) for m, vs in by_model(rows).items())
+def pair_split(models: dict[str, dict[str, dict]], pair: tuple[str, str], key: str) -> dict[str, list[str]]:
+    """The models where ``AT_80[key]`` of the in-place variant is lower than the copy's, higher, or equal."""
+    value = AT_80[key]
+    compared = common.compare((display(m), value(vs[pair[0]]), value(vs[pair[1]])) for m, vs in models.items())
     return {k: [m for m, _ in compared[k]] for k in ("lower", "higher", "equal")}
 
 
-def pair_values(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> list[tuple]:
-    """Per method: :func:`pair_split` of the smallest budgets, of the overheads at 80%, and (in place or the
-    copy, the models where only it trains at 80%)."""
-    return [(method, pair_split(rows, pair, smallest_of), pair_split(rows, pair, overhead_at_80),
-             [(who, models) for who, k, other in (("in place", *pair), ("the copy", *pair[::-1]))
-              for models in [[display(m) for m, vs in by_model(rows).items()
-                              if vs[k]["at80"]["ok"] and not vs[other]["at80"]["ok"]]] if models])
-            for method, pair in pairs.items()]
-
-
-def largest_gap(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> tuple[float, str, str]:
-    """(the largest gap between a model's in-place and copy budgets, the model, the method)."""
-    return max((abs(vs[a]["smallest"] - vs[b]["smallest"]), display(m), method) for m, vs in by_model(rows).items()
-               for method, (a, b) in pairs.items() if vs[a]["smallest"] and vs[b]["smallest"])
-
-
-def mixed(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> bool:
-    """Whether in place wins the smallest budget on some model and the copy on another, for some method."""
-    return any(all(pair_split(rows, pair, smallest_of)[k] for k in ("lower", "higher")) for pair in pairs.values())
-
-
-def evictions_counts(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> list[tuple[str, int, int, int]]:
-    """Per method: (method, tensors evicted at 80% writing in place, copying on write, models where both train)."""
-    out = []
-    for method, (a, b) in pairs.items():
-        both = [vs for vs in by_model(rows).values() if vs[a]["at80"]["ok"] and vs[b]["at80"]["ok"]]
-        out.append((method, sum(vs[a]["at80"]["evictions"] for vs in both),
-                    sum(vs[b]["at80"]["evictions"] for vs in both), len(both)))
-    return out
-
-
-def ops_in_place(rows: list[dict[str, Any]]) -> dict[str, int]:
-    """Model (without its size) -> the ops its graph runs in place."""
-    return {display(r["model"]).split(" --")[0]: r["inplace_ops"] for r in rows}
-
-
-def points_apart(values: Iterable[float | None]) -> float:
-    """max - min of the values given (None left out), in percentage points."""
-    xs = [x for x in values if x is not None]
-    return 100 * (max(xs) - min(xs)) if xs else 0.0
+def inplace_values(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """One in-place study: model -> variant -> row; per method :func:`pair_split` of the budgets and overheads
+    and (in place or the copy, the models where only it trains at 80%); whether in place wins the budget on some
+    model and the copy on another; the largest budget gap; evictions at 80% where both train; ops run in place."""
+    models = common.cells(rows, lambda r: r["model"], by="variant")
+    split = {method: [pair_split(models, pair, key) for key in AT_80] for method, pair in pairs.items()}
+    alone = {method: [(who, found) for who, k, other in (("in place", *pair), ("the copy", *pair[::-1]))
+                      for found in [[display(m) for m, vs in models.items()
+                                     if vs[k]["at80"]["ok"] and not vs[other]["at80"]["ok"]]] if found]
+             for method, pair in pairs.items()}
+    both = {method: [vs for vs in models.values() if vs[a]["at80"]["ok"] and vs[b]["at80"]["ok"]]
+            for method, (a, b) in pairs.items()}
+    return {"models": models, "pairs": pairs, "said": [(m, *split[m], alone[m]) for m in pairs],
+            "mixed": any(all(split[m][0][k] for k in ("lower", "higher")) for m in pairs),
+            "gap": max(((abs(vs[a]["smallest"] - vs[b]["smallest"]), display(m), method) for m, vs in models.items()
+                        for method, (a, b) in pairs.items() if vs[a]["smallest"] and vs[b]["smallest"]), default=None),
+            "evictions": [(method, sum(vs[a]["at80"]["evictions"] for vs in both[method]),
+                           sum(vs[b]["at80"]["evictions"] for vs in both[method]), len(both[method]))
+                          for method, (a, b) in pairs.items()],
+            "ops": {display(r["model"]).split(" --")[0]: r["inplace_ops"] for r in rows}}
 
 
 def regnet_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """RegNet-Y: how far the smallest budgets and the overheads move between the variants, coop's fragmentation."""
-    models = by_model(rows)
-    budgets = {m: points_apart(smallest_of(r) for r in vs.values()) for m, vs in models.items()}
-    costs = {m: points_apart(overhead_at_80(r) for r in vs.values()) for m, vs in models.items()}
+    """RegNet-Y: the points the smallest budgets and the overheads move between the variants (far: the budgets
+    five times more), and coop's fragmentation."""
+    study = inplace_values(rows, WRITE_PAIRS)
+    spans = {key: {m: 100 * (max(xs) - min(xs)) if xs else 0.0 for m, vs in study["models"].items()
+                   for xs in [[x for x in map(AT_80[key], vs.values()) if x is not None]]} for key in AT_80}
     a, b = WRITE_PAIRS["coop"]
-    return {"budgets": budgets, "costs": costs, "far": max(budgets.values()) > 5 * max(costs.values()),
+    return {**study, "budgets": spans["smallest"], "costs": spans["overhead"],
+            "far": max(spans["smallest"].values()) > 5 * max(spans["overhead"].values()),
             "frag": [(m, vs[a]["at80"]["own_fragmentation"], vs[b]["at80"]["own_fragmentation"])
-                     for m, vs in models.items() if vs[a]["at80"]["ok"] and vs[b]["at80"]["ok"]]}
+                     for m, vs in study["models"].items() if vs[a]["at80"]["ok"] and vs[b]["at80"]["ok"]]}
 
 
 # -- budgeting reserved bytes ----------------------------------------------------------------------
-
-ALLOCATOR_NAMES = {"caching": "the caching allocator", "expandable": "expandable segments"}
-
-
-def reserved_cost(b: dict[str, Any]) -> str:
-    """The overhead budgeting reserved bytes adds at one budget, in points, per allocator model."""
-    said = [f"{100 * (r['overhead'] - b['plain']['overhead']):+.1f} points of overhead with {ALLOCATOR_NAMES[k]}"
-            for k, r in b["reserved"].items() if r["ok"]]
-    if refused := [ALLOCATOR_NAMES[k] for k, r in b["reserved"].items() if not r["ok"]]:
-        said.append(f"no schedule with {listing(refused)}")
-    return f"at {b['frac']:.0%} " + listing(said)
-
 
 def reserved_said(study: dict[str, Any]) -> dict[str, Any]:
     """The plain schedules replayed (the allocators over the budget), what budgeting reserved bytes costs, how
@@ -742,7 +676,7 @@ def reserved_said(study: dict[str, Any]) -> dict[str, Any]:
                                                   for b in budgets]
     solves = [b["plain"] for b in budgets] + [r for b in budgets for r in b["reserved"].values() if r["ok"]]
     over_budget = [[k for k, v in b["plain"]["reserved"].items() if v > b["budget"]] for b in budgets]
-    return {"budgets": list(zip(budgets, over_budget)), "cost": list(map(reserved_cost, budgets)), "slack": max(slack),
+    return {"budgets": list(zip(budgets, over_budget)), "slack": max(slack),
             "statuses": sorted({r["status"] for r in solves}),
             "gaps": [r["gap"] for r in solves if r.get("gap") is not None]}
 
@@ -792,31 +726,21 @@ def claims_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def page(results: dict[str, Any], header: str) -> str:
     """The whole page from one run's results (the study's, its worked example and the page's studies)."""
     s, ex, es = results["studies"], results["example"], list(results["models"].items())
-    small, larger, updates, writes = s["dtr_variants"]["small"], s["dtr_variants"]["larger"], s["updates"], s["writes"]
-    gpt2 = results["models"].get(GPT2_SMALL_LABEL)
-    live, pool = live_comparison(results), pool_comparison(results)
+    small, larger = s["dtr_variants"]["small"], s["dtr_variants"]["larger"]
     return common.fill(
-        "heuristics", header=header, meta=results["meta"], steps=STEPS,
-        factors=listing([f"{f:.1f}x" for f in FACTORS]),
-        networks=listing([f"`{m}`" for m in dict.fromkeys(e["model"] for _, e in es)]),
-        gpt2=f", and GPT-2 small (the zoo GPT at `zoo.GPT2_SMALL`, {gpt2['nodes']:,} nodes)" if gpt2 else "",
+        "heuristics", header=header, meta=results["meta"], steps=STEPS, gpt2=results["models"].get(GPT2_SMALL_LABEL),
         graphs=len(es), entries=es, pool_columns=["coop", *POOL_VARIANTS, "dtr"],
         fragmentation={name: fragmentation_counts(results, key) for name, key in
                        (("own", "own_fragmentation"), ("caching", "caching_fragmentation"))},
         claims=claims_values(s["claims"]), small=small, small_table=dtr_table(small),
         small_said=dtr_variants_said(small), larger=larger, larger_table=dtr_table(larger),
-        larger_ranking=ranking(larger, list(larger["overheads"])), verdict=verdict(len(es), live, pool),
-        equal=equal_pools(results), live=live, pool=pool, pool_variants=POOL_VARIANTS,
-        not_monotone=not_monotone(results), times=times, example=ex, divergence=divergence(ex),
-        sweep=sweep_values(ex), largest=largest_graph(results),
-        update_models=[display(m) for m in by_model(updates)], updates=by_model(updates),
-        updates_pairs=pair_values(updates, UPDATE_PAIRS), updates_mixed=mixed(updates, UPDATE_PAIRS),
-        updates_gap=largest_gap(updates, UPDATE_PAIRS), writes_ops=ops_in_place(writes), writes=by_model(writes),
-        writes_pairs=pair_values(writes, WRITE_PAIRS), evictions=evictions_counts(writes, WRITE_PAIRS),
-        regnet_ops=set(ops_in_place(s["regnet"]).values()), regnet_rows=by_model(s["regnet"]),
+        larger_ranking=ranking(larger, list(larger["overheads"])),
+        equal=equal_pools(results), live=live_comparison(results), pool=pool_comparison(results),
+        pool_variants=POOL_VARIANTS, not_monotone=not_monotone(results), example=ex, sweep=sweep_values(ex),
+        updates=inplace_values(s["updates"], UPDATE_PAIRS), writes=inplace_values(s["writes"], WRITE_PAIRS),
         regnet=regnet_values(s["regnet"]), study=s["reserved"], reserved=reserved_said(s["reserved"]),
-        label_of=label_of, display=display, update_pairs=UPDATE_PAIRS, write_pairs=WRITE_PAIRS, pool_cell=pool_cell,
-        ratio=ratio, best_pool_ratio=best_pool_ratio)
+        allocators={"caching": "the caching allocator", "expandable": "expandable segments"}, label_of=label_of,
+        display=display, pool_cell=pool_cell, ratio=ratio, best_pool_ratio=best_pool_ratio, pool_order=pool_order)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
