@@ -473,10 +473,6 @@ def feasible(cell: Cell) -> dict[str, float]:
     return {m: r["overhead"] for m, r in cell.items() if r["feasible"] and m != "none"}
 
 
-def fits(cell: Cell, method: str) -> bool:
-    return method in feasible(cell)
-
-
 def bonsai_cheapest(cell: Cell) -> bool:
     costs = feasible(cell)
     return "bonsai" in costs and costs["bonsai"] <= min(costs.values()) + TIE
@@ -514,8 +510,8 @@ def never_scheduled(method: str, by_budget: dict[float, Cell]) -> list[str] | No
 def headline_values(label: str, by_budget: dict[float, Cell], reach: Row | None) -> dict[str, Any]:
     """The first model: where bonsai is the cheapest, the others at its two smallest budgets and below them."""
     cheap = [f for f, c in by_budget.items() if bonsai_cheapest(c)]
-    fitting = [f for f, c in by_budget.items() if fits(c, "bonsai")]
-    below = [f for f, c in by_budget.items() if not fits(c, "bonsai") and (not fitting or f < fitting[-1])]
+    fitting = [f for f, c in by_budget.items() if "bonsai" in feasible(c)]
+    below = [f for f, c in by_budget.items() if "bonsai" not in feasible(c) and (not fitting or f < fitting[-1])]
     gaps = [by_budget[f]["bonsai"]["gap"] or 0.0 for f in cheap]
     return {"model": model_name(label), "nodes": nodes(by_budget), "cheap": cheap, "fitting": fitting,
             "overheads": [pct(by_budget[f]["bonsai"]["overhead"]) for f in cheap],
@@ -550,8 +546,8 @@ def contested(models: dict[str, dict[float, Cell]]) -> list[tuple[str, float, Ce
 def plan_space_rivals(cells: Sequence[tuple[str, float, Cell]]) -> list[tuple[str, float, Cell, str]]:
     """(model, budget, cell, rival) where chen or per-block (plans in bonsai's space) fits and bonsai does not, or
     costs less."""
-    return [(model, f, c, rival) for model, f, c in cells for rival in ("chen", "per-block")
-            if rival in feasible(c) and (not fits(c, "bonsai") or feasible(c)["bonsai"] > feasible(c)[rival] + TIE)]
+    return [(model, f, c, rival) for model, f, c in cells for costs in [feasible(c)] for rival in ("chen", "per-block")
+            if rival in costs and costs.get("bonsai", float("inf")) > costs[rival] + TIE]
 
 
 def could_not_run(models: dict[str, dict[float, Cell]]) -> dict[str, list[str]]:
@@ -591,9 +587,9 @@ def not_best_values(models: dict[str, dict[float, Cell]]) -> dict[str, Any]:
     winners = list(dict.fromkeys(below_bonsai(c)[0][0] for _, _, c in beaten))
     return {"beaten": [beaten_by(w, beaten) for w in winners], "op_level": any(w in OP_LEVEL for w in winners),
             "unreached": [(m, f, [(o, x, c[o]["gap"] if (c[o].get("gap") or 0) > TIE else None) for o, x in others(c)])
-                          for m, f, c in contested(models) if not fits(c, "bonsai")],
+                          for m, f, c in contested(models) if "bonsai" not in feasible(c)],
             "eager": [(m, f, c["torch-budget"]["overhead"]) for m, f, c in every_cell(models)
-                      if fits(c, "torch-budget") and c["torch-budget"]["overhead"] < 0]}
+                      if "torch-budget" in feasible(c) and c["torch-budget"]["overhead"] < 0]}
 
 
 # -- solver cost -----------------------------------------------------------------------------------
@@ -618,9 +614,9 @@ def found_values(method: str, models: dict[str, dict[float, Cell]], meta: dict[s
 def solver_values(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> dict[str, Any]:
     """Bonsai against checkmate where it proved optimality, what checkmate and moccasin found, bonsai's times."""
     proven = [(m, f, c["checkmate"], c["bonsai"]) for m, f, c in every_cell(models) if "checkmate" in c
-              and c["checkmate"]["feasible"] and c["checkmate"]["status"] == "optimal" and fits(c, "bonsai")]
+              and c["checkmate"]["feasible"] and c["checkmate"]["status"] == "optimal" and "bonsai" in feasible(c)]
     timed = [(m, f, c["bonsai"]["solve_seconds"]) for m, f, c in every_cell(models)
-             if fits(c, "bonsai") and c["bonsai"]["solve_seconds"] is not None]
+             if "bonsai" in feasible(c) and c["bonsai"]["solve_seconds"] is not None]
     return {"proven": proven,
             "where": {m: [f for mm, f, _, _ in proven if mm == m] for m, *_ in proven},
             "dearer": [(m, f, (b["overhead"] - c["overhead"]) * 100) for m, f, c, b in proven
