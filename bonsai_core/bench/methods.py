@@ -64,14 +64,12 @@ class ModelSpec:
 
         text, at, pcts = text.partition("@")
         budgets = []
-        for item in filter(None, pcts.split(",")) if at else ():
+        for item in filter(None, pcts.split(",")):
             try:
-                budgets.append(float(item.strip().rstrip("%")) / 100)
-            except ValueError:
-                budgets.append(-1.0)
-            if not 0 < budgets[-1]:
+                budgets.append(fraction_arg(item))  # as --budgets reads them
+            except argparse.ArgumentTypeError:
                 raise ModelError(f"Cannot read the budget {item!r} in {text + at + pcts!r}; write model@PCT,PCT, "
-                                 "for example gpt@45,40 (shares of the no-remat peak).")
+                                 "for example gpt@45,40 (shares of the no-remat peak).") from None
         if at and not budgets:
             raise ModelError(f"No budgets after '@' in {text + at!r}; write model@PCT,PCT, for example gpt@45,40.")
         # options follow the last colon; names may hold colons too (hf:gpt2, package.module:factory)
