@@ -603,13 +603,13 @@ def sweep_values(ex: dict[str, Any]) -> dict[str, Any]:
 
 # -- recomputable in-place -------------------------------------------------------------------------
 
-AT_80 = {"smallest": lambda row: row["smallest"],  # what the in-place sentences compare
-         "overhead": lambda row: row["at80"]["overhead"] if row["at80"]["ok"] else None}
+COMPARED = {"smallest": lambda row: row["smallest"],  # a variant's smallest budget met and its overhead at 80%
+            "overhead": lambda row: row["at80"]["overhead"] if row["at80"]["ok"] else None}
 
 
 def pair_split(models: dict[str, dict[str, dict]], pair: tuple[str, str], key: str) -> dict[str, list[str]]:
-    """The models where ``AT_80[key]`` of the in-place variant is lower than the copy's, higher, or equal."""
-    value = AT_80[key]
+    """The models where ``COMPARED[key]`` of the in-place variant is lower than the copy's, higher, or equal."""
+    value = COMPARED[key]
     compared = common.compare((display(m), value(vs[pair[0]]), value(vs[pair[1]])) for m, vs in models.items())
     return {k: [m for m, _ in compared[k]] for k in ("lower", "higher", "equal")}
 
@@ -619,7 +619,7 @@ def inplace_values(rows: list[dict[str, Any]], pairs: dict[str, tuple[str, str]]
     and (in place or the copy, the models where only it trains at 80%); whether in place wins the budget on some
     model and the copy on another; the largest budget gap; evictions at 80% where both train; ops run in place."""
     models = common.cells(rows, lambda r: r["model"], by="variant")
-    split = {method: [pair_split(models, pair, key) for key in AT_80] for method, pair in pairs.items()}
+    split = {method: [pair_split(models, pair, key) for key in COMPARED] for method, pair in pairs.items()}
     alone = {method: [(who, found) for who, k, other in (("in place", *pair), ("the copy", *pair[::-1]))
                       for found in [[display(m) for m, vs in models.items()
                                      if vs[k]["at80"]["ok"] and not vs[other]["at80"]["ok"]]] if found]
@@ -641,7 +641,7 @@ def regnet_values(rows: list[dict[str, Any]]) -> dict[str, Any]:
     five times more), and coop's fragmentation."""
     study = inplace_values(rows, WRITE_PAIRS)
     spans = {key: {m: 100 * (max(xs) - min(xs)) if xs else 0.0 for m, vs in study["models"].items()
-                   for xs in [[x for x in map(AT_80[key], vs.values()) if x is not None]]} for key in AT_80}
+                   for xs in [[x for x in map(COMPARED[key], vs.values()) if x is not None]]} for key in COMPARED}
     a, b = WRITE_PAIRS["coop"]
     return {**study, "budgets": spans["smallest"], "costs": spans["overhead"],
             "far": max(spans["smallest"].values()) > 5 * max(spans["overhead"].values()),
