@@ -72,10 +72,10 @@ def test_model_spec_parsing():
 def test_suites_read_model_options_as_the_main_bench_does():
     from bonsai_core.bench import inplace
 
-    assert inplace._models(["hf:resnet:batch=64,image=64", "hf:/cfg/regnet:batch=32", "gpt"]) == [
+    assert inplace.models_of(["hf:resnet:batch=64,image=64", "hf:/cfg/regnet:batch=32", "gpt"]) == [
         ("hf:resnet", {"batch": 64, "image": 64}), ("hf:/cfg/regnet", {"batch": 32}), ("gpt", {})]
     with pytest.raises(ModelError, match="key=N"):
-        inplace._models(["hf:resnet:batch=x"])
+        inplace.models_of(["hf:resnet:batch=x"])
 
 
 def test_smallest_reachable_budget_of_each_method_is_met_and_chens_is_its_lowest_peak():
@@ -145,13 +145,13 @@ def test_bench_list_names_every_suite(capsys):
 
 
 def test_bench_suites_take_their_own_options_and_no_suite_is_the_methods_suite():
-    from bonsai_core.bench import heuristics_page
+    from bonsai_core.bench import heuristics
     from bonsai_core.cli import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["bench", "heuristics", "--models", "mlp", "--out", "x"])
     assert (args.suite, args.models, args.out, args.time_limit) == ("heuristics", ["mlp"], "x", 30.0)
-    assert args.suite_main is heuristics_page.main
+    assert args.suite_main is heuristics.main
     plain = vars(parser.parse_args(["bench", "--quick", "--models", "mlp", "gpt", "-o", "d"]))
     named = vars(parser.parse_args(["bench", "methods", "--quick", "--models", "mlp", "gpt", "-o", "d"]))
     assert plain["suite"] is None and named["suite"] == "methods"

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from bonsai_core.bench import methods as bp
-from bonsai_core.bench.methods import COLUMNS, FULL_MODELS, REACH_TYPES, ModelSpec, _frame
+from bonsai_core.bench.methods import COLUMNS, FULL_MODELS, ModelSpec
 from bonsai_core.cli import main
 
 GPT = ModelSpec.parse(FULL_MODELS[0]).label

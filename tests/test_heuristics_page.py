@@ -7,7 +7,8 @@ from __future__ import annotations
 import copy
 import json
 
-from bonsai_core.bench import heuristics, heuristics_page as hp
+from bonsai_core.bench import common, heuristics
+from bonsai_core.bench import heuristics as hp
 from bonsai_core.cli import main
 
 MIB = 2**20
@@ -246,7 +247,7 @@ def test_the_whole_page_from_one_run(tmp_path):
     assert "at 70% +2.0 points of overhead with the caching allocator and no schedule with expandable segments" in page
     assert "12 s in all" in page
     assert page == hp.page(copy.deepcopy(results), "<!-- header -->")
-    assert "Requests 1-2 are the same in both" in hp.example_markdown(results["example"])
+    assert "Requests 1-2 are the same in both" in common.fill("heuristics_example", ex=results["example"])
 
 
 def test_bad_paths_are_refused_before_anything_is_measured(tmp_path, capsys):

@@ -12,7 +12,7 @@ DEFAULT_SUITE = "methods"
 # suite name -> (module under bonsai_core.bench, what it measures); the order `bonsai bench --list` prints
 SUITES: dict[str, tuple[str, str]] = {
     "methods": ("methods", "every method and peer on the same models and budgets: tables and plots (the default)"),
-    "heuristics": ("heuristics_page", "coop vs DTR in one pool: smallest pool, overhead at equal pools, fragmentation"),
+    "heuristics": ("heuristics", "coop vs DTR in one pool: smallest pool, overhead at equal pools, fragmentation"),
     "inplace": ("inplace", "coop's recomputable in-place (optimizer updates, in-place ops) vs copy-on-write"),
     "dtr-variants": ("dtr_variants", "DTR's heuristics and deallocation modes on the 2-layer zoo GPT"),
     "bonsai": ("bonsai", "the bonsai segment ILP: solve time, size, gap, granularity, live re-solve, region bound"),

@@ -1,15 +1,11 @@
 """``bonsai bench [methods]``: every method and every peer on the same models and budgets, in one run
 (the default suite).
 
-Keeps the run in ``results.json`` (the rows, each method's smallest budget per model, the run's command,
-dates, machine and duration) and writes from it ``results.csv`` (a row per model x budget x method),
-``reach.csv``, ``results.md`` (templates/bench_results.md: a table per model, the reach table, where bonsai is
-not the best) and PNG plots (overhead and peak vs budget, solve time vs graph size). ``--page
-docs/results/benchmarks.md`` also writes that page from results.json alone (:func:`page`, the prose in
-templates/benchmarks.md); ``--report-only`` writes it and the files again, measuring nothing.
-
-Every schedule row comes from :func:`bonsai_core.solvers.solve`, so it was validated by the simulator;
-peer rows are measured on a real CPU step (:mod:`bonsai_core.peers`).
+Keeps the run in ``results.json`` (rows, each method's smallest budget per model, command, dates, machine)
+and writes from it results.csv (a row per model x budget x method), reach.csv, results.md
+(templates/bench_results.md) and PNG plots; ``--page`` writes docs/results/benchmarks.md from results.json
+alone (templates/benchmarks.md), ``--report-only`` the page and the files again, measuring nothing. Schedule
+rows come from :func:`bonsai_core.solvers.solve` (checked by the simulator), peer rows from a real CPU step.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from typing import Any, Callable, Iterable, Sequence
 from bonsai_core.allocator import replay
 from bonsai_core.arguments import SOLVE_TIME_LIMIT, fraction_arg, positive_seconds
 from bonsai_core.bench import common
-from bonsai_core.bench.common import median, pct
+from bonsai_core.bench.common import TIE, median, pct
 from bonsai_core.bound import lower_bound
 from bonsai_core.errors import BonsaiError, ModelError
 from bonsai_core.regions import plan_schedule
@@ -68,14 +64,12 @@ class ModelSpec:
 
         text, at, pcts = text.partition("@")
         budgets = []
-        for item in filter(None, pcts.split(",")) if at else ():
+        for item in filter(None, pcts.split(",")):
             try:
-                budgets.append(float(item.strip().rstrip("%")) / 100)
-            except ValueError:
-                budgets.append(-1.0)
-            if not 0 < budgets[-1]:
+                budgets.append(fraction_arg(item))  # as --budgets reads them
+            except argparse.ArgumentTypeError:
                 raise ModelError(f"Cannot read the budget {item!r} in {text + at + pcts!r}; write model@PCT,PCT, "
-                                 "for example gpt@45,40 (shares of the no-remat peak).")
+                                 "for example gpt@45,40 (shares of the no-remat peak).") from None
         if at and not budgets:
             raise ModelError(f"No budgets after '@' in {text + at!r}; write model@PCT,PCT, for example gpt@45,40.")
         # options follow the last colon; names may hold colons too (hf:gpt2, package.module:factory)
@@ -133,9 +127,8 @@ class BenchConfig:
 
 def run_bench(config: BenchConfig, out_dir: str | Path,
               progress: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Run every (model, budget, method) and peer, and each method's smallest reachable budget per
-    model: their rows; results.csv, reach.csv and results.md written after each model, so a long run
-    leaves results behind."""
+    """Every (model, budget, method) and peer, and each method's smallest budget per model: their rows, the
+    tables written after each model, so a long run leaves results behind."""
     from bonsai_core.trace import trace_model
 
     out = Path(out_dir)
@@ -155,8 +148,8 @@ def run_bench(config: BenchConfig, out_dir: str | Path,
             for method in config.methods:
                 row = _row(spec.label, g.n, method, budget, fraction)
                 row["bound"] = bound.cost / g.total_cost - 1 if math.isfinite(bound.cost) else None
-                if too_large(config, method, g.n):
-                    rows.append({**row, "note": too_large(config, method, g.n)})
+                if why := too_large(config, method, g.n):
+                    rows.append({**row, "note": why})
                     continue
                 start = time.perf_counter()
                 try:
@@ -169,11 +162,10 @@ def run_bench(config: BenchConfig, out_dir: str | Path,
                 progress(f"  {fraction:.0%} {method:10s} feasible={row['feasible']} overhead={row['overhead']} "
                          f"t={row['solve_seconds']:.2f}s {row['note']}")
         for peer in config.peers:
-            if too_large(config, peer, g.n):
-                rows.extend({**_row(spec.label, g.n, peer, int(f * reference), f), "note": too_large(config, peer, g.n)}
-                            for f in budgets)
-                continue
-            rows.extend(_peer_rows(peer, spec, g.n, reference, budgets, config, progress))
+            if why := too_large(config, peer, g.n):
+                rows.extend({**_row(spec.label, g.n, peer, int(f * reference), f), "note": why} for f in budgets)
+            else:
+                rows.extend(_peer_rows(peer, spec, g.n, reference, budgets, config, progress))
         if any(m in REACH_METHODS for m in config.methods):
             reach.append(smallest_budgets(spec.label, g, config))
             progress("  smallest budgets: " + ", ".join(f"{m} {share(reach[-1], m)}" for m in
@@ -191,31 +183,24 @@ def too_large(config: BenchConfig, method: str, nodes: int) -> str | None:
 
 
 def add_arguments(p: argparse.ArgumentParser, output_required: bool = True) -> None:
-    """The options of the methods suite (``bonsai bench`` without a suite takes them too, its output
-    then checked by :func:`main`, since ``bonsai bench --list`` needs none)."""
+    """The suite's options (``bonsai bench`` takes them too, without a required output: ``--list`` needs none)."""
     p.add_argument("--models", nargs="+", metavar="MODEL",
-                   help="zoo or hf: models, e.g. gpt or gpt:layers=2,width=256; MODEL@PCT,PCT adds budgets for that model")
+                   help="zoo or hf: models, e.g. gpt or gpt:layers=2,width=256; MODEL@PCT,PCT adds budgets for that "
+                        "model")
     p.add_argument("--budgets", nargs="+", type=fraction_arg, metavar="PCT", help="shares of the no-remat peak")
     p.add_argument("--methods", nargs="+", metavar="METHOD", help="default: every method")
     p.add_argument("--peers", nargs="*", metavar="PEER", help="torch-budget, per-block (default: both)")
     p.add_argument("--quick", action="store_true", help="two small models, two budgets (a minute or two)")
-    p.add_argument("--time-limit", type=positive_seconds, default=None, metavar="S", help="per solve (default 60, quick 10)")
+    p.add_argument("--time-limit", type=positive_seconds, default=None, metavar="S",
+                   help="per solve (default 60, quick 10)")
     p.add_argument("--backend", choices=("highs", "scip"), default="highs", help="MILP backend")
     p.add_argument("-o", "--output", "--out", dest="out", required=output_required, metavar="DIR",
                    help="folder of results.json and the tables and plots written from it")
     common.add_page_arguments(p, None, RECORD_PAGE)
 
 
-def refusal(args: argparse.Namespace) -> str | None:
-    """Why the options cannot run, before anything is measured (the page reports the default models and budgets
-    only); None when they can."""
-    return common.page_refusal(args, record_page=RECORD_PAGE, narrowed=common.changed(args, ("models", "budgets")),
-                               whole="the default models and budgets")
-
-
 def measure(config: BenchConfig, out: Path) -> dict[str, Any]:
-    """The bench's rows and smallest budgets (as results.csv and reach.csv hold them) and the run's command,
-    dates and machine."""
+    """The bench's rows and smallest budgets (as results.csv and reach.csv hold them) and the run's meta."""
     meta = common.run_meta("started", time_limit=config.time_limit, node_limits=config.max_nodes)
     start = time.perf_counter()
     run_bench(config, out, progress=lambda line: print(line, flush=True))
@@ -223,22 +208,24 @@ def measure(config: BenchConfig, out: Path) -> dict[str, Any]:
     return {"meta": meta, "rows": load_rows(out / "results.csv"), "reach": load_rows(out / "reach.csv", REACH_TYPES)}
 
 
-def write_beside(results: dict[str, Any], out: Path) -> None:
-    """results.csv, reach.csv, results.md and the plots, from the run's results."""
-    _write(results["rows"], results["reach"], out)
-    write_plots(results["rows"], out)
-
-
 def main(args: argparse.Namespace) -> int:
     """``bonsai bench [methods]``: the bench into ``-o`` (results.json, the tables and plots) and the page;
-    with ``--report-only``, only the page from a finished run."""
+    the page reports the default models and budgets only."""
     if args.out is None:
         args.parser.error("the following arguments are required: -o/--output")
     config = None if args.report_only else config_from(args)
+    refusal = common.page_refusal(args, record_page=RECORD_PAGE, narrowed=common.changed(args, ("models", "budgets")),
+                                  whole="the default models and budgets")
     write_page = common.page_writer(lambda run, header, bench: page(run["rows"], run["reach"], run["meta"], header,
                                                                     bench), SOURCES, args.out)
-    return common.run_page_suite("methods", args, refusal(args), lambda: measure(config, Path(args.out)), write_page,
+    return common.run_page_suite("methods", args, refusal, lambda: measure(config, Path(args.out)), write_page,
                                  write_beside)
+
+
+def write_beside(results: dict[str, Any], out: Path) -> None:
+    """The tables and the plots, from the run's results."""
+    _write(results["rows"], results["reach"], out)
+    write_plots(results["rows"], out)
 
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
@@ -259,18 +246,10 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
 
 
 def smallest_budgets(model: str, graph: Any, config: BenchConfig) -> dict[str, Any]:
-    """The smallest budget (bytes) each of bonsai, chen, dtr and coop (those in the bench) reaches on
-    ``graph``, computed once per model:
-
-    * bonsai: the min-peak MILP of its segment model at the top of the auto ladder
-      (:func:`~bonsai_core.solvers.bonsai.smallest_budget`, ``bonsai_status`` says whether it was
-      proven within the time limit). Bonsai also falls back on Chen's plans, so in a solve it meets
-      every budget chen meets as well.
-    * chen: the lowest simulated peak over the plans it tries under a budget.
-    * dtr, coop: the smallest budget a bisection between the per-op lower bound and the no-remat
-      peak meets (a heuristic's success is not monotone in the budget: a budget it meets, not a
-      proven minimum); the whole bisection within one time limit.
-    """
+    """The smallest budget (bytes) each of bonsai, chen, dtr and coop in the bench reaches on ``graph``: bonsai's
+    min-peak MILP (:func:`~bonsai_core.solvers.bonsai.smallest_budget`; ``bonsai_status``: proven or not), chen's
+    lowest simulated plan peak, and for dtr and coop what a bisection from the per-op bound meets within one time
+    limit (a budget met, not a proven minimum: a heuristic is not monotone in the budget)."""
     start = time.perf_counter()
     row: dict[str, Any] = {"model": model, "nodes": graph.n, "no_remat_peak": no_remat_peak(graph),
                            "lower_bound": graph.peak_lower_bound}
@@ -283,7 +262,10 @@ def smallest_budgets(model: str, graph: Any, config: BenchConfig) -> dict[str, A
         except BonsaiError as e:
             row["bonsai"], row["bonsai_status"] = None, f"failed: {e}"[:120]
     if "chen" in config.methods:
-        row["chen"] = chen_lowest_peak(graph)
+        from bonsai_core.solvers.chen import candidate_plans
+
+        row["chen"] = min(simulate(graph, plan_schedule(graph, plan, "chen")).peak
+                          for _, plan in candidate_plans(graph, "auto"))
     for method in ("dtr", "coop"):
         if method in config.methods:
             row[method] = bisect_budget(graph, method, row["no_remat_peak"], config.time_limit)
@@ -291,17 +273,9 @@ def smallest_budgets(model: str, graph: Any, config: BenchConfig) -> dict[str, A
     return row
 
 
-def chen_lowest_peak(graph: Any) -> int:
-    """The lowest simulated peak over the checkpoint plans chen tries under a budget."""
-    from bonsai_core.solvers.chen import candidate_plans
-
-    return min(simulate(graph, plan_schedule(graph, plan, "chen")).peak for _, plan in candidate_plans(graph, "auto"))
-
-
 def bisect_budget(graph: Any, method: str, reference: int, time_limit: float) -> int | None:
-    """The smallest budget between the per-op lower bound and ``reference`` at which ``method``
-    (dtr or coop, without its own budget hint) found a schedule in a bisection of at most
-    BISECTION_STEPS runs after the two ends; None if it met neither end within ``time_limit``."""
+    """The smallest budget from the per-op lower bound to ``reference`` that ``method`` (no budget hint) meets in
+    a bisection within ``time_limit``; None if it met neither end."""
     deadline = Deadline(time_limit)
 
     def meets(budget: int) -> bool:
@@ -313,8 +287,8 @@ def bisect_budget(graph: Any, method: str, reference: int, time_limit: float) ->
 
 
 def _options(method: str, config: BenchConfig) -> dict[str, Any]:
-    """The bench's time limit and MILP backend, for the methods that take them; every solve from scratch
-    (bonsai would otherwise answer a budget with the plan of a larger one that fits it, in no time)."""
+    """The bench's time limit and MILP backend, for the methods that take them; every solve from scratch (bonsai
+    would otherwise answer a budget with a larger one's plan that fits it, in no time)."""
     accepted = accepted_options(method)
     return {k: v for k, v in (("time_limit", config.time_limit), ("backend", config.backend), ("reuse", False))
             if accepted is None or k in accepted}
@@ -366,28 +340,25 @@ def _peer_rows(peer: str, spec: ModelSpec, nodes: int, reference: int, budgets: 
     return rows
 
 
-def _frame(rows: list[dict[str, Any]], types: dict[str, str] = COLUMN_TYPES):
+def _write(rows: list[dict[str, Any]], reach: list[dict[str, Any]], out: Path) -> None:
+    """results.csv, reach.csv and results.md."""
     import pandas as pd
 
-    return pd.DataFrame(rows, columns=list(types)).astype(types)
-
-
-def _write(rows: list[dict[str, Any]], reach: list[dict[str, Any]], out: Path) -> None:
-    _frame(rows).to_csv(out / "results.csv", index=False)
-    _frame(reach, REACH_TYPES).to_csv(out / "reach.csv", index=False)
+    for data, types, name in ((rows, COLUMN_TYPES, "results.csv"), (reach, REACH_TYPES, "reach.csv")):
+        pd.DataFrame(data, columns=list(types)).astype(types).to_csv(out / name, index=False)
     (out / "results.md").write_text(markdown_report(rows, reach))
 
 
 def markdown_report(rows: list[dict[str, Any]], reach: Sequence[dict[str, Any]] = ()) -> str:
-    """results.md: one table per model (budget x method: overhead, or why it failed), best feasible in bold,
-    the smallest budget each method reaches, the budgets where bonsai is not the best, said plainly, the cells
-    where a plan of its space beats it, and the solver cost."""
+    """results.md: a table per model (best feasible in bold), the smallest budgets, where bonsai is not the best
+    or a plan of its space beats it, and the solver cost."""
     models = cells_by_model(rows)
-    best = {(m, f): min(feasible(c).values(), default=None) for m, by_budget in models.items() for f, c in by_budget.items()}
+    best = {(m, f): min(feasible(c).values(), default=None) for m, f, c in every_cell(models)}
     cells = contested(models)
-    return common.fill("bench_results", models=models, nodes=nodes, best=best, methods=list(dict.fromkeys(r["method"] for r in rows)),
-                       reach=reach, share=share, tie=TIE,
-                       reach_methods=[m for m in REACH_METHODS if any(r.get(m) is not None or r.get(f"{m}_status") for r in reach)],
+    return common.fill("bench_results", models=models, nodes=nodes, best=best, reach=reach, share=share, tie=TIE,
+                       methods=list(dict.fromkeys(r["method"] for r in rows)),
+                       reach_methods=[m for m in REACH_METHODS if any(r.get(m) is not None or r.get(f"{m}_status")
+                                                                      for r in reach)],
                        not_best=[(m, f, min(feasible(c), key=feasible(c).get), best[m, f], c["bonsai"])
                                  for m, by_budget in models.items() for f, c in by_budget.items()
                                  if best[m, f] is not None and "bonsai" in c and not bonsai_cheapest(c)],
@@ -400,8 +371,7 @@ def markdown_report(rows: list[dict[str, Any]], reach: Sequence[dict[str, Any]] 
 
 
 def load_rows(csv_path: str | Path, types: dict[str, str] = COLUMN_TYPES) -> list[dict[str, Any]]:
-    """Rows of a results.csv (or, with REACH_TYPES, a reach.csv), typed again (to rewrite the report
-    or plots of a finished run)."""
+    """Rows of a results.csv (or, with REACH_TYPES, a reach.csv), typed again."""
     import pandas as pd
 
     frame = pd.read_csv(csv_path, dtype=types, keep_default_na=False, na_values=[""])
@@ -409,57 +379,43 @@ def load_rows(csv_path: str | Path, types: dict[str, str] = COLUMN_TYPES) -> lis
 
 
 def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
-    """overhead_vs_budget, peak_vs_budget and solve_time_vs_size, as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """overhead_vs_budget and peak_vs_budget (a panel per model), and solve_time_vs_size, as PNG."""
+    import plotly.graph_objects as go
+    from plotly.colors import qualitative
+    from plotly.subplots import make_subplots
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    colours = dict(zip(dict.fromkeys(r["method"] for r in rows), qualitative.Plotly))
+    cols = min(4, len(models))
     for key, ylabel, name in (("overhead", "recompute overhead", "overhead_vs_budget"),
                               ("peak", "peak (MiB)", "peak_vs_budget")):
-        cols = min(4, len(models))
-        nrows = math.ceil(len(models) / cols)
-        fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+        fig = make_subplots(rows=math.ceil(len(models) / cols), cols=cols, subplot_titles=models)
         for i, model in enumerate(models):
-            ax = axes[i // cols][i % cols]
-            for method in methods:
-                pts = sorted((r["budget_fraction"], r[key]) for r in rows
+            for method, colour in colours.items():
+                pts = sorted((r["budget_fraction"] * 100, r[key] / 2**20 if key == "peak" else r[key]) for r in rows
                              if r["model"] == model and r["method"] == method and r["feasible"])
-                if pts:
-                    ax.plot([p[0] * 100 for p in pts], [p[1] / 2**20 if key == "peak" else p[1] for p in pts],
-                            marker="o", label=method)
-            ax.set_title(model, fontsize=9)
-            ax.set_xlabel("budget (% of no-remat peak)")
-            ax.set_ylabel(ylabel)
-            ax.invert_xaxis()
-        legend = {}
-        for ax in axes.flat:
-            legend.update(zip(*reversed(ax.get_legend_handles_labels())))
-        if legend:
-            fig.legend(list(legend.values()), list(legend.keys()), loc="upper center", ncol=len(legend))
-        fig.tight_layout(rect=(0, 0, 1, 0.94))
-        fig.savefig(out / f"{name}.png", dpi=90)
-        plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method in [m for m in methods if m in OPTIMISERS]:
-        pts = sorted((r["nodes"], r["solve_seconds"]) for r in rows
-                     if r["method"] == method and r["solve_seconds"] and r["feasible"])
-        if pts:
-            ax.loglog([p[0] for p in pts], [p[1] for p in pts], "o", label=method, alpha=0.7)
-    ax.set_xlabel("graph nodes")
-    ax.set_ylabel("solve time (s)")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "solve_time_vs_size.png", dpi=90)
-    plt.close(fig)
+                if pts:  # a method's legend entry with its first line
+                    fig.add_trace(go.Scatter(x=[x for x, _ in pts], y=[y for _, y in pts], name=method,
+                                             line_color=colour, legendgroup=method,
+                                             showlegend=method not in {t.name for t in fig.data}),
+                                  row=i // cols + 1, col=i % cols + 1)
+        fig.update_xaxes(title_text="budget (% of no-remat peak)", autorange="reversed")
+        fig.update_yaxes(title_text=ylabel)
+        fig.update_annotations(font_size=10)  # the subplot titles: the longest model labels fit their panel
+        fig.update_layout(width=380 * cols, height=310 * math.ceil(len(models) / cols) + 60, template="plotly_white",
+                          legend=dict(orientation="h", y=1.02, yanchor="bottom"))
+        common.write_png(fig, out / f"{name}.png")
+    fig = go.Figure([go.Scatter(x=[r["nodes"] for r in of], y=[r["solve_seconds"] for r in of], mode="markers",
+                                name=method, opacity=0.7, marker_color=colours[method])
+                     for method in colours if method in OPTIMISERS
+                     for of in [[r for r in rows if r["method"] == method and r["solve_seconds"] and r["feasible"]]]])
+    fig.update_layout(width=540, height=360, template="plotly_white", margin=dict(t=20),
+                      xaxis=dict(type="log", title="graph nodes"), yaxis=dict(type="log", title="solve time (s)"))
+    common.write_png(fig, out / "solve_time_vs_size.png")
 
 
 # -- docs/results/benchmarks.md: every number and ranking computed from results.json ----------------------
 
-TIE = 1e-9  # overheads this close are a tie (as results.md's bold and its counts take them)
 OP_LEVEL = ("moccasin", "checkmate", "dtr", "coop")  # schedules of single ops, outside bonsai's plan space
 SOLVER_OF = {"moccasin": "CP-SAT", "checkmate": "MILP"}
 METHOD_NAMES = {"per-block": "per-block checkpointing", "torch-budget": "PyTorch's budget partitioner"}
@@ -515,10 +471,6 @@ def feasible(cell: Cell) -> dict[str, float]:
     return {m: r["overhead"] for m, r in cell.items() if r["feasible"] and m != "none"}
 
 
-def fits(cell: Cell, method: str) -> bool:
-    return method in feasible(cell)
-
-
 def bonsai_cheapest(cell: Cell) -> bool:
     costs = feasible(cell)
     return "bonsai" in costs and costs["bonsai"] <= min(costs.values()) + TIE
@@ -546,8 +498,7 @@ def nodes(by_budget: dict[float, Cell]) -> int:
 # -- the headline model -------------------------------------------------------------------------------
 
 def never_scheduled(method: str, by_budget: dict[float, Cell]) -> list[str] | None:
-    """The solver statuses the notes of ``method``'s rows report (``(status UNKNOWN)``) when it ran at every budget
-    and fitted at none; None otherwise."""
+    """The statuses ``method``'s notes report (``(status UNKNOWN)``) when it ran at every budget, fitting none."""
     rows = method_rows(by_budget, method)
     if not rows or any(r["feasible"] or not_run(r) for r in rows):
         return None
@@ -555,11 +506,10 @@ def never_scheduled(method: str, by_budget: dict[float, Cell]) -> list[str] | No
 
 
 def headline_values(label: str, by_budget: dict[float, Cell], reach: Row | None) -> dict[str, Any]:
-    """The first model: where bonsai is the cheapest (its overheads, the solver gap), the other methods at the
-    two smallest budgets bonsai meets and at those below them, and the solvers that found no schedule."""
+    """The first model: where bonsai is the cheapest, the others at its two smallest budgets and below them."""
     cheap = [f for f, c in by_budget.items() if bonsai_cheapest(c)]
-    fitting = [f for f, c in by_budget.items() if fits(c, "bonsai")]
-    below = [f for f, c in by_budget.items() if not fits(c, "bonsai") and (not fitting or f < fitting[-1])]
+    fitting = [f for f, c in by_budget.items() if "bonsai" in feasible(c)]
+    below = [f for f, c in by_budget.items() if "bonsai" not in feasible(c) and (not fitting or f < fitting[-1])]
     gaps = [by_budget[f]["bonsai"]["gap"] or 0.0 for f in cheap]
     return {"model": model_name(label), "nodes": nodes(by_budget), "cheap": cheap, "fitting": fitting,
             "overheads": [pct(by_budget[f]["bonsai"]["overhead"]) for f in cheap],
@@ -573,9 +523,8 @@ def headline_values(label: str, by_budget: dict[float, Cell], reach: Row | None)
 # -- smallest reachable budgets ----------------------------------------------------------------------
 
 def reach_values(reach: Sequence[Row]) -> dict[str, Any]:
-    """The models where bonsai's min-peak MILP is not proven, and those where dtr or coop meet a smaller budget
-    than bonsai's and chen's: (row, [(dtr or coop, whether it is the per-op bound)], bonsai's and chen's). In a
-    solve bonsai meets the smaller of its min-peak MILP's budget and chen's (its fallback plans)."""
+    """Where bonsai's min-peak MILP is not proven, and where dtr or coop meet a smaller budget than bonsai's and
+    chen's (bonsai's fallback plans): (row, [(dtr or coop, whether it is the per-op bound)], the smaller of those)."""
     below = []
     for r in reach:
         plans = min((r[k] for k in ("bonsai", "chen") if r.get(k)), default=None)
@@ -593,15 +542,14 @@ def contested(models: dict[str, dict[float, Cell]]) -> list[tuple[str, float, Ce
 
 
 def plan_space_rivals(cells: Sequence[tuple[str, float, Cell]]) -> list[tuple[str, float, Cell, str]]:
-    """(model, budget, cell, rival) where chen or the per-block peer (plans in bonsai's space) fits and bonsai
-    does not, or costs less."""
-    return [(model, f, c, rival) for model, f, c in cells for rival in ("chen", "per-block")
-            if rival in feasible(c) and (not fits(c, "bonsai") or feasible(c)["bonsai"] > feasible(c)[rival] + TIE)]
+    """(model, budget, cell, rival) where chen or per-block (plans in bonsai's space) fits and bonsai does not, or
+    costs less."""
+    return [(model, f, c, rival) for model, f, c in cells for costs in [feasible(c)] for rival in ("chen", "per-block")
+            if rival in costs and costs.get("bonsai", float("inf")) > costs[rival] + TIE]
 
 
 def could_not_run(models: dict[str, dict[float, Cell]]) -> dict[str, list[str]]:
-    """Methods or peers that failed on a whole model before any budget (a crash, not a budget they miss), by
-    their names: the models."""
+    """Method or peer -> the models it failed on before any budget (a crash, not a budget it misses)."""
     failed = [(method, model) for model, by_budget in models.items()
               for method in dict.fromkeys(m for c in by_budget.values() for m in c)
               if all((r.get("note") or "").startswith("could not run") for r in method_rows(by_budget, method))]
@@ -620,8 +568,8 @@ def cells_values(models: dict[str, dict[float, Cell]], first: str) -> dict[str, 
 
 
 def beaten_by(winner: str, cells: Sequence[tuple[str, float, Cell]]) -> dict[str, Any]:
-    """Where ``winner`` is the cheapest below bonsai: (model, budget, its overhead and bonsai's, the digits that
-    tell them apart, the others also below bonsai) and by how many points at most."""
+    """Where ``winner`` is the cheapest below bonsai (overheads, the digits that tell them apart, the others below
+    bonsai) and by how many points at most."""
     mine = [(m, f, c) for m, f, c in cells if below_bonsai(c)[0][0] == winner]
     return {"winner": winner, "points": max(c["bonsai"]["overhead"] - feasible(c)[winner] for _, _, c in mine) * 100,
             "cells": [(m, f, feasible(c)[winner], c["bonsai"]["overhead"],
@@ -632,14 +580,15 @@ def beaten_by(winner: str, cells: Sequence[tuple[str, float, Cell]]) -> dict[str
 
 def not_best_values(models: dict[str, dict[float, Cell]]) -> dict[str, Any]:
     """Who is cheaper than bonsai where it fits, who fits where it does not, and where PyTorch's budget
-    partitioner costs less than the plain step (a compiled step, not a recompute saving)."""
+    partitioner costs less than the plain step."""
     beaten = [(m, f, c) for m, f, c in contested(models) if below_bonsai(c)]
     winners = list(dict.fromkeys(below_bonsai(c)[0][0] for _, _, c in beaten))
     return {"beaten": [beaten_by(w, beaten) for w in winners], "op_level": any(w in OP_LEVEL for w in winners),
-            "unreached": [(m, f, [(o, x, c[o].get("gap") if (c[o].get("gap") or 0) > TIE else None) for o, x in others(c)])
-                          for m, f, c in contested(models) if not fits(c, "bonsai")],
+            "unreached": [(m, f, [(o, x, c[o]["gap"] if (c[o].get("gap") or 0) > TIE else None) for o, x in others(c)])
+                          for m, f, c in contested(models) if "bonsai" not in feasible(c)],
             "eager": [(m, f, c["torch-budget"]["overhead"]) for m, f, c in every_cell(models)
-                      if fits(c, "torch-budget") and c["torch-budget"]["overhead"] < 0]}
+                      if "torch-budget" in feasible(c) and c["torch-budget"]["overhead"] < 0]}
+
 
 # -- solver cost -----------------------------------------------------------------------------------
 
@@ -649,8 +598,7 @@ def ratio_range(values: Sequence[float]) -> str:
 
 
 def found_values(method: str, models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> tuple | None:
-    """(method, cells where it found a schedule, cells it ran, models where it ran and found none, models it was
-    not run on, its node limit); None when it ran nowhere."""
+    """(method, cells with a schedule, cells run, models with none, models not run on, its node limit)."""
     rows_of = {model_name(m): method_rows(by_budget, method) for m, by_budget in models.items()}
     ran = [r for rows in rows_of.values() for r in rows if not not_run(r)]
     if not ran:
@@ -662,12 +610,11 @@ def found_values(method: str, models: dict[str, dict[float, Cell]], meta: dict[s
 
 
 def solver_values(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) -> dict[str, Any]:
-    """Where checkmate proved optimality, bonsai's cost, speed and size against it; what checkmate and moccasin
-    found; bonsai's solve times."""
+    """Bonsai against checkmate where it proved optimality, what checkmate and moccasin found, bonsai's times."""
     proven = [(m, f, c["checkmate"], c["bonsai"]) for m, f, c in every_cell(models) if "checkmate" in c
-              and c["checkmate"]["feasible"] and c["checkmate"]["status"] == "optimal" and fits(c, "bonsai")]
+              and c["checkmate"]["feasible"] and c["checkmate"]["status"] == "optimal" and "bonsai" in feasible(c)]
     timed = [(m, f, c["bonsai"]["solve_seconds"]) for m, f, c in every_cell(models)
-             if fits(c, "bonsai") and c["bonsai"]["solve_seconds"] is not None]
+             if "bonsai" in feasible(c) and c["bonsai"]["solve_seconds"] is not None]
     return {"proven": proven,
             "where": {m: [f for mm, f, _, _ in proven if mm == m] for m, *_ in proven},
             "dearer": [(m, f, (b["overhead"] - c["overhead"]) * 100) for m, f, c, b in proven
@@ -682,9 +629,8 @@ def solver_values(models: dict[str, dict[float, Cell]], meta: dict[str, Any]) ->
 # -- the page --------------------------------------------------------------------------------------
 
 def bound_values(models: dict[str, dict[float, Cell]]) -> list[tuple[str, list[tuple]]]:
-    """Per model, per budget with a lower bound (results.csv's ``bound``): (budget, bound, the cheapest method
-    found there and its overhead, or None, None); of the methods only: a peer's overhead is measured on an eager
-    step, which the bound does not speak of."""
+    """Per model, per budget with a lower bound: (budget, bound, the cheapest method and its overhead, or None);
+    peers aside (measured on an eager step, which the bound does not speak of)."""
     out = []
     for label, by_budget in models.items():
         parts = []
@@ -699,8 +645,7 @@ def bound_values(models: dict[str, dict[float, Cell]]) -> list[tuple[str, list[t
 
 
 def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header: str, bench: str) -> str:
-    """The whole page from one run: its rows (results.csv's), reach (reach.csv's) and ``meta`` (results.json's);
-    ``bench``: the output folder as a link from the page."""
+    """The whole page from one run's rows, reach and ``meta``; ``bench``: the output folder from the page."""
     models = cells_by_model(rows)
     if not models:
         raise BonsaiError("The run has no results to write a page from: run the bench with --page first.")
