@@ -394,22 +394,3 @@ def progress(row: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
     ends."""
     print(json.dumps({k: row[k] for k in keys if row.get(k) is not None}, default=str), flush=True)
     return row
-
-
-# -- shared by the methods and heuristics suites' figures (s8-bA) --------------------------------------------
-
-def write_png(fig: Any, path: Path) -> None:
-    """A plotly figure as PNG, shot in headless Chromium, the browser the explorer's tests use (plotly's own PNG
-    export needs kaleido, which the project does not install)."""
-    import shutil
-    import tempfile
-
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if chromium is None:
-        raise SystemExit(f"no chromium: cannot write {path}")
-    with tempfile.TemporaryDirectory() as tmp:
-        page = Path(tmp) / "figure.html"
-        fig.write_html(page, include_plotlyjs=True, config={"staticPlot": True})
-        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                        f"--window-size={fig.layout.width},{fig.layout.height}", f"--screenshot={path}",
-                        page.as_uri()], check=True, capture_output=True, timeout=120)

@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -493,6 +495,20 @@ def figure(results: dict[str, Any]):
     return fig
 
 
+def write_png(fig, path: Path) -> None:
+    """The figure as PNG, shot in headless Chromium, the browser the explorer's tests use (plotly's own PNG
+    export needs kaleido, which the project does not install)."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if chromium is None:
+        raise SystemExit("no chromium: cannot write the PNG (the HTML is written)")
+    with tempfile.TemporaryDirectory() as tmp:
+        page = Path(tmp) / "figure.html"
+        fig.write_html(page, include_plotlyjs=True, config={"staticPlot": True})
+        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                        f"--window-size={fig.layout.width},{fig.layout.height}", f"--screenshot={path}",
+                        page.as_uri()], check=True, capture_output=True, timeout=120)
+
+
 def write_beside(results: dict[str, Any], out: Path) -> None:
     """The headline into results.json, table.md, the figure; example.md when the results hold the example."""
     results["headline"] = headline(results)
@@ -503,7 +519,7 @@ def write_beside(results: dict[str, Any], out: Path) -> None:
         ratio=ratio, best_pool_ratio=best_pool_ratio, overhead_columns=[f"overhead {k}" for k in VARIANTS]))
     fig = figure(results)
     fig.write_html(out / "coop_vs_dtr.html", include_plotlyjs="cdn")
-    common.write_png(fig, out / "coop_vs_dtr.png")
+    write_png(fig, out / "coop_vs_dtr.png")
     if "example" in results:
         (out / "example.md").write_text(common.fill("heuristics_example", ex=results["example"]))
 

@@ -379,39 +379,52 @@ def load_rows(csv_path: str | Path, types: dict[str, str] = COLUMN_TYPES) -> lis
 
 
 def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
-    """overhead_vs_budget and peak_vs_budget (a panel per model), and solve_time_vs_size, as PNG."""
-    import plotly.graph_objects as go
-    from plotly.colors import qualitative
-    from plotly.subplots import make_subplots
+    """overhead_vs_budget, peak_vs_budget and solve_time_vs_size, as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    colours = dict(zip(dict.fromkeys(r["method"] for r in rows), qualitative.Plotly))
-    cols = min(4, len(models))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
     for key, ylabel, name in (("overhead", "recompute overhead", "overhead_vs_budget"),
                               ("peak", "peak (MiB)", "peak_vs_budget")):
-        fig = make_subplots(rows=math.ceil(len(models) / cols), cols=cols, subplot_titles=models)
+        cols = min(4, len(models))
+        nrows = math.ceil(len(models) / cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
         for i, model in enumerate(models):
-            for method, colour in colours.items():
-                pts = sorted((r["budget_fraction"] * 100, r[key] / 2**20 if key == "peak" else r[key]) for r in rows
+            ax = axes[i // cols][i % cols]
+            for method in methods:
+                pts = sorted((r["budget_fraction"], r[key]) for r in rows
                              if r["model"] == model and r["method"] == method and r["feasible"])
-                if pts:  # a method's legend entry with its first line
-                    fig.add_trace(go.Scatter(x=[x for x, _ in pts], y=[y for _, y in pts], name=method,
-                                             line_color=colour, legendgroup=method,
-                                             showlegend=method not in {t.name for t in fig.data}),
-                                  row=i // cols + 1, col=i % cols + 1)
-        fig.update_xaxes(title_text="budget (% of no-remat peak)", autorange="reversed")
-        fig.update_yaxes(title_text=ylabel)
-        fig.update_annotations(font_size=10)  # the subplot titles: the longest model labels fit their panel
-        fig.update_layout(width=380 * cols, height=310 * math.ceil(len(models) / cols) + 60, template="plotly_white",
-                          legend=dict(orientation="h", y=1.02, yanchor="bottom"))
-        common.write_png(fig, out / f"{name}.png")
-    fig = go.Figure([go.Scatter(x=[r["nodes"] for r in of], y=[r["solve_seconds"] for r in of], mode="markers",
-                                name=method, opacity=0.7, marker_color=colours[method])
-                     for method in colours if method in OPTIMISERS
-                     for of in [[r for r in rows if r["method"] == method and r["solve_seconds"] and r["feasible"]]]])
-    fig.update_layout(width=540, height=360, template="plotly_white", margin=dict(t=20),
-                      xaxis=dict(type="log", title="graph nodes"), yaxis=dict(type="log", title="solve time (s)"))
-    common.write_png(fig, out / "solve_time_vs_size.png")
+                if pts:
+                    ax.plot([p[0] * 100 for p in pts], [p[1] / 2**20 if key == "peak" else p[1] for p in pts],
+                            marker="o", label=method)
+            ax.set_title(model, fontsize=9)
+            ax.set_xlabel("budget (% of no-remat peak)")
+            ax.set_ylabel(ylabel)
+            ax.invert_xaxis()
+        legend = {}
+        for ax in axes.flat:
+            legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+        if legend:
+            fig.legend(list(legend.values()), list(legend.keys()), loc="upper center", ncol=len(legend))
+        fig.tight_layout(rect=(0, 0, 1, 0.94))
+        fig.savefig(out / f"{name}.png", dpi=90)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in [m for m in methods if m in OPTIMISERS]:
+        pts = sorted((r["nodes"], r["solve_seconds"]) for r in rows
+                     if r["method"] == method and r["solve_seconds"] and r["feasible"])
+        if pts:
+            ax.loglog([p[0] for p in pts], [p[1] for p in pts], "o", label=method, alpha=0.7)
+    ax.set_xlabel("graph nodes")
+    ax.set_ylabel("solve time (s)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "solve_time_vs_size.png", dpi=90)
+    plt.close(fig)
 
 
 # -- docs/results/benchmarks.md: every number and ranking computed from results.json ----------------------
