@@ -1,14 +1,7 @@
 """Exported steps against their predictions, both back-ends: the zoo under tests/test_export.py's schedules,
 every solver's schedule, verify's full report on real models, SDPA and bf16 no-remat peaks, and the replay
-and checkpoint back-ends side by side on the checkpoint back-end's test models.
-
-    bonsai bench export --page docs/results/export.md                # measures, writes results.json and the page
-    bonsai bench export --page docs/results/export.md --report-only  # the page again from results.json
-    bonsai bench export --quick --out /tmp/e --page /tmp/export.md   # one model per study: a smoke test
-
-With ``--page`` the whole page is written from this run: every number, ranking and comparison on it is
-computed from ``results.json``; the fixed prose only explains how the back-ends work. The schedules of the
-first studies are tests/test_export.py's factories (imported from the checkout, with its small sizes).
+and checkpoint back-ends side by side. ``--page`` writes docs/results/export.md from this run's results.json
+(``--report-only``: from the stored one); ``--quick``, one model per study, is a smoke test.
 """
 
 from __future__ import annotations
@@ -25,8 +18,8 @@ from bonsai_core.schedule import no_remat_peak, none_schedule, simulate
 from bonsai_core.solvers import solve
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
-SOURCES = ["bonsai_core/bench/export.py", "tests/export_models.py", "tests/real_models.py", common.template_source("export"),
-           common.template_source("export_said")]
+SOURCES = ["bonsai_core/bench/export.py", "tests/export_models.py", "tests/real_models.py",
+           common.template_source("export"), common.template_source("export_said")]
 DEFAULT_OUT = "docs/bench/export"
 RECORD_PAGE = "docs/results/export.md"
 
@@ -85,28 +78,22 @@ def headroom_budget(graph: Any, share: float) -> int:
     return int(lb + share * (no_remat_peak(graph) - lb))
 
 
-def replay_export(traced: Any, model: str, options: dict[str, Any], autocast: str | None, schedule: Any,
-                  folder: str) -> None:
-    from bonsai_core.export import export_traced, step_signature
-
-    export_traced(traced, step_signature(model, options), schedule, folder,
-                  spec={"model": model, "options": dict(options), "autocast": autocast})
-
-
-def replay_verified(model: str, options: dict[str, Any], folder: str, repeats: int = 0,
-                    grads: str = "autograd") -> dict[str, Any]:
-    """``verify_export``'s report and its verdict (``problems``: empty when verified)."""
-    from bonsai_core.export import verify_export
-
-    v = verify_export(model, options, folder, repeats=repeats, grads=grads)
+def report(v: Any) -> dict[str, Any]:
+    """verify's report and its verdict (``problems``: empty when verified)."""
     return {**v.to_dict(), "problems": v.problems()}
 
 
 def replay_row(traced: Any, model: str, options: dict[str, Any], autocast: str | None, schedule: Any,
-               repeats: int = 0) -> dict[str, Any]:
+               repeats: int = 0, grads: Sequence[str] = ("autograd",)) -> dict[str, Any]:
+    """The schedule exported with the replay back-end and verified (:func:`report`); with several ``grads``
+    modes, the report of each by its mode."""
+    from bonsai_core.export import export_traced, step_signature, verify_export
+
     with tempfile.TemporaryDirectory() as folder:
-        replay_export(traced, model, options, autocast, schedule, folder)
-        return replay_verified(model, options, folder, repeats)
+        export_traced(traced, step_signature(model, options), schedule, folder,
+                      spec={"model": model, "options": dict(options), "autocast": autocast})
+        reports = {mode: report(verify_export(model, options, folder, repeats=repeats, grads=mode)) for mode in grads}
+    return reports if len(grads) > 1 else reports[grads[0]]
 
 
 def zoo_schedule(graph: Any, factory: str, level: int | None) -> Any:
@@ -124,11 +111,8 @@ def zoo_rows(models: Sequence[str]) -> list[dict[str, Any]]:
         for factory, level in ZOO_SCHEDULES:
             schedule = zoo_schedule(traced.graph, factory, level)
             row = {"model": model, "schedule": factory, "level": level, "nodes": traced.graph.n,
-                   "recomputes": simulate(traced.graph, schedule).recomputes}
-            with tempfile.TemporaryDirectory() as folder:
-                replay_export(traced, model, {}, None, schedule, folder)
-                row["autograd"] = replay_verified(model, {}, folder)
-                row["direct"] = replay_verified(model, {}, folder, grads="direct")
+                   "recomputes": simulate(traced.graph, schedule).recomputes,
+                   **replay_row(traced, model, {}, None, schedule, grads=("autograd", "direct"))}
             rows.append(common.progress(row, ("model", "schedule", "recomputes")))
     return rows
 
@@ -217,7 +201,7 @@ def checkpoint_side(model: str, options: dict[str, Any], autocast: str | None, s
         info = load_checkpointed(folder).INFO
         v = verify_checkpoint(model, options, folder, repeats=1)
     words = {CHECKPOINT_AUTOCAST: "autocast", CPU_ATTENTION_DROPOUT: "SDPA dropout on the CPU"}  # why not judged
-    return {**v.to_dict(), "problems": v.problems(), "unjudged": words.get(v.unpredicted, v.unpredicted),
+    return {**report(v), "unjudged": words.get(v.unpredicted, v.unpredicted),
             "plan_peak": int(info["predicted_peak"]), "plan_realised_peak": int(info["realised_peak"]),
             "dropped_bytes": int(info["dropped_bytes"]),
             "unrealised_dropped_bytes": int(info["unrealised_dropped_bytes"])}
@@ -337,69 +321,6 @@ def differing(rows: Sequence[tuple[str, float, float, float]]) -> list[tuple[str
     return [(label, loss, grad, scaled) for label, loss, grad, scaled in rows if loss or grad]
 
 
-# -- the zoo --------------------------------------------------------------------------------------
-
-def zoo_label(row: dict[str, Any]) -> str:
-    return f"{row['model']} {row['schedule']}" + ("" if row["level"] is None else f" L{row['level']}")
-
-
-def zoo_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    nodes = common.listing([f"{m} {n}" for m, n in dict((r["model"], r["nodes"]) for r in rows).items()])
-    both = [(f"{zoo_label(r)}{'' if mode == 'autograd' else ' (grads direct)'}", r[mode]["measured_peak"],
-             r[mode]["predicted_peak"]) for r in rows for mode in ("autograd", "direct")]
-    recomputing = [r for r in rows if r["recomputes"]]
-    return {"zoo_nodes": nodes, "zoo_rows": rows, "zoo": {
-            "both": both, "tiny": all(0 < m - p <= NEAR for _, m, p in both),
-            "modes_differ": [f"{zoo_label(r)} ({r['autograd']['measured_peak']:,} vs "
-                             f"{r['direct']['measured_peak']:,} B)"
-                             for r in rows if r["direct"]["measured_peak"] != r["autograd"]["measured_peak"]],
-            "exact": [differences(zoo_label(r), r["autograd"], r["direct"]) for r in rows],
-            "original": original_values(rows), "recomputing": recomputing,
-            "not_below": [zoo_label(r) for r in recomputing
-                          if r["autograd"]["measured_peak"] >= r["autograd"]["original_peak"]]}}
-
-
-def original_values(rows: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
-    """The original eager step against the plain (``none``) schedule's prediction: the models where it measures
-    within NEAR bytes of it, less, more."""
-    plain = [(r["model"], r["autograd"]["original_peak"], r["autograd"]["predicted_peak"])
-             for r in rows if r["level"] is None]
-    return {"near": [m for m, o, p in plain if abs(o - p) <= NEAR],
-            "below": [f"{m} ({two_sizes(o, p)})" for m, o, p in plain if o < p - NEAR],
-            "above": [f"{m} ({two_sizes(o, p)})" for m, o, p in plain if o > p + NEAR]}
-
-
-# -- every solver ---------------------------------------------------------------------------------
-
-def methods_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    solved = [r for r in rows if "replay" in r]
-    unmet = common.grouped((r for r in rows if "replay" not in r), lambda r: r["model"], lambda r: r["method"])
-    sizes = "; ".join(f"{m} {options_said(o)}" for m, o in dict((r["model"], r["options"]) for r in rows).items())
-    return {"method_sizes": sizes, "method_share": f"{METHOD_SHARE:.0%}", "methods_found": {
-                "replays": checks([(f"{r['method']} on {r['model']}", r["replay"]) for r in solved]), "unmet": unmet},
-            "method_rows": rows}
-
-
-# -- verify's full report -------------------------------------------------------------------------
-
-def verified_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    none_peaks = [(r["replay"]["measured_peak_grads_none"] / r["replay"]["measured_peak"] - 1) for r in rows]
-    models = common.listing(sorted({f"`{r['model']}` ({options_said(r['options'])})" for r in rows}))
-    labels = [f"{short(r['model'])} {precision(r['options'], r['autocast'])} {r['schedule']}" for r in rows]
-    return {"verified_models": models, "repeats": str(TIMING_REPEATS),
-            "verified_replays": checks([(label, r["replay"]) for label, r in zip(labels, rows)]),
-            "grads_none": percent_range(none_peaks),
-            "verified_rows": rows}
-
-
-# -- SDPA and bf16 --------------------------------------------------------------------------------
-
-def attention_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    return {"seq": str(ATTENTION_SEQ),
-            "peaks": {(r["model"], r["dtype"], r["attention"]): r["no_remat_peak"] for r in rows},
-            "attention_models": list(dict.fromkeys(r["model"] for r in rows))}
-
-
 # -- both back-ends -------------------------------------------------------------------------------
 
 def backend_label(row: dict[str, Any]) -> str:
@@ -411,18 +332,10 @@ def backend_label(row: dict[str, Any]) -> str:
     return f"{label} {row['regions']}" if row.get("regions") else label
 
 
-def checkpoint_error(ck: dict[str, Any]) -> float:
-    """The checkpoint back-end's measured peak against the plan."""
-    return ck["measured_peak"] / ck["plan_peak"] - 1
-
-
-def realised_gap(ck: dict[str, Any]) -> float:
-    """What the checkpoints run, simulated, against the plan."""
-    return ck["plan_realised_peak"] / ck["plan_peak"] - 1
-
-
-def against_realised(ck: dict[str, Any]) -> float:
-    return ck["measured_peak"] / ck["plan_realised_peak"] - 1
+def off(ck: dict[str, Any], peak: str, of: str = "plan_peak") -> float:
+    """The checkpoint back-end's ``peak`` (measured, realised: what its checkpoints run, simulated) against
+    ``of`` (the plan's, the realised)."""
+    return ck[peak] / ck[of] - 1
 
 
 def planned(rows: Sequence[dict[str, Any]], side: str = "share") -> list[dict[str, Any]]:
@@ -443,29 +356,29 @@ def rows_said(rows: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], 
 def follows_plan(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Where the checkpoints run the plan (realised within REALISED of it), and how their measured peaks compare."""
     rows = planned(rows, "checkpoint")
-    follow = [r for r in rows if abs(realised_gap(r["checkpoint"])) <= REALISED]
-    depart = [r for r in rows if abs(realised_gap(r["checkpoint"])) > REALISED]
+    follow = [r for r in rows if abs(off(r["checkpoint"], "plan_realised_peak")) <= REALISED]
+    depart = [r for r in rows if abs(off(r["checkpoint"], "plan_realised_peak")) > REALISED]
     judged = [r for r in follow if not r["checkpoint"]["unjudged"]]
     return {"follow": [(regions, sum(r in follow for r in of), len(of)) for regions in REGIONS
                        for of in [[r for r in rows if r["regions"] == regions]] if of],
-            "judged_follow": judged and percent_range([checkpoint_error(r["checkpoint"]) for r in judged]),
-            "depart": depart, "depart_range": depart and percent_range([realised_gap(r["checkpoint"]) for r in depart]),
-            "depart_said": rows_said(depart, lambda r: common.pct(realised_gap(r["checkpoint"])))}
+            "judged_follow": judged and percent_range([off(r["checkpoint"], "measured_peak") for r in judged]),
+            "depart": depart, "depart_range": depart and percent_range([off(r["checkpoint"], "plan_realised_peak") for r in depart]),
+            "depart_said": rows_said(depart, lambda r: common.pct(off(r["checkpoint"], "plan_realised_peak")))}
 
 
 def against_realised_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The checkpoint back-end's measured peak against its own simulation: within, above (recomputing or not),
     below."""
     judged = [r for r in planned(rows, "checkpoint") if not r["checkpoint"]["unjudged"]]
-    above = [r for r in judged if against_realised(r["checkpoint"]) > REALISED]
-    below = [r for r in judged if against_realised(r["checkpoint"]) < -REALISED]
+    above = [r for r in judged if off(r["checkpoint"], "measured_peak", "plan_realised_peak") > REALISED]
+    below = [r for r in judged if off(r["checkpoint"], "measured_peak", "plan_realised_peak") < -REALISED]
 
     def gap(r: dict[str, Any]) -> str:
-        return common.pct(against_realised(r["checkpoint"]))
+        return common.pct(off(r["checkpoint"], "measured_peak", "plan_realised_peak"))
 
     def both(r: dict[str, Any]) -> str:
         ck = r["checkpoint"]
-        return f"checkpointed {gap(r)}, original {common.pct(ck['original_peak'] / ck['plan_realised_peak'] - 1)}"
+        return f"checkpointed {gap(r)}, original {common.pct(off(ck, 'original_peak', 'plan_realised_peak'))}"
     recomputing, untouched = [r for r in above if r["recomputes"]], [r for r in above if not r["recomputes"]]
     return {"judged": len(judged), "within": len(judged) - len(above) - len(below),
             "recomputing": recomputing and rows_said(recomputing, gap),
@@ -515,10 +428,12 @@ def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
 
 def page(results: dict[str, Any], header: str) -> str:
     return common.fill(
-        "export", header=header, meta=results["meta"], near=NEAR, short=short, precision=precision,
-        met_split=met_split, differing=differing, byte_range=byte_range, **zoo_values(results["zoo"]),
-        **methods_values(results["methods"]), **verified_values(results["verified"]),
-        **attention_values(results["attention"]), **backend_values(results["backends"]))
+        "export", header=header, meta=results["meta"], zoo_rows=results["zoo"], method_rows=results["methods"],
+        verified_rows=results["verified"], attention=results["attention"], **backend_values(results["backends"]),
+        near=NEAR, method_share=METHOD_SHARE, repeats=TIMING_REPEATS, seq=ATTENTION_SEQ, short=short,
+        precision=precision, two_sizes=two_sizes, options_said=options_said, met_split=met_split,
+        differences=differences, checks=checks, differing=differing, byte_range=byte_range,
+        percent_range=percent_range)
 
 
 def refusal(args: argparse.Namespace) -> str | None:
