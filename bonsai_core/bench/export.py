@@ -338,90 +338,18 @@ def off(ck: dict[str, Any], peak: str, of: str = "plan_peak") -> float:
     return ck[peak] / ck[of] - 1
 
 
-def planned(rows: Sequence[dict[str, Any]], side: str = "share") -> list[dict[str, Any]]:
-    """The rows with a plan (``side``: those with that back-end's report)."""
-    return [r for r in rows if "share" in r and side in r]
+def rows_said(rows: Sequence[dict[str, Any]], values: Sequence[str] = ()) -> str:
+    """Rows named by model, their plans after it (each with its value of ``values``, where given):
+    ``unet (any +12.6%; modules +3.7%)``, ``mlp (any, modules)``."""
+    plans = common.grouped(range(len(rows)), lambda i: backend_label({**rows[i], "regions": None}),
+                           lambda i: rows[i]["regions"] + (f" {values[i]}" if values else ""))
+    return common.listing([f"{label} ({('; ' if values else ', ').join(said)})" for label, said in plans.items()])
 
 
-def case_label(row: dict[str, Any]) -> str:
-    return backend_label({**row, "regions": None})
-
-
-def rows_said(rows: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], str] | None = None) -> str:
-    """Rows named by model, their plans after it: ``unet (any +12.6%, modules +3.7%)``, ``mlp (any)``."""
-    plans = common.grouped(rows, case_label, lambda r: r["regions"] + (f" {value(r)}" if value else ""))
-    return common.listing([f"{label} ({('; ' if value else ', ').join(said)})" for label, said in plans.items()])
-
-
-def follows_plan(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Where the checkpoints run the plan (realised within REALISED of it), and how their measured peaks compare."""
-    rows = planned(rows, "checkpoint")
-    follow = [r for r in rows if abs(off(r["checkpoint"], "plan_realised_peak")) <= REALISED]
-    depart = [r for r in rows if abs(off(r["checkpoint"], "plan_realised_peak")) > REALISED]
-    judged = [r for r in follow if not r["checkpoint"]["unjudged"]]
-    return {"follow": [(regions, sum(r in follow for r in of), len(of)) for regions in REGIONS
-                       for of in [[r for r in rows if r["regions"] == regions]] if of],
-            "judged_follow": judged and percent_range([off(r["checkpoint"], "measured_peak") for r in judged]),
-            "depart": depart, "depart_range": depart and percent_range([off(r["checkpoint"], "plan_realised_peak") for r in depart]),
-            "depart_said": rows_said(depart, lambda r: common.pct(off(r["checkpoint"], "plan_realised_peak")))}
-
-
-def against_realised_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The checkpoint back-end's measured peak against its own simulation: within, above (recomputing or not),
-    below."""
-    judged = [r for r in planned(rows, "checkpoint") if not r["checkpoint"]["unjudged"]]
-    above = [r for r in judged if off(r["checkpoint"], "measured_peak", "plan_realised_peak") > REALISED]
-    below = [r for r in judged if off(r["checkpoint"], "measured_peak", "plan_realised_peak") < -REALISED]
-
-    def gap(r: dict[str, Any]) -> str:
-        return common.pct(off(r["checkpoint"], "measured_peak", "plan_realised_peak"))
-
-    def both(r: dict[str, Any]) -> str:
-        ck = r["checkpoint"]
-        return f"checkpointed {gap(r)}, original {common.pct(off(ck, 'original_peak', 'plan_realised_peak'))}"
-    recomputing, untouched = [r for r in above if r["recomputes"]], [r for r in above if not r["recomputes"]]
-    return {"judged": len(judged), "within": len(judged) - len(above) - len(below),
-            "recomputing": recomputing and rows_said(recomputing, gap),
-            "untouched": untouched and rows_said(untouched, both), "below": below and rows_said(below, gap)}
-
-
-def unjudged_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    reasons = common.grouped((r for r in planned(rows, "checkpoint") if r["checkpoint"]["unjudged"]),
-                             lambda r: r["checkpoint"]["unjudged"])
-    return {"unjudged": [f"{reason}: {rows_said(of)}" for reason, of in reasons.items()],
-            "unjudged_count": sum(map(len, reasons.values())), "reasons": list(reasons)}
-
-
-def left_saved(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    rows = planned(rows, "checkpoint")
-
-    def share_left(r: dict[str, Any]) -> float:
-        return r["checkpoint"]["unrealised_dropped_bytes"] / r["checkpoint"]["dropped_bytes"]
-    nothing = [r for r in rows if r["checkpoint"]["dropped_bytes"] and share_left(r) == 1]
-    some = [r for r in rows if r["checkpoint"]["dropped_bytes"] and 0 < share_left(r) < 1]
-    return {"nothing_left": nothing and rows_said(nothing),
-            "some_left": some and rows_said(some, lambda r: f"{share_left(r):.0%}"),
-            "some_left_count": len(some),
-            "some_left_range": some and f"{min(map(share_left, some)):.0%} to {max(map(share_left, some)):.0%}"}
-
-
-def backend_findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    no_plan = [r for r in rows if r.get("no_plan")]
-    return {"replays": {side: checks([(backend_label(r), r[side]) for r in planned(rows, side)])
-                        for side in ("replay", "checkpoint")},
-            **follows_plan(rows), **against_realised_said(rows), **unjudged_said(rows), **left_saved(rows),
-            "no_plan": no_plan and rows_said(no_plan),
-            "verdicts": [(f"{backend_label(r)} ({side})", r[side]["problems"]) for r in planned(rows)
-                         for side in ("replay", "checkpoint") if side in r],
-            "errors": [f"{backend_label(r)}: {r[k].rstrip('.')}" for r in rows for k in ("error", "replay_error",
-                                                                                        "checkpoint_error") if k in r]}
-
-
-def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
-    models = "; ".join(f"`{m}` {options_said(o)}" for m, o in
-                       dict((case_label(r), r["options"]) for r in rows).items())
-    return {"backend_shares": "/".join(f"{s * 100:g}" for s in BACKEND_SHARES), "realised": f"{REALISED:.0%}",
-            "backend_models": models, "backend_rows": rows, "backends": backend_findings(rows)}
+def backend_models(rows: Sequence[dict[str, Any]]) -> str:
+    """Each model of the back-ends' rows with its options: ```hf:gpt2` batch=2, seq=16; ...``."""
+    models = dict((backend_label({**r, "regions": None}), r["options"]) for r in rows)
+    return "; ".join(f"`{m}` {options_said(o)}" for m, o in models.items())
 
 
 # -- the page -------------------------------------------------------------------------------------
@@ -429,8 +357,9 @@ def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
 def page(results: dict[str, Any], header: str) -> str:
     return common.fill(
         "export", header=header, meta=results["meta"], zoo_rows=results["zoo"], method_rows=results["methods"],
-        verified_rows=results["verified"], attention=results["attention"], **backend_values(results["backends"]),
-        near=NEAR, method_share=METHOD_SHARE, repeats=TIMING_REPEATS, seq=ATTENTION_SEQ, short=short,
+        verified_rows=results["verified"], attention=results["attention"], backend_rows=results["backends"],
+        backend_models=backend_models(results["backends"]), backend_shares=BACKEND_SHARES,
+        realised=REALISED, regions_all=REGIONS, backend_label=backend_label, off=off, rows_said=rows_said, near=NEAR, method_share=METHOD_SHARE, repeats=TIMING_REPEATS, seq=ATTENTION_SEQ, short=short,
         precision=precision, two_sizes=two_sizes, options_said=options_said, met_split=met_split,
         differences=differences, checks=checks, differing=differing, byte_range=byte_range,
         percent_range=percent_range)
