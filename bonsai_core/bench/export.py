@@ -10,7 +10,7 @@ import argparse
 import tempfile
 import time
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError, BudgetError
@@ -92,7 +92,8 @@ def replay_row(traced: Any, model: str, options: dict[str, Any], autocast: str |
     with tempfile.TemporaryDirectory() as folder:
         export_traced(traced, step_signature(model, options), schedule, folder,
                       spec={"model": model, "options": dict(options), "autocast": autocast})
-        reports = {mode: report(verify_export(model, options, folder, repeats=repeats, grads=mode)) for mode in grads}
+        reports = {mode: report(verify_export(model, options, folder, repeats=repeats, grads=mode))
+                   for mode in grads}
     return reports if len(grads) > 1 else reports[grads[0]]
 
 
@@ -248,19 +249,16 @@ def backend_rows(cases: Sequence[tuple[str, dict[str, Any], str | None]], time_l
     return rows
 
 
-def chosen(items: Sequence[Any], quick: bool) -> Sequence[Any]:
-    return items[:1] if quick else items
-
-
 def measure(time_limit: float, quick: bool = False) -> dict[str, Any]:
     meta = common.run_meta(time_limit=time_limit, quick=quick, study_seconds={})
     zoo = [(name, opts, None) for name, opts in export_tests().SMALL.items()]  # both back-ends: the zoo first
+    first = 1 if quick else None  # --quick: one model per study
     start = time.perf_counter()
     results = {"meta": meta, **common.run_studies({
-        "zoo": lambda: zoo_rows(chosen(ZOO, quick)),
-        "methods": lambda: method_rows(chosen(ZOO, quick), time_limit),
-        "verified": lambda: verified_rows(chosen(VERIFIED, quick)),
-        "attention": lambda: attention_rows(chosen(ATTENTION_MODELS, quick)),
+        "zoo": lambda: zoo_rows(ZOO[:first]),
+        "methods": lambda: method_rows(ZOO[:first], time_limit),
+        "verified": lambda: verified_rows(VERIFIED[:first]),
+        "attention": lambda: attention_rows(ATTENTION_MODELS[:first]),
         "backends": lambda: backend_rows(zoo[:1] + list(BACKEND_MODELS[-1:]) if quick else zoo + list(BACKEND_MODELS),
                                          time_limit)}, meta["study_seconds"])}
     meta["seconds"] = time.perf_counter() - start
@@ -269,27 +267,6 @@ def measure(time_limit: float, quick: bool = False) -> dict[str, Any]:
 
 # -- words and numbers ----------------------------------------------------------------------------
 
-def short(model: str) -> str:
-    """A model spec as the tables name it: ``export_models:hf_gpt2`` for ``tests.export_models:hf_gpt2``."""
-    return model.removeprefix("tests.")
-
-
-def two_sizes(a: int, b: int) -> str:
-    """``10.09 vs 10.16 MiB``; in bytes when MiB would not tell them apart."""
-    a_mib, b_mib = common.mib(a, unit=""), common.mib(b, unit="")
-    return f"{a_mib} vs {b_mib} MiB" if a_mib != b_mib else f"{a:,} vs {b:,} B"
-
-
-def precision(options: dict[str, Any], autocast: str | None) -> str:
-    if autocast:
-        return f"autocast {autocast}"
-    return options.get("dtype") or "fp32"
-
-
-def options_said(options: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"
-
-
 byte_range = partial(common.span, fmt="{:+,}".format, between=" to ", unit=" B")  # +8 B, -8 to +8 B
 percent_range = partial(common.span, fmt=common.pct, between=" to ")
 
@@ -297,7 +274,8 @@ percent_range = partial(common.span, fmt=common.pct, between=" to ")
 def met_split(rows: Sequence[tuple[str, int, int]]) -> tuple[list[int], list[tuple[str, int, int]]]:
     """Of ``rows`` ((label, measured, predicted)): the errors of those within NEAR bytes of their prediction,
     and the rows that miss it."""
-    return [m - p for _, m, p in rows if abs(m - p) <= NEAR], [(label, m, p) for label, m, p in rows if abs(m - p) > NEAR]
+    return ([m - p for _, m, p in rows if abs(m - p) <= NEAR],
+            [(label, m, p) for label, m, p in rows if abs(m - p) > NEAR])
 
 
 def differences(label: str, *reports: dict[str, Any]) -> tuple[str, float, float, float]:
@@ -312,24 +290,15 @@ def checks(reports: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, list[Any]
     """verify's ``reports`` (label, report) as the page's sentences read them: (label, measured, predicted)
     peaks where a report predicts one (the checkpoint back-end's is judged against its plan instead),
     :func:`differences`, (label, problems)."""
-    return {"peaks": [(label, v["measured_peak"], v["predicted_peak"]) for label, v in reports if "predicted_peak" in v],
-            "diffs": [differences(label, v) for label, v in reports], "problems": [(label, v["problems"]) for label, v in reports]}
+    return {"peaks": [(label, v["measured_peak"], v["predicted_peak"]) for label, v in reports
+                      if "predicted_peak" in v],
+            "diffs": [differences(label, v) for label, v in reports],
+            "problems": [(label, v["problems"]) for label, v in reports]}
 
 
 def differing(rows: Sequence[tuple[str, float, float, float]]) -> list[tuple[str, float, float, float]]:
     """The rows of :func:`differences` whose loss or gradients are not bitwise equal to eager's."""
     return [(label, loss, grad, scaled) for label, loss, grad, scaled in rows if loss or grad]
-
-
-# -- both back-ends -------------------------------------------------------------------------------
-
-def backend_label(row: dict[str, Any]) -> str:
-    label = short(row["model"])
-    if row["options"].get("attention"):
-        label += f" on {row['options']['attention']} attention"
-    if precision(row["options"], row["autocast"]) != "fp32":
-        label += f" {precision(row['options'], row['autocast'])}"
-    return f"{label} {row['regions']}" if row.get("regions") else label
 
 
 def off(ck: dict[str, Any], peak: str, of: str = "plan_peak") -> float:
@@ -338,31 +307,15 @@ def off(ck: dict[str, Any], peak: str, of: str = "plan_peak") -> float:
     return ck[peak] / ck[of] - 1
 
 
-def rows_said(rows: Sequence[dict[str, Any]], values: Sequence[str] = ()) -> str:
-    """Rows named by model, their plans after it (each with its value of ``values``, where given):
-    ``unet (any +12.6%; modules +3.7%)``, ``mlp (any, modules)``."""
-    plans = common.grouped(range(len(rows)), lambda i: backend_label({**rows[i], "regions": None}),
-                           lambda i: rows[i]["regions"] + (f" {values[i]}" if values else ""))
-    return common.listing([f"{label} ({('; ' if values else ', ').join(said)})" for label, said in plans.items()])
-
-
-def backend_models(rows: Sequence[dict[str, Any]]) -> str:
-    """Each model of the back-ends' rows with its options: ```hf:gpt2` batch=2, seq=16; ...``."""
-    models = dict((backend_label({**r, "regions": None}), r["options"]) for r in rows)
-    return "; ".join(f"`{m}` {options_said(o)}" for m, o in models.items())
-
-
 # -- the page -------------------------------------------------------------------------------------
 
 def page(results: dict[str, Any], header: str) -> str:
     return common.fill(
         "export", header=header, meta=results["meta"], zoo_rows=results["zoo"], method_rows=results["methods"],
         verified_rows=results["verified"], attention=results["attention"], backend_rows=results["backends"],
-        backend_models=backend_models(results["backends"]), backend_shares=BACKEND_SHARES,
-        realised=REALISED, regions_all=REGIONS, backend_label=backend_label, off=off, rows_said=rows_said, near=NEAR, method_share=METHOD_SHARE, repeats=TIMING_REPEATS, seq=ATTENTION_SEQ, short=short,
-        precision=precision, two_sizes=two_sizes, options_said=options_said, met_split=met_split,
-        differences=differences, checks=checks, differing=differing, byte_range=byte_range,
-        percent_range=percent_range)
+        backend_shares=BACKEND_SHARES, realised=REALISED, regions_all=REGIONS, near=NEAR, method_share=METHOD_SHARE,
+        repeats=TIMING_REPEATS, seq=ATTENTION_SEQ, met_split=met_split, differences=differences, checks=checks,
+        differing=differing, byte_range=byte_range, percent_range=percent_range, off=off)
 
 
 def refusal(args: argparse.Namespace) -> str | None:
