@@ -191,8 +191,9 @@ def predicted(graph, model: str, options: dict, budget: str | None, reshard: boo
     from bonsai_core import models
 
     net, inputs, loss_fn = models.build(model, seed=0, **options)
-    return bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=graph.fsdp["world"], reshard_after_forward=reshard,
-                             mixed_precision=mixed_precision, grads=grads, cache=False).predicted_peak
+    return bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=graph.fsdp["world"],
+                             reshard_after_forward=reshard, mixed_precision=mixed_precision, grads=grads,
+                             cache=False).predicted_peak
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -214,8 +215,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def refusal(args: argparse.Namespace) -> str | None:
-    """Why these options cannot run, before anything is measured (other models or options than the page's
-    write neither its results nor the page); None when they can."""
+    """Why these options cannot run, before anything is measured; None when they can."""
     narrowed = common.changed(args, ("model", "world", "mixed_precision", "reshard_after_forward", "grads"))
     return common.page_refusal(args, OUT, PAGE, narrowed=narrowed)
 

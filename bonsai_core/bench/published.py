@@ -196,7 +196,7 @@ def measure(rows: list[str], stored: Path | None = None) -> dict[str, Any]:
             row["compiled"] = compiled[key]
         out.append(row)
         print(label, [(r["rank"], round(r["live_peak"] / GIB, 2), round(r.get("reserved_peak", 0) / GIB, 2))
-                      for r in ranks], {k: v for k, v in row.get("compiled", {}).items()}, flush=True)
+                      for r in ranks], row.get("compiled", {}), flush=True)
     return {"rows": out}
 
 
