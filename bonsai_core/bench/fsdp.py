@@ -75,10 +75,13 @@ def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
     return list(resized.values()), list(left.values())
 
 
-def live_bytes_with(resized: list, left: list) -> Any:
-    """:class:`bonsai_core.measure.LiveBytes` plus the current size of FSDP's storages it does not see
-    (:func:`_storages_outside`); ``at_peak``: (live bytes, those storages' bytes, the op) at the peak."""
+def live_bytes_with(*modules: torch.nn.Module) -> Any:
+    """:class:`bonsai_core.measure.LiveBytes` plus the current size of the storages FSDP holds in ``modules`` that
+    it does not see (:func:`_storages_outside`); ``at_peak``: (live bytes, those storages' bytes, the op)."""
     from bonsai_core.measure import LiveBytes
+
+    outside = [_storages_outside(m) for m in modules]
+    resized, left = [s for r, _ in outside for s in r], [s for _, held in outside for s in held]
 
     class WithFsdpStorages(LiveBytes):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -145,7 +148,7 @@ def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn, grads: str = 
         net.zero_grad(set_to_none=True)
     loss_buffers = list(loss_fn.buffers()) if isinstance(loss_fn, torch.nn.Module) else []
     fixed = storage_bytes([*local_tensors(net), *loss_buffers, *inputs])
-    tracker = live_bytes_with(*_storages_outside(net))
+    tracker = live_bytes_with(net)
     with tracker:
         loss = loss_fn(net(*inputs))
         loss.backward()

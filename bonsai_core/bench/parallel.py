@@ -153,10 +153,8 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
         for stage in stages:  # the receive buffers, one per microbatch, kept across steps
             for infos in (*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()):
                 tensors += [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
-        outside = [fsdp._storages_outside(part) for part in parts]
         fixed = storage_bytes([*tensors, *inputs, labels])
-        tracker = fsdp.live_bytes_with([s for resized, _ in outside for s in resized],
-                                       [s for _, left in outside for s in left])
+        tracker = fsdp.live_bytes_with(*parts)
         with tracker:
             step()
     # the loss is the last stage's (the microbatches' losses added up); no other stage has one
