@@ -394,3 +394,10 @@ def progress(row: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
     ends."""
     print(json.dumps({k: row[k] for k in keys if row.get(k) is not None}, default=str), flush=True)
     return row
+
+
+# -- shared by the pages filled with their results as stored (s8-bC: fsdp, one-call) ------------------------
+
+def filled(template: str) -> Callable[[dict[str, Any], str], str]:
+    """``page(results, header)``: the template ``template`` filled with a run's results as they are stored."""
+    return lambda results, header: fill(template, header=header, **results)

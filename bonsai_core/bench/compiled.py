@@ -1,21 +1,10 @@
 """Compiled steps predicted against real ones: ``bonsai bench compiled --page docs/results/compiled.md``.
 
-Three studies, each from one run (``--parts`` picks some; ``--report-only`` writes the page from
-results.json again):
-
-* ``cpu``: models of four libraries compiled for real with inductor on this CPU and measured at the
-  allocator (:func:`bonsai_core.measure.measure_compiled`) against the compiled trace's prediction
-  (:mod:`bonsai_core.trace.compiled`): with no checkpointing, with the checkpointing its users apply
-  (torchtitan's own selective AC; torch's memory budget elsewhere), and with the one call's bonsai plan
-  (``compile=``), whose budget is checked as measured.
-* ``peers``: bonsai against torch's own memory budget (the partitioner's knapsack, ``budget:F``) at the
-  same measured memory under compile, overheads from the compiled graphs' compute.
-* ``titan``: torchtitan's Llama 3.1 8B recipe (batch 2, seq 8192, selective AC of December 2024, FSDP
-  over 8 and 128 ranks, bf16, AdamW, reserved bytes under expandable segments) eager and compiled, against
-  the memory its published table gives, and where the compiled step's peak differs from the eager one's;
-  with ``--float8`` also its Float8 rows.
-* ``titan-peers``: on that 8B step compiled (8 ranks), torchtitan's selective AC and torch's memory budget
-  against bonsai's plan (``plan_for(..., compile="blocks")``) at each one's predicted peak.
+Four studies (``--parts`` reruns some and keeps the others' results): ``cpu``, models compiled with inductor
+on this CPU and measured at the allocator against the compiled trace, with no checkpointing, their users'
+and the one call's plan; ``peers``, bonsai against torch's memory budget at the same measured memory;
+``titan``, torchtitan's Llama 3.1 8B recipe eager and compiled against its published table (``--float8``:
+also its Float8 rows); ``titan-peers``, that step compiled, its checkpointings against bonsai's plan.
 """
 
 from __future__ import annotations
@@ -56,8 +45,10 @@ SOURCES = ["bonsai_core/bench/compiled.py", common.template_source("compiled")]
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     common.add_page_arguments(ap, "docs/bench/compiled", "docs/results/compiled.md")
-    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="the studies to run (default all)")
-    ap.add_argument("--float8", action="store_true", help="titan: also the Float8 rows (torchtitan's Float8 linears; under a minute each)")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                    help="the studies to run (default all)")
+    ap.add_argument("--float8", action="store_true",
+                    help="titan: also the Float8 rows (torchtitan's Float8 linears; under a minute each)")
 
 
 # -- measuring ------------------------------------------------------------------------------------
@@ -132,23 +123,26 @@ def peer_rows(spec: str, options: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _titan_step(world: int, **options: Any) -> Graph:
+    """The 8B recipe's step on one of ``world`` ranks (AdamW), traced with ``options``."""
+    from bonsai_core.trace import trace_model
+
+    graph = trace_model(TITAN_MODEL, fsdp=world, reshard_after_forward="all-but-last", **TITAN_8B, **options).graph
+    return with_training_loop(graph, TITAN_MODEL, "adamw")
+
+
 def titan_rows(float8: bool) -> list[dict[str, Any]]:
     """The 8B recipe eager (the torchtitan-selective method, release 2024-12) and compiled (torchtitan's own
     apply_ac of December 2024's save list), at 8 and 128 ranks: peaks and where they come from."""
-    from bonsai_core.trace import trace_model
-
     rows = []
     for world in (8, 128):
-        sharding = {"fsdp": world, "reshard_after_forward": "all-but-last"}
         for compiled, f8 in ((False, False), (True, False), *(((True, True),) if float8 else ())):
             start = time.perf_counter()
             if compiled:
-                graph = trace_model(TITAN_MODEL, compile="blocks", ac="torchtitan-selective-2024-12",
-                                    float8=f8, **sharding, **TITAN_8B).graph
-                graph = with_training_loop(graph, TITAN_MODEL, "adamw")
+                graph = _titan_step(world, compile="blocks", ac="torchtitan-selective-2024-12", float8=f8)
                 schedule = solve(graph, 2**60, "none")
             else:
-                graph = with_training_loop(trace_model(TITAN_MODEL, **sharding, **TITAN_8B).graph, TITAN_MODEL, "adamw")
+                graph = _titan_step(world)
                 schedule = solve(graph, 2**60, "torchtitan-selective", release="2024-12")
             parts = peak_parts(graph, schedule)
             rows.append({"world": world, "compiled": compiled, "float8": f8, "nodes": graph.n,
@@ -168,26 +162,19 @@ def titan_peer_rows(world: int = 8) -> list[dict[str, Any]]:
 
     from bonsai_core.models.torchtitan import model_args
     from bonsai_core.torchtitan import plan_for
-    from bonsai_core.trace import trace_model
 
-    sharding = {"fsdp": world, "reshard_after_forward": "all-but-last"}
-
-    def compiled_step(checkpointing: str | None) -> Graph:
-        return with_training_loop(trace_model(TITAN_MODEL, compile="blocks", ac=checkpointing, **sharding,
-                                              **TITAN_8B).graph, TITAN_MODEL, "adamw")
-
-    plain = compiled_step(None)
+    plain = _titan_step(world, compile="blocks")
     rows = []
     for checkpointing in TITAN_PEERS:
         start = time.perf_counter()
-        graph = compiled_step(checkpointing)
+        graph = _titan_step(world, compile="blocks", ac=checkpointing)
         row: dict[str, Any] = {"world": world, "checkpointing": checkpointing, "peak": no_remat_peak(graph),
                                "overhead": graph.total_cost / plain.total_cost - 1, "plain_peak": no_remat_peak(plain)}
         with torch.device("meta"):
             model = Transformer(model_args("llama3:8B", seq=TITAN_8B["seq"])).train()
         try:
             made = plan_for(model, TITAN_8B["batch"], TITAN_8B["seq"], row["peak"], compile="blocks", cache=False,
-                            **sharding)
+                            fsdp=world, reshard_after_forward="all-but-last")
         except BonsaiError as e:  # a peak the plans cannot meet under compile is a result
             row["bonsai_error"] = str(e).split(";")[0]
         else:
@@ -203,7 +190,8 @@ def measure(parts: list[str], float8: bool, out: str) -> dict[str, Any]:
     part with the run that measured it (``runs``)."""
     start = time.perf_counter()
     meta = common.run_meta(parts=parts)
-    kept = _earlier_results(Path(out) / "results.json") if set(parts) != set(PARTS) else {}
+    stored = Path(out) / "results.json"
+    kept = json.loads(stored.read_text()) if set(parts) != set(PARTS) and stored.is_file() else {}
     results: dict[str, Any] = {**kept, "meta": meta}
     if "cpu" in parts:
         results["cpu"] = []
@@ -224,77 +212,20 @@ def measure(parts: list[str], float8: bool, out: str) -> dict[str, Any]:
     return results
 
 
-def _earlier_results(path: Path) -> dict[str, Any]:
-    """results.json of earlier runs (each part with the run that measured it, ``runs``), or nothing."""
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 # -- the page -------------------------------------------------------------------------------------
 
 GIB = 2**30
-EXTRA = "allocator's extra"  # peak_parts' names
-RESERVED = "reserved peak (expandable)"
-
-
-def _label(row: dict[str, Any]) -> str:
-    options = "".join(f" {k}={v}" for k, v in row["options"].items())
-    return f"`{row['model']}`{options}"
 
 
 def _smallest(error: str) -> str:
     """The smallest peak a BudgetError names, as it names it."""
-    import re
-
     found = re.search(r"realise is ([0-9.]+ [KMG]iB)", error)
     return found.group(1) if found else "not named"
 
 
-def cpu_facts(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """What the CPU rows found: rows equal to the byte, the largest deviation, the plans within their budgets,
-    the models whose call refused, those whose compiled step peaks below the eager prediction."""
-    refused = [r for r in rows if "error" in r]
-    rows = [r for r in rows if "error" not in r]
-    worst = max(rows, key=lambda r: abs(r["predicted"] / r["measured"] - 1))
-    plans = [r for r in rows if r["variant"] == "bonsai"]
-    return {"rows": len(rows), "exact": sum(r["predicted"] == r["measured"] for r in rows),
-            "worst": _label(worst), "worst_variant": worst["variant"],
-            "deviation": worst["predicted"] / worst["measured"], "plans": len(plans),
-            "plans_kept": sum(r["measured"] + r["fixed"] <= r["budget"] for r in plans),
-            "refused": [_label(r) for r in refused],
-            "compile_lower": [_label(r) for r in rows if "eager_predicted" in r and r["predicted"] < r["eager_predicted"]]}
-
-
-def peer_facts(rows: list[dict[str, Any]]) -> dict[str, int]:
-    """Cells where both ran, those where bonsai's plan costs less, memory levels bonsai could not meet."""
-    pairs = [r for r in rows if "bonsai_error" not in r]
-    return {"pairs": len(pairs), "cheaper": sum(r["bonsai_overhead"] < r["torch_overhead"] - 1e-9 for r in pairs),
-            "unmet": len(rows) - len(pairs)}
-
-
-def _lowered(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
-    """How much lower ``after``'s peak is than ``before``'s (two titan rows), in GiB: the reserved peak, the
-    published one, and the parts at the live peak."""
-    b, a = before["parts"], after["parts"]
-    return {"published": before["published_gib"] - after["published_gib"],
-            **{name: (b[part] - a[part]) / GIB for name, part in
-               [("reserved", RESERVED), ("saved", "saved forward tensors"),
-                ("transients", "backward tensors (transients)"), ("extra", EXTRA)]}}
-
-
-def titan_worlds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per world size, what compiling changes (:func:`_lowered`) and the peak op eager and compiled; with
-    Float8 rows, what Float8 linears change on the compiled step (``float8``, else None)."""
-    out = []
-    for world in sorted({r["world"] for r in rows}):
-        eager = next(r for r in rows if r["world"] == world and not r["compiled"])
-        compiled = next(r for r in rows if r["world"] == world and r["compiled"] and not r["float8"])
-        float8 = next((r for r in rows if r["world"] == world and r["float8"]), None)
-        out.append({"world": world, **_lowered(eager, compiled),
-                    "peak_op": compiled["parts"]["peak op"].split(": ")[1],
-                    "eager_peak_op": eager["parts"]["peak op"].split(": ")[1],
-                    "float8": float8 and {**_lowered(compiled, float8),
-                                          "peak_op": float8["parts"]["peak op"].split(": ")[1]}})
-    return out
+def _worst(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The CPU row whose prediction is furthest from its measurement."""
+    return max(rows, key=lambda r: abs(r["predicted"] / r["measured"] - 1))
 
 
 def _failure(error: str) -> str:
@@ -306,40 +237,16 @@ def _failure(error: str) -> str:
     return "no plan: " + error.split(". ")[0]
 
 
-def titan_peer_facts(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Cells where both ran, those where bonsai's plan costs less, how far under the other's peak its peak
-    is (GiB), peaks where the plan call failed, the step's peak without checkpointing (GiB)."""
-    pairs = [r for r in rows if "bonsai_error" not in r]
-    return {"pairs": len(pairs), "cheaper": sum(r["bonsai_overhead"] < r["overhead"] - 1e-9 for r in pairs),
-            "under": [(r["peak"] - r["bonsai_peak"]) / GIB for r in pairs if r["bonsai_peak"] <= r["peak"]],
-            "failed": len(rows) - len(pairs), "plain_peak": rows[0]["plain_peak"] / GIB}
-
-
 def page(results: dict[str, Any], header: str) -> str:
-    meta, cpu, peers, titan, titan_peers = (results.get(k) for k in ("meta", "cpu", "peers", "titan", "titan_peers"))
-    return common.fill(
-        "compiled", header=header, meta=meta, minutes=meta["seconds"] / 60, share=PLAN_SHARE,
-        runs={part.replace("-", "_"): _other_run(results, part) for part in PARTS},
-        cpu_rows=cpu, peer_rows=peers, titan_rows=titan, titan_peer_rows=titan_peers, cpu=cpu and cpu_facts(cpu), peers=peers and peer_facts(peers),
-        titan=titan and titan_worlds(titan), titan_peers=titan_peers and titan_peer_facts(titan_peers),
-        label=_label, smallest=_smallest, failure=_failure, gib=GIB)
-
-
-def _other_run(results: dict[str, Any], part: str) -> dict[str, Any] | None:
-    """The run that measured ``part`` where it is not the run the page's first lines name."""
-    run = results.get("runs", {}).get(part)
-    if run is None or run["command"] == results["meta"]["command"] and run["date"] == results["meta"]["date"]:
-        return None
-    return run
-
-
-def write_page(results: dict[str, Any], path: str) -> None:
-    Path(path).write_text(page(results, common.page_header(results["meta"]["command"], SOURCES)))
+    studies = {"cpu": None, "peers": None, "titan": None, "titan_peers": None, "runs": {}, **results}
+    return common.fill("compiled", header=header, **studies, share=PLAN_SHARE, worst=_worst, smallest=_smallest,
+                       failure=_failure, gib=GIB)
 
 
 def main(args: argparse.Namespace) -> int:
     refusal = common.page_refusal(args, "docs/bench/compiled", "docs/results/compiled.md")
-    return common.run_page_suite("compiled", args, refusal, lambda: measure(args.parts, args.float8, args.out), write_page)
+    return common.run_page_suite("compiled", args, refusal, lambda: measure(args.parts, args.float8, args.out),
+                                 common.page_writer(page, SOURCES))
 
 
 def peak_parts(graph: Graph, schedule: Any, policy: str = "expandable") -> dict[str, Any]:

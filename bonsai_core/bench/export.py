@@ -1,14 +1,7 @@
 """Exported steps against their predictions, both back-ends: the zoo under tests/test_export.py's schedules,
 every solver's schedule, verify's full report on real models, SDPA and bf16 no-remat peaks, and the replay
-and checkpoint back-ends side by side on the checkpoint back-end's test models.
-
-    bonsai bench export --page docs/results/export.md                # measures, writes results.json and the page
-    bonsai bench export --page docs/results/export.md --report-only  # the page again from results.json
-    bonsai bench export --quick --out /tmp/e --page /tmp/export.md   # one model per study: a smoke test
-
-With ``--page`` the whole page is written from this run: every number, ranking and comparison on it is
-computed from ``results.json``; the fixed prose only explains how the back-ends work. The schedules of the
-first studies are tests/test_export.py's factories (imported from the checkout, with its small sizes).
+and checkpoint back-ends side by side. ``--page`` writes docs/results/export.md from this run's results.json
+(``--report-only``: from the stored one); ``--quick``, one model per study, is a smoke test.
 """
 
 from __future__ import annotations
@@ -17,7 +10,7 @@ import argparse
 import tempfile
 import time
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError, BudgetError
@@ -25,8 +18,8 @@ from bonsai_core.schedule import no_remat_peak, none_schedule, simulate
 from bonsai_core.solvers import solve
 
 # the files that decide what the page says (tests/test_docs.py checks their hash against the page's)
-SOURCES = ["bonsai_core/bench/export.py", "tests/export_models.py", "tests/real_models.py", common.template_source("export"),
-           common.template_source("export_said")]
+SOURCES = ["bonsai_core/bench/export.py", "tests/export_models.py", "tests/real_models.py",
+           common.template_source("export"), common.template_source("export_said")]
 DEFAULT_OUT = "docs/bench/export"
 RECORD_PAGE = "docs/results/export.md"
 
@@ -85,28 +78,23 @@ def headroom_budget(graph: Any, share: float) -> int:
     return int(lb + share * (no_remat_peak(graph) - lb))
 
 
-def replay_export(traced: Any, model: str, options: dict[str, Any], autocast: str | None, schedule: Any,
-                  folder: str) -> None:
-    from bonsai_core.export import export_traced, step_signature
-
-    export_traced(traced, step_signature(model, options), schedule, folder,
-                  spec={"model": model, "options": dict(options), "autocast": autocast})
-
-
-def replay_verified(model: str, options: dict[str, Any], folder: str, repeats: int = 0,
-                    grads: str = "autograd") -> dict[str, Any]:
-    """``verify_export``'s report and its verdict (``problems``: empty when verified)."""
-    from bonsai_core.export import verify_export
-
-    v = verify_export(model, options, folder, repeats=repeats, grads=grads)
+def report(v: Any) -> dict[str, Any]:
+    """verify's report and its verdict (``problems``: empty when verified)."""
     return {**v.to_dict(), "problems": v.problems()}
 
 
 def replay_row(traced: Any, model: str, options: dict[str, Any], autocast: str | None, schedule: Any,
-               repeats: int = 0) -> dict[str, Any]:
+               repeats: int = 0, grads: Sequence[str] = ("autograd",)) -> dict[str, Any]:
+    """The schedule exported with the replay back-end and verified (:func:`report`); with several ``grads``
+    modes, the report of each by its mode."""
+    from bonsai_core.export import export_traced, step_signature, verify_export
+
     with tempfile.TemporaryDirectory() as folder:
-        replay_export(traced, model, options, autocast, schedule, folder)
-        return replay_verified(model, options, folder, repeats)
+        export_traced(traced, step_signature(model, options), schedule, folder,
+                      spec={"model": model, "options": dict(options), "autocast": autocast})
+        reports = {mode: report(verify_export(model, options, folder, repeats=repeats, grads=mode))
+                   for mode in grads}
+    return reports if len(grads) > 1 else reports[grads[0]]
 
 
 def zoo_schedule(graph: Any, factory: str, level: int | None) -> Any:
@@ -124,11 +112,8 @@ def zoo_rows(models: Sequence[str]) -> list[dict[str, Any]]:
         for factory, level in ZOO_SCHEDULES:
             schedule = zoo_schedule(traced.graph, factory, level)
             row = {"model": model, "schedule": factory, "level": level, "nodes": traced.graph.n,
-                   "recomputes": simulate(traced.graph, schedule).recomputes}
-            with tempfile.TemporaryDirectory() as folder:
-                replay_export(traced, model, {}, None, schedule, folder)
-                row["autograd"] = replay_verified(model, {}, folder)
-                row["direct"] = replay_verified(model, {}, folder, grads="direct")
+                   "recomputes": simulate(traced.graph, schedule).recomputes,
+                   **replay_row(traced, model, {}, None, schedule, grads=("autograd", "direct"))}
             rows.append(common.progress(row, ("model", "schedule", "recomputes")))
     return rows
 
@@ -217,7 +202,7 @@ def checkpoint_side(model: str, options: dict[str, Any], autocast: str | None, s
         info = load_checkpointed(folder).INFO
         v = verify_checkpoint(model, options, folder, repeats=1)
     words = {CHECKPOINT_AUTOCAST: "autocast", CPU_ATTENTION_DROPOUT: "SDPA dropout on the CPU"}  # why not judged
-    return {**v.to_dict(), "problems": v.problems(), "unjudged": words.get(v.unpredicted, v.unpredicted),
+    return {**report(v), "unjudged": words.get(v.unpredicted, v.unpredicted),
             "plan_peak": int(info["predicted_peak"]), "plan_realised_peak": int(info["realised_peak"]),
             "dropped_bytes": int(info["dropped_bytes"]),
             "unrealised_dropped_bytes": int(info["unrealised_dropped_bytes"])}
@@ -264,19 +249,16 @@ def backend_rows(cases: Sequence[tuple[str, dict[str, Any], str | None]], time_l
     return rows
 
 
-def chosen(items: Sequence[Any], quick: bool) -> Sequence[Any]:
-    return items[:1] if quick else items
-
-
 def measure(time_limit: float, quick: bool = False) -> dict[str, Any]:
     meta = common.run_meta(time_limit=time_limit, quick=quick, study_seconds={})
     zoo = [(name, opts, None) for name, opts in export_tests().SMALL.items()]  # both back-ends: the zoo first
+    first = 1 if quick else None  # --quick: one model per study
     start = time.perf_counter()
     results = {"meta": meta, **common.run_studies({
-        "zoo": lambda: zoo_rows(chosen(ZOO, quick)),
-        "methods": lambda: method_rows(chosen(ZOO, quick), time_limit),
-        "verified": lambda: verified_rows(chosen(VERIFIED, quick)),
-        "attention": lambda: attention_rows(chosen(ATTENTION_MODELS, quick)),
+        "zoo": lambda: zoo_rows(ZOO[:first]),
+        "methods": lambda: method_rows(ZOO[:first], time_limit),
+        "verified": lambda: verified_rows(VERIFIED[:first]),
+        "attention": lambda: attention_rows(ATTENTION_MODELS[:first]),
         "backends": lambda: backend_rows(zoo[:1] + list(BACKEND_MODELS[-1:]) if quick else zoo + list(BACKEND_MODELS),
                                          time_limit)}, meta["study_seconds"])}
     meta["seconds"] = time.perf_counter() - start
@@ -285,27 +267,6 @@ def measure(time_limit: float, quick: bool = False) -> dict[str, Any]:
 
 # -- words and numbers ----------------------------------------------------------------------------
 
-def short(model: str) -> str:
-    """A model spec as the tables name it: ``export_models:hf_gpt2`` for ``tests.export_models:hf_gpt2``."""
-    return model.removeprefix("tests.")
-
-
-def two_sizes(a: int, b: int) -> str:
-    """``10.09 vs 10.16 MiB``; in bytes when MiB would not tell them apart."""
-    a_mib, b_mib = common.mib(a, unit=""), common.mib(b, unit="")
-    return f"{a_mib} vs {b_mib} MiB" if a_mib != b_mib else f"{a:,} vs {b:,} B"
-
-
-def precision(options: dict[str, Any], autocast: str | None) -> str:
-    if autocast:
-        return f"autocast {autocast}"
-    return options.get("dtype") or "fp32"
-
-
-def options_said(options: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"
-
-
 byte_range = partial(common.span, fmt="{:+,}".format, between=" to ", unit=" B")  # +8 B, -8 to +8 B
 percent_range = partial(common.span, fmt=common.pct, between=" to ")
 
@@ -313,7 +274,8 @@ percent_range = partial(common.span, fmt=common.pct, between=" to ")
 def met_split(rows: Sequence[tuple[str, int, int]]) -> tuple[list[int], list[tuple[str, int, int]]]:
     """Of ``rows`` ((label, measured, predicted)): the errors of those within NEAR bytes of their prediction,
     and the rows that miss it."""
-    return [m - p for _, m, p in rows if abs(m - p) <= NEAR], [(label, m, p) for label, m, p in rows if abs(m - p) > NEAR]
+    return ([m - p for _, m, p in rows if abs(m - p) <= NEAR],
+            [(label, m, p) for label, m, p in rows if abs(m - p) > NEAR])
 
 
 def differences(label: str, *reports: dict[str, Any]) -> tuple[str, float, float, float]:
@@ -328,8 +290,10 @@ def checks(reports: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, list[Any]
     """verify's ``reports`` (label, report) as the page's sentences read them: (label, measured, predicted)
     peaks where a report predicts one (the checkpoint back-end's is judged against its plan instead),
     :func:`differences`, (label, problems)."""
-    return {"peaks": [(label, v["measured_peak"], v["predicted_peak"]) for label, v in reports if "predicted_peak" in v],
-            "diffs": [differences(label, v) for label, v in reports], "problems": [(label, v["problems"]) for label, v in reports]}
+    return {"peaks": [(label, v["measured_peak"], v["predicted_peak"]) for label, v in reports
+                      if "predicted_peak" in v],
+            "diffs": [differences(label, v) for label, v in reports],
+            "problems": [(label, v["problems"]) for label, v in reports]}
 
 
 def differing(rows: Sequence[tuple[str, float, float, float]]) -> list[tuple[str, float, float, float]]:
@@ -337,188 +301,21 @@ def differing(rows: Sequence[tuple[str, float, float, float]]) -> list[tuple[str
     return [(label, loss, grad, scaled) for label, loss, grad, scaled in rows if loss or grad]
 
 
-# -- the zoo --------------------------------------------------------------------------------------
-
-def zoo_label(row: dict[str, Any]) -> str:
-    return f"{row['model']} {row['schedule']}" + ("" if row["level"] is None else f" L{row['level']}")
-
-
-def zoo_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    nodes = common.listing([f"{m} {n}" for m, n in dict((r["model"], r["nodes"]) for r in rows).items()])
-    both = [(f"{zoo_label(r)}{'' if mode == 'autograd' else ' (grads direct)'}", r[mode]["measured_peak"],
-             r[mode]["predicted_peak"]) for r in rows for mode in ("autograd", "direct")]
-    recomputing = [r for r in rows if r["recomputes"]]
-    return {"zoo_nodes": nodes, "zoo_rows": rows, "zoo": {
-            "both": both, "tiny": all(0 < m - p <= NEAR for _, m, p in both),
-            "modes_differ": [f"{zoo_label(r)} ({r['autograd']['measured_peak']:,} vs "
-                             f"{r['direct']['measured_peak']:,} B)"
-                             for r in rows if r["direct"]["measured_peak"] != r["autograd"]["measured_peak"]],
-            "exact": [differences(zoo_label(r), r["autograd"], r["direct"]) for r in rows],
-            "original": original_values(rows), "recomputing": recomputing,
-            "not_below": [zoo_label(r) for r in recomputing
-                          if r["autograd"]["measured_peak"] >= r["autograd"]["original_peak"]]}}
-
-
-def original_values(rows: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
-    """The original eager step against the plain (``none``) schedule's prediction: the models where it measures
-    within NEAR bytes of it, less, more."""
-    plain = [(r["model"], r["autograd"]["original_peak"], r["autograd"]["predicted_peak"])
-             for r in rows if r["level"] is None]
-    return {"near": [m for m, o, p in plain if abs(o - p) <= NEAR],
-            "below": [f"{m} ({two_sizes(o, p)})" for m, o, p in plain if o < p - NEAR],
-            "above": [f"{m} ({two_sizes(o, p)})" for m, o, p in plain if o > p + NEAR]}
-
-
-# -- every solver ---------------------------------------------------------------------------------
-
-def methods_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    solved = [r for r in rows if "replay" in r]
-    unmet = common.grouped((r for r in rows if "replay" not in r), lambda r: r["model"], lambda r: r["method"])
-    sizes = "; ".join(f"{m} {options_said(o)}" for m, o in dict((r["model"], r["options"]) for r in rows).items())
-    return {"method_sizes": sizes, "method_share": f"{METHOD_SHARE:.0%}", "methods_found": {
-                "replays": checks([(f"{r['method']} on {r['model']}", r["replay"]) for r in solved]), "unmet": unmet},
-            "method_rows": rows}
-
-
-# -- verify's full report -------------------------------------------------------------------------
-
-def verified_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    none_peaks = [(r["replay"]["measured_peak_grads_none"] / r["replay"]["measured_peak"] - 1) for r in rows]
-    models = common.listing(sorted({f"`{r['model']}` ({options_said(r['options'])})" for r in rows}))
-    labels = [f"{short(r['model'])} {precision(r['options'], r['autocast'])} {r['schedule']}" for r in rows]
-    return {"verified_models": models, "repeats": str(TIMING_REPEATS),
-            "verified_replays": checks([(label, r["replay"]) for label, r in zip(labels, rows)]),
-            "grads_none": percent_range(none_peaks),
-            "verified_rows": rows}
-
-
-# -- SDPA and bf16 --------------------------------------------------------------------------------
-
-def attention_values(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    return {"seq": str(ATTENTION_SEQ),
-            "peaks": {(r["model"], r["dtype"], r["attention"]): r["no_remat_peak"] for r in rows},
-            "attention_models": list(dict.fromkeys(r["model"] for r in rows))}
-
-
-# -- both back-ends -------------------------------------------------------------------------------
-
-def backend_label(row: dict[str, Any]) -> str:
-    label = short(row["model"])
-    if row["options"].get("attention"):
-        label += f" on {row['options']['attention']} attention"
-    if precision(row["options"], row["autocast"]) != "fp32":
-        label += f" {precision(row['options'], row['autocast'])}"
-    return f"{label} {row['regions']}" if row.get("regions") else label
-
-
-def checkpoint_error(ck: dict[str, Any]) -> float:
-    """The checkpoint back-end's measured peak against the plan."""
-    return ck["measured_peak"] / ck["plan_peak"] - 1
-
-
-def realised_gap(ck: dict[str, Any]) -> float:
-    """What the checkpoints run, simulated, against the plan."""
-    return ck["plan_realised_peak"] / ck["plan_peak"] - 1
-
-
-def against_realised(ck: dict[str, Any]) -> float:
-    return ck["measured_peak"] / ck["plan_realised_peak"] - 1
-
-
-def planned(rows: Sequence[dict[str, Any]], side: str = "share") -> list[dict[str, Any]]:
-    """The rows with a plan (``side``: those with that back-end's report)."""
-    return [r for r in rows if "share" in r and side in r]
-
-
-def case_label(row: dict[str, Any]) -> str:
-    return backend_label({**row, "regions": None})
-
-
-def rows_said(rows: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], str] | None = None) -> str:
-    """Rows named by model, their plans after it: ``unet (any +12.6%, modules +3.7%)``, ``mlp (any)``."""
-    plans = common.grouped(rows, case_label, lambda r: r["regions"] + (f" {value(r)}" if value else ""))
-    return common.listing([f"{label} ({('; ' if value else ', ').join(said)})" for label, said in plans.items()])
-
-
-def follows_plan(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Where the checkpoints run the plan (realised within REALISED of it), and how their measured peaks compare."""
-    rows = planned(rows, "checkpoint")
-    follow = [r for r in rows if abs(realised_gap(r["checkpoint"])) <= REALISED]
-    depart = [r for r in rows if abs(realised_gap(r["checkpoint"])) > REALISED]
-    judged = [r for r in follow if not r["checkpoint"]["unjudged"]]
-    return {"follow": [(regions, sum(r in follow for r in of), len(of)) for regions in REGIONS
-                       for of in [[r for r in rows if r["regions"] == regions]] if of],
-            "judged_follow": judged and percent_range([checkpoint_error(r["checkpoint"]) for r in judged]),
-            "depart": depart, "depart_range": depart and percent_range([realised_gap(r["checkpoint"]) for r in depart]),
-            "depart_said": rows_said(depart, lambda r: common.pct(realised_gap(r["checkpoint"])))}
-
-
-def against_realised_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The checkpoint back-end's measured peak against its own simulation: within, above (recomputing or not),
-    below."""
-    judged = [r for r in planned(rows, "checkpoint") if not r["checkpoint"]["unjudged"]]
-    above = [r for r in judged if against_realised(r["checkpoint"]) > REALISED]
-    below = [r for r in judged if against_realised(r["checkpoint"]) < -REALISED]
-
-    def gap(r: dict[str, Any]) -> str:
-        return common.pct(against_realised(r["checkpoint"]))
-
-    def both(r: dict[str, Any]) -> str:
-        ck = r["checkpoint"]
-        return f"checkpointed {gap(r)}, original {common.pct(ck['original_peak'] / ck['plan_realised_peak'] - 1)}"
-    recomputing, untouched = [r for r in above if r["recomputes"]], [r for r in above if not r["recomputes"]]
-    return {"judged": len(judged), "within": len(judged) - len(above) - len(below),
-            "recomputing": recomputing and rows_said(recomputing, gap),
-            "untouched": untouched and rows_said(untouched, both), "below": below and rows_said(below, gap)}
-
-
-def unjudged_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    reasons = common.grouped((r for r in planned(rows, "checkpoint") if r["checkpoint"]["unjudged"]),
-                             lambda r: r["checkpoint"]["unjudged"])
-    return {"unjudged": [f"{reason}: {rows_said(of)}" for reason, of in reasons.items()],
-            "unjudged_count": sum(map(len, reasons.values())), "reasons": list(reasons)}
-
-
-def left_saved(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    rows = planned(rows, "checkpoint")
-
-    def share_left(r: dict[str, Any]) -> float:
-        return r["checkpoint"]["unrealised_dropped_bytes"] / r["checkpoint"]["dropped_bytes"]
-    nothing = [r for r in rows if r["checkpoint"]["dropped_bytes"] and share_left(r) == 1]
-    some = [r for r in rows if r["checkpoint"]["dropped_bytes"] and 0 < share_left(r) < 1]
-    return {"nothing_left": nothing and rows_said(nothing),
-            "some_left": some and rows_said(some, lambda r: f"{share_left(r):.0%}"),
-            "some_left_count": len(some),
-            "some_left_range": some and f"{min(map(share_left, some)):.0%} to {max(map(share_left, some)):.0%}"}
-
-
-def backend_findings(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    no_plan = [r for r in rows if r.get("no_plan")]
-    return {"replays": {side: checks([(backend_label(r), r[side]) for r in planned(rows, side)])
-                        for side in ("replay", "checkpoint")},
-            **follows_plan(rows), **against_realised_said(rows), **unjudged_said(rows), **left_saved(rows),
-            "no_plan": no_plan and rows_said(no_plan),
-            "verdicts": [(f"{backend_label(r)} ({side})", r[side]["problems"]) for r in planned(rows)
-                         for side in ("replay", "checkpoint") if side in r],
-            "errors": [f"{backend_label(r)}: {r[k].rstrip('.')}" for r in rows for k in ("error", "replay_error",
-                                                                                        "checkpoint_error") if k in r]}
-
-
-def backend_values(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
-    models = "; ".join(f"`{m}` {options_said(o)}" for m, o in
-                       dict((case_label(r), r["options"]) for r in rows).items())
-    return {"backend_shares": "/".join(f"{s * 100:g}" for s in BACKEND_SHARES), "realised": f"{REALISED:.0%}",
-            "backend_models": models, "backend_rows": rows, "backends": backend_findings(rows)}
+def off(ck: dict[str, Any], peak: str, of: str = "plan_peak") -> float:
+    """The checkpoint back-end's ``peak`` (measured, realised: what its checkpoints run, simulated) against
+    ``of`` (the plan's, the realised)."""
+    return ck[peak] / ck[of] - 1
 
 
 # -- the page -------------------------------------------------------------------------------------
 
 def page(results: dict[str, Any], header: str) -> str:
     return common.fill(
-        "export", header=header, meta=results["meta"], near=NEAR, short=short, precision=precision,
-        met_split=met_split, differing=differing, byte_range=byte_range, **zoo_values(results["zoo"]),
-        **methods_values(results["methods"]), **verified_values(results["verified"]),
-        **attention_values(results["attention"]), **backend_values(results["backends"]))
+        "export", header=header, meta=results["meta"], zoo_rows=results["zoo"], method_rows=results["methods"],
+        verified_rows=results["verified"], attention=results["attention"], backend_rows=results["backends"],
+        backend_shares=BACKEND_SHARES, realised=REALISED, regions_all=REGIONS, near=NEAR, method_share=METHOD_SHARE,
+        repeats=TIMING_REPEATS, seq=ATTENTION_SEQ, met_split=met_split, differences=differences, checks=checks,
+        differing=differing, byte_range=byte_range, percent_range=percent_range, off=off)
 
 
 def refusal(args: argparse.Namespace) -> str | None:

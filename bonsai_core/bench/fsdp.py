@@ -4,13 +4,7 @@ simulator's peak of the graph :func:`bonsai_core.fsdp.with_fsdp` shards, without
 bonsai plan applied by ``bonsai_core.checkpoint`` before sharding.
 
     bonsai bench fsdp --page docs/bench/fsdp.md          # the page's models (RECORD), 2 and 4 ranks
-    bonsai bench fsdp --model hf:llama --world 2 4 [--mixed-precision bf16] [--reshard-after-forward all-but-last] --out DIR
-    bonsai bench fsdp --model gpt --world 2 --grads none --out DIR
-
-``--mixed-precision bf16``: torchtitan's ``MixedPrecisionPolicy`` (gloo runs bf16 all-gathers and fp32
-reduce-scatters on CPU); ``--reshard-after-forward``: per block, ``torchtitan`` as 0.2.2's ``apply_fsdp``
-(:func:`bonsai_core.fsdp.fsdp_units`); ``--grads none``: the gradients set to None between the steps,
-predicted by the graph :func:`bonsai_core.optimizer.with_grads_set_to_none` makes.
+    bonsai bench fsdp --model hf:llama --world 2 [--mixed-precision bf16] [--grads none] --out DIR
 """
 from __future__ import annotations
 
@@ -81,10 +75,13 @@ def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
     return list(resized.values()), list(left.values())
 
 
-def live_bytes_with(resized: list, left: list) -> Any:
-    """:class:`bonsai_core.measure.LiveBytes` plus the current size of FSDP's storages it does not see
-    (:func:`_storages_outside`); ``at_peak``: (live bytes, those storages' bytes, the op) at the peak."""
+def live_bytes_with(*modules: torch.nn.Module) -> Any:
+    """:class:`bonsai_core.measure.LiveBytes` plus the current size of the storages FSDP holds in ``modules`` that
+    it does not see (:func:`_storages_outside`); ``at_peak``: (live bytes, those storages' bytes, the op)."""
     from bonsai_core.measure import LiveBytes
+
+    outside = [_storages_outside(m) for m in modules]
+    resized, left = [s for r, _ in outside for s in r], [s for _, held in outside for s in held]
 
     class WithFsdpStorages(LiveBytes):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -97,24 +94,30 @@ def live_bytes_with(resized: list, left: list) -> Any:
     return WithFsdpStorages()
 
 
-def gloo_rank(rank: int, world: int, folder: str) -> None:
-    """This process as rank ``rank`` of ``world`` gloo processes meeting in ``folder``, one thread each."""
+def _gloo_rank(rank: int, world: int, folder: str, worker: Callable[..., dict], *args: Any) -> None:
+    """This process as rank ``rank`` of ``world`` gloo processes meeting in ``folder`` (one thread each):
+    ``worker(*args)``'s result written to ``folder/rankN.json``."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
+    try:
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(worker(*args)))
+    finally:
+        dist.destroy_process_group()
 
 
-def spawn_ranks(worker: Callable[..., None], world: int, args: tuple, timeout: float | None = None,
+def spawn_ranks(worker: Callable[..., dict], world: int, args: tuple, timeout: float | None = None,
                 what: str = "") -> list[dict]:
-    """``worker(rank, world, folder, *args)`` in ``world`` spawned processes, each writing its result to
-    ``folder/rankN.json``; the results, rank by rank. Past ``timeout`` seconds the workers are killed."""
+    """``worker(*args)`` in ``world`` spawned gloo processes (:func:`_gloo_rank`); their results, rank by rank.
+    Past ``timeout`` seconds the workers are killed."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.start_processes(worker, args=(world, folder, *args), nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(_gloo_rank, args=(world, folder, worker, *args), nprocs=world, join=False,
+                                 start_method="spawn")
         deadline = time.monotonic() + (timeout or float("inf"))
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:
@@ -122,6 +125,12 @@ def spawn_ranks(worker: Callable[..., None], world: int, args: tuple, timeout: f
                     proc.kill()
                 raise TimeoutError(f"the {what} workers did not finish within {timeout:.0f} s")
         return [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def local_tensors(module: torch.nn.Module) -> list:
+    """The module's parameters, gradients and buffers, a DTensor as this rank's shard of it."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in
+            (*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None), *module.buffers())]
 
 
 def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn, grads: str = "zeroed") -> dict:
@@ -137,11 +146,9 @@ def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn, grads: str = 
     loss_fn(net(*inputs)).backward()
     if grads == "none":
         net.zero_grad(set_to_none=True)
-    local = [t.to_local() if hasattr(t, "to_local") else t
-             for t in (*net.parameters(), *(p.grad for p in net.parameters() if p.grad is not None), *net.buffers())]
     loss_buffers = list(loss_fn.buffers()) if isinstance(loss_fn, torch.nn.Module) else []
-    fixed = storage_bytes([*local, *loss_buffers, *inputs])
-    tracker = live_bytes_with(*_storages_outside(net))
+    fixed = storage_bytes([*local_tensors(net), *loss_buffers, *inputs])
+    tracker = live_bytes_with(net)
     with tracker:
         loss = loss_fn(net(*inputs))
         loss.backward()
@@ -149,37 +156,32 @@ def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn, grads: str = 
             "loss": float(loss)}
 
 
-def _worker(rank: int, world: int, folder: str, model: str, options: dict, units: list, budget: str | None,
-            reshard: bool | str = True, mixed_precision: str | None = None, grads: str = "zeroed") -> None:
+def _worker(model: str, options: dict, world: int, units: list, budget: str | None, reshard: bool | str,
+            mixed_precision: str | None, grads: str) -> dict:
     import torch
-    import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import bonsai_core as bonsai
     from bonsai_core import models
     from bonsai_core.fsdp import MIXED_PRECISION
 
-    gloo_rank(rank, world, folder)
-    try:
-        net, inputs, loss_fn = models.build(model, seed=0, **options)
-        if budget:
-            bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=world, reshard_after_forward=reshard,
-                              mixed_precision=mixed_precision, grads=grads, cache=False)
-        policy = MixedPrecisionPolicy(param_dtype=MIXED_PRECISION[mixed_precision], reduce_dtype=torch.float32) \
-            if mixed_precision else MixedPrecisionPolicy()
-        for paths, flag in units:  # a unit of several modules is one fully_shard call, as torchtitan's [norm, output]
-            modules = [net.get_submodule(p) for p in paths]
-            fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=flag, mp_policy=policy)
-        fully_shard(net, mp_policy=policy)
-        Path(folder, f"rank{rank}.json").write_text(json.dumps(steady_step_peak(net, inputs, loss_fn, grads)))
-    finally:
-        dist.destroy_process_group()
+    net, inputs, loss_fn = models.build(model, seed=0, **options)
+    if budget:
+        bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=world, reshard_after_forward=reshard,
+                          mixed_precision=mixed_precision, grads=grads, cache=False)
+    policy = MixedPrecisionPolicy(param_dtype=MIXED_PRECISION[mixed_precision], reduce_dtype=torch.float32) \
+        if mixed_precision else MixedPrecisionPolicy()
+    for paths, flag in units:  # a unit of several modules is one fully_shard call, as torchtitan's [norm, output]
+        modules = [net.get_submodule(p) for p in paths]
+        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=flag, mp_policy=policy)
+    fully_shard(net, mp_policy=policy)
+    return steady_step_peak(net, inputs, loss_fn, grads)
 
 
 def measure(model: str, options: dict, world: int, units: list, budget: str | None, reshard: bool | str = True,
             mixed_precision: str | None = None, grads: str = "zeroed") -> list[dict]:
     """Each rank's fixed bytes and peak over one steady-state step, from ``world`` spawned processes."""
-    return spawn_ranks(_worker, world, (model, options, units, budget, reshard, mixed_precision, grads))
+    return spawn_ranks(_worker, world, (model, options, world, units, budget, reshard, mixed_precision, grads))
 
 
 def predicted(graph, model: str, options: dict, budget: str | None, reshard: bool | str = True,
@@ -192,8 +194,9 @@ def predicted(graph, model: str, options: dict, budget: str | None, reshard: boo
     from bonsai_core import models
 
     net, inputs, loss_fn = models.build(model, seed=0, **options)
-    return bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=graph.fsdp["world"], reshard_after_forward=reshard,
-                             mixed_precision=mixed_precision, grads=grads, cache=False).predicted_peak
+    return bonsai.checkpoint(net, inputs, loss_fn, budget=budget, fsdp=graph.fsdp["world"],
+                             reshard_after_forward=reshard, mixed_precision=mixed_precision, grads=grads,
+                             cache=False).predicted_peak
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -215,8 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def refusal(args: argparse.Namespace) -> str | None:
-    """Why these options cannot run, before anything is measured (other models or options than the page's
-    write neither its results nor the page); None when they can."""
+    """Why these options cannot run, before anything is measured; None when they can."""
     narrowed = common.changed(args, ("model", "world", "mixed_precision", "reshard_after_forward", "grads"))
     return common.page_refusal(args, OUT, PAGE, narrowed=narrowed)
 
@@ -244,8 +246,7 @@ def measure_rows(args: argparse.Namespace) -> dict[str, Any]:
     return {"meta": common.run_meta(), "rows": rows}
 
 
-def page(results: dict[str, Any], header: str) -> str:
-    return common.fill("fsdp", header=header, meta=results["meta"], rows=results["rows"])
+page = common.filled("fsdp")
 
 
 def main(args: argparse.Namespace) -> int:

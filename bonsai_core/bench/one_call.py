@@ -1,10 +1,7 @@
 """``bonsai_core.checkpoint`` on models built from public libraries: the report's predicted peak against
 the peak measured on one real training step (CPU, live bytes), whether loss, gradients and buffers
 equal the model's without the plan (one seed), and how long the first and the cached call take.
-
-    bonsai bench one-call [--budget 70%] [--page docs/bench/one_call.md] [--out DIR] [--report-only]
-
-The numbers go to ``--out``/results.json; the page is written from them (again with ``--report-only``).
+``--page docs/bench/one_call.md`` writes the page from ``--out``/results.json (``--report-only``: no run).
 """
 
 from __future__ import annotations
@@ -20,20 +17,23 @@ from bonsai_core.bench import common
 from bonsai_core.errors import BudgetError
 
 
-def llama(batch: int = 4, seq: int = 256):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _hf(model: str, config: str, **options: Any) -> Any:
+    """``transformers.MODEL(transformers.CONFIG(**options))``, its weights initialised as transformers does."""
+    import transformers
 
-    config = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
-                         num_key_value_heads=4, vocab_size=4096, max_position_embeddings=seq)
-    return _maskless(LlamaForCausalLM(config), batch, seq, config.vocab_size)
+    return getattr(transformers, model)(getattr(transformers, config)(**options))
+
+
+def llama(batch: int = 4, seq: int = 256):
+    lm = _hf("LlamaForCausalLM", "LlamaConfig", hidden_size=256, intermediate_size=1024, num_hidden_layers=6,
+             num_attention_heads=8, num_key_value_heads=4, vocab_size=4096, max_position_embeddings=seq)
+    return _maskless(lm, batch, seq, lm.config.vocab_size)
 
 
 def gpt2(batch: int = 4, seq: int = 256, dropout: float = 0.1):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(n_embd=256, n_layer=6, n_head=8, vocab_size=4096, n_positions=seq,
-                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
-    return _maskless(GPT2LMHeadModel(config), batch, seq, config.vocab_size)
+    lm = _hf("GPT2LMHeadModel", "GPT2Config", n_embd=256, n_layer=6, n_head=8, vocab_size=4096, n_positions=seq,
+             resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    return _maskless(lm, batch, seq, lm.config.vocab_size)
 
 
 def from_tests(make: str, **options: int):
@@ -42,20 +42,6 @@ def from_tests(make: str, **options: int):
     from tests import robust_models
 
     return getattr(robust_models, make)(**options)
-
-
-def regnet(batch: int = 16, image: int = 112):
-    from transformers import RegNetConfig, RegNetForImageClassification
-
-    return _classifier(RegNetForImageClassification(RegNetConfig(num_labels=10)), batch, image)
-
-
-def efficientnet(batch: int = 16, image: int = 112):
-    from transformers import EfficientNetConfig, EfficientNetForImageClassification
-
-    config = EfficientNetConfig(width_coefficient=1.0, depth_coefficient=1.0, image_size=image, hidden_dim=1280,
-                                dropout_rate=0.2, drop_connect_rate=0.2, num_labels=10)
-    return _classifier(EfficientNetForImageClassification(config), batch, image)
 
 
 def _classifier(model: Any, batch: int, image: int):
@@ -96,8 +82,12 @@ MODELS = {"transformers Llama (6 layers, 256 wide, seq 256, SDPA)": llama,
           "transformers ViT (trunc_normal_ init, 64 px, batch 32)": lambda: from_tests("make_vit", batch=32, image=64),
           "BatchNorm + SiLU CNN, stochastic depth (torch.nn)": lambda: from_tests(
               "make_stochastic_depth_cnn", batch=16, width=32, blocks=6, image=32),
-          "transformers RegNet-Y (BatchNorm, 22 residual `+=` in place, 112 px, batch 16)": regnet,
-          "transformers EfficientNet-B0 (BatchNorm, SiLU, dropout, drop-connect, 112 px, batch 16)": efficientnet}
+          "transformers RegNet-Y (BatchNorm, 22 residual `+=` in place, 112 px, batch 16)": lambda: _classifier(
+              _hf("RegNetForImageClassification", "RegNetConfig", num_labels=10), batch=16, image=112),
+          "transformers EfficientNet-B0 (BatchNorm, SiLU, dropout, drop-connect, 112 px, batch 16)":
+              lambda: _classifier(_hf("EfficientNetForImageClassification", "EfficientNetConfig", width_coefficient=1.0,
+                                      depth_coefficient=1.0, image_size=112, hidden_dim=1280, dropout_rate=0.2,
+                                      drop_connect_rate=0.2, num_labels=10), batch=16, image=112)}
 
 
 def one(make, budget: str, cache: Path) -> dict:
@@ -135,8 +125,8 @@ def one(make, budget: str, cache: Path) -> dict:
     reference.zero_grad(set_to_none=True)
     measured_no_remat = measure_step(reference, inputs, loss_fn).peak
     return {"regions": len(report.regions), "no_remat": report.no_remat_peak, "measured_no_remat": measured_no_remat,
-            "predicted": report.predicted_peak, "measured": measured, "error": measured / report.predicted_peak - 1, "overhead": report.overhead,
-            "same": same, "first": first, "cached": cached}
+            "predicted": report.predicted_peak, "measured": measured, "error": measured / report.predicted_peak - 1,
+            "overhead": report.overhead, "same": same, "first": first, "cached": cached}
 
 
 OUT = "docs/bench/one_call"
@@ -163,8 +153,7 @@ def measure(budget: str) -> dict[str, Any]:
     return {"meta": common.run_meta(budget=budget), "rows": rows}
 
 
-def page(results: dict[str, Any], header: str) -> str:
-    return common.fill("one_call", header=header, meta=results["meta"], rows=results["rows"])
+page = common.filled("one_call")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,24 +1,17 @@
-"""Every rank of a parallel run, predicted against measured: tensor, pipeline and tensor x FSDP layouts
-(:mod:`bonsai_core.parallel`, :mod:`bonsai_core.pipeline`) on gloo processes on CPU, each rank's peak live
-bytes over a steady-state step (after a first step) against the simulator's peak of that rank's graph,
-traced in one process on the fake process group; without recomputation and with a bonsai plan made by
-the one call for the layout (``bonsai_core.checkpoint(..., tp=, pp=, ...)``) applied before the model is
-parallelized.
+"""Every rank of a parallel run, predicted against measured: tensor, pipeline and tensor x FSDP layouts on gloo
+processes on CPU, each rank's peak live bytes over a steady-state step against the simulator's peak of that
+rank's graph, traced on the fake process group; without recomputation and with the one call's plan for the
+layout. The run is parallelized as the model's library does it, in fp32 (gloo has no bf16 reduce-scatter).
 
     bonsai bench parallel --model torchtitan:llama3:debugmodel --layout tp2 fsdp2.tp2 pp2 [--budget 70%] [--out FILE]
 
-A layout is its degrees joined by dots (``fsdp2.tp2``, ``pp2.interleaved``; ``mb4``: 4 microbatches). The
-run is parallelized as the model's library does it (torchtitan's ``apply_tp``, ``apply_fsdp`` and pipeline
-split and schedules; transformers' ``tp_plan`` and ``fully_shard`` on each block), in fp32: gloo has no bf16
-reduce-scatter for DTensor's collectives. Context parallel cannot run here: torch's ring attention is
-implemented for the GPU's attention kernels only (``_context_parallel/_attention.py``).
+A layout is its degrees joined by dots (``fsdp2.tp2``, ``pp2.interleaved``; ``mb4``: 4 microbatches).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -125,7 +118,6 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
     measured under :class:`bonsai_core.measure.LiveBytes` plus FSDP's resized storages; and each parameter's
     gradient after it (:func:`gradient_norms`)."""
     import torch
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining.schedules import get_schedule_class
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed.pipeline_parallel import pipeline_module_split
@@ -157,20 +149,12 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
 
     with step_context(net, layout):
         step()
-        tensors = []
-        for part in parts:
-            for t in (*part.parameters(), *(p.grad for p in part.parameters() if p.grad is not None), *part.buffers()):
-                tensors.append(t.to_local() if hasattr(t, "to_local") else t)
+        tensors = [t for part in parts for t in fsdp.local_tensors(part)]
         for stage in stages:  # the receive buffers, one per microbatch, kept across steps
             for infos in (*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()):
                 tensors += [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
-        resized, left = [], []
-        for part in parts:
-            if isinstance(part, FSDPModule):
-                r, held = fsdp._storages_outside(part)
-                resized, left = resized + r, left + held
         fixed = storage_bytes([*tensors, *inputs, labels])
-        tracker = fsdp.live_bytes_with(resized, left)
+        tracker = fsdp.live_bytes_with(*parts)
         with tracker:
             step()
     # the loss is the last stage's (the microbatches' losses added up); no other stage has one
@@ -189,41 +173,34 @@ def gradient_norms(parts: list) -> dict[str, float]:
     return out
 
 
-def _worker(rank: int, world: int, folder: str, model: str, options: dict, layout: dict, budget: str | None,
-            saves: dict | None = None) -> None:
-    import torch.distributed as dist
-
+def _worker(model: str, options: dict, layout: dict, budget: str | None, saves: dict | None) -> dict:
     from bonsai_core import models
 
-    fsdp.gloo_rank(rank, world, folder)
-    try:
-        net, inputs, loss_fn = models.build(model, seed=0, **options)
-        spec = with_batch(Layout(**layout), *inputs[0].shape[:2])
-        out: dict[str, Any] = {}
-        made = None
-        if budget:
-            made = one_call_plan(net, inputs, loss_fn, spec, budget)
-            if spec.pp == 1:  # a pipeline rank's plan goes on each of its stages' model parts
-                made.apply(net)
-            out["predicted"] = made.report.predicted_peak
-        elif saves is not None:  # one block plan on every block of each stage (bonsai_core.stage_plan)
-            from bonsai_core.stage_plan import BlockPlan
+    net, inputs, loss_fn = models.build(model, seed=0, **options)
+    spec = with_batch(Layout(**layout), *inputs[0].shape[:2])
+    out: dict[str, Any] = {}
+    made = None
+    if budget:
+        made = one_call_plan(net, inputs, loss_fn, spec, budget)
+        if spec.pp == 1:  # a pipeline rank's plan goes on each of its stages' model parts
+            made.apply(net)
+        out["predicted"] = made.report.predicted_peak
+    elif saves is not None:  # one block plan on every block of each stage (bonsai_core.stage_plan)
+        from bonsai_core.stage_plan import BlockPlan
 
-            made = BlockPlan(saves)
-        dims = meshes(net, spec)
-        if spec.pp > 1:
-            out.update(pipeline_step_peak(net, inputs, loss_fn, spec, dims, made))
-        else:
-            parallelize(net, spec, dims)
-            sharded(net, spec, dims)
-            if spec.cp > 1:
-                inputs = cp_inputs(net, inputs, loss_fn, dims)
-            with step_context(net, spec):
-                out.update(fsdp.steady_step_peak(net, inputs, loss_fn))
-        out.pop("at_peak", None)
-        Path(folder, f"rank{rank}.json").write_text(json.dumps(out))
-    finally:
-        dist.destroy_process_group()
+        made = BlockPlan(saves)
+    dims = meshes(net, spec)
+    if spec.pp > 1:
+        out.update(pipeline_step_peak(net, inputs, loss_fn, spec, dims, made))
+    else:
+        parallelize(net, spec, dims)
+        sharded(net, spec, dims)
+        if spec.cp > 1:
+            inputs = cp_inputs(net, inputs, loss_fn, dims)
+        with step_context(net, spec):
+            out.update(fsdp.steady_step_peak(net, inputs, loss_fn))
+    out.pop("at_peak", None)
+    return out
 
 
 def measure(model: str, options: dict, layout: Any, budget: str | None = None, timeout: float = 600,

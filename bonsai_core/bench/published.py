@@ -1,13 +1,8 @@
 """torchtitan's published Llama 3.1 memory table (``benchmarks/llama3_h100_202412_torchtitan.md``, tables 2, 4,
-5 and 6) predicted per rank, eager: each row's rank traced on the fake process group as
-:mod:`bonsai_core.parallel` and :mod:`bonsai_core.pipeline` trace it, torchtitan's full activation
-checkpointing (the ``torchtitan-full`` plan), bf16 FSDP mixed precision, AdamW, the gradients set to None between
-steps (torchtitan's ``optimizers.zero_grad()``); the live peak with its
-breakdown, and the allocator's reserved peak (expandable segments, what torchtitan sets and reports; a pipeline
-rank's replayed over its whole schedule, every microbatch: :mod:`bonsai_core.allocator.pipelined`). The published runs were compiled, with Float8 linears (and some with AsyncTP).
-A row without pipeline and context parallel is predicted compiled too (:func:`predict_compiled`:
-the whole rank traced as torchtitan runs it, Float8 linears and styles, full AC, each block compiled); the other
-rows' compiled ranks are refused by the trace (:func:`bonsai_core.rank.check_compiled_rank`), and say so.
+5 and 6) predicted per rank: each row's rank traced on the fake process group, eager with torchtitan's full
+activation checkpointing, bf16 FSDP mixed precision, AdamW and the gradients set to None between steps; its live
+peak, what holds it and the allocator's reserved peak (expandable segments). A row without pipeline and context
+parallel is predicted compiled too, with Float8 linears, as the published runs were.
 
     bonsai bench published [--rows 2 4 5 6] [--page docs/results/published_rows.md] [--out DIR] [--report-only]
 
@@ -59,11 +54,9 @@ ROWS = [
 
 
 def predict_rank(graphs: Any, degrees: dict, batch: int) -> list[dict[str, Any]]:
-    """A row's ranks: traced three blocks a stage and repeated (``fit.RankGraphs``, node for node the whole
-    trace), planned with torchtitan's full checkpointing, each one's live peak, breakdown, what it holds at the
-    peak and the reserved peak with expandable segments (a pipeline rank's over its whole schedule); without
-    pipeline parallel also the live peak under torchtitan's selective checkpointing, the other AC mode a run
-    could have had."""
+    """A row's ranks (``fit.RankGraphs``) under torchtitan's full checkpointing: each one's live peak, what holds
+    it, the reserved peak with expandable segments (a pipeline rank's over its whole schedule); without pipeline
+    parallel also the live peak under torchtitan's selective checkpointing."""
     layout = layout_of(**degrees)
     start = time.perf_counter()
     ranks = graphs.ranks(layout, batch, "adamw")
@@ -93,12 +86,9 @@ def compiled_refusal(degrees: dict) -> str | None:
 
 def predict_compiled(model: str, degrees: dict, batch: int, seq: int) -> dict[str, Any]:
     """The row's rank traced whole as the published run compiled it (``bonsai trace MODEL [--tp N] --fsdp M
-    --compile blocks --ac torchtitan-full --float8 --reshard-after-forward all-but-last``): Float8 linears,
-    tensor parallel with torchao's Float8 styles, torchtitan's full checkpointing, each block compiled; AdamW;
-    its plain schedule's live peak and the reserved peak under expandable segments, with the gradients set to
-    None between steps as torchtitan's loop leaves them (:func:`bonsai_core.optimizer.grads_of`, as the eager
-    columns), and the same with them kept, zeroed in place (``*_grads_kept``); ``grads``: the bytes keeping
-    them adds to the fixed memory."""
+    --compile blocks --ac torchtitan-full --float8 --reshard-after-forward all-but-last``), AdamW: the live and
+    reserved peak (expandable segments) with the gradients set to None between steps, and kept
+    (``*_grads_kept``); ``grads``: the bytes keeping them adds to the fixed memory."""
     from bonsai_core.optimizer import with_training_loop
     from bonsai_core.rank import trace
 
@@ -206,17 +196,13 @@ def measure(rows: list[str], stored: Path | None = None) -> dict[str, Any]:
             row["compiled"] = compiled[key]
         out.append(row)
         print(label, [(r["rank"], round(r["live_peak"] / GIB, 2), round(r.get("reserved_peak", 0) / GIB, 2))
-                      for r in ranks], {k: v for k, v in row.get("compiled", {}).items()}, flush=True)
+                      for r in ranks], row.get("compiled", {}), flush=True)
     return {"rows": out}
-
-
-def gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB"
 
 
 def write_page(results: dict[str, Any], page: str) -> None:
     Path(page).write_text(fill(
-        "published_rows", header=page_header(f"bonsai bench published --page {page}", SOURCES), gib=gib, GIB=GIB,
+        "published_rows", header=page_header(f"bonsai bench published --page {page}", SOURCES), GIB=GIB,
         rows=[dict(row, parts=list(dict.fromkeys(k for r in row["ranks"] for k in r["breakdown"])))
               for row in results["rows"]]))
 
