@@ -21,15 +21,16 @@ SUITES: dict[str, tuple[str, str]] = {
     "offload": ("offload", "keep, recompute or offload: every method with and without offload, an offload plan run"),
     "explorer": ("explorer_page", "the explorer's latencies in headless Chromium: slider, first paint, ten sessions, "
                                   "module graph, lifetimes; --page writes docs/results/explorer.md"),
-    "export": ("export", "exported steps against their predictions: the zoo, every solver, real models, both back-ends"),
+    "export": ("export", "exported steps against their predictions: the zoo, every solver, real models, "
+                         "both back-ends"),
     "one-call": ("one_call", "bonsai.checkpoint on library models: predicted vs measured peak, call times"),
     "fsdp": ("fsdp", "FSDP2 per rank: the simulator's peak against gloo processes on CPU"),
     "parallel": ("parallel", "tensor, pipeline and tensor x FSDP ranks: the simulator's peak against gloo processes"),
     "published": ("published", "torchtitan's published Llama 3.1 memory table predicted per rank (eager); --page "
                                "writes docs/results/published_rows.md"),
     "predicted-vs-measured": ("predicted_vs_measured", "no-remat peak: the simulator against a real eager CPU step"),
-    "compiled": ("compiled", "compiled steps: the compiled trace against real compiled CPU steps, bonsai against torch's "
-                             "memory budget under compile, torchtitan's 8B rows eager and compiled"),
+    "compiled": ("compiled", "compiled steps: the compiled trace against real compiled CPU steps, bonsai against "
+                             "torch's memory budget under compile, torchtitan's 8B rows eager and compiled"),
 }
 
 __all__ = ["DEFAULT_SUITE", "SUITES", "add_suite_parsers", "suite", "suite_list"]
