@@ -2,12 +2,10 @@
 inputs, the blocks all-gathered, the gradients held until their reduce-scatter, the collective
 buffers, the saved activations, the step's other tensors (transients) and, when the allocator model
 replayed the schedule, the allocator's extra (reserved minus live). On a pipeline rank, the other
-microbatches in flight (``bonsai_core.in_flight.working``) instead of FSDP's blocks and buffers.
+microbatches in flight instead of FSDP's blocks and buffers.
 
-Every part comes from what computes it already: the fixed tensors' kinds (``Graph.fixed_tensors``,
-sharded by ``bonsai_core.fsdp.with_fsdp``), FSDP's working memory (``bonsai_core.fsdp.working_parts``,
-the parts the simulator adds to its timeline), the simulator's live set (``SimResult.residency``) and the
-allocator's replay. The parts add up to the simulator's timeline (plus the allocator's extra). Pure.
+The parts are :mod:`bonsai_core.rank_memory`'s, named and grouped for the chart; they add up to the
+simulator's timeline (plus the allocator's extra). Pure.
 """
 
 from __future__ import annotations
@@ -17,9 +15,9 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from bonsai_core.fsdp import SHARDED_KINDS, working_parts
+from bonsai_core import rank_memory
+from bonsai_core.fsdp import SHARDED_KINDS
 from bonsai_core.graph import Graph
-from bonsai_core.in_flight import working as pipeline_working
 from bonsai_core.schedule import SimResult
 from explorer.plots import RECOMPUTE, column_tops
 
@@ -28,7 +26,7 @@ ROOT = "root unit unsharded, inputs"
 ACTIVATIONS = "saved activations"
 TRANSIENTS = "transients (gradients in flight, temporaries)"
 ALLOCATOR = "allocator's extra (reserved − live)"
-IN_FLIGHT = "other microbatches in flight, FSDP's gradients (pipeline)"
+IN_FLIGHT = f"{rank_memory.IN_FLIGHT} (pipeline)"
 
 
 def breakdown(graph: Graph, ops: Sequence[tuple[str, int]], sim: SimResult,
@@ -36,15 +34,11 @@ def breakdown(graph: Graph, ops: Sequence[tuple[str, int]], sim: SimResult,
     """int64[len(ops)] per part, in the order to stack them; ``reserved`` and ``live``: the allocator
     model's replay of the same schedule (its extra is left out without them)."""
     n = len(ops)
-    sharded = sum(b for _, b, kind in graph.fixed_tensors if kind in SHARDED_KINDS)
+    sharded = sum(nbytes for kind, nbytes in rank_memory.fixed_by_kind(graph).items() if kind in SHARDED_KINDS)
     parts = {SHARDED: np.full(n, sharded, dtype=np.int64), ROOT: np.full(n, graph.fixed_mem - sharded, dtype=np.int64)}
-    in_flight = pipeline_working(graph, ops, sim.residency)
-    if in_flight is None:
-        parts.update(working_parts(graph, ops))
-    else:  # a pipeline rank: rule 10's microbatches in flight (and FSDP's gradients under it) instead of rule 7's
-        parts[IN_FLIGHT] = in_flight
-    parts[ACTIVATIONS] = sim.residency.bytes_held(graph.mem, among=graph.is_forward)
-    parts[TRANSIENTS] = sim.residency.bytes_held(graph.mem, among=~graph.is_forward)
+    parts.update({IN_FLIGHT if name == rank_memory.IN_FLIGHT else name: bytes_held
+                  for name, bytes_held in rank_memory.working(graph, ops, sim).items()})
+    parts[ACTIVATIONS], parts[TRANSIENTS] = rank_memory.tensors_held(graph, sim)
     if reserved is not None and live is not None:
         parts[ALLOCATOR] = np.maximum(np.asarray(reserved, dtype=np.int64) - np.asarray(live, dtype=np.int64), 0)
     return parts

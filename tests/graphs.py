@@ -124,3 +124,14 @@ def residual_stream(blocks: int, mem: int = 2**28) -> Graph:
                           deps=sorted([grad, xs[i - 1], ms[i - 1]])))
         grad = len(nodes) - 1
     return Graph.from_nodes(f"residual-stream{blocks}", 0, nodes)
+
+
+def fsdp_chain(n: int = 4, mem: int = 10, params: int = 800) -> Graph:
+    """:func:`chain` as one of 2 FSDP ranks: ``params`` bytes of parameters (and as many of gradients), two
+    blocks of the forward chain's halves holding them all."""
+    from bonsai_core.fsdp import with_fsdp
+
+    graph = chain(n, mem).with_fields(fixed_tensors=[["w", params, "param"], ["w.grad", params, "grad"]],
+                                      fixed_mem=2 * params)
+    half = n // 2
+    return with_fsdp(graph, 2, [("blocks.0", 0, half - 1, params // 2), ("blocks.1", half, n - 1, params // 2)], 0)

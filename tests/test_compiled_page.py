@@ -86,3 +86,18 @@ def test_float8_rows_say_what_float8_linears_change_on_the_compiled_step():
             "forward tensors at the peak by +0.00 GiB, the backward transients by +0.00 GiB, the allocator's extra "
             "by +0.72 GiB") in page
     assert "Float8 linears change" not in compiled.page(results(), "<!-- header -->")
+
+
+def test_a_schedules_peak_parts_add_up_to_its_live_peak_and_the_allocators_extra_to_its_reserved_peak():
+    from bonsai_core.solvers import solve
+    from tests.graphs import fsdp_chain
+
+    graph = fsdp_chain()
+    found = compiled.peak_parts(graph, solve(graph, None, "none"))
+    held = {k: v for k, v in found.items() if k.startswith("fixed: ") or k in (
+        "saved forward tensors", "backward tensors (transients)", "FSDP buffers")}
+    saved, transients = found["saved forward tensors"], found["backward tensors (transients)"]
+    assert (saved, transients, found["FSDP buffers"]) == (40, 10, 800)  # at b3: f0..f3, b3, both blocks unsharded
+    assert sum(held.values()) == found["live peak"]
+    assert found["live peak"] + found["allocator's extra"] == found["reserved peak (expandable)"]
+    assert found["peak op"] == "4: b3"

@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from bonsai_core import rank_memory
 from bonsai_core.allocator import bounded_replay
 from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError
@@ -250,25 +249,23 @@ def main(args: argparse.Namespace) -> int:
 
 
 def peak_parts(graph: Graph, schedule: Any, policy: str = "expandable") -> dict[str, Any]:
-    """Where a schedule's peak on a rank comes from, in bytes: at the op of the live peak the fixed bytes by
-    kind of fixed tensor (``fixed: KIND``), the forward tensors resident (saved activations, the loss's
-    forward outputs), the backward tensors resident (transients), FSDP2's buffers (rule 7); then the live
-    peak, the allocator model's reserved peak under ``policy`` and its extra, and the peak op's name."""
-    from bonsai_core.fsdp import working_profile
-
+    """Where a schedule's peak on a rank comes from, in bytes: what holds its live peak
+    (:func:`bonsai_core.rank_memory.at_peak`) as the page names it, ``fixed: KIND``, the saved forward tensors,
+    the backward tensors (transients), FSDP2's buffers (rule 7; on a pipeline rank the other microbatches in
+    flight), the optimizer step where it holds the peak; then the live peak, the allocator model's reserved peak
+    under ``policy`` and its extra, and the peak op's name."""
     sim = simulate(graph, schedule)
-    at = int(np.argmax(sim.timeline))
-    resident = sim.residency.live_at(at)
-    parts: dict[str, Any] = {f"fixed: {k}": 0 for _, _, k in graph.fixed_tensors}
-    for _, nbytes, kind in graph.fixed_tensors:
-        parts[f"fixed: {kind}"] += nbytes
-    forward = graph.is_forward[resident]
-    parts["saved forward tensors"] = int(graph.mem[resident[forward]].sum())
-    parts["backward tensors (transients)"] = int(graph.mem[resident[~forward]].sum())
-    parts["FSDP buffers"] = int(working_profile(graph, schedule.ops)[at])
+    held = rank_memory.at_peak(graph, schedule.ops, sim)
+    parts: dict[str, Any] = {f"fixed: {kind}": nbytes for kind, nbytes in held.fixed.items()}
+    parts["saved forward tensors"] = held.forward
+    parts["backward tensors (transients)"] = held.backward
+    beyond = rank_memory.IN_FLIGHT if rank_memory.IN_FLIGHT in held.working else "FSDP buffers"
+    parts[beyond] = sum(held.working.values())
+    if held.optimizer_step:
+        parts["optimizer step"] = held.optimizer_step
     parts["live peak"] = sim.peak
     reserved = bounded_replay(graph, schedule, policy).reserved_peak
     parts[f"reserved peak ({policy})"] = reserved
     parts["allocator's extra"] = reserved - sim.peak
-    parts["peak op"] = f"{at}: {graph.names[schedule.ops[at][1]]}"
+    parts["peak op"] = f"{sim.peak_op}: {graph.names[schedule.ops[sim.peak_op][1]]}"
     return parts

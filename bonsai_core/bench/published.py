@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bonsai_core import rank_memory
 from bonsai_core.allocator import bounded_replay
 from bonsai_core.bench.common import (add_page_arguments, fill, page_header, page_refusal, results_file,
                                       run_page_suite, template_source)
@@ -68,8 +69,9 @@ def predict_rank(graphs: Any, degrees: dict, batch: int) -> list[dict[str, Any]]
         row: dict[str, Any] = {"rank": rank, "nodes": graph.n, "trace_seconds": round(seconds, 1),
                                "live_peak": sim.peak, "breakdown": breakdown(graph, schedule.ops, sim),
                                "reserved_peak": bounded_replay(graph, schedule, "expandable").reserved_peak,
-                               "peak_at": peak_at(graph, schedule.ops, sim), "held": held_at_peak(graph, sim),
-                               "after_peak": after_peak(graph, sim)}
+                               "peak_at": rank_memory.peak_at(graph, schedule.ops, sim),
+                               "held": rank_memory.held_at_peak(graph, sim),
+                               "after_peak": rank_memory.after_peak(graph, sim)}
         if "pp" not in degrees:
             row["selective_live_peak"] = simulate(graph, solve(graph, None, "torchtitan-selective")).peak
         out.append(row)
@@ -105,64 +107,17 @@ def predict_compiled(model: str, degrees: dict, batch: int, seq: int) -> dict[st
     return out
 
 
-def peak_at(graph: Any, ops: list, sim: Any) -> str:
-    """The op the rank's live peak follows: its phase, aten op and node name (the optimizer step if there)."""
-    if graph.optimizer is not None and sim.peak_op == len(ops) - 1 and sim.peak == graph.optimizer_peak:
-        return "the optimizer step"
-    kind, node = ops[sim.peak_op][0], ops[sim.peak_op][1]
-    if kind == "compute" and ("compute", node) in ops[:sim.peak_op]:
-        kind = "recompute"
-    return f"{graph.phases[node]} `{graph.ops[node]}` (node {graph.names[node]}, its {kind})"
-
-
-def held_at_peak(graph: Any, sim: Any, largest: int = 4) -> list[dict[str, Any]]:
-    """The graph's tensors held at the live peak grouped by phase and shape, the ``largest`` groups by bytes (how
-    many, their bytes, the ops that made them): the saved block inputs, the loss's logits shards and the like."""
-    groups: dict[tuple[str, str], dict[str, Any]] = {}
-    for v in sorted(set(sim.residency.live_at(sim.peak_op).tolist())):
-        if graph.mem[v] == 0:
-            continue
-        group = groups.setdefault((graph.phases[v], graph.shapes[v]), {
-            "phase": graph.phases[v], "shape": graph.shapes[v], "count": 0, "bytes": 0, "ops": []})
-        group["count"] += 1
-        group["bytes"] += int(graph.mem[v])
-        if graph.ops[v] not in group["ops"]:
-            group["ops"].append(graph.ops[v])
-    return sorted(groups.values(), key=lambda g: -g["bytes"])[:largest]
-
-
-def after_peak(graph: Any, sim: Any) -> int:
-    """The step's highest live memory once every backward tensor held at its live peak is freed (0 if the step
-    ends first): how far below its peak the rest of the backward stays, the blocks' backward where the peak is
-    the loss's."""
-    res, i = sim.residency, sim.peak_op
-    at_peak = (res.start <= i) & (i < res.end)
-    backward = ~graph.is_forward[res.node] & (graph.mem[res.node] > 0)
-    gone = int(res.end[at_peak & backward].max(initial=i + 1))
-    return int(sim.timeline[gone:].max()) if gone < len(sim.timeline) else 0
-
-
 def breakdown(graph: Any, ops: list, sim: Any) -> dict[str, int]:
-    """What holds the rank's bytes at its live peak: the fixed tensors by kind, FSDP's working memory by part,
-    the other microbatches in flight (with FSDP's gradients under pipeline parallel), the graph's tensors."""
-    from bonsai_core.fsdp import working_parts
-    from bonsai_core.in_flight import working
-
-    i = sim.peak_op
-    parts: dict[str, int] = {}
-    for _, nbytes, kind in graph.fixed_tensors:
-        parts[f"fixed: {kind}"] = parts.get(f"fixed: {kind}", 0) + nbytes
-    if graph.optimizer is not None and i == len(ops) - 1 and sim.peak == graph.optimizer_peak:
-        parts["optimizer step"] = graph.optimizer["step_bytes"]
-        return parts
-    if graph.fsdp is not None and not (graph.parallel or {}).get("pipeline"):
-        for name, values in working_parts(graph, ops).items():
-            parts[f"FSDP: {name}"] = int(values[i])
-    pipeline = working(graph, ops, sim.residency)
-    if pipeline is not None:
-        parts["pipeline: other microbatches in flight, FSDP's gradients"] = int(pipeline[i])
-    parts["this microbatch's tensors" if pipeline is not None else "the step's tensors"] = \
-        int(sim.timeline[i] - sum(parts.values()))
+    """What holds the rank's bytes at its live peak (:func:`bonsai_core.rank_memory.at_peak`) as the page names
+    the parts: the fixed tensors by kind, FSDP's working memory by part or the other microbatches in flight, the
+    graph's tensors as one part (this microbatch's on a pipeline rank), or the optimizer step where it holds it."""
+    held = rank_memory.at_peak(graph, ops, sim)
+    parts = {f"fixed: {kind}": nbytes for kind, nbytes in held.fixed.items()}
+    if held.optimizer_step:
+        return {**parts, "optimizer step": held.optimizer_step}
+    pipeline = rank_memory.IN_FLIGHT in held.working
+    parts.update({f"{'pipeline' if pipeline else 'FSDP'}: {name}": nbytes for name, nbytes in held.working.items()})
+    parts["this microbatch's tensors" if pipeline else "the step's tensors"] = held.forward + held.backward
     return parts
 
 
