@@ -178,6 +178,9 @@ VEGA_SHAPES = {"circle": "circle", "square": "square", "diamond": "diamond", "tr
 
 
 DASHES = {"dash": [6, 4], "dot": [2, 3]}
+# The charts' data is finite: told so, Vega-Lite adds no validity test of each row's fields (a filter, or a
+# line's "defined"), expressions that Streamlit's Vega interprets for every row on each drag
+FINITE_DATA = {"mark": {"invalid": None}}
 
 
 def _only(kind: str) -> list[dict]:
@@ -272,6 +275,7 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     spec = {
         "height": height,
         "usermeta": {"embedOptions": {"renderer": "hybrid"}},
+        "config": FINITE_DATA,
         "datasets": {"lines": _dataset(lines), "hover": _dataset(hovered), "reserved": _dataset(reserved), "marks": _dataset(marks),
                      "peaks": pd.DataFrame(peaks, columns=["x", "mib", "schedule", "text"]), "levels": pd.DataFrame(levels),
                      "reserved_peaks": pd.DataFrame(reserved_peaks, columns=["x", "mib", "schedule", "text"]),

@@ -19,7 +19,7 @@ from bonsai_core import rank_memory
 from bonsai_core.fsdp import SHARDED_KINDS
 from bonsai_core.graph import Graph
 from bonsai_core.schedule import SimResult
-from explorer.plots import RECOMPUTE, column_tops
+from explorer.plots import FINITE_DATA, RECOMPUTE, column_tops
 
 SHARDED = "sharded state (1/N of parameters, gradients, optimizer)"
 ROOT = "root unit unsharded, inputs"
@@ -55,17 +55,17 @@ COLUMNS = 600  # the stacked chart's points: its highest in each of this many co
 
 
 def frame(parts: dict[str, np.ndarray], x: np.ndarray, columns: int = COLUMNS) -> pd.DataFrame:
-    """Long rows (x, part, its MiB, lo, hi in MiB, i) at the points where some part changes, at most the
-    highest of the stack in each of ``columns`` columns (:func:`~explorer.plots.column_tops`: the peak
-    exact; every point of a band is a polygon vertex the browser rebuilds on each drag, which made this
-    chart most of a browser's work per drag on torchtitan's 8B step): each part's band stacked here,
-    from ``lo`` to ``hi``, in the order of ``parts``; ``i`` orders a part's points along its band.
-    Stacked here, not by Vega-Lite: on the compute-time axis the ops that take no time (frees, views)
-    share their x with the op before them, and Vega-Lite stacks every row of one x on top of each other,
-    a part's own points included, which multiplied the chart's height. Compact on the wire: 32-bit
-    floats, the part's name a category."""
+    """Long rows (x, part, lo, hi in MiB, i) at the points where some part changes, at most the highest of
+    the stack in each of ``columns`` columns (:func:`~explorer.plots.column_tops`: the peak exact), and of
+    those, for each part, only the points where its band moves (:func:`band_changes`): every point of a band
+    is a polygon vertex the browser encodes again on each drag, which made this chart most of a browser's
+    work per drag on torchtitan's 8B step. Each part's band is stacked here, from ``lo`` to ``hi``, in the
+    order of ``parts``; ``i`` orders a part's points along its band. Stacked here, not by Vega-Lite: on the
+    compute-time axis the ops that take no time (frees, views) share their x with the op before them, and
+    Vega-Lite stacks every row of one x on top of each other, a part's own points included, which multiplied
+    the chart's height. Compact on the wire: 32-bit floats, the part's name a category."""
     if not len(x):
-        return pd.DataFrame(columns=["x", "part", "mib", "lo", "hi", "i"])
+        return pd.DataFrame(columns=["x", "part", "lo", "hi", "i"])
     stack = np.vstack(list(parts.values()))
     keep = np.ones(stack.shape[1], dtype=bool)
     keep[1:] = (stack[:, 1:] != stack[:, :-1]).any(axis=0)
@@ -73,14 +73,24 @@ def frame(parts: dict[str, np.ndarray], x: np.ndarray, columns: int = COLUMNS) -
     idx = np.flatnonzero(keep)
     x = np.asarray(x, dtype=float)
     idx = idx[column_tops(x[idx], stack[:, idx].sum(axis=0), columns)]
-    tops = np.cumsum(stack[:, idx], axis=0) / 2**20
+    hi = np.cumsum(stack[:, idx], axis=0) / 2**20
+    lo = hi - stack[:, idx] / 2**20
     names = list(parts)
-    return pd.DataFrame({"x": np.tile(x[idx], len(parts)).astype(np.float32),
-                         "part": pd.Categorical.from_codes(np.repeat(np.arange(len(names)), len(idx)), names),
-                         "mib": (stack[:, idx] / 2**20).ravel().astype(np.float32),
-                         "lo": (tops - stack[:, idx] / 2**20).ravel().astype(np.float32),
-                         "hi": tops.ravel().astype(np.float32),
-                         "i": np.tile(np.arange(len(idx), dtype=np.int32), len(parts))})
+    rows = [(k, np.flatnonzero(band_changes(lo[k], hi[k]))) for k in range(len(names))]
+    part = np.concatenate([np.full(len(at), k) for k, at in rows])
+    at = np.concatenate([at for _, at in rows])
+    return pd.DataFrame({"x": x[idx][at].astype(np.float32),
+                         "part": pd.Categorical.from_codes(part, names),
+                         "lo": lo[part, at].astype(np.float32), "hi": hi[part, at].astype(np.float32),
+                         "i": at.astype(np.int32)})
+
+
+def band_changes(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """bool[len(lo)]: the points a step-after band from ``lo`` to ``hi`` needs, drawn as all of them draw it:
+    the first, the last and each where either edge moves (a constant part is two points)."""
+    moved = np.ones(len(lo), dtype=bool)
+    moved[1:-1] = (lo[1:-1] != lo[:-2]) | (hi[1:-1] != hi[:-2])
+    return moved
 
 
 COLOURS = ("#0072B2", "#56B4E9", "#E69F00", "#F0E442", "#CC79A7", "#009E73", "#999999", "#6b4c9a")
@@ -93,6 +103,7 @@ def chart(parts: dict[str, np.ndarray], x: np.ndarray, x_title: str, budget: int
     spec = {
         "height": height,
         "usermeta": {"embedOptions": {"renderer": "hybrid"}},
+        "config": FINITE_DATA,
         "datasets": {"parts": frame(parts, x),
                      "budget": pd.DataFrame({"mib": [budget / 2**20] if budget is not None else []})},
         "layer": [
@@ -105,7 +116,8 @@ def chart(parts: dict[str, np.ndarray], x: np.ndarray, x_title: str, budget: int
                                     "scale": {"domain": names, "range": list(COLOURS[:len(names)])},
                                     "legend": {"orient": "bottom", "columns": 2, "labelLimit": 400, "labelFontSize": 12}},
                           "order": {"field": "i", "type": "quantitative"},  # along the band: a vertical step at a shared x
-                          "tooltip": [{"field": "part"}, {"field": "mib", "format": ".2f", "title": "MiB"}]}},
+                          # the part's name only: a band's tooltip is its first point's, whichever point is hovered
+                          "tooltip": {"field": "part"}}},
             {"data": {"name": "budget"}, "mark": {"type": "rule", "color": RECOMPUTE, "strokeDash": [6, 4], "strokeWidth": 2},
              "encoding": {"y": {"field": "mib", "type": "quantitative"}}},
         ],

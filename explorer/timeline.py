@@ -311,22 +311,30 @@ FIXED = "fixed (parameters, gradients, batch)"
 
 def bar_frame(b: Bars, x: np.ndarray, step: int, fixed_mem: int) -> "pd.DataFrame":
     """The bars as the chart's rows: x from the compute's position on the memory curve's x axis
-    (``x[i]`` after op i) to the free's, y in MiB above ``fixed_mem`` (drawn as its own band), and
-    whether each is alive after op ``step``."""
+    (``x[i]`` after op i) to the free's, y in MiB above ``fixed_mem`` (drawn as its own band), whether each
+    is alive after op ``step``, and what its tooltip says (:func:`bar_tip`). Compact on the wire: 32-bit floats,
+    the group's name a category."""
     import pandas as pd
 
     ends = np.append(np.asarray(x, dtype=float), float(x[-1]) if len(x) else 0.0)
     rows = pd.DataFrame({
         "x": ends[b.start], "x2": ends[np.minimum(b.end, len(x))],
         "y": (fixed_mem + b.offset) / MIB, "y2": (fixed_mem + b.offset + b.bytes) / MIB,
-        "group": list(b.group), "tensor": list(b.label), "op": list(b.op), "module": list(b.module),
-        "size": [format_bytes(int(v)) for v in b.bytes], "steps": [f"{s}–{e}" for s, e in zip(b.start, b.end)],
+        "group": list(b.group), "tip": [bar_tip(*bar) for bar in zip(b.label, b.op, b.module, b.bytes, b.start, b.end,
+                                                                      b.recomputed)],
         "recomputed": b.recomputed, "alive": alive_at(b, step)})
     fixed = pd.DataFrame([{"x": 0.0, "x2": float(ends[-1]), "y": 0.0, "y2": fixed_mem / MIB, "group": FIXED,
-                           "tensor": FIXED, "op": "", "module": "", "size": format_bytes(fixed_mem),
-                           "steps": "the whole step", "recomputed": False, "alive": True}])
+                           "tip": f"{FIXED} · {format_bytes(fixed_mem)} · the whole step", "recomputed": False,
+                           "alive": True}])
     return pd.concat([fixed, rows], ignore_index=True).astype({"x": "float32", "x2": "float32", "y": "float32",
-                                                                "y2": "float32"})
+                                                                "y2": "float32", "group": "category"})
+
+
+def bar_tip(tensor: str, op: str, module: str, size: int, start: int, end: int, recomputed: bool) -> str:
+    """A bar's tooltip as one line: the browser builds every bar's tooltip on each drag, one expression per
+    field (Streamlit's Vega interprets them), so one field rather than six."""
+    return (" · ".join(part for part in (tensor, op, module) if part) + f" · {format_bytes(int(size))} · alive at "
+            f"steps {start}–{end}" + (" · recomputed" if recomputed else ""))
 
 
 def timeline_chart(frame, groups: Sequence[str], cursor_x: float, x_domain: tuple[float, float], x_title: str,
@@ -339,6 +347,8 @@ def timeline_chart(frame, groups: Sequence[str], cursor_x: float, x_domain: tupl
     charts drawn one under the other share their y scale."""
     import pandas as pd
 
+    from explorer.plots import FINITE_DATA
+
     x = {"field": "x", "type": "quantitative", "title": x_title}
     colour_domain = [FIXED, *[g for g in dict.fromkeys(groups) if g != FIXED]]
     colour = {"field": "group", "type": "nominal", "title": "made by", "sort": colour_domain,
@@ -347,6 +357,7 @@ def timeline_chart(frame, groups: Sequence[str], cursor_x: float, x_domain: tupl
     return {
         "height": height,
         "usermeta": {"embedOptions": {"renderer": "hybrid"}},
+        "config": FINITE_DATA,
         "datasets": {"bars": frame, "cursor": pd.DataFrame({"x": [float(cursor_x)]}),
                      "extent": pd.DataFrame({"x": [float(v) for v in x_domain],
                                              "y": [0.0, float(y_top) if y_top is not None else 0.0]})},
@@ -359,8 +370,7 @@ def timeline_chart(frame, groups: Sequence[str], cursor_x: float, x_domain: tupl
                  "y2": {"field": "y2"}, "color": colour,
                  "stroke": {"condition": {"test": "datum.recomputed", "value": RECOMPUTED_STROKE}, "value": None},
                  "opacity": {"condition": {"test": "datum.alive", "value": 0.95}, "value": 0.3},
-                 "tooltip": [{"field": "tensor"}, {"field": "op"}, {"field": "module"}, {"field": "size", "title": "bytes"},
-                             {"field": "steps", "title": "alive (steps)"}, {"field": "recomputed"}]}},
+                 "tooltip": {"field": "tip"}}},
             {"data": {"name": "cursor"}, "mark": {"type": "rule", "strokeWidth": 2, "color": "#888"},
              "encoding": {"x": x}},
             # unseen: the memory chart's x range, so that both charts get the same x axis (plots.memory_chart)

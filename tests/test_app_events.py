@@ -125,6 +125,28 @@ def test_one_ranks_chart_is_as_high_as_the_simulators_timeline_on_both_axes(fsdp
     assert drawn_tops(spec).min() >= 0
 
 
+def test_a_ranks_band_is_sent_only_where_it_moves_and_draws_as_every_point_does(fsdp_gpt, monkeypatch):
+    from bonsai_core import solvers
+    from explorer import plots
+
+    schedule = solvers.solve(fsdp_gpt, int(0.85 * compute.no_remat(fsdp_gpt).peak), "bonsai")
+    parts = rank.breakdown(fsdp_gpt, schedule.ops, simulate(fsdp_gpt, schedule))
+    x = np.arange(1, len(schedule.ops) + 1, dtype=float)
+    sent = rank.frame(parts, x)
+    monkeypatch.setattr(rank, "band_changes", lambda lo, hi: np.ones(len(lo), dtype=bool))
+    every = rank.frame(parts, x)
+    assert len(sent) < len(every)
+    assert len(sent[sent.part == rank.SHARDED]) == 2  # a constant band: its first and last point
+    for name in parts:  # each band, step after step, as its every point draws it
+        mine, full = sent[sent.part == name], every[every.part == name]
+        at = np.searchsorted(mine.i.to_numpy(), full.i.to_numpy(), side="right") - 1
+        for edge in ("lo", "hi"):
+            assert (mine[edge].to_numpy()[at] == full[edge].to_numpy()).all()
+    assert sent.hi.max() == every.hi.max()
+    spec = rank.chart(parts, x, "step")  # told finite (plots.FINITE_DATA), and it is
+    assert spec["config"] == plots.FINITE_DATA and np.isfinite(spec["datasets"]["parts"][["x", "lo", "hi"]]).all().all()
+
+
 def state_outcome(at):
     g = at.session_state["model"].graph
     s = at.session_state["settings"]

@@ -11,6 +11,7 @@ from bonsai_core import solvers
 from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, plan_schedule
 from bonsai_core.schedule import no_remat_peak, none_schedule, recomputes, simulate
+from bonsai_core.units import format_bytes
 from explorer import plots, timeline
 from explorer.state import DEFAULT_GRAPH
 from tests.graphs import chain
@@ -160,3 +161,33 @@ def test_the_specs_do_not_change_with_the_budget(gpt):
         memory = plots.memory_chart([c], pct, x_mode="ops", cursor=c.x[5], x_domain=(0.0, c.x[-1]))
         specs.append([{k: v for k, v in s.items() if k != "datasets"} for s in (chart, memory)])
     assert specs[0] == specs[1]
+
+
+def test_a_bars_tooltip_is_one_field_that_says_all_of_it(gpt, plan):
+    schedule, _ = plan
+    sim = simulate(gpt, schedule)
+    b = timeline.bars(gpt, sim.residency)
+    frame = timeline.bar_frame(b, np.arange(1, len(schedule.ops) + 1, dtype=float), 5, gpt.fixed_mem)
+    spec = timeline.timeline_chart(frame, list(frame["group"]), 5.0, (0.0, float(len(schedule.ops))), "step")
+    assert spec["layer"][0]["encoding"]["tooltip"] == {"field": "tip"}
+    i = int(np.flatnonzero(b.recomputed)[0])
+    tip = frame["tip"].iloc[i + 1]  # after the fixed band's row
+    for said in (b.label[i], b.op[i], format_bytes(int(b.bytes[i])), f"steps {b.start[i]}–{b.end[i]}", "recomputed"):
+        assert said in tip
+
+
+def test_the_charts_that_say_their_data_is_finite_hold_finite_numbers_only(gpt, plan):
+    """Their specs tell Vega-Lite to test no value for validity (plots.FINITE_DATA): a NaN or an infinity
+    would then be drawn, not left out."""
+    schedule, budget = plan
+    sim = simulate(gpt, schedule)
+    c = plots.curve("chen", sim.timeline, np.ones(len(schedule.ops)), sim.peak, sim.peak_op, "#000", "ops")
+    frame = timeline.bar_frame(timeline.bars(gpt, sim.residency), c.x, 5, gpt.fixed_mem)
+    specs = [plots.memory_chart([c], budget, gpt.peak_lower_bound, "ops", cursor=c.x[5], x_domain=(0.0, c.x[-1]),
+                                events=[(c.x[9], "↻1", "a rebuild")]),
+             timeline.timeline_chart(frame, list(frame["group"]), c.x[5], (0.0, c.x[-1]), "step")]
+    for spec in specs:
+        assert spec["config"] == plots.FINITE_DATA
+        for data in spec["datasets"].values():
+            numbers = data.select_dtypes("number").to_numpy(dtype=float)
+            assert np.isfinite(numbers).all()
