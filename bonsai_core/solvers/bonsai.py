@@ -39,8 +39,8 @@ interval costs nothing (``reuse=False`` always solves, as the benchmarks do).
 forward's end (simulator rule 11). The segment ILP counts those copies exactly, as linear terms of its columns,
 and solves once; the op-level search counts them at the point after each stage's forward
 (:class:`~bonsai_core.solvers.bonsai_ops.InFlight`) but refines its plan round by round on simulated peaks,
-where every copy moves at once: on the 405B rank 1 of FSDP 8 x TP 8 x PP 8 it took minutes where the segment
-ILP took seconds (docs/REAL_RUNS.md). So there ``space="auto"`` searches checkpoint regions only;
+where every copy moves at once: on the 405B rank 1 of FSDP 8 x TP 8 x PP 8 it had no plan after 8 minutes of
+CPU, where the segment ILP took 32 s (docs/REAL_RUNS.md). So there ``space="auto"`` searches checkpoint regions only;
 ``space="ops"`` still searches op-level plans.
 
 **Time limit**: ``time_limit`` bounds the whole call (the fallback plans, every rung's build and MILP solve, the

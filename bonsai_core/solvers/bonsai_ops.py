@@ -9,7 +9,7 @@ is tightest) a MILP decides, per tensor computed before the point, whether it is
 or recomputed in the window up to the next point (``z``), at the least recomputation cost:
 
 * the memory at each point (the fixed memory, FSDP's unsharded block, the op's output, the resident
-  tensors) stays within the budget;
+  tensors; on a pipeline rank, the other microbatches in flight: :class:`InFlight`) stays within the budget;
 * a tensor read in a window is resident at its start or recomputed in it; one resident at a point was
   resident at the previous one or recomputed since; recomputing a tensor needs its inputs resident at
   the window's start or recomputed in it too (the same rules as the lower bound, :mod:`bonsai_core.bound`).
