@@ -50,10 +50,16 @@ def _staged(graph: Any, ops: Sequence[tuple[str, int]]) -> tuple | None:
     if pipeline is None or not ops:
         return None
     spans = [(int(a), int(b)) for _, a, b in pipeline["stages"]]
-    stage_of = np.zeros(graph.n, dtype=np.int64)
-    for k, (a, b) in enumerate(spans):
-        stage_of[a:b + 1] = k
+    stage_of = stages_of(graph)
     return pipeline, spans, stage_of, _segments(graph, ops, stage_of)
+
+
+def stages_of(graph: Any) -> np.ndarray:
+    """int64[n]: each node's local stage on a pipeline rank (its index in ``parallel.pipeline.stages``; 0 elsewhere)."""
+    out = np.zeros(graph.n, dtype=np.int64)
+    for k, (_, a, b) in enumerate(((graph.parallel or {}).get("pipeline") or {}).get("stages", [])):
+        out[int(a):int(b) + 1] = k
+    return out
 
 
 def working(graph: Any, ops: Sequence[tuple[str, int]], residency: Any) -> np.ndarray | None:
@@ -87,6 +93,14 @@ def working(graph: Any, ops: Sequence[tuple[str, int]], residency: Any) -> np.nd
             extra[end] = max(int(extra[end]), in_flight + grads.reducing(k, accumulated) - int(others_copies[end]))
     extra[extra == lowest] = 0
     return extra
+
+
+def holds_others(graph: Any) -> bool:
+    """Whether ``graph`` is a pipeline rank that holds another microbatch in flight beside the one running, in
+    some action of its schedule (the last rank of 1F1B never does)."""
+    pipeline = (graph.parallel or {}).get("pipeline")
+    return pipeline is not None and any(
+        others.any() for _, _, others, *_ in _action_states(pipeline, len(pipeline["stages"])))
 
 
 def _segments(graph: Any, ops: Sequence[tuple[str, int]], stage_of: np.ndarray) -> np.ndarray:
@@ -219,12 +233,26 @@ class _Accumulated:
         return rise
 
 
+def _on_timeline(segment: np.ndarray, stages: int) -> np.ndarray:
+    """bool[len(segment), stages]: at each op, whether the one microbatch's own timeline holds what stage j
+    held at the end of its forward (that forward ended before the op, its backward has not begun): those bytes
+    are counted there already, one copy fewer of them in flight (``working``'s ``others_copies``)."""
+    index = np.arange(len(segment))
+    out = np.zeros((len(segment), stages), dtype=bool)
+    for j in range(stages):
+        forward, backward = np.flatnonzero(segment == 2 * j), np.flatnonzero(segment == 2 * j + 1)
+        if len(forward):
+            out[:, j] = (index > forward[-1]) & (index < (backward[0] if len(backward) else len(segment)))
+    return out
+
+
 def copies(graph: Any, ops: Sequence[tuple[str, int]]) -> tuple[np.ndarray, np.ndarray] | None:
     """Rule 11 as a linear function of what each stage holds at the end of its forward, for the segment ILP
     (:mod:`bonsai_core.solvers.bonsai_model`): (int64[len(ops), stages]: at each op, how many copies of each
     stage's held bytes the rank holds for the other microbatches in flight, those of the action of the op's
-    stage and phase with the most microbatches in flight, less this microbatch's own of the stages before the
-    op's (its timeline holds them already); int64[stages]: the op after which each stage's
+    stage and phase with the most microbatches in flight, less this microbatch's own where its timeline holds
+    them (:func:`_on_timeline`: the stages whose forward ended and whose backward has not begun, in whatever
+    order ``ops`` runs the stages); int64[stages]: the op after which each stage's
     forward ends, where its held bytes are read). A plan that holds X bytes less at a stage's forward end holds
     ``copies * X`` less at each op in flight. None for a graph that is no pipeline rank."""
     staged = _staged(graph, ops)
@@ -237,9 +265,9 @@ def copies(graph: Any, ops: Sequence[tuple[str, int]]) -> tuple[np.ndarray, np.n
         if key not in fullest or others.sum() > fullest[key].sum():
             fullest[key] = others
     out = np.zeros((len(ops), len(spans)), dtype=np.int64)
+    own = _on_timeline(segment, len(spans))
     for key, others in fullest.items():
-        # an earlier stage's held bytes of this microbatch are already on its own timeline (working's others_copies)
-        out[segment == key] = others - (np.arange(len(spans)) < key // 2)
+        out[segment == key] = others - own[segment == key]
     ends = np.array([(np.flatnonzero(segment == 2 * k)[-1:] if (segment == 2 * k).any() else np.array([-1]))[0]
                      for k in range(len(spans))], dtype=np.int64)
     return out, ends

@@ -5,7 +5,9 @@ layout of the published table's row 5) and applied to the debugmodel's pipeline 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torchtitan")
@@ -21,12 +23,20 @@ STAGE_405B = dict(fsdp=8, tp=8, pp=8, microbatches=8, rank=1)  # a middle stage:
 BUDGET_405B = 80 * GIB  # live bytes of the stage on an 80 GiB H100
 
 
-def _debug_rank(rank: int):
+@functools.cache
+def _debug_rank(rank: int, layout: str = "pp2"):
+    """Pipeline rank ``rank`` of the debugmodel in ``layout`` (traced once per module: the tests only read it)."""
     from bonsai_core.bench import parallel as bench
 
-    spec = with_batch(dataclasses.replace(bench.parse_layout("pp2"), rank=rank), bench.SIZES[DEBUG]["batch"],
+    spec = with_batch(dataclasses.replace(bench.parse_layout(layout), rank=rank), bench.SIZES[DEBUG]["batch"],
                       bench.SIZES[DEBUG]["seq"])
     return bench.rank_graph(DEBUG, bench.SIZES[DEBUG], spec)
+
+
+def _near_full_checkpointing(graph) -> int:
+    """A budget a tenth of the way from full checkpointing's peak to the peak without recomputation."""
+    full = simulate(graph, sp.block_saves_schedule(graph, {}))
+    return full.peak + (no_remat_peak(graph) - full.peak) // 10
 
 
 def test_a_block_plan_of_torchtitan_s_save_list_is_torchtitan_s_selective_plan():
@@ -62,15 +72,69 @@ def test_bonsai_on_a_pipeline_rank_counts_the_microbatches_in_flight_and_recompu
     from bonsai_core.solvers import solve
 
     graph = _debug_rank(0)
-    full = simulate(graph, sp.block_saves_schedule(graph, {}))
-    budget = full.peak + (no_remat_peak(graph) - full.peak) // 10
+    budget = _near_full_checkpointing(graph)
     in_flight, ends = copies(graph, sp.block_saves_schedule(graph, {}).ops)
     assert in_flight.max() == 1 and len(ends) == 1  # one stage, one other microbatch in flight
     _, stage = sp.plan_stage(graph, budget)
-    schedule = solve(graph, budget, "bonsai", reuse=False)
+    schedule = solve(graph, budget, "bonsai", space="regions", reuse=False)
     planned = simulate(graph, schedule)
     assert schedule.stats["plan_source"] == "ilp" and planned.peak <= budget
     assert planned.compute_cost < stage.compute_cost
+
+
+def test_the_op_level_search_counts_the_microbatches_in_flight():
+    """Rank 0 of PP 2 (1F1B) holds a second microbatch's saved activations: a storage of the stage resident at
+    its forward's end counts once more in every memory row of the op-level MILP, so its plan fits the rank's
+    budget as the simulator judges it (rule 11) on its own, with no solve again under a tighter budget."""
+    from bonsai_core.bound import GIB as ROW_UNIT, Tensors
+    from bonsai_core.solvers.bonsai_ops import in_flight_of, plan_ops, point_model
+    from bonsai_core.solvers.deadline import Deadline
+
+    graph = _debug_rank(0)
+    budget = _near_full_checkpointing(graph)
+    in_flight = in_flight_of(graph)
+    [end] = in_flight.points.tolist()
+    assert in_flight.copies.max() == 1 and in_flight.copies[end].tolist() == [1]
+    tensors = Tensors(graph)
+    model = point_model(tensors, budget, (end,), in_flight=in_flight)
+    stored = tensors.storages[tensors.storages < end]
+    held = int(stored[np.argmax(graph.mem[stored])])
+    column = model.starts[0] + int(np.searchsorted(stored, held))
+    assert model.milp.matrix[0, column] == pytest.approx(2 * graph.mem[held] / ROW_UNIT)  # its own and one copy
+    found = plan_ops(graph, budget, Deadline(None))
+    assert found.schedule is not None and simulate(graph, found.schedule).peak <= budget
+
+
+def test_the_default_search_on_a_rank_holding_other_microbatches_is_the_segment_ilp():
+    """The default space on a pipeline rank holding other microbatches in flight is checkpoint regions alone
+    (``bonsai_core.solvers.bonsai``'s module doc); the last rank of 1F1B holds none and searches both."""
+    from bonsai_core.solvers import solve
+
+    first, last = _debug_rank(0), _debug_rank(1)
+    assert solve(first, _near_full_checkpointing(first), "bonsai", reuse=False).stats["spaces"] == ["regions"]
+    assert solve(last, _near_full_checkpointing(last), "bonsai", reuse=False).stats["spaces"][0] == "ops"
+
+
+def test_an_interleaved_rank_s_stages_are_planned_by_the_segment_ilp():
+    """Rank 0 of PP 2 interleaved 1F1B runs stages 0 and 2, each from its own data (so no block of stage 0 is
+    self-contained), and in the ILP's order (every forward, then every backward) stage 2's forward is on the
+    one microbatch's timeline while stage 0's backward runs: one copy fewer of it in flight there. The ILP then
+    plans the rank itself, within the budget and below every fallback plan that fits."""
+    from bonsai_core.solvers import solve
+    from bonsai_core.solvers.bonsai import fallback_plans
+    from bonsai_core.solvers.bonsai_coef import self_contained
+
+    graph = _debug_rank(0, "pp2.interleaved")
+    forward = np.flatnonzero(graph.is_forward)
+    first_stage = forward <= graph.parallel["pipeline"]["stages"][0][2]
+    matmuls = np.array([graph.ops[v] == sp.MM for v in forward])
+    assert not self_contained(graph)[first_stage & matmuls].any()
+    budget = _near_full_checkpointing(graph)
+    schedule = solve(graph, budget, "bonsai", space="regions", reuse=False)
+    planned = simulate(graph, schedule)
+    assert schedule.stats["plan_source"] == "ilp" and planned.peak <= budget
+    fallback = fallback_plans(graph).best(graph, budget)
+    assert fallback is not None and planned.compute_cost < fallback[1]
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,14 @@ optimum at b is no cheaper than at B, and the plan fits b. So a solve at such a 
 (``stats["reused_from"]``: B) without solving; dragging the explorer's budget slider over a plan's
 interval costs nothing (``reuse=False`` always solves, as the benchmarks do).
 
+**Pipeline ranks.** A rank holding other microbatches in flight holds, for each, what its stage kept at its
+forward's end (simulator rule 11). The segment ILP counts those copies exactly, as linear terms of its columns,
+and solves once; the op-level search counts them at the point after each stage's forward
+(:class:`~bonsai_core.solvers.bonsai_ops.InFlight`) but refines its plan round by round on simulated peaks,
+where every copy moves at once: on the 405B rank 1 of FSDP 8 x TP 8 x PP 8 it had no plan after 8 minutes of
+CPU, where the segment ILP took 32 s (docs/REAL_RUNS.md). So there ``space="auto"`` searches checkpoint regions only;
+``space="ops"`` still searches op-level plans.
+
 **Time limit**: ``time_limit`` bounds the whole call (the fallback plans, every rung's build and MILP solve, the
 tightening and the smallest-budget search). Past it: the best valid plan found so far (``status``
 "feasible" with the MILP's gap, or "time_limit" for a fallback plan, no gap known) or a
@@ -56,6 +64,7 @@ import numpy as np
 from bonsai_core.bound import BoundParts, LowerBound, Tensors, lower_bound
 from bonsai_core.errors import BudgetError, SolverError
 from bonsai_core.graph import Graph
+from bonsai_core.in_flight import holds_others
 from bonsai_core.regions import (CheckpointPlan, block_plans, checkpoint_sequence, forward_positions, plan_schedule,
                                  region_peak_bound, useful_saved)
 from bonsai_core.schedule import Schedule, simulate, simulated
@@ -239,7 +248,8 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
 
     Options:
         space: which plans to search: "auto" (op-level plans, then checkpoint regions unless the
-            op-level plan's compute cost is already within ``gap`` of the lower bound; the cheaper is the answer),
+            op-level plan's compute cost is already within ``gap`` of the lower bound; the cheaper is the answer;
+            on a pipeline rank holding other microbatches in flight, checkpoint regions only: module doc),
             "ops" (op-level plans only) or "regions" (checkpoint regions only: plans the ``checkpoint``
             export back-end and ``bonsai.checkpoint`` apply as torch.utils.checkpoint regions; implied by
             regions "modules"). ``stats["space"]`` says which plan won, ``stats["spaces"]`` which were searched.
@@ -297,6 +307,8 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         return schedule
     if regions == "modules" or budget is None:
         space = "regions"  # module calls are checkpoint regions; with no budget nothing is recomputed
+    elif space == "auto" and holds_others(graph):
+        space = "regions"  # module doc, "Pipeline ranks"
     return _search(graph, budget, space, time_limit, backend, gap, offload,
                    lambda left: _regions(graph, budget, left, granularity, backend, gap, regions, drop_outputs,
                                          save_self_contained, save_ops, reuse, offload))

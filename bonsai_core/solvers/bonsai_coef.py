@@ -138,7 +138,8 @@ def self_contained(graph: Graph) -> np.ndarray:
     """bool[m] over forward positions (forward nodes in listed order): the node is computed from
     parameters and constants only, never from the data (an attention mask built from ``ones``, position
     ids from ``arange``, a weight cast to bf16 or all-gathered by FSDP). The data's path starts at the
-    earliest ancestor of the last forward node (the loss). A recomputed segment saves such nodes
+    earliest ancestor of the last forward node (the loss; on a rank of several pipeline stages, of each
+    stage's: :func:`_path_ends`). A recomputed segment saves such nodes
     instead of rebuilding them: they are cheap to keep, and which they are does not depend on where a
     segment starts, so one sweep per segment end still serves every candidate. O(n + edges)."""
     forward = np.flatnonzero(graph.is_forward)
@@ -150,9 +151,9 @@ def self_contained(graph: Graph) -> np.ndarray:
     for v in forward.tolist():  # topological: deps come first
         deps = graph.deps(v)
         lowest[v] = min(int(fpos[v]), int(lowest[deps].min())) if len(deps) else fpos[v]
-    root = _data_root(graph, forward, int(forward[lowest[forward[-1]]]))
     data = np.zeros(graph.n, dtype=bool)
-    data[root] = True
+    for end in _path_ends(graph, forward):
+        data[_data_root(graph, forward, end, int(forward[lowest[end]]))] = True
     for v in forward.tolist():
         deps = graph.deps(v)
         if len(deps) and data[deps].any():
@@ -165,12 +166,20 @@ _FACTORIES = ("ones", "zeros", "full", "empty", "arange", "scalar_tensor", "eye"
               "new_zeros", "new_full", "new_empty")
 
 
-def _data_root(graph: Graph, forward: np.ndarray, earliest: int) -> int:
-    """The forward node where the data's path starts: the earliest ancestor of the loss that reads no
-    node and is no tensor factory (an all-ones attention mask made with ``ones_like(input_ids)`` comes
+def _path_ends(graph: Graph, forward: np.ndarray) -> list[int]:
+    """The forward nodes where the data's paths end: the last one (the loss), or on a pipeline rank of several
+    stages each stage's last (what it sends on, or the loss): each stage starts from its own data."""
+    spans = [(a, b) for _, a, b in ((graph.parallel or {}).get("pipeline") or {}).get("stages", [])]
+    ends = [forward[(forward >= a) & (forward <= b)] for a, b in spans]
+    return [int(e[-1]) for e in ends if len(e)] or [int(forward[-1])]
+
+
+def _data_root(graph: Graph, forward: np.ndarray, end: int, earliest: int) -> int:
+    """The forward node where the data's path to ``end`` starts: the earliest ancestor of ``end`` that reads
+    no node and is no tensor factory (an all-ones attention mask made with ``ones_like(input_ids)`` comes
     before the embedding that reads the ids); ``earliest`` (the earliest ancestor) when every one is."""
     ancestor = np.zeros(graph.n, dtype=bool)
-    ancestor[forward[-1]] = True
+    ancestor[end] = True
     for v in forward[::-1].tolist():  # users before their inputs
         if ancestor[v]:
             ancestor[graph.deps(v)] = True

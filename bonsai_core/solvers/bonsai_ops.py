@@ -9,7 +9,7 @@ is tightest) a MILP decides, per tensor computed before the point, whether it is
 or recomputed in the window up to the next point (``z``), at the least recomputation cost:
 
 * the memory at each point (the fixed memory, FSDP's unsharded block, the op's output, the resident
-  tensors) stays within the budget;
+  tensors; on a pipeline rank, the other microbatches in flight: :class:`InFlight`) stays within the budget;
 * a tensor read in a window is resident at its start or recomputed in it; one resident at a point was
   resident at the previous one or recomputed since; recomputing a tensor needs its inputs resident at
   the window's start or recomputed in it too (the same rules as the lower bound, :mod:`bonsai_core.bound`).
@@ -92,16 +92,41 @@ class PointModel:
     offload_start: int = -1
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """Rule 11 as the op-level MILP sees it (a pipeline rank): at each listed position, the copies of each
+    stage's held bytes in flight beyond the one microbatch's (:func:`bonsai_core.in_flight.copies` of the
+    listed order); the point right after each stage's forward ends, where the storages of that stage resident
+    there are its held bytes (a point of every model); each node's stage."""
+
+    copies: np.ndarray  # int64[n, stages]
+    points: np.ndarray  # int64[stages]
+    stage_of: np.ndarray  # int64[n]
+
+
+def in_flight_of(graph: Graph) -> InFlight | None:
+    """The microbatches in flight of ``graph``'s listed order (None: no pipeline rank)."""
+    from bonsai_core.in_flight import copies, stages_of
+
+    found = copies(graph, [(COMPUTE, v) for v in range(graph.n)])
+    if found is None:
+        return None
+    per_position, ends = found
+    return InFlight(per_position, ends + 1, stages_of(graph))
+
+
 LINK_CUTS = 32  # per point, the start positions of the copy-out rows (evenly spaced on the plain clock)
 OFFLOAD_PRICE = 0.01  # an offload's price in the objective, a share of its round trip: a tie-break
 
 
 def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[int, ...],
-                anchors: dict[int, np.ndarray] | None = None, host: HostLink | None = None) -> PointModel:
+                anchors: dict[int, np.ndarray] | None = None, host: HostLink | None = None,
+                in_flight: InFlight | None = None) -> PointModel:
     """The MILP of the module docstring at ``points``, memory rows in GiB against ``budget`` (bytes, or
     bytes per point); ``anchors``: per point, storages (computed before it) that must be resident there;
     ``host``: a candidate may also be copied to host memory after its compute (``o``) and brought back
-    once, in one window (``h``, no compute) (:func:`_host_rows`)."""
+    once, in one window (``h``, no compute) (:func:`_host_rows`); ``in_flight``: each row also holds the
+    pipeline's other microbatches in flight (:func:`_in_flight_terms`)."""
     g = tensors.graph
     n = g.n
     rows_r, rows_c, rows_v, lower, upper, forced = [], [], [], [], [], []
@@ -114,13 +139,7 @@ def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[in
     col_of = lambda k, v, kind: starts[k] + kind * counts[k] + np.searchsorted(  # noqa: E731
         tensors.storages[tensors.storages < points[k]], v)
 
-    def host_cols(k: int, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(the indices into v of candidates, their h columns at point k)."""
-        if host is None or len(host.candidates) == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        j = np.searchsorted(host.candidates, v)
-        ok = (j < host_counts[k]) & (host.candidates[np.minimum(j, len(host.candidates) - 1)] == v)
-        return np.flatnonzero(ok), host_starts[k] + j[ok]
+    host_cols = lambda k, v: _host_columns(host, host_starts, host_counts, k, v)  # noqa: E731
 
     nrow = 0
     for k, t in enumerate(points):
@@ -129,6 +148,8 @@ def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[in
         p0, z0 = starts[k], starts[k] + m
         held = vs[g.mem[vs] > 0]
         add(np.full(len(held), nrow), p0 + np.searchsorted(vs, held), g.mem[held] / GIB)
+        if in_flight is not None:
+            add(*_in_flight_terms(tensors, in_flight, points, starts, t, nrow))
         limit = budget[t] if isinstance(budget, dict) else budget
         lower.append(-np.inf), upper.append((limit - tensors.base(t)) / GIB)
         nrow += 1
@@ -176,6 +197,36 @@ def point_model(tensors: Tensors, budget: int | dict[int, int], points: tuple[in
                       np.ones(column, dtype=bool))
     return PointModel(tuple(points), milp, tuple(starts), tuple(counts), tuple(host_starts), tuple(host_counts),
                       offload_start)
+
+
+def _host_columns(host: HostLink | None, starts: list[int], counts: list[int], k: int,
+                  v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the indices into ``v`` of host candidates, their h columns at point ``k``; ``starts``, ``counts``: each
+    point's first h column and how many)."""
+    if host is None or len(host.candidates) == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    j = np.searchsorted(host.candidates, v)
+    ok = (j < counts[k]) & (host.candidates[np.minimum(j, len(host.candidates) - 1)] == v)
+    return np.flatnonzero(ok), starts[k] + j[ok]
+
+
+def _in_flight_terms(tensors: Tensors, in_flight: InFlight, points: tuple[int, ...], starts: list[int], t: int,
+                     row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Point ``t``'s memory row's terms (rows, columns, GiB) for the other microbatches in flight: per stage,
+    its copies at ``t`` times the bytes of its storages resident at the point after its forward's end (their
+    ``p`` there: what the plan leaves each microbatch holding for its backward)."""
+    g = tensors.graph
+    cols, values = [], []
+    for j, end in enumerate(in_flight.points.tolist()):
+        count = int(in_flight.copies[t, j])
+        if count == 0 or end not in points:
+            continue
+        vs = tensors.storages[tensors.storages < end]
+        mine = vs[(in_flight.stage_of[vs] == j) & (g.mem[vs] > 0)]
+        cols.append(starts[points.index(end)] + np.searchsorted(vs, mine))
+        values.append(count * g.mem[mine] / GIB)
+    cols_all = np.concatenate(cols) if cols else np.zeros(0, dtype=np.int64)
+    return np.full(len(cols_all), row), cols_all, np.concatenate(values) if values else np.zeros(0)
 
 
 def _columns(tensors: Tensors, points: tuple[int, ...], host: HostLink | None
@@ -509,8 +560,12 @@ class _Search:
         self.graph, self.budget, self.clock, self.backend, self.gap = graph, budget, clock, backend, gap
         self.tensors, self.host = tensors, host
         self.offloaded = np.zeros(0, dtype=np.int64)  # the last MILP's storages brought back from the host
+        self.in_flight = in_flight_of(graph)
         self.points = tuple(sorted(set(int(p) for p in points))) or (
             int(np.argmax(tensors.held + _plain_need(tensors))),)
+        if self.in_flight is not None:  # the held bytes of each stage with copies in flight, at its forward's end
+            ends = self.in_flight.points[self.in_flight.copies.any(axis=0) & (self.in_flight.points > 0)]
+            self.points = tuple(sorted(set(self.points) | set(ends.tolist())))
         self.target = {p: budget for p in self.points}  # each point's budget in the model, lowered where it peaks
         self.anchors: dict[int, np.ndarray] = {}  # per point, rebuilt tensors made resident there (chains cut)
         self.absent: dict[int, np.ndarray] | None = None  # the last MILP's solution, then repaired
@@ -585,7 +640,7 @@ class _Search:
         start = self.found.values if self.improving else None
         if not self.improving:
             self.model = point_model(self.tensors, {p: self.target.get(p, self.budget) for p in self.points},
-                                     self.points, self._anchored(), self.host)
+                                     self.points, self._anchored(), self.host, self.in_flight)
             self.size = (len(self.model.milp.cost), self.model.milp.matrix.shape[0])
         share = IMPROVE_SHARE if self.improving else ROUND_SHARE
         found, spent = _milp_round(self.model, self.backend, self.gap, self.clock, start, share)
