@@ -58,6 +58,7 @@ def test_compiled_blocks_under_full_checkpointing_hold_what_eager_blocks_hold(ra
 
 
 def _sharded_over_two(graph):
+    """``graph`` as one of 2 FSDP ranks holds it, ``fully_shard`` on each block."""
     return with_fsdp(graph, 2, [(path, first, last, 0) for path, first, last in block_stack(graph)], root=0)
 
 
@@ -78,7 +79,7 @@ def test_fsdp_shards_a_compiled_ranks_replicated_gradient_as_its_parameter(ranks
 @pytest.mark.slow
 def test_a_compiled_fsdp_and_tensor_parallel_rank_holds_the_eager_ranks_gradients():
     """The debugmodel's FSDP 2 x TP 2 rank, compiled block by block: its sharded gradients are the eager
-    rank's, the vocabulary-sharded embedding's included (fsdp: each as its parameter)."""
+    rank's, each its parameter's bytes, the vocabulary-sharded embedding's included."""
     layout = layout_of(fsdp=2, tp=2)
     eager = trace(MODEL, layout).graph
     compiled = trace(MODEL, layout, compile="blocks").graph
