@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from bonsai_core.fsdp import with_fsdp
+from bonsai_core.graph import block_stack
 from bonsai_core.parallel import layout_of
 from bonsai_core.rank import trace
 from bonsai_core.schedule import simulate
@@ -53,6 +55,35 @@ def test_compiled_blocks_under_full_checkpointing_hold_what_eager_blocks_hold(ra
     eager_peak = simulate(eager, solve(eager, None, "torchtitan-full")).peak - eager.fixed_mem
     compiled_peak = simulate(compiled, solve(compiled, 2**60, "none")).peak - compiled.fixed_mem
     assert abs(compiled_peak - eager_peak) <= 0.05 * eager_peak, (compiled_peak, eager_peak)
+
+
+def _sharded_over_two(graph):
+    """``graph`` as one of 2 FSDP ranks holds it, ``fully_shard`` on each block."""
+    return with_fsdp(graph, 2, [(path, first, last, 0) for path, first, last in block_stack(graph)], root=0)
+
+
+def test_fsdp_shards_a_compiled_ranks_replicated_gradient_as_its_parameter(ranks):
+    """DTensor's embedding backward has no row-wise strategy: the vocabulary-sharded embedding's gradient is
+    replicated, on the rank at the full vocabulary (both traces record it so, as ``AccumulateGrad`` keeps it
+    without FSDP). FSDP2 redistributes it to its parameter's shard before the reduce-scatter, pairing each
+    ``<name>.grad`` with its parameter ``<name>``: the compiled rank names its gradients so, and sharded its
+    gradients are the eager rank's, each its parameter's bytes."""
+    eager, compiled = ranks
+    params = {name for name, _, kind in compiled.fixed_tensors if kind == "param"}
+    assert all(name.removesuffix(".grad") in params for name, _, kind in compiled.fixed_tensors if kind == "grad")
+    assert _bytes_of(compiled, "grad") == _bytes_of(eager, "grad") > _bytes_of(eager, "param")
+    eager, compiled = map(_sharded_over_two, ranks)
+    assert _bytes_of(compiled, "grad") == _bytes_of(eager, "grad") == _bytes_of(eager, "param")
+
+
+@pytest.mark.slow
+def test_a_compiled_fsdp_and_tensor_parallel_rank_holds_the_eager_ranks_gradients():
+    """The debugmodel's FSDP 2 x TP 2 rank, compiled block by block: its sharded gradients are the eager
+    rank's, each its parameter's bytes, the vocabulary-sharded embedding's included."""
+    layout = layout_of(fsdp=2, tp=2)
+    eager = trace(MODEL, layout).graph
+    compiled = trace(MODEL, layout, compile="blocks").graph
+    assert _bytes_of(compiled, "grad") == _bytes_of(eager, "grad") == _bytes_of(eager, "param")
 
 
 @pytest.mark.parametrize("layout, kwargs, says", [

@@ -389,9 +389,13 @@ def gradient_storages(model: nn.Module) -> set[int]:
 
 def _fixed_tensors(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Any) -> list[tuple[str, torch.Tensor, str]]:
     """(name, tensor, kind) of what lives through the step: parameters, their gradients, buffers, the
-    batch and the loss function's buffers."""
+    batch and the loss function's buffers. A gradient's plain tensors are named ``<plain tensor>.grad``, as
+    the eager trace names them: FSDP pairs each with its parameter's (a tensor-parallel gradient replicated
+    where its parameter is sharded, as DTensor's embedding backward makes it, is reduce-scattered into the
+    parameter's shard)."""
     out = [(n, p, "param") for n, p in model.named_parameters()]
-    out += [(n + ".grad", p.grad, "grad") for n, p in model.named_parameters() if p.grad is not None]
+    out += [(m + ".grad", t, "grad") for n, p in model.named_parameters() if p.grad is not None
+            for m, t in plain_tensors(n, p.grad)]
     out += [(n, b, "buffer") for n, b in model.named_buffers()]
     if isinstance(loss_fn, nn.Module):
         out += [("loss_fn." + n, b, "buffer") for n, b in loss_fn.named_buffers()]
