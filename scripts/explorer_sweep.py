@@ -6,10 +6,11 @@ As a session starts it (:mod:`explorer.ahead`): bonsai's solve at 70% with the s
 then every other slider position in the sweep's order, here in this thread rather than the server's
 background one; then the pages' work the sweep puts off (FSDP replays, bonsai's reach), timed apart; then
 each position asked again as a drag asks it, its slowest answers printed. An empty cache folder measures a
-first sweep (a folder already holding the plans measures a reopened model); ``--positions-only`` leaves the put-off
-work out. ``--profile`` writes cProfile's
-statistics of the sweep and prints the 40 costliest calls. ``--record`` writes what each position answers (its
-plan's digest, peak and overhead, or its error) as JSON, so that two sweeps' answers can be diffed.
+first sweep (a folder already holding the plans measures a reopened model); ``--positions-only`` leaves the
+put-off work out. ``--profile`` writes cProfile's statistics of the sweep, counted in this thread's CPU seconds
+(what a solve's time limit counts: on a loaded machine wall seconds mostly measure the wait for a core), and
+prints the 40 costliest calls. ``--record`` writes what each position answers (its plan's digest, peak and
+overhead, or its error) as JSON, so that two sweeps' answers can be diffed.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from explorer.state import DEFAULT_TIME_LIMIT
 FIRST = 70  # % of the no-remat peak: where the session's own solve is
 
 
-def sweep_in_this_thread(sweep: ahead.Sweep, put_off: bool) -> tuple[dict[int, float], list[float]]:
-    """Run the sweep's work as the worker thread would: (seconds per position, seconds per put-off job);
-    ``put_off`` False drops the put-off work."""
+def sweep_in_this_thread(sweep: ahead.Sweep, put_off: bool) -> tuple[dict[int, float], list[tuple[float, float]]]:
+    """Run the sweep's work as the worker thread would: (seconds per position, (seconds, CPU seconds) per
+    put-off job); ``put_off`` False drops the put-off work."""
     positions: dict[int, float] = {}
-    later: list[float] = []
+    later: list[tuple[float, float]] = []
     while (found := ahead._next()) is not None:
         if not put_off:
             sweep.later.clear()
@@ -42,7 +43,7 @@ def sweep_in_this_thread(sweep: ahead.Sweep, put_off: bool) -> tuple[dict[int, f
         start, cpu = time.perf_counter(), time.process_time()
         if callable(p):
             p()
-            later.append(time.perf_counter() - start)
+            later.append((time.perf_counter() - start, time.process_time() - cpu))
             continue
         ahead._solve(sweep, p)
         positions[p] = time.perf_counter() - start
@@ -84,7 +85,7 @@ def main() -> None:
     ahead._wake = lambda: None  # no background thread: this one does the work
     ahead.start(graph, first, reference, FIRST)
     sweep = ahead.find(graph, "bonsai", options, None, FIRST)[0]
-    profile = cProfile.Profile() if args.profile else None
+    profile = cProfile.Profile(time.thread_time) if args.profile else None
     if profile:
         profile.enable()
     cpu = time.process_time()
@@ -92,9 +93,11 @@ def main() -> None:
     cpu = time.process_time() - cpu
     if profile:
         profile.disable()
+    later_cpu = [c for _, c in later]
     print(f"every position answered after {sweep.seconds:.1f} s ({len(sweep.solved)} solved, {len(sweep.derived)} "
-          f"below a failed one); the put-off work {sum(later):.1f} s more; cpu {cpu:.1f} s in all, load average "
-          f"{os.getloadavg()[0]:.1f}", flush=True)
+          f"below a failed one); the put-off work {sum(s for s, _ in later):.1f} s more ({len(later)} jobs, cpu "
+          f"{sum(later_cpu):.1f} s, the longest {max(later_cpu, default=0.0):.1f} s); cpu {cpu:.1f} s in all, load "
+          f"average {os.getloadavg()[0]:.1f}", flush=True)
     asked = []
     for p in ahead.SLIDER:
         begun = time.perf_counter()
