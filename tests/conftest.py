@@ -55,13 +55,21 @@ def chain4() -> Graph:
     return chain(4)
 
 
-@pytest.fixture(scope="session")
-def traced_zoo():
-    """Every zoo model at its default size, traced once: name -> Traced."""
-    from bonsai_core.models.zoo import ZOO
-    from bonsai_core.trace import trace_model
+class _TracedOnFirstUse(dict):
+    """name -> Traced of a zoo model at its default size, traced when a test first asks for it: a worker
+    that runs only the tests of one model traces that model alone."""
 
-    return {name: trace_model(name) for name in ZOO}
+    def __missing__(self, name: str):
+        from bonsai_core.trace import trace_model
+
+        self[name] = trace_model(name)
+        return self[name]
+
+
+@pytest.fixture(scope="session")
+def traced_zoo() -> dict:
+    """Every zoo model at its default size, each traced once per session: name -> Traced."""
+    return _TracedOnFirstUse()
 
 
 # -- the browser tests' served app and headless Chromium (tests/test_browser*.py), one of each per module --

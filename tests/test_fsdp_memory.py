@@ -29,6 +29,12 @@ def traced():
     return trace_model("gpt", **GPT).graph
 
 
+@pytest.fixture(scope="module")
+def sharded():
+    """The GPT as one of 2 FSDP ranks (fully_shard's defaults), traced once for the tests that read it."""
+    return trace_model("gpt", fsdp=2, **GPT).graph
+
+
 def test_sharded_fixed_memory_is_a_rank_s_share_plus_the_root(traced):
     sharded = trace_model("gpt", fsdp=4, **GPT).graph
     kinds = {}
@@ -45,11 +51,10 @@ def test_sharded_fixed_memory_is_a_rank_s_share_plus_the_root(traced):
     assert adam.fixed_mem - sharded.fixed_mem == 2 * sum(b for _, b, k in sharded.fixed_tensors if k == "grad")
 
 
-def test_the_profile_holds_the_running_block_and_its_neighbours(traced):
+def test_the_profile_holds_the_running_block_and_its_neighbours(traced, sharded):
     """Forward: the running block's parameters and its flat all-gather output; backward: the running
     block's parameters, the next block's prefetched all-gather, the previous block's reduce-scatter input
     and the running block's gradients so far."""
-    sharded = trace_model("gpt", fsdp=2, **GPT).graph
     units = sharded.fsdp["units"]
     size = units[0][3]
     ops = none_schedule(sharded).ops
@@ -67,14 +72,13 @@ def test_the_profile_holds_the_running_block_and_its_neighbours(traced):
     assert sim.peak == int(sim.timeline.max()) and sim.peak > sharded.fixed_mem + profile.max() - 1
 
 
-def test_gradients_set_to_none_are_the_reduce_scatter_outputs_fsdp_keeps():
+def test_gradients_set_to_none_are_the_reduce_scatter_outputs_fsdp_keeps(sharded):
     """With the gradients set to None between steps a rank holds no sharded gradient buffer: each unit's
     reduce-scatter output is kept from its post-backward on (the sharded gradients), as many bytes as the
     buffers; the unsharded gradients are held by FSDP as before (no held deps)."""
     from bonsai_core.fsdp import buffer_events, working_parts
     from bonsai_core.optimizer import with_grads
 
-    sharded = trace_model("gpt", fsdp=2, **GPT).graph
     none = with_grads(sharded, "none")
     grads = sum(b for _, b, k in sharded.fixed_tensors if k == "grad")
     assert none.fixed_mem == sharded.fixed_mem - grads and none.grads_set_to_none == grads
@@ -88,13 +92,12 @@ def test_gradients_set_to_none_are_the_reduce_scatter_outputs_fsdp_keeps():
     assert abs(made / grads - 1) < 0.02, (made, grads)  # the buffers' bytes, a unit's share rounded up, not a tensor's
 
 
-def test_reshard_after_forward_false_keeps_the_blocks_until_their_backward():
+def test_reshard_after_forward_false_keeps_the_blocks_until_their_backward(sharded):
     keep = trace_model("gpt", fsdp=2, reshard_after_forward=False, **GPT).graph
-    again = trace_model("gpt", fsdp=2, **GPT).graph
     ops = none_schedule(keep).ops
     first_backward = next(i for i, (k, v) in enumerate(ops) if k == "compute" and not keep.is_forward[v])
     assert working_profile(keep, ops)[first_backward - 1] >= sum(u[3] for u in keep.fsdp["units"])
-    assert no_remat_peak(keep) >= no_remat_peak(again)
+    assert no_remat_peak(keep) >= no_remat_peak(sharded)
 
 
 def test_bad_sharding_is_refused_clearly(traced):
@@ -107,20 +110,18 @@ def test_bad_sharding_is_refused_clearly(traced):
     assert with_fsdp(traced, 1, [], 0) is traced
 
 
-def test_the_fsdp_field_round_trips_and_is_checked():
-    sharded = trace_model("gpt", fsdp=2, **GPT).graph
+def test_the_fsdp_field_round_trips_and_is_checked(sharded):
     again = Graph.from_dict(json.loads(json.dumps(sharded.to_dict())))
     assert again.fsdp == sharded.fsdp and again.hash == sharded.hash
-    bad = sharded.to_dict()
+    bad = json.loads(json.dumps(sharded.to_dict()))  # a copy: the fixture's graph is shared
     bad["fsdp"]["units"][0][2] = 10**6
     with pytest.raises(BonsaiError, match="'fsdp' unit"):
         Graph.from_dict(bad)
 
 
-def test_every_method_s_schedule_is_judged_with_the_profile():
+def test_every_method_s_schedule_is_judged_with_the_profile(sharded):
     from bonsai_core.solvers import solve
 
-    sharded = trace_model("gpt", fsdp=2, **GPT).graph
     budget = int(0.8 * no_remat_peak(sharded))
     # bonsai's op-level search runs its rounds to optimality with no limit (57 s here): 15 s bound it
     for method, options in (("bonsai", {"time_limit": 15}), ("chen", {}), ("dtr", {})):
@@ -172,18 +173,17 @@ def mixed():
     return trace_model("gpt", fsdp=2, mixed_precision="bf16", **GPT).graph
 
 
-def test_mixed_precision_keeps_fp32_shards_and_gathers_bf16(mixed):
+def test_mixed_precision_keeps_fp32_shards_and_gathers_bf16(mixed, sharded):
     """fp32 sharded parameters and gradients (twice the bf16 bytes the trace computed with, halved over 2
     ranks), bf16 unsharded units (half the fp32 ones), bf16 gradients and activations in the graph."""
-    full = trace_model("gpt", fsdp=2, **GPT).graph
     assert mixed.fsdp["param_dtype"] == "bf16" and mixed.fsdp["reduce_dtype"] == "fp32"
-    assert [u[3] * 2 for u in mixed.fsdp["units"]] == [u[3] for u in full.fsdp["units"]]
-    assert mixed.fsdp["root_bytes"] * 2 == full.fsdp["root_bytes"]
+    assert [u[3] * 2 for u in mixed.fsdp["units"]] == [u[3] for u in sharded.fsdp["units"]]
+    assert mixed.fsdp["root_bytes"] * 2 == sharded.fsdp["root_bytes"]
 
     def kind_bytes(graph, kind):
         return sum(b for _, b, k in graph.fixed_tensors if k == kind)
     for kind in ("param", "grad"):
-        assert kind_bytes(mixed, kind) == kind_bytes(full, kind)  # fp32 shards either way
+        assert kind_bytes(mixed, kind) == kind_bytes(sharded, kind)  # fp32 shards either way
     bf16 = [s for s in mixed.shapes if s.startswith("bfloat16")]
     assert bf16 and not any(s.startswith("float32[2, 16, 32]") for s in mixed.shapes)  # activations bf16
     adam = with_optimizer(mixed, "adamw")  # fp32 AdamW state, 2x the fp32 gradient shards
@@ -222,7 +222,7 @@ def test_mixed_precision_reduce_scatters_fp32_and_casts_all_gather_inputs(mixed)
     assert not any(balance.values())
 
 
-def test_reshard_all_but_last_keeps_the_last_block_to_its_backward():
+def test_reshard_all_but_last_keeps_the_last_block_to_its_backward(sharded):
     """torchtitan's apply_fsdp: every block reshards after forward but the last, which stays unsharded
     into the backward pass and is not all-gathered again."""
     from bonsai_core.fsdp import buffer_events
@@ -235,8 +235,7 @@ def test_reshard_all_but_last_keeps_the_last_block_to_its_backward():
     assert gathers.count("all_gather_output:2") == 1 and gathers.count("all_gather_output:0") == 2
     first_backward = next(i for i, (k, v) in enumerate(ops) if k == "compute" and not graph.is_forward[v])
     last = graph.fsdp["units"][2][3]
-    every = trace_model("gpt", fsdp=2, **GPT).graph
-    kept, resharded = working_profile(graph, ops), working_profile(every, ops)
+    kept, resharded = working_profile(graph, ops), working_profile(sharded, ops)
     assert kept[first_backward - 1] - resharded[first_backward - 1] == last
     again = Graph.from_dict(json.loads(json.dumps(graph.to_dict())))
     assert again.fsdp == graph.fsdp

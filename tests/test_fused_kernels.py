@@ -399,7 +399,7 @@ def test_what_sac_may_save_in_a_recurrent_layer_keeps_eagers_gradients(cell, opt
 
     torch.manual_seed(0)
     net = CELLS[cell](8, 8, num_layers=2, batch_first=True, bidirectional=True, **options)
-    x = torch.randn(2, 5, 8, requires_grad=True)
+    x = torch.randn(2, 3, 8, requires_grad=True)
 
     def loss_fn(out):
         return out[0].pow(2).sum()
@@ -411,8 +411,8 @@ def test_what_sac_may_save_in_a_recurrent_layer_keeps_eagers_gradients(cell, opt
         name, k = calls(op)
         if name in ("aten.addmm.default", "aten.mm.default") and r not in chained:
             free.append((name, k))
-    # each layer and direction's input projection (and an LSTM's matmul_hr at each of its 5 steps)
-    assert len(free) == 2 * 2 * (1 + 5 * bool(options)), free
+    # each layer and direction's input projection (and an LSTM's matmul_hr at each of its 3 steps)
+    assert len(free) == 2 * 2 * (1 + 3 * bool(options)), free
     for name, k in free:
         planned, reference = copy.deepcopy(net), copy.deepcopy(net)
         apply_saves(planned, {"": {name: [k]}})

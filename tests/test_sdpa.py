@@ -29,6 +29,12 @@ FLASH_CPU = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 BYTES = 16  # the measured peak may exceed the prediction by the loss seed and verify's check of it
 
 
+@pytest.fixture(scope="module")
+def text_traces():
+    """arch -> the Hugging Face model's step at TEXT's sizes, traced once for the tests that read it."""
+    return {arch: trace_model(f"hf:{arch}", **TEXT) for arch in ("llama", "gpt2")}
+
+
 def _fx_nodes(traced, op: str):
     return [n for n in traced.module.graph.nodes if str(n.target) == op]
 
@@ -48,16 +54,16 @@ def test_hf_models_are_built_with_sdpa_unless_eager_is_asked_for():
     assert "attention" not in zoo.ZooEntry("x", lambda batch=1, *, attention=None: None, "").options
 
 
-def test_the_trace_calls_sdpa_as_eager_does_causal_without_a_mask():
+def test_the_trace_calls_sdpa_as_eager_does_causal_without_a_mask(text_traces):
     """Eager transformers sees a batch without padding and calls SDPA with is_causal=True and no mask
     (and, for grouped-query attention, the key/value heads as they are); on fake tensors it cannot read
     the batch and would build a batch x seq x seq mask, which the kernel then keeps for the backward."""
-    llama = trace_model("hf:llama", **TEXT)
+    llama = text_traces["llama"]
     (call,) = _fx_nodes(llama, FLASH_CPU)
     assert call.args[4] is True and call.kwargs.get("attn_mask") is None
     assert call.args[1].meta["val"].shape[1] == TEXT["heads"] // 2  # grouped-query attention, not repeated
     assert not _fx_nodes(llama, "aten.where.self")
-    gpt2 = trace_model("hf:gpt2", **TEXT)
+    gpt2 = text_traces["gpt2"]
     (call,) = _fx_nodes(gpt2, EFFICIENT_ATTENTION)
     assert call.args[3] is None and call.args[6] is True  # no bias, causal
     eager = trace_model("hf:gpt2", attention="eager", **TEXT)
@@ -137,12 +143,12 @@ def test_efficient_attention_helpers_call_the_kernel_off_the_cpu():
 
 # -- exported and verified -----------------------------------------------------------------------
 
-def test_exported_gpt2_recomputes_its_attention_with_the_same_dropout(tmp_path):
+def test_exported_gpt2_recomputes_its_attention_with_the_same_dropout(tmp_path, text_traces):
     """hf:gpt2 on SDPA (attention dropout 0.1): a schedule that recomputes the attention kernel replays
     the generator state, so loss and gradients are eager's, at the predicted peak."""
     from tests.test_export import checkpoint_every_other
 
-    traced = trace_model("hf:gpt2", **TEXT)
+    traced = text_traces["gpt2"]
     schedule = checkpoint_every_other(traced.graph, 0)
     counts = Counter(v for kind, v in schedule.ops if kind == COMPUTE)
     assert [counts[v] for v in range(traced.graph.n) if traced.graph.ops[v] == EFFICIENT_ATTENTION] == [2]
@@ -156,13 +162,13 @@ def test_exported_gpt2_recomputes_its_attention_with_the_same_dropout(tmp_path):
 
 
 @pytest.mark.parametrize("arch", sweep(["llama", "gpt2"]))
-def test_bf16_parameters_are_what_a_bf16_step_holds(tmp_path, arch):
+def test_bf16_parameters_are_what_a_bf16_step_holds(tmp_path, text_traces, arch):
     """``dtype=bf16``: parameters, gradients and activations in bf16 in the graph, as measured; the
     exported step's peak is the prediction to a few bytes, with the same loss and gradients to bf16's
     rounding."""
     options = dict(TEXT, dtype="bf16")
     traced = trace_model(f"hf:{arch}", **options)
-    fp32 = trace_model(f"hf:{arch}", **TEXT).graph
+    fp32 = text_traces[arch].graph
     params = [(n, b) for n, b, kind in traced.graph.fixed_tensors if kind in ("param", "grad")]
     assert sum(b for _, b in params) * 2 == sum(b for n, b, kind in fp32.fixed_tensors if kind in ("param", "grad"))
     model, inputs, loss_fn = models.build(f"hf:{arch}", **options)
