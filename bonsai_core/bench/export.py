@@ -307,15 +307,178 @@ def off(ck: dict[str, Any], peak: str, of: str = "plan_peak") -> float:
     return ck[peak] / ck[of] - 1
 
 
+def short(model: str) -> str:
+    return model.removeprefix("tests.")
+
+
+def precision(options: dict[str, Any], autocast: str | None) -> str:
+    return f"autocast {autocast}" if autocast else options.get("dtype") or "fp32"
+
+
+def options_said(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"
+
+
+def schedule_said(row: dict[str, Any]) -> str:
+    """A zoo row's schedule with its level: ``recompute-before-use L2``."""
+    return row["schedule"] + ("" if row["level"] is None else f" L{row['level']}")
+
+
+def backend_label(row: dict[str, Any], regions: bool = True) -> str:
+    """A back-end row as the sentences name it: ``hf:gpt2 on eager attention bf16 any``."""
+    attention, kind = row["options"].get("attention"), precision(row["options"], row["autocast"])
+    return (short(row["model"]) + (f" on {attention} attention" if attention else "")
+            + (f" {kind}" if kind != "fp32" else "") + (f" {row['regions']}" if regions and row.get("regions") else ""))
+
+
+def rows_said(rows: Sequence[dict[str, Any]], values: Sequence[str] = ()) -> str:
+    """Back-end rows by their model, each with its regions (and value): ``gpt (any +5.0%; modules +1.0%)``."""
+    said = [r["regions"] + (f" {v}" if values else "") for r, v in zip(rows, values or [""] * len(rows))]
+    plans = common.grouped(zip(rows, said), lambda pair: backend_label(pair[0], regions=False), lambda pair: pair[1])
+    return common.listing([f"{label} ({('; ' if values else ', ').join(said)})" for label, said in plans.items()])
+
+
+def zoo_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The zoo's rows as its sentences read them: both gradient modes' (label, measured, predicted) peaks, whether
+    every step is above its prediction by a few bytes only (``tiny``), the rows whose modes measure different
+    peaks, their :func:`differences`, the recomputing rows at or above the original model, and the original
+    step against the plain schedule's prediction."""
+    both, modes_differ, not_below = [], [], []
+    for r in rows:
+        a, d, label = r["autograd"], r["direct"], f"{r['model']} {schedule_said(r)}"
+        both += [(label, a["measured_peak"], a["predicted_peak"]),
+                 (f"{label} (grads direct)", d["measured_peak"], d["predicted_peak"])]
+        if d["measured_peak"] != a["measured_peak"]:
+            modes_differ.append((label, a["measured_peak"], d["measured_peak"]))
+        if r["recomputes"] and a["measured_peak"] >= a["original_peak"]:
+            not_below.append(label)
+    return {"nodes": {m: of[0]["nodes"] for m, of in common.grouped(rows, lambda r: r["model"]).items()},
+            "both": both, "tiny": all(0 < m - p <= NEAR for _, m, p in both), "modes_differ": modes_differ,
+            "exact": [differences(f"{r['model']} {schedule_said(r)}", r["autograd"], r["direct"]) for r in rows],
+            "recomputing": any(r["recomputes"] for r in rows), "not_below": not_below, **original_said(rows)}
+
+
+def original_said(rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """The zoo's models whose original step measures the plain schedule's prediction within NEAR bytes
+    (``near``), and (model, original, predicted) of those below and above it."""
+    out: dict[str, list[Any]] = {"near": [], "below": [], "above": []}
+    for r in rows:
+        if r["level"] is None:
+            orig, pred = r["autograd"]["original_peak"], r["autograd"]["predicted_peak"]
+            if abs(orig - pred) <= NEAR:
+                out["near"].append(r["model"])
+            else:
+                out["below" if orig < pred else "above"].append((r["model"], orig, pred))
+    return out
+
+
+def methods_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The solved rows' :func:`checks`, and the methods that met no schedule by model."""
+    return {"models": {r["model"]: r["options"] for r in rows},
+            "checks": checks([(f"{r['method']} on {r['model']}", r["replay"]) for r in rows if "replay" in r]),
+            "unmet": common.grouped([r for r in rows if "replay" not in r], lambda r: r["model"],
+                                    lambda r: r["method"])}
+
+
+def verified_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """verify's full report: the models with their options, the rows' :func:`checks`, and each step's peak
+    from ``.grad`` None against the step with ``.grad`` allocated."""
+    return {"models": sorted({f"`{r['model']}` ({options_said(r['options'])})" for r in rows}),
+            "checks": checks([(f"{short(r['model'])} {precision(r['options'], r['autocast'])} {r['schedule']}",
+                               r["replay"]) for r in rows]),
+            "none_peaks": [r["replay"]["measured_peak_grads_none"] / r["replay"]["measured_peak"] - 1 for r in rows]}
+
+
+def attention_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The models, and each no-remat peak by (model, dtype, attention)."""
+    return {"models": list(dict.fromkeys(r["model"] for r in rows)),
+            "peaks": {(r["model"], r["dtype"], r["attention"]): r["no_remat_peak"] for r in rows}}
+
+
+def backends_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The back-end rows as the sentences read them: each side's :func:`checks`, the verdicts and errors, and
+    the checkpoint back-end's peaks (:func:`checkpoint_said`)."""
+    planned = [r for r in rows if "share" in r]
+    sides = ("replay", "checkpoint")
+    return {"models": {backend_label(r, regions=False): r["options"] for r in rows},
+            "checks": {side: checks([(backend_label(r), r[side]) for r in planned if side in r]) for side in sides},
+            "verdicts": [(f"{backend_label(r)} ({side})", r[side]["problems"]) for r in planned
+                         for side in sides if side in r],
+            "errors": [f"{backend_label(r)}: {r[k].rstrip('.')}" for r in rows
+                       for k in ("error", "replay_error", "checkpoint_error") if k in r],
+            "no_plan": [r for r in rows if "no_plan" in r],
+            **checkpoint_said([r for r in planned if "checkpoint" in r])}
+
+
+def checkpoint_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The checkpoint back-end's rows: per REGIONS (rows that run the plan, rows), the judged rows that run it
+    against the plan (``judged_follow``), the rows whose realised peak departs from the plan, the measured
+    peak against the realised (:func:`judged_said`) and the dropped bytes left saved."""
+    follows = [abs(off(r["checkpoint"], "plan_realised_peak")) <= REALISED for r in rows]
+    depart = [(r, off(r["checkpoint"], "plan_realised_peak")) for r, follow in zip(rows, follows) if not follow]
+    some_left = [(r, left) for r in rows if 0 < (left := dropped_left(r["checkpoint"])) < 1]
+    return {"follow": {regions: (sum(f for r, f in zip(rows, follows) if r["regions"] == regions),
+                                 sum(r["regions"] == regions for r in rows)) for regions in REGIONS},
+            "judged_follow": [off(r["checkpoint"], "measured_peak") for r, follow in zip(rows, follows)
+                              if follow and not r["checkpoint"]["unjudged"]],
+            "depart": [r for r, _ in depart], "depart_gaps": [gap for _, gap in depart],
+            "nothing_left": [r for r in rows if dropped_left(r["checkpoint"]) == 1],
+            "some_left": [r for r, _ in some_left], "shares": [left for _, left in some_left],
+            **judged_said(rows)}
+
+
+def dropped_left(ck: dict[str, Any]) -> float:
+    """The share of the plan's dropped bytes left saved; 0 when it drops none."""
+    return ck["unrealised_dropped_bytes"] / ck["dropped_bytes"] if ck["dropped_bytes"] else 0.0
+
+
+def judged_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The checkpoint back-end's measured peak against its realised: the rows left unjudged by why, how many are
+    judged and within REALISED of it, and those above it (recomputing, or not: ``untouched``, said with the
+    original step's gap) and below it, with their gaps."""
+    out: dict[str, Any] = {"reasons": {}, "unjudged": 0, "judged": 0, "within": 0, "recomputing": [], "recomputing_gaps": [],
+                           "untouched": [], "untouched_said": [], "below": [], "below_gaps": []}
+    for r in rows:
+        ck = r["checkpoint"]
+        gap = off(ck, "measured_peak", "plan_realised_peak")
+        if ck["unjudged"]:
+            out["reasons"].setdefault(ck["unjudged"], []).append(r)
+            out["unjudged"] += 1
+            continue
+        out["judged"] += 1
+        if gap > REALISED and r["recomputes"]:
+            out["recomputing"].append(r)
+            out["recomputing_gaps"].append(gap)
+        elif gap > REALISED:
+            out["untouched"].append(r)
+            out["untouched_said"].append(f"checkpointed {common.pct(gap)}, original "
+                                         f"{common.pct(off(ck, 'original_peak', 'plan_realised_peak'))}")
+        elif gap < -REALISED:
+            out["below"].append(r)
+            out["below_gaps"].append(gap)
+        else:
+            out["within"] += 1
+    return out
+
+
 # -- the page -------------------------------------------------------------------------------------
 
+def values(results: dict[str, Any]) -> dict[str, Any]:
+    """What export.md says of ``results``: its rows, the sentences' readings of them, the suite's settings and
+    the formatters its sentences call."""
+    return {"meta": results["meta"], "zoo_rows": results["zoo"], "method_rows": results["methods"],
+            "verified_rows": results["verified"], "backend_rows": results["backends"],
+            "zoo": zoo_said(results["zoo"]), "methods": methods_said(results["methods"]),
+            "verified": verified_said(results["verified"]), "attention": attention_said(results["attention"]),
+            "backends": backends_said(results["backends"]), "backend_shares": BACKEND_SHARES,
+            "realised": REALISED, "regions_all": REGIONS, "near": NEAR, "method_share": METHOD_SHARE,
+            "repeats": TIMING_REPEATS, "seq": ATTENTION_SEQ, "met_split": met_split, "differing": differing,
+            "byte_range": byte_range, "percent_range": percent_range, "short": short, "precision": precision,
+            "options_said": options_said, "schedule_said": schedule_said, "rows_said": rows_said}
+
+
 def page(results: dict[str, Any], header: str) -> str:
-    return common.fill(
-        "export", header=header, meta=results["meta"], zoo_rows=results["zoo"], method_rows=results["methods"],
-        verified_rows=results["verified"], attention=results["attention"], backend_rows=results["backends"],
-        backend_shares=BACKEND_SHARES, realised=REALISED, regions_all=REGIONS, near=NEAR, method_share=METHOD_SHARE,
-        repeats=TIMING_REPEATS, seq=ATTENTION_SEQ, met_split=met_split, differences=differences, checks=checks,
-        differing=differing, byte_range=byte_range, percent_range=percent_range, off=off)
+    return common.fill("export", header=header, **values(results))
 
 
 def refusal(args: argparse.Namespace) -> str | None:
