@@ -436,8 +436,8 @@ def judged_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The checkpoint back-end's measured peak against its realised: the rows left unjudged by why, how many are
     judged and within REALISED of it, and those above it (recomputing, or not: ``untouched``, said with the
     original step's gap) and below it, with their gaps."""
-    out: dict[str, Any] = {"reasons": {}, "unjudged": 0, "judged": 0, "within": 0, "recomputing": [], "recomputing_gaps": [],
-                           "untouched": [], "untouched_said": [], "below": [], "below_gaps": []}
+    out: dict[str, Any] = {"reasons": {}, "unjudged": 0, "judged": 0, "within": 0, "recomputing": [],
+                           "recomputing_gaps": [], "untouched": [], "untouched_said": [], "below": [], "below_gaps": []}
     for r in rows:
         ck = r["checkpoint"]
         gap = off(ck, "measured_peak", "plan_realised_peak")
@@ -471,7 +471,7 @@ def values(results: dict[str, Any]) -> dict[str, Any]:
             "zoo": zoo_said(results["zoo"]), "methods": methods_said(results["methods"]),
             "verified": verified_said(results["verified"]), "attention": attention_said(results["attention"]),
             "backends": backends_said(results["backends"]), "backend_shares": BACKEND_SHARES,
-            "realised": REALISED, "regions_all": REGIONS, "near": NEAR, "method_share": METHOD_SHARE,
+            "realised": REALISED, "near": NEAR, "method_share": METHOD_SHARE,
             "repeats": TIMING_REPEATS, "seq": ATTENTION_SEQ, "met_split": met_split, "differing": differing,
             "byte_range": byte_range, "percent_range": percent_range, "short": short, "precision": precision,
             "options_said": options_said, "schedule_said": schedule_said, "rows_said": rows_said}

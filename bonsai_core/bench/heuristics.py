@@ -221,23 +221,20 @@ REGNET_SIZES = ({"batch": 32, "image": 224}, {"batch": 64, "image": 128})
 RESERVED_MODEL = ("hf:llama", {"layers": 4, "width": 512, "seq": 512, "batch": 4, "vocab": 8192})
 RESERVED_FRACS = (0.5, 0.7)
 POLICIES = ("caching", "expandable")
-UPDATES = {  # the optimizer's updates between steps, in place or copied on write
-    "coop in place": ("coop", {}),
-    "coop copy": ("coop", {"inplace_updates": False}),
-    "dtr-pool in place": ("dtr", POOL_ARGS),
-    "dtr-pool copy": ("dtr", {**POOL_ARGS, "inplace_updates": False}),
-}
 UPDATES_MODELS = ("gpt", "resnet", "unet", "mlp", "vgg")
-WRITES = {
-    "coop writes in place": ("coop", {}),
-    "coop copy-on-write": ("coop", {"inplace_writes": False}),
-    "dtr-pool writes in place": ("dtr", POOL_ARGS),
-    "dtr-pool copy-on-write": ("dtr", {**POOL_ARGS, "inplace_writes": False}),
-}
-# method -> (its in-place variant, its copy variant), in each study
-UPDATE_PAIRS = {"coop": ("coop in place", "coop copy"), "dtr-pool": ("dtr-pool in place", "dtr-pool copy")}
-WRITE_PAIRS = {"coop": ("coop writes in place", "coop copy-on-write"),
-               "dtr-pool": ("dtr-pool writes in place", "dtr-pool copy-on-write")}
+
+
+def copy_variants(option: str, in_place: str, copy: str) -> tuple[dict[str, tuple[str, dict]], dict[str, tuple]]:
+    """Coop and dtr-pool each in place and with ``option`` off (copy on write): label -> (method, options), and
+    method -> (its in-place label, its copy label)."""
+    pairs = {k: (f"{k} {in_place}", f"{k} {copy}") for k in EXAMPLE_METHODS}
+    variants = {label: (VARIANTS[k][0], {**VARIANTS[k][1], **({option: False} if label == b else {})})
+                for k, (a, b) in pairs.items() for label in (a, b)}
+    return variants, pairs
+
+
+UPDATES, UPDATE_PAIRS = copy_variants("inplace_updates", "in place", "copy")  # the optimizer's updates between steps
+WRITES, WRITE_PAIRS = copy_variants("inplace_writes", "writes in place", "copy-on-write")  # in-place ops' writes
 # the models with in-place writes (the zoo and the other hf: models have none), two sizes each
 WRITES_MODELS: list[tuple[str, dict[str, int]]] = [
     ("tests.real_models:resnet18_bn", {"batch": 64}), ("tests.real_models:resnet18_bn", {"batch": 128}),
