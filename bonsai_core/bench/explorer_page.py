@@ -47,7 +47,7 @@ REGIONS_AT_ONCE = 12  # regions the "Why this plan" panel explains per click (pa
 TIME_LIMIT = 20.0  # seconds per bonsai solve: the explorer's default (explorer/state.py)
 LARGE_GPT = ("gpt", {"layers": 60})  # browser.LARGE_LINK's model
 PARTS = ("main", "titan")  # --parts: the studies a run measures, the others kept from its --out
-TITAN_PARTS = ("tracing the 8B step", "the 8B step in the browser", "What fits on the 8B step")  # timed_part's
+TITAN_PARTS = ("tracing the 8B step", "the 8B step in the browser", "What fits on the 8B step")  # timed_run's
 # the lifetimes' rows (graph, method, share of the no-remat peak): hf:gpt2 at 55% as tests/test_browser_timeline.py
 # opens it (bonsai's checkpoint regions reach 50.6% of its peak), chen on the 60-layer GPT as browser.LARGE_LINK
 LIFETIMES = (("default", "bonsai", SHARE), ("gpt2", "bonsai", 0.55), ("large", "chen", SHARE))
@@ -262,13 +262,23 @@ def titan_fit(graph: Any) -> dict[str, Any]:
 
 # -- the run ----------------------------------------------------------------------------------------
 
-def timed_part(parts: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
-    """``fn()``, its seconds and the 1-minute load average as it started and ended kept in ``parts[name]``."""
-    load_start = os.getloadavg()[0]
-    out, seconds = seconds_of(fn)
-    parts[name] = {"seconds": seconds, "load_start": load_start, "load_end": os.getloadavg()[0]}
-    print(f"{name}: {seconds:.1f} s", flush=True)
-    return out
+@contextlib.contextmanager
+def timed_run(**extra: Any) -> Iterator[tuple[dict[str, Any], Callable[[str, Callable[[], Any]], Any]]]:
+    """A run's meta (:func:`common.run_meta` with streamlit's version and ``extra``) and ``timed(name, fn)``:
+    ``fn()``, its seconds and the 1-minute load average as it started and ended kept in the meta's
+    ``parts[name]``; the meta's ``seconds`` kept as the run ends."""
+    meta = common.run_meta(streamlit=importlib.metadata.version("streamlit"), **extra, parts={})
+    start = time.perf_counter()
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        load_start = os.getloadavg()[0]
+        out, seconds = seconds_of(fn)
+        meta["parts"][name] = {"seconds": seconds, "load_start": load_start, "load_end": os.getloadavg()[0]}
+        print(f"{name}: {seconds:.1f} s", flush=True)
+        return out
+
+    yield meta, timed
+    meta["seconds"] = time.perf_counter() - start
 
 
 def measure(quick: bool, parts: Sequence[str] = PARTS, out: str = DEFAULT_OUT) -> dict[str, Any]:
@@ -312,50 +322,38 @@ def measure_main(quick: bool) -> dict[str, Any]:
     """Everything but the 8B step: the default GPT, hf:gpt2 and, unless ``quick``, the 32-layer Llama and the
     60-layer GPT, in-process and in Chromium."""
     browser = harness()
-    start = time.perf_counter()
     counts = QUICK if quick else FULL
-    parts: dict[str, Any] = {}
-    results: dict[str, Any] = {"meta": common.run_meta(streamlit=importlib.metadata.version("streamlit"), quick=quick,
-                                                       counts=counts, parts=parts)}
-    results["yardstick_s"] = timed_part(parts, "yardstick", browser.yardstick_seconds)
-    graphs = timed_part(parts, "tracing", lambda: graphs_to_measure(quick))
-    results["traces"] = [{"graph": g["label"], "ops": g["graph"].n, "trace_s": g["trace_s"]}
-                         for g in graphs.values() if g["trace_s"] is not None]
-    module_keys = [k for k in ("default", "llama") if k in graphs]
-    results["module_graph"] = timed_part(parts, "module graph in-process", lambda: [
-        module_structure_row(k, graphs[k]["label"], graphs[k]["graph"]) for k in module_keys])
-    results["lifetimes"] = timed_part(parts, "lifetimes in-process", lambda: [
-        lifetimes_row(graphs[k]["label"], graphs[k]["graph"], m, share) for k, m, share in LIFETIMES if k in graphs])
-    with tempfile.TemporaryDirectory() as folder:
+    with timed_run(quick=quick, counts=counts) as (meta, timed), tempfile.TemporaryDirectory() as folder:
+        results: dict[str, Any] = {"meta": meta, "yardstick_s": timed("yardstick", browser.yardstick_seconds)}
+        graphs = timed("tracing", lambda: graphs_to_measure(quick))
+        results["traces"] = [{"graph": g["label"], "ops": g["graph"].n, "trace_s": g["trace_s"]}
+                             for g in graphs.values() if g["trace_s"] is not None]
+        module_keys = [k for k in ("default", "llama") if k in graphs]
+        results["module_graph"] = timed("module graph in-process", lambda: [
+            module_structure_row(k, graphs[k]["label"], graphs[k]["graph"]) for k in module_keys])
+        results["lifetimes"] = timed("lifetimes in-process", lambda: [
+            lifetimes_row(graphs[k]["label"], graphs[k]["graph"], m, s) for k, m, s in LIFETIMES if k in graphs])
         llama = None
         if "llama" in graphs:
             llama = (Path(folder) / "llama32.json", graphs["llama"]["graph"].n)
             save_graph(graphs["llama"]["graph"], llama[0])
-        results["browser"] = timed_part(parts, "one session at a time",
-                                        lambda: one_session_studies(counts, llama, large=not quick))
-    results["sessions"] = [timed_part(parts, f"sessions, solving ahead {'on' if ahead else 'off'}",
-                                      lambda: sessions_study(ahead, counts)) for ahead in (True, False)]
-    results["meta"]["seconds"] = time.perf_counter() - start
+        results["browser"] = timed("one session at a time", lambda: one_session_studies(counts, llama, not quick))
+        results["sessions"] = [timed(f"sessions, solving ahead {'on' if ahead else 'off'}",
+                                     lambda: sessions_study(ahead, counts)) for ahead in (True, False)]
     return results
 
 
 def measure_titan(drags: int) -> dict[str, Any]:
     """Torchtitan's 8B step: traced, in Chromium (uploaded, swept, ``drags`` drags after the sweep) and What fits;
     with the run that measured it (``run``: its command, date, machine, seconds and the parts' load averages)."""
-    browser = harness()
-    start = time.perf_counter()
-    parts: dict[str, Any] = {}
-    run = common.run_meta(streamlit=importlib.metadata.version("streamlit"), parts=parts)
-    name, options = browser.TITAN_8B
-    titan = timed_part(parts, "tracing the 8B step", lambda: traced(name, options, "torchtitan's 8B step"))
-    results: dict[str, Any] = {"ops": titan["graph"].n, "trace_s": titan["trace_s"], "run": run}
-    with tempfile.TemporaryDirectory() as folder:
+    name, options = harness().TITAN_8B
+    with timed_run() as (run, timed), tempfile.TemporaryDirectory() as folder:
+        titan = timed("tracing the 8B step", lambda: traced(name, options, "torchtitan's 8B step"))
+        results: dict[str, Any] = {"ops": titan["graph"].n, "trace_s": titan["trace_s"], "run": run}
         path = Path(folder) / "llama3-8b.json"
         save_graph(titan["graph"], path)
-        results["browser"] = timed_part(parts, "the 8B step in the browser",
-                                        lambda: titan_study(path, titan["graph"], drags))
-    results["fit"] = timed_part(parts, "What fits on the 8B step", lambda: titan_fit(titan["graph"]))
-    run["seconds"] = time.perf_counter() - start
+        results["browser"] = timed("the 8B step in the browser", lambda: titan_study(path, titan["graph"], drags))
+        results["fit"] = timed("What fits on the 8B step", lambda: titan_fit(titan["graph"]))
     return results
 
 
