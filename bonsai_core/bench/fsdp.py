@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from bonsai_core.arguments import RESHARD_CHOICES
+from bonsai_core.arguments import RESHARD_CHOICES, reshard_arg
 from bonsai_core.bench import common
 from bonsai_core.optimizer import with_grads
 from bonsai_core.schedule import no_remat_peak
@@ -129,8 +129,10 @@ def spawn_ranks(worker: Callable[..., dict], world: int, args: tuple, timeout: f
 
 def local_tensors(module: torch.nn.Module) -> list:
     """The module's parameters, gradients and buffers, a DTensor as this rank's shard of it."""
-    return [t.to_local() if hasattr(t, "to_local") else t for t in
-            (*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None), *module.buffers())]
+    from bonsai_core.tensors import local_tensor
+
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return [local_tensor(t) for t in (*module.parameters(), *grads, *module.buffers())]
 
 
 def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn, grads: str = "zeroed") -> dict:
@@ -225,7 +227,7 @@ def refusal(args: argparse.Namespace) -> str | None:
 
 def measure_rows(args: argparse.Namespace) -> dict[str, Any]:
     """One row per model, world size and plan, printed as measured."""
-    reshard = {"true": True, "false": False}.get(args.reshard_after_forward, args.reshard_after_forward)
+    reshard = reshard_arg(args.reshard_after_forward)
     mp = args.mixed_precision
     setting = ", ".join(x for x in (f"mp {mp}" if mp else "", "" if reshard is True else f"reshard {reshard}",
                                     "grads none" if args.grads == "none" else "") if x)

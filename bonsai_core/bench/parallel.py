@@ -164,13 +164,10 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
 
 def gradient_norms(parts: list) -> dict[str, float]:
     """Each parameter's gradient (this rank's shard), as its sum of squares: what two runs compare."""
-    out = {}
-    for part in parts:
-        for name, p in part.named_parameters():
-            if p.grad is not None:
-                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                out[name] = float(grad.double().pow(2).sum())
-    return out
+    from bonsai_core.tensors import local_tensor
+
+    return {name: float(local_tensor(p.grad).double().pow(2).sum()) for part in parts
+            for name, p in part.named_parameters() if p.grad is not None}
 
 
 def _worker(model: str, options: dict, layout: dict, budget: str | None, saves: dict | None) -> dict:
