@@ -74,14 +74,8 @@ def one_call_plan(net: Any, inputs: tuple, loss_fn: Any, layout: Any, budget: st
         batch, seq = inputs[0].shape[:2]
         # grads zeroed: the measured loop keeps the first step's gradients through the measured one
         return plan_for(net, batch, seq, budget, optimizer="none", mixed_precision="none", grads="zeroed",
-                        cache=False, **keywords(layout))
-    return bonsai.plan(net, inputs, loss_fn, budget, cache=False, **keywords(layout))
-
-
-def keywords(layout: Any) -> dict[str, Any]:
-    """The one call's keywords for ``layout``."""
-    return dict(fsdp=layout.fsdp, tp=layout.tp, cp=layout.cp, pp=layout.pp, dp_replicate=layout.dp_replicate,
-                pp_schedule=layout.pp_schedule, microbatches=layout.microbatches, rank=layout.rank)
+                        cache=False, **dataclasses.asdict(layout))
+    return bonsai.plan(net, inputs, loss_fn, budget, cache=False, **dataclasses.asdict(layout))
 
 
 def sharded(net: Any, layout: Any, dims: Any) -> None:
