@@ -333,9 +333,9 @@ def backend_label(row: dict[str, Any], regions: bool = True) -> str:
 
 def rows_said(rows: Sequence[dict[str, Any]], values: Sequence[str] = ()) -> str:
     """Back-end rows by their model, each with its regions (and value): ``gpt (any +5.0%; modules +1.0%)``."""
-    said = [r["regions"] + (f" {v}" if values else "") for r, v in zip(rows, values or [""] * len(rows))]
-    plans = common.grouped(zip(rows, said), lambda pair: backend_label(pair[0], regions=False), lambda pair: pair[1])
-    return common.listing([f"{label} ({('; ' if values else ', ').join(said)})" for label, said in plans.items()])
+    plans = common.grouped(zip(rows, values or [None] * len(rows)), lambda pair: backend_label(pair[0], regions=False),
+                           lambda pair: pair[0]["regions"] + ("" if pair[1] is None else f" {pair[1]}"))
+    return common.listing([f"{label} ({('; ' if values else ', ').join(of)})" for label, of in plans.items()])
 
 
 def zoo_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -343,19 +343,20 @@ def zoo_said(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     every step is above its prediction by a few bytes only (``tiny``), the rows whose modes measure different
     peaks, their :func:`differences`, the recomputing rows at or above the original model, and the original
     step against the plain schedule's prediction."""
-    both, modes_differ, not_below = [], [], []
+    both, modes_differ, exact, not_below = [], [], [], []
     for r in rows:
         a, d, label = r["autograd"], r["direct"], f"{r['model']} {schedule_said(r)}"
         both += [(label, a["measured_peak"], a["predicted_peak"]),
                  (f"{label} (grads direct)", d["measured_peak"], d["predicted_peak"])]
+        exact.append(differences(label, a, d))
         if d["measured_peak"] != a["measured_peak"]:
             modes_differ.append((label, a["measured_peak"], d["measured_peak"]))
         if r["recomputes"] and a["measured_peak"] >= a["original_peak"]:
             not_below.append(label)
     return {"nodes": {m: of[0]["nodes"] for m, of in common.grouped(rows, lambda r: r["model"]).items()},
             "both": both, "tiny": all(0 < m - p <= NEAR for _, m, p in both), "modes_differ": modes_differ,
-            "exact": [differences(f"{r['model']} {schedule_said(r)}", r["autograd"], r["direct"]) for r in rows],
-            "recomputing": any(r["recomputes"] for r in rows), "not_below": not_below, **original_said(rows)}
+            "exact": exact, "recomputing": any(r["recomputes"] for r in rows), "not_below": not_below,
+            **original_said(rows)}
 
 
 def original_said(rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
