@@ -166,8 +166,8 @@ def run_bench(config: BenchConfig, out_dir: str | Path) -> tuple[list[dict[str, 
                 rows.extend(_peer_rows(peer, spec, g.n, reference, budgets, config))
         if any(m in REACH_METHODS for m in config.methods):
             reach.append(smallest_budgets(spec.label, g, config))
-            say("  smallest budgets: " + ", ".join(f"{m} {share(reach[-1], m)}" for m in ("lower_bound",) + REACH_METHODS
-                                                   if m in reach[-1]))
+            say("  smallest budgets: " + ", ".join(f"{m} {share(reach[-1], m)}"
+                                                   for m in ("lower_bound",) + REACH_METHODS if m in reach[-1]))
         _write(rows, reach, out)
     return rows, reach
 
