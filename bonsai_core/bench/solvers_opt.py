@@ -67,28 +67,10 @@ def run_one(graph_file: str, label: str, method: str, fractions: list[float], ti
         try:
             stats = solve(graph, budget, name, time_limit=time_limit, **options).stats
             row.update({k: stats.get(k) for k in STAT_KEYS})
-        except BonsaiError as e:
-            row.update({"status": "error", "error": f"{type(e).__name__}: {e}"})
-            row.update(model_size(graph, name, budget, options))
+        except BonsaiError as e:  # a solver that built its model says its size
+            row.update({"status": "error", "error": f"{type(e).__name__}: {e}", **e.stats})
         row["wall_seconds"] = time.perf_counter() - start
         print(json.dumps(row), flush=True)
-
-
-def model_size(graph, method: str, budget: int, options: dict) -> dict:
-    """Variables and constraints of the model a failed solve built (they are in the stats otherwise)."""
-    from bonsai_core.solvers import checkmate
-    from bonsai_core.solvers.milp import problem_size
-    from bonsai_core.solvers.moccasin import build_model
-    from bonsai_core.solvers.views import contract_views
-
-    if method == "checkmate":
-        model = checkmate._models.get(contract_views(graph)[0].hash)
-        if model is None:
-            return {}
-        variables, constraints = problem_size(model.problem)
-        return {"variables": variables, "constraints": constraints, "build_seconds": model.build_seconds}
-    built = build_model(contract_views(graph)[0], budget, options.get("copies", 2))
-    return {"variables": built.variables, "constraints": built.constraints, "build_seconds": built.build_seconds}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
