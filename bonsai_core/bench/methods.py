@@ -98,8 +98,8 @@ QUICK_MODELS = ("mlp:layers=3,batch=512", "gpt:layers=1,seq=64")
 QUICK_BUDGETS = (0.7, 0.5)
 # The 4-layer GPT (525 nodes) first, with the budgets where methods part ways; then the
 # Hugging Face models at their default sizes, the zoo at its default sizes (plus the 1-layer gpt,
-# the one transformer checkmate's op-level MILP is run on) and GPT-2 small last. Larger zoo sizes
-# only added minutes of time-limited MILPs: the full run is meant to fit ~25 minutes on 2 cores.
+# the one transformer checkmate's op-level MILP is run on) and GPT-2 small last. No larger zoo sizes:
+# they add minutes of time-limited MILPs, and the full run is meant to fit ~25 minutes on 2 cores.
 FULL_MODELS = (
     "gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8@50,45,40,37",
     "hf:gpt2", "hf:bert", "hf:llama", "hf:vit", "hf:resnet",
