@@ -352,17 +352,13 @@ def markdown_report(rows: list[dict[str, Any]], reach: Sequence[dict[str, Any]] 
     or a plan of its space beats it, and the solver cost."""
     models = cells_by_model(rows)
     best = {(m, f): min(feasible(c).values(), default=None) for m, f, c in every_cell(models)}
-    cells = contested(models)
     return common.fill("bench_results", models=models, nodes=nodes, best=best, reach=reach, share=share, tie=TIE,
-                       methods=list(dict.fromkeys(r["method"] for r in rows)),
+                       methods=list(dict.fromkeys(r["method"] for r in rows)), **plan_space_values(models),
                        reach_methods=[m for m in REACH_METHODS if any(r.get(m) is not None or r.get(f"{m}_status")
                                                                       for r in reach)],
                        not_best=[(m, f, min(feasible(c), key=feasible(c).get), best[m, f], c["bonsai"])
                                  for m, by_budget in models.items() for f, c in by_budget.items()
                                  if best[m, f] is not None and "bonsai" in c and not bonsai_cheapest(c)],
-                       cheapest=sum(bonsai_cheapest(c) for _, _, c in cells), contested=len(cells),
-                       misses=[(model, f, rival, feasible(c)[rival], feasible(c).get("bonsai"))
-                               for model, f, c, rival in plan_space_rivals(cells)],
                        # where checkmate ran: (model, budget, checkmate's row, bonsai's, moccasin's or None)
                        solver_rows=[(m, f, *(c.get(k) for k in OPTIMISERS)) for m, f, c in every_cell(models)
                                     if c.get("checkmate", {}).get("status")])
@@ -547,11 +543,15 @@ def contested(models: dict[str, dict[float, Cell]]) -> list[tuple[str, float, Ce
     return [(m, f, c) for m, f, c in every_cell(models) if "bonsai" in c and feasible(c)]
 
 
-def plan_space_rivals(cells: Sequence[tuple[str, float, Cell]]) -> list[tuple[str, float, Cell, str]]:
-    """(model, budget, cell, rival) where chen or per-block (plans in bonsai's space) fits and bonsai does not, or
+def plan_space_values(models: dict[str, dict[float, Cell]]) -> dict[str, Any]:
+    """In how many of the contested cells bonsai is the cheapest, and the misses: (model, budget, rival, its
+    overhead, bonsai's or None) where chen or per-block (plans in bonsai's space) fits and bonsai does not, or
     costs less."""
-    return [(model, f, c, rival) for model, f, c in cells for costs in [feasible(c)] for rival in ("chen", "per-block")
-            if rival in costs and costs.get("bonsai", float("inf")) > costs[rival] + TIE]
+    cells = contested(models)
+    return {"cheapest": sum(bonsai_cheapest(c) for _, _, c in cells), "count": len(cells),
+            "misses": [(m, f, rival, costs[rival], costs.get("bonsai")) for m, f, c in cells for costs in [feasible(c)]
+                       for rival in ("chen", "per-block")
+                       if rival in costs and costs.get("bonsai", float("inf")) > costs[rival] + TIE]}
 
 
 def could_not_run(models: dict[str, dict[float, Cell]]) -> dict[str, list[str]]:
@@ -563,14 +563,11 @@ def could_not_run(models: dict[str, dict[float, Cell]]) -> dict[str, list[str]]:
 
 
 def cells_values(models: dict[str, dict[float, Cell]], first: str) -> dict[str, Any]:
-    """How often bonsai is the cheapest; where a plan of its space beats it; per other model, where it is the
-    cheapest: (budget, its overhead, the others that fit, those level with it)."""
-    cells = contested(models)
+    """:func:`plan_space_values`, and per other model where bonsai is the cheapest: (budget, its overhead, the
+    others that fit, those level with it)."""
     wins = {m: [(f, c["bonsai"]["overhead"], others(c), [o for o, x in others(c) if x <= c["bonsai"]["overhead"] + TIE])
                 for f, c in by_budget.items() if bonsai_cheapest(c)] for m, by_budget in models.items() if m != first}
-    return {"cheapest": sum(bonsai_cheapest(c) for _, _, c in cells), "count": len(cells),
-            "misses": [(m, f, rival, feasible(c)[rival]) for m, f, c, rival in plan_space_rivals(cells)],
-            "wins": wins, "could_not_run": could_not_run(models)}
+    return {**plan_space_values(models), "wins": wins, "could_not_run": could_not_run(models)}
 
 
 def beaten_by(winner: str, cells: Sequence[tuple[str, float, Cell]]) -> dict[str, Any]:
