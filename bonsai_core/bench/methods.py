@@ -173,6 +173,7 @@ def run_bench(config: BenchConfig, out_dir: str | Path) -> tuple[list[dict[str, 
 
 
 def say(line: str) -> None:
+    """A line of the run's progress, printed at once (a long run is followed as it goes)."""
     print(line, flush=True)
 
 
