@@ -4,9 +4,16 @@ Every message says what was wrong and what to do; the CLI prints it without a tr
 the app shows it with ``st.error``.
 """
 
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
 
 class BonsaiError(Exception):
-    """Base class of every error a user can cause (bad file, bad budget, unknown model, ...)."""
+    """Base class of every error a user can cause (bad file, bad budget, unknown model, ...). ``stats``: what
+    a solver had measured when it failed (the size of the model it built), for a report; empty otherwise."""
+
+    stats: Mapping[str, Any] = MappingProxyType({})
 
 
 class GraphError(BonsaiError):
@@ -22,10 +29,12 @@ class BudgetError(BonsaiError):
     smallest budget the method meets, where it knows one (solving again at it returns a schedule).
     ``timed_out``: the method's time limit ran out before it found one, which says nothing of the budget."""
 
-    def __init__(self, message: str = "", smallest: int | None = None, timed_out: bool = False) -> None:
+    def __init__(self, message: str = "", smallest: int | None = None, timed_out: bool = False,
+                 stats: Mapping[str, Any] | None = None) -> None:
         super().__init__(message)
         self.smallest = smallest
         self.timed_out = timed_out
+        self.stats = stats or self.stats
 
 
 class ModelError(BonsaiError):
@@ -40,6 +49,7 @@ class SolverError(BonsaiError):
     """A solver failed, timed out without a solution, or is not installed. ``timed_out``: its time limit ran out
     before it found a schedule."""
 
-    def __init__(self, message: str = "", timed_out: bool = False) -> None:
+    def __init__(self, message: str = "", timed_out: bool = False, stats: Mapping[str, Any] | None = None) -> None:
         super().__init__(message)
         self.timed_out = timed_out
+        self.stats = stats or self.stats

@@ -118,7 +118,7 @@ def test_a_peer_row_is_the_cheapest_measured_setting_that_fits_its_budget(monkey
     monkeypatch.setattr(peers, "measure_eager", lambda *a, **k: (1000, 1.0, 0.0))
     monkeypatch.setattr(peers, "peer_runs", lambda *a, **k: runs)
     config = bench.BenchConfig(models=["m"], budgets=[0.95, 0.8, 0.6, 0.4], methods=[], peers=["per-block"])
-    rows = bench._peer_rows("per-block", ModelSpec("m"), 10, 1000, config.budgets, config, progress=lambda line: None)
+    rows = bench._peer_rows("per-block", ModelSpec("m"), 10, 1000, config.budgets, config)
     got = {r["budget_fraction"]: (r["feasible"], r["peak"], r["note"]) for r in rows}
     assert got[0.95] == (True, 900, "every 4")  # "cheap" peaks at 990 > 950
     assert got[0.8] == (True, 700, "every 2")

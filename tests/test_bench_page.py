@@ -57,7 +57,7 @@ def reach() -> list[dict]:
 
 
 def bullets() -> list[str]:
-    text = bp.page(results(), reach(), META, "<!-- header -->", "../bench")
+    text = bp.page({"rows": results(), "reach": reach(), "meta": META}, "<!-- header -->", "../bench")
     return text.split("## What it shows\n\n")[1].strip().split("\n")
 
 
@@ -97,7 +97,7 @@ def test_cells_where_bonsai_is_cheapest_are_counted_and_others_win_where_they_do
 def test_a_chen_plan_cheaper_than_bonsai_is_named_and_the_sentences_follow_the_numbers():
     rows = results()
     rows[1] = row(GPT, 0.9, "chen", 0.01)
-    text = bp.page(rows, reach(), META, "<!-- header -->", "../bench")
+    text = bp.page({"rows": rows, "reach": reach(), "meta": META}, "<!-- header -->", "../bench")
     assert "bonsai is the cheapest method at 40%**" in text
     assert "chen or per-block checkpointing (plans in bonsai's space) fits where bonsai does not, or costs less, " \
            "in the 4-layer GPT at 90% (chen +1.0%)" in text
@@ -106,8 +106,8 @@ def test_a_chen_plan_cheaper_than_bonsai_is_named_and_the_sentences_follow_the_n
 
 def test_the_lower_bound_per_model_and_budget_with_the_cheapest_and_its_distance():
     rows = [r | {"bound": 0.015 if r["budget_fraction"] == 0.9 else None} for r in results()]
-    said = next(b for b in bp.page(rows, reach(), META, "<!-- header -->", "../bench").split("\n")
-                if b.startswith("* **The lower bound**"))
+    text = bp.page({"rows": rows, "reach": reach(), "meta": META}, "<!-- header -->", "../bench")
+    said = next(b for b in text.split("\n") if b.startswith("* **The lower bound**"))
     assert "90% +1.5% (bonsai +2.0%, 0.49% above)" in said
     assert "90% +1.5% (torch's budget -4.0%" not in said and "+1.5% (moccasin +4.5%, 2.96% above)" in said
     assert "40%" not in said  # no bound recorded there

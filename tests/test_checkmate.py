@@ -200,8 +200,9 @@ def fan_in() -> Graph:
 def test_an_infeasible_budget_names_the_lower_bound_and_a_budget_that_fits():
     g = fan_in()
     assert g.peak_lower_bound == 110 and math.isinf(stage_optimum(g, 129)) and stage_optimum(g, 130) == 5.0
-    with pytest.raises(BudgetError, match=r"below 110 B .* fits in 130 B"):
+    with pytest.raises(BudgetError, match=r"below 110 B .* fits in 130 B") as refused:
         solve(g, 120, "checkmate", time_limit=30)
+    assert refused.value.stats["variables"] > 0 and refused.value.stats["constraints"] > 0  # the model it built
     assert solve(g, 130, "checkmate", time_limit=30).stats["peak"] == 130
 
 

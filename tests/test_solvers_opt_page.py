@@ -97,7 +97,7 @@ def warm_rows() -> list[dict]:
 
 
 def write(rows: list[dict]) -> str:
-    return compact(sp.page(rows, RUN, "<!-- header -->", "../bench/solvers_opt/results.json"))
+    return compact(sp.page({"rows": rows, "meta": RUN}, "<!-- header -->", "../bench/solvers_opt/results.json"))
 
 
 def bullets(rows: list[dict]) -> list[str]:

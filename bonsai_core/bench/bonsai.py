@@ -36,7 +36,8 @@ from bonsai_core.solvers import bonsai as B, parse_option, solve
 from bonsai_core.solvers.bonsai_coef import self_contained
 from bonsai_core.units import format_bytes
 
-GPT4 = "gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8"
+GPT4_OPTIONS = {"layers": 4, "width": 256, "seq": 256, "heads": 4, "vocab": 1024, "batch": 8}
+GPT4 = "gpt:" + ",".join(f"{k}={v}" for k, v in GPT4_OPTIONS.items())
 DEFAULT_MODELS = [GPT4, "resnet", "unet", "gpt2-small"]
 DEFAULT_BUDGETS = ("70", "50", "45", "40")  # shares of the no-remat peak, in percent
 RESOLVE = (0.9, 0.8, 0.7, 0.75, 0.85, 0.65, 0.6, 0.55, 0.5)  # the live re-solve's budgets, a slider's moves
@@ -52,19 +53,15 @@ shown = partial(common.progress, keys=SHOWN)
 
 
 def load(spec: str):
-    """``name[:k=v,...]``, ``gpt2-small`` or a graph JSON file -> (label, Graph)."""
+    """A model as ``bonsai bench --models`` reads it (``gpt:layers=2``), ``gpt2-small`` or a graph JSON file ->
+    (label, Graph)."""
+    from bonsai_core.bench.methods import ModelSpec
     from bonsai_core.models.zoo import GPT2_SMALL
 
     if spec.endswith(".json"):
         return os.path.basename(spec), load_graph(spec)
-    name, options = ("gpt", GPT2_SMALL) if spec == "gpt2-small" else spec_options(spec)
-    return spec, common.graph_of(name, **options)
-
-
-def spec_options(spec: str) -> tuple[str, dict[str, int]]:
-    """``name[:k=v,...]`` (a zoo name) -> (name, options)."""
-    name, _, opts = spec.partition(":")
-    return name, {k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
+    model = ModelSpec("gpt", tuple(GPT2_SMALL.items())) if spec == "gpt2-small" else ModelSpec.parse(spec)
+    return spec, common.graph_of(model.name, **dict(model.options))
 
 
 def run(graph, budget: int | None, method: str = "bonsai", **options: Any) -> dict[str, Any]:
@@ -171,7 +168,7 @@ EXPLORER_GRAPH = "assets/gpt-default.json"
 GPT2_OPTIONS = {"layers": 4, "width": 256, "seq": 256}
 # key -> (how the page names the graph, zoo model or None for the explorer's file, trace options)
 GRAPHS: dict[str, tuple[str, str | None, dict[str, int]]] = {
-    "gpt4": ("the 4-layer GPT", "gpt", spec_options(GPT4)[1]),
+    "gpt4": ("the 4-layer GPT", "gpt", GPT4_OPTIONS),
     "explorer": ("the explorer's default GPT", None, {}),
     "hf_gpt2": ("`hf:gpt2` at 4 layers", "hf:gpt2", GPT2_OPTIONS)}
 BUDGETS = {"gpt4": (0.9, 0.7, 0.5, 0.45, 0.4, 0.37), "explorer": (0.7, 0.6, 0.5, 0.45),

@@ -95,11 +95,6 @@ def pct(x: float, digits: int = 1) -> str:
     return f"{x:+.{digits}%}"
 
 
-def pct2(x: float) -> str:
-    """A relative change to two decimals: ``+1.62%``."""
-    return pct(x, 2)
-
-
 def budget(fraction: float) -> str:
     """A budget as a share of the no-remat peak: ``45%``."""
     return f"{fraction * 100:g}%"
@@ -154,7 +149,7 @@ def pipe_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 
 
 FILTERS: dict[str, Callable[..., Any]] = {
-    "pct": pct, "pct2": pct2, "budget": budget, "mib": mib, "listing": listing, "median": median,
+    "pct": pct, "pct2": lambda x: pct(x, 2), "budget": budget, "mib": mib, "listing": listing, "median": median,
     "bytes": format_bytes, "fmt": format, "table": table_of_lines,
     "pct_or_fails": lambda x: "fails" if x is None else pct(x),  # an overhead, or no schedule found
     "budgets": lambda fractions: "/".join(f"{f * 100:g}" for f in fractions) + "%",  # 90/70/50%
@@ -389,14 +384,14 @@ def cells(rows: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], Any],
     return {k: {r[by]: r for r in of} for k, of in grouped(rows, key).items()}
 
 
-def progress(row: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
-    """``row``, its ``keys`` that hold a value printed as one JSON line: a suite's progress as each measurement
-    ends."""
-    print(json.dumps({k: row[k] for k in keys if row.get(k) is not None}, default=str), flush=True)
+def progress(row: dict[str, Any], keys: Sequence[str] | None = None) -> dict[str, Any]:
+    """``row``, its ``keys`` (default all) that hold a value printed as one JSON line: a suite's progress as each
+    measurement ends."""
+    print(json.dumps({k: row[k] for k in keys or row if row.get(k) is not None}, default=str), flush=True)
     return row
 
 
-# -- shared by the pages filled with their results as stored (s8-bC: fsdp, one-call) ------------------------
+# -- a page filled with its results as they are stored (fsdp, one-call) ---------------------------------------
 
 def filled(template: str) -> Callable[[dict[str, Any], str], str]:
     """``page(results, header)``: the template ``template`` filled with a run's results as they are stored."""

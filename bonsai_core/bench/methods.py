@@ -16,7 +16,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from bonsai_core.allocator import replay
 from bonsai_core.arguments import SOLVE_TIME_LIMIT, fraction_arg, positive_seconds
@@ -98,8 +98,8 @@ QUICK_MODELS = ("mlp:layers=3,batch=512", "gpt:layers=1,seq=64")
 QUICK_BUDGETS = (0.7, 0.5)
 # The 4-layer GPT (525 nodes) first, with the budgets where methods part ways; then the
 # Hugging Face models at their default sizes, the zoo at its default sizes (plus the 1-layer gpt,
-# the one transformer checkmate's op-level MILP is run on) and GPT-2 small last. Larger zoo sizes
-# only added minutes of time-limited MILPs: the full run is meant to fit ~25 minutes on 2 cores.
+# the one transformer checkmate's op-level MILP is run on) and GPT-2 small last. No larger zoo sizes:
+# they add minutes of time-limited MILPs, and the full run is meant to fit ~25 minutes on 2 cores.
 FULL_MODELS = (
     "gpt:layers=4,width=256,seq=256,heads=4,vocab=1024,batch=8@50,45,40,37",
     "hf:gpt2", "hf:bert", "hf:llama", "hf:vit", "hf:resnet",
@@ -125,22 +125,20 @@ class BenchConfig:
     max_nodes: dict[str, int] = field(default_factory=dict)  # method -> largest graph it is run on
 
 
-def run_bench(config: BenchConfig, out_dir: str | Path,
-              progress: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def run_bench(config: BenchConfig, out_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every (model, budget, method) and peer, and each method's smallest budget per model: their rows, the
-    tables written after each model, so a long run leaves results behind."""
+    tables written after each model, so a long run leaves results behind; a line printed per measurement."""
     from bonsai_core.trace import trace_model
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     reach: list[dict[str, Any]] = []
-    for text in config.models:
-        spec = ModelSpec.parse(text)
+    for spec in map(ModelSpec.parse, config.models):
         traced = trace_model(spec.name, profile=config.profile, **dict(spec.options))
         g = traced.graph
         reference = no_remat_peak(g)
-        progress(f"{spec.label}: {g.n} nodes, no-remat peak {reference} bytes (traced in {traced.seconds:.1f} s)")
+        say(f"{spec.label}: {g.n} nodes, no-remat peak {reference} bytes (traced in {traced.seconds:.1f} s)")
         budgets = spec.budgets_with(config.budgets)
         for fraction in budgets:
             budget = int(fraction * reference)
@@ -159,19 +157,24 @@ def run_bench(config: BenchConfig, out_dir: str | Path,
                     row["note"] = str(e)[:300]
                     row["solve_seconds"] = time.perf_counter() - start
                 rows.append(row)
-                progress(f"  {fraction:.0%} {method:10s} feasible={row['feasible']} overhead={row['overhead']} "
-                         f"t={row['solve_seconds']:.2f}s {row['note']}")
+                say(f"  {fraction:.0%} {method:10s} feasible={row['feasible']} overhead={row['overhead']} "
+                    f"t={row['solve_seconds']:.2f}s {row['note']}")
         for peer in config.peers:
             if why := too_large(config, peer, g.n):
                 rows.extend({**_row(spec.label, g.n, peer, int(f * reference), f), "note": why} for f in budgets)
             else:
-                rows.extend(_peer_rows(peer, spec, g.n, reference, budgets, config, progress))
+                rows.extend(_peer_rows(peer, spec, g.n, reference, budgets, config))
         if any(m in REACH_METHODS for m in config.methods):
             reach.append(smallest_budgets(spec.label, g, config))
-            progress("  smallest budgets: " + ", ".join(f"{m} {share(reach[-1], m)}" for m in
-                                                        ("lower_bound",) + REACH_METHODS if m in reach[-1]))
+            say("  smallest budgets: " + ", ".join(f"{m} {share(reach[-1], m)}"
+                                                   for m in ("lower_bound",) + REACH_METHODS if m in reach[-1]))
         _write(rows, reach, out)
     return rows, reach
+
+
+def say(line: str) -> None:
+    """A line of the run's progress, printed at once (a long run is followed as it goes)."""
+    print(line, flush=True)
 
 
 def too_large(config: BenchConfig, method: str, nodes: int) -> str | None:
@@ -203,7 +206,7 @@ def measure(config: BenchConfig, out: Path) -> dict[str, Any]:
     """The bench's rows and smallest budgets (as results.csv and reach.csv hold them) and the run's meta."""
     meta = common.run_meta("started", time_limit=config.time_limit, node_limits=config.max_nodes)
     start = time.perf_counter()
-    run_bench(config, out, progress=lambda line: print(line, flush=True))
+    run_bench(config, out)
     meta.update(seconds=round(time.perf_counter() - start, 1), ended=common.utc_now())
     return {"meta": meta, "rows": load_rows(out / "results.csv"), "reach": load_rows(out / "reach.csv", REACH_TYPES)}
 
@@ -216,10 +219,8 @@ def main(args: argparse.Namespace) -> int:
     config = None if args.report_only else config_from(args)
     refusal = common.page_refusal(args, record_page=RECORD_PAGE, narrowed=common.changed(args, ("models", "budgets")),
                                   whole="the default models and budgets")
-    write_page = common.page_writer(lambda run, header, bench: page(run["rows"], run["reach"], run["meta"], header,
-                                                                    bench), SOURCES, args.out)
-    return common.run_page_suite("methods", args, refusal, lambda: measure(config, Path(args.out)), write_page,
-                                 write_beside)
+    return common.run_page_suite("methods", args, refusal, lambda: measure(config, Path(args.out)),
+                                 common.page_writer(page, SOURCES, args.out), write_beside)
 
 
 def write_beside(results: dict[str, Any], out: Path) -> None:
@@ -301,16 +302,14 @@ def _row(model: str, nodes: int, method: str, budget: int, fraction: float) -> d
 
 
 def _schedule_fields(graph: Any, schedule: Any) -> dict[str, Any]:
-    st = schedule.stats
-    alloc = replay(graph, schedule)
-    return {"feasible": True, "peak": st["peak"], "overhead": round(st["overhead"], 6),
-            "solve_seconds": st.get("solve_seconds"), "build_seconds": st.get("build_seconds"),
-            "variables": st.get("variables"), "constraints": st.get("constraints"), "status": st.get("status"),
-            "gap": st.get("gap"), "reserved_peak": alloc.reserved_peak, "fragmentation": round(alloc.fragmentation, 4)}
+    st, alloc = schedule.stats, replay(graph, schedule)
+    return {**{k: st.get(k) for k in ("solve_seconds", "build_seconds", "variables", "constraints", "status", "gap")},
+            "feasible": True, "peak": st["peak"], "overhead": round(st["overhead"], 6),
+            "reserved_peak": alloc.reserved_peak, "fragmentation": round(alloc.fragmentation, 4)}
 
 
-def _peer_rows(peer: str, spec: ModelSpec, nodes: int, reference: int, budgets: list[float], config: BenchConfig,
-               progress: Callable[[str], None]) -> list[dict[str, Any]]:
+def _peer_rows(peer: str, spec: ModelSpec, nodes: int, reference: int, budgets: list[float],
+               config: BenchConfig) -> list[dict[str, Any]]:
     from bonsai_core import peers
 
     options = dict(spec.options)
@@ -319,7 +318,7 @@ def _peer_rows(peer: str, spec: ModelSpec, nodes: int, reference: int, budgets: 
         plain_peak, plain_cost, _ = peers.measure_eager(spec.name, options, config.profile)
         runs = peers.peer_runs(peer, spec.name, options, config.profile)
     except Exception as e:  # a peer that cannot run on this model is a result, not a crash
-        progress(f"  {peer}: could not run ({type(e).__name__}: {e})")
+        say(f"  {peer}: could not run ({type(e).__name__}: {e})")
         return [{**_row(spec.label, nodes, peer, int(f * reference), f), "note": f"could not run: {e}"[:160]}
                 for f in budgets]
     seconds = (time.perf_counter() - start) / max(len(runs), 1)
@@ -336,7 +335,7 @@ def _peer_rows(peer: str, spec: ModelSpec, nodes: int, reference: int, budgets: 
             row.update(feasible=True, peak=best.peak, overhead=round(overhead, 6),
                        solve_seconds=seconds, status="measured", note=best.setting)
         rows.append(row)
-        progress(f"  {fraction:.0%} {peer:10s} feasible={row['feasible']} overhead={row['overhead']} {row['note']}")
+        say(f"  {fraction:.0%} {peer:10s} feasible={row['feasible']} overhead={row['overhead']} {row['note']}")
     return rows
 
 
@@ -354,17 +353,13 @@ def markdown_report(rows: list[dict[str, Any]], reach: Sequence[dict[str, Any]] 
     or a plan of its space beats it, and the solver cost."""
     models = cells_by_model(rows)
     best = {(m, f): min(feasible(c).values(), default=None) for m, f, c in every_cell(models)}
-    cells = contested(models)
     return common.fill("bench_results", models=models, nodes=nodes, best=best, reach=reach, share=share, tie=TIE,
-                       methods=list(dict.fromkeys(r["method"] for r in rows)),
+                       methods=list(dict.fromkeys(r["method"] for r in rows)), **plan_space_values(models),
                        reach_methods=[m for m in REACH_METHODS if any(r.get(m) is not None or r.get(f"{m}_status")
                                                                       for r in reach)],
                        not_best=[(m, f, min(feasible(c), key=feasible(c).get), best[m, f], c["bonsai"])
                                  for m, by_budget in models.items() for f, c in by_budget.items()
                                  if best[m, f] is not None and "bonsai" in c and not bonsai_cheapest(c)],
-                       cheapest=sum(bonsai_cheapest(c) for _, _, c in cells), contested=len(cells),
-                       misses=[(model, f, rival, feasible(c)[rival], feasible(c).get("bonsai"))
-                               for model, f, c, rival in plan_space_rivals(cells)],
                        # where checkmate ran: (model, budget, checkmate's row, bonsai's, moccasin's or None)
                        solver_rows=[(m, f, *(c.get(k) for k in OPTIMISERS)) for m, f, c in every_cell(models)
                                     if c.get("checkmate", {}).get("status")])
@@ -392,8 +387,7 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
         cols = min(4, len(models))
         nrows = math.ceil(len(models) / cols)
         fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
-        for i, model in enumerate(models):
-            ax = axes[i // cols][i % cols]
+        for ax, model in zip(axes.flat, models):
             for method in methods:
                 pts = sorted((r["budget_fraction"], r[key]) for r in rows
                              if r["model"] == model and r["method"] == method and r["feasible"])
@@ -401,12 +395,9 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
                     ax.plot([p[0] * 100 for p in pts], [p[1] / 2**20 if key == "peak" else p[1] for p in pts],
                             marker="o", label=method)
             ax.set_title(model, fontsize=9)
-            ax.set_xlabel("budget (% of no-remat peak)")
-            ax.set_ylabel(ylabel)
+            ax.set(xlabel="budget (% of no-remat peak)", ylabel=ylabel)
             ax.invert_xaxis()
-        legend = {}
-        for ax in axes.flat:
-            legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+        legend = {label: handle for ax in axes.flat for handle, label in zip(*ax.get_legend_handles_labels())}
         if legend:
             fig.legend(list(legend.values()), list(legend.keys()), loc="upper center", ncol=len(legend))
         fig.tight_layout(rect=(0, 0, 1, 0.94))
@@ -418,8 +409,7 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> None:
                      if r["method"] == method and r["solve_seconds"] and r["feasible"])
         if pts:
             ax.loglog([p[0] for p in pts], [p[1] for p in pts], "o", label=method, alpha=0.7)
-    ax.set_xlabel("graph nodes")
-    ax.set_ylabel("solve time (s)")
+    ax.set(xlabel="graph nodes", ylabel="solve time (s)")
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
     fig.tight_layout()
@@ -554,11 +544,15 @@ def contested(models: dict[str, dict[float, Cell]]) -> list[tuple[str, float, Ce
     return [(m, f, c) for m, f, c in every_cell(models) if "bonsai" in c and feasible(c)]
 
 
-def plan_space_rivals(cells: Sequence[tuple[str, float, Cell]]) -> list[tuple[str, float, Cell, str]]:
-    """(model, budget, cell, rival) where chen or per-block (plans in bonsai's space) fits and bonsai does not, or
+def plan_space_values(models: dict[str, dict[float, Cell]]) -> dict[str, Any]:
+    """In how many of the contested cells bonsai is the cheapest, and the misses: (model, budget, rival, its
+    overhead, bonsai's or None) where chen or per-block (plans in bonsai's space) fits and bonsai does not, or
     costs less."""
-    return [(model, f, c, rival) for model, f, c in cells for costs in [feasible(c)] for rival in ("chen", "per-block")
-            if rival in costs and costs.get("bonsai", float("inf")) > costs[rival] + TIE]
+    cells = contested(models)
+    return {"cheapest": sum(bonsai_cheapest(c) for _, _, c in cells), "count": len(cells),
+            "misses": [(m, f, rival, costs[rival], costs.get("bonsai")) for m, f, c in cells for costs in [feasible(c)]
+                       for rival in ("chen", "per-block")
+                       if rival in costs and costs.get("bonsai", float("inf")) > costs[rival] + TIE]}
 
 
 def could_not_run(models: dict[str, dict[float, Cell]]) -> dict[str, list[str]]:
@@ -570,14 +564,11 @@ def could_not_run(models: dict[str, dict[float, Cell]]) -> dict[str, list[str]]:
 
 
 def cells_values(models: dict[str, dict[float, Cell]], first: str) -> dict[str, Any]:
-    """How often bonsai is the cheapest; where a plan of its space beats it; per other model, where it is the
-    cheapest: (budget, its overhead, the others that fit, those level with it)."""
-    cells = contested(models)
+    """:func:`plan_space_values`, and per other model where bonsai is the cheapest: (budget, its overhead, the
+    others that fit, those level with it)."""
     wins = {m: [(f, c["bonsai"]["overhead"], others(c), [o for o, x in others(c) if x <= c["bonsai"]["overhead"] + TIE])
                 for f, c in by_budget.items() if bonsai_cheapest(c)] for m, by_budget in models.items() if m != first}
-    return {"cheapest": sum(bonsai_cheapest(c) for _, _, c in cells), "count": len(cells),
-            "misses": [(m, f, rival, feasible(c)[rival]) for m, f, c, rival in plan_space_rivals(cells)],
-            "wins": wins, "could_not_run": could_not_run(models)}
+    return {**plan_space_values(models), "wins": wins, "could_not_run": could_not_run(models)}
 
 
 def beaten_by(winner: str, cells: Sequence[tuple[str, float, Cell]]) -> dict[str, Any]:
@@ -657,9 +648,9 @@ def bound_values(models: dict[str, dict[float, Cell]]) -> list[tuple[str, list[t
     return out
 
 
-def page(rows: Sequence[Row], reach: Sequence[Row], meta: dict[str, Any], header: str, bench: str) -> str:
-    """The whole page from one run's rows, reach and ``meta``; ``bench``: the output folder from the page."""
-    models = cells_by_model(rows)
+def page(results: dict[str, Any], header: str, bench: str) -> str:
+    """The whole page from one run's rows, reach and meta; ``bench``: the output folder from the page."""
+    models, reach, meta = cells_by_model(results["rows"]), results["reach"], results["meta"]
     if not models:
         raise BonsaiError("The run has no results to write a page from: run the bench with --page first.")
     first = next(iter(models))

@@ -12,7 +12,7 @@ from typing import Any
 
 from bonsai_core.bench import common
 from bonsai_core.errors import BonsaiError
-from bonsai_core.schedule import no_remat_peak, simulate
+from bonsai_core.schedule import no_remat_peak, simulated
 from bonsai_core.solvers import solve
 
 MODEL = "gpt"  # the zoo GPT at its default size (the explorer's model)
@@ -38,12 +38,12 @@ def method_rows(graph: Any, time_limit: float) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"share": share, "method": method, "offload": offload}
         start = time.perf_counter()
         try:
-            sim = simulate(graph, solve(graph, int(share * peak), method, offload=offload, **options))
+            sim = simulated(graph, solve(graph, int(share * peak), method, offload=offload, **options))
             row.update(overhead=sim.overhead, peak=sim.peak, offloaded_bytes=sim.offloaded_bytes, stall=sim.stall)
         except BonsaiError as e:
             row["error"] = type(e).__name__
         row["seconds"] = time.perf_counter() - start
-        rows.append(common.progress(row, list(row)))
+        rows.append(common.progress(row))
     return rows
 
 
@@ -53,7 +53,7 @@ def exported_plan(graph: Any, time_limit: float) -> dict[str, Any]:
     from bonsai_core.export import export_model, verify_export
 
     schedule = solve(graph, int(EXPORT_SHARE * no_remat_peak(graph)), "bonsai", offload=True, time_limit=time_limit)
-    sim = simulate(graph, schedule)
+    sim = simulated(graph, schedule)
     with tempfile.TemporaryDirectory() as folder:
         export_model(MODEL, {}, schedule, folder)
         v = verify_export(MODEL, {}, folder).to_dict()

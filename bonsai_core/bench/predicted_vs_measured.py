@@ -56,11 +56,8 @@ def models_of(parts: list[str]) -> list[tuple[str, dict]]:
 def measure(parts: list[str]) -> dict[str, Any]:
     """Every model's row, printed as measured."""
     common.import_test_models()
-    rows = []
-    for name, options in models_of(parts):
-        rows.append(measure_row(name, options))
-        print(rows[-1], flush=True)
-    return {"meta": common.run_meta(parts=parts), "rows": rows}
+    return {"meta": common.run_meta(parts=parts),
+            "rows": [common.progress(measure_row(name, options)) for name, options in models_of(parts)]}
 
 
 def page(results: dict[str, Any], header: str) -> str:

@@ -67,28 +67,10 @@ def run_one(graph_file: str, label: str, method: str, fractions: list[float], ti
         try:
             stats = solve(graph, budget, name, time_limit=time_limit, **options).stats
             row.update({k: stats.get(k) for k in STAT_KEYS})
-        except BonsaiError as e:
-            row.update({"status": "error", "error": f"{type(e).__name__}: {e}"})
-            row.update(model_size(graph, name, budget, options))
+        except BonsaiError as e:  # a solver that built its model says its size
+            row.update({"status": "error", "error": f"{type(e).__name__}: {e}", **e.stats})
         row["wall_seconds"] = time.perf_counter() - start
         print(json.dumps(row), flush=True)
-
-
-def model_size(graph, method: str, budget: int, options: dict) -> dict:
-    """Variables and constraints of the model a failed solve built (they are in the stats otherwise)."""
-    from bonsai_core.solvers import checkmate
-    from bonsai_core.solvers.milp import problem_size
-    from bonsai_core.solvers.moccasin import build_model
-    from bonsai_core.solvers.views import contract_views
-
-    if method == "checkmate":
-        model = checkmate._models.get(contract_views(graph)[0].hash)
-        if model is None:
-            return {}
-        variables, constraints = problem_size(model.problem)
-        return {"variables": variables, "constraints": constraints, "build_seconds": model.build_seconds}
-    built = build_model(contract_views(graph)[0], budget, options.get("copies", 2))
-    return {"variables": built.variables, "constraints": built.constraints, "build_seconds": built.build_seconds}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -179,9 +161,8 @@ def main(args: argparse.Namespace) -> int:
     if args.one:
         run_one(*args.one, args.budgets or DEFAULT_BUDGETS, args.time_limit)
         return 0
-    write_page = common.page_writer(lambda run, header, link: page(run["rows"], run["meta"], header, link), SOURCES,
-                                    common.results_file(args))
-    return common.run_page_suite("solvers-opt", args, refusal(args), lambda: measure(args), write_page)
+    return common.run_page_suite("solvers-opt", args, refusal(args), lambda: measure(args),
+                                 common.page_writer(page, SOURCES, common.results_file(args)))
 
 
 # -- docs/results/checkmate_moccasin.md: every number and comparison computed from the rows and the run file --
@@ -265,14 +246,12 @@ def in_cell_order(rows: Sequence[Row]) -> list[Row]:
 def moccasin_values(rows: Sequence[Row]) -> dict[str, Any]:
     """How many cells each method proves optimal; where and how fast moccasin proves, fails or gives up."""
     moc = [r for r in rows if r["method"] == "moccasin"]
-    counts = {m: sum(r["method"] == m and r["status"] == "optimal" for r in rows)
-              for m in distinct(rows, "method")}
-    optimal = [r for r in moc if r["status"] == "optimal"]
+    counts = {m: sum(r["status"] == "optimal" for r in of)
+              for m, of in common.grouped(rows, lambda r: r["method"]).items()}
+    ended = common.grouped(moc, lambda r: outcome(r) if outcome(r) in ("optimal", "feasible", "infeasible") else "")
+    optimal, feasible, infeasible, nothing = (ended.get(k, []) for k in ("optimal", "feasible", "infeasible", ""))
     optimal_at = common.grouped(optimal, lambda r: r["budget_share"], lambda r: r["graph"])
     sized = [r["variables"] for r in moc if r.get("variables") is not None]
-    feasible = [r for r in moc if r["status"] == "feasible"]
-    infeasible = [r for r in moc if outcome(r) == "infeasible"]
-    nothing = [r for r in moc if not has_schedule(r) and outcome(r) != "infeasible"]
     return {"sized": sized and common.span(sized, "{:,}".format), "mine": counts.get("moccasin", 0),
             "practical": counts.get("moccasin", 0) > max((counts.get(m, 0) for m in CHECKMATE), default=0),
             "cells": len(by_cell(rows)),
@@ -290,9 +269,8 @@ def checkmate_values(rows: Sequence[Row]) -> dict[str, Any]:
     """Checkmate's model size, optimal cells, unproven schedules (with moccasin's) and schedules per backend."""
     cm = [r for r in rows if r["method"] in CHECKMATE and r.get("variables") is not None]
     cells = by_cell(rows)
-    optimal = {key: [CHECKMATE[m] for m, r in c.items() if m in CHECKMATE and r["status"] == "optimal"]
-               for key, c in cells.items()}
-    optimal = {key: backends for key, backends in optimal.items() if backends}
+    optimal = {key: backends for key, c in cells.items()
+               if (backends := [CHECKMATE[m] for m, r in c.items() if m in CHECKMATE and r["status"] == "optimal"])}
     both = [(key, r, cells[key]["moccasin"]) for key in optimal for m, r in cells[key].items()
             if m in CHECKMATE and r["status"] == "optimal"
             and cells[key].get("moccasin", {}).get("status") == "optimal"]
@@ -354,8 +332,9 @@ def shorter_limits(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
     return [(r, full[r["method"]]) for r in rows if r["time_limit"] < longest and r["method"] in full]
 
 
-def page(rows: Sequence[Row], run: dict[str, Any], header: str, results_link: str) -> str:
-    """The whole page from one run's rows and ``meta`` (``run``), linking their file as ``results_link``."""
+def page(results: dict[str, Any], header: str, results_link: str) -> str:
+    """The whole page from one run's rows and meta, linking their file as ``results_link``."""
+    rows, run = results["rows"], results["meta"]
     studies = common.grouped(rows, lambda r: r.get("study"))
     main, copies, warm = (studies.get(study, []) for study in ("main", "copies", "warm-start"))
     if not main:

@@ -31,7 +31,7 @@ from bonsai_core.schedule import Schedule, schedule_ops
 from bonsai_core.solvers.checkmate_model import CheckmateMatrices, CheckmateMilp, build_milp, recomputed_from_r
 from bonsai_core.solvers.checkmate_start import find_start
 from bonsai_core.solvers.deadline import Deadline
-from bonsai_core.solvers.milp import DEFAULT_BACKEND, canonicalise, check_backend, solve_milp
+from bonsai_core.solvers.milp import DEFAULT_BACKEND, canonicalise, check_backend, problem_size, solve_milp
 from bonsai_core.solvers.sparse_milp import SparseMilp, solve_sparse_milp
 from bonsai_core.solvers.stages import check_size, infeasible_message, stage_feasible_budget, stage_sequence
 from bonsai_core.solvers.views import contract_views, expand_views
@@ -92,10 +92,15 @@ def solve_checkmate(graph: Graph, budget: int | None, *, time_limit: float | Non
     check_size(small, "checkmate", max_nodes, "nodes that are not views")
     model, cached = cached_model(small)
     limit = budget if budget is not None else graph.fixed_mem + int(graph.mem.sum())
-    if warm_start:
-        r_off, stats = _solve_from_start(graph, budget, limit, small, kept, model, backend, deadline)
-    else:
-        r_off, stats = _solve_with_cvxpy(graph, limit, small, model, backend, deadline)
+    try:
+        if warm_start:
+            r_off, stats = _solve_from_start(graph, budget, limit, small, kept, model, backend, deadline)
+        else:
+            r_off, stats = _solve_with_cvxpy(graph, limit, small, model, backend, deadline)
+    except (BudgetError, SolverError) as e:  # the model was built: a report still gets its size
+        variables, constraints = problem_size(model.problem)
+        e.stats = {"variables": variables, "constraints": constraints, "build_seconds": model.build_seconds}
+        raise
     schedule = schedule_from_r(graph, kept, r_off)
     schedule.budget = budget
     schedule.stats = {**stats, "build_seconds": 0.0 if cached else model.build_seconds, "backend": backend,

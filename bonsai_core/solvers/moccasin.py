@@ -235,15 +235,16 @@ def solve_moccasin(graph: Graph, budget: int | None, *, time_limit: float | None
     clock = time.perf_counter()
     status = solver.solve(model)
     solve_seconds = time.perf_counter() - clock
+    size = {"variables": built.variables, "constraints": built.constraints, "build_seconds": built.build_seconds}
     if status == cp_model.INFEASIBLE:
         limit_bytes = budget if budget is not None else graph.fixed_mem + int(graph.mem.sum())
         raise BudgetError(infeasible_message(graph, limit_bytes, "moccasin", no_remat_peak(graph))
-                          + f" (moccasin allows {c_max} computation(s) per node: option copies raises it.)")
+                          + f" (moccasin allows {c_max} computation(s) per node: option copies raises it.)", stats=size)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         limit = f" within the time limit of {time_limit:g} s" if time_limit is not None else ""
         raise SolverError(f"CP-SAT found no moccasin schedule for {graph.name!r}{limit} (status "
                           f"{solver.status_name(status)}). Raise --time-limit or the budget, or use method "
-                          "'bonsai'.")
+                          "'bonsai'.", stats=size)
     events = sorted((solver.value(start[v][c]), v) for v in range(n) for c in range(len(start[v]))
                     if solver.boolean_value(present[v][c]))
     sequence = expand_views(graph, [int(kept[v]) for _, v in events])
@@ -252,9 +253,8 @@ def solve_moccasin(graph: Graph, budget: int | None, *, time_limit: float | None
     gap = 0.0 if optimal else (objective - bound) / objective if objective > 0 else 0.0
     schedule = Schedule(graph=graph.name, method="moccasin", ops=schedule_ops(graph, sequence), budget=budget,
                         graph_hash=graph.hash)
-    schedule.stats = {"status": "optimal" if optimal else "feasible", "gap": max(gap, 0.0),
-                      "variables": built.variables, "constraints": built.constraints,
-                      "build_seconds": built.build_seconds, "solve_seconds": solve_seconds,
+    schedule.stats = {"status": "optimal" if optimal else "feasible", "gap": max(gap, 0.0), **size,
+                      "solve_seconds": solve_seconds,
                       "objective": graph.total_cost + objective * unit, "copies": c_max,
                       "model_nodes": small.n}
     return schedule
