@@ -1,6 +1,6 @@
 """Simulator rule 11 (docs/DESIGN.md): the microbatches a pipeline rank holds in flight, and FSDP's gradients
-and unsharded parameters under pipeline parallel, at each op of the one microbatch's schedule, and the order of a rank's actions that
-they follow (:func:`actions`). What the rank holds and why:
+and unsharded parameters under pipeline parallel, at each op of the one microbatch's schedule, and the order of
+a rank's actions that they follow (:func:`actions`). What the rank holds and why:
 :mod:`bonsai_core.pipeline`, which traces the rank and writes the graph's ``parallel.pipeline`` field read here."""
 
 from __future__ import annotations
