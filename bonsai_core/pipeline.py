@@ -270,7 +270,7 @@ def with_pipeline(graph: Any, layout: Any, stages: Sequence[int], receives: Sequ
     """``graph`` (the rank's stages, concatenated) with the ``parallel`` field naming the layout and the
     pipeline: the stages' node spans, the rank's actions; fixed memory gains the receive buffers of the other
     microbatches (one of each microbatch's is the graph's input, or its output's gradient) and, under FSDP,
-    every unit's parameters unsharded through the step; ``name`` renames it."""
+    every unit's parameters unsharded (to their stage's gradient reduction, rule 11); ``name`` renames it."""
     spans = _spans(graph, len(stages))
     m = layout.microbatches
     extra: list[list[Any]] = []
