@@ -66,10 +66,11 @@ def with_optimizer(graph: Graph, name: str) -> Graph:
     # torch's optimizers make their state zeros_like(param): on a tensor parallel rank an eager embedding's
     # gradient is replicated (DTensor's embedding backward) while its parameter and the state are sharded
     params = {t[0]: t[1] for t in graph.fixed_tensors if t[2] == "param"}
-    state = [(f"{param}.{s}", params.get(param, nbytes), "optimizer") for param, nbytes in grads for s in STATES[name]]
+    sizes = [(param, params.get(param, nbytes)) for param, nbytes in grads]
+    state = [(f"{param}.{s}", nbytes, "optimizer") for param, nbytes in sizes for s in STATES[name]]
     return graph.with_fields(fixed_tensors=[*map(list, graph.fixed_tensors), *map(list, state)],
                              fixed_mem=graph.fixed_mem + sum(t[1] for t in state),
-                             optimizer={"name": name, "step_bytes": STEP_TEMPORARIES[name] * sum(b for _, b in grads)})
+                             optimizer={"name": name, "step_bytes": STEP_TEMPORARIES[name] * sum(b for _, b in sizes)})
 
 
 ACCUMULATE_GRAD = "autograd.AccumulateGrad"  # a recorded step's node where autograd took a parameter's gradient

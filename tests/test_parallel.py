@@ -376,15 +376,18 @@ def test_an_interleaved_rank_under_hsdp_and_tp_reduce_scatters_each_stage_after_
 def test_a_tensor_parallel_rank_s_optimizer_state_has_its_parameters_bytes(titan_tp):
     """Eager tensor parallel (no FSDP): DTensor's embedding backward leaves tok_embeddings' gradient replicated, the
     whole vocabulary on each rank, while torch's AdamW makes its state zeros_like the parameter, sharded by rows
-    (gloo, TP 2, the debugmodel: the gradient Replicate, 2 MiB local, exp_avg Shard(0), 1 MiB)."""
+    (gloo, TP 2, the debugmodel: the gradient Replicate, 2 MiB local, exp_avg Shard(0), 1 MiB), and so are the
+    step's temporaries."""
     from bonsai_core.optimizer import with_optimizer
 
-    sizes = {(name, kind): nbytes for name, nbytes, kind in with_optimizer(titan_tp, "adamw").fixed_tensors}
+    stepped = with_optimizer(titan_tp, "adamw")
+    sizes = {(name, kind): nbytes for name, nbytes, kind in stepped.fixed_tensors}
     params = {name: nbytes for (name, kind), nbytes in sizes.items() if kind == "param"}
     replicated = [name for name in params if sizes[f"{name}.grad", "grad"] == 2 * params[name]]
     assert len(replicated) == 1  # the embedding's
     for name, nbytes in params.items():
         assert sizes[f"{name}.exp_avg", "optimizer"] == sizes[f"{name}.exp_avg_sq", "optimizer"] == nbytes
+    assert stepped.optimizer["step_bytes"] == sum(params.values())  # _foreach_sqrt(exp_avg_sq)
 
 
 # gloo's peak live bytes of pipeline ranks 0 and 1: `bonsai bench parallel --layout fsdp2.pp2.interleaved.mb2
