@@ -58,8 +58,9 @@ from bonsai_core.allocator.step import blocks_taken_and_given, optimizer_step, o
 from bonsai_core.errors import BudgetError, ScheduleError
 
 MICROBATCH_OWNERS = 2**36  # microbatch j's copy of node v is owner v + j * MICROBATCH_OWNERS (j = 0: v)
-GRADIENT_OWNERS = 2**49  # FSDP's accumulated gradients (+ unit), reduce-scatter buffers (+ 2**20 + unit, ...)
-UNSHARDED_OWNERS = 2**50  # a unit's unsharded parameters given back (+ unit): fixed bytes, no block
+GRADIENT_OWNERS = 2**49  # FSDP's accumulated gradients (+ unit; + 2**22 + node: a first backward's gradient
+# kept as .grad), reduce-scatter buffers (+ 2**20 + unit, ...)
+UNSHARDED_OWNERS = 2**51  # a unit's unsharded parameters given back (+ unit): fixed bytes, no block
 SCATTER_STREAM = "reduce_scatter"  # bonsai_core.fsdp.REDUCE_SCATTER_STREAM
 
 
