@@ -42,6 +42,8 @@ FIXED_KINDS = tuple(_FORMAT["properties"]["fixed_tensors"]["items"]["prefixItems
 # interactively (the op-level solvers have tighter limits of their own).
 MAX_NODES = _FORMAT["properties"]["nodes"]["maxItems"]
 MAX_EDGES = 2_000_000
+# a pipeline rank's fixed tensor of FSDP's unsharded parameters, held until each stage's gradient reduction
+UNSHARDED_TO_REDUCE = "fsdp.units_unsharded (pipeline: resharded by each stage's gradient reduction)"
 MAX_FILE_BYTES = 256 * 2**20
 
 
@@ -369,8 +371,12 @@ class Graph:
     def optimizer_peak(self) -> int:
         """Memory during the optimizer step after the backward pass (0 without an optimizer): the fixed
         memory (its state included) plus what the step allocates, and the gradients where they are set to
-        None between steps. No schedule changes it."""
-        return 0 if self.optimizer is None else self.fixed_mem + self.optimizer["step_bytes"] + self.grads_set_to_none
+        None between steps; on a pipeline rank under FSDP without its units' unsharded parameters, which each
+        stage's gradient reduction has resharded (rule 11). No schedule changes it."""
+        if self.optimizer is None:
+            return 0
+        resharded = sum(t[1] for t in self.fixed_tensors if t[0] == UNSHARDED_TO_REDUCE)
+        return self.fixed_mem - resharded + self.optimizer["step_bytes"] + self.grads_set_to_none
 
     # -- queries -------------------------------------------------------------------------------
 

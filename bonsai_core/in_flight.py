@@ -1,6 +1,6 @@
 """Simulator rule 11 (docs/DESIGN.md): the microbatches a pipeline rank holds in flight, and FSDP's gradients
-under pipeline parallel, at each op of the one microbatch's schedule, and the order of a rank's actions that
-they follow (:func:`actions`). What the rank holds and why:
+and unsharded parameters under pipeline parallel, at each op of the one microbatch's schedule, and the order of
+a rank's actions that they follow (:func:`actions`). What the rank holds and why:
 :mod:`bonsai_core.pipeline`, which traces the rank and writes the graph's ``parallel.pipeline`` field read here."""
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def working(graph: Any, ops: Sequence[tuple[str, int]], residency: Any) -> np.nd
     """Rule 11: at each op of the one microbatch's schedule, the bytes the rank holds beyond that microbatch's
     tensors and ``fixed_mem``: the other microbatches in flight in the action it runs in (their stages'
     resident bytes at the end of their forward), the largest over the actions of its stage and phase, and
-    under FSDP the gradients accumulated and held (module doc). None for a graph that is no pipeline rank."""
+    under FSDP the gradients accumulated and held, less the parameters of the stages already reduced, resharded
+    (:class:`_Accumulated`). None for a graph that is no pipeline rank."""
     staged = _staged(graph, ops)
     if staged is None:
         return None
@@ -80,17 +81,18 @@ def working(graph: Any, ops: Sequence[tuple[str, int]], residency: Any) -> np.nd
     lowest = np.iinfo(np.int64).min
     extra = np.full(len(ops), lowest, dtype=np.int64)
     others_copies = own.sum(axis=0) - own[np.clip(segment // 2, 0, len(spans) - 1), np.arange(len(ops))]
-    for (phase, k, others, first, accumulated, last) in _action_states(pipeline, len(spans)):
+    for (phase, k, others, first, accumulated, last, reduced) in _action_states(pipeline, len(spans)):
         ids = np.flatnonzero(segment == 2 * k + (phase == BACKWARD))
         if not len(ids):
             continue
         in_flight = int(np.dot(others, held))
-        value = in_flight + (grads.held(k, phase, first, accumulated, ids) if grads else 0)
+        value = in_flight + (grads.held(k, phase, first, accumulated, ids) - grads.resharded(reduced) if grads else 0)
         # the one microbatch's copies of other stages' nodes are no tensors of this action
         extra[ids] = np.maximum(extra[ids], value - others_copies[ids])
         if grads is not None and last:  # the stage's perform_reduce_grad, right after its last backward
             end = int(ids[-1])
-            extra[end] = max(int(extra[end]), in_flight + grads.reducing(k, accumulated) - int(others_copies[end]))
+            reducing = grads.reducing(k, accumulated) - grads.resharded(reduced)
+            extra[end] = max(int(extra[end]), in_flight + reducing - int(others_copies[end]))
     extra[extra == lowest] = 0
     return extra
 
@@ -135,11 +137,13 @@ def _segments(graph: Any, ops: Sequence[tuple[str, int]], stage_of: np.ndarray) 
     return out
 
 
-def _action_states(pipeline: dict[str, Any], stages: int) -> list[tuple[str, int, np.ndarray, bool, np.ndarray, bool]]:
+def _action_states(pipeline: dict[str, Any], stages: int) -> list[tuple[str, int, np.ndarray, bool, np.ndarray,
+                                                                     bool, np.ndarray]]:
     """For each action of the rank: its phase and stage, the other microbatches in flight per stage, whether it
     is its stage's first backward in the step, which stages have run their first backward before it (their
-    accumulated gradients exist) and not yet their last (not yet reduce-scattered), and whether it is its
-    stage's last backward (after which the stage's gradients are reduce-scattered)."""
+    accumulated gradients exist) and not yet their last (not yet reduce-scattered), whether it is its
+    stage's last backward (after which the stage's gradients are reduce-scattered), and which stages have been
+    reduce-scattered before it (their parameters resharded)."""
     in_flight = np.zeros(stages, dtype=np.int64)
     backwards = np.zeros(stages, dtype=np.int64)
     total = np.zeros(stages, dtype=np.int64)
@@ -153,7 +157,7 @@ def _action_states(pipeline: dict[str, Any], stages: int) -> list[tuple[str, int
             others[k] -= 1  # this microbatch's own bytes are the one microbatch's timeline
         accumulated = (backwards > 0) & (backwards < total)
         out.append((phase, k, others, phase == BACKWARD and backwards[k] == 0, accumulated,
-                    phase == BACKWARD and backwards[k] == total[k] - 1))
+                    phase == BACKWARD and backwards[k] == total[k] - 1, (total > 0) & (backwards == total)))
         if phase == FORWARD:
             in_flight[k] += 1
         else:
@@ -164,9 +168,13 @@ def _action_states(pipeline: dict[str, Any], stages: int) -> list[tuple[str, int
 
 class _Accumulated:
     """FSDP's gradients under pipeline parallel (module doc): each unit's accumulated unsharded gradients in
-    reduce_dtype, from its first backward in the step to its stage's last; in a backward the running unit's
-    gradients until its post-backward (counted from the graph's free of their storage: the graph frees a gradient
-    at once, and until then its bytes are the graph's)."""
+    reduce_dtype, from its first backward in the step to its stage's last. Where ``param_dtype`` is
+    ``reduce_dtype``, autograd's ``AccumulateGrad`` keeps each gradient of the stage's first backward as the
+    parameter's ``.grad`` and adds the later ones into it, so the accumulated gradients grow gradient by gradient
+    (counted from the graph's free of their storage: until then they are the graph's bytes); else each backward's
+    gradients stay the running unit's until its post-backward, which allocates the unit's accumulated ones in
+    ``reduce_dtype`` the first time and adds them in. Each stage's ``perform_reduce_grad`` reshards its units'
+    parameters, unit by unit before each one's reduce-scatter, to the end of the step."""
 
     def __init__(self, graph: Any, ops: Sequence[tuple[str, int]], stage_of: np.ndarray, segment: np.ndarray,
                  stages: int) -> None:
@@ -175,23 +183,25 @@ class _Accumulated:
         fsdp = graph.fsdp
         ratio = DTYPE_BYTES[fsdp.get("reduce_dtype") or "fp32"] / DTYPE_BYTES[fsdp.get("param_dtype") or "fp32"] \
             if fsdp.get("param_dtype") else 1.0
-        self.unit_grads = [int(u[3] * ratio) for u in fsdp["units"]]  # accumulated, in reduce_dtype
-        self.stage_total = np.zeros(stages, dtype=np.int64)
+        self.unit_grads = [int(u[3] * ratio) for u in fsdp["units"]]  # a unit's reduce-scatter input
+        self.unsharded = [int(u[3]) for u in fsdp["units"]]
+        self.world = int(fsdp["world"])
         self.stage_units: list[list[int]] = [[] for _ in range(stages)]  # in the order perform_reduce_grad runs them
         for u, unit in enumerate(fsdp["units"]):
-            self.stage_total[int(stage_of[int(unit[1])])] += self.unit_grads[u]
             self.stage_units[int(stage_of[int(unit[1])])].append(u)
+        self.stage_unsharded = np.array([sum(self.unsharded[u] for u in units) for units in self.stage_units],
+                                        dtype=np.int64)
         reads = _backward_unit(graph, _forward_owner(graph, fsdp["units"]))
-        # with a param_dtype other than reduce_dtype each backward's gradients stay the unit's .grad until its
-        # post-backward adds them to the accumulated ones; else autograd adds them into .grad (the accumulated)
         cast = ratio != 1.0
+        kept = {} if cast else kept_gradients(graph, stage_of)
+        self.accumulated = list(self.unit_grads) if cast else [0] * len(self.unit_grads)
         n = len(ops)
         self.running = np.zeros(n, dtype=np.int64)  # the running unit's gradients held (param dtype)
-        self.done = np.zeros(n, dtype=np.int64)  # accumulated bytes of the units whose backward ended (this segment)
-        current, held, finished, where, waiting = -1, 0, set(), None, set()
+        self.done = np.zeros(n, dtype=np.int64)  # accumulated bytes made in this segment so far
+        current, held, finished, where, waiting, made = -1, 0, set(), None, set(), 0
         for i, (kind, v) in enumerate(ops):
             if segment[i] != where:  # a stage's forward or backward begins
-                current, held, finished, where, waiting = -1, 0, set(), segment[i], set()
+                current, held, finished, where, waiting, made = -1, 0, set(), segment[i], set(), 0
             if kind == "compute" and not graph.is_forward[v]:
                 u = int(reads[v])
                 if u >= 0 and u != current:
@@ -203,34 +213,73 @@ class _Accumulated:
             elif kind == FREE_OP and v in waiting:  # the graph's free: the unit holds the gradient's bytes from here
                 waiting.discard(v)
                 held += int(graph.mem[v])
-            self.running[i], self.done[i] = held, sum(self.unit_grads[u] for u in finished)
+            elif kind == FREE_OP and v in kept and segment[i] % 2:  # the gradient stays the parameter's .grad
+                made += int(graph.mem[v])
+                self.accumulated[kept[v]] += int(graph.mem[v])
+            self.running[i] = held
+            self.done[i] = sum(self.unit_grads[u] for u in finished) if cast else made
+        self.stage_total = np.array([sum(self.accumulated[u] for u in units) for units in self.stage_units],
+                                    dtype=np.int64)
 
     def held(self, k: int, phase: str, first: bool, accumulated: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """The gradient bytes at the ops ``ids`` of an action of stage ``k``: the accumulated gradients of the
         stages ``accumulated`` marks, and in a backward the running unit's, with this stage's accumulated
-        ones growing unit by unit in its first backward."""
+        ones growing in its first backward."""
         other = int(np.dot(accumulated, self.stage_total)) - (int(self.stage_total[k]) if accumulated[k] else 0)
         if phase == FORWARD:
             return np.full(len(ids), other + (int(self.stage_total[k]) if accumulated[k] else 0), dtype=np.int64)
         mine = self.done[ids] if first else int(self.stage_total[k])
         return other + mine + self.running[ids]
 
+    def resharded(self, reduced: np.ndarray) -> int:
+        """The unsharded parameter bytes (fixed memory) the stages ``reduced`` marks have given back."""
+        return int(np.dot(reduced, self.stage_unsharded))
+
     def reducing(self, k: int, accumulated: np.ndarray) -> int:
         """The gradient bytes while stage ``k``'s ``perform_reduce_grad`` runs, after its last backward (whose
         running unit's post-backward has run): the other stages' accumulated gradients (``accumulated``), and
-        the stage's own as each unit in turn gets its reduce-scatter input (``foreach_reduce``: the previous
-        unit's input and accumulated gradients freed first), at the most over its units."""
+        the stage's own as each unit in turn is resharded and gets its reduce-scatter input and output
+        (``foreach_reduce``: the previous unit's input and accumulated gradients freed first, its own before the
+        output), at the most over its units."""
         other = int(np.dot(accumulated, self.stage_total)) - (int(self.stage_total[k]) if accumulated[k] else 0)
         return other + int(self.stage_total[k]) + self._reduce_rise(k)
 
     def _reduce_rise(self, k: int) -> int:
-        """The most stage ``k``'s reduce-scatter inputs add above its accumulated gradients: over its units in
-        order, a unit's input less the gradients of the units reduced before it (already freed)."""
+        """The most stage ``k``'s reduce-scatter inputs add above its accumulated gradients and unsharded
+        parameters: over its units in order, a unit's input less the gradients of the units reduced before it
+        and the parameters of the units resharded up to it (all freed)."""
         freed = rise = 0
         for u in self.stage_units[k]:
-            rise = max(rise, self.unit_grads[u] - freed)
-            freed += self.unit_grads[u]
+            freed += self.unsharded[u]
+            output = -(-self.unit_grads[u] // self.world)
+            rise = max(rise, self.unit_grads[u] - freed, self.unit_grads[u] - freed - self.accumulated[u] + output)
+            freed += self.accumulated[u]
         return rise
+
+
+def kept_gradients(graph: Any, stage_of: np.ndarray) -> dict[int, int]:
+    """The storages of the parameters' gradients on a pipeline rank under FSDP, each with its unit: the backward
+    pass's outputs (:func:`bonsai_core.optimizer.gradient_nodes`) but a receiving stage's input gradient, its last
+    node (sent to the stage before it). A stage's gradients, in the order its backward makes them, fill its units
+    from the last (the backward runs them last to first), each up to its parameters' bytes."""
+    from bonsai_core.optimizer import gradient_nodes
+
+    pipeline = graph.parallel["pipeline"]
+    sent = {int(b) for stage, _, b in pipeline["stages"] if int(stage) > 0}
+    storages = sorted({graph.storage_of(g) for g in gradient_nodes(graph) if g not in sent})
+    units = graph.fsdp["units"]
+    out = {}
+    for k in range(len(pipeline["stages"])):
+        order = [u for u in range(len(units)) if stage_of[int(units[u][1])] == k][::-1]
+        if not order:
+            continue
+        j = filled = 0
+        for v in (v for v in storages if stage_of[v] == k and graph.mem[v] > 0):
+            out[v] = order[j]
+            filled += int(graph.mem[v])
+            if filled >= int(units[order[j]][3]) and j + 1 < len(order):
+                j, filled = j + 1, 0
+    return out
 
 
 def _on_timeline(segment: np.ndarray, stages: int) -> np.ndarray:
@@ -260,7 +309,7 @@ def copies(graph: Any, ops: Sequence[tuple[str, int]]) -> tuple[np.ndarray, np.n
         return None
     pipeline, spans, stage_of, segment = staged
     fullest: dict[int, np.ndarray] = {}  # per segment (2 stage + phase): the others of its fullest action
-    for phase, k, others, _, _, _ in _action_states(pipeline, len(spans)):
+    for phase, k, others, *_ in _action_states(pipeline, len(spans)):
         key = 2 * k + (phase == BACKWARD)
         if key not in fullest or others.sum() > fullest[key].sum():
             fullest[key] = others

@@ -51,7 +51,8 @@ def with_optimizer(graph: Graph, name: str) -> Graph:
     """``graph`` with ``name``'s state added to its fixed memory (one ``optimizer`` fixed tensor per
     state and parameter, after the others, as the first ``step()`` allocates them) and its step's
     temporaries recorded (``Graph.optimizer``). The trainable parameters are the graph's gradient
-    buffers (fixed tensors of kind ``grad``), so the graph must come from ``bonsai trace``."""
+    buffers (fixed tensors of kind ``grad``), so the graph must come from ``bonsai trace``; each state tensor
+    has its parameter's bytes (a fixed tensor of kind ``param`` of the gradient's name), else its gradient's."""
     check_name(name)
     if graph.optimizer is not None:
         raise BonsaiError(f"{graph.name!r} already has an optimizer ({graph.optimizer['name']}); trace it again "
@@ -62,10 +63,14 @@ def with_optimizer(graph: Graph, name: str) -> Graph:
     if not grads:
         raise BonsaiError(f"{graph.name!r} does not list its gradient buffers ('fixed_tensors' of kind 'grad'), "
                           "so its optimizer state is unknown: trace the model with `bonsai trace --optimizer`.")
-    state = [(f"{param}.{s}", nbytes, "optimizer") for param, nbytes in grads for s in STATES[name]]
+    # torch's optimizers make their state zeros_like(param): on a tensor parallel rank an eager embedding's
+    # gradient is replicated (DTensor's embedding backward) while its parameter and the state are sharded
+    params = {t[0]: t[1] for t in graph.fixed_tensors if t[2] == "param"}
+    sizes = [(param, params.get(param, nbytes)) for param, nbytes in grads]
+    state = [(f"{param}.{s}", nbytes, "optimizer") for param, nbytes in sizes for s in STATES[name]]
     return graph.with_fields(fixed_tensors=[*map(list, graph.fixed_tensors), *map(list, state)],
                              fixed_mem=graph.fixed_mem + sum(t[1] for t in state),
-                             optimizer={"name": name, "step_bytes": STEP_TEMPORARIES[name] * sum(b for _, b in grads)})
+                             optimizer={"name": name, "step_bytes": STEP_TEMPORARIES[name] * sum(b for _, b in sizes)})
 
 
 ACCUMULATE_GRAD = "autograd.AccumulateGrad"  # a recorded step's node where autograd took a parameter's gradient

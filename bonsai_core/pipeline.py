@@ -25,10 +25,11 @@ their node spans and the rank's compute actions in the order the schedule runs t
   the activation received (every stage but the first) and its gradient (every stage but the last): fixed;
 * FSDP under pipeline parallel as torchtitan sets it (``apply_fsdp(pp_enabled=True)``: no resharding after
   forward) and the stage runs it (``backward_maybe_with_nosync``: no resharding after backward, no gradient
-  sync until ``perform_reduce_grad``): every unit's parameters unsharded through the step (fixed); its
-  gradients accumulated unsharded in ``reduce_dtype`` (``FSDPParam.to_accumulated_grad_if_needed``), allocated
-  by each unit's first backward in the step and kept to the stage's last, then reduce-scattered; in each
-  backward the running unit's gradients until its post-backward.
+  sync until ``perform_reduce_grad``): every unit's parameters unsharded from the step's start to its stage's
+  ``perform_reduce_grad``, which reshards them (fixed, given back there); its gradients accumulated unsharded in
+  ``reduce_dtype`` from each unit's first backward in the step to the stage's last, then reduce-scattered:
+  autograd's ``.grad`` where ``param_dtype`` is ``reduce_dtype``, else cast at each post-backward
+  (``FSDPParam.to_accumulated_grad_if_needed``), the running unit's gradients held until then.
 
 So at each op of a stage's forward (backward) the rank holds, beyond the op's own microbatch, the in-flight
 bytes of every other microbatch of the action the op runs in, the largest over the stage's forward
@@ -46,6 +47,7 @@ import torch
 import torch.nn as nn
 
 from bonsai_core.errors import BonsaiError
+from bonsai_core.graph import UNSHARDED_TO_REDUCE
 from bonsai_core.in_flight import STAGES_PER_RANK, actions
 
 # torchtitan 0.2.2's JobConfig: pipeline_parallel_first_stage_less_layers, ..._last_stage_less_layers
@@ -268,7 +270,7 @@ def with_pipeline(graph: Any, layout: Any, stages: Sequence[int], receives: Sequ
     """``graph`` (the rank's stages, concatenated) with the ``parallel`` field naming the layout and the
     pipeline: the stages' node spans, the rank's actions; fixed memory gains the receive buffers of the other
     microbatches (one of each microbatch's is the graph's input, or its output's gradient) and, under FSDP,
-    every unit's parameters unsharded through the step; ``name`` renames it."""
+    every unit's parameters unsharded (to their stage's gradient reduction, rule 11); ``name`` renames it."""
     spans = _spans(graph, len(stages))
     m = layout.microbatches
     extra: list[list[Any]] = []
@@ -283,7 +285,7 @@ def with_pipeline(graph: Any, layout: Any, stages: Sequence[int], receives: Sequ
             extra.append([f"s{stage}.received gradients", int(graph.mem[graph.storage_of(out_node)]) * m, "pipeline"])
     if graph.fsdp is not None:
         units = sum(u[3] for u in graph.fsdp["units"])
-        extra.append(["fsdp.units_unsharded (pipeline: not resharded in the step)", units, "fsdp"])
+        extra.append([UNSHARDED_TO_REDUCE, units, "fsdp"])
         fsdp = {**graph.fsdp, "reshard_after_forward": False}
     pipeline = {"schedule": layout.pp_schedule, "degree": layout.pp, "rank": layout.rank, "microbatches": m,
                 "microbatch_size": micro, "stages": [[s, first, last] for s, (first, last) in zip(stages, spans)],

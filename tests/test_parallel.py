@@ -373,6 +373,57 @@ def test_an_interleaved_rank_under_hsdp_and_tp_reduce_scatters_each_stage_after_
             assert replayed.peak == sim.peak <= replayed.reserved_peak
 
 
+def test_a_tensor_parallel_rank_s_optimizer_state_has_its_parameters_bytes(titan_tp):
+    """Eager tensor parallel (no FSDP): DTensor's embedding backward leaves tok_embeddings' gradient replicated, the
+    whole vocabulary on each rank, while torch's AdamW makes its state zeros_like the parameter, sharded by rows
+    (gloo, TP 2, the debugmodel: the gradient Replicate, 2 MiB local, exp_avg Shard(0), 1 MiB), and so are the
+    step's temporaries."""
+    from bonsai_core.optimizer import with_optimizer
+
+    stepped = with_optimizer(titan_tp, "adamw")
+    sizes = {(name, kind): nbytes for name, nbytes, kind in stepped.fixed_tensors}
+    params = {name: nbytes for (name, kind), nbytes in sizes.items() if kind == "param"}
+    replicated = [name for name in params if sizes[f"{name}.grad", "grad"] == 2 * params[name]]
+    assert len(replicated) == 1  # the embedding's
+    for name, nbytes in params.items():
+        assert sizes[f"{name}.exp_avg", "optimizer"] == sizes[f"{name}.exp_avg_sq", "optimizer"] == nbytes
+    assert stepped.optimizer["step_bytes"] == sum(params.values())  # _foreach_sqrt(exp_avg_sq)
+
+
+# gloo's peak live bytes of pipeline ranks 0 and 1: `bonsai bench parallel --layout fsdp2.pp2.interleaved.mb2
+# --batch 2 --seq 16` (torch 2.13, docs/bench/parallel.md)
+GLOO_INTERLEAVED_FSDP = (23_330_688, 24_282_888)
+
+
+def test_an_interleaved_fsdp_rank_gives_back_each_stage_s_parameters_and_keeps_its_first_gradients_as_made():
+    """fp32 FSDP under interleaved 1F1B, where the gradients dominate (debugmodel, batch 2, seq 16): without a
+    cast AccumulateGrad keeps each gradient of a stage's first backward as .grad (no unit counted at once at a
+    post-backward the simulator places early), and each stage's perform_reduce_grad reshards its parameters
+    through the rank's later actions and the optimizer step. Both ranks' peaks are gloo's within 0.5%, and the
+    replay of the whole step counts rule 11's bytes op for op, with and without recompute."""
+    import dataclasses
+
+    from bonsai_core.allocator import bounded_replay
+    from bonsai_core.bench.parallel import parse_layout, rank_graph
+    from bonsai_core.graph import UNSHARDED_TO_REDUCE
+    from bonsai_core.optimizer import with_optimizer
+    from bonsai_core.solvers import solve
+
+    options = dict(batch=2, seq=16, layers=4)
+    for rank, measured in enumerate(GLOO_INTERLEAVED_FSDP):
+        layout = with_batch(dataclasses.replace(parse_layout("fsdp2.pp2.interleaved.mb2"), rank=rank), 2, 16)
+        graph = rank_graph(TITAN, options, layout)
+        assert abs(no_remat_peak(graph) / measured - 1) < 0.005
+        for ops in (none_schedule(graph).ops, solve(graph, None, "torchtitan-full").ops):
+            replayed = bounded_replay(graph, ops, "expandable")
+            sim = simulate(graph, ops)
+            assert list(replayed.live) == list(sim.timeline)
+            assert replayed.peak == sim.peak <= replayed.reserved_peak
+        stepped = with_optimizer(graph, "adamw")
+        unsharded = sum(t[1] for t in graph.fixed_tensors if t[0] == UNSHARDED_TO_REDUCE)
+        assert stepped.optimizer_peak == stepped.fixed_mem - unsharded + stepped.optimizer["step_bytes"]
+
+
 def test_fit_judges_pipeline_layouts_by_their_reserved_bytes():
     """Under --reserved a pipeline layout is judged as any other: each rank's plan within the limit of the bytes
     the allocator reserves over its whole schedule."""

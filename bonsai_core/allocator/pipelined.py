@@ -8,17 +8,19 @@ rank's actions in the order its schedule runs them (``parallel.pipeline.actions`
 with that microbatch's own blocks: a tensor a stage's forward leaves for its backward keeps its block
 from the microbatch's forward action to its backward action, while the other microbatches' blocks come
 and go around it. The receive buffers and, under FSDP, the unsharded parameters are fixed tensors (the
-graph's ``fixed_tensors``, :func:`bonsai_core.pipeline.with_pipeline`).
+graph's ``fixed_tensors``, :func:`bonsai_core.pipeline.with_pipeline`), the latter given back unit by unit at
+their stage's ``perform_reduce_grad`` (outside the pool: the pool does not reuse their bytes).
 
 FSDP under pipeline parallel (:mod:`bonsai_core.pipeline`'s module doc, torch 2.13's
-``backward_maybe_with_nosync``): in each backward the running unit's gradients keep their blocks until its
-post-backward (where ``param_dtype`` differs from ``reduce_dtype``: ``FSDPParam.to_accumulated_grad_if_needed``
-casts them); a unit's first post-backward in the step allocates its accumulated gradients in ``reduce_dtype``,
-kept to its stage's last backward, after which ``perform_reduce_grad`` reduce-scatters the stage's units as
-``foreach_reduce`` does (:meth:`bonsai_core.fsdp._Walk.reduce_scatter`: the previous input freed, this one's
-allocated on the compute stream, the accumulated gradients freed, the sharded output allocated on the
-reduce-scatter stream and freed), the last input freed at the end (the stage's final callback), all counted at the
-action's last op. The simulator's rule 11 counts the same bytes, so the replay's live peak is the simulator's
+``backward_maybe_with_nosync``): where ``param_dtype`` differs from ``reduce_dtype``, in each backward the running
+unit's gradients keep their blocks until its post-backward (``FSDPParam.to_accumulated_grad_if_needed`` casts
+them), and a unit's first post-backward in the step allocates its accumulated gradients in ``reduce_dtype``; else
+the stage's first backward's gradients keep their blocks as the accumulated ones (``AccumulateGrad``'s ``.grad``).
+They are kept to the stage's last backward, after which ``perform_reduce_grad`` reshards each unit and
+reduce-scatters it as ``foreach_reduce`` does (:meth:`bonsai_core.fsdp._Walk.reduce_scatter`: the previous input
+freed, this one's allocated on the compute stream, the accumulated gradients freed, the sharded output allocated
+on the reduce-scatter stream and freed), the last input freed at the end (the stage's final callback), all counted
+at the action's last op. The simulator's rule 11 counts the same bytes, so the replay's live peak is the simulator's
 (:func:`bonsai_core.schedule.simulate`).
 
 The steady phase is not replayed microbatch by microbatch once it repeats (:func:`periodic_regions`,
@@ -56,7 +58,9 @@ from bonsai_core.allocator.step import blocks_taken_and_given, optimizer_step, o
 from bonsai_core.errors import BudgetError, ScheduleError
 
 MICROBATCH_OWNERS = 2**36  # microbatch j's copy of node v is owner v + j * MICROBATCH_OWNERS (j = 0: v)
-GRADIENT_OWNERS = 2**49  # FSDP's accumulated gradients (+ unit), reduce-scatter buffers (+ 2**20 + unit, ...)
+GRADIENT_OWNERS = 2**49  # FSDP's accumulated gradients (+ unit; + 2**22 + node: a first backward's gradient
+# kept as .grad), reduce-scatter buffers (+ 2**20 + unit, ...)
+UNSHARDED_OWNERS = 2**51  # a unit's unsharded parameters given back (+ unit): fixed bytes, no block
 SCATTER_STREAM = "reduce_scatter"  # bonsai_core.fsdp.REDUCE_SCATTER_STREAM
 
 
@@ -137,10 +141,12 @@ class _Held:
 
 
 class _Gradients:
-    """FSDP's gradients under pipeline parallel as allocator events (module doc)."""
+    """FSDP's gradients under pipeline parallel as allocator events (module doc), and the unsharded parameters each
+    stage's ``perform_reduce_grad`` gives back (fixed bytes, outside the pool: held as negative bytes)."""
 
     def __init__(self, graph: Any, malloc: Callable[..., None], alloc: Allocator, held: _Held) -> None:
         from bonsai_core.fsdp import DTYPE_BYTES, _backward_unit, _forward_owner
+        from bonsai_core.in_flight import kept_gradients, stages_of
 
         fsdp = graph.fsdp
         self.graph, self.malloc, self.alloc, self.held = graph, malloc, alloc, held
@@ -148,26 +154,34 @@ class _Gradients:
         ratio = DTYPE_BYTES[fsdp.get("reduce_dtype") or "fp32"] / DTYPE_BYTES[fsdp["param_dtype"]] \
             if fsdp.get("param_dtype") else 1.0
         self.unit_grads = [int(u[3] * ratio) for u in fsdp["units"]]
+        self.unsharded = [int(u[3]) for u in fsdp["units"]]
         self.world = int(fsdp["world"])
         self.reads = _backward_unit(graph, _forward_owner(graph, fsdp["units"]))
         self.stage_units: dict[int, list[int]] = {}  # each stage's units, by the span their first node is in
         for k, (_, a, b) in enumerate(graph.parallel["pipeline"]["stages"]):
             self.stage_units[k] = [u for u, unit in enumerate(fsdp["units"]) if int(a) <= int(unit[1]) <= int(b)]
+        # without a cast the stage's first backward's gradients are the accumulated ones (AccumulateGrad's .grad)
+        self.kept = {} if self.cast else kept_gradients(graph, stages_of(graph))
         self.accumulated: set[int] = set()
+        self.grad_owners: dict[int, list[int]] = {}  # each unit's accumulated gradients' blocks
         self.running: list[int] = []  # owners of the running unit's gradients
         self.dropped: set[int] = set()  # of those, the ones the graph has freed (their blocks wait for FSDP)
         self.current = -1
+        self.stage = -1
+        self.first_done: set[int] = set()  # the stages whose first backward has run
         self.scatter_input: int | None = None
 
-    def begin(self) -> None:
-        self.current = -1
+    def begin(self, k: int) -> None:
+        self.current, self.stage = -1, k
 
     def state(self) -> tuple:
         """What changes over the step (a prefix keeps it, :class:`_Prefix`)."""
-        return self.accumulated, self.running, self.dropped, self.current, self.scatter_input
+        return (self.accumulated, self.grad_owners, self.running, self.dropped, self.current, self.first_done,
+                self.scatter_input)
 
     def restore(self, state: tuple) -> None:
-        self.accumulated, self.running, self.dropped, self.current, self.scatter_input = state
+        (self.accumulated, self.grad_owners, self.running, self.dropped, self.current, self.first_done,
+         self.scatter_input) = state
 
     def compute(self, v: int, base: int, i: int) -> None:
         """A backward compute of node ``v`` (of the microbatch whose owners start at ``base``): a unit boundary
@@ -181,25 +195,40 @@ class _Gradients:
             self.running.append(base + self.graph.storage_of(v))
 
     def acts_on(self, op: tuple[str, int]) -> bool:
-        """Whether :meth:`compute` does anything for ``op`` in a backward: a backward compute that reads a unit's
-        forward tensors (a post-backward may follow) or makes a gradient FSDP holds."""
+        """Whether :meth:`compute` or :meth:`keeps` does anything for ``op`` in a backward: a backward compute that
+        reads a unit's forward tensors (a post-backward may follow) or makes a gradient FSDP holds, or the graph's
+        free of a gradient that stays the parameter's ``.grad``."""
         kind, v = op
-        return kind == "compute" and not self.graph.is_forward[v] and (
+        if kind != "compute":
+            return v in self.kept
+        return not self.graph.is_forward[v] and (
             int(self.reads[v]) >= 0 or (self.cast and bool(self.graph.is_output[v])))
 
-    def keeps(self, owner: int) -> bool:
-        """Whether the graph's free of ``owner`` leaves its block to FSDP (the running unit's gradient)."""
+    def keeps(self, base: int, v: int) -> bool:
+        """Whether the graph's free of node ``v`` (of the microbatch whose owners start at ``base``) leaves its
+        block to FSDP: the running unit's gradient, or in the stage's first backward without a cast the gradient
+        ``AccumulateGrad`` keeps as ``.grad`` (its block handed to the unit's accumulated gradients)."""
+        owner = base + v
         if owner in self.running:
             self.dropped.add(owner)
+            return True
+        if v in self.kept and self.stage not in self.first_done:
+            kept = GRADIENT_OWNERS + 2**22 + v
+            self.alloc.hand_over(owner, kept)
+            self.held.drop(owner)
+            self.held.add(kept, int(self.graph.mem[v]))
+            self.grad_owners.setdefault(self.kept[v], []).append(kept)
             return True
         return False
 
     def post_backward(self, u: int, i: int) -> None:
-        """Unit ``u``'s post-backward in a no-sync backward: its gradients accumulated (allocated the first
-        time in the step), the running ones freed."""
+        """Unit ``u``'s post-backward in a no-sync backward: its gradients accumulated (with a cast allocated the
+        first time in the step), the running ones freed."""
         if u not in self.accumulated:
             self.accumulated.add(u)
-            self.malloc(GRADIENT_OWNERS + u, self.unit_grads[u], f"FSDP's accumulated gradients of unit {u}", i)
+            if self.cast:
+                self.grad_owners[u] = [GRADIENT_OWNERS + u]
+                self.malloc(GRADIENT_OWNERS + u, self.unit_grads[u], f"FSDP's accumulated gradients of unit {u}", i)
         self._release_running()
 
     def _release_running(self) -> None:
@@ -219,12 +248,15 @@ class _Gradients:
             if u not in self.accumulated:
                 self.post_backward(u, i)
         self._release_running()  # gradients of no unit's (read no unit's forward tensors): the graph's to free
+        self.first_done.add(k)
 
     def reduce(self, k: int, i: int) -> None:
-        """``perform_reduce_grad`` after stage ``k``'s last backward: each unit's accumulated gradients
-        reduce-scattered (``foreach_reduce``, module doc), then the last reduce-scatter input freed (its
-        ``_root_post_backward_final_callback`` clears the inputs FSDP retains)."""
+        """``perform_reduce_grad`` after stage ``k``'s last backward: each unit resharded (its unsharded
+        parameters given back) and its accumulated gradients reduce-scattered (``foreach_reduce``, module doc),
+        then the last reduce-scatter input freed (its ``_root_post_backward_final_callback`` clears the inputs
+        FSDP retains)."""
         for u in self.stage_units.get(k, []):
+            self.held.add(UNSHARDED_OWNERS + u, -self.unsharded[u])
             if u not in self.accumulated:
                 continue
             if self.scatter_input is not None:
@@ -232,7 +264,8 @@ class _Gradients:
             self.scatter_input = GRADIENT_OWNERS + 2**20 + u
             self.malloc(self.scatter_input, self.unit_grads[u], f"FSDP's reduce-scatter input of unit {u}", i)
             self.accumulated.discard(u)
-            self._free(GRADIENT_OWNERS + u)
+            for owner in self.grad_owners.pop(u, []):
+                self._free(owner)
             output = GRADIENT_OWNERS + 2**21 + u
             self.malloc(output, -(-self.unit_grads[u] // self.world), f"FSDP's reduce-scatter output of unit {u}", i,
                         stream=SCATTER_STREAM)
@@ -312,7 +345,9 @@ def _state(alloc: Allocator, held: _Held, grads: "_Gradients | None", n: int, fi
     kept = tuple(sorted((repr(_relative(o, n, first)), b) for o, b in held.bytes.items()))
     fsdp = None if grads is None else (tuple(sorted(grads.accumulated)), grads.current, grads.scatter_input,
                                        tuple(_relative(o, n, first) for o in grads.running),
-                                       tuple(sorted(repr(_relative(o, n, first)) for o in grads.dropped)))
+                                       tuple(sorted(repr(_relative(o, n, first)) for o in grads.dropped)),
+                                       tuple(sorted(grads.first_done)),
+                                       tuple(sorted((u, tuple(o)) for u, o in grads.grad_owners.items())))
     return tuple(chains), free, counters, kept, held.total, fsdp
 
 
@@ -528,13 +563,13 @@ def run_pipeline_step(alloc: Allocator, graph: Any, ops: list[tuple[str, int]], 
         base = j * MICROBATCH_OWNERS
         backward = phase == BACKWARD
         if grads is not None:
-            grads.begin()
+            grads.begin(int(k))
         events, fill = action_events(n)
         recorded = [(alloc.footprint, alloc.largest_free if largest else 0, held.total)]  # before its first event
         for offset, i in events:
             kind, v = ops[i]
             for u in ends.get(i, ()):
-                if kind == FREE and grads is not None and backward and grads.keeps(base + u):
+                if kind == FREE and grads is not None and backward and grads.keeps(base, u):
                     continue
                 alloc.free(base + u)
                 held.drop(base + u)

@@ -43,30 +43,28 @@ def blocks_taken_and_given(ops: list[tuple[str, int]], residency: Residency, hol
     return starts, ends
 
 
-def gradient_bytes(graph: Graph) -> list[int]:
-    """The bytes of each trainable parameter's gradient as the optimizer step reads it: its gradient buffer
-    (a fixed tensor of kind ``grad``), or where the gradients are set to None between steps and no buffer is
-    fixed, its optimizer state's first tensor (``exp_avg``, ``momentum_buffer``: the gradient's shape and
-    dtype)."""
+def parameter_bytes(graph: Graph) -> list[int]:
+    """The bytes of each trainable parameter, which the optimizer step's temporaries take
+    (``_foreach_sqrt(exp_avg_sq)``): its optimizer state's first tensor (``exp_avg``, ``momentum_buffer``:
+    ``zeros_like`` the parameter), or where there is none its gradient buffer (a fixed tensor of kind ``grad``)."""
     from bonsai_core.optimizer import STATES
 
-    grads = [t[1] for t in graph.fixed_tensors if t[2] == "grad" and t[1] > 0]
-    if grads or not graph.grads_set_to_none or graph.optimizer is None or not STATES[graph.optimizer["name"]]:
-        return grads
-    first = "." + STATES[graph.optimizer["name"]][0]
-    return [t[1] for t in graph.fixed_tensors if t[2] == "optimizer" and t[0].endswith(first) and t[1] > 0]
+    states = STATES[graph.optimizer["name"]] if graph.optimizer is not None else ()
+    first = "." + states[0] if states else None
+    found = [t[1] for t in graph.fixed_tensors if first and t[2] == "optimizer" and t[0].endswith(first) and t[1] > 0]
+    return found or [t[1] for t in graph.fixed_tensors if t[2] == "grad" and t[1] > 0]
 
 
 def optimizer_step(alloc: Allocator, graph: Graph, malloc: Callable[..., None], i: int) -> None:
-    """The optimizer step's temporaries after the last op: per trainable parameter (its gradient's bytes,
-    :func:`gradient_bytes`), as many tensors as :data:`bonsai_core.optimizer.STEP_TEMPORARIES` says,
+    """The optimizer step's temporaries after the last op: per trainable parameter (its bytes,
+    :func:`parameter_bytes`), as many tensors as :data:`bonsai_core.optimizer.STEP_TEMPORARIES` says,
     allocated together (one foreach kernel), then freed."""
     from bonsai_core.optimizer import STEP_TEMPORARIES
 
     if graph.optimizer is None:
         return
     per_param = STEP_TEMPORARIES[graph.optimizer["name"]]
-    sizes = gradient_bytes(graph) * per_param
+    sizes = parameter_bytes(graph) * per_param
     owners = [FSDP_OWNERS - 1 - k for k in range(len(sizes))]
     for owner, nbytes in zip(owners, sizes):
         malloc(owner, nbytes, "the optimizer step's temporaries", i)

@@ -4,6 +4,7 @@ rank's graph, traced on the fake process group; without recomputation and with t
 layout. The run is parallelized as the model's library does it, in fp32 (gloo has no bf16 reduce-scatter).
 
     bonsai bench parallel --model torchtitan:llama3:debugmodel --layout tp2 fsdp2.tp2 pp2 [--budget 70%] [--out FILE]
+                          [--batch 2 --seq 16]
 
 A layout is its degrees joined by dots (``fsdp2.tp2``, ``pp2.interleaved``; ``mb4``: 4 microbatches).
 """
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bonsai_core.arguments import positive_int
 from bonsai_core.bench import common, fsdp
 from bonsai_core.errors import BonsaiError
 from bonsai_core.parallel import Layout, cp_inputs, family, layout_of, meshes, parallelize, step_context, with_batch
@@ -212,11 +214,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", type=parse_layout, nargs="+", default=[parse_layout("tp2")])
     parser.add_argument("--budget", default=None, help="also measure with bonsai's plan at this budget (e.g. 70%%)")
     parser.add_argument("--out", type=Path, default=None, help="append the table to this Markdown file")
+    parser.add_argument("--batch", type=positive_int, default=None, help="local batch (default 4)")
+    parser.add_argument("--seq", type=positive_int, default=None, help="sequence length (default 64)")
 
 
 def main(args: argparse.Namespace) -> int:
     """One row per layout, pipeline rank and plan: printed and (with ``--out``) appended to a Markdown file."""
-    options = SIZES[args.model]
+    options = {**SIZES[args.model], **{key: getattr(args, key) for key in ("batch", "seq") if getattr(args, key)}}
     meta = common.run_meta()
     rows = []
     for layout in args.layout:
