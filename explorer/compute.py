@@ -27,7 +27,7 @@ from bonsai_core.graph import Graph
 from bonsai_core.regions import CheckpointPlan, RegionBound, region_peak_bound
 from bonsai_core.schedule import Schedule, SimResult, none_schedule, simulate, simulated
 from bonsai_core.solvers.deadline import cpu_seconds
-from explorer import disk
+from explorer import background, disk
 
 GRAPH_HASH = {Graph: lambda g: g.hash}
 
@@ -295,19 +295,25 @@ def no_remat(graph: Graph) -> SimResult:
 
 @st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=16)
 def bonsai_reach(graph: Graph) -> int | None:
-    """The smallest budget bonsai meets on ``graph`` with its default options (bytes; None: not found)."""
+    """The smallest budget bonsai meets on ``graph`` with its default options (bytes; None: not found); read
+    from the disk where a sweep's child process kept it (:mod:`explorer.background`)."""
     from bonsai_core.solvers.bonsai import lowest_budget
 
+    kept = disk.load_reach(graph.hash)
+    if kept is not None:
+        return kept[0]
     try:
-        return lowest_budget(graph, time_limit=20.0)
+        return lowest_budget(graph, time_limit=background.REACH_SECONDS)
     except BonsaiError:
         return None
 
 
 @st.cache_resource(show_spinner=False, hash_funcs=GRAPH_HASH, max_entries=16)
 def region_bound(graph: Graph) -> RegionBound:
-    """The least peak of any checkpoint plan of ``graph`` (:func:`bonsai_core.regions.region_peak_bound`)."""
-    return region_peak_bound(graph)
+    """The least peak of any checkpoint plan of ``graph`` (:func:`bonsai_core.regions.region_peak_bound`); read
+    from the disk where a sweep's child process kept it."""
+    kept = disk.load_reach(graph.hash)
+    return RegionBound(*kept[1]) if kept is not None else region_peak_bound(graph)
 
 
 def names_option(method: str, option: str) -> bool:
