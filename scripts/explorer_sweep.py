@@ -39,13 +39,12 @@ def sweep_in_this_thread(sweep: ahead.Sweep, put_off: bool) -> tuple[dict[int, f
     positions: dict[int, float] = {}
     later: list[tuple[float, float]] = []
     while (found := ahead._next()) is not None:
-        if not put_off:
-            sweep.later.clear()
         _, p = found
         start, cpu = time.perf_counter(), time.process_time()
         if callable(p):
-            p()
-            later.append((time.perf_counter() - start, time.process_time() - cpu))
+            if put_off:
+                p()
+                later.append((time.perf_counter() - start, time.process_time() - cpu))
             continue
         ahead._solve(sweep, p)
         positions[p] = time.perf_counter() - start
@@ -111,6 +110,9 @@ def main() -> None:
           f"below a failed one); the put-off work {sum(s for s, _ in later):.1f} s more ({len(later)} jobs, cpu "
           f"{sum(later_cpu):.1f} s, the longest {max(later_cpu, default=0.0):.1f} s); cpu {cpu:.1f} s in all, load "
           f"average {os.getloadavg()[0]:.1f}", flush=True)
+    if args.record:
+        with open(args.record, "w") as f:
+            json.dump(answers(graph, options, reference), f, indent=1, sort_keys=True)
     if sweep.child is not None:
         print(waited_for(sweep), flush=True)
     asked = []
@@ -120,9 +122,6 @@ def main() -> None:
         ahead.answer(graph, "bonsai", options, None, p) or compute.solve(graph, budget, "bonsai", options)
         asked.append((time.perf_counter() - begun, p))
     print("after the sweep, the slowest answers (s, %):", [(round(s, 3), p) for s, p in sorted(asked)[-3:]])
-    if args.record:
-        with open(args.record, "w") as f:
-            json.dump(answers(graph, options, reference), f, indent=1, sort_keys=True)
     if profile:
         profile.dump_stats(args.profile)
         pstats.Stats(args.profile).sort_stats("cumulative").print_stats(40)

@@ -9,10 +9,9 @@ fixes every integer column the LP left whole to its value and solves the small M
 relaxation enforced neighbourhood search). The LP's objective is a lower bound of the MILP's optimum,
 so the plan found is within ``(incumbent - LP bound) / incumbent`` of it, and within ``incumbent - LP bound``
 in the objective's units. When neither is within the gap asked for (the relative one, or the absolute one
-when set: on a tiny overhead 1% of it is a distance no user sees), or the rounding has no plan (near the
-lowest budget the model meets, the LP's whole columns often leave no completion), (3) the MILP restricted to
-the columns the LP or the last few plans found (the neighbouring budgets' in a sweep) set is solved; still
-over, (4) the full MILP is solved from that plan as its MIP start (:func:`solve_from`: HiGHS then skips the seconds its
+when set: on a tiny overhead 1% of it is a distance no user sees), (3) the MILP restricted to the columns
+the LP or the last few plans found (the neighbouring budgets' in a sweep) set is solved; still over, (4) the
+full MILP is solved from that plan as its MIP start (:func:`solve_from`: HiGHS then skips the seconds its
 root heuristics take to find an incumbent; on the 8B step at 94% and 98% of the no-remat peak 1.2 s and
 0.9 s instead of 6.3 s and 6.5 s, the same optimum). Every plan a backend answers is checked against the
 MILP's rows and bounds, its cost recomputed from its values; an answer that fails the check leaves the full
@@ -112,12 +111,11 @@ def _checked(milp: SparseMilp, found: Any) -> tuple[np.ndarray, float] | None:
     return values, float(milp.cost @ values)
 
 
-def _among_neighbours(milp: SparseMilp, relaxation: Relaxation, x: np.ndarray,
-                      rounded: tuple[np.ndarray, float] | None, time_limit: float | None, gap: float,
-                      abs_gap: float) -> tuple[np.ndarray, float] | None:
-    """A plan cheaper than ``rounded`` (None: the rounding has none) from the MILP restricted to the integer
-    columns that the LP (``x``) or one of the last plans (at nearby budgets, in a sweep) sets: a neighbourhood
-    a few times the rounding's. ``rounded`` when it finds none better in ``time_limit``."""
+def _among_neighbours(milp: SparseMilp, relaxation: Relaxation, x: np.ndarray, rounded: tuple[np.ndarray, float],
+                      time_limit: float | None, gap: float, abs_gap: float) -> tuple[np.ndarray, float]:
+    """A plan at least as cheap as ``rounded`` from the MILP restricted to the integer columns that the LP
+    (``x``) or one of the last plans (at nearby budgets, in a sweep) sets: a neighbourhood a few times the
+    rounding's. ``rounded`` when it finds none better in ``time_limit``."""
     used = np.abs(x) > WHOLE
     for plan in relaxation.plans:
         used |= np.abs(plan) > WHOLE
@@ -128,7 +126,7 @@ def _among_neighbours(milp: SparseMilp, relaxation: Relaxation, x: np.ndarray,
                                                  time_limit=time_limit, gap=gap, abs_gap=abs_gap))
     except SolverError:
         return rounded
-    return found if found is not None and (rounded is None or found[1] < rounded[1]) else rounded
+    return found if found is not None and found[1] < rounded[1] else rounded
 
 
 def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float | None, gap: float,
@@ -152,15 +150,12 @@ def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float
         found = _checked(milp, solve_sparse_milp(dataclasses.replace(milp, col_lower=lower, col_upper=upper), "highs",
                                                  time_limit=left, gap=gap, abs_gap=abs_gap))
     except SolverError:  # no incumbent in the time left
-        found = None
-    left = None if time_limit is None else time_limit - (now() - begun)
-    # near the lowest budget the model meets the LP's whole columns often leave no completion: the neighbouring
-    # budgets' plans may still hold one
-    unproven = found is None or not proven_within(found[1] + offset, bound, gap, abs_gap)
-    if unproven and relaxation.plans and (left is None or left > 0):
-        found = _among_neighbours(milp, relaxation, x, found, left, gap, abs_gap)
+        return None
     if found is None:
         return None
+    left = None if time_limit is None else time_limit - (now() - begun)
+    if not proven_within(found[1] + offset, bound, gap, abs_gap) and relaxation.plans and (left is None or left > 0):
+        found = _among_neighbours(milp, relaxation, x, found, left, gap, abs_gap)
     proven = relative_gap(found[1] + offset, bound)
     relaxation.plans = [found[0], *relaxation.plans][:PLANS_KEPT]
     status, shown = ("optimal", 0.0) if proven <= 1e-4 else ("feasible", proven)
