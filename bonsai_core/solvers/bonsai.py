@@ -299,12 +299,7 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
 
     Raises BudgetError (naming the smallest budget bonsai can meet) when none fits or none was found in
     time, SolverError when the backend fails."""
-    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < 1:
-        raise SolverError(f"gap {gap!r} is not a relative MIP gap in [0, 1): 0.01 stops within 1% of the "
-                          "model's optimum, 1e-4 proves it.")
-    if isinstance(abs_gap, bool) or not isinstance(abs_gap, (int, float)) or not 0 <= abs_gap < 1:
-        raise SolverError(f"abs_gap {abs_gap!r} is not an absolute gap in [0, 1) of one step's compute: 5e-4 stops "
-                          "once no plan can be more than 0.05% of the step faster, 0 leaves the relative gap alone.")
+    _check_gaps(gap, abs_gap)
     if regions not in ("any", "modules"):
         raise SolverError(f"regions {regions!r}: use 'any' (runs of ops) or 'modules' (the model's module calls).")
     if regions == "modules" and not graph.modules:
@@ -330,6 +325,16 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
     return _search(graph, budget, space, time_limit, backend, gap, offload,
                    lambda left: _regions(graph, budget, left, granularity, backend, Gaps(gap, abs_gap), regions,
                                          drop_outputs, save_self_contained, save_ops, reuse, offload))
+
+
+def _check_gaps(gap: float, abs_gap: float) -> None:
+    """SolverError, saying what to give, unless both gaps are numbers in [0, 1)."""
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < 1:
+        raise SolverError(f"gap {gap!r} is not a relative MIP gap in [0, 1): 0.01 stops within 1% of the "
+                          "model's optimum, 1e-4 proves it.")
+    if isinstance(abs_gap, bool) or not isinstance(abs_gap, (int, float)) or not 0 <= abs_gap < 1:
+        raise SolverError(f"abs_gap {abs_gap!r} is not an absolute gap in [0, 1) of one step's compute: 5e-4 stops "
+                          "once no plan can be more than 0.05% of the step faster, 0 leaves the relative gap alone.")
 
 
 def _search(graph: Graph, budget: int | None, space: Space, time_limit: float | None, backend: str, gap: float,
