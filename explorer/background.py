@@ -7,9 +7,11 @@ child wrote as it reads any plan kept on disk; what the child has not written ye
 
     python -m explorer.background JOB.json
 
-JOB.json (:func:`start` writes it): the graph's hash (its graph kept by :func:`explorer.disk.save_graph`), the
-method, the bound, the plans to replay (options and budget of each, as :mod:`explorer.disk` keys them), and
-whether to find bonsai's reach.
+JOB.json (:func:`start` writes it): the digest of the server's bonsai_core (a child whose sources differ, the
+server's changed on disk since it started, does nothing: it would keep its own code's answers under the
+server's), the graph's hash (its graph kept by :func:`explorer.disk.save_graph`), the method, the bound, the
+plans to replay (options and budget of each, as :mod:`explorer.disk` keys them), and whether to find bonsai's
+reach.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def start(graph: Graph, method: str, reserved: str | None, replays: list[tuple[t
     each) and, with ``reach``, bonsai's reach; None when there is nothing to do or the disk cannot hold the job."""
     if not replays and not reach:
         return None
-    job = {"graph": graph.hash, "method": method, "reserved": reserved, "reach": reach,
+    job = {"code": disk.code_digest(), "graph": graph.hash, "method": method, "reserved": reserved, "reach": reach,
            "replays": [[[[k, v] for k, v in options], budget] for options, budget in replays]}
     try:
         disk.save_graph(graph)
@@ -85,10 +87,15 @@ def find_reach(graph: Graph) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     os.nice(NICENESS)
-    path = Path((argv if argv is not None else sys.argv[1:])[0])
+    return run(Path((argv if argv is not None else sys.argv[1:])[0]))
+
+
+def run(path: Path) -> int:
+    """Do the job at ``path`` and remove it: 0 when done, 1 when its graph is gone or its code is not this one."""
     job = json.loads(path.read_text())
     graph = disk.load_graph(job["graph"])
-    if graph is None:
+    if graph is None or job["code"] != disk.code_digest():
+        path.unlink(missing_ok=True)
         return 1
     plans = [(tuple((k, v) for k, v in options), budget) for options, budget in job["replays"]]
     replay_plans(graph, job["method"], job["reserved"], plans)

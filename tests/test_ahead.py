@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -320,6 +321,15 @@ def test_a_child_keeps_the_replays_and_the_reach_on_disk_where_the_server_reads_
     assert compute.bonsai_reach(GRAPH) == disk.load_reach(GRAPH.hash)[0]
     assert compute.region_bound(GRAPH) == region_peak_bound(GRAPH)
     st.cache_resource.clear()
+
+
+def test_a_child_whose_code_is_not_the_servers_keeps_nothing(monkeypatch, tmp_path):
+    """A server's bonsai_core changed on disk since it started: its child would keep another code's answers."""
+    monkeypatch.setenv("BONSAI_EXPLORER_CACHE", str(tmp_path))
+    disk.save_graph(GRAPH)
+    job = {"code": "0" * 16, "graph": GRAPH.hash, "method": "chen", "reserved": None, "reach": True, "replays": []}
+    path = disk.save_job(json.dumps(job).encode())
+    assert background.run(path) == 1 and not path.exists() and disk.load_reach(GRAPH.hash) is None
 
 
 def test_a_solve_that_waits_for_the_cpu_is_not_out_of_its_time_limit(fake_method):
