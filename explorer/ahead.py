@@ -12,14 +12,16 @@ its turn goes next. On the budget axis, positions below every budget met so far 
 done and then go down one by one (:func:`_take`): near the lowest budget a method meets one solve can cost
 as much as the rest of the sweep. Below a budget the method cannot meet (a solve that ended within its time
 limit: one that ran out of it says nothing of lower budgets) nothing more is solved: nothing lower fits
-(each lower position's answer says so, quoting the method). What the pages draw beside a plan (its recompute
-patterns and lifetime bars, an FSDP rank's allocator replay, bonsai's reach for the Solve page's note) is
-put off until every position is answered (``Sweep.later``): on torchtitan's 8B step the reach alone builds
-the largest rung's model for minutes. Each solve runs with the session's own options and time limit, so that
-a sweep's plan is the one the session would get (bonsai's ILP keeps its LP relaxation between budgets:
-:mod:`bonsai_core.solvers.relaxation`); the limit counts the solving thread's CPU seconds
-(:func:`bonsai_core.solvers.deadline.cpu_seconds`), so that a sweep sharing the machine with sessions finds
-the plans a quiet machine finds.
+(each lower position's answer says so, quoting the method). What the pages draw beside a plan is put off
+until every position is answered: its recompute patterns and lifetime bars in this thread
+(``Sweep.later``); an FSDP rank's allocator replays and bonsai's reach for the Solve page's note (on
+torchtitan's 8B step the reach alone builds the largest rung's model for minutes) in a child process at the
+lowest priority, which keeps them on disk (:mod:`explorer.background`): in this process they held the
+interpreter's lock between a session's steps. The sweep is done (:attr:`Sweep.done`) once both are. Each
+solve runs with the session's own options and time limit, so that a sweep's plan is the one the session
+would get (bonsai's ILP keeps its LP relaxation between budgets: :mod:`bonsai_core.solvers.relaxation`);
+the limit counts the solving thread's CPU seconds (:func:`bonsai_core.solvers.deadline.cpu_seconds`), so
+that a sweep sharing the machine with sessions finds the plans a quiet machine finds.
 
 While a sweep runs, a session that asks for a position not solved yet is answered at once with the
 nearest solved plan that fits its budget (a lower position's; else the nearest above), marked as such
@@ -34,6 +36,7 @@ import dataclasses
 import logging
 import math
 import os
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,7 +44,7 @@ from typing import Callable
 
 from bonsai_core.graph import Graph
 from bonsai_core.units import format_bytes
-from explorer import compute
+from explorer import background, compute
 
 SLIDER = range(5, 101)  # the sidebar's budget slider, % of the no-remat peak
 STRIDES = (16, 8, 4, 2, 1)  # the sweep's levels, coarse to fine
@@ -98,7 +101,9 @@ class Sweep:
     ended: float | None = None
     solving: int | None = None  # the position being solved now
     later: list = field(default_factory=list)  # work for the pages once every position is answered (callables)
-    reach_due: bool = False  # bonsai's reach is among ``later``
+    reach_due: bool = False  # bonsai's reach goes to the child process
+    child: subprocess.Popen | None = None  # the child process doing the rest (explorer.background), once started
+    ready: float | None = None  # when this thread's put-off work ended
     asked: int | None = None  # the position a session asked for last (:func:`answer`): it goes next
 
     @property
@@ -123,6 +128,20 @@ class Sweep:
     @property
     def seconds(self) -> float:
         return (self.ended or time.perf_counter()) - self.started
+
+    @property
+    def done(self) -> bool:
+        """Every position answered and what a drag draws beside its plan prepared: this thread's put-off work
+        ended and the child process's too."""
+        return self.ready is not None and (self.child is None or self.child.poll() is not None)
+
+    def put_off(self) -> None:
+        """Start the child process on the work this sweep put off (:mod:`explorer.background`): the allocator
+        replays of its plans on an FSDP rank (what the per-rank chart draws), and bonsai's reach when due."""
+        plans = [(compute.with_defaults(self.method, options), budget)
+                 for budget, options in map(self.settings, sorted(q for q, ok in self.solved.items() if ok))]
+        self.child = background.start(self.graph, self.method, self.reserved,
+                                      plans if self.graph.fsdp is not None else [], self.reach_due)
 
     def nearest(self, p: int) -> int | None:
         """The solved position with a schedule nearest to ``p`` whose plan fits ``p``'s budget (the nearest
@@ -245,9 +264,12 @@ def _next() -> tuple[Sweep, int | Callable[[], None]] | None:
                 return sweep, p
             if sweep.ended is None:
                 sweep.ended = time.perf_counter()
+                sweep.later.insert(0, sweep.put_off)  # first: the child works beside this thread
         for sweep in sweeps:
             if sweep.later:
                 return sweep, sweep.later.pop(0)
+            if sweep.ready is None and sweep.ended is not None:
+                sweep.ready = time.perf_counter()
         _worker = None
     return None
 
@@ -306,8 +328,5 @@ def _solve(sweep: Sweep, p: int) -> None:
     with _lock:
         if out.ok:  # what the Memory page draws of a plan, so that a drag after the sweep only reads it
             sweep.later.append(lambda: (compute.rebuilds(sweep.graph, out), compute.lifetime_bars(sweep.graph, out)))
-        if out.ok and sweep.graph.fsdp is not None:  # the per-rank chart: the allocator's replay of the schedule
-            sweep.later.append(lambda: compute.rank_parts(sweep.graph, out))
-        elif not out.ok and sweep.method == "bonsai" and sweep.axis == BUDGET and not sweep.reach_due:
-            sweep.reach_due = True  # the Solve page's note under bonsai's error, once per sweep
-            sweep.later.append(lambda: (compute.bonsai_reach(sweep.graph), compute.region_bound(sweep.graph)))
+        elif sweep.method == "bonsai" and sweep.axis == BUDGET:
+            sweep.reach_due = True  # the Solve page's note under bonsai's error

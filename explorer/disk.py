@@ -9,7 +9,8 @@ Kept plans are simulated again when they are read (every schedule shown is valid
 its allocator replay (what the Memory page draws; a second or two on the largest steps) is kept too, with
 a digest of the plan it replays, so that a drag in a new server reads both. A model's traced step is kept
 too, under its name, its options, bonsai_core's sources and the libraries' versions, so that a new server
-does not trace it again. Nothing here imports Streamlit.
+does not trace it again. For a sweep's child process (:mod:`explorer.background`), the graph it works on (under
+its hash) and its job; from it, bonsai's reach on the graph. Nothing here imports Streamlit.
 """
 
 from __future__ import annotations
@@ -168,6 +169,69 @@ def load_replay(graph_hash: str, method: str, options: tuple, reserved: str | No
         return None
 
 
+# -- what a sweep's child process reads and writes (explorer.background) -----------------------------
+
+def _graph_path(graph_hash: str) -> Path:
+    return folder() / "graphs" / f"{graph_hash}.json.gz"
+
+
+def _write_graph(path: Path, graph: Any) -> None:
+    _write(path, gzip.compress(json.dumps(graph.to_dict(), separators=(",", ":")).encode(), 5))
+
+
+def _read_graph(path: Path) -> Any:
+    """The graph kept at ``path``, None when none is (or it cannot be read)."""
+    from bonsai_core.graph import Graph
+
+    try:
+        return Graph.from_dict(json.loads(gzip.decompress(path.read_bytes())))
+    except (OSError, ValueError, EOFError, BonsaiError):  # absent, or not a file this wrote
+        return None
+
+
+def save_graph(graph: Any) -> None:
+    """Keep ``graph`` under its content hash (once), for a child process to read. OSError when the disk cannot."""
+    path = _graph_path(graph.hash)
+    if not path.exists():
+        _write_graph(path, graph)
+
+
+def load_graph(graph_hash: str) -> Any:
+    """The graph :func:`save_graph` kept under ``graph_hash``, None when none is kept (or it is not that graph)."""
+    graph = _read_graph(_graph_path(graph_hash))
+    return graph if graph is not None and graph.hash == graph_hash else None
+
+
+def save_job(data: bytes) -> Path:
+    """Write a child process's job under a name of its own; its path. OSError when the disk cannot."""
+    path = folder() / "jobs" / f"{hashlib.sha256(data).hexdigest()[:16]}.{os.getpid()}.json"
+    _write(path, data)
+    return path
+
+
+def _reach_path(graph_hash: str) -> Path:
+    return folder() / "plans" / code_digest() / graph_hash / "reach.json"
+
+
+def save_reach(graph_hash: str, reach: int | None, bound: tuple[int, int, int]) -> None:
+    """Keep bonsai's reach on a graph (the smallest budget it meets with its default options; None: none found in
+    its time) and the checkpoint regions' bound (:class:`bonsai_core.regions.RegionBound`'s fields)."""
+    try:
+        _write(_reach_path(graph_hash), json.dumps({"reach": reach, "region_bound": list(bound)}).encode())
+    except OSError:
+        pass
+
+
+def load_reach(graph_hash: str) -> tuple[int | None, tuple[int, int, int]] | None:
+    """(reach, region bound's fields) :func:`save_reach` kept for the graph, None when none is kept."""
+    try:
+        record = json.loads(_reach_path(graph_hash).read_bytes())
+        reach, bound = record["reach"], tuple(int(x) for x in record["region_bound"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (None if reach is None else int(reach)), bound
+
+
 # -- traced steps -----------------------------------------------------------------------------------
 
 TRACED_WITH = ("torch", "transformers", "torchtitan")  # what a trace depends on besides bonsai_core
@@ -196,16 +260,11 @@ def save_trace(name: str, options: tuple, graph: Any) -> None:
     path names its content), under bonsai_core's and the libraries' versions: a new server reads it instead of
     tracing again (the 8B step: some 20 s of CPU)."""
     try:
-        _write(_trace_path(name, options), gzip.compress(json.dumps(graph.to_dict(), separators=(",", ":")).encode(), 5))
+        _write_graph(_trace_path(name, options), graph)
     except OSError:  # a full or read-only disk: the trace is still cached in memory
         pass
 
 
 def load_trace(name: str, options: tuple) -> Any:
     """The step :func:`save_trace` kept for ``name`` at ``options`` (a Graph), None when none is kept."""
-    from bonsai_core.graph import Graph
-
-    try:
-        return Graph.from_dict(json.loads(gzip.decompress(_trace_path(name, options).read_bytes())))
-    except (OSError, ValueError, EOFError, BonsaiError):  # absent, or not a file this wrote
-        return None
+    return _read_graph(_trace_path(name, options))

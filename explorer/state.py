@@ -252,12 +252,13 @@ WATCH_SECONDS = 1.0  # how often a session looks at a running sweep
 def sweep_watch(slot: DeltaGenerator) -> None:
     """Under the budget slider: how far the background sweep of the sidebar's settings is, looked at every
     WATCH_SECONDS while it runs (a fragment of its own); once it has solved the position the page showed
-    a stand-in for, or it ends, the page is drawn again."""
+    a stand-in for, or it is done (what a drag draws beside each plan prepared too), the page is drawn again."""
     s = st.session_state.get("settings")
     if s is None or not s.slider or not ahead.enabled():
         return
     g = model().graph
     first = ahead.progress(g, s.method, s.options, s.reserved, int(s.percent))
+    watching = first is not None and not first.done
 
     def watch() -> None:
         ss = st.session_state
@@ -266,18 +267,19 @@ def sweep_watch(slot: DeltaGenerator) -> None:
         if sweep is None:
             return
         done = p in sweep.solved or p in sweep.derived
-        if (ss.get("stand_in") and done) or (first is not None and first.ended is None and sweep.ended is not None):
+        if (ss.get("stand_in") and done) or (watching and sweep.done):
             ss["stand_in"] = False
             st.rerun()  # the whole page: its plan is solved now (or the sweep ended: stop looking)
         what = "granularities" if sweep.axis == ahead.GRANULARITY else "budgets"
         total = len(sweep.positions)
         line = (f"Swept {sweep.known} of {total} {what} in {sweep.seconds:.0f} s"
-                + ("" if sweep.ended is None else " (done: each answers at once)")
+                + ("" if sweep.ended is None else " (done: each answers at once)" if sweep.done else
+                   " (each answers at once; the charts beside the plans are prepared in the background)")
                 + ("" if done or sweep.ended is not None else
                    "; this one is next, shown meanwhile: the nearest solved plan"))
         slot.progress(sweep.known / total, text=line)
 
-    st.fragment(watch, run_every=WATCH_SECONDS if first is not None and first.ended is None else None)()
+    st.fragment(watch, run_every=WATCH_SECONDS if watching else None)()
 
 
 def option_widget(method: str, spec: compute.OptionSpec, key: str | None = None, label: str | None = None,

@@ -4,7 +4,8 @@
 
 As a session starts it (:mod:`explorer.ahead`): bonsai's solve at 70% with the sidebar's default time limit,
 then every other slider position in the sweep's order, here in this thread rather than the server's
-background one; then the pages' work the sweep puts off (FSDP replays, bonsai's reach), timed apart; then
+background one; then the pages' work the sweep puts off, timed apart: what this thread draws beside each plan,
+and the child process's (:mod:`explorer.background`: FSDP replays, bonsai's reach), waited for; then
 each position asked again as a drag asks it, its slowest answers printed. An empty cache folder measures a
 first sweep (a folder already holding the plans measures a reopened model); ``--positions-only`` leaves the
 put-off work out. ``--profile`` writes cProfile's statistics of the sweep, counted in this thread's CPU seconds
@@ -21,11 +22,12 @@ import hashlib
 import json
 import os
 import pstats
+import resource
 import time
 
 from bonsai_core.graph import load_graph
 from bonsai_core.schedule import no_remat_peak
-from explorer import ahead, compute
+from explorer import ahead, background, compute
 from explorer.state import DEFAULT_TIME_LIMIT
 
 FIRST = 70  # % of the no-remat peak: where the session's own solve is
@@ -37,19 +39,29 @@ def sweep_in_this_thread(sweep: ahead.Sweep, put_off: bool) -> tuple[dict[int, f
     positions: dict[int, float] = {}
     later: list[tuple[float, float]] = []
     while (found := ahead._next()) is not None:
-        if not put_off:
-            sweep.later.clear()
         _, p = found
         start, cpu = time.perf_counter(), time.process_time()
         if callable(p):
-            p()
-            later.append((time.perf_counter() - start, time.process_time() - cpu))
+            if put_off:
+                p()
+                later.append((time.perf_counter() - start, time.process_time() - cpu))
             continue
         ahead._solve(sweep, p)
         positions[p] = time.perf_counter() - start
         print(f"  {p}%: {positions[p]:.2f} s (cpu {time.process_time() - cpu:.2f} s), ok={sweep.solved.get(p)}, "
               f"answered {sweep.known}", flush=True)
     return positions, later
+
+
+def waited_for(sweep: ahead.Sweep) -> str:
+    """Wait for the sweep's child process; its wall seconds since the positions were answered and its CPU
+    seconds, in words."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    code = sweep.child.wait()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return (f"the child process (exit {code}) ended {time.perf_counter() - sweep.ended:.1f} s after the positions "
+            f"were answered, cpu {cpu:.1f} s (niceness {background.NICENESS})")
 
 
 def answers(graph, options, reference: int) -> dict[int, dict]:
@@ -98,6 +110,11 @@ def main() -> None:
           f"below a failed one); the put-off work {sum(s for s, _ in later):.1f} s more ({len(later)} jobs, cpu "
           f"{sum(later_cpu):.1f} s, the longest {max(later_cpu, default=0.0):.1f} s); cpu {cpu:.1f} s in all, load "
           f"average {os.getloadavg()[0]:.1f}", flush=True)
+    if args.record:
+        with open(args.record, "w") as f:
+            json.dump(answers(graph, options, reference), f, indent=1, sort_keys=True)
+    if sweep.child is not None:
+        print(waited_for(sweep), flush=True)
     asked = []
     for p in ahead.SLIDER:
         begun = time.perf_counter()
@@ -105,9 +122,6 @@ def main() -> None:
         ahead.answer(graph, "bonsai", options, None, p) or compute.solve(graph, budget, "bonsai", options)
         asked.append((time.perf_counter() - begun, p))
     print("after the sweep, the slowest answers (s, %):", [(round(s, 3), p) for s, p in sorted(asked)[-3:]])
-    if args.record:
-        with open(args.record, "w") as f:
-            json.dump(answers(graph, options, reference), f, indent=1, sort_keys=True)
     if profile:
         profile.dump_stats(args.profile)
         pstats.Stats(args.profile).sort_stats("cumulative").print_stats(40)

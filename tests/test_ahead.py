@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -11,8 +12,9 @@ import streamlit as st
 
 from bonsai_core import solvers
 from bonsai_core.errors import BudgetError
+from bonsai_core.regions import region_peak_bound
 from bonsai_core.schedule import no_remat_peak, none_schedule, simulate
-from explorer import ahead, compute, disk
+from explorer import ahead, background, compute, disk
 from tests.graphs import chain
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
@@ -262,20 +264,72 @@ def test_a_session_starts_the_sweep_of_its_settings_only_when_the_slider_sets_th
     assert not any("solved in the background" in c.value for c in at.caption)
 
 
-def test_bonsais_reach_is_computed_only_once_every_position_is_answered(recorded, monkeypatch):
-    """The Solve page's note under bonsai's error (its reach, minutes on a large step) waits until the sweep
-    has answered every position: a session dragging meanwhile finds its plan sooner."""
-    answered_when_asked = []
+class FakeChild:
+    """A child process (:func:`explorer.background.start`'s) that has not ended until ``end()``."""
 
-    def reach(graph):
+    def __init__(self) -> None:
+        self.returncode = None
+
+    def poll(self):
+        return self.returncode
+
+    def end(self) -> None:
+        self.returncode = 0
+
+
+def test_the_put_off_work_goes_to_a_child_once_every_position_is_answered_and_the_sweep_is_done_after_it(
+        recorded, monkeypatch):
+    """Bonsai's reach (minutes on a large step) and an FSDP rank's replays go to a child process, started once the
+    sweep has answered every position: a session dragging meanwhile finds its plan sooner. The sweep is done only
+    once the child has ended."""
+    started = []
+
+    def start(graph, method, reserved, replays, reach):
         sweep, _ = ahead.find(GRAPH, "bonsai", (), None, 70)
-        answered_when_asked.append(sweep.known)
+        started.append((sweep.known, reach, replays))
+        return child
 
-    monkeypatch.setattr(compute, "bonsai_reach", reach)
-    monkeypatch.setattr(compute, "region_bound", lambda graph: None)
+    child = FakeChild()
+    monkeypatch.setattr(background, "start", start)
     ahead.start(GRAPH, session_solve(70, method="bonsai"), REFERENCE, 70)
     wait_for_the_thread()
-    assert answered_when_asked == [len(ahead.SLIDER)]
+    sweep, _ = ahead.find(GRAPH, "bonsai", (), None, 70)
+    assert started == [(len(ahead.SLIDER), True, [])]  # GRAPH is no FSDP rank: no replays
+    assert sweep.ended is not None and sweep.ready is not None and not sweep.done
+    child.end()
+    assert sweep.done
+
+
+def test_a_child_keeps_the_replays_and_the_reach_on_disk_where_the_server_reads_them(monkeypatch, tmp_path):
+    """:mod:`explorer.background` in a child process of its own: one replay per distinct plan, kept beside each
+    plan; the reach and the regions' bound read back instead of computed."""
+    monkeypatch.setenv("BONSAI_EXPLORER_CACHE", str(tmp_path))
+    st.cache_resource.clear()
+    budgets = [ahead.budget_at(p, REFERENCE) for p in (80, 90)]
+    plans = [compute.solve(GRAPH, b, "chen", ()) for b in budgets]
+    options = compute.with_defaults("chen", ())
+    child = background.start(GRAPH, "chen", None, [(options, b) for b in budgets], reach=True)
+    assert child.wait(timeout=300) == 0
+    for budget, plan in zip(budgets, plans):
+        assert disk.load_replay(GRAPH.hash, "chen", options, None, budget, plan.schedule) is not None
+    from bonsai_core.solvers import bonsai
+
+    def not_again(*args, **kwargs):
+        raise AssertionError("computed again")
+
+    monkeypatch.setattr(bonsai, "lowest_budget", not_again)
+    assert compute.bonsai_reach(GRAPH) == disk.load_reach(GRAPH.hash)[0]
+    assert compute.region_bound(GRAPH) == region_peak_bound(GRAPH)
+    st.cache_resource.clear()
+
+
+def test_a_child_whose_code_is_not_the_servers_keeps_nothing(monkeypatch, tmp_path):
+    """A server's bonsai_core changed on disk since it started: its child would keep another code's answers."""
+    monkeypatch.setenv("BONSAI_EXPLORER_CACHE", str(tmp_path))
+    disk.save_graph(GRAPH)
+    job = {"code": "0" * 16, "graph": GRAPH.hash, "method": "chen", "reserved": None, "reach": True, "replays": []}
+    path = disk.save_job(json.dumps(job).encode())
+    assert background.run(path) == 1 and not path.exists() and disk.load_reach(GRAPH.hash) is None
 
 
 def test_a_solve_that_waits_for_the_cpu_is_not_out_of_its_time_limit(fake_method):

@@ -52,6 +52,22 @@ def test_the_relaxation_moves_with_the_budget_from_its_last_basis():
     assert moved[2] == pytest.approx(fresh[2], rel=1e-7)
 
 
+@pytest.mark.parametrize("share", [0.6, 0.8])
+def test_an_absolute_gap_stops_the_search_within_it_of_the_optimum(share):
+    """With the relative gap out of reach (1e-9), the absolute one ends the search: the plan costs at most
+    ``abs_gap`` (shares of the step's compute, the objective's unit) more than the proven optimum."""
+    graph = load_graph(GPT)
+    budget = int(share * no_remat_peak(graph))
+    abs_gap = 2e-3
+    schedule = bonsai.solve_bonsai(graph, budget, space="regions", reuse=False, gap=1e-9, abs_gap=abs_gap)
+    built = bonsai.build(graph, schedule.stats["granularity"])
+    built.budget.value = budget / built.unit
+    optimum = solve_milp(built.problem, gap=1e-9).objective
+    assert schedule.stats["plan_source"] == "ilp"
+    assert optimum - 1e-9 <= schedule.stats["objective"] <= optimum + abs_gap + 1e-9
+    assert bonsai._reusable(schedule, bonsai.Gaps(1e-9, abs_gap))  # its interval of budgets answered by it
+
+
 def test_a_bonsai_solve_says_its_gap_and_stays_within_the_gap_asked():
     graph = load_graph(GPT)
     schedule = bonsai.solve_bonsai(graph, int(0.55 * no_remat_peak(graph)), space="regions", reuse=False)
@@ -126,5 +142,5 @@ def test_one_infeasible_verdict_on_a_feasible_lp_proves_nothing():
 
 def test_a_proven_infeasible_relaxation_ends_the_rung_at_once():
     built, _, _, _ = _relaxed_at(0.05)
-    outcome = bonsai._rounded(built, "highs", None, 0.01)
+    outcome = bonsai._rounded(built, "highs", None, bonsai.Gaps(0.01))
     assert outcome is not None and outcome.status == "infeasible"

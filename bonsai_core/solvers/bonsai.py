@@ -29,9 +29,9 @@ per-block checkpointing wherever one of their plans fits (``stats["plan_source"]
 **The simulator judges**: the ILP's plan is simulated; should its peak ever exceed the budget, the
 budget given to the model is tightened by the excess and the ILP re-solved (``stats["tightened_by"]``).
 
-**Plans reused across budgets.** A plan the ILP found at budget B, within the gap, whose modelled and
-simulated peaks are at most p, is within the same gap of the optimum at every budget b in [p, B]: the
-optimum at b is no cheaper than at B, and the plan fits b. So a solve at such a b returns that plan
+**Plans reused across budgets.** A plan the ILP found at budget B, within the gap (relative or absolute),
+whose modelled and simulated peaks are at most p, is within the same gap of the optimum at every budget b
+in [p, B]: the optimum at b is no cheaper than at B, and the plan fits b. So a solve at such a b returns that plan
 (``stats["reused_from"]``: B) without solving; dragging the explorer's budget slider over a plan's
 interval costs nothing (``reuse=False`` always solves, as the benchmarks do).
 
@@ -75,7 +75,7 @@ from bonsai_core.solvers.bonsai_model import BuiltModel, build_model
 from bonsai_core.solvers.bonsai_ops import OpsOutcome, plan_ops
 from bonsai_core.solvers.deadline import Deadline, OutOfTime, now
 from bonsai_core.solvers.milp import DEFAULT_BACKEND, MilpOutcome, problem_size, solve_milp
-from bonsai_core.solvers.sparse_milp import from_cvxpy, satisfies, solve_sparse_milp
+from bonsai_core.solvers.sparse_milp import from_cvxpy, proven_within, satisfies, solve_sparse_milp
 from bonsai_core.solvers.relaxation import (proven_infeasible, relaxation_of, round_relaxation, same_structure,
                                            solve_from)
 from bonsai_core.units import format_bytes
@@ -88,6 +88,17 @@ DEFAULT_GAP = 0.01  # the issue's target ("optimal, gap <= 1%"); HiGHS closes th
 Regions = Literal["any", "modules"]  # which candidate segments may be recomputed
 Space = Literal["auto", "ops", "regions"]  # which plans bonsai searches
 REGIONS_SHARE = 0.5  # with an op-level plan found, the segment ILP runs only if this share of the time limit is left
+
+
+class Gaps(NamedTuple):
+    """Where the segment ILP's search stops: within the relative MIP gap, or within the absolute one (shares of
+    one plain step's compute, the objective's unit; 0: none)."""
+
+    relative: float
+    absolute: float = 0.0
+
+    def proven(self, incumbent: float, bound: float) -> bool:
+        return proven_within(incumbent, bound, self.relative, self.absolute)
 
 
 @dataclass
@@ -240,7 +251,7 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
                  granularity: int | None = None, backend: str = DEFAULT_BACKEND,
                  gap: float = DEFAULT_GAP, regions: Regions = "any", drop_outputs: bool = False,
                  save_self_contained: bool = True, save_ops: bool = False, reuse: bool = True,
-                 offload: bool = False, space: Space = "auto") -> Schedule:
+                 offload: bool = False, space: Space = "auto", abs_gap: float = 0.0) -> Schedule:
     """Bonsai: the cheapest plan it finds within ``budget``, of its op-level plans (a MILP over a few
     memory points, run lazily: :mod:`bonsai_core.solvers.bonsai_ops`) and of its segment ILP's
     checkpoint plans; every result carries the lower bound no schedule within the budget goes below
@@ -259,6 +270,10 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
         backend: the MILP backend, "highs" or "scip".
         gap: the relative MIP gap at which the search stops (0.01: within 1% of the model's optimum;
             1e-4 proves the optimum, as "optimal" means everywhere in this project).
+        abs_gap: the absolute gap at which the segment ILP's search stops too, in shares of one plain step's
+            compute (its objective: the recomputed time over the step's): 5e-4 stops once no plan can be more
+            than 0.05% of the step faster, which on a plan of tiny overhead comes long before the relative
+            gap does; 0: the relative gap alone. The status stays "feasible" with the relative gap it proved.
         regions: "any" (contiguous runs of ops, Chen's segments and module calls) or "modules" (only
             the module calls the trace recorded may be recomputed: plans that the ``checkpoint``
             export back-end applies to those submodules one to one).
@@ -284,9 +299,7 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
 
     Raises BudgetError (naming the smallest budget bonsai can meet) when none fits or none was found in
     time, SolverError when the backend fails."""
-    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < 1:
-        raise SolverError(f"gap {gap!r} is not a relative MIP gap in [0, 1): 0.01 stops within 1% of the "
-                          "model's optimum, 1e-4 proves it.")
+    _check_gaps(gap, abs_gap)
     if regions not in ("any", "modules"):
         raise SolverError(f"regions {regions!r}: use 'any' (runs of ops) or 'modules' (the model's module calls).")
     if regions == "modules" and not graph.modules:
@@ -310,8 +323,18 @@ def solve_bonsai(graph: Graph, budget: int | None, *, time_limit: float | None =
     elif space == "auto" and holds_others(graph):
         space = "regions"  # module doc, "Pipeline ranks"
     return _search(graph, budget, space, time_limit, backend, gap, offload,
-                   lambda left: _regions(graph, budget, left, granularity, backend, gap, regions, drop_outputs,
-                                         save_self_contained, save_ops, reuse, offload))
+                   lambda left: _regions(graph, budget, left, granularity, backend, Gaps(gap, abs_gap), regions,
+                                         drop_outputs, save_self_contained, save_ops, reuse, offload))
+
+
+def _check_gaps(gap: float, abs_gap: float) -> None:
+    """SolverError, saying what to give, unless both gaps are numbers in [0, 1)."""
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < 1:
+        raise SolverError(f"gap {gap!r} is not a relative MIP gap in [0, 1): 0.01 stops within 1% of the "
+                          "model's optimum, 1e-4 proves it.")
+    if isinstance(abs_gap, bool) or not isinstance(abs_gap, (int, float)) or not 0 <= abs_gap < 1:
+        raise SolverError(f"abs_gap {abs_gap!r} is not an absolute gap in [0, 1) of one step's compute: 5e-4 stops "
+                          "once no plan can be more than 0.05% of the step faster, 0 leaves the relative gap alone.")
 
 
 def _search(graph: Graph, budget: int | None, space: Space, time_limit: float | None, backend: str, gap: float,
@@ -350,10 +373,10 @@ def _search(graph: Graph, budget: int | None, space: Space, time_limit: float | 
 
 
 def _regions(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None, backend: str,
-             gap: float, regions: Regions, drop_outputs: bool, save_self_contained: bool, save_ops: bool,
+             gaps: Gaps, regions: Regions, drop_outputs: bool, save_self_contained: bool, save_ops: bool,
              reuse: bool, offload: bool) -> Schedule:
     """The segment ILP's checkpoint plan (with the plans solved earlier reused where they fit)."""
-    plans_key = (graph.hash, ("plans", granularity, regions, drop_outputs, save_self_contained, save_ops, backend, gap)
+    plans_key = (graph.hash, ("plans", granularity, regions, drop_outputs, save_self_contained, save_ops, backend, gaps)
                  + (("offload",) if offload else ()))
     # looked up before waiting for the graph's lock (another session may be solving for minutes), and again
     # after it (the one that held it may have solved a plan that fits)
@@ -364,9 +387,9 @@ def _regions(graph: Graph, budget: int | None, time_limit: float | None, granula
         earlier = _reused(plans_key, budget) if reuse else None
         if earlier is not None:
             return earlier
-        schedule = _solve(graph, budget, time_limit, granularity, backend, gap, regions, drop_outputs,
+        schedule = _solve(graph, budget, time_limit, granularity, backend, gaps, regions, drop_outputs,
                           save_self_contained, save_ops, offload)
-        if budget is not None and _reusable(schedule, gap):
+        if budget is not None and _reusable(schedule, gaps):
             st = schedule.stats
             simulated_peak = st["model_peak"] - st["model_slack"]
             entry = (max(st["model_peak"], simulated_peak), int(budget), _copy(schedule))
@@ -389,12 +412,13 @@ def _reused(plans_key: tuple[str, Any], budget: int | None) -> Schedule | None:
     return None
 
 
-def _reusable(schedule: Schedule, gap: float) -> bool:
-    """Whether ``schedule`` (just solved) is within ``gap`` of the model's optimum at the budget it was
-    solved for: an ILP plan, found within the gap, the model's budget not tightened."""
+def _reusable(schedule: Schedule, gaps: Gaps) -> bool:
+    """Whether ``schedule`` (just solved) is within ``gaps`` of the model's optimum at the budget it was
+    solved for: an ILP plan, found within them, the model's budget not tightened."""
     st = schedule.stats
-    return (st.get("plan_source") == "ilp" and st.get("tightened_by") == 0 and st.get("gap") is not None
-            and st["gap"] <= gap)
+    if st.get("plan_source") != "ilp" or st.get("tightened_by") != 0 or st.get("gap") is None:
+        return False
+    return st["gap"] <= gaps.relative or st["gap"] * abs(st.get("objective") or 0.0) <= gaps.absolute
 
 
 def _copy(schedule: Schedule, **stats: Any) -> Schedule:
@@ -466,7 +490,7 @@ def _no_ops_plan(graph: Graph, budget: int, bound: LowerBound | None) -> BudgetE
 
 
 def _solve(graph: Graph, budget: int | None, time_limit: float | None, granularity: int | None,
-           backend: str, gap: float, regions: Regions, drop_outputs: bool, save_self_contained: bool,
+           backend: str, gaps: Gaps, regions: Regions, drop_outputs: bool, save_self_contained: bool,
            save_ops: bool, offload: bool = False) -> Schedule:
     clock = Deadline(time_limit)
     times = _Times()
@@ -497,10 +521,10 @@ def _solve(graph: Graph, budget: int | None, time_limit: float | None, granulari
                     plain_built = build(graph, gran, regions, drop_outputs, save_self_contained, save_ops, clock=clock)
             except OutOfTime:
                 break
-            start = _solve_model(graph, plain_built, target, backend, clock, gap, times)
+            start = _solve_model(graph, plain_built, target, backend, clock, gaps, times)
             if start is not None and not np.array_equal(plain_built.candidates, built.candidates):
                 raise AssertionError("the models with and without offload have different candidates")
-        found = _solve_model(graph, built, target, backend, clock, gap, times, start)
+        found = _solve_model(graph, built, target, backend, clock, gaps, times, start)
         if found is not None:
             break
         times.spent_on("ladder", since=before)  # a rung whose model cannot meet the budget
@@ -587,7 +611,7 @@ class _Found(NamedTuple):
 
 
 def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clock: Deadline,
-                 gap: float, times: _Times, start: _Found | None = None) -> _Found | None:
+                 gaps: Gaps, times: _Times, start: _Found | None = None) -> _Found | None:
     """The ILP at ``target`` with tightening, or None when the model cannot meet it (or no time is
     left before a plan was found). ``start``: a plan of the same candidates that offloads nothing,
     the MIP start of an offload model (whose own search can go minutes without an incumbent on the
@@ -602,10 +626,11 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
         try:
             with times("solve"):
                 if start is None:
-                    outcome = _rounded(built, backend, left, gap) or solve_milp(
-                        built.problem, backend=backend, time_limit=clock.remaining(), gap=gap)
+                    outcome = _rounded(built, backend, left, gaps) or solve_milp(
+                        built.problem, backend=backend, time_limit=clock.remaining(), gap=gaps.relative,
+                        abs_gap=gaps.absolute)
                 else:
-                    outcome, note = _solve_from(built, start.rec, backend, left, gap)
+                    outcome, note = _solve_from(built, start.rec, backend, left, gaps)
         except SolverError:
             if left is None and start is None:
                 raise
@@ -634,8 +659,8 @@ def _solve_model(graph: Graph, built: BuiltModel, target: int, backend: str, clo
     return best
 
 
-def _rounded(built: BuiltModel, backend: str, time_limit: float | None, gap: float) -> MilpOutcome | None:
-    """The model's plan from its LP relaxation's rounding when that proves it within ``gap``, else from the
+def _rounded(built: BuiltModel, backend: str, time_limit: float | None, gaps: Gaps) -> MilpOutcome | None:
+    """The model's plan from its LP relaxation's rounding when that proves it within ``gaps``, else from the
     full MILP solved with that plan as its start (:mod:`bonsai_core.solvers.relaxation`; the relaxation is
     kept on ``built`` and re-solved from its last basis at each budget), its variables' values set as CVXPY's
     own solve sets them; status "infeasible" when the LP relaxation has no solution (proven twice:
@@ -648,15 +673,16 @@ def _rounded(built: BuiltModel, backend: str, time_limit: float | None, gap: flo
         built.relaxation = relaxation_of(canonical.milp)
     offset = _objective_offset(built.problem)
     clock = Deadline(time_limit)
-    found = round_relaxation(canonical.milp, built.relaxation, time_limit, gap, offset)
+    found = round_relaxation(canonical.milp, built.relaxation, time_limit, gaps.relative, offset, gaps.absolute)
     if found is None and proven_infeasible(built.relaxation, canonical.milp, clock.remaining()):
         return MilpOutcome("infeasible", None, None, now() - clock.start, len(canonical.milp.cost),
                            canonical.milp.matrix.shape[0])  # the MILP from scratch would only prove it again
     if found is None:
         return None
     outcome, values, lp_bound = found
-    if outcome.gap is not None and outcome.gap > gap:  # not proven close enough: the MILP decides, from this plan
-        whole = solve_from(canonical.milp, built.relaxation, values, lp_bound, clock.remaining(), gap, offset)
+    if not gaps.proven(outcome.objective, lp_bound):  # not proven close enough: the MILP decides, from this plan
+        whole = solve_from(canonical.milp, built.relaxation, values, lp_bound, clock.remaining(), gaps.relative,
+                           offset, gaps.absolute)
         if whole is None:
             return None
         rounding_seconds, (outcome, values) = outcome.solve_seconds, whole
@@ -676,7 +702,7 @@ def _objective_offset(problem: Any) -> float:
 
 
 def _solve_from(built: BuiltModel, start: np.ndarray, backend: str, time_limit: float | None,
-                gap: float) -> tuple[MilpOutcome, str]:
+                gaps: Gaps) -> tuple[MilpOutcome, str]:
     """The model's MILP on the backend itself, from the MIP start that recomputes the candidates ``start``
     and offloads nothing (when the start meets the model at its budget), its variables' values set as
     CVXPY's own solve sets them; and what became of the start. Never worse than the start
@@ -684,7 +710,8 @@ def _solve_from(built: BuiltModel, start: np.ndarray, backend: str, time_limit: 
     canonical = from_cvxpy(built.problem)
     x = canonical.vector(built.start_values(start))
     meets = satisfies(canonical.milp, x)
-    found = solve_sparse_milp(canonical.milp, backend, x if meets else None, time_limit=time_limit, gap=gap)
+    found = solve_sparse_milp(canonical.milp, backend, x if meets else None, time_limit=time_limit,
+                              gap=gaps.relative, abs_gap=gaps.absolute)
     if found.values is not None:
         values = np.where(canonical.milp.integer, np.round(found.values), found.values)  # within the backend's tolerance
         for variable in built.problem.variables():  # CVXPY's validation refuses an empty boolean value

@@ -78,10 +78,12 @@ def canonicalise(problem: Any, backend: str) -> None:
 
 
 def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float | None = None,
-               verbose: bool = False, whole_limit: float | None = None, gap: float | None = None) -> MilpOutcome:
+               verbose: bool = False, whole_limit: float | None = None, gap: float | None = None,
+               abs_gap: float = 0.0) -> MilpOutcome:
     """Solve ``problem`` (a CVXPY MILP) on ``backend`` within ``time_limit`` seconds: what is left
     of the method's ``whole_limit`` (the user's ``--time-limit``, named in messages) if given.
-    The solve stops at the relative MIP ``gap`` (default 1e-4 on both backends)."""
+    The solve stops at the relative MIP ``gap`` (default 1e-4 on both backends) or, when ``abs_gap`` is
+    positive, at that absolute gap (objective units), whichever comes first."""
     import cvxpy as cp
 
     check_backend(backend)
@@ -93,6 +95,11 @@ def solve_milp(problem: Any, backend: str = DEFAULT_BACKEND, time_limit: float |
             options["mip_rel_gap"] = float(gap)
         else:
             options["scip_params"]["limits/gap"] = float(gap)
+    if abs_gap > 0:
+        if backend == "highs":
+            options["mip_abs_gap"] = float(abs_gap)
+        else:
+            options["scip_params"]["limits/absgap"] = float(abs_gap)
     if time_limit is not None:
         if backend == "highs":
             options["time_limit"] = float(backend_seconds(time_limit))

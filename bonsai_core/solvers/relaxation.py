@@ -7,13 +7,15 @@ first (1) re-solves the LP relaxation, kept per built model: a budget moves only
 upper bounds, so HiGHS re-solves it from the last basis in a few dual simplex iterations; then (2)
 fixes every integer column the LP left whole to its value and solves the small MILP left over (RENS,
 relaxation enforced neighbourhood search). The LP's objective is a lower bound of the MILP's optimum,
-so the plan found is within ``(incumbent - LP bound) / incumbent`` of it. When that proven gap is over the
-gap asked for, (3) the MILP restricted to the columns the LP or the last few plans found (the neighbouring
-budgets' in a sweep) set is solved; still over, (4) the full MILP is solved from that plan as its MIP
-start (:func:`solve_from`: HiGHS then skips the seconds its root heuristics take to find an incumbent;
-on the 8B step at 94% and 98% of the no-remat peak 1.2 s and 0.9 s instead of 6.3 s and 6.5 s, the
-same optimum). Every plan a backend answers is checked against the MILP's rows and bounds, its cost
-recomputed from its values; an answer that fails the check leaves the full MILP to the caller, from scratch.
+so the plan found is within ``(incumbent - LP bound) / incumbent`` of it, and within ``incumbent - LP bound``
+in the objective's units. When neither is within the gap asked for (the relative one, or the absolute one
+when set: on a tiny overhead 1% of it is a distance no user sees), (3) the MILP restricted to the columns
+the LP or the last few plans found (the neighbouring budgets' in a sweep) set is solved; still over, (4) the
+full MILP is solved from that plan as its MIP start (:func:`solve_from`: HiGHS then skips the seconds its
+root heuristics take to find an incumbent; on the 8B step at 94% and 98% of the no-remat peak 1.2 s and
+0.9 s instead of 6.3 s and 6.5 s, the same optimum). Every plan a backend answers is checked against the
+MILP's rows and bounds, its cost recomputed from its values; an answer that fails the check leaves the full
+MILP to the caller, from scratch.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import numpy as np
 from bonsai_core.errors import SolverError
 from bonsai_core.solvers.deadline import backend_seconds, now
 from bonsai_core.solvers.milp import MilpOutcome
-from bonsai_core.solvers.sparse_milp import SparseMilp, _highs_model, relative_gap, satisfies, solve_sparse_milp
+from bonsai_core.solvers.sparse_milp import (SparseMilp, _highs_model, proven_within, relative_gap, satisfies,
+                                             solve_sparse_milp)
 
 WHOLE = 1e-6  # an LP value this close to an integer counts as whole
 PLANS_KEPT = 4  # plans of earlier solves whose columns widen the next rounding's neighbourhood
@@ -109,7 +112,7 @@ def _checked(milp: SparseMilp, found: Any) -> tuple[np.ndarray, float] | None:
 
 
 def _among_neighbours(milp: SparseMilp, relaxation: Relaxation, x: np.ndarray, rounded: tuple[np.ndarray, float],
-                      time_limit: float | None, gap: float) -> tuple[np.ndarray, float]:
+                      time_limit: float | None, gap: float, abs_gap: float) -> tuple[np.ndarray, float]:
     """A plan at least as cheap as ``rounded`` from the MILP restricted to the integer columns that the LP
     (``x``) or one of the last plans (at nearby budgets, in a sweep) sets: a neighbourhood a few times the
     rounding's. ``rounded`` when it finds none better in ``time_limit``."""
@@ -120,16 +123,16 @@ def _among_neighbours(milp: SparseMilp, relaxation: Relaxation, x: np.ndarray, r
     upper[milp.integer & ~used & (milp.col_lower == 0)] = 0.0
     try:
         found = _checked(milp, solve_sparse_milp(dataclasses.replace(milp, col_upper=upper), "highs",
-                                                 time_limit=time_limit, gap=gap))
+                                                 time_limit=time_limit, gap=gap, abs_gap=abs_gap))
     except SolverError:
         return rounded
     return found if found is not None and found[1] < rounded[1] else rounded
 
 
-def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float | None,
-                     gap: float, offset: float = 0.0) -> tuple[MilpOutcome, np.ndarray, float] | None:
+def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float | None, gap: float,
+                     offset: float = 0.0, abs_gap: float = 0.0) -> tuple[MilpOutcome, np.ndarray, float] | None:
     """(outcome, values, the LP bound) of the rounding's plan of ``milp`` (module docstring), its gap the one
-    the LP bound proves (within ``gap`` or not); None when it finds no plan within ``time_limit``.
+    the LP bound proves (within ``gap`` or ``abs_gap`` or not); None when it finds no plan within ``time_limit``.
     ``offset``: the objective's constant, which the sparse form leaves out; gaps and objectives here count it."""
     start, begun = time.perf_counter(), now()
     solved = solve_relaxation(relaxation, milp, time_limit)
@@ -145,16 +148,15 @@ def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float
         return None
     try:
         found = _checked(milp, solve_sparse_milp(dataclasses.replace(milp, col_lower=lower, col_upper=upper), "highs",
-                                                 time_limit=left, gap=gap))
+                                                 time_limit=left, gap=gap, abs_gap=abs_gap))
     except SolverError:  # no incumbent in the time left
         return None
     if found is None:
         return None
-    proven = relative_gap(found[1] + offset, bound)
     left = None if time_limit is None else time_limit - (now() - begun)
-    if proven > gap and relaxation.plans and (left is None or left > 0):
-        found = _among_neighbours(milp, relaxation, x, found, left, gap)
-        proven = relative_gap(found[1] + offset, bound)
+    if not proven_within(found[1] + offset, bound, gap, abs_gap) and relaxation.plans and (left is None or left > 0):
+        found = _among_neighbours(milp, relaxation, x, found, left, gap, abs_gap)
+    proven = relative_gap(found[1] + offset, bound)
     relaxation.plans = [found[0], *relaxation.plans][:PLANS_KEPT]
     status, shown = ("optimal", 0.0) if proven <= 1e-4 else ("feasible", proven)
     outcome = MilpOutcome(status, found[1] + offset, shown, time.perf_counter() - start,
@@ -162,17 +164,17 @@ def round_relaxation(milp: SparseMilp, relaxation: Relaxation, time_limit: float
     return outcome, found[0], bound
 
 
-def solve_from(milp: SparseMilp, relaxation: Relaxation, start: np.ndarray, lp_bound: float,
-               time_limit: float | None, gap: float, offset: float = 0.0) -> tuple[MilpOutcome, np.ndarray] | None:
+def solve_from(milp: SparseMilp, relaxation: Relaxation, start: np.ndarray, lp_bound: float, time_limit: float | None,
+               gap: float, offset: float = 0.0, abs_gap: float = 0.0) -> tuple[MilpOutcome, np.ndarray] | None:
     """(outcome, values) of the full ``milp`` solved from the plan ``start`` (the rounding's, which meets every
     row and bound), its gap proven by the larger of the LP bound ``lp_bound`` and the backend's; past
     ``time_limit``, the best plan by then (never worse than ``start``) with its gap. None when the backend's
-    answer fails the check (:func:`_checked`), or is not proven within ``gap`` though time was left (HiGHS
-    handed a start has been seen to stop at once, "optimal" at objective 0, on test_bonsai's viewed2).
+    answer fails the check (:func:`_checked`), or is not proven within ``gap`` (or ``abs_gap``) though time was
+    left (HiGHS handed a start has been seen to stop at once, "optimal" at objective 0, on test_bonsai's viewed2).
     ``offset``: as in :func:`round_relaxation`."""
     clock, begun, given = time.perf_counter(), now(), backend_seconds(time_limit)  # given: the backend's own limit
     try:
-        found = solve_sparse_milp(milp, "highs", start, time_limit=time_limit, gap=gap)
+        found = solve_sparse_milp(milp, "highs", start, time_limit=time_limit, gap=gap, abs_gap=abs_gap)
     except SolverError:
         return None
     checked = _checked(milp, found)
@@ -182,9 +184,10 @@ def solve_from(milp: SparseMilp, relaxation: Relaxation, start: np.ndarray, lp_b
     # the backend's bound counts only when the objective it claims is the plan's
     claimed = found.outcome.objective is not None and math.isclose(found.outcome.objective, objective,
                                                                    rel_tol=1e-9, abs_tol=1e-12)
-    proven = relative_gap(objective + offset, max(lp_bound, found.bound + offset) if claimed else lp_bound)
+    bound = max(lp_bound, found.bound + offset) if claimed else lp_bound
+    proven = relative_gap(objective + offset, bound)
     out_of_time = time_limit is not None and (now() - begun >= time_limit or time.perf_counter() - clock >= given)
-    if proven > gap and not out_of_time:
+    if not proven_within(objective + offset, bound, gap, abs_gap) and not out_of_time:
         return None
     relaxation.plans = [values, *relaxation.plans[1:]] if relaxation.plans else [values]
     status, shown = ("optimal", 0.0) if proven <= 1e-4 else ("feasible", proven)

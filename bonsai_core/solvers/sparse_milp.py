@@ -138,14 +138,22 @@ def relative_gap(incumbent: float, bound: float) -> float:
     return min((incumbent - bound) / abs(incumbent), 1.0)
 
 
+def proven_within(incumbent: float, bound: float, gap: float, abs_gap: float = 0.0) -> bool:
+    """Whether ``incumbent`` is proven within the relative ``gap`` or the absolute ``abs_gap`` of the lower
+    bound ``bound`` (objective units): where a backend given both stops."""
+    if relative_gap(incumbent, bound) <= gap:
+        return True
+    return math.isfinite(bound) and incumbent - max(bound, 0.0) <= abs_gap
+
+
 def solve_sparse_milp(milp: SparseMilp, backend: str, start: np.ndarray | None = None,
                       time_limit: float | None = None, whole_limit: float | None = None,
-                      gap: float = OPTIMAL_GAP) -> SparseOutcome:
+                      gap: float = OPTIMAL_GAP, abs_gap: float = 0.0) -> SparseOutcome:
     """Solve ``milp`` on ``backend`` ("highs" or "scip") from the MIP start ``start`` (a feasible value
     per column, or None), within ``time_limit`` seconds (what is left of the method's
     ``whole_limit``, the one named in messages; none left: the start is the result), stopping at the
-    relative ``gap``. The objective is assumed nonnegative (a recomputation cost), so the gap is
-    within [0, 1].
+    relative ``gap`` or, when ``abs_gap`` is positive, at that absolute gap (objective units), whichever comes
+    first. The objective is assumed nonnegative (a recomputation cost), so the gap is within [0, 1].
 
     The result is never worse than the start: when the backend ends with no incumbent or a worse
     one (it did not take the start), the start is the result, its gap taken from the backend's bound,
@@ -157,7 +165,7 @@ def solve_sparse_milp(milp: SparseMilp, backend: str, start: np.ndarray | None =
         status, values, objective, bound = "no time left", None, None, -math.inf
     else:
         solve = _solve_on_highs if backend == "highs" else _solve_on_scip
-        status, values, objective, bound = solve(milp, start, time_limit, gap)
+        status, values, objective, bound = solve(milp, start, time_limit, gap, abs_gap)
     seconds = time.perf_counter() - clock
     if status == "infeasible" and start is None:
         return SparseOutcome(MilpOutcome("infeasible", None, None, seconds, variables, constraints), None, bound)
@@ -205,12 +213,14 @@ def _finite(bounds: np.ndarray, h: Any) -> np.ndarray:
 
 
 def _solve_on_highs(milp: SparseMilp, start: np.ndarray | None, time_limit: float | None,
-                    gap: float) -> tuple[str, np.ndarray | None, float | None, float]:
+                    gap: float, abs_gap: float) -> tuple[str, np.ndarray | None, float | None, float]:
     """(status, incumbent or None, its objective, proven lower bound) from HiGHS."""
     import highspy
 
     h = _highs_model(milp)
     h.setOptionValue("mip_rel_gap", float(gap))
+    if abs_gap > 0:  # HiGHS' own default (1e-6) otherwise
+        h.setOptionValue("mip_abs_gap", float(abs_gap))
     if time_limit is not None:
         h.setOptionValue("time_limit", max(float(backend_seconds(time_limit)), 0.0))
     if start is not None:
@@ -227,7 +237,7 @@ def _solve_on_highs(milp: SparseMilp, start: np.ndarray | None, time_limit: floa
 
 
 def _solve_on_scip(milp: SparseMilp, start: np.ndarray | None, time_limit: float | None,
-                   gap: float) -> tuple[str, np.ndarray | None, float | None, float]:
+                   gap: float, abs_gap: float) -> tuple[str, np.ndarray | None, float | None, float]:
     """(status, incumbent or None, its objective, proven lower bound) from SCIP, which reads the
     model from the MPS file HiGHS writes of it (columns named c0, c1, ... in order)."""
     import pyscipopt
@@ -243,6 +253,7 @@ def _solve_on_scip(milp: SparseMilp, start: np.ndarray | None, time_limit: float
     by_name = {v.name: v for v in model.getVars()}
     columns = [by_name[name] for name in names]
     model.setParam("limits/gap", float(gap))
+    model.setParam("limits/absgap", float(abs_gap))
     if time_limit is not None:
         model.setParam("limits/time", max(float(backend_seconds(time_limit)), 0.0))
     if start is not None:
