@@ -305,7 +305,8 @@ def _solve(sweep: Sweep, p: int) -> None:
     # put off until every position is answered: a position's plan first, then what the pages draw beside it
     with _lock:
         if out.ok:  # what the Memory page draws of a plan, so that a drag after the sweep only reads it
-            sweep.later.append(lambda: (compute.rebuilds(sweep.graph, out), compute.lifetime_bars(sweep.graph, out)))
+            sweep.later.append(lambda: (compute.rebuilds(sweep.graph, out),
+                                        compute.lifetime_rows(sweep.graph, out, "time")))  # the page's default axis
         if out.ok and sweep.graph.fsdp is not None:  # the per-rank chart: the allocator's replay of the schedule
             sweep.later.append(lambda: compute.rank_parts(sweep.graph, out))
         elif not out.ok and sweep.method == "bonsai" and sweep.axis == BUDGET and not sweep.reach_due:
