@@ -249,8 +249,8 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     ``budget_label`` names the budget line ("reserved-bytes bound" for a plan that bounds the
     allocator's reserved bytes: ``compute.Bound.label``). ``reference``, a curve drawn after ``curves`` that
     stays the same as the budget moves (no remat), has its line and markers in datasets of their own
-    (``reference_lines``, ``reference_marks``): their bytes do not change with the budget, and the browser
-    leaves a dataset whose bytes it already has as it is (half the line's points on each drag)."""
+    (``reference_lines``, ``reference_marks``): their bytes do not change with the budget, and Streamlit's
+    chart in the browser keeps a dataset whose bytes it already has rather than loading it again."""
     lines, hovered, reserved, marks, peaks, reserved_peaks = [], [], [], [], [], []
     curves = [*curves, *([reference] if reference is not None else [])]
     for c in curves:
