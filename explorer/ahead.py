@@ -327,6 +327,7 @@ def _solve(sweep: Sweep, p: int) -> None:
     # put off until every position is answered: a position's plan first, then what the pages draw beside it
     with _lock:
         if out.ok:  # what the Memory page draws of a plan, so that a drag after the sweep only reads it
-            sweep.later.append(lambda: (compute.rebuilds(sweep.graph, out), compute.lifetime_bars(sweep.graph, out)))
+            sweep.later.append(lambda: (compute.rebuilds(sweep.graph, out),
+                                        compute.lifetime_rows(sweep.graph, out, "time")))  # the page's default axis
         elif sweep.method == "bonsai" and sweep.axis == BUDGET:
             sweep.reach_due = True  # the Solve page's note under bonsai's error

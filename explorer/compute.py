@@ -603,6 +603,22 @@ def lifetime_bars(graph: Graph, outcome: Outcome):
     return timeline.bars(graph, outcome.sim.residency, node_modules(graph))
 
 
+@st.cache_resource(show_spinner=False, max_entries=128, hash_funcs=PLAN_HASH)
+def step_costs(graph: Graph, outcome: Outcome) -> np.ndarray:
+    """:func:`op_costs` of a solved schedule, once per plan (a Python pass over every op of it)."""
+    return op_costs(graph, outcome.schedule)
+
+
+@st.cache_resource(show_spinner=False, max_entries=128, hash_funcs=PLAN_HASH)
+def lifetime_rows(graph: Graph, outcome: Outcome, x_mode: str):
+    """The lifetimes chart's rows of a solved schedule but for the step (``explorer.timeline.bar_rows``) on
+    the memory chart's x axis ``x_mode``: a drag reads them, a step adds whether each bar is alive."""
+    from explorer import plots, timeline
+
+    return timeline.bar_rows(lifetime_bars(graph, outcome), plots.curve_x(step_costs(graph, outcome), x_mode),
+                             graph.fixed_mem)
+
+
 @dataclass(frozen=True)
 class Rebuilds:
     """A solved schedule's recompute events as the pages show them: grouped into patterns, the table's rows

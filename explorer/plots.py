@@ -99,11 +99,17 @@ def curve(label: str, timeline: np.ndarray, op_costs: np.ndarray, peak: int, pea
     """A curve over elapsed compute time (``x_mode="time"``: recomputation stretches it), over op
     index (``"ops"``) or over the share of the step's ops done (``"share"``, 0 to 1: steps of different
     lengths, an eager and a compiled one, side by side). O(len(ops))."""
-    x = np.cumsum(op_costs) * 1e3 if x_mode == "time" else np.arange(1, len(timeline) + 1, dtype=float)
-    if x_mode == "share":
-        x /= max(1, len(timeline))
+    x = curve_x(op_costs, x_mode)
     peak_x = float(x[peak_op]) if 0 <= peak_op < len(x) else 0.0
     return Curve(label, x, np.asarray(timeline), int(peak), peak_x, colour, dash, reserved)
+
+
+def curve_x(op_costs: np.ndarray, x_mode: str = "time") -> np.ndarray:
+    """Each op's x on a memory chart (:func:`curve`'s ``x_mode``) from the compute time each op adds."""
+    if x_mode == "time":
+        return np.cumsum(op_costs) * 1e3
+    x = np.arange(1, len(op_costs) + 1, dtype=float)
+    return x / max(1, len(op_costs)) if x_mode == "share" else x
 
 
 def _steps(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -188,16 +194,18 @@ def _only(kind: str) -> list[dict]:
     return [{"filter": f"datum.kind === '{kind}'"}]
 
 
-def _points(x: np.ndarray, mib: np.ndarray, label: str) -> pd.DataFrame:
-    return pd.DataFrame({"x": np.asarray(x, dtype=float), "mib": np.asarray(mib, dtype=float), "schedule": label})
+def _points(x: np.ndarray, mib: np.ndarray) -> pd.DataFrame:
+    return pd.DataFrame({"x": np.asarray(x, dtype=np.float32), "mib": np.asarray(mib, dtype=np.float32)})
 
 
-def _dataset(parts: list[pd.DataFrame]) -> pd.DataFrame:
-    """One dataset of the chart from its curves' parts, compact on the wire (every drag sends it to each
-    browser): no index column, 32-bit floats, the schedule's name as a category (about a quarter of
-    the bytes)."""
-    frame = pd.concat(parts, ignore_index=True) if parts else _points([], [], "")
-    return frame.astype({"x": "float32", "mib": "float32", "schedule": "category"})
+def _dataset(parts: list[tuple[str, pd.DataFrame]]) -> pd.DataFrame:
+    """One dataset of the chart from its curves' (label, points), compact on the wire (every drag sends it
+    to each browser): no index column, 32-bit floats, the schedule's name as a category (about a quarter of
+    the bytes), made from its codes (converting a column of names took most of the chart's time)."""
+    names = list(dict.fromkeys(label for label, _ in parts))
+    codes = [np.full(len(points), names.index(label)) for label, points in parts]
+    frame = pd.concat([points for _, points in parts], ignore_index=True) if parts else _points([], [])
+    return frame.assign(schedule=pd.Categorical.from_codes(np.concatenate(codes) if codes else [], names))
 
 
 def _event_marks(events: Sequence[tuple[float, str, str]], top: int, curves: Sequence[Curve]) -> pd.DataFrame:
@@ -221,7 +229,8 @@ X_UNITS = {"time": "ms", "ops": "op", "share": "share"}
 def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int | None = None,
                  x_mode: str = "time", height: int = 440, cursor: float | None = None,
                  x_domain: tuple[float, float] | None = None,
-                 events: Sequence[tuple[float, str, str]] = (), budget_label: str = "budget") -> dict:
+                 events: Sequence[tuple[float, str, str]] = (), budget_label: str = "budget",
+                 reference: Curve | None = None) -> dict:
     """Memory over time of each curve (its colour, dash and a few markers of its method's symbol), the
     budget line and each curve's peak, as a Vega-Lite spec for ``st.vega_lite_chart``.
 
@@ -238,16 +247,22 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     words on hover; labels that would overlap their left neighbour are left out (the rule stays). A reserved line
     (allocator model) is labelled at its peak: a dotted line never stands without a name.
     ``budget_label`` names the budget line ("reserved-bytes bound" for a plan that bounds the
-    allocator's reserved bytes: ``compute.Bound.label``)."""
+    allocator's reserved bytes: ``compute.Bound.label``). ``reference``, a curve drawn after ``curves`` that
+    stays the same as the budget moves (no remat), has its line and markers in datasets of their own
+    (``reference_lines``, ``reference_marks``): their bytes do not change with the budget, and Streamlit's
+    chart in the browser keeps a dataset whose bytes it already has rather than loading it again."""
     lines, hovered, reserved, marks, peaks, reserved_peaks = [], [], [], [], [], []
+    curves = [*curves, *([reference] if reference is not None else [])]
     for c in curves:
         x, live = _steps(c.x, c.live / MIB)
-        lines.append(_points(x, live, c.label))
-        hovered.append(lines[-1].iloc[envelope(x, live, HOVER_COLUMNS)])
+        points = _points(x, live)
+        lines.append((c.label, points))
+        hovered.append((c.label, points.iloc[envelope(x, live, HOVER_COLUMNS)]))
         # a few markers along each line, the method's symbol: curves differ by more than hue
-        marks.append(lines[-1].iloc[np.unique(np.linspace(0, len(x) - 1, min(12, len(x))).round().astype(int))])
+        marked = np.unique(np.linspace(0, len(x) - 1, min(12, len(x))).round().astype(int))
+        marks.append((c.label, points.iloc[marked]))
         if c.reserved is not None:
-            reserved.append(_points(*_steps(c.x, np.asarray(c.reserved) / MIB), c.label))
+            reserved.append((c.label, _points(*_steps(c.x, np.asarray(c.reserved) / MIB))))
             at = int(np.argmax(c.reserved))
             reserved_peaks.append({"x": float(c.x[at]), "mib": float(c.reserved[at]) / MIB, "schedule": c.label,
                                    "text": f"{c.label} reserved {format_bytes(int(c.reserved[at]))}"})
@@ -259,6 +274,7 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
               if value is not None]
     levels.append({"mib": 1.15 * top / MIB, "kind": "top", "text": ""})
 
+    moving = len(curves) - (reference is not None)  # the curves before the reference
     labels = [c.label for c in curves]
     x = {"field": "x", "type": "quantitative", "title": X_TITLES[x_mode]}
     y = {"field": "mib", "type": "quantitative", "title": "memory (MiB)"}
@@ -272,11 +288,17 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
     # a condition, not a scale: a scale would be a third legend to merge with the colour's
     dash = {"condition": [{"test": f"datum.schedule === {json.dumps(c.label)}", "value": DASHES[c.dash]}
                           for c in curves if c.dash in DASHES], "value": [1, 0]}
+    line = {"encoding": {"x": x, "y": y, "color": colour, "strokeDash": dash},
+            "mark": {"type": "line", "interpolate": "step-after", "strokeWidth": 2}}
+    markers = {"encoding": {"x": x, "y": y, "color": colour, "shape": shape},
+               "mark": {"type": "point", "filled": True, "size": 60, "opacity": 1}}
     spec = {
         "height": height,
         "usermeta": {"embedOptions": {"renderer": "hybrid"}},
         "config": FINITE_DATA,
-        "datasets": {"lines": _dataset(lines), "hover": _dataset(hovered), "reserved": _dataset(reserved), "marks": _dataset(marks),
+        "datasets": {"lines": _dataset(lines[:moving]), "reference_lines": _dataset(lines[moving:]),
+                     "hover": _dataset(hovered), "reserved": _dataset(reserved),
+                     "marks": _dataset(marks[:moving]), "reference_marks": _dataset(marks[moving:]),
                      "peaks": pd.DataFrame(peaks, columns=["x", "mib", "schedule", "text"]), "levels": pd.DataFrame(levels),
                      "reserved_peaks": pd.DataFrame(reserved_peaks, columns=["x", "mib", "schedule", "text"]),
                      "events": _event_marks(events, top, curves)},
@@ -290,11 +312,11 @@ def memory_chart(curves: Sequence[Curve], budget: int | None, lower_bound: int |
              "mark": {"type": "rule", "color": RECOMPUTE, "strokeWidth": 1, "opacity": 0.5, "strokeDash": [3, 3]}},
             {"data": {"name": "events"}, "encoding": {"x": x, "y": y, "text": {"field": "mark"}, "tooltip": {"field": "text"}},
              "mark": {"type": "text", "color": RECOMPUTE, "fontSize": 12, "fontWeight": 600, "baseline": "bottom"}},
-            {"data": {"name": "lines"}, "encoding": {"x": x, "y": y, "color": colour, "strokeDash": dash},
-             "mark": {"type": "line", "interpolate": "step-after", "strokeWidth": 2},
+            {**line, "data": {"name": "reference_lines"}},
+            {**line, "data": {"name": "lines"},
              "params": [{"name": "zoom", "select": {"type": "interval", "encodings": ["x"]}, "bind": "scales"}]},
-            {"data": {"name": "marks"}, "encoding": {"x": x, "y": y, "color": colour, "shape": shape},
-             "mark": {"type": "point", "filled": True, "size": 60, "opacity": 1}},
+            {**markers, "data": {"name": "reference_marks"}},
+            {**markers, "data": {"name": "marks"}},
             # the point of a line nearest the pointer, with its value
             {"data": {"name": "hover"}, "mark": {"type": "point", "filled": True, "size": 70},
              "params": [{"name": "hover", "select": {"type": "point", "on": "pointerover", "nearest": True,

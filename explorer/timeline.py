@@ -310,24 +310,34 @@ FIXED = "fixed (parameters, gradients, batch)"
 
 
 def bar_frame(b: Bars, x: np.ndarray, step: int, fixed_mem: int) -> "pd.DataFrame":
-    """The bars as the chart's rows: x from the compute's position on the memory curve's x axis
-    (``x[i]`` after op i) to the free's, y in MiB above ``fixed_mem`` (drawn as its own band), whether each
-    is alive after op ``step``, and what its tooltip says (:func:`bar_tip`). Compact on the wire: 32-bit floats,
-    the group's name a category."""
+    """The bars as the chart's rows (:func:`bar_rows`), with whether each is alive after op ``step``."""
+    return with_alive(bar_rows(b, x, fixed_mem), b, step)
+
+
+def bar_rows(b: Bars, x: np.ndarray, fixed_mem: int) -> "pd.DataFrame":
+    """The bars as the chart's rows but for the step: x from the compute's position on the memory curve's x
+    axis (``x[i]`` after op i) to the free's, y in MiB above ``fixed_mem`` (drawn as its own band, the first
+    row), and what its tooltip says (:func:`bar_tip`). Compact on the wire: 32-bit floats, the group's name a
+    category."""
     import pandas as pd
 
     ends = np.append(np.asarray(x, dtype=float), float(x[-1]) if len(x) else 0.0)
-    rows = pd.DataFrame({
-        "x": ends[b.start], "x2": ends[np.minimum(b.end, len(x))],
-        "y": (fixed_mem + b.offset) / MIB, "y2": (fixed_mem + b.offset + b.bytes) / MIB,
-        "group": list(b.group), "tip": [bar_tip(*bar) for bar in zip(b.label, b.op, b.module, b.bytes, b.start, b.end,
-                                                                      b.recomputed)],
-        "recomputed": b.recomputed, "alive": alive_at(b, step)})
-    fixed = pd.DataFrame([{"x": 0.0, "x2": float(ends[-1]), "y": 0.0, "y2": fixed_mem / MIB, "group": FIXED,
-                           "tip": f"{FIXED} · {format_bytes(fixed_mem)} · the whole step", "recomputed": False,
-                           "alive": True}])
-    return pd.concat([fixed, rows], ignore_index=True).astype({"x": "float32", "x2": "float32", "y": "float32",
-                                                                "y2": "float32", "group": "category"})
+    groups = list(dict.fromkeys((FIXED, *b.group)))
+    code = {g: i for i, g in enumerate(groups)}
+    return pd.DataFrame({
+        "x": np.r_[0.0, ends[b.start]].astype(np.float32),
+        "x2": np.r_[ends[-1], ends[np.minimum(b.end, len(x))]].astype(np.float32),
+        "y": np.r_[0.0, (fixed_mem + b.offset) / MIB].astype(np.float32),
+        "y2": np.r_[fixed_mem / MIB, (fixed_mem + b.offset + b.bytes) / MIB].astype(np.float32),
+        "group": pd.Categorical.from_codes([0] + [code[g] for g in b.group], groups),
+        "tip": [f"{FIXED} · {format_bytes(fixed_mem)} · the whole step",
+                *(bar_tip(*bar) for bar in zip(b.label, b.op, b.module, b.bytes, b.start, b.end, b.recomputed))],
+        "recomputed": np.r_[False, b.recomputed]})
+
+
+def with_alive(rows: "pd.DataFrame", b: Bars, step: int) -> "pd.DataFrame":
+    """:func:`bar_rows` with whether each bar is alive after op ``step`` (the fixed band always is)."""
+    return rows.assign(alive=np.r_[True, alive_at(b, step)])
 
 
 def bar_tip(tensor: str, op: str, module: str, size: int, start: int, end: int, recomputed: bool) -> str:

@@ -128,7 +128,7 @@ PLAY_SECONDS = 0.4
 def lifetimes(outcome: compute.Outcome, chosen: plots.Curve, step: int, x_domain: tuple[float, float]) -> None:
     """The tensor lifetimes of the chosen schedule under the memory curve, on the same x axis."""
     modules, b = bars_of(outcome)
-    frame = timeline.bar_frame(b, chosen.x, step, g.fixed_mem)
+    frame = timeline.with_alive(compute.lifetime_rows(g, outcome, x_mode), b, step)
     x_title = "elapsed compute time (ms)" if x_mode == "time" else "schedule step (op)"
     groups = list(dict.fromkeys(modules.kind))  # of the graph, in its order, not the schedule's: the spec stays the same
     st.vega_lite_chart(spec=timeline.timeline_chart(frame, groups, chosen.x[step], x_domain, x_title),
@@ -271,12 +271,12 @@ def memory_over_time() -> None:
             errors.append((method, out.error))
             continue
         alloc = allocation(out)
-        curves.append(plots.curve(method, out.sim.timeline, compute.op_costs(g, out.schedule), out.sim.peak,
+        curves.append(plots.curve(method, out.sim.timeline, compute.step_costs(g, out), out.sim.peak,
                                   out.sim.peak_op, plots.method_colour(method, i), x_mode,
                                   reserved=None if alloc is None else np.asarray(alloc.reserved)))
         if out.sim.offloaded_bytes:  # rule 9: the pinned host bytes, a line of their own
             host = out.sim.host_timeline
-            curves.append(plots.curve(f"{method}: on host", host, compute.op_costs(g, out.schedule), out.sim.host_peak,
+            curves.append(plots.curve(f"{method}: on host", host, compute.step_costs(g, out), out.sim.host_peak,
                                       int(np.argmax(host)), plots.method_colour(method, i), x_mode, dash="dot"))
         row = {"schedule": method, "peak": format_bytes(out.sim.peak),
                "peak % of no remat": f"{100 * out.sim.peak / base.peak:.1f}",
@@ -288,12 +288,13 @@ def memory_over_time() -> None:
         if bounded:
             row["live budget met"] = format_bytes(out.bound.live_budget)
         rows.append(row)
+    reference = None
     if not any(r["schedule"] == "none" for r in rows):  # no remat is the reference line
         none = compute.solve(g, None, "none", (), bounded)  # replayed as the plans are (compute.replay)
         alloc = allocation(none)
-        curves.append(plots.curve("no remat", base.timeline, compute.op_costs(g, none.schedule), base.peak, base.peak_op,
-                                  plots.method_colour("none"), x_mode, dash="dash",
-                                  reserved=None if alloc is None else np.asarray(alloc.reserved)))
+        reference = plots.curve("no remat", base.timeline, compute.step_costs(g, none), base.peak, base.peak_op,
+                                plots.method_colour("none"), x_mode, dash="dash",
+                                reserved=None if alloc is None else np.asarray(alloc.reserved))
         row = {"schedule": "no remat", "peak": format_bytes(base.peak), "peak % of no remat": "100.0",
                "overhead %": "0.00", "ops": len(none.schedule.ops), "recomputed ops": 0}
         if alloc is not None:
@@ -310,7 +311,8 @@ def memory_over_time() -> None:
     if chosen.ok:
         state.events_table(chosen, key="memory_events")
         step = state.step(chosen)  # a click on an event moved it
-    x_domain = (0.0, max(float(c.x[-1]) for c in curves if len(c.x))) if curves else None
+    drawn = [*curves, *([reference] if reference is not None else [])]
+    x_domain = (0.0, max(float(c.x[-1]) for c in drawn if len(c.x))) if drawn else None
     on_chosen = step is not None and bool(curves) and curves[0].label == s.method
     cursor = float(curves[0].x[step]) if on_chosen else None
     # one mark per block's run of rebuilds (a 32-layer model: 33 marks, not 113), numbered as the events
@@ -324,7 +326,7 @@ def memory_over_time() -> None:
         # keyed, and the budget only in its datasets: each drag updates the chart's data in place (plots.memory_chart)
         st.vega_lite_chart(spec=plots.memory_chart(curves, s.budget, g.peak_lower_bound, x_mode,
                                                    cursor=cursor, x_domain=x_domain if cursor is not None else None,
-                                                   events=marks, budget_label=chosen.bound.label),
+                                                   events=marks, budget_label=chosen.bound.label, reference=reference),
                            width="stretch", key="memory_plot")
         if bounded:
             st.caption(reserved_bound_caption(chosen))

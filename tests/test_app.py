@@ -265,7 +265,7 @@ def test_memory_page_overlays_ticked_methods_with_no_remat(fake_method):
     at.sidebar.slider(key="budget_pct").set_value(90).run()
     goto(at, "memory")
     spec, data = memory_chart(at)
-    assert set(data["lines"].schedule) == {"fake", "no remat"}
+    assert set(data["lines"].schedule) == {"fake"} and set(data["reference_lines"].schedule) == {"no remat"}
     assert data["reserved"].empty  # off by default: these plans are solved for live bytes
     at.toggle(key="memory_reserved").set_value(True).run()  # live vs reserved from the allocator model, labelled
     data = memory_chart(at)[1]
@@ -277,6 +277,25 @@ def test_memory_page_overlays_ticked_methods_with_no_remat(fake_method):
     assert spec["layer"][1]["encoding"]["x"]["title"] == "elapsed compute time (ms)"
     at.radio(key="memory_x").set_value("ops").run()
     assert memory_chart(at)[0]["layer"][1]["encoding"]["x"]["title"] == "schedule step (op)"
+
+
+def test_memory_page_sends_no_remat_s_line_the_same_at_every_budget(fake_method):
+    """No remat's line and markers are datasets of their own, the same bytes at every budget: the browser
+    keeps a dataset whose bytes it already has, so a drag replaces only the plan's."""
+    at = app()
+    at.sidebar.selectbox(key="method").set_value("fake").run()
+    goto(at, "memory")
+
+    def sent() -> dict[str, bytes]:
+        return {d.name: d.data.data for d in at.get("vega_lite_chart")[0].proto.datasets}
+
+    at.sidebar.slider(key="budget_pct").set_value(100).run()
+    before = sent()
+    at.sidebar.slider(key="budget_pct").set_value(60).run()
+    after = sent()
+    assert before["lines"] != after["lines"]  # the plan recomputes at 60%, not at 100%
+    assert before["reference_lines"] == after["reference_lines"]
+    assert before["reference_marks"] == after["reference_marks"]
 
 
 def test_compare_sweeps_budgets_and_granularities_with_progress(fake_method):

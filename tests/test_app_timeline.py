@@ -50,6 +50,19 @@ def test_the_memory_page_shows_lifetimes_and_the_scrubber_moves_the_cursor():
     assert any("Tensor lifetimes of" in c.value for c in at.caption)
 
 
+def test_the_lifetimes_rows_are_built_once_per_plan_and_a_step_moves_only_which_are_alive():
+    at = goto(app(), "memory")
+    g, s = at.session_state["model"].graph, at.session_state["settings"]
+    plan = compute.solve(g, s.budget, s.method, s.options)
+    assert plan.schedule is at.session_state["cursor_of"]  # the page's plan
+    assert compute.lifetime_rows(g, plan, "time") is compute.lifetime_rows(g, plan, "time")
+    before = charts(at)["timeline"][1]["bars"]
+    at.slider(key="memory_step").set_value(3).run()
+    after = charts(at)["timeline"][1]["bars"]
+    assert not before.alive.equals(after.alive)
+    assert before.drop(columns="alive").equals(after.drop(columns="alive"))
+
+
 def test_the_why_panel_explains_each_recomputed_region():
     at = goto(app(), "memory")  # bonsai at 70% on the default GPT recomputes segments
     at.session_state["memory_why_open"] = True  # what opening the expander does
