@@ -27,10 +27,13 @@ class LiveBytes(TorchDispatchMode):
     ``live`` is the current count and ``peak`` the largest it has been; storages that existed before
     the mode (parameters, the batch) are not counted. A storage tagged as a host copy
     (:meth:`count_on_host`: an export's offloaded tensor, simulator rule 9, which on the CPU lives in the
-    same memory) is counted apart, in ``host_live`` and ``host_peak``.
+    same memory) is counted apart, in ``host_live`` and ``host_peak``. ``held`` returns the bytes of storages
+    the step holds that no op creates (FSDP2 resizes its all-gather outputs in place:
+    :func:`bonsai_core.measure_parallel.fsdp_held_bytes`); it is polled after every op and its bytes added to
+    ``live`` there for the peak.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, held: Callable[[], int] | None = None) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
@@ -38,6 +41,7 @@ class LiveBytes(TorchDispatchMode):
         self.host_peak = 0
         self._sizes: dict[int, int] = {}
         self._host: set[int] = set()
+        self._held = held
 
     def count_on_host(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage (created inside the mode) as host memory from now on."""
@@ -49,6 +53,13 @@ class LiveBytes(TorchDispatchMode):
             self.host_peak = max(self.host_peak, self.host_live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        out = self._count(func, types, args, kwargs)
+        if self._held is not None:
+            self.peak = max(self.peak, self.live + self._held())
+        return out
+
+    def _count(self, func, types, args, kwargs):  # noqa: ANN001
+        """Run ``func``, counting the storages its outputs hold that are new."""
         if any(issubclass(t, _distributed_wrappers()) for t in types):
             # a DTensor's (tensor parallel) or a pending collective's op: handed on to the subclass, whose
             # own dispatch runs the local ops through this mode, so their storages are counted
@@ -95,7 +106,7 @@ class MeasuredStep:
 
     peak: int
     fixed: int
-    loss: float
+    loss: float | None  # None on a pipeline rank without the last stage
     device: str
     host_peak: int = 0  # offloaded copies, counted apart (LiveBytes.count_on_host; not measured on CUDA)
 
@@ -130,21 +141,30 @@ def eager_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Call
     return step
 
 
-def peak_of(step: Callable[[], T], device: torch.device) -> tuple[T, int, int]:
+def peak_of(step: Callable[[], T], device: torch.device, held: Callable[[], int] | None = None) -> tuple[T, int, int]:
     """(what ``step`` returns, the most bytes it allocated at once, those of host copies) on
     ``device``: on CUDA ``torch.cuda.max_memory_allocated`` (everything allocated, what existed before
     the step included; host copies not measured), else what :class:`LiveBytes` counts of the storages
-    made inside the step."""
+    made inside the step, with ``held``'s bytes (see :class:`LiveBytes`)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         result = step()
         torch.cuda.synchronize(device)
         return result, int(torch.cuda.max_memory_allocated(device)), 0
-    tracker = LiveBytes()
+    tracker = LiveBytes(held)
     with tracker:
         result = step()
     return result, tracker.peak, tracker.host_peak
+
+
+def measured(run: Callable[[], float | None], fixed: int, device: torch.device,
+             held: Callable[[], int] | None = None) -> MeasuredStep:
+    """The step ``run`` (returning its loss) measured on ``device`` (:func:`peak_of`) above ``fixed`` bytes."""
+    loss, peak, host_peak = peak_of(run, device, held)
+    if device.type == "cuda":  # max_memory_allocated counts the fixed bytes too
+        return MeasuredStep(peak, fixed, loss, "cuda")
+    return MeasuredStep(fixed + peak, fixed, loss, str(device), host_peak)
 
 
 def measure_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Callable[[Any], torch.Tensor],
@@ -179,11 +199,7 @@ def measure_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Ca
             optimizer.step()
         return loss
 
-    device = inputs[0].device if inputs else torch.device("cpu")
-    loss, peak, host_peak = peak_of(run, device)
-    if device.type == "cuda":
-        return MeasuredStep(peak, fixed, loss, "cuda")
-    return MeasuredStep(fixed + peak, fixed, loss, str(device), host_peak)
+    return measured(run, fixed, inputs[0].device if inputs else torch.device("cpu"))
 
 
 class OpOutputs(TorchDispatchMode):

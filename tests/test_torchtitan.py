@@ -224,7 +224,7 @@ def _run_ways(rank: int, out_dir: str, store: str, results: str, mixed_precision
     from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_fsdp
 
     from bonsai_core import models
-    from bonsai_core.bench.fsdp import steady_step_peak
+    from bonsai_core.measure_parallel import steady_step_peak
     from bonsai_core.torchtitan import plan_for
     from tests.distributed import WORLD, join_group
 
@@ -259,7 +259,7 @@ def _run_ways(rank: int, out_dir: str, store: str, results: str, mixed_precision
             step = steady_step_peak(net, inputs, loss_fn, grads="none")
             grads = {name.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor()  # apply_ac's wrapper
                      for name, p in net.named_parameters()}
-            out[way] = {"peak": step["peak"], "loss": step["loss"]}
+            out[way] = {"peak": step.peak, "loss": step.loss}
             if rank == 0:
                 torch.save(grads, Path(results, f"{way}.pt"))
         if rank == 0:

@@ -12,18 +12,14 @@ import argparse
 import json
 import tempfile
 import time
-import weakref
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from bonsai_core.arguments import RESHARD_CHOICES, reshard_arg
 from bonsai_core.bench import common
 from bonsai_core.optimizer import with_grads
 from bonsai_core.schedule import no_remat_peak
-
-if TYPE_CHECKING:  # imported where used: building the command line does not load torch
-    import torch
 
 # activations set the peak (at the loss) / parameters do (in a block's backward)
 SIZES = {"gpt": dict(batch=8, seq=128, width=256, layers=4, heads=4, vocab=2048),
@@ -48,50 +44,6 @@ def fsdp_graph(model: str, options: dict, world: int, reshard: bool | str = True
             graph = trace_step(net, inputs, loss_fn, name=model).graph
     net = models.build(model, seed=0, **options)[0]
     return graph, shard_by_units(graph, net, world, reshard, mixed_precision), fsdp_units(graph, reshard)
-
-
-def _storages_outside(net: torch.nn.Module) -> tuple[list, list]:
-    """What FSDP2 holds that a live-bytes tracker following new storages does not see: the storages it
-    resizes instead of allocating (each parameter's all-gather output, which its unsharded parameter
-    views: grown before a unit runs, shrunk to 0 bytes when resharded), and the collective buffers left
-    from the previous step (the last reduce-scatter's input, the last forward all-gather's output; weak
-    references, gone when FSDP frees them). The measurement polls both at every op."""
-    import torch
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(net, FSDPModule):  # tensor or pipeline parallel alone: nothing held outside
-        return [], []
-    resized = {}
-    for m in net.modules():
-        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
-        for param in group.fsdp_params if group else ():
-            for t in param.all_gather_outputs:
-                resized[t.untyped_storage()._cdata] = t.untyped_storage()
-    comm = net._get_fsdp_state()._comm_ctx
-    held = [s.reduce_scatter_input for s in comm.reduce_scatter_states]
-    if comm.all_gather_state is not None:
-        held.append(comm.all_gather_state.all_gather_result.all_gather_output)
-    left = {t.untyped_storage()._cdata: weakref.ref(t.untyped_storage()) for t in held if isinstance(t, torch.Tensor)}
-    return list(resized.values()), list(left.values())
-
-
-def live_bytes_with(*modules: torch.nn.Module) -> Any:
-    """:class:`bonsai_core.measure.LiveBytes` plus the current size of the storages FSDP holds in ``modules`` that
-    it does not see (:func:`_storages_outside`); ``at_peak``: (live bytes, those storages' bytes, the op)."""
-    from bonsai_core.measure import LiveBytes
-
-    outside = [_storages_outside(m) for m in modules]
-    resized, left = [s for r, _ in outside for s in r], [s for _, held in outside for s in held]
-
-    class WithFsdpStorages(LiveBytes):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            outside = sum(st.nbytes() for st in resized) + sum(st().nbytes() for st in left if st() is not None)
-            if self.live + outside > self.peak:
-                self.peak, self.at_peak = self.live + outside, (self.live, outside, str(func))
-            return out
-
-    return WithFsdpStorages()
 
 
 def _gloo_rank(rank: int, world: int, folder: str, worker: Callable[..., dict], *args: Any) -> None:
@@ -127,37 +79,6 @@ def spawn_ranks(worker: Callable[..., dict], world: int, args: tuple, timeout: f
         return [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def local_tensors(module: torch.nn.Module) -> list:
-    """The module's parameters, gradients and buffers, a DTensor as this rank's shard of it."""
-    from bonsai_core.tensors import local_tensor
-
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    return [local_tensor(t) for t in (*module.parameters(), *grads, *module.buffers())]
-
-
-def steady_step_peak(net: torch.nn.Module, inputs: tuple, loss_fn, grads: str = "zeroed") -> dict:
-    """One rank's fixed bytes and peak live bytes over a steady-state step of ``net`` (already sharded by
-    ``fully_shard``): a first step (FSDP's lazy initialisation, ``.grad`` allocated, sharded; with
-    ``grads`` ``"none"`` then set to None, as ``optimizer.zero_grad()`` leaves them), then one measured
-    with :class:`bonsai_core.measure.LiveBytes` plus FSDP's storages it does not see
-    (:func:`_storages_outside`). Also the measured step's loss."""
-    import torch
-
-    from bonsai_core.tensors import storage_bytes
-
-    loss_fn(net(*inputs)).backward()
-    if grads == "none":
-        net.zero_grad(set_to_none=True)
-    loss_buffers = list(loss_fn.buffers()) if isinstance(loss_fn, torch.nn.Module) else []
-    fixed = storage_bytes([*local_tensors(net), *loss_buffers, *inputs])
-    tracker = live_bytes_with(net)
-    with tracker:
-        loss = loss_fn(net(*inputs))
-        loss.backward()
-    return {"fixed": fixed, "peak": fixed + tracker.peak, "at_peak": getattr(tracker, "at_peak", None),
-            "loss": float(loss)}
-
-
 def _worker(model: str, options: dict, world: int, units: list, budget: str | None, reshard: bool | str,
             mixed_precision: str | None, grads: str) -> dict:
     import torch
@@ -166,6 +87,7 @@ def _worker(model: str, options: dict, world: int, units: list, budget: str | No
     import bonsai_core as bonsai
     from bonsai_core import models
     from bonsai_core.fsdp import MIXED_PRECISION
+    from bonsai_core.measure_parallel import steady_step_peak
 
     net, inputs, loss_fn = models.build(model, seed=0, **options)
     if budget:
@@ -177,7 +99,8 @@ def _worker(model: str, options: dict, world: int, units: list, budget: str | No
         modules = [net.get_submodule(p) for p in paths]
         fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=flag, mp_policy=policy)
     fully_shard(net, mp_policy=policy)
-    return steady_step_peak(net, inputs, loss_fn, grads)
+    step = steady_step_peak(net, inputs, loss_fn, grads)
+    return {"fixed": step.fixed, "peak": step.peak, "loss": step.loss}
 
 
 def measure(model: str, options: dict, world: int, units: list, budget: str | None, reshard: bool | str = True,

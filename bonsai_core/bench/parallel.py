@@ -107,19 +107,18 @@ def sharded(net: Any, layout: Any, dims: Any) -> None:
 
 
 def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims: Any, made: Any = None) -> dict:
-    """One pipeline rank's fixed bytes and peak over a steady-state step, as torchtitan runs it: its stages split
-    off by ``pipeline_module_split`` (each with ``made``, a plan for the rank, applied where it has the paths,
-    then tensor parallel and FSDP as :func:`sharded`), torch's schedule (``scale_grads=False``) stepping the local
-    batch in ``layout.microbatches`` microbatches: a first step (receive buffers, gradients allocated), then one
-    measured under :class:`bonsai_core.measure.LiveBytes` plus FSDP's resized storages; and each parameter's
-    gradient after it (:func:`gradient_norms`)."""
+    """One pipeline rank's fixed bytes, peak and loss over a steady-state step, as torchtitan runs it
+    (:func:`bonsai_core.measure_parallel.pipeline_step_peak`): its stages split off by ``pipeline_module_split``
+    (each with ``made``, a plan for the rank, applied where it has the paths, then tensor parallel and FSDP as
+    :func:`sharded`), torch's schedule (``scale_grads=False``) stepping the local batch in ``layout.microbatches``
+    microbatches; and each parameter's gradient after it (:func:`gradient_norms`)."""
     import torch
     from torch.distributed.pipelining.schedules import get_schedule_class
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed.pipeline_parallel import pipeline_module_split
 
+    from bonsai_core import measure_parallel
     from bonsai_core.pipeline import TORCH_SCHEDULE, stage_modules
-    from bonsai_core.tensors import storage_bytes
 
     names = stage_modules(layout, net.model_args.n_layers)
     stages, parts = pipeline_module_split(net, dims.get_mesh("pp"), TORCH_SCHEDULE[layout.pp_schedule],
@@ -130,32 +129,12 @@ def pipeline_step_peak(net: Any, inputs: tuple, loss_fn: Any, layout: Any, dims:
         parallelize(part, layout, dims)
         sharded(part, layout, dims)
     schedule_class = get_schedule_class(TORCH_SCHEDULE[layout.pp_schedule])
-    labels = loss_fn.labels
     schedule = schedule_class(stages if len(stages) > 1 else stages[0], n_microbatches=layout.microbatches,
                               loss_fn=lambda pred, target: cross_entropy_loss(pred, target) / target.numel(),
                               scale_grads=False)
-    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-
-    losses: list = []
-
-    def step() -> None:
-        losses.clear()
-        args = (inputs[0],) if first else ()
-        schedule.step(*args, target=labels if last else None, losses=losses if last else None, return_outputs=False)
-
     with step_context(net, layout):
-        step()
-        tensors = [t for part in parts for t in fsdp.local_tensors(part)]
-        for stage in stages:  # the receive buffers, one per microbatch, kept across steps
-            for infos in (*stage.args_recv_info.values(), *getattr(stage, "grad_recv_info", {}).values()):
-                tensors += [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
-        fixed = storage_bytes([*tensors, *inputs, labels])
-        tracker = fsdp.live_bytes_with(*parts)
-        with tracker:
-            step()
-    # the loss is the last stage's (the microbatches' losses added up); no other stage has one
-    return {"fixed": fixed, "peak": fixed + tracker.peak, "loss": float(sum(losses)) if last else None,
-            "grads": gradient_norms(parts)}
+        step = measure_parallel.pipeline_step_peak(schedule, stages, parts, inputs, loss_fn.labels)
+    return {"fixed": step.fixed, "peak": step.peak, "loss": step.loss, "grads": gradient_norms(parts)}
 
 
 def gradient_norms(parts: list) -> dict[str, float]:
@@ -168,6 +147,7 @@ def gradient_norms(parts: list) -> dict[str, float]:
 
 def _worker(model: str, options: dict, layout: dict, budget: str | None, saves: dict | None) -> dict:
     from bonsai_core import models
+    from bonsai_core.measure_parallel import steady_step_peak
 
     net, inputs, loss_fn = models.build(model, seed=0, **options)
     spec = with_batch(Layout(**layout), *inputs[0].shape[:2])
@@ -191,8 +171,8 @@ def _worker(model: str, options: dict, layout: dict, budget: str | None, saves: 
         if spec.cp > 1:
             inputs = cp_inputs(net, inputs, loss_fn, dims)
         with step_context(net, spec):
-            out.update(fsdp.steady_step_peak(net, inputs, loss_fn))
-    out.pop("at_peak", None)
+            step = steady_step_peak(net, inputs, loss_fn)
+        out.update(fixed=step.fixed, peak=step.peak, loss=step.loss)
     return out
 
 
