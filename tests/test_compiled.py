@@ -255,10 +255,11 @@ def test_the_same_plan_compiled_is_the_one_calls_compiled_step(monkeypatch) -> N
     from bonsai_core.schedule import Schedule
     from bonsai_core.training import compiled_plan
 
-    # two of the plan budget search's compiled traces (a plan laid out, then the next budget's): whichever plan
-    # the call keeps is the one compiled_plan must lay out again; the search's whole length (its seven traces
-    # here) runs in the slow stage, test_the_one_calls_plan_under_compile_keeps_its_budget_as_measured
-    monkeypatch.setattr(training, "COMPILED_TRIES", 2)
+    # one compiled trace per plan budget search (the call searches with the pointwise saves and without): whichever
+    # plan the call keeps is the one compiled_plan must lay out again; the searches' whole length runs in the slow
+    # stage, test_the_one_calls_plan_under_compile_keeps_its_budget_as_measured; the secant's next budget is
+    # test_the_compiled_search_steps_by_the_secant_of_what_it_traced's
+    monkeypatch.setattr(training, "COMPILED_TRIES", 1)
     model, inputs, loss_fn = models.build("gpt", layers=1)
     made = bonsai.plan(model, inputs, loss_fn, budget="70%", compile=True, cache=False, device="cpu")
     graph, save = compiled_plan("gpt", made.graph, made.schedule, "model", layers=1, kernels="cpu")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -16,6 +17,12 @@ from bonsai_core.optimizer import OPTIMIZERS, init_state, make, with_grads, with
 from bonsai_core.schedule import none_schedule, simulate
 from bonsai_core.trace import trace_model
 from tests.marks import sweep
+
+
+@functools.cache
+def traced(name: str, **options) -> Graph:
+    """``name``'s step traced once for the module's tests (which read it and never change it)."""
+    return trace_model(name, **options).graph
 
 
 def _trainable_bytes(model: nn.Module) -> int:
@@ -59,7 +66,7 @@ def test_initialised_state_leaves_the_first_step_unchanged():
 
 @pytest.fixture(scope="module")
 def gpt_with_adamw():
-    g = trace_model("gpt", layers=1, batch=1, seq=16).graph
+    g = traced("gpt", layers=1, batch=1, seq=16)
     return g, with_optimizer(g, "adamw")
 
 
@@ -96,7 +103,7 @@ def test_a_budget_below_the_optimizer_step_is_refused_by_name(gpt_with_adamw):
 def test_the_optimizer_steps_bytes_match_a_real_step(name, options):
     # what the optimizer adds to the peak, predicted and measured: its state under the activations'
     # peak (gpt), or its step setting the peak (1 layer, batch 1)
-    g = trace_model(name, **options).graph
+    g = traced(name, **options)
     ga = with_optimizer(g, "adamw")
     predicted = simulate(ga, none_schedule(ga)).peak - simulate(g, none_schedule(g)).peak
     without = measure_step(*models.build(name, **options)) if name != "gpt" else None
@@ -185,7 +192,7 @@ def test_gradients_set_to_none_are_predicted_as_the_steady_step_measures(name, o
     """A steady step whose gradients were set to None: its backward pass makes them (eager keeps each as
     ``.grad`` from its AccumulateGrad) and holds them through the optimizer step; predicted to the byte,
     lower than with zeroed buffers by up to the gradients' bytes."""
-    zeroed = with_optimizer(trace_model(name, **options).graph, optimizer)
+    zeroed = with_optimizer(traced(name, **options), optimizer)
     g = with_grads(zeroed, "none")
     grads = sum(t[1] for t in zeroed.fixed_tensors if t[2] == "grad")
     assert g.grads_set_to_none == grads and g.fixed_mem == zeroed.fixed_mem - grads
