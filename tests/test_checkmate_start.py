@@ -106,9 +106,9 @@ def test_the_backend_takes_the_start_as_its_incumbent(backend):
     milp = checkmate.checkmate_milp(m, m.budget_units(budget, g.fixed_mem))
     run = sparse_milp._solve_on_highs if backend == "highs" else sparse_milp._solve_on_scip
     start = np.concatenate((x, u))
-    _, values, objective, _ = run(milp, start, 1e-6, 1e-4)
+    _, values, objective, _ = run(milp, start, 1e-6, 1e-4, 0.0)
     assert objective == pytest.approx(float(milp.cost @ start)) and values is not None
-    assert run(milp, None, 1e-6, 1e-4)[1] is None
+    assert run(milp, None, 1e-6, 1e-4, 0.0)[1] is None
 
 
 def test_the_warm_started_result_fits_and_is_no_worse_than_its_start():
@@ -127,7 +127,7 @@ def _backend_ends_with(monkeypatch, incumbent_above_start, bound):
     """Make HiGHS end at once with no incumbent (None) or one ``incumbent_above_start`` above the start's
     objective, proving ``bound`` (with no incumbent for a MILP without a start: bonsai's op-level plans,
     asked for a start, fall back on checkpoint regions)."""
-    def fake(milp, start, time_limit, gap):
+    def fake(milp, start, time_limit, gap, abs_gap):
         if incumbent_above_start is None or start is None:
             return "Time limit reached", None, None, bound
         return "Time limit reached", start, float(milp.cost @ start) + incumbent_above_start, bound
