@@ -211,7 +211,9 @@ def test_the_8b_section_judges_the_sweep_the_drags_after_it_and_what_fits():
     r = results()
     r["titan"] = titan()
     text = titan_said(r)
-    assert "| the slider swept in the background | 96 of 96 positions in 290 s, over the 60 s target by 230.00 s |" in text
+    assert ("| the slider swept in the background | 96 of 96 positions in 290 s, over the 60 s target by 230.00 s; "
+            'the charts beside the plans (allocator replays, bonsai\'s reach) prepared by a child process at the '
+            'lowest priority, the sidebar\'s "done" 260 s after the drag above |') in text
     assert ("| drags after the sweep | 90% 0.40 s, 75% 0.60 s, 95% 1.40 s: median 0.60 s, the slowest 1.40 s, over "
             "the 1 s target by 0.40 s |") in text
     assert "| a drag to 45% while the sweep runs (Swept 7 of 96 budgets in 30 s) | 1.20 s, the nearest solved plan" in text
