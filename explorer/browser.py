@@ -95,20 +95,22 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(solve_ahead: bool = False) -> Iterator[str]:
+def serve(solve_ahead: bool = False, cache: Path | None = None) -> Iterator[str]:
     """``streamlit run explorer/app.py`` (the README's command), headless on a free port, its URL; stopped
     on exit. Without ``solve_ahead`` the server solves only what a session asks for
     (``BONSAI_SOLVE_AHEAD=0``, as in the whole test run), so a drag measures a fresh solve. Each server
-    keeps its plans in a folder of its own (``BONSAI_EXPLORER_CACHE``), so none is read from an earlier one."""
+    keeps its plans in a folder of its own (``BONSAI_EXPLORER_CACHE``), so none is read from an earlier one,
+    unless ``cache`` names the folder (its plans read and kept there)."""
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")  # not a pipe: a full pipe would stall the server
-    kept = tempfile.TemporaryDirectory(prefix="bonsai-explorer-served-")
+    kept = None if cache is not None else tempfile.TemporaryDirectory(prefix="bonsai-explorer-served-")
+    folder = str(cache) if kept is None else kept.name
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "explorer/app.py", "--server.headless", "true",
          "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
          "--server.fileWatcherType", "none"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
-        env=os.environ | {"BONSAI_SOLVE_AHEAD": "1" if solve_ahead else "0", "BONSAI_EXPLORER_CACHE": kept.name})
+        env=os.environ | {"BONSAI_SOLVE_AHEAD": "1" if solve_ahead else "0", "BONSAI_EXPLORER_CACHE": folder})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_listening(proc, port, log)
@@ -122,7 +124,8 @@ def serve(solve_ahead: bool = False) -> Iterator[str]:
             proc.kill()
             proc.wait()
         log.close()
-        kept.cleanup()
+        if kept is not None:
+            kept.cleanup()
 
 
 def wait_listening(proc: subprocess.Popen, port: int, log: Any, timeout: float = 60.0) -> None:

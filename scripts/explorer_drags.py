@@ -18,15 +18,13 @@ cProfile, whose statistics it writes to OUT, printing each rerun's seconds and t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import os
 import pstats
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Iterator
-from unittest import mock
+from typing import Any
 
 from bonsai_core.graph import load_graph
 from bonsai_core.schedule import no_remat_peak
@@ -87,20 +85,6 @@ def js_profile_top(profile: dict, count: int = 25) -> list[tuple[float, str]]:
     return sorted(((ms, where) for where, ms in self_ms.items()), reverse=True)[:count]
 
 
-@contextlib.contextmanager
-def serve_kept(solve_ahead: bool, cache: Path) -> Iterator[str]:
-    """:func:`explorer.browser.serve` with the plans kept in ``cache`` (it gives each server an empty folder)."""
-    class Kept:
-        name = str(cache)
-
-        def cleanup(self) -> None:  # the swept plans stay
-            pass
-
-    with mock.patch.object(browser.tempfile, "TemporaryDirectory", lambda prefix: Kept()):
-        with browser.serve(solve_ahead) as url:
-            yield url
-
-
 def drags_in_chromium(path: Path, drags: int, cache: Path, sweep: bool, js_profile: bool) -> None:
     """``drags`` drags on the Memory page after the sweep (``sweep``), or each position visited once before
     (solving ahead off: every plan read from the disk as the page asks for it); ``js_profile``: the page's
@@ -110,7 +94,7 @@ def drags_in_chromium(path: Path, drags: int, cache: Path, sweep: bool, js_profi
     graph = load_graph(path)
     reference = no_remat_peak(graph)
     fractions = (browser.DRAG_FRACTIONS * drags)[:drags]
-    with serve_kept(sweep, cache) as url, sync_playwright() as p:
+    with browser.serve(sweep, cache) as url, sync_playwright() as p:
         chromium = p.chromium.launch(executable_path=browser.CHROMIUM, args=browser.BROWSER_ARGS)
         context, page = browser.open_page(chromium, width=1440, height=1800)
         frames = websocket_log(page)
