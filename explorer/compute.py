@@ -459,6 +459,8 @@ def out_of_time(out: Outcome) -> str | None:
     """Why a plan may be worse than the method's best at its budget because its solve ran out of time, in
     words (None when it did not): status ``time_limit`` (the search ended with its fallback plan, the
     model's build perhaps eating the time) or a MIP stopped above the gap asked for."""
+    from bonsai_core.solvers.bonsai import Gaps  # the registry imports the solvers lazily
+
     if not out.ok:
         return None
     stats = out.schedule.stats
@@ -474,7 +476,7 @@ def out_of_time(out: Outcome) -> str | None:
                 + (f"this is its fallback, {plan}" if plan else "this is the best it had") + ": the plan may be much "
                 "worse than the method's best at this budget. Raise the time limit, or take a smaller granularity.")
     if status == "feasible" and isinstance(gap, (int, float)) and gap > asked + 1e-9 \
-            and not within_abs_gap(stats, asked_abs):
+            and not Gaps(0.0, asked_abs).met_by(stats):
         return (f"The solve stopped at its time limit{f' ({limit:g} s)' if limit else ''} with a gap of {100 * gap:.1f}% "
                 f"to its bound (asked: {100 * asked:g}%): a plan up to that much cheaper may exist at this budget. "
                 "Raise the time limit for a better one.")
@@ -488,13 +490,6 @@ def gaps_asked(out: Outcome) -> tuple[float, float]:
     settings = {"gap": 1e-4, "abs_gap": 0.0, **{o.name: o.default for o in declared},
                 **dict(with_defaults(out.method, out.options))}
     return float(settings["gap"]), float(settings["abs_gap"])
-
-
-def within_abs_gap(stats: dict, abs_gap: float) -> bool:
-    """Whether a MIP plan's stats prove it within ``abs_gap`` of its bound (objective units)."""
-    gap, objective = stats.get("gap"), stats.get("objective")
-    known = isinstance(gap, (int, float)) and isinstance(objective, (int, float))
-    return known and gap * abs(objective) <= abs_gap + 1e-12
 
 
 def gap_words(out: Outcome) -> str | None:

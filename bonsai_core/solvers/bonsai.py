@@ -100,6 +100,15 @@ class Gaps(NamedTuple):
     def proven(self, incumbent: float, bound: float) -> bool:
         return proven_within(incumbent, bound, self.relative, self.absolute)
 
+    def met_by(self, stats: dict[str, Any]) -> bool:
+        """Whether a solved plan's stats (its ``gap`` to the bound, relative, and its ``objective``) prove it
+        within these gaps."""
+        gap, objective = stats.get("gap"), stats.get("objective")
+        if not isinstance(gap, (int, float)):
+            return False
+        return gap <= self.relative or (isinstance(objective, (int, float))
+                                        and gap * abs(objective) <= self.absolute + 1e-12)
+
 
 @dataclass
 class FallbackPlans:
@@ -416,9 +425,7 @@ def _reusable(schedule: Schedule, gaps: Gaps) -> bool:
     """Whether ``schedule`` (just solved) is within ``gaps`` of the model's optimum at the budget it was
     solved for: an ILP plan, found within them, the model's budget not tightened."""
     st = schedule.stats
-    if st.get("plan_source") != "ilp" or st.get("tightened_by") != 0 or st.get("gap") is None:
-        return False
-    return st["gap"] <= gaps.relative or st["gap"] * abs(st.get("objective") or 0.0) <= gaps.absolute
+    return st.get("plan_source") == "ilp" and st.get("tightened_by") == 0 and gaps.met_by(st)
 
 
 def _copy(schedule: Schedule, **stats: Any) -> Schedule:
